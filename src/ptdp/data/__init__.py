@@ -1,0 +1,1 @@
+"""Data pipeline: corpus files -> byte-level BPE tokenizer -> .bin/.idx token files -> windows -> DP-sharded batches."""
