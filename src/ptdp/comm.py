@@ -1,0 +1,130 @@
+"""The one thin layer through which every collective and point-to-point transfer goes, counted.
+
+Each call is recorded in the :class:`CommStats` of its :class:`AxisGroup` as (axis, op, tag) ->
+calls, elements, bytes, so tests and reports can read exactly what a step communicated. A call on
+an axis of size 1 is a no-op and is not counted (nothing crosses a wire).
+
+Axes: ``tp``, ``pp``, ``dp``, ``embedding`` (first and last pipeline stage, for the tied
+embedding), ``world``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommCount:
+    calls: int = 0
+    numel: int = 0
+    bytes: int = 0
+
+
+class CommStats:
+    """Counts of communication per (axis, op, tag); ``tag`` says which code site issued it."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str, str], CommCount] = defaultdict(CommCount)
+
+    def record(self, axis: str, op: str, tensor: torch.Tensor, tag: str) -> None:
+        c = self._counts[(axis, op, tag)]
+        c.calls += 1
+        c.numel += tensor.numel()
+        c.bytes += tensor.numel() * tensor.element_size()
+
+    def reset(self) -> None:
+        self._counts.clear()
+
+    def total(self, axis: str | None = None, op: str | None = None, tag: str | None = None) -> CommCount:
+        """Sum of the counts matching every given key (None matches anything)."""
+        out = CommCount()
+        for (a, o, t), c in self._counts.items():
+            if (axis is None or a == axis) and (op is None or o == op) and (tag is None or t == tag):
+                out.calls += c.calls
+                out.numel += c.numel
+                out.bytes += c.bytes
+        return out
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        """``{"axis/op/tag": {"calls", "numel", "bytes"}}``, for logs and JSON."""
+        return {
+            "/".join(k): {"calls": c.calls, "numel": c.numel, "bytes": c.bytes}
+            for k, c in sorted(self._counts.items())
+        }
+
+
+@dataclass(frozen=True, eq=False)
+class AxisGroup:
+    """One process group along one axis, as seen by this process.
+
+    Attributes:
+        name: the axis ("tp", "pp", "dp", "embedding", "world").
+        ranks: global ranks of the group, in group order.
+        rank: this process's index inside ``ranks``.
+        group: the torch process group (None when the group has size 1).
+        stats: where calls on this group are counted (shared by all axes of a process).
+    """
+
+    name: str
+    ranks: tuple[int, ...]
+    rank: int
+    group: dist.ProcessGroup | None
+    stats: CommStats
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @classmethod
+    def single(cls, name: str, global_rank: int = 0, stats: CommStats | None = None) -> AxisGroup:
+        """A group of one process: every call on it is a local no-op."""
+        return cls(name, (global_rank,), 0, None, stats if stats is not None else CommStats())
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce(tensor: torch.Tensor, axis: AxisGroup, *, op: str = "sum", tag: str = "") -> torch.Tensor:
+    """In-place all-reduce of ``tensor`` over ``axis`` (``op`` in sum/max/min); returns it."""
+    if axis.size == 1:
+        return tensor
+    axis.stats.record(axis.name, "all_reduce", tensor, tag)
+    dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=axis.group)
+    return tensor
+
+
+def barrier(axis: AxisGroup) -> None:
+    if axis.size > 1:
+        dist.barrier(group=axis.group)
+
+
+@dataclass(frozen=True)
+class P2P:
+    """One point-to-point transfer: ``kind`` is "send" or "recv", ``peer`` an index in the axis."""
+
+    kind: str
+    tensor: torch.Tensor
+    peer: int
+
+
+def exchange(transfers: list[P2P], axis: AxisGroup, *, tag: str = "") -> None:
+    """Post all ``transfers`` at once (``batch_isend_irecv``) and wait for every one.
+
+    Posting sends and receives together is what keeps two stages that send to each other in the
+    same step from deadlocking. Receives fill their tensors in place.
+    """
+    if not transfers:
+        return
+    ops = []
+    for t in transfers:
+        if not 0 <= t.peer < axis.size or t.peer == axis.rank:
+            raise ValueError(f"bad {t.kind} peer {t.peer} on axis {axis.name} of size {axis.size}")
+        axis.stats.record(axis.name, t.kind, t.tensor, tag)
+        fn = dist.isend if t.kind == "send" else dist.irecv
+        ops.append(dist.P2POp(fn, t.tensor, group=axis.group, group_peer=t.peer))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()

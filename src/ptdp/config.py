@@ -1,0 +1,333 @@
+"""Typed, frozen configuration for a training run, and its validation.
+
+One source of truth: the CLI (``ptdp.cli``) builds these dataclasses, :func:`resolve` checks every
+rule and fills derived values *before any process or process group exists*, and the workers receive
+the resolved object. Every rule that fails is reported at once in a single :class:`ConfigError`
+that names the values involved and the rule.
+
+Rules (sources: Narayanan et al. SC21, arXiv:2104.04473; Shoeybi et al., arXiv:1909.08053):
+
+- ``world_size == tp * pp * dp``
+- ``num_attention_heads % tp == 0`` (attention is split by heads), ``hidden_size % heads == 0``
+- ``ffn_hidden_size % tp == 0`` (the MLP's first linear is split by columns)
+- ``num_layers % pp == 0`` unless an explicit ``pipeline_layer_split`` is given, which must have
+  ``pp`` positive entries summing to ``num_layers`` (no layer is ever dropped silently)
+- ``global_batch_size % (micro_batch_size * dp) == 0``; the number of microbatches per pipeline per
+  step is ``m = global_batch_size / (micro_batch_size * dp)``
+- the vocabulary is padded to a multiple of ``make_vocab_size_divisible_by * tp``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("float32", "float64", "bfloat16")
+MIN_VOCAB_SIZE = 258  # 256 byte symbols + end-of-document token + at least one merge
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names every broken rule and the values involved."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the GPT model (pre-LayerNorm, learned positions, GELU MLP)."""
+
+    num_layers: int = 4
+    """Transformer layers in the whole model (all pipeline stages together)."""
+    hidden_size: int = 128
+    """Width h of the residual stream."""
+    num_attention_heads: int = 4
+    """Attention heads a; each has h / a channels."""
+    ffn_hidden_size: int | None = None
+    """Width of the MLP's inner layer; None means 4 * hidden_size."""
+    seq_length: int = 128
+    """Tokens per sample s (also the number of learned positions)."""
+    vocab_size: int = 4096
+    """Size of the tokenizer to train (before padding)."""
+    make_vocab_size_divisible_by: int = 128
+    """The embedding is padded to a multiple of this times tp; padded rows never affect the loss."""
+    untie_embeddings_and_output_weights: bool = False
+    """Give the output layer its own weight instead of sharing the input embedding."""
+    params_dtype: str = "float32"
+    """dtype of parameters and activations: float32, float64 or bfloat16."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal initialisation of weights."""
+    layernorm_epsilon: float = 1e-5
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Sizes of the parallel axes; 1 means the axis is not used."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    data_parallel_size: int | None = None
+    """None: inferred as world_size / (tp * pp)."""
+    pipeline_layer_split: tuple[int, ...] | None = None
+    """Explicit layers per pipeline stage (pp entries summing to num_layers); None: even split."""
+    distributed_timeout_minutes: float = 10.0
+    """Timeout of every process group; a stalled collective fails after this instead of hanging."""
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def dp(self) -> int:
+        if self.data_parallel_size is None:
+            raise ConfigError("data_parallel_size is not resolved yet; call ptdp.config.resolve")
+        return self.data_parallel_size
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Batches, optimizer (AdamW) and learning-rate schedule (linear warmup, cosine decay)."""
+
+    micro_batch_size: int = 4
+    """Samples b in one microbatch on one data-parallel rank."""
+    global_batch_size: int = 32
+    """Samples B in one optimizer step over all data-parallel ranks."""
+    train_iters: int = 300
+    lr: float = 3e-3
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    lr_warmup_iters: int = 30
+    lr_decay_iters: int | None = None
+    """Iterations of cosine decay after which lr stays at min_lr; None: train_iters."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on weight matrices (not on biases, LayerNorm or positions)."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    seed: int = 1234
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_iters: int = 4
+    """Global batches of validation data per evaluation."""
+
+    @property
+    def decay_iters(self) -> int:
+        return self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the text comes from and where its tokenized form is cached."""
+
+    data_paths: tuple[str, ...] = ()
+    """Files or folders of text/jsonl; empty: the Python standard library's .py sources."""
+    data_cache_dir: str | None = None
+    """Folder for the tokenizer and token files; None: $PTDP_CACHE_DIR or ~/.cache/ptdp."""
+    valid_fraction: float = 0.02
+    """Fraction of documents held out for validation (split by document, never inside one)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole run: model, parallel layout, training and data settings, and the output folder."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    output_dir: str | None = None
+
+    @property
+    def num_microbatches(self) -> int:
+        """m = B / (b * dp): microbatches per pipeline per optimizer step."""
+        t = self.train
+        return t.global_batch_size // (t.micro_batch_size * self.parallel.dp)
+
+    @property
+    def world_size(self) -> int:
+        p = self.parallel
+        return p.tp * p.pp * p.dp
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Config:
+        parallel = dict(d["parallel"])
+        if parallel.get("pipeline_layer_split") is not None:
+            parallel["pipeline_layer_split"] = tuple(parallel["pipeline_layer_split"])
+        data = dict(d["data"])
+        data["data_paths"] = tuple(data.get("data_paths", ()))
+        return cls(
+            model=ModelConfig(**d["model"]),
+            parallel=ParallelConfig(**parallel),
+            train=TrainConfig(**d["train"]),
+            data=DataConfig(**data),
+            output_dir=d.get("output_dir"),
+        )
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Vocabulary rounded up to a multiple of ``divisible_by * tp`` (Megatron's padding rule)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def stage_layer_counts(num_layers: int, pp: int, split: tuple[int, ...] | None) -> list[int]:
+    """Layers held by each of the pp stages; raises ConfigError if they do not add up exactly."""
+    if split is None:
+        if num_layers % pp != 0:
+            raise ConfigError(
+                f"num_layers={num_layers} is not divisible by pipeline_model_parallel_size={pp} "
+                f"(rule: num_layers % pp == 0); give an explicit --pipeline-layer-split to split "
+                f"unevenly"
+            )
+        return [num_layers // pp] * pp
+    if len(split) != pp or any(n < 1 for n in split) or sum(split) != num_layers:
+        raise ConfigError(
+            f"pipeline_layer_split={list(split)} must have pp={pp} entries, each >= 1, summing to "
+            f"num_layers={num_layers} (sum is {sum(split)})"
+        )
+    return list(split)
+
+
+def resolve(config: Config, world_size: int) -> Config:
+    """Check every rule for ``world_size`` processes and return the config with dp filled in.
+
+    Raises:
+        ConfigError: listing every broken rule with its values. Never touches torch.distributed.
+    """
+    errors: list[str] = []
+    p, m, t = config.parallel, config.model, config.train
+    errors += _positive(
+        {
+            "tensor_model_parallel_size": p.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+            "num_layers": m.num_layers,
+            "hidden_size": m.hidden_size,
+            "num_attention_heads": m.num_attention_heads,
+            "ffn_hidden_size": m.ffn,
+            "seq_length": m.seq_length,
+            "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+            "micro_batch_size": t.micro_batch_size,
+            "global_batch_size": t.global_batch_size,
+            "train_iters": t.train_iters,
+            "log_interval": t.log_interval,
+            "eval_interval": t.eval_interval,
+            "world_size": world_size,
+        }
+    )
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    dp = _resolve_dp(p, world_size, errors)
+    errors += _model_rules(m, p.tp, p.pp, p.pipeline_layer_split)
+    errors += _train_rules(t, dp)
+    if config.data.valid_fraction <= 0 or config.data.valid_fraction >= 1:
+        errors.append(f"valid_fraction={config.data.valid_fraction} must be in (0, 1)")
+    if p.distributed_timeout_minutes <= 0:
+        errors.append(
+            f"distributed_timeout_minutes={p.distributed_timeout_minutes} must be > 0"
+        )
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    return dataclasses.replace(config, parallel=dataclasses.replace(p, data_parallel_size=dp))
+
+
+def _positive(values: dict[str, int]) -> list[str]:
+    return [
+        f"{name}={value!r} must be a positive integer"
+        for name, value in values.items()
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1
+    ]
+
+
+def _resolve_dp(p: ParallelConfig, world_size: int, errors: list[str]) -> int:
+    tp, pp = p.tp, p.pp
+    if p.data_parallel_size is None:
+        if world_size % (tp * pp) != 0:
+            errors.append(
+                f"world_size={world_size} is not divisible by tp*pp={tp}*{pp}={tp * pp} "
+                f"(rule: world_size = tp * pp * dp)"
+            )
+            return 1
+        return world_size // (tp * pp)
+    dp = p.data_parallel_size
+    if not isinstance(dp, int) or dp < 1:
+        errors.append(f"data_parallel_size={dp!r} must be a positive integer")
+        return 1
+    if tp * pp * dp != world_size:
+        errors.append(
+            f"world_size={world_size} != tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} "
+            f"(rule: world_size = tp * pp * dp)"
+        )
+    return dp
+
+
+def _model_rules(m: ModelConfig, tp: int, pp: int, split: tuple[int, ...] | None) -> list[str]:
+    errors = []
+    a, h = m.num_attention_heads, m.hidden_size
+    if a % tp != 0:
+        errors.append(
+            f"num_attention_heads={a} is not divisible by tensor_model_parallel_size={tp} "
+            f"(rule: heads % tp == 0; attention is split by heads)"
+        )
+    if h % a != 0:
+        errors.append(f"hidden_size={h} is not divisible by num_attention_heads={a} (rule: h % a == 0)")
+    if m.ffn % tp != 0:
+        errors.append(
+            f"ffn_hidden_size={m.ffn} is not divisible by tensor_model_parallel_size={tp} "
+            f"(rule: ffn % tp == 0)"
+        )
+    try:
+        stage_layer_counts(m.num_layers, pp, split)
+    except ConfigError as e:
+        errors.append(str(e))
+    if m.vocab_size < MIN_VOCAB_SIZE:
+        errors.append(f"vocab_size={m.vocab_size} must be >= {MIN_VOCAB_SIZE} (256 bytes + end token + merges)")
+    if m.params_dtype not in DTYPES:
+        errors.append(f"params_dtype={m.params_dtype!r} must be one of {DTYPES}")
+    if m.init_method_std <= 0:
+        errors.append(f"init_method_std={m.init_method_std} must be > 0")
+    return errors
+
+
+def _train_rules(t: TrainConfig, dp: int) -> list[str]:
+    errors = []
+    b, big_b = t.micro_batch_size, t.global_batch_size
+    if big_b % (b * dp) != 0:
+        errors.append(
+            f"global_batch_size={big_b} is not divisible by micro_batch_size*dp = {b}*{dp} = "
+            f"{b * dp} (rule: B % (b * dp) == 0)"
+        )
+    if not t.lr > 0:
+        errors.append(f"lr={t.lr} must be > 0")
+    if not 0 <= t.min_lr <= t.lr:
+        errors.append(f"min_lr={t.min_lr} must be in [0, lr={t.lr}]")
+    if t.lr_warmup_iters < 0 or t.lr_warmup_iters > t.decay_iters:
+        errors.append(
+            f"lr_warmup_iters={t.lr_warmup_iters} must be in [0, lr_decay_iters={t.decay_iters}]"
+        )
+    if t.weight_decay < 0:
+        errors.append(f"weight_decay={t.weight_decay} must be >= 0")
+    if t.clip_grad < 0:
+        errors.append(f"clip_grad={t.clip_grad} must be >= 0 (0 disables clipping)")
+    if not (0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1) or t.adam_eps <= 0:
+        errors.append(
+            f"adam betas ({t.adam_beta1}, {t.adam_beta2}) must be in [0, 1) and adam_eps={t.adam_eps} > 0"
+        )
+    if t.eval_iters < 0:
+        errors.append(f"eval_iters={t.eval_iters} must be >= 0 (0 disables evaluation)")
+    return errors

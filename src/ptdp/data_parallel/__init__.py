@@ -1,0 +1,1 @@
+"""Data parallelism: gradient buffer, data-parallel reduction, tied-embedding sum, norm and clipping."""

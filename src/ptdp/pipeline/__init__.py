@@ -1,0 +1,1 @@
+"""Pipeline parallelism: layer partition, schedules as data, and the runtime that executes them."""

@@ -1,0 +1,128 @@
+"""One training step and one evaluation of a pipeline stage: the core loop shared by ``ptdp train``,
+the tests and the benchmarks.
+
+A step: zero the gradient buffer -> run the 1F1B schedule over the rank's ``m`` microbatches ->
+average gradients over dp and sum the tied embedding over first/last stage -> global-norm clip ->
+AdamW with the scheduled learning rate. Its loss is the mean over all ``B * s`` tokens of the global
+batch, identical for every layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ptdp.comm import all_reduce
+from ptdp.config import Config
+from ptdp.data_parallel.grads import GradBuffer, clip_grad_norm, finalize_grads
+from ptdp.groups import ParallelGroups
+from ptdp.model.gpt import DTYPES, GPTModel
+from ptdp.optim import build_optimizer, lr_at, set_lr
+from ptdp.pipeline.partition import stage_layer_ids
+from ptdp.pipeline.runtime import Microbatch, run_schedule
+from ptdp.pipeline.schedule import build_schedule
+from ptdp.tensor_parallel.sharding import initialize_parameters
+
+
+@dataclass
+class Stage:
+    """Everything one rank needs to train its shard: model, optimizer, gradients, groups."""
+
+    config: Config
+    groups: ParallelGroups
+    model: GPTModel
+    optimizer: torch.optim.Optimizer
+    grads: GradBuffer
+    device: torch.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.config.model.params_dtype]
+
+    @property
+    def hidden_shape(self) -> tuple[int, int, int]:
+        m, t = self.config.model, self.config.train
+        return (t.micro_batch_size, m.seq_length, m.hidden_size)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float
+    """Mean loss (nats per token) over the global batch."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+
+
+def build_stage(config: Config, groups: ParallelGroups, device: torch.device | str = "cpu") -> Stage:
+    """Build, initialise (layout-independently, from ``config.train.seed``) and place this rank's stage.
+
+    ``config`` must be resolved (``ptdp.config.resolve``) and ``config.model.vocab_size`` the real
+    vocabulary size.
+    """
+    m, p = config.model, config.parallel
+    layer_ids = stage_layer_ids(m.num_layers, groups.pp.size, groups.pp.rank, p.pipeline_layer_split)
+    model = GPTModel(
+        m, groups.tp, layer_ids=layer_ids, pre_process=groups.is_first_stage, post_process=groups.is_last_stage
+    )
+    initialize_parameters(
+        model, seed=config.train.seed, std=m.init_method_std, num_layers=m.num_layers,
+        tp_rank=groups.tp.rank, tp_size=groups.tp.size,
+    )
+    device = torch.device(device)
+    model.to(device)
+    grads = GradBuffer(list(model.parameters()))
+    return Stage(config, groups, model, build_optimizer(model, config.train), grads, device)
+
+
+def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int) -> StepResult:
+    """One optimizer step over this rank's ``m`` microbatches (collective over the whole world)."""
+    cfg = stage.config
+    stage.grads.zero()
+    schedule = build_schedule("1f1b", stage.groups.pp.size, len(microbatches))
+    losses = run_schedule(
+        schedule[stage.groups.pp.rank], stage.model, microbatches, pp=stage.groups.pp,
+        hidden_shape=stage.hidden_shape, dtype=stage.dtype, device=stage.device,
+    )
+    finalize_grads(stage.model, stage.grads, stage.groups)
+    norm = clip_grad_norm(stage.model, stage.grads, stage.groups, cfg.train.clip_grad)
+    lr = lr_at(iteration, cfg.train)
+    set_lr(stage.optimizer, lr)
+    stage.optimizer.step()
+    return StepResult(loss=_global_mean_loss(stage, losses, len(microbatches)), grad_norm=norm, lr=lr)
+
+
+@torch.no_grad()
+def eval_loss(stage: Stage, batches: list[list[Microbatch]]) -> float:
+    """Mean loss over ``batches`` (each this rank's microbatches of one global batch), no update."""
+    total, count = 0.0, 0
+    for microbatches in batches:
+        schedule = build_schedule("forward-only", stage.groups.pp.size, len(microbatches))
+        losses = run_schedule(
+            schedule[stage.groups.pp.rank], stage.model, microbatches, pp=stage.groups.pp,
+            hidden_shape=stage.hidden_shape, dtype=stage.dtype, device=stage.device, forward_only=True,
+        )
+        total += _global_mean_loss(stage, losses, len(microbatches))
+        count += 1
+    return total / max(count, 1)
+
+
+def _global_mean_loss(stage: Stage, losses: list[torch.Tensor], m: int) -> float:
+    """Mean of the last stages' microbatch losses over all dp replicas, known on every rank.
+
+    One world all-reduce of a single float64 (tag ``metrics``); only tp rank 0 of each last stage
+    contributes, since its tp peers hold the same value.
+    """
+    g = stage.groups
+    value = torch.zeros((), dtype=torch.float64, device=stage.device)
+    if g.is_last_stage and g.tp.rank == 0 and losses:
+        value += torch.stack(losses).to(torch.float64).sum()
+    all_reduce(value, g.world, tag="metrics")
+    return value.item() / (m * g.dp.size)
+
+
+def with_vocab(config: Config, vocab_size: int) -> Config:
+    """``config`` with the model's vocabulary set to the tokenizer's real size."""
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab_size))

@@ -1,0 +1,80 @@
+"""A tiny GPT trained a few steps at a given layout, for equivalence and communication tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.groups import ParallelGroups
+from ptdp.layout import ParallelLayout
+from ptdp.step import build_stage, train_step
+from dist_helpers import PG_TIMEOUT
+
+VOCAB = 303  # odd: tp never divides it before padding
+STEPS = 3
+
+
+def tiny_config(tp: int, pp: int, dp: int, dtype: str, **model_overrides) -> Config:
+    model = ModelConfig(
+        num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=8,
+        vocab_size=VOCAB, make_vocab_size_divisible_by=8, params_dtype=dtype,
+    )
+    model = dataclasses.replace(model, **model_overrides)
+    train = TrainConfig(
+        micro_batch_size=2, global_batch_size=8, train_iters=STEPS, lr=3e-3, min_lr=3e-4,
+        lr_warmup_iters=1, clip_grad=0.05, weight_decay=0.1,
+        # Adam divides by sqrt(v) + eps: with eps = 1e-8, float32 rounding noise in near-zero
+        # gradients (which differs between layouts by summation order) becomes updates of order
+        # 1e-5, as large as float32-vs-float64 of one layout. eps = 1e-6 keeps that noise near 2e-7
+        # so a 1e-5 tolerance tests the parallel code, not rounding. float64 keeps the default.
+        adam_eps=1e-6 if dtype == "float32" else 1e-8,
+    )
+    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp)
+    return resolve(Config(model=model, parallel=par, train=train), tp * pp * dp)
+
+
+def global_batch(step: int, cfg: Config) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (cfg.train.global_batch_size, cfg.model.seq_length + 1), generator=gen)
+
+
+def rank_microbatches(step: int, cfg: Config, dp_rank: int, dp_size: int):
+    data = global_batch(step, cfg)
+    per_rank = data.shape[0] // dp_size
+    mine = data[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    b = cfg.train.micro_batch_size
+    return [(mine[i : i + b, :-1], mine[i : i + b, 1:]) for i in range(0, per_rank, b)]
+
+
+def train_and_collect(cfg: Config, groups: ParallelGroups, record_comm_step: int | None = None) -> dict:
+    """Train STEPS steps; return losses, norms, local parameters with their specs, comm counts."""
+    stage = build_stage(cfg, groups)
+    losses, norms, comm = [], [], None
+    for step in range(STEPS):
+        mbs = rank_microbatches(step, cfg, groups.dp.rank, groups.dp.size)
+        groups.stats.reset()
+        result = train_step(stage, mbs, step)
+        if step == record_comm_step:
+            comm = groups.stats.as_dict()
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+    params = {
+        name: (p.detach().clone(), p.ptdp_spec, getattr(p, "ptdp_tied_copy", False))
+        for name, p in stage.model.named_parameters()
+    }
+    c = groups.coords
+    return {
+        "losses": losses, "norms": norms, "params": params, "comm": comm,
+        "coords": (c.tp_rank, c.dp_rank, c.pp_rank),
+        "grad_numel": stage.grads.data.numel(),
+    }
+
+
+def layout_worker(rank: int, world: int, tp: int, pp: int, dp: int, dtypes: list[str], record_comm: bool) -> dict:
+    groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp), PG_TIMEOUT)
+    out = {}
+    for dtype in dtypes:
+        out[dtype] = train_and_collect(tiny_config(tp, pp, dp, dtype), groups, 0 if record_comm else None)
+    return out
