@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -10,7 +11,7 @@ from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolv
 from ptdp.groups import ParallelGroups
 from ptdp.layout import ParallelLayout
 from ptdp.step import build_stage, train_step
-from dist_helpers import PG_TIMEOUT
+from dist_helpers import PG_TIMEOUT, run_workers
 
 VOCAB = 303  # odd: tp never divides it before padding
 STEPS = 3
@@ -72,9 +73,45 @@ def train_and_collect(cfg: Config, groups: ParallelGroups, record_comm_step: int
     }
 
 
-def layout_worker(rank: int, world: int, tp: int, pp: int, dp: int, dtypes: list[str], record_comm: bool) -> dict:
+#: Named variants of the tiny model: (dtype, model overrides, parallel overrides).
+VARIANTS = {
+    "float64": ("float64", {}, {}),
+    "float32": ("float32", {}, {}),
+    "untied": ("float64", {"untie_embeddings_and_output_weights": True}, {}),
+    "uneven": ("float64", {"num_layers": 5}, {"pipeline_layer_split": (3, 2)}),
+}
+
+
+def variant_config(name: str, tp: int, pp: int, dp: int) -> Config:
+    dtype, model, parallel = VARIANTS[name]
+    cfg = tiny_config(tp, pp, dp, dtype, **model)
+    if parallel and pp > 1:
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel))
+        cfg = resolve(cfg, tp * pp * dp)
+    return cfg
+
+
+def layout_worker(rank: int, world: int, tp: int, pp: int, dp: int, variants: list[str], record_comm: bool) -> dict:
     groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp), PG_TIMEOUT)
-    out = {}
-    for dtype in dtypes:
-        out[dtype] = train_and_collect(tiny_config(tp, pp, dp, dtype), groups, 0 if record_comm else None)
-    return out
+    return {
+        name: train_and_collect(variant_config(name, tp, pp, dp), groups, 0 if record_comm else None)
+        for name in variants
+    }
+
+
+@functools.cache
+def reference(variant: str) -> dict:
+    """The single-process run of ``variant``."""
+    return train_and_collect(variant_config(variant, 1, 1, 1), ParallelGroups.single_process())
+
+
+@functools.cache
+def parallel_run(tp: int, pp: int, dp: int) -> list[dict]:
+    """Every rank's results of the variants at this layout (one spawn per layout, cached)."""
+    variants = ["float64", "float32"]
+    if (tp, pp, dp) in EXTRA_VARIANT_LAYOUTS:
+        variants += ["untied", "uneven"]
+    return run_workers(layout_worker, tp * pp * dp, tp, pp, dp, variants, (tp, pp, dp) == (2, 2, 2))
+
+
+EXTRA_VARIANT_LAYOUTS = {(2, 2, 1), (1, 2, 2)}

@@ -128,3 +128,18 @@ def exchange(transfers: list[P2P], axis: AxisGroup, *, tag: str = "") -> None:
         ops.append(dist.P2POp(fn, t.tensor, group=axis.group, group_peer=t.peer))
     for work in dist.batch_isend_irecv(ops):
         work.wait()
+
+
+def broadcast_object(obj, *, src: int = 0):
+    """``obj`` from global rank ``src`` to every rank of the world (pickled; small objects only)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def world_barrier() -> None:
+    """Wait for every rank of the world."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

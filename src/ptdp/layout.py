@@ -87,7 +87,7 @@ class ParallelLayout:
             c = self.coords(r)
             key = tuple(getattr(c, f"{a}_rank") for a in AXES if a != axis)
             groups.setdefault(key, []).append(r)
-        return [groups[k] for k in sorted(groups)]
+        return sorted(groups.values())
 
     def embedding_group_ranks(self) -> list[list[int]]:
         """Groups of (first stage, last stage) ranks holding the two copies of a tied embedding.

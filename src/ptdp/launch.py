@@ -1,0 +1,37 @@
+"""Start ``ptdp train``'s local workers with PyTorch's elastic launcher (the API behind torchrun)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from ptdp.config import Config
+
+
+def launch_local(config: Config, nproc: int, run_dir: str, data_dir: str, *, progress: bool) -> dict:
+    """Run ``nproc`` workers of ``ptdp.train.worker_entry`` on this machine; return rank 0's result.
+
+    Rendezvous binds to loopback on a free port; there are no restarts. Each worker gets one CPU
+    thread per core share (``OMP_NUM_THREADS``). Raises the launcher's ``ChildFailedError`` if a
+    worker fails.
+    """
+    from ptdp.train import worker_entry
+
+    cores = len(os.sched_getaffinity(0))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    launch_config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"ptdp-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        local_addr="127.0.0.1",
+        max_restarts=0,
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
+    results = elastic_launch(launch_config, worker_entry)(config.to_json(), run_dir, data_dir, progress)
+    return results[0]

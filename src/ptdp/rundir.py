@@ -1,0 +1,55 @@
+"""Preparing a run before any worker starts: its data and its run directory."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from ptdp.config import Config, ConfigError
+from ptdp.data import PreparedData, prepare_data
+from ptdp.metrics import write_json
+
+
+def cache_dir(config: Config) -> Path:
+    """``--data-cache-dir``, else ``$PTDP_CACHE_DIR``, else ``~/.cache/ptdp``."""
+    if config.data.data_cache_dir:
+        return Path(config.data.data_cache_dir).expanduser()
+    return Path(os.environ.get("PTDP_CACHE_DIR", "~/.cache/ptdp")).expanduser()
+
+
+def prepare(config: Config, log=print) -> PreparedData:
+    """Tokenizer and token files for the run's corpus (cached; the default corpus when none given)."""
+    paths = list(config.data.data_paths) or None
+    return prepare_data(paths, config.model.vocab_size, cache_dir(config), config.data.valid_fraction, log=log)
+
+
+def make_run_dir(config: Config, *, overwrite: bool) -> Path:
+    """Create the run directory; refuse a non-empty existing one unless ``overwrite``.
+
+    Default name: ``runs/<YYYYmmdd-HHMMSS>-tp<TP>-pp<PP>-dp<DP>``.
+    """
+    p = config.parallel
+    path = Path(config.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-tp{p.tp}-pp{p.pp}-dp{p.dp}")
+    if path.exists() and any(path.iterdir()) and not overwrite:
+        raise ConfigError(f"output directory {path} exists and is not empty; pass --overwrite or another --output-dir")
+    path.mkdir(parents=True, exist_ok=True)
+    metrics = path / "metrics.jsonl"
+    if metrics.exists():
+        metrics.unlink()
+    return path
+
+
+def write_config(run_dir: Path, config: Config, data: PreparedData) -> None:
+    """``config.json``: the resolved config (real vocabulary size) and the prepared data it used."""
+    from ptdp.step import with_vocab
+
+    record = with_vocab(config, data.vocab_size).to_dict()
+    record["requested_vocab_size"] = config.model.vocab_size
+    record["num_microbatches"] = config.num_microbatches
+    record["prepared_data"] = {
+        "cache_dir": str(data.cache_dir), "tokenizer": str(data.tokenizer_path),
+        "train_tokens": data.num_train_tokens, "valid_tokens": data.num_valid_tokens,
+        "train_documents": data.num_train_docs, "valid_documents": data.num_valid_docs,
+    }
+    write_json(run_dir / "config.json", record)

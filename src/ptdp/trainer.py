@@ -1,0 +1,105 @@
+"""The training loop of one worker: data, steps, evaluation, metrics, summary.
+
+Runs inside an initialised process group (``ptdp.train``); every rank executes it, rank 0 logs.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ptdp.config import Config
+from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, dp_shard, eval_indices, microbatches
+from ptdp.groups import ParallelGroups
+from ptdp.metrics import RunLog, write_json
+from ptdp.step import build_stage, eval_loss, train_step, with_vocab
+
+
+def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: Path, device: torch.device,
+          *, progress: bool = True) -> dict:
+    """Train ``config.train.train_iters`` steps; returns the summary (same on every rank).
+
+    Evaluates the validation loss before the first step, every ``eval_interval`` steps and after
+    the last. ``config.model.vocab_size`` is replaced by the tokenizer's real size.
+    """
+    config = with_vocab(config, data.vocab_size)
+    t, m = config.train, config.model
+    is_logger = groups.global_rank == 0
+    stage = build_stage(config, groups, device)
+    train_windows = TokenWindows(data.train_tokens(), m.seq_length)
+    sampler = GlobalBatchSampler(len(train_windows), t.global_batch_size, t.seed)
+    valid_batches = _valid_batches(config, groups, data)
+    log = RunLog(run_dir, enabled=is_logger, total_iters=t.train_iters, progress=progress)
+    tokens_per_step = t.global_batch_size * m.seq_length
+    history: dict[str, list] = {"val": [], "train": [], "comm": {}}
+
+    def evaluate(iteration: int) -> None:
+        if not valid_batches:
+            return
+        val = eval_loss(stage, valid_batches)
+        history["val"].append((iteration, val))
+        log.write({"iteration": iteration, "val_loss": val})
+        log.message(f"iteration {iteration:>6}: validation loss {val:.4f}")
+
+    started = time.perf_counter()
+    evaluate(0)
+    for it in range(t.train_iters):
+        iteration = it + 1
+        mine = dp_shard(sampler.global_batch(it * t.global_batch_size), groups.dp.rank, groups.dp.size)
+        groups.stats.reset()
+        step_start = time.perf_counter()
+        result = train_step(stage, microbatches(train_windows, mine, t.micro_batch_size), it)
+        step_time = time.perf_counter() - step_start
+        history["comm"] = groups.stats.as_dict()
+        record = {
+            "iteration": iteration, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
+            "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
+        }
+        history["train"].append(record)
+        if iteration % t.log_interval == 0 or iteration == 1 or iteration == t.train_iters:
+            log.write(record)
+        log.step(iteration, result.loss, step_time, record["tokens_per_s"], result.lr)
+        if iteration % t.eval_interval == 0 and iteration != t.train_iters:
+            evaluate(iteration)
+    evaluate(t.train_iters)
+    log.close()
+    summary = _summary(config, history, time.perf_counter() - started)
+    if is_logger:
+        write_json(Path(run_dir) / "summary.json", summary)
+    return summary
+
+
+def _valid_batches(config: Config, groups: ParallelGroups, data: PreparedData) -> list:
+    t = config.train
+    if t.eval_iters == 0:
+        return []
+    windows = TokenWindows(data.valid_tokens(), config.model.seq_length)
+    return [
+        microbatches(windows, dp_shard(batch, groups.dp.rank, groups.dp.size), t.micro_batch_size)
+        for batch in eval_indices(len(windows), t.global_batch_size, t.eval_iters)
+    ]
+
+
+def _summary(config: Config, history: dict, elapsed: float) -> dict:
+    train_hist, val = history["train"], history["val"]
+    times = [r["step_time_s"] for r in train_hist]
+    steady = times[1:] or times
+    tokens = config.train.global_batch_size * config.model.seq_length
+    p = config.parallel
+    return {
+        "layout": {"tp": p.tp, "pp": p.pp, "dp": p.dp, "world_size": config.world_size,
+                   "num_microbatches": config.num_microbatches},
+        "iterations": len(train_hist),
+        "vocab_size": config.model.vocab_size,
+        "first_loss": train_hist[0]["loss"] if train_hist else None,
+        "final_loss": train_hist[-1]["loss"] if train_hist else None,
+        "initial_val_loss": val[0][1] if val else None,
+        "final_val_loss": val[-1][1] if val else None,
+        "val_loss_ratio": val[-1][1] / val[0][1] if len(val) > 1 else None,
+        "mean_step_time_s": sum(steady) / len(steady) if steady else None,
+        "tokens_per_s": tokens * len(steady) / sum(steady) if steady else None,
+        "elapsed_s": elapsed,
+        "comm_per_step_rank0": history["comm"],
+    }

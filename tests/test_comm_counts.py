@@ -1,0 +1,63 @@
+"""Invariant 2: one training step at tp=2, pp=2, dp=2 communicates exactly what the formulas say.
+
+Per microbatch and layer (Shoeybi et al. 2019 §3; Narayanan et al. 2021 §3.2): TP 2 all-reduces
+forward (attention output, MLP output) and 2 backward (before QKV and fc1), each b*s*h elements;
+the embedding adds 1 forward all-reduce of b*s*h on the first stage; the output layer 1 backward
+all-reduce of b*s*h and the vocab-parallel cross entropy 3 all-reduces of b*s on the last stage.
+PP: one b*s*h send per microbatch per stage boundary each way. DP: one all-reduce of the stage's
+gradient elements per step. Embedding group: one all-reduce of the [V_pad/tp, h] word embedding.
+"""
+
+from __future__ import annotations
+
+from ptdp.config import padded_vocab_size
+from layout_cases import parallel_run, tiny_config
+
+
+def _count(comm: dict, axis: str, op: str, tag: str | None = None) -> tuple[int, int]:
+    calls = numel = 0
+    for key, c in comm.items():
+        a, o, t = key.split("/")
+        if a == axis and o == op and (tag is None or t == tag):
+            calls += c["calls"]
+            numel += c["numel"]
+    return calls, numel
+
+
+def test_one_step_at_tp2_pp2_dp2_matches_formulas():
+    cfg = tiny_config(2, 2, 2, "float64")
+    b, s, h = cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.hidden_size
+    m = cfg.num_microbatches
+    layers = cfg.model.num_layers // 2
+    bsh = b * s * h
+    v_local = padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, 2) // 2
+    results = parallel_run(2, 2, 2)
+    assert m == 2 and layers == 2
+    for res in results:
+        r = res["float64"]
+        comm, (_, _, pp_rank) = r["comm"], r["coords"]
+        first, last = pp_rank == 0, pp_rank == 1
+        # tensor parallel, inside the transformer layers
+        for tag in ("attn_proj", "mlp_fc2", "attn_qkv", "mlp_fc1"):
+            assert _count(comm, "tp", "all_reduce", tag) == (layers * m, layers * m * bsh), tag
+        # tensor parallel, embedding / output layer / loss
+        assert _count(comm, "tp", "all_reduce", "embedding") == ((m, m * bsh) if first else (0, 0))
+        assert _count(comm, "tp", "all_reduce", "output") == ((m, m * bsh) if last else (0, 0))
+        for tag in ("ce_max", "ce_target", "ce_sum_exp"):
+            assert _count(comm, "tp", "all_reduce", tag) == ((m, m * b * s) if last else (0, 0)), tag
+        assert _count(comm, "tp", "all_reduce", "grad_norm") == (1, 1)
+        tp_total = 4 * layers * m + m + (m + 3 * m if last else 0) + 1
+        assert _count(comm, "tp", "all_reduce")[0] == tp_total
+        # pipeline: activations forward, gradients backward, b*s*h each
+        sends = _count(comm, "pp", "send")
+        recvs = _count(comm, "pp", "recv")
+        assert sends == (m, m * bsh) and recvs == (m, m * bsh)
+        # data parallel: the stage's gradients, once
+        assert _count(comm, "dp", "all_reduce", "grads") == (1, r["grad_numel"])
+        assert _count(comm, "dp", "all_reduce") == (1, r["grad_numel"])
+        # tied embedding between first and last stage
+        assert _count(comm, "embedding", "all_reduce") == (1, v_local * h)
+        assert _count(comm, "pp", "all_reduce", "grad_norm") == (1, 1)
+        assert _count(comm, "world", "all_reduce", "metrics") == (1, 1)
+        axes = {key.split("/")[0] for key in comm}
+        assert axes == {"tp", "pp", "dp", "embedding", "world"}

@@ -1,0 +1,134 @@
+"""Tensor-parallel building blocks against their single-process equivalents (float64)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ptdp.groups import ParallelGroups
+from ptdp.layout import ParallelLayout
+from ptdp.tensor_parallel import (
+    ColumnParallelLinear,
+    ParamSpec,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    shard,
+    unshard,
+    vocab_parallel_cross_entropy,
+)
+from dist_helpers import PG_TIMEOUT, run_workers
+
+B, S, H, VOCAB, DIV = 2, 3, 8, 10, 8  # tp=4: padded vocab 32, ranks 2 and 3 hold only padding
+
+
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "logits": torch.randn(B, S, VOCAB, generator=g, dtype=torch.float64),
+        "target": torch.randint(0, VOCAB, (B, S), generator=g),
+        "grad_loss": torch.randn(B, S, generator=g, dtype=torch.float64),
+        "x": torch.randn(B, S, H, generator=g, dtype=torch.float64),
+        "w1": torch.randn(4 * H, H, generator=g, dtype=torch.float64),
+        "b1": torch.randn(4 * H, generator=g, dtype=torch.float64),
+        "w2": torch.randn(H, 4 * H, generator=g, dtype=torch.float64),
+        "b2": torch.randn(H, generator=g, dtype=torch.float64),
+        "emb": torch.randn(VOCAB, H, generator=g, dtype=torch.float64),
+        "ids": torch.randint(0, VOCAB, (B, S), generator=g),
+    }
+
+
+def tp_worker(rank: int, world: int) -> dict:
+    groups = ParallelGroups.build(ParallelLayout(tp=world), PG_TIMEOUT)
+    tp = groups.tp
+    d = inputs()
+    out = {}
+    # vocab-parallel embedding + cross entropy (padded vocab, some ranks without real rows)
+    emb = VocabParallelEmbedding(VOCAB, 32, H, tp=tp, dtype=torch.float64)
+    full = torch.zeros(32, H, dtype=torch.float64)
+    full[:VOCAB] = d["emb"]
+    with torch.no_grad():
+        emb.weight.copy_(shard(full, emb.weight.ptdp_spec, tp.rank, tp.size))
+    hidden = emb(d["ids"])
+    hidden.backward(d["x"])
+    out["embedding"] = hidden.detach()
+    out["embedding_grad"] = emb.weight.grad.clone()
+    logits = d["logits"][..., emb.vocab_start : emb.vocab_start + emb.num_real_rows].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(logits, d["target"], vocab_start=emb.vocab_start, axis=tp)
+    loss.backward(d["grad_loss"])
+    out["loss"], out["logits_grad"], out["num_real"] = loss.detach(), logits.grad, emb.num_real_rows
+    # column-parallel -> GELU -> row-parallel
+    fc1 = ColumnParallelLinear(H, 4 * H, tp=tp, dtype=torch.float64)
+    fc2 = RowParallelLinear(4 * H, H, tp=tp, dtype=torch.float64)
+    with torch.no_grad():
+        for layer, w, b in ((fc1, d["w1"], d["b1"]), (fc2, d["w2"], d["b2"])):
+            layer.weight.copy_(shard(w, layer.weight.ptdp_spec, tp.rank, tp.size))
+            layer.bias.copy_(shard(b, layer.bias.ptdp_spec, tp.rank, tp.size))
+    x = d["x"].clone().requires_grad_()
+    y = fc2(F.gelu(fc1(x)))
+    y.backward(torch.ones_like(y))
+    out.update(y=y.detach(), x_grad=x.grad, w1_grad=fc1.weight.grad, w2_grad=fc2.weight.grad, b2_grad=fc2.bias.grad)
+    return out
+
+
+@functools.cache
+def tp_results(world: int) -> list[dict]:
+    return run_workers(tp_worker, world)
+
+
+def reference() -> dict:
+    d = inputs()
+    ref = {}
+    w = d["emb"].clone().requires_grad_()
+    hidden = F.embedding(d["ids"], w)
+    hidden.backward(d["x"])
+    ref["embedding"], ref["embedding_grad"] = hidden.detach(), w.grad
+    logits = d["logits"].clone().requires_grad_()
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), d["target"].reshape(-1), reduction="none").view(B, S)
+    loss.backward(d["grad_loss"])
+    ref["loss"], ref["logits_grad"] = loss.detach(), logits.grad
+    x = d["x"].clone().requires_grad_()
+    w1, w2, b2 = (d[k].clone().requires_grad_() for k in ("w1", "w2", "b2"))
+    y = F.linear(F.gelu(F.linear(x, w1, d["b1"])), w2, b2)
+    y.backward(torch.ones_like(y))
+    ref.update(y=y.detach(), x_grad=x.grad, w1_grad=w1.grad, w2_grad=w2.grad, b2_grad=b2.grad)
+    return ref
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_layers_match_single_process(world):
+    results, ref = tp_results(world), reference()
+    tol = dict(rtol=1e-12, atol=1e-12)
+    for res in results:  # replicated outputs and input gradients are equal on every rank
+        for key in ("embedding", "loss", "y", "x_grad", "b2_grad"):
+            torch.testing.assert_close(res[key], ref[key], **tol, msg=lambda m: f"{key}: {m}")
+    logits_grad = torch.cat([r["logits_grad"] for r in results], dim=-1)
+    torch.testing.assert_close(logits_grad, ref["logits_grad"], **tol)
+    emb_grad = torch.cat([r["embedding_grad"] for r in results])
+    torch.testing.assert_close(emb_grad[:VOCAB], ref["embedding_grad"], **tol)
+    assert torch.all(emb_grad[VOCAB:] == 0), "padding rows get no gradient"
+    col = ParamSpec((4 * H, H), tp_dim=0)
+    row = ParamSpec((H, 4 * H), tp_dim=1)
+    torch.testing.assert_close(unshard([r["w1_grad"] for r in results], col), ref["w1_grad"], **tol)
+    torch.testing.assert_close(unshard([r["w2_grad"] for r in results], row), ref["w2_grad"], **tol)
+    if world == 4:
+        assert [r["num_real"] for r in results] == [8, 2, 0, 0]
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_shard_unshard_round_trip(tp, groups):
+    spec = ParamSpec((groups * 8, 5), tp_dim=0, tp_groups=groups)
+    full = torch.arange(groups * 8 * 5, dtype=torch.float64).view(groups * 8, 5)
+    shards = [shard(full, spec, r, tp) for r in range(tp)]
+    assert all(s.shape == spec.local_shape(tp) for s in shards)
+    assert torch.equal(unshard(shards, spec), full)
+    if groups == 3 and tp == 2:  # each rank keeps the same heads of q, k and v
+        assert shards[0][:, 0].tolist() == [0, 5, 10, 15, 40, 45, 50, 55, 80, 85, 90, 95]
+
+
+def test_local_shape_rejects_indivisible_split():
+    with pytest.raises(ValueError, match="not divisible"):
+        ParamSpec((10, 4), tp_dim=0).local_shape(4)
