@@ -36,7 +36,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     nproc = local_world_size(args)
     config = resolve(config_from_args(args), nproc)
     p, m = config.parallel, config.model
-    data = prepare(config, log=lambda msg: print(f"data: {msg}", flush=True))
+    data = prepare(config, log=lambda msg: print(msg, flush=True))
     run_dir = make_run_dir(config, overwrite=args.overwrite)
     config = dataclasses.replace(config, output_dir=str(run_dir))
     write_config(run_dir, config, data)

@@ -36,12 +36,12 @@ class RunLog:
 
     def step(self, iteration: int, loss: float, step_time_s: float, tokens_per_s: float, lr: float) -> None:
         if self._bar is not None:
-            self._bar.update(1)
             self._bar.set_postfix(
-                {"iter": iteration, "loss": f"{loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}",
-                 "step": f"{step_time_s:.2f}s", "lr": f"{lr:.2e}"},
+                {"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}", "step": f"{step_time_s:.2f}s",
+                 "lr": f"{lr:.2e}"},
                 refresh=False,
             )
+            self._bar.update(1)
 
     def message(self, text: str) -> None:
         if not self.enabled:
