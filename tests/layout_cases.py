@@ -17,7 +17,8 @@ VOCAB = 303  # odd: tp never divides it before padding
 STEPS = 3
 
 
-def tiny_config(tp: int, pp: int, dp: int, dtype: str, **model_overrides) -> Config:
+def tiny_config(tp: int, pp: int, dp: int, dtype: str, *, train_overrides=None, parallel_overrides=None,
+                **model_overrides) -> Config:
     model = ModelConfig(
         num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=8,
         vocab_size=VOCAB, make_vocab_size_divisible_by=8, params_dtype=dtype,
@@ -32,7 +33,9 @@ def tiny_config(tp: int, pp: int, dp: int, dtype: str, **model_overrides) -> Con
         # so a 1e-5 tolerance tests the parallel code, not rounding. float64 keeps the default.
         adam_eps=1e-6 if dtype == "float32" else 1e-8,
     )
-    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp)
+    train = dataclasses.replace(train, **(train_overrides or {}))
+    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
+                         **(parallel_overrides or {}))
     return resolve(Config(model=model, parallel=par, train=train), tp * pp * dp)
 
 
@@ -73,22 +76,22 @@ def train_and_collect(cfg: Config, groups: ParallelGroups, record_comm_step: int
     }
 
 
-#: Named variants of the tiny model: (dtype, model overrides, parallel overrides).
+#: Named variants of the tiny model: (dtype, model, parallel and train overrides). Parallel
+#: overrides apply only where pp > 1 (the single-process reference has one stage).
 VARIANTS = {
-    "float64": ("float64", {}, {}),
-    "float32": ("float32", {}, {}),
-    "untied": ("float64", {"untie_embeddings_and_output_weights": True}, {}),
-    "uneven": ("float64", {"num_layers": 5}, {"pipeline_layer_split": (3, 2)}),
+    "float64": ("float64", {}, {}, {}),
+    "float32": ("float32", {}, {}, {}),
+    "untied": ("float64", {"untie_embeddings_and_output_weights": True}, {}, {}),
+    "uneven": ("float64", {"num_layers": 5}, {"pipeline_layer_split": (3, 2)}, {}),
+    # one microbatch per pipeline when dp = 2 (fewer microbatches than stages)
+    "one_microbatch": ("float64", {}, {}, {"global_batch_size": 4}),
 }
 
 
 def variant_config(name: str, tp: int, pp: int, dp: int) -> Config:
-    dtype, model, parallel = VARIANTS[name]
-    cfg = tiny_config(tp, pp, dp, dtype, **model)
-    if parallel and pp > 1:
-        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel))
-        cfg = resolve(cfg, tp * pp * dp)
-    return cfg
+    dtype, model, parallel, train = VARIANTS[name]
+    return tiny_config(tp, pp, dp, dtype, train_overrides=train, parallel_overrides=parallel if pp > 1 else None,
+                       **model)
 
 
 def layout_worker(rank: int, world: int, tp: int, pp: int, dp: int, variants: list[str], record_comm: bool) -> dict:
@@ -110,8 +113,9 @@ def parallel_run(tp: int, pp: int, dp: int) -> list[dict]:
     """Every rank's results of the variants at this layout (one spawn per layout, cached)."""
     variants = ["float64", "float32"]
     if (tp, pp, dp) in EXTRA_VARIANT_LAYOUTS:
-        variants += ["untied", "uneven"]
+        variants += EXTRA_VARIANTS
     return run_workers(layout_worker, tp * pp * dp, tp, pp, dp, variants, (tp, pp, dp) == (2, 2, 2))
 
 
 EXTRA_VARIANT_LAYOUTS = {(2, 2, 1), (1, 2, 2)}
+EXTRA_VARIANTS = ["untied", "uneven", "one_microbatch"]

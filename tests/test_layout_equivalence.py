@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ptdp.tensor_parallel.sharding import unshard
-from layout_cases import EXTRA_VARIANT_LAYOUTS, parallel_run, reference
+from layout_cases import EXTRA_VARIANT_LAYOUTS, EXTRA_VARIANTS, parallel_run, reference
 
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 4, 1), (4, 1, 1)]
 TOL = {"float64": dict(rtol=1e-9, atol=1e-12), "float32": dict(rtol=1e-5, atol=1e-5)}
@@ -57,9 +57,10 @@ def test_layout_matches_single_process(layout, dtype):
     assert_matches_reference(parallel_run(*layout), dtype, TOL[dtype])
 
 
-@pytest.mark.parametrize("variant", ["untied", "uneven"])
+@pytest.mark.parametrize("variant", EXTRA_VARIANTS)
 @pytest.mark.parametrize("layout", sorted(EXTRA_VARIANT_LAYOUTS), ids=lambda l: "tp{}pp{}dp{}".format(*l))
-def test_untied_and_uneven_split_match_single_process(layout, variant):
+def test_variants_match_single_process(layout, variant):
+    """Untied output layer, an explicit uneven layer split, and a single microbatch per step."""
     assert_matches_reference(parallel_run(*layout), variant, TOL["float64"])
 
 
