@@ -46,7 +46,7 @@ def test_one_step_at_tp2_pp2_dp2_matches_formulas():
         for tag in ("ce_max", "ce_target", "ce_sum_exp"):
             assert _count(comm, "tp", "all_reduce", tag) == ((m, m * b * s) if last else (0, 0)), tag
         assert _count(comm, "tp", "all_reduce", "grad_norm") == (1, 1)
-        tp_total = 4 * layers * m + m + (m + 3 * m if last else 0) + 1
+        tp_total = 4 * layers * m + (m if first else 0) + (m + 3 * m if last else 0) + 1
         assert _count(comm, "tp", "all_reduce")[0] == tp_total
         # pipeline: activations forward, gradients backward, b*s*h each
         sends = _count(comm, "pp", "send")
