@@ -85,3 +85,15 @@ def test_bad_data_path_is_a_clear_error(tmp_path):
     assert proc.returncode == 2
     assert "missing" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_corpus_too_small_for_one_global_batch(tmp_path):
+    docs = tmp_path / "small"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"d{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * 5, encoding="utf-8")
+    proc = run([sys.executable, "-m", "ptdp.cli", "train", *TINY, "--data", str(docs), "--valid-fraction", "0.3",
+                "--output-dir", str(tmp_path / "run")], tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "fewer than global_batch_size=8" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()

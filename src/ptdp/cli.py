@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import warnings
 
 from ptdp.args import add_train_arguments, config_from_args, local_world_size
 from ptdp.config import ConfigError, resolve
@@ -29,10 +30,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warnings() -> None:
+    """Show warnings (e.g. skipped data files) as ``warning: ...`` lines, not source excerpts."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+    warnings.showwarning = show
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from ptdp.launch import launch_local
     from ptdp.rundir import make_run_dir, prepare, write_config
 
+    _one_line_warnings()
     nproc = local_world_size(args)
     config = resolve(config_from_args(args), nproc)
     p, m = config.parallel, config.model

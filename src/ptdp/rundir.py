@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ptdp.config import Config, ConfigError
-from ptdp.data import PreparedData, prepare_data
+from ptdp.data import DataError, PreparedData, prepare_data
 from ptdp.metrics import write_json
 
 
@@ -19,9 +19,33 @@ def cache_dir(config: Config) -> Path:
 
 
 def prepare(config: Config, log=print) -> PreparedData:
-    """Tokenizer and token files for the run's corpus (cached; the default corpus when none given)."""
+    """Tokenizer and token files for the run's corpus (cached; the default corpus when none given).
+
+    Raises:
+        DataError: unusable data, or too little of it for one global batch of training samples or
+            one validation sequence (checked here, before any worker starts).
+    """
     paths = list(config.data.data_paths) or None
-    return prepare_data(paths, config.model.vocab_size, cache_dir(config), config.data.valid_fraction, log=log)
+    data = prepare_data(paths, config.model.vocab_size, cache_dir(config), config.data.valid_fraction, log=log)
+    check_data_fits(config, data)
+    return data
+
+
+def check_data_fits(config: Config, data: PreparedData) -> None:
+    """Raise DataError unless the corpus holds one global batch of samples and one validation sample."""
+    s, big_b = config.model.seq_length, config.train.global_batch_size
+    train_samples = max(0, (data.num_train_tokens - 1) // s)
+    if train_samples < big_b:
+        raise DataError(
+            f"the training split has {data.num_train_tokens:,} tokens = {train_samples} samples of "
+            f"seq_length+1={s + 1} tokens, fewer than global_batch_size={big_b}; use more data, a "
+            f"shorter --seq-length or a smaller --global-batch-size"
+        )
+    if config.train.eval_iters > 0 and data.num_valid_tokens < s + 1:
+        raise DataError(
+            f"the validation split has {data.num_valid_tokens:,} tokens, fewer than one sample of "
+            f"seq_length+1={s + 1}; use more data, a larger --valid-fraction or --eval-iters 0"
+        )
 
 
 def make_run_dir(config: Config, *, overwrite: bool) -> Path:
