@@ -85,6 +85,8 @@ VARIANTS = {
     "uneven": ("float64", {"num_layers": 5}, {"pipeline_layer_split": (3, 2)}, {}),
     # one microbatch per pipeline when dp = 2 (fewer microbatches than stages)
     "one_microbatch": ("float64", {}, {}, {"global_batch_size": 4}),
+    # bf16 weights with float32 main parameters and gradients: compared loosely
+    "bfloat16": ("bfloat16", {}, {}, {}),
 }
 
 
@@ -113,7 +115,7 @@ def parallel_run(tp: int, pp: int, dp: int) -> list[dict]:
     """Every rank's results of the variants at this layout (one spawn per layout, cached)."""
     variants = ["float64", "float32"]
     if (tp, pp, dp) in EXTRA_VARIANT_LAYOUTS:
-        variants += EXTRA_VARIANTS
+        variants += EXTRA_VARIANTS + ["bfloat16"]
     return run_workers(layout_worker, tp * pp * dp, tp, pp, dp, variants, (tp, pp, dp) == (2, 2, 2))
 
 

@@ -35,7 +35,7 @@ def tiny_model() -> GPTModel:
 
 def test_weight_decay_only_on_matrices():
     model = tiny_model()
-    opt = build_optimizer(model, TrainConfig(weight_decay=0.1))
+    opt = build_optimizer(model, TrainConfig(weight_decay=0.1), GradBuffer(list(model.parameters())))
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and all(p.ndim == 2 for p in decay["params"])
     assert no_decay["weight_decay"] == 0.0 and all(p.ndim == 1 for p in no_decay["params"])
@@ -71,3 +71,30 @@ def test_norm_counts_every_parameter_once_and_clips():
     assert norm == pytest.approx(expected, rel=1e-12)
     clipped = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
     assert clipped == pytest.approx(expected / 2, rel=1e-5)
+
+
+def test_bfloat16_trains_float32_main_params():
+    """bf16 weights get float32 main parameters and float32 gradient accumulation: updates far
+    below bf16's resolution (1 + 3e-4 rounds to 1 in bf16) still accumulate."""
+    import dataclasses
+
+    from ptdp.step import build_stage, train_step
+    from layout_cases import rank_microbatches, tiny_config
+
+    losses = {}
+    for dtype in ("bfloat16", "float32"):
+        cfg = tiny_config(1, 1, 1, dtype)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=3e-4, min_lr=3e-4))
+        stage = build_stage(cfg, ParallelGroups.single_process())
+        ln = stage.model.layers["0"].ln1.weight
+        losses[dtype] = [train_step(stage, rank_microbatches(i, cfg, 0, 1), i).loss for i in range(3)]
+        if dtype == "bfloat16":
+            assert stage.grads.data.dtype == torch.float32
+            main = dict((id(p), m) for p, m in stage.optimizer.pairs)
+            ln_main = main[id(ln)]
+            assert ln_main.dtype == torch.float32
+            assert torch.all(ln_main != 1.0), "every LayerNorm weight moved in float32"
+            assert torch.all(ln == 1.0), "the bf16 copy cannot show moves of 3 * 3e-4"
+            for p, m in stage.optimizer.pairs:
+                assert torch.equal(p, m.to(torch.bfloat16))
+    torch.testing.assert_close(torch.tensor(losses["bfloat16"]), torch.tensor(losses["float32"]), rtol=2e-2, atol=0)

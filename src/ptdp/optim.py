@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay on weight matrices, and the learning-rate schedule."""
+"""AdamW with decoupled weight decay on weight matrices, float32 main parameters for bfloat16
+models, and the learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -8,23 +9,59 @@ import torch
 from torch import nn
 
 from ptdp.config import TrainConfig
+from ptdp.data_parallel.grads import GradBuffer
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """``torch.optim.AdamW`` over the stage's parameters; weight decay only on tensors with >= 2
-    dims (weights and embeddings), none on biases and LayerNorm parameters."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+class MainParamsAdamW:
+    """AdamW on float32 copies ("main parameters") of low-precision model parameters.
+
+    Each step updates the float32 copies from the float32 gradient buffer, then copies them into the
+    model's parameters (rounding once), so updates smaller than the model dtype's resolution are not
+    lost (Micikevicius et al., "Mixed Precision Training", arXiv:1710.03740; Megatron's
+    ``Float16OptimizerWithFloat16Params``). Memory: 4 bytes per parameter more than plain AdamW.
+    """
+
+    def __init__(self, groups: list[dict], grads: GradBuffer, **adam_kwargs) -> None:
+        self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        main_groups = []
+        for group in groups:
+            mains = []
+            for p in group["params"]:
+                main = nn.Parameter(p.detach().float().clone())
+                main.grad = grads.grad(p)
+                self.pairs.append((p, main))
+                mains.append(main)
+            main_groups.append({**group, "params": mains})
+        self.inner = torch.optim.AdamW(main_groups, **adam_kwargs)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.inner.step()
+        for p, main in self.pairs:
+            p.copy_(main)
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, grads: GradBuffer):
+    """AdamW over the stage's parameters; weight decay on every tensor with >= 2 dims (weight
+    matrices, word and position embeddings), none on biases and LayerNorm parameters.
+
+    float32/float64 parameters are updated in place (their ``.grad`` views ``grads``); bfloat16
+    parameters through :class:`MainParamsAdamW` (``grads`` must then be a float32 buffer).
+    """
+    params = list(model.parameters())
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
-        lr=lr_at(0, cfg),
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        eps=cfg.adam_eps,
-    )
+    groups = [g for g in groups if g["params"]]
+    kwargs = dict(lr=lr_at(0, cfg), betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    if grads.uses_main_grad:
+        return MainParamsAdamW(groups, grads, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
 
 
 def lr_at(iteration: int, cfg: TrainConfig) -> float:
@@ -42,6 +79,6 @@ def lr_at(iteration: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -3,7 +3,7 @@ the tests and the benchmarks.
 
 A step: zero the gradient buffer -> run the 1F1B schedule over the rank's ``m`` microbatches ->
 average gradients over dp and sum the tied embedding over first/last stage -> global-norm clip ->
-AdamW with the scheduled learning rate. Its loss is the mean over all ``B * s`` tokens of the global
+AdamW with the scheduled learning rate (on float32 main parameters for bfloat16 models). Its loss is the mean over all ``B * s`` tokens of the global
 batch, identical for every layout.
 """
 
@@ -19,7 +19,7 @@ from ptdp.config import Config
 from ptdp.data_parallel.grads import GradBuffer, clip_grad_norm, finalize_grads
 from ptdp.groups import ParallelGroups
 from ptdp.model.gpt import DTYPES, GPTModel
-from ptdp.optim import build_optimizer, lr_at, set_lr
+from ptdp.optim import MainParamsAdamW, build_optimizer, lr_at, set_lr
 from ptdp.pipeline.partition import stage_layer_ids
 from ptdp.pipeline.runtime import Microbatch, run_schedule
 from ptdp.pipeline.schedule import build_schedule
@@ -33,7 +33,7 @@ class Stage:
     config: Config
     groups: ParallelGroups
     model: GPTModel
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | MainParamsAdamW
     grads: GradBuffer
     device: torch.device
 
@@ -73,8 +73,9 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     )
     device = torch.device(device)
     model.to(device)
-    grads = GradBuffer(list(model.parameters()))
-    return Stage(config, groups, model, build_optimizer(model, config.train), grads, device)
+    low_precision = DTYPES[m.params_dtype] in (torch.bfloat16, torch.float16)
+    grads = GradBuffer(list(model.parameters()), torch.float32 if low_precision else None)
+    return Stage(config, groups, model, build_optimizer(model, config.train, grads), grads, device)
 
 
 def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int) -> StepResult:
