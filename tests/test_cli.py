@@ -97,3 +97,32 @@ def test_corpus_too_small_for_one_global_batch(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "fewer than global_batch_size=8" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_non_finite_loss_stops_with_a_clear_error(corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = run([sys.executable, "-m", "ptdp.cli", "train", *TINY, "--lr", "1e30", "--data", str(corpus / "docs"),
+                "--output-dir", str(out), "--no-progress"], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "is not finite at iteration" in proc.stderr and "Traceback" not in proc.stderr
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert all("NaN" not in line and "Infinity" not in line for line in lines), "strict JSON"
+    assert json.loads(lines[-1])["loss"] is None
+
+
+def test_output_dir_problems_are_found_before_data_preparation(tmp_path):
+    target = tmp_path / "a_file"
+    target.write_text("x")
+    proc = run([sys.executable, "-m", "ptdp.cli", "train", *TINY, "--data", str(tmp_path / "missing"),
+                "--output-dir", str(target)], tmp_path, timeout=60)
+    assert proc.returncode == 2 and "exists and is not a directory" in proc.stderr
+    assert "missing" not in proc.stderr, "the output directory is checked before the data"
+
+
+def test_train_module_runs_without_a_launcher(corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = run([sys.executable, "-m", "ptdp.train", *TINY, "--tp", "1", "--pp", "1", "--data", str(corpus / "docs"),
+                "--output-dir", str(out), "--no-progress"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "validation loss" in proc.stderr
+    check_run_dir(out, 6, {"tp": 1, "pp": 1, "dp": 1})

@@ -42,6 +42,10 @@ BAD = [
     (dict(tp=0), r"tensor_model_parallel_size=0 must be a positive integer"),
     (dict(micro_batch_size=0), r"micro_batch_size=0 must be a positive integer"),
     (dict(seq_length=-1), r"seq_length=-1 must be a positive integer"),
+    (dict(lr=float("inf")), r"lr=inf must be a finite number"),
+    (dict(clip_grad=float("nan")), r"clip_grad=nan must be a finite number"),
+    (dict(init_method_std=float("nan")), r"init_method_std=nan must be a finite number"),
+    (dict(seed=-1), r"seed=-1 must be in \[0, 2\*\*63\)"),
 ]
 
 
@@ -65,6 +69,8 @@ def test_valid_config_resolves_dp_and_microbatches():
     cfg, world = make(world=8, tp=2, pp=2, global_batch_size=32, micro_batch_size=4)
     resolved = resolve(cfg, world)
     assert resolved.parallel.dp == 2 and resolved.num_microbatches == 4
+    assert resolved.model.ffn_hidden_size == 4 * resolved.model.hidden_size
+    assert resolved.train.lr_decay_iters == resolved.train.train_iters
     uneven, _ = make(world=2, tp=1, pp=2, num_layers=5, split=(3, 2), global_batch_size=8, micro_batch_size=2)
     assert resolve(uneven, 2).parallel.pipeline_layer_split == (3, 2)
 

@@ -111,3 +111,16 @@ def test_default_corpus_is_stdlib_py():
     assert len(files) > 500
     assert all(f.path.suffix == ".py" for f in files)
     assert not any("site-packages" in f.path.parts for f in files)
+
+
+def test_jsonl_line_with_unicode_line_separators(tmp_path):
+    """A record whose text holds U+2028/U+2029/U+0085 (written unescaped by
+    json.dumps(ensure_ascii=False)) is one line of JSON Lines, not several."""
+    import json as _json
+
+    from ptdp.data.corpus import iter_documents
+
+    path = tmp_path / "docs.jsonl"
+    texts = ["first\u2028still first", "second\u2029para\x85end", "third"]
+    path.write_text("".join(_json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
+    assert [d.text for d in iter_documents([path])] == texts

@@ -15,6 +15,17 @@ from ptdp.config import DTYPES, Config, DataConfig, ModelConfig, ParallelConfig,
 DEFAULT_TP, DEFAULT_PP, DEFAULT_LOCAL_WORKERS = 2, 2, 8
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's line breaks and shows each flag's default value, unless the help
+    text already explains it or there is none (switches, optional values)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(","))
@@ -27,9 +38,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
     mc, tc, pc, dc = ModelConfig(), TrainConfig(), ParallelConfig(), DataConfig()
     g = parser.add_argument_group("parallel layout (world = tp x pp x dp; TP innermost, PP outermost)")
     g.add_argument("--tensor-model-parallel-size", "--tp", type=int, default=DEFAULT_TP, metavar="TP",
-                   help=f"tensor-parallel size: each layer's matrices split over TP ranks (default {DEFAULT_TP})")
+                   help=f"tensor-parallel size: each layer's matrices split over TP ranks")
     g.add_argument("--pipeline-model-parallel-size", "--pp", type=int, default=DEFAULT_PP, metavar="PP",
-                   help=f"pipeline-parallel size: layers split into PP stages (default {DEFAULT_PP})")
+                   help=f"pipeline-parallel size: layers split into PP stages")
     g.add_argument("--data-parallel-size", "--dp", type=int, default=None, metavar="DP",
                    help="data-parallel size (default: world size / (TP x PP))")
     g.add_argument("--pipeline-layer-split", type=_int_list, default=None, metavar="N,N,...",
@@ -39,34 +50,38 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
                        help=f"local worker processes (default: TP x PP x DP if --dp is given, else {DEFAULT_LOCAL_WORKERS} "
                        "when TP x PP divides it, else TP x PP)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=pc.distributed_timeout_minutes,
-                   help="timeout of every process group (default %(default)s)")
+                   help="timeout of every process group")
 
     g = parser.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=mc.num_layers)
-    g.add_argument("--hidden-size", type=int, default=mc.hidden_size)
-    g.add_argument("--num-attention-heads", type=int, default=mc.num_attention_heads)
+    g.add_argument("--num-layers", type=int, default=mc.num_layers, help="transformer layers l (all stages)")
+    g.add_argument("--hidden-size", type=int, default=mc.hidden_size, help="hidden size h")
+    g.add_argument("--num-attention-heads", type=int, default=mc.num_attention_heads, help="attention heads a")
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
-    g.add_argument("--seq-length", type=int, default=mc.seq_length)
+    g.add_argument("--seq-length", type=int, default=mc.seq_length, help="tokens per sample s")
     g.add_argument("--vocab-size", type=int, default=mc.vocab_size, help="size of the BPE tokenizer to train")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=mc.make_vocab_size_divisible_by)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--params-dtype", choices=DTYPES, default=mc.params_dtype)
-    g.add_argument("--init-method-std", type=float, default=mc.init_method_std)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=mc.make_vocab_size_divisible_by,
+                   help="pad the vocabulary to a multiple of this x TP")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="give the output layer its own weight (default: tied to the input embedding)")
+    g.add_argument("--params-dtype", choices=DTYPES, default=mc.params_dtype,
+                   help="parameter/activation dtype; bfloat16 keeps float32 main parameters and gradients")
+    g.add_argument("--init-method-std", type=float, default=mc.init_method_std, help="std of the normal weight init")
 
     g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", "--mbs", type=int, default=tc.micro_batch_size)
-    g.add_argument("--global-batch-size", "--gbs", type=int, default=tc.global_batch_size)
-    g.add_argument("--train-iters", type=int, default=tc.train_iters)
-    g.add_argument("--lr", type=float, default=tc.lr)
-    g.add_argument("--min-lr", type=float, default=tc.min_lr)
-    g.add_argument("--lr-warmup-iters", type=int, default=tc.lr_warmup_iters)
+    g.add_argument("--micro-batch-size", "--mbs", type=int, default=tc.micro_batch_size, help="samples b per microbatch")
+    g.add_argument("--global-batch-size", "--gbs", type=int, default=tc.global_batch_size,
+                   help="samples B per optimizer step, all dp replicas together")
+    g.add_argument("--train-iters", type=int, default=tc.train_iters, help="optimizer steps")
+    g.add_argument("--lr", type=float, default=tc.lr, help="peak learning rate (AdamW)")
+    g.add_argument("--min-lr", type=float, default=tc.min_lr, help="learning rate at the end of the cosine decay")
+    g.add_argument("--lr-warmup-iters", type=int, default=tc.lr_warmup_iters, help="linear warmup steps")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    g.add_argument("--weight-decay", type=float, default=tc.weight_decay)
-    g.add_argument("--adam-beta1", type=float, default=tc.adam_beta1)
-    g.add_argument("--adam-beta2", type=float, default=tc.adam_beta2)
-    g.add_argument("--adam-eps", type=float, default=tc.adam_eps)
+    g.add_argument("--weight-decay", type=float, default=tc.weight_decay, help="decoupled weight decay on weights and embeddings")
+    g.add_argument("--adam-beta1", type=float, default=tc.adam_beta1, help="AdamW beta1")
+    g.add_argument("--adam-beta2", type=float, default=tc.adam_beta2, help="AdamW beta2")
+    g.add_argument("--adam-eps", type=float, default=tc.adam_eps, help="AdamW epsilon")
     g.add_argument("--clip-grad", type=float, default=tc.clip_grad, help="global gradient-norm clip; 0 disables")
-    g.add_argument("--seed", type=int, default=tc.seed)
+    g.add_argument("--seed", type=int, default=tc.seed, help="seed of weight init and data order")
 
     g = parser.add_argument_group("data and output")
     g.add_argument("--data", action="append", default=None, metavar="PATH",
@@ -74,12 +89,12 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
     g.add_argument("--data-cache-dir", default=dc.data_cache_dir,
                    help="where tokenizer and token files are cached (default $PTDP_CACHE_DIR or ~/.cache/ptdp)")
     g.add_argument("--valid-fraction", type=float, default=dc.valid_fraction,
-                   help="fraction of documents held out for validation (default %(default)s)")
+                   help="fraction of documents held out for validation")
     g.add_argument("--output-dir", default=None, help="run directory (default runs/<time>-tpX-ppY-dpZ)")
     g.add_argument("--overwrite", action="store_true", help="allow writing into an existing, non-empty --output-dir")
-    g.add_argument("--log-interval", type=int, default=tc.log_interval)
-    g.add_argument("--eval-interval", type=int, default=tc.eval_interval)
-    g.add_argument("--eval-iters", type=int, default=tc.eval_iters)
+    g.add_argument("--log-interval", type=int, default=tc.log_interval, help="write a metrics.jsonl line every N steps")
+    g.add_argument("--eval-interval", type=int, default=tc.eval_interval, help="evaluate validation loss every N steps")
+    g.add_argument("--eval-iters", type=int, default=tc.eval_iters, help="global batches per evaluation; 0 disables")
     g.add_argument("--no-progress", action="store_true", help="no live progress bar")
 
 

@@ -7,9 +7,11 @@ import dataclasses
 import sys
 import warnings
 
-from ptdp.args import add_train_arguments, config_from_args, local_world_size
+from ptdp.args import HelpFormatter, add_train_arguments, config_from_args, local_world_size
 from ptdp.config import ConfigError, resolve
 from ptdp.data import DataError
+from ptdp.metrics import format_summary
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 TRAIN_DESCRIPTION = """\
 Train a GPT with tensor x pipeline x data parallelism on local worker processes
@@ -23,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ptdp", description="PTD-P GPT training on torch.distributed.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = sub.add_parser("train", help="train a GPT on local workers", description=TRAIN_DESCRIPTION,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=HelpFormatter)
     add_train_arguments(train, local_launch=True)
     train.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     train.set_defaults(func=cmd_train)
@@ -39,14 +41,16 @@ def _one_line_warnings() -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from ptdp.launch import launch_local
-    from ptdp.rundir import make_run_dir, prepare, write_config
+    from ptdp.rundir import check_run_dir, make_run_dir, prepare, run_dir_path, write_config
 
     _one_line_warnings()
     nproc = local_world_size(args)
     config = resolve(config_from_args(args), nproc)
     p, m = config.parallel, config.model
+    run_dir = run_dir_path(config)
+    check_run_dir(run_dir, overwrite=args.overwrite)
     data = prepare(config, log=lambda msg: print(msg, flush=True))
-    run_dir = make_run_dir(config, overwrite=args.overwrite)
+    make_run_dir(run_dir, overwrite=args.overwrite)
     config = dataclasses.replace(config, output_dir=str(run_dir))
     write_config(run_dir, config, data)
     print(
@@ -59,23 +63,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         flush=True,
     )
     summary = launch_local(config, nproc, str(run_dir), str(data.cache_dir), progress=not args.no_progress)
-    _print_summary(summary, run_dir)
+    if "error" in summary:
+        print(f"ptdp train: error: {summary['error']}\n  run directory: {run_dir}", file=sys.stderr, flush=True)
+        return 1
+    print(format_summary(summary, run_dir), flush=True)
     return 0
-
-
-def _print_summary(s: dict, run_dir) -> None:
-    lines = [f"done: {s['iterations']} iterations in {s['elapsed_s']:.1f} s"]
-    if s.get("tokens_per_s"):
-        lines.append(f"  throughput: {s['tokens_per_s']:,.0f} tokens/s, {s['mean_step_time_s']:.3f} s/step")
-    if s.get("final_loss") is not None:
-        lines.append(f"  train loss: {s['first_loss']:.4f} -> {s['final_loss']:.4f}")
-    if s.get("val_loss_ratio") is not None:
-        lines.append(
-            f"  validation loss: {s['initial_val_loss']:.4f} -> {s['final_val_loss']:.4f} "
-            f"({s['val_loss_ratio']:.2f} of its start)"
-        )
-    lines.append(f"  run directory: {run_dir} (config.json, metrics.jsonl, summary.json)")
-    print("\n".join(lines), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"ptdp {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SignalException):
         print(f"ptdp {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # a failed worker: the launcher's ChildFailedError names rank and error

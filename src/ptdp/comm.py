@@ -130,16 +130,19 @@ def exchange(transfers: list[P2P], axis: AxisGroup, *, tag: str = "") -> None:
         work.wait()
 
 
-def broadcast_object(obj, *, src: int = 0):
-    """``obj`` from global rank ``src`` to every rank of the world (pickled; small objects only)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def all_gather_object(obj, axis: AxisGroup) -> list:
+    """Every rank's ``obj`` on ``axis``, in rank order (pickled; small objects only)."""
+    if axis.size == 1:
+        return [obj]
+    out = [None] * axis.size
+    dist.all_gather_object(out, obj, group=axis.group)
+    return out
+
+
+def broadcast_object(obj, axis: AxisGroup, *, src: int = 0):
+    """``obj`` of the rank with index ``src`` in ``axis``, on every rank of it (pickled; small)."""
+    if axis.size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, group_src=src, group=axis.group)
     return box[0]
-
-
-def world_barrier() -> None:
-    """Wait for every rank of the world."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,7 +109,8 @@ class TrainConfig:
     lr_decay_iters: int | None = None
     """Iterations of cosine decay after which lr stays at min_lr; None: train_iters."""
     weight_decay: float = 0.1
-    """Decoupled weight decay on weight matrices (not on biases, LayerNorm or positions)."""
+    """Decoupled weight decay on tensors with >= 2 dims (weights, word and position embeddings);
+    none on biases and LayerNorm parameters."""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
@@ -230,6 +232,7 @@ def resolve(config: Config, world_size: int) -> Config:
             "world_size": world_size,
         }
     )
+    errors += _finite(config)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     dp = _resolve_dp(p, world_size, errors)
@@ -243,7 +246,29 @@ def resolve(config: Config, world_size: int) -> Config:
         )
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
-    return dataclasses.replace(config, parallel=dataclasses.replace(p, data_parallel_size=dp))
+    return dataclasses.replace(
+        config,
+        parallel=dataclasses.replace(p, data_parallel_size=dp),
+        model=dataclasses.replace(m, ffn_hidden_size=m.ffn),
+        train=dataclasses.replace(t, lr_decay_iters=t.decay_iters),
+    )
+
+
+def _finite(config: Config) -> list[str]:
+    """Every float setting must be a finite number (nan or inf would train silently wrong)."""
+    values = {
+        "lr": config.train.lr, "min_lr": config.train.min_lr, "weight_decay": config.train.weight_decay,
+        "adam_beta1": config.train.adam_beta1, "adam_beta2": config.train.adam_beta2,
+        "adam_eps": config.train.adam_eps, "clip_grad": config.train.clip_grad,
+        "init_method_std": config.model.init_method_std, "layernorm_epsilon": config.model.layernorm_epsilon,
+        "valid_fraction": config.data.valid_fraction,
+        "distributed_timeout_minutes": config.parallel.distributed_timeout_minutes,
+    }
+    return [
+        f"{name}={value!r} must be a finite number"
+        for name, value in values.items()
+        if not isinstance(value, (int, float)) or not math.isfinite(value)
+    ]
 
 
 def _positive(values: dict[str, int]) -> list[str]:
@@ -330,4 +355,6 @@ def _train_rules(t: TrainConfig, dp: int) -> list[str]:
         )
     if t.eval_iters < 0:
         errors.append(f"eval_iters={t.eval_iters} must be >= 0 (0 disables evaluation)")
+    if not 0 <= t.seed < 2**63:
+        errors.append(f"seed={t.seed} must be in [0, 2**63)")
     return errors

@@ -99,3 +99,14 @@ def _build_axis(
     if mine is None:  # the embedding axis covers only first/last stages
         mine = AxisGroup.single(name, rank, stats)
     return mine
+
+
+def host_group(timeout: datetime.timedelta, stats: CommStats | None = None) -> AxisGroup:
+    """A gloo group over the whole world for CPU-side coordination (e.g. waiting while one rank
+    prepares data), with its own ``timeout``. Collective: every rank must call it."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    stats = stats if stats is not None else CommStats()
+    if world == 1:
+        return AxisGroup.single("host", rank, stats)
+    group = dist.new_group(ranks=list(range(world)), timeout=timeout, backend="gloo", group_desc="ptdp_host")
+    return AxisGroup("host", tuple(range(world)), rank, group, stats)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ptdp.config import Config
@@ -14,13 +16,19 @@ def launch_local(config: Config, nproc: int, run_dir: str, data_dir: str, *, pro
     """Run ``nproc`` workers of ``ptdp.train.worker_entry`` on this machine; return rank 0's result.
 
     Rendezvous binds to loopback on a free port; there are no restarts. Each worker gets one CPU
-    thread per core share (``OMP_NUM_THREADS``). Raises the launcher's ``ChildFailedError`` if a
-    worker fails.
+    thread per core share (``OMP_NUM_THREADS``); workers print to this process's terminal and the
+    launcher's per-attempt files go to a temporary folder removed afterwards. Raises the launcher's
+    ``ChildFailedError`` if a worker fails, ``SignalException`` on Ctrl-C / SIGTERM.
     """
-    from ptdp.train import worker_entry
-
     cores = len(os.sched_getaffinity(0))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    with tempfile.TemporaryDirectory(prefix="ptdp-launch-") as log_dir:
+        return _launch(config, nproc, run_dir, data_dir, progress, log_dir)
+
+
+def _launch(config: Config, nproc: int, run_dir: str, data_dir: str, progress: bool, log_dir: str) -> dict:
+    from ptdp.train import worker_entry
+
     launch_config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -32,6 +40,7 @@ def launch_local(config: Config, nproc: int, run_dir: str, data_dir: str, *, pro
         max_restarts=0,
         monitor_interval=0.2,
         start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
     results = elastic_launch(launch_config, worker_entry)(config.to_json(), run_dir, data_dir, progress)
     return results[0]

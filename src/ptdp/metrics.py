@@ -4,6 +4,7 @@ progress bar. Only global rank 0 writes."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ class RunLog:
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
             self._file.flush()
 
     def step(self, iteration: int, loss: float, step_time_s: float, tokens_per_s: float, lr: float) -> None:
@@ -58,7 +59,34 @@ class RunLog:
             self._file.close()
 
 
+def json_safe(obj: Any) -> Any:
+    """``obj`` with nan/inf floats replaced by None, so the output is strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def write_json(path: Path, obj: Any) -> None:
     tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps(json_safe(obj), indent=2, sort_keys=True, allow_nan=False) + "\n", encoding="utf-8")
     tmp.replace(path)
+
+
+def format_summary(s: dict, run_dir) -> str:
+    """The few lines printed at the end of a run."""
+    lines = [f"done: {s['iterations']} iterations in {s['elapsed_s']:.1f} s"]
+    if s.get("tokens_per_s"):
+        lines.append(f"  throughput: {s['tokens_per_s']:,.0f} tokens/s, {s['mean_step_time_s']:.3f} s/step")
+    if s.get("final_loss") is not None:
+        lines.append(f"  train loss: {s['first_loss']:.4f} -> {s['final_loss']:.4f}")
+    if s.get("val_loss_ratio") is not None:
+        lines.append(
+            f"  validation loss: {s['initial_val_loss']:.4f} -> {s['final_val_loss']:.4f} "
+            f"({s['val_loss_ratio']:.2f} of its start)"
+        )
+    lines.append(f"  run directory: {run_dir} (config.json, metrics.jsonl, summary.json)")
+    return "\n".join(lines)

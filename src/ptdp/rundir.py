@@ -26,7 +26,10 @@ def prepare(config: Config, log=print) -> PreparedData:
             one validation sequence (checked here, before any worker starts).
     """
     paths = list(config.data.data_paths) or None
-    data = prepare_data(paths, config.model.vocab_size, cache_dir(config), config.data.valid_fraction, log=log)
+    cache = cache_dir(config)
+    if cache.exists() and not cache.is_dir():
+        raise DataError(f"data cache directory {cache} exists and is not a directory")
+    data = prepare_data(paths, config.model.vocab_size, cache, config.data.valid_fraction, log=log)
     check_data_fits(config, data)
     return data
 
@@ -48,15 +51,23 @@ def check_data_fits(config: Config, data: PreparedData) -> None:
         )
 
 
-def make_run_dir(config: Config, *, overwrite: bool) -> Path:
-    """Create the run directory; refuse a non-empty existing one unless ``overwrite``.
-
-    Default name: ``runs/<YYYYmmdd-HHMMSS>-tp<TP>-pp<PP>-dp<DP>``.
-    """
+def run_dir_path(config: Config) -> Path:
+    """``--output-dir``, else ``runs/<YYYYmmdd-HHMMSS>-tp<TP>-pp<PP>-dp<DP>``."""
     p = config.parallel
-    path = Path(config.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-tp{p.tp}-pp{p.pp}-dp{p.dp}")
-    if path.exists() and any(path.iterdir()) and not overwrite:
+    return Path(config.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-tp{p.tp}-pp{p.pp}-dp{p.dp}")
+
+
+def check_run_dir(path: Path, *, overwrite: bool) -> None:
+    """Raise ConfigError if ``path`` is a file, or a non-empty folder and not ``overwrite``."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"output directory {path} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
         raise ConfigError(f"output directory {path} exists and is not empty; pass --overwrite or another --output-dir")
+
+
+def make_run_dir(path: Path, *, overwrite: bool) -> Path:
+    """Create the run directory (after :func:`check_run_dir`); a stale ``metrics.jsonl`` is removed."""
+    check_run_dir(path, overwrite=overwrite)
     path.mkdir(parents=True, exist_ok=True)
     metrics = path / "metrics.jsonl"
     if metrics.exists():

@@ -4,7 +4,7 @@
   runs; data and run directory were prepared by the launching process.
 - :func:`main`: ``torchrun ... -m ptdp.train [flags]`` on a cluster. Every process validates the
   flags before any process group exists; local rank 0 of each node prepares the data (cached)
-  while the others wait; global rank 0 creates the run directory.
+  while the others wait; global rank 0 creates the run directory and prints the summary.
 """
 
 from __future__ import annotations
@@ -13,20 +13,26 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
+import socket
 import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
 from ptdp import comm
-from ptdp.args import add_train_arguments, config_from_args
+from ptdp.args import HelpFormatter, add_train_arguments, config_from_args
 from ptdp.config import Config, ConfigError, resolve
 from ptdp.data import DataError, PreparedData
 from ptdp.distributed import env_world, init_distributed
-from ptdp.groups import ParallelGroups
+from ptdp.groups import ParallelGroups, host_group
 from ptdp.layout import ParallelLayout
-from ptdp.rundir import make_run_dir, prepare, write_config
-from ptdp.trainer import train
+from ptdp.metrics import format_summary
+from ptdp.rundir import check_run_dir, make_run_dir, prepare, run_dir_path, write_config
+from ptdp.trainer import TrainingError, train
+
+#: Waiting for another rank to tokenize a large corpus may take much longer than a collective.
+DATA_PREPARATION_TIMEOUT = datetime.timedelta(hours=4)
 
 
 def _run(config: Config, run_dir: Path, data: PreparedData, device, progress: bool) -> dict:
@@ -37,53 +43,84 @@ def _run(config: Config, run_dir: Path, data: PreparedData, device, progress: bo
 
 
 def worker_entry(config_json: str, run_dir: str, data_dir: str, progress: bool) -> dict:
-    """Run one worker of a job launched by ``ptdp train``; returns the run summary."""
+    """Run one worker of a job launched by ``ptdp train``; returns the run summary, or
+    ``{"error": message}`` when training had to stop (the same on every rank)."""
     config = Config.from_dict(json.loads(config_json))
     device = init_distributed(config.parallel.distributed_timeout_minutes)
     try:
         return _run(config, Path(run_dir), PreparedData.load(data_dir), device, progress)
+    except TrainingError as e:
+        return {"error": str(e)}
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None  # the launcher reports the interruption
     finally:
         dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ptdp.train`` under torchrun (or any launcher that sets RANK/WORLD_SIZE)."""
-    parser = argparse.ArgumentParser(prog="python -m ptdp.train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    """``python -m ptdp.train`` under torchrun (or alone: then a single process)."""
+    parser = argparse.ArgumentParser(prog="python -m ptdp.train", description=__doc__, formatter_class=HelpFormatter)
     add_train_arguments(parser, local_launch=False)
     args = parser.parse_args(argv)
+    _single_process_defaults()
     rank, local_rank, world = env_world()
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
     try:
         config = resolve(config_from_args(args), world)
     except ConfigError as e:
-        print(f"ptdp.train: error: {e}", file=sys.stderr)
+        say(f"ptdp.train: error: {e}")
         return 2
     device = init_distributed(config.parallel.distributed_timeout_minutes)
     try:
-        data = _prepare_once(config, local_rank)
-        run_dir = None
-        if rank == 0:
-            run_dir = make_run_dir(config, overwrite=args.overwrite)
-            config = dataclasses.replace(config, output_dir=str(run_dir))
-            write_config(run_dir, config, data)
-        run_dir = Path(comm.broadcast_object(run_dir, src=0))
-        _run(config, run_dir, data, device, progress=not args.no_progress)
-    except (ConfigError, DataError) as e:
-        print(f"ptdp.train: rank {rank}: error: {e}", file=sys.stderr)
-        return 2
+        host = host_group(DATA_PREPARATION_TIMEOUT)
+        run_dir, data = _setup(config, args.overwrite, rank, local_rank, host)
+        config = dataclasses.replace(config, output_dir=str(run_dir))
+        summary = _run(config, run_dir, data, device, progress=not args.no_progress)
+        say(format_summary(summary, run_dir))
+    except (ConfigError, DataError, TrainingError) as e:
+        say(f"ptdp.train: error: {e}")
+        return 1 if isinstance(e, TrainingError) else 2
     finally:
         dist.destroy_process_group()
     return 0
 
 
-def _prepare_once(config: Config, local_rank: int) -> PreparedData:
-    """Local rank 0 builds the cache; the others wait, then find it ready."""
-    if local_rank == 0:
-        data = prepare(config)
-    comm.world_barrier()
+def _setup(config: Config, overwrite: bool, rank: int, local_rank: int, host) -> tuple[Path, PreparedData]:
+    """Check the run directory (rank 0), prepare data (local rank 0 of each node, the others wait),
+    create the run directory; any rank's error is raised on every rank."""
+    run_dir = run_dir_path(config)
+    error, data = None, None
+    try:
+        if rank == 0:
+            check_run_dir(run_dir, overwrite=overwrite)
+        if local_rank == 0:
+            data = prepare(config)
+    except (ConfigError, DataError) as e:
+        error = e
+    _raise_first(comm.all_gather_object(error, host))
     if local_rank != 0:
-        data = prepare(config, log=lambda _msg: None)
-    return data
+        data = prepare(config, log=lambda _msg: None)  # built by local rank 0: found in the cache
+    if rank == 0:
+        make_run_dir(run_dir, overwrite=overwrite)
+        write_config(run_dir, dataclasses.replace(config, output_dir=str(run_dir)), data)
+    return Path(comm.broadcast_object(str(run_dir), host, src=0)), data
+
+
+def _raise_first(errors: list) -> None:
+    for e in errors:
+        if e is not None:
+            raise e
+
+
+def _single_process_defaults() -> None:
+    """Without a launcher, run as a world of one process on a free local port."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Runs inside an initialised process group (``ptdp.train``); every rank executes i
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -15,6 +16,10 @@ from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, dp_shard, 
 from ptdp.groups import ParallelGroups
 from ptdp.metrics import RunLog, write_json
 from ptdp.step import build_stage, eval_loss, train_step, with_vocab
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. the loss or gradient norm became nan/inf); all ranks raise it."""
 
 
 def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: Path, device: torch.device,
@@ -61,6 +66,13 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
         if iteration % t.log_interval == 0 or iteration == 1 or iteration == t.train_iters:
             log.write(record)
         log.step(iteration, result.loss, step_time, record["tokens_per_s"], result.lr)
+        if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
+            log.write(record)
+            log.close()
+            raise TrainingError(
+                f"loss {result.loss} / gradient norm {result.grad_norm} is not finite at iteration "
+                f"{iteration}; stopping (try a lower --lr or --clip-grad, or check the data)"
+            )
         if iteration % t.eval_interval == 0 and iteration != t.train_iters:
             evaluate(iteration)
     evaluate(t.train_iters)

@@ -158,7 +158,9 @@ def _read_text(path: Path) -> str | None:
 
 
 def _jsonl_documents(path: Path, doc_id: str, text: str) -> Iterator[Document]:
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    # JSON Lines separates records by "\n" only; str.splitlines would also split inside strings
+    # holding U+2028, U+2029 or U+0085, which json.dumps(ensure_ascii=False) writes unescaped.
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:

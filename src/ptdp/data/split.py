@@ -34,7 +34,8 @@ def assign_splits(doc_ids: Sequence[str], valid_fraction: float) -> list[bool]:
     check_valid_fraction(valid_fraction)
     if len(doc_ids) < 2:
         raise DataError(
-            f"need at least 2 documents to split into train and validation, got {len(doc_ids)}"
+            f"need at least 2 documents to split into train and validation, got {len(doc_ids)}; "
+            f"give a folder of several text files, or a .jsonl file with one document per line"
         )
     units = [stable_unit(d) for d in doc_ids]
     is_valid = [u < valid_fraction for u in units]
