@@ -63,11 +63,11 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
             "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
         }
         history["train"].append(record)
-        if iteration % t.log_interval == 0 or iteration == 1 or iteration == t.train_iters:
+        finite = math.isfinite(result.loss) and math.isfinite(result.grad_norm)
+        if not finite or iteration % t.log_interval == 0 or iteration in (1, t.train_iters):
             log.write(record)
         log.step(iteration, result.loss, step_time, record["tokens_per_s"], result.lr)
-        if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
-            log.write(record)
+        if not finite:
             log.close()
             raise TrainingError(
                 f"loss {result.loss} / gradient norm {result.grad_norm} is not finite at iteration "
