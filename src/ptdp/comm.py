@@ -97,11 +97,6 @@ def all_reduce(tensor: torch.Tensor, axis: AxisGroup, *, op: str = "sum", tag: s
     return tensor
 
 
-def barrier(axis: AxisGroup) -> None:
-    if axis.size > 1:
-        dist.barrier(group=axis.group)
-
-
 @dataclass(frozen=True)
 class P2P:
     """One point-to-point transfer: ``kind`` is "send" or "recv", ``peer`` an index in the axis."""
