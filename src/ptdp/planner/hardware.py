@@ -1,0 +1,137 @@
+"""GPU and cluster catalog for the planner: peak FLOP/s, memory, and link bandwidths.
+
+All bandwidths are bytes per second *per GPU and per direction*; capacities are bytes; peaks are
+dense (no sparsity) FLOP/s. Each figure cites its datasheet. Users add or override GPUs with a
+TOML or JSON file (:func:`load_catalog`) whose tables have the fields of :class:`GPUSpec`.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+GiB = 1024**3
+GB = 1e9
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One GPU model as deployed in a typical node.
+
+    Attributes:
+        name: catalog key, e.g. ``a100-80gb``.
+        peak_flops: dense peak FLOP/s per precision ("bf16", "fp16", "tf32", "fp32").
+        memory_bytes: HBM capacity usable by a process (bytes).
+        memory_bandwidth: HBM bandwidth (bytes/s).
+        nvlink_bandwidth: NVLink bandwidth per GPU per direction (bytes/s); 0 for PCIe-only.
+        network_bandwidth: inter-node bandwidth per GPU per direction (bytes/s), e.g. one HDR
+            200 Gb/s InfiniBand port per GPU = 25e9.
+        gpus_per_node: GPUs in one node (one NVLink domain).
+        source: where the figures come from.
+    """
+
+    name: str
+    peak_flops: dict[str, float]
+    memory_bytes: float
+    memory_bandwidth: float
+    nvlink_bandwidth: float
+    network_bandwidth: float
+    gpus_per_node: int = 8
+    source: str = ""
+
+    def peak(self, precision: str) -> float:
+        if precision not in self.peak_flops:
+            raise ValueError(f"{self.name} has no peak for precision {precision!r}; known: {sorted(self.peak_flops)}")
+        return self.peak_flops[precision]
+
+
+# NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOPS BF16/FP16 dense, 156 TF32, 19.5 FP32;
+# 40 GB HBM2 at 1,555 GB/s, 80 GB HBM2e at 2,039 GB/s (SXM); NVLink 3 600 GB/s bidirectional.
+# DGX A100 user guide: 8 GPUs, 8 x 200 Gb/s HDR InfiniBand compute ports (one per GPU).
+_A100_PEAK = {"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "tf32": 156 * TFLOPS, "fp32": 19.5 * TFLOPS}
+# NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989.5 TFLOPS BF16/FP16 dense (1,979 with sparsity),
+# 494.7 TF32, 66.9 FP32; 80 GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s bidirectional.
+# DGX H100: 8 x 400 Gb/s NDR InfiniBand (ConnectX-7), one per GPU.
+_H100_PEAK = {"bf16": 989.5 * TFLOPS, "fp16": 989.5 * TFLOPS, "tf32": 494.7 * TFLOPS, "fp32": 66.9 * TFLOPS}
+
+CATALOG: dict[str, GPUSpec] = {
+    "a100-40gb": GPUSpec("a100-40gb", _A100_PEAK, 40 * GiB, 1555 * GB, 300 * GB, 25 * GB, 8,
+                         "NVIDIA A100 datasheet (SXM4 40GB); DGX A100 HDR 200 Gb/s per GPU"),
+    "a100-80gb": GPUSpec("a100-80gb", _A100_PEAK, 80 * GiB, 2039 * GB, 300 * GB, 25 * GB, 8,
+                         "NVIDIA A100 datasheet (SXM4 80GB); DGX A100 HDR 200 Gb/s per GPU"),
+    "h100-sxm": GPUSpec("h100-sxm", _H100_PEAK, 80 * GiB, 3350 * GB, 450 * GB, 50 * GB, 8,
+                        "NVIDIA H100 datasheet (SXM5 80GB); DGX H100 NDR 400 Gb/s per GPU"),
+    # NVIDIA H200 datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; nvidia-smi
+    # reports 143,771 MiB of memory.
+    "h200": GPUSpec("h200", _H100_PEAK, 143771 * 2**20, 4800 * GB, 450 * GB, 50 * GB, 8,
+                    "NVIDIA H200 datasheet (SXM 141GB); NDR 400 Gb/s per GPU"),
+    # NVIDIA V100 datasheet (SXM2 32GB): 125 TFLOPS FP16 tensor, 15.7 FP32; HBM2 900 GB/s;
+    # NVLink 2 300 GB/s bidirectional. DGX-1V: 4 x 100 Gb/s EDR InfiniBand for 8 GPUs.
+    "v100-32gb": GPUSpec("v100-32gb", {"fp16": 125 * TFLOPS, "fp32": 15.7 * TFLOPS}, 32 * GiB, 900 * GB,
+                         150 * GB, 6.25 * GB, 8, "NVIDIA V100 datasheet (SXM2 32GB); DGX-1V 4 x EDR 100 Gb/s"),
+}
+CATALOG["h100"] = CATALOG["h100-sxm"]
+CATALOG["v100"] = CATALOG["v100-32gb"]
+
+
+class UnknownGPUError(ValueError):
+    """A GPU name that is not in the catalog; the message lists the known names."""
+
+
+def get_gpu(name: str, catalog: dict[str, GPUSpec] | None = None) -> GPUSpec:
+    catalog = catalog if catalog is not None else CATALOG
+    key = name.lower()
+    if key not in catalog:
+        raise UnknownGPUError(f"unknown GPU {name!r}; known: {', '.join(sorted(catalog))} (add one with --gpu-catalog FILE)")
+    return catalog[key]
+
+
+def load_catalog(path: str | Path) -> dict[str, GPUSpec]:
+    """The built-in catalog plus the GPUs of a TOML or JSON file.
+
+    File format: one table per GPU, keyed by name, with the :class:`GPUSpec` fields, e.g. (TOML)::
+
+        [my-gpu]
+        peak_flops = { bf16 = 400e12, fp32 = 50e12 }
+        memory_bytes = 48e9
+        memory_bandwidth = 1.0e12
+        nvlink_bandwidth = 0
+        network_bandwidth = 12.5e9
+        gpus_per_node = 4
+        source = "vendor sheet"
+
+    Raises ValueError naming the file and the missing or unknown field.
+    """
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    known = {f.name for f in fields(GPUSpec)}
+    required = known - {"name", "gpus_per_node", "source"}
+    out = dict(CATALOG)
+    for name, table in raw.items():
+        missing = required - set(table)
+        unknown = set(table) - known
+        if missing or unknown:
+            raise ValueError(f"{path}: GPU {name!r}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
+        out[name.lower()] = GPUSpec(name=name.lower(), **{k: v for k, v in table.items() if k != "name"})
+    return out
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``num_gpus`` GPUs of one kind in nodes of ``gpus_per_node``."""
+
+    gpu: GPUSpec
+    num_gpus: int
+    gpus_per_node: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node == 0:
+            object.__setattr__(self, "gpus_per_node", self.gpu.gpus_per_node)
+        if self.num_gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"num_gpus={self.num_gpus} and gpus_per_node={self.gpus_per_node} must be >= 1")
+        if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
+            raise ValueError(f"num_gpus={self.num_gpus} is not a multiple of gpus_per_node={self.gpus_per_node}")

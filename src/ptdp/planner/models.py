@@ -1,0 +1,93 @@
+"""Model shapes the planner knows by name, and the model description it plans for.
+
+GPT models follow ptdp's GPT (pre-LayerNorm with biases, learned positions, GELU MLP of width
+``ffn``, tied embeddings); Llama-style models use RMSNorm without biases, rotary positions (no
+position table), a SwiGLU MLP (three ``h x ffn`` matrices) and grouped-query attention with
+``num_query_groups`` key/value heads, untied embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer.
+
+    Attributes:
+        num_layers, hidden_size, num_attention_heads: l, h, a.
+        ffn_hidden_size: MLP width (None: 4h).
+        vocab_size: V before padding.
+        seq_length: s.
+        num_query_groups: key/value heads for grouped-query attention (None: a, multi-head).
+        swiglu: gated MLP with three matrices (Llama) instead of two (GPT).
+        tied: output layer shares the input embedding.
+        llama_style: RMSNorm without biases, rotary positions (no learned position table).
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int | None = None
+    vocab_size: int = 51200
+    seq_length: int = 2048
+    num_query_groups: int | None = None
+    swiglu: bool = False
+    tied: bool = True
+    llama_style: bool = False
+    name: str = "custom"
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+
+def _gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
+    return ModelSpec(layers, hidden, heads, vocab_size=51200, seq_length=2048, name=name)
+
+
+def _llama(name, layers, hidden, heads, groups, ffn, vocab, seq) -> ModelSpec:
+    return ModelSpec(layers, hidden, heads, ffn, vocab, seq, num_query_groups=groups, swiglu=True, tied=False,
+                     llama_style=True, name=name)
+
+
+PRESETS: dict[str, ModelSpec] = {
+    # Narayanan et al. SC21 (arXiv:2104.04473), Table 1: vocabulary 51,200, sequence 2,048.
+    "gpt-1.7b": _gpt("gpt-1.7b", 24, 2304, 24),
+    "gpt-3.6b": _gpt("gpt-3.6b", 30, 3072, 32),
+    "gpt-7.5b": _gpt("gpt-7.5b", 36, 4096, 32),
+    "gpt-18.4b": _gpt("gpt-18.4b", 40, 6144, 48),
+    "gpt-39.1b": _gpt("gpt-39.1b", 48, 8192, 64),
+    "gpt-76.1b": _gpt("gpt-76.1b", 60, 10240, 80),
+    "gpt-145.6b": _gpt("gpt-145.6b", 80, 12288, 96),
+    "gpt-310.1b": _gpt("gpt-310.1b", 96, 16384, 128),
+    "gpt-529.6b": _gpt("gpt-529.6b", 105, 20480, 128),
+    "gpt-1008b": _gpt("gpt-1008b", 128, 25600, 160),
+    # Brown et al. 2020 (arXiv:2005.14165) Table 2.1, as trained in Megatron (vocabulary 51,200).
+    "gpt3-175b": _gpt("gpt3-175b", 96, 12288, 96),
+    # Touvron et al. 2023, Llama 2 (arXiv:2307.09288) and its released configs.
+    "llama2-7b": _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+    "llama2-13b": _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+    "llama2-70b": _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+    # Llama 3 (Dubey et al. 2024, arXiv:2407.21783, Table 3) and its released configs.
+    "llama3-8b": _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+    "llama3-70b": _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    "llama3-405b": _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+}
+PRESETS["gpt-1t"] = PRESETS["gpt-1008b"]
+
+
+class UnknownModelError(ValueError):
+    """A model preset name that does not exist; the message lists the known names."""
+
+
+def get_model(name: str) -> ModelSpec:
+    key = name.lower()
+    if key not in PRESETS:
+        raise UnknownModelError(f"unknown model {name!r}; known: {', '.join(sorted(PRESETS))}")
+    return PRESETS[key]

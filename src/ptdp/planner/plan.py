@@ -1,0 +1,117 @@
+"""What the planner evaluates (a :class:`Layout`) and what it predicts for it (a :class:`Plan`).
+
+Units: bytes, seconds, FLOP/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a model on a cluster.
+
+    Attributes:
+        tp, pp, dp: tensor-, pipeline- and data-parallel sizes (tp * pp * dp GPUs).
+        micro_batch_size: b; global_batch_size: B; m = B / (b * dp) microbatches per step.
+        virtual_stages: v model chunks per pipeline rank (interleaved 1F1B when > 1).
+        recompute: "none", "selective" (attention scores) or "full" (each layer's input kept).
+        sequence_parallel: LayerNorm/dropout regions split along the sequence over tp (Korthikanti
+            et al. 2022); TP all-reduces become all-gather + reduce-scatter.
+        distributed_optimizer: optimizer state (and fp32 main parameters) sharded over dp (ZeRO-1).
+        precision: "bf16", "fp16" (mixed precision with fp32 main weights) or "fp32".
+    """
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    global_batch_size: int
+    virtual_stages: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    precision: str = "bf16"
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on the most loaded GPU (the pipeline stage with the largest total)."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    overhead: float
+    stage: int = 0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.overhead
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Seconds of one optimizer step; ``step`` is the predicted wall time, the others its parts.
+
+    compute: forward + backward GEMMs and attention on the busiest stage over all microbatches;
+    recompute: the extra forward of activation recomputation; tp_comm / pp_comm: exposed
+    tensor-/pipeline-parallel communication; bubble: pipeline fill and drain; dp_comm: the part of
+    the data-parallel gradient reduction not hidden behind backward; optimizer: the update.
+    """
+
+    compute: float
+    recompute: float
+    tp_comm: float
+    pp_comm: float
+    bubble: float
+    dp_comm: float
+    optimizer: float
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.recompute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer
+
+
+@dataclass
+class Plan:
+    """The prediction for one layout; ``reasons`` say why it does not fit or cannot run."""
+
+    layout: Layout
+    fits: bool
+    memory: MemoryBreakdown | None = None
+    time: TimeBreakdown | None = None
+    tflops_per_gpu: float | None = None
+    mfu: float | None = None
+    reasons: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        """The ``--json`` record: layout fields, fits, memory_bytes, time_s, tflops_per_gpu, mfu, reasons."""
+        out = {k: v for k, v in asdict(self.layout).items()}
+        out["fits"] = self.fits
+        out["memory_bytes"] = (
+            {**{k: getattr(self.memory, k) for k in ("params", "grads", "optimizer", "activations", "overhead")},
+             "total": self.memory.total}
+            if self.memory else None
+        )
+        out["time_s"] = (
+            {**{k: getattr(self.time, k) for k in ("compute", "recompute", "tp_comm", "pp_comm", "bubble",
+                                                    "dp_comm", "optimizer")}, "step": self.time.step}
+            if self.time else None
+        )
+        out["tflops_per_gpu"] = self.tflops_per_gpu
+        out["mfu"] = self.mfu
+        out["reasons"] = list(self.reasons)
+        return out
