@@ -236,8 +236,11 @@ def resolve(config: Config, world_size: int) -> Config:
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     dp = _resolve_dp(p, world_size, errors)
-    errors += _model_rules(m, p.tp, p.pp, p.pipeline_layer_split)
-    errors += _train_rules(t, dp)
+    errors += layout_errors(
+        m, tp=p.tp, pp=p.pp, dp=dp, micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size, split=p.pipeline_layer_split,
+    )
+    errors += _train_rules(t)
     if config.data.valid_fraction <= 0 or config.data.valid_fraction >= 1:
         errors.append(f"valid_fraction={config.data.valid_fraction} must be in (0, 1)")
     if p.distributed_timeout_minutes <= 0:
@@ -301,6 +304,24 @@ def _resolve_dp(p: ParallelConfig, world_size: int, errors: list[str]) -> int:
     return dp
 
 
+def layout_errors(
+    m: ModelConfig, *, tp: int, pp: int, dp: int, micro_batch_size: int, global_batch_size: int,
+    split: tuple[int, ...] | None = None,
+) -> list[str]:
+    """The rules tying a model and batch to a tp x pp x dp layout, one message per broken rule.
+
+    Shared by :func:`resolve` and the planner, so every layout the planner proposes can run.
+    """
+    errors = _model_rules(m, tp, pp, split)
+    b, big_b = micro_batch_size, global_batch_size
+    if big_b % (b * dp) != 0:
+        errors.append(
+            f"global_batch_size={big_b} is not divisible by micro_batch_size*dp = {b}*{dp} = "
+            f"{b * dp} (rule: B % (b * dp) == 0)"
+        )
+    return errors
+
+
 def _model_rules(m: ModelConfig, tp: int, pp: int, split: tuple[int, ...] | None) -> list[str]:
     errors = []
     a, h = m.num_attention_heads, m.hidden_size
@@ -329,14 +350,8 @@ def _model_rules(m: ModelConfig, tp: int, pp: int, split: tuple[int, ...] | None
     return errors
 
 
-def _train_rules(t: TrainConfig, dp: int) -> list[str]:
+def _train_rules(t: TrainConfig) -> list[str]:
     errors = []
-    b, big_b = t.micro_batch_size, t.global_batch_size
-    if big_b % (b * dp) != 0:
-        errors.append(
-            f"global_batch_size={big_b} is not divisible by micro_batch_size*dp = {b}*{dp} = "
-            f"{b * dp} (rule: B % (b * dp) == 0)"
-        )
     if not t.lr > 0:
         errors.append(f"lr={t.lr} must be > 0")
     if not 0 <= t.min_lr <= t.lr:

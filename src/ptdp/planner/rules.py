@@ -1,0 +1,89 @@
+"""Why a layout cannot run: the rules of ``ptdp train``'s config plus the planner's own.
+
+Each broken rule is a :class:`Rejection` with a short ``rule`` key (for grouping in reports) and a
+message naming the numbers, e.g. ``tp=16 crosses nodes (8 GPUs per node)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ptdp.config import ModelConfig, layout_errors
+from ptdp.planner.hardware import Cluster
+from ptdp.planner.models import ModelSpec
+from ptdp.planner.plan import PRECISIONS, RECOMPUTE, Layout
+
+_CONFIG_RULE_KEYS = {
+    "num_attention_heads": "heads % tp",
+    "hidden_size": "hidden % heads",
+    "ffn_hidden_size": "ffn % tp",
+    "num_layers": "layers % pp",
+    "pipeline_layer_split": "layers % pp",
+    "global_batch_size": "B % (b * dp)",
+    "vocab_size": "vocab size",
+}
+
+
+@dataclass(frozen=True)
+class Rejection:
+    rule: str
+    message: str
+
+
+@functools.lru_cache(maxsize=None)
+def _model_config(model: ModelSpec) -> ModelConfig:
+    return ModelConfig(
+        num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
+        ffn_hidden_size=model.ffn, seq_length=model.seq_length, vocab_size=model.vocab_size,
+        untie_embeddings_and_output_weights=not model.tied,
+    )
+
+
+@functools.lru_cache(maxsize=65536)
+def structural_rejections(model: ModelSpec, tp: int, pp: int, dp: int, b: int, big_b: int,
+                          gpus_per_node: int) -> tuple[Rejection, ...]:
+    """Rules on (tp, pp, dp, b) alone: ptdp's config rules, grouped-query heads, node boundary."""
+    out = []
+    for message in layout_errors(_model_config(model), tp=tp, pp=pp, dp=dp, micro_batch_size=b,
+                                 global_batch_size=big_b):
+        key = _CONFIG_RULE_KEYS.get(message.split("=", 1)[0], "config")
+        out.append(Rejection(key, message))
+    if model.kv_heads % tp != 0:
+        out.append(Rejection("kv heads % tp", f"num_query_groups={model.kv_heads} is not divisible by tp={tp} "
+                                              f"(rule: key/value heads % tp == 0)"))
+    if tp > gpus_per_node:
+        out.append(Rejection("tp crosses nodes", f"tp={tp} crosses nodes ({gpus_per_node} GPUs per node); "
+                                                 f"tensor parallelism needs NVLink"))
+    return tuple(out)
+
+
+def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Rejection]:
+    """Rules of the interleaved schedule and of the option values."""
+    out = []
+    v, pp, m = layout.virtual_stages, layout.pp, layout.num_microbatches
+    if v > 1:
+        if pp < 2:
+            out.append(Rejection("interleaving", f"virtual_stages={v} needs pp >= 2 (pp={pp})"))
+        if model.num_layers % (pp * v):
+            out.append(Rejection("interleaving", f"num_layers={model.num_layers} is not divisible by "
+                                                 f"pp*v = {pp}*{v} = {pp * v}"))
+        if m % pp:
+            out.append(Rejection("interleaving", f"interleaved 1F1B needs microbatches m={m} % pp={pp} == 0"))
+    if layout.recompute not in RECOMPUTE:
+        out.append(Rejection("option", f"recompute={layout.recompute!r} not in {RECOMPUTE}"))
+    if layout.precision not in PRECISIONS:
+        out.append(Rejection("option", f"precision={layout.precision!r} not in {PRECISIONS}"))
+    return out
+
+
+def all_rejections(model: ModelSpec, layout: Layout, cluster: Cluster) -> list[Rejection]:
+    """Every rule ``layout`` breaks on ``cluster`` (memory excluded)."""
+    out = []
+    if layout.num_gpus != cluster.num_gpus:
+        out.append(Rejection("gpus", f"tp*pp*dp = {layout.tp}*{layout.pp}*{layout.dp} = {layout.num_gpus} "
+                                     f"!= {cluster.num_gpus} GPUs"))
+    out += structural_rejections(model, layout.tp, layout.pp, layout.dp, layout.micro_batch_size,
+                                 layout.global_batch_size, cluster.gpus_per_node)
+    out += schedule_rejections(model, layout)
+    return out

@@ -1,0 +1,142 @@
+"""Search every valid layout for a model on a cluster, predict each, rank by step time.
+
+The search enumerates tp x pp x dp = number of GPUs, micro batch size, virtual pipeline stages,
+recompute granularity, sequence parallelism and the distributed optimizer; any of them can be
+fixed. Layouts that break a rule (:mod:`ptdp.planner.rules`, the same rules ``ptdp train``
+checks) or do not fit in memory are kept as rejected plans with their reasons.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ptdp.planner.hardware import Cluster, GiB
+from ptdp.planner.memory import memory_breakdown
+from ptdp.planner.models import ModelSpec
+from ptdp.planner.perf import DEFAULT_CONSTANTS, evaluate_performance
+from ptdp.planner.plan import RECOMPUTE, Layout, Plan
+from ptdp.planner.rules import Rejection, all_rejections, schedule_rejections, structural_rejections
+
+MAX_MICRO_BATCH = 32
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """Choices the user fixed; None means "search it"."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    micro_batch_size: int | None = None
+    virtual_stages: int | None = None
+    layers_per_virtual_stage: int | None = None
+    """Megatron's --num-layers-per-virtual-pipeline-stage: v = num_layers / (pp * this)."""
+    recompute: str | None = None
+    sequence_parallel: bool | None = None
+    distributed_optimizer: bool | None = None
+
+
+@dataclass
+class SearchResult:
+    """Fitting plans ranked fastest first, and every rejected plan with the rule it broke."""
+
+    plans: list[Plan]
+    rejected: list[tuple[Plan, Rejection]] = field(default_factory=list)
+
+    @property
+    def evaluated(self) -> int:
+        return len(self.plans) + len(self.rejected)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, *, constants=DEFAULT_CONSTANTS,
+             overhead_bytes: float | None = None) -> tuple[Plan, Rejection | None]:
+    """Predict one layout: rules, then memory, then (if it fits) time. Returns the plan and the
+    first rejection (None when it fits)."""
+    broken = all_rejections(model, layout, cluster)
+    if broken:
+        return Plan(layout, False, reasons=[r.message for r in broken]), broken[0]
+    return _predict(model, layout, cluster, constants, overhead_bytes)
+
+
+def _predict(model, layout, cluster, constants, overhead_bytes) -> tuple[Plan, Rejection | None]:
+    kwargs = {} if overhead_bytes is None else {"overhead_bytes": overhead_bytes}
+    memory = memory_breakdown(model, layout, cluster.gpu, **kwargs)
+    capacity = cluster.gpu.memory_bytes
+    if memory.total > capacity:
+        largest = max(("params", "grads", "optimizer", "activations"), key=lambda k: getattr(memory, k))
+        message = (f"memory {memory.total / GiB:.1f} GiB > {capacity / GiB:.1f} GiB on stage {memory.stage} "
+                   f"({largest} {getattr(memory, largest) / GiB:.1f} GiB)")
+        return Plan(layout, False, memory=memory, reasons=[message]), Rejection("memory", message)
+    perf = evaluate_performance(model, layout, cluster, constants)
+    return Plan(layout, True, memory, perf.time, perf.tflops_per_gpu, perf.mfu), None
+
+
+def _options(fixed_value, choices):
+    return [fixed_value] if fixed_value is not None else choices
+
+
+def search(model: ModelSpec, cluster: Cluster, global_batch_size: int, *, fixed: Fixed = Fixed(),
+           precision: str = "bf16", constants=DEFAULT_CONSTANTS, overhead_bytes: float | None = None) -> SearchResult:
+    """Every layout of ``cluster.num_gpus`` GPUs for ``model`` at ``global_batch_size``, predicted."""
+    result = SearchResult([])
+    n = cluster.num_gpus
+    for tp in _options(fixed.tp, divisors(n)):
+        if n % tp:
+            continue
+        for pp in _options(fixed.pp, divisors(n // tp)):
+            if n % (tp * pp) or (fixed.dp is not None and fixed.dp * tp * pp != n):
+                continue
+            dp = n // (tp * pp)
+            for b in _micro_batches(global_batch_size, dp, fixed.micro_batch_size):
+                _search_layout(model, cluster, tp, pp, dp, b, global_batch_size, fixed, precision,
+                               constants, overhead_bytes, result)
+    result.plans.sort(key=lambda p: p.time.step)
+    return result
+
+
+def _micro_batches(big_b: int, dp: int, fixed: int | None) -> list[int]:
+    if fixed is not None:
+        return [fixed]
+    if big_b % dp:
+        return [1]  # rejected by the batch rule, reported once
+    return [b for b in divisors(big_b // dp) if b <= MAX_MICRO_BATCH]
+
+
+def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, constants, overhead, result) -> None:
+    broken = structural_rejections(model, tp, pp, dp, b, big_b, cluster.gpus_per_node)
+    base = Layout(tp, pp, dp, b, big_b, precision=precision)
+    if broken:
+        result.rejected.append((Plan(base, False, reasons=[r.message for r in broken]), broken[0]))
+        return
+    if fixed.virtual_stages is not None:
+        vs = [fixed.virtual_stages]
+    elif fixed.layers_per_virtual_stage is not None:
+        per_stage = model.num_layers // pp if model.num_layers % pp == 0 else 0
+        if per_stage == 0 or per_stage % fixed.layers_per_virtual_stage:
+            message = (f"num_layers={model.num_layers} does not split into pp={pp} stages of chunks of "
+                       f"{fixed.layers_per_virtual_stage} layers")
+            result.rejected.append((Plan(base, False, reasons=[message]), Rejection("interleaving", message)))
+            return
+        vs = [per_stage // fixed.layers_per_virtual_stage]
+    elif pp > 1 and model.num_layers % pp == 0:
+        vs = divisors(model.num_layers // pp)
+    else:
+        vs = [1]
+    for v in vs:
+        for recompute in _options(fixed.recompute, list(RECOMPUTE)):
+            for sp in _options(fixed.sequence_parallel, [False, True] if tp > 1 else [False]):
+                for dopt in _options(fixed.distributed_optimizer, [False, True] if dp > 1 else [False]):
+                    layout = Layout(tp, pp, dp, b, big_b, v, recompute, sp, dopt, precision)
+                    bad = schedule_rejections(model, layout)
+                    if bad:
+                        result.rejected.append((Plan(layout, False, reasons=[r.message for r in bad]), bad[0]))
+                        continue
+                    plan, rejection = _predict(model, layout, cluster, constants, overhead)
+                    if rejection is None:
+                        result.plans.append(plan)
+                    else:
+                        result.rejected.append((plan, rejection))
