@@ -11,6 +11,8 @@ from ptdp.args import HelpFormatter, add_train_arguments, config_from_args, loca
 from ptdp.config import ConfigError, resolve
 from ptdp.data import DataError
 from ptdp.metrics import format_summary
+from ptdp.planner.hardware import UnknownGPUError
+from ptdp.planner.models import UnknownModelError
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 TRAIN_DESCRIPTION = """\
@@ -18,6 +20,14 @@ Train a GPT with tensor x pipeline x data parallelism on local worker processes
 (gloo on CPU, NCCL on GPUs), started by PyTorch's elastic launcher. With no flags:
 8 workers, TP=2 x PP=2 x DP=2, a small GPT, the Python standard library's sources as
 corpus. For several machines use: torchrun --nnodes N --nproc-per-node G -m ptdp.train ...
+"""
+
+
+PLAN_DESCRIPTION = """\
+Predict memory and step time of every tensor x pipeline x data parallel layout (with micro batch,
+interleaving, recompute, sequence parallelism, distributed optimizer) of a model on a GPU cluster;
+rank them and say why the others do not fit. Example:
+  ptdp plan --model gpt3-175b --gpus 1024 --gpu a100-80gb --global-batch-size 1536 --seq-length 2048
 """
 
 
@@ -29,7 +39,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(train, local_launch=True)
     train.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     train.set_defaults(func=cmd_train)
+
+    from ptdp.planner.args import add_plan_arguments
+
+    plan = sub.add_parser("plan", help="choose a parallel layout for a model on a GPU cluster, and explain why",
+                          description=PLAN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_plan_arguments(plan)
+    plan.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    plan.set_defaults(func=cmd_plan)
     return parser
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ptdp.planner.command import run
+
+    return run(args)
 
 
 def _one_line_warnings() -> None:
@@ -75,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, UnknownGPUError, UnknownModelError) as e:
         if getattr(args, "debug", False):
             raise
         print(f"ptdp {args.command}: error: {e}", file=sys.stderr)

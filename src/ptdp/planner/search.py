@@ -68,7 +68,7 @@ def _predict(model, layout, cluster, constants, overhead_bytes) -> tuple[Plan, R
     capacity = cluster.gpu.memory_bytes
     if memory.total > capacity:
         largest = max(("params", "grads", "optimizer", "activations"), key=lambda k: getattr(memory, k))
-        message = (f"memory {memory.total / GiB:.1f} GiB > {capacity / GiB:.1f} GiB on stage {memory.stage} "
+        message = (f"memory {memory.total / GiB:.2f} GiB > {capacity / GiB:.2f} GiB on stage {memory.stage} "
                    f"({largest} {getattr(memory, largest) / GiB:.1f} GiB)")
         return Plan(layout, False, memory=memory, reasons=[message]), Rejection("memory", message)
     perf = evaluate_performance(model, layout, cluster, constants)

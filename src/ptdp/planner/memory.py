@@ -1,0 +1,250 @@
+"""Memory model of one GPU: parameters, gradients, optimizer state, activations, fixed overhead.
+
+All results are bytes on ONE tensor-parallel rank of a pipeline stage (the unit that the GPU of
+that stage holds). Sources: [N21] Narayanan et al., SC21, arXiv:2104.04473; [K22] Korthikanti et
+al., "Reducing Activation Recomputation in Large Transformer Models", arXiv:2205.05198.
+
+Parameters are counted exactly from the shapes ptdp's :class:`ptdp.model.gpt.GPTModel` creates
+(``tests/test_planner_model_memory.py`` checks the count against the real ``numel``).
+
+Activations follow [K22] §4 (16-bit activations, 1-byte dropout masks), generalised term by term
+to grouped-query attention and SwiGLU (see :func:`layer_activation_bytes`), times the microbatches
+(or model chunks) a pipeline rank holds at its peak (:func:`inflight_microbatches`).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ptdp.config import padded_vocab_size, stage_layer_counts
+from ptdp.planner.hardware import GiB, GPUSpec
+from ptdp.planner.models import ModelSpec
+from ptdp.planner.plan import Layout, MemoryBreakdown
+
+#: Default fixed overhead per GPU (bytes): CUDA context and kernel images (~0.5 GiB on A100/H100),
+#: NCCL buffers of the 3-5 communicators a rank joins (tp, pp, dp, embedding, world; a few hundred
+#: MiB each at default NCCL_BUFFSIZE and channel counts), cuBLAS workspaces, and caching-allocator
+#: fragmentation at the activation peak. 2 GiB is deliberately round: large enough that a plan
+#: listed as fitting is not at the edge, small next to the 40-141 GiB of current GPUs.
+DEFAULT_OVERHEAD_BYTES = 2 * GiB
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------------
+def layer_param_count(model: ModelSpec, tp: int) -> int:
+    """Parameters of one transformer layer on one tp rank.
+
+    GPT (ptdp's ``TransformerLayer``): 2 LayerNorms (weight + bias, replicated, 4h), QKV
+    ``[3h/tp, h]`` + bias ``[3h/tp]``, proj ``[h, h/tp]`` + bias ``[h]`` (replicated), fc1
+    ``[ffn/tp, h]`` + bias ``[ffn/tp]``, fc2 ``[h, ffn/tp]`` + bias ``[h]`` (replicated).
+    Llama-style: 2 RMSNorm weights (2h), QKV ``[(a + 2 kv) d / tp, h]``, proj ``[h, a d / tp]``,
+    SwiGLU (or a 2-matrix MLP if ``swiglu`` is False) ``n * [ffn/tp, h]``, no biases.
+    """
+    h, a, d = model.hidden_size, model.num_attention_heads, model.hidden_size // model.num_attention_heads
+    q, kv, ffn = a * d, model.kv_heads * d, model.ffn
+    mats = 3 if model.swiglu else 2
+    weights = (q + 2 * kv) * h // tp + q * h // tp + mats * ffn * h // tp
+    if model.llama_style:
+        return weights + 2 * h
+    biases = (q + 2 * kv) // tp + h + (mats - 1) * ffn // tp + h
+    return weights + biases + 4 * h
+
+
+def stage_param_counts(
+    model: ModelSpec,
+    tp: int,
+    pp: int,
+    *,
+    make_vocab_size_divisible_by: int = 128,
+    layer_split: tuple[int, ...] | None = None,
+) -> list[int]:
+    """Parameters held by one tp rank of each of the ``pp`` pipeline stages (exact).
+
+    First stage: word embedding ``[V_pad/tp, h]`` (V_pad: V rounded up to a multiple of
+    ``make_vocab_size_divisible_by * tp``) and, for GPT, learned positions ``[s, h]``. Last stage:
+    the final norm (weight + bias; RMSNorm: weight) and the output weight ``[V_pad/tp, h]`` when
+    untied, or, when tied and pp > 1, a copy of the word embedding. With pp = 1 one stage holds
+    everything. ``layer_split`` lists layers per stage (None: even, ``l % pp == 0`` required).
+    Raises ``ConfigError`` for an impossible split.
+    """
+    counts = stage_layer_counts(model.num_layers, pp, layer_split)
+    h = model.hidden_size
+    v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, tp)
+    embedding = v_pad // tp * h
+    per_layer = layer_param_count(model, tp)
+    first = embedding + (0 if model.llama_style else model.seq_length * h)
+    last = (h if model.llama_style else 2 * h) + (embedding if (not model.tied or pp > 1) else 0)
+    out = [n * per_layer for n in counts]
+    out[0] += first
+    out[-1] += last
+    return out
+
+
+def bytes_per_param(precision: str, dp: int = 1, distributed_optimizer: bool = False) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per parameter with Adam.
+
+    bf16/fp16 mixed precision [N21, K22; Micikevicius et al. 2018]: 2-byte weights, 4-byte fp32
+    main gradients, 12 bytes of optimizer state (fp32 main weights, Adam m and v): 2 + 4 + 12 = 18;
+    with the distributed optimizer (ZeRO-1) the 12 bytes are split over dp: 6 + 12/dp.
+    fp32: 4 + 4 + 8 (m, v) = 16; distributed: 8 + 8/dp.
+    """
+    if precision in ("bf16", "fp16"):
+        weights, grads, state = 2.0, 4.0, 12.0
+    elif precision == "fp32":
+        weights, grads, state = 4.0, 4.0, 8.0
+    else:
+        raise ValueError(f"precision={precision!r} must be one of bf16, fp16, fp32")
+    return weights, grads, (state / dp if distributed_optimizer else state)
+
+
+# --------------------------------------------------------------------------------------------
+# Activations
+# --------------------------------------------------------------------------------------------
+def layer_activation_bytes(model: ModelSpec, tp: int, micro_batch_size: int, *, sequence_parallel: bool,
+                           recompute: str) -> float:
+    """Activation bytes one transformer layer keeps for backward, per microbatch, on one tp rank.
+
+    [K22] eq. (1)-(2) and §5 for GPT, per layer (s: sequence, b: micro batch, h, a, t = tp):
+      no parallelism ``s b h (34 + 5 a s / h)``; TP ``s b h (10 + 24/t + 5 a s / (h t))``;
+      TP + SP ``s b h / t (34 + 5 a s / h)``; selective recompute drops the ``5 a s / h`` term;
+      full recompute keeps only the layer input, ``2 s b h`` (``2 s b h / t`` with SP).
+    Generalisation used for GQA and SwiGLU (same accounting, per token, 2 bytes per value):
+      replicated over tp (divided by t with SP): 2 norm inputs (4h), QKV and fc1 inputs (4h),
+      2 dropout masks (2h, 1 byte each; 0 for Llama-style models, trained without dropout);
+      split over tp: q and k for the scores, v, attention context (``4 a d + 4 kv d``), MLP
+      ``4 ffn`` (GELU input and output) or ``6 ffn`` (SwiGLU: the fused ``2 ffn`` fc1 output and
+      the gated product); scores ``5 a s`` per token (softmax output 2, dropout mask 1, dropout
+      output 2; Llama-style without dropout: 2).
+    With a = kv, d = h/a, ffn = 4h this is exactly [K22]'s ``10 h + 24 h / t + 5 a s / t``.
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r} must be none, selective or full")
+    h, a, s = model.hidden_size, model.num_attention_heads, model.seq_length
+    t, tokens = tp, micro_batch_size * s
+    if recompute == "full":
+        return 2.0 * tokens * h / (t if sequence_parallel else 1)
+    d, kv = h // a, model.kv_heads
+    dropout = not model.llama_style
+    replicated = (8 + (2 if dropout else 0)) * h
+    split = 4 * a * d + 4 * kv * d + (6 if model.swiglu else 4) * model.ffn
+    per_token = replicated / (t if sequence_parallel else 1) + split / t
+    if recompute == "none":
+        per_token += (5 if dropout else 2) * a * s / t
+    return tokens * per_token
+
+
+def inflight_microbatches(layout: Layout, pp_rank: int, *, schedule: str = "1f1b") -> float:
+    """Microbatches (in whole-stage equivalents) pipeline rank ``pp_rank`` holds at its peak.
+
+    1F1B [N21 §2.2]: rank r holds ``min(pp - r, m)``. GPipe: ``m``. Interleaved 1F1B (v > 1 model
+    chunks per rank): rank r runs ``2 (pp - r - 1) + (v - 1) pp`` warm-up chunk forwards and holds
+    one more chunk, capped at ``m v``; divided by v (a chunk is 1/v of the stage). On rank 0 that is
+    ``pp (1 + (pp - 1)/(pp v))``, the factor of [K22] §4.2.
+    """
+    pp, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
+    if schedule == "gpipe":
+        return float(m)
+    if schedule != "1f1b":
+        raise ValueError(f"schedule={schedule!r} must be one of {SCHEDULES}")
+    if v == 1:
+        return float(min(pp - pp_rank, m))
+    return min(2 * (pp - pp_rank - 1) + (v - 1) * pp + 1, m * v) / v
+
+
+def _edge_activation_bytes(model: ModelSpec, layout: Layout, *, first: bool, last: bool,
+                           inflight: float, v_pad: int) -> float:
+    """Activations outside the transformer layers [K22] §4.3, on one tp rank.
+
+    First stage: the embedding-dropout mask, ``s b h`` per microbatch in flight (/t with SP).
+    Last stage (one microbatch at a time): final-norm input and output-layer input, ``4 s b h``
+    (/t with SP), and the fp32 logits kept by the cross entropy, ``4 s b V / t``.
+    """
+    t, tokens, h = layout.tp, layout.micro_batch_size * model.seq_length, model.hidden_size
+    shard = t if layout.sequence_parallel else 1
+    out = 0.0
+    if first and not model.llama_style:
+        out += inflight * tokens * h / shard
+    if last:
+        out += 4.0 * tokens * h / shard + 4.0 * tokens * v_pad / t
+    return out
+
+
+def stage_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, layers_on_stage: int, *,
+                           schedule: str = "1f1b", make_vocab_size_divisible_by: int = 128) -> float:
+    """Peak activation bytes of pipeline rank ``pp_rank`` (one tp rank).
+
+    Stored layer activations x layers on the stage x microbatches in flight
+    (:func:`inflight_microbatches`), plus, with full
+    recompute, one layer's activations without recompute (the working set while a layer is
+    recomputed and back-propagated), plus [K22] §4.3's embedding/output/loss terms.
+    """
+    b, sp = layout.micro_batch_size, layout.sequence_parallel
+    per_layer = layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute=layout.recompute)
+    mbs = inflight_microbatches(layout, pp_rank, schedule=schedule)
+    out = per_layer * mbs * layers_on_stage
+    if layout.recompute == "full":
+        out += layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute="none")
+    v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, layout.tp)
+    out += _edge_activation_bytes(model, layout, first=pp_rank == 0, last=pp_rank == layout.pp - 1,
+                                  inflight=mbs, v_pad=v_pad)
+    return 2.0 * out if layout.precision == "fp32" else out
+
+
+# --------------------------------------------------------------------------------------------
+# The most loaded GPU
+# --------------------------------------------------------------------------------------------
+@lru_cache(maxsize=65536)
+def _even_stage_params(model: ModelSpec, tp: int, pp: int, divisible_by: int) -> tuple[int, int, int]:
+    """(first, last, layers-per-stage) params for an even split; cached per (model, tp, pp)."""
+    counts = stage_param_counts(model, tp, pp, make_vocab_size_divisible_by=divisible_by)
+    return counts[0], counts[-1], model.num_layers // pp
+
+
+def memory_breakdown(
+    model: ModelSpec,
+    layout: Layout,
+    gpu: GPUSpec,
+    *,
+    overhead_bytes: float = DEFAULT_OVERHEAD_BYTES,
+    schedule: str = "1f1b",
+    make_vocab_size_divisible_by: int = 128,
+    layer_split: tuple[int, ...] | None = None,
+) -> MemoryBreakdown:
+    """Bytes on the most loaded GPU: the pipeline stage with the largest total (``stage``).
+
+    params/grads/optimizer: exact stage parameter count x :func:`bytes_per_param`; activations:
+    :func:`stage_activation_bytes`; overhead: ``overhead_bytes`` (default
+    :data:`DEFAULT_OVERHEAD_BYTES`). ``gpu`` does not change the bytes (it is part of the call for
+    symmetry with the time model); the capacity check ``total <= gpu.memory_bytes`` is the
+    caller's. ``schedule``: "1f1b" (interleaved when ``layout.virtual_stages > 1``) or "gpipe".
+
+    With an even split only the first and the last stage can be the maximum (the first holds the
+    most microbatches in flight and the embedding, the last the output layer and logits; middle
+    stages hold no more than the first), so the cost is O(1) in pp. With ``layer_split`` every
+    stage is evaluated.
+    """
+    pbytes, gbytes, obytes = bytes_per_param(layout.precision, layout.dp, layout.distributed_optimizer)
+    if layer_split is None:
+        first_params, last_params, per_stage = _even_stage_params(
+            model, layout.tp, layout.pp, make_vocab_size_divisible_by)
+        candidates = [(0, first_params, per_stage)]
+        if layout.pp > 1:
+            candidates.append((layout.pp - 1, last_params, per_stage))
+    else:
+        params = stage_param_counts(model, layout.tp, layout.pp,
+                                    make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                                    layer_split=layer_split)
+        candidates = list(zip(range(layout.pp), params, layer_split))
+    best = None
+    for rank, n_params, n_layers in candidates:
+        act = stage_activation_bytes(model, layout, rank, n_layers, schedule=schedule,
+                                     make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+        total = n_params * (pbytes + gbytes + obytes) + act
+        if best is None or total > best[0]:
+            best = (total, rank, n_params, act)
+    _, rank, n_params, act = best
+    return MemoryBreakdown(params=n_params * pbytes, grads=n_params * gbytes, optimizer=n_params * obytes,
+                           activations=act, overhead=float(overhead_bytes), stage=rank)

@@ -1,0 +1,199 @@
+"""Step-time model: compute, recompute, communication, pipeline bubble and optimizer of one step.
+
+Sources: [N21] Narayanan et al., SC21, arXiv:2104.04473 (§2.2 bubble, §3.2 communication, eq. 3
+FLOPs); [K22] Korthikanti et al., arXiv:2205.05198 (§5 selective recompute, §6 model FLOPs).
+
+The time of one microbatch on a pipeline stage is the sum of its layers' compute
+(:func:`ptdp.planner.flops.layer_compute_times`), the recompute forward, the exposed TP
+communication (:mod:`ptdp.planner.comm`; Megatron-style TP does not overlap it) and, with
+pp > 1, two stage-to-stage transfers per model chunk. A 1F1B or GPipe step is
+``m`` slots of the busiest stage plus ``(pp - 1) / v`` slots of a layers-only stage of fill and
+drain ([N21] §2.2: bubble fraction ``(pp - 1) / (v m)``), then the data-parallel gradient
+reduction (minus the part hidden behind backward) and the optimizer update, which is bound by
+memory bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ptdp.config import padded_vocab_size
+from ptdp.planner import flops
+from ptdp.planner.comm import (
+    Links,
+    dp_grad_sync_time,
+    embedding_sync_time,
+    hierarchical_all_reduce_time,
+    pp_transfer_time,
+    tp_layer_comm_times,
+)
+from ptdp.planner.hardware import Cluster
+from ptdp.planner.memory import _even_stage_params, stage_param_counts
+from ptdp.planner.models import ModelSpec
+from ptdp.planner.plan import Layout, TimeBreakdown
+
+
+@dataclass(frozen=True)
+class PerfConstants:
+    """Every tunable constant of the time model, with its physical meaning.
+
+    Two are fitted, jointly, by least squares of ln(predicted / reported) over the 18 published
+    runs of ``published_runs.csv`` (Megatron SC21 Table 1 TFLOP/s and Korthikanti et al. 2022
+    Table 5 iteration times, all on A100-80GB; ``python -m ptdp.planner.validate --fit``, results
+    in BENCHMARKS.md), never per run. The others are set from physics or defaults of the software.
+
+    Attributes:
+        gemm_peak_fraction: fraction of the tensor-core peak a large, well-shaped 16-bit GEMM
+            reaches inside a training step (cuBLAS kernels, clock under sustained load).
+            Fitted.
+        gemm_half_dim: GEMM dimension at which tile/wave quantisation halves the speed
+            (:func:`ptdp.planner.flops.gemm_efficiency`); 64 = half a 128-wide tensor-core tile.
+            Set, not fitted (also the least-squares optimum over 16-128).
+        hbm_efficiency: achieved fraction of the datasheet HBM bandwidth by memory-bound kernels
+            (elementwise, softmax, optimizer). Fitted.
+        nvlink_efficiency: achieved NCCL bus bandwidth inside a node / NVLink bandwidth per
+            direction (about 240 of 300 GB/s on A100). Set, not fitted; with the fitted two
+            fixed it is also the least-squares optimum over 0.6-1.0.
+        network_efficiency: achieved bandwidth of inter-node transfers / NIC line rate per GPU.
+            Set, not fitted (0.9: InfiniBand HDR/NDR payload efficiency; the published runs
+            barely depend on it).
+        nvlink_latency, network_latency: seconds per ring step of a collective (launch + link
+            latency). Set, not fitted (the published runs' messages are large).
+        dp_overlap: fraction of the data-parallel gradient reduction hidden behind backward.
+            0: ptdp reduces after the pipeline flush (``finalize_grads``), as did the Megatron
+            versions of the published runs.
+        pp_scatter_gather: pipeline messages split over the tp ranks and all-gathered on NVLink
+            ([N21] §4.1), as in the published runs.
+    """
+
+    gemm_peak_fraction: float = 0.77
+    gemm_half_dim: float = 64.0
+    hbm_efficiency: float = 0.80
+    nvlink_efficiency: float = 0.80
+    network_efficiency: float = 0.90
+    nvlink_latency: float = 5e-6
+    network_latency: float = 10e-6
+    dp_overlap: float = 0.0
+    pp_scatter_gather: bool = True
+
+
+DEFAULT_CONSTANTS = PerfConstants()
+
+#: Bytes per parameter the optimizer step reads and writes (mixed precision, fp32 main weights):
+#: on every parameter: write the 16-bit weight (2), read the gradient for the global norm (4),
+#: zero the gradient buffer (4); on the parameters this rank updates (1/dp of them with the
+#: distributed optimizer): read the gradient (4), read and write the main weight, m and v (24).
+OPT_BYTES_FULL = {"bf16": 10.0, "fp16": 10.0, "fp32": 8.0}
+OPT_BYTES_SHARDED = {"bf16": 28.0, "fp16": 28.0, "fp32": 28.0}
+
+
+@dataclass(frozen=True)
+class Performance:
+    """Predicted speed of one layout.
+
+    Attributes:
+        time: seconds of one step by part; ``time.step`` is the step time.
+        tflops_per_gpu: executed FLOP/s per GPU, in FLOP/s like every rate of ``ptdp.planner.plan``
+            (divide by 1e12 for the TFLOP/s the papers print), counted like [N21]: eq. 3 with full
+            recompute (the recompute forward included); with selective recompute the model
+            FLOPs plus the attention core once more; without recompute the model FLOPs.
+        mfu: model FLOPs utilisation, ``model FLOPs / (step time * GPUs * peak)`` [K22] §6.
+        model_flops: FLOPs of one step without recompute, all GPUs.
+        hardware_flops: FLOPs executed in one step, all GPUs (recompute included).
+        tokens_per_second: ``B s / step``.
+    """
+
+    time: TimeBreakdown
+    tflops_per_gpu: float
+    mfu: float
+    model_flops: float
+    hardware_flops: float
+    tokens_per_second: float
+
+    @property
+    def step_time(self) -> float:
+        return self.time.step
+
+
+def links_for(cluster: Cluster, constants: PerfConstants) -> Links:
+    """Achieved link bandwidths of ``cluster``'s GPU under ``constants``."""
+    gpu = cluster.gpu
+    return Links(gpu.nvlink_bandwidth * constants.nvlink_efficiency if gpu.nvlink_bandwidth else
+                 gpu.network_bandwidth * constants.network_efficiency,
+                 gpu.network_bandwidth * constants.network_efficiency,
+                 constants.nvlink_latency, constants.network_latency, cluster.gpus_per_node)
+
+
+def _stage_microbatch_times(model: ModelSpec, layout: Layout, peak: float, bandwidth: float, links: Links,
+                            c: PerfConstants, v_pad: int, elem: float,
+                            layers: int) -> tuple[tuple[float, float, float], ...]:
+    """(compute, recompute, tp_comm) seconds of one microbatch on (middle, first, last) stages."""
+    tp, b, s, h = layout.tp, layout.micro_batch_size, model.seq_length, model.hidden_size
+    fwd, bwd, core = flops.layer_compute_times(model, tp, b, layout.sequence_parallel, peak, bandwidth,
+                                               c.gemm_peak_fraction, c.gemm_half_dim)
+    tp_f, tp_b = tp_layer_comm_times(b * s, h, tp, sequence_parallel=layout.sequence_parallel, links=links,
+                                     bytes_per_element=elem)
+    rec = {"full": fwd, "selective": core}.get(layout.recompute, 0.0)
+    rec_comm = tp_f if layout.recompute == "full" else 0.0
+    mid = (layers * (fwd + bwd), layers * rec, layers * (tp_f + tp_b + rec_comm))
+    one_ar = hierarchical_all_reduce_time(elem * b * s * h, tp, links.gpus_per_node, links)
+    logits = flops.logits_compute_time(model, tp, b, v_pad, peak, bandwidth, c.gemm_peak_fraction, c.gemm_half_dim)
+    first = (mid[0], mid[1], mid[2] + one_ar)
+    last = (mid[0] + logits, mid[1], mid[2] + one_ar)
+    if layout.pp == 1:
+        last = (last[0], last[1], last[2] + one_ar)
+    return mid, first, last
+
+
+def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
+                         constants: PerfConstants = DEFAULT_CONSTANTS, *,
+                         make_vocab_size_divisible_by: int = 128,
+                         layer_split: tuple[int, ...] | None = None) -> Performance:
+    """Predicted step time, TFLOP/s per GPU and MFU of ``layout`` (1F1B, or interleaved 1F1B when
+    ``layout.virtual_stages > 1``; GPipe has the same time) on ``cluster``.
+
+    Step = m x (busiest stage's microbatch: compute + recompute + TP + 2 v PP transfers)
+    + (pp - 1)/v x (a layers-only stage's microbatch) + exposed DP + optimizer.
+    The DP reduction moves fp32 gradients (ptdp's main-grad buffer, 4 bytes per parameter; with
+    the distributed optimizer, reduce-scatter of those + all-gather of the 16-bit weights).
+    ``layer_split`` (layers per stage; None: even) sizes the busiest stage by its largest entry.
+    Cost: O(1) in pp; per-model and per-(tp, b, sp) quantities are cached.
+    """
+    c, gpu, prec = constants, cluster.gpu, layout.precision
+    peak = gpu.peak(prec)
+    bandwidth = gpu.memory_bandwidth * c.hbm_efficiency
+    links = links_for(cluster, c)
+    elem = 4.0 if prec == "fp32" else 2.0
+    tp, pp, dp, v, m = layout.tp, layout.pp, layout.dp, layout.virtual_stages, layout.num_microbatches
+    v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, tp)
+    if layer_split is None:
+        first_params, last_params, _ = _even_stage_params(model, tp, pp, make_vocab_size_divisible_by)
+        n_params, layers = max(first_params, last_params), model.num_layers // pp
+    else:
+        n_params = max(stage_param_counts(model, tp, pp, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                                          layer_split=layer_split))
+        layers = max(layer_split)
+    mid, first, last = _stage_microbatch_times(model, layout, peak, bandwidth, links, c, v_pad, elem, layers)
+    busiest = last if sum(last) >= sum(first) else first
+    p2p = 2.0 * v * pp_transfer_time(layout.micro_batch_size * model.seq_length, model.hidden_size, tp, dp, pp,
+                                     sequence_parallel=layout.sequence_parallel, links=links,
+                                     bytes_per_element=elem, scatter_gather=c.pp_scatter_gather)
+    bubble = (pp - 1) / v * (sum(mid) + p2p)
+
+    grad_sync = dp_grad_sync_time(4.0 * n_params, elem * n_params, tp, dp,
+                                  distributed_optimizer=layout.distributed_optimizer, links=links)
+    if model.tied and pp > 1:
+        grad_sync += embedding_sync_time(4.0 * v_pad // tp * model.hidden_size, pp, tp, dp, links)
+    shard = dp if layout.distributed_optimizer else 1
+    optimizer = n_params * (OPT_BYTES_FULL[prec] + OPT_BYTES_SHARDED[prec] / shard) / bandwidth
+
+    time = TimeBreakdown(compute=m * busiest[0], recompute=m * busiest[1], tp_comm=m * busiest[2],
+                         pp_comm=m * p2p, bubble=bubble, dp_comm=(1.0 - c.dp_overlap) * grad_sync,
+                         optimizer=optimizer)
+    step = time.step
+    gpus = layout.num_gpus
+    model_flops = flops.model_flops_per_step(model, layout.global_batch_size)
+    hw_flops = flops.hardware_flops_per_step(model, layout.global_batch_size, layout.recompute)
+    return Performance(time=time, tflops_per_gpu=hw_flops / (step * gpus),
+                       mfu=model_flops / (step * gpus * peak), model_flops=model_flops, hardware_flops=hw_flops,
+                       tokens_per_second=layout.global_batch_size * model.seq_length / step)

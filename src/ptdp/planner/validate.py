@@ -1,0 +1,246 @@
+"""Validation of the planner's models against published training runs.
+
+``published_runs.csv`` (see :func:`default_csv`) holds 18 runs on A100-80GB: Megatron SC21 (Narayanan et al., arXiv:2104.04473) Table 1,
+TFLOP/s per GPU counted with eq. 3 (full recompute), and Korthikanti et al. 2022
+(arXiv:2205.05198) Table 5, iteration times with full recompute and with sequence parallelism +
+selective recompute, with the activation memory per GPU of their Figure 1 in the notes.
+
+Each run is evaluated at its exact layout; :func:`validate` returns one :class:`ValidationRow`
+per reported number, :func:`summarize` the mean and max absolute error per metric, and
+:func:`format_validation_table` a markdown table. Run ``python -m ptdp.planner.validate [CSV]``.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ptdp.planner.hardware import GiB, CATALOG, Cluster
+from ptdp.planner.memory import bytes_per_param, memory_breakdown, stage_param_counts
+from ptdp.planner.models import ModelSpec
+from ptdp.planner.perf import DEFAULT_CONSTANTS, PerfConstants, evaluate_performance
+from ptdp.planner.plan import Layout
+
+#: Where :func:`default_csv` looks, in order: $PTDP_PUBLISHED_RUNS, the repository's
+#: ``benchmarks/data/published_runs.csv``, the shared data folder of the project.
+CSV_CANDIDATES = (
+    Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "published_runs.csv",
+)
+
+
+def default_csv() -> Path | None:
+    """The published-runs file to use, or None if none of the candidate paths exists."""
+    env = os.environ.get("PTDP_PUBLISHED_RUNS")
+    for path in ([Path(env)] if env else []) + list(CSV_CANDIDATES):
+        if path.is_file():
+            return path
+    return None
+
+TFLOPS = "TFLOP/s per GPU"
+ITER_TIME = "iteration time (s)"
+ACT_NONE = "activations, TP only, no recompute (GiB)"
+ACT_SEQSEL = "activations, SP + selective (GiB)"
+PARAMS_OPT = "params + optimizer, mean over stages (GiB)"
+METRICS = (TFLOPS, ITER_TIME, ACT_NONE, ACT_SEQSEL, PARAMS_OPT)
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One row of the published-runs file, as planner objects plus the reported numbers."""
+
+    source: str
+    name: str
+    model: ModelSpec
+    layout: Layout
+    gpu: str
+    reported_tflops: float | None
+    reported_iteration_time: float | None
+    reported_params_opt_gib: float | None
+    reported_act_none_gib: float | None
+    reported_act_seqsel_gib: float | None
+
+
+@dataclass(frozen=True)
+class ValidationRow:
+    """One reported number next to the prediction; ``error`` = predicted / reported - 1."""
+
+    name: str
+    layout: str
+    metric: str
+    reported: float
+    predicted: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.reported - 1.0
+
+
+def _float(text: str) -> float | None:
+    return float(text) if text.strip() else None
+
+
+def _search(pattern: str, text: str) -> float | None:
+    found = re.search(pattern, text)
+    return float(found.group(1)) if found else None
+
+
+def _precision(text: str) -> str:
+    return "bf16" if text.startswith("bf16") else "fp16" if "16" in text else "fp32"
+
+
+def load_published_runs(path: str | Path) -> list[PublishedRun]:
+    """Parse the CSV: model shape, layout (tp, pp, dp, vpp, micro/global batch, sp, recompute),
+    GPU, and reported TFLOP/s, iteration time (notes: "iteration time X s") and Figure 1 memory
+    (notes: "params+opt X; act Y none / Z seq+sel")."""
+    runs = []
+    with open(path, newline="", encoding="utf-8") as f:
+        for r in csv.DictReader(f):
+            ffn = int(r["ffn_hidden"]) if r["ffn_hidden"].strip() else None
+            model = ModelSpec(int(r["layers"]), int(r["hidden"]), int(r["heads"]), ffn, int(r["vocab"]),
+                              int(r["seq_len"]), name=r["model"])
+            layout = Layout(tp=int(r["tp"]), pp=int(r["pp"]), dp=int(r["dp"]),
+                            micro_batch_size=int(r["micro_batch"]), global_batch_size=int(r["global_batch"]),
+                            virtual_stages=int(r["vpp"]), recompute=r["recompute"].strip(),
+                            sequence_parallel=r["sequence_parallel"].strip() == "y",
+                            precision=_precision(r["precision"]))
+            notes = r["notes"]
+            runs.append(PublishedRun(
+                source=r["source"].split(" (")[0], name=r["model"], model=model, layout=layout,
+                gpu=r["gpu_type"].lower(), reported_tflops=_float(r["reported_tflops_per_gpu"]),
+                reported_iteration_time=_search(r"iteration time ([0-9.]+) s", notes),
+                reported_params_opt_gib=_search(r"params\+opt ([0-9.]+)", notes),
+                reported_act_none_gib=_search(r"act ([0-9.]+) none", notes),
+                reported_act_seqsel_gib=_search(r"/ ([0-9.]+) seq\+sel", notes),
+            ))
+    return runs
+
+
+def layout_label(layout: Layout) -> str:
+    """Short layout text: ``t8 p8 d1 v3 b1 B64 full`` (+ ``sp``)."""
+    label = (f"t{layout.tp} p{layout.pp} d{layout.dp} v{layout.virtual_stages} b{layout.micro_batch_size} "
+             f"B{layout.global_batch_size} {layout.recompute}")
+    return label + (" sp" if layout.sequence_parallel else "")
+
+
+def validate(runs: list[PublishedRun], constants: PerfConstants = DEFAULT_CONSTANTS) -> list[ValidationRow]:
+    """Evaluate every run at its exact layout; one row per reported number.
+
+    Memory (Korthikanti Figure 1, 16-bit mixed precision, first pipeline stage): the activation
+    bytes of :func:`ptdp.planner.memory.memory_breakdown` for the run's layout without
+    recompute or SP ("none") and with SP + selective recompute ("seq+sel"), each compared once per
+    model. Params + optimizer state: Figure 1 shows ``18 * 12 l h^2 / (t p)`` bytes, the layer
+    weights spread evenly over the GPUs, so it is compared with the mean over stages of the exact
+    count x 18 (the first stage, which also holds the embeddings, is in :func:`fit_check`).
+    """
+    out = []
+    seen_memory: set[str] = set()
+    for run in runs:
+        gpu = CATALOG[run.gpu]
+        cluster = Cluster(gpu, run.layout.num_gpus)
+        label = layout_label(run.layout)
+        perf = evaluate_performance(run.model, run.layout, cluster, constants)
+        if run.reported_tflops is not None:
+            out.append(ValidationRow(run.name, label, TFLOPS, run.reported_tflops, perf.tflops_per_gpu / 1e12))
+        if run.reported_iteration_time is not None:
+            out.append(ValidationRow(run.name, label, ITER_TIME, run.reported_iteration_time, perf.step_time))
+        if run.reported_act_none_gib is not None and run.name not in seen_memory:
+            seen_memory.add(run.name)
+            none = dataclasses.replace(run.layout, recompute="none", sequence_parallel=False)
+            seqsel = dataclasses.replace(run.layout, recompute="selective", sequence_parallel=True)
+            mem_none = memory_breakdown(run.model, none, gpu)
+            mem_seqsel = memory_breakdown(run.model, seqsel, gpu)
+            out.append(ValidationRow(run.name, layout_label(none), ACT_NONE, run.reported_act_none_gib,
+                                     mem_none.activations / GiB))
+            out.append(ValidationRow(run.name, layout_label(seqsel), ACT_SEQSEL, run.reported_act_seqsel_gib,
+                                     mem_seqsel.activations / GiB))
+            counts = stage_param_counts(run.model, run.layout.tp, run.layout.pp)
+            per_param = sum(bytes_per_param(run.layout.precision, run.layout.dp, run.layout.distributed_optimizer))
+            out.append(ValidationRow(run.name, layout_label(none), PARAMS_OPT, run.reported_params_opt_gib,
+                                     sum(counts) / len(counts) * per_param / GiB))
+    return out
+
+
+def speed_log_error(runs: list[PublishedRun], constants: PerfConstants) -> float:
+    """Mean of ``ln(predicted / reported)^2`` over the TFLOP/s and iteration-time rows: the
+    least-squares objective of :func:`fit_constants` (symmetric in over- and under-prediction)."""
+    errors = [math.log1p(r.error) for r in validate(runs, constants) if r.metric in (TFLOPS, ITER_TIME)]
+    return sum(e * e for e in errors) / len(errors)
+
+
+def fit_constants(runs: list[PublishedRun], base: PerfConstants = DEFAULT_CONSTANTS, *,
+                  gemm_peak_fractions=None, hbm_efficiencies=None) -> tuple[PerfConstants, float]:
+    """Grid least squares (:func:`speed_log_error`) of the two fitted constants,
+    ``gemm_peak_fraction`` (default grid 0.70-0.85 by 0.005) and ``hbm_efficiency`` (0.60-1.00 by
+    0.025), every other constant as in ``base``. Returns the best constants and their objective."""
+    gemm = gemm_peak_fractions or [round(0.70 + 0.005 * i, 3) for i in range(31)]
+    hbm = hbm_efficiencies or [round(0.60 + 0.025 * i, 3) for i in range(17)]
+    scored = ((speed_log_error(runs, c), c) for c in
+              (dataclasses.replace(base, gemm_peak_fraction=g, hbm_efficiency=e) for g in gemm for e in hbm))
+    best = min(scored, key=lambda sc: sc[0])
+    return best[1], best[0]
+
+
+def fit_check(runs: list[PublishedRun]) -> list[tuple[str, str, float, float]]:
+    """(name, layout, predicted total GiB, capacity GiB) of every run under the memory model."""
+    out = []
+    for run in runs:
+        gpu = CATALOG[run.gpu]
+        mem = memory_breakdown(run.model, run.layout, gpu)
+        out.append((run.name, layout_label(run.layout), mem.total / GiB, gpu.memory_bytes / GiB))
+    return out
+
+
+def summarize(rows: list[ValidationRow]) -> dict[str, tuple[int, float, float]]:
+    """Per metric: (rows, mean absolute error, max absolute error), errors as fractions."""
+    out = {}
+    for metric in METRICS:
+        errors = [abs(r.error) for r in rows if r.metric == metric]
+        if errors:
+            out[metric] = (len(errors), sum(errors) / len(errors), max(errors))
+    return out
+
+
+def format_validation_table(rows: list[ValidationRow]) -> str:
+    """Markdown: model, layout, metric, reported, predicted, error % (grouped by metric); then the
+    mean and max absolute error per metric."""
+    lines = ["| model | layout | metric | reported | predicted | error |", "|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: METRICS.index(r.metric)):
+        lines.append(f"| {r.name} | {r.layout} | {r.metric} | {r.reported:.2f} | {r.predicted:.2f} | "
+                     f"{100 * r.error:+.1f}% |")
+    lines += ["", "| metric | rows | mean abs. error | max abs. error |", "|---|---|---|---|"]
+    for metric, (n, mae, worst) in summarize(rows).items():
+        lines.append(f"| {metric} | {n} | {100 * mae:.2f}% | {100 * worst:.2f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m ptdp.planner.validate [CSV] [--fit]``: the validation table and the memory
+    check; with ``--fit`` also refit the two fitted constants and print them."""
+    argv = sys.argv[1:] if argv is None else argv
+    fit = "--fit" in argv
+    argv = [a for a in argv if a != "--fit"]
+    path = argv[0] if argv else default_csv()
+    if path is None:
+        raise SystemExit("published_runs.csv not found; pass its path or set PTDP_PUBLISHED_RUNS")
+    runs = load_published_runs(path)
+    print(format_validation_table(validate(runs)))
+    print()
+    if fit:
+        best, score = fit_constants(runs)
+        print(f"least squares: gemm_peak_fraction={best.gemm_peak_fraction} "
+              f"hbm_efficiency={best.hbm_efficiency} mean ln-error^2={score:.6f} "
+              f"(defaults: {speed_log_error(runs, DEFAULT_CONSTANTS):.6f})\n")
+    print("| model | layout | predicted total GiB | capacity GiB |")
+    print("|---|---|---|---|")
+    for name, label, total, cap in fit_check(runs):
+        print(f"| {name} | {label} | {total:.1f} | {cap:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

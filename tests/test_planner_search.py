@@ -1,0 +1,105 @@
+"""Planner search: validity of what it proposes, the published layouts, and the CLI."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.planner.hardware import CATALOG, Cluster
+from ptdp.planner.models import PRESETS, ModelSpec
+from ptdp.planner.plan import Layout
+from ptdp.planner.search import Fixed, evaluate, search
+
+CSV = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "published_runs.csv"
+A100 = CATALOG["a100-80gb"]
+
+
+def table1_rows() -> list[dict]:
+    with open(CSV, newline="") as f:
+        return [r for r in csv.DictReader(f) if r["source"].startswith("Narayanan")]
+
+
+@pytest.mark.parametrize("row", table1_rows(), ids=lambda r: r["model"])
+def test_search_beats_or_matches_published_layout_and_lists_it_as_fitting(row):
+    model = ModelSpec(int(row["layers"]), int(row["hidden"]), int(row["heads"]), vocab_size=int(row["vocab"]),
+                      seq_length=int(row["seq_len"]), name=row["model"])
+    gpus, big_b = int(row["gpus"]), int(row["global_batch"])
+    cluster = Cluster(A100, gpus)
+    published = Layout(int(row["tp"]), int(row["pp"]), int(row["dp"]), int(row["micro_batch"]), big_b,
+                       int(row["vpp"]), "full", False, False, "fp16")
+    result = search(model, cluster, big_b, precision="fp16")
+    fitting = {p.layout: p for p in result.plans}
+    assert published in fitting, f"published layout {published} not listed as fitting"
+    assert result.plans[0].time.step <= fitting[published].time.step
+
+
+def test_every_proposed_layout_passes_ptdp_train_validation():
+    model = PRESETS["gpt-7.5b"]
+    cluster = Cluster(A100, 64)
+    result = search(model, cluster, 256)
+    assert result.plans
+    mc = ModelConfig(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                     num_attention_heads=model.num_attention_heads, seq_length=model.seq_length,
+                     vocab_size=model.vocab_size)
+    for plan in result.plans:
+        lay = plan.layout
+        cfg = Config(model=mc, parallel=ParallelConfig(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+                                                       data_parallel_size=lay.dp),
+                     train=TrainConfig(micro_batch_size=lay.micro_batch_size, global_batch_size=256, lr_warmup_iters=1))
+        resolve(cfg, 64)  # raises ConfigError for an invalid layout
+        assert lay.tp <= 8 and plan.memory.total <= A100.memory_bytes
+        if lay.virtual_stages > 1:
+            assert lay.num_microbatches % lay.pp == 0 and model.num_layers % (lay.pp * lay.virtual_stages) == 0
+    ranked = [p.time.step for p in result.plans]
+    assert ranked == sorted(ranked)
+
+
+def test_memory_rejection_says_by_how_much():
+    plan, rejection = evaluate(PRESETS["gpt3-175b"], Layout(8, 1, 1, 1, 8), Cluster(A100, 8))
+    assert not plan.fits and rejection.rule == "memory"
+    assert "GiB > 80.00 GiB" in plan.reasons[0]
+
+
+def test_fixed_choices_evaluate_one_layout():
+    fixed = Fixed(tp=8, pp=8, dp=16, micro_batch_size=1, virtual_stages=3, recompute="selective",
+                  sequence_parallel=True, distributed_optimizer=False)
+    result = search(PRESETS["gpt3-175b"], Cluster(A100, 1024), 1536, fixed=fixed)
+    assert [p.layout for p in result.plans] == [Layout(8, 8, 16, 1, 1536, 3, "selective", True, False)]
+    by_chunk = search(PRESETS["gpt3-175b"], Cluster(A100, 1024), 1536,
+                      fixed=Fixed(tp=8, pp=8, micro_batch_size=1, layers_per_virtual_stage=4))
+    assert {p.layout.virtual_stages for p in by_chunk.plans} == {3}
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ptdp.cli", "plan", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+
+
+def test_cli_table_json_and_plot(tmp_path):
+    args = ["--model", "gpt3-175b", "--gpus", "1024", "--gpus-per-node", "8", "--gpu", "a100-80gb",
+            "--global-batch-size", "1536", "--seq-length", "2048"]
+    text = run_cli(*args, cwd=tmp_path)
+    assert text.returncode == 0, text.stderr
+    assert "best: tp=" in text.stdout and "rejected:" in text.stdout and "crosses nodes" in text.stdout
+    out = run_cli(*args, "--json", "--top", "3", "--plot", str(tmp_path / "plan.png"), cwd=tmp_path)
+    plans = json.loads(out.stdout)
+    keys = {"tp", "pp", "dp", "micro_batch_size", "virtual_stages", "recompute", "sequence_parallel",
+            "distributed_optimizer", "fits", "memory_bytes", "time_s", "tflops_per_gpu", "mfu", "reasons"}
+    assert all(keys <= set(p) for p in plans)
+    assert [p["fits"] for p in plans[:3]] == [True] * 3 and not plans[-1]["fits"] and plans[-1]["reasons"]
+    assert set(plans[0]["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "overhead", "total"}
+    assert set(plans[0]["time_s"]) >= {"compute", "recompute", "tp_comm", "pp_comm", "bubble", "dp_comm", "optimizer", "step"}
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
+
+
+def test_cli_errors_are_clear(tmp_path):
+    bad_gpu = run_cli("--model", "gpt3-175b", "--gpus", "8", "--global-batch-size", "8", "--gpu", "b300", cwd=tmp_path)
+    assert bad_gpu.returncode == 2 and "unknown GPU 'b300'" in bad_gpu.stderr and "Traceback" not in bad_gpu.stderr
+    no_model = run_cli("--gpus", "8", "--global-batch-size", "8", cwd=tmp_path)
+    assert no_model.returncode == 2 and "give --model NAME or the model shape" in no_model.stderr
