@@ -125,9 +125,9 @@ def plot(result: SearchResult, path: str, *, capacity_bytes: float, top: int = 8
     plans = result.plans[:top]
     if not plans:
         raise ValueError("no layout fits: nothing to plot")
-    labels = [f"tp{p.layout.tp} pp{p.layout.pp} dp{p.layout.dp}\nb{p.layout.micro_batch_size} v{p.layout.virtual_stages} "
-              f"{p.layout.recompute[:3]}{' sp' if p.layout.sequence_parallel else ''}"
-              f"{' do' if p.layout.distributed_optimizer else ''}" for p in plans]
+    labels = [f"#{i + 1} tp{p.layout.tp} pp{p.layout.pp} dp{p.layout.dp} b{p.layout.micro_batch_size} "
+              f"v{p.layout.virtual_stages} {p.layout.recompute[:3]}{' sp' if p.layout.sequence_parallel else ''}"
+              f"{' do' if p.layout.distributed_optimizer else ''}" for i, p in enumerate(plans)]
     fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(plans)), 5))
     for ax, keys, get, unit in ((ax_m, _MEM, lambda p, k: getattr(p.memory, k) / GiB, "GiB"),
                                 (ax_t, _TIME, lambda p, k: getattr(p.time, k), "s")):
@@ -136,7 +136,7 @@ def plot(result: SearchResult, path: str, *, capacity_bytes: float, top: int = 8
             values = [get(p, key) for p in plans]
             ax.bar(range(len(plans)), values, bottom=bottom, label=key)
             bottom = [b + v for b, v in zip(bottom, values)]
-        ax.set_xticks(range(len(plans)), labels, fontsize=7)
+        ax.set_xticks(range(len(plans)), labels, fontsize=7, rotation=35, ha="right")
         ax.set_ylabel(unit)
         ax.legend(fontsize=7)
     ax_m.axhline(capacity_bytes / GiB, color="k", ls="--", lw=1, label="capacity")
