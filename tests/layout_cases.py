@@ -10,6 +10,7 @@ import torch
 from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.groups import ParallelGroups
 from ptdp.layout import ParallelLayout
+from ptdp.planner.check import measure_stage
 from ptdp.step import build_stage, train_step
 from dist_helpers import PG_TIMEOUT, run_workers
 
@@ -70,7 +71,7 @@ def train_and_collect(cfg: Config, groups: ParallelGroups, record_comm_step: int
     }
     c = groups.coords
     return {
-        "losses": losses, "norms": norms, "params": params, "comm": comm,
+        "losses": losses, "norms": norms, "params": params, "comm": comm, "measured": measure_stage(stage),
         "coords": (c.tp_rank, c.dp_rank, c.pp_rank),
         "grad_numel": stage.grads.data.numel(),
     }

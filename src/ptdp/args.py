@@ -96,6 +96,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
     g.add_argument("--eval-interval", type=int, default=tc.eval_interval, help="evaluate validation loss every N steps")
     g.add_argument("--eval-iters", type=int, default=tc.eval_iters, help="global batches per evaluation; 0 disables")
     g.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    g.add_argument("--hardware-profile", metavar="FILE",
+                   help="profile from `ptdp plan --calibrate` for the planner's step-time prediction "
+                        "(default: $PTDP_CACHE_DIR/hardware-profile.json if it exists)")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -125,6 +128,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             data_paths=tuple(args.data or ()), data_cache_dir=args.data_cache_dir, valid_fraction=args.valid_fraction,
         ),
         output_dir=args.output_dir,
+        hardware_profile=args.hardware_profile,
     )
 
 

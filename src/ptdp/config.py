@@ -148,6 +148,9 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     output_dir: str | None = None
+    hardware_profile: str | None = None
+    """Profile from ``ptdp plan --calibrate`` used to predict the run's step time; None: the
+    default location if it exists."""
 
     @property
     def num_microbatches(self) -> int:
@@ -179,6 +182,7 @@ class Config:
             train=TrainConfig(**d["train"]),
             data=DataConfig(**data),
             output_dir=d.get("output_dir"),
+            hardware_profile=d.get("hardware_profile"),
         )
 
 

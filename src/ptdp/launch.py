@@ -14,6 +14,14 @@ from ptdp.config import Config
 
 def launch_local(config: Config, nproc: int, run_dir: str, data_dir: str, *, progress: bool) -> dict:
     """Run ``nproc`` workers of ``ptdp.train.worker_entry`` on this machine; return rank 0's result.
+    See :func:`launch_workers`."""
+    from ptdp.train import worker_entry
+
+    return launch_workers(worker_entry, nproc, config.to_json(), run_dir, data_dir, progress)
+
+
+def launch_workers(entrypoint, nproc: int, *args) -> dict:
+    """Run ``nproc`` workers of ``entrypoint(*args)`` on this machine; return rank 0's result.
 
     Rendezvous binds to loopback on a free port; there are no restarts. Each worker gets one CPU
     thread per core share (``OMP_NUM_THREADS``); workers print to this process's terminal and the
@@ -23,12 +31,10 @@ def launch_local(config: Config, nproc: int, run_dir: str, data_dir: str, *, pro
     cores = len(os.sched_getaffinity(0))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
     with tempfile.TemporaryDirectory(prefix="ptdp-launch-") as log_dir:
-        return _launch(config, nproc, run_dir, data_dir, progress, log_dir)
+        return _launch(entrypoint, nproc, args, log_dir)
 
 
-def _launch(config: Config, nproc: int, run_dir: str, data_dir: str, progress: bool, log_dir: str) -> dict:
-    from ptdp.train import worker_entry
-
+def _launch(entrypoint, nproc: int, args: tuple, log_dir: str) -> dict:
     launch_config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -42,5 +48,4 @@ def _launch(config: Config, nproc: int, run_dir: str, data_dir: str, progress: b
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
-    results = elastic_launch(launch_config, worker_entry)(config.to_json(), run_dir, data_dir, progress)
-    return results[0]
+    return elastic_launch(launch_config, entrypoint)(*args)[0]

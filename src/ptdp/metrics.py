@@ -88,5 +88,9 @@ def format_summary(s: dict, run_dir) -> str:
             f"  validation loss: {s['initial_val_loss']:.4f} -> {s['final_val_loss']:.4f} "
             f"({s['val_loss_ratio']:.2f} of its start)"
         )
+    if s.get("planner_check"):
+        from ptdp.planner.check import format_comparison
+
+        lines += format_comparison(s["planner_check"])
     lines.append(f"  run directory: {run_dir} (config.json, metrics.jsonl, summary.json)")
     return "\n".join(lines)

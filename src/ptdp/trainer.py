@@ -13,7 +13,10 @@ import torch
 
 from ptdp.config import Config
 from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, dp_shard, eval_indices, microbatches
+from ptdp.comm import all_gather_object
 from ptdp.groups import ParallelGroups
+from ptdp.planner.calibrate import default_profile_path
+from ptdp.planner.check import compare, measure_stage
 from ptdp.metrics import RunLog, write_json
 from ptdp.step import build_stage, eval_loss, train_step, with_vocab
 
@@ -78,9 +81,18 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     evaluate(t.train_iters)
     log.close()
     summary = _summary(config, history, time.perf_counter() - started)
+    per_rank = all_gather_object(measure_stage(stage), groups.world)
     if is_logger:
+        summary["planner_check"] = compare(config, per_rank, summary["mean_step_time_s"], _profile_path(config))
         write_json(Path(run_dir) / "summary.json", summary)
     return summary
+
+
+def _profile_path(config: Config) -> Path | None:
+    if config.hardware_profile:
+        return Path(config.hardware_profile)
+    path = default_profile_path()
+    return path if path.is_file() else None
 
 
 def _valid_batches(config: Config, groups: ParallelGroups, data: PreparedData) -> list:

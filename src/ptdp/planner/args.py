@@ -42,10 +42,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
                    help="ZeRO-1 optimizer sharding on or off (default: search both)")
     prec = g.add_mutually_exclusive_group()
-    prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="bf16 mixed precision (default)")
+    prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
+                      help="bf16 mixed precision (default for planning)")
     prec.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help="fp16 mixed precision")
-    prec.add_argument("--fp32", dest="precision", action="store_const", const="fp32", help="fp32 training")
-    parser.set_defaults(precision="bf16")
+    prec.add_argument("--fp32", dest="precision", action="store_const", const="fp32",
+                      help="fp32 training (default for --calibrate, like ptdp train)")
+    parser.set_defaults(precision=None)
 
     g = parser.add_argument_group("output")
     g.add_argument("--top", type=int, default=10, help="fitting layouts to list (default: %(default)s)")
@@ -54,5 +56,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-overhead-gib", type=float,
                    help="fixed memory per GPU for framework and buffers (default: the planner's)")
     g.add_argument("--validate", metavar="CSV", help="evaluate the published runs in CSV instead of searching")
+    g.add_argument("--hardware-profile", metavar="FILE",
+                   help="use (or, with --calibrate, write) a measured profile instead of --gpu "
+                        "(default for --calibrate: $PTDP_CACHE_DIR/hardware-profile.json)")
+
+    g = parser.add_argument_group("calibration: measure this machine for the planner")
+    g.add_argument("--calibrate", action="store_true",
+                   help="measure GEMM FLOP/s at the shapes of a ptdp train run, memory bandwidth and "
+                        "all-reduce speed of the backend with the run's workers; write a hardware profile. "
+                        "Layout and model flags not given take ptdp train's defaults")
+    g.add_argument("--nproc-per-node", type=int, default=8, help="workers for --calibrate (default: %(default)s)")
     g.add_argument("--update-benchmarks", metavar="FILE",
                    help="with --validate: write the table into this markdown file (e.g. BENCHMARKS.md)")

@@ -9,6 +9,7 @@ from ptdp.config import ConfigError
 from ptdp.planner.hardware import CATALOG, Cluster, GiB, get_gpu, load_catalog
 from ptdp.planner.models import ModelSpec, get_model
 from ptdp.planner.report import json_report, plot, text_report
+from ptdp.planner.perf import DEFAULT_CONSTANTS
 from ptdp.planner.search import Fixed, search
 
 _SHAPE_FLAGS = {
@@ -34,6 +35,19 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(**overrides, name="custom")
 
 
+def _hardware(args: argparse.Namespace):
+    """The GPU and performance constants: a calibrated profile, or a catalog GPU with the defaults."""
+    if args.hardware_profile:
+        from ptdp.planner.calibrate import load_profile
+
+        try:
+            return load_profile(args.hardware_profile)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    catalog = load_catalog(args.gpu_catalog) if args.gpu_catalog else CATALOG
+    return get_gpu(args.gpu, catalog), DEFAULT_CONSTANTS
+
+
 def fixed_from_args(args: argparse.Namespace) -> Fixed:
     return Fixed(
         tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, dp=args.data_parallel_size,
@@ -49,18 +63,24 @@ def run(args: argparse.Namespace) -> int:
         from ptdp.planner.validate_command import run_validation
 
         return run_validation(args)
+    if args.calibrate:
+        from ptdp.planner.calibrate_command import run_calibration
+
+        return run_calibration(args)
     if args.gpus is None or args.global_batch_size is None:
-        raise ConfigError("ptdp plan needs --gpus N and --global-batch-size B (or --validate CSV)")
-    catalog = load_catalog(args.gpu_catalog) if args.gpu_catalog else CATALOG
-    gpu = get_gpu(args.gpu, catalog)
+        raise ConfigError("ptdp plan needs --gpus N and --global-batch-size B (or --validate CSV, or --calibrate)")
+    gpu, constants = _hardware(args)
     try:
         cluster = Cluster(gpu, args.gpus, args.gpus_per_node or gpu.gpus_per_node)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     model = model_from_args(args)
     overhead = None if args.memory_overhead_gib is None else args.memory_overhead_gib * GiB
+    precision = args.precision or ("bf16" if "bf16" in gpu.peak_flops else sorted(gpu.peak_flops)[0])
+    if precision not in gpu.peak_flops:
+        raise ConfigError(f"{gpu.name} has no peak FLOP/s for {precision}; known: {sorted(gpu.peak_flops)}")
     result = search(model, cluster, args.global_batch_size, fixed=fixed_from_args(args),
-                    precision=args.precision, overhead_bytes=overhead)
+                    precision=precision, constants=constants, overhead_bytes=overhead)
     if args.json:
         print(json_report(result, top=args.top))
     else:

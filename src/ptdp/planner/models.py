@@ -91,3 +91,9 @@ def get_model(name: str) -> ModelSpec:
     if key not in PRESETS:
         raise UnknownModelError(f"unknown model {name!r}; known: {', '.join(sorted(PRESETS))}")
     return PRESETS[key]
+
+
+def spec_from_model_config(cfg) -> ModelSpec:
+    """The planner's description of ptdp's own GPT for a :class:`ptdp.config.ModelConfig`."""
+    return ModelSpec(cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.ffn, cfg.vocab_size,
+                     cfg.seq_length, tied=not cfg.untie_embeddings_and_output_weights, name="ptdp-gpt")

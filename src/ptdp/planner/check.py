@@ -1,0 +1,120 @@
+"""The planner's prediction for a finished ``ptdp train`` run, beside what the run measured.
+
+Parameter, gradient and optimizer bytes per rank must match exactly (same counting: parameters
+including padded vocabulary rows and the tied copy on the last stage; gradients = the flat
+gradient buffer; optimizer = Adam's two moments plus float32 main parameters for bfloat16, not
+the per-tensor step counters). Peak memory and step time are predictions: the step time needs a
+hardware profile from ``ptdp plan --calibrate``; without one it is not predicted.
+"""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+import torch
+
+from ptdp.config import Config
+from ptdp.planner.hardware import Cluster
+from ptdp.planner.memory import bytes_per_param, memory_breakdown, stage_param_counts
+from ptdp.planner.models import spec_from_model_config
+from ptdp.planner.perf import evaluate_performance
+from ptdp.planner.plan import Layout
+
+PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def measure_stage(stage) -> dict:
+    """What this rank holds: parameter, gradient and optimizer bytes, and its peak memory."""
+    params = list(stage.model.parameters())
+    opt = stage.optimizer
+    inner = getattr(opt, "inner", opt)
+    state_bytes = sum(t.numel() * t.element_size() for s in inner.state.values() for k, t in s.items()
+                      if k != "step" and torch.is_tensor(t))
+    main_bytes = sum(m.numel() * m.element_size() for _, m in getattr(opt, "pairs", []))
+    if stage.device.type == "cuda":
+        peak, peak_kind = torch.cuda.max_memory_allocated(stage.device), "CUDA max allocated"
+    else:
+        peak, peak_kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
+    c = stage.groups.coords
+    return {
+        "coords": (c.tp_rank, c.dp_rank, c.pp_rank),
+        "numel": sum(p.numel() for p in params),
+        "params": sum(p.numel() * p.element_size() for p in params),
+        "grads": stage.grads.data.numel() * stage.grads.data.element_size(),
+        "optimizer": state_bytes + main_bytes,
+        "peak": peak, "peak_kind": peak_kind,
+    }
+
+
+def planner_layout(config: Config) -> Layout | None:
+    precision = PRECISION.get(config.model.params_dtype)
+    if precision is None:
+        return None
+    p, t = config.parallel, config.train
+    return Layout(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size, precision=precision)
+
+
+def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, profile: Path | None) -> dict:
+    """The planner's numbers for the run's layout next to the measured ones (JSON-able)."""
+    layout = planner_layout(config)
+    if layout is None:
+        return {"note": f"the planner does not model params_dtype={config.model.params_dtype}"}
+    model, p = spec_from_model_config(config.model), config.parallel
+    counts = stage_param_counts(model, p.tp, p.pp, make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by,
+                                layer_split=p.pipeline_layer_split)
+    per_param = bytes_per_param(layout.precision, p.dp, False)
+    rows, exact = [], True
+    for r in per_rank:
+        n = counts[r["coords"][2]]
+        predicted = {"numel": n, "params": n * per_param[0], "grads": n * per_param[1], "optimizer": n * per_param[2]}
+        same = all(predicted[k] == r[k] for k in predicted)
+        exact &= same
+        rows.append({"coords": r["coords"], "predicted": predicted,
+                     "measured": {k: r[k] for k in predicted}, "exact": same})
+    out = {"bytes_exact_on_every_rank": exact, "ranks": rows,
+           "peak_memory": {"measured_max_bytes": max(r["peak"] for r in per_rank), "measured_kind": per_rank[0]["peak_kind"]}}
+    if profile is not None and profile.is_file():
+        from ptdp.planner.calibrate import load_profile
+
+        gpu, constants = load_profile(profile)
+        cluster = Cluster(gpu, config.world_size, min(config.world_size, gpu.gpus_per_node))
+        memory = memory_breakdown(model, layout, gpu, overhead_bytes=0.0, layer_split=p.pipeline_layer_split,
+                                  make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by)
+        out["peak_memory"]["predicted_bytes"] = memory.total
+        if layout.precision in gpu.peak_flops and mean_step_s:
+            perf = evaluate_performance(model, layout, cluster, constants, layer_split=p.pipeline_layer_split,
+                                        make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by)
+            error = perf.time.step / mean_step_s - 1.0
+            out["step_time"] = {"predicted_s": perf.time.step, "measured_s": mean_step_s, "error": error,
+                                "within_25_percent": abs(error) <= 0.25, "profile": str(profile)}
+    else:
+        out["step_time"] = {"note": "no hardware profile: run `ptdp plan --calibrate` to predict step time"}
+    return out
+
+
+def format_comparison(check: dict) -> list[str]:
+    """A few lines for the end-of-run summary."""
+    if "note" in check:
+        return [f"  planner: {check['note']}"]
+    lines = ["  planner vs measured, per rank:"]
+    stages = {}
+    for r in check["ranks"]:
+        stages.setdefault(r["coords"][2], r)
+    for pp_rank, r in sorted(stages.items()):
+        pr, me = r["predicted"], r["measured"]
+        lines.append(
+            f"    stage {pp_rank}: params {pr['params']:,.0f} / {me['params']:,} B, grads {pr['grads']:,.0f} / "
+            f"{me['grads']:,} B, optimizer {pr['optimizer']:,.0f} / {me['optimizer']:,} B (predicted / measured)")
+    lines.append(f"    bytes equal on every rank: {'yes' if check['bytes_exact_on_every_rank'] else 'NO'}")
+    pm = check["peak_memory"]
+    predicted = f"{pm['predicted_bytes'] / 2**20:,.0f} MiB predicted (model state + activations), " if "predicted_bytes" in pm else ""
+    lines.append(f"    peak memory: {predicted}{pm['measured_max_bytes'] / 2**20:,.0f} MiB measured ({pm['measured_kind']})")
+    st = check.get("step_time", {})
+    if "predicted_s" in st:
+        verdict = "within" if st["within_25_percent"] else "NOT within"
+        lines.append(f"    step time: {st['predicted_s']:.3f} s predicted, {st['measured_s']:.3f} s measured "
+                     f"({100 * st['error']:+.0f}%, {verdict} 25%; profile {st['profile']})")
+    elif "note" in st:
+        lines.append(f"    step time: {st['note']}")
+    return lines
