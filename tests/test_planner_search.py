@@ -103,3 +103,39 @@ def test_cli_errors_are_clear(tmp_path):
     assert bad_gpu.returncode == 2 and "unknown GPU 'b300'" in bad_gpu.stderr and "Traceback" not in bad_gpu.stderr
     no_model = run_cli("--gpus", "8", "--global-batch-size", "8", cwd=tmp_path)
     assert no_model.returncode == 2 and "give --model NAME or the model shape" in no_model.stderr
+
+
+BAD_REQUESTS = [
+    (["--tp", "3"], "tp=3 does not divide the 64 GPUs"),
+    (["--tp", "8", "--pp", "8", "--dp", "4"], "tp=8 * pp=8 * dp=4 = 256 does not divide the 64 GPUs"),
+    (["--tp", "8", "--pp", "2", "--dp", "2"], "tp*pp*dp = 8*2*2 = 32 != 64 GPUs"),
+    (["--global-batch-size", "0"], "global_batch_size=0 must be a positive integer"),
+    (["--tp", "0"], "tp=0 must be a positive integer"),
+    (["--micro-batch-size", "-1"], "micro_batch_size=-1 must be a positive integer"),
+    (["--num-query-groups", "7"], "num_attention_heads=96 is not divisible by num_query_groups=7"),
+    (["--num-layers", "0"], "num_layers=0 must be a positive integer"),
+    (["--memory-overhead-gib", "-5"], "memory overhead -5 GiB must be >= 0"),
+    (["--top", "0"], "top=0 must be a positive integer"),
+    (["--gpus-per-node", "0"], "--gpus-per-node=0 must be a positive integer"),
+    (["--gpu-catalog", "/nonexistent.toml"], "--gpu-catalog /nonexistent.toml"),
+    (["--plot", "/nonexistent/x.png"], "--plot /nonexistent/x.png: folder /nonexistent does not exist"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD_REQUESTS, ids=[m[:30] for _, m in BAD_REQUESTS])
+def test_bad_requests_are_clear_errors(extra, message, capsys):
+    from ptdp import cli
+
+    code = cli.main(["plan", "--model", "gpt3-175b", "--gpus", "64", "--global-batch-size", "1536", *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_tensor_parallel_groups_never_straddle_nodes():
+    from ptdp.planner.models import ModelSpec
+
+    model = ModelSpec(24, 3072, 24, name="t")
+    result = search(model, Cluster(A100, 24), 96, fixed=Fixed(tp=6))
+    assert not result.plans
+    assert any("tp=6 does not divide the 8 GPUs of a node" in p.reasons[0] for p, _ in result.rejected)
+    assert all(8 % p.layout.tp == 0 for p in search(model, Cluster(A100, 24), 96).plans)

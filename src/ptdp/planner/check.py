@@ -77,8 +77,12 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
     if profile is not None and profile.is_file():
         from ptdp.planner.calibrate import load_profile
 
-        gpu, constants = load_profile(profile)
-        cluster = Cluster(gpu, config.world_size, min(config.world_size, gpu.gpus_per_node))
+        try:
+            gpu, constants = load_profile(profile)
+        except ValueError as e:
+            out["step_time"] = {"note": str(e)}
+            return out
+        cluster = Cluster(gpu, config.world_size, config.world_size)  # ptdp train's workers share one machine
         memory = memory_breakdown(model, layout, gpu, overhead_bytes=0.0, layer_split=p.pipeline_layer_split,
                                   make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by)
         out["peak_memory"]["predicted_bytes"] = memory.total

@@ -57,7 +57,7 @@ def hierarchical_all_reduce_time(nbytes: float, n: int, per_node: int, links: Li
     if n <= 1:
         return 0.0
     per_node = max(1, min(per_node, n))
-    nodes = n // per_node
+    nodes = -(-n // per_node)  # a group that straddles nodes still crosses the network
     intra = ring_all_reduce_time(nbytes, per_node, links.nvlink_bandwidth, links.nvlink_latency)
     inter = ring_all_reduce_time(nbytes / per_node, nodes, links.network_bandwidth, links.network_latency)
     return intra + inter

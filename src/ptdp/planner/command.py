@@ -10,6 +10,7 @@ from ptdp.planner.hardware import CATALOG, Cluster, GiB, get_gpu, load_catalog
 from ptdp.planner.models import ModelSpec, get_model
 from ptdp.planner.report import json_report, plot, text_report
 from ptdp.planner.perf import DEFAULT_CONSTANTS
+from ptdp.planner.request import check_model, check_output_path, check_request
 from ptdp.planner.search import Fixed, search
 
 _SHAPE_FLAGS = {
@@ -44,7 +45,10 @@ def _hardware(args: argparse.Namespace):
             return load_profile(args.hardware_profile)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    catalog = load_catalog(args.gpu_catalog) if args.gpu_catalog else CATALOG
+    try:
+        catalog = load_catalog(args.gpu_catalog) if args.gpu_catalog else CATALOG
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--gpu-catalog {args.gpu_catalog}: {e}") from None
     return get_gpu(args.gpu, catalog), DEFAULT_CONSTANTS
 
 
@@ -69,17 +73,25 @@ def run(args: argparse.Namespace) -> int:
         return run_calibration(args)
     if args.gpus is None or args.global_batch_size is None:
         raise ConfigError("ptdp plan needs --gpus N and --global-batch-size B (or --validate CSV, or --calibrate)")
+    if args.plot:
+        check_output_path(args.plot, "--plot", (".png", ".pdf", ".svg"))
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node={args.gpus_per_node} must be a positive integer")
     gpu, constants = _hardware(args)
     try:
-        cluster = Cluster(gpu, args.gpus, args.gpus_per_node or gpu.gpus_per_node)
+        per_node = gpu.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
+        cluster = Cluster(gpu, args.gpus, per_node)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     model = model_from_args(args)
+    check_model(model)
     overhead = None if args.memory_overhead_gib is None else args.memory_overhead_gib * GiB
+    fixed = fixed_from_args(args)
+    check_request(cluster, args.global_batch_size, fixed, top=args.top, overhead_bytes=overhead)
     precision = args.precision or ("bf16" if "bf16" in gpu.peak_flops else sorted(gpu.peak_flops)[0])
     if precision not in gpu.peak_flops:
         raise ConfigError(f"{gpu.name} has no peak FLOP/s for {precision}; known: {sorted(gpu.peak_flops)}")
-    result = search(model, cluster, args.global_batch_size, fixed=fixed_from_args(args),
+    result = search(model, cluster, args.global_batch_size, fixed=fixed,
                     precision=precision, constants=constants, overhead_bytes=overhead)
     if args.json:
         print(json_report(result, top=args.top))

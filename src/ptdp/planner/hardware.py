@@ -107,17 +107,37 @@ def load_catalog(path: str | Path) -> dict[str, GPUSpec]:
     """
     path = Path(path)
     text = path.read_text(encoding="utf-8")
-    raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    try:
+        raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a table of GPUs keyed by name")
     known = {f.name for f in fields(GPUSpec)}
     required = known - {"name", "gpus_per_node", "source"}
     out = dict(CATALOG)
     for name, table in raw.items():
+        if not isinstance(table, dict):
+            raise ValueError(f"{path}: GPU {name!r}: expected a table of fields, got {type(table).__name__}")
         missing = required - set(table)
         unknown = set(table) - known
         if missing or unknown:
             raise ValueError(f"{path}: GPU {name!r}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
+        _check_numbers(path, name, table)
         out[name.lower()] = GPUSpec(name=name.lower(), **{k: v for k, v in table.items() if k != "name"})
     return out
+
+
+def _check_numbers(path: Path, name: str, table: dict) -> None:
+    peaks = table["peak_flops"]
+    numbers = {f"peak_flops.{k}": v for k, v in peaks.items()} if isinstance(peaks, dict) else {"peak_flops": peaks}
+    numbers.update({k: table[k] for k in ("memory_bytes", "memory_bandwidth", "nvlink_bandwidth", "network_bandwidth")})
+    numbers["gpus_per_node"] = table.get("gpus_per_node", 8)
+    for key, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{path}: GPU {name!r}: {key}={value!r} must be a non-negative number")
+    if not numbers["gpus_per_node"] >= 1 or not isinstance(peaks, dict) or not peaks:
+        raise ValueError(f"{path}: GPU {name!r}: needs gpus_per_node >= 1 and a peak_flops table")
 
 
 @dataclass(frozen=True)

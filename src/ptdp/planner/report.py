@@ -21,12 +21,17 @@ def _layout_cells(plan: Plan) -> list[str]:
             lay.recompute, "y" if lay.sequence_parallel else "n", "y" if lay.distributed_optimizer else "n"]
 
 
+def _num(x: float) -> str:
+    """3 decimals for values >= 1, else 3 significant digits (tiny models stay readable)."""
+    return f"{x:.3f}" if abs(x) >= 1 or x == 0 else f"{x:.3g}"
+
+
 def _row(plan: Plan, rank: int, capacity: float) -> list[str]:
     mem, t = plan.memory, plan.time
     cells = [str(rank)] + _layout_cells(plan)
-    cells += [f"{getattr(mem, k) / GiB:.1f}" for k in _MEM] + [f"{mem.total / GiB:.1f}/{capacity / GiB:.0f}"]
-    cells += [f"{getattr(t, k):.3f}" for k in _TIME] + [f"{t.step:.3f}"]
-    cells += [f"{plan.tflops_per_gpu / 1e12:.0f}", f"{100 * plan.mfu:.1f}%"]
+    cells += [_num(getattr(mem, k) / GiB) for k in _MEM] + [f"{_num(mem.total / GiB)}/{_num(capacity / GiB)}"]
+    cells += [_num(getattr(t, k)) for k in _TIME] + [_num(t.step)]
+    cells += [_num(plan.tflops_per_gpu / 1e12), f"{100 * plan.mfu:.1f}%"]
     return cells
 
 
@@ -49,16 +54,17 @@ def text_report(model: ModelSpec, cluster: Cluster, result: SearchResult, *, top
         f"model {model.name}: l={model.num_layers} h={model.hidden_size} a={model.num_attention_heads} "
         f"ffn={model.ffn} V={model.vocab_size} s={model.seq_length}; {cluster.num_gpus} x {gpu.name} "
         f"({cluster.gpus_per_node} per node); {result.evaluated:,} layouts, {len(result.plans):,} fit",
-        "memory in GiB on the most loaded GPU; time in seconds per step; TFLOP/s per GPU counted with "
-        "Narayanan et al. eq. 3 (recompute included); MFU = model FLOPs / (step time x peak)",
+        "memory in GiB on the most loaded GPU; time in seconds per step; TFLOP/s per GPU = FLOPs executed "
+        "(with full recompute Narayanan et al. eq. 3; with selective the recomputed attention added) / step time; "
+        "MFU = model FLOPs / (step time x peak)",
         "",
     ]
     if result.plans:
         rows = [_row(p, i + 1, gpu.memory_bytes) for i, p in enumerate(result.plans[:top])]
         lines.append(_table(rows, HEADER))
         best = result.plans[0]
-        lines += ["", f"best: {_describe(best)}: {best.time.step:.3f} s/step, "
-                      f"{best.tflops_per_gpu / 1e12:.0f} TFLOP/s per GPU, MFU {100 * best.mfu:.1f}%"]
+        lines += ["", f"best: {_describe(best)}: {_num(best.time.step)} s/step, "
+                      f"{_num(best.tflops_per_gpu / 1e12)} TFLOP/s per GPU, MFU {100 * best.mfu:.1f}%"]
     else:
         lines.append("no layout fits.")
     lines += ["", *rejection_summary(result)]
@@ -109,7 +115,8 @@ def rejection_summary(result: SearchResult, per_rule: int = 3) -> list[str]:
 
 
 def json_report(result: SearchResult, *, top: int = 10) -> str:
-    """The same content as :func:`text_report`: the top fitting plans, then representative rejected ones."""
+    """The plans of :func:`text_report` as a JSON list: the top fitting plans, then a few rejected
+    ones per rule (``fits`` false, ``reasons`` saying why)."""
     plans = result.plans[:top] + representatives(result)
     return json.dumps([p.to_json() for p in plans], indent=2)
 

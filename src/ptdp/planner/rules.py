@@ -48,13 +48,17 @@ def structural_rejections(model: ModelSpec, tp: int, pp: int, dp: int, b: int, b
     for message in layout_errors(_model_config(model), tp=tp, pp=pp, dp=dp, micro_batch_size=b,
                                  global_batch_size=big_b):
         key = _CONFIG_RULE_KEYS.get(message.split("=", 1)[0], "config")
+        message = message.replace("; give an explicit --pipeline-layer-split to split unevenly", "")
         out.append(Rejection(key, message))
-    if model.kv_heads % tp != 0:
+    if model.num_query_groups is not None and model.kv_heads % tp != 0:
         out.append(Rejection("kv heads % tp", f"num_query_groups={model.kv_heads} is not divisible by tp={tp} "
                                               f"(rule: key/value heads % tp == 0)"))
     if tp > gpus_per_node:
         out.append(Rejection("tp crosses nodes", f"tp={tp} crosses nodes ({gpus_per_node} GPUs per node); "
                                                  f"tensor parallelism needs NVLink"))
+    elif gpus_per_node % tp:
+        out.append(Rejection("tp crosses nodes", f"tp={tp} does not divide the {gpus_per_node} GPUs of a node: "
+                                                 f"some tensor-parallel groups would span two nodes"))
     return tuple(out)
 
 

@@ -68,8 +68,9 @@ def _predict(model, layout, cluster, constants, overhead_bytes) -> tuple[Plan, R
     capacity = cluster.gpu.memory_bytes
     if memory.total > capacity:
         largest = max(("params", "grads", "optimizer", "activations"), key=lambda k: getattr(memory, k))
-        message = (f"memory {memory.total / GiB:.2f} GiB > {capacity / GiB:.2f} GiB on stage {memory.stage} "
-                   f"({largest} {getattr(memory, largest) / GiB:.1f} GiB)")
+        digits = 2 if f"{memory.total / GiB:.2f}" != f"{capacity / GiB:.2f}" else 4
+        message = (f"memory {memory.total / GiB:.{digits}f} GiB > {capacity / GiB:.{digits}f} GiB on stage "
+                   f"{memory.stage} ({largest} {getattr(memory, largest) / GiB:.1f} GiB)")
         return Plan(layout, False, memory=memory, reasons=[message]), Rejection("memory", message)
     perf = evaluate_performance(model, layout, cluster, constants)
     return Plan(layout, True, memory, perf.time, perf.tflops_per_gpu, perf.mfu), None
@@ -128,8 +129,9 @@ def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, const
         vs = [1]
     for v in vs:
         for recompute in _options(fixed.recompute, list(RECOMPUTE)):
-            for sp in _options(fixed.sequence_parallel, [False, True] if tp > 1 else [False]):
-                for dopt in _options(fixed.distributed_optimizer, [False, True] if dp > 1 else [False]):
+            # sequence parallelism needs tp > 1 and the distributed optimizer dp > 1: off otherwise
+            for sp in _options(fixed.sequence_parallel, [False, True]) if tp > 1 else [False]:
+                for dopt in _options(fixed.distributed_optimizer, [False, True]) if dp > 1 else [False]:
                     layout = Layout(tp, pp, dp, b, big_b, v, recompute, sp, dopt, precision)
                     bad = schedule_rejections(model, layout)
                     if bad:

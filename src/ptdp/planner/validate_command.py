@@ -8,6 +8,7 @@ import platform
 from pathlib import Path
 
 from ptdp.config import ConfigError
+from ptdp.planner.request import check_output_path
 from ptdp.planner.validate import fit_check, format_validation_table, load_published_runs, validate
 
 BEGIN, END = "<!-- begin: ptdp plan --validate -->", "<!-- end: ptdp plan --validate -->"
@@ -41,7 +42,13 @@ def run_validation(args: argparse.Namespace) -> int:
     csv = Path(args.validate)
     if not csv.is_file():
         raise ConfigError(f"--validate {csv}: no such file")
-    block = validation_markdown(csv)
+    if args.update_benchmarks:
+        check_output_path(args.update_benchmarks, "--update-benchmarks", (".md",))
+    try:
+        block = validation_markdown(csv)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ConfigError(f"--validate {csv}: not a published-runs table like benchmarks/data/published_runs.csv "
+                          f"({type(e).__name__}: {e})") from None
     print(block)
     if args.update_benchmarks:
         command = f"ptdp plan --validate {args.validate} --update-benchmarks {args.update_benchmarks}"

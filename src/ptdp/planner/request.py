@@ -1,0 +1,64 @@
+"""Checks of a ``ptdp plan`` request before any search: every number the user gave must be usable,
+and the fixed choices must be able to fill the cluster. Raises ``ConfigError`` naming the values."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ptdp.config import ConfigError
+from ptdp.planner.hardware import Cluster
+from ptdp.planner.models import ModelSpec
+
+
+def check_model(model: ModelSpec) -> None:
+    errors = [f"{name}={value} must be a positive integer" for name, value in (
+        ("num_layers", model.num_layers), ("hidden_size", model.hidden_size),
+        ("num_attention_heads", model.num_attention_heads), ("ffn_hidden_size", model.ffn),
+        ("vocab_size", model.vocab_size), ("seq_length", model.seq_length), ("num_query_groups", model.kv_heads),
+    ) if not isinstance(value, int) or value < 1]
+    if not errors:
+        if model.hidden_size % model.num_attention_heads:
+            errors.append(f"hidden_size={model.hidden_size} is not divisible by "
+                          f"num_attention_heads={model.num_attention_heads}")
+        if model.num_attention_heads % model.kv_heads:
+            errors.append(f"num_attention_heads={model.num_attention_heads} is not divisible by "
+                          f"num_query_groups={model.kv_heads} (each key/value head serves a whole group)")
+    if errors:
+        raise ConfigError("invalid model:\n  " + "\n  ".join(errors))
+
+
+def check_request(cluster: Cluster, global_batch_size: int, fixed, *, top: int, overhead_bytes: float | None) -> None:
+    """Positive sizes, and fixed tp/pp/dp that can make up the cluster's GPU count."""
+    n = cluster.num_gpus
+    given = {"global_batch_size": global_batch_size, "top": top, "tp": fixed.tp, "pp": fixed.pp, "dp": fixed.dp,
+             "micro_batch_size": fixed.micro_batch_size, "virtual_pipeline_stages": fixed.virtual_stages,
+             "num_layers_per_virtual_pipeline_stage": fixed.layers_per_virtual_stage}
+    errors = [f"{name}={value} must be a positive integer" for name, value in given.items()
+              if value is not None and value < 1]
+    if overhead_bytes is not None and overhead_bytes < 0:
+        errors.append(f"memory overhead {overhead_bytes / 2**30:g} GiB must be >= 0")
+    if not errors:
+        product = 1
+        for name in ("tp", "pp", "dp"):
+            value = getattr(fixed, name)
+            if value is not None:
+                product *= value
+        if n % product:
+            parts = [f"{k}={getattr(fixed, k)}" for k in ("tp", "pp", "dp") if getattr(fixed, k)]
+            text = " * ".join(parts) + (f" = {product}" if len(parts) > 1 else "")
+            errors.append(f"{text} does not divide the {n} GPUs (rule: tp * pp * dp = GPUs)")
+        elif None not in (fixed.tp, fixed.pp, fixed.dp) and product != n:
+            errors.append(f"tp*pp*dp = {fixed.tp}*{fixed.pp}*{fixed.dp} = {product} != {n} GPUs")
+    if errors:
+        raise ConfigError("invalid plan request:\n  " + "\n  ".join(errors))
+
+
+def check_output_path(path: str, flag: str, suffixes: tuple[str, ...] = ()) -> None:
+    """The file ``path`` can be written (its folder exists and is writable; a known suffix)."""
+    p = Path(path)
+    folder = p.parent if str(p.parent) else Path(".")
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ConfigError(f"{flag} {path}: folder {folder} does not exist or is not writable")
+    if suffixes and p.suffix.lower() not in suffixes:
+        raise ConfigError(f"{flag} {path}: use one of {', '.join(suffixes)}")
