@@ -10,6 +10,7 @@ import torch
 from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.groups import ParallelGroups
 from ptdp.layout import ParallelLayout
+from ptdp.model.chunks import global_named_parameters
 from ptdp.planner.check import measure_stage
 from ptdp.step import build_stage, train_step
 from dist_helpers import PG_TIMEOUT, run_workers
@@ -67,7 +68,7 @@ def train_and_collect(cfg: Config, groups: ParallelGroups, record_comm_step: int
         norms.append(result.grad_norm)
     params = {
         name: (p.detach().clone(), p.ptdp_spec, getattr(p, "ptdp_tied_copy", False))
-        for name, p in stage.model.named_parameters()
+        for name, p in global_named_parameters(stage.model)
     }
     c = groups.coords
     return {
@@ -88,13 +89,20 @@ VARIANTS = {
     "one_microbatch": ("float64", {}, {}, {"global_batch_size": 4}),
     # bf16 weights with float32 main parameters and gradients: compared loosely
     "bfloat16": ("bfloat16", {}, {}, {}),
+    "gpipe": ("float64", {}, {"pipeline_schedule": "gpipe"}, {}),
+    # 8 layers in 2 chunks per rank: pp=2 holds layers {0,1},{4,5} / {2,3},{6,7}; pp=4 one per chunk
+    "interleaved": ("float64", {"num_layers": 8}, {"pipeline_schedule": "interleaved-1f1b"}, {}),
 }
+SCHEDULE_LAYOUTS = {(1, 2, 1), (1, 4, 1), (2, 2, 2), (1, 2, 2)}
+SCHEDULE_VARIANTS = ["gpipe", "interleaved"]
 
 
 def variant_config(name: str, tp: int, pp: int, dp: int) -> Config:
     dtype, model, parallel, train = VARIANTS[name]
-    return tiny_config(tp, pp, dp, dtype, train_overrides=train, parallel_overrides=parallel if pp > 1 else None,
-                       **model)
+    parallel = dict(parallel) if pp > 1 else {}
+    if parallel.get("pipeline_schedule") == "interleaved-1f1b":
+        parallel["num_layers_per_virtual_pipeline_stage"] = model["num_layers"] // (2 * pp)
+    return tiny_config(tp, pp, dp, dtype, train_overrides=train, parallel_overrides=parallel, **model)
 
 
 def layout_worker(rank: int, world: int, tp: int, pp: int, dp: int, variants: list[str], record_comm: bool) -> dict:
@@ -117,6 +125,8 @@ def parallel_run(tp: int, pp: int, dp: int) -> list[dict]:
     variants = ["float64", "float32"]
     if (tp, pp, dp) in EXTRA_VARIANT_LAYOUTS:
         variants += EXTRA_VARIANTS + ["bfloat16"]
+    if (tp, pp, dp) in SCHEDULE_LAYOUTS:
+        variants += SCHEDULE_VARIANTS
     return run_workers(layout_worker, tp * pp * dp, tp, pp, dp, variants, (tp, pp, dp) == (2, 2, 2))
 
 

@@ -13,12 +13,13 @@ from ptdp import train as train_module
 from ptdp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, padded_vocab_size, resolve
 
 
-def make(world=8, tp=2, pp=2, dp=None, split=None, **kw) -> tuple[Config, int]:
+def make(world=8, tp=2, pp=2, dp=None, split=None, schedule=None, per_chunk=None, **kw) -> tuple[Config, int]:
     model_keys = {f.name for f in dataclasses.fields(ModelConfig)}
     model = ModelConfig(**{k: v for k, v in kw.items() if k in model_keys})
     train = TrainConfig(**{k: v for k, v in kw.items() if k not in model_keys})
     par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         data_parallel_size=dp, pipeline_layer_split=split)
+                         data_parallel_size=dp, pipeline_layer_split=split, pipeline_schedule=schedule,
+                         num_layers_per_virtual_pipeline_stage=per_chunk)
     return Config(model=model, parallel=par, train=train), world
 
 
@@ -46,6 +47,15 @@ BAD = [
     (dict(clip_grad=float("nan")), r"clip_grad=nan must be a finite number"),
     (dict(init_method_std=float("nan")), r"init_method_std=nan must be a finite number"),
     (dict(seed=-1), r"seed=-1 must be in \[0, 2\*\*63\)"),
+    (dict(per_chunk=1, global_batch_size=8, micro_batch_size=4, pp=4, tp=1, world=8),
+     r"interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches=1 .* pp=4"),
+    (dict(per_chunk=1, global_batch_size=24, micro_batch_size=4),
+     r"interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches=3"),
+    (dict(per_chunk=3, num_layers=8), r"num_layers=8 is not divisible by pp \* num_layers_per_virtual_pipeline_stage = 2\*3 = 6"),
+    (dict(per_chunk=1, pp=1, tp=2, world=8), r"interleaved-1f1b schedule needs pipeline_model_parallel_size >= 2, got 1"),
+    (dict(schedule="interleaved-1f1b"), r"interleaved-1f1b schedule needs num_layers_per_virtual_pipeline_stage"),
+    (dict(schedule="gpipe", per_chunk=1), r"num_layers_per_virtual_pipeline_stage needs the interleaved-1f1b schedule, not gpipe"),
+    (dict(schedule="zero-bubble"), r"pipeline_schedule='zero-bubble' must be one of"),
 ]
 
 
@@ -97,12 +107,23 @@ def no_workers(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", forbidden)
 
 
+def test_virtual_stages_imply_interleaving():
+    cfg, world = make(per_chunk=1)
+    resolved = resolve(cfg, world)
+    assert resolved.parallel.pipeline_schedule == "interleaved-1f1b"
+    assert resolved.parallel.virtual_stages(resolved.model.num_layers) == 2
+    assert resolve(make()[0], 8).parallel.pipeline_schedule == "1f1b"
+
+
 CLI_BAD = [
     (["--tp", "3"], "num_attention_heads=4 is not divisible by tensor_model_parallel_size=3"),
     (["--dp", "3"], "global_batch_size=32 is not divisible by micro_batch_size*dp = 4*3 = 12"),
     (["--nproc-per-node", "6"], "world_size=6 is not divisible by tp*pp=2*2=4"),
     (["--num-layers", "3"], "num_layers=3 is not divisible by pipeline_model_parallel_size=2"),
     (["--ffn-hidden-size", "511"], "ffn_hidden_size=511 is not divisible by tensor_model_parallel_size=2"),
+    (["--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "24"],
+     "interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches=3"),
+    (["--num-layers-per-virtual-pipeline-stage", "3"], "num_layers=4 is not divisible by pp * num_layers_per_virtual_pipeline_stage"),
 ]
 
 

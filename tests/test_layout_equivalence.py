@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from ptdp.tensor_parallel.sharding import unshard
-from layout_cases import EXTRA_VARIANT_LAYOUTS, EXTRA_VARIANTS, parallel_run, reference
+from layout_cases import (
+    EXTRA_VARIANT_LAYOUTS, EXTRA_VARIANTS, SCHEDULE_LAYOUTS, SCHEDULE_VARIANTS, parallel_run, reference,
+)
 
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 4, 1), (4, 1, 1)]
 TOL = {"float64": dict(rtol=1e-9, atol=1e-12), "float32": dict(rtol=1e-5, atol=1e-5)}
@@ -62,6 +64,21 @@ def test_layout_matches_single_process(layout, dtype):
 def test_variants_match_single_process(layout, variant):
     """Untied output layer, an explicit uneven layer split, and a single microbatch per step."""
     assert_matches_reference(parallel_run(*layout), variant, TOL["float64"])
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_VARIANTS)
+@pytest.mark.parametrize("layout", sorted(SCHEDULE_LAYOUTS), ids=lambda l: "tp{}pp{}dp{}".format(*l))
+def test_pipeline_schedules_match_single_process(layout, schedule):
+    """GPipe and interleaved 1F1B (v = 2, also at pp = 2 where the next and previous rank are the
+    same process) train exactly like the single-process model (1F1B is the default variant)."""
+    assert_matches_reference(parallel_run(*layout), schedule, TOL["float64"])
+
+
+def test_interleaved_ranks_hold_their_chunks():
+    results = parallel_run(1, 2, 1)
+    layers = {res["interleaved"]["coords"][2]: sorted({int(n.split(".")[1]) for n in res["interleaved"]["params"]
+                                                       if n.startswith("layers.")}) for res in results}
+    assert layers == {0: [0, 1, 4, 5], 1: [2, 3, 6, 7]}
 
 
 @pytest.mark.parametrize("layout", sorted(EXTRA_VARIANT_LAYOUTS), ids=lambda l: "tp{}pp{}dp{}".format(*l))

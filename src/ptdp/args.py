@@ -45,6 +45,12 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
                    help="data-parallel size (default: world size / (TP x PP))")
     g.add_argument("--pipeline-layer-split", type=_int_list, default=None, metavar="N,N,...",
                    help="explicit layers per pipeline stage, e.g. 3,3,2 (default: even split)")
+    g.add_argument("--pipeline-schedule", choices=("gpipe", "1f1b", "interleaved-1f1b"), default=None,
+                   help="pipeline schedule (default: 1f1b, or interleaved-1f1b when "
+                        "--num-layers-per-virtual-pipeline-stage is given)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None, metavar="N",
+                   help="layers per model chunk for the interleaved schedule: each rank holds "
+                        "num_layers / (PP x N) chunks")
     if local_launch:
         g.add_argument("--nproc-per-node", type=int, default=None,
                        help=f"local worker processes (default: TP x PP x DP if --dp is given, else {DEFAULT_LOCAL_WORKERS} "
@@ -115,6 +121,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             data_parallel_size=args.data_parallel_size, pipeline_layer_split=args.pipeline_layer_split,
+            pipeline_schedule=args.pipeline_schedule,
+            num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
             distributed_timeout_minutes=args.distributed_timeout_minutes,
         ),
         train=TrainConfig(

@@ -99,30 +99,42 @@ def all_reduce(tensor: torch.Tensor, axis: AxisGroup, *, op: str = "sum", tag: s
 
 @dataclass(frozen=True)
 class P2P:
-    """One point-to-point transfer: ``kind`` is "send" or "recv", ``peer`` an index in the axis."""
+    """One point-to-point transfer: ``kind`` is "send" or "recv", ``peer`` an index in the axis,
+    ``tag`` tells apart messages between the same two ranks (gloo honours it)."""
 
     kind: str
     tensor: torch.Tensor
     peer: int
+    tag: int = 0
 
 
-def exchange(transfers: list[P2P], axis: AxisGroup, *, tag: str = "") -> None:
-    """Post all ``transfers`` at once (``batch_isend_irecv``) and wait for every one.
+def exchange(transfers: list[P2P], axis: AxisGroup, *, tag: str = "") -> list:
+    """Post all ``transfers`` at once (``batch_isend_irecv``), wait for the receives, and return
+    the pending sends' work handles (wait for them before the sent tensors are modified or freed).
 
-    Posting sends and receives together is what keeps two stages that send to each other in the
-    same step from deadlocking. Receives fill their tensors in place.
+    Posting the transfers of a step together, and never blocking on a send, is what keeps the
+    pipeline schedules deadlock-free. Receives fill their tensors in place.
     """
     if not transfers:
-        return
-    ops = []
+        return []
+    ops, sends = [], []
     for t in transfers:
         if not 0 <= t.peer < axis.size or t.peer == axis.rank:
             raise ValueError(f"bad {t.kind} peer {t.peer} on axis {axis.name} of size {axis.size}")
         axis.stats.record(axis.name, t.kind, t.tensor, tag)
         fn = dist.isend if t.kind == "send" else dist.irecv
-        ops.append(dist.P2POp(fn, t.tensor, group=axis.group, group_peer=t.peer))
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+        ops.append(dist.P2POp(fn, t.tensor, group=axis.group, tag=t.tag, group_peer=t.peer))
+    works = dist.batch_isend_irecv(ops)
+    if len(works) != len(ops):  # coalesced backends return one handle for the whole batch
+        for work in works:
+            work.wait()
+        return []
+    for t, work in zip(transfers, works):
+        if t.kind == "send":
+            sends.append(work)
+        else:
+            work.wait()
+    return sends
 
 
 def all_gather_object(obj, axis: AxisGroup) -> list:

@@ -74,6 +74,11 @@ class ParallelConfig:
     """None: inferred as world_size / (tp * pp)."""
     pipeline_layer_split: tuple[int, ...] | None = None
     """Explicit layers per pipeline stage (pp entries summing to num_layers); None: even split."""
+    pipeline_schedule: str | None = None
+    """gpipe, 1f1b or interleaved-1f1b; None: interleaved-1f1b when
+    num_layers_per_virtual_pipeline_stage is set, else 1f1b."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Layers per model chunk; each rank then holds v = num_layers / (pp * this) chunks."""
     distributed_timeout_minutes: float = 10.0
     """Timeout of every process group; a stalled collective fails after this instead of hanging."""
 
@@ -84,6 +89,17 @@ class ParallelConfig:
     @property
     def pp(self) -> int:
         return self.pipeline_model_parallel_size
+
+    @property
+    def schedule(self) -> str:
+        if self.pipeline_schedule is not None:
+            return self.pipeline_schedule
+        return "interleaved-1f1b" if self.num_layers_per_virtual_pipeline_stage else "1f1b"
+
+    def virtual_stages(self, num_layers: int) -> int:
+        """v, the model chunks per pipeline rank."""
+        per_chunk = self.num_layers_per_virtual_pipeline_stage
+        return num_layers // (self.pp * per_chunk) if per_chunk else 1
 
     @property
     def dp(self) -> int:
@@ -245,6 +261,8 @@ def resolve(config: Config, world_size: int) -> Config:
         global_batch_size=t.global_batch_size, split=p.pipeline_layer_split,
     )
     errors += _train_rules(t)
+    if not errors:
+        errors += schedule_errors(p, m.num_layers, t.global_batch_size // (t.micro_batch_size * dp))
     if config.data.valid_fraction <= 0 or config.data.valid_fraction >= 1:
         errors.append(f"valid_fraction={config.data.valid_fraction} must be in (0, 1)")
     if p.distributed_timeout_minutes <= 0:
@@ -255,7 +273,7 @@ def resolve(config: Config, world_size: int) -> Config:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     return dataclasses.replace(
         config,
-        parallel=dataclasses.replace(p, data_parallel_size=dp),
+        parallel=dataclasses.replace(p, data_parallel_size=dp, pipeline_schedule=p.schedule),
         model=dataclasses.replace(m, ffn_hidden_size=m.ffn),
         train=dataclasses.replace(t, lr_decay_iters=t.decay_iters),
     )
@@ -323,6 +341,40 @@ def layout_errors(
             f"global_batch_size={big_b} is not divisible by micro_batch_size*dp = {b}*{dp} = "
             f"{b * dp} (rule: B % (b * dp) == 0)"
         )
+    return errors
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def schedule_errors(p: ParallelConfig, num_layers: int, num_microbatches: int) -> list[str]:
+    """Rules of the pipeline schedule (Narayanan et al. SC21, §2.2), one message per broken rule."""
+    kind, per_chunk, pp, m = p.schedule, p.num_layers_per_virtual_pipeline_stage, p.pp, num_microbatches
+    if kind not in SCHEDULES:
+        return [f"pipeline_schedule={kind!r} must be one of {SCHEDULES}"]
+    errors = []
+    if per_chunk is not None:
+        if not isinstance(per_chunk, int) or per_chunk < 1:
+            return [f"num_layers_per_virtual_pipeline_stage={per_chunk!r} must be a positive integer"]
+        if num_layers % (pp * per_chunk):
+            errors.append(
+                f"num_layers={num_layers} is not divisible by pp * num_layers_per_virtual_pipeline_stage = "
+                f"{pp}*{per_chunk} = {pp * per_chunk} (rule: layers split evenly over pp * v model chunks)"
+            )
+        if kind != "interleaved-1f1b":
+            errors.append(f"num_layers_per_virtual_pipeline_stage needs the interleaved-1f1b schedule, not {kind}")
+        if p.pipeline_layer_split is not None:
+            errors.append("pipeline_layer_split cannot be combined with virtual pipeline stages")
+    if kind == "interleaved-1f1b":
+        if per_chunk is None:
+            errors.append("the interleaved-1f1b schedule needs num_layers_per_virtual_pipeline_stage")
+        if pp < 2:
+            errors.append(f"the interleaved-1f1b schedule needs pipeline_model_parallel_size >= 2, got {pp}")
+        elif m % pp:
+            errors.append(
+                f"the interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches={m} "
+                f"(= global_batch_size / (micro_batch_size * dp)), pp={pp}"
+            )
     return errors
 
 

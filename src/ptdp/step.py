@@ -1,7 +1,7 @@
 """One training step and one evaluation of a pipeline stage: the core loop shared by ``ptdp train``,
 the tests and the benchmarks.
 
-A step: zero the gradient buffer -> run the 1F1B schedule over the rank's ``m`` microbatches ->
+A step: zero the gradient buffer -> run the pipeline schedule (gpipe, 1f1b or interleaved-1f1b) over the rank's ``m`` microbatches ->
 average gradients over dp and sum the tied embedding over first/last stage -> global-norm clip ->
 AdamW with the scheduled learning rate (on float32 main parameters for bfloat16 models). Its loss is the mean over all ``B * s`` tokens of the global
 batch, identical for every layout.
@@ -20,7 +20,8 @@ from ptdp.data_parallel.grads import GradBuffer, clip_grad_norm, finalize_grads
 from ptdp.groups import ParallelGroups
 from ptdp.model.gpt import DTYPES, GPTModel
 from ptdp.optim import MainParamsAdamW, build_optimizer, lr_at, set_lr
-from ptdp.pipeline.partition import stage_layer_ids
+from ptdp.model.chunks import ModelChunks
+from ptdp.pipeline.partition import chunk_layer_ids, stage_layer_ids
 from ptdp.pipeline.runtime import Microbatch, run_schedule
 from ptdp.pipeline.schedule import build_schedule
 from ptdp.tensor_parallel.sharding import initialize_parameters
@@ -32,7 +33,8 @@ class Stage:
 
     config: Config
     groups: ParallelGroups
-    model: GPTModel
+    model: GPTModel | ModelChunks
+    """One stage, or the v chunks of an interleaved rank."""
     optimizer: torch.optim.Optimizer | MainParamsAdamW
     grads: GradBuffer
     device: torch.device
@@ -40,6 +42,10 @@ class Stage:
     @property
     def dtype(self) -> torch.dtype:
         return DTYPES[self.config.model.params_dtype]
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.config.parallel.virtual_stages(self.config.model.num_layers)
 
     @property
     def hidden_shape(self) -> tuple[int, int, int]:
@@ -63,14 +69,23 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     vocabulary size.
     """
     m, p = config.model, config.parallel
-    layer_ids = stage_layer_ids(m.num_layers, groups.pp.size, groups.pp.rank, p.pipeline_layer_split)
-    model = GPTModel(
-        m, groups.tp, layer_ids=layer_ids, pre_process=groups.is_first_stage, post_process=groups.is_last_stage
-    )
-    initialize_parameters(
-        model, seed=config.train.seed, std=m.init_method_std, num_layers=m.num_layers,
-        tp_rank=groups.tp.rank, tp_size=groups.tp.size,
-    )
+    pp, rank, v = groups.pp.size, groups.pp.rank, p.virtual_stages(m.num_layers)
+    if v == 1:
+        layer_ids = stage_layer_ids(m.num_layers, pp, rank, p.pipeline_layer_split)
+        chunks = [GPTModel(m, groups.tp, layer_ids=layer_ids, pre_process=groups.is_first_stage,
+                           post_process=groups.is_last_stage)]
+    else:
+        chunks = [
+            GPTModel(m, groups.tp, layer_ids=chunk_layer_ids(m.num_layers, pp, v, rank, c),
+                     pre_process=rank == 0 and c == 0, post_process=rank == pp - 1 and c == v - 1)
+            for c in range(v)
+        ]
+    for chunk in chunks:  # each chunk by its global parameter names: the same weights on every layout
+        initialize_parameters(
+            chunk, seed=config.train.seed, std=m.init_method_std, num_layers=m.num_layers,
+            tp_rank=groups.tp.rank, tp_size=groups.tp.size,
+        )
+    model = chunks[0] if v == 1 else ModelChunks(chunks)
     device = torch.device(device)
     model.to(device)
     low_precision = DTYPES[m.params_dtype] in (torch.bfloat16, torch.float16)
@@ -78,14 +93,14 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     return Stage(config, groups, model, build_optimizer(model, config.train, grads), grads, device)
 
 
-def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int) -> StepResult:
+def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tracer=None) -> StepResult:
     """One optimizer step over this rank's ``m`` microbatches (collective over the whole world)."""
     cfg = stage.config
     stage.grads.zero()
-    schedule = build_schedule("1f1b", stage.groups.pp.size, len(microbatches))
+    schedule = build_schedule(cfg.parallel.schedule, stage.groups.pp.size, len(microbatches), stage.virtual_stages)
     losses = run_schedule(
         schedule[stage.groups.pp.rank], stage.model, microbatches, pp=stage.groups.pp,
-        hidden_shape=stage.hidden_shape, dtype=stage.dtype, device=stage.device,
+        hidden_shape=stage.hidden_shape, dtype=stage.dtype, device=stage.device, tracer=tracer,
     )
     finalize_grads(stage.model, stage.grads, stage.groups)
     norm = clip_grad_norm(stage.model, stage.grads, stage.groups, cfg.train.clip_grad)
@@ -100,7 +115,7 @@ def eval_loss(stage: Stage, batches: list[list[Microbatch]]) -> float:
     """Mean loss over ``batches`` (each this rank's microbatches of one global batch), no update."""
     total, count = 0.0, 0
     for microbatches in batches:
-        schedule = build_schedule("forward-only", stage.groups.pp.size, len(microbatches))
+        schedule = build_schedule("forward-only", stage.groups.pp.size, len(microbatches), stage.virtual_stages)
         losses = run_schedule(
             schedule[stage.groups.pp.rank], stage.model, microbatches, pp=stage.groups.pp,
             hidden_shape=stage.hidden_shape, dtype=stage.dtype, device=stage.device, forward_only=True,

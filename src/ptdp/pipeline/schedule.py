@@ -1,16 +1,20 @@
 """Pipeline schedules as pure data: for each pipeline rank, the ordered list of actions it runs.
 
-An :class:`Action` is a forward or backward of one microbatch, or a send/receive of its activation
-(``*_forward``, to/from the next/previous stage) or of its gradient (``*_backward``). Consecutive
-transfers in a rank's list are posted together by the runtime (``batch_isend_irecv``), which is what
-makes the steady state of 1F1B deadlock-free. :func:`check_schedule` proves a schedule correct
-without any process: forward before backward, every send matched by the peer's receive of the same
-microbatch, no deadlock, and in-flight microbatches within the kind's bound.
+An :class:`Action` is a forward or backward of microbatch ``i`` on model chunk ``c`` (a rank holds
+``v`` chunks: chunk ``c`` of rank ``r`` is virtual stage ``c * p + r``), or a send/receive of an
+activation (``*_forward``: to the next rank, from the previous) or of a gradient (``*_backward``).
+Consecutive transfers in a rank's list are posted together by the runtime (``batch_isend_irecv``),
+which keeps the steady state deadlock-free. :mod:`ptdp.pipeline.verify` proves a schedule correct
+and measures its bubble without any process.
 
-Kinds (Narayanan et al. SC21, arXiv:2104.04473, §2.2): ``gpipe`` (all forwards, then all
-backwards; up to m microbatches in flight), ``1f1b`` (warm-up of p - r - 1 forwards, then one
-forward / one backward; at most p - r in flight on rank r), and ``forward-only`` (evaluation).
-Bubble fraction of gpipe and 1f1b: (p - 1) / m.
+Kinds (Narayanan et al. SC21, arXiv:2104.04473, §2.2):
+
+- ``gpipe``: all forwards, then all backwards; m microbatches in flight; bubble (p - 1) / m.
+- ``1f1b``: p - r - 1 warm-up forwards on rank r, then one forward / one backward; at most
+  min(p - r, m) in flight; bubble (p - 1) / m.
+- ``interleaved-1f1b``: v chunks per rank, microbatches taken in groups of p through the chunks
+  in turn; warm-up 2 (p - r - 1) + (v - 1) p forwards; bubble (p - 1) / (v m); needs m % p == 0.
+- ``forward-only``: evaluation.
 """
 
 from __future__ import annotations
@@ -19,74 +23,104 @@ from dataclasses import dataclass
 
 COMPUTE = ("forward", "backward")
 TRANSFER = ("recv_forward", "send_forward", "recv_backward", "send_backward")
-KINDS = ("1f1b", "gpipe", "forward-only")
+KINDS = ("1f1b", "gpipe", "interleaved-1f1b", "forward-only")
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a pipeline rank's program: ``kind`` on ``microbatch``."""
+    """One step of a pipeline rank's program: ``kind`` on ``microbatch`` of model ``chunk``."""
 
     kind: str
     microbatch: int
+    chunk: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in COMPUTE + TRANSFER:
             raise ValueError(f"unknown action kind {self.kind!r}")
 
 
-def _forward(mb: int, first: bool, last: bool) -> list[Action]:
-    acts = [] if first else [Action("recv_forward", mb)]
-    acts.append(Action("forward", mb))
-    if not last:
-        acts.append(Action("send_forward", mb))
-    return acts
-
-
-def _backward(mb: int, first: bool, last: bool) -> list[Action]:
-    acts = [] if last else [Action("recv_backward", mb)]
-    acts.append(Action("backward", mb))
-    if not first:
-        acts.append(Action("send_backward", mb))
-    return acts
-
-
-def build_schedule(kind: str, pp_size: int, num_microbatches: int) -> list[list[Action]]:
-    """Per pipeline rank, the ordered actions of one step with ``num_microbatches`` microbatches.
-
-    Raises ValueError for an unknown kind or non-positive sizes.
-    """
+def check_schedule_args(kind: str, pp_size: int, num_microbatches: int, virtual_stages: int) -> None:
+    """ValueError naming the numbers unless the kind can run with them."""
     if kind not in KINDS:
         raise ValueError(f"unknown pipeline schedule {kind!r}; expected one of {KINDS}")
-    if pp_size < 1 or num_microbatches < 1:
-        raise ValueError(f"pp_size={pp_size} and num_microbatches={num_microbatches} must be >= 1")
-    p, m = pp_size, num_microbatches
-    out = []
-    for r in range(p):
-        first, last = r == 0, r == p - 1
-        if kind == "forward-only":
-            acts = [a for i in range(m) for a in _forward(i, first, last)]
-        elif kind == "gpipe":
-            acts = [a for i in range(m) for a in _forward(i, first, last)]
-            acts += [a for i in range(m) for a in _backward(i, first, last)]
+    p, m, v = pp_size, num_microbatches, virtual_stages
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"pp_size={p}, num_microbatches={m} and virtual_stages={v} must be >= 1")
+    if kind in ("gpipe", "1f1b") and v != 1:
+        raise ValueError(f"the {kind} schedule runs one model chunk per rank; virtual_stages={v} needs interleaved-1f1b")
+    if kind == "interleaved-1f1b" and (p < 2 or m % p):
+        raise ValueError(
+            f"interleaved-1f1b needs pp >= 2 and num_microbatches % pp == 0: pp={p}, num_microbatches={m}"
+        )
+    if kind == "forward-only" and v > 1 and m % p:
+        raise ValueError(f"forward-only over {v} chunks needs num_microbatches % pp == 0: pp={p}, num_microbatches={m}")
+
+
+def build_schedule(kind: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
+    """Per pipeline rank, the ordered actions of one step.
+
+    Raises ValueError (see :func:`check_schedule_args`) for a kind that cannot run with these sizes.
+    """
+    check_schedule_args(kind, pp_size, num_microbatches, virtual_stages)
+    p, m, v = pp_size, num_microbatches, virtual_stages
+    return [_with_transfers(_compute_order(kind, p, m, v, r), r, p, v) for r in range(p)]
+
+
+def forward_item(k: int, p: int, v: int) -> tuple[int, int]:
+    """(microbatch, chunk) of the k-th forward of a rank: groups of p microbatches go through
+    chunk 0, 1, ..., v-1 in turn."""
+    group, within = divmod(k, p * v)
+    return group * p + within % p, within // p
+
+
+def backward_item(k: int, p: int, v: int) -> tuple[int, int]:
+    """(microbatch, chunk) of the k-th backward: like :func:`forward_item`, chunks in reverse."""
+    mb, chunk = forward_item(k, p, v)
+    return mb, v - 1 - chunk
+
+
+def warmup_forwards(kind: str, p: int, m: int, v: int, r: int) -> int:
+    """Forwards rank r runs before its first backward."""
+    total = m * v
+    if kind == "gpipe" or kind == "forward-only":
+        return total
+    if kind == "1f1b" or v == 1:
+        return min(p - r - 1, m)
+    return min(2 * (p - r - 1) + (v - 1) * p, total)
+
+
+def _compute_order(kind: str, p: int, m: int, v: int, r: int) -> list[tuple[str, int, int]]:
+    total = m * v
+    fwd = [("forward", *forward_item(k, p, v)) for k in range(total)]
+    if kind == "forward-only":
+        return fwd
+    bwd = [("backward", *backward_item(k, p, v)) for k in range(total)]
+    warmup = warmup_forwards(kind, p, m, v, r)
+    order = fwd[:warmup]
+    for i in range(total - warmup):
+        order += [fwd[warmup + i], bwd[i]]
+    return order + bwd[total - warmup:]
+
+
+def _with_transfers(order: list[tuple[str, int, int]], r: int, p: int, v: int) -> list[Action]:
+    """Insert the receive before and the send after each compute that needs one."""
+    first_stage = lambda c: r == 0 and c == 0  # noqa: E731  (virtual stage 0: has the tokens)
+    last_stage = lambda c: r == p - 1 and c == v - 1  # noqa: E731  (last virtual stage: the loss)
+    acts: list[Action] = []
+    for kind, mb, c in order:
+        if kind == "forward":
+            if not first_stage(c):
+                acts.append(Action("recv_forward", mb, c))
+            acts.append(Action("forward", mb, c))
+            if not last_stage(c):
+                acts.append(Action("send_forward", mb, c))
         else:
-            acts = _one_f_one_b(m, p - r - 1, first, last)
-        out.append(acts)
-    return out
-
-
-def _one_f_one_b(m: int, warmup: int, first: bool, last: bool) -> list[Action]:
-    warmup = min(warmup, m)
-    acts = [a for i in range(warmup) for a in _forward(i, first, last)]
-    for j in range(m - warmup):
-        acts += _forward(warmup + j, first, last)
-        acts += _backward(j, first, last)
-    for j in range(m - warmup, m):
-        acts += _backward(j, first, last)
+            if not last_stage(c):
+                acts.append(Action("recv_backward", mb, c))
+            acts.append(Action("backward", mb, c))
+            if not first_stage(c):
+                acts.append(Action("send_backward", mb, c))
     return acts
-
-
-class ScheduleError(ValueError):
-    """A schedule that would compute wrongly or deadlock; the message names the rank and action."""
 
 
 def transfer_batches(actions: list[Action]) -> list[list[Action]]:
@@ -100,103 +134,15 @@ def transfer_batches(actions: list[Action]) -> list[list[Action]]:
     return steps
 
 
-def check_schedule(schedule: list[list[Action]], num_microbatches: int, *, max_in_flight: list[int] | None = None) -> None:
-    """Prove ``schedule`` correct by simulation; raises :class:`ScheduleError` otherwise.
-
-    Checks, for every rank: each microbatch forwarded once (and backwarded once, after its forward,
-    unless the schedule is forward-only); activations received before the forward that uses them
-    and sent after it; gradients likewise; every send matched by the neighbour's receive of the
-    same microbatch, in order; the whole pipeline completes when transfers only finish once both
-    sides posted them (no deadlock); and at most ``max_in_flight[r]`` microbatches are between
-    their forward and backward on rank r.
-    """
-    p = len(schedule)
-    for r, acts in enumerate(schedule):
-        _check_rank_order(r, acts, num_microbatches, p, max_in_flight[r] if max_in_flight else None)
-    _simulate(schedule)
+def peer(action: Action, rank: int, pp_size: int) -> int:
+    """The pipeline rank a transfer goes to or comes from (wrapping between chunks)."""
+    if action.kind in ("send_forward", "recv_backward"):
+        return (rank + 1) % pp_size
+    return (rank - 1) % pp_size
 
 
-def _check_rank_order(r: int, acts: list[Action], m: int, p: int, bound: int | None) -> None:
-    seen: dict[tuple[str, int], int] = {}
-    in_flight = 0
-    for pos, a in enumerate(acts):
-        key = (a.kind, a.microbatch)
-        if key in seen:
-            raise ScheduleError(f"rank {r}: {a.kind} of microbatch {a.microbatch} appears twice")
-        seen[key] = pos
-        if not 0 <= a.microbatch < m:
-            raise ScheduleError(f"rank {r}: microbatch {a.microbatch} outside [0, {m})")
-        needs = {
-            "forward": [] if r == 0 else ["recv_forward"],
-            "send_forward": ["forward"],
-            "backward": ["forward"] + ([] if r == p - 1 else ["recv_backward"]),
-            "send_backward": ["backward"],
-        }.get(a.kind, [])
-        for need in needs:
-            if (need, a.microbatch) not in seen:
-                raise ScheduleError(f"rank {r}: {a.kind} of microbatch {a.microbatch} before its {need}")
-        in_flight += {"forward": 1, "backward": -1}.get(a.kind, 0)
-        if bound is not None and in_flight > bound:
-            raise ScheduleError(f"rank {r}: {in_flight} microbatches in flight > bound {bound}")
-    has_backward = any(a.kind == "backward" for a in acts)
-    for i in range(m):
-        for kind in ("forward", "backward") if has_backward else ("forward",):
-            if (kind, i) not in seen:
-                raise ScheduleError(f"rank {r}: microbatch {i} has no {kind}")
-
-
-def _simulate(schedule: list[list[Action]]) -> None:
-    """Run all ranks together; a transfer batch completes only when every peer posted its half."""
-    p = len(schedule)
-    steps = [transfer_batches(acts) for acts in schedule]
-    pc = [0] * p
-    posted: dict[tuple[int, int, str, str], list[int]] = {}  # (src, dst, dir, side) -> microbatches
-    posted_upto = [-1] * p
-
-    def channel(r: int, a: Action) -> tuple[tuple[int, int, str, str], tuple[int, int, str, str], int]:
-        peer = r + 1 if a.kind in ("send_forward", "recv_backward") else r - 1
-        if not 0 <= peer < p:
-            raise ScheduleError(f"rank {r}: {a.kind} of microbatch {a.microbatch} has no peer")
-        direction = "fwd" if a.kind.endswith("forward") else "bwd"
-        src, dst = (r, peer) if a.kind.startswith("send") else (peer, r)
-        side = "send" if a.kind.startswith("send") else "recv"
-        other = "recv" if side == "send" else "send"
-        return (src, dst, direction, side), (src, dst, direction, other), peer
-
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pc[r] < len(steps[r]):
-                step = steps[r][pc[r]]
-                if step[0].kind in COMPUTE:
-                    pc[r] += 1
-                    progress = True
-                    continue
-                if posted_upto[r] < pc[r]:
-                    for a in step:
-                        mine, _, _ = channel(r, a)
-                        posted.setdefault(mine, []).append(a.microbatch)
-                    posted_upto[r] = pc[r]
-                    progress = True
-                if not all(_matched(posted, channel(r, a), a) for a in step):
-                    break
-                pc[r] += 1
-                progress = True
-    stuck = [(r, steps[r][pc[r]]) for r in range(p) if pc[r] < len(steps[r])]
-    if stuck:
-        raise ScheduleError("deadlock: " + "; ".join(f"rank {r} waits in {[(a.kind, a.microbatch) for a in s]}" for r, s in stuck))
-
-
-def _matched(posted, chans, a: Action) -> bool:
-    mine, other, _ = chans
-    mine_list, other_list = posted.get(mine, []), posted.get(other, [])
-    # the k-th posted transfer on a channel pairs with the k-th posted on the other side
-    k = len(mine_list) - 1 - mine_list[::-1].index(a.microbatch)
-    if k >= len(other_list):
-        return False
-    if other_list[k] != a.microbatch:
-        raise ScheduleError(
-            f"{a.kind} of microbatch {a.microbatch} is paired with microbatch {other_list[k]} by the peer"
-        )
-    return True
+def boundary(action: Action, rank: int, pp_size: int) -> int:
+    """Which virtual-stage boundary a transfer crosses: boundary k is between virtual stages k and
+    k + 1. A send and the receive that pairs with it name the same boundary and microbatch."""
+    stage = action.chunk * pp_size + rank
+    return stage if action.kind in ("send_forward", "recv_backward") else stage - 1
