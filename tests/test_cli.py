@@ -60,11 +60,23 @@ def check_run_dir(run_dir: Path, iters: int, layout: dict) -> None:
 def test_ptdp_train_default_layout(corpus, tmp_path):
     out = tmp_path / "run"
     proc = run([sys.executable, "-m", "ptdp.cli", "train", *TINY, "--data", str(corpus / "docs"),
-                "--data", str(corpus / "extra.jsonl"), "--output-dir", str(out), "--no-progress"], tmp_path)
+                "--data", str(corpus / "extra.jsonl"), "--output-dir", str(out), "--no-progress",
+                "--trace", "--trace-iters", "2"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tp=2 pp=2 dp=2" in proc.stdout
-    assert "validation loss" in proc.stdout
+    assert "validation loss" in proc.stdout and "pipeline bubble (1f1b)" in proc.stdout
     check_run_dir(out, 6, {"tp": 2, "pp": 2, "dp": 2})
+    trace = json.loads((out / "trace.json").read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == set(range(8))
+    assert {e["args"]["iteration"] for e in spans} == {2, 3}
+    for rank in range(8):  # m = 2 microbatches: 2 forwards and 2 backwards per traced iteration
+        mine = [e for e in spans if e["pid"] == rank and e["args"]["iteration"] == 2]
+        assert sum(e["cat"] == "forward" for e in mine) == 2 and sum(e["cat"] == "backward" for e in mine) == 2
+        assert any(e["cat"] == "transfer" for e in mine) and all(e["dur"] >= 0 for e in mine)
+    assert (out / "timeline.png").stat().st_size > 5000
+    bubble = json.loads((out / "summary.json").read_text())["bubble"]
+    assert len(bubble["measured_idle_over_compute_by_rank"]) == 8 and bubble["formula_(p-1)/(v*m)"] == 0.5
     again = run([sys.executable, "-m", "ptdp.cli", "train", *TINY, "--data", str(corpus / "docs"),
                  "--output-dir", str(out)], tmp_path)
     assert again.returncode == 2 and "exists and is not empty" in again.stderr

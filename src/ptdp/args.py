@@ -102,6 +102,10 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
     g.add_argument("--eval-interval", type=int, default=tc.eval_interval, help="evaluate validation loss every N steps")
     g.add_argument("--eval-iters", type=int, default=tc.eval_iters, help="global batches per evaluation; 0 disables")
     g.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    g.add_argument("--trace", action="store_true",
+                   help="record every rank's forward/backward/send/receive/wait times into trace.json "
+                        "(Chrome trace, open in Perfetto) and timeline.png, and the bubble per rank in the summary")
+    g.add_argument("--trace-iters", type=int, default=3, help="iterations traced with --trace, from the second on")
     g.add_argument("--hardware-profile", metavar="FILE",
                    help="profile from `ptdp plan --calibrate` for the planner's step-time prediction "
                         "(default: $PTDP_CACHE_DIR/hardware-profile.json if it exists)")
@@ -131,6 +135,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
             adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, seed=args.seed,
             log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+            trace_iters=args.trace_iters if args.trace else 0,
         ),
         data=DataConfig(
             data_paths=tuple(args.data or ()), data_cache_dir=args.data_cache_dir, valid_fraction=args.valid_fraction,

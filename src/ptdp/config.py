@@ -137,6 +137,8 @@ class TrainConfig:
     eval_interval: int = 100
     eval_iters: int = 4
     """Global batches of validation data per evaluation."""
+    trace_iters: int = 0
+    """Iterations to trace (from the second on) into trace.json and timeline.png; 0: no trace."""
 
     @property
     def decay_iters(self) -> int:
@@ -426,6 +428,8 @@ def _train_rules(t: TrainConfig) -> list[str]:
         )
     if t.eval_iters < 0:
         errors.append(f"eval_iters={t.eval_iters} must be >= 0 (0 disables evaluation)")
+    if t.trace_iters < 0:
+        errors.append(f"trace_iters={t.trace_iters} must be >= 0 (0 disables tracing)")
     if not 0 <= t.seed < 2**63:
         errors.append(f"seed={t.seed} must be in [0, 2**63)")
     return errors

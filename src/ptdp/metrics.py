@@ -88,6 +88,12 @@ def format_summary(s: dict, run_dir) -> str:
             f"  validation loss: {s['initial_val_loss']:.4f} -> {s['final_val_loss']:.4f} "
             f"({s['val_loss_ratio']:.2f} of its start)"
         )
+    if s.get("bubble"):
+        b = s["bubble"]
+        by_rank = b["measured_idle_over_compute_by_rank"]
+        lines.append(f"  pipeline bubble ({b['schedule']}): idle/compute per rank "
+                     + ", ".join(f"{r}: {v:.2f}" for r, v in sorted(by_rank.items(), key=lambda kv: int(kv[0])))
+                     + f"; formula (p-1)/(v m) = {b['formula_(p-1)/(v*m)']:.2f}; trace.json, timeline.png written")
     if s.get("planner_check"):
         from ptdp.planner.check import format_comparison
 

@@ -94,7 +94,8 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
 
 
 def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tracer=None) -> StepResult:
-    """One optimizer step over this rank's ``m`` microbatches (collective over the whole world)."""
+    """One optimizer step over this rank's ``m`` microbatches (collective over the whole world).
+    ``tracer`` (a :class:`ptdp.trace.Tracer`) times every action and phase."""
     cfg = stage.config
     stage.grads.zero()
     schedule = build_schedule(cfg.parallel.schedule, stage.groups.pp.size, len(microbatches), stage.virtual_stages)
@@ -102,11 +103,17 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
         schedule[stage.groups.pp.rank], stage.model, microbatches, pp=stage.groups.pp,
         hidden_shape=stage.hidden_shape, dtype=stage.dtype, device=stage.device, tracer=tracer,
     )
+    span = tracer.span("grad sync + clip", "grad_sync") if tracer is not None else None
     finalize_grads(stage.model, stage.grads, stage.groups)
     norm = clip_grad_norm(stage.model, stage.grads, stage.groups, cfg.train.clip_grad)
+    if span is not None:
+        span.end()
+        span = tracer.span("optimizer", "optimizer")
     lr = lr_at(iteration, cfg.train)
     set_lr(stage.optimizer, lr)
     stage.optimizer.step()
+    if span is not None:
+        span.end()
     return StepResult(loss=_global_mean_loss(stage, losses, len(microbatches)), grad_norm=norm, lr=lr)
 
 

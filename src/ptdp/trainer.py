@@ -18,6 +18,7 @@ from ptdp.groups import ParallelGroups
 from ptdp.planner.calibrate import default_profile_path
 from ptdp.planner.check import compare, measure_stage
 from ptdp.metrics import RunLog, write_json
+from ptdp.trace import Tracer, bubble_by_rank, write_trace
 from ptdp.step import build_stage, eval_loss, train_step, with_vocab
 
 
@@ -51,14 +52,18 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
         log.write({"iteration": iteration, "val_loss": val})
         log.message(f"iteration {iteration:>6}: validation loss {val:.4f}")
 
+    tracer = Tracer(groups.global_rank, groups.pp.rank) if t.trace_iters else None
+    first_traced = 2 if t.train_iters >= 2 else 1
     started = time.perf_counter()
     evaluate(0)
     for it in range(t.train_iters):
         iteration = it + 1
+        if tracer is not None:
+            tracer.iteration, tracer.active = iteration, first_traced <= iteration < first_traced + t.trace_iters
         mine = dp_shard(sampler.global_batch(it * t.global_batch_size), groups.dp.rank, groups.dp.size)
         groups.stats.reset()
         step_start = time.perf_counter()
-        result = train_step(stage, microbatches(train_windows, mine, t.micro_batch_size), it)
+        result = train_step(stage, microbatches(train_windows, mine, t.micro_batch_size), it, tracer)
         step_time = time.perf_counter() - step_start
         history["comm"] = groups.stats.as_dict()
         record = {
@@ -82,10 +87,29 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     log.close()
     summary = _summary(config, history, time.perf_counter() - started)
     per_rank = all_gather_object(measure_stage(stage), groups.world)
+    if tracer is not None:
+        events = [e for rank_events in all_gather_object(tracer.events, groups.world) for e in rank_events]
+        if is_logger:
+            summary["bubble"] = _write_trace(config, groups, events, Path(run_dir))
     if is_logger:
         summary["planner_check"] = compare(config, per_rank, summary["mean_step_time_s"], _profile_path(config))
         write_json(Path(run_dir) / "summary.json", summary)
     return summary
+
+
+def _write_trace(config: Config, groups: ParallelGroups, events: list[dict], run_dir: Path) -> dict:
+    """trace.json + timeline.png; returns the measured bubble per rank and the formula's value."""
+    layout = groups.layout
+    labels = {}
+    for r in range(layout.world_size):
+        c = layout.coords(r)
+        labels[r] = f"rank {r} (tp{c.tp_rank} dp{c.dp_rank} pp{c.pp_rank})"
+    write_trace(events, run_dir, labels)
+    p = config.parallel
+    v, m = p.virtual_stages(config.model.num_layers), config.num_microbatches
+    return {"measured_idle_over_compute_by_rank": bubble_by_rank(events),
+            "formula_(p-1)/(v*m)": (p.pp - 1) / (v * m), "schedule": p.schedule,
+            "files": ["trace.json", "timeline.png"]}
 
 
 def _profile_path(config: Config) -> Path | None:

@@ -52,7 +52,8 @@ def planner_layout(config: Config) -> Layout | None:
     if precision is None:
         return None
     p, t = config.parallel, config.train
-    return Layout(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size, precision=precision)
+    return Layout(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size,
+                  virtual_stages=p.virtual_stages(config.model.num_layers), precision=precision)
 
 
 def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, profile: Path | None) -> dict:
