@@ -27,7 +27,8 @@ def test_published_layout_breaks_no_rule():
     (Layout(8, 128, 1, 1, 1536), "layers % pp", "num_layers=96 is not divisible by pipeline_model_parallel_size=128"),
     (Layout(8, 16, 8, 5, 1536), "B % (b * dp)", "global_batch_size=1536 is not divisible by micro_batch_size*dp = 5*8 = 40"),
     (Layout(8, 16, 8, 1, 1536, virtual_stages=4), "interleaving", "num_layers=96 is not divisible by pp*v = 16*4 = 64"),
-    (Layout(8, 16, 8, 16, 1536, virtual_stages=2), "interleaving", "interleaved 1F1B needs microbatches m=12 % pp=16 == 0"),
+    (Layout(8, 16, 8, 16, 1536, virtual_stages=2), "interleaving",
+     "the interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches=12"),
     (Layout(8, 16, 4, 1, 1536), "gpus", "tp*pp*dp = 8*16*4 = 512 != 1024 GPUs"),
 ])
 def test_each_rule_names_its_numbers(layout, rule, text):

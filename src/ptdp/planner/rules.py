@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ptdp.config import ModelConfig, layout_errors
+from ptdp.config import ModelConfig, ParallelConfig, layout_errors, schedule_errors
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import PRECISIONS, RECOMPUTE, Layout
@@ -67,13 +67,13 @@ def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Rejection]:
     out = []
     v, pp, m = layout.virtual_stages, layout.pp, layout.num_microbatches
     if v > 1:
-        if pp < 2:
-            out.append(Rejection("interleaving", f"virtual_stages={v} needs pp >= 2 (pp={pp})"))
         if model.num_layers % (pp * v):
             out.append(Rejection("interleaving", f"num_layers={model.num_layers} is not divisible by "
                                                  f"pp*v = {pp}*{v} = {pp * v}"))
-        if m % pp:
-            out.append(Rejection("interleaving", f"interleaved 1F1B needs microbatches m={m} % pp={pp} == 0"))
+        else:  # the interleaved schedule's own rules, as ptdp train checks them
+            parallel = ParallelConfig(layout.tp, pp, layout.dp, pipeline_schedule="interleaved-1f1b",
+                                      num_layers_per_virtual_pipeline_stage=model.num_layers // (pp * v))
+            out += [Rejection("interleaving", e) for e in schedule_errors(parallel, model.num_layers, m)]
     if layout.recompute not in RECOMPUTE:
         out.append(Rejection("option", f"recompute={layout.recompute!r} not in {RECOMPUTE}"))
     if layout.precision not in PRECISIONS:
