@@ -98,3 +98,17 @@ def test_layer_assignment_covers_every_layer_once():
     assert list(chunk_layer_ids(24, 4, 3, 1, 2)) == [18, 19]  # virtual stage 2 * 4 + 1 = 9, 2 layers each
     with pytest.raises(ValueError, match="not divisible by pp\\*v"):
         chunk_layer_ids(10, 2, 3, 0, 0)
+
+
+def test_runtime_rejects_microbatches_of_the_wrong_shape():
+    import torch
+
+    from ptdp.comm import AxisGroup
+    from ptdp.pipeline.runtime import run_schedule
+
+    actions = build_schedule("1f1b", 1, 2)[0]
+    good = (torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+    short = (torch.zeros(2, 7, dtype=torch.long), torch.zeros(2, 7, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"microbatch 1 has tokens \(2, 7\).*expected \[micro_batch_size, seq_length\] = \[2, 8\]"):
+        run_schedule(actions, torch.nn.Identity(), [good, short], pp=AxisGroup.single("pp"), hidden_shape=(2, 8, 4),
+                     dtype=torch.float32, device=torch.device("cpu"))
