@@ -108,16 +108,13 @@ class P2P:
     tag: int = 0
 
 
-def exchange(transfers: list[P2P], axis: AxisGroup, *, tag: str = "") -> list:
-    """Post all ``transfers`` at once (``batch_isend_irecv``), wait for the receives, and return
-    the pending sends' work handles (wait for them before the sent tensors are modified or freed).
-
-    Posting the transfers of a step together, and never blocking on a send, is what keeps the
-    pipeline schedules deadlock-free. Receives fill their tensors in place.
-    """
+def post(transfers: list[P2P], axis: AxisGroup, *, tag: str = "") -> list | None:
+    """Post ``transfers`` at once (``batch_isend_irecv``) without waiting; returns one work handle
+    per transfer, or None when the backend coalesces the batch into one handle (NCCL), in which case
+    everything has already been waited for."""
     if not transfers:
         return []
-    ops, sends = [], []
+    ops = []
     for t in transfers:
         if not 0 <= t.peer < axis.size or t.peer == axis.rank:
             raise ValueError(f"bad {t.kind} peer {t.peer} on axis {axis.name} of size {axis.size}")
@@ -125,10 +122,24 @@ def exchange(transfers: list[P2P], axis: AxisGroup, *, tag: str = "") -> list:
         fn = dist.isend if t.kind == "send" else dist.irecv
         ops.append(dist.P2POp(fn, t.tensor, group=axis.group, tag=t.tag, group_peer=t.peer))
     works = dist.batch_isend_irecv(ops)
-    if len(works) != len(ops):  # coalesced backends return one handle for the whole batch
+    if len(works) != len(ops):
         for work in works:
             work.wait()
+        return None
+    return works
+
+
+def exchange(transfers: list[P2P], axis: AxisGroup, *, tag: str = "") -> list:
+    """Post all ``transfers`` at once, wait for the receives, and return the pending sends' work
+    handles (wait for them before the sent tensors are modified or freed).
+
+    Posting the transfers of a step together, and never blocking on a send, is what keeps the
+    pipeline schedules deadlock-free. Receives fill their tensors in place.
+    """
+    works = post(transfers, axis, tag=tag)
+    if works is None:
         return []
+    sends = []
     for t, work in zip(transfers, works):
         if t.kind == "send":
             sends.append(work)

@@ -2,9 +2,14 @@
 
 The runtime owns the per-(microbatch, chunk) state: the input it received (or the tokens on the
 first virtual stage), the output it produced, and the gradient it received. Runs of consecutive
-transfers are posted together with ``batch_isend_irecv`` on the pp axis; the runtime waits for the
-receives at once and for the sends at the end of the schedule, so a send never blocks its rank
-(the condition under which :mod:`ptdp.pipeline.verify` proves the schedules deadlock-free).
+transfers are posted together with ``batch_isend_irecv`` on the pp axis. A send never blocks its
+rank where it is posted (the condition under which :mod:`ptdp.pipeline.verify` proves the
+schedules deadlock-free). A sent activation is waited for right after this rank's backward of the
+same microbatch and chunk, when it has certainly arrived (the gradient that came back was
+computed from it), which frees its buffer then; sent gradients are waited for at the end of the
+schedule (gloo reports a send complete only once waited for). Each receive is posted one transfer step
+ahead of the step that waits for it (the next receive of each direction, in schedule order), so
+the message usually lands in a posted buffer instead of waiting for one.
 Activations and gradients use different message tags, so with pp = 2 (where the next and the
 previous rank are the same process) a forward activation is never paired with a gradient.
 A microbatch's forward and backward see the same weights: the optimizer runs after the schedule.
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ptdp.comm import P2P, AxisGroup, exchange
+from ptdp.comm import P2P, AxisGroup, post
 from ptdp.pipeline.schedule import Action, peer, transfer_batches
 
 Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [b, s], labels [b, s])
@@ -38,6 +43,9 @@ class _State:
     grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     pending_sends: list = field(default_factory=list)
+    activation_sends: dict[tuple[int, int], object] = field(default_factory=dict)
+    prefetched: dict[Action, tuple[torch.Tensor, object]] = field(default_factory=dict)
+    prefetch: bool = True
 
     def is_first(self, chunk: int) -> bool:
         return self.pp.rank == 0 and chunk == 0
@@ -85,8 +93,12 @@ def run_schedule(
                 f"expected [micro_batch_size, seq_length] = [{b}, {s}]"
             )
     chunks = list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]
-    state = _State(chunks, microbatches, pp, device, forward_only)
-    for step in transfer_batches(actions):
+    # prefetching needs one handle per receive; coalescing backends (NCCL) wait a batch as a whole
+    prefetch = pp.size > 1 and torch.distributed.get_backend(pp.group) == "gloo"
+    state = _State(chunks, microbatches, pp, device, forward_only, prefetch=prefetch)
+    steps = transfer_batches(actions)
+    _prefetch(steps, 0, state, hidden_shape, dtype)
+    for index, step in enumerate(steps):
         kind = step[0].kind
         span = tracer.span(step) if tracer is not None else None
         if kind == "forward":
@@ -95,9 +107,10 @@ def run_schedule(
             _backward(step[0], state)
         else:
             _transfer(step, state, hidden_shape, dtype)
+            _prefetch(steps, index + 1, state, hidden_shape, dtype)
         if span is not None:
             span.end()
-    for work in state.pending_sends:
+    for work in state.pending_sends + list(state.activation_sends.values()):
         work.wait()
     return [state.losses[i] for i in sorted(state.losses)]
 
@@ -130,25 +143,74 @@ def _backward(a: Action, state: _State) -> None:
         torch.autograd.backward(out, grad_tensors=state.grads.pop(key))
     if not state.is_first(a.chunk):
         state.grads[key] = state.inputs.pop(key).grad
+    sent = state.activation_sends.pop(key, None)
+    if sent is not None:  # the next stage used this activation for the gradient we just consumed
+        sent.wait()
+
+
+def _recv(a: Action, state: _State, shape, dtype) -> P2P:
+    direction = "forward" if a.kind == "recv_forward" else "backward"
+    buf = torch.empty(shape, dtype=dtype, device=state.device)
+    return P2P("recv", buf, peer(a, state.pp.rank, state.pp.size), TAGS[direction])
+
+
+def _prefetch(steps: list[list[Action]], start: int, state: _State, shape, dtype) -> None:
+    """Post the next not-yet-posted receive of each direction found from ``steps[start]`` on.
+
+    Receives of one direction come from one peer with one tag, and are posted in schedule order,
+    so they pair with the peer's sends exactly as without prefetching.
+    """
+    if not state.prefetch:
+        return
+    wanted: dict[str, Action] = {}
+    for step in steps[start:]:
+        for a in step:
+            if a.kind.startswith("recv") and a.kind not in wanted:
+                wanted[a.kind] = a
+        if len(wanted) == 2:
+            break
+    todo = [a for a in wanted.values() if a not in state.prefetched]
+    transfers = [_recv(a, state, shape, dtype) for a in todo]
+    works = post(transfers, state.pp, tag="pipeline")
+    for a, t, work in zip(todo, transfers, works):
+        state.prefetched[a] = (t.tensor, work)
 
 
 def _transfer(step: list[Action], state: _State, shape, dtype) -> None:
-    transfers, received = [], []
+    """Post this step's sends (and any receive not posted yet) together, then wait for its receives."""
+    transfers, new_recvs = [], []
     for a in step:
         key = (a.microbatch, a.chunk)
-        direction = "forward" if a.kind.endswith("forward") else "backward"
-        other = peer(a, state.pp.rank, state.pp.size)
         if a.kind == "send_forward":
             out = state.outputs[key]
-            transfers.append(P2P("send", out.detach(), other, TAGS[direction]))
+            transfers.append(P2P("send", out.detach(), peer(a, state.pp.rank, state.pp.size), TAGS["forward"]))
             if state.forward_only:  # nothing to backpropagate later
                 del state.outputs[key]
         elif a.kind == "send_backward":
-            transfers.append(P2P("send", state.grads.pop(key), other, TAGS[direction]))
+            transfers.append(P2P("send", state.grads.pop(key), peer(a, state.pp.rank, state.pp.size),
+                                 TAGS["backward"]))
+        elif a not in state.prefetched:
+            transfers.append(_recv(a, state, shape, dtype))
+            new_recvs.append(a)
+    works = post(transfers, state.pp, tag="pipeline")
+    if works is None:  # a coalescing backend (NCCL) has waited for the whole batch
+        works = [None] * len(transfers)
+    recv_index, send_keys = 0, [(a.kind, (a.microbatch, a.chunk)) for a in step if a.kind.startswith("send")]
+    for t, work in zip(transfers, works):
+        if t.kind == "send":
+            kind, key = send_keys.pop(0)
+            if work is None:
+                continue
+            if kind == "send_forward" and not state.forward_only:
+                state.activation_sends[key] = work
+            else:
+                state.pending_sends.append(work)
         else:
-            buf = torch.empty(shape, dtype=dtype, device=state.device)
-            transfers.append(P2P("recv", buf, other, TAGS[direction]))
-            received.append((a.kind, key, buf))
-    state.pending_sends += exchange(transfers, state.pp, tag="pipeline")
-    for kind, key, buf in received:
-        (state.inputs if kind == "recv_forward" else state.grads)[key] = buf
+            state.prefetched[new_recvs[recv_index]] = (t.tensor, work)
+            recv_index += 1
+    for a in step:
+        if a.kind.startswith("recv"):
+            buf, work = state.prefetched.pop(a)
+            if work is not None:
+                work.wait()
+            (state.inputs if a.kind == "recv_forward" else state.grads)[(a.microbatch, a.chunk)] = buf

@@ -1,0 +1,81 @@
+"""Plumbing shared by the pipeline benchmarks (``bench_schedule_bubble.py``,
+``bench_vs_torch_pipelining.py``, ``bench_activation_memory.py``, ``bench_gloo_recv_posting.py``).
+
+Workers are started by ptdp's own launcher (:func:`ptdp.launch.launch_workers`, PyTorch's elastic
+launcher underneath) on a gloo world of ``pp`` processes with one CPU thread each; rank 0's return
+value comes back to the launching process. Step times are measured the same way everywhere: every
+rank waits at a barrier, runs the step, and the step time is the slowest rank's (an all-reduce max).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ptdp import comm
+from ptdp.comm import AxisGroup, all_reduce
+from ptdp.distributed import init_distributed
+from ptdp.groups import ParallelGroups
+from ptdp.launch import launch_workers
+from ptdp.layout import ParallelLayout
+
+TIMEOUT_MINUTES = 5.0
+
+
+def launch(entrypoint, nproc: int, *args):
+    """Run ``entrypoint(*args)`` in ``nproc`` gloo workers (1 thread each); rank 0's result."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    return launch_workers(entrypoint, nproc, *args)
+
+
+def init_pipeline(pp_size: int) -> ParallelGroups:
+    """Inside a worker: the default gloo group and ptdp's groups for tp = dp = 1, pp = ``pp_size``."""
+    init_distributed(TIMEOUT_MINUTES, threads_per_worker=1)
+    return ParallelGroups.build(ParallelLayout(tp=1, pp=pp_size, dp=1), datetime.timedelta(minutes=TIMEOUT_MINUTES))
+
+
+def timed_step(fn, world: AxisGroup) -> float:
+    """Seconds of ``fn()`` on the slowest rank, every rank starting after a common barrier."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    return all_reduce(elapsed, world, op="max", tag="bench").item()
+
+
+def gather_floats(value: float, world: AxisGroup) -> list[float]:
+    """``value`` of every rank, in rank order."""
+    return [float(x) for x in comm.all_gather_object(float(value), world)]
+
+
+def all_gather_object(obj, world: AxisGroup) -> list:
+    """Every rank's ``obj`` (picklable), in rank order."""
+    return comm.all_gather_object(obj, world)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A GitHub-markdown table (floats as given: format them before)."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
