@@ -1,7 +1,7 @@
 """``ptdp train --trace``: what every rank did and when, as a Chrome trace and a PNG timeline.
 
-Each rank's :class:`Tracer` records the start and end of every forward, backward, transfer batch
-(send/receive, including the time spent waiting for the peer), gradient synchronisation and
+Each rank's :class:`Tracer` records the start and end of every forward, backward, posting of a
+transfer batch (sends and receives), wait for its receives, gradient synchronisation and
 optimizer step of the traced iterations. Rank 0 gathers them into ``trace.json`` (Chrome trace
 format: open it in Perfetto or chrome://tracing) and draws ``timeline.png`` (one row per rank).
 Times are wall-clock (``time.time``), so ranks on one machine line up exactly.
@@ -18,8 +18,9 @@ from pathlib import Path
 
 from ptdp.pipeline.schedule import Action
 
-COLORS = {"forward": "#1f77b4", "backward": "#ff7f0e", "transfer": "#b0b0b0", "grad_sync": "#2ca02c",
-          "optimizer": "#9467bd"}
+COLORS = {"forward": "#1f77b4", "backward": "#ff7f0e", "transfer": "#7f7f7f", "wait": "#e0e0e0",
+          "grad_sync": "#2ca02c", "optimizer": "#9467bd"}
+LABELS = {"transfer": "post send/recv", "wait": "wait for recv"}
 
 
 class _Span:
@@ -65,7 +66,8 @@ def bubble_by_rank(events: list[dict]) -> dict[int, float]:
         mine = [e for e in events if e["pid"] == rank]
         busy = idle = 0.0
         for it in sorted({e["args"]["iteration"] for e in mine}):
-            sched = [e for e in mine if e["args"]["iteration"] == it and e["cat"] in ("forward", "backward", "transfer")]
+            sched = [e for e in mine if e["args"]["iteration"] == it
+                     and e["cat"] in ("forward", "backward", "transfer", "wait")]
             if not sched:
                 continue
             span = max(e["ts"] + e["dur"] for e in sched) - min(e["ts"] for e in sched)
@@ -99,10 +101,10 @@ def _draw(events: list[dict], path: Path, labels: dict[int, str]) -> None:
             bars = [((e["ts"] - origin) / 1e3, e["dur"] / 1e3) for e in events if e["pid"] == rank and e["cat"] == cat]
             if bars:
                         ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=color,
-                               label=(cat if cat != "transfer" else "send/recv (incl. waiting)") if row == 0 else None)
+                               label=LABELS.get(cat, cat) if row == 0 else None)
     ax.set_yticks(range(len(ranks)), [labels[r] for r in ranks], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("ms (white: idle)")
+    ax.set_xlabel("ms (white: idle outside the schedule's transfers)")
     ax.legend(loc="upper right", fontsize=8, ncol=len(COLORS))
     ax.set_title("ptdp pipeline timeline")
     fig.tight_layout()

@@ -100,16 +100,14 @@ def run_schedule(
     _prefetch(steps, 0, state, hidden_shape, dtype)
     for index, step in enumerate(steps):
         kind = step[0].kind
-        span = tracer.span(step) if tracer is not None else None
-        if kind == "forward":
-            _forward(step[0], state)
-        elif kind == "backward":
-            _backward(step[0], state)
+        if kind in ("forward", "backward"):
+            span = tracer.span(step) if tracer is not None else None
+            (_forward if kind == "forward" else _backward)(step[0], state)
+            if span is not None:
+                span.end()
         else:
-            _transfer(step, state, hidden_shape, dtype)
+            _transfer(step, state, hidden_shape, dtype, tracer)
             _prefetch(steps, index + 1, state, hidden_shape, dtype)
-        if span is not None:
-            span.end()
     for work in state.pending_sends + list(state.activation_sends.values()):
         work.wait()
     return [state.losses[i] for i in sorted(state.losses)]
@@ -176,8 +174,10 @@ def _prefetch(steps: list[list[Action]], start: int, state: _State, shape, dtype
         state.prefetched[a] = (t.tensor, work)
 
 
-def _transfer(step: list[Action], state: _State, shape, dtype) -> None:
-    """Post this step's sends (and any receive not posted yet) together, then wait for its receives."""
+def _transfer(step: list[Action], state: _State, shape, dtype, tracer=None) -> None:
+    """Post this step's sends (and any receive not posted yet) together, then wait for its receives.
+    With a tracer, the posting and the waiting are two spans ("transfer", "wait")."""
+    span = tracer.span(step) if tracer is not None else None
     transfers, new_recvs = [], []
     for a in step:
         key = (a.microbatch, a.chunk)
@@ -208,9 +208,15 @@ def _transfer(step: list[Action], state: _State, shape, dtype) -> None:
         else:
             state.prefetched[new_recvs[recv_index]] = (t.tensor, work)
             recv_index += 1
+    if span is not None:
+        span.end()
+        span = tracer.span("wait " + ", ".join(f"{a.kind[5:]} {a.microbatch}.{a.chunk}" for a in step
+                                                 if a.kind.startswith("recv")), "wait")
     for a in step:
         if a.kind.startswith("recv"):
             buf, work = state.prefetched.pop(a)
             if work is not None:
                 work.wait()
             (state.inputs if a.kind == "recv_forward" else state.grads)[(a.microbatch, a.chunk)] = buf
+    if span is not None:
+        span.end()
