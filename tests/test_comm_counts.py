@@ -4,8 +4,8 @@ Per microbatch and layer (Shoeybi et al. 2019 §3; Narayanan et al. 2021 §3.2):
 forward (attention output, MLP output) and 2 backward (before QKV and fc1), each b*s*h elements;
 the embedding adds 1 forward all-reduce of b*s*h on the first stage; the output layer 1 backward
 all-reduce of b*s*h and the vocab-parallel cross entropy 3 all-reduces of b*s on the last stage.
-PP: one b*s*h send per microbatch per stage boundary each way. DP: one all-reduce of the stage's
-gradient elements per step. Embedding group: one all-reduce of the [V_pad/tp, h] word embedding.
+PP: one b*s*h send per microbatch per stage boundary each way. DP: the stage's gradient elements
+once per step (here in two buckets: the tied embedding is reduced on its own). Embedding group: one all-reduce of the [V_pad/tp, h] word embedding.
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ def test_one_step_at_tp2_pp2_dp2_matches_formulas():
         sends = _count(comm, "pp", "send")
         recvs = _count(comm, "pp", "recv")
         assert sends == (m, m * bsh) and recvs == (m, m * bsh)
-        # data parallel: the stage's gradients, once
-        assert _count(comm, "dp", "all_reduce", "grads") == (1, r["grad_numel"])
-        assert _count(comm, "dp", "all_reduce") == (1, r["grad_numel"])
+        # data parallel: the stage's gradients, once: one bucket, plus the tied embedding's own
+        # bucket (reduced after its first/last-stage sum) on the stages that hold it
+        assert _count(comm, "dp", "all_reduce", "grads") == (2, r["grad_numel"])
+        assert _count(comm, "dp", "all_reduce") == (2, r["grad_numel"])
         # tied embedding between first and last stage
         assert _count(comm, "embedding", "all_reduce") == (1, v_local * h)
         assert _count(comm, "pp", "all_reduce", "grad_norm") == (1, 1)

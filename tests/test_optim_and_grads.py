@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ptdp.config import ModelConfig, TrainConfig
-from ptdp.data_parallel.grads import GradBuffer, clip_grad_norm, counts_in_norm
+from ptdp.data_parallel.buffer import GradBuffer
+from ptdp.data_parallel.grads import clip_grad_norm, counts_in_norm
 from ptdp.groups import ParallelGroups
 from ptdp.model.gpt import GPTModel
 from ptdp.optim import build_optimizer, lr_at
@@ -35,7 +36,7 @@ def tiny_model() -> GPTModel:
 
 def test_weight_decay_only_on_matrices():
     model = tiny_model()
-    opt = build_optimizer(model, TrainConfig(weight_decay=0.1), GradBuffer(list(model.parameters())))
+    opt = build_optimizer(model, TrainConfig(weight_decay=0.1), GradBuffer([list(model.parameters())], dp=ParallelGroups.single_process().dp))
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and all(p.ndim == 2 for p in decay["params"])
     assert no_decay["weight_decay"] == 0.0 and all(p.ndim == 1 for p in no_decay["params"])
@@ -44,7 +45,7 @@ def test_weight_decay_only_on_matrices():
 
 def test_grad_buffer_accumulates_in_place_and_detects_dropped_views():
     model = tiny_model()
-    buf = GradBuffer(list(model.parameters()))
+    buf = GradBuffer([list(model.parameters())], dp=ParallelGroups.single_process().dp)
     tokens = torch.randint(0, 300, (2, 8))
     model(tokens, tokens).backward()
     first = buf.data.clone()
@@ -62,7 +63,7 @@ def test_grad_buffer_accumulates_in_place_and_detects_dropped_views():
 def test_norm_counts_every_parameter_once_and_clips():
     model = tiny_model()
     groups = ParallelGroups.single_process()
-    buf = GradBuffer(list(model.parameters()))
+    buf = GradBuffer([list(model.parameters())], dp=ParallelGroups.single_process().dp)
     tokens = torch.randint(0, 300, (2, 8))
     model(tokens, tokens).backward()
     assert all(counts_in_norm(p, groups) for p in model.parameters())

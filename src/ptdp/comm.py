@@ -1,7 +1,9 @@
 """The one thin layer through which every collective and point-to-point transfer goes, counted.
 
 Each call is recorded in the :class:`CommStats` of its :class:`AxisGroup` as (axis, op, tag) ->
-calls, elements, bytes, so tests and reports can read exactly what a step communicated. A call on
+calls, elements, bytes, so tests and reports can read exactly what a step communicated. The
+elements counted are what this rank puts in: the tensor of an all-reduce or send, the input of a
+reduce-scatter, this rank's part of an all-gather. A call on
 an axis of size 1 is a no-op and is not counted (nothing crosses a wire).
 
 Axes: ``tp``, ``pp``, ``dp``, ``embedding`` (first and last pipeline stage, for the tied
@@ -95,6 +97,41 @@ def all_reduce(tensor: torch.Tensor, axis: AxisGroup, *, op: str = "sum", tag: s
     axis.stats.record(axis.name, "all_reduce", tensor, tag)
     dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=axis.group)
     return tensor
+
+
+class _Done:
+    """The handle of a collective that did not need to run (an axis of size 1)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def all_reduce_async(tensor: torch.Tensor, axis: AxisGroup, *, tag: str = ""):
+    """Start a sum all-reduce of ``tensor`` in place; returns a handle to ``wait()`` on."""
+    if axis.size == 1:
+        return _Done()
+    axis.stats.record(axis.name, "all_reduce", tensor, tag)
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
+
+
+def reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, axis: AxisGroup, *, tag: str = ""):
+    """Start a sum reduce-scatter: rank i of ``axis`` gets the i-th of ``axis.size`` equal chunks
+    of the sum of ``tensor`` (``tensor.numel()`` elements sent) in ``output``."""
+    if axis.size == 1:
+        output.copy_(tensor)
+        return _Done()
+    axis.stats.record(axis.name, "reduce_scatter", tensor, tag)
+    return dist.reduce_scatter_single(output, tensor, group=axis.group, async_op=True)
+
+
+def all_gather_async(output: torch.Tensor, tensor: torch.Tensor, axis: AxisGroup, *, tag: str = ""):
+    """Start an all-gather of every rank's ``tensor`` into ``output`` (rank order, concatenated);
+    counted as the ``tensor.numel()`` elements this rank contributes."""
+    if axis.size == 1:
+        output.copy_(tensor)
+        return _Done()
+    axis.stats.record(axis.name, "all_gather", tensor, tag)
+    return dist.all_gather_single(output, tensor, group=axis.group, async_op=True)
 
 
 @dataclass(frozen=True)

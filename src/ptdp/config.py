@@ -81,6 +81,14 @@ class ParallelConfig:
     """Layers per model chunk; each rank then holds v = num_layers / (pp * this) chunks."""
     distributed_timeout_minutes: float = 10.0
     """Timeout of every process group; a stalled collective fails after this instead of hanging."""
+    ddp_bucket_size: int | None = None
+    """Most gradient elements per data-parallel bucket; None: 40 million (Megatron's default)."""
+    overlap_grad_reduce: bool = False
+    """Start each bucket's data-parallel reduction during the last microbatch's backward."""
+    grad_compression: str = "none"
+    """Data-parallel gradient reduction in none (fp32), fp16, bf16 or 1bit (with error feedback)."""
+    use_distributed_optimizer: bool = False
+    """Shard Adam's state (and float32 main parameters) over dp (ZeRO-1)."""
 
     @property
     def tp(self) -> int:
@@ -265,6 +273,7 @@ def resolve(config: Config, world_size: int) -> Config:
     errors += _train_rules(t)
     if not errors:
         errors += schedule_errors(p, m.num_layers, t.global_batch_size // (t.micro_batch_size * dp))
+    errors += _data_parallel_rules(p)
     if config.data.valid_fraction <= 0 or config.data.valid_fraction >= 1:
         errors.append(f"valid_fraction={config.data.valid_fraction} must be in (0, 1)")
     if p.distributed_timeout_minutes <= 0:
@@ -377,6 +386,21 @@ def schedule_errors(p: ParallelConfig, num_layers: int, num_microbatches: int) -
                 f"the interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches={m} "
                 f"(= global_batch_size / (micro_batch_size * dp)), pp={pp}"
             )
+    return errors
+
+
+GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "1bit")
+
+
+def _data_parallel_rules(p: ParallelConfig) -> list[str]:
+    errors = []
+    if p.grad_compression not in GRAD_COMPRESSIONS:
+        errors.append(f"grad_compression={p.grad_compression!r} must be one of {GRAD_COMPRESSIONS}")
+    if p.grad_compression == "1bit" and p.use_distributed_optimizer:
+        errors.append("grad_compression=1bit cannot be combined with use_distributed_optimizer "
+                      "(1-bit gradients are all-gathered, not reduce-scattered)")
+    if p.ddp_bucket_size is not None and (not isinstance(p.ddp_bucket_size, int) or p.ddp_bucket_size < 1):
+        errors.append(f"ddp_bucket_size={p.ddp_bucket_size!r} must be a positive integer (elements)")
     return errors
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ptdp.config import TrainConfig
-from ptdp.data_parallel.grads import GradBuffer
+from ptdp.data_parallel.buffer import GradBuffer
 
 
 class MainParamsAdamW:
@@ -49,16 +49,21 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, grads: GradBuffer):
     """AdamW over the stage's parameters; weight decay on every tensor with >= 2 dims (weight
     matrices, word and position embeddings), none on biases and LayerNorm parameters.
 
-    float32/float64 parameters are updated in place (their ``.grad`` views ``grads``); bfloat16
-    parameters through :class:`MainParamsAdamW` (``grads`` must then be a float32 buffer).
+    With a sharded ``grads`` (distributed optimizer) :class:`~ptdp.data_parallel.zero.ShardedAdamW`;
+    otherwise float32/float64 parameters are updated in place (their ``.grad`` views ``grads``)
+    and bfloat16 parameters through :class:`MainParamsAdamW` (``grads`` is then float32).
     """
+    kwargs = dict(lr=lr_at(0, cfg), betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    if grads.sharded:
+        from ptdp.data_parallel.zero import ShardedAdamW
+
+        return ShardedAdamW(grads, weight_decay=cfg.weight_decay, **kwargs)
     params = list(model.parameters())
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    kwargs = dict(lr=lr_at(0, cfg), betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
     if grads.uses_main_grad:
         return MainParamsAdamW(groups, grads, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)

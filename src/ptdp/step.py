@@ -16,7 +16,8 @@ import torch
 
 from ptdp.comm import all_reduce
 from ptdp.config import Config
-from ptdp.data_parallel.grads import GradBuffer, clip_grad_norm, finalize_grads
+from ptdp.data_parallel.buffer import GradBuffer
+from ptdp.data_parallel.grads import clip_grad_norm, finalize_grads
 from ptdp.groups import ParallelGroups
 from ptdp.model.gpt import DTYPES, GPTModel
 from ptdp.optim import MainParamsAdamW, build_optimizer, lr_at, set_lr
@@ -89,7 +90,13 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     device = torch.device(device)
     model.to(device)
     low_precision = DTYPES[m.params_dtype] in (torch.bfloat16, torch.float16)
-    grads = GradBuffer(list(model.parameters()), torch.float32 if low_precision else None)
+    tied = model.tied_embedding()
+    grads = GradBuffer(
+        [list(chunk.parameters()) for chunk in chunks], dp=groups.dp,
+        grad_dtype=torch.float32 if low_precision else None, bucket_size=p.ddp_bucket_size,
+        overlap=p.overlap_grad_reduce, codec=p.grad_compression, shard=p.use_distributed_optimizer,
+        deferred=(tied,) if tied is not None and groups.embedding.size > 1 else (),
+    )
     return Stage(config, groups, model, build_optimizer(model, config.train, grads), grads, device)
 
 
@@ -102,6 +109,7 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     losses = run_schedule(
         schedule[stage.groups.pp.rank], stage.model, microbatches, pp=stage.groups.pp,
         hidden_shape=stage.hidden_shape, dtype=stage.dtype, device=stage.device, tracer=tracer,
+        grad_sync=stage.grads,
     )
     span = tracer.span("grad sync + clip", "grad_sync") if tracer is not None else None
     finalize_grads(stage.model, stage.grads, stage.groups)

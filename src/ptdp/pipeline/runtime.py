@@ -65,6 +65,7 @@ def run_schedule(
     device: torch.device,
     forward_only: bool = False,
     tracer=None,
+    grad_sync=None,
 ) -> list[torch.Tensor]:
     """Run this rank's ``actions`` over ``microbatches``; returns the last stage's losses.
 
@@ -76,6 +77,9 @@ def run_schedule(
         hidden_shape: ``(b, s, h)`` of the activations passed between stages.
         forward_only: no autograd graph (evaluation).
         tracer: optional :class:`ptdp.trace.Tracer` recording each action's start and end.
+        grad_sync: optional object with a ``no_sync()`` context (the gradient buffer): every
+            backward but the last of each chunk runs under it, so data-parallel reductions start
+            only in the last microbatch's backward (on every stage, the last one included).
 
     Returns:
         On the rank holding the last virtual stage, the ``m`` detached per-microbatch mean losses
@@ -97,12 +101,19 @@ def run_schedule(
     prefetch = pp.size > 1 and torch.distributed.get_backend(pp.group) == "gloo"
     state = _State(chunks, microbatches, pp, device, forward_only, prefetch=prefetch)
     steps = transfer_batches(actions)
+    last_backward = {a.chunk: a for a in actions if a.kind == "backward"}  # the last one per chunk wins
     _prefetch(steps, 0, state, hidden_shape, dtype)
     for index, step in enumerate(steps):
         kind = step[0].kind
         if kind in ("forward", "backward"):
             span = tracer.span(step) if tracer is not None else None
-            (_forward if kind == "forward" else _backward)(step[0], state)
+            if kind == "forward":
+                _forward(step[0], state)
+            elif grad_sync is None or last_backward[step[0].chunk] == step[0]:
+                _backward(step[0], state)
+            else:
+                with grad_sync.no_sync():
+                    _backward(step[0], state)
             if span is not None:
                 span.end()
         else:

@@ -1,0 +1,70 @@
+"""The distributed optimizer (ZeRO stage 1; Rajbhandari et al., "ZeRO", arXiv:1910.02054;
+Megatron-LM's ``DistributedOptimizer``): each data-parallel rank keeps Adam's moments, and for
+16-bit models the float32 main parameters, only for its 1/dp shard of every gradient bucket,
+updates that shard from the reduce-scattered gradients, and all-gathers the updated parameters.
+
+Memory per rank: optimizer state 8 / dp bytes per parameter (12 / dp with float32 main
+parameters), plus the padding that makes every bucket a multiple of dp. Communication per step:
+reduce-scatter of the gradients (in :class:`~ptdp.data_parallel.buffer.GradBuffer`) and one
+all-gather of the parameters per bucket, on the dp axis.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ptdp.comm import all_gather_async
+from ptdp.data_parallel.buffer import GradBuffer
+
+
+class ShardedAdamW:
+    """AdamW over this rank's shard of ``grads`` (a sharded :class:`GradBuffer`).
+
+    Weight decay applies to segments of parameters with >= 2 dims. For float32/float64
+    parameters the shard of the parameter buffer itself is updated; for bfloat16/float16 a float32
+    copy of it is, then rounded into the parameters.
+    """
+
+    def __init__(self, grads: GradBuffer, *, weight_decay: float, **adam_kwargs) -> None:
+        if not grads.sharded:
+            raise ValueError("ShardedAdamW needs a GradBuffer built with shard=True")
+        self.grads = grads
+        dp, rank = grads.dp.size, grads.dp.rank
+        low_precision = grads.param_data.dtype in (torch.bfloat16, torch.float16)
+        self.pairs: list[tuple[torch.Tensor, nn.Parameter]] = []  # (model shard view, main)
+        decay, no_decay = [], []
+        for seg in grads.segments:
+            model_view = seg.param.data.view(-1)[seg.lo: seg.hi]
+            main = nn.Parameter(model_view.detach().float().clone() if low_precision else model_view)
+            main.grad = grads.shard_grads[seg.shard_offset: seg.shard_offset + (seg.hi - seg.lo)]
+            if low_precision:
+                self.pairs.append((model_view, main))
+            (decay if seg.param.ndim >= 2 else no_decay).append(main)
+        groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        # a rank whose shards hold only padding has nothing to update
+        self.inner = torch.optim.AdamW(groups, **adam_kwargs) if groups else None
+        self._shard_ranges = [(b.start + rank * (b.numel // dp), b.numel // dp, b.start, b.numel) for b in grads.buckets]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups if self.inner is not None else []
+
+    @property
+    def state(self):
+        return self.inner.state if self.inner is not None else {}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update this rank's shard, then all-gather every bucket's parameters from all dp ranks."""
+        if self.inner is not None:
+            self.inner.step()
+        for model_view, main in self.pairs:
+            model_view.copy_(main)
+        data, works = self.grads.param_data, []
+        for shard_start, per, start, numel in self._shard_ranges:
+            mine = data[shard_start: shard_start + per].clone()
+            works.append(all_gather_async(data[start: start + numel], mine, self.grads.dp, tag="params"))
+        for work in works:
+            work.wait()
