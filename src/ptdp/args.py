@@ -58,6 +58,17 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
     g.add_argument("--distributed-timeout-minutes", type=float, default=pc.distributed_timeout_minutes,
                    help="timeout of every process group")
 
+    g = parser.add_argument_group("data-parallel gradient reduction and optimizer")
+    g.add_argument("--ddp-bucket-size", type=int, default=None, metavar="ELEMENTS",
+                   help="most gradient elements per bucket (default: 40,000,000)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="start each bucket's data-parallel reduction during the last microbatch's backward")
+    g.add_argument("--grad-compression", choices=("none", "fp16", "bf16", "1bit"), default=pc.grad_compression,
+                   help="reduce gradients over dp in fp32 (none), 16 bits, or 1 bit with error feedback")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard Adam's state and fp32 main parameters over dp (ZeRO-1): reduce-scatter "
+                        "gradients, all-gather parameters")
+
     g = parser.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=mc.num_layers, help="transformer layers l (all stages)")
     g.add_argument("--hidden-size", type=int, default=mc.hidden_size, help="hidden size h")
@@ -70,7 +81,12 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="give the output layer its own weight (default: tied to the input embedding)")
     g.add_argument("--params-dtype", choices=DTYPES, default=mc.params_dtype,
-                   help="parameter/activation dtype; bfloat16 keeps float32 main parameters and gradients")
+                   help="parameter/activation dtype; bfloat16 and float16 keep float32 main parameters and "
+                        "gradients, float16 with dynamic loss scaling")
+    g.add_argument("--bf16", dest="params_dtype", action="store_const", const="bfloat16",
+                   help="same as --params-dtype bfloat16")
+    g.add_argument("--fp16", dest="params_dtype", action="store_const", const="float16",
+                   help="same as --params-dtype float16")
     g.add_argument("--init-method-std", type=float, default=mc.init_method_std, help="std of the normal weight init")
 
     g = parser.add_argument_group("training")
@@ -128,6 +144,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
             pipeline_schedule=args.pipeline_schedule,
             num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
             distributed_timeout_minutes=args.distributed_timeout_minutes,
+            ddp_bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
+            grad_compression=args.grad_compression, use_distributed_optimizer=args.use_distributed_optimizer,
         ),
         train=TrainConfig(
             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,

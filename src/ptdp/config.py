@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-DTYPES = ("float32", "float64", "bfloat16")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
 MIN_VOCAB_SIZE = 258  # 256 byte symbols + end-of-document token + at least one merge
 
 
@@ -54,7 +54,8 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weight instead of sharing the input embedding."""
     params_dtype: str = "float32"
-    """dtype of parameters and activations: float32, float64 or bfloat16."""
+    """dtype of parameters and activations: float32, float64, bfloat16 or float16 (the 16-bit
+    ones with float32 main parameters and gradients; float16 with dynamic loss scaling)."""
     init_method_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
     layernorm_epsilon: float = 1e-5

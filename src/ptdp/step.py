@@ -18,6 +18,7 @@ from ptdp.comm import all_reduce
 from ptdp.config import Config
 from ptdp.data_parallel.buffer import GradBuffer
 from ptdp.data_parallel.grads import clip_grad_norm, finalize_grads
+from ptdp.data_parallel.loss_scale import DynamicLossScaler
 from ptdp.groups import ParallelGroups
 from ptdp.model.gpt import DTYPES, GPTModel
 from ptdp.optim import MainParamsAdamW, build_optimizer, lr_at, set_lr
@@ -39,6 +40,8 @@ class Stage:
     optimizer: torch.optim.Optimizer | MainParamsAdamW
     grads: GradBuffer
     device: torch.device
+    scaler: DynamicLossScaler | None = None
+    """Dynamic loss scaling, for float16 parameters only."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -59,8 +62,11 @@ class StepResult:
     loss: float
     """Mean loss (nats per token) over the global batch."""
     grad_norm: float
-    """Global gradient norm before clipping."""
+    """Global gradient norm before clipping (inf/nan when a float16 step overflowed)."""
     lr: float
+    skipped: bool = False
+    """A float16 step whose gradients overflowed on some rank: no update, loss scale halved."""
+    loss_scale: float | None = None
 
 
 def build_stage(config: Config, groups: ParallelGroups, device: torch.device | str = "cpu") -> Stage:
@@ -97,7 +103,8 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
         overlap=p.overlap_grad_reduce, codec=p.grad_compression, shard=p.use_distributed_optimizer,
         deferred=(tied,) if tied is not None and groups.embedding.size > 1 else (),
     )
-    return Stage(config, groups, model, build_optimizer(model, config.train, grads), grads, device)
+    scaler = DynamicLossScaler() if m.params_dtype == "float16" else None
+    return Stage(config, groups, model, build_optimizer(model, config.train, grads), grads, device, scaler)
 
 
 def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tracer=None) -> StepResult:
@@ -106,23 +113,33 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     cfg = stage.config
     stage.grads.zero()
     schedule = build_schedule(cfg.parallel.schedule, stage.groups.pp.size, len(microbatches), stage.virtual_stages)
+    scale = stage.scaler.scale if stage.scaler is not None else None
     losses = run_schedule(
         schedule[stage.groups.pp.rank], stage.model, microbatches, pp=stage.groups.pp,
         hidden_shape=stage.hidden_shape, dtype=stage.dtype, device=stage.device, tracer=tracer,
-        grad_sync=stage.grads,
+        grad_sync=stage.grads, loss_scale=scale,
     )
     span = tracer.span("grad sync + clip", "grad_sync") if tracer is not None else None
     finalize_grads(stage.model, stage.grads, stage.groups)
+    lr = lr_at(iteration, cfg.train)
+    loss = _global_mean_loss(stage, losses, len(microbatches))
+    if stage.scaler is not None:
+        stage.grads.reduced.mul_(1.0 / scale)
+        if stage.scaler.found_overflow(stage.grads.reduced, stage.groups.world):
+            stage.scaler.update(overflow=True)
+            if span is not None:
+                span.end()
+            return StepResult(loss=loss, grad_norm=float("inf"), lr=lr, skipped=True, loss_scale=scale)
+        stage.scaler.update(overflow=False)
     norm = clip_grad_norm(stage.model, stage.grads, stage.groups, cfg.train.clip_grad)
     if span is not None:
         span.end()
         span = tracer.span("optimizer", "optimizer")
-    lr = lr_at(iteration, cfg.train)
     set_lr(stage.optimizer, lr)
     stage.optimizer.step()
     if span is not None:
         span.end()
-    return StepResult(loss=_global_mean_loss(stage, losses, len(microbatches)), grad_norm=norm, lr=lr)
+    return StepResult(loss=loss, grad_norm=norm, lr=lr, loss_scale=scale)
 
 
 @torch.no_grad()

@@ -71,7 +71,9 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
             "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
         }
         history["train"].append(record)
-        finite = math.isfinite(result.loss) and math.isfinite(result.grad_norm)
+        if result.skipped:  # float16 overflow: the step was skipped on every rank, the scale halved
+            record.update(skipped=True, loss_scale=result.loss_scale)
+        finite = math.isfinite(result.loss) and (result.skipped or math.isfinite(result.grad_norm))
         if not finite or iteration % t.log_interval == 0 or iteration in (1, t.train_iters):
             log.write(record)
         log.step(iteration, result.loss, step_time, record["tokens_per_s"], result.lr)

@@ -30,7 +30,7 @@ from ptdp.tensor_parallel import (
 )
 from ptdp.tensor_parallel.sharding import make_parameter
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class LayerNorm(nn.Module):

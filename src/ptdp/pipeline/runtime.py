@@ -46,6 +46,7 @@ class _State:
     activation_sends: dict[tuple[int, int], object] = field(default_factory=dict)
     prefetched: dict[Action, tuple[torch.Tensor, object]] = field(default_factory=dict)
     prefetch: bool = True
+    loss_factor: float = 1.0
 
     def is_first(self, chunk: int) -> bool:
         return self.pp.rank == 0 and chunk == 0
@@ -66,6 +67,7 @@ def run_schedule(
     forward_only: bool = False,
     tracer=None,
     grad_sync=None,
+    loss_scale: float | None = None,
 ) -> list[torch.Tensor]:
     """Run this rank's ``actions`` over ``microbatches``; returns the last stage's losses.
 
@@ -80,6 +82,7 @@ def run_schedule(
         grad_sync: optional object with a ``no_sync()`` context (the gradient buffer): every
             backward but the last of each chunk runs under it, so data-parallel reductions start
             only in the last microbatch's backward (on every stage, the last one included).
+        loss_scale: multiply each loss by this before backward (float16 loss scaling).
 
     Returns:
         On the rank holding the last virtual stage, the ``m`` detached per-microbatch mean losses
@@ -99,7 +102,8 @@ def run_schedule(
     chunks = list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]
     # prefetching needs one handle per receive; coalescing backends (NCCL) wait a batch as a whole
     prefetch = pp.size > 1 and torch.distributed.get_backend(pp.group) == "gloo"
-    state = _State(chunks, microbatches, pp, device, forward_only, prefetch=prefetch)
+    state = _State(chunks, microbatches, pp, device, forward_only, prefetch=prefetch,
+                   loss_factor=(loss_scale or 1.0) / len(microbatches))
     steps = transfer_batches(actions)
     last_backward = {a.chunk: a for a in actions if a.kind == "backward"}  # the last one per chunk wins
     _prefetch(steps, 0, state, hidden_shape, dtype)
@@ -136,7 +140,7 @@ def _forward(a: Action, state: _State) -> None:
     if last:
         state.losses[a.microbatch] = out.detach()
         if not state.forward_only:
-            state.outputs[key] = out / len(state.microbatches)
+            state.outputs[key] = out * state.loss_factor
     else:
         state.outputs[key] = out
     if state.forward_only and not state.is_first(c):
