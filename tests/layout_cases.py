@@ -92,14 +92,27 @@ VARIANTS = {
     "gpipe": ("float64", {}, {"pipeline_schedule": "gpipe"}, {}),
     # 8 layers in 2 chunks per rank: pp=2 holds layers {0,1},{4,5} / {2,3},{6,7}; pp=4 one per chunk
     "interleaved": ("float64", {"num_layers": 8}, {"pipeline_schedule": "interleaved-1f1b"}, {}),
+    # data-parallel engine (applied at every layout, dp = 1 included): small buckets reduced during
+    # backward; the distributed optimizer with buckets that need padding; accumulation of 4-8
+    # microbatches (16 for the dp = 1 reference)
+    "dp_overlap": ("float64", {}, {}, {}, {"overlap_grad_reduce": True, "ddp_bucket_size": 700}),
+    "dp_distopt": ("float64", {}, {}, {}, {"use_distributed_optimizer": True, "ddp_bucket_size": 901}),
+    "dp_distopt_overlap": ("float64", {}, {}, {}, {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
+                                                   "ddp_bucket_size": 2000}),
+    "dp_accumulate": ("float64", {}, {}, {"micro_batch_size": 1, "global_batch_size": 16},
+                      {"overlap_grad_reduce": True, "ddp_bucket_size": 5000}),
+    "dp_distopt_bf16": ("bfloat16", {}, {}, {}, {"use_distributed_optimizer": True, "ddp_bucket_size": 901}),
 }
+DP_LAYOUTS = {(1, 1, 4), (2, 2, 2), (1, 2, 2)}
+DP_VARIANTS = ["dp_overlap", "dp_distopt", "dp_distopt_overlap", "dp_accumulate"]
 SCHEDULE_LAYOUTS = {(1, 2, 1), (1, 4, 1), (2, 2, 2), (1, 2, 2)}
 SCHEDULE_VARIANTS = ["gpipe", "interleaved"]
 
 
 def variant_config(name: str, tp: int, pp: int, dp: int) -> Config:
-    dtype, model, parallel, train = VARIANTS[name]
+    dtype, model, parallel, train, *always = VARIANTS[name] + ({},)
     parallel = dict(parallel) if pp > 1 else {}
+    parallel.update(always[0])
     if parallel.get("pipeline_schedule") == "interleaved-1f1b":
         parallel["num_layers_per_virtual_pipeline_stage"] = model["num_layers"] // (2 * pp)
     return tiny_config(tp, pp, dp, dtype, train_overrides=train, parallel_overrides=parallel, **model)
@@ -127,6 +140,8 @@ def parallel_run(tp: int, pp: int, dp: int) -> list[dict]:
         variants += EXTRA_VARIANTS + ["bfloat16"]
     if (tp, pp, dp) in SCHEDULE_LAYOUTS:
         variants += SCHEDULE_VARIANTS
+    if (tp, pp, dp) in DP_LAYOUTS:
+        variants += DP_VARIANTS + ["dp_distopt_bf16"]
     return run_workers(layout_worker, tp * pp * dp, tp, pp, dp, variants, (tp, pp, dp) == (2, 2, 2))
 
 

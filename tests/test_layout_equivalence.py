@@ -13,7 +13,8 @@ import torch
 
 from ptdp.tensor_parallel.sharding import unshard
 from layout_cases import (
-    EXTRA_VARIANT_LAYOUTS, EXTRA_VARIANTS, SCHEDULE_LAYOUTS, SCHEDULE_VARIANTS, parallel_run, reference,
+    DP_LAYOUTS, DP_VARIANTS, EXTRA_VARIANT_LAYOUTS, EXTRA_VARIANTS, SCHEDULE_LAYOUTS, SCHEDULE_VARIANTS,
+    parallel_run, reference,
 )
 
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 4, 1), (4, 1, 1)]
@@ -72,6 +73,25 @@ def test_pipeline_schedules_match_single_process(layout, schedule):
     """GPipe and interleaved 1F1B (v = 2, also at pp = 2 where the next and previous rank are the
     same process) train exactly like the single-process model (1F1B is the default variant)."""
     assert_matches_reference(parallel_run(*layout), schedule, TOL["float64"])
+
+
+@pytest.mark.parametrize("variant", DP_VARIANTS)
+@pytest.mark.parametrize("layout", sorted(DP_LAYOUTS), ids=lambda l: "tp{}pp{}dp{}".format(*l))
+def test_data_parallel_engine_matches_single_process(layout, variant):
+    """Overlapped bucketed reduction, the distributed optimizer (with bucket padding), and long
+    gradient accumulation train exactly like dp = 1; replicas and tied-embedding copies stay
+    bitwise equal (checked by full_parameters)."""
+    assert_matches_reference(parallel_run(*layout), variant, TOL["float64"])
+
+
+@pytest.mark.parametrize("layout", sorted(DP_LAYOUTS), ids=lambda l: "tp{}pp{}dp{}".format(*l))
+def test_distributed_optimizer_bf16_tracks_single_process(layout):
+    ref = reference("dp_distopt_bf16")
+    results = parallel_run(*layout)
+    for res in results:
+        torch.testing.assert_close(torch.tensor(res["dp_distopt_bf16"]["losses"]), torch.tensor(ref["losses"]),
+                                   rtol=1e-2, atol=0)
+    full_parameters(results, "dp_distopt_bf16")  # replicas and tied copies bitwise equal
 
 
 def test_interleaved_ranks_hold_their_chunks():

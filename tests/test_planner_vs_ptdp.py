@@ -47,3 +47,22 @@ def test_gemm_and_ring_fits_recover_known_values(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a hardware profile"):
         load_profile(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 4), (2, 2, 2)], ids=lambda l: "tp{}pp{}dp{}".format(*l))
+def test_distributed_optimizer_state_is_one_dp_th(layout):
+    """Optimizer bytes per rank = unsharded / dp (12 bytes per parameter for bf16: fp32 main
+    parameters and Adam's moments), up to bucket padding, and equal to the planner's numbers."""
+    from layout_cases import DP_LAYOUTS
+
+    assert layout in DP_LAYOUTS
+    results = parallel_run(*layout)
+    config = variant_config("dp_distopt_bf16", *layout)
+    measured = [r["dp_distopt_bf16"]["measured"] for r in results]
+    check = compare(config, measured, None, None)
+    assert check["bytes_exact_on_every_rank"], check["ranks"]
+    dp = layout[2]
+    for row in check["ranks"]:
+        n, pad = row["predicted"]["numel"], row["padding_elements"]
+        assert row["measured"]["optimizer"] == (n + pad) * 12 // dp
+        assert 0 <= pad < 4 * dp  # a few buckets, each padded to a multiple of dp

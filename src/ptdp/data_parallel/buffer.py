@@ -166,7 +166,9 @@ class GradBuffer:
     def finish(self) -> None:
         """Start every bucket not started yet (in bucket order), then wait for all: afterwards the
         buffer (or, sharded, :attr:`shard_grads`) holds the gradients averaged over dp."""
-        if self.dp.size == 1:
+        if self.dp.size == 1:  # nothing to average; a sharded buffer's one shard is everything
+            if self.shard_grads is not None:
+                self.shard_grads.copy_(self.data)
             return
         for bucket in self.buckets:
             if bucket.finish is None:

@@ -1,0 +1,176 @@
+"""Data-parallel engine pieces that need their own setups: compression, fp16 loss scaling, an
+unused parameter, no_sync."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.data_parallel.buffer import GradBuffer
+from ptdp.data_parallel.compression import packbits, start_reduction, unpackbits
+from ptdp.groups import ParallelGroups
+from ptdp.layout import ParallelLayout
+from ptdp.step import build_stage, train_step
+from dist_helpers import PG_TIMEOUT, run_workers
+from layout_cases import rank_microbatches, tiny_config
+
+
+def compression_worker(rank: int, world: int) -> dict:
+    groups = ParallelGroups.build(ParallelLayout(tp=1, pp=1, dp=world), PG_TIMEOUT)
+    out = {}
+    for codec in ("none", "fp16", "bf16"):
+        grad = torch.full((1000,), 3e4)
+        groups.stats.reset()
+        start_reduction(codec, grad, groups.dp)()
+        out[codec] = (grad.clone(), groups.stats.as_dict())
+    # 1 bit: rank r sends r+1 everywhere but one negative element
+    grad = torch.full((37,), float(rank + 1))
+    grad[5] = -1.0
+    residual = torch.zeros_like(grad)
+    groups.stats.reset()
+    start_reduction("1bit", grad, groups.dp, residual=residual)()
+    out["1bit"] = (grad.clone(), groups.stats.as_dict(), residual.clone())
+    return out
+
+
+@functools.cache
+def compression_results() -> list[dict]:
+    return run_workers(compression_worker, 4)
+
+
+def test_fp16_compression_does_not_overflow_large_gradients():
+    for res in compression_results():
+        for codec in ("none", "fp16", "bf16"):
+            grad = res[codec][0]
+            assert torch.isfinite(grad).all(), codec
+            torch.testing.assert_close(grad, torch.full((1000,), 3e4), rtol=1e-2, atol=0)
+
+
+def test_compressed_collectives_only_on_the_dp_axis_with_smaller_payloads():
+    res = compression_results()[0]
+    payload = {}
+    for codec in ("none", "fp16", "bf16", "1bit"):
+        comm = res[codec][1]
+        assert comm and all(key.split("/")[0] == "dp" for key in comm), comm
+        payload[codec] = sum(c["bytes"] for c in comm.values())
+    assert payload["none"] == 4000 and payload["fp16"] == payload["bf16"] == 2000
+    assert payload["1bit"] == 37 // 8 + 1 + 4  # packed signs + one fp32 scale
+
+
+def test_one_bit_average_and_error_feedback():
+    results = compression_results()
+    for rank, res in enumerate(results):
+        grad, _, residual = res["1bit"]
+        # each rank sends sign * mean|g|; the average over ranks is the same everywhere
+        scales = [((36 * (r + 1)) + 1) / 37 for r in range(4)]
+        expected = torch.full((37,), sum(scales) / 4)
+        expected[5] = -sum(scales) / 4
+        torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-6)
+        mine = torch.full((37,), float(rank + 1))
+        mine[5] = -1.0
+        sent = torch.full((37,), scales[rank])
+        sent[5] = -scales[rank]
+        torch.testing.assert_close(residual, mine - sent)
+
+
+def test_packbits_round_trip():
+    bits = torch.rand(1003, generator=torch.Generator().manual_seed(0)) > 0.5
+    packed = packbits(bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == 126
+    assert torch.equal(unpackbits(packed, 1003), bits)
+
+
+def loss_scaling_worker(rank: int, world: int) -> dict:
+    groups = ParallelGroups.build(ParallelLayout(tp=2, pp=1, dp=2), PG_TIMEOUT)
+    cfg = tiny_config(2, 1, 2, "float16")
+    stage = build_stage(cfg, groups)
+    import ptdp.step as step_module
+
+    original = step_module.finalize_grads
+
+    def poisoned(model, buffer, g):  # one element of one rank's gradient becomes inf
+        if g.global_rank == 3:
+            buffer.data[7] = float("inf")
+        original(model, buffer, g)
+
+    before = {n: p.detach().clone() for n, p in stage.model.named_parameters()}
+    scale_before = stage.scaler.scale
+    step_module.finalize_grads = poisoned
+    try:
+        result = train_step(stage, rank_microbatches(0, cfg, groups.dp.rank, groups.dp.size), 0)
+    finally:
+        step_module.finalize_grads = original
+    unchanged = all(torch.equal(before[n], p) for n, p in stage.model.named_parameters())
+    good = train_step(stage, rank_microbatches(1, cfg, groups.dp.rank, groups.dp.size), 1)
+    changed = any(not torch.equal(before[n], p) for n, p in stage.model.named_parameters())
+    return {"skipped": result.skipped, "unchanged": unchanged, "scales": (scale_before, stage.scaler.scale),
+            "good_skipped": good.skipped, "changed_after_good": changed}
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
+    results = run_workers(loss_scaling_worker, 4)
+    for res in results:
+        assert res["skipped"] and res["unchanged"]
+        assert res["scales"] == (2.0**16, 2.0**15)
+        assert not res["good_skipped"] and res["changed_after_good"]
+
+
+def unused_param_worker(rank: int, world: int) -> dict:
+    """A stage whose model has a parameter that gets no gradient; small buckets; overlap on."""
+    from ptdp.tensor_parallel.sharding import ParamSpec, make_parameter
+
+    groups = ParallelGroups.build(ParallelLayout(tp=1, pp=1, dp=world), PG_TIMEOUT) if world > 1 \
+        else ParallelGroups.single_process()
+    cfg = tiny_config(1, 1, world, "float64", parallel_overrides={"ddp_bucket_size": 300,
+                                                                   "overlap_grad_reduce": True})
+    import ptdp.step as step_module
+
+    original = step_module.GPTModel
+
+    class WithUnused(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.unused = make_parameter(ParamSpec((50,), init="ones"), 1, torch.float64)
+
+    step_module.GPTModel = WithUnused
+    try:
+        stage = build_stage(cfg, groups)
+    finally:
+        step_module.GPTModel = original
+    losses = [train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i).loss for i in range(2)]
+    return {"losses": losses, "unused": stage.model.unused.detach().clone(),
+            "params": {n: p.detach().clone() for n, p in stage.model.named_parameters()}}
+
+
+def test_unused_parameter_neither_hangs_nor_corrupts():
+    dp2 = run_workers(unused_param_worker, 2, timeout=120)
+    ref = unused_param_worker(0, 1)
+    for res in dp2:
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref["losses"]), rtol=1e-9, atol=0)
+        assert torch.equal(res["unused"], torch.ones(50, dtype=torch.float64))  # zero gradient, no decay (1-D)
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(res["params"][name], value, rtol=1e-9, atol=1e-12)
+
+
+def test_no_sync_defers_every_reduction():
+    groups = ParallelGroups.single_process()
+    p = torch.nn.Parameter(torch.ones(4))
+    p.ptdp_spec = None
+    buf = GradBuffer([[p]], dp=groups.dp, overlap=True)
+    with buf.no_sync():
+        (p * 2).sum().backward()
+    assert all(b.finish is None for b in buf.buckets)
+    torch.testing.assert_close(buf.grad(p), torch.full((4,), 2.0))
+
+
+def test_data_parallel_config_rules():
+    base = dict(model=ModelConfig(), train=TrainConfig())
+    with pytest.raises(ValueError, match="grad_compression=1bit cannot be combined with use_distributed_optimizer"):
+        resolve(Config(parallel=ParallelConfig(2, 2, grad_compression="1bit", use_distributed_optimizer=True), **base), 8)
+    with pytest.raises(ValueError, match="grad_compression='2bit' must be one of"):
+        resolve(Config(parallel=ParallelConfig(2, 2, grad_compression="2bit"), **base), 8)
+    with pytest.raises(ValueError, match="ddp_bucket_size=0 must be a positive integer"):
+        resolve(Config(parallel=ParallelConfig(2, 2, ddp_bucket_size=0), **base), 8)
