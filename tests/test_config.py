@@ -35,7 +35,7 @@ BAD = [
     (dict(num_layers=4, pp=2, split=(1, 1, 2)), r"pipeline_layer_split=\[1, 1, 2\] must have pp=2 entries"),
     (dict(global_batch_size=30, micro_batch_size=4), r"global_batch_size=30 is not divisible by micro_batch_size\*dp = 4\*2 = 8"),
     (dict(vocab_size=100), r"vocab_size=100 must be >= 258"),
-    (dict(params_dtype="float16"), r"params_dtype='float16' must be one of"),
+    (dict(params_dtype="int8"), r"params_dtype='int8' must be one of"),
     (dict(lr=0.0), r"lr=0.0 must be > 0"),
     (dict(min_lr=1.0, lr=0.1), r"min_lr=1.0 must be in \[0, lr=0.1\]"),
     (dict(lr_warmup_iters=50, train_iters=10), r"lr_warmup_iters=50 must be in \[0, lr_decay_iters=10\]"),
