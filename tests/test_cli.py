@@ -139,3 +139,24 @@ def test_train_module_runs_without_a_launcher(corpus, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "validation loss" in proc.stderr
     check_run_dir(out, 6, {"tp": 1, "pp": 1, "dp": 1})
+
+
+@pytest.mark.slow
+def test_one_bit_compression_trains_like_uncompressed(tmp_path):
+    """The default model on the default corpus, 200 iterations at dp = 2 (tp = pp = 1): the
+    validation loss with 1-bit gradients and error feedback is within 5% of fp32 gradients."""
+    results = {}
+    for codec in ("none", "1bit"):
+        out = tmp_path / codec
+        proc = run([sys.executable, "-m", "ptdp.cli", "train", "--tp", "1", "--pp", "1", "--dp", "2",
+                    "--train-iters", "200", "--eval-interval", "200", "--eval-iters", "2", "--log-interval", "50",
+                    "--grad-compression", codec, "--output-dir", str(out), "--no-progress"], tmp_path, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        results[codec] = summary
+    none, one_bit = results["none"]["final_val_loss"], results["1bit"]["final_val_loss"]
+    assert none < 0.6 * results["none"]["initial_val_loss"], "the uncompressed run learns"
+    assert abs(one_bit - none) <= 0.05 * none, (one_bit, none)
+    dp_bytes = {c: sum(v["bytes"] for k, v in r["comm_per_step_rank0"].items() if k.startswith("dp/"))
+                for c, r in results.items()}
+    assert dp_bytes["1bit"] * 20 < dp_bytes["none"], dp_bytes

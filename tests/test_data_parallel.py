@@ -26,14 +26,39 @@ def compression_worker(rank: int, world: int) -> dict:
         groups.stats.reset()
         start_reduction(codec, grad, groups.dp)()
         out[codec] = (grad.clone(), groups.stats.as_dict())
-    # 1 bit: rank r sends r+1 everywhere but one negative element
-    grad = torch.full((37,), float(rank + 1))
-    grad[5] = -1.0
+    # 1 bit: two scale blocks (64 + 36 elements); rank r sends r+1 in the first, 10(r+1) in the
+    # second, and one negative element in each
+    grad = one_bit_input(rank)
     residual = torch.zeros_like(grad)
     groups.stats.reset()
     start_reduction("1bit", grad, groups.dp, residual=residual)()
     out["1bit"] = (grad.clone(), groups.stats.as_dict(), residual.clone())
+    # 50 steps of the same gradient (varied within each block): what was sent plus what is kept
+    # equals what was given, so the running sum of averages tracks the true running sum
+    grad = torch.linspace(-1.0, 3.0, 200, dtype=torch.float64) * (rank + 1) ** 2
+    residual, total = torch.zeros_like(grad), torch.zeros_like(grad)
+    for _ in range(50):
+        step = grad.clone()
+        start_reduction("1bit", step, groups.dp, residual=residual)()
+        total += step
+    out["1bit_feedback"] = (grad, total, residual)
     return out
+
+
+def one_bit_input(rank: int) -> torch.Tensor:
+    grad = torch.full((100,), float(rank + 1))
+    grad[64:] = 10.0 * (rank + 1)
+    grad[5], grad[70] = -1.0, -1.0
+    return grad
+
+
+def one_bit_sent(rank: int) -> torch.Tensor:
+    """What rank ``rank`` sends: sign times its block's mean absolute value."""
+    scales = ((63 * (rank + 1) + 1) / 64, (35 * 10 * (rank + 1) + 1) / 36)
+    sent = torch.full((100,), scales[0])
+    sent[64:] = scales[1]
+    sent[5], sent[70] = -scales[0], -scales[1]
+    return sent
 
 
 @functools.cache
@@ -57,23 +82,28 @@ def test_compressed_collectives_only_on_the_dp_axis_with_smaller_payloads():
         assert comm and all(key.split("/")[0] == "dp" for key in comm), comm
         payload[codec] = sum(c["bytes"] for c in comm.values())
     assert payload["none"] == 4000 and payload["fp16"] == payload["bf16"] == 2000
-    assert payload["1bit"] == 37 // 8 + 1 + 4  # packed signs + one fp32 scale
+    assert payload["1bit"] == 100 // 8 + 1 + 2 * 4  # packed signs + one fp32 scale per 64-element block
 
 
 def test_one_bit_average_and_error_feedback():
     results = compression_results()
+    expected = sum(one_bit_sent(r) for r in range(4)) / 4  # the same average on every rank
     for rank, res in enumerate(results):
         grad, _, residual = res["1bit"]
-        # each rank sends sign * mean|g|; the average over ranks is the same everywhere
-        scales = [((36 * (r + 1)) + 1) / 37 for r in range(4)]
-        expected = torch.full((37,), sum(scales) / 4)
-        expected[5] = -sum(scales) / 4
         torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-6)
-        mine = torch.full((37,), float(rank + 1))
-        mine[5] = -1.0
-        sent = torch.full((37,), scales[rank])
-        sent[5] = -scales[rank]
-        torch.testing.assert_close(residual, mine - sent)
+        torch.testing.assert_close(residual, one_bit_input(rank) - one_bit_sent(rank))
+
+
+def test_one_bit_error_feedback_tracks_the_running_sum():
+    results = [res["1bit_feedback"] for res in compression_results()]
+    true_mean = sum(g for g, _, _ in results) / 4
+    residual_mean = sum(r for _, _, r in results) / 4
+    for grad, total, residual in results:
+        # sum over steps of the compressed averages = 50 * true average - average kept residual
+        torch.testing.assert_close(total, 50 * true_mean - residual_mean, rtol=1e-10, atol=1e-10)
+        # and the residual stays of the gradient's order, far below 50 steps of it (2.5x measured)
+        assert residual.abs().max() < 4 * grad.abs().max()
+    assert (residual_mean.abs() / 50 < 0.1 * true_mean.abs().max()).all()
 
 
 def test_packbits_round_trip():
@@ -164,6 +194,41 @@ def test_no_sync_defers_every_reduction():
         (p * 2).sum().backward()
     assert all(b.finish is None for b in buf.buckets)
     torch.testing.assert_close(buf.grad(p), torch.full((4,), 2.0))
+
+
+def compression_warmup_worker(rank: int, world: int) -> dict:
+    groups = ParallelGroups.build(ParallelLayout(tp=1, pp=1, dp=world), PG_TIMEOUT)
+    out = {}
+    for codec, warmup in (("none", None), ("1bit", 2)):
+        cfg = tiny_config(1, 1, world, "float64", parallel_overrides={
+            "grad_compression": codec, "grad_compression_warmup_iters": warmup})
+        torch.manual_seed(0)
+        stage = build_stage(cfg, groups)
+        params = []
+        for i in range(3):
+            train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i)
+            params.append({n: p.detach().clone() for n, p in stage.model.named_parameters()})
+        out[codec] = params
+    return out
+
+
+def test_one_bit_compression_starts_after_its_warmup():
+    """Iterations 0 and 1 are reduced exactly (bitwise the uncompressed run); iteration 2 is not."""
+    for res in run_workers(compression_warmup_worker, 2, timeout=120):
+        for i in (0, 1):
+            assert all(torch.equal(res["1bit"][i][n], p) for n, p in res["none"][i].items()), i
+        assert any(not torch.equal(res["1bit"][2][n], p) for n, p in res["none"][2].items())
+
+
+def test_grad_compression_warmup_defaults():
+    def warmup(codec, iters=None):
+        par = ParallelConfig(1, 1, 2, grad_compression=codec, grad_compression_warmup_iters=iters)
+        return resolve(Config(parallel=par, train=TrainConfig(lr_warmup_iters=30)), 2).grad_compression_warmup
+
+    assert (warmup("none"), warmup("fp16"), warmup("bf16"), warmup("1bit")) == (0, 0, 0, 30)
+    assert (warmup("1bit", 0), warmup("fp16", 5), warmup("none", 5)) == (0, 5, 0)
+    with pytest.raises(ValueError, match="grad_compression_warmup_iters=-1 must be an integer >= 0"):
+        warmup("1bit", -1)
 
 
 def test_data_parallel_config_rules():

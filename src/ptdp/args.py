@@ -65,6 +65,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
                    help="start each bucket's data-parallel reduction during the last microbatch's backward")
     g.add_argument("--grad-compression", choices=("none", "fp16", "bf16", "1bit"), default=pc.grad_compression,
                    help="reduce gradients over dp in fp32 (none), 16 bits, or 1 bit with error feedback")
+    g.add_argument("--grad-compression-warmup-iters", type=int, default=None, metavar="N",
+                   help="reduce the first N iterations exactly before compressing (default: --lr-warmup-iters "
+                        "for 1bit, 0 for fp16/bf16)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard Adam's state and fp32 main parameters over dp (ZeRO-1): reduce-scatter "
                         "gradients, all-gather parameters")
@@ -145,7 +148,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
             num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
             distributed_timeout_minutes=args.distributed_timeout_minutes,
             ddp_bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
-            grad_compression=args.grad_compression, use_distributed_optimizer=args.use_distributed_optimizer,
+            grad_compression=args.grad_compression,
+            grad_compression_warmup_iters=args.grad_compression_warmup_iters,
+            use_distributed_optimizer=args.use_distributed_optimizer,
         ),
         train=TrainConfig(
             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,

@@ -88,6 +88,9 @@ class ParallelConfig:
     """Start each bucket's data-parallel reduction during the last microbatch's backward."""
     grad_compression: str = "none"
     """Data-parallel gradient reduction in none (fp32), fp16, bf16 or 1bit (with error feedback)."""
+    grad_compression_warmup_iters: int | None = None
+    """First iterations reduced exactly (fp32) before the codec starts; None: the learning-rate
+    warmup for 1bit, 0 for fp16/bf16."""
     use_distributed_optimizer: bool = False
     """Shard Adam's state (and float32 main parameters) over dp (ZeRO-1)."""
 
@@ -184,6 +187,16 @@ class Config:
         """m = B / (b * dp): microbatches per pipeline per optimizer step."""
         t = self.train
         return t.global_batch_size // (t.micro_batch_size * self.parallel.dp)
+
+    @property
+    def grad_compression_warmup(self) -> int:
+        """Iterations (0-based steps ``< this``) whose gradients are reduced exactly in fp32."""
+        p = self.parallel
+        if p.grad_compression == "none":
+            return 0
+        if p.grad_compression_warmup_iters is not None:
+            return p.grad_compression_warmup_iters
+        return self.train.lr_warmup_iters if p.grad_compression == "1bit" else 0
 
     @property
     def world_size(self) -> int:
@@ -400,6 +413,9 @@ def _data_parallel_rules(p: ParallelConfig) -> list[str]:
     if p.grad_compression == "1bit" and p.use_distributed_optimizer:
         errors.append("grad_compression=1bit cannot be combined with use_distributed_optimizer "
                       "(1-bit gradients are all-gathered, not reduce-scattered)")
+    warmup = p.grad_compression_warmup_iters
+    if warmup is not None and (not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0):
+        errors.append(f"grad_compression_warmup_iters={warmup!r} must be an integer >= 0")
     if p.ddp_bucket_size is not None and (not isinstance(p.ddp_bucket_size, int) or p.ddp_bucket_size < 1):
         errors.append(f"ddp_bucket_size={p.ddp_bucket_size!r} must be a positive integer (elements)")
     return errors

@@ -88,6 +88,10 @@ def format_summary(s: dict, run_dir) -> str:
             f"  validation loss: {s['initial_val_loss']:.4f} -> {s['final_val_loss']:.4f} "
             f"({s['val_loss_ratio']:.2f} of its start)"
         )
+    dp_bytes = sum(c["bytes"] for k, c in s.get("comm_per_step_rank0", {}).items() if k.startswith("dp/"))
+    if dp_bytes:
+        lines.append(f"  data-parallel payload per step on rank 0: {dp_bytes:,} bytes "
+                     f"(gradient compression: {s.get('grad_compression', 'none')})")
     if s.get("bubble"):
         b = s["bubble"]
         by_rank = b["measured_idle_over_compute_by_rank"]

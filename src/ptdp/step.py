@@ -112,6 +112,7 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     ``tracer`` (a :class:`ptdp.trace.Tracer`) times every action and phase."""
     cfg = stage.config
     stage.grads.zero()
+    stage.grads.exact = iteration < cfg.grad_compression_warmup
     schedule = build_schedule(cfg.parallel.schedule, stage.groups.pp.size, len(microbatches), stage.virtual_stages)
     scale = stage.scaler.scale if stage.scaler is not None else None
     losses = run_schedule(

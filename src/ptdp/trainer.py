@@ -152,4 +152,5 @@ def _summary(config: Config, history: dict, elapsed: float) -> dict:
         "tokens_per_s": tokens * len(steady) / sum(steady) if steady else None,
         "elapsed_s": elapsed,
         "comm_per_step_rank0": history["comm"],
+        "grad_compression": p.grad_compression,
     }

@@ -82,6 +82,8 @@ class GradBuffer:
         if len(dtypes) != 1:
             raise ValueError(f"parameters of one buffer must share a dtype, got {sorted(map(str, dtypes))}")
         self.params, self.dp, self.codec, self.sharded = params, dp, codec, shard
+        self.exact = False
+        """Reduce in the buffer's dtype whatever ``codec`` is (compression warmup); set per step."""
         self.uses_main_grad = grad_dtype is not None and grad_dtype != params[0].dtype
         self.buckets = _plan_buckets(chunk_params, bucket_size or DEFAULT_BUCKET_SIZE, overlap,
                                      {id(p) for p in deferred}, dp.size if shard else 1)
@@ -160,7 +162,8 @@ class GradBuffer:
             per = bucket.numel // self.dp.size
             shard = self.shard_grads[bucket.start // self.dp.size: bucket.start // self.dp.size + per]
         residual = self.residual[bucket.start: bucket.start + bucket.numel] if self.residual is not None else None
-        bucket.finish = start_reduction(self.codec, grad, self.dp, shard=shard, residual=residual)
+        codec = "none" if self.exact else self.codec
+        bucket.finish = start_reduction(codec, grad, self.dp, shard=shard, residual=residual)
         self._launched.append(bucket)
 
     def finish(self) -> None:

@@ -4,14 +4,21 @@ Every codec averages the bucket over the ``dp`` replicas and only ever communica
 axis. ``start`` issues the (asynchronous) collectives and returns a function that, once called,
 waits for them and leaves the average in place (or, for the distributed optimizer, this rank's
 shard of it in ``shard``). Payload per rank and step (counted by :mod:`ptdp.comm`): ``none`` 4
-bytes per element (fp32), ``fp16``/``bf16`` 2, ``1bit`` 1/8 plus 4 bytes per bucket.
+bytes per element (fp32), ``fp16``/``bf16`` 2, ``1bit`` 1/8 + 4/64 = 0.1875 (21x less than fp32).
 
 - ``fp16`` / ``bf16``: divide by dp *before* casting, so a sum of large gradients cannot
   overflow the 16-bit range; cast back after the reduction.
-- ``1bit``: signs with one scale per bucket (mean absolute value), with error feedback: the
-  part of the gradient the sign cannot express is kept in a per-rank residual and added to the
-  next step's gradient (Seide et al., "1-Bit Stochastic Gradient Descent", Interspeech 2014;
-  Tang et al., "1-bit Adam", arXiv:2102.02888). The residual is training state.
+- ``1bit``: signs with one float32 scale (mean absolute value) per block of
+  :data:`ONE_BIT_BLOCK` elements of the bucket, with error feedback: the part of the gradient the
+  sign cannot express is kept in a per-rank residual and added to the next step's gradient (Seide
+  et al., "1-Bit Stochastic Gradient Descent", Interspeech 2014, which also uses a scale per
+  column rather than per tensor; Karimireddy et al., "Error Feedback Fixes SignSGD",
+  arXiv:1901.09847). The residual is training state. Why blocks: with AdamW, one scale per
+  bucket lets the bucket's large gradients set the step of its small ones; on ``ptdp train``'s
+  default model (dp = 2, 200 iterations) a per-bucket scale ended at validation loss 6.8 against
+  4.9 uncompressed, 64-element blocks at 5.4, and 64-element blocks after an exact warmup (see
+  ``grad_compression_warmup_iters``; Tang et al., "1-bit Adam", arXiv:2102.02888, also warm up
+  uncompressed) at 5.1.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import torch.nn.functional as F
 from ptdp.comm import AxisGroup, all_gather_async, all_reduce_async, reduce_scatter_async
 
 CODECS = ("none", "fp16", "bf16", "1bit")
+ONE_BIT_BLOCK = 64
+"""Elements sharing one scale in ``1bit``; the payload is 1/8 + 4/ONE_BIT_BLOCK bytes per element."""
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 _BIT_SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
@@ -71,23 +80,38 @@ def start_reduction(codec: str, grad: torch.Tensor, axis: AxisGroup, *, shard: t
     raise ValueError(f"unknown gradient compression {codec!r}; expected one of {CODECS}")
 
 
+def one_bit_scales(x: torch.Tensor) -> torch.Tensor:
+    """Mean absolute value of each :data:`ONE_BIT_BLOCK`-element block of flat ``x`` (the last
+    block may be shorter): ``[ceil(n / ONE_BIT_BLOCK)]`` float32."""
+    n = x.numel()
+    sums = F.pad(x.abs(), (0, (-n) % ONE_BIT_BLOCK)).view(-1, ONE_BIT_BLOCK).sum(dim=1)
+    counts = torch.full_like(sums, ONE_BIT_BLOCK)
+    counts[-1] = n - ONE_BIT_BLOCK * (sums.numel() - 1)
+    return (sums / counts).float()
+
+
+def _per_element(scales: torch.Tensor, n: int) -> torch.Tensor:
+    return scales.repeat_interleave(ONE_BIT_BLOCK, dim=-1)[..., :n]
+
+
 def _start_one_bit(grad: torch.Tensor, axis: AxisGroup, residual: torch.Tensor) -> Callable[[], None]:
     n, dp = grad.numel(), axis.size
     corrected = grad + residual
-    scale = corrected.abs().mean().reshape(1).float()
+    scales = one_bit_scales(corrected)
     signs = corrected >= 0
-    residual.copy_(corrected - torch.where(signs, scale, -scale))
+    step = _per_element(scales, n).to(grad.dtype)
+    residual.copy_(corrected - torch.where(signs, step, -step))
     packed = packbits(signs)
     all_packed = torch.empty(dp * packed.numel(), dtype=torch.uint8, device=grad.device)
-    all_scales = torch.empty(dp, dtype=torch.float32, device=grad.device)
+    all_scales = torch.empty(dp * scales.numel(), dtype=torch.float32, device=grad.device)
     works = [all_gather_async(all_packed, packed, axis, tag="grads"),
-             all_gather_async(all_scales, scale, axis, tag="grads")]
+             all_gather_async(all_scales, scales, axis, tag="grads")]
 
     def finish() -> None:
         for work in works:
             work.wait()
         bits = unpackbits(all_packed.view(dp, -1), n)
-        values = torch.where(bits, 1.0, -1.0).to(grad.dtype) * all_scales.to(grad.dtype).unsqueeze(1)
-        grad.copy_(values.sum(dim=0).div_(dp))
+        steps = _per_element(all_scales.view(dp, -1), n).to(grad.dtype)
+        grad.copy_(torch.where(bits, steps, -steps).sum(dim=0).div_(dp))
 
     return finish
