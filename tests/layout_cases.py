@@ -66,6 +66,7 @@ def train_and_collect(cfg: Config, groups: ParallelGroups, record_comm_step: int
             comm = groups.stats.as_dict()
         losses.append(result.loss)
         norms.append(result.grad_norm)
+    stage.wait_for_params()
     params = {
         name: (p.detach().clone(), p.ptdp_spec, getattr(p, "ptdp_tied_copy", False))
         for name, p in global_named_parameters(stage.model)
@@ -99,12 +100,15 @@ VARIANTS = {
     "dp_distopt": ("float64", {}, {}, {}, {"use_distributed_optimizer": True, "ddp_bucket_size": 901}),
     "dp_distopt_overlap": ("float64", {}, {}, {}, {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
                                                    "ddp_bucket_size": 2000}),
+    # parameter all-gathers finished by the next forward's pre-hooks (tied embedding: pp = 2)
+    "dp_distopt_overlap_gather": ("float64", {}, {}, {}, {"use_distributed_optimizer": True, "overlap_param_gather": True,
+                                                          "overlap_grad_reduce": True, "ddp_bucket_size": 1500}),
     "dp_accumulate": ("float64", {}, {}, {"micro_batch_size": 1, "global_batch_size": 16},
                       {"overlap_grad_reduce": True, "ddp_bucket_size": 5000}),
     "dp_distopt_bf16": ("bfloat16", {}, {}, {}, {"use_distributed_optimizer": True, "ddp_bucket_size": 901}),
 }
 DP_LAYOUTS = {(1, 1, 4), (2, 2, 2), (1, 2, 2)}
-DP_VARIANTS = ["dp_overlap", "dp_distopt", "dp_distopt_overlap", "dp_accumulate"]
+DP_VARIANTS = ["dp_overlap", "dp_distopt", "dp_distopt_overlap", "dp_distopt_overlap_gather", "dp_accumulate"]
 SCHEDULE_LAYOUTS = {(1, 2, 1), (1, 4, 1), (2, 2, 2), (1, 2, 2)}
 SCHEDULE_VARIANTS = ["gpipe", "interleaved"]
 

@@ -231,11 +231,51 @@ def test_grad_compression_warmup_defaults():
         warmup("1bit", -1)
 
 
+def deferred_gather_worker(rank: int, world: int) -> dict:
+    """overlap_param_gather with all-gathers that only run when waited on: a forward that read a
+    parameter before its module's pre-hook waited would see the old value."""
+    import ptdp.data_parallel.zero as zero
+
+    groups = ParallelGroups.build(ParallelLayout(tp=1, pp=2, dp=2), PG_TIMEOUT)
+    real = zero.all_gather_async
+
+    class Deferred:
+        def __init__(self, *args, **kwargs):
+            self.call = (args, kwargs)
+
+        def wait(self):
+            real(*self.call[0], **self.call[1]).wait()
+
+    out = {}
+    for overlap in (False, True):
+        cfg = tiny_config(1, 2, 2, "float64", parallel_overrides={
+            "use_distributed_optimizer": True, "overlap_param_gather": overlap, "ddp_bucket_size": 1500})
+        zero.all_gather_async = Deferred if overlap else real
+        try:
+            stage = build_stage(cfg, groups)
+            losses = [train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i).loss
+                      for i in range(3)]
+            stage.wait_for_params()
+        finally:
+            zero.all_gather_async = real
+        out[overlap] = (losses, {n: p.detach().clone() for n, p in stage.model.named_parameters()})
+    return out
+
+
+def test_overlapped_param_gather_is_waited_for_by_every_reader():
+    for res in run_workers(deferred_gather_worker, 4, timeout=120):
+        assert res[True][0] == res[False][0]
+        for name, value in res[False][1].items():
+            assert torch.equal(res[True][1][name], value), name
+
+
 def test_data_parallel_config_rules():
     base = dict(model=ModelConfig(), train=TrainConfig())
     with pytest.raises(ValueError, match="grad_compression=1bit cannot be combined with use_distributed_optimizer"):
         resolve(Config(parallel=ParallelConfig(2, 2, grad_compression="1bit", use_distributed_optimizer=True), **base), 8)
     with pytest.raises(ValueError, match="grad_compression='2bit' must be one of"):
         resolve(Config(parallel=ParallelConfig(2, 2, grad_compression="2bit"), **base), 8)
+    with pytest.raises(ValueError, match="overlap_param_gather needs use_distributed_optimizer"):
+        resolve(Config(parallel=ParallelConfig(2, 2, overlap_param_gather=True), **base), 8)
     with pytest.raises(ValueError, match="ddp_bucket_size=0 must be a positive integer"):
         resolve(Config(parallel=ParallelConfig(2, 2, ddp_bucket_size=0), **base), 8)

@@ -71,6 +71,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard Adam's state and fp32 main parameters over dp (ZeRO-1): reduce-scatter "
                         "gradients, all-gather parameters")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: overlap the parameter all-gather with the next "
+                        "forward (each module waits for its own parameters)")
 
     g = parser.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=mc.num_layers, help="transformer layers l (all stages)")
@@ -151,6 +154,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             grad_compression=args.grad_compression,
             grad_compression_warmup_iters=args.grad_compression_warmup_iters,
             use_distributed_optimizer=args.use_distributed_optimizer,
+            overlap_param_gather=args.overlap_param_gather,
         ),
         train=TrainConfig(
             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,

@@ -93,6 +93,9 @@ class ParallelConfig:
     warmup for 1bit, 0 for fp16/bf16."""
     use_distributed_optimizer: bool = False
     """Shard Adam's state (and float32 main parameters) over dp (ZeRO-1)."""
+    overlap_param_gather: bool = False
+    """Distributed optimizer: all-gather updated parameters asynchronously; each module's forward
+    waits only for the buckets holding its own parameters."""
 
     @property
     def tp(self) -> int:
@@ -410,6 +413,9 @@ def _data_parallel_rules(p: ParallelConfig) -> list[str]:
     errors = []
     if p.grad_compression not in GRAD_COMPRESSIONS:
         errors.append(f"grad_compression={p.grad_compression!r} must be one of {GRAD_COMPRESSIONS}")
+    if p.overlap_param_gather and not p.use_distributed_optimizer:
+        errors.append("overlap_param_gather needs use_distributed_optimizer (only the distributed optimizer "
+                      "all-gathers parameters)")
     if p.grad_compression == "1bit" and p.use_distributed_optimizer:
         errors.append("grad_compression=1bit cannot be combined with use_distributed_optimizer "
                       "(1-bit gradients are all-gathered, not reduce-scattered)")

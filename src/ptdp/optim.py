@@ -45,19 +45,23 @@ class MainParamsAdamW:
             p.copy_(main)
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, grads: GradBuffer):
+def build_optimizer(model: nn.Module, cfg: TrainConfig, grads: GradBuffer, *,
+                    param_gather_units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None):
     """AdamW over the stage's parameters; weight decay on every tensor with >= 2 dims (weight
     matrices, word and position embeddings), none on biases and LayerNorm parameters.
 
     With a sharded ``grads`` (distributed optimizer) :class:`~ptdp.data_parallel.zero.ShardedAdamW`;
     otherwise float32/float64 parameters are updated in place (their ``.grad`` views ``grads``)
     and bfloat16 parameters through :class:`MainParamsAdamW` (``grads`` is then float32).
+    ``param_gather_units`` (sharded only): overlap the parameter all-gather with the next forward,
+    each module waiting for its own parameters (:class:`~ptdp.data_parallel.zero.ShardedAdamW`).
     """
     kwargs = dict(lr=lr_at(0, cfg), betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
     if grads.sharded:
         from ptdp.data_parallel.zero import ShardedAdamW
 
-        return ShardedAdamW(grads, weight_decay=cfg.weight_decay, **kwargs)
+        return ShardedAdamW(grads, weight_decay=cfg.weight_decay, overlap_with=param_gather_units,
+                            **kwargs)
     params = list(model.parameters())
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ptdp.comm import all_reduce
 from ptdp.config import Config
@@ -46,6 +47,13 @@ class Stage:
     @property
     def dtype(self) -> torch.dtype:
         return DTYPES[self.config.model.params_dtype]
+
+    def wait_for_params(self) -> None:
+        """With ``overlap_param_gather``: finish every parameter all-gather still in flight, so the
+        parameters can be read outside a forward pass (the forward waits by itself)."""
+        wait = getattr(self.optimizer, "wait_for_params", None)
+        if wait is not None:
+            wait()
 
     @property
     def virtual_stages(self) -> int:
@@ -104,7 +112,21 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
         deferred=(tied,) if tied is not None and groups.embedding.size > 1 else (),
     )
     scaler = DynamicLossScaler() if m.params_dtype == "float16" else None
-    return Stage(config, groups, model, build_optimizer(model, config.train, grads), grads, device, scaler)
+    units = _param_gather_units(chunks) if p.overlap_param_gather else None
+    optimizer = build_optimizer(model, config.train, grads, param_gather_units=units)
+    return Stage(config, groups, model, optimizer, grads, device, scaler)
+
+
+def _param_gather_units(chunks: list[GPTModel]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Who waits for which parameters with ``overlap_param_gather``: each transformer layer for
+    its own; each chunk, when its forward starts, for the rest (embeddings, final norm, output
+    layer: the output weight is read directly, not through a module call)."""
+    units = []
+    for chunk in chunks:
+        in_layers = {id(p) for layer in chunk.layers.values() for p in layer.parameters()}
+        units.append((chunk, [p for p in chunk.parameters() if id(p) not in in_layers]))
+        units.extend((layer, list(layer.parameters())) for layer in chunk.layers.values())
+    return units
 
 
 def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tracer=None) -> StepResult:

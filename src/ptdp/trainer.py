@@ -86,6 +86,7 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
         if iteration % t.eval_interval == 0 and iteration != t.train_iters:
             evaluate(iteration)
     evaluate(t.train_iters)
+    stage.wait_for_params()
     log.close()
     summary = _summary(config, history, time.perf_counter() - started)
     per_rank = all_gather_object(measure_stage(stage), groups.world)

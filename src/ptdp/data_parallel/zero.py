@@ -6,7 +6,11 @@ updates that shard from the reduce-scattered gradients, and all-gathers the upda
 Memory per rank: optimizer state 8 / dp bytes per parameter (12 / dp with float32 main
 parameters), plus the padding that makes every bucket a multiple of dp. Communication per step:
 reduce-scatter of the gradients (in :class:`~ptdp.data_parallel.buffer.GradBuffer`) and one
-all-gather of the parameters per bucket, on the dp axis.
+all-gather of the parameters per bucket, on the dp axis. With ``overlap_param_gather`` the
+all-gathers are issued in the order the next forward uses the buckets, and a forward pre-hook on
+each given module (a transformer layer, or a model chunk for its embeddings and output layer)
+waits only for the buckets holding that module's parameters (Megatron-LM's
+``--overlap-param-gather``).
 """
 
 from __future__ import annotations
@@ -24,9 +28,15 @@ class ShardedAdamW:
     Weight decay applies to segments of parameters with >= 2 dims. For float32/float64
     parameters the shard of the parameter buffer itself is updated; for bfloat16/float16 a float32
     copy of it is, then rounded into the parameters.
+
+    ``overlap_with``: (module, parameters) pairs; the module's forward first waits for the
+    all-gathers of those parameters' buckets (every parameter must be in some pair, and the pair
+    must run before the parameter is read). Until then, read parameters only after
+    :meth:`wait_for_params`.
     """
 
-    def __init__(self, grads: GradBuffer, *, weight_decay: float, **adam_kwargs) -> None:
+    def __init__(self, grads: GradBuffer, *, weight_decay: float, overlap_with: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
+                 **adam_kwargs) -> None:
         if not grads.sharded:
             raise ValueError("ShardedAdamW needs a GradBuffer built with shard=True")
         self.grads = grads
@@ -46,6 +56,34 @@ class ShardedAdamW:
         # a rank whose shards hold only padding has nothing to update
         self.inner = torch.optim.AdamW(groups, **adam_kwargs) if groups else None
         self._shard_ranges = [(b.start + rank * (b.numel // dp), b.numel // dp, b.start, b.numel) for b in grads.buckets]
+        # buckets hold each chunk's parameters back to front: the next forward needs them in
+        # chunk order, last bucket of a chunk first
+        self._gather_order = sorted(range(len(grads.buckets)), key=lambda i: (grads.buckets[i].chunk, -i))
+        self._pending: dict[int, object] = {}
+        self.overlap = overlap_with is not None
+        if overlap_with is not None:
+            self._install_hooks(overlap_with)
+
+    def _install_hooks(self, units: list[tuple[nn.Module, list[nn.Parameter]]]) -> None:
+        index = {id(p): i for i, b in enumerate(self.grads.buckets) for p in b.params}
+        covered = {id(p) for _, params in units for p in params}
+        missing = [i for i in index if i not in covered]
+        if missing:
+            raise ValueError(f"overlap_param_gather: {len(missing)} parameters belong to no module that waits for them")
+        for module, params in units:
+            buckets = tuple(sorted({index[id(p)] for p in params if id(p) in index}))
+            if buckets:
+                module.register_forward_pre_hook(lambda _m, _args, buckets=buckets: self._wait(buckets))
+
+    def _wait(self, buckets) -> None:
+        for i in buckets:
+            work = self._pending.pop(i, None)
+            if work is not None:
+                work.wait()
+
+    def wait_for_params(self) -> None:
+        """Finish every parameter all-gather still in flight."""
+        self._wait(list(self._pending))
 
     @property
     def param_groups(self) -> list[dict]:
@@ -57,14 +95,17 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Update this rank's shard, then all-gather every bucket's parameters from all dp ranks."""
+        """Update this rank's shard, then all-gather every bucket's parameters from all dp ranks
+        (finished here, or with ``overlap_with`` during the next forward)."""
+        self.wait_for_params()  # a bucket no forward used (no parameter ran) is still in flight
         if self.inner is not None:
             self.inner.step()
         for model_view, main in self.pairs:
             model_view.copy_(main)
-        data, works = self.grads.param_data, []
-        for shard_start, per, start, numel in self._shard_ranges:
+        data = self.grads.param_data
+        for i in self._gather_order:
+            shard_start, per, start, numel = self._shard_ranges[i]
             mine = data[shard_start: shard_start + per].clone()
-            works.append(all_gather_async(data[start: start + numel], mine, self.grads.dp, tag="params"))
-        for work in works:
-            work.wait()
+            self._pending[i] = all_gather_async(data[start: start + numel], mine, self.grads.dp, tag="params")
+        if not self.overlap:
+            self.wait_for_params()
