@@ -148,6 +148,8 @@ class GradBuffer:
         if self.uses_main_grad:
             param.main_grad.add_(param.grad)
             param.grad = None
+        if not self._syncing:  # accumulating (no_sync): nothing to start
+            return
         bucket = self._bucket_of[id(param)]
         if not (self._syncing and bucket.overlap and bucket.finish is None):
             return

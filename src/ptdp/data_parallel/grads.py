@@ -40,18 +40,22 @@ def counts_in_norm(param: nn.Parameter, groups: ParallelGroups) -> bool:
 
 
 def _sum_of_squares(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups) -> torch.Tensor:
-    sq = torch.zeros((), dtype=torch.float64, device=buffer.data.device)
     if buffer.sharded:  # this rank's shard of the averaged gradients; the dp ranks' shards add up
-        for seg in buffer.segments:
-            if counts_in_norm(seg.param, groups):
-                n = seg.hi - seg.lo
-                sq += buffer.shard_grads[seg.shard_offset: seg.shard_offset + n].double().pow(2).sum()
+        grads = [buffer.shard_grads[seg.shard_offset: seg.shard_offset + seg.hi - seg.lo]
+                 for seg in buffer.segments if counts_in_norm(seg.param, groups)]
+        sq = _squares(grads, buffer.data.device)
         all_reduce(sq, groups.dp, tag="grad_norm")
         return sq
-    for param in model.parameters():
-        if counts_in_norm(param, groups):
-            sq += buffer.grad(param).double().pow(2).sum()
-    return sq
+    return _squares([buffer.grad(p) for p in model.parameters() if counts_in_norm(p, groups)], buffer.data.device)
+
+
+def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of ``grads`` as a float64 scalar: one norm per tensor (in its dtype, fused
+    over the list), squared and added in float64."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch.stack(torch._foreach_norm(grads)).double()
+    return norms.pow(2).sum()
 
 
 def clip_grad_norm(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups, max_norm: float) -> float:

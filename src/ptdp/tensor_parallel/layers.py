@@ -77,6 +77,8 @@ class RowParallelLinear(nn.Module):
         self.bias = make_parameter(ParamSpec((out_features,), init="zeros"), tp.size, dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:  # nothing to sum: one fused matmul + bias, as nn.Linear
+            return F.linear(x, self.weight, self.bias)
         y = reduce_from_tp(F.linear(x, self.weight), self.tp, self.tag)
         return y + self.bias if self.bias is not None else y
 
