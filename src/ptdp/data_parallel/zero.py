@@ -43,6 +43,7 @@ class ShardedAdamW:
         dp, rank = grads.dp.size, grads.dp.rank
         low_precision = grads.param_data.dtype in (torch.bfloat16, torch.float16)
         self.pairs: list[tuple[torch.Tensor, nn.Parameter]] = []  # (model shard view, main)
+        self.segment_mains: list[tuple[object, nn.Parameter]] = []  # (Segment, its main), for checkpoints
         decay, no_decay = [], []
         for seg in grads.segments:
             model_view = seg.param.data.view(-1)[seg.lo: seg.hi]
@@ -50,6 +51,7 @@ class ShardedAdamW:
             main.grad = grads.shard_grads[seg.shard_offset: seg.shard_offset + (seg.hi - seg.lo)]
             if low_precision:
                 self.pairs.append((model_view, main))
+            self.segment_mains.append((seg, main))
             (decay if seg.param.ndim >= 2 else no_decay).append(main)
         groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]

@@ -1,0 +1,1 @@
+"""Checkpoints: save, resume, load at any layout (torch.distributed.checkpoint)."""

@@ -1,0 +1,265 @@
+"""Save and load a training state with ``torch.distributed.checkpoint`` (DCP), at any layout.
+
+A checkpoint root holds one folder per saved iteration (``iter_0000100``) and a ``latest`` file
+naming the newest complete one. A folder is written as ``.iter_0000100.tmp`` by all ranks in
+parallel (DCP: one ``.distcp`` file per rank plus ``.metadata``), completed with ``ptdp.json``
+(rank 0) and ``rng/rank<r>.json`` (every rank), renamed once every rank has finished, and only
+then is ``latest`` replaced (atomically). A crash at any point leaves ``latest`` on the previous
+complete checkpoint. Nothing is pickled: tensors go through DCP, everything else is JSON.
+
+Stored per parameter (layout-independent, see :mod:`ptdp.checkpoint.tensors`): ``model/<name>``,
+``optim/exp_avg/<name>``, ``optim/exp_avg_sq/<name>`` and, for 16-bit parameters,
+``optim/main/<name>``; ``optim/step``; the 1-bit error-feedback residual per rank
+(``residual/rank<r>``, restored only at the same layout and bucket size).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from ptdp.checkpoint.optim_state import gather_local_state, load_local_state, state_kinds, step_count
+from ptdp.checkpoint.tensors import stored_form, to_checkpoint_value
+from ptdp.comm import broadcast_object
+from ptdp.model.chunks import global_named_parameters
+from ptdp.tensor_parallel.sharding import spec_of
+
+FORMAT = 1
+META = "ptdp.json"
+#: model fields that must match between a checkpoint and the model loading it
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                "vocab_size", "untie_embeddings_and_output_weights")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder that is missing, incomplete, corrupted or for another model."""
+
+
+def _barrier(stage) -> None:
+    if stage.groups.world.size > 1:
+        dist.barrier(group=stage.groups.world.group)
+
+
+def _layout_key(stage) -> dict:
+    p = stage.config.parallel
+    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": stage.virtual_stages,
+            "ddp_bucket_size": p.ddp_bucket_size, "use_distributed_optimizer": p.use_distributed_optimizer,
+            "pipeline_layer_split": list(p.pipeline_layer_split) if p.pipeline_layer_split else None}
+
+
+def _state_dict(stage, tensors: dict[int, dict[str, torch.Tensor]], model_values: dict[int, torch.Tensor],
+                kinds: tuple[str, ...]) -> dict:
+    """DCP state dict: every entry in stored form (ShardedTensor over tp where split)."""
+    g = stage.groups
+    sd = {}
+    for name, p in global_named_parameters(stage.model):
+        spec = spec_of(p)
+        form = stored_form(model_values[id(p)], spec, g.tp.rank, g.tp.size)
+        sd[f"model/{name}"] = to_checkpoint_value(form, g.tp, g.global_rank)
+        for kind in kinds:
+            form = stored_form(tensors[id(p)][kind], spec, g.tp.rank, g.tp.size)
+            sd[f"optim/{kind}/{name}"] = to_checkpoint_value(form, g.tp, g.global_rank)
+    return sd
+
+
+def save_checkpoint(stage, root: str | Path, iteration: int, *, consumed_samples: int,
+                    keep_last: int | None = None) -> Path:
+    """Save the whole training state after ``iteration`` steps into ``root/iter_<iteration>``
+    (collective over the world). Returns the folder. ``keep_last``: afterwards delete all but the
+    newest ``keep_last`` complete checkpoints."""
+    root, g = Path(root), stage.groups
+    name = f"iter_{iteration:07d}"
+    tmp, final = root / f".{name}.tmp", root / name
+    if g.global_rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / "rng").mkdir(parents=True)
+    _barrier(stage)
+    stage.wait_for_params()
+    params = [p for _, p in global_named_parameters(stage.model)]
+    kinds = state_kinds(stage.optimizer)
+    tensors = gather_local_state(stage.optimizer, params, g.dp)
+    sd = _state_dict(stage, tensors, {id(p): p.detach() for p in params}, kinds)
+    sd["optim/step"] = torch.tensor(step_count(stage.optimizer), dtype=torch.int64)
+    if stage.grads.residual is not None:
+        sd[f"residual/rank{g.global_rank}"] = stage.grads.residual
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), process_group=g.world.group if g.world.size > 1 else None)
+    _write_json(tmp / "rng" / f"rank{g.global_rank}.json", _rng_state())
+    if g.global_rank == 0:
+        _write_json(tmp / META, _meta(stage, iteration, consumed_samples, kinds))
+    _barrier(stage)
+    if g.global_rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_text_atomic(root / "latest", name)
+        if keep_last:
+            _prune(root, keep_last, keep=name)
+    _barrier(stage)
+    return final
+
+
+def _meta(stage, iteration: int, consumed_samples: int, kinds) -> dict:
+    m = stage.config.model
+    scaler = stage.scaler
+    return {
+        "format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
+        "model": {f: getattr(m, f) for f in SHAPE_FIELDS} | {"params_dtype": m.params_dtype},
+        "layout": _layout_key(stage), "world_size": stage.groups.world.size,
+        "optimizer_state": list(kinds),
+        "loss_scaler": {"scale": scaler.scale, "good_steps": scaler.good_steps} if scaler is not None else None,
+        "grad_compression": stage.config.parallel.grad_compression,
+    }
+
+
+def _prune(root: Path, keep_last: int, keep: str) -> None:
+    done = sorted(p for p in root.glob("iter_*") if p.is_dir() and (p / META).is_file())
+    for old in done[:-keep_last]:
+        if old.name != keep:
+            shutil.rmtree(old)
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj))
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text + "\n")
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {"python": _to_json(random.getstate()), "torch": torch.get_rng_state().tolist(),
+            "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+
+
+def _to_json(obj):
+    return [_to_json(x) for x in obj] if isinstance(obj, (tuple, list)) else obj
+
+
+def _to_tuple(obj):
+    return tuple(_to_tuple(x) for x in obj) if isinstance(obj, list) else obj
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(_to_tuple(state["python"]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The iteration folder to load: ``path`` itself if it is one, else the one ``path/latest``
+    names. Raises :class:`CheckpointError` for anything else."""
+    path = Path(path)
+    if (path / META).is_file():
+        return path
+    latest = path / "latest"
+    if latest.is_file():
+        folder = path / latest.read_text().strip()
+        if not (folder / META).is_file() or not (folder / ".metadata").is_file():
+            raise CheckpointError(f"{latest} names {folder.name}, which is not a complete ptdp checkpoint")
+        return folder
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {path} does not exist")
+    raise CheckpointError(f"{path} is not a ptdp checkpoint (no {META} and no 'latest' file)")
+
+
+def read_meta(folder: Path) -> dict:
+    try:
+        meta = json.loads((folder / META).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read {folder / META}: {err}") from err
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{folder} has checkpoint format {meta.get('format')!r}, expected {FORMAT}")
+    return meta
+
+
+def check_files(folder: Path) -> None:
+    """Every file DCP's metadata refers to exists and is long enough (a missing or truncated
+    shard is named here, before anything is loaded)."""
+    try:
+        md = dcp.FileSystemReader(folder).read_metadata()
+    except Exception as err:  # noqa: BLE001 - any reader failure means an unusable checkpoint
+        raise CheckpointError(f"cannot read the tensor index {folder / '.metadata'}: {err}") from err
+    needed: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(needed.items()):
+        path = folder / rel
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {folder} is incomplete: shard file {rel} is missing")
+        if path.stat().st_size < size:
+            raise CheckpointError(f"checkpoint {folder} is corrupted: shard file {rel} has "
+                                  f"{path.stat().st_size} bytes, its index needs {size}")
+
+
+def _check_model(meta: dict, stage, folder: Path) -> None:
+    m = stage.config.model
+    diffs = [f"{f}={meta['model'].get(f)!r} in the checkpoint, {getattr(m, f)!r} here"
+             for f in SHAPE_FIELDS if meta["model"].get(f) != getattr(m, f)]
+    if diffs:
+        raise CheckpointError(f"checkpoint {folder} is for a different model: " + "; ".join(diffs))
+
+
+@torch.no_grad()
+def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, load_rng: bool = True) -> dict:
+    """Load a checkpoint saved at any layout into ``stage`` (collective over the world): parameters,
+    Adam state and step, loss scale, and, at the same layout, the 1-bit residual and RNG states.
+    Returns the checkpoint's metadata (``iteration``, ``consumed_samples``, ...).
+
+    Raises:
+        CheckpointError: no checkpoint at ``path``, an incomplete or corrupted one, or one saved
+            for a different model shape (checked before anything is read into ``stage``).
+    """
+    folder = resolve_checkpoint(path)
+    meta = read_meta(folder)
+    _check_model(meta, stage, folder)
+    check_files(folder)
+    g = stage.groups
+    stage.wait_for_params()
+    params = [p for _, p in global_named_parameters(stage.model)]
+    wide = {id(p): torch.zeros_like(p, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
+            for p in params}
+    saved_kinds = tuple(meta.get("optimizer_state", ())) if load_optimizer else ()
+    tensors = {id(p): {k: torch.zeros_like(wide[id(p)]) for k in saved_kinds} for p in params}
+    sd = _state_dict(stage, tensors, wide, saved_kinds)
+    sd["optim/step"] = torch.zeros((), dtype=torch.int64)
+    same_layout = meta["layout"] == _layout_key(stage) and meta["world_size"] == g.world.size
+    residual = stage.grads.residual
+    restore_residual = (residual is not None and same_layout and meta.get("grad_compression") == "1bit")
+    if restore_residual:
+        sd[f"residual/rank{g.global_rank}"] = residual
+    try:
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(folder),
+                 process_group=g.world.group if g.world.size > 1 else None)
+    except Exception as err:  # noqa: BLE001 - DCP wraps per-rank failures in several types
+        raise CheckpointError(f"loading checkpoint {folder} failed: {err}") from err
+    for p in params:  # 16-bit runs saved float32 main parameters: the exact values
+        p.copy_(tensors[id(p)].get("main", wide[id(p)]))
+    if load_optimizer:
+        kinds = state_kinds(stage.optimizer)
+        for p in params:
+            entry = tensors[id(p)]
+            if "main" in kinds and "main" not in entry:
+                entry["main"] = wide[id(p)]
+        load_local_state(stage.optimizer, params, tensors, int(sd["optim/step"]))
+    if stage.scaler is not None and meta.get("loss_scaler"):
+        stage.scaler.scale = meta["loss_scaler"]["scale"]
+        stage.scaler.good_steps = meta["loss_scaler"]["good_steps"]
+    rng_file = folder / "rng" / f"rank{g.global_rank}.json"
+    if load_rng and same_layout and rng_file.is_file():
+        _set_rng_state(json.loads(rng_file.read_text()))
+    meta["restored"] = {"optimizer": load_optimizer, "residual": restore_residual,
+                        "rng": load_rng and same_layout}
+    return meta

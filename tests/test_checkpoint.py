@@ -1,0 +1,125 @@
+"""Checkpoints: save at one layout, load at others (parameters, Adam state), resume, failures."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import pytest
+import torch
+
+from ptdp.checkpoint.io import CheckpointError, load_checkpoint, resolve_checkpoint, save_checkpoint
+from ptdp.checkpoint.optim_state import gather_local_state
+from ptdp.groups import ParallelGroups
+from ptdp.layout import ParallelLayout
+from ptdp.model.chunks import global_named_parameters
+from ptdp.step import build_stage, eval_loss, train_step
+from ptdp.tensor_parallel.sharding import spec_of, unshard
+from dist_helpers import PG_TIMEOUT, run_workers
+from layout_cases import rank_microbatches, tiny_config
+
+SAVE_LAYOUT = (2, 2, 2)
+
+
+def _groups(tp: int, pp: int, dp: int) -> ParallelGroups:
+    if tp * pp * dp == 1:
+        return ParallelGroups.single_process()
+    return ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp), PG_TIMEOUT)
+
+
+def _config(tp, pp, dp, **parallel):
+    return tiny_config(tp, pp, dp, "float64", parallel_overrides=parallel or None)
+
+
+def _full_state(stage, groups: ParallelGroups) -> dict:
+    """Global parameters and Adam moments of the ranks of dp = 0, gathered over tp (per name)."""
+    params = list(global_named_parameters(stage.model))
+    moments = gather_local_state(stage.optimizer, [p for _, p in params], groups.dp)
+    out = {}
+    for name, p in params:
+        for kind, local in [("param", p.detach())] + [(k, v) for k, v in moments[id(p)].items()]:
+            shards = [torch.empty_like(local) for _ in range(groups.tp.size)]
+            if groups.tp.size > 1:
+                torch.distributed.all_gather(shards, local.contiguous(), group=groups.tp.group)
+            else:
+                shards = [local]
+            full = unshard([s.clone() for s in shards], spec_of(p))
+            real = spec_of(p).real_rows
+            out[f"{kind}/{name}"] = full[:real] if real is not None else full
+    return out
+
+
+def _eval(stage, cfg, groups) -> float:
+    return eval_loss(stage, [rank_microbatches(100, cfg, groups.dp.rank, groups.dp.size)])
+
+
+def save_worker(rank: int, world: int, root: str) -> dict:
+    groups = _groups(*SAVE_LAYOUT)
+    cfg = _config(*SAVE_LAYOUT, use_distributed_optimizer=True, ddp_bucket_size=777)
+    stage = build_stage(cfg, groups)
+    for i in range(2):
+        train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i)
+    save_checkpoint(stage, root, 2, consumed_samples=2 * cfg.train.global_batch_size)
+    return {"state": _full_state(stage, groups), "eval": _eval(stage, cfg, groups)}
+
+
+def load_worker(rank: int, world: int, root: str, layout: tuple, parallel: dict) -> dict:
+    groups = _groups(*layout)
+    cfg = _config(*layout, **parallel)
+    stage = build_stage(cfg, groups)
+    meta = load_checkpoint(stage, root)
+    return {"state": _full_state(stage, groups), "eval": _eval(stage, cfg, groups), "iteration": meta["iteration"]}
+
+
+@functools.cache
+def saved(root: str) -> dict:
+    return _merge_stages([dict(r, iteration=2) for r in run_workers(save_worker, 8, root, timeout=240)])
+
+
+@pytest.fixture(scope="module")
+def checkpoint_root(tmp_path_factory) -> str:
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    saved(root)
+    return root
+
+
+RESHARD = [((1, 1, 1), {}), ((4, 1, 2), {}), ((1, 4, 1), {}), ((2, 1, 4), {"use_distributed_optimizer": True}),
+           ((1, 2, 1), {"pipeline_schedule": "interleaved-1f1b", "num_layers_per_virtual_pipeline_stage": 1}),
+           ((1, 1, 4), {"use_distributed_optimizer": True, "ddp_bucket_size": 1001})]
+
+
+@pytest.mark.parametrize("layout,parallel", RESHARD, ids=[str(l) + ("+" + ",".join(p) if p else "") for l, p in RESHARD])
+def test_checkpoint_loads_at_any_layout(checkpoint_root, layout, parallel):
+    ref = saved(checkpoint_root)
+    tp, pp, dp = layout
+    if tp * pp * dp == 1:
+        res = load_worker(0, 1, checkpoint_root, layout, parallel)
+    else:
+        res = run_workers(load_worker, tp * pp * dp, checkpoint_root, layout, parallel, timeout=240)
+        res = _merge_stages(res)
+    assert res["iteration"] == 2
+    torch.testing.assert_close(res["eval"], ref["eval"], rtol=1e-9, atol=0)
+    assert set(res["state"]) == set(ref["state"])
+    for key, value in ref["state"].items():
+        assert torch.equal(res["state"][key], value), key
+
+
+def _merge_stages(results: list[dict]) -> dict:
+    state = {}
+    for r in results:
+        state.update(r["state"])
+    return {"state": state, "eval": results[0]["eval"], "iteration": results[0]["iteration"]}
+
+
+def test_latest_and_failures(checkpoint_root, tmp_path):
+    folder = resolve_checkpoint(checkpoint_root)
+    assert folder.name == "iter_0000002"
+    with pytest.raises(CheckpointError, match="is not a ptdp checkpoint"):
+        resolve_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve_checkpoint(tmp_path / "nope")
+    groups = ParallelGroups.single_process()
+    other = build_stage(tiny_config(1, 1, 1, "float64", hidden_size=48), groups)
+    with pytest.raises(CheckpointError, match="different model: hidden_size=32 in the checkpoint, 48 here"):
+        load_checkpoint(other, checkpoint_root)
