@@ -123,3 +123,68 @@ def test_latest_and_failures(checkpoint_root, tmp_path):
     other = build_stage(tiny_config(1, 1, 1, "float64", hidden_size=48), groups)
     with pytest.raises(CheckpointError, match="different model: hidden_size=32 in the checkpoint, 48 here"):
         load_checkpoint(other, checkpoint_root)
+
+
+RESUME = [((1, 1, 1), {}), ((2, 2, 2), {"use_distributed_optimizer": True, "ddp_bucket_size": 777}),
+          ((1, 2, 2), {"use_distributed_optimizer": True, "overlap_param_gather": True, "overlap_grad_reduce": True})]
+
+
+def resume_worker(rank: int, world: int, root: str, layout: tuple, parallel: dict, first: int, last: int,
+                  load: bool, save: bool) -> dict:
+    groups = _groups(*layout)
+    cfg = _config(*layout, **parallel)
+    stage = build_stage(cfg, groups)
+    if load:
+        first = load_checkpoint(stage, root)["iteration"]
+    results = [train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i) for i in range(first, last)]
+    if save:
+        save_checkpoint(stage, root, last, consumed_samples=last * cfg.train.global_batch_size)
+    stage.wait_for_params()
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
+            "params": {n: p.detach().clone() for n, p in global_named_parameters(stage.model)}}
+
+
+@pytest.mark.parametrize("layout,parallel", RESUME, ids=[str(l) for l, _ in RESUME])
+def test_resume_is_bit_exact(tmp_path, layout, parallel):
+    """4 steps in one go == 2 steps, save, then 2 more in new processes after loading."""
+    world = layout[0] * layout[1] * layout[2]
+    root = str(tmp_path)
+    whole = run_workers(resume_worker, world, root, layout, parallel, 0, 4, False, False, timeout=240)
+    run_workers(resume_worker, world, root, layout, parallel, 0, 2, False, True, timeout=240)
+    resumed = run_workers(resume_worker, world, root, layout, parallel, 0, 4, True, False, timeout=240)
+    for a, b in zip(whole, resumed):
+        assert a["losses"][2:] == b["losses"] and a["norms"][2:] == b["norms"]
+        for name, value in a["params"].items():
+            assert torch.equal(b["params"][name], value), name
+
+
+def test_truncated_or_missing_shard_is_named(checkpoint_root, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoint_root, copy)
+    folder = resolve_checkpoint(copy)
+    shard = sorted(folder.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    stage = build_stage(tiny_config(1, 1, 1, "float64"), ParallelGroups.single_process())
+    before = {n: p.detach().clone() for n, p in stage.model.named_parameters()}
+    with pytest.raises(CheckpointError, match=f"corrupted: shard file {shard.name} has 100 bytes"):
+        load_checkpoint(stage, copy)
+    assert all(torch.equal(before[n], p) for n, p in stage.model.named_parameters())
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"incomplete: shard file {shard.name} is missing"):
+        load_checkpoint(stage, copy)
+
+
+def test_interrupted_save_leaves_latest_on_the_previous_checkpoint(checkpoint_root, tmp_path):
+    """A save that died after writing part of its folder: the temporary folder is ignored."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoint_root, copy)
+    partial = copy / ".iter_0000004.tmp"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"partial")
+    assert resolve_checkpoint(copy).name == "iter_0000002"
+    stage = build_stage(tiny_config(1, 1, 1, "float64"), ParallelGroups.single_process())
+    assert load_checkpoint(stage, copy)["iteration"] == 2

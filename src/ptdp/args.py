@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from ptdp.config import DTYPES, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from ptdp.config import DTYPES, CheckpointConfig, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 
 DEFAULT_TP, DEFAULT_PP, DEFAULT_LOCAL_WORKERS = 2, 2, 8
 
@@ -74,6 +74,16 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="with --use-distributed-optimizer: overlap the parameter all-gather with the next "
                         "forward (each module waits for its own parameters)")
+
+    g = parser.add_argument_group("checkpoints")
+    g.add_argument("--save", default=None, metavar="DIR",
+                   help="save checkpoints into DIR (DIR/iter_NNNNNNN, DIR/latest) after the last iteration")
+    g.add_argument("--save-interval", type=int, default=None, metavar="N", help="also save every N iterations")
+    g.add_argument("--load", default=None, metavar="DIR",
+                   help="resume from the checkpoint DIR/latest names (or an iteration folder), at any layout")
+    g.add_argument("--keep-last", type=int, default=None, metavar="K", help="keep only the newest K checkpoints")
+    g.add_argument("--no-load-optim", action="store_true", help="with --load: parameters only, fresh Adam state")
+    g.add_argument("--no-load-rng", action="store_true", help="with --load: do not restore random generators")
 
     g = parser.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=mc.num_layers, help="transformer layers l (all stages)")
@@ -166,6 +176,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ),
         data=DataConfig(
             data_paths=tuple(args.data or ()), data_cache_dir=args.data_cache_dir, valid_fraction=args.valid_fraction,
+        ),
+        checkpoint=CheckpointConfig(
+            save=args.save, save_interval=args.save_interval, load=args.load, keep_last=args.keep_last,
+            no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
         ),
         output_dir=args.output_dir,
         hardware_profile=args.hardware_profile,

@@ -161,6 +161,24 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """Where checkpoints are saved and loaded (``ptdp.checkpoint``)."""
+
+    save: str | None = None
+    """Checkpoint root to save into (one folder per iteration, ``latest`` marker); None: no saving."""
+    save_interval: int | None = None
+    """Save every N iterations (and always after the last one); None: only after the last one."""
+    load: str | None = None
+    """Checkpoint root (or iteration folder) to resume from, at any layout."""
+    keep_last: int | None = None
+    """Keep only the newest K complete checkpoints; None: keep all."""
+    no_load_optim: bool = False
+    """Load parameters only (fresh Adam state)."""
+    no_load_rng: bool = False
+    """Do not restore the random number generators."""
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Where the text comes from and where its tokenized form is cached."""
 
@@ -180,6 +198,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output_dir: str | None = None
     hardware_profile: str | None = None
     """Profile from ``ptdp plan --calibrate`` used to predict the run's step time; None: the
@@ -224,9 +243,21 @@ class Config:
             parallel=ParallelConfig(**parallel),
             train=TrainConfig(**d["train"]),
             data=DataConfig(**data),
+            checkpoint=CheckpointConfig(**d.get("checkpoint", {})),
             output_dir=d.get("output_dir"),
             hardware_profile=d.get("hardware_profile"),
         )
+
+
+def _checkpoint_rules(c: CheckpointConfig) -> list[str]:
+    errors = []
+    for name in ("save_interval", "keep_last"):
+        value = getattr(c, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            errors.append(f"{name}={value!r} must be a positive integer")
+    if c.save_interval is not None and c.save is None:
+        errors.append(f"save_interval={c.save_interval} needs a save directory (--save)")
+    return errors
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -291,6 +322,7 @@ def resolve(config: Config, world_size: int) -> Config:
     if not errors:
         errors += schedule_errors(p, m.num_layers, t.global_batch_size // (t.micro_batch_size * dp))
     errors += _data_parallel_rules(p)
+    errors += _checkpoint_rules(config.checkpoint)
     if config.data.valid_fraction <= 0 or config.data.valid_fraction >= 1:
         errors.append(f"valid_fraction={config.data.valid_fraction} must be in (0, 1)")
     if p.distributed_timeout_minutes <= 0:

@@ -24,6 +24,7 @@ def prepare(config: Config, log=print) -> PreparedData:
     Raises:
         DataError: unusable data, or too little of it for one global batch of training samples or
             one validation sequence (checked here, before any worker starts).
+        CheckpointError: ``--load`` names no usable checkpoint for this model.
     """
     paths = list(config.data.data_paths) or None
     cache = cache_dir(config)
@@ -31,6 +32,11 @@ def prepare(config: Config, log=print) -> PreparedData:
         raise DataError(f"data cache directory {cache} exists and is not a directory")
     data = prepare_data(paths, config.model.vocab_size, cache, config.data.valid_fraction, log=log)
     check_data_fits(config, data)
+    if config.checkpoint.load:
+        from ptdp.checkpoint.io import precheck
+        from ptdp.step import with_vocab
+
+        precheck(with_vocab(config, data.vocab_size))
     return data
 
 

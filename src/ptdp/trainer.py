@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ptdp.checkpoint.io import load_checkpoint, save_checkpoint
 from ptdp.config import Config
 from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, dp_shard, eval_indices, microbatches
 from ptdp.comm import all_gather_object
@@ -37,6 +38,11 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     t, m = config.train, config.model
     is_logger = groups.global_rank == 0
     stage = build_stage(config, groups, device)
+    ck = config.checkpoint
+    start = 0
+    if ck.load:
+        meta = load_checkpoint(stage, ck.load, load_optimizer=not ck.no_load_optim, load_rng=not ck.no_load_rng)
+        start = min(meta["iteration"], t.train_iters)
     train_windows = TokenWindows(data.train_tokens(), m.seq_length)
     sampler = GlobalBatchSampler(len(train_windows), t.global_batch_size, t.seed)
     valid_batches = _valid_batches(config, groups, data)
@@ -55,8 +61,10 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     tracer = Tracer(groups.global_rank, groups.pp.rank) if t.trace_iters else None
     first_traced = 2 if t.train_iters >= 2 else 1
     started = time.perf_counter()
-    evaluate(0)
-    for it in range(t.train_iters):
+    if ck.load:
+        log.message(f"resumed from {ck.load} at iteration {start}")
+    evaluate(start)
+    for it in range(start, t.train_iters):
         iteration = it + 1
         if tracer is not None:
             tracer.iteration, tracer.active = iteration, first_traced <= iteration < first_traced + t.trace_iters
@@ -85,8 +93,13 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
             )
         if iteration % t.eval_interval == 0 and iteration != t.train_iters:
             evaluate(iteration)
-    evaluate(t.train_iters)
+        if ck.save and ck.save_interval and iteration % ck.save_interval == 0 and iteration != t.train_iters:
+            _save(stage, ck, iteration, t.global_batch_size, log)
+    if start < t.train_iters or not ck.load:
+        evaluate(t.train_iters)
     stage.wait_for_params()
+    if ck.save:
+        _save(stage, ck, t.train_iters, t.global_batch_size, log)
     log.close()
     summary = _summary(config, history, time.perf_counter() - started)
     per_rank = all_gather_object(measure_stage(stage), groups.world)
@@ -98,6 +111,13 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
         summary["planner_check"] = compare(config, per_rank, summary["mean_step_time_s"], _profile_path(config))
         write_json(Path(run_dir) / "summary.json", summary)
     return summary
+
+
+def _save(stage, ck, iteration: int, global_batch_size: int, log: RunLog) -> None:
+    start = time.perf_counter()
+    folder = save_checkpoint(stage, ck.save, iteration, consumed_samples=iteration * global_batch_size,
+                             keep_last=ck.keep_last)
+    log.message(f"iteration {iteration:>6}: saved checkpoint {folder} ({time.perf_counter() - start:.1f} s)")
 
 
 def _write_trace(config: Config, groups: ParallelGroups, events: list[dict], run_dir: Path) -> dict:

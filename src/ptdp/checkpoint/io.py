@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 
 from ptdp.checkpoint.optim_state import gather_local_state, load_local_state, state_kinds, step_count
 from ptdp.checkpoint.tensors import stored_form, to_checkpoint_value
-from ptdp.comm import broadcast_object
+from ptdp.config import Config, ConfigError
 from ptdp.model.chunks import global_named_parameters
 from ptdp.tensor_parallel.sharding import spec_of
 
@@ -39,7 +39,7 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
                 "vocab_size", "untie_embeddings_and_output_weights")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ConfigError):
     """A checkpoint folder that is missing, incomplete, corrupted or for another model."""
 
 
@@ -204,8 +204,19 @@ def check_files(folder: Path) -> None:
                                   f"{path.stat().st_size} bytes, its index needs {size}")
 
 
-def _check_model(meta: dict, stage, folder: Path) -> None:
-    m = stage.config.model
+def precheck(config: Config) -> dict:
+    """Everything about ``config.checkpoint.load`` that can be checked without processes: the
+    folder, its metadata, the model shape (``config.model.vocab_size`` must be the real one) and
+    the shard files. Returns the metadata; raises :class:`CheckpointError`."""
+    folder = resolve_checkpoint(config.checkpoint.load)
+    meta = read_meta(folder)
+    _check_model(meta, config, folder)
+    check_files(folder)
+    return meta
+
+
+def _check_model(meta: dict, config: Config, folder: Path) -> None:
+    m = config.model
     diffs = [f"{f}={meta['model'].get(f)!r} in the checkpoint, {getattr(m, f)!r} here"
              for f in SHAPE_FIELDS if meta["model"].get(f) != getattr(m, f)]
     if diffs:
@@ -224,7 +235,7 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
     """
     folder = resolve_checkpoint(path)
     meta = read_meta(folder)
-    _check_model(meta, stage, folder)
+    _check_model(meta, stage.config, folder)
     check_files(folder)
     g = stage.groups
     stage.wait_for_params()
