@@ -94,6 +94,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
     g.add_argument("--vocab-size", type=int, default=mc.vocab_size, help="size of the BPE tokenizer to train")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=mc.make_vocab_size_divisible_by,
                    help="pad the vocabulary to a multiple of this x TP")
+    g.add_argument("--activation", choices=("gelu", "gelu_tanh"), default=mc.activation,
+                   help="MLP activation: exact GELU or its tanh approximation (GPT-2)")
+    g.add_argument("--layernorm-epsilon", type=float, default=mc.layernorm_epsilon, help="LayerNorm epsilon")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="give the output layer its own weight (default: tied to the input embedding)")
     g.add_argument("--params-dtype", choices=DTYPES, default=mc.params_dtype,
@@ -151,6 +154,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length, vocab_size=args.vocab_size,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+            activation=args.activation, layernorm_epsilon=args.layernorm_epsilon,
             params_dtype=args.params_dtype, init_method_std=args.init_method_std,
         ),
         parallel=ParallelConfig(

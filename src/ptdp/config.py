@@ -59,6 +59,8 @@ class ModelConfig:
     init_method_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
     layernorm_epsilon: float = 1e-5
+    activation: str = "gelu"
+    """MLP activation: ``gelu`` (exact, erf) or ``gelu_tanh`` (the tanh approximation GPT-2 uses)."""
 
     @property
     def ffn(self) -> int:
@@ -158,6 +160,9 @@ class TrainConfig:
     @property
     def decay_iters(self) -> int:
         return self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters
+
+
+ACTIVATIONS = ("gelu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -323,6 +328,8 @@ def resolve(config: Config, world_size: int) -> Config:
         errors += schedule_errors(p, m.num_layers, t.global_batch_size // (t.micro_batch_size * dp))
     errors += _data_parallel_rules(p)
     errors += _checkpoint_rules(config.checkpoint)
+    if m.activation not in ACTIVATIONS:
+        errors.append(f"activation={m.activation!r} must be one of {ACTIVATIONS}")
     if config.data.valid_fraction <= 0 or config.data.valid_fraction >= 1:
         errors.append(f"valid_fraction={config.data.valid_fraction} must be in (0, 1)")
     if p.distributed_timeout_minutes <= 0:

@@ -15,6 +15,7 @@ Stored per parameter (layout-independent, see :mod:`ptdp.checkpoint.tensors`): `
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -35,7 +36,7 @@ from ptdp.tensor_parallel.sharding import spec_of
 FORMAT = 1
 META = "ptdp.json"
 #: model fields that must match between a checkpoint and the model loading it
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn", "seq_length",
                 "vocab_size", "untie_embeddings_and_output_weights")
 
 
@@ -112,7 +113,7 @@ def _meta(stage, iteration: int, consumed_samples: int, kinds) -> dict:
     scaler = stage.scaler
     return {
         "format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
-        "model": {f: getattr(m, f) for f in SHAPE_FIELDS} | {"params_dtype": m.params_dtype},
+        "model": dataclasses.asdict(m) | {"ffn": m.ffn},
         "layout": _layout_key(stage), "world_size": stage.groups.world.size,
         "optimizer_state": list(kinds),
         "loss_scaler": {"scale": scaler.scale, "good_steps": scaler.good_steps} if scaler is not None else None,
@@ -258,13 +259,15 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
         raise CheckpointError(f"loading checkpoint {folder} failed: {err}") from err
     for p in params:  # 16-bit runs saved float32 main parameters: the exact values
         p.copy_(tensors[id(p)].get("main", wide[id(p)]))
-    if load_optimizer:
-        kinds = state_kinds(stage.optimizer)
-        for p in params:
-            entry = tensors[id(p)]
-            if "main" in kinds and "main" not in entry:
-                entry["main"] = wide[id(p)]
-        load_local_state(stage.optimizer, params, tensors, int(sd["optim/step"]))
+    kinds = state_kinds(stage.optimizer)
+    step = int(sd["optim/step"]) if load_optimizer and "exp_avg" in saved_kinds else 0
+    for p in params:  # fresh Adam state (step 0) unless loaded; 16-bit main copies always set
+        entry = tensors[id(p)]
+        for kind in ("exp_avg", "exp_avg_sq"):
+            entry.setdefault(kind, torch.zeros_like(wide[id(p)]))
+        if "main" in kinds and "main" not in entry:
+            entry["main"] = wide[id(p)]
+    load_local_state(stage.optimizer, params, tensors, step)
     if stage.scaler is not None and meta.get("loss_scaler"):
         stage.scaler.scale = meta["loss_scaler"]["scale"]
         stage.scaler.good_steps = meta["loss_scaler"]["good_steps"]

@@ -71,9 +71,10 @@ class MLP(nn.Module):
         super().__init__()
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn, tp=tp, dtype=dtype, tag="mlp_fc1")
         self.fc2 = RowParallelLinear(cfg.ffn, cfg.hidden_size, tp=tp, dtype=dtype, tag="mlp_fc2")
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
 
 
 class TransformerLayer(nn.Module):
