@@ -226,7 +226,9 @@ def test_grad_compression_warmup_defaults():
         return resolve(Config(parallel=par, train=TrainConfig(lr_warmup_iters=30)), 2).grad_compression_warmup
 
     assert (warmup("none"), warmup("fp16"), warmup("bf16"), warmup("1bit")) == (0, 0, 0, 30)
-    assert (warmup("1bit", 0), warmup("fp16", 5), warmup("none", 5)) == (0, 5, 0)
+    assert (warmup("1bit", 0), warmup("fp16", 5)) == (0, 5)
+    with pytest.raises(ValueError, match="grad_compression_warmup_iters=5 has no effect with grad_compression=none"):
+        warmup("none", 5)
     with pytest.raises(ValueError, match="grad_compression_warmup_iters=-1 must be an integer >= 0"):
         warmup("1bit", -1)
 
@@ -267,6 +269,55 @@ def test_overlapped_param_gather_is_waited_for_by_every_reader():
         assert res[True][0] == res[False][0]
         for name, value in res[False][1].items():
             assert torch.equal(res[True][1][name], value), name
+
+
+def fp16_one_bit_worker(rank: int, world: int) -> dict:
+    """float16 + 1-bit: an inf on one rank at step 0 is skipped and does not poison the residual."""
+    groups = ParallelGroups.build(ParallelLayout(tp=1, pp=1, dp=2), PG_TIMEOUT)
+    cfg = tiny_config(1, 1, 2, "float16", parallel_overrides={"grad_compression": "1bit",
+                                                               "grad_compression_warmup_iters": 0})
+    stage = build_stage(cfg, groups)
+    import ptdp.step as step_module
+
+    original = step_module.finalize_grads
+
+    def poisoned(model, buffer, g):
+        if g.global_rank == 1:
+            buffer.data[7] = float("inf")
+        original(model, buffer, g)
+
+    step_module.finalize_grads = poisoned
+    try:
+        first = train_step(stage, rank_microbatches(0, cfg, groups.dp.rank, groups.dp.size), 0)
+    finally:
+        step_module.finalize_grads = original
+    later = [train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i) for i in range(1, 4)]
+    return {"first": first.skipped, "later": [r.skipped for r in later],
+            "residual_finite": bool(torch.isfinite(stage.grads.residual).all())}
+
+
+def test_fp16_overflow_with_one_bit_does_not_poison_the_error_feedback():
+    for res in run_workers(fp16_one_bit_worker, 2, timeout=120):
+        assert res["first"] and res["later"] == [False, False, False] and res["residual_finite"]
+
+
+def test_overlap_without_no_sync_is_an_error_not_a_race():
+    """A second backward into a bucket whose reduction already started raises (dp = 2 needed for
+    a reduction to start; an axis of size 2 whose collectives never run stands in)."""
+    from ptdp.comm import AxisGroup, CommStats
+
+    p = torch.nn.Parameter(torch.ones(4))
+    buf = GradBuffer([[p]], dp=AxisGroup("dp", (0, 1), 0, None, CommStats()), overlap=True)
+    import ptdp.data_parallel.buffer as buffer_module
+
+    original = buffer_module.start_reduction
+    buffer_module.start_reduction = lambda *a, **k: (lambda: None)
+    try:
+        (p * 2).sum().backward()  # last (synced) backward: the bucket starts
+        with pytest.raises(RuntimeError, match="after its reduction started"):
+            (p * 3).sum().backward()
+    finally:
+        buffer_module.start_reduction = original
 
 
 def test_data_parallel_config_rules():

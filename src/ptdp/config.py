@@ -461,6 +461,8 @@ def _data_parallel_rules(p: ParallelConfig) -> list[str]:
     warmup = p.grad_compression_warmup_iters
     if warmup is not None and (not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0):
         errors.append(f"grad_compression_warmup_iters={warmup!r} must be an integer >= 0")
+    elif warmup is not None and p.grad_compression == "none":
+        errors.append(f"grad_compression_warmup_iters={warmup} has no effect with grad_compression=none")
     if p.ddp_bucket_size is not None and (not isinstance(p.ddp_bucket_size, int) or p.ddp_bucket_size < 1):
         errors.append(f"ddp_bucket_size={p.ddp_bucket_size!r} must be a positive integer (elements)")
     return errors

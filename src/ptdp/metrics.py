@@ -90,8 +90,9 @@ def format_summary(s: dict, run_dir) -> str:
         )
     dp_bytes = sum(c["bytes"] for k, c in s.get("comm_per_step_rank0", {}).items() if k.startswith("dp/"))
     if dp_bytes:
-        lines.append(f"  data-parallel payload per step on rank 0: {dp_bytes:,} bytes "
-                     f"(gradient compression: {s.get('grad_compression', 'none')})")
+        exact = " (still in its exact warmup)" if s.get("last_step_reduced_exactly") else ""
+        lines.append(f"  data-parallel payload of the last step on rank 0: {dp_bytes:,} bytes "
+                     f"(gradient compression: {s.get('grad_compression', 'none')}{exact})")
     if s.get("bubble"):
         b = s["bubble"]
         by_rank = b["measured_idle_over_compute_by_rank"]

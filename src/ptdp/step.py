@@ -137,6 +137,10 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     stage.grads.exact = iteration < cfg.grad_compression_warmup
     schedule = build_schedule(cfg.parallel.schedule, stage.groups.pp.size, len(microbatches), stage.virtual_stages)
     scale = stage.scaler.scale if stage.scaler is not None else None
+    stage.grads.grad_scale = scale or 1.0
+    residual = stage.grads.residual
+    # a skipped (overflowed) step must not leave inf/nan in the 1-bit error feedback
+    kept = residual.clone() if residual is not None and scale is not None else None
     losses = run_schedule(
         schedule[stage.groups.pp.rank], stage.model, microbatches, pp=stage.groups.pp,
         hidden_shape=stage.hidden_shape, dtype=stage.dtype, device=stage.device, tracer=tracer,
@@ -150,6 +154,8 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
         stage.grads.reduced.mul_(1.0 / scale)
         if stage.scaler.found_overflow(stage.grads.reduced, stage.groups.world):
             stage.scaler.update(overflow=True)
+            if kept is not None:
+                residual.copy_(kept)
             if span is not None:
                 span.end()
             return StepResult(loss=loss, grad_norm=float("inf"), lr=lr, skipped=True, loss_scale=scale)

@@ -174,4 +174,5 @@ def _summary(config: Config, history: dict, elapsed: float) -> dict:
         "elapsed_s": elapsed,
         "comm_per_step_rank0": history["comm"],
         "grad_compression": p.grad_compression,
+        "last_step_reduced_exactly": p.grad_compression != "none" and config.train.train_iters <= config.grad_compression_warmup,
     }

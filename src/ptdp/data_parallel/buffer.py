@@ -84,6 +84,8 @@ class GradBuffer:
         self.params, self.dp, self.codec, self.sharded = params, dp, codec, shard
         self.exact = False
         """Reduce in the buffer's dtype whatever ``codec`` is (compression warmup); set per step."""
+        self.grad_scale = 1.0
+        """How much the gradients in the buffer are scaled (the float16 loss scale); set per step."""
         self.uses_main_grad = grad_dtype is not None and grad_dtype != params[0].dtype
         self.buckets = _plan_buckets(chunk_params, bucket_size or DEFAULT_BUCKET_SIZE, overlap,
                                      {id(p) for p in deferred}, dp.size if shard else 1)
@@ -148,11 +150,15 @@ class GradBuffer:
         if self.uses_main_grad:
             param.main_grad.add_(param.grad)
             param.grad = None
-        if not self._syncing:  # accumulating (no_sync): nothing to start
+        if not self._syncing or self.dp.size == 1:  # accumulating (no_sync), or nothing to reduce
             return
         bucket = self._bucket_of[id(param)]
-        if not (self._syncing and bucket.overlap and bucket.finish is None):
+        if not bucket.overlap:
             return
+        if bucket.finish is not None:
+            raise RuntimeError(
+                f"a gradient arrived for bucket {bucket.index} after its reduction started (shape "
+                f"{tuple(param.shape)}); with overlap, run every backward but the step's last under no_sync()")
         bucket.ready.add(id(param))
         if len(bucket.ready) == len(bucket.params):
             self._launch(bucket)
@@ -165,7 +171,8 @@ class GradBuffer:
             shard = self.shard_grads[bucket.start // self.dp.size: bucket.start // self.dp.size + per]
         residual = self.residual[bucket.start: bucket.start + bucket.numel] if self.residual is not None else None
         codec = "none" if self.exact else self.codec
-        bucket.finish = start_reduction(codec, grad, self.dp, shard=shard, residual=residual)
+        bucket.finish = start_reduction(codec, grad, self.dp, shard=shard, residual=residual,
+                                        grad_scale=self.grad_scale)
         self._launched.append(bucket)
 
     def finish(self) -> None:

@@ -51,12 +51,13 @@ def unpackbits(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def start_reduction(codec: str, grad: torch.Tensor, axis: AxisGroup, *, shard: torch.Tensor | None = None,
-                    residual: torch.Tensor | None = None) -> Callable[[], None]:
+                    residual: torch.Tensor | None = None, grad_scale: float = 1.0) -> Callable[[], None]:
     """Start averaging ``grad`` (a flat fp32 bucket) over ``axis``; returns ``finish()``.
 
     ``shard`` (distributed optimizer): receive only this rank's ``grad.numel() / dp`` slice of the
     average there (reduce-scatter) instead of the whole average in ``grad`` (all-reduce).
-    ``residual``: the 1-bit error-feedback buffer of this bucket (same shape as ``grad``).
+    ``residual``: the 1-bit error-feedback buffer of this bucket (same shape as ``grad``), kept
+    in unscaled units: ``grad`` is ``grad_scale`` times the true gradient (the float16 loss scale).
     """
     dp = axis.size
     if codec == "none":
@@ -76,7 +77,7 @@ def start_reduction(codec: str, grad: torch.Tensor, axis: AxisGroup, *, shard: t
     if codec == "1bit":
         if shard is not None:
             raise ValueError("1-bit compression is not supported with the distributed optimizer")
-        return _start_one_bit(grad, axis, residual)
+        return _start_one_bit(grad, axis, residual, grad_scale)
     raise ValueError(f"unknown gradient compression {codec!r}; expected one of {CODECS}")
 
 
@@ -94,13 +95,14 @@ def _per_element(scales: torch.Tensor, n: int) -> torch.Tensor:
     return scales.repeat_interleave(ONE_BIT_BLOCK, dim=-1)[..., :n]
 
 
-def _start_one_bit(grad: torch.Tensor, axis: AxisGroup, residual: torch.Tensor) -> Callable[[], None]:
+def _start_one_bit(grad: torch.Tensor, axis: AxisGroup, residual: torch.Tensor, grad_scale: float) -> Callable[[], None]:
     n, dp = grad.numel(), axis.size
-    corrected = grad + residual
+    corrected = grad + residual * grad_scale if grad_scale != 1.0 else grad + residual
     scales = one_bit_scales(corrected)
     signs = corrected >= 0
     step = _per_element(scales, n).to(grad.dtype)
-    residual.copy_(corrected - torch.where(signs, step, -step))
+    kept = corrected - torch.where(signs, step, -step)
+    residual.copy_(kept / grad_scale if grad_scale != 1.0 else kept)
     packed = packbits(signs)
     all_packed = torch.empty(dp * packed.numel(), dtype=torch.uint8, device=grad.device)
     all_scales = torch.empty(dp * scales.numel(), dtype=torch.float32, device=grad.device)
