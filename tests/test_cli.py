@@ -185,5 +185,8 @@ def test_save_and_resume_from_the_command_line(corpus, tmp_path):
     assert "resumed from" in second.stderr
     expected = _train_losses(tmp_path / "whole")
     assert _train_losses(tmp_path / "second") == {i: expected[i] for i in (4, 5, 6)}
+    gen = run([sys.executable, "-m", "ptdp.cli", "generate", "--load", str(ckpt), "--prompt", "def ",
+               "--max-new-tokens", "5"], tmp_path, timeout=120)
+    assert gen.returncode == 0 and gen.stdout.startswith("def"), gen.stderr[-2000:]
     missing = run(base + ["--load", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "third")], tmp_path)
     assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr

@@ -47,7 +47,52 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(plan)
     plan.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     plan.set_defaults(func=cmd_plan)
+
+    gen = sub.add_parser("generate", help="continue a prompt with a trained checkpoint (any layout)",
+                         formatter_class=HelpFormatter)
+    gen.add_argument("--load", required=True, metavar="DIR", help="checkpoint root or iteration folder")
+    gen.add_argument("--prompt", required=True, help="text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=50)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample")
+    gen.add_argument("--top-k", type=int, default=None, help="sample among the K most likely tokens")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--tokenizer", default=None, help="tokenizers JSON file (default: the checkpoint's)")
+    gen.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    gen.set_defaults(func=cmd_generate)
+
+    conv = sub.add_parser("convert", help="export a checkpoint to Hugging Face GPT-2, or import one",
+                          formatter_class=HelpFormatter)
+    conv.add_argument("direction", choices=("to-hf", "from-hf"),
+                      help="to-hf: ptdp checkpoint -> GPT-2 folder; from-hf: GPT-2 folder -> ptdp checkpoint")
+    conv.add_argument("source", help="checkpoint root/iteration folder (to-hf) or GPT-2 folder (from-hf)")
+    conv.add_argument("target", help="GPT-2 folder to write (to-hf) or checkpoint root to write (from-hf)")
+    conv.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    conv.set_defaults(func=cmd_convert)
     return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ptdp.generate import generate, load_for_inference, load_tokenizer
+
+    if args.max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
+    model, meta, folder = load_for_inference(args.load)
+    tokenizer = load_tokenizer(folder, args.tokenizer)
+    prompt = tokenizer.encode(args.prompt).ids
+    out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   seed=args.seed)
+    print(tokenizer.decode(out), flush=True)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ptdp.checkpoint.hf import export_hf, import_hf
+
+    if args.direction == "to-hf":
+        print(f"wrote {export_hf(args.source, args.target)} (config.json, model.safetensors)")
+    else:
+        print(f"wrote {import_hf(args.source, args.target)}; load it with --load {args.target}")
+    return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

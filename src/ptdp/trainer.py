@@ -94,12 +94,12 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
         if iteration % t.eval_interval == 0 and iteration != t.train_iters:
             evaluate(iteration)
         if ck.save and ck.save_interval and iteration % ck.save_interval == 0 and iteration != t.train_iters:
-            _save(stage, ck, iteration, t.global_batch_size, log)
+            _save(stage, ck, iteration, t.global_batch_size, log, data)
     if start < t.train_iters or not ck.load:
         evaluate(t.train_iters)
     stage.wait_for_params()
     if ck.save:
-        _save(stage, ck, t.train_iters, t.global_batch_size, log)
+        _save(stage, ck, t.train_iters, t.global_batch_size, log, data)
     log.close()
     summary = _summary(config, history, time.perf_counter() - started)
     per_rank = all_gather_object(measure_stage(stage), groups.world)
@@ -113,10 +113,10 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     return summary
 
 
-def _save(stage, ck, iteration: int, global_batch_size: int, log: RunLog) -> None:
+def _save(stage, ck, iteration: int, global_batch_size: int, log: RunLog, data: PreparedData) -> None:
     start = time.perf_counter()
     folder = save_checkpoint(stage, ck.save, iteration, consumed_samples=iteration * global_batch_size,
-                             keep_last=ck.keep_last)
+                             keep_last=ck.keep_last, files={"tokenizer.json": data.tokenizer_path})
     log.message(f"iteration {iteration:>6}: saved checkpoint {folder} ({time.perf_counter() - start:.1f} s)")
 
 

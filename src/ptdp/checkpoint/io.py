@@ -72,10 +72,11 @@ def _state_dict(stage, tensors: dict[int, dict[str, torch.Tensor]], model_values
 
 
 def save_checkpoint(stage, root: str | Path, iteration: int, *, consumed_samples: int,
-                    keep_last: int | None = None) -> Path:
+                    keep_last: int | None = None, files: dict[str, Path] | None = None) -> Path:
     """Save the whole training state after ``iteration`` steps into ``root/iter_<iteration>``
     (collective over the world). Returns the folder. ``keep_last``: afterwards delete all but the
-    newest ``keep_last`` complete checkpoints."""
+    newest ``keep_last`` complete checkpoints. ``files``: copied in by rank 0 under the given
+    names (the tokenizer, so ``ptdp generate`` needs nothing else)."""
     root, g = Path(root), stage.groups
     name = f"iter_{iteration:07d}"
     tmp, final = root / f".{name}.tmp", root / name
@@ -95,6 +96,8 @@ def save_checkpoint(stage, root: str | Path, iteration: int, *, consumed_samples
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), process_group=g.world.group if g.world.size > 1 else None)
     _write_json(tmp / "rng" / f"rank{g.global_rank}.json", _rng_state())
     if g.global_rank == 0:
+        for name_in_folder, source in (files or {}).items():
+            shutil.copyfile(source, tmp / name_in_folder)
         _write_json(tmp / META, _meta(stage, iteration, consumed_samples, kinds))
     _barrier(stage)
     if g.global_rank == 0:

@@ -1,0 +1,83 @@
+"""Text generation from a checkpoint (saved at any layout), in one process.
+
+The checkpoint is loaded at tp = pp = dp = 1 (:func:`ptdp.checkpoint.io.load_checkpoint`
+reassembles any layout's shards) and the whole sequence is recomputed for every new token (no
+key/value cache): simple and exact, meant for inspecting what a small model learned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ptdp.checkpoint.io import CheckpointError, load_checkpoint, read_meta, resolve_checkpoint
+from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.groups import ParallelGroups
+from ptdp.model.gpt import GPTModel
+from ptdp.step import build_stage
+
+
+def load_for_inference(path: str | Path, dtype: str = "float32") -> tuple[GPTModel, dict, Path]:
+    """The single-process model of the checkpoint at ``path``, its metadata and its folder."""
+    folder = resolve_checkpoint(path)
+    meta = read_meta(folder)
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    model_cfg = ModelConfig(**{k: v for k, v in meta["model"].items() if k in fields} | {"params_dtype": dtype})
+    config = resolve(Config(model=model_cfg, parallel=ParallelConfig(1, 1, 1),
+                            train=TrainConfig(micro_batch_size=1, global_batch_size=1)), 1)
+    stage = build_stage(config, ParallelGroups.single_process())
+    load_checkpoint(stage, folder, load_optimizer=False, load_rng=False)
+    stage.model.eval()
+    return stage.model, meta, folder
+
+
+@torch.no_grad()
+def next_token_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` token ids -> ``[b, V]`` logits of the next token (float32; real vocabulary)."""
+    x = model.word_embeddings(tokens) + model.position_embeddings[: tokens.shape[1]]
+    for layer in model.layers.values():
+        x = layer(x)
+    out = model.output_layer if hasattr(model, "output_layer") else model.word_embeddings
+    return F.linear(model.final_norm(x[:, -1]), out.real_weight()).float()
+
+
+@torch.no_grad()
+def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int | None = None, seed: int = 0) -> list[int]:
+    """``prompt`` followed by ``max_new_tokens`` tokens: greedy when ``temperature`` is 0, else
+    sampled from softmax(logits / temperature) restricted to the ``top_k`` most likely.
+
+    Raises:
+        ValueError: an empty prompt, a negative temperature, or top_k < 1.
+    """
+    if not prompt:
+        raise ValueError("the prompt must hold at least one token")
+    if temperature < 0 or (top_k is not None and top_k < 1):
+        raise ValueError(f"temperature={temperature} must be >= 0 and top_k={top_k} >= 1")
+    window = model.position_embeddings.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    tokens = list(prompt)
+    for _ in range(max_new_tokens):
+        logits = next_token_logits(model, torch.tensor([tokens[-window:]]))[0]
+        if temperature == 0:
+            tokens.append(int(logits.argmax()))
+            continue
+        logits = logits / temperature
+        if top_k is not None and top_k < logits.numel():
+            cutoff = logits.topk(top_k).values[-1]
+            logits = logits.masked_fill(logits < cutoff, float("-inf"))
+        tokens.append(int(torch.multinomial(logits.softmax(-1), 1, generator=gen)))
+    return tokens
+
+
+def load_tokenizer(folder: Path, override: str | None):
+    """The checkpoint's ``tokenizer.json`` (saved by ``ptdp train``) or ``override``."""
+    from tokenizers import Tokenizer
+
+    path = Path(override) if override else folder / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"no tokenizer at {path}; pass --tokenizer PATH (a tokenizers JSON file)")
+    return Tokenizer.from_file(str(path))
