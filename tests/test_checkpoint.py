@@ -90,7 +90,7 @@ def checkpoint_root(tmp_path_factory) -> str:
 
 
 RESHARD = {  # by world size: one spawn loads at several layouts
-    1: [((1, 1, 1), {})],
+    1: [((1, 1, 1), {}), ((1, 1, 1), {"use_distributed_optimizer": True})],
     2: [((1, 2, 1), {"pipeline_schedule": "interleaved-1f1b", "num_layers_per_virtual_pipeline_stage": 1})],
     4: [((1, 4, 1), {}), ((1, 1, 4), {"use_distributed_optimizer": True, "ddp_bucket_size": 1001})],
     8: [((4, 1, 2), {}), ((2, 1, 4), {"use_distributed_optimizer": True})],
@@ -210,3 +210,90 @@ def test_interrupted_save_leaves_latest_on_the_previous_checkpoint(checkpoint_ro
     assert resolve_checkpoint(copy).name == "iter_0000002"
     stage = build_stage(tiny_config(1, 1, 1, "float64"), ParallelGroups.single_process())
     assert load_checkpoint(stage, copy)["iteration"] == 2
+
+
+def _stored_tensors(folder) -> dict[str, torch.Tensor]:
+    """Every model and optimizer tensor of a checkpoint folder, read in one process."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    md = dcp.FileSystemReader(folder).read_metadata()
+    sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+          if k.startswith(("model/", "optim/"))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    return sd
+
+
+def resave_worker(rank: int, world: int, source: str, target: str, layout: tuple, parallel: dict) -> None:
+    groups = _groups(*layout)
+    stage = build_stage(_config(*layout, **parallel), groups)
+    load_checkpoint(stage, source)
+    save_checkpoint(stage, target, 2, consumed_samples=16)
+
+
+def test_round_trip_through_one_process_gives_the_same_files(checkpoint_root, tmp_path):
+    """(2,2,2) -> (1,1,1) -> (2,2,2), distributed optimizer at both ends: every stored tensor of
+    the final checkpoint is bitwise the original's."""
+    one, back = str(tmp_path / "one"), str(tmp_path / "back")
+    resave_worker(0, 1, checkpoint_root, one, (1, 1, 1), {})
+    run_workers(resave_worker, 8, one, back, SAVE_LAYOUT, {"use_distributed_optimizer": True,
+                                                           "ddp_bucket_size": 777}, timeout=240)
+    original = _stored_tensors(resolve_checkpoint(checkpoint_root))
+    again = _stored_tensors(resolve_checkpoint(back))
+    assert set(original) == set(again)
+    for key, value in original.items():
+        assert torch.equal(again[key], value), key
+
+
+def test_a_save_that_dies_before_completing_leaves_latest_alone(checkpoint_root, tmp_path, monkeypatch):
+    """The save fails after writing its temporary folder (as a killed process would): ``latest``
+    still names the previous checkpoint, which loads; the next save succeeds."""
+    import shutil
+
+    import ptdp.checkpoint.io as io
+
+    root = tmp_path / "root"
+    shutil.copytree(checkpoint_root, root)
+    stage = build_stage(tiny_config(1, 1, 1, "float64"), ParallelGroups.single_process())
+    real_replace = io.os.replace
+
+    def dies(src, dst):
+        if str(src).endswith(".tmp") and "iter_" in str(src):
+            raise OSError("killed")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(io.os, "replace", dies)
+    with pytest.raises(OSError, match="killed"):
+        save_checkpoint(stage, root, 5, consumed_samples=40)
+    assert (root / ".iter_0000005.tmp").is_dir() and (root / "latest").read_text().strip() == "iter_0000002"
+    assert load_checkpoint(stage, root)["iteration"] == 2
+    monkeypatch.setattr(io.os, "replace", real_replace)
+    save_checkpoint(stage, root, 5, consumed_samples=40)
+    assert (root / "latest").read_text().strip() == "iter_0000005" and not (root / ".iter_0000005.tmp").exists()
+
+
+class _Exploit:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_loading_never_runs_code_from_the_checkpoint(checkpoint_root, tmp_path):
+    """DCP's index is a pickle: a crafted one is refused before it can run anything."""
+    import pickle
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoint_root, copy)
+    folder = resolve_checkpoint(copy)
+    marker = tmp_path / "pwned"
+    (folder / ".metadata").write_bytes(pickle.dumps(_Exploit(str(marker))))
+    stage = build_stage(tiny_config(1, 1, 1, "float64"), ParallelGroups.single_process())
+    with pytest.raises(CheckpointError, match="not a DCP metadata type"):
+        load_checkpoint(stage, copy)
+    assert not marker.exists()

@@ -142,6 +142,7 @@ def test_train_module_runs_without_a_launcher(corpus, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_one_bit_compression_trains_like_uncompressed(tmp_path):
     """The default model on the default corpus, 200 iterations at dp = 2 (tp = pp = 1): the
     validation loss with 1-bit gradients and error feedback is within 5% of fp32 gradients."""

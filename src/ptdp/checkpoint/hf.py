@@ -20,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
+from ptdp.checkpoint.safe_reader import SafeFileSystemReader
 from ptdp.checkpoint.io import META, CheckpointError, _write_json, _write_text_atomic, read_meta, resolve_checkpoint
 from ptdp.config import ModelConfig
 
@@ -32,12 +33,12 @@ def read_model_tensors(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
     """The checkpoint's metadata and its global model tensors in stored form, by ptdp name."""
     folder = resolve_checkpoint(path)
     meta = read_meta(folder)
-    md = dcp.FileSystemReader(folder).read_metadata()
+    md = SafeFileSystemReader(folder).read_metadata()
     sd = {key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
           for key, item in md.state_dict_metadata.items() if key.startswith("model/") and hasattr(item, "size")}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+        dcp.load(sd, storage_reader=SafeFileSystemReader(folder), no_dist=True)
     return meta, {key[len("model/"):]: value for key, value in sd.items()}
 
 

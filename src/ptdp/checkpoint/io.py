@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from ptdp.checkpoint.safe_reader import SafeFileSystemReader
 from ptdp.checkpoint.optim_state import gather_local_state, load_local_state, state_kinds, step_count
 from ptdp.checkpoint.tensors import stored_form, to_checkpoint_value
 from ptdp.config import Config, ConfigError
@@ -193,7 +194,7 @@ def check_files(folder: Path) -> None:
     """Every file DCP's metadata refers to exists and is long enough (a missing or truncated
     shard is named here, before anything is loaded)."""
     try:
-        md = dcp.FileSystemReader(folder).read_metadata()
+        md = SafeFileSystemReader(folder).read_metadata()
     except Exception as err:  # noqa: BLE001 - any reader failure means an unusable checkpoint
         raise CheckpointError(f"cannot read the tensor index {folder / '.metadata'}: {err}") from err
     needed: dict[str, int] = {}
@@ -256,7 +257,7 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
     if restore_residual:
         sd[f"residual/rank{g.global_rank}"] = residual
     try:
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(folder),
+        dcp.load(sd, storage_reader=SafeFileSystemReader(folder),
                  process_group=g.world.group if g.world.size > 1 else None)
     except Exception as err:  # noqa: BLE001 - DCP wraps per-rank failures in several types
         raise CheckpointError(f"loading checkpoint {folder} failed: {err}") from err
