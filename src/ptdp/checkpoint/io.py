@@ -15,11 +15,13 @@ Stored per parameter (layout-independent, see :mod:`ptdp.checkpoint.tensors`): `
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +45,15 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn", "seq_
 
 class CheckpointError(ConfigError):
     """A checkpoint folder that is missing, incomplete, corrupted or for another model."""
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP's deprecation notice for ShardedTensor, which ptdp needs for uneven vocabulary shards
+    (DTensor cannot express them), once per tensor: not for users' eyes."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+        yield
 
 
 def _barrier(stage) -> None:
@@ -94,7 +105,9 @@ def save_checkpoint(stage, root: str | Path, iteration: int, *, consumed_samples
     sd["optim/step"] = torch.tensor(step_count(stage.optimizer), dtype=torch.int64)
     if stage.grads.residual is not None:
         sd[f"residual/rank{g.global_rank}"] = stage.grads.residual
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), process_group=g.world.group if g.world.size > 1 else None)
+    with _quiet():
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp),
+                 process_group=g.world.group if g.world.size > 1 else None)
     _write_json(tmp / "rng" / f"rank{g.global_rank}.json", _rng_state())
     if g.global_rank == 0:
         for name_in_folder, source in (files or {}).items():
@@ -257,8 +270,9 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
     if restore_residual:
         sd[f"residual/rank{g.global_rank}"] = residual
     try:
-        dcp.load(sd, storage_reader=SafeFileSystemReader(folder),
-                 process_group=g.world.group if g.world.size > 1 else None)
+        with _quiet():
+            dcp.load(sd, storage_reader=SafeFileSystemReader(folder),
+                     process_group=g.world.group if g.world.size > 1 else None)
     except Exception as err:  # noqa: BLE001 - DCP wraps per-rank failures in several types
         raise CheckpointError(f"loading checkpoint {folder} failed: {err}") from err
     for p in params:  # 16-bit runs saved float32 main parameters: the exact values

@@ -16,6 +16,7 @@ vocabulary, only the real rows the rank holds, possibly none).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -77,4 +78,6 @@ def to_checkpoint_value(form: StoredForm, tp: AxisGroup, global_rank: int):
         md = ShardMetadata(list(form.offsets), list(form.local.shape), f"rank:{global_rank}/cpu"
                            if form.local.device.type == "cpu" else f"rank:{global_rank}/{form.local.device}")
         shards.append(Shard(form.local, md))
-    return init_from_local_shards(shards, list(form.global_shape), process_group=tp.group)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+        return init_from_local_shards(shards, list(form.global_shape), process_group=tp.group)
