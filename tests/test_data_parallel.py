@@ -320,6 +320,29 @@ def test_overlap_without_no_sync_is_an_error_not_a_race():
         buffer_module.start_reduction = original
 
 
+def one_bit_tp_worker(rank: int, world: int) -> dict:
+    groups = ParallelGroups.build(ParallelLayout(tp=2, pp=1, dp=2), PG_TIMEOUT)
+    cfg = tiny_config(2, 1, 2, "float32", parallel_overrides={"grad_compression": "1bit",
+                                                               "grad_compression_warmup_iters": 0})
+    stage = build_stage(cfg, groups)
+    for i in range(3):
+        train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i)
+    from ptdp.tensor_parallel.sharding import spec_of
+
+    return {"tp": groups.tp.rank, "replicated": {n: p.detach().clone() for n, p in stage.model.named_parameters()
+                                                 if spec_of(p).tp_dim is None}}
+
+
+def test_one_bit_keeps_tensor_parallel_replicas_identical():
+    """LayerNorms, row-parallel biases and positions are replicated over tp: their compressed
+    gradients (blocks never shared with a sharded neighbour) and so their values stay bitwise equal."""
+    results = run_workers(one_bit_tp_worker, 4, timeout=120)
+    for a, b in ((results[0], results[1]), (results[2], results[3])):
+        assert a["tp"] != b["tp"]
+        for name, value in a["replicated"].items():
+            assert torch.equal(b["replicated"][name], value), name
+
+
 def test_data_parallel_config_rules():
     base = dict(model=ModelConfig(), train=TrainConfig())
     with pytest.raises(ValueError, match="grad_compression=1bit cannot be combined with use_distributed_optimizer"):

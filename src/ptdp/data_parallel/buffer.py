@@ -171,8 +171,10 @@ class GradBuffer:
             shard = self.shard_grads[bucket.start // self.dp.size: bucket.start // self.dp.size + per]
         residual = self.residual[bucket.start: bucket.start + bucket.numel] if self.residual is not None else None
         codec = "none" if self.exact else self.codec
+        segments = [p.numel() for p in bucket.params]
+        segments += [bucket.numel - sum(segments)] if bucket.numel > sum(segments) else []  # dp padding
         bucket.finish = start_reduction(codec, grad, self.dp, shard=shard, residual=residual,
-                                        grad_scale=self.grad_scale)
+                                        grad_scale=self.grad_scale, segments=segments)
         self._launched.append(bucket)
 
     def finish(self) -> None:

@@ -51,13 +51,15 @@ def unpackbits(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def start_reduction(codec: str, grad: torch.Tensor, axis: AxisGroup, *, shard: torch.Tensor | None = None,
-                    residual: torch.Tensor | None = None, grad_scale: float = 1.0) -> Callable[[], None]:
+                    residual: torch.Tensor | None = None, grad_scale: float = 1.0,
+                    segments: list[int] | None = None) -> Callable[[], None]:
     """Start averaging ``grad`` (a flat fp32 bucket) over ``axis``; returns ``finish()``.
 
     ``shard`` (distributed optimizer): receive only this rank's ``grad.numel() / dp`` slice of the
     average there (reduce-scatter) instead of the whole average in ``grad`` (all-reduce).
     ``residual``: the 1-bit error-feedback buffer of this bucket (same shape as ``grad``), kept
     in unscaled units: ``grad`` is ``grad_scale`` times the true gradient (the float16 loss scale).
+    ``segments``: lengths of the parameters laid out in ``grad`` (1-bit blocks never span two).
     """
     dp = axis.size
     if codec == "none":
@@ -77,30 +79,43 @@ def start_reduction(codec: str, grad: torch.Tensor, axis: AxisGroup, *, shard: t
     if codec == "1bit":
         if shard is not None:
             raise ValueError("1-bit compression is not supported with the distributed optimizer")
-        return _start_one_bit(grad, axis, residual, grad_scale)
+        return _start_one_bit(grad, axis, residual, grad_scale, segments)
     raise ValueError(f"unknown gradient compression {codec!r}; expected one of {CODECS}")
 
 
-def one_bit_scales(x: torch.Tensor) -> torch.Tensor:
-    """Mean absolute value of each :data:`ONE_BIT_BLOCK`-element block of flat ``x`` (the last
-    block may be shorter): ``[ceil(n / ONE_BIT_BLOCK)]`` float32."""
-    n = x.numel()
-    sums = F.pad(x.abs(), (0, (-n) % ONE_BIT_BLOCK)).view(-1, ONE_BIT_BLOCK).sum(dim=1)
-    counts = torch.full_like(sums, ONE_BIT_BLOCK)
-    counts[-1] = n - ONE_BIT_BLOCK * (sums.numel() - 1)
+def block_sizes(segments: list[int]) -> list[int]:
+    """Blocks of at most :data:`ONE_BIT_BLOCK` elements that never cross a segment (parameter)
+    boundary, so a parameter's scales depend on its own gradient only (a tp-replicated parameter
+    then compresses identically on every tp rank)."""
+    out = []
+    for length in segments:
+        full, rest = divmod(length, ONE_BIT_BLOCK)
+        out += [ONE_BIT_BLOCK] * full + ([rest] if rest else [])
+    return out
+
+
+def one_bit_scales(x: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+    """Mean absolute value of each block of flat ``x``: blocks of ``sizes`` (default: every
+    :data:`ONE_BIT_BLOCK` elements, the last one shorter); ``[len(sizes)]`` float32."""
+    sizes = sizes if sizes is not None else block_sizes([x.numel()])
+    counts = torch.tensor(sizes, device=x.device)
+    ids = torch.repeat_interleave(torch.arange(len(sizes), device=x.device), counts)
+    sums = torch.zeros(len(sizes), dtype=x.dtype, device=x.device).index_add_(0, ids, x.abs())
     return (sums / counts).float()
 
 
-def _per_element(scales: torch.Tensor, n: int) -> torch.Tensor:
-    return scales.repeat_interleave(ONE_BIT_BLOCK, dim=-1)[..., :n]
+def _per_element(scales: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    return scales.repeat_interleave(torch.tensor(sizes, device=scales.device), dim=-1)
 
 
-def _start_one_bit(grad: torch.Tensor, axis: AxisGroup, residual: torch.Tensor, grad_scale: float) -> Callable[[], None]:
+def _start_one_bit(grad: torch.Tensor, axis: AxisGroup, residual: torch.Tensor, grad_scale: float,
+                   segments: list[int] | None) -> Callable[[], None]:
     n, dp = grad.numel(), axis.size
+    sizes = block_sizes(segments if segments is not None else [n])
     corrected = grad + residual * grad_scale if grad_scale != 1.0 else grad + residual
-    scales = one_bit_scales(corrected)
+    scales = one_bit_scales(corrected, sizes)
     signs = corrected >= 0
-    step = _per_element(scales, n).to(grad.dtype)
+    step = _per_element(scales, sizes).to(grad.dtype)
     kept = corrected - torch.where(signs, step, -step)
     residual.copy_(kept / grad_scale if grad_scale != 1.0 else kept)
     packed = packbits(signs)
@@ -113,7 +128,7 @@ def _start_one_bit(grad: torch.Tensor, axis: AxisGroup, residual: torch.Tensor, 
         for work in works:
             work.wait()
         bits = unpackbits(all_packed.view(dp, -1), n)
-        steps = _per_element(all_scales.view(dp, -1), n).to(grad.dtype)
+        steps = _per_element(all_scales.view(dp, -1), sizes).to(grad.dtype)
         grad.copy_(torch.where(bits, steps, -steps).sum(dim=0).div_(dp))
 
     return finish
