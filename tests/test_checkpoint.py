@@ -297,3 +297,44 @@ def test_loading_never_runs_code_from_the_checkpoint(checkpoint_root, tmp_path):
     with pytest.raises(CheckpointError, match="not a DCP metadata type"):
         load_checkpoint(stage, copy)
     assert not marker.exists()
+
+
+def test_damaged_checkpoints_and_bad_targets_are_clear_errors(checkpoint_root, tmp_path):
+    import dataclasses
+    import json
+    import shutil
+
+    from ptdp.checkpoint.hf import import_hf
+    from ptdp.checkpoint.io import check_save_dir, precheck
+
+    stage = build_stage(tiny_config(1, 1, 1, "float64"), ParallelGroups.single_process())
+    # same-size shard with flipped bytes: DCP's own error (a BaseException) becomes a CheckpointError
+    garbage = tmp_path / "garbage"
+    shutil.copytree(checkpoint_root, garbage)
+    shard = sorted(resolve_checkpoint(garbage).glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    for i in range(0, len(data), 7):
+        data[i] = (data[i] + 1) % 256
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="failed"):
+        load_checkpoint(stage, garbage)
+    # ptdp.json that is JSON but not a checkpoint's
+    damaged = tmp_path / "damaged"
+    shutil.copytree(checkpoint_root, damaged)
+    (resolve_checkpoint(checkpoint_root).name and (damaged / "iter_0000002" / "ptdp.json").write_text('{"format": 1}'))
+    with pytest.raises(CheckpointError, match="is damaged"):
+        load_checkpoint(stage, damaged)
+    # another activation is another model
+    cfg = tiny_config(1, 1, 1, "float64", activation="gelu_tanh")
+    with pytest.raises(CheckpointError, match="activation='gelu' in the checkpoint, 'gelu_tanh' here"):
+        precheck(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load=checkpoint_root)))
+    # nothing left to train
+    cfg = tiny_config(1, 1, 1, "float64", train_overrides={"train_iters": 2})
+    with pytest.raises(CheckpointError, match="leaves nothing to train"):
+        precheck(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load=checkpoint_root)))
+    # --save onto a file; importing into a non-empty folder
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="cannot use"):
+        check_save_dir(tmp_path / "file")
+    with pytest.raises(CheckpointError, match="not an empty folder"):
+        import_hf(tmp_path, garbage)

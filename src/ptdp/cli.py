@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=50)
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample")
-    gen.add_argument("--top-k", type=int, default=None, help="sample among the K most likely tokens")
+    gen.add_argument("--top-k", type=int, default=None,
+                     help="with --temperature > 0: sample among the K most likely tokens")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--tokenizer", default=None, help="tokenizers JSON file (default: the checkpoint's)")
     gen.add_argument("--debug", action="store_true", help="show tracebacks of errors")
@@ -74,11 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_generate(args: argparse.Namespace) -> int:
     from ptdp.generate import generate, load_for_inference, load_tokenizer
 
+    import math
+
     if args.max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ConfigError(f"--temperature={args.temperature} must be a finite number >= 0 (0: greedy)")
+    if args.top_k is not None and args.top_k < 1:
+        raise ConfigError(f"--top-k={args.top_k} must be >= 1")
+    if not args.prompt:
+        raise ConfigError("--prompt must not be empty")
     model, meta, folder = load_for_inference(args.load)
     tokenizer = load_tokenizer(folder, args.tokenizer)
     prompt = tokenizer.encode(args.prompt).ids
+    if not prompt:
+        raise ConfigError(f"--prompt {args.prompt!r} encodes to no tokens")
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    seed=args.seed)
     print(tokenizer.decode(out), flush=True)

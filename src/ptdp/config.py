@@ -260,8 +260,11 @@ def _checkpoint_rules(c: CheckpointConfig) -> list[str]:
         value = getattr(c, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             errors.append(f"{name}={value!r} must be a positive integer")
-    if c.save_interval is not None and c.save is None:
-        errors.append(f"save_interval={c.save_interval} needs a save directory (--save)")
+    if c.save is None:
+        errors += [f"{name}={getattr(c, name)} needs a save directory (--save)"
+                   for name in ("save_interval", "keep_last") if getattr(c, name) is not None]
+    if c.load is None:
+        errors += [f"{name} needs --load" for name in ("no_load_optim", "no_load_rng") if getattr(c, name)]
     return errors
 
 

@@ -8,6 +8,7 @@ key/value cache): simple and exact, meant for inspecting what a small model lear
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import torch
@@ -55,7 +56,7 @@ def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *, tempera
     """
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
-    if temperature < 0 or (top_k is not None and top_k < 1):
+    if not math.isfinite(temperature) or temperature < 0 or (top_k is not None and top_k < 1):
         raise ValueError(f"temperature={temperature} must be >= 0 and top_k={top_k} >= 1")
     window = model.position_embeddings.shape[0]
     gen = torch.Generator().manual_seed(seed)
@@ -65,7 +66,7 @@ def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *, tempera
         if temperature == 0:
             tokens.append(int(logits.argmax()))
             continue
-        logits = logits / temperature
+        logits = (logits / temperature).clamp(min=-1e30, max=1e30)  # a tiny temperature must not give inf/nan
         if top_k is not None and top_k < logits.numel():
             cutoff = logits.topk(top_k).values[-1]
             logits = logits.masked_fill(logits < cutoff, float("-inf"))

@@ -26,6 +26,10 @@ def prepare(config: Config, log=print) -> PreparedData:
             one validation sequence (checked here, before any worker starts).
         CheckpointError: ``--load`` names no usable checkpoint for this model.
     """
+    if config.checkpoint.save:
+        from ptdp.checkpoint.io import check_save_dir
+
+        check_save_dir(config.checkpoint.save)
     paths = list(config.data.data_paths) or None
     cache = cache_dir(config)
     if cache.exists() and not cache.is_dir():

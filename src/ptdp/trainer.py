@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ptdp.checkpoint.io import load_checkpoint, save_checkpoint
+from ptdp.checkpoint.io import CheckpointError, load_checkpoint, save_checkpoint
 from ptdp.config import Config
 from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, dp_shard, eval_indices, microbatches
 from ptdp.comm import all_gather_object
@@ -39,10 +39,13 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     is_logger = groups.global_rank == 0
     stage = build_stage(config, groups, device)
     ck = config.checkpoint
-    start = 0
+    start, consumed = 0, 0  # resumed runs continue from the checkpoint's sample position
     if ck.load:
         meta = load_checkpoint(stage, ck.load, load_optimizer=not ck.no_load_optim, load_rng=not ck.no_load_rng)
-        start = min(meta["iteration"], t.train_iters)
+        start, consumed = meta["iteration"], meta["consumed_samples"]
+        if start >= t.train_iters:
+            raise CheckpointError(f"checkpoint {ck.load} is at iteration {start}: --train-iters {t.train_iters} "
+                                  f"leaves nothing to train")
     train_windows = TokenWindows(data.train_tokens(), m.seq_length)
     sampler = GlobalBatchSampler(len(train_windows), t.global_batch_size, t.seed)
     valid_batches = _valid_batches(config, groups, data)
@@ -68,7 +71,8 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
         iteration = it + 1
         if tracer is not None:
             tracer.iteration, tracer.active = iteration, first_traced <= iteration < first_traced + t.trace_iters
-        mine = dp_shard(sampler.global_batch(it * t.global_batch_size), groups.dp.rank, groups.dp.size)
+        position = consumed + (it - start) * t.global_batch_size
+        mine = dp_shard(sampler.global_batch(position), groups.dp.rank, groups.dp.size)
         groups.stats.reset()
         step_start = time.perf_counter()
         result = train_step(stage, microbatches(train_windows, mine, t.micro_batch_size), it, tracer)
@@ -94,12 +98,11 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
         if iteration % t.eval_interval == 0 and iteration != t.train_iters:
             evaluate(iteration)
         if ck.save and ck.save_interval and iteration % ck.save_interval == 0 and iteration != t.train_iters:
-            _save(stage, ck, iteration, t.global_batch_size, log, data)
-    if start < t.train_iters or not ck.load:
-        evaluate(t.train_iters)
+            _save(stage, ck, iteration, consumed + (iteration - start) * t.global_batch_size, log, data)
+    evaluate(t.train_iters)
     stage.wait_for_params()
     if ck.save:
-        _save(stage, ck, t.train_iters, t.global_batch_size, log, data)
+        _save(stage, ck, t.train_iters, consumed + (t.train_iters - start) * t.global_batch_size, log, data)
     log.close()
     summary = _summary(config, history, time.perf_counter() - started)
     per_rank = all_gather_object(measure_stage(stage), groups.world)
@@ -113,9 +116,9 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     return summary
 
 
-def _save(stage, ck, iteration: int, global_batch_size: int, log: RunLog, data: PreparedData) -> None:
+def _save(stage, ck, iteration: int, consumed_samples: int, log: RunLog, data: PreparedData) -> None:
     start = time.perf_counter()
-    folder = save_checkpoint(stage, ck.save, iteration, consumed_samples=iteration * global_batch_size,
+    folder = save_checkpoint(stage, ck.save, iteration, consumed_samples=consumed_samples,
                              keep_last=ck.keep_last, files={"tokenizer.json": data.tokenizer_path})
     log.message(f"iteration {iteration:>6}: saved checkpoint {folder} ({time.perf_counter() - start:.1f} s)")
 

@@ -21,7 +21,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from ptdp.checkpoint.safe_reader import SafeFileSystemReader
-from ptdp.checkpoint.io import META, CheckpointError, _write_json, _write_text_atomic, read_meta, resolve_checkpoint
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ptdp.checkpoint.io import META, CheckpointError, check_files, _write_json, _write_text_atomic, read_meta, resolve_checkpoint
 from ptdp.config import ModelConfig
 
 _LAYER = {"ln_1": "ln1", "ln_2": "ln2", "attn.c_attn": "attention.qkv", "attn.c_proj": "attention.proj",
@@ -33,12 +35,16 @@ def read_model_tensors(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
     """The checkpoint's metadata and its global model tensors in stored form, by ptdp name."""
     folder = resolve_checkpoint(path)
     meta = read_meta(folder)
+    check_files(folder)
     md = SafeFileSystemReader(folder).read_metadata()
     sd = {key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
           for key, item in md.state_dict_metadata.items() if key.startswith("model/") and hasattr(item, "size")}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
-        dcp.load(sd, storage_reader=SafeFileSystemReader(folder), no_dist=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
+            dcp.load(sd, storage_reader=SafeFileSystemReader(folder), no_dist=True)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
+        raise CheckpointError(f"reading checkpoint {folder} failed: {str(err).strip()[:300]}") from err
     return meta, {key[len("model/"):]: value for key, value in sd.items()}
 
 
@@ -65,7 +71,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in hf.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(_gpt2_config(m), indent=2))
+    config = _gpt2_config(m) | {"torch_dtype": str(next(iter(hf.values())).dtype).removeprefix("torch.")}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 
@@ -106,7 +113,9 @@ def model_config_from_hf(config: dict) -> ModelConfig:
 
 def import_hf(hf_dir: str | Path, save_dir: str | Path) -> Path:
     """Make ``save_dir/iter_0000000`` (and ``save_dir/latest``) from a GPT-2 folder."""
-    hf_dir = Path(hf_dir)
+    hf_dir, root = Path(hf_dir), Path(save_dir)
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise CheckpointError(f"{root} exists and is not an empty folder; import into a new one")
     if not (hf_dir / "config.json").is_file() or not (hf_dir / "model.safetensors").is_file():
         raise CheckpointError(f"{hf_dir} is not a Hugging Face model folder (config.json + model.safetensors)")
     m = model_config_from_hf(json.loads((hf_dir / "config.json").read_text()))
@@ -126,8 +135,10 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path) -> Path:
     root = Path(save_dir)
     name = "iter_0000000"
     tmp = root / f".{name}.tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+    tmp.mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
     _write_json(tmp / META, {
         "format": 1, "iteration": 0, "consumed_samples": 0, "model": dataclasses.asdict(m) | {"ffn": m.ffn},
         "layout": {"imported_from": str(hf_dir)}, "world_size": 1, "optimizer_state": [],

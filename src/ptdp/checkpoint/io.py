@@ -30,6 +30,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ptdp.checkpoint.safe_reader import SafeFileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+
 from ptdp.checkpoint.optim_state import gather_local_state, load_local_state, state_kinds, step_count
 from ptdp.checkpoint.tensors import stored_form, to_checkpoint_value
 from ptdp.config import Config, ConfigError
@@ -40,7 +42,9 @@ FORMAT = 1
 META = "ptdp.json"
 #: model fields that must match between a checkpoint and the model loading it
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn", "seq_length",
-                "vocab_size", "untie_embeddings_and_output_weights")
+                "vocab_size", "untie_embeddings_and_output_weights", "activation", "layernorm_epsilon")
+_FLAGS = {"vocab_size": "--vocab-size", "activation": "--activation", "layernorm_epsilon": "--layernorm-epsilon",
+          "seq_length": "--seq-length", "num_layers": "--num-layers", "hidden_size": "--hidden-size"}
 
 
 class CheckpointError(ConfigError):
@@ -53,6 +57,7 @@ def _quiet():
     (DTensor cannot express them), once per tensor: not for users' eyes."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process.*")
         yield
 
 
@@ -139,7 +144,8 @@ def _meta(stage, iteration: int, consumed_samples: int, kinds) -> dict:
 
 
 def _prune(root: Path, keep_last: int, keep: str) -> None:
-    done = sorted(p for p in root.glob("iter_*") if p.is_dir() and (p / META).is_file())
+    done = sorted((p for p in root.glob("iter_*") if p.is_dir() and (p / META).is_file()),
+                  key=lambda p: int(p.name.removeprefix("iter_")) if p.name.removeprefix("iter_").isdigit() else -1)
     for old in done[:-keep_last]:
         if old.name != keep:
             shutil.rmtree(old)
@@ -198,9 +204,18 @@ def read_meta(folder: Path) -> dict:
         meta = json.loads((folder / META).read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"cannot read {folder / META}: {err}") from err
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{folder} has checkpoint format {meta.get('format')!r}, expected {FORMAT}")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{folder / META} has checkpoint format {found!r}, expected {FORMAT}")
+    missing = [k for k in ("iteration", "consumed_samples", "model", "layout", "world_size") if k not in meta]
+    if missing or not isinstance(meta["model"], dict):
+        raise CheckpointError(f"{folder / META} is damaged: missing {missing or ['model']}")
     return meta
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:300] if text else type(err).__name__
 
 
 def check_files(folder: Path) -> None:
@@ -208,7 +223,7 @@ def check_files(folder: Path) -> None:
     shard is named here, before anything is loaded)."""
     try:
         md = SafeFileSystemReader(folder).read_metadata()
-    except Exception as err:  # noqa: BLE001 - any reader failure means an unusable checkpoint
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - any reader failure: unusable
         raise CheckpointError(f"cannot read the tensor index {folder / '.metadata'}: {err}") from err
     needed: dict[str, int] = {}
     for info in (md.storage_data or {}).values():
@@ -230,13 +245,29 @@ def precheck(config: Config) -> dict:
     meta = read_meta(folder)
     _check_model(meta, config, folder)
     check_files(folder)
+    if meta["iteration"] >= config.train.train_iters:
+        raise CheckpointError(f"checkpoint {folder} is at iteration {meta['iteration']}: --train-iters "
+                              f"{config.train.train_iters} leaves nothing to train (raise --train-iters)")
     return meta
+
+
+def check_save_dir(path: str | Path) -> None:
+    """``--save`` must be (or become) a writable folder; checked before any worker starts."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CheckpointError(f"cannot use {path} as checkpoint folder: {err}") from err
+    if not os.access(path, os.W_OK):
+        raise CheckpointError(f"checkpoint folder {path} is not writable")
 
 
 def _check_model(meta: dict, config: Config, folder: Path) -> None:
     m = config.model
-    diffs = [f"{f}={meta['model'].get(f)!r} in the checkpoint, {getattr(m, f)!r} here"
-             for f in SHAPE_FIELDS if meta["model"].get(f) != getattr(m, f)]
+    defaults = {"activation": "gelu", "layernorm_epsilon": 1e-5}
+    diffs = [f"{f}={meta['model'].get(f, defaults.get(f))!r} in the checkpoint, {getattr(m, f)!r} here"
+             + (f" (set {_FLAGS[f]})" if f in _FLAGS else "")
+             for f in SHAPE_FIELDS if meta["model"].get(f, defaults.get(f)) != getattr(m, f)]
     if diffs:
         raise CheckpointError(f"checkpoint {folder} is for a different model: " + "; ".join(diffs))
 
@@ -273,8 +304,8 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
         with _quiet():
             dcp.load(sd, storage_reader=SafeFileSystemReader(folder),
                      process_group=g.world.group if g.world.size > 1 else None)
-    except Exception as err:  # noqa: BLE001 - DCP wraps per-rank failures in several types
-        raise CheckpointError(f"loading checkpoint {folder} failed: {err}") from err
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
+        raise CheckpointError(f"loading checkpoint {folder} failed: {_first_line(err)}") from err
     for p in params:  # 16-bit runs saved float32 main parameters: the exact values
         p.copy_(tensors[id(p)].get("main", wide[id(p)]))
     kinds = state_kinds(stage.optimizer)
