@@ -25,6 +25,7 @@ def make(world=8, tp=2, pp=2, dp=None, split=None, schedule=None, per_chunk=None
 
 BAD = [
     (dict(world=8, tp=2, pp=2, dp=3), r"world_size=8 != tp\*pp\*dp = 2\*2\*3 = 12"),
+    (dict(world=8, tp=2, pp=2, dp=0), r"data_parallel_size=0 must be a positive integer"),
     (dict(world=6, tp=4, pp=1), r"world_size=6 is not divisible by tp\*pp=4\*1=4"),
     (dict(num_attention_heads=6, hidden_size=120, tp=4, pp=1), r"num_attention_heads=6 is not divisible by tensor_model_parallel_size=4"),
     (dict(hidden_size=130, num_attention_heads=4, tp=1, pp=1), r"hidden_size=130 is not divisible by num_attention_heads=4"),

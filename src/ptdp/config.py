@@ -317,6 +317,7 @@ def resolve(config: Config, world_size: int) -> Config:
             "eval_interval": t.eval_interval,
             "world_size": world_size,
         }
+        | ({"data_parallel_size": p.data_parallel_size} if p.data_parallel_size is not None else {})
     )
     errors += _finite(config)
     if errors:
