@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from ptdp.config import DTYPES, CheckpointConfig, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from ptdp.config import (ACTIVATIONS, DTYPES, GRAD_COMPRESSIONS, SCHEDULES, CheckpointConfig, Config, DataConfig,
+                         ModelConfig, ParallelConfig, TrainConfig)
 
 DEFAULT_TP, DEFAULT_PP, DEFAULT_LOCAL_WORKERS = 2, 2, 8
 
@@ -45,7 +46,7 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
                    help="data-parallel size (default: world size / (TP x PP))")
     g.add_argument("--pipeline-layer-split", type=_int_list, default=None, metavar="N,N,...",
                    help="explicit layers per pipeline stage, e.g. 3,3,2 (default: even split)")
-    g.add_argument("--pipeline-schedule", choices=("gpipe", "1f1b", "interleaved-1f1b"), default=None,
+    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=None,
                    help="pipeline schedule (default: 1f1b, or interleaved-1f1b when "
                         "--num-layers-per-virtual-pipeline-stage is given)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None, metavar="N",
@@ -63,7 +64,7 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
                    help="most gradient elements per bucket (default: 40,000,000)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="start each bucket's data-parallel reduction during the last microbatch's backward")
-    g.add_argument("--grad-compression", choices=("none", "fp16", "bf16", "1bit"), default=pc.grad_compression,
+    g.add_argument("--grad-compression", choices=GRAD_COMPRESSIONS, default=pc.grad_compression,
                    help="reduce gradients over dp in fp32 (none), 16 bits, or 1 bit with error feedback")
     g.add_argument("--grad-compression-warmup-iters", type=int, default=None, metavar="N",
                    help="reduce the first N iterations exactly before compressing (default: --lr-warmup-iters "
@@ -94,7 +95,7 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
     g.add_argument("--vocab-size", type=int, default=mc.vocab_size, help="size of the BPE tokenizer to train")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=mc.make_vocab_size_divisible_by,
                    help="pad the vocabulary to a multiple of this x TP")
-    g.add_argument("--activation", choices=("gelu", "gelu_tanh"), default=mc.activation,
+    g.add_argument("--activation", choices=ACTIVATIONS, default=mc.activation,
                    help="MLP activation: exact GELU or its tanh approximation (GPT-2)")
     g.add_argument("--layernorm-epsilon", type=float, default=mc.layernorm_epsilon, help="LayerNorm epsilon")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",

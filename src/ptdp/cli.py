@@ -73,9 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ptdp.generate import generate, load_for_inference, load_tokenizer
-
     import math
+
+    from ptdp.generate import generate, load_for_inference, load_tokenizer
 
     if args.max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")

@@ -166,24 +166,6 @@ def post(transfers: list[P2P], axis: AxisGroup, *, tag: str = "") -> list | None
     return works
 
 
-def exchange(transfers: list[P2P], axis: AxisGroup, *, tag: str = "") -> list:
-    """Post all ``transfers`` at once, wait for the receives, and return the pending sends' work
-    handles (wait for them before the sent tensors are modified or freed).
-
-    Posting the transfers of a step together, and never blocking on a send, is what keeps the
-    pipeline schedules deadlock-free. Receives fill their tensors in place.
-    """
-    works = post(transfers, axis, tag=tag)
-    if works is None:
-        return []
-    sends = []
-    for t, work in zip(transfers, works):
-        if t.kind == "send":
-            sends.append(work)
-        else:
-            work.wait()
-    return sends
-
 
 def all_gather_object(obj, axis: AxisGroup) -> list:
     """Every rank's ``obj`` on ``axis``, in rank order (pickled; small objects only)."""

@@ -255,11 +255,8 @@ class Config:
 
 
 def _checkpoint_rules(c: CheckpointConfig) -> list[str]:
-    errors = []
-    for name in ("save_interval", "keep_last"):
-        value = getattr(c, name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            errors.append(f"{name}={value!r} must be a positive integer")
+    errors = _positive({name: getattr(c, name) for name in ("save_interval", "keep_last")
+                        if getattr(c, name) is not None})
     if c.save is None:
         errors += [f"{name}={getattr(c, name)} needs a save directory (--save)"
                    for name in ("save_interval", "keep_last") if getattr(c, name) is not None]

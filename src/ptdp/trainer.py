@@ -40,6 +40,11 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     stage = build_stage(config, groups, device)
     ck = config.checkpoint
     start, consumed = 0, 0  # resumed runs continue from the checkpoint's sample position
+
+    def samples_before(iteration: int) -> int:
+        """Global samples consumed before 0-based step ``iteration`` (the data position)."""
+        return consumed + (iteration - start) * t.global_batch_size
+
     if ck.load:
         meta = load_checkpoint(stage, ck.load, load_optimizer=not ck.no_load_optim, load_rng=not ck.no_load_rng)
         start, consumed = meta["iteration"], meta["consumed_samples"]
@@ -71,8 +76,7 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
         iteration = it + 1
         if tracer is not None:
             tracer.iteration, tracer.active = iteration, first_traced <= iteration < first_traced + t.trace_iters
-        position = consumed + (it - start) * t.global_batch_size
-        mine = dp_shard(sampler.global_batch(position), groups.dp.rank, groups.dp.size)
+        mine = dp_shard(sampler.global_batch(samples_before(it)), groups.dp.rank, groups.dp.size)
         groups.stats.reset()
         step_start = time.perf_counter()
         result = train_step(stage, microbatches(train_windows, mine, t.micro_batch_size), it, tracer)
@@ -98,11 +102,11 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
         if iteration % t.eval_interval == 0 and iteration != t.train_iters:
             evaluate(iteration)
         if ck.save and ck.save_interval and iteration % ck.save_interval == 0 and iteration != t.train_iters:
-            _save(stage, ck, iteration, consumed + (iteration - start) * t.global_batch_size, log, data)
+            _save(stage, ck, iteration, samples_before(iteration), log, data)
     evaluate(t.train_iters)
     stage.wait_for_params()
     if ck.save:
-        _save(stage, ck, t.train_iters, consumed + (t.train_iters - start) * t.global_batch_size, log, data)
+        _save(stage, ck, t.train_iters, samples_before(t.train_iters), log, data)
     log.close()
     summary = _summary(config, history, time.perf_counter() - started)
     per_rank = all_gather_object(measure_stage(stage), groups.world)

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-
-from ptdp.checkpoint.safe_reader import SafeFileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ptdp.checkpoint.io import META, CheckpointError, check_files, _write_json, _write_text_atomic, read_meta, resolve_checkpoint
+from ptdp.checkpoint.io import (FORMAT, META, CheckpointError, _first_line, _write_json, _write_text_atomic,
+                                check_files, read_meta, resolve_checkpoint)
+from ptdp.checkpoint.safe_reader import SafeFileSystemReader
 from ptdp.config import ModelConfig
 
 _LAYER = {"ln_1": "ln1", "ln_2": "ln2", "attn.c_attn": "attention.qkv", "attn.c_proj": "attention.proj",
@@ -44,7 +44,7 @@ def read_model_tensors(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
             warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
             dcp.load(sd, storage_reader=SafeFileSystemReader(folder), no_dist=True)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
-        raise CheckpointError(f"reading checkpoint {folder} failed: {str(err).strip()[:300]}") from err
+        raise CheckpointError(f"reading checkpoint {folder} failed: {_first_line(err)}") from err
     return meta, {key[len("model/"):]: value for key, value in sd.items()}
 
 
@@ -87,7 +87,6 @@ def _gpt2_config(m: dict) -> dict:
         "layer_norm_epsilon": m["layernorm_epsilon"], "initializer_range": m.get("init_method_std", 0.02),
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
         "tie_word_embeddings": not m["untie_embeddings_and_output_weights"],
-        "torch_dtype": "float32",
     }
 
 
@@ -132,7 +131,6 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path) -> Path:
                 w, b = w.reshape(3, m.hidden_size, -1), b.reshape(3, -1)
             sd[f"model/layers.{i}.{mine}.weight"], sd[f"model/layers.{i}.{mine}.bias"] = w.contiguous(), b
     sd["optim/step"] = torch.tensor(0, dtype=torch.int64)
-    root = Path(save_dir)
     name = "iter_0000000"
     tmp = root / f".{name}.tmp"
     tmp.mkdir(parents=True)
@@ -140,7 +138,7 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path) -> Path:
         warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
     _write_json(tmp / META, {
-        "format": 1, "iteration": 0, "consumed_samples": 0, "model": dataclasses.asdict(m) | {"ffn": m.ffn},
+        "format": FORMAT, "iteration": 0, "consumed_samples": 0, "model": dataclasses.asdict(m) | {"ffn": m.ffn},
         "layout": {"imported_from": str(hf_dir)}, "world_size": 1, "optimizer_state": [],
         "loss_scaler": None, "grad_compression": "none",
     })

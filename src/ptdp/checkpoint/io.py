@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from ptdp.checkpoint.safe_reader import SafeFileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ptdp.checkpoint.optim_state import gather_local_state, load_local_state, state_kinds, step_count
+from ptdp.checkpoint.optim_state import MOMENTS, gather_local_state, load_local_state, state_kinds, step_count
 from ptdp.checkpoint.tensors import stored_form, to_checkpoint_value
 from ptdp.config import Config, ConfigError
 from ptdp.model.chunks import global_named_parameters
@@ -138,7 +138,7 @@ def _meta(stage, iteration: int, consumed_samples: int, kinds) -> dict:
         "model": dataclasses.asdict(m) | {"ffn": m.ffn},
         "layout": _layout_key(stage), "world_size": stage.groups.world.size,
         "optimizer_state": list(kinds),
-        "loss_scaler": {"scale": scaler.scale, "good_steps": scaler.good_steps} if scaler is not None else None,
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
         "grad_compression": stage.config.parallel.grad_compression,
     }
 
@@ -241,14 +241,21 @@ def precheck(config: Config) -> dict:
     """Everything about ``config.checkpoint.load`` that can be checked without processes: the
     folder, its metadata, the model shape (``config.model.vocab_size`` must be the real one) and
     the shard files. Returns the metadata; raises :class:`CheckpointError`."""
-    folder = resolve_checkpoint(config.checkpoint.load)
-    meta = read_meta(folder)
-    _check_model(meta, config, folder)
-    check_files(folder)
+    folder, meta = _open(config.checkpoint.load, config)
     if meta["iteration"] >= config.train.train_iters:
         raise CheckpointError(f"checkpoint {folder} is at iteration {meta['iteration']}: --train-iters "
                               f"{config.train.train_iters} leaves nothing to train (raise --train-iters)")
     return meta
+
+
+def _open(path: str | Path, config: Config) -> tuple[Path, dict]:
+    """The checkpoint folder at ``path`` and its metadata, checked against ``config``'s model and
+    its own index (every shard file present and long enough)."""
+    folder = resolve_checkpoint(path)
+    meta = read_meta(folder)
+    _check_model(meta, config, folder)
+    check_files(folder)
+    return folder, meta
 
 
 def check_save_dir(path: str | Path) -> None:
@@ -282,10 +289,7 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
         CheckpointError: no checkpoint at ``path``, an incomplete or corrupted one, or one saved
             for a different model shape (checked before anything is read into ``stage``).
     """
-    folder = resolve_checkpoint(path)
-    meta = read_meta(folder)
-    _check_model(meta, stage.config, folder)
-    check_files(folder)
+    folder, meta = _open(path, stage.config)
     g = stage.groups
     stage.wait_for_params()
     params = [p for _, p in global_named_parameters(stage.model)]
@@ -312,14 +316,13 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
     step = int(sd["optim/step"]) if load_optimizer and "exp_avg" in saved_kinds else 0
     for p in params:  # fresh Adam state (step 0) unless loaded; 16-bit main copies always set
         entry = tensors[id(p)]
-        for kind in ("exp_avg", "exp_avg_sq"):
+        for kind in MOMENTS:
             entry.setdefault(kind, torch.zeros_like(wide[id(p)]))
         if "main" in kinds and "main" not in entry:
             entry["main"] = wide[id(p)]
     load_local_state(stage.optimizer, params, tensors, step)
     if stage.scaler is not None and meta.get("loss_scaler"):
-        stage.scaler.scale = meta["loss_scaler"]["scale"]
-        stage.scaler.good_steps = meta["loss_scaler"]["good_steps"]
+        stage.scaler.load_state_dict(meta["loss_scaler"])
     rng_file = folder / "rng" / f"rank{g.global_rank}.json"
     if load_rng and same_layout and rng_file.is_file():
         _set_rng_state(json.loads(rng_file.read_text()))

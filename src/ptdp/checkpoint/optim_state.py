@@ -22,15 +22,11 @@ from ptdp.optim import MainParamsAdamW
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _kinds(optimizer) -> tuple[str, ...]:
+def state_kinds(optimizer) -> tuple[str, ...]:
+    """Per-parameter tensors this optimizer checkpoints."""
     low_precision = isinstance(optimizer, MainParamsAdamW) or (
         isinstance(optimizer, ShardedAdamW) and bool(optimizer.pairs))
     return MOMENTS + (("main",) if low_precision else ())
-
-
-def state_kinds(optimizer) -> tuple[str, ...]:
-    """Per-parameter tensors this optimizer checkpoints."""
-    return _kinds(optimizer)
 
 
 def _inner_and_map(optimizer) -> tuple[torch.optim.Optimizer | None, dict[int, nn.Parameter]]:
@@ -53,7 +49,7 @@ def step_count(optimizer) -> int:
 def gather_local_state(optimizer, params: list[nn.Parameter], dp) -> dict[int, dict[str, torch.Tensor]]:
     """``{id(param): {kind: tensor of param's local shape}}`` for every parameter (zeros before the
     first step). Collective over dp for the distributed optimizer (all dp ranks, same order)."""
-    kinds = _kinds(optimizer)
+    kinds = state_kinds(optimizer)
     if isinstance(optimizer, ShardedAdamW):
         return _gather_sharded(optimizer, params, kinds, dp)
     inner, to_key = _inner_and_map(optimizer)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ptdp.comm import AxisGroup
-from ptdp.data_parallel.compression import start_reduction
+from ptdp.data_parallel.compression import block_sizes, start_reduction
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements; Megatron-LM's default
 
@@ -44,6 +44,8 @@ class Bucket:
     overlap: bool
     ready: set[int] = field(default_factory=set)
     finish: Callable[[], None] | None = None
+    blocks: torch.Tensor | None = None
+    """1-bit scale block sizes (:func:`~ptdp.data_parallel.compression.block_sizes`), 1bit only."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,11 @@ class GradBuffer:
         self._launched: list[Bucket] = []
         self._place_params()
         self.segments = self._shard_segments() if shard else []
+        if codec == "1bit":
+            for bucket in self.buckets:
+                lengths = [p.numel() for p in bucket.params]
+                padding = bucket.numel - sum(lengths)  # dp padding: a segment of its own
+                bucket.blocks = block_sizes(lengths + ([padding] if padding else []), device)
 
     def _place_params(self) -> None:
         for bucket in self.buckets:
@@ -171,10 +178,8 @@ class GradBuffer:
             shard = self.shard_grads[bucket.start // self.dp.size: bucket.start // self.dp.size + per]
         residual = self.residual[bucket.start: bucket.start + bucket.numel] if self.residual is not None else None
         codec = "none" if self.exact else self.codec
-        segments = [p.numel() for p in bucket.params]
-        segments += [bucket.numel - sum(segments)] if bucket.numel > sum(segments) else []  # dp padding
         bucket.finish = start_reduction(codec, grad, self.dp, shard=shard, residual=residual,
-                                        grad_scale=self.grad_scale, segments=segments)
+                                        grad_scale=self.grad_scale, blocks=bucket.blocks)
         self._launched.append(bucket)
 
     def finish(self) -> None:

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from ptdp.comm import AxisGroup, all_gather_async, all_reduce_async, reduce_scatter_async
+from ptdp.config import GRAD_COMPRESSIONS as CODECS
 
-CODECS = ("none", "fp16", "bf16", "1bit")
 ONE_BIT_BLOCK = 64
 """Elements sharing one scale in ``1bit``; the payload is 1/8 + 4/ONE_BIT_BLOCK bytes per element."""
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -52,14 +52,15 @@ def unpackbits(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 def start_reduction(codec: str, grad: torch.Tensor, axis: AxisGroup, *, shard: torch.Tensor | None = None,
                     residual: torch.Tensor | None = None, grad_scale: float = 1.0,
-                    segments: list[int] | None = None) -> Callable[[], None]:
+                    blocks: torch.Tensor | None = None) -> Callable[[], None]:
     """Start averaging ``grad`` (a flat fp32 bucket) over ``axis``; returns ``finish()``.
 
     ``shard`` (distributed optimizer): receive only this rank's ``grad.numel() / dp`` slice of the
     average there (reduce-scatter) instead of the whole average in ``grad`` (all-reduce).
     ``residual``: the 1-bit error-feedback buffer of this bucket (same shape as ``grad``), kept
     in unscaled units: ``grad`` is ``grad_scale`` times the true gradient (the float16 loss scale).
-    ``segments``: lengths of the parameters laid out in ``grad`` (1-bit blocks never span two).
+    ``blocks``: 1-bit scale block sizes (:func:`block_sizes` of the parameters laid out in
+    ``grad``); default: blocks of :data:`ONE_BIT_BLOCK` over the whole bucket.
     """
     dp = axis.size
     if codec == "none":
@@ -79,43 +80,40 @@ def start_reduction(codec: str, grad: torch.Tensor, axis: AxisGroup, *, shard: t
     if codec == "1bit":
         if shard is not None:
             raise ValueError("1-bit compression is not supported with the distributed optimizer")
-        return _start_one_bit(grad, axis, residual, grad_scale, segments)
+        return _start_one_bit(grad, axis, residual, grad_scale, blocks)
     raise ValueError(f"unknown gradient compression {codec!r}; expected one of {CODECS}")
 
 
-def block_sizes(segments: list[int]) -> list[int]:
-    """Blocks of at most :data:`ONE_BIT_BLOCK` elements that never cross a segment (parameter)
-    boundary, so a parameter's scales depend on its own gradient only (a tp-replicated parameter
-    then compresses identically on every tp rank)."""
+def block_sizes(segments: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Sizes (int64) of blocks of at most :data:`ONE_BIT_BLOCK` elements that never cross a
+    segment (parameter) boundary, so a parameter's scales depend on its own gradient only (a
+    tp-replicated parameter then compresses identically on every tp rank). Computed once per
+    bucket by its owner."""
     out = []
     for length in segments:
         full, rest = divmod(length, ONE_BIT_BLOCK)
         out += [ONE_BIT_BLOCK] * full + ([rest] if rest else [])
-    return out
+    return torch.tensor(out, dtype=torch.int64, device=device)
 
 
-def one_bit_scales(x: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
-    """Mean absolute value of each block of flat ``x``: blocks of ``sizes`` (default: every
-    :data:`ONE_BIT_BLOCK` elements, the last one shorter); ``[len(sizes)]`` float32."""
-    sizes = sizes if sizes is not None else block_sizes([x.numel()])
-    counts = torch.tensor(sizes, device=x.device)
-    ids = torch.repeat_interleave(torch.arange(len(sizes), device=x.device), counts)
-    sums = torch.zeros(len(sizes), dtype=x.dtype, device=x.device).index_add_(0, ids, x.abs())
-    return (sums / counts).float()
+def one_bit_scales(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Mean absolute value of each block of flat ``x`` (``blocks``: sizes from
+    :func:`block_sizes`); ``[len(blocks)]`` float32."""
+    return (torch.segment_reduce(x.abs(), "sum", lengths=blocks) / blocks).float()
 
 
-def _per_element(scales: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    return scales.repeat_interleave(torch.tensor(sizes, device=scales.device), dim=-1)
+def _per_element(scales: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    return scales.repeat_interleave(blocks, dim=-1)
 
 
 def _start_one_bit(grad: torch.Tensor, axis: AxisGroup, residual: torch.Tensor, grad_scale: float,
-                   segments: list[int] | None) -> Callable[[], None]:
+                   blocks: torch.Tensor | None) -> Callable[[], None]:
     n, dp = grad.numel(), axis.size
-    sizes = block_sizes(segments if segments is not None else [n])
+    blocks = blocks if blocks is not None else block_sizes([n], grad.device)
     corrected = grad + residual * grad_scale if grad_scale != 1.0 else grad + residual
-    scales = one_bit_scales(corrected, sizes)
+    scales = one_bit_scales(corrected, blocks)
     signs = corrected >= 0
-    step = _per_element(scales, sizes).to(grad.dtype)
+    step = _per_element(scales, blocks).to(grad.dtype)
     kept = corrected - torch.where(signs, step, -step)
     residual.copy_(kept / grad_scale if grad_scale != 1.0 else kept)
     packed = packbits(signs)
@@ -128,7 +126,7 @@ def _start_one_bit(grad: torch.Tensor, axis: AxisGroup, residual: torch.Tensor, 
         for work in works:
             work.wait()
         bits = unpackbits(all_packed.view(dp, -1), n)
-        steps = _per_element(all_scales.view(dp, -1), sizes).to(grad.dtype)
+        steps = _per_element(all_scales.view(dp, -1), blocks).to(grad.dtype)
         grad.copy_(torch.where(bits, steps, -steps).sum(dim=0).div_(dp))
 
     return finish

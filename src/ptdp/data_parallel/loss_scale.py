@@ -43,3 +43,6 @@ class DynamicLossScaler:
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.good_steps = state["scale"], state["good_steps"]
