@@ -1,0 +1,1 @@
+"""Node topology (GPUs, links, NUMA nodes, CPUs), rank placement and CPU binding."""

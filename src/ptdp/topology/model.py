@@ -1,0 +1,84 @@
+"""What ptdp knows of one node's hardware: GPUs, their pairwise links, NUMA nodes, CPUs, NICs.
+
+Pure data (no torch.distributed, no I/O). Built by the parsers in :mod:`ptdp.topology.nvsmi`
+(``nvidia-smi topo -m`` text) and :mod:`ptdp.topology.sysfs` (Linux sysfs, and the CPU-only
+description of this machine), read by :mod:`ptdp.topology.placement`.
+
+Link names are ``nvidia-smi topo -m``'s, from nearest to farthest:
+``X`` (self), ``NV#`` (a bonded set of # NVLinks), ``PIX`` (at most one PCIe bridge), ``PXB``
+(several PCIe bridges, no host bridge), ``PHB`` (a PCIe host bridge, typically the CPU), ``NODE``
+(PCIe plus the interconnect between host bridges inside a NUMA node), ``SYS`` (PCIe plus the SMP
+interconnect between NUMA nodes, e.g. QPI/UPI).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+PCIE_LINKS = ("PIX", "PXB", "PHB", "NODE", "SYS")
+"""PCIe link kinds, nearest first."""
+
+_NVLINK = re.compile(r"^NV(\d+)$")
+
+
+def nvlink_count(link: str) -> int:
+    """Number of bonded NVLinks in a link name (``"NV12"`` -> 12); 0 for a PCIe link or ``"X"``."""
+    match = _NVLINK.match(link)
+    return int(match.group(1)) if match else 0
+
+
+def is_known_link(link: str) -> bool:
+    """Whether ``link`` is one of the names ``nvidia-smi topo -m`` uses (``X``, ``NV#``, PCIe kinds)."""
+    return link == "X" or link in PCIE_LINKS or nvlink_count(link) > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    """One GPU of a node.
+
+    ``index``: its number on the node (CUDA device order, ``GPU<index>`` in nvidia-smi);
+    ``numa_node``: the NUMA node it is attached to, ``None`` where unknown;
+    ``cpus``: the CPU (logical core) numbers local to it, ascending; empty where unknown.
+    """
+
+    index: int
+    numa_node: int | None
+    cpus: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class NIC:
+    """One network interface (``mlx5_0``, ``NIC0``...); ``links``: its link to each GPU, in GPU order;
+    ``device``: the device name it stands for where a legend says so (``NIC0`` -> ``mlx5_0``), else None."""
+
+    name: str
+    links: tuple[str, ...]
+    device: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """One node: ``gpus`` (ordered by index), ``links[i][j]`` the link name between GPU i and GPU j
+    (``"X"`` on the diagonal; a square matrix of ``len(gpus)``), ``nics``, ``numa_cpus`` (NUMA
+    node -> its CPUs, where known), ``cpus`` (every CPU of the node known to the source, ascending)
+    and ``source`` (where it was read from, for messages)."""
+
+    gpus: tuple[GPU, ...]
+    links: tuple[tuple[str, ...], ...]
+    nics: tuple[NIC, ...] = ()
+    numa_cpus: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    cpus: tuple[int, ...] = ()
+    source: str = ""
+
+    @property
+    def num_gpus(self) -> int:
+        return len(self.gpus)
+
+    def link(self, i: int, j: int) -> str:
+        """The link name between GPU ``i`` and GPU ``j``."""
+        return self.links[i][j]
+
+    def nvlinked(self, i: int, j: int) -> bool:
+        """Whether GPUs ``i`` and ``j`` are joined by NVLink (``i == j`` counts as joined)."""
+        return i == j or nvlink_count(self.links[i][j]) > 0
