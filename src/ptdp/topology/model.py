@@ -20,6 +20,49 @@ PCIE_LINKS = ("PIX", "PXB", "PHB", "NODE", "SYS")
 """PCIe link kinds, nearest first."""
 
 _NVLINK = re.compile(r"^NV(\d+)$")
+_CPU_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+class TopologyError(ValueError):
+    """A topology source that cannot be read: the message names the source (file, command), the line
+    number and content where there is one, and what was wrong."""
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """Expand a Linux CPU list (``"0-55,112-167"``, ``"3"``, ``""``) to ascending CPU numbers.
+
+    Raises :class:`TopologyError` naming the bad part (``"0-"``, ``"5-3"``, ``"a"``); the caller
+    adds where the text came from.
+    """
+    cpus: set[int] = set()
+    text = text.strip()
+    if not text:
+        return ()
+    for part in text.split(","):
+        match = _CPU_RANGE.match(part.strip())
+        if not match:
+            raise TopologyError(f'bad CPU list "{text}": "{part}" is not a number N or a range N-M')
+        first = int(match.group(1))
+        last = int(match.group(2)) if match.group(2) is not None else first
+        if last < first:
+            raise TopologyError(f'bad CPU list "{text}": range "{part}" ends before it starts')
+        cpus.update(range(first, last + 1))
+    return tuple(sorted(cpus))
+
+
+def format_cpu_list(cpus: tuple[int, ...] | list[int]) -> str:
+    """The inverse of :func:`parse_cpu_list`: ``(0, 1, 2, 5)`` -> ``"0-2,5"``; ``""`` for none."""
+    parts: list[str] = []
+    ordered = sorted(set(cpus))
+    start = prev = None
+    for cpu in ordered + [None]:
+        if prev is not None and cpu == prev + 1:
+            prev = cpu
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = cpu
+    return ",".join(parts)
 
 
 def nvlink_count(link: str) -> int:
