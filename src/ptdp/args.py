@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from ptdp.config import (ACTIVATIONS, DTYPES, GRAD_COMPRESSIONS, SCHEDULES, CheckpointConfig, Config, DataConfig,
-                         ModelConfig, ParallelConfig, TrainConfig)
+from ptdp.config import (ACTIVATIONS, BIND_POLICIES, DTYPES, GRAD_COMPRESSIONS, SCHEDULES, CheckpointConfig, Config,
+                         DataConfig, ModelConfig, ParallelConfig, TrainConfig)
 
 DEFAULT_TP, DEFAULT_PP, DEFAULT_LOCAL_WORKERS = 2, 2, 8
 
@@ -58,6 +58,10 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
                        "when TP x PP divides it, else TP x PP)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=pc.distributed_timeout_minutes,
                    help="timeout of every process group")
+    g.add_argument("--bind-cpus", choices=BIND_POLICIES, default=pc.bind_cpus,
+                   help="bind each worker to CPUs at start-up: numa = the allowed CPUs of its GPU's NUMA node "
+                        "(no GPU: workers spread over the nodes), exclusive = a non-overlapping share of them; "
+                        "threads follow the CPUs bound")
 
     g = parser.add_argument_group("data-parallel gradient reduction and optimizer")
     g.add_argument("--ddp-bucket-size", type=int, default=None, metavar="ELEMENTS",
@@ -169,7 +173,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             grad_compression=args.grad_compression,
             grad_compression_warmup_iters=args.grad_compression_warmup_iters,
             use_distributed_optimizer=args.use_distributed_optimizer,
-            overlap_param_gather=args.overlap_param_gather,
+            overlap_param_gather=args.overlap_param_gather, bind_cpus=args.bind_cpus,
         ),
         train=TrainConfig(
             micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,

@@ -119,6 +119,18 @@ def _one_line_warnings() -> None:
     warnings.showwarning = show
 
 
+def _binding_plan(policy: str, nproc: int) -> str:
+    """The ``--bind-cpus`` plan of the local workers as lines to print ('' for none)."""
+    if policy == "none":
+        return ""
+    import torch
+
+    from ptdp.topology.binding import read_node_plan
+
+    plan = read_node_plan(policy, nproc, use_gpus=torch.cuda.is_available())
+    return f"\ncpu binding ({policy}):\n  " + plan.describe().replace("\n", "\n  ")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from ptdp.launch import launch_local
     from ptdp.rundir import check_run_dir, make_run_dir, prepare, run_dir_path, write_config
@@ -127,6 +139,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     nproc = local_world_size(args)
     config = resolve(config_from_args(args), nproc)
     p, m = config.parallel, config.model
+    binding = _binding_plan(p.bind_cpus, nproc)  # a BindingError stops here, before any worker
     run_dir = run_dir_path(config)
     check_run_dir(run_dir, overwrite=args.overwrite)
     data = prepare(config, log=lambda msg: print(msg, flush=True))
@@ -139,7 +152,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"GPT {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
         f"seq {m.seq_length}, vocab {data.vocab_size}\n"
         f"data: {data.num_train_tokens:,} train / {data.num_valid_tokens:,} validation tokens\n"
-        f"run directory: {run_dir}",
+        f"run directory: {run_dir}" + binding,
         flush=True,
     )
     summary = launch_local(config, nproc, str(run_dir), str(data.cache_dir), progress=not args.no_progress)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+BIND_POLICIES = ("none", "numa", "exclusive")
 MIN_VOCAB_SIZE = 258  # 256 byte symbols + end-of-document token + at least one merge
 
 
@@ -98,6 +99,10 @@ class ParallelConfig:
     overlap_param_gather: bool = False
     """Distributed optimizer: all-gather updated parameters asynchronously; each module's forward
     waits only for the buckets holding its own parameters."""
+    bind_cpus: str = "none"
+    """CPU binding of each worker at start-up: none (leave the affinity alone), numa (the allowed
+    CPUs of its GPU's NUMA node; without GPUs, of the node it is spread to) or exclusive (a
+    non-overlapping share of them); see :mod:`ptdp.topology.binding`."""
 
     @property
     def tp(self) -> int:
@@ -466,6 +471,8 @@ def _data_parallel_rules(p: ParallelConfig) -> list[str]:
         errors.append(f"grad_compression_warmup_iters={warmup} has no effect with grad_compression=none")
     if p.ddp_bucket_size is not None and (not isinstance(p.ddp_bucket_size, int) or p.ddp_bucket_size < 1):
         errors.append(f"ddp_bucket_size={p.ddp_bucket_size!r} must be a positive integer (elements)")
+    if p.bind_cpus not in BIND_POLICIES:
+        errors.append(f"bind_cpus={p.bind_cpus!r} must be one of {BIND_POLICIES}")
     return errors
 
 

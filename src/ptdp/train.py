@@ -46,7 +46,7 @@ def worker_entry(config_json: str, run_dir: str, data_dir: str, progress: bool) 
     """Run one worker of a job launched by ``ptdp train``; returns the run summary, or
     ``{"error": message}`` when training had to stop (the same on every rank)."""
     config = Config.from_dict(json.loads(config_json))
-    device = init_distributed(config.parallel.distributed_timeout_minutes)
+    device = init_distributed(config.parallel.distributed_timeout_minutes, bind_cpus=config.parallel.bind_cpus)
     try:
         return _run(config, Path(run_dir), PreparedData.load(data_dir), device, progress)
     except TrainingError as e:
@@ -70,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         say(f"ptdp.train: error: {e}")
         return 2
-    device = init_distributed(config.parallel.distributed_timeout_minutes)
+    try:
+        device = init_distributed(config.parallel.distributed_timeout_minutes, bind_cpus=config.parallel.bind_cpus)
+    except ConfigError as e:  # --bind-cpus cannot be done on this rank's node
+        print(f"ptdp.train: error on rank {rank}: {e}", file=sys.stderr, flush=True)
+        return 2
     try:
         host = host_group(DATA_PREPARATION_TIMEOUT)
         run_dir, data = _setup(config, args.overwrite, rank, local_rank, host)
