@@ -13,8 +13,7 @@ import pytest
 from ptdp.args import add_train_arguments, config_from_args
 from ptdp.config import ConfigError, resolve
 from ptdp.topology.binding import (BindingError, CpuLayout, GpuCpus, allowed_numa_nodes, exclusive_shares,
-                                   format_cpulist, parse_cpulist, plan_cpu_only, plan_gpus, read_cpu_layout,
-                                   read_gpu_cpus)
+                                   plan_cpu_only, plan_gpus, read_cpu_layout, read_gpu_cpus, read_node_plan)
 from proc_helpers import run_together
 
 # Two sockets x 4 cores x 2 hyperthreads: node 0 = cores 0-3 (CPUs 0-3 and siblings 8-11),
@@ -32,16 +31,6 @@ def assert_partition(shares, cpus) -> None:
     flat = [c for s in shares for c in s]
     assert len(flat) == len(set(flat)), f"shares overlap: {shares}"
     assert set(flat) == set(cpus)
-
-
-def test_cpulist_round_trip_and_errors():
-    assert parse_cpulist("0-3,8,10-11\n") == (0, 1, 2, 3, 8, 10, 11)
-    assert parse_cpulist("") == () and parse_cpulist("5") == (5,)
-    assert format_cpulist((11, 0, 1, 2, 3, 8, 10)) == "0-3,8,10-11"
-    assert format_cpulist(()) == ""
-    for bad in ("ff", "3-1", "0-", "a,b"):
-        with pytest.raises(BindingError, match="CPU list"):
-            parse_cpulist(bad)
 
 
 def test_exclusive_keeps_hyperthread_siblings_together():
@@ -178,6 +167,10 @@ def test_readers_on_a_fake_sysfs(tmp_path):
     single.joinpath("numa_node").write_text("-1\n")
     assert read_gpu_cpus(["0000:1b:00.0", "0000:2c:00.0", "0000:ff:00.0", None], tmp_path) == [
         GpuCpus(1, (4, 5, 6, 7)), GpuCpus(None, ()), None, None]
+    assert len(read_node_plan("exclusive", 2, use_gpus=False, sysfs=tmp_path).bindings) == 2
+    (tmp_path / "devices/system/node/node1/cpulist").write_text("4-\n")
+    with pytest.raises(BindingError, match="node1/cpulist"):
+        read_node_plan("numa", 2, use_gpus=False, sysfs=tmp_path)
 
 
 def test_flag_reaches_the_config_and_bad_values_are_rejected():

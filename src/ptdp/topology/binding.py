@@ -47,6 +47,8 @@ from pathlib import Path
 from typing import Sequence
 
 from ptdp.config import BIND_POLICIES, ConfigError
+from ptdp.topology.model import TopologyError, format_cpu_list, parse_cpu_list
+from ptdp.topology.sysfs import numa_nodes
 
 
 class BindingError(ConfigError):
@@ -102,44 +104,9 @@ class NodePlan:
             if b.cpus is None:
                 lines.append(f"local rank {rank}: not bound ({b.where})")
             else:
-                cpus = f"CPU{'s' if len(b.cpus) > 1 else ''} {format_cpulist(b.cpus)}"
+                cpus = f"CPU{'s' if len(b.cpus) > 1 else ''} {format_cpu_list(b.cpus)}"
                 lines.append(f"local rank {rank}: {cpus} ({b.threads} thread{'s' if b.threads > 1 else ''}, {b.where})")
         return "\n".join(lines)
-
-
-def parse_cpulist(text: str) -> tuple[int, ...]:
-    """Parse a Linux CPU list (``"0-3,8,10-11"``; blank: none) into ascending CPU numbers.
-
-    Raises:
-        BindingError: for anything else (a hex mask, a reversed range...).
-    """
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            lo, dash, hi = part.partition("-")
-            first, last = int(lo), int(hi if dash else lo)
-        except ValueError:
-            raise BindingError(f"cannot parse CPU list {text.strip()!r} (expected e.g. '0-3,8')") from None
-        if first < 0 or last < first:
-            raise BindingError(f"cannot parse CPU list {text.strip()!r}: bad range {part!r}")
-        cpus.update(range(first, last + 1))
-    return tuple(sorted(cpus))
-
-
-def format_cpulist(cpus: Sequence[int]) -> str:
-    """The compact Linux form of a set of CPUs: ``(0, 1, 2, 3, 8)`` -> ``"0-3,8"``."""
-    ordered, parts = sorted(set(cpus)), []
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(parts)
 
 
 def allowed_numa_nodes(layout: CpuLayout) -> dict[int, tuple[int, ...]]:
@@ -186,7 +153,7 @@ def exclusive_shares(cpus: Sequence[int], n: int, core_of: dict[int, int] | None
         return [tuple(sorted(share)) for share in _even_split(ordered, n)], note
     lo, hi = n // len(ordered), -(-n // len(ordered))
     per_cpu = str(lo) if lo == hi else f"{lo} or {hi}"
-    note = (f"{n} workers but only {len(ordered)} CPUs ({format_cpulist(ordered)}): each worker is bound to one "
+    note = (f"{n} workers but only {len(ordered)} CPUs ({format_cpu_list(ordered)}): each worker is bound to one "
             f"CPU, shared by {per_cpu} consecutive local ranks; expect them to slow each other down")
     return [(ordered[i * len(ordered) // n],) for i in range(n)], note
 
@@ -285,8 +252,8 @@ def _gpu_pool(rank: int, gpu: GpuCpus, layout: CpuLayout) -> tuple[tuple, tuple[
     cpus = tuple(c for c in near if c in allowed)
     if not cpus:
         raise BindingError(
-            f"GPU {rank} sits on {where} (CPUs {format_cpulist(near)}) but this process may only use CPUs "
-            f"{format_cpulist(layout.allowed)}; ask the scheduler for CPUs near the GPUs or use --bind-cpus none")
+            f"GPU {rank} sits on {where} (CPUs {format_cpu_list(near)}) but this process may only use CPUs "
+            f"{format_cpu_list(layout.allowed)}; ask the scheduler for CPUs near the GPUs or use --bind-cpus none")
     return key, cpus, where
 
 
@@ -304,21 +271,15 @@ def _nodes_of(cpus: tuple[int, ...], node_of_cpu: dict[int, int]) -> str:
 def read_cpu_layout(sysfs: str | os.PathLike[str] = "/sys") -> CpuLayout:
     """This process's :class:`CpuLayout`: ``os.sched_getaffinity(0)``, the NUMA nodes'
     ``cpulist`` and each allowed CPU's ``thread_siblings_list`` under ``sysfs`` (missing files:
-    unknown)."""
+    unknown). Raises :class:`TopologyError` naming a malformed file."""
     root = Path(sysfs)
     allowed = tuple(sorted(os.sched_getaffinity(0)))
-    numa = {}
-    for folder in (root / "devices/system/node").glob("node[0-9]*"):
-        text = _read(folder / "cpulist")
-        if text is not None and folder.name[4:].isdigit():
-            numa[int(folder.name[4:])] = parse_cpulist(text)
     core_of = {}
     for cpu in allowed:
-        text = _read(root / f"devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-        siblings = parse_cpulist(text) if text else ()
+        siblings = _read_cpus(root / f"devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
         if siblings:
             core_of[cpu] = siblings[0]
-    return CpuLayout(allowed, dict(sorted(numa.items())), core_of)
+    return CpuLayout(allowed, numa_nodes(root), core_of)
 
 
 def read_gpu_cpus(pci_addresses: Sequence[str | None], sysfs: str | os.PathLike[str] = "/sys"
@@ -332,9 +293,8 @@ def read_gpu_cpus(pci_addresses: Sequence[str | None], sysfs: str | os.PathLike[
             out.append(None)
             continue
         node = _read(folder / "numa_node")
-        local = _read(folder / "local_cpulist")
         numa_node = int(node) if node is not None and node.lstrip("-").isdigit() and int(node) >= 0 else None
-        out.append(GpuCpus(numa_node, parse_cpulist(local) if local else ()))
+        out.append(GpuCpus(numa_node, _read_cpus(folder / "local_cpulist")))
     return out
 
 
@@ -358,11 +318,14 @@ def read_node_plan(policy: str, local_world: int, *, use_gpus: bool, sysfs: str 
     """:func:`plan_gpus` or :func:`plan_cpu_only` for this machine as it is now.
 
     Raises:
-        BindingError: see those functions.
+        BindingError: see those functions, or a sysfs file that cannot be parsed.
     """
-    layout = read_cpu_layout(sysfs)
-    if policy != "none" and use_gpus:
-        return plan_gpus(policy, read_gpu_cpus(cuda_pci_addresses(local_world), sysfs), layout)
+    try:
+        layout = read_cpu_layout(sysfs)
+        if policy != "none" and use_gpus:
+            return plan_gpus(policy, read_gpu_cpus(cuda_pci_addresses(local_world), sysfs), layout)
+    except TopologyError as e:
+        raise BindingError(f"cannot bind CPUs: {e}") from None
     return plan_cpu_only(policy, local_world, layout)
 
 
@@ -404,3 +367,11 @@ def _read(path: Path) -> str | None:
         return path.read_text().strip()
     except OSError:
         return None
+
+
+def _read_cpus(path: Path) -> tuple[int, ...]:
+    text = _read(path)
+    try:
+        return parse_cpu_list(text) if text else ()
+    except TopologyError as e:
+        raise TopologyError(f"{path}: {e}") from None
