@@ -13,6 +13,7 @@ from ptdp.data import DataError
 from ptdp.metrics import format_summary
 from ptdp.planner.hardware import UnknownGPUError
 from ptdp.planner.models import UnknownModelError
+from ptdp.topology.model import TopologyError
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 TRAIN_DESCRIPTION = """\
@@ -47,6 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(plan)
     plan.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     plan.set_defaults(func=cmd_plan)
+
+    from ptdp.topology.command import DESCRIPTION as TOPO_DESCRIPTION, add_topo_arguments
+
+    topo = sub.add_parser("topo", help="show this node's GPUs, links and NUMA nodes, and place ranks on them",
+                          description=TOPO_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_topo_arguments(topo)
+    topo.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    topo.set_defaults(func=cmd_topo)
 
     gen = sub.add_parser("generate", help="continue a prompt with a trained checkpoint (any layout)",
                          formatter_class=HelpFormatter)
@@ -112,6 +121,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_topo(args: argparse.Namespace) -> int:
+    from ptdp.topology.command import run
+
+    return run(args)
+
+
 def _one_line_warnings() -> None:
     """Show warnings (e.g. skipped data files) as ``warning: ...`` lines, not source excerpts."""
     def show(message, category, filename, lineno, file=None, line=None):
@@ -168,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, DataError, UnknownGPUError, UnknownModelError) as e:
+    except (ConfigError, DataError, UnknownGPUError, UnknownModelError, TopologyError) as e:
         if getattr(args, "debug", False):
             raise
         print(f"ptdp {args.command}: error: {e}", file=sys.stderr)
