@@ -66,3 +66,70 @@ def test_distributed_optimizer_state_is_one_dp_th(layout):
         n, pad = row["predicted"]["numel"], row["padding_elements"]
         assert row["measured"]["optimizer"] == (n + pad) * 12 // dp
         assert 0 <= pad < 4 * dp  # a few buckets, each padded to a multiple of dp
+
+
+def test_linear_fit_and_core_sharing_model():
+    from ptdp.planner.calibrate import fit_linear
+    from ptdp.planner.perf import core_shared_step
+
+    bw, lat = 1.5e9, 3e-4
+    fit_bw, fit_lat = fit_linear([(n, lat + n / bw) for n in (1 << 12, 1 << 18, 1 << 22)])
+    assert fit_bw == pytest.approx(bw, rel=1e-6) and fit_lat == pytest.approx(lat, rel=1e-6)
+    # 8 workers on 2 cores, two stages: 4 workers of each stage; total busy / cores
+    assert core_shared_step([0.1, 0.0, 0.3], 2, 8, 2) == pytest.approx(4 * (0.1 + 0.3) / 2)
+    assert core_shared_step([0.1, 0.2, 0.3], 4, 8, 2) == pytest.approx(2 * (0.1 + 0.2 + 0.2 + 0.3) / 2)
+    assert core_shared_step([0.1, 0.2, 0.3], 1, 4, 1) == pytest.approx(4 * 0.3)
+
+
+def test_shared_cores_bound_the_step_from_below():
+    """With more workers than cores the step is at least the machine's total busy time over its
+    cores; with a core per worker (or on GPUs) nothing is added."""
+    import dataclasses
+
+    from ptdp.planner.hardware import Cluster
+    from ptdp.planner.models import ModelSpec
+    from ptdp.planner.perf import evaluate_performance
+    from ptdp.planner.plan import Layout
+
+    cpu = dataclasses.replace(CATALOG["a100-80gb"], name="local", peak_flops={"fp32": 1.6e11},
+                              memory_bandwidth=4e10, nvlink_bandwidth=1.5e9, network_bandwidth=1.5e9, gpus_per_node=8)
+    constants = dataclasses.replace(DEFAULT_CONSTANTS, gemm_peak_fraction=1.0, gemm_half_dim=0.0, hbm_efficiency=1.0,
+                                    nvlink_efficiency=1.0, nvlink_latency=5e-4, layer_overhead=2e-3, head_overhead=5e-3)
+    model = ModelSpec(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=4096)
+    layout = Layout(2, 2, 2, 4, 32, precision="fp32")
+    alone = evaluate_performance(model, layout, Cluster(cpu, 8, 8), constants)
+    shared = evaluate_performance(model, layout, Cluster(dataclasses.replace(cpu, shared_cores=2), 8, 8), constants)
+    assert alone.time.core_sharing == 0.0
+    assert shared.time.core_sharing > 0.0
+    assert shared.step_time == pytest.approx(alone.step_time + shared.time.core_sharing)
+    no_overhead = evaluate_performance(model, layout, Cluster(cpu, 8, 8),
+                                       dataclasses.replace(constants, layer_overhead=0.0, head_overhead=0.0))
+    # the last stage's microbatch pays 2 layers' and the head's overhead, m = 4 times
+    assert alone.time.compute - no_overhead.time.compute == pytest.approx(4 * (2 * 2e-3 + 5e-3))
+    plenty = evaluate_performance(model, layout, Cluster(dataclasses.replace(cpu, shared_cores=8), 8, 8), constants)
+    assert plenty.time.core_sharing == 0.0
+
+
+@pytest.mark.timeout(120)
+def test_calibration_run_writes_a_usable_profile(tmp_path):
+    """``ptdp plan --calibrate``'s workers (4: tp=2 pp=2) measure and write a profile that loads,
+    records the shared cores and fits non-negative overheads and a pipeline link."""
+    import argparse
+
+    from ptdp.planner.calibrate_command import run_calibration
+
+    out = tmp_path / "profile.json"
+    args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=None,
+                              vocab_size=512, seq_length=16, micro_batch_size=2, global_batch_size=4,
+                              tensor_model_parallel_size=2, pipeline_model_parallel_size=2, nproc_per_node=4,
+                              precision="fp32", hardware_profile=str(out))
+    assert run_calibration(args) == 0
+    gpu, constants = load_profile(out)
+    import json
+    import os
+
+    measured = json.loads(out.read_text())["measurements"]
+    assert gpu.shared_cores == len(os.sched_getaffinity(0)) and gpu.gpus_per_node == 4
+    assert gpu.peak("fp32") > 1e8 and gpu.nvlink_bandwidth > 0
+    assert constants.layer_overhead >= 0.0 and constants.head_overhead >= 0.0
+    assert measured["layer_s"] > 0 and measured["head_s"] > 0 and len(measured["p2p"]) == 5

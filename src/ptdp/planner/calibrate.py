@@ -1,13 +1,18 @@
 """``ptdp plan --calibrate``: measure this machine and save a hardware profile for the planner.
 
-Measured with the run's own worker count and layout, all workers busy at once (so shared cores
-and memory bandwidth are accounted for): GEMM FLOP/s at the exact shapes of the model's layers and
-output layer (fitted to the planner's GEMM-efficiency curve: peak and half-dim), the bandwidth of
-an elementwise kernel, and the all-reduce time on the tensor-parallel groups (fitted to the ring
-model's latency and bandwidth). The step time is then the planner's prediction from these
-primitives. The time of one real transformer layer's forward + backward is recorded alongside, as
-a reference. Known limit: with more workers than cores, a worker that waits (bubble, transfers)
-gives its core to the others, which the planner's one-device-per-worker model does not capture. The profile is a :class:`~ptdp.planner.hardware.GPUSpec` ("local") plus the
+Started with the run's own worker count and layout. Each primitive is measured by the workers that
+need it while the others wait (a waiting gloo worker leaves its core to the others), so the rates
+are those of one worker on a core of its own: GEMM FLOP/s at the exact shapes of the model's layers
+and output layer (fitted to the planner's GEMM-efficiency curve: peak and half-dim), the bandwidth
+of an elementwise kernel, and all-reduce times on one tensor-parallel group (fitted to the ring
+model's latency and bandwidth). One real ptdp transformer layer and one real output layer + loss
+(forward + backward, their TP communication included) are timed too; what they take beyond the
+planner's prediction from the primitives is the host overhead (operator dispatch, autograd,
+Python) the planner adds per layer and per output layer (``layer_overhead``, ``head_overhead``).
+The profile records how many cores the workers share: with more workers than cores the planner
+predicts the step as the machine's total busy time over its cores
+(:func:`ptdp.planner.perf.core_shared_step`). The profile is a
+:class:`~ptdp.planner.hardware.GPUSpec` ("local") plus the
 :class:`~ptdp.planner.perf.PerfConstants` that go with it, in JSON.
 """
 
@@ -64,9 +69,8 @@ def _timed(fn, reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def measure_gemms(model: ModelSpec, tp: int, micro_batch_size: int, vocab_local: int, dtype, sync) -> list[dict]:
-    """FLOP/s of each forward GEMM shape of a layer and of the output layer, on this process;
-    ``sync()`` lines all workers up before each shape so they all compute at once."""
+def measure_gemms(model: ModelSpec, tp: int, micro_batch_size: int, vocab_local: int, dtype) -> list[dict]:
+    """FLOP/s of each forward GEMM shape of a layer and of the output layer, on this process."""
     shapes = list(layer_gemms(model, tp, micro_batch_size))
     shapes.append((micro_batch_size * model.seq_length, vocab_local, model.hidden_size, 1))
     out = []
@@ -74,16 +78,14 @@ def measure_gemms(model: ModelSpec, tp: int, micro_batch_size: int, vocab_local:
         a, b = torch.randn(batch, m, k, dtype=dtype), torch.randn(batch, k, n, dtype=dtype)
         flops = 2.0 * m * n * k * batch
         reps = max(3, min(2000, int(2e9 / flops)))
-        sync()
         seconds = _timed(lambda: torch.bmm(a, b), reps)
         out.append({"m": m, "n": n, "k": k, "batch": batch, "flops_per_s": flops / seconds})
     return out
 
 
-def measure_bandwidth(sync, numel: int = 1 << 22) -> float:
-    """Bytes/s of an in-place add of two float32 tensors (read 2, write 1), all workers at once."""
+def measure_bandwidth(numel: int = 1 << 22) -> float:
+    """Bytes/s of an in-place add of two float32 tensors (read 2, write 1)."""
     x, y = torch.ones(numel), torch.ones(numel)
-    sync()
     return 12.0 * numel / _timed(lambda: x.add_(y), 40)
 
 
@@ -96,22 +98,58 @@ def measure_all_reduce(axis, sizes=(1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22)
     return out
 
 
-def measure_layer(config, tp_axis, dtype, sync) -> float:
+def measure_p2p(pp_axis, sizes=(1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22)) -> list[tuple[int, float]]:
+    """(bytes, seconds) of one float32 transfer between pipeline ranks 0 and 1 of ``pp_axis``
+    (half a ping-pong round trip); only those two ranks call it."""
+    out, peer = [], 1 - pp_axis.rank
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 4)
+
+        def round_trip() -> None:
+            for kind in (("send", "recv") if pp_axis.rank == 0 else ("recv", "send")):
+                for work in comm.post([comm.P2P(kind, t, peer)], pp_axis, tag="calibrate") or []:
+                    work.wait()
+
+        out.append((nbytes, _timed(round_trip, 10) / 2.0))
+    return out
+
+
+def fit_linear(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of ``t = latency + bytes / bandwidth`` (least squares)."""
+    xs, ys = [float(n) for n, _ in samples], [t for _, t in samples]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return 1.0 / max(slope, 1e-30), max(my - slope * mx, 0.0)
+
+
+def _init_normal(module, std: float) -> None:
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=std)
+
+
+def measure_layer(config, tp_axis, dtype) -> float:
     """Seconds of forward + backward of one real ptdp transformer layer (its TP communication
-    included) for one microbatch, all workers at once."""
+    included) for one microbatch."""
     from ptdp.model.gpt import TransformerLayer
 
     m, t = config.model, config.train
     layer = TransformerLayer(m, tp_axis, dtype)
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=m.init_method_std)
+    _init_normal(layer, m.init_method_std)
     x = torch.randn(t.micro_batch_size, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)
+    return _timed(lambda: layer(x).sum().backward(), 20)
 
-    def step() -> None:
-        layer(x).sum().backward()
 
-    sync()
-    return _timed(step, 20)
+def measure_head(config, tp_axis, dtype) -> float:
+    """Seconds of forward + backward of the real last-stage head (final LayerNorm, output layer,
+    vocab-parallel cross entropy, its TP communication included) for one microbatch."""
+    from ptdp.model.gpt import GPTModel
+
+    m, t = config.model, config.train
+    head = GPTModel(m, tp_axis, layer_ids=range(0), pre_process=False, post_process=True)
+    _init_normal(head, m.init_method_std)
+    x = torch.randn(t.micro_batch_size, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length))
+    return _timed(lambda: head(x, labels).backward(), 20)
 
 
 def fit_gemm_curve(samples: list[dict]) -> tuple[float, float]:
@@ -138,37 +176,74 @@ def fit_ring(samples: list[tuple[int, float]], group_size: int) -> tuple[float, 
     return steps / group_size / max(slope, 1e-30), intercept / steps
 
 
-def build_profile(per_rank: list[dict], nproc: int, tp: int, precision: str) -> tuple[GPUSpec, PerfConstants, dict]:
-    """Combine every rank's measurements (medians) into the profile. ``layer_s`` (one real layer's
-    forward + backward with its TP communication) is kept as a reference measurement."""
-    gemms = [dict(g, flops_per_s=statistics.median(r["gemms"][i]["flops_per_s"] for r in per_rank))
-             for i, g in enumerate(per_rank[0]["gemms"])]
-    peak, half_dim = fit_gemm_curve(gemms)
-    bandwidth = statistics.median(r["bandwidth"] for r in per_rank)
-    reduce = [(n, statistics.median(r["all_reduce"][i][1] for r in per_rank)) for i, (n, _) in
-              enumerate(per_rank[0]["all_reduce"])]
-    link_bw, latency = fit_ring(reduce, tp) if tp > 1 else (bandwidth, 0.0)
-    layer_s = statistics.median(r["layer_s"] for r in per_rank)
+def fit_overheads(model: ModelSpec, config, gpu: GPUSpec, constants: PerfConstants, precision: str,
+                  layer_s: float, head_s: float) -> tuple[float, float]:
+    """(layer_overhead, head_overhead): measured seconds of one real layer / output layer + loss
+    (forward + backward, one microbatch) minus the planner's prediction from the primitives."""
+    from ptdp.config import padded_vocab_size
+    from ptdp.planner.comm import hierarchical_all_reduce_time, tp_layer_comm_times
+    from ptdp.planner.flops import layer_compute_times, logits_compute_time
+    from ptdp.planner.hardware import Cluster
+    from ptdp.planner.perf import links_for
+
+    tp, b, m = config.parallel.tp, config.train.micro_batch_size, config.model
+    peak, bw = gpu.peak(precision), gpu.memory_bandwidth
+    links = links_for(Cluster(gpu, gpu.gpus_per_node, gpu.gpus_per_node), constants)
+    elem = 4.0 if precision == "fp32" else 2.0
+    fwd, bwd, _ = layer_compute_times(model, tp, b, False, peak, bw, 1.0, constants.gemm_half_dim)
+    comm_f, comm_b = tp_layer_comm_times(b * model.seq_length, model.hidden_size, tp, sequence_parallel=False,
+                                         links=links, bytes_per_element=elem)
+    v_pad = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    head = (logits_compute_time(model, tp, b, v_pad, peak, bw, 1.0, constants.gemm_half_dim)
+            + hierarchical_all_reduce_time(elem * b * model.seq_length * model.hidden_size, tp, links.gpus_per_node,
+                                           links))
+    return max(0.0, layer_s - (fwd + bwd + comm_f + comm_b)), max(0.0, head_s - head)
+
+
+def build_profile(mine: dict, config, precision: str, cores: int) -> tuple[GPUSpec, PerfConstants, dict]:
+    """The profile from the measurements in ``mine``: rank 0's GEMMs and bandwidth; tensor-parallel
+    group 0's medians of all-reduce, layer and head times (already scaled to one core per worker);
+    the pipeline ping-pong (``p2p``, when pp > 1). ``cores``: the CPU cores the workers share."""
+    from ptdp.planner.models import spec_from_model_config
+
+    nproc, tp = config.world_size, config.parallel.tp
+    peak, half_dim = fit_gemm_curve(mine["gemms"])
+    bandwidth = mine["bandwidth"]
+    if tp > 1:
+        link_bw, latency = fit_ring(mine["all_reduce"], tp)
+    elif mine.get("p2p"):
+        link_bw, latency = fit_linear(mine["p2p"])
+    else:
+        link_bw, latency = bandwidth, 0.0
     total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     gpu = GPUSpec(
         name="local", peak_flops={precision: peak}, memory_bytes=total_memory / nproc, memory_bandwidth=bandwidth,
         nvlink_bandwidth=link_bw, network_bandwidth=link_bw, gpus_per_node=nproc,
         source=f"ptdp plan --calibrate on {platform.node()} ({platform.processor() or platform.machine()}, "
-               f"{len(os.sched_getaffinity(0))} cores, {nproc} workers) {datetime.date.today().isoformat()}",
+               f"{cores} cores, {nproc} workers) {datetime.date.today().isoformat()}",
+        shared_cores=cores,
     )
     constants = dataclasses.replace(
         DEFAULT_CONSTANTS, gemm_peak_fraction=1.0, gemm_half_dim=half_dim, hbm_efficiency=1.0,
         nvlink_efficiency=1.0, network_efficiency=1.0, nvlink_latency=latency, network_latency=latency,
         pp_scatter_gather=False,
     )
-    measured = {"gemms": gemms, "add_bandwidth": bandwidth, "all_reduce": reduce, "layer_s": layer_s,
+    layer_overhead, head_overhead = fit_overheads(spec_from_model_config(config.model), config, gpu, constants,
+                                                  precision, mine["layer_s"], mine["head_s"])
+    constants = dataclasses.replace(constants, layer_overhead=layer_overhead, head_overhead=head_overhead)
+    measured = {"gemms": mine["gemms"], "add_bandwidth": bandwidth, "all_reduce": mine["all_reduce"],
+                "layer_s": mine["layer_s"], "head_s": mine["head_s"], "p2p": mine.get("p2p"), "cores": cores,
+                "workers": nproc,
                 "fitted": {"peak_flops": peak, "gemm_half_dim": half_dim, "link_bandwidth": link_bw,
-                           "link_latency": latency}}
+                           "link_latency": latency, "layer_overhead": layer_overhead,
+                           "head_overhead": head_overhead}}
     return gpu, constants, measured
 
 
 def calibrate_worker(config_json: str, precision: str, out_path: str) -> dict:
-    """One worker of ``ptdp plan --calibrate`` (started by the elastic launcher)."""
+    """One worker of ``ptdp plan --calibrate`` (started by the elastic launcher). Rank 0 measures
+    GEMMs and bandwidth alone, then tensor-parallel group 0 (ranks 0..tp-1) the all-reduces, a
+    layer and the head, while the other workers wait on a barrier."""
     import torch.distributed as dist
 
     from ptdp.config import Config, padded_vocab_size
@@ -183,23 +258,35 @@ def calibrate_worker(config_json: str, precision: str, out_path: str) -> dict:
     try:
         groups = ParallelGroups.build(ParallelLayout(p.tp, p.pp, p.dp),
                                       datetime.timedelta(minutes=p.distributed_timeout_minutes))
-        spec = spec_from_model_config(m)
-        vocab_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp) // p.tp
-        flag = torch.zeros(1)
-
-        def sync() -> None:
-            comm.all_reduce(flag, groups.world, tag="calibrate")
-
-        mine = {
-            "gemms": measure_gemms(spec, p.tp, config.train.micro_batch_size, vocab_local,
-                                   PRECISION_DTYPES[precision], sync),
-            "bandwidth": measure_bandwidth(sync),
-            "all_reduce": measure_all_reduce(groups.tp),
-            "layer_s": measure_layer(config, groups.tp, PRECISION_DTYPES[precision], sync),
-        }
+        dtype = PRECISION_DTYPES[precision]
+        rank, mine, cores = groups.global_rank, {}, len(os.sched_getaffinity(0))
+        if rank == 0:
+            vocab_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp) // p.tp
+            mine["gemms"] = measure_gemms(spec_from_model_config(m), p.tp, config.train.micro_batch_size,
+                                          vocab_local, dtype)
+            mine["bandwidth"] = measure_bandwidth()
+        comm.all_reduce(torch.zeros(1), groups.world, tag="calibrate")  # the others wait here
+        if rank < p.tp:
+            mine.update(all_reduce=measure_all_reduce(groups.tp), layer_s=measure_layer(config, groups.tp, dtype),
+                        head_s=measure_head(config, groups.tp, dtype))
+        comm.all_reduce(torch.zeros(1), groups.world, tag="calibrate")
+        if p.pp > 1 and rank in (0, p.tp * p.dp):  # pipeline ranks 0 and 1 of pipeline group 0
+            mine["p2p"] = measure_p2p(groups.pp)
+        comm.all_reduce(torch.zeros(1), groups.world, tag="calibrate")
         per_rank = comm.all_gather_object(mine, groups.world)
-        if groups.global_rank == 0:
-            gpu, constants, measured = build_profile(per_rank, config.world_size, p.tp, precision)
+        if rank == 0:
+            group0 = per_rank[:p.tp]
+            mine["all_reduce"] = [(n, statistics.median(r["all_reduce"][i][1] for r in group0))
+                                  for i, (n, _) in enumerate(mine["all_reduce"])]
+            # a tp group larger than the cores shares them while it measures: its CPU time per
+            # worker is the measured time x cores / tp
+            share = min(1.0, cores / p.tp)
+            mine["all_reduce"] = [(n, t * share) for n, t in mine["all_reduce"]]
+            for key in ("layer_s", "head_s"):
+                mine[key] = statistics.median(r[key] for r in group0) * share
+            if p.pp > 1:
+                mine["p2p"] = per_rank[p.tp * p.dp]["p2p"]
+            gpu, constants, measured = build_profile(mine, config, precision, cores)
             save_profile(Path(out_path), gpu, constants, measured)
             return {"gpu": dataclasses.asdict(gpu), "constants": dataclasses.asdict(constants)}
         return {}

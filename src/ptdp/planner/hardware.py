@@ -31,6 +31,9 @@ class GPUSpec:
             200 Gb/s InfiniBand port per GPU = 25e9.
         gpus_per_node: GPUs in one node (one NVLink domain).
         source: where the figures come from.
+        shared_cores: 0 for real accelerators (one device per worker). For a CPU "device"
+            (``ptdp plan --calibrate``): the number of CPU cores the node's workers share; the
+            rates above are then those of one worker running alone on a core.
     """
 
     name: str
@@ -41,6 +44,7 @@ class GPUSpec:
     network_bandwidth: float
     gpus_per_node: int = 8
     source: str = ""
+    shared_cores: int = 0
 
     def peak(self, precision: str) -> float:
         if precision not in self.peak_flops:

@@ -15,6 +15,7 @@ memory bandwidth.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ptdp.config import padded_vocab_size
@@ -64,6 +65,11 @@ class PerfConstants:
             versions of the published runs.
         pp_scatter_gather: pipeline messages split over the tp ranks and all-gathered on NVLink
             ([N21] §4.1), as in the published runs.
+        layer_overhead: host seconds per transformer layer per microbatch (forward + backward)
+            that the device does not hide: operator dispatch, autograd, Python. 0 on GPUs (kernel
+            launches run ahead of the device at these sizes); fitted by ``ptdp plan --calibrate``
+            on a CPU as the measured time of one real layer minus the predicted one.
+        head_overhead: the same for the output layer and loss of the last stage.
     """
 
     gemm_peak_fraction: float = 0.77
@@ -75,6 +81,8 @@ class PerfConstants:
     network_latency: float = 10e-6
     dp_overlap: float = 0.0
     pp_scatter_gather: bool = True
+    layer_overhead: float = 0.0
+    head_overhead: float = 0.0
 
 
 DEFAULT_CONSTANTS = PerfConstants()
@@ -115,6 +123,19 @@ class Performance:
         return self.time.step
 
 
+def core_shared_step(busy: list[float], pp: int, workers: int, cores: int) -> float:
+    """Step time when ``workers`` processes share ``cores`` CPU cores: the node's total busy time
+    over its cores (processor sharing: a worker that waits gives its core to the others).
+
+    ``busy``: seconds one worker of the (first, middle, last) stage computes and communicates per
+    step when running alone on a core (with pp = 1 the last stage's figure covers the whole
+    model). The node's workers are spread evenly over the ``pp`` stages.
+    """
+    first, mid, last = busy
+    per_stage = [last] if pp == 1 else [first] + [mid] * (pp - 2) + [last]
+    return workers * (sum(per_stage) / pp) / cores
+
+
 def links_for(cluster: Cluster, constants: PerfConstants) -> Links:
     """Achieved link bandwidths of ``cluster``'s GPU under ``constants``."""
     gpu = cluster.gpu
@@ -135,11 +156,11 @@ def _stage_microbatch_times(model: ModelSpec, layout: Layout, peak: float, bandw
                                      bytes_per_element=elem)
     rec = {"full": fwd, "selective": core}.get(layout.recompute, 0.0)
     rec_comm = tp_f if layout.recompute == "full" else 0.0
-    mid = (layers * (fwd + bwd), layers * rec, layers * (tp_f + tp_b + rec_comm))
+    mid = (layers * (fwd + bwd + c.layer_overhead), layers * rec, layers * (tp_f + tp_b + rec_comm))
     one_ar = hierarchical_all_reduce_time(elem * b * s * h, tp, links.gpus_per_node, links)
     logits = flops.logits_compute_time(model, tp, b, v_pad, peak, bandwidth, c.gemm_peak_fraction, c.gemm_half_dim)
     first = (mid[0], mid[1], mid[2] + one_ar)
-    last = (mid[0] + logits, mid[1], mid[2] + one_ar)
+    last = (mid[0] + logits + c.head_overhead, mid[1], mid[2] + one_ar)
     if layout.pp == 1:
         last = (last[0], last[1], last[2] + one_ar)
     return mid, first, last
@@ -190,6 +211,11 @@ def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
     time = TimeBreakdown(compute=m * busiest[0], recompute=m * busiest[1], tp_comm=m * busiest[2],
                          pp_comm=m * p2p, bubble=bubble, dp_comm=(1.0 - c.dp_overlap) * grad_sync,
                          optimizer=optimizer)
+    if gpu.shared_cores and cluster.gpus_per_node > gpu.shared_cores:
+        per_step = (1.0 - c.dp_overlap) * grad_sync + optimizer
+        busy = [m * (sum(stage) + p2p) + per_step for stage in (first, mid, last)]
+        time = dataclasses.replace(time, core_sharing=max(
+            0.0, core_shared_step(busy, pp, cluster.gpus_per_node, gpu.shared_cores) - time.step))
     step = time.step
     gpus = layout.num_gpus
     model_flops = flops.model_flops_per_step(model, layout.global_batch_size)

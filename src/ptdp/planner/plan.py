@@ -69,7 +69,8 @@ class TimeBreakdown:
     compute: forward + backward GEMMs and attention on the busiest stage over all microbatches;
     recompute: the extra forward of activation recomputation; tp_comm / pp_comm: exposed
     tensor-/pipeline-parallel communication; bubble: pipeline fill and drain; dp_comm: the part of
-    the data-parallel gradient reduction not hidden behind backward; optimizer: the update.
+    the data-parallel gradient reduction not hidden behind backward; optimizer: the update;
+    core_sharing: time added because more workers than CPU cores share a machine (0 on GPUs).
     """
 
     compute: float
@@ -79,10 +80,12 @@ class TimeBreakdown:
     bubble: float
     dp_comm: float
     optimizer: float
+    core_sharing: float = 0.0
 
     @property
     def step(self) -> float:
-        return self.compute + self.recompute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer
+        return (self.compute + self.recompute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm
+                + self.optimizer + self.core_sharing)
 
 
 @dataclass
