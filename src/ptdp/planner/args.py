@@ -25,6 +25,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus-per-node", type=int, help="default: the GPU's usual node size (8)")
     g.add_argument("--gpu", default="a100-80gb", help="GPU name from the catalog (default: %(default)s)")
     g.add_argument("--gpu-catalog", metavar="FILE", help="TOML/JSON file with more GPUs (see planner/hardware.py)")
+    g.add_argument("--topology", metavar="FILE",
+                   help="saved `nvidia-smi topo -m` output of one node: its GPU count and link types "
+                        "(NVLink or PCIe) replace the catalog's node")
 
     g = parser.add_argument_group("layout: any flag given fixes that choice, the others are searched")
     g.add_argument("--tensor-model-parallel-size", "--tp", type=int, metavar="TP")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import dataclasses
 
 from ptdp.config import ConfigError
@@ -52,6 +53,26 @@ def _hardware(args: argparse.Namespace):
     return get_gpu(args.gpu, catalog), DEFAULT_CONSTANTS
 
 
+def _apply_topology(gpu, args: argparse.Namespace):
+    """The GPU as installed in ``--topology FILE``'s node (see :mod:`ptdp.planner.node_links`)."""
+    if not args.topology:
+        return gpu, []
+    from ptdp.planner.node_links import gpu_for_topology
+    from ptdp.topology.nvsmi import parse_nvidia_smi_topo
+
+    try:
+        text = Path(args.topology).read_text(encoding="utf-8", errors="replace")
+        gpu, notes = gpu_for_topology(gpu, parse_nvidia_smi_topo(text, source=args.topology))
+    except OSError as e:
+        raise ConfigError(f"--topology {args.topology}: {e.strerror or e}") from None
+    except ValueError as e:  # TopologyError included
+        raise ConfigError(f"--topology {args.topology}: {e}") from None
+    if args.gpus_per_node is not None and args.gpus_per_node != gpu.gpus_per_node:
+        raise ConfigError(f"--gpus-per-node={args.gpus_per_node} contradicts --topology {args.topology}, "
+                          f"which has {gpu.gpus_per_node} GPUs per node")
+    return gpu, notes
+
+
 def fixed_from_args(args: argparse.Namespace) -> Fixed:
     return Fixed(
         tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, dp=args.data_parallel_size,
@@ -78,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node={args.gpus_per_node} must be a positive integer")
     gpu, constants = _hardware(args)
+    gpu, notes = _apply_topology(gpu, args)
     try:
         per_node = gpu.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
         cluster = Cluster(gpu, args.gpus, per_node)
@@ -96,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json_report(result, top=args.top))
     else:
+        for note in notes:
+            print(note)
         print(text_report(model, cluster, result, top=args.top))
     if args.plot:
         plot(result, args.plot, capacity_bytes=gpu.memory_bytes, top=min(args.top, 8))
