@@ -28,9 +28,10 @@ every allowed CPU when sysfs lists none):
 ``OMP_NUM_THREADS``) are its CPUs divided by the number of local workers bound to the same set
 (so ``exclusive``: all its CPUs; ``numa``: its share of the node), at least 1.
 
-Mechanism: each worker binds itself at start-up, before torch's thread pools exist, with
-``os.sched_setaffinity`` (:func:`apply_binding`), under ``ptdp train`` and under ``torchrun``
-alike. PyTorch 2.13 has its own launcher-side binding (``torchrun --numa-binding
+Mechanism: each worker binds itself at start-up, before it creates process groups or sets its
+thread count, with ``os.sched_setaffinity`` (:func:`apply_binding`; threads already running with
+the old affinity are moved too), under ``ptdp train`` and under ``torchrun`` alike. It plans for
+one launcher per machine (the local world is ``LOCAL_WORLD_SIZE``). PyTorch 2.13 has its own launcher-side binding (``torchrun --numa-binding
 {node,socket,exclusive,core-complex}``, ``LaunchConfig(numa_options=...)``, ``torch.numa.binding``)
 but it is not used: it knows only GPU machines (it finds the NUMA node from the CUDA device), it
 refuses to bind unless the ``numactl`` program is installed, and it is applied by the launcher, so
@@ -82,7 +83,7 @@ class GpuCpus:
 @dataclasses.dataclass(frozen=True)
 class Binding:
     """One worker's binding: ``cpus`` (ascending; None: leave the affinity alone), ``threads``
-    (for torch and OpenMP; None with ``cpus``), ``where`` (what the CPUs are, for messages)."""
+    (for torch and OpenMP; None when ``cpus`` is None), ``where`` (what the CPUs are, for messages)."""
 
     cpus: tuple[int, ...] | None
     threads: int | None
