@@ -118,7 +118,7 @@ def load_catalog(path: str | Path) -> dict[str, GPUSpec]:
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a table of GPUs keyed by name")
     known = {f.name for f in fields(GPUSpec)}
-    required = known - {"name", "gpus_per_node", "source"}
+    required = known - {"name", "gpus_per_node", "source", "shared_cores"}
     out = dict(CATALOG)
     for name, table in raw.items():
         if not isinstance(table, dict):
