@@ -122,6 +122,30 @@ def fit_linear(samples: list[tuple[int, float]]) -> tuple[float, float]:
     return 1.0 / max(slope, 1e-30), max(my - slope * mx, 0.0)
 
 
+def measure_optimizer(config, tp_axis, dtype) -> tuple[int, float]:
+    """(parameters, seconds) of one optimizer step of the first pipeline stage on this rank, as
+    ``ptdp train`` does it: the gradient norm (``torch._foreach_norm``), AdamW, zeroing the grads."""
+    from ptdp.model.gpt import GPTModel
+
+    m, p, t = config.model, config.parallel, config.train
+    stage = GPTModel(m, tp_axis, layer_ids=range(m.num_layers // p.pp), pre_process=True,
+                     post_process=p.pp == 1)
+    params = list(stage.parameters())
+    for q in params:
+        q.grad = torch.randn_like(q)
+    groups = [{"params": [q for q in params if q.ndim >= 2], "weight_decay": t.weight_decay},
+              {"params": [q for q in params if q.ndim < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=1e-4)
+    grads = [q.grad for q in params]
+
+    def step() -> None:
+        torch.stack(torch._foreach_norm(grads)).square().sum()
+        optimizer.step()
+        torch._foreach_zero_(grads)
+
+    return sum(q.numel() for q in params), _timed(step, 10)
+
+
 def _init_normal(module, std: float) -> None:
     for p in module.parameters():
         torch.nn.init.normal_(p, std=std)
@@ -165,15 +189,24 @@ def fit_gemm_curve(samples: list[dict]) -> tuple[float, float]:
     return best[1], best[2]
 
 
-def fit_ring(samples: list[tuple[int, float]], group_size: int) -> tuple[float, float]:
-    """(bandwidth bytes/s, latency s per ring step) of ``t = 2(g-1) lat + 2(g-1)/g * bytes / bw``."""
-    xs, ys = [float(n) for n, _ in samples], [t for _, t in samples]
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    intercept = max(my - slope * mx, 0.0)
-    steps = 2.0 * (group_size - 1)
-    return steps / group_size / max(slope, 1e-30), intercept / steps
+def fit_ring(samples: list[tuple[int, float]], group_size: int | list[int]) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s per ring step) of ``t = 2(g-1) lat + 2(g-1)/g * bytes / bw``,
+    least squares over (bytes, seconds) samples taken on groups of ``group_size`` (one size for
+    all, or one per sample)."""
+    sizes = [group_size] * len(samples) if isinstance(group_size, int) else list(group_size)
+    rows = [(2.0 * (g - 1), 2.0 * (g - 1) / g * n, t) for (n, t), g in zip(samples, sizes)]
+    # normal equations of t = a x1 + c x2 (a: latency, c: 1 / bandwidth)
+    s11 = sum(x1 * x1 for x1, _, _ in rows)
+    s12 = sum(x1 * x2 for x1, x2, _ in rows)
+    s22 = sum(x2 * x2 for _, x2, _ in rows)
+    s1t = sum(x1 * t for x1, _, t in rows)
+    s2t = sum(x2 * t for _, x2, t in rows)
+    det = s11 * s22 - s12 * s12
+    latency = (s1t * s22 - s2t * s12) / det
+    inv_bw = (s11 * s2t - s12 * s1t) / det
+    if latency < 0.0:  # refit through the origin
+        latency, inv_bw = 0.0, s2t / s22
+    return 1.0 / max(inv_bw, 1e-30), latency
 
 
 def fit_overheads(model: ModelSpec, config, gpu: GPUSpec, constants: PerfConstants, precision: str,
@@ -209,8 +242,8 @@ def build_profile(mine: dict, config, precision: str, cores: int) -> tuple[GPUSp
     nproc, tp = config.world_size, config.parallel.tp
     peak, half_dim = fit_gemm_curve(mine["gemms"])
     bandwidth = mine["bandwidth"]
-    if tp > 1:
-        link_bw, latency = fit_ring(mine["all_reduce"], tp)
+    if mine["all_reduce"]:
+        link_bw, latency = fit_ring([(n, t) for _, n, t in mine["all_reduce"]], [g for g, _, _ in mine["all_reduce"]])
     elif mine.get("p2p"):
         link_bw, latency = fit_linear(mine["p2p"])
     else:
@@ -230,65 +263,102 @@ def build_profile(mine: dict, config, precision: str, cores: int) -> tuple[GPUSp
     )
     layer_overhead, head_overhead = fit_overheads(spec_from_model_config(config.model), config, gpu, constants,
                                                   precision, mine["layer_s"], mine["head_s"])
-    constants = dataclasses.replace(constants, layer_overhead=layer_overhead, head_overhead=head_overhead)
+    from ptdp.planner.perf import OPT_BYTES_FULL, OPT_BYTES_SHARDED
+
+    opt_params, opt_s = mine["optimizer"]
+    opt_efficiency = min(1.0, opt_params * (OPT_BYTES_FULL[precision] + OPT_BYTES_SHARDED[precision])
+                         / bandwidth / opt_s)
+    constants = dataclasses.replace(constants, layer_overhead=layer_overhead, head_overhead=head_overhead,
+                                    optimizer_efficiency=opt_efficiency)
     measured = {"gemms": mine["gemms"], "add_bandwidth": bandwidth, "all_reduce": mine["all_reduce"],
                 "layer_s": mine["layer_s"], "head_s": mine["head_s"], "p2p": mine.get("p2p"), "cores": cores,
                 "workers": nproc,
                 "fitted": {"peak_flops": peak, "gemm_half_dim": half_dim, "link_bandwidth": link_bw,
                            "link_latency": latency, "layer_overhead": layer_overhead,
-                           "head_overhead": head_overhead}}
+                           "head_overhead": head_overhead,
+                           "optimizer_efficiency": opt_efficiency}, "optimizer_s": opt_s}
     return gpu, constants, measured
 
 
+def _measure(groups, config, precision: str) -> dict:
+    """This rank's measurements; each phase is taken by the ranks that need it while the others
+    wait on a barrier: rank 0 alone (GEMMs, bandwidth, optimizer), tensor-parallel group 0
+    (all-reduce, layer, head), data-parallel group 0 (all-reduce), pipeline ranks 0 and 1 of
+    pipeline group 0 (ping-pong)."""
+    from ptdp.config import padded_vocab_size
+    from ptdp.planner.models import spec_from_model_config
+
+    p, m, dtype = config.parallel, config.model, PRECISION_DTYPES[precision]
+    rank, mine = groups.global_rank, {}
+
+    def barrier() -> None:
+        comm.all_reduce(torch.zeros(1), groups.world, tag="calibrate")
+
+    if rank == 0:
+        vocab_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp) // p.tp
+        mine["gemms"] = measure_gemms(spec_from_model_config(m), p.tp, config.train.micro_batch_size,
+                                      vocab_local, dtype)
+        mine["bandwidth"] = measure_bandwidth()
+        mine["optimizer"] = measure_optimizer(config, groups.tp, dtype)
+    barrier()
+    if rank < p.tp:  # tensor-parallel group 0
+        mine.update(tp_all_reduce=measure_all_reduce(groups.tp) if p.tp > 1 else [],
+                    layer_s=measure_layer(config, groups.tp, dtype), head_s=measure_head(config, groups.tp, dtype))
+    barrier()
+    if p.dp > 1 and rank % p.tp == 0 and rank < p.tp * p.dp:  # data-parallel group 0
+        mine["dp_all_reduce"] = measure_all_reduce(groups.dp)
+    barrier()
+    if p.pp > 1 and rank in (0, p.tp * p.dp):  # pipeline ranks 0 and 1 of pipeline group 0
+        mine["p2p"] = measure_p2p(groups.pp)
+    barrier()
+    return mine
+
+
+def _combine(per_rank: list[dict], config, cores: int) -> dict:
+    """Rank 0's view of everything measured. Times of a group larger than the cores are scaled by
+    cores / group size: while it measured, its workers shared the cores, and the planner wants the
+    CPU time of one worker."""
+    p = config.parallel
+    out = dict(per_rank[0])
+    group_ranks = {"tp_all_reduce": list(range(p.tp)), "dp_all_reduce": [d * p.tp for d in range(p.dp)]}
+    sizes = {"tp_all_reduce": p.tp, "dp_all_reduce": p.dp}
+    out["all_reduce"] = []
+    for key, ranks in group_ranks.items():
+        if not per_rank[0].get(key):
+            continue
+        share = min(1.0, cores / sizes[key])
+        for i, (n, _) in enumerate(per_rank[0][key]):
+            out["all_reduce"].append((sizes[key], n, share * statistics.median(per_rank[r][key][i][1] for r in ranks)))
+    share = min(1.0, cores / p.tp)
+    for key in ("layer_s", "head_s"):
+        out[key] = share * statistics.median(per_rank[r][key] for r in range(p.tp))
+    if p.pp > 1:
+        out["p2p"] = per_rank[p.tp * p.dp]["p2p"]
+    return out
+
+
 def calibrate_worker(config_json: str, precision: str, out_path: str) -> dict:
-    """One worker of ``ptdp plan --calibrate`` (started by the elastic launcher). Rank 0 measures
-    GEMMs and bandwidth alone, then tensor-parallel group 0 (ranks 0..tp-1) the all-reduces, a
-    layer and the head, while the other workers wait on a barrier."""
+    """One worker of ``ptdp plan --calibrate`` (started by the elastic launcher); rank 0 writes the
+    profile to ``out_path`` and returns its GPU spec and constants (the others return {})."""
     import torch.distributed as dist
 
-    from ptdp.config import Config, padded_vocab_size
+    from ptdp.config import Config
     from ptdp.distributed import init_distributed
     from ptdp.groups import ParallelGroups
     from ptdp.layout import ParallelLayout
-    from ptdp.planner.models import spec_from_model_config
 
     config = Config.from_dict(json.loads(config_json))
-    p, m = config.parallel, config.model
+    p = config.parallel
     init_distributed(p.distributed_timeout_minutes)
     try:
         groups = ParallelGroups.build(ParallelLayout(p.tp, p.pp, p.dp),
                                       datetime.timedelta(minutes=p.distributed_timeout_minutes))
-        dtype = PRECISION_DTYPES[precision]
-        rank, mine, cores = groups.global_rank, {}, len(os.sched_getaffinity(0))
-        if rank == 0:
-            vocab_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp) // p.tp
-            mine["gemms"] = measure_gemms(spec_from_model_config(m), p.tp, config.train.micro_batch_size,
-                                          vocab_local, dtype)
-            mine["bandwidth"] = measure_bandwidth()
-        comm.all_reduce(torch.zeros(1), groups.world, tag="calibrate")  # the others wait here
-        if rank < p.tp:
-            mine.update(all_reduce=measure_all_reduce(groups.tp), layer_s=measure_layer(config, groups.tp, dtype),
-                        head_s=measure_head(config, groups.tp, dtype))
-        comm.all_reduce(torch.zeros(1), groups.world, tag="calibrate")
-        if p.pp > 1 and rank in (0, p.tp * p.dp):  # pipeline ranks 0 and 1 of pipeline group 0
-            mine["p2p"] = measure_p2p(groups.pp)
-        comm.all_reduce(torch.zeros(1), groups.world, tag="calibrate")
-        per_rank = comm.all_gather_object(mine, groups.world)
-        if rank == 0:
-            group0 = per_rank[:p.tp]
-            mine["all_reduce"] = [(n, statistics.median(r["all_reduce"][i][1] for r in group0))
-                                  for i, (n, _) in enumerate(mine["all_reduce"])]
-            # a tp group larger than the cores shares them while it measures: its CPU time per
-            # worker is the measured time x cores / tp
-            share = min(1.0, cores / p.tp)
-            mine["all_reduce"] = [(n, t * share) for n, t in mine["all_reduce"]]
-            for key in ("layer_s", "head_s"):
-                mine[key] = statistics.median(r[key] for r in group0) * share
-            if p.pp > 1:
-                mine["p2p"] = per_rank[p.tp * p.dp]["p2p"]
-            gpu, constants, measured = build_profile(mine, config, precision, cores)
-            save_profile(Path(out_path), gpu, constants, measured)
-            return {"gpu": dataclasses.asdict(gpu), "constants": dataclasses.asdict(constants)}
-        return {}
+        per_rank = comm.all_gather_object(_measure(groups, config, precision), groups.world)
+        if groups.global_rank != 0:
+            return {}
+        cores = len(os.sched_getaffinity(0))
+        gpu, constants, measured = build_profile(_combine(per_rank, config, cores), config, precision, cores)
+        save_profile(Path(out_path), gpu, constants, measured)
+        return {"gpu": dataclasses.asdict(gpu), "constants": dataclasses.asdict(constants)}
     finally:
         dist.destroy_process_group()

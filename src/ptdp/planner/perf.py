@@ -70,6 +70,9 @@ class PerfConstants:
             launches run ahead of the device at these sizes); fitted by ``ptdp plan --calibrate``
             on a CPU as the measured time of one real layer minus the predicted one.
         head_overhead: the same for the output layer and loss of the last stage.
+        optimizer_efficiency: achieved fraction of the memory-bound bandwidth by the optimizer
+            step (Adam update, gradient norm, zeroing). 1 on GPUs (fused multi-tensor kernels);
+            measured by ``ptdp plan --calibrate`` on a CPU, where per-tensor overhead shows.
     """
 
     gemm_peak_fraction: float = 0.77
@@ -83,6 +86,7 @@ class PerfConstants:
     pp_scatter_gather: bool = True
     layer_overhead: float = 0.0
     head_overhead: float = 0.0
+    optimizer_efficiency: float = 1.0
 
 
 DEFAULT_CONSTANTS = PerfConstants()
@@ -206,7 +210,7 @@ def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
     if model.tied and pp > 1:
         grad_sync += embedding_sync_time(4.0 * v_pad // tp * model.hidden_size, pp, tp, dp, links)
     shard = dp if layout.distributed_optimizer else 1
-    optimizer = n_params * (OPT_BYTES_FULL[prec] + OPT_BYTES_SHARDED[prec] / shard) / bandwidth
+    optimizer = n_params * (OPT_BYTES_FULL[prec] + OPT_BYTES_SHARDED[prec] / shard) / (bandwidth * c.optimizer_efficiency)
 
     time = TimeBreakdown(compute=m * busiest[0], recompute=m * busiest[1], tp_comm=m * busiest[2],
                          pp_comm=m * p2p, bubble=bubble, dp_comm=(1.0 - c.dp_overlap) * grad_sync,
