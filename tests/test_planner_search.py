@@ -139,3 +139,51 @@ def test_tensor_parallel_groups_never_straddle_nodes():
     assert not result.plans
     assert any("tp=6 does not divide the 8 GPUs of a node" in p.reasons[0] for p, _ in result.rejected)
     assert all(8 % p.layout.tp == 0 for p in search(model, Cluster(A100, 24), 96).plans)
+
+
+def test_explicit_uneven_layer_split_is_planned():
+    """--pipeline-layer-split fixes pp and v = 1; memory and time use the given split, and a split
+    that does not add up is rejected with the config's rule."""
+    from ptdp.planner.hardware import CATALOG, Cluster
+    from ptdp.planner.memory import memory_breakdown
+    from ptdp.planner.models import get_model
+    from ptdp.planner.search import Fixed, search
+
+    model = get_model("llama3-405b")  # 126 layers: no even split over 16 stages
+    split = (7,) + (8,) * 14 + (7,)
+    cluster = Cluster(CATALOG["a100-80gb"], 2048, 8)
+    result = search(model, cluster, 2048, fixed=Fixed(tp=8, layer_split=split))
+    assert result.plans
+    for plan in result.plans:
+        assert plan.layout.pp == 16 and plan.layout.virtual_stages == 1 and plan.layout.layer_split == split
+        assert plan.memory == memory_breakdown(model, plan.layout, cluster.gpu, layer_split=split)
+        assert plan.to_json()["layer_split"] == split
+    even = search(model, cluster, 2048, fixed=Fixed(tp=8, pp=16))
+    assert not even.plans and all(r.rule == "layers % pp" for _, r in even.rejected)
+    bad = search(get_model("gpt-1.7b"), Cluster(CATALOG["a100-80gb"], 8, 8), 64, fixed=Fixed(layer_split=(5, 7, 7, 4)))
+    assert not bad.plans
+    assert all("summing to num_layers=24 (sum is 23)" in p.reasons[0] for p, _ in bad.rejected)
+
+
+def test_uneven_split_shifts_memory_to_the_heavier_stage():
+    from ptdp.planner.hardware import CATALOG
+    from ptdp.planner.memory import memory_breakdown
+    from ptdp.planner.models import get_model
+    from ptdp.planner.plan import Layout
+
+    model, gpu = get_model("gpt-1.7b"), CATALOG["a100-80gb"]
+    even = memory_breakdown(model, Layout(1, 4, 2, 1, 64), gpu)
+    heavy_first = memory_breakdown(model, Layout(1, 4, 2, 1, 64, layer_split=(9, 5, 5, 5)), gpu)
+    assert heavy_first.stage == 0 and heavy_first.params > even.params and heavy_first.activations > even.activations
+
+
+def test_layer_split_request_errors(capsys):
+    from ptdp.cli import main
+
+    base = ["plan", "--model", "gpt-1.7b", "--gpus", "8", "--global-batch-size", "64"]
+    assert main(base + ["--pipeline-layer-split", "6,6,6,6", "--pp", "2"]) != 0
+    assert "has 4 stages but pp=2" in capsys.readouterr().err
+    assert main(base + ["--pipeline-layer-split", "8,8,8"]) != 0
+    assert "pp=3 does not divide the 8 GPUs" in capsys.readouterr().err
+    assert main(base + ["--pipeline-layer-split", "6,6,6,6", "--virtual-pipeline-stages", "2"]) != 0
+    assert "cannot be combined with virtual pipeline stages" in capsys.readouterr().err

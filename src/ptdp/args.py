@@ -27,7 +27,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
-def _int_list(text: str) -> tuple[int, ...]:
+def int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
@@ -44,7 +44,7 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
                    help=f"pipeline-parallel size: layers split into PP stages")
     g.add_argument("--data-parallel-size", "--dp", type=int, default=None, metavar="DP",
                    help="data-parallel size (default: world size / (TP x PP))")
-    g.add_argument("--pipeline-layer-split", type=_int_list, default=None, metavar="N,N,...",
+    g.add_argument("--pipeline-layer-split", type=int_list, default=None, metavar="N,N,...",
                    help="explicit layers per pipeline stage, e.g. 3,3,2 (default: even split)")
     g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=None,
                    help="pipeline schedule (default: 1f1b, or interleaved-1f1b when "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ptdp.args import int_list
 from ptdp.planner.plan import RECOMPUTE
 
 
@@ -37,6 +38,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch-size", "--gbs", type=int, help="samples per step (required unless --validate)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
                    help="layers per model chunk: interleaved 1F1B with v = layers / (pp x this)")
+    g.add_argument("--pipeline-layer-split", type=int_list, metavar="N,N,...",
+                   help="explicit layers per pipeline stage (uneven splits, e.g. 9,10,10,9); fixes pp, v = 1")
     g.add_argument("--virtual-pipeline-stages", type=int, help="v directly (alternative to the flag above)")
     g.add_argument("--recompute-granularity", choices=RECOMPUTE,
                    help="activation recomputation (default: search none, selective and full)")

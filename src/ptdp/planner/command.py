@@ -80,6 +80,7 @@ def fixed_from_args(args: argparse.Namespace) -> Fixed:
         layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
         recompute=args.recompute_granularity, sequence_parallel=args.sequence_parallel,
         distributed_optimizer=args.use_distributed_optimizer,
+        layer_split=args.pipeline_layer_split,
     )
 
 

@@ -224,9 +224,10 @@ def memory_breakdown(
     With an even split only the first and the last stage can be the maximum (the first holds the
     most microbatches in flight and the embedding, the last the output layer and logits; middle
     stages hold no more than the first), so the cost is O(1) in pp. With ``layer_split`` every
-    stage is evaluated.
+    stage is evaluated (default: ``layout.layer_split``).
     """
     pbytes, gbytes, obytes = bytes_per_param(layout.precision, layout.dp, layout.distributed_optimizer)
+    layer_split = layer_split if layer_split is not None else layout.layer_split
     if layer_split is None:
         first_params, last_params, per_stage = _even_stage_params(
             model, layout.tp, layout.pp, make_vocab_size_divisible_by)

@@ -181,7 +181,8 @@ def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
     + (pp - 1)/v x (a layers-only stage's microbatch) + exposed DP + optimizer.
     The DP reduction moves fp32 gradients (ptdp's main-grad buffer, 4 bytes per parameter; with
     the distributed optimizer, reduce-scatter of those + all-gather of the 16-bit weights).
-    ``layer_split`` (layers per stage; None: even) sizes the busiest stage by its largest entry.
+    ``layer_split`` (layers per stage; default ``layout.layer_split``, None: even) sizes the busiest
+    stage by its largest entry.
     Cost: O(1) in pp; per-model and per-(tp, b, sp) quantities are cached.
     """
     c, gpu, prec = constants, cluster.gpu, layout.precision
@@ -190,6 +191,7 @@ def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
     links = links_for(cluster, c)
     elem = 4.0 if prec == "fp32" else 2.0
     tp, pp, dp, v, m = layout.tp, layout.pp, layout.dp, layout.virtual_stages, layout.num_microbatches
+    layer_split = layer_split if layer_split is not None else layout.layer_split
     v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, tp)
     if layer_split is None:
         first_params, last_params, _ = _even_stage_params(model, tp, pp, make_vocab_size_divisible_by)

@@ -36,6 +36,7 @@ class Layout:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     precision: str = "bf16"
+    layer_split: tuple[int, ...] | None = None
 
     @property
     def num_gpus(self) -> int:
@@ -111,7 +112,8 @@ class Plan:
         )
         out["time_s"] = (
             {**{k: getattr(self.time, k) for k in ("compute", "recompute", "tp_comm", "pp_comm", "bubble",
-                                                    "dp_comm", "optimizer")}, "step": self.time.step}
+                                                    "dp_comm", "optimizer", "core_sharing")},
+             "step": self.time.step}
             if self.time else None
         )
         out["tflops_per_gpu"] = self.tflops_per_gpu

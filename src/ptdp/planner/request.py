@@ -38,18 +38,24 @@ def check_request(cluster: Cluster, global_batch_size: int, fixed, *, top: int, 
               if value is not None and value < 1]
     if overhead_bytes is not None and overhead_bytes < 0:
         errors.append(f"memory overhead {overhead_bytes / 2**30:g} GiB must be >= 0")
+    split = getattr(fixed, "layer_split", None)
+    if split is not None and fixed.pp is not None and fixed.pp != len(split):
+        errors.append(f"pipeline_layer_split={list(split)} has {len(split)} stages but pp={fixed.pp}")
+    if split is not None and (fixed.virtual_stages or fixed.layers_per_virtual_stage):
+        errors.append("pipeline_layer_split cannot be combined with virtual pipeline stages")
     if not errors:
         product = 1
-        for name in ("tp", "pp", "dp"):
-            value = getattr(fixed, name)
+        pp = len(split) if split is not None else fixed.pp
+        for value in (fixed.tp, pp, fixed.dp):
             if value is not None:
                 product *= value
         if n % product:
-            parts = [f"{k}={getattr(fixed, k)}" for k in ("tp", "pp", "dp") if getattr(fixed, k)]
+            sizes = {"tp": fixed.tp, "pp": pp, "dp": fixed.dp}
+            parts = [f"{k}={v}" for k, v in sizes.items() if v]
             text = " * ".join(parts) + (f" = {product}" if len(parts) > 1 else "")
             errors.append(f"{text} does not divide the {n} GPUs (rule: tp * pp * dp = GPUs)")
-        elif None not in (fixed.tp, fixed.pp, fixed.dp) and product != n:
-            errors.append(f"tp*pp*dp = {fixed.tp}*{fixed.pp}*{fixed.dp} = {product} != {n} GPUs")
+        elif None not in (fixed.tp, pp, fixed.dp) and product != n:
+            errors.append(f"tp*pp*dp = {fixed.tp}*{pp}*{fixed.dp} = {product} != {n} GPUs")
     if errors:
         raise ConfigError("invalid plan request:\n  " + "\n  ".join(errors))
 

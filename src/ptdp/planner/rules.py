@@ -42,11 +42,12 @@ def _model_config(model: ModelSpec) -> ModelConfig:
 
 @functools.lru_cache(maxsize=65536)
 def structural_rejections(model: ModelSpec, tp: int, pp: int, dp: int, b: int, big_b: int,
-                          gpus_per_node: int) -> tuple[Rejection, ...]:
-    """Rules on (tp, pp, dp, b) alone: ptdp's config rules, grouped-query heads, node boundary."""
+                          gpus_per_node: int, layer_split: tuple[int, ...] | None = None) -> tuple[Rejection, ...]:
+    """Rules on (tp, pp, dp, b) and an explicit pipeline layer split alone: ptdp's config rules,
+    grouped-query heads, node boundary."""
     out = []
     for message in layout_errors(_model_config(model), tp=tp, pp=pp, dp=dp, micro_batch_size=b,
-                                 global_batch_size=big_b):
+                                 global_batch_size=big_b, split=layer_split):
         key = _CONFIG_RULE_KEYS.get(message.split("=", 1)[0], "config")
         message = message.replace("; give an explicit --pipeline-layer-split to split unevenly", "")
         out.append(Rejection(key, message))
@@ -66,7 +67,10 @@ def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Rejection]:
     """Rules of the interleaved schedule and of the option values."""
     out = []
     v, pp, m = layout.virtual_stages, layout.pp, layout.num_microbatches
-    if v > 1:
+    if v > 1 and layout.layer_split is not None:
+        out.append(Rejection("interleaving", "an explicit pipeline layer split cannot be combined with "
+                                             "virtual pipeline stages"))
+    elif v > 1:
         if model.num_layers % (pp * v):
             out.append(Rejection("interleaving", f"num_layers={model.num_layers} is not divisible by "
                                                  f"pp*v = {pp}*{v} = {pp * v}"))
@@ -88,6 +92,6 @@ def all_rejections(model: ModelSpec, layout: Layout, cluster: Cluster) -> list[R
         out.append(Rejection("gpus", f"tp*pp*dp = {layout.tp}*{layout.pp}*{layout.dp} = {layout.num_gpus} "
                                      f"!= {cluster.num_gpus} GPUs"))
     out += structural_rejections(model, layout.tp, layout.pp, layout.dp, layout.micro_batch_size,
-                                 layout.global_batch_size, cluster.gpus_per_node)
+                                 layout.global_batch_size, cluster.gpus_per_node, layout.layer_split)
     out += schedule_rejections(model, layout)
     return out

@@ -34,6 +34,8 @@ class Fixed:
     recompute: str | None = None
     sequence_parallel: bool | None = None
     distributed_optimizer: bool | None = None
+    layer_split: tuple[int, ...] | None = None
+    """Megatron-style explicit layers per pipeline stage (--pipeline-layer-split): fixes pp and v = 1."""
 
 
 @dataclass
@@ -85,10 +87,11 @@ def search(model: ModelSpec, cluster: Cluster, global_batch_size: int, *, fixed:
     """Every layout of ``cluster.num_gpus`` GPUs for ``model`` at ``global_batch_size``, predicted."""
     result = SearchResult([])
     n = cluster.num_gpus
+    fixed_pp = len(fixed.layer_split) if fixed.layer_split is not None else fixed.pp
     for tp in _options(fixed.tp, divisors(n)):
         if n % tp:
             continue
-        for pp in _options(fixed.pp, divisors(n // tp)):
+        for pp in _options(fixed_pp, divisors(n // tp)):
             if n % (tp * pp) or (fixed.dp is not None and fixed.dp * tp * pp != n):
                 continue
             dp = n // (tp * pp)
@@ -108,12 +111,15 @@ def _micro_batches(big_b: int, dp: int, fixed: int | None) -> list[int]:
 
 
 def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, constants, overhead, result) -> None:
-    broken = structural_rejections(model, tp, pp, dp, b, big_b, cluster.gpus_per_node)
-    base = Layout(tp, pp, dp, b, big_b, precision=precision)
+    split = fixed.layer_split
+    broken = structural_rejections(model, tp, pp, dp, b, big_b, cluster.gpus_per_node, split)
+    base = Layout(tp, pp, dp, b, big_b, precision=precision, layer_split=split)
     if broken:
         result.rejected.append((Plan(base, False, reasons=[r.message for r in broken]), broken[0]))
         return
-    if fixed.virtual_stages is not None:
+    if split is not None:
+        vs = [1]
+    elif fixed.virtual_stages is not None:
         vs = [fixed.virtual_stages]
     elif fixed.layers_per_virtual_stage is not None:
         per_stage = model.num_layers // pp if model.num_layers % pp == 0 else 0
@@ -132,7 +138,7 @@ def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, const
             # sequence parallelism needs tp > 1 and the distributed optimizer dp > 1: off otherwise
             for sp in _options(fixed.sequence_parallel, [False, True]) if tp > 1 else [False]:
                 for dopt in _options(fixed.distributed_optimizer, [False, True]) if dp > 1 else [False]:
-                    layout = Layout(tp, pp, dp, b, big_b, v, recompute, sp, dopt, precision)
+                    layout = Layout(tp, pp, dp, b, big_b, v, recompute, sp, dopt, precision, split)
                     bad = schedule_rejections(model, layout)
                     if bad:
                         result.rejected.append((Plan(layout, False, reasons=[r.message for r in bad]), bad[0]))
