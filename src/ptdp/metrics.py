@@ -17,11 +17,14 @@ class RunLog:
 
     Training lines: ``{"iteration", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s"}``;
     evaluation lines: ``{"iteration", "val_loss"}``. Units: loss in nats per token, seconds,
-    tokens per second (all ranks together).
+    tokens per second (all ranks together). In attempt ``restart`` > 0 of a restarted job
+    (:mod:`ptdp.restart`) every line also holds ``"restart": restart``; the file is appended to.
     """
 
-    def __init__(self, run_dir: Path, *, enabled: bool, total_iters: int, progress: bool = True) -> None:
+    def __init__(self, run_dir: Path, *, enabled: bool, total_iters: int, progress: bool = True,
+                 restart: int = 0) -> None:
         self.enabled = enabled
+        self.restart = restart
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = open(self.path, "a", encoding="utf-8") if enabled else None
         self._bar = (
@@ -32,8 +35,17 @@ class RunLog:
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
+            if self.restart:
+                record = record | {"restart": self.restart}
             self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
             self._file.flush()
+
+    def restarted(self, iteration: int, checkpoint: str | None) -> None:
+        """The restart event line, and a message saying where the restarted job resumes."""
+        self.write({"event": "restart", "resumed_from_iteration": iteration, "checkpoint": checkpoint})
+        where = (f"resumed from {checkpoint} at iteration {iteration}" if checkpoint else
+                 "no checkpoint to resume from (no --save, or nothing saved yet): starting from scratch")
+        self.message(f"restart {self.restart} of the job: {where}")
 
     def step(self, iteration: int, loss: float, step_time_s: float, tokens_per_s: float, lr: float) -> None:
         if self._bar is not None:

@@ -19,6 +19,7 @@ from ptdp.groups import ParallelGroups
 from ptdp.planner.calibrate import default_profile_path
 from ptdp.planner.check import compare, measure_stage
 from ptdp.metrics import RunLog, write_json
+from ptdp.restart import kill_for_test
 from ptdp.trace import Tracer, bubble_by_rank, write_trace
 from ptdp.step import build_stage, eval_loss, train_step, with_vocab
 
@@ -28,11 +29,13 @@ class TrainingError(RuntimeError):
 
 
 def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: Path, device: torch.device,
-          *, progress: bool = True) -> dict:
+          *, progress: bool = True, restart: int = 0) -> dict:
     """Train ``config.train.train_iters`` steps; returns the summary (same on every rank).
 
     Evaluates the validation loss before the first step, every ``eval_interval`` steps and after
-    the last. ``config.model.vocab_size`` is replaced by the tokenizer's real size.
+    the last. ``config.model.vocab_size`` is replaced by the tokenizer's real size. ``restart``:
+    the launcher's restart count (:mod:`ptdp.restart`; ``config`` already points ``load`` at the
+    checkpoint to resume from), marked on the metrics lines.
     """
     config = with_vocab(config, data.vocab_size)
     t, m = config.train, config.model
@@ -54,7 +57,7 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     train_windows = TokenWindows(data.train_tokens(), m.seq_length)
     sampler = GlobalBatchSampler(len(train_windows), t.global_batch_size, t.seed)
     valid_batches = _valid_batches(config, groups, data)
-    log = RunLog(run_dir, enabled=is_logger, total_iters=t.train_iters, progress=progress)
+    log = RunLog(run_dir, enabled=is_logger, total_iters=t.train_iters, progress=progress, restart=restart)
     tokens_per_step = t.global_batch_size * m.seq_length
     history: dict[str, list] = {"val": [], "train": [], "comm": {}}
 
@@ -69,7 +72,9 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     tracer = Tracer(groups.global_rank, groups.pp.rank) if t.trace_iters else None
     first_traced = 2 if t.train_iters >= 2 else 1
     started = time.perf_counter()
-    if ck.load:
+    if restart:
+        log.restarted(start, ck.load)
+    elif ck.load:
         log.message(f"resumed from {ck.load} at iteration {start}")
     evaluate(start)
     for it in range(start, t.train_iters):
@@ -103,6 +108,7 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
             evaluate(iteration)
         if ck.save and ck.save_interval and iteration % ck.save_interval == 0 and iteration != t.train_iters:
             _save(stage, ck, iteration, samples_before(iteration), log, data)
+        kill_for_test(iteration, groups.global_rank)
     evaluate(t.train_iters)
     stage.wait_for_params()
     if ck.save:

@@ -143,9 +143,27 @@ def _meta(stage, iteration: int, consumed_samples: int, kinds) -> dict:
     }
 
 
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """The complete iteration folders under ``root`` (renamed into place, with ``ptdp.json`` and
+    DCP's index), oldest first; ``.iter_N.tmp`` folders of unfinished saves are not among them."""
+    def number(p: Path) -> int:
+        digits = p.name.removeprefix("iter_")
+        return int(digits) if digits.isdigit() else -1
+
+    folders = (p for p in Path(root).glob("iter_*") if p.is_dir() and (p / META).is_file()
+               and (p / ".metadata").is_file())
+    return sorted(folders, key=number)
+
+
+def newest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint of the highest iteration under ``root`` (None: there is none).
+    Usually the one ``latest`` names; newer if a save was interrupted after its rename."""
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
+
+
 def _prune(root: Path, keep_last: int, keep: str) -> None:
-    done = sorted((p for p in root.glob("iter_*") if p.is_dir() and (p / META).is_file()),
-                  key=lambda p: int(p.name.removeprefix("iter_")) if p.name.removeprefix("iter_").isdigit() else -1)
+    done = complete_checkpoints(root)
     for old in done[:-keep_last]:
         if old.name != keep:
             shutil.rmtree(old)
