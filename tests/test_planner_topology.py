@@ -15,7 +15,7 @@ from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.plan import Layout
 from ptdp.topology.nvsmi import parse_nvidia_smi_topo
 
-TOPO = Path(__file__).resolve().parents[2] / "shared" / "data" / "topo"
+TOPO = Path(__file__).parent / "data" / "topo"
 
 
 def _topology(name: str):

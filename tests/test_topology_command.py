@@ -12,7 +12,7 @@ import pytest
 
 from ptdp.cli import main
 
-DATA = Path("/work/shared/data/topo")
+DATA = Path(__file__).parent / "data" / "topo"
 HGX = str(DATA / "hgx_a100_8gpu_nvswitch.txt")
 PCIE = str(DATA / "pcie_8x4090_no_nvlink.txt")
 

@@ -1,4 +1,4 @@
-"""Topology sources: ``nvidia-smi topo -m`` text (the saved outputs in /work/shared/data/topo and
+"""Topology sources: ``nvidia-smi topo -m`` text (the saved outputs in tests/data/topo and
 variants of them), fake sysfs trees, the CPU-only description and ``local_topology``."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ptdp.topology.model import TopologyError, format_cpu_list, parse_cpu_list
 from ptdp.topology.nvsmi import parse_nvidia_smi_topo
 from ptdp.topology.sysfs import cpu_topology, from_sysfs, local_topology
 
-DATA = Path("/work/shared/data/topo")
+DATA = Path(__file__).parent / "data" / "topo"
 HGX = DATA / "hgx_a100_8gpu_nvswitch.txt"
 NV4 = DATA / "nvlink_4gpu_nv4_4nic.txt"
 PCIE = DATA / "pcie_8x4090_no_nvlink.txt"

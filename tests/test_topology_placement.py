@@ -15,7 +15,7 @@ from ptdp.topology.model import GPU, NIC, Topology
 from ptdp.topology.nvsmi import parse_nvidia_smi_topo
 from ptdp.topology.placement import PlacementError, _block_cost, _nearest_nics, place
 
-DATA = Path("/work/shared/data/topo")
+DATA = Path(__file__).parent / "data" / "topo"
 FILES = {p.stem: p for p in sorted(DATA.glob("*.txt"))}
 
 
@@ -248,3 +248,37 @@ def test_topology_modules_do_not_import_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_launch_env_is_empty_for_the_default_order_and_lists_gpus_otherwise():
+    from ptdp.topology.placement import launch_env
+
+    assert launch_env(place(HGX, tp=2, pp=2, dp=2)) == {}
+    # GPU pairs (0,2) and (1,3) NVLinked, the others PCIe: tp=2 groups must be {0,2} and {1,3}
+    bridged = synthetic([0, 0, 0, 0], lambda i, j: "NV4" if (i, j) in ((0, 2), (1, 3)) else "PHB")
+    p = place(bridged, tp=2, pp=1, dp=2)
+    env = launch_env(p)
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    order = [int(g) for g in env["CUDA_VISIBLE_DEVICES"].split(",")]
+    assert sorted(order) == [0, 1, 2, 3] and {frozenset(order[:2]), frozenset(order[2:])} == {
+        frozenset({0, 2}), frozenset({1, 3})}
+
+
+def test_gpu_order_for_ptdp_train():
+    from ptdp.topology.gpu_order import gpu_order
+    from ptdp.topology.model import TopologyError
+
+    bridged = synthetic([0, 0, 0, 0], lambda i, j: "NV4" if (i, j) in ((0, 2), (1, 3)) else "PHB")
+    env, lines = gpu_order(2, 1, 2, 4, read_topology=lambda: bridged, environ={})
+    assert set(env) == {"CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES"} and "NVLink" in lines[0]
+    env, lines = gpu_order(2, 1, 2, 4, read_topology=lambda: bridged, environ={"CUDA_VISIBLE_DEVICES": "3,2,1,0"})
+    assert env == {} and "left as is" in lines[0]
+    assert gpu_order(2, 2, 2, 8, read_topology=lambda: HGX, environ={})[0] == {}
+
+    def broken():
+        raise TopologyError("line 3: unknown link 'NVX'")
+
+    env, lines = gpu_order(2, 1, 2, 4, read_topology=broken, environ={})
+    assert env == {} and "unknown link 'NVX'" in lines[0]
+    cpu_only = Topology(gpus=(), links=(), source="cpu")
+    assert gpu_order(2, 2, 2, 8, read_topology=lambda: cpu_only, environ={}) == ({}, [])

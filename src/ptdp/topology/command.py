@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ptdp.config import ConfigError
 from ptdp.topology.model import Topology, format_cpu_list
-from ptdp.topology.placement import Placement, PlacementError, place
+from ptdp.topology.placement import Placement, PlacementError, launch_env, place
 
 DESCRIPTION = """\
 Show a node's GPUs, their links (NVLink, PCIe), NICs and NUMA nodes, read from this machine
@@ -147,6 +147,12 @@ def format_placement(p: Placement) -> str:
             parts.append("continues on other nodes")
         lines.append(": ".join(parts[:1]) + (": " + ", ".join(parts[1:]) if parts[1:] else ""))
     lines.append(f"cost: {p.cost}")
+    env = launch_env(p)
+    if env:
+        lines.append("launch each node's workers with: " + " ".join(f"{k}={v}" for k, v in env.items())
+                     + " (ptdp train sets this itself)")
+    elif p.gpu_of_local_rank:
+        lines.append("the default order (local rank r on GPU r) is this placement")
     lines += [f"warning: {w}" for w in p.warnings] + [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
 
@@ -161,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     placement = placement_from_args(args, topology)
     if args.json:
         out = topology_to_dict(topology)
-        out["placement"] = placement.to_dict() if placement else None
+        out["placement"] = {**placement.to_dict(), "launch_env": launch_env(placement)} if placement else None
         print(json.dumps(out))
         return 0
     print(format_topology(topology))

@@ -93,6 +93,19 @@ class Placement:
         return dataclasses.asdict(self)
 
 
+def launch_env(placement: Placement) -> dict[str, str]:
+    """Environment that makes local rank ``r`` use GPU ``placement.gpu_of_local_rank[r]``: CUDA
+    numbers the visible GPUs in the order listed, and ptdp's workers use ``cuda:LOCAL_RANK``.
+    Empty when the placement is the default order (local rank r on GPU r) or has no GPUs.
+
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes CUDA's GPU numbers those of ``nvidia-smi`` (which lists
+    GPUs by PCI bus id; CUDA's default order puts the fastest first)."""
+    gpus = placement.gpu_of_local_rank
+    if not gpus or gpus == tuple(range(len(gpus))):
+        return {}
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+
+
 def link_key(link: str) -> tuple[int, int]:
     """Sort key of a link name, nearest first: NVLink (more bonded links first), then PCIe kinds."""
     if nvlink_count(link):
