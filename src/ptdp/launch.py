@@ -14,9 +14,20 @@ from ptdp.config import Config
 
 def launch_local(config: Config, nproc: int, run_dir: str, data_dir: str, *, progress: bool) -> dict:
     """Run ``nproc`` workers of ``ptdp.train.worker_entry`` on this machine; return rank 0's result.
-    See :func:`launch_workers`."""
+    See :func:`launch_workers`. On a CUDA machine the workers' GPUs follow the placement of this
+    machine's topology (:func:`ptdp.topology.gpu_order.gpu_order`), printed first."""
+    import torch
+
     from ptdp.train import worker_entry
 
+    if torch.cuda.is_available():
+        from ptdp.topology.gpu_order import gpu_order
+
+        p = config.parallel
+        env, lines = gpu_order(p.tp, p.pp, p.dp, nproc)
+        for line in lines:
+            print(line, flush=True)
+        os.environ.update(env)
     return launch_workers(worker_entry, nproc, config.to_json(), run_dir, data_dir, progress)
 
 
