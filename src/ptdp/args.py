@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from ptdp.config import (ACTIVATIONS, BIND_POLICIES, DTYPES, GRAD_COMPRESSIONS, SCHEDULES, CheckpointConfig, Config,
+from ptdp.config import (ACTIVATIONS, BIND_POLICIES, DTYPES, GRAD_COMPRESSIONS, NORMALIZATIONS, POSITION_EMBEDDINGS,
+                         SCHEDULES, CheckpointConfig, Config,
                          DataConfig, ModelConfig, ParallelConfig, TrainConfig)
 
 DEFAULT_TP, DEFAULT_PP, DEFAULT_LOCAL_WORKERS = 2, 2, 8
@@ -101,9 +102,22 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
                    help="pad the vocabulary to a multiple of this x TP")
     g.add_argument("--activation", choices=ACTIVATIONS, default=mc.activation,
                    help="MLP activation: exact GELU or its tanh approximation (GPT-2)")
-    g.add_argument("--layernorm-epsilon", type=float, default=mc.layernorm_epsilon, help="LayerNorm epsilon")
+    g.add_argument("--layernorm-epsilon", type=float, default=mc.layernorm_epsilon,
+                   help="epsilon of the norms (LayerNorm or RMSNorm)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="give the output layer its own weight (default: tied to the input embedding)")
+    g.add_argument("--normalization", choices=NORMALIZATIONS, default=mc.normalization,
+                   help="LayerNorm (weight, bias) or RMSNorm (weight only)")
+    g.add_argument("--swiglu", action="store_true",
+                   help="gated MLP: fc1 makes gate and up halves, each --ffn-hidden-size wide; fc2(silu(gate) * up)")
+    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDINGS, default=mc.position_embedding_type,
+                   help="learned position table, or rotary embeddings of q and k (rope, no table)")
+    g.add_argument("--rotary-base", type=float, default=mc.rotary_base, help="base of the rotary frequencies")
+    g.add_argument("--num-query-groups", type=int, default=None, metavar="G",
+                   help="grouped-query attention: G key/value heads, each shared by heads / G query heads; "
+                        "needs heads %% G == 0 and G %% TP == 0 (default: multi-head attention)")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   help="no biases in the linear layers (QKV, attention output, fc1, fc2)")
     g.add_argument("--params-dtype", choices=DTYPES, default=mc.params_dtype,
                    help="parameter/activation dtype; bfloat16 and float16 keep float32 main parameters and "
                         "gradients, float16 with dynamic loss scaling")
@@ -161,6 +175,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
             activation=args.activation, layernorm_epsilon=args.layernorm_epsilon,
             params_dtype=args.params_dtype, init_method_std=args.init_method_std,
+            normalization=args.normalization, swiglu=args.swiglu, position_embedding_type=args.position_embedding_type,
+            rotary_base=args.rotary_base, num_query_groups=args.num_query_groups, add_bias_linear=args.add_bias_linear,
         ),
         parallel=ParallelConfig(
             tensor_model_parallel_size=args.tensor_model_parallel_size,

@@ -156,9 +156,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     p, m = config.parallel, config.model
     binding = _binding_plan(p.bind_cpus, nproc)  # a BindingError stops here, before any worker
     run_dir = run_dir_path(config)
-    check_run_dir(run_dir, overwrite=args.overwrite)
+    check_run_dir(run_dir, overwrite=args.overwrite, load=config.checkpoint.load)
     data = prepare(config, log=lambda msg: print(msg, flush=True))
-    make_run_dir(run_dir, overwrite=args.overwrite)
+    make_run_dir(run_dir, overwrite=args.overwrite, load=config.checkpoint.load)
     config = dataclasses.replace(config, output_dir=str(run_dir))
     write_config(run_dir, config, data)
     print(
@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a failed worker: the launcher's ChildFailedError names rank and error
         if getattr(args, "debug", False):
             raise
-        print(f"ptdp {args.command}: failed: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"ptdp {args.command}: failed: {type(e).__name__}: {e}\n  (--debug shows the traceback)",
+              file=sys.stderr)
         return 1
 
 

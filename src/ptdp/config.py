@@ -15,6 +15,8 @@ Rules (sources: Narayanan et al. SC21, arXiv:2104.04473; Shoeybi et al., arXiv:1
 - ``global_batch_size % (micro_batch_size * dp) == 0``; the number of microbatches per pipeline per
   step is ``m = global_batch_size / (micro_batch_size * dp)``
 - the vocabulary is padded to a multiple of ``make_vocab_size_divisible_by * tp``
+- grouped-query attention: ``heads % num_query_groups == 0`` and ``num_query_groups % tp == 0``
+  (each tp rank holds whole key/value heads); rotary embeddings need an even head dim
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of the GPT model (pre-LayerNorm, learned positions, GELU MLP)."""
+    """Shape of the GPT model: pre-norm; by default LayerNorm, learned positions, a GELU MLP and
+    biases, with the options of Llama-like models (RMSNorm, SwiGLU, rotary positions,
+    grouped-query attention, no linear biases, an untied output layer)."""
 
     num_layers: int = 4
     """Transformer layers in the whole model (all pipeline stages together)."""
@@ -61,11 +65,33 @@ class ModelConfig:
     """Standard deviation of the normal initialisation of weights."""
     layernorm_epsilon: float = 1e-5
     activation: str = "gelu"
-    """MLP activation: ``gelu`` (exact, erf) or ``gelu_tanh`` (the tanh approximation GPT-2 uses)."""
+    """MLP activation: ``gelu`` (exact, erf) or ``gelu_tanh`` (the tanh approximation GPT-2 uses);
+    unused with ``swiglu``."""
+    normalization: str = "LayerNorm"
+    """``LayerNorm`` (weight and bias) or ``RMSNorm`` (weight only: ``x / rms(x) * weight``)."""
+    swiglu: bool = False
+    """Gated MLP: fc1 makes a gate and an up projection, each ``ffn`` wide, and the MLP computes
+    ``fc2(silu(gate) * up)`` (Shazeer 2020, arXiv:2002.05202)."""
+    position_embedding_type: str = "learned_absolute"
+    """``learned_absolute`` (a learned ``[s, h]`` table added to the token embeddings) or ``rope``
+    (rotary embeddings applied to q and k in every layer, no position table; Su et al. 2021,
+    arXiv:2104.09864)."""
+    rotary_base: float = 10000.0
+    """Base of the rotary frequencies: channel pair i of a head turns by ``pos * base^(-2i/d)``."""
+    num_query_groups: int | None = None
+    """Key/value heads G for grouped-query attention (Ainslie et al. 2023, arXiv:2305.13245), each
+    shared by a / G query heads; None: ordinary multi-head attention (a key/value heads)."""
+    add_bias_linear: bool = True
+    """Biases in the linear layers (QKV, attention output, fc1, fc2); norms keep theirs."""
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``num_query_groups``, or one per query head without it."""
+        return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
 
 
 @dataclass(frozen=True)
@@ -168,6 +194,8 @@ class TrainConfig:
 
 
 ACTIVATIONS = ("gelu", "gelu_tanh")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 
 
 @dataclass(frozen=True)
@@ -336,6 +364,8 @@ def resolve(config: Config, world_size: int) -> Config:
     errors += _checkpoint_rules(config.checkpoint)
     if m.activation not in ACTIVATIONS:
         errors.append(f"activation={m.activation!r} must be one of {ACTIVATIONS}")
+    elif m.swiglu and m.activation != "gelu":
+        errors.append(f"activation={m.activation!r} has no effect with swiglu (the gate uses silu)")
     if config.data.valid_fraction <= 0 or config.data.valid_fraction >= 1:
         errors.append(f"valid_fraction={config.data.valid_fraction} must be in (0, 1)")
     if p.distributed_timeout_minutes <= 0:
@@ -359,6 +389,7 @@ def _finite(config: Config) -> list[str]:
         "adam_beta1": config.train.adam_beta1, "adam_beta2": config.train.adam_beta2,
         "adam_eps": config.train.adam_eps, "clip_grad": config.train.clip_grad,
         "init_method_std": config.model.init_method_std, "layernorm_epsilon": config.model.layernorm_epsilon,
+        "rotary_base": config.model.rotary_base,
         "valid_fraction": config.data.valid_fraction,
         "distributed_timeout_minutes": config.parallel.distributed_timeout_minutes,
     }
@@ -491,6 +522,7 @@ def _model_rules(m: ModelConfig, tp: int, pp: int, split: tuple[int, ...] | None
             f"ffn_hidden_size={m.ffn} is not divisible by tensor_model_parallel_size={tp} "
             f"(rule: ffn % tp == 0)"
         )
+    errors += _llama_option_rules(m, tp)
     try:
         stage_layer_counts(m.num_layers, pp, split)
     except ConfigError as e:
@@ -501,6 +533,33 @@ def _model_rules(m: ModelConfig, tp: int, pp: int, split: tuple[int, ...] | None
         errors.append(f"params_dtype={m.params_dtype!r} must be one of {DTYPES}")
     if m.init_method_std <= 0:
         errors.append(f"init_method_std={m.init_method_std} must be > 0")
+    return errors
+
+
+def _llama_option_rules(m: ModelConfig, tp: int) -> list[str]:
+    """Normalization, positions and grouped-query attention (the options of Llama-like models)."""
+    errors = []
+    a, g = m.num_attention_heads, m.num_query_groups
+    if m.normalization not in NORMALIZATIONS:
+        errors.append(f"normalization={m.normalization!r} must be one of {NORMALIZATIONS}")
+    if m.position_embedding_type not in POSITION_EMBEDDINGS:
+        errors.append(f"position_embedding_type={m.position_embedding_type!r} must be one of {POSITION_EMBEDDINGS}")
+    elif m.position_embedding_type == "rope" and a > 0 and m.hidden_size % a == 0 and (m.hidden_size // a) % 2:
+        errors.append(f"head dim hidden_size / num_attention_heads = {m.hidden_size}/{a} = {m.hidden_size // a} "
+                      f"is odd (rule: rotary embeddings turn pairs of channels, the head dim must be even)")
+    if not m.rotary_base > 0:
+        errors.append(f"rotary_base={m.rotary_base} must be > 0")
+    if g is None:
+        return errors
+    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+        errors.append(f"num_query_groups={g!r} must be a positive integer")
+        return errors
+    if a % g:
+        errors.append(f"num_attention_heads={a} is not divisible by num_query_groups={g} "
+                      f"(rule: heads % groups == 0; each key/value head serves a / G query heads)")
+    if g % tp:
+        errors.append(f"num_query_groups={g} is not divisible by tensor_model_parallel_size={tp} "
+                      f"(rule: query groups must divide by tp; each tp rank holds whole key/value heads)")
     return errors
 
 

@@ -38,7 +38,7 @@ def load_for_inference(path: str | Path, dtype: str = "float32") -> tuple[GPTMod
 @torch.no_grad()
 def next_token_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
     """``[b, s]`` token ids -> ``[b, V]`` logits of the next token (float32; real vocabulary)."""
-    x = model.word_embeddings(tokens) + model.position_embeddings[: tokens.shape[1]]
+    x = model.embed(tokens)
     for layer in model.layers.values():
         x = layer(x)
     out = model.output_layer if hasattr(model, "output_layer") else model.word_embeddings
@@ -58,7 +58,7 @@ def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *, tempera
         raise ValueError("the prompt must hold at least one token")
     if not math.isfinite(temperature) or temperature < 0 or (top_k is not None and top_k < 1):
         raise ValueError(f"temperature={temperature} must be >= 0 and top_k={top_k} >= 1")
-    window = model.position_embeddings.shape[0]
+    window = model.cfg.seq_length
     gen = torch.Generator().manual_seed(seed)
     tokens = list(prompt)
     for _ in range(max_new_tokens):

@@ -1,7 +1,14 @@
-"""Preparing a run before any worker starts: its data and its run directory."""
+"""Preparing a run before any worker starts: its data and its run directory.
+
+Nothing that exists is overwritten unless asked: a non-empty run directory needs ``--overwrite``,
+or ``--load`` of a checkpoint that run saved (the run is continued: its files are kept and
+``metrics.jsonl`` is appended to); a ``--save`` folder that already holds checkpoints is used
+only to resume from them (``--load`` inside it).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -24,19 +31,27 @@ def prepare(config: Config, log=print) -> PreparedData:
     Raises:
         DataError: unusable data, or too little of it for one global batch of training samples or
             one validation sequence (checked here, before any worker starts).
-        CheckpointError: ``--load`` names no usable checkpoint for this model.
+        CheckpointError: ``--load`` names no usable checkpoint for this model (whether it is a
+            checkpoint at all is checked before the data are prepared); ``--save`` holds
+            checkpoints that ``--load`` does not resume from.
     """
-    if config.checkpoint.save:
+    ck = config.checkpoint
+    if ck.load:
+        from ptdp.checkpoint.io import read_meta, resolve_checkpoint
+
+        read_meta(resolve_checkpoint(ck.load))
+    if ck.save:
         from ptdp.checkpoint.io import check_save_dir
 
-        check_save_dir(config.checkpoint.save)
+        check_save_dir(ck.save)
+        check_save_holds_no_other_run(ck.save, ck.load)
     paths = list(config.data.data_paths) or None
     cache = cache_dir(config)
     if cache.exists() and not cache.is_dir():
         raise DataError(f"data cache directory {cache} exists and is not a directory")
     data = prepare_data(paths, config.model.vocab_size, cache, config.data.valid_fraction, log=log)
     check_data_fits(config, data)
-    if config.checkpoint.load:
+    if ck.load:
         from ptdp.checkpoint.io import precheck
         from ptdp.step import with_vocab
 
@@ -51,13 +66,14 @@ def check_data_fits(config: Config, data: PreparedData) -> None:
     if train_samples < big_b:
         raise DataError(
             f"the training split has {data.num_train_tokens:,} tokens = {train_samples} samples of "
-            f"seq_length+1={s + 1} tokens, fewer than global_batch_size={big_b}; use more data, a "
-            f"shorter --seq-length or a smaller --global-batch-size"
+            f"seq_length+1={s + 1} tokens, fewer than global_batch_size={big_b}: one global batch needs "
+            f"{big_b}*{s}+1 = {big_b * s + 1:,} tokens; use more data, a shorter --seq-length or a "
+            f"smaller --global-batch-size"
         )
     if config.train.eval_iters > 0 and data.num_valid_tokens < s + 1:
         raise DataError(
-            f"the validation split has {data.num_valid_tokens:,} tokens, fewer than one sample of "
-            f"seq_length+1={s + 1}; use more data, a larger --valid-fraction or --eval-iters 0"
+            f"the validation split has {data.num_valid_tokens:,} tokens, fewer than the seq_length+1 = "
+            f"{s + 1} tokens of one sample; use more data, a larger --valid-fraction or --eval-iters 0"
         )
 
 
@@ -67,20 +83,61 @@ def run_dir_path(config: Config) -> Path:
     return Path(config.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-tp{p.tp}-pp{p.pp}-dp{p.dp}")
 
 
-def check_run_dir(path: Path, *, overwrite: bool) -> None:
-    """Raise ConfigError if ``path`` is a file, or a non-empty folder and not ``overwrite``."""
+def check_run_dir(path: Path, *, overwrite: bool, load: str | None = None) -> None:
+    """Raise ConfigError if ``path`` is a file, or a non-empty folder, unless ``overwrite`` or
+    ``load`` continues the run that wrote it (:func:`continues_run`)."""
     if path.exists() and not path.is_dir():
         raise ConfigError(f"output directory {path} exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
-        raise ConfigError(f"output directory {path} exists and is not empty; pass --overwrite or another --output-dir")
+    if path.is_dir() and any(path.iterdir()) and not overwrite and not continues_run(path, load):
+        raise ConfigError(
+            f"output directory {path} exists and is not empty; pass --overwrite to write into it, "
+            f"--load with a checkpoint that run saved to continue it, or another --output-dir"
+        )
 
 
-def make_run_dir(path: Path, *, overwrite: bool) -> Path:
-    """Create the run directory (after :func:`check_run_dir`); a stale ``metrics.jsonl`` is removed."""
-    check_run_dir(path, overwrite=overwrite)
+def continues_run(path: Path, load: str | None) -> bool:
+    """True if ``load`` names a checkpoint in the folder the run in ``path`` saved into (its
+    ``config.json``'s ``checkpoint.save``, relative paths taken from the current directory)."""
+    if not load:
+        return False
+    from ptdp.checkpoint.io import CheckpointError, resolve_checkpoint
+
+    try:
+        saved = json.loads((path / "config.json").read_text())["checkpoint"]["save"]
+        folder = resolve_checkpoint(load)
+    except (OSError, ValueError, KeyError, TypeError, CheckpointError):
+        return False
+    return bool(saved) and Path(saved).resolve() == folder.parent.resolve()
+
+
+def check_save_holds_no_other_run(save: str, load: str | None) -> None:
+    """Raise CheckpointError if ``save`` holds complete checkpoints and ``load`` is not one of them:
+    saving there would replace them (same iterations, ``latest``, ``--keep-last`` pruning)."""
+    from ptdp.checkpoint.io import CheckpointError, complete_checkpoints, resolve_checkpoint
+
+    found = complete_checkpoints(save)
+    if not found:
+        return
+    if load:
+        try:
+            if resolve_checkpoint(load).parent.resolve() == Path(save).resolve():
+                return
+        except CheckpointError:
+            pass
+    raise CheckpointError(
+        f"--save {save} already holds {len(found)} checkpoint(s) (newest {found[-1].name}) that this run "
+        f"would overwrite; continue from them with --load {save}, or save into another folder"
+    )
+
+
+def make_run_dir(path: Path, *, overwrite: bool, load: str | None = None) -> Path:
+    """Create the run directory (after :func:`check_run_dir`). A stale ``metrics.jsonl`` is removed,
+    unless the run is continued (``load``), whose lines are appended to it."""
+    check_run_dir(path, overwrite=overwrite, load=load)
+    continued = continues_run(path, load)
     path.mkdir(parents=True, exist_ok=True)
     metrics = path / "metrics.jsonl"
-    if metrics.exists():
+    if metrics.exists() and not continued:
         metrics.unlink()
     return path
 

@@ -96,7 +96,7 @@ def _setup(config: Config, overwrite: bool, rank: int, local_rank: int, host) ->
     error, data = None, None
     try:
         if rank == 0:
-            check_run_dir(run_dir, overwrite=overwrite)
+            check_run_dir(run_dir, overwrite=overwrite, load=config.checkpoint.load)
         if local_rank == 0:
             data = prepare(config)
     except (ConfigError, DataError) as e:
@@ -105,7 +105,7 @@ def _setup(config: Config, overwrite: bool, rank: int, local_rank: int, host) ->
     if local_rank != 0:
         data = prepare(config, log=lambda _msg: None)  # built by local rank 0: found in the cache
     if rank == 0:
-        make_run_dir(run_dir, overwrite=overwrite)
+        make_run_dir(run_dir, overwrite=overwrite, load=config.checkpoint.load)
         write_config(run_dir, dataclasses.replace(config, output_dir=str(run_dir)), data)
     return Path(comm.broadcast_object(str(run_dir), host, src=0)), data
 

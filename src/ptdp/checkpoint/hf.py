@@ -21,8 +21,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ptdp.checkpoint.io import (FORMAT, META, CheckpointError, _first_line, _write_json, _write_text_atomic,
-                                check_files, read_meta, resolve_checkpoint)
+from ptdp.checkpoint.io import (FORMAT, META, MODEL_DEFAULTS, CheckpointError, _first_line, _write_json,
+                                _write_text_atomic, check_files, read_meta, resolve_checkpoint)
 from ptdp.checkpoint.safe_reader import SafeFileSystemReader
 from ptdp.config import ModelConfig
 
@@ -52,6 +52,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """Write ``out_dir/config.json`` and ``out_dir/model.safetensors`` for ``GPT2LMHeadModel``."""
     meta, tensors = read_model_tensors(checkpoint)
     m = meta["model"]
+    gpt2 = _gpt2_config(m)  # raises for what GPT-2 lacks, before any tensor is mapped
     h = m["hidden_size"]
     hf: dict[str, torch.Tensor] = {
         "transformer.wte.weight": tensors["word_embeddings.weight"],
@@ -71,7 +72,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in hf.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = _gpt2_config(m) | {"torch_dtype": str(next(iter(hf.values())).dtype).removeprefix("torch.")}
+    config = gpt2 | {"torch_dtype": str(next(iter(hf.values())).dtype).removeprefix("torch.")}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
@@ -79,6 +80,11 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
 def _gpt2_config(m: dict) -> dict:
     if m.get("activation", "gelu") not in ("gelu", "gelu_tanh"):
         raise CheckpointError(f"activation {m.get('activation')!r} has no GPT-2 equivalent")
+    options = {f: m.get(f, default) for f, default in MODEL_DEFAULTS.items() if f not in ("activation", "layernorm_epsilon")}
+    other = [f"{f}={value!r}" for f, value in options.items() if value != MODEL_DEFAULTS[f]]
+    if other:
+        raise CheckpointError(f"the model has {', '.join(other)}: GPT-2 has LayerNorm, learned positions, a GELU MLP, "
+                              f"biases and multi-head attention")
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": m["vocab_size"], "n_positions": m["seq_length"], "n_embd": m["hidden_size"],

@@ -42,9 +42,18 @@ FORMAT = 1
 META = "ptdp.json"
 #: model fields that must match between a checkpoint and the model loading it
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn", "seq_length",
-                "vocab_size", "untie_embeddings_and_output_weights", "activation", "layernorm_epsilon")
+                "vocab_size", "untie_embeddings_and_output_weights", "activation", "layernorm_epsilon",
+                "normalization", "swiglu", "position_embedding_type", "rotary_base", "num_query_groups",
+                "add_bias_linear")
 _FLAGS = {"vocab_size": "--vocab-size", "activation": "--activation", "layernorm_epsilon": "--layernorm-epsilon",
-          "seq_length": "--seq-length", "num_layers": "--num-layers", "hidden_size": "--hidden-size"}
+          "seq_length": "--seq-length", "num_layers": "--num-layers", "hidden_size": "--hidden-size",
+          "normalization": "--normalization", "swiglu": "--swiglu", "position_embedding_type": "--position-embedding-type",
+          "rotary_base": "--rotary-base", "num_query_groups": "--num-query-groups",
+          "add_bias_linear": "--disable-bias-linear"}
+#: values of model fields that checkpoints written before the field existed had
+MODEL_DEFAULTS = {"activation": "gelu", "layernorm_epsilon": 1e-5, "normalization": "LayerNorm", "swiglu": False,
+                  "position_embedding_type": "learned_absolute", "rotary_base": 10000.0, "num_query_groups": None,
+                  "add_bias_linear": True}
 
 
 class CheckpointError(ConfigError):
@@ -289,10 +298,9 @@ def check_save_dir(path: str | Path) -> None:
 
 def _check_model(meta: dict, config: Config, folder: Path) -> None:
     m = config.model
-    defaults = {"activation": "gelu", "layernorm_epsilon": 1e-5}
-    diffs = [f"{f}={meta['model'].get(f, defaults.get(f))!r} in the checkpoint, {getattr(m, f)!r} here"
+    diffs = [f"{f}={meta['model'].get(f, MODEL_DEFAULTS.get(f))!r} in the checkpoint, {getattr(m, f)!r} here"
              + (f" (set {_FLAGS[f]})" if f in _FLAGS else "")
-             for f in SHAPE_FIELDS if meta["model"].get(f, defaults.get(f)) != getattr(m, f)]
+             for f in SHAPE_FIELDS if meta["model"].get(f, MODEL_DEFAULTS.get(f)) != getattr(m, f)]
     if diffs:
         raise CheckpointError(f"checkpoint {folder} is for a different model: " + "; ".join(diffs))
 

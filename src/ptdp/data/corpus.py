@@ -4,7 +4,10 @@ A *corpus* is a list of paths (files or folders). Folders are walked recursively
 skipping hidden entries, ``__pycache__``, ``site-packages`` and ``dist-packages``. Every text file is
 one document, except ``.jsonl`` files, which give one document per non-blank line (its ``"text"``
 field). Files with a known binary extension are ignored; files that turn out to be binary (a NUL
-byte) or not UTF-8 are skipped with a warning.
+byte), not UTF-8 or unreadable are skipped with a warning naming them, and so are paths given
+directly that are empty or not a regular file (a FIFO would block the reader). Empty files inside a
+folder (an ``__init__.py``) are skipped silently. When nothing usable remains the error names every
+skipped file and why.
 
 Document ids are *relative* (``<root folder name>/<path inside it>``, ``<file name>`` for a file
 given directly, ``...:<line>`` for jsonl lines), so the train/validation split, which hashes them,
@@ -58,6 +61,8 @@ class CorpusFile:
     doc_id: str
     size: int
     mtime_ns: int
+    given: bool = False
+    """The path was given directly (not found by walking a folder): an empty one is worth a warning."""
 
 
 def default_corpus_paths() -> list[Path]:
@@ -81,29 +86,37 @@ def _wanted(name: str, suffixes: Collection[str] | None) -> bool:
     return suffix not in BINARY_SUFFIXES
 
 
-def _walk(folder: Path) -> Iterator[Path]:
+def _walk(folder: Path, skipped: list[tuple[Path, str]] | None = None) -> Iterator[Path]:
     """Files under ``folder``, depth first, each folder's entries sorted by name. Hidden entries and
-    ``SKIPPED_DIRS`` are pruned; symlinked folders are not followed."""
-    with os.scandir(folder) as it:
-        entries = sorted(it, key=lambda e: e.name)
+    ``SKIPPED_DIRS`` are pruned; symlinked folders are not followed; an unreadable folder is skipped
+    (see :func:`_skip`)."""
+    try:
+        with os.scandir(folder) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError as err:
+        _skip(folder, f"unreadable folder ({err.strerror or err})", skipped)
+        return
     for entry in entries:
         if entry.name.startswith("."):
             continue
         if entry.is_dir(follow_symlinks=False):
             if entry.name not in SKIPPED_DIRS:
-                yield from _walk(Path(entry.path))
+                yield from _walk(Path(entry.path), skipped)
         elif entry.is_file():
             yield Path(entry.path)
 
 
 def list_corpus_files(
-    paths: Sequence[PathLike] | PathLike, suffixes: Collection[str] | None = None
+    paths: Sequence[PathLike] | PathLike, suffixes: Collection[str] | None = None,
+    skipped: list[tuple[Path, str]] | None = None,
 ) -> list[CorpusFile]:
     """Every file that would be read, in reading order, with its size and mtime (stat only).
 
     ``suffixes``: if given (lower case, with the dot, e.g. ``{".py"}``), read only those; otherwise
     read every file whose extension is not a known binary one. Raises :class:`DataError` naming a
-    path that does not exist.
+    path that does not exist. A path that cannot be stat'ed, or one given directly that is neither
+    a folder nor a regular file, is skipped: appended to ``skipped`` with the reason, and warned
+    about, when ``skipped`` is given (the reading pass); silently otherwise.
     """
     files: list[CorpusFile] = []
     suffix_set = None if suffixes is None else {s.lower() for s in suffixes}
@@ -112,7 +125,10 @@ def list_corpus_files(
             raise DataError(f"data path does not exist: {str(root)!r}")
         base = root.resolve().name or "root"
         if root.is_dir():
-            found = ((p, f"{base}/{p.relative_to(root).as_posix()}") for p in _walk(root))
+            found = ((p, f"{base}/{p.relative_to(root).as_posix()}") for p in _walk(root, skipped))
+        elif not root.is_file():
+            _skip(root, "not a regular file or folder (a FIFO, socket or device)", skipped)
+            continue
         else:
             found = iter([(root, base)])
         for path, doc_id in found:
@@ -121,10 +137,19 @@ def list_corpus_files(
             try:
                 st = path.stat()
             except OSError as err:  # a dangling symlink, a permission problem
-                warnings.warn(f"skipping unreadable data file {str(path)!r}: {err}", stacklevel=2)
+                _skip(path, f"unreadable ({err.strerror or err})", skipped)
                 continue
-            files.append(CorpusFile(path, doc_id, st.st_size, st.st_mtime_ns))
+            files.append(CorpusFile(path, doc_id, st.st_size, st.st_mtime_ns, given=path == root))
     return files
+
+
+def _skip(path: Path, reason: str, skipped: list[tuple[Path, str]] | None, warn: bool = True) -> None:
+    """Record (when ``skipped`` is a list) and warn about (when also ``warn``) a skipped path."""
+    if skipped is None:
+        return
+    if warn:
+        warnings.warn(f"skipping data file {str(path)!r}: {reason}", stacklevel=3)
+    skipped.append((path, reason))
 
 
 def corpus_fingerprint(
@@ -144,17 +169,18 @@ def corpus_fingerprint(
     return h.hexdigest()
 
 
-def _read_text(path: Path) -> str | None:
-    """The file's text, or None (with a warning) if it is binary or not UTF-8."""
-    data = path.read_bytes()
-    if b"\0" in data:
-        warnings.warn(f"skipping data file {str(path)!r}: contains NUL bytes (binary?)", stacklevel=3)
-        return None
+def _read_text(path: Path) -> tuple[str | None, str]:
+    """The file's text, or None and why not (binary, not UTF-8, unreadable)."""
     try:
-        return data.decode("utf-8-sig")
+        data = path.read_bytes()
+    except OSError as err:  # no permission, a folder in the way, gone since it was listed
+        return None, f"unreadable ({err.strerror or err})"
+    if b"\0" in data:
+        return None, "contains NUL bytes (binary?)"
+    try:
+        return data.decode("utf-8-sig"), ""
     except UnicodeDecodeError as err:
-        warnings.warn(f"skipping data file {str(path)!r}: not valid UTF-8 ({err})", stacklevel=3)
-        return None
+        return None, f"not valid UTF-8 ({err})"
 
 
 def _jsonl_documents(path: Path, doc_id: str, text: str) -> Iterator[Document]:
@@ -184,31 +210,43 @@ def iter_documents(
 
     Paths are checked (and files listed) eagerly, so a missing path raises :class:`DataError` at
     the call. If the iteration finds no usable document it raises :class:`DataError` naming the
-    paths searched.
+    paths searched and every file skipped, with the reason.
     """
     roots = _as_path_list(paths)
-    files = list_corpus_files(roots, suffixes)
-    return _generate(roots, files, suffixes)
+    skipped: list[tuple[Path, str]] = []
+    files = list_corpus_files(roots, suffixes, skipped)
+    return _generate(roots, files, suffixes, skipped)
 
 
 def _generate(
-    roots: list[Path], files: list[CorpusFile], suffixes: Collection[str] | None
+    roots: list[Path], files: list[CorpusFile], suffixes: Collection[str] | None,
+    skipped: list[tuple[Path, str]],
 ) -> Iterator[Document]:
     count = 0
     for f in files:
-        text = _read_text(f.path)
+        text, reason = _read_text(f.path)
         if text is None:
+            _skip(f.path, reason, skipped)
             continue
         if f.path.suffix.lower() == ".jsonl":
             docs: Iterator[Document] = _jsonl_documents(f.path, f.doc_id, text)
         else:
             docs = iter([Document(f.doc_id, text)] if text.strip() else [])
+        before = count
         for doc in docs:
             count += 1
             yield doc
+        if count == before:  # an empty file: worth a warning only when named directly
+            _skip(f.path, "empty (no non-blank text)", skipped, warn=f.given)
     if count == 0:
-        what = f" with suffixes {sorted(suffixes)}" if suffixes is not None else ""
-        raise DataError(
-            f"no usable documents{what} in {[str(r) for r in roots]} "
-            f"({len(files)} candidate files; all empty, binary or not UTF-8)"
-        )
+        raise DataError(_nothing_usable(roots, files, suffixes, skipped))
+
+
+def _nothing_usable(roots, files, suffixes, skipped: list[tuple[Path, str]], shown: int = 10) -> str:
+    what = f" with suffixes {sorted(suffixes)}" if suffixes is not None else ""
+    text = f"no usable documents{what} in {[str(r) for r in roots]}"
+    if not files and not skipped:
+        return text + " (no files found)"
+    listed = "; ".join(f"{str(path)!r}: {reason}" for path, reason in skipped[:shown])
+    more = f"; and {len(skipped) - shown} more" if len(skipped) > shown else ""
+    return f"{text}: every file was skipped: {listed}{more}"

@@ -1,4 +1,6 @@
-"""A pre-LayerNorm GPT (learned positions, GELU MLP, tied input/output embedding by default).
+"""A pre-norm GPT: by default LayerNorm, learned positions, a GELU MLP, biases and a tied
+input/output embedding; Llama-like options: RMSNorm, a SwiGLU MLP, rotary positions,
+grouped-query attention, no linear biases, an untied output layer (:class:`ptdp.config.ModelConfig`).
 
 :class:`GPTModel` is one pipeline stage: it holds the layers ``layer_ids`` and, on the first stage,
 the embeddings, and on the last stage the final LayerNorm, the output layer and the loss. With
@@ -7,7 +9,8 @@ nothing. Parameter names use global layer indices (``layers.5.mlp.fc1.weight``) 
 depend on the layout.
 
 Per-rank shapes: tokens and labels ``[b, s]``; hidden states ``[b, s, h]`` (replicated over tp);
-attention runs on the ``a / tp`` local heads, the MLP on ``ffn / tp`` local channels.
+attention runs on the ``a / tp`` local query heads (and ``G / tp`` key/value heads with
+grouped-query attention), the MLP on ``ffn / tp`` local channels.
 Communication per layer and microbatch (Shoeybi et al. 2019, §3): forward 2 all-reduces of
 ``b*s*h`` elements on tp (after attention and after the MLP), backward 2 (before QKV and fc1).
 """
@@ -20,6 +23,7 @@ from torch import nn
 
 from ptdp.comm import AxisGroup
 from ptdp.config import ModelConfig, padded_vocab_size
+from ptdp.model.rotary import RotaryEmbedding
 from ptdp.tensor_parallel import (
     ColumnParallelLinear,
     ParamSpec,
@@ -46,35 +50,94 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang and Sennrich 2019, arXiv:1910.07467), ``x / sqrt(mean(x^2) + eps) * weight``
+    over the hidden dim; the weight is replicated on every tp rank; no bias."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = make_parameter(ParamSpec((hidden_size,), init="ones"), 1, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def make_norm(cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
+    """The configured normalization (``cfg.normalization``) of width h."""
+    kind = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
+    return kind(cfg.hidden_size, cfg.layernorm_epsilon, dtype)
+
+
 class Attention(nn.Module):
-    """Causal self-attention split by heads: QKV column-parallel, output projection row-parallel."""
+    """Causal self-attention split by heads: QKV column-parallel, output projection row-parallel.
+
+    Multi-head attention (``num_query_groups`` None): the fused projection is laid out
+    ``[q | k | v]`` (each ``h`` rows, heads contiguous), each block split over tp, so a rank holds
+    the q, k and v of its ``a / tp`` heads. Grouped-query attention with G groups: it is laid out
+    group by group, ``[q of the a/G heads of group 0, k_0, v_0, q of group 1, k_1, v_1, ...]``
+    (``d`` rows per head), and split contiguously over tp, so a rank holds ``G / tp`` whole groups:
+    its ``a / tp`` query heads and the key/value heads they share (query head i uses key/value
+    head ``i // (a/G)``). With ``rope`` the rotary embedding turns q and k before the scores.
+    """
 
     def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype) -> None:
         super().__init__()
         h, a = cfg.hidden_size, cfg.num_attention_heads
         self.local_heads, self.head_dim = a // tp.size, h // a
-        self.qkv = ColumnParallelLinear(h, 3 * h, tp=tp, dtype=dtype, fused=3, tag="attn_qkv")
-        self.proj = RowParallelLinear(h, h, tp=tp, dtype=dtype, tag="attn_proj")
+        self.grouped = cfg.num_query_groups is not None
+        self.local_groups = cfg.kv_heads // tp.size
+        rows, fused = ((a + 2 * cfg.kv_heads) * self.head_dim, 1) if self.grouped else (3 * h, 3)
+        bias = cfg.add_bias_linear
+        self.qkv = ColumnParallelLinear(h, rows, tp=tp, dtype=dtype, bias=bias, fused=fused, tag="attn_qkv")
+        self.proj = RowParallelLinear(h, h, tp=tp, dtype=dtype, bias=bias, tag="attn_proj")
+        rope = cfg.position_embedding_type == "rope"
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.rotary_base) if rope else None
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's fused projection ``[b, s, rows / tp]`` -> q ``[b, a/tp, s, d]`` and k, v
+        ``[b, kv/tp, s, d]`` (kv = G, or a without groups)."""
+        b, s, _ = qkv.shape
+        if not self.grouped:
+            q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+            return q, k, v
+        per_group = self.local_heads // self.local_groups
+        qkv = qkv.view(b, s, self.local_groups, per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :per_group].reshape(b, s, self.local_heads, self.head_dim)
+        return q.transpose(1, 2), qkv[:, :, :, per_group].transpose(1, 2), qkv[:, :, :, per_group + 1].transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, 3, self.local_heads, self.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [b, a/tp, s, d]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q, k, v = self.split_heads(self.qkv(x))
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
         return self.proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    """fc1 column-parallel -> GELU -> fc2 row-parallel; no communication before the GELU."""
+    """fc1 column-parallel -> activation -> fc2 row-parallel; no communication in between.
+
+    GELU: fc1 is ``[ffn, h]``. SwiGLU (``swiglu``): fc1 is ``[gate | up]``, ``[2 ffn, h]``, each
+    half split over tp separately (like the blocks of a fused QKV), so rank r's shard holds the
+    gate and up rows of the same ``ffn / tp`` channels and ``silu(gate) * up`` is local.
+    """
 
     def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype) -> None:
         super().__init__()
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn, tp=tp, dtype=dtype, tag="mlp_fc1")
-        self.fc2 = RowParallelLinear(cfg.ffn, cfg.hidden_size, tp=tp, dtype=dtype, tag="mlp_fc2")
+        h, ffn, bias = cfg.hidden_size, cfg.ffn, cfg.add_bias_linear
+        self.swiglu = cfg.swiglu
+        halves = 2 if cfg.swiglu else 1
+        self.fc1 = ColumnParallelLinear(h, halves * ffn, tp=tp, dtype=dtype, bias=bias, fused=halves, tag="mlp_fc1")
+        self.fc2 = RowParallelLinear(ffn, h, tp=tp, dtype=dtype, bias=bias, tag="mlp_fc2")
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+        y = self.fc1(x)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            return self.fc2(F.silu(gate) * up)
+        return self.fc2(F.gelu(y, approximate=self.approximate))
 
 
 class TransformerLayer(nn.Module):
@@ -82,9 +145,9 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype) -> None:
         super().__init__()
-        self.ln1 = LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, dtype)
+        self.ln1 = make_norm(cfg, dtype)
         self.attention = Attention(cfg, tp, dtype)
-        self.ln2 = LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, dtype)
+        self.ln2 = make_norm(cfg, dtype)
         self.mlp = MLP(cfg, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,8 +162,9 @@ class GPTModel(nn.Module):
         cfg: model shape; ``vocab_size`` here is the real (tokenizer) vocabulary.
         tp: tensor-parallel axis.
         layer_ids: global indices of the transformer layers on this stage.
-        pre_process: this is the first stage (token and position embeddings).
-        post_process: this is the last stage (final LayerNorm, output layer, loss).
+        pre_process: this is the first stage (token embeddings, and learned positions unless
+            they are rotary).
+        post_process: this is the last stage (final norm, output layer, loss).
 
     On the last stage of a pipeline with pp > 1 and tied embeddings, ``word_embeddings`` is a copy
     of the first stage's; its gradient must be summed with the first stage's after backward
@@ -120,12 +184,12 @@ class GPTModel(nn.Module):
             self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, v_pad, cfg.hidden_size, tp=tp, dtype=dtype)
             if not pre_process:
                 self.word_embeddings.weight.ptdp_tied_copy = True
-        if pre_process:
+        if pre_process and cfg.position_embedding_type == "learned_absolute":
             spec = ParamSpec((cfg.seq_length, cfg.hidden_size))
             self.position_embeddings = make_parameter(spec, 1, dtype)
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, tp, dtype) for i in layer_ids})
         if post_process:
-            self.final_norm = LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, dtype)
+            self.final_norm = make_norm(cfg, dtype)
             if not tied:
                 self.output_layer = VocabParallelEmbedding(cfg.vocab_size, v_pad, cfg.hidden_size, tp=tp, dtype=dtype)
 
@@ -142,7 +206,7 @@ class GPTModel(nn.Module):
         tokens (a scalar, nats) given ``labels [b, s]``.
         """
         if self.pre_process:
-            x = self.word_embeddings(x) + self.position_embeddings[: x.shape[1]]
+            x = self.embed(x)
         for layer in self.layers.values():
             x = layer(x)
         if not self.post_process:
@@ -150,6 +214,14 @@ class GPTModel(nn.Module):
         if labels is None:
             raise ValueError("the last pipeline stage needs labels to compute the loss")
         return self.token_losses(self.final_norm(x), labels).mean()
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """First stage: token ids ``[b, s]`` -> ``[b, s, h]``, the word embeddings plus the learned
+        positions (none with rotary positions, which act inside attention)."""
+        x = self.word_embeddings(tokens)
+        if hasattr(self, "position_embeddings"):
+            x = x + self.position_embeddings[: tokens.shape[1]]
+        return x
 
     def token_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token loss ``[b, s]`` from final hidden states ``[b, s, h]``; logits stay sharded.

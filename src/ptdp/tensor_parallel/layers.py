@@ -23,7 +23,7 @@ class ColumnParallelLinear(nn.Module):
     elements, on the tp axis.
 
     ``fused=3`` treats the output as three equal blocks (q | k | v) split separately, so each rank
-    keeps the q, k and v of the same heads.
+    keeps the q, k and v of the same heads (``fused=2``: SwiGLU's gate | up, the same channels).
     """
 
     def __init__(

@@ -27,7 +27,8 @@ class ParamSpec:
         global_shape: shape of the whole, unsharded tensor (vocab rows already padded).
         tp_dim: tensor dim split over tp ranks; None means replicated on every tp rank.
         tp_groups: the split dim is viewed as [tp_groups, n] and each group is split separately
-            (3 for a fused QKV projection laid out [q | k | v], so every rank gets its heads' q, k, v).
+            (3 for a fused QKV projection laid out [q | k | v], so every rank gets its heads' q, k, v;
+            2 for a SwiGLU fc1 laid out [gate | up], so every rank gets matching gate and up rows).
         init: "normal" (std), "scaled_normal" (std / sqrt(2 * num_layers), for the projections
             into the residual stream, GPT-2 / Megatron), "zeros" or "ones".
         real_rows: rows of dim 0 that are real (vocabulary); rows past it are padding, kept at zero.

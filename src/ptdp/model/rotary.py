@@ -1,0 +1,47 @@
+"""Rotary position embeddings (RoPE; Su et al., "RoFormer", arXiv:2104.09864).
+
+Each attention head's ``d`` channels form ``d / 2`` pairs ``(x_i, x_{i + d/2})`` (the "rotate
+half" pairing); at position ``p`` pair ``i`` is turned by the angle ``p * base^(-2i / d)``:
+
+    out_i         = x_i * cos - x_{i + d/2} * sin
+    out_{i + d/2} = x_{i + d/2} * cos + x_i * sin
+
+Applied to q and k (not v), the score ``q_m . k_n`` then depends on the positions only through
+``m - n``. Nothing is learned and nothing is communicated: every tp rank turns its own heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Turns ``[b, heads, s, d]`` queries or keys by their position (0 .. s-1); no parameters.
+
+    The angles are computed in float64 and cached per (s, dtype, device); the rotation runs in
+    the input's dtype (in float32 for 16-bit inputs, cast back).
+    """
+
+    def __init__(self, head_dim: int, base: float) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head dim, got {head_dim}")
+        self.head_dim, self.base = head_dim, base
+        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cos_sin(self, seq_length: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin`` of the angles, each ``[s, d / 2]``."""
+        key = (seq_length, dtype, device)
+        if key not in self._cache:
+            half = self.head_dim // 2
+            inv_freq = self.base ** (-torch.arange(half, dtype=torch.float64) * 2.0 / self.head_dim)
+            angles = torch.arange(seq_length, dtype=torch.float64).unsqueeze(1) * inv_freq
+            self._cache[key] = (angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device))
+        return self._cache[key]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        work = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+        cos, sin = self.cos_sin(x.shape[-2], work, x.device)
+        x1, x2 = x.to(work).chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
