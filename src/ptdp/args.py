@@ -12,7 +12,7 @@ import argparse
 
 from ptdp.config import (ACTIVATIONS, BIND_POLICIES, DTYPES, GRAD_COMPRESSIONS, NORMALIZATIONS, POSITION_EMBEDDINGS,
                          SCHEDULES, CheckpointConfig, Config,
-                         DataConfig, ModelConfig, ParallelConfig, TrainConfig)
+                         ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig)
 
 DEFAULT_TP, DEFAULT_PP, DEFAULT_LOCAL_WORKERS = 2, 2, 8
 
@@ -57,6 +57,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
         g.add_argument("--nproc-per-node", type=int, default=None,
                        help=f"local worker processes (default: TP x PP x DP if --dp is given, else {DEFAULT_LOCAL_WORKERS} "
                        "when TP x PP divides it, else TP x PP)")
+        g.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                       help="when a worker dies, restart all workers up to N times; a restarted job resumes "
+                            "from the newest checkpoint in --save (else --load, else from scratch)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=pc.distributed_timeout_minutes,
                    help="timeout of every process group")
     g.add_argument("--bind-cpus", choices=BIND_POLICIES, default=pc.bind_cpus,
@@ -221,3 +224,10 @@ def local_world_size(args: argparse.Namespace) -> int:
     if model_parallel > 0 and DEFAULT_LOCAL_WORKERS % model_parallel == 0:
         return DEFAULT_LOCAL_WORKERS
     return model_parallel
+
+
+def max_restarts(args: argparse.Namespace) -> int:
+    """``--max-restarts`` of ``ptdp train``; raises ConfigError unless it is >= 0."""
+    if not isinstance(args.max_restarts, int) or args.max_restarts < 0:
+        raise ConfigError(f"max_restarts={args.max_restarts!r} must be >= 0 (0: a failed worker ends the run)")
+    return args.max_restarts

@@ -7,7 +7,7 @@ import dataclasses
 import sys
 import warnings
 
-from ptdp.args import HelpFormatter, add_train_arguments, config_from_args, local_world_size
+from ptdp.args import HelpFormatter, add_train_arguments, config_from_args, local_world_size, max_restarts
 from ptdp.config import ConfigError, resolve
 from ptdp.data import DataError
 from ptdp.metrics import format_summary
@@ -152,6 +152,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     _one_line_warnings()
     nproc = local_world_size(args)
+    restarts = max_restarts(args)
     config = resolve(config_from_args(args), nproc)
     p, m = config.parallel, config.model
     binding = _binding_plan(p.bind_cpus, nproc)  # a BindingError stops here, before any worker
@@ -170,7 +171,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"run directory: {run_dir}" + binding,
         flush=True,
     )
-    summary = launch_local(config, nproc, str(run_dir), str(data.cache_dir), progress=not args.no_progress)
+    summary = launch_local(config, nproc, str(run_dir), str(data.cache_dir), progress=not args.no_progress,
+                           max_restarts=restarts)
     if "error" in summary:
         print(f"ptdp train: error: {summary['error']}\n  run directory: {run_dir}", file=sys.stderr, flush=True)
         return 1

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import uuid
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ptdp.config import Config
 
 
-def launch_local(config: Config, nproc: int, run_dir: str, data_dir: str, *, progress: bool) -> dict:
-    """Run ``nproc`` workers of ``ptdp.train.worker_entry`` on this machine; return rank 0's result.
-    See :func:`launch_workers`. On a CUDA machine the workers' GPUs follow the placement of this
-    machine's topology (:func:`ptdp.topology.gpu_order.gpu_order`), printed first."""
+class WorkerFailedError(RuntimeError):
+    """A worker died or raised, and the launcher had no restart left; the message names it."""
+
+
+def launch_local(config: Config, nproc: int, run_dir: str, data_dir: str, *, progress: bool,
+                 max_restarts: int = 0) -> dict:
+    """Run ``nproc`` workers of ``ptdp.train.worker_entry`` on this machine; return rank 0's result,
+    or ``{"error": message}`` when a worker failed for good. See :func:`launch_workers`. On a CUDA
+    machine the workers' GPUs follow the placement of this machine's topology
+    (:func:`ptdp.topology.gpu_order.gpu_order`), printed first."""
     import torch
 
     from ptdp.train import worker_entry
@@ -28,24 +36,79 @@ def launch_local(config: Config, nproc: int, run_dir: str, data_dir: str, *, pro
         for line in lines:
             print(line, flush=True)
         os.environ.update(env)
-    return launch_workers(worker_entry, nproc, config.to_json(), run_dir, data_dir, progress)
+    try:
+        return launch_workers(worker_entry, nproc, config.to_json(), run_dir, data_dir, progress,
+                              max_restarts=max_restarts)
+    except WorkerFailedError as e:
+        return {"error": str(e)}
 
 
-def launch_workers(entrypoint, nproc: int, *args) -> dict:
+def launch_workers(entrypoint, nproc: int, *args, max_restarts: int = 0) -> dict:
     """Run ``nproc`` workers of ``entrypoint(*args)`` on this machine; return rank 0's result.
 
-    Rendezvous binds to loopback on a free port; there are no restarts. Each worker gets one CPU
-    thread per core share (``OMP_NUM_THREADS``); workers print to this process's terminal and the
-    launcher's per-attempt files go to a temporary folder removed afterwards. Raises the launcher's
-    ``ChildFailedError`` if a worker fails, ``SignalException`` on Ctrl-C / SIGTERM.
+    Rendezvous binds to loopback on a free port. When a worker fails, the launcher stops the
+    others and starts all ``nproc`` again, up to ``max_restarts`` times (each attempt sees
+    ``TORCHELASTIC_RESTART_COUNT``; resuming is the workers' business, see :mod:`ptdp.restart`).
+    Each worker gets one CPU thread per core share (``OMP_NUM_THREADS``); workers print to this
+    process's terminal and the launcher's per-attempt files go to a temporary folder removed
+    afterwards. Raises :class:`WorkerFailedError` naming the first failed rank and how it ended
+    when a worker fails with no restart left, ``SignalException`` on Ctrl-C / SIGTERM.
     """
     cores = len(os.sched_getaffinity(0))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
-    with tempfile.TemporaryDirectory(prefix="ptdp-launch-") as log_dir:
-        return _launch(entrypoint, nproc, args, log_dir)
+    with tempfile.TemporaryDirectory(prefix="ptdp-launch-") as log_dir, _fresh_store_per_attempt(max_restarts):
+        try:
+            return _launch(entrypoint, nproc, args, log_dir, max_restarts)
+        except ChildFailedError as e:
+            raise WorkerFailedError(failure_message(e, max_restarts)) from e
 
 
-def _launch(entrypoint, nproc: int, args: tuple, log_dir: str) -> dict:
+def failure_message(error: ChildFailedError, max_restarts: int) -> str:
+    """One paragraph: which rank failed first, how (signal or exit code, and the worker's own error
+    message when it raised), and that no restart was left."""
+    rank, failure = error.get_first_failure()
+    if failure.exitcode < 0:
+        how = f"was killed by signal {failure.signal_name()} (exit code {failure.exitcode})"
+    else:
+        how = f"exited with code {failure.exitcode}"
+    restarts = (f"after {max_restarts} restart(s), none left (--max-restarts {max_restarts})" if max_restarts
+                else "no restarts allowed (--max-restarts 0)")
+    text = f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}; {restarts}"
+    others = sorted(r for r in error.failures if r != rank)
+    if others:
+        text += f"; ranks {others} failed too"
+    if failure.exitcode >= 0 and isinstance(failure.message, str) and failure.error_file != "<N/A>":
+        text += f"\n{failure.message}"
+    elif failure.exitcode >= 0 and isinstance(failure.message, dict):
+        text += f"\n{failure.message.get('message', '')}"
+    return text
+
+
+#: torch's switch that gives every attempt its own TCPStore (hosted by worker rank 0 on a new free
+#: port) instead of the launcher's one store shared by all attempts.
+NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+@contextlib.contextmanager
+def _fresh_store_per_attempt(max_restarts: int):
+    """With restarts, set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` while the launcher runs: in the
+    store it shares by default, a restarted worker finds the previous attempt's process-group keys
+    (its peers' old addresses) and fails to connect (pytorch/pytorch#135712, #167288)."""
+    if not max_restarts:
+        yield
+        return
+    before = os.environ.get(NO_SHARED_STORE)
+    os.environ[NO_SHARED_STORE] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(NO_SHARED_STORE, None)
+        else:
+            os.environ[NO_SHARED_STORE] = before
+
+
+def _launch(entrypoint, nproc: int, args: tuple, log_dir: str, max_restarts: int) -> dict:
     launch_config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -54,7 +117,7 @@ def _launch(entrypoint, nproc: int, args: tuple, log_dir: str) -> dict:
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
         local_addr="127.0.0.1",
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),

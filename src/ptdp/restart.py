@@ -11,8 +11,8 @@ no supervisor of its own: a restarted worker resumes by itself (:func:`resume_co
 - else from ``--load`` as the first attempt did;
 - else from scratch (no ``--save``, or nothing saved yet), which rank 0 says.
 
-``--save`` is taken to be this run's own folder: a checkpoint another run left there is resumed
-from as if this run had written it. The data continue from the checkpoint's sample position, so a
+The checkpoints in ``--save`` are this run's: a run does not start with a ``--save`` that holds
+checkpoints it does not resume from (:func:`ptdp.rundir.prepare`). The data continue from the checkpoint's sample position, so a
 resumed job trains exactly like an uninterrupted one; the iterations after the checkpoint are
 computed again. Rank 0 appends the resumed part to the same ``metrics.jsonl``, every line with
 ``"restart": k``, after a line ``{"event": "restart", "restart": k, "resumed_from_iteration": i,
@@ -26,7 +26,7 @@ import os
 import signal
 
 from ptdp.checkpoint.io import newest_checkpoint
-from ptdp.config import Config
+from ptdp.config import Config, ConfigError
 
 #: Test-only: the iteration after which one worker of the job's first attempt kills itself.
 KILL_AT_ITERATION_ENV = "PTDP_TEST_KILL_AT_ITERATION"
@@ -37,6 +37,30 @@ KILL_RANK_ENV = "PTDP_TEST_KILL_RANK"
 def restart_count() -> int:
     """How many times the launcher has restarted this job's workers (0: the first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def max_restarts_of_torchrun() -> int:
+    """``--max-restarts`` of the torchrun that started this worker (0 without one)."""
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+
+
+def check_torchrun_restarts(output_dir: str | None) -> None:
+    """Under ``torchrun --max-restarts N`` (N > 0), raise ConfigError unless a restart can work:
+    ``--output-dir`` is needed (the default run directory's name holds the start time, and the
+    resumed part is appended to the first attempt's), and so is ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    in torchrun's environment: in the store torchrun shares with its workers by default, a
+    restarted worker finds the previous attempt's process-group keys (its peers' old addresses)
+    and cannot connect (pytorch/pytorch#135712, #167288). ``ptdp train`` sets it itself."""
+    n = max_restarts_of_torchrun()
+    needs = []
+    if n and not output_dir:
+        needs.append("--output-dir (a restarted job appends to the run directory of its first attempt)")
+    if n and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        needs.append("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment (with the store torchrun "
+                     "shares by default, restarted workers read their peers' addresses from the previous "
+                     "attempt and cannot connect)")
+    if needs:
+        raise ConfigError(f"torchrun --max-restarts {n} needs " + " and ".join(needs))
 
 
 def resume_config(config: Config, restart: int) -> Config:

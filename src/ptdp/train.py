@@ -5,6 +5,9 @@
 - :func:`main`: ``torchrun ... -m ptdp.train [flags]`` on a cluster. Every process validates the
   flags before any process group exists; local rank 0 of each node prepares the data (cached)
   while the others wait; global rank 0 creates the run directory and prints the summary.
+
+Both resume by themselves when the launcher restarts the job (``--max-restarts``, see
+:mod:`ptdp.restart`); a restarted job appends to the run directory of its first attempt.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ptdp.distributed import env_world, init_distributed
 from ptdp.groups import ParallelGroups, host_group
 from ptdp.layout import ParallelLayout
 from ptdp.metrics import format_summary
+from ptdp.restart import check_torchrun_restarts, restart_count, resume_config
 from ptdp.rundir import check_run_dir, make_run_dir, prepare, run_dir_path, write_config
 from ptdp.trainer import TrainingError, train
 
@@ -35,20 +39,21 @@ from ptdp.trainer import TrainingError, train
 DATA_PREPARATION_TIMEOUT = datetime.timedelta(hours=4)
 
 
-def _run(config: Config, run_dir: Path, data: PreparedData, device, progress: bool) -> dict:
+def _run(config: Config, run_dir: Path, data: PreparedData, device, progress: bool, restart: int) -> dict:
     p = config.parallel
     layout = ParallelLayout(tp=p.tp, pp=p.pp, dp=p.dp)
     groups = ParallelGroups.build(layout, datetime.timedelta(minutes=p.distributed_timeout_minutes))
-    return train(config, groups, data, run_dir, device, progress=progress)
+    return train(config, groups, data, run_dir, device, progress=progress, restart=restart)
 
 
 def worker_entry(config_json: str, run_dir: str, data_dir: str, progress: bool) -> dict:
     """Run one worker of a job launched by ``ptdp train``; returns the run summary, or
     ``{"error": message}`` when training had to stop (the same on every rank)."""
-    config = Config.from_dict(json.loads(config_json))
+    restart = restart_count()
+    config = resume_config(Config.from_dict(json.loads(config_json)), restart)
     device = init_distributed(config.parallel.distributed_timeout_minutes, bind_cpus=config.parallel.bind_cpus)
     try:
-        return _run(config, Path(run_dir), PreparedData.load(data_dir), device, progress)
+        return _run(config, Path(run_dir), PreparedData.load(data_dir), device, progress, restart)
     except TrainingError as e:
         return {"error": str(e)}
     except KeyboardInterrupt:
@@ -67,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
     try:
         config = resolve(config_from_args(args), world)
+        check_torchrun_restarts(args.output_dir)
     except ConfigError as e:
         say(f"ptdp.train: error: {e}")
         return 2
@@ -77,9 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         host = host_group(DATA_PREPARATION_TIMEOUT)
-        run_dir, data = _setup(config, args.overwrite, rank, local_rank, host)
+        # a torchrun whose node saw no failure restarts its workers without counting: the job's count is the max
+        restart = max(comm.all_gather_object(restart_count(), host))
+        config = resume_config(config, restart)
+        run_dir, data = _setup(config, args.overwrite, rank, local_rank, host, restart)
         config = dataclasses.replace(config, output_dir=str(run_dir))
-        summary = _run(config, run_dir, data, device, progress=not args.no_progress)
+        summary = _run(config, run_dir, data, device, not args.no_progress, restart)
         say(format_summary(summary, run_dir))
     except (ConfigError, DataError, TrainingError) as e:
         say(f"ptdp.train: error: {e}")
@@ -89,13 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _setup(config: Config, overwrite: bool, rank: int, local_rank: int, host) -> tuple[Path, PreparedData]:
+def _setup(config: Config, overwrite: bool, rank: int, local_rank: int, host,
+           restart: int) -> tuple[Path, PreparedData]:
     """Check the run directory (rank 0), prepare data (local rank 0 of each node, the others wait),
-    create the run directory; any rank's error is raised on every rank."""
+    create the run directory (a restarted job keeps its first attempt's: config.json, and
+    metrics.jsonl to append to); any rank's error is raised on every rank."""
     run_dir = run_dir_path(config)
     error, data = None, None
     try:
-        if rank == 0:
+        if rank == 0 and not restart:
             check_run_dir(run_dir, overwrite=overwrite, load=config.checkpoint.load)
         if local_rank == 0:
             data = prepare(config)
@@ -104,7 +115,9 @@ def _setup(config: Config, overwrite: bool, rank: int, local_rank: int, host) ->
     _raise_first(comm.all_gather_object(error, host))
     if local_rank != 0:
         data = prepare(config, log=lambda _msg: None)  # built by local rank 0: found in the cache
-    if rank == 0:
+    if rank == 0 and restart:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    elif rank == 0:
         make_run_dir(run_dir, overwrite=overwrite, load=config.checkpoint.load)
         write_config(run_dir, dataclasses.replace(config, output_dir=str(run_dir)), data)
     return Path(comm.broadcast_object(str(run_dir), host, src=0)), data
