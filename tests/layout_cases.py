@@ -79,6 +79,9 @@ def train_and_collect(cfg: Config, groups: ParallelGroups, record_comm_step: int
     }
 
 
+LLAMA_OPTIONS = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "num_query_groups": 2,
+                 "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
+
 #: Named variants of the tiny model: (dtype, model, parallel and train overrides). Parallel
 #: overrides apply only where pp > 1 (the single-process reference has one stage).
 VARIANTS = {
@@ -106,11 +109,20 @@ VARIANTS = {
     "dp_accumulate": ("float64", {}, {}, {"micro_batch_size": 1, "global_batch_size": 16},
                       {"overlap_grad_reduce": True, "ddp_bucket_size": 5000}),
     "dp_distopt_bf16": ("bfloat16", {}, {}, {}, {"use_distributed_optimizer": True, "ddp_bucket_size": 901}),
+    # Llama-like: RMSNorm, SwiGLU, rotary positions, 2 query groups of 2 heads, no linear biases,
+    # untied output layer; at tp = 4 (2 groups cannot be split over 4 ranks) 8 heads in 4 groups
+    "llama": ("float64", LLAMA_OPTIONS, {}, {}),
+    "llama_tp4": ("float64", LLAMA_OPTIONS | {"num_attention_heads": 8, "num_query_groups": 4}, {}, {}),
 }
 DP_LAYOUTS = {(1, 1, 4), (2, 2, 2), (1, 2, 2)}
 DP_VARIANTS = ["dp_overlap", "dp_distopt", "dp_distopt_overlap", "dp_distopt_overlap_gather", "dp_accumulate"]
 SCHEDULE_LAYOUTS = {(1, 2, 1), (1, 4, 1), (2, 2, 2), (1, 2, 2)}
 SCHEDULE_VARIANTS = ["gpipe", "interleaved"]
+
+
+def llama_variant(tp: int) -> str:
+    """The Llama-like variant every layout runs: 2 query groups where tp divides them."""
+    return "llama" if 2 % tp == 0 else "llama_tp4"
 
 
 def variant_config(name: str, tp: int, pp: int, dp: int) -> Config:
@@ -139,7 +151,7 @@ def reference(variant: str) -> dict:
 @functools.cache
 def parallel_run(tp: int, pp: int, dp: int) -> list[dict]:
     """Every rank's results of the variants at this layout (one spawn per layout, cached)."""
-    variants = ["float64", "float32"]
+    variants = ["float64", "float32", llama_variant(tp)]
     if (tp, pp, dp) in EXTRA_VARIANT_LAYOUTS:
         variants += EXTRA_VARIANTS + ["bfloat16"]
     if (tp, pp, dp) in SCHEDULE_LAYOUTS:

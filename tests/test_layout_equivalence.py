@@ -14,7 +14,7 @@ import torch
 from ptdp.tensor_parallel.sharding import unshard
 from layout_cases import (
     DP_LAYOUTS, DP_VARIANTS, EXTRA_VARIANT_LAYOUTS, EXTRA_VARIANTS, SCHEDULE_LAYOUTS, SCHEDULE_VARIANTS,
-    parallel_run, reference,
+    llama_variant, parallel_run, reference,
 )
 
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 4, 1), (4, 1, 1)]
@@ -58,6 +58,18 @@ def assert_matches_reference(results: list[dict], variant: str, tol: dict) -> No
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "tp{}pp{}dp{}".format(*l))
 def test_layout_matches_single_process(layout, dtype):
     assert_matches_reference(parallel_run(*layout), dtype, TOL[dtype])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "tp{}pp{}dp{}".format(*l))
+def test_llama_options_match_single_process(layout):
+    """RMSNorm, SwiGLU, rotary positions, grouped-query attention (2 groups of 2 heads; at tp = 4,
+    4 groups of 2), no linear biases and an untied output layer: float64 within 1e-9 at every
+    layout, so the per-group QKV shards and the [gate | up] shards are exact."""
+    variant = llama_variant(layout[0])
+    results = parallel_run(*layout)
+    assert_matches_reference(results, variant, TOL["float64"])
+    names = results[0][variant]["params"]
+    assert not any(n.endswith(".bias") for n in names) and "position_embeddings" not in names
 
 
 @pytest.mark.parametrize("variant", EXTRA_VARIANTS)
