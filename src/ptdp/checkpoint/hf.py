@@ -49,7 +49,11 @@ def read_model_tensors(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write ``out_dir/config.json`` and ``out_dir/model.safetensors`` for ``GPT2LMHeadModel``."""
+    """Write ``out_dir/config.json`` and ``out_dir/model.safetensors`` for ``GPT2LMHeadModel``
+    (``out_dir`` must be new or empty: nothing is overwritten)."""
+    target = Path(out_dir)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise CheckpointError(f"{target} exists and is not an empty folder; export into a new one")
     meta, tensors = read_model_tensors(checkpoint)
     m = meta["model"]
     gpt2 = _gpt2_config(m)  # raises for what GPT-2 lacks, before any tensor is mapped

@@ -223,6 +223,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return folder
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a ptdp checkpoint folder (give the folder --save wrote, "
+                              f"or one of its iter_* folders)")
     raise CheckpointError(f"{path} is not a ptdp checkpoint (no {META} and no 'latest' file)")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ptdp.config import ParallelConfig, schedule_errors
 from ptdp.planner.hardware import Cluster, GiB
 from ptdp.planner.memory import memory_breakdown
 from ptdp.planner.models import ModelSpec
@@ -102,6 +103,15 @@ def search(model: ModelSpec, cluster: Cluster, global_batch_size: int, *, fixed:
     return result
 
 
+def _interleaving_flag_errors(num_layers: int, tp: int, pp: int, dp: int, b: int, big_b: int,
+                              per_chunk: int) -> list[str]:
+    """``--num-layers-per-virtual-pipeline-stage`` makes ``ptdp train`` run the interleaved schedule
+    whatever v it gives (v = 1 included): that schedule's rules, as ``ptdp train`` checks them."""
+    parallel = ParallelConfig(tp, pp, dp, pipeline_schedule="interleaved-1f1b",
+                              num_layers_per_virtual_pipeline_stage=per_chunk)
+    return schedule_errors(parallel, num_layers, big_b // (b * dp))
+
+
 def _micro_batches(big_b: int, dp: int, fixed: int | None) -> list[int]:
     if fixed is not None:
         return [fixed]
@@ -122,13 +132,11 @@ def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, const
     elif fixed.virtual_stages is not None:
         vs = [fixed.virtual_stages]
     elif fixed.layers_per_virtual_stage is not None:
-        per_stage = model.num_layers // pp if model.num_layers % pp == 0 else 0
-        if per_stage == 0 or per_stage % fixed.layers_per_virtual_stage:
-            message = (f"num_layers={model.num_layers} does not split into pp={pp} stages of chunks of "
-                       f"{fixed.layers_per_virtual_stage} layers")
-            result.rejected.append((Plan(base, False, reasons=[message]), Rejection("interleaving", message)))
+        broken = _interleaving_flag_errors(model.num_layers, tp, pp, dp, b, big_b, fixed.layers_per_virtual_stage)
+        if broken:
+            result.rejected.append((Plan(base, False, reasons=broken), Rejection("interleaving", broken[0])))
             return
-        vs = [per_stage // fixed.layers_per_virtual_stage]
+        vs = [model.num_layers // (pp * fixed.layers_per_virtual_stage)]
     elif pp > 1 and model.num_layers % pp == 0:
         vs = divisors(model.num_layers // pp)
     else:
