@@ -17,7 +17,7 @@ from ptdp.model.chunks import global_named_parameters
 from ptdp.step import build_stage, eval_loss, train_step
 from ptdp.tensor_parallel.sharding import spec_of, unshard
 from dist_helpers import PG_TIMEOUT, run_workers
-from layout_cases import rank_microbatches, tiny_config
+from layout_cases import LLAMA_OPTIONS, rank_microbatches, tiny_config
 
 SAVE_LAYOUT = (2, 2, 2)
 
@@ -122,6 +122,41 @@ def _merge_stages(results: list[dict]) -> dict:
     for r in results:
         state.update(r["state"])
     return {"state": state, "eval": results[0]["eval"], "iteration": results[0]["iteration"]}
+
+
+LLAMA_SAVE_LAYOUT = (2, 2, 1)
+
+
+def llama_save_worker(rank: int, world: int, root: str) -> dict:
+    groups = _groups(*LLAMA_SAVE_LAYOUT)
+    cfg = tiny_config(*LLAMA_SAVE_LAYOUT, "float64", **LLAMA_OPTIONS)
+    stage = build_stage(cfg, groups)
+    for i in range(2):
+        train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i)
+    save_checkpoint(stage, root, 2, consumed_samples=2 * cfg.train.global_batch_size)
+    return {"state": _full_state(stage, groups), "eval": _eval(stage, cfg, groups), "iteration": 2}
+
+
+def test_llama_checkpoint_loads_at_another_layout(tmp_path):
+    """The Llama-like model (grouped QKV stored whole groups at a time, SwiGLU's [gate | up] as
+    [2, ffn, h], untied output layer, no biases, no position table) saved at (2,2,1) loads in one
+    process: parameters and Adam moments bitwise, evaluation loss within 1e-9; a GPT of the same
+    shape is told which option differs."""
+    root = str(tmp_path)
+    ref = _merge_stages(run_workers(llama_save_worker, 4, root, timeout=240))
+    groups = _groups(1, 1, 1)
+    cfg = tiny_config(1, 1, 1, "float64", **LLAMA_OPTIONS)
+    stage = build_stage(cfg, groups)
+    assert load_checkpoint(stage, root)["iteration"] == 2
+    got = _full_state(stage, groups)
+    assert set(got) == set(ref["state"])
+    for key, value in ref["state"].items():
+        assert torch.equal(got[key], value), key
+    torch.testing.assert_close(_eval(stage, cfg, groups), ref["eval"], rtol=1e-9, atol=0)
+    gpt = build_stage(tiny_config(1, 1, 1, "float64", untie_embeddings_and_output_weights=True), groups)
+    with pytest.raises(CheckpointError, match="normalization='RMSNorm' in the checkpoint, 'LayerNorm' here "
+                                              r"\(set --normalization\); swiglu=True in the checkpoint"):
+        load_checkpoint(gpt, root)
 
 
 def test_latest_and_failures(checkpoint_root, tmp_path):
