@@ -178,6 +178,7 @@ def test_debug_shows_the_traceback(tmp_path):
 # ---- a corpus too small -------------------------------------------------------------------------
 
 def test_corpus_too_small_names_token_counts(tmp_path, capsys, corpus, launched):
+    before = snapshot(corpus)
     code, err = train(capsys, tmp_path, "--data", str(corpus), "--global-batch-size", "100000",
                       "--micro-batch-size", "1", "--dp", "1", "--output-dir", str(tmp_path / "run"))
     assert code == 2 and not launched
@@ -187,6 +188,7 @@ def test_corpus_too_small_names_token_counts(tmp_path, capsys, corpus, launched)
                       "--micro-batch-size", "1", "--dp", "1", "--output-dir", str(tmp_path / "run"))
     assert code == 2 and not launched
     assert "the validation split has" in err and "fewer than the seq_length+1 = 20001 tokens of one sample" in err
+    assert snapshot(corpus) == before
 
 
 # ---- --load, --output-dir, --save -----------------------------------------------------------------
@@ -212,7 +214,7 @@ def checkpoint(tmp_path, corpus) -> Path:
     ("folder", "{path} is not a ptdp checkpoint (no ptdp.json and no 'latest' file)"),
     ("file", "{path} is a file, not a ptdp checkpoint folder"),
 ])
-def test_load_of_no_checkpoint_fails_before_the_data_are_prepared(tmp_path, capsys, corpus, launched,
+def test_load_of_no_checkpoint_is_refused_before_the_data_are_prepared(tmp_path, capsys, corpus, launched,
                                                                    target, message):
     path = tmp_path / target
     if target == "folder":
@@ -225,7 +227,12 @@ def test_load_of_no_checkpoint_fails_before_the_data_are_prepared(tmp_path, caps
                       str(tmp_path / "run"))
     assert code == 2 and message.format(path=path) in err and "Traceback" not in err and not launched
     assert not (tmp_path / "cache").exists(), "checked before the data are prepared"
-    assert not (tmp_path / "run").exists() and (snapshot(path) if path.exists() else {}) == before
+    assert cli.main(["generate", "--load", str(path), "--prompt", "def "]) == 2
+    assert message.format(path=path) in capsys.readouterr().err
+    assert cli.main(["convert", "to-hf", str(path), str(tmp_path / "hf")]) == 2
+    assert message.format(path=path) in capsys.readouterr().err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "hf").exists()
+    assert (snapshot(path) if path.exists() else {}) == before
 
 
 def test_existing_run_directory_is_refused_unless_overwrite_or_continued(tmp_path, capsys, corpus, launched,

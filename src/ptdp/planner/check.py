@@ -91,6 +91,7 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
             return out
         cluster = Cluster(gpu, config.world_size, config.world_size)  # ptdp train's workers share one machine
         memory = memory_breakdown(model, layout, gpu, overhead_bytes=0.0, layer_split=p.pipeline_layer_split,
+                                  schedule="gpipe" if p.schedule == "gpipe" else "1f1b",
                                   make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by)
         out["peak_memory"]["predicted_bytes"] = memory.total
         if layout.precision in gpu.peak_flops and mean_step_s:

@@ -7,9 +7,12 @@ al., "Reducing Activation Recomputation in Large Transformer Models", arXiv:2205
 Parameters are counted exactly from the shapes ptdp's :class:`ptdp.model.gpt.GPTModel` creates
 (``tests/test_planner_model_memory.py`` checks the count against the real ``numel``).
 
-Activations follow [K22] §4 (16-bit activations, 1-byte dropout masks), generalised term by term
-to grouped-query attention and SwiGLU (see :func:`layer_activation_bytes`), times the microbatches
-(or model chunks) a pipeline rank holds at its peak (:func:`inflight_microbatches`).
+Activations follow [K22] §4 (16-bit activations, 1-byte dropout masks, fp32 logits), generalised
+term by term to grouped-query attention, SwiGLU, models without dropout and fused (flash)
+attention (see :func:`layer_activation_bytes`), times the microbatches (or model chunks) a
+pipeline rank holds at its peak (:func:`inflight_microbatches`). For ptdp's own GPT
+(:func:`ptdp.planner.models.spec_from_model_config`) ``tests/test_planner_activations.py`` checks
+the peak against the bytes autograd really saves (:mod:`ptdp.activation_meter`).
 """
 
 from __future__ import annotations
@@ -103,8 +106,22 @@ def bytes_per_param(precision: str, dp: int = 1, distributed_optimizer: bool = F
 # --------------------------------------------------------------------------------------------
 # Activations
 # --------------------------------------------------------------------------------------------
+def activation_value_bytes(precision: str) -> tuple[int, int]:
+    """(bytes of an activation value, bytes of a value kept in fp32) at ``precision``.
+
+    bf16/fp16 mixed precision: 2-byte activations; the log-sum-exp of a fused attention kernel and
+    the logits of the cross entropy are fp32 (4). fp32: 4 and 4 (nothing is doubled twice).
+    Dropout masks are 1 byte at every precision.
+    """
+    if precision in ("bf16", "fp16"):
+        return 2, 4
+    if precision == "fp32":
+        return 4, 4
+    raise ValueError(f"precision={precision!r} must be one of bf16, fp16, fp32")
+
+
 def layer_activation_bytes(model: ModelSpec, tp: int, micro_batch_size: int, *, sequence_parallel: bool,
-                           recompute: str) -> float:
+                           recompute: str, precision: str = "bf16") -> float:
     """Activation bytes one transformer layer keeps for backward, per microbatch, on one tp rank.
 
     [K22] eq. (1)-(2) and §5 for GPT, per layer (s: sequence, b: micro batch, h, a, t = tp):
@@ -113,26 +130,33 @@ def layer_activation_bytes(model: ModelSpec, tp: int, micro_batch_size: int, *, 
       full recompute keeps only the layer input, ``2 s b h`` (``2 s b h / t`` with SP).
     Generalisation used for GQA and SwiGLU (same accounting, per token, 2 bytes per value):
       replicated over tp (divided by t with SP): 2 norm inputs (4h), QKV and fc1 inputs (4h),
-      2 dropout masks (2h, 1 byte each; 0 for Llama-style models, trained without dropout);
+      2 dropout masks (2h, 1 byte each; 0 when ``model.dropout`` is False);
       split over tp: q and k for the scores, v, attention context (``4 a d + 4 kv d``), MLP
       ``4 ffn`` (GELU input and output) or ``6 ffn`` (SwiGLU: the fused ``2 ffn`` fc1 output and
       the gated product); scores ``5 a s`` per token (softmax output 2, dropout mask 1, dropout
-      output 2; Llama-style without dropout: 2).
+      output 2; without dropout: 2). With ``model.flash_attention`` no score is kept, only the
+      kernel's fp32 log-sum-exp, ``4 a`` per token (both dropped by selective recompute).
     With a = kv, d = h/a, ffn = 4h this is exactly [K22]'s ``10 h + 24 h / t + 5 a s / t``.
+    ``precision`` "fp32" makes every value 4 bytes (masks stay 1 byte; see
+    :func:`activation_value_bytes`).
     """
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r} must be none, selective or full")
+    e, e32 = activation_value_bytes(precision)
     h, a, s = model.hidden_size, model.num_attention_heads, model.seq_length
     t, tokens = tp, micro_batch_size * s
     if recompute == "full":
-        return 2.0 * tokens * h / (t if sequence_parallel else 1)
+        return e * tokens * h / (t if sequence_parallel else 1)
     d, kv = h // a, model.kv_heads
-    dropout = not model.llama_style
-    replicated = (8 + (2 if dropout else 0)) * h
-    split = 4 * a * d + 4 * kv * d + (6 if model.swiglu else 4) * model.ffn
+    mask = 1 if model.dropout else 0
+    replicated = (4 * e + 2 * mask) * h
+    split = e * (2 * a * d + 2 * kv * d + (3 if model.swiglu else 2) * model.ffn)
     per_token = replicated / (t if sequence_parallel else 1) + split / t
     if recompute == "none":
-        per_token += (5 if dropout else 2) * a * s / t
+        if model.flash_attention:
+            per_token += e32 * a / t
+        else:
+            per_token += (e + (mask + e) * mask) * a * s / t
     return tokens * per_token
 
 
@@ -155,20 +179,22 @@ def inflight_microbatches(layout: Layout, pp_rank: int, *, schedule: str = "1f1b
 
 
 def _edge_activation_bytes(model: ModelSpec, layout: Layout, *, first: bool, last: bool,
-                           inflight: float, v_pad: int) -> float:
+                           inflight: float, last_inflight: int, v_pad: int) -> float:
     """Activations outside the transformer layers [K22] §4.3, on one tp rank.
 
-    First stage: the embedding-dropout mask, ``s b h`` per microbatch in flight (/t with SP).
-    Last stage (one microbatch at a time): final-norm input and output-layer input, ``4 s b h``
-    (/t with SP), and the fp32 logits kept by the cross entropy, ``4 s b V / t``.
+    First stage: the embedding-dropout mask, ``s b h`` per microbatch in flight (/t with SP; none
+    without dropout). Last stage, per microbatch whose loss is in flight (``last_inflight``: 1 for
+    1F1B, m for GPipe): final-norm input and output-layer input, ``2 s b h`` values (/t with SP),
+    and the fp32 logits kept by the cross entropy, ``4 s b V / t`` bytes.
     """
+    e, e32 = activation_value_bytes(layout.precision)
     t, tokens, h = layout.tp, layout.micro_batch_size * model.seq_length, model.hidden_size
     shard = t if layout.sequence_parallel else 1
     out = 0.0
-    if first and not model.llama_style:
+    if first and model.dropout:
         out += inflight * tokens * h / shard
     if last:
-        out += 4.0 * tokens * h / shard + 4.0 * tokens * v_pad / t
+        out += last_inflight * (2.0 * e * tokens * h / shard + e32 * tokens * v_pad / t)
     return out
 
 
@@ -179,18 +205,21 @@ def stage_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, layer
     Stored layer activations x layers on the stage x microbatches in flight
     (:func:`inflight_microbatches`), plus, with full
     recompute, one layer's activations without recompute (the working set while a layer is
-    recomputed and back-propagated), plus [K22] §4.3's embedding/output/loss terms.
+    recomputed and back-propagated), plus [K22] §4.3's embedding/output/loss terms (the last
+    stage's for one microbatch under 1F1B, for all m under GPipe, which runs every forward first).
     """
-    b, sp = layout.micro_batch_size, layout.sequence_parallel
-    per_layer = layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute=layout.recompute)
+    b, sp, precision = layout.micro_batch_size, layout.sequence_parallel, layout.precision
+    per_layer = layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute=layout.recompute,
+                                       precision=precision)
     mbs = inflight_microbatches(layout, pp_rank, schedule=schedule)
     out = per_layer * mbs * layers_on_stage
     if layout.recompute == "full":
-        out += layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute="none")
+        out += layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute="none", precision=precision)
     v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, layout.tp)
+    last_inflight = layout.num_microbatches if schedule == "gpipe" else 1
     out += _edge_activation_bytes(model, layout, first=pp_rank == 0, last=pp_rank == layout.pp - 1,
-                                  inflight=mbs, v_pad=v_pad)
-    return 2.0 * out if layout.precision == "fp32" else out
+                                  inflight=mbs, last_inflight=last_inflight, v_pad=v_pad)
+    return out
 
 
 # --------------------------------------------------------------------------------------------

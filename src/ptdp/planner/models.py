@@ -3,7 +3,12 @@
 GPT models follow ptdp's GPT (pre-LayerNorm with biases, learned positions, GELU MLP of width
 ``ffn``, tied embeddings); Llama-style models use RMSNorm without biases, rotary positions (no
 position table), a SwiGLU MLP (three ``h x ffn`` matrices) and grouped-query attention with
-``num_query_groups`` key/value heads, untied embeddings.
+``num_query_groups`` key/value heads, untied embeddings, no dropout.
+
+Two fields describe how a model was trained rather than its shape, because they change the
+activation memory: ``dropout`` (masks kept for backward) and ``flash_attention`` (no score matrix
+kept). The presets describe the published runs (Megatron GPT with dropout and attention scores
+kept; Llama without dropout, as released); :func:`spec_from_model_config` describes ptdp's own GPT.
 """
 
 from __future__ import annotations
@@ -24,6 +29,14 @@ class ModelSpec:
         swiglu: gated MLP with three matrices (Llama) instead of two (GPT).
         tied: output layer shares the input embedding.
         llama_style: RMSNorm without biases, rotary positions (no learned position table).
+        dropout: trained with dropout (hidden, attention and embedding dropout, Megatron's GPT
+            defaults): each dropout keeps a 1-byte mask per value for backward. The GPT presets
+            keep True (the published runs used dropout); Llama presets and ptdp's GPT without
+            dropout set False.
+        flash_attention: attention by a fused kernel (FlashAttention, or PyTorch's
+            ``scaled_dot_product_attention`` as in ptdp's GPT) that keeps no ``a s x s`` score
+            matrix for backward, only a log-sum-exp per head and token; False: the softmax output
+            (and dropout mask) of the scores is kept, as in the published Megatron runs.
     """
 
     num_layers: int
@@ -36,6 +49,8 @@ class ModelSpec:
     swiglu: bool = False
     tied: bool = True
     llama_style: bool = False
+    dropout: bool = True
+    flash_attention: bool = False
     name: str = "custom"
 
     @property
@@ -53,7 +68,7 @@ def _gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
 
 def _llama(name, layers, hidden, heads, groups, ffn, vocab, seq) -> ModelSpec:
     return ModelSpec(layers, hidden, heads, ffn, vocab, seq, num_query_groups=groups, swiglu=True, tied=False,
-                     llama_style=True, name=name)
+                     llama_style=True, dropout=False, name=name)
 
 
 PRESETS: dict[str, ModelSpec] = {
@@ -94,6 +109,13 @@ def get_model(name: str) -> ModelSpec:
 
 
 def spec_from_model_config(cfg) -> ModelSpec:
-    """The planner's description of ptdp's own GPT for a :class:`ptdp.config.ModelConfig`."""
+    """The planner's description of ptdp's own GPT for a :class:`ptdp.config.ModelConfig`.
+
+    ptdp's attention is ``torch.nn.functional.scaled_dot_product_attention`` (a fused kernel that
+    keeps no score matrix: ``flash_attention=True``). Dropout is on when the config has a non-zero
+    ``hidden_dropout`` or ``attention_dropout`` (ptdp's GPT has no dropout today: both absent, 0).
+    """
+    dropout = bool(getattr(cfg, "hidden_dropout", 0.0) or getattr(cfg, "attention_dropout", 0.0))
     return ModelSpec(cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.ffn, cfg.vocab_size,
-                     cfg.seq_length, tied=not cfg.untie_embeddings_and_output_weights, name="ptdp-gpt")
+                     cfg.seq_length, tied=not cfg.untie_embeddings_and_output_weights, dropout=dropout,
+                     flash_attention=True, name="ptdp-gpt")
