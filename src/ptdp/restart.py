@@ -12,11 +12,11 @@ no supervisor of its own: a restarted worker resumes by itself (:func:`resume_co
 - else from scratch (no ``--save``, or nothing saved yet), which rank 0 says.
 
 The checkpoints in ``--save`` are this run's: a run does not start with a ``--save`` that holds
-checkpoints it does not resume from (:func:`ptdp.rundir.prepare`). The data continue from the checkpoint's sample position, so a
-resumed job trains exactly like an uninterrupted one; the iterations after the checkpoint are
-computed again. Rank 0 appends the resumed part to the same ``metrics.jsonl``, every line with
-``"restart": k``, after a line ``{"event": "restart", "restart": k, "resumed_from_iteration": i,
-"checkpoint": path}``.
+checkpoints it does not resume from (:func:`ptdp.rundir.prepare`). The data continue from the
+checkpoint's sample position, so a resumed job trains exactly like an uninterrupted one; the
+iterations after the checkpoint are computed again. Rank 0 appends the resumed part to the same
+``metrics.jsonl``, every line with ``"restart": k``, after a line ``{"event": "restart", "restart":
+k, "resumed_from_iteration": i, "checkpoint": path}``.
 """
 
 from __future__ import annotations
