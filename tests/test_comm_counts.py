@@ -6,6 +6,8 @@ the embedding adds 1 forward all-reduce of b*s*h on the first stage; the output 
 all-reduce of b*s*h and the vocab-parallel cross entropy 3 all-reduces of b*s on the last stage.
 PP: one b*s*h send per microbatch per stage boundary each way. DP: the stage's gradient elements
 once per step (here in two buckets: the tied embedding is reduced on its own). Embedding group: one all-reduce of the [V_pad/tp, h] word embedding.
+Without activation recomputation; the forward all-reduces a recompute repeats are counted in
+tests/test_recompute.py.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import argparse
 from ptdp.config import (ACTIVATIONS, BIND_POLICIES, DTYPES, GRAD_COMPRESSIONS, NORMALIZATIONS, POSITION_EMBEDDINGS,
                          SCHEDULES, CheckpointConfig, Config,
                          ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig)
+from ptdp.config import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 
 DEFAULT_TP, DEFAULT_PP, DEFAULT_LOCAL_WORKERS = 2, 2, 8
 
@@ -130,6 +131,18 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
                    help="same as --params-dtype float16")
     g.add_argument("--init-method-std", type=float, default=mc.init_method_std, help="std of the normal weight init")
 
+    g = parser.add_argument_group("activation recomputation (same results, less activation memory, more compute)")
+    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
+                   help="full: keep only the inputs of groups of layers and run the groups again in backward; "
+                        "selective: run only the attention core (scores, softmax, context) again "
+                        "(default: keep every activation)")
+    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None,
+                   help="with full: uniform = every layer, in groups of --recompute-num-layers; block = only the "
+                        "first --recompute-num-layers layers of each model chunk (default with full: uniform)")
+    g.add_argument("--recompute-num-layers", type=int, default=None, metavar="N",
+                   help="with full: layers per group (uniform, default 1) or recomputed layers per model chunk "
+                        "(block, required)")
+
     g = parser.add_argument_group("training")
     g.add_argument("--micro-batch-size", "--mbs", type=int, default=tc.micro_batch_size, help="samples b per microbatch")
     g.add_argument("--global-batch-size", "--gbs", type=int, default=tc.global_batch_size,
@@ -178,6 +191,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
             activation=args.activation, layernorm_epsilon=args.layernorm_epsilon,
             params_dtype=args.params_dtype, init_method_std=args.init_method_std,
+            recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+            recompute_num_layers=args.recompute_num_layers,
             normalization=args.normalization, swiglu=args.swiglu, position_embedding_type=args.position_embedding_type,
             rotary_base=args.rotary_base, num_query_groups=args.num_query_groups, add_bias_linear=args.add_bias_linear,
         ),

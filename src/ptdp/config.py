@@ -15,6 +15,8 @@ Rules (sources: Narayanan et al. SC21, arXiv:2104.04473; Shoeybi et al., arXiv:1
 - ``global_batch_size % (micro_batch_size * dp) == 0``; the number of microbatches per pipeline per
   step is ``m = global_batch_size / (micro_batch_size * dp)``
 - the vocabulary is padded to a multiple of ``make_vocab_size_divisible_by * tp``
+- activation recomputation: ``recompute_method`` and ``recompute_num_layers`` need ``full``
+  granularity, and ``1 <= recompute_num_layers <=`` the layers of the smallest model chunk
 - grouped-query attention: ``heads % num_query_groups == 0`` and ``num_query_groups % tp == 0``
   (each tp rank holds whole key/value heads); rotary embeddings need an even head dim
 """
@@ -83,6 +85,18 @@ class ModelConfig:
     shared by a / G query heads; None: ordinary multi-head attention (a key/value heads)."""
     add_bias_linear: bool = True
     """Biases in the linear layers (QKV, attention output, fc1, fc2); norms keep theirs."""
+    recompute_granularity: str | None = None
+    """Activation recomputation (Korthikanti et al. 2022, arXiv:2205.05198; ``ptdp.model.recompute``):
+    None keeps every activation; ``full`` keeps only the inputs of groups of layers and recomputes
+    the groups in backward; ``selective`` recomputes only the attention core (scores, softmax,
+    context). Results are identical; it trades compute for activation memory."""
+    recompute_method: str | None = None
+    """With ``full``: ``uniform`` (every layer of each model chunk, in groups of
+    ``recompute_num_layers``) or ``block`` (only the first ``recompute_num_layers`` layers of each
+    model chunk, one by one). None with ``full``: uniform."""
+    recompute_num_layers: int | None = None
+    """With ``full``: layers per recomputed group (uniform) or recomputed layers per model chunk
+    (block). None with ``full``: 1 for uniform (every layer's input kept); block needs it."""
 
     @property
     def ffn(self) -> int:
@@ -360,6 +374,7 @@ def resolve(config: Config, world_size: int) -> Config:
     errors += _train_rules(t)
     if not errors:
         errors += schedule_errors(p, m.num_layers, t.global_batch_size // (t.micro_batch_size * dp))
+    errors += recompute_errors(m, None if errors else chunk_layer_counts(p, m.num_layers))
     errors += _data_parallel_rules(p)
     errors += _checkpoint_rules(config.checkpoint)
     if m.activation not in ACTIVATIONS:
@@ -377,7 +392,7 @@ def resolve(config: Config, world_size: int) -> Config:
     return dataclasses.replace(
         config,
         parallel=dataclasses.replace(p, data_parallel_size=dp, pipeline_schedule=p.schedule),
-        model=dataclasses.replace(m, ffn_hidden_size=m.ffn),
+        model=dataclasses.replace(m, ffn_hidden_size=m.ffn, **_recompute_defaults(m)),
         train=dataclasses.replace(t, lr_decay_iters=t.decay_iters),
     )
 
@@ -588,3 +603,52 @@ def _train_rules(t: TrainConfig) -> list[str]:
     if not 0 <= t.seed < 2**63:
         errors.append(f"seed={t.seed} must be in [0, 2**63)")
     return errors
+
+
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+def chunk_layer_counts(p: ParallelConfig, num_layers: int) -> list[int]:
+    """Layers of each model chunk (a stage, or a virtual stage when interleaved), the unit that
+    recomputation works on; the layout rules must hold."""
+    per_chunk = p.num_layers_per_virtual_pipeline_stage
+    if per_chunk:
+        return [per_chunk] * (num_layers // per_chunk)
+    return stage_layer_counts(num_layers, p.pp, p.pipeline_layer_split)
+
+
+def recompute_errors(m: ModelConfig, chunk_layers: list[int] | None) -> list[str]:
+    """Rules of activation recomputation, one message per broken rule; ``chunk_layers``: the layers
+    of every model chunk (None when the layout is invalid: the range of recompute_num_layers is
+    then not checked)."""
+    granularity, method, n = m.recompute_granularity, m.recompute_method, m.recompute_num_layers
+    if granularity is not None and granularity not in RECOMPUTE_GRANULARITIES:
+        return [f"recompute_granularity={granularity!r} must be one of {RECOMPUTE_GRANULARITIES} (or unset: no recompute)"]
+    errors = []
+    if method is not None and method not in RECOMPUTE_METHODS:
+        errors.append(f"recompute_method={method!r} must be one of {RECOMPUTE_METHODS}")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        errors.append(f"recompute_num_layers={n!r} must be a positive integer")
+        n = None
+    if granularity != "full":
+        errors += [f"{name}={value!r} needs recompute_granularity=full, not {granularity!r}"
+                   for name, value in (("recompute_method", method), ("recompute_num_layers", m.recompute_num_layers))
+                   if value is not None]
+        return errors
+    if method == "block" and m.recompute_num_layers is None:
+        errors.append("recompute_method=block needs recompute_num_layers (the layers recomputed per model chunk)")
+    if n is not None and chunk_layers and n > min(chunk_layers):
+        errors.append(
+            f"recompute_num_layers={n} is more than the {min(chunk_layers)} layers of the smallest model chunk "
+            f"(layers per chunk: {chunk_layers}; rule: 1 <= recompute_num_layers <= layers per model chunk)"
+        )
+    return errors
+
+
+def _recompute_defaults(m: ModelConfig) -> dict:
+    """Full recompute without a method or count: uniform, one layer per group."""
+    if m.recompute_granularity != "full":
+        return {}
+    method = m.recompute_method or "uniform"
+    return {"recompute_method": method, "recompute_num_layers": m.recompute_num_layers or (1 if method == "uniform" else None)}

@@ -23,6 +23,7 @@ from torch import nn
 
 from ptdp.comm import AxisGroup
 from ptdp.config import ModelConfig, padded_vocab_size
+from ptdp.model.recompute import recomputed, run_layers
 from ptdp.model.rotary import RotaryEmbedding
 from ptdp.tensor_parallel import (
     ColumnParallelLinear,
@@ -93,6 +94,7 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(h, h, tp=tp, dtype=dtype, bias=bias, tag="attn_proj")
         rope = cfg.position_embedding_type == "rope"
         self.rotary = RotaryEmbedding(self.head_dim, cfg.rotary_base) if rope else None
+        self.recompute_core = cfg.recompute_granularity == "selective"
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's fused projection ``[b, s, rows / tp]`` -> q ``[b, a/tp, s, d]`` and k, v
@@ -111,8 +113,13 @@ class Attention(nn.Module):
         q, k, v = self.split_heads(self.qkv(x))
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
+        out = recomputed(self.core, q, k, v) if self.recompute_core else self.core(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core, causal ``softmax(q k^T / sqrt(d)) v`` (q ``[b, a/tp, s, d]``, k and v
+        ``[b, kv/tp, s, d]``): what selective recompute runs again in backward (``recompute_core``)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
 
 
 class MLP(nn.Module):
@@ -207,8 +214,9 @@ class GPTModel(nn.Module):
         """
         if self.pre_process:
             x = self.embed(x)
-        for layer in self.layers.values():
-            x = layer(x)
+        cfg = self.cfg  # full recompute runs groups of layers again in backward (ptdp.model.recompute)
+        x = run_layers(list(self.layers.values()), x, granularity=cfg.recompute_granularity,
+                       method=cfg.recompute_method, num_layers=cfg.recompute_num_layers)
         if not self.post_process:
             return x
         if labels is None:

@@ -49,12 +49,27 @@ def measure_stage(stage) -> dict:
 
 
 def planner_layout(config: Config) -> Layout | None:
+    """The planner's :class:`Layout` of a run (None for a dtype the planner does not model).
+
+    Its recompute is the run's granularity; the planner's ``full`` keeps every layer's input
+    (uniform, one layer per group): see :func:`recompute_note` for the other full settings.
+    """
     precision = PRECISION.get(config.model.params_dtype)
     if precision is None:
         return None
     p, t = config.parallel, config.train
     return Layout(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size,
-                  virtual_stages=p.virtual_stages(config.model.num_layers), precision=precision)
+                  virtual_stages=p.virtual_stages(config.model.num_layers),
+                  recompute=config.model.recompute_granularity or "none", precision=precision)
+
+
+def recompute_note(config: Config) -> str | None:
+    """Why the planner's activation memory is approximate for this run's full recompute, if it is."""
+    m = config.model
+    if m.recompute_granularity != "full" or (m.recompute_method, m.recompute_num_layers) in ((None, None), ("uniform", 1)):
+        return None
+    return (f"the planner models full recompute of every layer (uniform, 1 layer per group), not "
+            f"{m.recompute_method} with {m.recompute_num_layers} layers")
 
 
 def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, profile: Path | None) -> dict:
@@ -94,6 +109,8 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
                                   schedule="gpipe" if p.schedule == "gpipe" else "1f1b",
                                   make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by)
         out["peak_memory"]["predicted_bytes"] = memory.total
+        if recompute_note(config):
+            out["peak_memory"]["note"] = recompute_note(config)
         if layout.precision in gpu.peak_flops and mean_step_s:
             perf = evaluate_performance(model, layout, cluster, constants, layer_split=p.pipeline_layer_split,
                                         make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by)
@@ -124,6 +141,8 @@ def format_comparison(check: dict) -> list[str]:
     pm = check["peak_memory"]
     predicted = f"{pm['predicted_bytes'] / 2**20:,.0f} MiB predicted (model state + activations), " if "predicted_bytes" in pm else ""
     lines.append(f"    peak memory: {predicted}{pm['measured_max_bytes'] / 2**20:,.0f} MiB measured ({pm['measured_kind']})")
+    if "note" in pm:
+        lines.append(f"      ({pm['note']})")
     st = check.get("step_time", {})
     if "predicted_s" in st:
         verdict = "within" if st["within_25_percent"] else "NOT within"
