@@ -10,7 +10,7 @@ from ptdp.planner.check import compare, format_comparison
 from ptdp.planner.flops import gemm_efficiency
 from ptdp.planner.hardware import CATALOG
 from ptdp.planner.perf import DEFAULT_CONSTANTS
-from layout_cases import EXTRA_VARIANT_LAYOUTS, parallel_run, variant_config
+from layout_cases import EXTRA_VARIANT_LAYOUTS, llama_variant, parallel_run, variant_config
 from test_layout_equivalence import LAYOUTS
 
 
@@ -30,6 +30,29 @@ def test_bytes_per_rank_match_bfloat16(layout):
     assert check["bytes_exact_on_every_rank"], check["ranks"]
     r = check["ranks"][0]["measured"]  # 2 + 4 + 12 bytes per parameter (fp32 grads, main params, moments)
     assert r["params"] * 2 == r["grads"] and r["optimizer"] == 6 * r["params"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "tp{}pp{}dp{}".format(*l))
+def test_bytes_per_rank_match_llama(layout):
+    """The Llama-like variant (grouped QKV, SwiGLU, RMSNorm, no linear biases, no position table,
+    untied output layer), run in float64: its bytes are exactly twice the planner's float32 ones
+    (8 bytes per value instead of 4: parameter, gradient, Adam's two moments)."""
+    import dataclasses
+
+    from ptdp.planner.models import spec_from_model_config
+
+    variant = llama_variant(layout[0])
+    config = variant_config(variant, *layout)
+    spec = spec_from_model_config(config.model)
+    assert spec.llama_style and spec.swiglu and not spec.tied and spec.kv_heads == config.model.num_query_groups
+    as_float32 = dataclasses.replace(config, model=dataclasses.replace(config.model, params_dtype="float32"))
+    measured = []
+    for r in parallel_run(*layout):
+        m = r[variant]["measured"]
+        assert m["params"] == 8 * m["numel"]
+        measured.append(dict(m, params=m["params"] // 2, grads=m["grads"] // 2, optimizer=m["optimizer"] // 2))
+    check = compare(as_float32, measured, None, None)
+    assert check["bytes_exact_on_every_rank"], check["ranks"]
 
 
 def test_gemm_and_ring_fits_recover_known_values(tmp_path):

@@ -44,16 +44,16 @@ def layer_param_count(model: ModelSpec, tp: int) -> int:
     ``[3h/tp, h]`` + bias ``[3h/tp]``, proj ``[h, h/tp]`` + bias ``[h]`` (replicated), fc1
     ``[ffn/tp, h]`` + bias ``[ffn/tp]``, fc2 ``[h, ffn/tp]`` + bias ``[h]`` (replicated).
     Llama-style: 2 RMSNorm weights (2h), QKV ``[(a + 2 kv) d / tp, h]``, proj ``[h, a d / tp]``,
-    SwiGLU (or a 2-matrix MLP if ``swiglu`` is False) ``n * [ffn/tp, h]``, no biases.
+    SwiGLU (or a 2-matrix MLP if ``swiglu`` is False) ``n * [ffn/tp, h]``, no biases. Mixed
+    models (``ModelSpec.rmsnorm`` / ``linear_bias`` set one by one) add each part on its own.
     """
     h, a, d = model.hidden_size, model.num_attention_heads, model.hidden_size // model.num_attention_heads
     q, kv, ffn = a * d, model.kv_heads * d, model.ffn
     mats = 3 if model.swiglu else 2
     weights = (q + 2 * kv) * h // tp + q * h // tp + mats * ffn * h // tp
-    if model.llama_style:
-        return weights + 2 * h
-    biases = (q + 2 * kv) // tp + h + (mats - 1) * ffn // tp + h
-    return weights + biases + 4 * h
+    norms = 2 * (h if model.uses_rmsnorm else 2 * h)
+    biases = (q + 2 * kv) // tp + h + (mats - 1) * ffn // tp + h if model.has_linear_bias else 0
+    return weights + biases + norms
 
 
 def stage_param_counts(
@@ -78,8 +78,8 @@ def stage_param_counts(
     v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, tp)
     embedding = v_pad // tp * h
     per_layer = layer_param_count(model, tp)
-    first = embedding + (0 if model.llama_style else model.seq_length * h)
-    last = (h if model.llama_style else 2 * h) + (embedding if (not model.tied or pp > 1) else 0)
+    first = embedding + (model.seq_length * h if model.has_position_table else 0)
+    last = (h if model.uses_rmsnorm else 2 * h) + (embedding if (not model.tied or pp > 1) else 0)
     out = [n * per_layer for n in counts]
     out[0] += first
     out[-1] += last

@@ -29,6 +29,8 @@ class ModelSpec:
         swiglu: gated MLP with three matrices (Llama) instead of two (GPT).
         tied: output layer shares the input embedding.
         llama_style: RMSNorm without biases, rotary positions (no learned position table).
+        rmsnorm, linear_bias, learned_positions: the three parts of ``llama_style`` one by one, for
+            models that mix them (ptdp's options are independent); None: as ``llama_style`` says.
         dropout: trained with dropout (hidden, attention and embedding dropout, Megatron's GPT
             defaults): each dropout keeps a 1-byte mask per value for backward. The GPT presets
             keep True (the published runs used dropout); Llama presets and ptdp's GPT without
@@ -49,6 +51,9 @@ class ModelSpec:
     swiglu: bool = False
     tied: bool = True
     llama_style: bool = False
+    rmsnorm: bool | None = None
+    linear_bias: bool | None = None
+    learned_positions: bool | None = None
     dropout: bool = True
     flash_attention: bool = False
     name: str = "custom"
@@ -60,6 +65,21 @@ class ModelSpec:
     @property
     def kv_heads(self) -> int:
         return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+    @property
+    def uses_rmsnorm(self) -> bool:
+        """Norms are RMSNorm (a weight of h) rather than LayerNorm (weight and bias, 2h)."""
+        return self.llama_style if self.rmsnorm is None else self.rmsnorm
+
+    @property
+    def has_linear_bias(self) -> bool:
+        """The linear layers (QKV, attention output, fc1, fc2) have biases."""
+        return not self.llama_style if self.linear_bias is None else self.linear_bias
+
+    @property
+    def has_position_table(self) -> bool:
+        """A learned ``[s, h]`` position table on the first stage (not with rotary positions)."""
+        return not self.llama_style if self.learned_positions is None else self.learned_positions
 
 
 def _gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
@@ -108,6 +128,13 @@ def get_model(name: str) -> ModelSpec:
     return PRESETS[key]
 
 
+def _ptdp_options(cfg) -> dict:
+    """The Llama-like options of a :class:`ptdp.config.ModelConfig` as ModelSpec fields."""
+    rms, rope, bias = cfg.normalization == "RMSNorm", cfg.position_embedding_type == "rope", cfg.add_bias_linear
+    return {"num_query_groups": cfg.num_query_groups, "swiglu": cfg.swiglu, "llama_style": rms and rope and not bias,
+            "rmsnorm": rms, "linear_bias": bias, "learned_positions": not rope}
+
+
 def spec_from_model_config(cfg) -> ModelSpec:
     """The planner's description of ptdp's own GPT for a :class:`ptdp.config.ModelConfig`.
 
@@ -118,4 +145,5 @@ def spec_from_model_config(cfg) -> ModelSpec:
     dropout = bool(getattr(cfg, "hidden_dropout", 0.0) or getattr(cfg, "attention_dropout", 0.0))
     return ModelSpec(cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.ffn, cfg.vocab_size,
                      cfg.seq_length, tied=not cfg.untie_embeddings_and_output_weights, dropout=dropout,
-                     flash_attention=True, name="ptdp-gpt")
+                     flash_attention=True, name="ptdp-gpt",
+                     **_ptdp_options(cfg))
