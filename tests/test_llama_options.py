@@ -227,3 +227,17 @@ def test_gpt2_export_refuses_llama_options():
     with pytest.raises(CheckpointError, match="normalization='RMSNorm', swiglu=True, position_embedding_type='rope'"):
         _gpt2_config(meta)
     assert _gpt2_config(dataclasses.asdict(_model()) | {"ffn": 48})["model_type"] == "gpt2"
+
+
+def test_generation_works_without_a_position_table():
+    from ptdp.generate import generate, next_token_logits
+
+    model = GPTModel(_model(**LLAMA), AxisGroup.single("tp"), layer_ids=range(2), pre_process=True, post_process=True)
+    initialize_parameters(model, seed=5, std=0.2, num_layers=2, tp_rank=0, tp_size=1)
+    tokens = generate(model, [1, 2, 3], 8)  # longer than seq_length = 6: the window slides
+    assert len(tokens) == 11 and tokens[:3] == [1, 2, 3]
+    x = model.word_embeddings(torch.tensor([[1, 2, 3]]))  # no positions added: rotary acts in attention
+    for layer in model.layers.values():
+        x = layer(x)
+    want = F.linear(model.final_norm(x[:, -1]), model.output_layer.real_weight()).float()
+    torch.testing.assert_close(next_token_logits(model, torch.tensor([[1, 2, 3]])), want)
