@@ -115,7 +115,7 @@ def test_corpus_too_small_for_one_global_batch(tmp_path):
 def test_non_finite_loss_stops_with_a_clear_error(corpus, tmp_path):
     out = tmp_path / "run"
     proc = run([sys.executable, "-m", "ptdp.cli", "train", *TINY, "--lr", "1e30", "--data", str(corpus / "docs"),
-                "--output-dir", str(out), "--no-progress"], tmp_path)
+                "--output-dir", str(out), "--no-progress", "--max-skipped-steps", "1"], tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "is not finite at iteration" in proc.stderr and "Traceback" not in proc.stderr
     lines = (out / "metrics.jsonl").read_text().splitlines()

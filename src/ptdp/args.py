@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from ptdp.config import (ACTIVATIONS, BIND_POLICIES, DTYPES, GRAD_COMPRESSIONS, NORMALIZATIONS, POSITION_EMBEDDINGS,
                          SCHEDULES, CheckpointConfig, Config,
                          ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig)
 from ptdp.config import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 
 DEFAULT_TP, DEFAULT_PP, DEFAULT_LOCAL_WORKERS = 2, 2, 8
+#: ``ptdp train``'s process-group timeout on a machine without CUDA: local CPU workers keep each
+#: other waiting for seconds at most, so a stopped worker is reported soon
+LOCAL_CPU_TIMEOUT_MINUTES = 2.0
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -61,8 +66,13 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
         g.add_argument("--max-restarts", type=int, default=0, metavar="N",
                        help="when a worker dies, restart all workers up to N times; a restarted job resumes "
                             "from the newest checkpoint in --save (else --load, else from scratch)")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=pc.distributed_timeout_minutes,
-                   help="timeout of every process group")
+    local_cpu = local_launch and not torch.cuda.is_available()
+    g.add_argument("--distributed-timeout-minutes", type=float, metavar="MINUTES",
+                   default=LOCAL_CPU_TIMEOUT_MINUTES if local_cpu else pc.distributed_timeout_minutes,
+                   help="timeout of every process group (fractions allowed): a worker that waits longer for "
+                        "another fails the job, naming the rank, phase and iteration (default: "
+                        f"{LOCAL_CPU_TIMEOUT_MINUTES:g} for ptdp train without CUDA, else "
+                        f"{pc.distributed_timeout_minutes:g})")
     g.add_argument("--bind-cpus", choices=BIND_POLICIES, default=pc.bind_cpus,
                    help="bind each worker to CPUs at start-up: numa = the allowed CPUs of its GPU's NUMA node "
                         "(no GPU: workers spread over the nodes), exclusive = a non-overlapping share of them; "
@@ -157,6 +167,9 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
     g.add_argument("--adam-beta2", type=float, default=tc.adam_beta2, help="AdamW beta2")
     g.add_argument("--adam-eps", type=float, default=tc.adam_eps, help="AdamW epsilon")
     g.add_argument("--clip-grad", type=float, default=tc.clip_grad, help="global gradient-norm clip; 0 disables")
+    g.add_argument("--max-skipped-steps", type=int, default=tc.max_skipped_steps, metavar="N",
+                   help="a step with a nan/inf loss or gradient norm on any rank is skipped (no update); stop "
+                        "when more than N such steps come in a row (0: at the first)")
     g.add_argument("--seed", type=int, default=tc.seed, help="seed of weight init and data order")
 
     g = parser.add_argument_group("data and output")
@@ -214,6 +227,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             train_iters=args.train_iters, lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
             lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
             adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, seed=args.seed,
+            max_skipped_steps=args.max_skipped_steps,
             log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
             trace_iters=args.trace_iters if args.trace else 0,
         ),

@@ -8,15 +8,23 @@ an axis of size 1 is a no-op and is not counted (nothing crosses a wire).
 
 Axes: ``tp``, ``pp``, ``dp``, ``embedding`` (first and last pipeline stage, for the tied
 embedding), ``world``.
+
+A call or ``wait()`` that fails (a peer timed out or went away) raises
+:class:`~ptdp.activity.CollectiveError` naming this rank, its phase and iteration, the axis, the
+operation and the ranks waited for.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from ptdp.activity import CollectiveError, collective_error, is_timeout
 
 
 @dataclass
@@ -69,6 +77,7 @@ class AxisGroup:
         rank: this process's index inside ``ranks``.
         group: the torch process group (None when the group has size 1).
         stats: where calls on this group are counted (shared by all axes of a process).
+        timeout_s: the group's timeout in seconds, for error messages (None: not known).
     """
 
     name: str
@@ -76,6 +85,7 @@ class AxisGroup:
     rank: int
     group: dist.ProcessGroup | None
     stats: CommStats
+    timeout_s: float | None = None
 
     @property
     def size(self) -> int:
@@ -90,12 +100,68 @@ class AxisGroup:
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+def _failure(err: RuntimeError, axis: AxisGroup, op: str, peer: int | None = None) -> CollectiveError:
+    rank = axis.ranks[axis.rank]
+    silent = _silent_ranks(rank, axis.timeout_s) if is_timeout(err) else None
+    return collective_error(err, rank=rank, axis=axis.name, op=op, ranks=axis.ranks, silent=silent,
+                            peer=None if peer is None else axis.ranks[peer], timeout_s=axis.timeout_s)
+
+
+def _silent_ranks(rank: int, timeout_s: float | None) -> list[int] | None:
+    """After a timeout on this rank: the ranks of the world that do not report one too.
+
+    When one rank stops responding, every other rank soon waits for it, directly or through a
+    rank that waits for it, and times out shortly after the first. Each timed-out rank marks
+    itself in the default group's store and waits until all ranks but one have (or a grace of a
+    quarter of the timeout, 2 to 30 s); the unmarked ranks are returned. None when the store
+    cannot be used (the error then names only this rank's own wait).
+    """
+    grace = min(30.0, max(2.0, 0.25 * (timeout_s or 0.0)))
+    key = f"ptdp/timed_out/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:
+        store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+        first = not store.check([f"{key}/{rank}"])  # counted once, however many of its calls fail
+        store.set(f"{key}/{rank}", "1")
+        count, deadline = store.add(f"{key}/count", int(first)), time.monotonic() + grace
+        while count < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            count = store.add(f"{key}/count", 0)
+        return [r for r in range(world) if not store.check([f"{key}/{r}"])]
+    except Exception:  # noqa: BLE001 - the diagnosis is best effort; the timeout is reported anyway
+        return None
+
+
+def _call(axis: AxisGroup, what: str, fn, /, *args, **kwargs):
+    """``fn(*args, **kwargs)``, its failure raised as a :class:`CollectiveError` about operation
+    ``what``; an async op's handle wrapped so that its ``wait()`` does the same."""
+    try:
+        work = fn(*args, **kwargs)
+    except RuntimeError as err:
+        raise _failure(err, axis, what) from err
+    return _Work(work, axis, what) if kwargs.get("async_op") else work
+
+
+class _Work:
+    """The handle of a started collective or transfer; ``wait()`` raises :class:`CollectiveError`."""
+
+    __slots__ = ("work", "axis", "op", "peer")
+
+    def __init__(self, work, axis: AxisGroup, op: str, peer: int | None = None) -> None:
+        self.work, self.axis, self.op, self.peer = work, axis, op, peer
+
+    def wait(self) -> bool:
+        try:
+            return self.work.wait()
+        except RuntimeError as err:
+            raise _failure(err, self.axis, self.op, self.peer) from err
+
+
 def all_reduce(tensor: torch.Tensor, axis: AxisGroup, *, op: str = "sum", tag: str = "") -> torch.Tensor:
     """In-place all-reduce of ``tensor`` over ``axis`` (``op`` in sum/max/min); returns it."""
     if axis.size == 1:
         return tensor
     axis.stats.record(axis.name, "all_reduce", tensor, tag)
-    dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=axis.group)
+    _call(axis, "all_reduce", dist.all_reduce, tensor, op=_REDUCE_OPS[op], group=axis.group)
     return tensor
 
 
@@ -111,7 +177,8 @@ def all_reduce_async(tensor: torch.Tensor, axis: AxisGroup, *, tag: str = ""):
     if axis.size == 1:
         return _Done()
     axis.stats.record(axis.name, "all_reduce", tensor, tag)
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
+    return _call(axis, "all_reduce", dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=axis.group,
+                 async_op=True)
 
 
 def reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, axis: AxisGroup, *, tag: str = ""):
@@ -121,7 +188,8 @@ def reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, axis: AxisG
         output.copy_(tensor)
         return _Done()
     axis.stats.record(axis.name, "reduce_scatter", tensor, tag)
-    return dist.reduce_scatter_single(output, tensor, group=axis.group, async_op=True)
+    return _call(axis, "reduce_scatter", dist.reduce_scatter_single, output, tensor, group=axis.group,
+                 async_op=True)
 
 
 def all_gather_async(output: torch.Tensor, tensor: torch.Tensor, axis: AxisGroup, *, tag: str = ""):
@@ -131,7 +199,7 @@ def all_gather_async(output: torch.Tensor, tensor: torch.Tensor, axis: AxisGroup
         output.copy_(tensor)
         return _Done()
     axis.stats.record(axis.name, "all_gather", tensor, tag)
-    return dist.all_gather_single(output, tensor, group=axis.group, async_op=True)
+    return _call(axis, "all_gather", dist.all_gather_single, output, tensor, group=axis.group, async_op=True)
 
 
 @dataclass(frozen=True)
@@ -158,13 +226,18 @@ def post(transfers: list[P2P], axis: AxisGroup, *, tag: str = "") -> list | None
         axis.stats.record(axis.name, t.kind, t.tensor, tag)
         fn = dist.isend if t.kind == "send" else dist.irecv
         ops.append(dist.P2POp(fn, t.tensor, group=axis.group, tag=t.tag, group_peer=t.peer))
-    works = dist.batch_isend_irecv(ops)
+    works = _call(axis, transfers[0].kind if len(transfers) == 1 else "send/recv", dist.batch_isend_irecv, ops)
     if len(works) != len(ops):
         for work in works:
-            work.wait()
+            _Work(work, axis, "send/recv").wait()
         return None
-    return works
+    return [_Work(work, axis, t.kind, t.peer) for t, work in zip(transfers, works)]
 
+
+def barrier(axis: AxisGroup) -> None:
+    """Wait until every rank of ``axis`` has called it (not counted: it carries no data)."""
+    if axis.size > 1:
+        _call(axis, "barrier", dist.barrier, group=axis.group)
 
 
 def all_gather_object(obj, axis: AxisGroup) -> list:
@@ -172,7 +245,7 @@ def all_gather_object(obj, axis: AxisGroup) -> list:
     if axis.size == 1:
         return [obj]
     out = [None] * axis.size
-    dist.all_gather_object(out, obj, group=axis.group)
+    _call(axis, "all_gather_object", dist.all_gather_object, out, obj, group=axis.group)
     return out
 
 
@@ -181,5 +254,5 @@ def broadcast_object(obj, axis: AxisGroup, *, src: int = 0):
     if axis.size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, group_src=src, group=axis.group)
+    _call(axis, "broadcast_object", dist.broadcast_object_list, box, group_src=src, group=axis.group)
     return box[0]

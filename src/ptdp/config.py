@@ -124,7 +124,9 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: int | None = None
     """Layers per model chunk; each rank then holds v = num_layers / (pp * this) chunks."""
     distributed_timeout_minutes: float = 10.0
-    """Timeout of every process group; a stalled collective fails after this instead of hanging."""
+    """Timeout of every process group, in minutes (fractions allowed): a collective or transfer
+    that waits longer fails the job with a message naming the rank, phase and iteration instead of
+    hanging. 10 as in Megatron-LM; ``ptdp train`` on a machine without CUDA defaults to 2."""
     ddp_bucket_size: int | None = None
     """Most gradient elements per data-parallel bucket; None: 40 million (Megatron's default)."""
     overlap_grad_reduce: bool = False
@@ -194,6 +196,10 @@ class TrainConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
+    max_skipped_steps: int = 10
+    """A step whose loss or gradient norm is nan/inf on any rank is skipped (no update); training
+    stops with an error at the step that makes more than this many such steps in a row. 0: stop
+    at the first one."""
     seed: int = 1234
     log_interval: int = 10
     eval_interval: int = 100
@@ -598,6 +604,9 @@ def _train_rules(t: TrainConfig) -> list[str]:
         )
     if t.eval_iters < 0:
         errors.append(f"eval_iters={t.eval_iters} must be >= 0 (0 disables evaluation)")
+    if not isinstance(t.max_skipped_steps, int) or t.max_skipped_steps < 0:
+        errors.append(f"max_skipped_steps={t.max_skipped_steps!r} must be an integer >= 0 "
+                      f"(0: stop at the first non-finite step)")
     if t.trace_iters < 0:
         errors.append(f"trace_iters={t.trace_iters} must be >= 0 (0 disables tracing)")
     if not 0 <= t.seed < 2**63:

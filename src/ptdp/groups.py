@@ -80,7 +80,8 @@ class ParallelGroups:
             axes["embedding"] = AxisGroup.single("embedding", rank, stats)
         world_ranks = tuple(range(world))
         world_group = dist.group.WORLD if world > 1 else None
-        axes["world"] = AxisGroup("world", world_ranks, rank, world_group, stats)
+        # the default group's timeout is init_process_group's: ptdp passes the same value there
+        axes["world"] = AxisGroup("world", world_ranks, rank, world_group, stats, timeout.total_seconds())
         return cls(layout, rank, stats=stats, **axes)
 
 
@@ -95,7 +96,7 @@ def _build_axis(
         else:
             group = dist.new_group(ranks=ranks, timeout=timeout, group_desc=f"ptdp_{name}")
         if rank in ranks:
-            mine = AxisGroup(name, tuple(ranks), ranks.index(rank), group, stats)
+            mine = AxisGroup(name, tuple(ranks), ranks.index(rank), group, stats, timeout.total_seconds())
     if mine is None:  # the embedding axis covers only first/last stages
         mine = AxisGroup.single(name, rank, stats)
     return mine
@@ -109,4 +110,4 @@ def host_group(timeout: datetime.timedelta, stats: CommStats | None = None) -> A
     if world == 1:
         return AxisGroup.single("host", rank, stats)
     group = dist.new_group(ranks=list(range(world)), timeout=timeout, backend="gloo", group_desc="ptdp_host")
-    return AxisGroup("host", tuple(range(world)), rank, group, stats)
+    return AxisGroup("host", tuple(range(world)), rank, group, stats, timeout.total_seconds())

@@ -5,20 +5,29 @@ A step: zero the gradient buffer -> run the pipeline schedule (gpipe, 1f1b or in
 average gradients over dp and sum the tied embedding over first/last stage -> global-norm clip ->
 AdamW with the scheduled learning rate (on float32 main parameters for bfloat16 models). Its loss is the mean over all ``B * s`` tokens of the global
 batch, identical for every layout.
+
+A step whose loss or gradient norm is nan or inf on any rank is skipped on every rank: the flag
+travels in the world all-reduce that also sums the loss, so all ranks decide alike at no extra
+collective. Nothing changes then: parameters, Adam's moments and step count, float32 main
+parameters (whole or sharded) and the 1-bit error-feedback residual (restored from a copy taken
+before the step) keep their values. The learning rate follows the iteration number, whose
+update is simply not applied.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ptdp import activity, faults
 from ptdp.comm import all_reduce
 from ptdp.config import Config
 from ptdp.data_parallel.buffer import GradBuffer
-from ptdp.data_parallel.grads import clip_grad_norm, finalize_grads
+from ptdp.data_parallel.grads import clip_grads, finalize_grads, grad_norm
 from ptdp.data_parallel.loss_scale import DynamicLossScaler
 from ptdp.groups import ParallelGroups
 from ptdp.model.gpt import DTYPES, GPTModel
@@ -65,6 +74,11 @@ class Stage:
         return (t.micro_batch_size, m.seq_length, m.hidden_size)
 
 
+NONFINITE_LOSS = "non-finite loss"
+NONFINITE_GRAD_NORM = "non-finite gradient norm"
+FP16_OVERFLOW = "float16 overflow"
+
+
 @dataclass(frozen=True)
 class StepResult:
     loss: float
@@ -73,8 +87,17 @@ class StepResult:
     """Global gradient norm before clipping (inf/nan when a float16 step overflowed)."""
     lr: float
     skipped: bool = False
-    """A float16 step whose gradients overflowed on some rank: no update, loss scale halved."""
+    """No update on any rank (see ``skip_reason``)."""
     loss_scale: float | None = None
+    skip_reason: str | None = None
+    """:data:`NONFINITE_LOSS` or :data:`NONFINITE_GRAD_NORM` (on some rank), or
+    :data:`FP16_OVERFLOW`: float16 gradients overflowed at a loss scale that can still be halved
+    (the scaler's ordinary business, not a failure)."""
+
+    @property
+    def nonfinite(self) -> bool:
+        """Skipped because the loss or the gradient norm was not finite."""
+        return self.skip_reason in (NONFINITE_LOSS, NONFINITE_GRAD_NORM)
 
 
 def build_stage(config: Config, groups: ParallelGroups, device: torch.device | str = "cpu") -> Stage:
@@ -130,37 +153,49 @@ def _param_gather_units(chunks: list[GPTModel]) -> list[tuple[nn.Module, list[nn
 
 
 def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tracer=None) -> StepResult:
-    """One optimizer step over this rank's ``m`` microbatches (collective over the whole world).
+    """One optimizer step over this rank's ``m`` microbatches (collective over the whole world);
+    ``iteration`` is 0-based. Skipped on every rank, without any change, when the loss or the
+    gradient norm is not finite on some rank, or float16 gradients overflowed (module docstring).
     ``tracer`` (a :class:`ptdp.trace.Tracer`) times every action and phase."""
-    cfg = stage.config
+    cfg, g = stage.config, stage.groups
+    activity.start_step(g.global_rank, iteration + 1)
     stage.grads.zero()
     stage.grads.exact = iteration < cfg.grad_compression_warmup
-    schedule = build_schedule(cfg.parallel.schedule, stage.groups.pp.size, len(microbatches), stage.virtual_stages)
+    schedule = build_schedule(cfg.parallel.schedule, g.pp.size, len(microbatches), stage.virtual_stages)
     scale = stage.scaler.scale if stage.scaler is not None else None
     stage.grads.grad_scale = scale or 1.0
     residual = stage.grads.residual
-    # a skipped (overflowed) step must not leave inf/nan in the 1-bit error feedback
-    kept = residual.clone() if residual is not None and scale is not None else None
-    losses = run_schedule(
-        schedule[stage.groups.pp.rank], stage.model, microbatches, pp=stage.groups.pp,
-        hidden_shape=stage.hidden_shape, dtype=stage.dtype, device=stage.device, tracer=tracer,
-        grad_sync=stage.grads, loss_scale=scale,
-    )
+    kept = residual.clone() if residual is not None else None  # put back if the step is skipped
+    poison = _test_poison(stage, iteration)
+    try:
+        losses = run_schedule(
+            schedule[g.pp.rank], stage.model, microbatches, pp=g.pp, hidden_shape=stage.hidden_shape,
+            dtype=stage.dtype, device=stage.device, tracer=tracer, grad_sync=stage.grads, loss_scale=scale,
+        )
+    finally:
+        if poison is not None:
+            poison.remove()
+    activity.set_phase(activity.GRAD_SYNC)
     span = tracer.span("grad sync + clip", "grad_sync") if tracer is not None else None
-    finalize_grads(stage.model, stage.grads, stage.groups)
+    finalize_grads(stage.model, stage.grads, g)
     lr = lr_at(iteration, cfg.train)
-    loss = _global_mean_loss(stage, losses, len(microbatches))
+    overflow = False
     if stage.scaler is not None:
         stage.grads.reduced.mul_(1.0 / scale)
-        if stage.scaler.found_overflow(stage.grads.reduced, stage.groups.world):
-            stage.scaler.update(overflow=True)
-            if kept is not None:
-                residual.copy_(kept)
-            if span is not None:
-                span.end()
-            return StepResult(loss=loss, grad_norm=float("inf"), lr=lr, skipped=True, loss_scale=scale)
-        stage.scaler.update(overflow=False)
-    norm = clip_grad_norm(stage.model, stage.grads, stage.groups, cfg.train.clip_grad)
+        overflow = stage.scaler.found_overflow(stage.grads.reduced, g.world)
+    norm = float("inf") if overflow else grad_norm(stage.model, stage.grads, g)
+    loss, bad_losses, bad_norms = _loss_and_flags(stage, losses, len(microbatches), norm)
+    reason = _skip_reason(stage, loss, norm, bad_losses, bad_norms, overflow, scale)
+    if stage.scaler is not None:
+        stage.scaler.update(overflow=reason is not None)
+    if reason is not None:
+        if kept is not None:
+            residual.copy_(kept)
+        if span is not None:
+            span.end()
+        return StepResult(loss=loss, grad_norm=norm, lr=lr, skipped=True, loss_scale=scale, skip_reason=reason)
+    clip_grads(stage.grads, norm, cfg.train.clip_grad)
+    activity.set_phase(activity.OPTIMIZER)
     if span is not None:
         span.end()
         span = tracer.span("optimizer", "optimizer")
@@ -169,6 +204,26 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     if span is not None:
         span.end()
     return StepResult(loss=loss, grad_norm=norm, lr=lr, loss_scale=scale)
+
+
+def _test_poison(stage: Stage, iteration: int):
+    """Test-only (``PTDP_TEST_NAN_LOSS``, :mod:`ptdp.faults`): the hook making this rank's first
+    forward output NaN at this iteration, or None."""
+    if not faults.nan_loss(stage.groups.global_rank, iteration + 1):
+        return None
+    return faults.poison_first_forward(stage.model[0] if isinstance(stage.model, ModelChunks) else stage.model)
+
+
+def _skip_reason(stage: Stage, loss: float, norm: float, bad_losses: int, bad_norms: int, overflow: bool,
+                 scale: float | None) -> str | None:
+    """Why the step is skipped, the same on every rank (all inputs are agreed), or None."""
+    if bad_losses or not math.isfinite(loss):
+        return NONFINITE_LOSS
+    if overflow:  # at the smallest scale the unscaled gradients themselves are inf/nan
+        return FP16_OVERFLOW if scale > stage.scaler.min_scale else NONFINITE_GRAD_NORM
+    if bad_norms or not math.isfinite(norm):
+        return NONFINITE_GRAD_NORM
+    return None
 
 
 @torch.no_grad()
@@ -192,12 +247,24 @@ def _global_mean_loss(stage: Stage, losses: list[torch.Tensor], m: int) -> float
     One world all-reduce of a single float64 (tag ``metrics``); only tp rank 0 of each last stage
     contributes, since its tp peers hold the same value.
     """
+    return _world_sums(stage, losses, m, [])[0]
+
+
+def _loss_and_flags(stage: Stage, losses: list[torch.Tensor], m: int, norm: float) -> tuple[float, int, int]:
+    """The global mean loss and how many ranks found a non-finite loss, and a non-finite gradient
+    norm: one world all-reduce of three float64 (tag ``metrics``), the same on every rank."""
+    bad_loss = bool(losses) and not bool(torch.stack(losses).isfinite().all())
+    loss, bad_losses, bad_norms = _world_sums(stage, losses, m, [float(bad_loss), float(not math.isfinite(norm))])
+    return loss, int(bad_losses), int(bad_norms)
+
+
+def _world_sums(stage: Stage, losses: list[torch.Tensor], m: int, extra: list[float]) -> list[float]:
     g = stage.groups
-    value = torch.zeros((), dtype=torch.float64, device=stage.device)
+    value = torch.tensor([0.0, *extra], dtype=torch.float64, device=stage.device)
     if g.is_last_stage and g.tp.rank == 0 and losses:
-        value += torch.stack(losses).to(torch.float64).sum()
+        value[0] += torch.stack(losses).to(torch.float64).sum()
     all_reduce(value, g.world, tag="metrics")
-    return value.item() / (m * g.dp.size)
+    return [value[0].item() / (m * g.dp.size), *value[1:].tolist()]
 
 
 def with_vocab(config: Config, vocab_size: int) -> Config:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ptdp import comm
+from ptdp.activity import CollectiveError
 from ptdp.args import HelpFormatter, add_train_arguments, config_from_args
 from ptdp.config import Config, ConfigError, resolve
 from ptdp.data import DataError, PreparedData
@@ -48,7 +49,9 @@ def _run(config: Config, run_dir: Path, data: PreparedData, device, progress: bo
 
 def worker_entry(config_json: str, run_dir: str, data_dir: str, progress: bool) -> dict:
     """Run one worker of a job launched by ``ptdp train``; returns the run summary, or
-    ``{"error": message}`` when training had to stop (the same on every rank)."""
+    ``{"error": message}`` when training had to stop (the same on every rank). A
+    :class:`~ptdp.activity.CollectiveError` (a peer stopped responding or went away) is raised, so
+    that the launcher stops the other workers and reports it."""
     restart = restart_count()
     config = resume_config(Config.from_dict(json.loads(config_json)), restart)
     device = init_distributed(config.parallel.distributed_timeout_minutes, bind_cpus=config.parallel.bind_cpus)
@@ -93,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, TrainingError) as e:
         say(f"ptdp.train: error: {e}")
         return 1 if isinstance(e, TrainingError) else 2
+    except CollectiveError as e:  # a peer stopped responding or went away: said by the rank that saw it
+        print(f"ptdp.train: error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         dist.destroy_process_group()
     return 0

@@ -5,12 +5,12 @@ Runs inside an initialised process group (``ptdp.train``); every rank executes i
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
 import torch
 
+from ptdp import activity
 from ptdp.checkpoint.io import CheckpointError, load_checkpoint, save_checkpoint
 from ptdp.config import Config
 from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, dp_shard, eval_indices, microbatches
@@ -25,7 +25,8 @@ from ptdp.step import build_stage, eval_loss, train_step, with_vocab
 
 
 class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. the loss or gradient norm became nan/inf); all ranks raise it."""
+    """Training cannot go on (e.g. more than ``max_skipped_steps`` steps in a row had a nan/inf loss
+    or gradient norm, or a checkpoint would hold non-finite values); all ranks raise it."""
 
 
 def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: Path, device: torch.device,
@@ -64,6 +65,7 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     def evaluate(iteration: int) -> None:
         if not valid_batches:
             return
+        activity.set_phase(activity.EVALUATION, iteration)
         val = eval_loss(stage, valid_batches)
         history["val"].append((iteration, val))
         log.write({"iteration": iteration, "val_loss": val})
@@ -77,6 +79,7 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     elif ck.load:
         log.message(f"resumed from {ck.load} at iteration {start}")
     evaluate(start)
+    skipped_in_a_row = 0
     for it in range(start, t.train_iters):
         iteration = it + 1
         if tracer is not None:
@@ -92,18 +95,16 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
             "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
         }
         history["train"].append(record)
-        if result.skipped:  # float16 overflow: the step was skipped on every rank, the scale halved
-            record.update(skipped=True, loss_scale=result.loss_scale)
-        finite = math.isfinite(result.loss) and (result.skipped or math.isfinite(result.grad_norm))
-        if not finite or iteration % t.log_interval == 0 or iteration in (1, t.train_iters):
+        if result.skipped:  # on every rank, without any update (ptdp.step)
+            record.update(skipped=True, reason=result.skip_reason)
+            if result.loss_scale is not None:
+                record["loss_scale"] = result.loss_scale
+        if result.skipped or iteration % t.log_interval == 0 or iteration in (1, t.train_iters):
             log.write(record)
         log.step(iteration, result.loss, step_time, record["tokens_per_s"], result.lr)
-        if not finite:
-            log.close()
-            raise TrainingError(
-                f"loss {result.loss} / gradient norm {result.grad_norm} is not finite at iteration "
-                f"{iteration}; stopping (try a lower --lr or --clip-grad, or check the data)"
-            )
+        skipped_in_a_row = skipped_in_a_row + 1 if result.nonfinite else 0
+        if result.nonfinite:
+            _non_finite_step(result, iteration, skipped_in_a_row, t.max_skipped_steps, log)
         if iteration % t.eval_interval == 0 and iteration != t.train_iters:
             evaluate(iteration)
         if ck.save and ck.save_interval and iteration % ck.save_interval == 0 and iteration != t.train_iters:
@@ -126,10 +127,30 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     return summary
 
 
+def _non_finite_step(result, iteration: int, in_a_row: int, limit: int, log: RunLog) -> None:
+    """A step skipped for a nan/inf loss or gradient norm: a warning, or :class:`TrainingError`
+    (on every rank alike) when it makes more than ``limit`` such steps in a row."""
+    what = (f"loss {result.loss} / gradient norm {result.grad_norm} is not finite at iteration {iteration} "
+            f"({result.skip_reason} on some rank)")
+    if in_a_row > limit:
+        log.close()
+        raise TrainingError(f"{what}: {in_a_row} such steps in a row, more than --max-skipped-steps {limit}; "
+                            f"stopping (try a lower --lr or --clip-grad, or check the data)")
+    log.message(f"warning: {what}; the step is skipped on every rank, no update "
+                f"({in_a_row} in a row, at most {limit})")
+
+
 def _save(stage, ck, iteration: int, consumed_samples: int, log: RunLog, data: PreparedData) -> None:
+    """Save a checkpoint; one that cannot be written (e.g. non-finite values, refused on every
+    rank) stops training with :class:`TrainingError`."""
     start = time.perf_counter()
-    folder = save_checkpoint(stage, ck.save, iteration, consumed_samples=consumed_samples,
-                             keep_last=ck.keep_last, files={"tokenizer.json": data.tokenizer_path})
+    activity.set_phase(activity.CHECKPOINT, iteration)
+    try:
+        folder = save_checkpoint(stage, ck.save, iteration, consumed_samples=consumed_samples,
+                                 keep_last=ck.keep_last, files={"tokenizer.json": data.tokenizer_path})
+    except CheckpointError as e:
+        log.close()
+        raise TrainingError(str(e)) from e
     log.message(f"iteration {iteration:>6}: saved checkpoint {folder} ({time.perf_counter() - start:.1f} s)")
 
 
@@ -176,6 +197,7 @@ def _summary(config: Config, history: dict, elapsed: float) -> dict:
         "layout": {"tp": p.tp, "pp": p.pp, "dp": p.dp, "world_size": config.world_size,
                    "num_microbatches": config.num_microbatches},
         "iterations": len(train_hist),
+        "skipped_steps": sum(1 for r in train_hist if r.get("skipped")),
         "vocab_size": config.model.vocab_size,
         "first_loss": train_hist[0]["loss"] if train_hist else None,
         "final_loss": train_hist[-1]["loss"] if train_hist else None,

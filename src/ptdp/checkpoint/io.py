@@ -5,7 +5,9 @@ naming the newest complete one. A folder is written as ``.iter_0000100.tmp`` by 
 parallel (DCP: one ``.distcp`` file per rank plus ``.metadata``), completed with ``ptdp.json``
 (rank 0) and ``rng/rank<r>.json`` (every rank), renamed once every rank has finished, and only
 then is ``latest`` replaced (atomically). A crash at any point leaves ``latest`` on the previous
-complete checkpoint. Nothing is pickled: tensors go through DCP, everything else is JSON.
+complete checkpoint. Nothing is pickled: tensors go through DCP, everything else is JSON. A state
+holding a nan or inf (a parameter, an optimizer tensor, the 1-bit residual) on any rank is never
+saved: every rank refuses before anything is written.
 
 Stored per parameter (layout-independent, see :mod:`ptdp.checkpoint.tensors`): ``model/<name>``,
 ``optim/exp_avg/<name>``, ``optim/exp_avg_sq/<name>`` and, for 16-bit parameters,
@@ -26,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ptdp.checkpoint.safe_reader import SafeFileSystemReader
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ptdp.checkpoint.optim_state import MOMENTS, gather_local_state, load_local_state, state_kinds, step_count
 from ptdp.checkpoint.tensors import stored_form, to_checkpoint_value
+from ptdp.comm import all_gather_object, barrier
 from ptdp.config import Config, ConfigError
 from ptdp.model.chunks import global_named_parameters
 from ptdp.tensor_parallel.sharding import spec_of
@@ -71,8 +73,7 @@ def _quiet():
 
 
 def _barrier(stage) -> None:
-    if stage.groups.world.size > 1:
-        dist.barrier(group=stage.groups.world.group)
+    barrier(stage.groups.world)
 
 
 def _layout_key(stage) -> dict:
@@ -106,15 +107,17 @@ def save_checkpoint(stage, root: str | Path, iteration: int, *, consumed_samples
     root, g = Path(root), stage.groups
     name = f"iter_{iteration:07d}"
     tmp, final = root / f".{name}.tmp", root / name
+    stage.wait_for_params()
+    named = list(global_named_parameters(stage.model))
+    params = [p for _, p in named]
+    kinds = state_kinds(stage.optimizer)
+    tensors = gather_local_state(stage.optimizer, params, g.dp)
+    _refuse_non_finite(stage, iteration, named, tensors)
     if g.global_rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
         (tmp / "rng").mkdir(parents=True)
     _barrier(stage)
-    stage.wait_for_params()
-    params = [p for _, p in global_named_parameters(stage.model)]
-    kinds = state_kinds(stage.optimizer)
-    tensors = gather_local_state(stage.optimizer, params, g.dp)
     sd = _state_dict(stage, tensors, {id(p): p.detach() for p in params}, kinds)
     sd["optim/step"] = torch.tensor(step_count(stage.optimizer), dtype=torch.int64)
     if stage.grads.residual is not None:
@@ -137,6 +140,25 @@ def save_checkpoint(stage, root: str | Path, iteration: int, *, consumed_samples
             _prune(root, keep_last, keep=name)
     _barrier(stage)
     return final
+
+
+def _refuse_non_finite(stage, iteration: int, named, tensors: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Raise :class:`CheckpointError` on every rank if some rank holds a nan/inf parameter,
+    optimizer tensor or 1-bit residual (one all-gather of a short string or None over the world)."""
+    bad = None
+    for name, p in named:
+        kinds = [kind for kind, t in tensors[id(p)].items() if not torch.isfinite(t).all()]
+        if not torch.isfinite(p).all() or kinds:
+            bad = f"{'parameter' if not kinds else 'optimizer ' + kinds[0] + ' of'} {name}"
+            break
+    residual = stage.grads.residual
+    if bad is None and residual is not None and not torch.isfinite(residual).all():
+        bad = "the 1-bit error-feedback residual"
+    found = [(rank, what) for rank, what in enumerate(all_gather_object(bad, stage.groups.world)) if what]
+    if found:
+        more = f" (and on {len(found) - 1} more rank(s))" if len(found) > 1 else ""
+        raise CheckpointError(f"refusing to save the checkpoint of iteration {iteration}: {found[0][1]} holds "
+                              f"nan/inf values on rank {found[0][0]}{more}; nothing was written")
 
 
 def _meta(stage, iteration: int, consumed_samples: int, kinds) -> dict:

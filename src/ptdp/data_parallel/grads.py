@@ -58,18 +58,28 @@ def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return norms.pow(2).sum()
 
 
-def clip_grad_norm(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups, max_norm: float) -> float:
-    """Global L2 norm of all gradients of the model (every parameter counted once), and clip.
+def grad_norm(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups) -> float:
+    """Global L2 norm of all gradients of the model, every parameter counted once (nan or inf if a
+    gradient is; the same on every rank).
 
     Sums squares (float64) over this rank's counted parameters (with the distributed optimizer,
     over its shard, then all-reduced over dp), then all-reduces over tp and pp (1 element each).
-    If ``max_norm > 0`` and the norm exceeds it, every reduced gradient is multiplied by
-    ``max_norm / (norm + 1e-6)``. Returns the norm before clipping (nan or inf if a gradient is).
     """
     sq = _sum_of_squares(model, buffer, groups)
     all_reduce(sq, groups.tp, tag="grad_norm")
     all_reduce(sq, groups.pp, tag="grad_norm")
-    norm = math.sqrt(sq.item())
+    return math.sqrt(sq.item())
+
+
+def clip_grads(buffer: GradBuffer, norm: float, max_norm: float) -> None:
+    """If ``max_norm > 0`` and ``norm`` exceeds it, multiply every reduced gradient by
+    ``max_norm / (norm + 1e-6)``."""
     if max_norm > 0 and norm > max_norm:
         buffer.reduced.mul_(max_norm / (norm + 1e-6))
+
+
+def clip_grad_norm(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups, max_norm: float) -> float:
+    """:func:`grad_norm`, then :func:`clip_grads`; returns the norm before clipping."""
+    norm = grad_norm(model, buffer, groups)
+    clip_grads(buffer, norm, max_norm)
     return norm

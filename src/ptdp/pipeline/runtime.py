@@ -13,6 +13,8 @@ the message usually lands in a posted buffer instead of waiting for one.
 Activations and gradients use different message tags, so with pp = 2 (where the next and the
 previous rank are the same process) a forward activation is never paired with a gradient.
 A microbatch's forward and backward see the same weights: the optimizer runs after the schedule.
+In training, each action sets the phase of :mod:`ptdp.activity` (forward, backward, pipeline
+send/recv) that a failed transfer or collective reports.
 
 Communication per microbatch, chunk and stage boundary (Narayanan et al. SC21, §3.2): one send of
 the ``[b, s, h]`` activation forward and one of its gradient backward.
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ptdp.activity import PIPELINE, set_phase
 from ptdp.comm import P2P, AxisGroup, post
 from ptdp.pipeline.schedule import Action, peer, transfer_batches
 
@@ -107,9 +110,12 @@ def run_schedule(
     steps = transfer_batches(actions)
     last_backward = {a.chunk: a for a in actions if a.kind == "backward"}  # the last one per chunk wins
     _prefetch(steps, 0, state, hidden_shape, dtype)
+    track = not forward_only  # evaluation keeps the caller's phase
     for index, step in enumerate(steps):
         kind = step[0].kind
         if kind in ("forward", "backward"):
+            if track:
+                set_phase(kind)
             span = tracer.span(step) if tracer is not None else None
             if kind == "forward":
                 _forward(step[0], state)
@@ -121,8 +127,12 @@ def run_schedule(
             if span is not None:
                 span.end()
         else:
+            if track:
+                set_phase(PIPELINE)
             _transfer(step, state, hidden_shape, dtype, tracer)
             _prefetch(steps, index + 1, state, hidden_shape, dtype)
+    if track:
+        set_phase(PIPELINE)
     for work in state.pending_sends + list(state.activation_sends.values()):
         work.wait()
     return [state.losses[i] for i in sorted(state.losses)]

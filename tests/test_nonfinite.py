@@ -1,0 +1,154 @@
+"""A nan/inf loss or gradient norm on one rank skips the step on every rank, with no change to the
+training state; too many in a row stop training; a non-finite state is never checkpointed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ptdp.checkpoint.io import CheckpointError, save_checkpoint
+from ptdp.faults import NAN_LOSS_ENV
+from ptdp.groups import ParallelGroups
+from ptdp.layout import ParallelLayout
+from ptdp.model.chunks import global_named_parameters
+from ptdp.step import NONFINITE_LOSS, build_stage, train_step
+from dist_helpers import PG_TIMEOUT, run_workers
+from layout_cases import rank_microbatches, tiny_config
+from test_checkpoint import _stored_tensors
+from test_cli import TINY, corpus  # noqa: F401 - corpus is a fixture
+
+#: variant -> (dtype, parallel overrides, the global rank whose forward is poisoned at iteration 2)
+VARIANTS = {
+    "float64": ("float64", {}, 6),  # a last stage's tp rank 0: its loss is the one summed
+    "distributed_optimizer": ("float64", {"use_distributed_optimizer": True, "ddp_bucket_size": 901}, 1),
+    "bf16": ("bfloat16", {}, 5),  # a last stage's tp rank 1: only the flag carries its nan loss
+    "bf16_distributed_optimizer": ("bfloat16", {"use_distributed_optimizer": True}, 2),
+    "1bit": ("float64", {"grad_compression": "1bit", "grad_compression_warmup_iters": 0}, 3),
+}
+
+
+def run(cmd: list[str], tmp_path: Path, env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PTDP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1", **env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+
+
+def training_state(stage) -> dict[str, torch.Tensor]:
+    """Parameters, every optimizer tensor (Adam moments and step, float32 main parameters, whole or
+    sharded) and the 1-bit residual of this rank, copied."""
+    stage.wait_for_params()
+    state = {f"param/{n}": p.detach().clone() for n, p in global_named_parameters(stage.model)}
+    inner = getattr(stage.optimizer, "inner", stage.optimizer)
+    for i, group in enumerate(inner.param_groups if inner is not None else []):
+        for j, p in enumerate(group["params"]):
+            state[f"optim/{i}/{j}"] = p.detach().clone()
+            state.update({f"optim/{i}/{j}/{k}": v.clone() for k, v in inner.state.get(p, {}).items()})
+    if stage.grads.residual is not None:
+        state["residual"] = stage.grads.residual.clone()
+    return state
+
+
+def differing(a: dict, b: dict) -> list[str]:
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
+
+
+def skip_worker(rank: int, world: int) -> dict:
+    groups = ParallelGroups.build(ParallelLayout(tp=2, pp=2, dp=2), PG_TIMEOUT)
+    out = {}
+    for name, (dtype, parallel, poisoned) in VARIANTS.items():
+        cfg = tiny_config(2, 2, 2, dtype, parallel_overrides=parallel)
+
+        def step(stage, it):
+            return train_step(stage, rank_microbatches(it, cfg, groups.dp.rank, groups.dp.size), it)
+
+        stage = build_stage(cfg, groups)
+        first = step(stage, 0)
+        before = training_state(stage)
+        os.environ[NAN_LOSS_ENV] = f"{poisoned}:2"
+        try:
+            bad = step(stage, 1)
+        finally:
+            del os.environ[NAN_LOSS_ENV]
+        after_skip = training_state(stage)
+        later = step(stage, 2)
+        # the same steps without the skipped one: 0, then 2 (same data, same learning rate)
+        reference = build_stage(cfg, groups)
+        step(reference, 0)
+        ref_later = step(reference, 2)
+        out[name] = {
+            "results": [(r.skipped, r.skip_reason) for r in (first, bad, later)],
+            "losses": [first.loss, bad.loss, later.loss],
+            "changed_by_skip": differing(before, after_skip),
+            "later_equals_reference": (later.loss, later.grad_norm) == (ref_later.loss, ref_later.grad_norm)
+            and not differing(training_state(stage), training_state(reference)),
+        }
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_nan_on_one_rank_skips_the_step_everywhere_without_any_change():
+    """(2,2,2): NaN in one rank's forward at iteration 2 -> every rank skips iteration 2 with the
+    same reason, parameters, Adam state, main parameters and 1-bit residual stay bitwise equal,
+    and iteration 3 continues exactly as if iteration 2 had not been trained on."""
+    results = run_workers(skip_worker, 8, timeout=360)
+    for name in VARIANTS:
+        for rank, res in enumerate(results):
+            r = res[name]
+            assert r["results"] == [(False, None), (True, NONFINITE_LOSS), (False, None)], (name, rank, r)
+            assert r["changed_by_skip"] == [], (name, rank)
+            assert r["later_equals_reference"], (name, rank)
+            assert all(map(torch.isfinite, map(torch.tensor, (r["losses"][0], r["losses"][2])))), (name, r)
+        assert len({tuple(map(str, res[name]["losses"])) for res in results}) == 1, name
+
+
+def test_a_non_finite_state_is_never_saved(tmp_path):
+    stage = build_stage(tiny_config(1, 1, 1, "float64"), ParallelGroups.single_process())
+    train_step(stage, rank_microbatches(0, stage.config, 0, 1), 0)
+    name, param = next(iter(global_named_parameters(stage.model)))
+    with torch.no_grad():
+        param.view(-1)[3] = float("nan")
+    with pytest.raises(CheckpointError, match=rf"refusing to save the checkpoint of iteration 1: parameter {name} "
+                                              r"holds nan/inf values on rank 0; nothing was written"):
+        save_checkpoint(stage, tmp_path / "ckpt", 1, consumed_samples=8)
+    assert not (tmp_path / "ckpt").exists()
+    with torch.no_grad():
+        param.view(-1)[3] = 0.0
+        stage.optimizer.state[param]["exp_avg_sq"].view(-1)[0] = float("inf")
+    with pytest.raises(CheckpointError, match=rf"optimizer exp_avg_sq of {name} holds nan/inf"):
+        save_checkpoint(stage, tmp_path / "ckpt", 1, consumed_samples=8)
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_nan_every_step_stops_after_the_limit(corpus, tmp_path):  # noqa: F811 - the fixture
+    """ptdp train, tp1 pp2: a NaN loss at every step; three skipped steps are tolerated (each
+    logged and warned about, each checkpoint holds the unchanged finite state), the fourth stops
+    the run naming the iteration."""
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    proc = run([sys.executable, "-m", "ptdp.cli", "train", *TINY, "--tp", "1", "--pp", "2", "--data",
+                str(corpus / "docs"), "--output-dir", str(out), "--no-progress", "--max-skipped-steps", "3",
+                "--save", str(ckpt), "--save-interval", "1"], tmp_path, {NAN_LOSS_ENV: "0:every"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert ("is not finite at iteration 4 (non-finite loss on some rank): 4 such steps in a row, "
+            "more than --max-skipped-steps 3; stopping") in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.count("the step is skipped on every rank, no update") == 3
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if "loss" in r]
+    assert [(r["iteration"], r["skipped"], r["reason"], r["loss"]) for r in train] == [
+        (i, True, NONFINITE_LOSS, None) for i in (1, 2, 3, 4)]
+    assert (ckpt / "latest").read_text().strip() == "iter_0000003"
+    saved = sorted(p.name for p in ckpt.iterdir())
+    assert saved == ["iter_0000001", "iter_0000002", "iter_0000003", "latest"]
+    first = _stored_tensors(ckpt / "iter_0000001")
+    for folder in saved[:-1]:
+        tensors = _stored_tensors(ckpt / folder)
+        assert all(torch.isfinite(t).all() for t in tensors.values()), folder
+        assert all(torch.equal(t, first[k]) for k, t in tensors.items()), "no update was ever made"
