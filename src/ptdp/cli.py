@@ -70,12 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     gen.set_defaults(func=cmd_generate)
 
-    conv = sub.add_parser("convert", help="export a checkpoint to Hugging Face GPT-2, or import one",
+    conv = sub.add_parser("convert", help="export a checkpoint to Hugging Face GPT-2 or Llama, or import one",
                           formatter_class=HelpFormatter)
     conv.add_argument("direction", choices=("to-hf", "from-hf"),
-                      help="to-hf: ptdp checkpoint -> GPT-2 folder; from-hf: GPT-2 folder -> ptdp checkpoint")
-    conv.add_argument("source", help="checkpoint root/iteration folder (to-hf) or GPT-2 folder (from-hf)")
-    conv.add_argument("target", help="GPT-2 folder to write (to-hf) or checkpoint root to write (from-hf)")
+                      help="to-hf: ptdp checkpoint -> GPT-2 folder (Llama with RMSNorm, --swiglu and rope); "
+                           "from-hf: GPT-2 or Llama folder -> ptdp checkpoint")
+    conv.add_argument("source", help="checkpoint root/iteration folder (to-hf) or GPT-2/Llama folder (from-hf)")
+    conv.add_argument("target", help="GPT-2/Llama folder to write (to-hf) or checkpoint root to write (from-hf)")
     conv.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     conv.set_defaults(func=cmd_convert)
     return parser

@@ -1,11 +1,13 @@
-"""Hugging Face GPT-2 interop: export a ptdp checkpoint to a ``GPT2LMHeadModel`` folder
-(``config.json`` + ``model.safetensors``) and import such a folder as a ptdp checkpoint.
+"""Hugging Face interop: export a ptdp checkpoint to a ``GPT2LMHeadModel`` folder, or with the
+Llama-like options (RMSNorm, SwiGLU, rotary positions) to a ``LlamaForCausalLM`` folder
+(``config.json`` + ``model.safetensors``), and import such a folder as a ptdp checkpoint.
 
 Both run in one process without a process group: export reads the global tensors from the
 checkpoint's index, import writes them in ptdp's layout-independent form (iteration 0, no
 optimizer state), which then loads at any layout. GPT-2 stores its projections as ``Conv1D``
 (``y = x W + b``, ``W`` is ``[in, out]``), ptdp as ``nn.Linear`` (``[out, in]``): weights are
 transposed; its fused ``c_attn`` is ``[q | k | v]`` with heads contiguous inside each, as ptdp's.
+The Llama mapping is in :mod:`ptdp.checkpoint.hf_llama`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ptdp.checkpoint.hf_llama import from_llama, is_gpt2_like, llama_config, model_config_from_llama, to_llama
 from ptdp.checkpoint.io import (FORMAT, META, MODEL_DEFAULTS, CheckpointError, _first_line, _write_json,
                                 _write_text_atomic, check_files, read_meta, resolve_checkpoint)
 from ptdp.checkpoint.safe_reader import SafeFileSystemReader
@@ -49,13 +52,17 @@ def read_model_tensors(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write ``out_dir/config.json`` and ``out_dir/model.safetensors`` for ``GPT2LMHeadModel``
-    (``out_dir`` must be new or empty: nothing is overwritten)."""
+    """Write ``out_dir/config.json`` and ``out_dir/model.safetensors`` for ``GPT2LMHeadModel``, or
+    ``LlamaForCausalLM`` when the model uses a Llama-like option (``out_dir`` must be new or empty:
+    nothing is overwritten)."""
     target = Path(out_dir)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise CheckpointError(f"{target} exists and is not an empty folder; export into a new one")
     meta, tensors = read_model_tensors(checkpoint)
     m = meta["model"]
+    if not is_gpt2_like(m):
+        config = llama_config(m, tensors["word_embeddings.weight"].dtype)  # raises for what Llama lacks
+        return _write_hf(target, to_llama(m, tensors), config)
     gpt2 = _gpt2_config(m)  # raises for what GPT-2 lacks, before any tensor is mapped
     h = m["hidden_size"]
     hf: dict[str, torch.Tensor] = {
@@ -73,10 +80,12 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
                 w, b = w.reshape(3 * h, -1), b.reshape(-1)
             hf[f"transformer.h.{i}.{theirs}.weight"] = w.t() if theirs in _CONV1D else w
             hf[f"transformer.h.{i}.{theirs}.bias"] = b
-    out = Path(out_dir)
+    return _write_hf(target, hf, gpt2 | {"torch_dtype": str(next(iter(hf.values())).dtype).removeprefix("torch.")})
+
+
+def _write_hf(out: Path, hf: dict[str, torch.Tensor], config: dict) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in hf.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = gpt2 | {"torch_dtype": str(next(iter(hf.values())).dtype).removeprefix("torch.")}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
@@ -101,9 +110,11 @@ def _gpt2_config(m: dict) -> dict:
 
 
 def model_config_from_hf(config: dict) -> ModelConfig:
-    """ptdp's model for a GPT-2 ``config.json`` (raises CheckpointError for what ptdp lacks)."""
+    """ptdp's model for a GPT-2 or Llama ``config.json`` (raises CheckpointError for what ptdp lacks)."""
+    if config.get("model_type") == "llama":
+        return model_config_from_llama(config)
     if config.get("model_type") != "gpt2":
-        raise CheckpointError(f"model_type {config.get('model_type')!r} is not gpt2")
+        raise CheckpointError(f"model_type {config.get('model_type')!r} is not gpt2 or llama")
     act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}.get(config.get("activation_function"))
     if act is None:
         raise CheckpointError(f"activation_function {config.get('activation_function')!r} is not supported")
@@ -121,14 +132,29 @@ def model_config_from_hf(config: dict) -> ModelConfig:
 
 
 def import_hf(hf_dir: str | Path, save_dir: str | Path) -> Path:
-    """Make ``save_dir/iter_0000000`` (and ``save_dir/latest``) from a GPT-2 folder."""
+    """Make ``save_dir/iter_0000000`` (and ``save_dir/latest``) from a GPT-2 or Llama folder
+    (``model.safetensors``, or shards listed in ``model.safetensors.index.json``)."""
     hf_dir, root = Path(hf_dir), Path(save_dir)
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise CheckpointError(f"{root} exists and is not an empty folder; import into a new one")
-    if not (hf_dir / "config.json").is_file() or not (hf_dir / "model.safetensors").is_file():
-        raise CheckpointError(f"{hf_dir} is not a Hugging Face model folder (config.json + model.safetensors)")
-    m = model_config_from_hf(json.loads((hf_dir / "config.json").read_text()))
-    hf = {k.removeprefix("transformer."): v.float() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    index = hf_dir / "model.safetensors.index.json"
+    if not (hf_dir / "config.json").is_file() or not ((hf_dir / "model.safetensors").is_file() or index.is_file()):
+        raise CheckpointError(f"{hf_dir} is not a Hugging Face model folder (config.json + model.safetensors or its "
+                              "index)")
+    config = json.loads((hf_dir / "config.json").read_text())
+    m = model_config_from_hf(config)
+    files = ["model.safetensors"]
+    if index.is_file():  # a sharded folder
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    loaded = {k: v.float() for f in files for k, v in load_file(str(hf_dir / f)).items()}
+    if config["model_type"] == "llama":
+        sd = {f"model/{k}": v for k, v in from_llama(m, loaded).items()}
+    else:
+        sd = _from_gpt2(m, {k.removeprefix("transformer."): v for k, v in loaded.items()})
+    return _write_imported(root, m, sd, hf_dir)
+
+
+def _from_gpt2(m: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     sd = {"model/word_embeddings.weight": hf["wte.weight"], "model/position_embeddings": hf["wpe.weight"],
           "model/final_norm.weight": hf["ln_f.weight"], "model/final_norm.bias": hf["ln_f.bias"]}
     if m.untie_embeddings_and_output_weights:
@@ -140,6 +166,11 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path) -> Path:
             if mine == "attention.qkv":
                 w, b = w.reshape(3, m.hidden_size, -1), b.reshape(3, -1)
             sd[f"model/layers.{i}.{mine}.weight"], sd[f"model/layers.{i}.{mine}.bias"] = w.contiguous(), b
+    return sd
+
+
+def _write_imported(root: Path, m: ModelConfig, sd: dict[str, torch.Tensor], hf_dir: Path) -> Path:
+    """ptdp's layout-independent checkpoint of the model tensors ``sd`` (iteration 0, no optimizer state)."""
     sd["optim/step"] = torch.tensor(0, dtype=torch.int64)
     name = "iter_0000000"
     tmp = root / f".{name}.tmp"
