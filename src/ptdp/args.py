@@ -140,6 +140,12 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
     g.add_argument("--fp16", dest="params_dtype", action="store_const", const="float16",
                    help="same as --params-dtype float16")
     g.add_argument("--init-method-std", type=float, default=mc.init_method_std, help="std of the normal weight init")
+    g.add_argument("--hidden-dropout", type=float, default=mc.hidden_dropout, metavar="P",
+                   help="dropout probability of the hidden states after the embeddings, the attention projection "
+                        "and fc2 (default 0: none)")
+    g.add_argument("--attention-dropout", type=float, default=mc.attention_dropout, metavar="P",
+                   help="dropout probability of the attention probabilities (computed without the fused kernel "
+                        "when > 0; default 0: none)")
 
     g = parser.add_argument_group("activation recomputation (same results, less activation memory, more compute)")
     g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
@@ -208,6 +214,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             recompute_num_layers=args.recompute_num_layers,
             normalization=args.normalization, swiglu=args.swiglu, position_embedding_type=args.position_embedding_type,
             rotary_base=args.rotary_base, num_query_groups=args.num_query_groups, add_bias_linear=args.add_bias_linear,
+            hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         ),
         parallel=ParallelConfig(
             tensor_model_parallel_size=args.tensor_model_parallel_size,

@@ -19,6 +19,7 @@ Rules (sources: Narayanan et al. SC21, arXiv:2104.04473; Shoeybi et al., arXiv:1
   granularity, and ``1 <= recompute_num_layers <=`` the layers of the smallest model chunk
 - grouped-query attention: ``heads % num_query_groups == 0`` and ``num_query_groups % tp == 0``
   (each tp rank holds whole key/value heads); rotary embeddings need an even head dim
+- dropout probabilities ``hidden_dropout`` and ``attention_dropout`` in ``[0, 1)``
 """
 
 from __future__ import annotations
@@ -85,6 +86,16 @@ class ModelConfig:
     shared by a / G query heads; None: ordinary multi-head attention (a key/value heads)."""
     add_bias_linear: bool = True
     """Biases in the linear layers (QKV, attention output, fc1, fc2); norms keep theirs."""
+    hidden_dropout: float = 0.0
+    """Dropout probability of the hidden states ``[b, s, h]`` after the embeddings, after the
+    attention projection and after fc2 (before the residual adds); 0 disables. Masks come from
+    :class:`ptdp.tensor_parallel.random.DropoutRNG` streams: equal on the tp ranks of a replica,
+    different over dp replicas."""
+    attention_dropout: float = 0.0
+    """Dropout probability of the attention probabilities; 0 disables. With it, attention is
+    computed explicitly (scores, causal softmax, dropout, context; the ``s x s`` probabilities are
+    kept for backward) instead of by the fused ``scaled_dot_product_attention`` kernel, whose own
+    dropout draws from torch's default generator and cannot follow ptdp's per-head streams."""
     recompute_granularity: str | None = None
     """Activation recomputation (Korthikanti et al. 2022, arXiv:2205.05198; ``ptdp.model.recompute``):
     None keeps every activation; ``full`` keeps only the inputs of groups of layers and recomputes
@@ -383,6 +394,9 @@ def resolve(config: Config, world_size: int) -> Config:
     errors += recompute_errors(m, None if errors else chunk_layer_counts(p, m.num_layers))
     errors += _data_parallel_rules(p)
     errors += _checkpoint_rules(config.checkpoint)
+    errors += [f"{name}={value} must be in [0, 1) (a dropout probability; 0 disables)"
+               for name, value in (("hidden_dropout", m.hidden_dropout), ("attention_dropout", m.attention_dropout))
+               if not 0 <= value < 1]
     if m.activation not in ACTIVATIONS:
         errors.append(f"activation={m.activation!r} must be one of {ACTIVATIONS}")
     elif m.swiglu and m.activation != "gelu":
@@ -411,6 +425,7 @@ def _finite(config: Config) -> list[str]:
         "adam_eps": config.train.adam_eps, "clip_grad": config.train.clip_grad,
         "init_method_std": config.model.init_method_std, "layernorm_epsilon": config.model.layernorm_epsilon,
         "rotary_base": config.model.rotary_base,
+        "hidden_dropout": config.model.hidden_dropout, "attention_dropout": config.model.attention_dropout,
         "valid_fraction": config.data.valid_fraction,
         "distributed_timeout_minutes": config.parallel.distributed_timeout_minutes,
     }

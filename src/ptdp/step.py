@@ -36,6 +36,7 @@ from ptdp.model.chunks import ModelChunks
 from ptdp.pipeline.partition import chunk_layer_ids, stage_layer_ids
 from ptdp.pipeline.runtime import Microbatch, run_schedule
 from ptdp.pipeline.schedule import build_schedule
+from ptdp.tensor_parallel.random import DropoutRNG
 from ptdp.tensor_parallel.sharding import initialize_parameters
 
 
@@ -52,6 +53,8 @@ class Stage:
     device: torch.device
     scaler: DynamicLossScaler | None = None
     """Dynamic loss scaling, for float16 parameters only."""
+    dropout_rng: DropoutRNG | None = None
+    """This rank's dropout streams (shared by its model chunks; saved in checkpoints)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -108,14 +111,15 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     """
     m, p = config.model, config.parallel
     pp, rank, v = groups.pp.size, groups.pp.rank, p.virtual_stages(m.num_layers)
+    rng = DropoutRNG(config.train.seed, dp_rank=groups.dp.rank, tp_rank=groups.tp.rank, device=device)
     if v == 1:
         layer_ids = stage_layer_ids(m.num_layers, pp, rank, p.pipeline_layer_split)
         chunks = [GPTModel(m, groups.tp, layer_ids=layer_ids, pre_process=groups.is_first_stage,
-                           post_process=groups.is_last_stage)]
+                           post_process=groups.is_last_stage, rng=rng)]
     else:
         chunks = [
             GPTModel(m, groups.tp, layer_ids=chunk_layer_ids(m.num_layers, pp, v, rank, c),
-                     pre_process=rank == 0 and c == 0, post_process=rank == pp - 1 and c == v - 1)
+                     pre_process=rank == 0 and c == 0, post_process=rank == pp - 1 and c == v - 1, rng=rng)
             for c in range(v)
         ]
     for chunk in chunks:  # each chunk by its global parameter names: the same weights on every layout
@@ -137,7 +141,7 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     scaler = DynamicLossScaler() if m.params_dtype == "float16" else None
     units = _param_gather_units(chunks) if p.overlap_param_gather else None
     optimizer = build_optimizer(model, config.train, grads, param_gather_units=units)
-    return Stage(config, groups, model, optimizer, grads, device, scaler)
+    return Stage(config, groups, model, optimizer, grads, device, scaler, dropout_rng=rng)
 
 
 def _param_gather_units(chunks: list[GPTModel]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
@@ -228,7 +232,16 @@ def _skip_reason(stage: Stage, loss: float, norm: float, bad_losses: int, bad_no
 
 @torch.no_grad()
 def eval_loss(stage: Stage, batches: list[list[Microbatch]]) -> float:
-    """Mean loss over ``batches`` (each this rank's microbatches of one global batch), no update."""
+    """Mean loss over ``batches`` (each this rank's microbatches of one global batch), no update,
+    in eval mode (no dropout, nothing drawn from the dropout streams)."""
+    stage.model.eval()
+    try:
+        return _eval_loss(stage, batches)
+    finally:
+        stage.model.train()
+
+
+def _eval_loss(stage: Stage, batches: list[list[Microbatch]]) -> float:
     total, count = 0.0, 0
     for microbatches in batches:
         schedule = build_schedule("forward-only", stage.groups.pp.size, len(microbatches), stage.virtual_stages)

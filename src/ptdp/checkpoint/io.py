@@ -13,6 +13,12 @@ Stored per parameter (layout-independent, see :mod:`ptdp.checkpoint.tensors`): `
 ``optim/exp_avg/<name>``, ``optim/exp_avg_sq/<name>`` and, for 16-bit parameters,
 ``optim/main/<name>``; ``optim/step``; the 1-bit error-feedback residual per rank
 (``residual/rank<r>``, restored only at the same layout and bucket size).
+
+``rng/rank<r>.json`` holds the rank's Python, NumPy and torch generator states and its dropout
+streams (:class:`ptdp.tensor_parallel.random.DropoutRNG`), restored only at the same layout
+(without ``--no-load-rng``): a run resumed at another layout, or without them, reseeds the
+dropout streams from the checkpoint's iteration, so it draws new masks (not those of the first
+iterations again) but not the ones an uninterrupted run would have drawn.
 """
 
 from __future__ import annotations
@@ -125,7 +131,7 @@ def save_checkpoint(stage, root: str | Path, iteration: int, *, consumed_samples
     with _quiet():
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp),
                  process_group=g.world.group if g.world.size > 1 else None)
-    _write_json(tmp / "rng" / f"rank{g.global_rank}.json", _rng_state())
+    _write_json(tmp / "rng" / f"rank{g.global_rank}.json", _rng_state(stage))
     if g.global_rank == 0:
         for name_in_folder, source in (files or {}).items():
             shutil.copyfile(source, tmp / name_in_folder)
@@ -210,10 +216,13 @@ def _write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _rng_state() -> dict:
+def _rng_state(stage) -> dict:
     np_state = np.random.get_state()
-    return {"python": _to_json(random.getstate()), "torch": torch.get_rng_state().tolist(),
-            "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    state = {"python": _to_json(random.getstate()), "torch": torch.get_rng_state().tolist(),
+             "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    if stage.dropout_rng is not None:
+        state["dropout"] = stage.dropout_rng.state_dict()
+    return state
 
 
 def _to_json(obj):
@@ -375,8 +384,14 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
     if stage.scaler is not None and meta.get("loss_scaler"):
         stage.scaler.load_state_dict(meta["loss_scaler"])
     rng_file = folder / "rng" / f"rank{g.global_rank}.json"
-    if load_rng and same_layout and rng_file.is_file():
-        _set_rng_state(json.loads(rng_file.read_text()))
+    rng_state = json.loads(rng_file.read_text()) if load_rng and same_layout and rng_file.is_file() else None
+    if rng_state is not None:
+        _set_rng_state(rng_state)
+    if stage.dropout_rng is not None:  # the saved streams, else fresh ones seeded with the iteration
+        if rng_state is not None and "dropout" in rng_state:
+            stage.dropout_rng.load_state_dict(rng_state["dropout"])
+        else:
+            stage.dropout_rng.reseed(meta["iteration"])
     meta["restored"] = {"optimizer": load_optimizer, "residual": restore_residual,
                         "rng": load_rng and same_layout}
     return meta

@@ -13,9 +13,17 @@ attention runs on the ``a / tp`` local query heads (and ``G / tp`` key/value hea
 grouped-query attention), the MLP on ``ffn / tp`` local channels.
 Communication per layer and microbatch (Shoeybi et al. 2019, §3): forward 2 all-reduces of
 ``b*s*h`` elements on tp (after attention and after the MLP), backward 2 (before QKV and fc1).
+
+Dropout (``hidden_dropout``, ``attention_dropout``; off by default) draws its masks from the
+:class:`~ptdp.tensor_parallel.random.DropoutRNG` passed in: the hidden states after the
+embeddings, after the attention projection and after fc2 (before the residual adds) from the
+layer's hidden-state stream, the attention probabilities from per-head streams. It acts only in
+training mode; evaluation runs ``model.eval()``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +41,7 @@ from ptdp.tensor_parallel import (
     copy_to_tp,
     vocab_parallel_cross_entropy,
 )
+from ptdp.tensor_parallel.random import Dropout, DropoutRNG
 from ptdp.tensor_parallel.sharding import make_parameter
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,9 +89,12 @@ class Attention(nn.Module):
     (``d`` rows per head), and split contiguously over tp, so a rank holds ``G / tp`` whole groups:
     its ``a / tp`` query heads and the key/value heads they share (query head i uses key/value
     head ``i // (a/G)``). With ``rope`` the rotary embedding turns q and k before the scores.
+    With ``attention_dropout`` (in training) the core is computed explicitly, and the
+    probabilities of global head ``j`` are dropped with the masks of stream ``layer.<i>/head<j>``.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype,
+                 *, layer_id: int = 0, rng: DropoutRNG | None = None) -> None:
         super().__init__()
         h, a = cfg.hidden_size, cfg.num_attention_heads
         self.local_heads, self.head_dim = a // tp.size, h // a
@@ -95,6 +107,9 @@ class Attention(nn.Module):
         rope = cfg.position_embedding_type == "rope"
         self.rotary = RotaryEmbedding(self.head_dim, cfg.rotary_base) if rope else None
         self.recompute_core = cfg.recompute_granularity == "selective"
+        self.dropout_p, self.dropout_key = cfg.attention_dropout, f"layer.{layer_id}"
+        self.rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
+        self.first_head = tp.rank * self.local_heads
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's fused projection ``[b, s, rows / tp]`` -> q ``[b, a/tp, s, d]`` and k, v
@@ -113,13 +128,31 @@ class Attention(nn.Module):
         q, k, v = self.split_heads(self.qkv(x))
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
-        out = recomputed(self.core, q, k, v) if self.recompute_core else self.core(q, k, v)
+        rng = self.rng if self.dropout_p > 0 else None  # the recompute replays the masks
+        out = recomputed(self.core, q, k, v, rng=rng) if self.recompute_core else self.core(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention core, causal ``softmax(q k^T / sqrt(d)) v`` (q ``[b, a/tp, s, d]``, k and v
         ``[b, kv/tp, s, d]``): what selective recompute runs again in backward (``recompute_core``)."""
+        if self.training and self.dropout_p > 0:
+            return self.core_with_dropout(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
+
+    def core_with_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The core written out, ``dropout(softmax(causal(q k^T / sqrt(d)))) v``: the fused
+        kernel's own dropout would draw from torch's default generator, not from the per-head
+        streams. Keeps the probabilities ``[b, a/tp, s, s]``, the 1-byte mask and the dropped
+        probabilities for backward."""
+        if self.grouped:  # query head i reads key/value head i // (a/G)
+            per_group = self.local_heads // self.local_groups
+            k, v = k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
+        s = q.shape[-2]
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        probs = self.rng.head_dropout(probs, self.dropout_p, self.dropout_key, first_head=self.first_head)
+        return probs @ v
 
 
 class MLP(nn.Module):
@@ -148,18 +181,22 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``."""
+    """``x + dropout(attn(ln1(x)))`` then ``x + dropout(mlp(ln2(x)))``; ``layer_id``, the global
+    layer index, names the layer's dropout streams in ``rng``."""
 
-    def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype,
+                 *, layer_id: int = 0, rng: DropoutRNG | None = None) -> None:
         super().__init__()
+        rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
         self.ln1 = make_norm(cfg, dtype)
-        self.attention = Attention(cfg, tp, dtype)
+        self.attention = Attention(cfg, tp, dtype, layer_id=layer_id, rng=rng)
         self.ln2 = make_norm(cfg, dtype)
         self.mlp = MLP(cfg, tp, dtype)
+        self.hidden_dropout = Dropout(cfg.hidden_dropout, rng, f"layer.{layer_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + self.hidden_dropout(self.attention(self.ln1(x)))
+        return x + self.hidden_dropout(self.mlp(self.ln2(x)))
 
 
 class GPTModel(nn.Module):
@@ -172,6 +209,8 @@ class GPTModel(nn.Module):
         pre_process: this is the first stage (token embeddings, and learned positions unless
             they are rotary).
         post_process: this is the last stage (final norm, output layer, loss).
+        rng: this rank's dropout streams, shared by its model chunks (None: streams of seed 0, for
+            a model used outside a training run).
 
     On the last stage of a pipeline with pp > 1 and tied embeddings, ``word_embeddings`` is a copy
     of the first stage's; its gradient must be summed with the first stage's after backward
@@ -179,7 +218,8 @@ class GPTModel(nn.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, tp: AxisGroup, *, layer_ids: range, pre_process: bool, post_process: bool
+        self, cfg: ModelConfig, tp: AxisGroup, *, layer_ids: range, pre_process: bool, post_process: bool,
+        rng: DropoutRNG | None = None,
     ) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
@@ -194,7 +234,11 @@ class GPTModel(nn.Module):
         if pre_process and cfg.position_embedding_type == "learned_absolute":
             spec = ParamSpec((cfg.seq_length, cfg.hidden_size))
             self.position_embeddings = make_parameter(spec, 1, dtype)
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, tp, dtype) for i in layer_ids})
+        self.rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
+        if pre_process:
+            self.embedding_dropout = Dropout(cfg.hidden_dropout, self.rng, "embedding")
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, tp, dtype, layer_id=i, rng=self.rng)
+                                     for i in layer_ids})
         if post_process:
             self.final_norm = make_norm(cfg, dtype)
             if not tied:
@@ -213,10 +257,11 @@ class GPTModel(nn.Module):
         tokens (a scalar, nats) given ``labels [b, s]``.
         """
         if self.pre_process:
-            x = self.embed(x)
+            x = self.embedding_dropout(self.embed(x))
         cfg = self.cfg  # full recompute runs groups of layers again in backward (ptdp.model.recompute)
+        rng = self.rng if cfg.hidden_dropout > 0 or cfg.attention_dropout > 0 else None
         x = run_layers(list(self.layers.values()), x, granularity=cfg.recompute_granularity,
-                       method=cfg.recompute_method, num_layers=cfg.recompute_num_layers)
+                       method=cfg.recompute_method, num_layers=cfg.recompute_num_layers, rng=rng)
         if not self.post_process:
             return x
         if labels is None:

@@ -16,11 +16,15 @@ arXiv:2205.05198. ``ModelConfig.recompute_granularity``:
 
 A region is recomputed by ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` with the RNG
 state preserved, so the recompute computes exactly the values of the first forward (bitwise on
-CPU). Communication: tensor-parallel all-reduces inside a recomputed region run again in backward,
-on every tp rank in the same order. The recompute stops once it has rebuilt the last tensor
-backward needs (PyTorch's "early stop"), which comes before a group's last all-reduce (after its
-last ``fc2``): a recomputed group of ``n`` layers repeats ``2 n - 1`` forward all-reduces of
-``b s h`` elements per microbatch. Selective recompute communicates nothing extra.
+CPU). Dropout draws from the model's :class:`~ptdp.tensor_parallel.random.DropoutRNG` streams,
+which are not torch's default generators: their ``checkpoint_contexts`` (the checkpoint's
+``context_fn``) save them when a region first runs and restore them around the recompute, so the
+recompute draws the same masks. Communication: tensor-parallel all-reduces inside a recomputed
+region run again in backward, on every tp rank in the same order. The recompute stops once it has
+rebuilt the last tensor backward needs (PyTorch's "early stop"), which comes before a group's last
+all-reduce (after its last ``fc2``): a recomputed group of ``n`` layers repeats ``2 n - 1``
+forward all-reduces of ``b s h`` elements per microbatch. Selective recompute communicates
+nothing extra.
 """
 
 from __future__ import annotations
@@ -32,16 +36,19 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ptdp.config import RECOMPUTE_METHODS
+from ptdp.tensor_parallel.random import DropoutRNG
 
 
-def recomputed(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+def recomputed(fn: Callable[..., torch.Tensor], *args: torch.Tensor, rng: DropoutRNG | None = None) -> torch.Tensor:
     """``fn(*args)`` keeping only ``args`` for backward, which runs ``fn`` again to get the rest.
+    ``rng``: the dropout streams ``fn`` draws from, replayed by the recompute (None: no dropout).
 
     Without autograd (evaluation) it is just ``fn(*args)``.
     """
     if not torch.is_grad_enabled():
         return fn(*args)
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+    extra = {"context_fn": rng.checkpoint_contexts} if rng is not None else {}
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra)
 
 
 def layer_groups(num_layers: int, method: str, per_group: int) -> list[tuple[int, int, bool]]:
@@ -62,16 +69,17 @@ def layer_groups(num_layers: int, method: str, per_group: int) -> list[tuple[int
 
 
 def run_layers(layers: Sequence[nn.Module], x: torch.Tensor, *, granularity: str | None, method: str | None,
-               num_layers: int | None) -> torch.Tensor:
+               num_layers: int | None, rng: DropoutRNG | None = None) -> torch.Tensor:
     """Run ``layers`` in order on ``x [b, s, h]``, recomputing groups of them under ``full``
-    granularity (any other granularity runs them plainly; selective acts inside attention)."""
+    granularity (any other granularity runs them plainly; selective acts inside attention).
+    ``rng``: the layers' dropout streams (None without dropout)."""
     if granularity != "full":
         for layer in layers:
             x = layer(x)
         return x
     for start, end, again in layer_groups(len(layers), method or "uniform", num_layers or 1):
         group = _Sequence(layers[start:end])
-        x = recomputed(group, x) if again else group(x)
+        x = recomputed(group, x, rng=rng) if again else group(x)
     return x
 
 

@@ -138,12 +138,17 @@ def _ptdp_options(cfg) -> dict:
 def spec_from_model_config(cfg) -> ModelSpec:
     """The planner's description of ptdp's own GPT for a :class:`ptdp.config.ModelConfig`.
 
-    ptdp's attention is ``torch.nn.functional.scaled_dot_product_attention`` (a fused kernel that
-    keeps no score matrix: ``flash_attention=True``). Dropout is on when the config has a non-zero
-    ``hidden_dropout`` or ``attention_dropout`` (ptdp's GPT has no dropout today: both absent, 0).
+    Dropout is on when ``hidden_dropout`` or ``attention_dropout`` is non-zero (one flag: with
+    attention dropout alone the planner still counts the hidden-state masks, ``2 s b h`` bytes per
+    layer and microbatch and ``s b h`` for the embedding, which ptdp does not keep then). Without
+    attention dropout ptdp's attention is ``torch.nn.functional.scaled_dot_product_attention``, a
+    fused kernel that keeps no score matrix (``flash_attention=True``); with it, attention is
+    computed explicitly and keeps the probabilities, the mask and the dropped probabilities, as
+    an unfused kernel does.
     """
-    dropout = bool(getattr(cfg, "hidden_dropout", 0.0) or getattr(cfg, "attention_dropout", 0.0))
+    attention_dropout = getattr(cfg, "attention_dropout", 0.0)
+    dropout = bool(getattr(cfg, "hidden_dropout", 0.0) or attention_dropout)
     return ModelSpec(cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.ffn, cfg.vocab_size,
                      cfg.seq_length, tied=not cfg.untie_embeddings_and_output_weights, dropout=dropout,
-                     flash_attention=True, name="ptdp-gpt",
+                     flash_attention=not attention_dropout, name="ptdp-gpt",
                      **_ptdp_options(cfg))
