@@ -113,6 +113,17 @@ VARIANTS = {
     # untied output layer; at tp = 4 (2 groups cannot be split over 4 ranks) 8 heads in 4 groups
     "llama": ("float64", LLAMA_OPTIONS, {}, {}),
     "llama_tp4": ("float64", LLAMA_OPTIONS | {"num_attention_heads": 8, "num_query_groups": 4}, {}, {}),
+    # sequence parallelism (tp > 1 only: the tp = 1 reference runs without it): the GPT; the
+    # Llama-like model with full recompute of groups of 2 layers; the GPT with the distributed
+    # optimizer reducing small buckets during backward (the tp sum then acts on gradient shards)
+    "sp": ("float64", {}, {}, {}, {"sequence_parallel": True}),
+    "sp_llama": ("float64", LLAMA_OPTIONS | {"recompute_granularity": "full", "recompute_num_layers": 2}, {}, {},
+                 {"sequence_parallel": True}),
+    "sp_llama_tp4": ("float64", LLAMA_OPTIONS | {"num_attention_heads": 8, "num_query_groups": 4,
+                                                 "recompute_granularity": "full", "recompute_num_layers": 2}, {}, {},
+                     {"sequence_parallel": True}),
+    "sp_distopt": ("float64", {}, {}, {}, {"sequence_parallel": True, "use_distributed_optimizer": True,
+                                           "overlap_grad_reduce": True, "ddp_bucket_size": 901}),
 }
 DP_LAYOUTS = {(1, 1, 4), (2, 2, 2), (1, 2, 2)}
 DP_VARIANTS = ["dp_overlap", "dp_distopt", "dp_distopt_overlap", "dp_distopt_overlap_gather", "dp_accumulate"]
@@ -129,6 +140,8 @@ def variant_config(name: str, tp: int, pp: int, dp: int) -> Config:
     dtype, model, parallel, train, *always = VARIANTS[name] + ({},)
     parallel = dict(parallel) if pp > 1 else {}
     parallel.update(always[0])
+    if tp == 1:  # sequence parallelism needs tp > 1; the reference is the same model without it
+        parallel.pop("sequence_parallel", None)
     if parallel.get("pipeline_schedule") == "interleaved-1f1b":
         parallel["num_layers_per_virtual_pipeline_stage"] = model["num_layers"] // (2 * pp)
     return tiny_config(tp, pp, dp, dtype, train_overrides=train, parallel_overrides=parallel, **model)
@@ -158,8 +171,19 @@ def parallel_run(tp: int, pp: int, dp: int) -> list[dict]:
         variants += SCHEDULE_VARIANTS
     if (tp, pp, dp) in DP_LAYOUTS:
         variants += DP_VARIANTS + ["dp_distopt_bf16"]
+    if (tp, pp, dp) in SP_LAYOUTS:
+        variants = (variants if (tp, pp, dp) in LAYOUTS else []) + sp_variants(tp, dp)
     return run_workers(layout_worker, tp * pp * dp, tp, pp, dp, variants, (tp, pp, dp) == (2, 2, 2))
 
 
 EXTRA_VARIANT_LAYOUTS = {(2, 2, 1), (1, 2, 2)}
 EXTRA_VARIANTS = ["untied", "uneven", "one_microbatch"]
+#: every (tp, pp, dp) of tests/test_layout_equivalence.py (one spawn each)
+LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 4, 1), (4, 1, 1)]
+#: sequence parallelism runs in the spawns of (2,1,1) and (2,2,2), and in one of its own at (4,1,2)
+SP_LAYOUTS = {(2, 1, 1), (2, 2, 2), (4, 1, 2)}
+
+
+def sp_variants(tp: int, dp: int) -> list[str]:
+    """The sequence-parallel variants a layout runs (the distributed optimizer where dp > 1)."""
+    return ["sp", "sp_" + llama_variant(tp)] + (["sp_distopt"] if dp > 1 else [])

@@ -13,11 +13,10 @@ import torch
 
 from ptdp.tensor_parallel.sharding import unshard
 from layout_cases import (
-    DP_LAYOUTS, DP_VARIANTS, EXTRA_VARIANT_LAYOUTS, EXTRA_VARIANTS, SCHEDULE_LAYOUTS, SCHEDULE_VARIANTS,
-    llama_variant, parallel_run, reference,
+    DP_LAYOUTS, DP_VARIANTS, EXTRA_VARIANT_LAYOUTS, EXTRA_VARIANTS, LAYOUTS, SCHEDULE_LAYOUTS, SCHEDULE_VARIANTS,
+    SP_LAYOUTS, llama_variant, parallel_run, reference, sp_variants,
 )
 
-LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 4, 1), (4, 1, 1)]
 TOL = {"float64": dict(rtol=1e-9, atol=1e-12), "float32": dict(rtol=1e-5, atol=1e-5)}
 
 
@@ -104,6 +103,25 @@ def test_distributed_optimizer_bf16_tracks_single_process(layout):
         torch.testing.assert_close(torch.tensor(res["dp_distopt_bf16"]["losses"]), torch.tensor(ref["losses"]),
                                    rtol=1e-2, atol=0)
     full_parameters(results, "dp_distopt_bf16")  # replicas and tied copies bitwise equal
+
+
+@pytest.mark.parametrize("layout", sorted(SP_LAYOUTS), ids=lambda l: "tp{}pp{}dp{}".format(*l))
+def test_sequence_parallel_matches_single_process(layout):
+    """Sequence parallelism (Korthikanti et al. 2022, §4.2.2): the GPT, the Llama-like model with
+    full recompute, and (dp > 1) the distributed optimizer with overlapped small buckets train like
+    the single-process model without it, float64 within 1e-9; every tp rank's copy of a replicated
+    parameter (norms, row-parallel biases, positions: gradients summed over tp) is bitwise equal."""
+    results = parallel_run(*layout)
+    for variant in sp_variants(layout[0], layout[2]):
+        assert_matches_reference(results, variant, TOL["float64"])
+        copies: dict[tuple[str, int, int], torch.Tensor] = {}
+        for res in results:
+            _, dp_rank, pp_rank = res[variant]["coords"]
+            for name, (tensor, spec, _) in res[variant]["params"].items():
+                if spec.tp_dim is None:
+                    first = copies.setdefault((name, dp_rank, pp_rank), tensor)
+                    assert torch.equal(first, tensor), f"{variant} {name}: tp copies differ"
+        assert any(name.endswith("ln1.weight") for name, _, _ in copies)
 
 
 def test_interleaved_ranks_hold_their_chunks():

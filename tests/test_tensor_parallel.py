@@ -1,4 +1,5 @@
-"""Tensor-parallel building blocks against their single-process equivalents (float64)."""
+"""Tensor-parallel building blocks against their single-process equivalents (float64), with and
+without sequence parallelism."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ptdp.comm import all_gather_along, reduce_scatter_along
 from ptdp.groups import ParallelGroups
 from ptdp.layout import ParallelLayout
 from ptdp.tensor_parallel import (
@@ -15,6 +17,8 @@ from ptdp.tensor_parallel import (
     ParamSpec,
     RowParallelLinear,
     VocabParallelEmbedding,
+    is_sequence_parallel,
+    sequence_shard,
     shard,
     unshard,
     vocab_parallel_cross_entropy,
@@ -22,6 +26,7 @@ from ptdp.tensor_parallel import (
 from dist_helpers import PG_TIMEOUT, run_workers
 
 B, S, H, VOCAB, DIV = 2, 3, 8, 10, 8  # tp=4: padded vocab 32, ranks 2 and 3 hold only padding
+S_SP = 4  # sequence-parallel inputs: split over 2 or 4 tp ranks
 
 
 def inputs():
@@ -37,6 +42,10 @@ def inputs():
         "b2": torch.randn(H, generator=g, dtype=torch.float64),
         "emb": torch.randn(VOCAB, H, generator=g, dtype=torch.float64),
         "ids": torch.randint(0, VOCAB, (B, S), generator=g),
+        "xs": torch.randn(B, S_SP, H, generator=g, dtype=torch.float64),
+        "ids_sp": torch.randint(0, VOCAB, (B, S_SP), generator=g),
+        "ys_grad": torch.randn(B, S_SP, H, generator=g, dtype=torch.float64),
+        "cube": torch.randn(4, 4, 4, generator=g, dtype=torch.float64),
     }
 
 
@@ -70,7 +79,36 @@ def tp_worker(rank: int, world: int) -> dict:
     y = fc2(F.gelu(fc1(x)))
     y.backward(torch.ones_like(y))
     out.update(y=y.detach(), x_grad=x.grad, w1_grad=fc1.weight.grad, w2_grad=fc2.weight.grad, b2_grad=fc2.bias.grad)
+    out.update(sequence_parallel_worker(tp, d, emb.weight.detach(), fc1, fc2))
     return out
+
+
+def sequence_parallel_worker(tp, d: dict, emb_weight: torch.Tensor, fc1, fc2) -> dict:
+    """The same embedding and MLP with sequence parallelism, on this rank's positions of an
+    ``S_SP``-token input, and the communication they count; the comm functions along dims 0-2."""
+    mine = sequence_shard(S_SP, tp)
+    emb = VocabParallelEmbedding(VOCAB, 32, H, tp=tp, dtype=torch.float64, sequence_parallel=True)
+    sp1 = ColumnParallelLinear(H, 4 * H, tp=tp, dtype=torch.float64, sequence_parallel=True)
+    sp2 = RowParallelLinear(4 * H, H, tp=tp, dtype=torch.float64, sequence_parallel=True)
+    with torch.no_grad():
+        emb.weight.copy_(emb_weight)
+        for new, old in ((sp1, fc1), (sp2, fc2)):
+            new.weight.copy_(old.weight)
+            new.bias.copy_(old.bias)
+    tp.stats.reset()
+    hidden = emb(d["ids_sp"])
+    hidden.backward(d["ys_grad"][:, mine])
+    x = d["xs"][:, mine].clone().requires_grad_()
+    y = sp2(F.gelu(sp1(x)))
+    y.backward(d["ys_grad"][:, mine])
+    return {
+        "sp_embedding": hidden.detach(), "sp_embedding_grad": emb.weight.grad, "sp_y": y.detach(),
+        "sp_x_grad": x.grad, "sp_w1_grad": sp1.weight.grad, "sp_b1_grad": sp1.bias.grad, "sp_w2_grad": sp2.weight.grad,
+        "sp_b2_grad": sp2.bias.grad, "sp_comm": tp.stats.as_dict(), "sp_positions": mine,
+        "sp_marked": [is_sequence_parallel(p) for p in (sp1.weight, sp1.bias, sp2.weight, sp2.bias)],
+        "gathered": [all_gather_along(d["cube"][..., :2] + tp.rank, tp, dim=dim) for dim in (0, 1, 2)],
+        "scattered": [reduce_scatter_along(d["cube"] * (tp.rank + 1), tp, dim=dim) for dim in (0, 1, 2)],
+    }
 
 
 @functools.cache
@@ -94,6 +132,17 @@ def reference() -> dict:
     y = F.linear(F.gelu(F.linear(x, w1, d["b1"])), w2, b2)
     y.backward(torch.ones_like(y))
     ref.update(y=y.detach(), x_grad=x.grad, w1_grad=w1.grad, w2_grad=w2.grad, b2_grad=b2.grad)
+    # the sequence-parallel inputs, whole
+    w = d["emb"].clone().requires_grad_()
+    hidden = F.embedding(d["ids_sp"], w)
+    hidden.backward(d["ys_grad"])
+    ref["sp_embedding"], ref["sp_embedding_grad"] = hidden.detach(), w.grad
+    x = d["xs"].clone().requires_grad_()
+    w1, b1, w2, b2 = (d[k].clone().requires_grad_() for k in ("w1", "b1", "w2", "b2"))
+    y = F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
+    y.backward(d["ys_grad"])
+    ref.update(sp_y=y.detach(), sp_x_grad=x.grad, sp_w1_grad=w1.grad, sp_b1_grad=b1.grad, sp_w2_grad=w2.grad,
+               sp_b2_grad=b2.grad)
     return ref
 
 
@@ -115,6 +164,56 @@ def test_tp_layers_match_single_process(world):
     torch.testing.assert_close(unshard([r["w2_grad"] for r in results], row), ref["w2_grad"], **tol)
     if world == 4:
         assert [r["num_real"] for r in results] == [8, 2, 0, 0]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_layers_match_single_process(world):
+    """Korthikanti et al. 2022 §4.2.2: each rank holds positions [r s/t, (r+1) s/t) of the
+    embedding output and the MLP's input and output; the weights' gradients are those of the whole
+    sequence, the row-parallel bias gets each rank's part (marked, summed over tp after backward).
+    Counted per rank: the embedding's reduce-scatter of b*s*h in forward and all-gather of
+    b*s*h/t in backward; fc1's all-gather forward, all-gather again and reduce-scatter backward;
+    fc2's reduce-scatter forward and all-gather backward; no all-reduce."""
+    results, ref = tp_results(world), reference()
+    tol = dict(rtol=1e-12, atol=1e-12)
+    bsh = B * S_SP * H
+    for res in results:
+        mine = res["sp_positions"]
+        assert mine.stop - mine.start == S_SP // world
+        for key in ("sp_embedding", "sp_y", "sp_x_grad"):
+            torch.testing.assert_close(res[key], ref[key][:, mine], **tol, msg=lambda m: f"{key}: {m}")
+        assert res["sp_marked"] == [False, False, False, True]
+        assert res["sp_comm"] == {
+            "tp/all_gather/column": {"calls": 1, "numel": bsh // world, "bytes": 8 * bsh // world},
+            "tp/all_gather/column_regather": {"calls": 1, "numel": bsh // world, "bytes": 8 * bsh // world},
+            "tp/reduce_scatter/column": {"calls": 1, "numel": bsh, "bytes": 8 * bsh},
+            "tp/reduce_scatter/row": {"calls": 1, "numel": bsh, "bytes": 8 * bsh},
+            "tp/all_gather/row": {"calls": 1, "numel": bsh // world, "bytes": 8 * bsh // world},
+            "tp/reduce_scatter/embedding": {"calls": 1, "numel": bsh, "bytes": 8 * bsh},
+            "tp/all_gather/embedding": {"calls": 1, "numel": bsh // world, "bytes": 8 * bsh // world},
+        }
+    assert sorted(r["sp_positions"].start for r in results) == list(range(0, S_SP, S_SP // world))
+    emb_grad = torch.cat([r["sp_embedding_grad"] for r in results])
+    torch.testing.assert_close(emb_grad[:VOCAB], ref["sp_embedding_grad"], **tol)
+    col, row = ParamSpec((4 * H, H), tp_dim=0), ParamSpec((H, 4 * H), tp_dim=1)
+    torch.testing.assert_close(unshard([r["sp_w1_grad"] for r in results], col), ref["sp_w1_grad"], **tol)
+    torch.testing.assert_close(unshard([r["sp_b1_grad"] for r in results], ParamSpec((4 * H,), tp_dim=0)),
+                               ref["sp_b1_grad"], **tol)
+    torch.testing.assert_close(unshard([r["sp_w2_grad"] for r in results], row), ref["sp_w2_grad"], **tol)
+    torch.testing.assert_close(sum(r["sp_b2_grad"] for r in results), ref["sp_b2_grad"], **tol)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gather_and_reduce_scatter_along_a_dim(world):
+    results, cube = tp_results(world), inputs()["cube"]
+    parts = [cube[..., :2] + r for r in range(world)]
+    total = cube * sum(range(1, world + 1))
+    for res in results:
+        rank = next(i for i, r in enumerate(results) if r is res)
+        for dim in (0, 1, 2):
+            assert torch.equal(res["gathered"][dim], torch.cat(parts, dim=dim))
+            assert res["gathered"][dim].is_contiguous() and res["scattered"][dim].is_contiguous()
+            torch.testing.assert_close(res["scattered"][dim], total.chunk(world, dim=dim)[rank], rtol=1e-15, atol=0)
 
 
 @pytest.mark.parametrize("groups", [1, 3])

@@ -59,6 +59,10 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None, metavar="N",
                    help="layers per model chunk for the interleaved schedule: each rank holds "
                         "num_layers / (PP x N) chunks")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split the activations outside the tensor-parallel regions (norms, residual adds, embedding "
+                        "output) along the sequence over TP: all-gather/reduce-scatter instead of all-reduce, 1/TP "
+                        "of their memory; needs TP > 1 and seq_length %% TP == 0")
     if local_launch:
         g.add_argument("--nproc-per-node", type=int, default=None,
                        help=f"local worker processes (default: TP x PP x DP if --dp is given, else {DEFAULT_LOCAL_WORKERS} "
@@ -222,6 +226,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             data_parallel_size=args.data_parallel_size, pipeline_layer_split=args.pipeline_layer_split,
             pipeline_schedule=args.pipeline_schedule,
             num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+            sequence_parallel=args.sequence_parallel,
             distributed_timeout_minutes=args.distributed_timeout_minutes,
             ddp_bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
             grad_compression=args.grad_compression,

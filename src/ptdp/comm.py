@@ -202,6 +202,39 @@ def all_gather_async(output: torch.Tensor, tensor: torch.Tensor, axis: AxisGroup
     return _call(axis, "all_gather", dist.all_gather_single, output, tensor, group=axis.group, async_op=True)
 
 
+def all_gather_along(tensor: torch.Tensor, axis: AxisGroup, *, dim: int, tag: str = "") -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along tensor dim ``dim`` in rank order: per rank
+    ``[..., n, ...]`` in, ``[..., axis.size * n, ...]`` out (a new contiguous tensor; ``tensor``
+    itself on an axis of size 1). Counted as the ``tensor.numel()`` elements this rank
+    contributes, as :func:`all_gather_async`."""
+    if axis.size == 1:
+        return tensor
+    dim = dim % tensor.dim()
+    part = tensor.contiguous()
+    out = part.new_empty((axis.size * part.shape[0], *part.shape[1:]))  # rank blocks along dim 0
+    axis.stats.record(axis.name, "all_gather", part, tag)
+    _call(axis, "all_gather", dist.all_gather_single, out, part, group=axis.group)
+    return out.unflatten(0, (axis.size, part.shape[0])).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def reduce_scatter_along(tensor: torch.Tensor, axis: AxisGroup, *, dim: int, tag: str = "") -> torch.Tensor:
+    """Sum of every rank's ``tensor``, of which rank i keeps the i-th of ``axis.size`` equal
+    chunks along tensor dim ``dim``: per rank ``[..., n, ...]`` in, ``[..., n / axis.size, ...]``
+    out (a new contiguous tensor; ``tensor`` itself on an axis of size 1). Counted as the
+    ``tensor.numel()`` elements put in, as :func:`reduce_scatter_async`."""
+    if axis.size == 1:
+        return tensor
+    dim = dim % tensor.dim()
+    if tensor.shape[dim] % axis.size:
+        raise ValueError(f"reduce-scatter along dim {dim} of {tuple(tensor.shape)} over {axis.size} ranks: "
+                         f"{tensor.shape[dim]} is not divisible by {axis.size}")
+    chunks = tensor.unflatten(dim, (axis.size, tensor.shape[dim] // axis.size)).movedim(dim, 0).contiguous()
+    out = chunks.new_empty(chunks.shape[1:])
+    axis.stats.record(axis.name, "reduce_scatter", tensor, tag)
+    _call(axis, "reduce_scatter", dist.reduce_scatter_single, out, chunks.flatten(0, 1), group=axis.group)
+    return out
+
+
 @dataclass(frozen=True)
 class P2P:
     """One point-to-point transfer: ``kind`` is "send" or "recv", ``peer`` an index in the axis,

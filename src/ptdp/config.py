@@ -19,6 +19,8 @@ Rules (sources: Narayanan et al. SC21, arXiv:2104.04473; Shoeybi et al., arXiv:1
   granularity, and ``1 <= recompute_num_layers <=`` the layers of the smallest model chunk
 - grouped-query attention: ``heads % num_query_groups == 0`` and ``num_query_groups % tp == 0``
   (each tp rank holds whole key/value heads); rotary embeddings need an even head dim
+- sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198, §4.2.2) needs ``tp > 1`` and
+  ``seq_length % tp == 0`` (each tp rank holds ``s / tp`` positions)
 - dropout probabilities ``hidden_dropout`` and ``attention_dropout`` in ``[0, 1)``
 """
 
@@ -134,6 +136,12 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage is set, else 1f1b."""
     num_layers_per_virtual_pipeline_stage: int | None = None
     """Layers per model chunk; each rank then holds v = num_layers / (pp * this) chunks."""
+    sequence_parallel: bool = False
+    """Split the activations outside the tensor-parallel regions (norms, residual adds, the
+    embedding output) along the sequence over tp, ``[b, s/tp, h]`` per rank (Korthikanti et al.
+    2022, §4.2.2): the tp all-reduces become all-gathers and reduce-scatters of the same total,
+    those activations take 1/tp of the memory, and pipeline transfers carry ``[b, s/tp, h]``.
+    Needs tp > 1 and ``seq_length % tp == 0``."""
     distributed_timeout_minutes: float = 10.0
     """Timeout of every process group, in minutes (fractions allowed): a collective or transfer
     that waits longer fails the job with a message naming the rank, phase and iteration instead of
@@ -392,6 +400,7 @@ def resolve(config: Config, world_size: int) -> Config:
     if not errors:
         errors += schedule_errors(p, m.num_layers, t.global_batch_size // (t.micro_batch_size * dp))
     errors += recompute_errors(m, None if errors else chunk_layer_counts(p, m.num_layers))
+    errors += sequence_parallel_errors(m, p.tp, p.sequence_parallel)
     errors += _data_parallel_rules(p)
     errors += _checkpoint_rules(config.checkpoint)
     errors += [f"{name}={value} must be in [0, 1) (a dropout probability; 0 disables)"
@@ -516,6 +525,19 @@ def schedule_errors(p: ParallelConfig, num_layers: int, num_microbatches: int) -
                 f"(= global_batch_size / (micro_batch_size * dp)), pp={pp}"
             )
     return errors
+
+
+def sequence_parallel_errors(m: ModelConfig, tp: int, sequence_parallel: bool) -> list[str]:
+    """Rules of sequence parallelism (Korthikanti et al. 2022, §4.2.2), one message per broken rule."""
+    if not sequence_parallel:
+        return []
+    if tp < 2:
+        return [f"sequence_parallel needs tensor_model_parallel_size > 1, got {tp} (rule: the sequence is split "
+                f"over the tp ranks)"]
+    if m.seq_length % tp:
+        return [f"seq_length={m.seq_length} is not divisible by tensor_model_parallel_size={tp} (rule: s % tp == 0 "
+                f"with sequence_parallel; each tp rank holds s / tp positions)"]
+    return []
 
 
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "1bit")

@@ -73,8 +73,9 @@ class Stage:
 
     @property
     def hidden_shape(self) -> tuple[int, int, int]:
-        m, t = self.config.model, self.config.train
-        return (t.micro_batch_size, m.seq_length, m.hidden_size)
+        """Activations passed between stages: ``[b, s, h]``, ``[b, s/tp, h]`` with sequence parallelism."""
+        m, t, p = self.config.model, self.config.train, self.config.parallel
+        return (t.micro_batch_size, m.seq_length // (p.tp if p.sequence_parallel else 1), m.hidden_size)
 
 
 NONFINITE_LOSS = "non-finite loss"
@@ -111,15 +112,17 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     """
     m, p = config.model, config.parallel
     pp, rank, v = groups.pp.size, groups.pp.rank, p.virtual_stages(m.num_layers)
-    rng = DropoutRNG(config.train.seed, dp_rank=groups.dp.rank, tp_rank=groups.tp.rank, device=device)
+    rng = DropoutRNG(config.train.seed, dp_rank=groups.dp.rank, tp_rank=groups.tp.rank, device=device,
+                     sequence_parallel=p.sequence_parallel)
     if v == 1:
         layer_ids = stage_layer_ids(m.num_layers, pp, rank, p.pipeline_layer_split)
         chunks = [GPTModel(m, groups.tp, layer_ids=layer_ids, pre_process=groups.is_first_stage,
-                           post_process=groups.is_last_stage, rng=rng)]
+                           post_process=groups.is_last_stage, sequence_parallel=p.sequence_parallel, rng=rng)]
     else:
         chunks = [
             GPTModel(m, groups.tp, layer_ids=chunk_layer_ids(m.num_layers, pp, v, rank, c),
-                     pre_process=rank == 0 and c == 0, post_process=rank == pp - 1 and c == v - 1, rng=rng)
+                     pre_process=rank == 0 and c == 0, post_process=rank == pp - 1 and c == v - 1,
+                     sequence_parallel=p.sequence_parallel, rng=rng)
             for c in range(v)
         ]
     for chunk in chunks:  # each chunk by its global parameter names: the same weights on every layout
@@ -175,6 +178,7 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
         losses = run_schedule(
             schedule[g.pp.rank], stage.model, microbatches, pp=g.pp, hidden_shape=stage.hidden_shape,
             dtype=stage.dtype, device=stage.device, tracer=tracer, grad_sync=stage.grads, loss_scale=scale,
+            seq_length=cfg.model.seq_length,
         )
     finally:
         if poison is not None:
@@ -248,6 +252,7 @@ def _eval_loss(stage: Stage, batches: list[list[Microbatch]]) -> float:
         losses = run_schedule(
             schedule[stage.groups.pp.rank], stage.model, microbatches, pp=stage.groups.pp,
             hidden_shape=stage.hidden_shape, dtype=stage.dtype, device=stage.device, forward_only=True,
+            seq_length=stage.config.model.seq_length,
         )
         total += _global_mean_loss(stage, losses, len(microbatches))
         count += 1

@@ -1,5 +1,6 @@
-"""After backward: the tied-embedding sum, the data-parallel reduction, and the global gradient
-norm with clipping, exact whatever the layout, bucketing, compression or optimizer sharding."""
+"""After backward: the tied-embedding sum, the data-parallel reduction, the tp sum of the
+sequence-parallel parameters' gradients, and the global gradient norm with clipping, exact
+whatever the layout, bucketing, compression or optimizer sharding."""
 
 from __future__ import annotations
 
@@ -11,21 +12,54 @@ from torch import nn
 from ptdp.comm import all_reduce
 from ptdp.data_parallel.buffer import GradBuffer
 from ptdp.groups import ParallelGroups
+from ptdp.tensor_parallel.sequence import is_sequence_parallel
 from ptdp.tensor_parallel.sharding import spec_of
 
 
 def finalize_grads(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups) -> None:
     """Sum the tied embedding's gradient over the embedding group (first + last stage; its bucket
-    is never reduced early), then finish the data-parallel reduction of every bucket.
+    is never reduced early), then finish the data-parallel reduction of every bucket, then sum the
+    gradients of the sequence-parallel parameters over tp (:func:`sum_sequence_parallel_grads`).
 
     Communication: embedding all-reduce of the ``[V_pad / tp, h]`` word-embedding gradient (only
     with pp > 1 and tied embeddings); dp all-reduces (or reduce-scatters) of all buckets, together
-    the stage's gradient elements (Narayanan et al. SC21, §3.2).
+    the stage's gradient elements (Narayanan et al. SC21, §3.2); with sequence parallelism one tp
+    all-reduce of the marked parameters' gradients.
     """
     tied = model.tied_embedding() if hasattr(model, "tied_embedding") else None
     if tied is not None and groups.embedding.size > 1:
         all_reduce(buffer.grad(tied), groups.embedding, tag="tied_embedding")
     buffer.finish()
+    sum_sequence_parallel_grads(buffer, groups)
+
+
+def sum_sequence_parallel_grads(buffer: GradBuffer, groups: ParallelGroups) -> None:
+    """Sum over tp the gradients of parameters marked ``ptdp_sequence_parallel``
+    (:mod:`ptdp.tensor_parallel.sequence`): applied to sequence-split activations, each tp rank's
+    gradient covers its own positions only (Korthikanti et al. 2022, §4.2.2).
+
+    Runs after the data-parallel reduction, on the reduced gradients (with the distributed
+    optimizer, on this rank's shard of them): summing over tp and averaging over dp commute, and
+    the buckets may then be reduced during backward. The tp ranks of a replica hold equally shaped
+    parameters in the same buckets, so they hold the same segments. Communication: one tp
+    all-reduce (tag ``sequence_parallel``) of all the marked gradients together (flattened), when
+    there are any.
+    """
+    if groups.tp.size == 1:
+        return
+    if buffer.sharded:
+        grads = [buffer.shard_grads[seg.shard_offset: seg.shard_offset + seg.hi - seg.lo]
+                 for seg in buffer.segments if is_sequence_parallel(seg.param)]
+    else:
+        grads = [buffer.grad(p) for p in buffer.params if is_sequence_parallel(p)]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    all_reduce(flat, groups.tp, tag="sequence_parallel")
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def counts_in_norm(param: nn.Parameter, groups: ParallelGroups) -> bool:

@@ -19,6 +19,15 @@ Dropout (``hidden_dropout``, ``attention_dropout``; off by default) draws its ma
 embeddings, after the attention projection and after fc2 (before the residual adds) from the
 layer's hidden-state stream, the attention probabilities from per-head streams. It acts only in
 training mode; evaluation runs ``model.eval()``.
+
+Sequence parallelism (``sequence_parallel``; Korthikanti et al. 2022, §4.2.2,
+:mod:`ptdp.tensor_parallel.sequence`): hidden states outside attention and MLP are
+``[b, s/t, h]``, this tp rank's positions, and so are the stage's input and output. Per layer and
+microbatch: forward 2 all-gathers along the sequence (into QKV and fc1) and 2 reduce-scatters (out
+of the attention projection and fc2); backward 2 reduce-scatters, 2 all-gathers and 2 all-gathers
+again of the QKV and fc1 inputs (kept as shards). Norm weights and biases, the biases of the
+attention projection and fc2 and the learned positions are marked ``ptdp_sequence_parallel``: their
+gradients are summed over tp after backward.
 """
 
 from __future__ import annotations
@@ -39,6 +48,9 @@ from ptdp.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tp,
+    mark_sequence_parallel,
+    sequence_gathered_linear,
+    sequence_shard,
     vocab_parallel_cross_entropy,
 )
 from ptdp.tensor_parallel.random import Dropout, DropoutRNG
@@ -73,10 +85,14 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def make_norm(cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
-    """The configured normalization (``cfg.normalization``) of width h."""
+def make_norm(cfg: ModelConfig, dtype: torch.dtype, sequence_parallel: bool = False) -> nn.Module:
+    """The configured normalization (``cfg.normalization``) of width h; with ``sequence_parallel``
+    it normalizes sequence shards and its parameters are marked for the tp sum of their gradients."""
     kind = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
-    return kind(cfg.hidden_size, cfg.layernorm_epsilon, dtype)
+    norm = kind(cfg.hidden_size, cfg.layernorm_epsilon, dtype)
+    if sequence_parallel:
+        mark_sequence_parallel(norm.parameters())
+    return norm
 
 
 class Attention(nn.Module):
@@ -91,9 +107,11 @@ class Attention(nn.Module):
     head ``i // (a/G)``). With ``rope`` the rotary embedding turns q and k before the scores.
     With ``attention_dropout`` (in training) the core is computed explicitly, and the
     probabilities of global head ``j`` are dropped with the masks of stream ``layer.<i>/head<j>``.
+    With ``sequence_parallel`` the input and output are ``[b, s/t, h]``; QKV gathers the whole
+    sequence, so attention and the rotary positions see all ``s`` positions.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype, sequence_parallel: bool = False,
                  *, layer_id: int = 0, rng: DropoutRNG | None = None) -> None:
         super().__init__()
         h, a = cfg.hidden_size, cfg.num_attention_heads
@@ -102,8 +120,10 @@ class Attention(nn.Module):
         self.local_groups = cfg.kv_heads // tp.size
         rows, fused = ((a + 2 * cfg.kv_heads) * self.head_dim, 1) if self.grouped else (3 * h, 3)
         bias = cfg.add_bias_linear
-        self.qkv = ColumnParallelLinear(h, rows, tp=tp, dtype=dtype, bias=bias, fused=fused, tag="attn_qkv")
-        self.proj = RowParallelLinear(h, h, tp=tp, dtype=dtype, bias=bias, tag="attn_proj")
+        sp = sequence_parallel
+        self.qkv = ColumnParallelLinear(h, rows, tp=tp, dtype=dtype, bias=bias, fused=fused, tag="attn_qkv",
+                                        sequence_parallel=sp)
+        self.proj = RowParallelLinear(h, h, tp=tp, dtype=dtype, bias=bias, tag="attn_proj", sequence_parallel=sp)
         rope = cfg.position_embedding_type == "rope"
         self.rotary = RotaryEmbedding(self.head_dim, cfg.rotary_base) if rope else None
         self.recompute_core = cfg.recompute_granularity == "selective"
@@ -124,13 +144,12 @@ class Attention(nn.Module):
         return q.transpose(1, 2), qkv[:, :, :, per_group].transpose(1, 2), qkv[:, :, :, per_group + 1].transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
         q, k, v = self.split_heads(self.qkv(x))
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         rng = self.rng if self.dropout_p > 0 else None  # the recompute replays the masks
         out = recomputed(self.core, q, k, v, rng=rng) if self.recompute_core else self.core(q, k, v)
-        return self.proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+        return self.proj(out.transpose(1, 2).flatten(2))  # [b, s, a/tp * d]
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention core, causal ``softmax(q k^T / sqrt(d)) v`` (q ``[b, a/tp, s, d]``, k and v
@@ -163,13 +182,14 @@ class MLP(nn.Module):
     gate and up rows of the same ``ffn / tp`` channels and ``silu(gate) * up`` is local.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype, sequence_parallel: bool = False) -> None:
         super().__init__()
-        h, ffn, bias = cfg.hidden_size, cfg.ffn, cfg.add_bias_linear
+        h, ffn, bias, sp = cfg.hidden_size, cfg.ffn, cfg.add_bias_linear, sequence_parallel
         self.swiglu = cfg.swiglu
         halves = 2 if cfg.swiglu else 1
-        self.fc1 = ColumnParallelLinear(h, halves * ffn, tp=tp, dtype=dtype, bias=bias, fused=halves, tag="mlp_fc1")
-        self.fc2 = RowParallelLinear(ffn, h, tp=tp, dtype=dtype, bias=bias, tag="mlp_fc2")
+        self.fc1 = ColumnParallelLinear(h, halves * ffn, tp=tp, dtype=dtype, bias=bias, fused=halves, tag="mlp_fc1",
+                                        sequence_parallel=sp)
+        self.fc2 = RowParallelLinear(ffn, h, tp=tp, dtype=dtype, bias=bias, tag="mlp_fc2", sequence_parallel=sp)
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,14 +204,15 @@ class TransformerLayer(nn.Module):
     """``x + dropout(attn(ln1(x)))`` then ``x + dropout(mlp(ln2(x)))``; ``layer_id``, the global
     layer index, names the layer's dropout streams in ``rng``."""
 
-    def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype, sequence_parallel: bool = False,
                  *, layer_id: int = 0, rng: DropoutRNG | None = None) -> None:
         super().__init__()
         rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
-        self.ln1 = make_norm(cfg, dtype)
-        self.attention = Attention(cfg, tp, dtype, layer_id=layer_id, rng=rng)
-        self.ln2 = make_norm(cfg, dtype)
-        self.mlp = MLP(cfg, tp, dtype)
+        sp = sequence_parallel
+        self.ln1 = make_norm(cfg, dtype, sp)
+        self.attention = Attention(cfg, tp, dtype, sp, layer_id=layer_id, rng=rng)
+        self.ln2 = make_norm(cfg, dtype, sp)
+        self.mlp = MLP(cfg, tp, dtype, sp)
         self.hidden_dropout = Dropout(cfg.hidden_dropout, rng, f"layer.{layer_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -211,6 +232,8 @@ class GPTModel(nn.Module):
         post_process: this is the last stage (final norm, output layer, loss).
         rng: this rank's dropout streams, shared by its model chunks (None: streams of seed 0, for
             a model used outside a training run).
+        sequence_parallel: split the hidden states outside attention and MLP along the sequence
+            over tp (needs ``s % tp == 0``); the stage's input and output are then ``[b, s/t, h]``.
 
     On the last stage of a pipeline with pp > 1 and tied embeddings, ``word_embeddings`` is a copy
     of the first stage's; its gradient must be summed with the first stage's after backward
@@ -219,28 +242,33 @@ class GPTModel(nn.Module):
 
     def __init__(
         self, cfg: ModelConfig, tp: AxisGroup, *, layer_ids: range, pre_process: bool, post_process: bool,
+        sequence_parallel: bool = False,
         rng: DropoutRNG | None = None,
     ) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
+        self.sequence_parallel = sp = sequence_parallel and tp.size > 1
         self.pre_process, self.post_process = pre_process, post_process
         dtype = DTYPES[cfg.params_dtype]
         v_pad = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp.size)
         tied = not cfg.untie_embeddings_and_output_weights
         if pre_process or (post_process and tied):
-            self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, v_pad, cfg.hidden_size, tp=tp, dtype=dtype)
+            self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, v_pad, cfg.hidden_size, tp=tp, dtype=dtype,
+                                                          sequence_parallel=sp)
             if not pre_process:
                 self.word_embeddings.weight.ptdp_tied_copy = True
         if pre_process and cfg.position_embedding_type == "learned_absolute":
             spec = ParamSpec((cfg.seq_length, cfg.hidden_size))
             self.position_embeddings = make_parameter(spec, 1, dtype)
+            if sp:  # each rank adds the rows of its own positions
+                mark_sequence_parallel([self.position_embeddings])
         self.rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
         if pre_process:
             self.embedding_dropout = Dropout(cfg.hidden_dropout, self.rng, "embedding")
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, tp, dtype, layer_id=i, rng=self.rng)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, tp, dtype, sp, layer_id=i, rng=self.rng)
                                      for i in layer_ids})
         if post_process:
-            self.final_norm = make_norm(cfg, dtype)
+            self.final_norm = make_norm(cfg, dtype, sp)
             if not tied:
                 self.output_layer = VocabParallelEmbedding(cfg.vocab_size, v_pad, cfg.hidden_size, tp=tp, dtype=dtype)
 
@@ -251,10 +279,11 @@ class GPTModel(nn.Module):
         return self.word_embeddings.weight
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """First stage: ``x`` is token ids ``[b, s]``; later stages: hidden states ``[b, s, h]``.
+        """First stage: ``x`` is token ids ``[b, s]``; later stages: hidden states ``[b, s, h]``
+        (``[b, s/t, h]`` with sequence parallelism).
 
-        Returns hidden states ``[b, s, h]``, or on the last stage the mean loss over the ``b*s``
-        tokens (a scalar, nats) given ``labels [b, s]``.
+        Returns hidden states ``[b, s, h]`` (``[b, s/t, h]``), or on the last stage the mean loss
+        over the ``b*s`` tokens (a scalar, nats) given ``labels [b, s]``.
         """
         if self.pre_process:
             x = self.embedding_dropout(self.embed(x))
@@ -270,20 +299,28 @@ class GPTModel(nn.Module):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """First stage: token ids ``[b, s]`` -> ``[b, s, h]``, the word embeddings plus the learned
-        positions (none with rotary positions, which act inside attention)."""
+        positions (none with rotary positions, which act inside attention). With sequence
+        parallelism ``[b, s/t, h]``: the embedding's sum over tp is a reduce-scatter along the
+        sequence, and each rank adds the positions it holds."""
         x = self.word_embeddings(tokens)
         if hasattr(self, "position_embeddings"):
-            x = x + self.position_embeddings[: tokens.shape[1]]
+            s = tokens.shape[1]
+            x = x + self.position_embeddings[sequence_shard(s, self.tp) if self.sequence_parallel else slice(0, s)]
         return x
 
     def token_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token loss ``[b, s]`` from final hidden states ``[b, s, h]``; logits stay sharded.
 
         Communication: backward all-reduce of ``b*s*h`` (f before the output layer); forward 3
-        all-reduces of ``b*s`` in the vocab-parallel cross entropy; all on tp.
+        all-reduces of ``b*s`` in the vocab-parallel cross entropy; all on tp. With sequence
+        parallelism ``x`` is ``[b, s/t, h]``, gathered along the sequence into the output layer
+        (forward all-gather; backward all-gather again and reduce-scatter, tag ``output``).
         """
         out = self.output_layer if hasattr(self, "output_layer") else self.word_embeddings
-        logits = F.linear(copy_to_tp(x, self.tp, "output"), out.real_weight())
+        if self.sequence_parallel:
+            logits = sequence_gathered_linear(x, out.real_weight(), None, self.tp, "output")
+        else:
+            logits = F.linear(copy_to_tp(x, self.tp, "output"), out.real_weight())
         if logits.dtype in (torch.bfloat16, torch.float16):
             logits = logits.float()
         return vocab_parallel_cross_entropy(logits, labels, vocab_start=out.vocab_start, axis=self.tp)

@@ -71,6 +71,7 @@ def run_schedule(
     tracer=None,
     grad_sync=None,
     loss_scale: float | None = None,
+    seq_length: int | None = None,
 ) -> list[torch.Tensor]:
     """Run this rank's ``actions`` over ``microbatches``; returns the last stage's losses.
 
@@ -79,13 +80,16 @@ def run_schedule(
         model: the stage (``GPTModel``), or its ``v`` model chunks in chunk order.
         microbatches: ``m`` pairs ``(tokens, labels)`` of shape ``[b, s]``.
         pp: the pipeline axis; peers are the previous and next rank (wrapping between chunks).
-        hidden_shape: ``(b, s, h)`` of the activations passed between stages.
+        hidden_shape: ``(b, s, h)`` of the activations passed between stages (``(b, s/t, h)``
+            with sequence parallelism over t tp ranks).
         forward_only: no autograd graph (evaluation).
         tracer: optional :class:`ptdp.trace.Tracer` recording each action's start and end.
         grad_sync: optional object with a ``no_sync()`` context (the gradient buffer): every
             backward but the last of each chunk runs under it, so data-parallel reductions start
             only in the last microbatch's backward (on every stage, the last one included).
         loss_scale: multiply each loss by this before backward (float16 loss scaling).
+        seq_length: tokens per sample, when the stages pass a part of the sequence (sequence
+            parallelism); None: ``hidden_shape[1]``.
 
     Returns:
         On the rank holding the last virtual stage, the ``m`` detached per-microbatch mean losses
@@ -95,7 +99,7 @@ def run_schedule(
     Raises:
         ValueError: a microbatch whose tokens or labels are not ``[b, s]``.
     """
-    b, s, _ = hidden_shape
+    b, s = hidden_shape[0], seq_length or hidden_shape[1]
     for i, (tokens, labels) in enumerate(microbatches):
         if tuple(tokens.shape) != (b, s) or tuple(labels.shape) != (b, s):
             raise ValueError(

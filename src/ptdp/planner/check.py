@@ -52,7 +52,8 @@ def planner_layout(config: Config) -> Layout | None:
     """The planner's :class:`Layout` of a run (None for a dtype the planner does not model).
 
     Its recompute is the run's granularity; the planner's ``full`` keeps every layer's input
-    (uniform, one layer per group): see :func:`recompute_note` for the other full settings.
+    (uniform, one layer per group): see :func:`recompute_note` for the other full settings. Its
+    sequence parallelism is the run's.
     """
     precision = PRECISION.get(config.model.params_dtype)
     if precision is None:
@@ -60,7 +61,8 @@ def planner_layout(config: Config) -> Layout | None:
     p, t = config.parallel, config.train
     return Layout(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size,
                   virtual_stages=p.virtual_stages(config.model.num_layers),
-                  recompute=config.model.recompute_granularity or "none", precision=precision)
+                  recompute=config.model.recompute_granularity or "none", precision=precision,
+                  sequence_parallel=p.sequence_parallel)
 
 
 def recompute_note(config: Config) -> str | None:

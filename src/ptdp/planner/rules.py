@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ptdp.config import ModelConfig, ParallelConfig, layout_errors, schedule_errors
+from ptdp.config import ModelConfig, ParallelConfig, layout_errors, schedule_errors, sequence_parallel_errors
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import PRECISIONS, RECOMPUTE, Layout
@@ -64,7 +64,7 @@ def structural_rejections(model: ModelSpec, tp: int, pp: int, dp: int, b: int, b
 
 
 def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Rejection]:
-    """Rules of the interleaved schedule and of the option values."""
+    """Rules of the interleaved schedule, of sequence parallelism and of the option values."""
     out = []
     v, pp, m = layout.virtual_stages, layout.pp, layout.num_microbatches
     if v > 1 and layout.layer_split is not None:
@@ -78,6 +78,8 @@ def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Rejection]:
             parallel = ParallelConfig(layout.tp, pp, layout.dp, pipeline_schedule="interleaved-1f1b",
                                       num_layers_per_virtual_pipeline_stage=model.num_layers // (pp * v))
             out += [Rejection("interleaving", e) for e in schedule_errors(parallel, model.num_layers, m)]
+    out += [Rejection("sequence parallel", e)
+            for e in sequence_parallel_errors(_model_config(model), layout.tp, layout.sequence_parallel)]
     if layout.recompute not in RECOMPUTE:
         out.append(Rejection("option", f"recompute={layout.recompute!r} not in {RECOMPUTE}"))
     if layout.precision not in PRECISIONS:
