@@ -128,11 +128,11 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_nan_every_step_stops_after_the_limit(corpus, tmp_path):  # noqa: F811 - the fixture
-    """ptdp train, tp1 pp2: a NaN loss at every step; three skipped steps are tolerated (each
+    """ptdp train, 2 workers (tp1 pp2): a NaN loss at every step; three skipped steps are tolerated (each
     logged and warned about, each checkpoint holds the unchanged finite state), the fourth stops
     the run naming the iteration."""
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    proc = run([sys.executable, "-m", "ptdp.cli", "train", *TINY, "--tp", "1", "--pp", "2", "--data",
+    proc = run([sys.executable, "-m", "ptdp.cli", "train", *TINY, "--tp", "1", "--pp", "2", "--dp", "1", "--data",
                 str(corpus / "docs"), "--output-dir", str(out), "--no-progress", "--max-skipped-steps", "3",
                 "--save", str(ckpt), "--save-interval", "1"], tmp_path, {NAN_LOSS_ENV: "0:every"})
     assert proc.returncode == 1, proc.stderr[-3000:]
