@@ -13,13 +13,13 @@ from ptdp import train as train_module
 from ptdp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, padded_vocab_size, resolve
 
 
-def make(world=8, tp=2, pp=2, dp=None, split=None, schedule=None, per_chunk=None, **kw) -> tuple[Config, int]:
+def make(world=8, tp=2, pp=2, dp=None, split=None, schedule=None, per_chunk=None, sp=False, **kw) -> tuple[Config, int]:
     model_keys = {f.name for f in dataclasses.fields(ModelConfig)}
     model = ModelConfig(**{k: v for k, v in kw.items() if k in model_keys})
     train = TrainConfig(**{k: v for k, v in kw.items() if k not in model_keys})
     par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                          data_parallel_size=dp, pipeline_layer_split=split, pipeline_schedule=schedule,
-                         num_layers_per_virtual_pipeline_stage=per_chunk)
+                         num_layers_per_virtual_pipeline_stage=per_chunk, sequence_parallel=sp)
     return Config(model=model, parallel=par, train=train), world
 
 
@@ -57,6 +57,9 @@ BAD = [
     (dict(schedule="interleaved-1f1b"), r"interleaved-1f1b schedule needs num_layers_per_virtual_pipeline_stage"),
     (dict(schedule="gpipe", per_chunk=1), r"num_layers_per_virtual_pipeline_stage needs the interleaved-1f1b schedule, not gpipe"),
     (dict(schedule="zero-bubble"), r"pipeline_schedule='zero-bubble' must be one of"),
+    (dict(sp=True, tp=1, world=4), r"sequence_parallel needs tensor_model_parallel_size > 1, got 1"),
+    (dict(sp=True, tp=4, pp=1, seq_length=130), r"seq_length=130 is not divisible by tensor_model_parallel_size=4 "
+                                                r"\(rule: s % tp == 0 with sequence_parallel"),
 ]
 
 
@@ -108,6 +111,12 @@ def no_workers(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", forbidden)
 
 
+def test_sequence_parallel_resolves_at_tp_above_one():
+    resolved = resolve(make(sp=True, seq_length=128)[0], 8)
+    assert resolved.parallel.sequence_parallel and resolved.parallel.tp == 2
+    assert Config.from_dict(resolved.to_dict()) == resolved
+
+
 def test_virtual_stages_imply_interleaving():
     cfg, world = make(per_chunk=1)
     resolved = resolve(cfg, world)
@@ -125,6 +134,7 @@ CLI_BAD = [
     (["--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "24"],
      "interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches=3"),
     (["--num-layers-per-virtual-pipeline-stage", "3"], "num_layers=4 is not divisible by pp * num_layers_per_virtual_pipeline_stage"),
+    (["--sequence-parallel", "--tp", "1"], "sequence_parallel needs tensor_model_parallel_size > 1, got 1"),
 ]
 
 

@@ -37,6 +37,13 @@ def test_each_rule_names_its_numbers(layout, rule, text):
     assert text in found[rule]
 
 
+def test_sequence_parallel_rule():
+    assert rules_of(Layout(8, 16, 8, 1, 1536, sequence_parallel=True)) == {}
+    assert "got 1" in rules_of(Layout(1, 16, 64, 1, 1536, sequence_parallel=True))["sequence parallel"]
+    found = rules_of(Layout(3, 16, 8, 1, 1536, sequence_parallel=True))
+    assert "seq_length=2048 is not divisible by tensor_model_parallel_size=3" in found["sequence parallel"]
+
+
 def test_grouped_query_heads_rule():
     llama = get_model("llama2-70b")  # 8 key/value heads
     found = rules_of(Layout(16, 1, 64, 1, 1024), model=llama)
