@@ -11,6 +11,7 @@ import torch.distributed as dist
 from ptdp import cli
 from ptdp import train as train_module
 from ptdp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, padded_vocab_size, resolve
+from ptdp.planner.check import planner_layout
 
 
 def make(world=8, tp=2, pp=2, dp=None, split=None, schedule=None, per_chunk=None, sp=False, **kw) -> tuple[Config, int]:
@@ -115,6 +116,7 @@ def test_sequence_parallel_resolves_at_tp_above_one():
     resolved = resolve(make(sp=True, seq_length=128)[0], 8)
     assert resolved.parallel.sequence_parallel and resolved.parallel.tp == 2
     assert Config.from_dict(resolved.to_dict()) == resolved
+    assert planner_layout(resolved).sequence_parallel  # the planner comparison at the end of ptdp train
 
 
 def test_virtual_stages_imply_interleaving():
