@@ -119,9 +119,6 @@ VARIANTS = {
     "sp": ("float64", {}, {}, {}, {"sequence_parallel": True}),
     "sp_llama": ("float64", LLAMA_OPTIONS | {"recompute_granularity": "full", "recompute_num_layers": 2}, {}, {},
                  {"sequence_parallel": True}),
-    "sp_llama_tp4": ("float64", LLAMA_OPTIONS | {"num_attention_heads": 8, "num_query_groups": 4,
-                                                 "recompute_granularity": "full", "recompute_num_layers": 2}, {}, {},
-                     {"sequence_parallel": True}),
     "sp_distopt": ("float64", {}, {}, {}, {"sequence_parallel": True, "use_distributed_optimizer": True,
                                            "overlap_grad_reduce": True, "ddp_bucket_size": 901}),
 }
@@ -185,5 +182,6 @@ SP_LAYOUTS = {(2, 1, 1), (2, 2, 2), (4, 1, 2)}
 
 
 def sp_variants(tp: int, dp: int) -> list[str]:
-    """The sequence-parallel variants a layout runs (the distributed optimizer where dp > 1)."""
-    return ["sp", "sp_" + llama_variant(tp)] + (["sp_distopt"] if dp > 1 else [])
+    """The sequence-parallel variants a layout runs: the Llama-like one at tp = 2 (its 2 query
+    groups), the distributed optimizer where dp > 1."""
+    return ["sp"] + (["sp_llama"] if tp == 2 else []) + (["sp_distopt"] if dp > 1 else [])

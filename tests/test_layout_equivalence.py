@@ -107,10 +107,11 @@ def test_distributed_optimizer_bf16_tracks_single_process(layout):
 
 @pytest.mark.parametrize("layout", sorted(SP_LAYOUTS), ids=lambda l: "tp{}pp{}dp{}".format(*l))
 def test_sequence_parallel_matches_single_process(layout):
-    """Sequence parallelism (Korthikanti et al. 2022, §4.2.2): the GPT, the Llama-like model with
-    full recompute, and (dp > 1) the distributed optimizer with overlapped small buckets train like
-    the single-process model without it, float64 within 1e-9; every tp rank's copy of a replicated
-    parameter (norms, row-parallel biases, positions: gradients summed over tp) is bitwise equal."""
+    """Sequence parallelism (Korthikanti et al. 2022, §4.2.2): the GPT, (tp = 2) the Llama-like
+    model with full recompute, and (dp > 1) the distributed optimizer with overlapped small buckets
+    train like the single-process model without it, float64 within 1e-9; every tp rank's copy of a
+    replicated parameter (norms, row-parallel biases, positions: gradients summed over tp) is
+    bitwise equal."""
     results = parallel_run(*layout)
     for variant in sp_variants(layout[0], layout[2]):
         assert_matches_reference(results, variant, TOL["float64"])
