@@ -3,7 +3,8 @@
 - Masks: at (tp, pp, dp) = (2, 1, 2), recorded by the ``DropoutRNG``: the hidden-state masks
   (embedding, attention projection, fc2) are equal on the tp ranks of a replica, the attention
   probabilities' masks (per head) differ between them, and every mask differs between the dp
-  replicas; the tp-distinct streams (sequence parallelism) differ over tp and dp.
+  replicas. With sequence parallelism the hidden-state masks (of each rank's sequence part) come
+  from the tp-distinct streams and differ over tp too; recompute replays them.
 - Layout independence: at (2, 2, 1), also interleaved, the masks of every stream and the training
   (losses, gradient norms, parameters after 3 steps) equal the single-process run in float64
   (1e-9): streams are named by global layer and head, not by rank.
@@ -29,7 +30,7 @@ import torch
 from ptdp.args import add_train_arguments, config_from_args
 from ptdp.checkpoint.io import load_checkpoint, save_checkpoint
 from ptdp.comm import AxisGroup
-from ptdp.config import Config, ConfigError, ModelConfig, resolve
+from ptdp.config import Config, ConfigError, ModelConfig
 from ptdp.groups import ParallelGroups
 from ptdp.layout import ParallelLayout
 from ptdp.model.chunks import global_named_parameters
@@ -208,8 +209,9 @@ def _worker(rank: int, world: int, folder: str) -> dict:
     out[("212", "again")] = _portable(train(cfg, groups))
     for name in ("full_uniform_1", "selective"):
         out[("212", name)] = _portable(train(config(2, 1, 2, **RECOMPUTE[name]), groups))
-    sp_rng = DropoutRNG(cfg.train.seed, dp_rank=groups.dp.rank, tp_rank=groups.tp.rank, sequence_parallel=True)
-    out[("212", "sequence_parallel_mask")] = Dropout(P, sp_rng, "layer.0")(torch.ones(2, 4, 32)) == 0
+    sp = {"sequence_parallel": True}
+    out[("212", "sp")] = _portable(train(config(2, 1, 2, parallel=sp), groups, record=True))
+    out[("212", "sp_recompute")] = _portable(train(config(2, 1, 2, parallel=sp, **RECOMPUTE["full_uniform_1"]), groups))
     out[("212", "resume")] = _resume(cfg, groups, Path(folder))
     return out
 
@@ -261,8 +263,20 @@ def test_tp2_dp2_mask_properties(parallel):
         a, b = runs[(tp, 0)], runs[(tp, 1)]
         assert [n for n, _ in a] == [n for n, _ in b]
         assert not any(torch.equal(x, y) for (_, x), (_, y) in zip(a, b))
-    sp = {r[("212", "plain")]["coords"][:2]: r[("212", "sequence_parallel_mask")] for r in parallel}
-    assert len({tuple(m.flatten().tolist()) for m in sp.values()}) == 4  # tp-distinct: every rank its own
+
+
+
+@pytest.mark.timeout(180)
+def test_tp2_dp2_sequence_parallel_masks_differ_over_tp(parallel):
+    """Hidden states [b, s/2, h] per rank: every rank masks its part from its own stream."""
+    runs = {r[("212", "sp")]["coords"][:2]: [(n, m) for n, m in r[("212", "sp")]["masks"] if "/head" not in n]
+            for r in parallel}
+    for (tp, _dp), masks in runs.items():
+        assert masks and all(n.endswith(f"/tp{tp}") and m.shape == (2, 4, 32) for n, m in masks)
+    for i in range(len(runs[(0, 0)])):
+        assert len({tuple(masks[i][1].flatten().tolist()) for masks in runs.values()}) == 4, i
+    for r in parallel:
+        assert_bitwise(r[("212", "sp_recompute")], r[("212", "sp")], "sequence parallel, full recompute")
 
 
 @pytest.mark.timeout(180)
