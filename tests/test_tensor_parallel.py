@@ -17,6 +17,7 @@ from ptdp.tensor_parallel import (
     ParamSpec,
     RowParallelLinear,
     VocabParallelEmbedding,
+    all_gather_sequence,
     is_sequence_parallel,
     sequence_shard,
     shard,
@@ -95,6 +96,9 @@ def sequence_parallel_worker(tp, d: dict, emb_weight: torch.Tensor, fc1, fc2) ->
         for new, old in ((sp1, fc1), (sp2, fc2)):
             new.weight.copy_(old.weight)
             new.bias.copy_(old.bias)
+    part = d["xs"][:, mine].clone().requires_grad_()
+    gathered = all_gather_sequence(part, tp, "g")
+    gathered.backward(d["ys_grad"])  # every rank's gradient of the whole sequence, summed over tp
     tp.stats.reset()
     hidden = emb(d["ids_sp"])
     hidden.backward(d["ys_grad"][:, mine])
@@ -106,6 +110,7 @@ def sequence_parallel_worker(tp, d: dict, emb_weight: torch.Tensor, fc1, fc2) ->
         "sp_x_grad": x.grad, "sp_w1_grad": sp1.weight.grad, "sp_b1_grad": sp1.bias.grad, "sp_w2_grad": sp2.weight.grad,
         "sp_b2_grad": sp2.bias.grad, "sp_comm": tp.stats.as_dict(), "sp_positions": mine,
         "sp_marked": [is_sequence_parallel(p) for p in (sp1.weight, sp1.bias, sp2.weight, sp2.bias)],
+        "g_out": gathered.detach(), "g_grad": part.grad,
         "gathered": [all_gather_along(d["cube"][..., :2] + tp.rank, tp, dim=dim) for dim in (0, 1, 2)],
         "scattered": [reduce_scatter_along(d["cube"] * (tp.rank + 1), tp, dim=dim) for dim in (0, 1, 2)],
     }
@@ -176,13 +181,15 @@ def test_sequence_parallel_layers_match_single_process(world):
     fc2's reduce-scatter forward and all-gather backward; no all-reduce."""
     results, ref = tp_results(world), reference()
     tol = dict(rtol=1e-12, atol=1e-12)
-    bsh = B * S_SP * H
+    bsh, ref_grad = B * S_SP * H, inputs()["ys_grad"]
     for res in results:
         mine = res["sp_positions"]
         assert mine.stop - mine.start == S_SP // world
         for key in ("sp_embedding", "sp_y", "sp_x_grad"):
             torch.testing.assert_close(res[key], ref[key][:, mine], **tol, msg=lambda m: f"{key}: {m}")
         assert res["sp_marked"] == [False, False, False, True]
+        assert torch.equal(res["g_out"], inputs()["xs"])  # g: all-gather forward, reduce-scatter backward
+        torch.testing.assert_close(res["g_grad"], world * ref_grad[:, mine], **tol)
         assert res["sp_comm"] == {
             "tp/all_gather/column": {"calls": 1, "numel": bsh // world, "bytes": 8 * bsh // world},
             "tp/all_gather/column_regather": {"calls": 1, "numel": bsh // world, "bytes": 8 * bsh // world},
