@@ -203,23 +203,31 @@ def stage_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, layer
     """Peak activation bytes of pipeline rank ``pp_rank`` (one tp rank).
 
     Stored layer activations x layers on the stage x microbatches in flight
-    (:func:`inflight_microbatches`), plus, with full
-    recompute, one layer's activations without recompute (the working set while a layer is
-    recomputed and back-propagated), plus [K22] §4.3's embedding/output/loss terms (the last
+    (:func:`inflight_microbatches`), plus [K22] §4.3's embedding/output/loss terms (the last
     stage's for one microbatch under 1F1B, for all m under GPipe, which runs every forward first).
+    With full recompute, the working set of the layer being recomputed and back-propagated is
+    added: its activations without recompute minus its input (already among the kept inputs).
+    On the last stage that working set and the microbatch's loss-side tensors are not held at
+    the same time (the output layer's backward frees the latter before any layer is recomputed),
+    so the larger of the two counts.
     """
     b, sp, precision = layout.micro_batch_size, layout.sequence_parallel, layout.precision
     per_layer = layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute=layout.recompute,
                                        precision=precision)
     mbs = inflight_microbatches(layout, pp_rank, schedule=schedule)
     out = per_layer * mbs * layers_on_stage
-    if layout.recompute == "full":
-        out += layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute="none", precision=precision)
     v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, layout.tp)
+    last = pp_rank == layout.pp - 1
     last_inflight = layout.num_microbatches if schedule == "gpipe" else 1
-    out += _edge_activation_bytes(model, layout, first=pp_rank == 0, last=pp_rank == layout.pp - 1,
-                                  inflight=mbs, last_inflight=last_inflight, v_pad=v_pad)
-    return out
+    out += _edge_activation_bytes(model, layout, first=pp_rank == 0, last=False, inflight=mbs,
+                                  last_inflight=last_inflight, v_pad=v_pad)
+    loss_side = _edge_activation_bytes(model, layout, first=False, last=True, inflight=mbs, last_inflight=1,
+                                       v_pad=v_pad) if last else 0.0
+    if layout.recompute == "full":
+        working = layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute="none",
+                                         precision=precision) - per_layer
+        return out + max(working, loss_side) + (last_inflight - 1) * loss_side
+    return out + last_inflight * loss_side
 
 
 # --------------------------------------------------------------------------------------------
