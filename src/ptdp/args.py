@@ -13,9 +13,8 @@ import argparse
 import torch
 
 from ptdp.config import (ACTIVATIONS, BIND_POLICIES, DTYPES, GRAD_COMPRESSIONS, NORMALIZATIONS, POSITION_EMBEDDINGS,
-                         SCHEDULES, CheckpointConfig, Config,
-                         ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig)
-from ptdp.config import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
+                         RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, SCHEDULES, CheckpointConfig, Config, ConfigError,
+                         DataConfig, ModelConfig, ParallelConfig, TrainConfig)
 
 DEFAULT_TP, DEFAULT_PP, DEFAULT_LOCAL_WORKERS = 2, 2, 8
 #: ``ptdp train``'s process-group timeout on a machine without CUDA: local CPU workers keep each
