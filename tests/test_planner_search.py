@@ -114,7 +114,7 @@ BAD_REQUESTS = [
     (["--micro-batch-size", "-1"], "micro_batch_size=-1 must be a positive integer"),
     (["--num-query-groups", "7"], "num_attention_heads=96 is not divisible by num_query_groups=7"),
     (["--num-layers", "0"], "num_layers=0 must be a positive integer"),
-    (["--memory-overhead-gib", "-5"], "memory overhead -5 GiB must be >= 0"),
+    (["--memory-overhead-gib", "-5"], "memory overhead -5 GiB must be a finite number >= 0"),
     (["--top", "0"], "top=0 must be a positive integer"),
     (["--gpus-per-node", "0"], "--gpus-per-node=0 must be a positive integer"),
     (["--gpu-catalog", "/nonexistent.toml"], "--gpu-catalog /nonexistent.toml"),
@@ -187,3 +187,16 @@ def test_layer_split_request_errors(capsys):
     assert "pp=3 does not divide the 8 GPUs" in capsys.readouterr().err
     assert main(base + ["--pipeline-layer-split", "6,6,6,6", "--virtual-pipeline-stages", "2"]) != 0
     assert "cannot be combined with virtual pipeline stages" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--pipeline-layer-split", "0,24"], "each >= 1, summing to num_layers=24"),
+    (["--pipeline-layer-split", "10,10"], "(sum is 20)"),
+    (["--memory-overhead-gib", "nan"], "must be a finite number >= 0"),
+    (["--memory-overhead-gib", "inf"], "must be a finite number >= 0"),
+])
+def test_bad_plan_numbers_are_request_errors(extra, message, capsys):
+    from ptdp.cli import main
+
+    code = main(["plan", "--model", "gpt-1.7b", "--gpus", "8", "--global-batch-size", "64"] + extra)
+    assert code == 2 and message in capsys.readouterr().err

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 import dataclasses
 
-from ptdp.config import ConfigError
+from ptdp.config import ConfigError, stage_layer_counts
 from ptdp.planner.hardware import CATALOG, Cluster, GiB, get_gpu, load_catalog
 from ptdp.planner.models import ModelSpec, get_model
 from ptdp.planner.report import json_report, plot, text_report
@@ -108,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from None
     model = model_from_args(args)
     check_model(model)
+    if args.pipeline_layer_split is not None:
+        stage_layer_counts(model.num_layers, len(args.pipeline_layer_split), args.pipeline_layer_split)
     overhead = None if args.memory_overhead_gib is None else args.memory_overhead_gib * GiB
     fixed = fixed_from_args(args)
     check_request(cluster, args.global_batch_size, fixed, top=args.top, overhead_bytes=overhead)

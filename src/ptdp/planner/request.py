@@ -3,6 +3,7 @@ and the fixed choices must be able to fill the cluster. Raises ``ConfigError`` n
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -36,8 +37,8 @@ def check_request(cluster: Cluster, global_batch_size: int, fixed, *, top: int, 
              "num_layers_per_virtual_pipeline_stage": fixed.layers_per_virtual_stage}
     errors = [f"{name}={value} must be a positive integer" for name, value in given.items()
               if value is not None and value < 1]
-    if overhead_bytes is not None and overhead_bytes < 0:
-        errors.append(f"memory overhead {overhead_bytes / 2**30:g} GiB must be >= 0")
+    if overhead_bytes is not None and not (math.isfinite(overhead_bytes) and overhead_bytes >= 0):
+        errors.append(f"memory overhead {overhead_bytes / 2**30:g} GiB must be a finite number >= 0")
     split = getattr(fixed, "layer_split", None)
     if split is not None and fixed.pp is not None and fixed.pp != len(split):
         errors.append(f"pipeline_layer_split={list(split)} has {len(split)} stages but pp={fixed.pp}")
