@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from ptdp.checkpoint.hf import export_hf, import_hf, model_config_from_hf
-from ptdp.checkpoint.io import CheckpointError, load_checkpoint
-from ptdp.config import Config, ParallelConfig, TrainConfig, resolve
-from ptdp.groups import ParallelGroups
-from ptdp.layout import ParallelLayout
-from ptdp.step import build_stage
-from dist_helpers import PG_TIMEOUT, run_workers
+from ptdp.checkpoint.io import CheckpointError
+from dist_helpers import run_workers
+from hf_helpers import tp2_pp2_logits_worker
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,33 +32,14 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-def logits_worker(rank: int, world: int, ckpt: str, hf_config: dict) -> torch.Tensor | None:
-    groups = ParallelGroups.build(ParallelLayout(tp=2, pp=2, dp=1), PG_TIMEOUT)
-    cfg = resolve(Config(model=model_config_from_hf(hf_config), parallel=ParallelConfig(2, 2),
-                         train=TrainConfig(micro_batch_size=2, global_batch_size=2)), 4)
-    stage = build_stage(cfg, groups)
-    load_checkpoint(stage, ckpt)
-    model, x = stage.model, tokens()
-    with torch.no_grad():  # stage 0's output handed to stage 1 over the pipeline group
-        h = model(x).contiguous() if groups.is_first_stage else torch.empty(2, SEQ, HIDDEN)
-        dist.broadcast(h, src=rank % 2, group=groups.pp.group)
-        if groups.is_first_stage:
-            return None
-        for layer in model.layers.values():
-            h = layer(h)
-        local = F.linear(model.final_norm(h), model.word_embeddings.weight)  # padded rows: cut below
-        parts = [torch.empty_like(local) for _ in range(2)]
-        dist.all_gather(parts, local, group=groups.tp.group)
-        return torch.cat(parts, dim=-1)[..., :VOCAB]
-
-
 def test_gpt2_import_logits_and_export_round_trip(tmp_path):
     hf_dir, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "exported"
     reference = random_gpt2(hf_dir)
     import_hf(hf_dir, ckpt)
     import json
 
-    results = run_workers(logits_worker, 4, str(ckpt), json.loads((hf_dir / "config.json").read_text()), timeout=180)
+    results = run_workers(tp2_pp2_logits_worker, 4, str(ckpt), json.loads((hf_dir / "config.json").read_text()),
+                          tokens(), VOCAB, timeout=180)
     with torch.no_grad():
         expected = reference(tokens()).logits
     for logits in results[2:]:

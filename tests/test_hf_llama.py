@@ -9,18 +9,16 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from ptdp.checkpoint.hf import export_hf, import_hf, model_config_from_hf
-from ptdp.checkpoint.io import CheckpointError, load_checkpoint, save_checkpoint
-from ptdp.config import Config, ParallelConfig, TrainConfig, resolve
+from ptdp.checkpoint.io import CheckpointError, save_checkpoint
 from ptdp.generate import load_for_inference
 from ptdp.groups import ParallelGroups
-from ptdp.layout import ParallelLayout
 from ptdp.step import build_stage, train_step
-from dist_helpers import PG_TIMEOUT, run_workers
+from dist_helpers import run_workers
+from hf_helpers import tp2_pp2_logits_worker
 from layout_cases import VOCAB as TINY_VOCAB, rank_microbatches, tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -64,26 +62,6 @@ def assert_same_state(theirs: dict, ours: dict) -> None:
         assert torch.equal(ours[name], value), name
 
 
-def logits_worker(rank: int, world: int, ckpt: str, hf_config: dict) -> torch.Tensor | None:
-    groups = ParallelGroups.build(ParallelLayout(tp=2, pp=2, dp=1), PG_TIMEOUT)
-    cfg = resolve(Config(model=model_config_from_hf(hf_config), parallel=ParallelConfig(2, 2),
-                         train=TrainConfig(micro_batch_size=2, global_batch_size=2)), 4)
-    stage = build_stage(cfg, groups)
-    load_checkpoint(stage, ckpt)
-    model, x = stage.model, tokens()
-    with torch.no_grad():  # stage 0's output handed to stage 1 over the pipeline group
-        h = model(x).contiguous() if groups.is_first_stage else torch.empty(2, SEQ, HIDDEN)
-        dist.broadcast(h, src=rank % 2, group=groups.pp.group)
-        if groups.is_first_stage:
-            return None
-        for layer in model.layers.values():
-            h = layer(h)
-        local = F.linear(model.final_norm(h), model.output_layer.weight)  # padded rows: cut below
-        parts = [torch.empty_like(local) for _ in range(2)]
-        dist.all_gather(parts, local, group=groups.tp.group)
-        return torch.cat(parts, dim=-1)[..., :VOCAB]
-
-
 @pytest.mark.timeout(240)
 def test_llama_import_logits_at_tp2_pp2_and_export_round_trip(tmp_path):
     hf_dir, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "exported"
@@ -93,7 +71,7 @@ def test_llama_import_logits_at_tp2_pp2_and_export_round_trip(tmp_path):
     m = model_config_from_hf(config)
     assert (m.num_query_groups, m.rotary_base, m.add_bias_linear, m.untie_embeddings_and_output_weights) == \
         (2, 5000.0, False, True)
-    results = run_workers(logits_worker, 4, str(ckpt), config, timeout=200)
+    results = run_workers(tp2_pp2_logits_worker, 4, str(ckpt), config, tokens(), VOCAB, timeout=200)
     with torch.no_grad():
         expected = reference(tokens()).logits
     for logits in results[2:]:
