@@ -166,12 +166,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--num-layers", type=int, default=8)
-    ap.add_argument("--hidden-size", type=int, default=256)
-    ap.add_argument("--num-attention-heads", type=int, default=8)
-    ap.add_argument("--seq-length", type=int, default=256)
-    ap.add_argument("--vocab-size", type=int, default=4096)
-    ap.add_argument("--micro-batch-size", type=int, default=4)
+    pc.add_gpt_shape_arguments(ap)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per mode (after two warm-up steps)")
     args = ap.parse_args()
     configs = [_config(args, mode) for mode in MODES]  # validate before starting workers

@@ -28,6 +28,17 @@ from ptdp.layout import ParallelLayout
 TIMEOUT_MINUTES = 5.0
 
 
+def add_gpt_shape_arguments(ap) -> None:
+    """The GPT shape and micro batch flags shared by the activation-memory benchmarks (8 layers,
+    h = 256, 8 heads, s = 256, V = 4096, b = 4 by default)."""
+    ap.add_argument("--num-layers", type=int, default=8)
+    ap.add_argument("--hidden-size", type=int, default=256)
+    ap.add_argument("--num-attention-heads", type=int, default=8)
+    ap.add_argument("--seq-length", type=int, default=256)
+    ap.add_argument("--vocab-size", type=int, default=4096)
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+
+
 def launch(entrypoint, nproc: int, *args):
     """Run ``entrypoint(*args)`` in ``nproc`` gloo workers (1 thread each); rank 0's result."""
     os.environ["OMP_NUM_THREADS"] = "1"
