@@ -121,6 +121,12 @@ VARIANTS = {
                  {"sequence_parallel": True}),
     "sp_distopt": ("float64", {}, {}, {}, {"sequence_parallel": True, "use_distributed_optimizer": True,
                                            "overlap_grad_reduce": True, "ddp_bucket_size": 901}),
+    # the vocabulary (303) padded to a multiple of 64 * tp: at tp = 4 (512 rows, 128 per rank) the
+    # last tp rank holds padding only; untied, and (sp_pad_rank) tied with sequence parallelism and
+    # the distributed optimizer: every rank still takes part in every collective with equal shapes
+    "pad_rank": ("float64", {"make_vocab_size_divisible_by": 64, "untie_embeddings_and_output_weights": True}, {}, {}),
+    "sp_pad_rank": ("float64", {"make_vocab_size_divisible_by": 64}, {}, {},
+                    {"sequence_parallel": True, "use_distributed_optimizer": True, "ddp_bucket_size": 901}),
 }
 DP_LAYOUTS = {(1, 1, 4), (2, 2, 2), (1, 2, 2)}
 DP_VARIANTS = ["dp_overlap", "dp_distopt", "dp_distopt_overlap", "dp_distopt_overlap_gather", "dp_accumulate"]
@@ -170,6 +176,7 @@ def parallel_run(tp: int, pp: int, dp: int) -> list[dict]:
         variants += DP_VARIANTS + ["dp_distopt_bf16"]
     if (tp, pp, dp) in SP_LAYOUTS:
         variants = (variants if (tp, pp, dp) in LAYOUTS else []) + sp_variants(tp, dp)
+    variants += PAD_RANK_VARIANTS.get((tp, pp, dp), [])
     return run_workers(layout_worker, tp * pp * dp, tp, pp, dp, variants, (tp, pp, dp) == (2, 2, 2))
 
 
@@ -177,6 +184,8 @@ EXTRA_VARIANT_LAYOUTS = {(2, 2, 1), (1, 2, 2)}
 EXTRA_VARIANTS = ["untied", "uneven", "one_microbatch"]
 #: every (tp, pp, dp) of tests/test_layout_equivalence.py (one spawn each)
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 4, 1), (4, 1, 1)]
+#: a tp rank holding vocabulary padding only (tp = 4): without and with sequence parallelism
+PAD_RANK_VARIANTS = {(4, 1, 1): ["pad_rank"], (4, 1, 2): ["sp_pad_rank"]}
 #: sequence parallelism runs in the spawns of (2,1,1) and (2,2,2), and in one of its own at (4,1,2)
 SP_LAYOUTS = {(2, 1, 1), (2, 2, 2), (4, 1, 2)}
 

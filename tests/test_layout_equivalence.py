@@ -13,8 +13,8 @@ import torch
 
 from ptdp.tensor_parallel.sharding import unshard
 from layout_cases import (
-    DP_LAYOUTS, DP_VARIANTS, EXTRA_VARIANT_LAYOUTS, EXTRA_VARIANTS, LAYOUTS, SCHEDULE_LAYOUTS, SCHEDULE_VARIANTS,
-    SP_LAYOUTS, llama_variant, parallel_run, reference, sp_variants,
+    DP_LAYOUTS, DP_VARIANTS, EXTRA_VARIANT_LAYOUTS, EXTRA_VARIANTS, LAYOUTS, PAD_RANK_VARIANTS, SCHEDULE_LAYOUTS,
+    SCHEDULE_VARIANTS, SP_LAYOUTS, llama_variant, parallel_run, reference, sp_variants,
 )
 
 TOL = {"float64": dict(rtol=1e-9, atol=1e-12), "float32": dict(rtol=1e-5, atol=1e-5)}
@@ -161,3 +161,19 @@ def test_padded_vocab_rows_stay_zero():
         assert tensor.shape[0] == 80
         assert torch.all(tensor[rows >= 303] == 0)
         assert torch.any(tensor[rows < 303] != 0)
+
+
+@pytest.mark.parametrize("layout", sorted(PAD_RANK_VARIANTS), ids=lambda l: "tp{}pp{}dp{}".format(*l))
+def test_rank_holding_only_vocabulary_padding_trains_like_single_process(layout):
+    """303 real rows padded to 512 over tp = 4: the last tp rank's 128 rows are all padding (its
+    logits are ``[b, s, 0]``), yet it joins every collective of the output layer and the loss with
+    the same shapes (untied without, and tied with sequence parallelism), and training is exact."""
+    results = parallel_run(*layout)
+    (variant,) = PAD_RANK_VARIANTS[layout]
+    assert_matches_reference(results, variant, TOL["float64"])
+    for res in results:
+        name = "output_layer.weight" if "output_layer.weight" in res[variant]["params"] else "word_embeddings.weight"
+        tensor, spec, _ = res[variant]["params"][name]
+        assert spec.global_shape[0] == 512 and tensor.shape[0] == 128
+        if res[variant]["coords"][0] == 3:
+            assert spec.real_rows <= 3 * 128 and torch.all(tensor == 0)

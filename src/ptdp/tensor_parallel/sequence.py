@@ -82,10 +82,10 @@ class _SequenceGatheredLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
-        rows = grad.reshape(-1, grad.shape[-1])
+        rows = grad.flatten(0, -2)  # [b s, out_local]; out_local may be 0 (a shard of vocabulary padding)
         if ctx.needs_input_grad[1]:
             full = all_gather_along(x, ctx.axis, dim=SEQ_DIM, tag=ctx.tag + "_regather")
-            grad_weight = rows.t() @ full.reshape(-1, full.shape[-1])
+            grad_weight = rows.t() @ full.flatten(0, -2)
         if ctx.needs_input_grad[0]:
             grad_x = reduce_scatter_along(grad @ weight, ctx.axis, dim=SEQ_DIM, tag=ctx.tag)
         if ctx.has_bias and ctx.needs_input_grad[2]:
