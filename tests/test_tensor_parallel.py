@@ -19,6 +19,7 @@ from ptdp.tensor_parallel import (
     VocabParallelEmbedding,
     all_gather_sequence,
     is_sequence_parallel,
+    sequence_gathered_linear,
     sequence_shard,
     shard,
     unshard,
@@ -66,9 +67,10 @@ def tp_worker(rank: int, world: int) -> dict:
     out["embedding"] = hidden.detach()
     out["embedding_grad"] = emb.weight.grad.clone()
     logits = d["logits"][..., emb.vocab_start : emb.vocab_start + emb.num_real_rows].clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(logits, d["target"], vocab_start=emb.vocab_start, axis=tp)
+    loss = vocab_parallel_cross_entropy(logits, d["target"], vocab_start=emb.vocab_start, vocab_size=VOCAB, axis=tp)
     loss.backward(d["grad_loss"])
     out["loss"], out["logits_grad"], out["num_real"] = loss.detach(), logits.grad, emb.num_real_rows
+    out.update(label_cases(tp, d, emb.vocab_start, emb.num_real_rows))
     # column-parallel -> GELU -> row-parallel
     fc1 = ColumnParallelLinear(H, 4 * H, tp=tp, dtype=torch.float64)
     fc2 = RowParallelLinear(4 * H, H, tp=tp, dtype=torch.float64)
@@ -81,7 +83,48 @@ def tp_worker(rank: int, world: int) -> dict:
     y.backward(torch.ones_like(y))
     out.update(y=y.detach(), x_grad=x.grad, w1_grad=fc1.weight.grad, w2_grad=fc2.weight.grad, b2_grad=fc2.bias.grad)
     out.update(sequence_parallel_worker(tp, d, emb.weight.detach(), fc1, fc2))
+    out.update(sequence_parallel_output_layer(tp, d, emb.weight.detach()[: emb.num_real_rows]))
     return out
+
+
+IGNORED = ((0, 1), (1, 0), (1, 2))  # positions labelled -100
+BAD_LABELS = (VOCAB, VOCAB + 5, -1, -101)
+
+
+def label_cases(tp, d: dict, vocab_start: int, num_real: int) -> dict:
+    """The cross entropy with ignored labels (-100: loss 0, no gradient), and the error of each
+    out-of-range label, on this rank's vocabulary slice (tp = 1: ``F.cross_entropy``)."""
+    target = d["target"].clone()
+    for pos in IGNORED:
+        target[pos] = -100
+    logits = d["logits"][..., vocab_start: vocab_start + num_real].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(logits, target, vocab_start=vocab_start, vocab_size=VOCAB, axis=tp)
+    loss.backward(d["grad_loss"])
+    errors = []
+    for bad in BAD_LABELS:
+        target = d["target"].clone()
+        target[1, 1] = bad
+        try:
+            vocab_parallel_cross_entropy(d["logits"][..., vocab_start: vocab_start + num_real], target,
+                                         vocab_start=vocab_start, vocab_size=VOCAB, axis=tp)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return {"ignored_loss": loss.detach(), "ignored_logits_grad": logits.grad, "label_errors": errors}
+
+
+def sequence_parallel_output_layer(tp, d: dict, real_rows: torch.Tensor) -> dict:
+    """The output layer with sequence parallelism (input ``[b, s/t, h]`` gathered into the
+    vocab-parallel linear) and the loss, on a rank whose vocabulary slice may be padding only
+    (tp = 4: ranks 2 and 3, ``[b, s, 0]`` logits)."""
+    mine = sequence_shard(S_SP, tp)
+    x = d["xs"][:, mine].clone().requires_grad_()
+    w = real_rows.clone().requires_grad_()
+    logits = sequence_gathered_linear(x, w, None, tp, "output")
+    start = tp.rank * (32 // tp.size)
+    loss = vocab_parallel_cross_entropy(logits, d["ids_sp"], vocab_start=start, vocab_size=VOCAB, axis=tp)
+    loss.backward(torch.ones_like(loss))
+    return {"sp_out_loss": loss.detach(), "sp_out_x_grad": x.grad, "sp_out_w_grad": w.grad}
 
 
 def sequence_parallel_worker(tp, d: dict, emb_weight: torch.Tensor, fc1, fc2) -> dict:
@@ -148,6 +191,17 @@ def reference() -> dict:
     y.backward(d["ys_grad"])
     ref.update(sp_y=y.detach(), sp_x_grad=x.grad, sp_w1_grad=w1.grad, sp_b1_grad=b1.grad, sp_w2_grad=w2.grad,
                sp_b2_grad=b2.grad)
+    target = d["target"].clone()
+    for pos in IGNORED:
+        target[pos] = -100
+    logits = d["logits"].clone().requires_grad_()
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), reduction="none").view(B, S)
+    loss.backward(d["grad_loss"])
+    ref["ignored_loss"], ref["ignored_logits_grad"] = loss.detach(), logits.grad
+    x, w = d["xs"].clone().requires_grad_(), d["emb"].clone().requires_grad_()
+    loss = F.cross_entropy(F.linear(x, w).reshape(-1, VOCAB), d["ids_sp"].reshape(-1), reduction="none")
+    loss.sum().backward()
+    ref.update(sp_out_loss=loss.detach().view(B, S_SP), sp_out_x_grad=x.grad, sp_out_w_grad=w.grad)
     return ref
 
 
@@ -238,3 +292,35 @@ def test_shard_unshard_round_trip(tp, groups):
 def test_local_shape_rejects_indivisible_split():
     with pytest.raises(ValueError, match="not divisible"):
         ParamSpec((10, 4), tp_dim=0).local_shape(4)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_cross_entropy_ignores_label_minus_100_and_rejects_out_of_range_labels_on_every_path(world):
+    """-100 gives loss 0 and no gradient at tp = 1 (``F.cross_entropy``) and tp > 1 (ranks 2 and 3
+    of tp = 4 hold padding only) alike; any other label outside [0, V) raises the same
+    ValueError on every path, before any collective."""
+    results = [label_cases(ParallelGroups.single_process().tp, inputs(), 0, VOCAB)] if world == 1 else tp_results(world)
+    ref, tol = reference(), dict(rtol=1e-12, atol=1e-12)
+    for res in results:
+        torch.testing.assert_close(res["ignored_loss"], ref["ignored_loss"], **tol)
+        assert all(res["ignored_loss"][pos] == 0 for pos in IGNORED)
+        assert [e is not None and f"label {bad} at position (1, 1) is outside the vocabulary [0, {VOCAB})" in e
+                for bad, e in zip(BAD_LABELS, res["label_errors"])] == [True] * len(BAD_LABELS)
+    grad = torch.cat([r["ignored_logits_grad"] for r in results], dim=-1)
+    torch.testing.assert_close(grad, ref["ignored_logits_grad"], **tol)
+    assert all(torch.all(grad[pos] == 0) for pos in IGNORED)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_output_layer_on_ranks_holding_only_padding(world):
+    """The output layer with sequence parallelism: at tp = 4 ranks 2 and 3 hold no real vocabulary
+    row (``[b, s, 0]`` logits, a ``[0, h]`` weight) and still gather, re-gather and reduce-scatter
+    with their peers; the loss and every gradient equal the single-process ones."""
+    results, ref, tol = tp_results(world), reference(), dict(rtol=1e-12, atol=1e-12)
+    for res in results:
+        torch.testing.assert_close(res["sp_out_loss"], ref["sp_out_loss"], **tol)
+    x_grad = torch.cat([r["sp_out_x_grad"] for r in sorted(results, key=lambda r: r["sp_positions"].start)], dim=1)
+    torch.testing.assert_close(x_grad, ref["sp_out_x_grad"], **tol)
+    torch.testing.assert_close(torch.cat([r["sp_out_w_grad"] for r in results]), ref["sp_out_w_grad"], **tol)
+    if world == 4:
+        assert [r["sp_out_w_grad"].shape[0] for r in results] == [8, 2, 0, 0]

@@ -53,6 +53,7 @@ from ptdp.tensor_parallel import (
     sequence_shard,
     vocab_parallel_cross_entropy,
 )
+from ptdp.tensor_parallel.cross_entropy import IGNORE_INDEX
 from ptdp.tensor_parallel.random import Dropout, DropoutRNG
 from ptdp.tensor_parallel.sharding import make_parameter
 
@@ -283,7 +284,9 @@ class GPTModel(nn.Module):
         (``[b, s/t, h]`` with sequence parallelism).
 
         Returns hidden states ``[b, s, h]`` (``[b, s/t, h]``), or on the last stage the mean loss
-        over the ``b*s`` tokens (a scalar, nats) given ``labels [b, s]``.
+        over the microbatch's ``b*s`` tokens (a scalar, nats) given ``labels [b, s]``; tokens
+        labelled -100 (``IGNORE_INDEX``) count neither in the sum nor in the number of tokens.
+        Raises ValueError for any other label outside the vocabulary.
         """
         if self.pre_process:
             x = self.embedding_dropout(self.embed(x))
@@ -295,7 +298,7 @@ class GPTModel(nn.Module):
             return x
         if labels is None:
             raise ValueError("the last pipeline stage needs labels to compute the loss")
-        return self.token_losses(self.final_norm(x), labels).mean()
+        return masked_mean(self.token_losses(self.final_norm(x), labels), labels)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """First stage: token ids ``[b, s]`` -> ``[b, s, h]``, the word embeddings plus the learned
@@ -323,4 +326,13 @@ class GPTModel(nn.Module):
             logits = F.linear(copy_to_tp(x, self.tp, "output"), out.real_weight())
         if logits.dtype in (torch.bfloat16, torch.float16):
             logits = logits.float()
-        return vocab_parallel_cross_entropy(logits, labels, vocab_start=out.vocab_start, axis=self.tp)
+        return vocab_parallel_cross_entropy(logits, labels, vocab_start=out.vocab_start, vocab_size=out.vocab_size,
+                                            axis=self.tp)
+
+
+def masked_mean(losses: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean of the per-token ``losses [b, s]`` over the tokens whose label is not
+    :data:`~ptdp.tensor_parallel.cross_entropy.IGNORE_INDEX` (as ``F.cross_entropy``'s mean);
+    0 when every label is ignored. No host synchronisation."""
+    counted = labels != IGNORE_INDEX
+    return losses.sum() / counted.sum().clamp(min=1).to(losses.dtype)
