@@ -30,12 +30,13 @@ OPTIMIZER = "optimizer"
 EVALUATION = "evaluation"
 CHECKPOINT = "checkpoint"
 PHASES = (START_UP, FORWARD, BACKWARD, PIPELINE, GRAD_SYNC, OPTIMIZER, EVALUATION, CHECKPOINT)
+_PHASE_INDEX = {phase: i for i, phase in enumerate(PHASES)}
 
 
 class Activity:
     """This process's global rank, current phase and 1-based iteration (None before the first)."""
 
-    __slots__ = ("rank", "phase", "iteration", "stall_phase")
+    __slots__ = ("rank", "phase", "iteration", "stall_phase", "crash_phase")
 
     def __init__(self) -> None:
         self.rank: int | None = None
@@ -43,6 +44,8 @@ class Activity:
         self.iteration: int | None = None
         self.stall_phase: str | None = None
         """Test-only: the phase this iteration stalls in (``PTDP_TEST_STALL``)."""
+        self.crash_phase: str | None = None
+        """Test-only: the phase this iteration crashes in (``PTDP_TEST_CRASH``)."""
 
     def where(self) -> str:
         at = f" at iteration {self.iteration}" if self.iteration is not None else " before the first iteration"
@@ -51,14 +54,31 @@ class Activity:
 
 CURRENT = Activity()
 """The record of this process."""
+_mirror = None  # a ptdp.postmortem.ActivityBox while a launched worker runs
+
+
+def mirror_to(box) -> None:
+    """Also write every phase change into ``box`` (``write(phase_index, iteration)``; a
+    memory-mapped record that outlives the process, :mod:`ptdp.postmortem`), or stop (None)."""
+    global _mirror
+    _mirror = box
+    if box is not None:
+        box.write(phase_index(), CURRENT.iteration)
+
+
+def phase_index() -> int:
+    """The index of the current phase in :data:`PHASES`."""
+    return _PHASE_INDEX.get(CURRENT.phase, 0)
 
 
 def start_step(rank: int, iteration: int) -> None:
     """A training step begins: ``iteration`` is 1-based, as in the logs."""
     CURRENT.rank, CURRENT.iteration = rank, iteration
     CURRENT.stall_phase = faults.stall_phase(rank, iteration)
-    if CURRENT.stall_phase is not None and CURRENT.stall_phase not in PHASES:
-        raise ValueError(f"{faults.STALL_ENV}: phase {CURRENT.stall_phase!r} is not one of {PHASES}")
+    CURRENT.crash_phase = faults.crash_phase(rank, iteration)
+    for env, phase in ((faults.STALL_ENV, CURRENT.stall_phase), (faults.CRASH_ENV, CURRENT.crash_phase)):
+        if phase is not None and phase not in PHASES:
+            raise ValueError(f"{env}: phase {phase!r} is not one of {PHASES}")
     set_phase(FORWARD)
 
 
@@ -67,9 +87,14 @@ def set_phase(phase: str, iteration: int | None = None) -> None:
     CURRENT.phase = phase
     if iteration is not None:
         CURRENT.iteration = iteration
+    if _mirror is not None:
+        _mirror.write(_PHASE_INDEX[phase], CURRENT.iteration)
     if phase == CURRENT.stall_phase:
         CURRENT.stall_phase = None
         faults.stall(CURRENT.rank, CURRENT.iteration, phase)
+    if phase == CURRENT.crash_phase:
+        CURRENT.crash_phase = None
+        faults.crash(CURRENT.rank, CURRENT.iteration, phase)
 
 
 class CollectiveError(RuntimeError):

@@ -10,6 +10,11 @@
     phase's communication: a worker that stops responding. It prints one line first:
     ``ptdp test stall: rank R sleeps in PHASE at iteration I from <time.time()>``.
 
+``PTDP_TEST_CRASH="RANK:ITER:PHASE:HOW"``
+    Global rank ``RANK`` fails when it enters ``PHASE`` at 1-based iteration ``ITER``: ``raise``
+    raises ``RuntimeError("ptdp test crash ...")``, ``abort`` calls ``os.abort()`` (SIGABRT, a
+    fatal signal), ``kill`` sends itself SIGKILL (no trace at all).
+
 The variables are read once per step (parsed once per value); without them nothing happens.
 """
 
@@ -17,11 +22,14 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 import time
 
 NAN_LOSS_ENV = "PTDP_TEST_NAN_LOSS"
 STALL_ENV = "PTDP_TEST_STALL"
+CRASH_ENV = "PTDP_TEST_CRASH"
+CRASH_KINDS = ("raise", "abort", "kill")
 
 
 @functools.cache
@@ -77,3 +85,32 @@ def stall(rank: int, iteration: int, phase: str) -> None:
     print(f"ptdp test stall: rank {rank} sleeps in {phase} at iteration {iteration} from {time.time():.3f}",
           file=sys.stderr, flush=True)
     time.sleep(seconds)
+
+
+@functools.cache
+def _crash_plan(text: str) -> tuple[int, int, str, str]:
+    parts = text.split(":")
+    try:
+        if len(parts) != 4 or parts[3] not in CRASH_KINDS:
+            raise ValueError
+        return int(parts[0]), int(parts[1]), parts[2], parts[3]
+    except ValueError:
+        raise ValueError(f'{CRASH_ENV}={text!r}: expected "RANK:ITER:PHASE:HOW" with HOW one of {CRASH_KINDS}') from None
+
+
+def crash_phase(rank: int, iteration: int) -> str | None:
+    """The phase rank ``rank`` crashes in at 1-based ``iteration`` (``PTDP_TEST_CRASH``), or None."""
+    text = os.environ.get(CRASH_ENV)
+    if not text:
+        return None
+    target, at, phase, _ = _crash_plan(text)
+    return phase if (rank, iteration) == (target, at) else None
+
+
+def crash(rank: int, iteration: int, phase: str) -> None:
+    how = _crash_plan(os.environ[CRASH_ENV])[3]
+    if how == "raise":
+        raise RuntimeError(f"ptdp test crash: rank {rank} in {phase} at iteration {iteration}")
+    if how == "abort":
+        os.abort()
+    os.kill(os.getpid(), signal.SIGKILL)

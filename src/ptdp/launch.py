@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 import uuid
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from ptdp import postmortem
 from ptdp.config import Config
 
 
@@ -56,24 +59,33 @@ def launch_workers(entrypoint, nproc: int, *args, max_restarts: int = 0) -> dict
     """
     cores = len(os.sched_getaffinity(0))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
-    with tempfile.TemporaryDirectory(prefix="ptdp-launch-") as log_dir, _fresh_store_per_attempt(max_restarts):
+    with tempfile.TemporaryDirectory(prefix="ptdp-launch-") as log_dir, _fresh_store_per_attempt(max_restarts), \
+            _environ(postmortem.DIR_ENV, os.path.join(log_dir, "postmortem")), _quiet_launcher():
         try:
             return _launch(entrypoint, nproc, args, log_dir, max_restarts)
         except ChildFailedError as e:
-            raise WorkerFailedError(failure_message(e, max_restarts)) from e
+            records = _last_attempt(os.path.join(log_dir, "postmortem"))
+            diagnosis = postmortem.diagnose(records, nproc) if records is not None else None
+            raise WorkerFailedError(failure_message(e, max_restarts, diagnosis)) from e
 
 
-def failure_message(error: ChildFailedError, max_restarts: int) -> str:
-    """One paragraph: which rank failed first, how (signal or exit code, and the worker's own error
-    message when it raised), and that no restart was left."""
+def failure_message(error: ChildFailedError, max_restarts: int,
+                    diagnosis: postmortem.Diagnosis | None = None) -> str:
+    """One paragraph: which rank failed first, how (signal or exit code, the worker's own error and
+    the end of its traceback), in which phase and iteration, that no restart was left, and that
+    the other ranks' errors follow from it. ``diagnosis`` (the workers' own records,
+    :mod:`ptdp.postmortem`) decides which rank failed first; without it, the rank the launcher
+    reports."""
     rank, failure = error.get_first_failure()
-    if failure.exitcode < 0:
-        how = f"was killed by signal {failure.signal_name()} (exit code {failure.exitcode})"
-    else:
-        how = f"exited with code {failure.exitcode}"
     restarts = (f"after {max_restarts} restart(s), none left (--max-restarts {max_restarts})" if max_restarts
                 else "no restarts allowed (--max-restarts 0)")
-    text = f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}; {restarts}"
+    if diagnosis is not None:
+        first = diagnosis.first
+        pid = failure.pid if first.rank == rank else (first.pid if first.pid is not None else "?")
+        exit_text = _exit_text(failure) if first.rank == rank else None
+        head = f"worker rank {first.rank} (local rank {first.rank}, pid {pid})"  # one node: local = global rank
+        return f"{diagnosis.message(head=head, exit_text=exit_text)}\n{restarts}"
+    text = f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {_exit_text(failure)}; {restarts}"
     others = sorted(r for r in error.failures if r != rank)
     if others:
         text += f"; ranks {others} failed too"
@@ -82,6 +94,48 @@ def failure_message(error: ChildFailedError, max_restarts: int) -> str:
     elif failure.exitcode >= 0 and isinstance(failure.message, dict):
         text += f"\n{failure.message.get('message', '')}"
     return text
+
+
+def _exit_text(failure) -> str:
+    if failure.exitcode < 0:
+        return f"was killed by signal {failure.signal_name()} (exit code {failure.exitcode})"
+    return f"exited with code {failure.exitcode}"
+
+
+def _last_attempt(root: str) -> Path | None:
+    """The records folder of the job's last attempt, if any."""
+    attempts = sorted(Path(root).glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    return attempts[-1] if attempts else None
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str):
+    """``os.environ[name] = value`` while the block runs (the spawned workers inherit it)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+@contextlib.contextmanager
+def _quiet_launcher():
+    """Keep the launcher's own error logs (the traceback of whichever worker it polled first, and
+    its "Terminating process" lines) off the terminal: :func:`failure_message` says who failed
+    first and how."""
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 #: torch's switch that gives every attempt its own TCPStore (hosted by worker rank 0 on a new free

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ptdp import comm
+from ptdp import comm, postmortem
 from ptdp.activity import CollectiveError
 from ptdp.args import HelpFormatter, add_train_arguments, config_from_args
 from ptdp.config import Config, ConfigError, resolve
@@ -53,16 +53,17 @@ def worker_entry(config_json: str, run_dir: str, data_dir: str, progress: bool) 
     :class:`~ptdp.activity.CollectiveError` (a peer stopped responding or went away) is raised, so
     that the launcher stops the other workers and reports it."""
     restart = restart_count()
-    config = resume_config(Config.from_dict(json.loads(config_json)), restart)
-    device = init_distributed(config.parallel.distributed_timeout_minutes, bind_cpus=config.parallel.bind_cpus)
-    try:
-        return _run(config, Path(run_dir), PreparedData.load(data_dir), device, progress, restart)
-    except TrainingError as e:
-        return {"error": str(e)}
-    except KeyboardInterrupt:
-        raise SystemExit(130) from None  # the launcher reports the interruption
-    finally:
-        dist.destroy_process_group()
+    with postmortem.recording(env_world()[0], restart):  # who failed first, and where (ptdp.postmortem)
+        config = resume_config(Config.from_dict(json.loads(config_json)), restart)
+        device = init_distributed(config.parallel.distributed_timeout_minutes, bind_cpus=config.parallel.bind_cpus)
+        try:
+            return _run(config, Path(run_dir), PreparedData.load(data_dir), device, progress, restart)
+        except TrainingError as e:
+            return {"error": str(e)}
+        except KeyboardInterrupt:
+            raise SystemExit(130) from None  # the launcher reports the interruption
+        finally:
+            dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,153 @@
+"""The rank that failed first is named, with how and where, and the others' errors are said to
+follow from it (ptdp.postmortem), whichever worker the launcher happened to poll first."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from ptdp import faults, postmortem
+from proc_helpers import run_together
+from test_cli import TINY, corpus  # noqa: F401 - corpus is a fixture
+
+
+def _box(folder, rank, phase_index, iteration, state=postmortem.RUNNING):
+    box = postmortem.ActivityBox(folder / f"rank{rank}.activity")
+    box.write(phase_index, iteration, state)
+
+
+def _error(folder, rank, t, kind, message, consequence, phase="backward", iteration=2):
+    record = {"time_ns": t, "type": kind, "message": message, "consequence": consequence, "phase": phase,
+              "iteration": iteration, "traceback": f"Traceback (most recent call last):\n  File x\n{kind}: {message}\n"}
+    (folder / f"rank{rank}.error.json").write_text(json.dumps(record))
+
+
+def _sigterm(folder, rank, t):
+    path = folder / f"rank{rank}.signal"
+    path.write_text("Current thread 0x1 (most recent call first):\n  File \"x\", line 1 in f\n")
+    os.utime(path, ns=(t, t))
+
+
+def test_an_error_of_its_own_wins_over_earlier_collective_errors_and_sigterms(tmp_path):
+    for r in range(4):
+        _box(tmp_path, r, 2, 2)
+    lost = "rank 0 failed in backward at iteration 2: tp all_gather over ranks 0, 1, 2, 3: Connection closed by peer"
+    _error(tmp_path, 3, 2_000, "RuntimeError", "cannot reshape tensor of 0 elements", False)
+    _error(tmp_path, 0, 1_000, "CollectiveError", lost, True)  # an earlier clock is no reason to blame it
+    _sigterm(tmp_path, 1, 3_000)
+    _sigterm(tmp_path, 2, 3_000)
+    d = postmortem.diagnose(tmp_path, 4)
+    assert d.first.rank == 3 and d.first.kind == "raised"
+    text = d.message(head="worker rank 3 (local rank 3, pid 7)", exit_text="exited with code 1")
+    lines = text.splitlines()
+    assert lines[0] == ("worker rank 3 (local rank 3, pid 7) failed first, in backward at iteration 2: "
+                        "RuntimeError: cannot reshape tensor of 0 elements (exited with code 1)")
+    assert "  RuntimeError: cannot reshape tensor of 0 elements" in lines
+    assert ("the other ranks' errors follow from it: rank 0 failed in a collective with it; ranks 1, 2 were "
+            "stopped by the launcher") in lines
+    assert f"  (e.g. {lost})" in lines
+
+
+def test_a_rank_that_left_no_trace_is_the_one_that_died(tmp_path):
+    """SIGKILL (the out-of-memory killer): no error, no signal record; its phase is still known."""
+    for r in range(3):
+        _box(tmp_path, r, 1, 5)
+    _error(tmp_path, 0, 1_000, "CollectiveError", "rank 0 failed in forward at iteration 5: ...", True)
+    _sigterm(tmp_path, 2, 2_000)
+    d = postmortem.diagnose(tmp_path, 3)
+    assert (d.first.rank, d.first.kind, d.first.phase, d.first.iteration) == (1, "silent", "forward", 5)
+    assert d.message(exit_text="was killed by signal SIGKILL (exit code -9)").splitlines()[0] == (
+        "worker rank 1 failed first, in forward at iteration 5: was killed by signal SIGKILL (exit code -9)")
+    assert "SIGKILL" in d.message().splitlines()[0]
+
+
+def test_a_stall_names_the_first_timeout_whose_message_names_the_stalled_rank(tmp_path):
+    for r in range(3):
+        _box(tmp_path, r, 4, 2)
+    timeout = ("rank {} timed out after 0.1 min in gradient sync at iteration 2: dp all_reduce over ranks 0, 1 did "
+               "not complete (rank 1 reported no timeout of its own: likely the one that stopped responding)")
+    _error(tmp_path, 2, 1_500, "CollectiveTimeout", timeout.format(2), True, "gradient sync")
+    _error(tmp_path, 0, 1_000, "CollectiveTimeout", timeout.format(0), True, "gradient sync")
+    _sigterm(tmp_path, 1, 2_000)  # the stalled rank, stopped by the launcher afterwards
+    d = postmortem.diagnose(tmp_path, 3)
+    assert (d.first.rank, d.first.kind) == (0, "collective")
+    lines = d.message().splitlines()
+    assert lines[0] == "worker rank 0 failed first, in gradient sync at iteration 2: CollectiveTimeout"
+    assert lines[1] == timeout.format(0)
+    assert lines[2] == ("the other ranks' errors follow from it: rank 2 failed in a collective with it; "
+                        "rank 1 was stopped by the launcher")
+
+
+def test_no_records_no_diagnosis(tmp_path):
+    assert postmortem.diagnose(tmp_path / "missing", 2) is None
+    assert postmortem.diagnose(tmp_path, 2) is None
+
+
+RECORDING = textwrap.dedent("""
+    import os, signal, sys, time
+    from ptdp import activity, postmortem
+    with postmortem.recording(2, 0):
+        activity.start_step(2, 5)
+        activity.set_phase(activity.BACKWARD)
+        how = sys.argv[1]
+        if how == "abort":
+            os.abort()
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "raise":
+            raise ValueError("bad thing")
+        print("ready", flush=True)
+        time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("how, kind, summary", [
+    ("raise", "raised", "ValueError: bad thing"),
+    ("abort", "signal", "died of a fatal signal (Aborted)"),
+    ("kill", "silent", "was killed without a trace"),
+    ("term", "sigterm", "received SIGTERM"),
+])
+def test_a_worker_leaves_its_phase_and_how_it_ended(tmp_path, how, kind, summary):
+    env = dict(os.environ, **{postmortem.DIR_ENV: str(tmp_path)})
+    proc = subprocess.Popen([sys.executable, "-c", RECORDING, how], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        if how == "term":
+            assert proc.stdout.readline().strip() == "ready"
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    end = postmortem.read_rank_end(postmortem.attempt_dir(tmp_path, 0), 2)
+    assert (end.kind, end.phase, end.iteration) == (kind, "backward", 5)
+    assert end.summary.startswith(summary), end.summary
+    assert end.pid == proc.pid
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ptdp_train_names_the_rank_that_raised_first(corpus, tmp_path):  # noqa: F811
+    """tp2 pp1 dp2: rank 3 raises in backward at iteration 2; its peers then fail in collectives and
+    the launcher may poll any of them first. The message names rank 3, its error and phase, and
+    says the others follow from it; the launcher's own traceback stays off the terminal."""
+    env = dict(os.environ, PTDP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1",
+               **{faults.CRASH_ENV: "3:2:backward:raise"})
+    cmd = [sys.executable, "-m", "ptdp.cli", "train", *TINY, "--tp", "2", "--pp", "1", "--dp", "2",
+           "--data", str(corpus / "docs"), "--output-dir", str(tmp_path / "run"), "--no-progress"]
+    started = time.monotonic()
+    [proc] = run_together([cmd], timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert time.monotonic() - started < 240
+    assert ("ptdp train: error: worker rank 3 (local rank 3, pid " in proc.stderr
+            and ") failed first, in backward at iteration 2: RuntimeError: ptdp test crash: rank 3 in backward at "
+                "iteration 2" in proc.stderr), proc.stderr[-3000:]
+    assert "the other ranks' errors follow from it: " in proc.stderr
+    assert "no restarts allowed (--max-restarts 0)" in proc.stderr
+    assert "torch.multiprocessing.spawn.ProcessRaisedException" not in proc.stderr
