@@ -369,3 +369,71 @@ def test_unknown_gpu_lists_the_known_ones(capsys):
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert "unknown GPU 'a100'; known: a100-40gb, a100-80gb, h100" in err and "h200" in err and "--gpu-catalog" in err
+
+
+@pytest.mark.parametrize("name", ["blob.bin", "lib.so", "tokens.idx", "weights.safetensors"])
+def test_a_binary_file_named_directly_is_named_with_its_reason(tmp_path, capsys, launched, name):
+    """A file given with --data whose extension marks it binary is not silently dropped: the
+    warning and the error name it and say why (exit 2, no worker)."""
+    path = tmp_path / name
+    path.write_bytes(b"\x7fELF\x02\x01" + bytes(range(256)))
+    code, err = train(capsys, tmp_path, "--data", str(path), "--output-dir", str(tmp_path / "run"))
+    assert code == 2 and not launched, err
+    reason = f"{str(path)!r}: its extension {path.suffix!r} marks a binary file"
+    assert f"warning: skipping data file {reason}" in err
+    error = err[err.index("ptdp train: error:"):]
+    assert "no files found" not in error and reason in error
+
+
+def _a_file(tmp_path: Path) -> Path:
+    path = tmp_path / "a-file"
+    path.write_text("not a folder")
+    return path
+
+
+@pytest.mark.parametrize("flag, problem", [
+    ("--output-dir", "output directory (--output-dir): {p} cannot be created: {f} is a file, not a directory"),
+    ("--data-cache-dir", "data cache directory (--data-cache-dir or $PTDP_CACHE_DIR): {p} cannot be created: {f} is a "
+                         "file, not a directory"),
+    ("--save", "cannot use {p} as checkpoint folder (--save): {p} cannot be created: {f} is a file, not a directory"),
+])
+def test_a_folder_under_a_file_is_refused_before_any_work(tmp_path, capsys, corpus, launched, flag, problem):
+    """--output-dir, --data-cache-dir and --save below a path that is a file: exit 2 naming the
+    path and why, before the data are prepared (no cache written) and before any worker."""
+    file = _a_file(tmp_path)
+    target = file / "sub" / "dir"
+    argv = ["--data", str(corpus), "--output-dir", str(tmp_path / "run")]
+    if flag == "--data-cache-dir":
+        code = cli.main(["train", *TINY, "--data", str(corpus), "--output-dir", str(tmp_path / "run"),
+                         "--data-cache-dir", str(target)])
+        err = capsys.readouterr().err
+    else:
+        code, err = train(capsys, tmp_path, *argv, flag, str(target))
+    assert code == 2 and not launched, err
+    assert problem.format(p=target, f=file) in err
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into folders whose mode denies it")
+@pytest.mark.parametrize("flag", ["--output-dir", "--data-cache-dir"])
+def test_an_unwritable_folder_is_refused_before_any_work(tmp_path, capsys, corpus, launched, flag):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        code = cli.main(["train", *TINY, "--data", str(corpus), "--output-dir", str(tmp_path / "run"),
+                         "--data-cache-dir", str(tmp_path / "cache"), flag, str(locked / "x")])
+    finally:
+        locked.chmod(0o700)
+    err = capsys.readouterr().err
+    assert code == 2 and not launched and f"{locked / 'x'} cannot be created: {locked} is not writable" in err
+    assert not (tmp_path / "cache").exists()
+
+
+def test_folder_problem_probes_by_writing(tmp_path):
+    """Whether a file can be created there is what counts, for root too (/proc takes no file)."""
+    from ptdp.paths import folder_problem
+
+    assert folder_problem(tmp_path / "new" / "deeper") is None and not (tmp_path / "new").exists()
+    assert folder_problem(tmp_path) is None and not list(tmp_path.iterdir())
+    assert folder_problem("/proc/ptdp-run").startswith("/proc/ptdp-run cannot be created: /proc is not writable (")

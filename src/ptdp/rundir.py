@@ -16,6 +16,7 @@ from pathlib import Path
 from ptdp.config import Config, ConfigError
 from ptdp.data import DataError, PreparedData, prepare_data
 from ptdp.metrics import write_json
+from ptdp.paths import folder_problem
 
 
 def cache_dir(config: Config) -> Path:
@@ -49,6 +50,9 @@ def prepare(config: Config, log=print) -> PreparedData:
     cache = cache_dir(config)
     if cache.exists() and not cache.is_dir():
         raise DataError(f"data cache directory {cache} exists and is not a directory")
+    problem = folder_problem(cache)
+    if problem:
+        raise DataError(f"data cache directory (--data-cache-dir or $PTDP_CACHE_DIR): {problem}")
     data = prepare_data(paths, config.model.vocab_size, cache, config.data.valid_fraction, log=log)
     check_data_fits(config, data)
     if ck.load:
@@ -88,6 +92,9 @@ def check_run_dir(path: Path, *, overwrite: bool, load: str | None = None) -> No
     ``load`` continues the run that wrote it (:func:`continues_run`)."""
     if path.exists() and not path.is_dir():
         raise ConfigError(f"output directory {path} exists and is not a directory")
+    problem = folder_problem(path)
+    if problem:
+        raise ConfigError(f"output directory (--output-dir): {problem}")
     if path.is_dir() and any(path.iterdir()) and not overwrite and not continues_run(path, load):
         raise ConfigError(
             f"output directory {path} exists and is not empty; pass --overwrite to write into it, "

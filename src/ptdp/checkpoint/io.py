@@ -44,6 +44,7 @@ from ptdp.checkpoint.tensors import stored_form, to_checkpoint_value
 from ptdp.comm import all_gather_object, barrier
 from ptdp.config import Config, ConfigError
 from ptdp.model.chunks import global_named_parameters
+from ptdp.paths import folder_problem
 from ptdp.tensor_parallel.sharding import spec_of
 
 FORMAT = 1
@@ -321,13 +322,9 @@ def _open(path: str | Path, config: Config) -> tuple[Path, dict]:
 
 def check_save_dir(path: str | Path) -> None:
     """``--save`` must be (or become) a writable folder; checked before any worker starts."""
-    path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise CheckpointError(f"cannot use {path} as checkpoint folder: {err}") from err
-    if not os.access(path, os.W_OK):
-        raise CheckpointError(f"checkpoint folder {path} is not writable")
+    problem = folder_problem(path)
+    if problem:
+        raise CheckpointError(f"cannot use {path} as checkpoint folder (--save): {problem}")
 
 
 def _check_model(meta: dict, config: Config, folder: Path) -> None:

@@ -3,7 +3,8 @@
 A *corpus* is a list of paths (files or folders). Folders are walked recursively in sorted order,
 skipping hidden entries, ``__pycache__``, ``site-packages`` and ``dist-packages``. Every text file is
 one document, except ``.jsonl`` files, which give one document per non-blank line (its ``"text"``
-field). Files with a known binary extension are ignored; files that turn out to be binary (a NUL
+field). Files with a known binary extension are ignored inside folders and skipped with a warning
+naming them when given directly; files that turn out to be binary (a NUL
 byte), not UTF-8 or unreadable are skipped with a warning naming them, and so are paths given
 directly that are empty or not a regular file (a FIFO would block the reader). Empty files inside a
 folder (an ``__init__.py``) are skipped silently. When nothing usable remains the error names every
@@ -133,6 +134,12 @@ def list_corpus_files(
             found = iter([(root, base)])
         for path, doc_id in found:
             if not _wanted(path.name, suffix_set):
+                if path == root:  # named directly: say why it is not read
+                    suffix = os.path.splitext(path.name)[1].lower()
+                    why = (f"its extension {suffix!r} marks a binary file (token files, archives, images and "
+                           f"compiled code are not read as text)" if suffix_set is None
+                           else f"its extension {suffix!r} is not one of {sorted(suffix_set)}")
+                    _skip(path, why, skipped)
                 continue
             try:
                 st = path.stat()
