@@ -437,3 +437,34 @@ def test_folder_problem_probes_by_writing(tmp_path):
     assert folder_problem(tmp_path / "new" / "deeper") is None and not (tmp_path / "new").exists()
     assert folder_problem(tmp_path) is None and not list(tmp_path.iterdir())
     assert folder_problem("/proc/ptdp-run").startswith("/proc/ptdp-run cannot be created: /proc is not writable (")
+
+
+def test_a_model_that_cannot_fit_is_refused_before_any_work_unless_forced(tmp_path, capsys, corpus, launched):
+    """--hidden-size 65536: the planner's estimate (hundreds of GiB per rank) exceeds this machine's
+    memory: exit 2 naming the estimate, the memory available and flags that help, before the data
+    are prepared and before any worker or run directory; --force starts anyway."""
+    argv = ["--data", str(corpus), "--output-dir", str(tmp_path / "run"), "--hidden-size", "65536"]
+    code, err = train(capsys, tmp_path, *argv)
+    assert code == 2 and not launched, err
+    assert "ptdp train: error: the run does not fit in memory: the 8 local workers together need about " in err
+    assert "GiB and this machine has " in err and "--use-distributed-optimizer (" in err and "--force" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+    code, err = train(capsys, tmp_path, *argv, "--force")
+    assert code == 1 and len(launched) == 1, err  # the stub launcher stops the forced run
+
+
+def test_memory_estimate_of_cpu_workers_and_of_gpu_ranks():
+    from ptdp.memory_check import CPU_WORKER_OVERHEAD, GPU_WORKER_OVERHEAD, GiB, memory_problem, rank_estimates
+
+    config = resolve(config_from_args(cli.build_parser().parse_args(["train", *TINY])), 8)
+    ranks = rank_estimates(config)
+    assert [r.stage for r in ranks] == [0, 1] and all(r.params > 0 and r.activations > 0 for r in ranks)
+    per_stage = sum(r.total for r in ranks) * 4  # tp x dp = 4 ranks of each stage on this machine
+    need = per_stage + 8 * CPU_WORKER_OVERHEAD
+    assert memory_problem(config, 8, need, gpu=False, where="this machine") is None
+    text = memory_problem(config, 8, need - 1, gpu=False, where="this machine")
+    assert text.startswith(f"the run does not fit in memory: the 8 local workers together need about "
+                           f"{need / GiB:,.1f} GiB and this machine has ")
+    worst = max(r.total for r in ranks) + GPU_WORKER_OVERHEAD
+    assert memory_problem(config, 8, worst, gpu=True, where="each GPU") is None
+    assert "the most loaded rank needs about" in memory_problem(config, 8, worst - 1, gpu=True, where="each GPU")

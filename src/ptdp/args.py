@@ -76,6 +76,8 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
                         "another fails the job, naming the rank, phase and iteration (default: "
                         f"{LOCAL_CPU_TIMEOUT_MINUTES:g} for ptdp train without CUDA, else "
                         f"{pc.distributed_timeout_minutes:g})")
+    g.add_argument("--force", action="store_true",
+                   help="start even when the planner's memory estimate says the run does not fit in memory")
     g.add_argument("--bind-cpus", choices=BIND_POLICIES, default=pc.bind_cpus,
                    help="bind each worker to CPUs at start-up: numa = the allowed CPUs of its GPU's NUMA node "
                         "(no GPU: workers spread over the nodes), exclusive = a non-overlapping share of them; "

@@ -10,6 +10,7 @@ import warnings
 from ptdp.args import HelpFormatter, add_train_arguments, config_from_args, local_world_size, max_restarts
 from ptdp.config import ConfigError, resolve
 from ptdp.data import DataError
+from ptdp.memory_check import check_memory
 from ptdp.metrics import format_summary
 from ptdp.planner.hardware import UnknownGPUError
 from ptdp.planner.models import UnknownModelError
@@ -156,6 +157,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     restarts = max_restarts(args)
     config = resolve(config_from_args(args), nproc)
     p, m = config.parallel, config.model
+    if not args.force:
+        check_memory(config, nproc)
     binding = _binding_plan(p.bind_cpus, nproc)  # a BindingError stops here, before any worker
     run_dir = run_dir_path(config)
     check_run_dir(run_dir, overwrite=args.overwrite, load=config.checkpoint.load)

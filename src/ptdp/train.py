@@ -31,6 +31,7 @@ from ptdp.data import DataError, PreparedData
 from ptdp.distributed import env_world, init_distributed
 from ptdp.groups import ParallelGroups, host_group
 from ptdp.layout import ParallelLayout
+from ptdp.memory_check import check_memory
 from ptdp.metrics import format_summary
 from ptdp.restart import check_torchrun_restarts, restart_count, resume_config
 from ptdp.rundir import check_run_dir, make_run_dir, prepare, run_dir_path, write_config
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = resolve(config_from_args(args), world)
         check_torchrun_restarts(args.output_dir)
+        if not args.force:
+            check_memory(config, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ConfigError as e:
         say(f"ptdp.train: error: {e}")
         return 2

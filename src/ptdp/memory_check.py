@@ -1,0 +1,156 @@
+"""Before any worker starts: will the run fit in memory? (the planner's memory model)
+
+Each rank's bytes are estimated with the planner's model (:mod:`ptdp.planner.memory`: exact
+parameter, gradient and optimizer bytes, [K22] activations for the run's schedule, recompute and
+sequence parallelism) plus a fixed overhead per process. On GPUs every rank has its own device,
+so the most loaded rank must fit in one device's memory; on CPU the local workers share the
+machine's available memory (``MemAvailable``), so their sum must fit. When it cannot, ``ptdp
+train`` refuses (exit 2) naming the estimate, the memory available and the flags that would
+help, each with its estimate; ``--force`` starts anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ptdp.config import Config, stage_layer_counts
+
+GiB = 2**30
+#: Resident memory of a CPU worker before the model: Python, torch, gloo (about 0.3 GiB measured),
+#: rounded up.
+CPU_WORKER_OVERHEAD = 0.5 * GiB
+#: A GPU rank's fixed overhead: CUDA context, NCCL buffers, workspaces (the planner's default).
+GPU_WORKER_OVERHEAD = 2 * GiB
+_PRECISION = {"float32": ("fp32", 1.0), "float64": ("fp32", 2.0), "bfloat16": ("bf16", 1.0), "float16": ("fp16", 1.0)}
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """Estimated bytes of one rank of pipeline stage ``stage`` (overhead not included)."""
+
+    stage: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+def rank_estimates(config: Config) -> list[RankBytes]:
+    """Bytes of one tp rank of each pipeline stage of the resolved ``config`` (planner model;
+    float64 counted as twice float32)."""
+    from ptdp.planner.memory import bytes_per_param, stage_activation_bytes, stage_param_counts
+    from ptdp.planner.models import spec_from_model_config
+    from ptdp.planner.plan import Layout
+
+    m, p, t = config.model, config.parallel, config.train
+    precision, scale = _PRECISION[m.params_dtype]
+    model = spec_from_model_config(m)
+    layout = Layout(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size,
+                    virtual_stages=p.virtual_stages(m.num_layers), recompute=m.recompute_granularity or "none",
+                    precision=precision, sequence_parallel=p.sequence_parallel,
+                    distributed_optimizer=p.use_distributed_optimizer)
+    layers = stage_layer_counts(m.num_layers, p.pp, p.pipeline_layer_split)
+    counts = stage_param_counts(model, p.tp, p.pp, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+                                layer_split=p.pipeline_layer_split)
+    pb, gb, ob = bytes_per_param(precision, p.dp, p.use_distributed_optimizer)
+    schedule = "gpipe" if p.schedule == "gpipe" else "1f1b"
+    out = []
+    for stage, (n, n_layers) in enumerate(zip(counts, layers)):
+        act = stage_activation_bytes(model, layout, stage, n_layers, schedule=schedule,
+                                     make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
+        out.append(RankBytes(stage, scale * n * pb, scale * n * gb, scale * n * ob, scale * act))
+    return out
+
+
+def needed_bytes(config: Config, nproc: int, *, gpu: bool) -> float:
+    """What must fit: the most loaded rank plus its overhead (GPU), or the sum over the ``nproc``
+    local workers with theirs (CPU; ranks in order, tp fastest, so a node holds whole stages
+    when nproc is the world)."""
+    ranks = rank_estimates(config)
+    if gpu:
+        return max(r.total for r in ranks) + GPU_WORKER_OVERHEAD
+    per_stage = config.parallel.tp * config.parallel.dp
+    totals = [ranks[min(i // per_stage, len(ranks) - 1)].total for i in range(nproc)]
+    return sum(totals) + nproc * CPU_WORKER_OVERHEAD
+
+
+def _alternatives(config: Config) -> list[tuple[str, Config]]:
+    """Flags that lower the memory of a run, with the config each gives (only those that apply)."""
+    m, p, t = config.model, config.parallel, config.train
+    out = []
+    if not p.use_distributed_optimizer and p.dp > 1 and p.grad_compression != "1bit":
+        out.append(("--use-distributed-optimizer", dataclasses.replace(
+            config, parallel=dataclasses.replace(p, use_distributed_optimizer=True))))
+    if m.recompute_granularity != "full":
+        out.append(("--recompute-granularity full", dataclasses.replace(
+            config, model=dataclasses.replace(m, recompute_granularity="full", recompute_method="uniform",
+                                              recompute_num_layers=1))))
+    if m.params_dtype in ("float32", "float64"):
+        out.append(("--bf16", dataclasses.replace(config, model=dataclasses.replace(m, params_dtype="bfloat16"))))
+    if t.micro_batch_size > 1:
+        out.append(("--micro-batch-size 1", dataclasses.replace(config, train=dataclasses.replace(t, micro_batch_size=1))))
+    return out
+
+
+def memory_problem(config: Config, nproc: int, available: float, *, gpu: bool, where: str) -> str | None:
+    """Why the resolved ``config`` cannot fit in ``available`` bytes (``where`` says what that is),
+    or None. Names the estimate, the memory and the flags that would help with their estimates."""
+    need = needed_bytes(config, nproc, gpu=gpu)
+    if need <= available:
+        return None
+    ranks = rank_estimates(config)
+    worst = max(ranks, key=lambda r: r.total)
+    unit = "the most loaded rank needs" if gpu else f"the {nproc} local workers together need"
+    lines = [f"the run does not fit in memory: {unit} about {need / GiB:,.1f} GiB and {where} has "
+             f"{available / GiB:,.1f} GiB",
+             f"  per rank of stage {worst.stage}: parameters {worst.params / GiB:,.2f} GiB, gradients "
+             f"{worst.grads / GiB:,.2f}, optimizer state {worst.optimizer / GiB:,.2f}, activations "
+             f"{worst.activations / GiB:,.2f} (planner estimate), plus "
+             f"{(GPU_WORKER_OVERHEAD if gpu else CPU_WORKER_OVERHEAD) / GiB:g} GiB per process"]
+    helps = [f"{flag} ({alt_need / GiB:,.1f} GiB)" for flag, alt in _alternatives(config)
+             if (alt_need := needed_bytes(alt, nproc, gpu=gpu)) < need]
+    more = "larger --tp or --pp (each rank then holds a smaller part of the model)"
+    lines.append("  would help: " + ", ".join(helps + [more]) + "; or a smaller model")
+    lines.append("  --force starts the workers anyway")
+    return "\n".join(lines)
+
+
+def available_memory(nproc: int) -> tuple[float, bool, str]:
+    """(bytes, on GPU, what it is): the smallest GPU's memory when CUDA is used, else the
+    machine's available memory (``MemAvailable`` of /proc/meminfo, or free pages)."""
+    import torch
+
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        sizes = [torch.cuda.get_device_properties(i).total_memory for i in range(min(count, nproc) or 1)]
+        return float(min(sizes)), True, "each GPU"
+    return float(_cpu_available()), False, "this machine"
+
+
+def _cpu_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory(config: Config, nproc: int) -> None:
+    """Raise ConfigError (exit 2) when the run cannot fit in this machine's memory
+    (:func:`memory_problem`)."""
+    from ptdp.config import ConfigError
+
+    available, gpu, where = available_memory(nproc)
+    problem = memory_problem(config, nproc, available, gpu=gpu, where=where)
+    if problem:
+        raise ConfigError(problem)
