@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import budget
+
 PG_TIMEOUT = datetime.timedelta(seconds=60)
 
 
@@ -27,19 +29,21 @@ def _entry(rank: int, fn: Callable, world_size: int, tmp: str, args: tuple) -> N
         dist.destroy_process_group()
 
 
-def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float | None = None) -> list[Any]:
     """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)`` on a gloo world.
 
-    Returns each rank's return value. Fails (and kills the workers) after ``timeout`` seconds; a
-    worker's exception is re-raised here.
+    Returns each rank's return value. Fails (and kills the workers) after ``timeout`` seconds
+    (default: what is left of the test's budget, :mod:`budget`; always ending before the test's
+    own timeout); a worker's exception is re-raised here.
     """
+    timeout = budget.seconds(timeout)
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(_entry, args=(fn, world_size, tmp, args), nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"workers did not finish within {timeout} s")
+                    raise TimeoutError(f"workers did not finish within {timeout:.0f} s")
         finally:
             for p in ctx.processes:
                 if p.is_alive():

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import budget
+
 
 @dataclass
 class Finished:
@@ -28,12 +30,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_together(commands: list[list[str]], *, timeout: float, env: dict, cwd: Path) -> list[Finished]:
+def run_together(commands: list[list[str]], *, timeout: float | None = None, env: dict, cwd: Path) -> list[Finished]:
     """Start all ``commands`` at once, each in its own session (so its workers are in its process
     group), and wait for all of them. Output goes to files (no pipe can fill up and stall a
     launcher). A command still running at ``timeout`` seconds, or one that failed, has its whole
     process group killed (its workers too), and so has every command not yet waited for if this
-    function raises."""
+    function raises. ``timeout`` (default: what is left of the test's budget) always ends before
+    the test's own timeout (:mod:`budget`)."""
+    timeout = budget.seconds(timeout)
     procs, files, codes = [], [], []
     try:
         for i, cmd in enumerate(commands):

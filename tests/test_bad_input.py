@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+import budget
+
 from ptdp import cli
 from ptdp.args import config_from_args, local_world_size
 from ptdp.checkpoint.io import save_checkpoint
@@ -358,7 +360,7 @@ def test_busy_master_port_under_torchrun_fails_at_once_and_writes_nothing(tmp_pa
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
              "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "ptdp.train", "--tp", "1", "--pp", "1",
              "--output-dir", str(tmp_path / "run")],
-            capture_output=True, text=True, timeout=80, env=env, cwd=tmp_path)
+            capture_output=True, text=True, timeout=budget.seconds(80), env=env, cwd=tmp_path)
     assert proc.returncode != 0
     assert "EADDRINUSE" in proc.stderr or "address already in use" in proc.stderr
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()

@@ -79,7 +79,7 @@ def load_worker(rank: int, world: int, root: str, cases: list) -> list[dict]:
 
 @functools.cache
 def saved(root: str) -> dict:
-    return _merge_stages([dict(r, iteration=2) for r in run_workers(save_worker, 8, root, timeout=240)])
+    return _merge_stages([dict(r, iteration=2) for r in run_workers(save_worker, 8, root)])
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_checkpoint_loads_at_any_layout(checkpoint_root, world):
     if world == 1:
         per_rank = [load_worker(0, 1, checkpoint_root, cases)]
     else:
-        per_rank = run_workers(load_worker, world, checkpoint_root, cases, timeout=240)
+        per_rank = run_workers(load_worker, world, checkpoint_root, cases)
     for i, case in enumerate(cases):
         res = _merge_stages([r[i] for r in per_rank])
         assert res["iteration"] == 2, case
@@ -143,7 +143,7 @@ def test_llama_checkpoint_loads_at_another_layout(tmp_path):
     process: parameters and Adam moments bitwise, evaluation loss within 1e-9; a GPT of the same
     shape is told which option differs."""
     root = str(tmp_path)
-    ref = _merge_stages(run_workers(llama_save_worker, 4, root, timeout=240))
+    ref = _merge_stages(run_workers(llama_save_worker, 4, root))
     groups = _groups(1, 1, 1)
     cfg = tiny_config(1, 1, 1, "float64", **LLAMA_OPTIONS)
     stage = build_stage(cfg, groups)
@@ -207,8 +207,8 @@ def test_resume_is_bit_exact(tmp_path, layout, parallel):
     """4 steps in one go == 2 steps, save, then 2 more in new processes after loading."""
     world = layout[0] * layout[1] * layout[2]
     root = str(tmp_path)
-    whole = run_workers(resume_worker, world, root, layout, parallel, False, timeout=240)
-    resumed = run_workers(resume_worker, world, root, layout, parallel, True, timeout=240)
+    whole = run_workers(resume_worker, world, root, layout, parallel, False)
+    resumed = run_workers(resume_worker, world, root, layout, parallel, True)
     for a, b in zip(whole, resumed):
         assert a["losses"][2:] == b["losses"] and a["norms"][2:] == b["norms"]
         for name, value in a["params"].items():
@@ -275,7 +275,7 @@ def test_round_trip_through_one_process_gives_the_same_files(checkpoint_root, tm
     one, back = str(tmp_path / "one"), str(tmp_path / "back")
     resave_worker(0, 1, checkpoint_root, one, (1, 1, 1), {})
     run_workers(resave_worker, 8, one, back, SAVE_LAYOUT, {"use_distributed_optimizer": True,
-                                                           "ddp_bucket_size": 777}, timeout=240)
+                                                           "ddp_bucket_size": 777})
     original = _stored_tensors(resolve_checkpoint(checkpoint_root))
     again = _stored_tensors(resolve_checkpoint(back))
     assert set(original) == set(again)

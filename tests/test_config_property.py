@@ -260,7 +260,6 @@ def one_step_worker(rank: int, world: int, configs: list[Config]) -> list[float]
     return losses
 
 
-@pytest.mark.timeout(240)
 def test_a_sample_of_accepted_requests_trains_one_step():
     """Three accepted requests for 4 workers (one per schedule) train one step (one spawn); each
     loss equals the single-process model's on the same batch (float64, 1e-9)."""
@@ -269,7 +268,7 @@ def test_a_sample_of_accepted_requests_trains_one_step():
     configs = sample_requests(3, world=4)
     print("sampled layouts:", [(c.parallel.tp, c.parallel.pp, c.parallel.dp, c.parallel.schedule,
                                 c.model.num_layers, c.model.num_query_groups) for c in configs])
-    per_rank = run_workers(one_step_worker, 4, configs, timeout=200)
+    per_rank = run_workers(one_step_worker, 4, configs)
     for i, config in enumerate(configs):
         single = resolve(dataclasses.replace(config, parallel=ParallelConfig(1, 1, 1)), 1)
         reference = train_step(build_stage(single, ParallelGroups.single_process()), _batch(single, 0, 1), 0).loss

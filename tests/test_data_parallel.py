@@ -176,7 +176,7 @@ def unused_param_worker(rank: int, world: int) -> dict:
 
 
 def test_unused_parameter_neither_hangs_nor_corrupts():
-    dp2 = run_workers(unused_param_worker, 2, timeout=120)
+    dp2 = run_workers(unused_param_worker, 2)
     ref = unused_param_worker(0, 1)
     for res in dp2:
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref["losses"]), rtol=1e-9, atol=0)
@@ -214,7 +214,7 @@ def compression_warmup_worker(rank: int, world: int) -> dict:
 
 def test_one_bit_compression_starts_after_its_warmup():
     """Iterations 0 and 1 are reduced exactly (bitwise the uncompressed run); iteration 2 is not."""
-    for res in run_workers(compression_warmup_worker, 2, timeout=120):
+    for res in run_workers(compression_warmup_worker, 2):
         for i in (0, 1):
             assert all(torch.equal(res["1bit"][i][n], p) for n, p in res["none"][i].items()), i
         assert any(not torch.equal(res["1bit"][2][n], p) for n, p in res["none"][2].items())
@@ -265,7 +265,7 @@ def deferred_gather_worker(rank: int, world: int) -> dict:
 
 
 def test_overlapped_param_gather_is_waited_for_by_every_reader():
-    for res in run_workers(deferred_gather_worker, 4, timeout=120):
+    for res in run_workers(deferred_gather_worker, 4):
         assert res[True][0] == res[False][0]
         for name, value in res[False][1].items():
             assert torch.equal(res[True][1][name], value), name
@@ -297,7 +297,7 @@ def fp16_one_bit_worker(rank: int, world: int) -> dict:
 
 
 def test_fp16_overflow_with_one_bit_does_not_poison_the_error_feedback():
-    for res in run_workers(fp16_one_bit_worker, 2, timeout=120):
+    for res in run_workers(fp16_one_bit_worker, 2):
         assert res["first"] and res["later"] == [False, False, False] and res["residual_finite"]
 
 
@@ -336,7 +336,7 @@ def one_bit_tp_worker(rank: int, world: int) -> dict:
 def test_one_bit_keeps_tensor_parallel_replicas_identical():
     """LayerNorms, row-parallel biases and positions are replicated over tp: their compressed
     gradients (blocks never shared with a sharded neighbour) and so their values stay bitwise equal."""
-    results = run_workers(one_bit_tp_worker, 4, timeout=120)
+    results = run_workers(one_bit_tp_worker, 4)
     for a, b in ((results[0], results[1]), (results[2], results[3])):
         assert a["tp"] != b["tp"]
         for name, value in a["replicated"].items():

@@ -7,6 +7,8 @@ import textwrap
 
 import pytest
 
+import budget
+
 from ptdp.data import DataError, EOS_TOKEN, load_tokenizer, save_tokenizer, train_tokenizer
 from ptdp.data.tokenizer import MIN_VOCAB_SIZE, encode_documents, eos_id
 
@@ -47,7 +49,7 @@ def test_training_is_deterministic_across_processes(tmp_path):
     for threads in ("1", "2"):
         env = {**__import__("os").environ, "RAYON_NUM_THREADS": threads}
         out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                             check=True, timeout=60)
+                             check=True, timeout=budget.seconds())
         assert out.stdout.strip() == expected
 
 

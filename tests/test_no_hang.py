@@ -45,9 +45,8 @@ def stalled_peer_worker(rank: int, world: int) -> tuple:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
 def test_a_timed_out_collective_names_rank_phase_iteration_and_the_stalled_rank():
-    results = run_workers(stalled_peer_worker, 3, timeout=90)
+    results = run_workers(stalled_peer_worker, 3)
     assert results[2] == ("slept",)
     kind, message, rank, phase, iteration = results[0]
     assert (kind, rank, phase, iteration) == ("CollectiveTimeout", 0, activity.PIPELINE, 4)
@@ -60,7 +59,6 @@ def test_a_timed_out_collective_names_rank_phase_iteration_and_the_stalled_rank(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
 def test_ptdp_train_with_a_stalled_worker_fails_within_the_timeout(corpus, tmp_path):  # noqa: F811
     """tp1 pp2 dp2, timeout 0.1 min: rank 1 sleeps at the start of iteration 2's gradient sync; the
     job ends within the timeout + the diagnosis grace (2 s) + 25 s for the workers and the launcher
@@ -70,7 +68,7 @@ def test_ptdp_train_with_a_stalled_worker_fails_within_the_timeout(corpus, tmp_p
     cmd = [sys.executable, "-m", "ptdp.cli", "train", *TINY, "--tp", "1", "--pp", "2", "--dp", "2",
            "--data", str(corpus / "docs"), "--output-dir", str(tmp_path / "run"), "--no-progress",
            "--distributed-timeout-minutes", "0.1"]
-    [proc] = run_together([cmd], timeout=240, env=env, cwd=tmp_path)
+    [proc] = run_together([cmd], env=env, cwd=tmp_path)
     ended = time.time()
     assert proc.returncode == 1, proc.stderr[-3000:]
     stalled = re.search(r"ptdp test stall: rank 1 sleeps in gradient sync at iteration 2 from ([\d.]+)", proc.stderr)

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import budget
 import torch
 
 from ptdp.checkpoint.io import CheckpointError, save_checkpoint
@@ -33,9 +35,10 @@ VARIANTS = {
 }
 
 
-def run(cmd: list[str], tmp_path: Path, env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
+def run(cmd: list[str], tmp_path: Path, env: dict, timeout: float | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, PTDP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1", **env)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=budget.seconds(timeout), env=env,
+                          cwd=tmp_path)
 
 
 def training_state(stage) -> dict[str, torch.Tensor]:
@@ -91,12 +94,11 @@ def skip_worker(rank: int, world: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
 def test_nan_on_one_rank_skips_the_step_everywhere_without_any_change():
     """(2,2,2): NaN in one rank's forward at iteration 2 -> every rank skips iteration 2 with the
     same reason, parameters, Adam state, main parameters and 1-bit residual stay bitwise equal,
     and iteration 3 continues exactly as if iteration 2 had not been trained on."""
-    results = run_workers(skip_worker, 8, timeout=360)
+    results = run_workers(skip_worker, 8)
     for name in VARIANTS:
         for rank, res in enumerate(results):
             r = res[name]
@@ -126,7 +128,6 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
 def test_nan_every_step_stops_after_the_limit(corpus, tmp_path):  # noqa: F811 - the fixture
     """ptdp train, 2 workers (tp1 pp2): a NaN loss at every step; three skipped steps are tolerated (each
     logged and warned about, each checkpoint holds the unchanged finite state), the fourth stops

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import budget
+
 from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.planner.hardware import CATALOG, Cluster
 from ptdp.planner.models import PRESETS, ModelSpec
@@ -78,7 +80,7 @@ def test_fixed_choices_evaluate_one_layout():
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ptdp.cli", "plan", *args], capture_output=True, text=True,
-                          timeout=120, cwd=cwd)
+                          timeout=budget.seconds(), cwd=cwd)
 
 
 def test_cli_table_json_and_plot(tmp_path):

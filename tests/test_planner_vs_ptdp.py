@@ -133,7 +133,6 @@ def test_shared_cores_bound_the_step_from_below():
     assert plenty.time.core_sharing == 0.0
 
 
-@pytest.mark.timeout(120)
 def test_calibration_run_writes_a_usable_profile(tmp_path):
     """``ptdp plan --calibrate``'s workers (4: tp=2 pp=2) measure and write a profile that loads,
     records the shared cores and fits non-negative overheads and a pipeline link."""

@@ -90,17 +90,15 @@ def test_single_process_recompute_is_bitwise_identical():
 
 @pytest.fixture(scope="module")
 def results_222() -> list[dict]:
-    return run_workers(recompute_worker, 8, 2, 2, 2, timeout=240)
+    return run_workers(recompute_worker, 8, 2, 2, 2)
 
 
-@pytest.mark.timeout(300)
 def test_tp2_pp2_dp2_recompute_is_bitwise_identical(results_222):
     for rank_results in results_222:
         for base, recompute in CASES:
             assert_bitwise(rank_results, base, recompute)
 
 
-@pytest.mark.timeout(300)
 def test_recompute_repeats_forward_all_reduces(results_222):
     """Per microbatch, a recomputed group of n layers repeats its n attention-output all-reduces
     and the first n - 1 MLP-output ones (the recompute stops after the group's last fc2 matmul);

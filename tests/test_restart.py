@@ -42,7 +42,7 @@ def workspace(tmp_path_factory) -> Path:
     return root
 
 
-def _train(workspace: Path, name: str, extra: list[str], *, kill: bool, timeout: float = 240):
+def _train(workspace: Path, name: str, extra: list[str], *, kill: bool, timeout: float | None = None):
     """``ptdp train`` at (2,2,2) into ``name`` (run directory) and ``name``-ckpt (checkpoints)."""
     env = dict(os.environ, PTDP_CACHE_DIR=str(workspace / "cache"), OMP_NUM_THREADS="1")
     env.pop("PTDP_TEST_KILL_AT_ITERATION", None)
@@ -97,7 +97,6 @@ def test_killed_worker_is_restarted_and_the_run_resumes_bitwise(workspace, unint
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
 def test_killed_worker_without_restarts_fails_naming_the_rank(workspace):
     proc = _train(workspace, "fails", [], kill=True)
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
@@ -119,7 +118,7 @@ def test_torchrun_restart_resumes(workspace, uninterrupted):
            "--max-restarts", "1", "-m", "ptdp.train", *TINY, "--tp", "1", "--pp", "2",
            "--data", str(workspace / "docs"), "--output-dir", str(workspace / "torchrun"),
            "--save", str(workspace / "torchrun-ckpt"), "--save-interval", str(SAVE_INTERVAL)]
-    (proc,) = run_together([cmd], timeout=240, env=env, cwd=workspace)
+    (proc,) = run_together([cmd], env=env, cwd=workspace)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = _records(workspace / "torchrun")
     assert [r["resumed_from_iteration"] for r in records if r.get("event") == "restart"] == [3]

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import budget
+
 from ptdp.cli import main
 
 DATA = Path(__file__).parent / "data" / "topo"
@@ -92,7 +94,7 @@ def test_parse_error_names_the_line_and_debug_shows_the_traceback(tmp_path, caps
 
 def test_installed_command_line():
     proc = subprocess.run([sys.executable, "-m", "ptdp.cli", "topo", "--file", HGX, "--tp", "16", "--dp", "1",
-                           "--json"], capture_output=True, text=True, timeout=120)
+                           "--json"], capture_output=True, text=True, timeout=budget.seconds())
     assert proc.returncode == 0, proc.stderr
     placement = json.loads(proc.stdout)["placement"]
     assert placement["num_nodes"] == 2 and placement["tp_link_kind"] == "network"

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import budget
+
 from ptdp.layout import ParallelLayout
 from ptdp.topology.model import GPU, NIC, Topology
 from ptdp.topology.nvsmi import parse_nvidia_smi_topo
@@ -245,7 +247,7 @@ def test_topology_modules_do_not_import_torch():
     code = ("import sys, ptdp.topology.model, ptdp.topology.nvsmi, ptdp.topology.sysfs, "
             "ptdp.topology.placement, ptdp.topology.command; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=budget.seconds())
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
 
