@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -60,9 +61,11 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
         raise CheckpointError(f"{target} exists and is not an empty folder; export into a new one")
     meta, tensors = read_model_tensors(checkpoint)
     m = meta["model"]
+    tokenizer = resolve_checkpoint(checkpoint) / "tokenizer.json"
+    tokens = _special_token_ids(tokenizer)
     if not is_gpt2_like(m):
-        config = llama_config(m, tensors["word_embeddings.weight"].dtype)  # raises for what Llama lacks
-        return _write_hf(target, to_llama(m, tensors), config)
+        config = llama_config(m, tensors["word_embeddings.weight"].dtype) | tokens  # raises for what Llama lacks
+        return _write_hf(target, to_llama(m, tensors), config, tokenizer)
     gpt2 = _gpt2_config(m)  # raises for what GPT-2 lacks, before any tensor is mapped
     h = m["hidden_size"]
     hf: dict[str, torch.Tensor] = {
@@ -80,13 +83,45 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
                 w, b = w.reshape(3 * h, -1), b.reshape(-1)
             hf[f"transformer.h.{i}.{theirs}.weight"] = w.t() if theirs in _CONV1D else w
             hf[f"transformer.h.{i}.{theirs}.bias"] = b
-    return _write_hf(target, hf, gpt2 | {"torch_dtype": str(next(iter(hf.values())).dtype).removeprefix("torch.")})
+    dtype = str(next(iter(hf.values())).dtype).removeprefix("torch.")
+    return _write_hf(target, hf, gpt2 | tokens | {"torch_dtype": dtype}, tokenizer)
 
 
-def _write_hf(out: Path, hf: dict[str, torch.Tensor], config: dict) -> Path:
+def _special_token_ids(tokenizer: Path) -> dict:
+    """``bos_token_id`` / ``eos_token_id`` of the checkpoint's tokenizer (its ``<|endoftext|>``,
+    which ends every document in training), or None for both when the checkpoint has none (an
+    imported model): never GPT-2's 50256, which may lie outside the vocabulary."""
+    if not tokenizer.is_file():
+        return {"bos_token_id": None, "eos_token_id": None}
+    from tokenizers import Tokenizer
+
+    from ptdp.data.tokenizer import EOS_TOKEN
+
+    eos = Tokenizer.from_file(str(tokenizer)).token_to_id(EOS_TOKEN)
+    return {"bos_token_id": eos, "eos_token_id": eos}
+
+
+def _write_hf(out: Path, hf: dict[str, torch.Tensor], config: dict, tokenizer: Path) -> Path:
+    """``config.json`` and ``model.safetensors`` (and, when the checkpoint has one, the tokenizer as
+    ``tokenizer.json`` with a ``tokenizer_config.json`` for transformers' ``AutoTokenizer``), with
+    the permissions of an ordinary new file (``0666`` less the umask)."""
+    from ptdp.data.tokenizer import EOS_TOKEN
+
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in hf.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    written = [out / "model.safetensors", out / "config.json"]
+    if tokenizer.is_file():
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+        max_len = config.get("n_positions") or config.get("max_position_embeddings")
+        (out / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN,
+            "unk_token": EOS_TOKEN, "model_max_length": max_len}, indent=2))
+        written += [out / "tokenizer.json", out / "tokenizer_config.json"]
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in written:
+        os.chmod(path, 0o666 & ~umask)
     return out
 
 

@@ -57,7 +57,7 @@ def llama_config(m: dict, dtype: torch.dtype) -> dict:
         "rope_theta": theta, "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         "attention_bias": bias, "mlp_bias": bias, "attention_dropout": 0.0,
         "tie_word_embeddings": not m["untie_embeddings_and_output_weights"],
-        "initializer_range": m.get("init_method_std", 0.02), "bos_token_id": None, "eos_token_id": None,
+        "initializer_range": m.get("init_method_std", 0.02),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
