@@ -470,3 +470,22 @@ def test_memory_estimate_of_cpu_workers_and_of_gpu_ranks():
     worst = max(r.total for r in ranks) + GPU_WORKER_OVERHEAD
     assert memory_problem(config, 8, worst, gpu=True, where="each GPU") is None
     assert "the most loaded rank needs about" in memory_problem(config, 8, worst - 1, gpu=True, where="each GPU")
+
+
+@pytest.mark.parametrize("argv, usage, hint", [
+    (["train", "--tpp", "2"], "usage: ptdp train", "--tpp: did you mean --tp"),
+    (["train", "--hiden-size=64"], "usage: ptdp train", "--hiden-size: did you mean --hidden-size"),
+    (["plan", "--gpuz", "8"], "usage: ptdp plan", "--gpuz: did you mean --gpu"),
+])
+def test_an_unknown_flag_shows_the_command_usage_and_the_closest_flag(capsys, argv, usage, hint):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(usage), err[:200]
+    assert f"ptdp {argv[0]}: error: unrecognized arguments: {' '.join(argv[1:])}" in err and hint in err
+
+
+def test_nonpositive_nproc_per_node_is_named(tmp_path, capsys, launched):
+    code, err = train(capsys, tmp_path, "--nproc-per-node", "-2")
+    assert code == 2 and not launched
+    assert "nproc_per_node=-2 must be a positive integer" in err and "world_size" not in err

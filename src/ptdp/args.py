@@ -9,6 +9,7 @@ of workers (8 local workers unless told otherwise).
 from __future__ import annotations
 
 import argparse
+import difflib
 
 import torch
 
@@ -31,6 +32,28 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
             return text
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+def reject_unknown(parser: argparse.ArgumentParser, extra: list[str]) -> None:
+    """Exit 2 through ``parser`` (its own usage) naming the unrecognized arguments ``extra`` and, for
+    each unknown flag, the closest flags ``parser`` knows."""
+    known = [opt for action in parser._actions for opt in action.option_strings]
+    hints = []
+    for arg in extra:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("-") and flag not in known:
+            close = difflib.get_close_matches(flag, known, n=3, cutoff=0.6)
+            if close:
+                hints.append(f"{flag}: did you mean {' or '.join(close)}?")
+    parser.error(f"unrecognized arguments: {' '.join(extra)}" + "".join(f"\n  {h}" for h in hints))
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args`` whose unknown flags get the closest known ones (:func:`reject_unknown`)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        reject_unknown(parser, extra)
+    return args
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -257,8 +280,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def local_world_size(args: argparse.Namespace) -> int:
-    """Workers ``ptdp train`` starts on this machine."""
+    """Workers ``ptdp train`` starts on this machine; ConfigError unless ``--nproc-per-node`` is a
+    positive integer."""
     if args.nproc_per_node is not None:
+        if args.nproc_per_node < 1:
+            raise ConfigError(f"nproc_per_node={args.nproc_per_node} must be a positive integer (local worker "
+                              f"processes; default: tp x pp x dp)")
         return args.nproc_per_node
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if args.data_parallel_size is not None:

@@ -7,7 +7,8 @@ import dataclasses
 import sys
 import warnings
 
-from ptdp.args import HelpFormatter, add_train_arguments, config_from_args, local_world_size, max_restarts
+from ptdp.args import (HelpFormatter, add_train_arguments, config_from_args, local_world_size, max_restarts,
+                       reject_unknown)
 from ptdp.config import ConfigError, resolve
 from ptdp.data import DataError
 from ptdp.memory_check import check_memory
@@ -186,7 +187,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the command's own usage and the closest flags, not the top-level usage
+        command = next(a for a in parser._subparsers._group_actions if isinstance(a, argparse._SubParsersAction))
+        reject_unknown(command.choices[args.command], extra)
     try:
         return args.func(args)
     except (ConfigError, DataError, UnknownGPUError, UnknownModelError, TopologyError) as e:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ptdp import comm, postmortem
 from ptdp.activity import CollectiveError
-from ptdp.args import HelpFormatter, add_train_arguments, config_from_args
+from ptdp.args import HelpFormatter, add_train_arguments, config_from_args, parse_args
 from ptdp.config import Config, ConfigError, resolve
 from ptdp.data import DataError, PreparedData
 from ptdp.distributed import env_world, init_distributed
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m ptdp.train`` under torchrun (or alone: then a single process)."""
     parser = argparse.ArgumentParser(prog="python -m ptdp.train", description=__doc__, formatter_class=HelpFormatter)
     add_train_arguments(parser, local_launch=False)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     _single_process_defaults()
     rank, local_rank, world = env_world()
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
