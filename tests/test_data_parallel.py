@@ -26,6 +26,9 @@ def compression_worker(rank: int, world: int) -> dict:
         groups.stats.reset()
         start_reduction(codec, grad, groups.dp)()
         out[codec] = (grad.clone(), groups.stats.as_dict())
+        big = torch.full((10,), 7e4)  # a mean beyond float16's largest value, 65,504
+        start_reduction(codec, big, groups.dp)()
+        out[f"{codec}_beyond_fp16"] = big
     # 1 bit: two scale blocks (64 + 36 elements); rank r sends r+1 in the first, 10(r+1) in the
     # second, and one negative element in each
     grad = one_bit_input(rank)
@@ -72,6 +75,34 @@ def test_fp16_compression_does_not_overflow_large_gradients():
             grad = res[codec][0]
             assert torch.isfinite(grad).all(), codec
             torch.testing.assert_close(grad, torch.full((1000,), 3e4), rtol=1e-2, atol=0)
+
+
+def test_fp16_compression_overflows_only_where_the_mean_itself_exceeds_float16():
+    """The documented limit: each value is divided by dp before the cast, so only a mean gradient
+    above 65,504 becomes inf (the step is then skipped, with a hint to use bf16); bf16 and fp32
+    carry it."""
+    for res in compression_results():
+        assert torch.isinf(res["fp16_beyond_fp16"]).all()
+        for codec in ("none", "bf16"):
+            torch.testing.assert_close(res[f"{codec}_beyond_fp16"], torch.full((10,), 7e4), rtol=1e-2, atol=0)
+
+
+def test_a_non_finite_gradient_norm_with_fp16_compression_points_to_bf16():
+    from ptdp.step import NONFINITE_GRAD_NORM, StepResult
+    from ptdp.trainer import _non_finite_step
+
+    class Log:
+        def __init__(self):
+            self.lines = []
+
+        def message(self, text):
+            self.lines.append(text)
+
+    result = StepResult(loss=2.0, grad_norm=float("inf"), lr=1e-3, skipped=True, skip_reason=NONFINITE_GRAD_NORM)
+    for codec, hint in (("fp16", True), ("bf16", False), ("none", False)):
+        log = Log()
+        _non_finite_step(result, 7, 1, 10, log, codec)
+        assert ("--grad-compression fp16" in log.lines[0] and "65,504" in log.lines[0]) == hint, log.lines
 
 
 def test_compressed_collectives_only_on_the_dp_axis_with_smaller_payloads():

@@ -5,6 +5,7 @@ Runs inside an initialised process group (``ptdp.train``); every rank executes i
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from ptdp.planner.check import compare, measure_stage
 from ptdp.metrics import RunLog, write_json
 from ptdp.restart import kill_for_test
 from ptdp.trace import Tracer, bubble_by_rank, write_trace
-from ptdp.step import build_stage, eval_loss, train_step, with_vocab
+from ptdp.step import NONFINITE_GRAD_NORM, build_stage, eval_loss, train_step, with_vocab
 
 
 class TrainingError(RuntimeError):
@@ -104,7 +105,8 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
         log.step(iteration, result.loss, step_time, record["tokens_per_s"], result.lr)
         skipped_in_a_row = skipped_in_a_row + 1 if result.nonfinite else 0
         if result.nonfinite:
-            _non_finite_step(result, iteration, skipped_in_a_row, t.max_skipped_steps, log)
+            _non_finite_step(result, iteration, skipped_in_a_row, t.max_skipped_steps, log,
+                             config.parallel.grad_compression)
         if iteration % t.eval_interval == 0 and iteration != t.train_iters:
             evaluate(iteration)
         if ck.save and ck.save_interval and iteration % ck.save_interval == 0 and iteration != t.train_iters:
@@ -127,11 +129,16 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     return summary
 
 
-def _non_finite_step(result, iteration: int, in_a_row: int, limit: int, log: RunLog) -> None:
+def _non_finite_step(result, iteration: int, in_a_row: int, limit: int, log: RunLog, codec: str = "none") -> None:
     """A step skipped for a nan/inf loss or gradient norm: a warning, or :class:`TrainingError`
-    (on every rank alike) when it makes more than ``limit`` such steps in a row."""
+    (on every rank alike) when it makes more than ``limit`` such steps in a row. With
+    ``--grad-compression fp16`` (``codec``) a non-finite norm after a finite loss says that a mean
+    gradient beyond float16's range overflows it."""
     what = (f"loss {result.loss} / gradient norm {result.grad_norm} is not finite at iteration {iteration} "
             f"({result.skip_reason} on some rank)")
+    if codec == "fp16" and result.skip_reason == NONFINITE_GRAD_NORM and math.isfinite(result.loss):
+        what += (" (with --grad-compression fp16 a mean gradient above 65,504 overflows float16; "
+                 "--grad-compression bf16 has float32's range)")
     if in_a_row > limit:
         log.close()
         raise TrainingError(f"{what}: {in_a_row} such steps in a row, more than --max-skipped-steps {limit}; "

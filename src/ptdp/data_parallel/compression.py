@@ -6,8 +6,10 @@ waits for them and leaves the average in place (or, for the distributed optimize
 shard of it in ``shard``). Payload per rank and step (counted by :mod:`ptdp.comm`): ``none`` 4
 bytes per element (fp32), ``fp16``/``bf16`` 2, ``1bit`` 1/8 + 4/64 = 0.1875 (21x less than fp32).
 
-- ``fp16`` / ``bf16``: divide by dp *before* casting, so a sum of large gradients cannot
-  overflow the 16-bit range; cast back after the reduction.
+- ``fp16`` / ``bf16``: divide by dp *before* casting, so the sum over dp overflows the 16-bit
+  range only where the mean itself does; cast back after the reduction. float16's largest value
+  is 65,504: a mean gradient beyond it becomes inf, and the step is then skipped as non-finite
+  (bf16 has float32's range).
 - ``1bit``: signs with one float32 scale (mean absolute value) per block of
   :data:`ONE_BIT_BLOCK` elements of the bucket, with error feedback: the part of the gradient the
   sign cannot express is kept in a per-rank residual and added to the next step's gradient (Seide
