@@ -60,6 +60,8 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     sampler = GlobalBatchSampler(len(train_windows), t.global_batch_size, t.seed)
     valid_batches = _valid_batches(config, groups, data)
     log = RunLog(run_dir, enabled=is_logger, total_iters=t.train_iters, progress=progress, restart=restart)
+    if ck.load and meta.get("residual_note"):
+        log.message(f"warning: {meta['residual_note']}")
     tokens_per_step = t.global_batch_size * m.seq_length
     history: dict[str, list] = {"val": [], "train": [], "comm": {}}
 

@@ -391,4 +391,21 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
             stage.dropout_rng.reseed(meta["iteration"])
     meta["restored"] = {"optimizer": load_optimizer, "residual": restore_residual,
                         "rng": load_rng and same_layout}
+    meta["residual_note"] = residual_note(meta, _layout_key(stage), g.world.size, stage.config.parallel.grad_compression)
     return meta
+
+
+def residual_note(meta: dict, layout: dict, world_size: int, codec: str) -> str | None:
+    """Why a checkpoint's 1-bit error-feedback residual is not restored (a warning for the log),
+    or None: it is per rank and per bucket, so only the same layout and bucket size can take it
+    back; this run may also reduce its gradients another way."""
+    if meta.get("grad_compression") != "1bit" or meta.get("restored", {}).get("residual"):
+        return None
+    if codec != "1bit":
+        return (f"the checkpoint's 1-bit error-feedback residual is dropped: this run reduces gradients with "
+                f"--grad-compression {codec}")
+    saved = dict(meta.get("layout", {}), world_size=meta.get("world_size"))
+    now = dict(layout, world_size=world_size)
+    diff = ", ".join(f"{k} {saved.get(k)} -> {now[k]}" for k in now if saved.get(k) != now[k])
+    return (f"the checkpoint's 1-bit error-feedback residual cannot be restored at another layout ({diff}): it "
+            f"starts again from zero, so the first compressed steps differ from an uninterrupted run")
