@@ -40,3 +40,14 @@ def test_greedy_top_k_and_sampling(model):
     assert a == generate(model, prompt, 6, temperature=1.5, seed=7) and all(0 <= t < VOCAB for t in a)
     with pytest.raises(ValueError, match="at least one token"):
         generate(model, [], 3)
+
+
+def test_the_context_cut_is_said_when_prompt_and_new_tokens_exceed_the_sequence_length():
+    from ptdp.generate import context_note
+
+    assert context_note(3, 5, 8) is None
+    note = context_note(3, 40, 8)
+    assert note.startswith("note: the model reads at most its last 8 tokens (the checkpoint's --seq-length); the "
+                           "prompt (3 tokens) and 40 new tokens make 43")
+    assert "sliding window of the 8 tokens" in note and "never seen" not in note
+    assert context_note(12, 1, 8).endswith("and the prompt's first 4 tokens are never seen")

@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_generate(args: argparse.Namespace) -> int:
     import math
 
-    from ptdp.generate import generate, load_for_inference, load_tokenizer
+    from ptdp.generate import context_note, generate, load_for_inference, load_tokenizer
 
     if args.max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
@@ -102,6 +102,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = tokenizer.encode(args.prompt).ids
     if not prompt:
         raise ConfigError(f"--prompt {args.prompt!r} encodes to no tokens")
+    note = context_note(len(prompt), args.max_new_tokens, model.cfg.seq_length)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    seed=args.seed)
     print(tokenizer.decode(out), flush=True)

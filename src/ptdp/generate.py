@@ -58,7 +58,7 @@ def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *, tempera
         raise ValueError("the prompt must hold at least one token")
     if not math.isfinite(temperature) or temperature < 0 or (top_k is not None and top_k < 1):
         raise ValueError(f"temperature={temperature} must be >= 0 and top_k={top_k} >= 1")
-    window = model.cfg.seq_length
+    window = model.cfg.seq_length  # a sliding window of the trained positions (context_note says so)
     gen = torch.Generator().manual_seed(seed)
     tokens = list(prompt)
     for _ in range(max_new_tokens):
@@ -72,6 +72,20 @@ def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *, tempera
             logits = logits.masked_fill(logits < cutoff, float("-inf"))
         tokens.append(int(torch.multinomial(logits.softmax(-1), 1, generator=gen)))
     return tokens
+
+
+def context_note(prompt_tokens: int, max_new_tokens: int, window: int) -> str | None:
+    """How the context is cut when the prompt and the new tokens exceed the model's ``window``
+    (its sequence length: the positions it was trained on), or None when everything fits."""
+    total = prompt_tokens + max_new_tokens
+    if total <= window:
+        return None
+    text = (f"note: the model reads at most its last {window} tokens (the checkpoint's --seq-length); the prompt "
+            f"({prompt_tokens} tokens) and {max_new_tokens} new tokens make {total}, so each token after "
+            f"position {window} is predicted from a sliding window of the {window} tokens before it")
+    if prompt_tokens > window:
+        text += f", and the prompt's first {prompt_tokens - window} tokens are never seen"
+    return text
 
 
 def load_tokenizer(folder: Path, override: str | None):
