@@ -202,3 +202,52 @@ def test_bad_plan_numbers_are_request_errors(extra, message, capsys):
 
     code = main(["plan", "--model", "gpt-1.7b", "--gpus", "8", "--global-batch-size", "64"] + extra)
     assert code == 2 and message in capsys.readouterr().err
+
+
+def _captured_figure(monkeypatch):
+    import matplotlib.figure
+
+    captured = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: captured.append(fig))
+    return captured
+
+
+def test_plot_draws_every_listed_layout_with_labelled_capacity_and_legends_beside_the_bars(monkeypatch):
+    from ptdp.planner.report import ABBREVIATIONS, plot, time_axis_floor
+
+    result = search(PRESETS["gpt3-175b"], Cluster(A100, 1024), 1536)
+    captured = _captured_figure(monkeypatch)
+    plot(result, "unused.png", capacity_bytes=A100.memory_bytes, top=10)
+    fig = captured[0]
+    ax_m, ax_t, ax_s = fig.axes
+    for ax in (ax_m, ax_t, ax_s):
+        assert [t.get_text().split()[0] for t in ax.get_xticklabels()] == [f"#{i}" for i in range(1, 11)]
+    for ax in (ax_m, ax_t):
+        legend = ax.get_legend()
+        assert legend.get_bbox_to_anchor().x0 >= ax.get_window_extent().x1 - 1  # beside, not on, the bars
+    assert any(t.get_text() == "GPU capacity (80 GiB)" for t in ax_m.get_legend().get_texts())
+    steps = [p.time.step for p in result.plans[:10]]
+    assert ax_s.get_ylim()[0] == time_axis_floor(steps) > 0.5 * min(steps)  # zoomed near the data
+    assert "axis starts at" in ax_s.get_ylabel() and ax_t.get_ylim()[0] == 0
+    assert any(t.get_text() == ABBREVIATIONS for t in fig.texts) and "do: distributed optimizer" in ABBREVIATIONS
+    assert time_axis_floor([1.0, 3.0]) == 0.0
+
+
+def test_timeline_marks_iterations_and_microbatches_with_the_legend_below_the_rows(monkeypatch, tmp_path):
+    from ptdp import trace
+
+    events = []
+    for it, t0 in ((2, 0.0), (3, 1.0)):
+        for rank in (0, 1):
+            for mb in range(4):
+                for kind, offset in (("forward", 0.0), ("backward", 0.5)):
+                    ts = (t0 + offset + 0.1 * mb + 0.05 * rank) * 1e6
+                    events.append({"name": f"{kind}{mb}", "cat": kind, "ph": "X", "pid": rank, "tid": 0, "ts": ts,
+                                   "dur": 0.04e6, "args": {"iteration": it, "microbatch": mb, "chunk": 0}})
+    captured = _captured_figure(monkeypatch)
+    trace._draw(events, tmp_path / "t.png", {0: "rank 0", 1: "rank 1"})
+    ax = captured[0].axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    assert " iteration 2" in texts and " iteration 3" in texts
+    assert sorted(t for t in texts if t.isdigit()) == sorted([str(mb) for mb in range(4)] * 8)
+    assert ax.get_legend().get_bbox_to_anchor().y1 <= ax.get_window_extent().y0 + 1  # below the rows

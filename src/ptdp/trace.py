@@ -86,6 +86,9 @@ def write_trace(events: list[dict], run_dir: Path, labels: dict[int, str]) -> No
 
 
 def _draw(events: list[dict], path: Path, labels: dict[int, str]) -> None:
+    """One row per rank; forwards and backwards labelled with their microbatch (and chunk when
+    interleaved); each traced iteration's start marked by a dashed line and its number; the
+    legend below the rows, never over them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,18 +98,35 @@ def _draw(events: list[dict], path: Path, labels: dict[int, str]) -> None:
         return
     origin = min(e["ts"] for e in events)
     ranks = sorted(labels)
-    fig, ax = plt.subplots(figsize=(14, 0.5 * len(ranks) + 1.5))
+    width_ms = (max(e["ts"] + e["dur"] for e in events) - origin) / 1e3
+    fig, ax = plt.subplots(figsize=(14, 0.55 * len(ranks) + 2.2))
+    chunks = max((e["args"].get("chunk", 0) for e in events), default=0) > 0
     for row, rank in enumerate(ranks):
+        mine = [e for e in events if e["pid"] == rank]
         for cat, color in COLORS.items():
-            bars = [((e["ts"] - origin) / 1e3, e["dur"] / 1e3) for e in events if e["pid"] == rank and e["cat"] == cat]
+            bars = [((e["ts"] - origin) / 1e3, e["dur"] / 1e3) for e in mine if e["cat"] == cat]
             if bars:
-                        ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=color,
-                               label=LABELS.get(cat, cat) if row == 0 else None)
+                ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=color, label=LABELS.get(cat, cat) if row == 0 else None)
+        for e in mine:  # microbatch numbers where the bar is wide enough to hold them
+            if e["cat"] in ("forward", "backward") and e["dur"] / 1e3 > width_ms / 300:
+                text = f"{e['args']['microbatch']}" + (f".{e['args']['chunk']}" if chunks else "")
+                ax.text((e["ts"] - origin + e["dur"] / 2) / 1e3, row, text, ha="center", va="center", fontsize=6,
+                        color="white", clip_on=True)
+    starts = {}
+    for e in events:
+        it = e["args"]["iteration"]
+        starts[it] = min(starts.get(it, e["ts"]), e["ts"])
+    for it, ts in sorted(starts.items()):
+        x = (ts - origin) / 1e3
+        ax.axvline(x, color="k", ls="--", lw=0.8)
+        ax.text(x, -0.65, f" iteration {it}", fontsize=7, va="bottom", ha="left")
     ax.set_yticks(range(len(ranks)), [labels[r] for r in ranks], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("ms (white: idle outside the schedule's transfers)")
-    ax.legend(loc="upper right", fontsize=8, ncol=len(COLORS))
+    ax.set_ylim(len(ranks) - 0.5, -0.9)
+    ax.set_xlabel("ms from the first traced event (numbers: microbatch" + (".chunk" if chunks else "")
+                  + "; white: idle)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / max(1, len(ranks))), fontsize=8,
+              ncol=len(COLORS), frameon=False)
     ax.set_title("ptdp pipeline timeline")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             print(note)
         print(text_report(model, cluster, result, top=args.top))
     if args.plot:
-        plot(result, args.plot, capacity_bytes=gpu.memory_bytes, top=min(args.top, 8))
+        plot(result, args.plot, capacity_bytes=gpu.memory_bytes, top=args.top)
         if not args.json:
             print(f"\nplot written to {args.plot}")
     return 0 if result.plans else 1

@@ -121,9 +121,33 @@ def json_report(result: SearchResult, *, top: int = 10) -> str:
     return json.dumps([p.to_json() for p in plans], indent=2)
 
 
-def plot(result: SearchResult, path: str, *, capacity_bytes: float, top: int = 8) -> None:
-    """Stacked bars of the memory (GiB, with the GPU's capacity dashed) and step-time (s)
-    breakdown of the ``top`` layouts, saved as an image at ``path``."""
+ABBREVIATIONS = ("tp/pp/dp: tensor/pipeline/data-parallel sizes; b: micro batch size; v: model chunks per pipeline "
+                 "rank; rec none/sel/full: activation recomputation; sp: sequence parallel; do: distributed "
+                 "optimizer; tp_comm/pp_comm/dp_comm: exposed communication of each axis")
+
+
+def plot_label(rank: int, plan: Plan) -> str:
+    """The x label of one layout in :func:`plot` (abbreviations in :data:`ABBREVIATIONS`)."""
+    lay = plan.layout
+    return (f"#{rank} tp{lay.tp} pp{lay.pp} dp{lay.dp} b{lay.micro_batch_size} v{lay.virtual_stages} "
+            f"rec {lay.recompute[:4]}{' sp' if lay.sequence_parallel else ''}{' do' if lay.distributed_optimizer else ''}")
+
+
+def time_axis_floor(steps: list[float]) -> float:
+    """Where the zoomed step-time axis starts: below the fastest layout by a quarter of the
+    spread (at 0 when the layouts differ by more than the fastest one's time)."""
+    low, high = min(steps), max(steps)
+    if high - low >= low:
+        return 0.0
+    return max(0.0, low - 0.25 * (high - low) - 0.02 * low)
+
+
+def plot(result: SearchResult, path: str, *, capacity_bytes: float, top: int = 10) -> None:
+    """The ``top`` layouts (as many as the table lists), saved as an image at ``path``: stacked
+    bars of the memory (GiB, the GPU's capacity as a labelled dashed line) and of the step-time
+    breakdown (s, from 0), and each layout's step time on an axis that starts near the fastest
+    (its start written on it) so that differences show. Legends sit beside the axes, never on
+    the bars; a footnote explains the abbreviations."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,23 +156,37 @@ def plot(result: SearchResult, path: str, *, capacity_bytes: float, top: int = 8
     plans = result.plans[:top]
     if not plans:
         raise ValueError("no layout fits: nothing to plot")
-    labels = [f"#{i + 1} tp{p.layout.tp} pp{p.layout.pp} dp{p.layout.dp} b{p.layout.micro_batch_size} "
-              f"v{p.layout.virtual_stages} {p.layout.recompute[:3]}{' sp' if p.layout.sequence_parallel else ''}"
-              f"{' do' if p.layout.distributed_optimizer else ''}" for i, p in enumerate(plans)]
-    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(plans)), 5))
+    labels = [plot_label(i + 1, p) for i, p in enumerate(plans)]
+    xs = range(len(plans))
+    fig, (ax_m, ax_t, ax_s) = plt.subplots(1, 3, figsize=(max(15, 1.9 * len(plans) + 6), 6),
+                                           gridspec_kw={"width_ratios": [1, 1, 0.7]})
     for ax, keys, get, unit in ((ax_m, _MEM, lambda p, k: getattr(p.memory, k) / GiB, "GiB"),
-                                (ax_t, _TIME, lambda p, k: getattr(p.time, k), "s")):
+                                (ax_t, _TIME, lambda p, k: getattr(p.time, k), "s per step")):
         bottom = [0.0] * len(plans)
         for key in keys:
             values = [get(p, key) for p in plans]
-            ax.bar(range(len(plans)), values, bottom=bottom, label=key)
+            ax.bar(xs, values, bottom=bottom, label=key)
             bottom = [b + v for b, v in zip(bottom, values)]
-        ax.set_xticks(range(len(plans)), labels, fontsize=7, rotation=35, ha="right")
         ax.set_ylabel(unit)
-        ax.legend(fontsize=7)
-    ax_m.axhline(capacity_bytes / GiB, color="k", ls="--", lw=1, label="capacity")
+    capacity = capacity_bytes / GiB
+    ax_m.axhline(capacity, color="k", ls="--", lw=1, label=f"GPU capacity ({capacity:,.0f} GiB)")
+    ax_m.text(len(plans) - 0.5, capacity, f"capacity {capacity:,.0f} GiB", ha="right", va="bottom", fontsize=7)
+    ax_m.set_ylim(0, max(capacity, max(p.memory.total for p in plans) / GiB) * 1.08)
+    steps = [p.time.step for p in plans]
+    floor = time_axis_floor(steps)
+    ax_s.plot(list(xs), steps, "o", color="k")
+    for x, step in zip(xs, steps):
+        ax_s.annotate(f"{step:.4g}", (x, step), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)
+    ax_s.set_ylim(floor, max(steps) + 0.15 * (max(steps) - floor or max(steps)))
+    ax_s.set_ylabel(f"s per step (axis starts at {floor:.3g} s)" if floor > 0 else "s per step")
+    for ax in (ax_m, ax_t, ax_s):
+        ax.set_xticks(list(xs), labels, fontsize=7, rotation=40, ha="right", rotation_mode="anchor")
+    for ax in (ax_m, ax_t):
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax_m.set_title("memory on the most loaded GPU")
     ax_t.set_title("step time breakdown")
-    fig.tight_layout()
+    ax_s.set_title("step time, zoomed")
+    fig.text(0.01, 0.01, ABBREVIATIONS, fontsize=7, ha="left", va="bottom")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
