@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ class RunLog:
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = open(self.path, "a", encoding="utf-8") if enabled else None
         self._bar = (
-            tqdm(total=total_iters, desc="train", unit="it", dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
+            tqdm(total=total_iters, desc="train", unit="it", ncols=bar_width(), file=sys.stderr, mininterval=0.5)
             if enabled and progress
             else None
         )
@@ -69,6 +70,20 @@ class RunLog:
             self._bar.close()
         if self._file is not None:
             self._file.close()
+
+
+#: Width of the progress bar when the terminal does not say (not a terminal, or 0 columns reported).
+FALLBACK_COLUMNS = 100
+
+
+def bar_width() -> int:
+    """The terminal's width in columns (stderr's, where the bar goes), or :data:`FALLBACK_COLUMNS`
+    when it reports none or 0 (a bar of width 0 would show no bar at all)."""
+    try:
+        columns = os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        columns = 0
+    return columns if columns > 0 else FALLBACK_COLUMNS
 
 
 def json_safe(obj: Any) -> Any:
