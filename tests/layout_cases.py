@@ -7,11 +7,11 @@ import functools
 
 import torch
 
-from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.groups import ParallelGroups
 from ptdp.layout import ParallelLayout
 from ptdp.model.chunks import global_named_parameters
-from ptdp.planner.check import measure_stage
+from ptdp.planner_report import measure_stage
 from ptdp.step import build_stage, train_step
 from dist_helpers import PG_TIMEOUT, run_workers
 

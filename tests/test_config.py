@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from ptdp import cli
 from ptdp import train as train_module
-from ptdp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, padded_vocab_size, resolve
-from ptdp.planner.check import planner_layout
+from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, padded_vocab_size, resolve
+from ptdp.planner_report import planner_layout
 
 
 def make(world=8, tp=2, pp=2, dp=None, split=None, schedule=None, per_chunk=None, sp=False, **kw) -> tuple[Config, int]:

@@ -20,12 +20,12 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ptdp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.groups import ParallelGroups
 from ptdp.layout import ParallelLayout
 from ptdp.model.gpt import GPTModel
 from ptdp.model.recompute import layer_groups
-from ptdp.planner.check import planner_layout
+from ptdp.planner_report import planner_layout
 from ptdp.tensor_parallel.sharding import initialize_parameters
 from dist_helpers import PG_TIMEOUT, run_workers
 from layout_cases import tiny_config, train_and_collect

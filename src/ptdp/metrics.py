@@ -127,7 +127,7 @@ def format_summary(s: dict, run_dir) -> str:
                      + ", ".join(f"{r}: {v:.2f}" for r, v in sorted(by_rank.items(), key=lambda kv: int(kv[0])))
                      + f"; formula (p-1)/(v m) = {b['formula_(p-1)/(v*m)']:.2f}; trace.json, timeline.png written")
     if s.get("planner_check"):
-        from ptdp.planner.check import format_comparison
+        from ptdp.planner_report import format_comparison
 
         lines += format_comparison(s["planner_check"])
     lines.append(f"  run directory: {run_dir} (config.json, metrics.jsonl, summary.json)")

@@ -12,14 +12,14 @@ from pathlib import Path
 import torch
 
 from ptdp import activity
-from ptdp.checkpoint.io import CheckpointError, load_checkpoint, save_checkpoint
-from ptdp.config import Config
+from ptdp.checkpoint.folders import CheckpointError
+from ptdp.checkpoint.io import load_checkpoint, save_checkpoint
+from ptdp.spec import Config
 from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, dp_shard, eval_indices, microbatches
 from ptdp.comm import all_gather_object
 from ptdp.groups import ParallelGroups
-from ptdp.planner.calibrate import default_profile_path
-from ptdp.planner.check import compare, measure_stage
 from ptdp.metrics import RunLog, write_json
+from ptdp.planner_report import check_run, measure_stage
 from ptdp.restart import kill_for_test
 from ptdp.trace import Tracer, bubble_by_rank, write_trace
 from ptdp.step import NONFINITE_GRAD_NORM, build_stage, eval_loss, train_step, with_vocab
@@ -74,7 +74,7 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
         log.write({"iteration": iteration, "val_loss": val})
         log.message(f"iteration {iteration:>6}: validation loss {val:.4f}")
 
-    tracer = Tracer(groups.global_rank, groups.pp.rank) if t.trace_iters else None
+    tracer = Tracer(groups.global_rank, groups.pp.rank) if t.traced_iters else None
     first_traced = 2 if t.train_iters >= 2 else 1
     started = time.perf_counter()
     if restart:
@@ -86,7 +86,7 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     for it in range(start, t.train_iters):
         iteration = it + 1
         if tracer is not None:
-            tracer.iteration, tracer.active = iteration, first_traced <= iteration < first_traced + t.trace_iters
+            tracer.iteration, tracer.active = iteration, first_traced <= iteration < first_traced + t.traced_iters
         mine = dp_shard(sampler.global_batch(samples_before(it)), groups.dp.rank, groups.dp.size)
         groups.stats.reset()
         step_start = time.perf_counter()
@@ -126,7 +126,7 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
         if is_logger:
             summary["bubble"] = _write_trace(config, groups, events, Path(run_dir))
     if is_logger:
-        summary["planner_check"] = compare(config, per_rank, summary["mean_step_time_s"], _profile_path(config))
+        summary["planner_check"] = check_run(config, per_rank, summary["mean_step_time_s"])
         write_json(Path(run_dir) / "summary.json", summary)
     return summary
 
@@ -176,13 +176,6 @@ def _write_trace(config: Config, groups: ParallelGroups, events: list[dict], run
     return {"measured_idle_over_compute_by_rank": bubble_by_rank(events),
             "formula_(p-1)/(v*m)": (p.pp - 1) / (v * m), "schedule": p.schedule,
             "files": ["trace.json", "timeline.png"]}
-
-
-def _profile_path(config: Config) -> Path | None:
-    if config.hardware_profile:
-        return Path(config.hardware_profile)
-    path = default_profile_path()
-    return path if path.is_file() else None
 
 
 def _valid_batches(config: Config, groups: ParallelGroups, data: PreparedData) -> list:

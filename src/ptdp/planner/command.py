@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 import dataclasses
 
-from ptdp.config import ConfigError, stage_layer_counts
+from ptdp.spec import ConfigError, stage_layer_counts
 from ptdp.planner.hardware import CATALOG, Cluster, GiB, get_gpu, load_catalog
 from ptdp.planner.models import ModelSpec, get_model
 from ptdp.planner.report import json_report, plot, text_report
@@ -40,7 +40,7 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
 def _hardware(args: argparse.Namespace):
     """The GPU and performance constants: a calibrated profile, or a catalog GPU with the defaults."""
     if args.hardware_profile:
-        from ptdp.planner.calibrate import load_profile
+        from ptdp.planner.profile import load_profile
 
         try:
             return load_profile(args.hardware_profile)
@@ -85,14 +85,15 @@ def fixed_from_args(args: argparse.Namespace) -> Fixed:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``ptdp plan``: the validation table with ``--validate``, else the search; the exit code.
+
+    ``--calibrate`` (torch workers) is dispatched by :mod:`ptdp.cli` to
+    :mod:`ptdp.calibration_command` before this is called.
+    """
     if args.validate:
         from ptdp.planner.validate_command import run_validation
 
         return run_validation(args)
-    if args.calibrate:
-        from ptdp.planner.calibrate_command import run_calibration
-
-        return run_calibration(args)
     if args.gpus is None or args.global_batch_size is None:
         raise ConfigError("ptdp plan needs --gpus N and --global-batch-size B (or --validate CSV, or --calibrate)")
     if args.plot:

@@ -5,6 +5,10 @@ including padded vocabulary rows and the tied copy on the last stage; gradients 
 gradient buffer; optimizer = Adam's two moments plus float32 main parameters for bfloat16, not
 the per-tensor step counters). Peak memory and step time are predictions: the step time needs a
 hardware profile from ``ptdp plan --calibrate``; without one it is not predicted.
+
+The run side of the planner: the trainer measures each rank with :func:`measure_stage` and hands
+the measurements to :func:`check_run`; this module is the only one of the training code that talks
+to :mod:`ptdp.planner` (which imports no torch and nothing of the training code).
 """
 
 from __future__ import annotations
@@ -14,12 +18,13 @@ from pathlib import Path
 
 import torch
 
-from ptdp.config import Config
+from ptdp.spec import Config
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.memory import bytes_per_param, memory_breakdown, stage_param_counts
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.plan import Layout
+from ptdp.planner.profile import default_profile_path, load_profile
 
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -99,8 +104,6 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
     out = {"bytes_exact_on_every_rank": exact, "ranks": rows,
            "peak_memory": {"measured_max_bytes": max(r["peak"] for r in per_rank), "measured_kind": per_rank[0]["peak_kind"]}}
     if profile is not None and profile.is_file():
-        from ptdp.planner.calibrate import load_profile
-
         try:
             gpu, constants = load_profile(profile)
         except ValueError as e:
@@ -122,6 +125,19 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
     else:
         out["step_time"] = {"note": "no hardware profile: run `ptdp plan --calibrate` to predict step time"}
     return out
+
+
+def profile_path(config: Config) -> Path | None:
+    """The run's ``--hardware-profile``, else the default profile when one was calibrated, else None."""
+    if config.hardware_profile:
+        return Path(config.hardware_profile)
+    path = default_profile_path()
+    return path if path.is_file() else None
+
+
+def check_run(config: Config, per_rank: list[dict], mean_step_s: float | None) -> dict:
+    """The end-of-run hook: :func:`compare` with the run's hardware profile (see :func:`profile_path`)."""
+    return compare(config, per_rank, mean_step_s, profile_path(config))
 
 
 def format_comparison(check: dict) -> list[str]:

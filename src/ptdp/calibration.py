@@ -1,5 +1,8 @@
 """``ptdp plan --calibrate``: measure this machine and save a hardware profile for the planner.
 
+Outside :mod:`ptdp.planner` because it runs torch workers; the profile file's format is
+:mod:`ptdp.planner.profile`.
+
 Started with the run's own worker count and layout. Each primitive is measured by the workers that
 need it while the others wait (a waiting gloo worker leaves its core to the others), so the rates
 are those of one worker on a core of its own: GEMM FLOP/s at the exact shapes of the model's layers
@@ -35,30 +38,9 @@ from ptdp.planner.flops import gemm_efficiency, layer_gemms
 from ptdp.planner.hardware import GPUSpec
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.perf import DEFAULT_CONSTANTS, PerfConstants
+from ptdp.planner.profile import save_profile
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def default_profile_path() -> Path:
-    """``$PTDP_CACHE_DIR/hardware-profile.json`` (default ``~/.cache/ptdp``)."""
-    return Path(os.environ.get("PTDP_CACHE_DIR", "~/.cache/ptdp")).expanduser() / "hardware-profile.json"
-
-
-def save_profile(path: Path, gpu: GPUSpec, constants: PerfConstants, measurements: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"gpu": dataclasses.asdict(gpu), "constants": dataclasses.asdict(constants), "measurements": measurements}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(path)
-
-
-def load_profile(path: str | Path) -> tuple[GPUSpec, PerfConstants]:
-    """The GPU spec and constants saved by ``--calibrate``; ValueError if the file is not one."""
-    try:
-        record = json.loads(Path(path).read_text(encoding="utf-8"))
-        return GPUSpec(**record["gpu"]), PerfConstants(**record["constants"])
-    except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not a hardware profile written by `ptdp plan --calibrate` ({e})") from None
 
 
 def _timed(fn, reps: int) -> float:
@@ -213,7 +195,7 @@ def fit_overheads(model: ModelSpec, config, gpu: GPUSpec, constants: PerfConstan
                   layer_s: float, head_s: float) -> tuple[float, float]:
     """(layer_overhead, head_overhead): measured seconds of one real layer / output layer + loss
     (forward + backward, one microbatch) minus the planner's prediction from the primitives."""
-    from ptdp.config import padded_vocab_size
+    from ptdp.spec import padded_vocab_size
     from ptdp.planner.comm import hierarchical_all_reduce_time, tp_layer_comm_times
     from ptdp.planner.flops import layer_compute_times, logits_compute_time
     from ptdp.planner.hardware import Cluster
@@ -285,7 +267,7 @@ def _measure(groups, config, precision: str) -> dict:
     wait on a barrier: rank 0 alone (GEMMs, bandwidth, optimizer), tensor-parallel group 0
     (all-reduce, layer, head), data-parallel group 0 (all-reduce), pipeline ranks 0 and 1 of
     pipeline group 0 (ping-pong)."""
-    from ptdp.config import padded_vocab_size
+    from ptdp.spec import padded_vocab_size
     from ptdp.planner.models import spec_from_model_config
 
     p, m, dtype = config.parallel, config.model, PRECISION_DTYPES[precision]
@@ -342,7 +324,7 @@ def calibrate_worker(config_json: str, precision: str, out_path: str) -> dict:
     profile to ``out_path`` and returns its GPU spec and constants (the others return {})."""
     import torch.distributed as dist
 
-    from ptdp.config import Config
+    from ptdp.spec import Config
     from ptdp.distributed import init_distributed
     from ptdp.groups import ParallelGroups
     from ptdp.layout import ParallelLayout

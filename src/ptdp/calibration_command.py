@@ -1,4 +1,7 @@
-"""``ptdp plan --calibrate``: start the measuring workers and report the profile."""
+"""``ptdp plan --calibrate``: start the measuring workers (:mod:`ptdp.calibration`) and report the profile.
+
+Dispatched by :mod:`ptdp.cli`, so that ``ptdp plan`` without ``--calibrate`` imports no torch.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +10,9 @@ import dataclasses
 from pathlib import Path
 
 from ptdp.args import DEFAULT_PP, DEFAULT_TP
-from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.planner.calibrate import calibrate_worker, default_profile_path
+from ptdp.calibration import calibrate_worker
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.planner.profile import default_profile_path
 
 
 def calibration_config(args: argparse.Namespace) -> Config:
@@ -26,6 +30,7 @@ def calibration_config(args: argparse.Namespace) -> Config:
 
 
 def run_calibration(args: argparse.Namespace) -> int:
+    """Measure with ``--nproc-per-node`` workers, write the profile, print what was fitted; 0."""
     from ptdp.launch import launch_workers
 
     config = calibration_config(args)
