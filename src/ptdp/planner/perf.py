@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ptdp.config import padded_vocab_size
+from ptdp.spec import padded_vocab_size
 from ptdp.planner import flops
 from ptdp.planner.comm import (
     Links,
@@ -105,8 +105,9 @@ class Performance:
 
     Attributes:
         time: seconds of one step by part; ``time.step`` is the step time.
-        tflops_per_gpu: executed FLOP/s per GPU, in FLOP/s like every rate of ``ptdp.planner.plan``
-            (divide by 1e12 for the TFLOP/s the papers print), counted like [N21]: eq. 3 with full
+        tflops_per_gpu: executed FLOP/s per GPU, in FLOP/s like every rate of this module
+            (divide by 1e12 for the TFLOP/s the papers print; a :class:`~ptdp.planner.plan.Plan`
+            holds it in TFLOP/s), counted like [N21]: eq. 3 with full
             recompute (the recompute forward included); with selective recompute the model
             FLOPs plus the attention core once more; without recompute the model FLOPs.
         mfu: model FLOPs utilisation, ``model FLOPs / (step time * GPUs * peak)`` [K22] §6.

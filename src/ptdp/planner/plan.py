@@ -91,7 +91,11 @@ class TimeBreakdown:
 
 @dataclass
 class Plan:
-    """The prediction for one layout; ``reasons`` say why it does not fit or cannot run."""
+    """The prediction for one layout; ``reasons`` say why it does not fit or cannot run.
+
+    ``tflops_per_gpu`` is in TFLOP/s (1e12 FLOP/s), as the papers and ``--json`` report it; the
+    :class:`~ptdp.planner.perf.Performance` it comes from keeps FLOP/s.
+    """
 
     layout: Layout
     fits: bool

@@ -31,7 +31,7 @@ def _row(plan: Plan, rank: int, capacity: float) -> list[str]:
     cells = [str(rank)] + _layout_cells(plan)
     cells += [_num(getattr(mem, k) / GiB) for k in _MEM] + [f"{_num(mem.total / GiB)}/{_num(capacity / GiB)}"]
     cells += [_num(getattr(t, k)) for k in _TIME] + [_num(t.step)]
-    cells += [_num(plan.tflops_per_gpu / 1e12), f"{100 * plan.mfu:.1f}%"]
+    cells += [_num(plan.tflops_per_gpu), f"{100 * plan.mfu:.1f}%"]
     return cells
 
 
@@ -64,7 +64,7 @@ def text_report(model: ModelSpec, cluster: Cluster, result: SearchResult, *, top
         lines.append(_table(rows, HEADER))
         best = result.plans[0]
         lines += ["", f"best: {_describe(best)}: {_num(best.time.step)} s/step, "
-                      f"{_num(best.tflops_per_gpu / 1e12)} TFLOP/s per GPU, MFU {100 * best.mfu:.1f}%"]
+                      f"{_num(best.tflops_per_gpu)} TFLOP/s per GPU, MFU {100 * best.mfu:.1f}%"]
     else:
         lines.append("no layout fits.")
     lines += ["", *rejection_summary(result)]

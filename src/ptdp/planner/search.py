@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ptdp.config import ParallelConfig, schedule_errors
-from ptdp.planner.hardware import Cluster, GiB
+from ptdp.spec import ParallelConfig, schedule_violations
+from ptdp.planner.hardware import TFLOPS, Cluster, GiB
 from ptdp.planner.memory import memory_breakdown
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.perf import DEFAULT_CONSTANTS, evaluate_performance
@@ -76,7 +76,7 @@ def _predict(model, layout, cluster, constants, overhead_bytes) -> tuple[Plan, R
                    f"{memory.stage} ({largest} {getattr(memory, largest) / GiB:.1f} GiB)")
         return Plan(layout, False, memory=memory, reasons=[message]), Rejection("memory", message)
     perf = evaluate_performance(model, layout, cluster, constants)
-    return Plan(layout, True, memory, perf.time, perf.tflops_per_gpu, perf.mfu), None
+    return Plan(layout, True, memory, perf.time, perf.tflops_per_gpu / TFLOPS, perf.mfu), None
 
 
 def _options(fixed_value, choices):
@@ -109,7 +109,7 @@ def _interleaving_flag_errors(num_layers: int, tp: int, pp: int, dp: int, b: int
     whatever v it gives (v = 1 included): that schedule's rules, as ``ptdp train`` checks them."""
     parallel = ParallelConfig(tp, pp, dp, pipeline_schedule="interleaved-1f1b",
                               num_layers_per_virtual_pipeline_stage=per_chunk)
-    return schedule_errors(parallel, num_layers, big_b // (b * dp))
+    return [v.message for v in schedule_violations(parallel, num_layers, big_b // (b * dp))]
 
 
 def _micro_batches(big_b: int, dp: int, fixed: int | None) -> list[int]:
