@@ -41,7 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import pipeline_common as pc
 import ptdp.pipeline.runtime as runtime
 from ptdp.activation_meter import SavedActivationMeter, parameter_storages
-from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.distributed import init_distributed
 from ptdp.groups import ParallelGroups
 from ptdp.layout import ParallelLayout

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import pipeline_common as pc
 from ptdp.checkpoint.io import load_checkpoint, save_checkpoint
-from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.distributed import init_distributed
 from ptdp.groups import ParallelGroups
 from ptdp.layout import ParallelLayout

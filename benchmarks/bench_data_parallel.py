@@ -54,7 +54,7 @@ from torch.nn.parallel import DistributedDataParallel
 import pipeline_common as pc
 from bench_step import PlainGPT, copy_weights
 from ptdp.comm import AxisGroup, all_reduce
-from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, dp_shard, microbatches
 from ptdp.groups import ParallelGroups
 from ptdp.layout import ParallelLayout

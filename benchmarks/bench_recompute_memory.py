@@ -36,7 +36,7 @@ import torch.utils.checkpoint as tcheckpoint
 import pipeline_common as pc
 import ptdp.model.recompute as recompute_mod
 from ptdp.activation_meter import SavedActivationMeter, parameter_storages
-from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.distributed import init_distributed
 from ptdp.groups import ParallelGroups
 from ptdp.layout import ParallelLayout

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ptdp.checkpoint.hf import model_config_from_hf
 from ptdp.checkpoint.io import load_checkpoint
-from ptdp.config import Config, ParallelConfig, TrainConfig, resolve
+from ptdp.spec import Config, ParallelConfig, TrainConfig, resolve
 from ptdp.groups import ParallelGroups
 from ptdp.layout import ParallelLayout
 from ptdp.step import build_stage

@@ -24,7 +24,7 @@ import budget
 from ptdp import cli
 from ptdp.args import config_from_args, local_world_size
 from ptdp.checkpoint.io import save_checkpoint
-from ptdp.config import ParallelConfig, resolve
+from ptdp.spec import ParallelConfig, resolve
 from ptdp.data import DataError
 from ptdp.groups import ParallelGroups
 from ptdp.step import build_stage, with_vocab

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.args import add_train_arguments, config_from_args
-from ptdp.config import ConfigError, resolve
+from ptdp.spec import ConfigError, resolve
 from ptdp.topology.binding import (BindingError, CpuLayout, GpuCpus, allowed_numa_nodes, exclusive_shares,
                                    plan_cpu_only, plan_gpus, read_cpu_layout, read_gpu_cpus, read_node_plan)
 from proc_helpers import run_together

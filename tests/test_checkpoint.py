@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from ptdp.checkpoint.io import CheckpointError, load_checkpoint, resolve_checkpoint, save_checkpoint
+from ptdp.checkpoint.folders import CheckpointError, resolve_checkpoint
+from ptdp.checkpoint.io import load_checkpoint, save_checkpoint
 from ptdp.checkpoint.optim_state import gather_local_state
 from ptdp.groups import ParallelGroups
 from ptdp.layout import ParallelLayout
@@ -340,7 +341,7 @@ def test_damaged_checkpoints_and_bad_targets_are_clear_errors(checkpoint_root, t
     import shutil
 
     from ptdp.checkpoint.hf import import_hf
-    from ptdp.checkpoint.io import check_save_dir, precheck
+    from ptdp.checkpoint.folders import check_save_dir, precheck
 
     stage = build_stage(tiny_config(1, 1, 1, "float64"), ParallelGroups.single_process())
     # same-size shard with flipped bytes: DCP's own error (a BaseException) becomes a CheckpointError
@@ -376,7 +377,7 @@ def test_damaged_checkpoints_and_bad_targets_are_clear_errors(checkpoint_root, t
 
 
 def test_a_one_bit_residual_that_cannot_be_restored_is_warned_about():
-    from ptdp.checkpoint.io import residual_note
+    from ptdp.checkpoint.folders import residual_note
 
     layout = {"tp": 2, "pp": 2, "dp": 2, "virtual_stages": 1, "ddp_bucket_size": None,
               "use_distributed_optimizer": False, "pipeline_layer_split": None}

@@ -153,7 +153,8 @@ def test_one_bit_compression_trains_like_uncompressed(tmp_path):
     for codec in ("none", "1bit"):
         out = tmp_path / codec
         proc = run([sys.executable, "-m", "ptdp.cli", "train", "--tp", "1", "--pp", "1", "--dp", "2",
-                    "--train-iters", "200", "--eval-interval", "200", "--eval-iters", "2", "--log-interval", "50",
+                    "--train-iters", "200", "--lr-warmup-iters", "30", "--eval-interval", "200", "--eval-iters", "2",
+                    "--log-interval", "50",
                     "--grad-compression", codec, "--output-dir", str(out), "--no-progress"], tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         summary = json.loads((out / "summary.json").read_text())

@@ -13,7 +13,7 @@ all-reduces of b*s*h become all-gathers and reduce-scatters of the same ring vol
 
 from __future__ import annotations
 
-from ptdp.config import padded_vocab_size
+from ptdp.spec import padded_vocab_size
 from layout_cases import parallel_run, tiny_config
 
 

@@ -2,7 +2,7 @@
 
 - Every request ``ptdp train`` could be given (model shape, tp, pp, dp, world size, micro and global
   batch, schedule, virtual stages, explicit layer split) is either refused by
-  :func:`ptdp.config.resolve` with a :class:`ConfigError` within milliseconds and without starting
+  :func:`ptdp.spec.resolve` with a :class:`ConfigError` within milliseconds and without starting
   any process, or accepted by it and by the planner evaluating that exact layout (memory may not
   fit; no rule may reject it).
 - Conversely, every layout the planner's search lists is accepted by the validator.
@@ -26,7 +26,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ptdp.config import SCHEDULES, Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec import SCHEDULES, Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.groups import ParallelGroups
 from ptdp.layout import ParallelLayout
 from ptdp.planner.hardware import CATALOG, Cluster

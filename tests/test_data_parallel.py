@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.data_parallel.buffer import GradBuffer
 from ptdp.data_parallel.compression import packbits, start_reduction, unpackbits
 from ptdp.groups import ParallelGroups

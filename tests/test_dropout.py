@@ -30,7 +30,7 @@ import torch
 from ptdp.args import add_train_arguments, config_from_args
 from ptdp.checkpoint.io import load_checkpoint, save_checkpoint
 from ptdp.comm import AxisGroup
-from ptdp.config import Config, ConfigError, ModelConfig
+from ptdp.spec import Config, ConfigError, ModelConfig
 from ptdp.groups import ParallelGroups
 from ptdp.layout import ParallelLayout
 from ptdp.model.chunks import global_named_parameters

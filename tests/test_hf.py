@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ptdp.checkpoint.hf import export_hf, import_hf, model_config_from_hf
-from ptdp.checkpoint.io import CheckpointError
+from ptdp.checkpoint.folders import CheckpointError
 from dist_helpers import run_workers
 from hf_helpers import tp2_pp2_logits_worker
 
@@ -68,7 +68,7 @@ def test_export_carries_the_tokenizer_and_its_special_ids_with_ordinary_file_mod
     import os
 
     from ptdp.checkpoint.io import save_checkpoint
-    from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+    from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
     from ptdp.data.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer
     from ptdp.groups import ParallelGroups
     from ptdp.step import build_stage

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from ptdp.checkpoint.hf import export_hf, import_hf, model_config_from_hf
-from ptdp.checkpoint.io import CheckpointError, save_checkpoint
+from ptdp.checkpoint.folders import CheckpointError
+from ptdp.checkpoint.io import save_checkpoint
 from ptdp.generate import load_for_inference
 from ptdp.groups import ParallelGroups
 from ptdp.step import build_stage, train_step

@@ -16,7 +16,7 @@ from torch import nn
 
 from ptdp.args import add_train_arguments, config_from_args
 from ptdp.comm import AxisGroup, CommStats
-from ptdp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.model.gpt import MLP, Attention, GPTModel, RMSNorm
 from ptdp.model.rotary import RotaryEmbedding
 from ptdp.tensor_parallel.sharding import initialize_parameters, shard, spec_of
@@ -221,7 +221,7 @@ def test_flags_set_the_model_options():
 
 def test_gpt2_export_refuses_llama_options():
     from ptdp.checkpoint.hf import _gpt2_config
-    from ptdp.checkpoint.io import CheckpointError
+    from ptdp.checkpoint.folders import CheckpointError
 
     meta = dataclasses.asdict(_model(**LLAMA)) | {"ffn": 48}
     with pytest.raises(CheckpointError, match="normalization='RMSNorm', swiglu=True, position_embedding_type='rope'"):

@@ -14,7 +14,8 @@ import pytest
 import budget
 import torch
 
-from ptdp.checkpoint.io import CheckpointError, save_checkpoint
+from ptdp.checkpoint.folders import CheckpointError
+from ptdp.checkpoint.io import save_checkpoint
 from ptdp.faults import NAN_LOSS_ENV
 from ptdp.groups import ParallelGroups
 from ptdp.layout import ParallelLayout

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ptdp.config import ModelConfig, TrainConfig
+from ptdp.spec import ModelConfig, TrainConfig
 from ptdp.data_parallel.buffer import GradBuffer
 from ptdp.data_parallel.grads import clip_grad_norm, counts_in_norm
 from ptdp.groups import ParallelGroups

@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from ptdp.activation_meter import SavedActivationMeter, parameter_storages
-from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.groups import ParallelGroups
 from ptdp.layout import ParallelLayout
 from ptdp.planner.memory import stage_activation_bytes

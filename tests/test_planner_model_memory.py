@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from ptdp.comm import AxisGroup, CommStats
-from ptdp.config import ConfigError, ModelConfig
+from ptdp.spec import ConfigError, ModelConfig
 from ptdp.model.gpt import GPTModel
 from ptdp.pipeline.partition import stage_layer_ids
 from ptdp.planner.hardware import CATALOG, GiB

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.args import config_from_args, max_restarts
-from ptdp.config import ConfigError, resolve
+from ptdp.spec import ConfigError, resolve
 from ptdp.restart import check_torchrun_restarts, resume_config
 from proc_helpers import run_together
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.config import ConfigError
+from ptdp.spec import ConfigError
 from ptdp.pipeline.partition import chunk_layer_ids, stage_layer_ids
 from ptdp.pipeline.schedule import Action, build_schedule, transfer_batches
 from ptdp.pipeline.verify import ScheduleError, check_schedule, ideal_idle_time, in_flight_bound, simulate

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ptdp.checkpoint.io import CheckpointError, load_checkpoint, read_meta, resolve_checkpoint
-from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.checkpoint.folders import CheckpointError, read_meta, resolve_checkpoint
+from ptdp.checkpoint.io import load_checkpoint
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.groups import ParallelGroups
 from ptdp.model.gpt import GPTModel
 from ptdp.step import build_stage

@@ -14,7 +14,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ptdp import postmortem
-from ptdp.config import Config
+from ptdp.spec import Config
 
 
 class WorkerFailedError(RuntimeError):

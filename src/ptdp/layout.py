@@ -41,7 +41,7 @@ class ParallelLayout:
     """The sizes of the three parallel axes; ``world_size = tp * pp * dp``.
 
     Sizes are positive integers; 1 means the axis is not used. Raises ``ValueError`` for a
-    non-positive size (``ConfigError`` in ``ptdp.config`` gives the user-facing checks).
+    non-positive size (``ConfigError`` in ``ptdp.spec`` gives the user-facing checks).
     """
 
     tp: int = 1

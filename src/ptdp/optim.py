@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from ptdp.config import TrainConfig
+from ptdp.spec import TrainConfig
 from ptdp.data_parallel.buffer import GradBuffer
 
 

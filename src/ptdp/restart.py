@@ -25,8 +25,8 @@ import dataclasses
 import os
 import signal
 
-from ptdp.checkpoint.io import newest_checkpoint
-from ptdp.config import Config, ConfigError
+from ptdp.checkpoint.folders import newest_checkpoint
+from ptdp.spec import Config, ConfigError
 
 #: Test-only: the iteration after which one worker of the job's first attempt kills itself.
 KILL_AT_ITERATION_ENV = "PTDP_TEST_KILL_AT_ITERATION"

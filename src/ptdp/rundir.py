@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from ptdp.config import Config, ConfigError
+from ptdp.spec import Config, ConfigError
 from ptdp.data import DataError, PreparedData, prepare_data
 from ptdp.metrics import write_json
 from ptdp.paths import folder_problem
@@ -38,11 +38,11 @@ def prepare(config: Config, log=print) -> PreparedData:
     """
     ck = config.checkpoint
     if ck.load:
-        from ptdp.checkpoint.io import read_meta, resolve_checkpoint
+        from ptdp.checkpoint.folders import read_meta, resolve_checkpoint
 
         read_meta(resolve_checkpoint(ck.load))
     if ck.save:
-        from ptdp.checkpoint.io import check_save_dir
+        from ptdp.checkpoint.folders import check_save_dir
 
         check_save_dir(ck.save)
         check_save_holds_no_other_run(ck.save, ck.load)
@@ -56,7 +56,7 @@ def prepare(config: Config, log=print) -> PreparedData:
     data = prepare_data(paths, config.model.vocab_size, cache, config.data.valid_fraction, log=log)
     check_data_fits(config, data)
     if ck.load:
-        from ptdp.checkpoint.io import precheck
+        from ptdp.checkpoint.folders import precheck
         from ptdp.step import with_vocab
 
         precheck(with_vocab(config, data.vocab_size))
@@ -107,7 +107,7 @@ def continues_run(path: Path, load: str | None) -> bool:
     ``config.json``'s ``checkpoint.save``, relative paths taken from the current directory)."""
     if not load:
         return False
-    from ptdp.checkpoint.io import CheckpointError, resolve_checkpoint
+    from ptdp.checkpoint.folders import CheckpointError, resolve_checkpoint
 
     try:
         saved = json.loads((path / "config.json").read_text())["checkpoint"]["save"]
@@ -120,7 +120,7 @@ def continues_run(path: Path, load: str | None) -> bool:
 def check_save_holds_no_other_run(save: str, load: str | None) -> None:
     """Raise CheckpointError if ``save`` holds complete checkpoints and ``load`` is not one of them:
     saving there would replace them (same iterations, ``latest``, ``--keep-last`` pruning)."""
-    from ptdp.checkpoint.io import CheckpointError, complete_checkpoints, resolve_checkpoint
+    from ptdp.checkpoint.folders import CheckpointError, complete_checkpoints, resolve_checkpoint
 
     found = complete_checkpoints(save)
     if not found:

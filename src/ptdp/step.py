@@ -25,7 +25,7 @@ from torch import nn
 
 from ptdp import activity, faults
 from ptdp.comm import all_reduce
-from ptdp.config import Config
+from ptdp.spec import Config
 from ptdp.data_parallel.buffer import GradBuffer
 from ptdp.data_parallel.grads import clip_grads, finalize_grads, grad_norm
 from ptdp.data_parallel.loss_scale import DynamicLossScaler
@@ -107,7 +107,7 @@ class StepResult:
 def build_stage(config: Config, groups: ParallelGroups, device: torch.device | str = "cpu") -> Stage:
     """Build, initialise (layout-independently, from ``config.train.seed``) and place this rank's stage.
 
-    ``config`` must be resolved (``ptdp.config.resolve``) and ``config.model.vocab_size`` the real
+    ``config`` must be resolved (``ptdp.spec.resolve``) and ``config.model.vocab_size`` the real
     vocabulary size.
     """
     m, p = config.model, config.parallel

@@ -26,12 +26,13 @@ import torch.distributed as dist
 from ptdp import comm, postmortem
 from ptdp.activity import CollectiveError
 from ptdp.args import HelpFormatter, add_train_arguments, config_from_args, parse_args
-from ptdp.config import Config, ConfigError, resolve
+from ptdp.spec import Config, ConfigError, resolve
 from ptdp.data import DataError, PreparedData
 from ptdp.distributed import env_world, init_distributed
 from ptdp.groups import ParallelGroups, host_group
 from ptdp.layout import ParallelLayout
 from ptdp.memory_check import check_memory
+from ptdp.spec.files import apply_config_file
 from ptdp.metrics import format_summary
 from ptdp.restart import check_torchrun_restarts, restart_count, resume_config
 from ptdp.rundir import check_run_dir, make_run_dir, prepare, run_dir_path, write_config
@@ -71,12 +72,21 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m ptdp.train`` under torchrun (or alone: then a single process)."""
     parser = argparse.ArgumentParser(prog="python -m ptdp.train", description=__doc__, formatter_class=HelpFormatter)
     add_train_arguments(parser, local_launch=False)
-    args = parse_args(parser, argv)
     _single_process_defaults()
     rank, local_rank, world = env_world()
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
     try:
+        apply_config_file(parser, sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        say(f"ptdp.train: error: {e}")
+        return 2
+    args = parse_args(parser, argv)
+    try:
         config = resolve(config_from_args(args), world)
+        if args.print_config:
+            if rank == 0:
+                print(config.to_json(), flush=True)
+            return 0
         check_torchrun_restarts(args.output_dir)
         if not args.force:
             check_memory(config, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

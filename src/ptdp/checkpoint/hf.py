@@ -25,10 +25,11 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ptdp.checkpoint.hf_llama import from_llama, is_gpt2_like, llama_config, model_config_from_llama, to_llama
-from ptdp.checkpoint.io import (FORMAT, META, MODEL_DEFAULTS, CheckpointError, _first_line, _write_json,
-                                _write_text_atomic, check_files, read_meta, resolve_checkpoint)
+from ptdp.checkpoint.folders import (FORMAT, META, MODEL_DEFAULTS, CheckpointError, _first_line, check_files,
+                                     read_meta, resolve_checkpoint)
+from ptdp.checkpoint.io import _write_json, _write_text_atomic
 from ptdp.checkpoint.safe_reader import SafeFileSystemReader
-from ptdp.config import ModelConfig
+from ptdp.spec import ModelConfig
 
 _LAYER = {"ln_1": "ln1", "ln_2": "ln2", "attn.c_attn": "attention.qkv", "attn.c_proj": "attention.proj",
           "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}

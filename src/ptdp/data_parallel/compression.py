@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ptdp.comm import AxisGroup, all_gather_async, all_reduce_async, reduce_scatter_async
-from ptdp.config import GRAD_COMPRESSIONS as CODECS
+from ptdp.data_parallel.codecs import CODECS
 
 ONE_BIT_BLOCK = 64
 """Elements sharing one scale in ``1bit``; the payload is 1/8 + 4/ONE_BIT_BLOCK bytes per element."""

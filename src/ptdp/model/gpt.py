@@ -1,6 +1,6 @@
 """A pre-norm GPT: by default LayerNorm, learned positions, a GELU MLP, biases and a tied
 input/output embedding; Llama-like options: RMSNorm, a SwiGLU MLP, rotary positions,
-grouped-query attention, no linear biases, an untied output layer (:class:`ptdp.config.ModelConfig`).
+grouped-query attention, no linear biases, an untied output layer (:class:`ptdp.spec.ModelConfig`).
 
 :class:`GPTModel` is one pipeline stage: it holds the layers ``layer_ids`` and, on the first stage,
 the embeddings, and on the last stage the final LayerNorm, the output layer and the loss. With
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptdp.comm import AxisGroup
-from ptdp.config import ModelConfig, padded_vocab_size
+from ptdp.spec import ModelConfig, padded_vocab_size
 from ptdp.model.recompute import recomputed, run_layers
 from ptdp.model.rotary import RotaryEmbedding
 from ptdp.tensor_parallel import (

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ptdp.config import RECOMPUTE_METHODS
+from ptdp.spec import RECOMPUTE_METHODS
 from ptdp.tensor_parallel.random import DropoutRNG
 
 

@@ -99,13 +99,7 @@ def run_schedule(
     Raises:
         ValueError: a microbatch whose tokens or labels are not ``[b, s]``.
     """
-    b, s = hidden_shape[0], seq_length or hidden_shape[1]
-    for i, (tokens, labels) in enumerate(microbatches):
-        if tuple(tokens.shape) != (b, s) or tuple(labels.shape) != (b, s):
-            raise ValueError(
-                f"microbatch {i} has tokens {tuple(tokens.shape)} and labels {tuple(labels.shape)}; "
-                f"expected [micro_batch_size, seq_length] = [{b}, {s}]"
-            )
+    _check_microbatches(microbatches, hidden_shape[0], seq_length or hidden_shape[1])
     chunks = list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]
     # prefetching needs one handle per receive; coalescing backends (NCCL) wait a batch as a whole
     prefetch = pp.size > 1 and torch.distributed.get_backend(pp.group) == "gloo"
@@ -121,13 +115,7 @@ def run_schedule(
             if track:
                 set_phase(kind)
             span = tracer.span(step) if tracer is not None else None
-            if kind == "forward":
-                _forward(step[0], state)
-            elif grad_sync is None or last_backward[step[0].chunk] == step[0]:
-                _backward(step[0], state)
-            else:
-                with grad_sync.no_sync():
-                    _backward(step[0], state)
+            _compute(step[0], state, grad_sync is None or last_backward[step[0].chunk] == step[0], grad_sync)
             if span is not None:
                 span.end()
         else:
@@ -140,6 +128,27 @@ def run_schedule(
     for work in state.pending_sends + list(state.activation_sends.values()):
         work.wait()
     return [state.losses[i] for i in sorted(state.losses)]
+
+
+def _check_microbatches(microbatches: list[Microbatch], b: int, s: int) -> None:
+    for i, (tokens, labels) in enumerate(microbatches):
+        if tuple(tokens.shape) != (b, s) or tuple(labels.shape) != (b, s):
+            raise ValueError(
+                f"microbatch {i} has tokens {tuple(tokens.shape)} and labels {tuple(labels.shape)}; "
+                f"expected [micro_batch_size, seq_length] = [{b}, {s}]"
+            )
+
+
+def _compute(a: Action, state: _State, reduce: bool, grad_sync) -> None:
+    """A forward, or a backward (under ``grad_sync.no_sync()`` unless ``reduce``: the last
+    backward of its chunk starts the data-parallel reductions)."""
+    if a.kind == "forward":
+        _forward(a, state)
+    elif reduce:
+        _backward(a, state)
+    else:
+        with grad_sync.no_sync():
+            _backward(a, state)
 
 
 def _forward(a: Action, state: _State) -> None:

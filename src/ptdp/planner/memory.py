@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ptdp.config import padded_vocab_size, stage_layer_counts
+from ptdp.spec import padded_vocab_size, stage_layer_counts
 from ptdp.planner.hardware import GiB, GPUSpec
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout, MemoryBreakdown

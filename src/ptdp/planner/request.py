@@ -7,7 +7,7 @@ import math
 import os
 from pathlib import Path
 
-from ptdp.config import ConfigError
+from ptdp.spec import ConfigError
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
 

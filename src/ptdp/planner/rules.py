@@ -9,21 +9,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ptdp.config import ModelConfig, ParallelConfig, layout_errors, schedule_errors, sequence_parallel_errors
+from ptdp.spec import ModelConfig, ParallelConfig, layout_violations, schedule_violations, sequence_parallel_violations
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import PRECISIONS, RECOMPUTE, Layout
-
-_CONFIG_RULE_KEYS = {
-    "num_attention_heads": "heads % tp",
-    "hidden_size": "hidden % heads",
-    "ffn_hidden_size": "ffn % tp",
-    "num_layers": "layers % pp",
-    "pipeline_layer_split": "layers % pp",
-    "global_batch_size": "B % (b * dp)",
-    "vocab_size": "vocab size",
-}
-
 
 @dataclass(frozen=True)
 class Rejection:
@@ -46,11 +35,10 @@ def structural_rejections(model: ModelSpec, tp: int, pp: int, dp: int, b: int, b
     """Rules on (tp, pp, dp, b) and an explicit pipeline layer split alone: ptdp's config rules,
     grouped-query heads, node boundary."""
     out = []
-    for message in layout_errors(_model_config(model), tp=tp, pp=pp, dp=dp, micro_batch_size=b,
-                                 global_batch_size=big_b, split=layer_split):
-        key = _CONFIG_RULE_KEYS.get(message.split("=", 1)[0], "config")
-        message = message.replace("; give an explicit --pipeline-layer-split to split unevenly", "")
-        out.append(Rejection(key, message))
+    for v in layout_violations(_model_config(model), tp=tp, pp=pp, dp=dp, micro_batch_size=b,
+                               global_batch_size=big_b, split=layer_split):  # the rules of ptdp train
+        rule = "config" if v.rule == "option" else v.rule
+        out.append(Rejection(rule, v.message.replace("; give an explicit --pipeline-layer-split to split unevenly", "")))
     if model.num_query_groups is not None and model.kv_heads % tp != 0:
         out.append(Rejection("kv heads % tp", f"num_query_groups={model.kv_heads} is not divisible by tp={tp} "
                                               f"(rule: key/value heads % tp == 0)"))
@@ -77,9 +65,9 @@ def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Rejection]:
         else:  # the interleaved schedule's own rules, as ptdp train checks them
             parallel = ParallelConfig(layout.tp, pp, layout.dp, pipeline_schedule="interleaved-1f1b",
                                       num_layers_per_virtual_pipeline_stage=model.num_layers // (pp * v))
-            out += [Rejection("interleaving", e) for e in schedule_errors(parallel, model.num_layers, m)]
-    out += [Rejection("sequence parallel", e)
-            for e in sequence_parallel_errors(_model_config(model), layout.tp, layout.sequence_parallel)]
+            out += [Rejection("interleaving", v.message) for v in schedule_violations(parallel, model.num_layers, m)]
+    out += [Rejection(v.rule, v.message)
+            for v in sequence_parallel_violations(_model_config(model), layout.tp, layout.sequence_parallel)]
     if layout.recompute not in RECOMPUTE:
         out.append(Rejection("option", f"recompute={layout.recompute!r} not in {RECOMPUTE}"))
     if layout.precision not in PRECISIONS:

@@ -7,7 +7,7 @@ import datetime
 import platform
 from pathlib import Path
 
-from ptdp.config import ConfigError
+from ptdp.spec import ConfigError
 from ptdp.planner.request import check_output_path
 from ptdp.planner.validate import fit_check, format_validation_table, load_published_runs, validate
 

@@ -1,29 +1,29 @@
 """Tensor parallelism: f/g operators, column/row-parallel linears, vocab-parallel embedding and loss,
-and the sequence-parallel operators."""
+and the sequence-parallel operators.
 
-from ptdp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from ptdp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from ptdp.tensor_parallel.mappings import copy_to_tp, reduce_from_tp
-from ptdp.tensor_parallel.sequence import (all_gather_sequence, is_sequence_parallel, mark_sequence_parallel,
-                                           reduce_scatter_sequence, sequence_gathered_linear, sequence_shard)
-from ptdp.tensor_parallel.sharding import ParamSpec, initialize_parameters, shard, spec_of, unshard
+Names are imported on first use (PEP 562), so the pure arithmetic of :mod:`.vocab` can be used
+(by the configuration rules and the planner) without importing torch.
+"""
 
-__all__ = [
-    "ColumnParallelLinear",
-    "ParamSpec",
-    "RowParallelLinear",
-    "VocabParallelEmbedding",
-    "all_gather_sequence",
-    "copy_to_tp",
-    "initialize_parameters",
-    "is_sequence_parallel",
-    "mark_sequence_parallel",
-    "reduce_from_tp",
-    "reduce_scatter_sequence",
-    "sequence_gathered_linear",
-    "sequence_shard",
-    "shard",
-    "spec_of",
-    "unshard",
-    "vocab_parallel_cross_entropy",
-]
+from __future__ import annotations
+
+import importlib
+
+_WHERE = {
+    "vocab_parallel_cross_entropy": "cross_entropy",
+    "ColumnParallelLinear": "layers", "RowParallelLinear": "layers", "VocabParallelEmbedding": "layers",
+    "copy_to_tp": "mappings", "reduce_from_tp": "mappings",
+    "all_gather_sequence": "sequence", "is_sequence_parallel": "sequence", "mark_sequence_parallel": "sequence",
+    "reduce_scatter_sequence": "sequence", "sequence_gathered_linear": "sequence", "sequence_shard": "sequence",
+    "ParamSpec": "sharding", "initialize_parameters": "sharding", "shard": "sharding", "spec_of": "sharding",
+    "unshard": "sharding",
+    "padded_vocab_size": "vocab",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'ptdp.tensor_parallel' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"ptdp.tensor_parallel.{_WHERE[name]}"), name)

@@ -47,7 +47,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ptdp.config import BIND_POLICIES, ConfigError
+from ptdp.spec import BIND_POLICIES, ConfigError
 from ptdp.topology.model import TopologyError, format_cpu_list, parse_cpu_list
 from ptdp.topology.sysfs import numa_nodes
 

@@ -1,0 +1,191 @@
+"""A whole run's configuration: the model and layout sections, training, data, checkpoints and
+the local launch (sections of the schema, :mod:`ptdp.spec.fields`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ptdp.spec.fields import opt
+from ptdp.spec.model import ModelConfig
+from ptdp.spec.parallel import ParallelConfig
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Batches, optimizer (AdamW) and learning-rate schedule (linear warmup, cosine decay)."""
+
+    micro_batch_size: int = opt(4, "--micro-batch-size", "samples b per microbatch", "train", aliases=("--mbs",),
+                                plan=True)
+    """Samples b in one microbatch on one data-parallel rank."""
+    global_batch_size: int = opt(32, "--global-batch-size", "samples B per optimizer step, all dp replicas together",
+                                 "train", aliases=("--gbs",), plan=True)
+    """Samples B in one optimizer step over all data-parallel ranks."""
+    train_iters: int = opt(300, "--train-iters", "optimizer steps", "train")
+    """Optimizer steps of the run."""
+    lr: float = opt(3e-3, "--lr", "peak learning rate (AdamW)", "train")
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = opt(3e-4, "--min-lr", "learning rate at the end of the cosine decay", "train")
+    """Learning rate at the end of the cosine decay."""
+    lr_warmup_iters: int = opt(0, "--lr-warmup-iters", "linear warmup steps (0, as in Megatron-LM: none)", "train")
+    """Iterations of linear warmup from 0 to ``lr``; 0 (Megatron-LM's default): none."""
+    lr_decay_iters: int | None = opt(None, "--lr-decay-iters", "cosine decay steps (default: --train-iters)", "train")
+    """Iterations of cosine decay after which lr stays at min_lr; None: train_iters."""
+    weight_decay: float = opt(0.1, "--weight-decay", "decoupled weight decay on weights and embeddings", "train")
+    """Decoupled weight decay on tensors with >= 2 dims (weights, word and position embeddings);
+    none on biases and LayerNorm parameters."""
+    adam_beta1: float = opt(0.9, "--adam-beta1", "AdamW beta1", "train")
+    """AdamW's first-moment decay."""
+    adam_beta2: float = opt(0.95, "--adam-beta2", "AdamW beta2", "train")
+    """AdamW's second-moment decay."""
+    adam_eps: float = opt(1e-8, "--adam-eps", "AdamW epsilon", "train")
+    """AdamW's epsilon, added to the square root of the second moment."""
+    clip_grad: float = opt(1.0, "--clip-grad", "global gradient-norm clip; 0 disables", "train")
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    max_skipped_steps: int = opt(10, "--max-skipped-steps", "a step with a nan/inf loss or gradient norm on any "
+                                 "rank is skipped; stop when more than N come in a row (0: at the first)", "train",
+                                 metavar="N")
+    """A step whose loss or gradient norm is nan/inf on any rank is skipped (no update); training
+    stops with an error at the step that makes more than this many such steps in a row. 0: stop
+    at the first one."""
+    seed: int = opt(1234, "--seed", "seed of weight init, data order and dropout", "train")
+    """Seed of the layout-independent weight initialisation, the data order and dropout."""
+    log_interval: int = opt(10, "--log-interval", "write a metrics.jsonl line every N steps", "data")
+    """Steps between two metrics lines (the first and last are always written)."""
+    eval_interval: int = opt(100, "--eval-interval", "evaluate validation loss every N steps", "data")
+    """Steps between two evaluations (also at iteration 0 and at the end)."""
+    eval_iters: int = opt(4, "--eval-iters", "global batches per evaluation; 0 disables", "data")
+    """Global batches of validation data per evaluation."""
+    trace: bool = opt(False, "--trace", "record every rank's forward/backward/send/receive/wait times into "
+                      "trace.json and timeline.png, and the bubble per rank in the summary", "data")
+    """Trace ``trace_iters`` iterations (from the second on) into trace.json and timeline.png."""
+    trace_iters: int = opt(3, "--trace-iters", "iterations traced with --trace, from the second on", "data")
+    """Iterations traced with ``trace``."""
+
+    @property
+    def decay_iters(self) -> int:
+        return self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters
+
+    @property
+    def traced_iters(self) -> int:
+        """Iterations to trace: ``trace_iters`` with ``trace``, else 0."""
+        return self.trace_iters if self.trace else 0
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where checkpoints are saved and loaded (``ptdp.checkpoint``)."""
+
+    save: str | None = opt(None, "--save", "save checkpoints into DIR (DIR/iter_NNNNNNN, DIR/latest) after the last "
+                           "iteration", "checkpoint", metavar="DIR")
+    """Checkpoint root to save into (one folder per iteration, ``latest`` marker); None: no saving."""
+    save_interval: int | None = opt(None, "--save-interval", "also save every N iterations", "checkpoint", metavar="N")
+    """Save every N iterations (and always after the last one); None: only after the last one."""
+    load: str | None = opt(None, "--load", "resume from the checkpoint DIR/latest names (or an iteration folder), "
+                           "at any layout", "checkpoint", metavar="DIR")
+    """Checkpoint root (or iteration folder) to resume from, at any layout."""
+    keep_last: int | None = opt(None, "--keep-last", "keep only the newest K checkpoints", "checkpoint", metavar="K")
+    """Keep only the newest K complete checkpoints; None: keep all."""
+    no_load_optim: bool = opt(False, "--no-load-optim", "with --load: parameters only, fresh Adam state", "checkpoint")
+    """Load parameters only (fresh Adam state)."""
+    no_load_rng: bool = opt(False, "--no-load-rng", "with --load: do not restore random generators", "checkpoint")
+    """Do not restore the random number generators."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the text comes from and where its tokenized form is cached."""
+
+    data_paths: tuple[str, ...] = opt((), "--data", "text/jsonl file or folder; repeatable (default: the Python "
+                                      "standard library's .py files)", "data", metavar="PATH", append=True)
+    """Files or folders of text/jsonl; empty: the Python standard library's .py sources."""
+    data_cache_dir: str | None = opt(None, "--data-cache-dir", "where tokenizer and token files are cached "
+                                     "(default $PTDP_CACHE_DIR or ~/.cache/ptdp)", "data")
+    """Folder for the tokenizer and token files; None: $PTDP_CACHE_DIR or ~/.cache/ptdp."""
+    valid_fraction: float = opt(0.02, "--valid-fraction", "fraction of documents held out for validation", "data")
+    """Fraction of documents held out for validation (split by document, never inside one)."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How ``ptdp train`` starts and watches its local workers (not part of the training itself)."""
+
+    nproc_per_node: int | None = opt(None, "--nproc-per-node", "local worker processes (default: TP x PP x DP if "
+                                     "--dp is given, else 8 when TP x PP divides it, else TP x PP)", "layout",
+                                     local=True)
+    """Workers ``ptdp train`` starts on this machine; None: see :func:`ptdp.spec.resolve.local_world_size`."""
+    max_restarts: int = opt(0, "--max-restarts", "when a worker dies, restart all workers up to N times; a "
+                            "restarted job resumes from the newest checkpoint in --save", "layout", metavar="N",
+                            local=True)
+    """Restarts of all workers after a failure (0: a failed worker ends the run)."""
+    force: bool = opt(False, "--force", "start even when the planner's memory estimate says the run does not fit",
+                      "launch")
+    """Start even when the memory estimate says the run cannot fit."""
+    overwrite: bool = opt(False, "--overwrite", "allow writing into an existing, non-empty --output-dir", "data")
+    """Write into an existing, non-empty run directory."""
+    no_progress: bool = opt(False, "--no-progress", "no live progress bar", "data")
+    """No live progress bar."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole run: model, parallel layout, training, data, checkpoint and launch settings, and
+    the output folder."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    output_dir: str | None = opt(None, "--output-dir", "run directory (default runs/<time>-tpX-ppY-dpZ)", "data")
+    """The run directory; None: ``runs/<YYYYmmdd-HHMMSS>-tp<T>-pp<P>-dp<D>``."""
+    hardware_profile: str | None = opt(None, "--hardware-profile", "profile from `ptdp plan --calibrate` for the "
+                                       "planner's step-time prediction (default: $PTDP_CACHE_DIR/hardware-profile.json "
+                                       "if it exists)", "data", metavar="FILE")
+    """Profile from ``ptdp plan --calibrate`` used to predict the run's step time; None: the
+    default location if it exists."""
+
+    @property
+    def num_microbatches(self) -> int:
+        """m = B / (b * dp): microbatches per pipeline per optimizer step."""
+        t = self.train
+        return t.global_batch_size // (t.micro_batch_size * self.parallel.dp)
+
+    @property
+    def grad_compression_warmup(self) -> int:
+        """Iterations (0-based steps ``< this``) whose gradients are reduced exactly in fp32."""
+        return self.parallel.codec.exact_iters(self.train.lr_warmup_iters)
+
+    @property
+    def world_size(self) -> int:
+        p = self.parallel
+        return p.tp * p.pp * p.dp
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Config:
+        """The config ``to_dict`` wrote (lists back to tuples; a missing section takes its defaults)."""
+        parallel = dict(d["parallel"])
+        if parallel.get("pipeline_layer_split") is not None:
+            parallel["pipeline_layer_split"] = tuple(parallel["pipeline_layer_split"])
+        data = dict(d["data"])
+        data["data_paths"] = tuple(data.get("data_paths", ()))
+        return cls(
+            model=ModelConfig(**d["model"]), parallel=ParallelConfig(**parallel), train=TrainConfig(**d["train"]),
+            data=DataConfig(**data), checkpoint=CheckpointConfig(**d.get("checkpoint", {})),
+            launch=LaunchConfig(**d.get("launch", {})), output_dir=d.get("output_dir"),
+            hardware_profile=d.get("hardware_profile"),
+        )
+
+
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
+            "checkpoint": CheckpointConfig, "launch": LaunchConfig}
+"""The sections of :class:`Config`, by attribute name; its own fields follow them."""

@@ -1,0 +1,90 @@
+"""The pieces of the configuration schema: the flag a field carries and the choices.
+
+The schema (:mod:`ptdp.spec.model`, :mod:`ptdp.spec.parallel`, :mod:`ptdp.spec.config`) is frozen
+dataclasses, a docstring per field, choices as ``Literal`` types, and on each field its
+command-line flag (:class:`Flag`: Megatron-LM's long name, a short alias, help, the group it is
+shown in, whether ``ptdp plan`` shares it). :mod:`ptdp.spec.flags` builds the argparse flags of
+``ptdp train``, ``python -m ptdp.train`` and ``ptdp plan`` from these fields, and
+:mod:`ptdp.spec.files` reads the same names from a config file, so a setting has one name,
+one type, one set of choices and one default everywhere. Sizes use "1 means disabled".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ptdp.data_parallel.codecs import CODECS
+
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+BIND_POLICIES = ("none", "numa", "exclusive")
+ACTIVATIONS = ("gelu", "gelu_tanh")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+GRAD_COMPRESSIONS = CODECS
+MIN_VOCAB_SIZE = 258  # 256 byte symbols + end-of-document token + at least one merge
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET = _Unset()
+"""No command-specific default: the field's own default applies."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a field appears on the command line and in config files.
+
+    Attributes:
+        name: the long flag (Megatron-LM's name where it has one).
+        aliases: short forms (``--tp``).
+        help: one line for ``--help``.
+        group: the argparse group (a key of :data:`GROUPS`).
+        plan: ``ptdp plan`` has the flag too (there its default is None: searched, or the model
+            preset's value).
+        cli_default: the default of ``ptdp train`` when it differs from the field's (tp = pp = 2).
+        none_choice: a choice that means None (``--recompute-granularity none``).
+        negate: the flag sets the field to False (``--disable-bias-linear``).
+        shortcuts: extra switches setting a value (``--bf16`` -> ``params_dtype=bfloat16``).
+        local: only ``ptdp train`` (its local launcher) has it, not ``python -m ptdp.train``.
+    """
+
+    name: str
+    help: str
+    group: str
+    aliases: tuple[str, ...] = ()
+    metavar: str | None = None
+    plan: bool = False
+    cli_default: Any = UNSET
+    none_choice: str | None = None
+    negate: bool = False
+    shortcuts: tuple[tuple[str, Any, str], ...] = ()
+    local: bool = False
+    append: bool = False
+
+
+GROUPS = {
+    "layout": "parallel layout (world = tp x pp x dp; TP innermost, PP outermost)",
+    "dp": "data-parallel gradient reduction and optimizer",
+    "checkpoint": "checkpoints",
+    "model": "model",
+    "recompute": "activation recomputation (same results, less activation memory, more compute)",
+    "train": "training",
+    "data": "data and output",
+    "launch": "launch",
+}
+
+
+def opt(default: Any, name: str, help: str, group: str, **flag: Any) -> Any:
+    """A dataclass field with ``default`` and its :class:`Flag` (the other arguments)."""
+    meta = {"flag": Flag(name=name, help=help, group=group, **flag)}
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)

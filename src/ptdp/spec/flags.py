@@ -1,0 +1,186 @@
+"""The command-line flags of ``ptdp train``, ``python -m ptdp.train`` and ``ptdp plan``, built from
+the schema's fields (:class:`~ptdp.spec.fields.Flag`), and the config they give back.
+
+Every flag's name, aliases, type, choices and help come from one field, so the commands share them:
+a boolean field gets ``--x/--no-x``, a ``Literal`` its choices (plus ``none`` where that means
+unset), a tuple of ints a comma list. For ``ptdp train`` the default is the field's (or the
+command's own, ``cli_default``: tp = pp = 2); for ``ptdp plan`` every shared flag defaults to None,
+meaning "search this choice" or "take the model preset's value".
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import typing
+from typing import Any, Iterator, Literal
+
+from ptdp.spec.config import SECTIONS, Config
+from ptdp.spec.fields import GROUPS, UNSET, Flag
+
+Command = Literal["train", "torchrun", "plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One field of the schema: its section (None: a field of :class:`Config` itself), name, type
+    and :class:`Flag`."""
+
+    section: str | None
+    name: str
+    type: Any
+    default: Any
+    flag: Flag
+
+    @property
+    def dest(self) -> str:
+        return self.name
+
+    @property
+    def kind(self) -> str:
+        """``bool``, ``choice``, ``ints`` (a tuple of ints), ``paths`` (a tuple of str) or ``scalar``."""
+        base = _without_none(self.type)
+        if base is bool:
+            return "bool"
+        if typing.get_origin(base) is Literal:
+            return "choice"
+        if typing.get_origin(base) is tuple:
+            return "ints" if typing.get_args(base)[0] is int else "paths"
+        return "scalar"
+
+    @property
+    def scalar_type(self) -> type:
+        return _without_none(self.type)
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return typing.get_args(_without_none(self.type)) if self.kind == "choice" else ()
+
+
+def _without_none(tp: Any) -> Any:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)) and len(args) == 1:
+        return args[0]
+    return tp
+
+
+def settings() -> Iterator[Setting]:
+    """Every field of the schema that has a flag, sections first, in declaration order."""
+    for section, cls in [*SECTIONS.items(), (None, Config)]:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = f.metadata.get("flag")
+            if flag is not None:
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                yield Setting(section, f.name, hints[f.name], default, flag)
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """``3,3,2`` -> ``(3, 3, 2)``."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_flags(parser: argparse.ArgumentParser, command: Command, defaults: dict[str, Any] | None = None) -> None:
+    """Add the flags of ``command`` to ``parser``: every field for ``train`` (``torchrun``: without
+    the local launcher's), the ``plan=True`` ones for ``plan`` (default None). ``defaults``
+    overrides the defaults by dest (e.g. the CPU timeout)."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for s in settings():
+        if (command == "plan" and not s.flag.plan) or (command == "torchrun" and s.flag.local):
+            continue
+        if s.flag.group not in groups:
+            groups[s.flag.group] = parser.add_argument_group(GROUPS[s.flag.group])
+        _add(groups[s.flag.group], s, command, (defaults or {}).get(s.dest, _default(s, command)))
+
+
+def _default(s: Setting, command: Command) -> Any:
+    if command == "plan":
+        return None
+    return s.flag.cli_default if s.flag.cli_default is not UNSET else s.default
+
+
+def _add(group, s: Setting, command: Command, default: Any) -> None:
+    f = s.flag
+    names = [f.name, *f.aliases]
+    if s.kind == "bool" and f.negate:
+        group.add_argument(*names, dest=s.dest, action="store_false", default=default if default is not None else True,
+                           help=f.help)
+        return
+    if s.kind == "bool" and f.name.startswith("--no-"):  # a switch that is itself a negation
+        group.add_argument(*names, dest=s.dest, action="store_true", default=default, help=f.help)
+        return
+    if s.kind == "bool":
+        group.add_argument(*names, dest=s.dest, action=argparse.BooleanOptionalAction, default=default,
+                           help=f.help + ("" if command != "plan" else " (default: search both)"))
+        return
+    kwargs: dict[str, Any] = {"dest": s.dest, "default": default, "help": f.help, "metavar": f.metavar}
+    if s.kind == "choice":
+        kwargs["choices"] = s.choices + ((f.none_choice,) if f.none_choice else ())
+        kwargs["type"] = _none_choice(f.none_choice) if f.none_choice else str
+        kwargs.pop("metavar")
+    elif s.kind == "ints":
+        kwargs["type"] = int_list
+    elif s.kind == "paths":
+        kwargs["action"] = _AppendReplacing
+    else:
+        kwargs["type"] = s.scalar_type
+    group.add_argument(*names, **kwargs)
+    for name, value, text in f.shortcuts:
+        group.add_argument(name, dest=s.dest, action="store_const", const=value, help=text)
+
+
+class _AppendReplacing(argparse.Action):
+    """``append``, except that the first use on the command line replaces the default (a list
+    from a config file) instead of adding to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        mark = f"_replaced_{self.dest}"
+        current = list(getattr(namespace, self.dest) or ()) if getattr(namespace, mark, False) else []
+        setattr(namespace, mark, True)
+        setattr(namespace, self.dest, [*current, values])
+
+
+def _none_choice(word: str):
+    def convert(text: str):
+        return None if text == word else text
+    return convert
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The (not yet resolved) :class:`Config` the parsed flags describe."""
+    values: dict[str | None, dict[str, Any]] = {section: {} for section in [*SECTIONS, None]}
+    for s in settings():
+        if not hasattr(args, s.dest):
+            continue
+        value = getattr(args, s.dest)
+        if s.kind == "paths":
+            value = tuple(value or ())
+        values[s.section][s.dest] = value
+    sections = {name: cls(**values[name]) for name, cls in SECTIONS.items()}
+    return Config(**sections, **values[None])
+
+
+def reject_unknown(parser: argparse.ArgumentParser, extra: list[str]) -> None:
+    """Exit 2 through ``parser`` (its own usage) naming the unrecognized arguments ``extra`` and, for
+    each unknown flag, the closest flags ``parser`` knows."""
+    known = [opt for action in parser._actions for opt in action.option_strings]
+    hints = []
+    for arg in extra:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("-") and flag not in known:
+            close = difflib.get_close_matches(flag, known, n=3, cutoff=0.6)
+            if close:
+                hints.append(f"{flag}: did you mean {' or '.join(close)}?")
+    parser.error(f"unrecognized arguments: {' '.join(extra)}" + "".join(f"\n  {h}" for h in hints))
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args`` whose unknown flags get the closest known ones (:func:`reject_unknown`)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        reject_unknown(parser, extra)
+    return args

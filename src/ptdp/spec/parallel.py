@@ -1,0 +1,115 @@
+"""The parallel layout and the data-parallel engine's settings (a section of the configuration
+schema, :mod:`ptdp.spec.fields`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ptdp.data_parallel.codecs import CodecChoice
+from ptdp.pipeline.partition import virtual_stages
+from ptdp.spec.fields import opt
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Sizes of the parallel axes; 1 means the axis is not used."""
+
+    tensor_model_parallel_size: int = opt(1, "--tensor-model-parallel-size", "tensor-parallel size: each layer's "
+                                          "matrices split over TP ranks", "layout", aliases=("--tp",), metavar="TP",
+                                          plan=True, cli_default=2)
+    """Tensor-parallel size t (``ptdp train``'s default: 2)."""
+    pipeline_model_parallel_size: int = opt(1, "--pipeline-model-parallel-size", "pipeline-parallel size: layers "
+                                            "split into PP stages", "layout", aliases=("--pp",), metavar="PP",
+                                            plan=True, cli_default=2)
+    """Pipeline-parallel size p (``ptdp train``'s default: 2)."""
+    data_parallel_size: int | None = opt(None, "--data-parallel-size", "data-parallel size (default: world size / "
+                                         "(TP x PP))", "layout", aliases=("--dp",), metavar="DP", plan=True)
+    """None: inferred as world_size / (tp * pp)."""
+    pipeline_layer_split: tuple[int, ...] | None = opt(
+        None, "--pipeline-layer-split", "explicit layers per pipeline stage, e.g. 3,3,2 (default: even split)",
+        "layout", metavar="N,N,...", plan=True)
+    """Explicit layers per pipeline stage (pp entries summing to num_layers); None: even split."""
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] | None = opt(
+        None, "--pipeline-schedule", "pipeline schedule (default: 1f1b, or interleaved-1f1b when "
+        "--num-layers-per-virtual-pipeline-stage is given)", "layout")
+    """gpipe, 1f1b or interleaved-1f1b; None: interleaved-1f1b when
+    num_layers_per_virtual_pipeline_stage is set, else 1f1b."""
+    num_layers_per_virtual_pipeline_stage: int | None = opt(
+        None, "--num-layers-per-virtual-pipeline-stage", "layers per model chunk for the interleaved schedule: "
+        "each rank holds num_layers / (PP x N) chunks", "layout", metavar="N", plan=True)
+    """Layers per model chunk; each rank then holds v = num_layers / (pp * this) chunks."""
+    sequence_parallel: bool = opt(False, "--sequence-parallel", "split the activations outside the tensor-parallel "
+                                  "regions along the sequence over TP (needs TP > 1 and seq_length % TP == 0)",
+                                  "layout", plan=True)
+    """Split the activations outside the tensor-parallel regions (norms, residual adds, the
+    embedding output) along the sequence over tp, ``[b, s/tp, h]`` per rank (Korthikanti et al.
+    2022, §4.2.2): the tp all-reduces become all-gathers and reduce-scatters of the same total,
+    those activations take 1/tp of the memory, and pipeline transfers carry ``[b, s/tp, h]``.
+    Needs tp > 1 and ``seq_length % tp == 0``."""
+    distributed_timeout_minutes: float = opt(
+        10.0, "--distributed-timeout-minutes", "timeout of every process group (fractions allowed): a worker that "
+        "waits longer for another fails the job, naming the rank, phase and iteration (ptdp train without CUDA: 2)",
+        "layout", metavar="MINUTES")
+    """Timeout of every process group, in minutes (fractions allowed): a collective or transfer
+    that waits longer fails the job with a message naming the rank, phase and iteration instead of
+    hanging. 10 as in Megatron-LM; ``ptdp train`` on a machine without CUDA defaults to 2."""
+    ddp_bucket_size: int | None = opt(None, "--ddp-bucket-size", "most gradient elements per bucket (default: "
+                                      "40,000,000)", "dp", metavar="ELEMENTS")
+    """Most gradient elements per data-parallel bucket; None: 40 million (Megatron's default)."""
+    overlap_grad_reduce: bool = opt(False, "--overlap-grad-reduce", "start each bucket's data-parallel reduction "
+                                    "during the last microbatch's backward", "dp")
+    """Start each bucket's data-parallel reduction during the last microbatch's backward."""
+    grad_compression: Literal["none", "fp16", "bf16", "1bit"] = opt(
+        "none", "--grad-compression", "reduce gradients over dp in fp32 (none), 16 bits, or 1 bit with error "
+        "feedback", "dp")
+    """Data-parallel gradient reduction in none (fp32), fp16, bf16 or 1bit (with error feedback)."""
+    grad_compression_warmup_iters: int | None = opt(
+        None, "--grad-compression-warmup-iters", "reduce the first N iterations exactly before compressing (default: "
+        "--lr-warmup-iters for 1bit, 0 for fp16/bf16)", "dp", metavar="N")
+    """First iterations reduced exactly (fp32) before the codec starts; None: the learning-rate
+    warmup for 1bit, 0 for fp16/bf16."""
+    use_distributed_optimizer: bool = opt(False, "--use-distributed-optimizer", "shard Adam's state and fp32 main "
+                                          "parameters over dp (ZeRO-1)", "dp", plan=True)
+    """Shard Adam's state (and float32 main parameters) over dp (ZeRO-1)."""
+    overlap_param_gather: bool = opt(False, "--overlap-param-gather", "with --use-distributed-optimizer: overlap the "
+                                     "parameter all-gather with the next forward", "dp")
+    """Distributed optimizer: all-gather updated parameters asynchronously; each module's forward
+    waits only for the buckets holding its own parameters."""
+    bind_cpus: Literal["none", "numa", "exclusive"] = opt(
+        "none", "--bind-cpus", "bind each worker to CPUs at start-up: numa = its GPU's NUMA node, exclusive = a "
+        "non-overlapping share of it", "layout")
+    """CPU binding of each worker at start-up: none (leave the affinity alone), numa (the allowed
+    CPUs of its GPU's NUMA node; without GPUs, of the node it is spread to) or exclusive (a
+    non-overlapping share of them); see :mod:`ptdp.topology.binding`."""
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def schedule(self) -> str:
+        if self.pipeline_schedule is not None:
+            return self.pipeline_schedule
+        return "interleaved-1f1b" if self.num_layers_per_virtual_pipeline_stage else "1f1b"
+
+    def virtual_stages(self, num_layers: int) -> int:
+        """v, the model chunks per pipeline rank."""
+        return virtual_stages(num_layers, self.pp, self.num_layers_per_virtual_pipeline_stage)
+
+    @property
+    def dp(self) -> int:
+        if self.data_parallel_size is None:
+            from ptdp.spec.errors import ConfigError
+
+            raise ConfigError("data_parallel_size is not resolved yet; call ptdp.spec.resolve")
+        return self.data_parallel_size
+
+    @property
+    def codec(self) -> CodecChoice:
+        """The data-parallel gradient codec and its exact warmup."""
+        return CodecChoice(self.grad_compression, self.grad_compression_warmup_iters)

@@ -1,0 +1,180 @@
+"""Check a request against every rule and fill in what it leaves open, before any process exists.
+
+:func:`resolve` reports every broken rule at once in one :class:`~ptdp.spec.errors.ConfigError`
+(its ``violations`` hold them as data) and returns the config with the data-parallel size, the
+schedule, the MLP width, the decay length and the recompute defaults filled in. It never touches
+torch.distributed: the launcher, the torchrun entry point and the tests call it before any
+process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ptdp.pipeline.partition import chunk_layer_counts
+from ptdp.spec.config import CheckpointConfig, Config, LaunchConfig, TrainConfig
+from ptdp.spec.errors import ConfigError, Violation, raise_violations
+from ptdp.spec.model import ModelConfig
+from ptdp.spec.parallel import ParallelConfig
+from ptdp.spec.rules import (V, data_parallel_violations, finite_violations, layout_violations,
+                             model_option_violations, positive_violations, recompute_violations,
+                             schedule_violations, sequence_parallel_violations)
+
+DEFAULT_LOCAL_WORKERS = 8
+"""Workers ``ptdp train`` starts when neither ``--nproc-per-node`` nor ``--dp`` says (if tp x pp divides it)."""
+
+
+def resolve(config: Config, world_size: int) -> Config:
+    """Check every rule for ``world_size`` processes and return the config with dp filled in.
+
+    Raises:
+        ConfigError: listing every broken rule with its values. Never touches torch.distributed.
+    """
+    p, m, t = config.parallel, config.model, config.train
+    raise_violations(positive_violations(_sizes(config, world_size)) + finite_violations(_floats(config)))
+    errors: list[Violation] = []
+    dp = _resolve_dp(p, world_size, errors)
+    errors += layout_violations(m, tp=p.tp, pp=p.pp, dp=dp, micro_batch_size=t.micro_batch_size,
+                                global_batch_size=t.global_batch_size, split=p.pipeline_layer_split)
+    errors += train_violations(t)
+    if not errors:
+        errors += schedule_violations(p, m.num_layers, t.global_batch_size // (t.micro_batch_size * dp))
+    chunks = None if errors else chunk_layer_counts(m.num_layers, p.pp, p.pipeline_layer_split,
+                                                    p.num_layers_per_virtual_pipeline_stage)
+    errors += recompute_violations(m, chunks)
+    errors += sequence_parallel_violations(m, p.tp, p.sequence_parallel)
+    errors += data_parallel_violations(p)
+    errors += checkpoint_violations(config.checkpoint)
+    errors += launch_violations(config.launch)
+    errors += model_option_violations(m)
+    if not 0 < config.data.valid_fraction < 1:
+        errors.append(V("option", f"valid_fraction={config.data.valid_fraction} must be in (0, 1)"))
+    if p.distributed_timeout_minutes <= 0:
+        errors.append(V("option", f"distributed_timeout_minutes={p.distributed_timeout_minutes} must be > 0"))
+    raise_violations(errors)
+    return dataclasses.replace(
+        config,
+        parallel=dataclasses.replace(p, data_parallel_size=dp, pipeline_schedule=p.schedule),
+        model=dataclasses.replace(m, ffn_hidden_size=m.ffn, **_recompute_defaults(m)),
+        train=dataclasses.replace(t, lr_decay_iters=t.decay_iters),
+    )
+
+
+def _sizes(config: Config, world_size: int) -> dict[str, object]:
+    p, m, t = config.parallel, config.model, config.train
+    sizes = {
+        "tensor_model_parallel_size": p.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
+        "ffn_hidden_size": m.ffn, "seq_length": m.seq_length, "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+        "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size, "train_iters": t.train_iters,
+        "log_interval": t.log_interval, "eval_interval": t.eval_interval, "world_size": world_size,
+    }
+    if p.data_parallel_size is not None:
+        sizes["data_parallel_size"] = p.data_parallel_size
+    return sizes
+
+
+def _floats(config: Config) -> dict[str, object]:
+    t, m = config.train, config.model
+    return {
+        "lr": t.lr, "min_lr": t.min_lr, "weight_decay": t.weight_decay, "adam_beta1": t.adam_beta1,
+        "adam_beta2": t.adam_beta2, "adam_eps": t.adam_eps, "clip_grad": t.clip_grad,
+        "init_method_std": m.init_method_std, "layernorm_epsilon": m.layernorm_epsilon, "rotary_base": m.rotary_base,
+        "hidden_dropout": m.hidden_dropout, "attention_dropout": m.attention_dropout,
+        "valid_fraction": config.data.valid_fraction,
+        "distributed_timeout_minutes": config.parallel.distributed_timeout_minutes,
+    }
+
+
+def _resolve_dp(p: ParallelConfig, world_size: int, errors: list[Violation]) -> int:
+    tp, pp = p.tp, p.pp
+    if p.data_parallel_size is None:
+        if world_size % (tp * pp) != 0:
+            errors.append(V("world size", f"world_size={world_size} is not divisible by tp*pp={tp}*{pp}={tp * pp} "
+                            f"(rule: world_size = tp * pp * dp)"))
+            return 1
+        return world_size // (tp * pp)
+    dp = p.data_parallel_size
+    if tp * pp * dp != world_size:
+        errors.append(V("world size", f"world_size={world_size} != tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} "
+                        f"(rule: world_size = tp * pp * dp)"))
+    return dp
+
+
+def train_violations(t: TrainConfig) -> list[Violation]:
+    """Learning rate, schedule, optimizer, evaluation, skipping, tracing and seed."""
+    out = []
+    if not t.lr > 0:
+        out.append(V("option", f"lr={t.lr} must be > 0"))
+    if not 0 <= t.min_lr <= t.lr:
+        out.append(V("option", f"min_lr={t.min_lr} must be in [0, lr={t.lr}]"))
+    if t.lr_warmup_iters < 0 or t.lr_warmup_iters > t.decay_iters:
+        out.append(V("option", f"lr_warmup_iters={t.lr_warmup_iters} must be in [0, lr_decay_iters={t.decay_iters}]"))
+    if t.weight_decay < 0:
+        out.append(V("option", f"weight_decay={t.weight_decay} must be >= 0"))
+    if t.clip_grad < 0:
+        out.append(V("option", f"clip_grad={t.clip_grad} must be >= 0 (0 disables clipping)"))
+    if not (0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1) or t.adam_eps <= 0:
+        out.append(V("option", f"adam betas ({t.adam_beta1}, {t.adam_beta2}) must be in [0, 1) and "
+                     f"adam_eps={t.adam_eps} > 0"))
+    if t.eval_iters < 0:
+        out.append(V("option", f"eval_iters={t.eval_iters} must be >= 0 (0 disables evaluation)"))
+    if not isinstance(t.max_skipped_steps, int) or t.max_skipped_steps < 0:
+        out.append(V("option", f"max_skipped_steps={t.max_skipped_steps!r} must be an integer >= 0 (0: stop at the "
+                     f"first non-finite step)"))
+    if t.trace_iters < 0:
+        out.append(V("option", f"trace_iters={t.trace_iters} must be >= 0 (0 disables tracing)"))
+    if not 0 <= t.seed < 2**63:
+        out.append(V("option", f"seed={t.seed} must be in [0, 2**63)"))
+    return out
+
+
+def checkpoint_violations(c: CheckpointConfig) -> list[Violation]:
+    out = positive_violations({name: getattr(c, name) for name in ("save_interval", "keep_last")
+                               if getattr(c, name) is not None})
+    if c.save is None:
+        out += [V("checkpoint", f"{name}={getattr(c, name)} needs a save directory (--save)")
+                for name in ("save_interval", "keep_last") if getattr(c, name) is not None]
+    if c.load is None:
+        out += [V("checkpoint", f"{name} needs --load") for name in ("no_load_optim", "no_load_rng") if getattr(c, name)]
+    return out
+
+
+def launch_violations(launch: LaunchConfig) -> list[Violation]:
+    out = []
+    n = launch.nproc_per_node
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        out.append(V("positive", f"nproc_per_node={n} must be a positive integer (local worker processes; default: "
+                     f"tp x pp x dp)"))
+    r = launch.max_restarts
+    if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+        out.append(V("option", f"max_restarts={r!r} must be >= 0 (0: a failed worker ends the run)"))
+    return out
+
+
+def local_world_size(config: Config) -> int:
+    """Workers ``ptdp train`` starts on this machine: ``--nproc-per-node``, else tp x pp x dp when
+    dp is given, else 8 when tp x pp divides it, else tp x pp. ConfigError for a bad count."""
+    launch, p = config.launch, config.parallel
+    raise_violations(launch_violations(launch))
+    if launch.nproc_per_node is not None:
+        return launch.nproc_per_node
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    if p.data_parallel_size is not None:
+        return model_parallel * p.data_parallel_size
+    if model_parallel > 0 and DEFAULT_LOCAL_WORKERS % model_parallel == 0:
+        return DEFAULT_LOCAL_WORKERS
+    return model_parallel
+
+
+def _recompute_defaults(m: ModelConfig) -> dict:
+    """Full recompute without a method or count: uniform, one layer per group."""
+    if m.recompute_granularity != "full":
+        return {}
+    method = m.recompute_method or "uniform"
+    return {"recompute_method": method,
+            "recompute_num_layers": m.recompute_num_layers or (1 if method == "uniform" else None)}
+
+
+__all__ = ["ConfigError", "local_world_size", "resolve"]

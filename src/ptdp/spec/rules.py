@@ -1,0 +1,223 @@
+"""The rules a request must satisfy, as pure functions returning :class:`Violation` objects.
+
+``ptdp train`` (:func:`ptdp.spec.resolve.resolve`) and the planner (:mod:`ptdp.planner.rules`)
+call the same functions, so every layout the planner proposes can run; each violation carries a
+rule id the planner groups by, the values it saw, and a message naming them.
+
+Sources: Narayanan et al. SC21, arXiv:2104.04473 (layout, schedules); Shoeybi et al.,
+arXiv:1909.08053 (tensor parallelism); Korthikanti et al. 2022, arXiv:2205.05198 (sequence
+parallelism, recompute).
+
+- ``heads % tp == 0`` (attention is split by heads), ``hidden % heads == 0``, ``ffn % tp == 0``
+- ``num_layers % pp == 0`` unless an explicit ``pipeline_layer_split`` (pp entries >= 1 summing
+  to ``num_layers``)
+- ``global_batch_size % (micro_batch_size * dp) == 0``
+- interleaved 1F1B: ``num_layers % (pp * layers_per_chunk) == 0``, ``pp >= 2``, ``m % pp == 0``
+- grouped-query attention: ``heads % G == 0`` and ``G % tp == 0``; rotary needs an even head dim
+- sequence parallelism: ``tp > 1`` and ``seq_length % tp == 0``
+- recompute: method and count need ``full``; ``1 <= recompute_num_layers <=`` layers per chunk
+"""
+
+from __future__ import annotations
+
+import math
+
+from ptdp.pipeline.partition import stage_layer_counts
+from ptdp.spec.errors import ConfigError, Violation
+from ptdp.spec.fields import (ACTIVATIONS, BIND_POLICIES, DTYPES, GRAD_COMPRESSIONS, MIN_VOCAB_SIZE, NORMALIZATIONS,
+                              POSITION_EMBEDDINGS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, SCHEDULES)
+from ptdp.spec.model import ModelConfig
+from ptdp.spec.parallel import ParallelConfig
+
+
+def V(rule: str, message: str, **values) -> Violation:  # noqa: N802 - a short constructor
+    return Violation(rule, message, values)
+
+
+def model_violations(m: ModelConfig, tp: int, pp: int, split: tuple[int, ...] | None) -> list[Violation]:
+    """Rules tying the model to tp and pp (heads, hidden, ffn, layers per stage, vocabulary, dtype)."""
+    out = []
+    a, h = m.num_attention_heads, m.hidden_size
+    if a % tp != 0:
+        out.append(V("heads % tp", f"num_attention_heads={a} is not divisible by tensor_model_parallel_size={tp} "
+                     f"(rule: heads % tp == 0; attention is split by heads)", heads=a, tp=tp))
+    if h % a != 0:
+        out.append(V("hidden % heads", f"hidden_size={h} is not divisible by num_attention_heads={a} (rule: h % a == 0)",
+                     hidden=h, heads=a))
+    if m.ffn % tp != 0:
+        out.append(V("ffn % tp", f"ffn_hidden_size={m.ffn} is not divisible by tensor_model_parallel_size={tp} "
+                     f"(rule: ffn % tp == 0)", ffn=m.ffn, tp=tp))
+    out += llama_option_violations(m, tp)
+    try:
+        stage_layer_counts(m.num_layers, pp, split)
+    except ConfigError as e:
+        out.append(V("layers % pp", str(e), num_layers=m.num_layers, pp=pp, split=split))
+    if m.vocab_size < MIN_VOCAB_SIZE:
+        out.append(V("vocab size", f"vocab_size={m.vocab_size} must be >= {MIN_VOCAB_SIZE} (256 bytes + end token + "
+                     f"merges)", vocab_size=m.vocab_size))
+    if m.params_dtype not in DTYPES:
+        out.append(V("option", f"params_dtype={m.params_dtype!r} must be one of {DTYPES}"))
+    if m.init_method_std <= 0:
+        out.append(V("option", f"init_method_std={m.init_method_std} must be > 0"))
+    return out
+
+
+def llama_option_violations(m: ModelConfig, tp: int) -> list[Violation]:
+    """Normalization, positions and grouped-query attention (the options of Llama-like models)."""
+    out = []
+    a, g = m.num_attention_heads, m.num_query_groups
+    if m.normalization not in NORMALIZATIONS:
+        out.append(V("option", f"normalization={m.normalization!r} must be one of {NORMALIZATIONS}"))
+    if m.position_embedding_type not in POSITION_EMBEDDINGS:
+        out.append(V("option", f"position_embedding_type={m.position_embedding_type!r} must be one of "
+                     f"{POSITION_EMBEDDINGS}"))
+    elif m.position_embedding_type == "rope" and a > 0 and m.hidden_size % a == 0 and (m.hidden_size // a) % 2:
+        out.append(V("rope head dim", f"head dim hidden_size / num_attention_heads = {m.hidden_size}/{a} = "
+                     f"{m.hidden_size // a} is odd (rule: rotary embeddings turn pairs of channels, the head dim must "
+                     f"be even)"))
+    if not m.rotary_base > 0:
+        out.append(V("option", f"rotary_base={m.rotary_base} must be > 0"))
+    if g is None:
+        return out
+    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+        return out + [V("option", f"num_query_groups={g!r} must be a positive integer")]
+    if a % g:
+        out.append(V("heads % groups", f"num_attention_heads={a} is not divisible by num_query_groups={g} "
+                     f"(rule: heads % groups == 0; each key/value head serves a / G query heads)"))
+    if g % tp:
+        out.append(V("kv heads % tp", f"num_query_groups={g} is not divisible by tensor_model_parallel_size={tp} "
+                     f"(rule: query groups must divide by tp; each tp rank holds whole key/value heads)",
+                     groups=g, tp=tp))
+    return out
+
+
+def layout_violations(m: ModelConfig, *, tp: int, pp: int, dp: int, micro_batch_size: int, global_batch_size: int,
+                      split: tuple[int, ...] | None = None) -> list[Violation]:
+    """The rules tying a model and batch to a tp x pp x dp layout (shared with the planner)."""
+    out = model_violations(m, tp, pp, split)
+    b, big_b = micro_batch_size, global_batch_size
+    if big_b % (b * dp) != 0:
+        out.append(V("B % (b * dp)", f"global_batch_size={big_b} is not divisible by micro_batch_size*dp = {b}*{dp} = "
+                     f"{b * dp} (rule: B % (b * dp) == 0)", global_batch_size=big_b, micro_batch_size=b, dp=dp))
+    return out
+
+
+def schedule_violations(p: ParallelConfig, num_layers: int, num_microbatches: int) -> list[Violation]:
+    """Rules of the pipeline schedule (Narayanan et al. SC21, §2.2)."""
+    kind, per_chunk, pp, m = p.schedule, p.num_layers_per_virtual_pipeline_stage, p.pp, num_microbatches
+    if kind not in SCHEDULES:
+        return [V("option", f"pipeline_schedule={kind!r} must be one of {SCHEDULES}")]
+    out = []
+    if per_chunk is not None:
+        if not isinstance(per_chunk, int) or per_chunk < 1:
+            return [V("option", f"num_layers_per_virtual_pipeline_stage={per_chunk!r} must be a positive integer")]
+        if num_layers % (pp * per_chunk):
+            out.append(V("interleaving", f"num_layers={num_layers} is not divisible by pp * "
+                         f"num_layers_per_virtual_pipeline_stage = {pp}*{per_chunk} = {pp * per_chunk} (rule: layers "
+                         f"split evenly over pp * v model chunks)"))
+        if kind != "interleaved-1f1b":
+            out.append(V("interleaving", f"num_layers_per_virtual_pipeline_stage needs the interleaved-1f1b schedule, "
+                         f"not {kind}"))
+        if p.pipeline_layer_split is not None:
+            out.append(V("interleaving", "pipeline_layer_split cannot be combined with virtual pipeline stages"))
+    if kind == "interleaved-1f1b":
+        if per_chunk is None:
+            out.append(V("interleaving", "the interleaved-1f1b schedule needs num_layers_per_virtual_pipeline_stage"))
+        if pp < 2:
+            out.append(V("interleaving", f"the interleaved-1f1b schedule needs pipeline_model_parallel_size >= 2, "
+                         f"got {pp}"))
+        elif m % pp:
+            out.append(V("interleaving", f"the interleaved-1f1b schedule needs num_microbatches % pp == 0: "
+                         f"num_microbatches={m} (= global_batch_size / (micro_batch_size * dp)), pp={pp}",
+                         num_microbatches=m, pp=pp))
+    return out
+
+
+def sequence_parallel_violations(m: ModelConfig, tp: int, sequence_parallel: bool) -> list[Violation]:
+    """Rules of sequence parallelism (Korthikanti et al. 2022, §4.2.2)."""
+    if not sequence_parallel:
+        return []
+    if tp < 2:
+        return [V("sequence parallel", f"sequence_parallel needs tensor_model_parallel_size > 1, got {tp} (rule: the "
+                  f"sequence is split over the tp ranks)")]
+    if m.seq_length % tp:
+        return [V("sequence parallel", f"seq_length={m.seq_length} is not divisible by tensor_model_parallel_size={tp} "
+                  f"(rule: s % tp == 0 with sequence_parallel; each tp rank holds s / tp positions)")]
+    return []
+
+
+def recompute_violations(m: ModelConfig, chunk_layers: list[int] | None) -> list[Violation]:
+    """Rules of activation recomputation; ``chunk_layers``: the layers of every model chunk (None
+    when the layout is invalid: the range of recompute_num_layers is then not checked)."""
+    granularity, method, n = m.recompute_granularity, m.recompute_method, m.recompute_num_layers
+    if granularity is not None and granularity not in RECOMPUTE_GRANULARITIES:
+        return [V("option", f"recompute_granularity={granularity!r} must be one of {RECOMPUTE_GRANULARITIES} (or "
+                  f"unset: no recompute)")]
+    out = []
+    if method is not None and method not in RECOMPUTE_METHODS:
+        out.append(V("option", f"recompute_method={method!r} must be one of {RECOMPUTE_METHODS}"))
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        out.append(V("option", f"recompute_num_layers={n!r} must be a positive integer"))
+        n = None
+    if granularity != "full":
+        return out + [V("recompute", f"{name}={value!r} needs recompute_granularity=full, not {granularity!r}")
+                      for name, value in (("recompute_method", method), ("recompute_num_layers", m.recompute_num_layers))
+                      if value is not None]
+    if method == "block" and m.recompute_num_layers is None:
+        out.append(V("recompute", "recompute_method=block needs recompute_num_layers (the layers recomputed per "
+                     "model chunk)"))
+    if n is not None and chunk_layers and n > min(chunk_layers):
+        out.append(V("recompute", f"recompute_num_layers={n} is more than the {min(chunk_layers)} layers of the "
+                     f"smallest model chunk (layers per chunk: {chunk_layers}; rule: 1 <= recompute_num_layers <= "
+                     f"layers per model chunk)"))
+    return out
+
+
+def data_parallel_violations(p: ParallelConfig) -> list[Violation]:
+    """Rules of the data-parallel engine: codec, distributed optimizer, buckets, CPU binding."""
+    out = []
+    if p.grad_compression not in GRAD_COMPRESSIONS:
+        out.append(V("option", f"grad_compression={p.grad_compression!r} must be one of {GRAD_COMPRESSIONS}"))
+    if p.overlap_param_gather and not p.use_distributed_optimizer:
+        out.append(V("data parallel", "overlap_param_gather needs use_distributed_optimizer (only the distributed "
+                     "optimizer all-gathers parameters)"))
+    if p.grad_compression == "1bit" and p.use_distributed_optimizer:
+        out.append(V("data parallel", "grad_compression=1bit cannot be combined with use_distributed_optimizer "
+                     "(1-bit gradients are all-gathered, not reduce-scattered)"))
+    warmup = p.grad_compression_warmup_iters
+    if warmup is not None and (not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0):
+        out.append(V("option", f"grad_compression_warmup_iters={warmup!r} must be an integer >= 0"))
+    elif warmup is not None and p.grad_compression == "none":
+        out.append(V("data parallel", f"grad_compression_warmup_iters={warmup} has no effect with "
+                     f"grad_compression=none"))
+    if p.ddp_bucket_size is not None and (not isinstance(p.ddp_bucket_size, int) or p.ddp_bucket_size < 1):
+        out.append(V("option", f"ddp_bucket_size={p.ddp_bucket_size!r} must be a positive integer (elements)"))
+    if p.bind_cpus not in BIND_POLICIES:
+        out.append(V("option", f"bind_cpus={p.bind_cpus!r} must be one of {BIND_POLICIES}"))
+    return out
+
+
+def model_option_violations(m: ModelConfig) -> list[Violation]:
+    """Dropout probabilities and the activation."""
+    out = [V("option", f"{name}={value} must be in [0, 1) (a dropout probability; 0 disables)")
+           for name, value in (("hidden_dropout", m.hidden_dropout), ("attention_dropout", m.attention_dropout))
+           if not 0 <= value < 1]
+    if m.activation not in ACTIVATIONS:
+        out.append(V("option", f"activation={m.activation!r} must be one of {ACTIVATIONS}"))
+    elif m.swiglu and m.activation != "gelu":
+        out.append(V("option", f"activation={m.activation!r} has no effect with swiglu (the gate uses silu)"))
+    return out
+
+
+def positive_violations(values: dict[str, object]) -> list[Violation]:
+    """Each value must be a positive integer."""
+    return [V("positive", f"{name}={value!r} must be a positive integer", **{name: value})
+            for name, value in values.items()
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1]
+
+
+def finite_violations(values: dict[str, object]) -> list[Violation]:
+    """Each value must be a finite number (nan or inf would train silently wrong)."""
+    return [V("finite", f"{name}={value!r} must be a finite number")
+            for name, value in values.items()
+            if not isinstance(value, (int, float)) or not math.isfinite(value)]
