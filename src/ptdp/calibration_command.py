@@ -12,6 +12,7 @@ from pathlib import Path
 from ptdp.args import DEFAULT_PP, DEFAULT_TP
 from ptdp.calibration import calibrate_worker
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.planner.args import plan_precision
 from ptdp.planner.profile import default_profile_path
 
 
@@ -20,7 +21,7 @@ def calibration_config(args: argparse.Namespace) -> Config:
     model = ModelConfig()
     shape = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                                            "vocab_size", "seq_length") if getattr(args, k) is not None}
-    model = dataclasses.replace(model, **shape, params_dtype="bfloat16" if args.precision == "bf16" else "float32")
+    model = dataclasses.replace(model, **shape, params_dtype="bfloat16" if plan_precision(args) == "bf16" else "float32")
     train = TrainConfig()
     batch = {k: getattr(args, k) for k in ("micro_batch_size", "global_batch_size") if getattr(args, k) is not None}
     parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size or DEFAULT_TP,
@@ -34,7 +35,7 @@ def run_calibration(args: argparse.Namespace) -> int:
     from ptdp.launch import launch_workers
 
     config = calibration_config(args)
-    precision = args.precision or "fp32"
+    precision = plan_precision(args) or "fp32"
     out = Path(args.hardware_profile) if args.hardware_profile else default_profile_path()
     p = config.parallel
     print(f"calibrating with {args.nproc_per_node} workers, tp={p.tp} pp={p.pp} dp={p.dp}, {precision}, "

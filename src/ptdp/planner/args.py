@@ -1,25 +1,36 @@
-"""Flags of ``ptdp plan``; names match ``ptdp train`` (and Megatron-LM) where they overlap."""
+"""Flags of ``ptdp plan``. The flags it shares with ``ptdp train`` (model shape, layout, batch,
+recompute, sequence parallelism, distributed optimizer, precision) are generated from the same
+schema fields (:mod:`ptdp.spec.flags`): the same names, aliases, types and choices; here each
+defaults to None, meaning "take the preset's value" (model) or "search this choice" (layout).
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from ptdp.args import int_list
-from ptdp.planner.plan import RECOMPUTE
+from ptdp.spec import ConfigError
+from ptdp.spec.flags import add_flags
+
+#: ptdp train's --params-dtype as the planner's precision (float64 is not planned)
+PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def plan_precision(args: argparse.Namespace) -> str | None:
+    """The planner's precision for ``--params-dtype`` / ``--bf16`` / ``--fp16`` / ``--fp32`` (None
+    when not given); ConfigError for float64, which the planner does not model."""
+    dtype = getattr(args, "params_dtype", None)
+    if dtype is None:
+        return None
+    if dtype not in PRECISION:
+        raise ConfigError(f"params_dtype={dtype!r}: the planner models bfloat16, float16 and float32 training "
+                          f"(--bf16, --fp16, --fp32)")
+    return PRECISION[dtype]
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model (a preset, optionally overridden, or the shape flags alone)")
     g.add_argument("--model", help="preset name, e.g. gpt3-175b, gpt-1.7b ... gpt-1008b, llama2-70b, llama3-8b")
-    g.add_argument("--num-layers", type=int)
-    g.add_argument("--hidden-size", type=int)
-    g.add_argument("--num-attention-heads", type=int)
-    g.add_argument("--ffn-hidden-size", type=int, help="default 4 x hidden size (GPT)")
-    g.add_argument("--vocab-size", type=int, help="default 51200 unless the preset says otherwise")
-    g.add_argument("--seq-length", type=int, help="tokens per sample (default: the preset's, else 2048)")
-    g.add_argument("--num-query-groups", type=int, help="key/value heads (grouped-query attention)")
-    g.add_argument("--swiglu", action="store_true", help="gated MLP with three matrices (Llama)")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    add_flags(parser, "plan")  # shared with ptdp train: the model shape, layout, batch and options
 
     g = parser.add_argument_group("cluster")
     g.add_argument("--gpus", type=int, required=False, help="number of GPUs (required unless --validate)")
@@ -29,31 +40,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--topology", metavar="FILE",
                    help="saved `nvidia-smi topo -m` output of one node: its GPU count and link types "
                         "(NVLink or PCIe) replace the catalog's node")
-
-    g = parser.add_argument_group("layout: any flag given fixes that choice, the others are searched")
-    g.add_argument("--tensor-model-parallel-size", "--tp", type=int, metavar="TP")
-    g.add_argument("--pipeline-model-parallel-size", "--pp", type=int, metavar="PP")
-    g.add_argument("--data-parallel-size", "--dp", type=int, metavar="DP")
-    g.add_argument("--micro-batch-size", "--mbs", type=int)
-    g.add_argument("--global-batch-size", "--gbs", type=int, help="samples per step (required unless --validate)")
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
-                   help="layers per model chunk: interleaved 1F1B with v = layers / (pp x this)")
-    g.add_argument("--pipeline-layer-split", type=int_list, metavar="N,N,...",
-                   help="explicit layers per pipeline stage (uneven splits, e.g. 9,10,10,9); fixes pp, v = 1")
-    g.add_argument("--virtual-pipeline-stages", type=int, help="v directly (alternative to the flag above)")
-    g.add_argument("--recompute-granularity", choices=RECOMPUTE,
-                   help="activation recomputation (default: search none, selective and full)")
-    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
-                   help="sequence parallelism on or off (default: search both)")
-    g.add_argument("--use-distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
-                   help="ZeRO-1 optimizer sharding on or off (default: search both)")
-    prec = g.add_mutually_exclusive_group()
-    prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
-                      help="bf16 mixed precision (default for planning)")
-    prec.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help="fp16 mixed precision")
-    prec.add_argument("--fp32", dest="precision", action="store_const", const="fp32",
-                      help="fp32 training (default for --calibrate, like ptdp train)")
-    parser.set_defaults(precision=None)
+    g.add_argument("--virtual-pipeline-stages", type=int,
+                   help="v directly (alternative to --num-layers-per-virtual-pipeline-stage)")
 
     g = parser.add_argument_group("output")
     g.add_argument("--top", type=int, default=10, help="fitting layouts to list (default: %(default)s)")

@@ -7,6 +7,7 @@ from pathlib import Path
 import dataclasses
 
 from ptdp.spec import ConfigError, stage_layer_counts
+from ptdp.planner.args import plan_precision
 from ptdp.planner.hardware import CATALOG, Cluster, GiB, get_gpu, load_catalog
 from ptdp.planner.models import ModelSpec, get_model
 from ptdp.planner.report import json_report, plot, text_report
@@ -24,10 +25,10 @@ _SHAPE_FLAGS = {
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
     """The preset named by ``--model`` with any shape flags applied, or a model from the flags alone."""
     overrides = {field: getattr(args, flag) for flag, field in _SHAPE_FLAGS.items() if getattr(args, flag) is not None}
-    if args.swiglu:
-        overrides["swiglu"] = True
-    if args.untie_embeddings_and_output_weights:
-        overrides["tied"] = False
+    if args.swiglu is not None:  # --swiglu / --no-swiglu; not given: the preset's
+        overrides["swiglu"] = args.swiglu
+    if args.untie_embeddings_and_output_weights is not None:
+        overrides["tied"] = not args.untie_embeddings_and_output_weights
     if args.model:
         return dataclasses.replace(get_model(args.model), **overrides)
     missing = [f"--{f.replace('_', '-')}" for f in ("num_layers", "hidden_size", "num_attention_heads")
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     overhead = None if args.memory_overhead_gib is None else args.memory_overhead_gib * GiB
     fixed = fixed_from_args(args)
     check_request(cluster, args.global_batch_size, fixed, top=args.top, overhead_bytes=overhead)
-    precision = args.precision or ("bf16" if "bf16" in gpu.peak_flops else sorted(gpu.peak_flops)[0])
+    precision = plan_precision(args) or ("bf16" if "bf16" in gpu.peak_flops else sorted(gpu.peak_flops)[0])
     if precision not in gpu.peak_flops:
         raise ConfigError(f"{gpu.name} has no peak FLOP/s for {precision}; known: {sorted(gpu.peak_flops)}")
     result = search(model, cluster, args.global_batch_size, fixed=fixed,

@@ -104,7 +104,7 @@ def _default(s: Setting, command: Command) -> Any:
 
 
 def _add(group, s: Setting, command: Command, default: Any) -> None:
-    f = s.flag
+    f = dataclasses.replace(s.flag, help=s.flag.help.replace("%", "%%"))  # argparse formats help with %
     names = [f.name, *f.aliases]
     if s.kind == "bool" and f.negate:
         group.add_argument(*names, dest=s.dest, action="store_false", default=default if default is not None else True,
@@ -114,13 +114,15 @@ def _add(group, s: Setting, command: Command, default: Any) -> None:
         group.add_argument(*names, dest=s.dest, action="store_true", default=default, help=f.help)
         return
     if s.kind == "bool":
+        searched = command == "plan" and s.section in ("parallel", "train") or s.name == "recompute_granularity"
         group.add_argument(*names, dest=s.dest, action=argparse.BooleanOptionalAction, default=default,
-                           help=f.help + ("" if command != "plan" else " (default: search both)"))
+                           help=f.help + (" (default: search both)" if command == "plan" and searched else ""))
         return
     kwargs: dict[str, Any] = {"dest": s.dest, "default": default, "help": f.help, "metavar": f.metavar}
     if s.kind == "choice":
         kwargs["choices"] = s.choices + ((f.none_choice,) if f.none_choice else ())
-        kwargs["type"] = _none_choice(f.none_choice) if f.none_choice else str
+        # train: the none choice means unset; plan: None means "search", so it keeps the word
+        kwargs["type"] = _none_choice(f.none_choice) if f.none_choice and command != "plan" else str
         kwargs.pop("metavar")
     elif s.kind == "ints":
         kwargs["type"] = int_list

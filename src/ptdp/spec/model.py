@@ -29,7 +29,7 @@ class ModelConfig:
                           "model", plan=True)
     """Size of the tokenizer to train (before padding)."""
     make_vocab_size_divisible_by: int = opt(128, "--make-vocab-size-divisible-by",
-                                            "pad the vocabulary to a multiple of this x TP", "model", plan=True)
+                                            "pad the vocabulary to a multiple of this x TP", "model")
     """The embedding is padded to a multiple of this times tp; padded rows never affect the loss."""
     untie_embeddings_and_output_weights: bool = opt(
         False, "--untie-embeddings-and-output-weights",
