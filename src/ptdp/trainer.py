@@ -40,95 +40,116 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     checkpoint to resume from), marked on the metrics lines.
     """
     config = with_vocab(config, data.vocab_size)
-    t, m = config.train, config.model
-    is_logger = groups.global_rank == 0
+    t, ck = config.train, config.checkpoint
     stage = build_stage(config, groups, device)
-    ck = config.checkpoint
-    start, consumed = 0, 0  # resumed runs continue from the checkpoint's sample position
-
-    def samples_before(iteration: int) -> int:
-        """Global samples consumed before 0-based step ``iteration`` (the data position)."""
-        return consumed + (iteration - start) * t.global_batch_size
-
+    start, consumed, note = 0, 0, None  # resumed runs continue from the checkpoint's sample position
     if ck.load:
         meta = load_checkpoint(stage, ck.load, load_optimizer=not ck.no_load_optim, load_rng=not ck.no_load_rng)
-        start, consumed = meta["iteration"], meta["consumed_samples"]
+        start, consumed, note = meta["iteration"], meta["consumed_samples"], meta.get("residual_note")
         if start >= t.train_iters:
             raise CheckpointError(f"checkpoint {ck.load} is at iteration {start}: --train-iters {t.train_iters} "
                                   f"leaves nothing to train")
-    train_windows = TokenWindows(data.train_tokens(), m.seq_length)
-    sampler = GlobalBatchSampler(len(train_windows), t.global_batch_size, t.seed)
-    valid_batches = _valid_batches(config, groups, data)
-    log = RunLog(run_dir, enabled=is_logger, total_iters=t.train_iters, progress=progress, restart=restart)
-    if ck.load and meta.get("residual_note"):
-        log.message(f"warning: {meta['residual_note']}")
-    tokens_per_step = t.global_batch_size * m.seq_length
-    history: dict[str, list] = {"val": [], "train": [], "comm": {}}
-
-    def evaluate(iteration: int) -> None:
-        if not valid_batches:
-            return
-        activity.set_phase(activity.EVALUATION, iteration)
-        val = eval_loss(stage, valid_batches)
-        history["val"].append((iteration, val))
-        log.write({"iteration": iteration, "val_loss": val})
-        log.message(f"iteration {iteration:>6}: validation loss {val:.4f}")
-
-    tracer = Tracer(groups.global_rank, groups.pp.rank) if t.traced_iters else None
-    first_traced = 2 if t.train_iters >= 2 else 1
-    started = time.perf_counter()
+    log = RunLog(run_dir, enabled=groups.global_rank == 0, total_iters=t.train_iters, progress=progress,
+                 restart=restart)
+    if note:
+        log.message(f"warning: {note}")
+    loop = _Loop(config, groups, data, stage, log, start, consumed)
     if restart:
         log.restarted(start, ck.load)
     elif ck.load:
         log.message(f"resumed from {ck.load} at iteration {start}")
-    evaluate(start)
-    skipped_in_a_row = 0
+    started = time.perf_counter()
+    loop.evaluate(start)
     for it in range(start, t.train_iters):
-        iteration = it + 1
-        if tracer is not None:
-            tracer.iteration, tracer.active = iteration, first_traced <= iteration < first_traced + t.traced_iters
-        mine = dp_shard(sampler.global_batch(samples_before(it)), groups.dp.rank, groups.dp.size)
-        groups.stats.reset()
+        loop.step(it)
+    loop.evaluate(t.train_iters)
+    stage.wait_for_params()
+    if ck.save:
+        _save(stage, ck, t.train_iters, loop.samples_before(t.train_iters), log, data)
+    log.close()
+    return loop.finish(Path(run_dir), time.perf_counter() - started)
+
+
+class _Loop:
+    """The state of one worker's training loop: data, evaluation, history, trace."""
+
+    def __init__(self, config: Config, groups: ParallelGroups, data: PreparedData, stage, log: RunLog, start: int,
+                 consumed: int) -> None:
+        t = config.train
+        self.config, self.groups, self.data, self.stage, self.log = config, groups, data, stage, log
+        self.start, self.consumed = start, consumed
+        self.train_windows = TokenWindows(data.train_tokens(), config.model.seq_length)
+        self.sampler = GlobalBatchSampler(len(self.train_windows), t.global_batch_size, t.seed)
+        self.valid_batches = _valid_batches(config, groups, data)
+        self.tokens_per_step = t.global_batch_size * config.model.seq_length
+        self.history: dict[str, list] = {"val": [], "train": [], "comm": {}}
+        self.tracer = Tracer(groups.global_rank, groups.pp.rank) if t.traced_iters else None
+        self.first_traced = 2 if t.train_iters >= 2 else 1
+        self.skipped_in_a_row = 0
+
+    def samples_before(self, iteration: int) -> int:
+        """Global samples consumed before 0-based step ``iteration`` (the data position)."""
+        return self.consumed + (iteration - self.start) * self.config.train.global_batch_size
+
+    def evaluate(self, iteration: int) -> None:
+        if not self.valid_batches:
+            return
+        activity.set_phase(activity.EVALUATION, iteration)
+        val = eval_loss(self.stage, self.valid_batches)
+        self.history["val"].append((iteration, val))
+        self.log.write({"iteration": iteration, "val_loss": val})
+        self.log.message(f"iteration {iteration:>6}: validation loss {val:.4f}")
+
+    def step(self, it: int) -> None:
+        """0-based step ``it``: train, log, evaluate and save when due."""
+        t, ck, g, iteration = self.config.train, self.config.checkpoint, self.groups, it + 1
+        if self.tracer is not None:
+            self.tracer.iteration = iteration
+            self.tracer.active = self.first_traced <= iteration < self.first_traced + t.traced_iters
+        mine = dp_shard(self.sampler.global_batch(self.samples_before(it)), g.dp.rank, g.dp.size)
+        g.stats.reset()
         step_start = time.perf_counter()
-        result = train_step(stage, microbatches(train_windows, mine, t.micro_batch_size), it, tracer)
+        result = train_step(self.stage, microbatches(self.train_windows, mine, t.micro_batch_size), it, self.tracer)
         step_time = time.perf_counter() - step_start
-        history["comm"] = groups.stats.as_dict()
-        record = {
-            "iteration": iteration, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
-            "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
-        }
-        history["train"].append(record)
+        self.history["comm"] = g.stats.as_dict()
+        self._record(result, iteration, step_time)
+        if iteration % t.eval_interval == 0 and iteration != t.train_iters:
+            self.evaluate(iteration)
+        if ck.save and ck.save_interval and iteration % ck.save_interval == 0 and iteration != t.train_iters:
+            _save(self.stage, ck, iteration, self.samples_before(iteration), self.log, self.data)
+        kill_for_test(iteration, g.global_rank)
+
+    def _record(self, result, iteration: int, step_time: float) -> None:
+        t = self.config.train
+        record = {"iteration": iteration, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
+                  "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time}
+        self.history["train"].append(record)
         if result.skipped:  # on every rank, without any update (ptdp.step)
             record.update(skipped=True, reason=result.skip_reason)
             if result.loss_scale is not None:
                 record["loss_scale"] = result.loss_scale
         if result.skipped or iteration % t.log_interval == 0 or iteration in (1, t.train_iters):
-            log.write(record)
-        log.step(iteration, result.loss, step_time, record["tokens_per_s"], result.lr)
-        skipped_in_a_row = skipped_in_a_row + 1 if result.nonfinite else 0
+            self.log.write(record)
+        self.log.step(iteration, result.loss, step_time, record["tokens_per_s"], result.lr)
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if result.nonfinite else 0
         if result.nonfinite:
-            _non_finite_step(result, iteration, skipped_in_a_row, t.max_skipped_steps, log,
-                             config.parallel.grad_compression)
-        if iteration % t.eval_interval == 0 and iteration != t.train_iters:
-            evaluate(iteration)
-        if ck.save and ck.save_interval and iteration % ck.save_interval == 0 and iteration != t.train_iters:
-            _save(stage, ck, iteration, samples_before(iteration), log, data)
-        kill_for_test(iteration, groups.global_rank)
-    evaluate(t.train_iters)
-    stage.wait_for_params()
-    if ck.save:
-        _save(stage, ck, t.train_iters, samples_before(t.train_iters), log, data)
-    log.close()
-    summary = _summary(config, history, time.perf_counter() - started)
-    per_rank = all_gather_object(measure_stage(stage), groups.world)
-    if tracer is not None:
-        events = [e for rank_events in all_gather_object(tracer.events, groups.world) for e in rank_events]
+            _non_finite_step(result, iteration, self.skipped_in_a_row, t.max_skipped_steps, self.log,
+                             self.config.parallel.grad_compression)
+
+    def finish(self, run_dir: Path, elapsed: float) -> dict:
+        """The summary (same on every rank); rank 0 adds the bubble and the planner's comparison
+        and writes summary.json (and the trace)."""
+        g, is_logger = self.groups, self.groups.global_rank == 0
+        summary = _summary(self.config, self.history, elapsed)
+        per_rank = all_gather_object(measure_stage(self.stage), g.world)
+        if self.tracer is not None:
+            events = [e for rank_events in all_gather_object(self.tracer.events, g.world) for e in rank_events]
+            if is_logger:
+                summary["bubble"] = _write_trace(self.config, g, events, run_dir)
         if is_logger:
-            summary["bubble"] = _write_trace(config, groups, events, Path(run_dir))
-    if is_logger:
-        summary["planner_check"] = check_run(config, per_rank, summary["mean_step_time_s"])
-        write_json(Path(run_dir) / "summary.json", summary)
-    return summary
+            summary["planner_check"] = check_run(self.config, per_rank, summary["mean_step_time_s"])
+            write_json(run_dir / "summary.json", summary)
+        return summary
 
 
 def _non_finite_step(result, iteration: int, in_a_row: int, limit: int, log: RunLog, codec: str = "none") -> None:
