@@ -1,8 +1,8 @@
 """Peak activation memory per pipeline rank: GPipe against 1F1B, with ptdp's real GPT.
 
-Each rank builds its stage with ``ptdp.step.build_stage`` (same seed, so both schedules start
-from the same weights) and runs one ``ptdp.step.train_step`` over m microbatches under
-:class:`ptdp.activation_meter.SavedActivationMeter`: every tensor autograd saves for backward
+Each rank builds its stage with ``ptdp.engine.step.build_stage`` (same seed, so both schedules start
+from the same weights) and runs one ``ptdp.engine.step.train_step`` over m microbatches under
+:class:`ptdp.engine.activation_meter.SavedActivationMeter`: every tensor autograd saves for backward
 is counted by its storage, once (storages shared by several saved tensors, e.g. q, k, v views of
 one QKV output, are counted once, with a reference count) until the graph frees its last
 reference. Storages of parameters are not counted (weights saved by linear layers are not
@@ -16,7 +16,7 @@ A second count adds the storages of the tensors the stage sent (activations forw
 backward) while they are still alive, whoever holds them: the graph, the runtime, or a send's work
 handle (gloo's work keeps its tensor until the handle is dropped; ptdp's runtime keeps the handles
 of sends). It is recorded by wrapping ``post`` as the runtime sees it
-(``ptdp.pipeline.runtime.post``) inside the worker; ptdp's files are unchanged.
+(``ptdp.engine.pipeline.runtime.post``) inside the worker; ptdp's files are unchanged.
 
 With ``--planner`` the planner's prediction for every rank and schedule
 (:func:`ptdp.planner.memory.stage_activation_bytes` for ``spec_from_model_config``; float64:
@@ -39,22 +39,22 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import pipeline_common as pc
-import ptdp.pipeline.runtime as runtime
-from ptdp.activation_meter import SavedActivationMeter, parameter_storages
+import ptdp.engine.pipeline.runtime as runtime
+from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.distributed import init_distributed
-from ptdp.groups import ParallelGroups
-from ptdp.layout import ParallelLayout
+from ptdp.run.distributed import init_distributed
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
 from ptdp.planner.memory import stage_activation_bytes
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.plan import Layout
-from ptdp.step import build_stage, train_step
+from ptdp.engine.step import build_stage, train_step
 
 SCHEDULES = ("gpipe", "1f1b")
 
 
 class SendTrackingMeter(SavedActivationMeter):
-    """:class:`ptdp.activation_meter.SavedActivationMeter` plus a second count: the saved storages
+    """:class:`ptdp.engine.activation_meter.SavedActivationMeter` plus a second count: the saved storages
     together with the storages of tensors the pipeline sent that are still alive (held by the
     graph, by the runtime, or by a pending send's work handle)."""
 
@@ -67,7 +67,7 @@ class SendTrackingMeter(SavedActivationMeter):
         self._update_with_sends()
 
     def wrap_post(self, post):
-        """``post`` (``ptdp.comm.post``) that also records the storage of every send."""
+        """``post`` (``ptdp.engine.comm.post``) that also records the storage of every send."""
 
         def recording_post(transfers, axis, **kwargs):
             for t in transfers:

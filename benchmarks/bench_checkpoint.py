@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 
 import pipeline_common as pc
-from ptdp.checkpoint.io import load_checkpoint, save_checkpoint
+from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.distributed import init_distributed
-from ptdp.groups import ParallelGroups
-from ptdp.layout import ParallelLayout
-from ptdp.step import build_stage, train_step
+from ptdp.run.distributed import init_distributed
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
+from ptdp.engine.step import build_stage, train_step
 
 LAYOUT = (2, 2, 2)
 

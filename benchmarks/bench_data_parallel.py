@@ -22,7 +22,7 @@ microbatches.
    bucket's reduction, global loss, norm and clip), median per rank, slowest rank reported. The
    difference between off and on is the communication that overlap hides.
 3. **Bytes per step** for the codecs none / fp16 / bf16 / 1bit: everything counted on the dp axis
-   by :mod:`ptdp.comm` in the last step on each rank (1bit reduces exactly during its warmup) (input of all-reduce / reduce-scatter, own part of an
+   by :mod:`ptdp.engine.comm` in the last step on each rank (1bit reduces exactly during its warmup) (input of all-reduce / reduce-scatter, own part of an
    all-gather), and the ratio to ``none``. The distributed optimizer's line counts 1.5x ``none``
    at dp=2: the reduce-scatter's whole input plus this rank's half in the parameter all-gather.
 4. **Loss after ``--iters`` steps** per codec (overlap on), same weights and data (lr warmup over
@@ -53,14 +53,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 import pipeline_common as pc
 from bench_step import PlainGPT, copy_weights
-from ptdp.comm import AxisGroup, all_reduce
+from ptdp.engine.comm import AxisGroup, all_reduce
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, dp_shard, microbatches
-from ptdp.groups import ParallelGroups
-from ptdp.layout import ParallelLayout
-from ptdp.rundir import prepare
-from ptdp.step import build_stage, train_step
-from ptdp.trace import Tracer
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
+from ptdp.run.rundir import prepare
+from ptdp.engine.step import build_stage, train_step
+from ptdp.run.trace import Tracer
 
 CODECS = ("none", "fp16", "bf16", "1bit")
 TIMED = ("ptdp", "ptdp_no_overlap", "ddp")

@@ -4,7 +4,7 @@ At one layout (default tp = 2, pp = 2, dp = 1, 1F1B) every worker builds six sta
 from the same seed, one per mode: recompute none / selective / full (uniform, one layer per
 group), each without and with ``sequence_parallel``. For each mode:
 
-- memory: one ``ptdp.step.train_step`` under :class:`ptdp.activation_meter.SavedActivationMeter`
+- memory: one ``ptdp.engine.step.train_step`` under :class:`ptdp.engine.activation_meter.SavedActivationMeter`
   (parameters excluded), beside the planner's ``stage_activation_bytes`` for
   ``spec_from_model_config`` with a ``Layout`` carrying ``recompute`` and ``sequence_parallel``.
   Recomputed regions run in ``torch.utils.checkpoint`` (non-reentrant), whose own saved-tensor
@@ -34,16 +34,16 @@ import torch
 import torch.utils.checkpoint as tcheckpoint
 
 import pipeline_common as pc
-import ptdp.model.recompute as recompute_mod
-from ptdp.activation_meter import SavedActivationMeter, parameter_storages
+import ptdp.engine.model.recompute as recompute_mod
+from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.distributed import init_distributed
-from ptdp.groups import ParallelGroups
-from ptdp.layout import ParallelLayout
+from ptdp.run.distributed import init_distributed
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
 from ptdp.planner.memory import stage_activation_bytes
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.plan import Layout
-from ptdp.step import build_stage, train_step
+from ptdp.engine.step import build_stage, train_step
 
 MODES = [(r, sp) for sp in (False, True) for r in ("none", "selective", "full")]
 

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.groups import ParallelGroups
-from ptdp.step import build_stage, train_step
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.step import build_stage, train_step
 
 
 class PlainBlock(nn.Module):

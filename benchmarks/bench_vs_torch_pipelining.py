@@ -38,8 +38,8 @@ from torch import nn
 from torch.distributed import pipelining
 
 import pipeline_common as pc
-from ptdp.pipeline.runtime import run_schedule
-from ptdp.pipeline.schedule import build_schedule
+from ptdp.engine.pipeline.runtime import run_schedule
+from ptdp.engine.pipeline.schedule import build_schedule
 
 SCHEDULES = (("gpipe", 1, "ScheduleGPipe"), ("1f1b", 1, "Schedule1F1B"),
              ("interleaved-1f1b", 2, "ScheduleInterleaved1F1B"))

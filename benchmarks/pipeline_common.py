@@ -1,7 +1,7 @@
 """Plumbing shared by the pipeline benchmarks (``bench_schedule_bubble.py``,
 ``bench_vs_torch_pipelining.py``, ``bench_activation_memory.py``, ``bench_gloo_recv_posting.py``).
 
-Workers are started by ptdp's own launcher (:func:`ptdp.launch.launch_workers`, PyTorch's elastic
+Workers are started by ptdp's own launcher (:func:`ptdp.run.launch.launch_workers`, PyTorch's elastic
 launcher underneath) on a gloo world of ``pp`` processes with one CPU thread each; rank 0's return
 value comes back to the launching process. Step times are measured the same way everywhere: every
 rank waits at a barrier, runs the step, and the step time is the slowest rank's (an all-reduce max).
@@ -18,12 +18,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from ptdp import comm
-from ptdp.comm import AxisGroup, all_reduce
-from ptdp.distributed import init_distributed
-from ptdp.groups import ParallelGroups
-from ptdp.launch import launch_workers
-from ptdp.layout import ParallelLayout
+from ptdp.engine import comm
+from ptdp.engine.comm import AxisGroup, all_reduce
+from ptdp.run.distributed import init_distributed
+from ptdp.engine.groups import ParallelGroups
+from ptdp.run.launch import launch_workers
+from ptdp.spec.layout import ParallelLayout
 
 TIMEOUT_MINUTES = 5.0
 

@@ -6,12 +6,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ptdp.checkpoint.hf import model_config_from_hf
-from ptdp.checkpoint.io import load_checkpoint
+from ptdp.run.checkpoint.hf import model_config_from_hf
+from ptdp.run.checkpoint.io import load_checkpoint
 from ptdp.spec import Config, ParallelConfig, TrainConfig, resolve
-from ptdp.groups import ParallelGroups
-from ptdp.layout import ParallelLayout
-from ptdp.step import build_stage
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
+from ptdp.engine.step import build_stage
 from dist_helpers import PG_TIMEOUT
 
 

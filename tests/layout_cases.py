@@ -8,11 +8,11 @@ import functools
 import torch
 
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.groups import ParallelGroups
-from ptdp.layout import ParallelLayout
-from ptdp.model.chunks import global_named_parameters
-from ptdp.planner_report import measure_stage
-from ptdp.step import build_stage, train_step
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
+from ptdp.engine.model.chunks import global_named_parameters
+from ptdp.run.planner_report import measure_stage
+from ptdp.engine.step import build_stage, train_step
 from dist_helpers import PG_TIMEOUT, run_workers
 
 VOCAB = 303  # odd: tp never divides it before padding

@@ -22,12 +22,12 @@ import pytest
 import budget
 
 from ptdp import cli
-from ptdp.args import config_from_args, local_world_size
-from ptdp.checkpoint.io import save_checkpoint
+from ptdp.commands.train_flags import config_from_args, local_world_size
+from ptdp.run.checkpoint.io import save_checkpoint
 from ptdp.spec import ParallelConfig, resolve
 from ptdp.data import DataError
-from ptdp.groups import ParallelGroups
-from ptdp.step import build_stage, with_vocab
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.step import build_stage, with_vocab
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
@@ -66,7 +66,7 @@ def launched(monkeypatch) -> list:
         calls.append(config)
         return {"error": "stopped by the test before any worker"}
 
-    monkeypatch.setattr("ptdp.launch.launch_local", stub)
+    monkeypatch.setattr("ptdp.run.launch.launch_local", stub)
     return calls
 
 
@@ -201,7 +201,7 @@ def checkpoint(tmp_path, corpus) -> Path:
     args = cli.build_parser().parse_args(["train", *TINY, "--data", str(corpus), "--data-cache-dir",
                                           str(tmp_path / "cache")])
     config = resolve(config_from_args(args), local_world_size(args))
-    from ptdp.rundir import prepare
+    from ptdp.run.rundir import prepare
 
     data = prepare(config, log=lambda _msg: None)
     one = resolve(dataclasses.replace(config, parallel=ParallelConfig(1, 1, 1)), 1)
@@ -327,8 +327,8 @@ def test_local_runs_bind_the_rendezvous_to_loopback(monkeypatch):
     """``ptdp train``'s launcher: c10d rendezvous on 127.0.0.1 at a port the OS picks (so it never
     meets a busy port) and workers that announce 127.0.0.1; ``python -m ptdp.train`` alone: the
     same for its world of one."""
-    import ptdp.launch
-    from ptdp.train import _single_process_defaults
+    import ptdp.run.launch
+    from ptdp.run.worker import _single_process_defaults
 
     seen = []
 
@@ -336,8 +336,8 @@ def test_local_runs_bind_the_rendezvous_to_loopback(monkeypatch):
         seen.append(config)
         return lambda *args: {0: {"done": True}}
 
-    monkeypatch.setattr(ptdp.launch, "elastic_launch", fake_elastic_launch)
-    assert ptdp.launch.launch_workers(print, 2, "x") == {"done": True}
+    monkeypatch.setattr(ptdp.run.launch, "elastic_launch", fake_elastic_launch)
+    assert ptdp.run.launch.launch_workers(print, 2, "x") == {"done": True}
     (config,) = seen
     assert config.rdzv_endpoint == "127.0.0.1:0" and config.local_addr == "127.0.0.1"
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -434,7 +434,7 @@ def test_an_unwritable_folder_is_refused_before_any_work(tmp_path, capsys, corpu
 
 def test_folder_problem_probes_by_writing(tmp_path):
     """Whether a file can be created there is what counts, for root too (/proc takes no file)."""
-    from ptdp.paths import folder_problem
+    from ptdp.run.paths import folder_problem
 
     assert folder_problem(tmp_path / "new" / "deeper") is None and not (tmp_path / "new").exists()
     assert folder_problem(tmp_path) is None and not list(tmp_path.iterdir())
@@ -456,7 +456,7 @@ def test_a_model_that_cannot_fit_is_refused_before_any_work_unless_forced(tmp_pa
 
 
 def test_memory_estimate_of_cpu_workers_and_of_gpu_ranks():
-    from ptdp.memory_check import CPU_WORKER_OVERHEAD, GPU_WORKER_OVERHEAD, GiB, memory_problem, rank_estimates
+    from ptdp.run.memory_check import CPU_WORKER_OVERHEAD, GPU_WORKER_OVERHEAD, GiB, memory_problem, rank_estimates
 
     config = resolve(config_from_args(cli.build_parser().parse_args(["train", *TINY])), 8)
     ranks = rank_estimates(config)

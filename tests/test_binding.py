@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.args import add_train_arguments, config_from_args
+from ptdp.commands.train_flags import add_train_arguments, config_from_args
 from ptdp.spec import ConfigError, resolve
 from ptdp.topology.binding import (BindingError, CpuLayout, GpuCpus, allowed_numa_nodes, exclusive_shares,
                                    plan_cpu_only, plan_gpus, read_cpu_layout, read_gpu_cpus, read_node_plan)
@@ -193,7 +193,7 @@ def test_flag_reaches_the_config_and_bad_values_are_rejected():
 WORKER = """
 import json, os, sys
 import torch, torch.distributed as dist
-from ptdp.distributed import init_distributed
+from ptdp.run.distributed import init_distributed
 
 init_distributed(1.0, bind_cpus=sys.argv[1])
 record = {

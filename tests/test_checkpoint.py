@@ -9,14 +9,14 @@ import os
 import pytest
 import torch
 
-from ptdp.checkpoint.folders import CheckpointError, resolve_checkpoint
-from ptdp.checkpoint.io import load_checkpoint, save_checkpoint
-from ptdp.checkpoint.optim_state import gather_local_state
-from ptdp.groups import ParallelGroups
-from ptdp.layout import ParallelLayout
-from ptdp.model.chunks import global_named_parameters
-from ptdp.step import build_stage, eval_loss, train_step
-from ptdp.tensor_parallel.sharding import spec_of, unshard
+from ptdp.run.checkpoint.folders import CheckpointError, resolve_checkpoint
+from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
+from ptdp.run.checkpoint.optim_state import gather_local_state
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
+from ptdp.engine.model.chunks import global_named_parameters
+from ptdp.engine.step import build_stage, eval_loss, train_step
+from ptdp.engine.tensor_parallel.sharding import spec_of, unshard
 from dist_helpers import PG_TIMEOUT, run_workers
 from layout_cases import LLAMA_OPTIONS, rank_microbatches, tiny_config
 
@@ -289,7 +289,7 @@ def test_a_save_that_dies_before_completing_leaves_latest_alone(checkpoint_root,
     still names the previous checkpoint, which loads; the next save succeeds."""
     import shutil
 
-    import ptdp.checkpoint.io as io
+    import ptdp.run.checkpoint.io as io
 
     root = tmp_path / "root"
     shutil.copytree(checkpoint_root, root)
@@ -340,8 +340,8 @@ def test_damaged_checkpoints_and_bad_targets_are_clear_errors(checkpoint_root, t
     import json
     import shutil
 
-    from ptdp.checkpoint.hf import import_hf
-    from ptdp.checkpoint.folders import check_save_dir, precheck
+    from ptdp.run.checkpoint.hf import import_hf
+    from ptdp.run.checkpoint.folders import check_save_dir, precheck
 
     stage = build_stage(tiny_config(1, 1, 1, "float64"), ParallelGroups.single_process())
     # same-size shard with flipped bytes: DCP's own error (a BaseException) becomes a CheckpointError
@@ -377,7 +377,7 @@ def test_damaged_checkpoints_and_bad_targets_are_clear_errors(checkpoint_root, t
 
 
 def test_a_one_bit_residual_that_cannot_be_restored_is_warned_about():
-    from ptdp.checkpoint.folders import residual_note
+    from ptdp.run.checkpoint.folders import residual_note
 
     layout = {"tp": 2, "pp": 2, "dp": 2, "virtual_stages": 1, "ddp_bucket_size": None,
               "use_distributed_optimizer": False, "pipeline_layer_split": None}

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from ptdp import cli
 from ptdp import train as train_module
 from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, padded_vocab_size, resolve
-from ptdp.planner_report import planner_layout
+from ptdp.run.planner_report import planner_layout
 
 
 def make(world=8, tp=2, pp=2, dp=None, split=None, schedule=None, per_chunk=None, sp=False, **kw) -> tuple[Config, int]:
@@ -107,8 +107,8 @@ def no_workers(monkeypatch):
     """Fail the test if anything tries to start workers or a process group."""
     def forbidden(*args, **kwargs):
         raise AssertionError("a worker or process group was started for an invalid config")
-    monkeypatch.setattr("ptdp.launch.launch_local", forbidden)
-    monkeypatch.setattr("ptdp.rundir.prepare", forbidden)
+    monkeypatch.setattr("ptdp.run.launch.launch_local", forbidden)
+    monkeypatch.setattr("ptdp.run.rundir.prepare", forbidden)
     monkeypatch.setattr(dist, "init_process_group", forbidden)
 
 

@@ -27,15 +27,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ptdp.spec import SCHEDULES, Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.groups import ParallelGroups
-from ptdp.layout import ParallelLayout
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
 from ptdp.planner.hardware import CATALOG, Cluster
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout
 from ptdp.planner.request import check_model
 from ptdp.planner.request import check_request as check_plan_request
 from ptdp.planner.search import Fixed, evaluate, search
-from ptdp.step import build_stage, train_step
+from ptdp.engine.step import build_stage, train_step
 from dist_helpers import PG_TIMEOUT, run_workers
 
 PROPERTY = settings(max_examples=300, deadline=None, derandomize=True, database=None,
@@ -54,7 +54,7 @@ def no_processes():
     with mock.patch.object(subprocess.Popen, "__init__", forbidden), \
             mock.patch("multiprocessing.process.BaseProcess.start", forbidden), \
             mock.patch("torch.distributed.init_process_group", forbidden), \
-            mock.patch("ptdp.launch.launch_local", forbidden):
+            mock.patch("ptdp.run.launch.launch_local", forbidden):
         yield
 
 

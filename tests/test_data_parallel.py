@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.data_parallel.buffer import GradBuffer
-from ptdp.data_parallel.compression import packbits, start_reduction, unpackbits
-from ptdp.groups import ParallelGroups
-from ptdp.layout import ParallelLayout
-from ptdp.step import build_stage, train_step
+from ptdp.engine.data_parallel.buffer import GradBuffer
+from ptdp.engine.data_parallel.compression import packbits, start_reduction, unpackbits
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
+from ptdp.engine.step import build_stage, train_step
 from dist_helpers import PG_TIMEOUT, run_workers
 from layout_cases import rank_microbatches, tiny_config
 
@@ -88,8 +88,8 @@ def test_fp16_compression_overflows_only_where_the_mean_itself_exceeds_float16()
 
 
 def test_a_non_finite_gradient_norm_with_fp16_compression_points_to_bf16():
-    from ptdp.step import NONFINITE_GRAD_NORM, StepResult
-    from ptdp.trainer import _non_finite_step
+    from ptdp.engine.step import NONFINITE_GRAD_NORM, StepResult
+    from ptdp.run.trainer import _non_finite_step
 
     class Log:
         def __init__(self):
@@ -148,7 +148,7 @@ def loss_scaling_worker(rank: int, world: int) -> dict:
     groups = ParallelGroups.build(ParallelLayout(tp=2, pp=1, dp=2), PG_TIMEOUT)
     cfg = tiny_config(2, 1, 2, "float16")
     stage = build_stage(cfg, groups)
-    import ptdp.step as step_module
+    import ptdp.engine.step as step_module
 
     original = step_module.finalize_grads
 
@@ -181,13 +181,13 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
 
 def unused_param_worker(rank: int, world: int) -> dict:
     """A stage whose model has a parameter that gets no gradient; small buckets; overlap on."""
-    from ptdp.tensor_parallel.sharding import ParamSpec, make_parameter
+    from ptdp.engine.tensor_parallel.sharding import ParamSpec, make_parameter
 
     groups = ParallelGroups.build(ParallelLayout(tp=1, pp=1, dp=world), PG_TIMEOUT) if world > 1 \
         else ParallelGroups.single_process()
     cfg = tiny_config(1, 1, world, "float64", parallel_overrides={"ddp_bucket_size": 300,
                                                                    "overlap_grad_reduce": True})
-    import ptdp.step as step_module
+    import ptdp.engine.step as step_module
 
     original = step_module.GPTModel
 
@@ -267,7 +267,7 @@ def test_grad_compression_warmup_defaults():
 def deferred_gather_worker(rank: int, world: int) -> dict:
     """overlap_param_gather with all-gathers that only run when waited on: a forward that read a
     parameter before its module's pre-hook waited would see the old value."""
-    import ptdp.data_parallel.zero as zero
+    import ptdp.engine.data_parallel.zero as zero
 
     groups = ParallelGroups.build(ParallelLayout(tp=1, pp=2, dp=2), PG_TIMEOUT)
     real = zero.all_gather_async
@@ -308,7 +308,7 @@ def fp16_one_bit_worker(rank: int, world: int) -> dict:
     cfg = tiny_config(1, 1, 2, "float16", parallel_overrides={"grad_compression": "1bit",
                                                                "grad_compression_warmup_iters": 0})
     stage = build_stage(cfg, groups)
-    import ptdp.step as step_module
+    import ptdp.engine.step as step_module
 
     original = step_module.finalize_grads
 
@@ -335,11 +335,11 @@ def test_fp16_overflow_with_one_bit_does_not_poison_the_error_feedback():
 def test_overlap_without_no_sync_is_an_error_not_a_race():
     """A second backward into a bucket whose reduction already started raises (dp = 2 needed for
     a reduction to start; an axis of size 2 whose collectives never run stands in)."""
-    from ptdp.comm import AxisGroup, CommStats
+    from ptdp.engine.comm import AxisGroup, CommStats
 
     p = torch.nn.Parameter(torch.ones(4))
     buf = GradBuffer([[p]], dp=AxisGroup("dp", (0, 1), 0, None, CommStats()), overlap=True)
-    import ptdp.data_parallel.buffer as buffer_module
+    import ptdp.engine.data_parallel.buffer as buffer_module
 
     original = buffer_module.start_reduction
     buffer_module.start_reduction = lambda *a, **k: (lambda: None)
@@ -358,7 +358,7 @@ def one_bit_tp_worker(rank: int, world: int) -> dict:
     stage = build_stage(cfg, groups)
     for i in range(3):
         train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i)
-    from ptdp.tensor_parallel.sharding import spec_of
+    from ptdp.engine.tensor_parallel.sharding import spec_of
 
     return {"tp": groups.tp.rank, "replicated": {n: p.detach().clone() for n, p in stage.model.named_parameters()
                                                  if spec_of(p).tp_dim is None}}

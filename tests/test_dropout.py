@@ -27,16 +27,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from ptdp.args import add_train_arguments, config_from_args
-from ptdp.checkpoint.io import load_checkpoint, save_checkpoint
-from ptdp.comm import AxisGroup
+from ptdp.commands.train_flags import add_train_arguments, config_from_args
+from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
+from ptdp.engine.comm import AxisGroup
 from ptdp.spec import Config, ConfigError, ModelConfig
-from ptdp.groups import ParallelGroups
-from ptdp.layout import ParallelLayout
-from ptdp.model.chunks import global_named_parameters
-from ptdp.model.gpt import Attention
-from ptdp.step import build_stage, train_step
-from ptdp.tensor_parallel.random import TP_DISTINCT, Dropout, DropoutRNG
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
+from ptdp.engine.model.chunks import global_named_parameters
+from ptdp.engine.model.gpt import Attention
+from ptdp.engine.step import build_stage, train_step
+from ptdp.engine.tensor_parallel.random import TP_DISTINCT, Dropout, DropoutRNG
 from dist_helpers import PG_TIMEOUT, run_workers
 from layout_cases import STEPS, rank_microbatches, tiny_config
 from test_layout_equivalence import TOL, full_parameters

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ptdp.generate import generate, next_token_logits
-from ptdp.groups import ParallelGroups
-from ptdp.step import build_stage
+from ptdp.commands.generate import generate, next_token_logits
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.step import build_stage
 from layout_cases import VOCAB, tiny_config
 
 
@@ -43,7 +43,7 @@ def test_greedy_top_k_and_sampling(model):
 
 
 def test_the_context_cut_is_said_when_prompt_and_new_tokens_exceed_the_sequence_length():
-    from ptdp.generate import context_note
+    from ptdp.commands.generate import context_note
 
     assert context_note(3, 5, 8) is None
     note = context_note(3, 40, 8)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ptdp.groups import ParallelGroups
-from ptdp.step import build_stage, train_step
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.step import build_stage, train_step
 from layout_cases import rank_microbatches, tiny_config
 
 

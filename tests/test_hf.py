@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ptdp.checkpoint.hf import export_hf, import_hf, model_config_from_hf
-from ptdp.checkpoint.folders import CheckpointError
+from ptdp.run.checkpoint.hf import export_hf, import_hf, model_config_from_hf
+from ptdp.run.checkpoint.folders import CheckpointError
 from dist_helpers import run_workers
 from hf_helpers import tp2_pp2_logits_worker
 
@@ -67,11 +67,11 @@ def test_export_carries_the_tokenizer_and_its_special_ids_with_ordinary_file_mod
     AutoTokenizer, and every file gets 0666 less the umask (not 0600)."""
     import os
 
-    from ptdp.checkpoint.io import save_checkpoint
+    from ptdp.run.checkpoint.io import save_checkpoint
     from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
     from ptdp.data.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer
-    from ptdp.groups import ParallelGroups
-    from ptdp.step import build_stage
+    from ptdp.engine.groups import ParallelGroups
+    from ptdp.engine.step import build_stage
 
     tok = train_tokenizer(["def main(x):\n    return x * 2\n" * 20, "class A:\n    pass\n" * 20], 300)
     tok_path = save_tokenizer(tok, tmp_path / "tok.json")

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from ptdp.checkpoint.hf import export_hf, import_hf, model_config_from_hf
-from ptdp.checkpoint.folders import CheckpointError
-from ptdp.checkpoint.io import save_checkpoint
-from ptdp.generate import load_for_inference
-from ptdp.groups import ParallelGroups
-from ptdp.step import build_stage, train_step
+from ptdp.run.checkpoint.hf import export_hf, import_hf, model_config_from_hf
+from ptdp.run.checkpoint.folders import CheckpointError
+from ptdp.run.checkpoint.io import save_checkpoint
+from ptdp.commands.generate import load_for_inference
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.step import build_stage, train_step
 from dist_helpers import run_workers
 from hf_helpers import tp2_pp2_logits_worker
 from layout_cases import VOCAB as TINY_VOCAB, rank_microbatches, tiny_config

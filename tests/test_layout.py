@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from ptdp.layout import ParallelLayout
+from ptdp.spec.layout import ParallelLayout
 
 
 def test_worked_example_world8():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ptdp.tensor_parallel.sharding import unshard
+from ptdp.engine.tensor_parallel.sharding import unshard
 from layout_cases import (
     DP_LAYOUTS, DP_VARIANTS, EXTRA_VARIANT_LAYOUTS, EXTRA_VARIANTS, LAYOUTS, PAD_RANK_VARIANTS, SCHEDULE_LAYOUTS,
     SCHEDULE_VARIANTS, SP_LAYOUTS, llama_variant, parallel_run, reference, sp_variants,

@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptdp.args import add_train_arguments, config_from_args
-from ptdp.comm import AxisGroup, CommStats
+from ptdp.commands.train_flags import add_train_arguments, config_from_args
+from ptdp.engine.comm import AxisGroup, CommStats
 from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.model.gpt import MLP, Attention, GPTModel, RMSNorm
-from ptdp.model.rotary import RotaryEmbedding
-from ptdp.tensor_parallel.sharding import initialize_parameters, shard, spec_of
+from ptdp.engine.model.gpt import MLP, Attention, GPTModel, RMSNorm
+from ptdp.engine.model.rotary import RotaryEmbedding
+from ptdp.engine.tensor_parallel.sharding import initialize_parameters, shard, spec_of
 
 LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", num_query_groups=2,
              add_bias_linear=False, untie_embeddings_and_output_weights=True)
@@ -220,8 +220,8 @@ def test_flags_set_the_model_options():
 
 
 def test_gpt2_export_refuses_llama_options():
-    from ptdp.checkpoint.hf import _gpt2_config
-    from ptdp.checkpoint.folders import CheckpointError
+    from ptdp.run.checkpoint.hf import _gpt2_config
+    from ptdp.run.checkpoint.folders import CheckpointError
 
     meta = dataclasses.asdict(_model(**LLAMA)) | {"ffn": 48}
     with pytest.raises(CheckpointError, match="normalization='RMSNorm', swiglu=True, position_embedding_type='rope'"):
@@ -230,7 +230,7 @@ def test_gpt2_export_refuses_llama_options():
 
 
 def test_generation_works_without_a_position_table():
-    from ptdp.generate import generate, next_token_logits
+    from ptdp.commands.generate import generate, next_token_logits
 
     model = GPTModel(_model(**LLAMA), AxisGroup.single("tp"), layer_ids=range(2), pre_process=True, post_process=True)
     initialize_parameters(model, seed=5, std=0.2, num_layers=2, tp_rank=0, tp_size=1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import os
 
-from ptdp import metrics
+from ptdp.run import metrics
 
 
 def test_the_progress_bar_has_a_width_when_the_terminal_reports_zero_columns(monkeypatch, tmp_path):

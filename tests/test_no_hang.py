@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ptdp import activity, faults
-from ptdp.comm import P2P, AxisGroup, CommStats, all_reduce, post
+from ptdp.engine import activity, faults
+from ptdp.engine.comm import P2P, AxisGroup, CommStats, all_reduce, post
 from dist_helpers import run_workers
 from proc_helpers import run_together
 from test_cli import TINY, corpus  # noqa: F401 - corpus is a fixture

@@ -14,13 +14,13 @@ import pytest
 import budget
 import torch
 
-from ptdp.checkpoint.folders import CheckpointError
-from ptdp.checkpoint.io import save_checkpoint
-from ptdp.faults import NAN_LOSS_ENV
-from ptdp.groups import ParallelGroups
-from ptdp.layout import ParallelLayout
-from ptdp.model.chunks import global_named_parameters
-from ptdp.step import NONFINITE_LOSS, build_stage, train_step
+from ptdp.run.checkpoint.folders import CheckpointError
+from ptdp.run.checkpoint.io import save_checkpoint
+from ptdp.engine.faults import NAN_LOSS_ENV
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
+from ptdp.engine.model.chunks import global_named_parameters
+from ptdp.engine.step import NONFINITE_LOSS, build_stage, train_step
 from dist_helpers import PG_TIMEOUT, run_workers
 from layout_cases import rank_microbatches, tiny_config
 from test_checkpoint import _stored_tensors

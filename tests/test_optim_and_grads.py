@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from ptdp.spec import ModelConfig, TrainConfig
-from ptdp.data_parallel.buffer import GradBuffer
-from ptdp.data_parallel.grads import clip_grad_norm, counts_in_norm
-from ptdp.groups import ParallelGroups
-from ptdp.model.gpt import GPTModel
-from ptdp.optim import build_optimizer, lr_at
-from ptdp.tensor_parallel.sharding import initialize_parameters
+from ptdp.engine.data_parallel.buffer import GradBuffer
+from ptdp.engine.data_parallel.grads import clip_grad_norm, counts_in_norm
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.model.gpt import GPTModel
+from ptdp.engine.optim import build_optimizer, lr_at
+from ptdp.engine.tensor_parallel.sharding import initialize_parameters
 
 
 def test_lr_warmup_cosine_and_floor():
@@ -79,7 +79,7 @@ def test_bfloat16_trains_float32_main_params():
     below bf16's resolution (1 + 3e-4 rounds to 1 in bf16) still accumulate."""
     import dataclasses
 
-    from ptdp.step import build_stage, train_step
+    from ptdp.engine.step import build_stage, train_step
     from layout_cases import rank_microbatches, tiny_config
 
     losses = {}

@@ -1,8 +1,8 @@
 """Invariant 5, activations: the planner's activation peak per rank against the bytes ptdp's GPT
 really keeps for backward.
 
-Each rank builds its stage (``ptdp.step.build_stage``) and runs one ``train_step`` over m = 4
-microbatches under :class:`ptdp.activation_meter.SavedActivationMeter` (every storage autograd
+Each rank builds its stage (``ptdp.engine.step.build_stage``) and runs one ``train_step`` over m = 4
+microbatches under :class:`ptdp.engine.activation_meter.SavedActivationMeter` (every storage autograd
 saves, once, parameters excluded). Its peak is compared with
 ``stage_activation_bytes(spec_from_model_config(...), Layout(..., precision="fp32"), pp_rank, ...)``
 for a small GPT (4 layers, h = 64, a = 4, s = 32, V = 500 padded to 512, b = 2) at
@@ -37,14 +37,14 @@ import functools
 import pytest
 import torch
 
-from ptdp.activation_meter import SavedActivationMeter, parameter_storages
+from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.groups import ParallelGroups
-from ptdp.layout import ParallelLayout
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
 from ptdp.planner.memory import stage_activation_bytes
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.plan import Layout
-from ptdp.step import build_stage, train_step
+from ptdp.engine.step import build_stage, train_step
 from dist_helpers import PG_TIMEOUT, run_workers
 
 MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=500)

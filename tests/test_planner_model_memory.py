@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from ptdp.comm import AxisGroup, CommStats
+from ptdp.engine.comm import AxisGroup, CommStats
 from ptdp.spec import ConfigError, ModelConfig
-from ptdp.model.gpt import GPTModel
-from ptdp.pipeline.partition import stage_layer_ids
+from ptdp.engine.model.gpt import GPTModel
+from ptdp.engine.pipeline.partition import stage_layer_ids
 from ptdp.planner.hardware import CATALOG, GiB
 from ptdp.planner.memory import (
     DEFAULT_OVERHEAD_BYTES,

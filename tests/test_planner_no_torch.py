@@ -1,7 +1,7 @@
 """``ptdp plan`` is a light command: it imports no torch, and a full search for a 1T-parameter GPT
 on 3,072 GPUs costs under a second of CPU time as a whole process. The planner package imports
 nothing of torch or the training code, and the trainer reaches the planner only through
-:mod:`ptdp.planner_report`."""
+:mod:`ptdp.run.planner_report`."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ PUBLISHED = ROOT / "benchmarks" / "data" / "published_runs.csv"
 #: the largest model of Narayanan et al. SC21 Table 1 (1T parameters) at its published size and batch
 ONE_T = ["--model", "gpt-1008b", "--gpus", "3072", "--gpu", "a100-80gb", "--global-batch-size", "3072",
          "--seq-length", "2048"]
-FORBIDDEN = ("torch", "ptdp.step", "ptdp.train", "ptdp.launch", "ptdp.groups", "ptdp.comm")
+FORBIDDEN = ("torch", "ptdp.engine.step", "ptdp.train", "ptdp.run", "ptdp.commands", "ptdp.engine.groups",
+             "ptdp.engine.comm")
 
 PROBE = """
 import contextlib, io, sys
@@ -78,25 +79,25 @@ def _imported_modules(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:  # ``from ptdp import comm``: ptdp.comm too
+        elif isinstance(node, ast.ImportFrom) and node.module:  # ``from ptdp import comm``: ptdp.engine.comm too
             names.update([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)])
     return names
 
 
 def _is_forbidden(name: str) -> bool:
-    """torch, ptdp.step, ptdp.train* (train, trainer, ...), ptdp.launch, ptdp.groups, ptdp.comm."""
+    """torch, the training code (ptdp.engine.step, groups and comm, the run layer, ptdp.train, the commands)."""
     return any(name == f or name.startswith(f + ".") or (f == "ptdp.train" and name.startswith(f))
                for f in FORBIDDEN)
 
 
 def test_planner_package_imports_no_torch_or_training_code():
     for path in sorted((SRC / "planner").glob("*.py")):
-        bad = sorted(n for n in _imported_modules(path) if _is_forbidden(n) or n.startswith("ptdp.calibration")
-                     or n == "ptdp.planner_report")
+        bad = sorted(n for n in _imported_modules(path) if _is_forbidden(n) or n.startswith("ptdp.run.calibration")
+                     or n == "ptdp.run.planner_report")
         assert not bad, f"{path.name} imports {bad}"
 
 
 def test_trainer_reaches_the_planner_through_planner_report_only():
-    imported = _imported_modules(SRC / "trainer.py")
+    imported = _imported_modules(SRC / "run" / "trainer.py")
     assert not [n for n in imported if n == "ptdp.planner" or n.startswith("ptdp.planner.")], imported
-    assert "ptdp.planner_report" in imported
+    assert "ptdp.run.planner_report" in imported

@@ -234,7 +234,7 @@ def test_plot_draws_every_listed_layout_with_labelled_capacity_and_legends_besid
 
 
 def test_timeline_marks_iterations_and_microbatches_with_the_legend_below_the_rows(monkeypatch, tmp_path):
-    from ptdp import trace
+    from ptdp.run import trace
 
     events = []
     for it, t0 in ((2, 0.0), (3, 1.0)):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.calibration import fit_gemm_curve, fit_ring
+from ptdp.run.calibration import fit_gemm_curve, fit_ring
 from ptdp.planner.profile import load_profile, save_profile
-from ptdp.planner_report import compare, format_comparison
+from ptdp.run.planner_report import compare, format_comparison
 from ptdp.planner.flops import gemm_efficiency
 from ptdp.planner.hardware import CATALOG
 from ptdp.planner.perf import DEFAULT_CONSTANTS
@@ -93,7 +93,7 @@ def test_distributed_optimizer_state_is_one_dp_th(layout):
 
 
 def test_linear_fit_and_core_sharing_model():
-    from ptdp.calibration import fit_linear
+    from ptdp.run.calibration import fit_linear
     from ptdp.planner.perf import core_shared_step
 
     bw, lat = 1.5e9, 3e-4
@@ -139,7 +139,7 @@ def test_calibration_run_writes_a_usable_profile(tmp_path):
     records the shared cores and fits non-negative overheads and a pipeline link."""
     import argparse
 
-    from ptdp.calibration_command import run_calibration
+    from ptdp.commands.calibrate import run_calibration
 
     out = tmp_path / "profile.json"
     args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=None,

@@ -1,5 +1,5 @@
 """The rank that failed first is named, with how and where, and the others' errors are said to
-follow from it (ptdp.postmortem), whichever worker the launcher happened to poll first."""
+follow from it (ptdp.run.postmortem), whichever worker the launcher happened to poll first."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import pytest
 
 import budget
 
-from ptdp import faults, postmortem
+from ptdp.engine import faults
+
+from ptdp.run import postmortem
 from proc_helpers import run_together
 from test_cli import TINY, corpus  # noqa: F401 - corpus is a fixture
 
@@ -94,7 +96,8 @@ def test_no_records_no_diagnosis(tmp_path):
 
 RECORDING = textwrap.dedent("""
     import os, signal, sys, time
-    from ptdp import activity, postmortem
+    from ptdp.engine import activity
+    from ptdp.run import postmortem
     with postmortem.recording(2, 0):
         activity.start_step(2, 5)
         activity.set_phase(activity.BACKWARD)

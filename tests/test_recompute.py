@@ -21,12 +21,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.groups import ParallelGroups
-from ptdp.layout import ParallelLayout
-from ptdp.model.gpt import GPTModel
-from ptdp.model.recompute import layer_groups
-from ptdp.planner_report import planner_layout
-from ptdp.tensor_parallel.sharding import initialize_parameters
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
+from ptdp.engine.model.gpt import GPTModel
+from ptdp.engine.model.recompute import layer_groups
+from ptdp.run.planner_report import planner_layout
+from ptdp.engine.tensor_parallel.sharding import initialize_parameters
 from dist_helpers import PG_TIMEOUT, run_workers
 from layout_cases import tiny_config, train_and_collect
 
@@ -247,7 +247,7 @@ def test_planner_layout_takes_the_granularity():
 def test_cli_flags_reach_the_config():
     import argparse
 
-    from ptdp.args import add_train_arguments, config_from_args
+    from ptdp.commands.train_flags import add_train_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_train_arguments(parser, local_launch=False)

@@ -2,7 +2,7 @@
 launcher restarts the job, which resumes from the newest checkpoint in ``--save`` and trains
 exactly like an uninterrupted run; with ``--max-restarts 0`` the run fails, naming the dead rank.
 
-The kill is the test-only hook of :func:`ptdp.restart.kill_for_test`
+The kill is the test-only hook of :func:`ptdp.run.restart.kill_for_test`
 (``PTDP_TEST_KILL_AT_ITERATION``), which fires in the job's first attempt only."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.args import config_from_args, max_restarts
+from ptdp.commands.train_flags import config_from_args, max_restarts
 from ptdp.spec import ConfigError, resolve
-from ptdp.restart import check_torchrun_restarts, resume_config
+from ptdp.run.restart import check_torchrun_restarts, resume_config
 from proc_helpers import run_together
 
 ITERS, SAVE_INTERVAL, KILL_AT = 10, 3, 5
@@ -139,7 +139,7 @@ def _fake_checkpoint(root: Path, iteration: int, complete: bool = True) -> Path:
 def test_resume_config_picks_the_newest_complete_checkpoint_in_save(tmp_path):
     import argparse
 
-    from ptdp.args import add_train_arguments
+    from ptdp.commands.train_flags import add_train_arguments
 
     parser = argparse.ArgumentParser()
     add_train_arguments(parser, local_launch=True)
@@ -162,7 +162,7 @@ def test_resume_config_picks_the_newest_complete_checkpoint_in_save(tmp_path):
 def test_restart_flags_are_checked_before_any_worker(monkeypatch, capsys):
     from ptdp import cli
 
-    monkeypatch.setattr("ptdp.launch.launch_local", lambda *a, **k: pytest.fail("workers started"))
+    monkeypatch.setattr("ptdp.run.launch.launch_local", lambda *a, **k: pytest.fail("workers started"))
     assert cli.main(["train", "--max-restarts", "-1"]) == 2
     assert "max_restarts=-1 must be >= 0" in capsys.readouterr().err
     with pytest.raises(ConfigError):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from ptdp.spec import ConfigError
-from ptdp.pipeline.partition import chunk_layer_ids, stage_layer_ids
-from ptdp.pipeline.schedule import Action, build_schedule, transfer_batches
-from ptdp.pipeline.verify import ScheduleError, check_schedule, ideal_idle_time, in_flight_bound, simulate
+from ptdp.engine.pipeline.partition import chunk_layer_ids, stage_layer_ids
+from ptdp.engine.pipeline.schedule import Action, build_schedule, transfer_batches
+from ptdp.engine.pipeline.verify import ScheduleError, check_schedule, ideal_idle_time, in_flight_bound, simulate
 
 CASES = [(kind, p, m, v) for kind in ("gpipe", "1f1b", "interleaved-1f1b", "forward-only")
          for p in (1, 2, 3, 4, 8) for m in range(1, 17) for v in (1, 2, 3)
@@ -103,8 +103,8 @@ def test_layer_assignment_covers_every_layer_once():
 def test_runtime_rejects_microbatches_of_the_wrong_shape():
     import torch
 
-    from ptdp.comm import AxisGroup
-    from ptdp.pipeline.runtime import run_schedule
+    from ptdp.engine.comm import AxisGroup
+    from ptdp.engine.pipeline.runtime import run_schedule
 
     actions = build_schedule("1f1b", 1, 2)[0]
     good = (torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))

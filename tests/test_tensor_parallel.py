@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ptdp.comm import all_gather_along, reduce_scatter_along
-from ptdp.groups import ParallelGroups
-from ptdp.layout import ParallelLayout
-from ptdp.tensor_parallel import (
+from ptdp.engine.comm import all_gather_along, reduce_scatter_along
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
+from ptdp.engine.tensor_parallel import (
     ColumnParallelLinear,
     ParamSpec,
     RowParallelLinear,

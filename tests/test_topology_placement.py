@@ -12,7 +12,7 @@ import pytest
 
 import budget
 
-from ptdp.layout import ParallelLayout
+from ptdp.spec.layout import ParallelLayout
 from ptdp.topology.model import GPU, NIC, Topology
 from ptdp.topology.nvsmi import parse_nvidia_smi_topo
 from ptdp.topology.placement import PlacementError, _block_cost, _nearest_nics, place
@@ -245,7 +245,7 @@ def test_topology_modules_do_not_import_torch():
     import sys
 
     code = ("import sys, ptdp.topology.model, ptdp.topology.nvsmi, ptdp.topology.sysfs, "
-            "ptdp.topology.placement, ptdp.topology.command; "
+            "ptdp.topology.placement, ptdp.commands.topo; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=budget.seconds())
     assert proc.returncode == 0, proc.stderr

@@ -4,7 +4,7 @@ All results are bytes on ONE tensor-parallel rank of a pipeline stage (the unit 
 that stage holds). Sources: [N21] Narayanan et al., SC21, arXiv:2104.04473; [K22] Korthikanti et
 al., "Reducing Activation Recomputation in Large Transformer Models", arXiv:2205.05198.
 
-Parameters are counted exactly from the shapes ptdp's :class:`ptdp.model.gpt.GPTModel` creates
+Parameters are counted exactly from the shapes ptdp's :class:`ptdp.engine.model.gpt.GPTModel` creates
 (``tests/test_planner_model_memory.py`` checks the count against the real ``numel``).
 
 Activations follow [K22] §4 (16-bit activations, 1-byte dropout masks, fp32 logits), generalised
@@ -12,7 +12,7 @@ term by term to grouped-query attention, SwiGLU, models without dropout and fuse
 attention (see :func:`layer_activation_bytes`), times the microbatches (or model chunks) a
 pipeline rank holds at its peak (:func:`inflight_microbatches`). For ptdp's own GPT
 (:func:`ptdp.planner.models.spec_from_model_config`) ``tests/test_planner_activations.py`` checks
-the peak against the bytes autograd really saves (:mod:`ptdp.activation_meter`).
+the peak against the bytes autograd really saves (:mod:`ptdp.engine.activation_meter`).
 """
 
 from __future__ import annotations

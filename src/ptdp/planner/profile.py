@@ -2,7 +2,7 @@
 
 A profile is a :class:`~ptdp.planner.hardware.GPUSpec` ("local") plus the
 :class:`~ptdp.planner.perf.PerfConstants` that go with it, and the raw measurements, in JSON. The
-measuring itself (torch workers) lives in :mod:`ptdp.calibration`; this module only reads and
+measuring itself (torch workers) lives in :mod:`ptdp.run.calibration`; this module only reads and
 writes the file, so the planner can use a profile without importing torch.
 """
 

@@ -5,7 +5,7 @@ every command's validation use it before any process or process group exists.
 Import from here: ``from ptdp.spec import Config, ModelConfig, resolve, ConfigError``.
 """
 
-from ptdp.pipeline.partition import chunk_layer_counts, stage_layer_counts
+from ptdp.engine.pipeline.partition import chunk_layer_counts, stage_layer_counts
 from ptdp.spec.config import SECTIONS, CheckpointConfig, Config, DataConfig, LaunchConfig, TrainConfig
 from ptdp.spec.errors import ConfigError, Violation
 from ptdp.spec.fields import (ACTIVATIONS, BIND_POLICIES, DTYPES, GRAD_COMPRESSIONS, MIN_VOCAB_SIZE, NORMALIZATIONS,
@@ -15,7 +15,7 @@ from ptdp.spec.parallel import ParallelConfig
 from ptdp.spec.resolve import DEFAULT_LOCAL_WORKERS, local_world_size, resolve
 from ptdp.spec.rules import (layout_violations, recompute_violations, schedule_violations,
                              sequence_parallel_violations)
-from ptdp.tensor_parallel.vocab import padded_vocab_size
+from ptdp.engine.tensor_parallel.vocab import padded_vocab_size
 
 __all__ = [
     "ACTIVATIONS", "BIND_POLICIES", "DEFAULT_LOCAL_WORKERS", "DTYPES", "GRAD_COMPRESSIONS", "MIN_VOCAB_SIZE",

@@ -76,7 +76,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Where checkpoints are saved and loaded (``ptdp.checkpoint``)."""
+    """Where checkpoints are saved and loaded (``ptdp.run.checkpoint``)."""
 
     save: str | None = opt(None, "--save", "save checkpoints into DIR (DIR/iter_NNNNNNN, DIR/latest) after the last "
                            "iteration", "checkpoint", metavar="DIR")

@@ -11,11 +11,10 @@ one type, one set of choices and one default everywhere. Sizes use "1 means disa
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from ptdp.data_parallel.codecs import CODECS
+from ptdp.engine.data_parallel.codecs import CODECS
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 BIND_POLICIES = ("none", "numa", "exclusive")

@@ -78,7 +78,7 @@ class ModelConfig:
                                 "embeddings, the attention projection and fc2 (0: none)", "model", metavar="P")
     """Dropout probability of the hidden states ``[b, s, h]`` after the embeddings, after the
     attention projection and after fc2 (before the residual adds); 0 disables. Masks come from
-    :class:`ptdp.tensor_parallel.random.DropoutRNG` streams: equal on the tp ranks of a replica,
+    :class:`ptdp.engine.tensor_parallel.random.DropoutRNG` streams: equal on the tp ranks of a replica,
     different over dp replicas."""
     attention_dropout: float = opt(0.0, "--attention-dropout", "dropout probability of the attention probabilities "
                                    "(computed without the fused kernel when > 0; 0: none)", "model", metavar="P")
@@ -90,7 +90,7 @@ class ModelConfig:
         None, "--recompute-granularity", "full: keep only the inputs of groups of layers and run them again in "
         "backward; selective: run only the attention core again; none (default): keep every activation",
         "recompute", none_choice="none", plan=True)
-    """Activation recomputation (Korthikanti et al. 2022, arXiv:2205.05198; ``ptdp.model.recompute``):
+    """Activation recomputation (Korthikanti et al. 2022, arXiv:2205.05198; ``ptdp.engine.model.recompute``):
     None keeps every activation; ``full`` keeps only the inputs of groups of layers and recomputes
     the groups in backward; ``selective`` recomputes only the attention core (scores, softmax,
     context). Results are identical; it trades compute for activation memory."""

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ptdp.data_parallel.codecs import CodecChoice
-from ptdp.pipeline.partition import virtual_stages
+from ptdp.engine.data_parallel.codecs import CodecChoice
+from ptdp.engine.pipeline.partition import virtual_stages
 from ptdp.spec.fields import opt
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ptdp.pipeline.partition import chunk_layer_counts
+from ptdp.engine.pipeline.partition import chunk_layer_counts
 from ptdp.spec.config import CheckpointConfig, Config, LaunchConfig, TrainConfig
 from ptdp.spec.errors import ConfigError, Violation, raise_violations
 from ptdp.spec.model import ModelConfig

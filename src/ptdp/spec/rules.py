@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from ptdp.pipeline.partition import stage_layer_counts
+from ptdp.engine.pipeline.partition import stage_layer_counts
 from ptdp.spec.errors import ConfigError, Violation
 from ptdp.spec.fields import (ACTIVATIONS, BIND_POLICIES, DTYPES, GRAD_COMPRESSIONS, MIN_VOCAB_SIZE, NORMALIZATIONS,
                               POSITION_EMBEDDINGS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, SCHEDULES)

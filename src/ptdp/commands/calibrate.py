@@ -1,0 +1,51 @@
+"""``ptdp plan --calibrate``: start the measuring workers (:mod:`ptdp.run.calibration`) and report the profile.
+
+Dispatched by :mod:`ptdp.cli`, so that ``ptdp plan`` without ``--calibrate`` imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from ptdp.commands.train_flags import DEFAULT_PP, DEFAULT_TP
+from ptdp.run.calibration import calibrate_worker
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.planner.args import plan_precision
+from ptdp.planner.profile import default_profile_path
+
+
+def calibration_config(args: argparse.Namespace) -> Config:
+    """The ``ptdp train`` run being calibrated for: its defaults, with any flags given applied."""
+    model = ModelConfig()
+    shape = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                                           "vocab_size", "seq_length") if getattr(args, k) is not None}
+    model = dataclasses.replace(model, **shape, params_dtype="bfloat16" if plan_precision(args) == "bf16" else "float32")
+    train = TrainConfig()
+    batch = {k: getattr(args, k) for k in ("micro_batch_size", "global_batch_size") if getattr(args, k) is not None}
+    parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size or DEFAULT_TP,
+                              pipeline_model_parallel_size=args.pipeline_model_parallel_size or DEFAULT_PP)
+    return resolve(Config(model=model, parallel=parallel, train=dataclasses.replace(train, **batch)),
+                   args.nproc_per_node)
+
+
+def run_calibration(args: argparse.Namespace) -> int:
+    """Measure with ``--nproc-per-node`` workers, write the profile, print what was fitted; 0."""
+    from ptdp.run.launch import launch_workers
+
+    config = calibration_config(args)
+    precision = plan_precision(args) or "fp32"
+    out = Path(args.hardware_profile) if args.hardware_profile else default_profile_path()
+    p = config.parallel
+    print(f"calibrating with {args.nproc_per_node} workers, tp={p.tp} pp={p.pp} dp={p.dp}, {precision}, "
+          f"GEMMs of a {config.model.num_layers}-layer h={config.model.hidden_size} GPT ...", flush=True)
+    result = launch_workers(calibrate_worker, args.nproc_per_node, config.to_json(), precision, str(out))
+    gpu, constants = result["gpu"], result["constants"]
+    print(f"peak {precision}: {gpu['peak_flops'][precision] / 1e9:.2f} GFLOP/s per worker "
+          f"(GEMM half-dim {constants['gemm_half_dim']:.1f}); memory bandwidth "
+          f"{gpu['memory_bandwidth'] / 1e9:.2f} GB/s per worker; all-reduce {gpu['nvlink_bandwidth'] / 1e9:.3f} GB/s, "
+          f"latency {1e6 * constants['nvlink_latency']:.0f} us per ring step")
+    print(f"profile written to {out}; `ptdp train` uses it to predict its step time, "
+          f"`ptdp plan --hardware-profile {out}` plans with it")
+    return 0

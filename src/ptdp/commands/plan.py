@@ -1,0 +1,158 @@
+"""``ptdp plan``: build the model and cluster from flags, search, print."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+import dataclasses
+
+from ptdp.spec import ConfigError, stage_layer_counts
+from ptdp.planner.args import plan_precision
+from ptdp.planner.hardware import CATALOG, Cluster, GiB, get_gpu, load_catalog
+from ptdp.planner.models import ModelSpec, get_model
+from ptdp.planner.report import json_report, plot, text_report
+from ptdp.planner.perf import DEFAULT_CONSTANTS
+from ptdp.planner.request import check_model, check_output_path, check_request
+from ptdp.planner.search import Fixed, search
+
+PLAN_DESCRIPTION = """\
+Predict memory and step time of every tensor x pipeline x data parallel layout (with micro batch,
+interleaving, recompute, sequence parallelism, distributed optimizer) of a model on a GPU cluster;
+rank them and say why the others do not fit. Example:
+  ptdp plan --model gpt3-175b --gpus 1024 --gpu a100-80gb --global-batch-size 1536 --seq-length 2048
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ptdp.planner.args import add_plan_arguments
+
+    parser.description, parser.formatter_class = PLAN_DESCRIPTION, argparse.RawDescriptionHelpFormatter
+    add_plan_arguments(parser)
+
+
+_SHAPE_FLAGS = {
+    "num_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
+    "ffn_hidden_size": "ffn_hidden_size", "vocab_size": "vocab_size", "seq_length": "seq_length",
+    "num_query_groups": "num_query_groups",
+}
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    """The preset named by ``--model`` with any shape flags applied, or a model from the flags alone."""
+    overrides = {field: getattr(args, flag) for flag, field in _SHAPE_FLAGS.items() if getattr(args, flag) is not None}
+    if args.swiglu is not None:  # --swiglu / --no-swiglu; not given: the preset's
+        overrides["swiglu"] = args.swiglu
+    if args.untie_embeddings_and_output_weights is not None:
+        overrides["tied"] = not args.untie_embeddings_and_output_weights
+    if args.model:
+        return dataclasses.replace(get_model(args.model), **overrides)
+    missing = [f"--{f.replace('_', '-')}" for f in ("num_layers", "hidden_size", "num_attention_heads")
+               if f not in overrides]
+    if missing:
+        raise ConfigError(f"give --model NAME or the model shape: missing {', '.join(missing)}")
+    return ModelSpec(**overrides, name="custom")
+
+
+def _hardware(args: argparse.Namespace):
+    """The GPU and performance constants: a calibrated profile, or a catalog GPU with the defaults."""
+    if args.hardware_profile:
+        from ptdp.planner.profile import load_profile
+
+        try:
+            return load_profile(args.hardware_profile)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    try:
+        catalog = load_catalog(args.gpu_catalog) if args.gpu_catalog else CATALOG
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--gpu-catalog {args.gpu_catalog}: {e}") from None
+    return get_gpu(args.gpu, catalog), DEFAULT_CONSTANTS
+
+
+def _apply_topology(gpu, args: argparse.Namespace):
+    """The GPU as installed in ``--topology FILE``'s node (see :mod:`ptdp.planner.node_links`)."""
+    if not args.topology:
+        return gpu, []
+    from ptdp.planner.node_links import gpu_for_topology
+    from ptdp.topology.nvsmi import parse_nvidia_smi_topo
+
+    try:
+        text = Path(args.topology).read_text(encoding="utf-8", errors="replace")
+        gpu, notes = gpu_for_topology(gpu, parse_nvidia_smi_topo(text, source=args.topology))
+    except OSError as e:
+        raise ConfigError(f"--topology {args.topology}: {e.strerror or e}") from None
+    except ValueError as e:  # TopologyError included
+        raise ConfigError(f"--topology {args.topology}: {e}") from None
+    if args.gpus_per_node is not None and args.gpus_per_node != gpu.gpus_per_node:
+        raise ConfigError(f"--gpus-per-node={args.gpus_per_node} contradicts --topology {args.topology}, "
+                          f"which has {gpu.gpus_per_node} GPUs per node")
+    return gpu, notes
+
+
+def fixed_from_args(args: argparse.Namespace) -> Fixed:
+    return Fixed(
+        tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, dp=args.data_parallel_size,
+        micro_batch_size=args.micro_batch_size, virtual_stages=args.virtual_pipeline_stages,
+        layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
+        recompute=args.recompute_granularity, sequence_parallel=args.sequence_parallel,
+        distributed_optimizer=args.use_distributed_optimizer,
+        layer_split=args.pipeline_layer_split,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """``ptdp plan``: ``--calibrate`` (torch workers, :mod:`ptdp.commands.calibrate`, imported only
+    then), the validation table with ``--validate``, else the search; the exit code."""
+    if args.calibrate and not args.validate:
+        from ptdp.commands.calibrate import run_calibration
+
+        return run_calibration(args)
+    return _plan(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """``ptdp plan``: the validation table with ``--validate``, else the search; the exit code.
+
+    ``--calibrate`` (torch workers) is dispatched by :mod:`ptdp.cli` to
+    :mod:`ptdp.commands.calibrate` before this is called.
+    """
+    if args.validate:
+        from ptdp.commands.validate import run_validation
+
+        return run_validation(args)
+    if args.gpus is None or args.global_batch_size is None:
+        raise ConfigError("ptdp plan needs --gpus N and --global-batch-size B (or --validate CSV, or --calibrate)")
+    if args.plot:
+        check_output_path(args.plot, "--plot", (".png", ".pdf", ".svg"))
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node={args.gpus_per_node} must be a positive integer")
+    gpu, constants = _hardware(args)
+    gpu, notes = _apply_topology(gpu, args)
+    try:
+        per_node = gpu.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
+        cluster = Cluster(gpu, args.gpus, per_node)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    model = model_from_args(args)
+    check_model(model)
+    if args.pipeline_layer_split is not None:
+        stage_layer_counts(model.num_layers, len(args.pipeline_layer_split), args.pipeline_layer_split)
+    overhead = None if args.memory_overhead_gib is None else args.memory_overhead_gib * GiB
+    fixed = fixed_from_args(args)
+    check_request(cluster, args.global_batch_size, fixed, top=args.top, overhead_bytes=overhead)
+    precision = plan_precision(args) or ("bf16" if "bf16" in gpu.peak_flops else sorted(gpu.peak_flops)[0])
+    if precision not in gpu.peak_flops:
+        raise ConfigError(f"{gpu.name} has no peak FLOP/s for {precision}; known: {sorted(gpu.peak_flops)}")
+    result = search(model, cluster, args.global_batch_size, fixed=fixed,
+                    precision=precision, constants=constants, overhead_bytes=overhead)
+    if args.json:
+        print(json_report(result, top=args.top))
+    else:
+        for note in notes:
+            print(note)
+        print(text_report(model, cluster, result, top=args.top))
+    if args.plot:
+        plot(result, args.plot, capacity_bytes=gpu.memory_bytes, top=args.top)
+        if not args.json:
+            print(f"\nplot written to {args.plot}")
+    return 0 if result.plans else 1

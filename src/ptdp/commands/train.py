@@ -1,0 +1,87 @@
+"""``ptdp train``: check the request, prepare data and the run directory, start the local workers
+(PyTorch's elastic launcher), print the summary. The flags are :mod:`ptdp.commands.train_flags`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import warnings
+
+from ptdp.spec import resolve
+
+TRAIN_DESCRIPTION = """\
+Train a GPT with tensor x pipeline x data parallelism on local worker processes
+(gloo on CPU, NCCL on GPUs), started by PyTorch's elastic launcher. With no flags:
+8 workers, TP=2 x PP=2 x DP=2, a small GPT, the Python standard library's sources as
+corpus. For several machines use: torchrun --nnodes N --nproc-per-node G -m ptdp.train ...
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ptdp.commands.train_flags import HelpFormatter, add_train_arguments
+
+    parser.description, parser.formatter_class = TRAIN_DESCRIPTION, HelpFormatter
+    add_train_arguments(parser, local_launch=True)
+
+
+def _one_line_warnings() -> None:
+    """Show warnings (e.g. skipped data files) as ``warning: ...`` lines, not source excerpts."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+    warnings.showwarning = show
+
+
+def _binding_plan(policy: str, nproc: int) -> str:
+    """The ``--bind-cpus`` plan of the local workers as lines to print ('' for none)."""
+    if policy == "none":
+        return ""
+    import torch
+
+    from ptdp.topology.binding import read_node_plan
+
+    plan = read_node_plan(policy, nproc, use_gpus=torch.cuda.is_available())
+    return f"\ncpu binding ({policy}):\n  " + plan.describe().replace("\n", "\n  ")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``ptdp train``: the exit code (0, or 1 when a worker failed; request errors are raised)."""
+    from ptdp.commands.train_flags import config_from_args, local_world_size, max_restarts
+    from ptdp.run.launch import launch_local
+    from ptdp.run.memory_check import check_memory
+    from ptdp.run.metrics import format_summary
+    from ptdp.run.rundir import check_run_dir, make_run_dir, prepare, run_dir_path, write_config
+
+    _one_line_warnings()
+    nproc = local_world_size(args)
+    restarts = max_restarts(args)
+    config = resolve(config_from_args(args), nproc)
+    if args.print_config:
+        print(config.to_json())
+        return 0
+    p, m = config.parallel, config.model
+    if not args.force:
+        check_memory(config, nproc)
+    binding = _binding_plan(p.bind_cpus, nproc)  # a BindingError stops here, before any worker
+    run_dir = run_dir_path(config)
+    check_run_dir(run_dir, overwrite=args.overwrite, load=config.checkpoint.load)
+    data = prepare(config, log=lambda msg: print(msg, flush=True))
+    make_run_dir(run_dir, overwrite=args.overwrite, load=config.checkpoint.load)
+    config = dataclasses.replace(config, output_dir=str(run_dir))
+    write_config(run_dir, config, data)
+    print(
+        f"ptdp train: {nproc} workers, tp={p.tp} pp={p.pp} dp={p.dp}, "
+        f"{config.num_microbatches} microbatches of {config.train.micro_batch_size} per step; "
+        f"{m.family} {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
+        f"seq {m.seq_length}, vocab {data.vocab_size}\n"
+        f"data: {data.num_train_tokens:,} train / {data.num_valid_tokens:,} validation tokens\n"
+        f"run directory: {run_dir}" + binding,
+        flush=True,
+    )
+    summary = launch_local(config, nproc, str(run_dir), str(data.cache_dir), progress=not args.no_progress,
+                           max_restarts=restarts)
+    if "error" in summary:
+        print(f"ptdp train: error: {summary['error']}\n  run directory: {run_dir}", file=sys.stderr, flush=True)
+        return 1
+    print(format_summary(summary, run_dir), flush=True)
+    return 0

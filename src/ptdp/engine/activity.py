@@ -1,0 +1,147 @@
+"""What this process is doing, for error messages: its rank, the training phase and the iteration.
+
+A worker that stops responding makes its peers' collectives fail after the process-group timeout
+(``--distributed-timeout-minutes``; gloo raises a ``RuntimeError``, "Timed out waiting ...", in
+the call or in ``wait()``). :mod:`ptdp.engine.comm` turns that error into a :class:`CollectiveError`
+whose message says which rank failed, in which phase and iteration, on which axis and operation,
+which ranks it was waiting for and, after a timeout, which ranks reported none themselves (the
+ones that stopped; see ``comm._silent_ranks``)::
+
+    rank 0 timed out after 0.1 min in gradient sync at iteration 7: dp all_reduce over ranks 0, 1
+    did not complete (rank 1 reported no timeout of its own: likely the one that stopped
+    responding; --distributed-timeout-minutes sets the limit)
+
+The record is one small object per process (:data:`CURRENT`), updated by the training step, the
+pipeline runtime and the trainer with plain attribute writes (no I/O, no communication).
+"""
+
+from __future__ import annotations
+
+import re
+
+from ptdp.engine import faults
+
+START_UP = "start-up"
+FORWARD = "forward"
+BACKWARD = "backward"
+PIPELINE = "pipeline send/recv"
+GRAD_SYNC = "gradient sync"
+OPTIMIZER = "optimizer"
+EVALUATION = "evaluation"
+CHECKPOINT = "checkpoint"
+PHASES = (START_UP, FORWARD, BACKWARD, PIPELINE, GRAD_SYNC, OPTIMIZER, EVALUATION, CHECKPOINT)
+_PHASE_INDEX = {phase: i for i, phase in enumerate(PHASES)}
+
+
+class Activity:
+    """This process's global rank, current phase and 1-based iteration (None before the first)."""
+
+    __slots__ = ("rank", "phase", "iteration", "stall_phase", "crash_phase")
+
+    def __init__(self) -> None:
+        self.rank: int | None = None
+        self.phase = START_UP
+        self.iteration: int | None = None
+        self.stall_phase: str | None = None
+        """Test-only: the phase this iteration stalls in (``PTDP_TEST_STALL``)."""
+        self.crash_phase: str | None = None
+        """Test-only: the phase this iteration crashes in (``PTDP_TEST_CRASH``)."""
+
+    def where(self) -> str:
+        at = f" at iteration {self.iteration}" if self.iteration is not None else " before the first iteration"
+        return f"in {self.phase}{at}"
+
+
+CURRENT = Activity()
+"""The record of this process."""
+_mirror = None  # a ptdp.run.postmortem.ActivityBox while a launched worker runs
+
+
+def mirror_to(box) -> None:
+    """Also write every phase change into ``box`` (``write(phase_index, iteration)``; a
+    memory-mapped record that outlives the process, :mod:`ptdp.run.postmortem`), or stop (None)."""
+    global _mirror
+    _mirror = box
+    if box is not None:
+        box.write(phase_index(), CURRENT.iteration)
+
+
+def phase_index() -> int:
+    """The index of the current phase in :data:`PHASES`."""
+    return _PHASE_INDEX.get(CURRENT.phase, 0)
+
+
+def start_step(rank: int, iteration: int) -> None:
+    """A training step begins: ``iteration`` is 1-based, as in the logs."""
+    CURRENT.rank, CURRENT.iteration = rank, iteration
+    CURRENT.stall_phase = faults.stall_phase(rank, iteration)
+    CURRENT.crash_phase = faults.crash_phase(rank, iteration)
+    for env, phase in ((faults.STALL_ENV, CURRENT.stall_phase), (faults.CRASH_ENV, CURRENT.crash_phase)):
+        if phase is not None and phase not in PHASES:
+            raise ValueError(f"{env}: phase {phase!r} is not one of {PHASES}")
+    set_phase(FORWARD)
+
+
+def set_phase(phase: str, iteration: int | None = None) -> None:
+    """Enter ``phase`` (one of :data:`PHASES`); ``iteration`` replaces the current one if given."""
+    CURRENT.phase = phase
+    if iteration is not None:
+        CURRENT.iteration = iteration
+    if _mirror is not None:
+        _mirror.write(_PHASE_INDEX[phase], CURRENT.iteration)
+    if phase == CURRENT.stall_phase:
+        CURRENT.stall_phase = None
+        faults.stall(CURRENT.rank, CURRENT.iteration, phase)
+    if phase == CURRENT.crash_phase:
+        CURRENT.crash_phase = None
+        faults.crash(CURRENT.rank, CURRENT.iteration, phase)
+
+
+class CollectiveError(RuntimeError):
+    """A collective or point-to-point transfer failed on this rank: a peer stopped responding
+    (:class:`CollectiveTimeout`) or went away. ``rank``, ``phase`` and ``iteration`` say where."""
+
+    def __init__(self, message: str, *, rank: int, phase: str, iteration: int | None) -> None:
+        super().__init__(message)
+        self.rank, self.phase, self.iteration = rank, phase, iteration
+
+
+class CollectiveTimeout(CollectiveError):
+    """A collective or transfer did not complete within the process group's timeout."""
+
+
+_GLOO_PREFIX = re.compile(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*")
+
+
+def is_timeout(err: BaseException) -> bool:
+    """Whether a backend error says an operation timed out (gloo: "Timed out waiting ...",
+    "Application timeout caused pair closure")."""
+    text = str(err).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def collective_error(err: BaseException, *, rank: int, axis: str, op: str, ranks: tuple[int, ...],
+                     peer: int | None = None, timeout_s: float | None = None,
+                     silent: list[int] | None = None) -> CollectiveError:
+    """The :class:`CollectiveError` for ``err`` raised by ``op`` on ``axis`` (global ``ranks`` of
+    the group; ``peer``: the other rank of a send or recv), worded with :data:`CURRENT`.
+    ``silent``: after a timeout, the ranks that did not report one too (the likely culprits)."""
+    if peer is not None:
+        what = f"{axis} {op} {'from' if op == 'recv' else 'to'} rank {peer}"
+    else:
+        what = f"{axis} {op} over ranks {', '.join(map(str, ranks))}"
+    text = str(err).strip()
+    detail = _GLOO_PREFIX.sub("", text.splitlines()[0] if text else type(err).__name__)
+    where = CURRENT.where()
+    kwargs = dict(rank=rank, phase=CURRENT.phase, iteration=CURRENT.iteration)
+    if not is_timeout(err):
+        return CollectiveError(f"rank {rank} failed {where}: {what}: {detail.split('. ')[0]}", **kwargs)
+    after = f" after {timeout_s / 60:g} min" if timeout_s else ""
+    if silent:
+        many = len(silent) > 1
+        why = (f"rank{'s' if many else ''} {', '.join(map(str, silent))} reported no timeout of "
+               f"{'their' if many else 'its'} own: likely the one{'s' if many else ''} that stopped responding")
+    else:
+        why = "a rank it waits for stopped responding, or is much slower"
+    return CollectiveTimeout(f"rank {rank} timed out{after} {where}: {what} did not complete ({why}; "
+                             f"--distributed-timeout-minutes sets the limit)", **kwargs)

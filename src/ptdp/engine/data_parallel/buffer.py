@@ -1,0 +1,240 @@
+"""Gradient buckets of one model-parallel shard, reduced over the data-parallel group.
+
+Every gradient lives in one flat buffer cut into buckets (at most ``bucket_size`` elements each,
+never spanning two model chunks). Microbatch gradients accumulate in place. A bucket's
+data-parallel reduction starts as soon as the last of its gradients is ready in the backward of
+the *synchronising* microbatch (``overlap=True``; the other microbatches run under
+:meth:`GradBuffer.no_sync`, as with PyTorch DDP), or, without overlap or for buckets whose
+gradients did not all arrive (unused parameters reduce as zeros), in :meth:`GradBuffer.finish`.
+Buckets are filled in reverse parameter order, the order backward produces gradients, as in
+Megatron-LM and PyTorch DDP.
+
+With ``shard=True`` (the distributed optimizer, ZeRO-1; Rajbhandari et al., arXiv:1910.02054)
+each bucket is padded to a multiple of dp and reduce-scattered: rank i keeps the i-th 1/dp of
+every bucket's average in :attr:`GradBuffer.shard_grads`; parameters become views of one flat
+:attr:`GradBuffer.param_data` with the same layout, so the updated shards can be all-gathered in
+place. For bfloat16 parameters the buffer is float32 (Megatron's ``main_grad``): a hook adds each
+``param.grad`` into ``param.main_grad`` and frees it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from ptdp.engine.comm import AxisGroup
+from ptdp.engine.data_parallel.compression import block_sizes, start_reduction
+
+DEFAULT_BUCKET_SIZE = 40_000_000  # elements; Megatron-LM's default
+
+
+@dataclass
+class Bucket:
+    """Parameters whose gradients are reduced together; ``[start, start + numel)`` of the buffer."""
+
+    index: int
+    chunk: int
+    params: list[nn.Parameter]
+    start: int
+    numel: int
+    overlap: bool
+    ready: set[int] = field(default_factory=set)
+    finish: Callable[[], None] | None = None
+    blocks: torch.Tensor | None = None
+    """1-bit scale block sizes (:func:`~ptdp.engine.data_parallel.compression.block_sizes`), 1bit only."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The part ``[lo, hi)`` of a parameter (flattened) that falls in this rank's shard, at
+    ``shard_offset`` of :attr:`GradBuffer.shard_grads`."""
+
+    param: nn.Parameter
+    lo: int
+    hi: int
+    shard_offset: int
+
+
+class GradBuffer:
+    """Flat gradient buckets for the parameters of each model chunk (``chunk_params[c]``).
+
+    Args:
+        chunk_params: parameters of each chunk, in module order.
+        dp: the data-parallel axis.
+        grad_dtype: buffer dtype (default: the parameters'); float32 for bfloat16 parameters.
+        bucket_size: most elements per bucket (a larger parameter gets a bucket of its own).
+        overlap: start a bucket's reduction during backward, when all its gradients are ready.
+        codec: ``none``, ``fp16``, ``bf16`` or ``1bit`` (:mod:`ptdp.engine.data_parallel.compression`).
+        shard: reduce-scatter into :attr:`shard_grads` for the distributed optimizer.
+        deferred: parameters whose bucket must not start early (the tied embedding, whose
+            gradient is first summed over the first and last pipeline stage).
+    """
+
+    def __init__(self, chunk_params: list[list[nn.Parameter]], *, dp: AxisGroup, grad_dtype: torch.dtype | None = None,
+                 bucket_size: int | None = None, overlap: bool = False, codec: str = "none", shard: bool = False,
+                 deferred: tuple[nn.Parameter, ...] = ()) -> None:
+        params = [p for ps in chunk_params for p in ps]
+        if not params:
+            raise ValueError("GradBuffer needs at least one parameter")
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"parameters of one buffer must share a dtype, got {sorted(map(str, dtypes))}")
+        self.params, self.dp, self.codec, self.sharded = params, dp, codec, shard
+        self.exact = False
+        """Reduce in the buffer's dtype whatever ``codec`` is (compression warmup); set per step."""
+        self.grad_scale = 1.0
+        """How much the gradients in the buffer are scaled (the float16 loss scale); set per step."""
+        self.uses_main_grad = grad_dtype is not None and grad_dtype != params[0].dtype
+        self.buckets = _plan_buckets(chunk_params, bucket_size or DEFAULT_BUCKET_SIZE, overlap,
+                                     {id(p) for p in deferred}, dp.size if shard else 1)
+        total = sum(b.numel for b in self.buckets)
+        device = params[0].device
+        self.data = torch.zeros(total, dtype=grad_dtype or params[0].dtype, device=device)
+        self.residual = torch.zeros_like(self.data) if codec == "1bit" else None
+        self.shard_grads = torch.zeros(total // dp.size, dtype=self.data.dtype, device=device) if shard else None
+        self.param_data = torch.zeros(total, dtype=params[0].dtype, device=device) if shard else None
+        self._views: dict[int, torch.Tensor] = {}
+        self._bucket_of: dict[int, Bucket] = {}
+        self._syncing = True
+        self._launched: list[Bucket] = []
+        self._place_params()
+        self.segments = self._shard_segments() if shard else []
+        if codec == "1bit":
+            for bucket in self.buckets:
+                lengths = [p.numel() for p in bucket.params]
+                padding = bucket.numel - sum(lengths)  # dp padding: a segment of its own
+                bucket.blocks = block_sizes(lengths + ([padding] if padding else []), device)
+
+    def _place_params(self) -> None:
+        for bucket in self.buckets:
+            offset = bucket.start
+            for p in bucket.params:
+                view = self.data[offset: offset + p.numel()].view_as(p)
+                self._views[id(p)] = view
+                self._bucket_of[id(p)] = bucket
+                if self.param_data is not None:
+                    pview = self.param_data[offset: offset + p.numel()].view_as(p)
+                    pview.copy_(p.detach())
+                    p.data = pview
+                if self.uses_main_grad:
+                    p.main_grad = view
+                else:
+                    p.grad = view
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                offset += p.numel()
+
+    def _shard_segments(self) -> list[Segment]:
+        out, rank, dp = [], self.dp.rank, self.dp.size
+        for bucket in self.buckets:
+            per = bucket.numel // dp
+            lo_shard, hi_shard = bucket.start + rank * per, bucket.start + (rank + 1) * per
+            offset = bucket.start
+            for p in bucket.params:
+                lo, hi = max(offset, lo_shard), min(offset + p.numel(), hi_shard)
+                if lo < hi:
+                    out.append(Segment(p, lo - offset, hi - offset, bucket.start // dp + (lo - lo_shard)))
+                offset += p.numel()
+        return out
+
+    def grad(self, param: nn.Parameter) -> torch.Tensor:
+        """The accumulated gradient of ``param`` (a view into the buffer; not yet reduced)."""
+        return self._views[id(param)]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without starting any data-parallel reduction (PyTorch DDP's name)."""
+        previous, self._syncing = self._syncing, False
+        try:
+            yield
+        finally:
+            self._syncing = previous
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if self.uses_main_grad:
+            param.main_grad.add_(param.grad)
+            param.grad = None
+        if not self._syncing or self.dp.size == 1:  # accumulating (no_sync), or nothing to reduce
+            return
+        bucket = self._bucket_of[id(param)]
+        if not bucket.overlap:
+            return
+        if bucket.finish is not None:
+            raise RuntimeError(
+                f"a gradient arrived for bucket {bucket.index} after its reduction started (shape "
+                f"{tuple(param.shape)}); with overlap, run every backward but the step's last under no_sync()")
+        bucket.ready.add(id(param))
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        grad = self.data[bucket.start: bucket.start + bucket.numel]
+        shard = None
+        if self.shard_grads is not None:
+            per = bucket.numel // self.dp.size
+            shard = self.shard_grads[bucket.start // self.dp.size: bucket.start // self.dp.size + per]
+        residual = self.residual[bucket.start: bucket.start + bucket.numel] if self.residual is not None else None
+        codec = "none" if self.exact else self.codec
+        bucket.finish = start_reduction(codec, grad, self.dp, shard=shard, residual=residual,
+                                        grad_scale=self.grad_scale, blocks=bucket.blocks)
+        self._launched.append(bucket)
+
+    def finish(self) -> None:
+        """Start every bucket not started yet (in bucket order), then wait for all: afterwards the
+        buffer (or, sharded, :attr:`shard_grads`) holds the gradients averaged over dp."""
+        if self.dp.size == 1:  # nothing to average; a sharded buffer's one shard is everything
+            if self.shard_grads is not None:
+                self.shard_grads.copy_(self.data)
+            return
+        for bucket in self.buckets:
+            if bucket.finish is None:
+                self._launch(bucket)
+        for bucket in self._launched:
+            bucket.finish()
+        self._launched = []
+
+    @property
+    def reduced(self) -> torch.Tensor:
+        """Where the averaged gradients are after :meth:`finish`: the buffer, or this rank's shard."""
+        return self.shard_grads if self.shard_grads is not None else self.data
+
+    def zero(self) -> None:
+        """Zero the gradients and forget started reductions, before the next step."""
+        if not self.uses_main_grad:
+            storage = self.data.untyped_storage().data_ptr()
+            for p in self.params:
+                if p.grad is None or p.grad.untyped_storage().data_ptr() != storage:
+                    raise RuntimeError("a parameter's .grad no longer views the gradient buffer (was zero_grad called?)")
+        self.data.zero_()
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.finish = None
+
+
+def _plan_buckets(chunk_params, bucket_size: int, overlap: bool, deferred: set[int], multiple: int) -> list[Bucket]:
+    buckets: list[Bucket] = []
+    start = 0
+
+    def close(chunk: int, params: list[nn.Parameter], can_overlap: bool) -> None:
+        nonlocal start
+        numel = sum(p.numel() for p in params)
+        numel += (-numel) % multiple
+        buckets.append(Bucket(len(buckets), chunk, params, start, numel, overlap and can_overlap))
+        start += numel
+
+    for chunk, params in enumerate(chunk_params):
+        current: list[nn.Parameter] = []
+        for p in reversed(params):
+            if id(p) in deferred:
+                close(chunk, [p], False)
+                continue
+            if current and sum(q.numel() for q in current) + p.numel() > bucket_size:
+                close(chunk, current, True)
+                current = []
+            current.append(p)
+        if current:
+            close(chunk, current, True)
+    return buckets

@@ -1,0 +1,134 @@
+"""How a gradient bucket is reduced over the data-parallel group: exactly, in 16 bits, or in 1 bit.
+
+Every codec averages the bucket over the ``dp`` replicas and only ever communicates on the DP
+axis. ``start`` issues the (asynchronous) collectives and returns a function that, once called,
+waits for them and leaves the average in place (or, for the distributed optimizer, this rank's
+shard of it in ``shard``). Payload per rank and step (counted by :mod:`ptdp.engine.comm`): ``none`` 4
+bytes per element (fp32), ``fp16``/``bf16`` 2, ``1bit`` 1/8 + 4/64 = 0.1875 (21x less than fp32).
+
+- ``fp16`` / ``bf16``: divide by dp *before* casting, so the sum over dp overflows the 16-bit
+  range only where the mean itself does; cast back after the reduction. float16's largest value
+  is 65,504: a mean gradient beyond it becomes inf, and the step is then skipped as non-finite
+  (bf16 has float32's range).
+- ``1bit``: signs with one float32 scale (mean absolute value) per block of
+  :data:`ONE_BIT_BLOCK` elements of the bucket, with error feedback: the part of the gradient the
+  sign cannot express is kept in a per-rank residual and added to the next step's gradient (Seide
+  et al., "1-Bit Stochastic Gradient Descent", Interspeech 2014, which also uses a scale per
+  column rather than per tensor; Karimireddy et al., "Error Feedback Fixes SignSGD",
+  arXiv:1901.09847). The residual is training state. Why blocks: with AdamW, one scale per
+  bucket lets the bucket's large gradients set the step of its small ones; on ``ptdp train``'s
+  default model (dp = 2, 200 iterations) a per-bucket scale ended at validation loss 6.8 against
+  4.9 uncompressed, 64-element blocks at 5.4, and 64-element blocks after an exact warmup (see
+  ``grad_compression_warmup_iters``; Tang et al., "1-bit Adam", arXiv:2102.02888, also warm up
+  uncompressed) at 5.1.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ptdp.engine.comm import AxisGroup, all_gather_async, all_reduce_async, reduce_scatter_async
+from ptdp.engine.data_parallel.codecs import CODECS
+
+ONE_BIT_BLOCK = 64
+"""Elements sharing one scale in ``1bit``; the payload is 1/8 + 4/ONE_BIT_BLOCK bytes per element."""
+_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+_BIT_SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
+
+
+def packbits(bits: torch.Tensor) -> torch.Tensor:
+    """Booleans ``[n]`` -> ``[ceil(n / 8)]`` uint8, most significant bit first."""
+    padded = F.pad(bits.to(torch.uint8), (0, (-bits.numel()) % 8)).view(-1, 8)
+    return (padded * _BIT_WEIGHTS.to(bits.device)).sum(dim=1).to(torch.uint8)
+
+
+def unpackbits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`packbits` for the last dim: ``[..., k]`` uint8 -> ``[..., n]`` bool."""
+    bits = (packed.unsqueeze(-1) >> _BIT_SHIFTS.to(packed.device)) & 1
+    return bits.flatten(-2)[..., :n].bool()
+
+
+def start_reduction(codec: str, grad: torch.Tensor, axis: AxisGroup, *, shard: torch.Tensor | None = None,
+                    residual: torch.Tensor | None = None, grad_scale: float = 1.0,
+                    blocks: torch.Tensor | None = None) -> Callable[[], None]:
+    """Start averaging ``grad`` (a flat fp32 bucket) over ``axis``; returns ``finish()``.
+
+    ``shard`` (distributed optimizer): receive only this rank's ``grad.numel() / dp`` slice of the
+    average there (reduce-scatter) instead of the whole average in ``grad`` (all-reduce).
+    ``residual``: the 1-bit error-feedback buffer of this bucket (same shape as ``grad``), kept
+    in unscaled units: ``grad`` is ``grad_scale`` times the true gradient (the float16 loss scale).
+    ``blocks``: 1-bit scale block sizes (:func:`block_sizes` of the parameters laid out in
+    ``grad``); default: blocks of :data:`ONE_BIT_BLOCK` over the whole bucket.
+    """
+    dp = axis.size
+    if codec == "none":
+        if shard is not None:
+            work = reduce_scatter_async(shard, grad, axis, tag="grads")
+            return lambda: (work.wait(), shard.div_(dp))
+        work = all_reduce_async(grad, axis, tag="grads")
+        return lambda: (work.wait(), grad.div_(dp))
+    if codec in _HALF:
+        half = grad.div(dp).to(_HALF[codec])
+        if shard is not None:
+            out = torch.empty(shard.numel(), dtype=half.dtype, device=half.device)
+            work = reduce_scatter_async(out, half, axis, tag="grads")
+            return lambda: (work.wait(), shard.copy_(out))
+        work = all_reduce_async(half, axis, tag="grads")
+        return lambda: (work.wait(), grad.copy_(half))
+    if codec == "1bit":
+        if shard is not None:
+            raise ValueError("1-bit compression is not supported with the distributed optimizer")
+        return _start_one_bit(grad, axis, residual, grad_scale, blocks)
+    raise ValueError(f"unknown gradient compression {codec!r}; expected one of {CODECS}")
+
+
+def block_sizes(segments: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Sizes (int64) of blocks of at most :data:`ONE_BIT_BLOCK` elements that never cross a
+    segment (parameter) boundary, so a parameter's scales depend on its own gradient only (a
+    tp-replicated parameter then compresses identically on every tp rank). Computed once per
+    bucket by its owner."""
+    out = []
+    for length in segments:
+        full, rest = divmod(length, ONE_BIT_BLOCK)
+        out += [ONE_BIT_BLOCK] * full + ([rest] if rest else [])
+    return torch.tensor(out, dtype=torch.int64, device=device)
+
+
+def one_bit_scales(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Mean absolute value of each block of flat ``x`` (``blocks``: sizes from
+    :func:`block_sizes`); ``[len(blocks)]`` float32."""
+    return (torch.segment_reduce(x.abs(), "sum", lengths=blocks) / blocks).float()
+
+
+def _per_element(scales: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    return scales.repeat_interleave(blocks, dim=-1)
+
+
+def _start_one_bit(grad: torch.Tensor, axis: AxisGroup, residual: torch.Tensor, grad_scale: float,
+                   blocks: torch.Tensor | None) -> Callable[[], None]:
+    n, dp = grad.numel(), axis.size
+    blocks = blocks if blocks is not None else block_sizes([n], grad.device)
+    corrected = grad + residual * grad_scale if grad_scale != 1.0 else grad + residual
+    scales = one_bit_scales(corrected, blocks)
+    signs = corrected >= 0
+    step = _per_element(scales, blocks).to(grad.dtype)
+    kept = corrected - torch.where(signs, step, -step)
+    residual.copy_(kept / grad_scale if grad_scale != 1.0 else kept)
+    packed = packbits(signs)
+    all_packed = torch.empty(dp * packed.numel(), dtype=torch.uint8, device=grad.device)
+    all_scales = torch.empty(dp * scales.numel(), dtype=torch.float32, device=grad.device)
+    works = [all_gather_async(all_packed, packed, axis, tag="grads"),
+             all_gather_async(all_scales, scales, axis, tag="grads")]
+
+    def finish() -> None:
+        for work in works:
+            work.wait()
+        bits = unpackbits(all_packed.view(dp, -1), n)
+        steps = _per_element(all_scales.view(dp, -1), blocks).to(grad.dtype)
+        grad.copy_(torch.where(bits, steps, -steps).sum(dim=0).div_(dp))
+
+    return finish

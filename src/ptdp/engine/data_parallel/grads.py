@@ -1,0 +1,119 @@
+"""After backward: the tied-embedding sum, the data-parallel reduction, the tp sum of the
+sequence-parallel parameters' gradients, and the global gradient norm with clipping, exact
+whatever the layout, bucketing, compression or optimizer sharding."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ptdp.engine.comm import all_reduce
+from ptdp.engine.data_parallel.buffer import GradBuffer
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.tensor_parallel.sequence import is_sequence_parallel
+from ptdp.engine.tensor_parallel.sharding import spec_of
+
+
+def finalize_grads(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups) -> None:
+    """Sum the tied embedding's gradient over the embedding group (first + last stage; its bucket
+    is never reduced early), then finish the data-parallel reduction of every bucket, then sum the
+    gradients of the sequence-parallel parameters over tp (:func:`sum_sequence_parallel_grads`).
+
+    Communication: embedding all-reduce of the ``[V_pad / tp, h]`` word-embedding gradient (only
+    with pp > 1 and tied embeddings); dp all-reduces (or reduce-scatters) of all buckets, together
+    the stage's gradient elements (Narayanan et al. SC21, §3.2); with sequence parallelism one tp
+    all-reduce of the marked parameters' gradients.
+    """
+    tied = model.tied_embedding() if hasattr(model, "tied_embedding") else None
+    if tied is not None and groups.embedding.size > 1:
+        all_reduce(buffer.grad(tied), groups.embedding, tag="tied_embedding")
+    buffer.finish()
+    sum_sequence_parallel_grads(buffer, groups)
+
+
+def sum_sequence_parallel_grads(buffer: GradBuffer, groups: ParallelGroups) -> None:
+    """Sum over tp the gradients of parameters marked ``ptdp_sequence_parallel``
+    (:mod:`ptdp.engine.tensor_parallel.sequence`): applied to sequence-split activations, each tp rank's
+    gradient covers its own positions only (Korthikanti et al. 2022, §4.2.2).
+
+    Runs after the data-parallel reduction, on the reduced gradients (with the distributed
+    optimizer, on this rank's shard of them): summing over tp and averaging over dp commute, and
+    the buckets may then be reduced during backward. The tp ranks of a replica hold equally shaped
+    parameters in the same buckets, so they hold the same segments. Communication: one tp
+    all-reduce (tag ``sequence_parallel``) of all the marked gradients together (flattened), when
+    there are any.
+    """
+    if groups.tp.size == 1:
+        return
+    if buffer.sharded:
+        grads = [buffer.shard_grads[seg.shard_offset: seg.shard_offset + seg.hi - seg.lo]
+                 for seg in buffer.segments if is_sequence_parallel(seg.param)]
+    else:
+        grads = [buffer.grad(p) for p in buffer.params if is_sequence_parallel(p)]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    all_reduce(flat, groups.tp, tag="sequence_parallel")
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def counts_in_norm(param: nn.Parameter, groups: ParallelGroups) -> bool:
+    """Whether this rank's copy of ``param`` is the one counted in the global norm.
+
+    Tensor-parallel shards are all counted (they are disjoint); replicated parameters only on tp
+    rank 0; the last stage's copy of a tied embedding not at all (the first stage counts it).
+    """
+    if getattr(param, "ptdp_tied_copy", False):
+        return False
+    return spec_of(param).tp_dim is not None or groups.tp.rank == 0
+
+
+def _sum_of_squares(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups) -> torch.Tensor:
+    if buffer.sharded:  # this rank's shard of the averaged gradients; the dp ranks' shards add up
+        grads = [buffer.shard_grads[seg.shard_offset: seg.shard_offset + seg.hi - seg.lo]
+                 for seg in buffer.segments if counts_in_norm(seg.param, groups)]
+        sq = _squares(grads, buffer.data.device)
+        all_reduce(sq, groups.dp, tag="grad_norm")
+        return sq
+    return _squares([buffer.grad(p) for p in model.parameters() if counts_in_norm(p, groups)], buffer.data.device)
+
+
+def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of ``grads`` as a float64 scalar: one norm per tensor (in its dtype, fused
+    over the list), squared and added in float64."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch.stack(torch._foreach_norm(grads)).double()
+    return norms.pow(2).sum()
+
+
+def grad_norm(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups) -> float:
+    """Global L2 norm of all gradients of the model, every parameter counted once (nan or inf if a
+    gradient is; the same on every rank).
+
+    Sums squares (float64) over this rank's counted parameters (with the distributed optimizer,
+    over its shard, then all-reduced over dp), then all-reduces over tp and pp (1 element each).
+    """
+    sq = _sum_of_squares(model, buffer, groups)
+    all_reduce(sq, groups.tp, tag="grad_norm")
+    all_reduce(sq, groups.pp, tag="grad_norm")
+    return math.sqrt(sq.item())
+
+
+def clip_grads(buffer: GradBuffer, norm: float, max_norm: float) -> None:
+    """If ``max_norm > 0`` and ``norm`` exceeds it, multiply every reduced gradient by
+    ``max_norm / (norm + 1e-6)``."""
+    if max_norm > 0 and norm > max_norm:
+        buffer.reduced.mul_(max_norm / (norm + 1e-6))
+
+
+def clip_grad_norm(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups, max_norm: float) -> float:
+    """:func:`grad_norm`, then :func:`clip_grads`; returns the norm before clipping."""
+    norm = grad_norm(model, buffer, groups)
+    clip_grads(buffer, norm, max_norm)
+    return norm

@@ -1,0 +1,113 @@
+"""The distributed optimizer (ZeRO stage 1; Rajbhandari et al., "ZeRO", arXiv:1910.02054;
+Megatron-LM's ``DistributedOptimizer``): each data-parallel rank keeps Adam's moments, and for
+16-bit models the float32 main parameters, only for its 1/dp shard of every gradient bucket,
+updates that shard from the reduce-scattered gradients, and all-gathers the updated parameters.
+
+Memory per rank: optimizer state 8 / dp bytes per parameter (12 / dp with float32 main
+parameters), plus the padding that makes every bucket a multiple of dp. Communication per step:
+reduce-scatter of the gradients (in :class:`~ptdp.engine.data_parallel.buffer.GradBuffer`) and one
+all-gather of the parameters per bucket, on the dp axis. With ``overlap_param_gather`` the
+all-gathers are issued in the order the next forward uses the buckets, and a forward pre-hook on
+each given module (a transformer layer, or a model chunk for its embeddings and output layer)
+waits only for the buckets holding that module's parameters (Megatron-LM's
+``--overlap-param-gather``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ptdp.engine.comm import all_gather_async
+from ptdp.engine.data_parallel.buffer import GradBuffer
+
+
+class ShardedAdamW:
+    """AdamW over this rank's shard of ``grads`` (a sharded :class:`GradBuffer`).
+
+    Weight decay applies to segments of parameters with >= 2 dims. For float32/float64
+    parameters the shard of the parameter buffer itself is updated; for bfloat16/float16 a float32
+    copy of it is, then rounded into the parameters.
+
+    ``overlap_with``: (module, parameters) pairs; the module's forward first waits for the
+    all-gathers of those parameters' buckets (every parameter must be in some pair, and the pair
+    must run before the parameter is read). Until then, read parameters only after
+    :meth:`wait_for_params`.
+    """
+
+    def __init__(self, grads: GradBuffer, *, weight_decay: float, overlap_with: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
+                 **adam_kwargs) -> None:
+        if not grads.sharded:
+            raise ValueError("ShardedAdamW needs a GradBuffer built with shard=True")
+        self.grads = grads
+        dp, rank = grads.dp.size, grads.dp.rank
+        low_precision = grads.param_data.dtype in (torch.bfloat16, torch.float16)
+        self.pairs: list[tuple[torch.Tensor, nn.Parameter]] = []  # (model shard view, main)
+        self.segment_mains: list[tuple[object, nn.Parameter]] = []  # (Segment, its main), for checkpoints
+        decay, no_decay = [], []
+        for seg in grads.segments:
+            model_view = seg.param.data.view(-1)[seg.lo: seg.hi]
+            main = nn.Parameter(model_view.detach().float().clone() if low_precision else model_view)
+            main.grad = grads.shard_grads[seg.shard_offset: seg.shard_offset + (seg.hi - seg.lo)]
+            if low_precision:
+                self.pairs.append((model_view, main))
+            self.segment_mains.append((seg, main))
+            (decay if seg.param.ndim >= 2 else no_decay).append(main)
+        groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        # a rank whose shards hold only padding has nothing to update
+        self.inner = torch.optim.AdamW(groups, **adam_kwargs) if groups else None
+        self._shard_ranges = [(b.start + rank * (b.numel // dp), b.numel // dp, b.start, b.numel) for b in grads.buckets]
+        # buckets hold each chunk's parameters back to front: the next forward needs them in
+        # chunk order, last bucket of a chunk first
+        self._gather_order = sorted(range(len(grads.buckets)), key=lambda i: (grads.buckets[i].chunk, -i))
+        self._pending: dict[int, object] = {}
+        self.overlap = overlap_with is not None
+        if overlap_with is not None:
+            self._install_hooks(overlap_with)
+
+    def _install_hooks(self, units: list[tuple[nn.Module, list[nn.Parameter]]]) -> None:
+        index = {id(p): i for i, b in enumerate(self.grads.buckets) for p in b.params}
+        covered = {id(p) for _, params in units for p in params}
+        missing = [i for i in index if i not in covered]
+        if missing:
+            raise ValueError(f"overlap_param_gather: {len(missing)} parameters belong to no module that waits for them")
+        for module, params in units:
+            buckets = tuple(sorted({index[id(p)] for p in params if id(p) in index}))
+            if buckets:
+                module.register_forward_pre_hook(lambda _m, _args, buckets=buckets: self._wait(buckets))
+
+    def _wait(self, buckets) -> None:
+        for i in buckets:
+            work = self._pending.pop(i, None)
+            if work is not None:
+                work.wait()
+
+    def wait_for_params(self) -> None:
+        """Finish every parameter all-gather still in flight."""
+        self._wait(list(self._pending))
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups if self.inner is not None else []
+
+    @property
+    def state(self):
+        return self.inner.state if self.inner is not None else {}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update this rank's shard, then all-gather every bucket's parameters from all dp ranks
+        (finished here, or with ``overlap_with`` during the next forward)."""
+        self.wait_for_params()  # a bucket no forward used (no parameter ran) is still in flight
+        if self.inner is not None:
+            self.inner.step()
+        for model_view, main in self.pairs:
+            model_view.copy_(main)
+        data = self.grads.param_data
+        for i in self._gather_order:
+            shard_start, per, start, numel = self._shard_ranges[i]
+            mine = data[shard_start: shard_start + per].clone()
+            self._pending[i] = all_gather_async(data[start: start + numel], mine, self.grads.dp, tag="params")
+        if not self.overlap:
+            self.wait_for_params()

@@ -1,0 +1,113 @@
+"""The process groups of one process, built once from a :class:`~ptdp.spec.layout.ParallelLayout`.
+
+:class:`ParallelGroups` is the single object that holds this process's tensor-, pipeline- and
+data-parallel groups and the embedding group; it is passed explicitly to the model, the pipeline
+runtime and the gradient code. There are no module-level groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ptdp.engine.comm import AxisGroup, CommStats
+from ptdp.spec.layout import Coords, ParallelLayout
+
+
+@dataclass(frozen=True, eq=False)
+class ParallelGroups:
+    """This process's groups along every axis.
+
+    Attributes:
+        layout: the tp x pp x dp grid.
+        global_rank: this process's rank in the world.
+        tp, pp, dp, world: groups along each axis (``AxisGroup.rank`` is this process's coordinate).
+        embedding: first + last stage of this pipeline (size 1 when pp == 1).
+        stats: communication counters shared by all groups of this process.
+    """
+
+    layout: ParallelLayout
+    global_rank: int
+    tp: AxisGroup
+    pp: AxisGroup
+    dp: AxisGroup
+    embedding: AxisGroup
+    world: AxisGroup
+    stats: CommStats
+
+    @property
+    def coords(self) -> Coords:
+        return self.layout.coords(self.global_rank)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp.rank == self.pp.size - 1
+
+    @classmethod
+    def single_process(cls) -> ParallelGroups:
+        """Groups for tp = pp = dp = 1 without torch.distributed (an ordinary single process)."""
+        stats = CommStats()
+        one = {n: AxisGroup.single(n, 0, stats) for n in ("tp", "pp", "dp", "embedding", "world")}
+        return cls(ParallelLayout(1, 1, 1), 0, stats=stats, **one)
+
+    @classmethod
+    def build(cls, layout: ParallelLayout, timeout: datetime.timedelta) -> ParallelGroups:
+        """Create every group of ``layout`` (collective: all ranks of the world must call it).
+
+        Requires ``torch.distributed`` initialised with ``world_size == layout.world_size``. Every
+        group gets ``timeout`` so a stalled collective fails instead of hanging.
+        """
+        world = dist.get_world_size()
+        if world != layout.world_size:
+            raise ValueError(
+                f"world_size={world} != tp*pp*dp = {layout.tp}*{layout.pp}*{layout.dp}"
+            )
+        rank = dist.get_rank()
+        stats = CommStats()
+        axes = {}
+        for name in ("tp", "pp", "dp"):
+            axes[name] = _build_axis(name, layout.group_ranks(name), rank, timeout, stats)
+        emb = layout.embedding_group_ranks()
+        if emb:
+            axes["embedding"] = _build_axis("embedding", emb, rank, timeout, stats)
+        else:
+            axes["embedding"] = AxisGroup.single("embedding", rank, stats)
+        world_ranks = tuple(range(world))
+        world_group = dist.group.WORLD if world > 1 else None
+        # the default group's timeout is init_process_group's: ptdp passes the same value there
+        axes["world"] = AxisGroup("world", world_ranks, rank, world_group, stats, timeout.total_seconds())
+        return cls(layout, rank, stats=stats, **axes)
+
+
+def _build_axis(
+    name: str, all_groups: list[list[int]], rank: int, timeout: datetime.timedelta, stats: CommStats
+) -> AxisGroup:
+    """Create every group along one axis (all ranks call new_group for each) and keep ours."""
+    mine = None
+    for ranks in all_groups:
+        if len(ranks) == 1:
+            group = None
+        else:
+            group = dist.new_group(ranks=ranks, timeout=timeout, group_desc=f"ptdp_{name}")
+        if rank in ranks:
+            mine = AxisGroup(name, tuple(ranks), ranks.index(rank), group, stats, timeout.total_seconds())
+    if mine is None:  # the embedding axis covers only first/last stages
+        mine = AxisGroup.single(name, rank, stats)
+    return mine
+
+
+def host_group(timeout: datetime.timedelta, stats: CommStats | None = None) -> AxisGroup:
+    """A gloo group over the whole world for CPU-side coordination (e.g. waiting while one rank
+    prepares data), with its own ``timeout``. Collective: every rank must call it."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    stats = stats if stats is not None else CommStats()
+    if world == 1:
+        return AxisGroup.single("host", rank, stats)
+    group = dist.new_group(ranks=list(range(world)), timeout=timeout, backend="gloo", group_desc="ptdp_host")
+    return AxisGroup("host", tuple(range(world)), rank, group, stats, timeout.total_seconds())

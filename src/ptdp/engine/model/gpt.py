@@ -1,0 +1,338 @@
+"""A pre-norm GPT: by default LayerNorm, learned positions, a GELU MLP, biases and a tied
+input/output embedding; Llama-like options: RMSNorm, a SwiGLU MLP, rotary positions,
+grouped-query attention, no linear biases, an untied output layer (:class:`ptdp.spec.ModelConfig`).
+
+:class:`GPTModel` is one pipeline stage: it holds the layers ``layer_ids`` and, on the first stage,
+the embeddings, and on the last stage the final LayerNorm, the output layer and the loss. With
+tp = pp = 1 it is an ordinary single-process GPT: the tensor-parallel layers then communicate
+nothing. Parameter names use global layer indices (``layers.5.mlp.fc1.weight``) so they do not
+depend on the layout.
+
+Per-rank shapes: tokens and labels ``[b, s]``; hidden states ``[b, s, h]`` (replicated over tp);
+attention runs on the ``a / tp`` local query heads (and ``G / tp`` key/value heads with
+grouped-query attention), the MLP on ``ffn / tp`` local channels.
+Communication per layer and microbatch (Shoeybi et al. 2019, §3): forward 2 all-reduces of
+``b*s*h`` elements on tp (after attention and after the MLP), backward 2 (before QKV and fc1).
+
+Dropout (``hidden_dropout``, ``attention_dropout``; off by default) draws its masks from the
+:class:`~ptdp.engine.tensor_parallel.random.DropoutRNG` passed in: the hidden states after the
+embeddings, after the attention projection and after fc2 (before the residual adds) from the
+layer's hidden-state stream, the attention probabilities from per-head streams. It acts only in
+training mode; evaluation runs ``model.eval()``.
+
+Sequence parallelism (``sequence_parallel``; Korthikanti et al. 2022, §4.2.2,
+:mod:`ptdp.engine.tensor_parallel.sequence`): hidden states outside attention and MLP are
+``[b, s/t, h]``, this tp rank's positions, and so are the stage's input and output. Per layer and
+microbatch: forward 2 all-gathers along the sequence (into QKV and fc1) and 2 reduce-scatters (out
+of the attention projection and fc2); backward 2 reduce-scatters, 2 all-gathers and 2 all-gathers
+again of the QKV and fc1 inputs (kept as shards). Norm weights and biases, the biases of the
+attention projection and fc2 and the learned positions are marked ``ptdp_sequence_parallel``: their
+gradients are summed over tp after backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ptdp.engine.comm import AxisGroup
+from ptdp.spec import ModelConfig, padded_vocab_size
+from ptdp.engine.model.recompute import recomputed, run_layers
+from ptdp.engine.model.rotary import RotaryEmbedding
+from ptdp.engine.tensor_parallel import (
+    ColumnParallelLinear,
+    ParamSpec,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp,
+    mark_sequence_parallel,
+    sequence_gathered_linear,
+    sequence_shard,
+    vocab_parallel_cross_entropy,
+)
+from ptdp.engine.tensor_parallel.cross_entropy import IGNORE_INDEX
+from ptdp.engine.tensor_parallel.random import Dropout, DropoutRNG
+from ptdp.engine.tensor_parallel.sharding import make_parameter
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with parameters replicated on every tp rank."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = make_parameter(ParamSpec((hidden_size,), init="ones"), 1, dtype)
+        self.bias = make_parameter(ParamSpec((hidden_size,), init="zeros"), 1, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang and Sennrich 2019, arXiv:1910.07467), ``x / sqrt(mean(x^2) + eps) * weight``
+    over the hidden dim; the weight is replicated on every tp rank; no bias."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = make_parameter(ParamSpec((hidden_size,), init="ones"), 1, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def make_norm(cfg: ModelConfig, dtype: torch.dtype, sequence_parallel: bool = False) -> nn.Module:
+    """The configured normalization (``cfg.normalization``) of width h; with ``sequence_parallel``
+    it normalizes sequence shards and its parameters are marked for the tp sum of their gradients."""
+    kind = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
+    norm = kind(cfg.hidden_size, cfg.layernorm_epsilon, dtype)
+    if sequence_parallel:
+        mark_sequence_parallel(norm.parameters())
+    return norm
+
+
+class Attention(nn.Module):
+    """Causal self-attention split by heads: QKV column-parallel, output projection row-parallel.
+
+    Multi-head attention (``num_query_groups`` None): the fused projection is laid out
+    ``[q | k | v]`` (each ``h`` rows, heads contiguous), each block split over tp, so a rank holds
+    the q, k and v of its ``a / tp`` heads. Grouped-query attention with G groups: it is laid out
+    group by group, ``[q of the a/G heads of group 0, k_0, v_0, q of group 1, k_1, v_1, ...]``
+    (``d`` rows per head), and split contiguously over tp, so a rank holds ``G / tp`` whole groups:
+    its ``a / tp`` query heads and the key/value heads they share (query head i uses key/value
+    head ``i // (a/G)``). With ``rope`` the rotary embedding turns q and k before the scores.
+    With ``attention_dropout`` (in training) the core is computed explicitly, and the
+    probabilities of global head ``j`` are dropped with the masks of stream ``layer.<i>/head<j>``.
+    With ``sequence_parallel`` the input and output are ``[b, s/t, h]``; QKV gathers the whole
+    sequence, so attention and the rotary positions see all ``s`` positions.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype, sequence_parallel: bool = False,
+                 *, layer_id: int = 0, rng: DropoutRNG | None = None) -> None:
+        super().__init__()
+        h, a = cfg.hidden_size, cfg.num_attention_heads
+        self.local_heads, self.head_dim = a // tp.size, h // a
+        self.grouped = cfg.num_query_groups is not None
+        self.local_groups = cfg.kv_heads // tp.size
+        rows, fused = ((a + 2 * cfg.kv_heads) * self.head_dim, 1) if self.grouped else (3 * h, 3)
+        bias = cfg.add_bias_linear
+        sp = sequence_parallel
+        self.qkv = ColumnParallelLinear(h, rows, tp=tp, dtype=dtype, bias=bias, fused=fused, tag="attn_qkv",
+                                        sequence_parallel=sp)
+        self.proj = RowParallelLinear(h, h, tp=tp, dtype=dtype, bias=bias, tag="attn_proj", sequence_parallel=sp)
+        rope = cfg.position_embedding_type == "rope"
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.rotary_base) if rope else None
+        self.recompute_core = cfg.recompute_granularity == "selective"
+        self.dropout_p, self.dropout_key = cfg.attention_dropout, f"layer.{layer_id}"
+        self.rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
+        self.first_head = tp.rank * self.local_heads
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's fused projection ``[b, s, rows / tp]`` -> q ``[b, a/tp, s, d]`` and k, v
+        ``[b, kv/tp, s, d]`` (kv = G, or a without groups)."""
+        b, s, _ = qkv.shape
+        if not self.grouped:
+            q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+            return q, k, v
+        per_group = self.local_heads // self.local_groups
+        qkv = qkv.view(b, s, self.local_groups, per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :per_group].reshape(b, s, self.local_heads, self.head_dim)
+        return q.transpose(1, 2), qkv[:, :, :, per_group].transpose(1, 2), qkv[:, :, :, per_group + 1].transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split_heads(self.qkv(x))
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        rng = self.rng if self.dropout_p > 0 else None  # the recompute replays the masks
+        out = recomputed(self.core, q, k, v, rng=rng) if self.recompute_core else self.core(q, k, v)
+        return self.proj(out.transpose(1, 2).flatten(2))  # [b, s, a/tp * d]
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core, causal ``softmax(q k^T / sqrt(d)) v`` (q ``[b, a/tp, s, d]``, k and v
+        ``[b, kv/tp, s, d]``): what selective recompute runs again in backward (``recompute_core``)."""
+        if self.training and self.dropout_p > 0:
+            return self.core_with_dropout(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
+
+    def core_with_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The core written out, ``dropout(softmax(causal(q k^T / sqrt(d)))) v``: the fused
+        kernel's own dropout would draw from torch's default generator, not from the per-head
+        streams. Keeps the probabilities ``[b, a/tp, s, s]``, the 1-byte mask and the dropped
+        probabilities for backward."""
+        if self.grouped:  # query head i reads key/value head i // (a/G)
+            per_group = self.local_heads // self.local_groups
+            k, v = k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
+        s = q.shape[-2]
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        probs = self.rng.head_dropout(probs, self.dropout_p, self.dropout_key, first_head=self.first_head)
+        return probs @ v
+
+
+class MLP(nn.Module):
+    """fc1 column-parallel -> activation -> fc2 row-parallel; no communication in between.
+
+    GELU: fc1 is ``[ffn, h]``. SwiGLU (``swiglu``): fc1 is ``[gate | up]``, ``[2 ffn, h]``, each
+    half split over tp separately (like the blocks of a fused QKV), so rank r's shard holds the
+    gate and up rows of the same ``ffn / tp`` channels and ``silu(gate) * up`` is local.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        h, ffn, bias, sp = cfg.hidden_size, cfg.ffn, cfg.add_bias_linear, sequence_parallel
+        self.swiglu = cfg.swiglu
+        halves = 2 if cfg.swiglu else 1
+        self.fc1 = ColumnParallelLinear(h, halves * ffn, tp=tp, dtype=dtype, bias=bias, fused=halves, tag="mlp_fc1",
+                                        sequence_parallel=sp)
+        self.fc2 = RowParallelLinear(ffn, h, tp=tp, dtype=dtype, bias=bias, tag="mlp_fc2", sequence_parallel=sp)
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc1(x)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            return self.fc2(F.silu(gate) * up)
+        return self.fc2(F.gelu(y, approximate=self.approximate))
+
+
+class TransformerLayer(nn.Module):
+    """``x + dropout(attn(ln1(x)))`` then ``x + dropout(mlp(ln2(x)))``; ``layer_id``, the global
+    layer index, names the layer's dropout streams in ``rng``."""
+
+    def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype, sequence_parallel: bool = False,
+                 *, layer_id: int = 0, rng: DropoutRNG | None = None) -> None:
+        super().__init__()
+        rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
+        sp = sequence_parallel
+        self.ln1 = make_norm(cfg, dtype, sp)
+        self.attention = Attention(cfg, tp, dtype, sp, layer_id=layer_id, rng=rng)
+        self.ln2 = make_norm(cfg, dtype, sp)
+        self.mlp = MLP(cfg, tp, dtype, sp)
+        self.hidden_dropout = Dropout(cfg.hidden_dropout, rng, f"layer.{layer_id}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.hidden_dropout(self.attention(self.ln1(x)))
+        return x + self.hidden_dropout(self.mlp(self.ln2(x)))
+
+
+class GPTModel(nn.Module):
+    """One pipeline stage of GPT (the whole model when ``pre_process`` and ``post_process``).
+
+    Args:
+        cfg: model shape; ``vocab_size`` here is the real (tokenizer) vocabulary.
+        tp: tensor-parallel axis.
+        layer_ids: global indices of the transformer layers on this stage.
+        pre_process: this is the first stage (token embeddings, and learned positions unless
+            they are rotary).
+        post_process: this is the last stage (final norm, output layer, loss).
+        rng: this rank's dropout streams, shared by its model chunks (None: streams of seed 0, for
+            a model used outside a training run).
+        sequence_parallel: split the hidden states outside attention and MLP along the sequence
+            over tp (needs ``s % tp == 0``); the stage's input and output are then ``[b, s/t, h]``.
+
+    On the last stage of a pipeline with pp > 1 and tied embeddings, ``word_embeddings`` is a copy
+    of the first stage's; its gradient must be summed with the first stage's after backward
+    (``ptdp.engine.data_parallel.grads.finalize_grads``) so both copies stay bitwise equal.
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, tp: AxisGroup, *, layer_ids: range, pre_process: bool, post_process: bool,
+        sequence_parallel: bool = False,
+        rng: DropoutRNG | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg, self.tp = cfg, tp
+        self.sequence_parallel = sp = sequence_parallel and tp.size > 1
+        self.pre_process, self.post_process = pre_process, post_process
+        dtype = DTYPES[cfg.params_dtype]
+        v_pad = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp.size)
+        tied = not cfg.untie_embeddings_and_output_weights
+        if pre_process or (post_process and tied):
+            self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, v_pad, cfg.hidden_size, tp=tp, dtype=dtype,
+                                                          sequence_parallel=sp)
+            if not pre_process:
+                self.word_embeddings.weight.ptdp_tied_copy = True
+        if pre_process and cfg.position_embedding_type == "learned_absolute":
+            spec = ParamSpec((cfg.seq_length, cfg.hidden_size))
+            self.position_embeddings = make_parameter(spec, 1, dtype)
+            if sp:  # each rank adds the rows of its own positions
+                mark_sequence_parallel([self.position_embeddings])
+        self.rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
+        if pre_process:
+            self.embedding_dropout = Dropout(cfg.hidden_dropout, self.rng, "embedding")
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, tp, dtype, sp, layer_id=i, rng=self.rng)
+                                     for i in layer_ids})
+        if post_process:
+            self.final_norm = make_norm(cfg, dtype, sp)
+            if not tied:
+                self.output_layer = VocabParallelEmbedding(cfg.vocab_size, v_pad, cfg.hidden_size, tp=tp, dtype=dtype)
+
+    def tied_embedding(self) -> nn.Parameter | None:
+        """The word-embedding weight whose gradient is summed over the embedding group, if any."""
+        if self.cfg.untie_embeddings_and_output_weights or not hasattr(self, "word_embeddings"):
+            return None
+        return self.word_embeddings.weight
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage: ``x`` is token ids ``[b, s]``; later stages: hidden states ``[b, s, h]``
+        (``[b, s/t, h]`` with sequence parallelism).
+
+        Returns hidden states ``[b, s, h]`` (``[b, s/t, h]``), or on the last stage the mean loss
+        over the microbatch's ``b*s`` tokens (a scalar, nats) given ``labels [b, s]``; tokens
+        labelled -100 (``IGNORE_INDEX``) count neither in the sum nor in the number of tokens.
+        Raises ValueError for any other label outside the vocabulary.
+        """
+        if self.pre_process:
+            x = self.embedding_dropout(self.embed(x))
+        cfg = self.cfg  # full recompute runs groups of layers again in backward (ptdp.engine.model.recompute)
+        rng = self.rng if cfg.hidden_dropout > 0 or cfg.attention_dropout > 0 else None
+        x = run_layers(list(self.layers.values()), x, granularity=cfg.recompute_granularity,
+                       method=cfg.recompute_method, num_layers=cfg.recompute_num_layers, rng=rng)
+        if not self.post_process:
+            return x
+        if labels is None:
+            raise ValueError("the last pipeline stage needs labels to compute the loss")
+        return masked_mean(self.token_losses(self.final_norm(x), labels), labels)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """First stage: token ids ``[b, s]`` -> ``[b, s, h]``, the word embeddings plus the learned
+        positions (none with rotary positions, which act inside attention). With sequence
+        parallelism ``[b, s/t, h]``: the embedding's sum over tp is a reduce-scatter along the
+        sequence, and each rank adds the positions it holds."""
+        x = self.word_embeddings(tokens)
+        if hasattr(self, "position_embeddings"):
+            s = tokens.shape[1]
+            x = x + self.position_embeddings[sequence_shard(s, self.tp) if self.sequence_parallel else slice(0, s)]
+        return x
+
+    def token_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token loss ``[b, s]`` from final hidden states ``[b, s, h]``; logits stay sharded.
+
+        Communication: backward all-reduce of ``b*s*h`` (f before the output layer); forward 3
+        all-reduces of ``b*s`` in the vocab-parallel cross entropy; all on tp. With sequence
+        parallelism ``x`` is ``[b, s/t, h]``, gathered along the sequence into the output layer
+        (forward all-gather; backward all-gather again and reduce-scatter, tag ``output``).
+        """
+        out = self.output_layer if hasattr(self, "output_layer") else self.word_embeddings
+        if self.sequence_parallel:
+            logits = sequence_gathered_linear(x, out.real_weight(), None, self.tp, "output")
+        else:
+            logits = F.linear(copy_to_tp(x, self.tp, "output"), out.real_weight())
+        if logits.dtype in (torch.bfloat16, torch.float16):
+            logits = logits.float()
+        return vocab_parallel_cross_entropy(logits, labels, vocab_start=out.vocab_start, vocab_size=out.vocab_size,
+                                            axis=self.tp)
+
+
+def masked_mean(losses: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean of the per-token ``losses [b, s]`` over the tokens whose label is not
+    :data:`~ptdp.engine.tensor_parallel.cross_entropy.IGNORE_INDEX` (as ``F.cross_entropy``'s mean);
+    0 when every label is ignored. No host synchronisation."""
+    counted = labels != IGNORE_INDEX
+    return losses.sum() / counted.sum().clamp(min=1).to(losses.dtype)

@@ -1,0 +1,290 @@
+"""One training step and one evaluation of a pipeline stage: the core loop shared by ``ptdp train``,
+the tests and the benchmarks.
+
+A step: zero the gradient buffer -> run the pipeline schedule (gpipe, 1f1b or interleaved-1f1b) over the rank's ``m`` microbatches ->
+average gradients over dp and sum the tied embedding over first/last stage -> global-norm clip ->
+AdamW with the scheduled learning rate (on float32 main parameters for bfloat16 models). Its loss is the mean over all ``B * s`` tokens of the global
+batch, identical for every layout.
+
+A step whose loss or gradient norm is nan or inf on any rank is skipped on every rank: the flag
+travels in the world all-reduce that also sums the loss, so all ranks decide alike at no extra
+collective. Nothing changes then: parameters, Adam's moments and step count, float32 main
+parameters (whole or sharded) and the 1-bit error-feedback residual (restored from a copy taken
+before the step) keep their values. The learning rate follows the iteration number, whose
+update is simply not applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ptdp.engine import activity, faults
+from ptdp.engine.comm import all_reduce
+from ptdp.spec import Config
+from ptdp.engine.data_parallel.buffer import GradBuffer
+from ptdp.engine.data_parallel.grads import clip_grads, finalize_grads, grad_norm
+from ptdp.engine.data_parallel.loss_scale import DynamicLossScaler
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.model.gpt import DTYPES, GPTModel
+from ptdp.engine.optim import MainParamsAdamW, build_optimizer, lr_at, set_lr
+from ptdp.engine.model.chunks import ModelChunks
+from ptdp.engine.pipeline.partition import chunk_layer_ids, stage_layer_ids
+from ptdp.engine.pipeline.runtime import Microbatch, run_schedule
+from ptdp.engine.pipeline.schedule import build_schedule
+from ptdp.engine.tensor_parallel.random import DropoutRNG
+from ptdp.engine.tensor_parallel.sharding import initialize_parameters
+
+
+@dataclass
+class Stage:
+    """Everything one rank needs to train its shard: model, optimizer, gradients, groups."""
+
+    config: Config
+    groups: ParallelGroups
+    model: GPTModel | ModelChunks
+    """One stage, or the v chunks of an interleaved rank."""
+    optimizer: torch.optim.Optimizer | MainParamsAdamW
+    grads: GradBuffer
+    device: torch.device
+    scaler: DynamicLossScaler | None = None
+    """Dynamic loss scaling, for float16 parameters only."""
+    dropout_rng: DropoutRNG | None = None
+    """This rank's dropout streams (shared by its model chunks; saved in checkpoints)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.config.model.params_dtype]
+
+    def wait_for_params(self) -> None:
+        """With ``overlap_param_gather``: finish every parameter all-gather still in flight, so the
+        parameters can be read outside a forward pass (the forward waits by itself)."""
+        wait = getattr(self.optimizer, "wait_for_params", None)
+        if wait is not None:
+            wait()
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.config.parallel.virtual_stages(self.config.model.num_layers)
+
+    @property
+    def hidden_shape(self) -> tuple[int, int, int]:
+        """Activations passed between stages: ``[b, s, h]``, ``[b, s/tp, h]`` with sequence parallelism."""
+        m, t, p = self.config.model, self.config.train, self.config.parallel
+        return (t.micro_batch_size, m.seq_length // (p.tp if p.sequence_parallel else 1), m.hidden_size)
+
+
+NONFINITE_LOSS = "non-finite loss"
+NONFINITE_GRAD_NORM = "non-finite gradient norm"
+FP16_OVERFLOW = "float16 overflow"
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float
+    """Mean loss (nats per token) over the global batch."""
+    grad_norm: float
+    """Global gradient norm before clipping (inf/nan when a float16 step overflowed)."""
+    lr: float
+    skipped: bool = False
+    """No update on any rank (see ``skip_reason``)."""
+    loss_scale: float | None = None
+    skip_reason: str | None = None
+    """:data:`NONFINITE_LOSS` or :data:`NONFINITE_GRAD_NORM` (on some rank), or
+    :data:`FP16_OVERFLOW`: float16 gradients overflowed at a loss scale that can still be halved
+    (the scaler's ordinary business, not a failure)."""
+
+    @property
+    def nonfinite(self) -> bool:
+        """Skipped because the loss or the gradient norm was not finite."""
+        return self.skip_reason in (NONFINITE_LOSS, NONFINITE_GRAD_NORM)
+
+
+def build_stage(config: Config, groups: ParallelGroups, device: torch.device | str = "cpu") -> Stage:
+    """Build, initialise (layout-independently, from ``config.train.seed``) and place this rank's stage.
+
+    ``config`` must be resolved (``ptdp.spec.resolve``) and ``config.model.vocab_size`` the real
+    vocabulary size.
+    """
+    m, p = config.model, config.parallel
+    pp, rank, v = groups.pp.size, groups.pp.rank, p.virtual_stages(m.num_layers)
+    rng = DropoutRNG(config.train.seed, dp_rank=groups.dp.rank, tp_rank=groups.tp.rank, device=device,
+                     sequence_parallel=p.sequence_parallel)
+    if v == 1:
+        layer_ids = stage_layer_ids(m.num_layers, pp, rank, p.pipeline_layer_split)
+        chunks = [GPTModel(m, groups.tp, layer_ids=layer_ids, pre_process=groups.is_first_stage,
+                           post_process=groups.is_last_stage, sequence_parallel=p.sequence_parallel, rng=rng)]
+    else:
+        chunks = [
+            GPTModel(m, groups.tp, layer_ids=chunk_layer_ids(m.num_layers, pp, v, rank, c),
+                     pre_process=rank == 0 and c == 0, post_process=rank == pp - 1 and c == v - 1,
+                     sequence_parallel=p.sequence_parallel, rng=rng)
+            for c in range(v)
+        ]
+    for chunk in chunks:  # each chunk by its global parameter names: the same weights on every layout
+        initialize_parameters(
+            chunk, seed=config.train.seed, std=m.init_method_std, num_layers=m.num_layers,
+            tp_rank=groups.tp.rank, tp_size=groups.tp.size,
+        )
+    model = chunks[0] if v == 1 else ModelChunks(chunks)
+    device = torch.device(device)
+    model.to(device)
+    low_precision = DTYPES[m.params_dtype] in (torch.bfloat16, torch.float16)
+    tied = model.tied_embedding()
+    grads = GradBuffer(
+        [list(chunk.parameters()) for chunk in chunks], dp=groups.dp,
+        grad_dtype=torch.float32 if low_precision else None, bucket_size=p.ddp_bucket_size,
+        overlap=p.overlap_grad_reduce, codec=p.grad_compression, shard=p.use_distributed_optimizer,
+        deferred=(tied,) if tied is not None and groups.embedding.size > 1 else (),
+    )
+    scaler = DynamicLossScaler() if m.params_dtype == "float16" else None
+    units = _param_gather_units(chunks) if p.overlap_param_gather else None
+    optimizer = build_optimizer(model, config.train, grads, param_gather_units=units)
+    return Stage(config, groups, model, optimizer, grads, device, scaler, dropout_rng=rng)
+
+
+def _param_gather_units(chunks: list[GPTModel]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Who waits for which parameters with ``overlap_param_gather``: each transformer layer for
+    its own; each chunk, when its forward starts, for the rest (embeddings, final norm, output
+    layer: the output weight is read directly, not through a module call)."""
+    units = []
+    for chunk in chunks:
+        in_layers = {id(p) for layer in chunk.layers.values() for p in layer.parameters()}
+        units.append((chunk, [p for p in chunk.parameters() if id(p) not in in_layers]))
+        units.extend((layer, list(layer.parameters())) for layer in chunk.layers.values())
+    return units
+
+
+def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tracer=None) -> StepResult:
+    """One optimizer step over this rank's ``m`` microbatches (collective over the whole world);
+    ``iteration`` is 0-based. Skipped on every rank, without any change, when the loss or the
+    gradient norm is not finite on some rank, or float16 gradients overflowed (module docstring).
+    ``tracer`` (a :class:`ptdp.run.trace.Tracer`) times every action and phase."""
+    cfg, g = stage.config, stage.groups
+    activity.start_step(g.global_rank, iteration + 1)
+    stage.grads.zero()
+    stage.grads.exact = iteration < cfg.grad_compression_warmup
+    schedule = build_schedule(cfg.parallel.schedule, g.pp.size, len(microbatches), stage.virtual_stages)
+    scale = stage.scaler.scale if stage.scaler is not None else None
+    stage.grads.grad_scale = scale or 1.0
+    residual = stage.grads.residual
+    kept = residual.clone() if residual is not None else None  # put back if the step is skipped
+    poison = _test_poison(stage, iteration)
+    try:
+        losses = run_schedule(
+            schedule[g.pp.rank], stage.model, microbatches, pp=g.pp, hidden_shape=stage.hidden_shape,
+            dtype=stage.dtype, device=stage.device, tracer=tracer, grad_sync=stage.grads, loss_scale=scale,
+            seq_length=cfg.model.seq_length,
+        )
+    finally:
+        if poison is not None:
+            poison.remove()
+    activity.set_phase(activity.GRAD_SYNC)
+    span = tracer.span("grad sync + clip", "grad_sync") if tracer is not None else None
+    finalize_grads(stage.model, stage.grads, g)
+    lr = lr_at(iteration, cfg.train)
+    overflow = False
+    if stage.scaler is not None:
+        stage.grads.reduced.mul_(1.0 / scale)
+        overflow = stage.scaler.found_overflow(stage.grads.reduced, g.world)
+    norm = float("inf") if overflow else grad_norm(stage.model, stage.grads, g)
+    loss, bad_losses, bad_norms = _loss_and_flags(stage, losses, len(microbatches), norm)
+    reason = _skip_reason(stage, loss, norm, bad_losses, bad_norms, overflow, scale)
+    if stage.scaler is not None:
+        stage.scaler.update(overflow=reason is not None)
+    if reason is not None:
+        if kept is not None:
+            residual.copy_(kept)
+        if span is not None:
+            span.end()
+        return StepResult(loss=loss, grad_norm=norm, lr=lr, skipped=True, loss_scale=scale, skip_reason=reason)
+    clip_grads(stage.grads, norm, cfg.train.clip_grad)
+    activity.set_phase(activity.OPTIMIZER)
+    if span is not None:
+        span.end()
+        span = tracer.span("optimizer", "optimizer")
+    set_lr(stage.optimizer, lr)
+    stage.optimizer.step()
+    if span is not None:
+        span.end()
+    return StepResult(loss=loss, grad_norm=norm, lr=lr, loss_scale=scale)
+
+
+def _test_poison(stage: Stage, iteration: int):
+    """Test-only (``PTDP_TEST_NAN_LOSS``, :mod:`ptdp.engine.faults`): the hook making this rank's first
+    forward output NaN at this iteration, or None."""
+    if not faults.nan_loss(stage.groups.global_rank, iteration + 1):
+        return None
+    return faults.poison_first_forward(stage.model[0] if isinstance(stage.model, ModelChunks) else stage.model)
+
+
+def _skip_reason(stage: Stage, loss: float, norm: float, bad_losses: int, bad_norms: int, overflow: bool,
+                 scale: float | None) -> str | None:
+    """Why the step is skipped, the same on every rank (all inputs are agreed), or None."""
+    if bad_losses or not math.isfinite(loss):
+        return NONFINITE_LOSS
+    if overflow:  # at the smallest scale the unscaled gradients themselves are inf/nan
+        return FP16_OVERFLOW if scale > stage.scaler.min_scale else NONFINITE_GRAD_NORM
+    if bad_norms or not math.isfinite(norm):
+        return NONFINITE_GRAD_NORM
+    return None
+
+
+@torch.no_grad()
+def eval_loss(stage: Stage, batches: list[list[Microbatch]]) -> float:
+    """Mean loss over ``batches`` (each this rank's microbatches of one global batch), no update,
+    in eval mode (no dropout, nothing drawn from the dropout streams)."""
+    stage.model.eval()
+    try:
+        return _eval_loss(stage, batches)
+    finally:
+        stage.model.train()
+
+
+def _eval_loss(stage: Stage, batches: list[list[Microbatch]]) -> float:
+    total, count = 0.0, 0
+    for microbatches in batches:
+        schedule = build_schedule("forward-only", stage.groups.pp.size, len(microbatches), stage.virtual_stages)
+        losses = run_schedule(
+            schedule[stage.groups.pp.rank], stage.model, microbatches, pp=stage.groups.pp,
+            hidden_shape=stage.hidden_shape, dtype=stage.dtype, device=stage.device, forward_only=True,
+            seq_length=stage.config.model.seq_length,
+        )
+        total += _global_mean_loss(stage, losses, len(microbatches))
+        count += 1
+    return total / max(count, 1)
+
+
+def _global_mean_loss(stage: Stage, losses: list[torch.Tensor], m: int) -> float:
+    """Mean of the last stages' microbatch losses over all dp replicas, known on every rank.
+
+    One world all-reduce of a single float64 (tag ``metrics``); only tp rank 0 of each last stage
+    contributes, since its tp peers hold the same value.
+    """
+    return _world_sums(stage, losses, m, [])[0]
+
+
+def _loss_and_flags(stage: Stage, losses: list[torch.Tensor], m: int, norm: float) -> tuple[float, int, int]:
+    """The global mean loss and how many ranks found a non-finite loss, and a non-finite gradient
+    norm: one world all-reduce of three float64 (tag ``metrics``), the same on every rank."""
+    bad_loss = bool(losses) and not bool(torch.stack(losses).isfinite().all())
+    loss, bad_losses, bad_norms = _world_sums(stage, losses, m, [float(bad_loss), float(not math.isfinite(norm))])
+    return loss, int(bad_losses), int(bad_norms)
+
+
+def _world_sums(stage: Stage, losses: list[torch.Tensor], m: int, extra: list[float]) -> list[float]:
+    g = stage.groups
+    value = torch.tensor([0.0, *extra], dtype=torch.float64, device=stage.device)
+    if g.is_last_stage and g.tp.rank == 0 and losses:
+        value[0] += torch.stack(losses).to(torch.float64).sum()
+    all_reduce(value, g.world, tag="metrics")
+    return [value[0].item() / (m * g.dp.size), *value[1:].tolist()]
+
+
+def with_vocab(config: Config, vocab_size: int) -> Config:
+    """``config`` with the model's vocabulary set to the tokenizer's real size."""
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab_size))

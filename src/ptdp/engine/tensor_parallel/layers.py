@@ -1,0 +1,155 @@
+"""Tensor-parallel layers: column- and row-parallel linears and the vocab-parallel embedding.
+
+Shoeybi et al., "Megatron-LM", arXiv:1909.08053, §3. With a tp axis of size 1 each layer is an
+ordinary single-process layer and communicates nothing. ``sequence_parallel=True``: the
+activations outside the layers are split along the sequence over tp (Korthikanti et al. 2022,
+§4.2.2; :mod:`ptdp.engine.tensor_parallel.sequence`), so the layers gather their input along the
+sequence and reduce-scatter their output instead of the all-reduces.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ptdp.engine.comm import AxisGroup
+from ptdp.engine.tensor_parallel.mappings import copy_to_tp, reduce_from_tp
+from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel, reduce_scatter_sequence, sequence_gathered_linear
+from ptdp.engine.tensor_parallel.sharding import ParamSpec, make_parameter
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with ``A`` split by output rows (columns of ``X A^T``) over tp.
+
+    Per rank: input ``[..., in_features]`` (replicated), output ``[..., out_features / tp]``.
+    Communication: forward none; backward one all-reduce of the input gradient (f), ``x.numel()``
+    elements, on the tp axis.
+
+    ``fused=3`` treats the output as three equal blocks (q | k | v) split separately, so each rank
+    keeps the q, k and v of the same heads (``fused=2``: SwiGLU's gate | up, the same channels).
+
+    ``sequence_parallel``: input ``[b, s/t, in_features]`` (this rank's positions), output
+    ``[b, s, out_features / tp]``; forward all-gather of the input along the sequence, backward
+    the all-gather again and a reduce-scatter of the input gradient
+    (:func:`~ptdp.engine.tensor_parallel.sequence.sequence_gathered_linear`).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp: AxisGroup,
+        dtype: torch.dtype,
+        bias: bool = True,
+        fused: int = 1,
+        init: str = "normal",
+        tag: str = "column",
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.tp, self.tag, self.sequence_parallel = tp, tag, sequence_parallel
+        spec = ParamSpec((out_features, in_features), tp_dim=0, tp_groups=fused, init=init)
+        self.weight = make_parameter(spec, tp.size, dtype)
+        self.bias = (
+            make_parameter(ParamSpec((out_features,), tp_dim=0, tp_groups=fused, init="zeros"), tp.size, dtype)
+            if bias
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return sequence_gathered_linear(x, self.weight, self.bias, self.tp, self.tag)
+        return F.linear(copy_to_tp(x, self.tp, self.tag), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with ``A`` split by input columns over tp; partial outputs summed (g).
+
+    Per rank: input ``[..., in_features / tp]`` (this rank's slice), output ``[..., out_features]``
+    (replicated). Communication: forward one all-reduce of the output, ``y.numel()`` elements, on
+    the tp axis; backward none. The bias is replicated and added once, after the sum.
+
+    ``sequence_parallel``: input ``[b, s, in_features / tp]``, output ``[b, s/t, out_features]``
+    (this rank's positions); forward reduce-scatter of ``b s out_features`` along the sequence,
+    backward all-gather of the output gradient. The bias is then added to the sequence shard, so
+    its gradient is marked to be summed over tp.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp: AxisGroup,
+        dtype: torch.dtype,
+        bias: bool = True,
+        init: str = "scaled_normal",
+        tag: str = "row",
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.tp, self.tag, self.sequence_parallel = tp, tag, sequence_parallel
+        self.weight = make_parameter(ParamSpec((out_features, in_features), tp_dim=1, init=init), tp.size, dtype)
+        self.bias = make_parameter(ParamSpec((out_features,), init="zeros"), tp.size, dtype) if bias else None
+        if sequence_parallel and self.bias is not None:
+            mark_sequence_parallel([self.bias])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:  # nothing to sum: one fused matmul + bias, as nn.Linear
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_sequence(y, self.tp, self.tag)
+        else:
+            y = reduce_from_tp(y, self.tp, self.tag)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose (padded) vocabulary rows are split over tp.
+
+    Rank r holds rows ``[r * V_pad / tp, (r + 1) * V_pad / tp)`` of the ``[V_pad, h]`` table; rows
+    at or past ``vocab_size`` are padding, zero and never looked up.
+    Per rank: input token ids ``[b, s]`` (replicated), output ``[b, s, h]`` (replicated).
+    Communication: forward one all-reduce of ``b*s*h`` elements on tp (g); backward none.
+    The same weight serves as the output layer when embeddings are tied (:meth:`real_weight`).
+
+    ``sequence_parallel``: output ``[b, s/t, h]`` (this rank's positions); the sum over the
+    vocabulary shards is a reduce-scatter of ``b*s*h`` along the sequence (ḡ), whose backward
+    all-gathers the output gradient.
+    """
+
+    def __init__(
+        self, vocab_size: int, padded_vocab_size: int, hidden_size: int, *, tp: AxisGroup, dtype: torch.dtype,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        if padded_vocab_size % tp.size != 0 or padded_vocab_size < vocab_size:
+            raise ValueError(f"padded vocab {padded_vocab_size} must be >= {vocab_size} and divisible by tp={tp.size}")
+        self.tp, self.vocab_size, self.sequence_parallel = tp, vocab_size, sequence_parallel
+        per_rank = padded_vocab_size // tp.size
+        self.vocab_start = tp.rank * per_rank
+        self.vocab_end = self.vocab_start + per_rank
+        spec = ParamSpec((padded_vocab_size, hidden_size), tp_dim=0, real_rows=vocab_size)
+        self.weight = make_parameter(spec, tp.size, dtype)
+
+    @property
+    def num_real_rows(self) -> int:
+        """Rows of this rank's shard that are real vocabulary entries (the rest is padding)."""
+        return max(0, min(self.vocab_end, self.vocab_size) - self.vocab_start)
+
+    def real_weight(self) -> torch.Tensor:
+        """This rank's real rows, ``[num_real_rows, h]`` (a view; padding rows get no gradient)."""
+        return self.weight[: self.num_real_rows]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_sequence(out, self.tp, "embedding")
+        return reduce_from_tp(out, self.tp, "embedding")

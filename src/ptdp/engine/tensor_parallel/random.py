@@ -1,0 +1,200 @@
+"""Random numbers for dropout under tensor, pipeline and data parallelism.
+
+:class:`DropoutRNG` holds one rank's dropout generators (``torch.Generator`` objects, created on
+first use) and is passed explicitly to the model; dropout never draws from torch's default
+generator. Each generator is a *stream* seeded from ``--seed``, the data-parallel rank, the
+iteration of the last reseed (0 unless a run resumed without its dropout state) and the stream's
+name. Three kinds of streams, chosen by what the masked activation is on a tensor-parallel rank:
+
+- **replicated** ``<key>``: the same numbers on every tp rank of a data-parallel replica, for an
+  activation every tp rank holds whole: the hidden states ``[b, s, h]`` outside the tp regions
+  (embedding output, attention projection output, fc2 output). The mask is drawn for the whole
+  tensor, so it is the same at every tp.
+- **tp-distinct** ``<key>/tp<r>``: different on every tp rank, for an activation split over tp,
+  such as the hidden states split along the sequence under sequence parallelism (Korthikanti et
+  al. 2022, arXiv:2205.05198, §4.2.2): each rank masks its own part with its own numbers.
+- **per head** ``<key>/head<j>``: one stream per global attention head ``j``, for the attention
+  probabilities ``[b, a/tp, s, s]``; a rank draws for its own heads only, so masks differ over the
+  tp ranks (they hold different heads) while head ``j``'s mask is the same at every tp.
+
+Keys are ``embedding`` and ``layer.<i>`` (the global layer index), so a layer's masks do not
+depend on which pipeline stage or model chunk holds it. Every schedule runs a layer's forwards in
+microbatch order and a forward draws its masks in a fixed order, so for a given dp size and micro
+batch size the masks, and training, are the same at every tp (without sequence parallelism), pp,
+number of model chunks, schedule and recompute setting. The dp rank is in every seed: replicas use
+different masks, and results depend on dp.
+
+Recomputation (:mod:`ptdp.engine.model.recompute`) must replay the masks of the first forward:
+:meth:`DropoutRNG.checkpoint_contexts` is the ``context_fn`` of ``torch.utils.checkpoint`` that
+saves every stream's state when a recomputed region first runs and restores it around the
+recompute (``preserve_rng_state`` covers only torch's default generators).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+
+import torch
+from torch import nn
+
+REPLICATED = "replicated"
+TP_DISTINCT = "tp-distinct"
+STREAMS = (REPLICATED, TP_DISTINCT)
+
+
+class DropoutRNG:
+    """This rank's dropout streams (module docstring); no communication.
+
+    Args:
+        seed: the run's seed (``--seed``).
+        dp_rank: this rank's data-parallel coordinate (in every stream's seed).
+        tp_rank: its tensor-parallel coordinate (in the tp-distinct streams' seeds only).
+        device: where masks are drawn (the generators' device).
+        sequence_parallel: the hidden states outside the tp regions are split along the sequence
+            over tp, so hidden dropout (:class:`Dropout` without an explicit stream) draws from
+            the tp-distinct streams instead of the replicated ones.
+
+    ``recording``: a list to append ``(stream name, boolean drop mask)`` to at every draw (per head
+    for the attention probabilities), or None; for tests.
+    """
+
+    def __init__(self, seed: int, *, dp_rank: int = 0, tp_rank: int = 0, device: torch.device | str = "cpu",
+                 sequence_parallel: bool = False) -> None:
+        self.seed, self.dp_rank, self.tp_rank = seed, dp_rank, tp_rank
+        self.hidden_stream = TP_DISTINCT if sequence_parallel else REPLICATED
+        """The stream kind of the hidden states' masks."""
+        self.device = torch.device(device)
+        self.reseed_iteration = 0
+        self.recording: list[tuple[str, torch.Tensor]] | None = None
+        self._generators: dict[str, torch.Generator] = {}
+
+    def stream_seed(self, name: str) -> int:
+        text = f"ptdp-dropout/{self.seed}/{self.reseed_iteration}/dp{self.dp_rank}/{name}"
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") % 2**63
+
+    def generator(self, name: str) -> torch.Generator:
+        """The stream ``name``, seeded on first use."""
+        gen = self._generators.get(name)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(self.stream_seed(name))
+            self._generators[name] = gen
+        return gen
+
+    def stream_name(self, key: str, stream: str) -> str:
+        if stream == REPLICATED:
+            return key
+        if stream == TP_DISTINCT:
+            return f"{key}/tp{self.tp_rank}"
+        raise ValueError(f"stream={stream!r} must be one of {STREAMS}")
+
+    def dropout(self, x: torch.Tensor, p: float, key: str, *, stream: str = REPLICATED) -> torch.Tensor:
+        """``x`` with each element zeroed with probability ``p`` and the rest scaled by
+        ``1 / (1 - p)``, the mask drawn for the whole local tensor from stream ``key`` of kind
+        ``stream``. Backward keeps the 1-byte mask."""
+        name = self.stream_name(key, stream)
+        drop = _uniform(x.shape, self.generator(name), self.device) < p
+        self._record(name, drop)
+        return _apply(x, drop, p)
+
+    def head_dropout(self, probs: torch.Tensor, p: float, key: str, *, first_head: int) -> torch.Tensor:
+        """Dropout of attention probabilities ``[b, heads, s_q, s_k]`` whose local head ``i`` is
+        global head ``first_head + i``: each head's mask ``[b, s_q, s_k]`` comes from its own
+        stream ``<key>/head<j>``."""
+        b, heads = probs.shape[:2]
+        draws = torch.empty((heads, b, *probs.shape[2:]), dtype=torch.float32, device=self.device)
+        for i in range(heads):
+            draws[i].uniform_(generator=self.generator(f"{key}/head{first_head + i}"))
+        drop = (draws < p).transpose(0, 1)
+        for i in range(heads):
+            self._record(f"{key}/head{first_head + i}", drop[:, i])
+        return _apply(probs, drop, p)
+
+    def _record(self, name: str, drop: torch.Tensor) -> None:
+        if self.recording is not None:
+            self.recording.append((name, drop.detach().clone()))
+
+    # -- state: recompute and checkpoints -------------------------------------------------------
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """Every stream's state (copies)."""
+        return {name: gen.get_state() for name, gen in self._generators.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        """Put every stream back to ``states``; a stream not in it did not exist then and starts
+        afresh at its next use."""
+        for name in [n for n in self._generators if n not in states]:
+            del self._generators[name]
+        for name, state in states.items():
+            self.generator(name).set_state(state)
+
+    def checkpoint_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """``context_fn`` for ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: the
+        forward context saves the streams' states as the region first runs; the recompute
+        context sets them for the recompute, which therefore draws the same masks, and then
+        restores the states the streams had reached (later microbatches may have drawn since)."""
+        saved: dict[str, torch.Tensor] = {}
+
+        @contextlib.contextmanager
+        def first_forward():
+            saved.update(self.get_states())
+            yield
+
+        @contextlib.contextmanager
+        def recompute():
+            reached = self.get_states()
+            self.set_states(saved)
+            try:
+                yield
+            finally:
+                self.set_states(reached)
+
+        return first_forward(), recompute()
+
+    def reseed(self, iteration: int) -> None:
+        """Start every stream afresh from seeds that include ``iteration`` (a run resumed without
+        its saved dropout state draws new masks, not those of the first iterations again)."""
+        self.reseed_iteration = iteration
+        self._generators.clear()
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable state: the reseed iteration and every stream's generator state."""
+        return {"reseed_iteration": self.reseed_iteration,
+                "generators": {name: base64.b64encode(state.numpy().tobytes()).decode("ascii")
+                               for name, state in self.get_states().items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reseed(int(state["reseed_iteration"]))
+        self.set_states({name: torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+                         for name, text in state["generators"].items()})
+
+
+class Dropout(nn.Module):
+    """Dropout at one site, with the masks of stream ``key`` of ``rng``; the identity in eval
+    mode and when ``p`` is 0 (nothing is drawn then). ``stream``: its kind; None (hidden states):
+    ``rng.hidden_stream``, replicated unless the run is sequence parallel. Shapes: any, output
+    like input."""
+
+    def __init__(self, p: float, rng: DropoutRNG, key: str, *, stream: str | None = None) -> None:
+        super().__init__()
+        if stream is not None and stream not in STREAMS:
+            raise ValueError(f"stream={stream!r} must be one of {STREAMS}")
+        self.p, self.rng, self.key, self.stream = p, rng, key, stream
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        return self.rng.dropout(x, self.p, self.key, stream=self.stream or self.rng.hidden_stream)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, key={self.key!r}, stream={self.stream or 'hidden'}"
+
+
+def _uniform(shape: torch.Size, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.float32, device=device).uniform_(generator=gen)
+
+
+def _apply(x: torch.Tensor, drop: torch.Tensor, p: float) -> torch.Tensor:
+    # masked_fill keeps only the boolean mask for backward, the scaling by a number nothing
+    return x.masked_fill(drop, 0.0) * (1.0 / (1.0 - p))

@@ -1,0 +1,153 @@
+"""Sequence parallelism: the g and ḡ operators of Korthikanti et al. 2022 [K22], §4.2.2.
+
+Outside the tensor-parallel regions (the norms, the residual adds, dropout, the embedding output)
+every tp rank would hold the same ``[b, s, h]`` activations. With sequence parallelism each of
+the ``t`` tp ranks keeps only its part of the sequence, ``[b, s/t, h]``: rank r holds positions
+``[r s/t, (r + 1) s/t)``. The entry and exit of each tensor-parallel region change accordingly:
+
+- g, the entry (before QKV, fc1 and the output layer), replaces f: forward all-gather along the
+  sequence ``[b, s/t, h] -> [b, s, h]``, backward reduce-scatter of the gradient
+  ``[b, s, h] -> [b, s/t, h]`` (:func:`all_gather_sequence`, :func:`sequence_gathered_linear`).
+- ḡ, the exit (after the row-parallel attention projection and fc2, and after the vocab-parallel
+  embedding), replaces the all-reduce: forward reduce-scatter of the partial sums
+  ``[b, s, h] -> [b, s/t, h]``, backward all-gather of the gradient
+  (:func:`reduce_scatter_sequence`).
+
+A ring all-reduce of ``N`` elements moves as much data as a reduce-scatter of ``N`` plus an
+all-gather to ``N``, so each all-reduce of ``b s h`` elements of tensor parallelism becomes an
+all-gather and a reduce-scatter of the same total; what changes is that every activation outside
+the regions is stored ``1/t`` per rank.
+
+:func:`sequence_gathered_linear` fuses g with the column-parallel linear after it and keeps only
+the sequence shard of its input for backward, gathering it again there for the weight gradient
+([K22] §4.2.2): the input of QKV, fc1 and the output layer is then stored ``1/t`` per rank too, at
+the cost of one more all-gather of ``b s h`` per region in backward.
+
+Parameters applied to sequence-split activations (norm weights and biases, the biases of the
+row-parallel linears, the learned position table) get on each rank the gradient of its own
+positions only. They are marked :data:`SEQUENCE_PARALLEL_ATTR` (:func:`mark_sequence_parallel`),
+and their gradients are summed over tp after backward
+(:func:`ptdp.engine.data_parallel.grads.finalize_grads`).
+
+Activations are batch-first, so the sequence is tensor dim 1 (:data:`SEQ_DIM`). Every operator
+here is the identity (no autograd node, no communication) on a tp axis of size 1.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ptdp.engine.comm import AxisGroup, all_gather_along, reduce_scatter_along
+
+SEQ_DIM = 1
+"""The sequence dim of ``[b, s, h]`` activations."""
+SEQUENCE_PARALLEL_ATTR = "ptdp_sequence_parallel"
+"""Attribute set (True) on parameters whose gradients are partial sums over the sequence shards."""
+
+
+class _AllGatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: AxisGroup, tag: str) -> torch.Tensor:
+        ctx.axis, ctx.tag = axis, tag
+        return all_gather_along(x, axis, dim=SEQ_DIM, tag=tag)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return reduce_scatter_along(grad, ctx.axis, dim=SEQ_DIM, tag=ctx.tag), None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: AxisGroup, tag: str) -> torch.Tensor:
+        ctx.axis, ctx.tag = axis, tag
+        return reduce_scatter_along(x, axis, dim=SEQ_DIM, tag=tag)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_gather_along(grad, ctx.axis, dim=SEQ_DIM, tag=ctx.tag), None, None
+
+
+class _SequenceGatheredLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, axis: AxisGroup, tag: str):
+        ctx.axis, ctx.tag, ctx.has_bias = axis, tag, bias is not None
+        ctx.save_for_backward(x, weight)  # the shard: gathered again in backward
+        return F.linear(all_gather_along(x, axis, dim=SEQ_DIM, tag=tag), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        rows = grad.flatten(0, -2)  # [b s, out_local]; out_local may be 0 (a shard of vocabulary padding)
+        if ctx.needs_input_grad[1]:
+            full = all_gather_along(x, ctx.axis, dim=SEQ_DIM, tag=ctx.tag + "_regather")
+            grad_weight = rows.t() @ full.flatten(0, -2)
+        if ctx.needs_input_grad[0]:
+            grad_x = reduce_scatter_along(grad @ weight, ctx.axis, dim=SEQ_DIM, tag=ctx.tag)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0)
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+def all_gather_sequence(x: torch.Tensor, axis: AxisGroup, tag: str = "") -> torch.Tensor:
+    """g of [K22] §4.2.2: forward all-gather along the sequence, backward reduce-scatter (sum).
+
+    Per rank: ``x [b, s/t, h]`` (this rank's positions) -> ``[b, s, h]`` (replicated). Counted:
+    forward one all-gather of ``b s h / t`` elements put in, backward one reduce-scatter of
+    ``b s h``, both on tp.
+    """
+    if axis.size == 1:
+        return x
+    return _AllGatherSequence.apply(x, axis, tag)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, axis: AxisGroup, tag: str = "") -> torch.Tensor:
+    """ḡ of [K22] §4.2.2: forward reduce-scatter (sum) along the sequence, backward all-gather.
+
+    Per rank: ``x [b, s, h]`` (this rank's partial sum over its tp shard) -> ``[b, s/t, h]``
+    (the full sum at this rank's positions). Counted: forward one reduce-scatter of ``b s h``
+    elements put in, backward one all-gather of ``b s h / t``, both on tp.
+    """
+    if axis.size == 1:
+        return x
+    return _ReduceScatterSequence.apply(x, axis, tag)
+
+
+def sequence_gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             axis: AxisGroup, tag: str = "") -> torch.Tensor:
+    """``F.linear(all_gather_sequence(x), weight, bias)`` keeping only ``x``'s shard for backward.
+
+    Per rank: ``x [b, s/t, in]``, ``weight [out_local, in]`` (this rank's column-parallel shard)
+    -> ``[b, s, out_local]``. Counted on tp: forward one all-gather (tag ``tag``) of
+    ``b s in / t`` elements; backward one all-gather again for the weight gradient
+    (``<tag>_regather``, ``b s in / t``) and one reduce-scatter of the input gradient (``tag``,
+    ``b s in``) [K22] §4.2.2.
+    """
+    if axis.size == 1:
+        return F.linear(x, weight, bias)
+    return _SequenceGatheredLinear.apply(x, weight, bias, axis, tag)
+
+
+def mark_sequence_parallel(params: Iterable[nn.Parameter]) -> None:
+    """Mark ``params`` as applied to sequence-split activations: their gradients are summed over
+    tp after backward."""
+    for p in params:
+        setattr(p, SEQUENCE_PARALLEL_ATTR, True)
+
+
+def is_sequence_parallel(param: torch.Tensor) -> bool:
+    """Whether ``param``'s gradient is a partial sum over the sequence shards of the tp ranks."""
+    return getattr(param, SEQUENCE_PARALLEL_ATTR, False)
+
+
+def sequence_shard(length: int, axis: AxisGroup) -> slice:
+    """The positions ``[r L/t, (r + 1) L/t)`` of a sequence of ``length`` that tp rank r holds."""
+    if length % axis.size:
+        raise ValueError(f"a sequence of {length} positions cannot be split over {axis.size} tp ranks "
+                         f"(rule: s % tp == 0 with sequence parallelism)")
+    per = length // axis.size
+    return slice(axis.rank * per, (axis.rank + 1) * per)

@@ -1,5 +1,0 @@
-"""The GPT model, written as single-device code over ptdp's tensor-parallel layers."""
-
-from ptdp.model.gpt import GPTModel
-
-__all__ = ["GPTModel"]

@@ -1,0 +1,346 @@
+"""``ptdp plan --calibrate``: measure this machine and save a hardware profile for the planner.
+
+Outside :mod:`ptdp.planner` because it runs torch workers; the profile file's format is
+:mod:`ptdp.planner.profile`.
+
+Started with the run's own worker count and layout. Each primitive is measured by the workers that
+need it while the others wait (a waiting gloo worker leaves its core to the others), so the rates
+are those of one worker on a core of its own: GEMM FLOP/s at the exact shapes of the model's layers
+and output layer (fitted to the planner's GEMM-efficiency curve: peak and half-dim), the bandwidth
+of an elementwise kernel, and all-reduce times on one tensor-parallel group (fitted to the ring
+model's latency and bandwidth). One real ptdp transformer layer and one real output layer + loss
+(forward + backward, their TP communication included) are timed too; what they take beyond the
+planner's prediction from the primitives is the host overhead (operator dispatch, autograd,
+Python) the planner adds per layer and per output layer (``layer_overhead``, ``head_overhead``).
+The profile records how many cores the workers share: with more workers than cores the planner
+predicts the step as the machine's total busy time over its cores
+(:func:`ptdp.planner.perf.core_shared_step`). The profile is a
+:class:`~ptdp.planner.hardware.GPUSpec` ("local") plus the
+:class:`~ptdp.planner.perf.PerfConstants` that go with it, in JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ptdp.engine import comm
+from ptdp.planner.flops import gemm_efficiency, layer_gemms
+from ptdp.planner.hardware import GPUSpec
+from ptdp.planner.models import ModelSpec
+from ptdp.planner.perf import DEFAULT_CONSTANTS, PerfConstants
+from ptdp.planner.profile import save_profile
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _timed(fn, reps: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps
+
+
+def measure_gemms(model: ModelSpec, tp: int, micro_batch_size: int, vocab_local: int, dtype) -> list[dict]:
+    """FLOP/s of each forward GEMM shape of a layer and of the output layer, on this process."""
+    shapes = list(layer_gemms(model, tp, micro_batch_size))
+    shapes.append((micro_batch_size * model.seq_length, vocab_local, model.hidden_size, 1))
+    out = []
+    for m, n, k, batch in shapes:
+        a, b = torch.randn(batch, m, k, dtype=dtype), torch.randn(batch, k, n, dtype=dtype)
+        flops = 2.0 * m * n * k * batch
+        reps = max(3, min(2000, int(2e9 / flops)))
+        seconds = _timed(lambda: torch.bmm(a, b), reps)
+        out.append({"m": m, "n": n, "k": k, "batch": batch, "flops_per_s": flops / seconds})
+    return out
+
+
+def measure_bandwidth(numel: int = 1 << 22) -> float:
+    """Bytes/s of an in-place add of two float32 tensors (read 2, write 1)."""
+    x, y = torch.ones(numel), torch.ones(numel)
+    return 12.0 * numel / _timed(lambda: x.add_(y), 40)
+
+
+def measure_all_reduce(axis, sizes=(1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22)) -> list[tuple[int, float]]:
+    """(bytes, seconds) of float32 all-reduces on ``axis`` (all its groups run concurrently)."""
+    out = []
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 4)
+        out.append((nbytes, _timed(lambda: comm.all_reduce(t, axis, tag="calibrate"), 10)))
+    return out
+
+
+def measure_p2p(pp_axis, sizes=(1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22)) -> list[tuple[int, float]]:
+    """(bytes, seconds) of one float32 transfer between pipeline ranks 0 and 1 of ``pp_axis``
+    (half a ping-pong round trip); only those two ranks call it."""
+    out, peer = [], 1 - pp_axis.rank
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 4)
+
+        def round_trip() -> None:
+            for kind in (("send", "recv") if pp_axis.rank == 0 else ("recv", "send")):
+                for work in comm.post([comm.P2P(kind, t, peer)], pp_axis, tag="calibrate") or []:
+                    work.wait()
+
+        out.append((nbytes, _timed(round_trip, 10) / 2.0))
+    return out
+
+
+def fit_linear(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of ``t = latency + bytes / bandwidth`` (least squares)."""
+    xs, ys = [float(n) for n, _ in samples], [t for _, t in samples]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return 1.0 / max(slope, 1e-30), max(my - slope * mx, 0.0)
+
+
+def measure_optimizer(config, tp_axis, dtype) -> tuple[int, float]:
+    """(parameters, seconds) of one optimizer step of the first pipeline stage on this rank, as
+    ``ptdp train`` does it: the gradient norm (``torch._foreach_norm``), AdamW, zeroing the grads."""
+    from ptdp.engine.model.gpt import GPTModel
+
+    m, p, t = config.model, config.parallel, config.train
+    stage = GPTModel(m, tp_axis, layer_ids=range(m.num_layers // p.pp), pre_process=True,
+                     post_process=p.pp == 1)
+    params = list(stage.parameters())
+    for q in params:
+        q.grad = torch.randn_like(q)
+    groups = [{"params": [q for q in params if q.ndim >= 2], "weight_decay": t.weight_decay},
+              {"params": [q for q in params if q.ndim < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=1e-4)
+    grads = [q.grad for q in params]
+
+    def step() -> None:
+        torch.stack(torch._foreach_norm(grads)).square().sum()
+        optimizer.step()
+        torch._foreach_zero_(grads)
+
+    return sum(q.numel() for q in params), _timed(step, 10)
+
+
+def _init_normal(module, std: float) -> None:
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=std)
+
+
+def measure_layer(config, tp_axis, dtype) -> float:
+    """Seconds of forward + backward of one real ptdp transformer layer (its TP communication
+    included) for one microbatch."""
+    from ptdp.engine.model.gpt import TransformerLayer
+
+    m, t = config.model, config.train
+    layer = TransformerLayer(m, tp_axis, dtype)
+    _init_normal(layer, m.init_method_std)
+    x = torch.randn(t.micro_batch_size, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)
+    return _timed(lambda: layer(x).sum().backward(), 20)
+
+
+def measure_head(config, tp_axis, dtype) -> float:
+    """Seconds of forward + backward of the real last-stage head (final LayerNorm, output layer,
+    vocab-parallel cross entropy, its TP communication included) for one microbatch."""
+    from ptdp.engine.model.gpt import GPTModel
+
+    m, t = config.model, config.train
+    head = GPTModel(m, tp_axis, layer_ids=range(0), pre_process=False, post_process=True)
+    _init_normal(head, m.init_method_std)
+    x = torch.randn(t.micro_batch_size, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length))
+    return _timed(lambda: head(x, labels).backward(), 20)
+
+
+def fit_gemm_curve(samples: list[dict]) -> tuple[float, float]:
+    """(peak FLOP/s, half_dim) so that peak * prod(x/(x+half_dim)) best fits the samples (log LSQ)."""
+    best = None
+    for half_dim in [0.0] + [2.0 ** (i / 4) for i in range(0, 36)]:
+        logs = [math.log(s["flops_per_s"]) - math.log(gemm_efficiency(s["m"], s["n"], s["k"], peak_fraction=1.0,
+                                                                      half_dim=half_dim)) for s in samples]
+        log_peak = sum(logs) / len(logs)
+        err = sum((x - log_peak) ** 2 for x in logs)
+        if best is None or err < best[0]:
+            best = (err, math.exp(log_peak), half_dim)
+    return best[1], best[2]
+
+
+def fit_ring(samples: list[tuple[int, float]], group_size: int | list[int]) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s per ring step) of ``t = 2(g-1) lat + 2(g-1)/g * bytes / bw``,
+    least squares over (bytes, seconds) samples taken on groups of ``group_size`` (one size for
+    all, or one per sample)."""
+    sizes = [group_size] * len(samples) if isinstance(group_size, int) else list(group_size)
+    rows = [(2.0 * (g - 1), 2.0 * (g - 1) / g * n, t) for (n, t), g in zip(samples, sizes)]
+    # normal equations of t = a x1 + c x2 (a: latency, c: 1 / bandwidth)
+    s11 = sum(x1 * x1 for x1, _, _ in rows)
+    s12 = sum(x1 * x2 for x1, x2, _ in rows)
+    s22 = sum(x2 * x2 for _, x2, _ in rows)
+    s1t = sum(x1 * t for x1, _, t in rows)
+    s2t = sum(x2 * t for _, x2, t in rows)
+    det = s11 * s22 - s12 * s12
+    latency = (s1t * s22 - s2t * s12) / det
+    inv_bw = (s11 * s2t - s12 * s1t) / det
+    if latency < 0.0:  # refit through the origin
+        latency, inv_bw = 0.0, s2t / s22
+    return 1.0 / max(inv_bw, 1e-30), latency
+
+
+def fit_overheads(model: ModelSpec, config, gpu: GPUSpec, constants: PerfConstants, precision: str,
+                  layer_s: float, head_s: float) -> tuple[float, float]:
+    """(layer_overhead, head_overhead): measured seconds of one real layer / output layer + loss
+    (forward + backward, one microbatch) minus the planner's prediction from the primitives."""
+    from ptdp.spec import padded_vocab_size
+    from ptdp.planner.comm import hierarchical_all_reduce_time, tp_layer_comm_times
+    from ptdp.planner.flops import layer_compute_times, logits_compute_time
+    from ptdp.planner.hardware import Cluster
+    from ptdp.planner.perf import links_for
+
+    tp, b, m = config.parallel.tp, config.train.micro_batch_size, config.model
+    peak, bw = gpu.peak(precision), gpu.memory_bandwidth
+    links = links_for(Cluster(gpu, gpu.gpus_per_node, gpu.gpus_per_node), constants)
+    elem = 4.0 if precision == "fp32" else 2.0
+    fwd, bwd, _ = layer_compute_times(model, tp, b, False, peak, bw, 1.0, constants.gemm_half_dim)
+    comm_f, comm_b = tp_layer_comm_times(b * model.seq_length, model.hidden_size, tp, sequence_parallel=False,
+                                         links=links, bytes_per_element=elem)
+    v_pad = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    head = (logits_compute_time(model, tp, b, v_pad, peak, bw, 1.0, constants.gemm_half_dim)
+            + hierarchical_all_reduce_time(elem * b * model.seq_length * model.hidden_size, tp, links.gpus_per_node,
+                                           links))
+    return max(0.0, layer_s - (fwd + bwd + comm_f + comm_b)), max(0.0, head_s - head)
+
+
+def build_profile(mine: dict, config, precision: str, cores: int) -> tuple[GPUSpec, PerfConstants, dict]:
+    """The profile from the measurements in ``mine``: rank 0's GEMMs and bandwidth; tensor-parallel
+    group 0's medians of all-reduce, layer and head times (already scaled to one core per worker);
+    the pipeline ping-pong (``p2p``, when pp > 1). ``cores``: the CPU cores the workers share."""
+    from ptdp.planner.models import spec_from_model_config
+
+    nproc, tp = config.world_size, config.parallel.tp
+    peak, half_dim = fit_gemm_curve(mine["gemms"])
+    bandwidth = mine["bandwidth"]
+    if mine["all_reduce"]:
+        link_bw, latency = fit_ring([(n, t) for _, n, t in mine["all_reduce"]], [g for g, _, _ in mine["all_reduce"]])
+    elif mine.get("p2p"):
+        link_bw, latency = fit_linear(mine["p2p"])
+    else:
+        link_bw, latency = bandwidth, 0.0
+    total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    gpu = GPUSpec(
+        name="local", peak_flops={precision: peak}, memory_bytes=total_memory / nproc, memory_bandwidth=bandwidth,
+        nvlink_bandwidth=link_bw, network_bandwidth=link_bw, gpus_per_node=nproc,
+        source=f"ptdp plan --calibrate on {platform.node()} ({platform.processor() or platform.machine()}, "
+               f"{cores} cores, {nproc} workers) {datetime.date.today().isoformat()}",
+        shared_cores=cores,
+    )
+    constants = dataclasses.replace(
+        DEFAULT_CONSTANTS, gemm_peak_fraction=1.0, gemm_half_dim=half_dim, hbm_efficiency=1.0,
+        nvlink_efficiency=1.0, network_efficiency=1.0, nvlink_latency=latency, network_latency=latency,
+        pp_scatter_gather=False,
+    )
+    layer_overhead, head_overhead = fit_overheads(spec_from_model_config(config.model), config, gpu, constants,
+                                                  precision, mine["layer_s"], mine["head_s"])
+    from ptdp.planner.perf import OPT_BYTES_FULL, OPT_BYTES_SHARDED
+
+    opt_params, opt_s = mine["optimizer"]
+    opt_efficiency = min(1.0, opt_params * (OPT_BYTES_FULL[precision] + OPT_BYTES_SHARDED[precision])
+                         / bandwidth / opt_s)
+    constants = dataclasses.replace(constants, layer_overhead=layer_overhead, head_overhead=head_overhead,
+                                    optimizer_efficiency=opt_efficiency)
+    measured = {"gemms": mine["gemms"], "add_bandwidth": bandwidth, "all_reduce": mine["all_reduce"],
+                "layer_s": mine["layer_s"], "head_s": mine["head_s"], "p2p": mine.get("p2p"), "cores": cores,
+                "workers": nproc,
+                "fitted": {"peak_flops": peak, "gemm_half_dim": half_dim, "link_bandwidth": link_bw,
+                           "link_latency": latency, "layer_overhead": layer_overhead,
+                           "head_overhead": head_overhead,
+                           "optimizer_efficiency": opt_efficiency}, "optimizer_s": opt_s}
+    return gpu, constants, measured
+
+
+def _measure(groups, config, precision: str) -> dict:
+    """This rank's measurements; each phase is taken by the ranks that need it while the others
+    wait on a barrier: rank 0 alone (GEMMs, bandwidth, optimizer), tensor-parallel group 0
+    (all-reduce, layer, head), data-parallel group 0 (all-reduce), pipeline ranks 0 and 1 of
+    pipeline group 0 (ping-pong)."""
+    from ptdp.spec import padded_vocab_size
+    from ptdp.planner.models import spec_from_model_config
+
+    p, m, dtype = config.parallel, config.model, PRECISION_DTYPES[precision]
+    rank, mine = groups.global_rank, {}
+
+    def barrier() -> None:
+        comm.all_reduce(torch.zeros(1), groups.world, tag="calibrate")
+
+    if rank == 0:
+        vocab_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp) // p.tp
+        mine["gemms"] = measure_gemms(spec_from_model_config(m), p.tp, config.train.micro_batch_size,
+                                      vocab_local, dtype)
+        mine["bandwidth"] = measure_bandwidth()
+        mine["optimizer"] = measure_optimizer(config, groups.tp, dtype)
+    barrier()
+    if rank < p.tp:  # tensor-parallel group 0
+        mine.update(tp_all_reduce=measure_all_reduce(groups.tp) if p.tp > 1 else [],
+                    layer_s=measure_layer(config, groups.tp, dtype), head_s=measure_head(config, groups.tp, dtype))
+    barrier()
+    if p.dp > 1 and rank % p.tp == 0 and rank < p.tp * p.dp:  # data-parallel group 0
+        mine["dp_all_reduce"] = measure_all_reduce(groups.dp)
+    barrier()
+    if p.pp > 1 and rank in (0, p.tp * p.dp):  # pipeline ranks 0 and 1 of pipeline group 0
+        mine["p2p"] = measure_p2p(groups.pp)
+    barrier()
+    return mine
+
+
+def _combine(per_rank: list[dict], config, cores: int) -> dict:
+    """Rank 0's view of everything measured. Times of a group larger than the cores are scaled by
+    cores / group size: while it measured, its workers shared the cores, and the planner wants the
+    CPU time of one worker."""
+    p = config.parallel
+    out = dict(per_rank[0])
+    group_ranks = {"tp_all_reduce": list(range(p.tp)), "dp_all_reduce": [d * p.tp for d in range(p.dp)]}
+    sizes = {"tp_all_reduce": p.tp, "dp_all_reduce": p.dp}
+    out["all_reduce"] = []
+    for key, ranks in group_ranks.items():
+        if not per_rank[0].get(key):
+            continue
+        share = min(1.0, cores / sizes[key])
+        for i, (n, _) in enumerate(per_rank[0][key]):
+            out["all_reduce"].append((sizes[key], n, share * statistics.median(per_rank[r][key][i][1] for r in ranks)))
+    share = min(1.0, cores / p.tp)
+    for key in ("layer_s", "head_s"):
+        out[key] = share * statistics.median(per_rank[r][key] for r in range(p.tp))
+    if p.pp > 1:
+        out["p2p"] = per_rank[p.tp * p.dp]["p2p"]
+    return out
+
+
+def calibrate_worker(config_json: str, precision: str, out_path: str) -> dict:
+    """One worker of ``ptdp plan --calibrate`` (started by the elastic launcher); rank 0 writes the
+    profile to ``out_path`` and returns its GPU spec and constants (the others return {})."""
+    import torch.distributed as dist
+
+    from ptdp.spec import Config
+    from ptdp.run.distributed import init_distributed
+    from ptdp.engine.groups import ParallelGroups
+    from ptdp.spec.layout import ParallelLayout
+
+    config = Config.from_dict(json.loads(config_json))
+    p = config.parallel
+    init_distributed(p.distributed_timeout_minutes)
+    try:
+        groups = ParallelGroups.build(ParallelLayout(p.tp, p.pp, p.dp),
+                                      datetime.timedelta(minutes=p.distributed_timeout_minutes))
+        per_rank = comm.all_gather_object(_measure(groups, config, precision), groups.world)
+        if groups.global_rank != 0:
+            return {}
+        cores = len(os.sched_getaffinity(0))
+        gpu, constants, measured = build_profile(_combine(per_rank, config, cores), config, precision, cores)
+        save_profile(Path(out_path), gpu, constants, measured)
+        return {"gpu": dataclasses.asdict(gpu), "constants": dataclasses.asdict(constants)}
+    finally:
+        dist.destroy_process_group()

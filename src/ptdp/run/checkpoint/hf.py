@@ -1,0 +1,224 @@
+"""Hugging Face interop: export a ptdp checkpoint to a ``GPT2LMHeadModel`` folder, or with the
+Llama-like options (RMSNorm, SwiGLU, rotary positions) to a ``LlamaForCausalLM`` folder
+(``config.json`` + ``model.safetensors``), and import such a folder as a ptdp checkpoint.
+
+Both run in one process without a process group: export reads the global tensors from the
+checkpoint's index, import writes them in ptdp's layout-independent form (iteration 0, no
+optimizer state), which then loads at any layout. GPT-2 stores its projections as ``Conv1D``
+(``y = x W + b``, ``W`` is ``[in, out]``), ptdp as ``nn.Linear`` (``[out, in]``): weights are
+transposed; its fused ``c_attn`` is ``[q | k | v]`` with heads contiguous inside each, as ptdp's.
+The Llama mapping is in :mod:`ptdp.run.checkpoint.hf_llama`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ptdp.run.checkpoint.hf_llama import from_llama, is_gpt2_like, llama_config, model_config_from_llama, to_llama
+from ptdp.run.checkpoint.folders import (FORMAT, META, MODEL_DEFAULTS, CheckpointError, _first_line, check_files,
+                                     read_meta, resolve_checkpoint)
+from ptdp.run.checkpoint.io import _write_json, _write_text_atomic
+from ptdp.run.checkpoint.safe_reader import SafeFileSystemReader
+from ptdp.spec import ModelConfig
+
+_LAYER = {"ln_1": "ln1", "ln_2": "ln2", "attn.c_attn": "attention.qkv", "attn.c_proj": "attention.proj",
+          "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
+_CONV1D = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}
+
+
+def read_model_tensors(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The checkpoint's metadata and its global model tensors in stored form, by ptdp name."""
+    folder = resolve_checkpoint(path)
+    meta = read_meta(folder)
+    check_files(folder)
+    md = SafeFileSystemReader(folder).read_metadata()
+    sd = {key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
+          for key, item in md.state_dict_metadata.items() if key.startswith("model/") and hasattr(item, "size")}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
+            dcp.load(sd, storage_reader=SafeFileSystemReader(folder), no_dist=True)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
+        raise CheckpointError(f"reading checkpoint {folder} failed: {_first_line(err)}") from err
+    return meta, {key[len("model/"):]: value for key, value in sd.items()}
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Write ``out_dir/config.json`` and ``out_dir/model.safetensors`` for ``GPT2LMHeadModel``, or
+    ``LlamaForCausalLM`` when the model uses a Llama-like option (``out_dir`` must be new or empty:
+    nothing is overwritten)."""
+    target = Path(out_dir)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise CheckpointError(f"{target} exists and is not an empty folder; export into a new one")
+    meta, tensors = read_model_tensors(checkpoint)
+    m = meta["model"]
+    tokenizer = resolve_checkpoint(checkpoint) / "tokenizer.json"
+    tokens = _special_token_ids(tokenizer)
+    if not is_gpt2_like(m):
+        config = llama_config(m, tensors["word_embeddings.weight"].dtype) | tokens  # raises for what Llama lacks
+        return _write_hf(target, to_llama(m, tensors), config, tokenizer)
+    gpt2 = _gpt2_config(m)  # raises for what GPT-2 lacks, before any tensor is mapped
+    h = m["hidden_size"]
+    hf: dict[str, torch.Tensor] = {
+        "transformer.wte.weight": tensors["word_embeddings.weight"],
+        "transformer.wpe.weight": tensors["position_embeddings"],
+        "transformer.ln_f.weight": tensors["final_norm.weight"],
+        "transformer.ln_f.bias": tensors["final_norm.bias"],
+    }
+    if m["untie_embeddings_and_output_weights"]:
+        hf["lm_head.weight"] = tensors["output_layer.weight"]
+    for i in range(m["num_layers"]):
+        for theirs, mine in _LAYER.items():
+            w, b = tensors[f"layers.{i}.{mine}.weight"], tensors[f"layers.{i}.{mine}.bias"]
+            if mine == "attention.qkv":  # stored [3, h, h_in] / [3, h]
+                w, b = w.reshape(3 * h, -1), b.reshape(-1)
+            hf[f"transformer.h.{i}.{theirs}.weight"] = w.t() if theirs in _CONV1D else w
+            hf[f"transformer.h.{i}.{theirs}.bias"] = b
+    dtype = str(next(iter(hf.values())).dtype).removeprefix("torch.")
+    return _write_hf(target, hf, gpt2 | tokens | {"torch_dtype": dtype}, tokenizer)
+
+
+def _special_token_ids(tokenizer: Path) -> dict:
+    """``bos_token_id`` / ``eos_token_id`` of the checkpoint's tokenizer (its ``<|endoftext|>``,
+    which ends every document in training), or None for both when the checkpoint has none (an
+    imported model): never GPT-2's 50256, which may lie outside the vocabulary."""
+    if not tokenizer.is_file():
+        return {"bos_token_id": None, "eos_token_id": None}
+    from tokenizers import Tokenizer
+
+    from ptdp.data.tokenizer import EOS_TOKEN
+
+    eos = Tokenizer.from_file(str(tokenizer)).token_to_id(EOS_TOKEN)
+    return {"bos_token_id": eos, "eos_token_id": eos}
+
+
+def _write_hf(out: Path, hf: dict[str, torch.Tensor], config: dict, tokenizer: Path) -> Path:
+    """``config.json`` and ``model.safetensors`` (and, when the checkpoint has one, the tokenizer as
+    ``tokenizer.json`` with a ``tokenizer_config.json`` for transformers' ``AutoTokenizer``), with
+    the permissions of an ordinary new file (``0666`` less the umask)."""
+    from ptdp.data.tokenizer import EOS_TOKEN
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in hf.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    written = [out / "model.safetensors", out / "config.json"]
+    if tokenizer.is_file():
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+        max_len = config.get("n_positions") or config.get("max_position_embeddings")
+        (out / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN,
+            "unk_token": EOS_TOKEN, "model_max_length": max_len}, indent=2))
+        written += [out / "tokenizer.json", out / "tokenizer_config.json"]
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in written:
+        os.chmod(path, 0o666 & ~umask)
+    return out
+
+
+def _gpt2_config(m: dict) -> dict:
+    if m.get("activation", "gelu") not in ("gelu", "gelu_tanh"):
+        raise CheckpointError(f"activation {m.get('activation')!r} has no GPT-2 equivalent")
+    options = {f: m.get(f, default) for f, default in MODEL_DEFAULTS.items() if f not in ("activation", "layernorm_epsilon")}
+    other = [f"{f}={value!r}" for f, value in options.items() if value != MODEL_DEFAULTS[f]]
+    if other:
+        raise CheckpointError(f"the model has {', '.join(other)}: GPT-2 has LayerNorm, learned positions, a GELU MLP, "
+                              f"biases and multi-head attention")
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": m["vocab_size"], "n_positions": m["seq_length"], "n_embd": m["hidden_size"],
+        "n_layer": m["num_layers"], "n_head": m["num_attention_heads"], "n_inner": m["ffn"],
+        "activation_function": "gelu_new" if m.get("activation") == "gelu_tanh" else "gelu",
+        "layer_norm_epsilon": m["layernorm_epsilon"], "initializer_range": m.get("init_method_std", 0.02),
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "tie_word_embeddings": not m["untie_embeddings_and_output_weights"],
+    }
+
+
+def model_config_from_hf(config: dict) -> ModelConfig:
+    """ptdp's model for a GPT-2 or Llama ``config.json`` (raises CheckpointError for what ptdp lacks)."""
+    if config.get("model_type") == "llama":
+        return model_config_from_llama(config)
+    if config.get("model_type") != "gpt2":
+        raise CheckpointError(f"model_type {config.get('model_type')!r} is not gpt2 or llama")
+    act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}.get(config.get("activation_function"))
+    if act is None:
+        raise CheckpointError(f"activation_function {config.get('activation_function')!r} is not supported")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if config.get(flag):
+            raise CheckpointError(f"GPT-2 option {flag}=true is not supported")
+    if config.get("scale_attn_weights") is False:
+        raise CheckpointError("GPT-2 option scale_attn_weights=false is not supported")
+    h = config["n_embd"]
+    return ModelConfig(num_layers=config["n_layer"], hidden_size=h, num_attention_heads=config["n_head"],
+                       ffn_hidden_size=config.get("n_inner") or 4 * h, seq_length=config["n_positions"],
+                       vocab_size=config["vocab_size"], layernorm_epsilon=config.get("layer_norm_epsilon", 1e-5),
+                       untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", True),
+                       activation=act, init_method_std=config.get("initializer_range", 0.02))
+
+
+def import_hf(hf_dir: str | Path, save_dir: str | Path) -> Path:
+    """Make ``save_dir/iter_0000000`` (and ``save_dir/latest``) from a GPT-2 or Llama folder
+    (``model.safetensors``, or shards listed in ``model.safetensors.index.json``)."""
+    hf_dir, root = Path(hf_dir), Path(save_dir)
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise CheckpointError(f"{root} exists and is not an empty folder; import into a new one")
+    index = hf_dir / "model.safetensors.index.json"
+    if not (hf_dir / "config.json").is_file() or not ((hf_dir / "model.safetensors").is_file() or index.is_file()):
+        raise CheckpointError(f"{hf_dir} is not a Hugging Face model folder (config.json + model.safetensors or its "
+                              "index)")
+    config = json.loads((hf_dir / "config.json").read_text())
+    m = model_config_from_hf(config)
+    files = ["model.safetensors"]
+    if index.is_file():  # a sharded folder
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    loaded = {k: v.float() for f in files for k, v in load_file(str(hf_dir / f)).items()}
+    if config["model_type"] == "llama":
+        sd = {f"model/{k}": v for k, v in from_llama(m, loaded).items()}
+    else:
+        sd = _from_gpt2(m, {k.removeprefix("transformer."): v for k, v in loaded.items()})
+    return _write_imported(root, m, sd, hf_dir)
+
+
+def _from_gpt2(m: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    sd = {"model/word_embeddings.weight": hf["wte.weight"], "model/position_embeddings": hf["wpe.weight"],
+          "model/final_norm.weight": hf["ln_f.weight"], "model/final_norm.bias": hf["ln_f.bias"]}
+    if m.untie_embeddings_and_output_weights:
+        sd["model/output_layer.weight"] = hf["lm_head.weight"]
+    for i in range(m.num_layers):
+        for theirs, mine in _LAYER.items():
+            w, b = hf[f"h.{i}.{theirs}.weight"], hf[f"h.{i}.{theirs}.bias"]
+            w = w.t() if theirs in _CONV1D else w
+            if mine == "attention.qkv":
+                w, b = w.reshape(3, m.hidden_size, -1), b.reshape(3, -1)
+            sd[f"model/layers.{i}.{mine}.weight"], sd[f"model/layers.{i}.{mine}.bias"] = w.contiguous(), b
+    return sd
+
+
+def _write_imported(root: Path, m: ModelConfig, sd: dict[str, torch.Tensor], hf_dir: Path) -> Path:
+    """ptdp's layout-independent checkpoint of the model tensors ``sd`` (iteration 0, no optimizer state)."""
+    sd["optim/step"] = torch.tensor(0, dtype=torch.int64)
+    name = "iter_0000000"
+    tmp = root / f".{name}.tmp"
+    tmp.mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+    _write_json(tmp / META, {
+        "format": FORMAT, "iteration": 0, "consumed_samples": 0, "model": dataclasses.asdict(m) | {"ffn": m.ffn},
+        "layout": {"imported_from": str(hf_dir)}, "world_size": 1, "optimizer_state": [],
+        "loss_scaler": None, "grad_compression": "none",
+    })
+    os.replace(tmp, root / name)
+    _write_text_atomic(root / "latest", name)
+    return root / name

@@ -1,0 +1,193 @@
+"""Hugging Face Llama interop: the tensor and config mapping between ptdp's Llama-like GPT
+(RMSNorm, SwiGLU, rotary positions, any number of query groups) and ``LlamaForCausalLM``.
+
+:mod:`ptdp.run.checkpoint.hf` reads and writes the files and dispatches here. The mapping, per layer i
+(ptdp's stored, layout-independent form on the left):
+
+- ``layers.i.ln1`` / ``ln2`` = ``model.layers.i.input_layernorm`` / ``post_attention_layernorm``;
+  ``final_norm`` = ``model.norm``; ``word_embeddings`` = ``model.embed_tokens``;
+  ``output_layer`` = ``lm_head`` (absent when tied); only the real vocabulary rows on both sides.
+- ``layers.i.attention.qkv``: with G query groups the rows are ``[q of the a/G heads of group g,
+  k_g, v_g]`` for g = 0 .. G-1 (``d`` rows per head), so ``q_proj`` is the concatenation of the
+  groups' q blocks and ``k_proj`` / ``v_proj`` of their k / v heads; Llama's query head j uses
+  key/value head ``j // (a/G)``, as ptdp's. Without groups it is stored ``[3, h, h]`` = q, k, v.
+- ``layers.i.attention.proj`` = ``o_proj``; ``layers.i.mlp.fc1`` stored ``[2, ffn, h]`` =
+  ``[gate_proj, up_proj]``; ``layers.i.mlp.fc2`` = ``down_proj``. Both are ``nn.Linear``
+  (``[out, in]``): nothing is transposed. With linear biases (Llama's ``attention_bias`` and
+  ``mlp_bias`` both true) the biases follow their weights' rows.
+- rotary positions: both pair channel i of a head with channel ``i + d/2`` ("rotate half") at the
+  angle ``pos * theta^(-2i/d)``, so q and k rows are not permuted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ptdp.run.checkpoint.folders import MODEL_DEFAULTS, CheckpointError
+from ptdp.spec import ModelConfig
+
+#: what ptdp needs for a Llama export, besides any query groups, biases and tying
+LLAMA_OPTIONS = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope"}
+#: fields a Llama ``config.json`` must have (the others have Llama's defaults)
+REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
+            "max_position_embeddings")
+
+
+def is_gpt2_like(m: dict) -> bool:
+    """No Llama-like option is set (the checkpoint metadata's ``model``): export as GPT-2."""
+    return all(m.get(f, d) == d for f, d in MODEL_DEFAULTS.items() if f not in ("activation", "layernorm_epsilon"))
+
+
+def llama_config(m: dict, dtype: torch.dtype) -> dict:
+    """``config.json`` of ``LlamaForCausalLM`` for the checkpoint metadata's ``model``."""
+    other = [f"{f}={m.get(f, MODEL_DEFAULTS[f])!r}" for f, need in LLAMA_OPTIONS.items()
+             if m.get(f, MODEL_DEFAULTS[f]) != need]
+    if other:
+        raise CheckpointError(f"the model has {', '.join(other)}: neither GPT-2 (LayerNorm, learned positions, GELU "
+                              f"MLP, biases, multi-head attention) nor Llama (RMSNorm, --swiglu, rope) can express it")
+    a, h = m["num_attention_heads"], m["hidden_size"]
+    bias = bool(m.get("add_bias_linear", True))
+    theta = float(m.get("rotary_base", 10000.0))
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": m["vocab_size"], "hidden_size": h, "intermediate_size": m["ffn"],
+        "num_hidden_layers": m["num_layers"], "num_attention_heads": a,
+        "num_key_value_heads": m.get("num_query_groups") or a, "head_dim": h // a,
+        "hidden_act": "silu", "max_position_embeddings": m["seq_length"], "rms_norm_eps": m["layernorm_epsilon"],
+        "rope_theta": theta, "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "attention_bias": bias, "mlp_bias": bias, "attention_dropout": 0.0,
+        "tie_word_embeddings": not m["untie_embeddings_and_output_weights"],
+        "initializer_range": m.get("init_method_std", 0.02),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _split_qkv(t: torch.Tensor, a: int, groups: int | None, d: int) -> tuple[torch.Tensor, ...]:
+    """ptdp's stored QKV weight or bias -> Llama's q, k, v (weights ``[rows, h]``, biases ``[rows]``)."""
+    if groups is None:  # [3, h, ...]
+        return t[0], t[1], t[2]
+    tail, per = t.shape[1:], a // groups
+    g = t.reshape(groups, per + 2, d, *tail)  # [q of the group's heads, k, v] per group
+    kv_rows = groups * d
+    return g[:, :per].reshape(a * d, *tail), g[:, per].reshape(kv_rows, *tail), g[:, per + 1].reshape(kv_rows, *tail)
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: int, groups: int | None, d: int) -> torch.Tensor:
+    """The inverse of :func:`_split_qkv`."""
+    if groups is None:
+        return torch.stack((q, k, v))
+    tail, per = q.shape[1:], a // groups
+    fused = torch.cat((q.reshape(groups, per, d, *tail), k.reshape(groups, 1, d, *tail),
+                       v.reshape(groups, 1, d, *tail)), dim=1)
+    return fused.reshape((a + 2 * groups) * d, *tail)
+
+
+def _layer_names(i: int) -> dict[str, str]:
+    pre = f"model.layers.{i}."
+    return {"ln1": pre + "input_layernorm", "ln2": pre + "post_attention_layernorm",
+            "attention.proj": pre + "self_attn.o_proj", "mlp.fc2": pre + "mlp.down_proj"}
+
+
+def to_llama(m: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ptdp's stored model tensors -> ``LlamaForCausalLM``'s state dict."""
+    a, groups, bias = m["num_attention_heads"], m.get("num_query_groups"), m.get("add_bias_linear", True)
+    d = m["hidden_size"] // a
+    hf = {"model.embed_tokens.weight": tensors["word_embeddings.weight"],
+          "model.norm.weight": tensors["final_norm.weight"]}
+    if m["untie_embeddings_and_output_weights"]:
+        hf["lm_head.weight"] = tensors["output_layer.weight"]
+    for i in range(m["num_layers"]):
+        pre, names = f"model.layers.{i}.", _layer_names(i)
+        for mine, theirs in names.items():  # the norms have no bias
+            for kind in ("weight", "bias") if bias and mine not in ("ln1", "ln2") else ("weight",):
+                hf[f"{theirs}.{kind}"] = tensors[f"layers.{i}.{mine}.{kind}"]
+        for kind in ("weight", "bias") if bias else ("weight",):
+            q, k, v = _split_qkv(tensors[f"layers.{i}.attention.qkv.{kind}"], a, groups, d)
+            gate, up = tensors[f"layers.{i}.mlp.fc1.{kind}"].unbind(0)
+            hf |= {f"{pre}self_attn.q_proj.{kind}": q, f"{pre}self_attn.k_proj.{kind}": k,
+                   f"{pre}self_attn.v_proj.{kind}": v, f"{pre}mlp.gate_proj.{kind}": gate,
+                   f"{pre}mlp.up_proj.{kind}": up}
+    return hf
+
+
+def model_config_from_llama(config: dict) -> ModelConfig:
+    """ptdp's model for a Llama ``config.json`` (raises CheckpointError naming what ptdp lacks)."""
+    missing = [f for f in REQUIRED if f not in config]
+    if missing:
+        raise CheckpointError(f"the Llama config.json has no {', '.join(missing)}")
+    h, a = config["hidden_size"], config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or a
+    problems = []
+    if config.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={config['hidden_act']!r} (ptdp's SwiGLU uses silu)")
+    if h % a:
+        problems.append(f"hidden_size={h} is not a multiple of num_attention_heads={a}")
+    elif config.get("head_dim") not in (None, h // a):
+        problems.append(f"head_dim={config['head_dim']} (ptdp's is hidden_size / num_attention_heads = {h // a})")
+    if a % kv:
+        problems.append(f"num_attention_heads={a} is not a multiple of num_key_value_heads={kv}")
+    for field in ("rope_scaling", "rope_parameters"):  # transformers 4 / 5 spelling
+        if (config.get(field) or {}).get("rope_type", (config.get(field) or {}).get("type", "default")) != "default":
+            problems.append(f"{field}={config[field]!r} (ptdp has plain rotary positions, rope_type 'default')")
+    rope = config.get("rope_parameters") or {}
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        problems.append(f"rope_parameters.partial_rotary_factor={rope['partial_rotary_factor']!r}")
+    attention_bias, mlp_bias = bool(config.get("attention_bias", False)), bool(config.get("mlp_bias", False))
+    if attention_bias != mlp_bias:
+        problems.append(f"attention_bias={attention_bias} with mlp_bias={mlp_bias} (ptdp's --disable-bias-linear "
+                        "sets both)")
+    if problems:
+        raise CheckpointError("this Llama cannot be expressed in ptdp: " + "; ".join(problems))
+    return ModelConfig(num_layers=config["num_hidden_layers"], hidden_size=h, num_attention_heads=a,
+                       ffn_hidden_size=config["intermediate_size"], seq_length=config["max_position_embeddings"],
+                       vocab_size=config["vocab_size"], layernorm_epsilon=config.get("rms_norm_eps", 1e-6),
+                       untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+                       init_method_std=config.get("initializer_range", 0.02), normalization="RMSNorm", swiglu=True,
+                       position_embedding_type="rope",
+                       rotary_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+                       num_query_groups=None if kv == a else kv, add_bias_linear=attention_bias)
+
+
+def _inputs(kind: str, width: int) -> tuple[int, ...]:
+    """The trailing shape of a linear layer's weight (its input width) or bias (none)."""
+    return (width,) if kind == "weight" else ()
+
+
+def from_llama(m: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``LlamaForCausalLM``'s state dict (float32) -> ptdp's stored model tensors; every tensor must be
+    there with its shape and nothing else (but rotary buffers) may be."""
+    h, a, ffn, v = m.hidden_size, m.num_attention_heads, m.ffn, m.vocab_size
+    groups, d = m.num_query_groups, m.hidden_size // m.num_attention_heads
+    kv_rows = m.kv_heads * d
+    unused = {name for name in hf if not name.endswith("rotary_emb.inv_freq")}
+
+    def take(name: str, *shape: int) -> torch.Tensor:
+        if name not in hf:
+            raise CheckpointError(f"the Llama model has no tensor {name}")
+        if tuple(hf[name].shape) != shape:
+            raise CheckpointError(f"{name} has shape {tuple(hf[name].shape)}, the config needs {shape}")
+        unused.discard(name)
+        return hf[name]
+
+    sd = {"word_embeddings.weight": take("model.embed_tokens.weight", v, h),
+          "final_norm.weight": take("model.norm.weight", h)}
+    if m.untie_embeddings_and_output_weights:
+        sd["output_layer.weight"] = take("lm_head.weight", v, h)
+    else:
+        unused.discard("lm_head.weight")  # a tied copy, if saved
+    for i in range(m.num_layers):
+        pre, names = f"model.layers.{i}.", _layer_names(i)
+        sd[f"layers.{i}.ln1.weight"] = take(names["ln1"] + ".weight", h)
+        sd[f"layers.{i}.ln2.weight"] = take(names["ln2"] + ".weight", h)
+        for kind in ("weight", "bias") if m.add_bias_linear else ("weight",):
+            q = take(f"{pre}self_attn.q_proj.{kind}", h, *_inputs(kind, h))
+            k, v_ = (take(f"{pre}self_attn.{x}_proj.{kind}", kv_rows, *_inputs(kind, h)) for x in "kv")
+            sd[f"layers.{i}.attention.qkv.{kind}"] = _fuse_qkv(q, k, v_, a, groups, d).contiguous()
+            sd[f"layers.{i}.attention.proj.{kind}"] = take(f"{names['attention.proj']}.{kind}", h, *_inputs(kind, h))
+            gate, up = (take(f"{pre}mlp.{x}_proj.{kind}", ffn, *_inputs(kind, h)) for x in ("gate", "up"))
+            sd[f"layers.{i}.mlp.fc1.{kind}"] = torch.stack((gate, up))
+            sd[f"layers.{i}.mlp.fc2.{kind}"] = take(f"{names['mlp.fc2']}.{kind}", h, *_inputs(kind, ffn))
+    if unused:
+        names = ", ".join(sorted(unused)[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise CheckpointError(f"the Llama model has tensors its config does not explain: {names}")
+    return sd

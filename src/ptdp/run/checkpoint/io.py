@@ -1,0 +1,259 @@
+"""Save and load a training state with ``torch.distributed.checkpoint`` (DCP), at any layout.
+
+A checkpoint root holds one folder per saved iteration (``iter_0000100``) and a ``latest`` file
+naming the newest complete one. A folder is written as ``.iter_0000100.tmp`` by all ranks in
+parallel (DCP: one ``.distcp`` file per rank plus ``.metadata``), completed with ``ptdp.json``
+(rank 0) and ``rng/rank<r>.json`` (every rank), renamed once every rank has finished, and only
+then is ``latest`` replaced (atomically). A crash at any point leaves ``latest`` on the previous
+complete checkpoint. Nothing is pickled: tensors go through DCP, everything else is JSON. A state
+holding a nan or inf (a parameter, an optimizer tensor, the 1-bit residual) on any rank is never
+saved: every rank refuses before anything is written.
+
+Stored per parameter (layout-independent, see :mod:`ptdp.run.checkpoint.tensors`): ``model/<name>``,
+``optim/exp_avg/<name>``, ``optim/exp_avg_sq/<name>`` and, for 16-bit parameters,
+``optim/main/<name>``; ``optim/step``; the 1-bit error-feedback residual per rank
+(``residual/rank<r>``, restored only at the same layout and bucket size).
+
+``rng/rank<r>.json`` holds the rank's Python, NumPy and torch generator states and its dropout
+streams (:class:`ptdp.engine.tensor_parallel.random.DropoutRNG`), restored only at the same layout
+(without ``--no-load-rng``): a run resumed at another layout, or without them, reseeds the
+dropout streams from the checkpoint's iteration, so it draws new masks (not those of the first
+iterations again) but not the ones an uninterrupted run would have drawn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ptdp.run.checkpoint.safe_reader import SafeFileSystemReader
+
+from ptdp.run.checkpoint.folders import FORMAT, META, CheckpointError, _first_line, _open, complete_checkpoints, residual_note
+from ptdp.run.checkpoint.optim_state import MOMENTS, gather_local_state, load_local_state, state_kinds, step_count
+from ptdp.run.checkpoint.tensors import stored_form, to_checkpoint_value
+from ptdp.engine.comm import all_gather_object, barrier
+from ptdp.engine.model.chunks import global_named_parameters
+from ptdp.engine.tensor_parallel.sharding import spec_of
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP's deprecation notice for ShardedTensor, which ptdp needs for uneven vocabulary shards
+    (DTensor cannot express them), once per tensor: not for users' eyes."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process.*")
+        yield
+
+
+def _barrier(stage) -> None:
+    barrier(stage.groups.world)
+
+
+def _layout_key(stage) -> dict:
+    p = stage.config.parallel
+    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": stage.virtual_stages,
+            "ddp_bucket_size": p.ddp_bucket_size, "use_distributed_optimizer": p.use_distributed_optimizer,
+            "pipeline_layer_split": list(p.pipeline_layer_split) if p.pipeline_layer_split else None}
+
+
+def _state_dict(stage, tensors: dict[int, dict[str, torch.Tensor]], model_values: dict[int, torch.Tensor],
+                kinds: tuple[str, ...]) -> dict:
+    """DCP state dict: every entry in stored form (ShardedTensor over tp where split)."""
+    g = stage.groups
+    sd = {}
+    for name, p in global_named_parameters(stage.model):
+        spec = spec_of(p)
+        form = stored_form(model_values[id(p)], spec, g.tp.rank, g.tp.size)
+        sd[f"model/{name}"] = to_checkpoint_value(form, g.tp, g.global_rank)
+        for kind in kinds:
+            form = stored_form(tensors[id(p)][kind], spec, g.tp.rank, g.tp.size)
+            sd[f"optim/{kind}/{name}"] = to_checkpoint_value(form, g.tp, g.global_rank)
+    return sd
+
+
+def save_checkpoint(stage, root: str | Path, iteration: int, *, consumed_samples: int,
+                    keep_last: int | None = None, files: dict[str, Path] | None = None) -> Path:
+    """Save the whole training state after ``iteration`` steps into ``root/iter_<iteration>``
+    (collective over the world). Returns the folder. ``keep_last``: afterwards delete all but the
+    newest ``keep_last`` complete checkpoints. ``files``: copied in by rank 0 under the given
+    names (the tokenizer, so ``ptdp generate`` needs nothing else)."""
+    root, g = Path(root), stage.groups
+    name = f"iter_{iteration:07d}"
+    tmp, final = root / f".{name}.tmp", root / name
+    stage.wait_for_params()
+    named = list(global_named_parameters(stage.model))
+    params = [p for _, p in named]
+    kinds = state_kinds(stage.optimizer)
+    tensors = gather_local_state(stage.optimizer, params, g.dp)
+    _refuse_non_finite(stage, iteration, named, tensors)
+    if g.global_rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / "rng").mkdir(parents=True)
+    _barrier(stage)
+    sd = _state_dict(stage, tensors, {id(p): p.detach() for p in params}, kinds)
+    sd["optim/step"] = torch.tensor(step_count(stage.optimizer), dtype=torch.int64)
+    if stage.grads.residual is not None:
+        sd[f"residual/rank{g.global_rank}"] = stage.grads.residual
+    with _quiet():
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp),
+                 process_group=g.world.group if g.world.size > 1 else None)
+    _write_json(tmp / "rng" / f"rank{g.global_rank}.json", _rng_state(stage))
+    if g.global_rank == 0:
+        for name_in_folder, source in (files or {}).items():
+            shutil.copyfile(source, tmp / name_in_folder)
+        _write_json(tmp / META, _meta(stage, iteration, consumed_samples, kinds))
+    _barrier(stage)
+    if g.global_rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_text_atomic(root / "latest", name)
+        if keep_last:
+            _prune(root, keep_last, keep=name)
+    _barrier(stage)
+    return final
+
+
+def _refuse_non_finite(stage, iteration: int, named, tensors: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Raise :class:`CheckpointError` on every rank if some rank holds a nan/inf parameter,
+    optimizer tensor or 1-bit residual (one all-gather of a short string or None over the world)."""
+    bad = None
+    for name, p in named:
+        kinds = [kind for kind, t in tensors[id(p)].items() if not torch.isfinite(t).all()]
+        if not torch.isfinite(p).all() or kinds:
+            bad = f"{'parameter' if not kinds else 'optimizer ' + kinds[0] + ' of'} {name}"
+            break
+    residual = stage.grads.residual
+    if bad is None and residual is not None and not torch.isfinite(residual).all():
+        bad = "the 1-bit error-feedback residual"
+    found = [(rank, what) for rank, what in enumerate(all_gather_object(bad, stage.groups.world)) if what]
+    if found:
+        more = f" (and on {len(found) - 1} more rank(s))" if len(found) > 1 else ""
+        raise CheckpointError(f"refusing to save the checkpoint of iteration {iteration}: {found[0][1]} holds "
+                              f"nan/inf values on rank {found[0][0]}{more}; nothing was written")
+
+
+def _meta(stage, iteration: int, consumed_samples: int, kinds) -> dict:
+    m = stage.config.model
+    scaler = stage.scaler
+    return {
+        "format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
+        "model": dataclasses.asdict(m) | {"ffn": m.ffn},
+        "layout": _layout_key(stage), "world_size": stage.groups.world.size,
+        "optimizer_state": list(kinds),
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        "grad_compression": stage.config.parallel.grad_compression,
+    }
+
+
+def _prune(root: Path, keep_last: int, keep: str) -> None:
+    done = complete_checkpoints(root)
+    for old in done[:-keep_last]:
+        if old.name != keep:
+            shutil.rmtree(old)
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj))
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text + "\n")
+    os.replace(tmp, path)
+
+
+def _rng_state(stage) -> dict:
+    np_state = np.random.get_state()
+    state = {"python": _to_json(random.getstate()), "torch": torch.get_rng_state().tolist(),
+             "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    if stage.dropout_rng is not None:
+        state["dropout"] = stage.dropout_rng.state_dict()
+    return state
+
+
+def _to_json(obj):
+    return [_to_json(x) for x in obj] if isinstance(obj, (tuple, list)) else obj
+
+
+def _to_tuple(obj):
+    return tuple(_to_tuple(x) for x in obj) if isinstance(obj, list) else obj
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(_to_tuple(state["python"]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+
+
+@torch.no_grad()
+def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, load_rng: bool = True) -> dict:
+    """Load a checkpoint saved at any layout into ``stage`` (collective over the world): parameters,
+    Adam state and step, loss scale, and, at the same layout, the 1-bit residual and RNG states.
+    Returns the checkpoint's metadata (``iteration``, ``consumed_samples``, ...).
+
+    Raises:
+        CheckpointError: no checkpoint at ``path``, an incomplete or corrupted one, or one saved
+            for a different model shape (checked before anything is read into ``stage``).
+    """
+    folder, meta = _open(path, stage.config)
+    g = stage.groups
+    stage.wait_for_params()
+    params = [p for _, p in global_named_parameters(stage.model)]
+    wide = {id(p): torch.zeros_like(p, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
+            for p in params}
+    saved_kinds = tuple(meta.get("optimizer_state", ())) if load_optimizer else ()
+    tensors = {id(p): {k: torch.zeros_like(wide[id(p)]) for k in saved_kinds} for p in params}
+    sd = _state_dict(stage, tensors, wide, saved_kinds)
+    sd["optim/step"] = torch.zeros((), dtype=torch.int64)
+    same_layout = meta["layout"] == _layout_key(stage) and meta["world_size"] == g.world.size
+    residual = stage.grads.residual
+    restore_residual = (residual is not None and same_layout and meta.get("grad_compression") == "1bit")
+    if restore_residual:
+        sd[f"residual/rank{g.global_rank}"] = residual
+    try:
+        with _quiet():
+            dcp.load(sd, storage_reader=SafeFileSystemReader(folder),
+                     process_group=g.world.group if g.world.size > 1 else None)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
+        raise CheckpointError(f"loading checkpoint {folder} failed: {_first_line(err)}") from err
+    for p in params:  # 16-bit runs saved float32 main parameters: the exact values
+        p.copy_(tensors[id(p)].get("main", wide[id(p)]))
+    kinds = state_kinds(stage.optimizer)
+    step = int(sd["optim/step"]) if load_optimizer and "exp_avg" in saved_kinds else 0
+    for p in params:  # fresh Adam state (step 0) unless loaded; 16-bit main copies always set
+        entry = tensors[id(p)]
+        for kind in MOMENTS:
+            entry.setdefault(kind, torch.zeros_like(wide[id(p)]))
+        if "main" in kinds and "main" not in entry:
+            entry["main"] = wide[id(p)]
+    load_local_state(stage.optimizer, params, tensors, step)
+    if stage.scaler is not None and meta.get("loss_scaler"):
+        stage.scaler.load_state_dict(meta["loss_scaler"])
+    rng_file = folder / "rng" / f"rank{g.global_rank}.json"
+    rng_state = json.loads(rng_file.read_text()) if load_rng and same_layout and rng_file.is_file() else None
+    if rng_state is not None:
+        _set_rng_state(rng_state)
+    if stage.dropout_rng is not None:  # the saved streams, else fresh ones seeded with the iteration
+        if rng_state is not None and "dropout" in rng_state:
+            stage.dropout_rng.load_state_dict(rng_state["dropout"])
+        else:
+            stage.dropout_rng.reseed(meta["iteration"])
+    meta["restored"] = {"optimizer": load_optimizer, "residual": restore_residual,
+                        "rng": load_rng and same_layout}
+    meta["residual_note"] = residual_note(meta, _layout_key(stage), g.world.size, stage.config.parallel.grad_compression)
+    return meta

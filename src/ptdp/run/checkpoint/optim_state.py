@@ -1,0 +1,110 @@
+"""Adam's state per parameter, in the parameter's local (tp-shard) shape, whatever optimizer holds it.
+
+Three optimizers keep Adam's moments differently: ``torch.optim.AdamW`` on the parameters
+themselves (float32/float64), :class:`~ptdp.engine.optim.MainParamsAdamW` on float32 main copies of
+16-bit parameters, and :class:`~ptdp.engine.data_parallel.zero.ShardedAdamW` on this dp rank's flat
+segments of each parameter. Checkpoints see one form: for every parameter, ``exp_avg`` and
+``exp_avg_sq`` (and ``main`` for 16-bit parameters) shaped like the local shard, plus one step
+count. For the distributed optimizer the full local tensors are assembled with one sum
+all-reduce over dp per tensor on save (each element is non-zero on exactly one dp rank, so the sum
+is exact) and each rank takes its segments back on load.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ptdp.engine.comm import all_reduce
+from ptdp.engine.data_parallel.zero import ShardedAdamW
+from ptdp.engine.optim import MainParamsAdamW
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def state_kinds(optimizer) -> tuple[str, ...]:
+    """Per-parameter tensors this optimizer checkpoints."""
+    low_precision = isinstance(optimizer, MainParamsAdamW) or (
+        isinstance(optimizer, ShardedAdamW) and bool(optimizer.pairs))
+    return MOMENTS + (("main",) if low_precision else ())
+
+
+def _inner_and_map(optimizer) -> tuple[torch.optim.Optimizer | None, dict[int, nn.Parameter]]:
+    """The torch optimizer holding the state, and model parameter id -> the tensor it is keyed by."""
+    if isinstance(optimizer, MainParamsAdamW):
+        return optimizer.inner, {id(p): main for p, main in optimizer.pairs}
+    return optimizer, {}
+
+
+def step_count(optimizer) -> int:
+    """Adam's step count (the same for every parameter; 0 before the first step)."""
+    inner = optimizer.inner if isinstance(optimizer, (MainParamsAdamW, ShardedAdamW)) else optimizer
+    if inner is None:
+        return 0
+    for state in inner.state.values():
+        return int(state["step"])
+    return 0
+
+
+def gather_local_state(optimizer, params: list[nn.Parameter], dp) -> dict[int, dict[str, torch.Tensor]]:
+    """``{id(param): {kind: tensor of param's local shape}}`` for every parameter (zeros before the
+    first step). Collective over dp for the distributed optimizer (all dp ranks, same order)."""
+    kinds = state_kinds(optimizer)
+    if isinstance(optimizer, ShardedAdamW):
+        return _gather_sharded(optimizer, params, kinds, dp)
+    inner, to_key = _inner_and_map(optimizer)
+    out = {}
+    for p in params:
+        key = to_key.get(id(p), p)
+        state = inner.state.get(key, {})
+        entry = {k: state[k].detach().clone() if k in state else torch.zeros_like(key) for k in MOMENTS}
+        if "main" in kinds:
+            entry["main"] = key.detach().clone()
+        out[id(p)] = entry
+    return out
+
+
+def _gather_sharded(optimizer: ShardedAdamW, params, kinds, dp) -> dict[int, dict[str, torch.Tensor]]:
+    state_dtype = torch.float64 if params and params[0].dtype == torch.float64 else torch.float32
+    out = {id(p): {k: torch.zeros(p.numel(), dtype=state_dtype, device=p.device) for k in kinds} for p in params}
+    state = optimizer.state
+    for seg, main in optimizer.segment_mains:
+        entry = out[id(seg.param)]
+        for k in MOMENTS:
+            if main in state and k in state[main]:
+                entry[k][seg.lo: seg.hi] = state[main][k]
+        if "main" in kinds:
+            entry["main"][seg.lo: seg.hi] = main.detach()
+    for p in params:
+        for k in kinds:
+            all_reduce(out[id(p)][k], dp, tag="checkpoint")
+            out[id(p)][k] = out[id(p)][k].view(p.shape)
+    return out
+
+
+@torch.no_grad()
+def load_local_state(optimizer, params: list[nn.Parameter], tensors: dict[int, dict[str, torch.Tensor]],
+                     step: int) -> None:
+    """Put loaded per-parameter tensors (local shapes) into ``optimizer``; ``step`` is Adam's count.
+    A ``main`` entry also becomes the 16-bit parameter's float32 main copy."""
+    if isinstance(optimizer, ShardedAdamW):
+        for seg, main in optimizer.segment_mains:
+            entry = tensors[id(seg.param)]
+            if "main" in entry:
+                main.copy_(entry["main"].reshape(-1)[seg.lo: seg.hi])
+            _set_state(optimizer.inner, main, {k: entry[k].reshape(-1)[seg.lo: seg.hi] for k in MOMENTS}, step)
+        return
+    inner, to_key = _inner_and_map(optimizer)
+    for p in params:
+        key, entry = to_key.get(id(p), p), tensors[id(p)]
+        if "main" in entry and key is not p:
+            key.copy_(entry["main"])
+        _set_state(inner, key, {k: entry[k] for k in MOMENTS}, step)
+
+
+def _set_state(inner: torch.optim.Optimizer, key: torch.Tensor, moments: dict[str, torch.Tensor], step: int) -> None:
+    if step == 0:
+        inner.state.pop(key, None)
+        return
+    inner.state[key] = {"step": torch.tensor(float(step), dtype=torch.float32),
+                        **{k: v.to(key.dtype).clone().view_as(key) for k, v in moments.items()}}

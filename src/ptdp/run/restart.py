@@ -1,0 +1,85 @@
+"""Restarts of a training job, and the test-only kill hook.
+
+``ptdp train --max-restarts N`` (or ``torchrun --max-restarts N -m ptdp.train ...``): when a worker
+dies, PyTorch's elastic launcher stops the other workers and starts all of them again with the same
+arguments, up to N times; each worker of attempt k sees ``TORCHELASTIC_RESTART_COUNT=k``. ptdp has
+no supervisor of its own: a restarted worker resumes by itself (:func:`resume_config`):
+
+- from the newest complete checkpoint in ``--save``, when there is one: it is this run's newest
+  progress, so it wins over ``--load`` (which the run may have started from), and the optimizer
+  state and random generators are always restored from it;
+- else from ``--load`` as the first attempt did;
+- else from scratch (no ``--save``, or nothing saved yet), which rank 0 says.
+
+The checkpoints in ``--save`` are this run's: a run does not start with a ``--save`` that holds
+checkpoints it does not resume from (:func:`ptdp.run.rundir.prepare`). The data continue from the
+checkpoint's sample position, so a resumed job trains exactly like an uninterrupted one; the
+iterations after the checkpoint are computed again. Rank 0 appends the resumed part to the same
+``metrics.jsonl``, every line with ``"restart": k``, after a line ``{"event": "restart", "restart":
+k, "resumed_from_iteration": i, "checkpoint": path}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+
+from ptdp.run.checkpoint.folders import newest_checkpoint
+from ptdp.spec import Config, ConfigError
+
+#: Test-only: the iteration after which one worker of the job's first attempt kills itself.
+KILL_AT_ITERATION_ENV = "PTDP_TEST_KILL_AT_ITERATION"
+#: Test-only: the global rank that kills itself (default 1).
+KILL_RANK_ENV = "PTDP_TEST_KILL_RANK"
+
+
+def restart_count() -> int:
+    """How many times the launcher has restarted this job's workers (0: the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def max_restarts_of_torchrun() -> int:
+    """``--max-restarts`` of the torchrun that started this worker (0 without one)."""
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+
+
+def check_torchrun_restarts(output_dir: str | None) -> None:
+    """Under ``torchrun --max-restarts N`` (N > 0), raise ConfigError unless a restart can work:
+    ``--output-dir`` is needed (the default run directory's name holds the start time, and the
+    resumed part is appended to the first attempt's), and so is ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    in torchrun's environment: in the store torchrun shares with its workers by default, a
+    restarted worker finds the previous attempt's process-group keys (its peers' old addresses)
+    and cannot connect (pytorch/pytorch#135712, #167288). ``ptdp train`` sets it itself."""
+    n = max_restarts_of_torchrun()
+    needs = []
+    if n and not output_dir:
+        needs.append("--output-dir (a restarted job appends to the run directory of its first attempt)")
+    if n and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        needs.append("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment (with the store torchrun "
+                     "shares by default, restarted workers read their peers' addresses from the previous "
+                     "attempt and cannot connect)")
+    if needs:
+        raise ConfigError(f"torchrun --max-restarts {n} needs " + " and ".join(needs))
+
+
+def resume_config(config: Config, restart: int) -> Config:
+    """``config`` for attempt ``restart`` of the job: ``checkpoint.load`` set to the newest complete
+    checkpoint in ``checkpoint.save`` when restarting and there is one; otherwise unchanged."""
+    ck = config.checkpoint
+    newest = newest_checkpoint(ck.save) if restart and ck.save else None
+    if newest is None:
+        return config
+    own = dataclasses.replace(ck, load=str(newest), no_load_optim=False, no_load_rng=False)
+    return dataclasses.replace(config, checkpoint=own)
+
+
+def kill_for_test(iteration: int, rank: int) -> None:
+    """Test-only crash: with ``PTDP_TEST_KILL_AT_ITERATION=K`` in the environment, global rank
+    ``PTDP_TEST_KILL_RANK`` (default 1) of the job's first attempt sends itself SIGKILL right after
+    iteration K (and after its checkpoint, when one is due at K), as a crashed machine would.
+    Used by tests/test_restart.py and benchmarks/bench_soak.py; without the variable it does nothing."""
+    at = os.environ.get(KILL_AT_ITERATION_ENV)
+    if (at and int(at) == iteration and rank == int(os.environ.get(KILL_RANK_ENV, "1"))
+            and restart_count() == 0):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,132 @@
+"""``ptdp train --trace``: what every rank did and when, as a Chrome trace and a PNG timeline.
+
+Each rank's :class:`Tracer` records the start and end of every forward, backward, posting of a
+transfer batch (sends and receives), wait for its receives, gradient synchronisation and
+optimizer step of the traced iterations. Rank 0 gathers them into ``trace.json`` (Chrome trace
+format: open it in Perfetto or chrome://tracing) and draws ``timeline.png`` (one row per rank).
+Times are wall-clock (``time.time``), so ranks on one machine line up exactly.
+
+The measured bubble of a rank is its idle time inside the pipeline schedule divided by its
+compute time there, the quantity whose ideal value is (p - 1) / (v m) (Narayanan et al. SC21, §2.2).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ptdp.engine.pipeline.schedule import Action
+
+COLORS = {"forward": "#1f77b4", "backward": "#ff7f0e", "transfer": "#7f7f7f", "wait": "#e0e0e0",
+          "grad_sync": "#2ca02c", "optimizer": "#9467bd"}
+LABELS = {"transfer": "post send/recv", "wait": "wait for recv"}
+
+
+class _Span:
+    def __init__(self, tracer: Tracer, name: str, cat: str, args: dict) -> None:
+        self.tracer, self.name, self.cat, self.args = tracer, name, cat, args
+        self.start = time.time()
+
+    def end(self) -> None:
+        self.tracer.add(self.name, self.cat, self.start, time.time(), self.args)
+
+
+class Tracer:
+    """Collects this rank's events (``pid`` = global rank) while ``active``."""
+
+    def __init__(self, rank: int, pp_rank: int) -> None:
+        self.rank, self.pp_rank = rank, pp_rank
+        self.events: list[dict] = []
+        self.iteration = 0
+        self.active = False
+
+    def add(self, name: str, cat: str, start: float, end: float, args: dict | None = None) -> None:
+        if self.active:
+            self.events.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": 0,
+                                "ts": start * 1e6, "dur": (end - start) * 1e6,
+                                "args": {"iteration": self.iteration, **(args or {})}})
+
+    def span(self, step: list[Action] | str, cat: str | None = None) -> _Span:
+        """Start timing a schedule step (a compute action or a batch of transfers) or a phase."""
+        if isinstance(step, str):
+            return _Span(self, step, cat or step, {})
+        first = step[0]
+        if first.kind in ("forward", "backward"):
+            return _Span(self, f"{first.kind[0].upper()}{first.microbatch}.{first.chunk}", first.kind,
+                         {"microbatch": first.microbatch, "chunk": first.chunk})
+        name = " + ".join(f"{a.kind} {a.microbatch}.{a.chunk}" for a in step)
+        return _Span(self, name, "transfer", {})
+
+
+def bubble_by_rank(events: list[dict]) -> dict[int, float]:
+    """Per rank: idle / compute time inside the pipeline schedules of the traced iterations."""
+    out = {}
+    for rank in sorted({e["pid"] for e in events}):
+        mine = [e for e in events if e["pid"] == rank]
+        busy = idle = 0.0
+        for it in sorted({e["args"]["iteration"] for e in mine}):
+            sched = [e for e in mine if e["args"]["iteration"] == it
+                     and e["cat"] in ("forward", "backward", "transfer", "wait")]
+            if not sched:
+                continue
+            span = max(e["ts"] + e["dur"] for e in sched) - min(e["ts"] for e in sched)
+            compute = sum(e["dur"] for e in sched if e["cat"] in ("forward", "backward"))
+            busy += compute
+            idle += span - compute
+        out[rank] = idle / busy if busy else 0.0
+    return out
+
+
+def write_trace(events: list[dict], run_dir: Path, labels: dict[int, str]) -> None:
+    """``trace.json`` (Chrome trace) and ``timeline.png`` in ``run_dir``."""
+    meta = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": label}} for r, label in labels.items()]
+    (run_dir / "trace.json").write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
+    _draw(events, run_dir / "timeline.png", labels)
+
+
+def _draw(events: list[dict], path: Path, labels: dict[int, str]) -> None:
+    """One row per rank; forwards and backwards labelled with their microbatch (and chunk when
+    interleaved); each traced iteration's start marked by a dashed line and its number; the
+    legend below the rows, never over them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not events:
+        return
+    origin = min(e["ts"] for e in events)
+    ranks = sorted(labels)
+    width_ms = (max(e["ts"] + e["dur"] for e in events) - origin) / 1e3
+    fig, ax = plt.subplots(figsize=(14, 0.55 * len(ranks) + 2.2))
+    chunks = max((e["args"].get("chunk", 0) for e in events), default=0) > 0
+    for row, rank in enumerate(ranks):
+        mine = [e for e in events if e["pid"] == rank]
+        for cat, color in COLORS.items():
+            bars = [((e["ts"] - origin) / 1e3, e["dur"] / 1e3) for e in mine if e["cat"] == cat]
+            if bars:
+                ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=color, label=LABELS.get(cat, cat) if row == 0 else None)
+        for e in mine:  # microbatch numbers where the bar is wide enough to hold them
+            if e["cat"] in ("forward", "backward") and e["dur"] / 1e3 > width_ms / 300:
+                text = f"{e['args']['microbatch']}" + (f".{e['args']['chunk']}" if chunks else "")
+                ax.text((e["ts"] - origin + e["dur"] / 2) / 1e3, row, text, ha="center", va="center", fontsize=6,
+                        color="white", clip_on=True)
+    starts = {}
+    for e in events:
+        it = e["args"]["iteration"]
+        starts[it] = min(starts.get(it, e["ts"]), e["ts"])
+    for it, ts in sorted(starts.items()):
+        x = (ts - origin) / 1e3
+        ax.axvline(x, color="k", ls="--", lw=0.8)
+        ax.text(x, -0.65, f" iteration {it}", fontsize=7, va="bottom", ha="left")
+    ax.set_yticks(range(len(ranks)), [labels[r] for r in ranks], fontsize=8)
+    ax.set_ylim(len(ranks) - 0.5, -0.9)
+    ax.set_xlabel("ms from the first traced event (numbers: microbatch" + (".chunk" if chunks else "")
+                  + "; white: idle)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / max(1, len(ranks))), fontsize=8,
+              ncol=len(COLORS), frameon=False)
+    ax.set_title("ptdp pipeline timeline")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)

@@ -1,0 +1,236 @@
+"""The training loop of one worker: data, steps, evaluation, metrics, summary.
+
+Runs inside an initialised process group (``ptdp.train``); every rank executes it, rank 0 logs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from ptdp.engine import activity
+from ptdp.run.checkpoint.folders import CheckpointError
+from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
+from ptdp.spec import Config
+from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, dp_shard, eval_indices, microbatches
+from ptdp.engine.comm import all_gather_object
+from ptdp.engine.groups import ParallelGroups
+from ptdp.run.metrics import RunLog, write_json
+from ptdp.run.planner_report import check_run, measure_stage
+from ptdp.run.restart import kill_for_test
+from ptdp.run.trace import Tracer, bubble_by_rank, write_trace
+from ptdp.engine.step import NONFINITE_GRAD_NORM, build_stage, eval_loss, train_step, with_vocab
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. more than ``max_skipped_steps`` steps in a row had a nan/inf loss
+    or gradient norm, or a checkpoint would hold non-finite values); all ranks raise it."""
+
+
+def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: Path, device: torch.device,
+          *, progress: bool = True, restart: int = 0) -> dict:
+    """Train ``config.train.train_iters`` steps; returns the summary (same on every rank).
+
+    Evaluates the validation loss before the first step, every ``eval_interval`` steps and after
+    the last. ``config.model.vocab_size`` is replaced by the tokenizer's real size. ``restart``:
+    the launcher's restart count (:mod:`ptdp.run.restart`; ``config`` already points ``load`` at the
+    checkpoint to resume from), marked on the metrics lines.
+    """
+    config = with_vocab(config, data.vocab_size)
+    t, ck = config.train, config.checkpoint
+    stage = build_stage(config, groups, device)
+    start, consumed, note = 0, 0, None  # resumed runs continue from the checkpoint's sample position
+    if ck.load:
+        meta = load_checkpoint(stage, ck.load, load_optimizer=not ck.no_load_optim, load_rng=not ck.no_load_rng)
+        start, consumed, note = meta["iteration"], meta["consumed_samples"], meta.get("residual_note")
+        if start >= t.train_iters:
+            raise CheckpointError(f"checkpoint {ck.load} is at iteration {start}: --train-iters {t.train_iters} "
+                                  f"leaves nothing to train")
+    log = RunLog(run_dir, enabled=groups.global_rank == 0, total_iters=t.train_iters, progress=progress,
+                 restart=restart)
+    if note:
+        log.message(f"warning: {note}")
+    loop = _Loop(config, groups, data, stage, log, start, consumed)
+    if restart:
+        log.restarted(start, ck.load)
+    elif ck.load:
+        log.message(f"resumed from {ck.load} at iteration {start}")
+    started = time.perf_counter()
+    loop.evaluate(start)
+    for it in range(start, t.train_iters):
+        loop.step(it)
+    loop.evaluate(t.train_iters)
+    stage.wait_for_params()
+    if ck.save:
+        _save(stage, ck, t.train_iters, loop.samples_before(t.train_iters), log, data)
+    log.close()
+    return loop.finish(Path(run_dir), time.perf_counter() - started)
+
+
+class _Loop:
+    """The state of one worker's training loop: data, evaluation, history, trace."""
+
+    def __init__(self, config: Config, groups: ParallelGroups, data: PreparedData, stage, log: RunLog, start: int,
+                 consumed: int) -> None:
+        t = config.train
+        self.config, self.groups, self.data, self.stage, self.log = config, groups, data, stage, log
+        self.start, self.consumed = start, consumed
+        self.train_windows = TokenWindows(data.train_tokens(), config.model.seq_length)
+        self.sampler = GlobalBatchSampler(len(self.train_windows), t.global_batch_size, t.seed)
+        self.valid_batches = _valid_batches(config, groups, data)
+        self.tokens_per_step = t.global_batch_size * config.model.seq_length
+        self.history: dict[str, list] = {"val": [], "train": [], "comm": {}}
+        self.tracer = Tracer(groups.global_rank, groups.pp.rank) if t.traced_iters else None
+        self.first_traced = 2 if t.train_iters >= 2 else 1
+        self.skipped_in_a_row = 0
+
+    def samples_before(self, iteration: int) -> int:
+        """Global samples consumed before 0-based step ``iteration`` (the data position)."""
+        return self.consumed + (iteration - self.start) * self.config.train.global_batch_size
+
+    def evaluate(self, iteration: int) -> None:
+        if not self.valid_batches:
+            return
+        activity.set_phase(activity.EVALUATION, iteration)
+        val = eval_loss(self.stage, self.valid_batches)
+        self.history["val"].append((iteration, val))
+        self.log.write({"iteration": iteration, "val_loss": val})
+        self.log.message(f"iteration {iteration:>6}: validation loss {val:.4f}")
+
+    def step(self, it: int) -> None:
+        """0-based step ``it``: train, log, evaluate and save when due."""
+        t, ck, g, iteration = self.config.train, self.config.checkpoint, self.groups, it + 1
+        if self.tracer is not None:
+            self.tracer.iteration = iteration
+            self.tracer.active = self.first_traced <= iteration < self.first_traced + t.traced_iters
+        mine = dp_shard(self.sampler.global_batch(self.samples_before(it)), g.dp.rank, g.dp.size)
+        g.stats.reset()
+        step_start = time.perf_counter()
+        result = train_step(self.stage, microbatches(self.train_windows, mine, t.micro_batch_size), it, self.tracer)
+        step_time = time.perf_counter() - step_start
+        self.history["comm"] = g.stats.as_dict()
+        self._record(result, iteration, step_time)
+        if iteration % t.eval_interval == 0 and iteration != t.train_iters:
+            self.evaluate(iteration)
+        if ck.save and ck.save_interval and iteration % ck.save_interval == 0 and iteration != t.train_iters:
+            _save(self.stage, ck, iteration, self.samples_before(iteration), self.log, self.data)
+        kill_for_test(iteration, g.global_rank)
+
+    def _record(self, result, iteration: int, step_time: float) -> None:
+        t = self.config.train
+        record = {"iteration": iteration, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
+                  "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time}
+        self.history["train"].append(record)
+        if result.skipped:  # on every rank, without any update (ptdp.engine.step)
+            record.update(skipped=True, reason=result.skip_reason)
+            if result.loss_scale is not None:
+                record["loss_scale"] = result.loss_scale
+        if result.skipped or iteration % t.log_interval == 0 or iteration in (1, t.train_iters):
+            self.log.write(record)
+        self.log.step(iteration, result.loss, step_time, record["tokens_per_s"], result.lr)
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if result.nonfinite else 0
+        if result.nonfinite:
+            _non_finite_step(result, iteration, self.skipped_in_a_row, t.max_skipped_steps, self.log,
+                             self.config.parallel.grad_compression)
+
+    def finish(self, run_dir: Path, elapsed: float) -> dict:
+        """The summary (same on every rank); rank 0 adds the bubble and the planner's comparison
+        and writes summary.json (and the trace)."""
+        g, is_logger = self.groups, self.groups.global_rank == 0
+        summary = _summary(self.config, self.history, elapsed)
+        per_rank = all_gather_object(measure_stage(self.stage), g.world)
+        if self.tracer is not None:
+            events = [e for rank_events in all_gather_object(self.tracer.events, g.world) for e in rank_events]
+            if is_logger:
+                summary["bubble"] = _write_trace(self.config, g, events, run_dir)
+        if is_logger:
+            summary["planner_check"] = check_run(self.config, per_rank, summary["mean_step_time_s"])
+            write_json(run_dir / "summary.json", summary)
+        return summary
+
+
+def _non_finite_step(result, iteration: int, in_a_row: int, limit: int, log: RunLog, codec: str = "none") -> None:
+    """A step skipped for a nan/inf loss or gradient norm: a warning, or :class:`TrainingError`
+    (on every rank alike) when it makes more than ``limit`` such steps in a row. With
+    ``--grad-compression fp16`` (``codec``) a non-finite norm after a finite loss says that a mean
+    gradient beyond float16's range overflows it."""
+    what = (f"loss {result.loss} / gradient norm {result.grad_norm} is not finite at iteration {iteration} "
+            f"({result.skip_reason} on some rank)")
+    if codec == "fp16" and result.skip_reason == NONFINITE_GRAD_NORM and math.isfinite(result.loss):
+        what += (" (with --grad-compression fp16 a mean gradient above 65,504 overflows float16; "
+                 "--grad-compression bf16 has float32's range)")
+    if in_a_row > limit:
+        log.close()
+        raise TrainingError(f"{what}: {in_a_row} such steps in a row, more than --max-skipped-steps {limit}; "
+                            f"stopping (try a lower --lr or --clip-grad, or check the data)")
+    log.message(f"warning: {what}; the step is skipped on every rank, no update "
+                f"({in_a_row} in a row, at most {limit})")
+
+
+def _save(stage, ck, iteration: int, consumed_samples: int, log: RunLog, data: PreparedData) -> None:
+    """Save a checkpoint; one that cannot be written (e.g. non-finite values, refused on every
+    rank) stops training with :class:`TrainingError`."""
+    start = time.perf_counter()
+    activity.set_phase(activity.CHECKPOINT, iteration)
+    try:
+        folder = save_checkpoint(stage, ck.save, iteration, consumed_samples=consumed_samples,
+                                 keep_last=ck.keep_last, files={"tokenizer.json": data.tokenizer_path})
+    except CheckpointError as e:
+        log.close()
+        raise TrainingError(str(e)) from e
+    log.message(f"iteration {iteration:>6}: saved checkpoint {folder} ({time.perf_counter() - start:.1f} s)")
+
+
+def _write_trace(config: Config, groups: ParallelGroups, events: list[dict], run_dir: Path) -> dict:
+    """trace.json + timeline.png; returns the measured bubble per rank and the formula's value."""
+    layout = groups.layout
+    labels = {}
+    for r in range(layout.world_size):
+        c = layout.coords(r)
+        labels[r] = f"rank {r} (tp{c.tp_rank} dp{c.dp_rank} pp{c.pp_rank})"
+    write_trace(events, run_dir, labels)
+    p = config.parallel
+    v, m = p.virtual_stages(config.model.num_layers), config.num_microbatches
+    return {"measured_idle_over_compute_by_rank": bubble_by_rank(events),
+            "formula_(p-1)/(v*m)": (p.pp - 1) / (v * m), "schedule": p.schedule,
+            "files": ["trace.json", "timeline.png"]}
+
+
+def _valid_batches(config: Config, groups: ParallelGroups, data: PreparedData) -> list:
+    t = config.train
+    if t.eval_iters == 0:
+        return []
+    windows = TokenWindows(data.valid_tokens(), config.model.seq_length)
+    return [
+        microbatches(windows, dp_shard(batch, groups.dp.rank, groups.dp.size), t.micro_batch_size)
+        for batch in eval_indices(len(windows), t.global_batch_size, t.eval_iters)
+    ]
+
+
+def _summary(config: Config, history: dict, elapsed: float) -> dict:
+    train_hist, val = history["train"], history["val"]
+    times = [r["step_time_s"] for r in train_hist]
+    steady = times[1:] or times
+    tokens = config.train.global_batch_size * config.model.seq_length
+    p = config.parallel
+    return {
+        "layout": {"tp": p.tp, "pp": p.pp, "dp": p.dp, "world_size": config.world_size,
+                   "num_microbatches": config.num_microbatches},
+        "iterations": len(train_hist),
+        "skipped_steps": sum(1 for r in train_hist if r.get("skipped")),
+        "vocab_size": config.model.vocab_size,
+        "first_loss": train_hist[0]["loss"] if train_hist else None,
+        "final_loss": train_hist[-1]["loss"] if train_hist else None,
+        "initial_val_loss": val[0][1] if val else None,
+        "final_val_loss": val[-1][1] if val else None,
+        "val_loss_ratio": val[-1][1] / val[0][1] if len(val) > 1 else None,
+        "mean_step_time_s": sum(steady) / len(steady) if steady else None,
+        "tokens_per_s": tokens * len(steady) / sum(steady) if steady else None,
+        "elapsed_s": elapsed,
+        "comm_per_step_rank0": history["comm"],
+        "grad_compression": p.grad_compression,
+        "last_step_reduced_exactly": p.grad_compression != "none" and config.train.train_iters <= config.grad_compression_warmup,
+    }

@@ -1,0 +1,166 @@
+"""Worker entry points of a training job.
+
+- :func:`worker_entry`: what each process started by ``ptdp train`` (PyTorch's elastic launcher)
+  runs; data and run directory were prepared by the launching process.
+- :func:`main`: ``torchrun ... -m ptdp.train [flags]`` on a cluster. Every process validates the
+  flags before any process group exists; local rank 0 of each node prepares the data (cached)
+  while the others wait; global rank 0 creates the run directory and prints the summary.
+
+Both resume by themselves when the launcher restarts the job (``--max-restarts``, see
+:mod:`ptdp.run.restart`); a restarted job appends to the run directory of its first attempt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ptdp.engine import comm
+
+from ptdp.run import postmortem
+from ptdp.engine.activity import CollectiveError
+from ptdp.commands.train_flags import HelpFormatter, add_train_arguments, config_from_args, parse_args
+from ptdp.spec import Config, ConfigError, resolve
+from ptdp.data import DataError, PreparedData
+from ptdp.run.distributed import env_world, init_distributed
+from ptdp.engine.groups import ParallelGroups, host_group
+from ptdp.spec.layout import ParallelLayout
+from ptdp.run.memory_check import check_memory
+from ptdp.spec.files import apply_config_file
+from ptdp.run.metrics import format_summary
+from ptdp.run.restart import check_torchrun_restarts, restart_count, resume_config
+from ptdp.run.rundir import check_run_dir, make_run_dir, prepare, run_dir_path, write_config
+from ptdp.run.trainer import TrainingError, train
+
+#: Waiting for another rank to tokenize a large corpus may take much longer than a collective.
+DATA_PREPARATION_TIMEOUT = datetime.timedelta(hours=4)
+
+
+def _run(config: Config, run_dir: Path, data: PreparedData, device, progress: bool, restart: int) -> dict:
+    p = config.parallel
+    layout = ParallelLayout(tp=p.tp, pp=p.pp, dp=p.dp)
+    groups = ParallelGroups.build(layout, datetime.timedelta(minutes=p.distributed_timeout_minutes))
+    return train(config, groups, data, run_dir, device, progress=progress, restart=restart)
+
+
+def worker_entry(config_json: str, run_dir: str, data_dir: str, progress: bool) -> dict:
+    """Run one worker of a job launched by ``ptdp train``; returns the run summary, or
+    ``{"error": message}`` when training had to stop (the same on every rank). A
+    :class:`~ptdp.engine.activity.CollectiveError` (a peer stopped responding or went away) is raised, so
+    that the launcher stops the other workers and reports it."""
+    restart = restart_count()
+    with postmortem.recording(env_world()[0], restart):  # who failed first, and where (ptdp.run.postmortem)
+        config = resume_config(Config.from_dict(json.loads(config_json)), restart)
+        device = init_distributed(config.parallel.distributed_timeout_minutes, bind_cpus=config.parallel.bind_cpus)
+        try:
+            return _run(config, Path(run_dir), PreparedData.load(data_dir), device, progress, restart)
+        except TrainingError as e:
+            return {"error": str(e)}
+        except KeyboardInterrupt:
+            raise SystemExit(130) from None  # the launcher reports the interruption
+        finally:
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ptdp.train`` under torchrun (or alone: then a single process)."""
+    parser = argparse.ArgumentParser(prog="python -m ptdp.train", description=__doc__, formatter_class=HelpFormatter)
+    add_train_arguments(parser, local_launch=False)
+    _single_process_defaults()
+    rank, local_rank, world = env_world()
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
+    try:
+        apply_config_file(parser, sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        say(f"ptdp.train: error: {e}")
+        return 2
+    args = parse_args(parser, argv)
+    try:
+        config = resolve(config_from_args(args), world)
+        if args.print_config:
+            if rank == 0:
+                print(config.to_json(), flush=True)
+            return 0
+        check_torchrun_restarts(args.output_dir)
+        if not args.force:
+            check_memory(config, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ConfigError as e:
+        say(f"ptdp.train: error: {e}")
+        return 2
+    try:
+        device = init_distributed(config.parallel.distributed_timeout_minutes, bind_cpus=config.parallel.bind_cpus)
+    except ConfigError as e:  # --bind-cpus cannot be done on this rank's node
+        print(f"ptdp.train: error on rank {rank}: {e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        host = host_group(DATA_PREPARATION_TIMEOUT)
+        # a torchrun whose node saw no failure restarts its workers without counting: the job's count is the max
+        restart = max(comm.all_gather_object(restart_count(), host))
+        config = resume_config(config, restart)
+        run_dir, data = _setup(config, args.overwrite, rank, local_rank, host, restart)
+        config = dataclasses.replace(config, output_dir=str(run_dir))
+        summary = _run(config, run_dir, data, device, not args.no_progress, restart)
+        say(format_summary(summary, run_dir))
+    except (ConfigError, DataError, TrainingError) as e:
+        say(f"ptdp.train: error: {e}")
+        return 1 if isinstance(e, TrainingError) else 2
+    except CollectiveError as e:  # a peer stopped responding or went away: said by the rank that saw it
+        print(f"ptdp.train: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _setup(config: Config, overwrite: bool, rank: int, local_rank: int, host,
+           restart: int) -> tuple[Path, PreparedData]:
+    """Check the run directory (rank 0), prepare data (local rank 0 of each node, the others wait),
+    create the run directory (a restarted job keeps its first attempt's: config.json, and
+    metrics.jsonl to append to); any rank's error is raised on every rank."""
+    run_dir = run_dir_path(config)
+    error, data = None, None
+    try:
+        if rank == 0 and not restart:
+            check_run_dir(run_dir, overwrite=overwrite, load=config.checkpoint.load)
+        if local_rank == 0:
+            data = prepare(config)
+    except (ConfigError, DataError) as e:
+        error = e
+    _raise_first(comm.all_gather_object(error, host))
+    if local_rank != 0:
+        data = prepare(config, log=lambda _msg: None)  # built by local rank 0: found in the cache
+    if rank == 0 and restart:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    elif rank == 0:
+        make_run_dir(run_dir, overwrite=overwrite, load=config.checkpoint.load)
+        write_config(run_dir, dataclasses.replace(config, output_dir=str(run_dir)), data)
+    return Path(comm.broadcast_object(str(run_dir), host, src=0)), data
+
+
+def _raise_first(errors: list) -> None:
+    for e in errors:
+        if e is not None:
+            raise e
+
+
+def _single_process_defaults() -> None:
+    """Without a launcher, run as a world of one process on a free local port."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
