@@ -1,0 +1,82 @@
+"""One preflight for both launch paths: ``ptdp train``'s local launcher and ``torchrun -m ptdp.train``.
+
+After :func:`ptdp.spec.resolve`, every check that needs no worker runs here, in this order, and
+the first problem stops the run with a one-line error (exit 2) before anything is written:
+
+1. :func:`check_request`: the planner's memory estimate against the machine (unless ``--force``);
+2. :func:`prepare_run`: the run directory (a non-empty one needs ``--overwrite`` or a ``--load``
+   continuing it), the ``--load`` checkpoint and the ``--save`` folder, the data (tokenized once,
+   cached, checked to hold one global batch), then the run directory and its ``config.json``.
+
+Under torchrun the same steps are split over the ranks (:class:`Roles`: rank 0 checks and writes
+the run directory, local rank 0 of each node prepares the data while the others wait) and any
+rank's error is raised on every rank (``share``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ptdp.data import DataError, PreparedData
+from ptdp.run.memory_check import check_memory
+from ptdp.run.rundir import check_run_dir, make_run_dir, prepare, run_dir_path, write_config
+from ptdp.spec import Config, ConfigError
+
+
+def check_request(config: Config, local_workers: int) -> None:
+    """Checks of the resolved request alone: the memory estimate of the ``local_workers`` on this
+    machine (:mod:`ptdp.run.memory_check`), unless ``--force``. Raises ConfigError."""
+    if not config.launch.force:
+        check_memory(config, local_workers)
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Which preflight steps this process does (all of them for ``ptdp train``'s launcher)."""
+
+    checks_run_dir: bool = True
+    prepares_data: bool = True
+    writes_run_dir: bool = True
+
+
+@dataclass(frozen=True)
+class Share:
+    """How processes agree (torchrun): ``raise_first(error)`` raises the first rank's error on every
+    rank (or returns), ``run_dir(path)`` gives every rank rank 0's run directory."""
+
+    raise_first: Callable[[BaseException | None], None]
+    run_dir: Callable[[Path], Path]
+
+
+def prepare_run(config: Config, *, roles: Roles = Roles(), restart: int = 0, share: Share | None = None,
+                log: Callable[[str], None] = print) -> tuple[Config, Path, PreparedData]:
+    """Check the run directory, prepare the data and create the run directory with its
+    ``config.json`` (a restarted job keeps its first attempt's). Returns the config with
+    ``output_dir`` set, the run directory and the prepared data. Raises ConfigError/DataError."""
+    run_dir = run_dir_path(config)
+    overwrite, load = config.launch.overwrite, config.checkpoint.load
+    error, data = None, None
+    try:
+        if roles.checks_run_dir and not restart:
+            check_run_dir(run_dir, overwrite=overwrite, load=load)
+        if roles.prepares_data:
+            data = prepare(config, log=log)
+    except (ConfigError, DataError) as e:
+        if share is None:
+            raise
+        error = e
+    if share is not None:
+        share.raise_first(error)
+    if data is None:
+        data = prepare(config, log=lambda _msg: None)  # built by another process: found in the cache
+    if roles.writes_run_dir and restart:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    elif roles.writes_run_dir:
+        make_run_dir(run_dir, overwrite=overwrite, load=load)
+        write_config(run_dir, dataclasses.replace(config, output_dir=str(run_dir)), data)
+    if share is not None:
+        run_dir = share.run_dir(run_dir)
+    return dataclasses.replace(config, output_dir=str(run_dir)), run_dir, data
