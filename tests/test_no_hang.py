@@ -79,19 +79,22 @@ def test_ptdp_train_with_a_stalled_worker_fails_within_the_timeout(corpus, tmp_p
 
 
 def test_fault_hooks_parse_and_reject_bad_values(monkeypatch):
+    plan = lambda: faults.FaultPlan.from_env()  # noqa: E731 - read once per worker in ptdp, here per check
     monkeypatch.setenv(faults.NAN_LOSS_ENV, "3:2,5")
-    assert [faults.nan_loss(r, i) for r, i in ((3, 2), (3, 5), (3, 3), (2, 2))] == [True, True, False, False]
+    assert [plan().poisons(r, i) for r, i in ((3, 2), (3, 5), (3, 3), (2, 2))] == [True, True, False, False]
     monkeypatch.setenv(faults.NAN_LOSS_ENV, "0:every")
-    assert faults.nan_loss(0, 17) and not faults.nan_loss(1, 17)
+    assert plan().poisons(0, 17) and not plan().poisons(1, 17)
     monkeypatch.setenv(faults.NAN_LOSS_ENV, "0")
     with pytest.raises(ValueError, match="PTDP_TEST_NAN_LOSS='0': expected"):
-        faults.nan_loss(0, 1)
+        plan()
+    monkeypatch.delenv(faults.NAN_LOSS_ENV)
     monkeypatch.setenv(faults.STALL_ENV, "1:2:gradient sync:0.5")
-    assert faults.stall_phase(1, 2) == "gradient sync" and faults.stall_phase(1, 3) is None
+    assert plan().stall_phase(1, 2) == "gradient sync" and plan().stall_phase(1, 3) is None
     monkeypatch.setenv(faults.STALL_ENV, "1:2:grad sync")
     with pytest.raises(ValueError, match="phase 'grad sync' is not one of"):
-        activity.start_step(1, 2)
+        activity.start_step(1, 2, plan())
     monkeypatch.delenv(faults.STALL_ENV)
+    assert plan() is None, "no test variable: no plan, nothing on the production path"
     activity.start_step(1, 2)
     assert activity.CURRENT.where() == "in forward at iteration 2"
 

@@ -16,7 +16,7 @@ import torch
 
 from ptdp.run.checkpoint.folders import CheckpointError
 from ptdp.run.checkpoint.io import save_checkpoint
-from ptdp.engine.faults import NAN_LOSS_ENV
+from ptdp.engine.faults import NAN_LOSS_ENV, FaultPlan
 from ptdp.engine.groups import ParallelGroups
 from ptdp.spec.layout import ParallelLayout
 from ptdp.engine.model.chunks import global_named_parameters
@@ -67,17 +67,13 @@ def skip_worker(rank: int, world: int) -> dict:
     for name, (dtype, parallel, poisoned) in VARIANTS.items():
         cfg = tiny_config(2, 2, 2, dtype, parallel_overrides=parallel)
 
-        def step(stage, it):
-            return train_step(stage, rank_microbatches(it, cfg, groups.dp.rank, groups.dp.size), it)
+        def step(stage, it, faults=None):
+            return train_step(stage, rank_microbatches(it, cfg, groups.dp.rank, groups.dp.size), it, faults=faults)
 
         stage = build_stage(cfg, groups)
         first = step(stage, 0)
         before = training_state(stage)
-        os.environ[NAN_LOSS_ENV] = f"{poisoned}:2"
-        try:
-            bad = step(stage, 1)
-        finally:
-            del os.environ[NAN_LOSS_ENV]
+        bad = step(stage, 1, FaultPlan.from_env({NAN_LOSS_ENV: f"{poisoned}:2"}))
         after_skip = training_state(stage)
         later = step(stage, 2)
         # the same steps without the skipped one: 0, then 2 (same data, same learning rate)

@@ -2,7 +2,7 @@
 launcher restarts the job, which resumes from the newest checkpoint in ``--save`` and trains
 exactly like an uninterrupted run; with ``--max-restarts 0`` the run fails, naming the dead rank.
 
-The kill is the test-only hook of :func:`ptdp.run.restart.kill_for_test`
+The kill is the test-only hook :meth:`ptdp.engine.faults.FaultPlan.kill_after`
 (``PTDP_TEST_KILL_AT_ITERATION``), which fires in the job's first attempt only."""
 
 from __future__ import annotations

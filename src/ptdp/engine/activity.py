@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 
-from ptdp.engine import faults
 
 START_UP = "start-up"
 FORWARD = "forward"
@@ -36,7 +35,7 @@ _PHASE_INDEX = {phase: i for i, phase in enumerate(PHASES)}
 class Activity:
     """This process's global rank, current phase and 1-based iteration (None before the first)."""
 
-    __slots__ = ("rank", "phase", "iteration", "stall_phase", "crash_phase")
+    __slots__ = ("rank", "phase", "iteration", "stall_phase", "crash_phase", "faults")
 
     def __init__(self) -> None:
         self.rank: int | None = None
@@ -46,6 +45,8 @@ class Activity:
         """Test-only: the phase this iteration stalls in (``PTDP_TEST_STALL``)."""
         self.crash_phase: str | None = None
         """Test-only: the phase this iteration crashes in (``PTDP_TEST_CRASH``)."""
+        self.faults = None
+        """Test-only: the step's :class:`~ptdp.engine.faults.FaultPlan`, or None."""
 
     def where(self) -> str:
         at = f" at iteration {self.iteration}" if self.iteration is not None else " before the first iteration"
@@ -71,14 +72,12 @@ def phase_index() -> int:
     return _PHASE_INDEX.get(CURRENT.phase, 0)
 
 
-def start_step(rank: int, iteration: int) -> None:
-    """A training step begins: ``iteration`` is 1-based, as in the logs."""
-    CURRENT.rank, CURRENT.iteration = rank, iteration
-    CURRENT.stall_phase = faults.stall_phase(rank, iteration)
-    CURRENT.crash_phase = faults.crash_phase(rank, iteration)
-    for env, phase in ((faults.STALL_ENV, CURRENT.stall_phase), (faults.CRASH_ENV, CURRENT.crash_phase)):
-        if phase is not None and phase not in PHASES:
-            raise ValueError(f"{env}: phase {phase!r} is not one of {PHASES}")
+def start_step(rank: int, iteration: int, faults=None) -> None:
+    """A training step begins: ``iteration`` is 1-based, as in the logs. ``faults``: a test-only
+    :class:`~ptdp.engine.faults.FaultPlan` (None in a real run)."""
+    CURRENT.rank, CURRENT.iteration, CURRENT.faults = rank, iteration, faults
+    CURRENT.stall_phase = faults.stall_phase(rank, iteration) if faults is not None else None
+    CURRENT.crash_phase = faults.crash_phase(rank, iteration) if faults is not None else None
     set_phase(FORWARD)
 
 
@@ -91,10 +90,10 @@ def set_phase(phase: str, iteration: int | None = None) -> None:
         _mirror.write(_PHASE_INDEX[phase], CURRENT.iteration)
     if phase == CURRENT.stall_phase:
         CURRENT.stall_phase = None
-        faults.stall(CURRENT.rank, CURRENT.iteration, phase)
+        CURRENT.faults.do_stall(CURRENT.rank, CURRENT.iteration, phase)
     if phase == CURRENT.crash_phase:
         CURRENT.crash_phase = None
-        faults.crash(CURRENT.rank, CURRENT.iteration, phase)
+        CURRENT.faults.do_crash(CURRENT.rank, CURRENT.iteration, phase)
 
 
 class CollectiveError(RuntimeError):

@@ -1,4 +1,9 @@
-"""Test-only fault injection, switched on by environment variables. Never set them in a real run.
+"""Test-only fault injection: a :class:`FaultPlan` object handed to the step and the loop.
+
+Nothing on the production path reads the environment: a worker builds its plan once at start-up
+(:meth:`FaultPlan.from_env`, None in a real run) and passes it down (``train(..., faults=plan)``,
+``train_step(..., faults=plan)``, ``activity.start_step(..., faults=plan)``). Tests hand a plan in
+directly, or set these variables for the worker processes they launch:
 
 ``PTDP_TEST_NAN_LOSS="RANK:ITERS"``
     ``ITERS`` is ``every`` or comma-separated 1-based iterations. At those iterations the first
@@ -9,31 +14,92 @@
     :mod:`ptdp.engine.activity`, e.g. ``gradient sync``) at 1-based iteration ``ITER``, before that
     phase's communication: a worker that stops responding. It prints one line first:
     ``ptdp test stall: rank R sleeps in PHASE at iteration I from <time.time()>``.
-
 ``PTDP_TEST_CRASH="RANK:ITER:PHASE:HOW"``
     Global rank ``RANK`` fails when it enters ``PHASE`` at 1-based iteration ``ITER``: ``raise``
     raises ``RuntimeError("ptdp test crash ...")``, ``abort`` calls ``os.abort()`` (SIGABRT, a
     fatal signal), ``kill`` sends itself SIGKILL (no trace at all).
-
-The variables are read once per step (parsed once per value); without them nothing happens.
+``PTDP_TEST_KILL_AT_ITERATION=K`` (with ``PTDP_TEST_KILL_RANK``, default 1)
+    That global rank of the job's first attempt sends itself SIGKILL right after iteration K (and
+    after its checkpoint, when one is due at K), as a crashed machine would (restart tests).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
+from typing import Mapping
 
 NAN_LOSS_ENV = "PTDP_TEST_NAN_LOSS"
 STALL_ENV = "PTDP_TEST_STALL"
 CRASH_ENV = "PTDP_TEST_CRASH"
+KILL_AT_ITERATION_ENV = "PTDP_TEST_KILL_AT_ITERATION"
+KILL_RANK_ENV = "PTDP_TEST_KILL_RANK"
 CRASH_KINDS = ("raise", "abort", "kill")
 
 
-@functools.cache
-def _nan_plan(text: str) -> tuple[int, frozenset[int] | None]:
+@dataclass(frozen=True)
+class FaultPlan:
+    """Which rank fails how, and when (1-based iterations). Each part None: not planned."""
+
+    nan_loss: tuple[int, frozenset[int] | None] | None = None
+    """(rank, iterations or None for every one) whose first forward output becomes NaN."""
+    stall: tuple[int, int, str, float] | None = None
+    """(rank, iteration, phase, seconds) of a sleep on entering the phase."""
+    crash: tuple[int, int, str, str] | None = None
+    """(rank, iteration, phase, how) of a crash on entering the phase."""
+    kill_at: tuple[int, int] | None = None
+    """(iteration, rank) after which that rank sends itself SIGKILL (first attempt only)."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> FaultPlan | None:
+        """The plan the test variables describe, or None when none is set. Raises ValueError for
+        a malformed value (naming the variable and the expected form)."""
+        env = os.environ if env is None else env
+        values = {name: env.get(name) for name in (NAN_LOSS_ENV, STALL_ENV, CRASH_ENV, KILL_AT_ITERATION_ENV)}
+        if not any(values.values()):
+            return None
+        kill = values[KILL_AT_ITERATION_ENV]
+        return cls(nan_loss=parse_nan_loss(values[NAN_LOSS_ENV]) if values[NAN_LOSS_ENV] else None,
+                   stall=parse_stall(values[STALL_ENV]) if values[STALL_ENV] else None,
+                   crash=parse_crash(values[CRASH_ENV]) if values[CRASH_ENV] else None,
+                   kill_at=(int(kill), int(env.get(KILL_RANK_ENV, "1"))) if kill else None)
+
+    def poisons(self, rank: int, iteration: int) -> bool:
+        """Whether ``rank`` makes its first forward output NaN at ``iteration``."""
+        if self.nan_loss is None:
+            return False
+        target, iters = self.nan_loss
+        return rank == target and (iters is None or iteration in iters)
+
+    def stall_phase(self, rank: int, iteration: int) -> str | None:
+        return self.stall[2] if self.stall is not None and self.stall[:2] == (rank, iteration) else None
+
+    def crash_phase(self, rank: int, iteration: int) -> str | None:
+        return self.crash[2] if self.crash is not None and self.crash[:2] == (rank, iteration) else None
+
+    def do_stall(self, rank: int, iteration: int, phase: str) -> None:
+        print(f"ptdp test stall: rank {rank} sleeps in {phase} at iteration {iteration} from {time.time():.3f}",
+              file=sys.stderr, flush=True)
+        time.sleep(self.stall[3])
+
+    def do_crash(self, rank: int, iteration: int, phase: str) -> None:
+        how = self.crash[3]
+        if how == "raise":
+            raise RuntimeError(f"ptdp test crash: rank {rank} in {phase} at iteration {iteration}")
+        if how == "abort":
+            os.abort()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def kill_after(self, iteration: int, rank: int, restart: int) -> None:
+        """SIGKILL this process after ``iteration`` if planned (first attempt of the job only)."""
+        if self.kill_at == (iteration, rank) and restart == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def parse_nan_loss(text: str) -> tuple[int, frozenset[int] | None]:
     try:
         rank, iters = text.split(":")
         return int(rank), None if iters.strip() == "every" else frozenset(int(i) for i in iters.split(","))
@@ -41,13 +107,34 @@ def _nan_plan(text: str) -> tuple[int, frozenset[int] | None]:
         raise ValueError(f'{NAN_LOSS_ENV}={text!r}: expected "RANK:ITER,ITER,..." or "RANK:every"') from None
 
 
-def nan_loss(rank: int, iteration: int) -> bool:
-    """Whether rank ``rank`` poisons its forward at 1-based ``iteration`` (``PTDP_TEST_NAN_LOSS``)."""
-    text = os.environ.get(NAN_LOSS_ENV)
-    if not text:
-        return False
-    target, iters = _nan_plan(text)
-    return rank == target and (iters is None or iteration in iters)
+def parse_stall(text: str) -> tuple[int, int, str, float]:
+    from ptdp.engine.activity import PHASES
+
+    parts = text.split(":")
+    try:
+        if len(parts) not in (3, 4):
+            raise ValueError
+        plan = int(parts[0]), int(parts[1]), parts[2], float(parts[3]) if len(parts) == 4 else 3600.0
+    except ValueError:
+        raise ValueError(f'{STALL_ENV}={text!r}: expected "RANK:ITER:PHASE" or "RANK:ITER:PHASE:SECONDS"') from None
+    if plan[2] not in PHASES:
+        raise ValueError(f"{STALL_ENV}: phase {plan[2]!r} is not one of {PHASES}")
+    return plan
+
+
+def parse_crash(text: str) -> tuple[int, int, str, str]:
+    from ptdp.engine.activity import PHASES
+
+    parts = text.split(":")
+    try:
+        if len(parts) != 4 or parts[3] not in CRASH_KINDS:
+            raise ValueError
+        plan = int(parts[0]), int(parts[1]), parts[2], parts[3]
+    except ValueError:
+        raise ValueError(f'{CRASH_ENV}={text!r}: expected "RANK:ITER:PHASE:HOW" with HOW one of {CRASH_KINDS}') from None
+    if plan[2] not in PHASES:
+        raise ValueError(f"{CRASH_ENV}: phase {plan[2]!r} is not one of {PHASES}")
+    return plan
 
 
 def poison_first_forward(module):
@@ -58,59 +145,3 @@ def poison_first_forward(module):
 
     handle = module.register_forward_hook(hook)
     return handle
-
-
-@functools.cache
-def _stall_plan(text: str) -> tuple[int, int, str, float]:
-    parts = text.split(":")
-    try:
-        if len(parts) not in (3, 4):
-            raise ValueError
-        return int(parts[0]), int(parts[1]), parts[2], float(parts[3]) if len(parts) == 4 else 3600.0
-    except ValueError:
-        raise ValueError(f'{STALL_ENV}={text!r}: expected "RANK:ITER:PHASE" or "RANK:ITER:PHASE:SECONDS"') from None
-
-
-def stall_phase(rank: int, iteration: int) -> str | None:
-    """The phase rank ``rank`` stalls in at 1-based ``iteration`` (``PTDP_TEST_STALL``), or None."""
-    text = os.environ.get(STALL_ENV)
-    if not text:
-        return None
-    target, at, phase, _ = _stall_plan(text)
-    return phase if (rank, iteration) == (target, at) else None
-
-
-def stall(rank: int, iteration: int, phase: str) -> None:
-    seconds = _stall_plan(os.environ[STALL_ENV])[3]
-    print(f"ptdp test stall: rank {rank} sleeps in {phase} at iteration {iteration} from {time.time():.3f}",
-          file=sys.stderr, flush=True)
-    time.sleep(seconds)
-
-
-@functools.cache
-def _crash_plan(text: str) -> tuple[int, int, str, str]:
-    parts = text.split(":")
-    try:
-        if len(parts) != 4 or parts[3] not in CRASH_KINDS:
-            raise ValueError
-        return int(parts[0]), int(parts[1]), parts[2], parts[3]
-    except ValueError:
-        raise ValueError(f'{CRASH_ENV}={text!r}: expected "RANK:ITER:PHASE:HOW" with HOW one of {CRASH_KINDS}') from None
-
-
-def crash_phase(rank: int, iteration: int) -> str | None:
-    """The phase rank ``rank`` crashes in at 1-based ``iteration`` (``PTDP_TEST_CRASH``), or None."""
-    text = os.environ.get(CRASH_ENV)
-    if not text:
-        return None
-    target, at, phase, _ = _crash_plan(text)
-    return phase if (rank, iteration) == (target, at) else None
-
-
-def crash(rank: int, iteration: int, phase: str) -> None:
-    how = _crash_plan(os.environ[CRASH_ENV])[3]
-    if how == "raise":
-        raise RuntimeError(f"ptdp test crash: rank {rank} in {phase} at iteration {iteration}")
-    if how == "abort":
-        os.abort()
-    os.kill(os.getpid(), signal.SIGKILL)

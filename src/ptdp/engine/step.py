@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ptdp.engine import activity, faults
+from ptdp.engine import activity
+from ptdp.engine.faults import FaultPlan, poison_first_forward
 from ptdp.engine.comm import all_reduce
 from ptdp.spec import Config
 from ptdp.engine.data_parallel.buffer import GradBuffer
@@ -159,13 +160,15 @@ def _param_gather_units(chunks: list[GPTModel]) -> list[tuple[nn.Module, list[nn
     return units
 
 
-def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tracer=None) -> StepResult:
+def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tracer=None,
+               faults: FaultPlan | None = None) -> StepResult:
     """One optimizer step over this rank's ``m`` microbatches (collective over the whole world);
     ``iteration`` is 0-based. Skipped on every rank, without any change, when the loss or the
     gradient norm is not finite on some rank, or float16 gradients overflowed (module docstring).
-    ``tracer`` (a :class:`ptdp.run.trace.Tracer`) times every action and phase."""
+    ``tracer`` (a :class:`ptdp.run.trace.Tracer`) times every action and phase; ``faults`` (tests
+    only) poisons, stalls or crashes this rank as planned."""
     cfg, g = stage.config, stage.groups
-    activity.start_step(g.global_rank, iteration + 1)
+    activity.start_step(g.global_rank, iteration + 1, faults)
     stage.grads.zero()
     stage.grads.exact = iteration < cfg.grad_compression_warmup
     schedule = build_schedule(cfg.parallel.schedule, g.pp.size, len(microbatches), stage.virtual_stages)
@@ -173,7 +176,7 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     stage.grads.grad_scale = scale or 1.0
     residual = stage.grads.residual
     kept = residual.clone() if residual is not None else None  # put back if the step is skipped
-    poison = _test_poison(stage, iteration)
+    poison = _test_poison(stage, iteration, faults)
     try:
         losses = run_schedule(
             schedule[g.pp.rank], stage.model, microbatches, pp=g.pp, hidden_shape=stage.hidden_shape,
@@ -214,12 +217,12 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     return StepResult(loss=loss, grad_norm=norm, lr=lr, loss_scale=scale)
 
 
-def _test_poison(stage: Stage, iteration: int):
-    """Test-only (``PTDP_TEST_NAN_LOSS``, :mod:`ptdp.engine.faults`): the hook making this rank's first
+def _test_poison(stage: Stage, iteration: int, faults: FaultPlan | None):
+    """Test-only (:class:`~ptdp.engine.faults.FaultPlan`): the hook making this rank's first
     forward output NaN at this iteration, or None."""
-    if not faults.nan_loss(stage.groups.global_rank, iteration + 1):
+    if faults is None or not faults.poisons(stage.groups.global_rank, iteration + 1):
         return None
-    return faults.poison_first_forward(stage.model[0] if isinstance(stage.model, ModelChunks) else stage.model)
+    return poison_first_forward(stage.model[0] if isinstance(stage.model, ModelChunks) else stage.model)
 
 
 def _skip_reason(stage: Stage, loss: float, norm: float, bad_losses: int, bad_norms: int, overflow: bool,

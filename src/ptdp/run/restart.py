@@ -1,4 +1,4 @@
-"""Restarts of a training job, and the test-only kill hook.
+"""Restarts of a training job.
 
 ``ptdp train --max-restarts N`` (or ``torchrun --max-restarts N -m ptdp.train ...``): when a worker
 dies, PyTorch's elastic launcher stops the other workers and starts all of them again with the same
@@ -23,15 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 
 from ptdp.run.checkpoint.folders import newest_checkpoint
 from ptdp.spec import Config, ConfigError
 
-#: Test-only: the iteration after which one worker of the job's first attempt kills itself.
-KILL_AT_ITERATION_ENV = "PTDP_TEST_KILL_AT_ITERATION"
-#: Test-only: the global rank that kills itself (default 1).
-KILL_RANK_ENV = "PTDP_TEST_KILL_RANK"
 
 
 def restart_count() -> int:
@@ -72,14 +67,3 @@ def resume_config(config: Config, restart: int) -> Config:
         return config
     own = dataclasses.replace(ck, load=str(newest), no_load_optim=False, no_load_rng=False)
     return dataclasses.replace(config, checkpoint=own)
-
-
-def kill_for_test(iteration: int, rank: int) -> None:
-    """Test-only crash: with ``PTDP_TEST_KILL_AT_ITERATION=K`` in the environment, global rank
-    ``PTDP_TEST_KILL_RANK`` (default 1) of the job's first attempt sends itself SIGKILL right after
-    iteration K (and after its checkpoint, when one is due at K), as a crashed machine would.
-    Used by tests/test_restart.py and benchmarks/bench_soak.py; without the variable it does nothing."""
-    at = os.environ.get(KILL_AT_ITERATION_ENV)
-    if (at and int(at) == iteration and rank == int(os.environ.get(KILL_RANK_ENV, "1"))
-            and restart_count() == 0):
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -17,10 +17,10 @@ from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
 from ptdp.spec import Config
 from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, dp_shard, eval_indices, microbatches
 from ptdp.engine.comm import all_gather_object
+from ptdp.engine.faults import FaultPlan
 from ptdp.engine.groups import ParallelGroups
 from ptdp.run.metrics import RunLog, write_json
 from ptdp.run.planner_report import check_run, measure_stage
-from ptdp.run.restart import kill_for_test
 from ptdp.run.trace import Tracer, bubble_by_rank, write_trace
 from ptdp.engine.step import NONFINITE_GRAD_NORM, build_stage, eval_loss, train_step, with_vocab
 
@@ -31,13 +31,14 @@ class TrainingError(RuntimeError):
 
 
 def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: Path, device: torch.device,
-          *, progress: bool = True, restart: int = 0) -> dict:
+          *, progress: bool = True, restart: int = 0, faults: FaultPlan | None = None) -> dict:
     """Train ``config.train.train_iters`` steps; returns the summary (same on every rank).
 
     Evaluates the validation loss before the first step, every ``eval_interval`` steps and after
     the last. ``config.model.vocab_size`` is replaced by the tokenizer's real size. ``restart``:
     the launcher's restart count (:mod:`ptdp.run.restart`; ``config`` already points ``load`` at the
-    checkpoint to resume from), marked on the metrics lines.
+    checkpoint to resume from), marked on the metrics lines. ``faults``: test-only faults (None in a
+    real run).
     """
     config = with_vocab(config, data.vocab_size)
     t, ck = config.train, config.checkpoint
@@ -53,7 +54,7 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
                  restart=restart)
     if note:
         log.message(f"warning: {note}")
-    loop = _Loop(config, groups, data, stage, log, start, consumed)
+    loop = _Loop(config, groups, data, stage, log, start, consumed, faults, restart)
     if restart:
         log.restarted(start, ck.load)
     elif ck.load:
@@ -74,7 +75,7 @@ class _Loop:
     """The state of one worker's training loop: data, evaluation, history, trace."""
 
     def __init__(self, config: Config, groups: ParallelGroups, data: PreparedData, stage, log: RunLog, start: int,
-                 consumed: int) -> None:
+                 consumed: int, faults: FaultPlan | None = None, restart: int = 0) -> None:
         t = config.train
         self.config, self.groups, self.data, self.stage, self.log = config, groups, data, stage, log
         self.start, self.consumed = start, consumed
@@ -86,6 +87,7 @@ class _Loop:
         self.tracer = Tracer(groups.global_rank, groups.pp.rank) if t.traced_iters else None
         self.first_traced = 2 if t.train_iters >= 2 else 1
         self.skipped_in_a_row = 0
+        self.faults, self.restart = faults, restart
 
     def samples_before(self, iteration: int) -> int:
         """Global samples consumed before 0-based step ``iteration`` (the data position)."""
@@ -109,7 +111,8 @@ class _Loop:
         mine = dp_shard(self.sampler.global_batch(self.samples_before(it)), g.dp.rank, g.dp.size)
         g.stats.reset()
         step_start = time.perf_counter()
-        result = train_step(self.stage, microbatches(self.train_windows, mine, t.micro_batch_size), it, self.tracer)
+        result = train_step(self.stage, microbatches(self.train_windows, mine, t.micro_batch_size), it, self.tracer,
+                            self.faults)
         step_time = time.perf_counter() - step_start
         self.history["comm"] = g.stats.as_dict()
         self._record(result, iteration, step_time)
@@ -117,7 +120,8 @@ class _Loop:
             self.evaluate(iteration)
         if ck.save and ck.save_interval and iteration % ck.save_interval == 0 and iteration != t.train_iters:
             _save(self.stage, ck, iteration, self.samples_before(iteration), self.log, self.data)
-        kill_for_test(iteration, g.global_rank)
+        if self.faults is not None:
+            self.faults.kill_after(iteration, g.global_rank, self.restart)
 
     def _record(self, result, iteration: int, step_time: float) -> None:
         t = self.config.train
