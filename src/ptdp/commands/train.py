@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import warnings
 
@@ -48,9 +47,8 @@ def run(args: argparse.Namespace) -> int:
     """``ptdp train``: the exit code (0, or 1 when a worker failed; request errors are raised)."""
     from ptdp.commands.train_flags import config_from_args, local_world_size, max_restarts
     from ptdp.run.launch import launch_local
-    from ptdp.run.memory_check import check_memory
     from ptdp.run.metrics import format_summary
-    from ptdp.run.rundir import check_run_dir, make_run_dir, prepare, run_dir_path, write_config
+    from ptdp.run.preflight import check_request, prepare_run
 
     _one_line_warnings()
     nproc = local_world_size(args)
@@ -60,15 +58,9 @@ def run(args: argparse.Namespace) -> int:
         print(config.to_json())
         return 0
     p, m = config.parallel, config.model
-    if not args.force:
-        check_memory(config, nproc)
+    check_request(config, nproc)
     binding = _binding_plan(p.bind_cpus, nproc)  # a BindingError stops here, before any worker
-    run_dir = run_dir_path(config)
-    check_run_dir(run_dir, overwrite=args.overwrite, load=config.checkpoint.load)
-    data = prepare(config, log=lambda msg: print(msg, flush=True))
-    make_run_dir(run_dir, overwrite=args.overwrite, load=config.checkpoint.load)
-    config = dataclasses.replace(config, output_dir=str(run_dir))
-    write_config(run_dir, config, data)
+    config, run_dir, data = prepare_run(config, log=lambda msg: print(msg, flush=True))
     print(
         f"ptdp train: {nproc} workers, tp={p.tp} pp={p.pp} dp={p.dp}, "
         f"{config.num_microbatches} microbatches of {config.train.micro_batch_size} per step; "

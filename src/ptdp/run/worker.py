@@ -13,7 +13,6 @@ Both resume by themselves when the launcher restarts the job (``--max-restarts``
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -31,13 +30,13 @@ from ptdp.commands.train_flags import HelpFormatter, add_train_arguments, config
 from ptdp.spec import Config, ConfigError, resolve
 from ptdp.data import DataError, PreparedData
 from ptdp.run.distributed import env_world, init_distributed
+from ptdp.engine.faults import FaultPlan
 from ptdp.engine.groups import ParallelGroups, host_group
 from ptdp.spec.layout import ParallelLayout
-from ptdp.run.memory_check import check_memory
+from ptdp.run.preflight import Roles, Share, check_request, prepare_run
 from ptdp.spec.files import apply_config_file
 from ptdp.run.metrics import format_summary
 from ptdp.run.restart import check_torchrun_restarts, restart_count, resume_config
-from ptdp.run.rundir import check_run_dir, make_run_dir, prepare, run_dir_path, write_config
 from ptdp.run.trainer import TrainingError, train
 
 #: Waiting for another rank to tokenize a large corpus may take much longer than a collective.
@@ -45,10 +44,13 @@ DATA_PREPARATION_TIMEOUT = datetime.timedelta(hours=4)
 
 
 def _run(config: Config, run_dir: Path, data: PreparedData, device, progress: bool, restart: int) -> dict:
+    """Build the process groups and train; test-only faults come from the environment, read once
+    here (:class:`~ptdp.engine.faults.FaultPlan`; None in a real run)."""
     p = config.parallel
     layout = ParallelLayout(tp=p.tp, pp=p.pp, dp=p.dp)
     groups = ParallelGroups.build(layout, datetime.timedelta(minutes=p.distributed_timeout_minutes))
-    return train(config, groups, data, run_dir, device, progress=progress, restart=restart)
+    return train(config, groups, data, run_dir, device, progress=progress, restart=restart,
+                 faults=FaultPlan.from_env())
 
 
 def worker_entry(config_json: str, run_dir: str, data_dir: str, progress: bool) -> dict:
@@ -90,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(config.to_json(), flush=True)
             return 0
         check_torchrun_restarts(args.output_dir)
-        if not args.force:
-            check_memory(config, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        check_request(config, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ConfigError as e:
         say(f"ptdp.train: error: {e}")
         return 2
@@ -105,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         # a torchrun whose node saw no failure restarts its workers without counting: the job's count is the max
         restart = max(comm.all_gather_object(restart_count(), host))
         config = resume_config(config, restart)
-        run_dir, data = _setup(config, args.overwrite, rank, local_rank, host, restart)
-        config = dataclasses.replace(config, output_dir=str(run_dir))
+        roles = Roles(checks_run_dir=rank == 0, prepares_data=local_rank == 0, writes_run_dir=rank == 0)
+        config, run_dir, data = prepare_run(config, roles=roles, restart=restart, share=_host_share(host))
         summary = _run(config, run_dir, data, device, not args.no_progress, restart)
         say(format_summary(summary, run_dir))
     except (ConfigError, DataError, TrainingError) as e:
@@ -120,35 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _setup(config: Config, overwrite: bool, rank: int, local_rank: int, host,
-           restart: int) -> tuple[Path, PreparedData]:
-    """Check the run directory (rank 0), prepare data (local rank 0 of each node, the others wait),
-    create the run directory (a restarted job keeps its first attempt's: config.json, and
-    metrics.jsonl to append to); any rank's error is raised on every rank."""
-    run_dir = run_dir_path(config)
-    error, data = None, None
-    try:
-        if rank == 0 and not restart:
-            check_run_dir(run_dir, overwrite=overwrite, load=config.checkpoint.load)
-        if local_rank == 0:
-            data = prepare(config)
-    except (ConfigError, DataError) as e:
-        error = e
-    _raise_first(comm.all_gather_object(error, host))
-    if local_rank != 0:
-        data = prepare(config, log=lambda _msg: None)  # built by local rank 0: found in the cache
-    if rank == 0 and restart:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    elif rank == 0:
-        make_run_dir(run_dir, overwrite=overwrite, load=config.checkpoint.load)
-        write_config(run_dir, dataclasses.replace(config, output_dir=str(run_dir)), data)
-    return Path(comm.broadcast_object(str(run_dir), host, src=0)), data
+def _host_share(host) -> Share:
+    """Agreement over the gloo host group: the first rank's error raised everywhere, rank 0's run
+    directory given to all."""
+    def raise_first(error):
+        for e in comm.all_gather_object(error, host):
+            if e is not None:
+                raise e
 
-
-def _raise_first(errors: list) -> None:
-    for e in errors:
-        if e is not None:
-            raise e
+    return Share(raise_first, lambda run_dir: Path(comm.broadcast_object(str(run_dir), host, src=0)))
 
 
 def _single_process_defaults() -> None:

@@ -7,7 +7,7 @@ do not matter. Flags given on the command line override the file. A run's own ``
 accepted too and replays that run: its ``requested_vocab_size`` is the vocabulary the tokenizer is
 trained with (``vocab_size`` there is the real one it got), and the fields a run records about
 itself (``num_microbatches``, ``prepared_data``, ``output_dir``: a replay writes a new run
-directory) are skipped. An unknown key is an error naming the key and the closest valid name.
+directory) are skipped, and so are ``overwrite`` and ``force``, which are given each time. An unknown key is an error naming the key and the closest valid name.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from ptdp.spec.flags import Setting, int_list, settings
 
 #: Keys a run's config.json records about itself, not settings.
 RUN_RECORD_KEYS = {"num_microbatches", "prepared_data", "output_dir"}
+#: Settings of a recorded run that a replay does not take over: permissions to overwrite a run
+#: directory or to start despite the memory estimate are given on the command line, each time.
+RUN_RECORD_SKIPPED = {"overwrite", "force"}
 
 
 def read_file(path: str | Path) -> dict[str, Any]:
@@ -81,8 +84,8 @@ def file_defaults(path: str | Path, allowed: list[Setting]) -> dict[str, Any]:
         if key in RUN_RECORD_KEYS:
             continue
         norm = key.replace("-", "_")
-        if record and norm == "vocab_size":
-            continue  # the real vocabulary; requested_vocab_size is what the tokenizer was trained for
+        if record and (norm == "vocab_size" or norm in RUN_RECORD_SKIPPED):
+            continue  # the real vocabulary (requested_vocab_size is what the tokenizer was trained for)
         if record and norm == "requested_vocab_size":
             norm = "vocab_size"
         setting = table.get(norm)
