@@ -151,15 +151,8 @@ def _fresh_store_per_attempt(max_restarts: int):
     if not max_restarts:
         yield
         return
-    before = os.environ.get(NO_SHARED_STORE)
-    os.environ[NO_SHARED_STORE] = "1"
-    try:
+    with _environ(NO_SHARED_STORE, "1"):
         yield
-    finally:
-        if before is None:
-            os.environ.pop(NO_SHARED_STORE, None)
-        else:
-            os.environ[NO_SHARED_STORE] = before
 
 
 def _launch(entrypoint, nproc: int, args: tuple, log_dir: str, max_restarts: int) -> dict:
