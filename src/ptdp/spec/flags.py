@@ -121,8 +121,9 @@ def _add(group, s: Setting, command: Command, default: Any) -> None:
     kwargs: dict[str, Any] = {"dest": s.dest, "default": default, "help": f.help, "metavar": f.metavar}
     if s.kind == "choice":
         kwargs["choices"] = s.choices + ((f.none_choice,) if f.none_choice else ())
-        # train: the none choice means unset; plan: None means "search", so it keeps the word
-        kwargs["type"] = _none_choice(f.none_choice) if f.none_choice and command != "plan" else str
+        kwargs["type"] = str
+        if f.none_choice and command != "plan":  # train: the none choice means unset (plan: None
+            kwargs["action"] = _none_choice(f.none_choice)  # means "search", so it keeps the word)
         kwargs.pop("metavar")
     elif s.kind == "ints":
         kwargs["type"] = int_list
@@ -146,10 +147,12 @@ class _AppendReplacing(argparse.Action):
         setattr(namespace, self.dest, [*current, values])
 
 
-def _none_choice(word: str):
-    def convert(text: str):
-        return None if text == word else text
-    return convert
+def _none_choice(word: str) -> type[argparse.Action]:
+    """A store action that keeps None for ``word`` (checked against the choices first)."""
+    class StoreNoneChoice(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            setattr(namespace, self.dest, None if values == word else values)
+    return StoreNoneChoice
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
