@@ -1,9 +1,12 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
-import budget
+from helpers import budget
+from helpers.cli import make_corpus, write_docs
+
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
@@ -27,3 +30,16 @@ def pytest_runtest_setup(item):
     if timeout is None:
         timeout = float(item.config.getini("timeout") or 0)
     budget.start(float(timeout))
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A small real-text corpus (modules of the standard library's ``email`` package): ``docs/``
+    (16 files) and ``extra.jsonl`` (4 more documents). Read-only: tests write elsewhere."""
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="session")
+def flat_corpus(tmp_path_factory) -> Path:
+    """Twelve real text files in one folder (modules of the standard library's ``email`` package)."""
+    return write_docs(tmp_path_factory.mktemp("flat_corpus"), 12)

@@ -1,0 +1,95 @@
+"""Invariant 5: the planner's parameter, gradient and optimizer bytes per rank equal what ptdp's
+training actually holds, for every tested layout; and the calibration fits."""
+
+from __future__ import annotations
+
+import pytest
+
+from ptdp.planner.profile import load_profile
+from ptdp.run.planner_report import compare, format_comparison
+
+from helpers.layout_cases import EXTRA_VARIANT_LAYOUTS, LAYOUTS, llama_variant, parallel_run, variant_config
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "tp{}pp{}dp{}".format(*l))
+def test_bytes_per_rank_match_float32(layout):
+    results = parallel_run(*layout)
+    check = compare(variant_config("float32", *layout), [r["float32"]["measured"] for r in results], None, None)
+    assert check["bytes_exact_on_every_rank"], check["ranks"]
+    assert len(check["ranks"]) == layout[0] * layout[1] * layout[2]
+    assert any("bytes equal on every rank: yes" in line for line in format_comparison(check))
+
+
+@pytest.mark.parametrize("layout", sorted(EXTRA_VARIANT_LAYOUTS), ids=lambda l: "tp{}pp{}dp{}".format(*l))
+def test_bytes_per_rank_match_bfloat16(layout):
+    results = parallel_run(*layout)
+    check = compare(variant_config("bfloat16", *layout), [r["bfloat16"]["measured"] for r in results], None, None)
+    assert check["bytes_exact_on_every_rank"], check["ranks"]
+    r = check["ranks"][0]["measured"]  # 2 + 4 + 12 bytes per parameter (fp32 grads, main params, moments)
+    assert r["params"] * 2 == r["grads"] and r["optimizer"] == 6 * r["params"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "tp{}pp{}dp{}".format(*l))
+def test_bytes_per_rank_match_llama(layout):
+    """The Llama-like variant (grouped QKV, SwiGLU, RMSNorm, no linear biases, no position table,
+    untied output layer), run in float64: its bytes are exactly twice the planner's float32 ones
+    (8 bytes per value instead of 4: parameter, gradient, Adam's two moments)."""
+    import dataclasses
+
+    from ptdp.planner.models import spec_from_model_config
+
+    variant = llama_variant(layout[0])
+    config = variant_config(variant, *layout)
+    spec = spec_from_model_config(config.model)
+    assert spec.llama_style and spec.swiglu and not spec.tied and spec.kv_heads == config.model.num_query_groups
+    as_float32 = dataclasses.replace(config, model=dataclasses.replace(config.model, params_dtype="float32"))
+    measured = []
+    for r in parallel_run(*layout):
+        m = r[variant]["measured"]
+        assert m["params"] == 8 * m["numel"]
+        measured.append(dict(m, params=m["params"] // 2, grads=m["grads"] // 2, optimizer=m["optimizer"] // 2))
+    check = compare(as_float32, measured, None, None)
+    assert check["bytes_exact_on_every_rank"], check["ranks"]
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 4), (2, 2, 2)], ids=lambda l: "tp{}pp{}dp{}".format(*l))
+def test_distributed_optimizer_state_is_one_dp_th(layout):
+    """Optimizer bytes per rank = unsharded / dp (12 bytes per parameter for bf16: fp32 main
+    parameters and Adam's moments), up to bucket padding, and equal to the planner's numbers."""
+    from helpers.layout_cases import DP_LAYOUTS
+
+    assert layout in DP_LAYOUTS
+    results = parallel_run(*layout)
+    config = variant_config("dp_distopt_bf16", *layout)
+    measured = [r["dp_distopt_bf16"]["measured"] for r in results]
+    check = compare(config, measured, None, None)
+    assert check["bytes_exact_on_every_rank"], check["ranks"]
+    dp = layout[2]
+    for row in check["ranks"]:
+        n, pad = row["predicted"]["numel"], row["padding_elements"]
+        assert row["measured"]["optimizer"] == (n + pad) * 12 // dp
+        assert 0 <= pad < 4 * dp  # a few buckets, each padded to a multiple of dp
+
+
+def test_calibration_run_writes_a_usable_profile(tmp_path):
+    """``ptdp plan --calibrate``'s workers (4: tp=2 pp=2) measure and write a profile that loads,
+    records the shared cores and fits non-negative overheads and a pipeline link."""
+    import argparse
+
+    from ptdp.commands.calibrate import run_calibration
+
+    out = tmp_path / "profile.json"
+    args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=None,
+                              vocab_size=512, seq_length=16, micro_batch_size=2, global_batch_size=4,
+                              tensor_model_parallel_size=2, pipeline_model_parallel_size=2, nproc_per_node=4,
+                              precision="fp32", hardware_profile=str(out))
+    assert run_calibration(args) == 0
+    gpu, constants = load_profile(out)
+    import json
+    import os
+
+    measured = json.loads(out.read_text())["measurements"]
+    assert gpu.shared_cores == len(os.sched_getaffinity(0)) and gpu.gpus_per_node == 4
+    assert gpu.peak("fp32") > 1e8 and gpu.nvlink_bandwidth > 0
+    assert constants.layer_overhead >= 0.0 and constants.head_overhead >= 0.0
+    assert measured["layer_s"] > 0 and measured["head_s"] > 0 and len(measured["p2p"]) == 5

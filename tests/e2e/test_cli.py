@@ -1,0 +1,167 @@
+"""End-to-end: ``ptdp train`` (elastic launcher, 8 gloo workers, tp=2 pp=2 dp=2) and
+``torchrun -m ptdp.train`` with a tiny model on a tiny corpus."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.cli import TINY, run
+
+
+def check_run_dir(run_dir: Path, iters: int, layout: dict) -> None:
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["parallel"]["data_parallel_size"] == layout["dp"]
+    assert config["model"]["vocab_size"] <= 400 and config["requested_vocab_size"] == 400
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if "loss" in r]
+    evals = [r for r in lines if "val_loss" in r]
+    assert [r["iteration"] for r in train] == [1, 2, 4, 6]
+    for r in train:
+        assert set(r) == {"iteration", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s"}
+        assert r["loss"] > 0 and r["grad_norm"] > 0 and r["step_time_s"] > 0 and r["tokens_per_s"] > 0
+    assert [r["iteration"] for r in evals] == [0, 3, 6]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["iterations"] == iters and summary["layout"]["tp"] == layout["tp"]
+    assert summary["final_val_loss"] == evals[-1]["val_loss"]
+    assert train[-1]["loss"] < train[0]["loss"], "loss falls on a tiny corpus"
+
+
+def test_ptdp_train_default_layout(corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = run([sys.executable, "-m", "ptdp.cli", "train", *TINY, "--data", str(corpus / "docs"),
+                "--data", str(corpus / "extra.jsonl"), "--output-dir", str(out), "--no-progress",
+                "--trace", "--trace-iters", "2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tp=2 pp=2 dp=2" in proc.stdout
+    assert "validation loss" in proc.stdout and "pipeline bubble (1f1b)" in proc.stdout
+    check_run_dir(out, 6, {"tp": 2, "pp": 2, "dp": 2})
+    trace = json.loads((out / "trace.json").read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == set(range(8))
+    assert {e["args"]["iteration"] for e in spans} == {2, 3}
+    for rank in range(8):  # m = 2 microbatches: 2 forwards and 2 backwards per traced iteration
+        mine = [e for e in spans if e["pid"] == rank and e["args"]["iteration"] == 2]
+        assert sum(e["cat"] == "forward" for e in mine) == 2 and sum(e["cat"] == "backward" for e in mine) == 2
+        assert any(e["cat"] == "transfer" for e in mine) and any(e["cat"] == "wait" for e in mine)
+        assert all(e["dur"] >= 0 for e in mine)
+    assert (out / "timeline.png").stat().st_size > 5000
+    bubble = json.loads((out / "summary.json").read_text())["bubble"]
+    assert len(bubble["measured_idle_over_compute_by_rank"]) == 8 and bubble["formula_(p-1)/(v*m)"] == 0.5
+    again = run([sys.executable, "-m", "ptdp.cli", "train", *TINY, "--data", str(corpus / "docs"),
+                 "--output-dir", str(out)], tmp_path)
+    assert again.returncode == 2 and "exists and is not empty" in again.stderr
+
+
+def test_torchrun_entry_point(corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "ptdp.train", *TINY, "--tp", "1", "--pp", "2", "--data", str(corpus / "docs"),
+                "--output-dir", str(out), "--no-progress"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_run_dir(out, 6, {"tp": 1, "pp": 2, "dp": 1})
+
+
+def test_bad_data_path_is_a_clear_error(tmp_path):
+    proc = run([sys.executable, "-m", "ptdp.cli", "train", *TINY, "--data", str(tmp_path / "missing"),
+                "--output-dir", str(tmp_path / "run")], tmp_path)
+    assert proc.returncode == 2
+    assert "missing" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_corpus_too_small_for_one_global_batch(tmp_path):
+    docs = tmp_path / "small"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"d{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * 5, encoding="utf-8")
+    proc = run([sys.executable, "-m", "ptdp.cli", "train", *TINY, "--data", str(docs), "--valid-fraction", "0.3",
+                "--output-dir", str(tmp_path / "run")], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "fewer than global_batch_size=8" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_non_finite_loss_stops_with_a_clear_error(corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = run([sys.executable, "-m", "ptdp.cli", "train", *TINY, "--lr", "1e30", "--data", str(corpus / "docs"),
+                "--output-dir", str(out), "--no-progress", "--max-skipped-steps", "1"], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "is not finite at iteration" in proc.stderr and "Traceback" not in proc.stderr
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert all("NaN" not in line and "Infinity" not in line for line in lines), "strict JSON"
+    assert json.loads(lines[-1])["loss"] is None
+
+
+def test_output_dir_problems_are_found_before_data_preparation(tmp_path):
+    target = tmp_path / "a_file"
+    target.write_text("x")
+    proc = run([sys.executable, "-m", "ptdp.cli", "train", *TINY, "--data", str(tmp_path / "missing"),
+                "--output-dir", str(target)], tmp_path)
+    assert proc.returncode == 2 and "exists and is not a directory" in proc.stderr
+    assert "missing" not in proc.stderr, "the output directory is checked before the data"
+
+
+def test_train_module_runs_without_a_launcher(corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = run([sys.executable, "-m", "ptdp.train", *TINY, "--tp", "1", "--pp", "1", "--data", str(corpus / "docs"),
+                "--output-dir", str(out), "--no-progress"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "validation loss" in proc.stderr
+    check_run_dir(out, 6, {"tp": 1, "pp": 1, "dp": 1})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_one_bit_compression_trains_like_uncompressed(tmp_path):
+    """The default model on the default corpus, 200 iterations at dp = 2 (tp = pp = 1): the
+    validation loss with 1-bit gradients and error feedback is within 5% of fp32 gradients."""
+    results = {}
+    for codec in ("none", "1bit"):
+        out = tmp_path / codec
+        proc = run([sys.executable, "-m", "ptdp.cli", "train", "--tp", "1", "--pp", "1", "--dp", "2",
+                    "--train-iters", "200", "--lr-warmup-iters", "30", "--eval-interval", "200", "--eval-iters", "2",
+                    "--log-interval", "50",
+                    "--grad-compression", codec, "--output-dir", str(out), "--no-progress"], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        results[codec] = summary
+    none, one_bit = results["none"]["final_val_loss"], results["1bit"]["final_val_loss"]
+    assert none < 0.6 * results["none"]["initial_val_loss"], "the uncompressed run learns"
+    assert abs(one_bit - none) <= 0.05 * none, (one_bit, none)
+    dp_bytes = {c: sum(v["bytes"] for k, v in r["comm_per_step_rank0"].items() if k.startswith("dp/"))
+                for c, r in results.items()}
+    assert dp_bytes["1bit"] * 20 < dp_bytes["none"], dp_bytes
+
+
+def _train_losses(run_dir: Path) -> dict[int, tuple[float, float]]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["iteration"]: (r["loss"], r["grad_norm"]) for r in lines if "loss" in r}
+
+
+def test_save_and_resume_from_the_command_line(corpus, tmp_path):
+    """6 iterations in one run == 3, saved, then resumed for 3 more (bitwise losses and norms);
+    a checkpoint folder per save, ``latest`` on the newest, ``--keep-last`` prunes."""
+    base = [sys.executable, "-m", "ptdp.train", *TINY, "--tp", "1", "--pp", "1", "--data", str(corpus / "docs"),
+            "--no-progress", "--log-interval", "1", "--lr-decay-iters", "6"]
+    whole = run(base + ["--output-dir", str(tmp_path / "whole")], tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    ckpt = tmp_path / "ckpt"
+    first = run(base + ["--train-iters", "3", "--save", str(ckpt), "--save-interval", "1", "--keep-last", "2",
+                        "--output-dir", str(tmp_path / "first")], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "iter_0000003", "latest"]
+    assert (ckpt / "latest").read_text().strip() == "iter_0000003"
+    second = run(base + ["--load", str(ckpt), "--output-dir", str(tmp_path / "second")], tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr
+    expected = _train_losses(tmp_path / "whole")
+    assert _train_losses(tmp_path / "second") == {i: expected[i] for i in (4, 5, 6)}
+    gen = run([sys.executable, "-m", "ptdp.cli", "generate", "--load", str(ckpt), "--prompt", "def ",
+               "--max-new-tokens", "5"], tmp_path)
+    assert gen.returncode == 0 and gen.stdout.startswith("def"), gen.stderr[-2000:]
+    missing = run(base + ["--load", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "third")], tmp_path)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr

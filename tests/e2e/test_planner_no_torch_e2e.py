@@ -1,0 +1,69 @@
+"""``ptdp plan`` is a light command: run as a process it imports no torch, and a full search for a
+1T-parameter GPT on 3,072 GPUs costs under a second of CPU time (interpreter start included)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parents[2]
+PUBLISHED = ROOT / "benchmarks" / "data" / "published_runs.csv"
+#: the largest model of Narayanan et al. SC21 Table 1 (1T parameters) at its published size and batch
+ONE_T = ["--model", "gpt-1008b", "--gpus", "3072", "--gpu", "a100-80gb", "--global-batch-size", "3072",
+         "--seq-length", "2048"]
+
+
+PROBE = """
+import contextlib, io, sys
+from ptdp.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    code = main(sys.argv[1:])
+print("exit", code)
+print("torch imported:", "torch" in sys.modules)
+print("ptdp modules:", sorted(m for m in sys.modules if m.startswith("ptdp")))
+"""
+
+
+def _plan_in_subprocess(args: list[str], tmp_path: Path) -> str:
+    env = {**os.environ, "PTDP_CACHE_DIR": str(tmp_path / "cache"), "MPLBACKEND": "Agg"}
+    proc = subprocess.run([sys.executable, "-c", PROBE, "plan", *args], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"], ["--plot", "plan.png"]], ids=["table", "json", "plot"])
+def test_plan_search_imports_no_torch(extra, tmp_path):
+    out = _plan_in_subprocess(["--model", "gpt3-175b", "--gpus", "64", "--global-batch-size", "1536", *extra],
+                              tmp_path)
+    assert "exit 0" in out
+    assert "torch imported: False" in out, out
+
+
+def test_plan_validate_imports_no_torch(tmp_path):
+    out = _plan_in_subprocess(["--validate", str(PUBLISHED)], tmp_path)
+    assert "torch imported: False" in out, out
+
+
+def _cpu_seconds_of(cmd: list[str], env: dict) -> float:
+    """User + system CPU seconds of the child process running ``cmd``."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert proc.returncode == 0, proc.stderr
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def test_one_trillion_parameter_search_costs_under_a_cpu_second(tmp_path):
+    """The whole process (interpreter start, imports, search over every layout, report); the
+    fastest of 3 runs, so that a busy machine does not fail it."""
+    env = {**os.environ, "PTDP_CACHE_DIR": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "ptdp.cli", "plan", *ONE_T]
+    fastest = min(_cpu_seconds_of(cmd, env) for _ in range(3))
+    assert fastest < 1.0, f"ptdp plan took {fastest:.2f} s of CPU for the 1T / 3,072-GPU search"

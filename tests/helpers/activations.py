@@ -1,0 +1,104 @@
+"""The planner's activation peak per rank against what ptdp's GPT really saves: the cases, the
+measurement and the prediction (the method: tests/dist/test_planner_activations.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
+from ptdp.planner.memory import stage_activation_bytes
+from ptdp.planner.models import spec_from_model_config
+from ptdp.planner.plan import Layout
+from ptdp.engine.step import build_stage, train_step
+
+from helpers.dist_helpers import PG_TIMEOUT, run_workers
+
+
+MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=500)
+MICRO_BATCH, MICROBATCHES = 2, 4
+DTYPES = ("float32", "float64")
+TOLERANCE = 0.02
+#: (tp, pp, dp, schedule) per world size; one spawn per world size runs all of its cases
+CASES = {
+    1: [(1, 1, 1, "1f1b"), (1, 1, 1, "gpipe")],
+    2: [(2, 1, 1, "1f1b"), (1, 1, 2, "1f1b"), (1, 2, 1, "1f1b"), (1, 2, 1, "gpipe"), (1, 2, 1, "interleaved-1f1b"),
+        (2, 1, 1, "1f1b", True)],
+    4: [(2, 2, 1, "1f1b"), (2, 2, 1, "interleaved-1f1b"), (1, 2, 2, "gpipe"), (2, 2, 1, "1f1b", True)],
+}
+"""A fifth entry True: with sequence parallelism."""
+
+
+def case_config(tp: int, pp: int, dp: int, schedule: str, dtype: str, sequence_parallel: bool = False) -> Config:
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
+                              pipeline_schedule=schedule, sequence_parallel=sequence_parallel,
+                              num_layers_per_virtual_pipeline_stage=1 if schedule == "interleaved-1f1b" else None)
+    train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICROBATCHES * dp,
+                        lr_warmup_iters=0)
+    return resolve(Config(model=ModelConfig(**MODEL, params_dtype=dtype), parallel=parallel, train=train), tp * pp * dp)
+
+
+def measured_peak(cfg: Config, groups: ParallelGroups) -> int:
+    """Peak bytes saved for backward during one train_step of this rank."""
+    stage = build_stage(cfg, groups)
+    gen = torch.Generator().manual_seed(groups.dp.rank)
+    data = torch.randint(0, cfg.model.vocab_size, (MICROBATCHES, MICRO_BATCH, cfg.model.seq_length + 1), generator=gen)
+    # each microbatch its own storage, so saved token ids never pin the whole batch
+    microbatches = [(d[:, :-1].clone(), d[:, 1:].clone()) for d in data]
+    meter = SavedActivationMeter(parameter_storages(stage.model))
+    with meter.hooks():
+        train_step(stage, microbatches, 0)
+    return meter.peak
+
+
+def predicted_peak(cfg: Config, pp_rank: int) -> float:
+    """The planner's activation peak of ``pp_rank`` (fp32 figure, doubled for float64)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    layout = Layout(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size,
+                    virtual_stages=p.virtual_stages(m.num_layers), precision="fp32",
+                    sequence_parallel=p.sequence_parallel)
+    schedule = "gpipe" if p.schedule == "gpipe" else "1f1b"
+    fp32 = stage_activation_bytes(spec_from_model_config(m), layout, pp_rank, m.num_layers // p.pp,
+                                  schedule=schedule, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
+    return {"float32": 1, "float64": 2}[m.params_dtype] * fp32
+
+
+def _run_cases(groups_for, cases) -> list[dict]:
+    out = []
+    for tp, pp, dp, schedule, *sp in cases:
+        groups = groups_for(tp, pp, dp)
+        c = groups.coords
+        for dtype in DTYPES:
+            case = (tp, pp, dp, schedule, dtype, *sp)
+            out.append({"case": case, "coords": (c.tp_rank, c.pp_rank, c.dp_rank),
+                        "measured": measured_peak(case_config(*case), groups)})
+    return out
+
+
+def _worker(rank: int, world: int, cases) -> list[dict]:
+    return _run_cases(lambda tp, pp, dp: ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp), PG_TIMEOUT), cases)
+
+
+@functools.cache
+def measurements(world: int) -> list[dict]:
+    """Every rank's records for the cases of this world size (world 1 runs in this process)."""
+    if world == 1:
+        return _run_cases(lambda tp, pp, dp: ParallelGroups.single_process(), CASES[1])
+    return [row for rows in run_workers(_worker, world, CASES[world]) for row in rows]
+
+
+def compared(world: int) -> list[dict]:
+    rows = []
+    for r in measurements(world):
+        predicted = predicted_peak(case_config(*r["case"]), r["coords"][1])
+        rows.append({**r, "predicted": predicted, "error": r["measured"] / predicted - 1})
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    return "\n".join(f"{r['case']} (tp, pp, dp rank) {r['coords']}: measured {r['measured']:,} B, "
+                     f"predicted {r['predicted']:,.0f} B, {100 * r['error']:+.2f}%" for r in rows)

@@ -1,0 +1,99 @@
+"""Inputs, label cases and single-process references of the tensor-parallel building-block tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ptdp.engine.tensor_parallel import vocab_parallel_cross_entropy
+
+
+B, S, H, VOCAB, DIV = 2, 3, 8, 10, 8  # tp=4: padded vocab 32, ranks 2 and 3 hold only padding
+S_SP = 4  # sequence-parallel inputs: split over 2 or 4 tp ranks
+
+
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "logits": torch.randn(B, S, VOCAB, generator=g, dtype=torch.float64),
+        "target": torch.randint(0, VOCAB, (B, S), generator=g),
+        "grad_loss": torch.randn(B, S, generator=g, dtype=torch.float64),
+        "x": torch.randn(B, S, H, generator=g, dtype=torch.float64),
+        "w1": torch.randn(4 * H, H, generator=g, dtype=torch.float64),
+        "b1": torch.randn(4 * H, generator=g, dtype=torch.float64),
+        "w2": torch.randn(H, 4 * H, generator=g, dtype=torch.float64),
+        "b2": torch.randn(H, generator=g, dtype=torch.float64),
+        "emb": torch.randn(VOCAB, H, generator=g, dtype=torch.float64),
+        "ids": torch.randint(0, VOCAB, (B, S), generator=g),
+        "xs": torch.randn(B, S_SP, H, generator=g, dtype=torch.float64),
+        "ids_sp": torch.randint(0, VOCAB, (B, S_SP), generator=g),
+        "ys_grad": torch.randn(B, S_SP, H, generator=g, dtype=torch.float64),
+        "cube": torch.randn(4, 4, 4, generator=g, dtype=torch.float64),
+    }
+
+
+IGNORED = ((0, 1), (1, 0), (1, 2))  # positions labelled -100
+BAD_LABELS = (VOCAB, VOCAB + 5, -1, -101)
+
+
+def label_cases(tp, d: dict, vocab_start: int, num_real: int) -> dict:
+    """The cross entropy with ignored labels (-100: loss 0, no gradient), and the error of each
+    out-of-range label, on this rank's vocabulary slice (tp = 1: ``F.cross_entropy``)."""
+    target = d["target"].clone()
+    for pos in IGNORED:
+        target[pos] = -100
+    logits = d["logits"][..., vocab_start: vocab_start + num_real].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(logits, target, vocab_start=vocab_start, vocab_size=VOCAB, axis=tp)
+    loss.backward(d["grad_loss"])
+    errors = []
+    for bad in BAD_LABELS:
+        target = d["target"].clone()
+        target[1, 1] = bad
+        try:
+            vocab_parallel_cross_entropy(d["logits"][..., vocab_start: vocab_start + num_real], target,
+                                         vocab_start=vocab_start, vocab_size=VOCAB, axis=tp)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return {"ignored_loss": loss.detach(), "ignored_logits_grad": logits.grad, "label_errors": errors}
+
+
+def reference() -> dict:
+    d = inputs()
+    ref = {}
+    w = d["emb"].clone().requires_grad_()
+    hidden = F.embedding(d["ids"], w)
+    hidden.backward(d["x"])
+    ref["embedding"], ref["embedding_grad"] = hidden.detach(), w.grad
+    logits = d["logits"].clone().requires_grad_()
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), d["target"].reshape(-1), reduction="none").view(B, S)
+    loss.backward(d["grad_loss"])
+    ref["loss"], ref["logits_grad"] = loss.detach(), logits.grad
+    x = d["x"].clone().requires_grad_()
+    w1, w2, b2 = (d[k].clone().requires_grad_() for k in ("w1", "w2", "b2"))
+    y = F.linear(F.gelu(F.linear(x, w1, d["b1"])), w2, b2)
+    y.backward(torch.ones_like(y))
+    ref.update(y=y.detach(), x_grad=x.grad, w1_grad=w1.grad, w2_grad=w2.grad, b2_grad=b2.grad)
+    # the sequence-parallel inputs, whole
+    w = d["emb"].clone().requires_grad_()
+    hidden = F.embedding(d["ids_sp"], w)
+    hidden.backward(d["ys_grad"])
+    ref["sp_embedding"], ref["sp_embedding_grad"] = hidden.detach(), w.grad
+    x = d["xs"].clone().requires_grad_()
+    w1, b1, w2, b2 = (d[k].clone().requires_grad_() for k in ("w1", "b1", "w2", "b2"))
+    y = F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
+    y.backward(d["ys_grad"])
+    ref.update(sp_y=y.detach(), sp_x_grad=x.grad, sp_w1_grad=w1.grad, sp_b1_grad=b1.grad, sp_w2_grad=w2.grad,
+               sp_b2_grad=b2.grad)
+    target = d["target"].clone()
+    for pos in IGNORED:
+        target[pos] = -100
+    logits = d["logits"].clone().requires_grad_()
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), reduction="none").view(B, S)
+    loss.backward(d["grad_loss"])
+    ref["ignored_loss"], ref["ignored_logits_grad"] = loss.detach(), logits.grad
+    x, w = d["xs"].clone().requires_grad_(), d["emb"].clone().requires_grad_()
+    loss = F.cross_entropy(F.linear(x, w).reshape(-1, VOCAB), d["ids_sp"].reshape(-1), reduction="none")
+    loss.sum().backward()
+    ref.update(sp_out_loss=loss.detach().view(B, S_SP), sp_out_x_grad=x.grad, sp_out_w_grad=w.grad)
+    return ref

@@ -1,0 +1,158 @@
+"""Invariant 4: invalid configurations raise ConfigError naming the values and the rule, before any
+process or process group exists."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch.distributed as dist
+
+from ptdp import cli, train as train_module
+from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, padded_vocab_size, resolve
+from ptdp.run.planner_report import planner_layout
+
+
+def make(world=8, tp=2, pp=2, dp=None, split=None, schedule=None, per_chunk=None, sp=False, **kw) -> tuple[Config, int]:
+    model_keys = {f.name for f in dataclasses.fields(ModelConfig)}
+    model = ModelConfig(**{k: v for k, v in kw.items() if k in model_keys})
+    train = TrainConfig(**{k: v for k, v in kw.items() if k not in model_keys})
+    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         data_parallel_size=dp, pipeline_layer_split=split, pipeline_schedule=schedule,
+                         num_layers_per_virtual_pipeline_stage=per_chunk, sequence_parallel=sp)
+    return Config(model=model, parallel=par, train=train), world
+
+
+BAD = [
+    (dict(world=8, tp=2, pp=2, dp=3), r"world_size=8 != tp\*pp\*dp = 2\*2\*3 = 12"),
+    (dict(world=8, tp=2, pp=2, dp=0), r"data_parallel_size=0 must be a positive integer"),
+    (dict(world=6, tp=4, pp=1), r"world_size=6 is not divisible by tp\*pp=4\*1=4"),
+    (dict(num_attention_heads=6, hidden_size=120, tp=4, pp=1), r"num_attention_heads=6 is not divisible by tensor_model_parallel_size=4"),
+    (dict(hidden_size=130, num_attention_heads=4, tp=1, pp=1), r"hidden_size=130 is not divisible by num_attention_heads=4"),
+    (dict(ffn_hidden_size=126, tp=4, pp=1), r"ffn_hidden_size=126 is not divisible by tensor_model_parallel_size=4"),
+    (dict(num_layers=5, tp=2, pp=2), r"num_layers=5 is not divisible by pipeline_model_parallel_size=2"),
+    (dict(num_layers=5, pp=2, split=(3, 3)), r"pipeline_layer_split=\[3, 3\] must have pp=2 entries, each >= 1, summing to num_layers=5"),
+    (dict(num_layers=4, pp=2, split=(4, 0)), r"pipeline_layer_split=\[4, 0\]"),
+    (dict(num_layers=4, pp=2, split=(1, 1, 2)), r"pipeline_layer_split=\[1, 1, 2\] must have pp=2 entries"),
+    (dict(global_batch_size=30, micro_batch_size=4), r"global_batch_size=30 is not divisible by micro_batch_size\*dp = 4\*2 = 8"),
+    (dict(vocab_size=100), r"vocab_size=100 must be >= 258"),
+    (dict(params_dtype="int8"), r"params_dtype='int8' must be one of"),
+    (dict(lr=0.0), r"lr=0.0 must be > 0"),
+    (dict(min_lr=1.0, lr=0.1), r"min_lr=1.0 must be in \[0, lr=0.1\]"),
+    (dict(lr_warmup_iters=50, train_iters=10), r"lr_warmup_iters=50 must be in \[0, lr_decay_iters=10\]"),
+    (dict(clip_grad=-1.0), r"clip_grad=-1.0 must be >= 0"),
+    (dict(tp=0), r"tensor_model_parallel_size=0 must be a positive integer"),
+    (dict(micro_batch_size=0), r"micro_batch_size=0 must be a positive integer"),
+    (dict(seq_length=-1), r"seq_length=-1 must be a positive integer"),
+    (dict(lr=float("inf")), r"lr=inf must be a finite number"),
+    (dict(clip_grad=float("nan")), r"clip_grad=nan must be a finite number"),
+    (dict(init_method_std=float("nan")), r"init_method_std=nan must be a finite number"),
+    (dict(seed=-1), r"seed=-1 must be in \[0, 2\*\*63\)"),
+    (dict(per_chunk=1, global_batch_size=8, micro_batch_size=4, pp=4, tp=1, world=8),
+     r"interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches=1 .* pp=4"),
+    (dict(per_chunk=1, global_batch_size=24, micro_batch_size=4),
+     r"interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches=3"),
+    (dict(per_chunk=3, num_layers=8), r"num_layers=8 is not divisible by pp \* num_layers_per_virtual_pipeline_stage = 2\*3 = 6"),
+    (dict(per_chunk=1, pp=1, tp=2, world=8), r"interleaved-1f1b schedule needs pipeline_model_parallel_size >= 2, got 1"),
+    (dict(schedule="interleaved-1f1b"), r"interleaved-1f1b schedule needs num_layers_per_virtual_pipeline_stage"),
+    (dict(schedule="gpipe", per_chunk=1), r"num_layers_per_virtual_pipeline_stage needs the interleaved-1f1b schedule, not gpipe"),
+    (dict(schedule="zero-bubble"), r"pipeline_schedule='zero-bubble' must be one of"),
+    (dict(sp=True, tp=1, world=4), r"sequence_parallel needs tensor_model_parallel_size > 1, got 1"),
+    (dict(sp=True, tp=4, pp=1, seq_length=130), r"seq_length=130 is not divisible by tensor_model_parallel_size=4 "
+                                                r"\(rule: s % tp == 0 with sequence_parallel"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD, ids=[m[:40] for _, m in BAD])
+def test_each_rule_raises_config_error(kwargs, message):
+    cfg, world = make(**kwargs)
+    with pytest.raises(ConfigError, match=message):
+        resolve(cfg, world)
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_all_broken_rules_reported_together():
+    cfg, world = make(num_attention_heads=6, hidden_size=120, ffn_hidden_size=126, tp=4, pp=2, world=8, num_layers=3)
+    with pytest.raises(ConfigError) as info:
+        resolve(cfg, world)
+    text = str(info.value)
+    assert "num_attention_heads=6" in text and "ffn_hidden_size=126" in text and "num_layers=3" in text
+
+
+def test_valid_config_resolves_dp_and_microbatches():
+    cfg, world = make(world=8, tp=2, pp=2, global_batch_size=32, micro_batch_size=4)
+    resolved = resolve(cfg, world)
+    assert resolved.parallel.dp == 2 and resolved.num_microbatches == 4
+    assert resolved.model.ffn_hidden_size == 4 * resolved.model.hidden_size
+    assert resolved.train.lr_decay_iters == resolved.train.train_iters
+    uneven, _ = make(world=2, tp=1, pp=2, num_layers=5, split=(3, 2), global_batch_size=8, micro_batch_size=2)
+    assert resolve(uneven, 2).parallel.pipeline_layer_split == (3, 2)
+
+
+def test_vocab_padding_rule():
+    assert padded_vocab_size(50257, 128, 1) == 50304
+    assert padded_vocab_size(50257, 128, 8) == 51200
+    assert padded_vocab_size(303, 8, 4) == 320
+
+
+def test_config_json_round_trip():
+    cfg, world = make(world=2, tp=1, pp=2, num_layers=5, split=(3, 2))
+    resolved = resolve(cfg, world)
+    assert Config.from_dict(resolved.to_dict()) == resolved
+
+
+@pytest.fixture
+def no_workers(monkeypatch):
+    """Fail the test if anything tries to start workers or a process group."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a worker or process group was started for an invalid config")
+    monkeypatch.setattr("ptdp.run.launch.launch_local", forbidden)
+    monkeypatch.setattr("ptdp.run.rundir.prepare", forbidden)
+    monkeypatch.setattr(dist, "init_process_group", forbidden)
+
+
+def test_sequence_parallel_resolves_at_tp_above_one():
+    resolved = resolve(make(sp=True, seq_length=128)[0], 8)
+    assert resolved.parallel.sequence_parallel and resolved.parallel.tp == 2
+    assert Config.from_dict(resolved.to_dict()) == resolved
+    assert planner_layout(resolved).sequence_parallel  # the planner comparison at the end of ptdp train
+
+
+def test_virtual_stages_imply_interleaving():
+    cfg, world = make(per_chunk=1)
+    resolved = resolve(cfg, world)
+    assert resolved.parallel.pipeline_schedule == "interleaved-1f1b"
+    assert resolved.parallel.virtual_stages(resolved.model.num_layers) == 2
+    assert resolve(make()[0], 8).parallel.pipeline_schedule == "1f1b"
+
+
+CLI_BAD = [
+    (["--tp", "3"], "num_attention_heads=4 is not divisible by tensor_model_parallel_size=3"),
+    (["--dp", "3"], "global_batch_size=32 is not divisible by micro_batch_size*dp = 4*3 = 12"),
+    (["--nproc-per-node", "6"], "world_size=6 is not divisible by tp*pp=2*2=4"),
+    (["--num-layers", "3"], "num_layers=3 is not divisible by pipeline_model_parallel_size=2"),
+    (["--ffn-hidden-size", "511"], "ffn_hidden_size=511 is not divisible by tensor_model_parallel_size=2"),
+    (["--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "24"],
+     "interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches=3"),
+    (["--num-layers-per-virtual-pipeline-stage", "3"], "num_layers=4 is not divisible by pp * num_layers_per_virtual_pipeline_stage"),
+    (["--sequence-parallel", "--tp", "1"], "sequence_parallel needs tensor_model_parallel_size > 1, got 1"),
+]
+
+
+@pytest.mark.parametrize("argv,message", CLI_BAD)
+def test_cli_rejects_before_any_worker(argv, message, no_workers, capsys, tmp_path):
+    code = cli.main(["train", "--output-dir", str(tmp_path / "run"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists(), "no run directory for a rejected config"
+
+
+def test_torchrun_entry_rejects_before_process_group(no_workers, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    code = train_module.main(["--tp", "2", "--pp", "2", "--num-attention-heads", "3", "--hidden-size", "96"])
+    assert code == 2
+    assert "num_attention_heads=3 is not divisible by tensor_model_parallel_size=2" in capsys.readouterr().err

@@ -1,0 +1,101 @@
+"""Learning-rate schedule, weight-decay groups, gradient buffer and norm counting (single process)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ptdp.spec import ModelConfig, TrainConfig
+from ptdp.engine.data_parallel.buffer import GradBuffer
+from ptdp.engine.data_parallel.grads import clip_grad_norm, counts_in_norm
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.model.gpt import GPTModel
+from ptdp.engine.optim import build_optimizer, lr_at
+from ptdp.engine.tensor_parallel.sharding import initialize_parameters
+
+
+def test_lr_warmup_cosine_and_floor():
+    cfg = TrainConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=4, train_iters=14)
+    assert [lr_at(i, cfg) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, cfg) == pytest.approx(1.0)
+    assert lr_at(9, cfg) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(14, cfg) == pytest.approx(0.1) and lr_at(100, cfg) == pytest.approx(0.1)
+    values = [lr_at(i, cfg) for i in range(4, 15)]
+    assert all(a >= b for a, b in zip(values, values[1:])), "cosine decay is monotone"
+
+
+def tiny_model() -> GPTModel:
+    cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=300,
+                      params_dtype="float64")
+    model = GPTModel(cfg, ParallelGroups.single_process().tp, layer_ids=range(2), pre_process=True, post_process=True)
+    initialize_parameters(model, seed=1, std=0.02, num_layers=2, tp_rank=0, tp_size=1)
+    return model
+
+
+def test_weight_decay_only_on_matrices():
+    model = tiny_model()
+    opt = build_optimizer(model, TrainConfig(weight_decay=0.1), GradBuffer([list(model.parameters())], dp=ParallelGroups.single_process().dp))
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and all(p.ndim == 2 for p in decay["params"])
+    assert no_decay["weight_decay"] == 0.0 and all(p.ndim == 1 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_grad_buffer_accumulates_in_place_and_detects_dropped_views():
+    model = tiny_model()
+    buf = GradBuffer([list(model.parameters())], dp=ParallelGroups.single_process().dp)
+    tokens = torch.randint(0, 300, (2, 8))
+    model(tokens, tokens).backward()
+    first = buf.data.clone()
+    assert first.abs().sum() > 0
+    model(tokens, tokens).backward()
+    torch.testing.assert_close(buf.data, 2 * first)
+    buf.zero()
+    assert torch.all(buf.data == 0)
+    for p in model.parameters():
+        p.grad = None
+    with pytest.raises(RuntimeError, match="no longer views the gradient buffer"):
+        buf.zero()
+
+
+def test_norm_counts_every_parameter_once_and_clips():
+    model = tiny_model()
+    groups = ParallelGroups.single_process()
+    buf = GradBuffer([list(model.parameters())], dp=ParallelGroups.single_process().dp)
+    tokens = torch.randint(0, 300, (2, 8))
+    model(tokens, tokens).backward()
+    assert all(counts_in_norm(p, groups) for p in model.parameters())
+    expected = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+    norm = clip_grad_norm(model, buf, groups, max_norm=expected / 2)
+    assert norm == pytest.approx(expected, rel=1e-12)
+    clipped = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+    assert clipped == pytest.approx(expected / 2, rel=1e-5)
+
+
+def test_bfloat16_trains_float32_main_params():
+    """bf16 weights get float32 main parameters and float32 gradient accumulation: updates far
+    below bf16's resolution (1 + 3e-4 rounds to 1 in bf16) still accumulate."""
+    import dataclasses
+
+    from ptdp.engine.step import build_stage, train_step
+    from helpers.layout_cases import rank_microbatches, tiny_config
+
+    losses = {}
+    for dtype in ("bfloat16", "float32"):
+        cfg = tiny_config(1, 1, 1, dtype)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=3e-4, min_lr=3e-4))
+        stage = build_stage(cfg, ParallelGroups.single_process())
+        ln = stage.model.layers["0"].ln1.weight
+        losses[dtype] = [train_step(stage, rank_microbatches(i, cfg, 0, 1), i).loss for i in range(3)]
+        if dtype == "bfloat16":
+            assert stage.grads.data.dtype == torch.float32
+            main = dict((id(p), m) for p, m in stage.optimizer.pairs)
+            ln_main = main[id(ln)]
+            assert ln_main.dtype == torch.float32
+            assert torch.all(ln_main != 1.0), "every LayerNorm weight moved in float32"
+            assert torch.all(ln == 1.0), "the bf16 copy cannot show moves of 3 * 3e-4"
+            for p, m in stage.optimizer.pairs:
+                assert torch.equal(p, m.to(torch.bfloat16))
+    torch.testing.assert_close(torch.tensor(losses["bfloat16"]), torch.tensor(losses["float32"]), rtol=2e-2, atol=0)

@@ -1,0 +1,200 @@
+"""Planner memory model: exact parameter counts, bytes per parameter, in-flight microbatches,
+Korthikanti activation formulas (pure, no processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ptdp.engine.comm import AxisGroup, CommStats
+from ptdp.spec import ConfigError, ModelConfig
+from ptdp.engine.model.gpt import GPTModel
+from ptdp.engine.pipeline.partition import stage_layer_ids
+from ptdp.planner.hardware import CATALOG, GiB
+from ptdp.planner.memory import (
+    DEFAULT_OVERHEAD_BYTES,
+    bytes_per_param,
+    inflight_microbatches,
+    layer_activation_bytes,
+    memory_breakdown,
+    stage_param_counts,
+)
+from ptdp.planner.models import PRESETS, ModelSpec
+from ptdp.planner.plan import Layout
+
+
+A100 = CATALOG["a100-80gb"]
+
+
+def _real_stage_numels(cfg: ModelConfig, tp: int, pp: int, split) -> list[int]:
+    """numel of ptdp's own GPT stage on tp rank 0 of each pipeline stage (construction only)."""
+    out = []
+    for pp_rank in range(pp):
+        axis = AxisGroup("tp", tuple(range(tp)), 0, None, CommStats())
+        stage = GPTModel(cfg, axis, layer_ids=stage_layer_ids(cfg.num_layers, pp, pp_rank, split),
+                         pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
+        out.append(sum(p.numel() for p in stage.parameters()))
+    return out
+
+
+@pytest.mark.parametrize("tp,pp,tied,split,divisible", [
+    (1, 1, True, None, 8),
+    (2, 1, True, None, 8),
+    (2, 2, True, None, 8),
+    (4, 2, False, None, 8),
+    (2, 3, True, (1, 3, 1), 8),
+    (1, 2, False, (4, 1), 8),
+    (4, 1, False, None, 8),
+    (2, 4, True, None, 128),
+    (4, 5, False, (1, 1, 1, 1, 1), 128),
+])
+def test_param_counts_equal_ptdp_gpt_numel(tp, pp, tied, split, divisible):
+    layers = sum(split) if split else 4
+    cfg = ModelConfig(num_layers=layers, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=8,
+                      vocab_size=303, make_vocab_size_divisible_by=divisible,
+                      untie_embeddings_and_output_weights=not tied)
+    spec = ModelSpec(layers, 32, 4, 48, vocab_size=303, seq_length=8, tied=tied)
+    predicted = stage_param_counts(spec, tp, pp, make_vocab_size_divisible_by=divisible, layer_split=split)
+    assert predicted == _real_stage_numels(cfg, tp, pp, split)
+
+
+def test_param_counts_of_llama_presets_match_released_models():
+    # Parameter totals of the released checkpoints (Touvron et al. 2023; Dubey et al. 2024).
+    assert sum(stage_param_counts(PRESETS["llama2-7b"], 1, 1)) == 6_738_415_616
+    assert sum(stage_param_counts(PRESETS["llama2-70b"], 1, 1)) == 68_976_648_192
+    assert sum(stage_param_counts(PRESETS["llama3-8b"], 1, 1)) == 8_030_261_248
+
+
+def test_param_counts_sum_to_narayanan_eq2_for_gpt():
+    # [N21] eq. 2: P = 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)) with 4h MLP, tied, tp = pp = 1;
+    # eq. 2 leaves out the final LayerNorm (2h).
+    m = PRESETS["gpt3-175b"]
+    l, h, v, s = m.num_layers, m.hidden_size, m.vocab_size, m.seq_length
+    eq2 = 12 * l * h * h + 13 * l * h + (v + s) * h
+    assert eq2 == pytest.approx(12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h)), rel=1e-12)
+    assert sum(stage_param_counts(m, 1, 1)) == eq2 + 2 * h
+
+
+def test_uneven_split_must_add_up():
+    with pytest.raises(ConfigError):
+        stage_param_counts(PRESETS["gpt-1.7b"], 1, 5)
+    with pytest.raises(ConfigError):
+        stage_param_counts(PRESETS["gpt-1.7b"], 1, 2, layer_split=(10, 10))
+
+
+def test_bytes_per_param():
+    assert sum(bytes_per_param("bf16")) == 18
+    assert sum(bytes_per_param("fp16")) == 18
+    assert bytes_per_param("bf16") == (2, 4, 12)
+    assert sum(bytes_per_param("fp32")) == 16
+    for dp in (1, 2, 8, 64):
+        assert sum(bytes_per_param("bf16", dp, distributed_optimizer=True)) == pytest.approx(6 + 12 / dp)
+        assert sum(bytes_per_param("fp32", dp, distributed_optimizer=True)) == pytest.approx(8 + 8 / dp)
+    with pytest.raises(ValueError):
+        bytes_per_param("int8")
+
+
+def _layout(**kw) -> Layout:
+    base = dict(tp=1, pp=4, dp=1, micro_batch_size=1, global_batch_size=8)
+    return Layout(**{**base, **kw})
+
+
+def test_inflight_microbatches_1f1b_gpipe_interleaved():
+    for m in (1, 2, 3, 8):
+        layout = _layout(global_batch_size=m)
+        assert [inflight_microbatches(layout, r) for r in range(4)] == [min(4 - r, m) for r in range(4)]
+        assert [inflight_microbatches(layout, r, schedule="gpipe") for r in range(4)] == [m] * 4
+    inter = _layout(pp=4, virtual_stages=2, global_batch_size=8)
+    # rank 0 holds pp (1 + (pp - 1)/(pp v)) microbatches' worth [K22 §4.2]
+    assert inflight_microbatches(inter, 0) == pytest.approx(4 * (1 + 3 / 8))
+    assert inflight_microbatches(inter, 3) == pytest.approx(2.5)  # (v - 1) pp + 1 chunks / v
+    few = _layout(pp=4, virtual_stages=2, global_batch_size=1)
+    assert inflight_microbatches(few, 0) == 1  # capped at m v chunks
+
+
+def test_activation_formulas_match_korthikanti():
+    """[K22] eq. 1-2 and §5 for the 22B model of its Table 3 (t = 8, b = 4)."""
+    m = ModelSpec(48, 6144, 64, vocab_size=51200, seq_length=2048)
+    s, b, h, a, t = 2048, 4, 6144, 64, 8
+    sbh = s * b * h
+    assert layer_activation_bytes(m, 1, b, sequence_parallel=False, recompute="none") == pytest.approx(
+        sbh * (34 + 5 * a * s / h))
+    assert layer_activation_bytes(m, t, b, sequence_parallel=False, recompute="none") == pytest.approx(
+        sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert layer_activation_bytes(m, t, b, sequence_parallel=True, recompute="none") == pytest.approx(
+        sbh / t * (34 + 5 * a * s / h))
+    assert layer_activation_bytes(m, t, b, sequence_parallel=True, recompute="selective") == pytest.approx(
+        sbh / t * 34)
+    assert layer_activation_bytes(m, t, b, sequence_parallel=False, recompute="selective") == pytest.approx(
+        sbh * (10 + 24 / t))
+    assert layer_activation_bytes(m, t, b, sequence_parallel=False, recompute="full") == 2 * sbh
+    # Hand computation: 2048*4*6144 * (10 + 3 + 13.333) * 48 layers = 59.25 GiB (K22 Figure 1).
+    per_layer = layer_activation_bytes(m, t, b, sequence_parallel=False, recompute="none")
+    assert per_layer * 48 / GiB == pytest.approx(59.25, abs=0.005)
+
+
+def test_gqa_swiglu_generalisation_reduces_to_gpt():
+    gpt = ModelSpec(4, 1024, 16)
+    as_gqa = dataclasses.replace(gpt, num_query_groups=16)
+    for rec in ("none", "selective", "full"):
+        for sp in (False, True):
+            assert layer_activation_bytes(gpt, 4, 2, sequence_parallel=sp, recompute=rec) == \
+                layer_activation_bytes(as_gqa, 4, 2, sequence_parallel=sp, recompute=rec)
+    fewer_kv = dataclasses.replace(gpt, num_query_groups=4)
+    assert layer_activation_bytes(fewer_kv, 1, 1, sequence_parallel=False, recompute="selective") < \
+        layer_activation_bytes(gpt, 1, 1, sequence_parallel=False, recompute="selective")
+
+
+def test_monotonicity():
+    model = PRESETS["gpt3-175b"]
+    base = Layout(tp=2, pp=8, dp=4, micro_batch_size=1, global_batch_size=512, recompute="none")
+    prev = None
+    for tp in (1, 2, 4, 8):
+        total = memory_breakdown(model, dataclasses.replace(base, tp=tp), A100).total
+        assert prev is None or total < prev, "more tp -> less memory per GPU"
+        prev = total
+    act = {
+        (rec, sp): memory_breakdown(model, dataclasses.replace(base, recompute=rec, sequence_parallel=sp),
+                                    A100).activations
+        for rec in ("none", "selective", "full") for sp in (False, True)
+    }
+    assert act["none", True] < act["none", False]
+    assert act["selective", False] < act["none", False]
+    assert act["selective", True] < act["selective", False]
+    assert act["full", False] < act["selective", False]
+    zero = memory_breakdown(model, dataclasses.replace(base, distributed_optimizer=True), A100)
+    plain = memory_breakdown(model, base, A100)
+    assert zero.optimizer == pytest.approx(plain.optimizer / 4)
+    assert zero.params == plain.params and zero.grads == plain.grads
+
+
+def test_memory_breakdown_fields_and_stage():
+    model = ModelSpec(8, 256, 8, vocab_size=50000, seq_length=512)
+    layout = Layout(tp=2, pp=4, dp=1, micro_batch_size=2, global_batch_size=16, precision="bf16")
+    mem = memory_breakdown(model, layout, A100)
+    counts = stage_param_counts(model, 2, 4)
+    assert mem.stage in (0, 3)
+    assert mem.params == 2 * counts[mem.stage]
+    assert mem.grads == 4 * counts[mem.stage]
+    assert mem.optimizer == 12 * counts[mem.stage]
+    assert mem.overhead == DEFAULT_OVERHEAD_BYTES
+    assert memory_breakdown(model, layout, A100, overhead_bytes=0).total == pytest.approx(mem.total - mem.overhead)
+    # an explicit even split takes the all-stages path and agrees with the O(1) path
+    assert memory_breakdown(model, layout, A100, layer_split=(2, 2, 2, 2)) == mem
+    # fp32 (what `ptdp train` runs): 16 bytes per parameter, 4-byte activations; dropout masks
+    # stay 1 byte and the logits were fp32 already, so less than twice the bf16 bytes
+    fp32 = memory_breakdown(model, dataclasses.replace(layout, precision="fp32"), A100)
+    assert fp32.params + fp32.grads + fp32.optimizer == 16 * counts[fp32.stage]
+    assert mem.activations < fp32.activations < 2 * mem.activations
+    no_dropout = dataclasses.replace(model, dropout=False)
+    for rec in ("none", "selective", "full"):
+        assert layer_activation_bytes(no_dropout, 2, 2, sequence_parallel=False, recompute=rec, precision="fp32") \
+            == 2 * layer_activation_bytes(no_dropout, 2, 2, sequence_parallel=False, recompute=rec)
+
+
+def test_gpipe_holds_more_than_1f1b():
+    model = PRESETS["gpt-7.5b"]
+    layout = Layout(tp=4, pp=4, dp=1, micro_batch_size=1, global_batch_size=32, recompute="selective")
+    assert memory_breakdown(model, layout, A100, schedule="gpipe").activations > \
+        memory_breakdown(model, layout, A100).activations

@@ -1,0 +1,71 @@
+"""The calibration's fits recover known values; the core-sharing term of the planner's step time
+(the planner's bytes against ptdp's training: tests/dist/test_planner_vs_ptdp.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ptdp.run.calibration import fit_gemm_curve, fit_ring
+from ptdp.planner.profile import load_profile, save_profile
+from ptdp.planner.flops import gemm_efficiency
+from ptdp.planner.hardware import CATALOG
+from ptdp.planner.perf import DEFAULT_CONSTANTS
+
+
+def test_gemm_and_ring_fits_recover_known_values(tmp_path):
+    samples = [{"m": m, "n": n, "k": k, "flops_per_s": 5e10 * gemm_efficiency(m, n, k, peak_fraction=1.0, half_dim=16.0)}
+               for m, n, k in [(512, 192, 128), (128, 128, 32), (512, 2048, 128), (64, 64, 64), (1024, 1024, 1024)]]
+    peak, half = fit_gemm_curve(samples)
+    assert peak == pytest.approx(5e10, rel=0.05) and half == pytest.approx(16.0, rel=0.1)
+    g, bw, lat = 4, 2e9, 1e-4
+    ring = [(n, 2 * (g - 1) * lat + 2 * (g - 1) / g * n / bw) for n in (1 << 12, 1 << 16, 1 << 20, 1 << 22)]
+    fit_bw, fit_lat = fit_ring(ring, g)
+    assert fit_bw == pytest.approx(bw, rel=1e-6) and fit_lat == pytest.approx(lat, rel=1e-6)
+    path = tmp_path / "profile.json"
+    save_profile(path, CATALOG["a100-80gb"], DEFAULT_CONSTANTS, {"x": 1})
+    assert load_profile(path) == (CATALOG["a100-80gb"], DEFAULT_CONSTANTS)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a hardware profile"):
+        load_profile(tmp_path / "bad.json")
+
+
+def test_linear_fit_and_core_sharing_model():
+    from ptdp.run.calibration import fit_linear
+    from ptdp.planner.perf import core_shared_step
+
+    bw, lat = 1.5e9, 3e-4
+    fit_bw, fit_lat = fit_linear([(n, lat + n / bw) for n in (1 << 12, 1 << 18, 1 << 22)])
+    assert fit_bw == pytest.approx(bw, rel=1e-6) and fit_lat == pytest.approx(lat, rel=1e-6)
+    # 8 workers on 2 cores, two stages: 4 workers of each stage; total busy / cores
+    assert core_shared_step([0.1, 0.0, 0.3], 2, 8, 2) == pytest.approx(4 * (0.1 + 0.3) / 2)
+    assert core_shared_step([0.1, 0.2, 0.3], 4, 8, 2) == pytest.approx(2 * (0.1 + 0.2 + 0.2 + 0.3) / 2)
+    assert core_shared_step([0.1, 0.2, 0.3], 1, 4, 1) == pytest.approx(4 * 0.3)
+
+
+def test_shared_cores_bound_the_step_from_below():
+    """With more workers than cores the step is at least the machine's total busy time over its
+    cores; with a core per worker (or on GPUs) nothing is added."""
+    import dataclasses
+
+    from ptdp.planner.hardware import Cluster
+    from ptdp.planner.models import ModelSpec
+    from ptdp.planner.perf import evaluate_performance
+    from ptdp.planner.plan import Layout
+
+    cpu = dataclasses.replace(CATALOG["a100-80gb"], name="local", peak_flops={"fp32": 1.6e11},
+                              memory_bandwidth=4e10, nvlink_bandwidth=1.5e9, network_bandwidth=1.5e9, gpus_per_node=8)
+    constants = dataclasses.replace(DEFAULT_CONSTANTS, gemm_peak_fraction=1.0, gemm_half_dim=0.0, hbm_efficiency=1.0,
+                                    nvlink_efficiency=1.0, nvlink_latency=5e-4, layer_overhead=2e-3, head_overhead=5e-3)
+    model = ModelSpec(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=4096)
+    layout = Layout(2, 2, 2, 4, 32, precision="fp32")
+    alone = evaluate_performance(model, layout, Cluster(cpu, 8, 8), constants)
+    shared = evaluate_performance(model, layout, Cluster(dataclasses.replace(cpu, shared_cores=2), 8, 8), constants)
+    assert alone.time.core_sharing == 0.0
+    assert shared.time.core_sharing > 0.0
+    assert shared.step_time == pytest.approx(alone.step_time + shared.time.core_sharing)
+    no_overhead = evaluate_performance(model, layout, Cluster(cpu, 8, 8),
+                                       dataclasses.replace(constants, layer_overhead=0.0, head_overhead=0.0))
+    # the last stage's microbatch pays 2 layers' and the head's overhead, m = 4 times
+    assert alone.time.compute - no_overhead.time.compute == pytest.approx(4 * (2 * 2e-3 + 5e-3))
+    plenty = evaluate_performance(model, layout, Cluster(dataclasses.replace(cpu, shared_cores=8), 8, 8), constants)
+    assert plenty.time.core_sharing == 0.0
