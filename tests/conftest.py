@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    """Start the test's budget (tests/budget.py) before any of its fixtures run: the timeout mark,
+    """Start the test's budget (tests/helpers/budget.py) before any of its fixtures run: the timeout mark,
     else the ini ``timeout``; inner waits derive from it."""
     mark = item.get_closest_marker("timeout")
     timeout = mark.args[0] if mark is not None and mark.args else mark.kwargs.get("timeout") if mark else None

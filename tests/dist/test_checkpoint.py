@@ -16,7 +16,7 @@ from ptdp.engine.model.chunks import global_named_parameters
 from ptdp.engine.step import build_stage, eval_loss, train_step
 from ptdp.engine.tensor_parallel.sharding import spec_of, unshard
 
-from helpers.dist_helpers import PG_TIMEOUT, run_workers
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool, run_workers
 from helpers.layout_cases import LLAMA_OPTIONS, rank_microbatches, tiny_config
 from helpers.checkpoints import stored_tensors
 
@@ -81,7 +81,7 @@ def load_worker(rank: int, world: int, root: str, cases: list) -> list[dict]:
 
 @functools.cache
 def saved(root: str) -> dict:
-    return _merge_stages([dict(r, iteration=2) for r in run_workers(save_worker, 8, root)])
+    return _merge_stages([dict(r, iteration=2) for r in run_in_pool(save_worker, 8, root)])
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_checkpoint_loads_at_any_layout(checkpoint_root, world):
     if world == 1:
         per_rank = [load_worker(0, 1, checkpoint_root, cases)]
     else:
-        per_rank = run_workers(load_worker, world, checkpoint_root, cases)
+        per_rank = run_in_pool(load_worker, world, checkpoint_root, cases)
     for i, case in enumerate(cases):
         res = _merge_stages([r[i] for r in per_rank])
         assert res["iteration"] == 2, case
@@ -145,7 +145,7 @@ def test_llama_checkpoint_loads_at_another_layout(tmp_path):
     process: parameters and Adam moments bitwise, evaluation loss within 1e-9; a GPT of the same
     shape is told which option differs."""
     root = str(tmp_path)
-    ref = _merge_stages(run_workers(llama_save_worker, 4, root))
+    ref = _merge_stages(run_in_pool(llama_save_worker, 4, root))
     groups = _groups(1, 1, 1)
     cfg = tiny_config(1, 1, 1, "float64", **LLAMA_OPTIONS)
     stage = build_stage(cfg, groups)
@@ -209,7 +209,7 @@ def test_resume_is_bit_exact(tmp_path, layout, parallel):
     """4 steps in one go == 2 steps, save, then 2 more in new processes after loading."""
     world = layout[0] * layout[1] * layout[2]
     root = str(tmp_path)
-    whole = run_workers(resume_worker, world, root, layout, parallel, False)
+    whole = run_in_pool(resume_worker, world, root, layout, parallel, False)
     resumed = run_workers(resume_worker, world, root, layout, parallel, True)
     for a, b in zip(whole, resumed):
         assert a["losses"][2:] == b["losses"] and a["norms"][2:] == b["norms"]
@@ -261,7 +261,7 @@ def test_round_trip_through_one_process_gives_the_same_files(checkpoint_root, tm
     the final checkpoint is bitwise the original's."""
     one, back = str(tmp_path / "one"), str(tmp_path / "back")
     resave_worker(0, 1, checkpoint_root, one, (1, 1, 1), {})
-    run_workers(resave_worker, 8, one, back, SAVE_LAYOUT, {"use_distributed_optimizer": True,
+    run_in_pool(resave_worker, 8, one, back, SAVE_LAYOUT, {"use_distributed_optimizer": True,
                                                            "ddp_bucket_size": 777})
     original = stored_tensors(resolve_checkpoint(checkpoint_root))
     again = stored_tensors(resolve_checkpoint(back))

@@ -7,7 +7,7 @@ all-reduce of b*s*h and the vocab-parallel cross entropy 3 all-reduces of b*s on
 PP: one b*s*h send per microbatch per stage boundary each way. DP: the stage's gradient elements
 once per step (here in two buckets: the tied embedding is reduced on its own). Embedding group: one all-reduce of the [V_pad/tp, h] word embedding.
 Without activation recomputation; the forward all-reduces a recompute repeats are counted in
-tests/test_recompute.py. With sequence parallelism (Korthikanti et al. 2022 §4.2.2) the tp
+tests/dist/test_recompute_dist.py. With sequence parallelism (Korthikanti et al. 2022 §4.2.2) the tp
 all-reduces of b*s*h become all-gathers and reduce-scatters of the same ring volume.
 """
 

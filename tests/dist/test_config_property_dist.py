@@ -15,7 +15,7 @@ from ptdp.engine.groups import ParallelGroups
 from ptdp.spec.layout import ParallelLayout
 from ptdp.engine.step import build_stage, train_step
 
-from helpers.dist_helpers import PG_TIMEOUT, run_workers
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 
 
 def sample_requests(count: int, world: int, seed: int = 20240601) -> list[Config]:
@@ -75,7 +75,7 @@ def test_a_sample_of_accepted_requests_trains_one_step():
     configs = sample_requests(3, world=4)
     print("sampled layouts:", [(c.parallel.tp, c.parallel.pp, c.parallel.dp, c.parallel.schedule,
                                 c.model.num_layers, c.model.num_query_groups) for c in configs])
-    per_rank = run_workers(one_step_worker, 4, configs)
+    per_rank = run_in_pool(one_step_worker, 4, configs)
     for i, config in enumerate(configs):
         single = resolve(dataclasses.replace(config, parallel=ParallelConfig(1, 1, 1)), 1)
         reference = train_step(build_stage(single, ParallelGroups.single_process()), _batch(single, 0, 1), 0).loss

@@ -12,7 +12,7 @@ from ptdp.engine.groups import ParallelGroups
 from ptdp.spec.layout import ParallelLayout
 from ptdp.engine.step import build_stage, train_step
 
-from helpers.dist_helpers import PG_TIMEOUT, run_workers
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.layout_cases import rank_microbatches, tiny_config
 
 
@@ -64,7 +64,7 @@ def one_bit_sent(rank: int) -> torch.Tensor:
 
 @functools.cache
 def compression_results() -> list[dict]:
-    return run_workers(compression_worker, 4)
+    return run_in_pool(compression_worker, 4)
 
 
 def test_fp16_compression_does_not_overflow_large_gradients():
@@ -145,7 +145,7 @@ def loss_scaling_worker(rank: int, world: int) -> dict:
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
-    results = run_workers(loss_scaling_worker, 4)
+    results = run_in_pool(loss_scaling_worker, 4)
     for res in results:
         assert res["skipped"] and res["unchanged"]
         assert res["scales"] == (2.0**16, 2.0**15)
@@ -180,7 +180,7 @@ def unused_param_worker(rank: int, world: int) -> dict:
 
 
 def test_unused_parameter_neither_hangs_nor_corrupts():
-    dp2 = run_workers(unused_param_worker, 2)
+    dp2 = run_in_pool(unused_param_worker, 2)
     ref = unused_param_worker(0, 1)
     for res in dp2:
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref["losses"]), rtol=1e-9, atol=0)
@@ -207,7 +207,7 @@ def compression_warmup_worker(rank: int, world: int) -> dict:
 
 def test_one_bit_compression_starts_after_its_warmup():
     """Iterations 0 and 1 are reduced exactly (bitwise the uncompressed run); iteration 2 is not."""
-    for res in run_workers(compression_warmup_worker, 2):
+    for res in run_in_pool(compression_warmup_worker, 2):
         for i in (0, 1):
             assert all(torch.equal(res["1bit"][i][n], p) for n, p in res["none"][i].items()), i
         assert any(not torch.equal(res["1bit"][2][n], p) for n, p in res["none"][2].items())
@@ -245,7 +245,7 @@ def deferred_gather_worker(rank: int, world: int) -> dict:
 
 
 def test_overlapped_param_gather_is_waited_for_by_every_reader():
-    for res in run_workers(deferred_gather_worker, 4):
+    for res in run_in_pool(deferred_gather_worker, 4):
         assert res[True][0] == res[False][0]
         for name, value in res[False][1].items():
             assert torch.equal(res[True][1][name], value), name
@@ -277,7 +277,7 @@ def fp16_one_bit_worker(rank: int, world: int) -> dict:
 
 
 def test_fp16_overflow_with_one_bit_does_not_poison_the_error_feedback():
-    for res in run_workers(fp16_one_bit_worker, 2):
+    for res in run_in_pool(fp16_one_bit_worker, 2):
         assert res["first"] and res["later"] == [False, False, False] and res["residual_finite"]
 
 
@@ -297,7 +297,7 @@ def one_bit_tp_worker(rank: int, world: int) -> dict:
 def test_one_bit_keeps_tensor_parallel_replicas_identical():
     """LayerNorms, row-parallel biases and positions are replicated over tp: their compressed
     gradients (blocks never shared with a sharded neighbour) and so their values stay bitwise equal."""
-    results = run_workers(one_bit_tp_worker, 4)
+    results = run_in_pool(one_bit_tp_worker, 4)
     for a, b in ((results[0], results[1]), (results[2], results[3])):
         assert a["tp"] != b["tp"]
         for name, value in a["replicated"].items():

@@ -17,7 +17,7 @@ from ptdp.engine.groups import ParallelGroups
 from ptdp.spec.layout import ParallelLayout
 from ptdp.engine.step import build_stage
 
-from helpers.dist_helpers import PG_TIMEOUT, run_workers
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.layout_cases import STEPS, TOL, full_parameters
 from helpers.dropout_cases import RECOMPUTE, assert_bitwise, config, train
 
@@ -78,7 +78,7 @@ def _portable(run: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def parallel(tmp_path_factory) -> list[dict]:
-    return run_workers(_worker, 4, str(tmp_path_factory.mktemp("dropout_ckpt")))
+    return run_in_pool(_worker, 4, str(tmp_path_factory.mktemp("dropout_ckpt")))
 
 
 def test_tp2_dp2_mask_properties(parallel):

@@ -8,7 +8,7 @@ import torch
 
 from ptdp.run.checkpoint.hf import export_hf, import_hf
 
-from helpers.dist_helpers import run_workers
+from helpers.dist_helpers import run_in_pool
 from helpers.hf_helpers import tp2_pp2_logits_worker
 
 
@@ -40,7 +40,7 @@ def test_gpt2_import_logits_and_export_round_trip(tmp_path):
     import_hf(hf_dir, ckpt)
     import json
 
-    results = run_workers(tp2_pp2_logits_worker, 4, str(ckpt), json.loads((hf_dir / "config.json").read_text()),
+    results = run_in_pool(tp2_pp2_logits_worker, 4, str(ckpt), json.loads((hf_dir / "config.json").read_text()),
                           tokens(), VOCAB)
     with torch.no_grad():
         expected = reference(tokens()).logits

@@ -10,12 +10,11 @@ import torch
 
 from ptdp.run.checkpoint.hf import export_hf, import_hf, model_config_from_hf
 
-from helpers.dist_helpers import run_workers
+from helpers.dist_helpers import run_in_pool
 from helpers.hf_helpers import tp2_pp2_logits_worker
-
+from helpers.hf_llama import HIDDEN, SEQ, VOCAB, assert_same_state, random_llama, tokens
 
 transformers = pytest.importorskip("transformers")
-from helpers.hf_llama import HIDDEN, SEQ, VOCAB, assert_same_state, random_llama, tokens
 
 
 def test_llama_import_logits_at_tp2_pp2_and_export_round_trip(tmp_path):
@@ -26,7 +25,7 @@ def test_llama_import_logits_at_tp2_pp2_and_export_round_trip(tmp_path):
     m = model_config_from_hf(config)
     assert (m.num_query_groups, m.rotary_base, m.add_bias_linear, m.untie_embeddings_and_output_weights) == \
         (2, 5000.0, False, True)
-    results = run_workers(tp2_pp2_logits_worker, 4, str(ckpt), config, tokens(), VOCAB)
+    results = run_in_pool(tp2_pp2_logits_worker, 4, str(ckpt), config, tokens(), VOCAB)
     with torch.no_grad():
         expected = reference(tokens()).logits
     for logits in results[2:]:

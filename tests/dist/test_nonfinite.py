@@ -13,7 +13,7 @@ from ptdp.spec.layout import ParallelLayout
 from ptdp.engine.model.chunks import global_named_parameters
 from ptdp.engine.step import NONFINITE_LOSS, build_stage, train_step
 
-from helpers.dist_helpers import PG_TIMEOUT, run_workers
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.layout_cases import rank_microbatches, tiny_config
 
 
@@ -80,7 +80,7 @@ def test_nan_on_one_rank_skips_the_step_everywhere_without_any_change():
     """(2,2,2): NaN in one rank's forward at iteration 2 -> every rank skips iteration 2 with the
     same reason, parameters, Adam state, main parameters and 1-bit residual stay bitwise equal,
     and iteration 3 continues exactly as if iteration 2 had not been trained on."""
-    results = run_workers(skip_worker, 8)
+    results = run_in_pool(skip_worker, 8)
     for name in VARIANTS:
         for rank, res in enumerate(results):
             r = res[name]

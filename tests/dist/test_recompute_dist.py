@@ -9,7 +9,7 @@ import pytest
 from ptdp.engine.groups import ParallelGroups
 from ptdp.spec.layout import ParallelLayout
 
-from helpers.dist_helpers import PG_TIMEOUT, run_workers
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.recompute_cases import CASES, assert_bitwise, run_cases
 
 
@@ -19,7 +19,7 @@ def recompute_worker(rank: int, world: int, tp: int, pp: int, dp: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results_222() -> list[dict]:
-    return run_workers(recompute_worker, 8, 2, 2, 2)
+    return run_in_pool(recompute_worker, 8, 2, 2, 2)
 
 
 def test_tp2_pp2_dp2_recompute_is_bitwise_identical(results_222):

@@ -26,7 +26,7 @@ from ptdp.engine.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
-from helpers.dist_helpers import PG_TIMEOUT, run_workers
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.tp_cases import BAD_LABELS, IGNORED, S_SP, VOCAB, B, H, inputs, label_cases, reference
 
 
@@ -114,7 +114,7 @@ def sequence_parallel_worker(tp, d: dict, emb_weight: torch.Tensor, fc1, fc2) ->
 
 @functools.cache
 def tp_results(world: int) -> list[dict]:
-    return run_workers(tp_worker, world)
+    return run_in_pool(tp_worker, world)
 
 
 @pytest.mark.parametrize("world", [2, 4])

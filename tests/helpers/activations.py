@@ -16,14 +16,14 @@ from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.plan import Layout
 from ptdp.engine.step import build_stage, train_step
 
-from helpers.dist_helpers import PG_TIMEOUT, run_workers
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 
 
 MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=500)
 MICRO_BATCH, MICROBATCHES = 2, 4
 DTYPES = ("float32", "float64")
 TOLERANCE = 0.02
-#: (tp, pp, dp, schedule) per world size; one spawn per world size runs all of its cases
+#: (tp, pp, dp, schedule) per world size; one job per world size runs all of its cases
 CASES = {
     1: [(1, 1, 1, "1f1b"), (1, 1, 1, "gpipe")],
     2: [(2, 1, 1, "1f1b"), (1, 1, 2, "1f1b"), (1, 2, 1, "1f1b"), (1, 2, 1, "gpipe"), (1, 2, 1, "interleaved-1f1b"),
@@ -88,7 +88,7 @@ def measurements(world: int) -> list[dict]:
     """Every rank's records for the cases of this world size (world 1 runs in this process)."""
     if world == 1:
         return _run_cases(lambda tp, pp, dp: ParallelGroups.single_process(), CASES[1])
-    return [row for rows in run_workers(_worker, world, CASES[world]) for row in rows]
+    return [row for rows in run_in_pool(_worker, world, CASES[world]) for row in rows]
 
 
 def compared(world: int) -> list[dict]:

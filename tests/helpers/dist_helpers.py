@@ -1,11 +1,17 @@
-"""Run a function in N gloo worker processes spawned from pytest, with a hard timeout."""
+"""Run a function in N gloo worker processes spawned from pytest, with a hard timeout: in new processes
+(:func:`run_workers`) or on the workers kept for the session (:func:`run_in_pool`)."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import os
+import shutil
 import tempfile
 import time
+import traceback
+from multiprocessing import connection as mp_connection
 from typing import Any, Callable
 
 import torch
@@ -51,3 +57,142 @@ def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float | None
                     p.kill()
                     p.join()
         return [torch.load(os.path.join(tmp, f"result_{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+# ---- workers kept for the session -----------------------------------------------------------------
+#
+# Starting a gloo world costs seconds per worker on a 2-core machine (a fresh interpreter importing
+# torch and ptdp, then the rendezvous), more than most multi-process tests take to train. Tests whose
+# jobs need no fresh processes share one world per size through :func:`run_in_pool`: its workers
+# join the gloo world once and then run one job after another, each job building the process groups
+# of its own layout (``ParallelGroups.build``), which are destroyed when it ends. A job that raises
+# or outlives its timeout ends that world (every worker killed) and the next job starts a new one.
+# :func:`run_workers` stays the way to get new processes (restarts, resuming in new processes, hung
+# or stalled workers).
+
+
+def _pool_entry(rank: int, world_size: int, store: str, conn) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+                            timeout=PG_TIMEOUT)
+    try:
+        while (job := conn.recv()) is not None:
+            fn, args, out = job
+            before = set(_process_groups())
+            try:
+                torch.save(fn(rank, world_size, *args), os.path.join(out, f"result_{rank}.pt"))
+                conn.send(None)
+            except BaseException:  # noqa: BLE001 - reported to the test, which ends this world
+                conn.send(traceback.format_exc())
+                return
+            finally:
+                for group in set(_process_groups()) - before:
+                    with contextlib.suppress(Exception):
+                        dist.destroy_process_group(group)
+    finally:
+        dist.destroy_process_group()
+
+
+def _process_groups() -> list:
+    """This process's gloo groups (the default one included), or none if torch hides them."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    return list(getattr(world, "pg_map", {}) or {})
+
+
+class WorkerPool:
+    """``world_size`` gloo workers that run jobs ``fn(rank, world_size, *args)`` one after another."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.tmp = tempfile.mkdtemp(prefix=f"ptdp-tests-world{world_size}-")
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for rank in range(world_size):
+            here, there = ctx.Pipe()
+            proc = ctx.Process(target=_pool_entry, args=(rank, world_size, os.path.join(self.tmp, "store"), there),
+                               daemon=True, name=f"ptdp-tests-world{world_size}-rank{rank}")
+            proc.start()
+            there.close()
+            self.conns.append(here)
+            self.procs.append(proc)
+
+    def run(self, fn: Callable, args: tuple, timeout: float) -> list[Any]:
+        out = tempfile.mkdtemp(dir=self.tmp)
+        deadline = time.monotonic() + timeout
+        for conn in self.conns:
+            conn.send((fn, args, out))
+        waiting = dict(zip(self.conns, range(self.world_size)))
+        ended = {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
+        while waiting:
+            ready = mp_connection.wait([*waiting, *ended], timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"workers did not finish within {timeout:.0f} s")
+            for item in ready:
+                if item in waiting:
+                    rank = waiting.pop(item)
+                    try:
+                        error = item.recv()
+                    except EOFError:  # it died without a word (killed)
+                        self._exited(rank)
+                    if error is not None:
+                        raise RuntimeError(f"worker rank {rank} of {self.world_size} raised:\n{error}")
+                elif item in ended and not any(waiting.get(c) == ended[item] for c in ready):
+                    self._exited(ended[item])
+        results = [torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in range(self.world_size)]
+        shutil.rmtree(out, ignore_errors=True)
+        return results
+
+    def _exited(self, rank: int) -> None:
+        self.procs[rank].join(timeout=5)
+        raise RuntimeError(f"worker rank {rank} of {self.world_size} exited with code {self.procs[rank].exitcode}")
+
+    def stop(self) -> None:
+        """Ask every worker to leave the world and exit (see :meth:`close`)."""
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+
+    def close(self, deadline: float | None = None) -> None:
+        """Wait for the workers to exit until ``deadline`` (``time.monotonic()``; None: not at all),
+        then kill those still running."""
+        for proc in self.procs:
+            if deadline is not None:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+_POOLS: dict[int, WorkerPool] = {}
+
+
+def run_in_pool(fn: Callable, world_size: int, *args: Any, timeout: float | None = None) -> list[Any]:
+    """Like :func:`run_workers`, on the session's workers of this world size (started on first
+    use): each rank's return value; a worker's error is raised here. On an error or a timeout
+    (default: what is left of the test's budget) the workers are killed and the next call starts
+    new ones."""
+    timeout = budget.seconds(timeout)
+    pool = _POOLS.get(world_size)
+    if pool is None:
+        pool = _POOLS[world_size] = WorkerPool(world_size)
+    try:
+        return pool.run(fn, args, timeout)
+    except BaseException:
+        del _POOLS[world_size]
+        pool.close()
+        raise
+
+
+@atexit.register
+def close_pools() -> None:
+    """End the workers of every pool: asked to leave, and killed if still running after 3 s."""
+    pools = list(_POOLS.values())
+    _POOLS.clear()
+    for pool in pools:
+        pool.stop()
+    deadline = time.monotonic() + 3.0
+    for pool in pools:
+        pool.close(deadline)

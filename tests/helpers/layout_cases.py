@@ -14,7 +14,7 @@ from ptdp.engine.model.chunks import global_named_parameters
 from ptdp.run.planner_report import measure_stage
 from ptdp.engine.step import build_stage, train_step
 
-from helpers.dist_helpers import PG_TIMEOUT, run_workers
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from ptdp.engine.tensor_parallel.sharding import unshard
 
 
@@ -169,7 +169,8 @@ def reference(variant: str) -> dict:
 
 @functools.cache
 def parallel_run(tp: int, pp: int, dp: int) -> list[dict]:
-    """Every rank's results of the variants at this layout (one spawn per layout, cached)."""
+    """Every rank's results of the variants at this layout (one job per layout on the session's
+    workers, :func:`helpers.dist_helpers.run_in_pool`; cached)."""
     variants = ["float64", "float32", llama_variant(tp)]
     if (tp, pp, dp) in EXTRA_VARIANT_LAYOUTS:
         variants += EXTRA_VARIANTS + ["bfloat16"]
@@ -180,12 +181,12 @@ def parallel_run(tp: int, pp: int, dp: int) -> list[dict]:
     if (tp, pp, dp) in SP_LAYOUTS:
         variants = (variants if (tp, pp, dp) in LAYOUTS else []) + sp_variants(tp, dp)
     variants += PAD_RANK_VARIANTS.get((tp, pp, dp), [])
-    return run_workers(layout_worker, tp * pp * dp, tp, pp, dp, variants, (tp, pp, dp) == (2, 2, 2))
+    return run_in_pool(layout_worker, tp * pp * dp, tp, pp, dp, variants, (tp, pp, dp) == (2, 2, 2))
 
 
 EXTRA_VARIANT_LAYOUTS = {(2, 2, 1), (1, 2, 2)}
 EXTRA_VARIANTS = ["untied", "uneven", "one_microbatch"]
-#: every (tp, pp, dp) of tests/test_layout_equivalence.py (one spawn each)
+#: every (tp, pp, dp) of tests/dist/test_layout_equivalence.py (one job each)
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 4, 1), (4, 1, 1)]
 #: a tp rank holding vocabulary padding only (tp = 4): without and with sequence parallelism
 PAD_RANK_VARIANTS = {(4, 1, 1): ["pad_rank"], (4, 1, 2): ["sp_pad_rank"]}

@@ -1,7 +1,7 @@
 """The Llama-like model options piece by piece, in one process: rotary embeddings against their
 formula, RMSNorm, grouped-query attention against repeated key/value heads, and the tensor-parallel
 shards of the grouped QKV projection and of the SwiGLU MLP (tp = 1, 2, 4 give the same output).
-The whole model at every layout is checked in test_layout_equivalence.py (variant ``llama``)."""
+The whole model at every layout is checked in tests/dist/test_layout_equivalence.py (variant ``llama``)."""
 
 from __future__ import annotations
 
