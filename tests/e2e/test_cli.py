@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -114,16 +115,26 @@ def test_train_module_runs_without_a_launcher(corpus, tmp_path):
     check_run_dir(out, 6, {"tp": 1, "pp": 1, "dp": 1})
 
 
+#: The 1-bit test's corpus: 11 packages of the standard library, 3.2M characters, 815k training and
+#: 12k validation tokens, prepared in about 2 s (the default corpus, the whole standard library, has
+#: 9.4M tokens and took 20 s, more than the 410k tokens the 100 iterations read).
+ONE_BIT_CORPUS = ("asyncio", "email", "unittest", "multiprocessing", "logging", "importlib", "http", "xml", "json",
+                  "concurrent", "urllib")
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(900)
 def test_one_bit_compression_trains_like_uncompressed(tmp_path):
-    """The default model on the default corpus, 200 iterations at dp = 2 (tp = pp = 1): the
-    validation loss with 1-bit gradients and error feedback is within 5% of fp32 gradients."""
+    """The default model, 100 iterations at dp = 2 (tp = pp = 1) on 11 packages of the standard
+    library, the first 30 (the learning-rate warmup) exact: the validation loss with 1-bit
+    gradients and error feedback is within 5% of fp32 gradients' (1.98% measured: 4.867 against
+    4.773, from 8.345), the fp32 run learns, and 1-bit sends over 20x fewer data-parallel bytes."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    data = [arg for package in ONE_BIT_CORPUS for arg in ("--data", str(stdlib / package))]
     results = {}
     for codec in ("none", "1bit"):
         out = tmp_path / codec
-        proc = run([sys.executable, "-m", "ptdp.cli", "train", "--tp", "1", "--pp", "1", "--dp", "2",
-                    "--train-iters", "200", "--lr-warmup-iters", "30", "--eval-interval", "200", "--eval-iters", "2",
+        proc = run([sys.executable, "-m", "ptdp.cli", "train", "--tp", "1", "--pp", "1", "--dp", "2", *data,
+                    "--train-iters", "100", "--lr-warmup-iters", "30", "--eval-interval", "100", "--eval-iters", "2",
                     "--log-interval", "50",
                     "--grad-compression", codec, "--output-dir", str(out), "--no-progress"], tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
