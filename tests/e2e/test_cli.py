@@ -87,9 +87,11 @@ def test_corpus_too_small_for_one_global_batch(tmp_path):
 
 
 def test_non_finite_loss_stops_with_a_clear_error(corpus, tmp_path):
+    """2 workers (tp1 pp2): every rank stops, the launcher reports it once, without a traceback."""
     out = tmp_path / "run"
-    proc = run([sys.executable, "-m", "ptdp.cli", "train", *TINY, "--lr", "1e30", "--data", str(corpus / "docs"),
-                "--output-dir", str(out), "--no-progress", "--max-skipped-steps", "1"], tmp_path)
+    proc = run([sys.executable, "-m", "ptdp.cli", "train", *TINY, "--tp", "1", "--pp", "2", "--dp", "1", "--lr", "1e30",
+                "--data", str(corpus / "docs"), "--output-dir", str(out), "--no-progress", "--max-skipped-steps", "1"],
+               tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "is not finite at iteration" in proc.stderr and "Traceback" not in proc.stderr
     lines = (out / "metrics.jsonl").read_text().splitlines()

@@ -31,12 +31,13 @@ def workspace(tmp_path_factory) -> Path:
 
 
 def _train(workspace: Path, name: str, extra: list[str], *, kill: bool, timeout: float | None = None):
-    """``ptdp train`` at (2,2,2) into ``name`` (run directory) and ``name``-ckpt (checkpoints)."""
+    """``ptdp train`` at (1,2,2), 4 workers, into ``name`` (run directory) and ``name``-ckpt (checkpoints)."""
     env = dict(os.environ, PTDP_CACHE_DIR=str(workspace / "cache"), OMP_NUM_THREADS="1")
     env.pop("PTDP_TEST_KILL_AT_ITERATION", None)
     if kill:
         env["PTDP_TEST_KILL_AT_ITERATION"] = str(KILL_AT)
-    cmd = [sys.executable, "-m", "ptdp.cli", "train", *TINY, "--data", str(workspace / "docs"),
+    cmd = [sys.executable, "-m", "ptdp.cli", "train", *TINY, "--tp", "1", "--pp", "2", "--dp", "2",
+           "--data", str(workspace / "docs"),
            "--output-dir", str(workspace / name), "--save", str(workspace / f"{name}-ckpt"),
            "--save-interval", str(SAVE_INTERVAL), *extra]
     (proc,) = run_together([cmd], timeout=timeout, env=env, cwd=workspace)
@@ -99,7 +100,7 @@ def test_killed_worker_without_restarts_fails_naming_the_rank(workspace):
 @pytest.mark.timeout(600)  # with the uninterrupted run when run alone
 def test_torchrun_restart_resumes(workspace, uninterrupted):
     """``torchrun --max-restarts 1 -m ptdp.train`` at (1,2,1): the restarted workers resume from
-    --save and end like the (2,2,2) run (float64 layout equivalence, 1e-9)."""
+    --save and end like the (1,2,2) run (float64 layout equivalence, 1e-9)."""
     env = dict(os.environ, PTDP_CACHE_DIR=str(workspace / "cache"), OMP_NUM_THREADS="1",
                PTDP_TEST_KILL_AT_ITERATION=str(KILL_AT), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
