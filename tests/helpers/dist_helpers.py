@@ -146,21 +146,12 @@ class WorkerPool:
         self.procs[rank].join(timeout=5)
         raise RuntimeError(f"worker rank {rank} of {self.world_size} exited with code {self.procs[rank].exitcode}")
 
-    def stop(self) -> None:
-        """Ask every worker to leave the world and exit (see :meth:`close`)."""
-        for conn in self.conns:
-            with contextlib.suppress(OSError):
-                conn.send(None)
-
-    def close(self, deadline: float | None = None) -> None:
-        """Wait for the workers to exit until ``deadline`` (``time.monotonic()``; None: not at all),
-        then kill those still running."""
+    def close(self) -> None:
+        """Kill the workers and remove their folder."""
         for proc in self.procs:
-            if deadline is not None:
-                proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
-                proc.join()
+            proc.join()
         for conn in self.conns:
             conn.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -188,11 +179,7 @@ def run_in_pool(fn: Callable, world_size: int, *args: Any, timeout: float | None
 
 @atexit.register
 def close_pools() -> None:
-    """End the workers of every pool: asked to leave, and killed if still running after 3 s."""
-    pools = list(_POOLS.values())
-    _POOLS.clear()
-    for pool in pools:
-        pool.stop()
-    deadline = time.monotonic() + 3.0
-    for pool in pools:
-        pool.close(deadline)
+    """End the workers of every pool (killed: they hold nothing that needs a clean exit, and their
+    folder is removed)."""
+    while _POOLS:
+        _POOLS.popitem()[1].close()
