@@ -97,3 +97,17 @@ def reference() -> dict:
     loss.sum().backward()
     ref.update(sp_out_loss=loss.detach().view(B, S_SP), sp_out_x_grad=x.grad, sp_out_w_grad=w.grad)
     return ref
+
+
+def check_label_cases(results: list[dict]) -> None:
+    """Every rank's :func:`label_cases`: ignored labels give loss 0 and no gradient as
+    ``F.cross_entropy`` does, each bad label is refused with the same message."""
+    ref, tol = reference(), dict(rtol=1e-12, atol=1e-12)
+    for res in results:
+        torch.testing.assert_close(res["ignored_loss"], ref["ignored_loss"], **tol)
+        assert all(res["ignored_loss"][pos] == 0 for pos in IGNORED)
+        assert [e is not None and f"label {bad} at position (1, 1) is outside the vocabulary [0, {VOCAB})" in e
+                for bad, e in zip(BAD_LABELS, res["label_errors"])] == [True] * len(BAD_LABELS)
+    grad = torch.cat([r["ignored_logits_grad"] for r in results], dim=-1)
+    torch.testing.assert_close(grad, ref["ignored_logits_grad"], **tol)
+    assert all(torch.all(grad[pos] == 0) for pos in IGNORED)
