@@ -12,8 +12,9 @@ from ptdp.spec import resolve
 TRAIN_DESCRIPTION = """\
 Train a GPT with tensor x pipeline x data parallelism on local worker processes
 (gloo on CPU, NCCL on GPUs), started by PyTorch's elastic launcher. With no flags:
-8 workers, TP=2 x PP=2 x DP=2, a small GPT, the Python standard library's sources as
-corpus. For several machines use: torchrun --nnodes N --nproc-per-node G -m ptdp.train ...
+8 workers (one per GPU on a machine with GPUs), TP=2 x PP=2 x DP=2 (dp fills the workers),
+a small GPT, the Python standard library's sources as corpus. For several machines use:
+torchrun --nnodes N --nproc-per-node G -m ptdp.train ...
 """
 
 
@@ -43,6 +44,13 @@ def _binding_plan(policy: str, nproc: int) -> str:
     return f"\ncpu binding ({policy}):\n  " + plan.describe().replace("\n", "\n  ")
 
 
+def visible_gpus() -> int | None:
+    """The GPUs the local workers can use (``torch.cuda.device_count()``), None without CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else None
+
+
 def run(args: argparse.Namespace) -> int:
     """``ptdp train``: the exit code (0, or 1 when a worker failed; request errors are raised)."""
     from ptdp.commands.train_flags import config_from_args, local_world_size, max_restarts
@@ -51,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from ptdp.run.preflight import check_request, prepare_run
 
     _one_line_warnings()
-    nproc = local_world_size(args)
+    nproc = local_world_size(args, visible_gpus())
     restarts = max_restarts(args)
     config = resolve(config_from_args(args), nproc)
     if args.print_config:

@@ -57,10 +57,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return _config_from_args(args)
 
 
-def local_world_size(args: argparse.Namespace) -> int:
-    """Workers ``ptdp train`` starts on this machine; ConfigError unless ``--nproc-per-node`` is a
-    positive integer."""
-    return _local_world_size(config_from_args(args))
+def local_world_size(args: argparse.Namespace, gpus: int | None = None) -> int:
+    """Workers ``ptdp train`` starts on this machine (``gpus``: the visible GPUs, None without
+    CUDA; see :func:`ptdp.spec.resolve.local_world_size`); ConfigError unless ``--nproc-per-node``
+    is a positive integer, or when it asks for more workers than ``gpus``."""
+    return _local_world_size(config_from_args(args), gpus)
 
 
 def max_restarts(args: argparse.Namespace) -> int:

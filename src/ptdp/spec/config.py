@@ -112,10 +112,11 @@ class DataConfig:
 class LaunchConfig:
     """How ``ptdp train`` starts and watches its local workers (not part of the training itself)."""
 
-    nproc_per_node: int | None = opt(None, "--nproc-per-node", "local worker processes (default: TP x PP x DP if "
-                                     "--dp is given, else 8 when TP x PP divides it, else TP x PP)", "layout",
-                                     local=True)
-    """Workers ``ptdp train`` starts on this machine; None: see :func:`ptdp.spec.resolve.local_world_size`."""
+    nproc_per_node: int | None = opt(None, "--nproc-per-node", "local worker processes, one per GPU on a GPU "
+                                     "machine (default: TP x PP x DP if --dp is given, else the visible GPUs, or 8 "
+                                     "without GPUs, when TP x PP divides it, else TP x PP)", "layout", local=True)
+    """Workers ``ptdp train`` starts on this machine, at most one per visible GPU; None: see
+    :func:`ptdp.spec.resolve.local_world_size`."""
     max_restarts: int = opt(0, "--max-restarts", "when a worker dies, restart all workers up to N times; a "
                             "restarted job resumes from the newest checkpoint in --save", "layout", metavar="N",
                             local=True)

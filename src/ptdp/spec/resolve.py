@@ -21,7 +21,8 @@ from ptdp.spec.rules import (V, data_parallel_violations, finite_violations, lay
                              schedule_violations, sequence_parallel_violations)
 
 DEFAULT_LOCAL_WORKERS = 8
-"""Workers ``ptdp train`` starts when neither ``--nproc-per-node`` nor ``--dp`` says (if tp x pp divides it)."""
+"""Workers ``ptdp train`` starts on a machine without GPUs when neither ``--nproc-per-node`` nor
+``--dp`` says (if tp x pp divides it); with GPUs the default is their number."""
 
 
 def resolve(config: Config, world_size: int) -> Config:
@@ -153,18 +154,39 @@ def launch_violations(launch: LaunchConfig) -> list[Violation]:
     return out
 
 
-def local_world_size(config: Config) -> int:
+def local_world_size(config: Config, gpus: int | None = None) -> int:
     """Workers ``ptdp train`` starts on this machine: ``--nproc-per-node``, else tp x pp x dp when
-    dp is given, else 8 when tp x pp divides it, else tp x pp. ConfigError for a bad count."""
+    dp is given, else the machine's default (``gpus`` with GPUs, else
+    :data:`DEFAULT_LOCAL_WORKERS`) when tp x pp divides it, else tp x pp.
+
+    ``gpus``: the GPUs this process sees (``torch.cuda.device_count()``), None without CUDA; each
+    worker drives one of them.
+
+    Raises:
+        ConfigError: a bad ``--nproc-per-node``, or more workers than ``gpus`` (naming both).
+    """
     launch, p = config.launch, config.parallel
     raise_violations(launch_violations(launch))
+    nproc = _requested_workers(config, gpus if gpus else DEFAULT_LOCAL_WORKERS)
+    if gpus is not None and nproc > gpus:
+        why = ("--nproc-per-node" if launch.nproc_per_node is not None else
+               "tp x pp x dp" if p.data_parallel_size is not None else "tp x pp")
+        raise_violations([V("workers <= gpus", f"{nproc} local workers ({why}) but this machine shows only "
+                             f"{gpus} GPU(s) (torch.cuda.device_count(), which CUDA_VISIBLE_DEVICES limits): each "
+                             f"worker needs a GPU of its own; ask for at most {gpus} workers (--nproc-per-node, a "
+                             f"smaller layout) or use torchrun across machines", workers=nproc, gpus=gpus)])
+    return nproc
+
+
+def _requested_workers(config: Config, default: int) -> int:
+    launch, p = config.launch, config.parallel
     if launch.nproc_per_node is not None:
         return launch.nproc_per_node
     model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
     if p.data_parallel_size is not None:
         return model_parallel * p.data_parallel_size
-    if model_parallel > 0 and DEFAULT_LOCAL_WORKERS % model_parallel == 0:
-        return DEFAULT_LOCAL_WORKERS
+    if model_parallel > 0 and default % model_parallel == 0:
+        return default
     return model_parallel
 
 
