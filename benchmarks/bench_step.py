@@ -3,11 +3,15 @@
 Both models start from the same weights, see the same microbatches, accumulate gradients over them,
 clip the global norm and take one ``torch.optim.AdamW`` step. Steps alternate between the two
 (ptdp, plain, ptdp, plain, ...) so machine noise hits both alike; the report gives the median step
-time of each and the ratio ptdp / plain (target <= 1.05). It also checks that both compute the
-same first-step loss.
+time of each and the ratio ptdp / plain (target <= 1.03, eager and compiled alike). It also checks that both compute the
+same first-step loss. The plain GPT is ``plain_gpt.py``'s (shared with ``gpu_check.py``).
+
+With ``--compile`` both are compiled: ptdp through its own ``--compile`` option, the plain model by
+``torch.compile``; the untimed warm-up steps include the compilation.
 
     python benchmarks/bench_step.py                   # default ptdp train model shape
     python benchmarks/bench_step.py --hidden-size 256 --num-layers 8
+    python benchmarks/bench_step.py --compile
 """
 
 from __future__ import annotations
@@ -19,72 +23,11 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+from plain_gpt import copy_weights, plain_like, plain_optimizer, plain_step, with_compile
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
-
-
-class PlainBlock(nn.Module):
-    def __init__(self, h: int, heads: int, ffn: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.fc1, self.fc2 = nn.Linear(h, ffn), nn.Linear(ffn, h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class PlainGPT(nn.Module):
-    """A textbook pre-LayerNorm GPT with tied embeddings, as one would write it without ptdp."""
-
-    def __init__(self, vocab: int, seq: int, h: int, heads: int, ffn: int, layers: int) -> None:
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(seq, h)
-        self.blocks = nn.ModuleList(PlainBlock(h, heads, ffn) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(h)
-
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x = self.wte(tokens) + self.wpe.weight[: tokens.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
-def copy_weights(ptdp_model, plain: PlainGPT, vocab: int) -> None:
-    src = dict(ptdp_model.named_parameters())
-    with torch.no_grad():
-        plain.wte.weight.copy_(src["word_embeddings.weight"][:vocab])
-        plain.wpe.weight.copy_(src["position_embeddings"])
-        plain.ln_f.weight.copy_(src["final_norm.weight"])
-        plain.ln_f.bias.copy_(src["final_norm.bias"])
-        names = {"ln1": "ln1", "ln2": "ln2", "qkv": "attention.qkv", "proj": "attention.proj",
-                 "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
-        for i, block in enumerate(plain.blocks):
-            for mine, theirs in names.items():
-                getattr(block, mine).weight.copy_(src[f"layers.{i}.{theirs}.weight"])
-                getattr(block, mine).bias.copy_(src[f"layers.{i}.{theirs}.bias"])
-
-
-def plain_step(model, optimizer, microbatches, clip: float) -> float:
-    optimizer.zero_grad(set_to_none=False)
-    total = 0.0
-    for tokens, labels in microbatches:
-        loss = model(tokens, labels) / len(microbatches)
-        loss.backward()
-        total += loss.item()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    optimizer.step()
-    return total
 
 
 def main() -> None:
@@ -99,6 +42,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed steps of each model")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--compile", action="store_true", help="ptdp's --compile against torch.compile of the plain model")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -108,23 +52,23 @@ def main() -> None:
     train_cfg = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                             train_iters=10_000, lr_warmup_iters=0, lr=1e-4, min_lr=1e-4)
     config = resolve(Config(model=model_cfg, parallel=ParallelConfig(), train=train_cfg), 1)
+    if args.compile:
+        config = with_compile(config)
+        if config is None:
+            ap.exit(2, "bench_step.py: error: --compile: this ptdp has no --compile option\n")
     stage = build_stage(config, ParallelGroups.single_process())
-    plain = PlainGPT(args.vocab_size, args.seq_length, args.hidden_size, args.num_attention_heads,
-                     model_cfg.ffn, args.num_layers)
+    plain = plain_like(config)
     copy_weights(stage.model, plain, args.vocab_size)
-    decay = [p for p in plain.parameters() if p.ndim >= 2]
-    rest = [p for p in plain.parameters() if p.ndim < 2]
-    plain_opt = torch.optim.AdamW([{"params": decay, "weight_decay": train_cfg.weight_decay},
-                                   {"params": rest, "weight_decay": 0.0}],
-                                  lr=1e-4, betas=(train_cfg.adam_beta1, train_cfg.adam_beta2), eps=train_cfg.adam_eps)
+    plain_opt = plain_optimizer(plain, train_cfg, torch.device("cpu"))
+    runner = torch.compile(plain) if args.compile else plain
 
     gen = torch.Generator().manual_seed(0)
     data = torch.randint(0, args.vocab_size, (args.global_batch_size, args.seq_length + 1), generator=gen)
     b = args.micro_batch_size
     mbs = [(data[i : i + b, :-1], data[i : i + b, 1:]) for i in range(0, args.global_batch_size, b)]
 
-    ptdp_loss = train_step(stage, mbs, 0).loss
-    plain_loss = plain_step(plain, plain_opt, mbs, train_cfg.clip_grad)
+    ptdp_loss = float(train_step(stage, mbs, 0).loss)
+    plain_loss = float(plain_step(runner, plain_opt, mbs, train_cfg.clip_grad))
     if abs(ptdp_loss - plain_loss) > 1e-4 * abs(plain_loss):
         raise SystemExit(f"models differ: ptdp loss {ptdp_loss} vs plain {plain_loss}")
 
@@ -135,7 +79,7 @@ def main() -> None:
             if name == "ptdp":
                 train_step(stage, mbs, i + 1)
             else:
-                plain_step(plain, plain_opt, mbs, train_cfg.clip_grad)
+                plain_step(runner, plain_opt, mbs, train_cfg.clip_grad)
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - start)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -143,7 +87,7 @@ def main() -> None:
         "model": {"layers": args.num_layers, "hidden": args.hidden_size, "heads": args.num_attention_heads,
                   "seq": args.seq_length, "vocab": args.vocab_size},
         "batch": {"micro": b, "global": args.global_batch_size, "microbatches": len(mbs)},
-        "threads": args.threads, "steps": args.steps,
+        "threads": args.threads, "steps": args.steps, "compile": args.compile,
         "median_step_s": med, "ratio_ptdp_over_plain": med["ptdp"] / med["plain"],
         "first_step_loss": {"ptdp": ptdp_loss, "plain": plain_loss},
         "torch": torch.__version__, "machine": platform.processor() or platform.machine(),

@@ -1,0 +1,65 @@
+"""The benchmarks' plain PyTorch GPT equals ptdp's model, and the GPU check's catalog lookup."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.step import build_stage, train_step
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """The benchmarks folder on sys.path (its scripts import each other by plain name)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gpu_check
+    import plain_gpt
+
+    return gpu_check, plain_gpt
+
+
+def test_plain_gpt_trains_like_ptdp_in_float64(bench):
+    gpu_check, plain_gpt = bench
+    shape = dict(gpu_check.QUICK, seq_length=16, vocab_size=300)
+    cfg = gpu_check.speed_config(shape, "float64")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=1e-2, min_lr=1e-2, clip_grad=0.5))
+    stage = build_stage(cfg, ParallelGroups.single_process())
+    plain = plain_gpt.plain_like(cfg).double()
+    plain_gpt.copy_weights(stage.model, plain, cfg.model.vocab_size)
+    opt = plain_gpt.plain_optimizer(plain, cfg.train, torch.device("cpu"))
+    for step in range(3):
+        mbs = gpu_check.random_microbatches(cfg, seed=step)
+        ours = train_step(stage, mbs, step).loss
+        theirs = plain_gpt.plain_step(plain, opt, mbs, cfg.train.clip_grad)
+        torch.testing.assert_close(torch.tensor(float(ours), dtype=torch.float64), theirs, rtol=1e-9, atol=0)
+    params = dict(stage.model.named_parameters())
+    torch.testing.assert_close(plain.blocks[1].fc2.weight, params["layers.1.mlp.fc2.weight"], rtol=1e-9, atol=1e-12)
+
+
+def test_plain_like_refuses_llama_options(bench):
+    gpu_check, plain_gpt = bench
+    cfg = gpu_check.speed_config(gpu_check.QUICK, "float32")
+    with pytest.raises(ValueError, match="LayerNorm"):
+        plain_gpt.plain_like(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, swiglu=True)))
+
+
+@pytest.mark.parametrize("name, key", [
+    ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+    ("NVIDIA A100-PCIE-40GB", "a100-40gb"), ("Tesla V100-SXM2-32GB", "v100-32gb"),
+    ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None), ("NVIDIA GeForce RTX 4090", None),
+])
+def test_catalog_key_of_device_names(bench, name, key):
+    gpu_check, _ = bench
+    assert gpu_check.catalog_key(name) == key
+
+
+def test_peak_flops_cpu_needs_an_override(bench):
+    gpu_check, _ = bench
+    assert gpu_check.peak_flops(torch.device("cpu"), "float32", None)[0] is None
+    assert gpu_check.peak_flops(torch.device("cpu"), "float32", 2.0) == (2e12, "--peak-tflops")
