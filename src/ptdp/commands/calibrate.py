@@ -11,12 +11,27 @@ from pathlib import Path
 
 from ptdp.commands.train_flags import DEFAULT_PP, DEFAULT_TP
 from ptdp.run.calibration import calibrate_worker
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec import DEFAULT_LOCAL_WORKERS, Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.planner.args import plan_precision
 from ptdp.planner.profile import default_profile_path
 
 
-def calibration_config(args: argparse.Namespace) -> Config:
+def calibration_workers(args: argparse.Namespace) -> int:
+    """``--nproc-per-node``, else the visible GPUs (8 without CUDA); ConfigError when it is not
+    positive or exceeds the visible GPUs (naming both)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else (gpus or DEFAULT_LOCAL_WORKERS)
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node {nproc} must be a positive integer")
+    if gpus is not None and nproc > gpus:
+        raise ConfigError(f"--nproc-per-node {nproc} calibration workers but this machine shows only {gpus} GPU(s) "
+                          f"(torch.cuda.device_count()): each worker measures on a GPU of its own")
+    return nproc
+
+
+def calibration_config(args: argparse.Namespace, nproc: int | None = None) -> Config:
     """The ``ptdp train`` run being calibrated for: its defaults, with any flags given applied."""
     model = ModelConfig()
     shape = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -27,20 +42,21 @@ def calibration_config(args: argparse.Namespace) -> Config:
     parallel = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size or DEFAULT_TP,
                               pipeline_model_parallel_size=args.pipeline_model_parallel_size or DEFAULT_PP)
     return resolve(Config(model=model, parallel=parallel, train=dataclasses.replace(train, **batch)),
-                   args.nproc_per_node)
+                   nproc if nproc is not None else calibration_workers(args))
 
 
 def run_calibration(args: argparse.Namespace) -> int:
-    """Measure with ``--nproc-per-node`` workers, write the profile, print what was fitted; 0."""
+    """Measure with :func:`calibration_workers` workers, write the profile, print what was fitted; 0."""
     from ptdp.run.launch import launch_workers
 
-    config = calibration_config(args)
+    nproc = calibration_workers(args)
+    config = calibration_config(args, nproc)
     precision = plan_precision(args) or "fp32"
     out = Path(args.hardware_profile) if args.hardware_profile else default_profile_path()
     p = config.parallel
-    print(f"calibrating with {args.nproc_per_node} workers, tp={p.tp} pp={p.pp} dp={p.dp}, {precision}, "
+    print(f"calibrating with {nproc} workers, tp={p.tp} pp={p.pp} dp={p.dp}, {precision}, "
           f"GEMMs of a {config.model.num_layers}-layer h={config.model.hidden_size} GPT ...", flush=True)
-    result = launch_workers(calibrate_worker, args.nproc_per_node, config.to_json(), precision, str(out))
+    result = launch_workers(calibrate_worker, nproc, config.to_json(), precision, str(out))
     gpu, constants = result["gpu"], result["constants"]
     print(f"peak {precision}: {gpu['peak_flops'][precision] / 1e9:.2f} GFLOP/s per worker "
           f"(GEMM half-dim {constants['gemm_half_dim']:.1f}); memory bandwidth "

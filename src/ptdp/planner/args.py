@@ -59,6 +59,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                    help="measure GEMM FLOP/s at the shapes of a ptdp train run, memory bandwidth and "
                         "all-reduce speed of the backend with the run's workers; write a hardware profile. "
                         "Layout and model flags not given take ptdp train's defaults")
-    g.add_argument("--nproc-per-node", type=int, default=8, help="workers for --calibrate (default: %(default)s)")
+    g.add_argument("--nproc-per-node", type=int, default=None,
+                   help="workers for --calibrate, one per GPU (default: the visible GPUs, else 8)")
     g.add_argument("--update-benchmarks", metavar="FILE",
                    help="with --validate: write the table into this markdown file (e.g. BENCHMARKS.md)")

@@ -14,7 +14,14 @@ planner's prediction from the primitives is the host overhead (operator dispatch
 Python) the planner adds per layer and per output layer (``layer_overhead``, ``head_overhead``).
 The profile records how many cores the workers share: with more workers than cores the planner
 predicts the step as the machine's total busy time over its cores
-(:func:`ptdp.planner.perf.core_shared_step`). The profile is a
+(:func:`ptdp.planner.perf.core_shared_step`).
+
+On GPUs every worker measures on its own device (the one :func:`ptdp.run.distributed.init_distributed`
+picks): tensors live there, times come from CUDA events around the repetitions (no host clock
+around asynchronous kernels), collectives run over NCCL, and the sizes grow to what a GPU needs
+to reach its rates (GEMM FLOPs, a bandwidth tensor larger than the L2 cache, all-reduces up to
+256 MiB); the barriers between phases and the gathering of the results use a gloo group on the
+CPU. The profile then holds the device's memory and shares no cores. The profile is a
 :class:`~ptdp.planner.hardware.GPUSpec` ("local") plus the
 :class:`~ptdp.planner.perf.PerfConstants` that go with it, in JSON.
 """
@@ -43,56 +50,84 @@ from ptdp.planner.profile import save_profile
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _timed(fn, reps: int) -> float:
+def _timed(fn, reps: int, device: torch.device | None = None) -> float:
+    """Seconds per call of ``fn`` after one warm-up call: CUDA events recorded on the current
+    stream around the ``reps`` calls on a CUDA ``device`` (one host synchronisation, at the end),
+    the host clock otherwise."""
     fn()
-    start = time.perf_counter()
+    if device is not None and device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps  # elapsed_time is in milliseconds
+    start_s = time.perf_counter()
     for _ in range(reps):
         fn()
-    return (time.perf_counter() - start) / reps
+    return (time.perf_counter() - start_s) / reps
 
 
-def measure_gemms(model: ModelSpec, tp: int, micro_batch_size: int, vocab_local: int, dtype) -> list[dict]:
-    """FLOP/s of each forward GEMM shape of a layer and of the output layer, on this process."""
+def _on_gpu(device: torch.device | None) -> bool:
+    return device is not None and device.type == "cuda"
+
+
+#: FLOPs of the repetitions of one GEMM shape: a fraction of a second on a CPU core or a GPU
+_GEMM_FLOP_BUDGET = {"cpu": 2e9, "cuda": 2e12}
+_CPU_SIZES = (1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22)
+_GPU_SIZES = (1 << 16, 1 << 20, 1 << 23, 1 << 26, 1 << 28)
+
+
+def measure_gemms(model: ModelSpec, tp: int, micro_batch_size: int, vocab_local: int, dtype,
+                  device: torch.device | None = None) -> list[dict]:
+    """FLOP/s of each forward GEMM shape of a layer and of the output layer, on this process's device."""
     shapes = list(layer_gemms(model, tp, micro_batch_size))
     shapes.append((micro_batch_size * model.seq_length, vocab_local, model.hidden_size, 1))
+    budget = _GEMM_FLOP_BUDGET["cuda" if _on_gpu(device) else "cpu"]
     out = []
     for m, n, k, batch in shapes:
-        a, b = torch.randn(batch, m, k, dtype=dtype), torch.randn(batch, k, n, dtype=dtype)
+        a = torch.randn(batch, m, k, dtype=dtype, device=device)
+        b = torch.randn(batch, k, n, dtype=dtype, device=device)
         flops = 2.0 * m * n * k * batch
-        reps = max(3, min(2000, int(2e9 / flops)))
-        seconds = _timed(lambda: torch.bmm(a, b), reps)
+        reps = max(3, min(2000, int(budget / flops)))
+        seconds = _timed(lambda: torch.bmm(a, b), reps, device)
         out.append({"m": m, "n": n, "k": k, "batch": batch, "flops_per_s": flops / seconds})
     return out
 
 
-def measure_bandwidth(numel: int = 1 << 22) -> float:
-    """Bytes/s of an in-place add of two float32 tensors (read 2, write 1)."""
-    x, y = torch.ones(numel), torch.ones(numel)
-    return 12.0 * numel / _timed(lambda: x.add_(y), 40)
+def measure_bandwidth(numel: int | None = None, device: torch.device | None = None) -> float:
+    """Bytes/s of an in-place add of two float32 tensors (read 2, write 1); ``numel`` defaults to
+    4 Mi elements on a CPU and 128 Mi (512 MiB per tensor, beyond any L2 cache) on a GPU."""
+    numel = numel or (1 << 27 if _on_gpu(device) else 1 << 22)
+    x, y = torch.ones(numel, device=device), torch.ones(numel, device=device)
+    return 12.0 * numel / _timed(lambda: x.add_(y), 40, device)
 
 
-def measure_all_reduce(axis, sizes=(1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22)) -> list[tuple[int, float]]:
-    """(bytes, seconds) of float32 all-reduces on ``axis`` (all its groups run concurrently)."""
+def measure_all_reduce(axis, sizes=None, device: torch.device | None = None) -> list[tuple[int, float]]:
+    """(bytes, seconds) of float32 all-reduces on ``axis`` (all its groups run concurrently), of
+    tensors on ``device`` (NCCL on GPUs); ``sizes`` default to 4 KiB-4 MiB on CPUs, 64 KiB-256 MiB
+    on GPUs."""
     out = []
-    for nbytes in sizes:
-        t = torch.ones(nbytes // 4)
-        out.append((nbytes, _timed(lambda: comm.all_reduce(t, axis, tag="calibrate"), 10)))
+    for nbytes in sizes or (_GPU_SIZES if _on_gpu(device) else _CPU_SIZES):
+        t = torch.ones(nbytes // 4, device=device)
+        out.append((nbytes, _timed(lambda: comm.all_reduce(t, axis, tag="calibrate"), 10, device)))
     return out
 
 
-def measure_p2p(pp_axis, sizes=(1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22)) -> list[tuple[int, float]]:
+def measure_p2p(pp_axis, sizes=None, device: torch.device | None = None) -> list[tuple[int, float]]:
     """(bytes, seconds) of one float32 transfer between pipeline ranks 0 and 1 of ``pp_axis``
-    (half a ping-pong round trip); only those two ranks call it."""
+    (half a ping-pong round trip); only those two ranks call it. Sizes as :func:`measure_all_reduce`."""
     out, peer = [], 1 - pp_axis.rank
-    for nbytes in sizes:
-        t = torch.ones(nbytes // 4)
+    for nbytes in sizes or (_GPU_SIZES if _on_gpu(device) else _CPU_SIZES):
+        t = torch.ones(nbytes // 4, device=device)
 
         def round_trip() -> None:
             for kind in (("send", "recv") if pp_axis.rank == 0 else ("recv", "send")):
                 for work in comm.post([comm.P2P(kind, t, peer)], pp_axis, tag="calibrate") or []:
                     work.wait()
 
-        out.append((nbytes, _timed(round_trip, 10) / 2.0))
+        out.append((nbytes, _timed(round_trip, 10, device) / 2.0))
     return out
 
 
@@ -104,14 +139,14 @@ def fit_linear(samples: list[tuple[int, float]]) -> tuple[float, float]:
     return 1.0 / max(slope, 1e-30), max(my - slope * mx, 0.0)
 
 
-def measure_optimizer(config, tp_axis, dtype) -> tuple[int, float]:
+def measure_optimizer(config, tp_axis, dtype, device: torch.device | None = None) -> tuple[int, float]:
     """(parameters, seconds) of one optimizer step of the first pipeline stage on this rank, as
     ``ptdp train`` does it: the gradient norm (``torch._foreach_norm``), AdamW, zeroing the grads."""
     from ptdp.engine.model.gpt import GPTModel
 
     m, p, t = config.model, config.parallel, config.train
     stage = GPTModel(m, tp_axis, layer_ids=range(m.num_layers // p.pp), pre_process=True,
-                     post_process=p.pp == 1)
+                     post_process=p.pp == 1).to(device)
     params = list(stage.parameters())
     for q in params:
         q.grad = torch.randn_like(q)
@@ -125,7 +160,7 @@ def measure_optimizer(config, tp_axis, dtype) -> tuple[int, float]:
         optimizer.step()
         torch._foreach_zero_(grads)
 
-    return sum(q.numel() for q in params), _timed(step, 10)
+    return sum(q.numel() for q in params), _timed(step, 10, device)
 
 
 def _init_normal(module, std: float) -> None:
@@ -133,29 +168,29 @@ def _init_normal(module, std: float) -> None:
         torch.nn.init.normal_(p, std=std)
 
 
-def measure_layer(config, tp_axis, dtype) -> float:
+def measure_layer(config, tp_axis, dtype, device: torch.device | None = None) -> float:
     """Seconds of forward + backward of one real ptdp transformer layer (its TP communication
     included) for one microbatch."""
     from ptdp.engine.model.gpt import TransformerLayer
 
     m, t = config.model, config.train
-    layer = TransformerLayer(m, tp_axis, dtype)
+    layer = TransformerLayer(m, tp_axis, dtype).to(device)
     _init_normal(layer, m.init_method_std)
-    x = torch.randn(t.micro_batch_size, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)
-    return _timed(lambda: layer(x).sum().backward(), 20)
+    x = torch.randn(t.micro_batch_size, m.seq_length, m.hidden_size, dtype=dtype, device=device, requires_grad=True)
+    return _timed(lambda: layer(x).sum().backward(), 20, device)
 
 
-def measure_head(config, tp_axis, dtype) -> float:
+def measure_head(config, tp_axis, dtype, device: torch.device | None = None) -> float:
     """Seconds of forward + backward of the real last-stage head (final LayerNorm, output layer,
     vocab-parallel cross entropy, its TP communication included) for one microbatch."""
     from ptdp.engine.model.gpt import GPTModel
 
     m, t = config.model, config.train
-    head = GPTModel(m, tp_axis, layer_ids=range(0), pre_process=False, post_process=True)
+    head = GPTModel(m, tp_axis, layer_ids=range(0), pre_process=False, post_process=True).to(device)
     _init_normal(head, m.init_method_std)
-    x = torch.randn(t.micro_batch_size, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)
-    labels = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length))
-    return _timed(lambda: head(x, labels).backward(), 20)
+    x = torch.randn(t.micro_batch_size, m.seq_length, m.hidden_size, dtype=dtype, device=device, requires_grad=True)
+    labels = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length), device=device)
+    return _timed(lambda: head(x, labels).backward(), 20, device)
 
 
 def fit_gemm_curve(samples: list[dict]) -> tuple[float, float]:
@@ -215,10 +250,13 @@ def fit_overheads(model: ModelSpec, config, gpu: GPUSpec, constants: PerfConstan
     return max(0.0, layer_s - (fwd + bwd + comm_f + comm_b)), max(0.0, head_s - head)
 
 
-def build_profile(mine: dict, config, precision: str, cores: int) -> tuple[GPUSpec, PerfConstants, dict]:
+def build_profile(mine: dict, config, precision: str, cores: int,
+                  device: dict | None = None) -> tuple[GPUSpec, PerfConstants, dict]:
     """The profile from the measurements in ``mine``: rank 0's GEMMs and bandwidth; tensor-parallel
     group 0's medians of all-reduce, layer and head times (already scaled to one core per worker);
-    the pipeline ping-pong (``p2p``, when pp > 1). ``cores``: the CPU cores the workers share."""
+    the pipeline ping-pong (``p2p``, when pp > 1). ``cores``: the CPU cores the workers share (0:
+    none, each worker has a GPU). ``device``: ``{"name", "memory_bytes"}`` of rank 0's GPU, None
+    on CPUs (the machine's memory is then shared by the workers)."""
     from ptdp.planner.models import spec_from_model_config
 
     nproc, tp = config.world_size, config.parallel.tp
@@ -230,12 +268,16 @@ def build_profile(mine: dict, config, precision: str, cores: int) -> tuple[GPUSp
         link_bw, latency = fit_linear(mine["p2p"])
     else:
         link_bw, latency = bandwidth, 0.0
-    total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if device is None:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / nproc
+        what = f"{platform.processor() or platform.machine()}, {cores} cores"
+    else:
+        memory, what = float(device["memory_bytes"]), f"{nproc} x {device['name']}"
     gpu = GPUSpec(
-        name="local", peak_flops={precision: peak}, memory_bytes=total_memory / nproc, memory_bandwidth=bandwidth,
+        name="local", peak_flops={precision: peak}, memory_bytes=memory, memory_bandwidth=bandwidth,
         nvlink_bandwidth=link_bw, network_bandwidth=link_bw, gpus_per_node=nproc,
-        source=f"ptdp plan --calibrate on {platform.node()} ({platform.processor() or platform.machine()}, "
-               f"{cores} cores, {nproc} workers) {datetime.date.today().isoformat()}",
+        source=f"ptdp plan --calibrate on {platform.node()} ({what}, {nproc} workers) "
+               f"{datetime.date.today().isoformat()}",
         shared_cores=cores,
     )
     constants = dataclasses.replace(
@@ -262,11 +304,11 @@ def build_profile(mine: dict, config, precision: str, cores: int) -> tuple[GPUSp
     return gpu, constants, measured
 
 
-def _measure(groups, config, precision: str) -> dict:
-    """This rank's measurements; each phase is taken by the ranks that need it while the others
-    wait on a barrier: rank 0 alone (GEMMs, bandwidth, optimizer), tensor-parallel group 0
-    (all-reduce, layer, head), data-parallel group 0 (all-reduce), pipeline ranks 0 and 1 of
-    pipeline group 0 (ping-pong)."""
+def _measure(groups, host, config, precision: str, device: torch.device | None = None) -> dict:
+    """This rank's measurements on ``device``; each phase is taken by the ranks that need it while
+    the others wait on a barrier of the gloo group ``host``: rank 0 alone (GEMMs, bandwidth,
+    optimizer), tensor-parallel group 0 (all-reduce, layer, head), data-parallel group 0
+    (all-reduce), pipeline ranks 0 and 1 of pipeline group 0 (ping-pong)."""
     from ptdp.spec import padded_vocab_size
     from ptdp.planner.models import spec_from_model_config
 
@@ -274,24 +316,25 @@ def _measure(groups, config, precision: str) -> dict:
     rank, mine = groups.global_rank, {}
 
     def barrier() -> None:
-        comm.all_reduce(torch.zeros(1), groups.world, tag="calibrate")
+        comm.barrier(host)
 
     if rank == 0:
         vocab_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp) // p.tp
         mine["gemms"] = measure_gemms(spec_from_model_config(m), p.tp, config.train.micro_batch_size,
-                                      vocab_local, dtype)
-        mine["bandwidth"] = measure_bandwidth()
-        mine["optimizer"] = measure_optimizer(config, groups.tp, dtype)
+                                      vocab_local, dtype, device)
+        mine["bandwidth"] = measure_bandwidth(device=device)
+        mine["optimizer"] = measure_optimizer(config, groups.tp, dtype, device)
     barrier()
     if rank < p.tp:  # tensor-parallel group 0
-        mine.update(tp_all_reduce=measure_all_reduce(groups.tp) if p.tp > 1 else [],
-                    layer_s=measure_layer(config, groups.tp, dtype), head_s=measure_head(config, groups.tp, dtype))
+        mine.update(tp_all_reduce=measure_all_reduce(groups.tp, device=device) if p.tp > 1 else [],
+                    layer_s=measure_layer(config, groups.tp, dtype, device),
+                    head_s=measure_head(config, groups.tp, dtype, device))
     barrier()
     if p.dp > 1 and rank % p.tp == 0 and rank < p.tp * p.dp:  # data-parallel group 0
-        mine["dp_all_reduce"] = measure_all_reduce(groups.dp)
+        mine["dp_all_reduce"] = measure_all_reduce(groups.dp, device=device)
     barrier()
     if p.pp > 1 and rank in (0, p.tp * p.dp):  # pipeline ranks 0 and 1 of pipeline group 0
-        mine["p2p"] = measure_p2p(groups.pp)
+        mine["p2p"] = measure_p2p(groups.pp, device=device)
     barrier()
     return mine
 
@@ -299,7 +342,7 @@ def _measure(groups, config, precision: str) -> dict:
 def _combine(per_rank: list[dict], config, cores: int) -> dict:
     """Rank 0's view of everything measured. Times of a group larger than the cores are scaled by
     cores / group size: while it measured, its workers shared the cores, and the planner wants the
-    CPU time of one worker."""
+    CPU time of one worker. ``cores`` 0: GPUs, nothing shared, nothing scaled."""
     p = config.parallel
     out = dict(per_rank[0])
     group_ranks = {"tp_all_reduce": list(range(p.tp)), "dp_all_reduce": [d * p.tp for d in range(p.dp)]}
@@ -308,10 +351,10 @@ def _combine(per_rank: list[dict], config, cores: int) -> dict:
     for key, ranks in group_ranks.items():
         if not per_rank[0].get(key):
             continue
-        share = min(1.0, cores / sizes[key])
+        share = min(1.0, cores / sizes[key]) if cores else 1.0
         for i, (n, _) in enumerate(per_rank[0][key]):
             out["all_reduce"].append((sizes[key], n, share * statistics.median(per_rank[r][key][i][1] for r in ranks)))
-    share = min(1.0, cores / p.tp)
+    share = min(1.0, cores / p.tp) if cores else 1.0
     for key in ("layer_s", "head_s"):
         out[key] = share * statistics.median(per_rank[r][key] for r in range(p.tp))
     if p.pp > 1:
@@ -326,20 +369,26 @@ def calibrate_worker(config_json: str, precision: str, out_path: str) -> dict:
 
     from ptdp.spec import Config
     from ptdp.run.distributed import init_distributed
-    from ptdp.engine.groups import ParallelGroups
+    from ptdp.engine.groups import ParallelGroups, host_group
     from ptdp.spec.layout import ParallelLayout
 
     config = Config.from_dict(json.loads(config_json))
     p = config.parallel
-    init_distributed(p.distributed_timeout_minutes)
+    device = init_distributed(p.distributed_timeout_minutes)
     try:
-        groups = ParallelGroups.build(ParallelLayout(p.tp, p.pp, p.dp),
-                                      datetime.timedelta(minutes=p.distributed_timeout_minutes))
-        per_rank = comm.all_gather_object(_measure(groups, config, precision), groups.world)
+        timeout = datetime.timedelta(minutes=p.distributed_timeout_minutes)
+        groups = ParallelGroups.build(ParallelLayout(p.tp, p.pp, p.dp), timeout)
+        host = host_group(timeout)  # gloo: barriers and the results stay on the CPU
+        per_rank = comm.all_gather_object(_measure(groups, host, config, precision, device), host)
         if groups.global_rank != 0:
             return {}
-        cores = len(os.sched_getaffinity(0))
-        gpu, constants, measured = build_profile(_combine(per_rank, config, cores), config, precision, cores)
+        gpu_info = None
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            gpu_info = {"name": props.name, "memory_bytes": props.total_memory}
+        cores = 0 if gpu_info else len(os.sched_getaffinity(0))
+        gpu, constants, measured = build_profile(_combine(per_rank, config, cores), config, precision, cores,
+                                                 gpu_info)
         save_profile(Path(out_path), gpu, constants, measured)
         return {"gpu": dataclasses.asdict(gpu), "constants": dataclasses.asdict(constants)}
     finally:
