@@ -35,10 +35,15 @@ class CommCount:
 
 
 class CommStats:
-    """Counts of communication per (axis, op, tag); ``tag`` says which code site issued it."""
+    """Counts of communication per (axis, op, tag); ``tag`` says which code site issued it.
+
+    ``p2p_log``: None, or a list to which :func:`post` appends each batch of point-to-point
+    operations as ``(axis, [(kind, peer, label), ...])`` in posting order (what the pipeline
+    runtime really posts, compared with ``ptdp schedule --json`` by the tests)."""
 
     def __init__(self) -> None:
         self._counts: dict[tuple[str, str, str], CommCount] = defaultdict(CommCount)
+        self.p2p_log: list | None = None
 
     def record(self, axis: str, op: str, tensor: torch.Tensor, tag: str) -> None:
         c = self._counts[(axis, op, tag)]
@@ -238,12 +243,14 @@ def reduce_scatter_along(tensor: torch.Tensor, axis: AxisGroup, *, dim: int, tag
 @dataclass(frozen=True)
 class P2P:
     """One point-to-point transfer: ``kind`` is "send" or "recv", ``peer`` an index in the axis,
-    ``tag`` tells apart messages between the same two ranks (gloo honours it)."""
+    ``tag`` tells apart messages between the same two ranks (gloo honours it; NCCL matches by order),
+    ``label`` names the message (the pipeline program's tag, e.g. ``"act:mb3:vs1"``) for logs."""
 
     kind: str
     tensor: torch.Tensor
     peer: int
     tag: int = 0
+    label: str = ""
 
 
 def post(transfers: list[P2P], axis: AxisGroup, *, tag: str = "") -> list | None:
@@ -259,6 +266,8 @@ def post(transfers: list[P2P], axis: AxisGroup, *, tag: str = "") -> list | None
         axis.stats.record(axis.name, t.kind, t.tensor, tag)
         fn = dist.isend if t.kind == "send" else dist.irecv
         ops.append(dist.P2POp(fn, t.tensor, group=axis.group, tag=t.tag, group_peer=t.peer))
+    if axis.stats.p2p_log is not None:
+        axis.stats.p2p_log.append((axis.name, [(t.kind, t.peer, t.label) for t in transfers]))
     works = _call(axis, transfers[0].kind if len(transfers) == 1 else "send/recv", dist.batch_isend_irecv, ops)
     if len(works) != len(ops):
         for work in works:

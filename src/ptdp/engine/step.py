@@ -36,7 +36,7 @@ from ptdp.engine.optim import MainParamsAdamW, build_optimizer, lr_at, set_lr
 from ptdp.engine.model.chunks import ModelChunks
 from ptdp.engine.pipeline.partition import chunk_layer_ids, stage_layer_ids
 from ptdp.engine.pipeline.runtime import Microbatch, run_schedule
-from ptdp.engine.pipeline.schedule import build_schedule
+from ptdp.engine.pipeline.program import build_programs
 from ptdp.engine.tensor_parallel.random import DropoutRNG
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
 
@@ -171,7 +171,7 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     activity.start_step(g.global_rank, iteration + 1, faults)
     stage.grads.zero()
     stage.grads.exact = iteration < cfg.grad_compression_warmup
-    schedule = build_schedule(cfg.parallel.schedule, g.pp.size, len(microbatches), stage.virtual_stages)
+    programs = build_programs(cfg.parallel.schedule, g.pp.size, len(microbatches), stage.virtual_stages)
     scale = stage.scaler.scale if stage.scaler is not None else None
     stage.grads.grad_scale = scale or 1.0
     residual = stage.grads.residual
@@ -179,7 +179,7 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     poison = _test_poison(stage, iteration, faults)
     try:
         losses = run_schedule(
-            schedule[g.pp.rank], stage.model, microbatches, pp=g.pp, hidden_shape=stage.hidden_shape,
+            programs[g.pp.rank], stage.model, microbatches, pp=g.pp, hidden_shape=stage.hidden_shape,
             dtype=stage.dtype, device=stage.device, tracer=tracer, grad_sync=stage.grads, loss_scale=scale,
             seq_length=cfg.model.seq_length,
         )
@@ -251,9 +251,9 @@ def eval_loss(stage: Stage, batches: list[list[Microbatch]]) -> float:
 def _eval_loss(stage: Stage, batches: list[list[Microbatch]]) -> float:
     total, count = 0.0, 0
     for microbatches in batches:
-        schedule = build_schedule("forward-only", stage.groups.pp.size, len(microbatches), stage.virtual_stages)
+        programs = build_programs("forward-only", stage.groups.pp.size, len(microbatches), stage.virtual_stages)
         losses = run_schedule(
-            schedule[stage.groups.pp.rank], stage.model, microbatches, pp=stage.groups.pp,
+            programs[stage.groups.pp.rank], stage.model, microbatches, pp=stage.groups.pp,
             hidden_shape=stage.hidden_shape, dtype=stage.dtype, device=stage.device, forward_only=True,
             seq_length=stage.config.model.seq_length,
         )

@@ -1,23 +1,29 @@
-"""Executes one pipeline rank's schedule (a list of :class:`~ptdp.engine.pipeline.schedule.Action`).
+"""Executes one pipeline rank's program (:func:`ptdp.engine.pipeline.program.build_programs`): its
+computes, and its point-to-point groups exactly as the program lists them.
+
+Each :class:`~ptdp.engine.pipeline.program.P2PGroup` is posted as one ``batch_isend_irecv`` on the
+pp axis (on NCCL: one group on the pipeline group's communicator) and waited for before the next
+step: the receives land before the compute that needs them, and a sent activation's buffer is free
+as soon as its group completes. That is NCCL's strictest reading (a send completes only while its
+receive runs), under which :mod:`ptdp.engine.pipeline.nccl_model` proves every program
+deadlock-free; on gloo the runtime does the same, so both backends run the same program. On NCCL a
+wait makes the compute stream wait for the group; the host does not block.
+
+Memory: once the activation a stage sent is delivered, its storage is released (only the autograd
+graph behind it is kept; its backward is then run through the autograd engine directly, which
+checks the gradient against the shape the graph recorded). The last stage keeps its loss.
 
 The runtime owns the per-(microbatch, chunk) state: the input it received (or the tokens on the
-first virtual stage), the output it produced, and the gradient it received. Runs of consecutive
-transfers are posted together with ``batch_isend_irecv`` on the pp axis. A send never blocks its
-rank where it is posted (the condition under which :mod:`ptdp.engine.pipeline.verify` proves the
-schedules deadlock-free). A sent activation is waited for right after this rank's backward of the
-same microbatch and chunk, when it has certainly arrived (the gradient that came back was
-computed from it), which frees its buffer then; sent gradients are waited for at the end of the
-schedule (gloo reports a send complete only once waited for). Each receive is posted one transfer step
-ahead of the step that waits for it (the next receive of each direction, in schedule order), so
-the message usually lands in a posted buffer instead of waiting for one.
-Activations and gradients use different message tags, so with pp = 2 (where the next and the
-previous rank are the same process) a forward activation is never paired with a gradient.
-A microbatch's forward and backward see the same weights: the optimizer runs after the schedule.
-In training, each action sets the phase of :mod:`ptdp.engine.activity` (forward, backward, pipeline
-send/recv) that a failed transfer or collective reports.
+first virtual stage), the output it produced, and the gradient it received. Activations and
+gradients use different gloo message tags, so with pp = 2 (where the next and the previous rank are
+the same process) a forward activation is never paired with a gradient (NCCL matches by order,
+which the program keeps consistent). A microbatch's forward and backward see the same weights: the
+optimizer runs after the schedule. In training, each step sets the phase of
+:mod:`ptdp.engine.activity` (forward, backward, pipeline send/recv) that a failed transfer or
+collective reports.
 
 Communication per microbatch, chunk and stage boundary (Narayanan et al. SC21, §3.2): one send of
-the ``[b, s, h]`` activation forward and one of its gradient backward.
+the activation forward and one of its gradient backward, each of ``hidden_shape``.
 """
 
 from __future__ import annotations
@@ -26,12 +32,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from torch.autograd.graph import _engine_run_backward
+
 from ptdp.engine.activity import PIPELINE, set_phase
 from ptdp.engine.comm import P2P, AxisGroup, post
-from ptdp.engine.pipeline.schedule import Action, peer, transfer_batches
+from ptdp.engine.pipeline.program import P2PGroup, Step
+from ptdp.engine.pipeline.schedule import COMPUTE, Action
 
 Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [b, s], labels [b, s])
 TAGS = {"forward": 0, "backward": 1}
+#: grad_fn types whose backward does not read the forward's output, so the output's storage can go
+#: once it is sent (a stage ends with the residual addition)
+_FREEABLE = ("AddBackward0",)
 
 
 @dataclass
@@ -45,10 +57,6 @@ class _State:
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    pending_sends: list = field(default_factory=list)
-    activation_sends: dict[tuple[int, int], object] = field(default_factory=dict)
-    prefetched: dict[Action, tuple[torch.Tensor, object]] = field(default_factory=dict)
-    prefetch: bool = True
     loss_factor: float = 1.0
 
     def is_first(self, chunk: int) -> bool:
@@ -59,12 +67,12 @@ class _State:
 
 
 def run_schedule(
-    actions: list[Action],
+    program: list[Step],
     model: torch.nn.Module | list[torch.nn.Module],
     microbatches: list[Microbatch],
     *,
     pp: AxisGroup,
-    hidden_shape: tuple[int, int, int],
+    hidden_shape: tuple[int, ...],
     dtype: torch.dtype,
     device: torch.device,
     forward_only: bool = False,
@@ -72,24 +80,26 @@ def run_schedule(
     grad_sync=None,
     loss_scale: float | None = None,
     seq_length: int | None = None,
+    batch_shape: tuple[int, int] | None = None,
 ) -> list[torch.Tensor]:
-    """Run this rank's ``actions`` over ``microbatches``; returns the last stage's losses.
+    """Run this rank's ``program`` over ``microbatches``; returns the last stage's losses.
 
     Args:
-        actions: this pp rank's schedule.
+        program: this pp rank's program (``build_programs(kind, p, m, v)[rank]``): compute actions
+            and point-to-point groups.
         model: the stage (``GPTModel``), or its ``v`` model chunks in chunk order.
         microbatches: ``m`` pairs ``(tokens, labels)`` of shape ``[b, s]``.
         pp: the pipeline axis; peers are the previous and next rank (wrapping between chunks).
-        hidden_shape: ``(b, s, h)`` of the activations passed between stages (``(b, s/t, h)``
-            with sequence parallelism over t tp ranks).
+        hidden_shape: shape of the activations passed between stages (``(b, s, h)``, with sequence
+            parallelism over t tp ranks ``(b, s/t, h)``), in ``dtype``: the receive buffers.
         forward_only: no autograd graph (evaluation).
-        tracer: optional :class:`ptdp.run.trace.Tracer` recording each action's start and end.
+        tracer: optional :class:`ptdp.run.trace.Tracer` recording each step's start and end.
         grad_sync: optional object with a ``no_sync()`` context (the gradient buffer): every
             backward but the last of each chunk runs under it, so data-parallel reductions start
             only in the last microbatch's backward (on every stage, the last one included).
         loss_scale: multiply each loss by this before backward (float16 loss scaling).
-        seq_length: tokens per sample, when the stages pass a part of the sequence (sequence
-            parallelism); None: ``hidden_shape[1]``.
+        seq_length: tokens per sample (default ``hidden_shape[1]``); batch_shape: ``(b, s)`` of a
+            microbatch (default ``(hidden_shape[0], seq_length)``).
 
     Returns:
         On the rank holding the last virtual stage, the ``m`` detached per-microbatch mean losses
@@ -98,35 +108,32 @@ def run_schedule(
 
     Raises:
         ValueError: a microbatch whose tokens or labels are not ``[b, s]``.
+        TypeError: a schedule's transfer action instead of a program (see ``build_programs``).
     """
-    _check_microbatches(microbatches, hidden_shape[0], seq_length or hidden_shape[1])
+    b, s = batch_shape or (hidden_shape[0], seq_length or hidden_shape[1])
+    _check_microbatches(microbatches, b, s)
+    if any(isinstance(step, Action) and step.kind not in COMPUTE for step in program):
+        raise TypeError("run_schedule takes a program (ptdp.engine.pipeline.program.build_programs), whose "
+                        "transfers are grouped; got a schedule's transfer action")
     chunks = list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]
-    # prefetching needs one handle per receive; coalescing backends (NCCL) wait a batch as a whole
-    prefetch = pp.size > 1 and torch.distributed.get_backend(pp.group) == "gloo"
-    state = _State(chunks, microbatches, pp, device, forward_only, prefetch=prefetch,
+    state = _State(chunks, microbatches, pp, device, forward_only,
                    loss_factor=(loss_scale or 1.0) / len(microbatches))
-    steps = transfer_batches(actions)
-    last_backward = {a.chunk: a for a in actions if a.kind == "backward"}  # the last one per chunk wins
-    _prefetch(steps, 0, state, hidden_shape, dtype)
+    last_backward = {a.chunk: a for a in program if isinstance(a, Action) and a.kind == "backward"}
     track = not forward_only  # evaluation keeps the caller's phase
-    for index, step in enumerate(steps):
-        kind = step[0].kind
-        if kind in ("forward", "backward"):
-            if track:
-                set_phase(kind)
-            span = tracer.span(step) if tracer is not None else None
-            _compute(step[0], state, grad_sync is None or last_backward[step[0].chunk] == step[0], grad_sync)
-            if span is not None:
-                span.end()
-        else:
+    for step in program:
+        if isinstance(step, P2PGroup):
             if track:
                 set_phase(PIPELINE)
-            _transfer(step, state, hidden_shape, dtype, tracer)
-            _prefetch(steps, index + 1, state, hidden_shape, dtype)
+            _exchange(step, state, hidden_shape, dtype, tracer)
+            continue
+        if track:
+            set_phase(step.kind)
+        span = tracer.span([step]) if tracer is not None else None
+        _compute(step, state, grad_sync is None or last_backward[step.chunk] == step, grad_sync)
+        if span is not None:
+            span.end()
     if track:
         set_phase(PIPELINE)
-    for work in state.pending_sends + list(state.activation_sends.values()):
-        work.wait()
     return [state.losses[i] for i in sorted(state.losses)]
 
 
@@ -154,12 +161,12 @@ def _compute(a: Action, state: _State, reduce: bool, grad_sync) -> None:
 def _forward(a: Action, state: _State) -> None:
     key, c = (a.microbatch, a.chunk), a.chunk
     tokens, labels = state.microbatches[a.microbatch]
-    x = tokens.to(state.device) if state.is_first(c) else state.inputs[key]
+    x = tokens.to(state.device, non_blocking=True) if state.is_first(c) else state.inputs[key]
     if not state.is_first(c) and not state.forward_only:
         x.requires_grad_()
     last = state.is_last(c)
     with torch.set_grad_enabled(not state.forward_only):
-        out = state.chunks[c](x, labels.to(state.device) if last else None)
+        out = state.chunks[c](x, labels.to(state.device, non_blocking=True) if last else None)
     if last:
         state.losses[a.microbatch] = out.detach()
         if not state.forward_only:
@@ -176,85 +183,46 @@ def _backward(a: Action, state: _State) -> None:
     if state.is_last(a.chunk):
         torch.autograd.backward(out)
     else:
-        torch.autograd.backward(out, grad_tensors=state.grads.pop(key))
+        # the engine checks the gradient against the shape the graph recorded (out's storage may be gone)
+        _engine_run_backward((out,), (state.grads.pop(key),), False, False, (), True, True)
     if not state.is_first(a.chunk):
         state.grads[key] = state.inputs.pop(key).grad
-    sent = state.activation_sends.pop(key, None)
-    if sent is not None:  # the next stage used this activation for the gradient we just consumed
-        sent.wait()
 
 
-def _recv(a: Action, state: _State, shape, dtype) -> P2P:
-    direction = "forward" if a.kind == "recv_forward" else "backward"
-    buf = torch.empty(shape, dtype=dtype, device=state.device)
-    return P2P("recv", buf, peer(a, state.pp.rank, state.pp.size), TAGS[direction])
-
-
-def _prefetch(steps: list[list[Action]], start: int, state: _State, shape, dtype) -> None:
-    """Post the next not-yet-posted receive of each direction found from ``steps[start]`` on.
-
-    Receives of one direction come from one peer with one tag, and are posted in schedule order,
-    so they pair with the peer's sends exactly as without prefetching.
-    """
-    if not state.prefetch:
-        return
-    wanted: dict[str, Action] = {}
-    for step in steps[start:]:
-        for a in step:
-            if a.kind.startswith("recv") and a.kind not in wanted:
-                wanted[a.kind] = a
-        if len(wanted) == 2:
-            break
-    todo = [a for a in wanted.values() if a not in state.prefetched]
-    transfers = [_recv(a, state, shape, dtype) for a in todo]
-    works = post(transfers, state.pp, tag="pipeline")
-    for a, t, work in zip(todo, transfers, works):
-        state.prefetched[a] = (t.tensor, work)
-
-
-def _transfer(step: list[Action], state: _State, shape, dtype, tracer=None) -> None:
-    """Post this step's sends (and any receive not posted yet) together, then wait for its receives.
-    With a tracer, the posting and the waiting are two spans ("transfer", "wait")."""
-    span = tracer.span(step) if tracer is not None else None
-    transfers, new_recvs = [], []
-    for a in step:
-        key = (a.microbatch, a.chunk)
+def _exchange(group: P2PGroup, state: _State, shape, dtype, tracer=None) -> None:
+    """Post ``group`` as one batch, wait for it, keep what it received, release what it sent."""
+    span = tracer.span([o.action for o in group.ops]) if tracer is not None else None
+    transfers, sent = [], []
+    for o in group.ops:
+        a, key = o.action, (o.action.microbatch, o.action.chunk)
         if a.kind == "send_forward":
             out = state.outputs[key]
-            transfers.append(P2P("send", out.detach(), peer(a, state.pp.rank, state.pp.size), TAGS["forward"]))
-            if state.forward_only:  # nothing to backpropagate later
-                del state.outputs[key]
+            transfers.append(P2P("send", out.detach(), o.peer, TAGS["forward"], o.tag))
+            sent.append(key)
         elif a.kind == "send_backward":
-            transfers.append(P2P("send", state.grads.pop(key), peer(a, state.pp.rank, state.pp.size),
-                                 TAGS["backward"]))
-        elif a not in state.prefetched:
-            transfers.append(_recv(a, state, shape, dtype))
-            new_recvs.append(a)
-    works = post(transfers, state.pp, tag="pipeline")
-    if works is None:  # a coalescing backend (NCCL) has waited for the whole batch
-        works = [None] * len(transfers)
-    recv_index, send_keys = 0, [(a.kind, (a.microbatch, a.chunk)) for a in step if a.kind.startswith("send")]
-    for t, work in zip(transfers, works):
-        if t.kind == "send":
-            kind, key = send_keys.pop(0)
-            if work is None:
-                continue
-            if kind == "send_forward" and not state.forward_only:
-                state.activation_sends[key] = work
-            else:
-                state.pending_sends.append(work)
+            transfers.append(P2P("send", state.grads.pop(key), o.peer, TAGS["backward"], o.tag))
         else:
-            state.prefetched[new_recvs[recv_index]] = (t.tensor, work)
-            recv_index += 1
+            direction = "forward" if a.kind == "recv_forward" else "backward"
+            buf = torch.empty(shape, dtype=dtype, device=state.device)
+            transfers.append(P2P("recv", buf, o.peer, TAGS[direction], o.tag))
+    works = post(transfers, state.pp, tag="pipeline")
+    for work in works or ():  # None: a coalescing backend (NCCL) has waited for the whole group
+        work.wait()
+    for o, t in zip(group.ops, transfers):
+        if t.kind == "recv":
+            key = (o.action.microbatch, o.action.chunk)
+            (state.inputs if o.action.kind == "recv_forward" else state.grads)[key] = t.tensor
+    for key in sent:
+        _release(state, key)
     if span is not None:
         span.end()
-        span = tracer.span("wait " + ", ".join(f"{a.kind[5:]} {a.microbatch}.{a.chunk}" for a in step
-                                                 if a.kind.startswith("recv")), "wait")
-    for a in step:
-        if a.kind.startswith("recv"):
-            buf, work = state.prefetched.pop(a)
-            if work is not None:
-                work.wait()
-            (state.inputs if a.kind == "recv_forward" else state.grads)[(a.microbatch, a.chunk)] = buf
-    if span is not None:
-        span.end()
+
+
+def _release(state: _State, key: tuple[int, int]) -> None:
+    """Free a sent activation's storage when only its autograd graph is needed (or drop it in
+    evaluation)."""
+    out = state.outputs[key]
+    if state.forward_only:
+        del state.outputs[key]
+    elif out.grad_fn is not None and type(out.grad_fn).__name__ in _FREEABLE and out._base is None:
+        out.data = torch.empty(0, dtype=out.dtype, device=out.device)

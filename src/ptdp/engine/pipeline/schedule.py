@@ -52,8 +52,9 @@ def check_schedule_args(kind: str, pp_size: int, num_microbatches: int, virtual_
         raise ValueError(
             f"interleaved-1f1b needs pp >= 2 and num_microbatches % pp == 0: pp={p}, num_microbatches={m}"
         )
-    if kind == "forward-only" and v > 1 and m % p:
-        raise ValueError(f"forward-only over {v} chunks needs num_microbatches % pp == 0: pp={p}, num_microbatches={m}")
+    if kind == "forward-only" and v > 1 and (p < 2 or m % p):
+        raise ValueError(f"forward-only over {v} chunks needs pp >= 2 and num_microbatches % pp == 0: pp={p}, "
+                         f"num_microbatches={m}")
 
 
 def build_schedule(kind: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:

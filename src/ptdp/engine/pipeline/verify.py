@@ -5,9 +5,13 @@ forward-only) backwarded once after its forward; inputs received before the comp
 and outputs sent after it; every send paired with the peer's receive of the same microbatch and
 stage boundary, in order, per direction; that every receive completes (sends are posted without
 blocking and waited for at the end of the step, so only receives can wait: no deadlock); and
-in-flight microbatches within the kind's bound.
+in-flight microbatches within the kind's bound. It then builds the programs the runtime runs
+(:mod:`ptdp.engine.pipeline.program`: the transfers grouped into ``batch_isend_irecv`` calls) and
+proves them deadlock-free twice: under gloo's rules (:func:`simulate`: sends never block) and under
+NCCL's (:func:`ptdp.engine.pipeline.nccl_model.simulate_nccl`: groups in order per communicator,
+a send completes only while its receive runs, matching by order with the tags checked).
 
-:func:`simulate` runs the schedule with fixed forward/backward times per chunk (transfers free) and
+:func:`simulate` runs the programs with fixed forward/backward times per chunk (transfers free) and
 returns each rank's busy and idle time; :func:`ideal_idle_time` is the formula it must meet:
 (p - 1) (t_f + t_b) / v per rank (Narayanan et al. SC21, §2.2).
 """
@@ -16,11 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ptdp.engine.pipeline.schedule import COMPUTE, Action, boundary, peer, transfer_batches, warmup_forwards
+from ptdp.engine.pipeline.nccl_model import ScheduleError, simulate_nccl
+from ptdp.engine.pipeline.program import P2PGroup, Step, programs_from_schedule
+from ptdp.engine.pipeline.schedule import COMPUTE, Action, boundary, peer, warmup_forwards
 
-
-class ScheduleError(ValueError):
-    """A schedule that would compute wrongly or deadlock; the message names the rank and action."""
+__all__ = ["ScheduleError", "check_programs", "check_schedule", "ideal_idle_time", "in_flight_bound", "programs_of",
+           "simulate", "simulate_nccl"]
 
 
 def in_flight_bound(kind: str, p: int, m: int, v: int, r: int) -> int:
@@ -37,7 +42,22 @@ def check_schedule(schedule: list[list[Action]], num_microbatches: int, *, virtu
     p = len(schedule)
     for r, acts in enumerate(schedule):
         _check_rank(r, acts, num_microbatches, virtual_stages, p, max_in_flight[r] if max_in_flight else None)
-    simulate(schedule, virtual_stages=virtual_stages)
+    check_programs(programs_of(schedule, virtual_stages), virtual_stages=virtual_stages)
+
+
+def programs_of(schedule: list[list[Action]], virtual_stages: int = 1) -> list[list[Step]]:
+    """The runtime's programs for ``schedule``; ScheduleError when its computes wait on each other
+    in a cycle (a deadlock whatever the transfers)."""
+    try:
+        return programs_from_schedule(schedule, virtual_stages)
+    except ValueError as err:
+        raise ScheduleError(f"deadlock: {err}") from err
+
+
+def check_programs(programs: list[list[Step]], *, virtual_stages: int = 1) -> None:
+    """ScheduleError unless ``programs`` complete under gloo's rules and under NCCL's."""
+    _simulate_programs(programs, virtual_stages, 1.0, 2.0)
+    simulate_nccl(programs)
 
 
 def _check_rank(r: int, acts: list[Action], m: int, v: int, p: int, bound: int | None) -> None:
@@ -86,13 +106,18 @@ class Timeline:
 
 def simulate(schedule: list[list[Action]], *, virtual_stages: int = 1, forward_time: float = 1.0,
              backward_time: float = 2.0) -> Timeline:
-    """Run all ranks together: a chunk's forward takes ``forward_time / v``, its backward
-    ``backward_time / v``; a transfer batch completes when the sends of all its receives are posted.
+    """Run the programs of ``schedule`` on all ranks together under gloo's rules: a chunk's forward
+    takes ``forward_time / v``, its backward ``backward_time / v``; a group of transfers completes
+    when the sends of all its receives are posted (sends never block).
 
     Raises :class:`ScheduleError` on a deadlock or a send paired with the wrong receive.
     """
-    p, v = len(schedule), virtual_stages
-    steps = [transfer_batches(acts) for acts in schedule]
+    return _simulate_programs(programs_of(schedule, virtual_stages), virtual_stages, forward_time, backward_time)
+
+
+def _simulate_programs(programs: list[list[Step]], v: int, forward_time: float, backward_time: float) -> Timeline:
+    p = len(programs)
+    steps = [[[o.action for o in s.ops] if isinstance(s, P2PGroup) else [s] for s in program] for program in programs]
     pc, clock = [0] * p, [0.0] * p
     posted: dict[tuple, list[tuple[tuple[int, int], float]]] = {}
     posted_at: list[int] = [-1] * p
