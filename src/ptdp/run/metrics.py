@@ -126,9 +126,26 @@ def format_summary(s: dict, run_dir) -> str:
         lines.append(f"  pipeline bubble ({b['schedule']}): idle/compute per rank "
                      + ", ".join(f"{r}: {v:.2f}" for r, v in sorted(by_rank.items(), key=lambda kv: int(kv[0])))
                      + f"; formula (p-1)/(v m) = {b['formula_(p-1)/(v*m)']:.2f}; trace.json, timeline.png written")
+    if s.get("peak_memory_bytes_by_rank"):
+        lines.append(format_peak_memory(s["peak_memory_bytes_by_rank"], s["peak_memory_measure"]))
+    if s.get("profile"):
+        p = s["profile"]
+        lines.append(f"  torch.profiler trace of iterations {p['iterations'][0]}-{p['iterations'][1]}: "
+                     + ", ".join(p["files"]))
     if s.get("planner_check"):
         from ptdp.run.planner_report import format_comparison
 
         lines += format_comparison(s["planner_check"])
     lines.append(f"  run directory: {run_dir} (config.json, metrics.jsonl, summary.json)")
     return "\n".join(lines)
+
+
+def format_peak_memory(by_rank: dict, measure: str) -> str:
+    """One line: every rank's peak memory in MiB (up to 8 ranks), else the largest and smallest."""
+    mib = {int(r): b / 2**20 for r, b in by_rank.items()}
+    if len(mib) <= 8:
+        values = ", ".join(f"{r}: {v:,.0f}" for r, v in sorted(mib.items()))
+    else:
+        hi, lo = max(mib, key=mib.get), min(mib, key=mib.get)
+        values = f"largest {mib[hi]:,.0f} (rank {hi}), smallest {mib[lo]:,.0f} (rank {lo}) over {len(mib)} ranks"
+    return f"  peak memory per rank, MiB ({measure}): {values}"

@@ -4,7 +4,13 @@ Each rank's :class:`Tracer` records the start and end of every forward, backward
 transfer batch (sends and receives), wait for its receives, gradient synchronisation and
 optimizer step of the traced iterations. Rank 0 gathers them into ``trace.json`` (Chrome trace
 format: open it in Perfetto or chrome://tracing) and draws ``timeline.png`` (one row per rank).
-Times are wall-clock (``time.time``), so ranks on one machine line up exactly.
+On a CPU the times are wall-clock (``time.time``), so ranks on one machine line up exactly. On a
+GPU a span is a pair of CUDA events recorded on the current stream, so it measures when the
+device reached its start and end, not when the host queued the work (a step that does not
+synchronise the host runs ahead of the device). The events are read once, by :meth:`Tracer.collect`
+after one synchronisation; they are placed on the wall clock through an anchor event recorded,
+right after a synchronisation, when the first traced span starts (the only other synchronisation
+tracing adds).
 
 The measured bubble of a rank is its idle time inside the pipeline schedule divided by its
 compute time there, the quantity whose ideal value is (p - 1) / (v m) (Narayanan et al. SC21, §2.2).
@@ -14,7 +20,11 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from pathlib import Path
+from typing import Callable
+
+import torch
 
 from ptdp.engine.pipeline.schedule import Action
 
@@ -26,26 +36,69 @@ LABELS = {"transfer": "post send/recv", "wait": "wait for recv"}
 class _Span:
     def __init__(self, tracer: Tracer, name: str, cat: str, args: dict) -> None:
         self.tracer, self.name, self.cat, self.args = tracer, name, cat, args
-        self.start = time.time()
+        self.start = tracer.now()
 
     def end(self) -> None:
-        self.tracer.add(self.name, self.cat, self.start, time.time(), self.args)
+        self.tracer.add(self.name, self.cat, self.start, self.tracer.now(), self.args)
 
 
 class Tracer:
-    """Collects this rank's events (``pid`` = global rank) while ``active``."""
+    """Collects this rank's events (``pid`` = global rank) while ``active``.
 
-    def __init__(self, rank: int, pp_rank: int) -> None:
+    ``device``: a CUDA device times spans with CUDA events (module docstring), anything else with
+    the wall clock. ``make_event`` and ``synchronize`` replace ``torch.cuda.Event(enable_timing=True)``
+    and ``torch.cuda.synchronize`` (tests run the event path on a CPU with stand-ins).
+    """
+
+    def __init__(self, rank: int, pp_rank: int, device: torch.device | str | None = None, *,
+                 make_event: Callable | None = None, synchronize: Callable[[], None] | None = None) -> None:
         self.rank, self.pp_rank = rank, pp_rank
         self.events: list[dict] = []
         self.iteration = 0
         self.active = False
+        cuda = device is not None and torch.device(device).type == "cuda"
+        self._make_event = make_event or (partial(torch.cuda.Event, enable_timing=True) if cuda else None)
+        self._synchronize = synchronize or (partial(torch.cuda.synchronize, device) if cuda else None)
+        self._anchor = None  # (event, wall-clock seconds) of the first traced span's start
+        self._pending: list[tuple] = []  # spans timed by events, not read yet
 
-    def add(self, name: str, cat: str, start: float, end: float, args: dict | None = None) -> None:
-        if self.active:
-            self.events.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": 0,
-                                "ts": start * 1e6, "dur": (end - start) * 1e6,
-                                "args": {"iteration": self.iteration, **(args or {})}})
+    def now(self):
+        """A time stamp: wall-clock seconds, or a CUDA event recorded now on the current stream."""
+        if self._make_event is None:
+            return time.time()
+        if not self.active:
+            return None  # nothing is recorded outside the traced iterations
+        if self._anchor is None:
+            self._synchronize()
+            anchor = self._make_event()
+            anchor.record()
+            self._anchor = (anchor, time.time())
+        event = self._make_event()
+        event.record()
+        return event
+
+    def add(self, name: str, cat: str, start, end, args: dict | None = None) -> None:
+        """Record a span from ``start`` to ``end`` (both from :meth:`now`) if tracing is active."""
+        if not self.active or start is None:
+            return
+        args = {"iteration": self.iteration, **(args or {})}
+        if self._make_event is not None:
+            self._pending.append((name, cat, start, end, args))
+            return
+        self.events.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": 0,
+                            "ts": start * 1e6, "dur": (end - start) * 1e6, "args": args})
+
+    def collect(self) -> list[dict]:
+        """Every recorded event, with the spans timed by events read (one synchronisation)."""
+        if self._pending:
+            self._synchronize()
+            anchor, wall = self._anchor
+            for name, cat, start, end, args in self._pending:
+                ts = wall * 1e6 + anchor.elapsed_time(start) * 1e3  # elapsed_time is in ms
+                self.events.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": 0,
+                                    "ts": ts, "dur": start.elapsed_time(end) * 1e3, "args": args})
+            self._pending = []
+        return self.events
 
     def span(self, step: list[Action] | str, cat: str | None = None) -> _Span:
         """Start timing a schedule step (a compute action or a batch of transfers) or a phase."""

@@ -1,0 +1,70 @@
+"""``ptdp train --profile``: a ``torch.profiler`` trace of a few steps, and each rank's peak memory.
+
+With ``--profile`` the ranks of ``--profile-ranks`` profile the 0-based steps
+``[--profile-step-start, --profile-step-end)`` (Megatron-LM's flags and defaults: steps 10 and 11
+of rank 0), CPU activities always and CUDA kernels on a GPU, each step marked by a
+``ptdp iteration N`` range (N as in metrics.jsonl), and write ``profile/rank<r>.json`` in the run
+directory: a Chrome trace (open it in Perfetto or chrome://tracing). The profiler starts before the
+first profiled step and stops after the last; nothing runs at the other steps or on the other ranks.
+
+:func:`peak_memory_bytes` is the number the summary gives per rank: on a GPU
+``torch.cuda.max_memory_allocated`` (bytes held by PyTorch's allocator at its peak), on a CPU the
+process's peak resident set size from ``getrusage`` (the whole process: interpreter, libraries,
+data, tensors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+
+def peak_memory_bytes(device: torch.device | str) -> tuple[int, str]:
+    """This process's peak memory in bytes and what it measures (see the module docstring)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024), "peak RSS (getrusage)"
+
+
+class StepProfiler:
+    """Runs ``torch.profiler`` around the configured steps on a profiled rank.
+
+    ``around(step)`` is a context manager for 0-based ``step``: it starts the profiler at
+    ``start``, marks the step, and after step ``end - 1`` stops it and writes the trace.
+    """
+
+    def __init__(self, *, rank: int, ranks: tuple[int, ...], start: int, end: int, run_dir: Path,
+                 device: torch.device | str) -> None:
+        self.enabled = rank in ranks
+        self.start, self.end = start, end
+        self.path = Path(run_dir) / "profile" / f"rank{rank}.json"
+        self.cuda = torch.device(device).type == "cuda"
+        self._prof = None
+        self.written: Path | None = None
+
+    @contextlib.contextmanager
+    def around(self, step: int):
+        if not self.enabled or not self.start <= step < self.end:
+            yield
+            return
+        if self._prof is None:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self._prof = profile(activities=activities, record_shapes=True)
+            self._prof.start()
+        with record_function(f"ptdp iteration {step + 1}"):
+            yield
+        if step == self.end - 1:
+            self._finish()
+
+    def _finish(self) -> None:
+        self._prof.stop()  # waits for the device's kernels to be collected
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._prof.export_chrome_trace(str(self.path))
+        self._prof, self.written = None, self.path

@@ -1,0 +1,103 @@
+"""``--profile`` (torch.profiler around chosen steps), peak memory, and ``--trace`` spans timed by
+events (the CUDA path, run on a CPU with stand-in events)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from ptdp.run.profiling import StepProfiler, peak_memory_bytes
+from ptdp.run.trace import Tracer
+
+
+def _work(n: int = 64) -> None:
+    a = torch.randn(n, n)
+    (a @ a).sum()
+
+
+def test_profiler_writes_a_chrome_trace_of_the_chosen_steps(tmp_path):
+    prof = StepProfiler(rank=1, ranks=(0, 1), start=1, end=3, run_dir=tmp_path, device="cpu")
+    for step in range(5):
+        with prof.around(step):
+            _work()
+    assert prof.written == tmp_path / "profile" / "rank1.json"
+    events = json.loads(prof.written.read_text())["traceEvents"]
+    marks = {e["name"] for e in events if e.get("name", "").startswith("ptdp iteration")}
+    assert marks == {"ptdp iteration 2", "ptdp iteration 3"}  # 0-based steps 1 and 2
+    assert any(e.get("name") == "aten::mm" for e in events)
+
+
+def test_profiler_does_nothing_on_other_ranks(tmp_path):
+    prof = StepProfiler(rank=2, ranks=(0, 1), start=0, end=2, run_dir=tmp_path, device="cpu")
+    for step in range(3):
+        with prof.around(step):
+            _work()
+    assert prof.written is None and not (tmp_path / "profile").exists()
+
+
+def test_peak_memory_on_cpu_is_the_process_peak_rss():
+    before, kind = peak_memory_bytes("cpu")
+    assert kind == "peak RSS (getrusage)" and before > 10 * 2**20  # the interpreter and torch alone
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    after, _ = peak_memory_bytes("cpu")
+    assert after >= before and after >= big.numel() * 4
+    del big
+
+
+class _Event:
+    """A stand-in for ``torch.cuda.Event(enable_timing=True)``: records the wall clock."""
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return (end.t - self.t) * 1e3  # milliseconds, like CUDA events
+
+
+def test_event_timed_spans_are_read_once_and_placed_on_the_wall_clock():
+    syncs = []
+    tracer = Tracer(0, 0, make_event=_Event, synchronize=lambda: syncs.append(1))
+    tracer.span("outside").end()  # not active: nothing recorded, no event made
+    assert tracer.collect() == [] and syncs == []
+    tracer.active, tracer.iteration = True, 2
+    wall_before = time.time()
+    span = tracer.span("optimizer", "optimizer")
+    time.sleep(0.05)
+    span.end()
+    inner = tracer.span("grad sync + clip", "grad_sync")
+    time.sleep(0.02)
+    inner.end()
+    assert len(syncs) == 1  # the anchor's synchronisation; nothing read yet
+    events = tracer.collect()
+    assert len(syncs) == 2 and tracer.collect() is events and len(syncs) == 2
+    first, second = events
+    assert first["name"] == "optimizer" and first["args"] == {"iteration": 2}
+    assert 50e3 <= first["dur"] < 50e3 + 30e3 and 20e3 <= second["dur"] < 20e3 + 30e3  # microseconds
+    assert wall_before * 1e6 - 1e3 <= first["ts"] <= second["ts"] - first["dur"] + 1e3
+    assert second["ts"] <= time.time() * 1e6
+
+
+def test_wall_clock_spans_without_a_device():
+    tracer = Tracer(3, 1, "cpu")
+    tracer.active = True
+    span = tracer.span("optimizer", "optimizer")
+    time.sleep(0.01)
+    span.end()
+    (event,) = tracer.collect()
+    assert event["pid"] == 3 and event["dur"] >= 10e3
+
+
+@pytest.mark.gpu
+def test_cuda_event_spans_measure_device_time():
+    tracer = Tracer(0, 0, "cuda")
+    tracer.active = True
+    a = torch.randn(4096, 4096, device="cuda")
+    span = tracer.span("forward work", "forward")
+    for _ in range(20):
+        a = (a @ a).clamp_(-1, 1)
+    span.end()  # the host gets here long before the device is done
+    (event,) = tracer.collect()
+    assert event["dur"] > 0
