@@ -27,7 +27,12 @@ from ptdp.engine.tensor_parallel import (
 )
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
-from helpers.tp_cases import S_SP, VOCAB, B, H, check_label_cases, inputs, label_cases, reference
+from ptdp.engine.tensor_parallel.linear_cross_entropy import linear_cross_entropy
+
+from helpers.tp_cases import (
+    CHUNKS, PADDED, S, S_SP, VOCAB, B, H, ce_labels, check_label_cases, inputs, label_cases, linear_ce_reference,
+    padded_output_weight, reference,
+)
 
 
 def tp_worker(rank: int, world: int) -> dict:
@@ -63,6 +68,28 @@ def tp_worker(rank: int, world: int) -> dict:
     out.update(y=y.detach(), x_grad=x.grad, w1_grad=fc1.weight.grad, w2_grad=fc2.weight.grad, b2_grad=fc2.bias.grad)
     out.update(sequence_parallel_worker(tp, d, emb.weight.detach(), fc1, fc2))
     out.update(sequence_parallel_output_layer(tp, d, emb.weight.detach()[: emb.num_real_rows]))
+    out["linear_ce"] = linear_ce_worker(tp, d)
+    return out
+
+
+def linear_ce_worker(tp, d: dict) -> dict:
+    """The chunked output layer + loss on this rank's shard of the padded weight (nonzero padding
+    rows), replicated input (``x``, ``ids``) and sequence-parallel input (this rank's positions of
+    ``xs``, ``ids_sp``), for each chunk size; the communication of the first."""
+    per_rank = PADDED // tp.size
+    start = tp.rank * per_rank
+    out = {}
+    for sp, (xs, ids) in ((False, (d["x"], d["ids"])), (True, (d["xs"], d["ids_sp"]))):
+        mine = sequence_shard(xs.shape[1], tp) if sp else slice(None)
+        for chunk in CHUNKS:
+            tp.stats.reset()
+            x = xs[:, mine].clone().requires_grad_()
+            w = padded_output_weight(d)[start: start + per_rank].clone().requires_grad_()
+            loss = linear_cross_entropy(x, w, ce_labels(ids), vocab_start=start, vocab_size=VOCAB, axis=tp,
+                                        sequence_parallel=sp, chunk_tokens=chunk)
+            loss.sum().backward()
+            out[sp, chunk] = {"loss": loss.detach(), "x_grad": x.grad, "w_grad": w.grad, "mine": mine,
+                              "comm": tp.stats.as_dict()}
     return out
 
 
@@ -211,3 +238,34 @@ def test_cross_entropy_ignores_label_minus_100_and_rejects_out_of_range_labels_o
     ValueError on every path, before any collective."""
     results = tp_results(world)
     check_label_cases(results)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("sp", [False, True])
+def test_chunked_linear_cross_entropy_matches_single_process(world, sp):
+    """The output layer + loss on the padded vocabulary, in chunks of 1, 5 and all tokens, equal
+    ``F.cross_entropy(F.linear(x, real rows))`` (float64, 1e-9): nonzero padding rows masked out
+    (zero gradient), ignored labels without loss or gradient, ranks of padding only (tp = 4: ranks
+    2 and 3 hold rows 16-31, all past V = 10). Counted per rank whatever the chunking: 3
+    all-reduces of b*s (max, target logit, sum of exponentials) and the input's f (all-reduce of
+    b*s*h) or, with sequence parallelism, its gather, re-gather and reduce-scatter."""
+    results, tol = tp_results(world), dict(rtol=1e-9, atol=1e-12)
+    d = inputs()
+    x, ids, s = (d["xs"], d["ids_sp"], S_SP) if sp else (d["x"], d["ids"], S)
+    ref = linear_ce_reference(x, ids)
+    bs, bsh = B * s, B * s * H
+    for chunk in CHUNKS:
+        parts = [r["linear_ce"][sp, chunk] for r in results]
+        for part in parts:
+            torch.testing.assert_close(part["loss"], ref["loss"], **tol)
+        x_grad = torch.cat([p["x_grad"] for p in parts], dim=1) if sp else parts[0]["x_grad"]
+        torch.testing.assert_close(x_grad, ref["x_grad"], **tol)
+        if not sp:
+            assert all(torch.equal(p["x_grad"], x_grad) for p in parts)
+        torch.testing.assert_close(torch.cat([p["w_grad"] for p in parts]), ref["w_grad"], **tol)
+        ce = {f"tp/all_reduce/ce_{t}": {"calls": 1, "numel": bs, "bytes": 8 * bs} for t in ("max", "target", "sum_exp")}
+        entry = ({"tp/all_gather/output": {"calls": 1, "numel": bsh // world, "bytes": 8 * bsh // world},
+                  "tp/all_gather/output_regather": {"calls": 1, "numel": bsh // world, "bytes": 8 * bsh // world},
+                  "tp/reduce_scatter/output": {"calls": 1, "numel": bsh, "bytes": 8 * bsh}} if sp else
+                 {"tp/all_reduce/output": {"calls": 1, "numel": bsh, "bytes": 8 * bsh}})
+        assert all(p["comm"] == {**ce, **entry} for p in parts)

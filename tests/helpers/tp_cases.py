@@ -29,7 +29,38 @@ def inputs():
         "ids_sp": torch.randint(0, VOCAB, (B, S_SP), generator=g),
         "ys_grad": torch.randn(B, S_SP, H, generator=g, dtype=torch.float64),
         "cube": torch.randn(4, 4, 4, generator=g, dtype=torch.float64),
+        "padding_rows": torch.randn(PADDED - VOCAB, H, generator=g, dtype=torch.float64),
     }
+
+
+PADDED = 32  # VOCAB padded for tp up to 4 (DIV * 4)
+CHUNKS = (1, 5, None)  # tokens per chunk of the linear cross entropy: 1, uneven, one chunk
+
+
+def padded_output_weight(d: dict) -> torch.Tensor:
+    """``[PADDED, H]``: the real rows ``emb`` and *nonzero* padding rows, so that a padding column
+    that is not masked out would change the loss."""
+    return torch.cat([d["emb"], d["padding_rows"]])
+
+
+def ce_labels(ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` with the positions :data:`IGNORED` labelled -100."""
+    target = ids.clone()
+    for pos in IGNORED:
+        target[pos] = -100
+    return target
+
+
+def linear_ce_reference(x: torch.Tensor, ids: torch.Tensor) -> dict:
+    """Loss ``[b, s]`` and the gradients of ``x`` and of the padded weight (zero padding rows) of
+    ``F.cross_entropy(F.linear(x, real rows))`` (ignored labels), backward of ``loss.sum()``."""
+    d = inputs()
+    x = x.clone().requires_grad_()
+    w = padded_output_weight(d).requires_grad_()
+    logits = F.linear(x, w[:VOCAB])
+    loss = F.cross_entropy(logits.flatten(0, 1), ce_labels(ids).flatten(), reduction="none").view(ids.shape)
+    loss.sum().backward()
+    return {"loss": loss.detach(), "x_grad": x.grad, "w_grad": w.grad}
 
 
 IGNORED = ((0, 1), (1, 0), (1, 2))  # positions labelled -100

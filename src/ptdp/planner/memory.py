@@ -7,7 +7,7 @@ al., "Reducing Activation Recomputation in Large Transformer Models", arXiv:2205
 Parameters are counted exactly from the shapes ptdp's :class:`ptdp.engine.model.gpt.GPTModel` creates
 (``tests/test_planner_model_memory.py`` checks the count against the real ``numel``).
 
-Activations follow [K22] §4 (16-bit activations, 1-byte dropout masks, fp32 logits), generalised
+Activations follow [K22] §4 (16-bit activations, 1-byte dropout masks), generalised
 term by term to grouped-query attention, SwiGLU, models without dropout and fused (flash)
 attention (see :func:`layer_activation_bytes`), times the microbatches (or model chunks) a
 pipeline rank holds at its peak (:func:`inflight_microbatches`). For ptdp's own GPT
@@ -179,13 +179,15 @@ def inflight_microbatches(layout: Layout, pp_rank: int, *, schedule: str = "1f1b
 
 
 def _edge_activation_bytes(model: ModelSpec, layout: Layout, *, first: bool, last: bool,
-                           inflight: float, last_inflight: int, v_pad: int) -> float:
+                           inflight: float, last_inflight: int) -> float:
     """Activations outside the transformer layers [K22] §4.3, on one tp rank.
 
     First stage: the embedding-dropout mask, ``s b h`` per microbatch in flight (/t with SP; none
     without dropout). Last stage, per microbatch whose loss is in flight (``last_inflight``: 1 for
     1F1B, m for GPipe): final-norm input and output-layer input, ``2 s b h`` values (/t with SP),
-    and the fp32 logits kept by the cross entropy, ``4 s b V / t`` bytes.
+    and what the chunked output layer + cross entropy keeps besides its input
+    (:mod:`ptdp.engine.tensor_parallel.linear_cross_entropy`): one fp32 log-sum-exp and one int64
+    label per token, ``12 s b`` bytes (the logits are never kept).
     """
     e, e32 = activation_value_bytes(layout.precision)
     t, tokens, h = layout.tp, layout.micro_batch_size * model.seq_length, model.hidden_size
@@ -194,7 +196,7 @@ def _edge_activation_bytes(model: ModelSpec, layout: Layout, *, first: bool, las
     if first and model.dropout:
         out += inflight * tokens * h / shard
     if last:
-        out += last_inflight * (2.0 * e * tokens * h / shard + e32 * tokens * v_pad / t)
+        out += last_inflight * (2.0 * e * tokens * h / shard + (e32 + 8) * tokens)
     return out
 
 
@@ -209,20 +211,20 @@ def stage_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, layer
     added: its activations without recompute minus its input (already among the kept inputs).
     On the last stage that working set and the microbatch's loss-side tensors are not held at
     the same time (the output layer's backward frees the latter before any layer is recomputed),
-    so the larger of the two counts.
+    so the larger of the two counts. ``make_vocab_size_divisible_by`` does not change the result
+    any more (the loss keeps no logits); it stays for the callers.
     """
     b, sp, precision = layout.micro_batch_size, layout.sequence_parallel, layout.precision
     per_layer = layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute=layout.recompute,
                                        precision=precision)
     mbs = inflight_microbatches(layout, pp_rank, schedule=schedule)
     out = per_layer * mbs * layers_on_stage
-    v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, layout.tp)
     last = pp_rank == layout.pp - 1
     last_inflight = layout.num_microbatches if schedule == "gpipe" else 1
     out += _edge_activation_bytes(model, layout, first=pp_rank == 0, last=False, inflight=mbs,
-                                  last_inflight=last_inflight, v_pad=v_pad)
-    loss_side = _edge_activation_bytes(model, layout, first=False, last=True, inflight=mbs, last_inflight=1,
-                                       v_pad=v_pad) if last else 0.0
+                                  last_inflight=last_inflight)
+    loss_side = _edge_activation_bytes(model, layout, first=False, last=True, inflight=mbs,
+                                       last_inflight=1) if last else 0.0
     if layout.recompute == "full":
         working = layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute="none",
                                          precision=precision) - per_layer

@@ -47,13 +47,11 @@ from ptdp.engine.tensor_parallel import (
     ParamSpec,
     RowParallelLinear,
     VocabParallelEmbedding,
-    copy_to_tp,
     mark_sequence_parallel,
-    sequence_gathered_linear,
     sequence_shard,
-    vocab_parallel_cross_entropy,
 )
 from ptdp.engine.tensor_parallel.cross_entropy import IGNORE_INDEX
+from ptdp.engine.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from ptdp.engine.tensor_parallel.random import Dropout, DropoutRNG
 from ptdp.engine.tensor_parallel.sharding import make_parameter
 
@@ -268,6 +266,8 @@ class GPTModel(nn.Module):
             self.embedding_dropout = Dropout(cfg.hidden_dropout, self.rng, "embedding")
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, tp, dtype, sp, layer_id=i, rng=self.rng)
                                      for i in layer_ids})
+        self.loss_chunk_tokens: int | None = None
+        """Tokens per chunk of the output layer + loss (None: a chunk's float32 logits <= 256 MiB)."""
         if post_process:
             self.final_norm = make_norm(cfg, dtype, sp)
             if not tied:
@@ -314,20 +314,20 @@ class GPTModel(nn.Module):
     def token_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token loss ``[b, s]`` from final hidden states ``[b, s, h]``; logits stay sharded.
 
-        Communication: backward all-reduce of ``b*s*h`` (f before the output layer); forward 3
-        all-reduces of ``b*s`` in the vocab-parallel cross entropy; all on tp. With sequence
-        parallelism ``x`` is ``[b, s/t, h]``, gathered along the sequence into the output layer
-        (forward all-gather; backward all-gather again and reduce-scatter, tag ``output``).
+        The output layer and the cross entropy run as one chunked operation on this rank's padded
+        vocabulary shard, the padding columns masked to ``-inf``
+        (:func:`~ptdp.engine.tensor_parallel.linear_cross_entropy.linear_cross_entropy`): at most
+        ``loss_chunk_tokens`` tokens' logits exist at a time, never float32 logits of the whole
+        microbatch. Communication: backward all-reduce of ``b*s*h`` (f before the output layer,
+        tag ``output``); forward 3 all-reduces of ``b*s`` (max, target logit, sum of
+        exponentials); all on tp. With sequence parallelism ``x`` is ``[b, s/t, h]``, gathered
+        along the sequence into the output layer (forward all-gather; backward all-gather again
+        and reduce-scatter, tag ``output``).
         """
         out = self.output_layer if hasattr(self, "output_layer") else self.word_embeddings
-        if self.sequence_parallel:
-            logits = sequence_gathered_linear(x, out.real_weight(), None, self.tp, "output")
-        else:
-            logits = F.linear(copy_to_tp(x, self.tp, "output"), out.real_weight())
-        if logits.dtype in (torch.bfloat16, torch.float16):
-            logits = logits.float()
-        return vocab_parallel_cross_entropy(logits, labels, vocab_start=out.vocab_start, vocab_size=out.vocab_size,
-                                            axis=self.tp)
+        return linear_cross_entropy(x, out.weight, labels, vocab_start=out.vocab_start, vocab_size=out.vocab_size,
+                                    axis=self.tp, sequence_parallel=self.sequence_parallel,
+                                    chunk_tokens=self.loss_chunk_tokens)
 
 
 def masked_mean(losses: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,186 @@
+"""The output layer and the cross entropy in one chunked operation, on the padded vocabulary.
+
+``loss[i] = logsumexp_j(z[i, j]) - z[i, y_i]`` with ``z = x W^T`` over the *real* vocabulary,
+computed without ever holding the logits of the whole microbatch:
+
+- The GEMM runs on this rank's whole padded shard ``W [V_pad / t, h]`` (``V_pad`` a multiple of
+  ``make_vocab_size_divisible_by * t``: GEMM-friendly widths, never an odd 50,257-wide matrix).
+  The columns of padding rows (global id ``>= V``) are set to ``-inf`` before the softmax, so
+  they add ``exp(-inf) = 0`` to every sum and get a zero gradient: loss and gradients equal those
+  of the real vocabulary.
+- Tokens are processed in chunks of ``c`` rows: a chunk's logits ``[c, V_pad / t]`` are made in
+  the compute dtype and turned into float32 (float64 models: float64) for the softmax, reduced to
+  three numbers per token (local max, local sum of exponentials, the target's logit) and freed.
+  Backward recomputes each chunk's logits from the saved input and the log-sum-exp per token and
+  accumulates the input and weight gradients chunk by chunk. Saved for backward: the input (as
+  the plain output layer would), the float32 log-sum-exp ``[b s]`` and the labels; peak
+  temporaries: a few ``[c, V_pad / t]`` chunks instead of ``[b s, V_pad / t]`` float32 logits.
+
+Vocabulary parallelism (Shoeybi et al. 2019, §3): each tp rank holds ``V_pad / t`` rows; the
+per-token statistics are combined after the last chunk with the three all-reduces of
+:func:`~ptdp.engine.tensor_parallel.cross_entropy.vocab_parallel_cross_entropy` (max, target
+logit, rescaled sum of exponentials: ``b s`` elements each, tags ``ce_max``, ``ce_target``,
+``ce_sum_exp``), whatever the number of chunks. A rank whose shard is all padding takes part with
+``-inf`` maxima and zero sums. The input enters as f does: backward one all-reduce of the input
+gradient (``b s h``, tag ``tag``). With sequence parallelism (Korthikanti et al. 2022, §4.2.2)
+the input is ``[b, s/t, h]``: forward all-gather along the sequence (``tag``), backward the
+all-gather again (``<tag>_regather``) and a reduce-scatter of the input gradient (``tag``); only
+the shard is saved.
+
+Labels equal to :data:`~ptdp.engine.tensor_parallel.cross_entropy.IGNORE_INDEX` give loss 0 and
+no gradient; any other label outside ``[0, V)`` raises ``ValueError``
+(:func:`~ptdp.engine.tensor_parallel.cross_entropy.check_labels`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ptdp.engine.comm import AxisGroup, all_gather_along, all_reduce, reduce_scatter_along
+from ptdp.engine.tensor_parallel.cross_entropy import IGNORE_INDEX, check_labels
+from ptdp.engine.tensor_parallel.sequence import SEQ_DIM
+
+CHUNK_LOGIT_BYTES = 2**28
+"""Bytes of one chunk's float32 logits that :func:`default_chunk_tokens` aims at (256 MiB)."""
+
+
+def default_chunk_tokens(local_vocab: int) -> int:
+    """Tokens per chunk so that a chunk's float32 logits ``[c, local_vocab]`` take at most
+    :data:`CHUNK_LOGIT_BYTES`, rounded down to a multiple of 64 (at least 64). Example: GPT-2's
+    ``V_pad = 50,304`` at tp = 1 gives 1,280 tokens (246 MiB of float32 logits per chunk)."""
+    tokens = CHUNK_LOGIT_BYTES // (4 * max(local_vocab, 1))
+    return max(64, tokens // 64 * 64)
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """What the autograd function needs to know about this rank's slice of the vocabulary."""
+
+    vocab_start: int
+    num_real: int
+    axis: AxisGroup
+    chunk: int
+    sequence_parallel: bool
+    tag: str
+    ignore_index: int
+
+
+def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunk_logits(rows: torch.Tensor, weight: torch.Tensor, num_real: int) -> torch.Tensor:
+    """``rows [c, h] @ weight^T`` in the compute dtype, then float32 (float64 stays float64), with
+    the padding columns ``[num_real, V_pad / t)`` set to ``-inf``: ``[c, V_pad / t]``."""
+    z = (rows @ weight.t()).to(_softmax_dtype(weight.dtype))
+    if num_real < z.shape[-1]:
+        z[:, num_real:] = float("-inf")
+    return z
+
+
+def _local_target(labels: torch.Tensor, shard: _Shard) -> tuple[torch.Tensor, torch.Tensor]:
+    """The label as a column of this shard (0 where it is not on it) and whether it is on it."""
+    local = labels - shard.vocab_start
+    inside = (local >= 0) & (local < shard.num_real)
+    return local.masked_fill(~inside, 0), inside
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, target, shard: _Shard):
+        full = all_gather_along(x, shard.axis, dim=SEQ_DIM, tag=shard.tag) if shard.sequence_parallel else x
+        rows, labels = full.reshape(-1, full.shape[-1]), target.reshape(-1)
+        n, dtype = rows.shape[0], _softmax_dtype(weight.dtype)
+        local_max = rows.new_empty(n, dtype=dtype)
+        sum_exp = rows.new_empty(n, dtype=dtype)
+        target_logit = rows.new_empty(n, dtype=dtype)
+        for start in range(0, n, shard.chunk):
+            stop = min(n, start + shard.chunk)
+            z = _chunk_logits(rows[start:stop], weight, shard.num_real)
+            peak = z.amax(dim=-1)
+            finite_peak = torch.where(peak == float("-inf"), 0.0, peak)  # a shard of padding only
+            sum_exp[start:stop] = (z - finite_peak.unsqueeze(-1)).exp_().sum(dim=-1)
+            local_max[start:stop] = peak
+            column, inside = _local_target(labels[start:stop], shard)
+            target_logit[start:stop] = z.gather(-1, column.unsqueeze(-1)).squeeze(-1).masked_fill_(~inside, 0.0)
+        global_max = all_reduce(local_max.clone(), shard.axis, op="max", tag="ce_max")
+        all_reduce(target_logit, shard.axis, tag="ce_target")
+        sum_exp.mul_((local_max - global_max).exp_())  # each rank's sum rescaled to the global max
+        all_reduce(sum_exp, shard.axis, tag="ce_sum_exp")
+        log_sum_exp = global_max + sum_exp.log_()
+        ignored = labels == shard.ignore_index
+        ctx.shard, ctx.shape = shard, full.shape
+        ctx.save_for_backward(x, weight, labels, log_sum_exp)
+        return (log_sum_exp - target_logit).masked_fill_(ignored, 0.0).view(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        x, weight, labels, log_sum_exp = ctx.saved_tensors
+        shard = ctx.shard
+        full = x
+        if shard.sequence_parallel:
+            full = all_gather_along(x, shard.axis, dim=SEQ_DIM, tag=shard.tag + "_regather")
+        rows = full.reshape(-1, full.shape[-1])
+        scale = grad_loss.reshape(-1).masked_fill(labels == shard.ignore_index, 0.0).to(log_sum_exp.dtype)
+        grad_rows = torch.empty_like(rows)
+        grad_weight = torch.zeros(weight.shape, dtype=_softmax_dtype(weight.dtype), device=weight.device)
+        for start in range(0, rows.shape[0], shard.chunk):
+            stop = min(rows.shape[0], start + shard.chunk)
+            z = _chunk_logits(rows[start:stop], weight, shard.num_real)
+            probs = z.sub_(log_sum_exp[start:stop].unsqueeze(-1)).exp_()  # softmax; padding columns 0
+            column, inside = _local_target(labels[start:stop], shard)
+            probs.scatter_add_(-1, column.unsqueeze(-1), -inside.to(probs.dtype).unsqueeze(-1))
+            grad_logits = probs.mul_(scale[start:stop].unsqueeze(-1)).to(weight.dtype)
+            torch.mm(grad_logits, weight, out=grad_rows[start:stop])
+            grad_weight.add_(grad_logits.t() @ rows[start:stop])
+        grad_x = grad_rows.view(ctx.shape)
+        if shard.sequence_parallel:
+            grad_x = reduce_scatter_along(grad_x, shard.axis, dim=SEQ_DIM, tag=shard.tag)
+        else:
+            all_reduce(grad_x, shard.axis, tag=shard.tag)
+        return grad_x, grad_weight.to(weight.dtype), None, None
+
+
+def linear_cross_entropy(
+    x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, vocab_start: int, vocab_size: int,
+    axis: AxisGroup, sequence_parallel: bool = False, chunk_tokens: int | None = None, tag: str = "output",
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Per-token cross entropy of ``x W^T`` over the vocabulary shards, in chunks of tokens.
+
+    Args:
+        x: ``[b, s, h]`` final hidden states, replicated over tp (``[b, s/t, h]``, this rank's
+            positions, with ``sequence_parallel``).
+        weight: this rank's padded vocabulary shard ``[V_pad / t, h]``, global rows
+            ``[vocab_start, vocab_start + V_pad / t)``; rows at or past ``vocab_size`` are padding.
+        target: ``[b, s]`` global token ids in ``[0, V)`` or ``ignore_index``.
+        vocab_start: global id of this rank's first row.
+        vocab_size: V, the real vocabulary.
+        axis: the tp axis.
+        sequence_parallel: ``x`` is a sequence shard (gathered here, module docstring).
+        chunk_tokens: tokens per chunk (default :func:`default_chunk_tokens`).
+        tag: the tag of the input's communication (f, or the sequence gather).
+        ignore_index: labels with loss 0 and no gradient.
+
+    Returns:
+        ``[b, s]`` losses in nats, replicated on every tp rank; 0 where the label is ignored.
+
+    Raises:
+        ValueError: a label outside ``[0, V)`` that is not ``ignore_index`` (before any
+            collective; reported asynchronously on a GPU), or ``chunk_tokens < 1``.
+
+    Communication on tp: forward 3 all-reduces of ``b s`` elements (+ the all-gather of ``x``
+    with sequence parallelism); backward 1 all-reduce of ``b s h`` (sequence parallelism: an
+    all-gather and a reduce-scatter).
+    """
+    check_labels(target, vocab_size, ignore_index)
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be at least 1")
+    local_vocab = weight.shape[0]
+    num_real = max(0, min(local_vocab, vocab_size - vocab_start))
+    sp = sequence_parallel and axis.size > 1
+    shard = _Shard(vocab_start, num_real, axis, chunk_tokens or default_chunk_tokens(local_vocab), sp, tag,
+                   ignore_index)
+    return _LinearCrossEntropy.apply(x, weight, target, shard)

@@ -1,0 +1,139 @@
+"""The chunked output layer + cross entropy on the padded vocabulary at tp = 1 (tp = 2 and 4, with
+and without sequence parallelism: tests/dist/test_tensor_parallel.py): equal to
+``F.cross_entropy(F.linear(x, real rows))`` in float64, and never holding the whole microbatch's
+logits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.model.gpt import GPTModel
+from ptdp.engine.tensor_parallel.linear_cross_entropy import default_chunk_tokens, linear_cross_entropy
+from ptdp.engine.tensor_parallel.sharding import initialize_parameters
+from ptdp.spec import ModelConfig
+
+from helpers.tp_cases import CHUNKS, IGNORED, VOCAB, ce_labels, inputs, linear_ce_reference, padded_output_weight
+
+TOL = dict(rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_matches_cross_entropy_of_the_real_vocabulary(chunk):
+    """Nonzero padding rows: masked to -inf, they change neither the loss nor any gradient, and
+    get none themselves; ignored labels give loss 0 and no gradient."""
+    d = inputs()
+    ref = linear_ce_reference(d["x"], d["ids"])
+    x = d["x"].clone().requires_grad_()
+    w = padded_output_weight(d).requires_grad_()
+    tp = ParallelGroups.single_process().tp
+    loss = linear_cross_entropy(x, w, ce_labels(d["ids"]), vocab_start=0, vocab_size=VOCAB, axis=tp,
+                                chunk_tokens=chunk)
+    loss.sum().backward()
+    torch.testing.assert_close(loss, ref["loss"], **TOL)
+    torch.testing.assert_close(x.grad, ref["x_grad"], **TOL)
+    torch.testing.assert_close(w.grad, ref["w_grad"], **TOL)
+    assert torch.all(w.grad[VOCAB:] == 0) and all(loss[pos] == 0 for pos in IGNORED)
+    assert all(torch.all(x.grad[pos] == 0) for pos in IGNORED)
+
+
+def test_rejects_bad_labels_and_chunks():
+    d, tp = inputs(), ParallelGroups.single_process().tp
+    target = d["ids"].clone()
+    target[1, 1] = VOCAB
+    with pytest.raises(ValueError, match=f"label {VOCAB} at position \\(1, 1\\) is outside the vocabulary"):
+        linear_cross_entropy(d["x"], padded_output_weight(d), target, vocab_start=0, vocab_size=VOCAB, axis=tp)
+    with pytest.raises(ValueError, match="chunk_tokens=0 must be at least 1"):
+        linear_cross_entropy(d["x"], padded_output_weight(d), d["ids"], vocab_start=0, vocab_size=VOCAB, axis=tp,
+                             chunk_tokens=0)
+
+
+def test_default_chunk_keeps_a_chunk_of_float32_logits_under_256_mib():
+    assert default_chunk_tokens(50304) == 1280 and 1280 * 50304 * 4 <= 2**28
+    assert default_chunk_tokens(10**9) == 64 and default_chunk_tokens(32) % 64 == 0
+
+
+def _tiny_model(untied: bool, vocab: int = 301, dtype: str = "float64") -> GPTModel:
+    cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, seq_length=6,
+                      vocab_size=vocab, make_vocab_size_divisible_by=64, params_dtype=dtype,
+                      untie_embeddings_and_output_weights=untied)
+    model = GPTModel(cfg, ParallelGroups.single_process().tp, layer_ids=range(1), pre_process=True,
+                     post_process=True)
+    initialize_parameters(model, seed=3, std=0.02, num_layers=1, tp_rank=0, tp_size=1)
+    return model
+
+
+def _batch(vocab: int, b: int = 3, s: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    tokens, labels = torch.randint(0, vocab, (b, s), generator=g), torch.randint(0, vocab, (b, s), generator=g)
+    labels[0, 2] = labels[2, -1] = -100
+    return tokens, labels
+
+
+@pytest.mark.parametrize("untied", [False, True])
+def test_model_loss_and_gradients_equal_the_plain_output_layer(untied):
+    """The model's loss (tied and untied output layer, 4 chunks of 5 tokens and one of 2) and every
+    parameter's gradient equal a plain ``F.linear`` on the real rows + ``F.cross_entropy``."""
+    model = _tiny_model(untied)
+    model.loss_chunk_tokens = 5
+    tokens, labels = _batch(301)
+    model(tokens, labels).backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    out = model.output_layer if untied else model.word_embeddings
+    assert out.weight.shape[0] == 320, "the GEMM runs on the padded width"
+    x = model.final_norm(model.layers["0"](model.embed(tokens)))
+    want = F.cross_entropy(F.linear(x, out.real_weight()).flatten(0, 1), labels.flatten())  # mean over kept
+    want.backward()
+    torch.testing.assert_close(model(tokens, labels), want.detach(), **TOL)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, **TOL, msg=lambda m: f"{name}: {m}")
+    assert torch.all(got["output_layer.weight" if untied else "word_embeddings.weight"][301:] == 0)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an operator produced while active, except tensors of the
+    weight's shape ``skip`` or its transpose (the weight's views and gradient)."""
+
+    def __init__(self, skip: tuple[int, ...]) -> None:
+        super().__init__()
+        self.largest, self.skip = 0, skip
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and tuple(t.shape) not in (self.skip, self.skip[::-1]):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_whole_microbatch_logits_are_never_held(dtype):
+    """b s = 64 tokens, V_pad = 1024, chunks of 8 tokens: no operator in forward or backward of the
+    output layer + loss makes a tensor of more than 8 x 1024 elements (the whole microbatch's
+    logits are 64 x 1024; the weight's views and gradient aside), and what autograd keeps is the
+    input ``[b s, h]``, the labels and one float32 log-sum-exp per token, far below the 256 KiB of float32 logits the plain
+    linear + ``F.cross_entropy`` keeps (measured here too)."""
+    model = _tiny_model(untied=True, vocab=1000, dtype=dtype)
+    model.loss_chunk_tokens = 8
+    tokens, labels = _batch(1000, b=16, s=4)
+    x = model.final_norm(model.layers["0"](model.embed(tokens))).detach().requires_grad_()
+    n, h, v_pad = 64, 16, 1024
+    meter, largest = SavedActivationMeter(parameter_storages(model)), _LargestTensor((v_pad, h))
+    with meter.hooks(), largest:
+        loss = model.token_losses(x, labels)
+        loss.sum().backward()
+    elem = x.element_size()
+    assert largest.largest <= 8 * v_pad < n * v_pad
+    assert meter.peak == n * h * elem + n * 8 + n * 4  # input, int64 labels, float32 log-sum-exp
+    plain = SavedActivationMeter(parameter_storages(model))
+    with plain.hooks():
+        logits = F.linear(x, model.output_layer.real_weight()).float()
+        F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    assert plain.peak >= n * 1000 * 4 > 8 * meter.peak
