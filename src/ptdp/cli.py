@@ -21,6 +21,8 @@ from ptdp.topology.model import TopologyError
 COMMANDS = {
     "train": ("train a GPT on local workers", "ptdp.commands.train"),
     "plan": ("choose a parallel layout for a model on a GPU cluster, and explain why", "ptdp.commands.plan"),
+    "schedule": ("print each pipeline rank's program and p2p groups, proven deadlock-free under NCCL",
+                 "ptdp.commands.schedule"),
     "topo": ("show this node's GPUs, links and NUMA nodes, and place ranks on them", "ptdp.commands.topo"),
     "generate": ("continue a prompt with a trained checkpoint (any layout)", "ptdp.commands.generate"),
     "convert": ("export a checkpoint to Hugging Face GPT-2 or Llama, or import one", "ptdp.commands.convert"),
