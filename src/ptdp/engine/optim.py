@@ -12,37 +12,80 @@ from ptdp.spec import TrainConfig
 from ptdp.engine.data_parallel.buffer import GradBuffer
 
 
+def adamw(groups: list[dict], **adam_kwargs) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` with ``fused=True`` (one multi-tensor kernel per device and dtype, the
+    step count kept on the device, the update skippable on the device: :func:`step_unless`)
+    where torch has the fused kernel for the parameters' device and dtype (torch 2.13: CUDA,
+    CPU, XPU, MPS; floating-point parameters); the default (foreach) implementation otherwise."""
+    try:
+        return torch.optim.AdamW(groups, fused=True, **adam_kwargs)
+    except RuntimeError:  # "`fused=True` requires all the params to be floating point Tensors of supported devices"
+        return torch.optim.AdamW(groups, **adam_kwargs)
+
+
+def step_unless(optimizer: torch.optim.Optimizer | None, skip: torch.Tensor | None) -> None:
+    """``optimizer.step()``, unless the 0-dim bool tensor ``skip`` is true: then nothing changes
+    (parameters, moments, step count).
+
+    A fused AdamW decides on the device: ``skip`` is handed to its kernel as ``found_inf`` (the
+    attribute through which ``torch.amp.GradScaler`` passes it), which leaves every tensor
+    untouched and takes back the step count's increment, so a skipped step costs no host
+    synchronisation. An optimizer without the fused kernel reads ``skip`` to the host (one
+    synchronisation)."""
+    if optimizer is None:
+        return
+    if skip is None:
+        optimizer.step()
+    elif optimizer.defaults.get("fused"):
+        optimizer.found_inf = skip.to(torch.float32)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif not bool(skip):
+        optimizer.step()
+
+
 class MainParamsAdamW:
     """AdamW on float32 copies ("main parameters") of low-precision model parameters.
 
     Each step updates the float32 copies from the float32 gradient buffer, then copies them into the
     model's parameters (rounding once), so updates smaller than the model dtype's resolution are not
-    lost (Micikevicius et al., "Mixed Precision Training", arXiv:1710.03740; Megatron's
-    ``Float16OptimizerWithFloat16Params``). Memory: 4 bytes per parameter more than plain AdamW.
+    lost (Micikevicius et al., "Mixed Precision Training", arXiv:1710.03740, §3.1). The main
+    parameters are views of one flat float32 tensor (:attr:`main_data`) laid out exactly like the
+    gradient buffer, each main parameter's ``.grad`` the matching view of the buffer; the copy back
+    is one ``torch._foreach_copy_``. Memory: 4 bytes per parameter more than plain AdamW.
     """
 
     def __init__(self, groups: list[dict], grads: GradBuffer, **adam_kwargs) -> None:
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        self.main_data = torch.zeros_like(grads.data, dtype=torch.float32)
         main_groups = []
         for group in groups:
             mains = []
             for p in group["params"]:
-                main = nn.Parameter(p.detach().float().clone())
-                main.grad = grads.grad(p)
+                grad = grads.grad(p)
+                view = self.main_data[grad.storage_offset(): grad.storage_offset() + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                main = nn.Parameter(view)
+                main.grad = grad
                 self.pairs.append((p, main))
                 mains.append(main)
             main_groups.append({**group, "params": mains})
-        self.inner = torch.optim.AdamW(main_groups, **adam_kwargs)
+        self.inner = adamw(main_groups, **adam_kwargs)
+        self._model = [p for p, _ in self.pairs]
+        self._mains = [m for _, m in self.pairs]
 
     @property
     def param_groups(self) -> list[dict]:
         return self.inner.param_groups
 
     @torch.no_grad()
-    def step(self) -> None:
-        self.inner.step()
-        for p, main in self.pairs:
-            p.copy_(main)
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        """Update the main parameters (unless ``skip``: :func:`step_unless`), then round them into
+        the model's parameters (after a skipped step this rewrites the same values)."""
+        step_unless(self.inner, skip)
+        torch._foreach_copy_(self._model, self._mains)
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, grads: GradBuffer, *,
@@ -52,7 +95,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, grads: GradBuffer, *,
 
     With a sharded ``grads`` (distributed optimizer) :class:`~ptdp.engine.data_parallel.zero.ShardedAdamW`;
     otherwise float32/float64 parameters are updated in place (their ``.grad`` views ``grads``)
-    and bfloat16 parameters through :class:`MainParamsAdamW` (``grads`` is then float32).
+    and bfloat16 parameters through :class:`MainParamsAdamW` (``grads`` is then float32). Fused
+    AdamW where torch has the kernel (:func:`adamw`); step with :func:`step_unless` (or, for the
+    two wrappers, ``step(skip)``) to skip an update on the device.
     ``param_gather_units`` (sharded only): overlap the parameter all-gather with the next forward,
     each module waiting for its own parameters (:class:`~ptdp.engine.data_parallel.zero.ShardedAdamW`).
     """
@@ -70,7 +115,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, grads: GradBuffer, *,
     groups = [g for g in groups if g["params"]]
     if grads.uses_main_grad:
         return MainParamsAdamW(groups, grads, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+    return adamw(groups, **kwargs)
 
 
 def lr_at(iteration: int, cfg: TrainConfig) -> float:

@@ -12,6 +12,11 @@ collective. Nothing changes then: parameters, Adam's moments and step count, flo
 parameters (whole or sharded) and the 1-bit error-feedback residual (restored from a copy taken
 before the step) keep their values. The learning rate follows the iteration number, whose
 update is simply not applied.
+
+The host never waits for the device inside a step (except float16's loss scaler): the gradient
+norm, the clip coefficient and the skip decision are tensors on the device, the fused AdamW
+kernel skips the update itself (``found_inf``), and the loss and norm come back in a
+:class:`PendingStep` that the trainer reads once per logged step (:func:`read_results`).
 """
 
 from __future__ import annotations
@@ -28,11 +33,11 @@ from ptdp.engine.faults import FaultPlan, poison_first_forward
 from ptdp.engine.comm import all_reduce
 from ptdp.spec import Config
 from ptdp.engine.data_parallel.buffer import GradBuffer
-from ptdp.engine.data_parallel.grads import clip_grads, finalize_grads, grad_norm
+from ptdp.engine.data_parallel.grads import clip_grads, finalize_grads, global_grad_norm
 from ptdp.engine.data_parallel.loss_scale import DynamicLossScaler
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.gpt import DTYPES, GPTModel
-from ptdp.engine.optim import MainParamsAdamW, build_optimizer, lr_at, set_lr
+from ptdp.engine.optim import MainParamsAdamW, build_optimizer, lr_at, set_lr, step_unless
 from ptdp.engine.model.chunks import ModelChunks
 from ptdp.engine.pipeline.partition import chunk_layer_ids, stage_layer_ids
 from ptdp.engine.pipeline.runtime import Microbatch, run_schedule
@@ -105,6 +110,54 @@ class StepResult:
         return self.skip_reason in (NONFINITE_LOSS, NONFINITE_GRAD_NORM)
 
 
+class PendingStep:
+    """What :func:`train_step` returns: the step's metrics while they are still on the device.
+
+    ``values`` is a float64 ``[4]`` tensor on the stage's device, the same on every rank: the mean
+    loss, the gradient norm before clipping, how many ranks found a non-finite loss and how many
+    a non-finite gradient norm. Nothing is read to the host until :meth:`result` (or
+    :func:`read_results` for many steps, one synchronisation for all) is called; the attributes of
+    :class:`StepResult` read it on first use.
+    """
+
+    def __init__(self, values: torch.Tensor, lr: float, loss_scale: float | None = None) -> None:
+        self.values, self.lr, self.loss_scale = values, lr, loss_scale
+        self._result: StepResult | None = None
+
+    def result(self) -> StepResult:
+        """The step's :class:`StepResult` (reads ``values`` to the host once: a synchronisation)."""
+        if self._result is None:
+            read_results([self])
+        return self._result
+
+    def _resolve(self, row: list[float]) -> None:
+        loss, norm, bad_losses, bad_norms = row
+        reason = None
+        if bad_losses or not math.isfinite(loss):
+            reason = NONFINITE_LOSS
+        elif bad_norms or not math.isfinite(norm):
+            reason = NONFINITE_GRAD_NORM
+        self._result = StepResult(loss=loss, grad_norm=norm, lr=self.lr, skipped=reason is not None,
+                                  loss_scale=self.loss_scale, skip_reason=reason)
+
+    loss = property(lambda self: self.result().loss)
+    grad_norm = property(lambda self: self.result().grad_norm)
+    skipped = property(lambda self: self.result().skipped)
+    skip_reason = property(lambda self: self.result().skip_reason)
+    nonfinite = property(lambda self: self.result().nonfinite)
+
+
+def read_results(steps: list[PendingStep]) -> list[StepResult]:
+    """The results of ``steps``, reading every one not read yet to the host with one
+    ``tolist()`` of their stacked values: one host synchronisation for all of them."""
+    unread = [step for step in steps if step._result is None]
+    if unread:
+        rows = torch.stack([step.values for step in unread]).tolist()
+        for step, row in zip(unread, rows):
+            step._resolve(row)
+    return [step._result for step in steps]
+
+
 def build_stage(config: Config, groups: ParallelGroups, device: torch.device | str = "cpu") -> Stage:
     """Build, initialise (layout-independently, from ``config.train.seed``) and place this rank's stage.
 
@@ -161,12 +214,18 @@ def _param_gather_units(chunks: list[GPTModel]) -> list[tuple[nn.Module, list[nn
 
 
 def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tracer=None,
-               faults: FaultPlan | None = None) -> StepResult:
+               faults: FaultPlan | None = None) -> PendingStep:
     """One optimizer step over this rank's ``m`` microbatches (collective over the whole world);
     ``iteration`` is 0-based. Skipped on every rank, without any change, when the loss or the
     gradient norm is not finite on some rank, or float16 gradients overflowed (module docstring).
     ``tracer`` (a :class:`ptdp.run.trace.Tracer`) times every action and phase; ``faults`` (tests
-    only) poisons, stalls or crashes this rank as planned."""
+    only) poisons, stalls or crashes this rank as planned.
+
+    No host synchronisation (bfloat16, float32, float64 parameters): the clip coefficient and the
+    skip decision stay on the device, the optimizer skips through its fused kernel
+    (:func:`~ptdp.engine.optim.step_unless`), and the metrics come back as a :class:`PendingStep`
+    that the caller reads when it logs. float16's loss scaler reads its overflow flag each step.
+    """
     cfg, g = stage.config, stage.groups
     activity.start_step(g.global_rank, iteration + 1, faults)
     stage.grads.zero()
@@ -189,32 +248,42 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     activity.set_phase(activity.GRAD_SYNC)
     span = tracer.span("grad sync + clip", "grad_sync") if tracer is not None else None
     finalize_grads(stage.model, stage.grads, g)
-    lr = lr_at(iteration, cfg.train)
     overflow = False
     if stage.scaler is not None:
         stage.grads.reduced.mul_(1.0 / scale)
-        overflow = stage.scaler.found_overflow(stage.grads.reduced, g.world)
-    norm = float("inf") if overflow else grad_norm(stage.model, stage.grads, g)
-    loss, bad_losses, bad_norms = _loss_and_flags(stage, losses, len(microbatches), norm)
-    reason = _skip_reason(stage, loss, norm, bad_losses, bad_norms, overflow, scale)
+        overflow = stage.scaler.found_overflow(stage.grads.reduced, g.world)  # host read, float16 only
+    norm = (torch.full((), math.inf, dtype=torch.float64, device=stage.device) if overflow
+            else global_grad_norm(stage.model, stage.grads, g))
+    pending = PendingStep(_step_values(stage, losses, len(microbatches), norm), lr_at(iteration, cfg.train), scale)
+    skip = (pending.values[2] + pending.values[3] > 0) | ~pending.values[0].isfinite()
     if stage.scaler is not None:
-        stage.scaler.update(overflow=reason is not None)
-    if reason is not None:
-        if kept is not None:
-            residual.copy_(kept)
-        if span is not None:
-            span.end()
-        return StepResult(loss=loss, grad_norm=norm, lr=lr, skipped=True, loss_scale=scale, skip_reason=reason)
+        _fp16_result(stage, pending, overflow, scale)
+    if kept is not None:
+        residual.copy_(torch.where(skip, kept, residual))
     clip_grads(stage.grads, norm, cfg.train.clip_grad)
     activity.set_phase(activity.OPTIMIZER)
     if span is not None:
         span.end()
         span = tracer.span("optimizer", "optimizer")
-    set_lr(stage.optimizer, lr)
-    stage.optimizer.step()
+    set_lr(stage.optimizer, pending.lr)
+    if isinstance(stage.optimizer, torch.optim.Optimizer):
+        step_unless(stage.optimizer, skip)
+    else:
+        stage.optimizer.step(skip)
     if span is not None:
         span.end()
-    return StepResult(loss=loss, grad_norm=norm, lr=lr, loss_scale=scale)
+    return pending
+
+
+def _fp16_result(stage: Stage, pending: PendingStep, overflow: bool, scale: float) -> None:
+    """float16: read the step's result now (the scaler needs to know whether it is skipped), name
+    an overflow at a scale that can still be halved :data:`FP16_OVERFLOW` (the scaler's ordinary
+    business; at the smallest scale the unscaled gradients themselves are inf/nan), update the
+    scale."""
+    result = pending.result()
+    if overflow and scale > stage.scaler.min_scale and result.skip_reason == NONFINITE_GRAD_NORM:
+        pending._result = dataclasses.replace(result, skip_reason=FP16_OVERFLOW)
+    stage.scaler.update(overflow=result.skipped)
 
 
 def _test_poison(stage: Stage, iteration: int, faults: FaultPlan | None):
@@ -223,18 +292,6 @@ def _test_poison(stage: Stage, iteration: int, faults: FaultPlan | None):
     if faults is None or not faults.poisons(stage.groups.global_rank, iteration + 1):
         return None
     return poison_first_forward(stage.model[0] if isinstance(stage.model, ModelChunks) else stage.model)
-
-
-def _skip_reason(stage: Stage, loss: float, norm: float, bad_losses: int, bad_norms: int, overflow: bool,
-                 scale: float | None) -> str | None:
-    """Why the step is skipped, the same on every rank (all inputs are agreed), or None."""
-    if bad_losses or not math.isfinite(loss):
-        return NONFINITE_LOSS
-    if overflow:  # at the smallest scale the unscaled gradients themselves are inf/nan
-        return FP16_OVERFLOW if scale > stage.scaler.min_scale else NONFINITE_GRAD_NORM
-    if bad_norms or not math.isfinite(norm):
-        return NONFINITE_GRAD_NORM
-    return None
 
 
 @torch.no_grad()
@@ -271,12 +328,21 @@ def _global_mean_loss(stage: Stage, losses: list[torch.Tensor], m: int) -> float
     return _world_sums(stage, losses, m, [])[0]
 
 
-def _loss_and_flags(stage: Stage, losses: list[torch.Tensor], m: int, norm: float) -> tuple[float, int, int]:
-    """The global mean loss and how many ranks found a non-finite loss, and a non-finite gradient
-    norm: one world all-reduce of three float64 (tag ``metrics``), the same on every rank."""
-    bad_loss = bool(losses) and not bool(torch.stack(losses).isfinite().all())
-    loss, bad_losses, bad_norms = _world_sums(stage, losses, m, [float(bad_loss), float(not math.isfinite(norm))])
-    return loss, int(bad_losses), int(bad_norms)
+def _step_values(stage: Stage, losses: list[torch.Tensor], m: int, norm: torch.Tensor) -> torch.Tensor:
+    """``[mean loss, norm, ranks with a non-finite loss, ranks with a non-finite norm]``: float64
+    on the device, the same on every rank. One world all-reduce of three float64 (tag
+    ``metrics``; only tp rank 0 of each last stage adds its loss sum, since its tp peers hold the
+    same value); no host synchronisation."""
+    g = stage.groups
+    value = torch.zeros(3, dtype=torch.float64, device=stage.device)
+    if losses:
+        stacked = torch.stack(losses)
+        value[1] = (~stacked.isfinite().all()).double()
+        if g.is_last_stage and g.tp.rank == 0:
+            value[0] = stacked.to(torch.float64).sum()
+    value[2] = (~norm.isfinite()).double()
+    all_reduce(value, g.world, tag="metrics")
+    return torch.stack([value[0] / (m * g.dp.size), norm.to(torch.float64), value[1], value[2]])
 
 
 def _world_sums(stage: Stage, losses: list[torch.Tensor], m: int, extra: list[float]) -> list[float]:
@@ -285,7 +351,8 @@ def _world_sums(stage: Stage, losses: list[torch.Tensor], m: int, extra: list[fl
     if g.is_last_stage and g.tp.rank == 0 and losses:
         value[0] += torch.stack(losses).to(torch.float64).sum()
     all_reduce(value, g.world, tag="metrics")
-    return [value[0].item() / (m * g.dp.size), *value[1:].tolist()]
+    values = value.tolist()
+    return [values[0] / (m * g.dp.size), *values[1:]]
 
 
 def with_vocab(config: Config, vocab_size: int) -> Config:

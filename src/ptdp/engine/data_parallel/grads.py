@@ -4,8 +4,6 @@ whatever the layout, bucketing, compression or optimizer sharding."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -92,28 +90,46 @@ def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return norms.pow(2).sum()
 
 
-def grad_norm(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups) -> float:
-    """Global L2 norm of all gradients of the model, every parameter counted once (nan or inf if a
-    gradient is; the same on every rank).
+def global_grad_norm(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups) -> torch.Tensor:
+    """Global L2 norm of all gradients of the model, every parameter counted once, as a float64
+    0-dim tensor on the buffer's device (nan or inf if a gradient is; the same on every rank).
 
     Sums squares (float64) over this rank's counted parameters (with the distributed optimizer,
     over its shard, then all-reduced over dp), then all-reduces over tp and pp (1 element each).
+    No host synchronisation: the value stays on the device until someone reads it.
     """
     sq = _sum_of_squares(model, buffer, groups)
     all_reduce(sq, groups.tp, tag="grad_norm")
     all_reduce(sq, groups.pp, tag="grad_norm")
-    return math.sqrt(sq.item())
+    return sq.sqrt()
 
 
-def clip_grads(buffer: GradBuffer, norm: float, max_norm: float) -> None:
-    """If ``max_norm > 0`` and ``norm`` exceeds it, multiply every reduced gradient by
-    ``max_norm / (norm + 1e-6)``."""
-    if max_norm > 0 and norm > max_norm:
-        buffer.reduced.mul_(max_norm / (norm + 1e-6))
+def grad_norm(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups) -> float:
+    """:func:`global_grad_norm` read to the host (one synchronisation; not for the training step)."""
+    return global_grad_norm(model, buffer, groups).item()
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``max_norm / (norm + 1e-6)`` where ``max_norm > 0`` and ``norm > max_norm``, else 1: a 0-dim
+    tensor of ``norm``'s dtype on its device, chosen by ``torch.where`` (no host branch). A nan
+    norm gives 1 and an inf norm 0 (such a step is skipped anyway)."""
+    if max_norm <= 0:
+        return torch.ones_like(norm)
+    return torch.where(norm > max_norm, max_norm / (norm + 1e-6), torch.ones_like(norm))
+
+
+def clip_grads(buffer: GradBuffer, norm: torch.Tensor | float, max_norm: float) -> None:
+    """Multiply every reduced gradient by :func:`clip_coefficient` (one kernel over the flat
+    buffer or shard; the coefficient never leaves the device). Multiplying by exactly 1 where
+    the norm is within ``max_norm`` leaves the gradients bitwise unchanged."""
+    if max_norm > 0:
+        norm = torch.as_tensor(norm, dtype=torch.float64, device=buffer.data.device)
+        buffer.reduced.mul_(clip_coefficient(norm, max_norm))
 
 
 def clip_grad_norm(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups, max_norm: float) -> float:
-    """:func:`grad_norm`, then :func:`clip_grads`; returns the norm before clipping."""
-    norm = grad_norm(model, buffer, groups)
+    """:func:`global_grad_norm`, then :func:`clip_grads`; returns the norm before clipping, read
+    to the host (one synchronisation)."""
+    norm = global_grad_norm(model, buffer, groups)
     clip_grads(buffer, norm, max_norm)
-    return norm
+    return norm.item()

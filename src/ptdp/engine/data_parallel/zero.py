@@ -20,6 +20,7 @@ from torch import nn
 
 from ptdp.engine.comm import all_gather_async
 from ptdp.engine.data_parallel.buffer import GradBuffer
+from ptdp.engine.optim import adamw, step_unless
 
 
 class ShardedAdamW:
@@ -56,7 +57,9 @@ class ShardedAdamW:
         groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
         # a rank whose shards hold only padding has nothing to update
-        self.inner = torch.optim.AdamW(groups, **adam_kwargs) if groups else None
+        self.inner = adamw(groups, **adam_kwargs) if groups else None
+        self._model_views = [view for view, _ in self.pairs]
+        self._mains = [main for _, main in self.pairs]
         self._shard_ranges = [(b.start + rank * (b.numel // dp), b.numel // dp, b.start, b.numel) for b in grads.buckets]
         # buckets hold each chunk's parameters back to front: the next forward needs them in
         # chunk order, last bucket of a chunk first
@@ -96,14 +99,14 @@ class ShardedAdamW:
         return self.inner.state if self.inner is not None else {}
 
     @torch.no_grad()
-    def step(self) -> None:
-        """Update this rank's shard, then all-gather every bucket's parameters from all dp ranks
-        (finished here, or with ``overlap_with`` during the next forward)."""
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        """Update this rank's shard (unless the 0-dim bool tensor ``skip`` is true, decided on the
+        device: :func:`~ptdp.engine.optim.step_unless`), then all-gather every bucket's parameters
+        from all dp ranks (finished here, or with ``overlap_with`` during the next forward)."""
         self.wait_for_params()  # a bucket no forward used (no parameter ran) is still in flight
-        if self.inner is not None:
-            self.inner.step()
-        for model_view, main in self.pairs:
-            model_view.copy_(main)
+        step_unless(self.inner, skip)
+        if self._mains:
+            torch._foreach_copy_(self._model_views, self._mains)
         data = self.grads.param_data
         for i in self._gather_order:
             shard_start, per, start, numel = self._shard_ranges[i]
