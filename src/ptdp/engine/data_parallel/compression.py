@@ -38,17 +38,27 @@ ONE_BIT_BLOCK = 64
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 _BIT_SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
+_ON_DEVICE: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _constant(name: str, device: torch.device) -> torch.Tensor:
+    """The bit weights or shifts on ``device``, copied there once (not once per bucket and step:
+    a copy from pageable host memory would block the host)."""
+    key = (name, torch.device(device))
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = {"weights": _BIT_WEIGHTS, "shifts": _BIT_SHIFTS}[name].to(device)
+    return _ON_DEVICE[key]
 
 
 def packbits(bits: torch.Tensor) -> torch.Tensor:
     """Booleans ``[n]`` -> ``[ceil(n / 8)]`` uint8, most significant bit first."""
     padded = F.pad(bits.to(torch.uint8), (0, (-bits.numel()) % 8)).view(-1, 8)
-    return (padded * _BIT_WEIGHTS.to(bits.device)).sum(dim=1).to(torch.uint8)
+    return (padded * _constant("weights", bits.device)).sum(dim=1).to(torch.uint8)
 
 
 def unpackbits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`packbits` for the last dim: ``[..., k]`` uint8 -> ``[..., n]`` bool."""
-    bits = (packed.unsqueeze(-1) >> _BIT_SHIFTS.to(packed.device)) & 1
+    bits = (packed.unsqueeze(-1) >> _constant("shifts", packed.device)) & 1
     return bits.flatten(-2)[..., :n].bool()
 
 
@@ -100,12 +110,15 @@ def block_sizes(segments: list[int], device: torch.device | str = "cpu") -> torc
 
 def one_bit_scales(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """Mean absolute value of each block of flat ``x`` (``blocks``: sizes from
-    :func:`block_sizes`); ``[len(blocks)]`` float32."""
-    return (torch.segment_reduce(x.abs(), "sum", lengths=blocks) / blocks).float()
+    :func:`block_sizes`, summing to ``x.numel()``); ``[len(blocks)]`` float32. ``unsafe=True``:
+    the lengths are not validated, which on a GPU would read them back to the host."""
+    return (torch.segment_reduce(x.abs(), "sum", lengths=blocks, unsafe=True) / blocks).float()
 
 
-def _per_element(scales: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    return scales.repeat_interleave(blocks, dim=-1)
+def _per_element(scales: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """Each block's scale repeated over its elements: ``[..., len(blocks)]`` -> ``[..., n]``;
+    ``output_size=n`` spares the host the read-back of ``blocks.sum()``."""
+    return scales.repeat_interleave(blocks, dim=-1, output_size=n)
 
 
 def _start_one_bit(grad: torch.Tensor, axis: AxisGroup, residual: torch.Tensor, grad_scale: float,
@@ -115,7 +128,7 @@ def _start_one_bit(grad: torch.Tensor, axis: AxisGroup, residual: torch.Tensor, 
     corrected = grad + residual * grad_scale if grad_scale != 1.0 else grad + residual
     scales = one_bit_scales(corrected, blocks)
     signs = corrected >= 0
-    step = _per_element(scales, blocks).to(grad.dtype)
+    step = _per_element(scales, blocks, n).to(grad.dtype)
     kept = corrected - torch.where(signs, step, -step)
     residual.copy_(kept / grad_scale if grad_scale != 1.0 else kept)
     packed = packbits(signs)
@@ -128,7 +141,7 @@ def _start_one_bit(grad: torch.Tensor, axis: AxisGroup, residual: torch.Tensor, 
         for work in works:
             work.wait()
         bits = unpackbits(all_packed.view(dp, -1), n)
-        steps = _per_element(all_scales.view(dp, -1), blocks).to(grad.dtype)
+        steps = _per_element(all_scales.view(dp, -1), blocks, n).to(grad.dtype)
         grad.copy_(torch.where(bits, steps, -steps).sum(dim=0).div_(dp))
 
     return finish
