@@ -18,6 +18,7 @@ from ptdp.data.corpus import (
 from ptdp.data.dataset import (
     GlobalBatchSampler,
     TokenWindows,
+    device_microbatches,
     dp_shard,
     eval_indices,
     microbatches,
@@ -37,6 +38,7 @@ __all__ = [
     "TokenWindows",
     "corpus_fingerprint",
     "default_corpus_paths",
+    "device_microbatches",
     "dp_shard",
     "eval_indices",
     "iter_documents",

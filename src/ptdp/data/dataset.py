@@ -152,6 +152,35 @@ def microbatches(
     return out
 
 
+def device_microbatches(
+    windows: TokenWindows, indices: np.ndarray, micro_batch_size: int, device: torch.device | str
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`microbatches` on ``device``, with one host-to-device copy per call (per step), not
+    two per microbatch.
+
+    The rank's windows ``[B/dp, s + 1]`` (int64) are gathered once; on a CUDA device they are
+    copied from pinned memory with ``non_blocking=True`` (the host does not wait; the caching
+    host allocator keeps the pinned block until the copy is done), then split on the device into
+    ``tokens = windows[:, :-1]`` and ``labels = windows[:, 1:]`` (two device copies) whose rows the
+    microbatches view. On the CPU nothing is copied beyond that split. Returns ``B / (dp * b)``
+    pairs of ``[b, s]`` ``torch.long`` tensors on ``device``, equal to :func:`microbatches`'.
+    """
+    _check_int("micro_batch_size", micro_batch_size, 1)
+    if len(indices) % micro_batch_size:
+        raise DataError(
+            f"{len(indices)} samples per rank are not divisible by micro_batch_size={micro_batch_size}"
+        )
+    device = torch.device(device)
+    block = torch.from_numpy(windows.batch(indices))
+    if device.type == "cuda":
+        block = block.pin_memory().to(device, non_blocking=True)
+    elif device.type != "cpu":
+        block = block.to(device)
+    tokens, labels = block[:, :-1].contiguous(), block[:, 1:].contiguous()
+    b = micro_batch_size
+    return [(tokens[i : i + b], labels[i : i + b]) for i in range(0, len(indices), b)]
+
+
 def eval_indices(num_samples: int, global_batch_size: int, eval_iters: int) -> list[np.ndarray]:
     """Fixed validation batches: batch j holds positions ``j*B .. j*B+B-1`` modulo num_samples.
 

@@ -15,14 +15,14 @@ from ptdp.engine import activity
 from ptdp.run.checkpoint.folders import CheckpointError
 from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
 from ptdp.spec import Config
-from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, dp_shard, eval_indices, microbatches
+from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, device_microbatches, dp_shard, eval_indices
 from ptdp.engine.comm import all_gather_object
 from ptdp.engine.faults import FaultPlan
 from ptdp.engine.groups import ParallelGroups
 from ptdp.run.metrics import RunLog, write_json
 from ptdp.run.planner_report import check_run, measure_stage
 from ptdp.run.trace import Tracer, bubble_by_rank, write_trace
-from ptdp.engine.step import NONFINITE_GRAD_NORM, build_stage, eval_loss, train_step, with_vocab
+from ptdp.engine.step import NONFINITE_GRAD_NORM, PendingStep, build_stage, eval_loss, read_results, train_step, with_vocab
 
 
 class TrainingError(RuntimeError):
@@ -63,6 +63,7 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     loop.evaluate(start)
     for it in range(start, t.train_iters):
         loop.step(it)
+    loop.flush()
     loop.evaluate(t.train_iters)
     stage.wait_for_params()
     if ck.save:
@@ -81,13 +82,16 @@ class _Loop:
         self.start, self.consumed = start, consumed
         self.train_windows = TokenWindows(data.train_tokens(), config.model.seq_length)
         self.sampler = GlobalBatchSampler(len(self.train_windows), t.global_batch_size, t.seed)
-        self.valid_batches = _valid_batches(config, groups, data)
+        self.valid_batches = _valid_batches(config, groups, data, stage.device)
         self.tokens_per_step = t.global_batch_size * config.model.seq_length
         self.history: dict[str, list] = {"val": [], "train": [], "comm": {}}
         self.tracer = Tracer(groups.global_rank, groups.pp.rank) if t.traced_iters else None
         self.first_traced = 2 if t.train_iters >= 2 else 1
         self.skipped_in_a_row = 0
         self.faults, self.restart = faults, restart
+        self.pending: list[tuple[int, PendingStep]] = []
+        """Steps not read to the host yet (1-based iteration, its pending metrics)."""
+        self.interval_start: float | None = None
 
     def samples_before(self, iteration: int) -> int:
         """Global samples consumed before 0-based step ``iteration`` (the data position)."""
@@ -110,20 +114,42 @@ class _Loop:
             self.tracer.active = self.first_traced <= iteration < self.first_traced + t.traced_iters
         mine = dp_shard(self.sampler.global_batch(self.samples_before(it)), g.dp.rank, g.dp.size)
         g.stats.reset()
-        step_start = time.perf_counter()
-        result = train_step(self.stage, microbatches(self.train_windows, mine, t.micro_batch_size), it, self.tracer,
-                            self.faults)
-        step_time = time.perf_counter() - step_start
+        if self.interval_start is None:
+            self.interval_start = time.perf_counter()
+        mbs = device_microbatches(self.train_windows, mine, t.micro_batch_size, self.stage.device)
+        self.pending.append((iteration, train_step(self.stage, mbs, it, self.tracer, self.faults)))
         self.history["comm"] = g.stats.as_dict()
-        self._record(result, iteration, step_time)
-        if iteration % t.eval_interval == 0 and iteration != t.train_iters:
+        evaluate = iteration % t.eval_interval == 0 and iteration != t.train_iters
+        save = bool(ck.save and ck.save_interval and iteration % ck.save_interval == 0 and iteration != t.train_iters)
+        if evaluate or save or iteration % t.log_interval == 0 or iteration in (1, t.train_iters):
+            self.flush()
+        if evaluate:
             self.evaluate(iteration)
-        if ck.save and ck.save_interval and iteration % ck.save_interval == 0 and iteration != t.train_iters:
+        if save:
             _save(self.stage, ck, iteration, self.samples_before(iteration), self.log, self.data)
+        if evaluate or save:
+            self.interval_start = None  # the next interval's time starts at its first step
         if self.faults is not None:
             self.faults.kill_after(iteration, g.global_rank, self.restart)
 
+    def flush(self) -> None:
+        """Read the steps since the last flush to the host (one synchronisation for all:
+        :func:`~ptdp.engine.step.read_results`) and record them in order. Called at every logged
+        step (``--log-interval``, the first and the last) and before an evaluation or a checkpoint,
+        so a step that is not logged never waits for the device. Each step of the interval is given
+        the interval's mean step time (its wall time from the first step's start to the read)."""
+        if not self.pending:
+            return
+        results = read_results([step for _, step in self.pending])
+        step_time = (time.perf_counter() - self.interval_start) / len(results)
+        self.interval_start = time.perf_counter()
+        done, self.pending = self.pending, []
+        for (iteration, _), result in zip(done, results):
+            self._record(result, iteration, step_time)
+
     def _record(self, result, iteration: int, step_time: float) -> None:
+        """Log one step read to the host: its metrics line (logged steps and skipped steps), the
+        progress bar, and the warning or :class:`TrainingError` of a non-finite step."""
         t = self.config.train
         record = {"iteration": iteration, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
                   "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time}
@@ -203,13 +229,14 @@ def _write_trace(config: Config, groups: ParallelGroups, events: list[dict], run
             "files": ["trace.json", "timeline.png"]}
 
 
-def _valid_batches(config: Config, groups: ParallelGroups, data: PreparedData) -> list:
+def _valid_batches(config: Config, groups: ParallelGroups, data: PreparedData, device: torch.device) -> list:
+    """The fixed validation batches, this rank's microbatches of each, on ``device`` (copied once)."""
     t = config.train
     if t.eval_iters == 0:
         return []
     windows = TokenWindows(data.valid_tokens(), config.model.seq_length)
     return [
-        microbatches(windows, dp_shard(batch, groups.dp.rank, groups.dp.size), t.micro_batch_size)
+        device_microbatches(windows, dp_shard(batch, groups.dp.rank, groups.dp.size), t.micro_batch_size, device)
         for batch in eval_indices(len(windows), t.global_batch_size, t.eval_iters)
     ]
 
