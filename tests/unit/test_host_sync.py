@@ -1,0 +1,36 @@
+"""A steady-state training step synchronises the host at most once per logged step and never in a
+step that is not logged (tp = pp = dp = 1; the (2, 2, 2) case: tests/dist/test_host_sync_dist.py;
+on a GPU: tests/unit/test_gpu.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from ptdp.engine.groups import ParallelGroups
+
+from helpers.host_sync import count_host_syncs, label_check_on_device
+from helpers.sync_cases import ITERS, counted_run, logged
+
+
+def test_the_shim_counts_what_would_synchronise():
+    x = torch.ones(3)
+    with count_host_syncs() as count:
+        x.sum().item()
+        bool(x.any())
+        float(x[0])
+        x.tolist()
+        x.to("meta")  # a blocking copy to another device
+        x.to("meta", non_blocking=True)  # not counted
+        x.mul(2).add_(1)  # not counted
+    assert [c.split(" ")[0] for c in count.calls] == ["item", "__bool__", "__float__", "tolist", "to"], count.calls
+
+
+def test_one_synchronisation_per_logged_step_none_otherwise(tmp_path, monkeypatch):
+    label_check_on_device(monkeypatch)
+    for dtype, parallel in (("float64", {}), ("bfloat16", {"overlap_grad_reduce": True})):
+        run = counted_run(ParallelGroups.single_process(), 1, 1, 1, tmp_path / dtype, dtype, **parallel)
+        assert run["iterations"] == ITERS and run["final_loss"] is not None
+        for iteration, calls in run["per_step"].items():
+            if iteration == 1:
+                continue  # the first step builds optimizer state
+            assert len(calls) == (1 if logged(iteration) else 0), (dtype, iteration, calls)
