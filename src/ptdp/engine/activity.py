@@ -35,12 +35,14 @@ _PHASE_INDEX = {phase: i for i, phase in enumerate(PHASES)}
 class Activity:
     """This process's global rank, current phase and 1-based iteration (None before the first)."""
 
-    __slots__ = ("rank", "phase", "iteration", "stall_phase", "crash_phase", "faults")
+    __slots__ = ("rank", "phase", "iteration", "changes", "stall_phase", "crash_phase", "faults")
 
     def __init__(self) -> None:
         self.rank: int | None = None
         self.phase = START_UP
         self.iteration: int | None = None
+        self.changes = 0
+        """Phase changes so far: a heartbeat (:mod:`ptdp.run.heartbeat`) sees progress when it grows."""
         self.stall_phase: str | None = None
         """Test-only: the phase this iteration stalls in (``PTDP_TEST_STALL``)."""
         self.crash_phase: str | None = None
@@ -84,6 +86,7 @@ def start_step(rank: int, iteration: int, faults=None) -> None:
 def set_phase(phase: str, iteration: int | None = None) -> None:
     """Enter ``phase`` (one of :data:`PHASES`); ``iteration`` replaces the current one if given."""
     CURRENT.phase = phase
+    CURRENT.changes += 1
     if iteration is not None:
         CURRENT.iteration = iteration
     if _mirror is not None:

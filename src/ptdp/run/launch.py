@@ -41,12 +41,14 @@ def launch_local(config: Config, nproc: int, run_dir: str, data_dir: str, *, pro
         os.environ.update(env)
     try:
         return launch_workers(worker_entry, nproc, config.to_json(), run_dir, data_dir, progress,
-                              max_restarts=max_restarts)
+                              max_restarts=max_restarts,
+                              collective_timeout_s=60.0 * config.parallel.distributed_timeout_minutes)
     except WorkerFailedError as e:
         return {"error": str(e)}
 
 
-def launch_workers(entrypoint, nproc: int, *args, max_restarts: int = 0) -> dict:
+def launch_workers(entrypoint, nproc: int, *args, max_restarts: int = 0,
+                   collective_timeout_s: float | None = None) -> dict:
     """Run ``nproc`` workers of ``entrypoint(*args)`` on this machine; return rank 0's result.
 
     Rendezvous binds to loopback on a free port. When a worker fails, the launcher stops the
@@ -56,6 +58,8 @@ def launch_workers(entrypoint, nproc: int, *args, max_restarts: int = 0) -> dict
     process's terminal and the launcher's per-attempt files go to a temporary folder removed
     afterwards. Raises :class:`WorkerFailedError` naming the first failed rank and how it ended
     when a worker fails with no restart left, ``SignalException`` on Ctrl-C / SIGTERM.
+    ``collective_timeout_s``: the workers' process-group timeout, so that a worker aborted by
+    NCCL's watchdog is told from one that failed (:func:`ptdp.run.postmortem.diagnose`).
     """
     cores = len(os.sched_getaffinity(0))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
@@ -65,7 +69,7 @@ def launch_workers(entrypoint, nproc: int, *args, max_restarts: int = 0) -> dict
             return _launch(entrypoint, nproc, args, log_dir, max_restarts)
         except ChildFailedError as e:
             records = _last_attempt(os.path.join(log_dir, "postmortem"))
-            diagnosis = postmortem.diagnose(records, nproc) if records is not None else None
+            diagnosis = postmortem.diagnose(records, nproc, collective_timeout_s) if records is not None else None
             raise WorkerFailedError(failure_message(e, max_restarts, diagnosis)) from e
 
 

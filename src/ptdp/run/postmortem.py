@@ -7,8 +7,9 @@ leaves no Python traceback at all. So each worker started by ``ptdp train`` leav
 the launcher names (:data:`DIR_ENV`, one sub-folder per attempt), three small records:
 
 - ``rank<R>.activity``: a 64-byte memory-mapped file holding the rank's current phase and
-  iteration (:mod:`ptdp.engine.activity` writes it on every phase change: a memory store, no system
-  call), so the last phase survives even a SIGKILL;
+  iteration and when it entered that phase (:mod:`ptdp.engine.activity` writes it on every phase
+  change: a memory store and the vDSO clock, no system call), so the last phase survives even a
+  SIGKILL;
 - ``rank<R>.error.json``: written when the worker raises: the exception, its traceback, the time
   (ns) and whether it is a consequence of a peer's failure (a
   :class:`~ptdp.engine.activity.CollectiveError`);
@@ -21,10 +22,18 @@ earliest worker that raised an error of its own or died of a fatal signal; else 
 record at all (killed by SIGKILL, e.g. by the out-of-memory killer); else the first collective
 error (a timeout names the rank that stopped responding). The other ranks' failures are said to
 follow from it. Without the folder (torchrun, tests) nothing is recorded.
+
+On NCCL a collective that times out raises nothing: the watchdog thread aborts the process
+(SIGABRT, recorded by faulthandler as "Aborted"). Given the process-group timeout, a rank that
+aborted after waiting at least :data:`WATCHDOG_FRACTION` of it in one phase is read as such a
+watchdog abort, not as a failure of its own: then the rank named first is the one, among those
+that were not aborted, that made no progress for the longest time (the one the others waited for),
+and the aborted ranks are said to follow from it with the phase and iteration they waited in.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import json
 import mmap
@@ -39,11 +48,13 @@ from pathlib import Path
 
 DIR_ENV = "PTDP_POSTMORTEM_DIR"
 """The folder of the records; set by ``ptdp train``'s launcher for its workers."""
-_BOX_FORMAT = "<4sBBxxqq"  # magic, phase index, state, iteration (-1: none), pid
+_BOX_FORMAT = "<4sBBxxqqq"  # magic, phase index, state, iteration (-1: none), pid, since (time.time_ns())
 _BOX_SIZE = 64
 _MAGIC = b"ptdp"
 RUNNING, FINISHED, RAISED = 0, 1, 2
 _FATAL = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
+WATCHDOG_FRACTION = 0.9
+"""An abort after waiting this fraction of the process-group timeout in one phase is NCCL's watchdog's."""
 
 
 def attempt_dir(root: str | Path, attempt: int) -> Path:
@@ -60,24 +71,26 @@ class ActivityBox:
             self._map = mmap.mmap(f.fileno(), _BOX_SIZE)
         self.write(0, None, RUNNING)
 
-    def write(self, phase_index: int, iteration: int | None, state: int = RUNNING) -> None:
+    def write(self, phase_index: int, iteration: int | None, state: int = RUNNING, since_ns: int | None = None) -> None:
+        """Record the phase, iteration and state, and ``since_ns`` (default: now, ``time.time_ns()``)."""
         struct.pack_into(_BOX_FORMAT, self._map, 0, _MAGIC, phase_index, state,
-                         -1 if iteration is None else iteration, os.getpid())
+                         -1 if iteration is None else iteration, os.getpid(),
+                         time.time_ns() if since_ns is None else since_ns)
 
 
 def read_box(path: Path) -> dict | None:
-    """``{"phase", "iteration", "state", "pid"}`` from an activity file, or None."""
+    """``{"phase", "iteration", "state", "pid", "since_ns"}`` from an activity file, or None."""
     from ptdp.engine.activity import PHASES
 
     try:
         raw = path.read_bytes()[: struct.calcsize(_BOX_FORMAT)]
-        magic, phase, state, iteration, pid = struct.unpack(_BOX_FORMAT, raw)
+        magic, phase, state, iteration, pid, since = struct.unpack(_BOX_FORMAT, raw)
     except (OSError, struct.error):
         return None
     if magic != _MAGIC:
         return None
     return {"phase": PHASES[phase] if phase < len(PHASES) else "?", "iteration": None if iteration < 0 else iteration,
-            "state": state, "pid": pid}
+            "state": state, "pid": pid, "since_ns": since}
 
 
 @contextmanager
@@ -133,7 +146,9 @@ class RankEnd:
     rank: int
     kind: str
     """``raised`` (an error of its own), ``collective`` (a peer's failure reached it), ``signal``
-    (a fatal signal), ``sigterm``, ``silent`` (no record: SIGKILL) or ``finished``."""
+    (a fatal signal), ``sigterm``, ``silent`` (no record: SIGKILL) or ``finished``; from
+    :func:`diagnose` after an NCCL timeout also ``watchdog`` (aborted by NCCL's watchdog) and
+    ``stalled`` (the rank the others waited for)."""
     time_ns: int | None
     summary: str
     """One line: the error, or the signal."""
@@ -142,6 +157,8 @@ class RankEnd:
     detail: str = ""
     """The traceback of an error, or the stack at a fatal signal."""
     pid: int | None = None
+    since_ns: int | None = None
+    """When it entered ``phase`` (``time.time_ns()``)."""
 
     def where(self) -> str:
         if self.phase is None:
@@ -154,6 +171,11 @@ def read_rank_end(folder: Path, rank: int) -> RankEnd:
     """How ``rank`` ended, from its records in ``folder``."""
     box = read_box(folder / f"rank{rank}.activity")
     phase, iteration, pid = (box["phase"], box["iteration"], box["pid"]) if box else (None, None, None)
+    return dataclasses.replace(_rank_end(folder, rank, box, phase, iteration, pid),
+                               since_ns=box["since_ns"] if box else None)
+
+
+def _rank_end(folder: Path, rank: int, box: dict | None, phase, iteration, pid) -> RankEnd:
     error_path, signal_path = folder / f"rank{rank}.error.json", folder / f"rank{rank}.signal"
     if error_path.is_file():
         try:
@@ -188,6 +210,8 @@ _FOLLOWERS = (  # how the other ranks ended, one rank / several
     ("silent", "ended without a record", "ended without a record"),
     ("raised", "raised an error of its own", "raised errors of their own"),
     ("signal", "died of a fatal signal", "died of fatal signals"),
+    ("watchdog", "was aborted by NCCL's watchdog (a collective timed out)",
+     "were aborted by NCCL's watchdog (a collective timed out)"),
 )
 
 
@@ -207,7 +231,7 @@ class Diagnosis:
         else:
             how = f.summary + (f" ({exit_text})" if exit_text else "")
         lines = [f"{head or f'worker rank {f.rank}'} failed first{where}: {how}"]
-        if f.detail.strip() and f.kind in ("raised", "signal", "collective"):
+        if f.detail.strip() and f.kind in ("raised", "signal", "collective", "watchdog"):
             tail = f.detail.rstrip().splitlines()[-traceback_lines:]
             lines += [line if f.kind == "collective" else "  " + line for line in tail]
         follow = [o for o in self.others if o.kind != "finished"]
@@ -222,17 +246,22 @@ class Diagnosis:
             example = next((o for o in follow if o.kind == "collective"), None)
             if example is not None:
                 lines.append(f"  (e.g. {example.detail.splitlines()[0] if example.detail else example.summary})")
+            lines += [f"  (rank {o.rank} {o.summary}, {o.where()})" for o in follow if o.kind == "watchdog"][:3]
         return "\n".join(lines)
 
 
-def diagnose(folder: Path, world_size: int) -> Diagnosis | None:
+def diagnose(folder: Path, world_size: int, timeout_s: float | None = None) -> Diagnosis | None:
     """Read every rank's records of one attempt and pick the rank that failed first (module
-    docstring); None when there are no records."""
+    docstring); None when there are no records. ``timeout_s``: the process-group timeout, which
+    tells NCCL watchdog aborts apart (None: no abort is read as one)."""
     if not folder.is_dir():
         return None
     ends = [read_rank_end(folder, r) for r in range(world_size)]
     if all(e.kind == "silent" and e.phase is None for e in ends):
         return None
+    aborted = watchdog_aborts(ends, timeout_s)
+    if aborted and not any(e.kind == "raised" for e in ends):
+        return _watchdog_diagnosis(ends, aborted)
 
     def earliest(kinds: tuple[str, ...]) -> RankEnd | None:
         found = [e for e in ends if e.kind in kinds]
@@ -242,3 +271,43 @@ def diagnose(folder: Path, world_size: int) -> Diagnosis | None:
     if first is None:
         return None
     return Diagnosis(first, [e for e in ends if e.rank != first.rank])
+
+
+def watchdog_aborts(ends: list[RankEnd], timeout_s: float | None) -> list[RankEnd]:
+    """The ranks that died of SIGABRT after waiting at least :data:`WATCHDOG_FRACTION` of
+    ``timeout_s`` in their last phase: NCCL's watchdog ending a collective that timed out."""
+    if not timeout_s:
+        return []
+    limit = WATCHDOG_FRACTION * timeout_s * 1e9
+    return [e for e in ends if e.kind == "signal" and e.summary.endswith("(Aborted)") and e.time_ns is not None
+            and e.since_ns is not None and e.time_ns - e.since_ns >= limit]
+
+
+def _watchdog_diagnosis(ends: list[RankEnd], aborted: list[RankEnd]) -> Diagnosis:
+    """After NCCL watchdog aborts: the rank that was not aborted and made no progress for the
+    longest time is named first (the one the aborted ranks waited for); if every rank was aborted,
+    the first abort."""
+    def waited(e: RankEnd) -> str:
+        return _duration(e.time_ns - e.since_ns)
+
+    marked = {e.rank: dataclasses.replace(e, kind="watchdog", summary=f"was aborted by NCCL's watchdog (SIGABRT) "
+                                          f"after waiting {waited(e)}") for e in aborted}
+    candidates = [e for e in ends if e.rank not in marked and e.kind in ("sigterm", "silent", "collective")
+                  and e.since_ns is not None]
+    last_abort = max(e.time_ns for e in aborted)
+    if candidates:
+        stalled = min(candidates, key=lambda e: (e.since_ns, e.rank))
+        first = dataclasses.replace(stalled, kind="stalled", summary=(
+            f"made no progress for {_duration(last_abort - stalled.since_ns)} before NCCL's watchdog aborted "
+            f"rank{'s' if len(marked) > 1 else ''} {', '.join(map(str, sorted(marked)))} (a collective timed out "
+            f"waiting for it: likely the one that stopped responding; --distributed-timeout-minutes sets the limit)"))
+    else:
+        first = min(marked.values(), key=lambda e: (e.time_ns, e.rank))
+        first = dataclasses.replace(first, summary=first.summary + " (a collective timed out; "
+                                    "--distributed-timeout-minutes sets the limit)")
+    others = [marked.get(e.rank, e) for e in ends if e.rank != first.rank]
+    return Diagnosis(first, others)
+
+
+def _duration(ns: int) -> str:
+    return f"{ns / 60e9:.1f} min" if ns >= 60e9 else f"{ns / 1e9:.1f} s"

@@ -13,6 +13,7 @@ Both resume by themselves when the launcher restarts the job (``--max-restarts``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -63,7 +64,8 @@ def worker_entry(config_json: str, run_dir: str, data_dir: str, progress: bool) 
         config = resume_config(Config.from_dict(json.loads(config_json)), restart)
         device = init_distributed(config.parallel.distributed_timeout_minutes, bind_cpus=config.parallel.bind_cpus)
         try:
-            return _run(config, Path(run_dir), PreparedData.load(data_dir), device, progress, restart)
+            with nccl_watch(device, config.parallel.distributed_timeout_minutes):
+                return _run(config, Path(run_dir), PreparedData.load(data_dir), device, progress, restart)
         except TrainingError as e:
             return {"error": str(e)}
         except KeyboardInterrupt:
@@ -108,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         config = resume_config(config, restart)
         roles = Roles(checks_run_dir=rank == 0, prepares_data=local_rank == 0, writes_run_dir=rank == 0)
         config, run_dir, data = prepare_run(config, roles=roles, restart=restart, share=_host_share(host))
-        summary = _run(config, run_dir, data, device, not args.no_progress, restart)
+        with nccl_watch(device, config.parallel.distributed_timeout_minutes):
+            summary = _run(config, run_dir, data, device, not args.no_progress, restart)
         say(format_summary(summary, run_dir))
     except (ConfigError, DataError, TrainingError) as e:
         say(f"ptdp.train: error: {e}")
@@ -119,6 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def nccl_watch(device, timeout_minutes: float):
+    """On a CUDA device (NCCL), a :class:`~ptdp.run.heartbeat.Heartbeat` that names this rank's
+    phase and iteration before NCCL's watchdog aborts it, and every thread's stack on the abort;
+    nothing on CPU (gloo raises :class:`CollectiveError` itself)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from ptdp.run.heartbeat import Heartbeat, enable_fatal_signal_stacks
+
+    enable_fatal_signal_stacks()
+    return Heartbeat(env_world()[0], 60.0 * timeout_minutes)
 
 
 def _host_share(host) -> Share:
