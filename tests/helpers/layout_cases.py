@@ -99,6 +99,10 @@ VARIANTS = {
     "gpipe": ("float64", {}, {"pipeline_schedule": "gpipe"}, {}),
     # 8 layers in 2 chunks per rank: pp=2 holds layers {0,1},{4,5} / {2,3},{6,7}; pp=4 one per chunk
     "interleaved": ("float64", {"num_layers": 8}, {"pipeline_schedule": "interleaved-1f1b"}, {}),
+    # more microbatches than stages (8 at dp = 1, 4 at dp = 2): the steady state of interleaving,
+    # where grouping transfers as the action list places them deadlocks on NCCL
+    "interleaved_m8": ("float64", {"num_layers": 8}, {"pipeline_schedule": "interleaved-1f1b"},
+                       {"micro_batch_size": 1}),
     # data-parallel engine (applied at every layout, dp = 1 included): small buckets reduced during
     # backward; the distributed optimizer with buckets that need padding; accumulation of 4-8
     # microbatches (16 for the dp = 1 reference)
@@ -134,7 +138,7 @@ VARIANTS = {
 DP_LAYOUTS = {(1, 1, 4), (2, 2, 2), (1, 2, 2)}
 DP_VARIANTS = ["dp_overlap", "dp_distopt", "dp_distopt_overlap", "dp_distopt_overlap_gather", "dp_accumulate"]
 SCHEDULE_LAYOUTS = {(1, 2, 1), (1, 4, 1), (2, 2, 2), (1, 2, 2)}
-SCHEDULE_VARIANTS = ["gpipe", "interleaved"]
+SCHEDULE_VARIANTS = ["gpipe", "interleaved", "interleaved_m8"]
 
 
 def llama_variant(tp: int) -> str:

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     programs = build_programs(kind, p, m, v)
     timeline = simulate(schedule, virtual_stages=v)
     bubble = {"ideal": (p - 1) / (v * m),
-              "simulated": [round(idle / busy, 6) for idle, busy in zip(timeline.idle, timeline.busy)]}
+              "simulated": [idle / busy for idle, busy in zip(timeline.idle, timeline.busy)]}
     if args.plot:
         _plot(timeline, args.plot, f"{kind}, pp={p}, m={m}, v={v}")
     if args.json:

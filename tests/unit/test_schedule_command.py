@@ -1,0 +1,93 @@
+"""``ptdp schedule``: text, JSON that an independent NCCL simulation accepts, the plot, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ptdp.cli import main as ptdp_main
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = ptdp_main(["schedule", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def replay_under_nccl(doc: dict) -> None:
+    """An NCCL model written from the JSON alone: each rank runs its groups in order, one at a time;
+    the n-th send from a to b on a communicator meets the n-th receive on b from a, which must carry
+    the same tag; a send and its receive move their data only while both of their groups are running
+    (rendezvous, no buffering); a group ends when all of its operations have moved."""
+    ranks = {r["rank"]: r["p2p_groups"] for r in doc["ranks"]}
+    queues = {}
+    for r, groups in ranks.items():
+        for gi, g in enumerate(groups):
+            for oi, o in enumerate(g["ops"]):
+                a, b = (r, o["peer"]) if o["op"] == "send" else (o["peer"], r)
+                queues.setdefault((g["communicator"], a, b, o["op"]), []).append(((r, gi, oi), o["tag"]))
+    partner = {}
+    for (comm, a, b, op), sends in queues.items():
+        if op == "send":
+            recvs = queues[(comm, a, b, "recv")]
+            assert [t for _, t in sends] == [t for _, t in recvs], (comm, a, b)
+            for (s_id, _), (r_id, _) in zip(sends, recvs):
+                partner[s_id], partner[r_id] = r_id, s_id
+    assert sum(len(g["ops"]) for gs in ranks.values() for g in gs) == len(partner)
+    pc, moved = {r: 0 for r in ranks}, set()
+    while any(pc[r] < len(ranks[r]) for r in ranks):
+        running = {(r, pc[r]) for r in ranks if pc[r] < len(ranks[r])}
+        for r, g in running:
+            for oi in range(len(ranks[r][g]["ops"])):
+                if partner[(r, g, oi)][:2] in running:
+                    moved.add((r, g, oi))
+        done = [(r, g) for r, g in running if all((r, g, oi) in moved for oi in range(len(ranks[r][g]["ops"])))]
+        assert done, f"deadlock at {sorted(running)}"
+        for r, _ in done:
+            pc[r] += 1
+
+
+@pytest.mark.parametrize("argv", [
+    ["--pipeline-schedule", "1f1b", "--pp", "4", "--num-microbatches", "8"],
+    ["--pipeline-schedule", "gpipe", "--pp", "2", "--num-microbatches", "3"],
+    ["--pipeline-schedule", "interleaved-1f1b", "--pp", "4", "--num-microbatches", "16", "--virtual-pipeline-stages", "3"],
+    ["--pipeline-schedule", "interleaved-1f1b", "--pp", "8", "--num-microbatches", "32", "--virtual-pipeline-stages", "4"],
+])
+def test_json_replays_deadlock_free_under_an_independent_nccl_model(capsys, argv):
+    code, out, _ = run(capsys, *argv, "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert {"rank", "program", "p2p_groups"} <= set(doc["ranks"][0])
+    assert all(o["op"] in ("send", "recv") for r in doc["ranks"] for g in r["p2p_groups"] for o in g["ops"])
+    replay_under_nccl(doc)
+    p, m = doc["pp"], doc["num_microbatches"]
+    v = doc["virtual_pipeline_stages"]
+    assert doc["bubble"]["ideal"] == pytest.approx((p - 1) / (v * m))
+    assert doc["bubble"]["simulated"] == pytest.approx([(p - 1) / (v * m)] * p)
+    computes = [s for s in doc["ranks"][0]["program"] if not s.startswith("p2p")]
+    assert len(computes) == 2 * m * v
+
+
+def test_text_names_every_rank_and_the_bubble(capsys):
+    code, out, _ = run(capsys, "--pp", "2", "-m", "4")
+    assert code == 0
+    assert "bubble: (p - 1) / (v m) = 0.2500" in out
+    assert "rank 0:" in out and "rank 1:" in out
+    assert "p2p [send act:mb0:vs0 -> 1]" in out and "p2p [recv act:mb0:vs0 <- 0]" in out
+
+
+def test_plot_writes_a_png(capsys, tmp_path):
+    path = tmp_path / "s.png"
+    code, out, _ = run(capsys, "--pipeline-schedule", "interleaved-1f1b", "--pp", "2", "-m", "4", "--plot", str(path))
+    assert code == 0 and path.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--pipeline-schedule", "interleaved-1f1b", "--pp", "4", "-m", "6"], "num_microbatches % pp == 0: pp=4, num_microbatches=6"),
+    (["--pipeline-schedule", "1f1b", "--pp", "2", "-m", "4", "--virtual-pipeline-stages", "2"], "needs interleaved-1f1b"),
+    (["--pp", "0", "-m", "4"], "must be >= 1"),
+])
+def test_bad_shapes_exit_2_naming_the_rule(capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and message in err
