@@ -101,3 +101,29 @@ def test_cuda_event_spans_measure_device_time():
     span.end()  # the host gets here long before the device is done
     (event,) = tracer.collect()
     assert event["dur"] > 0
+
+
+def test_profile_step_range_is_checked_against_train_iters(tmp_path, capsys, monkeypatch):
+    """Megatron-LM's default steps (10, 12) with --train-iters 6: exit 2 naming the numbers, no worker."""
+    from ptdp import cli
+
+    from helpers.cli import tiny_flags
+
+    launched = []
+    monkeypatch.setattr("ptdp.run.launch.launch_local", lambda *a, **k: launched.append(a) or {"error": "stub"})
+    argv = ["train", *tiny_flags(no_progress=True), "--data-cache-dir", str(tmp_path / "cache"), "--profile"]
+    assert cli.main(argv) == 2 and not launched
+    err = capsys.readouterr().err
+    assert "--profile-step-start 10 and --profile-step-end 12" in err and "--train-iters 6" in err
+    assert cli.main(argv[:-1] + ["--profile", "--profile-step-start", "2", "--profile-step-end", "4",
+                                 "--profile-ranks", "0,9", "--tp", "1", "--pp", "2", "--dp", "1"]) == 2
+    assert "--profile-ranks 0,9: each rank must be in [0, world_size=2)" in capsys.readouterr().err
+    assert not launched and not (tmp_path / "cache").exists()
+
+
+def test_profile_fields_round_trip_through_config_json():
+    from ptdp.spec import Config, TrainConfig
+
+    config = Config(train=TrainConfig(profile=True, profile_ranks=(0, 3)))
+    again = Config.from_dict(json.loads(config.to_json()))
+    assert again == config and again.train.profile_ranks == (0, 3)

@@ -64,7 +64,25 @@ class StepProfiler:
             self._finish()
 
     def _finish(self) -> None:
-        self._prof.stop()  # waits for the device's kernels to be collected
+        if self.cuda:
+            torch.cuda.synchronize()  # the profiled steps' kernels have run (the steps do not wait for them)
+        self._prof.stop()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._prof.export_chrome_trace(str(self.path))
         self._prof, self.written = None, self.path
+
+    @classmethod
+    def for_run(cls, config, rank: int, run_dir: Path, device: torch.device | str) -> StepProfiler:
+        """The profiler of a run's ``config.train`` (``--profile``, its steps and ranks) on global ``rank``."""
+        t = config.train
+        return cls(rank=rank, ranks=t.profile_ranks if t.profile else (), start=t.profile_step_start,
+                   end=t.profile_step_end, run_dir=run_dir, device=device)
+
+    @staticmethod
+    def summary(config) -> dict | None:
+        """What the run summary says of ``--profile`` (None without it): iterations and files."""
+        t = config.train
+        if not t.profile:
+            return None
+        return {"iterations": [t.profile_step_start + 1, t.profile_step_end],
+                "files": [f"profile/rank{r}.json" for r in t.profile_ranks]}

@@ -21,6 +21,7 @@ from ptdp.engine.faults import FaultPlan
 from ptdp.engine.groups import ParallelGroups
 from ptdp.run.metrics import RunLog, write_json
 from ptdp.run.planner_report import check_run, measure_stage
+from ptdp.run.profiling import StepProfiler, peak_memory_bytes
 from ptdp.run.trace import Tracer, bubble_by_rank, write_trace
 from ptdp.engine.step import NONFINITE_GRAD_NORM, PendingStep, build_stage, eval_loss, read_results, train_step, with_vocab
 
@@ -54,7 +55,7 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
                  restart=restart)
     if note:
         log.message(f"warning: {note}")
-    loop = _Loop(config, groups, data, stage, log, start, consumed, faults, restart)
+    loop = _Loop(config, groups, data, stage, log, start, consumed, faults, restart, run_dir=Path(run_dir))
     if restart:
         log.restarted(start, ck.load)
     elif ck.load:
@@ -76,7 +77,7 @@ class _Loop:
     """The state of one worker's training loop: data, evaluation, history, trace."""
 
     def __init__(self, config: Config, groups: ParallelGroups, data: PreparedData, stage, log: RunLog, start: int,
-                 consumed: int, faults: FaultPlan | None = None, restart: int = 0) -> None:
+                 consumed: int, faults: FaultPlan | None = None, restart: int = 0, *, run_dir: Path = Path(".")) -> None:
         t = config.train
         self.config, self.groups, self.data, self.stage, self.log = config, groups, data, stage, log
         self.start, self.consumed = start, consumed
@@ -85,7 +86,8 @@ class _Loop:
         self.valid_batches = _valid_batches(config, groups, data, stage.device)
         self.tokens_per_step = t.global_batch_size * config.model.seq_length
         self.history: dict[str, list] = {"val": [], "train": [], "comm": {}}
-        self.tracer = Tracer(groups.global_rank, groups.pp.rank) if t.traced_iters else None
+        self.tracer = Tracer(groups.global_rank, groups.pp.rank, stage.device) if t.traced_iters else None
+        self.profiler = StepProfiler.for_run(config, groups.global_rank, run_dir, stage.device)
         self.first_traced = 2 if t.train_iters >= 2 else 1
         self.skipped_in_a_row = 0
         self.faults, self.restart = faults, restart
@@ -117,7 +119,8 @@ class _Loop:
         if self.interval_start is None:
             self.interval_start = time.perf_counter()
         mbs = device_microbatches(self.train_windows, mine, t.micro_batch_size, self.stage.device)
-        self.pending.append((iteration, train_step(self.stage, mbs, it, self.tracer, self.faults)))
+        with self.profiler.around(it):
+            self.pending.append((iteration, train_step(self.stage, mbs, it, self.tracer, self.faults)))
         self.history["comm"] = g.stats.as_dict()
         evaluate = iteration % t.eval_interval == 0 and iteration != t.train_iters
         save = bool(ck.save and ck.save_interval and iteration % ck.save_interval == 0 and iteration != t.train_iters)
@@ -173,9 +176,14 @@ class _Loop:
         summary = _summary(self.config, self.history, elapsed)
         per_rank = all_gather_object(measure_stage(self.stage), g.world)
         if self.tracer is not None:
-            events = [e for rank_events in all_gather_object(self.tracer.events, g.world) for e in rank_events]
+            events = [e for rank_events in all_gather_object(self.tracer.collect(), g.world) for e in rank_events]
             if is_logger:
                 summary["bubble"] = _write_trace(self.config, g, events, run_dir)
+        peaks = all_gather_object(peak_memory_bytes(self.stage.device), g.world)
+        summary["peak_memory_bytes_by_rank"] = {r: peak for r, (peak, _) in enumerate(peaks)}
+        summary["peak_memory_measure"] = peaks[0][1]
+        if StepProfiler.summary(self.config):
+            summary["profile"] = StepProfiler.summary(self.config)
         if is_logger:
             summary["planner_check"] = check_run(self.config, per_rank, summary["mean_step_time_s"])
             write_json(run_dir / "summary.json", summary)

@@ -63,6 +63,20 @@ class TrainConfig:
     """Trace ``trace_iters`` iterations (from the second on) into trace.json and timeline.png."""
     trace_iters: int = opt(3, "--trace-iters", "iterations traced with --trace, from the second on", "data")
     """Iterations traced with ``trace``."""
+    profile: bool = opt(False, "--profile", "write a torch.profiler trace (CPU, and CUDA on GPUs) of steps "
+                        "--profile-step-start..--profile-step-end on --profile-ranks into the run directory", "data")
+    """Profile steps ``[profile_step_start, profile_step_end)`` (0-based; iterations start+1 .. end of
+    metrics.jsonl) with ``torch.profiler`` on ``profile_ranks``; each writes ``profile/rank<r>.json``
+    (Chrome trace) in the run directory."""
+    profile_step_start: int = opt(10, "--profile-step-start", "first profiled step (0-based, as in Megatron-LM)",
+                                  "data", metavar="N")
+    """First profiled step (0-based: the step that logs iteration N + 1)."""
+    profile_step_end: int = opt(12, "--profile-step-end", "profiling stops before this step (0-based); at most "
+                                "--train-iters", "data", metavar="N")
+    """Profiling stops before this 0-based step; ``profile_step_start < profile_step_end <= train_iters``."""
+    profile_ranks: tuple[int, ...] = opt((0,), "--profile-ranks", "global ranks to profile (comma list)", "data",
+                                         metavar="R,...")
+    """Global ranks that profile (each ``< world_size``)."""
 
     @property
     def decay_iters(self) -> int:
@@ -179,8 +193,11 @@ class Config:
             parallel["pipeline_layer_split"] = tuple(parallel["pipeline_layer_split"])
         data = dict(d["data"])
         data["data_paths"] = tuple(data.get("data_paths", ()))
+        train = dict(d["train"])
+        if "profile_ranks" in train:
+            train["profile_ranks"] = tuple(train["profile_ranks"])
         return cls(
-            model=ModelConfig(**d["model"]), parallel=ParallelConfig(**parallel), train=TrainConfig(**d["train"]),
+            model=ModelConfig(**d["model"]), parallel=ParallelConfig(**parallel), train=TrainConfig(**train),
             data=DataConfig(**data), checkpoint=CheckpointConfig(**d.get("checkpoint", {})),
             launch=LaunchConfig(**d.get("launch", {})), output_dir=d.get("output_dir"),
             hardware_profile=d.get("hardware_profile"),

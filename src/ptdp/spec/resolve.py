@@ -37,7 +37,7 @@ def resolve(config: Config, world_size: int) -> Config:
     dp = _resolve_dp(p, world_size, errors)
     errors += layout_violations(m, tp=p.tp, pp=p.pp, dp=dp, micro_batch_size=t.micro_batch_size,
                                 global_batch_size=t.global_batch_size, split=p.pipeline_layer_split)
-    errors += train_violations(t)
+    errors += train_violations(t) + profile_violations(t, world_size)
     if not errors:
         errors += schedule_violations(p, m.num_layers, t.global_batch_size // (t.micro_batch_size * dp))
     chunks = None if errors else chunk_layer_counts(m.num_layers, p.pp, p.pipeline_layer_split,
@@ -128,6 +128,25 @@ def train_violations(t: TrainConfig) -> list[Violation]:
         out.append(V("option", f"trace_iters={t.trace_iters} must be >= 0 (0 disables tracing)"))
     if not 0 <= t.seed < 2**63:
         out.append(V("option", f"seed={t.seed} must be in [0, 2**63)"))
+    return out
+
+
+def profile_violations(t: TrainConfig, world_size: int) -> list[Violation]:
+    """With ``--profile``: ``0 <= profile_step_start < profile_step_end <= train_iters`` and every
+    profiled rank ``< world_size``."""
+    if not t.profile:
+        return []
+    out = []
+    start, end = t.profile_step_start, t.profile_step_end
+    if not 0 <= start < end <= t.train_iters:
+        out.append(V("option", f"--profile-step-start {start} and --profile-step-end {end} must satisfy "
+                     f"0 <= start < end <= --train-iters {t.train_iters} (steps are 0-based; Megatron-LM's "
+                     f"defaults are 10 and 12)", profile_step_start=start, profile_step_end=end,
+                     train_iters=t.train_iters))
+    bad = [r for r in t.profile_ranks if not 0 <= r < world_size]
+    if bad or not t.profile_ranks:
+        out.append(V("option", f"--profile-ranks {','.join(map(str, t.profile_ranks)) or '(none)'}: each rank must be "
+                     f"in [0, world_size={world_size})", profile_ranks=t.profile_ranks, world_size=world_size))
     return out
 
 

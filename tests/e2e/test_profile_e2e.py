@@ -1,0 +1,30 @@
+"""``ptdp train --profile``: each profiled rank writes a torch.profiler Chrome trace of the chosen
+steps into the run directory; the summary gives every rank's peak memory."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from helpers.cli import tiny_flags, run
+
+
+def test_profile_writes_traces_and_the_summary_has_peak_memory(corpus, tmp_path):
+    out = tmp_path / "run"
+    flags = tiny_flags(train_iters=4, eval_iters=0, tp=1, pp=2, dp=1)
+    proc = run([sys.executable, "-m", "ptdp.cli", "train", *flags, "--data", str(corpus / "docs"),
+                "--output-dir", str(out), "--no-progress", "--profile", "--profile-step-start", "1",
+                "--profile-step-end", "3", "--profile-ranks", "0,1"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        events = json.loads((out / "profile" / f"rank{rank}.json").read_text())["traceEvents"]
+        marks = {e["name"] for e in events if e.get("name", "").startswith("ptdp iteration")}
+        assert marks == {"ptdp iteration 2", "ptdp iteration 3"}  # 0-based steps 1 and 2
+        assert any(e.get("name", "").startswith("aten::") for e in events)
+    summary = json.loads((out / "summary.json").read_text())
+    peaks = summary["peak_memory_bytes_by_rank"]
+    assert sorted(peaks) == ["0", "1"] and all(100 * 2**20 < b < 8 * 2**30 for b in peaks.values())
+    assert summary["peak_memory_measure"] == "peak RSS (getrusage)"
+    assert summary["profile"] == {"iterations": [2, 3], "files": ["profile/rank0.json", "profile/rank1.json"]}
+    assert "peak memory per rank, MiB (peak RSS (getrusage)): 0: " in proc.stdout
+    assert "profile/rank0.json, profile/rank1.json" in proc.stdout
