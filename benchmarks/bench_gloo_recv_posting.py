@@ -1,6 +1,7 @@
 """What a receive costs on gloo when it is posted after its message was sent, against one posted
-in advance: the evidence behind a note on ptdp's pipeline runtime, which posts each receive only
-when the schedule reaches it and then waits (``ptdp.engine.pipeline.runtime._transfer``).
+in advance: the evidence behind a note on ptdp's pipeline runtime, which posts each receive in the
+group of its program where the message is produced, and then waits for the group
+(``ptdp.engine.pipeline.runtime._exchange``).
 
 Two gloo workers. In each round rank 0 sends one tensor at once. "late": rank 1 sleeps 20 ms (the
 message is long sent) and then posts ``irecv`` and waits. "early": rank 1 posts ``irecv`` first,

@@ -38,6 +38,7 @@ from torch import nn
 
 import pipeline_common as pc
 from ptdp.engine.pipeline.runtime import run_schedule
+from ptdp.engine.pipeline.program import build_programs
 from ptdp.engine.pipeline.schedule import build_schedule
 from ptdp.engine.pipeline.verify import simulate
 
@@ -94,7 +95,7 @@ def worker(pp_size: int, t_f: float, t_b: float, microbatches: list[int], steps:
                 schedule = build_schedule(kind, pp_size, m, v)
                 timed = {}
                 for name, (f, b) in (("sleep", (t_f, t_b)), ("empty", (0.0, 0.0))):
-                    timed[name] = _time_schedule(schedule[rank], groups, v, m, f, b, steps, warmup)
+                    timed[name] = _time_schedule(build_programs(kind, pp_size, m, v)[rank], groups, v, m, f, b, steps, warmup)
                 per_rank_busy = pc.gather_floats(pc.median(timed["sleep"][1]), groups.world)
                 results.append(_row(kind, pp_size, v, m, t_f, t_b, timed["sleep"][0], timed["empty"][0],
                                     per_rank_busy, schedule))

@@ -8,7 +8,7 @@ and PyTorch run the *same module objects* with the same stage split: stage k of 
 holds blocks [k L / P, (k + 1) L / P), stage 0 also the lift, the last stage also the head.
 Virtual stage ``c * pp + r`` lives on rank ``r`` in both libraries.
 
-- ptdp: ``run_schedule(build_schedule(kind, pp, m, v)[rank], chunks, microbatches, ...)``; the last
+- ptdp: ``run_schedule(build_programs(kind, pp, m, v)[rank], chunks, microbatches, ...)``; the last
   chunk returns the loss (the runtime backpropagates ``loss / m``).
 - PyTorch: ``PipelineStage`` (static shapes given) + ``ScheduleGPipe`` / ``Schedule1F1B`` /
   ``ScheduleInterleaved1F1B`` with ``loss_fn = mse_loss`` (gradients scaled by 1/m, the default);
@@ -39,7 +39,7 @@ from torch.distributed import pipelining
 
 import pipeline_common as pc
 from ptdp.engine.pipeline.runtime import run_schedule
-from ptdp.engine.pipeline.schedule import build_schedule
+from ptdp.engine.pipeline.program import build_programs
 
 SCHEDULES = (("gpipe", 1, "ScheduleGPipe"), ("1f1b", 1, "Schedule1F1B"),
              ("interleaved-1f1b", 2, "ScheduleInterleaved1F1B"))
@@ -123,7 +123,7 @@ def _compare(groups, kind, v, torch_name, h, num_blocks, b, s, m, x, y, steps, w
     mine = [stages[c * p + r] for c in range(v)]  # chunk c of rank r = virtual stage c * p + r
     params = [q for st in mine for q in st.parameters()]
     chunks = [PtdpChunk(st, last=c * p + r == num_stages - 1) for c, st in enumerate(mine)]
-    schedule = build_schedule(kind, p, m, v)[r]
+    schedule = build_programs(kind, p, m, v)[r]
     microbatches = list(zip(x.split(b), y.split(b)))
 
     def ptdp_step() -> list[torch.Tensor]:
