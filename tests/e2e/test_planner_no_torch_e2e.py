@@ -67,3 +67,13 @@ def test_one_trillion_parameter_search_costs_under_a_cpu_second(tmp_path):
     cmd = [sys.executable, "-m", "ptdp.cli", "plan", *ONE_T]
     fastest = min(_cpu_seconds_of(cmd, env) for _ in range(3))
     assert fastest < 1.0, f"ptdp plan took {fastest:.2f} s of CPU for the 1T / 3,072-GPU search"
+
+
+def test_schedule_command_imports_no_torch(tmp_path):
+    """``ptdp schedule`` (programs, the NCCL model, the bubble) is pure: no torch in the process."""
+    env = {**os.environ, "PTDP_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", PROBE, "schedule", "--pipeline-schedule", "interleaved-1f1b",
+                           "--pp", "4", "--num-microbatches", "16", "--json"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "exit 0" in proc.stdout and "torch imported: False" in proc.stdout
