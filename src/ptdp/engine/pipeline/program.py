@@ -88,12 +88,17 @@ Step = Union[Action, P2PGroup]
 @lru_cache(maxsize=64)
 def build_programs(kind: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1) -> tuple[tuple[Step, ...], ...]:
     """Per pipeline rank, its program: compute :class:`Action` s and :class:`P2PGroup` s in the
-    order the runtime runs and posts them (cached: built once per shape, read-only).
+    order the runtime runs and posts them (cached: built once per shape, read-only). Before they are
+    returned they are run under the NCCL model (:func:`ptdp.engine.pipeline.nccl_model.simulate_nccl`),
+    so no run can start with a program that would deadlock on NCCL (ScheduleError if one did).
 
     Raises ValueError (:func:`ptdp.engine.pipeline.schedule.check_schedule_args`) for a kind that
     cannot run with these sizes.
     """
+    from ptdp.engine.pipeline.nccl_model import simulate_nccl
+
     programs = programs_from_schedule(build_schedule(kind, pp_size, num_microbatches, virtual_stages), virtual_stages)
+    simulate_nccl(programs)
     return tuple(tuple(program) for program in programs)
 
 
