@@ -48,3 +48,40 @@ def test_runtime_posts_the_groups_of_ptdp_schedule(capsys, kind, p, v):
         assert groups == want, f"rank {rank}"
         assert all(g["communicator"] == "pp" for g in listed["ranks"][rank]["p2p_groups"])
     assert sum(len(g) for g in posted[0]) > 0
+
+
+def released_outputs(rank: int, world: int, free: bool) -> dict:
+    """One 1F1B step at pp = 2 (4 microbatches, float64); the storage bytes of each activation this
+    rank sent, right after its group completed, and the gradients. ``free=False``: keep them."""
+    import ptdp.engine.pipeline.runtime as runtime
+
+    cfg = tiny_config(1, world, 1, "float64", train_overrides={"micro_batch_size": 2})
+    groups = ParallelGroups.build(ParallelLayout(tp=1, pp=world, dp=1), PG_TIMEOUT)
+    stage = build_stage(cfg, groups)
+    sizes, original, freeable = [], runtime._release, runtime._FREEABLE
+
+    def release(state, key):
+        original(state, key)
+        sizes.append(state.outputs[key].untyped_storage().nbytes())
+
+    runtime._release, runtime._FREEABLE = release, (freeable if free else ())
+    try:
+        result = train_step(stage, rank_microbatches(0, cfg, 0, 1), 0)
+    finally:
+        runtime._release, runtime._FREEABLE = original, freeable
+    grads = {n: p.detach().clone() for n, p in stage.model.named_parameters()}
+    return {"sizes": sizes, "loss": result.loss, "grads": stage.grads.data.clone(), "params": grads}
+
+
+def test_sent_activations_are_released_and_gradients_unchanged():
+    import torch
+
+    freed = run_in_pool(released_outputs, 2, True)
+    kept = run_in_pool(released_outputs, 2, False)
+    assert len(freed[0]["sizes"]) == 4 and set(freed[0]["sizes"]) == {0}  # rank 0 sent 4 activations
+    assert min(kept[0]["sizes"]) > 0
+    for a, b in zip(freed, kept):
+        assert a["loss"] == b["loss"]
+        torch.testing.assert_close(a["grads"], b["grads"], rtol=0, atol=0)
+        for name in a["params"]:
+            torch.testing.assert_close(a["params"][name], b["params"][name], rtol=0, atol=0)
