@@ -36,9 +36,11 @@ Communicator: ptdp posts every pipeline transfer through ``batch_isend_irecv`` o
 group. In torch 2.13's ``ProcessGroupNCCL::pointToPoint`` an operation posted inside a coalescing
 group (``ncclActiveGroupCounter_ > 0``, as ``batch_isend_irecv`` does) selects the process group's
 own communicator (the key of its device, the one its collectives use, with its one NCCL stream);
-only a lone ``isend``/``irecv`` outside a group takes a separate two-rank communicator (key
-``"low:high"``), unless the group was created eagerly with a ``device_id``. So every group here
-runs on one communicator, named :data:`COMMUNICATOR`.
+a lone ``isend``/``irecv`` outside a group would take a separate two-rank communicator (key
+``"low:high"``, its own stream) when the process group was created lazily, and the group's own
+communicator when it was created eagerly with a ``device_id`` (as ``ptdp`` does on CUDA). ptdp posts
+no lone operation, so every group here runs on one communicator, named :data:`COMMUNICATOR`, in
+program order.
 
 Tags: ``"act:mb{i}:vs{k}"`` is the activation of microbatch i produced by virtual stage k (sent to
 k + 1), ``"grad:mb{i}:vs{k}"`` the gradient with respect to virtual stage k's input (sent to
