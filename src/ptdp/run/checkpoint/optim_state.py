@@ -48,7 +48,13 @@ def step_count(optimizer) -> int:
 
 def gather_local_state(optimizer, params: list[nn.Parameter], dp) -> dict[int, dict[str, torch.Tensor]]:
     """``{id(param): {kind: tensor of param's local shape}}`` for every parameter (zeros before the
-    first step). Collective over dp for the distributed optimizer (all dp ranks, same order)."""
+    first step). Collective over dp for the distributed optimizer (all dp ranks, same order).
+
+    Nothing is cloned on the device: the optimizer's own tensors are returned (detached), to be
+    written before they change (a synchronous save) or copied to CPU memory first (an
+    asynchronous one); the distributed optimizer's tensors, which exist nowhere whole, are
+    assembled one parameter at a time on the device and moved to the CPU, so at most one
+    parameter's worth of them is on the device at a time."""
     kinds = state_kinds(optimizer)
     if isinstance(optimizer, ShardedAdamW):
         return _gather_sharded(optimizer, params, kinds, dp)
@@ -57,28 +63,32 @@ def gather_local_state(optimizer, params: list[nn.Parameter], dp) -> dict[int, d
     for p in params:
         key = to_key.get(id(p), p)
         state = inner.state.get(key, {})
-        entry = {k: state[k].detach().clone() if k in state else torch.zeros_like(key) for k in MOMENTS}
+        entry = {k: state[k].detach() if k in state else torch.zeros_like(key) for k in MOMENTS}
         if "main" in kinds:
-            entry["main"] = key.detach().clone()
+            entry["main"] = key.detach()
         out[id(p)] = entry
     return out
 
 
 def _gather_sharded(optimizer: ShardedAdamW, params, kinds, dp) -> dict[int, dict[str, torch.Tensor]]:
+    """Per parameter, in ``params`` order: its kinds assembled on the device from this rank's
+    segments (zeros elsewhere), summed over dp, moved to the CPU."""
     state_dtype = torch.float64 if params and params[0].dtype == torch.float64 else torch.float32
-    out = {id(p): {k: torch.zeros(p.numel(), dtype=state_dtype, device=p.device) for k in kinds} for p in params}
-    state = optimizer.state
+    segments: dict[int, list] = {}
     for seg, main in optimizer.segment_mains:
-        entry = out[id(seg.param)]
-        for k in MOMENTS:
-            if main in state and k in state[main]:
-                entry[k][seg.lo: seg.hi] = state[main][k]
-        if "main" in kinds:
-            entry["main"][seg.lo: seg.hi] = main.detach()
+        segments.setdefault(id(seg.param), []).append((seg, main))
+    state, out = optimizer.state, {}
     for p in params:
+        entry = {k: torch.zeros(p.numel(), dtype=state_dtype, device=p.device) for k in kinds}
+        for seg, main in segments.get(id(p), ()):
+            for k in MOMENTS:
+                if main in state and k in state[main]:
+                    entry[k][seg.lo: seg.hi] = state[main][k]
+            if "main" in kinds:
+                entry["main"][seg.lo: seg.hi] = main.detach()
         for k in kinds:
-            all_reduce(out[id(p)][k], dp, tag="checkpoint")
-            out[id(p)][k] = out[id(p)][k].view(p.shape)
+            all_reduce(entry[k], dp, tag="checkpoint")
+        out[id(p)] = {k: t.view(p.shape).to("cpu") for k, t in entry.items()}
     return out
 
 
@@ -106,5 +116,6 @@ def _set_state(inner: torch.optim.Optimizer, key: torch.Tensor, moments: dict[st
     if step == 0:
         inner.state.pop(key, None)
         return
-    inner.state[key] = {"step": torch.tensor(float(step), dtype=torch.float32),
+    # on the parameter's device: fused AdamW keeps (and needs) its step count there
+    inner.state[key] = {"step": torch.tensor(float(step), dtype=torch.float32, device=key.device),
                         **{k: v.to(key.dtype).clone().view_as(key) for k, v in moments.items()}}
