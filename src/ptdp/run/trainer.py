@@ -13,7 +13,8 @@ import torch
 
 from ptdp.engine import activity
 from ptdp.run.checkpoint.folders import CheckpointError
-from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
+from ptdp.run.checkpoint.io import load_checkpoint
+from ptdp.run.checkpoint.saver import Checkpointer
 from ptdp.spec import Config
 from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, device_microbatches, dp_shard, eval_indices
 from ptdp.engine.comm import all_gather_object
@@ -68,7 +69,8 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     loop.evaluate(t.train_iters)
     stage.wait_for_params()
     if ck.save:
-        _save(stage, ck, t.train_iters, loop.samples_before(t.train_iters), log, data)
+        _save(loop.saver, stage, ck, t.train_iters, loop.samples_before(t.train_iters), log, data)
+        _finish_save(loop.saver, log)  # the end of training waits for a save in the background
     log.close()
     return loop.finish(Path(run_dir), time.perf_counter() - started)
 
@@ -91,6 +93,7 @@ class _Loop:
         self.first_traced = 2 if t.train_iters >= 2 else 1
         self.skipped_in_a_row = 0
         self.faults, self.restart = faults, restart
+        self.saver = Checkpointer(groups, async_save=config.checkpoint.async_save) if config.checkpoint.save else None
         self.pending: list[tuple[int, PendingStep]] = []
         """Steps not read to the host yet (1-based iteration, its pending metrics)."""
         self.interval_start: float | None = None
@@ -129,7 +132,7 @@ class _Loop:
         if evaluate:
             self.evaluate(iteration)
         if save:
-            _save(self.stage, ck, iteration, self.samples_before(iteration), self.log, self.data)
+            _save(self.saver, self.stage, ck, iteration, self.samples_before(iteration), self.log, self.data)
         if evaluate or save:
             self.interval_start = None  # the next interval's time starts at its first step
         if self.faults is not None:
@@ -208,18 +211,35 @@ def _non_finite_step(result, iteration: int, in_a_row: int, limit: int, log: Run
                 f"({in_a_row} in a row, at most {limit})")
 
 
-def _save(stage, ck, iteration: int, consumed_samples: int, log: RunLog, data: PreparedData) -> None:
-    """Save a checkpoint; one that cannot be written (e.g. non-finite values, refused on every
-    rank) stops training with :class:`TrainingError`."""
+def _save(saver: Checkpointer, stage, ck, iteration: int, consumed_samples: int, log: RunLog,
+          data: PreparedData) -> None:
+    """Save a checkpoint (after completing one still being written, ``--async-save``); one that
+    cannot be written (e.g. non-finite values, refused on every rank) stops training with
+    :class:`TrainingError`."""
     start = time.perf_counter()
     activity.set_phase(activity.CHECKPOINT, iteration)
     try:
-        folder = save_checkpoint(stage, ck.save, iteration, consumed_samples=consumed_samples,
-                                 keep_last=ck.keep_last, files={"tokenizer.json": data.tokenizer_path})
+        folder, earlier = saver.save(stage, ck.save, iteration, consumed_samples=consumed_samples,
+                                     keep_last=ck.keep_last, files={"tokenizer.json": data.tokenizer_path})
     except CheckpointError as e:
         log.close()
         raise TrainingError(str(e)) from e
-    log.message(f"iteration {iteration:>6}: saved checkpoint {folder} ({time.perf_counter() - start:.1f} s)")
+    if earlier is not None:
+        log.message(f"iteration {iteration:>6}: saved checkpoint {earlier} (written in the background)")
+    took = f"{time.perf_counter() - start:.1f} s"
+    log.message(f"iteration {iteration:>6}: checkpoint {folder} staged in CPU memory ({took}), written in the "
+                f"background" if saver.async_save else f"iteration {iteration:>6}: saved checkpoint {folder} ({took})")
+
+
+def _finish_save(saver: Checkpointer, log: RunLog) -> None:
+    """Wait for a save still being written (``--async-save``) and complete it."""
+    try:
+        folder = saver.wait()
+    except CheckpointError as e:
+        log.close()
+        raise TrainingError(str(e)) from e
+    if folder is not None:
+        log.message(f"saved checkpoint {folder} (written in the background)")
 
 
 def _write_trace(config: Config, groups: ParallelGroups, events: list[dict], run_dir: Path) -> dict:

@@ -102,6 +102,12 @@ class CheckpointConfig:
     """Checkpoint root (or iteration folder) to resume from, at any layout."""
     keep_last: int | None = opt(None, "--keep-last", "keep only the newest K checkpoints", "checkpoint", metavar="K")
     """Keep only the newest K complete checkpoints; None: keep all."""
+    async_save: bool = opt(False, "--async-save", "write checkpoints in the background (copied to CPU memory "
+                           "first) while training goes on; the next save and the end of training wait for it",
+                           "checkpoint")
+    """Write each checkpoint with ``torch.distributed.checkpoint.async_save``: the state is copied
+    into CPU memory, then written by a background thread; it becomes the ``latest`` checkpoint
+    when the next save or the end of training has waited for it."""
     no_load_optim: bool = opt(False, "--no-load-optim", "with --load: parameters only, fresh Adam state", "checkpoint")
     """Load parameters only (fresh Adam state)."""
     no_load_rng: bool = opt(False, "--no-load-rng", "with --load: do not restore random generators", "checkpoint")

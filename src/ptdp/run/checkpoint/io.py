@@ -5,7 +5,14 @@ naming the newest complete one. A folder is written as ``.iter_0000100.tmp`` by 
 parallel (DCP: one ``.distcp`` file per rank plus ``.metadata``), completed with ``ptdp.json``
 (rank 0) and ``rng/rank<r>.json`` (every rank), renamed once every rank has finished, and only
 then is ``latest`` replaced (atomically). A crash at any point leaves ``latest`` on the previous
-complete checkpoint. Nothing is pickled: tensors go through DCP, everything else is JSON. A state
+complete checkpoint. DCP's own collectives run over the process group handed in (a gloo group
+of the world, :mod:`ptdp.run.checkpoint.saver`), never over NCCL. Nothing of the training state is
+cloned on the device: tensors go to DCP as they are (a synchronous save writes them before
+training goes on; an asynchronous one, ``dcp.async_save``, first copies them into CPU memory) and
+the distributed optimizer's full local tensors are assembled one parameter at a time and moved to
+the CPU (:func:`ptdp.run.checkpoint.optim_state.gather_local_state`). :func:`start_save` returns
+a :class:`PendingSave` whose :meth:`~PendingSave.finish` (collective) waits for the files and
+completes the folder. Nothing is pickled: tensors go through DCP, everything else is JSON. A state
 holding a nan or inf (a parameter, an optimizer tensor, the 1-bit residual) on any rank is never
 saved: every rank refuses before anything is written.
 
@@ -26,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+from concurrent.futures import Future
 import os
 import random
 import shutil
@@ -84,11 +92,27 @@ def _state_dict(stage, tensors: dict[int, dict[str, torch.Tensor]], model_values
 
 
 def save_checkpoint(stage, root: str | Path, iteration: int, *, consumed_samples: int,
-                    keep_last: int | None = None, files: dict[str, Path] | None = None) -> Path:
+                    keep_last: int | None = None, files: dict[str, Path] | None = None, group=None) -> Path:
     """Save the whole training state after ``iteration`` steps into ``root/iter_<iteration>``
-    (collective over the world). Returns the folder. ``keep_last``: afterwards delete all but the
-    newest ``keep_last`` complete checkpoints. ``files``: copied in by rank 0 under the given
-    names (the tokenizer, so ``ptdp generate`` needs nothing else)."""
+    (collective over the world) and return the folder: :func:`start_save` and
+    :meth:`PendingSave.finish` at once."""
+    return start_save(stage, root, iteration, consumed_samples=consumed_samples, keep_last=keep_last,
+                      files=files, group=group).finish()
+
+
+def start_save(stage, root: str | Path, iteration: int, *, consumed_samples: int, keep_last: int | None = None,
+               files: dict[str, Path] | None = None, group=None, async_save: bool = False) -> PendingSave:
+    """Begin saving the training state after ``iteration`` steps into ``root/iter_<iteration>``
+    (collective over the world). ``group``: the process group of DCP's collectives (a gloo group
+    of the whole world; None: the world group, or none for one process). ``async_save``: DCP
+    copies the tensors to CPU memory and writes them in a background thread; training may go on
+    at once. ``keep_last``: after completion delete all but the newest ``keep_last`` complete
+    checkpoints. ``files``: copied in by rank 0 under the given names (the tokenizer, so ``ptdp
+    generate`` needs nothing else).
+
+    Raises:
+        CheckpointError: a nan/inf in the state on some rank (on every rank, nothing written).
+    """
     root, g = Path(root), stage.groups
     name = f"iter_{iteration:07d}"
     tmp, final = root / f".{name}.tmp", root / name
@@ -107,24 +131,59 @@ def save_checkpoint(stage, root: str | Path, iteration: int, *, consumed_samples
     sd["optim/step"] = torch.tensor(step_count(stage.optimizer), dtype=torch.int64)
     if stage.grads.residual is not None:
         sd[f"residual/rank{g.global_rank}"] = stage.grads.residual
+    if group is None and g.world.size > 1:
+        group = g.world.group
+    writer = dcp.FileSystemWriter(tmp)
     with _quiet():
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp),
-                 process_group=g.world.group if g.world.size > 1 else None)
+        if async_save:
+            future = dcp.async_save(sd, storage_writer=writer, process_group=group)
+        else:
+            dcp.save(sd, storage_writer=writer, process_group=group)
+            future = None
     _write_json(tmp / "rng" / f"rank{g.global_rank}.json", _rng_state(stage))
     if g.global_rank == 0:
         for name_in_folder, source in (files or {}).items():
             shutil.copyfile(source, tmp / name_in_folder)
         _write_json(tmp / META, _meta(stage, iteration, consumed_samples, kinds))
-    _barrier(stage)
-    if g.global_rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_text_atomic(root / "latest", name)
-        if keep_last:
-            _prune(root, keep_last, keep=name)
-    _barrier(stage)
-    return final
+    return PendingSave(future, stage.groups, tmp, final, keep_last)
+
+
+@dataclasses.dataclass
+class PendingSave:
+    """A checkpoint whose folder is not complete yet (its DCP files may still be being written)."""
+
+    future: Future | None
+    """DCP's write in the background (``dcp.async_save``), None when written already."""
+    groups: object
+    tmp: Path
+    final: Path
+    keep_last: int | None = None
+
+    def finish(self) -> Path:
+        """Wait for this rank's files, then (collective over the world: every rank, once) rank 0
+        renames the folder, updates ``latest`` and prunes; returns the folder.
+
+        Raises:
+            CheckpointError: the background write failed on this rank (the folder stays incomplete
+                and ``latest`` unchanged; the other ranks then fail in DCP's own collectives).
+        """
+        if self.future is not None:
+            try:
+                with _quiet():
+                    self.future.result()
+            except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
+                raise CheckpointError(f"writing checkpoint {self.final} failed: {_first_line(err)}") from err
+            self.future = None
+        barrier(self.groups.world)
+        if self.groups.global_rank == 0:
+            if self.final.exists():
+                shutil.rmtree(self.final)
+            os.replace(self.tmp, self.final)
+            _write_text_atomic(self.final.parent / "latest", self.final.name)
+            if self.keep_last:
+                _prune(self.final.parent, self.keep_last, keep=self.final.name)
+        barrier(self.groups.world)
+        return self.final
 
 
 def _refuse_non_finite(stage, iteration: int, named, tensors: dict[int, dict[str, torch.Tensor]]) -> None:

@@ -1,0 +1,66 @@
+"""The checkpoint saves of one training run: DCP over a gloo group of its own, and ``--async-save``.
+
+A :class:`Checkpointer` is built by every rank of the run (collective: it creates the group). Its
+gloo group carries DCP's collectives (planning, the gather of write results), so that a save
+never talks over NCCL and, written in a background thread with ``--async-save``
+(``torch.distributed.checkpoint.async_save``: the tensors are copied into CPU memory, then
+written while training goes on), never shares a group with the training's collectives. The next
+save, and the end of training, wait for a save still being written (:meth:`Checkpointer.wait`)
+and complete it: only then is the folder renamed and ``latest`` moved to it, so a crash while
+writing leaves ``latest`` on the previous complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ptdp.run.checkpoint.io import PendingSave, start_save
+
+
+def checkpoint_group(groups, timeout: datetime.timedelta | None = None):
+    """A new gloo process group over the whole world for DCP (collective: every rank calls it, in
+    the same order); None for a single process. ``timeout``: default the world group's."""
+    world = groups.world
+    if world.size == 1:
+        return None
+    if timeout is None and world.timeout_s is not None:
+        timeout = datetime.timedelta(seconds=world.timeout_s)
+    return dist.new_group(ranks=list(range(world.size)), timeout=timeout, backend="gloo",
+                          group_desc="ptdp_checkpoint")
+
+
+class Checkpointer:
+    """Saves of one run (module docstring). ``async_save``: write in the background."""
+
+    def __init__(self, groups, *, async_save: bool = False) -> None:
+        self.group = checkpoint_group(groups)
+        self.async_save = async_save
+        self.pending: PendingSave | None = None
+
+    def save(self, stage, root: str | Path, iteration: int, *, consumed_samples: int, keep_last: int | None = None,
+             files: dict[str, Path] | None = None) -> tuple[Path, Path | None]:
+        """Save after ``iteration`` steps (collective over the world); returns (this save's
+        folder, the folder of an earlier save completed first or None). Without ``async_save``
+        the folder is complete on return; with it, at the next :meth:`save` or :meth:`wait`.
+
+        Raises:
+            CheckpointError: a nan/inf in the state (nothing written), or an earlier background
+                write that failed.
+        """
+        earlier = self.wait()
+        pending = start_save(stage, root, iteration, consumed_samples=consumed_samples, keep_last=keep_last,
+                             files=files, group=self.group, async_save=self.async_save)
+        if not self.async_save:
+            return pending.finish(), earlier
+        self.pending = pending
+        return pending.final, earlier
+
+    def wait(self) -> Path | None:
+        """Complete the save being written, if any (collective over the world); its folder, or None."""
+        if self.pending is None:
+            return None
+        pending, self.pending = self.pending, None
+        return pending.finish()
