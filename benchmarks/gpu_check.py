@@ -37,8 +37,10 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -248,7 +250,8 @@ def run_check(args: argparse.Namespace) -> dict:
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "device_type": device.type, "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "git_commit": _git_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": " ".join(["python", "benchmarks/gpu_check.py", *sys.argv[1:]]),
         "dtype": dtype, "threads": torch.get_num_threads(),
         "model": {k: shape[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")},
@@ -262,11 +265,22 @@ def run_check(args: argparse.Namespace) -> dict:
     }
 
 
+def _git_commit() -> str | None:
+    """The commit of the checkout this script runs from, or None outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def format_report(r: dict) -> str:
     """The table printed at the end."""
     m = r["model"]
     peak = f"{r['peak_flops'] / 1e12:.1f} TFLOP/s ({r['peak_source']})" if r["peak_flops"] else r["peak_source"]
-    lines = [f"ptdp GPU check on {r['device']} ({r['machine']}), torch {r['torch']}, {r['date']}",
+    lines = [f"ptdp GPU check on {r['device']} ({r['machine']}), torch {r['torch']}, ptdp {r['git_commit']}, "
+             f"{r['date']}",
              f"model: {m['num_layers']} layers, h {m['hidden_size']}, {m['num_attention_heads']} heads, "
              f"s {m['seq_length']}, V {m['vocab_size']}; {r['dtype']}; {r['batch']['tokens_per_step']:,} tokens/step; "
              f"median of {r['steps']} steps after {r['warmup']}; peak {peak}",
@@ -285,12 +299,16 @@ def format_report(r: dict) -> str:
                  f"{c['max_rel_diff']:.2e} in {r['dtype']} (rounding bound {c['bound']:.0e})")
     if "max_rel_diff_float64_device_vs_cpu" in c:
         lines.append(f"  float64 on the device vs the CPU: {c['max_rel_diff_float64_device_vs_cpu']:.2e} (bound 1e-09)")
+    if "elapsed_s" in r:
+        lines.append(f"the check took {r['elapsed_s']:.0f} s")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    started = time.perf_counter()
     report = run_check(args)
+    report["elapsed_s"] = time.perf_counter() - started
     print(format_report(report))
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
