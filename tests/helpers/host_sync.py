@@ -81,7 +81,8 @@ def count_host_syncs() -> Iterator[SyncCount]:
             setattr(torch.Tensor, name, method)
 
 
-def label_check_on_device(monkeypatch) -> None:
+@contextlib.contextmanager
+def label_check_on_device() -> Iterator[None]:
     """Make the cross entropy's label check take its GPU path (``torch._assert_async``, queued on
     the device, no host read) on the CPU too, where it otherwise raises at once after reading
     ``bad.any()``: the shim then counts what a GPU step would synchronise."""
@@ -89,6 +90,12 @@ def label_check_on_device(monkeypatch) -> None:
         bad = ((target < 0) | (target >= vocab_size)) & (target != ignore_index)
         torch._assert_async(~bad.any(), f"a label is outside [0, {vocab_size})")
 
-    for name, module in list(sys.modules.items()):
-        if name.startswith("ptdp.") and hasattr(module, "check_labels"):
-            monkeypatch.setattr(module, "check_labels", check)
+    modules = [m for name, m in list(sys.modules.items()) if name.startswith("ptdp.") and hasattr(m, "check_labels")]
+    originals = [m.check_labels for m in modules]
+    for module in modules:
+        module.check_labels = check
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, originals):
+            module.check_labels = original

@@ -25,10 +25,10 @@ def test_the_shim_counts_what_would_synchronise():
     assert [c.split(" ")[0] for c in count.calls] == ["item", "__bool__", "__float__", "tolist", "to"], count.calls
 
 
-def test_one_synchronisation_per_logged_step_none_otherwise(tmp_path, monkeypatch):
-    label_check_on_device(monkeypatch)
+def test_one_synchronisation_per_logged_step_none_otherwise(tmp_path):
     for dtype, parallel in (("float64", {}), ("bfloat16", {"overlap_grad_reduce": True})):
-        run = counted_run(ParallelGroups.single_process(), 1, 1, 1, tmp_path / dtype, dtype, **parallel)
+        with label_check_on_device():
+            run = counted_run(ParallelGroups.single_process(), 1, 1, 1, tmp_path / dtype, dtype, **parallel)
         assert run["iterations"] == ITERS and run["final_loss"] is not None
         for iteration, calls in run["per_step"].items():
             if iteration == 1:
