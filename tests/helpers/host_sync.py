@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -79,6 +80,22 @@ def count_host_syncs() -> Iterator[SyncCount]:
     finally:
         for name, method in originals.items():
             setattr(torch.Tensor, name, method)
+
+
+@contextlib.contextmanager
+def count_cuda_syncs() -> Iterator[SyncCount]:
+    """Count, while the context is open, the operations CUDA reports as synchronising
+    (``torch.cuda.set_sync_debug_mode("warn")``: one warning each)."""
+    counter = SyncCount()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield counter
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            counter.calls.extend(str(w.message)[:200] for w in caught if "synchroniz" in str(w.message).lower())
 
 
 @contextlib.contextmanager

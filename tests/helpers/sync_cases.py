@@ -13,7 +13,7 @@ import torch
 from ptdp.engine.groups import ParallelGroups
 from ptdp.run import trainer
 
-from helpers.host_sync import count_host_syncs
+from helpers.host_sync import count_cuda_syncs, count_host_syncs
 from helpers.layout_cases import VOCAB, tiny_config
 
 ITERS, LOG_INTERVAL = 7, 3
@@ -46,9 +46,11 @@ def logged(iteration: int) -> bool:
 
 
 def counted_run(groups: ParallelGroups, tp: int, pp: int, dp: int, run_dir: Path, dtype: str = "float64",
-                **parallel) -> dict:
-    """Train ITERS steps through the trainer, counting each step's synchronisations; returns
-    ``{"per_step": {iteration: [calls]}, "losses": logged losses, "summary": final loss}``."""
+                device: str = "cpu", **parallel) -> dict:
+    """Train ITERS steps through the trainer on ``device``, counting each step's synchronisations
+    (the shim on the CPU, CUDA's sync debug mode on a GPU); returns ``{"per_step": {iteration:
+    [calls]}, "final_loss", "iterations"}``."""
+    counting = count_cuda_syncs if torch.device(device).type == "cuda" else count_host_syncs
     cfg = tiny_config(tp, pp, dp, dtype, parallel_overrides=parallel)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(
         cfg.train, train_iters=ITERS, log_interval=LOG_INTERVAL, eval_interval=ITERS, eval_iters=1))
@@ -56,14 +58,14 @@ def counted_run(groups: ParallelGroups, tp: int, pp: int, dp: int, run_dir: Path
     original = trainer._Loop.step
 
     def step(loop, it):
-        with count_host_syncs() as count:
+        with counting() as count:
             original(loop, it)
         per_step[it + 1] = count.calls
 
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer._Loop.step = step
     try:
-        summary = trainer.train(cfg, groups, SyntheticData(), run_dir, torch.device("cpu"), progress=False)
+        summary = trainer.train(cfg, groups, SyntheticData(), run_dir, torch.device(device), progress=False)
     finally:
         trainer._Loop.step = original
     return {"per_step": per_step, "final_loss": summary["final_loss"], "iterations": summary["iterations"]}

@@ -4,6 +4,7 @@ on a GPU: tests/unit/test_gpu.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ptdp.engine.groups import ParallelGroups
@@ -34,3 +35,14 @@ def test_one_synchronisation_per_logged_step_none_otherwise(tmp_path):
             if iteration == 1:
                 continue  # the first step builds optimizer state
             assert len(calls) == (1 if logged(iteration) else 0), (dtype, iteration, calls)
+
+
+@pytest.mark.gpu
+def test_no_cuda_synchronisation_in_a_step_that_is_not_logged(tmp_path):
+    """On a GPU, CUDA itself reports the synchronisations (the label check is asynchronous there)."""
+    run = counted_run(ParallelGroups.single_process(), 1, 1, 1, tmp_path, "bfloat16", device="cuda",
+                      overlap_grad_reduce=True)
+    assert run["iterations"] == ITERS
+    for iteration, calls in run["per_step"].items():
+        if iteration > 2:  # the first steps create state and warm up kernels
+            assert len(calls) <= (1 if logged(iteration) else 0), (iteration, calls)
