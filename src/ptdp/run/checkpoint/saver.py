@@ -22,9 +22,12 @@ from ptdp.run.checkpoint.io import PendingSave, start_save
 
 def checkpoint_group(groups, timeout: datetime.timedelta | None = None):
     """A new gloo process group over the whole world for DCP (collective: every rank calls it, in
-    the same order); None for a single process. ``timeout``: default the world group's."""
+    the same order); None without torch.distributed (a process on its own), or when the stage's
+    world is not torch's (a one-process stage inside a larger test world). A world of one
+    process gets one too: on a GPU its default group is NCCL only, and ``async_save`` needs a CPU
+    backend. ``timeout``: default the world group's."""
     world = groups.world
-    if world.size == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world.size:
         return None
     if timeout is None and world.timeout_s is not None:
         timeout = datetime.timedelta(seconds=world.timeout_s)
