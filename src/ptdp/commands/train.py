@@ -59,9 +59,10 @@ def run(args: argparse.Namespace) -> int:
     from ptdp.run.preflight import check_request, prepare_run
 
     _one_line_warnings()
-    nproc = local_world_size(args, visible_gpus())
+    gpus = visible_gpus()
+    nproc = local_world_size(args, gpus)
     restarts = max_restarts(args)
-    config = resolve(config_from_args(args), nproc)
+    config = resolve(config_from_args(args), nproc, cuda=bool(gpus))  # --params-dtype auto: bf16 on GPUs
     if args.print_config:
         print(config.to_json())
         return 0

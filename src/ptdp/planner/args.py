@@ -11,8 +11,9 @@ import argparse
 from ptdp.spec import ConfigError
 from ptdp.spec.flags import add_flags
 
-#: ptdp train's --params-dtype as the planner's precision (float64 is not planned)
-PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+#: ptdp train's --params-dtype as the planner's precision (float64 is not planned; auto is what
+#: ptdp train picks on GPUs, which the planner plans for)
+PRECISION = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def plan_precision(args: argparse.Namespace) -> str | None:

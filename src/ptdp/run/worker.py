@@ -21,6 +21,7 @@ import socket
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from ptdp.engine import comm
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = parse_args(parser, argv)
     try:
-        config = resolve(config_from_args(args), world)
+        config = resolve(config_from_args(args), world, cuda=torch.cuda.is_available())
         if args.print_config:
             if rank == 0:
                 print(config.to_json(), flush=True)

@@ -7,6 +7,17 @@ from typing import Literal
 
 from ptdp.spec.fields import opt
 
+AUTO_DTYPE = "auto"
+
+
+def concrete_params_dtype(params_dtype: str, *, cuda: bool) -> str:
+    """``params_dtype`` with :data:`AUTO_DTYPE` replaced: ``bfloat16`` when the workers train on
+    CUDA GPUs (16-bit tensor-core GEMMs, float32 main parameters), ``float32`` on the CPU (where
+    bfloat16 GEMMs are not faster); any other value unchanged."""
+    if params_dtype != AUTO_DTYPE:
+        return params_dtype
+    return "bfloat16" if cuda else "float32"
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -35,14 +46,18 @@ class ModelConfig:
         False, "--untie-embeddings-and-output-weights",
         "give the output layer its own weight (default: tied to the input embedding)", "model", plan=True)
     """Give the output layer its own weight instead of sharing the input embedding."""
-    params_dtype: Literal["float32", "float64", "bfloat16", "float16"] = opt(
-        "float32", "--params-dtype", "parameter/activation dtype; bfloat16 and float16 keep float32 main parameters "
-        "and gradients, float16 with dynamic loss scaling", "model", plan=True,
+    params_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = opt(
+        "auto", "--params-dtype", "parameter/activation dtype; auto (default): bfloat16 on CUDA GPUs, float32 "
+        "on CPUs; bfloat16 and float16 keep float32 main parameters and gradients, float16 with dynamic loss "
+        "scaling", "model", plan=True,
         shortcuts=(("--bf16", "bfloat16", "same as --params-dtype bfloat16"),
                    ("--fp16", "float16", "same as --params-dtype float16"),
                    ("--fp32", "float32", "same as --params-dtype float32")))
     """dtype of parameters and activations: float32, float64, bfloat16 or float16 (the 16-bit
-    ones with float32 main parameters and gradients; float16 with dynamic loss scaling)."""
+    ones with float32 main parameters and gradients; float16 with dynamic loss scaling). ``auto``
+    is made concrete by :func:`ptdp.spec.resolve` where the device is known
+    (:func:`concrete_params_dtype`): bfloat16 on CUDA, float32 on the CPU; ``ptdp plan`` plans for
+    GPUs, so bfloat16."""
     init_method_std: float = opt(0.02, "--init-method-std", "std of the normal weight init", "model")
     """Standard deviation of the normal initialisation of weights."""
     layernorm_epsilon: float = opt(1e-5, "--layernorm-epsilon", "epsilon of the norms (LayerNorm or RMSNorm)", "model")

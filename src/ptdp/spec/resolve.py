@@ -14,7 +14,7 @@ import dataclasses
 from ptdp.engine.pipeline.partition import chunk_layer_counts
 from ptdp.spec.config import CheckpointConfig, Config, LaunchConfig, TrainConfig
 from ptdp.spec.errors import ConfigError, Violation, raise_violations
-from ptdp.spec.model import ModelConfig
+from ptdp.spec.model import ModelConfig, concrete_params_dtype
 from ptdp.spec.parallel import ParallelConfig
 from ptdp.spec.rules import (V, data_parallel_violations, finite_violations, layout_violations,
                              model_option_violations, positive_violations, recompute_violations,
@@ -25,12 +25,16 @@ DEFAULT_LOCAL_WORKERS = 8
 ``--dp`` says (if tp x pp divides it); with GPUs the default is their number."""
 
 
-def resolve(config: Config, world_size: int) -> Config:
-    """Check every rule for ``world_size`` processes and return the config with dp filled in.
+def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
+    """Check every rule for ``world_size`` processes and return the config with dp filled in and
+    ``params_dtype`` concrete (``auto``: bfloat16 if ``cuda``, the workers training on CUDA GPUs,
+    else float32; :func:`ptdp.spec.model.concrete_params_dtype`).
 
     Raises:
         ConfigError: listing every broken rule with its values. Never touches torch.distributed.
     """
+    dtype = concrete_params_dtype(config.model.params_dtype, cuda=cuda)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, params_dtype=dtype))
     p, m, t = config.parallel, config.model, config.train
     raise_violations(positive_violations(_sizes(config, world_size)) + finite_violations(_floats(config)))
     errors: list[Violation] = []

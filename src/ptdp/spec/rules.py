@@ -26,7 +26,7 @@ from ptdp.engine.pipeline.partition import stage_layer_counts
 from ptdp.spec.errors import ConfigError, Violation
 from ptdp.spec.fields import (ACTIVATIONS, BIND_POLICIES, DTYPES, GRAD_COMPRESSIONS, MIN_VOCAB_SIZE, NORMALIZATIONS,
                               POSITION_EMBEDDINGS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, SCHEDULES)
-from ptdp.spec.model import ModelConfig
+from ptdp.spec.model import AUTO_DTYPE, ModelConfig
 from ptdp.spec.parallel import ParallelConfig
 
 
@@ -55,8 +55,8 @@ def model_violations(m: ModelConfig, tp: int, pp: int, split: tuple[int, ...] | 
     if m.vocab_size < MIN_VOCAB_SIZE:
         out.append(V("vocab size", f"vocab_size={m.vocab_size} must be >= {MIN_VOCAB_SIZE} (256 bytes + end token + "
                      f"merges)", vocab_size=m.vocab_size))
-    if m.params_dtype not in DTYPES:
-        out.append(V("option", f"params_dtype={m.params_dtype!r} must be one of {DTYPES}"))
+    if m.params_dtype not in (AUTO_DTYPE, *DTYPES):  # auto: made concrete by resolve()
+        out.append(V("option", f"params_dtype={m.params_dtype!r} must be one of {(AUTO_DTYPE, *DTYPES)}"))
     if m.init_method_std <= 0:
         out.append(V("option", f"init_method_std={m.init_method_std} must be > 0"))
     return out
