@@ -13,10 +13,45 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptdp.engine.comm import AxisGroup
-from ptdp.engine.tensor_parallel.mappings import copy_to_tp, reduce_from_tp
+from ptdp.engine.comm import AxisGroup, all_reduce_async
+from ptdp.engine.tensor_parallel.mappings import reduce_from_tp
 from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel, reduce_scatter_sequence, sequence_gathered_linear
 from ptdp.engine.tensor_parallel.sharding import ParamSpec, make_parameter
+
+
+class _ColumnParallelLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose backward sums the input gradient over tp (f) while it
+    computes the weight gradient: the all-reduce starts as soon as ``grad @ weight`` is known and
+    is waited for after the weight-gradient GEMM (on NCCL it runs on the communicator's stream,
+    beside the GEMM)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, axis: AxisGroup, tag: str):
+        ctx.axis, ctx.tag, ctx.has_bias = axis, tag, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        pending = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.matmul(weight)
+            pending = all_reduce_async(grad_x, ctx.axis, tag=ctx.tag)
+        rows = grad.flatten(0, -2)
+        if ctx.needs_input_grad[1]:
+            grad_weight = rows.t().mm(x.flatten(0, -2))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0)
+        if pending is not None:
+            pending.wait()
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+@torch.compiler.disable
+def _column_parallel_linear(x, weight, bias, axis: AxisGroup, tag: str) -> torch.Tensor:
+    return _ColumnParallelLinear.apply(x, weight, bias, axis, tag)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -24,7 +59,7 @@ class ColumnParallelLinear(nn.Module):
 
     Per rank: input ``[..., in_features]`` (replicated), output ``[..., out_features / tp]``.
     Communication: forward none; backward one all-reduce of the input gradient (f), ``x.numel()``
-    elements, on the tp axis.
+    elements, on the tp axis, started before the weight-gradient GEMM and waited for after it.
 
     ``fused=3`` treats the output as three equal blocks (q | k | v) split separately, so each rank
     keeps the q, k and v of the same heads (``fused=2``: SwiGLU's gate | up, the same channels).
@@ -61,7 +96,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             return sequence_gathered_linear(x, self.weight, self.bias, self.tp, self.tag)
-        return F.linear(copy_to_tp(x, self.tp, self.tag), self.weight, self.bias)
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        return _column_parallel_linear(x, self.weight, self.bias, self.tp, self.tag)
 
 
 class RowParallelLinear(nn.Module):

@@ -8,7 +8,11 @@ Shoeybi et al., "Megatron-LM", arXiv:1909.08053, §3, Fig. 3:
   Placed where the partial outputs of a row-parallel layer (or of the vocab-parallel embedding) are
   summed.
 
-Both are the identity, with no autograd node at all, when the tp axis has size 1.
+Both are the identity, with no autograd node at all, when the tp axis has size 1. ``g`` sums in
+place when it may (the partial sums are a fresh output nobody keeps for backward): no copy
+around the forward all-reduce. The autograd functions that communicate run outside
+``torch.compile`` graphs (``torch.compiler.disable``): a compiled layer is split into regions
+between them, and every collective still goes through :mod:`ptdp.engine.comm` and is counted.
 """
 
 from __future__ import annotations
@@ -34,9 +38,10 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, axis: AxisGroup, tag: str) -> torch.Tensor:
-        out = x.contiguous().clone()
-        all_reduce(out, axis, tag=tag)
-        return out
+        if x.is_contiguous() and not (x.is_leaf and x.requires_grad):
+            ctx.mark_dirty(x)  # autograd refuses backward if some node had saved x
+            return all_reduce(x, axis, tag=tag)
+        return all_reduce(x.contiguous() if not x.is_contiguous() else x.clone(), axis, tag=tag)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -50,14 +55,26 @@ def copy_to_tp(x: torch.Tensor, axis: AxisGroup, tag: str = "") -> torch.Tensor:
     """
     if axis.size == 1:
         return x
-    return _CopyToTP.apply(x, axis, tag)
+    return _copy_to_tp(x, axis, tag)
 
 
 def reduce_from_tp(x: torch.Tensor, axis: AxisGroup, tag: str = "") -> torch.Tensor:
     """g: forward all-reduce (sum) of ``x`` over tp, ``x.numel()`` elements; backward identity.
 
-    Shapes: any; input is this rank's partial sum, output the full sum (replicated).
+    Shapes: any; input is this rank's partial sum, output the full sum (replicated). A contiguous
+    ``x`` that is not a leaf is summed in place and returned (marked dirty: if another autograd
+    node had saved it, its backward raises instead of reading the sum).
     """
     if axis.size == 1:
         return x
+    return _reduce_from_tp(x, axis, tag)
+
+
+@torch.compiler.disable
+def _copy_to_tp(x: torch.Tensor, axis: AxisGroup, tag: str) -> torch.Tensor:
+    return _CopyToTP.apply(x, axis, tag)
+
+
+@torch.compiler.disable
+def _reduce_from_tp(x: torch.Tensor, axis: AxisGroup, tag: str) -> torch.Tensor:
     return _ReduceFromTP.apply(x, axis, tag)

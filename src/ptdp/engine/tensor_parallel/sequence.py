@@ -29,8 +29,13 @@ positions only. They are marked :data:`SEQUENCE_PARALLEL_ATTR` (:func:`mark_sequ
 and their gradients are summed over tp after backward
 (:func:`ptdp.engine.data_parallel.grads.finalize_grads`).
 
+In the backward of :func:`sequence_gathered_linear` the communication overlaps the GEMMs: the
+all-gather of the input starts before the input-gradient GEMM, the reduce-scatter of the input
+gradient before the weight-gradient GEMM, each waited for only when its result is needed.
+
 Activations are batch-first, so the sequence is tensor dim 1 (:data:`SEQ_DIM`). Every operator
-here is the identity (no autograd node, no communication) on a tp axis of size 1.
+here is the identity (no autograd node, no communication) on a tp axis of size 1; otherwise it
+runs outside ``torch.compile`` graphs (``torch.compiler.disable``), which are split around it.
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptdp.engine.comm import AxisGroup, all_gather_along, reduce_scatter_along
+from ptdp.engine.comm import (
+    AxisGroup, all_gather_along, all_gather_async, reduce_scatter_along, reduce_scatter_async,
+)
 
 SEQ_DIM = 1
 """The sequence dim of ``[b, s, h]`` activations."""
@@ -83,14 +90,45 @@ class _SequenceGatheredLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
         rows = grad.flatten(0, -2)  # [b s, out_local]; out_local may be 0 (a shard of vocabulary padding)
-        if ctx.needs_input_grad[1]:
-            full = all_gather_along(x, ctx.axis, dim=SEQ_DIM, tag=ctx.tag + "_regather")
-            grad_weight = rows.t() @ full.flatten(0, -2)
-        if ctx.needs_input_grad[0]:
-            grad_x = reduce_scatter_along(grad @ weight, ctx.axis, dim=SEQ_DIM, tag=ctx.tag)
+        gather = _start_gather(x, ctx.axis, ctx.tag + "_regather") if ctx.needs_input_grad[1] else None
+        scatter = None
+        if ctx.needs_input_grad[0]:  # computed while the input is gathered again
+            scatter = _start_reduce_scatter(grad @ weight, ctx.axis, ctx.tag)
+        if gather is not None:  # computed while the input gradient is reduce-scattered
+            grad_weight = rows.t() @ gather().flatten(0, -2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = rows.sum(0)
+        if scatter is not None:
+            grad_x = scatter()
         return grad_x, grad_weight, grad_bias, None, None
+
+
+def _start_gather(x: torch.Tensor, axis: AxisGroup, tag: str):
+    """Start :func:`~ptdp.engine.comm.all_gather_along` of ``x`` along the sequence; returns a
+    function that waits and gives ``[b, s, h]``."""
+    part = x.contiguous()
+    out = part.new_empty((axis.size * part.shape[0], *part.shape[1:]))  # rank blocks along dim 0
+    work = all_gather_async(out, part, axis, tag=tag)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return out.unflatten(0, (axis.size, part.shape[0])).movedim(0, SEQ_DIM).flatten(SEQ_DIM, SEQ_DIM + 1)
+
+    return finish
+
+
+def _start_reduce_scatter(y: torch.Tensor, axis: AxisGroup, tag: str):
+    """Start :func:`~ptdp.engine.comm.reduce_scatter_along` of ``y [b, s, h]`` along the
+    sequence; returns a function that waits and gives this rank's ``[b, s/t, h]``."""
+    chunks = y.unflatten(SEQ_DIM, (axis.size, y.shape[SEQ_DIM] // axis.size)).movedim(SEQ_DIM, 0).contiguous()
+    out = chunks.new_empty(chunks.shape[1:])
+    work = reduce_scatter_async(out, chunks.flatten(0, 1), axis, tag=tag)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return out
+
+    return finish
 
 
 def all_gather_sequence(x: torch.Tensor, axis: AxisGroup, tag: str = "") -> torch.Tensor:
@@ -102,7 +140,7 @@ def all_gather_sequence(x: torch.Tensor, axis: AxisGroup, tag: str = "") -> torc
     """
     if axis.size == 1:
         return x
-    return _AllGatherSequence.apply(x, axis, tag)
+    return _outside_compile(_AllGatherSequence.apply, x, axis, tag)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, axis: AxisGroup, tag: str = "") -> torch.Tensor:
@@ -114,7 +152,7 @@ def reduce_scatter_sequence(x: torch.Tensor, axis: AxisGroup, tag: str = "") -> 
     """
     if axis.size == 1:
         return x
-    return _ReduceScatterSequence.apply(x, axis, tag)
+    return _outside_compile(_ReduceScatterSequence.apply, x, axis, tag)
 
 
 def sequence_gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -129,7 +167,14 @@ def sequence_gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     """
     if axis.size == 1:
         return F.linear(x, weight, bias)
-    return _SequenceGatheredLinear.apply(x, weight, bias, axis, tag)
+    return _outside_compile(_SequenceGatheredLinear.apply, x, weight, bias, axis, tag)
+
+
+@torch.compiler.disable
+def _outside_compile(apply, *args):
+    """``apply(*args)`` run eagerly, never traced into a ``torch.compile`` graph: a compiled layer
+    is split around it and its collectives are counted."""
+    return apply(*args)
 
 
 def mark_sequence_parallel(params: Iterable[nn.Parameter]) -> None:
