@@ -121,6 +121,13 @@ class ModelConfig:
     """With ``full``: layers per recomputed group (uniform) or recomputed layers per model chunk
     (block). None with ``full``: 1 for uniform (every layer's input kept); block needs it."""
 
+    compile: bool = opt(False, "--compile", "torch.compile each transformer layer (inductor); tensor-parallel "
+                        "collectives run between the compiled regions and are counted as in eager mode", "model")
+    """Compile every transformer layer's forward with ``torch.compile`` (inductor;
+    :mod:`ptdp.engine.model.compile`). The functions that communicate over tp run eagerly between
+    the compiled regions. Results equal eager mode within float rounding; the first steps pay
+    the compile time."""
+
     @property
     def ffn(self) -> int:
         return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size

@@ -1,0 +1,31 @@
+"""``--compile``: every transformer layer's forward compiled by ``torch.compile`` (inductor).
+
+Only the layers are compiled, each on its own (they share one compiled graph when their shapes
+agree: parameters are graph inputs), not the embedding, the output layer + loss, or the pipeline
+runtime. Module hooks (the parameter all-gather waits of ``--overlap-param-gather``) stay
+outside: the layer's ``forward`` is compiled, not its ``__call__``. Full recompute runs the
+compiled layers inside its checkpoints; selective recompute's checkpoint of the attention core
+is traced by dynamo inside the compiled layer.
+
+Communication: the tensor-parallel functions that call :mod:`ptdp.engine.comm` (f, g, the
+sequence-parallel gathers and scatters, the column-parallel linear with its overlapped
+backward) are ``torch.compiler.disable``-d, so each compiled layer is split into regions between
+them and every collective still runs eagerly, counted per (axis, op, tag) exactly as without
+``--compile``. At tp = 1 they are not called and a layer is one graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def compile_layers(model: nn.Module, *, backend: str = "inductor") -> int:
+    """Replace the ``forward`` of every transformer layer of ``model`` (a
+    :class:`~ptdp.engine.model.gpt.GPTModel` stage: its ``layers``) by its compiled version;
+    parameter names and the state dict do not change. Returns the number of layers compiled.
+    Compilation itself happens at the first forward of each shape."""
+    layers = list(model.layers.values())
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, backend=backend, dynamic=False)
+    return len(layers)

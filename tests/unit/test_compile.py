@@ -1,0 +1,29 @@
+"""``--compile`` at tp = 1: the tiny model compiled by inductor trains like eager mode (float32
+tolerance), one graph serving every layer (tp = 2: tests/dist/test_compile_dist.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.model.compile import compile_layers
+from ptdp.engine.model.gpt import GPTModel
+from ptdp.spec import ModelConfig
+
+from helpers.compile_cases import assert_trains_like_eager, eager_and_compiled
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_like_eager():
+    res = eager_and_compiled(1, ParallelGroups.single_process())
+    assert_trains_like_eager(res)
+    assert res["graphs"] == 1, "the 4 layers share one compiled graph (parameters are inputs)"
+
+
+def test_compile_keeps_parameter_names():
+    cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=4, vocab_size=300)
+    model = GPTModel(cfg, ParallelGroups.single_process().tp, layer_ids=range(2), pre_process=True,
+                     post_process=True)
+    names = [n for n, _ in model.named_parameters()]
+    assert compile_layers(model) == 2
+    assert [n for n, _ in model.named_parameters()] == names and list(model.state_dict()) == names
