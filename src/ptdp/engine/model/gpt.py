@@ -55,7 +55,10 @@ from ptdp.engine.tensor_parallel.linear_cross_entropy import linear_cross_entrop
 from ptdp.engine.tensor_parallel.random import Dropout, DropoutRNG
 from ptdp.engine.tensor_parallel.sharding import make_parameter
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "auto": torch.float32}
+"""``params_dtype`` -> torch dtype. ``auto`` is made concrete by ``ptdp.spec.resolve`` (bfloat16 on
+CUDA); a model built from a config that never went through it is a CPU model: float32."""
 
 
 class LayerNorm(nn.Module):
