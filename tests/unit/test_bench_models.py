@@ -63,3 +63,11 @@ def test_peak_flops_cpu_needs_an_override(bench):
     gpu_check, _ = bench
     assert gpu_check.peak_flops(torch.device("cpu"), "float32", None)[0] is None
     assert gpu_check.peak_flops(torch.device("cpu"), "float32", 2.0) == (2e12, "--peak-tflops")
+
+
+def test_with_compile_switches_on_ptdps_compile_flag(bench):
+    gpu_check, plain_gpt = bench
+    cfg = gpu_check.speed_config(gpu_check.QUICK, "float32")
+    compiled = plain_gpt.with_compile(cfg)
+    assert compiled is not None and compiled.model.compile is True and not cfg.model.compile
+    assert dataclasses.replace(compiled, model=dataclasses.replace(compiled.model, compile=False)) == cfg
