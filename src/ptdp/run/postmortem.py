@@ -25,10 +25,13 @@ follow from it. Without the folder (torchrun, tests) nothing is recorded.
 
 On NCCL a collective that times out raises nothing: the watchdog thread aborts the process
 (SIGABRT, recorded by faulthandler as "Aborted"). Given the process-group timeout, a rank that
-aborted after waiting at least :data:`WATCHDOG_FRACTION` of it in one phase is read as such a
-watchdog abort, not as a failure of its own: then the rank named first is the one, among those
-that were not aborted, that made no progress for the longest time (the one the others waited for),
-and the aborted ranks are said to follow from it with the phase and iteration they waited in.
+aborted after at least :data:`WATCHDOG_FRACTION` of it in one phase, or while another rank had
+made no progress for that long, is read as such a watchdog abort, not as a failure of its own
+(:func:`watchdog_aborts`): then the rank named first is the one, among those that were not
+aborted, that made no progress for the longest time (the one the others waited for), and the
+aborted ranks are said to follow from it with their phase and iteration. On a GPU that phase is
+where the host was when it blocked, which may come after the collective that timed out (the host
+enqueues collectives and runs ahead); NCCL's flight-recorder dump names the collective.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ _MAGIC = b"ptdp"
 RUNNING, FINISHED, RAISED = 0, 1, 2
 _FATAL = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
 WATCHDOG_FRACTION = 0.9
-"""An abort after waiting this fraction of the process-group timeout in one phase is NCCL's watchdog's."""
+"""Share of the process-group timeout that tells an NCCL watchdog abort (:func:`watchdog_aborts`)."""
 
 
 def attempt_dir(root: str | Path, attempt: int) -> Path:
@@ -274,13 +277,22 @@ def diagnose(folder: Path, world_size: int, timeout_s: float | None = None) -> D
 
 
 def watchdog_aborts(ends: list[RankEnd], timeout_s: float | None) -> list[RankEnd]:
-    """The ranks that died of SIGABRT after waiting at least :data:`WATCHDOG_FRACTION` of
-    ``timeout_s`` in their last phase: NCCL's watchdog ending a collective that timed out."""
+    """The ranks that NCCL's watchdog aborted (a collective that timed out): those that died of
+    SIGABRT after at least :data:`WATCHDOG_FRACTION` of ``timeout_s`` in their last phase, and all
+    that died of SIGABRT when, at the first abort, another rank (not aborted, no error of its own)
+    had made no progress for that long. The second case is a GPU host that ran ahead of its
+    asynchronous collective into a later phase before it blocked."""
     if not timeout_s:
         return []
     limit = WATCHDOG_FRACTION * timeout_s * 1e9
-    return [e for e in ends if e.kind == "signal" and e.summary.endswith("(Aborted)") and e.time_ns is not None
-            and e.since_ns is not None and e.time_ns - e.since_ns >= limit]
+    aborts = [e for e in ends if e.kind == "signal" and e.summary.endswith("(Aborted)") and e.time_ns is not None
+              and e.since_ns is not None]
+    if not aborts:
+        return []
+    first = min(e.time_ns for e in aborts)
+    idle = any(e.kind in ("sigterm", "silent", "collective") and e.since_ns is not None and first - e.since_ns >= limit
+               for e in ends)
+    return [e for e in aborts if idle or e.time_ns - e.since_ns >= limit]
 
 
 def _watchdog_diagnosis(ends: list[RankEnd], aborted: list[RankEnd]) -> Diagnosis:
@@ -291,7 +303,7 @@ def _watchdog_diagnosis(ends: list[RankEnd], aborted: list[RankEnd]) -> Diagnosi
         return _duration(e.time_ns - e.since_ns)
 
     marked = {e.rank: dataclasses.replace(e, kind="watchdog", summary=f"was aborted by NCCL's watchdog (SIGABRT) "
-                                          f"after waiting {waited(e)}") for e in aborted}
+                                          f"{waited(e)} after entering its last phase") for e in aborted}
     candidates = [e for e in ends if e.rank not in marked and e.kind in ("sigterm", "silent", "collective")
                   and e.since_ns is not None]
     last_abort = max(e.time_ns for e in aborted)
