@@ -3,8 +3,9 @@ from the configuration schema (:mod:`ptdp.spec.flags`).
 
 Flag names follow Megatron-LM (``--tensor-model-parallel-size``, ``--micro-batch-size``, ...) with
 short aliases (``--tp``, ``--mbs``). Defaults come from the schema, except the parallel sizes:
-``ptdp train`` defaults to tp=2, pp=2 and dp inferred from the number of workers (8 local workers
-unless told otherwise), and its process-group timeout is 2 minutes on a machine without CUDA.
+``ptdp train`` defaults to tp=2, pp=2 and dp inferred from the number of workers (8 local workers,
+or one per visible GPU, unless told otherwise), and its process-group timeout is 2 minutes on a
+machine without CUDA.
 ``--config FILE`` takes settings from a TOML, YAML or JSON file (:mod:`ptdp.spec.files`).
 """
 
