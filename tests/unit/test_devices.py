@@ -126,3 +126,18 @@ def test_ptdp_train_refuses_more_workers_than_gpus_before_starting(monkeypatch, 
     assert cli.main(["train", "--no-progress"]) == 2  # default tp 2 x pp 2 needs 4 GPUs
     assert "4 local workers (tp x pp)" in capsys.readouterr().err
 
+
+
+def test_torchrun_worker_with_more_processes_than_gpus_exits_2_naming_both(monkeypatch, capsys):
+    """``torchrun --nproc-per-node 4 -m ptdp.train`` on a node showing 2 GPUs: each worker stops
+    before any process group exists (exit 2)."""
+    from ptdp.run import worker
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    for name, value in {"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    calls = _fake_cuda(monkeypatch, 2)
+    assert worker.main(["--force", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "ptdp.train: error on rank 2: 4 processes on this node (LOCAL_WORLD_SIZE) but only 2 GPUs visible" in err
+    assert calls == []
