@@ -198,7 +198,7 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
         [list(chunk.parameters()) for chunk in chunks], dp=groups.dp,
         grad_dtype=torch.float32 if low_precision else None, bucket_size=p.ddp_bucket_size,
         overlap=p.overlap_grad_reduce, codec=p.grad_compression, shard=p.use_distributed_optimizer,
-        deferred=(tied,) if tied is not None and groups.embedding.size > 1 else (),
+        deferred=(tied,) if tied is not None and groups.embedding.size > 1 else (), prescaled=True,
     )
     scaler = DynamicLossScaler() if m.params_dtype == "float16" else None
     units = _param_gather_units(chunks) if p.overlap_param_gather else None
@@ -247,14 +247,16 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     stage.grads.exact = iteration < cfg.grad_compression_warmup
     programs = build_programs(cfg.parallel.schedule, g.pp.size, len(microbatches), stage.virtual_stages)
     scale = stage.scaler.scale if stage.scaler is not None else None
-    stage.grads.grad_scale = scale or 1.0
+    # 1/dp folded into the loss: the dp reduction of the buffer is then a plain sum (prescaled=True)
+    loss_factor = (scale or 1.0) / g.dp.size
+    stage.grads.grad_scale = loss_factor
     residual = stage.grads.residual
     kept = residual.clone() if residual is not None else None  # put back if the step is skipped
     poison = _test_poison(stage, iteration, faults)
     try:
         losses = run_schedule(
             programs[g.pp.rank], stage.model, microbatches, pp=g.pp, hidden_shape=stage.hidden_shape,
-            dtype=stage.dtype, device=stage.device, tracer=tracer, grad_sync=stage.grads, loss_scale=scale,
+            dtype=stage.dtype, device=stage.device, tracer=tracer, grad_sync=stage.grads, loss_scale=loss_factor,
             seq_length=cfg.model.seq_length,
         )
     finally:

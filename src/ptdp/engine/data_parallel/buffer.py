@@ -72,22 +72,25 @@ class GradBuffer:
         shard: reduce-scatter into :attr:`shard_grads` for the distributed optimizer.
         deferred: parameters whose bucket must not start early (the tied embedding, whose
             gradient is first summed over the first and last pipeline stage).
+        prescaled: the gradients arrive already divided by dp (the step folds 1/dp into the
+            loss), so the reductions sum instead of averaging: no division pass.
     """
 
     def __init__(self, chunk_params: list[list[nn.Parameter]], *, dp: AxisGroup, grad_dtype: torch.dtype | None = None,
                  bucket_size: int | None = None, overlap: bool = False, codec: str = "none", shard: bool = False,
-                 deferred: tuple[nn.Parameter, ...] = ()) -> None:
+                 deferred: tuple[nn.Parameter, ...] = (), prescaled: bool = False) -> None:
         params = [p for ps in chunk_params for p in ps]
         if not params:
             raise ValueError("GradBuffer needs at least one parameter")
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"parameters of one buffer must share a dtype, got {sorted(map(str, dtypes))}")
-        self.params, self.dp, self.codec, self.sharded = params, dp, codec, shard
+        self.params, self.dp, self.codec, self.sharded, self.prescaled = params, dp, codec, shard, prescaled
         self.exact = False
         """Reduce in the buffer's dtype whatever ``codec`` is (compression warmup); set per step."""
         self.grad_scale = 1.0
-        """How much the gradients in the buffer are scaled (the float16 loss scale); set per step."""
+        """How much the gradients in the buffer are scaled (the float16 loss scale, divided by dp
+        when ``prescaled``); set per step."""
         self.uses_main_grad = grad_dtype is not None and grad_dtype != params[0].dtype
         self.buckets = _plan_buckets(chunk_params, bucket_size or DEFAULT_BUCKET_SIZE, overlap,
                                      {id(p) for p in deferred}, dp.size if shard else 1)
@@ -179,7 +182,7 @@ class GradBuffer:
         residual = self.residual[bucket.start: bucket.start + bucket.numel] if self.residual is not None else None
         codec = "none" if self.exact else self.codec
         bucket.finish = start_reduction(codec, grad, self.dp, shard=shard, residual=residual,
-                                        grad_scale=self.grad_scale, blocks=bucket.blocks)
+                                        grad_scale=self.grad_scale, blocks=bucket.blocks, average=not self.prescaled)
         self._launched.append(bucket)
 
     def finish(self) -> None:

@@ -64,8 +64,12 @@ def unpackbits(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 def start_reduction(codec: str, grad: torch.Tensor, axis: AxisGroup, *, shard: torch.Tensor | None = None,
                     residual: torch.Tensor | None = None, grad_scale: float = 1.0,
-                    blocks: torch.Tensor | None = None) -> Callable[[], None]:
+                    blocks: torch.Tensor | None = None, average: bool = True) -> Callable[[], None]:
     """Start averaging ``grad`` (a flat fp32 bucket) over ``axis``; returns ``finish()``.
+
+    ``average=False``: every rank's ``grad`` is already divided by dp (the training step folds
+    1/dp into the loss, :func:`ptdp.engine.step.train_step`), so the codec only sums: no division
+    pass over the bucket (for ``fp16``/``bf16`` not even before the cast).
 
     ``shard`` (distributed optimizer): receive only this rank's ``grad.numel() / dp`` slice of the
     average there (reduce-scatter) instead of the whole average in ``grad`` (all-reduce).
@@ -75,14 +79,15 @@ def start_reduction(codec: str, grad: torch.Tensor, axis: AxisGroup, *, shard: t
     ``grad``); default: blocks of :data:`ONE_BIT_BLOCK` over the whole bucket.
     """
     dp = axis.size
+    divide = dp if average else 1
     if codec == "none":
         if shard is not None:
             work = reduce_scatter_async(shard, grad, axis, tag="grads")
-            return lambda: (work.wait(), shard.div_(dp))
+            return lambda: (work.wait(), shard.div_(divide) if average else None)
         work = all_reduce_async(grad, axis, tag="grads")
-        return lambda: (work.wait(), grad.div_(dp))
+        return lambda: (work.wait(), grad.div_(divide) if average else None)
     if codec in _HALF:
-        half = grad.div(dp).to(_HALF[codec])
+        half = (grad.div(dp) if average else grad).to(_HALF[codec])
         if shard is not None:
             out = torch.empty(shard.numel(), dtype=half.dtype, device=half.device)
             work = reduce_scatter_async(out, half, axis, tag="grads")
@@ -92,7 +97,7 @@ def start_reduction(codec: str, grad: torch.Tensor, axis: AxisGroup, *, shard: t
     if codec == "1bit":
         if shard is not None:
             raise ValueError("1-bit compression is not supported with the distributed optimizer")
-        return _start_one_bit(grad, axis, residual, grad_scale, blocks)
+        return _start_one_bit(grad, axis, residual, grad_scale, blocks, divide)
     raise ValueError(f"unknown gradient compression {codec!r}; expected one of {CODECS}")
 
 
@@ -122,7 +127,7 @@ def _per_element(scales: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Te
 
 
 def _start_one_bit(grad: torch.Tensor, axis: AxisGroup, residual: torch.Tensor, grad_scale: float,
-                   blocks: torch.Tensor | None) -> Callable[[], None]:
+                   blocks: torch.Tensor | None, divide: int) -> Callable[[], None]:
     n, dp = grad.numel(), axis.size
     blocks = blocks if blocks is not None else block_sizes([n], grad.device)
     corrected = grad + residual * grad_scale if grad_scale != 1.0 else grad + residual
@@ -142,6 +147,7 @@ def _start_one_bit(grad: torch.Tensor, axis: AxisGroup, residual: torch.Tensor, 
             work.wait()
         bits = unpackbits(all_packed.view(dp, -1), n)
         steps = _per_element(all_scales.view(dp, -1), blocks, n).to(grad.dtype)
-        grad.copy_(torch.where(bits, steps, -steps).sum(dim=0).div_(dp))
+        total = torch.where(bits, steps, -steps).sum(dim=0)
+        grad.copy_(total.div_(divide) if divide != 1 else total)
 
     return finish
