@@ -57,9 +57,13 @@ class ParallelConfig:
     ddp_bucket_size: int | None = opt(None, "--ddp-bucket-size", "most gradient elements per bucket (default: "
                                       "40,000,000)", "dp", metavar="ELEMENTS")
     """Most gradient elements per data-parallel bucket; None: 40 million (Megatron's default)."""
-    overlap_grad_reduce: bool = opt(False, "--overlap-grad-reduce", "start each bucket's data-parallel reduction "
-                                    "during the last microbatch's backward", "dp")
-    """Start each bucket's data-parallel reduction during the last microbatch's backward."""
+    overlap_grad_reduce: bool = opt(True, "--overlap-grad-reduce", "start each bucket's data-parallel reduction "
+                                    "during the last microbatch's backward (default; --no-overlap-grad-reduce: "
+                                    "after the whole backward)", "dp")
+    """Start each bucket's data-parallel reduction during the last microbatch's backward, as soon
+    as all its gradients are ready (on by default: the reductions then hide behind the rest of
+    backward; the result is the same either way). The tied embedding's bucket always waits for
+    the sum over the first and last stage; unused parameters' buckets start after backward."""
     grad_compression: Literal["none", "fp16", "bf16", "1bit"] = opt(
         "none", "--grad-compression", "reduce gradients over dp in fp32 (none), 16 bits, or 1 bit with error "
         "feedback", "dp")
