@@ -46,8 +46,10 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     t, ck = config.train, config.checkpoint
     stage = build_stage(config, groups, device)
     start, consumed, note = 0, 0, None  # resumed runs continue from the checkpoint's sample position
+    saver = Checkpointer(groups, async_save=ck.async_save) if ck.save or ck.load else None
     if ck.load:
-        meta = load_checkpoint(stage, ck.load, load_optimizer=not ck.no_load_optim, load_rng=not ck.no_load_rng)
+        meta = load_checkpoint(stage, ck.load, load_optimizer=not ck.no_load_optim, load_rng=not ck.no_load_rng,
+                               group=saver.group)
         start, consumed, note = meta["iteration"], meta["consumed_samples"], meta.get("residual_note")
         if start >= t.train_iters:
             raise CheckpointError(f"checkpoint {ck.load} is at iteration {start}: --train-iters {t.train_iters} "
@@ -56,7 +58,8 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
                  restart=restart)
     if note:
         log.message(f"warning: {note}")
-    loop = _Loop(config, groups, data, stage, log, start, consumed, faults, restart, run_dir=Path(run_dir))
+    loop = _Loop(config, groups, data, stage, log, start, consumed, faults, restart, run_dir=Path(run_dir),
+                 saver=saver)
     if restart:
         log.restarted(start, ck.load)
     elif ck.load:
@@ -79,7 +82,8 @@ class _Loop:
     """The state of one worker's training loop: data, evaluation, history, trace."""
 
     def __init__(self, config: Config, groups: ParallelGroups, data: PreparedData, stage, log: RunLog, start: int,
-                 consumed: int, faults: FaultPlan | None = None, restart: int = 0, *, run_dir: Path = Path(".")) -> None:
+                 consumed: int, faults: FaultPlan | None = None, restart: int = 0, *, run_dir: Path = Path("."),
+                 saver: Checkpointer | None = None) -> None:
         t = config.train
         self.config, self.groups, self.data, self.stage, self.log = config, groups, data, stage, log
         self.start, self.consumed = start, consumed
@@ -93,7 +97,8 @@ class _Loop:
         self.first_traced = 2 if t.train_iters >= 2 else 1
         self.skipped_in_a_row = 0
         self.faults, self.restart = faults, restart
-        self.saver = Checkpointer(groups, async_save=config.checkpoint.async_save) if config.checkpoint.save else None
+        self.saver = saver
+        """Checkpoint saves over their own gloo group (``--save``; it also served ``--load``)."""
         self.pending: list[tuple[int, PendingStep]] = []
         """Steps not read to the host yet (1-based iteration, its pending metrics)."""
         self.interval_start: float | None = None

@@ -260,10 +260,12 @@ def _set_rng_state(state: dict) -> None:
 
 
 @torch.no_grad()
-def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, load_rng: bool = True) -> dict:
+def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, load_rng: bool = True,
+                    group=None) -> dict:
     """Load a checkpoint saved at any layout into ``stage`` (collective over the world): parameters,
     Adam state and step, loss scale, and, at the same layout, the 1-bit residual and RNG states.
-    Returns the checkpoint's metadata (``iteration``, ``consumed_samples``, ...).
+    Returns the checkpoint's metadata (``iteration``, ``consumed_samples``, ...). ``group``: the
+    process group of DCP's collectives, as for :func:`start_save` (None: the world group).
 
     Raises:
         CheckpointError: no checkpoint at ``path``, an incomplete or corrupted one, or one saved
@@ -287,7 +289,7 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
     try:
         with _quiet():
             dcp.load(sd, storage_reader=SafeFileSystemReader(folder),
-                     process_group=g.world.group if g.world.size > 1 else None)
+                     process_group=group if group is not None else g.world.group if g.world.size > 1 else None)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
         raise CheckpointError(f"loading checkpoint {folder} failed: {_first_line(err)}") from err
     for p in params:  # 16-bit runs saved float32 main parameters: the exact values

@@ -1,4 +1,5 @@
-"""The checkpoint saves of one training run: DCP over a gloo group of its own, and ``--async-save``.
+"""The checkpoint saves (and the ``--load``) of one training run: DCP over a gloo group of its own,
+and ``--async-save``.
 
 A :class:`Checkpointer` is built by every rank of the run (collective: it creates the group). Its
 gloo group carries DCP's collectives (planning, the gather of write results), so that a save
