@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,29 @@ def test_with_compile_switches_on_ptdps_compile_flag(bench):
     compiled = plain_gpt.with_compile(cfg)
     assert compiled is not None and compiled.model.compile is True and not cfg.model.compile
     assert dataclasses.replace(compiled, model=dataclasses.replace(compiled.model, compile=False)) == cfg
+
+
+@pytest.mark.parametrize("shape", [{}, {"num_layers": 3, "hidden_size": 48, "vocab_size": 333}])
+def test_flop_params_count_the_plain_models_parameters_but_the_positions(bench, shape):
+    gpu_check, plain_gpt = bench
+    cfg = gpu_check.speed_config(dict(gpu_check.QUICK, **shape), "float32")
+    plain = plain_gpt.plain_like(cfg)
+    assert gpu_check.flop_params(cfg) == plain.flop_params() == sum(
+        p.numel() for n, p in plain.named_parameters() if n != "wpe.weight")
+
+
+def test_a_failing_mode_is_reported_and_the_rest_still_written(bench, monkeypatch, tmp_path, capsys):
+    gpu_check, _ = bench
+
+    def broken(config, mode, shape, device):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(gpu_check, "measure_mode", broken)
+    out = tmp_path / "r.json"
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--device", "cpu", "--quick", "--output", str(out)])
+    assert exit_info.value.code == 1
+    report = json.loads(out.read_text())
+    assert report["failures"] == ["eager: RuntimeError: out of memory (simulated)"] and report["rows"] == []
+    assert report["tokens_per_s"] is None and 0 < report["max_loss_rel_diff_vs_float64_cpu"] < 1e-5
+    assert "FAILED eager: RuntimeError: out of memory (simulated)" in capsys.readouterr().out
