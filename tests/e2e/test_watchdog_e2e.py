@@ -21,8 +21,9 @@ def test_a_watchdog_abort_names_the_stalled_rank_and_where_the_aborted_one_waite
     assert "before NCCL's watchdog aborted rank 0 (a collective timed out waiting for it" in lines[0], lines
     assert ("the other ranks' errors follow from it: rank 0 was aborted by NCCL's watchdog (a collective timed out)"
             in lines), lines
-    assert any(line.startswith("  (rank 0 was aborted by NCCL's watchdog (SIGABRT) ")
-               and line.endswith(" after entering its last phase, in gradient sync at iteration 3)") for line in lines), lines
+    aborted = "  (rank 0 was aborted by NCCL's watchdog (SIGABRT) "
+    where = " after entering its last phase, in gradient sync at iteration 3)"
+    assert any(line.startswith(aborted) and line.endswith(where) for line in lines), lines
 
 
 def test_without_the_timeout_an_abort_is_a_fatal_signal_of_its_own():
