@@ -2,15 +2,16 @@
 
 Every ptdp parameter carries a :class:`ParamSpec` (attribute ``ptdp_spec``) describing the *global*
 (unsharded, vocab-padded) tensor and how tp ranks split it. That makes initialisation independent of
-the layout: each rank draws the full tensor from a generator seeded by the parameter's name and keeps
-its own shard, so tp=1 and tp=4 start from identical weights. :func:`unshard` rebuilds the global
+the layout: the global tensor is cut into fixed-size blocks along its split dim, each drawn from a
+generator seeded by (seed, parameter name, block index), and each rank draws only the blocks its
+shard overlaps (:func:`init_shard`), so tp=1 and tp=4 start from identical weights. :func:`unshard` rebuilds the global
 tensor from all shards (used by tests and, later, checkpoint export).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -92,34 +93,95 @@ def unshard(shards: list[torch.Tensor], spec: ParamSpec) -> torch.Tensor:
     return torch.cat([torch.cat([p[g] for p in per_rank], dim=dim) for g in range(groups)], dim=dim)
 
 
-def init_full(spec: ParamSpec, *, name: str, seed: int, std: float, num_layers: int) -> torch.Tensor:
-    """The global initial value of parameter ``name`` (float32), identical on every layout.
+INIT_BLOCK_ELEMENTS = 2**16
+"""Elements of one independently drawn block of an initial weight (at least one index of its dim)."""
 
-    Weights are drawn from N(0, std^2) (N(0, (std / sqrt(2 * num_layers))^2) for ``scaled_normal``,
-    GPT-2 / Megatron) with a generator seeded by ``seed`` and a CRC32 of ``name``; padded vocab
-    rows are zero.
+
+def init_block_size(spec: ParamSpec) -> int:
+    """Indices of the block dim (the tp dim, else 0) per block: ``INIT_BLOCK_ELEMENTS`` divided
+    by the product of the other dims, at least 1. It depends on those other dims only, never on
+    the split dim's length (the padded vocabulary grows with tp)."""
+    dim = _block_dim(spec)
+    other = math.prod(n for d, n in enumerate(spec.global_shape) if d != dim)
+    return max(1, INIT_BLOCK_ELEMENTS // max(other, 1))
+
+
+def _block_dim(spec: ParamSpec) -> int:
+    return spec.tp_dim if spec.tp_dim is not None else 0
+
+
+def shard_ranges(spec: ParamSpec, tp_rank: int, tp_size: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` index ranges of the split dim (dim 0 if replicated) that rank
+    ``tp_rank``'s shard holds, in shard order: one per group of a fused split (:func:`shard`)."""
+    length = spec.global_shape[_block_dim(spec)]
+    if spec.tp_dim is None or tp_size == 1:
+        return [(0, length)]
+    n = length // spec.tp_groups
+    per = n // tp_size
+    return [(g * n + tp_rank * per, g * n + (tp_rank + 1) * per) for g in range(spec.tp_groups)]
+
+
+def _block_seed(seed: int, name: str, block: int) -> int:
+    digest = hashlib.blake2b(f"{seed}/{name}/{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63
+
+
+def _draw(spec: ParamSpec, name: str, seed: int, start: int, stop: int) -> torch.Tensor:
+    """Standard normal values of indices ``[start, stop)`` of the block dim: every block they
+    overlap is drawn whole (its full block shape, so its values do not depend on where it is
+    cut) and the overlap kept."""
+    dim, size = _block_dim(spec), init_block_size(spec)
+    shape = list(spec.global_shape)
+    shape[dim] = size
+    parts = []
+    for k in range(start // size, (stop - 1) // size + 1):
+        block = torch.randn(shape, generator=torch.Generator().manual_seed(_block_seed(seed, name, k)))
+        lo, hi = max(start, k * size), min(stop, (k + 1) * size)
+        parts.append(block.narrow(dim, lo - k * size, hi - lo))
+    return torch.cat(parts, dim) if len(parts) != 1 else parts[0]
+
+
+def init_shard(spec: ParamSpec, *, name: str, seed: int, std: float, num_layers: int, tp_rank: int,
+               tp_size: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s shard (float32, ``spec.local_shape(tp_size)``) of parameter ``name``'s
+    initial value, identical on every layout, drawing only the blocks the shard overlaps.
+
+    Weights are N(0, std^2) (N(0, (std / sqrt(2 * num_layers))^2) for ``scaled_normal``, GPT-2 /
+    Megatron). The global tensor is cut along its tp dim (dim 0 if replicated) into blocks of
+    :func:`init_block_size` indices; block ``k`` is drawn from a generator seeded by a hash of
+    ``(seed, name, k)``. A rank draws the blocks its index ranges (:func:`shard_ranges`) overlap:
+    about ``1 / tp`` of the tensor, plus at most one block at each end of a range. Padded
+    vocabulary rows (``>= real_rows``) are zero.
     """
+    local = spec.local_shape(tp_size)
     if spec.init == "zeros":
-        return torch.zeros(spec.global_shape)
+        return torch.zeros(local)
     if spec.init == "ones":
-        return torch.ones(spec.global_shape)
+        return torch.ones(local)
     if spec.init == "scaled_normal":
         std = std / math.sqrt(2.0 * num_layers)
-    real = list(spec.global_shape)
+    ranges = shard_ranges(spec, tp_rank, tp_size)
+    dim = _block_dim(spec)
+    out = torch.cat([_draw(spec, name, seed, a, b) for a, b in ranges], dim).mul_(std)
     if spec.real_rows is not None:
-        real[0] = spec.real_rows
-    gen = torch.Generator().manual_seed((seed * 2654435761 + zlib.crc32(name.encode())) % 2**63)
-    full = torch.zeros(spec.global_shape)
-    full[tuple(slice(0, n) for n in real)] = torch.randn(real, generator=gen) * std
-    return full
+        rows = torch.cat([torch.arange(a, b) for a, b in ranges]) if dim == 0 else torch.arange(local[0])
+        out[rows >= spec.real_rows] = 0.0
+    return out
+
+
+def init_full(spec: ParamSpec, *, name: str, seed: int, std: float, num_layers: int) -> torch.Tensor:
+    """The global initial value of parameter ``name`` (float32): :func:`init_shard` at tp = 1,
+    which every layout's shards are slices of."""
+    return init_shard(spec, name=name, seed=seed, std=std, num_layers=num_layers, tp_rank=0, tp_size=1)
 
 
 @torch.no_grad()
 def initialize_parameters(
     module: nn.Module, *, seed: int, std: float, num_layers: int, tp_rank: int, tp_size: int
 ) -> None:
-    """Fill every parameter of ``module`` with its shard of the layout-independent initial value."""
+    """Fill every parameter of ``module`` with its shard of the layout-independent initial value
+    (:func:`init_shard`: each rank draws only what its shard overlaps)."""
     for name, param in module.named_parameters():
         spec = spec_of(param)
-        full = init_full(spec, name=name, seed=seed, std=std, num_layers=num_layers)
-        param.copy_(shard(full, spec, tp_rank, tp_size))
+        param.copy_(init_shard(spec, name=name, seed=seed, std=std, num_layers=num_layers, tp_rank=tp_rank,
+                               tp_size=tp_size))
