@@ -151,7 +151,10 @@ class VocabParallelEmbedding(nn.Module):
     at or past ``vocab_size`` are padding, zero and never looked up.
     Per rank: input token ids ``[b, s]`` (replicated), output ``[b, s, h]`` (replicated).
     Communication: forward one all-reduce of ``b*s*h`` elements on tp (g); backward none.
-    The same weight serves as the output layer when embeddings are tied (:meth:`real_weight`).
+    The same class is the output layer (its own weight, or this one when embeddings are tied):
+    the loss multiplies by the whole padded shard and masks the padding columns
+    (:mod:`~ptdp.engine.tensor_parallel.linear_cross_entropy`); :meth:`real_weight` gives the real
+    rows alone (generation, conversions).
 
     ``sequence_parallel``: output ``[b, s/t, h]`` (this rank's positions); the sum over the
     vocabulary shards is a reduce-scatter of ``b*s*h`` along the sequence (ḡ), whose backward
