@@ -188,21 +188,37 @@ class PendingSave:
 
 def _refuse_non_finite(stage, iteration: int, named, tensors: dict[int, dict[str, torch.Tensor]]) -> None:
     """Raise :class:`CheckpointError` on every rank if some rank holds a nan/inf parameter,
-    optimizer tensor or 1-bit residual (one all-gather of a short string or None over the world)."""
-    bad = None
-    for name, p in named:
-        kinds = [kind for kind, t in tensors[id(p)].items() if not torch.isfinite(t).all()]
-        if not torch.isfinite(p).all() or kinds:
-            bad = f"{'parameter' if not kinds else 'optimizer ' + kinds[0] + ' of'} {name}"
-            break
+    optimizer tensor or 1-bit residual (one host synchronisation per device holding them, then one
+    all-gather of a short string or None over the world)."""
+    order = [t for _, p in named for t in (p, *tensors[id(p)].values())]
     residual = stage.grads.residual
-    if bad is None and residual is not None and not torch.isfinite(residual).all():
+    finite = iter(_all_finite(order + ([residual] if residual is not None else [])))
+    bad = None
+    for name, p in named:  # in the order of ``order``: the parameter, then its optimizer tensors
+        param_ok = next(finite)
+        kinds = [kind for kind in tensors[id(p)] if not next(finite)]
+        if bad is None and (kinds or not param_ok):
+            bad = f"optimizer {kinds[0]} of {name}" if kinds else f"parameter {name}"
+    if bad is None and residual is not None and not next(finite):
         bad = "the 1-bit error-feedback residual"
     found = [(rank, what) for rank, what in enumerate(all_gather_object(bad, stage.groups.world)) if what]
     if found:
         more = f" (and on {len(found) - 1} more rank(s))" if len(found) > 1 else ""
         raise CheckpointError(f"refusing to save the checkpoint of iteration {iteration}: {found[0][1]} holds "
                               f"nan/inf values on rank {found[0][0]}{more}; nothing was written")
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each tensor is free of nan/inf: the flags of one device are stacked and read at once."""
+    out: list[bool | None] = [None] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for indices in by_device.values():
+        flags = torch.stack([torch.isfinite(tensors[i]).all() for i in indices]).tolist()
+        for i, ok in zip(indices, flags):
+            out[i] = ok
+    return out
 
 
 def _meta(stage, iteration: int, consumed_samples: int, kinds) -> dict:
