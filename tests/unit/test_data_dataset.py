@@ -9,6 +9,7 @@ from ptdp.data import (
     GlobalBatchSampler,
     IndexedTokens,
     TokenWindows,
+    device_microbatches,
     dp_shard,
     eval_indices,
     microbatches,
@@ -59,6 +60,39 @@ def test_microbatches_shift_labels(stream):
     np.testing.assert_array_equal(mbs[2][1][1].numpy(), w[0][1:])
     with pytest.raises(DataError, match="micro_batch_size=4"):
         microbatches(w, np.arange(6), 4)
+
+
+def test_device_microbatches_equal_microbatches_from_one_block(stream):
+    w = TokenWindows(stream, 16)
+    indices = np.array([5, 1, 9, 2, 7, 0])
+    host, dev = microbatches(w, indices, 2), device_microbatches(w, indices, 2, "cpu")
+    assert len(dev) == 3
+    for (t, l), (dt, dl) in zip(host, dev):
+        assert torch.equal(t, dt) and torch.equal(l, dl) and dt.is_contiguous() and dl.is_contiguous()
+    # every microbatch views the step's one tokens tensor and one labels tensor
+    assert len({t.untyped_storage().data_ptr() for t, _ in dev}) == 1
+    assert len({l.untyped_storage().data_ptr() for _, l in dev}) == 1
+    with pytest.raises(DataError, match="micro_batch_size=4"):
+        device_microbatches(w, np.arange(6), 4, "cpu")
+
+
+def test_device_microbatches_copy_once_per_step_pinned_and_non_blocking(stream, monkeypatch):
+    """For a CUDA device: one pinned block, one non-blocking copy, however many microbatches (the
+    copy is recorded here, the tensor stays on the CPU; the real one: tests/unit/test_gpu.py)."""
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append(("pin", tuple(self.shape))) or self)
+    original_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if args and torch.device(args[0]).type == "cuda":
+            calls.append(("to", str(args[0]), kwargs.get("non_blocking")))
+            return self
+        return original_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    mbs = device_microbatches(TokenWindows(stream, 16), np.arange(8), 1, torch.device("cuda"))
+    assert len(mbs) == 8
+    assert calls == [("pin", (8, 17)), ("to", "cuda", True)]
 
 
 def test_sampler_deterministic_and_seeded():

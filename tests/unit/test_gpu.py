@@ -22,3 +22,16 @@ def test_cuda_step_matches_cpu():
     torch.testing.assert_close(torch.tensor(results["cuda"]), torch.tensor(results["cpu"]), rtol=1e-9, atol=1e-12)
     for name, value in results["cpu_params"].items():
         torch.testing.assert_close(results["cuda_params"][name], value, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.gpu
+def test_device_microbatches_on_cuda(tmp_path):
+    import numpy as np
+
+    from ptdp.data import IndexedTokens, TokenWindows, device_microbatches, microbatches, write_indexed
+
+    write_indexed(tmp_path / "s", np.array_split(np.arange(1001), 7), np.uint16)
+    windows = TokenWindows(IndexedTokens(tmp_path / "s"), 16)
+    indices = np.array([5, 1, 9, 2])
+    for (t, l), (dt, dl) in zip(microbatches(windows, indices, 2), device_microbatches(windows, indices, 2, "cuda")):
+        assert dt.device.type == "cuda" and torch.equal(dt.cpu(), t) and torch.equal(dl.cpu(), l)
