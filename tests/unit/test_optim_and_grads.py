@@ -99,3 +99,56 @@ def test_bfloat16_trains_float32_main_params():
             for p, m in stage.optimizer.pairs:
                 assert torch.equal(p, m.to(torch.bfloat16))
     torch.testing.assert_close(torch.tensor(losses["bfloat16"]), torch.tensor(losses["float32"]), rtol=2e-2, atol=0)
+
+
+def test_fused_adamw_skips_on_the_device_and_otherwise_matches_plain_adamw():
+    """step_unless: a true skip flag leaves parameters, moments and step count bitwise unchanged
+    (fused AdamW's found_inf, no host read); a false one updates like torch's default AdamW."""
+    from ptdp.engine.optim import adamw, step_unless
+
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3, dtype=torch.float64, generator=gen)) for _ in range(2)]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fused = adamw([{"params": params, "weight_decay": 0.1}], lr=1e-2)
+    plain = torch.optim.AdamW([{"params": reference, "weight_decay": 0.1}], lr=1e-2)
+    assert fused.defaults["fused"] and not plain.defaults["fused"]
+    for step in range(3):
+        grads = [torch.randn(5, 3, dtype=torch.float64, generator=gen) for _ in params]
+        for p, q, g in zip(params, reference, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        if step == 1:
+            before = [p.detach().clone() for p in params]
+            state = {k: v.clone() for k, v in fused.state[params[0]].items()}
+            step_unless(fused, torch.tensor(True))
+            assert all(torch.equal(a, p) for a, p in zip(before, params))
+            assert all(torch.equal(v, fused.state[params[0]][k]) for k, v in state.items()) and state["step"] == 1
+            continue
+        step_unless(fused, torch.tensor(False))
+        plain.step()
+    for p, q in zip(params, reference):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=0)
+
+
+def test_clip_coefficient_on_the_device():
+    from ptdp.engine.data_parallel.grads import clip_coefficient
+
+    def coef(norm, max_norm):
+        return clip_coefficient(torch.tensor(norm, dtype=torch.float64), max_norm).item()
+
+    assert coef(1.0, 1.0) == 1.0 and coef(0.5, 1.0) == 1.0 and coef(3.0, 0.0) == 1.0
+    assert coef(4.0, 1.0) == 1.0 / (4.0 + 1e-6)
+    assert coef(float("nan"), 1.0) == 1.0 and coef(float("inf"), 1.0) == 0.0
+
+
+def test_main_parameters_are_one_flat_float32_tensor_laid_out_like_the_gradient_buffer():
+    from ptdp.engine.optim import MainParamsAdamW
+
+    model = tiny_model().to(torch.bfloat16)
+    buf = GradBuffer([list(model.parameters())], dp=ParallelGroups.single_process().dp, grad_dtype=torch.float32)
+    opt = build_optimizer(model, TrainConfig(), buf)
+    assert isinstance(opt, MainParamsAdamW) and opt.main_data.dtype == torch.float32
+    assert opt.main_data.numel() == buf.data.numel()
+    for p, main in opt.pairs:
+        assert main.untyped_storage().data_ptr() == opt.main_data.untyped_storage().data_ptr()
+        assert main.storage_offset() == buf.grad(p).storage_offset() and main.grad is buf.grad(p)
+        assert torch.equal(main.to(torch.bfloat16), p)
