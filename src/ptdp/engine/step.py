@@ -198,7 +198,10 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
         [list(chunk.parameters()) for chunk in chunks], dp=groups.dp,
         grad_dtype=torch.float32 if low_precision else None, bucket_size=p.ddp_bucket_size,
         overlap=p.overlap_grad_reduce, codec=p.grad_compression, shard=p.use_distributed_optimizer,
-        deferred=(tied,) if tied is not None and groups.embedding.size > 1 else (), prescaled=True,
+        deferred=(tied,) if tied is not None and groups.embedding.size > 1 else (),
+        # 1/dp folded into the loss, except for float16: its backward keeps the whole loss scale
+        # (dividing it by dp would let small float16 gradients underflow); its codecs divide
+        prescaled=m.params_dtype != "float16",
     )
     scaler = DynamicLossScaler() if m.params_dtype == "float16" else None
     units = _param_gather_units(chunks) if p.overlap_param_gather else None
@@ -247,8 +250,8 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     stage.grads.exact = iteration < cfg.grad_compression_warmup
     programs = build_programs(cfg.parallel.schedule, g.pp.size, len(microbatches), stage.virtual_stages)
     scale = stage.scaler.scale if stage.scaler is not None else None
-    # 1/dp folded into the loss: the dp reduction of the buffer is then a plain sum (prescaled=True)
-    loss_factor = (scale or 1.0) / g.dp.size
+    # 1/dp folded into the loss: the dp reduction of the buffer is then a plain sum (prescaled)
+    loss_factor = (scale or 1.0) / (g.dp.size if stage.grads.prescaled else 1)
     stage.grads.grad_scale = loss_factor
     residual = stage.grads.residual
     kept = residual.clone() if residual is not None else None  # put back if the step is skipped
