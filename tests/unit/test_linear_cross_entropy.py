@@ -178,3 +178,24 @@ def test_bfloat16_matches_float64_within_bf16_rounding():
 @pytest.mark.gpu
 def test_bfloat16_on_cuda_matches_float64_within_bf16_rounding():
     _bf16_case("cuda")
+
+
+@pytest.mark.slow
+def test_compiled_chunks_match_cross_entropy_of_the_real_vocabulary():
+    """``compiled=True`` (``--compile``): each chunk's statistics and gradient run through
+    ``torch.compile`` (inductor) and still equal the float64 reference at 1e-9, chunks of 5 tokens
+    (an uneven last chunk) with nonzero padding rows and ignored labels."""
+    from torch._dynamo.utils import counters
+
+    d = inputs()
+    ref = linear_ce_reference(d["x"], d["ids"])
+    x = d["x"].clone().requires_grad_()
+    w = padded_output_weight(d).requires_grad_()
+    counters.clear()
+    loss = linear_cross_entropy(x, w, ce_labels(d["ids"]), vocab_start=0, vocab_size=VOCAB,
+                                axis=ParallelGroups.single_process().tp, chunk_tokens=5, compiled=True)
+    loss.sum().backward()
+    assert counters["stats"]["unique_graphs"] >= 2, "statistics and gradient compiled"
+    torch.testing.assert_close(loss, ref["loss"], **TOL)
+    torch.testing.assert_close(x.grad, ref["x_grad"], **TOL)
+    torch.testing.assert_close(w.grad, ref["w_grad"], **TOL)

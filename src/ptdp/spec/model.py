@@ -121,10 +121,11 @@ class ModelConfig:
     """With ``full``: layers per recomputed group (uniform) or recomputed layers per model chunk
     (block). None with ``full``: 1 for uniform (every layer's input kept); block needs it."""
 
-    compile: bool = opt(False, "--compile", "torch.compile each transformer layer (inductor); tensor-parallel "
-                        "collectives run between the compiled regions and are counted as in eager mode", "model")
-    """Compile every transformer layer's forward with ``torch.compile`` (inductor;
-    :mod:`ptdp.engine.model.compile`). The functions that communicate over tp run eagerly between
+    compile: bool = opt(False, "--compile", "torch.compile each transformer layer and the chunks of the output "
+                        "layer + loss (inductor); tensor-parallel collectives run between the compiled regions and "
+                        "are counted as in eager mode", "model")
+    """Compile every transformer layer's forward and each chunk of the output layer + loss with
+    ``torch.compile`` (inductor; :mod:`ptdp.engine.model.compile`). The functions that communicate over tp run eagerly between
     the compiled regions. Results equal eager mode within float rounding; the first steps pay
     the compile time."""
 

@@ -1,8 +1,9 @@
 """``--compile``: every transformer layer's forward compiled by ``torch.compile`` (inductor).
 
-Only the layers are compiled, each on its own (they share one compiled graph when their shapes
-agree: parameters are graph inputs), not the embedding, the output layer + loss, or the pipeline
-runtime. Module hooks (the parameter all-gather waits of ``--overlap-param-gather``) stay
+The layers are compiled, each on its own (they share one compiled graph when their shapes
+agree: parameters are graph inputs), and, inside the chunked output layer + loss
+(:mod:`~ptdp.engine.tensor_parallel.linear_cross_entropy`, ``compiled=True``), each chunk's
+statistics and gradient; not the embedding or the pipeline runtime. Module hooks (the parameter all-gather waits of ``--overlap-param-gather``) stay
 outside: the layer's ``forward`` is compiled, not its ``__call__``. Full recompute runs the
 compiled layers inside its checkpoints; selective recompute's checkpoint of the attention core
 is traced by dynamo inside the compiled layer.

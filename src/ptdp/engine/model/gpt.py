@@ -330,7 +330,7 @@ class GPTModel(nn.Module):
         out = self.output_layer if hasattr(self, "output_layer") else self.word_embeddings
         return linear_cross_entropy(x, out.weight, labels, vocab_start=out.vocab_start, vocab_size=out.vocab_size,
                                     axis=self.tp, sequence_parallel=self.sequence_parallel,
-                                    chunk_tokens=self.loss_chunk_tokens)
+                                    chunk_tokens=self.loss_chunk_tokens, compiled=self.cfg.compile)
 
 
 def masked_mean(losses: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

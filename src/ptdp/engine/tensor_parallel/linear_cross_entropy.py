@@ -34,6 +34,7 @@ no gradient; any other label outside ``[0, V)`` raises ``ValueError``
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,7 @@ class _Shard:
     sequence_parallel: bool
     tag: str
     ignore_index: int
+    compiled: bool = False
 
 
 def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -80,11 +82,48 @@ def _chunk_logits(rows: torch.Tensor, weight: torch.Tensor, num_real: int) -> to
     return z
 
 
-def _local_target(labels: torch.Tensor, shard: _Shard) -> tuple[torch.Tensor, torch.Tensor]:
+def _local_target(labels: torch.Tensor, vocab_start: int, num_real: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The label as a column of this shard (0 where it is not on it) and whether it is on it."""
-    local = labels - shard.vocab_start
-    inside = (local >= 0) & (local < shard.num_real)
+    local = labels - vocab_start
+    inside = (local >= 0) & (local < num_real)
     return local.masked_fill(~inside, 0), inside
+
+
+def _chunk_statistics(rows: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_start: int,
+                      num_real: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's per-token local max, sum of ``exp(z - max)`` (0 on a shard of padding only)
+    and target logit (0 where the label is on another shard), each ``[c]``."""
+    z = _chunk_logits(rows, weight, num_real)
+    peak = z.amax(dim=-1)
+    finite_peak = torch.where(peak == float("-inf"), 0.0, peak)  # a shard of padding only
+    sum_exp = (z - finite_peak.unsqueeze(-1)).exp_().sum(dim=-1)
+    column, inside = _local_target(labels, vocab_start, num_real)
+    target_logit = z.gather(-1, column.unsqueeze(-1)).squeeze(-1).masked_fill_(~inside, 0.0)
+    return peak, sum_exp, target_logit
+
+
+def _chunk_grad_logits(rows: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, log_sum_exp: torch.Tensor,
+                       scale: torch.Tensor, vocab_start: int, num_real: int) -> torch.Tensor:
+    """One chunk's ``(softmax - onehot) * scale`` in the weight's dtype, ``[c, V_pad / t]``: the
+    logits recomputed, the padding columns 0."""
+    z = _chunk_logits(rows, weight, num_real)
+    probs = z.sub_(log_sum_exp.unsqueeze(-1)).exp_()  # in place: one chunk-sized buffer in eager mode
+    column, inside = _local_target(labels, vocab_start, num_real)
+    probs.scatter_add_(-1, column.unsqueeze(-1), -inside.to(probs.dtype).unsqueeze(-1))
+    return probs.mul_(scale.unsqueeze(-1)).to(weight.dtype)
+
+
+@functools.cache
+def _compiled(fn):
+    """``fn`` compiled by ``torch.compile`` (inductor fuses the chunk's mask, max, exponentials,
+    sums and gathers around the GEMM), made once per function."""
+    return torch.compile(fn)
+
+
+def _chunk_functions(shard: _Shard):
+    if shard.compiled:
+        return _compiled(_chunk_statistics), _compiled(_chunk_grad_logits)
+    return _chunk_statistics, _chunk_grad_logits
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -96,15 +135,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         local_max = rows.new_empty(n, dtype=dtype)
         sum_exp = rows.new_empty(n, dtype=dtype)
         target_logit = rows.new_empty(n, dtype=dtype)
+        statistics, _ = _chunk_functions(shard)
         for start in range(0, n, shard.chunk):
             stop = min(n, start + shard.chunk)
-            z = _chunk_logits(rows[start:stop], weight, shard.num_real)
-            peak = z.amax(dim=-1)
-            finite_peak = torch.where(peak == float("-inf"), 0.0, peak)  # a shard of padding only
-            sum_exp[start:stop] = (z - finite_peak.unsqueeze(-1)).exp_().sum(dim=-1)
-            local_max[start:stop] = peak
-            column, inside = _local_target(labels[start:stop], shard)
-            target_logit[start:stop] = z.gather(-1, column.unsqueeze(-1)).squeeze(-1).masked_fill_(~inside, 0.0)
+            local_max[start:stop], sum_exp[start:stop], target_logit[start:stop] = statistics(
+                rows[start:stop], weight, labels[start:stop], shard.vocab_start, shard.num_real)
         global_max = all_reduce(local_max.clone(), shard.axis, op="max", tag="ce_max")
         all_reduce(target_logit, shard.axis, tag="ce_target")
         sum_exp.mul_((local_max - global_max).exp_())  # each rank's sum rescaled to the global max
@@ -126,13 +161,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss.reshape(-1).masked_fill(labels == shard.ignore_index, 0.0).to(log_sum_exp.dtype)
         grad_rows = torch.empty_like(rows)
         grad_weight = torch.zeros(weight.shape, dtype=_softmax_dtype(weight.dtype), device=weight.device)
+        _, grad_logits_of = _chunk_functions(shard)
         for start in range(0, rows.shape[0], shard.chunk):
             stop = min(rows.shape[0], start + shard.chunk)
-            z = _chunk_logits(rows[start:stop], weight, shard.num_real)
-            probs = z.sub_(log_sum_exp[start:stop].unsqueeze(-1)).exp_()  # softmax; padding columns 0
-            column, inside = _local_target(labels[start:stop], shard)
-            probs.scatter_add_(-1, column.unsqueeze(-1), -inside.to(probs.dtype).unsqueeze(-1))
-            grad_logits = probs.mul_(scale[start:stop].unsqueeze(-1)).to(weight.dtype)
+            grad_logits = grad_logits_of(rows[start:stop], weight, labels[start:stop], log_sum_exp[start:stop],
+                                         scale[start:stop], shard.vocab_start, shard.num_real)
             torch.mm(grad_logits, weight, out=grad_rows[start:stop])
             grad_weight.add_(grad_logits.t() @ rows[start:stop])
         grad_x = grad_rows.view(ctx.shape)
@@ -146,7 +179,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy(
     x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, vocab_start: int, vocab_size: int,
     axis: AxisGroup, sequence_parallel: bool = False, chunk_tokens: int | None = None, tag: str = "output",
-    ignore_index: int = IGNORE_INDEX,
+    ignore_index: int = IGNORE_INDEX, compiled: bool = False,
 ) -> torch.Tensor:
     """Per-token cross entropy of ``x W^T`` over the vocabulary shards, in chunks of tokens.
 
@@ -163,6 +196,8 @@ def linear_cross_entropy(
         chunk_tokens: tokens per chunk (default :func:`default_chunk_tokens`).
         tag: the tag of the input's communication (f, or the sequence gather).
         ignore_index: labels with loss 0 and no gradient.
+        compiled: run each chunk's elementwise work and reductions (with its GEMM) through
+            ``torch.compile`` (``--compile``); the collectives stay outside.
 
     Returns:
         ``[b, s]`` losses in nats, replicated on every tp rank; 0 where the label is ignored.
@@ -182,5 +217,5 @@ def linear_cross_entropy(
     num_real = max(0, min(local_vocab, vocab_size - vocab_start))
     sp = sequence_parallel and axis.size > 1
     shard = _Shard(vocab_start, num_real, axis, chunk_tokens or default_chunk_tokens(local_vocab), sp, tag,
-                   ignore_index)
+                   ignore_index, compiled)
     return _LinearCrossEntropy.apply(x, weight, target, shard)
