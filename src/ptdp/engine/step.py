@@ -326,26 +326,25 @@ def eval_loss(stage: Stage, batches: list[list[Microbatch]]) -> float:
 
 
 def _eval_loss(stage: Stage, batches: list[list[Microbatch]]) -> float:
-    total, count = 0.0, 0
+    """Mean over ``batches`` of each global batch's mean loss, known on every rank: the last
+    stages' loss sums stay on the device, then one world all-reduce of a single float64 (tag
+    ``metrics``; only tp rank 0 of each last stage contributes, since its tp peers hold the same
+    value) and one read to the host per evaluation."""
+    g = stage.groups
+    if not batches:
+        return 0.0
+    total = torch.zeros(1, dtype=torch.float64, device=stage.device)
     for microbatches in batches:
-        programs = build_programs("forward-only", stage.groups.pp.size, len(microbatches), stage.virtual_stages)
+        programs = build_programs("forward-only", g.pp.size, len(microbatches), stage.virtual_stages)
         losses = run_schedule(
-            programs[stage.groups.pp.rank], stage.model, microbatches, pp=stage.groups.pp,
+            programs[g.pp.rank], stage.model, microbatches, pp=g.pp,
             hidden_shape=stage.hidden_shape, dtype=stage.dtype, device=stage.device, forward_only=True,
             seq_length=stage.config.model.seq_length,
         )
-        total += _global_mean_loss(stage, losses, len(microbatches))
-        count += 1
-    return total / max(count, 1)
-
-
-def _global_mean_loss(stage: Stage, losses: list[torch.Tensor], m: int) -> float:
-    """Mean of the last stages' microbatch losses over all dp replicas, known on every rank.
-
-    One world all-reduce of a single float64 (tag ``metrics``); only tp rank 0 of each last stage
-    contributes, since its tp peers hold the same value.
-    """
-    return _world_sums(stage, losses, m, [])[0]
+        if g.is_last_stage and g.tp.rank == 0 and losses:
+            total += torch.stack(losses).to(torch.float64).sum() / len(microbatches)
+    all_reduce(total, g.world, tag="metrics")
+    return total.item() / (g.dp.size * len(batches))
 
 
 def _step_values(stage: Stage, losses: list[torch.Tensor], m: int, norm: torch.Tensor) -> torch.Tensor:
@@ -363,16 +362,6 @@ def _step_values(stage: Stage, losses: list[torch.Tensor], m: int, norm: torch.T
     value[2] = (~norm.isfinite()).double()
     all_reduce(value, g.world, tag="metrics")
     return torch.stack([value[0] / (m * g.dp.size), norm.to(torch.float64), value[1], value[2]])
-
-
-def _world_sums(stage: Stage, losses: list[torch.Tensor], m: int, extra: list[float]) -> list[float]:
-    g = stage.groups
-    value = torch.tensor([0.0, *extra], dtype=torch.float64, device=stage.device)
-    if g.is_last_stage and g.tp.rank == 0 and losses:
-        value[0] += torch.stack(losses).to(torch.float64).sum()
-    all_reduce(value, g.world, tag="metrics")
-    values = value.tolist()
-    return [values[0] / (m * g.dp.size), *values[1:]]
 
 
 def with_vocab(config: Config, vocab_size: int) -> Config:
