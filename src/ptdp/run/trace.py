@@ -1,8 +1,8 @@
 """``ptdp train --trace``: what every rank did and when, as a Chrome trace and a PNG timeline.
 
-Each rank's :class:`Tracer` records the start and end of every forward, backward, posting of a
-transfer batch (sends and receives), wait for its receives, gradient synchronisation and
-optimizer step of the traced iterations. Rank 0 gathers them into ``trace.json`` (Chrome trace
+Each rank's :class:`Tracer` records the start and end of every forward, backward, group of
+transfers (sends and receives, posted together and waited for: category ``transfer``), gradient
+synchronisation and optimizer step of the traced iterations. Rank 0 gathers them into ``trace.json`` (Chrome trace
 format: open it in Perfetto or chrome://tracing) and draws ``timeline.png`` (one row per rank).
 On a CPU the times are wall-clock (``time.time``), so ranks on one machine line up exactly. On a
 GPU a span is a pair of CUDA events recorded on the current stream, so it measures when the
@@ -30,7 +30,7 @@ from ptdp.engine.pipeline.schedule import Action
 
 COLORS = {"forward": "#1f77b4", "backward": "#ff7f0e", "transfer": "#7f7f7f", "wait": "#e0e0e0",
           "grad_sync": "#2ca02c", "optimizer": "#9467bd"}
-LABELS = {"transfer": "post send/recv", "wait": "wait for recv"}
+LABELS = {"transfer": "send/recv group (posted and waited)", "wait": "wait for recv"}
 
 
 class _Span:
