@@ -47,7 +47,7 @@ def test_ptdp_train_default_layout(corpus, tmp_path):
     for rank in range(8):  # m = 2 microbatches: 2 forwards and 2 backwards per traced iteration
         mine = [e for e in spans if e["pid"] == rank and e["args"]["iteration"] == 2]
         assert sum(e["cat"] == "forward" for e in mine) == 2 and sum(e["cat"] == "backward" for e in mine) == 2
-        assert any(e["cat"] == "transfer" for e in mine) and any(e["cat"] == "wait" for e in mine)
+        assert any(e["cat"] == "transfer" for e in mine)  # each p2p group, posted and waited for
         assert all(e["dur"] >= 0 for e in mine)
     assert (out / "timeline.png").stat().st_size > 5000
     bubble = json.loads((out / "summary.json").read_text())["bubble"]
