@@ -17,6 +17,7 @@ from ptdp.engine.comm import AxisGroup, all_reduce_async
 from ptdp.engine.tensor_parallel.mappings import reduce_from_tp
 from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel, reduce_scatter_sequence, sequence_gathered_linear
 from ptdp.engine.tensor_parallel.sharding import ParamSpec, make_parameter
+from ptdp.engine.tensor_parallel.wgrad import linear, weight_grad
 
 
 class _ColumnParallelLinear(torch.autograd.Function):
@@ -41,7 +42,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
             pending = all_reduce_async(grad_x, ctx.axis, tag=ctx.tag)
         rows = grad.flatten(0, -2)
         if ctx.needs_input_grad[1]:
-            grad_weight = rows.t().mm(x.flatten(0, -2))
+            grad_weight = weight_grad(weight, rows, x.flatten(0, -2))  # or into weight.main_grad
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = rows.sum(0)
         if pending is not None:
@@ -97,7 +98,7 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             return sequence_gathered_linear(x, self.weight, self.bias, self.tp, self.tag)
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias)
         return _column_parallel_linear(x, self.weight, self.bias, self.tp, self.tag)
 
 
@@ -135,8 +136,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:  # nothing to sum: one fused matmul + bias, as nn.Linear
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_sequence(y, self.tp, self.tag)
         else:

@@ -49,6 +49,7 @@ from torch import nn
 from ptdp.engine.comm import (
     AxisGroup, all_gather_along, all_gather_async, reduce_scatter_along, reduce_scatter_async,
 )
+from ptdp.engine.tensor_parallel.wgrad import weight_grad
 
 SEQ_DIM = 1
 """The sequence dim of ``[b, s, h]`` activations."""
@@ -95,7 +96,7 @@ class _SequenceGatheredLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # computed while the input is gathered again
             scatter = _start_reduce_scatter(grad @ weight, ctx.axis, ctx.tag)
         if gather is not None:  # computed while the input gradient is reduce-scattered
-            grad_weight = rows.t() @ gather().flatten(0, -2)
+            grad_weight = weight_grad(weight, rows, gather().flatten(0, -2))  # or into weight.main_grad
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = rows.sum(0)
         if scatter is not None:

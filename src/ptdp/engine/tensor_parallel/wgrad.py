@@ -1,0 +1,70 @@
+"""Weight gradients of the linear layers accumulated straight into float32 main gradients.
+
+For bfloat16 (or float16) parameters the data-parallel buffer keeps a float32 gradient per
+parameter, ``param.main_grad`` (:class:`ptdp.engine.data_parallel.buffer.GradBuffer`). Letting
+autograd produce a 16-bit ``param.grad`` and adding it in a hook costs a gradient-sized allocation,
+a separate addition pass and a Python hook per parameter and microbatch. Here the linear layers'
+backward adds ``grad_outputᵀ · input`` into ``main_grad`` itself (Megatron-LM's "gradient
+accumulation fusion", Narayanan et al. SC21 §4): on CUDA in one GEMM that reads 16-bit inputs and
+accumulates in float32 into the buffer (``aten::addmm.dtype_out`` with ``out = main_grad``, beta = 1,
+no temporary), elsewhere as a 16-bit GEMM added into the buffer (the CPU has no mixed-dtype GEMM in
+torch 2.13). The layer then returns no weight gradient to autograd and tells the buffer that the
+parameter's gradient is complete (``param.ptdp_main_grad_added(param)``), which is what the hook
+did, so bucketed reductions still start as early as before.
+
+Weights without ``main_grad`` (float32 and float64 models, whose buffer *is* ``param.grad``) get
+their gradient returned as usual. Inside a ``torch.compile`` region autograd's path is kept
+(:func:`fuse_here`): compiled graphs cannot write into a buffer that is not one of their inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def fuse_here(weight: torch.Tensor) -> bool:
+    """Whether ``weight``'s gradient goes straight into its float32 ``main_grad`` in this call."""
+    return hasattr(weight, "main_grad") and not torch.compiler.is_compiling()
+
+
+def weight_grad(weight: torch.Tensor, grad_rows: torch.Tensor, input_rows: torch.Tensor) -> torch.Tensor | None:
+    """``grad_rowsᵀ · input_rows`` (``[out, n] · [n, in]``), the gradient of ``weight [out, in]``:
+    returned, or, when ``weight`` has a ``main_grad``, added into it in float32 and None returned
+    (the buffer is told through ``weight.ptdp_main_grad_added``)."""
+    main = getattr(weight, "main_grad", None)
+    if main is None:
+        return grad_rows.t().mm(input_rows)
+    if main.is_cuda and main.dtype == torch.float32 and grad_rows.dtype != torch.float32:
+        torch.ops.aten.addmm.dtype_out(main, grad_rows.t(), input_rows, torch.float32, out=main)
+    else:
+        main.add_(grad_rows.t().mm(input_rows))
+    weight.ptdp_main_grad_added(weight)
+    return None
+
+
+class _Linear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose weight gradient is accumulated into ``weight.main_grad``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        rows = grad.flatten(0, -2)
+        grad_weight = weight_grad(weight, rows, x.flatten(0, -2)) if ctx.needs_input_grad[1] else None
+        grad_bias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_weight, grad_bias
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, with the weight gradient accumulated into ``weight.main_grad`` when it has one
+    (and this is not traced by ``torch.compile``). No communication."""
+    if fuse_here(weight):
+        return _Linear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)

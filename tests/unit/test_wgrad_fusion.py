@@ -1,0 +1,85 @@
+"""Weight gradients of bfloat16 linear layers go straight into the float32 ``main_grad`` (no 16-bit
+``.grad``, no hook), and the buffer still learns that each gradient is complete."""
+
+from __future__ import annotations
+
+import torch
+
+from ptdp.engine.comm import AxisGroup
+from ptdp.engine.data_parallel.buffer import GradBuffer
+from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ptdp.engine.tensor_parallel.wgrad import linear, weight_grad
+
+
+def _bf16_layers():
+    tp = AxisGroup.single("tp")
+    torch.manual_seed(0)
+    col = ColumnParallelLinear(16, 32, tp=tp, dtype=torch.bfloat16)
+    row = RowParallelLinear(32, 16, tp=tp, dtype=torch.bfloat16)
+    for p in [*col.parameters(), *row.parameters()]:
+        with torch.no_grad():
+            p.normal_(0, 0.1)
+    return col, row
+
+
+def test_linear_weight_gradients_land_in_main_grad_without_a_16_bit_grad():
+    col, row = _bf16_layers()
+    params = [*col.parameters(), *row.parameters()]
+    seen_16_bit = []  # per accumulation: whether autograd made a 16-bit .grad (this hook runs before the buffer's)
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda q: seen_16_bit.append((id(q), q.grad is not None)))
+    buffer = GradBuffer([params], dp=AxisGroup.single("dp"), grad_dtype=torch.float32)
+    signalled = []
+    original = buffer._main_grad_added
+
+    def spy(param):
+        signalled.append(param)
+        original(param)
+    for p in params:
+        p.ptdp_main_grad_added = spy
+
+    x = torch.randn(3, 5, 16, dtype=torch.bfloat16)
+    for step in range(2):  # two microbatches accumulate
+        row(torch.nn.functional.gelu(col(x + step))).float().pow(2).sum().backward()
+    assert col.weight.grad is None and row.weight.grad is None
+    assert {id(p) for p in signalled} == {id(col.weight), id(row.weight)} and len(signalled) == 4
+    weights = {id(col.weight), id(row.weight)}
+    assert all(not had for i, had in seen_16_bit if i in weights)  # no bfloat16 weight gradient, ever
+    assert sum(had for i, had in seen_16_bit if i not in weights) == 4  # the biases, twice each
+    for b in (col.bias, row.bias):  # biases: autograd's bfloat16 gradient, added by the buffer's hook
+        assert b.grad is None and b.main_grad.abs().sum() > 0
+    for p in (col.weight, row.weight):
+        assert p.main_grad.dtype == torch.float32 and p.main_grad.abs().sum() > 0
+
+
+def test_fused_accumulation_equals_16_bit_grad_plus_add():
+    """The CPU path: the 16-bit GEMM added into float32, exactly what the hook did."""
+    torch.manual_seed(1)
+    w = torch.randn(8, 6, dtype=torch.bfloat16, requires_grad=True)
+    g, x = torch.randn(10, 8, dtype=torch.bfloat16), torch.randn(10, 6, dtype=torch.bfloat16)
+    assert torch.equal(weight_grad(w, g, x), g.t().mm(x))  # no main_grad: returned
+    w.main_grad = torch.full((8, 6), 0.5)
+    added = []
+    w.ptdp_main_grad_added = added.append
+    assert weight_grad(w, g, x) is None and added == [w]
+    torch.testing.assert_close(w.main_grad, 0.5 + g.t().mm(x).float(), rtol=0, atol=0)
+
+
+def test_linear_matches_f_linear_forward_and_input_grad():
+    torch.manual_seed(2)
+    w = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    w.main_grad = torch.zeros(4, 3, dtype=torch.float64)
+    w.ptdp_main_grad_added = lambda p: None
+    x = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    y = linear(x, w, b)
+    x2 = x.detach().requires_grad_()
+    w2, b2 = w.detach().requires_grad_(), b.detach().requires_grad_()
+    y2 = torch.nn.functional.linear(x2, w2, b2)
+    torch.testing.assert_close(y, y2, rtol=0, atol=0)
+    y.sum().backward()
+    y2.sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=0, atol=0)
+    torch.testing.assert_close(b.grad, b2.grad, rtol=0, atol=0)
+    assert w.grad is None
+    torch.testing.assert_close(w.main_grad, w2.grad, rtol=1e-15, atol=1e-15)
