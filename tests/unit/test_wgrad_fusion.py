@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ptdp.engine.comm import AxisGroup
@@ -83,3 +84,22 @@ def test_linear_matches_f_linear_forward_and_input_grad():
     torch.testing.assert_close(b.grad, b2.grad, rtol=0, atol=0)
     assert w.grad is None
     torch.testing.assert_close(w.main_grad, w2.grad, rtol=1e-15, atol=1e-15)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_accumulates_in_float32_in_place():
+    """On CUDA the weight gradient is one float32-accumulating GEMM into main_grad: closer to the
+    float64 product than the bfloat16 GEMM's rounded output."""
+    torch.manual_seed(3)
+    w = torch.randn(64, 48, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    g = torch.randn(256, 64, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(256, 48, dtype=torch.bfloat16, device="cuda")
+    w.main_grad = torch.ones(64, 48, device="cuda")
+    w.ptdp_main_grad_added = lambda p: None
+    ptr = w.main_grad.data_ptr()
+    assert weight_grad(w, g, x) is None and w.main_grad.data_ptr() == ptr
+    exact = 1 + g.double().t().mm(x.double())
+    fused_err = (w.main_grad.double() - exact).abs().max()
+    rounded_err = (1 + g.t().mm(x).double() - exact).abs().max()
+    assert fused_err <= rounded_err

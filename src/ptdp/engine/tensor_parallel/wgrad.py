@@ -35,12 +35,27 @@ def weight_grad(weight: torch.Tensor, grad_rows: torch.Tensor, input_rows: torch
     main = getattr(weight, "main_grad", None)
     if main is None:
         return grad_rows.t().mm(input_rows)
-    if main.is_cuda and main.dtype == torch.float32 and grad_rows.dtype != torch.float32:
-        torch.ops.aten.addmm.dtype_out(main, grad_rows.t(), input_rows, torch.float32, out=main)
-    else:
+    if not (main.is_cuda and main.dtype == torch.float32 and grad_rows.dtype != torch.float32
+            and _fused_gemm(main, grad_rows, input_rows)):
         main.add_(grad_rows.t().mm(input_rows))
     weight.ptdp_main_grad_added(weight)
     return None
+
+
+_FUSED_GEMM = {"ok": True}
+
+
+def _fused_gemm(main: torch.Tensor, grad_rows: torch.Tensor, input_rows: torch.Tensor) -> bool:
+    """``main += grad_rowsᵀ · input_rows`` in one float32-accumulating GEMM on CUDA; False (and never
+    tried again) where this torch or device lacks the kernel."""
+    if not _FUSED_GEMM["ok"]:
+        return False
+    try:
+        torch.ops.aten.addmm.dtype_out(main, grad_rows.t(), input_rows, torch.float32, out=main)
+        return True
+    except (NotImplementedError, RuntimeError):
+        _FUSED_GEMM["ok"] = False
+        return False
 
 
 class _Linear(torch.autograd.Function):
