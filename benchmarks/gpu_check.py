@@ -24,6 +24,11 @@ counted). The peak is the planner's catalog entry (``ptdp.planner.hardware``) fo
 ``torch.cuda.get_device_name()``, for the checked precision; ``--peak-tflops`` overrides it; on a
 CPU without ``--peak-tflops`` MFU is not given (null).
 
+Memory: both models and their optimizer states stay resident (ptdp 18 bytes per parameter in
+bf16 with float32 main parameters, the plain GPT 16), about 45 GB for the 1.3B model before
+activations: a GPU of 80 GB. On a smaller one, ``--num-layers 12`` halves it (the report says
+which shape ran).
+
 Timing: CUDA events around each step, read after one synchronisation at the end (GPU); wall clock
 (CPU). Targets printed beside the measurements: MFU >= 50% compiled, ratio vs plain <= 1.05.
 The JSON report holds ``device``, ``tokens_per_s``, ``mfu`` and ``ratio_vs_plain`` of the compiled
@@ -218,6 +223,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="precision of the timed models (default: bfloat16 on a GPU, float32 on a CPU)")
     ap.add_argument("--modes", nargs="+", choices=("eager", "compile"),
                     help="default: eager and compile (--quick: eager); compile needs ptdp's --compile")
+    ap.add_argument("--num-layers", type=int, help="layers of the timed model (default 24; --quick 2)")
+    ap.add_argument("--micro-batch-size", type=int, help="samples per microbatch (default 2)")
     ap.add_argument("--steps", type=int, help="timed steps of each model (default 10; --quick 3)")
     ap.add_argument("--warmup", type=int, help="untimed steps first (default 3; --quick 1)")
     ap.add_argument("--peak-tflops", type=float, help="peak TFLOP/s for MFU instead of the catalog's")
@@ -226,9 +233,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available here (use --device cpu --quick)")
-    for name in ("steps", "warmup"):
-        if getattr(args, name) is not None and getattr(args, name) < (1 if name == "steps" else 0):
-            ap.error(f"--{name} {getattr(args, name)} must be >= {1 if name == 'steps' else 0}")
+    for name, least in (("steps", 1), ("warmup", 0), ("num_layers", 1), ("micro_batch_size", 1)):
+        if getattr(args, name) is not None and getattr(args, name) < least:
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= {least}")
     return args
 
 
@@ -240,7 +247,8 @@ def run_check(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     shape = dict(QUICK if args.quick else FULL)
-    shape.update({k: getattr(args, k) for k in ("steps", "warmup") if getattr(args, k) is not None})
+    overrides = ("steps", "warmup", "num_layers", "micro_batch_size")
+    shape.update({k: getattr(args, k) for k in overrides if getattr(args, k) is not None})
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     config = speed_config(shape, dtype)
     compiled = with_compile(config)
