@@ -20,15 +20,17 @@ def _work(n: int = 64) -> None:
     (a @ a).sum()
 
 
-def test_profiler_writes_a_chrome_trace_of_the_chosen_steps(tmp_path):
-    prof = StepProfiler(rank=1, ranks=(0, 1), start=1, end=3, run_dir=tmp_path, device="cpu")
+@pytest.mark.parametrize("start, end, iterations", [(1, 3, {2, 3}), (0, 1, {1})])
+def test_profiler_writes_a_chrome_trace_of_the_chosen_steps(tmp_path, start, end, iterations):
+    """Steps [start, end) (0-based) are in the trace; the warm-up step before them is not."""
+    prof = StepProfiler(rank=1, ranks=(0, 1), start=start, end=end, run_dir=tmp_path, device="cpu")
     for step in range(5):
         with prof.around(step):
             _work()
     assert prof.written == tmp_path / "profile" / "rank1.json"
     events = json.loads(prof.written.read_text())["traceEvents"]
     marks = {e["name"] for e in events if e.get("name", "").startswith("ptdp iteration")}
-    assert marks == {"ptdp iteration 2", "ptdp iteration 3"}  # 0-based steps 1 and 2
+    assert marks == {f"ptdp iteration {i}" for i in iterations}
     assert any(e.get("name") == "aten::mm" for e in events)
 
 

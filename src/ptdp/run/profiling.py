@@ -4,8 +4,10 @@ With ``--profile`` the ranks of ``--profile-ranks`` profile the 0-based steps
 ``[--profile-step-start, --profile-step-end)`` (Megatron-LM's flags and defaults: steps 10 and 11
 of rank 0), CPU activities always and CUDA kernels on a GPU, each step marked by a
 ``ptdp iteration N`` range (N as in metrics.jsonl), and write ``profile/rank<r>.json`` in the run
-directory: a Chrome trace (open it in Perfetto or chrome://tracing). The profiler starts before the
-first profiled step and stops after the last; nothing runs at the other steps or on the other ranks.
+directory: a Chrome trace (open it in Perfetto or chrome://tracing). The profiler starts one step
+before the first profiled step (a warm-up step of ``torch.profiler.schedule``, whose events are
+discarded) and stops after the last; nothing runs at the other steps or on the
+other ranks.
 
 :func:`peak_memory_bytes` is the number the summary gives per rank: on a GPU
 ``torch.cuda.max_memory_allocated`` (bytes held by PyTorch's allocator at its peak), on a CPU the
@@ -21,7 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 
 def peak_memory_bytes(device: torch.device | str) -> tuple[int, str]:
@@ -36,14 +38,17 @@ def peak_memory_bytes(device: torch.device | str) -> tuple[int, str]:
 class StepProfiler:
     """Runs ``torch.profiler`` around the configured steps on a profiled rank.
 
-    ``around(step)`` is a context manager for 0-based ``step``: it starts the profiler at
-    ``start``, marks the step, and after step ``end - 1`` stops it and writes the trace.
+    ``around(step)`` is a context manager for 0-based ``step``. The profiler starts one step before
+    ``start`` when there is one (a warm-up step whose events are discarded, so the profiler's own
+    start-up is not in the trace), records steps ``start .. end - 1``, each marked, and after step
+    ``end - 1`` writes the trace and stops.
     """
 
     def __init__(self, *, rank: int, ranks: tuple[int, ...], start: int, end: int, run_dir: Path,
                  device: torch.device | str) -> None:
         self.enabled = rank in ranks
         self.start, self.end = start, end
+        self.first = max(start - 1, 0)
         self.path = Path(run_dir) / "profile" / f"rank{rank}.json"
         self.cuda = torch.device(device).type == "cuda"
         self._prof = None
@@ -51,25 +56,27 @@ class StepProfiler:
 
     @contextlib.contextmanager
     def around(self, step: int):
-        if not self.enabled or not self.start <= step < self.end:
+        if not self.enabled or not self.first <= step < self.end:
             yield
             return
         if self._prof is None:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-            self._prof = profile(activities=activities, record_shapes=True)
+            plan = schedule(wait=0, warmup=self.start - self.first, active=self.end - self.start, repeat=1)
+            self._prof = profile(activities=activities, record_shapes=True, schedule=plan, on_trace_ready=self._write)
             self._prof.start()
         with record_function(f"ptdp iteration {step + 1}"):
             yield
-        if step == self.end - 1:
-            self._finish()
-
-    def _finish(self) -> None:
-        if self.cuda:
+        if step == self.end - 1 and self.cuda:
             torch.cuda.synchronize()  # the profiled steps' kernels have run (the steps do not wait for them)
-        self._prof.stop()
+        self._prof.step()  # after the last profiled step this calls _write
+        if step == self.end - 1:
+            self._prof.stop()
+            self._prof = None
+
+    def _write(self, prof) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._prof.export_chrome_trace(str(self.path))
-        self._prof, self.written = None, self.path
+        prof.export_chrome_trace(str(self.path))
+        self.written = self.path
 
     @classmethod
     def for_run(cls, config, rank: int, run_dir: Path, device: torch.device | str) -> StepProfiler:
