@@ -98,3 +98,14 @@ def test_a_failing_mode_is_reported_and_the_rest_still_written(bench, monkeypatc
     assert report["failures"] == ["eager: RuntimeError: out of memory (simulated)"] and report["rows"] == []
     assert report["tokens_per_s"] is None and 0 < report["max_loss_rel_diff_vs_float64_cpu"] < 1e-5
     assert "FAILED eager: RuntimeError: out of memory (simulated)" in capsys.readouterr().out
+
+
+def test_a_loss_beyond_rounding_fails_the_check(bench):
+    gpu_check, _ = bench
+    assert gpu_check.loss_failures({"max_rel_diff": 3e-3}, "bfloat16") == []
+    assert gpu_check.loss_failures({"max_rel_diff": 3e-3, "max_rel_diff_float64_device_vs_cpu": 1e-12}, "bfloat16") == []
+    (too_far,) = gpu_check.loss_failures({"max_rel_diff": 2e-5}, "float32")
+    assert "float32 differs from float64 on the CPU by 2.00e-05" in too_far
+    (device,) = gpu_check.loss_failures({"max_rel_diff": 1e-3, "max_rel_diff_float64_device_vs_cpu": 1e-7}, "bfloat16")
+    assert "float64 on the device differs from the CPU by 1.00e-07" in device
+    assert len(gpu_check.loss_failures({"max_rel_diff": float("nan")}, "bfloat16")) == 1
