@@ -106,11 +106,11 @@ def test_tp2_dp2_mask_properties(parallel):
 
 
 def test_tp2_dp2_sequence_parallel_masks_differ_over_tp(parallel):
-    """Hidden states [b, s/2, h] per rank: every rank masks its part from its own stream."""
+    """Hidden states [s/2, b, h] per rank: every rank masks its part from its own stream."""
     runs = {r[("212", "sp")]["coords"][:2]: [(n, m) for n, m in r[("212", "sp")]["masks"] if "/head" not in n]
             for r in parallel}
     for (tp, _dp), masks in runs.items():
-        assert masks and all(n.endswith(f"/tp{tp}") and m.shape == (2, 4, 32) for n, m in masks)
+        assert masks and all(n.endswith(f"/tp{tp}") and m.shape == (4, 2, 32) for n, m in masks)
     for i in range(len(runs[(0, 0)])):
         assert len({tuple(masks[i][1].flatten().tolist()) for masks in runs.values()}) == 4, i
     for r in parallel:

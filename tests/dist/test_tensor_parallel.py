@@ -74,8 +74,10 @@ def tp_worker(rank: int, world: int) -> dict:
 
 def linear_ce_worker(tp, d: dict) -> dict:
     """The chunked output layer + loss on this rank's shard of the padded weight (nonzero padding
-    rows), replicated input (``x``, ``ids``) and sequence-parallel input (this rank's positions of
-    ``xs``, ``ids_sp``), for each chunk size; the communication of the first."""
+    rows), replicated input (``x``, ``ids``, batch-first: any token order works) and
+    sequence-parallel input (this rank's positions of ``xs``, ``ids_sp``, sequence-first
+    ``[s/t, b, h]`` and ``[s, b]``), for each chunk size; the communication of the first. Results
+    are returned batch-first."""
     per_rank = PADDED // tp.size
     start = tp.rank * per_rank
     out = {}
@@ -83,33 +85,48 @@ def linear_ce_worker(tp, d: dict) -> dict:
         mine = sequence_shard(xs.shape[1], tp) if sp else slice(None)
         for chunk in CHUNKS:
             tp.stats.reset()
-            x = xs[:, mine].clone().requires_grad_()
+            x = (seq_first(xs)[mine] if sp else xs).clone(memory_format=torch.contiguous_format).requires_grad_()
             w = padded_output_weight(d)[start: start + per_rank].clone().requires_grad_()
-            loss = linear_cross_entropy(x, w, ce_labels(ids), vocab_start=start, vocab_size=VOCAB, axis=tp,
+            labels = ce_labels(ids).t() if sp else ce_labels(ids)
+            loss = linear_cross_entropy(x, w, labels, vocab_start=start, vocab_size=VOCAB, axis=tp,
                                         sequence_parallel=sp, chunk_tokens=chunk)
             loss.sum().backward()
-            out[sp, chunk] = {"loss": loss.detach(), "x_grad": x.grad, "w_grad": w.grad, "mine": mine,
+            loss, x_grad = (loss.detach().t(), x.grad.transpose(0, 1)) if sp else (loss.detach(), x.grad)
+            out[sp, chunk] = {"loss": loss, "x_grad": x_grad, "w_grad": w.grad, "mine": mine,
                               "comm": tp.stats.as_dict()}
     return out
 
 
+def seq_first(t: torch.Tensor) -> torch.Tensor:
+    """``[b, s, ...]`` -> ``[s, b, ...]`` (a view), the layout of the model's activations."""
+    return t.transpose(0, 1)
+
+
+def rank_part(t: torch.Tensor, mine: slice) -> torch.Tensor:
+    """This rank's positions ``mine`` of a batch-first ``[b, s, h]``, as a new contiguous
+    sequence-first leaf ``[s/t, b, h]`` that requires grad."""
+    return seq_first(t)[mine].clone(memory_format=torch.contiguous_format).requires_grad_()
+
+
 def sequence_parallel_output_layer(tp, d: dict, real_rows: torch.Tensor) -> dict:
-    """The output layer with sequence parallelism (input ``[b, s/t, h]`` gathered into the
+    """The output layer with sequence parallelism (input ``[s/t, b, h]`` gathered into the
     vocab-parallel linear) and the loss, on a rank whose vocabulary slice may be padding only
-    (tp = 4: ranks 2 and 3, ``[b, s, 0]`` logits)."""
+    (tp = 4: ranks 2 and 3, ``[s, b, 0]`` logits). Returned batch-first."""
     mine = sequence_shard(S_SP, tp)
-    x = d["xs"][:, mine].clone().requires_grad_()
+    x = rank_part(d["xs"], mine)
     w = real_rows.clone().requires_grad_()
     logits = sequence_gathered_linear(x, w, None, tp, "output")
     start = tp.rank * (32 // tp.size)
-    loss = vocab_parallel_cross_entropy(logits, d["ids_sp"], vocab_start=start, vocab_size=VOCAB, axis=tp)
+    loss = vocab_parallel_cross_entropy(logits, d["ids_sp"].t(), vocab_start=start, vocab_size=VOCAB, axis=tp)
     loss.backward(torch.ones_like(loss))
-    return {"sp_out_loss": loss.detach(), "sp_out_x_grad": x.grad, "sp_out_w_grad": w.grad}
+    return {"sp_out_loss": loss.detach().t(), "sp_out_x_grad": x.grad.transpose(0, 1), "sp_out_w_grad": w.grad}
 
 
 def sequence_parallel_worker(tp, d: dict, emb_weight: torch.Tensor, fc1, fc2) -> dict:
     """The same embedding and MLP with sequence parallelism, on this rank's positions of an
-    ``S_SP``-token input, and the communication they count; the comm functions along dims 0-2."""
+    ``S_SP``-token input laid out sequence-first (``[s/t, b, h]``, ids ``[s, b]``), and the
+    communication they count; the comm functions along dims 0-2. Results are returned
+    batch-first."""
     mine = sequence_shard(S_SP, tp)
     emb = VocabParallelEmbedding(VOCAB, 32, H, tp=tp, dtype=torch.float64, sequence_parallel=True)
     sp1 = ColumnParallelLinear(H, 4 * H, tp=tp, dtype=torch.float64, sequence_parallel=True)
@@ -119,21 +136,22 @@ def sequence_parallel_worker(tp, d: dict, emb_weight: torch.Tensor, fc1, fc2) ->
         for new, old in ((sp1, fc1), (sp2, fc2)):
             new.weight.copy_(old.weight)
             new.bias.copy_(old.bias)
-    part = d["xs"][:, mine].clone().requires_grad_()
+    part = rank_part(d["xs"], mine)
     gathered = all_gather_sequence(part, tp, "g")
-    gathered.backward(d["ys_grad"])  # every rank's gradient of the whole sequence, summed over tp
+    gathered.backward(seq_first(d["ys_grad"]))  # every rank's gradient of the whole sequence, summed over tp
     tp.stats.reset()
-    hidden = emb(d["ids_sp"])
-    hidden.backward(d["ys_grad"][:, mine])
-    x = d["xs"][:, mine].clone().requires_grad_()
+    hidden = emb(d["ids_sp"].t())
+    hidden.backward(seq_first(d["ys_grad"])[mine])
+    x = rank_part(d["xs"], mine)
     y = sp2(F.gelu(sp1(x)))
-    y.backward(d["ys_grad"][:, mine])
+    y.backward(seq_first(d["ys_grad"])[mine])
     return {
-        "sp_embedding": hidden.detach(), "sp_embedding_grad": emb.weight.grad, "sp_y": y.detach(),
-        "sp_x_grad": x.grad, "sp_w1_grad": sp1.weight.grad, "sp_b1_grad": sp1.bias.grad, "sp_w2_grad": sp2.weight.grad,
+        "sp_embedding": seq_first(hidden.detach()), "sp_embedding_grad": emb.weight.grad, "sp_y": seq_first(y.detach()),
+        "sp_x_grad": seq_first(x.grad), "sp_w1_grad": sp1.weight.grad, "sp_b1_grad": sp1.bias.grad,
+        "sp_w2_grad": sp2.weight.grad,
         "sp_b2_grad": sp2.bias.grad, "sp_comm": tp.stats.as_dict(), "sp_positions": mine,
         "sp_marked": [is_sequence_parallel(p) for p in (sp1.weight, sp1.bias, sp2.weight, sp2.bias)],
-        "g_out": gathered.detach(), "g_grad": part.grad,
+        "g_out": seq_first(gathered.detach()), "g_grad": seq_first(part.grad),
         "gathered": [all_gather_along(d["cube"][..., :2] + tp.rank, tp, dim=dim) for dim in (0, 1, 2)],
         "scattered": [reduce_scatter_along(d["cube"] * (tp.rank + 1), tp, dim=dim) for dim in (0, 1, 2)],
     }

@@ -29,7 +29,7 @@ def tp2_pp2_logits_worker(rank: int, world: int, ckpt: str, hf_config: dict, tok
     load_checkpoint(stage, ckpt)
     model = stage.model
     with torch.no_grad():
-        h = model(tokens).contiguous() if groups.is_first_stage else torch.empty(b, s, cfg.model.hidden_size)
+        h = model(tokens).contiguous() if groups.is_first_stage else torch.empty(s, b, cfg.model.hidden_size)
         dist.broadcast(h, src=rank % 2, group=groups.pp.group)
         if groups.is_first_stage:
             return None
@@ -39,4 +39,4 @@ def tp2_pp2_logits_worker(rank: int, world: int, ckpt: str, hf_config: dict, tok
         local = F.linear(model.final_norm(h), out.weight)  # padded rows: cut below
         parts = [torch.empty_like(local) for _ in range(2)]
         dist.all_gather(parts, local, group=groups.tp.group)
-        return torch.cat(parts, dim=-1)[..., :vocab]
+        return torch.cat(parts, dim=-1)[..., :vocab].transpose(0, 1)  # [s, b, V] -> [b, s, V]

@@ -36,7 +36,7 @@ def full_logits(model, x: torch.Tensor) -> torch.Tensor:
         for layer in model.layers.values():
             h = layer(h)
         out = model.output_layer if hasattr(model, "output_layer") else model.word_embeddings
-        return F.linear(model.final_norm(h), out.real_weight())
+        return F.linear(model.final_norm(h), out.real_weight()).transpose(0, 1)  # [s, b, V] -> [b, s, V]
 
 
 @pytest.mark.parametrize("kv_heads,tied,bias,shard", [(4, True, True, None), (1, False, False, "40KB")],

@@ -88,7 +88,7 @@ def test_model_loss_and_gradients_equal_the_plain_output_layer(untied):
     model.zero_grad()
     out = model.output_layer if untied else model.word_embeddings
     assert out.weight.shape[0] == 320, "the GEMM runs on the padded width"
-    x = model.final_norm(model.layers["0"](model.embed(tokens)))
+    x = model.final_norm(model.layers["0"](model.embed(tokens))).transpose(0, 1)  # [s, b, h] -> [b, s, h]
     want = F.cross_entropy(F.linear(x, out.real_weight()).flatten(0, 1), labels.flatten())  # mean over kept
     want.backward()
     torch.testing.assert_close(model(tokens, labels), want.detach(), **TOL)

@@ -122,8 +122,9 @@ def test_grouped_query_attention_equals_repeated_key_value_heads(rope):
     attention = Attention(cfg, AxisGroup.single("tp"), torch.float64)
     initialize_parameters(attention, seed=3, std=0.3, num_layers=2, tp_rank=0, tp_size=1)
     assert attention.qkv.weight.shape == ((8 + 2 * 2) * 4, 32)
-    x = torch.randn(2, 6, 32, dtype=torch.float64)
-    torch.testing.assert_close(attention(x), _reference_gqa(cfg, attention, x), rtol=1e-10, atol=1e-12)
+    x = torch.randn(2, 6, 32, dtype=torch.float64)  # [b, s, h]; the layer takes [s, b, h]
+    got = attention(x.transpose(0, 1)).transpose(0, 1)
+    torch.testing.assert_close(got, _reference_gqa(cfg, attention, x), rtol=1e-10, atol=1e-12)
 
 
 def test_grouped_qkv_shard_holds_whole_groups():
@@ -143,7 +144,7 @@ def test_grouped_qkv_shard_holds_whole_groups():
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_grouped_attention_shards_sum_to_the_single_process_output(tp_size):
     cfg = _model(num_attention_heads=8, num_query_groups=4, position_embedding_type="rope", add_bias_linear=False)
-    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    x = torch.randn(6, 2, 32, dtype=torch.float64)  # [s, b, h]
     want = _sharded_output(lambda tp: Attention(cfg, tp, torch.float64), x, 1, "proj")
     got = _sharded_output(lambda tp: Attention(cfg, tp, torch.float64), x, tp_size, "proj")
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
@@ -237,8 +238,8 @@ def test_generation_works_without_a_position_table():
     initialize_parameters(model, seed=5, std=0.2, num_layers=2, tp_rank=0, tp_size=1)
     tokens = generate(model, [1, 2, 3], 8)  # longer than seq_length = 6: the window slides
     assert len(tokens) == 11 and tokens[:3] == [1, 2, 3]
-    x = model.word_embeddings(torch.tensor([[1, 2, 3]]))  # no positions added: rotary acts in attention
+    x = model.word_embeddings(torch.tensor([[1, 2, 3]]).t())  # [s, b, h]; no positions: rotary acts in attention
     for layer in model.layers.values():
         x = layer(x)
-    want = F.linear(model.final_norm(x[:, -1]), model.output_layer.real_weight()).float()
+    want = F.linear(model.final_norm(x[-1]), model.output_layer.real_weight()).float()
     torch.testing.assert_close(next_token_logits(model, torch.tensor([[1, 2, 3]])), want)

@@ -73,7 +73,7 @@ def test_recompute_saves_activations(kernel):
     kernel CPU picks by default never stores scores, so selective saves little there."""
     b, s, h, layers = 2, 16, 32, 4
     bsh = b * s * h * 8
-    x = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(s, b, h, dtype=torch.float64, requires_grad=True)  # [s, b, h]
     backend = SDPBackend.MATH if kernel == "math" else None
     measured = {}
     for name, recompute in [("none", {})] + list(RECOMPUTE.items()):
@@ -100,7 +100,7 @@ def test_recompute_and_backward_under_the_math_kernel_match():
     grads = []
     for recompute in ({}, SELECTIVE, FULL_UNIFORM_2):
         model, _ = _middle_stage(recompute)
-        x = torch.randn(2, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        x = torch.randn(16, 2, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
         with sdpa_kernel(SDPBackend.MATH):
             model(x).square().sum().backward()
         grads.append([x.grad] + [p.grad for p in model.parameters()])

@@ -1,8 +1,10 @@
 """The tensor-parallel hot path in one process, through shims of the communication functions on a
 tp axis of size 2 whose peer holds the same tensors: the column-parallel backward starts the
 input-gradient all-reduce before the weight-gradient GEMM and waits after it, the sequence-parallel
-one overlaps its re-gather and reduce-scatter with the two GEMMs, and the row-parallel forward
-sums its output in place (no copy). The numbers are checked against plain float64 autograd."""
+one overlaps its re-gather and reduce-scatter with the two GEMMs, the sequence-parallel gather and
+scatter on ``[s, b, h]`` (dim 0) hand the collective their tensors and buffers as they are (no
+copy), and the row-parallel forward sums its output in place (no copy). The numbers are checked
+against plain float64 autograd."""
 
 from __future__ import annotations
 
@@ -90,23 +92,104 @@ def test_sequence_parallel_backward_overlaps_gather_and_reduce_scatter(monkeypat
         return _Handle(events, "reduce_scatter", done=lambda: out.copy_(2 * tensor[: out.shape[0]]))
 
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 3, 4, dtype=torch.float64, generator=g, requires_grad=True)  # [b, s/t, h]
+    x = torch.randn(3, 2, 4, dtype=torch.float64, generator=g, requires_grad=True)  # [s/t, b, h]
     weight = torch.randn(6, 4, dtype=torch.float64, generator=g, requires_grad=True)
     bias = torch.randn(6, dtype=torch.float64, generator=g, requires_grad=True)
-    monkeypatch.setattr(sequence, "all_gather_along", lambda t, axis, dim, tag="": torch.cat([t, t], dim=dim))
-    y = sequence.sequence_gathered_linear(x, weight, bias, _pair(), "attn_qkv")  # [b, s, 6]
     monkeypatch.setattr(sequence, "all_gather_async", fake_gather)
     monkeypatch.setattr(sequence, "reduce_scatter_async", fake_reduce_scatter)
+    y = sequence.sequence_gathered_linear(x, weight, bias, _pair(), "attn_qkv")  # [s, b, 6]
+    events.clear()
     grad = torch.randn(y.shape, dtype=torch.float64, generator=g)
     with _Events(events):
         y.backward(grad)
     gemms_and_comm = [e for e in events if e != "copy"]
     assert gemms_and_comm == ["start all_gather attn_qkv_regather", "gemm", "start reduce_scatter attn_qkv",
                               "wait all_gather", "gemm", "wait reduce_scatter"]
-    full = torch.cat([x.detach(), x.detach()], dim=1)
+    full = torch.cat([x.detach(), x.detach()], dim=0)
     torch.testing.assert_close(weight.grad, grad.flatten(0, 1).t() @ full.flatten(0, 1), **TOL)
-    torch.testing.assert_close(x.grad, 2 * (grad @ weight.detach())[:, :3], **TOL)
+    torch.testing.assert_close(x.grad, 2 * (grad @ weight.detach())[:3], **TOL)
     torch.testing.assert_close(bias.grad, grad.sum((0, 1)), **TOL)
+
+
+class _Buffers(TorchDispatchMode):
+    """Records every operator that copies or joins tensors (clone, copy_, cat, contiguous's
+    clone) run while active, except those inside the collective stand-ins."""
+
+    COPIES = (torch.ops.aten.clone, torch.ops.aten.copy_, torch.ops.aten.cat, torch.ops.aten._to_copy)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[str] = []
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused and func.overloadpacket in self.COPIES:
+            self.copies.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_sequence_gather_and_scatter_on_dim_0_copy_nothing(monkeypatch):
+    """[s, b, h] activations, sequence parallel over tp = 2 (the peer holds a second, different
+    shard; CPU stand-ins for the collectives). The all-gather is handed this rank's
+    ``[s/t, b, h]`` itself (its storage, no ``.contiguous()`` copy) and the layer's output is the
+    ``[s, b, h]`` buffer the collective wrote into, whole; the reduce-scatter is handed the
+    ``[s, b, h]`` partial sums themselves and its output buffer is what comes out. No operator
+    outside the collectives copies or concatenates, in forward or in backward (g and ḡ), and
+    the numbers equal float64 autograd of the gathered / summed tensors."""
+    sent: list[tuple[str, int, int]] = []  # (op, storage of the tensor sent, storage of the output)
+    mode = _Buffers()
+    g = torch.Generator().manual_seed(4)
+    peer_shard = torch.randn(3, 2, 4, dtype=torch.float64, generator=g)
+    peer_grad = torch.randn(6, 2, 4, dtype=torch.float64, generator=g)
+    peer_grad_shard = torch.randn(3, 2, 4, dtype=torch.float64, generator=g)
+    peer_blocks = [peer_shard, peer_grad_shard]  # what the peer contributes to the 1st and 2nd all-gather
+
+    def fake_gather(out, tensor, axis, *, tag=""):
+        sent.append(("all_gather", _storage(tensor), _storage(out)))
+        assert tensor.is_contiguous() and out.is_contiguous() and out.shape[0] == 2 * tensor.shape[0]
+        mode.paused = True
+        out[: tensor.shape[0]].copy_(tensor)  # rank 0's block, then the peer's
+        out[tensor.shape[0]:].copy_(peer_blocks.pop(0))
+        mode.paused = False
+        return _Handle([], "all_gather")
+
+    def fake_reduce_scatter(out, tensor, axis, *, tag=""):
+        sent.append(("reduce_scatter", _storage(tensor), _storage(out)))
+        assert tensor.is_contiguous() and tensor.shape[0] == 2 * out.shape[0]
+        mode.paused = True
+        out.copy_(tensor[: out.shape[0]] + peer_grad[: out.shape[0]])  # rank 0 keeps rows [0, s/t)
+        mode.paused = False
+        return _Handle([], "reduce_scatter")
+
+    monkeypatch.setattr(sequence, "all_gather_async", fake_gather)
+    monkeypatch.setattr(sequence, "reduce_scatter_async", fake_reduce_scatter)
+    x = torch.randn(3, 2, 4, dtype=torch.float64, generator=g, requires_grad=True)  # [s/t, b, h]
+    y_partial = torch.randn(6, 2, 4, dtype=torch.float64, generator=g, requires_grad=True)  # [s, b, h]
+    with mode:
+        gathered = sequence.all_gather_sequence(x, _pair(), "t")
+        summed = sequence.reduce_scatter_sequence(y_partial * 1.0, _pair(), "t")
+    assert [op for op, _, _ in sent] == ["all_gather", "reduce_scatter"]
+    assert sent[0][1] == _storage(x) and _storage(gathered) == sent[0][2]
+    assert gathered.shape == (6, 2, 4) and gathered.is_contiguous()
+    assert _storage(summed) == sent[1][2] and summed.shape == (3, 2, 4)
+    torch.testing.assert_close(gathered, torch.cat([x.detach(), peer_shard]), **TOL)
+    torch.testing.assert_close(summed, (y_partial.detach() + peer_grad)[:3], **TOL)
+    sent.clear()
+    grad_gathered = torch.randn(6, 2, 4, dtype=torch.float64, generator=g)
+    grad_summed = torch.randn(3, 2, 4, dtype=torch.float64, generator=g)
+    with mode:
+        torch.autograd.backward([gathered, summed], [grad_gathered, grad_summed])
+    # backward of g: reduce-scatter of the [s, b, h] gradient as it is; of ḡ: all-gather of [s/t, b, h]
+    assert sorted(op for op, _, _ in sent) == ["all_gather", "reduce_scatter"]
+    for op, given, _ in sent:
+        assert given == _storage(grad_gathered if op == "reduce_scatter" else grad_summed), op
+    assert mode.copies == [], mode.copies
+    torch.testing.assert_close(x.grad, (grad_gathered + peer_grad)[:3], **TOL)
+    torch.testing.assert_close(y_partial.grad, torch.cat([grad_summed, peer_grad_shard]), **TOL)
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -42,11 +42,11 @@ def load_for_inference(path: str | Path, dtype: str = "float32") -> tuple[GPTMod
 @torch.no_grad()
 def next_token_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
     """``[b, s]`` token ids -> ``[b, V]`` logits of the next token (float32; real vocabulary)."""
-    x = model.embed(tokens)
+    x = model.embed(tokens)  # [s, b, h]
     for layer in model.layers.values():
         x = layer(x)
     out = model.output_layer if hasattr(model, "output_layer") else model.word_embeddings
-    return F.linear(model.final_norm(x[:, -1]), out.real_weight()).float()
+    return F.linear(model.final_norm(x[-1]), out.real_weight()).float()
 
 
 @torch.no_grad()

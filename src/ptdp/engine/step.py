@@ -80,9 +80,10 @@ class Stage:
 
     @property
     def hidden_shape(self) -> tuple[int, int, int]:
-        """Activations passed between stages: ``[b, s, h]``, ``[b, s/tp, h]`` with sequence parallelism."""
+        """Activations passed between stages, sequence-first: ``[s, b, h]``, ``[s/tp, b, h]`` with
+        sequence parallelism."""
         m, t, p = self.config.model, self.config.train, self.config.parallel
-        return (t.micro_batch_size, m.seq_length // (p.tp if p.sequence_parallel else 1), m.hidden_size)
+        return (m.seq_length // (p.tp if p.sequence_parallel else 1), t.micro_batch_size, m.hidden_size)
 
 
 NONFINITE_LOSS = "non-finite loss"
@@ -260,7 +261,7 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
         losses = run_schedule(
             programs[g.pp.rank], stage.model, microbatches, pp=g.pp, hidden_shape=stage.hidden_shape,
             dtype=stage.dtype, device=stage.device, tracer=tracer, grad_sync=stage.grads, loss_scale=loss_factor,
-            seq_length=cfg.model.seq_length,
+            batch_shape=(cfg.train.micro_batch_size, cfg.model.seq_length),
         )
     finally:
         if poison is not None:
@@ -339,7 +340,7 @@ def _eval_loss(stage: Stage, batches: list[list[Microbatch]]) -> float:
         losses = run_schedule(
             programs[g.pp.rank], stage.model, microbatches, pp=g.pp,
             hidden_shape=stage.hidden_shape, dtype=stage.dtype, device=stage.device, forward_only=True,
-            seq_length=stage.config.model.seq_length,
+            batch_shape=(stage.config.train.micro_batch_size, stage.config.model.seq_length),
         )
         if g.is_last_stage and g.tp.rank == 0 and losses:
             total += torch.stack(losses).to(torch.float64).sum() / len(microbatches)

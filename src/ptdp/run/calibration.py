@@ -176,7 +176,7 @@ def measure_layer(config, tp_axis, dtype, device: torch.device | None = None) ->
     m, t = config.model, config.train
     layer = TransformerLayer(m, tp_axis, dtype).to(device)
     _init_normal(layer, m.init_method_std)
-    x = torch.randn(t.micro_batch_size, m.seq_length, m.hidden_size, dtype=dtype, device=device, requires_grad=True)
+    x = torch.randn(m.seq_length, t.micro_batch_size, m.hidden_size, dtype=dtype, device=device, requires_grad=True)
     return _timed(lambda: layer(x).sum().backward(), 20, device)
 
 
@@ -188,7 +188,7 @@ def measure_head(config, tp_axis, dtype, device: torch.device | None = None) -> 
     m, t = config.model, config.train
     head = GPTModel(m, tp_axis, layer_ids=range(0), pre_process=False, post_process=True).to(device)
     _init_normal(head, m.init_method_std)
-    x = torch.randn(t.micro_batch_size, m.seq_length, m.hidden_size, dtype=dtype, device=device, requires_grad=True)
+    x = torch.randn(m.seq_length, t.micro_batch_size, m.hidden_size, dtype=dtype, device=device, requires_grad=True)
     labels = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length), device=device)
     return _timed(lambda: head(x, labels).backward(), 20, device)
 

@@ -8,11 +8,15 @@ tp = pp = 1 it is an ordinary single-process GPT: the tensor-parallel layers the
 nothing. Parameter names use global layer indices (``layers.5.mlp.fc1.weight``) so they do not
 depend on the layout.
 
-Per-rank shapes: tokens and labels ``[b, s]``; hidden states ``[b, s, h]`` (replicated over tp);
-attention runs on the ``a / tp`` local query heads (and ``G / tp`` key/value heads with
-grouped-query attention), the MLP on ``ffn / tp`` local channels.
+Per-rank shapes: tokens and labels ``[b, s]``; hidden states sequence-first, ``[s, b, h]``, as in
+Megatron-LM (replicated over tp): the embedding looks up the transposed token ids, so its output
+is already ``[s, b, h]``, and every layer (norms, attention, MLP, residual adds, dropout) and the
+pipeline transfers keep that layout; attention permutes its heads to the ``[b, heads, s, d]``
+that ``scaled_dot_product_attention`` takes and back; the loss gives per-token losses in the
+labels' ``[b, s]`` order. Attention runs on the ``a / tp`` local query heads (and ``G / tp``
+key/value heads with grouped-query attention), the MLP on ``ffn / tp`` local channels.
 Communication per layer and microbatch (Shoeybi et al. 2019, §3): forward 2 all-reduces of
-``b*s*h`` elements on tp (after attention and after the MLP), backward 2 (before QKV and fc1).
+``s*b*h`` elements on tp (after attention and after the MLP), backward 2 (before QKV and fc1).
 
 Dropout (``hidden_dropout``, ``attention_dropout``; off by default) draws its masks from the
 :class:`~ptdp.engine.tensor_parallel.random.DropoutRNG` passed in: the hidden states after the
@@ -22,7 +26,8 @@ training mode; evaluation runs ``model.eval()``.
 
 Sequence parallelism (``sequence_parallel``; Korthikanti et al. 2022, §4.2.2,
 :mod:`ptdp.engine.tensor_parallel.sequence`): hidden states outside attention and MLP are
-``[b, s/t, h]``, this tp rank's positions, and so are the stage's input and output. Per layer and
+``[s/t, b, h]``, this tp rank's positions (a contiguous block of dim 0: the gathers and scatters
+along the sequence copy nothing), and so are the stage's input and output. Per layer and
 microbatch: forward 2 all-gathers along the sequence (into QKV and fc1) and 2 reduce-scatters (out
 of the attention projection and fc2); backward 2 reduce-scatters, 2 all-gathers and 2 all-gathers
 again of the QKV and fc1 inputs (kept as shards). Norm weights and biases, the biases of the
@@ -109,8 +114,8 @@ class Attention(nn.Module):
     head ``i // (a/G)``). With ``rope`` the rotary embedding turns q and k before the scores.
     With ``attention_dropout`` (in training) the core is computed explicitly, and the
     probabilities of global head ``j`` are dropped with the masks of stream ``layer.<i>/head<j>``.
-    With ``sequence_parallel`` the input and output are ``[b, s/t, h]``; QKV gathers the whole
-    sequence, so attention and the rotary positions see all ``s`` positions.
+    Input and output ``[s, b, h]`` (``[s/t, b, h]`` with ``sequence_parallel``: QKV gathers the
+    whole sequence, so attention and the rotary positions see all ``s`` positions).
     """
 
     def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype, sequence_parallel: bool = False,
@@ -134,16 +139,18 @@ class Attention(nn.Module):
         self.first_head = tp.rank * self.local_heads
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's fused projection ``[b, s, rows / tp]`` -> q ``[b, a/tp, s, d]`` and k, v
-        ``[b, kv/tp, s, d]`` (kv = G, or a without groups)."""
-        b, s, _ = qkv.shape
+        """This rank's fused projection ``[s, b, rows / tp]`` -> q ``[b, a/tp, s, d]`` and k, v
+        ``[b, kv/tp, s, d]`` (kv = G, or a without groups): strided views of it (permuted, not
+        copied; grouped q is reshaped, a copy)."""
+        s, b, _ = qkv.shape
         if not self.grouped:
-            q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+            q, k, v = qkv.view(s, b, 3, self.local_heads, self.head_dim).permute(2, 1, 3, 0, 4).unbind(0)
             return q, k, v
         per_group = self.local_heads // self.local_groups
-        qkv = qkv.view(b, s, self.local_groups, per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :per_group].reshape(b, s, self.local_heads, self.head_dim)
-        return q.transpose(1, 2), qkv[:, :, :, per_group].transpose(1, 2), qkv[:, :, :, per_group + 1].transpose(1, 2)
+        qkv = qkv.view(s, b, self.local_groups, per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :per_group].reshape(s, b, self.local_heads, self.head_dim)
+        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
+        return q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.split_heads(self.qkv(x))
@@ -151,7 +158,7 @@ class Attention(nn.Module):
             q, k = self.rotary(q), self.rotary(k)
         rng = self.rng if self.dropout_p > 0 else None  # the recompute replays the masks
         out = recomputed(self.core, q, k, v, rng=rng) if self.recompute_core else self.core(q, k, v)
-        return self.proj(out.transpose(1, 2).flatten(2))  # [b, s, a/tp * d]
+        return self.proj(out.permute(2, 0, 1, 3).flatten(2))  # [b, a/tp, s, d] -> [s, b, a/tp * d]
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention core, causal ``softmax(q k^T / sqrt(d)) v`` (q ``[b, a/tp, s, d]``, k and v
@@ -235,7 +242,7 @@ class GPTModel(nn.Module):
         rng: this rank's dropout streams, shared by its model chunks (None: streams of seed 0, for
             a model used outside a training run).
         sequence_parallel: split the hidden states outside attention and MLP along the sequence
-            over tp (needs ``s % tp == 0``); the stage's input and output are then ``[b, s/t, h]``.
+            over tp (needs ``s % tp == 0``); the stage's input and output are then ``[s/t, b, h]``.
 
     On the last stage of a pipeline with pp > 1 and tied embeddings, ``word_embeddings`` is a copy
     of the first stage's; its gradient must be summed with the first stage's after backward
@@ -283,10 +290,10 @@ class GPTModel(nn.Module):
         return self.word_embeddings.weight
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """First stage: ``x`` is token ids ``[b, s]``; later stages: hidden states ``[b, s, h]``
-        (``[b, s/t, h]`` with sequence parallelism).
+        """First stage: ``x`` is token ids ``[b, s]``; later stages: hidden states ``[s, b, h]``
+        (``[s/t, b, h]`` with sequence parallelism).
 
-        Returns hidden states ``[b, s, h]`` (``[b, s/t, h]``), or on the last stage the mean loss
+        Returns hidden states ``[s, b, h]`` (``[s/t, b, h]``), or on the last stage the mean loss
         over the microbatch's ``b*s`` tokens (a scalar, nats) given ``labels [b, s]``; tokens
         labelled -100 (``IGNORE_INDEX``) count neither in the sum nor in the number of tokens.
         Raises ValueError for any other label outside the vocabulary.
@@ -304,33 +311,38 @@ class GPTModel(nn.Module):
         return masked_mean(self.token_losses(self.final_norm(x), labels), labels)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """First stage: token ids ``[b, s]`` -> ``[b, s, h]``, the word embeddings plus the learned
-        positions (none with rotary positions, which act inside attention). With sequence
-        parallelism ``[b, s/t, h]``: the embedding's sum over tp is a reduce-scatter along the
-        sequence, and each rank adds the positions it holds."""
-        x = self.word_embeddings(tokens)
+        """First stage: token ids ``[b, s]`` -> ``[s, b, h]``, the word embeddings of the
+        transposed ids (only the ``s b`` ids are copied, sequence-first; the lookup then writes
+        ``[s, b, h]`` rows directly, no transpose of its output) plus the learned positions
+        ``[s, 1, h]`` (none with rotary positions, which act inside attention). With sequence
+        parallelism ``[s/t, b, h]``: the embedding's sum over tp is a reduce-scatter along the
+        sequence (dim 0), and each rank adds the positions it holds."""
+        x = self.word_embeddings(tokens.t().contiguous())
         if hasattr(self, "position_embeddings"):
             s = tokens.shape[1]
-            x = x + self.position_embeddings[sequence_shard(s, self.tp) if self.sequence_parallel else slice(0, s)]
+            rows = sequence_shard(s, self.tp) if self.sequence_parallel else slice(0, s)
+            x = x + self.position_embeddings[rows].unsqueeze(1)
         return x
 
     def token_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per-token loss ``[b, s]`` from final hidden states ``[b, s, h]``; logits stay sharded.
+        """Per-token loss ``[b, s]`` (a transposed view of the ``[s, b]`` losses) from final hidden
+        states ``[s, b, h]`` and ``labels [b, s]``; logits stay sharded.
 
         The output layer and the cross entropy run as one chunked operation on this rank's padded
         vocabulary shard, the padding columns masked to ``-inf``
         (:func:`~ptdp.engine.tensor_parallel.linear_cross_entropy.linear_cross_entropy`): at most
         ``loss_chunk_tokens`` tokens' logits exist at a time, never float32 logits of the whole
-        microbatch. Communication: backward all-reduce of ``b*s*h`` (f before the output layer,
-        tag ``output``); forward 3 all-reduces of ``b*s`` (max, target logit, sum of
-        exponentials); all on tp. With sequence parallelism ``x`` is ``[b, s/t, h]``, gathered
+        microbatch. Communication: backward all-reduce of ``s*b*h`` (f before the output layer,
+        tag ``output``); forward 3 all-reduces of ``s*b`` (max, target logit, sum of
+        exponentials); all on tp. With sequence parallelism ``x`` is ``[s/t, b, h]``, gathered
         along the sequence into the output layer (forward all-gather; backward all-gather again
         and reduce-scatter, tag ``output``).
         """
         out = self.output_layer if hasattr(self, "output_layer") else self.word_embeddings
-        return linear_cross_entropy(x, out.weight, labels, vocab_start=out.vocab_start, vocab_size=out.vocab_size,
-                                    axis=self.tp, sequence_parallel=self.sequence_parallel,
-                                    chunk_tokens=self.loss_chunk_tokens, compiled=self.cfg.compile)
+        losses = linear_cross_entropy(x, out.weight, labels.t(), vocab_start=out.vocab_start,
+                                      vocab_size=out.vocab_size, axis=self.tp, sequence_parallel=self.sequence_parallel,
+                                      chunk_tokens=self.loss_chunk_tokens, compiled=self.cfg.compile)
+        return losses.t()
 
 
 def masked_mean(losses: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

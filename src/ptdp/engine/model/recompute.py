@@ -4,7 +4,7 @@ Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Mode
 arXiv:2205.05198. ``ModelConfig.recompute_granularity``:
 
 - ``full``: a model chunk's layers run in groups; a recomputed group keeps only its input
-  ``[b, s, h]`` and runs again from it in backward. ``recompute_method="uniform"``: every layer, in
+  ``[s, b, h]`` and runs again from it in backward. ``recompute_method="uniform"``: every layer, in
   consecutive groups of ``recompute_num_layers`` (the last group may be shorter); ``"block"``: the
   first ``recompute_num_layers`` layers of the chunk, one per group, and the other layers keep
   all their activations (less recompute when memory allows it).
@@ -23,7 +23,7 @@ recompute draws the same masks. Communication: tensor-parallel all-reduces insid
 region run again in backward, on every tp rank in the same order. The recompute stops once it has
 rebuilt the last tensor backward needs (PyTorch's "early stop"), which comes before a group's last
 all-reduce (after its last ``fc2``): a recomputed group of ``n`` layers repeats ``2 n - 1``
-forward all-reduces of ``b s h`` elements per microbatch. Selective recompute communicates
+forward all-reduces of ``s b h`` elements per microbatch. Selective recompute communicates
 nothing extra.
 """
 
@@ -70,7 +70,7 @@ def layer_groups(num_layers: int, method: str, per_group: int) -> list[tuple[int
 
 def run_layers(layers: Sequence[nn.Module], x: torch.Tensor, *, granularity: str | None, method: str | None,
                num_layers: int | None, rng: DropoutRNG | None = None) -> torch.Tensor:
-    """Run ``layers`` in order on ``x [b, s, h]``, recomputing groups of them under ``full``
+    """Run ``layers`` in order on ``x [s, b, h]``, recomputing groups of them under ``full``
     granularity (any other granularity runs them plainly; selective acts inside attention).
     ``rng``: the layers' dropout streams (None without dropout)."""
     if granularity != "full":

@@ -65,9 +65,9 @@ class ColumnParallelLinear(nn.Module):
     ``fused=3`` treats the output as three equal blocks (q | k | v) split separately, so each rank
     keeps the q, k and v of the same heads (``fused=2``: SwiGLU's gate | up, the same channels).
 
-    ``sequence_parallel``: input ``[b, s/t, in_features]`` (this rank's positions), output
-    ``[b, s, out_features / tp]``; forward all-gather of the input along the sequence, backward
-    the all-gather again and a reduce-scatter of the input gradient
+    ``sequence_parallel``: input ``[s/t, b, in_features]`` (this rank's positions, sequence
+    first), output ``[s, b, out_features / tp]``; forward all-gather of the input along the
+    sequence, backward the all-gather again and a reduce-scatter of the input gradient
     (:func:`~ptdp.engine.tensor_parallel.sequence.sequence_gathered_linear`).
     """
 
@@ -109,8 +109,8 @@ class RowParallelLinear(nn.Module):
     (replicated). Communication: forward one all-reduce of the output, ``y.numel()`` elements, on
     the tp axis; backward none. The bias is replicated and added once, after the sum.
 
-    ``sequence_parallel``: input ``[b, s, in_features / tp]``, output ``[b, s/t, out_features]``
-    (this rank's positions); forward reduce-scatter of ``b s out_features`` along the sequence,
+    ``sequence_parallel``: input ``[s, b, in_features / tp]``, output ``[s/t, b, out_features]``
+    (this rank's positions); forward reduce-scatter of ``s b out_features`` along the sequence,
     backward all-gather of the output gradient. The bias is then added to the sequence shard, so
     its gradient is marked to be summed over tp.
     """
@@ -150,15 +150,17 @@ class VocabParallelEmbedding(nn.Module):
 
     Rank r holds rows ``[r * V_pad / tp, (r + 1) * V_pad / tp)`` of the ``[V_pad, h]`` table; rows
     at or past ``vocab_size`` are padding, zero and never looked up.
-    Per rank: input token ids ``[b, s]`` (replicated), output ``[b, s, h]`` (replicated).
-    Communication: forward one all-reduce of ``b*s*h`` elements on tp (g); backward none.
+    Per rank: input token ids of any shape, ``[s, b]`` in the model (replicated), output
+    ``[s, b, h]`` (replicated). Communication: forward one all-reduce of ``s*b*h`` elements on tp (g); backward
+    none.
     The same class is the output layer (its own weight, or this one when embeddings are tied):
     the loss multiplies by the whole padded shard and masks the padding columns
     (:mod:`~ptdp.engine.tensor_parallel.linear_cross_entropy`); :meth:`real_weight` gives the real
     rows alone (generation, conversions).
 
-    ``sequence_parallel``: output ``[b, s/t, h]`` (this rank's positions); the sum over the
-    vocabulary shards is a reduce-scatter of ``b*s*h`` along the sequence (ḡ), whose backward
+    ``sequence_parallel``: ids ``[s, b]`` (sequence first), output ``[s/t, b, h]`` (this rank's
+    positions); the sum over the vocabulary shards is a reduce-scatter of ``s*b*h`` along the
+    sequence, dim 0 (ḡ), whose backward
     all-gathers the output gradient.
     """
 

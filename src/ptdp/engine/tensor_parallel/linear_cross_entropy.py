@@ -23,9 +23,13 @@ logit, rescaled sum of exponentials: ``b s`` elements each, tags ``ce_max``, ``c
 ``ce_sum_exp``), whatever the number of chunks. A rank whose shard is all padding takes part with
 ``-inf`` maxima and zero sums. The input enters as f does: backward one all-reduce of the input
 gradient (``b s h``, tag ``tag``). With sequence parallelism (Korthikanti et al. 2022, §4.2.2)
-the input is ``[b, s/t, h]``: forward all-gather along the sequence (``tag``), backward the
-all-gather again (``<tag>_regather``) and a reduce-scatter of the input gradient (``tag``); only
-the shard is saved.
+the input is ``[s/t, b, h]``: forward all-gather along the sequence (dim 0: into one new buffer,
+no copy of the input; ``tag``), backward the all-gather again (``<tag>_regather``) and a
+reduce-scatter of the input gradient (``tag``); only the shard is saved.
+
+Tokens are rows in the input's order: the model passes ``[s, b, h]`` hidden states with the
+labels transposed to ``[s, b]`` and gets ``[s, b]`` losses back (each token's loss does not depend
+on the order; only which label goes with which row does).
 
 Labels equal to :data:`~ptdp.engine.tensor_parallel.cross_entropy.IGNORE_INDEX` give loss 0 and
 no gradient; any other label outside ``[0, V)`` raises ``ValueError``
@@ -39,9 +43,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ptdp.engine.comm import AxisGroup, all_gather_along, all_reduce, reduce_scatter_along
+from ptdp.engine.comm import AxisGroup, all_reduce
 from ptdp.engine.tensor_parallel.cross_entropy import IGNORE_INDEX, check_labels
-from ptdp.engine.tensor_parallel.sequence import SEQ_DIM
+from ptdp.engine.tensor_parallel.sequence import start_sequence_gather, start_sequence_reduce_scatter
 
 CHUNK_LOGIT_BYTES = 2**28
 """Bytes of one chunk's float32 logits that :func:`default_chunk_tokens` aims at (256 MiB)."""
@@ -129,7 +133,7 @@ def _chunk_functions(shard: _Shard):
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, target, shard: _Shard):
-        full = all_gather_along(x, shard.axis, dim=SEQ_DIM, tag=shard.tag) if shard.sequence_parallel else x
+        full = start_sequence_gather(x, shard.axis, shard.tag)() if shard.sequence_parallel else x
         rows, labels = full.reshape(-1, full.shape[-1]), target.reshape(-1)
         n, dtype = rows.shape[0], _softmax_dtype(weight.dtype)
         local_max = rows.new_empty(n, dtype=dtype)
@@ -156,7 +160,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         shard = ctx.shard
         full = x
         if shard.sequence_parallel:
-            full = all_gather_along(x, shard.axis, dim=SEQ_DIM, tag=shard.tag + "_regather")
+            full = start_sequence_gather(x, shard.axis, shard.tag + "_regather")()
         rows = full.reshape(-1, full.shape[-1])
         scale = grad_loss.reshape(-1).masked_fill(labels == shard.ignore_index, 0.0).to(log_sum_exp.dtype)
         grad_rows = torch.empty_like(rows)
@@ -170,7 +174,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_weight.add_(grad_logits.t() @ rows[start:stop])
         grad_x = grad_rows.view(ctx.shape)
         if shard.sequence_parallel:
-            grad_x = reduce_scatter_along(grad_x, shard.axis, dim=SEQ_DIM, tag=shard.tag)
+            grad_x = start_sequence_reduce_scatter(grad_x, shard.axis, shard.tag)()
         else:
             all_reduce(grad_x, shard.axis, tag=shard.tag)
         return grad_x, grad_weight.to(weight.dtype), None, None
@@ -184,11 +188,13 @@ def linear_cross_entropy(
     """Per-token cross entropy of ``x W^T`` over the vocabulary shards, in chunks of tokens.
 
     Args:
-        x: ``[b, s, h]`` final hidden states, replicated over tp (``[b, s/t, h]``, this rank's
-            positions, with ``sequence_parallel``).
+        x: ``[s, b, h]`` final hidden states, replicated over tp (``[s/t, b, h]``, this rank's
+            positions, with ``sequence_parallel``: the sequence must be dim 0). Without
+            sequence parallelism any ``[..., h]`` whose rows are in ``target``'s order.
         weight: this rank's padded vocabulary shard ``[V_pad / t, h]``, global rows
             ``[vocab_start, vocab_start + V_pad / t)``; rows at or past ``vocab_size`` are padding.
-        target: ``[b, s]`` global token ids in ``[0, V)`` or ``ignore_index``.
+        target: ``[s, b]`` (``x``'s leading dims, the whole sequence) global token ids in
+            ``[0, V)`` or ``ignore_index``; a transposed view is fine (its ``s b`` ids are copied).
         vocab_start: global id of this rank's first row.
         vocab_size: V, the real vocabulary.
         axis: the tp axis.
@@ -200,14 +206,15 @@ def linear_cross_entropy(
             ``torch.compile`` (``--compile``); the collectives stay outside.
 
     Returns:
-        ``[b, s]`` losses in nats, replicated on every tp rank; 0 where the label is ignored.
+        losses of ``target``'s shape (``[s, b]``) in nats, replicated on every tp rank; 0 where
+        the label is ignored.
 
     Raises:
         ValueError: a label outside ``[0, V)`` that is not ``ignore_index`` (before any
             collective; reported asynchronously on a GPU), or ``chunk_tokens < 1``.
 
-    Communication on tp: forward 3 all-reduces of ``b s`` elements (+ the all-gather of ``x``
-    with sequence parallelism); backward 1 all-reduce of ``b s h`` (sequence parallelism: an
+    Communication on tp: forward 3 all-reduces of ``s b`` elements (+ the all-gather of ``x``
+    with sequence parallelism); backward 1 all-reduce of ``s b h`` (sequence parallelism: an
     all-gather and a reduce-scatter).
     """
     check_labels(target, vocab_size, ignore_index)

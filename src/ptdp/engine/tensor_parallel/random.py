@@ -7,7 +7,7 @@ iteration of the last reseed (0 unless a run resumed without its dropout state) 
 name. Three kinds of streams, chosen by what the masked activation is on a tensor-parallel rank:
 
 - **replicated** ``<key>``: the same numbers on every tp rank of a data-parallel replica, for an
-  activation every tp rank holds whole: the hidden states ``[b, s, h]`` outside the tp regions
+  activation every tp rank holds whole: the hidden states ``[s, b, h]`` outside the tp regions
   (embedding output, attention projection output, fc2 output). The mask is drawn for the whole
   tensor, so it is the same at every tp.
 - **tp-distinct** ``<key>/tp<r>``: different on every tp rank, for an activation split over tp,

@@ -1,27 +1,27 @@
 """Sequence parallelism: the g and ḡ operators of Korthikanti et al. 2022 [K22], §4.2.2.
 
 Outside the tensor-parallel regions (the norms, the residual adds, dropout, the embedding output)
-every tp rank would hold the same ``[b, s, h]`` activations. With sequence parallelism each of
-the ``t`` tp ranks keeps only its part of the sequence, ``[b, s/t, h]``: rank r holds positions
+every tp rank would hold the same ``[s, b, h]`` activations. With sequence parallelism each of
+the ``t`` tp ranks keeps only its part of the sequence, ``[s/t, b, h]``: rank r holds positions
 ``[r s/t, (r + 1) s/t)``. The entry and exit of each tensor-parallel region change accordingly:
 
 - g, the entry (before QKV, fc1 and the output layer), replaces f: forward all-gather along the
-  sequence ``[b, s/t, h] -> [b, s, h]``, backward reduce-scatter of the gradient
-  ``[b, s, h] -> [b, s/t, h]`` (:func:`all_gather_sequence`, :func:`sequence_gathered_linear`).
+  sequence ``[s/t, b, h] -> [s, b, h]``, backward reduce-scatter of the gradient
+  ``[s, b, h] -> [s/t, b, h]`` (:func:`all_gather_sequence`, :func:`sequence_gathered_linear`).
 - ḡ, the exit (after the row-parallel attention projection and fc2, and after the vocab-parallel
   embedding), replaces the all-reduce: forward reduce-scatter of the partial sums
-  ``[b, s, h] -> [b, s/t, h]``, backward all-gather of the gradient
+  ``[s, b, h] -> [s/t, b, h]``, backward all-gather of the gradient
   (:func:`reduce_scatter_sequence`).
 
 A ring all-reduce of ``N`` elements moves as much data as a reduce-scatter of ``N`` plus an
-all-gather to ``N``, so each all-reduce of ``b s h`` elements of tensor parallelism becomes an
+all-gather to ``N``, so each all-reduce of ``s b h`` elements of tensor parallelism becomes an
 all-gather and a reduce-scatter of the same total; what changes is that every activation outside
 the regions is stored ``1/t`` per rank.
 
 :func:`sequence_gathered_linear` fuses g with the column-parallel linear after it and keeps only
 the sequence shard of its input for backward, gathering it again there for the weight gradient
 ([K22] §4.2.2): the input of QKV, fc1 and the output layer is then stored ``1/t`` per rank too, at
-the cost of one more all-gather of ``b s h`` per region in backward.
+the cost of one more all-gather of ``s b h`` per region in backward.
 
 Parameters applied to sequence-split activations (norm weights and biases, the biases of the
 row-parallel linears, the learned position table) get on each rank the gradient of its own
@@ -33,7 +33,12 @@ In the backward of :func:`sequence_gathered_linear` the communication overlaps t
 all-gather of the input starts before the input-gradient GEMM, the reduce-scatter of the input
 gradient before the weight-gradient GEMM, each waited for only when its result is needed.
 
-Activations are batch-first, so the sequence is tensor dim 1 (:data:`SEQ_DIM`). Every operator
+Activations are sequence-first, ``[s, b, h]`` (as in Megatron-LM), so the sequence is tensor dim 0
+(:data:`SEQ_DIM`) and a rank's shard is one contiguous block of the whole tensor: the all-gather
+writes every rank's ``[s/t, b, h]`` straight into its place in one ``[s, b, h]`` buffer, and the
+reduce-scatter reads the ``t`` blocks of a contiguous ``[s, b, h]`` in place; neither copies its
+input or output (a non-contiguous input, such as a gradient some operator left strided, is made
+contiguous first: that is the only copy). Every operator
 here is the identity (no autograd node, no communication) on a tp axis of size 1; otherwise it
 runs outside ``torch.compile`` graphs (``torch.compiler.disable``), which are split around it.
 """
@@ -46,13 +51,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptdp.engine.comm import (
-    AxisGroup, all_gather_along, all_gather_async, reduce_scatter_along, reduce_scatter_async,
-)
+from ptdp.engine.comm import AxisGroup, all_gather_async, reduce_scatter_async
 from ptdp.engine.tensor_parallel.wgrad import weight_grad
 
-SEQ_DIM = 1
-"""The sequence dim of ``[b, s, h]`` activations."""
+SEQ_DIM = 0
+"""The sequence dim of ``[s, b, h]`` activations."""
 SEQUENCE_PARALLEL_ATTR = "ptdp_sequence_parallel"
 """Attribute set (True) on parameters whose gradients are partial sums over the sequence shards."""
 
@@ -61,22 +64,22 @@ class _AllGatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, axis: AxisGroup, tag: str) -> torch.Tensor:
         ctx.axis, ctx.tag = axis, tag
-        return all_gather_along(x, axis, dim=SEQ_DIM, tag=tag)
+        return start_sequence_gather(x, axis, tag)()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return reduce_scatter_along(grad, ctx.axis, dim=SEQ_DIM, tag=ctx.tag), None, None
+        return start_sequence_reduce_scatter(grad, ctx.axis, ctx.tag)(), None, None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, axis: AxisGroup, tag: str) -> torch.Tensor:
         ctx.axis, ctx.tag = axis, tag
-        return reduce_scatter_along(x, axis, dim=SEQ_DIM, tag=tag)
+        return start_sequence_reduce_scatter(x, axis, tag)()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return all_gather_along(grad, ctx.axis, dim=SEQ_DIM, tag=ctx.tag), None, None
+        return start_sequence_gather(grad, ctx.axis, ctx.tag)(), None, None
 
 
 class _SequenceGatheredLinear(torch.autograd.Function):
@@ -84,17 +87,17 @@ class _SequenceGatheredLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, axis: AxisGroup, tag: str):
         ctx.axis, ctx.tag, ctx.has_bias = axis, tag, bias is not None
         ctx.save_for_backward(x, weight)  # the shard: gathered again in backward
-        return F.linear(all_gather_along(x, axis, dim=SEQ_DIM, tag=tag), weight, bias)
+        return F.linear(start_sequence_gather(x, axis, tag)(), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
-        rows = grad.flatten(0, -2)  # [b s, out_local]; out_local may be 0 (a shard of vocabulary padding)
-        gather = _start_gather(x, ctx.axis, ctx.tag + "_regather") if ctx.needs_input_grad[1] else None
+        rows = grad.flatten(0, -2)  # [s b, out_local]; out_local may be 0 (a shard of vocabulary padding)
+        gather = start_sequence_gather(x, ctx.axis, ctx.tag + "_regather") if ctx.needs_input_grad[1] else None
         scatter = None
         if ctx.needs_input_grad[0]:  # computed while the input is gathered again
-            scatter = _start_reduce_scatter(grad @ weight, ctx.axis, ctx.tag)
+            scatter = start_sequence_reduce_scatter(grad @ weight, ctx.axis, ctx.tag)
         if gather is not None:  # computed while the input gradient is reduce-scattered
             grad_weight = weight_grad(weight, rows, gather().flatten(0, -2))  # or into weight.main_grad
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -104,26 +107,32 @@ class _SequenceGatheredLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None
 
 
-def _start_gather(x: torch.Tensor, axis: AxisGroup, tag: str):
-    """Start :func:`~ptdp.engine.comm.all_gather_along` of ``x`` along the sequence; returns a
-    function that waits and gives ``[b, s, h]``."""
+def start_sequence_gather(x: torch.Tensor, axis: AxisGroup, tag: str):
+    """Start the all-gather of ``x [s/t, b, h]`` along the sequence (dim 0) into one new
+    ``[s, b, h]`` buffer, rank r's block at rows ``[r s/t, (r + 1) s/t)``; returns a function that
+    waits and gives that buffer. A contiguous ``x`` is sent as it is (no copy)."""
     part = x.contiguous()
-    out = part.new_empty((axis.size * part.shape[0], *part.shape[1:]))  # rank blocks along dim 0
+    out = part.new_empty((axis.size * part.shape[0], *part.shape[1:]))
     work = all_gather_async(out, part, axis, tag=tag)
 
     def finish() -> torch.Tensor:
         work.wait()
-        return out.unflatten(0, (axis.size, part.shape[0])).movedim(0, SEQ_DIM).flatten(SEQ_DIM, SEQ_DIM + 1)
+        return out
 
     return finish
 
 
-def _start_reduce_scatter(y: torch.Tensor, axis: AxisGroup, tag: str):
-    """Start :func:`~ptdp.engine.comm.reduce_scatter_along` of ``y [b, s, h]`` along the
-    sequence; returns a function that waits and gives this rank's ``[b, s/t, h]``."""
-    chunks = y.unflatten(SEQ_DIM, (axis.size, y.shape[SEQ_DIM] // axis.size)).movedim(SEQ_DIM, 0).contiguous()
-    out = chunks.new_empty(chunks.shape[1:])
-    work = reduce_scatter_async(out, chunks.flatten(0, 1), axis, tag=tag)
+def start_sequence_reduce_scatter(y: torch.Tensor, axis: AxisGroup, tag: str):
+    """Start the sum reduce-scatter of ``y [s, b, h]`` along the sequence (dim 0): rank r gets
+    the sum of rows ``[r s/t, (r + 1) s/t)``; returns a function that waits and gives that
+    ``[s/t, b, h]``. A contiguous ``y`` is sent as it is (its ``t`` blocks are already the
+    chunks the collective expects: no copy)."""
+    if y.shape[0] % axis.size:
+        raise ValueError(f"reduce-scatter of {tuple(y.shape)} along the sequence (dim 0) over {axis.size} tp "
+                         f"ranks: {y.shape[0]} is not divisible by {axis.size}")
+    whole = y.contiguous()
+    out = whole.new_empty((whole.shape[0] // axis.size, *whole.shape[1:]))
+    work = reduce_scatter_async(out, whole, axis, tag=tag)
 
     def finish() -> torch.Tensor:
         work.wait()
@@ -135,9 +144,9 @@ def _start_reduce_scatter(y: torch.Tensor, axis: AxisGroup, tag: str):
 def all_gather_sequence(x: torch.Tensor, axis: AxisGroup, tag: str = "") -> torch.Tensor:
     """g of [K22] §4.2.2: forward all-gather along the sequence, backward reduce-scatter (sum).
 
-    Per rank: ``x [b, s/t, h]`` (this rank's positions) -> ``[b, s, h]`` (replicated). Counted:
-    forward one all-gather of ``b s h / t`` elements put in, backward one reduce-scatter of
-    ``b s h``, both on tp.
+    Per rank: ``x [s/t, b, h]`` (this rank's positions) -> ``[s, b, h]`` (replicated; one new
+    buffer the collective writes into). Counted: forward one all-gather of ``s b h / t`` elements
+    put in, backward one reduce-scatter of ``s b h``, both on tp.
     """
     if axis.size == 1:
         return x
@@ -147,9 +156,10 @@ def all_gather_sequence(x: torch.Tensor, axis: AxisGroup, tag: str = "") -> torc
 def reduce_scatter_sequence(x: torch.Tensor, axis: AxisGroup, tag: str = "") -> torch.Tensor:
     """ḡ of [K22] §4.2.2: forward reduce-scatter (sum) along the sequence, backward all-gather.
 
-    Per rank: ``x [b, s, h]`` (this rank's partial sum over its tp shard) -> ``[b, s/t, h]``
-    (the full sum at this rank's positions). Counted: forward one reduce-scatter of ``b s h``
-    elements put in, backward one all-gather of ``b s h / t``, both on tp.
+    Per rank: ``x [s, b, h]`` (this rank's partial sum over its tp shard) -> ``[s/t, b, h]``
+    (the full sum at this rank's positions). Counted: forward one reduce-scatter of ``s b h``
+    elements put in, backward one all-gather of ``s b h / t``, both on tp. Raises ValueError
+    when ``s`` is not divisible by t.
     """
     if axis.size == 1:
         return x
@@ -160,11 +170,11 @@ def sequence_gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                              axis: AxisGroup, tag: str = "") -> torch.Tensor:
     """``F.linear(all_gather_sequence(x), weight, bias)`` keeping only ``x``'s shard for backward.
 
-    Per rank: ``x [b, s/t, in]``, ``weight [out_local, in]`` (this rank's column-parallel shard)
-    -> ``[b, s, out_local]``. Counted on tp: forward one all-gather (tag ``tag``) of
-    ``b s in / t`` elements; backward one all-gather again for the weight gradient
-    (``<tag>_regather``, ``b s in / t``) and one reduce-scatter of the input gradient (``tag``,
-    ``b s in``) [K22] §4.2.2.
+    Per rank: ``x [s/t, b, in]``, ``weight [out_local, in]`` (this rank's column-parallel shard)
+    -> ``[s, b, out_local]``. Counted on tp: forward one all-gather (tag ``tag``) of
+    ``s b in / t`` elements; backward one all-gather again for the weight gradient
+    (``<tag>_regather``, ``s b in / t``) and one reduce-scatter of the input gradient (``tag``,
+    ``s b in``) [K22] §4.2.2.
     """
     if axis.size == 1:
         return F.linear(x, weight, bias)
