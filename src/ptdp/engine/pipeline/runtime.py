@@ -23,7 +23,7 @@ optimizer runs after the schedule. In training, each step sets the phase of
 collective reports.
 
 Communication per microbatch, chunk and stage boundary (Narayanan et al. SC21, §3.2): one send of
-the activation forward and one of its gradient backward, each of ``hidden_shape``.
+the activation forward and one of its gradient backward, each of ``hidden_shape`` (``[s, b, h]``).
 """
 
 from __future__ import annotations
@@ -90,16 +90,18 @@ def run_schedule(
         model: the stage (``GPTModel``), or its ``v`` model chunks in chunk order.
         microbatches: ``m`` pairs ``(tokens, labels)`` of shape ``[b, s]``.
         pp: the pipeline axis; peers are the previous and next rank (wrapping between chunks).
-        hidden_shape: shape of the activations passed between stages (``(b, s, h)``, with sequence
-            parallelism over t tp ranks ``(b, s/t, h)``), in ``dtype``: the receive buffers.
+        hidden_shape: shape of the activations passed between stages, in ``dtype``: the receive
+            buffers (ptdp's GPT: ``(s, b, h)``, with sequence parallelism over t tp ranks
+            ``(s/t, b, h)``; any shape for other stage modules).
         forward_only: no autograd graph (evaluation).
         tracer: optional :class:`ptdp.run.trace.Tracer` recording each step's start and end.
         grad_sync: optional object with a ``no_sync()`` context (the gradient buffer): every
             backward but the last of each chunk runs under it, so data-parallel reductions start
             only in the last microbatch's backward (on every stage, the last one included).
         loss_scale: multiply each loss by this before backward (float16 loss scaling).
-        seq_length: tokens per sample (default ``hidden_shape[1]``); batch_shape: ``(b, s)`` of a
-            microbatch (default ``(hidden_shape[0], seq_length)``).
+        seq_length, batch_shape: ``(b, s)`` of a microbatch, which every microbatch must have
+            (default ``(hidden_shape[0], seq_length or hidden_shape[1])``, for batch-first stage
+            modules; ptdp's step passes ``batch_shape``).
 
     Returns:
         On the rank holding the last virtual stage, the ``m`` detached per-microbatch mean losses
