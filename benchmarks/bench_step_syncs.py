@@ -111,7 +111,7 @@ def main() -> None:
             for k in runs[name]:
                 runs[name][k] += out[k]
     report = {"layout": {"tp": layout[0], "pp": layout[1], "dp": layout[2]}, "steps": args.steps,
-              "repeats": args.repeats, "load_before": os.getloadavg()[0], "wall_s": time.time() - started}
+              "repeats": args.repeats, "load_1min_at_end": os.getloadavg()[0], "wall_s": time.time() - started}
     for name, r in runs.items():
         report[name] = {"median_step_s": statistics.median(r["step_s"]), "syncs_per_step": max(r["syncs"]),
                         "min_syncs_per_step": min(r["syncs"])}
