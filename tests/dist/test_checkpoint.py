@@ -18,7 +18,7 @@ from ptdp.engine.tensor_parallel.sharding import spec_of, unshard
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool, run_workers
 from helpers.layout_cases import LLAMA_OPTIONS, rank_microbatches, tiny_config
-from helpers.checkpoints import stored_tensors
+from helpers.checkpoints import record_run, stored_tensors, train_steps
 
 
 SAVE_LAYOUT = (2, 2, 2)
@@ -178,16 +178,6 @@ RESUME = [((1, 1, 1), {}), ((2, 2, 2), {"use_distributed_optimizer": True, "ddp_
           ((1, 2, 2), {"use_distributed_optimizer": True, "overlap_param_gather": True, "overlap_grad_reduce": True})]
 
 
-def _train(stage, cfg, groups, first: int, last: int) -> list:
-    return [train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i) for i in range(first, last)]
-
-
-def _record(stage, results) -> dict:
-    stage.wait_for_params()
-    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
-            "params": {n: p.detach().clone() for n, p in global_named_parameters(stage.model)}}
-
-
 def resume_worker(rank: int, world: int, root: str, layout: tuple, parallel: dict, resume: bool) -> dict:
     """``resume=False``: 4 steps in one go, then (a new stage) 2 steps and a save; ``True``: load
     and run steps 3 and 4."""
@@ -196,10 +186,10 @@ def resume_worker(rank: int, world: int, root: str, layout: tuple, parallel: dic
     stage = build_stage(cfg, groups)
     if resume:
         first = load_checkpoint(stage, root)["iteration"]
-        return _record(stage, _train(stage, cfg, groups, first, 4))
-    whole = _record(stage, _train(stage, cfg, groups, 0, 4))
+        return record_run(stage, train_steps(stage, cfg, groups, first, 4))
+    whole = record_run(stage, train_steps(stage, cfg, groups, 0, 4))
     stage = build_stage(cfg, groups)
-    _train(stage, cfg, groups, 0, 2)
+    train_steps(stage, cfg, groups, 0, 2)
     save_checkpoint(stage, root, 2, consumed_samples=2 * cfg.train.global_batch_size)
     return whole
 

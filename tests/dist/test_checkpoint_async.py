@@ -9,14 +9,14 @@ import os
 import torch
 
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.model.chunks import global_named_parameters
-from ptdp.engine.step import build_stage, train_step
+from ptdp.engine.step import build_stage
 from ptdp.run.checkpoint.io import load_checkpoint
 from ptdp.run.checkpoint.saver import Checkpointer
 from ptdp.spec.layout import ParallelLayout
 
+from helpers.checkpoints import record_run, train_steps
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
-from helpers.layout_cases import rank_microbatches, tiny_config
+from helpers.layout_cases import tiny_config
 
 LAYOUT = (2, 1, 2)  # tp 2 (sharded tensors in the checkpoint) x dp 2 with the distributed optimizer
 PARALLEL = {"use_distributed_optimizer": True, "ddp_bucket_size": 777}
@@ -28,28 +28,18 @@ def _setup():
     return groups, cfg
 
 
-def _train(stage, cfg, groups, first: int, last: int) -> list:
-    return [train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i) for i in range(first, last)]
-
-
-def _record(stage, results) -> dict:
-    stage.wait_for_params()
-    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
-            "params": {n: p.detach().clone() for n, p in global_named_parameters(stage.model)}}
-
-
 def async_worker(rank: int, world: int, root: str) -> dict:
     """4 steps in one go; then a new stage saving asynchronously after step 2, training steps 3
     and 4 while that save is pending, and saving again after step 4 (which completes the first)."""
     groups, cfg = _setup()
     stage = build_stage(cfg, groups)
-    whole = _record(stage, _train(stage, cfg, groups, 0, 4))
+    whole = record_run(stage, train_steps(stage, cfg, groups, 0, 4))
     stage = build_stage(cfg, groups)
     saver = Checkpointer(groups, async_save=True)
-    _train(stage, cfg, groups, 0, 2)
+    train_steps(stage, cfg, groups, 0, 2)
     first, earlier = saver.save(stage, root, 2, consumed_samples=2 * cfg.train.global_batch_size)
     pending_latest = os.path.exists(os.path.join(root, "latest"))  # not before the save completes
-    _train(stage, cfg, groups, 2, 4)  # updates the parameters and Adam state in place meanwhile
+    train_steps(stage, cfg, groups, 2, 4)  # updates the parameters and Adam state in place meanwhile
     second, completed = saver.save(stage, root, 4, consumed_samples=4 * cfg.train.global_batch_size)
     last = saver.wait()
     return {"whole": whole, "first": str(first), "earlier": earlier, "completed": str(completed),
@@ -62,7 +52,7 @@ def resume_worker(rank: int, world: int, folder: str, first: int) -> dict:
     stage = build_stage(cfg, groups)
     start = load_checkpoint(stage, folder)["iteration"]
     assert start == first
-    return _record(stage, _train(stage, cfg, groups, start, 4))
+    return record_run(stage, train_steps(stage, cfg, groups, start, 4))
 
 
 def test_async_save_round_trip_and_resume_equal_the_uninterrupted_run(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.cli import TINY, run
+from helpers.cli import TINY, run, save_and_resume
 
 
 def check_run_dir(run_dir: Path, iters: int, layout: dict) -> None:
@@ -150,29 +150,11 @@ def test_one_bit_compression_trains_like_uncompressed(tmp_path):
     assert dp_bytes["1bit"] * 20 < dp_bytes["none"], dp_bytes
 
 
-def _train_losses(run_dir: Path) -> dict[int, tuple[float, float]]:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["iteration"]: (r["loss"], r["grad_norm"]) for r in lines if "loss" in r}
-
-
 def test_save_and_resume_from_the_command_line(corpus, tmp_path):
     """6 iterations in one run == 3, saved, then resumed for 3 more (bitwise losses and norms);
     a checkpoint folder per save, ``latest`` on the newest, ``--keep-last`` prunes."""
-    base = [sys.executable, "-m", "ptdp.train", *TINY, "--tp", "1", "--pp", "1", "--data", str(corpus / "docs"),
-            "--no-progress", "--log-interval", "1", "--lr-decay-iters", "6"]
-    whole = run(base + ["--output-dir", str(tmp_path / "whole")], tmp_path)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    ckpt = tmp_path / "ckpt"
-    first = run(base + ["--train-iters", "3", "--save", str(ckpt), "--save-interval", "1", "--keep-last", "2",
-                        "--output-dir", str(tmp_path / "first")], tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "iter_0000003", "latest"]
-    assert (ckpt / "latest").read_text().strip() == "iter_0000003"
-    second = run(base + ["--load", str(ckpt), "--output-dir", str(tmp_path / "second")], tmp_path)
-    assert second.returncode == 0, second.stderr[-3000:]
+    base, ckpt, _, second = save_and_resume(corpus, tmp_path)
     assert "resumed from" in second.stderr
-    expected = _train_losses(tmp_path / "whole")
-    assert _train_losses(tmp_path / "second") == {i: expected[i] for i in (4, 5, 6)}
     gen = run([sys.executable, "-m", "ptdp.cli", "generate", "--load", str(ckpt), "--prompt", "def ",
                "--max-new-tokens", "5"], tmp_path)
     assert gen.returncode == 0 and gen.stdout.startswith("def"), gen.stderr[-2000:]

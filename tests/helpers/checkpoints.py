@@ -1,4 +1,5 @@
-"""Reading a checkpoint folder's tensors in one process."""
+"""Reading a checkpoint folder's tensors in one process; training a few steps and recording them
+(the resume tests)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,21 @@ def stored_tensors(folder) -> dict[str, torch.Tensor]:
         warnings.simplefilter("ignore")
         dcp.load(sd, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
     return sd
+
+
+def train_steps(stage, cfg, groups, first: int, last: int) -> list:
+    """Steps ``first`` .. ``last - 1`` of the tiny model's data; their results."""
+    from ptdp.engine.step import train_step
+
+    from helpers.layout_cases import rank_microbatches
+
+    return [train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i) for i in range(first, last)]
+
+
+def record_run(stage, results) -> dict:
+    """Losses, gradient norms and the global parameters after ``results``."""
+    from ptdp.engine.model.chunks import global_named_parameters
+
+    stage.wait_for_params()
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
+            "params": {n: p.detach().clone() for n, p in global_named_parameters(stage.model)}}

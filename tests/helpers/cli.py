@@ -73,3 +73,33 @@ def run(cmd: list[str], tmp_path: Path, timeout: float | None = None, env: dict 
     env = dict(os.environ, PTDP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=budget.seconds(timeout), env=env,
                           cwd=tmp_path)
+
+
+def train_losses(run_dir: Path) -> dict[int, tuple[float, float]]:
+    """Iteration -> (loss, grad_norm) of a run's metrics.jsonl training lines."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["iteration"]: (r["loss"], r["grad_norm"]) for r in lines if "loss" in r}
+
+
+def save_and_resume(corpus: Path, tmp_path: Path, save_flags: tuple[str, ...] = ()):
+    """6 iterations in one run, against 3 saved after each iteration (``--keep-last 2``, plus
+    ``save_flags``) and resumed from the newest for 3 more; asserts the checkpoint folders and that
+    the resumed losses and norms equal the uninterrupted run's bitwise. Returns
+    ``(base flags, checkpoint folder, first run, resumed run)``."""
+    import sys
+
+    base = [sys.executable, "-m", "ptdp.train", *TINY, "--tp", "1", "--pp", "1", "--data", str(corpus / "docs"),
+            "--no-progress", "--log-interval", "1", "--lr-decay-iters", "6"]
+    whole = run(base + ["--output-dir", str(tmp_path / "whole")], tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    ckpt = tmp_path / "ckpt"
+    first = run(base + ["--train-iters", "3", "--save", str(ckpt), "--save-interval", "1", "--keep-last", "2",
+                        *save_flags, "--output-dir", str(tmp_path / "first")], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "iter_0000003", "latest"]
+    assert (ckpt / "latest").read_text().strip() == "iter_0000003"
+    second = run(base + ["--load", str(ckpt), "--output-dir", str(tmp_path / "second")], tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    expected = train_losses(tmp_path / "whole")
+    assert train_losses(tmp_path / "second") == {i: expected[i] for i in (4, 5, 6)}
+    return base, ckpt, first, second

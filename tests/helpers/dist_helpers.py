@@ -43,14 +43,22 @@ def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float | None
     (default: what is left of the test's budget, :mod:`budget`; always ending before the test's
     own timeout); a worker's exception is re-raised here.
     """
-    timeout = budget.seconds(timeout)
+    return spawn_and_collect(_entry, fn, world_size, args, budget.seconds(timeout), "workers")
+
+
+def spawn_and_collect(entry: Callable, fn: Callable, world_size: int, args: tuple, timeout: float,
+                      what: str) -> list[Any]:
+    """Spawn ``entry(rank, fn, world_size, tmp, args)`` on ``world_size`` processes (each saves its
+    result to ``tmp/result_<rank>.pt``); their results, or TimeoutError naming ``what`` after
+    ``timeout`` seconds (the workers are killed either way)."""
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_entry, args=(fn, world_size, tmp, args), nprocs=world_size, join=False, start_method="spawn")
+        ctx = mp.start_processes(entry, args=(fn, world_size, tmp, args), nprocs=world_size, join=False,
+                                 start_method="spawn")
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"workers did not finish within {timeout:.0f} s")
+                    raise TimeoutError(f"{what} did not finish within {timeout:.0f} s")
         finally:
             for p in ctx.processes:
                 if p.is_alive():

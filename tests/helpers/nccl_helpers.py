@@ -7,13 +7,10 @@ Like :func:`helpers.dist_helpers.run_workers`, with backend ``nccl`` and worker 
 from __future__ import annotations
 
 import os
-import tempfile
-import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.chunks import global_named_parameters
@@ -21,7 +18,7 @@ from ptdp.engine.step import build_stage, train_step
 from ptdp.spec import Config
 
 from helpers import budget
-from helpers.dist_helpers import PG_TIMEOUT
+from helpers.dist_helpers import PG_TIMEOUT, spawn_and_collect
 from helpers.layout_cases import rank_microbatches
 
 
@@ -53,21 +50,7 @@ def run_nccl_workers(fn: Callable, world_size: int, *args: Any, timeout: float |
     """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)`` on an NCCL world, rank
     r on ``cuda:r``; returns each rank's result. Fails, killing the workers, after ``timeout``
     seconds (default: what is left of the test's budget), so a deadlock fails the test."""
-    timeout = budget.seconds(timeout)
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_entry, args=(fn, world_size, tmp, args), nprocs=world_size, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"NCCL workers did not finish within {timeout:.0f} s (a hang?)")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-        return [torch.load(os.path.join(tmp, f"result_{r}.pt"), weights_only=False) for r in range(world_size)]
+    return spawn_and_collect(_entry, fn, world_size, args, budget.seconds(timeout), "NCCL workers (a hang?)")
 
 
 def train_on_device(cfg: Config, groups: ParallelGroups, device: torch.device, steps: int, *, first: int = 0,
