@@ -8,8 +8,11 @@ and ``plan --calibrate`` do.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
+import traceback
 
 from ptdp.spec import ConfigError
 from ptdp.planner.hardware import UnknownGPUError
@@ -95,9 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except _user_errors() as e:
         if getattr(args, "debug", False):
-            raise
+            traceback.print_exc()
         print(f"ptdp {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`ptdp schedule ... | head`): not a failure of ours
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except _interruptions():
         print(f"ptdp {args.command}: interrupted", file=sys.stderr)
         return 130

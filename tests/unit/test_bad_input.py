@@ -155,9 +155,10 @@ def test_empty_files_inside_a_folder_are_skipped_silently(tmp_path):
         list(iter_documents([tmp_path / "__init__.py", tmp_path / "a.py"]))
 
 
-def test_debug_shows_the_traceback(tmp_path):
-    with pytest.raises(DataError, match="data path does not exist"):
-        cli.main(["train", *TINY, "--data", str(tmp_path / "missing"), "--data-cache-dir", str(tmp_path), "--debug"])
+def test_debug_shows_the_traceback_and_keeps_exit_code_2(tmp_path, capsys):
+    code = cli.main(["train", *TINY, "--data", str(tmp_path / "missing"), "--data-cache-dir", str(tmp_path), "--debug"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" in err and "DataError" in err and "data path does not exist" in err
 
 
 # ---- a corpus too small -------------------------------------------------------------------------

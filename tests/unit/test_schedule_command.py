@@ -91,3 +91,50 @@ def test_plot_writes_a_png(capsys, tmp_path):
 def test_bad_shapes_exit_2_naming_the_rule(capsys, argv, message):
     code, _, err = run(capsys, *argv)
     assert code == 2 and message in err
+
+
+def test_debug_keeps_exit_code_2_and_a_closed_pipe_is_no_failure(capsys, monkeypatch):
+    code, _, err = run(capsys, "--pp", "0", "-m", "4", "--debug")
+    assert code == 2 and "Traceback" in err and "must be >= 1" in err
+    import ptdp.commands.schedule as command
+
+    def closed(args):
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(command, "run", closed)
+    import os
+    import sys
+    saved = os.dup(sys.stdout.fileno()) if hasattr(sys.stdout, "fileno") and _has_fd(sys.stdout) else None
+    try:
+        assert ptdp_main(["schedule", "--pp", "2"]) == 0
+    finally:
+        if saved is not None:
+            os.dup2(saved, sys.stdout.fileno())
+            os.close(saved)
+
+
+def _has_fd(stream) -> bool:
+    try:
+        stream.fileno()
+        return True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+@pytest.mark.parametrize("plot,message", [("x.txt", "ending in .png"), ("/nonexistent/x.png", "does not exist"),
+                                          ("", "ending in .png")])
+def test_bad_plot_paths_exit_2_before_any_output(capsys, plot, message):
+    code, out, err = run(capsys, "--pp", "2", "-m", "4", "--plot", plot)
+    assert code == 2 and message in err and out == ""
+
+
+def test_plot_into_a_folder_is_refused(capsys, tmp_path):
+    folder = tmp_path / "pictures.png"
+    folder.mkdir()
+    code, out, err = run(capsys, "--pp", "2", "-m", "4", "--plot", str(folder))
+    assert code == 2 and "is a folder" in err and out == ""
+
+
+def test_zero_virtual_stages_is_refused_not_replaced(capsys):
+    code, _, err = run(capsys, "--pipeline-schedule", "interleaved-1f1b", "--pp", "2", "-m", "4",
+                       "--virtual-pipeline-stages", "0")
+    assert code == 2 and "must be >= 1" in err

@@ -83,7 +83,5 @@ def test_parse_error_names_the_line_and_debug_shows_the_traceback(tmp_path, caps
     bad.write_text(Path(HGX).read_text().replace("PXB     16-31   1", "PXB     16-31   one", 1))
     assert main(["topo", "--file", str(bad)]) == 2
     assert f"{bad}: line 6: NUMA Affinity \"one\" is not a NUMA node number" in capsys.readouterr().err
-    from ptdp.topology.model import TopologyError
-
-    with pytest.raises(TopologyError):
-        main(["topo", "--file", str(bad), "--debug"])
+    assert main(["topo", "--file", str(bad), "--debug"]) == 2
+    assert "Traceback" in capsys.readouterr().err

@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ptdp.spec.flags import add_named_flags
 
     parser.description, parser.formatter_class = DESCRIPTION, argparse.RawDescriptionHelpFormatter
-    add_named_flags(parser, {"pipeline_schedule": "1f1b", "pipeline_model_parallel_size": 2})
+    add_named_flags(parser, {"pipeline_schedule": "1f1b", "pipeline_model_parallel_size": 2},
+                    {"pipeline_schedule": "pipeline schedule (default: 1f1b)",
+                     "pipeline_model_parallel_size": "pipeline ranks p (default: 2)"})
     parser.add_argument("--num-microbatches", "-m", type=int, default=8, metavar="M",
                         help="microbatches per step and data-parallel rank (default: %(default)s)")
     parser.add_argument("--virtual-pipeline-stages", "--num-virtual-stages-per-pipeline-rank", type=int, default=None,
@@ -50,7 +52,11 @@ def run(args: argparse.Namespace) -> int:
     from ptdp.engine.pipeline.verify import check_schedule, in_flight_bound, simulate
 
     kind, p, m = args.pipeline_schedule, args.pipeline_model_parallel_size, args.num_microbatches
-    v = args.virtual_pipeline_stages or (2 if kind == "interleaved-1f1b" else 1)
+    v = args.virtual_pipeline_stages
+    if v is None:
+        v = 2 if kind == "interleaved-1f1b" else 1
+    if args.plot is not None:
+        _check_plot_path(args.plot)
     try:
         schedule = build_schedule(kind, p, m, v)
     except ValueError as err:
@@ -79,6 +85,24 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"\ntimeline: {args.plot}")
     return 0
+
+
+def _check_plot_path(path: str) -> None:
+    """ConfigError unless ``path`` names a new or existing ``.png`` file in a writable folder."""
+    from pathlib import Path
+
+    target = Path(path)
+    if target.suffix.lower() != ".png":
+        raise ConfigError(f"--plot {path!r}: the picture is a PNG file; give a name ending in .png")
+    if target.is_dir():
+        raise ConfigError(f"--plot {path!r} is a folder; give a file name ending in .png")
+    folder = target.parent
+    if not folder.is_dir():
+        raise ConfigError(f"--plot {path!r}: the folder {str(folder)!r} does not exist")
+    import os
+
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"--plot {path!r}: the folder {str(folder)!r} is not writable")
 
 
 def _plot(timeline, path: str, title: str) -> None:

@@ -97,16 +97,19 @@ def add_flags(parser: argparse.ArgumentParser, command: Command, defaults: dict[
         _add(groups[s.flag.group], s, command, (defaults or {}).get(s.dest, _default(s, command)))
 
 
-def add_named_flags(parser: argparse.ArgumentParser, names: dict[str, Any]) -> None:
+def add_named_flags(parser: argparse.ArgumentParser, names: dict[str, Any], helps: dict[str, str] | None = None) -> None:
     """Add the flags of the schema fields named in ``names`` (field name -> default), as ``ptdp
-    train`` spells them (same names, aliases, types and choices): for commands that take a few
-    of the schema's settings, e.g. ``ptdp schedule``."""
+    train`` spells them (same names, aliases, types and choices), with ``helps`` replacing the
+    help of some: for commands that take a few of the schema's settings, e.g. ``ptdp schedule``."""
     found = {s.name: s for s in settings() if s.name in names}
     missing = set(names) - set(found)
     if missing:
         raise KeyError(f"no schema field with a flag named {sorted(missing)}")
     for name, default in names.items():
-        _add(parser, found[name], "train", default)
+        s = found[name]
+        if helps and name in helps:
+            s = dataclasses.replace(s, flag=dataclasses.replace(s.flag, help=helps[name]))
+        _add(parser, s, "train", default)
 
 
 def _default(s: Setting, command: Command) -> Any:
