@@ -134,6 +134,8 @@ class _Loop:
         save = bool(ck.save and ck.save_interval and iteration % ck.save_interval == 0 and iteration != t.train_iters)
         if evaluate or save or iteration % t.log_interval == 0 or iteration in (1, t.train_iters):
             self.flush()
+            if self.saver is not None and self.saver.async_save and not save:
+                _poll_save(self.saver, self.groups, self.log)
         if evaluate:
             self.evaluate(iteration)
         if save:
@@ -234,6 +236,17 @@ def _save(saver: Checkpointer, stage, ck, iteration: int, consumed_samples: int,
     took = f"{time.perf_counter() - start:.1f} s"
     log.message(f"iteration {iteration:>6}: checkpoint {folder} staged in CPU memory ({took}), written in the "
                 f"background" if saver.async_save else f"iteration {iteration:>6}: saved checkpoint {folder} ({took})")
+
+
+def _poll_save(saver: Checkpointer, groups: ParallelGroups, log: RunLog) -> None:
+    """Complete a save written in the background if every rank has written it (``--async-save``)."""
+    try:
+        folder = saver.poll(groups.world)
+    except CheckpointError as e:
+        log.close()
+        raise TrainingError(str(e)) from e
+    if folder is not None:
+        log.message(f"saved checkpoint {folder} (written in the background)")
 
 
 def _finish_save(saver: Checkpointer, log: RunLog) -> None:

@@ -7,8 +7,9 @@ never talks over NCCL and, written in a background thread with ``--async-save``
 (``torch.distributed.checkpoint.async_save``: the tensors are copied into CPU memory, then
 written while training goes on), never shares a group with the training's collectives. The next
 save, and the end of training, wait for a save still being written (:meth:`Checkpointer.wait`)
-and complete it: only then is the folder renamed and ``latest`` moved to it, so a crash while
-writing leaves ``latest`` on the previous complete checkpoint.
+and complete it, and so does each logged step once every rank has written its files
+(:meth:`Checkpointer.poll`): only then is the folder renamed and ``latest`` moved to it, so a
+crash while writing leaves ``latest`` on the previous complete checkpoint.
 """
 
 from __future__ import annotations
@@ -61,6 +62,25 @@ class Checkpointer:
             return pending.finish(), earlier
         self.pending = pending
         return pending.final, earlier
+
+    def poll(self, world) -> Path | None:
+        """Complete the save being written if every rank has finished writing its files (collective
+        over ``world``, the world's :class:`~ptdp.engine.comm.AxisGroup`: one all-reduce of a flag on
+        the checkpoint's gloo group, no device involved); its folder, or None while some rank is
+        still writing. Called at logged steps, it makes a background save ``latest`` soon after it
+        is written instead of at the next save."""
+        if self.pending is None:
+            return None
+        import torch
+
+        from ptdp.engine.comm import AxisGroup, all_reduce
+
+        future = self.pending.future
+        done = torch.tensor([int(future is None or future.done())], dtype=torch.int32)
+        if self.group is not None:
+            axis = AxisGroup("checkpoint", world.ranks, world.rank, self.group, world.stats, world.timeout_s)
+            all_reduce(done, axis, op="min", tag="checkpoint_written")
+        return self.wait() if int(done) else None
 
     def wait(self) -> Path | None:
         """Complete the save being written, if any (collective over the world); its folder, or None."""
