@@ -48,14 +48,14 @@ def test_profiler_does_nothing_on_other_ranks(tmp_path):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 def test_peak_memory_on_cpu_is_the_process_peak_rss():
     """In a fresh process (this one's peak may be anything): with 256 MiB more touched, the peak is
-    at least the resident size before plus 256 MiB, and rose by at most that (ru_maxrss is in KiB
-    on Linux, the function gives bytes)."""
+    at least the resident size before plus 256 MiB, and rose by at most that (VmHWM is in KiB, the
+    function gives bytes)."""
     code = ("import os, torch; from ptdp.run.profiling import peak_memory_bytes as p; a, kind = p('cpu'); "
             "rss = int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE'); "
             "t = torch.ones(256 * 2**20 // 4); b, _ = p('cpu'); print(a, rss, b, kind)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     before, rss, after, kind = out.stdout.split(maxsplit=3)
-    assert kind.strip() == "peak RSS (getrusage)"
+    assert kind.strip() == "peak RSS"
     assert int(after) >= int(rss) + 250 * 2**20 and int(after) - int(before) <= 270 * 2**20
 
 
@@ -139,3 +139,14 @@ def test_profile_fields_round_trip_through_config_json():
     config = Config(train=TrainConfig(profile=True, profile_ranks=(0, 3)))
     again = Config.from_dict(json.loads(config.to_json()))
     assert again == config and again.train.profile_ranks == (0, 3)
+
+
+def test_peak_memory_on_cpu_is_not_the_parent_process_peak():
+    """A worker started (fork + exec) by a process holding 1 GiB reports its own peak, not the
+    parent's (``ru_maxrss`` keeps the forked copy's resident size across the exec)."""
+    child = "from ptdp.run.profiling import peak_memory_bytes as p; print(p('cpu')[0])"
+    code = ("import subprocess, sys; big = b'\\x01' * 2**30; "
+            f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True).stdout)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    rss_of_child = int(out.stdout.split()[0])
+    assert rss_of_child < 900 * 2**20, rss_of_child

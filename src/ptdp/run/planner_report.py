@@ -13,7 +13,6 @@ to :mod:`ptdp.planner` (which imports no torch and nothing of the training code)
 
 from __future__ import annotations
 
-import resource
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from ptdp.planner.memory import bytes_per_param, memory_breakdown, stage_param_c
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.plan import Layout
+from ptdp.run.profiling import process_peak_rss
 from ptdp.planner.profile import default_profile_path, load_profile
 
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -40,7 +40,7 @@ def measure_stage(stage) -> dict:
     if stage.device.type == "cuda":
         peak, peak_kind = torch.cuda.max_memory_allocated(stage.device), "CUDA max allocated"
     else:
-        peak, peak_kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
+        peak, peak_kind = process_peak_rss(), "process peak RSS"
     c = stage.groups.coords
     return {
         "coords": (c.tp_rank, c.dp_rank, c.pp_rank),

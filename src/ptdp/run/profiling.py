@@ -11,8 +11,10 @@ other ranks.
 
 :func:`peak_memory_bytes` is the number the summary gives per rank: on a GPU
 ``torch.cuda.max_memory_allocated`` (bytes held by PyTorch's allocator at its peak), on a CPU the
-process's peak resident set size from ``getrusage`` (the whole process: interpreter, libraries,
-data, tensors).
+process's own peak resident set size, ``VmHWM`` of ``/proc/self/status`` (the whole process:
+interpreter, libraries, data, tensors; ``getrusage``'s ``ru_maxrss`` would carry over the peak of
+the launcher that forked the worker, e.g. after it prepared the data), ``getrusage`` where there
+is no ``/proc``.
 """
 
 from __future__ import annotations
@@ -31,8 +33,18 @@ def peak_memory_bytes(device: torch.device | str) -> tuple[int, str]:
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated"
+    return process_peak_rss(), "peak RSS"
+
+
+def process_peak_rss() -> int:
+    """This process's peak resident set size in bytes: ``VmHWM`` (Linux), else ``ru_maxrss``."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024), "peak RSS (getrusage)"
+    return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 class StepProfiler:
