@@ -245,12 +245,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--peak-tflops", type=float, help="peak TFLOP/s for MFU instead of the catalog's")
     ap.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device {args.device!r}: expected cuda, cuda:N or cpu")
+    if device.type not in ("cuda", "cpu"):
+        ap.error(f"--device {args.device!r}: expected cuda, cuda:N or cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: no CUDA device is available here (use --device cpu --quick)")
-    for name, least in (("steps", 1), ("warmup", 0), ("num_layers", 1), ("micro_batch_size", 1)):
+        ap.error(f"--device {args.device}: no CUDA device is available here (use --device cpu --quick)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        ap.error(f"--device {args.device}: this machine shows {torch.cuda.device_count()} CUDA devices")
+    for name, least in (("steps", 1), ("warmup", 0), ("num_layers", 1), ("micro_batch_size", 1), ("threads", 1)):
         if getattr(args, name) is not None and getattr(args, name) < least:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= {least}")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        ap.error(f"--peak-tflops {args.peak_tflops} must be > 0")
+    if args.output is not None:
+        folder = os.path.dirname(os.path.abspath(args.output))
+        if os.path.isdir(args.output) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            ap.error(f"--output {args.output}: not a file in an existing writable folder")
     return args
 
 
