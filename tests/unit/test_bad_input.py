@@ -453,3 +453,17 @@ def test_nonpositive_nproc_per_node_is_named(tmp_path, capsys, launched):
     code, err = train(capsys, tmp_path, "--nproc-per-node", "-2")
     assert code == 2 and not launched
     assert "nproc_per_node=-2 must be a positive integer" in err and "world_size" not in err
+
+
+@pytest.mark.parametrize("flags,named", [(["--bf16", "--fp16"], "--bf16 and --fp16"),
+                                         (["--params-dtype", "float64", "--bf16"], "--params-dtype and --bf16"),
+                                         (["--fp32", "--params-dtype", "bfloat16"], "--fp32 and --params-dtype")])
+def test_conflicting_precision_flags_are_refused_naming_both(capsys, flags, named):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", *flags, "--print-config"])
+    assert exit_info.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_the_same_precision_twice_is_fine(capsys):
+    assert cli.main(["train", "--bf16", "--params-dtype", "bfloat16", "--print-config"]) == 0
+    assert '"params_dtype": "bfloat16"' in capsys.readouterr().out

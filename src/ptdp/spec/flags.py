@@ -146,9 +146,27 @@ def _add(group, s: Setting, command: Command, default: Any) -> None:
         kwargs["action"] = _AppendReplacing
     else:
         kwargs["type"] = s.scalar_type
+    if f.shortcuts and "action" not in kwargs:  # --params-dtype X and --bf16/--fp16/--fp32: one answer
+        kwargs["action"] = _OneAnswer
     group.add_argument(*names, **kwargs)
     for name, value, text in f.shortcuts:
-        group.add_argument(name, dest=s.dest, action="store_const", const=value, help=text)
+        group.add_argument(name, dest=s.dest, action=_OneAnswer, nargs=0, const=value, help=text)
+
+
+class _OneAnswer(argparse.Action):
+    """Store a value (or, with ``nargs=0``, the ``const`` of a shortcut such as ``--bf16``) unless
+    another option of the same setting already asked for a different one: ``--bf16 --fp16`` is an
+    error naming both, not "the last one wins"."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = self.const if self.nargs == 0 else values
+        given = namespace.__dict__.setdefault("_ptdp_given", {})
+        earlier = given.get(self.dest)
+        if earlier is not None and earlier[1] != value:
+            parser.error(f"{earlier[0]} and {option_string} ask for different {self.dest.replace('_', ' ')} "
+                         f"({earlier[1]} and {value}): give one")
+        given[self.dest] = (option_string, value)
+        setattr(namespace, self.dest, value)
 
 
 class _AppendReplacing(argparse.Action):
