@@ -33,6 +33,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         text = action.help or ""
         if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
             return text
+        if isinstance(action, argparse._StoreFalseAction):  # a switch that turns something off: off by default
+            return text
+        if isinstance(action.default, tuple):  # (0, 3) -> 0,3, as the flag is written
+            return f"{text} (default: {','.join(map(str, action.default))})"
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
