@@ -150,3 +150,25 @@ def test_peak_memory_on_cpu_is_not_the_parent_process_peak():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     rss_of_child = int(out.stdout.split()[0])
     assert rss_of_child < 900 * 2**20, rss_of_child
+
+
+def test_a_resumed_run_profiles_only_the_steps_it_runs(tmp_path):
+    """--profile-step-start 1 --profile-step-end 3 (iterations 2-3): a run resumed at iteration 4
+    profiles nothing and says so; one resumed at iteration 2 profiles iteration 3 only, without a
+    warm-up step before its first; the ranks are listed once."""
+    from ptdp.run.profiling import StepProfiler
+    from ptdp.spec import Config, TrainConfig
+
+    config = Config(train=TrainConfig(train_iters=6, profile=True, profile_step_start=1, profile_step_end=3,
+                                      profile_ranks=(0, 0)))
+    assert StepProfiler.summary(config) == {"iterations": [2, 3], "files": ["profile/rank0.json"]}
+    late = StepProfiler.summary(config, first_step=4)
+    assert late["iterations"] == [] and late["files"] == [] and "resumed at iteration 4" in late["note"]
+    assert not StepProfiler.for_run(config, 0, tmp_path, "cpu", first_step=4).enabled
+    assert StepProfiler.summary(config, first_step=2) == {"iterations": [3, 3], "files": ["profile/rank0.json"]}
+    mid = StepProfiler.for_run(config, 0, tmp_path, "cpu", first_step=2)
+    assert mid.enabled and (mid.first, mid.start, mid.end) == (2, 2, 3)
+    for step in (2, 3):
+        with mid.around(step):
+            torch.ones(4).sum()
+    assert mid.written == tmp_path / "profile" / "rank0.json" and mid.written.exists()

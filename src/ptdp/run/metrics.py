@@ -130,8 +130,11 @@ def format_summary(s: dict, run_dir) -> str:
         lines.append(format_peak_memory(s["peak_memory_bytes_by_rank"], s["peak_memory_measure"]))
     if s.get("profile"):
         p = s["profile"]
-        lines.append(f"  torch.profiler trace of iterations {p['iterations'][0]}-{p['iterations'][1]}: "
-                     + ", ".join(p["files"]))
+        if p["iterations"]:
+            lines.append(f"  torch.profiler trace of iterations {p['iterations'][0]}-{p['iterations'][1]}: "
+                         + ", ".join(p["files"]))
+        else:
+            lines.append(f"  --profile: {p['note']}")
     if s.get("planner_check"):
         from ptdp.run.planner_report import format_comparison
 

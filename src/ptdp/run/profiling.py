@@ -57,10 +57,10 @@ class StepProfiler:
     """
 
     def __init__(self, *, rank: int, ranks: tuple[int, ...], start: int, end: int, run_dir: Path,
-                 device: torch.device | str) -> None:
-        self.enabled = rank in ranks
-        self.start, self.end = start, end
-        self.first = max(start - 1, 0)
+                 device: torch.device | str, first_step: int = 0) -> None:
+        self.start, self.end = max(start, first_step), end  # a resumed run profiles what is left
+        self.enabled = rank in ranks and self.start < end
+        self.first = max(self.start - 1, first_step)  # the warm-up step, when this run has one
         self.path = Path(run_dir) / "profile" / f"rank{rank}.json"
         self.cuda = torch.device(device).type == "cuda"
         self._prof = None
@@ -91,17 +91,25 @@ class StepProfiler:
         self.written = self.path
 
     @classmethod
-    def for_run(cls, config, rank: int, run_dir: Path, device: torch.device | str) -> StepProfiler:
-        """The profiler of a run's ``config.train`` (``--profile``, its steps and ranks) on global ``rank``."""
+    def for_run(cls, config, rank: int, run_dir: Path, device: torch.device | str,
+                first_step: int = 0) -> StepProfiler:
+        """The profiler of a run's ``config.train`` (``--profile``, its steps and ranks) on global
+        ``rank``, for a run whose first step is ``first_step`` (0-based; > 0 when it resumed)."""
         t = config.train
         return cls(rank=rank, ranks=t.profile_ranks if t.profile else (), start=t.profile_step_start,
-                   end=t.profile_step_end, run_dir=run_dir, device=device)
+                   end=t.profile_step_end, run_dir=run_dir, device=device, first_step=first_step)
 
     @staticmethod
-    def summary(config) -> dict | None:
-        """What the run summary says of ``--profile`` (None without it): iterations and files."""
+    def summary(config, first_step: int = 0) -> dict | None:
+        """What the run summary says of ``--profile`` (None without it): the iterations profiled
+        (1-based, first and last; none when the run resumed after them) and the files written."""
         t = config.train
         if not t.profile:
             return None
-        return {"iterations": [t.profile_step_start + 1, t.profile_step_end],
-                "files": [f"profile/rank{r}.json" for r in t.profile_ranks]}
+        start = max(t.profile_step_start, first_step)
+        if start >= t.profile_step_end:
+            return {"iterations": [], "files": [],
+                    "note": f"nothing profiled: the run resumed at iteration {first_step}, after "
+                            f"--profile-step-end {t.profile_step_end}"}
+        return {"iterations": [start + 1, t.profile_step_end],
+                "files": [f"profile/rank{r}.json" for r in sorted(set(t.profile_ranks))]}

@@ -93,7 +93,7 @@ class _Loop:
         self.tokens_per_step = t.global_batch_size * config.model.seq_length
         self.history: dict[str, list] = {"val": [], "train": [], "comm": {}}
         self.tracer = Tracer(groups.global_rank, groups.pp.rank, stage.device) if t.traced_iters else None
-        self.profiler = StepProfiler.for_run(config, groups.global_rank, run_dir, stage.device)
+        self.profiler = StepProfiler.for_run(config, groups.global_rank, run_dir, stage.device, first_step=start)
         self.first_traced = 2 if t.train_iters >= 2 else 1
         self.skipped_in_a_row = 0
         self.faults, self.restart = faults, restart
@@ -193,7 +193,7 @@ class _Loop:
         summary["peak_memory_bytes_by_rank"] = {r: peak for r, (peak, _) in enumerate(peaks)}
         summary["peak_memory_measure"] = peaks[0][1]
         if StepProfiler.summary(self.config):
-            summary["profile"] = StepProfiler.summary(self.config)
+            summary["profile"] = StepProfiler.summary(self.config, first_step=self.start)
         if is_logger:
             summary["planner_check"] = check_run(self.config, per_rank, summary["mean_step_time_s"])
             write_json(run_dir / "summary.json", summary)
