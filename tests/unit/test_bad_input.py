@@ -467,3 +467,8 @@ def test_conflicting_precision_flags_are_refused_naming_both(capsys, flags, name
 def test_the_same_precision_twice_is_fine(capsys):
     assert cli.main(["train", "--bf16", "--params-dtype", "bfloat16", "--print-config"]) == 0
     assert '"params_dtype": "bfloat16"' in capsys.readouterr().out
+
+
+def test_async_save_without_save_is_refused(capsys):
+    assert cli.main(["train", "--async-save", "--print-config"]) == 2
+    assert "--async-save needs a save directory (--save)" in capsys.readouterr().err

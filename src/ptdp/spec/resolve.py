@@ -160,6 +160,8 @@ def checkpoint_violations(c: CheckpointConfig) -> list[Violation]:
     if c.save is None:
         out += [V("checkpoint", f"{name}={getattr(c, name)} needs a save directory (--save)")
                 for name in ("save_interval", "keep_last") if getattr(c, name) is not None]
+        if c.async_save:
+            out.append(V("checkpoint", "--async-save needs a save directory (--save)"))
     if c.load is None:
         out += [V("checkpoint", f"{name} needs --load") for name in ("no_load_optim", "no_load_rng") if getattr(c, name)]
     return out
