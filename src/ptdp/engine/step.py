@@ -39,7 +39,7 @@ from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.gpt import DTYPES, GPTModel
 from ptdp.engine.optim import MainParamsAdamW, build_optimizer, lr_at, set_lr, step_unless
 from ptdp.engine.model.chunks import ModelChunks
-from ptdp.engine.model.compile import compile_layers
+from ptdp.engine.model.compile import compile_stage
 from ptdp.engine.pipeline.partition import chunk_layer_ids, stage_layer_ids
 from ptdp.engine.pipeline.runtime import Microbatch, run_schedule
 from ptdp.engine.pipeline.program import build_programs
@@ -190,9 +190,9 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     device = torch.device(device)
     allow_tf32(device)
     model.to(device)
-    if m.compile:  # each transformer layer's forward; collectives stay eager between the regions
+    if m.compile:  # one graph per stage at tp = 1, else each layer's forward (collectives stay eager)
         for chunk in chunks:
-            compile_layers(chunk)
+            compile_stage(chunk, whole=not p.overlap_param_gather)
     low_precision = DTYPES[m.params_dtype] in (torch.bfloat16, torch.float16)
     tied = model.tied_embedding()
     grads = GradBuffer(

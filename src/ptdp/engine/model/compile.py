@@ -1,6 +1,9 @@
-"""``--compile``: every transformer layer's forward compiled by ``torch.compile`` (inductor).
+"""``--compile``: the stage compiled by ``torch.compile`` (inductor).
 
-The layers are compiled, each on its own (they share one compiled graph when their shapes
+At tp = 1 (no collective inside the stage's forward) and without ``--overlap-param-gather`` (whose
+module hooks wait for all-gathers) the embedding, the layers and the final norm are one compiled
+graph (:func:`compile_stage`: ``GPTModel.hidden_states``), so inductor fuses across the layer
+boundaries. Otherwise the layers are compiled, each on its own (they share one compiled graph when their shapes
 agree: parameters are graph inputs), and, inside the chunked output layer + loss
 (:mod:`~ptdp.engine.tensor_parallel.linear_cross_entropy`, ``compiled=True``), each chunk's
 statistics and gradient; not the embedding or the pipeline runtime. Module hooks (the parameter all-gather waits of ``--overlap-param-gather``) stay
@@ -30,3 +33,16 @@ def compile_layers(model: nn.Module, *, backend: str = "inductor") -> int:
     for layer in layers:
         layer.forward = torch.compile(layer.forward, backend=backend, dynamic=False)
     return len(layers)
+
+
+def compile_stage(model: nn.Module, *, whole: bool = True, backend: str = "inductor") -> bool:
+    """Where the stage calls no collective in its forward (tp = 1: the embedding, layers and final
+    norm of a :class:`~ptdp.engine.model.gpt.GPTModel` stage are single-device code) and ``whole``
+    (no module hooks will wait inside it: not with ``--overlap-param-gather``), compile them as one
+    graph (``hidden_states``), so inductor fuses across layer boundaries as it does for a whole
+    model; otherwise compile each layer (:func:`compile_layers`). Returns True for the one graph."""
+    if whole and model.tp.size == 1:
+        model.hidden_states = torch.compile(model.hidden_states, backend=backend, dynamic=False)
+        return True
+    compile_layers(model, backend=backend)
+    return False

@@ -298,17 +298,23 @@ class GPTModel(nn.Module):
         labelled -100 (``IGNORE_INDEX``) count neither in the sum nor in the number of tokens.
         Raises ValueError for any other label outside the vocabulary.
         """
+        if not self.post_process:
+            return self.hidden_states(x)
+        if labels is None:
+            raise ValueError("the last pipeline stage needs labels to compute the loss")
+        return masked_mean(self.token_losses(self.hidden_states(x), labels), labels)
+
+    def hidden_states(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage without its loss: the embedding (first stage), the layers, and the final norm
+        (last stage); what ``--compile`` compiles as one graph where the stage has no collectives
+        (:mod:`ptdp.engine.model.compile`)."""
         if self.pre_process:
             x = self.embedding_dropout(self.embed(x))
         cfg = self.cfg  # full recompute runs groups of layers again in backward (ptdp.engine.model.recompute)
         rng = self.rng if cfg.hidden_dropout > 0 or cfg.attention_dropout > 0 else None
         x = run_layers(list(self.layers.values()), x, granularity=cfg.recompute_granularity,
                        method=cfg.recompute_method, num_layers=cfg.recompute_num_layers, rng=rng)
-        if not self.post_process:
-            return x
-        if labels is None:
-            raise ValueError("the last pipeline stage needs labels to compute the loss")
-        return masked_mean(self.token_losses(self.final_norm(x), labels), labels)
+        return self.final_norm(x) if self.post_process else x
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """First stage: token ids ``[b, s]`` -> ``[s, b, h]``, the word embeddings of the
