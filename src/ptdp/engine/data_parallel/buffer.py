@@ -14,8 +14,10 @@ each bucket is padded to a multiple of dp and reduce-scattered: rank i keeps the
 every bucket's average in :attr:`GradBuffer.shard_grads`; parameters become views of one flat
 :attr:`GradBuffer.param_data` with the same layout, so the updated shards can be all-gathered in
 place. For bfloat16 parameters the buffer is float32 (Megatron's ``main_grad``): the linear layers
-add their weight gradients straight into ``param.main_grad`` (:mod:`ptdp.engine.tensor_parallel.wgrad`)
-and tell the buffer; for the other parameters a hook adds each ``param.grad`` into it and frees it.
+and the output layer add their weight gradients straight into ``param.main_grad``
+(:mod:`ptdp.engine.tensor_parallel.wgrad`); for the other parameters (and a tied embedding's lookup
+gradient) the post-accumulate hook adds ``param.grad`` into it and frees it. The hook runs for every
+parameter in every backward, and marks its gradient complete.
 """
 
 from __future__ import annotations
@@ -126,7 +128,6 @@ class GradBuffer:
                     p.data = pview
                 if self.uses_main_grad:
                     p.main_grad = view
-                    p.ptdp_main_grad_added = self._main_grad_added  # see tensor_parallel/wgrad.py
                 else:
                     p.grad = view
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -159,17 +160,9 @@ class GradBuffer:
             self._syncing = previous
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if self.uses_main_grad:
-            if param.grad is None:  # autograd got no gradient: its layer added it to main_grad and said so
-                return
-            param.main_grad.add_(param.grad)
+        if self.uses_main_grad and param.grad is not None:  # None: its layer added it to main_grad
+            param.main_grad.add_(param.grad)  # (tensor_parallel/wgrad.py)
             param.grad = None
-        self._main_grad_added(param)
-
-    def _main_grad_added(self, param: torch.Tensor) -> None:
-        """``param``'s gradient of this backward is in the buffer (added by the hook above, or by a
-        linear layer's backward straight into ``main_grad``): start its bucket's reduction if it was
-        the bucket's last."""
         if not self._syncing or self.dp.size == 1:  # accumulating (no_sync), or nothing to reduce
             return
         bucket = self._bucket_of[id(param)]

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ptdp.engine.tensor_parallel.wgrad import add_weight_grad, fuse_here
 from ptdp.engine.comm import AxisGroup, all_reduce
 from ptdp.engine.tensor_parallel.cross_entropy import IGNORE_INDEX, check_labels
 from ptdp.engine.tensor_parallel.sequence import start_sequence_gather, start_sequence_reduce_scatter
@@ -164,20 +165,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         rows = full.reshape(-1, full.shape[-1])
         scale = grad_loss.reshape(-1).masked_fill(labels == shard.ignore_index, 0.0).to(log_sum_exp.dtype)
         grad_rows = torch.empty_like(rows)
-        grad_weight = torch.zeros(weight.shape, dtype=_softmax_dtype(weight.dtype), device=weight.device)
+        fused = fuse_here(weight)  # straight into the float32 main_grad (tensor_parallel/wgrad.py)
+        grad_weight = weight.main_grad if fused else torch.zeros(weight.shape, dtype=_softmax_dtype(weight.dtype),
+                                                                 device=weight.device)
         _, grad_logits_of = _chunk_functions(shard)
         for start in range(0, rows.shape[0], shard.chunk):
             stop = min(rows.shape[0], start + shard.chunk)
             grad_logits = grad_logits_of(rows[start:stop], weight, labels[start:stop], log_sum_exp[start:stop],
                                          scale[start:stop], shard.vocab_start, shard.num_real)
             torch.mm(grad_logits, weight, out=grad_rows[start:stop])
-            grad_weight.add_(grad_logits.t() @ rows[start:stop])
+            add_weight_grad(grad_weight, grad_logits, rows[start:stop])
         grad_x = grad_rows.view(ctx.shape)
         if shard.sequence_parallel:
             grad_x = start_sequence_reduce_scatter(grad_x, shard.axis, shard.tag)()
         else:
             all_reduce(grad_x, shard.axis, tag=shard.tag)
-        return grad_x, grad_weight.to(weight.dtype), None, None
+        return grad_x, None if fused else grad_weight.to(weight.dtype), None, None
 
 
 def linear_cross_entropy(

@@ -8,9 +8,12 @@ backward adds ``grad_outputᵀ · input`` into ``main_grad`` itself (Megatron-LM
 accumulation fusion", Narayanan et al. SC21 §4): on CUDA in one GEMM that reads 16-bit inputs and
 accumulates in float32 into the buffer (``aten::addmm.dtype_out`` with ``out = main_grad``, beta = 1,
 no temporary), elsewhere as a 16-bit GEMM added into the buffer (the CPU has no mixed-dtype GEMM in
-torch 2.13). The layer then returns no weight gradient to autograd and tells the buffer that the
-parameter's gradient is complete (``param.ptdp_main_grad_added(param)``), which is what the hook
-did, so bucketed reductions still start as early as before.
+torch 2.13). The layer then returns no weight gradient to autograd; autograd still runs the
+parameter's accumulation step and with it the buffer's post-accumulate hook, which finds no
+``.grad`` to add and only marks the parameter's gradient complete, so bucketed reductions start as
+early as before. The output layer of the chunked loss does the same chunk by chunk
+(:mod:`~ptdp.engine.tensor_parallel.linear_cross_entropy`); a tied embedding's other part (the
+lookup's gradient) still arrives through autograd and the hook adds it.
 
 Weights without ``main_grad`` (float32 and float64 models, whose buffer *is* ``param.grad``) get
 their gradient returned as usual. Inside a ``torch.compile`` region autograd's path is kept
@@ -31,15 +34,20 @@ def fuse_here(weight: torch.Tensor) -> bool:
 def weight_grad(weight: torch.Tensor, grad_rows: torch.Tensor, input_rows: torch.Tensor) -> torch.Tensor | None:
     """``grad_rowsᵀ · input_rows`` (``[out, n] · [n, in]``), the gradient of ``weight [out, in]``:
     returned, or, when ``weight`` has a ``main_grad``, added into it in float32 and None returned
-    (the buffer is told through ``weight.ptdp_main_grad_added``)."""
+    (autograd then accumulates nothing, and the buffer's hook, which still runs, only marks the
+    gradient complete)."""
     main = getattr(weight, "main_grad", None)
     if main is None:
         return grad_rows.t().mm(input_rows)
+    add_weight_grad(main, grad_rows, input_rows)
+    return None
+
+
+def add_weight_grad(main: torch.Tensor, grad_rows: torch.Tensor, input_rows: torch.Tensor) -> None:
+    """``main += grad_rowsᵀ · input_rows`` (float32 accumulation in the GEMM on CUDA)."""
     if not (main.is_cuda and main.dtype == torch.float32 and grad_rows.dtype != torch.float32
             and _fused_gemm(main, grad_rows, input_rows)):
         main.add_(grad_rows.t().mm(input_rows))
-    weight.ptdp_main_grad_added(weight)
-    return None
 
 
 _FUSED_GEMM = {"ok": True}
