@@ -115,7 +115,7 @@ def programs_from_schedule(schedule: list[list[Action]], virtual_stages: int = 1
         groups: dict[int, list[Action]] = {}
         for a in acts:
             if a.kind not in COMPUTE:
-                groups.setdefault(end[_producer(a, r, p)], []).append(a)
+                groups.setdefault(end[_producer(a, r, p, v)], []).append(a)
         program: list[Step] = []
         times = sorted(groups)
         for a in computes:
@@ -184,13 +184,11 @@ def _input_producer(a: Action, r: int, p: int, v: int) -> tuple[int, Action] | N
     return ((r + 1) % p, Action("backward", a.microbatch, (stage + 1) // p))
 
 
-def _producer(a: Action, r: int, p: int) -> tuple[int, Action]:
-    """The compute whose end a transfer waits for: the sender's own compute for a send, the peer's
-    for a receive."""
-    if a.kind.startswith("send"):
-        return (r, Action(a.kind[5:], a.microbatch, a.chunk))
-    stage = virtual_stage(r, a.chunk, p) + (-1 if a.kind == "recv_forward" else 1)
-    return (peer(a, r, p), Action(a.kind[5:], a.microbatch, stage // p))
+def _producer(a: Action, r: int, p: int, v: int) -> tuple[int, Action]:
+    """The compute whose end a transfer waits for: the sender's own compute for a send; for a
+    receive, the peer's compute whose output the receiving compute needs."""
+    compute = Action(a.kind[5:], a.microbatch, a.chunk)
+    return (r, compute) if a.kind.startswith("send") else _input_producer(compute, r, p, v)
 
 
 def _group(actions: list[Action], time: int, r: int, p: int) -> P2PGroup:

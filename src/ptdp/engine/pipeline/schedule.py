@@ -3,9 +3,10 @@
 An :class:`Action` is a forward or backward of microbatch ``i`` on model chunk ``c`` (a rank holds
 ``v`` chunks: chunk ``c`` of rank ``r`` is virtual stage ``c * p + r``), or a send/receive of an
 activation (``*_forward``: to the next rank, from the previous) or of a gradient (``*_backward``).
-Consecutive transfers in a rank's list are posted together by the runtime (``batch_isend_irecv``),
-which keeps the steady state deadlock-free. :mod:`ptdp.engine.pipeline.verify` proves a schedule correct
-and measures its bubble without any process.
+How the transfers are grouped into ``batch_isend_irecv`` calls is decided by
+:mod:`ptdp.engine.pipeline.program` (each rank's program, safe under NCCL's rules);
+:mod:`ptdp.engine.pipeline.verify` proves a schedule and its programs correct and measures the bubble
+without any process.
 
 Kinds (Narayanan et al. SC21, arXiv:2104.04473, §2.2):
 
@@ -122,17 +123,6 @@ def _with_transfers(order: list[tuple[str, int, int]], r: int, p: int, v: int) -
             if not first_stage(c):
                 acts.append(Action("send_backward", mb, c))
     return acts
-
-
-def transfer_batches(actions: list[Action]) -> list[list[Action]]:
-    """Split a rank's actions into steps: each compute alone, each run of transfers as one batch."""
-    steps: list[list[Action]] = []
-    for a in actions:
-        if a.kind in TRANSFER and steps and steps[-1][0].kind in TRANSFER:
-            steps[-1].append(a)
-        else:
-            steps.append([a])
-    return steps
 
 
 def peer(action: Action, rank: int, pp_size: int) -> int:
