@@ -140,30 +140,22 @@ def microbatches(
     Returns ``len(indices) // b`` pairs ``(tokens, labels)``, both ``torch.long`` of shape [b, s],
     with ``labels[:, j] == tokens[:, j + 1]`` inside a window.
     """
-    _check_int("micro_batch_size", micro_batch_size, 1)
-    if len(indices) % micro_batch_size:
-        raise DataError(
-            f"{len(indices)} samples per rank are not divisible by micro_batch_size={micro_batch_size}"
-        )
-    out = []
-    for start in range(0, len(indices), micro_batch_size):
-        block = torch.from_numpy(windows.batch(indices[start : start + micro_batch_size]))
-        out.append((block[:, :-1].contiguous(), block[:, 1:].contiguous()))
-    return out
+    return device_microbatches(windows, indices, micro_batch_size, "cpu")
 
 
 def device_microbatches(
     windows: TokenWindows, indices: np.ndarray, micro_batch_size: int, device: torch.device | str
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`microbatches` on ``device``, with one host-to-device copy per call (per step), not
-    two per microbatch.
+    """The rank's microbatches (:func:`microbatches`) on ``device``, with one host-to-device copy
+    per call (per step), not two per microbatch.
 
     The rank's windows ``[B/dp, s + 1]`` (int64) are gathered once; on a CUDA device they are
     copied from pinned memory with ``non_blocking=True`` (the host does not wait; the caching
     host allocator keeps the pinned block until the copy is done), then split on the device into
     ``tokens = windows[:, :-1]`` and ``labels = windows[:, 1:]`` (two device copies) whose rows the
     microbatches view. On the CPU nothing is copied beyond that split. Returns ``B / (dp * b)``
-    pairs of ``[b, s]`` ``torch.long`` tensors on ``device``, equal to :func:`microbatches`'.
+    pairs of ``[b, s]`` ``torch.long`` tensors on ``device``. Raises DataError when ``b`` does not
+    divide the rank's samples.
     """
     _check_int("micro_batch_size", micro_batch_size, 1)
     if len(indices) % micro_batch_size:
