@@ -104,11 +104,6 @@ def global_grad_norm(model: nn.Module, buffer: GradBuffer, groups: ParallelGroup
     return sq.sqrt()
 
 
-def grad_norm(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups) -> float:
-    """:func:`global_grad_norm` read to the host (one synchronisation; not for the training step)."""
-    return global_grad_norm(model, buffer, groups).item()
-
-
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """``max_norm / (norm + 1e-6)`` where ``max_norm > 0`` and ``norm > max_norm``, else 1: a 0-dim
     tensor of ``norm``'s dtype on its device, chosen by ``torch.where`` (no host branch). A nan
