@@ -18,9 +18,9 @@ def test_poll_completes_a_written_save_and_leaves_one_still_writing(tmp_path):
     (tmp / "shard").write_text("x")
     future: Future = Future()
     saver.pending = PendingSave(future, groups, tmp, final)
-    assert saver.poll(groups.world) is None  # still being written
+    assert saver.poll() is None  # still being written
     assert not final.exists() and not (tmp_path / "latest").exists()
     future.set_result(None)
-    assert saver.poll(groups.world) == final
+    assert saver.poll() == final
     assert (final / "shard").read_text() == "x" and (tmp_path / "latest").read_text().strip() == final.name
-    assert saver.pending is None and saver.poll(groups.world) is None
+    assert saver.pending is None and saver.poll() is None

@@ -73,7 +73,7 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     stage.wait_for_params()
     if ck.save:
         _save(loop.saver, stage, ck, t.train_iters, loop.samples_before(t.train_iters), log, data)
-        _finish_save(loop.saver, log)  # the end of training waits for a save in the background
+        _complete_save(loop.saver.wait, log)  # the end of training waits for a save in the background
     log.close()
     return loop.finish(Path(run_dir), time.perf_counter() - started)
 
@@ -135,7 +135,7 @@ class _Loop:
         if evaluate or save or iteration % t.log_interval == 0 or iteration in (1, t.train_iters):
             self.flush()
             if self.saver is not None and self.saver.async_save and not save:
-                _poll_save(self.saver, self.groups, self.log)
+                _complete_save(self.saver.poll, self.log)
         if evaluate:
             self.evaluate(iteration)
         if save:
@@ -238,21 +238,11 @@ def _save(saver: Checkpointer, stage, ck, iteration: int, consumed_samples: int,
                 f"background" if saver.async_save else f"iteration {iteration:>6}: saved checkpoint {folder} ({took})")
 
 
-def _poll_save(saver: Checkpointer, groups: ParallelGroups, log: RunLog) -> None:
-    """Complete a save written in the background if every rank has written it (``--async-save``)."""
+def _complete_save(complete, log: RunLog) -> None:
+    """Complete a save written in the background (``--async-save``): ``complete`` is the saver's
+    ``wait`` (every rank waits for it) or ``poll`` (only once every rank has written it)."""
     try:
-        folder = saver.poll(groups.world)
-    except CheckpointError as e:
-        log.close()
-        raise TrainingError(str(e)) from e
-    if folder is not None:
-        log.message(f"saved checkpoint {folder} (written in the background)")
-
-
-def _finish_save(saver: Checkpointer, log: RunLog) -> None:
-    """Wait for a save still being written (``--async-save``) and complete it."""
-    try:
-        folder = saver.wait()
+        folder = complete()
     except CheckpointError as e:
         log.close()
         raise TrainingError(str(e)) from e

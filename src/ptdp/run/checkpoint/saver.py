@@ -17,8 +17,10 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
+from ptdp.engine.comm import AxisGroup, all_reduce
 from ptdp.run.checkpoint.io import PendingSave, start_save
 
 
@@ -42,6 +44,10 @@ class Checkpointer:
 
     def __init__(self, groups, *, async_save: bool = False) -> None:
         self.group = checkpoint_group(groups)
+        w = groups.world
+        self.axis = AxisGroup("checkpoint", w.ranks, w.rank, self.group, w.stats, w.timeout_s) \
+            if self.group is not None else None
+        """The checkpoint group as an axis, for :meth:`poll`'s flag (None: a process on its own)."""
         self.async_save = async_save
         self.pending: PendingSave | None = None
 
@@ -63,23 +69,17 @@ class Checkpointer:
         self.pending = pending
         return pending.final, earlier
 
-    def poll(self, world) -> Path | None:
+    def poll(self) -> Path | None:
         """Complete the save being written if every rank has finished writing its files (collective
-        over ``world``, the world's :class:`~ptdp.engine.comm.AxisGroup`: one all-reduce of a flag on
-        the checkpoint's gloo group, no device involved); its folder, or None while some rank is
-        still writing. Called at logged steps, it makes a background save ``latest`` soon after it
-        is written instead of at the next save."""
+        over the world: one all-reduce of a flag on the checkpoint's gloo group, no device
+        involved); its folder, or None while some rank is still writing. Called at logged steps,
+        it makes a background save ``latest`` soon after it is written instead of at the next save."""
         if self.pending is None:
             return None
-        import torch
-
-        from ptdp.engine.comm import AxisGroup, all_reduce
-
         future = self.pending.future
         done = torch.tensor([int(future is None or future.done())], dtype=torch.int32)
-        if self.group is not None:
-            axis = AxisGroup("checkpoint", world.ranks, world.rank, self.group, world.stats, world.timeout_s)
-            all_reduce(done, axis, op="min", tag="checkpoint_written")
+        if self.axis is not None:
+            all_reduce(done, self.axis, op="min", tag="checkpoint_written")
         return self.wait() if int(done) else None
 
     def wait(self) -> Path | None:
