@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ptdp.engine.comm import AxisGroup, CommStats
-from ptdp.engine.tensor_parallel import layers, mappings, sequence
+from ptdp.engine.tensor_parallel import mappings, sequence, wgrad
 from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 TOL = dict(rtol=1e-12, atol=1e-12)
@@ -60,7 +60,7 @@ def test_column_parallel_backward_overlaps_the_input_gradient_all_reduce(monkeyp
         events.append(f"start all_reduce {tag}")
         return _Handle(events, "all_reduce", done=lambda: tensor.mul_(2))
 
-    monkeypatch.setattr(layers, "all_reduce_async", fake_all_reduce_async)
+    monkeypatch.setattr(wgrad, "all_reduce_async", fake_all_reduce_async)  # the column-parallel linear's f
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 4, dtype=torch.float64, generator=g, requires_grad=True)
     col = ColumnParallelLinear(4, 6, tp=_pair(), dtype=torch.float64, tag="mlp_fc1")

@@ -13,46 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptdp.engine.comm import AxisGroup, all_reduce_async
+from ptdp.engine.comm import AxisGroup
 from ptdp.engine.tensor_parallel.mappings import reduce_from_tp
 from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel, reduce_scatter_sequence, sequence_gathered_linear
 from ptdp.engine.tensor_parallel.sharding import ParamSpec, make_parameter
-from ptdp.engine.tensor_parallel.wgrad import linear, weight_grad
-
-
-class _ColumnParallelLinear(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` whose backward sums the input gradient over tp (f) while it
-    computes the weight gradient: the all-reduce starts as soon as ``grad @ weight`` is known and
-    is waited for after the weight-gradient GEMM (on NCCL it runs on the communicator's stream,
-    beside the GEMM)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, axis: AxisGroup, tag: str):
-        ctx.axis, ctx.tag, ctx.has_bias = axis, tag, bias is not None
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad_x = grad_weight = grad_bias = None
-        pending = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad.matmul(weight)
-            pending = all_reduce_async(grad_x, ctx.axis, tag=ctx.tag)
-        rows = grad.flatten(0, -2)
-        if ctx.needs_input_grad[1]:
-            grad_weight = weight_grad(weight, rows, x.flatten(0, -2))  # or into weight.main_grad
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = rows.sum(0)
-        if pending is not None:
-            pending.wait()
-        return grad_x, grad_weight, grad_bias, None, None
+from ptdp.engine.tensor_parallel.wgrad import LinearFunction, linear
 
 
 @torch.compiler.disable
 def _column_parallel_linear(x, weight, bias, axis: AxisGroup, tag: str) -> torch.Tensor:
-    return _ColumnParallelLinear.apply(x, weight, bias, axis, tag)
+    """The column-parallel linear with f (its input gradient summed over tp, overlapped with the
+    weight-gradient GEMM), run eagerly (never traced: a compiled layer is split around it)."""
+    return LinearFunction.apply(x, weight, bias, axis, tag)
 
 
 class ColumnParallelLinear(nn.Module):
