@@ -161,12 +161,16 @@ def test_a_resumed_run_profiles_only_the_steps_it_runs(tmp_path):
 
     config = Config(train=TrainConfig(train_iters=6, profile=True, profile_step_start=1, profile_step_end=3,
                                       profile_ranks=(0, 0)))
-    assert StepProfiler.summary(config) == {"iterations": [2, 3], "files": ["profile/rank0.json"]}
-    late = StepProfiler.summary(config, first_step=4)
+    def profiler(first_step: int, rank: int = 0) -> StepProfiler:
+        return StepProfiler.for_run(config, rank, tmp_path, "cpu", first_step=first_step)
+
+    assert profiler(0).summary() == {"iterations": [2, 3], "files": ["profile/rank0.json"]}
+    assert profiler(0, rank=1).summary() == profiler(0).summary()  # every rank says the same
+    late = profiler(4).summary()
     assert late["iterations"] == [] and late["files"] == [] and "resumed at iteration 4" in late["note"]
-    assert not StepProfiler.for_run(config, 0, tmp_path, "cpu", first_step=4).enabled
-    assert StepProfiler.summary(config, first_step=2) == {"iterations": [3, 3], "files": ["profile/rank0.json"]}
-    mid = StepProfiler.for_run(config, 0, tmp_path, "cpu", first_step=2)
+    assert not profiler(4).enabled
+    assert profiler(2).summary() == {"iterations": [3, 3], "files": ["profile/rank0.json"]}
+    mid = profiler(2)
     assert mid.enabled and (mid.first, mid.start, mid.end) == (2, 2, 3)
     for step in (2, 3):
         with mid.around(step):

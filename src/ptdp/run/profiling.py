@@ -59,6 +59,7 @@ class StepProfiler:
     def __init__(self, *, rank: int, ranks: tuple[int, ...], start: int, end: int, run_dir: Path,
                  device: torch.device | str, first_step: int = 0) -> None:
         self.start, self.end = max(start, first_step), end  # a resumed run profiles what is left
+        self.ranks, self.first_step = tuple(sorted(set(ranks))), first_step
         self.enabled = rank in ranks and self.start < end
         self.first = max(self.start - 1, first_step)  # the warm-up step, when this run has one
         self.path = Path(run_dir) / "profile" / f"rank{rank}.json"
@@ -99,17 +100,14 @@ class StepProfiler:
         return cls(rank=rank, ranks=t.profile_ranks if t.profile else (), start=t.profile_step_start,
                    end=t.profile_step_end, run_dir=run_dir, device=device, first_step=first_step)
 
-    @staticmethod
-    def summary(config, first_step: int = 0) -> dict | None:
+    def summary(self) -> dict | None:
         """What the run summary says of ``--profile`` (None without it): the iterations profiled
-        (1-based, first and last; none when the run resumed after them) and the files written."""
-        t = config.train
-        if not t.profile:
+        (1-based, first and last; none when the run resumed after them) and the files written by
+        the profiled ranks (the same on every rank)."""
+        if not self.ranks:
             return None
-        start = max(t.profile_step_start, first_step)
-        if start >= t.profile_step_end:
+        if self.start >= self.end:
             return {"iterations": [], "files": [],
-                    "note": f"nothing profiled: the run resumed at iteration {first_step}, after "
-                            f"--profile-step-end {t.profile_step_end}"}
-        return {"iterations": [start + 1, t.profile_step_end],
-                "files": [f"profile/rank{r}.json" for r in sorted(set(t.profile_ranks))]}
+                    "note": f"nothing profiled: the run resumed at iteration {self.first_step}, after "
+                            f"--profile-step-end {self.end}"}
+        return {"iterations": [self.start + 1, self.end], "files": [f"profile/rank{r}.json" for r in self.ranks]}

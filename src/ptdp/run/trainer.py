@@ -192,8 +192,8 @@ class _Loop:
         peaks = all_gather_object(peak_memory_bytes(self.stage.device), g.world)
         summary["peak_memory_bytes_by_rank"] = {r: peak for r, (peak, _) in enumerate(peaks)}
         summary["peak_memory_measure"] = peaks[0][1]
-        if StepProfiler.summary(self.config):
-            summary["profile"] = StepProfiler.summary(self.config, first_step=self.start)
+        if self.profiler.summary():
+            summary["profile"] = self.profiler.summary()
         if is_logger:
             summary["planner_check"] = check_run(self.config, per_rank, summary["mean_step_time_s"])
             write_json(run_dir / "summary.json", summary)
