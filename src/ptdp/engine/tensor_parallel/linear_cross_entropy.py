@@ -43,10 +43,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ptdp.engine.tensor_parallel.wgrad import add_weight_grad, fuse_here
 from ptdp.engine.comm import AxisGroup, all_reduce
 from ptdp.engine.tensor_parallel.cross_entropy import IGNORE_INDEX, check_labels
 from ptdp.engine.tensor_parallel.sequence import start_sequence_gather, start_sequence_reduce_scatter
+from ptdp.engine.tensor_parallel.wgrad import add_weight_grad, fuse_here
 
 CHUNK_LOGIT_BYTES = 2**28
 """Bytes of one chunk's float32 logits that :func:`default_chunk_tokens` aims at (256 MiB)."""
