@@ -10,14 +10,13 @@ sequence and reduce-scatter their output instead of the all-reduces.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.tensor_parallel.mappings import reduce_from_tp
 from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel, reduce_scatter_sequence, sequence_gathered_linear
 from ptdp.engine.tensor_parallel.sharding import ParamSpec, make_parameter
-from ptdp.engine.tensor_parallel.wgrad import LinearFunction, linear
+from ptdp.engine.tensor_parallel.wgrad import LinearFunction, embedding, linear
 
 
 @torch.compiler.disable
@@ -134,6 +133,10 @@ class VocabParallelEmbedding(nn.Module):
     positions); the sum over the vocabulary shards is a reduce-scatter of ``s*b*h`` along the
     sequence, dim 0 (ḡ), whose backward
     all-gathers the output gradient.
+
+    With a float32 ``weight.main_grad`` (16-bit models) the lookup's weight gradient is added into
+    it row by row (:class:`~ptdp.engine.tensor_parallel.wgrad.EmbeddingFunction`): no 16-bit
+    ``[V_pad/tp, h]`` gradient is made.
     """
 
     def __init__(
@@ -161,10 +164,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = embedding(local, self.weight, outside)
         if self.sequence_parallel:
             return reduce_scatter_sequence(out, self.tp, "embedding")
         return reduce_from_tp(out, self.tp, "embedding")

@@ -1,4 +1,5 @@
-"""Weight gradients of the linear layers accumulated straight into float32 main gradients.
+"""Weight gradients of the linear layers and of the embedding lookup accumulated straight into
+float32 main gradients.
 
 For bfloat16 (or float16) parameters the data-parallel buffer keeps a float32 gradient per
 parameter, ``param.main_grad`` (:class:`ptdp.engine.data_parallel.buffer.GradBuffer`). Letting
@@ -12,8 +13,11 @@ torch 2.13). The layer then returns no weight gradient to autograd; autograd sti
 parameter's accumulation step and with it the buffer's post-accumulate hook, which finds no
 ``.grad`` to add and only marks the parameter's gradient complete, so bucketed reductions start as
 early as before. The output layer of the chunked loss does the same chunk by chunk
-(:mod:`~ptdp.engine.tensor_parallel.linear_cross_entropy`); a tied embedding's other part (the
-lookup's gradient) still arrives through autograd and the hook adds it.
+(:mod:`~ptdp.engine.tensor_parallel.linear_cross_entropy`), and the word embedding's lookup adds
+the gradients of the rows it looked up (:class:`EmbeddingFunction`, ``index_add_`` of ``[n, h]``
+float32 rows): no 16-bit ``[V_pad/tp, h]`` gradient. A tied embedding (the lookup and the output
+layer on one weight) thus gets both parts in ``main_grad`` and nothing through autograd. The
+learned position embeddings (``[s, h]``, sliced, not looked up) keep autograd's path.
 
 Weights without ``main_grad`` (float32 and float64 models, whose buffer *is* ``param.grad``) get
 their gradient returned as usual. Inside a ``torch.compile`` region autograd's path is kept
@@ -105,3 +109,66 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if fuse_here(weight):
         return LinearFunction.apply(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+class EmbeddingFunction(torch.autograd.Function):
+    """The lookup ``weight[ids]`` (``F.embedding``), rows whose id is ``outside`` this shard zeroed,
+    whose backward adds the looked-up rows' gradients into ``weight.main_grad``.
+
+    Shapes per rank: ``ids`` any shape ``[...]`` (int64, every entry in ``[0, rows)``; the
+    vocab-parallel embedding passes ids local to its shard, 0 where ``outside``), ``weight [rows, h]``,
+    ``outside`` a bool tensor shaped like ``ids`` or None; output ``[..., h]``. No communication.
+
+    Backward: ``main_grad.index_add_(0, ids, rows)`` with ``rows`` the output gradient as ``[n, h]``
+    (``n = ids.numel()``), converted to ``main_grad``'s dtype (``index_add_`` takes no mixed dtypes in
+    torch 2.13; an activation-sized temporary, never a ``[rows, h]`` one) and zeroed where
+    ``outside`` (those rows add zeros to row 0, no selection and so no host synchronisation). A
+    16-bit model's rows are thus summed in float32, not rounded to 16 bits per duplicate token as
+    autograd's dense gradient is. No weight gradient goes back to autograd; the parameter's
+    accumulation step and the buffer's post-accumulate hook still run (and, for a tied embedding,
+    after the output layer's contribution too). A weight without ``main_grad`` gets autograd's dense
+    gradient (``embedding_dense_backward``).
+
+    Determinism: on CUDA ``index_add_`` accumulates with atomics, so the order in which the rows of a
+    repeated token are summed (in float32) varies from run to run unless
+    ``torch.use_deterministic_algorithms(True)``, under which torch runs it deterministically; on the
+    CPU it is sequential.
+    """
+
+    @staticmethod
+    def forward(ctx, ids, weight, outside):
+        ctx.weight, ctx.rows = weight, weight.shape[0]  # the leaf itself: no version check in backward
+        ctx.save_for_backward(ids, outside)
+        out = F.embedding(ids, weight)
+        return out if outside is None else out.masked_fill_(outside.unsqueeze(-1), 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ids, outside = ctx.saved_tensors
+        if not ctx.needs_input_grad[1]:
+            return None, None, None
+        main = getattr(ctx.weight, "main_grad", None)
+        if main is None:
+            if outside is not None:
+                grad = grad.masked_fill(outside.unsqueeze(-1), 0)
+            return None, torch.ops.aten.embedding_dense_backward(grad, ids, ctx.rows, -1, False), None
+        rows = grad.reshape(-1, grad.shape[-1])
+        if rows.dtype != main.dtype:
+            rows = rows.to(main.dtype)  # a new [n, h] tensor: masked in place
+            if outside is not None:
+                rows.masked_fill_(outside.reshape(-1, 1), 0)
+        elif outside is not None:
+            rows = rows.masked_fill(outside.reshape(-1, 1), 0)
+        main.index_add_(0, ids.reshape(-1), rows)
+        return None, None, None
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, outside: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.embedding(ids, weight)`` with the rows where ``outside`` (bool, shaped like ``ids``) zeroed:
+    ``[...] -> [..., h]``. The weight's gradient goes into ``weight.main_grad`` when it has one and
+    this is not traced by ``torch.compile`` (:class:`EmbeddingFunction`); otherwise autograd's path,
+    unchanged. No communication."""
+    if fuse_here(weight):
+        return EmbeddingFunction.apply(ids, weight, outside)
+    out = F.embedding(ids, weight)
+    return out if outside is None else out.masked_fill(outside.unsqueeze(-1), 0.0)
