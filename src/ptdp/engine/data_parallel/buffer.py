@@ -13,10 +13,10 @@ With ``shard=True`` (the distributed optimizer, ZeRO-1; Rajbhandari et al., arXi
 each bucket is padded to a multiple of dp and reduce-scattered: rank i keeps the i-th 1/dp of
 every bucket's average in :attr:`GradBuffer.shard_grads`; parameters become views of one flat
 :attr:`GradBuffer.param_data` with the same layout, so the updated shards can be all-gathered in
-place. For bfloat16 parameters the buffer is float32 (Megatron's ``main_grad``): the linear layers
-and the output layer add their weight gradients straight into ``param.main_grad``
-(:mod:`ptdp.engine.tensor_parallel.wgrad`); for the other parameters (and a tied embedding's lookup
-gradient) the post-accumulate hook adds ``param.grad`` into it and frees it. The hook runs for every
+place. For bfloat16 parameters the buffer is float32 (Megatron's ``main_grad``): the linear layers,
+the output layer and the word-embedding lookup add their weight gradients straight into
+``param.main_grad`` (:mod:`ptdp.engine.tensor_parallel.wgrad`); for the other parameters the
+post-accumulate hook adds ``param.grad`` into it and frees it. The hook runs for every
 parameter in every backward, and marks its gradient complete.
 """
 
