@@ -98,7 +98,7 @@ def test_cuda_accumulates_in_float32_in_place():
 @pytest.mark.parametrize("untied", [True, False])
 def test_output_layer_gradient_goes_straight_into_main_grad(monkeypatch, untied):
     """bfloat16 GPT at tp = 1: the chunked loss adds the output layer's gradient into its float32
-    main_grad chunk by chunk (a tied embedding's lookup gradient still arrives through autograd), and
+    main_grad chunk by chunk (a tied embedding's lookup adds its part there too: test_embedding_wgrad), and
     the buffer holds what the 16-bit-gradient path gives, up to bfloat16 rounding of that path."""
     import ptdp.engine.tensor_parallel.linear_cross_entropy as lce
     from ptdp.engine.groups import ParallelGroups
