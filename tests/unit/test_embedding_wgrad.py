@@ -129,3 +129,33 @@ def test_allocation_check_sees_autograds_dense_gradient():
     w = torch.randn(6, 4, dtype=torch.bfloat16, requires_grad=True)
     out = F.embedding(torch.tensor([[1, 1, 3]]), w)
     assert table_gradients_made(w, lambda: out.sum().backward()) != []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_lookup_adds_float32_rows_in_place_deterministic_on_request():
+    """On CUDA: the rows go into the same main_grad storage, summed in float32 (to float32 rounding of
+    the float64 sum of the received bfloat16 rows), no table-shaped 16-bit tensor; with
+    ``torch.use_deterministic_algorithms(True)`` two backward passes give bitwise equal sums."""
+    g = torch.Generator().manual_seed(11)
+    v, h, n = 64, 32, 4096
+    ids = torch.randint(0, 4, (n,), generator=g).cuda()  # 4 distinct ids: ~1000 rows each
+    grad = torch.randn(n, h, generator=g).to(torch.bfloat16).cuda()
+    exact = torch.zeros(v, h, dtype=torch.float64).index_add_(0, ids.cpu(), grad.double().cpu())
+    w = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w.main_grad = torch.zeros(v, h, device="cuda")
+    ptr = w.main_grad.data_ptr()
+    made = table_gradients_made(w, lambda: embedding(ids, w).backward(grad))
+    assert made == [] and w.grad is None and w.main_grad.data_ptr() == ptr
+    torch.testing.assert_close(w.main_grad.double().cpu(), exact, rtol=1e-5, atol=1e-4)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        sums = []
+        for _ in range(2):
+            w.main_grad.zero_()
+            embedding(ids, w).backward(grad)
+            sums.append(w.main_grad.clone())
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert torch.equal(sums[0], sums[1])
