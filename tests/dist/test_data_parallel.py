@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
 from ptdp.engine.data_parallel.compression import start_reduction
 from ptdp.engine.groups import ParallelGroups
 from ptdp.spec.layout import ParallelLayout
-from ptdp.engine.step import build_stage, train_step
+from ptdp.engine.step import FP16_OVERFLOW, build_stage, train_step
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.layout_cases import rank_microbatches, tiny_config
@@ -117,10 +118,10 @@ def test_one_bit_error_feedback_tracks_the_running_sum():
     assert (residual_mean.abs() / 50 < 0.1 * true_mean.abs().max()).all()
 
 
-def loss_scaling_worker(rank: int, world: int) -> dict:
-    groups = ParallelGroups.build(ParallelLayout(tp=2, pp=1, dp=2), PG_TIMEOUT)
+def loss_scaling_worker(rank: int, world: int, tp: int, pp: int, dp: int, parallel: dict) -> dict:
+    groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp), PG_TIMEOUT)
     # the inf is put into the buffer after backward, so the reduction must not have started in it
-    cfg = tiny_config(2, 1, 2, "float16", parallel_overrides={"overlap_grad_reduce": False})
+    cfg = tiny_config(tp, pp, dp, "float16", parallel_overrides={"overlap_grad_reduce": False, **parallel})
     stage = build_stage(cfg, groups)
     import ptdp.engine.step as step_module
 
@@ -131,26 +132,39 @@ def loss_scaling_worker(rank: int, world: int) -> dict:
             buffer.data[7] = float("inf")
         original(model, buffer, g)
 
+    stage.wait_for_params()
     before = {n: p.detach().clone() for n, p in stage.model.named_parameters()}
-    scale_before = stage.scaler.scale
+    scale_before = stage.scaler.scale.item()
     step_module.finalize_grads = poisoned
     try:
         result = train_step(stage, rank_microbatches(0, cfg, groups.dp.rank, groups.dp.size), 0)
     finally:
         step_module.finalize_grads = original
+    stage.wait_for_params()
     unchanged = all(torch.equal(before[n], p) for n, p in stage.model.named_parameters())
+    scale_after = stage.scaler.scale.item()
     good = train_step(stage, rank_microbatches(1, cfg, groups.dp.rank, groups.dp.size), 1)
+    stage.wait_for_params()
     changed = any(not torch.equal(before[n], p) for n, p in stage.model.named_parameters())
-    return {"skipped": result.skipped, "unchanged": unchanged, "scales": (scale_before, stage.scaler.scale),
-            "good_skipped": good.skipped, "changed_after_good": changed}
+    return {"skipped": result.skipped, "reason": result.skip_reason, "used": result.loss_scale,
+            "unchanged": unchanged, "scales": (scale_before, scale_after), "good_skipped": good.skipped,
+            "good_used": good.loss_scale, "changed_after_good": changed}
 
 
-def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
-    results = run_in_pool(loss_scaling_worker, 4)
+@pytest.mark.parametrize("tp, pp, dp, parallel", [
+    (2, 1, 2, {}),
+    pytest.param(2, 2, 2, {"use_distributed_optimizer": True}, marks=pytest.mark.slow),
+], ids=["tp2_dp2", "tp2_pp2_dp2_distributed_optimizer"])
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tp, pp, dp, parallel):
+    """An inf in one rank's gradient (rank 3: a first stage's tp rank 1, never the rank that counts
+    a replicated parameter in the norm) skips the step on every rank as float16's overflow, with no
+    collective of its own (the flag rides in the metrics all-reduce); the scale is halved on every
+    rank and the next step, at the halved scale, trains."""
+    results = run_in_pool(loss_scaling_worker, tp * pp * dp, tp, pp, dp, parallel)
     for res in results:
-        assert res["skipped"] and res["unchanged"]
-        assert res["scales"] == (2.0**16, 2.0**15)
-        assert not res["good_skipped"] and res["changed_after_good"]
+        assert res["skipped"] and res["reason"] == FP16_OVERFLOW and res["unchanged"], res
+        assert res["scales"] == (2.0**16, 2.0**15) and res["used"] == 2.0**16, res
+        assert not res["good_skipped"] and res["good_used"] == 2.0**15 and res["changed_after_good"], res
 
 
 def unused_param_worker(rank: int, world: int) -> dict:

@@ -1,6 +1,6 @@
 """At (tp, pp, dp) = (2, 2, 2) too, a steady-state step synchronises the host once if it is logged
 and never otherwise, on every rank: with the gradient buffer's overlapped reduction, the
-distributed optimizer and the 1-bit codec."""
+distributed optimizer and the 1-bit codec, and in float16 with its loss scaler."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ VARIANTS = {
     "bf16_distributed_optimizer": ("bfloat16", {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
                                                 "overlap_param_gather": True}),
     "1bit": ("float64", {"grad_compression": "1bit", "grad_compression_warmup_iters": 0}),
+    # the loss scale as a device tensor in the loss, the unscale and the 1-bit codec's residual
+    "float16_1bit": ("float16", {"grad_compression": "1bit", "grad_compression_warmup_iters": 0,
+                                 "overlap_grad_reduce": True}),
 }
 
 

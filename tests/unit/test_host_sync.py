@@ -27,7 +27,8 @@ def test_the_shim_counts_what_would_synchronise():
 
 
 def test_one_synchronisation_per_logged_step_none_otherwise(tmp_path):
-    for dtype, parallel in (("float64", {}), ("bfloat16", {"overlap_grad_reduce": True})):
+    for dtype, parallel in (("float64", {}), ("bfloat16", {"overlap_grad_reduce": True}),
+                            ("float16", {"overlap_grad_reduce": True})):  # the loss scaler included
         with label_check_on_device():
             run = counted_run(ParallelGroups.single_process(), 1, 1, 1, tmp_path / dtype, dtype, **parallel)
         assert run["iterations"] == ITERS and run["final_loss"] is not None

@@ -13,10 +13,15 @@ parameters (whole or sharded) and the 1-bit error-feedback residual (restored fr
 before the step) keep their values. The learning rate follows the iteration number, whose
 update is simply not applied.
 
-The host never waits for the device inside a step (except float16's loss scaler): the gradient
-norm, the clip coefficient and the skip decision are tensors on the device, the fused AdamW
-kernel skips the update itself (``found_inf``), and the loss and norm come back in a
-:class:`PendingStep` that the trainer reads once per logged step (:func:`read_results`).
+The host never waits for the device inside a step, whatever the precision: the gradient norm,
+the clip coefficient and the skip decision are tensors on the device, the fused AdamW kernel skips
+the update itself (``found_inf``), and the loss and norm come back in a :class:`PendingStep` that
+the trainer reads once per logged step (:func:`read_results`). float16's loss scale and count of
+good steps are device tensors too (:class:`~ptdp.engine.data_parallel.loss_scale.DynamicLossScaler`):
+an inf or nan in a rank's unscaled gradients is added to the count of non-finite gradient norms in
+the same world all-reduce, the scale is updated by ``torch.where`` from the skip decision, and
+whether a skip was float16's ordinary overflow (:data:`FP16_OVERFLOW`) is decided when the result
+is read.
 """
 
 from __future__ import annotations
@@ -101,6 +106,8 @@ class StepResult:
     skipped: bool = False
     """No update on any rank (see ``skip_reason``)."""
     loss_scale: float | None = None
+    """The loss scale this step multiplied its loss by (float16 only; the next step's is halved
+    after a skip)."""
     skip_reason: str | None = None
     """:data:`NONFINITE_LOSS` or :data:`NONFINITE_GRAD_NORM` (on some rank), or
     :data:`FP16_OVERFLOW`: float16 gradients overflowed at a loss scale that can still be halved
@@ -115,15 +122,18 @@ class StepResult:
 class PendingStep:
     """What :func:`train_step` returns: the step's metrics while they are still on the device.
 
-    ``values`` is a float64 ``[4]`` tensor on the stage's device, the same on every rank: the mean
-    loss, the gradient norm before clipping, how many ranks found a non-finite loss and how many
-    a non-finite gradient norm. Nothing is read to the host until :meth:`result` (or
-    :func:`read_results` for many steps, one synchronisation for all) is called; the attributes of
-    :class:`StepResult` read it on first use.
+    ``values`` is a float64 ``[5]`` tensor on the stage's device, the same on every rank: the mean
+    loss, the gradient norm before clipping, how many ranks found a non-finite loss, how many a
+    non-finite gradient norm (with float16: or an inf/nan in their unscaled gradients), and the
+    loss scale the step used (1 without a scaler). Nothing is read to the host until
+    :meth:`result` (or :func:`read_results` for many steps, one synchronisation for all) is
+    called; the attributes of :class:`StepResult` read it on first use. ``min_scale``: the
+    float16 scaler's smallest scale (None without a scaler), which tells an overflow the scaler
+    handles (:data:`FP16_OVERFLOW`) from one it cannot (:data:`NONFINITE_GRAD_NORM`).
     """
 
-    def __init__(self, values: torch.Tensor, lr: float, loss_scale: float | None = None) -> None:
-        self.values, self.lr, self.loss_scale = values, lr, loss_scale
+    def __init__(self, values: torch.Tensor, lr: float, min_scale: float | None = None) -> None:
+        self.values, self.lr, self.min_scale = values, lr, min_scale
         self._result: StepResult | None = None
 
     def result(self) -> StepResult:
@@ -133,19 +143,21 @@ class PendingStep:
         return self._result
 
     def _resolve(self, row: list[float]) -> None:
-        loss, norm, bad_losses, bad_norms = row
+        loss, norm, bad_losses, bad_norms, scale = row
+        scaled = self.min_scale is not None
         reason = None
         if bad_losses or not math.isfinite(loss):
             reason = NONFINITE_LOSS
-        elif bad_norms or not math.isfinite(norm):
-            reason = NONFINITE_GRAD_NORM
+        elif bad_norms or not math.isfinite(norm):  # float16: halving the scale is the remedy, unless it can't
+            reason = FP16_OVERFLOW if scaled and scale > self.min_scale else NONFINITE_GRAD_NORM
         self._result = StepResult(loss=loss, grad_norm=norm, lr=self.lr, skipped=reason is not None,
-                                  loss_scale=self.loss_scale, skip_reason=reason)
+                                  loss_scale=scale if scaled else None, skip_reason=reason)
 
     loss = property(lambda self: self.result().loss)
     grad_norm = property(lambda self: self.result().grad_norm)
     skipped = property(lambda self: self.result().skipped)
     skip_reason = property(lambda self: self.result().skip_reason)
+    loss_scale = property(lambda self: self.result().loss_scale)
     nonfinite = property(lambda self: self.result().nonfinite)
 
 
@@ -204,7 +216,7 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
         # (dividing it by dp would let small float16 gradients underflow); its codecs divide
         prescaled=m.params_dtype != "float16",
     )
-    scaler = DynamicLossScaler() if m.params_dtype == "float16" else None
+    scaler = DynamicLossScaler(device=device) if m.params_dtype == "float16" else None
     units = _param_gather_units(chunks) if p.overlap_param_gather else None
     optimizer = build_optimizer(model, config.train, grads, param_gather_units=units)
     return Stage(config, groups, model, optimizer, grads, device, scaler, dropout_rng=rng)
@@ -240,19 +252,19 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     ``tracer`` (a :class:`ptdp.run.trace.Tracer`) times every action and phase; ``faults`` (tests
     only) poisons, stalls or crashes this rank as planned.
 
-    No host synchronisation (bfloat16, float32, float64 parameters): the clip coefficient and the
-    skip decision stay on the device, the optimizer skips through its fused kernel
+    No host synchronisation, float16 included: the clip coefficient, the skip decision and the
+    loss scale stay on the device, the optimizer skips through its fused kernel
     (:func:`~ptdp.engine.optim.step_unless`), and the metrics come back as a :class:`PendingStep`
-    that the caller reads when it logs. float16's loss scaler reads its overflow flag each step.
+    that the caller reads when it logs.
     """
     cfg, g = stage.config, stage.groups
     activity.start_step(g.global_rank, iteration + 1, faults)
     stage.grads.zero()
     stage.grads.exact = iteration < cfg.grad_compression_warmup
     programs = build_programs(cfg.parallel.schedule, g.pp.size, len(microbatches), stage.virtual_stages)
-    scale = stage.scaler.scale if stage.scaler is not None else None
+    scale = stage.scaler.scale if stage.scaler is not None else None  # 0-dim, updated after its last use
     # 1/dp folded into the loss: the dp reduction of the buffer is then a plain sum (prescaled)
-    loss_factor = (scale or 1.0) / (g.dp.size if stage.grads.prescaled else 1)
+    loss_factor = (1.0 if scale is None else scale) / (g.dp.size if stage.grads.prescaled else 1)
     stage.grads.grad_scale = loss_factor
     residual = stage.grads.residual
     kept = residual.clone() if residual is not None else None  # put back if the step is skipped
@@ -269,16 +281,13 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     activity.set_phase(activity.GRAD_SYNC)
     span = tracer.span("grad sync + clip", "grad_sync") if tracer is not None else None
     finalize_grads(stage.model, stage.grads, g)
-    overflow = False
-    if stage.scaler is not None:
-        stage.grads.reduced.mul_(1.0 / scale)
-        overflow = stage.scaler.found_overflow(stage.grads.reduced, g.world)  # host read, float16 only
-    norm = (torch.full((), math.inf, dtype=torch.float64, device=stage.device) if overflow
-            else global_grad_norm(stage.model, stage.grads, g))
-    pending = PendingStep(_step_values(stage, losses, len(microbatches), norm), lr_at(iteration, cfg.train), scale)
+    overflow = stage.scaler.unscale(stage.grads.reduced, scale) if stage.scaler is not None else None
+    norm = global_grad_norm(stage.model, stage.grads, g)
+    pending = PendingStep(_step_values(stage, losses, len(microbatches), norm, overflow, scale),
+                          lr_at(iteration, cfg.train), stage.scaler.min_scale if stage.scaler is not None else None)
     skip = (pending.values[2] + pending.values[3] > 0) | ~pending.values[0].isfinite()
     if stage.scaler is not None:
-        _fp16_result(stage, pending, overflow, scale)
+        stage.scaler.update(skip)
     if kept is not None:
         residual.copy_(torch.where(skip, kept, residual))
     clip_grads(stage.grads, norm, cfg.train.clip_grad)
@@ -294,17 +303,6 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     if span is not None:
         span.end()
     return pending
-
-
-def _fp16_result(stage: Stage, pending: PendingStep, overflow: bool, scale: float) -> None:
-    """float16: read the step's result now (the scaler needs to know whether it is skipped), name
-    an overflow at a scale that can still be halved :data:`FP16_OVERFLOW` (the scaler's ordinary
-    business; at the smallest scale the unscaled gradients themselves are inf/nan), update the
-    scale."""
-    result = pending.result()
-    if overflow and scale > stage.scaler.min_scale and result.skip_reason == NONFINITE_GRAD_NORM:
-        pending._result = dataclasses.replace(result, skip_reason=FP16_OVERFLOW)
-    stage.scaler.update(overflow=result.skipped)
 
 
 def _test_poison(stage: Stage, iteration: int, faults: FaultPlan | None):
@@ -348,11 +346,13 @@ def _eval_loss(stage: Stage, batches: list[list[Microbatch]]) -> float:
     return total.item() / (g.dp.size * len(batches))
 
 
-def _step_values(stage: Stage, losses: list[torch.Tensor], m: int, norm: torch.Tensor) -> torch.Tensor:
-    """``[mean loss, norm, ranks with a non-finite loss, ranks with a non-finite norm]``: float64
-    on the device, the same on every rank. One world all-reduce of three float64 (tag
-    ``metrics``; only tp rank 0 of each last stage adds its loss sum, since its tp peers hold the
-    same value); no host synchronisation."""
+def _step_values(stage: Stage, losses: list[torch.Tensor], m: int, norm: torch.Tensor,
+                 overflow: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``[mean loss, norm, ranks with a non-finite loss, ranks with a non-finite norm or (float16)
+    an ``overflow`` flag set, loss scale]``: float64 on the device, the same on every rank. One
+    world all-reduce of three float64 (tag ``metrics``; only tp rank 0 of each last stage adds its
+    loss sum, since its tp peers hold the same value); the scale (1 without one) is appended after
+    it. No host synchronisation."""
     g = stage.groups
     value = torch.zeros(3, dtype=torch.float64, device=stage.device)
     if losses:
@@ -360,9 +360,11 @@ def _step_values(stage: Stage, losses: list[torch.Tensor], m: int, norm: torch.T
         value[1] = (~stacked.isfinite().all()).double()
         if g.is_last_stage and g.tp.rank == 0:
             value[0] = stacked.to(torch.float64).sum()
-    value[2] = (~norm.isfinite()).double()
+    bad_norm = ~norm.isfinite()
+    value[2] = (bad_norm if overflow is None else bad_norm | (overflow > 0)).double()
     all_reduce(value, g.world, tag="metrics")
-    return torch.stack([value[0] / (m * g.dp.size), norm.to(torch.float64), value[1], value[2]])
+    scale = torch.ones((), dtype=torch.float64, device=stage.device) if scale is None else scale.to(torch.float64)
+    return torch.stack([value[0] / (m * g.dp.size), norm.to(torch.float64), value[1], value[2], scale])
 
 
 def with_vocab(config: Config, vocab_size: int) -> Config:

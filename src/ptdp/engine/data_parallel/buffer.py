@@ -91,9 +91,9 @@ class GradBuffer:
         self.params, self.dp, self.codec, self.sharded, self.prescaled = params, dp, codec, shard, prescaled
         self.exact = False
         """Reduce in the buffer's dtype whatever ``codec`` is (compression warmup); set per step."""
-        self.grad_scale = 1.0
-        """How much the gradients in the buffer are scaled (the float16 loss scale, divided by dp
-        when ``prescaled``); set per step."""
+        self.grad_scale: float | torch.Tensor = 1.0
+        """How much the gradients in the buffer are scaled (1/dp when ``prescaled``; with float16
+        the loss scale, a 0-dim float32 tensor on the device); set per step."""
         self.uses_main_grad = grad_dtype is not None and grad_dtype != params[0].dtype
         self.buckets = _plan_buckets(chunk_params, bucket_size or DEFAULT_BUCKET_SIZE, overlap,
                                      {id(p) for p in deferred}, dp.size if shard else 1)

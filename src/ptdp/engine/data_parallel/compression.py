@@ -63,7 +63,7 @@ def unpackbits(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def start_reduction(codec: str, grad: torch.Tensor, axis: AxisGroup, *, shard: torch.Tensor | None = None,
-                    residual: torch.Tensor | None = None, grad_scale: float = 1.0,
+                    residual: torch.Tensor | None = None, grad_scale: float | torch.Tensor = 1.0,
                     blocks: torch.Tensor | None = None, average: bool = True) -> Callable[[], None]:
     """Start averaging ``grad`` (a flat fp32 bucket) over ``axis``; returns ``finish()``.
 
@@ -74,7 +74,8 @@ def start_reduction(codec: str, grad: torch.Tensor, axis: AxisGroup, *, shard: t
     ``shard`` (distributed optimizer): receive only this rank's ``grad.numel() / dp`` slice of the
     average there (reduce-scatter) instead of the whole average in ``grad`` (all-reduce).
     ``residual``: the 1-bit error-feedback buffer of this bucket (same shape as ``grad``), kept
-    in unscaled units: ``grad`` is ``grad_scale`` times the true gradient (the float16 loss scale).
+    in unscaled units: ``grad`` is ``grad_scale`` times the true gradient (a float, or with
+    float16 the loss scale as a 0-dim tensor on the device, used without reading it to the host).
     ``blocks``: 1-bit scale block sizes (:func:`block_sizes` of the parameters laid out in
     ``grad``); default: blocks of :data:`ONE_BIT_BLOCK` over the whole bucket.
     """
@@ -126,16 +127,18 @@ def _per_element(scales: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Te
     return scales.repeat_interleave(blocks, dim=-1, output_size=n)
 
 
-def _start_one_bit(grad: torch.Tensor, axis: AxisGroup, residual: torch.Tensor, grad_scale: float,
+def _start_one_bit(grad: torch.Tensor, axis: AxisGroup, residual: torch.Tensor, grad_scale: float | torch.Tensor,
                    blocks: torch.Tensor | None, divide: int) -> Callable[[], None]:
     n, dp = grad.numel(), axis.size
     blocks = blocks if blocks is not None else block_sizes([n], grad.device)
-    corrected = grad + residual * grad_scale if grad_scale != 1.0 else grad + residual
+    # a tensor scale is never compared on the host (that would read it back): always applied
+    scaled = isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0
+    corrected = grad + residual * grad_scale if scaled else grad + residual
     scales = one_bit_scales(corrected, blocks)
     signs = corrected >= 0
     step = _per_element(scales, blocks, n).to(grad.dtype)
     kept = corrected - torch.where(signs, step, -step)
-    residual.copy_(kept / grad_scale if grad_scale != 1.0 else kept)
+    residual.copy_(kept / grad_scale if scaled else kept)
     packed = packbits(signs)
     all_packed = torch.empty(dp * packed.numel(), dtype=torch.uint8, device=grad.device)
     all_scales = torch.empty(dp * scales.numel(), dtype=torch.float32, device=grad.device)

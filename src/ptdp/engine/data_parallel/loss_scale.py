@@ -1,48 +1,80 @@
 """Dynamic loss scaling for float16 training (Micikevicius et al., "Mixed Precision Training",
-arXiv:1710.03740, §3.2).
+arXiv:1710.03740, §3.2), kept on the device.
 
-The loss is multiplied by ``scale`` before backward so small gradients survive float16; the
-gradients are divided by it after the data-parallel reduction. If any gradient element on any rank
-is inf or nan, every rank skips the step (one max all-reduce of a flag over the world, which spans
-the tp, pp and dp axes) and halves the scale; after ``growth_interval`` good steps in a row the
-scale doubles. All ranks see the same flag, so they keep the same scale.
+The loss is multiplied by ``scale`` before backward so small gradients survive float16; after the
+data-parallel reduction :meth:`DynamicLossScaler.unscale` divides the gradients by it and notes
+whether this rank holds an inf or nan, in one fused pass. The step adds that flag to the count of
+non-finite gradient norms in its world all-reduce of the metrics, so an overflow anywhere (every
+rank of every tp, pp and dp group) skips the step on every rank with no collective of its own;
+:meth:`DynamicLossScaler.update` then halves the scale (never below ``min_scale``), and after
+``growth_interval`` good steps in a row doubles it. Every rank sees the same skip decision, so all
+keep the same scale.
+
+``scale`` (float32) and ``good_steps`` (int64) are 0-dim tensors on the stage's device, updated in
+place by ``torch.where``: the host never reads them inside a step (it reads them only to save a
+checkpoint, :meth:`DynamicLossScaler.state_dict`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ptdp.engine.comm import AxisGroup, all_reduce
 
-
-@dataclass
 class DynamicLossScaler:
-    scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 1000
-    min_scale: float = 1.0
-    good_steps: int = 0
+    """The loss scale and the count of good steps since the last skipped one, on ``device``.
 
-    def found_overflow(self, grads: torch.Tensor, world: AxisGroup) -> bool:
-        """Whether any rank's ``grads`` hold an inf or nan (collective over ``world``)."""
-        flag = torch.tensor([0.0 if torch.isfinite(grads).all() else 1.0], device=grads.device)
-        all_reduce(flag, world, op="max", tag="overflow")
-        return bool(flag.item())
+    Args:
+        scale: initial loss scale (a power of two keeps scaling and unscaling exact).
+        growth_factor, backoff_factor: multiply the scale by these after ``growth_interval`` good
+            steps in a row / after a skipped step.
+        growth_interval: good steps in a row between two growths (counted since the last skip:
+            the scale grows when ``good_steps`` reaches a multiple of it).
+        min_scale: the scale is never halved below this.
+        good_steps: good steps since the last skipped one (0 for a new run).
+        device: where the two state tensors live (the stage's device).
+    """
 
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-            self.good_steps = 0
-            return
-        self.good_steps += 1
-        if self.good_steps % self.growth_interval == 0:
-            self.scale *= self.growth_factor
+    def __init__(self, scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 1000, min_scale: float = 1.0, good_steps: int = 0,
+                 device: torch.device | str = "cpu") -> None:
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.min_scale = growth_interval, min_scale
+        self.scale = torch.tensor(scale, dtype=torch.float32, device=device)
+        """0-dim float32: the scale the next step multiplies its loss by."""
+        self.good_steps = torch.tensor(good_steps, dtype=torch.int64, device=device)
+        """0-dim int64: good steps in a row since the last skipped one."""
+
+    def unscale(self, grads: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Divide this rank's reduced float32 ``grads`` (flat buffer or shard) by ``scale`` in
+        place; returns a 0-dim float32 flag on the device, 1 where ``grads`` hold an inf or nan.
+
+        One fused kernel reads and writes each element once (torch's
+        ``_amp_foreach_non_finite_check_and_unscale_``, the one ``torch.amp.GradScaler`` uses);
+        multiplying by ``1 / scale`` is exact for a power-of-two scale. No communication and no
+        host synchronisation: the caller folds the flag into a collective it does anyway.
+        """
+        found = torch.zeros((), dtype=torch.float32, device=grads.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([grads], found, scale.reciprocal())
+        return found
+
+    def update(self, skipped: torch.Tensor | bool) -> None:
+        """After a step: halve the scale if it was ``skipped`` (a bool tensor, the same on every
+        rank), never below ``min_scale``, and restart the count of good steps; otherwise count a
+        good step and multiply the scale by ``growth_factor`` when the count reaches a multiple of
+        ``growth_interval``. In place, by ``torch.where`` on the device (no host read)."""
+        skipped = torch.as_tensor(skipped, device=self.scale.device)
+        good = torch.where(skipped, torch.zeros_like(self.good_steps), self.good_steps + 1)
+        grown = torch.where(good % self.growth_interval == 0, self.scale * self.growth_factor, self.scale)
+        backed_off = torch.clamp(self.scale * self.backoff_factor, min=self.min_scale)
+        self.scale.copy_(torch.where(skipped, backed_off, grown))
+        self.good_steps.copy_(good)
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps}
+        """``{"scale": float, "good_steps": int}``: reads both to the host (for a checkpoint)."""
+        return {"scale": self.scale.item(), "good_steps": int(self.good_steps.item())}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self.good_steps = state["scale"], state["good_steps"]
+        """Set the scale and the count from :meth:`state_dict`'s values (filled in place: the
+        tensors the step holds stay the same objects)."""
+        self.scale.fill_(float(state["scale"]))
+        self.good_steps.fill_(int(state["good_steps"]))

@@ -57,7 +57,7 @@ class _State:
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    loss_factor: float = 1.0
+    loss_factor: float | torch.Tensor = 1.0
 
     def is_first(self, chunk: int) -> bool:
         return self.pp.rank == 0 and chunk == 0
@@ -78,7 +78,7 @@ def run_schedule(
     forward_only: bool = False,
     tracer=None,
     grad_sync=None,
-    loss_scale: float | None = None,
+    loss_scale: float | torch.Tensor | None = None,
     seq_length: int | None = None,
     batch_shape: tuple[int, int] | None = None,
 ) -> list[torch.Tensor]:
@@ -98,7 +98,8 @@ def run_schedule(
         grad_sync: optional object with a ``no_sync()`` context (the gradient buffer): every
             backward but the last of each chunk runs under it, so data-parallel reductions start
             only in the last microbatch's backward (on every stage, the last one included).
-        loss_scale: multiply each loss by this before backward (float16 loss scaling).
+        loss_scale: multiply each loss by this before backward (float16 loss scaling: a 0-dim
+            float32 tensor on ``device``, never read to the host).
         seq_length, batch_shape: ``(b, s)`` of a microbatch, which every microbatch must have
             (default ``(hidden_shape[0], seq_length or hidden_shape[1])``, for batch-first stage
             modules; ptdp's step passes ``batch_shape``).
@@ -119,7 +120,7 @@ def run_schedule(
                         "transfers are grouped; got a schedule's transfer action")
     chunks = list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]
     state = _State(chunks, microbatches, pp, device, forward_only,
-                   loss_factor=(loss_scale or 1.0) / len(microbatches))
+                   loss_factor=(1.0 if loss_scale is None else loss_scale) / len(microbatches))
     last_backward = {a.chunk: a for a in program if isinstance(a, Action) and a.kind == "backward"}
     track = not forward_only  # evaluation keeps the caller's phase
     for step in program:
