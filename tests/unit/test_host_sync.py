@@ -39,9 +39,11 @@ def test_one_synchronisation_per_logged_step_none_otherwise(tmp_path):
 
 
 @pytest.mark.gpu
-def test_no_cuda_synchronisation_in_a_step_that_is_not_logged(tmp_path):
-    """On a GPU, CUDA itself reports the synchronisations (the label check is asynchronous there)."""
-    run = counted_run(ParallelGroups.single_process(), 1, 1, 1, tmp_path, "bfloat16", device="cuda",
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_no_cuda_synchronisation_in_a_step_that_is_not_logged(tmp_path, dtype):
+    """On a GPU, CUDA itself reports the synchronisations (the label check is asynchronous there);
+    float16 with its loss scaler on the device."""
+    run = counted_run(ParallelGroups.single_process(), 1, 1, 1, tmp_path, dtype, device="cuda",
                       overlap_grad_reduce=True)
     assert run["iterations"] == ITERS
     for iteration, calls in run["per_step"].items():
