@@ -101,7 +101,8 @@ class StepResult:
     loss: float
     """Mean loss (nats per token) over the global batch."""
     grad_norm: float
-    """Global gradient norm before clipping (inf/nan when a float16 step overflowed)."""
+    """Global gradient norm before clipping, of the unscaled gradients with float16 (inf/nan when a
+    gradient it counts is; an overflow it does not count still skips the step: ``skip_reason``)."""
     lr: float
     skipped: bool = False
     """No update on any rank (see ``skip_reason``)."""
