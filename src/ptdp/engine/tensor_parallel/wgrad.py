@@ -125,9 +125,9 @@ class EmbeddingFunction(torch.autograd.Function):
     ``outside`` (those rows add zeros to row 0, no selection and so no host synchronisation). A
     16-bit model's rows are thus summed in float32, not rounded to 16 bits per duplicate token as
     autograd's dense gradient is. No weight gradient goes back to autograd; the parameter's
-    accumulation step and the buffer's post-accumulate hook still run (and, for a tied embedding,
-    after the output layer's contribution too). A weight without ``main_grad`` gets autograd's dense
-    gradient (``embedding_dense_backward``).
+    accumulation step and the buffer's post-accumulate hook still run, once per backward after every
+    use of the weight (a tied embedding's output layer included). A weight without ``main_grad``
+    gets autograd's dense gradient (``embedding_dense_backward``).
 
     Determinism: on CUDA ``index_add_`` accumulates with atomics, so the order in which the rows of a
     repeated token are summed (in float32) varies from run to run unless
