@@ -18,12 +18,11 @@ the two LayerNorms, of QKV and of fc1 (4h, replicated over tp), q, k, v and the 
 The planner counts all of it except the LayerNorm statistics: [K22]'s accounting without dropout
 masks and with the score matrix replaced by the log-sum-exp (``dropout=False``,
 ``flash_attention=True``). Outside the layers ptdp saves, and the planner counts, the final-norm
-and output-layer inputs and the logits softmax of the rank's vocabulary slice (last stage: one
-microbatch under 1F1B, m under GPipe). Residual terms, not in the planner: the LayerNorm
+and output-layer inputs, one float32 log-sum-exp per token and the logits of the rank's padded
+vocabulary slice (V_pad / t columns), kept because they take far less than 256 MiB (last stage:
+one microbatch under 1F1B, m under GPipe). Residual terms, not in the planner: the LayerNorm
 statistics (4 values per token per layer, 2 for the final norm), the int64 token ids (first stage)
-and targets (last stage) and, with tp > 1, their 1-byte masks and the loss; the planner counts the
-logits over the padded vocabulary slice (V_pad / t columns) where ptdp computes only the real rows
-(12 fewer on the last tp rank here). With sequence parallelism (Korthikanti et al. 2022, §4.2.2)
+and targets (last stage) and, with tp > 1, their 1-byte masks and the loss. With sequence parallelism (Korthikanti et al. 2022, §4.2.2)
 every replicated value above, the final-norm and output-layer inputs and the LayerNorm statistics
 are kept for this rank's s/t positions only (the QKV, fc1 and output-layer inputs as shards,
 gathered again in backward).

@@ -17,6 +17,7 @@ from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.engine.tensor_parallel.linear_cross_entropy import default_chunk_tokens, linear_cross_entropy
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
+from ptdp.engine.tensor_parallel.vocab import keeps_logits
 from ptdp.spec import ModelConfig
 
 from helpers.tp_cases import CHUNKS, IGNORED, VOCAB, ce_labels, inputs, linear_ce_reference, padded_output_weight
@@ -24,17 +25,19 @@ from helpers.tp_cases import CHUNKS, IGNORED, VOCAB, ce_labels, inputs, linear_c
 TOL = dict(rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("keep", [None, True, False])
 @pytest.mark.parametrize("chunk", CHUNKS)
-def test_matches_cross_entropy_of_the_real_vocabulary(chunk):
+def test_matches_cross_entropy_of_the_real_vocabulary(chunk, keep):
     """Nonzero padding rows: masked to -inf, they change neither the loss nor any gradient, and
-    get none themselves; ignored labels give loss 0 and no gradient."""
+    get none themselves; ignored labels give loss 0 and no gradient. With the logits kept for
+    backward or recomputed (None: kept when no chunk size is given)."""
     d = inputs()
     ref = linear_ce_reference(d["x"], d["ids"])
     x = d["x"].clone().requires_grad_()
     w = padded_output_weight(d).requires_grad_()
     tp = ParallelGroups.single_process().tp
     loss = linear_cross_entropy(x, w, ce_labels(d["ids"]), vocab_start=0, vocab_size=VOCAB, axis=tp,
-                                chunk_tokens=chunk)
+                                chunk_tokens=chunk, keep_logits=keep)
     loss.sum().backward()
     torch.testing.assert_close(loss, ref["loss"], **TOL)
     torch.testing.assert_close(x.grad, ref["x_grad"], **TOL)
@@ -57,6 +60,15 @@ def test_rejects_bad_labels_and_chunks():
 def test_default_chunk_keeps_a_chunk_of_float32_logits_under_256_mib():
     assert default_chunk_tokens(50304) == 1280 and 1280 * 50304 * 4 <= 2**28
     assert default_chunk_tokens(10**9) == 64 and default_chunk_tokens(32) % 64 == 0
+
+
+def test_logits_are_kept_up_to_256_mib_in_the_compute_dtype():
+    """GPT-2's padded vocabulary at tp = 1: one 2,048-token bf16 sequence's logits (206 MB) are
+    kept, 2,669 tokens' (268.6 MB) are not; float32 halves the tokens; tp = 2 doubles them."""
+    assert keeps_logits(2048, 50304, 2) and 2668 * 50304 * 2 <= 2**28
+    assert not keeps_logits(2669, 50304, 2)
+    assert keeps_logits(1334, 50304, 4) and not keeps_logits(1335, 50304, 4)
+    assert keeps_logits(2 * 2668, 50304 // 2, 2) and not keeps_logits(2 * 2669, 50304 // 2, 2)
 
 
 def _tiny_model(untied: bool, vocab: int = 301, dtype: str = "float64") -> GPTModel:
@@ -139,6 +151,43 @@ def test_whole_microbatch_logits_are_never_held(dtype):
     assert plain.peak >= n * 1000 * 4 > 8 * meter.peak
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_small_microbatch_keeps_its_logits_in_the_compute_dtype(dtype):
+    """Without a chunk size, b s = 64 tokens x V_pad = 1024 (far under 256 MiB): autograd keeps
+    the input, the labels, the float32 log-sum-exp and the logits in the compute dtype
+    (``keeps_logits``, the planner's rule), and backward runs no third GEMM: two ``mm`` of the
+    logits' size in backward against three when recomputing."""
+    model = _tiny_model(untied=True, vocab=1000, dtype=dtype)
+    tokens, labels = _batch(1000, b=16, s=4)
+    x = model.final_norm(model.layers["0"](model.embed(tokens))).detach().requires_grad_()
+    n, h, v_pad, elem = 64, 16, 1024, x.element_size()
+    counts = {}
+    for keep in (None, False):
+        model.loss_keep_logits = keep
+        meter, gemms = SavedActivationMeter(parameter_storages(model)), _GemmCounter()
+        with meter.hooks():
+            loss = model.token_losses(x, labels)
+        with gemms:
+            loss.sum().backward()
+        counts[keep] = gemms.count
+        extra = n * v_pad * elem if keep is None else 0
+        assert meter.peak == n * h * elem + n * 8 + n * 4 + extra
+    assert counts == {None: 2, False: 3}
+
+
+class _GemmCounter(TorchDispatchMode):
+    """How many matrix products ran while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _bf16_case(device: str) -> None:
     """bfloat16 input and weight (V_pad = 1024 with 24 padding rows, 3 chunks of 40 tokens): the
     float32 loss and the bf16 gradients are as close to the float64 computation from the same bf16
@@ -181,10 +230,12 @@ def test_bfloat16_on_cuda_matches_float64_within_bf16_rounding():
 
 
 @pytest.mark.slow
-def test_compiled_chunks_match_cross_entropy_of_the_real_vocabulary():
+@pytest.mark.parametrize("keep", [False, True])
+def test_compiled_chunks_match_cross_entropy_of_the_real_vocabulary(keep):
     """``compiled=True`` (``--compile``): each chunk's statistics and gradient run through
     ``torch.compile`` (inductor) and still equal the float64 reference at 1e-9, chunks of 5 tokens
-    (an uneven last chunk) with nonzero padding rows and ignored labels."""
+    (an uneven last chunk) with nonzero padding rows and ignored labels, the logits recomputed or
+    kept."""
     from torch._dynamo.utils import counters
 
     d = inputs()
@@ -193,7 +244,8 @@ def test_compiled_chunks_match_cross_entropy_of_the_real_vocabulary():
     w = padded_output_weight(d).requires_grad_()
     counters.clear()
     loss = linear_cross_entropy(x, w, ce_labels(d["ids"]), vocab_start=0, vocab_size=VOCAB,
-                                axis=ParallelGroups.single_process().tp, chunk_tokens=5, compiled=True)
+                                axis=ParallelGroups.single_process().tp, chunk_tokens=5, compiled=True,
+                                keep_logits=keep)
     loss.sum().backward()
     assert counters["stats"]["unique_graphs"] >= 2, "statistics and gradient compiled"
     torch.testing.assert_close(loss, ref["loss"], **TOL)

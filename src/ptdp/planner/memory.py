@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ptdp.spec import padded_vocab_size, stage_layer_counts
+from ptdp.spec import keeps_logits, padded_vocab_size, stage_layer_counts
 from ptdp.planner.hardware import GiB, GPUSpec
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout, MemoryBreakdown
@@ -179,7 +179,7 @@ def inflight_microbatches(layout: Layout, pp_rank: int, *, schedule: str = "1f1b
 
 
 def _edge_activation_bytes(model: ModelSpec, layout: Layout, *, first: bool, last: bool,
-                           inflight: float, last_inflight: int) -> float:
+                           inflight: float, last_inflight: int, divisible_by: int = 128) -> float:
     """Activations outside the transformer layers [K22] §4.3, on one tp rank.
 
     First stage: the embedding-dropout mask, ``s b h`` per microbatch in flight (/t with SP; none
@@ -187,7 +187,9 @@ def _edge_activation_bytes(model: ModelSpec, layout: Layout, *, first: bool, las
     1F1B, m for GPipe): final-norm input and output-layer input, ``2 s b h`` values (/t with SP),
     and what the chunked output layer + cross entropy keeps besides its input
     (:mod:`ptdp.engine.tensor_parallel.linear_cross_entropy`): one fp32 log-sum-exp and one int64
-    label per token, ``12 s b`` bytes (the logits are never kept).
+    label per token, ``12 s b`` bytes, and the logits ``s b V_pad / t`` in the activation dtype
+    when they take at most 256 MiB (:func:`~ptdp.engine.tensor_parallel.vocab.keeps_logits`, the
+    rule the loss follows; larger, they are recomputed in backward and not kept).
     """
     e, e32 = activation_value_bytes(layout.precision)
     t, tokens, h = layout.tp, layout.micro_batch_size * model.seq_length, model.hidden_size
@@ -196,7 +198,9 @@ def _edge_activation_bytes(model: ModelSpec, layout: Layout, *, first: bool, las
     if first and model.dropout:
         out += inflight * tokens * h / shard
     if last:
-        out += last_inflight * (2.0 * e * tokens * h / shard + (e32 + 8) * tokens)
+        local_vocab = padded_vocab_size(model.vocab_size, divisible_by, t) // t
+        logits = e * tokens * local_vocab if keeps_logits(tokens, local_vocab, e) else 0
+        out += last_inflight * (2.0 * e * tokens * h / shard + (e32 + 8) * tokens + logits)
     return out
 
 
@@ -211,8 +215,8 @@ def stage_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, layer
     added: its activations without recompute minus its input (already among the kept inputs).
     On the last stage that working set and the microbatch's loss-side tensors are not held at
     the same time (the output layer's backward frees the latter before any layer is recomputed),
-    so the larger of the two counts. ``make_vocab_size_divisible_by`` does not change the result
-    any more (the loss keeps no logits); it stays for the callers.
+    so the larger of the two counts. ``make_vocab_size_divisible_by`` sets the padded vocabulary
+    whose logits the last stage keeps when they are small enough.
     """
     b, sp, precision = layout.micro_batch_size, layout.sequence_parallel, layout.precision
     per_layer = layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute=layout.recompute,
@@ -224,7 +228,7 @@ def stage_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, layer
     out += _edge_activation_bytes(model, layout, first=pp_rank == 0, last=False, inflight=mbs,
                                   last_inflight=last_inflight)
     loss_side = _edge_activation_bytes(model, layout, first=False, last=True, inflight=mbs,
-                                       last_inflight=1) if last else 0.0
+                                       last_inflight=1, divisible_by=make_vocab_size_divisible_by) if last else 0.0
     if layout.recompute == "full":
         working = layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute="none",
                                          precision=precision) - per_layer

@@ -15,12 +15,12 @@ from ptdp.spec.parallel import ParallelConfig
 from ptdp.spec.resolve import DEFAULT_LOCAL_WORKERS, local_world_size, resolve
 from ptdp.spec.rules import (layout_violations, recompute_violations, schedule_violations,
                              sequence_parallel_violations)
-from ptdp.engine.tensor_parallel.vocab import padded_vocab_size
+from ptdp.engine.tensor_parallel.vocab import keeps_logits, padded_vocab_size
 
 __all__ = [
     "ACTIVATIONS", "BIND_POLICIES", "DEFAULT_LOCAL_WORKERS", "DTYPES", "GRAD_COMPRESSIONS", "MIN_VOCAB_SIZE",
     "NORMALIZATIONS", "POSITION_EMBEDDINGS", "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "SCHEDULES", "SECTIONS",
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LaunchConfig", "ModelConfig", "ParallelConfig",
-    "TrainConfig", "Violation", "chunk_layer_counts", "layout_violations", "local_world_size", "padded_vocab_size",
-    "recompute_violations", "resolve", "schedule_violations", "sequence_parallel_violations", "stage_layer_counts",
+    "TrainConfig", "Violation", "chunk_layer_counts", "keeps_logits", "layout_violations", "local_world_size",
+    "padded_vocab_size", "recompute_violations", "resolve", "schedule_violations", "sequence_parallel_violations", "stage_layer_counts",
 ]

@@ -278,6 +278,8 @@ class GPTModel(nn.Module):
                                      for i in layer_ids})
         self.loss_chunk_tokens: int | None = None
         """Tokens per chunk of the output layer + loss (None: a chunk's float32 logits <= 256 MiB)."""
+        self.loss_keep_logits: bool | None = None
+        """Keep the logits for backward (None: when they take at most 256 MiB, ``keeps_logits``)."""
         if post_process:
             self.final_norm = make_norm(cfg, dtype, sp)
             if not tied:
@@ -337,8 +339,9 @@ class GPTModel(nn.Module):
         The output layer and the cross entropy run as one chunked operation on this rank's padded
         vocabulary shard, the padding columns masked to ``-inf``
         (:func:`~ptdp.engine.tensor_parallel.linear_cross_entropy.linear_cross_entropy`): at most
-        ``loss_chunk_tokens`` tokens' logits exist at a time, never float32 logits of the whole
-        microbatch. Communication: backward all-reduce of ``s*b*h`` (f before the output layer,
+        ``loss_chunk_tokens`` tokens' logits are turned into float32 at a time; the logits in the
+        compute dtype are kept for backward when they take at most 256 MiB, else recomputed
+        chunk by chunk (``loss_keep_logits``). Communication: backward all-reduce of ``s*b*h`` (f before the output layer,
         tag ``output``); forward 3 all-reduces of ``s*b`` (max, target logit, sum of
         exponentials); all on tp. With sequence parallelism ``x`` is ``[s/t, b, h]``, gathered
         along the sequence into the output layer (forward all-gather; backward all-gather again
@@ -347,7 +350,8 @@ class GPTModel(nn.Module):
         out = self.output_layer if hasattr(self, "output_layer") else self.word_embeddings
         losses = linear_cross_entropy(x, out.weight, labels.t(), vocab_start=out.vocab_start,
                                       vocab_size=out.vocab_size, axis=self.tp, sequence_parallel=self.sequence_parallel,
-                                      chunk_tokens=self.loss_chunk_tokens, compiled=self.cfg.compile)
+                                      chunk_tokens=self.loss_chunk_tokens, compiled=self.cfg.compile,
+                                      keep_logits=self.loss_keep_logits)
         return losses.t()
 
 

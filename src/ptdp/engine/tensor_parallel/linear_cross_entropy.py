@@ -10,11 +10,15 @@ computed without ever holding the logits of the whole microbatch:
   of the real vocabulary.
 - Tokens are processed in chunks of ``c`` rows: a chunk's logits ``[c, V_pad / t]`` are made in
   the compute dtype and turned into float32 (float64 models: float64) for the softmax, reduced to
-  three numbers per token (local max, local sum of exponentials, the target's logit) and freed.
-  Backward recomputes each chunk's logits from the saved input and the log-sum-exp per token and
-  accumulates the input and weight gradients chunk by chunk. Saved for backward: the input (as
-  the plain output layer would), the float32 log-sum-exp ``[b s]`` and the labels; peak
-  temporaries: a few ``[c, V_pad / t]`` chunks instead of ``[b s, V_pad / t]`` float32 logits.
+  three numbers per token (local max, local sum of exponentials, the target's logit).
+  Saved for backward: the input (as the plain output layer would), the float32 log-sum-exp
+  ``[b s]``, the labels, and, when the microbatch's logits in the compute dtype take at most
+  256 MiB (:func:`~ptdp.engine.tensor_parallel.vocab.keeps_logits`, the rule the planner counts),
+  the logits ``[b s, V_pad / t]`` themselves: backward then makes each chunk's gradient from them
+  and costs the two GEMMs of a plain output layer. Larger (or with an explicit chunk size), the
+  logits are freed chunk by chunk and backward recomputes them from the input (a third GEMM).
+  Peak temporaries: a few float32 ``[c, V_pad / t]`` chunks; float32 logits of the whole
+  microbatch exist only in a float32 model whose microbatch fits one default chunk.
 
 Vocabulary parallelism (Shoeybi et al. 2019, §3): each tp rank holds ``V_pad / t`` rows; the
 per-token statistics are combined after the last chunk with the three all-reduces of
@@ -46,6 +50,7 @@ import torch
 from ptdp.engine.comm import AxisGroup, all_reduce
 from ptdp.engine.tensor_parallel.cross_entropy import IGNORE_INDEX, check_labels
 from ptdp.engine.tensor_parallel.sequence import start_sequence_gather, start_sequence_reduce_scatter
+from ptdp.engine.tensor_parallel.vocab import keeps_logits
 from ptdp.engine.tensor_parallel.wgrad import add_weight_grad, fuse_here
 
 CHUNK_LOGIT_BYTES = 2**28
@@ -72,17 +77,23 @@ class _Shard:
     tag: str
     ignore_index: int
     compiled: bool = False
+    keep_logits: bool = False
 
 
 def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunk_logits(rows: torch.Tensor, weight: torch.Tensor, num_real: int) -> torch.Tensor:
-    """``rows [c, h] @ weight^T`` in the compute dtype, then float32 (float64 stays float64), with
-    the padding columns ``[num_real, V_pad / t)`` set to ``-inf``: ``[c, V_pad / t]``."""
-    z = (rows @ weight.t()).to(_softmax_dtype(weight.dtype))
+def _masked(raw: torch.Tensor, num_real: int) -> torch.Tensor:
+    """Logits ``raw [c, V_pad / t]`` in the compute dtype -> float32 (float64 stays float64), the
+    padding columns ``[num_real, V_pad / t)`` set to ``-inf``: in place when ``raw`` already has
+    that dtype, except under ``torch.compile``, where mutating a graph input would make inductor
+    copy the result back into it."""
+    z = raw.to(_softmax_dtype(raw.dtype))
     if num_real < z.shape[-1]:
+        if torch.compiler.is_compiling():
+            columns = torch.arange(z.shape[-1], device=z.device)
+            return torch.where(columns < num_real, z, float("-inf"))
         z[:, num_real:] = float("-inf")
     return z
 
@@ -94,11 +105,11 @@ def _local_target(labels: torch.Tensor, vocab_start: int, num_real: int) -> tupl
     return local.masked_fill(~inside, 0), inside
 
 
-def _chunk_statistics(rows: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-                      num_real: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _statistics(raw: torch.Tensor, labels: torch.Tensor, vocab_start: int,
+                num_real: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk's per-token local max, sum of ``exp(z - max)`` (0 on a shard of padding only)
-    and target logit (0 where the label is on another shard), each ``[c]``."""
-    z = _chunk_logits(rows, weight, num_real)
+    and target logit (0 where the label is on another shard), each ``[c]``, from its logits."""
+    z = _masked(raw, num_real)
     peak = z.amax(dim=-1)
     finite_peak = torch.where(peak == float("-inf"), 0.0, peak)  # a shard of padding only
     sum_exp = (z - finite_peak.unsqueeze(-1)).exp_().sum(dim=-1)
@@ -107,15 +118,32 @@ def _chunk_statistics(rows: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     return peak, sum_exp, target_logit
 
 
+def _chunk_statistics(rows: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_start: int,
+                      num_real: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_statistics` of the logits ``rows [c, h] @ weight^T`` (made here, then freed)."""
+    return _statistics(rows @ weight.t(), labels, vocab_start, num_real)
+
+
+def _grad_logits(raw: torch.Tensor, labels: torch.Tensor, log_sum_exp: torch.Tensor, scale: torch.Tensor,
+                 vocab_start: int, num_real: int) -> torch.Tensor:
+    """One chunk's ``(softmax - onehot) * scale`` in the logits' dtype, ``[c, V_pad / t]``, the
+    padding columns 0. Eager: in place (one chunk-sized buffer; float32 and float64 logits are
+    overwritten, kept logits being used once). Under ``torch.compile``: out of place, which
+    inductor fuses into one pass without writing into its input."""
+    column, inside = _local_target(labels, vocab_start, num_real)
+    if torch.compiler.is_compiling():
+        probs = torch.exp(_masked(raw, num_real) - log_sum_exp.unsqueeze(-1))
+        target = (torch.arange(raw.shape[-1], device=raw.device) == column.unsqueeze(-1)) & inside.unsqueeze(-1)
+        return ((probs - target.to(probs.dtype)) * scale.unsqueeze(-1)).to(raw.dtype)
+    probs = _masked(raw, num_real).sub_(log_sum_exp.unsqueeze(-1)).exp_()
+    probs.scatter_add_(-1, column.unsqueeze(-1), -inside.to(probs.dtype).unsqueeze(-1))
+    return probs.mul_(scale.unsqueeze(-1)).to(raw.dtype)
+
+
 def _chunk_grad_logits(rows: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, log_sum_exp: torch.Tensor,
                        scale: torch.Tensor, vocab_start: int, num_real: int) -> torch.Tensor:
-    """One chunk's ``(softmax - onehot) * scale`` in the weight's dtype, ``[c, V_pad / t]``: the
-    logits recomputed, the padding columns 0."""
-    z = _chunk_logits(rows, weight, num_real)
-    probs = z.sub_(log_sum_exp.unsqueeze(-1)).exp_()  # in place: one chunk-sized buffer in eager mode
-    column, inside = _local_target(labels, vocab_start, num_real)
-    probs.scatter_add_(-1, column.unsqueeze(-1), -inside.to(probs.dtype).unsqueeze(-1))
-    return probs.mul_(scale.unsqueeze(-1)).to(weight.dtype)
+    """:func:`_grad_logits` of the logits recomputed as ``rows [c, h] @ weight^T``."""
+    return _grad_logits(rows @ weight.t(), labels, log_sum_exp, scale, vocab_start, num_real)
 
 
 @functools.cache
@@ -126,9 +154,10 @@ def _compiled(fn):
 
 
 def _chunk_functions(shard: _Shard):
-    if shard.compiled:
-        return _compiled(_chunk_statistics), _compiled(_chunk_grad_logits)
-    return _chunk_statistics, _chunk_grad_logits
+    """(statistics, gradient of the logits) of a chunk: from its kept logits (``keep_logits``) or
+    from its input rows and the weight (the GEMM inside); compiled with ``compiled``."""
+    pair = (_statistics, _grad_logits) if shard.keep_logits else (_chunk_statistics, _chunk_grad_logits)
+    return tuple(_compiled(f) for f in pair) if shard.compiled else pair
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -141,10 +170,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         sum_exp = rows.new_empty(n, dtype=dtype)
         target_logit = rows.new_empty(n, dtype=dtype)
         statistics, _ = _chunk_functions(shard)
+        kept = rows.new_empty(n, weight.shape[0]) if shard.keep_logits else None
         for start in range(0, n, shard.chunk):
             stop = min(n, start + shard.chunk)
+            if kept is None:
+                inputs = (rows[start:stop], weight)
+            else:
+                inputs = (torch.mm(rows[start:stop], weight.t(), out=kept[start:stop]),)
             local_max[start:stop], sum_exp[start:stop], target_logit[start:stop] = statistics(
-                rows[start:stop], weight, labels[start:stop], shard.vocab_start, shard.num_real)
+                *inputs, labels[start:stop], shard.vocab_start, shard.num_real)
         global_max = all_reduce(local_max.clone(), shard.axis, op="max", tag="ce_max")
         all_reduce(target_logit, shard.axis, tag="ce_target")
         sum_exp.mul_((local_max - global_max).exp_())  # each rank's sum rescaled to the global max
@@ -152,12 +186,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         log_sum_exp = global_max + sum_exp.log_()
         ignored = labels == shard.ignore_index
         ctx.shard, ctx.shape = shard, full.shape
-        ctx.save_for_backward(x, weight, labels, log_sum_exp)
+        ctx.save_for_backward(x, weight, labels, log_sum_exp, kept)
         return (log_sum_exp - target_logit).masked_fill_(ignored, 0.0).view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        x, weight, labels, log_sum_exp = ctx.saved_tensors
+        x, weight, labels, log_sum_exp, kept = ctx.saved_tensors
         shard = ctx.shard
         full = x
         if shard.sequence_parallel:
@@ -166,27 +200,36 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss.reshape(-1).masked_fill(labels == shard.ignore_index, 0.0).to(log_sum_exp.dtype)
         grad_rows = torch.empty_like(rows)
         fused = fuse_here(weight)  # straight into the float32 main_grad (tensor_parallel/wgrad.py)
-        grad_weight = weight.main_grad if fused else torch.zeros(weight.shape, dtype=_softmax_dtype(weight.dtype),
-                                                                 device=weight.device)
+        grad_weight = None  # float32/float64 weights: made by the first chunk's GEMM
+        if fused:
+            grad_weight = weight.main_grad
+        elif weight.dtype != _softmax_dtype(weight.dtype):  # 16-bit: summed over chunks in float32
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         _, grad_logits_of = _chunk_functions(shard)
         for start in range(0, rows.shape[0], shard.chunk):
             stop = min(rows.shape[0], start + shard.chunk)
-            grad_logits = grad_logits_of(rows[start:stop], weight, labels[start:stop], log_sum_exp[start:stop],
-                                         scale[start:stop], shard.vocab_start, shard.num_real)
+            inputs = (rows[start:stop], weight) if kept is None else (kept[start:stop],)
+            grad_logits = grad_logits_of(*inputs, labels[start:stop], log_sum_exp[start:stop], scale[start:stop],
+                                         shard.vocab_start, shard.num_real)
             torch.mm(grad_logits, weight, out=grad_rows[start:stop])
-            add_weight_grad(grad_weight, grad_logits, rows[start:stop])
+            if grad_weight is None:  # the first chunk's product is the weight gradient so far
+                grad_weight = grad_logits.t().mm(rows[start:stop])
+            else:
+                add_weight_grad(grad_weight, grad_logits, rows[start:stop])
         grad_x = grad_rows.view(ctx.shape)
         if shard.sequence_parallel:
             grad_x = start_sequence_reduce_scatter(grad_x, shard.axis, shard.tag)()
         else:
             all_reduce(grad_x, shard.axis, tag=shard.tag)
+        if grad_weight is None:  # no tokens
+            grad_weight = torch.zeros_like(weight)
         return grad_x, None if fused else grad_weight.to(weight.dtype), None, None
 
 
 def linear_cross_entropy(
     x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, vocab_start: int, vocab_size: int,
     axis: AxisGroup, sequence_parallel: bool = False, chunk_tokens: int | None = None, tag: str = "output",
-    ignore_index: int = IGNORE_INDEX, compiled: bool = False,
+    ignore_index: int = IGNORE_INDEX, compiled: bool = False, keep_logits: bool | None = None,
 ) -> torch.Tensor:
     """Per-token cross entropy of ``x W^T`` over the vocabulary shards, in chunks of tokens.
 
@@ -207,6 +250,10 @@ def linear_cross_entropy(
         ignore_index: labels with loss 0 and no gradient.
         compiled: run each chunk's elementwise work and reductions (with its GEMM) through
             ``torch.compile`` (``--compile``); the collectives stay outside.
+        keep_logits: keep the logits ``[b s, V_pad / t]`` (compute dtype) for backward instead of
+            recomputing them. Default: without ``chunk_tokens``, when they take at most 256 MiB
+            (:func:`~ptdp.engine.tensor_parallel.vocab.keeps_logits`); with ``chunk_tokens``, never
+            (at most one chunk's logits then exist at a time).
 
     Returns:
         losses of ``target``'s shape (``[s, b]``) in nats, replicated on every tp rank; 0 where
@@ -226,6 +273,8 @@ def linear_cross_entropy(
     local_vocab = weight.shape[0]
     num_real = max(0, min(local_vocab, vocab_size - vocab_start))
     sp = sequence_parallel and axis.size > 1
+    if keep_logits is None:  # an explicit chunk size asks for the bounded-memory path
+        keep_logits = chunk_tokens is None and keeps_logits(target.numel(), local_vocab, weight.element_size())
     shard = _Shard(vocab_start, num_real, axis, chunk_tokens or default_chunk_tokens(local_vocab), sp, tag,
-                   ignore_index, compiled)
+                   ignore_index, compiled, keep_logits)
     return _LinearCrossEntropy.apply(x, weight, target, shard)
