@@ -9,17 +9,19 @@ from ptdp.engine.pipeline.partition import chunk_layer_counts, stage_layer_count
 from ptdp.spec.config import SECTIONS, CheckpointConfig, Config, DataConfig, LaunchConfig, TrainConfig
 from ptdp.spec.errors import ConfigError, Violation
 from ptdp.spec.fields import (ACTIVATIONS, BIND_POLICIES, DTYPES, GRAD_COMPRESSIONS, MIN_VOCAB_SIZE, NORMALIZATIONS,
-                              POSITION_EMBEDDINGS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, SCHEDULES)
+                              POSITION_EMBEDDINGS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, SCHEDULES,
+                              SHARDING_STRATEGIES)
 from ptdp.spec.model import ModelConfig
 from ptdp.spec.parallel import ParallelConfig
 from ptdp.spec.resolve import DEFAULT_LOCAL_WORKERS, local_world_size, resolve
-from ptdp.spec.rules import (layout_violations, recompute_violations, schedule_violations,
-                             sequence_parallel_violations)
+from ptdp.spec.rules import (context_parallel_violations, layout_violations, recompute_violations,
+                             schedule_violations, sequence_parallel_violations)
 from ptdp.engine.tensor_parallel.vocab import keeps_logits, padded_vocab_size
 
 __all__ = [
     "ACTIVATIONS", "BIND_POLICIES", "DEFAULT_LOCAL_WORKERS", "DTYPES", "GRAD_COMPRESSIONS", "MIN_VOCAB_SIZE",
     "NORMALIZATIONS", "POSITION_EMBEDDINGS", "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "SCHEDULES", "SECTIONS",
+    "SHARDING_STRATEGIES", "context_parallel_violations",
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LaunchConfig", "ModelConfig", "ParallelConfig",
     "TrainConfig", "Violation", "chunk_layer_counts", "keeps_logits", "layout_violations", "local_world_size",
     "padded_vocab_size", "recompute_violations", "resolve", "schedule_violations", "sequence_parallel_violations", "stage_layer_counts",

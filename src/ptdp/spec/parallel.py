@@ -23,6 +23,15 @@ class ParallelConfig:
                                             "split into PP stages", "layout", aliases=("--pp",), metavar="PP",
                                             plan=True, cli_default=2)
     """Pipeline-parallel size p (``ptdp train``'s default: 2)."""
+    context_parallel_size: int = opt(1, "--context-parallel-size", "context-parallel size: each sequence split into "
+                                     "2 x CP chunks, two per CP rank (planned by ptdp plan; ptdp train runs CP = 1 "
+                                     "until context parallelism lands)", "layout", aliases=("--cp",), metavar="CP",
+                                     plan=True)
+    """Context-parallel size c: each sequence is cut into ``2 c`` chunks and cp rank i holds chunks
+    i and ``2c - 1 - i`` (causal load balance), so activations and attention FLOPs per rank are
+    divided by c; keys and values travel over the cp group (ring or all-gather). World =
+    tp * cp * pp * dp, order tp-cp-dp-pp. Needs ``seq_length % (2 c) == 0``. ``ptdp plan`` models
+    it (:mod:`ptdp.planner.context`); ``ptdp train`` rejects c > 1 until it can train it."""
     data_parallel_size: int | None = opt(None, "--data-parallel-size", "data-parallel size (default: world size / "
                                          "(TP x PP))", "layout", aliases=("--dp",), metavar="DP", plan=True)
     """None: inferred as world_size / (tp * pp)."""
@@ -75,7 +84,19 @@ class ParallelConfig:
     warmup for 1bit, 0 for fp16/bf16."""
     use_distributed_optimizer: bool = opt(False, "--use-distributed-optimizer", "shard Adam's state and fp32 main "
                                           "parameters over dp (ZeRO-1)", "dp", plan=True)
-    """Shard Adam's state (and float32 main parameters) over dp (ZeRO-1)."""
+    """Shard Adam's state (and float32 main parameters) over dp (ZeRO-1); the same as
+    ``--data-parallel-sharding-strategy optim``."""
+    data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] | None = opt(
+        None, "--data-parallel-sharding-strategy", "what is sharded over the dp x cp ranks: nothing, the optimizer "
+        "state (optim = --use-distributed-optimizer, ZeRO-1), also the gradients (optim_grads, ZeRO-2) or also the "
+        "parameters (optim_grads_params, ZeRO-3); ptdp train runs no_shard and optim (default: optim with "
+        "--use-distributed-optimizer, else no_shard)", "dp", plan=True)
+    """Megatron-Core's names for what the data-parallel ranks (dp x cp) shard: ``no_shard``,
+    ``optim`` (ZeRO-1, the distributed optimizer), ``optim_grads`` (ZeRO-2) and
+    ``optim_grads_params`` (ZeRO-3; Rajbhandari et al. 2020). None: ``optim`` when
+    ``use_distributed_optimizer`` is set, else ``no_shard`` (:attr:`sharding_strategy`). ``ptdp plan``
+    models all four (:mod:`ptdp.planner.memory`, :mod:`ptdp.planner.comm`); ``ptdp train`` rejects
+    the last two until it can train them."""
     overlap_param_gather: bool = opt(False, "--overlap-param-gather", "with --use-distributed-optimizer: overlap the "
                                      "parameter all-gather with the next forward", "dp")
     """Distributed optimizer: all-gather updated parameters asynchronously; each module's forward
@@ -94,6 +115,18 @@ class ParallelConfig:
     @property
     def pp(self) -> int:
         return self.pipeline_model_parallel_size
+
+    @property
+    def cp(self) -> int:
+        return self.context_parallel_size
+
+    @property
+    def sharding_strategy(self) -> str:
+        """The data-parallel sharding strategy: the explicit one, else ``optim`` with
+        ``use_distributed_optimizer``, else ``no_shard``."""
+        if self.data_parallel_sharding_strategy is not None:
+            return self.data_parallel_sharding_strategy
+        return "optim" if self.use_distributed_optimizer else "no_shard"
 
     @property
     def schedule(self) -> str:

@@ -16,9 +16,10 @@ from ptdp.spec.config import CheckpointConfig, Config, LaunchConfig, TrainConfig
 from ptdp.spec.errors import ConfigError, Violation, raise_violations
 from ptdp.spec.model import ModelConfig, concrete_params_dtype
 from ptdp.spec.parallel import ParallelConfig
-from ptdp.spec.rules import (V, data_parallel_violations, finite_violations, layout_violations,
-                             model_option_violations, positive_violations, recompute_violations,
-                             schedule_violations, sequence_parallel_violations)
+from ptdp.spec.rules import (V, context_parallel_violations, data_parallel_violations, finite_violations,
+                             layout_violations, model_option_violations, not_yet_trainable_violations,
+                             positive_violations, recompute_violations, schedule_violations,
+                             sequence_parallel_violations, sharding_violations)
 
 DEFAULT_LOCAL_WORKERS = 8
 """Workers ``ptdp train`` starts on a machine without GPUs when neither ``--nproc-per-node`` nor
@@ -49,6 +50,8 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
     errors += recompute_violations(m, chunks)
     errors += sequence_parallel_violations(m, p.tp, p.sequence_parallel)
     errors += data_parallel_violations(p)
+    errors += context_parallel_violations(m.seq_length, p.context_parallel_size)
+    errors += sharding_violations(p) + not_yet_trainable_violations(p)
     errors += checkpoint_violations(config.checkpoint)
     errors += launch_violations(config.launch)
     errors += model_option_violations(m)
@@ -59,7 +62,9 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
     raise_violations(errors)
     return dataclasses.replace(
         config,
-        parallel=dataclasses.replace(p, data_parallel_size=dp, pipeline_schedule=p.schedule),
+        parallel=dataclasses.replace(p, data_parallel_size=dp, pipeline_schedule=p.schedule,
+                                     data_parallel_sharding_strategy=p.sharding_strategy,
+                                     use_distributed_optimizer=p.sharding_strategy != "no_shard"),
         model=dataclasses.replace(m, ffn_hidden_size=m.ffn, **_recompute_defaults(m)),
         train=dataclasses.replace(t, lr_decay_iters=t.decay_iters),
     )
@@ -70,6 +75,7 @@ def _sizes(config: Config, world_size: int) -> dict[str, object]:
     sizes = {
         "tensor_model_parallel_size": p.tensor_model_parallel_size,
         "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+        "context_parallel_size": p.context_parallel_size,
         "num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
         "ffn_hidden_size": m.ffn, "seq_length": m.seq_length, "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
         "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size, "train_iters": t.train_iters,
@@ -93,17 +99,22 @@ def _floats(config: Config) -> dict[str, object]:
 
 
 def _resolve_dp(p: ParallelConfig, world_size: int, errors: list[Violation]) -> int:
-    tp, pp = p.tp, p.pp
+    """dp = world_size / (tp * cp * pp) (rule: world_size = tp * cp * pp * dp); cp is left out of
+    the messages when it is 1."""
+    tp, pp, cp = p.tp, p.pp, p.cp if isinstance(p.cp, int) and p.cp >= 1 else 1
+    names, values = ("tp*pp", f"{tp}*{pp}") if cp == 1 else ("tp*cp*pp", f"{tp}*{cp}*{pp}")
+    rule = "world_size = tp * pp * dp" if cp == 1 else "world_size = tp * cp * pp * dp"
+    model_parallel = tp * cp * pp
     if p.data_parallel_size is None:
-        if world_size % (tp * pp) != 0:
-            errors.append(V("world size", f"world_size={world_size} is not divisible by tp*pp={tp}*{pp}={tp * pp} "
-                            f"(rule: world_size = tp * pp * dp)"))
+        if world_size % model_parallel != 0:
+            errors.append(V("world size", f"world_size={world_size} is not divisible by {names}={values}="
+                            f"{model_parallel} (rule: {rule})"))
             return 1
-        return world_size // (tp * pp)
+        return world_size // model_parallel
     dp = p.data_parallel_size
-    if tp * pp * dp != world_size:
-        errors.append(V("world size", f"world_size={world_size} != tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} "
-                        f"(rule: world_size = tp * pp * dp)"))
+    if model_parallel * dp != world_size:
+        errors.append(V("world size", f"world_size={world_size} != {names}*dp = {values}*{dp} = {model_parallel * dp} "
+                        f"(rule: {rule})"))
     return dp
 
 

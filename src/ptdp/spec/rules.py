@@ -16,6 +16,10 @@ parallelism, recompute).
 - grouped-query attention: ``heads % G == 0`` and ``G % tp == 0``; rotary needs an even head dim
 - sequence parallelism: ``tp > 1`` and ``seq_length % tp == 0``
 - recompute: method and count need ``full``; ``1 <= recompute_num_layers <=`` layers per chunk
+- context parallelism: ``cp >= 1`` and ``seq_length % (2 cp) == 0`` (each cp rank holds two of
+  the ``2 cp`` load-balanced causal chunks); the head rules do not involve cp
+- data-parallel sharding: one of no_shard, optim, optim_grads, optim_grads_params, not
+  contradicting ``use_distributed_optimizer`` (which means optim)
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import math
 from ptdp.engine.pipeline.partition import stage_layer_counts
 from ptdp.spec.errors import ConfigError, Violation
 from ptdp.spec.fields import (ACTIVATIONS, BIND_POLICIES, DTYPES, GRAD_COMPRESSIONS, MIN_VOCAB_SIZE, NORMALIZATIONS,
-                              POSITION_EMBEDDINGS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, SCHEDULES)
+                              POSITION_EMBEDDINGS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, SCHEDULES,
+                              SHARDING_STRATEGIES)
 from ptdp.spec.model import AUTO_DTYPE, ModelConfig
 from ptdp.spec.parallel import ParallelConfig
 
@@ -146,6 +151,49 @@ def sequence_parallel_violations(m: ModelConfig, tp: int, sequence_parallel: boo
     return []
 
 
+def context_parallel_violations(seq_length: int, cp: int) -> list[Violation]:
+    """Rules of context parallelism (Megatron-Core's load-balanced causal split; Llama 3, Dubey et
+    al. 2024, §3.3.2): ``cp >= 1`` and ``seq_length % (2 cp) == 0``, each cp rank holding chunks
+    ``i`` and ``2 cp - 1 - i`` of ``seq_length / (2 cp)`` tokens."""
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        return [V("option", f"context_parallel_size={cp!r} must be a positive integer (1: no context parallelism)",
+                  cp=cp)]
+    if cp > 1 and seq_length % (2 * cp):
+        return [V("seq % (2 * cp)", f"seq_length={seq_length} is not divisible by 2*context_parallel_size = 2*{cp} = "
+                  f"{2 * cp} (rule: seq_length % (2 * cp) == 0; each cp rank holds two of 2*cp equal chunks for "
+                  f"causal load balance)", seq_length=seq_length, cp=cp)]
+    return []
+
+
+def sharding_violations(p: ParallelConfig) -> list[Violation]:
+    """``data_parallel_sharding_strategy`` is a known name and agrees with
+    ``use_distributed_optimizer`` (which means ``optim``)."""
+    strategy = p.data_parallel_sharding_strategy
+    if strategy is None:
+        return []
+    if strategy not in SHARDING_STRATEGIES:
+        return [V("option", f"data_parallel_sharding_strategy={strategy!r} must be one of {SHARDING_STRATEGIES}")]
+    if p.use_distributed_optimizer and strategy == "no_shard":
+        return [V("data parallel", "use_distributed_optimizer (data_parallel_sharding_strategy=optim) contradicts "
+                  "data_parallel_sharding_strategy=no_shard: give one")]
+    return []
+
+
+def not_yet_trainable_violations(p: ParallelConfig) -> list[Violation]:
+    """What ``ptdp plan`` models but ``ptdp train`` cannot run yet: context parallelism (cp > 1) and
+    the optim_grads / optim_grads_params sharding strategies."""
+    out = []
+    if isinstance(p.context_parallel_size, int) and p.context_parallel_size > 1:
+        out.append(V("not yet trainable", f"context_parallel_size={p.context_parallel_size}: context parallelism is "
+                     f"planned (ptdp plan --cp) but not yet trainable; use context_parallel_size=1",
+                     cp=p.context_parallel_size))
+    if p.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"):
+        out.append(V("not yet trainable", f"data_parallel_sharding_strategy={p.data_parallel_sharding_strategy}: "
+                     f"planned (ptdp plan) but not yet trainable; ptdp train runs no_shard and optim "
+                     f"(--use-distributed-optimizer)"))
+    return out
+
+
 def recompute_violations(m: ModelConfig, chunk_layers: list[int] | None) -> list[Violation]:
     """Rules of activation recomputation; ``chunk_layers``: the layers of every model chunk (None
     when the layout is invalid: the range of recompute_num_layers is then not checked)."""
@@ -176,12 +224,13 @@ def recompute_violations(m: ModelConfig, chunk_layers: list[int] | None) -> list
 def data_parallel_violations(p: ParallelConfig) -> list[Violation]:
     """Rules of the data-parallel engine: codec, distributed optimizer, buckets, CPU binding."""
     out = []
+    sharded = p.use_distributed_optimizer or p.data_parallel_sharding_strategy not in (None, "no_shard")
     if p.grad_compression not in GRAD_COMPRESSIONS:
         out.append(V("option", f"grad_compression={p.grad_compression!r} must be one of {GRAD_COMPRESSIONS}"))
-    if p.overlap_param_gather and not p.use_distributed_optimizer:
+    if p.overlap_param_gather and not sharded:
         out.append(V("data parallel", "overlap_param_gather needs use_distributed_optimizer (only the distributed "
                      "optimizer all-gathers parameters)"))
-    if p.grad_compression == "1bit" and p.use_distributed_optimizer:
+    if p.grad_compression == "1bit" and sharded:
         out.append(V("data parallel", "grad_compression=1bit cannot be combined with use_distributed_optimizer "
                      "(1-bit gradients are all-gathered, not reduce-scattered)"))
     warmup = p.grad_compression_warmup_iters

@@ -1,0 +1,73 @@
+"""Context parallelism and data-parallel sharding strategies in the configuration schema: one flag
+each, shared by ``ptdp train`` and ``ptdp plan``; ``ptdp train`` rejects what it cannot run yet
+(cp > 1, optim_grads, optim_grads_params) before any process, with exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from ptdp import cli
+from ptdp.commands.train_flags import add_train_arguments
+from ptdp.planner.args import add_plan_arguments
+from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec.rules import context_parallel_violations
+
+
+def _config(**parallel) -> Config:
+    return Config(model=ModelConfig(seq_length=64), parallel=ParallelConfig(**parallel), train=TrainConfig())
+
+
+def test_flags_and_aliases_are_shared_by_train_and_plan():
+    train, plan = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_train_arguments(train, local_launch=True)
+    add_plan_arguments(plan)
+    for parser, default in ((train, 1), (plan, None)):
+        assert parser.parse_args([]).context_parallel_size == default
+        assert parser.parse_args(["--cp", "4"]).context_parallel_size == 4
+        assert parser.parse_args(["--context-parallel-size", "2"]).context_parallel_size == 2
+        assert parser.parse_args([]).data_parallel_sharding_strategy is None
+        args = parser.parse_args(["--data-parallel-sharding-strategy", "optim_grads"])
+        assert args.data_parallel_sharding_strategy == "optim_grads"
+
+
+def test_world_is_tp_cp_pp_dp_and_the_sequence_splits_into_2cp_chunks():
+    assert context_parallel_violations(64, 1) == [] and context_parallel_violations(64, 32) == []
+    (v,) = context_parallel_violations(96, 32)
+    assert "seq_length=96 is not divisible by 2*context_parallel_size = 2*32 = 64" in v.message
+    assert "positive integer" in context_parallel_violations(64, 0)[0].message
+    with pytest.raises(ConfigError, match=r"world_size=8 != tp\*cp\*pp\*dp = 2\*2\*2\*2 = 16 \(rule: world_size = "
+                                          r"tp \* cp \* pp \* dp\)"):
+        resolve(_config(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2,
+                        data_parallel_size=2), 8)
+
+
+@pytest.mark.parametrize("parallel, message", [
+    (dict(context_parallel_size=2), r"context_parallel_size=2: context parallelism is planned \(ptdp plan --cp\) but "
+                                    r"not yet trainable"),
+    (dict(data_parallel_sharding_strategy="optim_grads"), "optim_grads: planned .* but not yet trainable"),
+    (dict(data_parallel_sharding_strategy="optim_grads_params"), "optim_grads_params: planned .* but not yet trainable"),
+    (dict(data_parallel_sharding_strategy="no_shard", use_distributed_optimizer=True), "contradicts"),
+])
+def test_train_rejects_what_it_cannot_run_yet(parallel, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve(_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, **parallel), 2)
+
+
+def test_optim_is_the_distributed_optimizer():
+    for given in (dict(data_parallel_sharding_strategy="optim"), dict(use_distributed_optimizer=True)):
+        p = resolve(_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, overlap_param_gather=True,
+                            **given), 2).parallel
+        assert p.use_distributed_optimizer and p.data_parallel_sharding_strategy == "optim" == p.sharding_strategy
+    p = resolve(_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1), 2).parallel
+    assert not p.use_distributed_optimizer and p.sharding_strategy == "no_shard"
+
+
+@pytest.mark.parametrize("argv", [["--cp", "2"], ["--data-parallel-sharding-strategy", "optim_grads_params"]])
+def test_ptdp_train_exits_2_before_any_process(argv, capsys, monkeypatch):
+    import ptdp.run.launch
+
+    monkeypatch.setattr(ptdp.run.launch, "launch_local", lambda *a, **k: pytest.fail("a process was started"))
+    assert cli.main(["train", "--train-iters", "1", *argv]) == 2
+    assert "not yet trainable" in capsys.readouterr().err
