@@ -92,6 +92,12 @@ VARIANTS = {
     "float32": ("float32", {}, {}, {}),
     "untied": ("float64", {"untie_embeddings_and_output_weights": True}, {}, {}),
     "uneven": ("float64", {"num_layers": 5}, {"pipeline_layer_split": (3, 2)}, {}),
+    # Megatron's first/last stage counts at pp = 4 (1, 3, 3, 1) and the same split given explicitly;
+    # the first stage's count alone (1, 2, 2, 2)
+    "first_last": ("float64", {"num_layers": 8}, {"decoder_first_pipeline_num_layers": 1,
+                                                 "decoder_last_pipeline_num_layers": 1}, {}),
+    "first_last_explicit": ("float64", {"num_layers": 8}, {"pipeline_layer_split": (1, 3, 3, 1)}, {}),
+    "first_only": ("float64", {"num_layers": 7}, {"decoder_first_pipeline_num_layers": 1}, {}),
     # one microbatch per pipeline when dp = 2 (fewer microbatches than stages)
     "one_microbatch": ("float64", {}, {}, {"global_batch_size": 4}),
     # bf16 weights with float32 main parameters and gradients: compared loosely

@@ -184,7 +184,7 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     rng = DropoutRNG(config.train.seed, dp_rank=groups.dp.rank, tp_rank=groups.tp.rank, device=device,
                      sequence_parallel=p.sequence_parallel)
     if v == 1:
-        layer_ids = stage_layer_ids(m.num_layers, pp, rank, p.pipeline_layer_split)
+        layer_ids = stage_layer_ids(m.num_layers, pp, rank, p.layer_split(m.num_layers))
         chunks = [GPTModel(m, groups.tp, layer_ids=layer_ids, pre_process=groups.is_first_stage,
                            post_process=groups.is_last_stage, sequence_parallel=p.sequence_parallel, rng=rng)]
     else:

@@ -54,9 +54,10 @@ def rank_estimates(config: Config) -> list[RankBytes]:
                     virtual_stages=p.virtual_stages(m.num_layers), recompute=m.recompute_granularity or "none",
                     precision=precision, sequence_parallel=p.sequence_parallel,
                     distributed_optimizer=p.use_distributed_optimizer)
-    layers = stage_layer_counts(m.num_layers, p.pp, p.pipeline_layer_split)
+    split = p.layer_split(m.num_layers)
+    layers = stage_layer_counts(m.num_layers, p.pp, split)
     counts = stage_param_counts(model, p.tp, p.pp, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-                                layer_split=p.pipeline_layer_split)
+                                layer_split=split)
     pb, gb, ob = bytes_per_param(precision, p.dp, p.use_distributed_optimizer)
     schedule = "gpipe" if p.schedule == "gpipe" else "1f1b"
     out = []

@@ -85,8 +85,9 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
     if layout is None:
         return {"note": f"the planner does not model params_dtype={config.model.params_dtype}"}
     model, p = spec_from_model_config(config.model), config.parallel
+    split = p.layer_split(config.model.num_layers)
     counts = stage_param_counts(model, p.tp, p.pp, make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by,
-                                layer_split=p.pipeline_layer_split)
+                                layer_split=split)
     sharded = p.use_distributed_optimizer
     per_param = bytes_per_param(layout.precision, p.dp, sharded)
     rows, exact = [], True
@@ -110,14 +111,14 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
             out["step_time"] = {"note": str(e)}
             return out
         cluster = Cluster(gpu, config.world_size, config.world_size)  # ptdp train's workers share one machine
-        memory = memory_breakdown(model, layout, gpu, overhead_bytes=0.0, layer_split=p.pipeline_layer_split,
+        memory = memory_breakdown(model, layout, gpu, overhead_bytes=0.0, layer_split=split,
                                   schedule="gpipe" if p.schedule == "gpipe" else "1f1b",
                                   make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by)
         out["peak_memory"]["predicted_bytes"] = memory.total
         if recompute_note(config):
             out["peak_memory"]["note"] = recompute_note(config)
         if layout.precision in gpu.peak_flops and mean_step_s:
-            perf = evaluate_performance(model, layout, cluster, constants, layer_split=p.pipeline_layer_split,
+            perf = evaluate_performance(model, layout, cluster, constants, layer_split=split,
                                         make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by)
             error = perf.time.step / mean_step_s - 1.0
             out["step_time"] = {"predicted_s": perf.time.step, "measured_s": mean_step_s, "error": error,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ptdp.engine.data_parallel.codecs import CodecChoice
-from ptdp.engine.pipeline.partition import virtual_stages
+from ptdp.engine.pipeline.partition import layer_split, virtual_stages
 from ptdp.spec.fields import opt
 
 
@@ -38,7 +38,20 @@ class ParallelConfig:
     pipeline_layer_split: tuple[int, ...] | None = opt(
         None, "--pipeline-layer-split", "explicit layers per pipeline stage, e.g. 3,3,2 (default: even split)",
         "layout", metavar="N,N,...", plan=True)
-    """Explicit layers per pipeline stage (pp entries summing to num_layers); None: even split."""
+    """Explicit layers per pipeline stage (pp entries summing to num_layers); None: even split
+    (or the first/last stage counts below; not together with them)."""
+    decoder_first_pipeline_num_layers: int | None = opt(
+        None, "--decoder-first-pipeline-num-layers", "layers on the first pipeline stage; the other stages split the "
+        "rest evenly (Megatron-LM's flag; not with --pipeline-layer-split or interleaving)", "layout", metavar="N",
+        plan=True)
+    """Layers on the first pipeline stage, which also holds the embedding; the stages without a
+    count of their own split the remaining layers evenly (must divide). None: no count of its own."""
+    decoder_last_pipeline_num_layers: int | None = opt(
+        None, "--decoder-last-pipeline-num-layers", "layers on the last pipeline stage; the other stages split the "
+        "rest evenly (Megatron-LM's flag; not with --pipeline-layer-split or interleaving)", "layout", metavar="N",
+        plan=True)
+    """Layers on the last pipeline stage, which also holds the output layer and the loss (see
+    :func:`ptdp.engine.pipeline.partition.first_last_split`). None: no count of its own."""
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] | None = opt(
         None, "--pipeline-schedule", "pipeline schedule (default: 1f1b, or interleaved-1f1b when "
         "--num-layers-per-virtual-pipeline-stage is given)", "layout")
@@ -133,6 +146,12 @@ class ParallelConfig:
         if self.pipeline_schedule is not None:
             return self.pipeline_schedule
         return "interleaved-1f1b" if self.num_layers_per_virtual_pipeline_stage else "1f1b"
+
+    def layer_split(self, num_layers: int) -> tuple[int, ...] | None:
+        """Layers per pipeline stage as the options ask: ``pipeline_layer_split``, the first/last
+        counts expanded, or None (even); raises ``ConfigError`` when they are impossible."""
+        return layer_split(num_layers, self.pp, self.pipeline_layer_split, self.decoder_first_pipeline_num_layers,
+                           self.decoder_last_pipeline_num_layers)
 
     def virtual_stages(self, num_layers: int) -> int:
         """v, the model chunks per pipeline rank."""

@@ -41,11 +41,12 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
     errors: list[Violation] = []
     dp = _resolve_dp(p, world_size, errors)
     errors += layout_violations(m, tp=p.tp, pp=p.pp, dp=dp, micro_batch_size=t.micro_batch_size,
-                                global_batch_size=t.global_batch_size, split=p.pipeline_layer_split)
+                                global_batch_size=t.global_batch_size, split=p.pipeline_layer_split,
+                                first=p.decoder_first_pipeline_num_layers, last=p.decoder_last_pipeline_num_layers)
     errors += train_violations(t) + profile_violations(t, world_size)
     if not errors:
         errors += schedule_violations(p, m.num_layers, t.global_batch_size // (t.micro_batch_size * dp))
-    chunks = None if errors else chunk_layer_counts(m.num_layers, p.pp, p.pipeline_layer_split,
+    chunks = None if errors else chunk_layer_counts(m.num_layers, p.pp, p.layer_split(m.num_layers),
                                                     p.num_layers_per_virtual_pipeline_stage)
     errors += recompute_violations(m, chunks)
     errors += sequence_parallel_violations(m, p.tp, p.sequence_parallel)
@@ -83,6 +84,9 @@ def _sizes(config: Config, world_size: int) -> dict[str, object]:
     }
     if p.data_parallel_size is not None:
         sizes["data_parallel_size"] = p.data_parallel_size
+    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        if getattr(p, name) is not None:
+            sizes[name] = getattr(p, name)
     return sizes
 
 

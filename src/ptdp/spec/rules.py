@@ -10,7 +10,8 @@ parallelism, recompute).
 
 - ``heads % tp == 0`` (attention is split by heads), ``hidden % heads == 0``, ``ffn % tp == 0``
 - ``num_layers % pp == 0`` unless an explicit ``pipeline_layer_split`` (pp entries >= 1 summing
-  to ``num_layers``)
+  to ``num_layers``) or first/last stage counts (``decoder_first/last_pipeline_num_layers``: the
+  other stages split the rest evenly; not with ``pipeline_layer_split`` nor interleaving)
 - ``global_batch_size % (micro_batch_size * dp) == 0``
 - interleaved 1F1B: ``num_layers % (pp * layers_per_chunk) == 0``, ``pp >= 2``, ``m % pp == 0``
 - grouped-query attention: ``heads % G == 0`` and ``G % tp == 0``; rotary needs an even head dim
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from ptdp.engine.pipeline.partition import stage_layer_counts
+from ptdp.engine.pipeline.partition import layer_split, stage_layer_counts
 from ptdp.spec.errors import ConfigError, Violation
 from ptdp.spec.fields import (ACTIVATIONS, BIND_POLICIES, DTYPES, GRAD_COMPRESSIONS, MIN_VOCAB_SIZE, NORMALIZATIONS,
                               POSITION_EMBEDDINGS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, SCHEDULES,
@@ -39,8 +40,10 @@ def V(rule: str, message: str, **values) -> Violation:  # noqa: N802 - a short c
     return Violation(rule, message, values)
 
 
-def model_violations(m: ModelConfig, tp: int, pp: int, split: tuple[int, ...] | None) -> list[Violation]:
-    """Rules tying the model to tp and pp (heads, hidden, ffn, layers per stage, vocabulary, dtype)."""
+def model_violations(m: ModelConfig, tp: int, pp: int, split: tuple[int, ...] | None, *, first: int | None = None,
+                     last: int | None = None) -> list[Violation]:
+    """Rules tying the model to tp and pp (heads, hidden, ffn, layers per stage, vocabulary, dtype);
+    ``first``/``last``: the first/last stage's layers (:func:`~ptdp.engine.pipeline.partition.layer_split`)."""
     out = []
     a, h = m.num_attention_heads, m.hidden_size
     if a % tp != 0:
@@ -54,9 +57,9 @@ def model_violations(m: ModelConfig, tp: int, pp: int, split: tuple[int, ...] | 
                      f"(rule: ffn % tp == 0)", ffn=m.ffn, tp=tp))
     out += llama_option_violations(m, tp)
     try:
-        stage_layer_counts(m.num_layers, pp, split)
+        stage_layer_counts(m.num_layers, pp, layer_split(m.num_layers, pp, split, first, last))
     except ConfigError as e:
-        out.append(V("layers % pp", str(e), num_layers=m.num_layers, pp=pp, split=split))
+        out.append(V("layers % pp", str(e), num_layers=m.num_layers, pp=pp, split=split, first=first, last=last))
     if m.vocab_size < MIN_VOCAB_SIZE:
         out.append(V("vocab size", f"vocab_size={m.vocab_size} must be >= {MIN_VOCAB_SIZE} (256 bytes + end token + "
                      f"merges)", vocab_size=m.vocab_size))
@@ -97,9 +100,10 @@ def llama_option_violations(m: ModelConfig, tp: int) -> list[Violation]:
 
 
 def layout_violations(m: ModelConfig, *, tp: int, pp: int, dp: int, micro_batch_size: int, global_batch_size: int,
-                      split: tuple[int, ...] | None = None) -> list[Violation]:
+                      split: tuple[int, ...] | None = None, first: int | None = None,
+                      last: int | None = None) -> list[Violation]:
     """The rules tying a model and batch to a tp x pp x dp layout (shared with the planner)."""
-    out = model_violations(m, tp, pp, split)
+    out = model_violations(m, tp, pp, split, first=first, last=last)
     b, big_b = micro_batch_size, global_batch_size
     if big_b % (b * dp) != 0:
         out.append(V("B % (b * dp)", f"global_batch_size={big_b} is not divisible by micro_batch_size*dp = {b}*{dp} = "
@@ -125,6 +129,11 @@ def schedule_violations(p: ParallelConfig, num_layers: int, num_microbatches: in
                          f"not {kind}"))
         if p.pipeline_layer_split is not None:
             out.append(V("interleaving", "pipeline_layer_split cannot be combined with virtual pipeline stages"))
+        if p.decoder_first_pipeline_num_layers is not None or p.decoder_last_pipeline_num_layers is not None:
+            out.append(V("interleaving", f"decoder_first_pipeline_num_layers={p.decoder_first_pipeline_num_layers} / "
+                         f"decoder_last_pipeline_num_layers={p.decoder_last_pipeline_num_layers} cannot be combined "
+                         f"with virtual pipeline stages (ptdp's interleaved schedule gives every model chunk "
+                         f"num_layers / (pp * v) layers)"))
     if kind == "interleaved-1f1b":
         if per_chunk is None:
             out.append(V("interleaving", "the interleaved-1f1b schedule needs num_layers_per_virtual_pipeline_stage"))

@@ -28,6 +28,75 @@ def stage_layer_counts(num_layers: int, pp: int, split: tuple[int, ...] | None) 
     return list(split)
 
 
+def first_last_split(num_layers: int, pp: int, first: int | None, last: int | None) -> tuple[int, ...]:
+    """Layers per stage from Megatron-LM's ``--decoder-first-pipeline-num-layers`` (``first``) and
+    ``--decoder-last-pipeline-num-layers`` (``last``): the first (last) stage holds that many
+    layers and the others split the remaining layers evenly. With pp = 2 and both given they must
+    add up to ``num_layers``.
+
+    Example: 126 layers, pp = 16, first = last = 7 -> ``(7, 8, 8, ..., 8, 7)`` (14 middle stages
+    of 8), the split of Llama 3 405B (Llama 3 paper, arXiv:2407.21783, §3.3.2: one layer fewer on
+    the first and the last stage, which also hold the embedding and the output layer + loss).
+
+    Raises:
+        ConfigError: pp < 2, a value < 1, or remaining layers that do not split evenly into at
+            least one layer per remaining stage (naming the numbers).
+    """
+    given = {name: n for name, n in (("decoder_first_pipeline_num_layers", first),
+                                      ("decoder_last_pipeline_num_layers", last)) if n is not None}
+    text = " and ".join(f"{name}={n}" for name, n in given.items())
+    if pp < 2:
+        raise ConfigError(f"{text} needs pipeline_model_parallel_size >= 2, got {pp}")
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in given.values()):
+        raise ConfigError(f"{text}: each must be an integer >= 1 (layers on that stage)")
+    rest, stages = num_layers - sum(given.values()), pp - len(given)
+    if stages == 0:
+        if rest != 0:
+            raise ConfigError(f"{text} with pp={pp}: the two stages must hold all num_layers={num_layers} layers "
+                              f"(their sum is {num_layers - rest})")
+        return (first, last)
+    if rest < stages or rest % stages:
+        minus = " - ".join(["num_layers", *("first" if "first" in k else "last" for k in given)])
+        raise ConfigError(
+            f"{text} leave {num_layers} - {sum(given.values())} = {rest} layers for the other {stages} of pp={pp} "
+            f"stages, which must split them evenly with at least one layer each (rule: ({minus}) % "
+            f"(pp - {len(given)}) == 0)")
+    per = rest // stages
+    return (first if first is not None else per,) + (per,) * (pp - 2) + (last if last is not None else per,)
+
+
+def layer_split(num_layers: int, pp: int, split: tuple[int, ...] | None = None, first: int | None = None,
+                last: int | None = None) -> tuple[int, ...] | None:
+    """The explicit layers per stage the options ask for: ``split`` (``--pipeline-layer-split``)
+    as given, the first/last stage counts expanded (:func:`first_last_split`), or None (even).
+
+    Raises:
+        ConfigError: ``split`` together with ``first`` or ``last`` (the split already names every
+            stage), or impossible first/last counts.
+    """
+    if first is None and last is None:
+        return split
+    if split is not None:
+        raise ConfigError(
+            f"pipeline_layer_split={list(split)} lists every stage's layers; it cannot be combined with "
+            + " or ".join(f"decoder_{k}_pipeline_num_layers={n}" for k, n in (("first", first), ("last", last))
+                          if n is not None) + " (give one or the other)")
+    return first_last_split(num_layers, pp, first, last)
+
+
+def first_last_of(split: tuple[int, ...]) -> tuple[int | None, int | None] | None:
+    """Megatron's (first, last) stage counts that give ``split`` (None for a stage equal to the
+    middle ones, both None for an even split), or None when ``split`` has another shape (its middle
+    stages differ: only ``--pipeline-layer-split`` expresses it). With two stages: (first, None)."""
+    if len(split) == 2:
+        return (None, None) if split[0] == split[1] else (split[0], None)
+    middle = set(split[1:-1])
+    if len(middle) != 1:
+        return None
+    (per,) = middle
+    return (split[0] if split[0] != per else None, split[-1] if split[-1] != per else None)
+
+
 def chunk_layer_counts(num_layers: int, pp: int, split: tuple[int, ...] | None,
                        layers_per_chunk: int | None) -> list[int]:
     """Layers of each model chunk (a stage, or a virtual stage when interleaved), the unit that

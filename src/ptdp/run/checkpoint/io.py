@@ -71,9 +71,10 @@ def _barrier(stage) -> None:
 
 def _layout_key(stage) -> dict:
     p = stage.config.parallel
+    split = p.layer_split(stage.config.model.num_layers)  # the first/last stage counts as the split they give
     return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": stage.virtual_stages,
             "ddp_bucket_size": p.ddp_bucket_size, "use_distributed_optimizer": p.use_distributed_optimizer,
-            "pipeline_layer_split": list(p.pipeline_layer_split) if p.pipeline_layer_split else None}
+            "pipeline_layer_split": list(split) if split else None}
 
 
 def _state_dict(stage, tensors: dict[int, dict[str, torch.Tensor]], model_values: dict[int, torch.Tensor],
