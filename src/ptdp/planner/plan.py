@@ -8,7 +8,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 RECOMPUTE = ("none", "selective", "full")
-PRECISIONS = ("bf16", "fp16", "fp32")
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
+#: Megatron-Core's data-parallel sharding strategies, least sharded first (ZeRO stages 0-3)
+SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+#: How context-parallel ranks exchange keys and values: a ring of point-to-point transfers, or
+#: one all-gather per layer (Megatron-Core's ``--cp-comm-type`` p2p and allgather)
+CP_COMM_TYPES = ("p2p", "allgather")
 
 
 @dataclass(frozen=True)
@@ -16,14 +21,23 @@ class Layout:
     """One way to run a model on a cluster.
 
     Attributes:
-        tp, pp, dp: tensor-, pipeline- and data-parallel sizes (tp * pp * dp GPUs).
+        tp, pp, dp: tensor-, pipeline- and data-parallel sizes (tp * cp * pp * dp GPUs).
         micro_batch_size: b; global_batch_size: B; m = B / (b * dp) microbatches per step.
         virtual_stages: v model chunks per pipeline rank (interleaved 1F1B when > 1).
         recompute: "none", "selective" (attention scores) or "full" (each layer's input kept).
         sequence_parallel: LayerNorm/dropout regions split along the sequence over tp (Korthikanti
             et al. 2022); TP all-reduces become all-gather + reduce-scatter.
-        distributed_optimizer: optimizer state (and fp32 main parameters) sharded over dp (ZeRO-1).
-        precision: "bf16", "fp16" (mixed precision with fp32 main weights) or "fp32".
+        distributed_optimizer: optimizer state (and fp32 main parameters) sharded (ZeRO-1); kept
+            equal to ``sharding != "no_shard"``.
+        precision: "bf16", "fp16" (mixed precision with fp32 main weights), "fp32", or "fp8" (bf16
+            mixed precision with FP8 weight GEMMs, :mod:`ptdp.planner.fp8`).
+        layer_split: explicit layers per pipeline stage (None: even).
+        cp: context-parallel size; the sequence is split into ``2 cp`` chunks, two per cp rank.
+            Rank order tp-cp-dp-pp: a cp group is ``cp`` ranks at stride tp.
+        sharding: data-parallel sharding strategy over the ``dp * cp`` ranks that hold the same
+            parameters (:data:`SHARDING`). None: derived from ``distributed_optimizer`` (``optim``
+            or ``no_shard``, :attr:`sharding_strategy`); given, it sets ``distributed_optimizer``.
+        cp_comm_type: key/value exchange of context parallelism (:data:`CP_COMM_TYPES`).
     """
 
     tp: int
@@ -37,10 +51,31 @@ class Layout:
     distributed_optimizer: bool = False
     precision: str = "bf16"
     layer_split: tuple[int, ...] | None = None
+    cp: int = 1
+    sharding: str | None = None
+    cp_comm_type: str = "p2p"
+
+    def __post_init__(self) -> None:
+        if self.sharding is not None:  # the strategy decides; distributed_optimizer follows it
+            object.__setattr__(self, "distributed_optimizer", self.sharding != "no_shard")
+
+    @property
+    def sharding_strategy(self) -> str:
+        """The data-parallel sharding strategy: ``sharding``, else ``optim`` with the distributed
+        optimizer, else ``no_shard``."""
+        if self.sharding is not None:
+            return self.sharding
+        return "optim" if self.distributed_optimizer else "no_shard"
 
     @property
     def num_gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks over which sharded state is split: ``dp * cp`` (parameters are replicated over cp
+        as over dp; gradients are reduced over both)."""
+        return self.dp * self.cp
 
     @property
     def num_microbatches(self) -> int:
@@ -106,8 +141,9 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        """The ``--json`` record: layout fields, fits, memory_bytes, time_s, tflops_per_gpu, mfu, reasons."""
+        """The ``--json`` record: layout fields (with ``cp`` and ``sharding``), fits, memory_bytes, time_s, tflops_per_gpu, mfu, reasons."""
         out = {k: v for k, v in asdict(self.layout).items()}
+        out["sharding"] = self.layout.sharding_strategy
         out["fits"] = self.fits
         out["memory_bytes"] = (
             {**{k: getattr(self.memory, k) for k in ("params", "grads", "optimizer", "activations", "overhead")},
