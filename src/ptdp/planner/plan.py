@@ -106,7 +106,10 @@ class TimeBreakdown:
     recompute: the extra forward of activation recomputation; tp_comm / pp_comm: exposed
     tensor-/pipeline-parallel communication; bubble: pipeline fill and drain; dp_comm: the part of
     the data-parallel gradient reduction not hidden behind backward; optimizer: the update;
-    core_sharing: time added because more workers than CPU cores share a machine (0 on GPUs).
+    core_sharing: time added because more workers than CPU cores share a machine (0 on GPUs);
+    cp_comm: exposed context-parallel key/value exchange (:mod:`ptdp.planner.context`). With a
+    sharded strategy dp_comm also holds the exposed gradient reduce-scatters and parameter
+    all-gathers (:mod:`ptdp.planner.sharding`).
     """
 
     compute: float
@@ -117,11 +120,12 @@ class TimeBreakdown:
     dp_comm: float
     optimizer: float
     core_sharing: float = 0.0
+    cp_comm: float = 0.0
 
     @property
     def step(self) -> float:
         return (self.compute + self.recompute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm
-                + self.optimizer + self.core_sharing)
+                + self.optimizer + self.core_sharing + self.cp_comm)
 
 
 @dataclass
@@ -152,7 +156,7 @@ class Plan:
         )
         out["time_s"] = (
             {**{k: getattr(self.time, k) for k in ("compute", "recompute", "tp_comm", "pp_comm", "bubble",
-                                                    "dp_comm", "optimizer", "core_sharing")},
+                                                    "dp_comm", "optimizer", "core_sharing", "cp_comm")},
              "step": self.time.step}
             if self.time else None
         )
