@@ -1,0 +1,68 @@
+"""The planner's explanation of its pick (ptdp.planner.explain): which step-time terms decide
+between the fastest layout and the runner-up, and how far a fixed layout is from the best."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ptdp.planner.explain import compare, deciding_terms, distance_from_best, explain_pick, layout_differences
+from ptdp.planner.hardware import GiB
+from ptdp.planner.plan import Layout, MemoryBreakdown, Plan, TimeBreakdown
+
+
+def _plan(layout: Layout, **times) -> Plan:
+    base = dict(compute=10.0, recompute=0.0, tp_comm=1.0, pp_comm=0.5, bubble=2.0, dp_comm=0.3, optimizer=0.2)
+    base.update(times)
+    memory = MemoryBreakdown(10 * GiB, 5 * GiB, 20 * GiB, 30 * GiB, 2 * GiB)
+    return Plan(layout, True, memory, TimeBreakdown(**base), 400.0, 0.4)
+
+
+A = Layout(8, 16, 128, 1, 2048, virtual_stages=2)
+B = dataclasses.replace(A, virtual_stages=1)
+
+
+def test_bubble_decides_interleaving_with_its_extra_communication_against_it():
+    """v = 2 halves the bubble (2 s -> 1 s) at the price of more pipeline transfers (+0.2 s):
+    the bubble is named as deciding, the transfers as against."""
+    faster, slower = _plan(A, bubble=1.0, pp_comm=0.7), _plan(B)
+    gains, losses = deciding_terms(faster, slower)
+    assert gains == ["bubble -1 s"] and losses == ["pp_comm +0.2 s"]
+    lines = compare(faster, slower, faster_name="#1", slower_name="#2")
+    assert lines[0] == "#1 vs #2: v 2 vs 1"
+    assert lines[1] == "  5.7% faster (13.2 s vs 14 s per step)"  # (14.0 - 13.2) / 14.0
+    assert "decided by bubble -1 s; against it: pp_comm +0.2 s" in lines[2]
+    assert "30" not in lines[0] and lines[3].endswith("67.0 vs 67.0 GiB")
+
+
+def test_terms_are_named_until_they_explain_most_of_the_gain():
+    faster = _plan(A, bubble=1.0, dp_comm=0.1, tp_comm=0.95)
+    slower = _plan(B)
+    gains, _ = deciding_terms(faster, slower)
+    assert gains == ["bubble -1 s"]  # 1.0 of 1.25 is 80%
+    gains, _ = deciding_terms(faster, slower, share=0.9)
+    assert gains == ["bubble -1 s", "dp_comm -0.2 s"]
+
+
+def test_near_tie_is_called_one():
+    lines = compare(_plan(A, bubble=1.95), _plan(B), faster_name="#1", slower_name="#2")
+    assert "near tie" in lines[1] and "0.4% apart" in lines[1]
+
+
+def test_explain_pick_needs_two_plans_and_differences_name_every_field():
+    assert explain_pick([_plan(A)]) == []
+    other = dataclasses.replace(B, tp=4, dp=256, sequence_parallel=True, recompute="selective")
+    assert layout_differences(_plan(A), _plan(other)) == [
+        "tp 8 vs 4", "dp 128 vs 256", "v 2 vs 1", "recompute none vs selective", "sp off vs on"]
+    lines = explain_pick([_plan(A, bubble=1.0), _plan(other)])
+    assert lines[0] == "why #1:" and lines[1].startswith("#1 vs #2: tp 8 vs 4")
+
+
+def test_distance_of_a_fixed_layout_from_the_best():
+    best, mine = _plan(A, bubble=1.0), _plan(B)
+    lines = distance_from_best(mine, best)
+    assert lines[0] == "the best layout with nothing fixed:" and lines[1] == "best vs yours: v 2 vs 1"
+    assert "decided by bubble -1 s" in lines[3]
+    assert distance_from_best(best, best) == [
+        "your fixed choices include the best layout the search finds with nothing fixed"]
+    assert distance_from_best(best, None) == []
+    assert distance_from_best(None, best)[0].startswith("with nothing fixed the search finds a fitting layout: tp=8")
