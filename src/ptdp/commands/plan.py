@@ -8,7 +8,9 @@ import dataclasses
 
 from ptdp.spec import ConfigError, stage_layer_counts
 from ptdp.planner.args import plan_precision
-from ptdp.planner.hardware import CATALOG, Cluster, GiB, get_gpu, load_catalog
+from ptdp.planner.fp8 import fp8_precision
+from ptdp.planner.hardware import CATALOG, Cluster, GiB, GPUSpec, get_gpu, load_catalog, runs_flash_attention
+from ptdp.planner.hf_config import is_config_path, load_hf_config
 from ptdp.planner.models import ModelSpec, get_model
 from ptdp.planner.report import json_report, plot, text_report
 from ptdp.planner.perf import DEFAULT_CONSTANTS
@@ -37,20 +39,36 @@ _SHAPE_FLAGS = {
 }
 
 
-def model_from_args(args: argparse.Namespace) -> ModelSpec:
-    """The preset named by ``--model`` with any shape flags applied, or a model from the flags alone."""
+def model_from_args(args: argparse.Namespace, gpu: GPUSpec | None = None) -> tuple[ModelSpec, list[str]]:
+    """The model ``--model`` names (a preset, or a Hugging Face config.json file or folder) with any
+    shape flags applied, or a model from the flags alone; and notes on what a config holds that
+    the planner does not model.
+
+    Attention kernel: ``--use-flash-attn`` / ``--no-use-flash-attn`` when given; else the
+    model's (flash for the Llama presets and Hugging Face configs, unfused for the
+    Megatron-paper GPT presets and shape flags), made flash on H100/H200-class ``gpu``
+    (:func:`~ptdp.planner.hardware.runs_flash_attention`), where every current training stack
+    runs a fused kernel."""
     overrides = {field: getattr(args, flag) for flag, field in _SHAPE_FLAGS.items() if getattr(args, flag) is not None}
     if args.swiglu is not None:  # --swiglu / --no-swiglu; not given: the preset's
         overrides["swiglu"] = args.swiglu
     if args.untie_embeddings_and_output_weights is not None:
         overrides["tied"] = not args.untie_embeddings_and_output_weights
-    if args.model:
-        return dataclasses.replace(get_model(args.model), **overrides)
-    missing = [f"--{f.replace('_', '-')}" for f in ("num_layers", "hidden_size", "num_attention_heads")
-               if f not in overrides]
-    if missing:
-        raise ConfigError(f"give --model NAME or the model shape: missing {', '.join(missing)}")
-    return ModelSpec(**overrides, name="custom")
+    notes: list[str] = []
+    if args.model and is_config_path(args.model):
+        model, notes = load_hf_config(args.model, seq_length=args.seq_length)
+    elif args.model:
+        model = get_model(args.model)
+    else:
+        missing = [f"--{f.replace('_', '-')}" for f in ("num_layers", "hidden_size", "num_attention_heads")
+                   if f not in overrides]
+        if missing:
+            raise ConfigError(f"give --model NAME or the model shape: missing {', '.join(missing)}")
+        model = ModelSpec(**overrides, name="custom")
+    flash = getattr(args, "use_flash_attn", None)
+    if flash is None:
+        flash = model.flash_attention or (gpu is not None and runs_flash_attention(gpu))
+    return dataclasses.replace(model, **overrides, flash_attention=flash), notes
 
 
 def _hardware(args: argparse.Namespace):
@@ -133,7 +151,8 @@ def _plan(args: argparse.Namespace) -> int:
         cluster = Cluster(gpu, args.gpus, per_node)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    model = model_from_args(args)
+    model, model_notes = model_from_args(args, gpu)
+    notes = [*model_notes, *notes]
     check_model(model)
     if args.pipeline_layer_split is not None:
         stage_layer_counts(model.num_layers, len(args.pipeline_layer_split), args.pipeline_layer_split)
@@ -143,6 +162,8 @@ def _plan(args: argparse.Namespace) -> int:
     precision = plan_precision(args) or ("bf16" if "bf16" in gpu.peak_flops else sorted(gpu.peak_flops)[0])
     if precision not in gpu.peak_flops:
         raise ConfigError(f"{gpu.name} has no peak FLOP/s for {precision}; known: {sorted(gpu.peak_flops)}")
+    if getattr(args, "fp8", False):
+        precision = fp8_precision(gpu, precision)
     result = search(model, cluster, args.global_batch_size, fixed=fixed,
                     precision=precision, constants=constants, overhead_bytes=overhead)
     if args.json:

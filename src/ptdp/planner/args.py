@@ -30,7 +30,20 @@ def plan_precision(args: argparse.Namespace) -> str | None:
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model (a preset, optionally overridden, or the shape flags alone)")
-    g.add_argument("--model", help="preset name, e.g. gpt3-175b, gpt-1.7b ... gpt-1008b, llama2-70b, llama3-8b")
+    g.add_argument("--model", metavar="NAME|PATH",
+                   help="preset name, e.g. gpt3-175b, gpt-1.7b ... gpt-1008b, llama2-70b, llama3-8b/70b/405b; or a "
+                        "Hugging Face config.json (the file, or a folder holding it) of a Llama, Mistral, Qwen2 or "
+                        "GPT-2 model; --seq-length default: its max_position_embeddings")
+    g.add_argument("--use-flash-attn", action=argparse.BooleanOptionalAction, default=None,
+                   help="attention by a fused flash kernel (no s x s scores kept or written; selective recompute "
+                        "then saves nothing); default: flash for the Llama presets, Hugging Face configs and on "
+                        "H100/H200-class GPUs, the unfused kernel of the published runs for the Megatron-paper "
+                        "GPT presets and other models on older GPUs")
+    g.add_argument("--fp8", action="store_true",
+                   help="plan FP8 training as Transformer Engine runs it on H100/H200 (planner only: ptdp train "
+                        "has no FP8): QKV, projection, fc1 and fc2 GEMMs at the GPU's FP8 peak with their inputs "
+                        "kept in FP8; attention, output layer, communication and weights stay bf16 with fp32 "
+                        "main parameters")
     add_flags(parser, "plan")  # shared with ptdp train: the model shape, layout, batch and options
 
     g = parser.add_argument_group("cluster")

@@ -14,6 +14,12 @@ Forward GEMMs of one layer, as (M, N, K, batch), FLOPs ``2 M N K batch``:
   Backward = 2 x forward (input and weight gradients; each has the forward's three dims
   permuted, so the same efficiency). Full recompute adds one layer forward; selective recompute
   adds the attention core (scores, softmax, dropout, context) [K22] §5.
+Flash attention (``ModelSpec.flash_attention``; [D23] Dao, "FlashAttention-2", arXiv:2307.08691)
+  keeps the scores on chip: no score bytes in memory, causal blocks above the diagonal skipped
+  (about half of the score and context FLOPs executed), a backward of five GEMMs of that size for
+  the forward's two (2.5 x the forward, [D23] §4.1), and nothing for selective recompute to redo.
+FP8 (``fp8_peak``, :mod:`ptdp.planner.fp8`): the QKV, projection, fc1 and fc2 GEMMs (forward and
+  backward) run at the GPU's FP8 peak with 1-byte operands; attention and the output layer stay 16-bit.
 Memory-bound (elementwise) kernels move bytes instead of doing FLOPs; their time is bytes /
 (achieved HBM bandwidth). A GEMM takes ``max(FLOP time, byte time)`` (roofline), which is what
 makes the thin ``K = d`` score GEMMs slow.
@@ -44,6 +50,15 @@ SCORE_BYTES_NO_DROPOUT = 4.0
 #: backward together: cast to fp32 (2 + 4), max (4), subtract and exp (8 + 8), sum (4),
 #: normalise (8), gradient (8 + 8), cast back (4 + 2), about 64.
 LOGIT_BYTES = 64.0
+#: Share of the s x s score and context FLOPs a causal flash kernel executes: it skips the key
+#: blocks wholly above the diagonal ([D23] §3.1.1), half of them for s much larger than a block.
+FLASH_CAUSAL_FRACTION = 0.5
+#: Backward FLOPs of a flash kernel over its forward: it recomputes the scores and runs five GEMMs
+#: (S, dP, dV, dQ, dK) for the forward's two ([D23] §4.1: "2.5 times that of the forward").
+FLASH_BACKWARD_RATIO = 2.5
+#: Indices of the weight GEMMs in :func:`layer_gemms` (QKV, projection, fc1, fc2): those that run
+#: in FP8 under Transformer Engine; the score and context GEMMs (1, 2) stay 16-bit.
+LINEAR_GEMMS = (0, 3, 4, 5)
 #: Backward memory traffic of an elementwise kernel relative to its forward: it reads the saved
 #: input(s) and the output gradient and writes the input gradient, about twice the forward's
 #: one read and one write.
@@ -81,7 +96,8 @@ def layer_forward_flops(model: ModelSpec, tp: int, micro_batch_size: int) -> flo
 
 def attention_core_flops(model: ModelSpec, tp: int, micro_batch_size: int) -> float:
     """Forward FLOPs of the score and context GEMMs: ``4 b s^2 a d / t`` (full s x s, as computed
-    without a causal-skipping kernel); what selective recompute repeats [K22] §5."""
+    without a causal-skipping kernel, and as the papers count model FLOPs); what selective
+    recompute repeats [K22] §5 with the unfused kernel."""
     g = layer_gemms(model, tp, micro_batch_size)
     return gemm_flops(*g[1]) + gemm_flops(*g[2])
 
@@ -109,12 +125,12 @@ def hardware_flops_per_step(model: ModelSpec, global_batch_size: int, recompute:
 
     Full recompute: ``4 x`` layer forward + ``3 x`` logits, i.e. [N21] eq. 3 for GPT:
     ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``. Selective: model FLOPs + the attention core once
-    more. None: model FLOPs.
+    more (nothing with a flash kernel, which is not recomputed). None: model FLOPs.
     """
     extra = 0.0
     if recompute == "full":
         extra = layer_forward_flops(model, 1, 1)
-    elif recompute == "selective":
+    elif recompute == "selective" and not model.flash_attention:
         extra = attention_core_flops(model, 1, 1)
     return model_flops_per_step(model, global_batch_size) + global_batch_size * model.num_layers * extra
 
@@ -150,14 +166,15 @@ def layer_elementwise_bytes(model: ModelSpec, tp: int, micro_batch_size: int, *,
 
     ``T h * HIDDEN_BYTES`` (divided by t with sequence parallelism, which splits the norms and
     dropouts along the sequence [K22] §4.2.2) + ``T ffn / t * FFN_BYTES`` + ``b a s^2 / t *
-    SCORE_BYTES``. The score part is what selective recompute repeats.
+    SCORE_BYTES``. The score part is what selective recompute repeats; 0 with a flash kernel,
+    which keeps the scores on chip.
     """
     b, s, h, t = micro_batch_size, model.seq_length, model.hidden_size, tp
     tokens = b * s
     hidden = HIDDEN_BYTES_LLAMA if model.llama_style else HIDDEN_BYTES_GPT
     ffn = FFN_BYTES_SWIGLU if model.swiglu else FFN_BYTES_GELU
     score = SCORE_BYTES_NO_DROPOUT if model.llama_style else SCORE_BYTES_DROPOUT
-    scores = score * b * model.num_attention_heads / t * s * s
+    scores = 0.0 if model.flash_attention else score * b * model.num_attention_heads / t * s * s
     total = hidden * tokens * h / (t if sequence_parallel else 1) + ffn * tokens * model.ffn / t + scores
     return total, scores
 
@@ -165,17 +182,33 @@ def layer_elementwise_bytes(model: ModelSpec, tp: int, micro_batch_size: int, *,
 @lru_cache(maxsize=65536)
 def layer_compute_times(model: ModelSpec, tp: int, micro_batch_size: int, sequence_parallel: bool,
                         peak_flops: float, bandwidth: float, peak_fraction: float,
-                        half_dim: float) -> tuple[float, float, float]:
+                        half_dim: float, fp8_peak: float = 0.0) -> tuple[float, float, float]:
     """Seconds of one layer on one tp rank for one microbatch, communication excluded:
     ``(forward, backward, attention-core forward)``.
 
     forward = Σ roofline GEMM times + elementwise bytes / bandwidth; backward = 2 x GEMM times +
     ``BACKWARD_TRAFFIC_RATIO`` x elementwise; the third item (score and context GEMMs + score
-    elementwise) is what selective recompute adds. ``bandwidth``: achieved HBM bytes/s. Cached.
+    elementwise) is what selective recompute adds. With ``model.flash_attention`` the score and
+    context GEMMs are one fused kernel, compute-bound (no s x s bytes), executing
+    ``FLASH_CAUSAL_FRACTION`` of their FLOPs forward and ``FLASH_BACKWARD_RATIO`` x that backward;
+    the third item is then 0. ``fp8_peak`` > 0: the weight GEMMs (:data:`LINEAR_GEMMS`) run at
+    that peak (FLOP/s) with 1-byte operands. ``bandwidth``: achieved HBM bytes/s. Cached.
     """
     kw = dict(peak_flops=peak_flops, bandwidth=bandwidth, peak_fraction=peak_fraction, half_dim=half_dim)
-    gemms = [gemm_time(*g, **kw) for g in layer_gemms(model, tp, micro_batch_size)]
+    shapes = layer_gemms(model, tp, micro_batch_size)
+    gemms = [gemm_time(*g, **kw) for g in shapes]
+    if fp8_peak:
+        for i in LINEAR_GEMMS:
+            gemms[i] = gemm_time(*shapes[i], **{**kw, "peak_flops": fp8_peak}, bytes_per_element=1.0)
     elementwise, scores = layer_elementwise_bytes(model, tp, micro_batch_size, sequence_parallel=sequence_parallel)
+    linear = sum(gemms[i] for i in LINEAR_GEMMS)
+    if model.flash_attention:
+        s, d = model.seq_length, model.hidden_size // model.num_attention_heads
+        eff = gemm_efficiency(s, s, d, peak_fraction=peak_fraction, half_dim=half_dim)
+        attention = FLASH_CAUSAL_FRACTION * attention_core_flops(model, tp, micro_batch_size) / (peak_flops * eff)
+        forward = linear + attention + elementwise / bandwidth
+        backward = 2.0 * linear + FLASH_BACKWARD_RATIO * attention + BACKWARD_TRAFFIC_RATIO * elementwise / bandwidth
+        return forward, backward, 0.0
     forward = sum(gemms) + elementwise / bandwidth
     backward = 2.0 * sum(gemms) + BACKWARD_TRAFFIC_RATIO * elementwise / bandwidth
     core = gemms[1] + gemms[2] + scores / bandwidth

@@ -57,9 +57,11 @@ class GPUSpec:
 # DGX A100 user guide: 8 GPUs, 8 x 200 Gb/s HDR InfiniBand compute ports (one per GPU).
 _A100_PEAK = {"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "tf32": 156 * TFLOPS, "fp32": 19.5 * TFLOPS}
 # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989.5 TFLOPS BF16/FP16 dense (1,979 with sparsity),
+# FP8 1,979 dense (3,958 with sparsity; "specifications 1/2 lower without sparsity"),
 # 494.7 TF32, 66.9 FP32; 80 GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s bidirectional.
 # DGX H100: 8 x 400 Gb/s NDR InfiniBand (ConnectX-7), one per GPU.
-_H100_PEAK = {"bf16": 989.5 * TFLOPS, "fp16": 989.5 * TFLOPS, "tf32": 494.7 * TFLOPS, "fp32": 66.9 * TFLOPS}
+_H100_PEAK = {"bf16": 989.5 * TFLOPS, "fp16": 989.5 * TFLOPS, "fp8": 1979 * TFLOPS, "tf32": 494.7 * TFLOPS,
+              "fp32": 66.9 * TFLOPS}
 
 CATALOG: dict[str, GPUSpec] = {
     "a100-40gb": GPUSpec("a100-40gb", _A100_PEAK, 40 * GiB, 1555 * GB, 300 * GB, 25 * GB, 8,
@@ -79,6 +81,13 @@ CATALOG: dict[str, GPUSpec] = {
 }
 CATALOG["h100"] = CATALOG["h100-sxm"]
 CATALOG["v100"] = CATALOG["v100-32gb"]
+
+
+def runs_flash_attention(gpu: GPUSpec) -> bool:
+    """Plans on ``gpu`` default to a flash attention kernel: GPUs with FP8 tensor cores (H100,
+    H200 and later), on which every current training stack (Megatron-Core with Transformer
+    Engine, torchtitan, NeMo) runs fused attention. Older GPUs keep the model's own kernel."""
+    return "fp8" in gpu.peak_flops
 
 
 class UnknownGPUError(ValueError):

@@ -7,13 +7,21 @@ position table), a SwiGLU MLP (three ``h x ffn`` matrices) and grouped-query att
 
 Two fields describe how a model was trained rather than its shape, because they change the
 activation memory: ``dropout`` (masks kept for backward) and ``flash_attention`` (no score matrix
-kept). The presets describe the published runs (Megatron GPT with dropout and attention scores
-kept; Llama without dropout, as released); :func:`spec_from_model_config` describes ptdp's own GPT.
+kept). The presets describe the published runs: the Megatron-paper GPT models with dropout and the
+unfused attention of 2021 (scores kept); Llama 2/3 without dropout and with a flash kernel, as
+trained and released. ``ptdp plan --use-flash-attn / --no-use-flash-attn`` overrides the kernel
+(:mod:`ptdp.commands.plan` also makes flash the default on H100/H200-class GPUs);
+:func:`spec_from_model_config` describes ptdp's own GPT.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+#: The linear layers of a transformer layer: fused QKV, attention output projection, fc1 (GELU's
+#: input, or SwiGLU's gate and up), fc2.
+LINEARS = ("qkv", "proj", "fc1", "fc2")
 
 
 @dataclass(frozen=True)
@@ -31,14 +39,19 @@ class ModelSpec:
         llama_style: RMSNorm without biases, rotary positions (no learned position table).
         rmsnorm, linear_bias, learned_positions: the three parts of ``llama_style`` one by one, for
             models that mix them (ptdp's options are independent); None: as ``llama_style`` says.
+        biased_linears: the linear layers with a bias, among :data:`LINEARS` (Qwen2: ``("qkv",)``);
+            None: all four when :attr:`has_linear_bias`, else none.
         dropout: trained with dropout (hidden, attention and embedding dropout, Megatron's GPT
             defaults): each dropout keeps a 1-byte mask per value for backward. The GPT presets
             keep True (the published runs used dropout); Llama presets and ptdp's GPT without
             dropout set False.
         flash_attention: attention by a fused kernel (FlashAttention, or PyTorch's
             ``scaled_dot_product_attention`` as in ptdp's GPT) that keeps no ``a s x s`` score
-            matrix for backward, only a log-sum-exp per head and token; False: the softmax output
-            (and dropout mask) of the scores is kept, as in the published Megatron runs.
+            matrix for backward, only a log-sum-exp per head and token, and never writes the
+            scores to memory; selective recompute then saves nothing in attention and costs
+            nothing (Megatron checkpoints the attention core only with the unfused kernel).
+            False: the softmax output (and dropout mask) of the scores is kept, as in the
+            published Megatron runs.
     """
 
     num_layers: int
@@ -54,6 +67,7 @@ class ModelSpec:
     rmsnorm: bool | None = None
     linear_bias: bool | None = None
     learned_positions: bool | None = None
+    biased_linears: tuple[str, ...] | None = None
     dropout: bool = True
     flash_attention: bool = False
     name: str = "custom"
@@ -77,6 +91,13 @@ class ModelSpec:
         return not self.llama_style if self.linear_bias is None else self.linear_bias
 
     @property
+    def linears_with_bias(self) -> tuple[str, ...]:
+        """The linear layers (names of :data:`LINEARS`) that have a bias."""
+        if self.biased_linears is not None:
+            return self.biased_linears
+        return LINEARS if self.has_linear_bias else ()
+
+    @property
     def has_position_table(self) -> bool:
         """A learned ``[s, h]`` position table on the first stage (not with rotary positions)."""
         return not self.llama_style if self.learned_positions is None else self.learned_positions
@@ -88,7 +109,7 @@ def _gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
 
 def _llama(name, layers, hidden, heads, groups, ffn, vocab, seq) -> ModelSpec:
     return ModelSpec(layers, hidden, heads, ffn, vocab, seq, num_query_groups=groups, swiglu=True, tied=False,
-                     llama_style=True, dropout=False, name=name)
+                     llama_style=True, dropout=False, flash_attention=True, name=name)
 
 
 PRESETS: dict[str, ModelSpec] = {

@@ -8,15 +8,18 @@ checks) or do not fit in memory are kept as rejected plans with their reasons.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from ptdp.spec import ParallelConfig, schedule_violations
+from ptdp.engine.pipeline.partition import first_last_split
+from ptdp.spec import ConfigError, ParallelConfig, schedule_violations
 from ptdp.planner.hardware import TFLOPS, Cluster, GiB
 from ptdp.planner.memory import memory_breakdown
 from ptdp.planner.models import ModelSpec
-from ptdp.planner.perf import DEFAULT_CONSTANTS, evaluate_performance
+from ptdp.planner.perf import DEFAULT_CONSTANTS, edge_layer_equivalents, evaluate_performance
 from ptdp.planner.plan import RECOMPUTE, Layout, Plan
 from ptdp.planner.rules import Rejection, all_rejections, schedule_rejections, structural_rejections
+from ptdp.planner.splits import candidate_splits
 
 MAX_MICRO_BATCH = 32
 
@@ -37,6 +40,11 @@ class Fixed:
     distributed_optimizer: bool | None = None
     layer_split: tuple[int, ...] | None = None
     """Megatron-style explicit layers per pipeline stage (--pipeline-layer-split): fixes pp and v = 1."""
+    first_layers: int | None = None
+    """--decoder-first-pipeline-num-layers: the first stage's layers (v = 1; the other stages split
+    the rest evenly). With ``last_layers`` None too, the search picks the split itself."""
+    last_layers: int | None = None
+    """--decoder-last-pipeline-num-layers: the last stage's layers."""
 
 
 @dataclass
@@ -45,10 +53,16 @@ class SearchResult:
 
     plans: list[Plan]
     rejected: list[tuple[Plan, Rejection]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What the search left out and why (each once), e.g. interleaving where the layers do not split evenly."""
 
     @property
     def evaluated(self) -> int:
         return len(self.plans) + len(self.rejected)
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
 
 
 def divisors(n: int) -> list[int]:
@@ -112,6 +126,33 @@ def _interleaving_flag_errors(num_layers: int, tp: int, pp: int, dp: int, b: int
     return [v.message for v in schedule_violations(parallel, num_layers, big_b // (b * dp))]
 
 
+def _fixed_split(num_layers: int, pp: int, fixed: Fixed) -> tuple[tuple[int, ...] | None, bool, tuple[Rejection, ...]]:
+    """(the split the user fixed or None, whether the search picks the split, the rejection of fixed
+    first/last counts that cannot split ``num_layers`` over ``pp`` stages)."""
+    if fixed.first_layers is None and fixed.last_layers is None:
+        return fixed.layer_split, fixed.layer_split is None and pp > 1, ()
+    try:
+        return first_last_split(num_layers, pp, fixed.first_layers, fixed.last_layers), False, ()
+    except ConfigError as e:
+        return None, False, (Rejection("layers % pp", str(e)),)
+
+
+def _predict_split(model, layout, cluster, constants, overhead, search_split: bool) -> tuple[Plan, Rejection | None]:
+    """Predict ``layout``; with ``search_split`` try the splits of :func:`candidate_splits` (from the
+    edge work of :func:`edge_layer_equivalents`) and return the fastest that fits, else the one
+    closest to fitting (the even split first: it wins ties)."""
+    if not search_split:
+        return _predict(model, layout, cluster, constants, overhead)
+    first, last = edge_layer_equivalents(model, layout, cluster, constants)
+    best = None
+    for split in candidate_splits(model.num_layers, layout.pp, first, last):
+        plan, rejection = _predict(model, dataclasses.replace(layout, layer_split=split), cluster, constants, overhead)
+        key = (0, plan.time.step) if rejection is None else (1, plan.memory.total if plan.memory else 0.0)
+        if best is None or key < best[0]:
+            best = (key, plan, rejection)
+    return best[1], best[2]
+
+
 def _micro_batches(big_b: int, dp: int, fixed: int | None) -> list[int]:
     if fixed is not None:
         return [fixed]
@@ -121,8 +162,9 @@ def _micro_batches(big_b: int, dp: int, fixed: int | None) -> list[int]:
 
 
 def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, constants, overhead, result) -> None:
-    split = fixed.layer_split
-    broken = structural_rejections(model, tp, pp, dp, b, big_b, cluster.gpus_per_node, split)
+    split, search_split, broken = _fixed_split(model.num_layers, pp, fixed)
+    probe = next(iter(candidate_splits(model.num_layers, pp, 0.0, 0.0)), None) if search_split else split
+    broken = broken or structural_rejections(model, tp, pp, dp, b, big_b, cluster.gpus_per_node, probe)
     base = Layout(tp, pp, dp, b, big_b, precision=precision, layer_split=split)
     if broken:
         result.rejected.append((Plan(base, False, reasons=[r.message for r in broken]), broken[0]))
@@ -141,8 +183,14 @@ def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, const
         vs = divisors(model.num_layers // pp)
     else:
         vs = [1]
+        if pp > 1:
+            result.note(f"pp={pp}: {model.num_layers} layers do not split evenly over {pp} stages: planned with "
+                        f"uneven first/last stages and v = 1 only (ptdp's interleaved schedule needs num_layers % "
+                        f"(pp * v) == 0)")
     for v in vs:
-        for recompute in _options(fixed.recompute, list(RECOMPUTE)):
+        # with a flash kernel selective recompute keeps and costs what "none" does: not searched
+        searched = [r for r in RECOMPUTE if not (r == "selective" and model.flash_attention)]
+        for recompute in _options(fixed.recompute, searched):
             # sequence parallelism needs tp > 1 and the distributed optimizer dp > 1: off otherwise
             for sp in _options(fixed.sequence_parallel, [False, True]) if tp > 1 else [False]:
                 for dopt in _options(fixed.distributed_optimizer, [False, True]) if dp > 1 else [False]:
@@ -151,7 +199,8 @@ def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, const
                     if bad:
                         result.rejected.append((Plan(layout, False, reasons=[r.message for r in bad]), bad[0]))
                         continue
-                    plan, rejection = _predict(model, layout, cluster, constants, overhead)
+                    plan, rejection = _predict_split(model, layout, cluster, constants, overhead,
+                                                     search_split and v == 1)
                     if rejection is None:
                         result.plans.append(plan)
                     else:
