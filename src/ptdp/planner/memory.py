@@ -266,8 +266,10 @@ def memory_breakdown(
 
     With an even split only the first and the last stage can be the maximum (the first holds the
     most microbatches in flight and the embedding, the last the output layer and logits; middle
-    stages hold no more than the first), so the cost is O(1) in pp. With ``layer_split`` every
-    stage is evaluated (default: ``layout.layer_split``).
+    stages hold no more than the first), so the cost is O(1) in pp. With ``layer_split`` (default:
+    ``layout.layer_split``) the first, the last and, for each distinct layer count of the middle
+    stages, the lowest-ranked of them are evaluated (a middle stage holds no more microbatches in
+    flight than the ones before it, and its parameters depend only on its layers).
     """
     pbytes, gbytes, obytes = bytes_per_param(layout.precision, layout.dp, layout.distributed_optimizer)
     layer_split = layer_split if layer_split is not None else layout.layer_split
@@ -281,7 +283,13 @@ def memory_breakdown(
         params = stage_param_counts(model, layout.tp, layout.pp,
                                     make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                     layer_split=layer_split)
-        candidates = list(zip(range(layout.pp), params, layer_split))
+        candidates, counts_seen = [], set()
+        for rank, (n_params, n_layers) in enumerate(zip(params, layer_split)):
+            middle = 0 < rank < layout.pp - 1
+            if not middle or n_layers not in counts_seen:
+                candidates.append((rank, n_params, n_layers))
+            if middle:
+                counts_seen.add(n_layers)
     best = None
     for rank, n_params, n_layers in candidates:
         act = stage_activation_bytes(model, layout, rank, n_layers, schedule=schedule,

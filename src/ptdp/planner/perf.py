@@ -171,6 +171,49 @@ def _stage_microbatch_times(model: ModelSpec, layout: Layout, peak: float, bandw
     return mid, first, last
 
 
+def split_stage_times(split: tuple[int, ...], layer: tuple[float, ...], first: tuple[float, ...],
+                      last: tuple[float, ...]) -> tuple[tuple[float, ...], ...]:
+    """Per-microbatch times of the stages of an uneven split, from ``layer`` (the times of one
+    layer) and ``first`` / ``last`` (one layer plus the first / last stage's edge work), each a
+    tuple of parts (compute, recompute, tp_comm).
+
+    Returns (first stage, mean of the middle stages, last stage, busiest stage, fill seconds): stage
+    i takes ``split[i]`` layers plus its edge; the busiest has the largest total (the later on a tie);
+    fill and drain take the layers-only time of all the other stages, ``(sum(split) -
+    split[busiest]) * sum(layer)`` (the 1F1B step of stages with times t_i is about
+    ``m max t_i + sum of the others``, [N21] §2.2 generalised; with an even split it is the
+    ``(pp - 1)`` layers-only slots of :func:`evaluate_performance`). Needs ``len(split) >= 2``.
+    """
+    edge_first = [f - u for f, u in zip(first, layer)]
+    edge_last = [x - u for x, u in zip(last, layer)]
+    stages = [tuple(n * u for u in layer) for n in split]
+    stages[0] = tuple(t + e for t, e in zip(stages[0], edge_first))
+    stages[-1] = tuple(t + e for t, e in zip(stages[-1], edge_last))
+    busiest = max(range(len(split)), key=lambda i: (sum(stages[i]), i))
+    middle = stages[1:-1] or [tuple(0.0 for _ in layer)]
+    mean = tuple(sum(col) / len(middle) for col in zip(*middle))
+    fill = (sum(split) - split[busiest]) * sum(layer)
+    return stages[0], mean, stages[-1], stages[busiest], fill
+
+
+def edge_layer_equivalents(model: ModelSpec, layout: Layout, cluster: Cluster,
+                           constants: PerfConstants = DEFAULT_CONSTANTS, *,
+                           make_vocab_size_divisible_by: int = 128) -> tuple[float, float]:
+    """(first, last): the first stage's embedding work and the last stage's output layer + loss, in
+    transformer layers of this time model (one microbatch; compute, recompute and exposed tp
+    communication). Their FLOPs: the lookup has none, the output layer ``2 b s h V / t`` forward, a
+    layer about ``(24 h^2 + 4 h s) b s / t`` for GPT ([N21] eq. 3's terms), so the loss side is about
+    ``V / (12 h + 2 s)`` layers; the time model adds the memory-bound and communication parts."""
+    c, gpu, prec = constants, cluster.gpu, layout.precision
+    peak = gpu.peak(prec)
+    v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, layout.tp)
+    elem = 4.0 if prec == "fp32" else 2.0
+    layer, first, last = _stage_microbatch_times(model, layout, peak, gpu.memory_bandwidth * c.hbm_efficiency,
+                                                 links_for(cluster, c), c, v_pad, elem, 1)
+    unit = sum(layer)
+    return (sum(first) - unit) / unit, (sum(last) - unit) / unit
+
+
 def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
                          constants: PerfConstants = DEFAULT_CONSTANTS, *,
                          make_vocab_size_divisible_by: int = 128,
@@ -182,8 +225,11 @@ def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
     + (pp - 1)/v x (a layers-only stage's microbatch) + exposed DP + optimizer.
     The DP reduction moves fp32 gradients (ptdp's main-grad buffer, 4 bytes per parameter; with
     the distributed optimizer, reduce-scatter of those + all-gather of the 16-bit weights).
-    ``layer_split`` (layers per stage; default ``layout.layer_split``, None: even) sizes the busiest
-    stage by its largest entry.
+    ``layer_split`` (layers per stage; default ``layout.layer_split``, None: even): each stage's
+    microbatch is its layers plus its edge work (the first stage's embedding, the last stage's output
+    layer + loss), the busiest stage sets the m slots, and fill and drain take the layers-only time
+    of every other stage, ``(l - l_busiest)`` layers plus ``pp - 1`` transfers (:func:`split_stage_times`;
+    with an even split this is the ``(pp - 1)`` slots above).
     Cost: O(1) in pp; per-model and per-(tp, b, sp) quantities are cached.
     """
     c, gpu, prec = constants, cluster.gpu, layout.precision
@@ -194,19 +240,23 @@ def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
     tp, pp, dp, v, m = layout.tp, layout.pp, layout.dp, layout.virtual_stages, layout.num_microbatches
     layer_split = layer_split if layer_split is not None else layout.layer_split
     v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, tp)
-    if layer_split is None:
+    even = layer_split is None or len(layer_split) == 1
+    if even:
         first_params, last_params, _ = _even_stage_params(model, tp, pp, make_vocab_size_divisible_by)
         n_params, layers = max(first_params, last_params), model.num_layers // pp
     else:
         n_params = max(stage_param_counts(model, tp, pp, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                           layer_split=layer_split))
-        layers = max(layer_split)
+        layers = 1  # one layer and the edges: each stage's time is built from them
     mid, first, last = _stage_microbatch_times(model, layout, peak, bandwidth, links, c, v_pad, elem, layers)
     busiest = last if sum(last) >= sum(first) else first
     p2p = 2.0 * v * pp_transfer_time(layout.micro_batch_size * model.seq_length, model.hidden_size, tp, dp, pp,
                                      sequence_parallel=layout.sequence_parallel, links=links,
                                      bytes_per_element=elem, scatter_gather=c.pp_scatter_gather)
     bubble = (pp - 1) / v * (sum(mid) + p2p)
+    if not even:
+        first, mid, last, busiest, fill = split_stage_times(layer_split, mid, first, last)
+        bubble = fill + (pp - 1) * p2p
 
     grad_sync = dp_grad_sync_time(4.0 * n_params, elem * n_params, tp, dp,
                                   distributed_optimizer=layout.distributed_optimizer, links=links)

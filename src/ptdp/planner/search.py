@@ -140,13 +140,20 @@ def _fixed_split(num_layers: int, pp: int, fixed: Fixed) -> tuple[tuple[int, ...
 def _predict_split(model, layout, cluster, constants, overhead, search_split: bool) -> tuple[Plan, Rejection | None]:
     """Predict ``layout``; with ``search_split`` try the splits of :func:`candidate_splits` (from the
     edge work of :func:`edge_layer_equivalents`) and return the fastest that fits, else the one
-    closest to fitting (the even split first: it wins ties)."""
+    closest to fitting (the even split first: it wins ties). When the even split fits, an uneven
+    one whose busiest stage is no lighter (layers + edge work) is not predicted: its m slots are
+    no shorter."""
     if not search_split:
         return _predict(model, layout, cluster, constants, overhead)
     first, last = edge_layer_equivalents(model, layout, cluster, constants)
-    best = None
+    load = lambda s: max(s[0] + first, s[-1] + last, *s[1:-1])  # noqa: E731 - busiest stage, in layers
+    best, even_load = None, None
     for split in candidate_splits(model.num_layers, layout.pp, first, last):
+        if split is not None and even_load is not None and load(split) >= even_load:
+            continue
         plan, rejection = _predict(model, dataclasses.replace(layout, layer_split=split), cluster, constants, overhead)
+        if split is None and rejection is None:
+            even_load = load((model.num_layers // layout.pp,) * layout.pp)
         key = (0, plan.time.step) if rejection is None else (1, plan.memory.total if plan.memory else 0.0)
         if best is None or key < best[0]:
             best = (key, plan, rejection)
