@@ -11,8 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ptdp.engine.pipeline.partition import first_last_split
-from ptdp.spec import ConfigError, ParallelConfig, schedule_violations
+from ptdp.spec import ConfigError, ParallelConfig, first_last_split, schedule_violations
 from ptdp.planner.hardware import TFLOPS, Cluster, GiB
 from ptdp.planner.memory import memory_breakdown
 from ptdp.planner.models import ModelSpec

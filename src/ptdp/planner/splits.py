@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from ptdp.engine.pipeline.partition import first_last_of
+from ptdp.spec import first_last_of
 
 
 def candidate_splits(num_layers: int, pp: int, first_extra: float, last_extra: float) -> list[tuple[int, ...] | None]:
