@@ -19,7 +19,8 @@ Flash attention (``ModelSpec.flash_attention``; [D23] Dao, "FlashAttention-2", a
   (about half of the score and context FLOPs executed), a backward of five GEMMs of that size for
   the forward's two (2.5 x the forward, [D23] §4.1), and nothing for selective recompute to redo.
 FP8 (``fp8_peak``, :mod:`ptdp.planner.fp8`): the QKV, projection, fc1 and fc2 GEMMs (forward and
-  backward) run at the GPU's FP8 peak with 1-byte operands; attention and the output layer stay 16-bit.
+  backward) run at the GPU's FP8 peak with 1-byte operands, plus the memory traffic of the casts
+  no other kernel does (:func:`fp8_cast_bytes`); attention and the output layer stay 16-bit.
 Memory-bound (elementwise) kernels move bytes instead of doing FLOPs; their time is bytes /
 (achieved HBM bandwidth). A GEMM takes ``max(FLOP time, byte time)`` (roofline), which is what
 makes the thin ``K = d`` score GEMMs slow.
@@ -59,6 +60,9 @@ FLASH_BACKWARD_RATIO = 2.5
 #: Indices of the weight GEMMs in :func:`layer_gemms` (QKV, projection, fc1, fc2): those that run
 #: in FP8 under Transformer Engine; the score and context GEMMs (1, 2) stay 16-bit.
 LINEAR_GEMMS = (0, 3, 4, 5)
+#: Bytes per element of an FP8 cast of an activation: read 2 (bf16), write 1 (FP8) and 1 (its
+#: FP8 transpose), Transformer Engine's fused cast-transpose.
+FP8_CAST_BYTES = 4.0
 #: Backward memory traffic of an elementwise kernel relative to its forward: it reads the saved
 #: input(s) and the output gradient and writes the input gradient, about twice the forward's
 #: one read and one write.
@@ -179,6 +183,27 @@ def layer_elementwise_bytes(model: ModelSpec, tp: int, micro_batch_size: int, *,
     return total, scores
 
 
+def fp8_cast_bytes(model: ModelSpec, tp: int, micro_batch_size: int) -> tuple[float, float]:
+    """(forward, backward) bytes of the FP8 casts of one layer on one tp rank for one microbatch
+    that no other kernel does on the way.
+
+    An FP8 GEMM needs its activation operand in FP8 and, for the weight-gradient GEMM, its FP8
+    transpose (Hopper's FP8 GEMMs take K-major operands). Transformer Engine writes both from the
+    kernel that makes the value when it can: the norms before QKV and fc1 and the SwiGLU/GELU
+    before fc2 write FP8 + transpose (1 + 1 bytes) instead of 2 (no extra traffic), and so does
+    the activation's backward for fc1's output gradient. The rest are separate cast-transposes,
+    :data:`FP8_CAST_BYTES` per element: forward the attention output (the projection's input,
+    ``a d / t`` per token, from the 16-bit attention kernel); backward the output gradients of
+    fc2 and of the projection (h each) and of QKV (``(a + 2 kv) d / t``, from the attention
+    backward). Weights are cast once per step (not counted).
+    """
+    h, a = model.hidden_size, model.num_attention_heads
+    d, kv, t, tokens = h // a, model.kv_heads, tp, micro_batch_size * model.seq_length
+    forward = tokens * a * d / t
+    backward = tokens * (2 * h + (a + 2 * kv) * d / t)
+    return FP8_CAST_BYTES * forward, FP8_CAST_BYTES * backward
+
+
 @lru_cache(maxsize=65536)
 def layer_compute_times(model: ModelSpec, tp: int, micro_batch_size: int, sequence_parallel: bool,
                         peak_flops: float, bandwidth: float, peak_fraction: float,
@@ -192,25 +217,29 @@ def layer_compute_times(model: ModelSpec, tp: int, micro_batch_size: int, sequen
     context GEMMs are one fused kernel, compute-bound (no s x s bytes), executing
     ``FLASH_CAUSAL_FRACTION`` of their FLOPs forward and ``FLASH_BACKWARD_RATIO`` x that backward;
     the third item is then 0. ``fp8_peak`` > 0: the weight GEMMs (:data:`LINEAR_GEMMS`) run at
-    that peak (FLOP/s) with 1-byte operands. ``bandwidth``: achieved HBM bytes/s. Cached.
+    that peak (FLOP/s) with 1-byte operands, and the casts of their activation operands
+    (:func:`fp8_cast_bytes`) move memory. ``bandwidth``: achieved HBM bytes/s. Cached.
     """
     kw = dict(peak_flops=peak_flops, bandwidth=bandwidth, peak_fraction=peak_fraction, half_dim=half_dim)
     shapes = layer_gemms(model, tp, micro_batch_size)
     gemms = [gemm_time(*g, **kw) for g in shapes]
+    elementwise, scores = layer_elementwise_bytes(model, tp, micro_batch_size, sequence_parallel=sequence_parallel)
+    cast_forward = cast_backward = 0.0
     if fp8_peak:
         for i in LINEAR_GEMMS:
             gemms[i] = gemm_time(*shapes[i], **{**kw, "peak_flops": fp8_peak}, bytes_per_element=1.0)
-    elementwise, scores = layer_elementwise_bytes(model, tp, micro_batch_size, sequence_parallel=sequence_parallel)
+        cast_forward, cast_backward = fp8_cast_bytes(model, tp, micro_batch_size)
     linear = sum(gemms[i] for i in LINEAR_GEMMS)
     if model.flash_attention:
         s, d = model.seq_length, model.hidden_size // model.num_attention_heads
         eff = gemm_efficiency(s, s, d, peak_fraction=peak_fraction, half_dim=half_dim)
         attention = FLASH_CAUSAL_FRACTION * attention_core_flops(model, tp, micro_batch_size) / (peak_flops * eff)
-        forward = linear + attention + elementwise / bandwidth
-        backward = 2.0 * linear + FLASH_BACKWARD_RATIO * attention + BACKWARD_TRAFFIC_RATIO * elementwise / bandwidth
+        forward = linear + attention + (elementwise + cast_forward) / bandwidth
+        backward = (2.0 * linear + FLASH_BACKWARD_RATIO * attention
+                    + (BACKWARD_TRAFFIC_RATIO * elementwise + cast_backward) / bandwidth)
         return forward, backward, 0.0
-    forward = sum(gemms) + elementwise / bandwidth
-    backward = 2.0 * sum(gemms) + BACKWARD_TRAFFIC_RATIO * elementwise / bandwidth
+    forward = sum(gemms) + (elementwise + cast_forward) / bandwidth
+    backward = 2.0 * sum(gemms) + (BACKWARD_TRAFFIC_RATIO * elementwise + cast_backward) / bandwidth
     core = gemms[1] + gemms[2] + scores / bandwidth
     return forward, backward, core
 

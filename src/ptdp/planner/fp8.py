@@ -7,8 +7,10 @@ Engine with Megatron-Core, delayed scaling, "hybrid" E4M3 forward / E5M2 backwar
 
 - Compute (:func:`ptdp.planner.flops.layer_compute_times`): the QKV, attention-projection, fc1
   and fc2 GEMMs, forward and both backward GEMMs, at the GPU's dense FP8 peak with 1-byte
-  operands. The attention core (a bf16 flash kernel), the output layer and the loss, norms and
-  elementwise kernels stay bf16; MFU is reported against the bf16 peak.
+  operands, plus the memory traffic of the FP8 cast-transposes no other kernel does
+  (:func:`ptdp.planner.flops.fp8_cast_bytes`). The attention core (a bf16 flash kernel), the
+  output layer and the loss, norms and elementwise kernels stay bf16; MFU is reported against
+  the bf16 peak.
 - Activations (:func:`ptdp.planner.memory.layer_activation_bytes`): the inputs of those four GEMMs
   are kept in FP8 for the weight-gradient GEMMs (1 byte per value: the QKV and fc1 inputs, h per
   token, the projection input ``a d`` and the fc2 input ``ffn``); every other kept tensor is bf16.
