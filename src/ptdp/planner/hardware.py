@@ -34,6 +34,9 @@ class GPUSpec:
         shared_cores: 0 for real accelerators (one device per worker). For a CPU "device"
             (``ptdp plan --calibrate``): the number of CPU cores the node's workers share; the
             rates above are then those of one worker running alone on a core.
+        arch: GPU architecture ("ampere", "hopper", ...): selects the time model's fitted
+            efficiencies for that generation (:meth:`ptdp.planner.perf.PerfConstants.for_gpu`);
+            "" (and any architecture without its own fit) uses the constants as given.
     """
 
     name: str
@@ -45,6 +48,7 @@ class GPUSpec:
     gpus_per_node: int = 8
     source: str = ""
     shared_cores: int = 0
+    arch: str = ""
 
     def peak(self, precision: str) -> float:
         if precision not in self.peak_flops:
@@ -60,24 +64,35 @@ _A100_PEAK = {"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "tf32": 156 * TFLOPS, 
 # FP8 1,979 dense (3,958 with sparsity; "specifications 1/2 lower without sparsity"),
 # 494.7 TF32, 66.9 FP32; 80 GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s bidirectional.
 # DGX H100: 8 x 400 Gb/s NDR InfiniBand (ConnectX-7), one per GPU.
+# Checked 2026-12-01 against restatements of the datasheet (NVIDIA's page was not reachable from
+# here): glennklockwood.com/garden/processors/h100 (BF16/FP16 matrix 989.4 dense, 1,978.9 sparse;
+# FP8 1,978.9 dense; 80 GB HBM3; 3.35 TB/s; 900 GB/s NVLink; 132 SMs, 528 tensor cores);
+# the Llama 3 paper (arXiv:2407.21783, section 3.3.1: 80 GB HBM3 H100 at 700 W, 8 per server on
+# NVLink, 400 Gbps per GPU on RoCE or InfiniBand); Megatron-LM's H100 table divides its TFLOP/s
+# by about 989 to print MFU (benchmarks/data/published_runs_h100.csv). Measured NVLink 4:
+# NVIDIA/nccl issue 1264, p2pBandwidthLatencyTest 380 GB/s of the 450 GB/s per direction (84%).
 _H100_PEAK = {"bf16": 989.5 * TFLOPS, "fp16": 989.5 * TFLOPS, "fp8": 1979 * TFLOPS, "tf32": 494.7 * TFLOPS,
               "fp32": 66.9 * TFLOPS}
 
 CATALOG: dict[str, GPUSpec] = {
     "a100-40gb": GPUSpec("a100-40gb", _A100_PEAK, 40 * GiB, 1555 * GB, 300 * GB, 25 * GB, 8,
-                         "NVIDIA A100 datasheet (SXM4 40GB); DGX A100 HDR 200 Gb/s per GPU"),
+                         "NVIDIA A100 datasheet (SXM4 40GB); DGX A100 HDR 200 Gb/s per GPU", arch="ampere"),
     "a100-80gb": GPUSpec("a100-80gb", _A100_PEAK, 80 * GiB, 2039 * GB, 300 * GB, 25 * GB, 8,
-                         "NVIDIA A100 datasheet (SXM4 80GB); DGX A100 HDR 200 Gb/s per GPU"),
+                         "NVIDIA A100 datasheet (SXM4 80GB); DGX A100 HDR 200 Gb/s per GPU", arch="ampere"),
     "h100-sxm": GPUSpec("h100-sxm", _H100_PEAK, 80 * GiB, 3350 * GB, 450 * GB, 50 * GB, 8,
-                        "NVIDIA H100 datasheet (SXM5 80GB); DGX H100 NDR 400 Gb/s per GPU"),
+                        "NVIDIA H100 datasheet (SXM5 80GB); DGX H100 NDR 400 Gb/s per GPU", arch="hopper"),
     # NVIDIA H200 datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; nvidia-smi
-    # reports 143,771 MiB of memory.
+    # reports 143,771 MiB of memory. Checked 2026-12-01: NVIDIA's MLPerf Inference v4.1 system
+    # description H200-SXM-141GBx8 (mlcommons/inference_results_v4.1, closed/NVIDIA/systems:
+    # "141 GB" HBM3e, "18x 4th Gen NVLink, 900GB/s", 700 W) and restatements of the datasheet
+    # (4.8 TB/s; same GH100 compute as H100 SXM).
     "h200": GPUSpec("h200", _H100_PEAK, 143771 * 2**20, 4800 * GB, 450 * GB, 50 * GB, 8,
-                    "NVIDIA H200 datasheet (SXM 141GB); NDR 400 Gb/s per GPU"),
+                    "NVIDIA H200 datasheet (SXM 141GB); NDR 400 Gb/s per GPU", arch="hopper"),
     # NVIDIA V100 datasheet (SXM2 32GB): 125 TFLOPS FP16 tensor, 15.7 FP32; HBM2 900 GB/s;
     # NVLink 2 300 GB/s bidirectional. DGX-1V: 4 x 100 Gb/s EDR InfiniBand for 8 GPUs.
     "v100-32gb": GPUSpec("v100-32gb", {"fp16": 125 * TFLOPS, "fp32": 15.7 * TFLOPS}, 32 * GiB, 900 * GB,
-                         150 * GB, 6.25 * GB, 8, "NVIDIA V100 datasheet (SXM2 32GB); DGX-1V 4 x EDR 100 Gb/s"),
+                         150 * GB, 6.25 * GB, 8, "NVIDIA V100 datasheet (SXM2 32GB); DGX-1V 4 x EDR 100 Gb/s",
+                         arch="volta"),
 }
 CATALOG["h100"] = CATALOG["h100-sxm"]
 CATALOG["v100"] = CATALOG["v100-32gb"]
@@ -127,7 +142,7 @@ def load_catalog(path: str | Path) -> dict[str, GPUSpec]:
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a table of GPUs keyed by name")
     known = {f.name for f in fields(GPUSpec)}
-    required = known - {"name", "gpus_per_node", "source", "shared_cores"}
+    required = known - {"name", "gpus_per_node", "source", "shared_cores", "arch"}
     out = dict(CATALOG)
     for name, table in raw.items():
         if not isinstance(table, dict):
