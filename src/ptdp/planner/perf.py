@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ptdp.spec import padded_vocab_size
 from ptdp.planner import flops
@@ -42,6 +43,9 @@ class PerfConstants:
     runs of ``published_runs.csv`` (Megatron SC21 Table 1 TFLOP/s and Korthikanti et al. 2022
     Table 5 iteration times, all on A100-80GB; ``python -m ptdp.planner.validate --fit``, results
     in BENCHMARKS.md), never per run. The others are set from physics or defaults of the software.
+    Where the physics of a GPU generation differs, ``arch_fits`` holds that generation's own
+    values of the GEMM and HBM efficiencies (:meth:`for_gpu`), fitted the same way on its
+    published runs (Hopper: ``published_runs_h100.csv``).
 
     Attributes:
         gemm_peak_fraction: fraction of the tensor-core peak a large, well-shaped 16-bit GEMM
@@ -73,6 +77,21 @@ class PerfConstants:
         optimizer_efficiency: achieved fraction of the memory-bound bandwidth by the optimizer
             step (Adam update, gradient norm, zeroing). 1 on GPUs (fused multi-tensor kernels);
             measured by ``ptdp plan --calibrate`` on a CPU, where per-tensor overhead shows.
+        tp_overlap: fraction of the layers' tensor-parallel communication hidden behind the GEMMs
+            it feeds (the embedding's and the logits' all-reduce stay exposed). 0: ptdp and the Megatron versions of the A100 runs wait for each collective.
+            Transformer Engine's comm-GEMM overlap (Megatron's ``--tp-comm-overlap``) splits each
+            GEMM into tp chunks and exchanges one chunk while multiplying another, so all but the
+            first of tp transfers are hidden: ``(tp - 1) / tp`` for the runs that used it
+            (:func:`ptdp.planner.validate.run_constants`).
+        arch_fits: per GPU architecture (:attr:`ptdp.planner.hardware.GPUSpec.arch`), that
+            generation's ``(arch, gemm_peak_fraction, gemm_half_dim, hbm_efficiency)``. Hopper
+            (H100, H200): 0.61 and 0.65 fitted jointly by least squares over the 13 published H100
+            runs without context parallelism (``python -m ptdp.planner.validate
+            benchmarks/data/published_runs_h100.csv --fit``), ``gemm_half_dim`` 128 set: Hopper's
+            tensor-core GEMMs run 128 x 256 tiles (warp-group MMAs of 64 x N), half of a 256-wide
+            tile, twice Ampere's. The lower peak fraction is physical: an H100 SXM under a
+            sustained dense load holds its 700 W limit below the boost clock at which the
+            datasheet's 989.5 TFLOP/s is counted.
     """
 
     gemm_peak_fraction: float = 0.77
@@ -87,6 +106,26 @@ class PerfConstants:
     layer_overhead: float = 0.0
     head_overhead: float = 0.0
     optimizer_efficiency: float = 1.0
+    tp_overlap: float = 0.0
+    arch_fits: tuple[tuple[str, float, float, float], ...] = (("hopper", 0.61, 128.0, 0.65),)
+
+    def __post_init__(self) -> None:  # a profile read from JSON holds lists
+        object.__setattr__(self, "arch_fits", tuple(tuple(fit) for fit in self.arch_fits))
+
+    def for_gpu(self, gpu) -> PerfConstants:
+        """These constants with ``gpu.arch``'s fitted efficiencies (``arch_fits``), or unchanged
+        for an architecture without its own fit (Ampere, whose fit the plain fields hold; a
+        calibrated CPU)."""
+        return _for_arch(self, getattr(gpu, "arch", ""))
+
+
+@lru_cache(maxsize=256)
+def _for_arch(constants: PerfConstants, arch: str) -> PerfConstants:
+    for name, gemm, half_dim, hbm in constants.arch_fits:
+        if name == arch:
+            return dataclasses.replace(constants, gemm_peak_fraction=gemm, gemm_half_dim=half_dim,
+                                       hbm_efficiency=hbm, arch_fits=())
+    return constants
 
 
 DEFAULT_CONSTANTS = PerfConstants()
@@ -159,6 +198,7 @@ def _stage_microbatch_times(model: ModelSpec, layout: Layout, peak: float, bandw
                                                c.gemm_peak_fraction, c.gemm_half_dim)
     tp_f, tp_b = tp_layer_comm_times(b * s, h, tp, sequence_parallel=layout.sequence_parallel, links=links,
                                      bytes_per_element=elem)
+    tp_f, tp_b = (1.0 - c.tp_overlap) * tp_f, (1.0 - c.tp_overlap) * tp_b
     rec = {"full": fwd, "selective": core}.get(layout.recompute, 0.0)
     rec_comm = tp_f if layout.recompute == "full" else 0.0
     mid = (layers * (fwd + bwd + c.layer_overhead), layers * rec, layers * (tp_f + tp_b + rec_comm))
@@ -204,7 +244,7 @@ def edge_layer_equivalents(model: ModelSpec, layout: Layout, cluster: Cluster,
     communication). Their FLOPs: the lookup has none, the output layer ``2 b s h V / t`` forward, a
     layer about ``(24 h^2 + 4 h s) b s / t`` for GPT ([N21] eq. 3's terms), so the loss side is about
     ``V / (12 h + 2 s)`` layers; the time model adds the memory-bound and communication parts."""
-    c, gpu, prec = constants, cluster.gpu, layout.precision
+    c, gpu, prec = constants.for_gpu(cluster.gpu), cluster.gpu, layout.precision
     peak = gpu.peak(prec)
     v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, layout.tp)
     elem = 4.0 if prec == "fp32" else 2.0
@@ -232,7 +272,7 @@ def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
     with an even split this is the ``(pp - 1)`` slots above).
     Cost: O(1) in pp; per-model and per-(tp, b, sp) quantities are cached.
     """
-    c, gpu, prec = constants, cluster.gpu, layout.precision
+    c, gpu, prec = constants.for_gpu(cluster.gpu), cluster.gpu, layout.precision
     peak = gpu.peak(prec)
     bandwidth = gpu.memory_bandwidth * c.hbm_efficiency
     links = links_for(cluster, c)
@@ -256,7 +296,7 @@ def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
     bubble = (pp - 1) / v * (sum(mid) + p2p)
     if not even:
         first, mid, last, busiest, fill = split_stage_times(layer_split, mid, first, last)
-        bubble = fill + (pp - 1) * p2p
+        bubble = (fill + (pp - 1) * p2p) / v  # interleaving spreads fill and drain over v chunks ([N21] §2.2)
 
     grad_sync = dp_grad_sync_time(4.0 * n_params, elem * n_params, tp, dp,
                                   distributed_optimizer=layout.distributed_optimizer, links=links)
