@@ -8,6 +8,12 @@ selective recompute, with the activation memory per GPU of their Figure 1 in the
 Each run is evaluated at its exact layout; :func:`validate` returns one :class:`ValidationRow`
 per reported number, :func:`summarize` the mean and max absolute error per metric, and
 :func:`format_validation_table` a markdown table. Run ``python -m ptdp.planner.validate [CSV]``.
+
+``published_runs_h100.csv`` (:mod:`ptdp.planner.published`) holds H100 runs (Megatron-LM's README
+tables, the Llama 3 paper's Table 4), each reported figure turned into a step time under the FLOP
+convention of its source; :func:`validate_h100` compares those step times with the planner's,
+evaluated with the run's own overlap of communication (:func:`run_constants`), and
+:func:`fit_arch` refits the Hopper efficiencies of ``PerfConstants.arch_fits`` on them.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from ptdp.planner.memory import bytes_per_param, memory_breakdown, stage_param_c
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.perf import DEFAULT_CONSTANTS, PerfConstants, evaluate_performance
 from ptdp.planner.plan import Layout
+from ptdp.planner.published import H100Run, load_h100_runs
 
 #: Where :func:`default_csv` looks, in order: $PTDP_PUBLISHED_RUNS, the repository's
 #: ``benchmarks/data/published_runs.csv``, the shared data folder of the project.
@@ -47,7 +54,8 @@ ITER_TIME = "iteration time (s)"
 ACT_NONE = "activations, TP only, no recompute (GiB)"
 ACT_SEQSEL = "activations, SP + selective (GiB)"
 PARAMS_OPT = "params + optimizer, mean over stages (GiB)"
-METRICS = (TFLOPS, ITER_TIME, ACT_NONE, ACT_SEQSEL, PARAMS_OPT)
+H100_STEP = "step time, H100 runs (s)"
+METRICS = (TFLOPS, ITER_TIME, ACT_NONE, ACT_SEQSEL, PARAMS_OPT, H100_STEP)
 
 
 @dataclass(frozen=True)
@@ -186,6 +194,76 @@ def fit_constants(runs: list[PublishedRun], base: PerfConstants = DEFAULT_CONSTA
     return best[1], best[0]
 
 
+def run_constants(run: H100Run, constants: PerfConstants = DEFAULT_CONSTANTS) -> PerfConstants:
+    """The time model's constants for one published H100 run: its GPU generation's fit
+    (:meth:`PerfConstants.for_gpu`) and the overlap of communication the run used.
+
+    ``tp_overlap``: ``(tp - 1) / tp`` when the run pipelined its tensor-parallel collectives
+    with the GEMMs (Transformer Engine's ring exchange hides all but the first of tp chunks).
+    ``dp_overlap``: when the run overlapped its data-parallel reduction (Megatron's
+    ``--overlap-grad-reduce --overlap-param-gather``, the Llama 3 paper's asynchronous FSDP), the
+    end-of-step reduction runs behind the last microbatch's backward and the next step's first
+    forward, so the hidden share is one microbatch's compute on the busiest stage over the
+    reduction's time, at most 1 (the gradients of a microbatch exist only once it is done;
+    nothing earlier can be sent). Evaluates the run once without overlap to get both times.
+    """
+    c = constants.for_gpu(CATALOG[run.gpu])
+    tp_overlap = (run.layout.tp - 1) / run.layout.tp if run.tp_overlap else 0.0
+    c = dataclasses.replace(c, tp_overlap=tp_overlap, dp_overlap=0.0)
+    if not run.dp_overlap:
+        return c
+    time = evaluate_performance(run.model, run.layout, Cluster(CATALOG[run.gpu], run.layout.num_gpus), c).time
+    window = time.compute / run.layout.num_microbatches
+    return dataclasses.replace(c, dp_overlap=min(1.0, window / time.dp_comm) if time.dp_comm > 0 else 0.0)
+
+
+def validate_h100(runs: list[H100Run], constants: PerfConstants = DEFAULT_CONSTANTS) -> list[ValidationRow]:
+    """One :data:`H100_STEP` row per run: the step time its source implies (its FLOP convention,
+    :func:`ptdp.planner.published.reported_step_time`) next to the planner's, at the run's exact
+    layout with :func:`run_constants`."""
+    out = []
+    for run in runs:
+        c = run_constants(run, constants)
+        perf = evaluate_performance(run.model, run.layout, Cluster(CATALOG[run.gpu], run.layout.num_gpus), c)
+        label = layout_label(run.layout) + (f" c{run.layout.cp}" if run.layout.cp > 1 else "")
+        out.append(ValidationRow(f"{run.name} ({run.layout.num_gpus} GPUs)", label, H100_STEP, run.step_time,
+                                 perf.step_time))
+    return out
+
+
+def fitted_runs(runs: list[H100Run]) -> list[H100Run]:
+    """The runs the Hopper fit and its targets use: those without context parallelism. The cp
+    rows are evaluated and shown, but their model (:mod:`ptdp.planner.context`) is newer than
+    this fit and is judged on its own."""
+    return [run for run in runs if run.layout.cp == 1]
+
+
+def h100_log_error(runs: list[H100Run], constants: PerfConstants) -> float:
+    """Mean ``ln(predicted / reported)^2`` of :func:`validate_h100` over :func:`fitted_runs`: the
+    objective of :func:`fit_arch`."""
+    errors = [math.log1p(r.error) for r in validate_h100(fitted_runs(runs), constants)]
+    return sum(e * e for e in errors) / len(errors)
+
+
+def fit_arch(runs: list[H100Run], base: PerfConstants = DEFAULT_CONSTANTS, arch: str = "hopper", *,
+             gemm_peak_fractions=None, hbm_efficiencies=None) -> tuple[PerfConstants, float]:
+    """Grid least squares (:func:`h100_log_error`) of ``arch``'s ``gemm_peak_fraction`` (default
+    grid 0.50-0.80 by 0.01) and ``hbm_efficiency`` (0.60-1.00 by 0.05) in ``base.arch_fits``, its
+    ``gemm_half_dim`` kept. Returns the best constants and their objective."""
+    fits = {fit[0]: fit for fit in base.arch_fits}
+    half_dim = fits[arch][2] if arch in fits else base.gemm_half_dim
+    gemm = gemm_peak_fractions or [round(0.50 + 0.01 * i, 2) for i in range(31)]
+    hbm = hbm_efficiencies or [round(0.60 + 0.05 * i, 2) for i in range(9)]
+
+    def with_fit(g: float, e: float) -> PerfConstants:
+        others = tuple(fit for fit in base.arch_fits if fit[0] != arch)
+        return dataclasses.replace(base, arch_fits=others + ((arch, g, half_dim, e),))
+
+    best = min(((h100_log_error(runs, c), c) for c in (with_fit(g, e) for g in gemm for e in hbm)),
+               key=lambda sc: sc[0])
+    return best[1], best[0]
+
+
 def fit_check(runs: list[PublishedRun]) -> list[tuple[str, str, float, float]]:
     """(name, layout, predicted total GiB, capacity GiB) of every run under the memory model."""
     out = []
@@ -219,26 +297,55 @@ def format_validation_table(rows: list[ValidationRow]) -> str:
     return "\n".join(lines)
 
 
+def is_h100_table(path: str | Path) -> bool:
+    """True for a table in the format of ``published_runs_h100.csv`` (it names FLOP conventions)."""
+    with open(path, newline="", encoding="utf-8") as f:
+        return "flop_convention" in (csv.DictReader(f).fieldnames or [])
+
+
+def h100_fit_check(runs: list[H100Run]) -> list[tuple[str, str, float, float]]:
+    """(name, layout, predicted total GiB, capacity GiB) of every H100 run under the memory model."""
+    out = []
+    for run in runs:
+        gpu = CATALOG[run.gpu]
+        mem = memory_breakdown(run.model, run.layout, gpu)
+        out.append((f"{run.name} ({run.layout.num_gpus} GPUs)", layout_label(run.layout), mem.total / GiB,
+                    gpu.memory_bytes / GiB))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m ptdp.planner.validate [CSV] [--fit]``: the validation table and the memory
-    check; with ``--fit`` also refit the two fitted constants and print them."""
+    check; with ``--fit`` also refit the two fitted constants (of the table's GPU generation) and
+    print them."""
     argv = sys.argv[1:] if argv is None else argv
     fit = "--fit" in argv
     argv = [a for a in argv if a != "--fit"]
     path = argv[0] if argv else default_csv()
     if path is None:
         raise SystemExit("published_runs.csv not found; pass its path or set PTDP_PUBLISHED_RUNS")
-    runs = load_published_runs(path)
-    print(format_validation_table(validate(runs)))
-    print()
-    if fit:
-        best, score = fit_constants(runs)
-        print(f"least squares: gemm_peak_fraction={best.gemm_peak_fraction} "
-              f"hbm_efficiency={best.hbm_efficiency} mean ln-error^2={score:.6f} "
-              f"(defaults: {speed_log_error(runs, DEFAULT_CONSTANTS):.6f})\n")
+    if is_h100_table(path):
+        h100 = load_h100_runs(path)
+        print(format_validation_table(validate_h100(h100)))
+        print()
+        if fit:
+            best, score = fit_arch(h100)
+            print(f"least squares: arch_fits={best.arch_fits} mean ln-error^2={score:.6f} "
+                  f"(defaults: {h100_log_error(h100, DEFAULT_CONSTANTS):.6f})\n")
+        checks = h100_fit_check(h100)
+    else:
+        runs = load_published_runs(path)
+        print(format_validation_table(validate(runs)))
+        print()
+        if fit:
+            best, score = fit_constants(runs)
+            print(f"least squares: gemm_peak_fraction={best.gemm_peak_fraction} "
+                  f"hbm_efficiency={best.hbm_efficiency} mean ln-error^2={score:.6f} "
+                  f"(defaults: {speed_log_error(runs, DEFAULT_CONSTANTS):.6f})\n")
+        checks = fit_check(runs)
     print("| model | layout | predicted total GiB | capacity GiB |")
     print("|---|---|---|---|")
-    for name, label, total, cap in fit_check(runs):
+    for name, label, total, cap in checks:
         print(f"| {name} | {label} | {total:.1f} | {cap:.0f} |")
 
 

@@ -1,0 +1,154 @@
+"""Published H100-era training runs: reading ``published_runs_h100.csv`` and the FLOP conventions
+the sources count in.
+
+A source reports TFLOP/s per GPU or MFU, each under its own FLOP count; the planner predicts a
+step time. So each row names its convention and the reported figure is turned into the step time
+it implies: ``step = FLOPs per step (source's convention) / (TFLOP/s per GPU x GPUs)``, with
+``TFLOP/s per GPU = MFU x the GPU's dense 16-bit peak`` when only MFU is given. The planner's
+prediction (its own count, :mod:`ptdp.planner.flops`) is then compared on seconds, which do not
+depend on any convention.
+
+Conventions (FLOPs of one step of ``B`` sequences of ``s`` tokens, no recompute counted):
+
+* ``megatron-2024``: Megatron-LM's ``num_floating_point_operations`` (``megatron/training/
+  training.py`` at commit f2e5db4, 2024-07-15, the commit of the README's H100 tables):
+  ``12 B s l h^2 ((1 + g/a + s/h) q/h + f/h x (3/2 with SwiGLU) + V/(2 l h))`` with ``q = a d``
+  the query width, ``g`` key/value groups, ``f`` the MLP width and ``V`` the padded vocabulary:
+  every GEMM, the full ``s x s`` attention (no causal halving). For these models it equals
+  :func:`ptdp.planner.flops.model_flops_per_step` (the same GEMMs, V padded).
+* ``palm``: PaLM (Chowdhery et al. 2022, arXiv:2204.02311, App. B), the MFU of the Llama 3 paper:
+  ``(6 N + 12 l h s)`` per token, ``N`` every parameter (embeddings included) and ``12 l h s``
+  the full ``s x s`` attention.
+
+Columns beyond the model shape and layout: ``cp_comm_type`` (``p2p`` or ``allgather``, with
+``cp > 1``), ``sharding`` (Megatron's data-parallel sharding strategy), ``dp_overlap`` /
+``tp_overlap`` (y: the run overlapped that communication with compute, e.g. Megatron's
+``--overlap-grad-reduce`` and ``--tp-comm-overlap``), ``layer_split`` (layers per pipeline rank,
+space-separated; empty: even), ``assumed`` (settings the source does not state and the row
+assumes, named in ``notes`` with the reason).
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+from ptdp.planner.hardware import CATALOG
+from ptdp.planner.memory import stage_param_counts
+from ptdp.planner.models import ModelSpec
+from ptdp.planner.plan import Layout
+from ptdp.spec import padded_vocab_size
+
+CONVENTIONS = ("megatron-2024", "palm")
+UNITS = ("model TFLOP/s per GPU", "MFU %")
+
+#: Where :func:`default_h100_csv` looks: the repository's benchmarks/data folder.
+H100_CSV = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "published_runs_h100.csv"
+
+
+def default_h100_csv() -> Path | None:
+    """``benchmarks/data/published_runs_h100.csv`` of this checkout, or None if absent."""
+    return H100_CSV if H100_CSV.is_file() else None
+
+
+@dataclass(frozen=True)
+class H100Run:
+    """One row of ``published_runs_h100.csv`` as planner objects.
+
+    Attributes:
+        name, source: model label and source (document, table, URL).
+        model, layout, gpu: what the planner evaluates (``gpu`` a catalog key).
+        reported: the figure as published, in ``unit`` (:data:`UNITS`) under ``convention``.
+        step_time: seconds per step that figure implies (:func:`reported_step_time`).
+        dp_overlap, tp_overlap: the run overlapped its data-/tensor-parallel communication.
+        assumed: settings the source does not state.
+    """
+
+    name: str
+    source: str
+    model: ModelSpec
+    layout: Layout
+    gpu: str
+    reported: float
+    unit: str
+    convention: str
+    step_time: float
+    dp_overlap: bool
+    tp_overlap: bool
+    assumed: str
+
+
+def megatron_2024_flops(model: ModelSpec, global_batch_size: int, *, divisible_by: int = 128, tp: int = 1) -> float:
+    """FLOPs of one step by Megatron-LM's ``num_floating_point_operations`` (commit f2e5db4)."""
+    b, s, l, h, a = global_batch_size, model.seq_length, model.num_layers, model.hidden_size, model.num_attention_heads
+    q = (h // a) * a
+    v_pad = padded_vocab_size(model.vocab_size, divisible_by, tp)
+    gated = 1.5 if model.swiglu else 1.0
+    return 12.0 * b * s * l * h * h * ((1 + model.kv_heads / a + s / h) * q / h + model.ffn / h * gated
+                                       + v_pad / (2 * l * h))
+
+
+def palm_flops(model: ModelSpec, global_batch_size: int) -> float:
+    """FLOPs of one step by PaLM App. B: ``(6 N + 12 l h s) B s``, N every parameter (exact count)."""
+    n_params = sum(stage_param_counts(model, 1, 1))
+    s = model.seq_length
+    return (6.0 * n_params + 12.0 * model.num_layers * model.hidden_size * s) * global_batch_size * s
+
+
+def reported_step_time(model: ModelSpec, layout: Layout, gpu: str, reported: float, unit: str,
+                       convention: str) -> float:
+    """Seconds per step implied by a reported TFLOP/s per GPU or MFU (%) under ``convention``.
+
+    MFU is turned into TFLOP/s with the GPU's dense bf16 peak of the catalog (989.5 TFLOP/s on
+    H100 SXM and H200, the figure the sources divide by). Raises ValueError for an unknown
+    unit or convention.
+    """
+    if unit not in UNITS or convention not in CONVENTIONS:
+        raise ValueError(f"unit {unit!r} / convention {convention!r}: expected one of {UNITS} / {CONVENTIONS}")
+    tflops = reported * 1e12 if unit == UNITS[0] else reported / 100.0 * CATALOG[gpu].peak("bf16")
+    count = (megatron_2024_flops(model, layout.global_batch_size, tp=layout.tp) if convention == "megatron-2024"
+             else palm_flops(model, layout.global_batch_size))
+    return count / (tflops * layout.num_gpus)
+
+
+def _yes(text: str) -> bool:
+    return text.strip().lower() in ("y", "yes", "true", "1")
+
+
+def _model(r: dict) -> ModelSpec:
+    llama = r["mlp"].strip() == "swiglu"
+    return ModelSpec(int(r["layers"]), int(r["hidden"]), int(r["heads"]), int(r["ffn_hidden"]), int(r["vocab"]),
+                     int(r["seq_len"]), num_query_groups=int(r["kv_heads"]), swiglu=llama, tied=_yes(r["tied"]),
+                     llama_style=llama, dropout=not llama, flash_attention=_yes(r["flash_attention"]),
+                     name=r["model"])
+
+
+def _layout(r: dict) -> Layout:
+    split = tuple(int(x) for x in r["layer_split"].split()) or None
+    kw = {"cp": int(r["cp"]), "cp_comm_type": r["cp_comm_type"].strip() or "p2p"} if int(r["cp"]) > 1 else {}
+    return Layout(tp=int(r["tp"]), pp=int(r["pp"]), dp=int(r["dp"]), micro_batch_size=int(r["micro_batch"]),
+                  global_batch_size=int(r["global_batch"]), virtual_stages=int(r["vpp"]),
+                  recompute=r["recompute"].strip(), sequence_parallel=_yes(r["sequence_parallel"]),
+                  sharding=r["sharding"].strip(), precision=r["precision"].strip(), layer_split=split, **kw)
+
+
+def load_h100_runs(path: str | Path) -> list[H100Run]:
+    """Parse ``published_runs_h100.csv``; checks that ``gpus`` equals the layout's GPU count.
+
+    Raises KeyError for a missing column, ValueError for a bad number, unit, convention or a
+    ``gpus`` column that disagrees with ``tp * cp * pp * dp``.
+    """
+    runs = []
+    with open(path, newline="", encoding="utf-8") as f:
+        for line, r in enumerate(csv.DictReader(f), start=2):
+            model, layout, gpu = _model(r), _layout(r), r["gpu_type"].strip().lower()
+            if layout.num_gpus != int(r["gpus"]):
+                raise ValueError(f"{path}:{line}: gpus={r['gpus']} but tp*cp*pp*dp = {layout.num_gpus}")
+            reported, unit, convention = float(r["reported"]), r["reported_unit"].strip(), r["flop_convention"].strip()
+            runs.append(H100Run(
+                name=r["model"], source=r["source"], model=model, layout=layout, gpu=gpu, reported=reported,
+                unit=unit, convention=convention,
+                step_time=reported_step_time(model, layout, gpu, reported, unit, convention),
+                dp_overlap=_yes(r["dp_overlap"]), tp_overlap=_yes(r["tp_overlap"]), assumed=r["assumed"].strip()))
+    return runs
