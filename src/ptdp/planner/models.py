@@ -165,7 +165,9 @@ def spec_from_model_config(cfg) -> ModelSpec:
     attention dropout ptdp's attention is ``torch.nn.functional.scaled_dot_product_attention``, a
     fused kernel that keeps no score matrix (``flash_attention=True``); with it, attention is
     computed explicitly and keeps the probabilities, the mask and the dropped probabilities, as
-    an unfused kernel does.
+    an unfused kernel does. With the fused kernel, ptdp's selective recompute still runs it again
+    in backward and frees its log-sum-exp; the planner counts neither (``4 a`` bytes per token
+    and layer, and one attention forward, which a flash kernel's plan leaves out).
     """
     attention_dropout = getattr(cfg, "attention_dropout", 0.0)
     dropout = bool(getattr(cfg, "hidden_dropout", 0.0) or attention_dropout)
