@@ -166,8 +166,9 @@ def spec_from_model_config(cfg) -> ModelSpec:
     fused kernel that keeps no score matrix (``flash_attention=True``); with it, attention is
     computed explicitly and keeps the probabilities, the mask and the dropped probabilities, as
     an unfused kernel does. With the fused kernel, ptdp's selective recompute still runs it again
-    in backward and frees its log-sum-exp; the planner counts neither (``4 a`` bytes per token
-    and layer, and one attention forward, which a flash kernel's plan leaves out).
+    in backward and frees its log-sum-exp, while the planner plans selective recompute with a
+    flash kernel as none: it still counts the log-sum-exp (``4 a`` bytes per token and layer)
+    and leaves out the repeated attention forward.
     """
     attention_dropout = getattr(cfg, "attention_dropout", 0.0)
     dropout = bool(getattr(cfg, "hidden_dropout", 0.0) or attention_dropout)
