@@ -204,6 +204,16 @@ def fp8_cast_bytes(model: ModelSpec, tp: int, micro_batch_size: int) -> tuple[fl
     return FP8_CAST_BYTES * forward, FP8_CAST_BYTES * backward
 
 
+def flash_attention_time(model: ModelSpec, tp: int, micro_batch_size: int, *, peak_flops: float,
+                         peak_fraction: float, half_dim: float) -> float:
+    """Forward seconds of a causal flash attention kernel on one tp rank, one microbatch:
+    ``FLASH_CAUSAL_FRACTION`` of the score and context FLOPs at the efficiency of an ``(s, s, d)``
+    GEMM (compute-bound, no s x s bytes); its backward is ``FLASH_BACKWARD_RATIO`` x this."""
+    s, d = model.seq_length, model.hidden_size // model.num_attention_heads
+    eff = gemm_efficiency(s, s, d, peak_fraction=peak_fraction, half_dim=half_dim)
+    return FLASH_CAUSAL_FRACTION * attention_core_flops(model, tp, micro_batch_size) / (peak_flops * eff)
+
+
 @lru_cache(maxsize=65536)
 def layer_compute_times(model: ModelSpec, tp: int, micro_batch_size: int, sequence_parallel: bool,
                         peak_flops: float, bandwidth: float, peak_fraction: float,
@@ -231,9 +241,8 @@ def layer_compute_times(model: ModelSpec, tp: int, micro_batch_size: int, sequen
         cast_forward, cast_backward = fp8_cast_bytes(model, tp, micro_batch_size)
     linear = sum(gemms[i] for i in LINEAR_GEMMS)
     if model.flash_attention:
-        s, d = model.seq_length, model.hidden_size // model.num_attention_heads
-        eff = gemm_efficiency(s, s, d, peak_fraction=peak_fraction, half_dim=half_dim)
-        attention = FLASH_CAUSAL_FRACTION * attention_core_flops(model, tp, micro_batch_size) / (peak_flops * eff)
+        attention = flash_attention_time(model, tp, micro_batch_size, peak_flops=peak_flops,
+                                         peak_fraction=peak_fraction, half_dim=half_dim)
         forward = linear + attention + (elementwise + cast_forward) / bandwidth
         backward = (2.0 * linear + FLASH_BACKWARD_RATIO * attention
                     + (BACKWARD_TRAFFIC_RATIO * elementwise + cast_backward) / bandwidth)
