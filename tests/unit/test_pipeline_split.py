@@ -114,3 +114,11 @@ def test_ptdp_train_refuses_both_kinds_of_split_before_any_worker(tmp_path, caps
     assert "pipeline_layer_split=[1, 3] lists every stage's layers; it cannot be combined with " \
            "decoder_first_pipeline_num_layers=1" in err
 
+
+def test_ptdp_plan_refuses_counts_that_do_not_split(capsys):
+    code = cli.main(["plan", "--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100-sxm", "--global-batch-size",
+                     "2048", "--seq-length", "8192", "--tp", "8", "--pp", "16", "--decoder-first-pipeline-num-layers",
+                     "7", "--decoder-last-pipeline-num-layers", "8"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "leave 126 - 15 = 111 layers for the other 14 of pp=16 stages" in err

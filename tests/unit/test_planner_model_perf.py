@@ -163,5 +163,7 @@ def test_uneven_split_and_constants_are_hashable():
     layout = Layout(tp=2, pp=3, dp=1, micro_batch_size=1, global_batch_size=12)
     p = evaluate_performance(m, layout, Cluster(A100, 8), layer_split=(4, 3, 3))
     even = evaluate_performance(dataclasses.replace(m, num_layers=12), layout, Cluster(A100, 8))
-    assert p.step_time == pytest.approx(even.step_time, rel=0.02)  # busiest stage has 4 layers either way
+    # 4 layers on the busiest stage either way, but the split's last stage holds 3 with the output
+    # layer and fill/drain pass 6 layers, not 8 (tests/unit/test_planner_splits.py checks the terms)
+    assert p.step_time < even.step_time
     hash(PerfConstants())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, first_last_of, resolve
 from ptdp.planner.hardware import CATALOG, Cluster
 from ptdp.planner.models import PRESETS, ModelSpec
 from ptdp.planner.plan import Layout
@@ -45,10 +45,14 @@ def test_every_proposed_layout_passes_ptdp_train_validation():
     mc = ModelConfig(num_layers=model.num_layers, hidden_size=model.hidden_size,
                      num_attention_heads=model.num_attention_heads, seq_length=model.seq_length,
                      vocab_size=model.vocab_size)
+    assert any(plan.layout.layer_split for plan in result.plans)  # 36 layers: uneven splits at pp = 8
     for plan in result.plans:
         lay = plan.layout
+        # a searched split is given to ptdp train as the first/last stage counts the report prints
+        first, last = first_last_of(lay.layer_split) if lay.layer_split else (None, None)
         cfg = Config(model=mc, parallel=ParallelConfig(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
-                                                       data_parallel_size=lay.dp),
+                                                       data_parallel_size=lay.dp, decoder_first_pipeline_num_layers=first,
+                                                       decoder_last_pipeline_num_layers=last),
                      train=TrainConfig(micro_batch_size=lay.micro_batch_size, global_batch_size=256, lr_warmup_iters=1))
         resolve(cfg, 64)  # raises ConfigError for an invalid layout
         assert lay.tp <= 8 and plan.memory.total <= A100.memory_bytes
@@ -127,8 +131,9 @@ def test_explicit_uneven_layer_split_is_planned():
         assert plan.layout.pp == 16 and plan.layout.virtual_stages == 1 and plan.layout.layer_split == split
         assert plan.memory == memory_breakdown(model, plan.layout, cluster.gpu, layer_split=split)
         assert plan.to_json()["layer_split"] == split
-    even = search(model, cluster, 2048, fixed=Fixed(tp=8, pp=16))
-    assert not even.plans and all(r.rule == "layers % pp" for _, r in even.rejected)
+    searched = search(model, cluster, 2048, fixed=Fixed(tp=8, pp=16))  # the search picks Llama 3's own split
+    assert searched.plans and all(p.layout.layer_split == split for p in searched.plans)
+    assert all(r.rule != "layers % pp" for _, r in searched.rejected)
     bad = search(get_model("gpt-1.7b"), Cluster(CATALOG["a100-80gb"], 8, 8), 64, fixed=Fixed(layer_split=(5, 7, 7, 4)))
     assert not bad.plans
     assert all("summing to num_layers=24 (sum is 23)" in p.reasons[0] for p, _ in bad.rejected)

@@ -14,7 +14,7 @@ from ptdp.planner.hf_config import is_config_path, load_hf_config
 from ptdp.planner.models import ModelSpec, get_model
 from ptdp.planner.report import json_report, plot, text_report
 from ptdp.planner.perf import DEFAULT_CONSTANTS
-from ptdp.planner.request import check_model, check_output_path, check_request
+from ptdp.planner.request import check_model, check_output_path, check_request, check_stage_layers
 from ptdp.planner.search import Fixed, search
 
 PLAN_DESCRIPTION = """\
@@ -114,7 +114,8 @@ def fixed_from_args(args: argparse.Namespace) -> Fixed:
         layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
         recompute=args.recompute_granularity, sequence_parallel=args.sequence_parallel,
         distributed_optimizer=args.use_distributed_optimizer,
-        layer_split=args.pipeline_layer_split,
+        layer_split=args.pipeline_layer_split, first_layers=args.decoder_first_pipeline_num_layers,
+        last_layers=args.decoder_last_pipeline_num_layers,
     )
 
 
@@ -156,6 +157,7 @@ def _plan(args: argparse.Namespace) -> int:
     check_model(model)
     if args.pipeline_layer_split is not None:
         stage_layer_counts(model.num_layers, len(args.pipeline_layer_split), args.pipeline_layer_split)
+    check_stage_layers(model.num_layers, fixed_from_args(args))
     overhead = None if args.memory_overhead_gib is None else args.memory_overhead_gib * GiB
     fixed = fixed_from_args(args)
     check_request(cluster, args.global_batch_size, fixed, top=args.top, overhead_bytes=overhead)

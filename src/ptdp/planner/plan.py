@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ptdp.planner.splits import split_flags
+
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 #: Megatron-Core's data-parallel sharding strategies, least sharded first (ZeRO stages 0-3)
@@ -148,6 +150,7 @@ class Plan:
         """The ``--json`` record: layout fields (with ``cp`` and ``sharding``), fits, memory_bytes, time_s, tflops_per_gpu, mfu, reasons."""
         out = {k: v for k, v in asdict(self.layout).items()}
         out["sharding"] = self.layout.sharding_strategy
+        out["layer_split_flags"] = split_flags(self.layout.layer_split)  # null: even split (layer_split null)
         out["fits"] = self.fits
         out["memory_bytes"] = (
             {**{k: getattr(self.memory, k) for k in ("params", "grads", "optimizer", "activations", "overhead")},

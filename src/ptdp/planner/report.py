@@ -10,6 +10,7 @@ from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Plan
 from ptdp.planner.rules import Rejection
 from ptdp.planner.search import SearchResult
+from ptdp.planner.splits import split_report_lines
 
 _MEM = ("params", "grads", "optimizer", "activations", "overhead")
 _TIME = ("compute", "recompute", "tp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
@@ -65,9 +66,11 @@ def text_report(model: ModelSpec, cluster: Cluster, result: SearchResult, *, top
         best = result.plans[0]
         lines += ["", f"best: {_describe(best)}: {_num(best.time.step)} s/step, "
                       f"{_num(best.tflops_per_gpu)} TFLOP/s per GPU, MFU {100 * best.mfu:.1f}%"]
+        lines += split_report_lines(best.layout.layer_split)
     else:
         lines.append("no layout fits.")
-    lines += ["", *rejection_summary(result)]
+    notes = [f"note: {note}" for note in result.notes]
+    lines += ["", *notes, *([""] if notes else []), *rejection_summary(result)]
     return "\n".join(lines)
 
 

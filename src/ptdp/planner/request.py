@@ -7,7 +7,7 @@ import math
 import os
 from pathlib import Path
 
-from ptdp.spec import ConfigError
+from ptdp.spec import ConfigError, layer_split
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
 
@@ -59,6 +59,28 @@ def check_request(cluster: Cluster, global_batch_size: int, fixed, *, top: int, 
             errors.append(f"tp*pp*dp = {fixed.tp}*{pp}*{fixed.dp} = {product} != {n} GPUs")
     if errors:
         raise ConfigError("invalid plan request:\n  " + "\n  ".join(errors))
+
+
+def check_stage_layers(num_layers: int, fixed) -> None:
+    """Fixed first/last pipeline stage layer counts (``--decoder-first/last-pipeline-num-layers``):
+    not with ``--pipeline-layer-split`` nor interleaving, each >= 1, and with a fixed pp they must
+    split ``num_layers`` (:func:`ptdp.spec.first_last_split`). Raises ``ConfigError`` naming them."""
+    first, last = fixed.first_layers, fixed.last_layers
+    if first is None and last is None:
+        return
+    given = " / ".join(f"decoder_{k}_pipeline_num_layers={n}" for k, n in (("first", first), ("last", last))
+                       if n is not None)
+    if fixed.virtual_stages or fixed.layers_per_virtual_stage:
+        raise ConfigError(f"invalid plan request:\n  {given} cannot be combined with virtual pipeline stages (ptdp's "
+                          f"interleaved schedule gives every model chunk num_layers / (pp * v) layers)")
+    pp = len(fixed.layer_split) if fixed.layer_split is not None else fixed.pp
+    try:
+        if fixed.layer_split is not None or pp is not None:
+            layer_split(num_layers, pp, fixed.layer_split, first, last)
+        elif any(n is not None and n < 1 for n in (first, last)):
+            raise ConfigError(f"{given}: each must be an integer >= 1 (layers on that stage)")
+    except ConfigError as e:
+        raise ConfigError(f"invalid plan request:\n  {e}") from None
 
 
 def check_output_path(path: str, flag: str, suffixes: tuple[str, ...] = ()) -> None:

@@ -71,6 +71,14 @@ def split_flags(split: tuple[int, ...] | None) -> str | None:
     return " ".join(f for f in flags if f) or None
 
 
+def split_report_lines(split: tuple[int, ...] | None) -> list[str]:
+    """What ``ptdp plan``'s text report says of a plan's split (nothing for an even split)."""
+    if split is None:
+        return []
+    return [f"pipeline: layers per stage {describe_split(split)}; ptdp train (and Megatron-LM) flags: "
+            f"{split_flags(split)}"]
+
+
 def describe_split(split: tuple[int, ...]) -> str:
     """``(7, 8, ..., 8, 7)`` -> ``"7, 8 x 14, 7"``: runs of equal counts shortened."""
     parts, i = [], 0

@@ -1,0 +1,148 @@
+"""Uneven pipeline splits in the planner: the candidates the search tries, memory per stage against
+hand-computed bytes, the time of the busiest stage, and the split the search picks and prints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from ptdp import cli
+from ptdp.spec import first_last_of, first_last_split
+from ptdp.planner.hardware import CATALOG, Cluster
+from ptdp.planner.memory import memory_breakdown, stage_activation_bytes, stage_param_counts
+from ptdp.planner.models import ModelSpec, get_model
+from ptdp.planner.perf import edge_layer_equivalents, evaluate_performance, split_stage_times
+from ptdp.planner.plan import Layout
+from ptdp.planner.search import Fixed, evaluate, search
+from ptdp.planner.splits import candidate_splits, describe_split, split_flags
+
+A100, H100 = CATALOG["a100-80gb"], CATALOG["h100-sxm"]
+LLAMA3_405B_SPLIT = (7,) + (8,) * 14 + (7,)
+
+
+@pytest.mark.parametrize("layers, pp, first, last", [
+    (126, 16, 0.01, 0.6), (126, 8, 0.0, 0.6), (96, 8, 0.0, 0.3), (32, 4, 0.0, 3.0), (7, 2, 0.0, 0.5),
+    (80, 16, 0.1, 1.4), (61, 4, 0.0, 0.0), (3, 4, 0.0, 0.5),
+])
+def test_candidates_are_few_valid_and_expressible_with_megatrons_flags(layers, pp, first, last):
+    splits = candidate_splits(layers, pp, first, last)
+    assert len(splits) <= 6 and len(set(splits)) == len(splits)
+    assert (splits[:1] == [None]) == (layers % pp == 0)
+    for split in splits[1:] if layers % pp == 0 else splits:
+        assert len(split) == pp and sum(split) == layers and min(split) >= 1
+        counts = first_last_of(split)
+        assert counts is not None and counts != (None, None)
+        assert first_last_split(layers, pp, *counts) == split
+
+
+def test_candidates_hold_llama3_405b_split():
+    assert LLAMA3_405B_SPLIT in candidate_splits(126, 16, 0.0, 0.6)
+    assert candidate_splits(3, 4, 0.0, 0.5) == []  # fewer layers than stages: nothing to plan
+
+
+def test_flags_and_description_of_a_split():
+    assert split_flags(LLAMA3_405B_SPLIT) == ("--decoder-first-pipeline-num-layers 7 "
+                                              "--decoder-last-pipeline-num-layers 7")
+    assert split_flags((8,) * 15 + (6,)) == "--decoder-last-pipeline-num-layers 6"
+    assert split_flags((3, 2)) == "--decoder-first-pipeline-num-layers 3"
+    assert split_flags((1, 2, 3, 1)) == "--pipeline-layer-split 1,2,3,1"
+    assert split_flags(None) is None
+    assert describe_split(LLAMA3_405B_SPLIT) == "7, 8 x 14, 7" and describe_split((1, 2, 3)) == "1, 2, 3"
+
+
+# A small GPT worked by hand: h = 64, a = 4, s = 32, V = 1000 (padded to 1024), tied, dropout,
+# unfused attention; 6 layers over pp = 3 as (1, 4, 1); b = 1, m = 8, tp = dp = 1, bf16, 1F1B.
+SMALL = ModelSpec(6, 64, 4, vocab_size=1000, seq_length=32, dropout=True, flash_attention=False)
+SMALL_LAYOUT = Layout(tp=1, pp=3, dp=1, micro_batch_size=1, global_batch_size=8, layer_split=(1, 4, 1))
+
+
+def test_memory_per_stage_of_an_uneven_split_by_hand():
+    layer = 12 * 64 ** 2 + 13 * 64  # 4 h^2 attention + 8 h^2 MLP weights, 13 h of biases and norms: 49,984
+    embedding, positions, final_norm = 1024 * 64, 32 * 64, 2 * 64
+    params = [1 * layer + embedding + positions, 4 * layer, 1 * layer + final_norm + embedding]  # tied copy last
+    assert stage_param_counts(SMALL, 1, 3, layer_split=(1, 4, 1)) == params == [117_568, 199_936, 115_648]
+    # [K22]: s b h (34 + 5 a s / h) bytes per layer and microbatch = 2048 * 44 = 90,112; 1F1B rank r
+    # holds min(pp - r, m) = 3, 2, 1 microbatches; the first stage adds the embedding dropout
+    # mask (1 byte, s b h per microbatch), the last one for one microbatch the final-norm and
+    # output-layer inputs (2 x 2 s b h), an fp32 log-sum-exp and int64 label per token (12 s b) and
+    # the bf16 logits s b V_pad (kept: far below 256 MiB)
+    per_layer = 32 * 64 * (34 + 5 * 4 * 32 // 64)
+    activations = [per_layer * 3 * 1 + 3 * 32 * 64,
+                   per_layer * 2 * 4,
+                   per_layer * 1 * 1 + 2 * 2 * 32 * 64 + 12 * 32 + 2 * 32 * 1024]
+    assert activations == [276_480, 720_896, 164_224]
+    for rank, n_layers in enumerate((1, 4, 1)):
+        assert stage_activation_bytes(SMALL, SMALL_LAYOUT, rank, n_layers) == activations[rank]
+    mem = memory_breakdown(SMALL, SMALL_LAYOUT, A100, overhead_bytes=0)
+    assert mem.stage == 1  # the middle stage: four layers and two microbatches in flight
+    assert (mem.params, mem.grads, mem.optimizer) == (2 * params[1], 4 * params[1], 12 * params[1])
+    assert mem.activations == activations[1] and mem.total == 18 * 199_936 + 720_896
+    # an uneven split's memory checks the stages that can be the largest, not one per stage
+    lighter_middle = memory_breakdown(SMALL, dataclasses.replace(SMALL_LAYOUT, layer_split=(4, 1, 1)), A100,
+                                      overhead_bytes=0)
+    assert lighter_middle.stage == 0 and lighter_middle.activations == per_layer * 3 * 4 + 3 * 32 * 64
+
+
+def test_busiest_stage_and_fill_of_an_uneven_split():
+    layer, first, last = (1.0, 0.5, 0.25), (1.0, 0.5, 0.35), (1.6, 0.5, 0.35)  # 1 layer, + edges
+    out = split_stage_times((7, 8, 8, 7), layer, first, last)
+    assert out[0] == pytest.approx((7.0, 3.5, 1.85)) and out[2] == pytest.approx((7.6, 3.5, 1.85))
+    assert out[1] == pytest.approx((8.0, 4.0, 2.0)) and out[3] == pytest.approx((8.0, 4.0, 2.0))
+    assert out[4] == pytest.approx((30 - 8) * 1.75)  # fill and drain: the other stages' layers
+    heavy_last = split_stage_times((8, 8, 8, 8), layer, first, last)
+    assert heavy_last[3] == pytest.approx((8.6, 4.0, 2.1)) and heavy_last[4] == pytest.approx(24 * 1.75)
+
+
+def test_uneven_step_is_the_busiest_stage_m_times_plus_fill():
+    model = get_model("llama3-8b")
+    layout = Layout(tp=2, pp=4, dp=1, micro_batch_size=1, global_batch_size=16, layer_split=(7, 10, 10, 5))
+    cluster = Cluster(H100, 8)
+    perf = evaluate_performance(model, layout, cluster)
+    even = evaluate_performance(model, dataclasses.replace(layout, layer_split=None), cluster)
+    first_eq, last_eq = edge_layer_equivalents(model, layout, cluster)
+    assert 0 <= first_eq < 0.1 < 1 < last_eq < 4  # the lookup is nearly free; a 128K vocabulary is not
+    # busiest: a middle stage of 10 layers (5 + the loss side is lighter); its m = 16 slots
+    per_layer_even = (even.time.compute + even.time.recompute + even.time.tp_comm) / 16 / (8 + last_eq)
+    assert perf.time.compute + perf.time.recompute + perf.time.tp_comm == pytest.approx(16 * 10 * per_layer_even,
+                                                                                        rel=1e-6)
+    p2p = perf.time.pp_comm / 16
+    assert perf.time.bubble == pytest.approx((32 - 10) * per_layer_even + 3 * p2p, rel=1e-6)
+
+
+def test_search_picks_llama3_405b_split_and_notes_interleaving():
+    model = get_model("llama3-405b")
+    result = search(model, Cluster(H100, 2048), 2048, fixed=Fixed(tp=8, pp=16))
+    assert result.plans and {p.layout.layer_split for p in result.plans} == {LLAMA3_405B_SPLIT}
+    assert any("126 layers do not split evenly over 16 stages" in n and "interleaved" in n for n in result.notes)
+    fixed = search(model, Cluster(H100, 2048), 2048, fixed=Fixed(tp=8, pp=16, first_layers=6, last_layers=8))
+    assert {p.layout.layer_split for p in fixed.plans + [p for p, _ in fixed.rejected]} == {(6,) + (8,) * 15}
+
+
+def test_even_split_kept_unless_an_uneven_one_is_needed_to_fit():
+    """GPT-3 175B's 96 layers over pp = 8: the even split's busiest stage (12 layers + 0.3 of the
+    loss side) is lighter than any 13-layer middle stage, so a layout keeps the even split unless
+    that does not fit (then 9, 13 x 6, 9 takes memory off the first stage)."""
+    model, cluster = get_model("gpt3-175b"), Cluster(A100, 1024)
+    result = search(model, cluster, 1536, fixed=Fixed(tp=8, pp=8, dp=16))
+    assert result.plans[0].layout.layer_split is None
+    uneven = [p for p in result.plans if p.layout.layer_split is not None]
+    assert uneven and all(p.layout.layer_split == (9,) + (13,) * 6 + (9,) for p in uneven)
+    for plan in uneven:
+        assert evaluate(model, dataclasses.replace(plan.layout, layer_split=None), cluster)[1].rule == "memory"
+
+
+def test_plan_prints_the_split_and_its_flags(capsys):
+    argv = ["plan", "--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100-sxm", "--global-batch-size", "2048",
+            "--seq-length", "8192", "--tp", "8", "--pp", "16"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "layers per stage 7, 8 x 14, 7" in out
+    assert "--decoder-first-pipeline-num-layers 7 --decoder-last-pipeline-num-layers 7" in out
+    assert "126 layers do not split evenly over 16 stages" in out
+    assert cli.main(argv + ["--json"]) == 0
+    records = [r for r in json.loads(capsys.readouterr().out) if r["fits"]]
+    assert records and all(r["layer_split"] == list(LLAMA3_405B_SPLIT) for r in records)
+    assert all(r["layer_split_flags"] == "--decoder-first-pipeline-num-layers 7 --decoder-last-pipeline-num-layers 7"
+               for r in records)
