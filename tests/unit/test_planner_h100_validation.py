@@ -148,3 +148,16 @@ def test_run_constants_follow_the_run(runs):
     assert c.tp_overlap == pytest.approx(7 / 8) and 0.0 < c.dp_overlap <= 1.0
     llama = next(r for r in runs if r.convention == "palm")
     assert run_constants(llama).tp_overlap == 0.0
+
+
+def test_update_benchmarks_keeps_one_block_per_table(tmp_path):
+    from ptdp.commands.validate import BEGIN, END, markers, update_markdown, validation_markdown
+    doc = tmp_path / "B.md"
+    doc.write_text(f"intro\n{BEGIN}\nA100 block\n{END}\nmiddle\n", encoding="utf-8")
+    begin, end = markers(CSV)
+    assert (begin, end) != (BEGIN, END) and CSV.name in begin
+    doc.write_text(doc.read_text() + f"{begin}\nold\n{end}\ntail\n", encoding="utf-8")
+    update_markdown(doc, validation_markdown(CSV), "cmd", (begin, end))
+    text = doc.read_text(encoding="utf-8")
+    assert "A100 block" in text and "old" not in text and text.endswith("tail\n")
+    assert "| step time, H100 runs (s) | 13 |" in text

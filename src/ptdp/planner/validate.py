@@ -55,7 +55,8 @@ ACT_NONE = "activations, TP only, no recompute (GiB)"
 ACT_SEQSEL = "activations, SP + selective (GiB)"
 PARAMS_OPT = "params + optimizer, mean over stages (GiB)"
 H100_STEP = "step time, H100 runs (s)"
-METRICS = (TFLOPS, ITER_TIME, ACT_NONE, ACT_SEQSEL, PARAMS_OPT, H100_STEP)
+H100_STEP_CP = "step time, H100 runs with cp (s)"
+METRICS = (TFLOPS, ITER_TIME, ACT_NONE, ACT_SEQSEL, PARAMS_OPT, H100_STEP, H100_STEP_CP)
 
 
 @dataclass(frozen=True)
@@ -218,15 +219,17 @@ def run_constants(run: H100Run, constants: PerfConstants = DEFAULT_CONSTANTS) ->
 
 
 def validate_h100(runs: list[H100Run], constants: PerfConstants = DEFAULT_CONSTANTS) -> list[ValidationRow]:
-    """One :data:`H100_STEP` row per run: the step time its source implies (its FLOP convention,
+    """One row per run: the step time its source implies (its FLOP convention,
     :func:`ptdp.planner.published.reported_step_time`) next to the planner's, at the run's exact
-    layout with :func:`run_constants`."""
+    layout with :func:`run_constants`; metric :data:`H100_STEP`, or :data:`H100_STEP_CP` for the
+    runs with context parallelism (summarised apart, outside the fit: :func:`fitted_runs`)."""
     out = []
     for run in runs:
         c = run_constants(run, constants)
         perf = evaluate_performance(run.model, run.layout, Cluster(CATALOG[run.gpu], run.layout.num_gpus), c)
         label = layout_label(run.layout) + (f" c{run.layout.cp}" if run.layout.cp > 1 else "")
-        out.append(ValidationRow(f"{run.name} ({run.layout.num_gpus} GPUs)", label, H100_STEP, run.step_time,
+        metric = H100_STEP if run.layout.cp == 1 else H100_STEP_CP
+        out.append(ValidationRow(f"{run.name} ({run.layout.num_gpus} GPUs)", label, metric, run.step_time,
                                  perf.step_time))
     return out
 
@@ -309,8 +312,8 @@ def h100_fit_check(runs: list[H100Run]) -> list[tuple[str, str, float, float]]:
     for run in runs:
         gpu = CATALOG[run.gpu]
         mem = memory_breakdown(run.model, run.layout, gpu)
-        out.append((f"{run.name} ({run.layout.num_gpus} GPUs)", layout_label(run.layout), mem.total / GiB,
-                    gpu.memory_bytes / GiB))
+        label = layout_label(run.layout) + (f" c{run.layout.cp}" if run.layout.cp > 1 else "")
+        out.append((f"{run.name} ({run.layout.num_gpus} GPUs)", label, mem.total / GiB, gpu.memory_bytes / GiB))
     return out
 
 
