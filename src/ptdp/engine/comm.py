@@ -7,7 +7,7 @@ reduce-scatter, this rank's part of an all-gather. A call on
 an axis of size 1 is a no-op and is not counted (nothing crosses a wire).
 
 Axes: ``tp``, ``pp``, ``dp``, ``embedding`` (first and last pipeline stage, for the tied
-embedding), ``world``.
+embedding), ``world``; ``cp`` (context parallelism, :mod:`ptdp.engine.context_parallel`).
 
 A call or ``wait()`` that fails (a peer timed out or went away) raises
 :class:`~ptdp.engine.activity.CollectiveError` naming this rank, its phase and iteration, the axis, the
@@ -253,10 +253,12 @@ class P2P:
     label: str = ""
 
 
-def post(transfers: list[P2P], axis: AxisGroup, *, tag: str = "") -> list | None:
+def post(transfers: list[P2P], axis: AxisGroup, *, tag: str = "", defer: bool = False) -> list | None:
     """Post ``transfers`` at once (``batch_isend_irecv``) without waiting; returns one work handle
     per transfer, or None when the backend coalesces the batch into one handle (NCCL), in which case
-    everything has already been waited for."""
+    everything has already been waited for. With ``defer`` a coalesced batch's one handle is
+    returned (a list of one) instead, to be waited for later: work queued in between overlaps the
+    transfers (on NCCL its ``wait()`` only makes the current stream wait, the host does not)."""
     if not transfers:
         return []
     ops = []
@@ -270,6 +272,8 @@ def post(transfers: list[P2P], axis: AxisGroup, *, tag: str = "") -> list | None
         axis.stats.p2p_log.append((axis.name, [(t.kind, t.peer, t.label) for t in transfers]))
     works = _call(axis, transfers[0].kind if len(transfers) == 1 else "send/recv", dist.batch_isend_irecv, ops)
     if len(works) != len(ops):
+        if defer:
+            return [_Work(work, axis, "send/recv") for work in works]
         for work in works:
             _Work(work, axis, "send/recv").wait()
         return None
