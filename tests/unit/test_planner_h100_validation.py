@@ -28,6 +28,7 @@ from ptdp.planner.published import (
 )
 from ptdp.planner.validate import (
     H100_STEP,
+    H100_STEP_FP8,
     ITER_TIME,
     TFLOPS,
     default_csv,
@@ -60,7 +61,7 @@ def test_table_has_the_published_rows_with_sources(runs):
     assert {r.gpu for r in runs} <= {"h100-sxm", "h200"}
     for run in runs:
         assert run.convention in CONVENTIONS and run.source and run.assumed is not None
-        assert "arXiv" in run.source or "Megatron-LM" in run.source
+        assert any(name in run.source for name in ("arXiv", "Megatron-LM", "NeMo"))
 
 
 def test_step_time_in_the_notes_is_the_one_derived(runs):
@@ -90,6 +91,14 @@ def test_h100_targets(rows):
     n, mae, worst = summarize(rows)[H100_STEP]
     assert n >= 12
     assert mae <= 0.05 and worst <= 0.10, format_validation_table(rows)
+
+
+def test_fp8_rows_without_refit(runs):
+    """The FP8 rows (NeMo 24.07, tokens/s per GPU: no FLOP convention) are outside the fit; they
+    check the FP8 time model with the bf16-fitted constants: mean 4.3%, max 14.5% when added."""
+    rows = validate_h100([r for r in runs if r.layout.precision == "fp8"])
+    n, mae, worst = summarize(rows)[H100_STEP_FP8]
+    assert n >= 7 and mae <= 0.05 and worst <= 0.15, format_validation_table(rows)
 
 
 def test_a100_rows_no_worse_than_before():

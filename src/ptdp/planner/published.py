@@ -1,12 +1,13 @@
 """Published H100-era training runs: reading ``published_runs_h100.csv`` and the FLOP conventions
 the sources count in.
 
-A source reports TFLOP/s per GPU or MFU, each under its own FLOP count; the planner predicts a
-step time. So each row names its convention and the reported figure is turned into the step time
-it implies: ``step = FLOPs per step (source's convention) / (TFLOP/s per GPU x GPUs)``, with
-``TFLOP/s per GPU = MFU x the GPU's dense 16-bit peak`` when only MFU is given. The planner's
-prediction (its own count, :mod:`ptdp.planner.flops`) is then compared on seconds, which do not
-depend on any convention.
+A source reports TFLOP/s per GPU or MFU, each under its own FLOP count, or tokens per second per
+GPU; the planner predicts a step time. So each row names its convention and the reported figure
+is turned into the step time it implies: ``step = FLOPs per step (source's convention) / (TFLOP/s
+per GPU x GPUs)``, with ``TFLOP/s per GPU = MFU x the GPU's dense 16-bit peak`` when only MFU is
+given, or ``step = B s / (tokens/s per GPU x GPUs)`` (convention ``tokens``: no FLOP count
+involved). The planner's prediction (its own count, :mod:`ptdp.planner.flops`) is then compared
+on seconds, which do not depend on any convention.
 
 Conventions (FLOPs of one step of ``B`` sequences of ``s`` tokens, no recompute counted):
 
@@ -40,8 +41,8 @@ from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout
 from ptdp.spec import padded_vocab_size
 
-CONVENTIONS = ("megatron-2024", "palm")
-UNITS = ("model TFLOP/s per GPU", "MFU %")
+CONVENTIONS = ("megatron-2024", "palm", "tokens")
+UNITS = ("model TFLOP/s per GPU", "MFU %", "tokens/s per GPU")
 
 #: Where :func:`default_h100_csv` looks: the repository's benchmarks/data folder.
 H100_CSV = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "published_runs_h100.csv"
@@ -98,14 +99,18 @@ def palm_flops(model: ModelSpec, global_batch_size: int) -> float:
 
 def reported_step_time(model: ModelSpec, layout: Layout, gpu: str, reported: float, unit: str,
                        convention: str) -> float:
-    """Seconds per step implied by a reported TFLOP/s per GPU or MFU (%) under ``convention``.
+    """Seconds per step implied by a reported TFLOP/s per GPU or MFU (%) under ``convention``, or
+    by tokens/s per GPU.
 
     MFU is turned into TFLOP/s with the GPU's dense bf16 peak of the catalog (989.5 TFLOP/s on
     H100 SXM and H200, the figure the sources divide by). Raises ValueError for an unknown
     unit or convention.
     """
-    if unit not in UNITS or convention not in CONVENTIONS:
-        raise ValueError(f"unit {unit!r} / convention {convention!r}: expected one of {UNITS} / {CONVENTIONS}")
+    if unit not in UNITS or convention not in CONVENTIONS or (unit == UNITS[2]) != (convention == "tokens"):
+        raise ValueError(f"unit {unit!r} / convention {convention!r}: expected one of {UNITS} / {CONVENTIONS} "
+                         f"(tokens/s per GPU goes with the convention tokens)")
+    if unit == UNITS[2]:
+        return layout.global_batch_size * model.seq_length / (reported * layout.num_gpus)
     tflops = reported * 1e12 if unit == UNITS[0] else reported / 100.0 * CATALOG[gpu].peak("bf16")
     count = (megatron_2024_flops(model, layout.global_batch_size, tp=layout.tp) if convention == "megatron-2024"
              else palm_flops(model, layout.global_batch_size))

@@ -56,7 +56,8 @@ ACT_SEQSEL = "activations, SP + selective (GiB)"
 PARAMS_OPT = "params + optimizer, mean over stages (GiB)"
 H100_STEP = "step time, H100 runs (s)"
 H100_STEP_CP = "step time, H100 runs with cp (s)"
-METRICS = (TFLOPS, ITER_TIME, ACT_NONE, ACT_SEQSEL, PARAMS_OPT, H100_STEP, H100_STEP_CP)
+H100_STEP_FP8 = "step time, H100 FP8 runs (s)"
+METRICS = (TFLOPS, ITER_TIME, ACT_NONE, ACT_SEQSEL, PARAMS_OPT, H100_STEP, H100_STEP_CP, H100_STEP_FP8)
 
 
 @dataclass(frozen=True)
@@ -221,24 +222,26 @@ def run_constants(run: H100Run, constants: PerfConstants = DEFAULT_CONSTANTS) ->
 def validate_h100(runs: list[H100Run], constants: PerfConstants = DEFAULT_CONSTANTS) -> list[ValidationRow]:
     """One row per run: the step time its source implies (its FLOP convention,
     :func:`ptdp.planner.published.reported_step_time`) next to the planner's, at the run's exact
-    layout with :func:`run_constants`; metric :data:`H100_STEP`, or :data:`H100_STEP_CP` for the
-    runs with context parallelism (summarised apart, outside the fit: :func:`fitted_runs`)."""
+    layout with :func:`run_constants`; metric :data:`H100_STEP`, or :data:`H100_STEP_FP8` /
+    :data:`H100_STEP_CP` for the FP8 runs and the runs with context parallelism (summarised apart,
+    outside the fit: :func:`fitted_runs`)."""
     out = []
     for run in runs:
         c = run_constants(run, constants)
         perf = evaluate_performance(run.model, run.layout, Cluster(CATALOG[run.gpu], run.layout.num_gpus), c)
         label = layout_label(run.layout) + (f" c{run.layout.cp}" if run.layout.cp > 1 else "")
-        metric = H100_STEP if run.layout.cp == 1 else H100_STEP_CP
+        metric = (H100_STEP_FP8 if run.layout.precision == "fp8" else H100_STEP if run.layout.cp == 1
+                  else H100_STEP_CP)
         out.append(ValidationRow(f"{run.name} ({run.layout.num_gpus} GPUs)", label, metric, run.step_time,
                                  perf.step_time))
     return out
 
 
 def fitted_runs(runs: list[H100Run]) -> list[H100Run]:
-    """The runs the Hopper fit and its targets use: those without context parallelism. The cp
-    rows are evaluated and shown, but their model (:mod:`ptdp.planner.context`) is newer than
-    this fit and is judged on its own."""
-    return [run for run in runs if run.layout.cp == 1]
+    """The runs the Hopper fit and its targets use: bf16 runs without context parallelism. The cp
+    and FP8 rows are evaluated and shown, but their models (:mod:`ptdp.planner.context`,
+    :mod:`ptdp.planner.fp8`) are newer than this fit and are judged on their own."""
+    return [run for run in runs if run.layout.cp == 1 and run.layout.precision != "fp8"]
 
 
 def h100_log_error(runs: list[H100Run], constants: PerfConstants) -> float:
