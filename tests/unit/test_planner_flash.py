@@ -88,8 +88,8 @@ def test_flash_attention_time_is_compute_bound_causal_half():
 
 
 def test_presets_kernel():
-    for name, model in PRESETS.items():
-        assert model.flash_attention == name.startswith("llama"), name
+    for name, model in PRESETS.items():  # the Megatron-paper GPT runs as published; today's models flash
+        assert model.flash_attention == (not name.startswith("gpt")), name
 
 
 def _args(*argv):

@@ -1,5 +1,5 @@
-"""The Llama presets' parameter counts: exact against transformers' LlamaForCausalLM of the same
-shape (built on the meta device, so no memory), and equal to the published checkpoint sizes."""
+"""The Llama and Nemotron presets' parameter counts: exact against transformers' models of the
+same shape (built on the meta device, so no memory), and equal to the published checkpoint sizes."""
 
 from __future__ import annotations
 
@@ -35,6 +35,20 @@ def test_llama_presets_equal_transformers(name):
     with torch.device("meta"):
         hf = transformers.LlamaForCausalLM(config)
     assert _count(m) == sum(p.numel() for p in hf.parameters())
+
+
+def test_nemotron4_340b_equals_transformers():
+    """Two layers of Nemotron-4 340B's width against transformers' NemotronForCausalLM (LayerNorm
+    with biases, a two-matrix squared-ReLU MLP, no linear biases, untied), and its 341.0B total
+    next to the published "340B"."""
+    m = dataclasses.replace(PRESETS["nemotron4-340b"], num_layers=2)
+    config = transformers.NemotronConfig(num_hidden_layers=2, hidden_size=m.hidden_size,
+                                         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.kv_heads,
+                                         intermediate_size=m.ffn, vocab_size=m.vocab_size, tie_word_embeddings=False)
+    with torch.device("meta"):
+        hf = transformers.NemotronForCausalLM(config)
+    assert _count(m) == sum(p.numel() for p in hf.parameters())
+    assert _count(PRESETS["nemotron4-340b"]) / 340e9 - 1 == pytest.approx(0, abs=0.005)
 
 
 @pytest.mark.parametrize("name", sorted(CHECKPOINT_BYTES))

@@ -135,7 +135,17 @@ PRESETS: dict[str, ModelSpec] = {
     "llama3-70b": _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
     "llama3-405b": _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
 }
+# Nemotron-4 340B (NVIDIA 2024, arXiv:2406.11704, Table 1: 96 layers, hidden 18432, 96 heads, 8
+# key/value heads, sequence 4096, vocabulary 256,000; the model_config.yaml of
+# nvidia/Nemotron-4-340B: ffn_hidden_size 73728, squared-ReLU MLP of two matrices, LayerNorm
+# (layernorm1p: weight and bias), rotary positions, no linear biases, untied output layer).
+PRESETS["nemotron4-340b"] = ModelSpec(96, 18432, 96, 73728, 256000, 4096, num_query_groups=8, swiglu=False,
+                                      tied=False, rmsnorm=False, linear_bias=False, learned_positions=False,
+                                      dropout=False, flash_attention=True, name="nemotron4-340b")
 PRESETS["gpt-1t"] = PRESETS["gpt-1008b"]
+# Llama 3.1 keeps Llama 3's shapes (Dubey et al. 2024, Table 3); its longer context is a later stage.
+for _size in ("8b", "70b", "405b"):
+    PRESETS[f"llama3.1-{_size}"] = PRESETS[f"llama3-{_size}"]
 
 
 class UnknownModelError(ValueError):
