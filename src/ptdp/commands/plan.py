@@ -18,8 +18,9 @@ from ptdp.planner.request import check_model, check_output_path, check_request, 
 from ptdp.planner.search import Fixed, search
 
 PLAN_DESCRIPTION = """\
-Predict memory and step time of every tensor x pipeline x data parallel layout (with micro batch,
-interleaving, recompute, sequence parallelism, distributed optimizer) of a model on a GPU cluster;
+Predict memory and step time of every tensor x context x pipeline x data parallel layout (with
+micro batch, interleaving, recompute, sequence parallelism, data-parallel sharding) of a model on a
+GPU cluster;
 rank them and say why the others do not fit. Example:
   ptdp plan --model gpt3-175b --gpus 1024 --gpu a100-80gb --global-batch-size 1536 --seq-length 2048
 """
@@ -107,6 +108,19 @@ def _apply_topology(gpu, args: argparse.Namespace):
     return gpu, notes
 
 
+def _sharding(args: argparse.Namespace) -> str | None:
+    """--data-parallel-sharding-strategy, or optim / no_shard for --use-distributed-optimizer /
+    --no-use-distributed-optimizer; ConfigError when they contradict; None: searched."""
+    strategy, dopt = args.data_parallel_sharding_strategy, args.use_distributed_optimizer
+    if strategy is not None and dopt is not None and dopt != (strategy != "no_shard"):
+        raise ConfigError(f"--data-parallel-sharding-strategy {strategy} contradicts "
+                          f"--{'' if dopt else 'no-'}use-distributed-optimizer (which means "
+                          f"{'optim' if dopt else 'no_shard'}): give one")
+    if strategy is None and dopt is not None:
+        return "optim" if dopt else "no_shard"
+    return strategy
+
+
 def fixed_from_args(args: argparse.Namespace) -> Fixed:
     return Fixed(
         tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, dp=args.data_parallel_size,
@@ -114,6 +128,7 @@ def fixed_from_args(args: argparse.Namespace) -> Fixed:
         layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
         recompute=args.recompute_granularity, sequence_parallel=args.sequence_parallel,
         distributed_optimizer=args.use_distributed_optimizer,
+        cp=args.context_parallel_size, sharding=_sharding(args),
         layer_split=args.pipeline_layer_split, first_layers=args.decoder_first_pipeline_num_layers,
         last_layers=args.decoder_last_pipeline_num_layers,
     )

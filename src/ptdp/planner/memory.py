@@ -23,6 +23,8 @@ from ptdp.spec import keeps_logits, padded_vocab_size, stage_layer_counts
 from ptdp.planner.hardware import GiB, GPUSpec
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout, MemoryBreakdown
+from ptdp.planner.context import kv_buffer_bytes, local_model, unfused_score_bytes_missing
+from ptdp.planner.sharding import stage_state_bytes
 
 #: Default fixed overhead per GPU (bytes): CUDA context and kernel images (~0.5 GiB on A100/H100),
 #: NCCL buffers of the 3-5 communicators a rank joins (tp, pp, dp, embedding, world; a few hundred
@@ -100,7 +102,17 @@ def bytes_per_param(precision: str, dp: int = 1, distributed_optimizer: bool = F
         weights, grads, state = 4.0, 4.0, 8.0
     else:
         raise ValueError(f"precision={precision!r} must be one of bf16, fp16, fp32")
-    return weights, grads, (state / dp if distributed_optimizer else state)
+    return weights, grads, (state / dp if distributed_optimizer else state)  # sharding strategies: rank_state_bytes
+
+
+def rank_state_bytes(model: ModelSpec, layout: Layout, n_params: int, n_layers: int) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes of one rank of a stage holding ``n_params`` parameters and
+    ``n_layers`` layers under ``layout``'s sharding strategy over ``dp * cp`` ranks
+    (:func:`ptdp.planner.sharding.stage_state_bytes`; a gathered unit is one layer, or the
+    stage's embedding / output parameters when larger)."""
+    per_layer = layer_param_count(model, layout.tp)
+    unit = max(per_layer, n_params - n_layers * per_layer)
+    return stage_state_bytes(n_params, unit, layout.precision, layout.sharding_strategy, layout.shard_size)
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,6 +248,35 @@ def stage_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, layer
     return out + last_inflight * loss_side
 
 
+def rank_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, layers_on_stage: int, *,
+                          schedule: str = "1f1b", make_vocab_size_divisible_by: int = 128) -> float:
+    """Peak activation bytes of one cp rank of pipeline rank ``pp_rank`` (one tp rank).
+
+    :func:`stage_activation_bytes` of the ``s / cp``-token model
+    (:func:`ptdp.planner.context.local_model`: every per-token term divided by cp), plus, with
+    cp > 1, the kept attention scores' missing ``(cp - 1)`` parts of an unfused kernel (the rank's
+    queries see all ``s`` keys) and the key/value exchange buffers of the running layer
+    (:func:`ptdp.planner.context.kv_buffer_bytes`). cp = 1 is :func:`stage_activation_bytes`.
+    """
+    cp = layout.cp
+    local = local_model(model, cp)
+    out = stage_activation_bytes(local, layout, pp_rank, layers_on_stage, schedule=schedule,
+                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    if cp == 1:
+        return out
+    kw = dict(sequence_parallel=layout.sequence_parallel, precision=layout.precision)
+    b = layout.micro_batch_size
+    none = layer_activation_bytes(local, layout.tp, b, recompute="none", **kw)
+    selective = layer_activation_bytes(local, layout.tp, b, recompute="selective", **kw)
+    missing = unfused_score_bytes_missing(none, selective, cp, model.flash_attention)
+    if layout.recompute == "none":
+        out += missing * layers_on_stage * inflight_microbatches(layout, pp_rank, schedule=schedule)
+    elif layout.recompute == "full":
+        out += missing  # the one layer recomputed at a time
+    e, _ = activation_value_bytes(layout.precision)
+    return out + kv_buffer_bytes(model, layout.tp, cp, b, layout.cp_comm_type, e)
+
+
 # --------------------------------------------------------------------------------------------
 # The most loaded GPU
 # --------------------------------------------------------------------------------------------
@@ -258,8 +299,9 @@ def memory_breakdown(
 ) -> MemoryBreakdown:
     """Bytes on the most loaded GPU: the pipeline stage with the largest total (``stage``).
 
-    params/grads/optimizer: exact stage parameter count x :func:`bytes_per_param`; activations:
-    :func:`stage_activation_bytes`; overhead: ``overhead_bytes`` (default
+    params/grads/optimizer: exact stage parameter count under the sharding strategy over
+    ``dp * cp`` ranks, transients included (:func:`rank_state_bytes`); activations:
+    :func:`rank_activation_bytes` (one cp rank); overhead: ``overhead_bytes`` (default
     :data:`DEFAULT_OVERHEAD_BYTES`). ``gpu`` does not change the bytes (it is part of the call for
     symmetry with the time model); the capacity check ``total <= gpu.memory_bytes`` is the
     caller's. ``schedule``: "1f1b" (interleaved when ``layout.virtual_stages > 1``) or "gpipe".
@@ -271,7 +313,6 @@ def memory_breakdown(
     stages, the lowest-ranked of them are evaluated (a middle stage holds no more microbatches in
     flight than the ones before it, and its parameters depend only on its layers).
     """
-    pbytes, gbytes, obytes = bytes_per_param(layout.precision, layout.dp, layout.distributed_optimizer)
     layer_split = layer_split if layer_split is not None else layout.layer_split
     if layer_split is None:
         first_params, last_params, per_stage = _even_stage_params(
@@ -292,11 +333,12 @@ def memory_breakdown(
                 counts_seen.add(n_layers)
     best = None
     for rank, n_params, n_layers in candidates:
-        act = stage_activation_bytes(model, layout, rank, n_layers, schedule=schedule,
-                                     make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-        total = n_params * (pbytes + gbytes + obytes) + act
+        act = rank_activation_bytes(model, layout, rank, n_layers, schedule=schedule,
+                                    make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+        state = rank_state_bytes(model, layout, n_params, n_layers)
+        total = sum(state) + act
         if best is None or total > best[0]:
-            best = (total, rank, n_params, act)
-    _, rank, n_params, act = best
-    return MemoryBreakdown(params=n_params * pbytes, grads=n_params * gbytes, optimizer=n_params * obytes,
-                           activations=act, overhead=float(overhead_bytes), stage=rank)
+            best = (total, rank, state, act)
+    _, rank, (params, grads, optimizer), act = best
+    return MemoryBreakdown(params=params, grads=grads, optimizer=optimizer, activations=act,
+                           overhead=float(overhead_bytes), stage=rank)

@@ -23,16 +23,17 @@ from ptdp.spec import padded_vocab_size
 from ptdp.planner import flops
 from ptdp.planner.comm import (
     Links,
-    dp_grad_sync_time,
     embedding_sync_time,
     hierarchical_all_reduce_time,
     pp_transfer_time,
     tp_layer_comm_times,
 )
+from ptdp.planner.context import block_attention_times, kv_exchange_times, layer_times, local_model
 from ptdp.planner.hardware import Cluster
-from ptdp.planner.memory import _even_stage_params, stage_param_counts
+from ptdp.planner.memory import _even_stage_params, layer_param_count, stage_param_counts
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout, TimeBreakdown
+from ptdp.planner.sharding import optimizer_bytes_per_param, sharded_dp_times
 
 
 @dataclass(frozen=True)
@@ -189,25 +190,44 @@ def links_for(cluster: Cluster, constants: PerfConstants) -> Links:
                  constants.nvlink_latency, constants.network_latency, cluster.gpus_per_node)
 
 
+def rank_layer_times(model: ModelSpec, layout: Layout, peak: float, bandwidth: float, c: PerfConstants) -> tuple[float, float, float, float]:
+    """(forward, backward, attention core, one block's forward attention) seconds of one layer on
+    one tp and cp rank for one microbatch (:mod:`ptdp.planner.context`: the ``s / cp``-token layer
+    attending ``cp`` blocks; the last item hides one ring step of the key/value exchange)."""
+    local = local_model(model, layout.cp)
+    times = flops.layer_compute_times(local, layout.tp, layout.micro_batch_size, layout.sequence_parallel, peak,
+                                      bandwidth, c.gemm_peak_fraction, c.gemm_half_dim)
+    if layout.cp == 1:
+        return (*times, times[2])
+    block = block_attention_times(local, layout.tp, layout.micro_batch_size, times[2], peak_flops=peak,
+                                  peak_fraction=c.gemm_peak_fraction, half_dim=c.gemm_half_dim)
+    return (*layer_times(times, block, layout.cp), block[0])
+
+
 def _stage_microbatch_times(model: ModelSpec, layout: Layout, peak: float, bandwidth: float, links: Links,
                             c: PerfConstants, v_pad: int, elem: float,
-                            layers: int) -> tuple[tuple[float, float, float], ...]:
-    """(compute, recompute, tp_comm) seconds of one microbatch on (middle, first, last) stages."""
-    tp, b, s, h = layout.tp, layout.micro_batch_size, model.seq_length, model.hidden_size
-    fwd, bwd, core = flops.layer_compute_times(model, tp, b, layout.sequence_parallel, peak, bandwidth,
-                                               c.gemm_peak_fraction, c.gemm_half_dim)
+                            layers: int) -> tuple[tuple[float, float, float, float], ...]:
+    """(compute, recompute, tp_comm, cp_comm) seconds of one microbatch on (middle, first, last)
+    stages of one cp rank (:func:`rank_layer_times`; tp transfers and logits of ``s / cp`` tokens,
+    key/value exchange :func:`ptdp.planner.context.kv_exchange_times`, again in a full recompute)."""
+    local = local_model(model, layout.cp)
+    tp, b, s, h = layout.tp, layout.micro_batch_size, local.seq_length, model.hidden_size
+    fwd, bwd, core, block = rank_layer_times(model, layout, peak, bandwidth, c)
     tp_f, tp_b = tp_layer_comm_times(b * s, h, tp, sequence_parallel=layout.sequence_parallel, links=links,
                                      bytes_per_element=elem)
     tp_f, tp_b = (1.0 - c.tp_overlap) * tp_f, (1.0 - c.tp_overlap) * tp_b
+    cp_f, cp_b = kv_exchange_times(model, tp, layout.cp, b, layout.cp_comm_type, block, links, elem)
     rec = {"full": fwd, "selective": core}.get(layout.recompute, 0.0)
-    rec_comm = tp_f if layout.recompute == "full" else 0.0
-    mid = (layers * (fwd + bwd + c.layer_overhead), layers * rec, layers * (tp_f + tp_b + rec_comm))
+    full = layout.recompute == "full"
+    rec_comm, rec_cp = (tp_f, cp_f) if full else (0.0, 0.0)
+    mid = (layers * (fwd + bwd + c.layer_overhead), layers * rec, layers * (tp_f + tp_b + rec_comm),
+           layers * (cp_f + cp_b + rec_cp))
     one_ar = hierarchical_all_reduce_time(elem * b * s * h, tp, links.gpus_per_node, links)
-    logits = flops.logits_compute_time(model, tp, b, v_pad, peak, bandwidth, c.gemm_peak_fraction, c.gemm_half_dim)
-    first = (mid[0], mid[1], mid[2] + one_ar)
-    last = (mid[0] + logits + c.head_overhead, mid[1], mid[2] + one_ar)
+    logits = flops.logits_compute_time(local, tp, b, v_pad, peak, bandwidth, c.gemm_peak_fraction, c.gemm_half_dim)
+    first = (mid[0], mid[1], mid[2] + one_ar, mid[3])
+    last = (mid[0] + logits + c.head_overhead, mid[1], mid[2] + one_ar, mid[3])
     if layout.pp == 1:
-        last = (last[0], last[1], last[2] + one_ar)
+        last = (last[0], last[1], last[2] + one_ar, last[3])
     return mid, first, last
 
 
@@ -254,6 +274,23 @@ def edge_layer_equivalents(model: ModelSpec, layout: Layout, cluster: Cluster,
     return (sum(first) - unit) / unit, (sum(last) - unit) / unit
 
 
+def _dp_comm_time(model: ModelSpec, layout: Layout, n_params: int, busiest: tuple[float, ...], stage_layers: int,
+                  elem: float, links: Links, c: PerfConstants, layer: tuple[float, ...]) -> float:
+    """Exposed seconds of the data-parallel communication of the stage's ``n_params`` parameters
+    over ``dp * cp`` ranks under the layout's sharding strategy
+    (:func:`ptdp.planner.sharding.sharded_dp_times`): float32 gradients, ``elem``-byte weights,
+    units of one layer (plus the embedding / output unit), hidden behind one microbatch's
+    backward (the busiest stage's compute without its forward third) and one layer's compute."""
+    per_layer = layer_param_count(model, layout.tp)
+    unit = max(per_layer, n_params - stage_layers * per_layer)
+    microbatch_backward = busiest[0] * 2.0 / 3.0
+    return sharded_dp_times(layout.sharding_strategy, grad_bytes=4.0 * n_params, param_bytes=elem * n_params,
+                            unit_param_bytes=elem * unit, tp=layout.tp, shard=layout.shard_size,
+                            num_microbatches=layout.num_microbatches, units=stage_layers + 1,
+                            layer_forward=layer[0], layer_backward=layer[1],
+                            microbatch_backward=microbatch_backward, links=links, end_overlap=c.dp_overlap)
+
+
 def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
                          constants: PerfConstants = DEFAULT_CONSTANTS, *,
                          make_vocab_size_divisible_by: int = 128,
@@ -284,13 +321,16 @@ def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
     if even:
         first_params, last_params, _ = _even_stage_params(model, tp, pp, make_vocab_size_divisible_by)
         n_params, layers = max(first_params, last_params), model.num_layers // pp
+        stage_layers = layers
     else:
         n_params = max(stage_param_counts(model, tp, pp, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                           layer_split=layer_split))
         layers = 1  # one layer and the edges: each stage's time is built from them
+        stage_layers = max(layer_split)
     mid, first, last = _stage_microbatch_times(model, layout, peak, bandwidth, links, c, v_pad, elem, layers)
     busiest = last if sum(last) >= sum(first) else first
-    p2p = 2.0 * v * pp_transfer_time(layout.micro_batch_size * model.seq_length, model.hidden_size, tp, dp, pp,
+    p2p = 2.0 * v * pp_transfer_time(layout.micro_batch_size * model.seq_length // layout.cp, model.hidden_size, tp,
+                                     layout.shard_size, pp,
                                      sequence_parallel=layout.sequence_parallel, links=links,
                                      bytes_per_element=elem, scatter_gather=c.pp_scatter_gather)
     bubble = (pp - 1) / v * (sum(mid) + p2p)
@@ -298,18 +338,21 @@ def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
         first, mid, last, busiest, fill = split_stage_times(layer_split, mid, first, last)
         bubble = (fill + (pp - 1) * p2p) / v  # interleaving spreads fill and drain over v chunks ([N21] §2.2)
 
-    grad_sync = dp_grad_sync_time(4.0 * n_params, elem * n_params, tp, dp,
-                                  distributed_optimizer=layout.distributed_optimizer, links=links)
+    exposed_dp = _dp_comm_time(model, layout, n_params, busiest, stage_layers, elem, links, c,
+                               rank_layer_times(model, layout, peak, bandwidth, c))
     if model.tied and pp > 1:
-        grad_sync += embedding_sync_time(4.0 * v_pad // tp * model.hidden_size, pp, tp, dp, links)
-    shard = dp if layout.distributed_optimizer else 1
-    optimizer = n_params * (OPT_BYTES_FULL[prec] + OPT_BYTES_SHARDED[prec] / shard) / (bandwidth * c.optimizer_efficiency)
+        exposed_dp += (1.0 - c.dp_overlap) * embedding_sync_time(4.0 * v_pad // tp * model.hidden_size, pp, tp,
+                                                                 layout.shard_size, links)
+    shard = layout.shard_size
+    per_param = optimizer_bytes_per_param(OPT_BYTES_FULL[prec], OPT_BYTES_SHARDED[prec], layout.sharding_strategy,
+                                          shard, weight_bytes=elem)
+    optimizer = n_params * per_param / (bandwidth * c.optimizer_efficiency)
 
     time = TimeBreakdown(compute=m * busiest[0], recompute=m * busiest[1], tp_comm=m * busiest[2],
-                         pp_comm=m * p2p, bubble=bubble, dp_comm=(1.0 - c.dp_overlap) * grad_sync,
-                         optimizer=optimizer)
+                         pp_comm=m * p2p, bubble=bubble, dp_comm=exposed_dp,
+                         optimizer=optimizer, cp_comm=m * busiest[3])
     if gpu.shared_cores and cluster.gpus_per_node > gpu.shared_cores:
-        per_step = (1.0 - c.dp_overlap) * grad_sync + optimizer
+        per_step = exposed_dp + optimizer
         busy = [m * (sum(stage) + p2p) + per_step for stage in (first, mid, last)]
         time = dataclasses.replace(time, core_sharing=max(
             0.0, core_shared_step(busy, pp, cluster.gpus_per_node, gpu.shared_cores) - time.step))

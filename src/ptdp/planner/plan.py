@@ -37,8 +37,9 @@ class Layout:
         cp: context-parallel size; the sequence is split into ``2 cp`` chunks, two per cp rank.
             Rank order tp-cp-dp-pp: a cp group is ``cp`` ranks at stride tp.
         sharding: data-parallel sharding strategy over the ``dp * cp`` ranks that hold the same
-            parameters (:data:`SHARDING`). None: derived from ``distributed_optimizer`` (``optim``
-            or ``no_shard``, :attr:`sharding_strategy`); given, it sets ``distributed_optimizer``.
+            parameters (:data:`SHARDING`); given, it sets ``distributed_optimizer``. Kept as None
+            for ``no_shard`` and ``optim``, which ``distributed_optimizer`` tells apart, so equal
+            layouts compare equal; :attr:`sharding_strategy` is the strategy.
         cp_comm_type: key/value exchange of context parallelism (:data:`CP_COMM_TYPES`).
     """
 
@@ -60,6 +61,8 @@ class Layout:
     def __post_init__(self) -> None:
         if self.sharding is not None:  # the strategy decides; distributed_optimizer follows it
             object.__setattr__(self, "distributed_optimizer", self.sharding != "no_shard")
+        if self.sharding in ("no_shard", "optim"):  # one spelling: distributed_optimizer says which
+            object.__setattr__(self, "sharding", None)
 
     @property
     def sharding_strategy(self) -> str:

@@ -13,13 +13,13 @@ from ptdp.planner.search import SearchResult
 from ptdp.planner.splits import split_report_lines
 
 _MEM = ("params", "grads", "optimizer", "activations", "overhead")
-_TIME = ("compute", "recompute", "tp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
+_TIME = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
 
 
 def _layout_cells(plan: Plan) -> list[str]:
     lay = plan.layout
-    return [str(lay.tp), str(lay.pp), str(lay.dp), str(lay.micro_batch_size), str(lay.virtual_stages),
-            lay.recompute, "y" if lay.sequence_parallel else "n", "y" if lay.distributed_optimizer else "n"]
+    return [str(lay.tp), str(lay.cp), str(lay.pp), str(lay.dp), str(lay.micro_batch_size), str(lay.virtual_stages),
+            lay.recompute, "y" if lay.sequence_parallel else "n", lay.sharding_strategy]
 
 
 def _num(x: float) -> str:
@@ -36,9 +36,9 @@ def _row(plan: Plan, rank: int, capacity: float) -> list[str]:
     return cells
 
 
-HEADER = (["#", "tp", "pp", "dp", "b", "v", "recomp", "sp", "dopt"]
+HEADER = (["#", "tp", "cp", "pp", "dp", "b", "v", "recomp", "sp", "shard"]
           + ["params", "grads", "optim", "activ", "overh", "total/cap GiB"]
-          + ["compute", "recomp", "tp_comm", "pp_comm", "bubble", "dp_comm", "optim", "step s"]
+          + ["compute", "recomp", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_comm", "optim", "step s"]
           + ["TFLOP/s", "MFU"])
 
 
@@ -76,9 +76,9 @@ def text_report(model: ModelSpec, cluster: Cluster, result: SearchResult, *, top
 
 def _describe(plan: Plan) -> str:
     lay = plan.layout
-    return (f"tp={lay.tp} pp={lay.pp} dp={lay.dp} b={lay.micro_batch_size} v={lay.virtual_stages} "
-            f"recompute={lay.recompute} sp={'on' if lay.sequence_parallel else 'off'} "
-            f"dist-opt={'on' if lay.distributed_optimizer else 'off'}")
+    return (f"tp={lay.tp}{f' cp={lay.cp}' if lay.cp > 1 else ''} pp={lay.pp} dp={lay.dp} b={lay.micro_batch_size} "
+            f"v={lay.virtual_stages} recompute={lay.recompute} sp={'on' if lay.sequence_parallel else 'off'} "
+            f"sharding={lay.sharding_strategy}")
 
 
 def grouped_rejections(result: SearchResult) -> dict[str, list[tuple[Plan, Rejection]]]:
@@ -124,16 +124,19 @@ def json_report(result: SearchResult, *, top: int = 10) -> str:
     return json.dumps([p.to_json() for p in plans], indent=2)
 
 
-ABBREVIATIONS = ("tp/pp/dp: tensor/pipeline/data-parallel sizes; b: micro batch size; v: model chunks per pipeline "
-                 "rank; rec none/sel/full: activation recomputation; sp: sequence parallel; do: distributed "
-                 "optimizer; tp_comm/pp_comm/dp_comm: exposed communication of each axis")
+ABBREVIATIONS = ("tp/cp/pp/dp: tensor/context/pipeline/data-parallel sizes; b: micro batch size; v: model chunks per "
+                 "pipeline rank; rec none/sel/full: activation recomputation; sp: sequence parallel; do: distributed "
+                 "optimizer (sharding optim); og/ogp: sharding optim_grads/optim_grads_params; "
+                 "tp_comm/cp_comm/pp_comm/dp_comm: exposed "
+                 "communication of each axis")
 
 
 def plot_label(rank: int, plan: Plan) -> str:
     """The x label of one layout in :func:`plot` (abbreviations in :data:`ABBREVIATIONS`)."""
     lay = plan.layout
-    return (f"#{rank} tp{lay.tp} pp{lay.pp} dp{lay.dp} b{lay.micro_batch_size} v{lay.virtual_stages} "
-            f"rec {lay.recompute[:4]}{' sp' if lay.sequence_parallel else ''}{' do' if lay.distributed_optimizer else ''}")
+    shard = {"no_shard": "", "optim": " do", "optim_grads": " og", "optim_grads_params": " ogp"}[lay.sharding_strategy]
+    return (f"#{rank} tp{lay.tp}{f' cp{lay.cp}' if lay.cp > 1 else ''} pp{lay.pp} dp{lay.dp} b{lay.micro_batch_size} "
+            f"v{lay.virtual_stages} rec {lay.recompute[:4]}{' sp' if lay.sequence_parallel else ''}{shard}")
 
 
 def time_axis_floor(steps: list[float]) -> float:

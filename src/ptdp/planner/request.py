@@ -30,9 +30,11 @@ def check_model(model: ModelSpec) -> None:
 
 
 def check_request(cluster: Cluster, global_batch_size: int, fixed, *, top: int, overhead_bytes: float | None) -> None:
-    """Positive sizes, and fixed tp/pp/dp that can make up the cluster's GPU count."""
+    """Positive sizes, and fixed tp/cp/pp/dp that can make up the cluster's GPU count."""
     n = cluster.num_gpus
-    given = {"global_batch_size": global_batch_size, "top": top, "tp": fixed.tp, "pp": fixed.pp, "dp": fixed.dp,
+    cp = getattr(fixed, "cp", None)
+    given = {"global_batch_size": global_batch_size, "top": top, "tp": fixed.tp, "cp": cp, "pp": fixed.pp,
+             "dp": fixed.dp,
              "micro_batch_size": fixed.micro_batch_size, "virtual_pipeline_stages": fixed.virtual_stages,
              "num_layers_per_virtual_pipeline_stage": fixed.layers_per_virtual_stage}
     errors = [f"{name}={value} must be a positive integer" for name, value in given.items()
@@ -47,16 +49,20 @@ def check_request(cluster: Cluster, global_batch_size: int, fixed, *, top: int, 
     if not errors:
         product = 1
         pp = len(split) if split is not None else fixed.pp
-        for value in (fixed.tp, pp, fixed.dp):
+        for value in (fixed.tp, cp, pp, fixed.dp):
             if value is not None:
                 product *= value
+        rule = "tp * pp * dp = GPUs" if cp in (None, 1) else "tp * cp * pp * dp = GPUs"
         if n % product:
-            sizes = {"tp": fixed.tp, "pp": pp, "dp": fixed.dp}
+            sizes = {"tp": fixed.tp, "cp": cp, "pp": pp, "dp": fixed.dp}
             parts = [f"{k}={v}" for k, v in sizes.items() if v]
             text = " * ".join(parts) + (f" = {product}" if len(parts) > 1 else "")
-            errors.append(f"{text} does not divide the {n} GPUs (rule: tp * pp * dp = GPUs)")
-        elif None not in (fixed.tp, pp, fixed.dp) and product != n:
-            errors.append(f"tp*pp*dp = {fixed.tp}*{pp}*{fixed.dp} = {product} != {n} GPUs")
+            errors.append(f"{text} does not divide the {n} GPUs (rule: {rule})")
+        elif None not in (fixed.tp, pp, fixed.dp) and cp in (None, 1) and product != n:
+            errors.append(f"tp*pp*dp = {fixed.tp}*{pp}*{fixed.dp} = {product} != {n} GPUs"
+                          + (" (with context parallelism give --cp: tp*cp*pp*dp = GPUs)" if cp is None else ""))
+        elif None not in (fixed.tp, cp, pp, fixed.dp) and product != n:
+            errors.append(f"tp*cp*pp*dp = {fixed.tp}*{cp}*{pp}*{fixed.dp} = {product} != {n} GPUs")
     if errors:
         raise ConfigError("invalid plan request:\n  " + "\n  ".join(errors))
 

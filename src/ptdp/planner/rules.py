@@ -9,10 +9,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ptdp.spec import ModelConfig, ParallelConfig, layout_violations, schedule_violations, sequence_parallel_violations
+from ptdp.spec import (ModelConfig, ParallelConfig, context_parallel_violations, layout_violations, schedule_violations,
+                       sequence_parallel_violations)
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
-from ptdp.planner.plan import PRECISIONS, RECOMPUTE, Layout
+from ptdp.planner.plan import CP_COMM_TYPES, PRECISIONS, RECOMPUTE, SHARDING, Layout
 
 @dataclass(frozen=True)
 class Rejection:
@@ -51,6 +52,14 @@ def structural_rejections(model: ModelSpec, tp: int, pp: int, dp: int, b: int, b
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=4096)
+def context_rejections(model: ModelSpec, tp: int, cp: int) -> tuple[Rejection, ...]:
+    """Rules of context parallelism (``ptdp.spec``'s: ``cp >= 1``, ``seq_length % (2 cp) == 0``).
+    A cp group may leave the node (``tp * cp > gpus_per_node``): allowed, its key/value ring then
+    runs at network speed (:func:`ptdp.planner.context.cp_link`)."""
+    return tuple(Rejection(v.rule, v.message) for v in context_parallel_violations(model.seq_length, cp))
+
+
 def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Rejection]:
     """Rules of the interleaved schedule, of sequence parallelism and of the option values."""
     out = []
@@ -70,6 +79,10 @@ def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Rejection]:
             for v in sequence_parallel_violations(_model_config(model), layout.tp, layout.sequence_parallel)]
     if layout.recompute not in RECOMPUTE:
         out.append(Rejection("option", f"recompute={layout.recompute!r} not in {RECOMPUTE}"))
+    if layout.sharding_strategy not in SHARDING:
+        out.append(Rejection("option", f"sharding={layout.sharding_strategy!r} not in {SHARDING}"))
+    if layout.cp_comm_type not in CP_COMM_TYPES:
+        out.append(Rejection("option", f"cp_comm_type={layout.cp_comm_type!r} not in {CP_COMM_TYPES}"))
     if layout.precision not in PRECISIONS:
         out.append(Rejection("option", f"precision={layout.precision!r} not in {PRECISIONS}"))
     return out
@@ -79,9 +92,12 @@ def all_rejections(model: ModelSpec, layout: Layout, cluster: Cluster) -> list[R
     """Every rule ``layout`` breaks on ``cluster`` (memory excluded)."""
     out = []
     if layout.num_gpus != cluster.num_gpus:
-        out.append(Rejection("gpus", f"tp*pp*dp = {layout.tp}*{layout.pp}*{layout.dp} = {layout.num_gpus} "
+        sizes = (("tp", "pp", "dp"), (layout.tp, layout.pp, layout.dp)) if layout.cp == 1 else (
+            ("tp", "cp", "pp", "dp"), (layout.tp, layout.cp, layout.pp, layout.dp))
+        out.append(Rejection("gpus", f"{'*'.join(sizes[0])} = {'*'.join(map(str, sizes[1]))} = {layout.num_gpus} "
                                      f"!= {cluster.num_gpus} GPUs"))
     out += structural_rejections(model, layout.tp, layout.pp, layout.dp, layout.micro_batch_size,
                                  layout.global_batch_size, cluster.gpus_per_node, layout.layer_split)
+    out += context_rejections(model, layout.tp, layout.cp)
     out += schedule_rejections(model, layout)
     return out

@@ -1,8 +1,21 @@
 """Search every valid layout for a model on a cluster, predict each, rank by step time.
 
-The search enumerates tp x pp x dp = number of GPUs, micro batch size, virtual pipeline stages,
-recompute granularity, sequence parallelism and the distributed optimizer; any of them can be
-fixed. Layouts that break a rule (:mod:`ptdp.planner.rules`, the same rules ``ptdp train``
+The search enumerates tp x cp x pp x dp = number of GPUs, micro batch size, virtual pipeline
+stages, recompute granularity, sequence parallelism and the data-parallel sharding strategy; any
+of them can be fixed.
+
+Pruning (each keeps the search exact up to the stated approximation, and fast: the full Llama 3
+405B search on 16,384 GPUs stays well under 2 s):
+
+* context parallelism: cp > 1 only with ``seq_length >= CP_MIN_SEQ_LENGTH``
+  (:data:`ptdp.planner.context.CP_MIN_SEQ_LENGTH`) or when no layout fits with cp = 1 (a second
+  pass), and only sizes with ``seq_length % (2 cp) == 0`` and ``seq_length / cp >=
+  CP_MIN_LOCAL_TOKENS``; a fixed ``--cp`` is searched as given.
+* sharding strategies, tried least sharded first: ``no_shard``, then ``optim``, stopping at the
+  first sharded strategy that fits. A more sharded strategy keeps less memory but is never
+  faster in this model (its extra reduce-scatters per microbatch and parameter all-gathers come
+  on top), except for the optimizer step's 8 bytes per parameter of gradient-norm and zeroing
+  traffic it shards, which the pruning gives up. ``dp * cp = 1`` has nothing to shard: no_shard. Layouts that break a rule (:mod:`ptdp.planner.rules`, the same rules ``ptdp train``
 checks) or do not fit in memory are kept as rejected plans with their reasons.
 """
 
@@ -16,8 +29,10 @@ from ptdp.planner.hardware import TFLOPS, Cluster, GiB
 from ptdp.planner.memory import memory_breakdown
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.perf import DEFAULT_CONSTANTS, edge_layer_equivalents, evaluate_performance
-from ptdp.planner.plan import RECOMPUTE, Layout, Plan
-from ptdp.planner.rules import Rejection, all_rejections, schedule_rejections, structural_rejections
+from ptdp.planner.context import CP_MIN_LOCAL_TOKENS, CP_MIN_SEQ_LENGTH
+from ptdp.planner.plan import RECOMPUTE, SHARDING, Layout, Plan
+from ptdp.planner.rules import (Rejection, all_rejections, context_rejections, schedule_rejections,
+                                structural_rejections)
 from ptdp.planner.splits import candidate_splits
 
 MAX_MICRO_BATCH = 32
@@ -37,6 +52,11 @@ class Fixed:
     recompute: str | None = None
     sequence_parallel: bool | None = None
     distributed_optimizer: bool | None = None
+    """--use-distributed-optimizer: True means sharding ``optim``, False ``no_shard`` (``sharding`` wins)."""
+    cp: int | None = None
+    """--context-parallel-size."""
+    sharding: str | None = None
+    """--data-parallel-sharding-strategy."""
     layer_split: tuple[int, ...] | None = None
     """Megatron-style explicit layers per pipeline stage (--pipeline-layer-split): fixes pp and v = 1."""
     first_layers: int | None = None
@@ -100,20 +120,33 @@ def search(model: ModelSpec, cluster: Cluster, global_batch_size: int, *, fixed:
            precision: str = "bf16", constants=DEFAULT_CONSTANTS, overhead_bytes: float | None = None) -> SearchResult:
     """Every layout of ``cluster.num_gpus`` GPUs for ``model`` at ``global_batch_size``, predicted."""
     result = SearchResult([])
+    args = (model, cluster, global_batch_size, fixed, precision, constants, overhead_bytes, result)
+    if fixed.cp is not None:
+        _search_cp(*args, cps=(fixed.cp,))
+    else:
+        _search_cp(*args, cps=(1,))
+        if model.seq_length >= CP_MIN_SEQ_LENGTH or not result.plans:
+            _search_cp(*args, cps=tuple(c for c in divisors(cluster.num_gpus)[1:] if model.seq_length % (2 * c) == 0
+                                        and model.seq_length // c >= CP_MIN_LOCAL_TOKENS))
+    result.plans.sort(key=lambda p: p.time.step)
+    return result
+
+
+def _search_cp(model, cluster, big_b, fixed, precision, constants, overhead, result, *, cps) -> None:
+    """Every tp x cp x pp x dp layout with cp in ``cps`` (tp, then cp inside the node next to it)."""
     n = cluster.num_gpus
     fixed_pp = len(fixed.layer_split) if fixed.layer_split is not None else fixed.pp
     for tp in _options(fixed.tp, divisors(n)):
-        if n % tp:
-            continue
-        for pp in _options(fixed_pp, divisors(n // tp)):
-            if n % (tp * pp) or (fixed.dp is not None and fixed.dp * tp * pp != n):
+        for cp in cps:
+            if n % (tp * cp):
                 continue
-            dp = n // (tp * pp)
-            for b in _micro_batches(global_batch_size, dp, fixed.micro_batch_size):
-                _search_layout(model, cluster, tp, pp, dp, b, global_batch_size, fixed, precision,
-                               constants, overhead_bytes, result)
-    result.plans.sort(key=lambda p: p.time.step)
-    return result
+            for pp in _options(fixed_pp, divisors(n // (tp * cp))):
+                if n % (tp * cp * pp) or (fixed.dp is not None and fixed.dp * tp * cp * pp != n):
+                    continue
+                dp = n // (tp * cp * pp)
+                for b in _micro_batches(big_b, dp, fixed.micro_batch_size):
+                    _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, constants, overhead,
+                                   result, cp=cp)
 
 
 def _interleaving_flag_errors(num_layers: int, tp: int, pp: int, dp: int, b: int, big_b: int,
@@ -167,11 +200,24 @@ def _micro_batches(big_b: int, dp: int, fixed: int | None) -> list[int]:
     return [b for b in divisors(big_b // dp) if b <= MAX_MICRO_BATCH]
 
 
-def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, constants, overhead, result) -> None:
+def _strategies(fixed: Fixed, shard: int) -> list[str]:
+    """Sharding strategies to try, least sharded first (see the module docstring's pruning)."""
+    if shard == 1:
+        return ["no_shard"]
+    if fixed.sharding is not None:
+        return [fixed.sharding]
+    if fixed.distributed_optimizer is not None:
+        return ["optim" if fixed.distributed_optimizer else "no_shard"]
+    return list(SHARDING)
+
+
+def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, constants, overhead, result, *,
+                   cp: int = 1) -> None:
     split, search_split, broken = _fixed_split(model.num_layers, pp, fixed)
     probe = next(iter(candidate_splits(model.num_layers, pp, 0.0, 0.0)), None) if search_split else split
-    broken = broken or structural_rejections(model, tp, pp, dp, b, big_b, cluster.gpus_per_node, probe)
-    base = Layout(tp, pp, dp, b, big_b, precision=precision, layer_split=split)
+    broken = (broken or structural_rejections(model, tp, pp, dp, b, big_b, cluster.gpus_per_node, probe)
+              + context_rejections(model, tp, cp))
+    base = Layout(tp, pp, dp, b, big_b, precision=precision, layer_split=split, cp=cp)
     if broken:
         result.rejected.append((Plan(base, False, reasons=[r.message for r in broken]), broken[0]))
         return
@@ -197,17 +243,20 @@ def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, const
         # with a flash kernel selective recompute keeps and costs what "none" does: not searched
         searched = [r for r in RECOMPUTE if not (r == "selective" and model.flash_attention)]
         for recompute in _options(fixed.recompute, searched):
-            # sequence parallelism needs tp > 1 and the distributed optimizer dp > 1: off otherwise
+            # sequence parallelism needs tp > 1 and sharding dp * cp > 1: off otherwise
             for sp in _options(fixed.sequence_parallel, [False, True]) if tp > 1 else [False]:
-                for dopt in _options(fixed.distributed_optimizer, [False, True]) if dp > 1 else [False]:
-                    layout = Layout(tp, pp, dp, b, big_b, v, recompute, sp, dopt, precision, split)
+                for sharding in _strategies(fixed, dp * cp):
+                    layout = Layout(tp, pp, dp, b, big_b, v, recompute, sp, precision=precision, layer_split=split,
+                                    cp=cp, sharding=sharding)
                     bad = schedule_rejections(model, layout)
                     if bad:
                         result.rejected.append((Plan(layout, False, reasons=[r.message for r in bad]), bad[0]))
-                        continue
+                        break
                     plan, rejection = _predict_split(model, layout, cluster, constants, overhead,
                                                      search_split and v == 1)
                     if rejection is None:
                         result.plans.append(plan)
                     else:
                         result.rejected.append((plan, rejection))
+                    if rejection is None and sharding != "no_shard":
+                        break  # the more sharded strategies are not faster (module docstring)

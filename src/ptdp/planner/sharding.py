@@ -1,0 +1,142 @@
+"""Data-parallel sharding strategies: bytes per rank and the communication they add.
+
+The ``d = dp * cp`` ranks that hold the same parameters (one tp rank of one pipeline stage in
+each of ``dp`` replicas and ``cp`` context-parallel ranks) can shard what they hold
+(Megatron-Core's ``--data-parallel-sharding-strategy`` names; ZeRO stages 0-3 of Rajbhandari et
+al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC20,
+arXiv:1910.02054, §5 and Table 1).
+
+Bytes per parameter (mixed precision: 16-bit weights ``w = 2``, float32 main gradients ``g = 4``
+as ptdp and Megatron-Core keep them, optimizer state ``k = 12``: float32 main weight, Adam m and
+v; ZeRO's Table 1 counts ``2 + 2 + K`` with 16-bit gradients and ``K = 12``; Megatron-Core's
+distributed-optimizer documentation counts ``18`` unsharded and ``6 + 12/d`` sharded for bf16
+weights with fp32 gradients; fp32 training: ``w = 4, g = 4, k = 8``)::
+
+    no_shard            w     + g     + k
+    optim               w     + g     + k / d     (ZeRO-1, the distributed optimizer)
+    optim_grads         w     + g / d + k / d     (ZeRO-2)
+    optim_grads_params  w / d + g / d + k / d     (ZeRO-3)
+
+Transients on top (:func:`stage_state_bytes`), per rank:
+
+* ``optim_grads``: gradients are reduce-scattered bucket by bucket during every microbatch's
+  backward; the bucket being reduced exists in full: ``g * min(bucket, stage parameters)``
+  (bucket: ``--ddp-bucket-size``, 40 M elements by default).
+* ``optim_grads_params``: parameters are all-gathered one unit at a time (a unit: one
+  transformer layer, or the stage's embedding / output layer and final norm together when
+  larger); the unit in use and the next one prefetched exist in full (``2 w * unit``), and the
+  unit whose gradients are being reduce-scattered (``g * unit``). Units are resharded after
+  forward (``reshard_after_forward``, the FSDP default), so with pipeline parallelism the
+  gathers repeat for every microbatch, in forward and again in backward; keeping them gathered
+  (``--no-reshard-after-forward`` in FSDP) is not modelled.
+
+Communication per step (:func:`sharded_dp_times`; ring collectives over the ``d`` ranks, NVLink
+inside the node and the network across, as :func:`ptdp.planner.comm.hierarchical_all_reduce_time`):
+
+* ``no_shard``: one all-reduce of the float32 gradients; ``optim``: reduce-scatter of the
+  gradients + all-gather of the updated 16-bit weights (each half an all-reduce) [N21 §3.2].
+* ``optim_grads``: one reduce-scatter of the gradients per microbatch (the accumulated gradient
+  is never whole), each hidden behind its microbatch's backward up to that backward's length;
+  the last one is exposed like the ``optim`` reduction, then the weights' all-gather.
+* ``optim_grads_params``: the same reduce-scatters, no weight all-gather after the step, and per
+  microbatch two all-gathers of every unit (forward, backward), each prefetched behind the
+  previous unit's compute: the first unit's gather is exposed, every other unit's only by what
+  it exceeds one layer's compute.
+"""
+
+from __future__ import annotations
+
+from ptdp.planner.comm import Links, dp_group_per_node, hierarchical_all_reduce_time
+from ptdp.planner.plan import SHARDING
+
+#: Megatron's default data-parallel bucket: 40 million gradient elements
+DEFAULT_BUCKET_ELEMENTS = 40_000_000
+
+#: (weight, gradient, optimizer state) bytes per parameter; fp8 trains bf16 weights with FP8 GEMMs
+_BYTES = {"bf16": (2.0, 4.0, 12.0), "fp16": (2.0, 4.0, 12.0), "fp8": (2.0, 4.0, 12.0), "fp32": (4.0, 4.0, 8.0)}
+
+
+def check_strategy(strategy: str) -> None:
+    if strategy not in SHARDING:
+        raise ValueError(f"sharding={strategy!r} must be one of {SHARDING}")
+
+
+def strategy_bytes_per_param(precision: str, strategy: str, shard: int) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per parameter kept by one rank under ``strategy`` with
+    ``shard = dp * cp`` ranks (the module docstring's table, transients excluded)."""
+    check_strategy(strategy)
+    if precision not in _BYTES:
+        raise ValueError(f"precision={precision!r} must be one of {tuple(_BYTES)}")
+    w, g, k = _BYTES[precision]
+    level = SHARDING.index(strategy)
+    return (w / shard if level >= 3 else w, g / shard if level >= 2 else g, k / shard if level >= 1 else k)
+
+
+def stage_state_bytes(n_params: int, unit_params: int, precision: str, strategy: str, shard: int, *,
+                      bucket_elements: int = DEFAULT_BUCKET_ELEMENTS) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes of one rank holding ``n_params`` parameters (one tp rank of
+    one stage), transients included: ``optim_grads`` one bucket's full gradient,
+    ``optim_grads_params`` two gathered units' 16-bit weights and one unit's full gradient
+    (``unit_params``: the stage's largest unit on this rank)."""
+    pb, gb, ob = strategy_bytes_per_param(precision, strategy, shard)
+    w, g, _ = _BYTES[precision]
+    params, grads, optimizer = n_params * pb, n_params * gb, n_params * ob
+    if shard > 1 and strategy == "optim_grads":
+        grads += g * min(bucket_elements, n_params)
+    elif shard > 1 and strategy == "optim_grads_params":
+        unit = min(unit_params, n_params)
+        params += 2 * w * unit
+        grads += g * unit
+    return params, grads, optimizer
+
+
+def optimizer_bytes_per_param(full: float, sharded: float, strategy: str, shard: int, *,
+                              grad_bytes: float = 8.0, weight_bytes: float = 2.0) -> float:
+    """Memory traffic of the optimizer step per parameter of the stage.
+
+    ``full`` bytes touch every parameter and ``sharded`` only the rank's ``1/shard`` (see
+    :data:`ptdp.planner.perf.OPT_BYTES_FULL`): unsharded everything is full; ``optim`` shards the
+    update; ``optim_grads`` also the gradient's norm read and zeroing (``grad_bytes`` of
+    ``full``); ``optim_grads_params`` also the 16-bit weight write (``weight_bytes``).
+    """
+    check_strategy(strategy)
+    if strategy == "no_shard" or shard <= 1:
+        return full + sharded
+    moved = {"optim": 0.0, "optim_grads": grad_bytes, "optim_grads_params": grad_bytes + weight_bytes}[strategy]
+    moved = min(moved, full)
+    return (full - moved) + (sharded + moved) / shard
+
+
+def sharded_dp_times(strategy: str, *, grad_bytes: float, param_bytes: float, unit_param_bytes: float,
+                     tp: int, shard: int, num_microbatches: int, units: int, layer_forward: float,
+                     layer_backward: float, microbatch_backward: float, links: Links,
+                     end_overlap: float = 0.0) -> float:
+    """Exposed seconds per step of the data-parallel communication of ``strategy`` over ``shard``
+    ranks (the module docstring's model).
+
+    ``grad_bytes`` / ``param_bytes``: the stage's float32 gradients and 16-bit weights on one
+    rank; ``unit_param_bytes``: one unit's 16-bit weights; ``units``: units per microbatch pass;
+    ``layer_forward`` / ``layer_backward``: seconds of one layer's compute that hides the next
+    gather; ``microbatch_backward``: one microbatch's backward on the stage, which hides its
+    reduce-scatter; ``end_overlap``: fraction of the end-of-step reduction hidden (the time
+    model's ``dp_overlap``). Group members per node: ``min(shard, gpus_per_node / tp)``.
+    """
+    check_strategy(strategy)
+    if shard <= 1:
+        return 0.0
+    per_node = dp_group_per_node(tp, shard, links.gpus_per_node)
+    reduce_scatter = 0.5 * hierarchical_all_reduce_time(grad_bytes, shard, per_node, links)
+    weights_gather = 0.5 * hierarchical_all_reduce_time(param_bytes, shard, per_node, links)
+    if strategy == "no_shard":
+        return (1.0 - end_overlap) * hierarchical_all_reduce_time(grad_bytes, shard, per_node, links)
+    if strategy == "optim":
+        return (1.0 - end_overlap) * (reduce_scatter + weights_gather)
+    m = num_microbatches
+    hidden_rs = (m - 1) * max(0.0, reduce_scatter - microbatch_backward)
+    if strategy == "optim_grads":
+        return hidden_rs + (1.0 - end_overlap) * (reduce_scatter + weights_gather)
+    gather = 0.5 * hierarchical_all_reduce_time(unit_param_bytes, shard, per_node, links)
+    rest = max(units - 1, 0)
+    per_microbatch = (2.0 * gather + rest * max(0.0, gather - layer_forward)
+                      + rest * max(0.0, gather - layer_backward))
+    return m * per_microbatch + hidden_rs + (1.0 - end_overlap) * reduce_scatter

@@ -1,0 +1,211 @@
+"""Context parallelism and data-parallel sharding strategies in the planner: bytes per rank and
+communication time per the formulas of :mod:`ptdp.planner.context` and
+:mod:`ptdp.planner.sharding`, hand-computed here; the search over cp and strategies; the 128K stage
+of Llama 3 405B planned as fitting (pure, no processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from ptdp import cli
+from ptdp.planner.comm import Links, hierarchical_all_reduce_time
+from ptdp.planner.context import kv_buffer_bytes, kv_exchange_times
+from ptdp.planner.hardware import CATALOG, Cluster, get_gpu
+from ptdp.planner.memory import layer_param_count, memory_breakdown, rank_activation_bytes, stage_param_counts
+from ptdp.planner.models import ModelSpec, get_model
+from ptdp.planner.perf import evaluate_performance
+from ptdp.planner.plan import Layout
+from ptdp.planner.search import Fixed, search
+from ptdp.planner.sharding import sharded_dp_times
+
+H100 = CATALOG["h100-sxm"]
+LINKS = Links(nvlink_bandwidth=400e9, network_bandwidth=40e9, nvlink_latency=5e-6, network_latency=10e-6,
+              gpus_per_node=8)
+# a small Llama-like model: grouped-query attention, SwiGLU, no dropout; s divisible by 2 * 8
+LLAMA = ModelSpec(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=512,
+                  vocab_size=1000, seq_length=1024, swiglu=True, tied=False, llama_style=True, dropout=False)
+
+
+@pytest.mark.parametrize("flash", [True, False])
+@pytest.mark.parametrize("recompute,sp", [("none", False), ("none", True), ("selective", True)])
+def test_activations_per_rank_are_divided_by_cp_plus_the_kv_buffers(flash, recompute, sp):
+    """Every kept tensor is per token of the rank's s/cp tokens; an unfused kernel's scores are
+    (s/cp) x s per rank, 1/cp of s x s too. On top: the key/value buffers of the running layer."""
+    model = dataclasses.replace(LLAMA, flash_attention=flash)
+    base = Layout(tp=2, pp=2, dp=1, micro_batch_size=2, global_batch_size=8, recompute=recompute,
+                  sequence_parallel=sp)
+    for pp_rank in (0, 1):
+        one = rank_activation_bytes(model, base, pp_rank, 2)
+        for cp, comm in ((2, "p2p"), (4, "p2p"), (8, "allgather")):
+            layout = dataclasses.replace(base, cp=cp, cp_comm_type=comm)
+            d, kv, t, b, s = 256 // 8, 2, 2, 2, 1024
+            block = (s / cp) * b * kv * d / t  # one K (or V) block of a rank, elements
+            buffers = 2 * (8 * block if comm == "p2p" else 4 * cp * block)  # 2-byte values
+            assert kv_buffer_bytes(model, 2, cp, b, comm) == buffers
+            assert rank_activation_bytes(model, layout, pp_rank, 2) == pytest.approx(one / cp + buffers, rel=1e-12)
+
+
+def test_memory_breakdown_counts_the_cp_rank():
+    layout = Layout(tp=2, pp=1, dp=1, micro_batch_size=1, global_batch_size=4, cp=4)
+    mem = memory_breakdown(LLAMA, layout, H100)
+    assert mem.activations == rank_activation_bytes(LLAMA, layout, 0, 4)
+    assert mem.params == 2 * stage_param_counts(LLAMA, 2, 1)[0]  # parameters are replicated over cp
+
+
+def test_ring_exchange_bytes_and_overlap():
+    """p2p: cp - 1 steps of K and V blocks (2 B e bytes each way) per layer forward, exposed by what
+    a step exceeds one block's attention; backward twice; NVLink only while tp * cp fits a node."""
+    b, cp, tp, e = 1, 4, 2, 2
+    block_bytes = (1024 / cp) * b * 2 * 32 / tp * e
+    step_nvlink = 2 * block_bytes / 400e9 + 5e-6
+    fwd, bwd = kv_exchange_times(LLAMA, tp, cp, b, "p2p", 0.0, LINKS)
+    assert fwd == pytest.approx((cp - 1) * step_nvlink, rel=1e-12) and bwd == pytest.approx(2 * fwd, rel=1e-12)
+    assert kv_exchange_times(LLAMA, tp, cp, b, "p2p", 1.0, LINKS) == (0.0, 0.0)  # hidden behind attention
+    half = kv_exchange_times(LLAMA, tp, cp, b, "p2p", step_nvlink / 2, LINKS)[0]
+    assert half == pytest.approx((cp - 1) * step_nvlink / 2, rel=1e-12)
+    # tp 4 x cp 4 = 16 > 8 GPUs per node: the ring crosses the network
+    block4 = (1024 / cp) * b * 2 * 32 / 4 * e
+    assert kv_exchange_times(LLAMA, 4, cp, b, "p2p", 0.0, LINKS)[0] == pytest.approx(
+        (cp - 1) * (2 * block4 / 40e9 + 10e-6), rel=1e-12)
+    # all-gather of K and V (2 cp blocks) once forward, gather + reduce-scatter backward, not hidden
+    gather = 0.5 * hierarchical_all_reduce_time(2 * cp * block_bytes, cp, 4, LINKS)
+    assert kv_exchange_times(LLAMA, tp, cp, b, "allgather", 1.0, LINKS) == pytest.approx((gather, 2 * gather))
+    assert kv_exchange_times(LLAMA, tp, 1, b, "p2p", 0.0, LINKS) == (0.0, 0.0)
+
+
+def test_each_strategy_bytes_per_rank_hand_computed():
+    """bf16: no_shard 2+4+12, optim 2+4+12/d, optim_grads 2+4/d+12/d + one bucket of fp32 grads,
+    optim_grads_params (2+4+12)/d + two gathered 16-bit units + one unit's fp32 gradient; d = dp*cp."""
+    model = dataclasses.replace(LLAMA, num_layers=2, vocab_size=5000)
+    n = stage_param_counts(model, 1, 1)[0]
+    layer = layer_param_count(model, 1)
+    assert layer == (256 + 2 * 64) * 256 + 256 * 256 + 3 * 512 * 256 + 2 * 256  # QKV (GQA), proj, SwiGLU, norms
+    unit = n - 2 * layer  # the embedding + output layer + final norm as one unit, larger than a layer
+    assert unit == 2 * 5120 * 256 + 256 > layer  # V padded to 5120, untied output, RMSNorm weight
+    d = 2 * 4
+    expect = {"no_shard": (2 * n, 4 * n, 12 * n), "optim": (2 * n, 4 * n, 12 * n / d),
+              "optim_grads": (2 * n, 4 * n / d + 4 * min(40_000_000, n), 12 * n / d),
+              "optim_grads_params": (2 * n / d + 2 * 2 * unit, 4 * n / d + 4 * unit, 12 * n / d)}
+    for strategy, (params, grads, optimizer) in expect.items():
+        layout = Layout(tp=1, pp=1, dp=2, micro_batch_size=1, global_batch_size=2, cp=4, sharding=strategy)
+        assert layout.distributed_optimizer == (strategy != "no_shard")
+        mem = memory_breakdown(model, layout, H100)
+        assert (mem.params, mem.grads, mem.optimizer) == pytest.approx((params, grads, optimizer), rel=1e-12)
+    # one rank holds the state alone: nothing to shard, nothing gathered
+    alone = memory_breakdown(model, Layout(1, 1, 1, 1, 1, sharding="optim_grads_params"), H100)
+    assert (alone.params, alone.grads, alone.optimizer) == (2 * n, 4 * n, 12 * n)
+
+
+def test_sharded_communication_times():
+    """optim: reduce-scatter + all-gather, each half an all-reduce; optim_grads: a reduce-scatter
+    per microbatch, hidden behind its backward but the last; optim_grads_params: no weight
+    all-gather after the step, two gathers of every unit per microbatch, the first exposed."""
+    g, p, u = 4e9, 2e9, 1e8
+    kw = dict(grad_bytes=g, param_bytes=p, unit_param_bytes=u, tp=8, shard=64, units=10, layer_forward=0.001,
+              layer_backward=0.002, links=LINKS)
+    ar = lambda nbytes: hierarchical_all_reduce_time(nbytes, 64, 1, LINKS)  # noqa: E731 - tp 8 fills the node
+    rs, ag, unit_ag = ar(g) / 2, ar(p) / 2, ar(u) / 2
+    assert sharded_dp_times("no_shard", num_microbatches=4, microbatch_backward=0.0, **kw) == pytest.approx(ar(g))
+    assert sharded_dp_times("optim", num_microbatches=4, microbatch_backward=0.0, **kw) == pytest.approx(rs + ag)
+    grads = sharded_dp_times("optim_grads", num_microbatches=4, microbatch_backward=0.0, **kw)
+    assert grads == pytest.approx(4 * rs + ag)
+    assert sharded_dp_times("optim_grads", num_microbatches=4, microbatch_backward=10.0, **kw) == pytest.approx(rs + ag)
+    params = sharded_dp_times("optim_grads_params", num_microbatches=4, microbatch_backward=10.0, **kw)
+    per_microbatch = 2 * unit_ag + 9 * max(0, unit_ag - 0.001) + 9 * max(0, unit_ag - 0.002)
+    assert params == pytest.approx(4 * per_microbatch + rs)
+    one = dict(kw, shard=1)
+    assert sharded_dp_times("optim_grads_params", num_microbatches=4, microbatch_backward=0.0, **one) == 0.0
+
+
+def test_cp_divides_the_step_work_and_reduces_over_dp_times_cp():
+    """cp = 2 on 2 GPUs vs dp = 2 at B = 2: per rank 2 microbatches of s/2 tokens, each attending
+    to all s keys, vs 1 microbatch of s tokens: the same FLOPs (only GEMM shapes differ), a
+    key/value exchange, gradients reduced over 2 ranks either way."""
+    for flash in (True, False):
+        model = dataclasses.replace(LLAMA, flash_attention=flash, seq_length=4096)
+        cluster = Cluster(H100, 2, 8)
+        cp = evaluate_performance(model, Layout(1, 1, 1, 1, 2, cp=2), cluster)
+        dp = evaluate_performance(model, Layout(1, 1, 2, 1, 2), cluster)
+        assert cp.time.cp_comm >= 0 and dp.time.cp_comm == 0  # the ring hides behind attention here
+        assert cp.time.dp_comm == pytest.approx(dp.time.dp_comm)
+        assert cp.time.compute == pytest.approx(dp.time.compute, rel=0.1)
+        assert cp.model_flops == dp.model_flops
+        half = evaluate_performance(dataclasses.replace(model, seq_length=2048), Layout(1, 1, 2, 1, 2), cluster)
+        assert cp.time.compute > 1.2 * half.time.compute  # not just s/cp tokens: attention sees all s keys
+
+
+def test_layout_fields_and_json():
+    layout = Layout(8, 16, 8, 1, 16, cp=16, sharding="optim")
+    assert layout.num_gpus == 16384 and layout.shard_size == 128 and layout.distributed_optimizer
+    assert Layout(1, 1, 2, 1, 2, distributed_optimizer=True).sharding_strategy == "optim"
+    assert Layout(1, 1, 2, 1, 2).sharding_strategy == "no_shard"
+    assert dataclasses.replace(Layout(1, 1, 2, 1, 2), distributed_optimizer=True).sharding_strategy == "optim"
+
+
+LLAMA_405B_128K = ["plan", "--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100-sxm",
+                   "--global-batch-size", "16", "--seq-length", "131072"]
+SPLIT = "7," + "8," * 14 + "7"
+
+
+def test_llama3_405b_128k_stage_fits_as_published(capsys):
+    """Llama 3 405B's long-context stage (Dubey et al. 2024, §3.3.2 and Table 4: tp 8, cp 16, pp 16,
+    dp 8, 16 sequences of 131,072 tokens on 16,384 H100) is planned as fitting."""
+    assert cli.main([*LLAMA_405B_128K, "--tp", "8", "--cp", "16", "--pp", "16", "--pipeline-layer-split", SPLIT,
+                     "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    best = plans[0]
+    assert best["fits"] and (best["tp"], best["cp"], best["pp"], best["dp"]) == (8, 16, 16, 8)
+    assert best["sharding"] in ("no_shard", "optim") and "cp_comm" in best["time_s"]
+    assert best["memory_bytes"]["total"] <= get_gpu("h100-sxm").memory_bytes
+
+
+def test_search_uses_cp_for_long_sequences_only():
+    model = dataclasses.replace(get_model("llama3-405b"), seq_length=131072)
+    cluster = Cluster(get_gpu("h100-sxm"), 16384, 8)
+    result = search(model, cluster, 16)
+    assert result.plans and all(p.layout.cp > 1 for p in result.plans[:10])
+    assert all(131072 // p.layout.cp >= 1024 and 131072 % (2 * p.layout.cp) == 0 for p in result.plans)
+    fixed = search(model, cluster, 16, fixed=Fixed(tp=8, cp=16, pp=16, layer_split=(7,) + (8,) * 14 + (7,)))
+    assert fixed.plans and all(p.layout.cp == 16 and p.layout.dp == 8 for p in fixed.plans)
+    short = search(dataclasses.replace(model, seq_length=4096), Cluster(get_gpu("h100-sxm"), 2048, 8), 512)
+    assert short.plans and {p.layout.cp for p in short.plans + [pl for pl, _ in short.rejected]} == {1}
+
+
+def test_search_stops_at_the_first_sharded_strategy_that_fits():
+    """A more sharded strategy is tried only where the less sharded ones do not fit; each kept
+    plan is no slower than the more sharded strategies of the same layout, up to the optimizer's
+    sharded gradient traffic."""
+    model = get_model("llama3-8b")
+    cluster = Cluster(get_gpu("h100-sxm"), 64, 8)
+    result = search(model, cluster, 256, fixed=Fixed(micro_batch_size=1, recompute="none", sequence_parallel=True))
+    order = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+    seen = {}
+    for plan in result.plans:
+        key = dataclasses.replace(plan.layout, sharding=None, distributed_optimizer=False, layer_split=None)
+        seen.setdefault(key, []).append(plan)
+    assert seen
+    for plans in seen.values():
+        sharded = [p for p in plans if p.layout.sharding_strategy != "no_shard"]
+        assert len(sharded) <= 1
+        for plan in sharded:
+            level = order.index(plan.layout.sharding_strategy)
+            for more in order[level + 1:]:
+                other = evaluate_performance(model, dataclasses.replace(plan.layout, sharding=more), cluster)
+                n = plan.memory.params / 2  # 16-bit weights of the stage
+                slack = 8 * n / (cluster.gpu.memory_bandwidth * 0.5)
+                assert other.time.step >= plan.time.step - slack
+
+
+def test_plan_flag_errors_exit_2(capsys):
+    base = ["plan", "--model", "llama3-8b", "--gpus", "64", "--gpu", "h100-sxm", "--global-batch-size", "64"]
+    assert cli.main([*base, "--use-distributed-optimizer", "--data-parallel-sharding-strategy", "no_shard"]) == 2
+    assert "contradicts" in capsys.readouterr().err
+    assert cli.main([*base, "--tp", "8", "--cp", "3"]) == 2
+    assert "does not divide the 64 GPUs (rule: tp * cp * pp * dp = GPUs)" in capsys.readouterr().err
+    assert cli.main([*base, "--tp", "8", "--cp", "8", "--seq-length", "8200", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert any("seq_length=8200 is not divisible by 2*context_parallel_size = 2*8 = 16" in r
+               for p in out for r in p["reasons"])
