@@ -48,12 +48,21 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)])
 
 
+def _first_plans(result: SearchResult) -> list[Plan]:
+    """The first fitting and the first rejected plan (those that exist): what every layout of the
+    search shares, such as its precision."""
+    return result.plans[:1] + [plan for plan, _ in result.rejected[:1]]
+
+
 def text_report(model: ModelSpec, cluster: Cluster, result: SearchResult, *, top: int = 10) -> str:
     """Ranked table of the ``top`` fitting layouts and a summary of why the others were rejected."""
     gpu = cluster.gpu
     lines = [
         f"model {model.name}: l={model.num_layers} h={model.hidden_size} a={model.num_attention_heads} "
-        f"ffn={model.ffn} V={model.vocab_size} s={model.seq_length}; {cluster.num_gpus} x {gpu.name} "
+        f"kv={model.kv_heads} ffn={model.ffn} V={model.vocab_size} s={model.seq_length}, "
+        f"{'flash' if model.flash_attention else 'unfused'} attention"
+        f"{', FP8 GEMMs' if any(p.layout.precision == 'fp8' for p in _first_plans(result)) else ''}; "
+        f"{cluster.num_gpus} x {gpu.name} "
         f"({cluster.gpus_per_node} per node); {result.evaluated:,} layouts, {len(result.plans):,} fit",
         "memory in GiB on the most loaded GPU; time in seconds per step; TFLOP/s per GPU = FLOPs executed "
         "(with full recompute Narayanan et al. eq. 3; with selective the recomputed attention added) / step time; "
