@@ -1,5 +1,7 @@
 """Megatron's first/last pipeline stage counts train exactly like one process (float64 within
-1e-9) and bitwise like the same split given as ``--pipeline-layer-split``, at pp = 4."""
+1e-9) and bitwise like the same split given as ``--pipeline-layer-split``, at pp = 4; so do splits
+that count the embedding and the loss as layers, interleaved with model chunks holding only the
+embedding or only the output layer + loss."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 from helpers.dist_helpers import run_in_pool
 from helpers.layout_cases import TOL, full_parameters, layout_worker, real_rows, reference
 
-VARIANTS = ["first_last", "first_last_explicit", "first_only"]
+VARIANTS = ["first_last", "first_last_explicit", "first_only", "accounted_interleaved", "accounted_embedding"]
 
 
 @functools.cache
@@ -25,7 +27,7 @@ def _layers_by_stage(results: list[dict], variant: str) -> dict[int, list[int]]:
 
 def test_first_last_counts_train_like_one_process():
     results = _results()
-    for variant in ("first_last", "first_only"):
+    for variant in ("first_last", "first_only", "accounted_interleaved", "accounted_embedding"):
         ref = reference(variant)
         for res in results:
             torch.testing.assert_close(torch.tensor(res[variant]["losses"]), torch.tensor(ref["losses"]),
@@ -40,6 +42,9 @@ def test_first_last_counts_train_like_one_process():
             torch.testing.assert_close(got[name], want[name], **TOL["float64"], msg=lambda m: f"{variant} {name}: {m}")
     assert _layers_by_stage(results, "first_last") == {0: [0], 1: [1, 2, 3], 2: [4, 5, 6], 3: [7]}
     assert _layers_by_stage(results, "first_only") == {0: [0], 1: [1, 2], 2: [3, 4], 3: [5, 6]}
+    # units 0 (embedding), 1-6 (layers 0-5), 7 (loss); virtual stage k = chunk * 4 + rank holds unit k
+    assert _layers_by_stage(results, "accounted_interleaved") == {0: [3], 1: [0, 4], 2: [1, 5], 3: [2]}
+    assert _layers_by_stage(results, "accounted_embedding") == {0: [0], 1: [1, 2], 2: [3, 4], 3: [5, 6]}
 
 
 def test_first_last_counts_equal_the_explicit_split_bitwise():

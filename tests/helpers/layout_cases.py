@@ -98,6 +98,13 @@ VARIANTS = {
                                                  "decoder_last_pipeline_num_layers": 1}, {}),
     "first_last_explicit": ("float64", {"num_layers": 8}, {"pipeline_layer_split": (1, 3, 3, 1)}, {}),
     "first_only": ("float64", {"num_layers": 7}, {"decoder_first_pipeline_num_layers": 1}, {}),
+    # the embedding and the loss counted as layers (Megatron's account-for flags): 6 layers + 2 in
+    # chunks of 1 unit, interleaved (pp = 4: v = 2, rank 0's first chunk only the embedding, the last
+    # rank's last chunk only the output layer + loss); the embedding alone, 7 + 1 over 4 stages: 1, 2, 2, 2
+    "accounted_interleaved": ("float64", {"num_layers": 6}, {"account_for_embedding_in_pipeline_split": True,
+                                                           "account_for_loss_in_pipeline_split": True,
+                                                           "num_layers_per_virtual_pipeline_stage": 1}, {}),
+    "accounted_embedding": ("float64", {"num_layers": 7}, {"account_for_embedding_in_pipeline_split": True}, {}),
     # one microbatch per pipeline when dp = 2 (fewer microbatches than stages)
     "one_microbatch": ("float64", {}, {}, {"global_batch_size": 4}),
     # bf16 weights with float32 main parameters and gradients: compared loosely

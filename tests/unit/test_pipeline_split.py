@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from ptdp import cli
-from ptdp.engine.pipeline.partition import (first_last_of, first_last_split, layer_split, stage_layer_counts,
-                                            stage_layer_ids)
+from ptdp.engine.pipeline.partition import (accounted_split, chunk_layer_ids, first_last_of, first_last_split,
+                                            layer_split, stage_layer_counts, stage_layer_ids)
 from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
 
 from helpers.cli import tiny_flags
@@ -122,3 +122,38 @@ def test_ptdp_plan_refuses_counts_that_do_not_split(capsys):
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert "leave 126 - 15 = 111 layers for the other 14 of pp=16 stages" in err
+
+
+def test_embedding_and_loss_counted_as_layers():
+    """Megatron's --account-for-embedding/loss-in-pipeline-split: Llama 3 405B's 126 layers + 2 in
+    16 x 8 chunks of one unit: rank 0's first chunk holds only the embedding, rank 15's last only the
+    output layer and loss."""
+    assert accounted_split(126, 16, 8, embedding=True, loss=True) == (7,) + (8,) * 14 + (7,)
+    assert accounted_split(126, 16, 1, embedding=True, loss=True) == (7,) + (8,) * 14 + (7,)
+    assert accounted_split(7, 4, embedding=True, loss=False) == (1, 2, 2, 2)
+    assert accounted_split(7, 4, embedding=False, loss=True) == (2, 2, 2, 1)
+    assert chunk_layer_ids(126, 16, 8, 0, 0, embedding=True, loss=True) == range(0, 0)
+    assert chunk_layer_ids(126, 16, 8, 15, 7, embedding=True, loss=True) == range(126, 126)
+    assert [chunk_layer_ids(126, 16, 8, 0, c, embedding=True, loss=True) for c in (1, 7)] == [range(15, 16),
+                                                                                               range(111, 112)]
+    assert [chunk_layer_ids(8, 2, 2, r, c) for r in range(2) for c in range(2)] == [range(0, 2), range(4, 6),
+                                                                                     range(2, 4), range(6, 8)]
+    with pytest.raises(ConfigError, match=r"num_layers=126 \+ the embedding counted as layers = 127 is not "
+                                          r"divisible by pp\*v = 16\*1 = 16"):
+        accounted_split(126, 16, embedding=True, loss=False)
+    with pytest.raises(ConfigError, match=r"leaves a pipeline rank without layers \(layers per rank: \[0, 1, 1, 0\]"):
+        accounted_split(2, 4, embedding=True, loss=True)
+    with pytest.raises(ConfigError, match="cannot be combined with decoder_last_pipeline_num_layers=2"):
+        layer_split(8, 4, None, None, 2, embedding=True)
+
+
+def test_resolve_interleaves_with_the_embedding_and_loss_counted():
+    config = resolve(_config(2, 6, account_for_embedding_in_pipeline_split=True,
+                             account_for_loss_in_pipeline_split=True, num_layers_per_virtual_pipeline_stage=1,
+                             model=dict(recompute_granularity="full", recompute_num_layers=1)), 2)
+    p = config.parallel
+    assert p.schedule == "interleaved-1f1b" and p.virtual_stages(6) == 4 and p.layer_split(6) == (3, 3)
+    # chunks of 0 layers (only the embedding / only the loss) do not limit recompute_num_layers
+    with pytest.raises(ConfigError, match=r"num_layers=5 \+ 1 \(embedding/loss counted as layers\) = 6 is not "
+                                          r"divisible by pp \* num_layers_per_virtual_pipeline_stage = 2\*2"):
+        resolve(_config(2, 5, account_for_loss_in_pipeline_split=True, num_layers_per_virtual_pipeline_stage=2), 2)

@@ -189,7 +189,9 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
                            post_process=groups.is_last_stage, sequence_parallel=p.sequence_parallel, rng=rng)]
     else:
         chunks = [
-            GPTModel(m, groups.tp, layer_ids=chunk_layer_ids(m.num_layers, pp, v, rank, c),
+            GPTModel(m, groups.tp, layer_ids=chunk_layer_ids(m.num_layers, pp, v, rank, c,
+                                                             embedding=p.account_for_embedding_in_pipeline_split,
+                                                             loss=p.account_for_loss_in_pipeline_split),
                      pre_process=rank == 0 and c == 0, post_process=rank == pp - 1 and c == v - 1,
                      sequence_parallel=p.sequence_parallel, rng=rng)
             for c in range(v)

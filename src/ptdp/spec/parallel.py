@@ -52,6 +52,19 @@ class ParallelConfig:
         plan=True)
     """Layers on the last pipeline stage, which also holds the output layer and the loss (see
     :func:`ptdp.engine.pipeline.partition.first_last_split`). None: no count of its own."""
+    account_for_embedding_in_pipeline_split: bool = opt(
+        False, "--account-for-embedding-in-pipeline-split", "count the input embedding as one layer when splitting "
+        "layers over pipeline stages and model chunks (Megatron-LM's flag)", "layout", plan=True)
+    """The input embedding counts as one layer of the split: ``num_layers + 1`` (+ 1 with
+    :attr:`account_for_loss_in_pipeline_split`) units over ``pp`` stages, or ``pp * v`` model chunks of
+    ``num_layers_per_virtual_pipeline_stage`` units each (then the first chunk may hold only the
+    embedding); see :func:`ptdp.engine.pipeline.partition.accounted_split`. Not with the explicit
+    split flags above."""
+    account_for_loss_in_pipeline_split: bool = opt(
+        False, "--account-for-loss-in-pipeline-split", "count the output layer + loss as one layer when splitting "
+        "layers over pipeline stages and model chunks (Megatron-LM's flag)", "layout", plan=True)
+    """The output layer and the loss count as one layer of the split (the last unit; the last model
+    chunk may hold only them)."""
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] | None = opt(
         None, "--pipeline-schedule", "pipeline schedule (default: 1f1b, or interleaved-1f1b when "
         "--num-layers-per-virtual-pipeline-stage is given)", "layout")
@@ -149,13 +162,21 @@ class ParallelConfig:
 
     def layer_split(self, num_layers: int) -> tuple[int, ...] | None:
         """Layers per pipeline stage as the options ask: ``pipeline_layer_split``, the first/last
-        counts expanded, or None (even); raises ``ConfigError`` when they are impossible."""
+        counts expanded, the split with the embedding / loss counted as layers, or None (even);
+        raises ``ConfigError`` when they are impossible."""
         return layer_split(num_layers, self.pp, self.pipeline_layer_split, self.decoder_first_pipeline_num_layers,
-                           self.decoder_last_pipeline_num_layers)
+                           self.decoder_last_pipeline_num_layers, embedding=self.account_for_embedding_in_pipeline_split,
+                           loss=self.account_for_loss_in_pipeline_split, v=self.virtual_stages(num_layers))
+
+    @property
+    def accounted_units(self) -> int:
+        """Units counted besides the layers when splitting: the embedding and/or the loss (0-2)."""
+        return int(self.account_for_embedding_in_pipeline_split) + int(self.account_for_loss_in_pipeline_split)
 
     def virtual_stages(self, num_layers: int) -> int:
-        """v, the model chunks per pipeline rank."""
-        return virtual_stages(num_layers, self.pp, self.num_layers_per_virtual_pipeline_stage)
+        """v, the model chunks per pipeline rank: ``(num_layers + accounted units) / (pp * N)`` with
+        N = ``num_layers_per_virtual_pipeline_stage``, else 1."""
+        return virtual_stages(num_layers, self.pp, self.num_layers_per_virtual_pipeline_stage, self.accounted_units)
 
     @property
     def dp(self) -> int:

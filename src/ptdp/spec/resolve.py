@@ -42,12 +42,16 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
     dp = _resolve_dp(p, world_size, errors)
     errors += layout_violations(m, tp=p.tp, pp=p.pp, dp=dp, micro_batch_size=t.micro_batch_size,
                                 global_batch_size=t.global_batch_size, split=p.pipeline_layer_split,
-                                first=p.decoder_first_pipeline_num_layers, last=p.decoder_last_pipeline_num_layers)
+                                first=p.decoder_first_pipeline_num_layers, last=p.decoder_last_pipeline_num_layers,
+                                embedding=p.account_for_embedding_in_pipeline_split,
+                                loss=p.account_for_loss_in_pipeline_split)
     errors += train_violations(t) + profile_violations(t, world_size)
     if not errors:
         errors += schedule_violations(p, m.num_layers, t.global_batch_size // (t.micro_batch_size * dp))
     chunks = None if errors else chunk_layer_counts(m.num_layers, p.pp, p.layer_split(m.num_layers),
-                                                    p.num_layers_per_virtual_pipeline_stage)
+                                                    p.num_layers_per_virtual_pipeline_stage,
+                                                    embedding=p.account_for_embedding_in_pipeline_split,
+                                                    loss=p.account_for_loss_in_pipeline_split)
     errors += recompute_violations(m, chunks)
     errors += sequence_parallel_violations(m, p.tp, p.sequence_parallel)
     errors += data_parallel_violations(p)

@@ -41,9 +41,10 @@ def V(rule: str, message: str, **values) -> Violation:  # noqa: N802 - a short c
 
 
 def model_violations(m: ModelConfig, tp: int, pp: int, split: tuple[int, ...] | None, *, first: int | None = None,
-                     last: int | None = None) -> list[Violation]:
+                     last: int | None = None, embedding: bool = False, loss: bool = False) -> list[Violation]:
     """Rules tying the model to tp and pp (heads, hidden, ffn, layers per stage, vocabulary, dtype);
-    ``first``/``last``: the first/last stage's layers (:func:`~ptdp.engine.pipeline.partition.layer_split`)."""
+    ``first``/``last``: the first/last stage's layers, ``embedding``/``loss``: counted as layers of the
+    split (:func:`~ptdp.engine.pipeline.partition.layer_split`)."""
     out = []
     a, h = m.num_attention_heads, m.hidden_size
     if a % tp != 0:
@@ -57,7 +58,8 @@ def model_violations(m: ModelConfig, tp: int, pp: int, split: tuple[int, ...] | 
                      f"(rule: ffn % tp == 0)", ffn=m.ffn, tp=tp))
     out += llama_option_violations(m, tp)
     try:
-        stage_layer_counts(m.num_layers, pp, layer_split(m.num_layers, pp, split, first, last))
+        stage_layer_counts(m.num_layers, pp, layer_split(m.num_layers, pp, split, first, last, embedding=embedding,
+                                                         loss=loss))
     except ConfigError as e:
         out.append(V("layers % pp", str(e), num_layers=m.num_layers, pp=pp, split=split, first=first, last=last))
     if m.vocab_size < MIN_VOCAB_SIZE:
@@ -101,9 +103,9 @@ def llama_option_violations(m: ModelConfig, tp: int) -> list[Violation]:
 
 def layout_violations(m: ModelConfig, *, tp: int, pp: int, dp: int, micro_batch_size: int, global_batch_size: int,
                       split: tuple[int, ...] | None = None, first: int | None = None,
-                      last: int | None = None) -> list[Violation]:
+                      last: int | None = None, embedding: bool = False, loss: bool = False) -> list[Violation]:
     """The rules tying a model and batch to a tp x pp x dp layout (shared with the planner)."""
-    out = model_violations(m, tp, pp, split, first=first, last=last)
+    out = model_violations(m, tp, pp, split, first=first, last=last, embedding=embedding, loss=loss)
     b, big_b = micro_batch_size, global_batch_size
     if big_b % (b * dp) != 0:
         out.append(V("B % (b * dp)", f"global_batch_size={big_b} is not divisible by micro_batch_size*dp = {b}*{dp} = "
@@ -120,8 +122,10 @@ def schedule_violations(p: ParallelConfig, num_layers: int, num_microbatches: in
     if per_chunk is not None:
         if not isinstance(per_chunk, int) or per_chunk < 1:
             return [V("option", f"num_layers_per_virtual_pipeline_stage={per_chunk!r} must be a positive integer")]
-        if num_layers % (pp * per_chunk):
-            out.append(V("interleaving", f"num_layers={num_layers} is not divisible by pp * "
+        units = num_layers + p.accounted_units
+        if units % (pp * per_chunk):
+            counted = f" + {p.accounted_units} (embedding/loss counted as layers) = {units}" if p.accounted_units else ""
+            out.append(V("interleaving", f"num_layers={num_layers}{counted} is not divisible by pp * "
                          f"num_layers_per_virtual_pipeline_stage = {pp}*{per_chunk} = {pp * per_chunk} (rule: layers "
                          f"split evenly over pp * v model chunks)"))
         if kind != "interleaved-1f1b":
@@ -223,8 +227,9 @@ def recompute_violations(m: ModelConfig, chunk_layers: list[int] | None) -> list
     if method == "block" and m.recompute_num_layers is None:
         out.append(V("recompute", "recompute_method=block needs recompute_num_layers (the layers recomputed per "
                      "model chunk)"))
-    if n is not None and chunk_layers and n > min(chunk_layers):
-        out.append(V("recompute", f"recompute_num_layers={n} is more than the {min(chunk_layers)} layers of the "
+    smallest = min((c for c in chunk_layers or () if c), default=None)  # a chunk of only the embedding / loss: none
+    if n is not None and smallest is not None and n > smallest:
+        out.append(V("recompute", f"recompute_num_layers={n} is more than the {smallest} layers of the "
                      f"smallest model chunk (layers per chunk: {chunk_layers}; rule: 1 <= recompute_num_layers <= "
                      f"layers per model chunk)"))
     return out

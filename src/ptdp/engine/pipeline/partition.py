@@ -66,14 +66,25 @@ def first_last_split(num_layers: int, pp: int, first: int | None, last: int | No
 
 
 def layer_split(num_layers: int, pp: int, split: tuple[int, ...] | None = None, first: int | None = None,
-                last: int | None = None) -> tuple[int, ...] | None:
+                last: int | None = None, *, embedding: bool = False, loss: bool = False,
+                v: int = 1) -> tuple[int, ...] | None:
     """The explicit layers per stage the options ask for: ``split`` (``--pipeline-layer-split``)
-    as given, the first/last stage counts expanded (:func:`first_last_split`), or None (even).
+    as given, the first/last stage counts expanded (:func:`first_last_split`), the split with the
+    embedding and/or loss counted as layers over ``pp`` ranks of ``v`` chunks
+    (:func:`accounted_split`), or None (even).
 
     Raises:
-        ConfigError: ``split`` together with ``first`` or ``last`` (the split already names every
-            stage), or impossible first/last counts.
+        ConfigError: more than one way of splitting given (``split``, ``first``/``last``,
+            ``embedding``/``loss``), or counts that cannot split ``num_layers``.
     """
+    if embedding or loss:
+        others = [f"{name}={value}" for name, value in (("pipeline_layer_split", split and list(split)),
+                                                        ("decoder_first_pipeline_num_layers", first),
+                                                        ("decoder_last_pipeline_num_layers", last)) if value]
+        if others:
+            raise ConfigError(f"account_for_embedding/loss_in_pipeline_split already decide every stage's layers; "
+                              f"they cannot be combined with {', '.join(others)} (give one way of splitting)")
+        return accounted_split(num_layers, pp, v, embedding=embedding, loss=loss)
     if first is None and last is None:
         return split
     if split is not None:
@@ -97,18 +108,50 @@ def first_last_of(split: tuple[int, ...]) -> tuple[int | None, int | None] | Non
     return (split[0] if split[0] != per else None, split[-1] if split[-1] != per else None)
 
 
+def accounted_split(num_layers: int, pp: int, v: int = 1, *, embedding: bool, loss: bool) -> tuple[int, ...]:
+    """Layers per pipeline rank when the input embedding (``embedding``) and the output layer + loss
+    (``loss``) each count as one layer of the split (Megatron-LM's
+    ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``): the
+    ``U = num_layers + embedding + loss`` units split evenly over the ``pp v`` virtual stages
+    (:func:`chunk_layer_ids`). Example: 126 layers, both, pp = 16, v = 8: 128 units, one per chunk,
+    so rank 0 holds 7 layers (its first chunk only the embedding), ranks 1-14 hold 8, rank 15 holds 7
+    (its last chunk only the output layer and loss): Llama 3 405B's layout (arXiv:2407.21783, §3.3.2).
+
+    Raises:
+        ConfigError: ``U % (pp v) != 0``, or a rank left without any layer.
+    """
+    units, what = num_layers + embedding + loss, " and ".join(
+        name for name, on in (("embedding", embedding), ("loss", loss)) if on)
+    if units % (pp * v):
+        raise ConfigError(f"num_layers={num_layers} + the {what} counted as layers = {units} is not divisible by "
+                          f"pp*v = {pp}*{v} = {pp * v} (rule: (num_layers + embedding + loss) % (pp * v) == 0 with "
+                          f"account_for_{'_'.join(what.split(' and '))}_in_pipeline_split)")
+    counts = tuple(sum(len(chunk_layer_ids(num_layers, pp, v, r, c, embedding=embedding, loss=loss))
+                       for c in range(v)) for r in range(pp))
+    if min(counts) < 1:
+        raise ConfigError(f"num_layers={num_layers} + the {what} counted as layers = {units} over pp*v = {pp}*{v} "
+                          f"leaves a pipeline rank without layers (layers per rank: {list(counts)})")
+    return counts
+
+
 def chunk_layer_counts(num_layers: int, pp: int, split: tuple[int, ...] | None,
-                       layers_per_chunk: int | None) -> list[int]:
+                       layers_per_chunk: int | None, *, embedding: bool = False, loss: bool = False) -> list[int]:
     """Layers of each model chunk (a stage, or a virtual stage when interleaved), the unit that
-    recomputation works on; the layout rules must hold."""
+    recomputation works on; the layout rules must hold. ``embedding`` / ``loss``: counted as layers
+    of the split (:func:`accounted_split`; a chunk may then hold no layer)."""
+    if layers_per_chunk and (embedding or loss):
+        v = virtual_stages(num_layers, pp, layers_per_chunk, embedding + loss)
+        return [len(chunk_layer_ids(num_layers, pp, v, r, c, embedding=embedding, loss=loss))
+                for c in range(v) for r in range(pp)]
     if layers_per_chunk:
         return [layers_per_chunk] * (num_layers // layers_per_chunk)
     return stage_layer_counts(num_layers, pp, split)
 
 
-def virtual_stages(num_layers: int, pp: int, layers_per_chunk: int | None) -> int:
-    """v, the model chunks per pipeline rank: ``num_layers / (pp * layers_per_chunk)`` (1 without)."""
-    return num_layers // (pp * layers_per_chunk) if layers_per_chunk else 1
+def virtual_stages(num_layers: int, pp: int, layers_per_chunk: int | None, extra: int = 0) -> int:
+    """v, the model chunks per pipeline rank: ``(num_layers + extra) / (pp * layers_per_chunk)`` (1
+    without); ``extra``: the embedding and loss when they count as layers of the split."""
+    return (num_layers + extra) // (pp * layers_per_chunk) if layers_per_chunk else 1
 
 
 def stage_layer_ids(num_layers: int, pp_size: int, pp_rank: int, split: tuple[int, ...] | None = None) -> range:
@@ -122,12 +165,19 @@ def stage_layer_ids(num_layers: int, pp_size: int, pp_rank: int, split: tuple[in
     return range(start, start + counts[pp_rank])
 
 
-def chunk_layer_ids(num_layers: int, pp_size: int, virtual_stages: int, pp_rank: int, chunk: int) -> range:
+def chunk_layer_ids(num_layers: int, pp_size: int, virtual_stages: int, pp_rank: int, chunk: int, *,
+                    embedding: bool = False, loss: bool = False) -> range:
     """Layers of model chunk ``chunk`` on rank ``pp_rank``: virtual stage k = chunk * pp + pp_rank
     holds layers [k L / (pp v), (k + 1) L / (pp v)) (Narayanan et al. SC21, §2.2: rank r holds
-    chunks r, r + p, r + 2p, ...). Raises ValueError unless L % (pp v) == 0."""
-    per = num_layers // (pp_size * virtual_stages)
-    if per * pp_size * virtual_stages != num_layers:
-        raise ValueError(f"num_layers={num_layers} is not divisible by pp*v = {pp_size}*{virtual_stages}")
+    chunks r, r + p, r + 2p, ...). With ``embedding`` / ``loss`` the embedding and the output
+    layer + loss are one unit each of ``U = L + embedding + loss``, the first and the last: virtual
+    stage k holds units [k U / (pp v), (k + 1) U / (pp v)), i.e. the layers among them (possibly
+    none). Raises ValueError unless U % (pp v) == 0."""
+    units = num_layers + embedding + loss
+    per = units // (pp_size * virtual_stages)
+    if per * pp_size * virtual_stages != units:
+        raise ValueError(f"num_layers={num_layers} (+{embedding + loss} counted as layers) is not divisible by "
+                         f"pp*v = {pp_size}*{virtual_stages}")
     stage = chunk * pp_size + pp_rank
-    return range(stage * per, (stage + 1) * per)
+    start, end = (min(max(k * per - embedding, 0), num_layers) for k in (stage, stage + 1))
+    return range(start, end)
