@@ -170,3 +170,18 @@ def test_update_benchmarks_keeps_one_block_per_table(tmp_path):
     text = doc.read_text(encoding="utf-8")
     assert "A100 block" in text and "old" not in text and text.endswith("tail\n")
     assert "| step time, H100 runs (s) | 13 |" in text
+
+
+def test_catalog_file_may_name_the_architecture(tmp_path):
+    from ptdp.planner.hardware import load_catalog
+    base = ('peak_flops = { bf16 = 400e12 }\nmemory_bytes = 48e9\nmemory_bandwidth = 1.0e12\n'
+            'nvlink_bandwidth = 0\nnetwork_bandwidth = 12.5e9\n')
+    good, bad, plain = tmp_path / "g.toml", tmp_path / "b.toml", tmp_path / "p.toml"
+    good.write_text('[my-gpu]\n' + base + 'arch = "hopper"\n', encoding="utf-8")
+    bad.write_text('[my-gpu]\n' + base + 'arch = 9\n', encoding="utf-8")
+    plain.write_text('[my-gpu]\n' + base, encoding="utf-8")
+    assert DEFAULT_CONSTANTS.for_gpu(load_catalog(good)["my-gpu"]).gemm_peak_fraction == \
+        DEFAULT_CONSTANTS.for_gpu(CATALOG["h100"]).gemm_peak_fraction
+    assert DEFAULT_CONSTANTS.for_gpu(load_catalog(plain)["my-gpu"]) == DEFAULT_CONSTANTS
+    with pytest.raises(ValueError, match="arch=9 must be a string"):
+        load_catalog(bad)

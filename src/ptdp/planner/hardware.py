@@ -130,6 +130,7 @@ def load_catalog(path: str | Path) -> dict[str, GPUSpec]:
         network_bandwidth = 12.5e9
         gpus_per_node = 4
         source = "vendor sheet"
+        arch = "hopper"    # optional: plan with that generation's fitted efficiencies
 
     Raises ValueError naming the file and the missing or unknown field.
     """
@@ -152,6 +153,8 @@ def load_catalog(path: str | Path) -> dict[str, GPUSpec]:
         if missing or unknown:
             raise ValueError(f"{path}: GPU {name!r}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
         _check_numbers(path, name, table)
+        if not isinstance(table.get("arch", ""), str):
+            raise ValueError(f"{path}: GPU {name!r}: arch={table['arch']!r} must be a string such as \"hopper\"")
         out[name.lower()] = GPUSpec(name=name.lower(), **{k: v for k, v in table.items() if k != "name"})
     return out
 
