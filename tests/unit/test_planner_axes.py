@@ -145,19 +145,21 @@ def test_layout_fields_and_json():
     assert dataclasses.replace(Layout(1, 1, 2, 1, 2), distributed_optimizer=True).sharding_strategy == "optim"
 
 
-LLAMA_405B_128K = ["plan", "--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100-sxm",
-                   "--global-batch-size", "16", "--seq-length", "131072"]
+LLAMA_405B_128K = ["plan", "--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100-sxm", "--seq-length", "131072"]
 SPLIT = "7," + "8," * 14 + "7"
 
 
-def test_llama3_405b_128k_stage_fits_as_published(capsys):
+@pytest.mark.parametrize("batch", ["16", "128"])
+def test_llama3_405b_128k_stage_fits_as_published(batch, capsys):
     """Llama 3 405B's long-context stage (Dubey et al. 2024, §3.3.2 and Table 4: tp 8, cp 16, pp 16,
-    dp 8, 16 sequences of 131,072 tokens on 16,384 H100) is planned as fitting."""
-    assert cli.main([*LLAMA_405B_128K, "--tp", "8", "--cp", "16", "--pp", "16", "--pipeline-layer-split", SPLIT,
-                     "--json"]) == 0
+    dp 8 on 16,384 H100, 16M tokens per batch = 128 sequences of 131,072 tokens, 16 per
+    data-parallel rank) is planned as fitting, with 128 sequences and with 16."""
+    assert cli.main([*LLAMA_405B_128K, "--global-batch-size", batch, "--tp", "8", "--cp", "16", "--pp", "16",
+                     "--pipeline-layer-split", SPLIT, "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)
     best = plans[0]
     assert best["fits"] and (best["tp"], best["cp"], best["pp"], best["dp"]) == (8, 16, 16, 8)
+    assert best["global_batch_size"] == int(batch)
     assert best["sharding"] in ("no_shard", "optim") and "cp_comm" in best["time_s"]
     assert best["memory_bytes"]["total"] <= get_gpu("h100-sxm").memory_bytes
 
