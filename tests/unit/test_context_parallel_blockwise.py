@@ -177,3 +177,27 @@ def test_bad_shapes_are_named():
         blockwise_causal_attention(q, k, v, [5, 5])
     with pytest.raises(ValueError, match="no more queries than keys"):
         attention_block(q, k[:, :, :3], v[:, :, :3], causal=True, scale=1.0)
+
+
+@HEADS
+@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
+def test_cp_attention_on_one_rank_is_plain_causal_attention(heads, kv_heads, comm):
+    from ptdp.engine.comm import AxisGroup
+    from ptdp.engine.context_parallel.attention import context_parallel_attention, cp_attention_comm
+
+    axis = AxisGroup.single("cp")
+    q, k, v, dout = _inputs(heads, kv_heads, seed=2)
+    _check_against_reference(lambda q, k, v: context_parallel_attention(q, k, v, axis, comm), q, k, v, dout)
+    assert axis.stats.as_dict() == {} == cp_attention_comm(comm, batch=2, kv_heads=kv_heads, local_seq=24,
+                                                            head_dim=8, cp_size=1, dtype=torch.float64)
+
+
+def test_cp_attention_bad_input_is_named():
+    from ptdp.engine.comm import AxisGroup
+    from ptdp.engine.context_parallel.attention import context_parallel_attention
+
+    q, k, v, _ = _inputs(4, 2, s=10)
+    with pytest.raises(ValueError, match="'ring' is not one of"):
+        context_parallel_attention(q, k, v, AxisGroup.single("cp"), "ring")
+    with pytest.raises(ValueError, match="local sequence length 9 must be even"):
+        context_parallel_attention(q[:, :, :9], k[:, :, :9], v[:, :, :9], AxisGroup.single("cp"))

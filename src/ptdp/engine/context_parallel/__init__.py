@@ -18,7 +18,7 @@ _WHERE = {
     "Partial": "blockwise", "attention_block": "blockwise", "attention_block_backward": "blockwise",
     "block_attention": "blockwise", "block_kind": "blockwise", "blockwise_causal_attention": "blockwise",
     "merge": "blockwise",
-    "context_parallel_attention": "attention", "cp_attention_comm_bytes": "attention",
+    "context_parallel_attention": "attention", "cp_attention_comm": "attention",
 }
 
 __all__ = sorted(_WHERE)

@@ -188,7 +188,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_star
     return attention_block(q, k, v, causal=causal, scale=scale)
 
 
-def _empty_partial(q: torch.Tensor) -> Partial:
+def empty_partial(q: torch.Tensor) -> Partial:
     """Accumulators of no keys yet: output 0, log-sum-exp -inf, in the compute dtype."""
     cd = compute_dtype(q.dtype)
     return Partial(torch.zeros(q.shape, dtype=cd, device=q.device),
@@ -200,7 +200,7 @@ class _BlockwiseCausal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, starts: tuple[int, ...], scale: float):
-        acc = _empty_partial(q)
+        acc = empty_partial(q)
         pairs = []
         for i, (q0, q1) in enumerate(zip(starts, starts[1:])):
             for j, (k0, k1) in enumerate(zip(starts, starts[1:])):

@@ -1,0 +1,171 @@
+"""Causal self-attention across the ranks of the cp axis, each holding 2 chunks of the sequence.
+
+:func:`context_parallel_attention` is the entry; ``comm_type`` chooses how keys and values reach
+the queries (Megatron-Core's ``--cp-comm-type``):
+
+* ``"all_gather"`` (:class:`AllGatherAttention`, the Llama 3 paper's §3.3.2 method): keys and
+  values are all-gathered over cp once, each query chunk attends to every key up to its own end
+  (bottom-right aligned causal block); backward all-gathers them again (only the rank's own keys
+  and values are kept for backward, so activation memory stays ``1/C`` of the sequence) and
+  reduce-scatters the key/value gradients back to their owners.
+* ``"p2p"`` (:class:`~ptdp.engine.context_parallel.ring.RingAttention`, ring attention, Liu et al.
+  2023, arXiv:2310.01889): blocks passed around the ring ``C - 1`` times, each transfer posted
+  before the attention of the block in hand so that they overlap; backward passes the blocks
+  again with the gradient accumulators of the blocks one step behind them, ``C`` times, so the
+  last one lands on its owner.
+
+Why the ring cannot deadlock under NCCL's rules (groups of a communicator run in posting order;
+a send completes only while its receive runs; messages between two ranks match in order): at
+every step every rank posts exactly one group on the cp communicator, holding its sends to the next
+rank and its receives from the previous one, in the same order (keys/values, then gradients) on
+every rank, and waits for it before posting the next. Every send of step ``i`` is thus matched by
+a receive in the neighbour's group of step ``i``; if all groups of the steps before ``i`` have
+completed, every rank reaches its group ``i`` (only local compute lies between), the groups of
+step ``i`` run together and complete: by induction every group does. The all-gather variant uses
+collectives, which every rank calls in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ptdp.engine.comm import AxisGroup, all_gather_along, reduce_scatter_along
+from ptdp.engine.context_parallel.blockwise import (
+    attention_block, attention_block_backward, compute_dtype, default_scale, empty_partial,
+)
+from ptdp.engine.context_parallel.chunks import chunk_ids
+from ptdp.engine.context_parallel.ring import BACKWARD, FORWARD, RingAttention
+
+COMM_TYPES = ("p2p", "all_gather")
+
+
+def _natural_order(gathered: torch.Tensor, c: int) -> torch.Tensor:
+    """Every rank's ``[2, b, kv_heads, 2c, d]`` block (``gathered`` ``[C, 2, ...]``, rank order) as
+    the whole sequence in position order ``[2, b, kv_heads, 2C c, d]``."""
+    halves = gathered.unflatten(4, (2, c))  # [C, 2, b, kv_heads, 2, c, d]
+    chunks = torch.cat([halves[:, :, :, :, 0], halves[:, :, :, :, 1].flip(0)])  # chunk order
+    return chunks.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
+
+
+def _rank_order(whole: torch.Tensor, size: int, c: int) -> torch.Tensor:
+    """The inverse of :func:`_natural_order`: ``[2, b, kv_heads, 2C c, d]`` -> ``[C, 2, b, kv_heads, 2c, d]``."""
+    chunks = whole.unflatten(3, (2 * size, c)).permute(3, 0, 1, 2, 4, 5)  # [2C, 2, b, kv_heads, c, d]
+    return torch.stack([chunks[:size], chunks[size:].flip(0)], dim=4).flatten(4, 5)
+
+
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, axis: AxisGroup, tag: str) -> torch.Tensor:
+    local = torch.stack([k, v]).unsqueeze(0)  # [1, 2, b, kv_heads, 2c, d]: one all-gather
+    return _natural_order(all_gather_along(local, axis, dim=0, tag=tag), k.shape[2] // 2)
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """``forward(q, k, v, axis, scale)``: this rank's attention output; see
+    :func:`context_parallel_attention` for shapes and communication."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, axis: AxisGroup, scale: float):
+        c = q.shape[2] // 2
+        whole = _gather_kv(k, v, axis, FORWARD)
+        acc = empty_partial(q)
+        for half, chunk in enumerate(chunk_ids(axis.rank, axis.size)):
+            rows, end = slice(half * c, (half + 1) * c), (chunk + 1) * c
+            part = attention_block(q[:, :, rows], whole[0][:, :, :end], whole[1][:, :, :end], causal=True,
+                                   scale=scale)
+            acc.out[:, :, rows], acc.lse[:, :, rows] = part
+        ctx.save_for_backward(q, k, v, acc.out, acc.lse)
+        ctx.axis, ctx.scale = axis, scale
+        return acc.out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        axis, c = ctx.axis, q.shape[2] // 2
+        whole = _gather_kv(k, v, axis, BACKWARD)
+        dq = torch.empty(q.shape, dtype=out.dtype, device=q.device)
+        dwhole = torch.zeros(whole.shape, dtype=out.dtype, device=q.device)
+        for half, chunk in enumerate(chunk_ids(axis.rank, axis.size)):
+            rows, end = slice(half * c, (half + 1) * c), (chunk + 1) * c
+            dq[:, :, rows], gk, gv = attention_block_backward(
+                dout[:, :, rows], q[:, :, rows], whole[0][:, :, :end], whole[1][:, :, :end], out[:, :, rows],
+                lse[:, :, rows], causal=True, scale=ctx.scale)
+            dwhole[0][:, :, :end] += gk
+            dwhole[1][:, :, :end] += gv
+        own = reduce_scatter_along(_rank_order(dwhole, axis.size, c), axis, dim=0, tag=BACKWARD)[0]
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
+
+
+@torch.compiler.disable
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: AxisGroup,
+                               comm_type: str = "p2p", *, scale: float | None = None) -> torch.Tensor:
+    """Causal self-attention of a sequence split over the cp ranks of ``axis`` (``C = axis.size``).
+
+    Each rank holds chunks ``r`` and ``2C - 1 - r`` of the sequence (:mod:`.chunks`); the result
+    equals the rows of plain causal attention of the whole sequence at those positions, and the
+    gradients of ``q, k, v`` those of the rank's rows.
+
+    Args:
+        q: ``[b, heads, s/C, d]``; k, v: ``[b, kv_heads, s/C, d]`` (``heads`` a multiple of
+            ``kv_heads``: grouped-query attention), the rank's two chunks concatenated.
+        axis: the cp group (every rank of it calls this with the same shapes).
+        comm_type: ``"p2p"`` (ring) or ``"all_gather"``.
+        scale: softmax scale, default ``1 / sqrt(d)``.
+
+    Returns:
+        ``[b, heads, s/C, d]`` in q's dtype. Scores, softmax and accumulations run in float32
+        (float64 for float64 inputs); gradients of keys and values travel in that dtype.
+
+    Communication per rank, one forward and its backward, counted on axis ``cp`` with tags
+    ``cp_attention_forward`` and ``cp_attention_backward`` (:func:`cp_attention_comm` gives them
+    exactly). With ``E = 2 b kv_heads (s/C) d`` (a rank's keys and values), ``e`` the input's
+    bytes per element and ``g`` the compute dtype's:
+
+    * all_gather: forward one all-gather of ``E`` elements (``E e`` bytes); backward one all-gather
+      of ``E`` elements and one reduce-scatter of ``C E`` elements (``C E g`` bytes put in).
+    * p2p: forward ``C - 1`` sends and ``C - 1`` receives of ``E`` elements; backward ``C - 1``
+      sends and receives of ``E`` elements (``e`` bytes each) plus ``C`` sends and receives of
+      ``E`` gradient elements (``g`` bytes each).
+    Nothing is communicated when ``C == 1``.
+
+    Raises:
+        ValueError: unknown ``comm_type``, mismatched shapes, or an odd local sequence length.
+    """
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"cp comm type {comm_type!r} is not one of {COMM_TYPES}")
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
+        raise ValueError(f"expected q [b, heads, s/C, d], k and v [b, kv_heads, s/C, d]; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[2] % 2 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"the local sequence length {q.shape[2]} must be even (2 chunks) and the query heads "
+                         f"{q.shape[1]} a multiple of the key/value heads {k.shape[1]}")
+    scale = default_scale(q.shape[-1]) if scale is None else scale
+    fn = RingAttention if comm_type == "p2p" else AllGatherAttention
+    return fn.apply(q, k, v, axis, scale)
+
+
+def cp_attention_comm(comm_type: str, *, batch: int, kv_heads: int, local_seq: int, head_dim: int,
+                      cp_size: int, dtype: torch.dtype) -> dict[str, dict[str, int]]:
+    """What one forward and backward of :func:`context_parallel_attention` communicates on one
+    rank, as :meth:`~ptdp.engine.comm.CommStats.as_dict` gives it (``"cp/op/tag"`` -> calls,
+    numel, bytes); empty when ``cp_size == 1``. ``local_seq`` is ``s / C``."""
+    if cp_size == 1:
+        return {}
+    size = cp_size
+    elems = 2 * batch * kv_heads * local_seq * head_dim
+    e = torch.empty((), dtype=dtype).element_size()
+    g = torch.empty((), dtype=compute_dtype(dtype)).element_size()
+    fwd, bwd = f"cp/{{}}/{FORWARD}", f"cp/{{}}/{BACKWARD}"
+
+    def count(calls: int, numel: int, nbytes: int) -> dict[str, int]:
+        return {"calls": calls, "numel": numel, "bytes": nbytes}
+
+    if comm_type == "all_gather":
+        return {fwd.format("all_gather"): count(1, elems, elems * e),
+                bwd.format("all_gather"): count(1, elems, elems * e),
+                bwd.format("reduce_scatter"): count(1, size * elems, size * elems * g)}
+    if comm_type != "p2p":
+        raise ValueError(f"cp comm type {comm_type!r} is not one of {COMM_TYPES}")
+    out = {}
+    for op in ("send", "recv"):
+        out[fwd.format(op)] = count(size - 1, (size - 1) * elems, (size - 1) * elems * e)
+        out[bwd.format(op)] = count(2 * size - 1, (2 * size - 1) * elems, (size - 1) * elems * e + size * elems * g)
+    return out

@@ -1,0 +1,118 @@
+"""Ring attention over the cp axis: key/value blocks passed around the ring of cp ranks
+(Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context",
+arXiv:2310.01889), with the 2C-chunk load balancing of :mod:`.chunks` (Megatron-Core's context
+parallelism, ``--cp-comm-type p2p``).
+
+Rank ``r`` holds queries, keys and values of chunks ``r`` and ``2C - 1 - r`` (``2c`` rows,
+``c = s / (2C)``). At step ``i`` (0 to C - 1) it holds the key/value block of rank
+``src = (r - i) mod C`` and computes, with the 2-chunk structure of both sides:
+
+* ``src == r``: all its queries against all the block's keys, causal on local indices (local
+  positions increase, so this is the global causal mask);
+* ``src < r``: all its queries against the block's first chunk (``src < r``), full; its second
+  chunk ``2C - 1 - src`` is in the future of both query chunks, skipped;
+* ``src > r``: its second query chunk (``2C - 1 - r``) against the whole block, full; the first
+  query chunk ``r`` sees neither key chunk, skipped.
+
+Every step costs every rank ``2c x c`` scores after the first (``2c x 2c`` causal), so the ring
+stays balanced. Partial results are merged by log-sum-exp (:mod:`.blockwise`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ptdp.engine.comm import P2P, AxisGroup, post
+from ptdp.engine.context_parallel.blockwise import (
+    Partial, attention_block, attention_block_backward, empty_partial, merge_into,
+)
+
+#: gloo tags of the two kinds of message between ring neighbours (NCCL matches by order)
+KV_TAG, DKV_TAG = 1, 2
+FORWARD, BACKWARD = "cp_attention_forward", "cp_attention_backward"
+
+
+def ring_block(rank: int, src: int, c: int) -> tuple[slice, slice, bool]:
+    """(query rows, key rows, causal) that ``rank`` computes against ``src``'s key/value block."""
+    everything = slice(0, 2 * c)
+    if src == rank:
+        return everything, everything, True
+    if src < rank:
+        return everything, slice(0, c), False
+    return slice(c, 2 * c), everything, False
+
+
+def _post(axis: AxisGroup, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+          tag: str) -> list:
+    """One batch: each ``(tensor, message tag)`` of ``sends`` to the next rank, each of ``recvs``
+    from the previous one; the handles to wait for (nothing on an axis of size 1)."""
+    if axis.size == 1 or not sends:
+        return []
+    nxt, prev = (axis.rank + 1) % axis.size, (axis.rank - 1) % axis.size
+    transfers = [P2P("send", t, nxt, msg) for t, msg in sends] + [P2P("recv", t, prev, msg) for t, msg in recvs]
+    return post(transfers, axis, tag=tag, defer=True) or []
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """``forward(q, k, v, axis, scale)``: this rank's attention output; see :mod:`.attention`'s
+    ``context_parallel_attention`` for shapes and communication."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, axis: AxisGroup, scale: float):
+        size, rank, c = axis.size, axis.rank, q.shape[2] // 2
+        acc = empty_partial(q)
+        kv = torch.stack([k, v])  # [2, b, kv_heads, 2c, d]: one message per step
+        spare = torch.empty_like(kv)
+        for step in range(size):
+            # post the next block's transfer before this block's attention: they overlap
+            works = _post(axis, [(kv, KV_TAG)], [(spare, KV_TAG)], FORWARD) if step < size - 1 else []
+            rows, cols, causal = ring_block(rank, (rank - step) % size, c)
+            part = attention_block(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal=causal, scale=scale)
+            merge_into(Partial(acc.out[:, :, rows], acc.lse[:, :, rows]), part)
+            _wait(works)
+            kv, spare = spare, kv
+        out = acc.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, acc.out, acc.lse)
+        ctx.axis, ctx.scale = axis, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        axis, scale = ctx.axis, ctx.scale
+        size, rank, c, cd = axis.size, axis.rank, q.shape[2] // 2, out.dtype
+        dq = torch.zeros(q.shape, dtype=cd, device=q.device)
+        kv = torch.stack([k, v])
+        spare = torch.empty_like(kv)
+        arrived = torch.empty(kv.shape, dtype=cd, device=kv.device)  # the accumulator of this step's block
+        done = None  # the previous step's block's accumulator, with this rank's share added
+        for step in range(size):
+            sends, recvs = [], []
+            if step < size - 1:
+                sends.append((kv, KV_TAG))
+                recvs.append((spare, KV_TAG))
+            if step > 0:  # the accumulator travels one step behind its block
+                sends.append((done, DKV_TAG))
+                recvs.append((arrived, DKV_TAG))
+            works = _post(axis, sends, recvs, BACKWARD)
+            rows, cols, causal = ring_block(rank, (rank - step) % size, c)
+            gq, gk, gv = attention_block_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
+                                                  kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
+                                                  causal=causal, scale=scale)
+            dq[:, :, rows] += gq
+            share = torch.zeros(kv.shape, dtype=cd, device=kv.device)
+            share[0][:, :, cols] = gk
+            share[1][:, :, cols] = gv
+            _wait(works)
+            done = share.add_(arrived) if step > 0 else share
+            kv, spare = spare, kv
+        if size > 1:  # the last accumulator goes to its owner, the next rank; ours comes from the previous
+            own = torch.empty_like(done)
+            _wait(_post(axis, [(done, DKV_TAG)], [(own, DKV_TAG)], BACKWARD))
+            done = own
+        return dq.to(q.dtype), done[0].to(k.dtype), done[1].to(v.dtype), None, None
