@@ -20,6 +20,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ptdp.spec import keeps_logits, padded_vocab_size, stage_layer_counts
+from ptdp.planner.fp8 import fp8_weight_copy_bytes
 from ptdp.planner.hardware import GiB, GPUSpec
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout, MemoryBreakdown
@@ -47,14 +48,16 @@ def layer_param_count(model: ModelSpec, tp: int) -> int:
     ``[ffn/tp, h]`` + bias ``[ffn/tp]``, fc2 ``[h, ffn/tp]`` + bias ``[h]`` (replicated).
     Llama-style: 2 RMSNorm weights (2h), QKV ``[(a + 2 kv) d / tp, h]``, proj ``[h, a d / tp]``,
     SwiGLU (or a 2-matrix MLP if ``swiglu`` is False) ``n * [ffn/tp, h]``, no biases. Mixed
-    models (``ModelSpec.rmsnorm`` / ``linear_bias`` set one by one) add each part on its own.
+    models (``ModelSpec.rmsnorm`` / ``linear_bias`` / ``biased_linears`` set one by one) add each
+    part on its own; a bias is as wide as its layer's output on this rank.
     """
     h, a, d = model.hidden_size, model.num_attention_heads, model.hidden_size // model.num_attention_heads
     q, kv, ffn = a * d, model.kv_heads * d, model.ffn
     mats = 3 if model.swiglu else 2
     weights = (q + 2 * kv) * h // tp + q * h // tp + mats * ffn * h // tp
     norms = 2 * (h if model.uses_rmsnorm else 2 * h)
-    biases = (q + 2 * kv) // tp + h + (mats - 1) * ffn // tp + h if model.has_linear_bias else 0
+    widths = {"qkv": (q + 2 * kv) // tp, "proj": h, "fc1": (mats - 1) * ffn // tp, "fc2": h}
+    biases = sum(widths[name] for name in model.linears_with_bias)
     return weights + biases + norms
 
 
@@ -94,14 +97,15 @@ def bytes_per_param(precision: str, dp: int = 1, distributed_optimizer: bool = F
     bf16/fp16 mixed precision [N21, K22; Micikevicius et al. 2018]: 2-byte weights, 4-byte fp32
     main gradients, 12 bytes of optimizer state (fp32 main weights, Adam m and v): 2 + 4 + 12 = 18;
     with the distributed optimizer (ZeRO-1) the 12 bytes are split over dp: 6 + 12/dp.
-    fp32: 4 + 4 + 8 (m, v) = 16; distributed: 8 + 8/dp.
+    fp32: 4 + 4 + 8 (m, v) = 16; distributed: 8 + 8/dp. fp8 (bf16 training with FP8 GEMMs): as
+    bf16; the FP8 weight copies are :func:`ptdp.planner.fp8.fp8_weight_copy_bytes`.
     """
-    if precision in ("bf16", "fp16"):
+    if precision in ("bf16", "fp16", "fp8"):
         weights, grads, state = 2.0, 4.0, 12.0
     elif precision == "fp32":
         weights, grads, state = 4.0, 4.0, 8.0
     else:
-        raise ValueError(f"precision={precision!r} must be one of bf16, fp16, fp32")
+        raise ValueError(f"precision={precision!r} must be one of bf16, fp16, fp8, fp32")
     return weights, grads, (state / dp if distributed_optimizer else state)  # sharding strategies: rank_state_bytes
 
 
@@ -123,13 +127,14 @@ def activation_value_bytes(precision: str) -> tuple[int, int]:
 
     bf16/fp16 mixed precision: 2-byte activations; the log-sum-exp of a fused attention kernel and
     the logits of the cross entropy are fp32 (4). fp32: 4 and 4 (nothing is doubled twice).
-    Dropout masks are 1 byte at every precision.
+    fp8 (bf16 training with FP8 GEMMs): 2 and 4, like bf16; the 1-byte inputs of the FP8 GEMMs are
+    counted by :func:`layer_activation_bytes`. Dropout masks are 1 byte at every precision.
     """
-    if precision in ("bf16", "fp16"):
+    if precision in ("bf16", "fp16", "fp8"):
         return 2, 4
     if precision == "fp32":
         return 4, 4
-    raise ValueError(f"precision={precision!r} must be one of bf16, fp16, fp32")
+    raise ValueError(f"precision={precision!r} must be one of bf16, fp16, fp8, fp32")
 
 
 def layer_activation_bytes(model: ModelSpec, tp: int, micro_batch_size: int, *, sequence_parallel: bool,
@@ -146,29 +151,38 @@ def layer_activation_bytes(model: ModelSpec, tp: int, micro_batch_size: int, *, 
       split over tp: q and k for the scores, v, attention context (``4 a d + 4 kv d``), MLP
       ``4 ffn`` (GELU input and output) or ``6 ffn`` (SwiGLU: the fused ``2 ffn`` fc1 output and
       the gated product); scores ``5 a s`` per token (softmax output 2, dropout mask 1, dropout
-      output 2; without dropout: 2). With ``model.flash_attention`` no score is kept, only the
-      kernel's fp32 log-sum-exp, ``4 a`` per token (both dropped by selective recompute).
+      output 2; without dropout: 2), dropped by selective recompute.
+    With ``model.flash_attention`` (FlashAttention, Dao et al. 2022, arXiv:2205.14135) no score is
+    kept, only the kernel's fp32 log-sum-exp, ``4 a`` bytes per token (its dropout mask is
+    regenerated from the seed, not kept): GPT is ``s b h (34 + 16 a / h)`` without parallelism,
+    ``s b h (10 + 24/t) + 4 a s b / t`` with TP, ``s b h / t (34 + 16 a / h)`` with TP + SP. Selective
+    recompute then keeps the same bytes (Megatron checkpoints the attention core only with the
+    unfused kernel; a flash kernel keeps nothing worth recomputing).
     With a = kv, d = h/a, ffn = 4h this is exactly [K22]'s ``10 h + 24 h / t + 5 a s / t``.
     ``precision`` "fp32" makes every value 4 bytes (masks stay 1 byte; see
-    :func:`activation_value_bytes`).
+    :func:`activation_value_bytes`). "fp8" (Transformer Engine's FP8 training,
+    :mod:`ptdp.planner.fp8`): the inputs of the four FP8 GEMMs are kept in FP8, 1 byte each (the
+    QKV input h, the attention-projection input ``a d``, the fc1 input h, the fc2 input ``ffn``);
+    everything else stays 16-bit.
     """
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r} must be none, selective or full")
     e, e32 = activation_value_bytes(precision)
+    g = 1 if precision == "fp8" else e  # bytes of a kept input of a QKV / projection / fc1 / fc2 GEMM
     h, a, s = model.hidden_size, model.num_attention_heads, model.seq_length
     t, tokens = tp, micro_batch_size * s
     if recompute == "full":
         return e * tokens * h / (t if sequence_parallel else 1)
     d, kv = h // a, model.kv_heads
     mask = 1 if model.dropout else 0
-    replicated = (4 * e + 2 * mask) * h
-    split = e * (2 * a * d + 2 * kv * d + (3 if model.swiglu else 2) * model.ffn)
+    replicated = (2 * e + 2 * g + 2 * mask) * h
+    mlp = (2 if model.swiglu else 1) * model.ffn  # fc1 output: GELU input, or SwiGLU's gate and up halves
+    split = e * (a * d + 2 * kv * d + mlp) + g * (a * d + model.ffn)
     per_token = replicated / (t if sequence_parallel else 1) + split / t
-    if recompute == "none":
-        if model.flash_attention:
-            per_token += e32 * a / t
-        else:
-            per_token += (e + (mask + e) * mask) * a * s / t
+    if model.flash_attention:
+        per_token += e32 * a / t
+    elif recompute == "none":
+        per_token += (e + (mask + e) * mask) * a * s / t
     return tokens * per_token
 
 
@@ -300,7 +314,8 @@ def memory_breakdown(
     """Bytes on the most loaded GPU: the pipeline stage with the largest total (``stage``).
 
     params/grads/optimizer: exact stage parameter count under the sharding strategy over
-    ``dp * cp`` ranks, transients included (:func:`rank_state_bytes`); activations:
+    ``dp * cp`` ranks, transients included (:func:`rank_state_bytes`; params with
+    precision "fp8" also hold the FP8 weight copies, :func:`ptdp.planner.fp8.fp8_weight_copy_bytes`); activations:
     :func:`rank_activation_bytes` (one cp rank); overhead: ``overhead_bytes`` (default
     :data:`DEFAULT_OVERHEAD_BYTES`). ``gpu`` does not change the bytes (it is part of the call for
     symmetry with the time model); the capacity check ``total <= gpu.memory_bytes`` is the
@@ -335,10 +350,11 @@ def memory_breakdown(
     for rank, n_params, n_layers in candidates:
         act = rank_activation_bytes(model, layout, rank, n_layers, schedule=schedule,
                                     make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+        fp8_copies = fp8_weight_copy_bytes(model, layout.tp, n_layers, layout.precision)
         state = rank_state_bytes(model, layout, n_params, n_layers)
-        total = sum(state) + act
+        total = sum(state) + fp8_copies + act
         if best is None or total > best[0]:
-            best = (total, rank, state, act)
-    _, rank, (params, grads, optimizer), act = best
-    return MemoryBreakdown(params=params, grads=grads, optimizer=optimizer, activations=act,
+            best = (total, rank, state, act, fp8_copies)
+    _, rank, (params, grads, optimizer), act, fp8_copies = best
+    return MemoryBreakdown(params=params + fp8_copies, grads=grads, optimizer=optimizer, activations=act,
                            overhead=float(overhead_bytes), stage=rank)

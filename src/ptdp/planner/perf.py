@@ -135,8 +135,8 @@ DEFAULT_CONSTANTS = PerfConstants()
 #: on every parameter: write the 16-bit weight (2), read the gradient for the global norm (4),
 #: zero the gradient buffer (4); on the parameters this rank updates (1/dp of them with the
 #: distributed optimizer): read the gradient (4), read and write the main weight, m and v (24).
-OPT_BYTES_FULL = {"bf16": 10.0, "fp16": 10.0, "fp32": 8.0}
-OPT_BYTES_SHARDED = {"bf16": 28.0, "fp16": 28.0, "fp32": 28.0}
+OPT_BYTES_FULL = {"bf16": 10.0, "fp16": 10.0, "fp32": 8.0, "fp8": 10.0}
+OPT_BYTES_SHARDED = {"bf16": 28.0, "fp16": 28.0, "fp32": 28.0, "fp8": 28.0}
 
 
 @dataclass(frozen=True)
@@ -190,13 +190,14 @@ def links_for(cluster: Cluster, constants: PerfConstants) -> Links:
                  constants.nvlink_latency, constants.network_latency, cluster.gpus_per_node)
 
 
-def rank_layer_times(model: ModelSpec, layout: Layout, peak: float, bandwidth: float, c: PerfConstants) -> tuple[float, float, float, float]:
+def rank_layer_times(model: ModelSpec, layout: Layout, peak: float, bandwidth: float, c: PerfConstants,
+                     fp8_peak: float = 0.0) -> tuple[float, float, float, float]:
     """(forward, backward, attention core, one block's forward attention) seconds of one layer on
     one tp and cp rank for one microbatch (:mod:`ptdp.planner.context`: the ``s / cp``-token layer
     attending ``cp`` blocks; the last item hides one ring step of the key/value exchange)."""
     local = local_model(model, layout.cp)
     times = flops.layer_compute_times(local, layout.tp, layout.micro_batch_size, layout.sequence_parallel, peak,
-                                      bandwidth, c.gemm_peak_fraction, c.gemm_half_dim)
+                                      bandwidth, c.gemm_peak_fraction, c.gemm_half_dim, fp8_peak)
     if layout.cp == 1:
         return (*times, times[2])
     block = block_attention_times(local, layout.tp, layout.micro_batch_size, times[2], peak_flops=peak,
@@ -206,13 +207,14 @@ def rank_layer_times(model: ModelSpec, layout: Layout, peak: float, bandwidth: f
 
 def _stage_microbatch_times(model: ModelSpec, layout: Layout, peak: float, bandwidth: float, links: Links,
                             c: PerfConstants, v_pad: int, elem: float,
-                            layers: int) -> tuple[tuple[float, float, float, float], ...]:
+                            layers: int, fp8_peak: float = 0.0) -> tuple[tuple[float, float, float, float], ...]:
     """(compute, recompute, tp_comm, cp_comm) seconds of one microbatch on (middle, first, last)
     stages of one cp rank (:func:`rank_layer_times`; tp transfers and logits of ``s / cp`` tokens,
-    key/value exchange :func:`ptdp.planner.context.kv_exchange_times`, again in a full recompute)."""
+    key/value exchange :func:`ptdp.planner.context.kv_exchange_times`, again in a full recompute);
+    ``fp8_peak`` > 0: the layers' weight GEMMs run at that FP8 peak (FLOP/s)."""
     local = local_model(model, layout.cp)
     tp, b, s, h = layout.tp, layout.micro_batch_size, local.seq_length, model.hidden_size
-    fwd, bwd, core, block = rank_layer_times(model, layout, peak, bandwidth, c)
+    fwd, bwd, core, block = rank_layer_times(model, layout, peak, bandwidth, c, fp8_peak)
     tp_f, tp_b = tp_layer_comm_times(b * s, h, tp, sequence_parallel=layout.sequence_parallel, links=links,
                                      bytes_per_element=elem)
     tp_f, tp_b = (1.0 - c.tp_overlap) * tp_f, (1.0 - c.tp_overlap) * tp_b
@@ -265,11 +267,12 @@ def edge_layer_equivalents(model: ModelSpec, layout: Layout, cluster: Cluster,
     layer about ``(24 h^2 + 4 h s) b s / t`` for GPT ([N21] eq. 3's terms), so the loss side is about
     ``V / (12 h + 2 s)`` layers; the time model adds the memory-bound and communication parts."""
     c, gpu, prec = constants.for_gpu(cluster.gpu), cluster.gpu, layout.precision
-    peak = gpu.peak(prec)
+    peak = gpu.peak("bf16" if prec == "fp8" else prec)
+    fp8_peak = gpu.peak("fp8") if prec == "fp8" else 0.0
     v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, layout.tp)
     elem = 4.0 if prec == "fp32" else 2.0
     layer, first, last = _stage_microbatch_times(model, layout, peak, gpu.memory_bandwidth * c.hbm_efficiency,
-                                                 links_for(cluster, c), c, v_pad, elem, 1)
+                                                 links_for(cluster, c), c, v_pad, elem, 1, fp8_peak)
     unit = sum(layer)
     return (sum(first) - unit) / unit, (sum(last) - unit) / unit
 
@@ -310,7 +313,8 @@ def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
     Cost: O(1) in pp; per-model and per-(tp, b, sp) quantities are cached.
     """
     c, gpu, prec = constants.for_gpu(cluster.gpu), cluster.gpu, layout.precision
-    peak = gpu.peak(prec)
+    peak = gpu.peak("bf16" if prec == "fp8" else prec)  # fp8: attention, logits and MFU at the bf16 peak
+    fp8_peak = gpu.peak("fp8") if prec == "fp8" else 0.0
     bandwidth = gpu.memory_bandwidth * c.hbm_efficiency
     links = links_for(cluster, c)
     elem = 4.0 if prec == "fp32" else 2.0
@@ -327,7 +331,8 @@ def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
                                           layer_split=layer_split))
         layers = 1  # one layer and the edges: each stage's time is built from them
         stage_layers = max(layer_split)
-    mid, first, last = _stage_microbatch_times(model, layout, peak, bandwidth, links, c, v_pad, elem, layers)
+    mid, first, last = _stage_microbatch_times(model, layout, peak, bandwidth, links, c, v_pad, elem, layers,
+                                               fp8_peak)
     busiest = last if sum(last) >= sum(first) else first
     p2p = 2.0 * v * pp_transfer_time(layout.micro_batch_size * model.seq_length // layout.cp, model.hidden_size, tp,
                                      layout.shard_size, pp,
@@ -339,7 +344,7 @@ def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
         bubble = (fill + (pp - 1) * p2p) / v  # interleaving spreads fill and drain over v chunks ([N21] §2.2)
 
     exposed_dp = _dp_comm_time(model, layout, n_params, busiest, stage_layers, elem, links, c,
-                               rank_layer_times(model, layout, peak, bandwidth, c))
+                               rank_layer_times(model, layout, peak, bandwidth, c, fp8_peak))
     if model.tied and pp > 1:
         exposed_dp += (1.0 - c.dp_overlap) * embedding_sync_time(4.0 * v_pad // tp * model.hidden_size, pp, tp,
                                                                  layout.shard_size, links)
