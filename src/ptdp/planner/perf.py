@@ -65,9 +65,12 @@ class PerfConstants:
             barely depend on it).
         nvlink_latency, network_latency: seconds per ring step of a collective (launch + link
             latency). Set, not fitted (the published runs' messages are large).
-        dp_overlap: fraction of the data-parallel gradient reduction hidden behind backward.
-            0: ptdp reduces after the pipeline flush (``finalize_grads``), as did the Megatron
-            versions of the published runs.
+        dp_overlap: fraction of the end-of-step data-parallel reduction hidden behind compute.
+            0 (the default): all of it exposed, as in the Megatron versions of the A100 runs.
+            :func:`ptdp.planner.validate.run_constants` sets it for each published run that
+            overlapped (the share of the reduction one microbatch's compute can hide). ptdp's own
+            ``--overlap-grad-reduce`` (on by default) starts buckets during the last microbatch's
+            backward; ``ptdp plan`` does not credit that yet, so its DP time is an upper bound.
         pp_scatter_gather: pipeline messages split over the tp ranks and all-gathered on NVLink
             ([N21] §4.1), as in the published runs.
         layer_overhead: host seconds per transformer layer per microbatch (forward + backward)
