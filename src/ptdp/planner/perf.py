@@ -93,9 +93,10 @@ class PerfConstants:
             runs without context parallelism (``python -m ptdp.planner.validate
             benchmarks/data/published_runs_h100.csv --fit``), ``gemm_half_dim`` 128 set: Hopper's
             tensor-core GEMMs run 128 x 256 tiles (warp-group MMAs of 64 x N), half of a 256-wide
-            tile, twice Ampere's. The lower peak fraction is physical: an H100 SXM under a
-            sustained dense load holds its 700 W limit below the boost clock at which the
-            datasheet's 989.5 TFLOP/s is counted.
+            tile, twice Ampere's. 0.61 x 989.5 = 604 TFLOP/s for a large bf16 GEMM in a training
+            step; the datasheet's peak is 528 tensor cores x 1,024 FLOP per clock at 1.83 GHz, and
+            what a step gets below it is the clock a 700 W card holds under load times the
+            kernels' efficiency, which the fit does not separate.
     """
 
     gemm_peak_fraction: float = 0.77
