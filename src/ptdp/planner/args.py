@@ -31,7 +31,8 @@ def plan_precision(args: argparse.Namespace) -> str | None:
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model (a preset, optionally overridden, or the shape flags alone)")
     g.add_argument("--model", metavar="NAME|PATH",
-                   help="preset name, e.g. gpt3-175b, gpt-1.7b ... gpt-1008b, llama2-70b, llama3-8b/70b/405b; or a "
+                   help="preset name, e.g. gpt3-175b, gpt-1.7b ... gpt-1008b, llama2-70b, llama3-8b/70b/405b, "
+                        "nemotron4-340b; or a "
                         "Hugging Face config.json (the file, or a folder holding it) of a Llama, Mistral, Qwen2 or "
                         "GPT-2 model; --seq-length default: its max_position_embeddings")
     g.add_argument("--use-flash-attn", action=argparse.BooleanOptionalAction, default=None,
