@@ -1,11 +1,12 @@
 """Attention across context-parallel ranks (gloo, cp groups of 2 and 4 ranks) against plain causal
 attention of the whole sequence in one process: outputs and q/k/v gradients in float64 at 1e-12,
 both ``--cp-comm-type``s, multi-head and grouped-query; and the cp bytes each rank counted equal
-the docstring's formula. Every case of a world size runs in one job."""
+the docstring's formula; the ring's batches are the program checked under NCCL's rules. Every case of a world size runs in one job."""
 
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ import torch.nn.functional as F
 from ptdp.engine.comm import AxisGroup, CommStats
 from ptdp.engine.context_parallel.attention import context_parallel_attention, cp_attention_comm
 from ptdp.engine.context_parallel.chunks import shard_sequence, unshard_sequence
+from ptdp.engine.context_parallel.ring import ring_groups
+from ptdp.engine.pipeline.nccl_model import Op, simulate_nccl
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 
@@ -40,9 +43,13 @@ def cp_worker(rank: int, world: int) -> list[dict]:
         local = {name: shard_sequence(t, rank, world, dim=2).to(dtype) for name, t in full.items()}
         q, k, v = (local[name].clone().requires_grad_() for name in "qkv")
         stats.reset()
+        stats.p2p_log = []
         out = context_parallel_attention(q, k, v, axis, comm)
+        posted, stats.p2p_log = {"forward": stats.p2p_log}, []
         out.backward(local["dout"])
-        results.append({"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "comm": stats.as_dict()})
+        posted["backward"], stats.p2p_log = stats.p2p_log, None
+        results.append({"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "comm": stats.as_dict(),
+                        "posted": {phase: [ops for _, ops in log] for phase, log in posted.items()}})
     return results
 
 
@@ -81,3 +88,19 @@ def test_cp_attention_bytes_equal_the_formula(world):
         assert want  # a formula that could be empty would prove nothing
         for r in range(world):
             assert results[r][i]["comm"] == want, (comm, heads, kv_heads, dtype, r)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_posts_its_program_which_is_deadlock_free_under_nccl_rules(world):
+    """What the p2p variant really posted, batch by batch, is :func:`ring_groups` (checked
+    without processes for more sizes), and those batches complete under the NCCL model."""
+    results = cp_results(world)
+    for i, (comm, *_) in enumerate(CASES):
+        for phase in ("forward", "backward"):
+            posted = [results[r][i]["posted"][phase] for r in range(world)]
+            if comm == "all_gather":
+                assert posted == [[]] * world
+                continue
+            assert posted == [ring_groups(r, world, phase) for r in range(world)]
+            simulate_nccl([[SimpleNamespace(communicator="cp", ops=[Op(*op) for op in group]) for group in program]
+                           for program in posted])

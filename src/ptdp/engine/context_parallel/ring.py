@@ -42,14 +42,38 @@ def ring_block(rank: int, src: int, c: int) -> tuple[slice, slice, bool]:
     return slice(c, 2 * c), everything, False
 
 
-def _post(axis: AxisGroup, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+def ring_groups(rank: int, size: int, phase: str) -> list[list[tuple[str, int, str]]]:
+    """The batches ``rank`` posts in one ``phase`` (``"forward"`` or ``"backward"``), in order,
+    each a list of ``(kind, peer, label)`` as :attr:`~ptdp.engine.comm.CommStats.p2p_log`
+    records them (pure: the NCCL model of :mod:`ptdp.engine.pipeline.nccl_model` checks them).
+    ``"kv{x}"`` is rank x's key/value block, ``"dkv{x}"`` the accumulator of its gradients."""
+    if size == 1:
+        return []
+    nxt, prev = (rank + 1) % size, (rank - 1) % size
+    groups = []
+    for step in range(size if phase == "backward" else size - 1):
+        sends, recvs = [], []
+        if step < size - 1:  # the block in hand goes on; the previous rank's block comes in
+            sends.append(f"kv{(rank - step) % size}")
+            recvs.append(f"kv{(rank - step - 1) % size}")
+        if phase == "backward" and step > 0:  # accumulators travel one step behind their blocks
+            sends.append(f"dkv{(rank - step + 1) % size}")
+            recvs.append(f"dkv{(rank - step) % size}")
+        groups.append([("send", nxt, label) for label in sends] + [("recv", prev, label) for label in recvs])
+    if phase == "backward":  # the last accumulator reaches its owner, the next rank
+        groups.append([("send", nxt, f"dkv{nxt}"), ("recv", prev, f"dkv{rank}")])
+    return groups
+
+
+def _post(axis: AxisGroup, sends: list[tuple[torch.Tensor, int, str]], recvs: list[tuple[torch.Tensor, int, str]],
           tag: str) -> list:
-    """One batch: each ``(tensor, message tag)`` of ``sends`` to the next rank, each of ``recvs``
-    from the previous one; the handles to wait for (nothing on an axis of size 1)."""
+    """One batch: each ``(tensor, message tag, label)`` of ``sends`` to the next rank, each of
+    ``recvs`` from the previous one; the handles to wait for (nothing on an axis of size 1)."""
     if axis.size == 1 or not sends:
         return []
     nxt, prev = (axis.rank + 1) % axis.size, (axis.rank - 1) % axis.size
-    transfers = [P2P("send", t, nxt, msg) for t, msg in sends] + [P2P("recv", t, prev, msg) for t, msg in recvs]
+    transfers = ([P2P("send", t, nxt, msg, label) for t, msg, label in sends]
+                 + [P2P("recv", t, prev, msg, label) for t, msg, label in recvs])
     return post(transfers, axis, tag=tag, defer=True) or []
 
 
@@ -70,8 +94,10 @@ class RingAttention(torch.autograd.Function):
         spare = torch.empty_like(kv)
         for step in range(size):
             # post the next block's transfer before this block's attention: they overlap
-            works = _post(axis, [(kv, KV_TAG)], [(spare, KV_TAG)], FORWARD) if step < size - 1 else []
-            rows, cols, causal = ring_block(rank, (rank - step) % size, c)
+            src = (rank - step) % size
+            works = (_post(axis, [(kv, KV_TAG, f"kv{src}")], [(spare, KV_TAG, f"kv{(src - 1) % size}")], FORWARD)
+                     if step < size - 1 else [])
+            rows, cols, causal = ring_block(rank, src, c)
             part = attention_block(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal=causal, scale=scale)
             merge_into(Partial(acc.out[:, :, rows], acc.lse[:, :, rows]), part)
             _wait(works)
@@ -92,15 +118,15 @@ class RingAttention(torch.autograd.Function):
         arrived = torch.empty(kv.shape, dtype=cd, device=kv.device)  # the accumulator of this step's block
         done = None  # the previous step's block's accumulator, with this rank's share added
         for step in range(size):
-            sends, recvs = [], []
+            src, sends, recvs = (rank - step) % size, [], []
             if step < size - 1:
-                sends.append((kv, KV_TAG))
-                recvs.append((spare, KV_TAG))
+                sends.append((kv, KV_TAG, f"kv{src}"))
+                recvs.append((spare, KV_TAG, f"kv{(src - 1) % size}"))
             if step > 0:  # the accumulator travels one step behind its block
-                sends.append((done, DKV_TAG))
-                recvs.append((arrived, DKV_TAG))
+                sends.append((done, DKV_TAG, f"dkv{(src + 1) % size}"))
+                recvs.append((arrived, DKV_TAG, f"dkv{src}"))
             works = _post(axis, sends, recvs, BACKWARD)
-            rows, cols, causal = ring_block(rank, (rank - step) % size, c)
+            rows, cols, causal = ring_block(rank, src, c)
             gq, gk, gv = attention_block_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
                                                   kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
                                                   causal=causal, scale=scale)
@@ -113,6 +139,6 @@ class RingAttention(torch.autograd.Function):
             kv, spare = spare, kv
         if size > 1:  # the last accumulator goes to its owner, the next rank; ours comes from the previous
             own = torch.empty_like(done)
-            _wait(_post(axis, [(done, DKV_TAG)], [(own, DKV_TAG)], BACKWARD))
+            _wait(_post(axis, [(done, DKV_TAG, f"dkv{(rank + 1) % size}")], [(own, DKV_TAG, f"dkv{rank}")], BACKWARD))
             done = own
         return dq.to(q.dtype), done[0].to(k.dtype), done[1].to(v.dtype), None, None
