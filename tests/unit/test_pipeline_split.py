@@ -70,7 +70,8 @@ def test_first_last_of_names_only_the_stages_that_differ():
 def _config(pp: int, num_layers: int, model: dict | None = None, **parallel) -> Config:
     model = ModelConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=303,
                         **(model or {}))
-    return Config(model=model, parallel=ParallelConfig(1, pp, 1, **parallel),
+    return Config(model=model, parallel=ParallelConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp,
+                                                       data_parallel_size=1, **parallel),
                   train=TrainConfig(micro_batch_size=1, global_batch_size=8))
 
 

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, first_last_of, resolve
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.planner.hardware import CATALOG, Cluster
 from ptdp.planner.models import PRESETS, ModelSpec
 from ptdp.planner.plan import Layout
 from ptdp.planner.search import Fixed, evaluate, search
+from ptdp.planner.splits import split_options
 
 
 CSV = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "published_runs.csv"
@@ -48,11 +49,10 @@ def test_every_proposed_layout_passes_ptdp_train_validation():
     assert any(plan.layout.layer_split for plan in result.plans)  # 36 layers: uneven splits at pp = 8
     for plan in result.plans:
         lay = plan.layout
-        # a searched split is given to ptdp train as the first/last stage counts the report prints
-        first, last = first_last_of(lay.layer_split) if lay.layer_split else (None, None)
+        # a searched split is given to ptdp train by the options the report prints
+        options = split_options(lay.layer_split, lay.virtual_stages)
         cfg = Config(model=mc, parallel=ParallelConfig(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
-                                                       data_parallel_size=lay.dp, decoder_first_pipeline_num_layers=first,
-                                                       decoder_last_pipeline_num_layers=last),
+                                                       data_parallel_size=lay.dp, **options),
                      train=TrainConfig(micro_batch_size=lay.micro_batch_size, global_batch_size=256, lr_warmup_iters=1))
         resolve(cfg, 64)  # raises ConfigError for an invalid layout
         assert lay.tp <= 8 and plan.memory.total <= A100.memory_bytes

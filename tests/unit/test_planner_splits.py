@@ -9,14 +9,16 @@ import json
 import pytest
 
 from ptdp import cli
-from ptdp.spec import first_last_of, first_last_split
+from ptdp.spec import (Config, ModelConfig, ParallelConfig, TrainConfig, first_last_of, first_last_split,
+                       resolve)
 from ptdp.planner.hardware import CATALOG, Cluster
 from ptdp.planner.memory import memory_breakdown, stage_activation_bytes, stage_param_counts
 from ptdp.planner.models import ModelSpec, get_model
 from ptdp.planner.perf import edge_layer_equivalents, evaluate_performance, split_stage_times
 from ptdp.planner.plan import Layout
 from ptdp.planner.search import Fixed, evaluate, search
-from ptdp.planner.splits import candidate_splits, describe_split, split_flags
+from ptdp.planner.splits import (accounting_of, candidate_splits, describe_split, interleaved_splits, split_flags,
+                                 split_options)
 
 A100, H100 = CATALOG["a100-80gb"], CATALOG["h100-sxm"]
 LLAMA3_405B_SPLIT = (7,) + (8,) * 14 + (7,)
@@ -139,10 +141,46 @@ def test_plan_prints_the_split_and_its_flags(capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "layers per stage 7, 8 x 14, 7" in out
-    assert "--decoder-first-pipeline-num-layers 7 --decoder-last-pipeline-num-layers 7" in out
+    assert ("--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
+            "--num-layers-per-virtual-pipeline-stage 1") in out  # the best: v = 8, Llama 3's own layout
     assert "126 layers do not split evenly over 16 stages" in out
-    assert cli.main(argv + ["--json"]) == 0
+    assert cli.main(argv + ["--json", "--top", "40"]) == 0
     records = [r for r in json.loads(capsys.readouterr().out) if r["fits"]]
     assert records and all(r["layer_split"] == list(LLAMA3_405B_SPLIT) for r in records)
-    assert all(r["layer_split_flags"] == "--decoder-first-pipeline-num-layers 7 --decoder-last-pipeline-num-layers 7"
-               for r in records)
+    assert {r["virtual_stages"] for r in records} >= {1, 8}
+    assert all(r["layer_split_flags"] == split_flags(LLAMA3_405B_SPLIT, r["virtual_stages"]) for r in records)
+    assert "--decoder-first-pipeline-num-layers 7 --decoder-last-pipeline-num-layers 7" in {
+        r["layer_split_flags"] for r in records}
+
+
+def test_interleaved_splits_count_the_embedding_and_loss():
+    pairs = interleaved_splits(126, 16)
+    assert [v for v, _ in pairs] == [2, 4, 8] and all(s == LLAMA3_405B_SPLIT for _, s in pairs)
+    assert accounting_of(LLAMA3_405B_SPLIT, 8) == (True, True) and accounting_of((4, 4), 2) is None
+    assert interleaved_splits(7, 4) == [(2, (2, 2, 2, 1)), (2, (1, 2, 2, 2))]  # 7 + 1 (loss; embedding) in 4 x 2
+    assert split_options(LLAMA3_405B_SPLIT, 8) == {"account_for_embedding_in_pipeline_split": True,
+                                                   "account_for_loss_in_pipeline_split": True,
+                                                   "num_layers_per_virtual_pipeline_stage": 1}
+    assert split_options(LLAMA3_405B_SPLIT) == {"decoder_first_pipeline_num_layers": 7,
+                                                "decoder_last_pipeline_num_layers": 7}
+    assert split_options((1, 2, 3, 1)) == {"pipeline_layer_split": (1, 2, 3, 1)} and split_options(None) == {}
+    assert split_options((3, 5), 2) is None and split_flags((3, 5), 2) is None
+
+
+def test_every_searched_split_runs_in_ptdp_train():
+    """Each fitting plan's split, given to ptdp train by the options the report prints, passes its
+    rules (every plan can run), interleaved ones included (plans with context parallelism, which
+    ptdp train does not run yet, left out)."""
+    model = get_model("llama3-405b")
+    result = search(model, Cluster(H100, 16384), 2048, fixed=Fixed(tp=8, pp=16))
+    config = ModelConfig(num_layers=126, hidden_size=16384, num_attention_heads=128, num_query_groups=8,
+                         ffn_hidden_size=53248, seq_length=8192, vocab_size=128256)
+    assert {p.layout.virtual_stages for p in result.plans} >= {1, 8}
+    for plan in (p for p in result.plans if p.layout.cp == 1):
+        lay = plan.layout
+        parallel = ParallelConfig(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+                                  data_parallel_size=lay.dp, **split_options(lay.layer_split, lay.virtual_stages))
+        resolved = resolve(Config(model=config, parallel=parallel, train=TrainConfig(
+            micro_batch_size=lay.micro_batch_size, global_batch_size=2048)), 16384)
+        assert resolved.parallel.virtual_stages(126) == lay.virtual_stages
+        assert resolved.parallel.layer_split(126) == lay.layer_split

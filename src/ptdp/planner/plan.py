@@ -153,7 +153,7 @@ class Plan:
         """The ``--json`` record: layout fields (with ``cp`` and ``sharding``), fits, memory_bytes, time_s, tflops_per_gpu, mfu, reasons."""
         out = {k: v for k, v in asdict(self.layout).items()}
         out["sharding"] = self.layout.sharding_strategy
-        out["layer_split_flags"] = split_flags(self.layout.layer_split)  # null: even split (layer_split null)
+        out["layer_split_flags"] = split_flags(self.layout.layer_split, self.layout.virtual_stages)  # null: even
         out["fits"] = self.fits
         out["memory_bytes"] = (
             {**{k: getattr(self.memory, k) for k in ("params", "grads", "optimizer", "activations", "overhead")},

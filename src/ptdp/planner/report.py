@@ -75,7 +75,7 @@ def text_report(model: ModelSpec, cluster: Cluster, result: SearchResult, *, top
         best = result.plans[0]
         lines += ["", f"best: {_describe(best)}: {_num(best.time.step)} s/step, "
                       f"{_num(best.tflops_per_gpu)} TFLOP/s per GPU, MFU {100 * best.mfu:.1f}%"]
-        lines += split_report_lines(best.layout.layer_split)
+        lines += split_report_lines(best.layout.layer_split, best.layout.virtual_stages)
     else:
         lines.append("no layout fits.")
     notes = [f"note: {note}" for note in result.notes]

@@ -14,6 +14,7 @@ from ptdp.spec import (ModelConfig, ParallelConfig, context_parallel_violations,
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import CP_COMM_TYPES, PRECISIONS, RECOMPUTE, SHARDING, Layout
+from ptdp.planner.splits import accounting_of
 
 @dataclass(frozen=True)
 class Rejection:
@@ -64,9 +65,18 @@ def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Rejection]:
     """Rules of the interleaved schedule, of sequence parallelism and of the option values."""
     out = []
     v, pp, m = layout.virtual_stages, layout.pp, layout.num_microbatches
-    if v > 1 and layout.layer_split is not None:
-        out.append(Rejection("interleaving", "an explicit pipeline layer split cannot be combined with "
-                                             "virtual pipeline stages"))
+    counted = accounting_of(layout.layer_split, v) if v > 1 and layout.layer_split is not None else None
+    if v > 1 and layout.layer_split is not None and counted is None:
+        out.append(Rejection("interleaving", f"layers per rank {list(layout.layer_split)} at v={v}: ptdp's interleaved "
+                                             f"schedule splits the layers evenly over pp*v model chunks, with the "
+                                             f"embedding and/or loss counted as layers at most"))
+    elif counted is not None:  # the schedule's rules for the units per chunk, as ptdp train checks them
+        per_chunk = (model.num_layers + sum(counted)) // (pp * v)
+        parallel = ParallelConfig(layout.tp, pp, layout.dp, pipeline_schedule="interleaved-1f1b",
+                                  num_layers_per_virtual_pipeline_stage=per_chunk,
+                                  account_for_embedding_in_pipeline_split=counted[0],
+                                  account_for_loss_in_pipeline_split=counted[1])
+        out += [Rejection("interleaving", v.message) for v in schedule_violations(parallel, model.num_layers, m)]
     elif v > 1:
         if model.num_layers % (pp * v):
             out.append(Rejection("interleaving", f"num_layers={model.num_layers} is not divisible by "

@@ -33,7 +33,7 @@ from ptdp.planner.context import CP_MIN_LOCAL_TOKENS, CP_MIN_SEQ_LENGTH
 from ptdp.planner.plan import RECOMPUTE, SHARDING, Layout, Plan
 from ptdp.planner.rules import (Rejection, all_rejections, context_rejections, schedule_rejections,
                                 structural_rejections)
-from ptdp.planner.splits import candidate_splits
+from ptdp.planner.splits import candidate_splits, interleaved_splits
 
 MAX_MICRO_BATCH = 32
 
@@ -235,25 +235,29 @@ def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, const
         vs = divisors(model.num_layers // pp)
     else:
         vs = [1]
-        if pp > 1:
-            result.note(f"pp={pp}: {model.num_layers} layers do not split evenly over {pp} stages: planned with "
-                        f"uneven first/last stages and v = 1 only (ptdp's interleaved schedule needs num_layers % "
-                        f"(pp * v) == 0)")
-    for v in vs:
+    pairs = [(v, None) for v in vs]  # (v, the split of an interleaved layout, None: as above)
+    if search_split and fixed.layers_per_virtual_stage is None:
+        pairs += [(v, s) for v, s in interleaved_splits(model.num_layers, pp)
+                  if fixed.virtual_stages in (None, v) and v not in vs]
+    if pp > 1 and model.num_layers % pp and search_split:
+        result.note(f"pp={pp}: {model.num_layers} layers do not split evenly over {pp} stages: planned with "
+                    f"uneven first/last stages (v = 1) and interleaved only where the embedding and/or loss "
+                    f"counted as layers split evenly over pp*v model chunks (ptdp train runs both)")
+    for v, v_split in pairs:
         # with a flash kernel selective recompute keeps and costs what "none" does: not searched
         searched = [r for r in RECOMPUTE if not (r == "selective" and model.flash_attention)]
         for recompute in _options(fixed.recompute, searched):
             # sequence parallelism needs tp > 1 and sharding dp * cp > 1: off otherwise
             for sp in _options(fixed.sequence_parallel, [False, True]) if tp > 1 else [False]:
                 for sharding in _strategies(fixed, dp * cp):
-                    layout = Layout(tp, pp, dp, b, big_b, v, recompute, sp, precision=precision, layer_split=split,
-                                    cp=cp, sharding=sharding)
+                    layout = Layout(tp, pp, dp, b, big_b, v, recompute, sp, precision=precision,
+                                    layer_split=v_split or split, cp=cp, sharding=sharding)
                     bad = schedule_rejections(model, layout)
                     if bad:
                         result.rejected.append((Plan(layout, False, reasons=[r.message for r in bad]), bad[0]))
                         break
                     plan, rejection = _predict_split(model, layout, cluster, constants, overhead,
-                                                     search_split and v == 1)
+                                                     search_split and v == 1 and v_split is None)
                     if rejection is None:
                         result.plans.append(plan)
                     else:

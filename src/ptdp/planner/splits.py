@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from ptdp.spec import first_last_of
+from ptdp.spec import ConfigError, accounted_split, first_last_of
 
 
 def candidate_splits(num_layers: int, pp: int, first_extra: float, last_extra: float) -> list[tuple[int, ...] | None]:
@@ -56,27 +56,91 @@ def candidate_splits(num_layers: int, pp: int, first_extra: float, last_extra: f
     return out
 
 
-def split_flags(split: tuple[int, ...] | None) -> str | None:
-    """The flags of ``ptdp train`` (and Megatron-LM) that give ``split``: the first/last stage
-    counts where the middle stages are equal, else ``--pipeline-layer-split``; None for an even
-    split (no flag needed)."""
+#: (embedding, loss) counted as layers, in the order the search tries them: both, the loss alone
+#: (the heavier edge), the embedding alone
+ACCOUNTING = ((True, True), (False, True), (True, False))
+
+
+def interleaved_splits(num_layers: int, pp: int, accounting=ACCOUNTING) -> list[tuple[int, tuple[int, ...]]]:
+    """(v, layers per rank) of the interleaved layouts (v > 1) that count the embedding and/or the
+    loss as layers (Megatron-LM's ``--account-for-embedding/loss-in-pipeline-split``,
+    :func:`ptdp.spec.accounted_split`): for each way in ``accounting`` with ``(l + counted) % pp ==
+    0``, every v > 1 dividing ``(l + counted) / pp`` whose split is valid and not even. Llama 3 405B
+    (126 layers) at pp = 16: v = 2, 4, 8 with both counted, each ``7, 8 x 14, 7``."""
+    out: list[tuple[int, tuple[int, ...]]] = []
+    for embedding, loss in accounting:
+        units = num_layers + embedding + loss
+        if pp < 2 or units % pp:
+            continue
+        for v in range(2, units // pp + 1):
+            if (units // pp) % v:
+                continue
+            try:
+                split = accounted_split(num_layers, pp, v, embedding=embedding, loss=loss)
+            except ConfigError:
+                continue
+            if len(set(split)) > 1 and (v, split) not in out:
+                out.append((v, split))
+    return out
+
+
+def accounting_of(split: tuple[int, ...], v: int) -> tuple[bool, bool] | None:
+    """The (embedding, loss) counted as layers that make ``split`` at ``v`` chunks per rank (the
+    first of :data:`ACCOUNTING` that does), or None."""
+    for embedding, loss in ACCOUNTING:
+        units = sum(split) + embedding + loss
+        if units % (len(split) * v) == 0:
+            try:
+                if accounted_split(sum(split), len(split), v, embedding=embedding, loss=loss) == tuple(split):
+                    return embedding, loss
+            except ConfigError:
+                continue
+    return None
+
+
+def split_options(split: tuple[int, ...] | None, v: int = 1) -> dict[str, object] | None:
+    """The :class:`~ptdp.spec.ParallelConfig` fields that make ``ptdp train`` run ``split`` at ``v``
+    chunks per rank: the first/last stage counts where the middle stages are equal, else
+    ``pipeline_layer_split``; with ``v`` > 1 the embedding / loss counted as layers and the units
+    per model chunk (``num_layers_per_virtual_pipeline_stage``). ``{}`` for an even split, None for a
+    split no option gives at that v."""
     if split is None:
-        return None
+        return {}
+    if v > 1:
+        counted = accounting_of(split, v)
+        if counted is None:
+            return None
+        names = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+        return {**{name: True for name, on in zip(names, counted) if on},
+                "num_layers_per_virtual_pipeline_stage": (sum(split) + sum(counted)) // (len(split) * v)}
     counts = first_last_of(split)
     if counts is None:
-        return "--pipeline-layer-split " + ",".join(map(str, split))
-    first, last = counts
-    flags = [f"--decoder-first-pipeline-num-layers {first}" if first is not None else "",
-             f"--decoder-last-pipeline-num-layers {last}" if last is not None else ""]
-    return " ".join(f for f in flags if f) or None
+        return {"pipeline_layer_split": tuple(split)}
+    names = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+    return {name: n for name, n in zip(names, counts) if n is not None}
 
 
-def split_report_lines(split: tuple[int, ...] | None) -> list[str]:
+def split_flags(split: tuple[int, ...] | None, v: int = 1) -> str | None:
+    """:func:`split_options` as the command line of ``ptdp train`` (Megatron-LM's flag names), e.g.
+    ``--decoder-first-pipeline-num-layers 7 --decoder-last-pipeline-num-layers 7``; None when no flag
+    is needed (even split) or none gives the split."""
+    options = split_options(split, v)
+    if not options:
+        return None
+    words = []
+    for name, value in options.items():
+        words.append("--" + name.replace("_", "-"))
+        if value is not True:
+            words.append(",".join(map(str, value)) if isinstance(value, tuple) else str(value))
+    return " ".join(words)
+
+
+def split_report_lines(split: tuple[int, ...] | None, v: int = 1) -> list[str]:
     """What ``ptdp plan``'s text report says of a plan's split (nothing for an even split)."""
     if split is None:
         return []
     return [f"pipeline: layers per stage {describe_split(split)}; ptdp train (and Megatron-LM) flags: "
-            f"{split_flags(split)}"]
+            f"{split_flags(split, v)}"]
 
 
 def describe_split(split: tuple[int, ...]) -> str:
