@@ -184,3 +184,22 @@ def test_every_searched_split_runs_in_ptdp_train():
             micro_batch_size=lay.micro_batch_size, global_batch_size=2048)), 16384)
         assert resolved.parallel.virtual_stages(126) == lay.virtual_stages
         assert resolved.parallel.layer_split(126) == lay.layer_split
+
+
+def test_plan_with_the_embedding_and_loss_counted(capsys):
+    base = ["plan", "--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100-sxm", "--global-batch-size", "2048",
+            "--seq-length", "8192", "--tp", "8", "--pp", "16", "--json", "--top", "50"]
+    both = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    assert cli.main(base + both) == 0
+    records = [r for r in json.loads(capsys.readouterr().out) if r["fits"]]
+    assert {r["virtual_stages"] for r in records} <= {1, 2, 4, 8} and 8 in {r["virtual_stages"] for r in records}
+    assert all(r["layer_split"] == list(LLAMA3_405B_SPLIT) for r in records)
+    assert cli.main(base + both + ["--virtual-pipeline-stages", "4"]) == 0
+    records = [r for r in json.loads(capsys.readouterr().out) if r["fits"]]
+    assert records and {r["virtual_stages"] for r in records} == {4}
+    assert cli.main(base + ["--no-account-for-embedding-in-pipeline-split", "--no-account-for-loss-in-pipeline-split"]) == 0
+    assert {r["virtual_stages"] for r in json.loads(capsys.readouterr().out) if r["fits"]} == {1}
+    assert cli.main(base + ["--account-for-loss-in-pipeline-split"]) == 2
+    assert "num_layers=126 + the loss counted as layers = 127 is not divisible by pp*v = 16*1" in capsys.readouterr().err
+    assert cli.main(base + both + ["--decoder-first-pipeline-num-layers", "7"]) == 2
+    assert "cannot be combined with decoder_first_pipeline_num_layers=7" in capsys.readouterr().err

@@ -130,8 +130,14 @@ def fixed_from_args(args: argparse.Namespace) -> Fixed:
         distributed_optimizer=args.use_distributed_optimizer,
         cp=args.context_parallel_size, sharding=_sharding(args),
         layer_split=args.pipeline_layer_split, first_layers=args.decoder_first_pipeline_num_layers,
-        last_layers=args.decoder_last_pipeline_num_layers,
+        last_layers=args.decoder_last_pipeline_num_layers, accounting=_accounting(args),
     )
+
+
+def _accounting(args: argparse.Namespace) -> tuple[bool, bool] | None:
+    """(embedding, loss) counted as layers of the pipeline split, when either flag is given."""
+    given = (args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split)
+    return None if given == (None, None) else (bool(given[0]), bool(given[1]))
 
 
 def run(args: argparse.Namespace) -> int:

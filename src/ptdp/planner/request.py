@@ -72,6 +72,9 @@ def check_stage_layers(num_layers: int, fixed) -> None:
     not with ``--pipeline-layer-split`` nor interleaving, each >= 1, and with a fixed pp they must
     split ``num_layers`` (:func:`ptdp.spec.first_last_split`). Raises ``ConfigError`` naming them."""
     first, last = fixed.first_layers, fixed.last_layers
+    counted = getattr(fixed, "accounting", None)
+    if counted is not None and any(counted):
+        _check_accounting(num_layers, fixed, counted)
     if first is None and last is None:
         return
     given = " / ".join(f"decoder_{k}_pipeline_num_layers={n}" for k, n in (("first", first), ("last", last))
@@ -87,6 +90,22 @@ def check_stage_layers(num_layers: int, fixed) -> None:
             raise ConfigError(f"{given}: each must be an integer >= 1 (layers on that stage)")
     except ConfigError as e:
         raise ConfigError(f"invalid plan request:\n  {e}") from None
+
+
+def _check_accounting(num_layers: int, fixed, counted: tuple[bool, bool]) -> None:
+    """The embedding / loss counted as layers: not with the explicit split flags, v given as
+    ``--virtual-pipeline-stages`` (or searched), and with a fixed pp a split that exists."""
+    pp = len(fixed.layer_split) if fixed.layer_split is not None else fixed.pp
+    try:
+        if fixed.layers_per_virtual_stage:
+            raise ConfigError("with account_for_embedding/loss_in_pipeline_split give ptdp plan v as "
+                              "--virtual-pipeline-stages V (or leave it to the search), not "
+                              "--num-layers-per-virtual-pipeline-stage")
+        layer_split(num_layers, pp or 1, fixed.layer_split, fixed.first_layers, fixed.last_layers,
+                    embedding=counted[0], loss=counted[1], v=fixed.virtual_stages or 1)
+    except ConfigError as e:
+        if pp is not None or "cannot be combined" in str(e) or "virtual-pipeline" in str(e):
+            raise ConfigError(f"invalid plan request:\n  {e}") from None
 
 
 def check_output_path(path: str, flag: str, suffixes: tuple[str, ...] = ()) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ptdp.spec import ConfigError, ParallelConfig, first_last_split, schedule_violations
+from ptdp.spec import ConfigError, ParallelConfig, accounted_split, first_last_split, schedule_violations
 from ptdp.planner.hardware import TFLOPS, Cluster, GiB
 from ptdp.planner.memory import memory_breakdown
 from ptdp.planner.models import ModelSpec
@@ -33,7 +33,7 @@ from ptdp.planner.context import CP_MIN_LOCAL_TOKENS, CP_MIN_SEQ_LENGTH
 from ptdp.planner.plan import RECOMPUTE, SHARDING, Layout, Plan
 from ptdp.planner.rules import (Rejection, all_rejections, context_rejections, schedule_rejections,
                                 structural_rejections)
-from ptdp.planner.splits import candidate_splits, interleaved_splits
+from ptdp.planner.splits import ACCOUNTING, candidate_splits, interleaved_splits
 
 MAX_MICRO_BATCH = 32
 
@@ -64,6 +64,10 @@ class Fixed:
     the rest evenly). With ``last_layers`` None too, the search picks the split itself."""
     last_layers: int | None = None
     """--decoder-last-pipeline-num-layers: the last stage's layers."""
+    accounting: tuple[bool, bool] | None = None
+    """(embedding, loss) counted as layers of the split (--account-for-embedding/loss-in-pipeline-split):
+    with one True only such splits are planned (v = 1 and interleaved); both False: none of them;
+    None: searched."""
 
 
 @dataclass
@@ -161,6 +165,11 @@ def _interleaving_flag_errors(num_layers: int, tp: int, pp: int, dp: int, b: int
 def _fixed_split(num_layers: int, pp: int, fixed: Fixed) -> tuple[tuple[int, ...] | None, bool, tuple[Rejection, ...]]:
     """(the split the user fixed or None, whether the search picks the split, the rejection of fixed
     first/last counts that cannot split ``num_layers`` over ``pp`` stages)."""
+    if fixed.accounting is not None and any(fixed.accounting):
+        try:
+            return accounted_split(num_layers, pp, embedding=fixed.accounting[0], loss=fixed.accounting[1]), False, ()
+        except ConfigError as e:
+            return None, False, (Rejection("layers % pp", str(e)),)
     if fixed.first_layers is None and fixed.last_layers is None:
         return fixed.layer_split, fixed.layer_split is None and pp > 1, ()
     try:
@@ -236,8 +245,13 @@ def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, const
     else:
         vs = [1]
     pairs = [(v, None) for v in vs]  # (v, the split of an interleaved layout, None: as above)
-    if search_split and fixed.layers_per_virtual_stage is None:
-        pairs += [(v, s) for v, s in interleaved_splits(model.num_layers, pp)
+    counted = fixed.accounting
+    if counted is not None and any(counted):  # the split fixed by what counts as layers, at every v
+        pairs = [(1, None)] if fixed.virtual_stages in (None, 1) else []
+        pairs += [(v, s) for v, s in interleaved_splits(model.num_layers, pp, (counted,), uneven_only=False)
+                  if fixed.virtual_stages in (None, v)]
+    elif search_split and fixed.layers_per_virtual_stage is None:
+        pairs += [(v, s) for v, s in interleaved_splits(model.num_layers, pp, ACCOUNTING if counted is None else ())
                   if fixed.virtual_stages in (None, v) and v not in vs]
     if pp > 1 and model.num_layers % pp and search_split:
         result.note(f"pp={pp}: {model.num_layers} layers do not split evenly over {pp} stages: planned with "

@@ -61,11 +61,13 @@ def candidate_splits(num_layers: int, pp: int, first_extra: float, last_extra: f
 ACCOUNTING = ((True, True), (False, True), (True, False))
 
 
-def interleaved_splits(num_layers: int, pp: int, accounting=ACCOUNTING) -> list[tuple[int, tuple[int, ...]]]:
+def interleaved_splits(num_layers: int, pp: int, accounting=ACCOUNTING, *,
+                       uneven_only: bool = True) -> list[tuple[int, tuple[int, ...]]]:
     """(v, layers per rank) of the interleaved layouts (v > 1) that count the embedding and/or the
     loss as layers (Megatron-LM's ``--account-for-embedding/loss-in-pipeline-split``,
     :func:`ptdp.spec.accounted_split`): for each way in ``accounting`` with ``(l + counted) % pp ==
-    0``, every v > 1 dividing ``(l + counted) / pp`` whose split is valid and not even. Llama 3 405B
+    0``, every v > 1 dividing ``(l + counted) / pp`` whose split is valid (and, with ``uneven_only``,
+    not the same on every rank). Llama 3 405B
     (126 layers) at pp = 16: v = 2, 4, 8 with both counted, each ``7, 8 x 14, 7``."""
     out: list[tuple[int, tuple[int, ...]]] = []
     for embedding, loss in accounting:
@@ -79,7 +81,7 @@ def interleaved_splits(num_layers: int, pp: int, accounting=ACCOUNTING) -> list[
                 split = accounted_split(num_layers, pp, v, embedding=embedding, loss=loss)
             except ConfigError:
                 continue
-            if len(set(split)) > 1 and (v, split) not in out:
+            if (len(set(split)) > 1 or not uneven_only) and (v, split) not in out:
                 out.append((v, split))
     return out
 
