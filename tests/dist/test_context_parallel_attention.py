@@ -1,7 +1,9 @@
 """Attention across context-parallel ranks (gloo, cp groups of 2 and 4 ranks) against plain causal
 attention of the whole sequence in one process: outputs and q/k/v gradients in float64 at 1e-12,
-both ``--cp-comm-type``s, multi-head and grouped-query; and the cp bytes each rank counted equal
-the docstring's formula; the ring's batches are the program checked under NCCL's rules. Every case of a world size runs in one job."""
+both ``--cp-comm-type``s, multi-head and grouped-query, the math kernel and the fused one (CPU's
+flash-attention operators); the cp bytes each rank counted equal the docstring's formula; the
+ring's batches are the program checked under NCCL's rules. Every case of a world size runs in one
+job."""
 
 from __future__ import annotations
 
@@ -22,9 +24,11 @@ from ptdp.engine.pipeline.nccl_model import Op, simulate_nccl
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 
 B, D = 2, 8
-# (comm type, heads, kv heads, dtype, chunk length c: s = 2 C c)
-CASES = [(comm, heads, kv, torch.float64, c) for comm in ("p2p", "all_gather") for heads, kv in ((4, 4), (6, 2))
-         for c in (1, 3)] + [(comm, 4, 2, torch.bfloat16, 4) for comm in ("p2p", "all_gather")]
+# (comm type, heads, kv heads, dtype, chunk length c: s = 2 C c, kernel)
+CASES = ([(comm, heads, kv, torch.float64, c, "math") for comm in ("p2p", "all_gather")
+          for heads, kv in ((4, 4), (6, 2)) for c in (1, 3)]
+         + [(comm, 6, 2, torch.float64, 3, "fused") for comm in ("p2p", "all_gather")]
+         + [(comm, 4, 2, torch.bfloat16, 4, "math") for comm in ("p2p", "all_gather")])
 
 
 def inputs(heads: int, kv_heads: int, s: int, seed: int) -> dict[str, torch.Tensor]:
@@ -38,13 +42,13 @@ def cp_worker(rank: int, world: int) -> list[dict]:
     group = dist.new_group(list(range(world)), timeout=PG_TIMEOUT)
     axis = AxisGroup("cp", tuple(range(world)), rank, group, stats, PG_TIMEOUT.total_seconds())
     results = []
-    for i, (comm, heads, kv_heads, dtype, c) in enumerate(CASES):
+    for i, (comm, heads, kv_heads, dtype, c, kernel) in enumerate(CASES):
         full = inputs(heads, kv_heads, 2 * world * c, seed=i)
         local = {name: shard_sequence(t, rank, world, dim=2).to(dtype) for name, t in full.items()}
         q, k, v = (local[name].clone().requires_grad_() for name in "qkv")
         stats.reset()
         stats.p2p_log = []
-        out = context_parallel_attention(q, k, v, axis, comm)
+        out = context_parallel_attention(q, k, v, axis, comm, kernel=kernel)
         posted, stats.p2p_log = {"forward": stats.p2p_log}, []
         out.backward(local["dout"])
         posted["backward"], stats.p2p_log = stats.p2p_log, None
@@ -69,20 +73,21 @@ def reference(heads: int, kv_heads: int, s: int, seed: int, dtype: torch.dtype) 
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_attention_equals_plain_causal_attention(world):
     results = cp_results(world)
-    for i, (comm, heads, kv_heads, dtype, c) in enumerate(CASES):
+    for i, (comm, heads, kv_heads, dtype, c, kernel) in enumerate(CASES):
         want = reference(heads, kv_heads, 2 * world * c, i, dtype)
         tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
+        case = f"{comm} {kernel} heads={heads}/{kv_heads} c={c}"
         for key, ref in want.items():
             got = unshard_sequence([results[r][i][key] for r in range(world)], dim=2)
             assert got.dtype == dtype
             torch.testing.assert_close(got.double(), ref, **tol,
-                                       msg=lambda m, key=key: f"{comm} heads={heads}/{kv_heads} c={c} {key}: {m}")
+                                       msg=lambda m, key=key, case=case: f"{case} {key}: {m}")
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_attention_bytes_equal_the_formula(world):
     results = cp_results(world)
-    for i, (comm, heads, kv_heads, dtype, c) in enumerate(CASES):
+    for i, (comm, heads, kv_heads, dtype, c, _) in enumerate(CASES):
         want = cp_attention_comm(comm, batch=B, kv_heads=kv_heads, local_seq=2 * c, head_dim=D, cp_size=world,
                                  dtype=dtype)
         assert want  # a formula that could be empty would prove nothing

@@ -181,13 +181,15 @@ def test_bad_shapes_are_named():
 
 @HEADS
 @pytest.mark.parametrize("comm", ["p2p", "all_gather"])
-def test_cp_attention_on_one_rank_is_plain_causal_attention(heads, kv_heads, comm):
+@pytest.mark.parametrize("kernel", ["math", "fused"])
+def test_cp_attention_on_one_rank_is_plain_causal_attention(heads, kv_heads, comm, kernel):
     from ptdp.engine.comm import AxisGroup
     from ptdp.engine.context_parallel.attention import context_parallel_attention, cp_attention_comm
 
     axis = AxisGroup.single("cp")
     q, k, v, dout = _inputs(heads, kv_heads, seed=2)
-    _check_against_reference(lambda q, k, v: context_parallel_attention(q, k, v, axis, comm), q, k, v, dout)
+    _check_against_reference(lambda q, k, v: context_parallel_attention(q, k, v, axis, comm, kernel=kernel),
+                             q, k, v, dout)
     assert axis.stats.as_dict() == {} == cp_attention_comm(comm, batch=2, kv_heads=kv_heads, local_seq=24,
                                                             head_dim=8, cp_size=1, dtype=torch.float64)
 
@@ -201,3 +203,42 @@ def test_cp_attention_bad_input_is_named():
         context_parallel_attention(q, k, v, AxisGroup.single("cp"), "ring")
     with pytest.raises(ValueError, match="local sequence length 9 must be even"):
         context_parallel_attention(q[:, :, :9], k[:, :, :9], v[:, :, :9], AxisGroup.single("cp"))
+
+
+@HEADS
+@pytest.mark.parametrize("causal,n", [(True, 12), (False, 12), (False, 5)])
+def test_fused_kernel_equals_math_kernel(heads, kv_heads, causal, n):
+    """The fused flash-attention operators as this package calls them (on CPU, float64: the same
+    interface as CUDA's) give the math kernel's partial result, and its backward given the final
+    statistics of the rows (here two blocks merged) the same gradient terms."""
+    from ptdp.engine.context_parallel.kernels import block_backward, block_forward
+
+    q, k, v, dout = _inputs(heads, kv_heads, s=24, seed=3)
+    q, dout = q[:, :, 12:12 + n], dout[:, :, 12:12 + n]
+    scale = 0.3
+    blocks = [(k[:, :, 12:24], v[:, :, 12:24], causal), (k[:, :, :12], v[:, :, :12], False)]
+    final = None
+    for kernel in ("math", "fused"):
+        parts = [block_forward(q, kb, vb, causal=c, scale=scale, kernel=kernel) for kb, vb, c in blocks]
+        if final is None:
+            math_parts, final = parts, merge(*parts)
+        else:
+            for got, want in zip(parts, math_parts):
+                torch.testing.assert_close(got.out, want.out, **TOL)
+                torch.testing.assert_close(got.lse, want.lse, **TOL)
+    for kb, vb, c in blocks:
+        got, want = (block_backward(dout, q, kb, vb, final.out, final.lse, causal=c, scale=scale, kernel=kernel)
+                     for kernel in ("fused", "math"))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, **TOL)
+
+
+def test_kernel_choice():
+    from ptdp.engine.context_parallel.kernels import block_forward, choose
+
+    q = torch.zeros(1, 2, 4, 8)
+    assert choose("auto", q) == "math" and choose("fused", q) == "fused"
+    with pytest.raises(ValueError, match="'flash' is not one of"):
+        choose("flash", q)
+    with pytest.raises(ValueError, match="causal blocks only when square, got 4 queries and 8 keys"):
+        block_forward(q, torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8), causal=True, scale=1.0, kernel="fused")

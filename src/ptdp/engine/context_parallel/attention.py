@@ -5,8 +5,9 @@ the queries (Megatron-Core's ``--cp-comm-type``):
 
 * ``"all_gather"`` (:class:`AllGatherAttention`, the Llama 3 paper's §3.3.2 method): keys and
   values are all-gathered over cp once, each query chunk attends to every key up to its own end
-  (bottom-right aligned causal block); backward all-gathers them again (only the rank's own keys
-  and values are kept for backward, so activation memory stays ``1/C`` of the sequence) and
+  (its own chunk causal, the chunks before it full, merged by log-sum-exp); backward all-gathers
+  them again (only the rank's own keys and values are kept for backward, so activation memory
+  stays ``1/C`` of the sequence) and
   reduce-scatters the key/value gradients back to their owners.
 * ``"p2p"`` (:class:`~ptdp.engine.context_parallel.ring.RingAttention`, ring attention, Liu et al.
   2023, arXiv:2310.01889): blocks passed around the ring ``C - 1`` times, each transfer posted
@@ -30,10 +31,9 @@ from __future__ import annotations
 import torch
 
 from ptdp.engine.comm import AxisGroup, all_gather_along, reduce_scatter_along
-from ptdp.engine.context_parallel.blockwise import (
-    attention_block, attention_block_backward, compute_dtype, default_scale, empty_partial,
-)
+from ptdp.engine.context_parallel.blockwise import compute_dtype, default_scale, empty_partial, merge
 from ptdp.engine.context_parallel.chunks import chunk_ids
+from ptdp.engine.context_parallel.kernels import block_backward, block_forward, choose
 from ptdp.engine.context_parallel.ring import BACKWARD, FORWARD, RingAttention
 
 COMM_TYPES = ("p2p", "all_gather")
@@ -53,27 +53,37 @@ def _rank_order(whole: torch.Tensor, size: int, c: int) -> torch.Tensor:
     return torch.stack([chunks[:size], chunks[size:].flip(0)], dim=4).flatten(4, 5)
 
 
+def _key_blocks(chunk: int, c: int) -> list[tuple[slice, bool]]:
+    """The key rows (of the whole sequence) a query chunk attends to, as (rows, causal) blocks:
+    its own chunk, causal (square, so every kernel takes it), and the chunks before it, full."""
+    diagonal = [(slice(chunk * c, (chunk + 1) * c), True)]
+    return diagonal + [(slice(0, chunk * c), False)] if chunk else diagonal
+
+
 def _gather_kv(k: torch.Tensor, v: torch.Tensor, axis: AxisGroup, tag: str) -> torch.Tensor:
     local = torch.stack([k, v]).unsqueeze(0)  # [1, 2, b, kv_heads, 2c, d]: one all-gather
     return _natural_order(all_gather_along(local, axis, dim=0, tag=tag), k.shape[2] // 2)
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """``forward(q, k, v, axis, scale)``: this rank's attention output; see
-    :func:`context_parallel_attention` for shapes and communication."""
+    """``forward(q, k, v, axis, scale, kernel)``: this rank's attention output (``kernel``
+    "math" or "fused", :mod:`.kernels`); see :func:`context_parallel_attention` for shapes and
+    communication."""
 
     @staticmethod
-    def forward(ctx, q, k, v, axis: AxisGroup, scale: float):
+    def forward(ctx, q, k, v, axis: AxisGroup, scale: float, kernel: str):
         c = q.shape[2] // 2
         whole = _gather_kv(k, v, axis, FORWARD)
         acc = empty_partial(q)
         for half, chunk in enumerate(chunk_ids(axis.rank, axis.size)):
-            rows, end = slice(half * c, (half + 1) * c), (chunk + 1) * c
-            part = attention_block(q[:, :, rows], whole[0][:, :, :end], whole[1][:, :, :end], causal=True,
-                                   scale=scale)
+            rows, part = slice(half * c, (half + 1) * c), None
+            for cols, causal in _key_blocks(chunk, c):
+                block = block_forward(q[:, :, rows], whole[0][:, :, cols], whole[1][:, :, cols], causal=causal,
+                                      scale=scale, kernel=kernel)
+                part = block if part is None else merge(part, block)
             acc.out[:, :, rows], acc.lse[:, :, rows] = part
         ctx.save_for_backward(q, k, v, acc.out, acc.lse)
-        ctx.axis, ctx.scale = axis, scale
+        ctx.axis, ctx.scale, ctx.kernel = axis, scale, kernel
         return acc.out.to(q.dtype)
 
     @staticmethod
@@ -81,22 +91,25 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         axis, c = ctx.axis, q.shape[2] // 2
         whole = _gather_kv(k, v, axis, BACKWARD)
-        dq = torch.empty(q.shape, dtype=out.dtype, device=q.device)
+        dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
         dwhole = torch.zeros(whole.shape, dtype=out.dtype, device=q.device)
         for half, chunk in enumerate(chunk_ids(axis.rank, axis.size)):
-            rows, end = slice(half * c, (half + 1) * c), (chunk + 1) * c
-            dq[:, :, rows], gk, gv = attention_block_backward(
-                dout[:, :, rows], q[:, :, rows], whole[0][:, :, :end], whole[1][:, :, :end], out[:, :, rows],
-                lse[:, :, rows], causal=True, scale=ctx.scale)
-            dwhole[0][:, :, :end] += gk
-            dwhole[1][:, :, :end] += gv
+            rows = slice(half * c, (half + 1) * c)
+            for cols, causal in _key_blocks(chunk, c):
+                gq, gk, gv = block_backward(dout[:, :, rows], q[:, :, rows], whole[0][:, :, cols],
+                                            whole[1][:, :, cols], out[:, :, rows], lse[:, :, rows], causal=causal,
+                                            scale=ctx.scale, kernel=ctx.kernel)
+                dq[:, :, rows] += gq
+                dwhole[0][:, :, cols] += gk
+                dwhole[1][:, :, cols] += gv
         own = reduce_scatter_along(_rank_order(dwhole, axis.size, c), axis, dim=0, tag=BACKWARD)[0]
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
 
 
 @torch.compiler.disable
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: AxisGroup,
-                               comm_type: str = "p2p", *, scale: float | None = None) -> torch.Tensor:
+                               comm_type: str = "p2p", *, scale: float | None = None,
+                               kernel: str = "auto") -> torch.Tensor:
     """Causal self-attention of a sequence split over the cp ranks of ``axis`` (``C = axis.size``).
 
     Each rank holds chunks ``r`` and ``2C - 1 - r`` of the sequence (:mod:`.chunks`); the result
@@ -109,6 +122,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         axis: the cp group (every rank of it calls this with the same shapes).
         comm_type: ``"p2p"`` (ring) or ``"all_gather"``.
         scale: softmax scale, default ``1 / sqrt(d)``.
+        kernel: how each block is computed (:mod:`.kernels`): ``"auto"`` (fused flash attention
+            on CUDA for 16-bit inputs, else ``"math"``), ``"math"`` or ``"fused"``.
 
     Returns:
         ``[b, heads, s/C, d]`` in q's dtype. Scores, softmax and accumulations run in float32
@@ -127,7 +142,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     Nothing is communicated when ``C == 1``.
 
     Raises:
-        ValueError: unknown ``comm_type``, mismatched shapes, or an odd local sequence length.
+        ValueError: unknown ``comm_type`` or ``kernel``, mismatched shapes, an odd local sequence
+            length, or a fused kernel asked for inputs it does not take.
     """
     if comm_type not in COMM_TYPES:
         raise ValueError(f"cp comm type {comm_type!r} is not one of {COMM_TYPES}")
@@ -139,7 +155,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                          f"{q.shape[1]} a multiple of the key/value heads {k.shape[1]}")
     scale = default_scale(q.shape[-1]) if scale is None else scale
     fn = RingAttention if comm_type == "p2p" else AllGatherAttention
-    return fn.apply(q, k, v, axis, scale)
+    return fn.apply(q, k, v, axis, scale, choose(kernel, q))
 
 
 def cp_attention_comm(comm_type: str, *, batch: int, kv_heads: int, local_seq: int, head_dim: int,

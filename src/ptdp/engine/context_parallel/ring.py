@@ -23,9 +23,8 @@ from __future__ import annotations
 import torch
 
 from ptdp.engine.comm import P2P, AxisGroup, post
-from ptdp.engine.context_parallel.blockwise import (
-    Partial, attention_block, attention_block_backward, empty_partial, merge_into,
-)
+from ptdp.engine.context_parallel.blockwise import Partial, empty_partial, merge_into
+from ptdp.engine.context_parallel.kernels import block_backward, block_forward
 
 #: gloo tags of the two kinds of message between ring neighbours (NCCL matches by order)
 KV_TAG, DKV_TAG = 1, 2
@@ -83,11 +82,12 @@ def _wait(works: list) -> None:
 
 
 class RingAttention(torch.autograd.Function):
-    """``forward(q, k, v, axis, scale)``: this rank's attention output; see :mod:`.attention`'s
-    ``context_parallel_attention`` for shapes and communication."""
+    """``forward(q, k, v, axis, scale, kernel)``: this rank's attention output (``kernel``
+    "math" or "fused", :mod:`.kernels`); see :mod:`.attention`'s ``context_parallel_attention``
+    for shapes and communication."""
 
     @staticmethod
-    def forward(ctx, q, k, v, axis: AxisGroup, scale: float):
+    def forward(ctx, q, k, v, axis: AxisGroup, scale: float, kernel: str):
         size, rank, c = axis.size, axis.rank, q.shape[2] // 2
         acc = empty_partial(q)
         kv = torch.stack([k, v])  # [2, b, kv_heads, 2c, d]: one message per step
@@ -98,13 +98,14 @@ class RingAttention(torch.autograd.Function):
             works = (_post(axis, [(kv, KV_TAG, f"kv{src}")], [(spare, KV_TAG, f"kv{(src - 1) % size}")], FORWARD)
                      if step < size - 1 else [])
             rows, cols, causal = ring_block(rank, src, c)
-            part = attention_block(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal=causal, scale=scale)
+            part = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal=causal, scale=scale,
+                                 kernel=kernel)
             merge_into(Partial(acc.out[:, :, rows], acc.lse[:, :, rows]), part)
             _wait(works)
             kv, spare = spare, kv
         out = acc.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, acc.out, acc.lse)
-        ctx.axis, ctx.scale = axis, scale
+        ctx.axis, ctx.scale, ctx.kernel = axis, scale, kernel
         return out
 
     @staticmethod
@@ -127,9 +128,9 @@ class RingAttention(torch.autograd.Function):
                 recvs.append((arrived, DKV_TAG, f"dkv{src}"))
             works = _post(axis, sends, recvs, BACKWARD)
             rows, cols, causal = ring_block(rank, src, c)
-            gq, gk, gv = attention_block_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
-                                                  kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
-                                                  causal=causal, scale=scale)
+            gq, gk, gv = block_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                        out[:, :, rows], lse[:, :, rows], causal=causal, scale=scale,
+                                        kernel=ctx.kernel)
             dq[:, :, rows] += gq
             share = torch.zeros(kv.shape, dtype=cd, device=kv.device)
             share[0][:, :, cols] = gk
@@ -141,4 +142,4 @@ class RingAttention(torch.autograd.Function):
             own = torch.empty_like(done)
             _wait(_post(axis, [(done, DKV_TAG, f"dkv{(rank + 1) % size}")], [(own, DKV_TAG, f"dkv{rank}")], BACKWARD))
             done = own
-        return dq.to(q.dtype), done[0].to(k.dtype), done[1].to(v.dtype), None, None
+        return dq.to(q.dtype), done[0].to(k.dtype), done[1].to(v.dtype), None, None, None

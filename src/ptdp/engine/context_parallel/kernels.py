@@ -1,0 +1,100 @@
+"""Which kernel computes a block of context-parallel attention: the explicit one of
+:mod:`.blockwise` (``"math"``) or a fused flash-attention kernel (``"fused"``) that returns the
+log-sum-exp and takes the final output and log-sum-exp in its backward.
+
+The fused kernels are ATen's flash-attention operators, the ones
+``torch.nn.functional.scaled_dot_product_attention`` dispatches to, called directly because the
+public function returns no log-sum-exp: on CUDA ``aten._scaled_dot_product_flash_attention`` and
+its ``_backward`` (16-bit inputs, head dim a multiple of 8 up to 256), on CPU
+``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (any float dtype:
+what the CPU tests run in float64 to check this module's use of them). Their backward computes
+``D = rowsum(dO * O)`` from the ``out`` it is given, so given a block's rows' final output and
+log-sum-exp it returns that block's terms of the gradient sums, as
+:func:`~ptdp.engine.context_parallel.blockwise.attention_block_backward` does (Dao 2023,
+"FlashAttention-2", Algorithm 2). They take a causal flag only for square blocks here (top-left and
+bottom-right alignment agree), and grouped-query heads as repeated key/value heads (the key/value
+gradients summed back over each group). Attention dropout is not supported.
+
+``"auto"`` picks the fused kernel on CUDA for 16-bit inputs and the math one otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ptdp.engine.context_parallel.blockwise import (
+    Partial, attention_block, attention_block_backward, compute_dtype,
+)
+
+KERNELS = ("auto", "math", "fused")
+
+
+def choose(kernel: str, q: torch.Tensor) -> str:
+    """``"math"`` or ``"fused"`` for ``kernel`` (one of :data:`KERNELS`) and queries like ``q``.
+
+    Raises:
+        ValueError: an unknown kernel, or ``"fused"`` where no fused kernel takes these inputs.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"attention kernel {kernel!r} is not one of {KERNELS}")
+    d, cuda = q.shape[-1], q.device.type == "cuda"
+    fused_ok = (not cuda) or (q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256)
+    if kernel == "auto":
+        return "fused" if cuda and fused_ok else "math"
+    if kernel == "fused" and not fused_ok:
+        raise ValueError(f"no fused flash-attention kernel for {q.dtype} inputs with head dim {d} on CUDA "
+                         "(16-bit inputs, head dim a multiple of 8 up to 256)")
+    return kernel
+
+
+def _repeat(kv: torch.Tensor, group: int) -> torch.Tensor:
+    return kv if group == 1 else kv.repeat_interleave(group, dim=1)
+
+
+def _unrepeat(grad: torch.Tensor, group: int) -> torch.Tensor:
+    return grad if group == 1 else grad.unflatten(1, (grad.shape[1] // group, group)).sum(2)
+
+
+def _check_causal(causal: bool, n: int, m: int) -> None:
+    if causal and n != m:
+        raise ValueError(f"the fused kernel takes causal blocks only when square, got {n} queries and {m} keys")
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+                  kernel: str) -> Partial:
+    """:class:`Partial` of ``q`` ``[b, heads, n, d]`` over ``k, v`` ``[b, kv_heads, m, d]`` in the
+    compute dtype; ``causal`` True for a square diagonal block, False for a full one."""
+    if kernel == "math":
+        return attention_block(q, k, v, causal=causal, scale=scale)
+    _check_causal(causal, q.shape[2], k.shape[2])
+    group, cd = q.shape[1] // k.shape[1], compute_dtype(q.dtype)
+    k, v = _repeat(k, group), _repeat(v, group)
+    if q.device.type == "cuda":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return Partial(out.to(cd), lse.to(cd))
+
+
+def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, *, causal: bool, scale: float,
+                   kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This block's ``(dq, dk, dv)`` in the compute dtype, from the rows' final ``out`` and
+    ``lse`` (as :func:`~ptdp.engine.context_parallel.blockwise.attention_block_backward`)."""
+    if kernel == "math":
+        return attention_block_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    _check_causal(causal, q.shape[2], k.shape[2])
+    group, cd = q.shape[1] // k.shape[1], compute_dtype(q.dtype)
+    kr, vr = _repeat(k, group), _repeat(v, group)
+    dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
+    if q.device.type == "cuda":
+        seed = torch.empty(2, dtype=torch.uint64, device=q.device)  # read only with dropout
+        offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, kr, vr, out, lse.float().contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal,
+            seed, offset, scale=scale)
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, kr, vr, out, lse.to(cd).contiguous(), 0.0, causal, scale=scale)
+    return dq.to(cd), _unrepeat(dk, group).to(cd), _unrepeat(dv, group).to(cd)
