@@ -25,7 +25,7 @@ from ptdp.planner.hardware import GiB, GPUSpec
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout, MemoryBreakdown
 from ptdp.planner.context import kv_buffer_bytes, local_model, unfused_score_bytes_missing
-from ptdp.planner.sharding import stage_state_bytes
+from ptdp.planner.sharding import stage_state_bytes, strategy_bytes_per_param
 
 #: Default fixed overhead per GPU (bytes): CUDA context and kernel images (~0.5 GiB on A100/H100),
 #: NCCL buffers of the 3-5 communicators a rank joins (tp, pp, dp, embedding, world; a few hundred
@@ -109,14 +109,21 @@ def bytes_per_param(precision: str, dp: int = 1, distributed_optimizer: bool = F
     return weights, grads, (state / dp if distributed_optimizer else state)  # sharding strategies: rank_state_bytes
 
 
-def rank_state_bytes(model: ModelSpec, layout: Layout, n_params: int, n_layers: int) -> tuple[float, float, float]:
+def rank_state_bytes(model: ModelSpec, layout: Layout, n_params: int, n_layers: int,
+                     per_param: tuple[float, float, float] | None = None) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes of one rank of a stage holding ``n_params`` parameters and
     ``n_layers`` layers under ``layout``'s sharding strategy over ``dp * cp`` ranks
     (:func:`ptdp.planner.sharding.stage_state_bytes`; a gathered unit is one layer, or the
-    stage's embedding / output parameters when larger)."""
-    per_layer = layer_param_count(model, layout.tp)
-    unit = max(per_layer, n_params - n_layers * per_layer)
-    return stage_state_bytes(n_params, unit, layout.precision, layout.sharding_strategy, layout.shard_size)
+    stage's embedding / output parameters when larger). ``per_param``: the strategy's
+    :func:`~ptdp.planner.sharding.strategy_bytes_per_param` when the caller has it."""
+    strategy, shard = layout.sharding_strategy, layout.shard_size
+    if per_param is not None and (shard == 1 or strategy in ("no_shard", "optim")):  # no transients
+        return n_params * per_param[0], n_params * per_param[1], n_params * per_param[2]
+    unit = 0
+    if strategy == "optim_grads_params":  # the only strategy with gathered units
+        per_layer = layer_param_count(model, layout.tp)
+        unit = max(per_layer, n_params - n_layers * per_layer)
+    return stage_state_bytes(n_params, unit, layout.precision, strategy, shard)
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,11 +280,12 @@ def rank_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, layers
     (:func:`ptdp.planner.context.kv_buffer_bytes`). cp = 1 is :func:`stage_activation_bytes`.
     """
     cp = layout.cp
+    if cp == 1:
+        return stage_activation_bytes(model, layout, pp_rank, layers_on_stage, schedule=schedule,
+                                      make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     local = local_model(model, cp)
     out = stage_activation_bytes(local, layout, pp_rank, layers_on_stage, schedule=schedule,
                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-    if cp == 1:
-        return out
     kw = dict(sequence_parallel=layout.sequence_parallel, precision=layout.precision)
     b = layout.micro_batch_size
     none = layer_activation_bytes(local, layout.tp, b, recompute="none", **kw)
@@ -347,14 +355,19 @@ def memory_breakdown(
             if middle:
                 counts_seen.add(n_layers)
     best = None
+    per_param = strategy_bytes_per_param(layout.precision, layout.sharding_strategy, layout.shard_size)
+    per_param_total = sum(per_param)
+    transients = layout.shard_size > 1 and layout.sharding_strategy in ("optim_grads", "optim_grads_params")
+    activation_bytes = rank_activation_bytes if layout.cp > 1 else stage_activation_bytes
     for rank, n_params, n_layers in candidates:
-        act = rank_activation_bytes(model, layout, rank, n_layers, schedule=schedule,
-                                    make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+        act = activation_bytes(model, layout, rank, n_layers, schedule=schedule,
+                               make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         fp8_copies = fp8_weight_copy_bytes(model, layout.tp, n_layers, layout.precision)
-        state = rank_state_bytes(model, layout, n_params, n_layers)
-        total = sum(state) + fp8_copies + act
+        state = sum(rank_state_bytes(model, layout, n_params, n_layers)) if transients else n_params * per_param_total
+        total = state + fp8_copies + act
         if best is None or total > best[0]:
-            best = (total, rank, state, act, fp8_copies)
-    _, rank, (params, grads, optimizer), act, fp8_copies = best
+            best = (total, rank, n_params, n_layers, act, fp8_copies)
+    _, rank, n_params, n_layers, act, fp8_copies = best
+    params, grads, optimizer = rank_state_bytes(model, layout, n_params, n_layers, per_param)
     return MemoryBreakdown(params=params + fp8_copies, grads=grads, optimizer=optimizer, activations=act,
                            overhead=float(overhead_bytes), stage=rank)

@@ -199,7 +199,7 @@ def rank_layer_times(model: ModelSpec, layout: Layout, peak: float, bandwidth: f
     """(forward, backward, attention core, one block's forward attention) seconds of one layer on
     one tp and cp rank for one microbatch (:mod:`ptdp.planner.context`: the ``s / cp``-token layer
     attending ``cp`` blocks; the last item hides one ring step of the key/value exchange)."""
-    local = local_model(model, layout.cp)
+    local = local_model(model, layout.cp) if layout.cp > 1 else model
     times = flops.layer_compute_times(local, layout.tp, layout.micro_batch_size, layout.sequence_parallel, peak,
                                       bandwidth, c.gemm_peak_fraction, c.gemm_half_dim, fp8_peak)
     if layout.cp == 1:
@@ -216,7 +216,7 @@ def _stage_microbatch_times(model: ModelSpec, layout: Layout, peak: float, bandw
     stages of one cp rank (:func:`rank_layer_times`; tp transfers and logits of ``s / cp`` tokens,
     key/value exchange :func:`ptdp.planner.context.kv_exchange_times`, again in a full recompute);
     ``fp8_peak`` > 0: the layers' weight GEMMs run at that FP8 peak (FLOP/s)."""
-    local = local_model(model, layout.cp)
+    local = local_model(model, layout.cp) if layout.cp > 1 else model
     tp, b, s, h = layout.tp, layout.micro_batch_size, local.seq_length, model.hidden_size
     fwd, bwd, core, block = rank_layer_times(model, layout, peak, bandwidth, c, fp8_peak)
     tp_f, tp_b = tp_layer_comm_times(b * s, h, tp, sequence_parallel=layout.sequence_parallel, links=links,

@@ -11,8 +11,9 @@ Pruning (each keeps the search exact up to the stated approximation, and fast: t
   (:data:`ptdp.planner.context.CP_MIN_SEQ_LENGTH`) or when no layout fits with cp = 1 (a second
   pass), and only sizes with ``seq_length % (2 cp) == 0`` and ``seq_length / cp >=
   CP_MIN_LOCAL_TOKENS``; a fixed ``--cp`` is searched as given.
-* sharding strategies, tried least sharded first: ``no_shard``, then ``optim``, stopping at the
-  first sharded strategy that fits. A more sharded strategy keeps less memory but is never
+* sharding strategies (:func:`_predict_strategies`): ``no_shard`` and, when it fits, ``optim``;
+  when it does not, the sharded ones in order up to the first that fits, none when a lower bound
+  of the fully sharded memory already exceeds the GPU. A more sharded strategy keeps less memory but is never
   faster in this model (its extra reduce-scatters per microbatch and parameter all-gathers come
   on top), except for the optimizer step's 8 bytes per parameter of gradient-norm and zeroing
   traffic it shards, which the pruning gives up. ``dp * cp = 1`` has nothing to shard: no_shard. Layouts that break a rule (:mod:`ptdp.planner.rules`, the same rules ``ptdp train``
@@ -33,6 +34,7 @@ from ptdp.planner.context import CP_MIN_LOCAL_TOKENS, CP_MIN_SEQ_LENGTH
 from ptdp.planner.plan import RECOMPUTE, SHARDING, Layout, Plan
 from ptdp.planner.rules import (Rejection, all_rejections, context_rejections, schedule_rejections,
                                 structural_rejections)
+from ptdp.planner.sharding import strategy_bytes_per_param
 from ptdp.planner.splits import ACCOUNTING, candidate_splits, interleaved_splits
 
 MAX_MICRO_BATCH = 32
@@ -220,6 +222,55 @@ def _strategies(fixed: Fixed, shard: int) -> list[str]:
     return list(SHARDING)
 
 
+def _sharding_cannot_fit(unsharded: Plan, layout: Layout, cluster) -> bool:
+    """True when ``unsharded`` (the no_shard plan that did not fit) would not fit even with every
+    state byte sharded: its most loaded stage's ``n`` parameters (its float32 gradients / 4) keep
+    at least ``n (w + g + k) / (dp cp)`` bytes of state under optim_grads_params, besides the
+    same activations and overhead (a lower bound: transients and FP8 copies left out)."""
+    mem = unsharded.memory
+    if mem is None:
+        return False
+    n = mem.grads / 4.0
+    floor = sum(strategy_bytes_per_param(layout.precision, "optim_grads_params", layout.shard_size)) * n
+    return mem.activations + mem.overhead + floor > cluster.gpu.memory_bytes
+
+
+def _predict_strategies(model, make, strategies: list[str], cluster, constants, overhead, search_split: bool,
+                        result: SearchResult) -> None:
+    """Predict the layout ``make(strategy)`` gives under ``strategies`` (least sharded first) and
+    record it: no_shard first; when it fits, optim too (never slower, less memory); when it does
+    not, the sharded ones in order up to the first that fits, unless even full sharding cannot
+    fit (:func:`_sharding_cannot_fit`). Kept: every fitting no_shard and the first fitting
+    sharded strategy."""
+    first = make(strategies[0])
+    bad = schedule_rejections(model, first)  # the same for every strategy
+    if bad:
+        result.rejected.append((Plan(first, False, reasons=[r.message for r in bad]), bad[0]))
+        return
+    outcomes = {}
+
+    def fits(strategy: str) -> bool:
+        layout = first if strategy == strategies[0] else make(strategy)
+        outcomes[strategy] = _predict_split(model, layout, cluster, constants, overhead, search_split)
+        return outcomes[strategy][1] is None
+
+    if fits(strategies[0]):
+        if len(strategies) > 1:
+            fits(strategies[1])
+    elif len(strategies) > 1 and not _sharding_cannot_fit(outcomes[strategies[0]][0], first, cluster):
+        next((s for s in strategies[1:] if fits(s)), None)
+    kept_sharded = False
+    for strategy in strategies:
+        if strategy not in outcomes:
+            continue
+        plan, rejection = outcomes[strategy]
+        if rejection is not None:
+            result.rejected.append((plan, rejection))
+        elif strategy == "no_shard" or not kept_sharded:
+            result.plans.append(plan)
+            kept_sharded = strategy != "no_shard"
+
+
 def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, constants, overhead, result, *,
                    cp: int = 1) -> None:
     split, search_split, broken = _fixed_split(model.num_layers, pp, fixed)
@@ -263,18 +314,8 @@ def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, const
         for recompute in _options(fixed.recompute, searched):
             # sequence parallelism needs tp > 1 and sharding dp * cp > 1: off otherwise
             for sp in _options(fixed.sequence_parallel, [False, True]) if tp > 1 else [False]:
-                for sharding in _strategies(fixed, dp * cp):
-                    layout = Layout(tp, pp, dp, b, big_b, v, recompute, sp, precision=precision,
-                                    layer_split=v_split or split, cp=cp, sharding=sharding)
-                    bad = schedule_rejections(model, layout)
-                    if bad:
-                        result.rejected.append((Plan(layout, False, reasons=[r.message for r in bad]), bad[0]))
-                        break
-                    plan, rejection = _predict_split(model, layout, cluster, constants, overhead,
-                                                     search_split and v == 1 and v_split is None)
-                    if rejection is None:
-                        result.plans.append(plan)
-                    else:
-                        result.rejected.append((plan, rejection))
-                    if rejection is None and sharding != "no_shard":
-                        break  # the more sharded strategies are not faster (module docstring)
+                def make(sharding, v=v, recompute=recompute, sp=sp, v_split=v_split):
+                    return Layout(tp, pp, dp, b, big_b, v, recompute, sp, precision=precision,
+                                  layer_split=v_split or split, cp=cp, sharding=sharding)
+                _predict_strategies(model, make, _strategies(fixed, dp * cp), cluster, constants, overhead,
+                                    search_split and v == 1 and v_split is None, result)
