@@ -10,7 +10,8 @@ Pruning (each keeps the search exact up to the stated approximation, and fast: t
 * context parallelism: cp > 1 only with ``seq_length >= CP_MIN_SEQ_LENGTH``
   (:data:`ptdp.planner.context.CP_MIN_SEQ_LENGTH`) or when no layout fits with cp = 1 (a second
   pass), and only sizes with ``seq_length % (2 cp) == 0`` and ``seq_length / cp >=
-  CP_MIN_LOCAL_TOKENS``; a fixed ``--cp`` is searched as given.
+  CP_MIN_LOCAL_TOKENS``, with micro batch 1 (cp cuts each sequence's tokens per rank; b > 1 would
+  multiply them back); a fixed ``--cp`` is searched as given.
 * sharding strategies (:func:`_predict_strategies`): ``no_shard`` and, when it fits, ``optim``;
   when it does not, the sharded ones in order up to the first that fits, none when a lower bound
   of the fully sharded memory already exceeds the GPU. A more sharded strategy keeps less memory but is never
@@ -150,7 +151,8 @@ def _search_cp(model, cluster, big_b, fixed, precision, constants, overhead, res
                 if n % (tp * cp * pp) or (fixed.dp is not None and fixed.dp * tp * cp * pp != n):
                     continue
                 dp = n // (tp * cp * pp)
-                for b in _micro_batches(big_b, dp, fixed.micro_batch_size):
+                micro = fixed.micro_batch_size if fixed.micro_batch_size is not None or cp == 1 else 1
+                for b in _micro_batches(big_b, dp, micro):
                     _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, constants, overhead,
                                    result, cp=cp)
 
