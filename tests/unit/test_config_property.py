@@ -27,6 +27,7 @@ from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout
 from ptdp.planner.request import check_model, check_request as check_plan_request
 from ptdp.planner.search import Fixed, evaluate, search
+from ptdp.planner.splits import split_options
 
 
 PROPERTY = settings(max_examples=300, deadline=None, derandomize=True, database=None,
@@ -156,14 +157,16 @@ def config_of(model: ModelSpec, layout: Layout, fixed: Fixed) -> Config:
     """The ``ptdp train`` request with the flags of ``ptdp plan`` (``fixed``) for a layout it lists."""
     v = layout.virtual_stages
     per_chunk = fixed.layers_per_virtual_stage or (model.num_layers // (layout.pp * v) if v > 1 else None)
+    options = dict(split_options(layout.layer_split, v))  # the split's flags, as the report prints them
+    options.setdefault("num_layers_per_virtual_pipeline_stage", per_chunk)
     return Config(
         model=ModelConfig(num_layers=model.num_layers, hidden_size=model.hidden_size,
                           num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn,
                           seq_length=model.seq_length, vocab_size=model.vocab_size,
                           num_query_groups=model.num_query_groups, untie_embeddings_and_output_weights=not model.tied),
-        parallel=ParallelConfig(layout.tp, layout.pp, layout.dp, pipeline_layer_split=layout.layer_split,
-                                num_layers_per_virtual_pipeline_stage=per_chunk,
-                                use_distributed_optimizer=layout.distributed_optimizer),
+        parallel=ParallelConfig(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                                data_parallel_size=layout.dp, use_distributed_optimizer=layout.distributed_optimizer,
+                                **options),
         train=TrainConfig(micro_batch_size=layout.micro_batch_size, global_batch_size=layout.global_batch_size,
                           train_iters=1, lr_warmup_iters=0),
     )
