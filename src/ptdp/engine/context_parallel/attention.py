@@ -7,8 +7,7 @@ the queries (Megatron-Core's ``--cp-comm-type``):
   values are all-gathered over cp once, each query chunk attends to every key up to its own end
   (its own chunk causal, the chunks before it full, merged by log-sum-exp); backward all-gathers
   them again (only the rank's own keys and values are kept for backward, so activation memory
-  stays ``1/C`` of the sequence) and
-  reduce-scatters the key/value gradients back to their owners.
+  stays ``1/C`` of the sequence) and reduce-scatters the key/value gradients back to their owners.
 * ``"p2p"`` (:class:`~ptdp.engine.context_parallel.ring.RingAttention`, ring attention, Liu et al.
   2023, arXiv:2310.01889): blocks passed around the ring ``C - 1`` times, each transfer posted
   before the attention of the block in hand so that they overlap; backward passes the blocks
