@@ -23,6 +23,11 @@ a receive in the neighbour's group of step ``i``; if all groups of the steps bef
 completed, every rank reaches its group ``i`` (only local compute lies between), the groups of
 step ``i`` run together and complete: by induction every group does. The all-gather variant uses
 collectives, which every rank calls in the same order.
+
+Sources: Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context",
+arXiv:2310.01889; Dubey et al. 2024, "The Llama 3 Herd of Models", arXiv:2407.21783, §3.3.2
+(all-gather context parallelism, the 2C-chunk load balancing); Megatron-Core's context-parallel
+documentation (``--context-parallel-size``, ``--cp-comm-type``).
 """
 
 from __future__ import annotations
