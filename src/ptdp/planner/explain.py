@@ -34,6 +34,9 @@ def _value(value) -> str:
 def layout_differences(a: Plan, b: Plan) -> list[str]:
     """``"name a vs b"`` for every layout field where the two plans differ (Megatron's short names)."""
     left, right = dataclasses.asdict(a.layout), dataclasses.asdict(b.layout)
+    for side, plan in ((left, a), (right, b)):  # the strategy, not its None spelling for no_shard / optim
+        side["sharding"] = plan.layout.sharding_strategy
+        side.pop("distributed_optimizer")  # sharding says it
     return [f"{_LAYOUT_NAMES.get(k, k)} {_value(left[k])} vs {_value(right[k])}"
             for k in left if left[k] != right.get(k)]
 
