@@ -22,6 +22,7 @@ from ptdp.engine.context_parallel.ring import ring_groups
 from ptdp.engine.pipeline.nccl_model import Op, simulate_nccl
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from helpers.host_sync import count_host_syncs
 
 B, D = 2, 8
 # (comm type, heads, kv heads, dtype, chunk length c: s = 2 C c, kernel)
@@ -48,12 +49,14 @@ def cp_worker(rank: int, world: int) -> list[dict]:
         q, k, v = (local[name].clone().requires_grad_() for name in "qkv")
         stats.reset()
         stats.p2p_log = []
-        out = context_parallel_attention(q, k, v, axis, comm, kernel=kernel)
-        posted, stats.p2p_log = {"forward": stats.p2p_log}, []
-        out.backward(local["dout"])
+        with count_host_syncs() as syncs:
+            out = context_parallel_attention(q, k, v, axis, comm, kernel=kernel)
+            posted, stats.p2p_log = {"forward": stats.p2p_log}, []
+            out.backward(local["dout"])
         posted["backward"], stats.p2p_log = stats.p2p_log, None
         results.append({"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "comm": stats.as_dict(),
-                        "posted": {phase: [ops for _, ops in log] for phase, log in posted.items()}})
+                        "posted": {phase: [ops for _, ops in log] for phase, log in posted.items()},
+                        "host_syncs": syncs.calls})
     return results
 
 
@@ -93,6 +96,14 @@ def test_cp_attention_bytes_equal_the_formula(world):
         assert want  # a formula that could be empty would prove nothing
         for r in range(world):
             assert results[r][i]["comm"] == want, (comm, heads, kv_heads, dtype, r)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_attention_never_waits_on_the_device(world):
+    """No call that would synchronise the host with a GPU (reading a value, a blocking copy) in a
+    forward and backward of either variant (counted by the CPU shim of ``helpers.host_sync``)."""
+    for rank_results in cp_results(world):
+        assert [case["host_syncs"] for case in rank_results] == [[]] * len(CASES)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -64,3 +64,50 @@ def test_every_key_block_of_every_query_is_computed_once(size):
         assert {pair for pair, diag in seen.items() if diag} == {(qc, qc) for qc in mine}
         work.add(cost)
     assert len(work) == 1
+
+
+def test_each_transfer_is_posted_before_the_attention_it_overlaps(monkeypatch):
+    """Forward and backward post step i's batch, then compute step i's block, then wait: the order
+    in which the ring overlaps communication with attention (recorded with the transfers and the
+    block kernels replaced by recorders on a ring of 3 ranks seen from rank 1)."""
+    import torch
+
+    from ptdp.engine.comm import AxisGroup, CommStats
+    from ptdp.engine.context_parallel import ring
+
+    events = []
+
+    class Work:
+        def __init__(self, n):
+            self.n = n
+
+        def wait(self):
+            events.append(("wait", self.n))
+
+    def fake_post(transfers, axis, *, tag, defer):
+        assert defer
+        events.append(("post", [t.label for t in transfers]))
+        return [Work(len([e for e in events if e[0] == "post"]))]
+
+    def recorder(name, real):
+        def fn(*args, **kwargs):
+            events.append((name,))
+            return real(*args, **kwargs)
+        return fn
+
+    monkeypatch.setattr(ring, "post", fake_post)
+    monkeypatch.setattr(ring, "block_forward", recorder("attend", ring.block_forward))
+    monkeypatch.setattr(ring, "block_backward", recorder("attend", ring.block_backward))
+    axis = AxisGroup("cp", (0, 1, 2), 1, None, CommStats())
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = ring.RingAttention.apply(q, k, v, axis, 0.5, "math")
+    assert events == [("post", ["kv1", "kv0"]), ("attend",), ("wait", 1),
+                      ("post", ["kv0", "kv2"]), ("attend",), ("wait", 2), ("attend",)]
+    events.clear()
+    out.backward(torch.ones_like(out))
+    assert events == [("post", ["kv1", "kv0"]), ("attend",), ("wait", 1),
+                      ("post", ["kv0", "dkv1", "kv2", "dkv0"]), ("attend",), ("wait", 2),
+                      ("post", ["dkv0", "dkv2"]), ("attend",), ("wait", 3),
+                      ("post", ["dkv2", "dkv1"]), ("wait", 4)]
+    assert [[label for _, _, label in group] for group in ring_groups(1, 3, "backward")] == [
+        e[1] for e in events if e[0] == "post"]
