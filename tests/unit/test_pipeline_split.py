@@ -158,3 +158,19 @@ def test_resolve_interleaves_with_the_embedding_and_loss_counted():
     with pytest.raises(ConfigError, match=r"num_layers=5 \+ 1 \(embedding/loss counted as layers\) = 6 is not "
                                           r"divisible by pp \* num_layers_per_virtual_pipeline_stage = 2\*2"):
         resolve(_config(2, 5, account_for_loss_in_pipeline_split=True, num_layers_per_virtual_pipeline_stage=2), 2)
+
+
+def test_train_flags_reach_the_config():
+    from ptdp.commands.train_flags import config_from_args
+
+    args = cli.build_parser().parse_args(["train", *tiny_flags(num_layers=8), "--tp", "1", "--pp", "4", "--dp", "2",
+                                          "--decoder-first-pipeline-num-layers", "1",
+                                          "--decoder-last-pipeline-num-layers", "1"])
+    p = resolve(config_from_args(args), 8).parallel
+    assert p.layer_split(8) == (1, 3, 3, 1)
+    args = cli.build_parser().parse_args(["train", *tiny_flags(num_layers=6), "--tp", "1", "--pp", "2", "--dp", "1",
+                                          "--account-for-embedding-in-pipeline-split",
+                                          "--account-for-loss-in-pipeline-split",
+                                          "--num-layers-per-virtual-pipeline-stage", "2"])
+    p = resolve(config_from_args(args), 2).parallel
+    assert (p.schedule, p.virtual_stages(6), p.layer_split(6)) == ("interleaved-1f1b", 2, (3, 3))
