@@ -54,6 +54,12 @@ def test_shard_and_unshard(cp):
                        seq_first)
 
 
+def test_one_rank_takes_any_length():
+    """As the configuration rule (seq_length % (2 * cp) == 0 only when cp > 1)."""
+    x = torch.arange(7)
+    assert shard_sequence(x, 0, 1, dim=0) is x and local_positions(7, 0, 1).tolist() == list(range(7))
+
+
 def test_layout_errors_name_the_numbers():
     with pytest.raises(ValueError, match=r"sequence length 12 .* 2 \* cp_size = 2 \* 4 = 8"):
         check_sequence(12, 4)

@@ -21,15 +21,16 @@ import torch
 
 
 def check_sequence(seq_length: int, cp_size: int) -> int:
-    """The chunk length ``seq_length / (2 * cp_size)``.
+    """The chunk length ``seq_length / (2 * cp_size)`` (with ``cp_size == 1`` any positive length
+    is accepted, as the configuration rule does, and the result is ``seq_length // 2``).
 
     Raises:
-        ValueError: ``cp_size < 1``, or ``seq_length`` not a positive multiple of ``2 * cp_size``
-            (the message names both numbers and the rule).
+        ValueError: ``cp_size < 1``, or ``seq_length`` not positive or, with ``cp_size > 1``, not
+            a multiple of ``2 * cp_size`` (the message names both numbers and the rule).
     """
     if cp_size < 1:
         raise ValueError(f"context-parallel size must be >= 1, got cp_size={cp_size}")
-    if seq_length <= 0 or seq_length % (2 * cp_size):
+    if seq_length <= 0 or (cp_size > 1 and seq_length % (2 * cp_size)):
         raise ValueError(f"sequence length {seq_length} is not a positive multiple of 2 * cp_size = "
                          f"2 * {cp_size} = {2 * cp_size} (each cp rank holds 2 equal chunks of the sequence)")
     return seq_length // (2 * cp_size)
@@ -47,6 +48,8 @@ def local_positions(seq_length: int, cp_rank: int, cp_size: int, *, device=None)
     rotary or learned position embeddings must be evaluated at."""
     c = check_sequence(seq_length, cp_size)
     first, second = chunk_ids(cp_rank, cp_size)
+    if cp_size == 1:
+        return torch.arange(seq_length, device=device)
     local = torch.arange(2 * c, device=device)
     return torch.where(local < c, first * c + local, second * c + local - c)
 
@@ -57,10 +60,9 @@ def shard_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, *, dim: int) -> 
     ``s / C`` long (a new tensor; ``x`` itself when ``cp_size == 1``).
 
     Raises:
-        ValueError: the length of dim ``dim`` is not a multiple of ``2 * cp_size``.
+        ValueError: ``cp_size > 1`` and the length of dim ``dim`` is not a multiple of ``2 * cp_size``.
     """
     if cp_size == 1:
-        check_sequence(x.shape[dim], 1)
         return x
     c = check_sequence(x.shape[dim], cp_size)
     first, second = chunk_ids(cp_rank, cp_size)
