@@ -5,6 +5,7 @@ each, shared by ``ptdp train`` and ``ptdp plan``; ``ptdp train`` rejects what it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -59,9 +60,14 @@ def test_optim_is_the_distributed_optimizer():
     for given in (dict(data_parallel_sharding_strategy="optim"), dict(use_distributed_optimizer=True)):
         p = resolve(_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, overlap_param_gather=True,
                             **given), 2).parallel
-        assert p.use_distributed_optimizer and p.data_parallel_sharding_strategy == "optim" == p.sharding_strategy
+        assert p.use_distributed_optimizer and p.sharding_strategy == "optim"
     p = resolve(_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1), 2).parallel
     assert not p.use_distributed_optimizer and p.sharding_strategy == "no_shard"
+    # a resolved config keeps the strategy unset, so a replay can still add --use-distributed-optimizer
+    assert p.data_parallel_sharding_strategy is None
+    again = dataclasses.replace(_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1),
+                                parallel=dataclasses.replace(p, use_distributed_optimizer=True))
+    assert resolve(again, 2).parallel.sharding_strategy == "optim"
 
 
 @pytest.mark.parametrize("argv", [["--cp", "2"], ["--data-parallel-sharding-strategy", "optim_grads_params"]])

@@ -68,7 +68,6 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
     return dataclasses.replace(
         config,
         parallel=dataclasses.replace(p, data_parallel_size=dp, pipeline_schedule=p.schedule,
-                                     data_parallel_sharding_strategy=p.sharding_strategy,
                                      use_distributed_optimizer=p.sharding_strategy != "no_shard"),
         model=dataclasses.replace(m, ffn_hidden_size=m.ffn, **_recompute_defaults(m)),
         train=dataclasses.replace(t, lr_decay_iters=t.decay_iters),
