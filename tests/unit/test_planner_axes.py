@@ -211,3 +211,23 @@ def test_plan_flag_errors_exit_2(capsys):
     out = json.loads(capsys.readouterr().out)
     assert any("seq_length=8200 is not divisible by 2*context_parallel_size = 2*8 = 16" in r
                for p in out for r in p["reasons"])
+
+
+def test_cp_comm_type_flag_plans_the_all_gather(capsys):
+    """--cp-comm-type allgather: the all-gather's buffers (4 cp B e) instead of the ring's (8 B e)
+    and its exchange exposed; p2p by default."""
+    args = [*LLAMA_405B_128K, "--global-batch-size", "16", "--tp", "8", "--cp", "16", "--pp", "16",
+            "--pipeline-layer-split", SPLIT, "--micro-batch-size", "1", "--recompute-granularity", "none",
+            "--sequence-parallel", "--use-distributed-optimizer", "--json", "--top", "1"]
+    plans = {}
+    for comm in ("p2p", "allgather"):
+        assert cli.main([*args, "--cp-comm-type", comm]) == 0
+        plans[comm] = json.loads(capsys.readouterr().out)[0]
+        assert plans[comm]["cp_comm_type"] == comm
+    assert cli.main(args) == 0
+    assert json.loads(capsys.readouterr().out)[0]["cp_comm_type"] == "p2p"
+    model = get_model("llama3-405b")
+    block = 131072 / 16 * 1 * 8 * 128 / 8 * 2  # one K block of a rank, bytes
+    extra = plans["allgather"]["memory_bytes"]["activations"] - plans["p2p"]["memory_bytes"]["activations"]
+    assert extra == pytest.approx(4 * 16 * block - 8 * block, rel=1e-9)
+    assert model.kv_heads == 8 and plans["allgather"]["time_s"]["cp_comm"] > plans["p2p"]["time_s"]["cp_comm"]

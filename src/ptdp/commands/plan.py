@@ -128,7 +128,7 @@ def fixed_from_args(args: argparse.Namespace) -> Fixed:
         layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
         recompute=args.recompute_granularity, sequence_parallel=args.sequence_parallel,
         distributed_optimizer=args.use_distributed_optimizer,
-        cp=args.context_parallel_size, sharding=_sharding(args),
+        cp=args.context_parallel_size, sharding=_sharding(args), cp_comm_type=args.cp_comm_type,
         layer_split=args.pipeline_layer_split, first_layers=args.decoder_first_pipeline_num_layers,
         last_layers=args.decoder_last_pipeline_num_layers, accounting=_accounting(args),
     )

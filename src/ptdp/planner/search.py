@@ -60,6 +60,8 @@ class Fixed:
     """--context-parallel-size."""
     sharding: str | None = None
     """--data-parallel-sharding-strategy."""
+    cp_comm_type: str | None = None
+    """--cp-comm-type (None: p2p, not searched)."""
     layer_split: tuple[int, ...] | None = None
     """Megatron-style explicit layers per pipeline stage (--pipeline-layer-split): fixes pp and v = 1."""
     first_layers: int | None = None
@@ -318,6 +320,7 @@ def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, const
             for sp in _options(fixed.sequence_parallel, [False, True]) if tp > 1 else [False]:
                 def make(sharding, v=v, recompute=recompute, sp=sp, v_split=v_split):
                     return Layout(tp, pp, dp, b, big_b, v, recompute, sp, precision=precision,
-                                  layer_split=v_split or split, cp=cp, sharding=sharding)
+                                  layer_split=v_split or split, cp=cp, sharding=sharding,
+                                  cp_comm_type=fixed.cp_comm_type or "p2p")
                 _predict_strategies(model, make, _strategies(fixed, dp * cp), cluster, constants, overhead,
                                     search_split and v == 1 and v_split is None, result)

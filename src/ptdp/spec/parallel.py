@@ -32,6 +32,13 @@ class ParallelConfig:
     divided by c; keys and values travel over the cp group (ring or all-gather). World =
     tp * cp * pp * dp, order tp-cp-dp-pp. Needs ``seq_length % (2 c) == 0``. ``ptdp plan`` models
     it (:mod:`ptdp.planner.context`); ``ptdp train`` rejects c > 1 until it can train it."""
+    cp_comm_type: Literal["p2p", "allgather"] = opt(
+        "p2p", "--cp-comm-type", "how context-parallel ranks exchange keys and values: a ring of point-to-point "
+        "transfers overlapped with attention (p2p), or one all-gather per layer (allgather); Megatron-Core's "
+        "names (its a2a variants are not modelled)", "layout", plan=True)
+    """Key/value exchange of context parallelism: ``p2p`` (ring attention, cp - 1 steps each hidden
+    behind one block's attention) or ``allgather`` (one all-gather of K and V per layer); see
+    :mod:`ptdp.planner.context`. No effect with cp = 1. ``ptdp plan``: None means p2p."""
     data_parallel_size: int | None = opt(None, "--data-parallel-size", "data-parallel size (default: world size / "
                                          "(TP x PP))", "layout", aliases=("--dp",), metavar="DP", plan=True)
     """None: inferred as world_size / (tp * pp)."""
