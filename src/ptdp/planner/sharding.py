@@ -10,7 +10,9 @@ Bytes per parameter (mixed precision: 16-bit weights ``w = 2``, float32 main gra
 as ptdp and Megatron-Core keep them, optimizer state ``k = 12``: float32 main weight, Adam m and
 v; ZeRO's Table 1 counts ``2 + 2 + K`` with 16-bit gradients and ``K = 12``; Megatron-Core's
 distributed-optimizer documentation counts ``18`` unsharded and ``6 + 12/d`` sharded for bf16
-weights with fp32 gradients; fp32 training: ``w = 4, g = 4, k = 8``)::
+weights with fp32 gradients, ``16`` and ``8 + 8/d`` for fp32,
+https://docs.nvidia.com/megatron-core/developer-guide/latest/api-guide/dist_optimizer.html;
+fp32 training: ``w = 4, g = 4, k = 8``)::
 
     no_shard            w     + g     + k
     optim               w     + g     + k / d     (ZeRO-1, the distributed optimizer)
