@@ -62,7 +62,10 @@ def test_ring_exchange_bytes_and_overlap():
     block_bytes = (1024 / cp) * b * 2 * 32 / tp * e
     step_nvlink = 2 * block_bytes / 400e9 + 5e-6
     fwd, bwd = kv_exchange_times(LLAMA, tp, cp, b, "p2p", 0.0, LINKS)
-    assert fwd == pytest.approx((cp - 1) * step_nvlink, rel=1e-12) and bwd == pytest.approx(2 * fwd, rel=1e-12)
+    assert fwd == pytest.approx((cp - 1) * step_nvlink, rel=1e-12)
+    assert bwd == pytest.approx((cp - 1) * (4 * block_bytes / 400e9 + 5e-6), rel=1e-12)  # K, V, dK, dV
+    hidden_backward = kv_exchange_times(LLAMA, tp, cp, b, "p2p", 0.0, LINKS, 2, block_attention_backward=1.0)
+    assert hidden_backward == pytest.approx(((cp - 1) * step_nvlink, 0.0))
     assert kv_exchange_times(LLAMA, tp, cp, b, "p2p", 1.0, LINKS) == (0.0, 0.0)  # hidden behind attention
     half = kv_exchange_times(LLAMA, tp, cp, b, "p2p", step_nvlink / 2, LINKS)[0]
     assert half == pytest.approx((cp - 1) * step_nvlink / 2, rel=1e-12)

@@ -16,8 +16,8 @@ values, ``B = (s / cp) b kv d / t`` elements of ``e`` bytes (kv: key/value heads
 
 * ``p2p`` (ring): forward ``cp - 1`` steps, each sending and receiving K and V (``2 B e`` bytes per
   direction), each overlapped with the attention of the block already there; backward the same
-  with K, V and their gradients travelling (``4 B e``). Exposed: per step, what the transfer
-  exceeds one block's attention. Buffers: two blocks in flight of each travelling tensor, peak
+  with K, V and their gradients travelling (``4 B e``), overlapped with one block's backward
+  attention. Exposed: per step, what the transfer exceeds that block's attention. Buffers: two blocks in flight of each travelling tensor, peak
   in backward ``8 B e`` bytes.
 * ``allgather``: forward one all-gather of K and V (the full tensors ``2 cp B e`` bytes); backward
   an all-gather again and a reduce-scatter of their gradients; not overlapped. Buffers: the
@@ -121,19 +121,22 @@ def cp_link(tp: int, cp: int, links: Links) -> tuple[float, float]:
 
 
 def kv_exchange_times(model: ModelSpec, tp: int, cp: int, micro_batch_size: int, comm_type: str,
-                      block_attention: float, links: Links,
-                      bytes_per_value: float = 2.0) -> tuple[float, float]:
+                      block_attention: float, links: Links, bytes_per_value: float = 2.0,
+                      block_attention_backward: float | None = None) -> tuple[float, float]:
     """Exposed seconds of one layer's key/value exchange for one microbatch: ``(forward,
-    backward)`` (module docstring). ``block_attention``: forward seconds of one block's attention
-    core, which hides a ring step (backward: twice that hides the step of twice the bytes)."""
+    backward)`` (module docstring). p2p: ``cp - 1`` ring steps each way, a forward step (K, V:
+    ``2 B e`` bytes + one latency) hidden behind ``block_attention`` (one block's forward
+    attention), a backward step (K, V, dK, dV: ``4 B e``) behind ``block_attention_backward``
+    (default twice the forward)."""
     if cp <= 1:
         return 0.0, 0.0
     block = kv_block_elements(model, tp, cp, micro_batch_size) * bytes_per_value
     if comm_type == "p2p":
         bw, lat = cp_link(tp, cp, links)
-        step = 2.0 * block / bw + lat
-        fwd = (cp - 1) * max(0.0, step - block_attention)
-        return fwd, 2.0 * fwd
+        hide_backward = 2.0 * block_attention if block_attention_backward is None else block_attention_backward
+        fwd = (cp - 1) * max(0.0, 2.0 * block / bw + lat - block_attention)
+        bwd = (cp - 1) * max(0.0, 4.0 * block / bw + lat - hide_backward)
+        return fwd, bwd
     if comm_type == "allgather":
         per_node = min(cp, max(1, links.gpus_per_node // tp)) if tp < links.gpus_per_node else 1
         gather = 0.5 * hierarchical_all_reduce_time(2.0 * cp * block, cp, per_node, links)

@@ -195,18 +195,19 @@ def links_for(cluster: Cluster, constants: PerfConstants) -> Links:
 
 
 def rank_layer_times(model: ModelSpec, layout: Layout, peak: float, bandwidth: float, c: PerfConstants,
-                     fp8_peak: float = 0.0) -> tuple[float, float, float, float]:
-    """(forward, backward, attention core, one block's forward attention) seconds of one layer on
-    one tp and cp rank for one microbatch (:mod:`ptdp.planner.context`: the ``s / cp``-token layer
-    attending ``cp`` blocks; the last item hides one ring step of the key/value exchange)."""
+                     fp8_peak: float = 0.0) -> tuple[float, float, float, float, float]:
+    """(forward, backward, attention core, one block's forward attention, its backward) seconds
+    of one layer on one tp and cp rank for one microbatch (:mod:`ptdp.planner.context`: the
+    ``s / cp``-token layer attending ``cp`` blocks; the last two hide one ring step of the
+    key/value exchange each)."""
     local = local_model(model, layout.cp) if layout.cp > 1 else model
     times = flops.layer_compute_times(local, layout.tp, layout.micro_batch_size, layout.sequence_parallel, peak,
                                       bandwidth, c.gemm_peak_fraction, c.gemm_half_dim, fp8_peak)
     if layout.cp == 1:
-        return (*times, times[2])
+        return (*times, times[2], 2.0 * times[2])
     block = block_attention_times(local, layout.tp, layout.micro_batch_size, times[2], peak_flops=peak,
                                   peak_fraction=c.gemm_peak_fraction, half_dim=c.gemm_half_dim)
-    return (*layer_times(times, block, layout.cp), block[0])
+    return (*layer_times(times, block, layout.cp), *block)
 
 
 def _stage_microbatch_times(model: ModelSpec, layout: Layout, peak: float, bandwidth: float, links: Links,
@@ -218,11 +219,11 @@ def _stage_microbatch_times(model: ModelSpec, layout: Layout, peak: float, bandw
     ``fp8_peak`` > 0: the layers' weight GEMMs run at that FP8 peak (FLOP/s)."""
     local = local_model(model, layout.cp) if layout.cp > 1 else model
     tp, b, s, h = layout.tp, layout.micro_batch_size, local.seq_length, model.hidden_size
-    fwd, bwd, core, block = rank_layer_times(model, layout, peak, bandwidth, c, fp8_peak)
+    fwd, bwd, core, block, block_bwd = rank_layer_times(model, layout, peak, bandwidth, c, fp8_peak)
     tp_f, tp_b = tp_layer_comm_times(b * s, h, tp, sequence_parallel=layout.sequence_parallel, links=links,
                                      bytes_per_element=elem)
     tp_f, tp_b = (1.0 - c.tp_overlap) * tp_f, (1.0 - c.tp_overlap) * tp_b
-    cp_f, cp_b = kv_exchange_times(model, tp, layout.cp, b, layout.cp_comm_type, block, links, elem)
+    cp_f, cp_b = kv_exchange_times(model, tp, layout.cp, b, layout.cp_comm_type, block, links, elem, block_bwd)
     rec = {"full": fwd, "selective": core}.get(layout.recompute, 0.0)
     full = layout.recompute == "full"
     rec_comm, rec_cp = (tp_f, cp_f) if full else (0.0, 0.0)
