@@ -8,7 +8,7 @@ import functools
 import torch
 
 from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve, stage_layer_counts
 from ptdp.engine.groups import ParallelGroups
 from ptdp.spec.layout import ParallelLayout
 from ptdp.planner.memory import stage_activation_bytes
@@ -27,16 +27,21 @@ TOLERANCE = 0.02
 CASES = {
     1: [(1, 1, 1, "1f1b"), (1, 1, 1, "gpipe")],
     2: [(2, 1, 1, "1f1b"), (1, 1, 2, "1f1b"), (1, 2, 1, "1f1b"), (1, 2, 1, "gpipe"), (1, 2, 1, "interleaved-1f1b"),
-        (2, 1, 1, "1f1b", True)],
+        (2, 1, 1, "1f1b", True), (1, 2, 1, "interleaved-1f1b", False, True)],
     4: [(2, 2, 1, "1f1b"), (2, 2, 1, "interleaved-1f1b"), (1, 2, 2, "gpipe"), (2, 2, 1, "1f1b", True)],
 }
-"""A fifth entry True: with sequence parallelism."""
+"""A fifth entry True: with sequence parallelism; a sixth True: the embedding and the loss counted as
+layers (4 + 2 units over 2 ranks x 3 chunks of one: rank 0 holds the embedding, layers 1 and 3;
+rank 1 layers 0 and 2 and the loss)."""
 
 
-def case_config(tp: int, pp: int, dp: int, schedule: str, dtype: str, sequence_parallel: bool = False) -> Config:
+def case_config(tp: int, pp: int, dp: int, schedule: str, dtype: str, sequence_parallel: bool = False,
+                accounted: bool = False) -> Config:
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
                               pipeline_schedule=schedule, sequence_parallel=sequence_parallel,
-                              num_layers_per_virtual_pipeline_stage=1 if schedule == "interleaved-1f1b" else None)
+                              num_layers_per_virtual_pipeline_stage=1 if schedule == "interleaved-1f1b" else None,
+                              account_for_embedding_in_pipeline_split=accounted,
+                              account_for_loss_in_pipeline_split=accounted)
     train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICROBATCHES * dp,
                         lr_warmup_iters=0)
     return resolve(Config(model=ModelConfig(**MODEL, params_dtype=dtype), parallel=parallel, train=train), tp * pp * dp)
@@ -58,11 +63,13 @@ def measured_peak(cfg: Config, groups: ParallelGroups) -> int:
 def predicted_peak(cfg: Config, pp_rank: int) -> float:
     """The planner's activation peak of ``pp_rank`` (fp32 figure, doubled for float64)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    split = p.layer_split(m.num_layers)
     layout = Layout(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size,
                     virtual_stages=p.virtual_stages(m.num_layers), precision="fp32",
-                    sequence_parallel=p.sequence_parallel)
+                    sequence_parallel=p.sequence_parallel, layer_split=split)
     schedule = "gpipe" if p.schedule == "gpipe" else "1f1b"
-    fp32 = stage_activation_bytes(spec_from_model_config(m), layout, pp_rank, m.num_layers // p.pp,
+    layers = stage_layer_counts(m.num_layers, p.pp, split)[pp_rank]
+    fp32 = stage_activation_bytes(spec_from_model_config(m), layout, pp_rank, layers,
                                   schedule=schedule, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
     return {"float32": 1, "float64": 2}[m.params_dtype] * fp32
 

@@ -12,13 +12,14 @@ from ptdp import cli
 from ptdp.spec import (Config, ModelConfig, ParallelConfig, TrainConfig, first_last_of, first_last_split,
                        resolve)
 from ptdp.planner.hardware import CATALOG, Cluster
-from ptdp.planner.memory import memory_breakdown, stage_activation_bytes, stage_param_counts
+from ptdp.planner.memory import (inflight_layer_microbatches, memory_breakdown, stage_activation_bytes,
+                                 stage_param_counts)
 from ptdp.planner.models import ModelSpec, get_model
 from ptdp.planner.perf import edge_layer_equivalents, evaluate_performance, split_stage_times
 from ptdp.planner.plan import Layout
 from ptdp.planner.search import Fixed, evaluate, search
-from ptdp.planner.splits import (accounting_of, candidate_splits, describe_split, interleaved_splits, split_flags,
-                                 split_options)
+from ptdp.planner.splits import (accounting_of, candidate_splits, chunk_layers, describe_split, interleaved_splits,
+                                 split_flags, split_options)
 
 A100, H100 = CATALOG["a100-80gb"], CATALOG["h100-sxm"]
 LLAMA3_405B_SPLIT = (7,) + (8,) * 14 + (7,)
@@ -203,3 +204,23 @@ def test_plan_with_the_embedding_and_loss_counted(capsys):
     assert "num_layers=126 + the loss counted as layers = 127 is not divisible by pp*v = 16*1" in capsys.readouterr().err
     assert cli.main(base + both + ["--decoder-first-pipeline-num-layers", "7"]) == 2
     assert "cannot be combined with decoder_first_pipeline_num_layers=7" in capsys.readouterr().err
+
+
+def test_layers_in_flight_of_an_interleaved_split_with_the_embedding_and_loss_counted():
+    """4 layers + 2 over 2 ranks x 3 chunks: rank 0's chunks hold 0, 1, 1 layers, rank 1's 1, 1, 0.
+    By hand (m = 4): rank 0 runs 6 warm-up forwards of chunks 0 0 1 1 2 2 (4 layers) and never holds
+    more; rank 1 runs 4 (chunks 0 0 1 1: 4 layers), then forward chunk 2 / backward chunk 2 twice,
+    then forward chunk 0 (5 layers held, no loss side: both chunk-2 backwards done) / backward chunk 1.
+    The even formula would say 7/3 x 2 and 5/3 x 2; the dist test checks these against ptdp's saved
+    bytes (tests/dist/test_planner_activations.py)."""
+    layout = Layout(1, 2, 1, 2, 8, virtual_stages=3, layer_split=(2, 2))
+    assert chunk_layers((2, 2), 3, 0) == (0, 1, 1) and chunk_layers((2, 2), 3, 1) == (1, 1, 0)
+    assert inflight_layer_microbatches(layout, 0, 2) == (4.0, None)
+    assert inflight_layer_microbatches(layout, 1, 2) == (5.0, 0.0)
+    # a heavy loss side moves the peak to where a loss is held: 4 layers + 1 loss (forward of chunk 2)
+    assert inflight_layer_microbatches(layout, 1, 2, loss_weight=10.0) == (4.0, 1.0)
+    even = dataclasses.replace(layout, layer_split=None, virtual_stages=2)
+    assert inflight_layer_microbatches(even, 0, 2) == (2 * (2 + 2 + 1) / 2, None)  # the usual formula
+    # Llama 3 405B's layout at m = 16: every chunk's forwards in flight on rank 0 (7 x 16 layers)
+    meta = Layout(8, 16, 128, 1, 2048, virtual_stages=8, layer_split=LLAMA3_405B_SPLIT)
+    assert inflight_layer_microbatches(meta, 0, 7)[0] == 112.0

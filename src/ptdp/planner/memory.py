@@ -24,6 +24,7 @@ from ptdp.planner.fp8 import fp8_weight_copy_bytes
 from ptdp.planner.hardware import GiB, GPUSpec
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout, MemoryBreakdown
+from ptdp.planner.splits import chunk_layers
 from ptdp.planner.context import kv_buffer_bytes, local_model, unfused_score_bytes_missing
 from ptdp.planner.sharding import stage_state_bytes, strategy_bytes_per_param
 
@@ -211,6 +212,40 @@ def inflight_microbatches(layout: Layout, pp_rank: int, *, schedule: str = "1f1b
     return min(2 * (pp - pp_rank - 1) + (v - 1) * pp + 1, m * v) / v
 
 
+def inflight_layer_microbatches(layout: Layout, pp_rank: int, layers_on_stage: int, *, schedule: str = "1f1b",
+                                loss_weight: float = 0.0) -> tuple[float, float | None]:
+    """(layer-microbatches, loss-side microbatches) rank ``pp_rank`` holds at its peak; one
+    layer-microbatch is one layer's activations for one microbatch.
+
+    Usually :func:`inflight_microbatches` x ``layers_on_stage`` and None (the caller's rule for the
+    loss side). For an interleaved split whose chunks hold different numbers of layers (the
+    embedding and/or loss counted as layers, :func:`ptdp.planner.splits.chunk_layers`) the
+    interleaved 1F1B order is followed instead: warm-up forwards ``j < 2 (pp - r - 1) + (v - 1) pp``
+    of chunk ``(j // pp) % v``, then one forward and one backward per step, backwards from chunk
+    ``v - 1`` down. On the last rank a forward of chunk ``v - 1`` also keeps the loss side until its
+    backward; the peak of ``layers + loss_weight * losses`` held counts (``loss_weight``: the loss
+    side's bytes over one layer-microbatch's). With equal chunks this is the usual number.
+    """
+    mbs = inflight_microbatches(layout, pp_rank, schedule=schedule)
+    v, split = layout.virtual_stages, layout.layer_split
+    counts = chunk_layers(split, v, pp_rank) if v > 1 and split is not None and schedule == "1f1b" else None
+    if counts is None or len(set(counts)) == 1:
+        return mbs * layers_on_stage, None
+    pp, total, last = layout.pp, layout.num_microbatches * v, pp_rank == layout.pp - 1
+    warmup = min(2 * (pp - pp_rank - 1) + (v - 1) * pp, total)
+    forward = [counts[(j // pp) % v] for j in range(total)]
+    backward = [counts[v - 1 - (k // pp) % v] for k in range(total)]
+    f_loss = [float(last and (j // pp) % v == v - 1) for j in range(total)]
+    b_loss = [float(last and (k // pp) % v == 0) for k in range(total)]  # backward chunk v - 1
+    layers, losses = sum(forward[:warmup]), sum(f_loss[:warmup])
+    best = (layers + loss_weight * losses, layers, losses)
+    for t in range(total - warmup):
+        layers, losses = layers + forward[warmup + t], losses + f_loss[warmup + t]
+        best = max(best, (layers + loss_weight * losses, layers, losses))
+        layers, losses = layers - backward[t], losses - b_loss[t]
+    return float(best[1]), (float(best[2]) if last else None)
+
+
 def _edge_activation_bytes(model: ModelSpec, layout: Layout, *, first: bool, last: bool,
                            inflight: float, last_inflight: int, divisible_by: int = 128) -> float:
     """Activations outside the transformer layers [K22] §4.3, on one tp rank.
@@ -255,18 +290,20 @@ def stage_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, layer
     per_layer = layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute=layout.recompute,
                                        precision=precision)
     mbs = inflight_microbatches(layout, pp_rank, schedule=schedule)
-    out = per_layer * mbs * layers_on_stage
     last = pp_rank == layout.pp - 1
     last_inflight = layout.num_microbatches if schedule == "gpipe" else 1
-    out += _edge_activation_bytes(model, layout, first=pp_rank == 0, last=False, inflight=mbs,
-                                  last_inflight=last_inflight)
     loss_side = _edge_activation_bytes(model, layout, first=False, last=True, inflight=mbs,
                                        last_inflight=1, divisible_by=make_vocab_size_divisible_by) if last else 0.0
+    layer_mbs, loss_mbs = inflight_layer_microbatches(layout, pp_rank, layers_on_stage, schedule=schedule,
+                                                      loss_weight=loss_side / per_layer if per_layer else 0.0)
+    out = per_layer * layer_mbs
+    out += _edge_activation_bytes(model, layout, first=pp_rank == 0, last=False, inflight=mbs,
+                                  last_inflight=last_inflight)
     if layout.recompute == "full":
         working = layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute="none",
                                          precision=precision) - per_layer
         return out + max(working, loss_side) + (last_inflight - 1) * loss_side
-    return out + last_inflight * loss_side
+    return out + (last_inflight if loss_mbs is None else loss_mbs) * loss_side
 
 
 def rank_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, layers_on_stage: int, *,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from ptdp.spec import ConfigError, accounted_split, first_last_of
+from ptdp.spec import ConfigError, accounted_split, chunk_layer_ids, first_last_of
 
 
 def candidate_splits(num_layers: int, pp: int, first_extra: float, last_extra: float) -> list[tuple[int, ...] | None]:
@@ -98,6 +98,16 @@ def accounting_of(split: tuple[int, ...], v: int) -> tuple[bool, bool] | None:
             except ConfigError:
                 continue
     return None
+
+
+def chunk_layers(split: tuple[int, ...], v: int, pp_rank: int) -> tuple[int, ...] | None:
+    """Layers of each of rank ``pp_rank``'s ``v`` model chunks under an interleaved ``split`` that
+    counts the embedding and/or loss as layers (:func:`accounting_of`), or None for another split."""
+    counted = accounting_of(split, v)
+    if counted is None:
+        return None
+    return tuple(len(chunk_layer_ids(sum(split), len(split), v, pp_rank, c, embedding=counted[0], loss=counted[1]))
+                 for c in range(v))
 
 
 def split_options(split: tuple[int, ...] | None, v: int = 1) -> dict[str, object] | None:
