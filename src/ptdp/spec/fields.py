@@ -71,7 +71,7 @@ class Flag:
 
 
 GROUPS = {
-    "layout": "parallel layout (world = tp x pp x dp; TP innermost, PP outermost)",
+    "layout": "parallel layout (world = tp x cp x pp x dp; TP innermost, then CP, PP outermost)",
     "dp": "data-parallel gradient reduction and optimizer",
     "checkpoint": "checkpoints",
     "model": "model",
