@@ -175,7 +175,11 @@ def test_latest_and_failures(checkpoint_root, tmp_path):
 
 
 RESUME = [((1, 1, 1), {}), ((2, 2, 2), {"use_distributed_optimizer": True, "ddp_bucket_size": 777}),
-          ((1, 2, 2), {"use_distributed_optimizer": True, "overlap_param_gather": True, "overlap_grad_reduce": True})]
+          ((1, 2, 2), {"use_distributed_optimizer": True, "overlap_param_gather": True, "overlap_grad_reduce": True}),
+          # interleaved with the embedding and the loss counted as layers: chunks of only the embedding /
+          # only the loss (4 + 2 units, v = 3)
+          ((1, 2, 1), {"account_for_embedding_in_pipeline_split": True, "account_for_loss_in_pipeline_split": True,
+                       "num_layers_per_virtual_pipeline_stage": 1})]
 
 
 def resume_worker(rank: int, world: int, root: str, layout: tuple, parallel: dict, resume: bool) -> dict:
