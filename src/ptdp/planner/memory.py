@@ -24,7 +24,7 @@ from ptdp.planner.fp8 import fp8_weight_copy_bytes
 from ptdp.planner.hardware import GiB, GPUSpec
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout, MemoryBreakdown
-from ptdp.planner.splits import chunk_layers
+from ptdp.planner.splits import chunk_layers, interleaved_peak
 from ptdp.planner.context import kv_buffer_bytes, local_model, unfused_score_bytes_missing
 from ptdp.planner.sharding import stage_state_bytes, strategy_bytes_per_param
 
@@ -219,31 +219,20 @@ def inflight_layer_microbatches(layout: Layout, pp_rank: int, layers_on_stage: i
 
     Usually :func:`inflight_microbatches` x ``layers_on_stage`` and None (the caller's rule for the
     loss side). For an interleaved split whose chunks hold different numbers of layers (the
-    embedding and/or loss counted as layers, :func:`ptdp.planner.splits.chunk_layers`) the
-    interleaved 1F1B order is followed instead: warm-up forwards ``j < 2 (pp - r - 1) + (v - 1) pp``
-    of chunk ``(j // pp) % v``, then one forward and one backward per step, backwards from chunk
-    ``v - 1`` down. On the last rank a forward of chunk ``v - 1`` also keeps the loss side until its
-    backward; the peak of ``layers + loss_weight * losses`` held counts (``loss_weight``: the loss
-    side's bytes over one layer-microbatch's). With equal chunks this is the usual number.
+    embedding and/or loss counted as layers, :func:`ptdp.planner.splits.chunk_layers`) the peak of
+    ``layers + loss_weight * losses`` along the interleaved 1F1B order
+    (:func:`ptdp.planner.splits.interleaved_peak`; ``loss_weight``: the loss side's bytes over one
+    layer-microbatch's). With equal chunks both give the same number.
     """
     mbs = inflight_microbatches(layout, pp_rank, schedule=schedule)
     v, split = layout.virtual_stages, layout.layer_split
     counts = chunk_layers(split, v, pp_rank) if v > 1 and split is not None and schedule == "1f1b" else None
     if counts is None or len(set(counts)) == 1:
         return mbs * layers_on_stage, None
-    pp, total, last = layout.pp, layout.num_microbatches * v, pp_rank == layout.pp - 1
-    warmup = min(2 * (pp - pp_rank - 1) + (v - 1) * pp, total)
-    forward = [counts[(j // pp) % v] for j in range(total)]
-    backward = [counts[v - 1 - (k // pp) % v] for k in range(total)]
-    f_loss = [float(last and (j // pp) % v == v - 1) for j in range(total)]
-    b_loss = [float(last and (k // pp) % v == 0) for k in range(total)]  # backward chunk v - 1
-    layers, losses = sum(forward[:warmup]), sum(f_loss[:warmup])
-    best = (layers + loss_weight * losses, layers, losses)
-    for t in range(total - warmup):
-        layers, losses = layers + forward[warmup + t], losses + f_loss[warmup + t]
-        best = max(best, (layers + loss_weight * losses, layers, losses))
-        layers, losses = layers - backward[t], losses - b_loss[t]
-    return float(best[1]), (float(best[2]) if last else None)
+    last = pp_rank == layout.pp - 1
+    layers, losses = interleaved_peak(counts, layout.pp, layout.num_microbatches, pp_rank, last=last,
+                                      loss_weight=loss_weight)
+    return layers, (losses if last else None)
 
 
 def _edge_activation_bytes(model: ModelSpec, layout: Layout, *, first: bool, last: bool,

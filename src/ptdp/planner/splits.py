@@ -110,6 +110,30 @@ def chunk_layers(split: tuple[int, ...], v: int, pp_rank: int) -> tuple[int, ...
                  for c in range(v))
 
 
+def interleaved_peak(counts: tuple[int, ...], pp: int, m: int, pp_rank: int, *, last: bool,
+                     loss_weight: float = 0.0) -> tuple[float, float]:
+    """(layers, losses) held at the peak of ``layers + loss_weight * losses`` by rank ``pp_rank`` of
+    an interleaved 1F1B pipeline whose ``v = len(counts)`` chunks hold ``counts`` layers, over ``m``
+    microbatches: warm-up forwards ``j < 2 (pp - r - 1) + (v - 1) pp`` of chunk ``(j // pp) % v``
+    ([N21] §2.2), then one forward and one backward per step, backwards from chunk ``v - 1`` down.
+    On the ``last`` rank a forward of chunk ``v - 1`` also keeps the loss side until its backward.
+    With equal chunks the layers are ``min(W + 1, m v) / v`` stages' worth, W the warm-up forwards."""
+    v = len(counts)
+    total = m * v
+    warmup = min(2 * (pp - pp_rank - 1) + (v - 1) * pp, total)
+    forward = [counts[(j // pp) % v] for j in range(total)]
+    backward = [counts[v - 1 - (k // pp) % v] for k in range(total)]
+    f_loss = [float(last and (j // pp) % v == v - 1) for j in range(total)]
+    b_loss = [float(last and (k // pp) % v == 0) for k in range(total)]  # backward of chunk v - 1
+    layers, losses = sum(forward[:warmup]), sum(f_loss[:warmup])
+    best = (layers + loss_weight * losses, layers, losses)
+    for t in range(total - warmup):
+        layers, losses = layers + forward[warmup + t], losses + f_loss[warmup + t]
+        best = max(best, (layers + loss_weight * losses, layers, losses))
+        layers, losses = layers - backward[t], losses - b_loss[t]
+    return float(best[1]), float(best[2])
+
+
 def split_options(split: tuple[int, ...] | None, v: int = 1) -> dict[str, object] | None:
     """The :class:`~ptdp.spec.ParallelConfig` fields that make ``ptdp train`` run ``split`` at ``v``
     chunks per rank: the first/last stage counts where the middle stages are equal, else
