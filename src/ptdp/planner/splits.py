@@ -6,12 +6,17 @@ an even split (when ``pp`` divides ``l``) leaves the last stage the busiest; giv
 last stages fewer layers balances them (Llama 3 405B: 126 layers at pp = 16 as 7, 8 x 14, 7,
 Llama 3 paper, arXiv:2407.21783, §3.3.2). The search expresses such splits with Megatron-LM's
 ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` (the middle
-stages split the rest evenly, :func:`ptdp.engine.pipeline.partition.first_last_split`), which
-``ptdp train`` runs.
+stages split the rest evenly, :func:`ptdp.engine.pipeline.partition.first_last_split`) and, when
+interleaved, with ``--account-for-embedding-in-pipeline-split`` /
+``--account-for-loss-in-pipeline-split`` (the embedding and the loss count as one layer each of the
+split over pp x v model chunks, :func:`ptdp.engine.pipeline.partition.accounted_split`); ``ptdp
+train`` runs both.
 
-:func:`candidate_splits` proposes a handful of splits from the edge work in layer equivalents
-(:func:`ptdp.planner.perf.edge_layer_equivalents`); the search predicts each (memory per stage and
-the busiest stage's time) and keeps the fastest that fits. Pure arithmetic, no torch.
+:func:`candidate_splits` proposes a handful of v = 1 splits from the edge work in layer
+equivalents (:func:`ptdp.planner.perf.edge_layer_equivalents`), :func:`interleaved_splits` the
+interleaved ones; the search predicts each (memory per stage, with :func:`interleaved_peak` for
+chunks of different sizes, and the busiest stage's time) and keeps the fastest that fits;
+:func:`split_options` / :func:`split_flags` say how to run it. Pure arithmetic, no torch.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ def candidate_splits(num_layers: int, pp: int, first_extra: float, last_extra: f
     ``first_extra`` / ``last_extra``: the first / last stage's edge work in layers (>= 0). With the
     total ``W = l + first_extra + last_extra``, a balanced stage holds ``W / pp``; for the middle
     count ``c = ceil(W / pp)`` and ``c - 1``, the ``R = l - (pp - 2) c`` remaining layers go to the
-    first and last stages so that ``f + first_extra`` is about ``r + last_extra``: ``f`` rounded
+    first and last stages so that ``f + first_extra`` is about ``(R - f) + last_extra``: ``f`` rounded
     down and up (and one layer fewer on the first stage for ``c = ceil(W / pp)``, which holds the
     most microbatches in flight: less memory), each stage >= 1 layer and no edge stage above
     ``c + 1``. With pp = 2 the two counts split ``l`` the same way. At most 6 splits.
@@ -67,8 +72,8 @@ def interleaved_splits(num_layers: int, pp: int, accounting=ACCOUNTING, *,
     loss as layers (Megatron-LM's ``--account-for-embedding/loss-in-pipeline-split``,
     :func:`ptdp.spec.accounted_split`): for each way in ``accounting`` with ``(l + counted) % pp ==
     0``, every v > 1 dividing ``(l + counted) / pp`` whose split is valid (and, with ``uneven_only``,
-    not the same on every rank). Llama 3 405B
-    (126 layers) at pp = 16: v = 2, 4, 8 with both counted, each ``7, 8 x 14, 7``."""
+    not the same on every rank). Llama 3 405B (126 layers) at pp = 16: v = 2, 4, 8 with both
+    counted, each ``7, 8 x 14, 7``."""
     out: list[tuple[int, tuple[int, ...]]] = []
     for embedding, loss in accounting:
         units = num_layers + embedding + loss
