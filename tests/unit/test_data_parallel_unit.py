@@ -51,7 +51,8 @@ def test_no_sync_defers_every_reduction():
 
 def test_grad_compression_warmup_defaults():
     def warmup(codec, iters=None):
-        par = ParallelConfig(1, 1, 2, grad_compression=codec, grad_compression_warmup_iters=iters)
+        par = ParallelConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, data_parallel_size=2,
+                             grad_compression=codec, grad_compression_warmup_iters=iters)
         return resolve(Config(parallel=par, train=TrainConfig(lr_warmup_iters=30)), 2).grad_compression_warmup
 
     assert (warmup("none"), warmup("fp16"), warmup("bf16"), warmup("1bit")) == (0, 0, 0, 30)

@@ -72,7 +72,8 @@ def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Rejection]:
                                              f"embedding and/or loss counted as layers at most"))
     elif counted is not None:  # the schedule's rules for the units per chunk, as ptdp train checks them
         per_chunk = (model.num_layers + sum(counted)) // (pp * v)
-        parallel = ParallelConfig(layout.tp, pp, layout.dp, pipeline_schedule="interleaved-1f1b",
+        parallel = ParallelConfig(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=pp,
+                                  data_parallel_size=layout.dp, pipeline_schedule="interleaved-1f1b",
                                   num_layers_per_virtual_pipeline_stage=per_chunk,
                                   account_for_embedding_in_pipeline_split=counted[0],
                                   account_for_loss_in_pipeline_split=counted[1])
@@ -82,7 +83,8 @@ def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Rejection]:
             out.append(Rejection("interleaving", f"num_layers={model.num_layers} is not divisible by "
                                                  f"pp*v = {pp}*{v} = {pp * v}"))
         else:  # the interleaved schedule's own rules, as ptdp train checks them
-            parallel = ParallelConfig(layout.tp, pp, layout.dp, pipeline_schedule="interleaved-1f1b",
+            parallel = ParallelConfig(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=pp,
+                                      data_parallel_size=layout.dp, pipeline_schedule="interleaved-1f1b",
                                       num_layers_per_virtual_pipeline_stage=model.num_layers // (pp * v))
             out += [Rejection("interleaving", v.message) for v in schedule_violations(parallel, model.num_layers, m)]
     out += [Rejection(v.rule, v.message)

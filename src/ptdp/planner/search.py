@@ -163,8 +163,8 @@ def _interleaving_flag_errors(num_layers: int, tp: int, pp: int, dp: int, b: int
                               per_chunk: int) -> list[str]:
     """``--num-layers-per-virtual-pipeline-stage`` makes ``ptdp train`` run the interleaved schedule
     whatever v it gives (v = 1 included): that schedule's rules, as ``ptdp train`` checks them."""
-    parallel = ParallelConfig(tp, pp, dp, pipeline_schedule="interleaved-1f1b",
-                              num_layers_per_virtual_pipeline_stage=per_chunk)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
+                              pipeline_schedule="interleaved-1f1b", num_layers_per_virtual_pipeline_stage=per_chunk)
     return [v.message for v in schedule_violations(parallel, num_layers, big_b // (b * dp))]
 
 
