@@ -10,7 +10,7 @@ from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Plan
 from ptdp.planner.rules import Rejection
 from ptdp.planner.search import SearchResult
-from ptdp.planner.splits import split_report_lines
+from ptdp.planner.splits import describe_split, split_report_lines
 
 _MEM = ("params", "grads", "optimizer", "activations", "overhead")
 _TIME = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
@@ -87,7 +87,9 @@ def _describe(plan: Plan) -> str:
     lay = plan.layout
     return (f"tp={lay.tp}{f' cp={lay.cp}' if lay.cp > 1 else ''} pp={lay.pp} dp={lay.dp} b={lay.micro_batch_size} "
             f"v={lay.virtual_stages} recompute={lay.recompute} sp={'on' if lay.sequence_parallel else 'off'} "
-            f"sharding={lay.sharding_strategy}")
+            f"sharding={lay.sharding_strategy}"
+            + (f" layers={describe_split(lay.layer_split).replace(' x ', 'x').replace(', ', ',')}"
+               if lay.layer_split else ""))
 
 
 def grouped_rejections(result: SearchResult) -> dict[str, list[tuple[Plan, Rejection]]]:
