@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ptdp import cli
@@ -174,3 +176,31 @@ def test_train_flags_reach_the_config():
                                           "--num-layers-per-virtual-pipeline-stage", "2"])
     p = resolve(config_from_args(args), 2).parallel
     assert (p.schedule, p.virtual_stages(6), p.layer_split(6)) == ("interleaved-1f1b", 2, (3, 3))
+
+
+def test_the_run_checks_and_reports_use_the_split():
+    """ptdp train's memory check and planner report see the run's split: each rank's parameters
+    with its own layers, and activations chunk by chunk when interleaved with the embedding and
+    loss counted as layers (rank 1 keeps 5 layer-microbatches at its peak, not 2 x 5/3)."""
+    from ptdp.planner.memory import stage_activation_bytes, stage_param_counts
+    from ptdp.planner.models import spec_from_model_config
+    from ptdp.run.memory_check import rank_estimates
+    from ptdp.run.planner_report import planner_layout
+
+    config = resolve(_config(4, 8, decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=1), 4)
+    assert planner_layout(config).layer_split == (1, 3, 3, 1)
+    params = [r.params for r in rank_estimates(config)]
+    counts = stage_param_counts(spec_from_model_config(config.model), 1, 4, layer_split=(1, 3, 3, 1),
+                                make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by)
+    assert [x / params[1] for x in params] == pytest.approx([n / counts[1] for n in counts])
+    assert counts[1] == counts[2] and counts[0] != counts[1]
+    config = resolve(_config(2, 4, account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True,
+                             num_layers_per_virtual_pipeline_stage=1), 2)
+    layout = planner_layout(config)
+    assert (layout.virtual_stages, layout.layer_split) == (3, (2, 2))
+    model = spec_from_model_config(config.model)
+    per_mb = stage_activation_bytes(model, dataclasses.replace(layout, layer_split=None), 0, 1) / (7 / 3)
+    estimates = rank_estimates(config)
+    assert estimates[1].activations == pytest.approx(
+        stage_activation_bytes(model, layout, 1, 2, make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by))
+    assert estimates[0].activations == pytest.approx(4 * per_mb)  # rank 0: chunks of 0, 1, 1 layers

@@ -50,11 +50,11 @@ def rank_estimates(config: Config) -> list[RankBytes]:
     m, p, t = config.model, config.parallel, config.train
     precision, scale = _PRECISION[m.params_dtype]
     model = spec_from_model_config(m)
+    split = p.layer_split(m.num_layers)
     layout = Layout(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size,
                     virtual_stages=p.virtual_stages(m.num_layers), recompute=m.recompute_granularity or "none",
                     precision=precision, sequence_parallel=p.sequence_parallel,
-                    distributed_optimizer=p.use_distributed_optimizer)
-    split = p.layer_split(m.num_layers)
+                    distributed_optimizer=p.use_distributed_optimizer, layer_split=split)
     layers = stage_layer_counts(m.num_layers, p.pp, split)
     counts = stage_param_counts(model, p.tp, p.pp, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
                                 layer_split=split)

@@ -58,7 +58,7 @@ def planner_layout(config: Config) -> Layout | None:
 
     Its recompute is the run's granularity; the planner's ``full`` keeps every layer's input
     (uniform, one layer per group): see :func:`recompute_note` for the other full settings. Its
-    sequence parallelism is the run's.
+    sequence parallelism and pipeline split (its layers per stage, None: even) are the run's.
     """
     precision = PRECISION.get(config.model.params_dtype)
     if precision is None:
@@ -67,7 +67,7 @@ def planner_layout(config: Config) -> Layout | None:
     return Layout(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size,
                   virtual_stages=p.virtual_stages(config.model.num_layers),
                   recompute=config.model.recompute_granularity or "none", precision=precision,
-                  sequence_parallel=p.sequence_parallel)
+                  sequence_parallel=p.sequence_parallel, layer_split=p.layer_split(config.model.num_layers))
 
 
 def recompute_note(config: Config) -> str | None:
