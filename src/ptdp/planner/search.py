@@ -1,8 +1,10 @@
 """Search every valid layout for a model on a cluster, predict each, rank by step time.
 
 The search enumerates tp x cp x pp x dp = number of GPUs, micro batch size, virtual pipeline
-stages, recompute granularity, sequence parallelism and the data-parallel sharding strategy; any
-of them can be fixed.
+stages, recompute granularity, sequence parallelism, the data-parallel sharding strategy and the
+pipeline split (even, uneven first/last stages, or interleaved with the embedding and/or loss
+counted as layers: :mod:`ptdp.planner.splits`, the fastest fitting split kept per layout); any of
+them can be fixed.
 
 Pruning (each keeps the search exact up to the stated approximation, and fast: the full Llama 3
 405B search on 16,384 GPUs stays well under 2 s):
