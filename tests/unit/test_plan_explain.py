@@ -66,3 +66,18 @@ def test_distance_of_a_fixed_layout_from_the_best():
         "your fixed choices include the best layout the search finds with nothing fixed"]
     assert distance_from_best(best, None) == []
     assert distance_from_best(None, best)[0].startswith("with nothing fixed the search finds a fitting layout: tp=8")
+
+
+def test_ptdp_plan_explains_its_pick_and_a_fixed_layouts_distance(capsys):
+    """Through the CLI: the pick is explained against the runner-up; with --tp/--pp fixed, the
+    report also compares the best plan under them with the best found with nothing fixed."""
+    from ptdp import cli
+
+    base = ["plan", "--model", "gpt3-175b", "--gpus", "1024", "--gpu", "a100-80gb", "--global-batch-size", "1536"]
+    assert cli.main(base) == 0
+    out = capsys.readouterr().out
+    assert "why #1:\n#1 vs #2: " in out and "decided by " in out
+    assert "the best layout with nothing fixed" not in out
+    assert cli.main([*base, "--tp", "2", "--pp", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "the best layout with nothing fixed:\nbest vs yours: tp " in out

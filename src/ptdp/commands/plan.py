@@ -15,7 +15,8 @@ from ptdp.planner.models import ModelSpec, get_model
 from ptdp.planner.report import json_report, plot, text_report
 from ptdp.planner.perf import DEFAULT_CONSTANTS
 from ptdp.planner.request import check_model, check_output_path, check_request, check_stage_layers
-from ptdp.planner.search import Fixed, search
+from ptdp.planner.explain import distance_from_best, explain_pick
+from ptdp.planner.search import Fixed, SearchResult, search
 
 PLAN_DESCRIPTION = """\
 Predict memory and step time of every tensor x context x pipeline x data parallel layout (with
@@ -140,6 +141,16 @@ def _accounting(args: argparse.Namespace) -> tuple[bool, bool] | None:
     return None if given == (None, None) else (bool(given[0]), bool(given[1]))
 
 
+def _explanation(result: SearchResult, free: SearchResult | None) -> list[str]:
+    """Why the best plan beats the runner-up and, when the user fixed choices (``free``: the
+    search with nothing fixed), how far the best plan under them is from the best found."""
+    lines = explain_pick(result.plans)
+    if free is not None:
+        lines += distance_from_best(result.plans[0] if result.plans else None,
+                                    free.plans[0] if free.plans else None)
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     """``ptdp plan``: ``--calibrate`` (torch workers, :mod:`ptdp.commands.calibrate`, imported only
     then), the validation table with ``--validate``, else the search; the exit code."""
@@ -194,7 +205,11 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         for note in notes:
             print(note)
-        print(text_report(model, cluster, result, top=args.top))
+        free = None
+        if fixed != Fixed():  # how far the fixed choices are from the best layout found with none
+            free = search(model, cluster, args.global_batch_size, precision=precision, constants=constants,
+                          overhead_bytes=overhead)
+        print(text_report(model, cluster, result, top=args.top, explanation=_explanation(result, free)))
     if args.plot:
         plot(result, args.plot, capacity_bytes=gpu.memory_bytes, top=args.top)
         if not args.json:

@@ -15,6 +15,7 @@ import dataclasses
 
 from ptdp.planner.hardware import GiB
 from ptdp.planner.plan import Plan
+from ptdp.planner.splits import describe_split
 
 NEAR_TIE = 0.02
 """Relative step-time difference under which two layouts are called a near tie."""
@@ -26,8 +27,8 @@ _LAYOUT_NAMES = {"micro_batch_size": "b", "virtual_stages": "v", "sequence_paral
 def _value(value) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
-    if isinstance(value, tuple):
-        return ",".join(map(str, value))
+    if isinstance(value, tuple):  # a layer split: 3,4x30,3
+        return describe_split(value).replace(" x ", "x").replace(", ", ",")
     return str(value)
 
 

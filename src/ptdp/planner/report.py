@@ -54,8 +54,10 @@ def _first_plans(result: SearchResult) -> list[Plan]:
     return result.plans[:1] + [plan for plan, _ in result.rejected[:1]]
 
 
-def text_report(model: ModelSpec, cluster: Cluster, result: SearchResult, *, top: int = 10) -> str:
-    """Ranked table of the ``top`` fitting layouts and a summary of why the others were rejected."""
+def text_report(model: ModelSpec, cluster: Cluster, result: SearchResult, *, top: int = 10,
+                explanation: list[str] = ()) -> str:
+    """Ranked table of the ``top`` fitting layouts, the ``explanation`` lines of the pick
+    (:mod:`ptdp.planner.explain`) and a summary of why the others were rejected."""
     gpu = cluster.gpu
     lines = [
         f"model {model.name}: l={model.num_layers} h={model.hidden_size} a={model.num_attention_heads} "
@@ -78,6 +80,8 @@ def text_report(model: ModelSpec, cluster: Cluster, result: SearchResult, *, top
         lines += split_report_lines(best.layout.layer_split, best.layout.virtual_stages)
     else:
         lines.append("no layout fits.")
+    if explanation:
+        lines += ["", *explanation]
     notes = [f"note: {note}" for note in result.notes]
     lines += ["", *notes, *([""] if notes else []), *rejection_summary(result)]
     return "\n".join(lines)
