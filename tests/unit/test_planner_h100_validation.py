@@ -167,9 +167,24 @@ def test_interleaving_divides_an_explicit_splits_fill():
 def test_run_constants_follow_the_run(runs):
     megatron = next(r for r in runs if r.tp_overlap and r.layout.tp == 8)
     c = run_constants(megatron)
-    assert c.tp_overlap == pytest.approx(7 / 8) and 0.0 < c.dp_overlap <= 1.0
+    assert c.tp_overlap == pytest.approx(7 / 8) and c.overlap_window and c.dp_overlap == 0.0
     llama = next(r for r in runs if r.convention == "palm")
-    assert run_constants(llama).tp_overlap == 0.0
+    assert run_constants(llama).tp_overlap == 0.0 and run_constants(llama).overlap_window
+
+
+@pytest.mark.parametrize("sharding,m", [("optim", 1), ("optim", 4), ("no_shard", 2)])
+def test_overlap_window_hides_one_microbatch_of_the_end_reduction(sharding, m):
+    """dp_comm with the window = what exceeds one microbatch's compute on the busiest stage."""
+    model = ModelSpec(32, 7168, 56, vocab_size=131072, seq_length=4096, tied=False, flash_attention=True)
+    layout = Layout(tp=8, pp=1, dp=48, micro_batch_size=4 // m, global_batch_size=192, sequence_parallel=True,
+                    sharding=sharding)
+    cluster = Cluster(CATALOG["h100-sxm"], 384)
+    plain = evaluate_performance(model, layout, cluster).time
+    window = evaluate_performance(model, layout, cluster,
+                                  dataclasses.replace(DEFAULT_CONSTANTS, overlap_window=True)).time
+    one_microbatch = plain.compute / layout.num_microbatches
+    assert window.dp_comm == pytest.approx(max(0.0, plain.dp_comm - one_microbatch), rel=1e-9)
+    assert window.compute == plain.compute and plain.dp_comm > 0
 
 
 def test_update_benchmarks_keeps_one_block_per_table(tmp_path):

@@ -71,6 +71,12 @@ class PerfConstants:
             overlapped (the share of the reduction one microbatch's compute can hide). ptdp's own
             ``--overlap-grad-reduce`` (on by default) starts buckets during the last microbatch's
             backward; ``ptdp plan`` does not credit that yet, so its DP time is an upper bound.
+        overlap_window: the end-of-step data-parallel reduction starts bucket by bucket during the
+            last microbatch's backward and the weights' all-gather runs during the next step's
+            first forward (Megatron's ``--overlap-grad-reduce --overlap-param-gather``, ptdp's
+            ``--overlap-grad-reduce``): it is hidden up to one microbatch's compute on the busiest
+            stage, the window in which those gradients exist and nothing waits for them. False:
+            only ``dp_overlap`` hides it.
         pp_scatter_gather: pipeline messages split over the tp ranks and all-gathered on NVLink
             ([N21] §4.1), as in the published runs.
         layer_overhead: host seconds per transformer layer per microbatch (forward + backward)
@@ -112,6 +118,7 @@ class PerfConstants:
     head_overhead: float = 0.0
     optimizer_efficiency: float = 1.0
     tp_overlap: float = 0.0
+    overlap_window: bool = False
     arch_fits: tuple[tuple[str, float, float, float], ...] = (("hopper", 0.61, 128.0, 0.65),)
 
     def __post_init__(self) -> None:  # a profile read from JSON holds lists
@@ -288,15 +295,24 @@ def _dp_comm_time(model: ModelSpec, layout: Layout, n_params: int, busiest: tupl
     over ``dp * cp`` ranks under the layout's sharding strategy
     (:func:`ptdp.planner.sharding.sharded_dp_times`): float32 gradients, ``elem``-byte weights,
     units of one layer (plus the embedding / output unit), hidden behind one microbatch's
-    backward (the busiest stage's compute without its forward third) and one layer's compute."""
+    backward (the busiest stage's compute without its forward third) and one layer's compute.
+    With ``c.overlap_window`` the end-of-step part left by ``c.dp_overlap`` is hidden up to one
+    microbatch's compute on the busiest stage (``busiest[0]``)."""
     per_layer = layer_param_count(model, layout.tp)
     unit = max(per_layer, n_params - stage_layers * per_layer)
     microbatch_backward = busiest[0] * 2.0 / 3.0
-    return sharded_dp_times(layout.sharding_strategy, grad_bytes=4.0 * n_params, param_bytes=elem * n_params,
-                            unit_param_bytes=elem * unit, tp=layout.tp, shard=layout.shard_size,
-                            num_microbatches=layout.num_microbatches, units=stage_layers + 1,
-                            layer_forward=layer[0], layer_backward=layer[1],
-                            microbatch_backward=microbatch_backward, links=links, end_overlap=c.dp_overlap)
+
+    def exposed(end_overlap: float) -> float:
+        return sharded_dp_times(layout.sharding_strategy, grad_bytes=4.0 * n_params, param_bytes=elem * n_params,
+                                unit_param_bytes=elem * unit, tp=layout.tp, shard=layout.shard_size,
+                                num_microbatches=layout.num_microbatches, units=stage_layers + 1,
+                                layer_forward=layer[0], layer_backward=layer[1],
+                                microbatch_backward=microbatch_backward, links=links, end_overlap=end_overlap)
+
+    if not c.overlap_window:
+        return exposed(c.dp_overlap)
+    without_end = exposed(1.0)
+    return without_end + max(0.0, exposed(c.dp_overlap) - without_end - busiest[0])
 
 
 def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,

@@ -202,21 +202,14 @@ def run_constants(run: H100Run, constants: PerfConstants = DEFAULT_CONSTANTS) ->
 
     ``tp_overlap``: ``(tp - 1) / tp`` when the run pipelined its tensor-parallel collectives
     with the GEMMs (Transformer Engine's ring exchange hides all but the first of tp chunks).
-    ``dp_overlap``: when the run overlapped its data-parallel reduction (Megatron's
+    ``overlap_window``: when the run overlapped its data-parallel reduction (Megatron's
     ``--overlap-grad-reduce --overlap-param-gather``, the Llama 3 paper's asynchronous FSDP), the
-    end-of-step reduction runs behind the last microbatch's backward and the next step's first
-    forward, so the hidden share is one microbatch's compute on the busiest stage over the
-    reduction's time, at most 1 (the gradients of a microbatch exist only once it is done;
-    nothing earlier can be sent). Evaluates the run once without overlap to get both times.
+    end-of-step reduction hides behind up to one microbatch's compute on the busiest stage (the
+    gradients of a microbatch exist only once it is done; nothing earlier can be sent).
     """
     c = constants.for_gpu(CATALOG[run.gpu])
     tp_overlap = (run.layout.tp - 1) / run.layout.tp if run.tp_overlap else 0.0
-    c = dataclasses.replace(c, tp_overlap=tp_overlap, dp_overlap=0.0)
-    if not run.dp_overlap:
-        return c
-    time = evaluate_performance(run.model, run.layout, Cluster(CATALOG[run.gpu], run.layout.num_gpus), c).time
-    window = time.compute / run.layout.num_microbatches
-    return dataclasses.replace(c, dp_overlap=min(1.0, window / time.dp_comm) if time.dp_comm > 0 else 0.0)
+    return dataclasses.replace(c, tp_overlap=tp_overlap, dp_overlap=0.0, overlap_window=run.dp_overlap)
 
 
 def validate_h100(runs: list[H100Run], constants: PerfConstants = DEFAULT_CONSTANTS) -> list[ValidationRow]:
