@@ -23,6 +23,9 @@ class ParallelConfig:
                                             "split into PP stages", "layout", aliases=("--pp",), metavar="PP",
                                             plan=True, cli_default=2)
     """Pipeline-parallel size p (``ptdp train``'s default: 2)."""
+    data_parallel_size: int | None = opt(None, "--data-parallel-size", "data-parallel size (default: world size / "
+                                         "(TP x PP))", "layout", aliases=("--dp",), metavar="DP", plan=True)
+    """None: inferred as world_size / (tp * pp)."""
     context_parallel_size: int = opt(1, "--context-parallel-size", "context-parallel size: each sequence split into "
                                      "2 x CP chunks, two per CP rank (planned by ptdp plan; ptdp train runs CP = 1 "
                                      "until context parallelism lands)", "layout", aliases=("--cp",), metavar="CP",
@@ -39,9 +42,6 @@ class ParallelConfig:
     """Key/value exchange of context parallelism: ``p2p`` (ring attention, cp - 1 steps each hidden
     behind one block's attention) or ``allgather`` (one all-gather of K and V per layer); see
     :mod:`ptdp.planner.context`. No effect with cp = 1. ``ptdp plan``: None means p2p."""
-    data_parallel_size: int | None = opt(None, "--data-parallel-size", "data-parallel size (default: world size / "
-                                         "(TP x PP))", "layout", aliases=("--dp",), metavar="DP", plan=True)
-    """None: inferred as world_size / (tp * pp)."""
     pipeline_layer_split: tuple[int, ...] | None = opt(
         None, "--pipeline-layer-split", "explicit layers per pipeline stage, e.g. 3,3,2 (default: even split)",
         "layout", metavar="N,N,...", plan=True)
