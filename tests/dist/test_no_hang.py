@@ -4,7 +4,6 @@ small margin), with a message naming the rank, the phase, the iteration and the 
 from __future__ import annotations
 
 import datetime
-import time
 
 import pytest
 import torch
@@ -20,12 +19,16 @@ TIMEOUT_S = 3.0
 
 
 def stalled_peer_worker(rank: int, world: int) -> tuple:
-    """Rank 2 stops responding; rank 0 waits for a pipeline recv from it, rank 1 in a dp all-reduce."""
+    """Rank 2 stops responding; rank 0 waits for a pipeline recv from it, rank 1 in a dp all-reduce.
+
+    Rank 2 neither sends nor joins the all-reduce: it waits in a barrier of the world group (60 s
+    timeout) that ranks 0 and 1 join only once their own waits have timed out and been diagnosed,
+    so that it stays silent on both groups for as long as they need and no longer."""
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
     groups = [dist.new_group([0, 2], timeout=timeout), dist.new_group([1, 2], timeout=timeout)]
     if rank == 2:
-        time.sleep(4 * TIMEOUT_S)
-        return ("slept",)
+        dist.barrier()
+        return ("silent",)
     activity.start_step(rank, 4)
     stats = CommStats()
     try:
@@ -37,14 +40,17 @@ def stalled_peer_worker(rank: int, world: int) -> tuple:
             activity.set_phase(activity.GRAD_SYNC)
             all_reduce(torch.ones(3), AxisGroup("dp", (1, 2), 0, groups[1], stats, TIMEOUT_S))
     except activity.CollectiveError as e:
-        return (type(e).__name__, str(e), e.rank, e.phase, e.iteration)
-    return ("no error",)
+        result = (type(e).__name__, str(e), e.rank, e.phase, e.iteration)
+    else:
+        result = ("no error",)
+    dist.barrier()
+    return result
 
 
 @pytest.mark.slow
 def test_a_timed_out_collective_names_rank_phase_iteration_and_the_stalled_rank():
     results = run_workers(stalled_peer_worker, 3)
-    assert results[2] == ("slept",)
+    assert results[2] == ("silent",)
     kind, message, rank, phase, iteration = results[0]
     assert (kind, rank, phase, iteration) == ("CollectiveTimeout", 0, activity.PIPELINE, 4)
     assert message.startswith("rank 0 timed out after 0.05 min in pipeline send/recv at iteration 4: "
