@@ -1,6 +1,8 @@
-"""Multi-node launch rehearsed on loopback: two torchrun launchers ("nodes") of 4 workers each, joined
-by c10d rendezvous on 127.0.0.1, train exactly like one launcher of 8 workers (tp=2 pp=2 dp=2,
-float64): the per-iteration losses, gradient norms and validation losses are bitwise equal."""
+"""Multi-node launch rehearsed on loopback: two torchrun launchers ("nodes") of 2 workers each, joined
+by c10d rendezvous on 127.0.0.1, train exactly like one launcher of 4 workers (tp=1 pp=2 dp=2,
+float64; ranks are ordered tp-dp-pp, so each node holds one pipeline stage with both of its
+data-parallel ranks, and the pipeline transfers cross the nodes): the per-iteration losses,
+gradient norms and validation losses are bitwise equal."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from helpers.proc_helpers import free_port, run_together
 from helpers.cli import tiny_flags, write_docs
 
 
-TINY = ["--tp", "2", "--pp", "2", *tiny_flags(train_iters=3, log_interval=1, params_dtype="float64", no_progress=True)]
+TINY = ["--tp", "1", "--pp", "2", "--dp", "2",
+        *tiny_flags(train_iters=3, log_interval=1, params_dtype="float64", no_progress=True)]
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -35,7 +38,7 @@ def test_two_launchers_on_loopback_equal_one_launcher(tmp_path):
     env = dict(os.environ, PTDP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     flags = [*TINY, "--data", str(docs)]
     port = free_port()
-    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex[:8],
             "--local-addr", "127.0.0.1", "--max-restarts", "0",
             "-m", "ptdp.train", *flags, "--output-dir", str(tmp_path / "two-nodes")]
@@ -48,7 +51,7 @@ def test_two_launchers_on_loopback_equal_one_launcher(tmp_path):
     (one,) = run_together([[sys.executable, "-m", "ptdp.cli", "train", *flags, "--output-dir",
                             str(tmp_path / "one-node")]], env=env, cwd=tmp_path)
     assert one.returncode == 0, _failed([one])
-    assert "tp=2 pp=2 dp=2" in one.stdout
+    assert "tp=1 pp=2 dp=2" in one.stdout
 
     two_nodes, one_node = _metrics(tmp_path / "two-nodes"), _metrics(tmp_path / "one-node")
     assert [r["iteration"] for r in one_node if "loss" in r] == [1, 2, 3]
