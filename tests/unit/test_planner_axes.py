@@ -39,7 +39,7 @@ def test_activations_per_rank_are_divided_by_cp_plus_the_kv_buffers(flash, recom
                   sequence_parallel=sp)
     for pp_rank in (0, 1):
         one = rank_activation_bytes(model, base, pp_rank, 2)
-        for cp, comm in ((2, "p2p"), (4, "p2p"), (8, "allgather")):
+        for cp, comm in ((2, "p2p"), (4, "p2p"), (8, "all_gather")):
             layout = dataclasses.replace(base, cp=cp, cp_comm_type=comm)
             d, kv, t, b, s = 256 // 8, 2, 2, 2, 1024
             block = (s / cp) * b * kv * d / t  # one K (or V) block of a rank, elements
@@ -75,7 +75,7 @@ def test_ring_exchange_bytes_and_overlap():
         (cp - 1) * (2 * block4 / 40e9 + 10e-6), rel=1e-12)
     # all-gather of K and V (2 cp blocks) once forward, gather + reduce-scatter backward, not hidden
     gather = 0.5 * hierarchical_all_reduce_time(2 * cp * block_bytes, cp, 4, LINKS)
-    assert kv_exchange_times(LLAMA, tp, cp, b, "allgather", 1.0, LINKS) == pytest.approx((gather, 2 * gather))
+    assert kv_exchange_times(LLAMA, tp, cp, b, "all_gather", 1.0, LINKS) == pytest.approx((gather, 2 * gather))
     assert kv_exchange_times(LLAMA, tp, 1, b, "p2p", 0.0, LINKS) == (0.0, 0.0)
 
 
@@ -217,13 +217,13 @@ def test_plan_flag_errors_exit_2(capsys):
 
 
 def test_cp_comm_type_flag_plans_the_all_gather(capsys):
-    """--cp-comm-type allgather: the all-gather's buffers (4 cp B e) instead of the ring's (8 B e)
+    """--cp-comm-type all_gather: the all-gather's buffers (4 cp B e) instead of the ring's (8 B e)
     and its exchange exposed; p2p by default."""
     args = [*LLAMA_405B_128K, "--global-batch-size", "16", "--tp", "8", "--cp", "16", "--pp", "16",
             "--pipeline-layer-split", SPLIT, "--micro-batch-size", "1", "--recompute-granularity", "none",
             "--sequence-parallel", "--use-distributed-optimizer", "--json", "--top", "1"]
     plans = {}
-    for comm in ("p2p", "allgather"):
+    for comm in ("p2p", "all_gather"):
         assert cli.main([*args, "--cp-comm-type", comm]) == 0
         plans[comm] = json.loads(capsys.readouterr().out)[0]
         assert plans[comm]["cp_comm_type"] == comm
@@ -231,6 +231,6 @@ def test_cp_comm_type_flag_plans_the_all_gather(capsys):
     assert json.loads(capsys.readouterr().out)[0]["cp_comm_type"] == "p2p"
     model = get_model("llama3-405b")
     block = 131072 / 16 * 1 * 8 * 128 / 8 * 2  # one K block of a rank, bytes
-    extra = plans["allgather"]["memory_bytes"]["activations"] - plans["p2p"]["memory_bytes"]["activations"]
+    extra = plans["all_gather"]["memory_bytes"]["activations"] - plans["p2p"]["memory_bytes"]["activations"]
     assert extra == pytest.approx(4 * 16 * block - 8 * block, rel=1e-9)
-    assert model.kv_heads == 8 and plans["allgather"]["time_s"]["cp_comm"] > plans["p2p"]["time_s"]["cp_comm"]
+    assert model.kv_heads == 8 and plans["all_gather"]["time_s"]["cp_comm"] > plans["p2p"]["time_s"]["cp_comm"]

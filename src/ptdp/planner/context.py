@@ -19,7 +19,7 @@ values, ``B = (s / cp) b kv d / t`` elements of ``e`` bytes (kv: key/value heads
   with K, V and their gradients travelling (``4 B e``), overlapped with one block's backward
   attention. Exposed: per step, what the transfer exceeds that block's attention. Buffers: two blocks in flight of each travelling tensor, peak
   in backward ``8 B e`` bytes.
-* ``allgather``: forward one all-gather of K and V (the full tensors ``2 cp B e`` bytes); backward
+* ``all_gather``: forward one all-gather of K and V (the full tensors ``2 cp B e`` bytes); backward
   an all-gather again and a reduce-scatter of their gradients; not overlapped. Buffers: the
   gathered K, V and the full-length dK, dV of one layer, ``4 cp B e`` bytes.
 
@@ -67,15 +67,15 @@ def kv_block_elements(model: ModelSpec, tp: int, cp: int, micro_batch_size: int)
 def kv_buffer_bytes(model: ModelSpec, tp: int, cp: int, micro_batch_size: int, comm_type: str,
                     bytes_per_value: float = 2.0) -> float:
     """Peak bytes of the key/value exchange of the one layer running (transient; once per stage):
-    p2p ``8 B e`` (K, V, dK, dV, two blocks each), allgather ``4 cp B e``; 0 when cp = 1."""
+    p2p ``8 B e`` (K, V, dK, dV, two blocks each), all_gather ``4 cp B e``; 0 when cp = 1."""
     if cp <= 1:
         return 0.0
     block = kv_block_elements(model, tp, cp, micro_batch_size) * bytes_per_value
     if comm_type == "p2p":
         return 8.0 * block
-    if comm_type == "allgather":
+    if comm_type == "all_gather":
         return 4.0 * cp * block
-    raise ValueError(f"cp_comm_type={comm_type!r} must be p2p or allgather")
+    raise ValueError(f"cp_comm_type={comm_type!r} must be p2p or all_gather")
 
 
 def unfused_score_bytes_missing(local_none: float, local_selective: float, cp: int, flash: bool) -> float:
@@ -137,8 +137,8 @@ def kv_exchange_times(model: ModelSpec, tp: int, cp: int, micro_batch_size: int,
         fwd = (cp - 1) * max(0.0, 2.0 * block / bw + lat - block_attention)
         bwd = (cp - 1) * max(0.0, 4.0 * block / bw + lat - hide_backward)
         return fwd, bwd
-    if comm_type == "allgather":
+    if comm_type == "all_gather":
         per_node = min(cp, max(1, links.gpus_per_node // tp)) if tp < links.gpus_per_node else 1
         gather = 0.5 * hierarchical_all_reduce_time(2.0 * cp * block, cp, per_node, links)
         return gather, 2.0 * gather
-    raise ValueError(f"cp_comm_type={comm_type!r} must be p2p or allgather")
+    raise ValueError(f"cp_comm_type={comm_type!r} must be p2p or all_gather")

@@ -14,8 +14,8 @@ PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 #: Megatron-Core's data-parallel sharding strategies, least sharded first (ZeRO stages 0-3)
 SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 #: How context-parallel ranks exchange keys and values: a ring of point-to-point transfers, or
-#: one all-gather per layer (Megatron-Core's ``--cp-comm-type`` p2p and allgather)
-CP_COMM_TYPES = ("p2p", "allgather")
+#: one all-gather per layer (Megatron-Core's ``--cp-comm-type`` p2p and all_gather)
+CP_COMM_TYPES = ("p2p", "all_gather")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ Conventions (FLOPs of one step of ``B`` sequences of ``s`` tokens, no recompute 
   ``(6 N + 12 l h s)`` per token, ``N`` every parameter (embeddings included) and ``12 l h s``
   the full ``s x s`` attention.
 
-Columns beyond the model shape and layout: ``cp_comm_type`` (``p2p`` or ``allgather``, with
+Columns beyond the model shape and layout: ``cp_comm_type`` (``p2p`` or ``all_gather``, with
 ``cp > 1``), ``sharding`` (Megatron's data-parallel sharding strategy), ``dp_overlap`` /
 ``tp_overlap`` (y: the run overlapped that communication with compute, e.g. Megatron's
 ``--overlap-grad-reduce`` and ``--tp-comm-overlap``), ``layer_split`` (layers per pipeline rank,

@@ -35,12 +35,12 @@ class ParallelConfig:
     divided by c; keys and values travel over the cp group (ring or all-gather). World =
     tp * cp * pp * dp, order tp-cp-dp-pp. Needs ``seq_length % (2 c) == 0``. ``ptdp plan`` models
     it (:mod:`ptdp.planner.context`); ``ptdp train`` rejects c > 1 until it can train it."""
-    cp_comm_type: Literal["p2p", "allgather"] = opt(
+    cp_comm_type: Literal["p2p", "all_gather"] = opt(
         "p2p", "--cp-comm-type", "how context-parallel ranks exchange keys and values: a ring of point-to-point "
-        "transfers overlapped with attention (p2p), or one all-gather per layer (allgather); Megatron-Core's "
+        "transfers overlapped with attention (p2p), or one all-gather per layer (all_gather); Megatron-Core's "
         "names (its a2a variants are not modelled)", "layout", plan=True)
     """Key/value exchange of context parallelism: ``p2p`` (ring attention, cp - 1 steps each hidden
-    behind one block's attention) or ``allgather`` (one all-gather of K and V per layer); see
+    behind one block's attention) or ``all_gather`` (one all-gather of K and V per layer); see
     :mod:`ptdp.planner.context`. No effect with cp = 1. ``ptdp plan``: None means p2p."""
     pipeline_layer_split: tuple[int, ...] | None = opt(
         None, "--pipeline-layer-split", "explicit layers per pipeline stage, e.g. 3,3,2 (default: even split)",
