@@ -9,9 +9,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from torch.distributed.checkpoint.api import CheckpointException
-
-from ptdp.run.checkpoint.safe_reader import SafeFileSystemReader
 from ptdp.run.paths import folder_problem
 from ptdp.spec import Config, ConfigError
 
@@ -98,6 +95,10 @@ def _first_line(err: BaseException) -> str:
 def check_files(folder: Path) -> None:
     """Every file DCP's metadata refers to exists and is long enough (a missing or truncated
     shard is named here, before anything is loaded)."""
+    from torch.distributed.checkpoint.api import CheckpointException  # here: DCP takes 0.7 s to import
+
+    from ptdp.run.checkpoint.safe_reader import SafeFileSystemReader
+
     try:
         md = SafeFileSystemReader(folder).read_metadata()
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - any reader failure: unusable

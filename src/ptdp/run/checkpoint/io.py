@@ -42,11 +42,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
-
-from torch.distributed.checkpoint.api import CheckpointException
-
-from ptdp.run.checkpoint.safe_reader import SafeFileSystemReader
 
 from ptdp.run.checkpoint.folders import FORMAT, META, CheckpointError, _first_line, _open, complete_checkpoints, residual_note
 from ptdp.run.checkpoint.optim_state import MOMENTS, gather_local_state, load_local_state, state_kinds, step_count
@@ -134,6 +129,8 @@ def start_save(stage, root: str | Path, iteration: int, *, consumed_samples: int
         sd[f"residual/rank{g.global_rank}"] = stage.grads.residual
     if group is None and g.world.size > 1:
         group = g.world.group
+    import torch.distributed.checkpoint as dcp  # here, not at import: 0.7 s a worker that never saves skips
+
     writer = dcp.FileSystemWriter(tmp)
     with _quiet():
         if async_save:
@@ -169,6 +166,8 @@ class PendingSave:
                 and ``latest`` unchanged; the other ranks then fail in DCP's own collectives).
         """
         if self.future is not None:
+            from torch.distributed.checkpoint.api import CheckpointException
+
             try:
                 with _quiet():
                     self.future.result()
@@ -303,6 +302,11 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
     restore_residual = (residual is not None and same_layout and meta.get("grad_compression") == "1bit")
     if restore_residual:
         sd[f"residual/rank{g.global_rank}"] = residual
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ptdp.run.checkpoint.safe_reader import SafeFileSystemReader
+
     try:
         with _quiet():
             dcp.load(sd, storage_reader=SafeFileSystemReader(folder),
