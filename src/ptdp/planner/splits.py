@@ -21,6 +21,7 @@ chunks of different sizes, and the busiest stage's time) and keeps the fastest t
 
 from __future__ import annotations
 
+import functools
 import math
 
 from ptdp.spec import ConfigError, accounted_split, chunk_layer_ids, first_last_of
@@ -91,9 +92,11 @@ def interleaved_splits(num_layers: int, pp: int, accounting=ACCOUNTING, *,
     return out
 
 
+@functools.lru_cache(maxsize=4096)
 def accounting_of(split: tuple[int, ...], v: int) -> tuple[bool, bool] | None:
     """The (embedding, loss) counted as layers that make ``split`` at ``v`` chunks per rank (the
-    first of :data:`ACCOUNTING` that does), or None."""
+    first of :data:`ACCOUNTING` that does), or None. Cached: the search asks it for every
+    candidate layout of a split."""
     for embedding, loss in ACCOUNTING:
         units = sum(split) + embedding + loss
         if units % (len(split) * v) == 0:
@@ -105,6 +108,7 @@ def accounting_of(split: tuple[int, ...], v: int) -> tuple[bool, bool] | None:
     return None
 
 
+@functools.lru_cache(maxsize=65536)
 def chunk_layers(split: tuple[int, ...], v: int, pp_rank: int) -> tuple[int, ...] | None:
     """Layers of each of rank ``pp_rank``'s ``v`` model chunks under an interleaved ``split`` that
     counts the embedding and/or loss as layers (:func:`accounting_of`), or None for another split."""
