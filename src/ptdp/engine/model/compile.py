@@ -13,7 +13,8 @@ is traced by dynamo inside the compiled layer.
 
 Communication: the tensor-parallel functions that call :mod:`ptdp.engine.comm` (f, g, the
 sequence-parallel gathers and scatters, the column-parallel linear with its overlapped
-backward) are ``torch.compiler.disable``-d, so each compiled layer is split into regions between
+backward) are ``torch.compiler.disable``-d (:mod:`ptdp.engine.tensor_parallel.eager`, done here
+before compiling), so each compiled layer is split into regions between
 them and every collective still runs eagerly, counted per (axis, op, tag) exactly as without
 ``--compile``. At tp = 1 they are not called and a layer is one graph.
 """
@@ -23,12 +24,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ptdp.engine.tensor_parallel.eager import prepare_for_compile
+
 
 def compile_layers(model: nn.Module, *, backend: str = "inductor") -> int:
     """Replace the ``forward`` of every transformer layer of ``model`` (a
     :class:`~ptdp.engine.model.gpt.GPTModel` stage: its ``layers``) by its compiled version;
     parameter names and the state dict do not change. Returns the number of layers compiled.
     Compilation itself happens at the first forward of each shape."""
+    prepare_for_compile()
     layers = list(model.layers.values())
     for layer in layers:
         layer.forward = torch.compile(layer.forward, backend=backend, dynamic=False)
@@ -42,6 +46,7 @@ def compile_stage(model: nn.Module, *, whole: bool = True, backend: str = "induc
     graph (``hidden_states``), so inductor fuses across layer boundaries as it does for a whole
     model; otherwise compile each layer (:func:`compile_layers`). Returns True for the one graph."""
     if whole and model.tp.size == 1:
+        prepare_for_compile()
         model.hidden_states = torch.compile(model.hidden_states, backend=backend, dynamic=False)
         return True
     compile_layers(model, backend=backend)

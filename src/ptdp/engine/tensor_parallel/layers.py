@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from ptdp.engine.comm import AxisGroup
+from ptdp.engine.tensor_parallel.eager import outside_compile
 from ptdp.engine.tensor_parallel.mappings import reduce_from_tp
 from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel, reduce_scatter_sequence, sequence_gathered_linear
 from ptdp.engine.tensor_parallel.sharding import ParamSpec, make_parameter
 from ptdp.engine.tensor_parallel.wgrad import LinearFunction, embedding, linear
 
 
-@torch.compiler.disable
+@outside_compile
 def _column_parallel_linear(x, weight, bias, axis: AxisGroup, tag: str) -> torch.Tensor:
     """The column-parallel linear with f (its input gradient summed over tp, overlapped with the
     weight-gradient GEMM), run eagerly (never traced: a compiled layer is split around it)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ptdp.engine.comm import AxisGroup, all_reduce
+from ptdp.engine.tensor_parallel.eager import outside_compile
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -70,11 +71,11 @@ def reduce_from_tp(x: torch.Tensor, axis: AxisGroup, tag: str = "") -> torch.Ten
     return _reduce_from_tp(x, axis, tag)
 
 
-@torch.compiler.disable
+@outside_compile
 def _copy_to_tp(x: torch.Tensor, axis: AxisGroup, tag: str) -> torch.Tensor:
     return _CopyToTP.apply(x, axis, tag)
 
 
-@torch.compiler.disable
+@outside_compile
 def _reduce_from_tp(x: torch.Tensor, axis: AxisGroup, tag: str) -> torch.Tensor:
     return _ReduceFromTP.apply(x, axis, tag)

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptdp.engine.comm import AxisGroup, all_gather_async, reduce_scatter_async
+from ptdp.engine.tensor_parallel.eager import outside_compile
 from ptdp.engine.tensor_parallel.wgrad import weight_grad
 
 SEQ_DIM = 0
@@ -181,7 +182,7 @@ def sequence_gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     return _outside_compile(_SequenceGatheredLinear.apply, x, weight, bias, axis, tag)
 
 
-@torch.compiler.disable
+@outside_compile
 def _outside_compile(apply, *args):
     """``apply(*args)`` run eagerly, never traced into a ``torch.compile`` graph: a compiled layer
     is split around it and its collectives are counted."""
