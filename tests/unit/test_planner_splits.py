@@ -224,3 +224,17 @@ def test_layers_in_flight_of_an_interleaved_split_with_the_embedding_and_loss_co
     # Llama 3 405B's layout at m = 16: every chunk's forwards in flight on rank 0 (7 x 16 layers)
     meta = Layout(8, 16, 128, 1, 2048, virtual_stages=8, layer_split=LLAMA3_405B_SPLIT)
     assert inflight_layer_microbatches(meta, 0, 7)[0] == 112.0
+
+
+def test_no_balanced_split_is_a_rejection_not_a_crash(capsys):
+    """6 layers with a 150,000-word vocabulary: at pp = 4 the output layer outweighs every middle
+    stage, no candidate split exists, and those layouts are rejected with the reason (the search
+    used to fail on an empty candidate list)."""
+    from ptdp import cli
+
+    code = cli.main(["plan", "--num-layers", "6", "--hidden-size", "512", "--num-attention-heads", "8",
+                     "--ffn-hidden-size", "2048", "--vocab-size", "150000", "--seq-length", "1024", "--gpus", "8",
+                     "--gpu", "a100-80gb", "--global-batch-size", "32"])
+    out = capsys.readouterr().out
+    assert code == 0 and "fit" in out
+    assert "num_layers=6 has no balanced split over pp=4 stages" in out

@@ -206,6 +206,12 @@ def _predict_split(model, layout, cluster, constants, overhead, search_split: bo
         key = (0, plan.time.step) if rejection is None else (1, plan.memory.total if plan.memory else 0.0)
         if best is None or key < best[0]:
             best = (key, plan, rejection)
+    if best is None:  # no split balances the edge work within one layer of the middle stages
+        message = (f"num_layers={model.num_layers} has no balanced split over pp={layout.pp} stages (the first "
+                   f"and last stages also carry the embedding and the output layer + loss, {first:.1f} and "
+                   f"{last:.1f} layers' worth; rule: each stage >= 1 layer, the first and last at most one "
+                   f"layer above the middle ones); give --pipeline-layer-split to plan a split of your own")
+        return Plan(layout, False, reasons=[message]), Rejection("layers % pp", message)
     return best[1], best[2]
 
 
