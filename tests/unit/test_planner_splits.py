@@ -238,3 +238,17 @@ def test_no_balanced_split_is_a_rejection_not_a_crash(capsys):
     out = capsys.readouterr().out
     assert code == 0 and "fit" in out
     assert "num_layers=6 has no balanced split over pp=4 stages" in out
+
+
+def test_fixed_virtual_stages_still_count_the_embedding_and_loss_as_layers(capsys):
+    """--pp 16 --virtual-pipeline-stages 8 fixes Llama 3 405B's own layout: 126 layers do not
+    split over 128 chunks, but with the embedding and the loss counted as layers they do, as the
+    unconstrained search finds (it used to reject every such layout when v was fixed)."""
+    from ptdp import cli
+
+    code = cli.main(["plan", "--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100-sxm",
+                     "--global-batch-size", "2048", "--seq-length", "8192", "--pp", "16",
+                     "--virtual-pipeline-stages", "8", "--json"])
+    plans = [p for p in json.loads(capsys.readouterr().out) if p["fits"]]
+    assert code == 0 and plans
+    assert all(p["virtual_stages"] == 8 and tuple(p["layer_split"]) == (7,) + (8,) * 14 + (7,) for p in plans)

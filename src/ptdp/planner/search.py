@@ -315,7 +315,7 @@ def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, const
                   if fixed.virtual_stages in (None, v)]
     elif search_split and fixed.layers_per_virtual_stage is None:
         pairs += [(v, s) for v, s in interleaved_splits(model.num_layers, pp, ACCOUNTING if counted is None else ())
-                  if fixed.virtual_stages in (None, v) and v not in vs]
+                  if fixed.virtual_stages in (None, v) and (v not in vs or model.num_layers % (pp * v))]
     if pp > 1 and model.num_layers % pp and search_split:
         result.note(f"pp={pp}: {model.num_layers} layers do not split evenly over {pp} stages: planned with "
                     f"uneven first/last stages (v = 1) and interleaved only where the embedding and/or loss "
