@@ -81,3 +81,24 @@ def test_ptdp_plan_explains_its_pick_and_a_fixed_layouts_distance(capsys):
     assert cli.main([*base, "--tp", "2", "--pp", "8"]) == 0
     out = capsys.readouterr().out
     assert "the best layout with nothing fixed:\nbest vs yours: tp " in out
+
+
+def test_fixed_choices_no_layout_can_use_are_bad_requests(capsys, tmp_path):
+    """Exit 2 with the rule, not "no layout fits" (exit 1): a fixed tp that does not divide the
+    key/value heads, a fixed micro batch that does not divide the global batch; a --model path
+    that does not exist is named as a missing file; --plot with nothing fitting writes no plot and
+    says so without a failure."""
+    from ptdp import cli
+
+    base = ["plan", "--model", "llama3-8b", "--gpus", "64", "--gpu", "h100-sxm", "--global-batch-size", "16"]
+    assert cli.main([*base, "--tp", "16"]) == 2
+    assert "num_query_groups=8 is not divisible by tp=16" in capsys.readouterr().err
+    assert cli.main([*base, "--micro-batch-size", "3"]) == 2
+    assert "global_batch_size=16 is not divisible by micro_batch_size=3" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", str(tmp_path / "missing.json"), "--gpus", "8", "--global-batch-size", "8"]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+    plot = tmp_path / "nf.png"
+    assert cli.main(["plan", "--model", "llama3-405b", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch-size",
+                     "8", "--plot", str(plot)]) == 1
+    err = capsys.readouterr().err
+    assert "no layout fits: no plot written" in err and "failed" not in err and not plot.exists()

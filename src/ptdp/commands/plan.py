@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 import dataclasses
 
@@ -14,7 +15,8 @@ from ptdp.planner.hf_config import is_config_path, load_hf_config
 from ptdp.planner.models import ModelSpec, get_model
 from ptdp.planner.report import json_report, plot, text_report
 from ptdp.planner.perf import DEFAULT_CONSTANTS
-from ptdp.planner.request import check_model, check_output_path, check_request, check_stage_layers
+from ptdp.planner.request import (check_fixed_choices, check_model, check_output_path, check_request,
+                                  check_stage_layers)
 from ptdp.planner.explain import distance_from_best, explain_pick
 from ptdp.planner.search import Fixed, SearchResult, search
 
@@ -59,6 +61,9 @@ def model_from_args(args: argparse.Namespace, gpu: GPUSpec | None = None) -> tup
     notes: list[str] = []
     if args.model and is_config_path(args.model):
         model, notes = load_hf_config(args.model, seq_length=args.seq_length)
+    elif args.model and (args.model.endswith(".json") or "/" in args.model):
+        raise ConfigError(f"--model {args.model}: no such file or folder (a Hugging Face config.json, or a preset "
+                          "name such as llama3-8b)")
     elif args.model:
         model = get_model(args.model)
     else:
@@ -193,6 +198,7 @@ def _plan(args: argparse.Namespace) -> int:
     overhead = None if args.memory_overhead_gib is None else args.memory_overhead_gib * GiB
     fixed = fixed_from_args(args)
     check_request(cluster, args.global_batch_size, fixed, top=args.top, overhead_bytes=overhead)
+    check_fixed_choices(model, args.global_batch_size, fixed)
     precision = plan_precision(args) or ("bf16" if "bf16" in gpu.peak_flops else sorted(gpu.peak_flops)[0])
     if precision not in gpu.peak_flops:
         raise ConfigError(f"{gpu.name} has no peak FLOP/s for {precision}; known: {sorted(gpu.peak_flops)}")
@@ -210,7 +216,9 @@ def _plan(args: argparse.Namespace) -> int:
             free = search(model, cluster, args.global_batch_size, precision=precision, constants=constants,
                           overhead_bytes=overhead)
         print(text_report(model, cluster, result, top=args.top, explanation=_explanation(result, free)))
-    if args.plot:
+    if args.plot and not result.plans:
+        print(f"ptdp plan: no layout fits: no plot written to {args.plot}", file=sys.stderr)
+    elif args.plot:
         plot(result, args.plot, capacity_bytes=gpu.memory_bytes, top=args.top)
         if not args.json:
             print(f"\nplot written to {args.plot}")

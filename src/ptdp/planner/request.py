@@ -116,3 +116,26 @@ def check_output_path(path: str, flag: str, suffixes: tuple[str, ...] = ()) -> N
         raise ConfigError(f"{flag} {path}: folder {folder} does not exist or is not writable")
     if suffixes and p.suffix.lower() not in suffixes:
         raise ConfigError(f"{flag} {path}: use one of {', '.join(suffixes)}")
+
+
+def check_fixed_choices(model: ModelSpec, global_batch_size: int, fixed) -> None:
+    """Fixed choices that no layout can satisfy, whatever the search tries, are a bad request
+    (exit 2) rather than "no layout fits": a fixed tp that does not divide the attention heads or
+    the key/value heads, a fixed cp whose ``2 cp`` chunks do not divide the sequence, a fixed micro
+    batch that does not divide the global batch. Raises ``ConfigError`` naming the numbers."""
+    errors = []
+    tp, cp, b = fixed.tp, getattr(fixed, "cp", None), fixed.micro_batch_size
+    if tp is not None and model.num_attention_heads % tp:
+        errors.append(f"num_attention_heads={model.num_attention_heads} is not divisible by tp={tp} "
+                      "(rule: heads % tp == 0; attention is split by heads)")
+    elif tp is not None and model.kv_heads % tp:
+        errors.append(f"num_query_groups={model.kv_heads} is not divisible by tp={tp} "
+                      "(rule: key/value heads % tp == 0)")
+    if cp is not None and cp > 1 and model.seq_length % (2 * cp):
+        errors.append(f"seq_length={model.seq_length} is not divisible by 2*cp = {2 * cp} "
+                      "(rule: seq_length % (2 * cp) == 0, two chunks per context-parallel rank)")
+    if b is not None and global_batch_size % b:
+        errors.append(f"global_batch_size={global_batch_size} is not divisible by micro_batch_size={b} "
+                      "(rule: B % (b * dp) == 0)")
+    if errors:
+        raise ConfigError("invalid plan request:\n  " + "\n  ".join(errors))
