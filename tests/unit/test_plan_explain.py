@@ -4,6 +4,7 @@ between the fastest layout and the runner-up, and how far a fixed layout is from
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from ptdp.planner.explain import compare, deciding_terms, distance_from_best, explain_pick, layout_differences
 from ptdp.planner.hardware import GiB
@@ -102,3 +103,19 @@ def test_fixed_choices_no_layout_can_use_are_bad_requests(capsys, tmp_path):
                      "8", "--plot", str(plot)]) == 1
     err = capsys.readouterr().err
     assert "no layout fits: no plot written" in err and "failed" not in err and not plot.exists()
+
+
+def test_the_split_flags_the_report_prints_can_be_given_back(capsys):
+    """The report's split flags (embedding and loss counted as layers, layers per virtual stage)
+    plan the same layout when given back with the same pp."""
+    from ptdp import cli
+
+    base = ["plan", "--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100-sxm", "--global-batch-size", "2048",
+            "--seq-length", "8192", "--tp", "8", "--pp", "32", "--json"]
+    assert cli.main(base) == 0
+    best = json.loads(capsys.readouterr().out)[0]
+    flags = best["layer_split_flags"].split()
+    assert "--num-layers-per-virtual-pipeline-stage" in flags
+    assert cli.main([*base, *flags]) == 0
+    again = json.loads(capsys.readouterr().out)[0]
+    assert (again["virtual_stages"], again["layer_split"]) == (best["virtual_stages"], best["layer_split"])

@@ -140,6 +140,19 @@ def fixed_from_args(args: argparse.Namespace) -> Fixed:
     )
 
 
+def _counted_chunks_as_v(fixed: Fixed, num_layers: int) -> Fixed:
+    """With the embedding and/or loss counted as layers and pp fixed,
+    ``--num-layers-per-virtual-pipeline-stage N`` means ``v = (layers + counted) / (pp N)``, as
+    ``ptdp train`` reads it (the flags the report prints can be given back); ``fixed`` unchanged
+    otherwise."""
+    counted, per_chunk, pp = fixed.accounting, fixed.layers_per_virtual_stage, fixed.pp
+    if counted and any(counted) and per_chunk and pp and fixed.virtual_stages is None:
+        units = num_layers + sum(counted)
+        if units % (pp * per_chunk) == 0:
+            return dataclasses.replace(fixed, virtual_stages=units // (pp * per_chunk), layers_per_virtual_stage=None)
+    return fixed
+
+
 def _accounting(args: argparse.Namespace) -> tuple[bool, bool] | None:
     """(embedding, loss) counted as layers of the pipeline split, when either flag is given."""
     given = (args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split)
@@ -194,9 +207,9 @@ def _plan(args: argparse.Namespace) -> int:
     check_model(model)
     if args.pipeline_layer_split is not None:
         stage_layer_counts(model.num_layers, len(args.pipeline_layer_split), args.pipeline_layer_split)
-    check_stage_layers(model.num_layers, fixed_from_args(args))
+    fixed = _counted_chunks_as_v(fixed_from_args(args), model.num_layers)
+    check_stage_layers(model.num_layers, fixed)
     overhead = None if args.memory_overhead_gib is None else args.memory_overhead_gib * GiB
-    fixed = fixed_from_args(args)
     check_request(cluster, args.global_batch_size, fixed, top=args.top, overhead_bytes=overhead)
     check_fixed_choices(model, args.global_batch_size, fixed)
     precision = plan_precision(args) or ("bf16" if "bf16" in gpu.peak_flops else sorted(gpu.peak_flops)[0])
