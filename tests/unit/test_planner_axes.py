@@ -212,7 +212,7 @@ def test_plan_flag_errors_exit_2(capsys):
     assert "does not divide the 64 GPUs (rule: tp * cp * pp * dp = GPUs)" in capsys.readouterr().err
     # a fixed cp no layout can use is a bad request (exit 2), not "no layout fits"
     assert cli.main([*base, "--tp", "8", "--cp", "8", "--seq-length", "8200", "--json"]) == 2
-    assert "seq_length=8200 is not divisible by 2*cp = 16" in capsys.readouterr().err
+    assert "seq_length=8200 is not divisible by 2*context_parallel_size = 2*8 = 16" in capsys.readouterr().err
 
 
 def test_cp_comm_type_flag_plans_the_all_gather(capsys):

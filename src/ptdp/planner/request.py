@@ -7,9 +7,10 @@ import math
 import os
 from pathlib import Path
 
-from ptdp.spec import ConfigError, layer_split
+from ptdp.spec import ConfigError, heads_violations, layer_split
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
+from ptdp.planner.rules import context_rejections, kv_head_rejections
 
 
 def check_model(model: ModelSpec) -> None:
@@ -121,19 +122,16 @@ def check_output_path(path: str, flag: str, suffixes: tuple[str, ...] = ()) -> N
 def check_fixed_choices(model: ModelSpec, global_batch_size: int, fixed) -> None:
     """Fixed choices that no layout can satisfy, whatever the search tries, are a bad request
     (exit 2) rather than "no layout fits": a fixed tp that does not divide the attention heads or
-    the key/value heads, a fixed cp whose ``2 cp`` chunks do not divide the sequence, a fixed micro
-    batch that does not divide the global batch. Raises ``ConfigError`` naming the numbers."""
+    the key/value heads, a fixed cp whose ``2 cp`` chunks do not divide the sequence (the rules
+    every layout is checked by), a fixed micro batch that does not divide the global batch. Raises
+    ``ConfigError`` naming the numbers."""
     errors = []
     tp, cp, b = fixed.tp, getattr(fixed, "cp", None), fixed.micro_batch_size
-    if tp is not None and model.num_attention_heads % tp:
-        errors.append(f"num_attention_heads={model.num_attention_heads} is not divisible by tp={tp} "
-                      "(rule: heads % tp == 0; attention is split by heads)")
-    elif tp is not None and model.kv_heads % tp:
-        errors.append(f"num_query_groups={model.kv_heads} is not divisible by tp={tp} "
-                      "(rule: key/value heads % tp == 0)")
-    if cp is not None and cp > 1 and model.seq_length % (2 * cp):
-        errors.append(f"seq_length={model.seq_length} is not divisible by 2*cp = {2 * cp} "
-                      "(rule: seq_length % (2 * cp) == 0, two chunks per context-parallel rank)")
+    if tp is not None:
+        heads = heads_violations(model.num_attention_heads, tp)
+        errors += [v.message for v in heads] or [r.message for r in kv_head_rejections(model, tp)]
+    if cp is not None:
+        errors += [r.message for r in context_rejections(model, tp or 1, cp)]
     if b is not None and global_batch_size % b:
         errors.append(f"global_batch_size={global_batch_size} is not divisible by micro_batch_size={b} "
                       "(rule: B % (b * dp) == 0)")

@@ -41,9 +41,7 @@ def structural_rejections(model: ModelSpec, tp: int, pp: int, dp: int, b: int, b
                                global_batch_size=big_b, split=layer_split):  # the rules of ptdp train
         rule = "config" if v.rule == "option" else v.rule
         out.append(Rejection(rule, v.message.replace("; give an explicit --pipeline-layer-split to split unevenly", "")))
-    if model.num_query_groups is not None and model.kv_heads % tp != 0:
-        out.append(Rejection("kv heads % tp", f"num_query_groups={model.kv_heads} is not divisible by tp={tp} "
-                                              f"(rule: key/value heads % tp == 0)"))
+    out += kv_head_rejections(model, tp)
     if tp > gpus_per_node:
         out.append(Rejection("tp crosses nodes", f"tp={tp} crosses nodes ({gpus_per_node} GPUs per node); "
                                                  f"tensor parallelism needs NVLink"))
@@ -51,6 +49,14 @@ def structural_rejections(model: ModelSpec, tp: int, pp: int, dp: int, b: int, b
         out.append(Rejection("tp crosses nodes", f"tp={tp} does not divide the {gpus_per_node} GPUs of a node: "
                                                  f"some tensor-parallel groups would span two nodes"))
     return tuple(out)
+
+
+def kv_head_rejections(model: ModelSpec, tp: int) -> list[Rejection]:
+    """Grouped-query attention splits whole key/value heads over tp: ``kv_heads % tp == 0``."""
+    if model.num_query_groups is not None and model.kv_heads % tp != 0:
+        return [Rejection("kv heads % tp", f"num_query_groups={model.kv_heads} is not divisible by tp={tp} "
+                                           f"(rule: key/value heads % tp == 0)")]
+    return []
 
 
 @functools.lru_cache(maxsize=4096)

@@ -15,7 +15,7 @@ from ptdp.spec.fields import (ACTIVATIONS, BIND_POLICIES, DTYPES, GRAD_COMPRESSI
 from ptdp.spec.model import ModelConfig
 from ptdp.spec.parallel import ParallelConfig
 from ptdp.spec.resolve import DEFAULT_LOCAL_WORKERS, local_world_size, resolve
-from ptdp.spec.rules import (context_parallel_violations, layout_violations, recompute_violations,
+from ptdp.spec.rules import (context_parallel_violations, heads_violations, layout_violations, recompute_violations,
                              schedule_violations, sequence_parallel_violations)
 from ptdp.engine.tensor_parallel.vocab import keeps_logits, padded_vocab_size
 
@@ -24,7 +24,7 @@ __all__ = [
     "NORMALIZATIONS", "POSITION_EMBEDDINGS", "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "SCHEDULES", "SECTIONS",
     "SHARDING_STRATEGIES", "context_parallel_violations",
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LaunchConfig", "ModelConfig", "ParallelConfig",
-    "TrainConfig", "Violation", "chunk_layer_counts", "keeps_logits", "layout_violations", "local_world_size",
+    "TrainConfig", "Violation", "chunk_layer_counts", "heads_violations", "keeps_logits", "layout_violations", "local_world_size",
     "padded_vocab_size", "recompute_violations", "resolve", "schedule_violations", "sequence_parallel_violations", "stage_layer_counts",
     "accounted_split", "chunk_layer_ids", "first_last_of", "first_last_split", "layer_split",
 ]

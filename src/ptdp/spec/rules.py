@@ -45,11 +45,8 @@ def model_violations(m: ModelConfig, tp: int, pp: int, split: tuple[int, ...] | 
     """Rules tying the model to tp and pp (heads, hidden, ffn, layers per stage, vocabulary, dtype);
     ``first``/``last``: the first/last stage's layers, ``embedding``/``loss``: counted as layers of the
     split (:func:`~ptdp.engine.pipeline.partition.layer_split`)."""
-    out = []
+    out = heads_violations(m.num_attention_heads, tp)
     a, h = m.num_attention_heads, m.hidden_size
-    if a % tp != 0:
-        out.append(V("heads % tp", f"num_attention_heads={a} is not divisible by tensor_model_parallel_size={tp} "
-                     f"(rule: heads % tp == 0; attention is split by heads)", heads=a, tp=tp))
     if h % a != 0:
         out.append(V("hidden % heads", f"hidden_size={h} is not divisible by num_attention_heads={a} (rule: h % a == 0)",
                      hidden=h, heads=a))
@@ -70,6 +67,14 @@ def model_violations(m: ModelConfig, tp: int, pp: int, split: tuple[int, ...] | 
     if m.init_method_std <= 0:
         out.append(V("option", f"init_method_std={m.init_method_std} must be > 0"))
     return out
+
+
+def heads_violations(heads: int, tp: int) -> list[Violation]:
+    """Attention is split by heads: ``heads % tp == 0``."""
+    if heads % tp != 0:
+        return [V("heads % tp", f"num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp} "
+                  f"(rule: heads % tp == 0; attention is split by heads)", heads=heads, tp=tp)]
+    return []
 
 
 def llama_option_violations(m: ModelConfig, tp: int) -> list[Violation]:
