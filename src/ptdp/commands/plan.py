@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 import dataclasses
 
-from ptdp.spec import ConfigError, stage_layer_counts
+from ptdp.spec import ConfigError, stage_layer_counts, virtual_stages
 from ptdp.planner.args import plan_precision
 from ptdp.planner.fp8 import fp8_precision
 from ptdp.planner.hardware import CATALOG, Cluster, GiB, GPUSpec, get_gpu, load_catalog, runs_flash_attention
@@ -147,9 +147,9 @@ def _counted_chunks_as_v(fixed: Fixed, num_layers: int) -> Fixed:
     otherwise."""
     counted, per_chunk, pp = fixed.accounting, fixed.layers_per_virtual_stage, fixed.pp
     if counted and any(counted) and per_chunk and pp and fixed.virtual_stages is None:
-        units = num_layers + sum(counted)
-        if units % (pp * per_chunk) == 0:
-            return dataclasses.replace(fixed, virtual_stages=units // (pp * per_chunk), layers_per_virtual_stage=None)
+        if (num_layers + sum(counted)) % (pp * per_chunk) == 0:
+            v = virtual_stages(num_layers, pp, per_chunk, sum(counted))
+            return dataclasses.replace(fixed, virtual_stages=v, layers_per_virtual_stage=None)
     return fixed
 
 

@@ -6,7 +6,7 @@ Import from here: ``from ptdp.spec import Config, ModelConfig, resolve, ConfigEr
 """
 
 from ptdp.engine.pipeline.partition import (accounted_split, chunk_layer_counts, chunk_layer_ids, first_last_of,
-                                            first_last_split, layer_split, stage_layer_counts)
+                                            first_last_split, layer_split, stage_layer_counts, virtual_stages)
 from ptdp.spec.config import SECTIONS, CheckpointConfig, Config, DataConfig, LaunchConfig, TrainConfig
 from ptdp.spec.errors import ConfigError, Violation
 from ptdp.spec.fields import (ACTIVATIONS, BIND_POLICIES, DTYPES, GRAD_COMPRESSIONS, MIN_VOCAB_SIZE, NORMALIZATIONS,
@@ -26,5 +26,5 @@ __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LaunchConfig", "ModelConfig", "ParallelConfig",
     "TrainConfig", "Violation", "chunk_layer_counts", "heads_violations", "keeps_logits", "layout_violations", "local_world_size",
     "padded_vocab_size", "recompute_violations", "resolve", "schedule_violations", "sequence_parallel_violations", "stage_layer_counts",
-    "accounted_split", "chunk_layer_ids", "first_last_of", "first_last_split", "layer_split",
+    "accounted_split", "chunk_layer_ids", "first_last_of", "first_last_split", "layer_split", "virtual_stages",
 ]
