@@ -339,7 +339,7 @@ def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
     bandwidth = gpu.memory_bandwidth * c.hbm_efficiency
     links = links_for(cluster, c)
     elem = 4.0 if prec == "fp32" else 2.0
-    tp, pp, dp, v, m = layout.tp, layout.pp, layout.dp, layout.virtual_stages, layout.num_microbatches
+    tp, pp, v, m = layout.tp, layout.pp, layout.virtual_stages, layout.num_microbatches
     layer_split = layer_split if layer_split is not None else layout.layer_split
     v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, tp)
     even = layer_split is None or len(layer_split) == 1
