@@ -1,8 +1,9 @@
 """The process groups of one process, built once from a :class:`~ptdp.spec.layout.ParallelLayout`.
 
-:class:`ParallelGroups` is the single object that holds this process's tensor-, pipeline- and
-data-parallel groups and the embedding group; it is passed explicitly to the model, the pipeline
-runtime and the gradient code. There are no module-level groups.
+:class:`ParallelGroups` is the single object that holds this process's tensor-, context-,
+pipeline- and data-parallel groups, the data x context gradient group and the embedding group; it is
+passed explicitly to the model, the pipeline runtime and the gradient code. There are no
+module-level groups.
 """
 
 from __future__ import annotations
@@ -21,9 +22,14 @@ class ParallelGroups:
     """This process's groups along every axis.
 
     Attributes:
-        layout: the tp x pp x dp grid.
+        layout: the tp x cp x dp x pp grid.
         global_rank: this process's rank in the world.
-        tp, pp, dp, world: groups along each axis (``AxisGroup.rank`` is this process's coordinate).
+        tp, pp, dp, cp, world: groups along each axis (``AxisGroup.rank`` is this process's
+            coordinate); traffic on ``cp`` is counted on the "cp" axis.
+        dp_cp: the gradient group, the dp x cp ranks sharing this rank's tp and pp ranks (index
+            ``cp_rank + cp * dp_rank``). With cp == 1 it is the ``dp`` object itself (no new
+            communicator); with cp > 1 its own communicator, its traffic counted on the "dp" axis
+            (it is the data-parallel gradient traffic).
         embedding: first + last stage of this pipeline (size 1 when pp == 1).
         stats: communication counters shared by all groups of this process.
     """
@@ -36,6 +42,8 @@ class ParallelGroups:
     embedding: AxisGroup
     world: AxisGroup
     stats: CommStats
+    cp: AxisGroup
+    dp_cp: AxisGroup
 
     @property
     def coords(self) -> Coords:
@@ -51,9 +59,10 @@ class ParallelGroups:
 
     @classmethod
     def single_process(cls) -> ParallelGroups:
-        """Groups for tp = pp = dp = 1 without torch.distributed (an ordinary single process)."""
+        """Groups for tp = cp = pp = dp = 1 without torch.distributed (an ordinary single process)."""
         stats = CommStats()
-        one = {n: AxisGroup.single(n, 0, stats) for n in ("tp", "pp", "dp", "embedding", "world")}
+        one = {n: AxisGroup.single(n, 0, stats) for n in ("tp", "pp", "dp", "cp", "embedding", "world")}
+        one["dp_cp"] = one["dp"]
         return cls(ParallelLayout(1, 1, 1), 0, stats=stats, **one)
 
     @classmethod
@@ -66,13 +75,17 @@ class ParallelGroups:
         world = dist.get_world_size()
         if world != layout.world_size:
             raise ValueError(
-                f"world_size={world} != tp*pp*dp = {layout.tp}*{layout.pp}*{layout.dp}"
+                f"world_size={world} != tp*cp*pp*dp = {layout.tp}*{layout.cp}*{layout.pp}*{layout.dp}"
             )
         rank = dist.get_rank()
         stats = CommStats()
         axes = {}
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "cp"):
             axes[name] = _build_axis(name, layout.group_ranks(name), rank, timeout, stats)
+        if layout.cp == 1:
+            axes["dp_cp"] = axes["dp"]
+        else:  # the gradient traffic of data parallelism, counted on the dp axis
+            axes["dp_cp"] = _build_axis("dp", layout.group_ranks("dp_cp"), rank, timeout, stats, desc="dp_cp")
         emb = layout.embedding_group_ranks()
         if emb:
             axes["embedding"] = _build_axis("embedding", emb, rank, timeout, stats)
@@ -86,15 +99,17 @@ class ParallelGroups:
 
 
 def _build_axis(
-    name: str, all_groups: list[list[int]], rank: int, timeout: datetime.timedelta, stats: CommStats
+    name: str, all_groups: list[list[int]], rank: int, timeout: datetime.timedelta, stats: CommStats,
+    desc: str | None = None,
 ) -> AxisGroup:
-    """Create every group along one axis (all ranks call new_group for each) and keep ours."""
+    """Create every group along one axis (all ranks call new_group for each) and keep ours; its
+    calls are counted on axis ``name``; ``desc`` names the communicator (default ``name``)."""
     mine = None
     for ranks in all_groups:
         if len(ranks) == 1:
             group = None
         else:
-            group = dist.new_group(ranks=ranks, timeout=timeout, group_desc=f"ptdp_{name}")
+            group = dist.new_group(ranks=ranks, timeout=timeout, group_desc=f"ptdp_{desc or name}")
         if rank in ranks:
             mine = AxisGroup(name, tuple(ranks), ranks.index(rank), group, stats, timeout.total_seconds())
     if mine is None:  # the embedding axis covers only first/last stages

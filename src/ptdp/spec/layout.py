@@ -1,11 +1,14 @@
-"""Pure rank math for the tp x pp x dp grid. Imports nothing from torch.distributed.
+"""Pure rank math for the tp x cp x dp x pp grid. Imports nothing from torch.distributed.
 
-Ranks are ordered ``tp-dp-pp``: the tensor-parallel rank varies fastest, the pipeline rank slowest::
+Ranks are ordered ``tp-cp-dp-pp``: the tensor-parallel rank varies fastest, then the
+context-parallel rank, then the data-parallel rank, the pipeline rank slowest::
 
-    rank = tp_rank + tp * dp_rank + tp * dp * pp_rank
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
-so a tensor-parallel group is a run of consecutive ranks (inside one node, on NVLink) and pipeline
-stages are far apart (across nodes). Worked example, world 8, tp=2, pp=2, dp=2::
+so a tensor-parallel group is a run of consecutive ranks (inside one node, on NVLink), the cp ranks
+exchanging keys and values sit next to it, and pipeline stages are far apart (across nodes). With
+cp = 1 this is the ``tp-dp-pp`` order ``rank = tp_rank + tp * dp_rank + tp * dp * pp_rank``.
+Worked example, world 8, tp=2, pp=2, dp=2 (cp=1)::
 
     rank      0  1  2  3  4  5  6  7
     tp_rank   0  1  0  1  0  1  0  1
@@ -17,14 +20,37 @@ stages are far apart (across nodes). Worked example, world 8, tp=2, pp=2, dp=2::
     pp groups  [0,4] [1,5] [2,6] [3,7]
     embedding  [0,4] [1,5] [2,6] [3,7]   (first and last stage of each pipeline)
 
-Source: the ordering of Narayanan et al., SC21 (arXiv:2104.04473), §3.
+Worked example with context parallelism, world 16, tp=2, cp=2, dp=2, pp=2::
+
+    rank      0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15
+    tp_rank   0  1  0  1  0  1  0  1  0  1  0  1  0  1  0  1
+    cp_rank   0  0  1  1  0  0  1  1  0  0  1  1  0  0  1  1
+    dp_rank   0  0  0  0  1  1  1  1  0  0  0  0  1  1  1  1
+    pp_rank   0  0  0  0  0  0  0  0  1  1  1  1  1  1  1  1
+
+    tp groups     [0,1] [2,3] [4,5] [6,7] [8,9] [10,11] [12,13] [14,15]
+    cp groups     [0,2] [1,3] [4,6] [5,7] [8,10] [9,11] [12,14] [13,15]
+    dp groups     [0,4] [1,5] [2,6] [3,7] [8,12] [9,13] [10,14] [11,15]
+    pp groups     [0,8] [1,9] [2,10] [3,11] [4,12] [5,13] [6,14] [7,15]
+    dp_cp groups  [0,2,4,6] [1,3,5,7] [8,10,12,14] [9,11,13,15]
+    embedding     = the pp groups (first and last stage with the same tp, cp and dp ranks)
+
+The ``dp_cp`` group (the ranks sharing tp_rank and pp_rank) is where gradients are reduced: the
+parameters are replicated over both dp and cp. A rank's index in it is ``cp_rank + cp * dp_rank``.
+
+Source: the ordering of Narayanan et al., SC21 (arXiv:2104.04473), §3, with the context-parallel
+axis placed next to tensor parallelism as Megatron-Core orders its grid.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-AXES = ("tp", "dp", "pp")
+AXES = ("tp", "cp", "dp", "pp")
+"""The grid's axes, fastest-varying first."""
+
+GROUPS = AXES + ("dp_cp",)
+"""Every name :meth:`ParallelLayout.group_ranks` accepts."""
 
 
 @dataclass(frozen=True)
@@ -34,19 +60,22 @@ class Coords:
     tp_rank: int
     dp_rank: int
     pp_rank: int
+    cp_rank: int = 0
 
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """The sizes of the three parallel axes; ``world_size = tp * pp * dp``.
+    """The sizes of the four parallel axes; ``world_size = tp * cp * dp * pp``.
 
-    Sizes are positive integers; 1 means the axis is not used. Raises ``ValueError`` for a
-    non-positive size (``ConfigError`` in ``ptdp.spec`` gives the user-facing checks).
+    ``cp`` comes last so that ``ParallelLayout(tp, pp, dp)`` keeps its meaning. Sizes are positive
+    integers; 1 means the axis is not used. Raises ``ValueError`` for a non-positive size
+    (``ConfigError`` in ``ptdp.spec`` gives the user-facing checks).
     """
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -56,41 +85,44 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.dp * self.pp
 
     def coords(self, rank: int) -> Coords:
         """Grid position of global ``rank``; raises ``ValueError`` outside ``[0, world_size)``."""
         self._check_rank(rank)
-        return Coords(
-            tp_rank=rank % self.tp,
-            dp_rank=(rank // self.tp) % self.dp,
-            pp_rank=rank // (self.tp * self.dp),
-        )
+        rest, tp_rank = divmod(rank, self.tp)
+        rest, cp_rank = divmod(rest, self.cp)
+        pp_rank, dp_rank = divmod(rest, self.dp)
+        return Coords(tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank, cp_rank=cp_rank)
 
-    def rank(self, *, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+    def rank(self, *, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
         """Global rank at the given grid position (the inverse of :meth:`coords`)."""
-        for axis, value in (("tp", tp_rank), ("dp", dp_rank), ("pp", pp_rank)):
+        for axis, value in (("tp", tp_rank), ("cp", cp_rank), ("dp", dp_rank), ("pp", pp_rank)):
             if not 0 <= value < getattr(self, axis):
                 raise ValueError(f"{axis}_rank {value} outside [0, {getattr(self, axis)})")
-        return tp_rank + self.tp * dp_rank + self.tp * self.dp * pp_rank
+        return tp_rank + self.tp * (cp_rank + self.cp * (dp_rank + self.dp * pp_rank))
 
     def group_ranks(self, axis: str) -> list[list[int]]:
-        """All groups along ``axis`` ("tp", "dp" or "pp"), each a sorted list of global ranks.
+        """All groups along ``axis`` ("tp", "cp", "dp", "pp" or "dp_cp"), each a sorted list of
+        global ranks.
 
         The groups of one axis partition the world; a rank's index inside its group equals its
-        coordinate on that axis.
+        coordinate on that axis (for "dp_cp", the ranks sharing tp_rank and pp_rank, it is
+        ``cp_rank + cp * dp_rank``).
         """
-        if axis not in AXES:
-            raise ValueError(f"unknown axis {axis!r}; expected one of {AXES}")
+        if axis not in GROUPS:
+            raise ValueError(f"unknown axis {axis!r}; expected one of {GROUPS}")
+        varying = ("cp", "dp") if axis == "dp_cp" else (axis,)
         groups: dict[tuple[int, ...], list[int]] = {}
         for r in range(self.world_size):
             c = self.coords(r)
-            key = tuple(getattr(c, f"{a}_rank") for a in AXES if a != axis)
+            key = tuple(getattr(c, f"{a}_rank") for a in AXES if a not in varying)
             groups.setdefault(key, []).append(r)
         return sorted(groups.values())
 
     def embedding_group_ranks(self) -> list[list[int]]:
-        """Groups of (first stage, last stage) ranks holding the two copies of a tied embedding.
+        """Groups of (first stage, last stage) ranks holding the two copies of a tied embedding:
+        the two ends of each pipeline, with the same tp, cp and dp ranks.
 
         Empty when pp == 1 (the one stage holds the only copy).
         """
