@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     binding = _binding_plan(p.bind_cpus, nproc)  # a BindingError stops here, before any worker
     config, run_dir, data = prepare_run(config, log=lambda msg: print(msg, flush=True))
     print(
-        f"ptdp train: {nproc} workers, tp={p.tp} pp={p.pp} dp={p.dp}, "
+        f"ptdp train: {nproc} workers, tp={p.tp}{f' cp={p.cp}' if p.cp > 1 else ''} pp={p.pp} dp={p.dp}, "
         f"{config.num_microbatches} microbatches of {config.train.micro_batch_size} per step; "
         f"{m.family} {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
         f"seq {m.seq_length}, vocab {data.vocab_size}\n"

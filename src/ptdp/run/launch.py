@@ -35,7 +35,8 @@ def launch_local(config: Config, nproc: int, run_dir: str, data_dir: str, *, pro
         from ptdp.topology.gpu_order import gpu_order
 
         p = config.parallel
-        env, lines = gpu_order(p.tp, p.pp, p.dp, nproc)
+        # rank order tp-cp-dp-pp is tp-dp-pp with the dp x cp ranks as one axis (index cp_rank + cp * dp_rank)
+        env, lines = gpu_order(p.tp, p.pp, p.cp * p.dp, nproc)
         for line in lines:
             print(line, flush=True)
         os.environ.update(env)

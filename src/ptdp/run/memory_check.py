@@ -41,9 +41,9 @@ class RankBytes:
 
 
 def rank_estimates(config: Config) -> list[RankBytes]:
-    """Bytes of one tp rank of each pipeline stage of the resolved ``config`` (planner model;
+    """Bytes of one tp (and cp) rank of each pipeline stage of the resolved ``config`` (planner model;
     float64 counted as twice float32)."""
-    from ptdp.planner.memory import bytes_per_param, stage_activation_bytes, stage_param_counts
+    from ptdp.planner.memory import bytes_per_param, rank_activation_bytes, stage_activation_bytes, stage_param_counts
     from ptdp.planner.models import spec_from_model_config
     from ptdp.planner.plan import Layout
 
@@ -54,15 +54,17 @@ def rank_estimates(config: Config) -> list[RankBytes]:
     layout = Layout(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size,
                     virtual_stages=p.virtual_stages(m.num_layers), recompute=m.recompute_granularity or "none",
                     precision=precision, sequence_parallel=p.sequence_parallel,
-                    distributed_optimizer=p.use_distributed_optimizer, layer_split=split)
+                    distributed_optimizer=p.use_distributed_optimizer, layer_split=split, cp=p.cp,
+                    cp_comm_type=p.cp_comm_type)
     layers = stage_layer_counts(m.num_layers, p.pp, split)
     counts = stage_param_counts(model, p.tp, p.pp, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
                                 layer_split=split)
-    pb, gb, ob = bytes_per_param(precision, p.dp, p.use_distributed_optimizer)
+    pb, gb, ob = bytes_per_param(precision, p.dp * p.cp, p.use_distributed_optimizer)  # ZeRO-1 over dp x cp
+    activation_bytes = rank_activation_bytes if p.cp > 1 else stage_activation_bytes
     schedule = "gpipe" if p.schedule == "gpipe" else "1f1b"
     out = []
     for stage, (n, n_layers) in enumerate(zip(counts, layers)):
-        act = stage_activation_bytes(model, layout, stage, n_layers, schedule=schedule,
+        act = activation_bytes(model, layout, stage, n_layers, schedule=schedule,
                                      make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
         out.append(RankBytes(stage, scale * n * pb, scale * n * gb, scale * n * ob, scale * act))
     return out
@@ -75,7 +77,7 @@ def needed_bytes(config: Config, nproc: int, *, gpu: bool) -> float:
     ranks = rank_estimates(config)
     if gpu:
         return max(r.total for r in ranks) + GPU_WORKER_OVERHEAD
-    per_stage = config.parallel.tp * config.parallel.dp
+    per_stage = config.parallel.tp * config.parallel.cp * config.parallel.dp
     totals = [ranks[min(i // per_stage, len(ranks) - 1)].total for i in range(nproc)]
     return sum(totals) + nproc * CPU_WORKER_OVERHEAD
 

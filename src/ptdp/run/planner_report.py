@@ -58,7 +58,9 @@ def planner_layout(config: Config) -> Layout | None:
 
     Its recompute is the run's granularity; the planner's ``full`` keeps every layer's input
     (uniform, one layer per group): see :func:`recompute_note` for the other full settings. Its
-    sequence parallelism and pipeline split (its layers per stage, None: even) are the run's.
+    sequence parallelism, pipeline split (its layers per stage, None: even) and context
+    parallelism (cp, the key/value exchange) are the run's, so that the report and ``ptdp plan``
+    for the same layout agree.
     """
     precision = PRECISION.get(config.model.params_dtype)
     if precision is None:
@@ -67,7 +69,8 @@ def planner_layout(config: Config) -> Layout | None:
     return Layout(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size,
                   virtual_stages=p.virtual_stages(config.model.num_layers),
                   recompute=config.model.recompute_granularity or "none", precision=precision,
-                  sequence_parallel=p.sequence_parallel, layer_split=p.layer_split(config.model.num_layers))
+                  sequence_parallel=p.sequence_parallel, layer_split=p.layer_split(config.model.num_layers),
+                  cp=p.cp, cp_comm_type=p.cp_comm_type)
 
 
 def recompute_note(config: Config) -> str | None:
@@ -89,13 +92,13 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
     counts = stage_param_counts(model, p.tp, p.pp, make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by,
                                 layer_split=split)
     sharded = p.use_distributed_optimizer
-    per_param = bytes_per_param(layout.precision, p.dp, sharded)
+    per_param = bytes_per_param(layout.precision, p.dp * p.cp, sharded)  # ZeRO-1 shards over dp x cp
     rows, exact = [], True
     for r in per_rank:
         n = counts[r["coords"][2]]
         predicted = {"numel": n, "params": n * per_param[0], "grads": n * per_param[1], "optimizer": n * per_param[2]}
-        # the distributed optimizer pads each bucket to a multiple of dp: the padding elements are
-        # the only allowed difference (grads: whole padding; optimizer: its 1/dp share)
+        # the distributed optimizer pads each bucket to a multiple of dp x cp: the padding elements
+        # are the only allowed difference (grads: whole padding; optimizer: its 1/(dp cp) share)
         pad = r.get("padding", 0)
         slack = {"numel": 0, "params": 0, "grads": pad * per_param[1], "optimizer": pad * per_param[2]}
         same = all(0 <= r[k] - predicted[k] <= slack[k] for k in predicted)

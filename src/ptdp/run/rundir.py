@@ -82,9 +82,11 @@ def check_data_fits(config: Config, data: PreparedData) -> None:
 
 
 def run_dir_path(config: Config) -> Path:
-    """``--output-dir``, else ``runs/<YYYYmmdd-HHMMSS>-tp<TP>-pp<PP>-dp<DP>``."""
+    """``--output-dir``, else ``runs/<YYYYmmdd-HHMMSS>-tp<TP>-pp<PP>-dp<DP>`` (``-cp<CP>`` after
+    the tp part when cp > 1)."""
     p = config.parallel
-    return Path(config.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-tp{p.tp}-pp{p.pp}-dp{p.dp}")
+    cp = f"-cp{p.cp}" if p.cp > 1 else ""
+    return Path(config.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-tp{p.tp}{cp}-pp{p.pp}-dp{p.dp}")
 
 
 def check_run_dir(path: Path, *, overwrite: bool, load: str | None = None) -> None:

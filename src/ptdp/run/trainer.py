@@ -256,7 +256,8 @@ def _write_trace(config: Config, groups: ParallelGroups, events: list[dict], run
     labels = {}
     for r in range(layout.world_size):
         c = layout.coords(r)
-        labels[r] = f"rank {r} (tp{c.tp_rank} dp{c.dp_rank} pp{c.pp_rank})"
+        cp = f" cp{c.cp_rank}" if layout.cp > 1 else ""
+        labels[r] = f"rank {r} (tp{c.tp_rank}{cp} dp{c.dp_rank} pp{c.pp_rank})"
     write_trace(events, run_dir, labels)
     p = config.parallel
     v, m = p.virtual_stages(config.model.num_layers), config.num_microbatches
@@ -284,7 +285,7 @@ def _summary(config: Config, history: dict, elapsed: float) -> dict:
     tokens = config.train.global_batch_size * config.model.seq_length
     p = config.parallel
     return {
-        "layout": {"tp": p.tp, "pp": p.pp, "dp": p.dp, "world_size": config.world_size,
+        "layout": {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "world_size": config.world_size,
                    "num_microbatches": config.num_microbatches},
         "iterations": len(train_hist),
         "skipped_steps": sum(1 for r in train_hist if r.get("skipped")),

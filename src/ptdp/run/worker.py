@@ -49,7 +49,7 @@ def _run(config: Config, run_dir: Path, data: PreparedData, device, progress: bo
     """Build the process groups and train; test-only faults come from the environment, read once
     here (:class:`~ptdp.engine.faults.FaultPlan`; None in a real run)."""
     p = config.parallel
-    layout = ParallelLayout(tp=p.tp, pp=p.pp, dp=p.dp)
+    layout = ParallelLayout(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
     groups = ParallelGroups.build(layout, datetime.timedelta(minutes=p.distributed_timeout_minutes))
     return train(config, groups, data, run_dir, device, progress=progress, restart=restart,
                  faults=FaultPlan.from_env())

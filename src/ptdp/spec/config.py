@@ -182,8 +182,9 @@ class Config:
 
     @property
     def world_size(self) -> int:
+        """tp * cp * pp * dp processes."""
         p = self.parallel
-        return p.tp * p.pp * p.dp
+        return p.tp * p.cp * p.pp * p.dp
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

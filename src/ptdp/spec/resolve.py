@@ -16,14 +16,14 @@ from ptdp.spec.config import CheckpointConfig, Config, LaunchConfig, TrainConfig
 from ptdp.spec.errors import ConfigError, Violation, raise_violations
 from ptdp.spec.model import ModelConfig, concrete_params_dtype
 from ptdp.spec.parallel import ParallelConfig
-from ptdp.spec.rules import (V, context_parallel_violations, data_parallel_violations, finite_violations,
+from ptdp.spec.rules import (V, context_parallel_model_violations, context_parallel_violations, data_parallel_violations, finite_violations,
                              layout_violations, model_option_violations, not_yet_trainable_violations,
                              positive_violations, recompute_violations, schedule_violations,
                              sequence_parallel_violations, sharding_violations)
 
 DEFAULT_LOCAL_WORKERS = 8
 """Workers ``ptdp train`` starts on a machine without GPUs when neither ``--nproc-per-node`` nor
-``--dp`` says (if tp x pp divides it); with GPUs the default is their number."""
+``--dp`` says (if tp x cp x pp divides it); with GPUs the default is their number."""
 
 
 def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
@@ -56,6 +56,7 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
     errors += sequence_parallel_violations(m, p.tp, p.sequence_parallel)
     errors += data_parallel_violations(p)
     errors += context_parallel_violations(m.seq_length, p.context_parallel_size)
+    errors += context_parallel_model_violations(m, p.context_parallel_size, p.tp, p.sequence_parallel)
     errors += sharding_violations(p) + not_yet_trainable_violations(p)
     errors += checkpoint_violations(config.checkpoint)
     errors += launch_violations(config.launch)
@@ -190,7 +191,7 @@ def launch_violations(launch: LaunchConfig) -> list[Violation]:
     n = launch.nproc_per_node
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         out.append(V("positive", f"nproc_per_node={n} must be a positive integer (local worker processes; default: "
-                     f"tp x pp x dp)"))
+                     f"tp x cp x pp x dp)"))
     r = launch.max_restarts
     if not isinstance(r, int) or isinstance(r, bool) or r < 0:
         out.append(V("option", f"max_restarts={r!r} must be >= 0 (0: a failed worker ends the run)"))
@@ -198,9 +199,9 @@ def launch_violations(launch: LaunchConfig) -> list[Violation]:
 
 
 def local_world_size(config: Config, gpus: int | None = None) -> int:
-    """Workers ``ptdp train`` starts on this machine: ``--nproc-per-node``, else tp x pp x dp when
-    dp is given, else the machine's default (``gpus`` with GPUs, else
-    :data:`DEFAULT_LOCAL_WORKERS`) when tp x pp divides it, else tp x pp.
+    """Workers ``ptdp train`` starts on this machine: ``--nproc-per-node``, else tp x cp x pp x dp
+    when dp is given, else the machine's default (``gpus`` with GPUs, else
+    :data:`DEFAULT_LOCAL_WORKERS`) when tp x cp x pp divides it, else tp x cp x pp.
 
     ``gpus``: the GPUs this process sees (``torch.cuda.device_count()``), None without CUDA; each
     worker drives one of them.
@@ -213,7 +214,7 @@ def local_world_size(config: Config, gpus: int | None = None) -> int:
     nproc = _requested_workers(config, gpus if gpus else DEFAULT_LOCAL_WORKERS)
     if gpus is not None and nproc > gpus:
         why = ("--nproc-per-node" if launch.nproc_per_node is not None else
-               "tp x pp x dp" if p.data_parallel_size is not None else "tp x pp")
+               "tp x cp x pp x dp" if p.data_parallel_size is not None else "tp x cp x pp")
         raise_violations([V("workers <= gpus", f"{nproc} local workers ({why}) but this machine shows only "
                              f"{gpus} GPU(s) (torch.cuda.device_count(), which CUDA_VISIBLE_DEVICES limits): each "
                              f"worker needs a GPU of its own; ask for at most {gpus} workers (--nproc-per-node, a "
@@ -225,7 +226,7 @@ def _requested_workers(config: Config, default: int) -> int:
     launch, p = config.launch, config.parallel
     if launch.nproc_per_node is not None:
         return launch.nproc_per_node
-    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     if p.data_parallel_size is not None:
         return model_parallel * p.data_parallel_size
     if model_parallel > 0 and default % model_parallel == 0:
