@@ -312,7 +312,7 @@ def test_local_runs_bind_the_rendezvous_to_loopback(monkeypatch):
     meets a busy port) and workers that announce 127.0.0.1; ``python -m ptdp.train`` alone: the
     same for its world of one."""
     import ptdp.run.launch
-    from ptdp.run.worker import _single_process_defaults
+    from ptdp.run.worker import set_single_process_environment
 
     seen = []
 
@@ -326,7 +326,7 @@ def test_local_runs_bind_the_rendezvous_to_loopback(monkeypatch):
     assert config.rdzv_endpoint == "127.0.0.1:0" and config.local_addr == "127.0.0.1"
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    _single_process_defaults()
+    set_single_process_environment()
     assert os.environ["MASTER_ADDR"] == "127.0.0.1" and int(os.environ["MASTER_PORT"]) > 0
 
 

@@ -43,10 +43,11 @@ _SHAPE_FLAGS = {
 }
 
 
-def model_from_args(args: argparse.Namespace, gpu: GPUSpec | None = None) -> tuple[ModelSpec, list[str]]:
-    """The model ``--model`` names (a preset, or a Hugging Face config.json file or folder) with any
-    shape flags applied, or a model from the flags alone; and notes on what a config holds that
-    the planner does not model.
+def model_from_args(args: argparse.Namespace, gpu: GPUSpec | None = None,
+                    base: ModelSpec | None = None) -> tuple[ModelSpec, list[str]]:
+    """The model ``--model`` names (a preset, or a Hugging Face config.json file or folder), or
+    ``base``, with any shape flags applied, or a model from the flags alone; and notes on what a
+    config holds that the planner does not model.
 
     Attention kernel: ``--use-flash-attn`` / ``--no-use-flash-attn`` when given; else the
     model's (flash for the Llama presets and Hugging Face configs, unfused for the
@@ -59,7 +60,9 @@ def model_from_args(args: argparse.Namespace, gpu: GPUSpec | None = None) -> tup
     if args.untie_embeddings_and_output_weights is not None:
         overrides["tied"] = not args.untie_embeddings_and_output_weights
     notes: list[str] = []
-    if args.model and is_config_path(args.model):
+    if base is not None:
+        model = base
+    elif args.model and is_config_path(args.model):
         model, notes = load_hf_config(args.model, seq_length=args.seq_length)
     elif args.model and (args.model.endswith(".json") or "/" in args.model):
         raise ConfigError(f"--model {args.model}: no such file or folder (a Hugging Face config.json, or a preset "
@@ -179,16 +182,32 @@ def run(args: argparse.Namespace) -> int:
     return _plan(args)
 
 
-def _plan(args: argparse.Namespace) -> int:
-    """``ptdp plan``: the validation table with ``--validate``, else the search; the exit code.
+@dataclasses.dataclass
+class PlanRequest:
+    """A ``ptdp plan`` search request, checked: what :func:`prepare` builds from the flags."""
 
-    ``--calibrate`` (torch workers) is dispatched by :mod:`ptdp.cli` to
-    :mod:`ptdp.commands.calibrate` before this is called.
-    """
-    if args.validate:
-        from ptdp.commands.validate import run_validation
+    model: ModelSpec
+    cluster: Cluster
+    global_batch_size: int
+    fixed: Fixed
+    precision: str
+    constants: object
+    overhead: float | None
+    notes: list[str]
 
-        return run_validation(args)
+    def search(self, *, fixed: Fixed | None = None) -> SearchResult:
+        return search(self.model, self.cluster, self.global_batch_size, fixed=self.fixed if fixed is None else fixed,
+                      precision=self.precision, constants=self.constants, overhead_bytes=self.overhead)
+
+    def explanation(self, result: SearchResult) -> list[str]:
+        """:func:`_explanation`, with the free search run when choices are fixed."""
+        free = self.search(fixed=Fixed()) if self.fixed != Fixed() else None
+        return _explanation(result, free)
+
+
+def prepare(args: argparse.Namespace, model: ModelSpec | None = None) -> PlanRequest:
+    """Check the flags of a search and build its model, cluster and fixed choices (``model``: use
+    this one instead of ``--model``, the shape flags applied to it). Raises ConfigError naming the rule."""
     if args.gpus is None or args.global_batch_size is None:
         raise ConfigError("ptdp plan needs --gpus N and --global-batch-size B (or --validate CSV, or --calibrate)")
     if args.plot:
@@ -202,7 +221,7 @@ def _plan(args: argparse.Namespace) -> int:
         cluster = Cluster(gpu, args.gpus, per_node)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    model, model_notes = model_from_args(args, gpu)
+    model, model_notes = model_from_args(args, gpu, base=model)
     notes = [*model_notes, *notes]
     check_model(model)
     if args.pipeline_layer_split is not None:
@@ -217,22 +236,32 @@ def _plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"{gpu.name} has no peak FLOP/s for {precision}; known: {sorted(gpu.peak_flops)}")
     if getattr(args, "fp8", False):
         precision = fp8_precision(gpu, precision)
-    result = search(model, cluster, args.global_batch_size, fixed=fixed,
-                    precision=precision, constants=constants, overhead_bytes=overhead)
+    return PlanRequest(model, cluster, args.global_batch_size, fixed, precision, constants, overhead, notes)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """``ptdp plan``: the validation table with ``--validate``, else the search; the exit code.
+
+    ``--calibrate`` (torch workers) is dispatched by :mod:`ptdp.cli` to
+    :mod:`ptdp.commands.calibrate` before this is called.
+    """
+    if args.validate:
+        from ptdp.commands.validate import run_validation
+
+        return run_validation(args)
+    request = prepare(args)
+    result = request.search()
     if args.json:
         print(json_report(result, top=args.top))
     else:
-        for note in notes:
+        for note in request.notes:
             print(note)
-        free = None
-        if fixed != Fixed():  # how far the fixed choices are from the best layout found with none
-            free = search(model, cluster, args.global_batch_size, precision=precision, constants=constants,
-                          overhead_bytes=overhead)
-        print(text_report(model, cluster, result, top=args.top, explanation=_explanation(result, free)))
+        print(text_report(request.model, request.cluster, result, top=args.top,
+                          explanation=request.explanation(result)))
     if args.plot and not result.plans:
         print(f"ptdp plan: no layout fits: no plot written to {args.plot}", file=sys.stderr)
     elif args.plot:
-        plot(result, args.plot, capacity_bytes=gpu.memory_bytes, top=args.top)
+        plot(result, args.plot, capacity_bytes=request.cluster.gpu.memory_bytes, top=args.top)
         if not args.json:
             print(f"\nplot written to {args.plot}")
     return 0 if result.plans else 1

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m ptdp.train`` under torchrun (or alone: then a single process)."""
     parser = argparse.ArgumentParser(prog="python -m ptdp.train", description=__doc__, formatter_class=HelpFormatter)
     add_train_arguments(parser, local_launch=False)
-    _single_process_defaults()
+    set_single_process_environment()
     rank, local_rank, world = env_world()
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
     try:
@@ -105,15 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ptdp.train: error on rank {rank}: {e}", file=sys.stderr, flush=True)
         return 2
     try:
-        host = host_group(DATA_PREPARATION_TIMEOUT)
-        # a torchrun whose node saw no failure restarts its workers without counting: the job's count is the max
-        restart = max(comm.all_gather_object(restart_count(), host))
-        config = resume_config(config, restart)
-        roles = Roles(checks_run_dir=rank == 0, prepares_data=local_rank == 0, writes_run_dir=rank == 0)
-        config, run_dir, data = prepare_run(config, roles=roles, restart=restart, share=_host_share(host))
-        with nccl_watch(device, config.parallel.distributed_timeout_minutes):
-            summary = _run(config, run_dir, data, device, not args.no_progress, restart)
-        say(format_summary(summary, run_dir))
+        summary = train_in_process_group(config, device, progress=not args.no_progress)
+        say(format_summary(summary, Path(summary["run_dir"])))
     except (ConfigError, DataError, TrainingError) as e:
         say(f"ptdp.train: error: {e}")
         return 1 if isinstance(e, TrainingError) else 2
@@ -123,6 +116,24 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def train_in_process_group(config: Config, device, *, progress: bool) -> dict:
+    """Train ``config`` (resolved and checked) in this worker, torch.distributed initialised: the
+    host group, the job's restart count, the run directory and data (prepared by local rank 0 of
+    each node while the others wait), the process groups, the training loop. Returns the run's
+    summary with ``run_dir`` added. Raises ConfigError / DataError (bad request or data),
+    TrainingError (training had to stop), CollectiveError (a peer went away)."""
+    rank, local_rank, _ = env_world()
+    host = host_group(DATA_PREPARATION_TIMEOUT)
+    # a torchrun whose node saw no failure restarts its workers without counting: the job's count is the max
+    restart = max(comm.all_gather_object(restart_count(), host))
+    config = resume_config(config, restart)
+    roles = Roles(checks_run_dir=rank == 0, prepares_data=local_rank == 0, writes_run_dir=rank == 0)
+    config, run_dir, data = prepare_run(config, roles=roles, restart=restart, share=_host_share(host))
+    with nccl_watch(device, config.parallel.distributed_timeout_minutes):
+        summary = _run(config, run_dir, data, device, progress, restart)
+    return {**summary, "run_dir": str(run_dir)}
 
 
 def nccl_watch(device, timeout_minutes: float):
@@ -148,7 +159,7 @@ def _host_share(host) -> Share:
     return Share(raise_first, lambda run_dir: Path(comm.broadcast_object(str(run_dir), host, src=0)))
 
 
-def _single_process_defaults() -> None:
+def set_single_process_environment() -> None:
     """Without a launcher, run as a world of one process on a free local port."""
     if "RANK" in os.environ:
         return
