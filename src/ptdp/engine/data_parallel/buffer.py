@@ -1,5 +1,10 @@
 """Gradient buckets of one model-parallel shard, reduced over the data-parallel group.
 
+The group is every rank holding the same parameters: the dp x cp ranks sharing this rank's tp
+and pp ranks (``ParallelGroups.dp_cp``; the dp group when cp = 1). Context-parallel ranks hold
+partial gradients of the same microbatches (each rank's share of its tokens), so the reduction
+sums over cp and averages over dp only (``average_over`` = dp).
+
 Every gradient lives in one flat buffer cut into buckets (at most ``bucket_size`` elements each,
 never spanning two model chunks). Microbatch gradients accumulate in place. A bucket's
 data-parallel reduction starts as soon as the last of its gradients is ready in the backward of
@@ -10,8 +15,8 @@ Buckets are filled in reverse parameter order, the order backward produces gradi
 Megatron-LM and PyTorch DDP.
 
 With ``shard=True`` (the distributed optimizer, ZeRO-1; Rajbhandari et al., arXiv:1910.02054)
-each bucket is padded to a multiple of dp and reduce-scattered: rank i keeps the i-th 1/dp of
-every bucket's average in :attr:`GradBuffer.shard_grads`; parameters become views of one flat
+each bucket is padded to a multiple of the group's size (dp x cp) and reduce-scattered: rank i of
+the group keeps the i-th share of every bucket's reduction in :attr:`GradBuffer.shard_grads`; parameters become views of one flat
 :attr:`GradBuffer.param_data` with the same layout, so the updated shards can be all-gathered in
 place. For bfloat16 parameters the buffer is float32 (Megatron's ``main_grad``): the linear layers,
 the output layer and the word-embedding lookup add their weight gradients straight into
@@ -67,7 +72,8 @@ class GradBuffer:
 
     Args:
         chunk_params: parameters of each chunk, in module order.
-        dp: the data-parallel axis.
+        dp: the group the gradients are reduced over (and, with ``shard``, sharded over): the
+            dp x cp ranks holding the same parameters (``ParallelGroups.dp_cp``).
         grad_dtype: buffer dtype (default: the parameters'); float32 for bfloat16 parameters.
         bucket_size: most elements per bucket (a larger parameter gets a bucket of its own).
         overlap: start a bucket's reduction during backward, when all its gradients are ready.
@@ -77,11 +83,15 @@ class GradBuffer:
             gradient is first summed over the first and last pipeline stage).
         prescaled: the gradients arrive already divided by dp (the step folds 1/dp into the
             loss), so the reductions sum instead of averaging: no division pass.
+        average_over: what an averaging (not ``prescaled``) reduction divides the sum by, the
+            number of data-parallel replicas dp (default: ``dp.size``, right when cp = 1; with
+            cp > 1 the sum over cp is kept).
     """
 
     def __init__(self, chunk_params: list[list[nn.Parameter]], *, dp: AxisGroup, grad_dtype: torch.dtype | None = None,
                  bucket_size: int | None = None, overlap: bool = False, codec: str = "none", shard: bool = False,
-                 deferred: tuple[nn.Parameter, ...] = (), prescaled: bool = False) -> None:
+                 deferred: tuple[nn.Parameter, ...] = (), prescaled: bool = False,
+                 average_over: int | None = None) -> None:
         params = [p for ps in chunk_params for p in ps]
         if not params:
             raise ValueError("GradBuffer needs at least one parameter")
@@ -89,6 +99,7 @@ class GradBuffer:
         if len(dtypes) != 1:
             raise ValueError(f"parameters of one buffer must share a dtype, got {sorted(map(str, dtypes))}")
         self.params, self.dp, self.codec, self.sharded, self.prescaled = params, dp, codec, shard, prescaled
+        self.average_over = dp.size if average_over is None else average_over
         self.exact = False
         """Reduce in the buffer's dtype whatever ``codec`` is (compression warmup); set per step."""
         self.grad_scale: float | torch.Tensor = 1.0
@@ -185,12 +196,14 @@ class GradBuffer:
         residual = self.residual[bucket.start: bucket.start + bucket.numel] if self.residual is not None else None
         codec = "none" if self.exact else self.codec
         bucket.finish = start_reduction(codec, grad, self.dp, shard=shard, residual=residual,
-                                        grad_scale=self.grad_scale, blocks=bucket.blocks, average=not self.prescaled)
+                                        grad_scale=self.grad_scale, blocks=bucket.blocks, average=not self.prescaled,
+                                        divisor=self.average_over)
         self._launched.append(bucket)
 
     def finish(self) -> None:
         """Start every bucket not started yet (in bucket order), then wait for all: afterwards the
-        buffer (or, sharded, :attr:`shard_grads`) holds the gradients averaged over dp."""
+        buffer (or, sharded, :attr:`shard_grads`) holds the gradients summed over cp and averaged
+        over dp."""
         if self.dp.size == 1:  # nothing to average; a sharded buffer's one shard is everything
             if self.shard_grads is not None:
                 self.shard_grads.copy_(self.data)

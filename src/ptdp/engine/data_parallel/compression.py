@@ -1,7 +1,8 @@
 """How a gradient bucket is reduced over the data-parallel group: exactly, in 16 bits, or in 1 bit.
 
-Every codec averages the bucket over the ``dp`` replicas and only ever communicates on the DP
-axis. ``start`` issues the (asynchronous) collectives and returns a function that, once called,
+Every codec averages the bucket over the ``dp`` replicas (summing over the cp ranks of each,
+which hold partial gradients of the same parameters) and only ever communicates on the
+data-parallel gradient group (dp x cp ranks, counted on the ``dp`` axis). ``start`` issues the (asynchronous) collectives and returns a function that, once called,
 waits for them and leaves the average in place (or, for the distributed optimizer, this rank's
 shard of it in ``shard``). Payload per rank and step (counted by :mod:`ptdp.engine.comm`): ``none`` 4
 bytes per element (fp32), ``fp16``/``bf16`` 2, ``1bit`` 1/8 + 4/64 = 0.1875 (21x less than fp32).
@@ -64,8 +65,12 @@ def unpackbits(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 def start_reduction(codec: str, grad: torch.Tensor, axis: AxisGroup, *, shard: torch.Tensor | None = None,
                     residual: torch.Tensor | None = None, grad_scale: float | torch.Tensor = 1.0,
-                    blocks: torch.Tensor | None = None, average: bool = True) -> Callable[[], None]:
+                    blocks: torch.Tensor | None = None, average: bool = True,
+                    divisor: int | None = None) -> Callable[[], None]:
     """Start averaging ``grad`` (a flat fp32 bucket) over ``axis``; returns ``finish()``.
+
+    ``divisor``: what averaging divides the sum over ``axis`` by (default ``axis.size``); the
+    number of data-parallel replicas dp when ``axis`` is the dp x cp group (summed over cp).
 
     ``average=False``: every rank's ``grad`` is already divided by dp (the training step folds
     1/dp into the loss, :func:`ptdp.engine.step.train_step`), so the codec only sums: no division
@@ -79,7 +84,7 @@ def start_reduction(codec: str, grad: torch.Tensor, axis: AxisGroup, *, shard: t
     ``blocks``: 1-bit scale block sizes (:func:`block_sizes` of the parameters laid out in
     ``grad``); default: blocks of :data:`ONE_BIT_BLOCK` over the whole bucket.
     """
-    dp = axis.size
+    dp = axis.size if divisor is None else divisor
     divide = dp if average else 1
     if codec == "none":
         if shard is not None:

@@ -20,7 +20,7 @@ def finalize_grads(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups)
     gradients of the sequence-parallel parameters over tp (:func:`sum_sequence_parallel_grads`).
 
     Communication: embedding all-reduce of the ``[V_pad / tp, h]`` word-embedding gradient (only
-    with pp > 1 and tied embeddings); dp all-reduces (or reduce-scatters) of all buckets, together
+    with pp > 1 and tied embeddings); dp x cp all-reduces (or reduce-scatters) of all buckets, together
     the stage's gradient elements (Narayanan et al. SC21, §3.2); with sequence parallelism one tp
     all-reduce of the marked parameters' gradients.
     """
@@ -72,11 +72,11 @@ def counts_in_norm(param: nn.Parameter, groups: ParallelGroups) -> bool:
 
 
 def _sum_of_squares(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups) -> torch.Tensor:
-    if buffer.sharded:  # this rank's shard of the averaged gradients; the dp ranks' shards add up
+    if buffer.sharded:  # this rank's shard of the reduced gradients; the dp x cp ranks' shards add up
         grads = [buffer.shard_grads[seg.shard_offset: seg.shard_offset + seg.hi - seg.lo]
                  for seg in buffer.segments if counts_in_norm(seg.param, groups)]
         sq = _squares(grads, buffer.data.device)
-        all_reduce(sq, groups.dp, tag="grad_norm")
+        all_reduce(sq, groups.dp_cp, tag="grad_norm")
         return sq
     return _squares([buffer.grad(p) for p in model.parameters() if counts_in_norm(p, groups)], buffer.data.device)
 
@@ -95,7 +95,9 @@ def global_grad_norm(model: nn.Module, buffer: GradBuffer, groups: ParallelGroup
     0-dim tensor on the buffer's device (nan or inf if a gradient is; the same on every rank).
 
     Sums squares (float64) over this rank's counted parameters (with the distributed optimizer,
-    over its shard, then all-reduced over dp), then all-reduces over tp and pp (1 element each).
+    over its shard, then all-reduced over the dp x cp group the shards partition), then
+    all-reduces over tp and pp (1 element each). Parameters are replicated over cp and the
+    reduced gradients equal on every cp rank, so each counts once: no cp reduction.
     No host synchronisation: the value stays on the device until someone reads it.
     """
     sq = _sum_of_squares(model, buffer, groups)
