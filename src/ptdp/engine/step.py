@@ -2,7 +2,8 @@
 the tests and the benchmarks.
 
 A step: zero the gradient buffer -> run the pipeline schedule (gpipe, 1f1b or interleaved-1f1b) over the rank's ``m`` microbatches ->
-average gradients over dp and sum the tied embedding over first/last stage -> global-norm clip ->
+average gradients over dp (summing over cp: each cp rank's loss is its share of the microbatch's,
+so its gradients are partial) and sum the tied embedding over first/last stage -> global-norm clip ->
 AdamW with the scheduled learning rate (on float32 main parameters for bfloat16 models). Its loss is the mean over all ``B * s`` tokens of the global
 batch, identical for every layout.
 
@@ -211,7 +212,9 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     low_precision = DTYPES[m.params_dtype] in (torch.bfloat16, torch.float16)
     tied = model.tied_embedding()
     grads = GradBuffer(
-        [list(chunk.parameters()) for chunk in chunks], dp=groups.dp,
+        # reduced (and sharded) over the dp x cp ranks holding these parameters: summed over cp,
+        # averaged over dp (1/dp in the loss, or average_over=dp for float16)
+        [list(chunk.parameters()) for chunk in chunks], dp=groups.dp_cp, average_over=groups.dp.size,
         grad_dtype=torch.float32 if low_precision else None, bucket_size=p.ddp_bucket_size,
         overlap=p.overlap_grad_reduce, codec=p.grad_compression, shard=p.use_distributed_optimizer,
         deferred=(tied,) if tied is not None and groups.embedding.size > 1 else (),
@@ -331,7 +334,8 @@ def _eval_loss(stage: Stage, batches: list[list[Microbatch]]) -> float:
     """Mean over ``batches`` of each global batch's mean loss, known on every rank: the last
     stages' loss sums stay on the device, then one world all-reduce of a single float64 (tag
     ``metrics``; only tp rank 0 of each last stage contributes, since its tp peers hold the same
-    value) and one read to the host per evaluation."""
+    value; its cp peers add their shares of each microbatch's loss) and one read to the host per
+    evaluation: the sum over dp x cp divided by dp."""
     g = stage.groups
     if not batches:
         return 0.0
@@ -354,8 +358,9 @@ def _step_values(stage: Stage, losses: list[torch.Tensor], m: int, norm: torch.T
     """``[mean loss, norm, ranks with a non-finite loss, ranks with a non-finite norm or (float16)
     an ``overflow`` flag set, loss scale]``: float64 on the device, the same on every rank. One
     world all-reduce of three float64 (tag ``metrics``; only tp rank 0 of each last stage adds its
-    loss sum, since its tp peers hold the same value); the scale (1 without one) is appended after
-    it. No host synchronisation."""
+    loss sum, since its tp peers hold the same value; each cp rank adds its share of every
+    microbatch's loss, so the sum over dp x cp divided by ``m * dp`` is the step's mean); the scale
+    (1 without one) is appended after it. No host synchronisation."""
     g = stage.groups
     value = torch.zeros(3, dtype=torch.float64, device=stage.device)
     if losses:
