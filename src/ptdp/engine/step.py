@@ -86,10 +86,11 @@ class Stage:
 
     @property
     def hidden_shape(self) -> tuple[int, int, int]:
-        """Activations passed between stages, sequence-first: ``[s, b, h]``, ``[s/tp, b, h]`` with
-        sequence parallelism."""
+        """Activations passed between stages, sequence-first: ``[s/cp, b, h]`` (a cp rank's two
+        chunks; ``[s, b, h]`` at cp = 1), ``[s/(cp tp), b, h]`` with sequence parallelism."""
         m, t, p = self.config.model, self.config.train, self.config.parallel
-        return (m.seq_length // (p.tp if p.sequence_parallel else 1), t.micro_batch_size, m.hidden_size)
+        rows = m.seq_length // (p.context_parallel_size * (p.tp if p.sequence_parallel else 1))
+        return (rows, t.micro_batch_size, m.hidden_size)
 
 
 NONFINITE_LOSS = "non-finite loss"

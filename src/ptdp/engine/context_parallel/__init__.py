@@ -1,10 +1,10 @@
 """Context parallelism: the sequence split over the ranks of the ``cp`` axis.
 
-Building blocks, not yet used by the model: the load-balanced layout of the sequence
-(:mod:`.chunks`), causal attention block by block merged by log-sum-exp (:mod:`.blockwise`), and
-attention across the cp ranks with an all-gather or a ring of point-to-point transfers of keys and
-values (:mod:`.attention`, :mod:`.ring`), each block computed by the explicit kernel or a fused
-flash-attention one (:mod:`.kernels`).
+The pieces the model (:mod:`ptdp.engine.model.gpt`) uses when cp > 1: the load-balanced layout
+of the sequence and the positions a rank holds (:mod:`.chunks`), causal attention block by block
+merged by log-sum-exp (:mod:`.blockwise`), and attention across the cp ranks with an all-gather
+or a ring of point-to-point transfers of keys and values (:mod:`.attention`, :mod:`.ring`), each
+block computed by the explicit kernel or a fused flash-attention one (:mod:`.kernels`).
 
 Names are imported on first use (PEP 562).
 """
@@ -14,7 +14,8 @@ from __future__ import annotations
 import importlib
 
 _WHERE = {
-    "check_sequence": "chunks", "chunk_ids": "chunks", "local_positions": "chunks", "shard_sequence": "chunks",
+    "check_sequence": "chunks", "chunk_ids": "chunks", "local_positions": "chunks", "rank_positions": "chunks",
+    "shard_sequence": "chunks",
     "unshard_sequence": "chunks",
     "Partial": "blockwise", "attention_block": "blockwise", "attention_block_backward": "blockwise",
     "block_attention": "blockwise", "block_kind": "blockwise", "blockwise_causal_attention": "blockwise",

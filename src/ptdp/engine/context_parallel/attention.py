@@ -39,6 +39,7 @@ from ptdp.engine.context_parallel.blockwise import compute_dtype, default_scale,
 from ptdp.engine.context_parallel.chunks import chunk_ids
 from ptdp.engine.context_parallel.kernels import block_backward, block_forward, choose
 from ptdp.engine.context_parallel.ring import BACKWARD, FORWARD, RingAttention
+from ptdp.engine.tensor_parallel.eager import outside_compile
 
 COMM_TYPES = ("p2p", "all_gather")
 
@@ -110,7 +111,7 @@ class AllGatherAttention(torch.autograd.Function):
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
 
 
-@torch.compiler.disable
+@outside_compile
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: AxisGroup,
                                comm_type: str = "p2p", *, scale: float | None = None,
                                kernel: str = "auto") -> torch.Tensor:

@@ -54,6 +54,25 @@ def local_positions(seq_length: int, cp_rank: int, cp_size: int, *, device=None)
     return torch.where(local < c, first * c + local, second * c + local - c)
 
 
+def rank_positions(seq_length: int, cp_rank: int, cp_size: int, *, tp_rank: int = 0, tp_size: int = 1,
+                   device=None) -> torch.Tensor:
+    """Global positions of the hidden-state rows a rank holds outside attention and the MLP
+    (int64 ``[s / (C t)]``): its cp chunks' positions (:func:`local_positions`), and with sequence
+    parallelism over ``tp_size`` ranks the ``tp_rank``-th contiguous block of them (the rows of
+    ``[s/(C t), b, h]``; ``tp_size=1`` without sequence parallelism).
+
+    Raises:
+        ValueError: as :func:`check_sequence`, or ``s / C`` not divisible by ``tp_size``.
+    """
+    local = local_positions(seq_length, cp_rank, cp_size, device=device)
+    if local.numel() % tp_size or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"the {local.numel()} positions of a cp rank (seq_length {seq_length} / cp {cp_size}) cannot "
+                         f"be split over {tp_size} tp ranks (rule: seq_length % (cp * tp) == 0 with sequence "
+                         f"parallelism), or tp_rank {tp_rank} is outside [0, {tp_size})")
+    per = local.numel() // tp_size
+    return local[tp_rank * per:(tp_rank + 1) * per]
+
+
 def shard_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, *, dim: int) -> torch.Tensor:
     """This rank's part of ``x`` along tensor dim ``dim`` (the sequence: dim 1 of ``[b, s]`` or
     ``[b, heads, s, d]``, dim 0 of ``[s, b, ...]``): chunks ``r`` and ``2C - 1 - r`` concatenated,

@@ -44,6 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptdp.engine.comm import AxisGroup
+from ptdp.engine.context_parallel.attention import context_parallel_attention
+from ptdp.engine.context_parallel.chunks import rank_positions, shard_sequence
 from ptdp.spec import ModelConfig, padded_vocab_size
 from ptdp.engine.model.recompute import recomputed, run_layers
 from ptdp.engine.model.rotary import RotaryEmbedding
@@ -116,11 +118,24 @@ class Attention(nn.Module):
     probabilities of global head ``j`` are dropped with the masks of stream ``layer.<i>/head<j>``.
     Input and output ``[s, b, h]`` (``[s/t, b, h]`` with ``sequence_parallel``: QKV gathers the
     whole sequence, so attention and the rotary positions see all ``s`` positions).
+
+    Context parallelism (``cp`` of size C > 1): input and output are this cp rank's ``s/C`` rows
+    (its chunks ``r`` and ``2C - 1 - r``; ``s/(C t)`` with ``sequence_parallel``, QKV gathering the
+    rank's ``s/C``), rotary positions are the rows' global positions, and the core is
+    :func:`~ptdp.engine.context_parallel.attention.context_parallel_attention` over ``cp`` with
+    ``cp_comm_type`` (keys and values exchanged over the cp ranks, their gradients sent back; its
+    docstring gives the bytes), on the same ``a/t`` query and ``kv/t`` key/value heads.
+    Attention dropout with C > 1 is refused (ValueError; ``spec/rules.py`` refuses the config).
     """
 
     def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype, sequence_parallel: bool = False,
-                 *, layer_id: int = 0, rng: DropoutRNG | None = None) -> None:
+                 *, layer_id: int = 0, rng: DropoutRNG | None = None, cp: AxisGroup | None = None,
+                 cp_comm_type: str = "p2p") -> None:
         super().__init__()
+        self.cp, self.cp_comm_type = cp if cp is not None else AxisGroup.single("cp"), cp_comm_type
+        if self.cp.size > 1 and cfg.attention_dropout > 0:
+            raise ValueError(f"attention_dropout={cfg.attention_dropout} is not supported with context parallelism "
+                             f"(cp={self.cp.size}); rule: attention_dropout == 0 when cp > 1")
         h, a = cfg.hidden_size, cfg.num_attention_heads
         self.local_heads, self.head_dim = a // tp.size, h // a
         self.grouped = cfg.num_query_groups is not None
@@ -155,14 +170,19 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.split_heads(self.qkv(x))
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+            where = {"cp_rank": self.cp.rank, "cp_size": self.cp.size}
+            q, k = self.rotary(q, **where), self.rotary(k, **where)
         rng = self.rng if self.dropout_p > 0 else None  # the recompute replays the masks
         out = recomputed(self.core, q, k, v, rng=rng) if self.recompute_core else self.core(q, k, v)
         return self.proj(out.permute(2, 0, 1, 3).flatten(2))  # [b, a/tp, s, d] -> [s, b, a/tp * d]
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention core, causal ``softmax(q k^T / sqrt(d)) v`` (q ``[b, a/tp, s, d]``, k and v
-        ``[b, kv/tp, s, d]``): what selective recompute runs again in backward (``recompute_core``)."""
+        ``[b, kv/tp, s, d]``; ``s/C`` rows with context parallelism, attending to the keys of every
+        cp rank): what selective recompute runs again in backward (``recompute_core``), its cp
+        communication included."""
+        if self.cp.size > 1:
+            return context_parallel_attention(q, k, v, self.cp, self.cp_comm_type)
         if self.training and self.dropout_p > 0:
             return self.core_with_dropout(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
@@ -214,12 +234,13 @@ class TransformerLayer(nn.Module):
     layer index, names the layer's dropout streams in ``rng``."""
 
     def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype, sequence_parallel: bool = False,
-                 *, layer_id: int = 0, rng: DropoutRNG | None = None) -> None:
+                 *, layer_id: int = 0, rng: DropoutRNG | None = None, cp: AxisGroup | None = None,
+                 cp_comm_type: str = "p2p") -> None:
         super().__init__()
         rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
         sp = sequence_parallel
         self.ln1 = make_norm(cfg, dtype, sp)
-        self.attention = Attention(cfg, tp, dtype, sp, layer_id=layer_id, rng=rng)
+        self.attention = Attention(cfg, tp, dtype, sp, layer_id=layer_id, rng=rng, cp=cp, cp_comm_type=cp_comm_type)
         self.ln2 = make_norm(cfg, dtype, sp)
         self.mlp = MLP(cfg, tp, dtype, sp)
         self.hidden_dropout = Dropout(cfg.hidden_dropout, rng, f"layer.{layer_id}")
@@ -243,6 +264,13 @@ class GPTModel(nn.Module):
             a model used outside a training run).
         sequence_parallel: split the hidden states outside attention and MLP along the sequence
             over tp (needs ``s % tp == 0``); the stage's input and output are then ``[s/t, b, h]``.
+        cp: the context-parallel axis (None: size 1). With C > 1 this rank computes its two
+            chunks of every sequence (:mod:`ptdp.engine.context_parallel.chunks`): the first stage
+            takes the whole ``[b, s]`` tokens and keeps its ``s/C``; hidden states, the stage's
+            input and output are ``[s/C, b, h]`` (``[s/(C t), b, h]`` with sequence parallelism,
+            needing ``s % (C t) == 0``); positions are global.
+        cp_comm_type: how attention exchanges keys and values over ``cp`` (``"p2p"`` or
+            ``"all_gather"``).
 
     On the last stage of a pipeline with pp > 1 and tied embeddings, ``word_embeddings`` is a copy
     of the first stage's; its gradient must be summed with the first stage's after backward
@@ -253,9 +281,12 @@ class GPTModel(nn.Module):
         self, cfg: ModelConfig, tp: AxisGroup, *, layer_ids: range, pre_process: bool, post_process: bool,
         sequence_parallel: bool = False,
         rng: DropoutRNG | None = None,
+        cp: AxisGroup | None = None,
+        cp_comm_type: str = "p2p",
     ) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
+        self.cp = cp if cp is not None else AxisGroup.single("cp")
         self.sequence_parallel = sp = sequence_parallel and tp.size > 1
         self.pre_process, self.post_process = pre_process, post_process
         dtype = DTYPES[cfg.params_dtype]
@@ -274,7 +305,8 @@ class GPTModel(nn.Module):
         self.rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
         if pre_process:
             self.embedding_dropout = Dropout(cfg.hidden_dropout, self.rng, "embedding")
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, tp, dtype, sp, layer_id=i, rng=self.rng)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, tp, dtype, sp, layer_id=i, rng=self.rng,
+                                                              cp=self.cp, cp_comm_type=cp_comm_type)
                                      for i in layer_ids})
         self.loss_chunk_tokens: int | None = None
         """Tokens per chunk of the output layer + loss (None: a chunk's float32 logits <= 256 MiB)."""
@@ -299,12 +331,19 @@ class GPTModel(nn.Module):
         over the microbatch's ``b*s`` tokens (a scalar, nats) given ``labels [b, s]``; tokens
         labelled -100 (``IGNORE_INDEX``) count neither in the sum nor in the number of tokens.
         Raises ValueError for any other label outside the vocabulary.
+
+        With context parallelism (C > 1) the hidden states are ``[s/C, b, h]`` (``[s/(C t), b, h]``),
+        ``labels`` are still the whole ``[b, s]``, and the loss is this rank's share: the sum of
+        the losses of its ``s/C`` tokens divided by the valid tokens of the whole microbatch
+        (counted locally from ``labels``, no communication), so the C ranks' losses sum to the
+        microbatch's mean and their gradients, summed over cp, to its gradient.
         """
         if not self.post_process:
             return self.hidden_states(x)
         if labels is None:
             raise ValueError("the last pipeline stage needs labels to compute the loss")
-        return masked_mean(self.token_losses(self.hidden_states(x), labels), labels)
+        mine = shard_sequence(labels, self.cp.rank, self.cp.size, dim=1)
+        return masked_mean(self.token_losses(self.hidden_states(x), mine), labels)
 
     def hidden_states(self, x: torch.Tensor) -> torch.Tensor:
         """The stage without its loss: the embedding (first stage), the layers, and the final norm
@@ -324,10 +363,16 @@ class GPTModel(nn.Module):
         ``[s, b, h]`` rows directly, no transpose of its output) plus the learned positions
         ``[s, 1, h]`` (none with rotary positions, which act inside attention). With sequence
         parallelism ``[s/t, b, h]``: the embedding's sum over tp is a reduce-scatter along the
-        sequence (dim 0), and each rank adds the positions it holds."""
-        x = self.word_embeddings(tokens.t().contiguous())
+        sequence (dim 0), and each rank adds the positions it holds. With context parallelism the
+        rank keeps the ids of its two chunks first (``[s/C, b, h]``, or ``[s/(C t), b, h]``) and
+        adds the learned rows of their global positions."""
+        s, cp = tokens.shape[1], self.cp
+        x = self.word_embeddings(shard_sequence(tokens.t(), cp.rank, cp.size, dim=0).contiguous())
         if hasattr(self, "position_embeddings"):
-            s = tokens.shape[1]
+            if cp.size > 1:
+                split = self.tp if self.sequence_parallel else AxisGroup.single("tp")
+                rows = rank_positions(s, cp.rank, cp.size, tp_rank=split.rank, tp_size=split.size, device=x.device)
+                return x + self.position_embeddings.index_select(0, rows).unsqueeze(1)
             rows = sequence_shard(s, self.tp) if self.sequence_parallel else slice(0, s)
             x = x + self.position_embeddings[rows].unsqueeze(1)
         return x
@@ -358,6 +403,8 @@ class GPTModel(nn.Module):
 def masked_mean(losses: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The mean of the per-token ``losses [b, s]`` over the tokens whose label is not
     :data:`~ptdp.engine.tensor_parallel.cross_entropy.IGNORE_INDEX` (as ``F.cross_entropy``'s mean);
-    0 when every label is ignored. No host synchronisation."""
+    0 when every label is ignored. No host synchronisation. With context parallelism ``losses``
+    are a cp rank's ``[b, s/C]`` (ignored tokens' losses are 0) and ``labels`` the whole
+    microbatch's ``[b, s]``: the sum of the rank's losses over the whole microbatch's count."""
     counted = labels != IGNORE_INDEX
     return losses.sum() / counted.sum().clamp(min=1).to(losses.dtype)

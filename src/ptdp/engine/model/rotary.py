@@ -8,6 +8,10 @@ half" pairing); at position ``p`` pair ``i`` is turned by the angle ``p * base^(
 
 Applied to q and k (not v), the score ``q_m . k_n`` then depends on the positions only through
 ``m - n``. Nothing is learned and nothing is communicated: every tp rank turns its own heads.
+
+Under context parallelism (``cp_size > 1``) a rank holds chunks ``r`` and ``2C - 1 - r`` of the
+sequence (:mod:`ptdp.engine.context_parallel.chunks`): its ``s / C`` local rows are turned by their
+*global* positions, so every token gets the angle it gets in the unsplit model.
 """
 
 from __future__ import annotations
@@ -15,12 +19,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ptdp.engine.context_parallel.chunks import local_positions
+
 
 class RotaryEmbedding(nn.Module):
-    """Turns ``[b, heads, s, d]`` queries or keys by their position (0 .. s-1); no parameters.
+    """Turns ``[b, heads, n, d]`` queries or keys by their positions; no parameters.
 
-    The angles are computed in float64 and cached per (s, dtype, device); the rotation runs in
-    the input's dtype (in float32 for 16-bit inputs, cast back).
+    ``n`` rows are positions ``0 .. n-1`` (``cp_size == 1``), or the global positions of cp rank
+    ``cp_rank``'s two chunks of a sequence of ``s = n * cp_size`` tokens
+    (:func:`~ptdp.engine.context_parallel.chunks.local_positions`). The angles are computed in
+    float64 and cached per (n, cp rank, cp size, dtype, device); the rotation runs in the input's
+    dtype (in float32 for 16-bit inputs, cast back).
     """
 
     def __init__(self, head_dim: int, base: float) -> None:
@@ -30,18 +39,23 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.base = head_dim, base
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def cos_sin(self, seq_length: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos`` and ``sin`` of the angles, each ``[s, d / 2]``."""
-        key = (seq_length, dtype, device)
+    def cos_sin(self, seq_length: int, dtype: torch.dtype, device: torch.device, *, cp_rank: int = 0,
+                cp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin`` of the angles of the ``seq_length`` local rows, each ``[n, d / 2]``
+        (``n = seq_length``; with ``cp_size > 1`` the rows of cp rank ``cp_rank``'s global positions
+        in a sequence of ``n * cp_size`` tokens)."""
+        key = (seq_length, cp_rank, cp_size, dtype, device)
         if key not in self._cache:
             half = self.head_dim // 2
             inv_freq = self.base ** (-torch.arange(half, dtype=torch.float64) * 2.0 / self.head_dim)
-            angles = torch.arange(seq_length, dtype=torch.float64).unsqueeze(1) * inv_freq
+            positions = local_positions(seq_length * cp_size, cp_rank, cp_size)
+            angles = positions.to(torch.float64).unsqueeze(1) * inv_freq
             self._cache[key] = (angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device))
         return self._cache[key]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, cp_rank: int = 0, cp_size: int = 1) -> torch.Tensor:
+        """``x`` ``[b, heads, n, d]`` turned by the positions of its rows (class docstring)."""
         work = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
-        cos, sin = self.cos_sin(x.shape[-2], work, x.device)
+        cos, sin = self.cos_sin(x.shape[-2], work, x.device, cp_rank=cp_rank, cp_size=cp_size)
         x1, x2 = x.to(work).chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -17,6 +17,16 @@ name. Three kinds of streams, chosen by what the masked activation is on a tenso
   probabilities ``[b, a/tp, s, s]``; a rank draws for its own heads only, so masks differ over the
   tp ranks (they hold different heads) while head ``j``'s mask is the same at every tp.
 
+Under context parallelism (``cp_size > 1``) a rank's hidden states are the rows of its two
+sequence chunks, ``[s/C, b, h]`` (``[s/(C t), b, h]`` with sequence parallelism). Hidden dropout
+then uses the **whole-sequence** kind: the replicated stream ``<key>`` draws the mask of the whole
+``[s, b, h]`` tensor, as every tp rank does without sequence parallelism, and the rank keeps the
+rows of the global positions it holds
+(:func:`~ptdp.engine.context_parallel.chunks.rank_positions`). The masks are thus those of the
+unsplit model (cp = 1, no sequence parallelism) at every cp, tp and sequence-parallel setting;
+the price is ``s b h`` random numbers and a float32 ``[s, b, h]`` temporary per site and
+microbatch on every rank. Attention dropout is refused with cp > 1 (``spec/rules.py``).
+
 Keys are ``embedding`` and ``layer.<i>`` (the global layer index), so a layer's masks do not
 depend on which pipeline stage or model chunk holds it. Every schedule runs a layer's forwards in
 microbatch order and a forward draws its masks in a fixed order, so for a given dp size and micro
@@ -39,9 +49,12 @@ import hashlib
 import torch
 from torch import nn
 
+from ptdp.engine.context_parallel.chunks import rank_positions
+
 REPLICATED = "replicated"
 TP_DISTINCT = "tp-distinct"
-STREAMS = (REPLICATED, TP_DISTINCT)
+WHOLE_SEQUENCE = "whole-sequence"
+STREAMS = (REPLICATED, TP_DISTINCT, WHOLE_SEQUENCE)
 
 
 class DropoutRNG:
@@ -54,17 +67,28 @@ class DropoutRNG:
         device: where masks are drawn (the generators' device).
         sequence_parallel: the hidden states outside the tp regions are split along the sequence
             over tp, so hidden dropout (:class:`Dropout` without an explicit stream) draws from
-            the tp-distinct streams instead of the replicated ones.
+            the tp-distinct streams instead of the replicated ones (with cp = 1).
+        cp_rank, cp_size: this rank's context-parallel coordinate and the cp size; with
+            ``cp_size > 1`` hidden dropout is of the whole-sequence kind (module docstring).
+        tp_size: the tensor-parallel size (which block of its cp rows a rank holds with
+            sequence parallelism).
 
     ``recording``: a list to append ``(stream name, boolean drop mask)`` to at every draw (per head
     for the attention probabilities), or None; for tests.
     """
 
     def __init__(self, seed: int, *, dp_rank: int = 0, tp_rank: int = 0, device: torch.device | str = "cpu",
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, cp_rank: int = 0, cp_size: int = 1, tp_size: int = 1) -> None:
         self.seed, self.dp_rank, self.tp_rank = seed, dp_rank, tp_rank
-        self.hidden_stream = TP_DISTINCT if sequence_parallel else REPLICATED
+        self.cp_rank, self.cp_size = cp_rank, cp_size
+        self.row_split = tp_size if sequence_parallel else 1
+        """How many ranks split a cp rank's rows (tp with sequence parallelism, else 1)."""
+        if cp_size > 1:
+            self.hidden_stream = WHOLE_SEQUENCE
+        else:
+            self.hidden_stream = TP_DISTINCT if sequence_parallel else REPLICATED
         """The stream kind of the hidden states' masks."""
+        self._rows: dict[int, torch.Tensor] = {}
         self.device = torch.device(device)
         self.reseed_iteration = 0
         self.recording: list[tuple[str, torch.Tensor]] | None = None
@@ -83,7 +107,7 @@ class DropoutRNG:
         return gen
 
     def stream_name(self, key: str, stream: str) -> str:
-        if stream == REPLICATED:
+        if stream in (REPLICATED, WHOLE_SEQUENCE):
             return key
         if stream == TP_DISTINCT:
             return f"{key}/tp{self.tp_rank}"
@@ -92,11 +116,29 @@ class DropoutRNG:
     def dropout(self, x: torch.Tensor, p: float, key: str, *, stream: str = REPLICATED) -> torch.Tensor:
         """``x`` with each element zeroed with probability ``p`` and the rest scaled by
         ``1 / (1 - p)``, the mask drawn for the whole local tensor from stream ``key`` of kind
-        ``stream``. Backward keeps the 1-byte mask."""
+        ``stream`` (whole-sequence: ``x`` is ``[n, ...]``, this rank's rows of a sequence of
+        ``n C`` or ``n C t`` rows, and the mask is drawn for all of them and cut to this rank's
+        rows). Backward keeps the 1-byte mask."""
         name = self.stream_name(key, stream)
-        drop = _uniform(x.shape, self.generator(name), self.device) < p
+        if stream == WHOLE_SEQUENCE:
+            rows = self.rows(x.shape[0])
+            whole = _uniform((x.shape[0] * self.cp_size * self.row_split, *x.shape[1:]), self.generator(name),
+                             self.device)
+            drop = whole.index_select(0, rows) < p
+        else:
+            drop = _uniform(x.shape, self.generator(name), self.device) < p
         self._record(name, drop)
         return _apply(x, drop, p)
+
+    def rows(self, n: int) -> torch.Tensor:
+        """The global positions of this rank's ``n`` hidden-state rows (int64 ``[n]``, cached)."""
+        rows = self._rows.get(n)
+        if rows is None:
+            rows = rank_positions(n * self.cp_size * self.row_split, self.cp_rank, self.cp_size,
+                                  tp_rank=self.tp_rank if self.row_split > 1 else 0, tp_size=self.row_split,
+                                  device=self.device)
+            self._rows[n] = rows
+        return rows
 
     def head_dropout(self, probs: torch.Tensor, p: float, key: str, *, first_head: int) -> torch.Tensor:
         """Dropout of attention probabilities ``[b, heads, s_q, s_k]`` whose local head ``i`` is
@@ -173,8 +215,8 @@ class DropoutRNG:
 class Dropout(nn.Module):
     """Dropout at one site, with the masks of stream ``key`` of ``rng``; the identity in eval
     mode and when ``p`` is 0 (nothing is drawn then). ``stream``: its kind; None (hidden states):
-    ``rng.hidden_stream``, replicated unless the run is sequence parallel. Shapes: any, output
-    like input."""
+    ``rng.hidden_stream``, replicated unless the run is sequence or context parallel. Shapes: any
+    (whole-sequence: ``[rows, ...]``), output like input."""
 
     def __init__(self, p: float, rng: DropoutRNG, key: str, *, stream: str | None = None) -> None:
         super().__init__()
