@@ -3,7 +3,9 @@
 A *corpus* is a list of paths (files or folders). Folders are walked recursively in sorted order,
 skipping hidden entries, ``__pycache__``, ``site-packages`` and ``dist-packages``. Every text file is
 one document, except ``.jsonl`` files, which give one document per non-blank line (its ``"text"``
-field). Files with a known binary extension are ignored inside folders and skipped with a warning
+field, or the ``text_key`` given), and tables (:mod:`ptdp.data.tabular`: ``.parquet`` and ``.arrow``
+files, and folders written by ``datasets``' ``save_to_disk``, which are not walked into), which give
+one document per row with non-blank text in that column. Files with a known binary extension are ignored inside folders and skipped with a warning
 naming them when given directly; files that turn out to be binary (a NUL
 byte), not UTF-8 or unreadable are skipped with a warning naming them, and so are paths given
 directly that are empty or not a regular file (a FIFO would block the reader). Empty files inside a
@@ -11,7 +13,7 @@ folder (an ``__init__.py``) are skipped silently. When nothing usable remains th
 skipped file and why.
 
 Document ids are *relative* (``<root folder name>/<path inside it>``, ``<file name>`` for a file
-given directly, ``...:<line>`` for jsonl lines), so the train/validation split, which hashes them,
+given directly, ``...:<line>`` for jsonl lines, ``...:<row>`` for table rows, from 0), so the train/validation split, which hashes them,
 is the same on every machine wherever the corpus lives.
 """
 
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Collection, Iterator, Sequence, Union
 
 from ptdp.data.errors import DataError
+from ptdp.data.tabular import folder_stat, is_saved_dataset, iter_rows, table_kind
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -38,7 +41,7 @@ SKIPPED_DIRS = frozenset({"__pycache__", "site-packages", "dist-packages", "node
 BINARY_SUFFIXES = frozenset(
     """
     .pyc .pyo .pyd .so .dll .dylib .a .o .obj .lib .exe .bin .idx .dat .db .sqlite .npy .npz .pt
-    .pth .pkl .pickle .safetensors .ckpt .h5 .parquet .arrow .zip .gz .tgz .bz2 .xz .zst .7z .tar
+    .pth .pkl .pickle .safetensors .ckpt .h5 .zip .gz .tgz .bz2 .xz .zst .7z .tar
     .whl .egg .jar .class .png .jpg .jpeg .gif .bmp .tif .tiff .ico .webp .xbm .pbm .pgm .ppm .sgi
     .svgz .wav .au .aif .aiff .aifc .mp3 .mp4 .ogg .flac .avi .mov .mkv .pdf .ttf .otf .woff .woff2
     .pck .icns
@@ -88,9 +91,9 @@ def _wanted(name: str, suffixes: Collection[str] | None) -> bool:
 
 
 def _walk(folder: Path, skipped: list[tuple[Path, str]] | None = None) -> Iterator[Path]:
-    """Files under ``folder``, depth first, each folder's entries sorted by name. Hidden entries and
-    ``SKIPPED_DIRS`` are pruned; symlinked folders are not followed; an unreadable folder is skipped
-    (see :func:`_skip`)."""
+    """Files under ``folder``, depth first, each folder's entries sorted by name, and saved datasets'
+    folders (not walked into). Hidden entries and ``SKIPPED_DIRS`` are pruned; symlinked folders are
+    not followed; an unreadable folder is skipped (see :func:`_skip`)."""
     try:
         with os.scandir(folder) as it:
             entries = sorted(it, key=lambda e: e.name)
@@ -101,7 +104,9 @@ def _walk(folder: Path, skipped: list[tuple[Path, str]] | None = None) -> Iterat
         if entry.name.startswith("."):
             continue
         if entry.is_dir(follow_symlinks=False):
-            if entry.name not in SKIPPED_DIRS:
+            if is_saved_dataset(Path(entry.path)):
+                yield Path(entry.path)
+            elif entry.name not in SKIPPED_DIRS:
                 yield from _walk(Path(entry.path), skipped)
         elif entry.is_file():
             yield Path(entry.path)
@@ -125,9 +130,9 @@ def list_corpus_files(
         if not root.exists():
             raise DataError(f"data path does not exist: {str(root)!r}")
         base = root.resolve().name or "root"
-        if root.is_dir():
+        if root.is_dir() and not is_saved_dataset(root):
             found = ((p, f"{base}/{p.relative_to(root).as_posix()}") for p in _walk(root, skipped))
-        elif not root.is_file():
+        elif not root.is_file() and not root.is_dir():
             _skip(root, "not a regular file or folder (a FIFO, socket or device)", skipped)
             continue
         else:
@@ -142,12 +147,17 @@ def list_corpus_files(
                     _skip(path, why, skipped)
                 continue
             try:
-                st = path.stat()
+                size, mtime_ns = folder_stat(path) if path.is_dir() else _size_mtime(path)
             except OSError as err:  # a dangling symlink, a permission problem
                 _skip(path, f"unreadable ({err.strerror or err})", skipped)
                 continue
-            files.append(CorpusFile(path, doc_id, st.st_size, st.st_mtime_ns, given=path == root))
+            files.append(CorpusFile(path, doc_id, size, mtime_ns, given=path == root))
     return files
+
+
+def _size_mtime(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
 
 
 def _skip(path: Path, reason: str, skipped: list[tuple[Path, str]] | None, warn: bool = True) -> None:
@@ -190,7 +200,7 @@ def _read_text(path: Path) -> tuple[str | None, str]:
         return None, f"not valid UTF-8 ({err})"
 
 
-def _jsonl_documents(path: Path, doc_id: str, text: str) -> Iterator[Document]:
+def _jsonl_documents(path: Path, doc_id: str, text: str, text_key: str = "text") -> Iterator[Document]:
     # JSON Lines separates records by "\n" only; str.splitlines would also split inside strings
     # holding U+2028, U+2029 or U+0085, which json.dumps(ensure_ascii=False) writes unescaped.
     for lineno, line in enumerate(text.split("\n"), start=1):
@@ -200,20 +210,22 @@ def _jsonl_documents(path: Path, doc_id: str, text: str) -> Iterator[Document]:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise DataError(f"{str(path)!r} line {lineno}: not valid JSON ({err})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
             raise DataError(
-                f"{str(path)!r} line {lineno}: expected a JSON object with a string 'text' field, "
+                f"{str(path)!r} line {lineno}: expected a JSON object with a string {text_key!r} field "
+                f"(--data-text-key), "
                 f"got {type(record).__name__}"
                 + (f" with keys {sorted(record)[:8]}" if isinstance(record, dict) else "")
             )
-        if record["text"].strip():
-            yield Document(f"{doc_id}:{lineno}", record["text"])
+        if record[text_key].strip():
+            yield Document(f"{doc_id}:{lineno}", record[text_key])
 
 
 def iter_documents(
-    paths: Sequence[PathLike] | PathLike, suffixes: Collection[str] | None = None
+    paths: Sequence[PathLike] | PathLike, suffixes: Collection[str] | None = None, text_key: str = "text"
 ) -> Iterator[Document]:
-    """Yield the corpus' non-blank documents in deterministic order.
+    """Yield the corpus' non-blank documents in deterministic order; ``text_key``: the field of
+    ``.jsonl`` records and the column of tables that holds the text.
 
     Paths are checked (and files listed) eagerly, so a missing path raises :class:`DataError` at
     the call. If the iteration finds no usable document it raises :class:`DataError` naming the
@@ -222,23 +234,28 @@ def iter_documents(
     roots = _as_path_list(paths)
     skipped: list[tuple[Path, str]] = []
     files = list_corpus_files(roots, suffixes, skipped)
-    return _generate(roots, files, suffixes, skipped)
+    return _generate(roots, files, suffixes, skipped, text_key)
 
 
 def _generate(
     roots: list[Path], files: list[CorpusFile], suffixes: Collection[str] | None,
-    skipped: list[tuple[Path, str]],
+    skipped: list[tuple[Path, str]], text_key: str = "text",
 ) -> Iterator[Document]:
     count = 0
     for f in files:
-        text, reason = _read_text(f.path)
-        if text is None:
-            _skip(f.path, reason, skipped)
-            continue
-        if f.path.suffix.lower() == ".jsonl":
-            docs: Iterator[Document] = _jsonl_documents(f.path, f.doc_id, text)
+        kind = table_kind(f.path)
+        if kind is not None:
+            docs: Iterator[Document] = (Document(f"{f.doc_id}:{row}", text)
+                                        for row, text in iter_rows(f.path, kind, text_key))
         else:
-            docs = iter([Document(f.doc_id, text)] if text.strip() else [])
+            text, reason = _read_text(f.path)
+            if text is None:
+                _skip(f.path, reason, skipped)
+                continue
+            if f.path.suffix.lower() == ".jsonl":
+                docs = _jsonl_documents(f.path, f.doc_id, text, text_key)
+            else:
+                docs = iter([Document(f.doc_id, text)] if text.strip() else [])
         before = count
         for doc in docs:
             count += 1
