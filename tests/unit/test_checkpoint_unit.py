@@ -16,3 +16,6 @@ def test_a_one_bit_residual_that_cannot_be_restored_is_warned_about():
     assert "--grad-compression none" in residual_note(meta, layout, 8, "none")
     assert residual_note(dict(meta, restored={"residual": True}), layout, 8, "1bit") is None
     assert residual_note(dict(meta, grad_compression="none"), dict(layout, dp=1), 4, "1bit") is None
+    # cp is in a layout only when > 1: going from cp 2 to cp 1 names it
+    note = residual_note(dict(meta, layout=dict(layout, cp=2, dp=1)), layout, 8, "1bit")
+    assert "(dp 1 -> 2, cp 2 -> 1)" in note, note

@@ -163,6 +163,8 @@ def residual_note(meta: dict, layout: dict, world_size: int, codec: str) -> str 
                 f"--grad-compression {codec}")
     saved = dict(meta.get("layout", {}), world_size=meta.get("world_size"))
     now = dict(layout, world_size=world_size)
-    diff = ", ".join(f"{k} {saved.get(k)} -> {now[k]}" for k in now if saved.get(k) != now[k])
+    keys = list(now) + [k for k in saved if k not in now]  # cp is in a layout only when > 1
+    diff = ", ".join(f"{k} {saved.get(k, 1 if k == 'cp' else None)} -> {now.get(k, 1 if k == 'cp' else None)}"
+                     for k in keys if saved.get(k) != now.get(k))
     return (f"the checkpoint's 1-bit error-feedback residual cannot be restored at another layout ({diff}): it "
             f"starts again from zero, so the first compressed steps differ from an uninterrupted run")

@@ -16,6 +16,11 @@ completes the folder. Nothing is pickled: tensors go through DCP, everything els
 holding a nan or inf (a parameter, an optimizer tensor, the 1-bit residual) on any rank is never
 saved: every rank refuses before anything is written.
 
+Context parallelism changes nothing that is stored: parameters and Adam's state are replicated over
+the cp ranks like over the dp ranks (DCP writes each replicated tensor once), and the distributed
+optimizer's shards over the dp x cp ranks are assembled into whole tensors before saving, so a
+checkpoint saved at one cp loads at any other (and any tp, pp, dp).
+
 Stored per parameter (layout-independent, see :mod:`ptdp.run.checkpoint.tensors`): ``model/<name>``,
 ``optim/exp_avg/<name>``, ``optim/exp_avg_sq/<name>`` and, for 16-bit parameters,
 ``optim/main/<name>``; ``optim/step``; the 1-bit error-feedback residual per rank
@@ -67,9 +72,12 @@ def _barrier(stage) -> None:
 def _layout_key(stage) -> dict:
     p = stage.config.parallel
     split = p.layer_split(stage.config.model.num_layers)  # the first/last stage counts as the split they give
-    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": stage.virtual_stages,
-            "ddp_bucket_size": p.ddp_bucket_size, "use_distributed_optimizer": p.use_distributed_optimizer,
-            "pipeline_layer_split": list(split) if split else None}
+    key = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": stage.virtual_stages,
+           "ddp_bucket_size": p.ddp_bucket_size, "use_distributed_optimizer": p.use_distributed_optimizer,
+           "pipeline_layer_split": list(split) if split else None}
+    if p.cp > 1:  # absent at cp = 1, as in checkpoints written before context parallelism
+        key["cp"] = p.cp
+    return key
 
 
 def _state_dict(stage, tensors: dict[int, dict[str, torch.Tensor]], model_values: dict[int, torch.Tensor],
@@ -116,7 +124,7 @@ def start_save(stage, root: str | Path, iteration: int, *, consumed_samples: int
     named = list(global_named_parameters(stage.model))
     params = [p for _, p in named]
     kinds = state_kinds(stage.optimizer)
-    tensors = gather_local_state(stage.optimizer, params, g.dp)
+    tensors = gather_local_state(stage.optimizer, params, g.dp_cp)  # ZeRO-1 shards over dp x cp
     _refuse_non_finite(stage, iteration, named, tensors)
     if g.global_rank == 0:
         if tmp.exists():

@@ -6,8 +6,9 @@ themselves (float32/float64), :class:`~ptdp.engine.optim.MainParamsAdamW` on flo
 segments of each parameter. Checkpoints see one form: for every parameter, ``exp_avg`` and
 ``exp_avg_sq`` (and ``main`` for 16-bit parameters) shaped like the local shard, plus one step
 count. For the distributed optimizer the full local tensors are assembled with one sum
-all-reduce over dp per tensor on save (each element is non-zero on exactly one dp rank, so the sum
-is exact) and each rank takes its segments back on load.
+all-reduce per tensor on save over the group it shards over (dp, or dp x cp with context
+parallelism: ``ParallelGroups.dp_cp``; each element is non-zero on exactly one of its ranks, so
+the sum is exact) and each rank takes its segments back on load.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def step_count(optimizer) -> int:
 
 def gather_local_state(optimizer, params: list[nn.Parameter], dp) -> dict[int, dict[str, torch.Tensor]]:
     """``{id(param): {kind: tensor of param's local shape}}`` for every parameter (zeros before the
-    first step). Collective over dp for the distributed optimizer (all dp ranks, same order).
+    first step). Collective over ``dp`` for the distributed optimizer (all its ranks, same order):
+    the group the optimizer is sharded over, ``ParallelGroups.dp_cp``.
 
     Nothing is cloned on the device: the optimizer's own tensors are returned (detached), to be
     written before they change (a synchronous save) or copied to CPU memory first (an
