@@ -9,29 +9,28 @@ Typical use (every rank; the preparation is cached and safe to run concurrently)
     for tokens, labels in microbatches(windows, mine, micro_batch_size): ...
 """
 
+from typing import TYPE_CHECKING
+
 from ptdp.data.corpus import (
     Document,
     corpus_fingerprint,
     default_corpus_paths,
     iter_documents,
 )
-from ptdp.data.dataset import (
-    GlobalBatchSampler,
-    TokenWindows,
-    device_microbatches,
-    dp_shard,
-    eval_indices,
-    microbatches,
-)
 from ptdp.data.errors import DataError
 from ptdp.data.indexed import IndexedTokens, token_dtype, write_indexed
 from ptdp.data.prepare import PreparedData, prepare_data
-from ptdp.data.tokenizer import EOS_TOKEN, load_tokenizer, save_tokenizer, train_tokenizer
+from ptdp.data.tokenizer import (
+    EOS_TOKEN,
+    load_tokenizer,
+    save_tokenizer,
+    train_tokenizer,
+)
 
 __all__ = [
+    "EOS_TOKEN",
     "DataError",
     "Document",
-    "EOS_TOKEN",
     "GlobalBatchSampler",
     "IndexedTokens",
     "PreparedData",
@@ -50,3 +49,26 @@ __all__ = [
     "train_tokenizer",
     "write_indexed",
 ]
+
+if TYPE_CHECKING:
+    from ptdp.data.dataset import (
+        GlobalBatchSampler,
+        TokenWindows,
+        device_microbatches,
+        dp_shard,
+        eval_indices,
+        microbatches,
+    )
+
+#: Names of :mod:`ptdp.data.dataset` (which imports torch), imported on first use, so that the
+#: processes that only tokenize (:mod:`ptdp.data.encode`) start without torch.
+_DATASET_NAMES = frozenset({"GlobalBatchSampler", "TokenWindows", "device_microbatches", "dp_shard", "eval_indices",
+                            "microbatches"})
+
+
+def __getattr__(name: str):
+    if name in _DATASET_NAMES:
+        from ptdp.data import dataset
+
+        return getattr(dataset, name)
+    raise AttributeError(f"module 'ptdp.data' has no attribute {name!r}")

@@ -5,12 +5,16 @@ sample is ever held in memory:
 
 1. scan: list documents, drop exact duplicates (so no text lands in both splits), split train /
    validation by a hash of the document id (:mod:`ptdp.data.split`), keep a deterministic sample
-   of about ``TOKENIZER_SAMPLE_CHARS`` characters of *train* documents; train the tokenizer on it.
-2. tokenize: read the documents again, encode them in chunks (multi-threaded batch encoder), append
-   ``<|endoftext|>`` to each, stream them into ``train.bin/.idx`` and ``valid.bin/.idx``.
+   of about ``TOKENIZER_SAMPLE_CHARS`` characters of *train* documents; train the tokenizer on it,
+   unless one is given (``--tokenizer-model``: used as is, copied byte for byte into the folder).
+2. tokenize: read the documents again, encode them in chunks (multi-threaded batch encoder, or
+   worker processes: :mod:`ptdp.data.encode`), append the end-of-document token to each, stream
+   them into ``train.bin/.idx`` and ``valid.bin/.idx``, with a progress bar on a terminal.
 
 The result lives in ``cache_dir/<key>``, where the key hashes the corpus fingerprint (paths, sizes,
-mtimes), vocab size, valid fraction, sample size, tokenizers version and ``FORMAT_VERSION``. The
+mtimes), valid fraction, text key (when not ``text``), tokenizers version, ``FORMAT_VERSION`` and
+either the vocab size and sample size of the trained tokenizer or the SHA-256 of the given
+tokenizer file and its end-of-document token (another file re-tokenizes). The
 folder is built under a temp name and renamed into place with ``meta.json`` already inside, so a
 folder with ``meta.json`` is always complete; when two processes race, the first rename wins and
 the other uses the winner's folder.
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import tokenizers
+from tqdm import tqdm
 
 from ptdp.data.corpus import (
     DEFAULT_SUFFIXES,
@@ -39,14 +44,17 @@ from ptdp.data.corpus import (
     iter_documents,
     list_corpus_files,
 )
+from ptdp.data.encode import encode_chunks, worker_count
 from ptdp.data.errors import DataError
 from ptdp.data.indexed import IndexedTokens, IndexedWriter, token_dtype
 from ptdp.data.split import assign_splits, check_valid_fraction, stable_unit
 from ptdp.data.tokenizer import (
+    EOS_TOKEN,
+    TokenizerModel,
     check_vocab_size,
-    encode_documents,
     eos_id,
     load_tokenizer,
+    load_tokenizer_model,
     save_tokenizer,
     train_tokenizer,
 )
@@ -63,7 +71,8 @@ Log = Callable[[str], None]
 
 @dataclass(frozen=True)
 class PreparedData:
-    """A prepared corpus on disk. ``vocab_size`` is the trained size (<= the requested one)."""
+    """A prepared corpus on disk. ``vocab_size``: the tokenizer's size (a trained one's is <= the
+    requested one); ``eos_token`` ends every document (``eos_id`` is its id)."""
 
     cache_dir: Path
     tokenizer_path: Path
@@ -75,6 +84,7 @@ class PreparedData:
     num_valid_docs: int
     num_train_tokens: int
     num_valid_tokens: int
+    eos_token: str = EOS_TOKEN
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> "PreparedData":
@@ -97,12 +107,13 @@ class PreparedData:
             tokenizer_path=directory / meta["tokenizer_file"],
             train_prefix=directory / meta["train_prefix"],
             valid_prefix=directory / meta["valid_prefix"],
+            eos_token=meta.get("eos_token", EOS_TOKEN),
             **{k: int(meta[k]) for k in _COUNT_FIELDS},
         )
 
     def tokenizer(self):
-        """The trained ``tokenizers.Tokenizer``."""
-        return load_tokenizer(self.tokenizer_path)
+        """The ``tokenizers.Tokenizer`` the token files were made with."""
+        return load_tokenizer(self.tokenizer_path, self.eos_token)
 
     def train_tokens(self) -> IndexedTokens:
         return IndexedTokens(self.train_prefix)
@@ -116,16 +127,22 @@ _COUNT_FIELDS = (
 )
 
 
-def cache_key(fingerprint: str, vocab_size: int, valid_fraction: float) -> str:
-    """Hex key naming the cache folder for this corpus and these settings."""
-    spec = {
+def cache_key(fingerprint: str, vocab_size: int, valid_fraction: float, tokenizer: TokenizerModel | None = None,
+              text_key: str = "text") -> str:
+    """Hex key naming the cache folder for this corpus and these settings (``tokenizer``: a given
+    one, whose content hash replaces the trained tokenizer's settings)."""
+    spec: dict = {
         "format_version": FORMAT_VERSION,
         "fingerprint": fingerprint,
-        "vocab_size": vocab_size,
         "valid_fraction": float(valid_fraction),
-        "tokenizer_sample_chars": TOKENIZER_SAMPLE_CHARS,
         "tokenizers_version": tokenizers.__version__,
     }
+    if tokenizer is None:
+        spec |= {"vocab_size": vocab_size, "tokenizer_sample_chars": TOKENIZER_SAMPLE_CHARS}
+    else:
+        spec |= {"tokenizer_sha256": tokenizer.sha256, "eos_token": tokenizer.eos_token}
+    if text_key != "text":  # keys of earlier versions stay valid for the default
+        spec["text_key"] = text_key
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -135,20 +152,36 @@ def prepare_data(
     cache_dir: str | os.PathLike[str],
     valid_fraction: float = 0.02,
     log: Log | None = print,
+    *,
+    tokenizer_model: PathLike | None = None,
+    text_key: str = "text",
+    workers: int | None = None,
+    progress: bool = True,
 ) -> PreparedData:
     """Prepare (or reuse) tokenizer and token files for a corpus; see the module docstring.
 
     ``paths=None``: the ``.py`` files of the standard library. ``vocab_size``: tokenizer size to
-    train (>= 258). ``valid_fraction``: expected share of documents held out, in (0, 1).
+    train (>= 258; unused with ``tokenizer_model``). ``valid_fraction``: expected share of documents
+    held out, in (0, 1). ``tokenizer_model``: a ``tokenizer.json`` or a folder with one, used as is
+    (:func:`ptdp.data.tokenizer.load_tokenizer_model`). ``text_key``: the text's field in ``.jsonl``
+    records and column in tables. ``workers``: encoding processes
+    (:func:`ptdp.data.encode.worker_count`; the files do not depend on it). ``progress``: a
+    progress bar while encoding (on a terminal only).
+
+    Raises:
+        DataError: unusable settings, tokenizer or corpus (the message names the value or path).
     """
     log = log or (lambda _msg: None)
-    check_vocab_size(vocab_size)
+    tokenizer = load_tokenizer_model(tokenizer_model) if tokenizer_model is not None else None
+    if tokenizer is None:
+        check_vocab_size(vocab_size)
     check_valid_fraction(valid_fraction)
+    worker_count(workers, 0)  # a bad count fails before any reading
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     roots = default_corpus_paths() if paths is None else [Path(p) for p in paths]
-    suffixes = DEFAULT_SUFFIXES if paths is None else None
-    key = cache_key(corpus_fingerprint(roots, suffixes), vocab_size, valid_fraction)
+    source = _Source(roots, DEFAULT_SUFFIXES if paths is None else None, text_key)
+    key = cache_key(corpus_fingerprint(roots, source.suffixes), vocab_size, valid_fraction, tokenizer, text_key)
     cache_dir = Path(cache_dir)
     final = cache_dir / key
     if (final / META_FILE).is_file():
@@ -158,7 +191,7 @@ def prepare_data(
     tmp = cache_dir / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        _build(tmp, roots, suffixes, vocab_size, valid_fraction, key, log)
+        _build(tmp, source, _Settings(vocab_size, valid_fraction, key, tokenizer, workers, progress), log)
         try:
             os.rename(tmp, final)
         except OSError as err:
@@ -176,13 +209,35 @@ def prepare_data(
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _unique_documents(roots, suffixes, duplicates: list[int] | None = None) -> Iterator[Document]:
+@dataclass(frozen=True)
+class _Source:
+    """The corpus: its roots, the suffixes read (None: all text), the text's field in records."""
+
+    roots: list[Path]
+    suffixes: tuple[str, ...] | None
+    text_key: str
+
+    def documents(self) -> Iterator[Document]:
+        return iter_documents(self.roots, self.suffixes, self.text_key)
+
+
+@dataclass(frozen=True)
+class _Settings:
+    vocab_size: int
+    valid_fraction: float
+    key: str
+    tokenizer: TokenizerModel | None
+    workers: int | None
+    progress: bool
+
+
+def _unique_documents(source: _Source, duplicates: list[int] | None = None) -> Iterator[Document]:
     """Documents with exact-duplicate texts dropped (the first occurrence is kept).
 
     ``duplicates``: if given, ``duplicates[0]`` is incremented per dropped document.
     """
     seen: set[bytes] = set()
-    for doc in iter_documents(roots, suffixes):
+    for doc in source.documents():
         digest = hashlib.sha1(doc.text.encode("utf-8", "surrogatepass")).digest()
         if digest in seen:
             if duplicates is not None:
@@ -192,91 +247,113 @@ def _unique_documents(roots, suffixes, duplicates: list[int] | None = None) -> I
         yield doc
 
 
-def _scan(roots, suffixes, valid_fraction: float) -> tuple[list[str], list[bool], list[str], int]:
-    """Pass 1: (doc_ids, is_valid, tokenizer sample texts from train docs, duplicates dropped)."""
-    total_bytes = sum(f.size for f in list_corpus_files(roots, suffixes))
-    keep_prob = min(1.0, TOKENIZER_SAMPLE_CHARS / max(total_bytes, 1))
+def _scan(source: _Source, valid_fraction: float, sample_chars: int) -> tuple[list[str], list[bool], list[str], int]:
+    """Pass 1: (doc_ids, is_valid, up to ``sample_chars`` characters of train documents to train a
+    tokenizer on, duplicates dropped)."""
+    total_bytes = sum(f.size for f in list_corpus_files(source.roots, source.suffixes))
+    keep_prob = min(1.0, sample_chars / max(total_bytes, 1))
     doc_ids: list[str] = []
     candidates: list[tuple[int, str]] = []  # (document number, text), likely-train documents
     sampled_chars, duplicates = 0, [0]
-    for doc in _unique_documents(roots, suffixes, duplicates):
+    for doc in _unique_documents(source, duplicates):
         doc_ids.append(doc.doc_id)
-        room = TOKENIZER_SAMPLE_CHARS - sampled_chars
+        room = sample_chars - sampled_chars
         if room > 0 and stable_unit(doc.doc_id) >= valid_fraction:
             if stable_unit(doc.doc_id, "tokenizer-sample") < keep_prob or not candidates:
                 candidates.append((len(doc_ids) - 1, doc.text[:room]))
                 sampled_chars += len(candidates[-1][1])
     is_valid = assign_splits(doc_ids, valid_fraction)
     sample = [text for i, text in candidates if not is_valid[i]]
-    if not sample:  # every sampled document was moved to validation: take the first train one
+    if not sample and sample_chars:  # every sampled document was moved to validation: take the first train one
         first_train = is_valid.index(False)
-        doc = next(d for j, d in enumerate(_unique_documents(roots, suffixes)) if j == first_train)
-        sample = [doc.text[:TOKENIZER_SAMPLE_CHARS]]
+        doc = next(d for j, d in enumerate(_unique_documents(source)) if j == first_train)
+        sample = [doc.text[:sample_chars]]
     return doc_ids, is_valid, sample, duplicates[0]
 
 
-def _tokenize(roots, suffixes, doc_ids, is_valid, tokenizer, out_dir: Path, dtype) -> tuple:
+def _chunks(source: _Source, doc_ids: list[str], is_valid: list[bool]) -> Iterator[tuple[list[str], list[bool]]]:
+    """Pass 2's reading: (texts, is_valid of each) of about ``ENCODE_CHUNK_CHARS`` characters at a
+    time; DataError if the documents differ from pass 1's."""
+    texts: list[str] = []
+    sides: list[bool] = []
+    chars, n = 0, 0
+    for n, doc in enumerate(_unique_documents(source), start=1):
+        if n > len(doc_ids) or doc_ids[n - 1] != doc.doc_id:
+            raise DataError(f"corpus changed while being prepared (at {doc.doc_id!r}); retry")
+        texts.append(doc.text)
+        sides.append(is_valid[n - 1])
+        chars += len(doc.text)
+        if chars >= ENCODE_CHUNK_CHARS:
+            yield texts, sides
+            texts, sides, chars = [], [], 0
+    yield texts, sides
+    if n != len(doc_ids):
+        raise DataError(f"corpus changed while being prepared ({len(doc_ids)} -> {n} documents); retry")
+
+
+def _tokenize(source: _Source, doc_ids, is_valid, tokenizer, tokenizer_file: Path, eos_token: str, out_dir: Path,
+              dtype, workers: int, progress: bool) -> tuple:
     """Pass 2: encode every document into train/valid token files; return the two writers."""
-    with IndexedWriter(out_dir / "train", dtype) as train, IndexedWriter(out_dir / "valid", dtype) as valid:
-        texts: list[str] = []
-        sides: list[bool] = []
-
-        def flush() -> None:
-            for tokens, side in zip(encode_documents(tokenizer, texts), sides):
+    with IndexedWriter(out_dir / "train", dtype) as train, IndexedWriter(out_dir / "valid", dtype) as valid, \
+            tqdm(total=len(doc_ids), unit="doc", desc="[data] tokenizing", disable=None if progress else True,
+                 mininterval=1.0, leave=False) as bar:
+        encoded = encode_chunks(_chunks(source, doc_ids, is_valid), tokenizer, tokenizer_file, eos_token, workers)
+        for arrays, sides in encoded:
+            for tokens, side in zip(arrays, sides):
                 (valid if side else train).add(tokens)
-            texts.clear()
-            sides.clear()
-
-        chars, n = 0, 0
-        for n, doc in enumerate(_unique_documents(roots, suffixes), start=1):
-            if n > len(doc_ids) or doc_ids[n - 1] != doc.doc_id:
-                raise DataError(f"corpus changed while being prepared (at {doc.doc_id!r}); retry")
-            texts.append(doc.text)
-            sides.append(is_valid[n - 1])
-            chars += len(doc.text)
-            if chars >= ENCODE_CHUNK_CHARS:
-                flush()
-                chars = 0
-        flush()
-        if n != len(doc_ids):
-            raise DataError(f"corpus changed while being prepared ({len(doc_ids)} -> {n} documents); retry")
+            bar.update(len(sides))
     return train, valid
 
 
-def _build(out_dir: Path, roots, suffixes, vocab_size, valid_fraction, key, log: Log) -> None:
+def _build(out_dir: Path, source: _Source, settings: _Settings, log: Log) -> None:
     """Write tokenizer.json, train/valid token files and (last) meta.json into ``out_dir``."""
     t0 = time.perf_counter()
-    log(f"[data] preparing {[str(r) for r in roots]} (vocab_size={vocab_size}) into {out_dir.parent}")
-    doc_ids, is_valid, sample, duplicates = _scan(roots, suffixes, valid_fraction)
+    given = settings.tokenizer
+    what = f"tokenizer {str(given.path)!r}" if given else f"vocab_size={settings.vocab_size}"
+    log(f"[data] preparing {[str(r) for r in source.roots]} ({what}) into {out_dir.parent}")
+    sample_chars = 0 if given else TOKENIZER_SAMPLE_CHARS
+    doc_ids, is_valid, sample, duplicates = _scan(source, settings.valid_fraction, sample_chars)
     n_valid = sum(is_valid)
     t1 = time.perf_counter()
     log(f"[data] {len(doc_ids)} unique documents ({duplicates} duplicates dropped): "
         f"{len(doc_ids) - n_valid} train, {n_valid} validation ({t1 - t0:.1f}s)")
-    tokenizer = train_tokenizer(sample, vocab_size, length=len(sample))
-    save_tokenizer(tokenizer, out_dir / "tokenizer.json")
+    if given:
+        tokenizer, eos_token, vocab_size = given.tokenizer, given.eos_token, given.vocab_size
+        shutil.copyfile(given.path, out_dir / "tokenizer.json")  # as given, byte for byte
+        log(f"[data] using tokenizer {str(given.path)!r} as given: {vocab_size} tokens, documents end with "
+            f"{eos_token!r}")
+    else:
+        tokenizer, eos_token = train_tokenizer(sample, settings.vocab_size, length=len(sample)), EOS_TOKEN
+        vocab_size = tokenizer.get_vocab_size()
+        save_tokenizer(tokenizer, out_dir / "tokenizer.json")
+        log(f"[data] trained tokenizer: {vocab_size} tokens on {sum(map(len, sample)) / 1e6:.1f}M chars "
+            f"({time.perf_counter() - t1:.1f}s)")
     t2 = time.perf_counter()
-    log(f"[data] trained tokenizer: {tokenizer.get_vocab_size()} tokens on "
-        f"{sum(map(len, sample)) / 1e6:.1f}M chars ({t2 - t1:.1f}s)")
-    train, valid = _tokenize(roots, suffixes, doc_ids, is_valid, tokenizer, out_dir,
-                             token_dtype(tokenizer.get_vocab_size()))
+    workers = worker_count(settings.workers, sum(f.size for f in list_corpus_files(source.roots, source.suffixes)))
+    train, valid = _tokenize(source, doc_ids, is_valid, tokenizer, out_dir / "tokenizer.json", eos_token, out_dir,
+                             token_dtype(vocab_size), workers, settings.progress)
     t3 = time.perf_counter()
     log(f"[data] tokenized: {train.num_tokens} train tokens, {valid.num_tokens} validation tokens "
-        f"({t3 - t2:.1f}s)")
+        f"({t3 - t2:.1f}s{f', {workers} processes' if workers > 1 else ''})")
     meta = {
         "format_version": FORMAT_VERSION,
-        "key": key,
-        "sources": [str(r) for r in roots],
-        "suffixes": list(suffixes) if suffixes is not None else None,
-        "requested_vocab_size": vocab_size,
-        "valid_fraction": valid_fraction,
+        "key": settings.key,
+        "sources": [str(r) for r in source.roots],
+        "suffixes": list(source.suffixes) if source.suffixes is not None else None,
+        "text_key": source.text_key,
+        "requested_vocab_size": settings.vocab_size,
+        "valid_fraction": settings.valid_fraction,
         "tokenizers_version": tokenizers.__version__,
         "tokenizer_file": "tokenizer.json",
+        "tokenizer_source": str(given.path.resolve()) if given else None,
+        "tokenizer_sha256": given.sha256 if given else None,
+        "eos_token": eos_token,
         "train_prefix": "train",
         "valid_prefix": "valid",
         "token_dtype": str(train.dtype),
         "duplicates_dropped": duplicates,
-        "vocab_size": tokenizer.get_vocab_size(),
-        "eos_id": eos_id(tokenizer),
+        "vocab_size": vocab_size,
+        "eos_id": eos_id(tokenizer, eos_token),
         "num_train_docs": train.num_docs,
         "num_valid_docs": valid.num_docs,
         "num_train_tokens": train.num_tokens,

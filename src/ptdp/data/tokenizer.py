@@ -10,14 +10,20 @@ end-of-word suffix) every symbol id is fixed before training, and the trainer br
 symbol ids, so the hash-map iteration order inside the trainer never shows. Setting
 ``RAYON_NUM_THREADS=1`` gives the same JSON, only slower (measured with tokenizers 0.23). The
 tokenizers version is part of the data cache key in case another version trains differently.
+
+A tokenizer trained elsewhere (``--tokenizer-model``, :func:`load_tokenizer_model`) is used as
+given: any Hugging Face ``tokenizer.json``, whose end-of-document token is found as described there.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -25,6 +31,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from ptdp.data.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
+#: End-of-document tokens of common tokenizers (GPT-2 and ours, Llama 2 / Mistral, Llama 3, Gemma),
+#: looked for in this order when ``tokenizer_config.json`` names none.
+KNOWN_EOS_TOKENS = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
 #: 1 special token + 256 byte symbols + at least one merge.
 MIN_VOCAB_SIZE = 1 + 256 + 1
 
@@ -72,8 +81,8 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
-    """Load a tokenizer JSON written by :func:`save_tokenizer`; it must know ``<|endoftext|>``."""
+def load_tokenizer(path: str | os.PathLike[str], eos_token: str = EOS_TOKEN) -> Tokenizer:
+    """Load a tokenizer JSON written by :func:`save_tokenizer`; it must know ``eos_token``."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"tokenizer file does not exist: {str(path)!r}")
@@ -81,25 +90,26 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises plain Exception on bad JSON
         raise DataError(f"cannot read tokenizer file {str(path)!r}: {err}") from err
-    eos_id(tokenizer)
+    eos_id(tokenizer, eos_token)
     return tokenizer
 
 
-def eos_id(tokenizer: Tokenizer) -> int:
-    """The id of ``<|endoftext|>``; :class:`DataError` if the tokenizer lacks it."""
-    token_id = tokenizer.token_to_id(EOS_TOKEN)
+def eos_id(tokenizer: Tokenizer, eos_token: str = EOS_TOKEN) -> int:
+    """The id of ``eos_token``; :class:`DataError` if the tokenizer lacks it."""
+    token_id = tokenizer.token_to_id(eos_token)
     if token_id is None:
-        raise DataError(f"tokenizer has no {EOS_TOKEN!r} token")
+        raise DataError(f"tokenizer has no {eos_token!r} token")
     return token_id
 
 
-def encode_documents(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
-    """Token ids of each text followed by ``<|endoftext|>``: a list of int64 arrays of shape [n_i+1].
+def encode_documents(tokenizer: Tokenizer, texts: Sequence[str], eos_token: str = EOS_TOKEN) -> list[np.ndarray]:
+    """Token ids of each text followed by ``eos_token``'s: a list of int64 arrays of shape [n_i+1].
 
-    Uses the batch encoder (multi-threaded). A literal ``<|endoftext|>`` inside a text is encoded
-    as ordinary text, so only real document ends carry the EOS id.
+    Uses the batch encoder (multi-threaded unless ``TOKENIZERS_PARALLELISM=false``), without the
+    tokenizer's own special tokens (no BOS). A literal special token inside a text is encoded as
+    ordinary text, so only real document ends carry the EOS id.
     """
-    eos = eos_id(tokenizer)
+    eos = eos_id(tokenizer, eos_token)
     previous = tokenizer.encode_special_tokens
     tokenizer.encode_special_tokens = True
     try:
@@ -114,3 +124,77 @@ def encode_documents(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndar
         ids[-1] = eos
         out.append(ids)
     return out
+
+
+@dataclass(frozen=True)
+class TokenizerModel:
+    """A tokenizer trained elsewhere, as ``--tokenizer-model`` names it.
+
+    ``path``: the ``tokenizer.json`` read; ``sha256``: hex digest of its bytes (part of the data
+    cache key: another file re-tokenizes); ``eos_token``: the token appended to every document;
+    ``vocab_size``: largest id + 1 (added tokens included), the model's vocabulary before padding.
+    """
+
+    path: Path
+    tokenizer: Tokenizer
+    sha256: str
+    eos_token: str
+    vocab_size: int
+
+
+def load_tokenizer_model(path: str | os.PathLike[str]) -> TokenizerModel:
+    """Read a Hugging Face ``tokenizer.json``, or the one in the folder ``path`` (a downloaded model,
+    ``ptdp convert to-hf``'s output), as given: nothing is retrained or changed.
+
+    The end-of-document token is ``eos_token`` of a ``tokenizer_config.json`` beside the file when it
+    names one the tokenizer knows, else the first of :data:`KNOWN_EOS_TOKENS` it knows.
+
+    Raises:
+        DataError: naming ``path`` when it does not exist, is a folder without ``tokenizer.json``,
+            is not a tokenizers JSON file, or has no end-of-document token.
+    """
+    given = Path(path).expanduser()
+    file = given / "tokenizer.json" if given.is_dir() else given
+    if not given.exists():
+        raise DataError(f"--tokenizer-model {str(given)!r} does not exist (expected a Hugging Face tokenizer.json "
+                        f"or a folder holding one)")
+    if not file.is_file():
+        others = sorted(p.name for p in given.iterdir() if p.name in _OTHER_FORMATS) if given.is_dir() else []
+        hint = (f"; it has {', '.join(others)}: only the tokenizers library's tokenizer.json is read (transformers' "
+                f"AutoTokenizer.from_pretrained(folder).save_pretrained(folder) writes one)" if others else "")
+        what = "a folder without a tokenizer.json" if given.is_dir() else "not a regular file"
+        raise DataError(f"--tokenizer-model {str(given)!r} is {what}{hint}")
+    try:
+        data = file.read_bytes()
+        tokenizer = Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as err:  # noqa: BLE001 - OSError, UnicodeDecodeError, or tokenizers' plain Exception
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DataError(f"--tokenizer-model {str(file)!r} is not a Hugging Face tokenizer.json: {first}") from None
+    eos = _find_eos(tokenizer, file)
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    return TokenizerModel(file, tokenizer, hashlib.sha256(data).hexdigest(), eos, max(vocab.values()) + 1)
+
+
+_OTHER_FORMATS = frozenset({"tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model"})
+
+
+def _find_eos(tokenizer: Tokenizer, file: Path) -> str:
+    """The end-of-document token (see :func:`load_tokenizer_model`); DataError naming ``file`` if none."""
+    named = None
+    config = file.with_name("tokenizer_config.json")
+    if config.is_file():
+        try:
+            named = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+        except (OSError, ValueError, AttributeError):
+            named = None
+        if isinstance(named, dict):  # {"content": "</s>", ...} in older files
+            named = named.get("content")
+    for token in ([named] if isinstance(named, str) else []) + list(KNOWN_EOS_TOKENS):
+        if tokenizer.token_to_id(token) is not None:
+            return token
+    raise DataError(
+        f"--tokenizer-model {str(file)!r} has no end-of-document token: none of {list(KNOWN_EOS_TOKENS)}"
+        + (f" nor tokenizer_config.json's eos_token {named!r}" if named else "")
+        + " is in its vocabulary, and every document must end with one (a tokenizer_config.json beside it "
+        "can name its eos_token)"
+    )

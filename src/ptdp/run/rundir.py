@@ -53,7 +53,9 @@ def prepare(config: Config, log=print) -> PreparedData:
     problem = folder_problem(cache)
     if problem:
         raise DataError(f"data cache directory (--data-cache-dir or $PTDP_CACHE_DIR): {problem}")
-    data = prepare_data(paths, config.model.vocab_size, cache, config.data.valid_fraction, log=log)
+    d = config.data
+    data = prepare_data(paths, config.model.vocab_size, cache, d.valid_fraction, log=log,
+                        tokenizer_model=d.tokenizer_model, text_key=d.data_text_key, workers=d.tokenizer_workers)
     check_data_fits(config, data)
     if ck.load:
         from ptdp.run.checkpoint.folders import precheck

@@ -118,14 +118,32 @@ class CheckpointConfig:
 class DataConfig:
     """Where the text comes from and where its tokenized form is cached."""
 
-    data_paths: tuple[str, ...] = opt((), "--data", "text/jsonl file or folder; repeatable (default: the Python "
-                                      "standard library's .py files)", "data", metavar="PATH", append=True)
-    """Files or folders of text/jsonl; empty: the Python standard library's .py sources."""
+    data_paths: tuple[str, ...] = opt((), "--data", "text, .jsonl, .parquet or .arrow file, a folder of them, or a "
+                                      "datasets save_to_disk folder; repeatable (default: the Python standard "
+                                      "library's .py files)", "data", metavar="PATH", append=True)
+    """Files or folders of text, ``.jsonl``, ``.parquet`` or ``.arrow`` files, or Hugging Face
+    ``datasets`` folders written by ``save_to_disk`` (the last three need the ``[data]`` extra);
+    empty: the Python standard library's .py sources."""
     data_cache_dir: str | None = opt(None, "--data-cache-dir", "where tokenizer and token files are cached "
                                      "(default $PTDP_CACHE_DIR or ~/.cache/ptdp)", "data")
     """Folder for the tokenizer and token files; None: $PTDP_CACHE_DIR or ~/.cache/ptdp."""
     valid_fraction: float = opt(0.02, "--valid-fraction", "fraction of documents held out for validation", "data")
     """Fraction of documents held out for validation (split by document, never inside one)."""
+    data_text_key: str = opt("text", "--data-text-key", "the field of .jsonl records and the column of Parquet, "
+                             "Arrow and saved datasets that holds the text", "data", metavar="NAME")
+    """Field of each ``.jsonl`` record, and column of Parquet/Arrow files and ``save_to_disk``
+    datasets, that holds a document's text."""
+    tokenizer_model: str | None = opt(None, "--tokenizer-model", "a Hugging Face tokenizer.json, or a folder with "
+                                      "one, used as is (default: train a byte-level BPE of --vocab-size)", "data",
+                                      metavar="PATH")
+    """A Hugging Face ``tokenizer.json`` (or a folder holding one: a model folder, ``ptdp convert
+    to-hf``'s output) used as given, never retrained; its size replaces ``--vocab-size``. None:
+    train a byte-level BPE of ``vocab_size`` tokens on the corpus."""
+    tokenizer_workers: int | None = opt(None, "--tokenizer-workers", "processes that tokenize the corpus (default: "
+                                        "one per CPU core, at most 8, for corpora over 64 MB; else 1: this process)",
+                                        "data", metavar="N")
+    """Worker processes that encode the corpus into token files (1: this process alone); the files
+    are identical for every count. None: ``min(8, cores)`` for corpora over 64 MB, else 1."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,132 @@
+"""``--tokenizer-model``: a tokenizer trained elsewhere is used as given (never retrained), its
+content hash keys the data cache, and a bad path stops ``ptdp train`` with exit 2 naming it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers.cli import tiny_flags
+from helpers.own_tokenizer import build_tokenizer, write_tokenizer_folder
+from helpers.texts import make_texts
+
+from ptdp import cli
+from ptdp.data import DataError, IndexedTokens, prepare_data
+from ptdp.data.tokenizer import load_tokenizer_model
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    with open(root / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": text}) + "\n" for text in make_texts(seed=3, n_docs=30))
+    return root / "docs.jsonl"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return write_tokenizer_folder(tmp_path_factory.mktemp("tok") / "model")
+
+
+def test_given_tokenizer_is_used_as_is(corpus, folder, tmp_path):
+    """Token files hold exactly the given tokenizer's ids of each document (no <s> its post-processor
+    would add) followed by </s>; the cache holds the file byte for byte; --vocab-size is not used."""
+    data = prepare_data([corpus], 100, tmp_path, valid_fraction=0.2, log=None, tokenizer_model=folder)
+    reference = build_tokenizer()
+    assert (data.cache_dir / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    assert data.vocab_size == reference.get_vocab_size() == 300
+    assert (data.eos_token, data.eos_id) == ("</s>", 2)
+    texts = {json.dumps(t) for t in make_texts(seed=3, n_docs=30)}
+    seen = 0
+    for prefix in (data.train_prefix, data.valid_prefix):
+        tokens = IndexedTokens(prefix)
+        for i in range(tokens.num_docs):
+            ids = tokens.doc(i).tolist()
+            matches = [t for t in texts if reference.encode(json.loads(t), add_special_tokens=False).ids + [2] == ids]
+            assert len(matches) == 1, f"document {i} of {prefix.name} is no text's encoding"
+            seen += 1
+    assert seen == 30
+    meta = json.loads((data.cache_dir / "meta.json").read_text())
+    assert meta["tokenizer_source"] == str((folder / "tokenizer.json").resolve())
+    assert data.tokenizer().to_str() == reference.to_str()
+
+
+def test_the_file_content_keys_the_cache(corpus, folder, tmp_path):
+    """The folder and its tokenizer.json, or a copy elsewhere, share one cache folder; another
+    tokenizer file (one more token) re-tokenizes."""
+    cache = tmp_path / "cache"
+    a = prepare_data([corpus], 300, cache, log=None, tokenizer_model=folder)
+    b = prepare_data([corpus], 300, cache, log=None, tokenizer_model=folder / "tokenizer.json")
+    copy = tmp_path / "copy.json"
+    shutil.copyfile(folder / "tokenizer.json", copy)
+    c = prepare_data([corpus], 999, cache, log=None, tokenizer_model=copy)
+    assert a.cache_dir == b.cache_dir == c.cache_dir
+    changed = build_tokenizer()
+    changed.add_tokens(["zzzz"])
+    changed.save(str(copy))
+    d = prepare_data([corpus], 300, cache, log=None, tokenizer_model=copy)
+    assert d.cache_dir != a.cache_dir and d.vocab_size == 301
+    trained = prepare_data([corpus], 300, cache, log=None)
+    assert trained.cache_dir not in (a.cache_dir, d.cache_dir) and trained.eos_token == "<|endoftext|>"
+
+
+def test_end_of_document_token(tmp_path):
+    """tokenizer_config.json's eos_token wins; without it the known names are tried in order; a
+    tokenizer knowing none of them is refused, naming the file."""
+    plain = write_tokenizer_folder(tmp_path / "plain", eos_token=None)
+    assert load_tokenizer_model(plain).eos_token == "</s>"
+    named = write_tokenizer_folder(tmp_path / "named", eos_token="<unk>")
+    assert load_tokenizer_model(named / "tokenizer.json").eos_token == "<unk>"
+    gpt2_style = build_tokenizer()
+    gpt2_style.add_special_tokens(["<|endoftext|>"])
+    gpt2_style.save(str(tmp_path / "gpt2.json"))
+    assert load_tokenizer_model(tmp_path / "gpt2.json").eos_token == "<|endoftext|>"
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(tmp_path / "no_eos.json"))
+    with pytest.raises(DataError, match=r"no_eos\.json.*no end-of-document token"):
+        load_tokenizer_model(tmp_path / "no_eos.json")
+
+
+@pytest.fixture
+def launched(monkeypatch) -> list:
+    """Replaces the worker launcher: records each launch and stops there."""
+    calls = []
+    monkeypatch.setattr("ptdp.run.launch.launch_local",
+                        lambda config, *a, **k: calls.append(config) or {"error": "stopped by the test"})
+    return calls
+
+
+def test_bad_tokenizer_paths_exit_2_naming_the_path(tmp_path, capsys, corpus, launched):
+    """A missing path, a folder without tokenizer.json (with another format's files: said so), a
+    file that is not a tokenizer: exit 2 before any worker, naming the path; nothing written."""
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "vocab.json").write_text("{}")
+    (slow / "merges.txt").write_text("")
+    junk = tmp_path / "junk.json"
+    junk.write_text('{"not": "a tokenizer"}')
+    cases = {tmp_path / "missing": "does not exist", slow: "is a folder without a tokenizer.json; it has merges.txt, "
+             "vocab.json", junk: "is not a Hugging Face tokenizer.json", corpus: "is not a Hugging Face tokenizer.json"}
+    for path, why in cases.items():
+        code = cli.main(["train", *tiny_flags(no_progress=True), "--data", str(corpus), "--data-cache-dir",
+                         str(tmp_path / "cache"), "--tokenizer-model", str(path), "--output-dir", str(tmp_path / "run")])
+        err = capsys.readouterr().err
+        assert code == 2 and not launched, err
+        assert f"--tokenizer-model {str(path)!r} {why}" in err and "Traceback" not in err
+        assert not (tmp_path / "run").exists()
+
+
+def test_train_records_the_tokenizer_and_its_vocabulary(tmp_path, capsys, corpus, folder, launched):
+    """ptdp train with --tokenizer-model: config.json records the path given, and the tokenizer's
+    vocabulary (300) replaces --vocab-size (padded as any other: tests/e2e/test_own_tokenizer_e2e.py)."""
+    code = cli.main(["train", *tiny_flags(no_progress=True), "--data", str(corpus), "--data-cache-dir",
+                     str(tmp_path / "cache"), "--tokenizer-model", str(folder), "--output-dir", str(tmp_path / "run")])
+    out = capsys.readouterr()
+    assert code == 1 and len(launched) == 1, out.err  # the stub stops the run after the launch
+    record = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert record["data"]["tokenizer_model"] == str(folder)
+    assert record["model"]["vocab_size"] == 300 and record["requested_vocab_size"] == 400
+    assert "vocab 300" in out.out
