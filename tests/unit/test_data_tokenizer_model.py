@@ -130,3 +130,47 @@ def test_train_records_the_tokenizer_and_its_vocabulary(tmp_path, capsys, corpus
     assert record["data"]["tokenizer_model"] == str(folder)
     assert record["model"]["vocab_size"] == 300 and record["requested_vocab_size"] == 400
     assert "vocab 300" in out.out
+
+
+def _gpt2_folder(folder: Path, vocab: int, h: int = 32, layers: int = 2, seq: int = 32) -> Path:
+    """A GPT-2 model folder (config.json, model.safetensors of random tensors) written without
+    transformers, as ``ptdp convert from-hf`` reads it."""
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"wte.weight": (vocab, h), "wpe.weight": (seq, h), "ln_f.weight": (h,), "ln_f.bias": (h,)}
+    for i in range(layers):
+        shapes |= {f"h.{i}.ln_1.weight": (h,), f"h.{i}.ln_1.bias": (h,), f"h.{i}.ln_2.weight": (h,),
+                   f"h.{i}.ln_2.bias": (h,), f"h.{i}.attn.c_attn.weight": (h, 3 * h), f"h.{i}.attn.c_attn.bias": (3 * h,),
+                   f"h.{i}.attn.c_proj.weight": (h, h), f"h.{i}.attn.c_proj.bias": (h,),
+                   f"h.{i}.mlp.c_fc.weight": (h, 4 * h), f"h.{i}.mlp.c_fc.bias": (4 * h,),
+                   f"h.{i}.mlp.c_proj.weight": (4 * h, h), f"h.{i}.mlp.c_proj.bias": (h,)}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({f"transformer.{k}": torch.randn(s, generator=gen) * 0.02 for k, s in shapes.items()},
+              str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "vocab_size": vocab, "n_positions": seq, "n_embd": h, "n_layer": layers, "n_head": 4,
+        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5}))
+    return folder
+
+
+def test_convert_from_hf_says_how_to_continue_and_a_mismatched_tokenizer_is_refused(tmp_path, capsys, corpus,
+                                                                                      launched):
+    """from-hf prints the train command with --tokenizer-model when the folder's tokenizer has the
+    model's size, says why not otherwise; ptdp train --load with a tokenizer of another size: exit 2."""
+    plain = _gpt2_folder(tmp_path / "plain", 300)
+    assert cli.main(["convert", "from-hf", str(plain), str(tmp_path / "a")]) == 0
+    assert f"{plain} has no tokenizer.json" in capsys.readouterr().out
+    other = write_tokenizer_folder(_gpt2_folder(tmp_path / "other", 301))
+    assert cli.main(["convert", "from-hf", str(other), str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "has 300 tokens but the model's vocabulary is 301" in out and "--tokenizer-model" in out
+    code = cli.main(["train", *tiny_flags(no_progress=True, vocab_size=None, activation="gelu_tanh",
+                                          ffn_hidden_size=128), "--data", str(corpus),
+                     "--data-cache-dir", str(tmp_path / "cache"), "--load", str(tmp_path / "b"),
+                     "--tokenizer-model", str(other), "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and not launched, err
+    assert f"--tokenizer-model {other} has 300 tokens but the model in --load {tmp_path / 'b'} has a vocabulary " \
+           f"of 301: they must be equal" in err

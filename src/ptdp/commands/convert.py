@@ -1,9 +1,13 @@
 """``ptdp convert to-hf | from-hf``: a checkpoint to a Hugging Face GPT-2 or Llama folder, or back
-(:mod:`ptdp.run.checkpoint.hf`)."""
+(:mod:`ptdp.run.checkpoint.hf`). After ``from-hf`` it prints the ``ptdp train`` flags that continue
+pre-training the imported model, with ``--tokenizer-model`` when the folder has a ``tokenizer.json``
+of the model's vocabulary size."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 
 def add_arguments(conv: argparse.ArgumentParser) -> None:
@@ -24,4 +28,50 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {export_hf(args.source, args.target)} (config.json, model.safetensors)")
     else:
         print(f"wrote {import_hf(args.source, args.target)}; load it with --load {args.target}")
+        print(continue_hint(Path(args.source), args.target))
     return 0
+
+
+def continue_hint(source: Path, target: str) -> str:
+    """The ``ptdp train`` command line that continues pre-training the model imported from ``source``
+    into ``target``: its shape flags and, when ``source`` has a ``tokenizer.json`` whose size equals
+    the model's vocabulary, ``--tokenizer-model source`` (else a note saying why not)."""
+    from ptdp.data import DataError
+    from ptdp.data.tokenizer import load_tokenizer_model
+    from ptdp.run.checkpoint.hf import model_config_from_hf
+
+    model = model_config_from_hf(json.loads((source / "config.json").read_text()))
+    command = f"ptdp train --load {target} " + " ".join(model_flags(model)) + " --data ..."
+    if not (source / "tokenizer.json").is_file():
+        return (f"continue pre-training: {command} (with a tokenizer of {model.vocab_size} tokens: "
+                f"--tokenizer-model PATH; {source} has no tokenizer.json)")
+    try:
+        tokenizer = load_tokenizer_model(source)
+    except DataError as err:
+        return f"continue pre-training: {command}; its tokenizer cannot be used: {err}"
+    if tokenizer.vocab_size != model.vocab_size:
+        return (f"continue pre-training: {command}; note: {source / 'tokenizer.json'} has {tokenizer.vocab_size} "
+                f"tokens but the model's vocabulary is {model.vocab_size}: --tokenizer-model needs them equal")
+    return f"continue pre-training with its tokenizer: {command} --tokenizer-model {source}"
+
+
+def model_flags(model) -> list[str]:
+    """``ptdp train`` flags giving ``model``'s fields that differ from the defaults (vocab_size
+    aside: the tokenizer sets it), spelled as the schema defines them."""
+    from ptdp.spec.flags import settings
+
+    flags: list[str] = []
+    for s in settings():
+        value = getattr(model, s.name) if s.section == "model" and s.name != "vocab_size" else s.default
+        if value == s.default:
+            continue
+        if s.kind == "bool":
+            if s.flag.negate or s.flag.name.startswith("--no-"):
+                flags += [s.flag.name] if value != s.default else []
+            else:
+                flags += [s.flag.name if value else "--no-" + s.flag.name[2:]]
+        elif value is None:
+            flags += [s.flag.name, s.flag.none_choice] if s.flag.none_choice else []
+        else:
+            flags += [s.flag.name, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
+    return flags

@@ -40,7 +40,7 @@ def prepare(config: Config, log=print) -> PreparedData:
     if ck.load:
         from ptdp.run.checkpoint.folders import read_meta, resolve_checkpoint
 
-        read_meta(resolve_checkpoint(ck.load))
+        loaded = read_meta(resolve_checkpoint(ck.load))
     if ck.save:
         from ptdp.run.checkpoint.folders import check_save_dir
 
@@ -57,6 +57,9 @@ def prepare(config: Config, log=print) -> PreparedData:
     data = prepare_data(paths, config.model.vocab_size, cache, d.valid_fraction, log=log,
                         tokenizer_model=d.tokenizer_model, text_key=d.data_text_key, workers=d.tokenizer_workers)
     check_data_fits(config, data)
+    if ck.load and d.tokenizer_model and loaded["model"]["vocab_size"] != data.vocab_size:
+        raise DataError(f"--tokenizer-model {d.tokenizer_model} has {data.vocab_size} tokens but the model in --load "
+                        f"{ck.load} has a vocabulary of {loaded['model']['vocab_size']}: they must be equal")
     if ck.load:
         from ptdp.run.checkpoint.folders import precheck
         from ptdp.engine.step import with_vocab
