@@ -184,18 +184,20 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     m, p = config.model, config.parallel
     pp, rank, v = groups.pp.size, groups.pp.rank, p.virtual_stages(m.num_layers)
     rng = DropoutRNG(config.train.seed, dp_rank=groups.dp.rank, tp_rank=groups.tp.rank, device=device,
-                     sequence_parallel=p.sequence_parallel)
+                     sequence_parallel=p.sequence_parallel, cp_rank=groups.cp.rank, cp_size=groups.cp.size,
+                     tp_size=groups.tp.size)
+    cp = {"cp": groups.cp, "cp_comm_type": p.cp_comm_type}  # each rank computes its chunks of the sequence
     if v == 1:
         layer_ids = stage_layer_ids(m.num_layers, pp, rank, p.layer_split(m.num_layers))
         chunks = [GPTModel(m, groups.tp, layer_ids=layer_ids, pre_process=groups.is_first_stage,
-                           post_process=groups.is_last_stage, sequence_parallel=p.sequence_parallel, rng=rng)]
+                           post_process=groups.is_last_stage, sequence_parallel=p.sequence_parallel, rng=rng, **cp)]
     else:
         chunks = [
             GPTModel(m, groups.tp, layer_ids=chunk_layer_ids(m.num_layers, pp, v, rank, c,
                                                              embedding=p.account_for_embedding_in_pipeline_split,
                                                              loss=p.account_for_loss_in_pipeline_split),
                      pre_process=rank == 0 and c == 0, post_process=rank == pp - 1 and c == v - 1,
-                     sequence_parallel=p.sequence_parallel, rng=rng)
+                     sequence_parallel=p.sequence_parallel, rng=rng, **cp)
             for c in range(v)
         ]
     for chunk in chunks:  # each chunk by its global parameter names: the same weights on every layout
