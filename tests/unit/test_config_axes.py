@@ -1,6 +1,7 @@
 """Context parallelism and data-parallel sharding strategies in the configuration schema: one flag
 each, shared by ``ptdp train`` and ``ptdp plan``; ``ptdp train`` rejects what it cannot run yet
-(cp > 1, optim_grads, optim_grads_params) before any process, with exit code 2."""
+(optim_grads, optim_grads_params) and a sequence that 2 cp chunks do not divide before any
+process, with exit code 2; cp > 1 resolves (dp from the world divided by tp cp pp)."""
 
 from __future__ import annotations
 
@@ -44,9 +45,13 @@ def test_world_is_tp_cp_pp_dp_and_the_sequence_splits_into_2cp_chunks():
                         data_parallel_size=2), 8)
 
 
+def test_cp_resolves_with_dp_from_the_world():
+    p = resolve(_config(tensor_model_parallel_size=2, pipeline_model_parallel_size=1, context_parallel_size=2,
+                        use_distributed_optimizer=True), 8).parallel
+    assert (p.tp, p.cp, p.pp, p.dp, p.sharding_strategy) == (2, 2, 1, 2, "optim")
+
+
 @pytest.mark.parametrize("parallel, message", [
-    (dict(context_parallel_size=2), r"context_parallel_size=2: context parallelism is planned \(ptdp plan --cp\) but "
-                                    r"not yet trainable"),
     (dict(data_parallel_sharding_strategy="optim_grads"), "optim_grads: planned .* but not yet trainable"),
     (dict(data_parallel_sharding_strategy="optim_grads_params"), "optim_grads_params: planned .* but not yet trainable"),
     (dict(data_parallel_sharding_strategy="no_shard", use_distributed_optimizer=True), "contradicts"),
@@ -70,10 +75,15 @@ def test_optim_is_the_distributed_optimizer():
     assert resolve(again, 2).parallel.sharding_strategy == "optim"
 
 
-@pytest.mark.parametrize("argv", [["--cp", "2"], ["--data-parallel-sharding-strategy", "optim_grads_params"]])
-def test_ptdp_train_exits_2_before_any_process(argv, capsys, monkeypatch):
+@pytest.mark.parametrize("argv, message", [
+    (["--data-parallel-sharding-strategy", "optim_grads_params"], "not yet trainable"),
+    (["--cp", "3", "--seq-length", "32"], "seq_length=32 is not divisible by 2*context_parallel_size = 2*3 = 6 "
+                                          "(rule: seq_length % (2 * cp) == 0"),
+    (["--cp", "2", "--nproc-per-node", "4", "--dp", "2"], "world_size=4 != tp*cp*pp*dp = 2*2*2*2 = 16"),
+])
+def test_ptdp_train_exits_2_before_any_process(argv, message, capsys, monkeypatch):
     import ptdp.run.launch
 
     monkeypatch.setattr(ptdp.run.launch, "launch_local", lambda *a, **k: pytest.fail("a process was started"))
     assert cli.main(["train", "--train-iters", "1", *argv]) == 2
-    assert "not yet trainable" in capsys.readouterr().err
+    assert message in capsys.readouterr().err

@@ -24,17 +24,18 @@ class ParallelConfig:
                                             plan=True, cli_default=2)
     """Pipeline-parallel size p (``ptdp train``'s default: 2)."""
     data_parallel_size: int | None = opt(None, "--data-parallel-size", "data-parallel size (default: world size / "
-                                         "(TP x PP))", "layout", aliases=("--dp",), metavar="DP", plan=True)
-    """None: inferred as world_size / (tp * pp)."""
+                                         "(TP x CP x PP))", "layout", aliases=("--dp",), metavar="DP", plan=True)
+    """None: inferred as world_size / (tp * cp * pp)."""
     context_parallel_size: int = opt(1, "--context-parallel-size", "context-parallel size: each sequence split into "
-                                     "2 x CP chunks, two per CP rank (planned by ptdp plan; ptdp train runs CP = 1 "
-                                     "until context parallelism lands)", "layout", aliases=("--cp",), metavar="CP",
+                                     "2 x CP chunks, two per CP rank, keys and values exchanged over the CP ranks "
+                                     "(world = TP x CP x PP x DP)", "layout", aliases=("--cp",), metavar="CP",
                                      plan=True)
     """Context-parallel size c: each sequence is cut into ``2 c`` chunks and cp rank i holds chunks
     i and ``2c - 1 - i`` (causal load balance), so activations and attention FLOPs per rank are
     divided by c; keys and values travel over the cp group (ring or all-gather). World =
-    tp * cp * pp * dp, order tp-cp-dp-pp. Needs ``seq_length % (2 c) == 0``. ``ptdp plan`` models
-    it (:mod:`ptdp.planner.context`); ``ptdp train`` rejects c > 1 until it can train it."""
+    tp * cp * pp * dp, order tp-cp-dp-pp; gradients are summed over cp and averaged over dp. Needs
+    ``seq_length % (2 c) == 0``. ``ptdp train`` trains it (:mod:`ptdp.engine.context_parallel`),
+    ``ptdp plan`` models it (:mod:`ptdp.planner.context`)."""
     cp_comm_type: Literal["p2p", "all_gather"] = opt(
         "p2p", "--cp-comm-type", "how context-parallel ranks exchange keys and values: a ring of point-to-point "
         "transfers overlapped with attention (p2p), or one all-gather per layer (all_gather); Megatron-Core's "

@@ -218,13 +218,9 @@ def sharding_violations(p: ParallelConfig) -> list[Violation]:
 
 
 def not_yet_trainable_violations(p: ParallelConfig) -> list[Violation]:
-    """What ``ptdp plan`` models but ``ptdp train`` cannot run yet: context parallelism (cp > 1) and
-    the optim_grads / optim_grads_params sharding strategies."""
+    """What ``ptdp plan`` models but ``ptdp train`` cannot run yet: the optim_grads /
+    optim_grads_params sharding strategies."""
     out = []
-    if isinstance(p.context_parallel_size, int) and p.context_parallel_size > 1:
-        out.append(V("not yet trainable", f"context_parallel_size={p.context_parallel_size}: context parallelism is "
-                     f"planned (ptdp plan --cp) but not yet trainable; use context_parallel_size=1",
-                     cp=p.context_parallel_size))
     if p.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"):
         out.append(V("not yet trainable", f"data_parallel_sharding_strategy={p.data_parallel_sharding_strategy}: "
                      f"planned (ptdp plan) but not yet trainable; ptdp train runs no_shard and optim "
