@@ -1,0 +1,88 @@
+"""The context-parallel equivalence cases: a tiny float64 GPT or Llama-like model trained 3 steps at
+a (tp, cp, pp, dp) layout, every layout of one world size in one job, against one process."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec.layout import ParallelLayout
+
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from helpers.layout_cases import LLAMA_OPTIONS, VOCAB, train_and_collect
+
+#: (tp, cp, pp, dp) of the issue, by world size (one job per world size)
+LAYOUTS = {2: [(1, 2, 1, 1)], 4: [(1, 4, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1), (1, 2, 1, 2)], 8: [(2, 2, 2, 1)]}
+
+DROPOUT = {"hidden_dropout": 0.1}
+SELECTIVE = {"recompute_granularity": "selective"}
+FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+#: name -> (model overrides, parallel overrides). Every layout runs the GPT with p2p and the
+#: Llama-like model (rotary, 2 query groups of 2 heads) with all_gather; the options below run where
+#: :func:`variants` says, with the other pairings (dropout only at dp = 1: masks depend on the dp rank).
+VARIANTS = {
+    "gpt_p2p": ({}, {"cp_comm_type": "p2p"}),
+    "llama_all_gather": (LLAMA_OPTIONS, {"cp_comm_type": "all_gather"}),
+    "gpt_dropout_selective_all_gather": (DROPOUT | SELECTIVE, {"cp_comm_type": "all_gather"}),
+    "llama_dropout_full_p2p": (LLAMA_OPTIONS | DROPOUT | FULL, {"cp_comm_type": "p2p"}),
+    "gpt_sp_dropout_all_gather": (DROPOUT, {"cp_comm_type": "all_gather", "sequence_parallel": True}),
+    "llama_sp_selective_p2p": (LLAMA_OPTIONS | SELECTIVE, {"cp_comm_type": "p2p", "sequence_parallel": True}),
+}
+
+
+def variants(tp: int, cp: int, pp: int, dp: int) -> list[str]:
+    """The variants one layout runs: both models and both comm types everywhere; dropout with
+    selective or full recompute at dp = 1; sequence parallelism at tp = 2."""
+    names = ["gpt_p2p", "llama_all_gather"]
+    if dp == 1:
+        names += ["gpt_dropout_selective_all_gather", "llama_dropout_full_p2p"]
+    if tp > 1:
+        names += ["gpt_sp_dropout_all_gather", "llama_sp_selective_p2p"]
+    return names
+
+
+def cp_config(name: str, tp: int, cp: int, pp: int, dp: int) -> Config:
+    """The tiny model of ``name`` at this layout: 2 layers, h 32, 4 heads, s 16, b 2, B 8 (2-4
+    microbatches per pipeline), float64, clipping active. At tp = cp = pp = dp = 1 (the reference)
+    the parallel overrides are dropped: the same model in one process."""
+    model_overrides, parallel_overrides = VARIANTS[name]
+    model = dataclasses.replace(ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=16, vocab_size=VOCAB,
+        make_vocab_size_divisible_by=8, params_dtype="float64"), **model_overrides)
+    train = TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=3, lr=3e-3, min_lr=3e-4,
+                        lr_warmup_iters=1, clip_grad=0.05, weight_decay=0.1)
+    parallel = dict(parallel_overrides) if tp * cp * pp * dp > 1 else {}
+    if tp == 1:
+        parallel.pop("sequence_parallel", None)
+    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
+                         context_parallel_size=cp, **parallel)
+    return resolve(Config(model=model, parallel=par, train=train), tp * cp * pp * dp)
+
+
+def cp_worker(rank: int, world: int) -> dict:
+    """Every layout of this world size, each of its variants in turn: ``{layout: {variant: result}}``."""
+    out = {}
+    for tp, cp, pp, dp in LAYOUTS[world]:
+        groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp), PG_TIMEOUT)
+        runs = {}
+        for name in variants(tp, cp, pp, dp):
+            res = train_and_collect(cp_config(name, tp, cp, pp, dp), groups)
+            res["cp_rank"] = groups.cp.rank
+            runs[name] = res
+        out[(tp, cp, pp, dp)] = runs
+    return out
+
+
+@functools.cache
+def world_results(world: int) -> list[dict]:
+    """Every rank's results of the layouts of ``world`` (one job on the session's workers; cached)."""
+    return run_in_pool(cp_worker, world)
+
+
+@functools.cache
+def reference(name: str) -> dict:
+    """The single-process run of variant ``name``."""
+    return train_and_collect(cp_config(name, 1, 1, 1, 1), ParallelGroups.single_process())
