@@ -53,6 +53,23 @@ def test_given_tokenizer_is_used_as_is(corpus, folder, tmp_path):
     assert data.tokenizer().to_str() == reference.to_str()
 
 
+def test_truncation_and_padding_in_the_file_do_not_apply(corpus, tmp_path):
+    """A tokenizer.json saved with truncation to 8 tokens and padding (as some model folders have):
+    documents are still encoded whole, serially and in worker processes, and the file is kept as is."""
+    truncating = build_tokenizer()
+    truncating.enable_truncation(8)
+    truncating.enable_padding(length=16)
+    truncating.save(str(tmp_path / "tokenizer.json"))
+    whole = prepare_data([corpus], 300, tmp_path / "a", log=None, tokenizer_model=tmp_path / "tokenizer.json")
+    parallel = prepare_data([corpus], 300, tmp_path / "b", log=None, tokenizer_model=tmp_path, workers=2)
+    reference = build_tokenizer()
+    expected = sum(len(reference.encode(t, add_special_tokens=False).ids) + 1 for t in make_texts(seed=3, n_docs=30))
+    assert whole.num_train_tokens + whole.num_valid_tokens == expected
+    for name in ("train.bin", "valid.bin", "train.idx", "valid.idx"):
+        assert (whole.cache_dir / name).read_bytes() == (parallel.cache_dir / name).read_bytes()
+    assert json.loads((whole.cache_dir / "tokenizer.json").read_text())["truncation"]["max_length"] == 8
+
+
 def test_the_file_content_keys_the_cache(corpus, folder, tmp_path):
     """The folder and its tokenizer.json, or a copy elsewhere, share one cache folder; another
     tokenizer file (one more token) re-tokenizes."""

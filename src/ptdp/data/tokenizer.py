@@ -91,6 +91,14 @@ def load_tokenizer(path: str | os.PathLike[str], eos_token: str = EOS_TOKEN) -> 
     except Exception as err:  # tokenizers raises plain Exception on bad JSON
         raise DataError(f"cannot read tokenizer file {str(path)!r}: {err}") from err
     eos_id(tokenizer, eos_token)
+    return _whole_documents(tokenizer)
+
+
+def _whole_documents(tokenizer: Tokenizer) -> Tokenizer:
+    """``tokenizer`` with the truncation and padding a ``tokenizer.json`` may carry switched off (on
+    this object only, not in the file): every document is encoded whole, unpadded."""
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
     return tokenizer
 
 
@@ -147,7 +155,8 @@ def load_tokenizer_model(path: str | os.PathLike[str]) -> TokenizerModel:
     ``ptdp convert to-hf``'s output), as given: nothing is retrained or changed.
 
     The end-of-document token is ``eos_token`` of a ``tokenizer_config.json`` beside the file when it
-    names one the tokenizer knows, else the first of :data:`KNOWN_EOS_TOKENS` it knows.
+    names one the tokenizer knows, else the first of :data:`KNOWN_EOS_TOKENS` it knows. Truncation
+    and padding settings in the file are not applied (documents are encoded whole).
 
     Raises:
         DataError: naming ``path`` when it does not exist, is a folder without ``tokenizer.json``,
@@ -172,7 +181,8 @@ def load_tokenizer_model(path: str | os.PathLike[str]) -> TokenizerModel:
         raise DataError(f"--tokenizer-model {str(file)!r} is not a Hugging Face tokenizer.json: {first}") from None
     eos = _find_eos(tokenizer, file)
     vocab = tokenizer.get_vocab(with_added_tokens=True)
-    return TokenizerModel(file, tokenizer, hashlib.sha256(data).hexdigest(), eos, max(vocab.values()) + 1)
+    return TokenizerModel(file, _whole_documents(tokenizer), hashlib.sha256(data).hexdigest(), eos,
+                          max(vocab.values()) + 1)
 
 
 _OTHER_FORMATS = frozenset({"tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model"})
