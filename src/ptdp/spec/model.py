@@ -96,7 +96,8 @@ class ModelConfig:
     :class:`ptdp.engine.tensor_parallel.random.DropoutRNG` streams: equal on the tp ranks of a replica,
     different over dp replicas."""
     attention_dropout: float = opt(0.0, "--attention-dropout", "dropout probability of the attention probabilities "
-                                   "(computed without the fused kernel when > 0; 0: none; not with --cp > 1)", "model", metavar="P")
+                                   "(computed without the fused kernel when > 0; 0: none; not with --cp > 1)", "model",
+                                   metavar="P")
     """Dropout probability of the attention probabilities; 0 disables. With it, attention is
     computed explicitly (scores, causal softmax, dropout, context; the ``s x s`` probabilities are
     kept for backward) instead of by the fused ``scaled_dot_product_attention`` kernel, whose own
