@@ -120,6 +120,10 @@ def format_summary(s: dict, run_dir) -> str:
         exact = " (still in its exact warmup)" if s.get("last_step_reduced_exactly") else ""
         lines.append(f"  data-parallel payload of the last step on rank 0: {dp_bytes:,} bytes "
                      f"(gradient compression: {s.get('grad_compression', 'none')}{exact})")
+    cp_bytes = sum(c["bytes"] for k, c in s.get("comm_per_step_rank0", {}).items() if k.startswith("cp/"))
+    if cp_bytes:
+        lines.append(f"  context-parallel traffic of the last step on rank 0: {cp_bytes:,} bytes (keys, values and "
+                     f"their gradients over {s['layout'].get('cp')} cp ranks)")
     if s.get("bubble"):
         b = s["bubble"]
         by_rank = b["measured_idle_over_compute_by_rank"]
