@@ -130,6 +130,7 @@ def list_corpus_files(
         if not root.exists():
             raise DataError(f"data path does not exist: {str(root)!r}")
         base = root.resolve().name or "root"
+        found: Iterator[tuple[Path, str]]
         if root.is_dir() and not is_saved_dataset(root):
             found = ((p, f"{base}/{p.relative_to(root).as_posix()}") for p in _walk(root, skipped))
         elif not root.is_file() and not root.is_dir():

@@ -28,7 +28,7 @@ from ptdp.data.errors import DataError
 MAGIC = b"PTDPIDX\0"
 VERSION = 1
 _HEADER = struct.Struct("<8sIIq")
-_DTYPES = {1: np.dtype(np.uint16), 2: np.dtype(np.uint32)}
+_DTYPES: dict[int, np.dtype] = {1: np.dtype(np.uint16), 2: np.dtype(np.uint32)}
 _CODES = {dt: code for code, dt in _DTYPES.items()}
 
 
@@ -187,7 +187,7 @@ class IndexedTokens:
         return {"prefix": self.prefix}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["prefix"])
+        IndexedTokens.__init__(self, state["prefix"])
 
     def __repr__(self) -> str:
         return f"IndexedTokens({str(self.prefix)!r}, docs={self.num_docs}, tokens={self.num_tokens})"
