@@ -4,7 +4,8 @@ per-step losses and gradient norms within 1e-9 relative, every parameter after t
 Llama-like model (rotary, grouped-query attention) and both ``--cp-comm-type``s at every layout;
 hidden dropout (the masks of the unsplit model at every cp) with selective or full recompute at
 the dp = 1 layouts; sequence parallelism inside the cp ranks (with dropout, and with selective
-recompute) at tp = 2; each option with each comm type somewhere. Each cp rank holds chunks
+recompute) at tp = 2; each option with each comm type somewhere; the initial model's evaluation
+(the forward-only schedule) at every layout; bf16 weights at cp = 2 within bf16 precision. Each cp rank holds chunks
 r and 2cp-1-r of every sequence; parameters are replicated over cp, and every copy (cp, dp, the
 tied embedding) must be bitwise equal. All layouts of a world size run in one job
 (:mod:`helpers.cp_cases`)."""
@@ -14,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.cp_cases import LAYOUTS, reference, variants, world_results
+from helpers.cp_cases import EVALUATED, LAYOUTS, VARIANTS, reference, variants, world_results
 from helpers.layout_cases import TOL, full_parameters, real_rows
 
 CASES = [(world, layout) for world, layouts in LAYOUTS.items() for layout in layouts]
@@ -22,6 +23,8 @@ CASES = [(world, layout) for world, layouts in LAYOUTS.items() for layout in lay
 
 def _check(results: list[dict], name: str) -> None:
     ref = reference(name)
+    if VARIANTS[name][0].get("params_dtype") == "bfloat16":
+        return _check_bf16(results, ref, name)
     assert all(n > 0.05 for n in ref["norms"]), "clipping (clip_grad=0.05) must fire in this test"
     for res in results:
         torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), **TOL["float64"])
@@ -33,6 +36,17 @@ def _check(results: list[dict], name: str) -> None:
         torch.testing.assert_close(got[key], want[key], **TOL["float64"], msg=lambda m: f"{name} {key}: {m}")
 
 
+def _check_bf16(results: list[dict], ref: dict, name: str) -> None:
+    """bf16 activations round differently when the sequence is split: losses and norms agree to
+    bf16 precision; cp replicas stay bitwise equal."""
+    for res in results:
+        torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]),
+                                   rtol=1e-2, atol=0)
+        torch.testing.assert_close(torch.tensor(res[name]["norms"]), torch.tensor(ref["norms"]),
+                                   rtol=5e-2, atol=0)
+    full_parameters(results, name)
+
+
 @pytest.mark.parametrize("world, layout", CASES, ids=lambda x: "tp{}cp{}pp{}dp{}".format(*x) if isinstance(x, tuple)
                          else f"world{x}")
 def test_context_parallel_trains_like_one_process(world, layout):
@@ -40,6 +54,9 @@ def test_context_parallel_trains_like_one_process(world, layout):
     assert sorted({res["gpt_p2p"]["cp_rank"] for res in results}) == list(range(layout[1]))
     for name in variants(*layout):
         _check(results, name)
+    for name in EVALUATED:  # the forward-only schedule: evaluation of the initial model
+        for res in results:
+            assert abs(res[name]["eval"] - reference(name)["eval"]) <= 1e-9 * reference(name)["eval"], name
 
 
 def test_every_option_runs_at_two_layouts_or_more():

@@ -7,11 +7,12 @@ import dataclasses
 import functools
 
 from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.step import build_stage, eval_loss
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.spec.layout import ParallelLayout
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
-from helpers.layout_cases import LLAMA_OPTIONS, VOCAB, train_and_collect
+from helpers.layout_cases import LLAMA_OPTIONS, VOCAB, rank_microbatches, train_and_collect
 
 #: (tp, cp, pp, dp) of the issue, by world size (one job per world size)
 LAYOUTS = {2: [(1, 2, 1, 1)], 4: [(1, 4, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1), (1, 2, 1, 2)], 8: [(2, 2, 2, 1)]}
@@ -30,7 +31,11 @@ VARIANTS = {
     "llama_dropout_full_p2p": (LLAMA_OPTIONS | DROPOUT | FULL, {"cp_comm_type": "p2p"}),
     "gpt_sp_dropout_all_gather": (DROPOUT, {"cp_comm_type": "all_gather", "sequence_parallel": True}),
     "llama_sp_selective_p2p": (LLAMA_OPTIONS | SELECTIVE, {"cp_comm_type": "p2p", "sequence_parallel": True}),
+    # bf16 weights (float32 main parameters and gradients; attention blocks accumulate in float32)
+    "gpt_bf16_p2p": ({"params_dtype": "bfloat16"}, {"cp_comm_type": "p2p"}),
 }
+#: variants whose initial model is also evaluated (forward only, eval mode) on a held-out batch
+EVALUATED = ("gpt_p2p", "llama_all_gather")
 
 
 def variants(tp: int, cp: int, pp: int, dp: int) -> list[str]:
@@ -41,6 +46,8 @@ def variants(tp: int, cp: int, pp: int, dp: int) -> list[str]:
         names += ["gpt_dropout_selective_all_gather", "llama_dropout_full_p2p"]
     if tp > 1:
         names += ["gpt_sp_dropout_all_gather", "llama_sp_selective_p2p"]
+    if (tp, cp, pp, dp) == (1, 2, 1, 1):
+        names += ["gpt_bf16_p2p"]
     return names
 
 
@@ -69,8 +76,11 @@ def cp_worker(rank: int, world: int) -> dict:
         groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp), PG_TIMEOUT)
         runs = {}
         for name in variants(tp, cp, pp, dp):
-            res = train_and_collect(cp_config(name, tp, cp, pp, dp), groups)
+            cfg = cp_config(name, tp, cp, pp, dp)
+            res = train_and_collect(cfg, groups)
             res["cp_rank"] = groups.cp.rank
+            if name in EVALUATED:
+                res["eval"] = evaluate_initial(cfg, groups)
             runs[name] = res
         out[(tp, cp, pp, dp)] = runs
     return out
@@ -82,7 +92,18 @@ def world_results(world: int) -> list[dict]:
     return run_in_pool(cp_worker, world)
 
 
+def evaluate_initial(cfg: Config, groups: ParallelGroups) -> float:
+    """The initial model's evaluation loss on a held-out global batch (the pipeline's forward-only
+    schedule, eval mode)."""
+    stage = build_stage(cfg, groups)
+    return eval_loss(stage, [rank_microbatches(100, cfg, groups.dp.rank, groups.dp.size)])
+
+
 @functools.cache
 def reference(name: str) -> dict:
     """The single-process run of variant ``name``."""
-    return train_and_collect(cp_config(name, 1, 1, 1, 1), ParallelGroups.single_process())
+    cfg, groups = cp_config(name, 1, 1, 1, 1), ParallelGroups.single_process()
+    res = train_and_collect(cfg, groups)
+    if name in EVALUATED:
+        res["eval"] = evaluate_initial(cfg, groups)
+    return res
