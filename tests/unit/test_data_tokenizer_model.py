@@ -191,3 +191,27 @@ def test_convert_from_hf_says_how_to_continue_and_a_mismatched_tokenizer_is_refu
     assert code == 2 and not launched, err
     assert f"--tokenizer-model {other} has 300 tokens but the model in --load {tmp_path / 'b'} has a vocabulary " \
            f"of 301: they must be equal" in err
+
+
+@pytest.mark.parametrize("hf_config", [
+    {"model_type": "gpt2", "vocab_size": 300, "n_positions": 64, "n_embd": 48, "n_layer": 3, "n_head": 6,
+     "activation_function": "gelu_new", "tie_word_embeddings": False},
+    {"model_type": "llama", "vocab_size": 320, "max_position_embeddings": 64, "hidden_size": 64, "num_hidden_layers": 2,
+     "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 96, "rms_norm_eps": 1e-6,
+     "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False},
+])
+def test_the_printed_model_flags_give_the_imported_model(hf_config):
+    """from-hf's hint: its flags, parsed by ptdp train's parser, give the imported model exactly
+    (the vocabulary aside, which the tokenizer sets)."""
+    import argparse
+    import dataclasses
+
+    from ptdp.commands.convert import model_flags
+    from ptdp.commands.train_flags import add_train_arguments, config_from_args
+    from ptdp.run.checkpoint.hf import model_config_from_hf
+
+    model = model_config_from_hf(hf_config)
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser, local_launch=True)
+    parsed = config_from_args(parser.parse_args(model_flags(model))).model
+    assert parsed == dataclasses.replace(model, vocab_size=parsed.vocab_size)
