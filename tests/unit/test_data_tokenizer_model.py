@@ -215,3 +215,20 @@ def test_the_printed_model_flags_give_the_imported_model(hf_config):
     add_train_arguments(parser, local_launch=True)
     parsed = config_from_args(parser.parse_args(model_flags(model))).model
     assert parsed == dataclasses.replace(model, vocab_size=parsed.vocab_size)
+
+
+def test_the_memory_check_uses_the_given_tokenizer_s_vocabulary(folder, monkeypatch):
+    """Before any data are prepared, the memory estimate is made for the tokenizer's 300 tokens,
+    not --vocab-size; --force skips reading it."""
+    from ptdp.run import preflight
+    from ptdp.spec import Config, DataConfig, LaunchConfig
+
+    seen = []
+    monkeypatch.setattr(preflight, "check_memory", lambda config, nproc: seen.append(config.model.vocab_size))
+    config = Config(data=DataConfig(tokenizer_model=str(folder)))
+    preflight.check_request(config, 1)
+    preflight.check_request(Config(), 1)
+    assert seen == [300, Config().model.vocab_size]
+    preflight.check_request(Config(data=DataConfig(tokenizer_model="/missing"), launch=LaunchConfig(force=True)), 1)
+    with pytest.raises(DataError, match="--tokenizer-model '/missing' does not exist"):
+        preflight.check_request(Config(data=DataConfig(tokenizer_model="/missing")), 1)

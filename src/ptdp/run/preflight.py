@@ -28,9 +28,21 @@ from ptdp.spec import Config, ConfigError
 
 def check_request(config: Config, local_workers: int) -> None:
     """Checks of the resolved request alone: the memory estimate of the ``local_workers`` on this
-    machine (:mod:`ptdp.run.memory_check`), unless ``--force``. Raises ConfigError."""
+    machine (:mod:`ptdp.run.memory_check`), unless ``--force``; with ``--tokenizer-model`` it is
+    made for that tokenizer's vocabulary, not ``--vocab-size``. Raises ConfigError, or DataError
+    naming a ``--tokenizer-model`` that is not a tokenizer."""
     if not config.launch.force:
-        check_memory(config, local_workers)
+        check_memory(_with_given_vocabulary(config), local_workers)
+
+
+def _with_given_vocabulary(config: Config) -> Config:
+    """``config`` with the vocabulary of its ``--tokenizer-model`` (read here), if it has one."""
+    if config.data.tokenizer_model is None:
+        return config
+    from ptdp.data.tokenizer import load_tokenizer_model
+
+    vocab = load_tokenizer_model(config.data.tokenizer_model).vocab_size
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab))
 
 
 @dataclass(frozen=True)
