@@ -14,13 +14,12 @@ import sys
 import numpy as np
 import pytest
 import torch
-
-from ptdp import cli
-from ptdp.data import IndexedTokens, TokenWindows, eval_indices
-
 from helpers.cli import run, tiny_flags
 from helpers.own_tokenizer import write_tokenizer_folder
 from helpers.texts import make_texts
+
+from ptdp import cli
+from ptdp.data import IndexedTokens, TokenWindows, eval_indices
 
 transformers = pytest.importorskip("transformers")
 pa = pytest.importorskip("pyarrow")
@@ -29,7 +28,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 SEQ, HIDDEN, LAYERS, HEADS, VOCAB = 32, 32, 2, 4, 300
 
 
-def _gpt2(folder) -> "transformers.GPT2LMHeadModel":
+def _gpt2(folder) -> transformers.GPT2LMHeadModel:
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
@@ -63,7 +62,7 @@ def test_convert_from_hf_then_continue_pre_training_with_its_tokenizer(tmp_path,
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((tmp_path / "run" / "config.json").read_text())
     assert record["data"]["tokenizer_model"] == str(hf) and record["model"]["vocab_size"] == VOCAB
-    saved = sorted((tmp_path / "ckpt").glob("iter_*"))[-1] / "tokenizer.json"
+    saved = max((tmp_path / "ckpt").glob("iter_*")) / "tokenizer.json"
     assert saved.read_bytes() == (hf / "tokenizer.json").read_bytes()
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in lines if "val_loss" in r]
