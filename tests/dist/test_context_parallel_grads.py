@@ -4,7 +4,8 @@ buffer sums them over cp and averages over dp on the ``dp_cp`` group; the global
 parameter once, clipping and AdamW (plain or ZeRO-1 sharded over dp x cp) then give the parameters
 of one float64 process over the whole batch, at 1e-9, for cp 2 x dp 2 and cp 4, prescaled (1/dp
 in the loss) or averaging (float16's path), overlapped or not; the traffic is counted on the dp
-axis (nothing on cp). All layouts run in one job of the world-4 pool."""
+axis (nothing on cp). Every gradient codec (exact, fp16, bf16, 1-bit) sums over the 4 dp x cp ranks
+and divides by dp only. All layouts run in one job of the world-4 pool."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from ptdp.engine.data_parallel.buffer import GradBuffer
+from ptdp.engine.data_parallel.compression import ONE_BIT_BLOCK, start_reduction
 from ptdp.engine.data_parallel.grads import clip_grads, finalize_grads, global_grad_norm
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.optim import build_optimizer, step_unless
@@ -93,17 +95,31 @@ def train(groups: ParallelGroups, cp: int, dp: int, m: int, prescaled: bool, sha
             "comm": groups.stats.as_dict(), "buffer_numel": buffer.data.numel()}
 
 
-def grads_worker(rank: int, world: int) -> list[dict]:
-    out = []
+CODECS = ("none", "fp16", "bf16", "1bit")
+
+
+def codec_input(rank: int) -> torch.Tensor:
+    """Rank ``rank``'s bucket for the codec check: 130 elements (3 blocks of the 1-bit scales)."""
+    return torch.linspace(-1.0, 2.0, 130) * (rank + 1)
+
+
+def grads_worker(rank: int, world: int) -> dict:
+    out = {"layouts": []}
     for (cp, dp), case in zip(LAYOUTS, CASES):
         # tp ranks hold the same replicated toy parameters: the norm counts them on tp rank 0 only
         groups = ParallelGroups.build(ParallelLayout(tp=world // (cp * dp), pp=1, dp=dp, cp=cp), PG_TIMEOUT)
-        out.append(train(groups, cp, dp, M, *case))
+        out["layouts"].append(train(groups, cp, dp, M, *case))
+    groups = ParallelGroups.build(ParallelLayout(tp=1, pp=1, dp=2, cp=2), PG_TIMEOUT)
+    for codec in CODECS:
+        grad = codec_input(rank)
+        residual = torch.zeros_like(grad) if codec == "1bit" else None
+        start_reduction(codec, grad, groups.dp_cp, residual=residual, divisor=groups.dp.size)()
+        out[codec] = grad
     return out
 
 
 @functools.cache
-def results() -> list[list[dict]]:
+def results() -> list[dict]:
     return run_in_pool(grads_worker, WORLD)
 
 
@@ -118,7 +134,7 @@ def test_gradients_sum_over_cp_and_average_over_dp(case):
     (cp, dp), (prescaled, shard, overlap) = LAYOUTS[case], CASES[case]
     want = reference(dp)
     for rank, res in enumerate(results()):
-        got = res[case]
+        got = res["layouts"][case]
         torch.testing.assert_close(got["norms"], want["norms"], rtol=1e-9, atol=0)
         assert float(got["norms"][0]) > CLIP, "clipping must be active for the test to check it"
         for name, value in want["params"].items():
@@ -129,3 +145,22 @@ def test_gradients_sum_over_cp_and_average_over_dp(case):
         assert not any(k.startswith("cp/") for k in got["comm"]), got["comm"]
         if shard:  # ZeRO-1 over all dp x cp ranks: the parameters come back in an all-gather of the same size
             assert got["comm"]["dp/all_gather/params"]["numel"] * cp * dp == got["buffer_numel"]
+
+
+def one_bit_sent(grad: torch.Tensor) -> torch.Tensor:
+    """What the 1-bit codec sends for ``grad``: its sign times its block's mean absolute value."""
+    blocks = grad.split(ONE_BIT_BLOCK)
+    return torch.cat([torch.where(b >= 0, 1.0, -1.0) * b.abs().mean() for b in blocks])
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_codecs_sum_over_cp_and_average_over_dp(codec):
+    """4 ranks (cp 2 x dp 2) each put in their bucket: every rank gets the sum over the 4 of what
+    the codec sends, divided by dp = 2 (not 4)."""
+    inputs = [codec_input(r) for r in range(WORLD)]
+    if codec == "1bit":
+        want, tol = sum(one_bit_sent(g) for g in inputs) / 2, dict(rtol=1e-6, atol=1e-6)
+    else:
+        want, tol = sum(inputs) / 2, dict(rtol=1e-6, atol=1e-6) if codec == "none" else dict(rtol=1e-2, atol=1e-2)
+    for res in results():
+        torch.testing.assert_close(res[codec], want, **tol)
