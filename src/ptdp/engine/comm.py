@@ -7,7 +7,9 @@ reduce-scatter, this rank's part of an all-gather. A call on
 an axis of size 1 is a no-op and is not counted (nothing crosses a wire).
 
 Axes: ``tp``, ``pp``, ``dp``, ``embedding`` (first and last pipeline stage, for the tied
-embedding), ``world``; ``cp`` (context parallelism, :mod:`ptdp.engine.context_parallel`).
+embedding), ``world``; ``cp`` (context parallelism, :mod:`ptdp.engine.context_parallel`: the
+attention's keys, values and their gradients). The gradient group of dp x cp ranks
+(``ParallelGroups.dp_cp``) is counted on ``dp``: it carries the data-parallel gradient traffic.
 
 A call or ``wait()`` that fails (a peer timed out or went away) raises
 :class:`~ptdp.engine.activity.CollectiveError` naming this rank, its phase and iteration, the axis, the
@@ -77,7 +79,7 @@ class AxisGroup:
     """One process group along one axis, as seen by this process.
 
     Attributes:
-        name: the axis ("tp", "pp", "dp", "embedding", "world").
+        name: the axis its calls are counted on ("tp", "cp", "pp", "dp", "embedding", "world").
         ranks: global ranks of the group, in group order.
         rank: this process's index inside ``ranks``.
         group: the torch process group (None when the group has size 1).
