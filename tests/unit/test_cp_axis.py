@@ -44,6 +44,7 @@ def test_run_layout_for_the_planner_and_the_memory_check_has_cp():
     two = _config(context_parallel_size=2, data_parallel_size=2, use_distributed_optimizer=True, cp_comm_type="all_gather")
     layout = planner_layout(two)
     assert (layout.tp, layout.cp, layout.dp, layout.cp_comm_type) == (1, 2, 2, "all_gather")
+    assert layout.sharding_strategy == "optim" and layout.shard_size == 4 and layout.num_gpus == 4
     assert planner_layout(one).cp == 1
     (r1,), (r2,) = rank_estimates(one), rank_estimates(two)
     # the same parameters and ZeRO-1 over dp x cp = 4 ranks either way; a cp rank holds half the tokens

@@ -58,9 +58,9 @@ def planner_layout(config: Config) -> Layout | None:
 
     Its recompute is the run's granularity; the planner's ``full`` keeps every layer's input
     (uniform, one layer per group): see :func:`recompute_note` for the other full settings. Its
-    sequence parallelism, pipeline split (its layers per stage, None: even) and context
-    parallelism (cp, the key/value exchange) are the run's, so that the report and ``ptdp plan``
-    for the same layout agree.
+    sequence parallelism, pipeline split (its layers per stage, None: even), distributed optimizer
+    and context parallelism (cp, the key/value exchange) are the run's, so that the report and
+    ``ptdp plan`` for the same layout agree.
     """
     precision = PRECISION.get(config.model.params_dtype)
     if precision is None:
@@ -70,7 +70,7 @@ def planner_layout(config: Config) -> Layout | None:
                   virtual_stages=p.virtual_stages(config.model.num_layers),
                   recompute=config.model.recompute_granularity or "none", precision=precision,
                   sequence_parallel=p.sequence_parallel, layer_split=p.layer_split(config.model.num_layers),
-                  cp=p.cp, cp_comm_type=p.cp_comm_type)
+                  distributed_optimizer=p.use_distributed_optimizer, cp=p.cp, cp_comm_type=p.cp_comm_type)
 
 
 def recompute_note(config: Config) -> str | None:
