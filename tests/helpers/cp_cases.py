@@ -17,7 +17,7 @@ from helpers.layout_cases import LLAMA_OPTIONS, VOCAB, rank_microbatches, train_
 #: (tp, cp, pp, dp) of the issue, by world size (one job per world size)
 LAYOUTS = {2: [(1, 2, 1, 1)], 4: [(1, 4, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1), (1, 2, 1, 2)], 8: [(2, 2, 2, 1)]}
 
-DROPOUT = {"hidden_dropout": 0.1}
+DROPOUT = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
 SELECTIVE = {"recompute_granularity": "selective"}
 FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 

@@ -96,13 +96,12 @@ class ModelConfig:
     :class:`ptdp.engine.tensor_parallel.random.DropoutRNG` streams: equal on the tp ranks of a replica,
     different over dp replicas."""
     attention_dropout: float = opt(0.0, "--attention-dropout", "dropout probability of the attention probabilities "
-                                   "(computed without the fused kernel when > 0; 0: none; not with --cp > 1)", "model",
-                                   metavar="P")
+                                   "(computed without the fused kernel when > 0; 0: none)", "model", metavar="P")
     """Dropout probability of the attention probabilities; 0 disables. With it, attention is
     computed explicitly (scores, causal softmax, dropout, context; the ``s x s`` probabilities are
     kept for backward) instead of by the fused ``scaled_dot_product_attention`` kernel, whose own
-    dropout draws from torch's default generator and cannot follow ptdp's per-head streams. Refused
-    with context parallelism (cp > 1): the attention across cp ranks has no dropout."""
+    dropout draws from torch's default generator and cannot follow ptdp's per-head streams. With
+    context parallelism the blocks of the attention across cp ranks apply the same masks."""
     recompute_granularity: Literal["full", "selective"] | None = opt(
         None, "--recompute-granularity", "full: keep only the inputs of groups of layers and run them again in "
         "backward; selective: run only the attention core again; none (default): keep every activation",

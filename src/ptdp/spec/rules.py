@@ -18,8 +18,8 @@ parallelism, recompute).
 - sequence parallelism: ``tp > 1`` and ``seq_length % tp == 0``
 - recompute: method and count need ``full``; ``1 <= recompute_num_layers <=`` layers per chunk
 - context parallelism: ``cp >= 1`` and ``seq_length % (2 cp) == 0`` (each cp rank holds two of
-  the ``2 cp`` load-balanced causal chunks); the head rules do not involve cp; with cp > 1 no
-  attention dropout, and with sequence parallelism ``seq_length % (cp tp) == 0``
+  the ``2 cp`` load-balanced causal chunks); the head rules do not involve cp; with cp > 1 and
+  sequence parallelism ``seq_length % (cp tp) == 0``
 - data-parallel sharding: one of no_shard, optim, optim_grads, optim_grads_params, not
   contradicting ``use_distributed_optimizer`` (which means optim)
 """
@@ -185,16 +185,11 @@ def context_parallel_violations(seq_length: int, cp: int) -> list[Violation]:
 
 
 def context_parallel_model_violations(m: ModelConfig, cp: int, tp: int, sequence_parallel: bool) -> list[Violation]:
-    """What the model needs under context parallelism (cp > 1): no attention dropout (the
-    blockwise attention across cp ranks has no dropout), and with sequence parallelism each cp
-    rank's ``s / cp`` positions split evenly over tp: ``seq_length % (cp * tp) == 0``."""
+    """What the model needs under context parallelism (cp > 1): with sequence parallelism each cp
+    rank's ``s / cp`` positions split evenly over tp, ``seq_length % (cp * tp) == 0``."""
     if not isinstance(cp, int) or isinstance(cp, bool) or cp <= 1:
         return []
     out = []
-    if isinstance(m.attention_dropout, (int, float)) and m.attention_dropout > 0:
-        out.append(V("cp attention dropout", f"attention_dropout={m.attention_dropout} with context_parallel_size={cp}: "
-                     f"attention across cp ranks has no dropout (rule: attention_dropout == 0 when cp > 1; "
-                     f"hidden_dropout is supported)", attention_dropout=m.attention_dropout, cp=cp))
     if sequence_parallel and isinstance(tp, int) and tp > 1 and m.seq_length % (cp * tp):
         out.append(V("sequence parallel", f"seq_length={m.seq_length} is not divisible by context_parallel_size * "
                      f"tensor_model_parallel_size = {cp}*{tp} = {cp * tp} (rule: s % (cp * tp) == 0 with "

@@ -70,13 +70,18 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, axis: AxisGroup, tag: str) -> t
     return _natural_order(all_gather_along(local, axis, dim=0, tag=tag), k.shape[2] // 2)
 
 
+def _block_drop(drop: torch.Tensor | None, rows: slice, cols: slice) -> torch.Tensor | None:
+    """The dropout mask of query rows ``rows`` (local) against key positions ``cols`` (global)."""
+    return None if drop is None else drop[:, :, rows, cols]
+
+
 class AllGatherAttention(torch.autograd.Function):
-    """``forward(q, k, v, axis, scale, kernel)``: this rank's attention output (``kernel``
-    "math" or "fused", :mod:`.kernels`); see :func:`context_parallel_attention` for shapes and
-    communication."""
+    """``forward(q, k, v, axis, scale, kernel, drop, dropout_p)``: this rank's attention output
+    (``kernel`` "math" or "fused", :mod:`.kernels`); see :func:`context_parallel_attention` for
+    shapes and communication."""
 
     @staticmethod
-    def forward(ctx, q, k, v, axis: AxisGroup, scale: float, kernel: str):
+    def forward(ctx, q, k, v, axis: AxisGroup, scale: float, kernel: str, drop=None, dropout_p: float = 0.0):
         c = q.shape[2] // 2
         whole = _gather_kv(k, v, axis, FORWARD)
         acc = empty_partial(q)
@@ -84,16 +89,17 @@ class AllGatherAttention(torch.autograd.Function):
             rows, part = slice(half * c, (half + 1) * c), None
             for cols, causal in _key_blocks(chunk, c):
                 block = block_forward(q[:, :, rows], whole[0][:, :, cols], whole[1][:, :, cols], causal=causal,
-                                      scale=scale, kernel=kernel)
+                                      scale=scale, kernel=kernel, drop=_block_drop(drop, rows, cols),
+                                      dropout_p=dropout_p)
                 part = block if part is None else merge(part, block)
             acc.out[:, :, rows], acc.lse[:, :, rows] = part
-        ctx.save_for_backward(q, k, v, acc.out, acc.lse)
-        ctx.axis, ctx.scale, ctx.kernel = axis, scale, kernel
+        ctx.save_for_backward(q, k, v, acc.out, acc.lse, drop)
+        ctx.axis, ctx.scale, ctx.kernel, ctx.dropout_p = axis, scale, kernel, dropout_p
         return acc.out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, drop = ctx.saved_tensors
         axis, c = ctx.axis, q.shape[2] // 2
         whole = _gather_kv(k, v, axis, BACKWARD)
         dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
@@ -103,18 +109,19 @@ class AllGatherAttention(torch.autograd.Function):
             for cols, causal in _key_blocks(chunk, c):
                 gq, gk, gv = block_backward(dout[:, :, rows], q[:, :, rows], whole[0][:, :, cols],
                                             whole[1][:, :, cols], out[:, :, rows], lse[:, :, rows], causal=causal,
-                                            scale=ctx.scale, kernel=ctx.kernel)
+                                            scale=ctx.scale, kernel=ctx.kernel, drop=_block_drop(drop, rows, cols),
+                                            dropout_p=ctx.dropout_p)
                 dq[:, :, rows] += gq
                 dwhole[0][:, :, cols] += gk
                 dwhole[1][:, :, cols] += gv
         own = reduce_scatter_along(_rank_order(dwhole, axis.size, c), axis, dim=0, tag=BACKWARD)[0]
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None
 
 
 @outside_compile
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: AxisGroup,
-                               comm_type: str = "p2p", *, scale: float | None = None,
-                               kernel: str = "auto") -> torch.Tensor:
+                               comm_type: str = "p2p", *, scale: float | None = None, kernel: str = "auto",
+                               drop: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Causal self-attention of a sequence split over the cp ranks of ``axis`` (``C = axis.size``).
 
     Each rank holds chunks ``r`` and ``2C - 1 - r`` of the sequence (:mod:`.chunks`); the result
@@ -128,7 +135,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         comm_type: ``"p2p"`` (ring) or ``"all_gather"``.
         scale: softmax scale, default ``1 / sqrt(d)``.
         kernel: how each block is computed (:mod:`.kernels`): ``"auto"`` (fused flash attention
-            on CUDA for 16-bit inputs, else ``"math"``), ``"math"`` or ``"fused"``.
+            on CUDA for 16-bit inputs without dropout, else ``"math"``), ``"math"`` or ``"fused"``.
+        drop, dropout_p: attention dropout: the rank's rows of the whole attention's mask, bool
+            ``[b, heads, s/C, s]`` (True: dropped; columns in global key positions), and the
+            probability; each block takes its part, so the result is that of the unsplit
+            attention with that mask. None: no dropout. Kept for backward (1 byte per entry).
 
     Returns:
         ``[b, heads, s/C, d]`` in q's dtype. Scores, softmax and accumulations run in float32
@@ -148,7 +159,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     Raises:
         ValueError: unknown ``comm_type`` or ``kernel``, mismatched shapes, an odd local sequence
-            length, or a fused kernel asked for inputs it does not take.
+            length, a dropout mask of another shape, or a fused kernel asked for inputs it does
+            not take (or with dropout).
     """
     if comm_type not in COMM_TYPES:
         raise ValueError(f"cp comm type {comm_type!r} is not one of {COMM_TYPES}")
@@ -158,9 +170,17 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if q.shape[2] % 2 or q.shape[1] % k.shape[1]:
         raise ValueError(f"the local sequence length {q.shape[2]} must be even (2 chunks) and the query heads "
                          f"{q.shape[1]} a multiple of the key/value heads {k.shape[1]}")
+    if drop is not None:
+        want = (q.shape[0], q.shape[1], q.shape[2], q.shape[2] * axis.size)
+        if tuple(drop.shape) != want or drop.dtype != torch.bool:
+            raise ValueError(f"the dropout mask must be bool [b, heads, s/C, s] = {list(want)}, got "
+                             f"{drop.dtype} {list(drop.shape)}")
+        if kernel == "fused":
+            raise ValueError("attention dropout runs only on the math kernel, not 'fused'")
+        kernel = "math"
     scale = default_scale(q.shape[-1]) if scale is None else scale
     fn = RingAttention if comm_type == "p2p" else AllGatherAttention
-    return fn.apply(q, k, v, axis, scale, choose(kernel, q))
+    return fn.apply(q, k, v, axis, scale, choose(kernel, q), drop, dropout_p)
 
 
 def cp_attention_comm(comm_type: str, *, batch: int, kv_heads: int, local_seq: int, head_dim: int,

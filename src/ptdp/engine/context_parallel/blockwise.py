@@ -22,6 +22,13 @@ inputs, float32 otherwise (16-bit inputs are multiplied, exponentiated and accum
 Grouped heads are handled by a view ``[b, kv_heads, group, n, d]``: keys and values are never
 repeated.
 
+Attention dropout (Srivastava et al. 2014) on a block: given the block's boolean mask ``M``
+(True where a probability is dropped, the block's part of the mask of the whole attention) and
+probability ``p``, the block contributes ``(P * ~M / (1 - p)) V`` with the log-sum-exp of the
+undropped scores, so partial results still merge exactly; backward uses
+``dV = (P * ~M / (1 - p))^T dO``, ``dS = P * ((dO V^T) * ~M / (1 - p) - D)`` with the same
+``D = rowsum(dO * o)`` (``o`` the final, dropped output).
+
 Masks (positions contiguous within a block, ``q_start``/``k_start`` the global position of a
 block's first row): a key at position ``p_k`` is visible to a query at ``p_q`` when
 ``p_k <= p_q``. A block entirely in the future is skipped, one entirely in the past is full, one
@@ -104,8 +111,16 @@ def _offset(causal: bool | int, n: int, m: int) -> int | None:
     return int(causal)
 
 
+def _dropped(probs: torch.Tensor, drop: torch.Tensor | None, p: float) -> torch.Tensor:
+    """``probs [b, kv_heads, group, n, m]`` with the entries where ``drop [b, heads, n, m]`` is True
+    zeroed and the rest scaled by ``1 / (1 - p)`` (``probs`` itself without a mask)."""
+    if drop is None:
+        return probs
+    return probs.masked_fill(drop.unflatten(1, probs.shape[1:3]), 0.0) * (1.0 / (1.0 - p))
+
+
 def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool | int,
-                    scale: float) -> Partial:
+                    scale: float, drop: torch.Tensor | None = None, dropout_p: float = 0.0) -> Partial:
     """Attention of ``q`` over one key/value block, with its log-sum-exp.
 
     Args:
@@ -114,6 +129,8 @@ def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
             keys ``j <= i + m - n``), or an int offset ``o`` (query ``i`` sees keys ``j <= i + o``;
             a row that sees no key gets output 0 and log-sum-exp -inf).
         scale: the softmax scale (usually ``1 / sqrt(d)``).
+        drop, dropout_p: attention dropout: the block's mask ``[b, heads, n, m]`` (True: dropped)
+            and its probability (module docstring); None: no dropout.
 
     Returns:
         :class:`Partial` in the compute dtype. Built of differentiable torch operations
@@ -123,18 +140,19 @@ def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     scores = _scores(q, k, _offset(causal, q.shape[2], k.shape[2]), scale)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     probs = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
-    out = torch.matmul(probs, v.to(scores.dtype).unsqueeze(2))
+    out = torch.matmul(_dropped(probs, drop, dropout_p), v.to(scores.dtype).unsqueeze(2))
     return Partial(out.flatten(1, 2), lse.squeeze(-1).flatten(1, 2))
 
 
 def attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             out: torch.Tensor, lse: torch.Tensor, *, causal: bool | int,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             out: torch.Tensor, lse: torch.Tensor, *, causal: bool | int, scale: float,
+                             drop: torch.Tensor | None = None,
+                             dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of the gradients, given the rows' *final* (merged) output and log-sum-exp.
 
     Args:
         dout: gradient of the final output of these rows ``[b, heads, n, d]``.
-        q, k, v, causal, scale: as given to :func:`attention_block`.
+        q, k, v, causal, scale, drop, dropout_p: as given to :func:`attention_block`.
         out, lse: the rows' final output ``[b, heads, n, d]`` and log-sum-exp ``[b, heads, n]``
             over every key they attend to (not this block's partial ones).
 
@@ -151,8 +169,9 @@ def attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     probs = torch.exp(scores - torch.where(torch.isinf(lse_g), torch.zeros_like(lse_g), lse_g))
     dout_g = grouped(dout)
     delta = (dout_g * grouped(out)).sum(-1, keepdim=True)
-    dv = torch.matmul(probs.transpose(-1, -2), dout_g).sum(2)
-    dscores = probs * (torch.matmul(dout_g, v.to(cd).unsqueeze(2).transpose(-1, -2)) - delta)
+    dv = torch.matmul(_dropped(probs, drop, dropout_p).transpose(-1, -2), dout_g).sum(2)
+    dprobs = _dropped(torch.matmul(dout_g, v.to(cd).unsqueeze(2).transpose(-1, -2)), drop, dropout_p)
+    dscores = probs * (dprobs - delta)
     dq = torch.matmul(dscores, k.to(cd).unsqueeze(2)).mul_(scale).flatten(1, 2)
     dk = torch.matmul(dscores.transpose(-1, -2), q.to(cd).unflatten(1, (hk, group))).sum(2).mul_(scale)
     return dq, dk, dv

@@ -13,7 +13,8 @@ log-sum-exp it returns that block's terms of the gradient sums, as
 :func:`~ptdp.engine.context_parallel.blockwise.attention_block_backward` does (Dao 2023,
 "FlashAttention-2", Algorithm 2). They take a causal flag only for square blocks here (top-left and
 bottom-right alignment agree), and grouped-query heads as repeated key/value heads (the key/value
-gradients summed back over each group). Attention dropout is not supported.
+gradients summed back over each group). Attention dropout (a block's mask given) runs only on the
+math kernel.
 
 ``"auto"`` picks the fused kernel on CUDA for 16-bit inputs and the math one otherwise.
 """
@@ -60,12 +61,20 @@ def _check_causal(causal: bool, n: int, m: int) -> None:
         raise ValueError(f"the fused kernel takes causal blocks only when square, got {n} queries and {m} keys")
 
 
+def _check_dropout(drop: torch.Tensor | None, kernel: str) -> None:
+    if drop is not None and kernel != "math":
+        raise ValueError(f"attention dropout runs only on the math kernel, not {kernel!r}")
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-                  kernel: str) -> Partial:
+                  kernel: str, drop: torch.Tensor | None = None, dropout_p: float = 0.0) -> Partial:
     """:class:`Partial` of ``q`` ``[b, heads, n, d]`` over ``k, v`` ``[b, kv_heads, m, d]`` in the
-    compute dtype; ``causal`` True for a square diagonal block, False for a full one."""
+    compute dtype; ``causal`` True for a square diagonal block, False for a full one; ``drop``
+    ``[b, heads, n, m]`` (True: dropped) and ``dropout_p``: the block's attention dropout (math
+    kernel only)."""
+    _check_dropout(drop, kernel)
     if kernel == "math":
-        return attention_block(q, k, v, causal=causal, scale=scale)
+        return attention_block(q, k, v, causal=causal, scale=scale, drop=drop, dropout_p=dropout_p)
     _check_causal(causal, q.shape[2], k.shape[2])
     group, cd = q.shape[1] // k.shape[1], compute_dtype(q.dtype)
     k, v = _repeat(k, group), _repeat(v, group)
@@ -78,12 +87,14 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, *, causal: bool, scale: float,
-                   kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   lse: torch.Tensor, *, causal: bool, scale: float, kernel: str, drop: torch.Tensor | None = None,
+                   dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's ``(dq, dk, dv)`` in the compute dtype, from the rows' final ``out`` and
     ``lse`` (as :func:`~ptdp.engine.context_parallel.blockwise.attention_block_backward`)."""
+    _check_dropout(drop, kernel)
     if kernel == "math":
-        return attention_block_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+        return attention_block_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, drop=drop,
+                                        dropout_p=dropout_p)
     _check_causal(causal, q.shape[2], k.shape[2])
     group, cd = q.shape[1] // k.shape[1], compute_dtype(q.dtype)
     kr, vr = _repeat(k, group), _repeat(v, group)

@@ -81,13 +81,27 @@ def _wait(works: list) -> None:
         work.wait()
 
 
+def ring_drop(drop: torch.Tensor | None, rows: slice, cols: slice, src: int, size: int,
+              c: int) -> torch.Tensor | None:
+    """The dropout mask (``drop``: this rank's rows, columns in global positions) of query rows
+    ``rows`` against rows ``cols`` of ``src``'s key/value block (its chunks ``src`` and
+    ``2C - 1 - src``: all of them, or the first, as :func:`ring_block` gives them)."""
+    if drop is None:
+        return None
+    first = drop[:, :, rows, src * c:(src + 1) * c]
+    if cols.stop - cols.start == c:
+        return first
+    second = (2 * size - 1 - src) * c
+    return torch.cat([first, drop[:, :, rows, second:second + c]], dim=3)
+
+
 class RingAttention(torch.autograd.Function):
-    """``forward(q, k, v, axis, scale, kernel)``: this rank's attention output (``kernel``
-    "math" or "fused", :mod:`.kernels`); see :mod:`.attention`'s ``context_parallel_attention``
-    for shapes and communication."""
+    """``forward(q, k, v, axis, scale, kernel, drop, dropout_p)``: this rank's attention output
+    (``kernel`` "math" or "fused", :mod:`.kernels`); see :mod:`.attention`'s
+    ``context_parallel_attention`` for shapes, dropout and communication."""
 
     @staticmethod
-    def forward(ctx, q, k, v, axis: AxisGroup, scale: float, kernel: str):
+    def forward(ctx, q, k, v, axis: AxisGroup, scale: float, kernel: str, drop=None, dropout_p: float = 0.0):
         size, rank, c = axis.size, axis.rank, q.shape[2] // 2
         acc = empty_partial(q)
         kv = torch.stack([k, v])  # [2, b, kv_heads, 2c, d]: one message per step
@@ -99,18 +113,18 @@ class RingAttention(torch.autograd.Function):
                      if step < size - 1 else [])
             rows, cols, causal = ring_block(rank, src, c)
             part = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal=causal, scale=scale,
-                                 kernel=kernel)
+                                 kernel=kernel, drop=ring_drop(drop, rows, cols, src, size, c), dropout_p=dropout_p)
             merge_into(Partial(acc.out[:, :, rows], acc.lse[:, :, rows]), part)
             _wait(works)
             kv, spare = spare, kv
         out = acc.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, acc.out, acc.lse)
-        ctx.axis, ctx.scale, ctx.kernel = axis, scale, kernel
+        ctx.save_for_backward(q, k, v, acc.out, acc.lse, drop)
+        ctx.axis, ctx.scale, ctx.kernel, ctx.dropout_p = axis, scale, kernel, dropout_p
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, drop = ctx.saved_tensors
         axis, scale = ctx.axis, ctx.scale
         size, rank, c, cd = axis.size, axis.rank, q.shape[2] // 2, out.dtype
         dq = torch.zeros(q.shape, dtype=cd, device=q.device)
@@ -130,7 +144,8 @@ class RingAttention(torch.autograd.Function):
             rows, cols, causal = ring_block(rank, src, c)
             gq, gk, gv = block_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
                                         out[:, :, rows], lse[:, :, rows], causal=causal, scale=scale,
-                                        kernel=ctx.kernel)
+                                        kernel=ctx.kernel, drop=ring_drop(drop, rows, cols, src, size, c),
+                                        dropout_p=ctx.dropout_p)
             dq[:, :, rows] += gq
             share = torch.zeros(kv.shape, dtype=cd, device=kv.device)
             share[0][:, :, cols] = gk
@@ -142,4 +157,4 @@ class RingAttention(torch.autograd.Function):
             own = torch.empty_like(done)
             _wait(_post(axis, [(done, DKV_TAG, f"dkv{(rank + 1) % size}")], [(own, DKV_TAG, f"dkv{rank}")], BACKWARD))
             done = own
-        return dq.to(q.dtype), done[0].to(k.dtype), done[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), done[0].to(k.dtype), done[1].to(v.dtype), None, None, None, None, None

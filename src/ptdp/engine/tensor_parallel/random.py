@@ -25,7 +25,9 @@ rows of the global positions it holds
 (:func:`~ptdp.engine.context_parallel.chunks.rank_positions`). The masks are thus those of the
 unsplit model (cp = 1, no sequence parallelism) at every cp, tp and sequence-parallel setting;
 the price is ``s b h`` random numbers and a float32 ``[s, b, h]`` temporary per site and
-microbatch on every rank. Attention dropout is refused with cp > 1 (``spec/rules.py``).
+microbatch on every rank. Attention dropout under cp likewise draws each head's whole ``[b, s, s]``
+mask and keeps the rank's query rows (:meth:`DropoutRNG.head_masks` with ``rows``), which the
+blocks of the attention across cp ranks take their parts of.
 
 Keys are ``embedding`` and ``layer.<i>`` (the global layer index), so a layer's masks do not
 depend on which pipeline stage or model chunk holds it. Every schedule runs a layer's forwards in
@@ -144,14 +146,24 @@ class DropoutRNG:
         """Dropout of attention probabilities ``[b, heads, s_q, s_k]`` whose local head ``i`` is
         global head ``first_head + i``: each head's mask ``[b, s_q, s_k]`` comes from its own
         stream ``<key>/head<j>``."""
-        b, heads = probs.shape[:2]
-        draws = torch.empty((heads, b, *probs.shape[2:]), dtype=torch.float32, device=self.device)
+        b, heads, s_q, s_k = probs.shape
+        return _apply(probs, self.head_masks(b, s_q, s_k, p, key, first_head=first_head, heads=heads), p)
+
+    def head_masks(self, b: int, s_q: int, s_k: int, p: float, key: str, *, first_head: int, heads: int,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The drop masks (True: dropped) of the attention probabilities of ``heads`` local heads,
+        global heads ``first_head ..``: bool ``[b, heads, s_q, s_k]``, head ``j``'s ``[b, s_q, s_k]``
+        drawn from stream ``<key>/head<j>`` one head at a time. ``rows`` (int64 query positions):
+        keep only these rows, ``[b, heads, len(rows), s_k]`` (context parallelism: a rank's rows of
+        the whole sequence's masks, the same numbers drawn)."""
+        masks = []
         for i in range(heads):
-            draws[i].uniform_(generator=self.generator(f"{key}/head{first_head + i}"))
-        drop = (draws < p).transpose(0, 1)
-        for i in range(heads):
-            self._record(f"{key}/head{first_head + i}", drop[:, i])
-        return _apply(probs, drop, p)
+            name = f"{key}/head{first_head + i}"
+            draw = _uniform((b, s_q, s_k), self.generator(name), self.device)
+            drop = (draw if rows is None else draw.index_select(1, rows)) < p
+            self._record(name, drop)
+            masks.append(drop)
+        return torch.stack(masks, dim=1)
 
     def _record(self, name: str, drop: torch.Tensor) -> None:
         if self.recording is not None:

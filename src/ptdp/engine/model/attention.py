@@ -1,0 +1,132 @@
+"""Causal self-attention of the GPT layers, split over tp by heads and, with context
+parallelism, over cp by sequence chunks (:class:`Attention`; the model is :mod:`.gpt`).
+
+Communication: the QKV and output projections' tensor-parallel collectives
+(:mod:`ptdp.engine.tensor_parallel`); with cp > 1 the key/value exchange of
+:func:`~ptdp.engine.context_parallel.attention.context_parallel_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ptdp.engine.comm import AxisGroup
+from ptdp.engine.context_parallel.attention import context_parallel_attention
+from ptdp.engine.context_parallel.chunks import local_positions
+from ptdp.engine.model.recompute import recomputed
+from ptdp.engine.model.rotary import RotaryEmbedding
+from ptdp.engine.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from ptdp.engine.tensor_parallel.random import DropoutRNG
+from ptdp.spec import ModelConfig
+
+
+class Attention(nn.Module):
+    """Causal self-attention split by heads: QKV column-parallel, output projection row-parallel.
+
+    Multi-head attention (``num_query_groups`` None): the fused projection is laid out
+    ``[q | k | v]`` (each ``h`` rows, heads contiguous), each block split over tp, so a rank holds
+    the q, k and v of its ``a / tp`` heads. Grouped-query attention with G groups: it is laid out
+    group by group, ``[q of the a/G heads of group 0, k_0, v_0, q of group 1, k_1, v_1, ...]``
+    (``d`` rows per head), and split contiguously over tp, so a rank holds ``G / tp`` whole groups:
+    its ``a / tp`` query heads and the key/value heads they share (query head i uses key/value
+    head ``i // (a/G)``). With ``rope`` the rotary embedding turns q and k before the scores.
+    With ``attention_dropout`` (in training) the core is computed explicitly, and the
+    probabilities of global head ``j`` are dropped with the masks of stream ``layer.<i>/head<j>``.
+    Input and output ``[s, b, h]`` (``[s/t, b, h]`` with ``sequence_parallel``: QKV gathers the
+    whole sequence, so attention and the rotary positions see all ``s`` positions).
+
+    Context parallelism (``cp`` of size C > 1): input and output are this cp rank's ``s/C`` rows
+    (its chunks ``r`` and ``2C - 1 - r``; ``s/(C t)`` with ``sequence_parallel``, QKV gathering the
+    rank's ``s/C``), rotary positions are the rows' global positions, and the core is
+    :func:`~ptdp.engine.context_parallel.attention.context_parallel_attention` over ``cp`` with
+    ``cp_comm_type`` (keys and values exchanged over the cp ranks, their gradients sent back; its
+    docstring gives the bytes), on the same ``a/t`` query and ``kv/t`` key/value heads. With
+    attention dropout each rank draws every local head's mask of the whole ``s x s`` attention
+    from its stream, as the unsplit model does, and keeps its query rows ``[b, a/t, s/C, s]``; each
+    block of the cp attention takes its part (the same masks, hence the same training, at every cp).
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype, sequence_parallel: bool = False,
+                 *, layer_id: int = 0, rng: DropoutRNG | None = None, cp: AxisGroup | None = None,
+                 cp_comm_type: str = "p2p") -> None:
+        super().__init__()
+        self.cp, self.cp_comm_type = cp if cp is not None else AxisGroup.single("cp"), cp_comm_type
+        h, a = cfg.hidden_size, cfg.num_attention_heads
+        self.local_heads, self.head_dim = a // tp.size, h // a
+        self.grouped = cfg.num_query_groups is not None
+        self.local_groups = cfg.kv_heads // tp.size
+        rows, fused = ((a + 2 * cfg.kv_heads) * self.head_dim, 1) if self.grouped else (3 * h, 3)
+        bias = cfg.add_bias_linear
+        sp = sequence_parallel
+        self.qkv = ColumnParallelLinear(h, rows, tp=tp, dtype=dtype, bias=bias, fused=fused, tag="attn_qkv",
+                                        sequence_parallel=sp)
+        self.proj = RowParallelLinear(h, h, tp=tp, dtype=dtype, bias=bias, tag="attn_proj", sequence_parallel=sp)
+        rope = cfg.position_embedding_type == "rope"
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.rotary_base) if rope else None
+        self.recompute_core = cfg.recompute_granularity == "selective"
+        self.dropout_p, self.dropout_key = cfg.attention_dropout, f"layer.{layer_id}"
+        self.rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
+        self.first_head = tp.rank * self.local_heads
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's fused projection ``[s, b, rows / tp]`` -> q ``[b, a/tp, s, d]`` and k, v
+        ``[b, kv/tp, s, d]`` (kv = G, or a without groups): strided views of it (permuted, not
+        copied; grouped q is reshaped, a copy)."""
+        s, b, _ = qkv.shape
+        if not self.grouped:
+            q, k, v = qkv.view(s, b, 3, self.local_heads, self.head_dim).permute(2, 1, 3, 0, 4).unbind(0)
+            return q, k, v
+        per_group = self.local_heads // self.local_groups
+        qkv = qkv.view(s, b, self.local_groups, per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :per_group].reshape(s, b, self.local_heads, self.head_dim)
+        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
+        return q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split_heads(self.qkv(x))
+        if self.rotary is not None:
+            where = {"cp_rank": self.cp.rank, "cp_size": self.cp.size}
+            q, k = self.rotary(q, **where), self.rotary(k, **where)
+        rng = self.rng if self.dropout_p > 0 else None  # the recompute replays the masks
+        out = recomputed(self.core, q, k, v, rng=rng) if self.recompute_core else self.core(q, k, v)
+        return self.proj(out.permute(2, 0, 1, 3).flatten(2))  # [b, a/tp, s, d] -> [s, b, a/tp * d]
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core, causal ``softmax(q k^T / sqrt(d)) v`` (q ``[b, a/tp, s, d]``, k and v
+        ``[b, kv/tp, s, d]``; ``s/C`` rows with context parallelism, attending to the keys of every
+        cp rank): what selective recompute runs again in backward (``recompute_core``), its cp
+        communication included."""
+        if self.cp.size > 1:
+            drop = self.cp_dropout_masks(q) if self.training and self.dropout_p > 0 else None
+            return context_parallel_attention(q, k, v, self.cp, self.cp_comm_type, drop=drop, dropout_p=self.dropout_p)
+        if self.training and self.dropout_p > 0:
+            return self.core_with_dropout(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
+
+    def cp_dropout_masks(self, q: torch.Tensor) -> torch.Tensor:
+        """Context parallelism: the attention-dropout masks of this rank's query rows, bool
+        ``[b, a/t, s/C, s]`` (True: dropped), cut from each local head's ``[b, s, s]`` mask of the
+        unsplit model (``layer.<i>/head<j>`` streams)."""
+        b, n, size = q.shape[0], q.shape[2], self.cp.size
+        rows = local_positions(n * size, self.cp.rank, size, device=q.device)
+        return self.rng.head_masks(b, n * size, n * size, self.dropout_p, self.dropout_key, first_head=self.first_head,
+                                   heads=self.local_heads, rows=rows)
+
+    def core_with_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The core written out, ``dropout(softmax(causal(q k^T / sqrt(d)))) v``: the fused
+        kernel's own dropout would draw from torch's default generator, not from the per-head
+        streams. Keeps the probabilities ``[b, a/tp, s, s]``, the 1-byte mask and the dropped
+        probabilities for backward."""
+        if self.grouped:  # query head i reads key/value head i // (a/G)
+            per_group = self.local_heads // self.local_groups
+            k, v = k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
+        s = q.shape[-2]
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        probs = self.rng.head_dropout(probs, self.dropout_p, self.dropout_key, first_head=self.first_head)
+        return probs @ v
