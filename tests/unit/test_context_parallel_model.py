@@ -152,3 +152,18 @@ def test_stage_hidden_shape_divides_the_sequence_by_cp_and_by_tp_with_sequence_p
         return Stage(cfg, None, None, None, None, torch.device("cpu")).hidden_shape
     assert shape(1, 2, False) == (48, 3, 32) and shape(1, 2, True) == (24, 3, 32)
     assert shape(2, 1, False) == (24, 3, 32) and shape(4, 2, False) == (12, 3, 32) and shape(2, 2, True) == (12, 3, 32)
+
+
+def test_the_planner_refuses_what_ptdp_train_refuses():
+    """``ptdp plan`` checks the same rule: a sequence-parallel layout whose tp does not divide a cp
+    rank's ``s / cp`` positions is rejected, naming the numbers."""
+    from ptdp.planner.hardware import CATALOG, Cluster
+    from ptdp.planner.models import PRESETS
+    from ptdp.planner.plan import Layout
+    from ptdp.planner.rules import all_rejections
+
+    model, cluster = dataclasses.replace(PRESETS["gpt3-175b"], seq_length=20), Cluster(CATALOG["a100-80gb"], 1024)
+    rules = {r.rule: r.message for r in all_rejections(model, Layout(4, 16, 8, 1, 1536, cp=2, sequence_parallel=True),
+                                                      cluster)}
+    assert "context_parallel_size * tensor_model_parallel_size = 2*4 = 8" in rules["sequence parallel"]
+    assert all_rejections(model, Layout(4, 16, 8, 1, 1536, cp=2), cluster) == []

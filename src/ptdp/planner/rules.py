@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ptdp.spec import (ModelConfig, ParallelConfig, context_parallel_violations, layout_violations, schedule_violations,
                        sequence_parallel_violations)
+from ptdp.spec.rules import context_parallel_model_violations
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import CP_COMM_TYPES, PRECISIONS, RECOMPUTE, SHARDING, Layout
@@ -95,6 +96,9 @@ def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Rejection]:
             out += [Rejection("interleaving", v.message) for v in schedule_violations(parallel, model.num_layers, m)]
     out += [Rejection(v.rule, v.message)
             for v in sequence_parallel_violations(_model_config(model), layout.tp, layout.sequence_parallel)]
+    out += [Rejection(v.rule, v.message)  # sequence parallelism inside each cp rank's s / cp positions
+            for v in context_parallel_model_violations(_model_config(model), layout.cp, layout.tp,
+                                                       layout.sequence_parallel)]
     if layout.recompute not in RECOMPUTE:
         out.append(Rejection("option", f"recompute={layout.recompute!r} not in {RECOMPUTE}"))
     if layout.sharding_strategy not in SHARDING:
