@@ -33,6 +33,16 @@ of the attention projection and fc2); backward 2 reduce-scatters, 2 all-gathers 
 again of the QKV and fc1 inputs (kept as shards). Norm weights and biases, the biases of the
 attention projection and fc2 and the learned positions are marked ``ptdp_sequence_parallel``: their
 gradients are summed over tp after backward.
+
+Context parallelism (``cp`` of size C > 1; :mod:`ptdp.engine.context_parallel`): the first stage
+takes the whole ``[b, s]`` tokens and the last stage the whole labels, each keeping this cp rank's
+chunks ``r`` and ``2C - 1 - r`` of the sequence; hidden states, the stage's input and output are
+``[s/C, b, h]`` (``[s/(C t), b, h]`` with sequence parallelism, which then gathers and scatters a
+cp rank's ``s/C`` rows over tp); learned and rotary positions are each row's global position;
+attention exchanges keys and values over cp (:mod:`.attention`); the loss is the rank's share of
+the microbatch's mean (:meth:`GPTModel.forward`). Dropout masks are those of the unsplit model
+(:mod:`ptdp.engine.tensor_parallel.random`). Parameters are replicated over cp; their gradients
+are summed over cp by the data-parallel reduction over dp x cp.
 """
 
 from __future__ import annotations
