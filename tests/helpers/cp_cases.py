@@ -52,14 +52,14 @@ def variants(tp: int, cp: int, pp: int, dp: int) -> list[str]:
 
 
 def cp_config(name: str, tp: int, cp: int, pp: int, dp: int) -> Config:
-    """The tiny model of ``name`` at this layout: 2 layers, h 32, 4 heads, s 16, b 2, B 8 (2-4
+    """The tiny model of ``name`` at this layout: 2 layers, h 32, 4 heads, s 16, b 2, B 4 (1-2
     microbatches per pipeline), float64, clipping active. At tp = cp = pp = dp = 1 (the reference)
     the parallel overrides are dropped: the same model in one process."""
     model_overrides, parallel_overrides = VARIANTS[name]
     model = dataclasses.replace(ModelConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=16, vocab_size=VOCAB,
         make_vocab_size_divisible_by=8, params_dtype="float64"), **model_overrides)
-    train = TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=3, lr=3e-3, min_lr=3e-4,
+    train = TrainConfig(micro_batch_size=2, global_batch_size=4, train_iters=3, lr=3e-3, min_lr=3e-4,
                         lr_warmup_iters=1, clip_grad=0.05, weight_decay=0.1)
     parallel = dict(parallel_overrides) if tp * cp * pp * dp > 1 else {}
     if tp == 1:
