@@ -132,3 +132,39 @@ def test_worker_count():
     for bad in (0, -2, True, 1.5):
         with pytest.raises(DataError, match="--tokenizer-workers must be an integer >= 1"):
             worker_count(bad, 0)
+
+
+def test_progress_bars_count_the_documents(tmp_path, monkeypatch):
+    """Scanning and encoding each show a bar of documents (shown on a terminal only: disable=None),
+    none with progress=False."""
+    bars = []
+
+    class Bar:
+        def __init__(self, iterable=None, **kwargs):
+            self.iterable, self.kwargs, self.n = iterable, kwargs, 0
+            bars.append(self)
+
+        def __iter__(self):
+            for item in self.iterable:
+                self.n += 1
+                yield item
+
+        def update(self, n):
+            self.n += n
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(prepare_mod, "tqdm", Bar)
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in make_texts(seed=2, n_docs=20)))
+    prepare_data([texts], 300, tmp_path / "on", log=None)
+    assert [(b.kwargs["desc"], b.n, b.kwargs["disable"]) for b in bars] == [
+        ("[data] scanning", 20, None), ("[data] tokenizing", 20, None)]
+    assert bars[1].kwargs["total"] == 20
+    bars.clear()
+    prepare_data([texts], 300, tmp_path / "off", log=None, progress=False)
+    assert [b.kwargs["disable"] for b in bars] == [True, True]

@@ -9,7 +9,9 @@ sample is ever held in memory:
    unless one is given (``--tokenizer-model``: used as is, copied byte for byte into the folder).
 2. tokenize: read the documents again, encode them in chunks (multi-threaded batch encoder, or
    worker processes: :mod:`ptdp.data.encode`), append the end-of-document token to each, stream
-   them into ``train.bin/.idx`` and ``valid.bin/.idx``, with a progress bar on a terminal.
+   them into ``train.bin/.idx`` and ``valid.bin/.idx``.
+
+Both passes show a progress bar (documents) when the output is a terminal.
 
 The result lives in ``cache_dir/<key>``, where the key hashes the corpus fingerprint (paths, sizes,
 mtimes), valid fraction, text key (when not ``text``), tokenizers version, ``FORMAT_VERSION`` and
@@ -165,8 +167,8 @@ def prepare_data(
     held out, in (0, 1). ``tokenizer_model``: a ``tokenizer.json`` or a folder with one, used as is
     (:func:`ptdp.data.tokenizer.load_tokenizer_model`). ``text_key``: the text's field in ``.jsonl``
     records and column in tables. ``workers``: encoding processes
-    (:func:`ptdp.data.encode.worker_count`; the files do not depend on it). ``progress``: a
-    progress bar while encoding (on a terminal only).
+    (:func:`ptdp.data.encode.worker_count`; the files do not depend on it). ``progress``:
+    progress bars while scanning and encoding (on a terminal only).
 
     Raises:
         DataError: unusable settings, tokenizer or corpus (the message names the value or path).
@@ -247,7 +249,8 @@ def _unique_documents(source: _Source, duplicates: list[int] | None = None) -> I
         yield doc
 
 
-def _scan(source: _Source, valid_fraction: float, sample_chars: int) -> tuple[list[str], list[bool], list[str], int]:
+def _scan(source: _Source, valid_fraction: float, sample_chars: int, progress: bool = False
+          ) -> tuple[list[str], list[bool], list[str], int]:
     """Pass 1: (doc_ids, is_valid, up to ``sample_chars`` characters of train documents to train a
     tokenizer on, duplicates dropped)."""
     total_bytes = sum(f.size for f in list_corpus_files(source.roots, source.suffixes))
@@ -255,7 +258,9 @@ def _scan(source: _Source, valid_fraction: float, sample_chars: int) -> tuple[li
     doc_ids: list[str] = []
     candidates: list[tuple[int, str]] = []  # (document number, text), likely-train documents
     sampled_chars, duplicates = 0, [0]
-    for doc in _unique_documents(source, duplicates):
+    documents = tqdm(_unique_documents(source, duplicates), unit="doc", desc="[data] scanning", mininterval=1.0,
+                     leave=False, disable=None if progress else True)
+    for doc in documents:
         doc_ids.append(doc.doc_id)
         room = sample_chars - sampled_chars
         if room > 0 and stable_unit(doc.doc_id) >= valid_fraction:
@@ -312,7 +317,7 @@ def _build(out_dir: Path, source: _Source, settings: _Settings, log: Log) -> Non
     what = f"tokenizer {str(given.path)!r}" if given else f"vocab_size={settings.vocab_size}"
     log(f"[data] preparing {[str(r) for r in source.roots]} ({what}) into {out_dir.parent}")
     sample_chars = 0 if given else TOKENIZER_SAMPLE_CHARS
-    doc_ids, is_valid, sample, duplicates = _scan(source, settings.valid_fraction, sample_chars)
+    doc_ids, is_valid, sample, duplicates = _scan(source, settings.valid_fraction, sample_chars, settings.progress)
     n_valid = sum(is_valid)
     t1 = time.perf_counter()
     log(f"[data] {len(doc_ids)} unique documents ({duplicates} duplicates dropped): "

@@ -55,7 +55,8 @@ def prepare(config: Config, log=print) -> PreparedData:
         raise DataError(f"data cache directory (--data-cache-dir or $PTDP_CACHE_DIR): {problem}")
     d = config.data
     data = prepare_data(paths, config.model.vocab_size, cache, d.valid_fraction, log=log,
-                        tokenizer_model=d.tokenizer_model, text_key=d.data_text_key, workers=d.tokenizer_workers)
+                        tokenizer_model=d.tokenizer_model, text_key=d.data_text_key, workers=d.tokenizer_workers,
+                        progress=not config.launch.no_progress)
     check_data_fits(config, data)
     if ck.load and d.tokenizer_model and loaded["model"]["vocab_size"] != data.vocab_size:
         raise DataError(f"--tokenizer-model {d.tokenizer_model} has {data.vocab_size} tokens but the model in --load "
