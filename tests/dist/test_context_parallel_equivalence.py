@@ -1,14 +1,14 @@
 """Context parallelism trains exactly like one process (float64, 3 AdamW steps, clipping active):
 per-step losses and gradient norms within 1e-9 relative, every parameter after them, at
-(tp, cp, pp, dp) = (1,2,1,1), (1,4,1,1), (2,2,1,1), (1,2,2,1), (1,2,1,2), (2,2,2,1); the GPT and the
-Llama-like model (rotary, grouped-query attention) and both ``--cp-comm-type``s at every layout;
-hidden and attention dropout (the masks of the unsplit model at every cp) with selective or full
-recompute at the dp = 1 layouts; sequence parallelism inside the cp ranks (with dropout, and with selective
-recompute) at tp = 2; each option with each comm type somewhere; the initial model's evaluation
-(the forward-only schedule) at every layout; bf16 weights at cp = 2 within bf16 precision. Each cp rank holds chunks
-r and 2cp-1-r of every sequence; parameters are replicated over cp, and every copy (cp, dp, the
-tied embedding) must be bitwise equal. All layouts of a world size run in one job
-(:mod:`helpers.cp_cases`)."""
+(tp, cp, pp, dp) = (1,2,1,1), (1,4,1,1), (2,2,1,1), (1,2,2,1), (1,2,1,2), (2,2,2,1): the GPT and
+the Llama-like model (rotary, grouped-query attention) and both ``--cp-comm-type``s at every
+layout; hidden and attention dropout (the masks of the unsplit model at every cp) with selective
+or full recompute at the dp = 1 layouts; sequence parallelism inside the cp ranks (with dropout,
+and with selective recompute) at tp = 2; the initial model's evaluation (the forward-only
+schedule) at every layout; interleaved 1F1B at (1,2,2,1); bf16 weights at cp = 2 within bf16
+precision. Each cp rank holds chunks r and 2cp-1-r of every sequence; parameters are replicated
+over cp, and every copy (cp, dp, the tied embedding) must be bitwise equal. All layouts of a world
+size run in one job (:mod:`helpers.cp_cases`)."""
 
 from __future__ import annotations
 

@@ -31,6 +31,10 @@ VARIANTS = {
     "llama_dropout_full_p2p": (LLAMA_OPTIONS | DROPOUT | FULL, {"cp_comm_type": "p2p"}),
     "gpt_sp_dropout_all_gather": (DROPOUT, {"cp_comm_type": "all_gather", "sequence_parallel": True}),
     "llama_sp_selective_p2p": (LLAMA_OPTIONS | SELECTIVE, {"cp_comm_type": "p2p", "sequence_parallel": True}),
+    # interleaved 1F1B: 4 layers in 2 model chunks of 1 layer per pipeline rank
+    "gpt_interleaved_all_gather": ({"num_layers": 4}, {"cp_comm_type": "all_gather",
+                                                       "pipeline_schedule": "interleaved-1f1b",
+                                                       "num_layers_per_virtual_pipeline_stage": 1}),
     # bf16 weights (float32 main parameters and gradients; attention blocks accumulate in float32)
     "gpt_bf16_p2p": ({"params_dtype": "bfloat16"}, {"cp_comm_type": "p2p"}),
 }
@@ -40,7 +44,8 @@ EVALUATED = ("gpt_p2p", "llama_all_gather")
 
 def variants(tp: int, cp: int, pp: int, dp: int) -> list[str]:
     """The variants one layout runs: both models and both comm types everywhere; dropout with
-    selective or full recompute at dp = 1; sequence parallelism at tp = 2."""
+    selective or full recompute at dp = 1; sequence parallelism at tp = 2; bf16 at (1,2,1,1); the
+    interleaved schedule at (1,2,2,1)."""
     names = ["gpt_p2p", "llama_all_gather"]
     if dp == 1:
         names += ["gpt_dropout_selective_all_gather", "llama_dropout_full_p2p"]
@@ -48,6 +53,8 @@ def variants(tp: int, cp: int, pp: int, dp: int) -> list[str]:
         names += ["gpt_sp_dropout_all_gather", "llama_sp_selective_p2p"]
     if (tp, cp, pp, dp) == (1, 2, 1, 1):
         names += ["gpt_bf16_p2p"]
+    if (tp, cp, pp, dp) == (1, 2, 2, 1):
+        names += ["gpt_interleaved_all_gather"]
     return names
 
 
