@@ -5,6 +5,7 @@ token files as the serial path. Every input is built here, without a network."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -168,3 +169,15 @@ def test_progress_bars_count_the_documents(tmp_path, monkeypatch):
     bars.clear()
     prepare_data([texts], 300, tmp_path / "off", log=None, progress=False)
     assert [b.kwargs["disable"] for b in bars] == [True, True]
+
+
+def test_a_saved_dataset_saved_again_with_other_rows_re_tokenizes(tmp_path):
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": TEXTS[:12]}).save_to_disk(str(folder))
+    first = prepare_data([folder], 300, tmp_path / "cache", valid_fraction=0.2, log=None)
+    assert prepare_data([folder], 300, tmp_path / "cache", valid_fraction=0.2, log=None) == first  # cached
+    datasets.Dataset.from_dict({"text": TEXTS}).save_to_disk(str(tmp_path / "staged"))
+    shutil.rmtree(folder)
+    shutil.move(tmp_path / "staged", folder)
+    again = prepare_data([folder], 300, tmp_path / "cache", valid_fraction=0.2, log=None)
+    assert again.cache_dir != first.cache_dir and again.num_train_docs + again.num_valid_docs == 24
