@@ -22,7 +22,9 @@ from ptdp.data.indexed import IndexedTokens, token_dtype, write_indexed
 from ptdp.data.prepare import PreparedData, prepare_data
 from ptdp.data.tokenizer import (
     EOS_TOKEN,
+    TokenizerModel,
     load_tokenizer,
+    load_tokenizer_model,
     save_tokenizer,
     train_tokenizer,
 )
@@ -35,6 +37,7 @@ __all__ = [
     "IndexedTokens",
     "PreparedData",
     "TokenWindows",
+    "TokenizerModel",
     "corpus_fingerprint",
     "default_corpus_paths",
     "device_microbatches",
@@ -42,6 +45,7 @@ __all__ = [
     "eval_indices",
     "iter_documents",
     "load_tokenizer",
+    "load_tokenizer_model",
     "microbatches",
     "prepare_data",
     "save_tokenizer",
