@@ -41,7 +41,8 @@ def test_local_workers_count_cp():
 
 def test_run_layout_for_the_planner_and_the_memory_check_has_cp():
     one = _config(context_parallel_size=1, data_parallel_size=4, use_distributed_optimizer=True)
-    two = _config(context_parallel_size=2, data_parallel_size=2, use_distributed_optimizer=True, cp_comm_type="all_gather")
+    two = _config(context_parallel_size=2, data_parallel_size=2, use_distributed_optimizer=True,
+                  cp_comm_type="all_gather")
     layout = planner_layout(two)
     assert (layout.tp, layout.cp, layout.dp, layout.cp_comm_type) == (1, 2, 2, "all_gather")
     assert layout.sharding_strategy == "optim" and layout.shard_size == 4 and layout.num_gpus == 4

@@ -2,10 +2,11 @@
 
 Every codec averages the bucket over the ``dp`` replicas (summing over the cp ranks of each,
 which hold partial gradients of the same parameters) and only ever communicates on the
-data-parallel gradient group (dp x cp ranks, counted on the ``dp`` axis). ``start`` issues the (asynchronous) collectives and returns a function that, once called,
-waits for them and leaves the average in place (or, for the distributed optimizer, this rank's
-shard of it in ``shard``). Payload per rank and step (counted by :mod:`ptdp.engine.comm`): ``none`` 4
-bytes per element (fp32), ``fp16``/``bf16`` 2, ``1bit`` 1/8 + 4/64 = 0.1875 (21x less than fp32).
+data-parallel gradient group (dp x cp ranks, counted on the ``dp`` axis). ``start`` issues the
+(asynchronous) collectives and returns a function that, once called, waits for them and leaves
+the average in place (or, for the distributed optimizer, this rank's shard of it in ``shard``).
+Payload per rank and step (counted by :mod:`ptdp.engine.comm`): ``none`` 4 bytes per element
+(fp32), ``fp16``/``bf16`` 2, ``1bit`` 1/8 + 4/64 = 0.1875 (21x less than fp32).
 
 - ``fp16`` / ``bf16``: divide by dp *before* casting, so the sum over dp overflows the 16-bit
   range only where the mean itself does; cast back after the reduction. float16's largest value

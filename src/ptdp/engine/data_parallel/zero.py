@@ -8,11 +8,11 @@ With context parallelism the shards are over all d = dp x cp ranks holding the s
 Memory per rank: optimizer state 8 / dp bytes per parameter (12 / dp with float32 main
 parameters), plus the padding that makes every bucket a multiple of dp. Communication per step:
 reduce-scatter of the gradients (in :class:`~ptdp.engine.data_parallel.buffer.GradBuffer`) and one
-all-gather of the parameters per bucket, on the dp axis (the dp x cp group is counted there). With ``overlap_param_gather`` the
-all-gathers are issued in the order the next forward uses the buckets, and a forward pre-hook on
-each given module (a transformer layer, or a model chunk for its embeddings and output layer)
-waits only for the buckets holding that module's parameters (Megatron-LM's
-``--overlap-param-gather``).
+all-gather of the parameters per bucket, on the dp axis (the dp x cp group is counted there).
+With ``overlap_param_gather`` the all-gathers are issued in the order the next forward uses the
+buckets, and a forward pre-hook on each given module (a transformer layer, or a model chunk for
+its embeddings and output layer) waits only for the buckets holding that module's parameters
+(Megatron-LM's ``--overlap-param-gather``).
 """
 
 from __future__ import annotations
