@@ -20,9 +20,9 @@ the group keeps the i-th share of every bucket's reduction in :attr:`GradBuffer.
 parameters become views of one flat :attr:`GradBuffer.param_data` with the same layout, so the
 updated shards can be all-gathered in place. For bfloat16 parameters the buffer is float32
 (Megatron's ``main_grad``): the linear layers, the output layer and the word-embedding lookup add
-their weight gradients straight into ``param.main_grad`` (:mod:`ptdp.engine.tensor_parallel.wgrad`); for the other parameters the
-post-accumulate hook adds ``param.grad`` into it and frees it. The hook runs for every
-parameter in every backward, and marks its gradient complete.
+their weight gradients straight into ``param.main_grad`` (:mod:`ptdp.engine.tensor_parallel.wgrad`);
+for the other parameters the post-accumulate hook adds ``param.grad`` into it and frees it. The
+hook runs for every parameter in every backward, and marks its gradient complete.
 """
 
 from __future__ import annotations
