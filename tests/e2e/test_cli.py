@@ -13,14 +13,16 @@ import pytest
 from helpers.cli import TINY, run, save_and_resume
 
 
-def check_run_dir(run_dir: Path, iters: int, layout: dict) -> None:
+def check_run_dir(run_dir: Path, iters: int, layout: dict, logged: tuple[int, ...] = (1, 2, 4, 6)) -> None:
+    """The run directory of a tiny run (6 iterations, validation at 0, 3 and 6): its config, the
+    training lines of the ``logged`` iterations (``--log-interval 2``: 1, 2, 4, 6), the summary."""
     config = json.loads((run_dir / "config.json").read_text())
     assert config["parallel"]["data_parallel_size"] == layout["dp"]
     assert config["model"]["vocab_size"] <= 400 and config["requested_vocab_size"] == 400
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in lines if "loss" in r]
     evals = [r for r in lines if "val_loss" in r]
-    assert [r["iteration"] for r in train] == [1, 2, 4, 6]
+    assert [r["iteration"] for r in train] == list(logged)
     for r in train:
         assert set(r) == {"iteration", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s"}
         assert r["loss"] > 0 and r["grad_norm"] > 0 and r["step_time_s"] > 0 and r["tokens_per_s"] > 0
@@ -108,13 +110,11 @@ def test_output_dir_problems_are_found_before_data_preparation(tmp_path):
     assert "missing" not in proc.stderr, "the output directory is checked before the data"
 
 
-def test_train_module_runs_without_a_launcher(corpus, tmp_path):
-    out = tmp_path / "run"
-    proc = run([sys.executable, "-m", "ptdp.train", *TINY, "--tp", "1", "--pp", "1", "--data", str(corpus / "docs"),
-                "--output-dir", str(out), "--no-progress"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "validation loss" in proc.stderr
-    check_run_dir(out, 6, {"tp": 1, "pp": 1, "dp": 1})
+def test_train_module_runs_without_a_launcher(uninterrupted):
+    """``python -m ptdp.train`` at (1,1,1), every iteration logged: the session's uninterrupted run
+    (its command: helpers.cli.uninterrupted_flags; it succeeded)."""
+    assert "validation loss" in uninterrupted.proc.stderr
+    check_run_dir(uninterrupted.run_dir, 6, {"tp": 1, "pp": 1, "dp": 1}, logged=(1, 2, 3, 4, 5, 6))
 
 
 #: The 1-bit test's corpus: 11 packages of the standard library, 3.2M characters, 815k training and
@@ -152,10 +152,11 @@ def test_one_bit_compression_trains_like_uncompressed(tmp_path):
     assert dp_bytes["1bit"] * 20 < dp_bytes["none"], dp_bytes
 
 
-def test_save_and_resume_from_the_command_line(corpus, tmp_path):
-    """6 iterations in one run == 3, saved, then resumed for 3 more (bitwise losses and norms);
-    a checkpoint folder per save, ``latest`` on the newest, ``--keep-last`` prunes."""
-    base, ckpt, _, second = save_and_resume(corpus, tmp_path)
+def test_save_and_resume_from_the_command_line(corpus, tmp_path, uninterrupted):
+    """6 iterations in one run (the session's ``uninterrupted`` run) == 3, saved, then resumed for
+    3 more (bitwise losses and norms); a checkpoint folder per save, ``latest`` on the newest,
+    ``--keep-last`` prunes."""
+    base, ckpt, _, second = save_and_resume(corpus, tmp_path, uninterrupted)
     assert "resumed from" in second.stderr
     gen = run([sys.executable, "-m", "ptdp.cli", "generate", "--load", str(ckpt), "--prompt", "def ",
                "--max-new-tokens", "5"], tmp_path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from helpers import budget
@@ -69,8 +70,9 @@ def make_corpus(root: Path) -> Path:
 def run(cmd: list[str], tmp_path: Path, timeout: float | None = None, env: dict | None = None
         ) -> subprocess.CompletedProcess:
     """Run ``cmd`` in ``tmp_path`` with its data cache there, one thread per process and ``env``
-    added, within what is left of the test's budget (at most ``timeout`` seconds)."""
-    env = dict(os.environ, PTDP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1", **(env or {}))
+    added (it may name another ``PTDP_CACHE_DIR``), within what is left of the test's budget (at
+    most ``timeout`` seconds)."""
+    env = {**os.environ, "PTDP_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=budget.seconds(timeout), env=env,
                           cwd=tmp_path)
 
@@ -81,25 +83,49 @@ def train_losses(run_dir: Path) -> dict[int, tuple[float, float]]:
     return {r["iteration"]: (r["loss"], r["grad_norm"]) for r in lines if "loss" in r}
 
 
-def save_and_resume(corpus: Path, tmp_path: Path, save_flags: tuple[str, ...] = ()):
-    """6 iterations in one run, against 3 saved after each iteration (``--keep-last 2``, plus
-    ``save_flags``) and resumed from the newest for 3 more; asserts the checkpoint folders and that
-    the resumed losses and norms equal the uninterrupted run's bitwise. Returns
-    ``(base flags, checkpoint folder, first run, resumed run)``."""
+@dataclass(frozen=True)
+class FinishedRun:
+    """A training command that ran to its end: its run directory, its data cache and its process."""
+
+    run_dir: Path
+    cache: Path
+    proc: subprocess.CompletedProcess
+
+
+def uninterrupted_flags(corpus: Path) -> list[str]:
+    """The command of the uninterrupted run and of the runs compared with it: ``python -m
+    ptdp.train``, the tiny model at (1,1,1), every iteration logged, the learning rate decayed over
+    6 iterations whatever ``--train-iters`` says."""
     import sys
 
-    base = [sys.executable, "-m", "ptdp.train", *TINY, "--tp", "1", "--pp", "1", "--data", str(corpus / "docs"),
+    return [sys.executable, "-m", "ptdp.train", *TINY, "--tp", "1", "--pp", "1", "--data", str(corpus / "docs"),
             "--no-progress", "--log-interval", "1", "--lr-decay-iters", "6"]
-    whole = run(base + ["--output-dir", str(tmp_path / "whole")], tmp_path)
-    assert whole.returncode == 0, whole.stderr[-3000:]
+
+
+def train_uninterrupted(corpus: Path, root: Path) -> FinishedRun:
+    """Run :func:`uninterrupted_flags` into ``root/whole`` with its data cache in ``root/cache``
+    (asserting it succeeded)."""
+    proc = run(uninterrupted_flags(corpus) + ["--output-dir", str(root / "whole")], root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return FinishedRun(root / "whole", root / "cache", proc)
+
+
+def save_and_resume(corpus: Path, tmp_path: Path, whole: FinishedRun, save_flags: tuple[str, ...] = ()):
+    """The uninterrupted run ``whole`` (6 iterations) against 3 iterations saved after each one
+    (``--keep-last 2``, plus ``save_flags``) and resumed from the newest for 3 more, on the same
+    data cache; asserts the checkpoint folders and that the resumed losses and norms equal the
+    uninterrupted run's bitwise. Returns ``(base flags, checkpoint folder, first run, resumed run)``."""
+    base = uninterrupted_flags(corpus)
+    cache = {"PTDP_CACHE_DIR": str(whole.cache)}
     ckpt = tmp_path / "ckpt"
     first = run(base + ["--train-iters", "3", "--save", str(ckpt), "--save-interval", "1", "--keep-last", "2",
-                        *save_flags, "--output-dir", str(tmp_path / "first")], tmp_path)
+                        *save_flags, "--output-dir", str(tmp_path / "first")], tmp_path, env=cache)
     assert first.returncode == 0, first.stderr[-3000:]
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "iter_0000003", "latest"]
     assert (ckpt / "latest").read_text().strip() == "iter_0000003"
-    second = run(base + ["--load", str(ckpt), "--output-dir", str(tmp_path / "second")], tmp_path)
+    second = run(base + ["--load", str(ckpt), "--output-dir", str(tmp_path / "second")], tmp_path, env=cache)
     assert second.returncode == 0, second.stderr[-3000:]
-    expected = train_losses(tmp_path / "whole")
+    expected = train_losses(whole.run_dir)
+    assert sorted(expected) == [1, 2, 3, 4, 5, 6]
     assert train_losses(tmp_path / "second") == {i: expected[i] for i in (4, 5, 6)}
     return base, ckpt, first, second
