@@ -1,21 +1,14 @@
 """``ptdp train --profile``: each profiled rank writes a torch.profiler Chrome trace of the chosen
-steps into the run directory; the summary gives every rank's peak memory."""
+steps into the run directory; the summary gives every rank's peak memory (the session's profiled
+run, tests/e2e/conftest.py, which tests/e2e/test_config_files_e2e.py also replays)."""
 
 from __future__ import annotations
 
 import json
-import sys
-
-from helpers.cli import tiny_flags, run
 
 
-def test_profile_writes_traces_and_the_summary_has_peak_memory(corpus, tmp_path):
-    out = tmp_path / "run"
-    flags = tiny_flags(train_iters=4, eval_iters=0, tp=1, pp=2, dp=1)
-    proc = run([sys.executable, "-m", "ptdp.cli", "train", *flags, "--data", str(corpus / "docs"),
-                "--output-dir", str(out), "--no-progress", "--profile", "--profile-step-start", "1",
-                "--profile-step-end", "3", "--profile-ranks", "0,1"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_profile_writes_traces_and_the_summary_has_peak_memory(profiled_run):
+    out, proc = profiled_run.run_dir, profiled_run.proc
     for rank in (0, 1):
         events = json.loads((out / "profile" / f"rank{rank}.json").read_text())["traceEvents"]
         marks = {e["name"] for e in events if e.get("name", "").startswith("ptdp iteration")}
