@@ -167,12 +167,20 @@ class PendingStep:
 def read_results(steps: list[PendingStep]) -> list[StepResult]:
     """The results of ``steps``, reading every one not read yet to the host with one
     ``tolist()`` of their stacked values: one host synchronisation for all of them."""
+    return read_results_with(steps)[0]
+
+
+def read_results_with(steps: list[PendingStep], extra: torch.Tensor | None = None
+                      ) -> tuple[list[StepResult], list[float] | None]:
+    """:func:`read_results`, and the values of ``extra`` (a float64 ``[5]`` tensor on the steps'
+    device, e.g. values reduced over ranks at log time) read in the same ``tolist()``: still one
+    host synchronisation. Returns the results and ``extra``'s values (None without it)."""
     unread = [step for step in steps if step._result is None]
-    if unread:
-        rows = torch.stack([step.values for step in unread]).tolist()
-        for step, row in zip(unread, rows):
-            step._resolve(row)
-    return [step._result for step in steps]
+    values = [step.values for step in unread] + ([extra] if extra is not None else [])
+    rows = torch.stack(values).tolist() if values else []
+    for step, row in zip(unread, rows):
+        step._resolve(row)
+    return [step._result for step in steps], (rows[-1] if extra is not None else None)
 
 
 def build_stage(config: Config, groups: ParallelGroups, device: torch.device | str = "cpu") -> Stage:
