@@ -16,16 +16,20 @@ from tqdm import tqdm
 class RunLog:
     """Writes ``metrics.jsonl`` (one JSON object per line) and a progress bar, on rank 0 only.
 
-    Training lines: ``{"iteration", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s"}``;
-    evaluation lines: ``{"iteration", "val_loss"}``. Units: loss in nats per token, seconds,
-    tokens per second (all ranks together). In attempt ``restart`` > 0 of a restarted job
-    (:mod:`ptdp.run.restart`) every line also holds ``"restart": restart``; the file is appended to.
+    Training lines: ``{"iteration", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
+    "tflops_per_gpu", "mfu", "peak_memory_bytes"}`` (``mfu`` only when the device's peak is known:
+    :mod:`ptdp.run.throughput`); evaluation lines: ``{"iteration", "val_loss"}``. Units: loss in
+    nats per token, seconds, tokens per second (all ranks together), model TFLOP/s per GPU, MFU as
+    a fraction, bytes (the largest rank's peak so far). In attempt ``restart`` > 0 of a restarted
+    job (:mod:`ptdp.run.restart`) every line also holds ``"restart": restart``; the file is
+    appended to. ``trackers`` (:class:`ptdp.run.tracking.Trackers`, rank 0) get every line too.
     """
 
     def __init__(self, run_dir: Path, *, enabled: bool, total_iters: int, progress: bool = True,
-                 restart: int = 0) -> None:
+                 restart: int = 0, trackers: Any = None) -> None:
         self.enabled = enabled
         self.restart = restart
+        self.trackers = trackers if enabled else None
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = open(self.path, "a", encoding="utf-8") if enabled else None
         self._bar = (
@@ -40,6 +44,8 @@ class RunLog:
                 record = record | {"restart": self.restart}
             self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
             self._file.flush()
+        if self.trackers is not None:
+            self.trackers.log(json_safe(record))
 
     def restarted(self, iteration: int, checkpoint: str | None) -> None:
         """The restart event line, and a message saying where the restarted job resumes."""
@@ -66,6 +72,8 @@ class RunLog:
             print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close()
         if self._bar is not None:
             self._bar.close()
         if self._file is not None:
@@ -107,7 +115,9 @@ def format_summary(s: dict, run_dir) -> str:
     """The few lines printed at the end of a run."""
     lines = [f"done: {s['iterations']} iterations in {s['elapsed_s']:.1f} s"]
     if s.get("tokens_per_s"):
-        lines.append(f"  throughput: {s['tokens_per_s']:,.0f} tokens/s, {s['mean_step_time_s']:.3f} s/step")
+        mfu = f", MFU {100 * s['mfu']:.1f}%" if s.get("mfu") is not None else ""
+        lines.append(f"  throughput: {s['tokens_per_s']:,.0f} tokens/s, {s['mean_step_time_s']:.3f} s/step, "
+                     f"{s.get('tflops_per_gpu', 0.0):.4g} model TFLOP/s per GPU{mfu}")
     if s.get("final_loss") is not None:
         lines.append(f"  train loss: {s['first_loss']:.4f} -> {s['final_loss']:.4f}")
     if s.get("val_loss_ratio") is not None:

@@ -3,7 +3,9 @@
 After :func:`ptdp.spec.resolve`, every check that needs no worker runs here, in this order, and
 the first problem stops the run with a one-line error (exit 2) before anything is written:
 
-1. :func:`check_request`: the planner's memory estimate against the machine (unless ``--force``);
+1. :func:`check_request`: the trackers asked for are installed (``--tensorboard-dir``,
+   ``--wandb-project``: :func:`ptdp.run.tracking.check_trackers`), and the planner's memory
+   estimate against the machine (unless ``--force``);
 2. :func:`prepare_run`: the run directory (a non-empty one needs ``--overwrite`` or a ``--load``
    continuing it), the ``--load`` checkpoint and the ``--save`` folder, the data (tokenized once,
    cached, checked to hold one global batch), then the run directory and its ``config.json``.
@@ -23,14 +25,17 @@ from typing import Callable
 from ptdp.data import DataError, PreparedData
 from ptdp.run.memory_check import check_memory
 from ptdp.run.rundir import check_run_dir, make_run_dir, prepare, run_dir_path, write_config
+from ptdp.run.tracking import check_trackers
 from ptdp.spec import Config, ConfigError
 
 
 def check_request(config: Config, local_workers: int) -> None:
-    """Checks of the resolved request alone: the memory estimate of the ``local_workers`` on this
-    machine (:mod:`ptdp.run.memory_check`), unless ``--force``; with ``--tokenizer-model`` it is
-    made for that tokenizer's vocabulary, not ``--vocab-size``. Raises ConfigError, or DataError
-    naming a ``--tokenizer-model`` that is not a tokenizer."""
+    """Checks of the resolved request alone: the packages of the trackers it asks for
+    (:func:`~ptdp.run.tracking.check_trackers`), then the memory estimate of the
+    ``local_workers`` on this machine (:mod:`ptdp.run.memory_check`), unless ``--force``; with
+    ``--tokenizer-model`` it is made for that tokenizer's vocabulary, not ``--vocab-size``. Raises
+    ConfigError, or DataError naming a ``--tokenizer-model`` that is not a tokenizer."""
+    check_trackers(config)
     if not config.launch.force:
         check_memory(_with_given_vocabulary(config), local_workers)
 

@@ -17,14 +17,17 @@ from ptdp.run.checkpoint.io import load_checkpoint
 from ptdp.run.checkpoint.saver import Checkpointer
 from ptdp.spec import Config
 from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, device_microbatches, dp_shard, eval_indices
-from ptdp.engine.comm import all_gather_object
+from ptdp.engine.comm import all_gather_object, all_reduce
 from ptdp.engine.faults import FaultPlan
 from ptdp.engine.groups import ParallelGroups
 from ptdp.run.metrics import RunLog, write_json
 from ptdp.run.planner_report import check_run, measure_stage
 from ptdp.run.profiling import StepProfiler, peak_memory_bytes
+from ptdp.run.throughput import Throughput
+from ptdp.run.tracking import Trackers
 from ptdp.run.trace import Tracer, bubble_by_rank, write_trace
-from ptdp.engine.step import NONFINITE_GRAD_NORM, PendingStep, build_stage, eval_loss, read_results, train_step, with_vocab
+from ptdp.engine.step import (NONFINITE_GRAD_NORM, PendingStep, build_stage, eval_loss, read_results_with, train_step,
+                             with_vocab)
 
 
 class TrainingError(RuntimeError):
@@ -55,7 +58,7 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
             raise CheckpointError(f"checkpoint {ck.load} is at iteration {start}: --train-iters {t.train_iters} "
                                   f"leaves nothing to train")
     log = RunLog(run_dir, enabled=groups.global_rank == 0, total_iters=t.train_iters, progress=progress,
-                 restart=restart)
+                 restart=restart, trackers=Trackers(config, run_dir) if groups.global_rank == 0 else None)
     if note:
         log.message(f"warning: {note}")
     loop = _Loop(config, groups, data, stage, log, start, consumed, faults, restart, run_dir=Path(run_dir),
@@ -91,6 +94,7 @@ class _Loop:
         self.sampler = GlobalBatchSampler(len(self.train_windows), t.global_batch_size, t.seed)
         self.valid_batches = _valid_batches(config, groups, data, stage.device)
         self.tokens_per_step = t.global_batch_size * config.model.seq_length
+        self.throughput = Throughput.for_run(config, stage.device)
         self.history: dict[str, list] = {"val": [], "train": [], "comm": {}}
         self.tracer = Tracer(groups.global_rank, groups.pp.rank, stage.device) if t.traced_iters else None
         self.profiler = StepProfiler.for_run(config, groups.global_rank, run_dir, stage.device, first_step=start)
@@ -150,22 +154,37 @@ class _Loop:
         :func:`~ptdp.engine.step.read_results`) and record them in order. Called at every logged
         step (``--log-interval``, the first and the last) and before an evaluation or a checkpoint,
         so a step that is not logged never waits for the device. Each step of the interval is given
-        the interval's mean step time (its wall time from the first step's start to the read)."""
+        the interval's mean step time (its wall time from the first step's start to the read) and
+        the largest rank's peak memory so far (a max all-reduce over the world, read in the same
+        synchronisation)."""
         if not self.pending:
             return
-        results = read_results([step for _, step in self.pending])
+        results, reduced = read_results_with([step for _, step in self.pending], self._peak_memory())
         step_time = (time.perf_counter() - self.interval_start) / len(results)
         self.interval_start = time.perf_counter()
         done, self.pending = self.pending, []
         for (iteration, _), result in zip(done, results):
-            self._record(result, iteration, step_time)
+            self._record(result, iteration, step_time, int(reduced[0]))
 
-    def _record(self, result, iteration: int, step_time: float) -> None:
-        """Log one step read to the host: its metrics line (logged steps and skipped steps), the
+    def _peak_memory(self) -> torch.Tensor:
+        """A float64 ``[5]`` tensor on the stage's device whose first value is the largest peak
+        memory of any rank in bytes (:func:`~ptdp.run.profiling.peak_memory_bytes`; a max
+        all-reduce over the world, not read here; the other values are 0). The host value is copied
+        from pinned memory on CUDA, so nothing waits for the device."""
+        host = torch.zeros(5, dtype=torch.float64)
+        host[0] = peak_memory_bytes(self.stage.device)[0]
+        if self.stage.device.type == "cuda":
+            host = host.pin_memory()
+        return all_reduce(host.to(self.stage.device, non_blocking=True), self.groups.world, op="max",
+                          tag="peak memory")
+
+    def _record(self, result, iteration: int, step_time: float, peak_memory: int) -> None:
+        """Log one step read to the host: its metrics line (logged steps and skipped steps; with
+        the throughput of :class:`~ptdp.run.throughput.Throughput` and ``peak_memory`` bytes), the
         progress bar, and the warning or :class:`TrainingError` of a non-finite step."""
         t = self.config.train
         record = {"iteration": iteration, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
-                  "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time}
+                  "step_time_s": step_time, **self.throughput.of(step_time), "peak_memory_bytes": peak_memory}
         self.history["train"].append(record)
         if result.skipped:  # on every rank, without any update (ptdp.engine.step)
             record.update(skipped=True, reason=result.skip_reason)
@@ -184,6 +203,9 @@ class _Loop:
         and writes summary.json (and the trace)."""
         g, is_logger = self.groups, self.groups.global_rank == 0
         summary = _summary(self.config, self.history, elapsed)
+        if summary["mean_step_time_s"]:  # TFLOP/s per GPU and MFU of the mean step (tokens/s: _summary's)
+            summary.update({k: v for k, v in self.throughput.of(summary["mean_step_time_s"]).items()
+                            if k != "tokens_per_s"})
         per_rank = all_gather_object(measure_stage(self.stage), g.world)
         if self.tracer is not None:
             events = [e for rank_events in all_gather_object(self.tracer.collect(), g.world) for e in rank_events]

@@ -77,6 +77,21 @@ class TrainConfig:
     profile_ranks: tuple[int, ...] = opt((0,), "--profile-ranks", "global ranks to profile (comma list)", "data",
                                          metavar="R,...")
     """Global ranks that profile (each ``< world_size``)."""
+    tensorboard_dir: str | None = opt(None, "--tensorboard-dir", "also write the metrics.jsonl scalars as TensorBoard "
+                                      "events into DIR (needs ptdp[tensorboard])", "data", metavar="DIR")
+    """Folder of TensorBoard event files (``torch.utils.tensorboard``), written by global rank 0
+    at every metrics line (:mod:`ptdp.run.tracking`); None: none."""
+    wandb_project: str | None = opt(None, "--wandb-project", "also log the metrics.jsonl scalars to this Weights & "
+                                    "Biases project (offline without WANDB_API_KEY; needs ptdp[wandb])", "data",
+                                    metavar="NAME")
+    """Weights & Biases project the scalars go to (``WANDB_MODE``, else offline unless
+    ``WANDB_API_KEY`` is set); None: no W&B."""
+    wandb_exp_name: str | None = opt(None, "--wandb-exp-name", "the W&B run's name (default: the run directory's "
+                                     "name)", "data", metavar="NAME")
+    """Name of the W&B run; None: the run directory's name. Needs ``wandb_project``."""
+    wandb_save_dir: str | None = opt(None, "--wandb-save-dir", "folder of W&B's local files (default: "
+                                     "<run directory>/wandb)", "data", metavar="DIR")
+    """Folder W&B writes its run files into; None: ``<run directory>/wandb``. Needs ``wandb_project``."""
 
     @property
     def decay_iters(self) -> int:

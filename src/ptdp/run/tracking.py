@@ -1,0 +1,124 @@
+"""Experiment trackers: TensorBoard (``--tensorboard-dir``) and Weights & Biases (``--wandb-project``).
+
+Both are optional extras (``pip install "ptdp[tensorboard]"``, ``"ptdp[wandb]"``); asking for one
+that is not installed stops the run before any worker starts (:func:`check_trackers`, part of
+:func:`ptdp.run.preflight.check_request`). Global rank 0 writes them, from the same records as
+``metrics.jsonl`` (:class:`ptdp.run.metrics.RunLog`), so every tracked scalar is a number of a
+metrics line: nothing is read from the device for the trackers, and no rank waits for them.
+
+Scalar names (:data:`SCALARS`): ``train/loss``, ``train/lr``, ``train/grad_norm``,
+``train/loss_scale`` (float16), ``train/step_time_s``, ``val/loss``, ``throughput/tokens_per_s``,
+``throughput/tflops_per_gpu``, ``throughput/mfu`` (when the device's peak is known) and
+``memory/peak_bytes`` (the largest rank's); the step is the metrics line's ``iteration``.
+
+W&B mode: ``$WANDB_MODE`` when set, else ``online`` if ``$WANDB_API_KEY`` is set, else ``offline``
+(files under ``--wandb-save-dir``, default ``<run directory>/wandb``; ``wandb sync`` uploads them
+later), so a machine without a network or an account trains as usual.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ptdp.spec import Config, ConfigError
+
+#: metrics.jsonl field -> tracker scalar name.
+SCALARS = {
+    "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "loss_scale": "train/loss_scale",
+    "step_time_s": "train/step_time_s", "val_loss": "val/loss", "tokens_per_s": "throughput/tokens_per_s",
+    "tflops_per_gpu": "throughput/tflops_per_gpu", "mfu": "throughput/mfu", "peak_memory_bytes": "memory/peak_bytes",
+}
+
+#: tracker -> (the module it needs, the extra that installs it, the flag asking for it).
+EXTRAS = {"tensorboard": ("tensorboard", "ptdp[tensorboard]", "--tensorboard-dir"),
+          "wandb": ("wandb", "ptdp[wandb]", "--wandb-project")}
+
+
+def requested(config: Config) -> list[str]:
+    """The trackers ``config`` asks for (keys of :data:`EXTRAS`)."""
+    t = config.train
+    return [name for name, on in (("tensorboard", t.tensorboard_dir), ("wandb", t.wandb_project)) if on]
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported (without importing it; None in ``sys.modules`` blocks it)."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
+
+
+def check_trackers(config: Config) -> None:
+    """Raise ConfigError for a tracker whose package is not installed, or for ``--wandb-exp-name``
+    / ``--wandb-save-dir`` without ``--wandb-project``; each message names the fix."""
+    t = config.train
+    stray = [flag for flag, value in (("--wandb-exp-name", t.wandb_exp_name), ("--wandb-save-dir", t.wandb_save_dir))
+             if value is not None]
+    if stray and not t.wandb_project:
+        raise ConfigError(f"{' and '.join(stray)} given without --wandb-project: name the W&B project too")
+    for name in requested(config):
+        module, extra, flag = EXTRAS[name]
+        if not installed(module):
+            raise ConfigError(f"{flag} needs the {module!r} package, which is not installed: "
+                              f'pip install "{extra}"')
+
+
+def wandb_mode(environ: dict[str, str] | None = None) -> str:
+    """``$WANDB_MODE``, else ``online`` with ``$WANDB_API_KEY``, else ``offline``."""
+    env = os.environ if environ is None else environ
+    return env.get("WANDB_MODE") or ("online" if env.get("WANDB_API_KEY") else "offline")
+
+
+class Trackers:
+    """The trackers of a run on global rank 0 (an instance with none on the other ranks).
+
+    ``log(record)`` sends a metrics line's numeric fields of :data:`SCALARS` at step
+    ``record["iteration"]``; other lines (restart events) and other fields are left out.
+    ``close()`` flushes and closes them (W&B: ``finish``).
+    """
+
+    def __init__(self, config: Config | None = None, run_dir: Path | None = None) -> None:
+        self._tensorboard = self._wandb = None
+        if config is None:
+            return
+        t = config.train
+        if t.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(log_dir=str(t.tensorboard_dir))
+        if t.wandb_project:
+            import wandb
+
+            save_dir = Path(t.wandb_save_dir or Path(run_dir or ".") / "wandb")
+            save_dir.mkdir(parents=True, exist_ok=True)
+            self._wandb = wandb.init(project=t.wandb_project, name=t.wandb_exp_name or Path(run_dir or ".").name,
+                                     dir=str(save_dir), config=config.to_dict(), mode=wandb_mode())
+
+    @property
+    def active(self) -> bool:
+        return self._tensorboard is not None or self._wandb is not None
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.active or "iteration" not in record:
+            return
+        scalars = {SCALARS[k]: float(v) for k, v in record.items()
+                   if k in SCALARS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if not scalars:
+            return
+        step = int(record["iteration"])
+        if self._tensorboard is not None:
+            for name, value in scalars.items():
+                self._tensorboard.add_scalar(name, value, global_step=step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

@@ -1,0 +1,78 @@
+"""The trackers: a missing extra is a clear error naming its pip install; TensorBoard gets the
+metrics lines' scalars at their iterations; W&B runs offline without an API key."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+
+from ptdp.spec import Config, ConfigError, TrainConfig
+from ptdp.run import tracking
+from ptdp.run.metrics import RunLog
+from ptdp.run.tracking import Trackers, check_trackers, wandb_mode
+
+
+def with_train(**changes) -> Config:
+    return Config(train=dataclasses.replace(TrainConfig(), **changes))
+
+
+@pytest.mark.parametrize("flag, field, module, extra", [
+    ("--tensorboard-dir", "tensorboard_dir", "tensorboard", "ptdp[tensorboard]"),
+    ("--wandb-project", "wandb_project", "wandb", "ptdp[wandb]"),
+])
+def test_a_tracker_whose_package_is_missing_is_refused(monkeypatch, flag, field, module, extra):
+    monkeypatch.setitem(sys.modules, module, None)  # what an uninstalled package looks like to import
+    with pytest.raises(ConfigError) as err:
+        check_trackers(with_train(**{field: "x"}))
+    assert flag in str(err.value) and f'pip install "{extra}"' in str(err.value)
+    check_trackers(with_train())  # nothing asked, nothing needed
+
+
+def test_wandb_name_or_folder_without_a_project_is_refused():
+    with pytest.raises(ConfigError, match="--wandb-exp-name and --wandb-save-dir given without --wandb-project"):
+        check_trackers(with_train(wandb_exp_name="a", wandb_save_dir="b"))
+    check_trackers(with_train(wandb_project="p", wandb_exp_name="a"))
+
+
+def test_wandb_is_offline_unless_a_key_or_a_mode_is_given():
+    assert wandb_mode({}) == "offline"
+    assert wandb_mode({"WANDB_API_KEY": "k"}) == "online"
+    assert wandb_mode({"WANDB_API_KEY": "k", "WANDB_MODE": "disabled"}) == "disabled"
+
+
+def read_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_gets_every_numeric_field_of_the_metrics_lines(tmp_path):
+    pytest.importorskip("tensorboard")
+    cfg = with_train(tensorboard_dir=str(tmp_path / "tb"))
+    log = RunLog(tmp_path, enabled=True, total_iters=2, progress=False, trackers=Trackers(cfg, tmp_path))
+    log.write({"iteration": 0, "val_loss": 5.5})
+    log.write({"iteration": 1, "loss": 5.25, "grad_norm": 0.5, "lr": 1e-3, "step_time_s": 0.25,
+               "tokens_per_s": 1024.0, "tflops_per_gpu": 0.125, "mfu": 0.375, "peak_memory_bytes": 2**20,
+               "skipped": True, "reason": "x"})
+    log.write({"iteration": 2, "loss": float("nan"), "loss_scale": 512.0})
+    log.write({"event": "restart", "resumed_from_iteration": 1})
+    log.close()
+    scalars = read_scalars(tmp_path / "tb")
+    assert scalars == {
+        "val/loss": [(0, 5.5)], "train/loss": [(1, 5.25)], "train/grad_norm": [(1, 0.5)],
+        "train/lr": [(1, pytest.approx(1e-3))], "train/step_time_s": [(1, 0.25)],
+        "throughput/tokens_per_s": [(1, 1024.0)], "throughput/tflops_per_gpu": [(1, 0.125)],
+        "throughput/mfu": [(1, 0.375)], "memory/peak_bytes": [(1, 2.0**20)], "train/loss_scale": [(2, 512.0)],
+    }
+
+
+def test_only_rank_0_tracks_and_no_flag_tracks_nothing(tmp_path):
+    assert not Trackers().active and not Trackers(with_train(), tmp_path).active
+    log = RunLog(tmp_path, enabled=False, total_iters=1, progress=False, trackers=Trackers())
+    assert log.trackers is None
+    assert set(tracking.SCALARS) >= {"loss", "lr", "grad_norm", "loss_scale", "val_loss", "tokens_per_s",
+                                     "tflops_per_gpu", "mfu", "peak_memory_bytes"}
