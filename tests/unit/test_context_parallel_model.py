@@ -167,3 +167,15 @@ def test_the_planner_refuses_what_ptdp_train_refuses():
                                                       cluster)}
     assert "context_parallel_size * tensor_model_parallel_size = 2*4 = 8" in rules["sequence parallel"]
     assert all_rejections(model, Layout(4, 16, 8, 1, 1536, cp=2), cluster) == []
+
+
+def test_ptdp_train_exits_2_naming_the_numbers_before_any_process(capsys, monkeypatch):
+    import ptdp.run.launch
+    from ptdp import cli
+
+    monkeypatch.setattr(ptdp.run.launch, "launch_local", lambda *a, **k: pytest.fail("a process was started"))
+    argv = ["train", "--train-iters", "1", "--tp", "4", "--cp", "2", "--pp", "1", "--dp", "1", "--nproc-per-node", "8",
+            "--sequence-parallel", "--seq-length", "20", "--num-attention-heads", "4", "--hidden-size", "32"]
+    assert cli.main(argv) == 2
+    assert ("seq_length=20 is not divisible by context_parallel_size * tensor_model_parallel_size = 2*4 = 8 (rule: "
+            "s % (cp * tp) == 0" in capsys.readouterr().err)
