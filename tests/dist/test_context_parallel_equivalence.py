@@ -6,7 +6,8 @@ layout; hidden and attention dropout (the masks of the unsplit model at every cp
 or full recompute at the dp = 1 layouts; sequence parallelism inside the cp ranks (with dropout,
 and with selective recompute) at tp = 2; the initial model's evaluation (the forward-only
 schedule) at every layout; interleaved 1F1B at (1,2,2,1); bf16 weights at cp = 2 within bf16
-precision. Each cp rank holds chunks r and 2cp-1-r of every sequence; parameters are replicated
+precision; no step with cp, dropout and (at tp = 2) sequence parallelism makes a call that would
+synchronise the host on a GPU. Each cp rank holds chunks r and 2cp-1-r of every sequence; parameters are replicated
 over cp, and every copy (cp, dp, the tied embedding) must be bitwise equal. All layouts of a world
 size run in one job (:mod:`helpers.cp_cases`)."""
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.cp_cases import EVALUATED, LAYOUTS, VARIANTS, reference, variants, world_results
+from helpers.cp_cases import EVALUATED, LAYOUTS, SYNC_COUNTED, VARIANTS, reference, variants, world_results
 from helpers.layout_cases import TOL, full_parameters, real_rows
 
 CASES = [(world, layout) for world, layouts in LAYOUTS.items() for layout in layouts]
@@ -57,6 +58,10 @@ def test_context_parallel_trains_like_one_process(world, layout):
     for name in EVALUATED:  # the forward-only schedule: evaluation of the initial model
         for res in results:
             assert abs(res[name]["eval"] - reference(name)["eval"]) <= 1e-9 * reference(name)["eval"], name
+    for counted_layout, name in SYNC_COUNTED:  # cp attention, positions and dropout masks: no host sync
+        if counted_layout == layout:
+            for res in results:
+                assert res[name]["syncs"] == [[], []], res[name]["syncs"]
 
 
 def test_every_option_runs_at_two_layouts_or_more():

@@ -7,11 +7,12 @@ import dataclasses
 import functools
 
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage, eval_loss
+from ptdp.engine.step import build_stage, eval_loss, read_results, train_step
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.spec.layout import ParallelLayout
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from helpers.host_sync import count_host_syncs, label_check_on_device
 from helpers.layout_cases import LLAMA_OPTIONS, VOCAB, rank_microbatches, train_and_collect
 
 #: (tp, cp, pp, dp) of the issue, by world size (one job per world size)
@@ -40,6 +41,8 @@ VARIANTS = {
 }
 #: variants whose initial model is also evaluated (forward only, eval mode) on a held-out batch
 EVALUATED = ("gpt_p2p", "llama_all_gather")
+#: (layout, variant) whose steps also count the host synchronisations a GPU would make
+SYNC_COUNTED = {((1, 2, 1, 1), "llama_dropout_full_p2p"), ((2, 2, 1, 1), "gpt_sp_dropout_all_gather")}
 
 
 def variants(tp: int, cp: int, pp: int, dp: int) -> list[str]:
@@ -88,6 +91,8 @@ def cp_worker(rank: int, world: int) -> dict:
             res["cp_rank"] = groups.cp.rank
             if name in EVALUATED:
                 res["eval"] = evaluate_initial(cfg, groups)
+            if ((tp, cp, pp, dp), name) in SYNC_COUNTED:
+                res["syncs"] = step_syncs(cfg, groups)
             runs[name] = res
         out[(tp, cp, pp, dp)] = runs
     return out
@@ -104,6 +109,20 @@ def evaluate_initial(cfg: Config, groups: ParallelGroups) -> float:
     schedule, eval mode)."""
     stage = build_stage(cfg, groups)
     return eval_loss(stage, [rank_microbatches(100, cfg, groups.dp.rank, groups.dp.size)])
+
+
+def step_syncs(cfg: Config, groups: ParallelGroups, steps: int = 2) -> list[list[str]]:
+    """The calls of each of ``steps`` training steps that would synchronise the host on a GPU
+    (:mod:`helpers.host_sync`; the label check takes its device path); the results are read after."""
+    stage, pending, calls = build_stage(cfg, groups), [], []
+    with label_check_on_device():
+        for step in range(steps):
+            microbatches = rank_microbatches(step, cfg, groups.dp.rank, groups.dp.size)
+            with count_host_syncs() as counted:
+                pending.append(train_step(stage, microbatches, step))
+            calls.append(counted.calls)
+    read_results(pending)
+    return calls
 
 
 @functools.cache
