@@ -34,7 +34,7 @@ def _check(results: list[dict], name: str) -> None:
     want = {key: real_rows(t, spec) for key, (t, spec, _) in ref["params"].items()}
     assert sorted(got) == sorted(want)
     for key in want:
-        torch.testing.assert_close(got[key], want[key], **TOL["float64"], msg=lambda m: f"{name} {key}: {m}")
+        torch.testing.assert_close(got[key], want[key], **TOL["float64"], msg=lambda m, key=key: f"{name} {key}: {m}")
 
 
 def _check_bf16(results: list[dict], ref: dict, name: str) -> None:

@@ -68,4 +68,5 @@ def test_cp2_on_nccl_trains_like_one_gpu():
         got = full_parameters(results, name)  # the cp replicas bitwise equal
         if not bf16:
             for key, (t, spec, _) in ref["params"].items():
-                torch.testing.assert_close(got[key], real_rows(t, spec), **tol, msg=lambda m: f"{name} {key}: {m}")
+                torch.testing.assert_close(got[key], real_rows(t, spec), **tol,
+                                           msg=lambda m, name=name, key=key: f"{name} {key}: {m}")

@@ -69,7 +69,7 @@ from ptdp.engine.tensor_parallel.random import Dropout, DropoutRNG
 from ptdp.engine.tensor_parallel.sharding import make_parameter
 from ptdp.spec import ModelConfig, padded_vocab_size
 
-__all__ = ["Attention", "DTYPES", "GPTModel", "LayerNorm", "MLP", "RMSNorm", "TransformerLayer", "make_norm",
+__all__ = ["DTYPES", "MLP", "Attention", "GPTModel", "LayerNorm", "RMSNorm", "TransformerLayer", "make_norm",
            "masked_mean"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
