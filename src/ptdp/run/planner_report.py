@@ -7,8 +7,9 @@ the per-tensor step counters). Peak memory and step time are predictions: the st
 hardware profile from ``ptdp plan --calibrate``; without one it is not predicted.
 
 The run side of the planner: the trainer measures each rank with :func:`measure_stage` and hands
-the measurements to :func:`check_run`; this module is the only one of the training code that talks
-to :mod:`ptdp.planner` (which imports no torch and nothing of the training code).
+the measurements to :func:`check_run`; with :mod:`ptdp.run.throughput` (the FLOP count and device
+peak of the logged throughput) it is where the training code talks to :mod:`ptdp.planner` (which
+imports no torch and nothing of the training code).
 """
 
 from __future__ import annotations
