@@ -4,7 +4,7 @@ torch.distributed, and a planner that picks the layout.
 The Python API (``docs/api.md``); names are imported on first use, so ``import ptdp`` is light and
 the planner never imports torch:
 
-* :func:`plan` (:func:`ptdp.planner.api.plan`): search the layouts of a model on a cluster, as
+* :func:`plan` (:func:`ptdp.api.plan`): search the layouts of a model on a cluster, as
   ``ptdp plan`` does; returns a :class:`PlanResult` of typed :class:`~ptdp.planner.plan.Plan`.
 * :class:`Config` (:class:`ptdp.spec.Config`) and :func:`load_config` (:func:`ptdp.api.load_config`):
   a run's configuration from a file and keywords, checked by the command line's rules.
@@ -18,8 +18,8 @@ import importlib
 __version__ = "0.2.0"
 
 _WHERE = {
-    "plan": ("ptdp.planner.api", "plan"),
-    "PlanResult": ("ptdp.planner.api", "PlanResult"),
+    "plan": ("ptdp.api", "plan"),
+    "PlanResult": ("ptdp.api", "PlanResult"),
     "Config": ("ptdp.spec", "Config"),
     "ConfigError": ("ptdp.spec", "ConfigError"),
     "load_config": ("ptdp.api", "load_config"),
