@@ -5,7 +5,7 @@ the Llama-like model (rotary, grouped-query attention) and both ``--cp-comm-type
 layout; hidden and attention dropout (the masks of the unsplit model at every cp) with selective
 or full recompute at the dp = 1 layouts; sequence parallelism inside the cp ranks (with dropout,
 and with selective recompute) at tp = 2; the initial model's evaluation (the forward-only
-schedule) at every layout; interleaved 1F1B at (1,2,2,1); bf16 weights at cp = 2 within bf16
+schedule) at every layout; interleaved 1F1B and GPipe at (1,2,2,1); bf16 weights at cp = 2 within bf16
 precision; no step with cp, dropout and (at tp = 2) sequence parallelism makes a call that would
 synchronise the host on a GPU. Each cp rank holds chunks r and 2cp-1-r of every sequence; parameters are replicated
 over cp, and every copy (cp, dp, the tied embedding) must be bitwise equal. All layouts of a world

@@ -36,6 +36,8 @@ VARIANTS = {
     "gpt_interleaved_all_gather": ({"num_layers": 4}, {"cp_comm_type": "all_gather",
                                                        "pipeline_schedule": "interleaved-1f1b",
                                                        "num_layers_per_virtual_pipeline_stage": 1}),
+    # GPipe: every microbatch's forward before any backward
+    "llama_gpipe_p2p": (LLAMA_OPTIONS, {"cp_comm_type": "p2p", "pipeline_schedule": "gpipe"}),
     # bf16 weights (float32 main parameters and gradients; attention blocks accumulate in float32)
     "gpt_bf16_p2p": ({"params_dtype": "bfloat16"}, {"cp_comm_type": "p2p"}),
 }
@@ -48,7 +50,7 @@ SYNC_COUNTED = {((1, 2, 1, 1), "llama_dropout_full_p2p"), ((2, 2, 1, 1), "gpt_sp
 def variants(tp: int, cp: int, pp: int, dp: int) -> list[str]:
     """The variants one layout runs: both models and both comm types everywhere; dropout with
     selective or full recompute at dp = 1; sequence parallelism at tp = 2; bf16 at (1,2,1,1); the
-    interleaved schedule at (1,2,2,1)."""
+    interleaved and GPipe schedules at (1,2,2,1)."""
     names = ["gpt_p2p", "llama_all_gather"]
     if dp == 1:
         names += ["gpt_dropout_selective_all_gather", "llama_dropout_full_p2p"]
@@ -57,7 +59,7 @@ def variants(tp: int, cp: int, pp: int, dp: int) -> list[str]:
     if (tp, cp, pp, dp) == (1, 2, 1, 1):
         names += ["gpt_bf16_p2p"]
     if (tp, cp, pp, dp) == (1, 2, 2, 1):
-        names += ["gpt_interleaved_all_gather"]
+        names += ["gpt_interleaved_all_gather", "llama_gpipe_p2p"]
     return names
 
 
