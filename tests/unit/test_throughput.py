@@ -55,7 +55,7 @@ def test_rates_follow_from_the_step_time():
 @pytest.mark.parametrize("name, key", [
     ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
     ("NVIDIA A100-PCIE-40GB", "a100-40gb"), ("Tesla V100-SXM2-32GB", "v100-32gb"),
-    ("NVIDIA H100 PCIe", None), ("NVIDIA GeForce RTX 4090", None),
+    ("NVIDIA H100 PCIe", None), ("NVIDIA GeForce RTX 4090", None), ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", None),
 ])
 def test_cuda_device_names_match_the_catalog(name, key):
     gpu = catalog_gpu(name)

@@ -54,8 +54,11 @@ def step_model_flops(config: Config) -> float:
 
 
 def catalog_gpu(device_name: str) -> GPUSpec | None:
-    """The catalog GPU that ``device_name`` (``torch.cuda.get_device_name``) is, or None."""
+    """The catalog GPU that ``device_name`` (``torch.cuda.get_device_name``) is, or None; None for
+    a MIG slice (``... MIG 1g.10gb``), which has a fraction of the GPU's peak."""
     name = device_name.upper()
+    if "MIG" in name.split():
+        return None
     for words, key in DEVICE_NAMES:
         if all(w in name for w in words):
             return CATALOG[key]
