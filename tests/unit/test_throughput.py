@@ -77,3 +77,31 @@ def test_the_cpu_peak_is_the_calibrated_profiles(tmp_path, monkeypatch):
     for dtype in ("bfloat16", "float64"):
         other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, params_dtype=dtype))
         assert device_peak(other, "cpu")[0] is None, dtype
+
+
+def test_the_trainers_lines_carry_throughput_mfu_memory_and_the_loss_scale(tmp_path, monkeypatch):
+    """One process through ``ptdp.run.trainer.train`` in float16, with a calibrated profile at the
+    default place: every training line has the fields, consistent with its step time."""
+    import json
+
+    from ptdp.engine.groups import ParallelGroups
+    from ptdp.run.profiling import process_peak_rss
+
+    from helpers.sync_cases import ITERS, counted_run, logged
+
+    monkeypatch.setenv("PTDP_CACHE_DIR", str(tmp_path / "cache"))
+    gpu = GPUSpec("local", {"fp16": 4.0e10}, 1e9, 1e10, 0.0, 1e9, gpus_per_node=1, shared_cores=1)
+    save_profile(tmp_path / "cache" / "hardware-profile.json", gpu, DEFAULT_CONSTANTS, {})
+    counted_run(ParallelGroups.single_process(), 1, 1, 1, tmp_path / "run", "float16")
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if "loss" in r]
+    assert [r["iteration"] for r in train] == [i for i in range(1, ITERS + 1) if logged(i)]
+    cfg = tiny_config(1, 1, 1, "float16")
+    flops = step_model_flops(cfg)  # the synthetic data's vocabulary is the config's
+    for r in train:
+        t = r["step_time_s"]
+        assert r["tokens_per_s"] == pytest.approx(cfg.train.global_batch_size * cfg.model.seq_length / t, rel=1e-12)
+        assert r["tflops_per_gpu"] == pytest.approx(flops / t / 1e12, rel=1e-12)
+        assert r["mfu"] == pytest.approx(flops / t / 4.0e10, rel=1e-12)
+        assert r["loss_scale"] > 0
+        assert 0 < r["peak_memory_bytes"] <= process_peak_rss()

@@ -18,7 +18,7 @@ class RunLog:
 
     Training lines: ``{"iteration", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
     "tflops_per_gpu", "mfu", "peak_memory_bytes"}`` (``mfu`` only when the device's peak is known:
-    :mod:`ptdp.run.throughput`); evaluation lines: ``{"iteration", "val_loss"}``. Units: loss in
+    :mod:`ptdp.run.throughput`; float16 adds ``"loss_scale"``); evaluation lines: ``{"iteration", "val_loss"}``. Units: loss in
     nats per token, seconds, tokens per second (all ranks together), model TFLOP/s per GPU, MFU as
     a fraction, bytes (the largest rank's peak so far). In attempt ``restart`` > 0 of a restarted
     job (:mod:`ptdp.run.restart`) every line also holds ``"restart": restart``; the file is

@@ -186,10 +186,10 @@ class _Loop:
         record = {"iteration": iteration, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
                   "step_time_s": step_time, **self.throughput.of(step_time), "peak_memory_bytes": peak_memory}
         self.history["train"].append(record)
+        if result.loss_scale is not None:  # float16: the scale the step used
+            record["loss_scale"] = result.loss_scale
         if result.skipped:  # on every rank, without any update (ptdp.engine.step)
             record.update(skipped=True, reason=result.skip_reason)
-            if result.loss_scale is not None:
-                record["loss_scale"] = result.loss_scale
         if result.skipped or iteration % t.log_interval == 0 or iteration in (1, t.train_iters):
             self.log.write(record)
         self.log.step(iteration, result.loss, step_time, record["tokens_per_s"], result.lr)
