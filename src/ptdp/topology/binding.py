@@ -106,7 +106,7 @@ class NodePlan:
                 lines.append(f"local rank {rank}: not bound ({b.where})")
             else:
                 cpus = f"CPU{'s' if len(b.cpus) > 1 else ''} {format_cpu_list(b.cpus)}"
-                lines.append(f"local rank {rank}: {cpus} ({b.threads} thread{'s' if b.threads > 1 else ''}, {b.where})")
+                lines.append(f"local rank {rank}: {cpus} ({b.threads} thread{'s' if b.threads != 1 else ''}, {b.where})")
         return "\n".join(lines)
 
 
@@ -243,6 +243,7 @@ def plan_gpus(policy: str, gpus: Sequence[GpuCpus | None], layout: CpuLayout) ->
 
 def _gpu_pool(rank: int, gpu: GpuCpus, layout: CpuLayout) -> tuple[tuple, tuple[int, ...], str] | None:
     """(group key, allowed CPUs, description) of the CPUs near GPU ``rank``; None if unknown."""
+    key: tuple[str, object]
     if gpu.numa_node is not None and gpu.numa_node in layout.numa_cpus:
         key, near, where = ("node", gpu.numa_node), layout.numa_cpus[gpu.numa_node], f"NUMA node {gpu.numa_node}"
     elif gpu.local_cpus:

@@ -25,7 +25,8 @@ def gpu_order(tp: int, pp: int, dp: int, nproc: int, *, read_topology: Callable[
     if "CUDA_VISIBLE_DEVICES" in environ:
         return {}, [f"GPU placement: CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']} is set; left as is"]
     if read_topology is None:
-        from ptdp.topology.sysfs import local_topology as read_topology
+        from ptdp.topology.sysfs import local_topology
+        read_topology = local_topology
     try:
         topology = read_topology()
         if not topology.num_gpus:

@@ -267,7 +267,7 @@ def _groups(topology: Topology, tp: int, nproc: int, gpu_of: tuple[int, ...],
     for start in range(0, nproc, tp):
         local = tuple(range(start, min(start + tp, nproc)))
         gpus = tuple(gpu_of[r] for r in local) if gpu_of else ()
-        numa = tuple(sorted({numa_of[r] for r in local} - {None}))
+        numa = tuple(sorted({n for n in (numa_of[r] for r in local) if n is not None}))
         groups.append(GroupPlacement(local_ranks=local, gpus=gpus, numa_nodes=numa,
                                      worst_link=worst_link(topology, gpus), crosses_nodes=len(local) < tp))
     return tuple(groups)
@@ -310,7 +310,7 @@ def _warnings(topology: Topology, tp: int, nproc: int, groups: tuple[GroupPlacem
     multi = [g for g in groups if len(g.gpus) > 1]
     any_nvlink = any(topology.nvlinked(i, j) for i, j in combinations(range(topology.num_gpus), 2))
     if multi and not any_nvlink:
-        worst = max((g.worst_link for g in multi), key=link_key)
+        worst = max((g.worst_link for g in multi if g.worst_link is not None), key=link_key)
         out.append(f"no NVLink on this node (PCIe only): tp={tp} groups communicate over PCIe "
                    f"(worst link {worst})")
     elif multi:
