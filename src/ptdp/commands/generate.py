@@ -1,8 +1,13 @@
 """Text generation from a checkpoint (saved at any layout), in one process.
 
 The checkpoint is loaded at tp = pp = dp = 1 (:func:`ptdp.run.checkpoint.io.load_checkpoint`
-reassembles any layout's shards) and the whole sequence is recomputed for every new token (no
-key/value cache): simple and exact, meant for inspecting what a small model learned.
+reassembles any layout's shards). By default the prompt is read once into a key/value cache and
+each new token runs one position through the layers (:class:`CachedDecoder`); ``--no-kv-cache``
+recomputes the whole sequence for every new token (:class:`Recompute`). Both give the same
+logits up to rounding, so the same tokens (tests/unit/test_generate_kv_cache.py). Past the
+model's ``seq_length`` the context is a sliding window of the last ``seq_length`` tokens
+(:func:`context_note`): every position then shifts with each new token, so the cached path reads
+the whole window again each step, as the uncached one does.
 """
 
 from __future__ import annotations
@@ -49,11 +54,59 @@ def next_token_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
     return F.linear(model.final_norm(x[-1]), out.real_weight()).float()
 
 
+def output_logits(model: GPTModel, x: torch.Tensor) -> torch.Tensor:
+    """Final-normed hidden states ``[b, h]`` -> ``[b, V]`` logits (float32; real vocabulary)."""
+    out = model.output_layer if hasattr(model, "output_layer") else model.word_embeddings
+    return F.linear(x, out.real_weight()).float()
+
+
+class Recompute:
+    """Next-token logits ``[V]`` of a token list, recomputing its last ``seq_length`` tokens
+    (:func:`next_token_logits`) at every call."""
+
+    def __init__(self, model: GPTModel) -> None:
+        self.model = model
+
+    def __call__(self, tokens: list[int]) -> torch.Tensor:
+        return next_token_logits(self.model, torch.tensor([tokens[-self.model.cfg.seq_length:]]))[0]
+
+
+class CachedDecoder:
+    """Next-token logits ``[V]`` of a growing token list through a key/value cache of
+    ``max_len <= seq_length`` positions (:meth:`GPTModel.decode`).
+
+    A call whose list is the previous one plus one token, with room left in the cache, runs that
+    token alone at the next position; any other call (the first, a list that does not extend the
+    last by one, or a full cache) empties the cache and reads the last ``min(seq_length,
+    max_len)`` tokens again (a prefill at positions from 0), which is what the uncached path reads.
+    """
+
+    def __init__(self, model: GPTModel, max_len: int) -> None:
+        self.model = model
+        self.cache = model.kv_cache(1, min(max_len, model.cfg.seq_length))
+        self.read = 0  # length of the token list the cache last read
+
+    @torch.no_grad()
+    def __call__(self, tokens: list[int]) -> torch.Tensor:
+        cache = self.cache
+        if self.read and len(tokens) == self.read + 1 and cache.length < cache.max_len:
+            x = self.model.decode(torch.tensor([tokens[-1:]]), cache)
+        else:
+            cache.length = 0
+            x = self.model.decode(torch.tensor([tokens[-cache.max_len:]]), cache)
+        self.read = len(tokens)
+        return output_logits(self.model, x[-1])[0]
+
+
 @torch.no_grad()
 def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int | None = None, seed: int = 0) -> list[int]:
+             top_k: int | None = None, seed: int = 0, kv_cache: bool = True) -> list[int]:
     """``prompt`` followed by ``max_new_tokens`` tokens: greedy when ``temperature`` is 0, else
-    sampled from softmax(logits / temperature) restricted to the ``top_k`` most likely.
+    sampled from softmax(logits / temperature) restricted to the ``top_k`` most likely, drawn
+    with a CPU generator seeded ``seed``. ``kv_cache``: through :class:`CachedDecoder` (a
+    key/value cache of ``min(len(prompt) + max_new_tokens, seq_length)`` positions), else
+    :class:`Recompute`; both give the same tokens. Each token is read on the host (one
+    synchronisation per token).
 
     Raises:
         ValueError: an empty prompt, a negative temperature, or top_k < 1.
@@ -62,11 +115,12 @@ def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *, tempera
         raise ValueError("the prompt must hold at least one token")
     if not math.isfinite(temperature) or temperature < 0 or (top_k is not None and top_k < 1):
         raise ValueError(f"temperature={temperature} must be >= 0 and top_k={top_k} >= 1")
-    window = model.cfg.seq_length  # a sliding window of the trained positions (context_note says so)
+    # both read a sliding window of the trained positions (context_note says so)
+    next_logits = CachedDecoder(model, len(prompt) + max_new_tokens) if kv_cache else Recompute(model)
     gen = torch.Generator().manual_seed(seed)
     tokens = list(prompt)
     for _ in range(max_new_tokens):
-        logits = next_token_logits(model, torch.tensor([tokens[-window:]]))[0]
+        logits = next_logits(tokens)
         if temperature == 0:
             tokens.append(int(logits.argmax()))
             continue
@@ -114,6 +168,9 @@ def add_arguments(gen: argparse.ArgumentParser) -> None:
                      help="with --temperature > 0: sample among the K most likely tokens")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--tokenizer", default=None, help="tokenizers JSON file (default: the checkpoint's)")
+    gen.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
+                     help="recompute the whole sequence for every new token instead of reading the prompt once "
+                          "into a key/value cache (same tokens; slower)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,6 +192,6 @@ def run(args: argparse.Namespace) -> int:
     if note:
         print(note, file=sys.stderr, flush=True)
     out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   seed=args.seed)
+                   seed=args.seed, kv_cache=args.kv_cache)
     print(tokenizer.decode(out), flush=True)
     return 0

@@ -4,6 +4,10 @@ parallelism, over cp by sequence chunks (:class:`Attention`; the model is :mod:`
 Communication: the QKV and output projections' tensor-parallel collectives
 (:mod:`ptdp.engine.tensor_parallel`); with cp > 1 the key/value exchange of
 :func:`~ptdp.engine.context_parallel.attention.context_parallel_attention`.
+
+For generation, :class:`KVCache` holds the keys and values of the positions already read and
+:meth:`Attention.forward_cached` runs only the new positions against them; training never creates
+or reads one (nothing of it is a parameter, a buffer or module state).
 """
 
 from __future__ import annotations
@@ -95,6 +99,23 @@ class Attention(nn.Module):
         out = recomputed(self.core, q, k, v, rng=rng) if self.recompute_core else self.core(q, k, v)
         return self.proj(out.permute(2, 0, 1, 3).flatten(2))  # [b, a/tp, s, d] -> [s, b, a/tp * d]
 
+    def forward_cached(self, x: torch.Tensor, cache: KVCache, layer: str, start: int) -> torch.Tensor:
+        """Inference over a key/value cache: ``x`` ``[n, b, h]`` the hidden states of positions
+        ``start .. start + n - 1`` -> ``[n, b, h]``, equal to the rows of :meth:`forward` over the
+        whole sequence (no dropout; cp = 1 and no sequence parallelism, which
+        :meth:`~ptdp.engine.model.gpt.GPTModel.kv_cache` checks). Rotary positions are the absolute
+        ones; the ``n`` new keys and values (``kv/tp`` heads: grouped-query attention caches the
+        key/value heads only) are written in place into the layer's ``[b, kv/tp, max_len, d]``
+        buffers of ``cache`` at rows ``start ..``, and the queries attend to rows ``0 .. start + n - 1``
+        (:func:`cached_attention`). Communication: the QKV and output projections' tp collectives,
+        as in :meth:`forward`, on ``n`` positions."""
+        q, k, v = self.split_heads(self.qkv(x))
+        if self.rotary is not None:
+            q, k = self.rotary.forward_at(q, start, cache.max_len), self.rotary.forward_at(k, start, cache.max_len)
+        keys, values = cache.write(layer, start, k, v)
+        out = cached_attention(q, keys, values, start, grouped=self.grouped)
+        return self.proj(out.permute(2, 0, 1, 3).flatten(2))  # [b, a/tp, n, d] -> [n, b, a/tp * d]
+
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention core, causal ``softmax(q k^T / sqrt(d)) v`` (q ``[b, a/tp, s, d]``, k and v
         ``[b, kv/tp, s, d]``; ``s/C`` rows with context parallelism, attending to the keys of every
@@ -130,3 +151,61 @@ class Attention(nn.Module):
         probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
         probs = self.rng.head_dropout(probs, self.dropout_p, self.dropout_key, first_head=self.first_head)
         return probs @ v
+
+
+class KVCache:
+    """Keys and values of the positions a model has read, for generation: per layer one
+    preallocated ``[b, kv/tp, max_len, d]`` buffer of keys and one of values (kv/tp: this tp rank's
+    key/value heads, ``G / tp`` with grouped-query attention), in the attention's compute dtype
+    and device, written in place (no concatenation per token). ``length`` counts the positions
+    held (a host integer: no device read).
+
+    Memory: ``2 * l * b * (kv/tp) * max_len * d`` elements per rank. Built by
+    :meth:`~ptdp.engine.model.gpt.GPTModel.kv_cache`; filled by
+    :meth:`~ptdp.engine.model.gpt.GPTModel.decode`; setting ``length = 0`` starts it again (the
+    buffers are overwritten).
+    """
+
+    def __init__(self, attention: dict[str, Attention], batch: int, max_len: int) -> None:
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"a key/value cache needs batch >= 1 and max_len >= 1, got {batch} and {max_len}")
+        self.max_len, self.length = max_len, 0
+        self.keys: dict[str, torch.Tensor] = {}
+        self.values: dict[str, torch.Tensor] = {}
+        for name, attn in attention.items():
+            heads = attn.local_groups if attn.grouped else attn.local_heads
+            weight = attn.qkv.weight
+            shape = (batch, heads, max_len, attn.head_dim)
+            self.keys[name] = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+            self.values[name] = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+
+    def write(self, layer: str, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies ``k``, ``v`` ``[b, kv/tp, n, d]`` into ``layer``'s rows ``start .. start + n - 1``
+        and returns the views of rows ``0 .. start + n - 1`` (no copy). Raises ValueError past
+        ``max_len`` (checked on host integers)."""
+        n = k.shape[-2]
+        if start + n > self.max_len:
+            raise ValueError(f"the key/value cache holds {self.max_len} positions; positions {start}..{start + n - 1} "
+                             f"do not fit")
+        keys, values = self.keys[layer], self.values[layer]
+        keys[:, :, start:start + n].copy_(k)
+        values[:, :, start:start + n].copy_(v)
+        return keys[:, :, :start + n], values[:, :, :start + n]
+
+
+def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, *,
+                     grouped: bool) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(d)) v`` of queries ``[b, a/tp, n, d]`` at positions ``start ..
+    start + n - 1`` over the cached keys and values ``[b, kv/tp, start + n, d]``, causal in absolute
+    positions: query ``i`` reads keys ``0 .. start + i``. A prefill (``start == 0``) is the causal
+    kernel of training; one new position reads every cached key (no mask); several new positions
+    after a prefix take a boolean mask ``[n, start + n]`` (SDPA's ``is_causal`` would align the
+    diagonal to the top left). Returns ``[b, a/tp, n, d]``."""
+    n, total = q.shape[-2], keys.shape[-2]
+    if start == 0:
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=grouped)
+    mask = None
+    if n > 1:
+        rows = torch.arange(start, start + n, device=q.device).unsqueeze(1)
+        mask = torch.arange(total, device=q.device) <= rows
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=grouped)

@@ -53,7 +53,7 @@ from torch import nn
 
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.context_parallel.chunks import rank_positions, shard_sequence
-from ptdp.engine.model.attention import Attention
+from ptdp.engine.model.attention import Attention, KVCache
 from ptdp.engine.model.recompute import run_layers
 from ptdp.engine.tensor_parallel import (
     ColumnParallelLinear,
@@ -69,7 +69,7 @@ from ptdp.engine.tensor_parallel.random import Dropout, DropoutRNG
 from ptdp.engine.tensor_parallel.sharding import make_parameter
 from ptdp.spec import ModelConfig, padded_vocab_size
 
-__all__ = ["DTYPES", "MLP", "Attention", "GPTModel", "LayerNorm", "RMSNorm", "TransformerLayer", "make_norm",
+__all__ = ["DTYPES", "MLP", "Attention", "GPTModel", "KVCache", "LayerNorm", "RMSNorm", "TransformerLayer", "make_norm",
            "masked_mean"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -158,6 +158,12 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.hidden_dropout(self.attention(self.ln1(x)))
+        return x + self.hidden_dropout(self.mlp(self.ln2(x)))
+
+    def forward_cached(self, x: torch.Tensor, cache: KVCache, layer: str, start: int) -> torch.Tensor:
+        """:meth:`forward` of positions ``start .. start + n - 1`` (``x`` ``[n, b, h]``) over the keys and
+        values of ``cache`` (:meth:`Attention.forward_cached`); for inference, in eval mode."""
+        x = x + self.hidden_dropout(self.attention.forward_cached(self.ln1(x), cache, layer, start))
         return x + self.hidden_dropout(self.mlp(self.ln2(x)))
 
 
@@ -268,7 +274,7 @@ class GPTModel(nn.Module):
                        method=cfg.recompute_method, num_layers=cfg.recompute_num_layers, rng=rng)
         return self.final_norm(x) if self.post_process else x
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """First stage: token ids ``[b, s]`` -> ``[s, b, h]``, the word embeddings of the
         transposed ids (only the ``s b`` ids are copied, sequence-first; the lookup then writes
         ``[s, b, h]`` rows directly, no transpose of its output) plus the learned positions
@@ -276,7 +282,8 @@ class GPTModel(nn.Module):
         parallelism ``[s/t, b, h]``: the embedding's sum over tp is a reduce-scatter along the
         sequence (dim 0), and each rank adds the positions it holds. With context parallelism the
         rank keeps the ids of its two chunks first (``[s/C, b, h]``, or ``[s/(C t), b, h]``) and
-        adds the learned rows of their global positions."""
+        adds the learned rows of their global positions. ``start`` (generation with a key/value
+        cache; cp = 1, no sequence parallelism): the tokens are positions ``start .. start + s - 1``."""
         s, cp = tokens.shape[1], self.cp
         x = self.word_embeddings(shard_sequence(tokens.t(), cp.rank, cp.size, dim=0).contiguous())
         if hasattr(self, "position_embeddings"):
@@ -284,9 +291,43 @@ class GPTModel(nn.Module):
                 split = self.tp if self.sequence_parallel else AxisGroup.single("tp")
                 rows = rank_positions(s, cp.rank, cp.size, tp_rank=split.rank, tp_size=split.size, device=x.device)
                 return x + self.position_embeddings.index_select(0, rows).unsqueeze(1)
-            rows = sequence_shard(s, self.tp) if self.sequence_parallel else slice(0, s)
+            rows = sequence_shard(s, self.tp) if self.sequence_parallel else slice(start, start + s)
             x = x + self.position_embeddings[rows].unsqueeze(1)
         return x
+
+    def kv_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty key/value cache for :meth:`decode` of ``batch`` sequences of up to ``max_len``
+        positions (``[b, kv/tp, max_len, d]`` per layer, :class:`~.attention.KVCache`). Raises
+        ValueError unless this stage is the whole model (pp = 1) with cp = 1, no sequence
+        parallelism and ``max_len <= seq_length`` (the positions the model was built for)."""
+        if not (self.pre_process and self.post_process) or self.cp.size > 1 or self.sequence_parallel:
+            raise ValueError(f"a key/value cache needs the whole model (pp = 1), cp = 1 and no sequence parallelism; "
+                             f"this stage has pre_process={self.pre_process}, post_process={self.post_process}, "
+                             f"cp={self.cp.size}, sequence_parallel={self.sequence_parallel}")
+        if max_len > self.cfg.seq_length:
+            raise ValueError(f"max_len={max_len} exceeds the model's seq_length={self.cfg.seq_length}")
+        return KVCache({name: layer.attention for name, layer in self.layers.items()}, batch, max_len)
+
+    def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Inference with a key/value cache: token ids ``[b, n]`` at positions ``cache.length ..
+        cache.length + n - 1`` -> final-normed hidden states ``[n, b, h]``, equal to the last ``n``
+        rows of :meth:`hidden_states` over the whole sequence read so far. Each layer writes the new
+        keys and values into ``cache`` in place; ``cache.length`` grows by ``n``. A prefill is
+        ``n`` = the prompt on an empty cache, a generation step ``n = 1``. Communication: the
+        layers' tp collectives on ``n`` positions. No host synchronisation (positions are host
+        integers). Raises ValueError past the cache's ``max_len``, or in training mode with dropout
+        (the cached path never drops)."""
+        cfg = self.cfg
+        if self.training and (cfg.hidden_dropout > 0 or cfg.attention_dropout > 0):
+            raise ValueError("decode runs without dropout: call model.eval() first")
+        start, n = cache.length, tokens.shape[1]
+        if start + n > cache.max_len:
+            raise ValueError(f"the key/value cache holds {cache.max_len} positions; {start} + {n} do not fit")
+        x = self.embed(tokens, start)
+        for name, layer in self.layers.items():
+            x = layer.forward_cached(x, cache, name, start)
+        cache.length = start + n
+        return self.final_norm(x)
 
     def token_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token loss ``[b, s]`` (a transposed view of the ``[s, b]`` losses) from final hidden

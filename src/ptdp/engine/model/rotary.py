@@ -57,5 +57,23 @@ class RotaryEmbedding(nn.Module):
         """``x`` ``[b, heads, n, d]`` turned by the positions of its rows (class docstring)."""
         work = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
         cos, sin = self.cos_sin(x.shape[-2], work, x.device, cp_rank=cp_rank, cp_size=cp_size)
-        x1, x2 = x.to(work).chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return _turn(x, cos, sin, work)
+
+    def forward_at(self, x: torch.Tensor, start: int, table_rows: int) -> torch.Tensor:
+        """``x`` ``[b, heads, n, d]`` turned as the rows at positions ``start .. start + n - 1`` (no
+        context parallelism; generation with a key/value cache): the angles are rows of the table
+        of positions ``0 .. table_rows - 1``, so a cache of ``table_rows`` positions keeps one
+        table instead of one per length. Raises ValueError when ``start + n > table_rows``."""
+        n = x.shape[-2]
+        if start < 0 or start + n > table_rows:
+            raise ValueError(f"rotary positions {start}..{start + n - 1} are outside the table of {table_rows}")
+        work = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+        cos, sin = self.cos_sin(table_rows, work, x.device)
+        return _turn(x, cos[start:start + n], sin[start:start + n], work)
+
+
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+    """The "rotate half" turn of ``x [b, heads, n, d]`` by ``cos``, ``sin`` ``[n, d / 2]``, computed in
+    ``work`` and returned in ``x``'s dtype."""
+    x1, x2 = x.to(work).chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

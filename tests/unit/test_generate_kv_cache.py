@@ -1,0 +1,144 @@
+"""Generation with a key/value cache equals recomputing the whole sequence: logits within 1e-9 in
+float64 at every step (prompt, one position at a time, and past ``seq_length`` where the window
+slides), the same greedy and sampled tokens in float64 and float32, for GPT (learned positions) and
+the Llama-like model (rotary, grouped-query attention); the cache is preallocated and written in
+place; ``ptdp generate`` and ``--no-kv-cache`` print the same text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+
+from ptdp import cli
+from ptdp.commands.generate import CachedDecoder, Recompute, generate
+from ptdp.engine.comm import AxisGroup
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.model.gpt import GPTModel
+from ptdp.engine.step import build_stage
+from ptdp.engine.tensor_parallel.sharding import initialize_parameters
+from ptdp.run.checkpoint.io import save_checkpoint
+from ptdp.spec import ModelConfig
+
+from helpers.layout_cases import VOCAB, tiny_config
+
+SEQ = 16
+LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", num_query_groups=2,
+             add_bias_linear=False, untie_embeddings_and_output_weights=True)
+KINDS = {"gpt": {}, "llama-gqa": LLAMA}
+
+
+def _model(kind: str, dtype: str) -> GPTModel:
+    """A 2-layer model (h 32, 4 heads, s 16, V 97) with weights large enough (std 0.2) that the
+    tokens it picks vary."""
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=SEQ,
+                      vocab_size=97, make_vocab_size_divisible_by=8, params_dtype=dtype, **KINDS[kind])
+    model = GPTModel(cfg, AxisGroup.single("tp"), layer_ids=range(2), pre_process=True, post_process=True)
+    initialize_parameters(model, seed=11, std=0.2, num_layers=2, tp_rank=0, tp_size=1)
+    return model.eval()
+
+
+class _Counting:
+    """Records the number of positions of every ``decode`` call of ``model``."""
+
+    def __init__(self, model: GPTModel) -> None:
+        self.calls: list[int] = []
+        original = model.decode
+
+        def decode(tokens, cache):
+            self.calls.append(tokens.shape[1])
+            return original(tokens, cache)
+
+        model.decode = decode
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_cached_logits_equal_the_recomputed_ones_at_every_step_in_float64(kind):
+    model = _model(kind, "float64")
+    prompt, new = [3, 14, 15, 92, 65], 20  # 25 tokens > seq_length 16: the window slides after position 16
+    tokens = generate(model, prompt, new, kv_cache=False)
+    assert len(set(tokens[len(prompt):])) > 3  # the model does not repeat one token
+    decoder, recompute = CachedDecoder(model, len(prompt) + new), Recompute(model)
+    counting = _Counting(model)
+    for n in range(len(prompt), len(tokens)):
+        torch.testing.assert_close(decoder(tokens[:n]), recompute(tokens[:n]), rtol=1e-9, atol=1e-9, msg=f"step {n}")
+    # the prompt once, then one position per token up to the limit, then the 16-token window each step
+    slides = len(tokens) - 1 - SEQ
+    assert counting.calls == [len(prompt)] + [1] * (SEQ - len(prompt)) + [SEQ] * slides
+    assert generate(model, prompt, new, kv_cache=True) == tokens
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_greedy_and_sampled_tokens_are_the_same_with_and_without_the_cache(kind, dtype):
+    model = _model(kind, dtype)
+    for prompt, new in (([7], 12), ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], 3), (list(range(20, 40)), 4)):
+        greedy = generate(model, prompt, new, kv_cache=False)
+        assert generate(model, prompt, new) == greedy, (prompt, new)
+        for seed in (0, 5):
+            sampled = generate(model, prompt, new, temperature=1.0, top_k=20, seed=seed, kv_cache=False)
+            assert generate(model, prompt, new, temperature=1.0, top_k=20, seed=seed) == sampled, (prompt, seed)
+
+
+def test_the_cache_holds_the_key_value_heads_only_and_is_written_in_place():
+    model = _model("llama-gqa", "float64")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    decoder = CachedDecoder(model, 10)
+    keys, values = decoder.cache.keys["0"], decoder.cache.values["1"]
+    assert keys.shape == values.shape == (1, 2, 10, 8)  # [b, G/tp, max_len, d]: 2 groups, not 4 heads
+    pointers = (keys.data_ptr(), values.data_ptr())
+    tokens = [5, 6, 7]
+    for _ in range(6):
+        tokens.append(int(decoder(tokens).argmax()))
+    assert decoder.cache.length == 8
+    assert (decoder.cache.keys["0"].data_ptr(), decoder.cache.values["1"].data_ptr()) == pointers
+    assert model.state_dict().keys() == state.keys() and not list(model.buffers())  # nothing kept on the model
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_prompt_read_in_pieces_equals_one_prefill(kind):
+    """Several positions after a prefix (the masked case of ``cached_attention``), batch of 2."""
+    model = _model(kind, "float64")
+    tokens = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        whole = model.hidden_states(tokens)  # [s, b, h], the training path
+        cache = model.kv_cache(2, SEQ)
+        pieces = [model.decode(tokens[:, a:b], cache) for a, b in ((0, 5), (5, 11), (11, 12), (12, SEQ))]
+    assert cache.length == SEQ
+    torch.testing.assert_close(torch.cat(pieces), whole, rtol=1e-9, atol=1e-9)
+
+
+def test_what_the_cache_refuses():
+    model = _model("gpt", "float64")
+    with pytest.raises(ValueError, match="max_len=17 exceeds the model's seq_length=16"):
+        model.kv_cache(1, SEQ + 1)
+    cache = model.kv_cache(1, 4)
+    with torch.no_grad():
+        model.decode(torch.tensor([[1, 2, 3]]), cache)
+        with pytest.raises(ValueError, match="holds 4 positions; 3 \\+ 2 do not fit"):
+            model.decode(torch.tensor([[4, 5]]), cache)
+    stage = GPTModel(model.cfg, AxisGroup.single("tp"), layer_ids=range(1), pre_process=True, post_process=False)
+    with pytest.raises(ValueError, match="needs the whole model"):
+        stage.kv_cache(1, 4)
+
+
+def test_ptdp_generate_prints_the_same_text_with_and_without_the_cache(tmp_path, capsys):
+    cfg = tiny_config(1, 1, 1, "float32", **LLAMA)
+    stage = build_stage(cfg, ParallelGroups.single_process())
+    initialize_parameters(stage.model, seed=4, std=0.2, num_layers=cfg.model.num_layers, tp_rank=0, tp_size=1)
+    save_checkpoint(stage, tmp_path / "ckpt", 1, consumed_samples=0)
+    tokenizer = Tokenizer(WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(tmp_path / "tok.json"))
+    args = ["generate", "--load", str(tmp_path / "ckpt"), "--prompt", "w5 w9 w200", "--max-new-tokens", "10",
+            "--tokenizer", str(tmp_path / "tok.json")]  # 13 tokens > seq_length 8
+    texts = []
+    for extra in ([], ["--no-kv-cache"], ["--temperature", "1"], ["--temperature", "1", "--no-kv-cache"]):
+        assert cli.main(args + extra) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[2] == texts[3]
+    assert texts[0].startswith("w5 w9 w200 ") and len(texts[0].split()) == 13 and texts[0] != texts[2]
