@@ -72,7 +72,12 @@ def settings() -> Iterator[Setting]:
         for f in dataclasses.fields(cls):
             flag = f.metadata.get("flag")
             if flag is not None:
-                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                if f.default is not dataclasses.MISSING:
+                    default = f.default
+                elif f.default_factory is not dataclasses.MISSING:
+                    default = f.default_factory()
+                else:
+                    raise TypeError(f"{cls.__name__}.{f.name} has a flag but no default")
                 yield Setting(section, f.name, hints[f.name], default, flag)
 
 

@@ -10,7 +10,7 @@ A keyword is a flag's long name with ``_`` for ``-`` (``global_batch_size``), it
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, NoReturn
 
 from ptdp.spec.errors import ConfigError
 
@@ -18,7 +18,7 @@ from ptdp.spec.errors import ConfigError
 class RaisingParser(argparse.ArgumentParser):
     """A parser whose errors raise :class:`ConfigError` instead of printing usage and exiting."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise ConfigError(message)
 
 

@@ -8,9 +8,11 @@ from typing import Literal
 from ptdp.spec.fields import opt
 
 AUTO_DTYPE = "auto"
+ParamsDtype = Literal["auto", "float32", "float64", "bfloat16", "float16"]
+"""The values of ``--params-dtype``."""
 
 
-def concrete_params_dtype(params_dtype: str, *, cuda: bool) -> str:
+def concrete_params_dtype(params_dtype: ParamsDtype, *, cuda: bool) -> ParamsDtype:
     """``params_dtype`` with :data:`AUTO_DTYPE` replaced: ``bfloat16`` when the workers train on
     CUDA GPUs (16-bit tensor-core GEMMs, float32 main parameters), ``float32`` on the CPU (where
     bfloat16 GEMMs are not faster); any other value unchanged."""
@@ -46,7 +48,7 @@ class ModelConfig:
         False, "--untie-embeddings-and-output-weights",
         "give the output layer its own weight (default: tied to the input embedding)", "model", plan=True)
     """Give the output layer its own weight instead of sharing the input embedding."""
-    params_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = opt(
+    params_dtype: ParamsDtype = opt(
         "auto", "--params-dtype", "parameter/activation dtype; auto (default): bfloat16 on CUDA GPUs, float32 "
         "on CPUs; bfloat16 and float16 keep float32 main parameters and gradients, float16 with dynamic loss "
         "scaling", "model", plan=True,

@@ -10,6 +10,9 @@ from ptdp.engine.data_parallel.codecs import CodecChoice
 from ptdp.engine.pipeline.partition import layer_split, virtual_stages
 from ptdp.spec.fields import opt
 
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+"""The values of ``--pipeline-schedule``."""
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -73,7 +76,7 @@ class ParallelConfig:
         "layers over pipeline stages and model chunks (Megatron-LM's flag)", "layout", plan=True)
     """The output layer and the loss count as one layer of the split (the last unit; the last model
     chunk may hold only them)."""
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] | None = opt(
+    pipeline_schedule: PipelineSchedule | None = opt(
         None, "--pipeline-schedule", "pipeline schedule (default: 1f1b, or interleaved-1f1b when "
         "--num-layers-per-virtual-pipeline-stage is given)", "layout")
     """gpipe, 1f1b or interleaved-1f1b; None: interleaved-1f1b when
@@ -163,7 +166,7 @@ class ParallelConfig:
         return "optim" if self.use_distributed_optimizer else "no_shard"
 
     @property
-    def schedule(self) -> str:
+    def schedule(self) -> PipelineSchedule:
         if self.pipeline_schedule is not None:
             return self.pipeline_schedule
         return "interleaved-1f1b" if self.num_layers_per_virtual_pipeline_stage else "1f1b"

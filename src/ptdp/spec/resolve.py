@@ -77,7 +77,7 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
 
 def _sizes(config: Config, world_size: int) -> dict[str, object]:
     p, m, t = config.parallel, config.model, config.train
-    sizes = {
+    sizes: dict[str, object] = {
         "tensor_model_parallel_size": p.tensor_model_parallel_size,
         "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
         "context_parallel_size": p.context_parallel_size,
