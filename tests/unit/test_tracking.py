@@ -76,3 +76,28 @@ def test_only_rank_0_tracks_and_no_flag_tracks_nothing(tmp_path):
     assert log.trackers is None
     assert set(tracking.SCALARS) >= {"loss", "lr", "grad_norm", "loss_scale", "val_loss", "tokens_per_s",
                                      "tflops_per_gpu", "mfu", "peak_memory_bytes"}
+
+
+@pytest.mark.parametrize("flags, module, extra", [
+    (["--tensorboard-dir", "tb"], "tensorboard", "ptdp[tensorboard]"),
+    (["--wandb-project", "p", "--wandb-save-dir", "wb"], "wandb", "ptdp[wandb]"),
+])
+def test_ptdp_train_exits_2_before_any_worker_when_a_tracker_is_missing(tmp_path, capsys, monkeypatch, flags,
+                                                                       module, extra):
+    from ptdp import cli
+
+    from helpers.cli import tiny_flags
+
+    import warnings
+
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # ptdp train sets its own display
+    launched = []
+    monkeypatch.setattr("ptdp.run.launch.launch_local", lambda *a, **k: launched.append(a))
+    monkeypatch.setitem(sys.modules, module, None)
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["train", *tiny_flags(no_progress=True), "--data", str(tmp_path / "none"),
+                     "--output-dir", "run", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and not launched, err
+    assert f'pip install "{extra}"' in err and flags[0] in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run directory, no tracker folder
