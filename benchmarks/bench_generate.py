@@ -30,8 +30,8 @@ from ptdp.spec import ModelConfig
 
 def build(args: argparse.Namespace) -> GPTModel:
     """The model of the command line, initialised with seed 0."""
-    llama = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
-                 untie_embeddings_and_output_weights=True) if args.rope else {}
+    llama = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "add_bias_linear": False,
+             "untie_embeddings_and_output_weights": True} if args.rope else {}
     cfg = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
                       ffn_hidden_size=4 * args.hidden_size, seq_length=args.seq_length, vocab_size=args.vocab_size,

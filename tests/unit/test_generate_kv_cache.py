@@ -22,11 +22,12 @@ from ptdp.engine.tensor_parallel.sharding import initialize_parameters
 from ptdp.run.checkpoint.io import save_checkpoint
 from ptdp.spec import ModelConfig
 
+from helpers.host_sync import count_cuda_syncs, count_host_syncs
 from helpers.layout_cases import VOCAB, tiny_config
 
 SEQ = 16
-LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", num_query_groups=2,
-             add_bias_linear=False, untie_embeddings_and_output_weights=True)
+LLAMA = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "num_query_groups": 2,
+         "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
 KINDS = {"gpt": {}, "llama-gqa": LLAMA}
 
 
@@ -110,6 +111,53 @@ def test_a_prompt_read_in_pieces_equals_one_prefill(kind):
         pieces = [model.decode(tokens[:, a:b], cache) for a, b in ((0, 5), (5, 11), (11, 12), (12, SEQ))]
     assert cache.length == SEQ
     torch.testing.assert_close(torch.cat(pieces), whole, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_reading_into_the_cache_makes_no_host_synchronisation(kind):
+    """The shim counts every call that would make the host wait for a GPU: prefill, single
+    positions and a masked piece make none."""
+    model = _model(kind, "float64")
+    tokens = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    cache = model.kv_cache(2, SEQ)
+    with torch.no_grad(), count_host_syncs() as syncs:
+        model.decode(tokens[:, :5], cache)
+        for i in range(5, 9):
+            model.decode(tokens[:, i:i + 1], cache)
+        model.decode(tokens[:, 9:12], cache)
+    assert syncs.calls == []
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_bfloat16_cached_logits_are_the_recomputed_ones_to_its_rounding(kind):
+    model = _model(kind, "bfloat16")
+    tokens = generate(model, [3, 4, 5], 16, kv_cache=False)
+    decoder, recompute = CachedDecoder(model, 19), Recompute(model)
+    for n in range(3, len(tokens)):
+        torch.testing.assert_close(decoder(tokens[:n]), recompute(tokens[:n]), rtol=0.02, atol=0.05)
+    assert decoder.cache.keys["0"].dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_on_cuda_the_cache_gives_the_same_tokens_and_no_synchronisation(kind):
+    model = _model(kind, "float32").cuda()
+    prompt, new = [3, 14, 15, 92, 65], 20
+    assert generate(model, prompt, new) == generate(model, prompt, new, kv_cache=False)
+    tokens = torch.randint(0, 97, (2, SEQ), generator=torch.Generator().manual_seed(4)).cuda()
+    for dtype in ("float32", "bfloat16"):
+        model = _model(kind, dtype).cuda()
+        with torch.no_grad():
+            whole = model.hidden_states(tokens)
+            model.decode(tokens[:, :2], model.kv_cache(2, SEQ))  # warm-up: rotary tables, kernels
+            cache = model.kv_cache(2, SEQ)
+            with count_cuda_syncs() as syncs:
+                pieces = [model.decode(tokens[:, :5], cache)]
+                pieces += [model.decode(tokens[:, i:i + 1], cache) for i in range(5, 9)]
+                pieces.append(model.decode(tokens[:, 9:], cache))
+        assert syncs.calls == [], dtype
+        tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == "float32" else {"rtol": 0.02, "atol": 0.05}
+        torch.testing.assert_close(torch.cat(pieces), whole, **tol)
 
 
 def test_what_the_cache_refuses():

@@ -60,6 +60,11 @@ def output_logits(model: GPTModel, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, out.real_weight()).float()
 
 
+def _device(model: GPTModel) -> torch.device:
+    """Where the model's token embedding lives (token ids are made there)."""
+    return model.word_embeddings.weight.device
+
+
 class Recompute:
     """Next-token logits ``[V]`` of a token list, recomputing its last ``seq_length`` tokens
     (:func:`next_token_logits`) at every call."""
@@ -68,7 +73,8 @@ class Recompute:
         self.model = model
 
     def __call__(self, tokens: list[int]) -> torch.Tensor:
-        return next_token_logits(self.model, torch.tensor([tokens[-self.model.cfg.seq_length:]]))[0]
+        context = torch.tensor([tokens[-self.model.cfg.seq_length:]], device=_device(self.model))
+        return next_token_logits(self.model, context)[0]
 
 
 class CachedDecoder:
@@ -90,10 +96,10 @@ class CachedDecoder:
     def __call__(self, tokens: list[int]) -> torch.Tensor:
         cache = self.cache
         if self.read and len(tokens) == self.read + 1 and cache.length < cache.max_len:
-            x = self.model.decode(torch.tensor([tokens[-1:]]), cache)
+            x = self.model.decode(torch.tensor([tokens[-1:]], device=_device(self.model)), cache)
         else:
             cache.length = 0
-            x = self.model.decode(torch.tensor([tokens[-cache.max_len:]]), cache)
+            x = self.model.decode(torch.tensor([tokens[-cache.max_len:]], device=_device(self.model)), cache)
         self.read = len(tokens)
         return output_logits(self.model, x[-1])[0]
 
@@ -120,7 +126,7 @@ def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *, tempera
     gen = torch.Generator().manual_seed(seed)
     tokens = list(prompt)
     for _ in range(max_new_tokens):
-        logits = next_logits(tokens)
+        logits = next_logits(tokens).cpu()  # the choice runs on the host, with the CPU generator
         if temperature == 0:
             tokens.append(int(logits.argmax()))
             continue
@@ -183,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--top-k={args.top_k} must be >= 1")
     if not args.prompt:
         raise ConfigError("--prompt must not be empty")
-    model, meta, folder = load_for_inference(args.load)
+    model, _meta, folder = load_for_inference(args.load)
     tokenizer = load_tokenizer(folder, args.tokenizer)
     prompt = tokenizer.encode(args.prompt).ids
     if not prompt:

@@ -47,6 +47,8 @@ are summed over cp by the data-parallel reduction over dp x cp.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -295,6 +297,10 @@ class GPTModel(nn.Module):
             x = x + self.position_embeddings[rows].unsqueeze(1)
         return x
 
+    def transformer_layers(self) -> list[tuple[str, TransformerLayer]]:
+        """``(global layer index as a string, layer)`` of this stage, in order."""
+        return [(name, cast(TransformerLayer, layer)) for name, layer in self.layers.items()]
+
     def kv_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty key/value cache for :meth:`decode` of ``batch`` sequences of up to ``max_len``
         positions (``[b, kv/tp, max_len, d]`` per layer, :class:`~.attention.KVCache`). Raises
@@ -306,7 +312,7 @@ class GPTModel(nn.Module):
                              f"cp={self.cp.size}, sequence_parallel={self.sequence_parallel}")
         if max_len > self.cfg.seq_length:
             raise ValueError(f"max_len={max_len} exceeds the model's seq_length={self.cfg.seq_length}")
-        return KVCache({name: layer.attention for name, layer in self.layers.items()}, batch, max_len)
+        return KVCache({name: layer.attention for name, layer in self.transformer_layers()}, batch, max_len)
 
     def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Inference with a key/value cache: token ids ``[b, n]`` at positions ``cache.length ..
@@ -324,7 +330,7 @@ class GPTModel(nn.Module):
         if start + n > cache.max_len:
             raise ValueError(f"the key/value cache holds {cache.max_len} positions; {start} + {n} do not fit")
         x = self.embed(tokens, start)
-        for name, layer in self.layers.items():
+        for name, layer in self.transformer_layers():
             x = layer.forward_cached(x, cache, name, start)
         cache.length = start + n
         return self.final_norm(x)
