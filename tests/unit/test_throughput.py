@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from helpers.layout_cases import tiny_config
 
 from ptdp.planner.hardware import CATALOG, Cluster, GPUSpec
 from ptdp.planner.models import spec_from_model_config
@@ -14,8 +15,6 @@ from ptdp.planner.perf import DEFAULT_CONSTANTS, evaluate_performance
 from ptdp.planner.profile import save_profile
 from ptdp.run.planner_report import planner_layout
 from ptdp.run.throughput import Throughput, catalog_gpu, device_peak, step_model_flops
-
-from helpers.layout_cases import tiny_config
 
 
 def k22_model_flops(B: int, s: int, l: int, h: int, V: int) -> float:
@@ -84,10 +83,10 @@ def test_the_trainers_lines_carry_throughput_mfu_memory_and_the_loss_scale(tmp_p
     default place: every training line has the fields, consistent with its step time."""
     import json
 
+    from helpers.sync_cases import ITERS, counted_run, logged
+
     from ptdp.engine.groups import ParallelGroups
     from ptdp.run.profiling import process_peak_rss
-
-    from helpers.sync_cases import ITERS, counted_run, logged
 
     monkeypatch.setenv("PTDP_CACHE_DIR", str(tmp_path / "cache"))
     gpu = GPUSpec("local", {"fp16": 4.0e10}, 1e9, 1e10, 0.0, 1e9, gpus_per_node=1, shared_cores=1)

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from ptdp.spec import Config, ConfigError, TrainConfig
 from ptdp.run import tracking
 from ptdp.run.metrics import RunLog
 from ptdp.run.tracking import Trackers, check_trackers, wandb_mode
+from ptdp.spec import Config, ConfigError, TrainConfig
 
 
 def with_train(**changes) -> Config:
@@ -84,11 +84,11 @@ def test_only_rank_0_tracks_and_no_flag_tracks_nothing(tmp_path):
 ])
 def test_ptdp_train_exits_2_before_any_worker_when_a_tracker_is_missing(tmp_path, capsys, monkeypatch, flags,
                                                                        module, extra):
-    from ptdp import cli
+    import warnings
 
     from helpers.cli import tiny_flags
 
-    import warnings
+    from ptdp import cli
 
     monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # ptdp train sets its own display
     launched = []

@@ -94,8 +94,9 @@ class Trackers:
 
             save_dir = Path(t.wandb_save_dir or Path(run_dir or ".") / "wandb")
             save_dir.mkdir(parents=True, exist_ok=True)
+            mode: Any = wandb_mode()  # one of wandb's modes, checked by wandb
             self._wandb = wandb.init(project=t.wandb_project, name=t.wandb_exp_name or Path(run_dir or ".").name,
-                                     dir=str(save_dir), config=config.to_dict(), mode=wandb_mode())
+                                     dir=str(save_dir), config=config.to_dict(), mode=mode)
 
     @property
     def active(self) -> bool:
