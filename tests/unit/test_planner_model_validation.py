@@ -7,6 +7,8 @@ activation memory within 10% of Korthikanti Figure 1; every published layout fit
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ptdp.planner.perf import DEFAULT_CONSTANTS
@@ -64,6 +66,21 @@ def test_memory_predictions_within_targets(rows):
     for metric in (ACT_NONE, ACT_SEQSEL, PARAMS_OPT):
         assert stats[metric][0] == 4
         assert stats[metric][2] < 0.10, format_validation_table(rows)
+
+
+def test_memory_rows_only_for_reported_numbers(runs):
+    """A run reporting only the activations without recompute gets that one row: a number it does
+    not report is no row (it once became a row whose ``reported`` was None)."""
+    run = next(r for r in runs if r.reported_act_none_gib is not None and r.reported_params_opt_gib is not None)
+    only_none = dataclasses.replace(run, reported_tflops=None, reported_iteration_time=None,
+                                    reported_act_seqsel_gib=None, reported_params_opt_gib=None)
+    got = validate([only_none])
+    assert [row.metric for row in got] == [ACT_NONE]
+    assert got[0] == next(row for row in validate([run]) if row.metric == ACT_NONE)
+    assert sorted(row.metric for row in validate([run]) if row.metric != ACT_NONE) == sorted(
+        m for m, value in ((ACT_SEQSEL, run.reported_act_seqsel_gib), (PARAMS_OPT, run.reported_params_opt_gib),
+                           (TFLOPS, run.reported_tflops), (ITER_TIME, run.reported_iteration_time))
+        if value is not None)
 
 
 def test_every_published_layout_fits(runs):

@@ -43,7 +43,8 @@ def layout_differences(a: Plan, b: Plan) -> list[str]:
 
 
 def _time_terms(plan: Plan) -> dict[str, float]:
-    return {f.name: getattr(plan.time, f.name) for f in dataclasses.fields(plan.time)}
+    time = plan.need_time()
+    return {f.name: getattr(time, f.name) for f in dataclasses.fields(time)}
 
 
 def _seconds(x: float) -> str:
@@ -69,7 +70,7 @@ def deciding_terms(faster: Plan, slower: Plan, share: float = 0.8) -> tuple[list
 
 def compare(faster: Plan, slower: Plan, *, faster_name: str, slower_name: str) -> list[str]:
     """Lines saying why ``faster`` beats ``slower`` (both fitting plans with times)."""
-    step_a, step_b = faster.time.step, slower.time.step
+    step_a, step_b = faster.need_time().step, slower.need_time().step
     rel = (step_b - step_a) / step_b if step_b > 0 else 0.0
     diff = layout_differences(faster, slower)
     lines = [f"{faster_name} vs {slower_name}: {'; '.join(diff) if diff else 'same layout'}"]
@@ -84,7 +85,7 @@ def compare(faster: Plan, slower: Plan, *, faster_name: str, slower_name: str) -
         if losses:
             text += "; against it: " + ", ".join(losses)
         lines.append(text)
-    mem_a, mem_b = faster.memory.total / GiB, slower.memory.total / GiB
+    mem_a, mem_b = faster.need_memory().total / GiB, slower.need_memory().total / GiB
     lines.append(f"  memory on the most loaded GPU: {mem_a:.1f} vs {mem_b:.1f} GiB")
     return lines
 
@@ -104,7 +105,7 @@ def distance_from_best(chosen: Plan | None, best: Plan | None) -> list[str]:
     if chosen is None:
         return ["with nothing fixed the search finds a fitting layout: "
                 + ", ".join(f"{k}={_value(v)}" for k, v in dataclasses.asdict(best.layout).items())]
-    if best.layout == chosen.layout or best.time.step >= chosen.time.step:
+    if best.layout == chosen.layout or best.need_time().step >= chosen.need_time().step:
         return ["your fixed choices include the best layout the search finds with nothing fixed"]
     return ["the best layout with nothing fixed:",
             *compare(best, chosen, faster_name="best", slower_name="yours")]

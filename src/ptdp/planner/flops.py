@@ -28,7 +28,7 @@ makes the thin ``K = d`` score GEMMs slow.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 
 from ptdp.planner.models import ModelSpec
 
@@ -230,14 +230,15 @@ def layer_compute_times(model: ModelSpec, tp: int, micro_batch_size: int, sequen
     that peak (FLOP/s) with 1-byte operands, and the casts of their activation operands
     (:func:`fp8_cast_bytes`) move memory. ``bandwidth``: achieved HBM bytes/s. Cached.
     """
-    kw = dict(peak_flops=peak_flops, bandwidth=bandwidth, peak_fraction=peak_fraction, half_dim=half_dim)
+    timed = partial(gemm_time, peak_flops=peak_flops, bandwidth=bandwidth, peak_fraction=peak_fraction,
+                    half_dim=half_dim)
     shapes = layer_gemms(model, tp, micro_batch_size)
-    gemms = [gemm_time(*g, **kw) for g in shapes]
+    gemms = [timed(*g) for g in shapes]
     elementwise, scores = layer_elementwise_bytes(model, tp, micro_batch_size, sequence_parallel=sequence_parallel)
     cast_forward = cast_backward = 0.0
     if fp8_peak:
         for i in LINEAR_GEMMS:
-            gemms[i] = gemm_time(*shapes[i], **{**kw, "peak_flops": fp8_peak}, bytes_per_element=1.0)
+            gemms[i] = timed(*shapes[i], peak_flops=fp8_peak, bytes_per_element=1.0)
         cast_forward, cast_backward = fp8_cast_bytes(model, tp, micro_batch_size)
     linear = sum(gemms[i] for i in LINEAR_GEMMS)
     if model.flash_attention:

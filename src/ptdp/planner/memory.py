@@ -17,7 +17,7 @@ the peak against the bytes autograd really saves (:mod:`ptdp.engine.activation_m
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 
 from ptdp.spec import keeps_logits, padded_vocab_size, stage_layer_counts
 from ptdp.planner.fp8 import fp8_weight_copy_bytes
@@ -312,10 +312,10 @@ def rank_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, layers
     local = local_model(model, cp)
     out = stage_activation_bytes(local, layout, pp_rank, layers_on_stage, schedule=schedule,
                                  make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-    kw = dict(sequence_parallel=layout.sequence_parallel, precision=layout.precision)
     b = layout.micro_batch_size
-    none = layer_activation_bytes(local, layout.tp, b, recompute="none", **kw)
-    selective = layer_activation_bytes(local, layout.tp, b, recompute="selective", **kw)
+    activations = partial(layer_activation_bytes, local, layout.tp, b,
+                          sequence_parallel=layout.sequence_parallel, precision=layout.precision)
+    none, selective = activations(recompute="none"), activations(recompute="selective")
     missing = unfused_score_bytes_missing(none, selective, cp, model.flash_attention)
     if layout.recompute == "none":
         out += missing * layers_on_stage * inflight_microbatches(layout, pp_rank, schedule=schedule)
@@ -370,17 +370,17 @@ def memory_breakdown(
         if layout.pp > 1:
             candidates.append((layout.pp - 1, last_params, per_stage))
     else:
-        params = stage_param_counts(model, layout.tp, layout.pp,
-                                    make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                                    layer_split=layer_split)
+        stage_params = stage_param_counts(model, layout.tp, layout.pp,
+                                          make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                                          layer_split=layer_split)
         candidates, counts_seen = [], set()
-        for rank, (n_params, n_layers) in enumerate(zip(params, layer_split)):
+        for rank, (n_params, n_layers) in enumerate(zip(stage_params, layer_split)):
             middle = 0 < rank < layout.pp - 1
             if not middle or n_layers not in counts_seen:
                 candidates.append((rank, n_params, n_layers))
             if middle:
                 counts_seen.add(n_layers)
-    best = None
+    rows = []
     per_param = strategy_bytes_per_param(layout.precision, layout.sharding_strategy, layout.shard_size)
     per_param_total = sum(per_param)
     transients = layout.shard_size > 1 and layout.sharding_strategy in ("optim_grads", "optim_grads_params")
@@ -390,10 +390,8 @@ def memory_breakdown(
                                make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         fp8_copies = fp8_weight_copy_bytes(model, layout.tp, n_layers, layout.precision)
         state = sum(rank_state_bytes(model, layout, n_params, n_layers)) if transients else n_params * per_param_total
-        total = state + fp8_copies + act
-        if best is None or total > best[0]:
-            best = (total, rank, n_params, n_layers, act, fp8_copies)
-    _, rank, n_params, n_layers, act, fp8_copies = best
+        rows.append((state + fp8_copies + act, rank, n_params, n_layers, act, fp8_copies))
+    _, rank, n_params, n_layers, act, fp8_copies = max(rows, key=lambda row: row[0])  # the first largest
     params, grads, optimizer = rank_state_bytes(model, layout, n_params, n_layers, per_param)
     return MemoryBreakdown(params=params + fp8_copies, grads=grads, optimizer=optimizer, activations=act,
                            overhead=float(overhead_bytes), stage=rank)

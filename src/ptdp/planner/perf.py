@@ -142,6 +142,9 @@ def _for_arch(constants: PerfConstants, arch: str) -> PerfConstants:
 
 DEFAULT_CONSTANTS = PerfConstants()
 
+Parts = tuple[float, ...]
+"""Per-microbatch seconds of a stage by part: (compute, recompute, tp_comm, cp_comm)."""
+
 #: Bytes per parameter the optimizer step reads and writes (mixed precision, fp32 main weights):
 #: on every parameter: write the 16-bit weight (2), read the gradient for the global norm (4),
 #: zero the gradient buffer (4); on the parameters this rank updates (1/dp of them with the
@@ -219,7 +222,7 @@ def rank_layer_times(model: ModelSpec, layout: Layout, peak: float, bandwidth: f
 
 def _stage_microbatch_times(model: ModelSpec, layout: Layout, peak: float, bandwidth: float, links: Links,
                             c: PerfConstants, v_pad: int, elem: float,
-                            layers: int, fp8_peak: float = 0.0) -> tuple[tuple[float, float, float, float], ...]:
+                            layers: int, fp8_peak: float = 0.0) -> tuple[Parts, Parts, Parts]:
     """(compute, recompute, tp_comm, cp_comm) seconds of one microbatch on (middle, first, last)
     stages of one cp rank (:func:`rank_layer_times`; tp transfers and logits of ``s / cp`` tokens,
     key/value exchange :func:`ptdp.planner.context.kv_exchange_times`, again in a full recompute);
@@ -246,7 +249,7 @@ def _stage_microbatch_times(model: ModelSpec, layout: Layout, peak: float, bandw
 
 
 def split_stage_times(split: tuple[int, ...], layer: tuple[float, ...], first: tuple[float, ...],
-                      last: tuple[float, ...]) -> tuple[tuple[float, ...], ...]:
+                      last: tuple[float, ...]) -> tuple[Parts, Parts, Parts, Parts, float]:
     """Per-microbatch times of the stages of an uneven split, from ``layer`` (the times of one
     layer) and ``first`` / ``last`` (one layer plus the first / last stage's edge work), each a
     tuple of parts (compute, recompute, tp_comm).
@@ -342,16 +345,16 @@ def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
     tp, pp, v, m = layout.tp, layout.pp, layout.virtual_stages, layout.num_microbatches
     layer_split = layer_split if layer_split is not None else layout.layer_split
     v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, tp)
-    even = layer_split is None or len(layer_split) == 1
-    if even:
+    split = layer_split if layer_split is not None and len(layer_split) > 1 else None  # None: an even split
+    if split is None:
         first_params, last_params, _ = _even_stage_params(model, tp, pp, make_vocab_size_divisible_by)
         n_params, layers = max(first_params, last_params), model.num_layers // pp
         stage_layers = layers
     else:
         n_params = max(stage_param_counts(model, tp, pp, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                                          layer_split=layer_split))
+                                          layer_split=split))
         layers = 1  # one layer and the edges: each stage's time is built from them
-        stage_layers = max(layer_split)
+        stage_layers = max(split)
     mid, first, last = _stage_microbatch_times(model, layout, peak, bandwidth, links, c, v_pad, elem, layers,
                                                fp8_peak)
     busiest = last if sum(last) >= sum(first) else first
@@ -360,8 +363,8 @@ def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
                                      sequence_parallel=layout.sequence_parallel, links=links,
                                      bytes_per_element=elem, scatter_gather=c.pp_scatter_gather)
     bubble = (pp - 1) / v * (sum(mid) + p2p)
-    if not even:
-        first, mid, last, busiest, fill = split_stage_times(layer_split, mid, first, last)
+    if split is not None:
+        first, mid, last, busiest, fill = split_stage_times(split, mid, first, last)
         bubble = (fill + (pp - 1) * p2p) / v  # interleaving spreads fill and drain over v chunks ([N21] §2.2)
 
     exposed_dp = _dp_comm_time(model, layout, n_params, busiest, stage_layers, elem, links, c,

@@ -149,6 +149,26 @@ class Plan:
     mfu: float | None = None
     reasons: list[str] = field(default_factory=list)
 
+    def need_memory(self) -> MemoryBreakdown:
+        """``memory`` (every fitting plan and every plan rejected for memory has it).
+
+        Raises:
+            ValueError: naming the layout, for a plan rejected before its memory was predicted.
+        """
+        if self.memory is None:
+            raise ValueError(f"no memory prediction for {self.layout} (rejected: {'; '.join(self.reasons)})")
+        return self.memory
+
+    def need_time(self) -> TimeBreakdown:
+        """``time`` (every fitting plan has it).
+
+        Raises:
+            ValueError: naming the layout, for a rejected plan, which has no step time.
+        """
+        if self.time is None:
+            raise ValueError(f"no step-time prediction for {self.layout} (rejected: {'; '.join(self.reasons)})")
+        return self.time
+
     def to_json(self) -> dict:
         """The ``--json`` record: layout fields (with ``cp`` and ``sharding``), fits, memory_bytes, time_s, tflops_per_gpu, mfu, reasons."""
         out = {k: v for k, v in asdict(self.layout).items()}

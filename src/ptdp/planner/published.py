@@ -131,11 +131,13 @@ def _model(r: dict) -> ModelSpec:
 
 def _layout(r: dict) -> Layout:
     split = tuple(int(x) for x in r["layer_split"].split()) or None
-    kw = {"cp": int(r["cp"]), "cp_comm_type": r["cp_comm_type"].strip() or "p2p"} if int(r["cp"]) > 1 else {}
+    cp = int(r["cp"])
+    cp_comm_type = (r["cp_comm_type"].strip() or "p2p") if cp > 1 else "p2p"
     return Layout(tp=int(r["tp"]), pp=int(r["pp"]), dp=int(r["dp"]), micro_batch_size=int(r["micro_batch"]),
                   global_batch_size=int(r["global_batch"]), virtual_stages=int(r["vpp"]),
                   recompute=r["recompute"].strip(), sequence_parallel=_yes(r["sequence_parallel"]),
-                  sharding=r["sharding"].strip(), precision=r["precision"].strip(), layer_split=split, **kw)
+                  sharding=r["sharding"].strip(), precision=r["precision"].strip(), layer_split=split,
+                  cp=max(cp, 1), cp_comm_type=cp_comm_type)
 
 
 def load_h100_runs(path: str | Path) -> list[H100Run]:

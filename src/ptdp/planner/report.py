@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 
 from ptdp.planner.hardware import Cluster, GiB
 from ptdp.planner.models import ModelSpec
@@ -27,12 +28,16 @@ def _num(x: float) -> str:
     return f"{x:.3f}" if abs(x) >= 1 or x == 0 else f"{x:.3g}"
 
 
+def _optional(value: float | None, show: Callable[[float], str]) -> str:
+    return "-" if value is None else show(value)
+
+
 def _row(plan: Plan, rank: int, capacity: float) -> list[str]:
-    mem, t = plan.memory, plan.time
+    mem, t = plan.need_memory(), plan.need_time()
     cells = [str(rank)] + _layout_cells(plan)
     cells += [_num(getattr(mem, k) / GiB) for k in _MEM] + [f"{_num(mem.total / GiB)}/{_num(capacity / GiB)}"]
     cells += [_num(getattr(t, k)) for k in _TIME] + [_num(t.step)]
-    cells += [_num(plan.tflops_per_gpu), f"{100 * plan.mfu:.1f}%"]
+    cells += [_optional(plan.tflops_per_gpu, _num), _optional(plan.mfu, lambda mfu: f"{100 * mfu:.1f}%")]
     return cells
 
 
@@ -55,7 +60,7 @@ def _first_plans(result: SearchResult) -> list[Plan]:
 
 
 def text_report(model: ModelSpec, cluster: Cluster, result: SearchResult, *, top: int = 10,
-                explanation: list[str] = ()) -> str:
+                explanation: Sequence[str] = ()) -> str:
     """Ranked table of the ``top`` fitting layouts, the ``explanation`` lines of the pick
     (:mod:`ptdp.planner.explain`) and a summary of why the others were rejected."""
     gpu = cluster.gpu
@@ -75,8 +80,9 @@ def text_report(model: ModelSpec, cluster: Cluster, result: SearchResult, *, top
         rows = [_row(p, i + 1, gpu.memory_bytes) for i, p in enumerate(result.plans[:top])]
         lines.append(_table(rows, HEADER))
         best = result.plans[0]
-        lines += ["", f"best: {_describe(best)}: {_num(best.time.step)} s/step, "
-                      f"{_num(best.tflops_per_gpu)} TFLOP/s per GPU, MFU {100 * best.mfu:.1f}%"]
+        lines += ["", f"best: {_describe(best)}: {_num(best.need_time().step)} s/step, "
+                      f"{_optional(best.tflops_per_gpu, _num)} TFLOP/s per GPU, "
+                      f"MFU {_optional(best.mfu, lambda mfu: f'{100 * mfu:.1f}%')}"]
         lines += split_report_lines(best.layout.layer_split, best.layout.virtual_stages)
     else:
         lines.append("no layout fits.")
@@ -108,7 +114,7 @@ def representatives(result: SearchResult, per_rule: int = 3) -> list[Plan]:
     out = []
     for rule, items in sorted(grouped_rejections(result).items()):
         if rule == "memory":
-            items = sorted(items, key=lambda it: it[0].memory.total)
+            items = sorted(items, key=lambda it: it[0].need_memory().total)
         seen = set()
         for plan, rejection in items:
             if rejection.message not in seen:
@@ -181,8 +187,8 @@ def plot(result: SearchResult, path: str, *, capacity_bytes: float, top: int = 1
     xs = range(len(plans))
     fig, (ax_m, ax_t, ax_s) = plt.subplots(1, 3, figsize=(max(15, 1.9 * len(plans) + 6), 6),
                                            gridspec_kw={"width_ratios": [1, 1, 0.7]})
-    for ax, keys, get, unit in ((ax_m, _MEM, lambda p, k: getattr(p.memory, k) / GiB, "GiB"),
-                                (ax_t, _TIME, lambda p, k: getattr(p.time, k), "s per step")):
+    for ax, keys, get, unit in ((ax_m, _MEM, lambda p, k: getattr(p.need_memory(), k) / GiB, "GiB"),
+                                (ax_t, _TIME, lambda p, k: getattr(p.need_time(), k), "s per step")):
         bottom = [0.0] * len(plans)
         for key in keys:
             values = [get(p, key) for p in plans]
@@ -192,8 +198,8 @@ def plot(result: SearchResult, path: str, *, capacity_bytes: float, top: int = 1
     capacity = capacity_bytes / GiB
     ax_m.axhline(capacity, color="k", ls="--", lw=1, label=f"GPU capacity ({capacity:,.0f} GiB)")
     ax_m.text(len(plans) - 0.5, capacity, f"capacity {capacity:,.0f} GiB", ha="right", va="bottom", fontsize=7)
-    ax_m.set_ylim(0, max(capacity, max(p.memory.total for p in plans) / GiB) * 1.08)
-    steps = [p.time.step for p in plans]
+    ax_m.set_ylim(0, max(capacity, max(p.need_memory().total for p in plans) / GiB) * 1.08)
+    steps = [p.need_time().step for p in plans]
     floor = time_axis_floor(steps)
     ax_s.plot(list(xs), steps, "o", color="k")
     for x, step in zip(xs, steps):

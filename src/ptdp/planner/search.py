@@ -139,7 +139,7 @@ def search(model: ModelSpec, cluster: Cluster, global_batch_size: int, *, fixed:
         if model.seq_length >= CP_MIN_SEQ_LENGTH or not result.plans:
             _search_cp(*args, cps=tuple(c for c in divisors(cluster.num_gpus)[1:] if model.seq_length % (2 * c) == 0
                                         and model.seq_length // c >= CP_MIN_LOCAL_TOKENS))
-    result.plans.sort(key=lambda p: p.time.step)
+    result.plans.sort(key=lambda p: p.need_time().step)
     return result
 
 
@@ -203,7 +203,7 @@ def _predict_split(model, layout, cluster, constants, overhead, search_split: bo
         plan, rejection = _predict(model, dataclasses.replace(layout, layer_split=split), cluster, constants, overhead)
         if split is None and rejection is None:
             even_load = load((model.num_layers // layout.pp,) * layout.pp)
-        key = (0, plan.time.step) if rejection is None else (1, plan.memory.total if plan.memory else 0.0)
+        key = (0, plan.need_time().step) if rejection is None else (1, plan.memory.total if plan.memory else 0.0)
         if best is None or key < best[0]:
             best = (key, plan, rejection)
     if best is None:  # no split balances the edge work within one layer of the middle stages
@@ -298,16 +298,17 @@ def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, const
     elif fixed.virtual_stages is not None:
         vs = [fixed.virtual_stages]
     elif fixed.layers_per_virtual_stage is not None:
-        broken = _interleaving_flag_errors(model.num_layers, tp, pp, dp, b, big_b, fixed.layers_per_virtual_stage)
-        if broken:
-            result.rejected.append((Plan(base, False, reasons=broken), Rejection("interleaving", broken[0])))
+        flag_errors = _interleaving_flag_errors(model.num_layers, tp, pp, dp, b, big_b,
+                                                fixed.layers_per_virtual_stage)
+        if flag_errors:
+            result.rejected.append((Plan(base, False, reasons=flag_errors), Rejection("interleaving", flag_errors[0])))
             return
         vs = [model.num_layers // (pp * fixed.layers_per_virtual_stage)]
     elif pp > 1 and model.num_layers % pp == 0:
         vs = divisors(model.num_layers // pp)
     else:
         vs = [1]
-    pairs = [(v, None) for v in vs]  # (v, the split of an interleaved layout, None: as above)
+    pairs: list[tuple[int, tuple[int, ...] | None]] = [(v, None) for v in vs]  # (v, the split of an interleaved layout, None: as above)
     counted = fixed.accounting
     if counted is not None and any(counted):  # the split fixed by what counts as layers, at every v
         pairs = [(1, None)] if fixed.virtual_stages in (None, 1) else []

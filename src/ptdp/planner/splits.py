@@ -42,6 +42,7 @@ def candidate_splits(num_layers: int, pp: int, first_extra: float, last_extra: f
     if pp < 2:
         return out or [None]
     even = (num_layers // pp,) * pp if num_layers % pp == 0 else None
+    middles: list[tuple[int | None, int]]
     if pp == 2:
         middles = [(None, num_layers)]
     else:

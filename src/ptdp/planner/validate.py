@@ -164,15 +164,18 @@ def validate(runs: list[PublishedRun], constants: PerfConstants = DEFAULT_CONSTA
             none = dataclasses.replace(run.layout, recompute="none", sequence_parallel=False)
             seqsel = dataclasses.replace(run.layout, recompute="selective", sequence_parallel=True)
             mem_none = memory_breakdown(run.model, none, gpu)
-            mem_seqsel = memory_breakdown(run.model, seqsel, gpu)
             out.append(ValidationRow(run.name, layout_label(none), ACT_NONE, run.reported_act_none_gib,
                                      mem_none.activations / GiB))
-            out.append(ValidationRow(run.name, layout_label(seqsel), ACT_SEQSEL, run.reported_act_seqsel_gib,
-                                     mem_seqsel.activations / GiB))
-            counts = stage_param_counts(run.model, run.layout.tp, run.layout.pp)
-            per_param = sum(bytes_per_param(run.layout.precision, run.layout.dp, run.layout.distributed_optimizer))
-            out.append(ValidationRow(run.name, layout_label(none), PARAMS_OPT, run.reported_params_opt_gib,
-                                     sum(counts) / len(counts) * per_param / GiB))
+            if run.reported_act_seqsel_gib is not None:
+                mem_seqsel = memory_breakdown(run.model, seqsel, gpu)
+                out.append(ValidationRow(run.name, layout_label(seqsel), ACT_SEQSEL, run.reported_act_seqsel_gib,
+                                         mem_seqsel.activations / GiB))
+            if run.reported_params_opt_gib is not None:
+                counts = stage_param_counts(run.model, run.layout.tp, run.layout.pp)
+                per_param = sum(bytes_per_param(run.layout.precision, run.layout.dp,
+                                                run.layout.distributed_optimizer))
+                out.append(ValidationRow(run.name, layout_label(none), PARAMS_OPT, run.reported_params_opt_gib,
+                                         sum(counts) / len(counts) * per_param / GiB))
     return out
 
 
