@@ -104,3 +104,30 @@ def test_the_trainers_lines_carry_throughput_mfu_memory_and_the_loss_scale(tmp_p
         assert r["mfu"] == pytest.approx(flops / t / 4.0e10, rel=1e-12)
         assert r["loss_scale"] > 0
         assert 0 < r["peak_memory_bytes"] <= process_peak_rss()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_lines_carry_the_allocators_peak_and_the_catalog_mfu_without_extra_synchronisation(tmp_path):
+    """On one GPU in bfloat16: the peak-memory reduction is read in the step results' one
+    synchronisation (none in a step that is not logged); peak_memory_bytes is the allocator's peak;
+    mfu is there exactly when the device name is a catalog GPU, against its bf16 peak."""
+    import json
+
+    import torch
+    from helpers.sync_cases import counted_run, logged
+
+    from ptdp.engine.groups import ParallelGroups
+
+    torch.cuda.reset_peak_memory_stats()
+    run = counted_run(ParallelGroups.single_process(), 1, 1, 1, tmp_path / "run", "bfloat16", device="cuda")
+    for iteration, calls in run["per_step"].items():
+        if iteration > 1:
+            assert len(calls) == (1 if logged(iteration) else 0), (iteration, calls)
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if "loss" in r]
+    assert 0 < train[-1]["peak_memory_bytes"] <= torch.cuda.max_memory_allocated()
+    gpu = catalog_gpu(torch.cuda.get_device_name())
+    for r in train:
+        assert ("mfu" in r) == (gpu is not None)
+        if gpu is not None:
+            assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] * 1e12 / gpu.peak("bf16"), rel=1e-12)
