@@ -36,6 +36,19 @@ def test_wandb_name_or_folder_without_a_project_is_refused():
     check_trackers(with_train(wandb_project="p", wandb_exp_name="a"))
 
 
+def test_a_tracker_folder_that_cannot_be_written_is_refused(tmp_path):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    afile = tmp_path / "a-file"
+    afile.write_text("")
+    with pytest.raises(ConfigError, match=f"--tensorboard-dir: {afile} exists and is not a directory"):
+        check_trackers(with_train(tensorboard_dir=str(afile)))
+    with pytest.raises(ConfigError, match=f"--wandb-save-dir: {afile / 'wb'} cannot be created: {afile} is a file"):
+        check_trackers(with_train(wandb_project="p", wandb_save_dir=str(afile / "wb")))
+    check_trackers(with_train(tensorboard_dir=str(tmp_path / "new" / "tb"), wandb_project="p"))
+    assert not (tmp_path / "new").exists()  # checked, not created
+
+
 def test_wandb_is_offline_unless_a_key_or_a_mode_is_given():
     assert wandb_mode({}) == "offline"
     assert wandb_mode({"WANDB_API_KEY": "k"}) == "online"

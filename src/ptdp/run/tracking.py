@@ -52,8 +52,12 @@ def installed(module: str) -> bool:
 
 
 def check_trackers(config: Config) -> None:
-    """Raise ConfigError for a tracker whose package is not installed, or for ``--wandb-exp-name``
-    / ``--wandb-save-dir`` without ``--wandb-project``; each message names the fix."""
+    """Raise ConfigError for a tracker whose package is not installed, for ``--wandb-exp-name`` /
+    ``--wandb-save-dir`` without ``--wandb-project``, or for a ``--tensorboard-dir`` or
+    ``--wandb-save-dir`` that cannot be written (:func:`ptdp.run.paths.folder_problem`); each
+    message names the fix or the path and why."""
+    from ptdp.run.paths import folder_problem
+
     t = config.train
     stray = [flag for flag, value in (("--wandb-exp-name", t.wandb_exp_name), ("--wandb-save-dir", t.wandb_save_dir))
              if value is not None]
@@ -64,6 +68,10 @@ def check_trackers(config: Config) -> None:
         if not installed(module):
             raise ConfigError(f"{flag} needs the {module!r} package, which is not installed: "
                               f'pip install "{extra}"')
+    for flag, folder in (("--tensorboard-dir", t.tensorboard_dir), ("--wandb-save-dir", t.wandb_save_dir)):
+        problem = folder_problem(folder) if folder else None
+        if problem:
+            raise ConfigError(f"{flag}: {problem}")
 
 
 def wandb_mode(environ: dict[str, str] | None = None) -> str:
