@@ -93,8 +93,8 @@ class _Loop:
         self.train_windows = TokenWindows(data.train_tokens(), config.model.seq_length)
         self.sampler = GlobalBatchSampler(len(self.train_windows), t.global_batch_size, t.seed)
         self.valid_batches = _valid_batches(config, groups, data, stage.device)
-        self.tokens_per_step = t.global_batch_size * config.model.seq_length
         self.throughput = Throughput.for_run(config, stage.device)
+        """Turns a step time into tokens/s, TFLOP/s per GPU and MFU (:mod:`ptdp.run.throughput`)."""
         self.history: dict[str, list] = {"val": [], "train": [], "comm": {}}
         self.tracer = Tracer(groups.global_rank, groups.pp.rank, stage.device) if t.traced_iters else None
         self.profiler = StepProfiler.for_run(config, groups.global_rank, run_dir, stage.device, first_step=start)
@@ -151,7 +151,7 @@ class _Loop:
 
     def flush(self) -> None:
         """Read the steps since the last flush to the host (one synchronisation for all:
-        :func:`~ptdp.engine.step.read_results`) and record them in order. Called at every logged
+        :func:`~ptdp.engine.step.read_results_with`) and record them in order. Called at every logged
         step (``--log-interval``, the first and the last) and before an evaluation or a checkpoint,
         so a step that is not logged never waits for the device. Each step of the interval is given
         the interval's mean step time (its wall time from the first step's start to the read) and
