@@ -4,7 +4,8 @@ Both are optional extras (``pip install "ptdp[tensorboard]"``, ``"ptdp[wandb]"``
 that is not installed stops the run before any worker starts (:func:`check_trackers`, part of
 :func:`ptdp.run.preflight.check_request`). Global rank 0 writes them, from the same records as
 ``metrics.jsonl`` (:class:`ptdp.run.metrics.RunLog`), so every tracked scalar is a number of a
-metrics line: nothing is read from the device for the trackers, and no rank waits for them.
+metrics line: nothing is read from the device for the trackers; rank 0 hands each line to them
+(TensorBoard's writer and W&B queue it and write it in the background).
 
 Scalar names (:data:`SCALARS`): ``train/loss``, ``train/lr``, ``train/grad_norm``,
 ``train/loss_scale`` (float16), ``train/step_time_s``, ``val/loss``, ``throughput/tokens_per_s``,
