@@ -18,6 +18,10 @@ pipeline runtime and the trainer with plain attribute writes (no I/O, no communi
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ptdp.engine.faults import FaultPlan
 
 
 START_UP = "start-up"
@@ -47,7 +51,7 @@ class Activity:
         """Test-only: the phase this iteration stalls in (``PTDP_TEST_STALL``)."""
         self.crash_phase: str | None = None
         """Test-only: the phase this iteration crashes in (``PTDP_TEST_CRASH``)."""
-        self.faults = None
+        self.faults: FaultPlan | None = None
         """Test-only: the step's :class:`~ptdp.engine.faults.FaultPlan`, or None."""
 
     def where(self) -> str:
@@ -91,6 +95,8 @@ def set_phase(phase: str, iteration: int | None = None) -> None:
         CURRENT.iteration = iteration
     if _mirror is not None:
         _mirror.write(_PHASE_INDEX[phase], CURRENT.iteration)
+    if CURRENT.faults is None:  # no fault injection: no stall or crash phase either
+        return
     if phase == CURRENT.stall_phase:
         CURRENT.stall_phase = None
         CURRENT.faults.do_stall(CURRENT.rank, CURRENT.iteration, phase)
@@ -135,9 +141,10 @@ def collective_error(err: BaseException, *, rank: int, axis: str, op: str, ranks
     text = str(err).strip()
     detail = _GLOO_PREFIX.sub("", text.splitlines()[0] if text else type(err).__name__)
     where = CURRENT.where()
-    kwargs = dict(rank=rank, phase=CURRENT.phase, iteration=CURRENT.iteration)
+    phase, iteration = CURRENT.phase, CURRENT.iteration
     if not is_timeout(err):
-        return CollectiveError(f"rank {rank} failed {where}: {what}: {detail.split('. ')[0]}", **kwargs)
+        return CollectiveError(f"rank {rank} failed {where}: {what}: {detail.split('. ')[0]}",
+                               rank=rank, phase=phase, iteration=iteration)
     after = f" after {timeout_s / 60:g} min" if timeout_s else ""
     if silent:
         many = len(silent) > 1
@@ -146,4 +153,5 @@ def collective_error(err: BaseException, *, rank: int, axis: str, op: str, ranks
     else:
         why = "a rank it waits for stopped responding, or is much slower"
     return CollectiveTimeout(f"rank {rank} timed out{after} {where}: {what} did not complete ({why}; "
-                             f"--distributed-timeout-minutes sets the limit)", **kwargs)
+                             f"--distributed-timeout-minutes sets the limit)",
+                             rank=rank, phase=phase, iteration=iteration)

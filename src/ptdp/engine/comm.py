@@ -22,6 +22,7 @@ import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -179,7 +180,14 @@ class _Done:
         return True
 
 
-def all_reduce_async(tensor: torch.Tensor, axis: AxisGroup, *, tag: str = ""):
+class Handle(Protocol):
+    """A started collective: ``wait()`` finishes it (a wrapped ``torch.distributed`` work, which
+    raises :class:`CollectiveError`, or :class:`_Done` on an axis of size 1)."""
+
+    def wait(self) -> bool: ...
+
+
+def all_reduce_async(tensor: torch.Tensor, axis: AxisGroup, *, tag: str = "") -> Handle:
     """Start a sum all-reduce of ``tensor`` in place; returns a handle to ``wait()`` on."""
     if axis.size == 1:
         return _Done()
@@ -188,7 +196,7 @@ def all_reduce_async(tensor: torch.Tensor, axis: AxisGroup, *, tag: str = ""):
                  async_op=True)
 
 
-def reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, axis: AxisGroup, *, tag: str = ""):
+def reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, axis: AxisGroup, *, tag: str = "") -> Handle:
     """Start a sum reduce-scatter: rank i of ``axis`` gets the i-th of ``axis.size`` equal chunks
     of the sum of ``tensor`` (``tensor.numel()`` elements sent) in ``output``."""
     if axis.size == 1:
@@ -199,7 +207,7 @@ def reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, axis: AxisG
                  async_op=True)
 
 
-def all_gather_async(output: torch.Tensor, tensor: torch.Tensor, axis: AxisGroup, *, tag: str = ""):
+def all_gather_async(output: torch.Tensor, tensor: torch.Tensor, axis: AxisGroup, *, tag: str = "") -> Handle:
     """Start an all-gather of every rank's ``tensor`` into ``output`` (rank order, concatenated);
     counted as the ``tensor.numel()`` elements this rank contributes."""
     if axis.size == 1:

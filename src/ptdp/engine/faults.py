@@ -58,13 +58,13 @@ class FaultPlan:
         """The plan the test variables describe, or None when none is set. Raises ValueError for
         a malformed value (naming the variable and the expected form)."""
         env = os.environ if env is None else env
-        values = {name: env.get(name) for name in (NAN_LOSS_ENV, STALL_ENV, CRASH_ENV, KILL_AT_ITERATION_ENV)}
-        if not any(values.values()):
+        nan, stall, crash, kill = (env.get(name)
+                                   for name in (NAN_LOSS_ENV, STALL_ENV, CRASH_ENV, KILL_AT_ITERATION_ENV))
+        if not (nan or stall or crash or kill):
             return None
-        kill = values[KILL_AT_ITERATION_ENV]
-        return cls(nan_loss=parse_nan_loss(values[NAN_LOSS_ENV]) if values[NAN_LOSS_ENV] else None,
-                   stall=parse_stall(values[STALL_ENV]) if values[STALL_ENV] else None,
-                   crash=parse_crash(values[CRASH_ENV]) if values[CRASH_ENV] else None,
+        return cls(nan_loss=parse_nan_loss(nan) if nan else None,
+                   stall=parse_stall(stall) if stall else None,
+                   crash=parse_crash(crash) if crash else None,
                    kill_at=(int(kill), int(env.get(KILL_RANK_ENV, "1"))) if kill else None)
 
     def poisons(self, rank: int, iteration: int) -> bool:
@@ -80,12 +80,16 @@ class FaultPlan:
     def crash_phase(self, rank: int, iteration: int) -> str | None:
         return self.crash[2] if self.crash is not None and self.crash[:2] == (rank, iteration) else None
 
-    def do_stall(self, rank: int, iteration: int, phase: str) -> None:
+    def do_stall(self, rank: int | None, iteration: int | None, phase: str) -> None:
+        if self.stall is None:
+            return
         print(f"ptdp test stall: rank {rank} sleeps in {phase} at iteration {iteration} from {time.time():.3f}",
               file=sys.stderr, flush=True)
         time.sleep(self.stall[3])
 
-    def do_crash(self, rank: int, iteration: int, phase: str) -> None:
+    def do_crash(self, rank: int | None, iteration: int | None, phase: str) -> None:
+        if self.crash is None:
+            return
         how = self.crash[3]
         if how == "raise":
             raise RuntimeError(f"ptdp test crash: rank {rank} in {phase} at iteration {iteration}")

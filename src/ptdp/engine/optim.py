@@ -37,11 +37,12 @@ def step_unless(optimizer: torch.optim.Optimizer | None, skip: torch.Tensor | No
     if skip is None:
         optimizer.step()
     elif optimizer.defaults.get("fused"):
-        optimizer.found_inf = skip.to(torch.float32)
+        # found_inf: a dynamic attribute the fused kernel reads (GradScaler's hand-over)
+        optimizer.found_inf = skip.to(torch.float32)  # type: ignore[attr-defined]
         try:
             optimizer.step()
         finally:
-            del optimizer.found_inf
+            del optimizer.found_inf  # type: ignore[attr-defined]
     elif not bool(skip):
         optimizer.step()
 
@@ -73,8 +74,8 @@ class MainParamsAdamW:
                 mains.append(main)
             main_groups.append({**group, "params": mains})
         self.inner = adamw(main_groups, **adam_kwargs)
-        self._model = [p for p, _ in self.pairs]
-        self._mains = [m for _, m in self.pairs]
+        self._model: list[torch.Tensor] = [p for p, _ in self.pairs]
+        self._mains: list[torch.Tensor] = [m for _, m in self.pairs]
 
     @property
     def param_groups(self) -> list[dict]:

@@ -92,6 +92,8 @@ class AllGatherAttention(torch.autograd.Function):
                                       scale=scale, kernel=kernel, drop=_block_drop(drop, rows, cols),
                                       dropout_p=dropout_p)
                 part = block if part is None else merge(part, block)
+            if part is None:  # every chunk sees at least its own (diagonal) key block
+                raise ValueError(f"query chunk {chunk} of cp={axis.size} has no key block")
             acc.out[:, :, rows], acc.lse[:, :, rows] = part
         ctx.save_for_backward(q, k, v, acc.out, acc.lse, drop)
         ctx.axis, ctx.scale, ctx.kernel, ctx.dropout_p = axis, scale, kernel, dropout_p

@@ -131,7 +131,7 @@ class RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         spare = torch.empty_like(kv)
         arrived = torch.empty(kv.shape, dtype=cd, device=kv.device)  # the accumulator of this step's block
-        done = None  # the previous step's block's accumulator, with this rank's share added
+        done = arrived  # the previous step's block's accumulator, with this rank's share added (from step 1)
         for step in range(size):
             src, sends, recvs = (rank - step) % size, [], []
             if step < size - 1:

@@ -27,12 +27,13 @@ Payload per rank and step (counted by :mod:`ptdp.engine.comm`): ``none`` 4 bytes
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ptdp.engine.comm import AxisGroup, all_gather_async, all_reduce_async, reduce_scatter_async
+from ptdp.engine.comm import AxisGroup, Handle, all_gather_async, all_reduce_async, reduce_scatter_async
 from ptdp.engine.data_parallel.codecs import CODECS
 
 ONE_BIT_BLOCK = 64
@@ -90,22 +91,33 @@ def start_reduction(codec: str, grad: torch.Tensor, axis: AxisGroup, *, shard: t
     if codec == "none":
         if shard is not None:
             work = reduce_scatter_async(shard, grad, axis, tag="grads")
-            return lambda: (work.wait(), shard.div_(divide) if average else None)
+            return _then(work, partial(shard.div_, divide) if average else None)
         work = all_reduce_async(grad, axis, tag="grads")
-        return lambda: (work.wait(), grad.div_(divide) if average else None)
+        return _then(work, partial(grad.div_, divide) if average else None)
     if codec in _HALF:
         half = (grad.div(dp) if average else grad).to(_HALF[codec])
         if shard is not None:
             out = torch.empty(shard.numel(), dtype=half.dtype, device=half.device)
             work = reduce_scatter_async(out, half, axis, tag="grads")
-            return lambda: (work.wait(), shard.copy_(out))
+            return _then(work, partial(shard.copy_, out))
         work = all_reduce_async(half, axis, tag="grads")
-        return lambda: (work.wait(), grad.copy_(half))
+        return _then(work, partial(grad.copy_, half))
     if codec == "1bit":
         if shard is not None:
             raise ValueError("1-bit compression is not supported with the distributed optimizer")
+        if residual is None:
+            raise ValueError("1-bit compression needs the bucket's error-feedback residual")
         return _start_one_bit(grad, axis, residual, grad_scale, blocks, divide)
     raise ValueError(f"unknown gradient compression {codec!r}; expected one of {CODECS}")
+
+
+def _then(work: Handle, after: Callable[[], object] | None) -> Callable[[], None]:
+    """``finish()``: wait for ``work``, then run ``after`` (if any) on the reduced values."""
+    def finish() -> None:
+        work.wait()
+        if after is not None:
+            after()
+    return finish
 
 
 def block_sizes(segments: list[int], device: torch.device | str = "cpu") -> torch.Tensor:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ptdp.engine.comm import all_gather_async
-from ptdp.engine.data_parallel.buffer import GradBuffer
+from ptdp.engine.comm import Handle, all_gather_async
+from ptdp.engine.data_parallel.buffer import GradBuffer, Segment
 from ptdp.engine.optim import adamw, step_unless
 
 
@@ -40,18 +40,20 @@ class ShardedAdamW:
 
     def __init__(self, grads: GradBuffer, *, weight_decay: float, overlap_with: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
                  **adam_kwargs) -> None:
-        if not grads.sharded:
+        param_data, shard_grads = grads.param_data, grads.shard_grads
+        if not grads.sharded or param_data is None or shard_grads is None:
             raise ValueError("ShardedAdamW needs a GradBuffer built with shard=True")
-        self.grads = grads
+        self.grads, self._param_data = grads, param_data
         dp, rank = grads.dp.size, grads.dp.rank
-        low_precision = grads.param_data.dtype in (torch.bfloat16, torch.float16)
+        low_precision = param_data.dtype in (torch.bfloat16, torch.float16)
         self.pairs: list[tuple[torch.Tensor, nn.Parameter]] = []  # (model shard view, main)
-        self.segment_mains: list[tuple[object, nn.Parameter]] = []  # (Segment, its main), for checkpoints
-        decay, no_decay = [], []
+        self.segment_mains: list[tuple[Segment, nn.Parameter]] = []  # (Segment, its main), for checkpoints
+        decay: list[nn.Parameter] = []
+        no_decay: list[nn.Parameter] = []
         for seg in grads.segments:
             model_view = seg.param.data.view(-1)[seg.lo: seg.hi]
             main = nn.Parameter(model_view.detach().float().clone() if low_precision else model_view)
-            main.grad = grads.shard_grads[seg.shard_offset: seg.shard_offset + (seg.hi - seg.lo)]
+            main.grad = shard_grads[seg.shard_offset: seg.shard_offset + (seg.hi - seg.lo)]
             if low_precision:
                 self.pairs.append((model_view, main))
             self.segment_mains.append((seg, main))
@@ -61,12 +63,12 @@ class ShardedAdamW:
         # a rank whose shards hold only padding has nothing to update
         self.inner = adamw(groups, **adam_kwargs) if groups else None
         self._model_views = [view for view, _ in self.pairs]
-        self._mains = [main for _, main in self.pairs]
+        self._mains: list[torch.Tensor] = [main for _, main in self.pairs]
         self._shard_ranges = [(b.start + rank * (b.numel // dp), b.numel // dp, b.start, b.numel) for b in grads.buckets]
         # buckets hold each chunk's parameters back to front: the next forward needs them in
         # chunk order, last bucket of a chunk first
         self._gather_order = sorted(range(len(grads.buckets)), key=lambda i: (grads.buckets[i].chunk, -i))
-        self._pending: dict[int, object] = {}
+        self._pending: dict[int, Handle] = {}
         self.overlap = overlap_with is not None
         if overlap_with is not None:
             self._install_hooks(overlap_with)
@@ -109,7 +111,7 @@ class ShardedAdamW:
         step_unless(self.inner, skip)
         if self._mains:
             torch._foreach_copy_(self._model_views, self._mains)
-        data = self.grads.param_data
+        data = self._param_data
         for i in self._gather_order:
             shard_start, per, start, numel = self._shard_ranges[i]
             mine = data[shard_start: shard_start + per].clone()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator, cast
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from ptdp.engine.model.gpt import GPTModel
 
 
 class ModelChunks(nn.ModuleList):
@@ -14,7 +17,7 @@ class ModelChunks(nn.ModuleList):
     def tied_embedding(self) -> nn.Parameter | None:
         """The word embedding whose gradient is summed over first and last stage, if this rank has it."""
         for chunk in self:
-            param = chunk.tied_embedding()
+            param = cast("GPTModel", chunk).tied_embedding()
             if param is not None:
                 return param
         return None

@@ -21,13 +21,17 @@ them and every collective still runs eagerly, counted per (axis, op, tag) exactl
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch import nn
 
 from ptdp.engine.tensor_parallel.eager import prepare_for_compile
 
+if TYPE_CHECKING:
+    from ptdp.engine.model.gpt import GPTModel
 
-def compile_layers(model: nn.Module, *, backend: str = "inductor") -> int:
+
+def compile_layers(model: GPTModel, *, backend: str = "inductor") -> int:
     """Replace the ``forward`` of every transformer layer of ``model`` (a
     :class:`~ptdp.engine.model.gpt.GPTModel` stage: its ``layers``) by its compiled version;
     parameter names and the state dict do not change. Returns the number of layers compiled.
@@ -39,7 +43,7 @@ def compile_layers(model: nn.Module, *, backend: str = "inductor") -> int:
     return len(layers)
 
 
-def compile_stage(model: nn.Module, *, whole: bool = True, backend: str = "inductor") -> bool:
+def compile_stage(model: GPTModel, *, whole: bool = True, backend: str = "inductor") -> bool:
     """Where the stage calls no collective in its forward (tp = 1: the embedding, layers and final
     norm of a :class:`~ptdp.engine.model.gpt.GPTModel` stage are single-device code) and ``whole``
     (no module hooks will wait inside it: not with ``--overlap-param-gather``), compile them as one
@@ -47,7 +51,9 @@ def compile_stage(model: nn.Module, *, whole: bool = True, backend: str = "induc
     model; otherwise compile each layer (:func:`compile_layers`). Returns True for the one graph."""
     if whole and model.tp.size == 1:
         prepare_for_compile()
-        model.hidden_states = torch.compile(model.hidden_states, backend=backend, dynamic=False)
+        # the instance's compiled method shadows the class's (mypy does not model assigning to a method)
+        model.hidden_states = torch.compile(  # type: ignore[method-assign]
+            model.hidden_states, backend=backend, dynamic=False)
         return True
     compile_layers(model, backend=backend)
     return False

@@ -47,8 +47,9 @@ def recomputed(fn: Callable[..., torch.Tensor], *args: torch.Tensor, rng: Dropou
     """
     if not torch.is_grad_enabled():
         return fn(*args)
-    extra = {"context_fn": rng.checkpoint_contexts} if rng is not None else {}
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra)
+    if rng is None:
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=rng.checkpoint_contexts)
 
 
 def layer_groups(num_layers: int, method: str, per_group: int) -> list[tuple[int, int, bool]]:

@@ -104,11 +104,11 @@ def _pair(programs, communicator, ops, is_group) -> dict[tuple[int, int, int], t
         if len(mine) != len(theirs):
             raise ScheduleError(f"on communicator {comm}, rank {src} sends {len(mine)} messages to rank {dst}, "
                                 f"which receives {len(theirs)} from it")
-        for n, (s, r) in enumerate(zip(mine, theirs)):
-            if s[3] != r[3]:
-                raise ScheduleError(f"on communicator {comm}, send #{n} from rank {src} to rank {dst} carries {s[3]} "
-                                    f"but rank {dst}'s receive #{n} from rank {src} expects {r[3]}")
-            partner[s[:3]], partner[r[:3]] = r[:3], s[:3]
+        for n, (sent, received) in enumerate(zip(mine, theirs)):
+            if sent[3] != received[3]:
+                raise ScheduleError(f"on communicator {comm}, send #{n} from rank {src} to rank {dst} carries "
+                                    f"{sent[3]} but rank {dst}'s receive #{n} from rank {src} expects {received[3]}")
+            partner[sent[:3]], partner[received[:3]] = received[:3], sent[:3]
     return partner
 
 

@@ -54,7 +54,7 @@ def first_last_split(num_layers: int, pp: int, first: int | None, last: int | No
         if rest != 0:
             raise ConfigError(f"{text} with pp={pp}: the two stages must hold all num_layers={num_layers} layers "
                               f"(their sum is {num_layers - rest})")
-        return (first, last)
+        return tuple(given.values())  # (first, last): both given
     if rest < stages or rest % stages:
         minus = " - ".join(["num_layers", *("first" if "first" in k else "last" for k in given)])
         raise ConfigError(

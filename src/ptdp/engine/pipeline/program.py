@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Union
+from typing import Sequence, Union
 
 from ptdp.engine.pipeline.schedule import COMPUTE, Action, build_schedule, peer
 
@@ -188,7 +188,12 @@ def _producer(a: Action, r: int, p: int, v: int) -> tuple[int, Action]:
     """The compute whose end a transfer waits for: the sender's own compute for a send; for a
     receive, the peer's compute whose output the receiving compute needs."""
     compute = Action(a.kind[5:], a.microbatch, a.chunk)
-    return (r, compute) if a.kind.startswith("send") else _input_producer(compute, r, p, v)
+    if a.kind.startswith("send"):
+        return (r, compute)
+    producer = _input_producer(compute, r, p, v)
+    if producer is None:  # no schedule receives into the first stage's forward or the last's backward
+        raise ValueError(f"rank {r}'s {a.kind} of microbatch {a.microbatch}, chunk {a.chunk} has no sender")
+    return producer
 
 
 def _group(actions: list[Action], time: int, r: int, p: int) -> P2PGroup:
@@ -197,7 +202,7 @@ def _group(actions: list[Action], time: int, r: int, p: int) -> P2PGroup:
     return P2PGroup(COMMUNICATOR, ops, time)
 
 
-def program_json(programs: list[list[Step]]) -> dict:
+def program_json(programs: Sequence[Sequence[Step]]) -> dict:
     """``{"ranks": [{"rank", "program", "p2p_groups"}]}``: each rank's steps as strings (computes
     ``"forward mb3 chunk1"``, groups ``"p2p [send act:mb3:vs1 -> 2, ...]"``) and its groups in posting
     order, each ``{"communicator", "time", "ops": [{"op", "peer", "tag"}]}``."""

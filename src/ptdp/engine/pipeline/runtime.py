@@ -29,6 +29,7 @@ the activation forward and one of its gradient backward, each of ``hidden_shape`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -67,7 +68,7 @@ class _State:
 
 
 def run_schedule(
-    program: list[Step],
+    program: Sequence[Step],
     model: torch.nn.Module | list[torch.nn.Module],
     microbatches: list[Microbatch],
     *,
@@ -189,7 +190,10 @@ def _backward(a: Action, state: _State) -> None:
         # the engine checks the gradient against the shape the graph recorded (out's storage may be gone)
         _engine_run_backward((out,), (state.grads.pop(key),), False, False, (), True, True)
     if not state.is_first(a.chunk):
-        state.grads[key] = state.inputs.pop(key).grad
+        grad = state.inputs.pop(key).grad
+        if grad is None:  # a received input requires grad, so backward always fills it
+            raise RuntimeError(f"microbatch {a.microbatch}, chunk {a.chunk}: the stage input got no gradient")
+        state.grads[key] = grad
 
 
 def _exchange(group: P2PGroup, state: _State, shape, dtype, tracer=None) -> None:

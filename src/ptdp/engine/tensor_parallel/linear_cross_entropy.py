@@ -173,6 +173,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         kept = rows.new_empty(n, weight.shape[0]) if shard.keep_logits else None
         for start in range(0, n, shard.chunk):
             stop = min(n, start + shard.chunk)
+            inputs: tuple[torch.Tensor, ...]
             if kept is None:
                 inputs = (rows[start:stop], weight)
             else:

@@ -245,7 +245,7 @@ class Dropout(nn.Module):
         return f"p={self.p}, key={self.key!r}, stream={self.stream or 'hidden'}"
 
 
-def _uniform(shape: torch.Size, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+def _uniform(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=device).uniform_(generator=gen)
 
 

@@ -61,7 +61,7 @@ class ParamSpec:
 def make_parameter(spec: ParamSpec, tp_size: int, dtype: torch.dtype) -> nn.Parameter:
     """An uninitialised parameter of the tp-local shape, tagged with ``spec``."""
     param = nn.Parameter(torch.empty(spec.local_shape(tp_size), dtype=dtype))
-    param.ptdp_spec = spec
+    param.ptdp_spec = spec  # type: ignore[attr-defined]  # a dynamic attribute; read back by spec_of
     return param
 
 
