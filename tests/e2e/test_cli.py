@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers.cli import TINY, run, save_and_resume
+from helpers.tracked_runs import TRACKER_FLAGS, check_tracked_run, offline_wandb
 
 
 def check_run_dir(run_dir: Path, iters: int, layout: dict, logged: tuple[int, ...] = (1, 2, 4, 6)) -> None:
@@ -61,13 +62,16 @@ def test_ptdp_train_default_layout(corpus, tmp_path):
     assert again.returncode == 2 and "exists and is not empty" in again.stderr
 
 
-def test_torchrun_entry_point(corpus, tmp_path):
+def test_torchrun_entry_point(corpus, tmp_path, monkeypatch):
+    """torchrun at (1,2,1), with --tensorboard-dir and an offline W&B run: the run directory, the
+    throughput of its metrics lines and what the trackers got (helpers.tracked_runs)."""
     out = tmp_path / "run"
     proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 "-m", "ptdp.train", *TINY, "--tp", "1", "--pp", "2", "--data", str(corpus / "docs"),
-                "--output-dir", str(out), "--no-progress"], tmp_path)
+                "--output-dir", str(out), "--no-progress", *TRACKER_FLAGS], tmp_path, env=offline_wandb(monkeypatch))
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_run_dir(out, 6, {"tp": 1, "pp": 2, "dp": 1})
+    check_tracked_run(out, tmp_path / "tb", world=2)
 
 
 def test_bad_data_path_is_a_clear_error(tmp_path):
