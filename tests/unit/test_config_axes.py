@@ -52,7 +52,6 @@ def test_cp_resolves_with_dp_from_the_world():
 
 
 @pytest.mark.parametrize("parallel, message", [
-    (dict(data_parallel_sharding_strategy="optim_grads"), "optim_grads: planned .* but not yet trainable"),
     (dict(data_parallel_sharding_strategy="optim_grads_params"), "optim_grads_params: planned .* but not yet trainable"),
     (dict(data_parallel_sharding_strategy="no_shard", use_distributed_optimizer=True), "contradicts"),
 ])

@@ -232,7 +232,10 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
         # 1/dp folded into the loss, except for float16: its backward keeps the whole loss scale
         # (dividing it by dp would let small float16 gradients underflow); its codecs divide
         prescaled=m.params_dtype != "float16",
+        shard_grads=p.sharding_strategy == "optim_grads",  # ZeRO-2: only the shard between microbatches
     )
+    if grads.grads_sharded:
+        grads.watch(chunks)  # the flat buffer is allocated when backward reaches a chunk's output
     scaler = DynamicLossScaler(device=device) if m.params_dtype == "float16" else None
     units = _param_gather_units(chunks) if p.overlap_param_gather else None
     optimizer = build_optimizer(model, config.train, grads, param_gather_units=units)

@@ -20,12 +20,13 @@ import torch
 
 from ptdp.spec import Config
 from ptdp.planner.hardware import Cluster
-from ptdp.planner.memory import bytes_per_param, memory_breakdown, stage_param_counts
+from ptdp.planner.memory import memory_breakdown, stage_param_counts
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.plan import Layout
 from ptdp.run.profiling import process_peak_rss
 from ptdp.planner.profile import default_profile_path, load_profile
+from ptdp.planner.sharding import strategy_bytes_per_param
 
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -47,7 +48,7 @@ def measure_stage(stage) -> dict:
         "coords": (c.tp_rank, c.dp_rank, c.pp_rank),
         "numel": sum(p.numel() for p in params),
         "params": sum(p.numel() * p.element_size() for p in params),
-        "grads": stage.grads.data.numel() * stage.grads.data.element_size(),
+        "grads": stage.grads.held_bytes,  # optim_grads: the shard (the buffer lives during backward only)
         "padding": stage.grads.data.numel() - sum(p.numel() for p in params),
         "optimizer": state_bytes + main_bytes,
         "peak": peak, "peak_kind": peak_kind,
@@ -59,8 +60,8 @@ def planner_layout(config: Config) -> Layout | None:
 
     Its recompute is the run's granularity; the planner's ``full`` keeps every layer's input
     (uniform, one layer per group): see :func:`recompute_note` for the other full settings. Its
-    sequence parallelism, pipeline split (its layers per stage, None: even), distributed optimizer
-    and context parallelism (cp, the key/value exchange) are the run's, so that the report and
+    sequence parallelism, pipeline split (its layers per stage, None: even), data-parallel sharding
+    strategy and context parallelism (cp, the key/value exchange) are the run's, so that the report and
     ``ptdp plan`` for the same layout agree.
     """
     precision = PRECISION.get(config.model.params_dtype)
@@ -71,7 +72,8 @@ def planner_layout(config: Config) -> Layout | None:
                   virtual_stages=p.virtual_stages(config.model.num_layers),
                   recompute=config.model.recompute_granularity or "none", precision=precision,
                   sequence_parallel=p.sequence_parallel, layer_split=p.layer_split(config.model.num_layers),
-                  distributed_optimizer=p.use_distributed_optimizer, cp=p.cp, cp_comm_type=p.cp_comm_type)
+                  distributed_optimizer=p.use_distributed_optimizer, cp=p.cp, cp_comm_type=p.cp_comm_type,
+                  sharding=p.sharding_strategy)
 
 
 def recompute_note(config: Config) -> str | None:
@@ -92,14 +94,15 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
     split = p.layer_split(config.model.num_layers)
     counts = stage_param_counts(model, p.tp, p.pp, make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by,
                                 layer_split=split)
-    sharded = p.use_distributed_optimizer
-    per_param = bytes_per_param(layout.precision, p.dp * p.cp, sharded)  # ZeRO-1 shards over dp x cp
+    # the run's sharding strategy over the dp x cp ranks holding the same parameters
+    per_param = strategy_bytes_per_param(layout.precision, p.sharding_strategy, p.dp * p.cp)
     rows, exact = [], True
     for r in per_rank:
         n = counts[r["coords"][2]]
         predicted = {"numel": n, "params": n * per_param[0], "grads": n * per_param[1], "optimizer": n * per_param[2]}
-        # the distributed optimizer pads each bucket to a multiple of dp x cp: the padding elements
-        # are the only allowed difference (grads: whole padding; optimizer: its 1/(dp cp) share)
+        # the sharded strategies pad each bucket to a multiple of dp x cp: the padding elements are
+        # the only allowed difference (grads: whole padding, optim_grads its 1/(dp cp) share;
+        # optimizer: its 1/(dp cp) share)
         pad = r.get("padding", 0)
         slack = {"numel": 0, "params": 0, "grads": pad * per_param[1], "optimizer": pad * per_param[2]}
         same = all(0 <= r[k] - predicted[k] <= slack[k] for k in predicted)

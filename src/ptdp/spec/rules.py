@@ -213,13 +213,13 @@ def sharding_violations(p: ParallelConfig) -> list[Violation]:
 
 
 def not_yet_trainable_violations(p: ParallelConfig) -> list[Violation]:
-    """What ``ptdp plan`` models but ``ptdp train`` cannot run yet: the optim_grads /
-    optim_grads_params sharding strategies."""
+    """What ``ptdp plan`` models but ``ptdp train`` cannot run yet: the optim_grads_params
+    sharding strategy."""
     out = []
-    if p.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"):
+    if p.data_parallel_sharding_strategy == "optim_grads_params":
         out.append(V("not yet trainable", f"data_parallel_sharding_strategy={p.data_parallel_sharding_strategy}: "
-                     f"planned (ptdp plan) but not yet trainable; ptdp train runs no_shard and optim "
-                     f"(--use-distributed-optimizer)"))
+                     f"planned (ptdp plan) but not yet trainable; ptdp train runs no_shard, optim "
+                     f"(--use-distributed-optimizer) and optim_grads"))
     return out
 
 
@@ -261,8 +261,9 @@ def data_parallel_violations(p: ParallelConfig) -> list[Violation]:
         out.append(V("data parallel", "overlap_param_gather needs use_distributed_optimizer (only the distributed "
                      "optimizer all-gathers parameters)"))
     if p.grad_compression == "1bit" and sharded:
-        out.append(V("data parallel", "grad_compression=1bit cannot be combined with use_distributed_optimizer "
-                     "(1-bit gradients are all-gathered, not reduce-scattered)"))
+        out.append(V("data parallel", f"grad_compression=1bit cannot be combined with use_distributed_optimizer "
+                     f"(data_parallel_sharding_strategy={p.sharding_strategy}; 1-bit gradients are all-gathered, "
+                     f"not reduce-scattered into shards: use no_shard)"))
     warmup = p.grad_compression_warmup_iters
     if warmup is not None and (not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0):
         out.append(V("option", f"grad_compression_warmup_iters={warmup!r} must be an integer >= 0"))

@@ -23,6 +23,18 @@ updated shards can be all-gathered in place. For bfloat16 parameters the buffer 
 their weight gradients straight into ``param.main_grad`` (:mod:`ptdp.engine.tensor_parallel.wgrad`);
 for the other parameters the post-accumulate hook adds ``param.grad`` into it and frees it. The
 hook runs for every parameter in every backward, and marks its gradient complete.
+
+With ``shard_grads=True`` as well (``--data-parallel-sharding-strategy optim_grads``, ZeRO-2)
+the rank keeps only its shard of the gradients between microbatches: *every* microbatch's
+backward reduce-scatters each bucket it touched (during backward with overlap, else when that
+backward ends) and adds the result into :attr:`GradBuffer.shard_grads`, which accumulates the
+step's gradient. The flat buffer exists only while a backward runs: it is allocated (zeroed)
+when backward reaches the output of a watched module (:meth:`GradBuffer.watch`) and its storage is
+released once that backward's reductions finished. :meth:`GradBuffer.no_sync` therefore does not
+defer the reductions in this mode; leaving it ends one microbatch's backward. The tied
+embedding keeps its own bucket (never started early); its shard covers the same rows on the
+first and the last stage, so the embedding-group sum acts on the shards
+(:func:`~ptdp.engine.data_parallel.grads.finalize_grads`).
 """
 
 from __future__ import annotations
@@ -86,19 +98,26 @@ class GradBuffer:
         average_over: what an averaging (not ``prescaled``) reduction divides the sum by, the
             number of data-parallel replicas dp (default: ``dp.size``, right when cp = 1; with
             cp > 1 the sum over cp is kept).
+        shard_grads: keep only the shard of the gradients between microbatches (ZeRO-2; needs
+            ``shard``): each backward's buckets are reduce-scattered and added into
+            :attr:`shard_grads`; the flat buffer lives only during a backward (module docstring).
     """
 
     def __init__(self, chunk_params: list[list[nn.Parameter]], *, dp: AxisGroup, grad_dtype: torch.dtype | None = None,
                  bucket_size: int | None = None, overlap: bool = False, codec: str = "none", shard: bool = False,
                  deferred: tuple[nn.Parameter, ...] = (), prescaled: bool = False,
-                 average_over: int | None = None) -> None:
+                 average_over: int | None = None, shard_grads: bool = False) -> None:
         params = [p for ps in chunk_params for p in ps]
         if not params:
             raise ValueError("GradBuffer needs at least one parameter")
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"parameters of one buffer must share a dtype, got {sorted(map(str, dtypes))}")
+        if shard_grads and (not shard or codec == "1bit"):
+            raise ValueError(f"shard_grads needs shard=True and a codec other than 1bit (got shard={shard}, "
+                             f"codec={codec!r})")
         self.params, self.dp, self.codec, self.sharded, self.prescaled = params, dp, codec, shard, prescaled
+        self.grads_sharded = shard_grads
         self.average_over = dp.size if average_over is None else average_over
         self.exact = False
         """Reduce in the buffer's dtype whatever ``codec`` is (compression warmup); set per step."""
@@ -120,6 +139,8 @@ class GradBuffer:
         self._launched: list[Bucket] = []
         self._place_params()
         self.segments = self._shard_segments() if shard else []
+        if shard_grads:
+            self._release()
         if codec == "1bit":
             for bucket in self.buckets:
                 lengths = [p.numel() for p in bucket.params]
@@ -163,17 +184,79 @@ class GradBuffer:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients without starting any data-parallel reduction (PyTorch DDP's name)."""
+        """Accumulate gradients without starting any data-parallel reduction (PyTorch DDP's name).
+
+        With ``shard_grads`` the reductions are not deferred: the backward run inside reduces as
+        any other, and leaving the context finishes its reductions into the shard and releases
+        the flat buffer (:meth:`flush`)."""
+        if self.grads_sharded:
+            yield
+            self.flush()
+            return
         previous, self._syncing = self._syncing, False
         try:
             yield
         finally:
             self._syncing = previous
 
+    def watch(self, modules: list[nn.Module]) -> None:
+        """``shard_grads`` only: allocate the flat buffer (zeroed) when a backward reaches the
+        output of any of ``modules`` (a tensor hook on each output that needs a gradient, set by
+        a forward hook): before any gradient of the module's parameters is written."""
+        for module in modules:
+            module.register_forward_hook(self._watch_output)
+
+    def _watch_output(self, _module: nn.Module, _args, out) -> None:
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(self._allocate_hook)
+
+    def _allocate_hook(self, _grad: torch.Tensor) -> None:
+        self.allocate()
+
+    def allocate(self) -> None:
+        """Give the flat buffer its storage back, zeroed (no-op while it has it)."""
+        storage = self.data.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.data.numel() * self.data.element_size())
+            self.data.zero_()
+
+    def _release(self) -> None:
+        """Free the flat buffer's storage; the parameters' views stay valid objects (FSDP's
+        ``resize_(0)`` idiom) and get memory again in :meth:`allocate`."""
+        self.data.untyped_storage().resize_(0)
+
+    @property
+    def held_bytes(self) -> int:
+        """Gradient bytes this rank keeps between microbatches: the flat buffer, or with
+        ``shard_grads`` only :attr:`shard_grads` (the buffer exists during a backward only)."""
+        kept = self.shard_grads if self.grads_sharded else self.data
+        return kept.numel() * kept.element_size()
+
+    def flush(self) -> None:
+        """``shard_grads``, after a backward: start the reduction of every bucket that backward
+        touched and has not started, wait for all started ones (each adds its reduced shard into
+        :attr:`shard_grads`), and release the flat buffer."""
+        for bucket in self.buckets:
+            if bucket.ready and bucket.finish is None:
+                self._launch(bucket)
+        for bucket in self._launched:
+            bucket.finish()
+        self._launched = []
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.finish = None
+        self._release()
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if self.uses_main_grad and param.grad is not None:  # None: its layer added it to main_grad
             param.main_grad.add_(param.grad)  # (tensor_parallel/wgrad.py)
             param.grad = None
+        if self.grads_sharded:  # every backward reduces; ready also marks the bucket touched
+            bucket = self._bucket_of[id(param)]
+            bucket.ready.add(id(param))
+            if bucket.overlap and bucket.finish is None and len(bucket.ready) == len(bucket.params):
+                self._launch(bucket)
+            return
         if not self._syncing or self.dp.size == 1:  # accumulating (no_sync), or nothing to reduce
             return
         bucket = self._bucket_of[id(param)]
@@ -193,6 +276,8 @@ class GradBuffer:
         if self.shard_grads is not None:
             per = bucket.numel // self.dp.size
             shard = self.shard_grads[bucket.start // self.dp.size: bucket.start // self.dp.size + per]
+        if self.grads_sharded:
+            return self._launch_into_shard(bucket, grad, shard)
         residual = self.residual[bucket.start: bucket.start + bucket.numel] if self.residual is not None else None
         codec = "none" if self.exact else self.codec
         bucket.finish = start_reduction(codec, grad, self.dp, shard=shard, residual=residual,
@@ -200,10 +285,27 @@ class GradBuffer:
                                         divisor=self.average_over)
         self._launched.append(bucket)
 
+    def _launch_into_shard(self, bucket: Bucket, grad: torch.Tensor, shard: torch.Tensor) -> None:
+        """``shard_grads``: reduce-scatter this backward's ``grad`` of ``bucket`` into a scratch
+        shard (1/d of the bucket) whose finish adds it into the accumulated ``shard``."""
+        if self.dp.size == 1:
+            shard.add_(grad)
+            bucket.finish = _done
+        else:
+            scratch = torch.empty_like(shard)
+            wait = start_reduction("none" if self.exact else self.codec, grad, self.dp, shard=scratch,
+                                   grad_scale=self.grad_scale, average=not self.prescaled, divisor=self.average_over)
+            bucket.finish = lambda: (wait(), shard.add_(scratch))
+        self._launched.append(bucket)
+
     def finish(self) -> None:
         """Start every bucket not started yet (in bucket order), then wait for all: afterwards the
         buffer (or, sharded, :attr:`shard_grads`) holds the gradients summed over cp and averaged
-        over dp."""
+        over dp. With ``shard_grads``: :meth:`flush` (buckets the last backward did not touch
+        hold nothing new)."""
+        if self.grads_sharded:
+            self.flush()
+            return
         if self.dp.size == 1:  # nothing to average; a sharded buffer's one shard is everything
             if self.shard_grads is not None:
                 self.shard_grads.copy_(self.data)
@@ -215,6 +317,12 @@ class GradBuffer:
             bucket.finish()
         self._launched = []
 
+    def bucket_shard(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's share of the reduction of ``param``'s bucket in :attr:`shard_grads`
+        (``[bucket numel / d]``, padding included); sharded buffers only."""
+        bucket, d = self._bucket_of[id(param)], self.dp.size
+        return self.shard_grads[bucket.start // d: (bucket.start + bucket.numel) // d]
+
     @property
     def reduced(self) -> torch.Tensor:
         """Where the averaged gradients are after :meth:`finish`: the buffer, or this rank's shard."""
@@ -222,6 +330,14 @@ class GradBuffer:
 
     def zero(self) -> None:
         """Zero the gradients and forget started reductions, before the next step."""
+        if self.grads_sharded:  # the flat buffer was released by the last flush
+            self.shard_grads.zero_()
+            for bucket in self.buckets:
+                bucket.ready.clear()
+                bucket.finish = None
+            self._launched = []
+            self._release()
+            return
         if not self.uses_main_grad:
             storage = self.data.untyped_storage().data_ptr()
             for p in self.params:
@@ -231,6 +347,10 @@ class GradBuffer:
         for bucket in self.buckets:
             bucket.ready.clear()
             bucket.finish = None
+
+
+def _done() -> None:
+    """A reduction with nothing to wait for."""
 
 
 def _plan_buckets(chunk_params, bucket_size: int, overlap: bool, deferred: set[int], multiple: int) -> list[Bucket]:

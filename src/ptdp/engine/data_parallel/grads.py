@@ -19,15 +19,24 @@ def finalize_grads(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups)
     is never reduced early), then finish the data-parallel reduction of every bucket, then sum the
     gradients of the sequence-parallel parameters over tp (:func:`sum_sequence_parallel_grads`).
 
+    With ``shard_grads`` (ZeRO-2) the order is reversed: the data-parallel reduction first, then
+    the embedding-group sum of the tied bucket's shard (its own bucket, padded alike on both
+    stages, so rank i of the dp x cp group holds the same rows on the first and the last stage).
+
     Communication: embedding all-reduce of the ``[V_pad / tp, h]`` word-embedding gradient (only
-    with pp > 1 and tied embeddings); dp x cp all-reduces (or reduce-scatters) of all buckets, together
+    with pp > 1 and tied embeddings; with ``shard_grads`` of its 1/(dp cp) shard, padded); dp x cp all-reduces (or reduce-scatters) of all buckets, together
     the stage's gradient elements (Narayanan et al. SC21, §3.2); with sequence parallelism one tp
     all-reduce of the marked parameters' gradients.
     """
     tied = model.tied_embedding() if hasattr(model, "tied_embedding") else None
-    if tied is not None and groups.embedding.size > 1:
+    if tied is not None and groups.embedding.size > 1 and buffer.grads_sharded:
+        buffer.finish()  # ZeRO-2: the tied bucket's shard holds the same rows on both stages
+        all_reduce(buffer.bucket_shard(tied), groups.embedding, tag="tied_embedding")
+    elif tied is not None and groups.embedding.size > 1:
         all_reduce(buffer.grad(tied), groups.embedding, tag="tied_embedding")
-    buffer.finish()
+        buffer.finish()
+    else:
+        buffer.finish()
     sum_sequence_parallel_grads(buffer, groups)
 
 
