@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
-from helpers.cli import TINY, FinishedRun, run, train_uninterrupted
+from helpers.cli import TINY, FinishedRun, run, train_uninterrupted, write_docs
+from helpers.pp2_dp2_runs import train_pp2_dp2
+from helpers.proc_helpers import Finished
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +35,22 @@ def profiled_run(corpus, tmp_path_factory) -> FinishedRun:
                 "--output-dir", str(root / "a")], root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return FinishedRun(root / "a", root / "cache", proc)
+
+
+@pytest.fixture(scope="session")
+def pp2_dp2_workspace(tmp_path_factory) -> Path:
+    """A small real-text corpus (``docs``, 16 modules of the ``email`` package) and a data cache
+    (``cache``, tokenized by the first run) for the (1,2,2) runs of helpers/pp2_dp2_runs.py."""
+    root = tmp_path_factory.mktemp("pp2_dp2")
+    write_docs(root / "docs", 16)
+    return root
+
+
+@pytest.fixture(scope="session")
+def pp2_dp2_uninterrupted(pp2_dp2_workspace) -> Finished:
+    """The uninterrupted (1,2,2) run (``whole``, checkpoints in ``whole-ckpt``; asserted to
+    succeed): what a restarted run resumes to and what two launchers joined on loopback train.
+    Read-only."""
+    proc = train_pp2_dp2(pp2_dp2_workspace, "whole", [], kill=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc

@@ -2,29 +2,24 @@
 by c10d rendezvous on 127.0.0.1, train exactly like one launcher of 4 workers (tp=1 pp=2 dp=2,
 float64; ranks are ordered tp-dp-pp, so each node holds one pipeline stage with both of its
 data-parallel ranks, and the pipeline transfers cross the nodes): the per-iteration losses,
-gradient norms and validation losses are bitwise equal."""
+gradient norms and validation losses are bitwise equal. The one launcher's run is the session's
+uninterrupted (1,2,2) run of the restart tests (helpers/pp2_dp2_runs.py, tests/e2e/conftest.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import uuid
-from pathlib import Path
 
 import pytest
-
+from helpers.pp2_dp2_runs import FLAGS, ITERS, LAYOUT, metric_lines
 from helpers.proc_helpers import free_port, run_together
-from helpers.cli import tiny_flags, write_docs
 
 
-TINY = ["--tp", "1", "--pp", "2", "--dp", "2",
-        *tiny_flags(train_iters=3, log_interval=1, params_dtype="float64", no_progress=True)]
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k in ("iteration", "loss", "grad_norm", "val_loss")} for r in records]
+def _metrics(lines: list[dict]) -> list[dict]:
+    """The training and evaluation lines' iteration, loss, gradient norm and validation loss."""
+    return [{k: v for k, v in r.items() if k in ("iteration", "loss", "grad_norm", "val_loss")}
+            for r in lines if "loss" in r or "val_loss" in r]
 
 
 def _failed(procs) -> str:
@@ -32,29 +27,27 @@ def _failed(procs) -> str:
 
 
 @pytest.mark.slow
-def test_two_launchers_on_loopback_equal_one_launcher(tmp_path):
-    docs = write_docs(tmp_path / "docs", 16)
-    # A cold data cache: both launchers' local rank 0 tokenize at once; preparation is atomic.
+def test_two_launchers_on_loopback_equal_one_launcher(tmp_path, pp2_dp2_workspace, pp2_dp2_uninterrupted):
+    # A cold data cache of their own: both launchers' local rank 0 tokenize at once; preparation is atomic.
     env = dict(os.environ, PTDP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
-    flags = [*TINY, "--data", str(docs)]
     port = free_port()
     node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex[:8],
             "--local-addr", "127.0.0.1", "--max-restarts", "0",
-            "-m", "ptdp.train", *flags, "--output-dir", str(tmp_path / "two-nodes")]
+            "-m", "ptdp.train", *LAYOUT, *FLAGS, "--data", str(pp2_dp2_workspace / "docs"),
+            "--output-dir", str(tmp_path / "two-nodes")]
     procs = run_together([node, node], env=env, cwd=tmp_path)
     assert all(p.returncode == 0 for p in procs), _failed(procs)
-    summaries = [p.stderr for p in procs if "done: 3 iterations" in p.stderr]
+    summaries = [p.stderr for p in procs if f"done: {ITERS} iterations" in p.stderr]
     assert len(summaries) == 1, "only global rank 0 prints the summary"
     assert sum(p.stdout.count("[data] prepared data in") for p in procs) == 1, "one launcher's data is used"
 
-    (one,) = run_together([[sys.executable, "-m", "ptdp.cli", "train", *flags, "--output-dir",
-                            str(tmp_path / "one-node")]], env=env, cwd=tmp_path)
-    assert one.returncode == 0, _failed([one])
+    one = pp2_dp2_uninterrupted  # ptdp train, one launcher of 4 workers, the same flags and documents
     assert "tp=1 pp=2 dp=2" in one.stdout
 
-    two_nodes, one_node = _metrics(tmp_path / "two-nodes"), _metrics(tmp_path / "one-node")
-    assert [r["iteration"] for r in one_node if "loss" in r] == [1, 2, 3]
+    two_nodes = _metrics(metric_lines(tmp_path / "two-nodes"))
+    one_node = _metrics(metric_lines(pp2_dp2_workspace / "whole"))
+    assert [r["iteration"] for r in one_node if "loss" in r] == list(range(1, ITERS + 1))
     assert any("val_loss" in r for r in one_node)
     assert two_nodes == one_node  # bitwise: float64 values compared with ==
     prepared = [p.name for p in (tmp_path / "cache").iterdir()]

@@ -3,71 +3,48 @@ launcher restarts the job, which resumes from the newest checkpoint in ``--save`
 exactly like an uninterrupted run; with ``--max-restarts 0`` the run fails, naming the dead rank.
 
 The kill is the test-only hook :meth:`ptdp.engine.faults.FaultPlan.kill_after`
-(``PTDP_TEST_KILL_AT_ITERATION``), which fires in the job's first attempt only."""
+(``PTDP_TEST_KILL_AT_ITERATION``), which fires in the job's first attempt only. The runs, their
+corpus and data cache, and the uninterrupted run (shared with tests/e2e/test_multinode.py):
+helpers/pp2_dp2_runs.py and tests/e2e/conftest.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
-
+from helpers.pp2_dp2_runs import (
+    FLAGS,
+    ITERS,
+    KILL_AT,
+    SAVE_INTERVAL,
+    last_per_iteration,
+    metric_lines,
+    train_pp2_dp2,
+)
 from helpers.proc_helpers import run_together
-from helpers.cli import tiny_flags, write_docs
 
 
-ITERS, SAVE_INTERVAL, KILL_AT = 10, 3, 5
-TINY = tiny_flags(train_iters=ITERS, log_interval=1, eval_interval=100, params_dtype="float64", no_progress=True)
+@pytest.fixture
+def workspace(pp2_dp2_workspace):
+    """The corpus and data cache of the (1,2,2) runs; each test's runs write folders of their own."""
+    return pp2_dp2_workspace
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory) -> Path:
-    """A small real-text corpus and a shared data cache (tokenized once, by the first run)."""
-    root = tmp_path_factory.mktemp("restart")
-    write_docs(root / "docs", 16)
-    return root
-
-
-def _train(workspace: Path, name: str, extra: list[str], *, kill: bool, timeout: float | None = None):
-    """``ptdp train`` at (1,2,2), 4 workers, into ``name`` (run directory) and ``name``-ckpt (checkpoints)."""
-    env = dict(os.environ, PTDP_CACHE_DIR=str(workspace / "cache"), OMP_NUM_THREADS="1")
-    env.pop("PTDP_TEST_KILL_AT_ITERATION", None)
-    if kill:
-        env["PTDP_TEST_KILL_AT_ITERATION"] = str(KILL_AT)
-    cmd = [sys.executable, "-m", "ptdp.cli", "train", *TINY, "--tp", "1", "--pp", "2", "--dp", "2",
-           "--data", str(workspace / "docs"),
-           "--output-dir", str(workspace / name), "--save", str(workspace / f"{name}-ckpt"),
-           "--save-interval", str(SAVE_INTERVAL), *extra]
-    (proc,) = run_together([cmd], timeout=timeout, env=env, cwd=workspace)
-    return proc
-
-
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _last_per_iteration(records: list[dict]) -> dict[int, tuple[float, float]]:
-    """(loss, grad_norm) per iteration, the last line written for it (the resumed one)."""
-    return {r["iteration"]: (r["loss"], r["grad_norm"]) for r in records if "loss" in r}
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(workspace) -> dict[int, tuple[float, float]]:
-    proc = _train(workspace, "whole", [], kill=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return _last_per_iteration(_records(workspace / "whole"))
+@pytest.fixture
+def uninterrupted(pp2_dp2_uninterrupted, pp2_dp2_workspace) -> dict[int, tuple[float, float]]:
+    """(loss, grad_norm) per iteration of the uninterrupted (1,2,2) run."""
+    return last_per_iteration(metric_lines(pp2_dp2_workspace / "whole"))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # with the uninterrupted run; about 40 s on an idle 2-core machine
 def test_killed_worker_is_restarted_and_the_run_resumes_bitwise(workspace, uninterrupted):
-    proc = _train(workspace, "killed", ["--max-restarts", "1"], kill=True)
+    proc = train_pp2_dp2(workspace, "killed", ["--max-restarts", "1"], kill=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "restart 1 of the job: resumed from" in proc.stderr
-    records = _records(workspace / "killed")
-    assert _last_per_iteration(records) == uninterrupted, "losses and gradient norms bitwise"
+    records = metric_lines(workspace / "killed")
+    assert last_per_iteration(records) == uninterrupted, "losses and gradient norms bitwise"
     events = [r for r in records if r.get("event") == "restart"]
     assert len(events) == 1 and events[0]["restart"] == 1
     resumed = events[0]["resumed_from_iteration"]
@@ -87,11 +64,11 @@ def test_killed_worker_is_restarted_and_the_run_resumes_bitwise(workspace, unint
 
 @pytest.mark.slow
 def test_killed_worker_without_restarts_fails_naming_the_rank(workspace):
-    proc = _train(workspace, "fails", [], kill=True)
+    proc = train_pp2_dp2(workspace, "fails", [], kill=True)
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
     assert "ptdp train: error: worker rank 1 (local rank 1" in proc.stderr
     assert "killed by signal SIGKILL" in proc.stderr and "--max-restarts 0" in proc.stderr
-    records = _records(workspace / "fails")
+    records = metric_lines(workspace / "fails")
     assert max(r["iteration"] for r in records if "loss" in r) in (KILL_AT - 1, KILL_AT)
     assert not any("restart" in r for r in records)
 
@@ -104,14 +81,14 @@ def test_torchrun_restart_resumes(workspace, uninterrupted):
     env = dict(os.environ, PTDP_CACHE_DIR=str(workspace / "cache"), OMP_NUM_THREADS="1",
                PTDP_TEST_KILL_AT_ITERATION=str(KILL_AT), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "1", "-m", "ptdp.train", *TINY, "--tp", "1", "--pp", "2",
+           "--max-restarts", "1", "-m", "ptdp.train", *FLAGS, "--tp", "1", "--pp", "2",
            "--data", str(workspace / "docs"), "--output-dir", str(workspace / "torchrun"),
            "--save", str(workspace / "torchrun-ckpt"), "--save-interval", str(SAVE_INTERVAL)]
     (proc,) = run_together([cmd], env=env, cwd=workspace)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = _records(workspace / "torchrun")
+    records = metric_lines(workspace / "torchrun")
     assert [r["resumed_from_iteration"] for r in records if r.get("event") == "restart"] == [3]
-    losses = _last_per_iteration(records)
+    losses = last_per_iteration(records)
     assert sorted(losses) == sorted(uninterrupted)
     for it, (loss, norm) in uninterrupted.items():
         assert losses[it][0] == pytest.approx(loss, rel=1e-9) and losses[it][1] == pytest.approx(norm, rel=1e-9)
