@@ -37,6 +37,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -153,7 +154,7 @@ def measure_optimizer(config, tp_axis, dtype, device: torch.device | None = None
     groups = [{"params": [q for q in params if q.ndim >= 2], "weight_decay": t.weight_decay},
               {"params": [q for q in params if q.ndim < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=1e-4)
-    grads = [q.grad for q in params]
+    grads = [q.grad for q in params if q.grad is not None]  # every one, set above
 
     def step() -> None:
         torch.stack(torch._foreach_norm(grads)).square().sum()
@@ -195,15 +196,14 @@ def measure_head(config, tp_axis, dtype, device: torch.device | None = None) -> 
 
 def fit_gemm_curve(samples: list[dict]) -> tuple[float, float]:
     """(peak FLOP/s, half_dim) so that peak * prod(x/(x+half_dim)) best fits the samples (log LSQ)."""
-    best = None
+    fits = []  # (squared log error, peak, half_dim) per candidate half_dim
     for half_dim in [0.0] + [2.0 ** (i / 4) for i in range(0, 36)]:
         logs = [math.log(s["flops_per_s"]) - math.log(gemm_efficiency(s["m"], s["n"], s["k"], peak_fraction=1.0,
                                                                       half_dim=half_dim)) for s in samples]
         log_peak = sum(logs) / len(logs)
-        err = sum((x - log_peak) ** 2 for x in logs)
-        if best is None or err < best[0]:
-            best = (err, math.exp(log_peak), half_dim)
-    return best[1], best[2]
+        fits.append((sum((x - log_peak) ** 2 for x in logs), math.exp(log_peak), half_dim))
+    _, peak, half_dim = min(fits, key=lambda fit: fit[0])  # the first smallest error
+    return peak, half_dim
 
 
 def fit_ring(samples: list[tuple[int, float]], group_size: int | list[int]) -> tuple[float, float]:
@@ -313,7 +313,8 @@ def _measure(groups, host, config, precision: str, device: torch.device | None =
     from ptdp.planner.models import spec_from_model_config
 
     p, m, dtype = config.parallel, config.model, PRECISION_DTYPES[precision]
-    rank, mine = groups.global_rank, {}
+    rank = groups.global_rank
+    mine: dict[str, Any] = {}
 
     def barrier() -> None:
         comm.barrier(host)

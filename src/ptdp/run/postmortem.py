@@ -285,14 +285,21 @@ def watchdog_aborts(ends: list[RankEnd], timeout_s: float | None) -> list[RankEn
     if not timeout_s:
         return []
     limit = WATCHDOG_FRACTION * timeout_s * 1e9
-    aborts = [e for e in ends if e.kind == "signal" and e.summary.endswith("(Aborted)") and e.time_ns is not None
-              and e.since_ns is not None]
+    aborts = [(e, e.time_ns, e.since_ns) for e in ends if e.kind == "signal" and e.summary.endswith("(Aborted)")
+              and e.time_ns is not None and e.since_ns is not None]
     if not aborts:
         return []
-    first = min(e.time_ns for e in aborts)
+    first = min(time_ns for _, time_ns, _ in aborts)
     idle = any(e.kind in ("sigterm", "silent", "collective") and e.since_ns is not None and first - e.since_ns >= limit
                for e in ends)
-    return [e for e in aborts if idle or e.time_ns - e.since_ns >= limit]
+    return [e for e, time_ns, since_ns in aborts if idle or time_ns - since_ns >= limit]
+
+
+def _times(end: RankEnd) -> tuple[int, int]:
+    """``(time_ns, since_ns)`` of an end that has both (every abort :func:`watchdog_aborts` returns)."""
+    if end.time_ns is None or end.since_ns is None:
+        raise ValueError(f"rank {end.rank}'s record has no end time or phase start")
+    return end.time_ns, end.since_ns
 
 
 def _watchdog_diagnosis(ends: list[RankEnd], aborted: list[RankEnd]) -> Diagnosis:
@@ -300,21 +307,22 @@ def _watchdog_diagnosis(ends: list[RankEnd], aborted: list[RankEnd]) -> Diagnosi
     longest time is named first (the one the aborted ranks waited for); if every rank was aborted,
     the first abort."""
     def waited(e: RankEnd) -> str:
-        return _duration(e.time_ns - e.since_ns)
+        time_ns, since_ns = _times(e)
+        return _duration(time_ns - since_ns)
 
     marked = {e.rank: dataclasses.replace(e, kind="watchdog", summary=f"was aborted by NCCL's watchdog (SIGABRT) "
                                           f"{waited(e)} after entering its last phase") for e in aborted}
-    candidates = [e for e in ends if e.rank not in marked and e.kind in ("sigterm", "silent", "collective")
-                  and e.since_ns is not None]
-    last_abort = max(e.time_ns for e in aborted)
+    candidates = [(e, e.since_ns) for e in ends
+                  if e.rank not in marked and e.kind in ("sigterm", "silent", "collective") and e.since_ns is not None]
+    last_abort = max(_times(e)[0] for e in aborted)
     if candidates:
-        stalled = min(candidates, key=lambda e: (e.since_ns, e.rank))
+        stalled, since_ns = min(candidates, key=lambda c: (c[1], c[0].rank))
         first = dataclasses.replace(stalled, kind="stalled", summary=(
-            f"made no progress for {_duration(last_abort - stalled.since_ns)} before NCCL's watchdog aborted "
+            f"made no progress for {_duration(last_abort - since_ns)} before NCCL's watchdog aborted "
             f"rank{'s' if len(marked) > 1 else ''} {', '.join(map(str, sorted(marked)))} (a collective timed out "
             f"waiting for it: likely the one that stopped responding; --distributed-timeout-minutes sets the limit)"))
     else:
-        first = min(marked.values(), key=lambda e: (e.time_ns, e.rank))
+        first = min(marked.values(), key=lambda e: (_times(e)[0], e.rank))
         first = dataclasses.replace(first, summary=first.summary + " (a collective timed out; "
                                     "--distributed-timeout-minutes sets the limit)")
     others = [marked.get(e.rank, e) for e in ends if e.rank != first.rank]

@@ -64,7 +64,7 @@ class StepProfiler:
         self.first = max(self.start - 1, first_step)  # the warm-up step, when this run has one
         self.path = Path(run_dir) / "profile" / f"rank{rank}.json"
         self.cuda = torch.device(device).type == "cuda"
-        self._prof = None
+        self._prof: profile | None = None
         self.written: Path | None = None
 
     @contextlib.contextmanager
@@ -77,13 +77,14 @@ class StepProfiler:
             plan = schedule(wait=0, warmup=self.start - self.first, active=self.end - self.start, repeat=1)
             self._prof = profile(activities=activities, record_shapes=True, schedule=plan, on_trace_ready=self._write)
             self._prof.start()
+        prof = self._prof
         with record_function(f"ptdp iteration {step + 1}"):
             yield
         if step == self.end - 1 and self.cuda:
             torch.cuda.synchronize()  # the profiled steps' kernels have run (the steps do not wait for them)
-        self._prof.step()  # after the last profiled step this calls _write
+        prof.step()  # after the last profiled step this calls _write
         if step == self.end - 1:
-            self._prof.stop()
+            prof.stop()
             self._prof = None
 
     def _write(self, prof) -> None:

@@ -22,7 +22,7 @@ import json
 import time
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -42,6 +42,10 @@ class _Span:
         self.tracer.add(self.name, self.cat, self.start, self.tracer.now(), self.args)
 
 
+def _nothing() -> None:
+    """The synchronisation of the wall clock: none needed."""
+
+
 class Tracer:
     """Collects this rank's events (``pid`` = global rank) while ``active``.
 
@@ -58,8 +62,9 @@ class Tracer:
         self.active = False
         cuda = device is not None and torch.device(device).type == "cuda"
         self._make_event = make_event or (partial(torch.cuda.Event, enable_timing=True) if cuda else None)
-        self._synchronize = synchronize or (partial(torch.cuda.synchronize, device) if cuda else None)
-        self._anchor = None  # (event, wall-clock seconds) of the first traced span's start
+        self._synchronize: Callable[[], object] = synchronize or (
+            partial(torch.cuda.synchronize, device) if cuda else _nothing)
+        self._anchor: tuple[Any, float] | None = None  # (event, wall-clock seconds) of the first traced span's start
         self._pending: list[tuple] = []  # spans timed by events, not read yet
 
     def now(self):
@@ -91,6 +96,8 @@ class Tracer:
     def collect(self) -> list[dict]:
         """Every recorded event, with the spans timed by events read (one synchronisation)."""
         if self._pending:
+            if self._anchor is None:  # now() records it before the first event-timed span
+                raise RuntimeError("event-timed spans without the anchor event")
             self._synchronize()
             anchor, wall = self._anchor
             for name, cat, start, end, args in self._pending:
@@ -165,7 +172,7 @@ def _draw(events: list[dict], path: Path, labels: dict[int, str]) -> None:
                 text = f"{e['args']['microbatch']}" + (f".{e['args']['chunk']}" if chunks else "")
                 ax.text((e["ts"] - origin + e["dur"] / 2) / 1e3, row, text, ha="center", va="center", fontsize=6,
                         color="white", clip_on=True)
-    starts = {}
+    starts: dict[int, float] = {}
     for e in events:
         it = e["args"]["iteration"]
         starts[it] = min(starts.get(it, e["ts"]), e["ts"])

@@ -10,6 +10,8 @@ from ptdp.spec.fields import opt
 AUTO_DTYPE = "auto"
 ParamsDtype = Literal["auto", "float32", "float64", "bfloat16", "float16"]
 """The values of ``--params-dtype``."""
+Activation = Literal["gelu", "gelu_tanh"]
+"""The values of ``--activation``."""
 
 
 def concrete_params_dtype(params_dtype: ParamsDtype, *, cuda: bool) -> ParamsDtype:
@@ -64,7 +66,7 @@ class ModelConfig:
     """Standard deviation of the normal initialisation of weights."""
     layernorm_epsilon: float = opt(1e-5, "--layernorm-epsilon", "epsilon of the norms (LayerNorm or RMSNorm)", "model")
     """Epsilon added to the variance (LayerNorm) or mean square (RMSNorm)."""
-    activation: Literal["gelu", "gelu_tanh"] = opt(
+    activation: Activation = opt(
         "gelu", "--activation", "MLP activation: exact GELU or its tanh approximation (GPT-2)", "model")
     """MLP activation: ``gelu`` (exact, erf) or ``gelu_tanh`` (the tanh approximation GPT-2 uses);
     unused with ``swiglu``."""

@@ -119,6 +119,8 @@ def precheck(config: Config) -> dict:
     """Everything about ``config.checkpoint.load`` that can be checked without processes: the
     folder, its metadata, the model shape (``config.model.vocab_size`` must be the real one) and
     the shard files. Returns the metadata; raises :class:`CheckpointError`."""
+    if config.checkpoint.load is None:
+        raise CheckpointError("no checkpoint to check: --load is not set")
     folder, meta = _open(config.checkpoint.load, config)
     if meta["iteration"] >= config.train.train_iters:
         raise CheckpointError(f"checkpoint {folder} is at iteration {meta['iteration']}: --train-iters "

@@ -30,6 +30,7 @@ from ptdp.run.checkpoint.folders import (FORMAT, META, MODEL_DEFAULTS, Checkpoin
 from ptdp.run.checkpoint.io import _write_json, _write_text_atomic
 from ptdp.run.checkpoint.safe_reader import SafeFileSystemReader
 from ptdp.spec import ModelConfig
+from ptdp.spec.model import Activation
 
 _LAYER = {"ln_1": "ln1", "ln_2": "ln2", "attn.c_attn": "attention.qkv", "attn.c_proj": "attention.proj",
           "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
@@ -145,13 +146,17 @@ def _gpt2_config(m: dict) -> dict:
     }
 
 
+_GPT2_ACTIVATIONS: dict[str, Activation] = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+"""GPT-2's ``activation_function`` -> ptdp's ``activation``."""
+
+
 def model_config_from_hf(config: dict) -> ModelConfig:
     """ptdp's model for a GPT-2 or Llama ``config.json`` (raises CheckpointError for what ptdp lacks)."""
     if config.get("model_type") == "llama":
         return model_config_from_llama(config)
     if config.get("model_type") != "gpt2":
         raise CheckpointError(f"model_type {config.get('model_type')!r} is not gpt2 or llama")
-    act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}.get(config.get("activation_function"))
+    act = _GPT2_ACTIVATIONS.get(config.get("activation_function", ""))
     if act is None:
         raise CheckpointError(f"activation_function {config.get('activation_function')!r} is not supported")
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):

@@ -188,6 +188,6 @@ def from_llama(m: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.T
             sd[f"layers.{i}.mlp.fc1.{kind}"] = torch.stack((gate, up))
             sd[f"layers.{i}.mlp.fc2.{kind}"] = take(f"{names['mlp.fc2']}.{kind}", h, *_inputs(kind, ffn))
     if unused:
-        names = ", ".join(sorted(unused)[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
-        raise CheckpointError(f"the Llama model has tensors its config does not explain: {names}")
+        listed = ", ".join(sorted(unused)[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise CheckpointError(f"the Llama model has tensors its config does not explain: {listed}")
     return sd

@@ -44,6 +44,7 @@ import random
 import shutil
 import warnings
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -52,6 +53,7 @@ from ptdp.run.checkpoint.folders import FORMAT, META, CheckpointError, _first_li
 from ptdp.run.checkpoint.optim_state import MOMENTS, gather_local_state, load_local_state, state_kinds, step_count
 from ptdp.run.checkpoint.tensors import stored_form, to_checkpoint_value
 from ptdp.engine.comm import all_gather_object, barrier
+from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.chunks import global_named_parameters
 from ptdp.engine.tensor_parallel.sharding import spec_of
 
@@ -141,8 +143,11 @@ def start_save(stage, root: str | Path, iteration: int, *, consumed_samples: int
 
     writer = dcp.FileSystemWriter(tmp)
     with _quiet():
+        future: Future | None
         if async_save:
-            future = dcp.async_save(sd, storage_writer=writer, process_group=group)
+            started = dcp.async_save(sd, storage_writer=writer, process_group=group)
+            # an AsyncSaveResponse (newer torch, staging in the background too) holds the write's future
+            future = started if isinstance(started, Future) else started.upload_completion
         else:
             dcp.save(sd, storage_writer=writer, process_group=group)
             future = None
@@ -160,7 +165,7 @@ class PendingSave:
 
     future: Future | None
     """DCP's write in the background (``dcp.async_save``), None when written already."""
-    groups: object
+    groups: ParallelGroups
     tmp: Path
     final: Path
     keep_last: int | None = None
@@ -218,7 +223,7 @@ def _refuse_non_finite(stage, iteration: int, named, tensors: dict[int, dict[str
 
 def _all_finite(tensors: list[torch.Tensor]) -> list[bool]:
     """Whether each tensor is free of nan/inf: the flags of one device are stacked and read at once."""
-    out: list[bool | None] = [None] * len(tensors)
+    out = [False] * len(tensors)  # every entry set below
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
@@ -260,7 +265,7 @@ def _write_text_atomic(path: Path, text: str) -> None:
 
 
 def _rng_state(stage) -> dict:
-    np_state = np.random.get_state()
+    np_state = cast(tuple, np.random.get_state(legacy=True))  # legacy=True: the tuple, never the dict
     state = {"python": _to_json(random.getstate()), "torch": torch.get_rng_state().tolist(),
              "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
     if stage.dropout_rng is not None:

@@ -30,7 +30,7 @@ def state_kinds(optimizer) -> tuple[str, ...]:
     return MOMENTS + (("main",) if low_precision else ())
 
 
-def _inner_and_map(optimizer) -> tuple[torch.optim.Optimizer | None, dict[int, nn.Parameter]]:
+def _inner_and_map(optimizer) -> tuple[torch.optim.Optimizer, dict[int, nn.Parameter]]:
     """The torch optimizer holding the state, and model parameter id -> the tensor it is keyed by."""
     if isinstance(optimizer, MainParamsAdamW):
         return optimizer.inner, {id(p): main for p, main in optimizer.pairs}
@@ -100,6 +100,8 @@ def load_local_state(optimizer, params: list[nn.Parameter], tensors: dict[int, d
     """Put loaded per-parameter tensors (local shapes) into ``optimizer``; ``step`` is Adam's count.
     A ``main`` entry also becomes the 16-bit parameter's float32 main copy."""
     if isinstance(optimizer, ShardedAdamW):
+        if optimizer.inner is None:  # this rank's shards hold only padding: no state
+            return
         for seg, main in optimizer.segment_mains:
             entry = tensors[id(seg.param)]
             if "main" in entry:
