@@ -55,7 +55,7 @@ def _command_name(argv: list[str]) -> str:
 
 def _take_config_file(parser: argparse.ArgumentParser, name: str, argv: list[str]) -> None:
     """Set the defaults of command ``name`` from its ``--config FILE``, if it has that flag."""
-    sub = next((a for a in parser._subparsers._group_actions if isinstance(a, argparse._SubParsersAction)), None)
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
     command = sub.choices.get(name) if sub is not None else None
     if command is None or not any("--config" in a.option_strings for a in command._actions):
         return
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # the command's own usage and the closest flags, not the top-level usage
         from ptdp.commands.train_flags import reject_unknown
 
-        command = next(a for a in parser._subparsers._group_actions if isinstance(a, argparse._SubParsersAction))
+        command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         reject_unknown(command.choices[args.command], extra)
     try:
         return args.func(args)

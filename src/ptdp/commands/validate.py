@@ -35,11 +35,11 @@ def markers(csv: str | Path) -> tuple[str, str]:
 def validation_markdown(csv: str | Path) -> str:
     """The validation table, per-metric errors and the memory check of every published layout."""
     if is_h100_table(csv):
-        runs = load_h100_runs(csv)
-        table, checks = format_validation_table(validate_h100(runs)), h100_fit_check(runs)
+        h100_runs = load_h100_runs(csv)
+        table, checks = format_validation_table(validate_h100(h100_runs)), h100_fit_check(h100_runs)
     else:
-        runs = load_published_runs(csv)
-        table, checks = format_validation_table(validate(runs)), fit_check(runs)
+        published = load_published_runs(csv)
+        table, checks = format_validation_table(validate(published)), fit_check(published)
     lines = [table, "",
              "Memory of each published layout under the planner's model (it must fit: the run happened):", "",
              "| model | layout | predicted total GiB | capacity GiB |", "|---|---|---|---|"]
