@@ -20,16 +20,19 @@ def uninterrupted(corpus, tmp_path_factory) -> FinishedRun:
 
 
 #: The profiled run's flags after ``ptdp train``: the tiny model at (1,2,1) with hidden dropout,
-#: torch.profiler on steps 1 and 2 (iterations 2 and 3) of both ranks.
+#: torch.profiler on steps 1 and 2 (iterations 2 and 3) of both ranks, each worker bound to CPUs of
+#: its own.
 PROFILED_FLAGS = [*TINY, "--tp", "1", "--pp", "2", "--dp", "1", "--hidden-dropout", "0.1", "--profile",
-                  "--profile-step-start", "1", "--profile-step-end", "3", "--profile-ranks", "0,1", "--no-progress"]
+                  "--profile-step-start", "1", "--profile-step-end", "3", "--profile-ranks", "0,1",
+                  "--bind-cpus", "exclusive", "--no-progress"]
 
 
 @pytest.fixture(scope="session")
 def profiled_run(corpus, tmp_path_factory) -> FinishedRun:
     """``ptdp train`` (elastic launcher, 2 workers) with :data:`PROFILED_FLAGS` on ``corpus/docs``
     into ``a`` (asserting it succeeded): the run whose traces and peak memory ``--profile`` is
-    checked on, and which ``--config a/config.json`` replays. Read-only."""
+    checked on, whose printed CPU binding plan and config ``--bind-cpus`` is checked on, and which
+    ``--config a/config.json`` replays. Read-only."""
     root = tmp_path_factory.mktemp("profiled")
     proc = run([sys.executable, "-m", "ptdp.cli", "train", *PROFILED_FLAGS, "--data", str(corpus / "docs"),
                 "--output-dir", str(root / "a")], root)

@@ -13,7 +13,6 @@ import pytest
 from ptdp.topology.binding import allowed_numa_nodes, plan_cpu_only, read_cpu_layout
 
 from helpers.proc_helpers import run_together
-from helpers.cli import write_docs
 
 
 WORKER = """
@@ -71,17 +70,9 @@ def test_torchrun_workers_bind_themselves(policy, tmp_path):
 
 
 @pytest.mark.slow
-def test_ptdp_train_with_exclusive_binding(tmp_path):
-    """The flag flows from ``ptdp train`` through the config to the workers; the plan is printed."""
-    docs = write_docs(tmp_path / "docs", 12, "d{}.txt")
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "ptdp.cli", "train", "--tp", "1", "--pp", "1", "--dp", "2", "--bind-cpus", "exclusive",
-           "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
-           "--vocab-size", "300", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1",
-           "--lr-warmup-iters", "0", "--eval-iters", "0", "--data", str(docs), "--output-dir", str(out),
-           "--no-progress"]
-    (proc,) = run_together([cmd], env=_env(tmp_path), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_ptdp_train_with_exclusive_binding(profiled_run):
+    """The flag flows from ``ptdp train`` through the config to the workers; the plan is printed
+    (the session's profiled run, tests/e2e/conftest.py: 2 workers with ``--bind-cpus exclusive``)."""
     plan = plan_cpu_only("exclusive", 2, read_cpu_layout())
-    assert "cpu binding (exclusive):\n  " + plan.describe().replace("\n", "\n  ") in proc.stdout
-    assert json.loads((out / "config.json").read_text())["parallel"]["bind_cpus"] == "exclusive"
+    assert "cpu binding (exclusive):\n  " + plan.describe().replace("\n", "\n  ") in profiled_run.proc.stdout
+    assert json.loads((profiled_run.run_dir / "config.json").read_text())["parallel"]["bind_cpus"] == "exclusive"
