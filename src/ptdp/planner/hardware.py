@@ -8,9 +8,14 @@ TOML or JSON file (:func:`load_catalog`) whose tables have the fields of :class:
 from __future__ import annotations
 
 import json
-import tomllib
+import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, published as tomli (a dependency there)
+    import tomli as tomllib
 
 GiB = 1024**3
 GB = 1e9

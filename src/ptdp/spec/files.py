@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,10 @@ def read_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: cannot read it ({err.strerror or err})") from None
     try:
         if path.suffix == ".toml":
-            import tomllib
+            if sys.version_info >= (3, 11):
+                import tomllib
+            else:  # Python 3.10: the same parser, published as tomli (a dependency there)
+                import tomli as tomllib
 
             data = tomllib.loads(text)
         elif path.suffix in (".yaml", ".yml"):
