@@ -40,8 +40,11 @@ def load_for_inference(path: str | Path, dtype: str = "float32") -> tuple[GPTMod
                             train=TrainConfig(micro_batch_size=1, global_batch_size=1)), 1)
     stage = build_stage(config, ParallelGroups.single_process())
     load_checkpoint(stage, folder, load_optimizer=False, load_rng=False)
-    stage.model.eval()
-    return stage.model, meta, folder
+    model = stage.model
+    if not isinstance(model, GPTModel):  # one process, pp = 1: never the chunks of an interleaved rank
+        raise TypeError(f"expected one GPTModel stage, got {type(model).__name__}")
+    model.eval()
+    return model, meta, folder
 
 
 @torch.no_grad()

@@ -163,6 +163,6 @@ def format_peak_memory(by_rank: dict, measure: str) -> str:
     if len(mib) <= 8:
         values = ", ".join(f"{r}: {v:,.0f}" for r, v in sorted(mib.items()))
     else:
-        hi, lo = max(mib, key=mib.get), min(mib, key=mib.get)
+        hi, lo = max(mib, key=lambda r: mib[r]), min(mib, key=lambda r: mib[r])
         values = f"largest {mib[hi]:,.0f} (rank {hi}), smallest {mib[lo]:,.0f} (rank {lo}) over {len(mib)} ranks"
     return f"  peak memory per rank, MiB ({measure}): {values}"

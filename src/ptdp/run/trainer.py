@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     saver = Checkpointer(groups, async_save=ck.async_save) if ck.save or ck.load else None
     if ck.load:
         meta = load_checkpoint(stage, ck.load, load_optimizer=not ck.no_load_optim, load_rng=not ck.no_load_rng,
-                               group=saver.group)
+                               group=saver.group if saver is not None else None)
         start, consumed, note = meta["iteration"], meta["consumed_samples"], meta.get("residual_note")
         if start >= t.train_iters:
             raise CheckpointError(f"checkpoint {ck.load} is at iteration {start}: --train-iters {t.train_iters} "
@@ -74,9 +75,9 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     loop.flush()
     loop.evaluate(t.train_iters)
     stage.wait_for_params()
-    if ck.save:
-        _save(loop.saver, stage, ck, t.train_iters, loop.samples_before(t.train_iters), log, data)
-        _complete_save(loop.saver.wait, log)  # the end of training waits for a save in the background
+    if ck.save and saver is not None:  # --save always has a saver
+        _save(saver, stage, ck, t.train_iters, loop.samples_before(t.train_iters), log, data)
+        _complete_save(saver.wait, log)  # the end of training waits for a save in the background
     log.close()
     return loop.finish(Path(run_dir), time.perf_counter() - started)
 
@@ -95,7 +96,7 @@ class _Loop:
         self.valid_batches = _valid_batches(config, groups, data, stage.device)
         self.throughput = Throughput.for_run(config, stage.device)
         """Turns a step time into tokens/s, TFLOP/s per GPU and MFU (:mod:`ptdp.run.throughput`)."""
-        self.history: dict[str, list] = {"val": [], "train": [], "comm": {}}
+        self.history: dict[str, Any] = {"val": [], "train": [], "comm": {}}
         self.tracer = Tracer(groups.global_rank, groups.pp.rank, stage.device) if t.traced_iters else None
         self.profiler = StepProfiler.for_run(config, groups.global_rank, run_dir, stage.device, first_step=start)
         self.first_traced = 2 if t.train_iters >= 2 else 1
@@ -142,7 +143,7 @@ class _Loop:
                 _complete_save(self.saver.poll, self.log)
         if evaluate:
             self.evaluate(iteration)
-        if save:
+        if save and self.saver is not None:  # --save always has a saver
             _save(self.saver, self.stage, ck, iteration, self.samples_before(iteration), self.log, self.data)
         if evaluate or save:
             self.interval_start = None  # the next interval's time starts at its first step
@@ -159,6 +160,8 @@ class _Loop:
         synchronisation)."""
         if not self.pending:
             return
+        if self.interval_start is None:  # step() sets it before a step joins pending
+            raise RuntimeError("steps are pending without the start of their interval")
         results, reduced = read_results_with([step for _, step in self.pending], self._peak_memory())
         step_time = (time.perf_counter() - self.interval_start) / len(results)
         self.interval_start = time.perf_counter()

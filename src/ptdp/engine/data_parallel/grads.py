@@ -28,7 +28,8 @@ def finalize_grads(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups)
     the stage's gradient elements (Narayanan et al. SC21, §3.2); with sequence parallelism one tp
     all-reduce of the marked parameters' gradients.
     """
-    tied = model.tied_embedding() if hasattr(model, "tied_embedding") else None
+    tied_embedding = getattr(model, "tied_embedding", None)  # a GPTModel stage or ModelChunks has it
+    tied = tied_embedding() if tied_embedding is not None else None
     if tied is not None and groups.embedding.size > 1 and buffer.grads_sharded:
         buffer.finish()  # ZeRO-2: the tied bucket's shard holds the same rows on both stages
         all_reduce(buffer.bucket_shard(tied), groups.embedding, tag="tied_embedding")
@@ -54,8 +55,9 @@ def sum_sequence_parallel_grads(buffer: GradBuffer, groups: ParallelGroups) -> N
     """
     if groups.tp.size == 1:
         return
-    if buffer.sharded:
-        grads = [buffer.shard_grads[seg.shard_offset: seg.shard_offset + seg.hi - seg.lo]
+    shard = buffer.shard_grads  # not None: sharded
+    if shard is not None:
+        grads = [shard[seg.shard_offset: seg.shard_offset + seg.hi - seg.lo]
                  for seg in buffer.segments if is_sequence_parallel(seg.param)]
     else:
         grads = [buffer.grad(p) for p in buffer.params if is_sequence_parallel(p)]
@@ -81,8 +83,9 @@ def counts_in_norm(param: nn.Parameter, groups: ParallelGroups) -> bool:
 
 
 def _sum_of_squares(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups) -> torch.Tensor:
-    if buffer.sharded:  # this rank's shard of the reduced gradients; the dp x cp ranks' shards add up
-        grads = [buffer.shard_grads[seg.shard_offset: seg.shard_offset + seg.hi - seg.lo]
+    shard = buffer.shard_grads  # not None: sharded
+    if shard is not None:  # this rank's shard of the reduced gradients; the dp x cp ranks' shards add up
+        grads = [shard[seg.shard_offset: seg.shard_offset + seg.hi - seg.lo]
                  for seg in buffer.segments if counts_in_norm(seg.param, groups)]
         sq = _squares(grads, buffer.data.device)
         all_reduce(sq, groups.dp_cp, tag="grad_norm")

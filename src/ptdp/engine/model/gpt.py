@@ -293,8 +293,8 @@ class GPTModel(nn.Module):
                 split = self.tp if self.sequence_parallel else AxisGroup.single("tp")
                 rows = rank_positions(s, cp.rank, cp.size, tp_rank=split.rank, tp_size=split.size, device=x.device)
                 return x + self.position_embeddings.index_select(0, rows).unsqueeze(1)
-            rows = sequence_shard(s, self.tp) if self.sequence_parallel else slice(start, start + s)
-            x = x + self.position_embeddings[rows].unsqueeze(1)
+            held = sequence_shard(s, self.tp) if self.sequence_parallel else slice(start, start + s)
+            x = x + self.position_embeddings[held].unsqueeze(1)
         return x
 
     def transformer_layers(self) -> list[tuple[str, TransformerLayer]]:
