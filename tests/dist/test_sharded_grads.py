@@ -81,3 +81,16 @@ def test_every_backward_reduce_scatters_its_gradients(world, layout):
         assert rs["calls"] % m == 0 and rs["calls"] // m > 1, (rs, m)  # the same buckets in every backward
         assert rs["numel"] == m * run["grad_numel"], (rs, m, run["grad_numel"])
         assert comm["dp/all_gather/params"]["numel"] == run["grad_numel"] // dp, comm  # this rank's share
+
+
+@pytest.mark.parametrize("world, layout", CASES, ids=IDS)
+def test_a_backward_holds_only_some_buckets(world, layout):
+    """Bucket gradient memory exists only during a backward, a few buckets at a time: reduced
+    during backward (1500-element buckets, at most two in flight), a rank never holds its whole
+    gradient (``grad_numel``, padded) at once; the transient is at least one bucket."""
+    tp, pp, dp = layout
+    for res in (rank_results[layout] for rank_results in world_results(world)):
+        m = res["grads_overlap"]["measured"]
+        full = 8 * (m["numel"] + m["padding"])
+        assert 8 * 1500 <= m["grads_transient"] < full, (m["grads_transient"], full)
+

@@ -234,8 +234,8 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
         prescaled=m.params_dtype != "float16",
         shard_grads=p.sharding_strategy == "optim_grads",  # ZeRO-2: only the shard between microbatches
     )
-    if grads.grads_sharded:
-        grads.watch(chunks)  # the flat buffer is allocated when backward reaches a chunk's output
+    if grads.grads_sharded:  # a bucket's memory is allocated when backward reaches its module's output
+        grads.watch(_param_gather_units(chunks))
     scaler = DynamicLossScaler(device=device) if m.params_dtype == "float16" else None
     units = _param_gather_units(chunks) if p.overlap_param_gather else None
     optimizer = build_optimizer(model, config.train, grads, param_gather_units=units)

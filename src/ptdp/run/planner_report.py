@@ -50,6 +50,8 @@ def measure_stage(stage) -> dict:
         "params": sum(p.numel() * p.element_size() for p in params),
         "grads": stage.grads.held_bytes,  # optim_grads: the shard (the buffer lives during backward only)
         "padding": stage.grads.data.numel() - sum(p.numel() for p in params),
+        # optim_grads: the most bucket gradient bytes allocated at once during a backward
+        "grads_transient": stage.grads.peak_live_bytes,
         "optimizer": state_bytes + main_bytes,
         "peak": peak, "peak_kind": peak_kind,
     }

@@ -28,10 +28,13 @@ With ``shard_grads=True`` as well (``--data-parallel-sharding-strategy optim_gra
 the rank keeps only its shard of the gradients between microbatches: *every* microbatch's
 backward reduce-scatters each bucket it touched (during backward with overlap, else when that
 backward ends) and adds the result into :attr:`GradBuffer.shard_grads`, which accumulates the
-step's gradient. The flat buffer exists only while a backward runs: it is allocated (zeroed)
-when backward reaches the output of a watched module (:meth:`GradBuffer.watch`) and its storage is
-released once that backward's reductions finished. :meth:`GradBuffer.no_sync` therefore does not
-defer the reductions in this mode; leaving it ends one microbatch's backward. The tied
+step's gradient. Each bucket then has a tensor of its own whose memory exists only from the
+moment backward reaches the output of the module holding its first parameter (a transformer
+layer, or the model chunk for its embeddings, final norm and output layer:
+:meth:`GradBuffer.watch`) until its reduce-scatter finished; with ``overlap`` at most two buckets
+are in flight (launching a third first finishes the oldest), so a backward holds the buckets
+being filled and two being reduced, not the stage's whole gradient. :meth:`GradBuffer.no_sync`
+does not defer the reductions in this mode; leaving it ends one microbatch's backward. The tied
 embedding keeps its own bucket (never started early); its shard covers the same rows on the
 first and the last stage, so the embedding-group sum acts on the shards
 (:func:`~ptdp.engine.data_parallel.grads.finalize_grads`).
@@ -66,6 +69,9 @@ class Bucket:
     finish: Callable[[], None] | None = None
     blocks: torch.Tensor | None = None
     """1-bit scale block sizes (:func:`~ptdp.engine.data_parallel.compression.block_sizes`), 1bit only."""
+    data: torch.Tensor | None = None
+    """``shard_grads`` only: the bucket's own ``[numel]`` gradient tensor (its storage released
+    between uses); otherwise the bucket is ``[start, start + numel)`` of the flat buffer."""
 
 
 @dataclass(frozen=True)
@@ -137,10 +143,19 @@ class GradBuffer:
         self._bucket_of: dict[int, Bucket] = {}
         self._syncing = True
         self._launched: list[Bucket] = []
+        self.live_bytes = 0
+        """``shard_grads``: bytes of bucket gradient memory allocated now (host-side bookkeeping)."""
+        self.peak_live_bytes = 0
+        """``shard_grads``: the most bucket gradient bytes ever allocated at once (the transient)."""
+        if shard_grads:  # a tensor per bucket, released until a backward needs it
+            for bucket in self.buckets:
+                bucket.data = torch.zeros(bucket.numel, dtype=self.data.dtype, device=device)
+            self.data.untyped_storage().resize_(0)  # kept for its size and dtype only
         self._place_params()
         self.segments = self._shard_segments() if shard else []
         if shard_grads:
-            self._release()
+            for bucket in self.buckets:
+                bucket.data.untyped_storage().resize_(0)
         if codec == "1bit":
             for bucket in self.buckets:
                 lengths = [p.numel() for p in bucket.params]
@@ -150,8 +165,9 @@ class GradBuffer:
     def _place_params(self) -> None:
         for bucket in self.buckets:
             offset = bucket.start
+            flat, base = (self.data, 0) if bucket.data is None else (bucket.data, bucket.start)
             for p in bucket.params:
-                view = self.data[offset: offset + p.numel()].view_as(p)
+                view = flat[offset - base: offset - base + p.numel()].view_as(p)
                 self._views[id(p)] = view
                 self._bucket_of[id(p)] = bucket
                 if self.param_data is not None:
@@ -199,31 +215,43 @@ class GradBuffer:
         finally:
             self._syncing = previous
 
-    def watch(self, modules: list[nn.Module]) -> None:
-        """``shard_grads`` only: allocate the flat buffer (zeroed) when a backward reaches the
-        output of any of ``modules`` (a tensor hook on each output that needs a gradient, set by
-        a forward hook): before any gradient of the module's parameters is written."""
-        for module in modules:
-            module.register_forward_hook(self._watch_output)
+    def watch(self, units: list[tuple[nn.Module, list[nn.Parameter]]]) -> None:
+        """``shard_grads`` only: for each (module, parameters) pair, allocate the buckets holding
+        those parameters when a backward reaches the module's output (a tensor hook on each
+        output that needs a gradient, set by a forward hook): before any of their gradients is
+        written. Every parameter must be in a pair whose module's output its gradient flows
+        through (ptdp's stages: each transformer layer with its parameters, each chunk with the
+        rest)."""
+        covered = {id(p) for _, params in units for p in params}
+        missing = [tuple(p.shape) for p in self.params if id(p) not in covered]
+        if missing:
+            raise ValueError(f"shard_grads: parameters of shapes {missing} belong to no watched module")
+        for module, params in units:
+            buckets = list({id(b): b for b in (self._bucket_of[id(p)] for p in params if id(p) in self._bucket_of)}
+                           .values())
+            if buckets:
+                module.register_forward_hook(lambda _m, _args, out, buckets=buckets: self._watch_output(out, buckets))
 
-    def _watch_output(self, _module: nn.Module, _args, out) -> None:
+    def _watch_output(self, out, buckets: list[Bucket]) -> None:
         if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(self._allocate_hook)
+            out.register_hook(lambda _grad: self._allocate(buckets))
 
-    def _allocate_hook(self, _grad: torch.Tensor) -> None:
-        self.allocate()
+    def _allocate(self, buckets: list[Bucket]) -> None:
+        """Give ``buckets`` their memory back, zeroed (no-op for those that have it)."""
+        for bucket in buckets:
+            storage = bucket.data.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(bucket.numel * bucket.data.element_size())
+                bucket.data.zero_()
+                self.live_bytes += storage.nbytes()
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
 
-    def allocate(self) -> None:
-        """Give the flat buffer its storage back, zeroed (no-op while it has it)."""
-        storage = self.data.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(self.data.numel() * self.data.element_size())
-            self.data.zero_()
-
-    def _release(self) -> None:
-        """Free the flat buffer's storage; the parameters' views stay valid objects (FSDP's
-        ``resize_(0)`` idiom) and get memory again in :meth:`allocate`."""
-        self.data.untyped_storage().resize_(0)
+    def _release(self, bucket: Bucket) -> None:
+        """Free ``bucket``'s gradient memory; the parameters' views stay valid objects (FSDP's
+        ``resize_(0)`` idiom) and get memory again in :meth:`_allocate`."""
+        storage = bucket.data.untyped_storage()
+        self.live_bytes -= storage.nbytes()
+        storage.resize_(0)
 
     @property
     def held_bytes(self) -> int:
@@ -239,15 +267,23 @@ class GradBuffer:
         for bucket in self.buckets:
             if bucket.ready and bucket.finish is None:
                 self._launch(bucket)
-        for bucket in self._launched:
-            bucket.finish()
-        self._launched = []
+        while self._launched:
+            self._land(self._launched.pop(0))
         for bucket in self.buckets:
             bucket.ready.clear()
             bucket.finish = None
-        self._release()
+            self._release(bucket)
+
+    def _land(self, bucket: Bucket) -> None:
+        """``shard_grads``: wait for ``bucket``'s reduce-scatter (adding it into the shard) and
+        release its gradient memory."""
+        bucket.finish()
+        self._release(bucket)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if self.grads_sharded and self._bucket_of[id(param)].data.untyped_storage().nbytes() == 0:
+            raise RuntimeError(f"shard_grads: a gradient (shape {tuple(param.shape)}) arrived in bucket "
+                               f"{self._bucket_of[id(param)].index} before its memory was allocated (GradBuffer.watch)")
         if self.uses_main_grad and param.grad is not None:  # None: its layer added it to main_grad
             param.main_grad.add_(param.grad)  # (tensor_parallel/wgrad.py)
             param.grad = None
@@ -255,6 +291,8 @@ class GradBuffer:
             bucket = self._bucket_of[id(param)]
             bucket.ready.add(id(param))
             if bucket.overlap and bucket.finish is None and len(bucket.ready) == len(bucket.params):
+                while len(self._launched) >= 2:  # at most two buckets in flight
+                    self._land(self._launched.pop(0))
                 self._launch(bucket)
             return
         if not self._syncing or self.dp.size == 1:  # accumulating (no_sync), or nothing to reduce
@@ -271,7 +309,7 @@ class GradBuffer:
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        grad = self.data[bucket.start: bucket.start + bucket.numel]
+        grad = self.data[bucket.start: bucket.start + bucket.numel] if bucket.data is None else bucket.data
         shard = None
         if self.shard_grads is not None:
             per = bucket.numel // self.dp.size
@@ -336,7 +374,8 @@ class GradBuffer:
                 bucket.ready.clear()
                 bucket.finish = None
             self._launched = []
-            self._release()
+            for bucket in self.buckets:
+                self._release(bucket)
             return
         if not self.uses_main_grad:
             storage = self.data.untyped_storage().data_ptr()
