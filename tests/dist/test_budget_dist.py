@@ -15,9 +15,9 @@ def _sleep_forever(rank: int, world: int) -> None:
     time.sleep(3600)
 
 
-@pytest.mark.timeout(budget.MARGIN_S + 6)
+@pytest.mark.timeout(budget.MARGIN_S + 3)
 def test_a_hung_spawn_asking_for_more_than_the_test_has_fails_first():
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="workers did not finish"):
         run_workers(_sleep_forever, 2, timeout=240)  # more than the test's own timeout
-    assert time.monotonic() - started < 6 + 3
+    assert time.monotonic() - started < 3 + 3

@@ -12,8 +12,8 @@ from helpers import budget
 from helpers.proc_helpers import run_together
 
 
-@pytest.mark.timeout(budget.MARGIN_S + 4)
+@pytest.mark.timeout(budget.MARGIN_S + 2)
 def test_a_hung_command_is_killed_within_the_budget(tmp_path):
     started = time.monotonic()
     [proc] = run_together([[sys.executable, "-c", "import time; time.sleep(3600)"]], timeout=240, env={}, cwd=tmp_path)
-    assert proc.returncode is None and time.monotonic() - started < 4 + 2
+    assert proc.returncode is None and time.monotonic() - started < 2 + 2
