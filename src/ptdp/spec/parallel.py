@@ -126,14 +126,15 @@ class ParallelConfig:
     data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] | None = opt(
         None, "--data-parallel-sharding-strategy", "what is sharded over the dp x cp ranks: nothing, the optimizer "
         "state (optim = --use-distributed-optimizer, ZeRO-1), also the gradients (optim_grads, ZeRO-2) or also the "
-        "parameters (optim_grads_params, ZeRO-3); ptdp train runs no_shard and optim (default: optim with "
+        "parameters (optim_grads_params, ZeRO-3); ptdp train runs all but optim_grads_params (default: optim with "
         "--use-distributed-optimizer, else no_shard)", "dp", plan=True)
     """Megatron-Core's names for what the data-parallel ranks (dp x cp) shard: ``no_shard``,
     ``optim`` (ZeRO-1, the distributed optimizer), ``optim_grads`` (ZeRO-2) and
     ``optim_grads_params`` (ZeRO-3; Rajbhandari et al. 2020). None: ``optim`` when
     ``use_distributed_optimizer`` is set, else ``no_shard`` (:attr:`sharding_strategy`). ``ptdp plan``
-    models all four (:mod:`ptdp.planner.memory`, :mod:`ptdp.planner.comm`); ``ptdp train`` rejects
-    the last two until it can train them."""
+    models all four (:mod:`ptdp.planner.memory`, :mod:`ptdp.planner.comm`); ``ptdp train`` trains
+    the first three (:mod:`ptdp.engine.data_parallel.buffer`) and rejects ``optim_grads_params``
+    until it can train it."""
     overlap_param_gather: bool = opt(False, "--overlap-param-gather", "with --use-distributed-optimizer: overlap the "
                                      "parameter all-gather with the next forward", "dp")
     """Distributed optimizer: all-gather updated parameters asynchronously; each module's forward
