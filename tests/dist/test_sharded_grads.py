@@ -13,9 +13,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers.layout_cases import TOL, full_parameters, real_rows
-from helpers.zero_cases import LAYOUTS, VARIANTS, reference, variants, world_results, zero_config
+from helpers.zero_cases import (
+    LAYOUTS,
+    VARIANTS,
+    reference,
+    variants,
+    world_results,
+    zero_config,
+)
+
 from ptdp.run.planner_report import compare
 
 CASES = [(world, layout) for world, layouts in LAYOUTS.items() for layout in layouts]
@@ -53,7 +60,7 @@ def test_optim_grads_keeps_a_shard_as_the_planner_counts(world, layout):
     """Bytes per rank: gradients and optimizer state 1/dp of the stage's (plus bucket padding),
     parameters whole, equal to the planner's for the run's strategy on every rank."""
     results = [rank_results[layout] for rank_results in world_results(world)]
-    tp, pp, dp = layout
+    dp = layout[2]
     measured = [res["grads_bf16"]["measured"] for res in results]
     check = compare(zero_config("grads_bf16", *layout), measured, None, None)
     assert check["bytes_exact_on_every_rank"], check["ranks"]
@@ -70,7 +77,7 @@ def test_every_backward_reduce_scatters_its_gradients(world, layout):
     (m microbatches, v model chunks), each of the bucket's float64 bytes; no gradient all-reduce;
     one parameter all-gather per bucket."""
     results = [rank_results[layout] for rank_results in world_results(world)]
-    tp, pp, dp = layout
+    dp = layout[2]
     cfg = zero_config("grads", *layout)
     m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
     for res in results:
@@ -88,7 +95,6 @@ def test_a_backward_holds_only_some_buckets(world, layout):
     """Bucket gradient memory exists only during a backward, a few buckets at a time: reduced
     during backward (1500-element buckets, at most two in flight), a rank never holds its whole
     gradient (``grad_numel``, padded) at once; the transient is at least one bucket."""
-    tp, pp, dp = layout
     for res in (rank_results[layout] for rank_results in world_results(world)):
         m = res["grads_overlap"]["measured"]
         full = 8 * (m["numel"] + m["padding"])

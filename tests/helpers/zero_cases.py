@@ -7,12 +7,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from helpers.layout_cases import tiny_config, train_and_collect
 from ptdp.engine.groups import ParallelGroups
 from ptdp.spec import Config
 from ptdp.spec.layout import ParallelLayout
-
-from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
-from helpers.layout_cases import tiny_config, train_and_collect
 
 #: (tp, pp, dp) by world size: one job per world size
 LAYOUTS = {4: [(1, 1, 4), (2, 1, 2), (1, 2, 2)], 8: [(2, 2, 2)]}
