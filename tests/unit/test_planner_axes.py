@@ -19,7 +19,7 @@ from ptdp.planner.models import ModelSpec, get_model
 from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.plan import Layout
 from ptdp.planner.search import Fixed, search
-from ptdp.planner.sharding import sharded_dp_times
+from ptdp.planner.sharding import chunk_by_chunk, sharded_dp_times
 
 H100 = CATALOG["h100-sxm"]
 LINKS = Links(nvlink_bandwidth=400e9, network_bandwidth=40e9, nvlink_latency=5e-6, network_latency=10e-6,
@@ -193,7 +193,9 @@ def test_search_stops_at_the_first_sharded_strategy_that_fits():
         seen.setdefault(key, []).append(plan)
     assert seen
     for plans in seen.values():
-        sharded = [p for p in plans if p.layout.sharding_strategy != "no_shard"]
+        sharded = [p for p in plans if p.layout.sharding_strategy != "no_shard"
+                   and not chunk_by_chunk(p.layout.sharding_strategy, p.layout.shard_size, p.layout.virtual_stages,
+                                          p.layout.num_microbatches, p.layout.pp)]  # always evaluated
         assert len(sharded) <= 1
         for plan in sharded:
             level = order.index(plan.layout.sharding_strategy)

@@ -26,7 +26,7 @@ from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout, MemoryBreakdown
 from ptdp.planner.splits import chunk_layers, interleaved_peak
 from ptdp.planner.context import kv_buffer_bytes, local_model, unfused_score_bytes_missing
-from ptdp.planner.sharding import stage_state_bytes, strategy_bytes_per_param
+from ptdp.planner.sharding import chunk_by_chunk, stage_state_bytes, strategy_bytes_per_param
 
 #: Default fixed overhead per GPU (bytes): CUDA context and kernel images (~0.5 GiB on A100/H100),
 #: NCCL buffers of the 3-5 communicators a rank joins (tp, pp, dp, embedding, world; a few hundred
@@ -115,16 +115,21 @@ def rank_state_bytes(model: ModelSpec, layout: Layout, n_params: int, n_layers: 
     """(params, grads, optimizer) bytes of one rank of a stage holding ``n_params`` parameters and
     ``n_layers`` layers under ``layout``'s sharding strategy over ``dp * cp`` ranks
     (:func:`ptdp.planner.sharding.stage_state_bytes`; a gathered unit is one layer, or the
-    stage's embedding / output parameters when larger). ``per_param``: the strategy's
+    stage's embedding / output parameters when larger; reduced chunk by chunk, the largest chunk's
+    gradient is the transient). ``per_param``: the strategy's
     :func:`~ptdp.planner.sharding.strategy_bytes_per_param` when the caller has it."""
     strategy, shard = layout.sharding_strategy, layout.shard_size
     if per_param is not None and (shard == 1 or strategy in ("no_shard", "optim")):  # no transients
         return n_params * per_param[0], n_params * per_param[1], n_params * per_param[2]
-    unit = 0
+    unit, chunk = 0, 0
+    per_layer = layer_param_count(model, layout.tp)
+    edge = max(0, n_params - n_layers * per_layer)  # the embedding / output layer and final norm
     if strategy == "optim_grads_params":  # the only strategy with gathered units
-        per_layer = layer_param_count(model, layout.tp)
-        unit = max(per_layer, n_params - n_layers * per_layer)
-    return stage_state_bytes(n_params, unit, layout.precision, strategy, shard)
+        unit = max(per_layer, edge)
+    v = layout.virtual_stages
+    if chunk_by_chunk(strategy, shard, v, layout.num_microbatches, layout.pp):
+        chunk = per_layer * -(-n_layers // v) + edge  # the largest chunk, at most (its layers + the edge)
+    return stage_state_bytes(n_params, unit, layout.precision, strategy, shard, chunk_params=chunk)
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from ptdp.planner.hardware import Cluster
 from ptdp.planner.memory import _even_stage_params, layer_param_count, stage_param_counts
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout, TimeBreakdown
-from ptdp.planner.sharding import optimizer_bytes_per_param, sharded_dp_times
+from ptdp.planner.sharding import chunk_by_chunk, optimizer_bytes_per_param, sharded_dp_times
 
 
 @dataclass(frozen=True)
@@ -298,19 +298,25 @@ def _dp_comm_time(model: ModelSpec, layout: Layout, n_params: int, busiest: tupl
     over ``dp * cp`` ranks under the layout's sharding strategy
     (:func:`ptdp.planner.sharding.sharded_dp_times`): float32 gradients, ``elem``-byte weights,
     units of one layer (plus the embedding / output unit), hidden behind one microbatch's
-    backward (the busiest stage's compute without its forward third) and one layer's compute.
+    backward (the busiest stage's compute without its forward third) and one layer's compute;
+    chunk by chunk (:func:`~ptdp.planner.sharding.chunk_by_chunk`) each chunk's behind the next
+    chunk's backward round.
     With ``c.overlap_window`` the end-of-step part left by ``c.dp_overlap`` is hidden up to one
     microbatch's compute on the busiest stage (``busiest[0]``)."""
     per_layer = layer_param_count(model, layout.tp)
     unit = max(per_layer, n_params - stage_layers * per_layer)
     microbatch_backward = busiest[0] * 2.0 / 3.0
+    v = layout.virtual_stages
+    chunks = v if chunk_by_chunk(layout.sharding_strategy, layout.shard_size, v, layout.num_microbatches,
+                                 layout.pp) else 1
 
     def exposed(end_overlap: float) -> float:
         return sharded_dp_times(layout.sharding_strategy, grad_bytes=4.0 * n_params, param_bytes=elem * n_params,
                                 unit_param_bytes=elem * unit, tp=layout.tp, shard=layout.shard_size,
                                 num_microbatches=layout.num_microbatches, units=stage_layers + 1,
                                 layer_forward=layer[0], layer_backward=layer[1],
-                                microbatch_backward=microbatch_backward, links=links, end_overlap=end_overlap)
+                                microbatch_backward=microbatch_backward, links=links, end_overlap=end_overlap,
+                                chunks=chunks)
 
     if not c.overlap_window:
         return exposed(c.dp_overlap)

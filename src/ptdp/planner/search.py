@@ -19,7 +19,9 @@ Pruning (each keeps the search exact up to the stated approximation, and fast: t
   of the fully sharded memory already exceeds the GPU. A more sharded strategy keeps less memory but is never
   faster in this model (its extra reduce-scatters per microbatch and parameter all-gathers come
   on top), except for the optimizer step's 8 bytes per parameter of gradient-norm and zeroing
-  traffic it shards, which the pruning gives up. ``dp * cp = 1`` has nothing to shard: no_shard. Layouts that break a rule (:mod:`ptdp.planner.rules`, the same rules ``ptdp train``
+  traffic it shards, which the pruning gives up, and for ``optim_grads`` reducing chunk by chunk
+  (interleaved, one round: :func:`ptdp.planner.sharding.chunk_by_chunk`), which exposes only the
+  last chunk's reduce-scatter and is always evaluated. ``dp * cp = 1`` has nothing to shard: no_shard. Layouts that break a rule (:mod:`ptdp.planner.rules`, the same rules ``ptdp train``
 checks) or do not fit in memory are kept as rejected plans with their reasons.
 """
 
@@ -37,7 +39,7 @@ from ptdp.planner.context import CP_MIN_LOCAL_TOKENS, CP_MIN_SEQ_LENGTH
 from ptdp.planner.plan import RECOMPUTE, SHARDING, Layout, Plan
 from ptdp.planner.rules import (Rejection, all_rejections, context_rejections, schedule_rejections,
                                 structural_rejections)
-from ptdp.planner.sharding import strategy_bytes_per_param
+from ptdp.planner.sharding import chunk_by_chunk, strategy_bytes_per_param
 from ptdp.planner.splits import ACCOUNTING, candidate_splits, interleaved_splits
 
 MAX_MICRO_BATCH = 32
@@ -252,8 +254,9 @@ def _predict_strategies(model, make, strategies: list[str], cluster, constants, 
     """Predict the layout ``make(strategy)`` gives under ``strategies`` (least sharded first) and
     record it: no_shard first; when it fits, optim too (never slower, less memory); when it does
     not, the sharded ones in order up to the first that fits, unless even full sharding cannot
-    fit (:func:`_sharding_cannot_fit`). Kept: every fitting no_shard and the first fitting
-    sharded strategy."""
+    fit (:func:`_sharding_cannot_fit`); and optim_grads whenever it reduces chunk by chunk
+    (:func:`~ptdp.planner.sharding.chunk_by_chunk`: then it can be faster than optim). Kept: every
+    fitting no_shard, the first fitting sharded strategy, and a fitting chunk-by-chunk optim_grads."""
     first = make(strategies[0])
     bad = schedule_rejections(model, first)  # the same for every strategy
     if bad:
@@ -271,6 +274,10 @@ def _predict_strategies(model, make, strategies: list[str], cluster, constants, 
             fits(strategies[1])
     elif len(strategies) > 1 and not _sharding_cannot_fit(outcomes[strategies[0]][0], first, cluster):
         next((s for s in strategies[1:] if fits(s)), None)
+    by_chunk = "optim_grads" in strategies and chunk_by_chunk(
+        "optim_grads", first.shard_size, first.virtual_stages, first.num_microbatches, first.pp)
+    if by_chunk and "optim_grads" not in outcomes:  # may be faster than optim: one chunk's reduction exposed
+        fits("optim_grads")
     kept_sharded = False
     for strategy in strategies:
         if strategy not in outcomes:
@@ -278,7 +285,7 @@ def _predict_strategies(model, make, strategies: list[str], cluster, constants, 
         plan, rejection = outcomes[strategy]
         if rejection is not None:
             result.rejected.append((plan, rejection))
-        elif strategy == "no_shard" or not kept_sharded:
+        elif strategy == "no_shard" or not kept_sharded or (by_chunk and strategy == "optim_grads"):
             result.plans.append(plan)
             kept_sharded = strategy != "no_shard"
 

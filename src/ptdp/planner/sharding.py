@@ -40,6 +40,16 @@ inside the node and the network across, as :func:`ptdp.planner.comm.hierarchical
 * ``optim_grads``: one reduce-scatter of the gradients per microbatch (the accumulated gradient
   is never whole), each hidden behind its microbatch's backward up to that backward's length;
   the last one is exposed like the ``optim`` reduction, then the weights' all-gather.
+  Except with the interleaved schedule in one round (``v > 1`` model chunks, ``m == pp``
+  microbatches: :func:`chunk_by_chunk`): every rank then runs the backward of all microbatches of
+  its last chunk, then all of the chunk before, and so on (the rounds of ``pp`` microbatches of
+  [N21] §2.2 with a single round), so each chunk's gradient is accumulated whole in float32 and
+  reduce-scattered once, when its last backward is done, behind the next chunk's backward round;
+  only the last chunk's is exposed, with the weights' all-gather. One chunk's full float32
+  gradient exists at a time (the transient in :func:`stage_state_bytes`). This is how the
+  Llama 3 405B run reduced its sharded gradients (Dubey et al. 2024, arXiv:2407.21783, §3.3.2:
+  gradients sharded, accumulated in FP32 across microbatches and reduce-scattered in FP32, with
+  interleaved pipeline stages).
 * ``optim_grads_params``: the same reduce-scatters, no weight all-gather after the step, and per
   microbatch two all-gathers of every unit (forward, backward), each prefetched behind the
   previous unit's compute: the first unit's gather is exposed, every other unit's only by what
@@ -74,21 +84,31 @@ def strategy_bytes_per_param(precision: str, strategy: str, shard: int) -> tuple
     return (w / shard if level >= 3 else w, g / shard if level >= 2 else g, k / shard if level >= 1 else k)
 
 
+def chunk_by_chunk(strategy: str, shard: int, virtual_stages: int, num_microbatches: int, pp: int) -> bool:
+    """Whether a sharded-gradient strategy reduces each model chunk's gradient once per step
+    (module docstring): ``optim_grads`` or ``optim_grads_params`` over ``shard > 1`` ranks with
+    the interleaved schedule (``virtual_stages > 1``) in one round (``num_microbatches == pp``)."""
+    return (shard > 1 and strategy in ("optim_grads", "optim_grads_params") and virtual_stages > 1
+            and num_microbatches == pp)
+
+
 def stage_state_bytes(n_params: int, unit_params: int, precision: str, strategy: str, shard: int, *,
-                      bucket_elements: int = DEFAULT_BUCKET_ELEMENTS) -> tuple[float, float, float]:
+                      bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, chunk_params: int = 0) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes of one rank holding ``n_params`` parameters (one tp rank of
     one stage), transients included: ``optim_grads`` one bucket's full gradient,
     ``optim_grads_params`` two gathered units' 16-bit weights and one unit's full gradient
-    (``unit_params``: the stage's largest unit on this rank)."""
+    (``unit_params``: the stage's largest unit on this rank). ``chunk_params`` > 0: the gradient
+    is reduced chunk by chunk (:func:`chunk_by_chunk`), and the largest model chunk's full
+    gradient (``chunk_params`` parameters) replaces the bucket's or the unit's."""
     pb, gb, ob = strategy_bytes_per_param(precision, strategy, shard)
     w, g, _ = _BYTES[precision]
     params, grads, optimizer = n_params * pb, n_params * gb, n_params * ob
     if shard > 1 and strategy == "optim_grads":
-        grads += g * min(bucket_elements, n_params)
+        grads += g * (min(chunk_params, n_params) if chunk_params else min(bucket_elements, n_params))
     elif shard > 1 and strategy == "optim_grads_params":
         unit = min(unit_params, n_params)
         params += 2 * w * unit
-        grads += g * unit
+        grads += g * (min(chunk_params, n_params) if chunk_params else unit)
     return params, grads, optimizer
 
 
@@ -112,7 +132,7 @@ def optimizer_bytes_per_param(full: float, sharded: float, strategy: str, shard:
 def sharded_dp_times(strategy: str, *, grad_bytes: float, param_bytes: float, unit_param_bytes: float,
                      tp: int, shard: int, num_microbatches: int, units: int, layer_forward: float,
                      layer_backward: float, microbatch_backward: float, links: Links,
-                     end_overlap: float = 0.0) -> float:
+                     end_overlap: float = 0.0, chunks: int = 1) -> float:
     """Exposed seconds per step of the data-parallel communication of ``strategy`` over ``shard``
     ranks (the module docstring's model).
 
@@ -121,7 +141,10 @@ def sharded_dp_times(strategy: str, *, grad_bytes: float, param_bytes: float, un
     ``layer_forward`` / ``layer_backward``: seconds of one layer's compute that hides the next
     gather; ``microbatch_backward``: one microbatch's backward on the stage, which hides its
     reduce-scatter; ``end_overlap``: fraction of the end-of-step reduction hidden (the time
-    model's ``dp_overlap``). Group members per node: ``min(shard, gpus_per_node / tp)``.
+    model's ``dp_overlap``); ``chunks`` > 1: the gradient is reduced chunk by chunk
+    (:func:`chunk_by_chunk`), ``1/chunks`` of it after each round of ``num_microbatches`` chunk
+    backwards, each hidden behind the next round, the last exposed. Group members per node:
+    ``min(shard, gpus_per_node / tp)``.
     """
     check_strategy(strategy)
     if shard <= 1:
@@ -134,11 +157,16 @@ def sharded_dp_times(strategy: str, *, grad_bytes: float, param_bytes: float, un
     if strategy == "optim":
         return (1.0 - end_overlap) * (reduce_scatter + weights_gather)
     m = num_microbatches
-    hidden_rs = (m - 1) * max(0.0, reduce_scatter - microbatch_backward)
+    if chunks > 1:  # one reduce-scatter per chunk, after its round of m chunk backwards
+        last_rs = 0.5 * hierarchical_all_reduce_time(grad_bytes / chunks, shard, per_node, links)
+        hidden_rs = (chunks - 1) * max(0.0, last_rs - m * microbatch_backward / chunks)
+    else:
+        last_rs = reduce_scatter
+        hidden_rs = (m - 1) * max(0.0, reduce_scatter - microbatch_backward)
     if strategy == "optim_grads":
-        return hidden_rs + (1.0 - end_overlap) * (reduce_scatter + weights_gather)
+        return hidden_rs + (1.0 - end_overlap) * (last_rs + weights_gather)
     gather = 0.5 * hierarchical_all_reduce_time(unit_param_bytes, shard, per_node, links)
     rest = max(units - 1, 0)
     per_microbatch = (2.0 * gather + rest * max(0.0, gather - layer_forward)
                       + rest * max(0.0, gather - layer_backward))
-    return m * per_microbatch + hidden_rs + (1.0 - end_overlap) * reduce_scatter
+    return m * per_microbatch + hidden_rs + (1.0 - end_overlap) * last_rs
