@@ -85,3 +85,61 @@ def reference(name: str) -> dict:
 
 def with_strategy(cfg: Config, strategy: str) -> Config:
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, data_parallel_sharding_strategy=strategy))
+
+
+def full_state(stage, groups: ParallelGroups) -> dict:
+    """Global parameters and Adam moments of this rank's stage, gathered over tp (every dp rank
+    gets the whole of each; keys ``kind/name``)."""
+    import torch
+
+    from ptdp.engine.model.chunks import global_named_parameters
+    from ptdp.engine.tensor_parallel.sharding import spec_of, unshard
+    from ptdp.run.checkpoint.optim_state import gather_local_state
+
+    stage.wait_for_params()
+    params = list(global_named_parameters(stage.model))
+    moments = gather_local_state(stage.optimizer, [p for _, p in params], groups.dp_cp)
+    out = {}
+    for name, p in params:
+        for kind, local in [("param", p.detach()), *moments[id(p)].items()]:
+            shards = [local]
+            if groups.tp.size > 1:
+                shards = [torch.empty_like(local) for _ in range(groups.tp.size)]
+                torch.distributed.all_gather(shards, local.contiguous(), group=groups.tp.group)
+            full = unshard(shards, spec_of(p))
+            real = spec_of(p).real_rows
+            out[f"{kind}/{name}"] = full[:real] if real is not None else full
+    return out
+
+
+#: the checkpoint round trip (world 4): saved with optim_grads at dp 4, loaded at dp 2 with
+#: no_shard (tp 2), saved again there, loaded at dp 4 with optim_grads (another bucket size)
+ROUND_TRIP = [((1, 1, 4), "optim_grads", 901), ((2, 1, 2), "no_shard", None), ((1, 1, 4), "optim_grads", 1500)]
+
+
+def checkpoint_worker(rank: int, world: int, root: str) -> dict:
+    """Train 2 steps at the first layout of :data:`ROUND_TRIP` and save; load at each next layout
+    (saving again after loading); the last layout then trains a third step, as the first one
+    does without stopping. Returns each layout's state after loading and both third steps' losses."""
+    from ptdp.engine.step import build_stage
+    from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
+    from helpers.checkpoints import train_steps
+
+    def stage_at(layout, strategy, bucket):
+        parallel = {"data_parallel_sharding_strategy": strategy, "ddp_bucket_size": bucket}
+        cfg = tiny_config(*layout, "float64", train_overrides={"micro_batch_size": 1}, parallel_overrides=parallel)
+        groups = ParallelGroups.build(ParallelLayout(tp=layout[0], pp=layout[1], dp=layout[2]), PG_TIMEOUT)
+        return build_stage(cfg, groups), cfg, groups
+
+    first, cfg, groups = stage_at(*ROUND_TRIP[0])
+    train_steps(first, cfg, groups, 0, 2)
+    folder = save_checkpoint(first, f"{root}/0", 2, consumed_samples=2 * cfg.train.global_batch_size)
+    states = [full_state(first, groups)]
+    for i, case in enumerate(ROUND_TRIP[1:], start=1):
+        stage, cfg, groups = stage_at(*case)
+        load_checkpoint(stage, folder)
+        states.append(full_state(stage, groups))
+        folder = save_checkpoint(stage, f"{root}/{i}", 2, consumed_samples=2 * cfg.train.global_batch_size)
+    resumed = [r.loss for r in train_steps(stage, cfg, groups, 2, 3)]
+    whole = [r.loss for r in train_steps(first, cfg, groups, 2, 3)]
+    return {"states": states, "resumed": resumed, "whole": whole}
