@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import math
+from itertools import accumulate, islice, repeat
+from operator import add, mul, sub
 
 from ptdp.spec import ConfigError, accounted_split, chunk_layer_ids, first_last_of
 
@@ -122,6 +124,14 @@ def chunk_layers(split: tuple[int, ...], v: int, pp_rank: int) -> tuple[int, ...
 
 def interleaved_peak(counts: tuple[int, ...], pp: int, m: int, pp_rank: int, *, last: bool,
                      loss_weight: float = 0.0) -> tuple[float, float]:
+    """:func:`_interleaved_peak`, cached (the search asks for the same schedules many times; the
+    loss weight matters only on the last rank)."""
+    return _interleaved_peak(tuple(counts), pp, m, pp_rank, last, loss_weight if last else 0.0)
+
+
+@functools.lru_cache(maxsize=65536)
+def _interleaved_peak(counts: tuple[int, ...], pp: int, m: int, pp_rank: int, last: bool,
+                      loss_weight: float) -> tuple[float, float]:
     """(layers, losses) held at the peak of ``layers + loss_weight * losses`` by rank ``pp_rank`` of
     an interleaved 1F1B pipeline whose ``v = len(counts)`` chunks hold ``counts`` layers, over ``m``
     microbatches: warm-up forwards ``j < 2 (pp - r - 1) + (v - 1) pp`` of chunk ``(j // pp) % v``
@@ -131,16 +141,21 @@ def interleaved_peak(counts: tuple[int, ...], pp: int, m: int, pp_rank: int, *, 
     v = len(counts)
     total = m * v
     warmup = min(2 * (pp - pp_rank - 1) + (v - 1) * pp, total)
-    forward = [counts[(j // pp) % v] for j in range(total)]
-    backward = [counts[v - 1 - (k // pp) % v] for k in range(total)]
-    f_loss = [float(last and (j // pp) % v == v - 1) for j in range(total)]
-    b_loss = [float(last and (k // pp) % v == 0) for k in range(total)]  # backward of chunk v - 1
-    layers, losses = sum(forward[:warmup]), sum(f_loss[:warmup])
-    best = (layers + loss_weight * losses, layers, losses)
-    for t in range(total - warmup):
-        layers, losses = layers + forward[warmup + t], losses + f_loss[warmup + t]
-        best = max(best, (layers + loss_weight * losses, layers, losses))
-        layers, losses = layers - backward[t], losses - b_loss[t]
+    rounds = -(-total // (pp * v))  # the order repeats every pp * v chunk passes
+    forward = ([c for c in counts for _ in range(pp)] * rounds)[:total]
+    backward = ([c for c in reversed(counts) for _ in range(pp)] * rounds)[:total]
+    held = list(accumulate(forward, initial=0))  # held[k]: layers of the first k forwards
+    # the warm-up alone, then step t adds forward warmup + t (the peak is taken there) after
+    # the t backwards before it have freed theirs
+    layers = [held[warmup], *map(sub, islice(held, warmup + 1, None), accumulate(backward, initial=0))]
+    if not last:
+        return float(max(layers)), 0.0
+    loss_block = [0.0] * (pp * (v - 1)) + [1.0] * pp
+    f_loss = (loss_block * rounds)[:total]  # a forward of chunk v - 1 keeps the loss side
+    b_loss = ((loss_block[-pp:] + loss_block[:-pp]) * rounds)[:total]  # its backward (chunk v - 1 first) frees it
+    kept = list(accumulate(f_loss, initial=0.0))
+    losses = [kept[warmup], *map(sub, islice(kept, warmup + 1, None), accumulate(b_loss, initial=0.0))]
+    best = max(zip(map(add, layers, map(mul, losses, repeat(loss_weight))), layers, losses))
     return float(best[1]), float(best[2])
 
 
