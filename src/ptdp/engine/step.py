@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import overload
 from dataclasses import dataclass
 
 import torch
@@ -142,7 +143,7 @@ class PendingStep:
     def result(self) -> StepResult:
         """The step's :class:`StepResult` (reads ``values`` to the host once: a synchronisation)."""
         if self._result is None:
-            read_results([self])
+            return read_results([self])[0]
         return self._result
 
     def _resolve(self, row: list[float]) -> None:
@@ -152,7 +153,7 @@ class PendingStep:
         if bad_losses or not math.isfinite(loss):
             reason = NONFINITE_LOSS
         elif bad_norms or not math.isfinite(norm):  # float16: halving the scale is the remedy, unless it can't
-            reason = FP16_OVERFLOW if scaled and scale > self.min_scale else NONFINITE_GRAD_NORM
+            reason = FP16_OVERFLOW if self.min_scale is not None and scale > self.min_scale else NONFINITE_GRAD_NORM
         self._result = StepResult(loss=loss, grad_norm=norm, lr=self.lr, skipped=reason is not None,
                                   loss_scale=scale if scaled else None, skip_reason=reason)
 
@@ -170,6 +171,14 @@ def read_results(steps: list[PendingStep]) -> list[StepResult]:
     return read_results_with(steps)[0]
 
 
+@overload
+def read_results_with(steps: list[PendingStep], extra: torch.Tensor) -> tuple[list[StepResult], list[float]]: ...
+
+
+@overload
+def read_results_with(steps: list[PendingStep], extra: None = None) -> tuple[list[StepResult], None]: ...
+
+
 def read_results_with(steps: list[PendingStep], extra: torch.Tensor | None = None
                       ) -> tuple[list[StepResult], list[float] | None]:
     """:func:`read_results`, and the values of ``extra`` (a float64 ``[5]`` tensor on the steps'
@@ -180,7 +189,7 @@ def read_results_with(steps: list[PendingStep], extra: torch.Tensor | None = Non
     rows = torch.stack(values).tolist() if values else []
     for step, row in zip(unread, rows):
         step._resolve(row)
-    return [step._result for step in steps], (rows[-1] if extra is not None else None)
+    return [step.result() for step in steps], (rows[-1] if extra is not None else None)
 
 
 def build_stage(config: Config, groups: ParallelGroups, device: torch.device | str = "cpu") -> Stage:
@@ -194,18 +203,19 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     rng = DropoutRNG(config.train.seed, dp_rank=groups.dp.rank, tp_rank=groups.tp.rank, device=device,
                      sequence_parallel=p.sequence_parallel, cp_rank=groups.cp.rank, cp_size=groups.cp.size,
                      tp_size=groups.tp.size)
-    cp = {"cp": groups.cp, "cp_comm_type": p.cp_comm_type}  # each rank computes its chunks of the sequence
+    # cp: each rank computes its chunks of the sequence
     if v == 1:
         layer_ids = stage_layer_ids(m.num_layers, pp, rank, p.layer_split(m.num_layers))
         chunks = [GPTModel(m, groups.tp, layer_ids=layer_ids, pre_process=groups.is_first_stage,
-                           post_process=groups.is_last_stage, sequence_parallel=p.sequence_parallel, rng=rng, **cp)]
+                           post_process=groups.is_last_stage, sequence_parallel=p.sequence_parallel, rng=rng,
+                           cp=groups.cp, cp_comm_type=p.cp_comm_type)]
     else:
         chunks = [
             GPTModel(m, groups.tp, layer_ids=chunk_layer_ids(m.num_layers, pp, v, rank, c,
                                                              embedding=p.account_for_embedding_in_pipeline_split,
                                                              loss=p.account_for_loss_in_pipeline_split),
                      pre_process=rank == 0 and c == 0, post_process=rank == pp - 1 and c == v - 1,
-                     sequence_parallel=p.sequence_parallel, rng=rng, **cp)
+                     sequence_parallel=p.sequence_parallel, rng=rng, cp=groups.cp, cp_comm_type=p.cp_comm_type)
             for c in range(v)
         ]
     for chunk in chunks:  # each chunk by its global parameter names: the same weights on every layout
@@ -256,7 +266,7 @@ def _param_gather_units(chunks: list[GPTModel]) -> list[tuple[nn.Module, list[nn
     """Who waits for which parameters with ``overlap_param_gather``: each transformer layer for
     its own; each chunk, when its forward starts, for the rest (embeddings, final norm, output
     layer: the output weight is read directly, not through a module call)."""
-    units = []
+    units: list[tuple[nn.Module, list[nn.Parameter]]] = []
     for chunk in chunks:
         in_layers = {id(p) for layer in chunk.layers.values() for p in layer.parameters()}
         units.append((chunk, [p for p in chunk.parameters() if id(p) not in in_layers]))
@@ -301,14 +311,16 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     activity.set_phase(activity.GRAD_SYNC)
     span = tracer.span("grad sync + clip", "grad_sync") if tracer is not None else None
     finalize_grads(stage.model, stage.grads, g)
-    overflow = stage.scaler.unscale(stage.grads.reduced, scale) if stage.scaler is not None else None
+    overflow = None
+    if stage.scaler is not None and scale is not None:  # scale: the scaler's
+        overflow = stage.scaler.unscale(stage.grads.reduced, scale)
     norm = global_grad_norm(stage.model, stage.grads, g)
     pending = PendingStep(_step_values(stage, losses, len(microbatches), norm, overflow, scale),
                           lr_at(iteration, cfg.train), stage.scaler.min_scale if stage.scaler is not None else None)
     skip = (pending.values[2] + pending.values[3] > 0) | ~pending.values[0].isfinite()
     if stage.scaler is not None:
         stage.scaler.update(skip)
-    if kept is not None:
+    if kept is not None and residual is not None:  # kept: a copy of the residual
         residual.copy_(torch.where(skip, kept, residual))
     clip_grads(stage.grads, norm, cfg.train.clip_grad)
     activity.set_phase(activity.OPTIMIZER)

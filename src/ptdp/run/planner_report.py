@@ -15,6 +15,7 @@ imports no torch and nothing of the training code).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -111,8 +112,9 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
         exact &= same
         rows.append({"coords": r["coords"], "predicted": predicted, "padding_elements": pad,
                      "measured": {k: r[k] for k in predicted}, "exact": same})
-    out = {"bytes_exact_on_every_rank": exact, "ranks": rows,
-           "peak_memory": {"measured_max_bytes": max(r["peak"] for r in per_rank), "measured_kind": per_rank[0]["peak_kind"]}}
+    out: dict[str, Any] = {
+        "bytes_exact_on_every_rank": exact, "ranks": rows,
+        "peak_memory": {"measured_max_bytes": max(r["peak"] for r in per_rank), "measured_kind": per_rank[0]["peak_kind"]}}
     if profile is not None and profile.is_file():
         try:
             gpu, constants = load_profile(profile)
@@ -155,7 +157,7 @@ def format_comparison(check: dict) -> list[str]:
     if "note" in check:
         return [f"  planner: {check['note']}"]
     lines = ["  planner vs measured, per rank:"]
-    stages = {}
+    stages: dict[int, dict] = {}  # pp rank -> its first rank's record
     for r in check["ranks"]:
         stages.setdefault(r["coords"][2], r)
     for pp_rank, r in sorted(stages.items()):
