@@ -20,6 +20,7 @@ from helpers.zero_cases import (
     ROUND_TRIP,
     VARIANTS,
     checkpoint_worker,
+    fp16_worker,
     reference,
     variants,
     world_results,
@@ -124,3 +125,16 @@ def test_checkpoints_cross_strategies_and_dp_sizes(tmp_path):
             for key, value in saved.items():
                 assert torch.equal(state[key], value), (case, key)
         assert res["resumed"] == res["whole"]
+
+
+def test_fp16_overflow_in_one_shard_skips_the_step_everywhere():
+    """float16 with optim_grads: an inf in one rank's gradient shard skips the step on every rank
+    as float16's overflow (parameters unchanged, scale halved everywhere); the next step trains at
+    the halved scale and makes no call that would synchronise the host on a GPU."""
+    from ptdp.engine.step import FP16_OVERFLOW
+
+    for res in run_in_pool(fp16_worker, 4):
+        assert res["skipped"] and res["reason"] == FP16_OVERFLOW and res["unchanged"], res
+        assert res["scales"] == (2.0**16, 2.0**15) and res["used"] == 2.0**16, res
+        assert not res["good_skipped"] and res["good_used"] == 2.0**15 and res["changed_after_good"], res
+        assert res["syncs"] == [] and res["loss"] > 0, res

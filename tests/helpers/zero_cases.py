@@ -145,3 +145,45 @@ def checkpoint_worker(rank: int, world: int, root: str) -> dict:
     resumed = [r.loss for r in train_steps(stage, cfg, groups, 2, 3)]
     whole = [r.loss for r in train_steps(first, cfg, groups, 2, 3)]
     return {"states": states, "resumed": resumed, "whole": whole}
+
+
+def fp16_worker(rank: int, world: int) -> dict:
+    """float16 with optim_grads at (1,1,4), 2 microbatches per step: an inf put into rank 3's
+    gradient shard after the reduction (before unscaling) at step 0, then a good step counted for
+    host synchronisations (:mod:`helpers.host_sync`)."""
+    import torch
+
+    import ptdp.engine.step as step_module
+    from helpers.host_sync import count_host_syncs, label_check_on_device
+    from helpers.layout_cases import rank_microbatches
+
+    cfg = tiny_config(1, 1, 4, "float16", train_overrides={"micro_batch_size": 1},
+                      parallel_overrides={"data_parallel_sharding_strategy": "optim_grads", "ddp_bucket_size": 901,
+                                          "overlap_grad_reduce": True})
+    groups = ParallelGroups.build(ParallelLayout(tp=1, pp=1, dp=4), PG_TIMEOUT)
+    stage = step_module.build_stage(cfg, groups)
+    original = step_module.finalize_grads
+
+    def poisoned(model, buffer, g):
+        original(model, buffer, g)
+        if g.global_rank == 3:
+            buffer.shard_grads[5] = float("inf")
+
+    stage.wait_for_params()
+    before = {n: p.detach().clone() for n, p in stage.model.named_parameters()}
+    scale_before = stage.scaler.scale.item()
+    step_module.finalize_grads = poisoned
+    try:
+        bad = step_module.train_step(stage, rank_microbatches(0, cfg, groups.dp.rank, groups.dp.size), 0)
+    finally:
+        step_module.finalize_grads = original
+    stage.wait_for_params()
+    unchanged = all(torch.equal(before[n], p) for n, p in stage.model.named_parameters())
+    scale_after = stage.scaler.scale.item()
+    with label_check_on_device(), count_host_syncs() as counted:
+        good = step_module.train_step(stage, rank_microbatches(1, cfg, groups.dp.rank, groups.dp.size), 1)
+    stage.wait_for_params()
+    changed = any(not torch.equal(before[n], p) for n, p in stage.model.named_parameters())
+    return {"skipped": bad.skipped, "reason": bad.skip_reason, "used": bad.loss_scale, "unchanged": unchanged,
+            "scales": (scale_before, scale_after), "good_skipped": good.skipped, "good_used": good.loss_scale,
+            "changed_after_good": changed, "syncs": counted.calls, "loss": good.loss}

@@ -54,6 +54,8 @@ def test_cp_resolves_with_dp_from_the_world():
 @pytest.mark.parametrize("parallel, message", [
     (dict(data_parallel_sharding_strategy="optim_grads_params"), "optim_grads_params: planned .* but not yet trainable"),
     (dict(data_parallel_sharding_strategy="no_shard", use_distributed_optimizer=True), "contradicts"),
+    (dict(data_parallel_sharding_strategy="optim_grads", grad_compression="1bit"),
+     r"grad_compression=1bit cannot be combined .*data_parallel_sharding_strategy=optim_grads.*reduce-scattered"),
 ])
 def test_train_rejects_what_it_cannot_run_yet(parallel, message):
     with pytest.raises(ConfigError, match=message):
