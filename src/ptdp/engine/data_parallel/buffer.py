@@ -73,6 +73,18 @@ class Bucket:
     """``shard_grads`` only: the bucket's own ``[numel]`` gradient tensor (its storage released
     between uses); otherwise the bucket is ``[start, start + numel)`` of the flat buffer."""
 
+    def own_data(self) -> torch.Tensor:
+        """:attr:`data`, which a ``shard_grads`` buffer gives every bucket (ValueError otherwise)."""
+        if self.data is None:
+            raise ValueError(f"bucket {self.index} has no gradient tensor of its own (shard_grads only)")
+        return self.data
+
+    def wait(self) -> None:
+        """Finish the bucket's started reduction (RuntimeError if none was started)."""
+        if self.finish is None:
+            raise RuntimeError(f"bucket {self.index}: no reduction was started")
+        self.finish()
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -155,7 +167,7 @@ class GradBuffer:
         self.segments = self._shard_segments() if shard else []
         if shard_grads:
             for bucket in self.buckets:
-                bucket.data.untyped_storage().resize_(0)
+                bucket.own_data().untyped_storage().resize_(0)
         if codec == "1bit":
             for bucket in self.buckets:
                 lengths = [p.numel() for p in bucket.params]
@@ -175,7 +187,7 @@ class GradBuffer:
                     pview.copy_(p.detach())
                     p.data = pview
                 if self.uses_main_grad:
-                    p.main_grad = view
+                    p.main_grad = view  # type: ignore[attr-defined]  # a dynamic attribute, as in Megatron
                 else:
                     p.grad = view
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -239,17 +251,18 @@ class GradBuffer:
     def _allocate(self, buckets: list[Bucket]) -> None:
         """Give ``buckets`` their memory back, zeroed (no-op for those that have it)."""
         for bucket in buckets:
-            storage = bucket.data.untyped_storage()
+            data = bucket.own_data()
+            storage = data.untyped_storage()
             if storage.nbytes() == 0:
-                storage.resize_(bucket.numel * bucket.data.element_size())
-                bucket.data.zero_()
+                storage.resize_(bucket.numel * data.element_size())
+                data.zero_()
                 self.live_bytes += storage.nbytes()
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
 
     def _release(self, bucket: Bucket) -> None:
         """Free ``bucket``'s gradient memory; the parameters' views stay valid objects (FSDP's
         ``resize_(0)`` idiom) and get memory again in :meth:`_allocate`."""
-        storage = bucket.data.untyped_storage()
+        storage = bucket.own_data().untyped_storage()
         self.live_bytes -= storage.nbytes()
         storage.resize_(0)
 
@@ -257,7 +270,7 @@ class GradBuffer:
     def held_bytes(self) -> int:
         """Gradient bytes this rank keeps between microbatches: the flat buffer, or with
         ``shard_grads`` only :attr:`shard_grads` (the buffer exists during a backward only)."""
-        kept = self.shard_grads if self.grads_sharded else self.data
+        kept = self._shard() if self.grads_sharded else self.data
         return kept.numel() * kept.element_size()
 
     def flush(self) -> None:
@@ -277,15 +290,15 @@ class GradBuffer:
     def _land(self, bucket: Bucket) -> None:
         """``shard_grads``: wait for ``bucket``'s reduce-scatter (adding it into the shard) and
         release its gradient memory."""
-        bucket.finish()
+        bucket.wait()
         self._release(bucket)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if self.grads_sharded and self._bucket_of[id(param)].data.untyped_storage().nbytes() == 0:
+        if self.grads_sharded and self._bucket_of[id(param)].own_data().untyped_storage().nbytes() == 0:
             raise RuntimeError(f"shard_grads: a gradient (shape {tuple(param.shape)}) arrived in bucket "
                                f"{self._bucket_of[id(param)].index} before its memory was allocated (GradBuffer.watch)")
         if self.uses_main_grad and param.grad is not None:  # None: its layer added it to main_grad
-            param.main_grad.add_(param.grad)  # (tensor_parallel/wgrad.py)
+            param.main_grad.add_(param.grad)  # type: ignore[attr-defined]  # set in _place_params (wgrad.py)
             param.grad = None
         if self.grads_sharded:  # every backward reduces; ready also marks the bucket touched
             bucket = self._bucket_of[id(param)]
@@ -315,7 +328,7 @@ class GradBuffer:
             per = bucket.numel // self.dp.size
             shard = self.shard_grads[bucket.start // self.dp.size: bucket.start // self.dp.size + per]
         if self.grads_sharded:
-            return self._launch_into_shard(bucket, grad, shard)
+            return self._launch_into_shard(bucket, grad, self._shard_of(bucket))
         residual = self.residual[bucket.start: bucket.start + bucket.numel] if self.residual is not None else None
         codec = "none" if self.exact else self.codec
         bucket.finish = start_reduction(codec, grad, self.dp, shard=shard, residual=residual,
@@ -333,7 +346,12 @@ class GradBuffer:
             scratch = torch.empty_like(shard)
             wait = start_reduction("none" if self.exact else self.codec, grad, self.dp, shard=scratch,
                                    grad_scale=self.grad_scale, average=not self.prescaled, divisor=self.average_over)
-            bucket.finish = lambda: (wait(), shard.add_(scratch))
+
+            def finish() -> None:
+                wait()
+                shard.add_(scratch)
+
+            bucket.finish = finish
         self._launched.append(bucket)
 
     def finish(self) -> None:
@@ -352,14 +370,24 @@ class GradBuffer:
             if bucket.finish is None:
                 self._launch(bucket)
         for bucket in self._launched:
-            bucket.finish()
+            bucket.wait()
         self._launched = []
 
     def bucket_shard(self, param: nn.Parameter) -> torch.Tensor:
         """This rank's share of the reduction of ``param``'s bucket in :attr:`shard_grads`
         (``[bucket numel / d]``, padding included); sharded buffers only."""
-        bucket, d = self._bucket_of[id(param)], self.dp.size
-        return self.shard_grads[bucket.start // d: (bucket.start + bucket.numel) // d]
+        return self._shard_of(self._bucket_of[id(param)])
+
+    def _shard(self) -> torch.Tensor:
+        """:attr:`shard_grads` of a sharded buffer (ValueError for another)."""
+        if self.shard_grads is None:
+            raise ValueError("only a buffer built with shard=True has shard_grads")
+        return self.shard_grads
+
+    def _shard_of(self, bucket: Bucket) -> torch.Tensor:
+        """``bucket``'s ``[numel / d]`` share in :attr:`shard_grads` (d = dp size, padding included)."""
+        d = self.dp.size
+        return self._shard()[bucket.start // d: (bucket.start + bucket.numel) // d]
 
     @property
     def reduced(self) -> torch.Tensor:
@@ -369,7 +397,7 @@ class GradBuffer:
     def zero(self) -> None:
         """Zero the gradients and forget started reductions, before the next step."""
         if self.grads_sharded:  # the flat buffer was released by the last flush
-            self.shard_grads.zero_()
+            self._shard().zero_()
             for bucket in self.buckets:
                 bucket.ready.clear()
                 bucket.finish = None
