@@ -62,6 +62,12 @@ def test_train_rejects_what_it_cannot_run_yet(parallel, message):
         resolve(_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, **parallel), 2)
 
 
+def test_optim_grads_resolves_as_a_sharded_optimizer():
+    p = resolve(_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, overlap_param_gather=True,
+                        data_parallel_sharding_strategy="optim_grads"), 2).parallel
+    assert p.use_distributed_optimizer and p.sharding_strategy == "optim_grads"
+
+
 def test_optim_is_the_distributed_optimizer():
     for given in (dict(data_parallel_sharding_strategy="optim"), dict(use_distributed_optimizer=True)):
         p = resolve(_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, overlap_param_gather=True,
