@@ -8,7 +8,7 @@ import dataclasses
 import functools
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
-from helpers.layout_cases import tiny_config, train_and_collect
+from helpers.layout_cases import LLAMA_OPTIONS, tiny_config, train_and_collect
 from ptdp.engine.groups import ParallelGroups
 from ptdp.spec import Config
 from ptdp.spec.layout import ParallelLayout
@@ -31,6 +31,11 @@ VARIANTS = {
     "grads_interleaved": ("float64", {"num_layers": 8}, {"pipeline_schedule": "interleaved-1f1b",
                                                          "num_layers_per_virtual_pipeline_stage": 2,
                                                          "ddp_bucket_size": 901}, {}),
+    # the Llama-like model with full recompute of every layer and sequence parallelism (the tp sum
+    # of the norms' gradients acts on the shards), reduced during backward
+    "grads_sp": ("float64", LLAMA_OPTIONS | {"recompute_granularity": "full", "recompute_method": "uniform",
+                                             "recompute_num_layers": 1},
+                 {"ddp_bucket_size": 1500, "overlap_grad_reduce": True, "sequence_parallel": True}, {}),
     # bf16 weights: float32 main gradients written by the layers (main_grad), float32 shards
     "grads_bf16": ("bfloat16", {}, {"ddp_bucket_size": 901, "overlap_grad_reduce": True}, {}),
 }
@@ -38,7 +43,7 @@ VARIANTS = {
 
 #: the variants each layout runs (kept few: every run costs seconds on a 2-core machine); every
 #: layout runs a float64 case with 2-4 accumulated microbatches
-RUNS = {(1, 1, 4): ["grads", "grads_overlap", "grads_bf16"], (2, 1, 2): ["grads_overlap"],
+RUNS = {(1, 1, 4): ["grads", "grads_overlap", "grads_bf16"], (2, 1, 2): ["grads_sp"],
         (1, 2, 2): ["grads", "grads_untied", "grads_interleaved"], (2, 2, 2): ["grads_overlap", "grads_bf16"]}
 
 
@@ -52,6 +57,8 @@ def zero_config(name: str, tp: int, pp: int, dp: int, strategy: str = "optim_gra
     same model in one process with no sharding and no pipeline options."""
     dtype, model, parallel, train = VARIANTS[name]
     parallel = dict(parallel)
+    if tp == 1:
+        parallel.pop("sequence_parallel", None)
     if pp == 1:
         parallel.pop("pipeline_schedule", None)
         parallel.pop("num_layers_per_virtual_pipeline_stage", None)
