@@ -4,7 +4,8 @@ per-step losses and gradient norms within 1e-9 relative, every parameter after t
 dp) = (1,1,4), (2,1,2), (1,2,2), (2,2,2), with buckets reduced when each backward ends or during
 it (with the parameter all-gather overlapped with the next forward), the tied embedding summed
 over its two stages' shards, an untied output layer and the interleaved schedule at pp = 2, the
-Llama-like model with full recompute and sequence parallelism at (2,1,2); bf16 weights within
+Llama-like model with full recompute and sequence parallelism at (2,1,2), and context parallelism
+at (tp, cp, pp, dp) = (1,2,1,2) (shards over dp x cp); bf16 weights within
 bf16 precision at (1,1,4) and (2,2,2) (:data:`helpers.zero_cases.RUNS`). Replicas and tied copies
 stay bitwise equal. Each rank keeps 1/dp of the gradients between microbatches, as the planner
 counts them, and every backward reduce-scatters what it produced. All layouts of a world size run
@@ -18,9 +19,12 @@ from helpers.layout_cases import TOL, full_parameters, real_rows
 from helpers.dist_helpers import run_in_pool
 from helpers.zero_cases import (
     LAYOUTS,
+    CP_LAYOUT,
+    CP_VARIANT,
     ROUND_TRIP,
     VARIANTS,
     checkpoint_worker,
+    cp_config,
     fp16_worker,
     reference,
     variants,
@@ -58,6 +62,17 @@ def test_optim_grads_trains_like_one_process(world, layout):
     results = [rank_results[layout] for rank_results in world_results(world)]
     for name in variants(*layout):
         _check(results, name)
+
+
+def test_optim_grads_with_context_parallelism_trains_like_one_process():
+    """(tp, cp, pp, dp) = (1,2,1,2): the shards are over the 4 dp x cp ranks, gradients summed over
+    cp and averaged over dp; each rank keeps a quarter of them."""
+    assert cp_config(CP_VARIANT).parallel.cp == 2
+    results = [rank_results[CP_LAYOUT] for rank_results in world_results(4)]
+    _check(results, CP_VARIANT)
+    for res in results:
+        m = res[CP_VARIANT]["measured"]
+        assert m["grads"] == 8 * (m["numel"] + m["padding"]) // 4, m
 
 
 @pytest.mark.parametrize("world, layout", CASES, ids=IDS)

@@ -10,7 +10,7 @@ import functools
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.layout_cases import LLAMA_OPTIONS, tiny_config, train_and_collect
 from ptdp.engine.groups import ParallelGroups
-from ptdp.spec import Config
+from ptdp.spec import Config, resolve
 from ptdp.spec.layout import ParallelLayout
 
 #: (tp, pp, dp) by world size: one job per world size
@@ -69,14 +69,30 @@ def zero_config(name: str, tp: int, pp: int, dp: int, strategy: str = "optim_gra
     return tiny_config(tp, pp, dp, dtype, train_overrides=train, parallel_overrides=parallel, **model)
 
 
+#: context parallelism (world 4): (tp, cp, pp, dp) and its variant; the shards are over dp x cp
+CP_LAYOUT, CP_VARIANT = (1, 2, 1, 2), "grads_overlap"
+
+
+def cp_config(name: str) -> Config:
+    """Variant ``name`` at :data:`CP_LAYOUT`: gradients summed over cp, averaged over dp."""
+    tp, cp, pp, dp = CP_LAYOUT
+    cfg = zero_config(name, tp, pp, dp)
+    return resolve(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, context_parallel_size=cp)),
+                   tp * cp * pp * dp)
+
+
 def zero_worker(rank: int, world: int) -> dict:
     """Every layout of this world size, each of its variants in turn: ``{layout: {variant: result}}``
-    (the first variant's communication of step 0 recorded)."""
+    (the first variant's communication of step 0 recorded); at world 4 also :data:`CP_LAYOUT`."""
     out = {}
     for tp, pp, dp in LAYOUTS[world]:
         groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp), PG_TIMEOUT)
         out[(tp, pp, dp)] = {name: train_and_collect(zero_config(name, tp, pp, dp), groups, 0)
                              for name in variants(tp, pp, dp)}
+    if world == 4:
+        tp, cp, pp, dp = CP_LAYOUT
+        groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp), PG_TIMEOUT)
+        out[CP_LAYOUT] = {CP_VARIANT: train_and_collect(cp_config(CP_VARIANT), groups, 0)}
     return out
 
 
