@@ -245,7 +245,7 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
         shard_grads=p.sharding_strategy == "optim_grads",  # ZeRO-2: only the shard between microbatches
     )
     if grads.grads_sharded:  # a bucket's memory is allocated when backward reaches its module's output
-        grads.watch(_param_gather_units(chunks))
+        grads.watch(_gradient_units(chunks))
     scaler = DynamicLossScaler(device=device) if m.params_dtype == "float16" else None
     units = _param_gather_units(chunks) if p.overlap_param_gather else None
     optimizer = build_optimizer(model, config.train, grads, param_gather_units=units)
@@ -270,6 +270,24 @@ def _param_gather_units(chunks: list[GPTModel]) -> list[tuple[nn.Module, list[nn
     for chunk in chunks:
         in_layers = {id(p) for layer in chunk.layers.values() for p in layer.parameters()}
         units.append((chunk, [p for p in chunk.parameters() if id(p) not in in_layers]))
+        units.extend((layer, list(layer.parameters())) for layer in chunk.layers.values())
+    return units
+
+
+def _gradient_units(chunks: list[GPTModel]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Which module's output, reached by backward, allocates which parameters' gradient buckets
+    with ``optim_grads`` (:meth:`GradBuffer.watch`): each transformer layer its own; the word
+    embedding its weight where only the lookup reads it (a first stage without a tied output
+    layer), so that bucket exists only at the end of backward; each chunk the rest when its
+    backward starts (the output layer, read directly, comes first)."""
+    units: list[tuple[nn.Module, list[nn.Parameter]]] = []
+    for chunk in chunks:
+        taken = {id(p) for layer in chunk.layers.values() for p in layer.parameters()}
+        lookup = getattr(chunk, "word_embeddings", None)
+        if lookup is not None and chunk.pre_process and (hasattr(chunk, "output_layer") or not chunk.post_process):
+            units.append((lookup, [lookup.weight]))
+            taken.add(id(lookup.weight))
+        units.append((chunk, [p for p in chunk.parameters() if id(p) not in taken]))
         units.extend((layer, list(layer.parameters())) for layer in chunk.layers.values())
     return units
 

@@ -30,7 +30,7 @@ backward reduce-scatters each bucket it touched (during backward with overlap, e
 backward ends) and adds the result into :attr:`GradBuffer.shard_grads`, which accumulates the
 step's gradient. Each bucket then has a tensor of its own whose memory exists only from the
 moment backward reaches the output of the module holding its first parameter (a transformer
-layer, or the model chunk for its embeddings, final norm and output layer:
+layer, the word embedding where only the lookup reads it, or the model chunk for the rest:
 :meth:`GradBuffer.watch`) until its reduce-scatter finished; with ``overlap`` at most two buckets
 are in flight (launching a third first finishes the oldest), so a backward holds the buckets
 being filled and two being reduced, not the stage's whole gradient. :meth:`GradBuffer.no_sync`
