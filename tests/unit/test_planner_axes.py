@@ -57,16 +57,21 @@ def test_memory_breakdown_counts_the_cp_rank():
 
 def test_ring_exchange_bytes_and_overlap():
     """p2p: cp - 1 steps of K and V blocks (2 B e bytes each way) per layer forward, exposed by what
-    a step exceeds one block's attention; backward twice; NVLink only while tp * cp fits a node."""
+    a step exceeds one block's attention; backward the same steps with the float32 dK, dV
+    accumulators too, and their last hop home exposed (what ptdp's ring sends,
+    cp_attention_comm); NVLink only while tp * cp fits a node."""
     b, cp, tp, e = 1, 4, 2, 2
     block_bytes = (1024 / cp) * b * 2 * 32 / tp * e
     step_nvlink = 2 * block_bytes / 400e9 + 5e-6
     fwd, bwd = kv_exchange_times(LLAMA, tp, cp, b, "p2p", 0.0, LINKS)
     assert fwd == pytest.approx((cp - 1) * step_nvlink, rel=1e-12)
-    assert bwd == pytest.approx((cp - 1) * (4 * block_bytes / 400e9 + 5e-6), rel=1e-12)  # K, V, dK, dV
+    grad_block = block_bytes / e * 4  # dK, dV accumulators travel in float32
+    last_hop = 2 * grad_block / 400e9 + 5e-6  # dK, dV home, after the last block's backward
+    assert bwd == pytest.approx((cp - 1) * ((2 * block_bytes + 2 * grad_block) / 400e9 + 5e-6) + last_hop,
+                                rel=1e-12)  # K, V, dK, dV per step
     hidden_backward = kv_exchange_times(LLAMA, tp, cp, b, "p2p", 0.0, LINKS, 2, block_attention_backward=1.0)
-    assert hidden_backward == pytest.approx(((cp - 1) * step_nvlink, 0.0))
-    assert kv_exchange_times(LLAMA, tp, cp, b, "p2p", 1.0, LINKS) == (0.0, 0.0)  # hidden behind attention
+    assert hidden_backward == pytest.approx(((cp - 1) * step_nvlink, last_hop))
+    assert kv_exchange_times(LLAMA, tp, cp, b, "p2p", 1.0, LINKS) == pytest.approx((0.0, last_hop))  # hidden
     half = kv_exchange_times(LLAMA, tp, cp, b, "p2p", step_nvlink / 2, LINKS)[0]
     assert half == pytest.approx((cp - 1) * step_nvlink / 2, rel=1e-12)
     # tp 4 x cp 4 = 16 > 8 GPUs per node: the ring crosses the network
@@ -75,7 +80,8 @@ def test_ring_exchange_bytes_and_overlap():
         (cp - 1) * (2 * block4 / 40e9 + 10e-6), rel=1e-12)
     # all-gather of K and V (2 cp blocks) once forward, gather + reduce-scatter backward, not hidden
     gather = 0.5 * hierarchical_all_reduce_time(2 * cp * block_bytes, cp, 4, LINKS)
-    assert kv_exchange_times(LLAMA, tp, cp, b, "all_gather", 1.0, LINKS) == pytest.approx((gather, 2 * gather))
+    scatter = 0.5 * hierarchical_all_reduce_time(2 * cp * grad_block, cp, 4, LINKS)  # float32 dK, dV
+    assert kv_exchange_times(LLAMA, tp, cp, b, "all_gather", 1.0, LINKS) == pytest.approx((gather, gather + scatter))
     assert kv_exchange_times(LLAMA, tp, 1, b, "p2p", 0.0, LINKS) == (0.0, 0.0)
 
 

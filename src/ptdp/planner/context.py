@@ -16,12 +16,16 @@ values, ``B = (s / cp) b kv d / t`` elements of ``e`` bytes (kv: key/value heads
 
 * ``p2p`` (ring): forward ``cp - 1`` steps, each sending and receiving K and V (``2 B e`` bytes per
   direction), each overlapped with the attention of the block already there; backward the same
-  with K, V and their gradients travelling (``4 B e``), overlapped with one block's backward
-  attention. Exposed: per step, what the transfer exceeds that block's attention. Buffers: two blocks in flight of each travelling tensor, peak
-  in backward ``8 B e`` bytes.
+  ``cp - 1`` steps with K, V and their gradient accumulators travelling (``2 B e + 2 B g``),
+  overlapped with one block's backward attention, then one more step carrying dK and dV home
+  (``2 B g``, exposed). The gradient blocks travel in float32, ``g = 4`` bytes (ptdp's
+  :func:`ptdp.engine.context_parallel.cp_attention_comm`: partial sums are not rounded to 16 bits
+  between hops). Exposed: per step, what the transfer exceeds that block's attention. Buffers:
+  two blocks in flight of each travelling tensor, peak in backward ``8 B e`` bytes.
 * ``all_gather``: forward one all-gather of K and V (the full tensors ``2 cp B e`` bytes); backward
-  an all-gather again and a reduce-scatter of their gradients; not overlapped. Buffers: the
-  gathered K, V and the full-length dK, dV of one layer, ``4 cp B e`` bytes.
+  an all-gather again and a reduce-scatter of their gradients (``2 cp B g`` bytes, float32);
+  not overlapped. Buffers: the gathered K, V and the full-length dK, dV of one layer,
+  ``4 cp B e`` bytes.
 
 Links: ranks are ordered tp-cp-dp-pp, so a cp group is ``cp`` ranks at stride tp; with
 ``tp * cp <= gpus_per_node`` it is inside a node (NVLink), else its ring crosses the network,
@@ -122,23 +126,30 @@ def cp_link(tp: int, cp: int, links: Links) -> tuple[float, float]:
 
 def kv_exchange_times(model: ModelSpec, tp: int, cp: int, micro_batch_size: int, comm_type: str,
                       block_attention: float, links: Links, bytes_per_value: float = 2.0,
-                      block_attention_backward: float | None = None) -> tuple[float, float]:
+                      block_attention_backward: float | None = None,
+                      grad_bytes_per_value: float = 4.0) -> tuple[float, float]:
     """Exposed seconds of one layer's key/value exchange for one microbatch: ``(forward,
     backward)`` (module docstring). p2p: ``cp - 1`` ring steps each way, a forward step (K, V:
     ``2 B e`` bytes + one latency) hidden behind ``block_attention`` (one block's forward
-    attention), a backward step (K, V, dK, dV: ``4 B e``) behind ``block_attention_backward``
-    (default twice the forward)."""
+    attention), a backward step (K, V and the dK, dV accumulators: ``2 B e + 2 B g``) behind
+    ``block_attention_backward`` (default twice the forward), and the last hop of dK, dV to their
+    owner (``2 B g``) exposed. all_gather: the gather (``2 cp B e``) in forward, the gather again
+    and the reduce-scatter of dK, dV (``2 cp B g``) in backward. ``g`` =
+    ``grad_bytes_per_value`` (float32, as ptdp sends them)."""
     if cp <= 1:
         return 0.0, 0.0
-    block = kv_block_elements(model, tp, cp, micro_batch_size) * bytes_per_value
+    elements = kv_block_elements(model, tp, cp, micro_batch_size)
+    block, grad_block = elements * bytes_per_value, elements * grad_bytes_per_value
     if comm_type == "p2p":
         bw, lat = cp_link(tp, cp, links)
         hide_backward = 2.0 * block_attention if block_attention_backward is None else block_attention_backward
         fwd = (cp - 1) * max(0.0, 2.0 * block / bw + lat - block_attention)
-        bwd = (cp - 1) * max(0.0, 4.0 * block / bw + lat - hide_backward)
+        bwd = ((cp - 1) * max(0.0, (2.0 * block + 2.0 * grad_block) / bw + lat - hide_backward)
+               + 2.0 * grad_block / bw + lat)
         return fwd, bwd
     if comm_type == "all_gather":
         per_node = min(cp, max(1, links.gpus_per_node // tp)) if tp < links.gpus_per_node else 1
         gather = 0.5 * hierarchical_all_reduce_time(2.0 * cp * block, cp, per_node, links)
-        return gather, 2.0 * gather
+        scatter = 0.5 * hierarchical_all_reduce_time(2.0 * cp * grad_block, cp, per_node, links)
+        return gather, gather + scatter
     raise ValueError(f"cp_comm_type={comm_type!r} must be p2p or all_gather")
