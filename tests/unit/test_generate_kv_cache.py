@@ -190,3 +190,21 @@ def test_ptdp_generate_prints_the_same_text_with_and_without_the_cache(tmp_path,
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and texts[2] == texts[3]
     assert texts[0].startswith("w5 w9 w200 ") and len(texts[0].split()) == 13 and texts[0] != texts[2]
+
+
+def test_ptdp_generate_refuses_a_tokenizer_of_another_size(tmp_path, capsys):
+    """A tokenizer whose vocabulary differs from the model's is a bad request (exit 2 naming both
+    sizes), not an index error or garbage text; a --tokenizer that is not a file is named as given."""
+    cfg = tiny_config(1, 1, 1, "float32", **LLAMA)
+    stage = build_stage(cfg, ParallelGroups.single_process())
+    save_checkpoint(stage, tmp_path / "ckpt", 1, consumed_samples=0)
+    base = ["generate", "--load", str(tmp_path / "ckpt"), "--prompt", "w5 w9", "--max-new-tokens", "2"]
+    for size in (VOCAB - 1, VOCAB + 7):
+        tokenizer = Tokenizer(WordLevel({f"w{i}": i for i in range(size)}, unk_token="w0"))
+        tokenizer.pre_tokenizer = Whitespace()
+        tokenizer.save(str(tmp_path / f"tok{size}.json"))
+        assert cli.main(base + ["--tokenizer", str(tmp_path / f"tok{size}.json")]) == 2
+        err = capsys.readouterr().err
+        assert f"has {size} tokens but the model has a vocabulary of {VOCAB}: they must be equal" in err
+    assert cli.main(base + ["--tokenizer", str(tmp_path)]) == 2
+    assert f"--tokenizer {tmp_path}: not a file" in capsys.readouterr().err

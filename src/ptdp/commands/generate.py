@@ -161,8 +161,20 @@ def load_tokenizer(folder: Path, override: str | None):
 
     path = Path(override) if override else folder / "tokenizer.json"
     if not path.is_file():
+        if override:
+            raise CheckpointError(f"--tokenizer {path}: not a file (a tokenizers JSON file)")
         raise CheckpointError(f"no tokenizer at {path}; pass --tokenizer PATH (a tokenizers JSON file)")
     return Tokenizer.from_file(str(path))
+
+
+def check_tokenizer_size(tokenizer, vocab_size: int, path: str | None) -> None:
+    """The tokenizer must have the model's vocabulary (its ids index the embedding); ConfigError
+    naming both sizes otherwise, as ``ptdp train --load ... --tokenizer-model`` does."""
+    size = tokenizer.get_vocab_size()
+    if size != vocab_size:
+        where = f"--tokenizer {path}" if path else "the checkpoint's tokenizer.json"
+        raise ConfigError(f"{where} has {size} tokens but the model has a vocabulary of {vocab_size}: "
+                          "they must be equal")
 
 
 def add_arguments(gen: argparse.ArgumentParser) -> None:
@@ -194,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--prompt must not be empty")
     model, _meta, folder = load_for_inference(args.load)
     tokenizer = load_tokenizer(folder, args.tokenizer)
+    check_tokenizer_size(tokenizer, model.cfg.vocab_size, args.tokenizer)
     prompt = tokenizer.encode(args.prompt).ids
     if not prompt:
         raise ConfigError(f"--prompt {args.prompt!r} encodes to no tokens")

@@ -31,13 +31,30 @@ from ptdp.spec import Config, ConfigError
 
 def check_request(config: Config, local_workers: int) -> None:
     """Checks of the resolved request alone: the packages of the trackers it asks for
-    (:func:`~ptdp.run.tracking.check_trackers`), then the memory estimate of the
+    (:func:`~ptdp.run.tracking.check_trackers`), a given ``--hardware-profile``
+    (:func:`check_hardware_profile`), then the memory estimate of the
     ``local_workers`` on this machine (:mod:`ptdp.run.memory_check`), unless ``--force``; with
     ``--tokenizer-model`` it is made for that tokenizer's vocabulary, not ``--vocab-size``. Raises
     ConfigError, or DataError naming a ``--tokenizer-model`` that is not a tokenizer."""
     check_trackers(config)
+    check_hardware_profile(config)
     if not config.launch.force:
         check_memory(_with_given_vocabulary(config), local_workers)
+
+
+def check_hardware_profile(config: Config) -> None:
+    """A ``--hardware-profile`` given explicitly must be one ``ptdp plan --calibrate`` wrote (the
+    run compares its step time with the planner's prediction from it at the end); ConfigError
+    naming the path otherwise, before any worker starts. The default profile, used when present,
+    is not required."""
+    if not config.hardware_profile:
+        return
+    from ptdp.planner.profile import load_profile
+
+    try:
+        load_profile(config.hardware_profile)
+    except ValueError as e:
+        raise ConfigError(f"--hardware-profile: {e}") from None
 
 
 def _with_given_vocabulary(config: Config) -> Config:
