@@ -101,3 +101,12 @@ def test_cpu_measurements_run_on_the_given_device():
     rows = calibration.measure_gemms(model, 1, 1, 128, torch.float32, torch.device("cpu"))
     assert rows and all(r["flops_per_s"] > 0 for r in rows)
     assert calibration.measure_bandwidth(1 << 12, torch.device("cpu")) > 0
+
+
+def test_calibration_refuses_context_parallelism(capsys):
+    """--calibrate does not run cp: asking for it is a bad request (exit 2), not silently ignored."""
+    from ptdp import cli
+
+    code = cli.main(["plan", "--calibrate", "--tp", "1", "--pp", "1", "--cp", "2", "--nproc-per-node", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--context-parallel-size=2" in err and "leave --cp out" in err

@@ -32,7 +32,14 @@ def calibration_workers(args: argparse.Namespace) -> int:
 
 
 def calibration_config(args: argparse.Namespace, nproc: int | None = None) -> Config:
-    """The ``ptdp train`` run being calibrated for: its defaults, with any flags given applied."""
+    """The ``ptdp train`` run being calibrated for: its defaults, with any flags given applied.
+    ConfigError for ``--cp`` > 1: calibration measures GEMMs, memory bandwidth and the all-reduce
+    at tp x pp x dp; the profile serves every cp, which it does not run."""
+    cp = getattr(args, "context_parallel_size", None)
+    if cp is not None and cp != 1:
+        raise ConfigError(f"--context-parallel-size={cp}: ptdp plan --calibrate measures this machine's GEMMs, "
+                          "memory bandwidth and all-reduce with tp x pp x dp workers and does not run context "
+                          "parallelism; the profile it writes serves every cp (leave --cp out)")
     model = ModelConfig()
     shape = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                                            "vocab_size", "seq_length") if getattr(args, k) is not None}
