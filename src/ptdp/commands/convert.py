@@ -25,7 +25,9 @@ def run(args: argparse.Namespace) -> int:
     from ptdp.run.checkpoint.hf import export_hf, import_hf
 
     if args.direction == "to-hf":
-        print(f"wrote {export_hf(args.source, args.target)} (config.json, model.safetensors)")
+        out = export_hf(args.source, args.target)
+        files = ", ".join(sorted(p.name for p in out.iterdir() if p.suffix in (".json", ".safetensors")))
+        print(f"wrote {out} ({files})")
     else:
         print(f"wrote {import_hf(args.source, args.target)}; load it with --load {args.target}")
         print(continue_hint(Path(args.source), args.target))

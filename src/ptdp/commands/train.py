@@ -10,7 +10,7 @@ import warnings
 from ptdp.spec import resolve
 
 TRAIN_DESCRIPTION = """\
-Train a GPT with tensor x pipeline x data parallelism on local worker processes
+Train a GPT with tensor x context x pipeline x data parallelism on local worker processes
 (gloo on CPU, NCCL on GPUs), started by PyTorch's elastic launcher. With no flags:
 8 workers (one per GPU on a machine with GPUs), TP=2 x PP=2 x DP=2 (dp fills the workers),
 a small GPT, the Python standard library's sources as corpus. For several machines use:
