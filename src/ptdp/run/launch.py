@@ -94,10 +94,11 @@ def failure_message(error: ChildFailedError, max_restarts: int,
     others = sorted(r for r in error.failures if r != rank)
     if others:
         text += f"; ranks {others} failed too"
-    if failure.exitcode >= 0 and isinstance(failure.message, str) and failure.error_file != "<N/A>":
-        text += f"\n{failure.message}"
-    elif failure.exitcode >= 0 and isinstance(failure.message, dict):
-        text += f"\n{failure.message.get('message', '')}"
+    message: object = failure.message  # annotated str, but torch puts the error file's JSON object there
+    if failure.exitcode >= 0 and isinstance(message, str) and failure.error_file != "<N/A>":
+        text += f"\n{message}"
+    elif failure.exitcode >= 0 and isinstance(message, dict):
+        text += f"\n{message.get('message', '')}"
     return text
 
 
