@@ -35,20 +35,20 @@ import datetime
 import json
 import time
 
+import pipeline_common as pc
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-import pipeline_common as pc
 import ptdp.engine.pipeline.runtime as runtime
 from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.run.distributed import init_distributed
 from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
+from ptdp.engine.step import build_stage, train_step
 from ptdp.planner.memory import stage_activation_bytes
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.plan import Layout
-from ptdp.engine.step import build_stage, train_step
+from ptdp.run.distributed import init_distributed
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec.layout import ParallelLayout
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -92,38 +92,64 @@ def _schedules(args) -> tuple[str, ...]:
 
 
 def _config(args, schedule: str) -> Config:
-    model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                        num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                        vocab_size=args.vocab_size, params_dtype=args.dtype)
+    model = ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+        params_dtype=args.dtype,
+    )
     per_chunk = args.num_layers // (2 * args.pp) if schedule == "interleaved-1f1b" else None
-    parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                              pipeline_schedule=schedule, num_layers_per_virtual_pipeline_stage=per_chunk)
-    train = TrainConfig(micro_batch_size=args.micro_batch_size,
-                        global_batch_size=args.micro_batch_size * args.microbatches, lr_warmup_iters=0)
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        pipeline_schedule=schedule,
+        num_layers_per_virtual_pipeline_stage=per_chunk,
+    )
+    train = TrainConfig(
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.micro_batch_size * args.microbatches,
+        lr_warmup_iters=0,
+    )
     return resolve(Config(model=model, parallel=parallel, train=train), args.tp * args.pp)
 
 
 def predicted_bytes(config: Config, pp_rank: int) -> float:
     """The planner's activation peak of ``pp_rank`` (its fp32 figure; twice that for float64)."""
     m, p, t = config.model, config.parallel, config.train
-    layout = Layout(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size,
-                    virtual_stages=p.virtual_stages(m.num_layers), precision="fp32")
-    fp32 = stage_activation_bytes(spec_from_model_config(m), layout, pp_rank, m.num_layers // p.pp,
-                                  schedule="gpipe" if p.schedule == "gpipe" else "1f1b",
-                                  make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
+    layout = Layout(
+        p.tp,
+        p.pp,
+        p.dp,
+        t.micro_batch_size,
+        t.global_batch_size,
+        virtual_stages=p.virtual_stages(m.num_layers),
+        precision="fp32",
+    )
+    fp32 = stage_activation_bytes(
+        spec_from_model_config(m),
+        layout,
+        pp_rank,
+        m.num_layers // p.pp,
+        schedule="gpipe" if p.schedule == "gpipe" else "1f1b",
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+    )
     return 2 * fp32 if m.params_dtype == "float64" else fp32
 
 
 def worker(args: argparse.Namespace) -> dict:
     init_distributed(pc.TIMEOUT_MINUTES, threads_per_worker=1)
-    groups = ParallelGroups.build(ParallelLayout(tp=args.tp, pp=args.pp, dp=1),
-                                  datetime.timedelta(minutes=pc.TIMEOUT_MINUTES))
+    groups = ParallelGroups.build(
+        ParallelLayout(tp=args.tp, pp=args.pp, dp=1), datetime.timedelta(minutes=pc.TIMEOUT_MINUTES)
+    )
     coords = (groups.coords.tp_rank, groups.coords.pp_rank)
     rows = []
     try:
         gen = torch.Generator().manual_seed(0)
-        data = torch.randint(0, args.vocab_size, (args.microbatches, args.micro_batch_size, args.seq_length + 1),
-                             generator=gen)
+        data = torch.randint(
+            0, args.vocab_size, (args.microbatches, args.micro_batch_size, args.seq_length + 1), generator=gen
+        )
         # each microbatch its own storage, so a saved token tensor never pins the whole batch
         mbs = [(d[:, :-1].clone(), d[:, 1:].clone()) for d in data]
         for schedule in _schedules(args):
@@ -135,9 +161,18 @@ def worker(args: argparse.Namespace) -> dict:
                     result = train_step(stage, mbs, 0)
             finally:
                 runtime.post = original
-            rows.append({"schedule": schedule, "coords": coords, "peak_bytes": meter.peak, "live_after_bytes": meter.live,
-                         "saved_tensors": meter.packed, "loss": result.loss,
-                         "peak_with_sent_bytes": meter.peak_with_sends, "peak_sent_alive_bytes": meter.peak_sent_only})
+            rows.append(
+                {
+                    "schedule": schedule,
+                    "coords": coords,
+                    "peak_bytes": meter.peak,
+                    "live_after_bytes": meter.live,
+                    "saved_tensors": meter.packed,
+                    "loss": result.loss,
+                    "peak_with_sent_bytes": meter.peak_with_sends,
+                    "peak_sent_alive_bytes": meter.peak_sent_only,
+                }
+            )
         per_rank = pc.all_gather_object(rows, groups.world)
     finally:
         torch.distributed.destroy_process_group()
@@ -154,16 +189,22 @@ def _summary(per_rank: list[list[dict]], p: int, m: int) -> list[dict]:
         by = {row["schedule"]: row for row in rows}
         gpipe, f1b = by["gpipe"]["peak_bytes"], by["1f1b"]["peak_bytes"]
         per_mb = gpipe / m  # GPipe holds all m microbatches at its peak
-        out.append({
-            "pp_rank": r, "gpipe_peak_bytes": gpipe, "1f1b_peak_bytes": f1b,
-            "ratio_measured": gpipe / f1b, "ratio_expected": m / min(p - r, m),
-            "1f1b_peak_in_microbatches": f1b / per_mb, "expected_in_flight_1f1b": min(p - r, m),
-            "live_after_step_bytes": {k: by[k]["live_after_bytes"] for k in SCHEDULES},
-            "loss": {k: by[k]["loss"] for k in SCHEDULES},
-            "peak_with_sent_bytes": {k: by[k]["peak_with_sent_bytes"] for k in SCHEDULES},
-            "peak_sent_alive_bytes": {k: by[k]["peak_sent_alive_bytes"] for k in SCHEDULES},
-            "saved_bytes_per_microbatch": per_mb,
-        })
+        out.append(
+            {
+                "pp_rank": r,
+                "gpipe_peak_bytes": gpipe,
+                "1f1b_peak_bytes": f1b,
+                "ratio_measured": gpipe / f1b,
+                "ratio_expected": m / min(p - r, m),
+                "1f1b_peak_in_microbatches": f1b / per_mb,
+                "expected_in_flight_1f1b": min(p - r, m),
+                "live_after_step_bytes": {k: by[k]["live_after_bytes"] for k in SCHEDULES},
+                "loss": {k: by[k]["loss"] for k in SCHEDULES},
+                "peak_with_sent_bytes": {k: by[k]["peak_with_sent_bytes"] for k in SCHEDULES},
+                "peak_sent_alive_bytes": {k: by[k]["peak_sent_alive_bytes"] for k in SCHEDULES},
+                "saved_bytes_per_microbatch": per_mb,
+            }
+        )
     return out
 
 
@@ -185,32 +226,93 @@ def main() -> None:
     summary = _summary(out["per_rank"], args.pp, args.microbatches)
     planner = _planner_rows(args, out["per_rank"]) if args.planner else None
     report = {
-        "benchmark": "activation_memory", "machine": pc.machine(), "tp": args.tp, "pp": args.pp,
-        "dtype": args.dtype, "microbatches": args.microbatches,
-        "model": {"layers": args.num_layers, "hidden": args.hidden_size, "heads": args.num_attention_heads,
-                  "seq": args.seq_length, "vocab": args.vocab_size, "micro_batch": args.micro_batch_size},
-        "per_rank": summary, "planner": planner, "wall_s": time.perf_counter() - start,
+        "benchmark": "activation_memory",
+        "machine": pc.machine(),
+        "tp": args.tp,
+        "pp": args.pp,
+        "dtype": args.dtype,
+        "microbatches": args.microbatches,
+        "model": {
+            "layers": args.num_layers,
+            "hidden": args.hidden_size,
+            "heads": args.num_attention_heads,
+            "seq": args.seq_length,
+            "vocab": args.vocab_size,
+            "micro_batch": args.micro_batch_size,
+        },
+        "per_rank": summary,
+        "planner": planner,
+        "wall_s": time.perf_counter() - start,
     }
     print(json.dumps(report, indent=2))
     mib = 2**20
-    rows = [[s["pp_rank"], f"{s['gpipe_peak_bytes'] / mib:.1f}", f"{s['1f1b_peak_bytes'] / mib:.1f}",
-             f"**{s['ratio_measured']:.3f}**", f"{s['ratio_expected']:.3f}",
-             f"{s['1f1b_peak_in_microbatches']:.3f}", s["expected_in_flight_1f1b"]] for s in summary]
+    rows = [
+        [
+            s["pp_rank"],
+            f"{s['gpipe_peak_bytes'] / mib:.1f}",
+            f"{s['1f1b_peak_bytes'] / mib:.1f}",
+            f"**{s['ratio_measured']:.3f}**",
+            f"{s['ratio_expected']:.3f}",
+            f"{s['1f1b_peak_in_microbatches']:.3f}",
+            s["expected_in_flight_1f1b"],
+        ]
+        for s in summary
+    ]
     print()
-    print(pc.table(["pp rank", "GPipe peak MiB", "1F1B peak MiB", "GPipe / 1F1B", "expected m / min(p - r, m)",
-                    "1F1B peak in microbatches", "expected in flight"], rows))
-    rows = [[s["pp_rank"], f"{s['saved_bytes_per_microbatch'] / mib:.2f}"]
-            + [f"{s[key][k] / mib:.1f}" for k in SCHEDULES for key in ("peak_sent_alive_bytes", "peak_with_sent_bytes")]
-            + [f"{s['peak_with_sent_bytes']['gpipe'] / s['peak_with_sent_bytes']['1f1b']:.3f}"] for s in summary]
+    print(
+        pc.table(
+            [
+                "pp rank",
+                "GPipe peak MiB",
+                "1F1B peak MiB",
+                "GPipe / 1F1B",
+                "expected m / min(p - r, m)",
+                "1F1B peak in microbatches",
+                "expected in flight",
+            ],
+            rows,
+        )
+    )
+    rows = [
+        [s["pp_rank"], f"{s['saved_bytes_per_microbatch'] / mib:.2f}"]
+        + [f"{s[key][k] / mib:.1f}" for k in SCHEDULES for key in ("peak_sent_alive_bytes", "peak_with_sent_bytes")]
+        + [f"{s['peak_with_sent_bytes']['gpipe'] / s['peak_with_sent_bytes']['1f1b']:.3f}"]
+        for s in summary
+    ]
     print()
-    print(pc.table(["pp rank", "saved MiB per microbatch", "GPipe sent alive MiB", "GPipe saved + sent MiB",
-                    "1F1B sent alive MiB", "1F1B saved + sent MiB", "GPipe / 1F1B (saved + sent)"], rows))
+    print(
+        pc.table(
+            [
+                "pp rank",
+                "saved MiB per microbatch",
+                "GPipe sent alive MiB",
+                "GPipe saved + sent MiB",
+                "1F1B sent alive MiB",
+                "1F1B saved + sent MiB",
+                "GPipe / 1F1B (saved + sent)",
+            ],
+            rows,
+        )
+    )
 
     if planner is not None:
         print()
-        print(pc.table(["schedule", "tp rank", "pp rank", "measured peak bytes", "planner bytes", "planner error"],
-                       [[r["schedule"], r["tp_rank"], r["pp_rank"], f"{r['measured_bytes']:,}",
-                         f"{r['predicted_bytes']:,.0f}", f"{100 * r['error']:+.2f}%"] for r in planner]))
+        print(
+            pc.table(
+                ["schedule", "tp rank", "pp rank", "measured peak bytes", "planner bytes", "planner error"],
+                [
+                    [
+                        r["schedule"],
+                        r["tp_rank"],
+                        r["pp_rank"],
+                        f"{r['measured_bytes']:,}",
+                        f"{r['predicted_bytes']:,.0f}",
+                        f"{100 * r['error']:+.2f}%",
+                    ]
+                    for r in planner
+                ],
+            )
+        )
 
 
 def _planner_rows(args, per_rank: list[list[dict]]) -> list[dict]:
@@ -221,9 +323,16 @@ def _planner_rows(args, per_rank: list[list[dict]]) -> list[dict]:
         for rows in per_rank:
             row = next(r for r in rows if r["schedule"] == schedule)
             predicted = predicted_bytes(config, row["coords"][1])
-            out.append({"schedule": schedule, "tp_rank": row["coords"][0], "pp_rank": row["coords"][1],
-                        "measured_bytes": row["peak_bytes"], "predicted_bytes": predicted,
-                        "error": row["peak_bytes"] / predicted - 1})
+            out.append(
+                {
+                    "schedule": schedule,
+                    "tp_rank": row["coords"][0],
+                    "pp_rank": row["coords"][1],
+                    "measured_bytes": row["peak_bytes"],
+                    "predicted_bytes": predicted,
+                    "error": row["peak_bytes"] / predicted - 1,
+                }
+            )
     return out
 
 

@@ -22,16 +22,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import pipeline_common as pc
 import torch
 import torch.distributed as dist
 
-import pipeline_common as pc
-from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.run.distributed import init_distributed
 from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
 from ptdp.engine.step import build_stage, train_step
+from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
+from ptdp.run.distributed import init_distributed
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec.layout import ParallelLayout
 
 LAYOUT = (2, 2, 2)
 
@@ -46,9 +46,9 @@ def one_step(stage, cfg: Config, dp_rank: int, dp_size: int) -> None:
     gen = torch.Generator().manual_seed(0)
     data = torch.randint(0, 4096, (cfg.train.global_batch_size, cfg.model.seq_length + 1), generator=gen)
     per = data.shape[0] // dp_size
-    mine = data[dp_rank * per: (dp_rank + 1) * per]
+    mine = data[dp_rank * per : (dp_rank + 1) * per]
     b = cfg.train.micro_batch_size
-    train_step(stage, [(mine[i: i + b, :-1], mine[i: i + b, 1:]) for i in range(0, per, b)], 0)
+    train_step(stage, [(mine[i : i + b, :-1], mine[i : i + b, 1:]) for i in range(0, per, b)], 0)
 
 
 def _timed(fn, world) -> float:
@@ -74,8 +74,12 @@ def worker(root: str, repeats: int) -> dict:
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     folder = Path(root) / "r0" / "iter_0000001"
     size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-    return {"save_s": statistics.median(saves), "load_s": statistics.median(loads), "bytes": size,
-            "loaded_equal": bool(ok.item())}
+    return {
+        "save_s": statistics.median(saves),
+        "load_s": statistics.median(loads),
+        "bytes": size,
+        "loaded_equal": bool(ok.item()),
+    }
 
 
 def reference(root: Path, repeats: int) -> dict:
@@ -110,17 +114,29 @@ def main() -> None:
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    report = {"benchmark": "checkpoint", "machine": pc.machine(), "layout": LAYOUT, "ptdp": ptdp, "torch_save": ref,
-              "ratio_save": ptdp["save_s"] / ref["save_s"], "ratio_load": ptdp["load_s"] / ref["load_s"],
-              "ratio_bytes": ptdp["bytes"] / ref["bytes"]}
+    report = {
+        "benchmark": "checkpoint",
+        "machine": pc.machine(),
+        "layout": LAYOUT,
+        "ptdp": ptdp,
+        "torch_save": ref,
+        "ratio_save": ptdp["save_s"] / ref["save_s"],
+        "ratio_load": ptdp["load_s"] / ref["load_s"],
+        "ratio_bytes": ptdp["bytes"] / ref["bytes"],
+    }
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(pc.table(["", "save s", "load s", "bytes"], [
-        ["ptdp (2,2,2), 8 ranks, DCP", f"{ptdp['save_s']:.3f}", f"{ptdp['load_s']:.3f}", f"{ptdp['bytes']:,}"],
-        ["torch.save, 1 process", f"{ref['save_s']:.3f}", f"{ref['load_s']:.3f}", f"{ref['bytes']:,}"],
-        ["ratio", f"{report['ratio_save']:.2f}", f"{report['ratio_load']:.2f}", f"{report['ratio_bytes']:.3f}"],
-    ]))
+    print(
+        pc.table(
+            ["", "save s", "load s", "bytes"],
+            [
+                ["ptdp (2,2,2), 8 ranks, DCP", f"{ptdp['save_s']:.3f}", f"{ptdp['load_s']:.3f}", f"{ptdp['bytes']:,}"],
+                ["torch.save, 1 process", f"{ref['save_s']:.3f}", f"{ref['load_s']:.3f}", f"{ref['bytes']:,}"],
+                ["ratio", f"{report['ratio_save']:.2f}", f"{report['ratio_load']:.2f}", f"{report['ratio_bytes']:.3f}"],
+            ],
+        )
+    )
     print(f"loaded parameters bitwise equal to the saved ones: {ptdp['loaded_equal']}")
 
 

@@ -26,9 +26,9 @@ import datetime
 import json
 import time
 
+import pipeline_common as pc
 import torch
 
-import pipeline_common as pc
 from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
@@ -44,13 +44,22 @@ COMM_TYPES = ("p2p", "all_gather")
 
 
 def _config(args, cp: int, comm_type: str) -> Config:
-    model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                        num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                        vocab_size=args.vocab_size, params_dtype="float32")
-    parallel = ParallelConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                              context_parallel_size=cp, cp_comm_type=comm_type)
-    train = TrainConfig(micro_batch_size=args.micro_batch_size,
-                        global_batch_size=args.micro_batch_size * args.microbatches, lr_warmup_iters=0)
+    model = ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+        params_dtype="float32",
+    )
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=cp, cp_comm_type=comm_type
+    )
+    train = TrainConfig(
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.micro_batch_size * args.microbatches,
+        lr_warmup_iters=0,
+    )
     return resolve(Config(model=model, parallel=parallel, train=train), cp)
 
 
@@ -58,10 +67,19 @@ def predicted(args, cp: int, comm_type: str) -> tuple[float, float]:
     """(the planner's activation peak of a cp rank, its key/value exchange buffers), float32."""
     config = _config(args, cp, comm_type)
     spec = spec_from_model_config(config.model)
-    layout = Layout(1, 1, 1, args.micro_batch_size, args.micro_batch_size * args.microbatches,
-                    precision="fp32", cp=cp, cp_comm_type=comm_type)
-    total = rank_activation_bytes(spec, layout, 0, args.num_layers,
-                                  make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by)
+    layout = Layout(
+        1,
+        1,
+        1,
+        args.micro_batch_size,
+        args.micro_batch_size * args.microbatches,
+        precision="fp32",
+        cp=cp,
+        cp_comm_type=comm_type,
+    )
+    total = rank_activation_bytes(
+        spec, layout, 0, args.num_layers, make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by
+    )
     return total, kv_buffer_bytes(spec, 1, cp, args.micro_batch_size, comm_type, 4.0)
 
 
@@ -70,8 +88,9 @@ def worker(args: argparse.Namespace, cp: int) -> dict:
     groups = ParallelGroups.build(ParallelLayout(1, 1, 1, cp=cp), datetime.timedelta(minutes=pc.TIMEOUT_MINUTES))
     try:
         gen = torch.Generator().manual_seed(0)
-        data = torch.randint(0, args.vocab_size, (args.microbatches, args.micro_batch_size, args.seq_length + 1),
-                             generator=gen)
+        data = torch.randint(
+            0, args.vocab_size, (args.microbatches, args.micro_batch_size, args.seq_length + 1), generator=gen
+        )
         mbs = [(d[:, :-1].clone(), d[:, 1:].clone()) for d in data]
         comm_types = COMM_TYPES if cp > 1 else ("p2p",)
         stages = {c: build_stage(_config(args, cp, c), groups) for c in comm_types}
@@ -110,31 +129,72 @@ def main() -> None:
             measured = max(r["peaks"][c] for r in per_rank)
             total, buffers = predicted(args, cp, c)
             slowest = [max(r["times"][c][i] for r in per_rank) for i in range(args.steps)]
-            results.append({"cp": cp, "comm_type": c, "measured_peak_bytes": measured,
-                            "planner_bytes": total, "planner_kv_buffer_bytes": buffers,
-                            "planner_error_without_buffers": measured / (total - buffers) - 1,
-                            "loss": per_rank[0]["losses"][c], "median_step_s": pc.median(slowest)})
+            results.append(
+                {
+                    "cp": cp,
+                    "comm_type": c,
+                    "measured_peak_bytes": measured,
+                    "planner_bytes": total,
+                    "planner_kv_buffer_bytes": buffers,
+                    "planner_error_without_buffers": measured / (total - buffers) - 1,
+                    "loss": per_rank[0]["losses"][c],
+                    "median_step_s": pc.median(slowest),
+                }
+            )
     base = next(r["measured_peak_bytes"] for r in results if r["cp"] == min(args.cp))
     for r in results:
         r["measured_vs_smallest_cp"] = r["measured_peak_bytes"] / base
-    report = {"benchmark": "context_parallel", "machine": pc.machine(), "steps": args.steps,
-              "model": {"layers": args.num_layers, "hidden": args.hidden_size, "heads": args.num_attention_heads,
-                        "seq": args.seq_length, "vocab": args.vocab_size, "micro_batch": args.micro_batch_size,
-                        "microbatches": args.microbatches, "dtype": "float32"},
-              "rows": results, "wall_s": time.perf_counter() - start}
+    report = {
+        "benchmark": "context_parallel",
+        "machine": pc.machine(),
+        "steps": args.steps,
+        "model": {
+            "layers": args.num_layers,
+            "hidden": args.hidden_size,
+            "heads": args.num_attention_heads,
+            "seq": args.seq_length,
+            "vocab": args.vocab_size,
+            "micro_batch": args.micro_batch_size,
+            "microbatches": args.microbatches,
+            "dtype": "float32",
+        },
+        "rows": results,
+        "wall_s": time.perf_counter() - start,
+    }
     print(json.dumps(report, indent=2))
     mib = 2**20
     print()
-    print(pc.table(["cp", "comm type", "measured peak MiB", "x cp=1", "planner MiB (without kv buffers)",
-                    "planner error", "median step s"],
-                   [[r["cp"], r["comm_type"], f"{r['measured_peak_bytes'] / mib:.2f}",
-                     f"{r['measured_vs_smallest_cp']:.3f}",
-                     f"{r['planner_bytes'] / mib:.2f} ({(r['planner_bytes'] - r['planner_kv_buffer_bytes']) / mib:.2f})",
-                     f"{100 * r['planner_error_without_buffers']:+.1f}%", f"{r['median_step_s']:.3f}"]
-                    for r in results]))
+    print(
+        pc.table(
+            [
+                "cp",
+                "comm type",
+                "measured peak MiB",
+                "x cp=1",
+                "planner MiB (without kv buffers)",
+                "planner error",
+                "median step s",
+            ],
+            [
+                [
+                    r["cp"],
+                    r["comm_type"],
+                    f"{r['measured_peak_bytes'] / mib:.2f}",
+                    f"{r['measured_vs_smallest_cp']:.3f}",
+                    f"{r['planner_bytes'] / mib:.2f} ({(r['planner_bytes'] - r['planner_kv_buffer_bytes']) / mib:.2f})",
+                    f"{100 * r['planner_error_without_buffers']:+.1f}%",
+                    f"{r['median_step_s']:.3f}",
+                ]
+                for r in results
+            ],
+        )
+    )
     by = {(r["cp"], r["comm_type"]): r["median_step_s"] for r in results}
-    ratios = [[cp, f"{by[(cp, 'p2p')] / by[(cp, 'all_gather')]:.3f}"] for cp in args.cp if (cp, "p2p") in by
-              and (cp, "all_gather") in by]
+    ratios = [
+        [cp, f"{by[(cp, 'p2p')] / by[(cp, 'all_gather')]:.3f}"]
+        for cp in args.cp
+        if (cp, "p2p") in by and (cp, "all_gather") in by
+    ]
     if ratios:
         print()
         print(pc.table(["cp", "step time p2p / all_gather"], ratios))

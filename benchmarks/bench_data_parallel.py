@@ -47,20 +47,20 @@ import statistics
 import sys
 import time
 
+import pipeline_common as pc
 import torch
 import torch.distributed as dist
+from bench_step import PlainGPT, copy_weights
 from torch.nn.parallel import DistributedDataParallel
 
-import pipeline_common as pc
-from bench_step import PlainGPT, copy_weights
-from ptdp.engine.comm import AxisGroup, all_reduce
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, dp_shard, microbatches
+from ptdp.engine.comm import AxisGroup, all_reduce
 from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
-from ptdp.run.rundir import prepare
 from ptdp.engine.step import build_stage, train_step
+from ptdp.run.rundir import prepare
 from ptdp.run.trace import Tracer
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec.layout import ParallelLayout
 
 CODECS = ("none", "fp16", "bf16", "1bit")
 TIMED = ("ptdp", "ptdp_no_overlap", "ddp")
@@ -70,13 +70,22 @@ LOSS_RTOL = 1e-4
 
 def make_config(args, vocab: int, train: dict, **parallel) -> Config:
     """The resolved config of one variant (``parallel``: ParallelConfig fields beyond the bucket)."""
-    model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                        num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                        vocab_size=vocab)
-    schedule = {"train_iters": args.iters, "lr": args.lr, "min_lr": args.lr / 10,
-                "lr_warmup_iters": max(1, args.iters // 10)} | train
-    train_cfg = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-                            seed=args.seed, **schedule)
+    model = ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        vocab_size=vocab,
+    )
+    schedule = {
+        "train_iters": args.iters,
+        "lr": args.lr,
+        "min_lr": args.lr / 10,
+        "lr_warmup_iters": max(1, args.iters // 10),
+    } | train
+    train_cfg = TrainConfig(
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size, seed=args.seed, **schedule
+    )
     par = ParallelConfig(ddp_bucket_size=args.bucket_size, distributed_timeout_minutes=pc.TIMEOUT_MINUTES, **parallel)
     return resolve(Config(model=model, parallel=par, train=train_cfg), args.dp)
 
@@ -116,13 +125,17 @@ def _build_ddp(args, groups: ParallelGroups, config: Config, stage):
     m, t = config.model, config.train
     plain = PlainGPT(m.vocab_size, m.seq_length, m.hidden_size, m.num_attention_heads, m.ffn, m.num_layers)
     copy_weights(stage.model, plain, m.vocab_size)
-    ddp = DistributedDataParallel(plain, process_group=groups.dp.group, bucket_cap_mb=args.bucket_size * 4 / 2**20,
-                                  gradient_as_bucket_view=True)
+    ddp = DistributedDataParallel(
+        plain, process_group=groups.dp.group, bucket_cap_mb=args.bucket_size * 4 / 2**20, gradient_as_bucket_view=True
+    )
     decay = [p for p in ddp.parameters() if p.ndim >= 2]
     rest = [p for p in ddp.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                                   {"params": rest, "weight_decay": 0.0}],
-                                  lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=t.lr,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_eps,
+    )
     return ddp, optimizer
 
 
@@ -154,8 +167,7 @@ def _span_seconds(tracer: Tracer, cat: str) -> float:
 
 def _speed(args, groups: ParallelGroups, batches: Batches, vocab: int) -> dict:
     """Sections 1 and 2: rotating timed steps of ptdp (overlap on, off) and DDP."""
-    configs = {name: make_config(args, vocab, CONSTANT_LR, overlap_grad_reduce=name == "ptdp")
-               for name in TIMED[:2]}
+    configs = {name: make_config(args, vocab, CONSTANT_LR, overlap_grad_reduce=name == "ptdp") for name in TIMED[:2]}
     stages = {name: build_stage(cfg, groups) for name, cfg in configs.items()}
     tracers = {name: Tracer(groups.global_rank, groups.pp.rank) for name in stages}
     for tracer in tracers.values():
@@ -179,7 +191,8 @@ def _speed(args, groups: ParallelGroups, batches: Batches, vocab: int) -> dict:
     med = {name: pc.median(t) for name, t in times.items()}
     sync_by_rank = {name: pc.gather_floats(pc.median(s), groups.world) for name, s in sync.items()}
     return {
-        "median_step_s": med, "steps_s": times,
+        "median_step_s": med,
+        "steps_s": times,
         "ratio_ptdp_over_ddp": med["ptdp"] / med["ddp"],
         "ratio_ptdp_no_overlap_over_ddp": med["ptdp_no_overlap"] / med["ddp"],
         "grad_sync_s": {name: max(v) for name, v in sync_by_rank.items()},
@@ -204,8 +217,11 @@ def _train(config: Config, groups: ParallelGroups, batches: Batches, iters: int)
         dp_bytes.append(groups.stats.total(axis="dp").bytes)
     tail = max(1, iters // 10)
     return {
-        "iters": iters, "final_loss": losses[-1], "tail_mean_loss": statistics.fmean(losses[-tail:]),
-        "tail_iters": tail, "losses": losses,
+        "iters": iters,
+        "final_loss": losses[-1],
+        "tail_mean_loss": statistics.fmean(losses[-tail:]),
+        "tail_iters": tail,
+        "losses": losses,
         "dp_bytes_per_step": dp_bytes[-1],  # the last step: after any exact compression warmup
         "dp_bytes_last_step_by_op": {k: c["bytes"] for k, c in groups.stats.as_dict().items() if k.startswith("dp/")},
         "median_step_s": pc.median(times),
@@ -214,8 +230,12 @@ def _train(config: Config, groups: ParallelGroups, batches: Batches, iters: int)
 
 def _codecs(args, groups: ParallelGroups, batches: Batches, vocab: int) -> dict:
     """Sections 3 and 4: one training run per codec, plus the distributed-optimizer sanity run."""
-    runs = {codec: _train(make_config(args, vocab, {}, overlap_grad_reduce=True, grad_compression=codec),
-                          groups, batches, args.iters) for codec in CODECS}
+    runs = {
+        codec: _train(
+            make_config(args, vocab, {}, overlap_grad_reduce=True, grad_compression=codec), groups, batches, args.iters
+        )
+        for codec in CODECS
+    }
     k = min(args.distopt_iters, args.iters)
     if k > 0:
         cfg = make_config(args, vocab, {}, overlap_grad_reduce=True, use_distributed_optimizer=True)
@@ -234,22 +254,50 @@ def print_tables(report: dict) -> None:
     names = {"ptdp": "ptdp, overlap on", "ptdp_no_overlap": "ptdp, overlap off", "ddp": "torch DDP"}
     ratio = {n: f"{med[n] / med['ddp']:.3f}" for n in TIMED}
     ratio["ptdp"] = f"**{ratio['ptdp']}**"
-    rows = [[names[n], f"{med[n]:.4f}", ratio[n], f"{sync[n]:.4f}" if n in sync else "-", f"{first[n]:.6f}"]
-            for n in TIMED]
-    print(f"dp={report['dp']}, {s['buckets']} ptdp buckets over {s['grad_numel']:,} gradient elements "
-          f"(--bucket-size {report['bucket_size']:,}), {report['steps']} timed steps after {report['warmup']} warmup")
+    rows = [
+        [names[n], f"{med[n]:.4f}", ratio[n], f"{sync[n]:.4f}" if n in sync else "-", f"{first[n]:.6f}"] for n in TIMED
+    ]
+    print(
+        f"dp={report['dp']}, {s['buckets']} ptdp buckets over {s['grad_numel']:,} gradient elements "
+        f"(--bucket-size {report['bucket_size']:,}), {report['steps']} timed steps after {report['warmup']} warmup"
+    )
     print(pc.table(["variant", "median s/step", "/ DDP", "grad sync + clip s", "first-step loss"], rows))
-    print(f"\nsame first-step loss: {s['same_first_loss']}; overlap hides "
-          f"{sync['ptdp_no_overlap'] - sync['ptdp']:.4f} s of grad sync per step "
-          f"(step time off - on: {med['ptdp_no_overlap'] - med['ptdp']:+.4f} s)\n")
+    print(
+        f"\nsame first-step loss: {s['same_first_loss']}; overlap hides "
+        f"{sync['ptdp_no_overlap'] - sync['ptdp']:.4f} s of grad sync per step "
+        f"(step time off - on: {med['ptdp_no_overlap'] - med['ptdp']:+.4f} s)\n"
+    )
     rows = []
     for name, r in runs.items():
         diff = r.get("max_abs_loss_diff_vs_none")
         note = f"max abs loss diff vs none: {diff:.2e}" if diff is not None else ""
-        rows.append([name, f"{r['dp_bytes_per_step']:,.0f}", f"{r['bytes_ratio_vs_none']:.4f}", r["iters"],
-                     f"{r['final_loss']:.4f}", f"{r['tail_mean_loss']:.4f}", f"{r['median_step_s']:.4f}", note])
-    print(pc.table(["codec", "dp bytes/rank/step", "/ none", "iters", "final loss", "mean loss, last 10 %",
-                    "median s/step (not alternated)", "note"], rows))
+        rows.append(
+            [
+                name,
+                f"{r['dp_bytes_per_step']:,.0f}",
+                f"{r['bytes_ratio_vs_none']:.4f}",
+                r["iters"],
+                f"{r['final_loss']:.4f}",
+                f"{r['tail_mean_loss']:.4f}",
+                f"{r['median_step_s']:.4f}",
+                note,
+            ]
+        )
+    print(
+        pc.table(
+            [
+                "codec",
+                "dp bytes/rank/step",
+                "/ none",
+                "iters",
+                "final loss",
+                "mean loss, last 10 %",
+                "median s/step (not alternated)",
+                "note",
+            ],
+            rows,
+        )
+    )
     print(f"\nwall time {report['wall_s']:.0f} s")
 
 
@@ -277,13 +325,27 @@ def main() -> None:
     data = prepare(make_config(args, args.vocab_size, {}), log=lambda msg: print(msg, file=sys.stderr))
     out = pc.launch(worker, args.dp, args, str(data.cache_dir), data.vocab_size)
     report = {
-        "benchmark": "data_parallel", "machine": pc.machine(), "dp": args.dp,
-        "model": {"layers": args.num_layers, "hidden": args.hidden_size, "heads": args.num_attention_heads,
-                  "seq": args.seq_length, "vocab": data.vocab_size},
-        "batch": {"micro": args.micro_batch_size, "global": args.global_batch_size,
-                  "microbatches_per_rank": args.global_batch_size // (args.micro_batch_size * args.dp)},
-        "bucket_size": args.bucket_size, "steps": args.steps, "warmup": args.warmup,
-        "speed": out["speed"], "codecs": out["codecs"], "wall_s": time.perf_counter() - start,
+        "benchmark": "data_parallel",
+        "machine": pc.machine(),
+        "dp": args.dp,
+        "model": {
+            "layers": args.num_layers,
+            "hidden": args.hidden_size,
+            "heads": args.num_attention_heads,
+            "seq": args.seq_length,
+            "vocab": data.vocab_size,
+        },
+        "batch": {
+            "micro": args.micro_batch_size,
+            "global": args.global_batch_size,
+            "microbatches_per_rank": args.global_batch_size // (args.micro_batch_size * args.dp),
+        },
+        "bucket_size": args.bucket_size,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "speed": out["speed"],
+        "codecs": out["codecs"],
+        "wall_s": time.perf_counter() - start,
     }
     if args.json:
         print(json.dumps(report, indent=2))

@@ -30,14 +30,29 @@ from ptdp.spec import ModelConfig
 
 def build(args: argparse.Namespace) -> GPTModel:
     """The model of the command line, initialised with seed 0."""
-    llama = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "add_bias_linear": False,
-             "untie_embeddings_and_output_weights": True} if args.rope else {}
-    cfg = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                      num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-                      ffn_hidden_size=4 * args.hidden_size, seq_length=args.seq_length, vocab_size=args.vocab_size,
-                      params_dtype=args.dtype, **llama)
-    model = GPTModel(cfg, AxisGroup.single("tp"), layer_ids=range(args.num_layers), pre_process=True,
-                     post_process=True)
+    llama = (
+        {
+            "normalization": "RMSNorm",
+            "swiglu": True,
+            "position_embedding_type": "rope",
+            "add_bias_linear": False,
+            "untie_embeddings_and_output_weights": True,
+        }
+        if args.rope
+        else {}
+    )
+    cfg = ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=4 * args.hidden_size,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+        params_dtype=args.dtype,
+        **llama,
+    )
+    model = GPTModel(cfg, AxisGroup.single("tp"), layer_ids=range(args.num_layers), pre_process=True, post_process=True)
     initialize_parameters(model, seed=0, std=0.2, num_layers=args.num_layers, tp_rank=0, tp_size=1)
     return model.eval()
 
@@ -65,8 +80,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     if args.prompt_tokens + args.new_tokens > args.seq_length:
-        parser.error(f"--prompt-tokens={args.prompt_tokens} + --new-tokens={args.new_tokens} must be <= "
-                     f"--seq-length={args.seq_length}")
+        parser.error(
+            f"--prompt-tokens={args.prompt_tokens} + --new-tokens={args.new_tokens} must be <= "
+            f"--seq-length={args.seq_length}"
+        )
     torch.set_num_threads(args.threads)
     model = build(args)
     prompt = torch.randint(0, args.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(1))
@@ -81,11 +98,15 @@ def main() -> None:
     if outputs[True] != outputs[False]:
         raise SystemExit("the cached and the recomputed generation differ")
     cached, plain = (args.new_tokens / statistics.median(seconds[k]) for k in (True, False))
-    print(f"load average {os.getloadavg()[0]:.1f}; {args.num_layers} layers, h={args.hidden_size}, "
-          f"{args.num_attention_heads} heads, V={args.vocab_size}, {args.dtype}, prompt {args.prompt_tokens}, "
-          f"{args.new_tokens} new tokens, {args.threads} thread(s), median of {args.reps}")
-    print(f"kv cache: {cached:.1f} tokens/s   recompute: {plain:.1f} tokens/s   speed-up {cached / plain:.2f}x "
-          f"(same tokens)")
+    print(
+        f"load average {os.getloadavg()[0]:.1f}; {args.num_layers} layers, h={args.hidden_size}, "
+        f"{args.num_attention_heads} heads, V={args.vocab_size}, {args.dtype}, prompt {args.prompt_tokens}, "
+        f"{args.new_tokens} new tokens, {args.threads} thread(s), median of {args.reps}"
+    )
+    print(
+        f"kv cache: {cached:.1f} tokens/s   recompute: {plain:.1f} tokens/s   speed-up {cached / plain:.2f}x "
+        f"(same tokens)"
+    )
 
 
 if __name__ == "__main__":

@@ -17,10 +17,9 @@ import argparse
 import json
 import time
 
+import pipeline_common as pc
 import torch
 import torch.distributed as dist
-
-import pipeline_common as pc
 
 SHAPES = {"tiny [1, 1, 8]": (1, 1, 8), "activation [4, 128, 256]": (4, 128, 256)}
 
@@ -61,8 +60,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=40)
     args = ap.parse_args()
     out = pc.launch(worker, 2, args.rounds)
-    print(json.dumps({"benchmark": "gloo_recv_posting", "machine": pc.machine(), "rounds": args.rounds,
-                      "median_wait_us": out}, indent=2))
+    print(
+        json.dumps(
+            {"benchmark": "gloo_recv_posting", "machine": pc.machine(), "rounds": args.rounds, "median_wait_us": out},
+            indent=2,
+        )
+    )
     rows = [[name, f"{v['late']:.0f}", f"{v['early']:.0f}"] for name, v in out.items()]
     print()
     print(pc.table(["tensor", "wait, recv posted after the send (us)", "wait, recv posted before (us)"], rows))

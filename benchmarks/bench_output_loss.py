@@ -66,12 +66,15 @@ def main() -> None:
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
     def chunked(x):
-        losses = linear_cross_entropy(x, weight, labels, vocab_start=0, vocab_size=args.vocab, axis=tp,
-                                      chunk_tokens=args.chunk)
+        losses = linear_cross_entropy(
+            x, weight, labels, vocab_start=0, vocab_size=args.vocab, axis=tp, chunk_tokens=args.chunk
+        )
         return losses.mean()
 
-    print(f"tokens {args.tokens}, h {args.hidden}, V {args.vocab} (padded {v_pad}), {args.dtype}, "
-          f"chunk {args.chunk} tokens, 1 thread")
+    print(
+        f"tokens {args.tokens}, h {args.hidden}, V {args.vocab} (padded {v_pad}), {args.dtype}, "
+        f"chunk {args.chunk} tokens, 1 thread"
+    )
     print(f"{'':10} {'s fwd+bwd':>10} {'kept for backward':>18} {'largest tensor':>15}")
     for name, fn in (("plain", plain), ("chunked", chunked)):
         times = []
@@ -85,8 +88,10 @@ def main() -> None:
         meter, largest = SavedActivationMeter({weight.untyped_storage().data_ptr()}), LargestTensor()
         with meter.hooks(), largest:
             fn(x).backward()
-        print(f"{name:10} {statistics.median(times):10.3f} {meter.peak / 2**20:14.1f} MiB "
-              f"{largest.largest / 2**20:11.1f} MiB")
+        print(
+            f"{name:10} {statistics.median(times):10.3f} {meter.peak / 2**20:14.1f} MiB "
+            f"{largest.largest / 2**20:11.1f} MiB"
+        )
 
 
 if __name__ == "__main__":

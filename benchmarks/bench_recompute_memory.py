@@ -30,20 +30,20 @@ import json
 import time
 import weakref
 
+import pipeline_common as pc
 import torch
 import torch.utils.checkpoint as tcheckpoint
 
-import pipeline_common as pc
 import ptdp.engine.model.recompute as recompute_mod
 from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.run.distributed import init_distributed
 from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
+from ptdp.engine.step import build_stage, train_step
 from ptdp.planner.memory import stage_activation_bytes
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.plan import Layout
-from ptdp.engine.step import build_stage, train_step
+from ptdp.run.distributed import init_distributed
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec.layout import ParallelLayout
 
 MODES = [(r, sp) for sp in (False, True) for r in ("none", "selective", "full")]
 
@@ -55,22 +55,48 @@ def mode_name(mode) -> str:
 
 def _config(args, mode) -> Config:
     r, sp = mode
-    model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                        num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                        vocab_size=args.vocab_size, recompute_granularity=None if r == "none" else r)
-    parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                              pipeline_schedule="1f1b", sequence_parallel=sp)
-    train = TrainConfig(micro_batch_size=args.micro_batch_size,
-                        global_batch_size=args.micro_batch_size * args.microbatches, lr_warmup_iters=0)
+    model = ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+        recompute_granularity=None if r == "none" else r,
+    )
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        pipeline_schedule="1f1b",
+        sequence_parallel=sp,
+    )
+    train = TrainConfig(
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.micro_batch_size * args.microbatches,
+        lr_warmup_iters=0,
+    )
     return resolve(Config(model=model, parallel=parallel, train=train), args.tp * args.pp)
 
 
 def predicted_bytes(config: Config, mode, pp_rank: int) -> float:
     m, p, t = config.model, config.parallel, config.train
-    layout = Layout(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size, recompute=mode[0],
-                    sequence_parallel=mode[1], precision="fp32")
-    return stage_activation_bytes(spec_from_model_config(m), layout, pp_rank, m.num_layers // p.pp,
-                                  schedule="1f1b", make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
+    layout = Layout(
+        p.tp,
+        p.pp,
+        p.dp,
+        t.micro_batch_size,
+        t.global_batch_size,
+        recompute=mode[0],
+        sequence_parallel=mode[1],
+        precision="fp32",
+    )
+    return stage_activation_bytes(
+        spec_from_model_config(m),
+        layout,
+        pp_rank,
+        m.num_layers // p.pp,
+        schedule="1f1b",
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+    )
 
 
 class _Keep(torch.autograd.Function):
@@ -129,13 +155,15 @@ class metered_recompute:
 
 def worker(args: argparse.Namespace) -> dict:
     init_distributed(pc.TIMEOUT_MINUTES, threads_per_worker=1)
-    groups = ParallelGroups.build(ParallelLayout(tp=args.tp, pp=args.pp, dp=1),
-                                  datetime.timedelta(minutes=pc.TIMEOUT_MINUTES))
+    groups = ParallelGroups.build(
+        ParallelLayout(tp=args.tp, pp=args.pp, dp=1), datetime.timedelta(minutes=pc.TIMEOUT_MINUTES)
+    )
     coords = (groups.coords.tp_rank, groups.coords.pp_rank)
     try:
         gen = torch.Generator().manual_seed(0)
-        data = torch.randint(0, args.vocab_size, (args.microbatches, args.micro_batch_size, args.seq_length + 1),
-                             generator=gen)
+        data = torch.randint(
+            0, args.vocab_size, (args.microbatches, args.micro_batch_size, args.seq_length + 1), generator=gen
+        )
         mbs = [(d[:, :-1].clone(), d[:, 1:].clone()) for d in data]
         stages = [build_stage(_config(args, mode), groups) for mode in MODES]
         memory, losses = [], []
@@ -154,8 +182,9 @@ def worker(args: argparse.Namespace) -> dict:
                 t0 = time.perf_counter()
                 train_step(stage, mbs, 2 + i)
                 times[k].append(time.perf_counter() - t0)
-        per_rank = pc.all_gather_object({"coords": coords, "memory": memory, "times": times, "loss": losses},
-                                        groups.world)
+        per_rank = pc.all_gather_object(
+            {"coords": coords, "memory": memory, "times": times, "loss": losses}, groups.world
+        )
     finally:
         torch.distributed.destroy_process_group()
     return {"per_rank": per_rank}
@@ -181,25 +210,63 @@ def main() -> None:
         base = MODES.index(("none", mode[1]))
         measured = {p: max(r["memory"][k] for r in per_rank if r["coords"][1] == p) for p in pp_ranks}
         predicted = {p: predicted_bytes(configs[k], mode, p) for p in pp_ranks}
-        rows.append({"mode": mode_name(mode), "measured_bytes": measured, "predicted_bytes": predicted,
-                     "error": {p: measured[p] / predicted[p] - 1 for p in pp_ranks},
-                     "memory_by_rank": {str(r["coords"]): r["memory"][k] for r in per_rank},
-                     "loss": per_rank[-1]["loss"][k], "median_step_s": median[k],
-                     "step_s": step_max[k], "step_time_ratio": median[k] / median[base]})
-    report = {"benchmark": "recompute_memory", "machine": pc.machine(), "tp": args.tp, "pp": args.pp,
-              "microbatches": args.microbatches, "steps": args.steps,
-              "model": {"layers": args.num_layers, "hidden": args.hidden_size, "heads": args.num_attention_heads,
-                        "seq": args.seq_length, "vocab": args.vocab_size, "micro_batch": args.micro_batch_size},
-              "rows": rows, "wall_s": time.perf_counter() - start}
+        rows.append(
+            {
+                "mode": mode_name(mode),
+                "measured_bytes": measured,
+                "predicted_bytes": predicted,
+                "error": {p: measured[p] / predicted[p] - 1 for p in pp_ranks},
+                "memory_by_rank": {str(r["coords"]): r["memory"][k] for r in per_rank},
+                "loss": per_rank[-1]["loss"][k],
+                "median_step_s": median[k],
+                "step_s": step_max[k],
+                "step_time_ratio": median[k] / median[base],
+            }
+        )
+    report = {
+        "benchmark": "recompute_memory",
+        "machine": pc.machine(),
+        "tp": args.tp,
+        "pp": args.pp,
+        "microbatches": args.microbatches,
+        "steps": args.steps,
+        "model": {
+            "layers": args.num_layers,
+            "hidden": args.hidden_size,
+            "heads": args.num_attention_heads,
+            "seq": args.seq_length,
+            "vocab": args.vocab_size,
+            "micro_batch": args.micro_batch_size,
+        },
+        "rows": rows,
+        "wall_s": time.perf_counter() - start,
+    }
     print(json.dumps(report, indent=2))
     mib = 2**20
     print()
-    print(pc.table(["mode", "measured MiB (pp " + " / ".join(map(str, pp_ranks)) + ")", "predicted MiB",
-                    "error", "median step s", "step time / no recompute"],
-                   [[r["mode"], " / ".join(f"{r['measured_bytes'][p] / mib:.2f}" for p in pp_ranks),
-                     " / ".join(f"{r['predicted_bytes'][p] / mib:.2f}" for p in pp_ranks),
-                     " / ".join(f"{100 * r['error'][p]:+.1f}%" for p in pp_ranks),
-                     f"{r['median_step_s']:.3f}", f"{r['step_time_ratio']:.3f}"] for r in rows]))
+    print(
+        pc.table(
+            [
+                "mode",
+                "measured MiB (pp " + " / ".join(map(str, pp_ranks)) + ")",
+                "predicted MiB",
+                "error",
+                "median step s",
+                "step time / no recompute",
+            ],
+            [
+                [
+                    r["mode"],
+                    " / ".join(f"{r['measured_bytes'][p] / mib:.2f}" for p in pp_ranks),
+                    " / ".join(f"{r['predicted_bytes'][p] / mib:.2f}" for p in pp_ranks),
+                    " / ".join(f"{100 * r['error'][p]:+.1f}%" for p in pp_ranks),
+                    f"{r['median_step_s']:.3f}",
+                    f"{r['step_time_ratio']:.3f}",
+                ]
+                for r in rows
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

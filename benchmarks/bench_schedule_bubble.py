@@ -33,12 +33,12 @@ import argparse
 import json
 import time
 
+import pipeline_common as pc
 import torch
 from torch import nn
 
-import pipeline_common as pc
-from ptdp.engine.pipeline.runtime import run_schedule
 from ptdp.engine.pipeline.program import build_programs
+from ptdp.engine.pipeline.runtime import run_schedule
 from ptdp.engine.pipeline.schedule import build_schedule
 from ptdp.engine.pipeline.verify import simulate
 
@@ -95,10 +95,13 @@ def worker(pp_size: int, t_f: float, t_b: float, microbatches: list[int], steps:
                 schedule = build_schedule(kind, pp_size, m, v)
                 timed = {}
                 for name, (f, b) in (("sleep", (t_f, t_b)), ("empty", (0.0, 0.0))):
-                    timed[name] = _time_schedule(build_programs(kind, pp_size, m, v)[rank], groups, v, m, f, b, steps, warmup)
+                    timed[name] = _time_schedule(
+                        build_programs(kind, pp_size, m, v)[rank], groups, v, m, f, b, steps, warmup
+                    )
                 per_rank_busy = pc.gather_floats(pc.median(timed["sleep"][1]), groups.world)
-                results.append(_row(kind, pp_size, v, m, t_f, t_b, timed["sleep"][0], timed["empty"][0],
-                                    per_rank_busy, schedule))
+                results.append(
+                    _row(kind, pp_size, v, m, t_f, t_b, timed["sleep"][0], timed["empty"][0], per_rank_busy, schedule)
+                )
     finally:
         torch.distributed.destroy_process_group()
     return {"results": results}
@@ -107,13 +110,22 @@ def worker(pp_size: int, t_f: float, t_b: float, microbatches: list[int], steps:
 def _time_schedule(actions, groups, v: int, m: int, t_f: float, t_b: float, steps: int, warmup: int):
     """Step times (slowest rank) and this rank's time inside the chunks, per timed step."""
     p, r, busy = groups.pp.size, groups.pp.rank, [0.0]
-    chunks = [SleepChunk(t_f / v, t_b / v, first=r == 0 and c == 0, last=r == p - 1 and c == v - 1, busy=busy)
-              for c in range(v)]
+    chunks = [
+        SleepChunk(t_f / v, t_b / v, first=r == 0 and c == 0, last=r == p - 1 and c == v - 1, busy=busy)
+        for c in range(v)
+    ]
     mbs = [(torch.full((1, 1), float(i)), torch.zeros(1, 1)) for i in range(m)]
 
     def run() -> None:
-        run_schedule(actions, chunks, mbs, pp=groups.pp, hidden_shape=(1, 1, HIDDEN), dtype=torch.float32,
-                     device=torch.device("cpu"))
+        run_schedule(
+            actions,
+            chunks,
+            mbs,
+            pp=groups.pp,
+            hidden_shape=(1, 1, HIDDEN),
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
 
     times, busy_times = [], []
     for i in range(warmup + steps):
@@ -130,11 +142,18 @@ def _row(kind, p, v, m, t_f, t_b, times, empty_times, per_rank_busy, schedule) -
     predicted = ideal + (p - 1) * (t_f + t_b) / v
     step = pc.median(times)
     return {
-        "schedule": kind, "pp": p, "v": v, "m": m,
-        "step_s": step, "step_min_s": min(times), "step_max_s": max(times),
-        "ideal_s": ideal, "predicted_s": predicted,
+        "schedule": kind,
+        "pp": p,
+        "v": v,
+        "m": m,
+        "step_s": step,
+        "step_min_s": min(times),
+        "step_max_s": max(times),
+        "ideal_s": ideal,
+        "predicted_s": predicted,
         "simulated_s": simulate(schedule, virtual_stages=v, forward_time=t_f, backward_time=t_b).makespan,
-        "bubble_measured": (step - ideal) / ideal, "bubble_formula": (p - 1) / (v * m),
+        "bubble_measured": (step - ideal) / ideal,
+        "bubble_formula": (p - 1) / (v * m),
         "rel_error_vs_predicted": (step - predicted) / predicted,
         "empty_step_s": pc.median(empty_times),
         "slept_s_per_rank": per_rank_busy,
@@ -158,8 +177,11 @@ def solo_overhead(t_f: float, t_b: float, repeats: int = 6) -> dict:
         fwd.append((mid - start - slept_f) * 1e3)
         bwd.append((end - mid - (busy[0] - slept_f)) * 1e3)
         late.append((busy[0] - t_f - t_b) / 2 * 1e3)
-    return {"forward_outside_sleep_ms": pc.median(fwd[1:]), "backward_outside_sleep_ms": pc.median(bwd[1:]),
-            "oversleep_ms_per_call": pc.median(late[1:])}
+    return {
+        "forward_outside_sleep_ms": pc.median(fwd[1:]),
+        "backward_outside_sleep_ms": pc.median(bwd[1:]),
+        "oversleep_ms_per_call": pc.median(late[1:]),
+    }
 
 
 def main() -> None:
@@ -182,30 +204,70 @@ def main() -> None:
         extra_f = r["v"] * (cost["forward_outside_sleep_ms"] + cost["oversleep_ms_per_call"]) / 1e3
         extra_b = r["v"] * (cost["backward_outside_sleep_ms"] + cost["oversleep_ms_per_call"]) / 1e3
         schedule = build_schedule(r["schedule"], args.pp, r["m"], r["v"])
-        r["simulated_with_solo_overhead_s"] = simulate(schedule, virtual_stages=r["v"], forward_time=args.t_f + extra_f,
-                                                       backward_time=args.t_b + extra_b).makespan
+        r["simulated_with_solo_overhead_s"] = simulate(
+            schedule, virtual_stages=r["v"], forward_time=args.t_f + extra_f, backward_time=args.t_b + extra_b
+        ).makespan
     report = {
-        "benchmark": "schedule_bubble", "machine": pc.machine(), "pp": args.pp, "t_f": args.t_f, "t_b": args.t_b,
-        "steps": args.steps, "warmup": args.warmup, "target_rel_error": args.target,
-        "solo_chunk_overhead_by_v": solo, "results": results,
+        "benchmark": "schedule_bubble",
+        "machine": pc.machine(),
+        "pp": args.pp,
+        "t_f": args.t_f,
+        "t_b": args.t_b,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "target_rel_error": args.target,
+        "solo_chunk_overhead_by_v": solo,
+        "results": results,
         "all_within_target": all(abs(r["rel_error_vs_predicted"]) <= args.target for r in results),
         "wall_s": time.perf_counter() - start,
     }
     print(json.dumps(report, indent=2))
-    rows = [[r["schedule"], r["v"], r["m"], f"{r['ideal_s'] * 1e3:.0f}", f"{r['predicted_s'] * 1e3:.0f}",
-             f"{r['simulated_s'] * 1e3:.0f}", f"{r['step_s'] * 1e3:.1f}", f"{r['bubble_formula']:.3f}",
-             f"{r['bubble_measured']:.3f}", f"{r['rel_error_vs_predicted'] * 100:+.2f}%",
-             f"{r['empty_step_s'] * 1e3:.1f}", f"{max(r['slept_s_per_rank']) * 1e3:.1f}",
-             f"{r['simulated_with_solo_overhead_s'] * 1e3:.1f}"] for r in results]
+    rows = [
+        [
+            r["schedule"],
+            r["v"],
+            r["m"],
+            f"{r['ideal_s'] * 1e3:.0f}",
+            f"{r['predicted_s'] * 1e3:.0f}",
+            f"{r['simulated_s'] * 1e3:.0f}",
+            f"{r['step_s'] * 1e3:.1f}",
+            f"{r['bubble_formula']:.3f}",
+            f"{r['bubble_measured']:.3f}",
+            f"{r['rel_error_vs_predicted'] * 100:+.2f}%",
+            f"{r['empty_step_s'] * 1e3:.1f}",
+            f"{max(r['slept_s_per_rank']) * 1e3:.1f}",
+            f"{r['simulated_with_solo_overhead_s'] * 1e3:.1f}",
+        ]
+        for r in results
+    ]
     print()
-    print(pc.table(["schedule", "v", "m", "ideal ms", "predicted ms", "simulated ms", "measured ms",
-                    "bubble formula", "bubble measured", "step vs predicted", "empty-stage step ms",
-                    "max slept ms/rank", "simulated + solo overhead ms"], rows))
+    print(
+        pc.table(
+            [
+                "schedule",
+                "v",
+                "m",
+                "ideal ms",
+                "predicted ms",
+                "simulated ms",
+                "measured ms",
+                "bubble formula",
+                "bubble measured",
+                "step vs predicted",
+                "empty-stage step ms",
+                "max slept ms/rank",
+                "simulated + solo overhead ms",
+            ],
+            rows,
+        )
+    )
     for v, cost in solo.items():
-        print(f"\none chunk alone (sleeps {args.t_f / v * 1e3:g} ms / {args.t_b / v * 1e3:g} ms, no pipeline): "
-              f"{cost['forward_outside_sleep_ms']:.2f} ms outside the sleep per forward, "
-              f"{cost['backward_outside_sleep_ms']:.2f} ms per backward, "
-              f"oversleep {cost['oversleep_ms_per_call']:.2f} ms per call")
+        print(
+            f"\none chunk alone (sleeps {args.t_f / v * 1e3:g} ms / {args.t_b / v * 1e3:g} ms, no pipeline): "
+            f"{cost['forward_outside_sleep_ms']:.2f} ms outside the sleep per forward, "
+            f"{cost['backward_outside_sleep_ms']:.2f} ms per backward, "
+            f"oversleep {cost['oversleep_ms_per_call']:.2f} ms per call"
+        )
 
 
 if __name__ == "__main__":

@@ -34,11 +34,11 @@ import functools
 import json
 import sys
 
+import pipeline_common as pc
 import torch
 import torch.distributed as dist
-
-import pipeline_common as pc
 from plain_gpt import PlainGPT, copy_weights, plain_optimizer, plain_step
+
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
 from ptdp.run.distributed import init_distributed
@@ -52,13 +52,31 @@ DP = 4
 
 
 def make_config(args, strategy: str) -> Config:
-    model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                        num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                        vocab_size=args.vocab_size, make_vocab_size_divisible_by=1, params_dtype="float32")
-    train = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-                        train_iters=10_000, lr=1e-4, min_lr=1e-4, lr_warmup_iters=0, clip_grad=1.0)
-    par = ParallelConfig(data_parallel_size=DP, ddp_bucket_size=args.bucket_size, overlap_grad_reduce=True,
-                         data_parallel_sharding_strategy=strategy, distributed_timeout_minutes=pc.TIMEOUT_MINUTES)
+    model = ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+        make_vocab_size_divisible_by=1,
+        params_dtype="float32",
+    )
+    train = TrainConfig(
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        train_iters=10_000,
+        lr=1e-4,
+        min_lr=1e-4,
+        lr_warmup_iters=0,
+        clip_grad=1.0,
+    )
+    par = ParallelConfig(
+        data_parallel_size=DP,
+        ddp_bucket_size=args.bucket_size,
+        overlap_grad_reduce=True,
+        data_parallel_sharding_strategy=strategy,
+        distributed_timeout_minutes=pc.TIMEOUT_MINUTES,
+    )
     return resolve(Config(model=model, parallel=par, train=train), DP)
 
 
@@ -67,9 +85,9 @@ def batches(args, step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor
     gen = torch.Generator().manual_seed(step)
     data = torch.randint(0, args.vocab_size, (args.global_batch_size, args.seq_length + 1), generator=gen)
     per = args.global_batch_size // DP
-    mine = data[rank * per: (rank + 1) * per]
+    mine = data[rank * per : (rank + 1) * per]
     b = args.micro_batch_size
-    return [(mine[i: i + b, :-1], mine[i: i + b, 1:]) for i in range(0, per, b)]
+    return [(mine[i : i + b, :-1], mine[i : i + b, 1:]) for i in range(0, per, b)]
 
 
 def build_fsdp(config: Config, stage):
@@ -105,8 +123,11 @@ def _local_bytes(tensors) -> int:
 def fsdp_bytes(model, optimizer) -> dict:
     params = list(model.parameters())
     state = [v for s in optimizer.state.values() for k, v in s.items() if k != "step" and torch.is_tensor(v)]
-    return {"params": _local_bytes(params), "grads": _local_bytes(p.grad for p in params if p.grad is not None),
-            "optimizer": _local_bytes(state)}
+    return {
+        "params": _local_bytes(params),
+        "grads": _local_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer": _local_bytes(state),
+    }
 
 
 def worker(args) -> dict:
@@ -137,15 +158,23 @@ def _run(args, groups: ParallelGroups) -> dict:
             if i > args.warmup:
                 times[name].append(elapsed)
     med = {name: pc.median(t) for name, t in times.items()}
-    memory = {s: {k: v for k, v in measure_stage(stages[s]).items() if k in ("params", "grads", "optimizer",
-                                                                             "grads_transient")}
-              for s in STRATEGIES}
+    memory = {
+        s: {
+            k: v
+            for k, v in measure_stage(stages[s]).items()
+            if k in ("params", "grads", "optimizer", "grads_transient")
+        }
+        for s in STRATEGIES
+    }
     memory["fsdp2"] = fsdp_bytes(fsdp, fsdp_opt)
     return {
-        "median_step_s": med, "ratio_to_no_shard": {n: med[n] / med["no_shard"] for n in names},
+        "median_step_s": med,
+        "ratio_to_no_shard": {n: med[n] / med["no_shard"] for n in names},
         "bytes_per_rank": pc.all_gather_object(memory, groups.world),
         "first_step_loss": first,
-        "same_first_loss": all(abs(v - first["no_shard"]) <= LOSS_RTOL * abs(first["no_shard"]) for v in first.values()),
+        "same_first_loss": all(
+            abs(v - first["no_shard"]) <= LOSS_RTOL * abs(first["no_shard"]) for v in first.values()
+        ),
         "params": sum(p.numel() for p in stages["no_shard"].model.parameters()),
         "buckets": len(stages["optim_grads"].grads.buckets),
     }
@@ -157,15 +186,39 @@ def report(args, res: dict) -> str:
     for name in (*STRATEGIES, "fsdp2"):
         m = mem[name]
         transient = f"{m['grads_transient'] / 2**20:.2f}" if m.get("grads_transient") else "-"
-        rows.append([name, f"{res['median_step_s'][name]:.3f}", f"{res['ratio_to_no_shard'][name]:.2f}",
-                     f"{m['params'] / 2**20:.2f}", f"{m['grads'] / 2**20:.2f}", transient,
-                     f"{m['optimizer'] / 2**20:.2f}"])
-    head = (f"dp = {DP}, {args.num_layers} layers, h = {args.hidden_size}, s = {args.seq_length}, "
-            f"V = {args.vocab_size}, B = {args.global_batch_size}, b = {args.micro_batch_size}, "
-            f"{res['params']:,} parameters, optim_grads buckets: {res['buckets']}; median of {args.steps} steps; "
-            f"same first-step loss: {res['same_first_loss']}")
-    return head + "\n\n" + pc.table(["variant", "step s", "/ no_shard", "params MiB", "grads MiB (kept)",
-                                     "grads MiB (transient)", "optimizer MiB"], rows)
+        rows.append(
+            [
+                name,
+                f"{res['median_step_s'][name]:.3f}",
+                f"{res['ratio_to_no_shard'][name]:.2f}",
+                f"{m['params'] / 2**20:.2f}",
+                f"{m['grads'] / 2**20:.2f}",
+                transient,
+                f"{m['optimizer'] / 2**20:.2f}",
+            ]
+        )
+    head = (
+        f"dp = {DP}, {args.num_layers} layers, h = {args.hidden_size}, s = {args.seq_length}, "
+        f"V = {args.vocab_size}, B = {args.global_batch_size}, b = {args.micro_batch_size}, "
+        f"{res['params']:,} parameters, optim_grads buckets: {res['buckets']}; median of {args.steps} steps; "
+        f"same first-step loss: {res['same_first_loss']}"
+    )
+    return (
+        head
+        + "\n\n"
+        + pc.table(
+            [
+                "variant",
+                "step s",
+                "/ no_shard",
+                "params MiB",
+                "grads MiB (kept)",
+                "grads MiB (transient)",
+                "optimizer MiB",
+            ],
+            rows,
+        )
+    )
 
 
 def main() -> None:

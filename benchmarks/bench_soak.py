@@ -42,8 +42,22 @@ import tempfile
 import time
 from pathlib import Path
 
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--vocab-size", "512", "--micro-batch-size", "2", "--global-batch-size", "8"]
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--vocab-size",
+    "512",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+]
 WORLD = 8  # ptdp train's default layout: tp = pp = dp = 2
 
 
@@ -117,13 +131,43 @@ class Watch:
 
 def run(args: argparse.Namespace, root: Path) -> dict:
     docs = corpus(root)
-    env = dict(os.environ, PTDP_CACHE_DIR=str(root / "cache"), OMP_NUM_THREADS="1",
-               PTDP_TEST_KILL_AT_ITERATION=str(args.kill_at))
+    env = dict(
+        os.environ,
+        PTDP_CACHE_DIR=str(root / "cache"),
+        OMP_NUM_THREADS="1",
+        PTDP_TEST_KILL_AT_ITERATION=str(args.kill_at),
+    )
     out = root / "run"
-    cmd = [sys.executable, "-m", "ptdp.cli", "train", *MODEL, "--train-iters", str(args.iters),
-           "--lr-warmup-iters", "20", "--log-interval", "1", "--eval-interval", str(args.iters), "--eval-iters", "1",
-           "--save", str(root / "ckpt"), "--save-interval", str(args.save_interval), "--keep-last", "2",
-           "--max-restarts", "1", "--data", str(docs), "--output-dir", str(out), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ptdp.cli",
+        "train",
+        *MODEL,
+        "--train-iters",
+        str(args.iters),
+        "--lr-warmup-iters",
+        "20",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        str(args.iters),
+        "--eval-iters",
+        "1",
+        "--save",
+        str(root / "ckpt"),
+        "--save-interval",
+        str(args.save_interval),
+        "--keep-last",
+        "2",
+        "--max-restarts",
+        "1",
+        "--data",
+        str(docs),
+        "--output-dir",
+        str(out),
+        "--no-progress",
+    ]
     log = open(root / "train.log", "w+")
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -143,14 +187,19 @@ def run(args: argparse.Namespace, root: Path) -> dict:
     log.seek(0)
     tail = log.read()[-3000:]
     log.close()
-    return {"returncode": proc.returncode, "wall_s": wall, "watch": watch, "log_tail": tail,
-            "summary": json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else None}
+    return {
+        "returncode": proc.returncode,
+        "wall_s": wall,
+        "watch": watch,
+        "log_tail": tail,
+        "summary": json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else None,
+    }
 
 
 def attempts(watch: Watch) -> list[list[int]]:
     """Worker pids grouped by attempt: the first WORLD seen, then the next WORLD, ... (pid order within)."""
     pids = sorted(watch.first_seen, key=lambda p: (watch.first_seen[p], p))
-    return [sorted(pids[i:i + WORLD]) for i in range(0, len(pids), WORLD)]
+    return [sorted(pids[i : i + WORLD]) for i in range(0, len(pids), WORLD)]
 
 
 def warm(watch: Watch, attempt: int, warmup: int) -> float:
@@ -159,8 +208,14 @@ def warm(watch: Watch, attempt: int, warmup: int) -> float:
     begin = 0 if attempt == 0 else events[attempt - 1]["resumed_from_iteration"] if attempt <= len(events) else None
     if begin is None:
         return float("inf")
-    return min((t for t, r in watch.lines if "loss" in r and r.get("restart", 0) == attempt
-                and r["iteration"] >= begin + warmup), default=float("inf"))
+    return min(
+        (
+            t
+            for t, r in watch.lines
+            if "loss" in r and r.get("restart", 0) == attempt and r["iteration"] >= begin + warmup
+        ),
+        default=float("inf"),
+    )
 
 
 def memory(watch: Watch, warmup: int) -> list[dict]:
@@ -172,9 +227,19 @@ def memory(watch: Watch, warmup: int) -> list[dict]:
             if not after:
                 rows.append({"attempt": a, "worker": w, "pid": pid, "samples": 0})
                 continue
-            rows.append({"attempt": a, "worker": w, "pid": pid, "samples": len(after), "first_mib": after[0] / 1024,
-                         "last_mib": after[-1] / 1024, "min_mib": min(after) / 1024, "max_mib": max(after) / 1024,
-                         "growth": max(after) / min(after) - 1})
+            rows.append(
+                {
+                    "attempt": a,
+                    "worker": w,
+                    "pid": pid,
+                    "samples": len(after),
+                    "first_mib": after[0] / 1024,
+                    "last_mib": after[-1] / 1024,
+                    "min_mib": min(after) / 1024,
+                    "max_mib": max(after) / 1024,
+                    "growth": max(after) / min(after) - 1,
+                }
+            )
     return rows
 
 
@@ -190,9 +255,15 @@ def restart_cost(watch: Watch) -> dict | None:
     step = statistics.median(steps)
     lost = second[last] - first[last]
     recomputed = last - resumed
-    return {"killed_after_iteration": last, "resumed_from_iteration": resumed, "recomputed_iterations": recomputed,
-            "median_step_s": step, "lost_s": lost, "recompute_s": recomputed * step,
-            "overhead_s": lost - recomputed * step}
+    return {
+        "killed_after_iteration": last,
+        "resumed_from_iteration": resumed,
+        "recomputed_iterations": recomputed,
+        "median_step_s": step,
+        "lost_s": lost,
+        "recompute_s": recomputed * step,
+        "overhead_s": lost - recomputed * step,
+    }
 
 
 def report(result: dict, args: argparse.Namespace) -> dict:
@@ -201,27 +272,42 @@ def report(result: dict, args: argparse.Namespace) -> dict:
     rows = memory(watch, args.warmup)
     cost = restart_cost(watch)
     ok_memory = all(r["samples"] and r["growth"] <= 0.10 for r in rows)
-    print(f"run: exit {result['returncode']}, wall {result['wall_s']:.1f} s, last iteration {final} of {args.iters}, "
-          f"{len(attempts(watch))} attempt(s)")
+    print(
+        f"run: exit {result['returncode']}, wall {result['wall_s']:.1f} s, last iteration {final} of {args.iters}, "
+        f"{len(attempts(watch))} attempt(s)"
+    )
     print(f"\nresident memory per worker after {args.warmup} warm-up iterations of its attempt (MiB):")
-    print(f"{'attempt':>7} {'worker':>6} {'pid':>7} {'samples':>7} {'first':>7} {'last':>7} {'min':>7} {'max':>7} "
-          f"{'max/min-1':>9}")
+    print(
+        f"{'attempt':>7} {'worker':>6} {'pid':>7} {'samples':>7} {'first':>7} {'last':>7} {'min':>7} {'max':>7} "
+        f"{'max/min-1':>9}"
+    )
     for r in rows:
         if not r["samples"]:
             print(f"{r['attempt']:>7} {r['worker']:>6} {r['pid']:>7} {0:>7}  (no samples after warm-up)")
             continue
-        print(f"{r['attempt']:>7} {r['worker']:>6} {r['pid']:>7} {r['samples']:>7} {r['first_mib']:>7.1f} "
-              f"{r['last_mib']:>7.1f} {r['min_mib']:>7.1f} {r['max_mib']:>7.1f} {r['growth']:>8.1%}")
+        print(
+            f"{r['attempt']:>7} {r['worker']:>6} {r['pid']:>7} {r['samples']:>7} {r['first_mib']:>7.1f} "
+            f"{r['last_mib']:>7.1f} {r['min_mib']:>7.1f} {r['max_mib']:>7.1f} {r['growth']:>8.1%}"
+        )
     print(f"memory within 10% after warm-up on every worker: {'yes' if ok_memory else 'NO'}")
     if cost:
-        print(f"\nrestart: killed after iteration {cost['killed_after_iteration']}, resumed from "
-              f"{cost['resumed_from_iteration']}; time lost {cost['lost_s']:.1f} s = "
-              f"{cost['recomputed_iterations']} recomputed iterations x {cost['median_step_s']:.3f} s "
-              f"({cost['recompute_s']:.1f} s) + restart overhead {cost['overhead_s']:.1f} s")
+        print(
+            f"\nrestart: killed after iteration {cost['killed_after_iteration']}, resumed from "
+            f"{cost['resumed_from_iteration']}; time lost {cost['lost_s']:.1f} s = "
+            f"{cost['recomputed_iterations']} recomputed iterations x {cost['median_step_s']:.3f} s "
+            f"({cost['recompute_s']:.1f} s) + restart overhead {cost['overhead_s']:.1f} s"
+        )
     else:
         print("\nrestart: not observed")
-    return {"returncode": result["returncode"], "wall_s": result["wall_s"], "last_iteration": final,
-            "memory": rows, "memory_ok": ok_memory, "restart": cost, "poll_s": args.poll}
+    return {
+        "returncode": result["returncode"],
+        "wall_s": result["wall_s"],
+        "last_iteration": final,
+        "memory": rows,
+        "memory_ok": ok_memory,
+        "restart": cost,
+        "poll_s": args.poll,
+    }
 
 
 def main() -> int:

@@ -23,11 +23,11 @@ import statistics
 import time
 
 import torch
-
 from plain_gpt import copy_weights, plain_like, plain_optimizer, plain_step, with_compile
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 
 
 def main() -> None:
@@ -46,11 +46,21 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    model_cfg = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                            num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                            vocab_size=args.vocab_size)
-    train_cfg = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-                            train_iters=10_000, lr_warmup_iters=0, lr=1e-4, min_lr=1e-4)
+    model_cfg = ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+    )
+    train_cfg = TrainConfig(
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        train_iters=10_000,
+        lr_warmup_iters=0,
+        lr=1e-4,
+        min_lr=1e-4,
+    )
     config = resolve(Config(model=model_cfg, parallel=ParallelConfig(), train=train_cfg), 1)
     if args.compile:
         config = with_compile(config)
@@ -84,13 +94,22 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
     med = {k: statistics.median(v) for k, v in times.items()}
     report = {
-        "model": {"layers": args.num_layers, "hidden": args.hidden_size, "heads": args.num_attention_heads,
-                  "seq": args.seq_length, "vocab": args.vocab_size},
+        "model": {
+            "layers": args.num_layers,
+            "hidden": args.hidden_size,
+            "heads": args.num_attention_heads,
+            "seq": args.seq_length,
+            "vocab": args.vocab_size,
+        },
         "batch": {"micro": b, "global": args.global_batch_size, "microbatches": len(mbs)},
-        "threads": args.threads, "steps": args.steps, "compile": args.compile,
-        "median_step_s": med, "ratio_ptdp_over_plain": med["ptdp"] / med["plain"],
+        "threads": args.threads,
+        "steps": args.steps,
+        "compile": args.compile,
+        "median_step_s": med,
+        "ratio_ptdp_over_plain": med["ptdp"] / med["plain"],
         "first_step_loss": {"ptdp": ptdp_loss, "plain": plain_loss},
-        "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
     }
     print(json.dumps(report, indent=2))
 

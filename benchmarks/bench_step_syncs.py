@@ -35,9 +35,11 @@ ROOT = HERE.parent
 
 def worker(tp: int, pp: int, dp: int, steps: int, warmup: int) -> dict:
     """Inside each gloo worker: build the stage, run warm-up and timed steps, count syncs."""
-    import torch
+    import datetime
 
     import pipeline_common as pc
+    import torch
+
     from helpers.host_sync import count_host_syncs, label_check_on_device
     from ptdp.engine.groups import ParallelGroups
     from ptdp.engine.step import build_stage, train_step
@@ -45,20 +47,23 @@ def worker(tp: int, pp: int, dp: int, steps: int, warmup: int) -> dict:
     from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
     from ptdp.spec.layout import ParallelLayout
 
-    import datetime
-
     init_distributed(pc.TIMEOUT_MINUTES, threads_per_worker=1)
     groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp), datetime.timedelta(minutes=pc.TIMEOUT_MINUTES))
-    config = resolve(Config(model=ModelConfig(), parallel=ParallelConfig(tensor_model_parallel_size=tp,
-                                                                        pipeline_model_parallel_size=pp),
-                            train=TrainConfig(train_iters=10_000)), tp * pp * dp)
+    config = resolve(
+        Config(
+            model=ModelConfig(),
+            parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+            train=TrainConfig(train_iters=10_000),
+        ),
+        tp * pp * dp,
+    )
     stage = build_stage(config, groups)
     b, gbs, s, vocab = config.train.micro_batch_size, config.train.global_batch_size, config.model.seq_length, 4096
     gen = torch.Generator().manual_seed(0)
     data = torch.randint(0, vocab, (gbs, s + 1), generator=gen)
     per_rank = gbs // dp
-    mine = data[groups.dp.rank * per_rank:(groups.dp.rank + 1) * per_rank]
-    mbs = [(mine[i:i + b, :-1], mine[i:i + b, 1:]) for i in range(0, per_rank, b)]
+    mine = data[groups.dp.rank * per_rank : (groups.dp.rank + 1) * per_rank]
+    mbs = [(mine[i : i + b, :-1], mine[i : i + b, 1:]) for i in range(0, per_rank, b)]
     times, syncs = [], []
     try:
         with label_check_on_device():  # count what a GPU would: the label check queued on the device
@@ -77,10 +82,27 @@ def worker(tp: int, pp: int, dp: int, steps: int, warmup: int) -> dict:
 
 
 def run_tree(src: Path, layout: tuple[int, int, int], steps: int, warmup: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(HERE), str(ROOT / "tests")]),
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--worker", ",".join(map(str, layout)), "--steps", str(steps),
-                           "--warmup", str(warmup)], capture_output=True, text=True, env=env, timeout=1800)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(src), str(HERE), str(ROOT / "tests")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--worker",
+            ",".join(map(str, layout)),
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{src}: failed\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -110,13 +132,23 @@ def main() -> None:
             out = run_tree(src, layout, args.steps, args.warmup)
             for k in runs[name]:
                 runs[name][k] += out[k]
-    report = {"layout": {"tp": layout[0], "pp": layout[1], "dp": layout[2]}, "steps": args.steps,
-              "repeats": args.repeats, "load_1min_at_end": os.getloadavg()[0], "wall_s": time.time() - started}
+    report = {
+        "layout": {"tp": layout[0], "pp": layout[1], "dp": layout[2]},
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "load_1min_at_end": os.getloadavg()[0],
+        "wall_s": time.time() - started,
+    }
     for name, r in runs.items():
-        report[name] = {"median_step_s": statistics.median(r["step_s"]), "syncs_per_step": max(r["syncs"]),
-                        "min_syncs_per_step": min(r["syncs"])}
+        report[name] = {
+            "median_step_s": statistics.median(r["step_s"]),
+            "syncs_per_step": max(r["syncs"]),
+            "min_syncs_per_step": min(r["syncs"]),
+        }
     if "before" in report:
-        report["step_time_ratio_after_over_before"] = report["after"]["median_step_s"] / report["before"]["median_step_s"]
+        report["step_time_ratio_after_over_before"] = (
+            report["after"]["median_step_s"] / report["before"]["median_step_s"]
+        )
     print(json.dumps(report, indent=2))
 
 

@@ -32,17 +32,20 @@ import json
 import time
 import traceback
 
+import pipeline_common as pc
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import pipelining
 
-import pipeline_common as pc
-from ptdp.engine.pipeline.runtime import run_schedule
 from ptdp.engine.pipeline.program import build_programs
+from ptdp.engine.pipeline.runtime import run_schedule
 
-SCHEDULES = (("gpipe", 1, "ScheduleGPipe"), ("1f1b", 1, "Schedule1F1B"),
-             ("interleaved-1f1b", 2, "ScheduleInterleaved1F1B"))
+SCHEDULES = (
+    ("gpipe", 1, "ScheduleGPipe"),
+    ("1f1b", 1, "Schedule1F1B"),
+    ("interleaved-1f1b", 2, "ScheduleInterleaved1F1B"),
+)
 
 
 class Block(nn.Module):
@@ -85,7 +88,7 @@ def build_stages(h: int, num_blocks: int, num_stages: int, seed: int = 0) -> lis
     per = num_blocks // num_stages
     if per * num_stages != num_blocks:
         raise ValueError(f"{num_blocks} blocks do not split evenly into {num_stages} stages")
-    stages = [nn.Sequential(*blocks[k * per:(k + 1) * per]) for k in range(num_stages)]
+    stages = [nn.Sequential(*blocks[k * per : (k + 1) * per]) for k in range(num_stages)]
     stages[0].insert(0, lift)
     stages[-1].append(head)
     return stages
@@ -127,13 +130,20 @@ def _compare(groups, kind, v, torch_name, h, num_blocks, b, s, m, x, y, steps, w
     microbatches = list(zip(x.split(b), y.split(b)))
 
     def ptdp_step() -> list[torch.Tensor]:
-        return run_schedule(schedule, chunks, microbatches, pp=groups.pp, hidden_shape=(b, s, h),
-                            dtype=torch.float32, device=torch.device("cpu"))
+        return run_schedule(
+            schedule,
+            chunks,
+            microbatches,
+            pp=groups.pp,
+            hidden_shape=(b, s, h),
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
 
     row = {"schedule": kind, "torch_schedule": torch_name, "v": v, "num_stages": num_stages}
     try:
         torch_schedule = _torch_schedule(torch_name, mine, groups, r, p, v, b, s, h, m)
-    except Exception as e:  # noqa: BLE001  (reported, not hidden)
+    except Exception as e:
         torch_schedule, row["torch_error"] = None, f"construction: {type(e).__name__}: {e}"
 
     def torch_step() -> list[torch.Tensor]:
@@ -148,7 +158,7 @@ def _compare(groups, kind, v, torch_name, h, num_blocks, b, s, m, x, y, steps, w
         try:
             torch_losses, torch_grads = _one_step(torch_step, params)
             local = _local_equivalence(ptdp_losses, torch_losses, ptdp_grads, torch_grads)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             row["torch_error"] = f"step: {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
     # every rank learns whether torch ran everywhere before any further collective
     errors = [e for e in pc.all_gather_object(row.get("torch_error"), groups.world) if e]
@@ -183,8 +193,11 @@ def _torch_schedule(name, mine, groups, r, p, v, b, s, h, m):
         # created only for scalar outputs").
         inp = torch.empty(b, s) if k == 0 else torch.empty(b, s, h, requires_grad=True)
         out = torch.empty(b, s, requires_grad=True) if k == num_stages - 1 else torch.empty(b, s, h, requires_grad=True)
-        torch_stages.append(pipelining.PipelineStage(module, k, num_stages, torch.device("cpu"), input_args=inp,
-                                                     output_args=out, group=groups.pp.group))
+        torch_stages.append(
+            pipelining.PipelineStage(
+                module, k, num_stages, torch.device("cpu"), input_args=inp, output_args=out, group=groups.pp.group
+            )
+        )
     cls = getattr(pipelining, name)
     if v == 1:
         return cls(torch_stages[0], n_microbatches=m, loss_fn=F.mse_loss)
@@ -209,15 +222,19 @@ def _local_equivalence(ptdp_losses, torch_losses, ptdp_grads, torch_grads) -> tu
     on this rank; ``assert_close`` with its float32 default tolerances."""
     ok, detail = True, ""
     try:
-        torch.testing.assert_close(torch.stack(ptdp_losses) if ptdp_losses else torch.empty(0),
-                                   torch.stack(torch_losses) if torch_losses else torch.empty(0))
+        torch.testing.assert_close(
+            torch.stack(ptdp_losses) if ptdp_losses else torch.empty(0),
+            torch.stack(torch_losses) if torch_losses else torch.empty(0),
+        )
         for a, c in zip(ptdp_grads, torch_grads, strict=True):
             torch.testing.assert_close(a, c)
     except AssertionError as e:
         ok, detail = False, str(e)
     loss_diff = max((abs(a - c).item() for a, c in zip(ptdp_losses, torch_losses)), default=0.0)
-    grad_diff = max((((a - c).abs().max() / c.abs().max().clamp_min(1e-30)).item()
-                     for a, c in zip(ptdp_grads, torch_grads)), default=0.0)
+    grad_diff = max(
+        (((a - c).abs().max() / c.abs().max().clamp_min(1e-30)).item() for a, c in zip(ptdp_grads, torch_grads)),
+        default=0.0,
+    )
     return ok, detail, loss_diff, grad_diff
 
 
@@ -247,29 +264,64 @@ def main() -> None:
     args = ap.parse_args()
 
     start = time.perf_counter()
-    out = pc.launch(worker, args.pp, args.pp, args.hidden, args.blocks, args.micro_batch_size, args.seq,
-                    args.microbatches, args.steps, args.warmup)
+    out = pc.launch(
+        worker,
+        args.pp,
+        args.pp,
+        args.hidden,
+        args.blocks,
+        args.micro_batch_size,
+        args.seq,
+        args.microbatches,
+        args.steps,
+        args.warmup,
+    )
     results = out["results"]
     report = {
-        "benchmark": "vs_torch_pipelining", "machine": pc.machine(), "pp": args.pp,
+        "benchmark": "vs_torch_pipelining",
+        "machine": pc.machine(),
+        "pp": args.pp,
         "model": {"blocks": args.blocks, "hidden": args.hidden, "ffn": 4 * args.hidden},
         "batch": {"micro": args.micro_batch_size, "seq": args.seq, "microbatches": args.microbatches},
-        "steps": args.steps, "warmup": args.warmup, "results": results,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "results": results,
         "wall_s": time.perf_counter() - start,
     }
     print(json.dumps(report, indent=2))
     rows = []
     for r in results:
         med = r["median_step_s"]
-        rows.append([r["schedule"], r["torch_schedule"], r["num_stages"], f"{med['ptdp']:.3f}",
-                     f"{med['torch']:.3f}" if "torch" in med else "-",
-                     f"**{r['ratio_ptdp_over_torch']:.3f}**" if "ratio_ptdp_over_torch" in r else "-",
-                     r.get("same_losses_and_grads", "-"),
-                     f"{r['max_rel_grad_diff']:.1e}" if "max_rel_grad_diff" in r else "-",
-                     r.get("torch_error", "").splitlines()[0] if r.get("torch_error") else ""])
+        rows.append(
+            [
+                r["schedule"],
+                r["torch_schedule"],
+                r["num_stages"],
+                f"{med['ptdp']:.3f}",
+                f"{med['torch']:.3f}" if "torch" in med else "-",
+                f"**{r['ratio_ptdp_over_torch']:.3f}**" if "ratio_ptdp_over_torch" in r else "-",
+                r.get("same_losses_and_grads", "-"),
+                f"{r['max_rel_grad_diff']:.1e}" if "max_rel_grad_diff" in r else "-",
+                r.get("torch_error", "").splitlines()[0] if r.get("torch_error") else "",
+            ]
+        )
     print()
-    print(pc.table(["ptdp schedule", "torch schedule", "virtual stages", "ptdp s/step", "torch s/step",
-                    "ptdp / torch", "same loss & grads", "max rel grad diff", "torch error"], rows))
+    print(
+        pc.table(
+            [
+                "ptdp schedule",
+                "torch schedule",
+                "virtual stages",
+                "ptdp s/step",
+                "torch s/step",
+                "ptdp / torch",
+                "same loss & grads",
+                "max rel grad diff",
+                "torch error",
+            ],
+            rows,
+        )
+    )
     if any(r.get("same_losses_and_grads") is False for r in results):
         raise SystemExit("ptdp and torch.distributed.pipelining computed different losses or gradients")
 

@@ -52,17 +52,35 @@ import sys
 import time
 
 import torch
-
 from plain_gpt import copy_weights, plain_like, plain_optimizer, plain_step, with_compile
+
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
 from ptdp.planner.hardware import CATALOG
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 
-FULL = {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "seq_length": 2048, "vocab_size": 50257,
-        "micro_batch_size": 2, "num_microbatches": 4, "steps": 10, "warmup": 3}
-QUICK = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64, "vocab_size": 512,
-         "micro_batch_size": 2, "num_microbatches": 2, "steps": 3, "warmup": 1}
+FULL = {
+    "num_layers": 24,
+    "hidden_size": 2048,
+    "num_attention_heads": 16,
+    "seq_length": 2048,
+    "vocab_size": 50257,
+    "micro_batch_size": 2,
+    "num_microbatches": 4,
+    "steps": 10,
+    "warmup": 3,
+}
+QUICK = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "seq_length": 64,
+    "vocab_size": 512,
+    "micro_batch_size": 2,
+    "num_microbatches": 2,
+    "steps": 3,
+    "warmup": 1,
+}
 TARGETS = {"mfu_compiled_at_least": 0.50, "ratio_vs_plain_at_most": 1.05}
 LOSS_BOUND = {"bfloat16": 1e-2, "float16": 1e-2, "float32": 1e-5, "float64": 1e-9}
 """Largest relative loss difference against float64 expected from rounding alone, per precision."""
@@ -111,12 +129,24 @@ def flop_params(config: Config) -> int:
 
 def speed_config(shape: dict, dtype: str) -> Config:
     """The resolved single-process config of the timed model (GPT defaults, no dropout)."""
-    model = ModelConfig(num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
-                        num_attention_heads=shape["num_attention_heads"], seq_length=shape["seq_length"],
-                        vocab_size=shape["vocab_size"], params_dtype=dtype)
+    model = ModelConfig(
+        num_layers=shape["num_layers"],
+        hidden_size=shape["hidden_size"],
+        num_attention_heads=shape["num_attention_heads"],
+        seq_length=shape["seq_length"],
+        vocab_size=shape["vocab_size"],
+        params_dtype=dtype,
+    )
     b, m = shape["micro_batch_size"], shape["num_microbatches"]
-    train = TrainConfig(micro_batch_size=b, global_batch_size=b * m, train_iters=10_000, lr_warmup_iters=0,
-                        lr=1e-4, min_lr=1e-4, eval_iters=0)
+    train = TrainConfig(
+        micro_batch_size=b,
+        global_batch_size=b * m,
+        train_iters=10_000,
+        lr_warmup_iters=0,
+        lr=1e-4,
+        min_lr=1e-4,
+        eval_iters=0,
+    )
     return resolve(Config(model=model, parallel=ParallelConfig(), train=train), 1)
 
 
@@ -174,17 +204,25 @@ def measure_mode(config: Config, mode: str, shape: dict, device: torch.device) -
     plain_loss = float(plain_step(runner, optimizer, mbs, clip, device=device, autocast_dtype=autocast))
     if abs(ptdp_loss - plain_loss) > 10 * LOSS_BOUND[dtype] * abs(plain_loss):
         raise RuntimeError(f"the models differ: first-step loss ptdp {ptdp_loss} vs plain {plain_loss}")
-    steps = {"ptdp": lambda i: train_step(stage, mbs, i + 1),
-             "plain": lambda i: plain_step(runner, optimizer, mbs, clip, device=device, autocast_dtype=autocast)}
+    steps = {
+        "ptdp": lambda i: train_step(stage, mbs, i + 1),
+        "plain": lambda i: plain_step(runner, optimizer, mbs, clip, device=device, autocast_dtype=autocast),
+    }
     med = median_step_times(steps, device, shape["steps"], shape["warmup"])
     tokens = config.train.global_batch_size * config.model.seq_length
-    row = {"mode": mode, "ptdp_step_s": med["ptdp"], "plain_step_s": med["plain"],
-           "ratio_vs_plain": med["ptdp"] / med["plain"], "tokens_per_s": tokens / med["ptdp"],
-           "plain_tokens_per_s": tokens / med["plain"], "first_step_loss": {"ptdp": ptdp_loss, "plain": plain_loss},
-           "flop_params": plain.flop_params()}
+    row = {
+        "mode": mode,
+        "ptdp_step_s": med["ptdp"],
+        "plain_step_s": med["plain"],
+        "ratio_vs_plain": med["ptdp"] / med["plain"],
+        "tokens_per_s": tokens / med["ptdp"],
+        "plain_tokens_per_s": tokens / med["plain"],
+        "first_step_loss": {"ptdp": ptdp_loss, "plain": plain_loss},
+        "flop_params": plain.flop_params(),
+    }
     if device.type == "cuda":
         row["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
-    del stage, plain, runner, optimizer, steps
+    stage = plain = runner = optimizer = steps = None  # freed before the next mode (the closures are done)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -193,8 +231,15 @@ def measure_mode(config: Config, mode: str, shape: dict, device: torch.device) -
 
 def loss_check(device: torch.device, dtype: str) -> dict:
     """A tiny model's step losses on ``device`` in ``dtype`` (and float64 on a GPU) against float64 on the CPU."""
-    shape = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 300,
-             "micro_batch_size": 2, "num_microbatches": 2}
+    shape = {
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "seq_length": 32,
+        "vocab_size": 300,
+        "micro_batch_size": 2,
+        "num_microbatches": 2,
+    }
 
     def losses(dev: torch.device, precision: str) -> list[float]:
         cfg = speed_config(shape, precision)
@@ -207,8 +252,14 @@ def loss_check(device: torch.device, dtype: str) -> dict:
 
     reference = losses(torch.device("cpu"), "float64")
     mine = losses(device, dtype)
-    out = {"steps": LOSS_CHECK_STEPS, "model": shape, "float64_cpu": reference, dtype: mine,
-           "max_rel_diff": rel(mine, reference), "bound": LOSS_BOUND[dtype]}
+    out = {
+        "steps": LOSS_CHECK_STEPS,
+        "model": shape,
+        "float64_cpu": reference,
+        dtype: mine,
+        "max_rel_diff": rel(mine, reference),
+        "bound": LOSS_BOUND[dtype],
+    }
     if device.type == "cuda":
         on_device = losses(device, "float64")
         out["float64_device"] = on_device
@@ -221,8 +272,10 @@ def loss_failures(check: dict, dtype: str) -> list[str]:
     :data:`LOSS_BOUND`, float64 on the device against the CPU above 1e-9."""
     out = []
     if check["max_rel_diff"] is not None and not check["max_rel_diff"] <= LOSS_BOUND[dtype]:
-        out.append(f"loss check: {dtype} differs from float64 on the CPU by {check['max_rel_diff']:.2e} "
-                   f"(relative), more than rounding explains ({LOSS_BOUND[dtype]:.0e})")
+        out.append(
+            f"loss check: {dtype} differs from float64 on the CPU by {check['max_rel_diff']:.2e} "
+            f"(relative), more than rounding explains ({LOSS_BOUND[dtype]:.0e})"
+        )
     on_device = check.get("max_rel_diff_float64_device_vs_cpu")
     if on_device is not None and not on_device <= LOSS_BOUND["float64"]:
         out.append(f"loss check: float64 on the device differs from the CPU by {on_device:.2e} (bound 1e-09)")
@@ -234,10 +287,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
     ap.add_argument("--quick", action="store_true", help="a tiny model (2 layers, h=64, s=64), eager only")
     ap.add_argument("--output", metavar="FILE", help="write the JSON report here")
-    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "float64"),
-                    help="precision of the timed models (default: bfloat16 on a GPU, float32 on a CPU)")
-    ap.add_argument("--modes", nargs="+", choices=("eager", "compile"),
-                    help="default: eager and compile (--quick: eager); compile needs ptdp's --compile")
+    ap.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32", "float64"),
+        help="precision of the timed models (default: bfloat16 on a GPU, float32 on a CPU)",
+    )
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        choices=("eager", "compile"),
+        help="default: eager and compile (--quick: eager); compile needs ptdp's --compile",
+    )
     ap.add_argument("--num-layers", type=int, help="layers of the timed model (default 24; --quick 2)")
     ap.add_argument("--micro-batch-size", type=int, help="samples per microbatch (default 2)")
     ap.add_argument("--steps", type=int, help="timed steps of each model (default 10; --quick 3)")
@@ -287,7 +347,7 @@ def run_check(args: argparse.Namespace) -> dict:
             continue
         try:  # one failed mode must not lose the others' results
             rows.append(measure_mode(compiled if mode == "compile" else config, mode, shape, device))
-        except Exception as e:  # noqa: BLE001 - reported in the table and the JSON, exit code 1
+        except Exception as e:
             failures.append(f"{mode}: {type(e).__name__}: {e}")
     peak, peak_source = peak_flops(device, dtype, args.peak_tflops)
     m = config.model
@@ -296,34 +356,58 @@ def run_check(args: argparse.Namespace) -> dict:
         row["mfu"] = flops_per_token * row["tokens_per_s"] / peak if peak else None
     try:
         check = loss_check(device, dtype)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         failures.append(f"loss check: {type(e).__name__}: {e}")
         check = {"max_rel_diff": None}
     failures += loss_failures(check, dtype)
     head = rows[-1] if rows else {}
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "device_type": device.type, "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "git_commit": _git_commit(),
+        "device_type": device.type,
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "git_commit": _git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": " ".join(["python", "benchmarks/gpu_check.py", *sys.argv[1:]]),
-        "dtype": dtype, "threads": torch.get_num_threads(),
-        "model": {k: shape[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")},
-        "batch": {"micro_batch_size": shape["micro_batch_size"], "num_microbatches": shape["num_microbatches"],
-                  "tokens_per_step": config.train.global_batch_size * m.seq_length},
-        "steps": shape["steps"], "warmup": shape["warmup"],
-        "flops_per_token": flops_per_token, "peak_flops": peak, "peak_source": peak_source,
-        "rows": rows, "notes": notes, "failures": failures, "headline_mode": head.get("mode"),
-        "tokens_per_s": head.get("tokens_per_s"), "mfu": head.get("mfu"), "ratio_vs_plain": head.get("ratio_vs_plain"),
-        "max_loss_rel_diff_vs_float64_cpu": check["max_rel_diff"], "loss_check": check, "targets": TARGETS,
+        "dtype": dtype,
+        "threads": torch.get_num_threads(),
+        "model": {
+            k: shape[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+        },
+        "batch": {
+            "micro_batch_size": shape["micro_batch_size"],
+            "num_microbatches": shape["num_microbatches"],
+            "tokens_per_step": config.train.global_batch_size * m.seq_length,
+        },
+        "steps": shape["steps"],
+        "warmup": shape["warmup"],
+        "flops_per_token": flops_per_token,
+        "peak_flops": peak,
+        "peak_source": peak_source,
+        "rows": rows,
+        "notes": notes,
+        "failures": failures,
+        "headline_mode": head.get("mode"),
+        "tokens_per_s": head.get("tokens_per_s"),
+        "mfu": head.get("mfu"),
+        "ratio_vs_plain": head.get("ratio_vs_plain"),
+        "max_loss_rel_diff_vs_float64_cpu": check["max_rel_diff"],
+        "loss_check": check,
+        "targets": TARGETS,
     }
 
 
 def _git_commit() -> str | None:
     """The commit of the checkout this script runs from, or None outside a git checkout."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -333,25 +417,30 @@ def format_report(r: dict) -> str:
     """The table printed at the end."""
     m = r["model"]
     peak = f"{r['peak_flops'] / 1e12:.1f} TFLOP/s ({r['peak_source']})" if r["peak_flops"] else r["peak_source"]
-    lines = [f"ptdp GPU check on {r['device']} ({r['machine']}), torch {r['torch']}, ptdp {r['git_commit']}, "
-             f"{r['date']}",
-             f"model: {m['num_layers']} layers, h {m['hidden_size']}, {m['num_attention_heads']} heads, "
-             f"s {m['seq_length']}, V {m['vocab_size']}; {r['dtype']}; {r['batch']['tokens_per_step']:,} tokens/step; "
-             f"median of {r['steps']} steps after {r['warmup']}; peak {peak}",
-             f"{'mode':<8} {'ptdp s/step':>11} {'plain s/step':>12} {'ratio':>6} {'(target)':>9} "
-             f"{'tokens/s':>10} {'MFU':>6} {'(target)':>9} {'peak mem':>9}"]
+    lines = [
+        f"ptdp GPU check on {r['device']} ({r['machine']}), torch {r['torch']}, ptdp {r['git_commit']}, {r['date']}",
+        f"model: {m['num_layers']} layers, h {m['hidden_size']}, {m['num_attention_heads']} heads, "
+        f"s {m['seq_length']}, V {m['vocab_size']}; {r['dtype']}; {r['batch']['tokens_per_step']:,} tokens/step; "
+        f"median of {r['steps']} steps after {r['warmup']}; peak {peak}",
+        f"{'mode':<8} {'ptdp s/step':>11} {'plain s/step':>12} {'ratio':>6} {'(target)':>9} "
+        f"{'tokens/s':>10} {'MFU':>6} {'(target)':>9} {'peak mem':>9}",
+    ]
     for row in r["rows"]:
         mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
         mfu_target = f">= {TARGETS['mfu_compiled_at_least']:.0%}" if row["mode"] == "compile" else ""
         mem = f"{row['peak_memory_bytes'] / 2**30:.1f} GiB" if "peak_memory_bytes" in row else "n/a"
-        lines.append(f"{row['mode']:<8} {row['ptdp_step_s']:>11.4f} {row['plain_step_s']:>12.4f} "
-                     f"{row['ratio_vs_plain']:>6.3f} {'<= ' + str(TARGETS['ratio_vs_plain_at_most']):>9} "
-                     f"{row['tokens_per_s']:>10,.0f} {mfu:>6} {mfu_target:>9} {mem:>9}")
+        lines.append(
+            f"{row['mode']:<8} {row['ptdp_step_s']:>11.4f} {row['plain_step_s']:>12.4f} "
+            f"{row['ratio_vs_plain']:>6.3f} {'<= ' + str(TARGETS['ratio_vs_plain_at_most']):>9} "
+            f"{row['tokens_per_s']:>10,.0f} {mfu:>6} {mfu_target:>9} {mem:>9}"
+        )
     lines += [f"  {note}" for note in r["notes"]] + [f"  FAILED {failure}" for failure in r["failures"]]
     c = r["loss_check"]
     if c["max_rel_diff"] is not None:
-        lines.append(f"loss vs float64 on the CPU (tiny model, {c['steps']} steps): max relative difference "
-                     f"{c['max_rel_diff']:.2e} in {r['dtype']} (rounding bound {c['bound']:.0e})")
+        lines.append(
+            f"loss vs float64 on the CPU (tiny model, {c['steps']} steps): max relative difference "
+            f"{c['max_rel_diff']:.2e} in {r['dtype']} (rounding bound {c['bound']:.0e})"
+        )
     if "max_rel_diff_float64_device_vs_cpu" in c:
         lines.append(f"  float64 on the device vs the CPU: {c['max_rel_diff_float64_device_vs_cpu']:.2e} (bound 1e-09)")
     if "elapsed_s" in r:

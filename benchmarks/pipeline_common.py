@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from ptdp.engine import comm
 from ptdp.engine.comm import AxisGroup, all_reduce
-from ptdp.run.distributed import init_distributed
 from ptdp.engine.groups import ParallelGroups
+from ptdp.run.distributed import init_distributed
 from ptdp.run.launch import launch_workers
 from ptdp.spec.layout import ParallelLayout
 

@@ -60,10 +60,18 @@ class PlainGPT(nn.Module):
 def plain_like(config) -> PlainGPT:
     """A :class:`PlainGPT` of the shape of a resolved ptdp ``config`` (GPT defaults only)."""
     m = config.model
-    if (m.normalization, m.activation, m.position_embedding_type, m.swiglu) != ("LayerNorm", "gelu",
-                                                                                  "learned_absolute", False):
+    if (m.normalization, m.activation, m.position_embedding_type, m.swiglu) != (
+        "LayerNorm",
+        "gelu",
+        "learned_absolute",
+        False,
+    ):
         raise ValueError("the plain GPT has LayerNorm, exact GELU and learned positions only")
-    if m.untie_embeddings_and_output_weights or not m.add_bias_linear or m.num_query_groups not in (None, m.num_attention_heads):
+    if (
+        m.untie_embeddings_and_output_weights
+        or not m.add_bias_linear
+        or m.num_query_groups not in (None, m.num_attention_heads)
+    ):
         raise ValueError("the plain GPT has tied embeddings, biases and multi-head attention only")
     return PlainGPT(m.vocab_size, m.seq_length, m.hidden_size, m.num_attention_heads, m.ffn, m.num_layers)
 
@@ -76,8 +84,14 @@ def copy_weights(ptdp_model, plain: PlainGPT, vocab: int) -> None:
         plain.wpe.weight.copy_(src["position_embeddings"])
         plain.ln_f.weight.copy_(src["final_norm.weight"])
         plain.ln_f.bias.copy_(src["final_norm.bias"])
-        names = {"ln1": "ln1", "ln2": "ln2", "qkv": "attention.qkv", "proj": "attention.proj",
-                 "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
+        names = {
+            "ln1": "ln1",
+            "ln2": "ln2",
+            "qkv": "attention.qkv",
+            "proj": "attention.proj",
+            "fc1": "mlp.fc1",
+            "fc2": "mlp.fc2",
+        }
         for i, block in enumerate(plain.blocks):
             for mine, theirs in names.items():
                 getattr(block, mine).weight.copy_(src[f"layers.{i}.{theirs}.weight"])
@@ -88,14 +102,24 @@ def plain_optimizer(plain: PlainGPT, train_cfg, device: torch.device) -> torch.o
     """AdamW with ptdp's settings: decay on tensors of >= 2 dims only; fused on CUDA."""
     decay = [p for p in plain.parameters() if p.ndim >= 2]
     rest = [p for p in plain.parameters() if p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": train_cfg.weight_decay},
-                              {"params": rest, "weight_decay": 0.0}],
-                             lr=train_cfg.lr, betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
-                             eps=train_cfg.adam_eps, fused=True if device.type == "cuda" else None)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": train_cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=train_cfg.lr,
+        betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
+        eps=train_cfg.adam_eps,
+        fused=True if device.type == "cuda" else None,
+    )
 
 
-def plain_step(model, optimizer, microbatches, clip: float, *, device: torch.device | str = "cpu",
-               autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+def plain_step(
+    model,
+    optimizer,
+    microbatches,
+    clip: float,
+    *,
+    device: torch.device | str = "cpu",
+    autocast_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """One step over ``microbatches`` (CPU ``(tokens, labels)`` pairs, copied to ``device`` one by
     one); returns the mean loss as a 0-dim tensor on the device (no host synchronisation)."""
     device = torch.device(device)

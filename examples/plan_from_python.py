@@ -1,6 +1,6 @@
 """Plan a Llama 3 70B run from Python: the best layout, why, and the flags that run it.
 
-    python examples/plan_from_python.py
+python examples/plan_from_python.py
 """
 
 import ptdp
@@ -9,10 +9,14 @@ result = ptdp.plan("llama3-70b", gpus=512, gpu="h100-sxm", global_batch_size=102
 best = result.best
 lay = best.layout
 print(f"best of {len(result.plans)} fitting layouts ({len(result.rejected)} rejected):")
-print(f"  tp {lay.tp}  cp {lay.cp}  pp {lay.pp}  dp {lay.dp}  micro batch {lay.micro_batch_size}  "
-      f"v {lay.virtual_stages}  recompute {lay.recompute}  sharding {lay.sharding_strategy}")
-print(f"  {best.time.step:.2f} s per step, {best.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {best.mfu:.1%}, "
-      f"{best.memory.total / 2**30:.1f} GiB on the most loaded GPU")
+print(
+    f"  tp {lay.tp}  cp {lay.cp}  pp {lay.pp}  dp {lay.dp}  micro batch {lay.micro_batch_size}  "
+    f"v {lay.virtual_stages}  recompute {lay.recompute}  sharding {lay.sharding_strategy}"
+)
+print(
+    f"  {best.time.step:.2f} s per step, {best.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {best.mfu:.1%}, "
+    f"{best.memory.total / 2**30:.1f} GiB on the most loaded GPU"
+)
 print("\n".join(result.explanation))
 
 # the same question with the tensor-parallel size fixed: how far from the best?
@@ -26,7 +30,19 @@ except ptdp.ConfigError as error:
     print(f"\nrefused: {error}")
 
 # a training configuration, checked by the same rules as `ptdp train`
-config = ptdp.load_config(world_size=8, tp=2, pp=2, num_layers=4, hidden_size=64, num_attention_heads=4,
-                          seq_length=64, micro_batch_size=2, global_batch_size=16, train_iters=10)
-print(f"\nconfig: tp {config.parallel.tp} pp {config.parallel.pp} dp {config.parallel.dp}, "
-      f"{config.num_microbatches} microbatches per step")
+config = ptdp.load_config(
+    world_size=8,
+    tp=2,
+    pp=2,
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    seq_length=64,
+    micro_batch_size=2,
+    global_batch_size=16,
+    train_iters=10,
+)
+print(
+    f"\nconfig: tp {config.parallel.tp} pp {config.parallel.pp} dp {config.parallel.dp}, "
+    f"{config.num_microbatches} microbatches per step"
+)

@@ -7,7 +7,6 @@ import torch
 from helpers import budget
 from helpers.cli import make_corpus, write_docs
 
-
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 

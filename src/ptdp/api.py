@@ -32,7 +32,6 @@ from ptdp.planner.rules import Rejection
 from ptdp.spec import Config
 from ptdp.spec.keywords import RaisingParser, keyword_actions, keywords_to_argv
 
-
 #: options that are not part of a search
 _NOT_FOR_SEARCH = ("validate", "calibrate", "update_benchmarks", "nproc_per_node", "json", "plot")
 
@@ -110,17 +109,25 @@ def plan(model: str | ModelSpec | None = None, **options: Any) -> PlanResult:
 
     parser = _parser()
     names = keyword_actions(parser, _NOT_FOR_SEARCH)
-    argv = keywords_to_argv({**({"model": model} if isinstance(model, str) else {}), **options}, names,
-                            caller="ptdp.plan")
+    argv = keywords_to_argv(
+        {**({"model": model} if isinstance(model, str) else {}), **options}, names, caller="ptdp.plan"
+    )
     args = parser.parse_args(argv)
     request = prepare(args, model=model if isinstance(model, ModelSpec) else None)
     result = request.search()
-    return PlanResult(request.model, request.cluster, result.plans, result.rejected,
-                      [*request.notes, *result.notes], request.explanation(result))
+    return PlanResult(
+        request.model,
+        request.cluster,
+        result.plans,
+        result.rejected,
+        [*request.notes, *result.notes],
+        request.explanation(result),
+    )
 
 
-def load_config(path: str | Path | None = None, *, world_size: int | None = None, cuda: bool = False,
-                **flags: Any) -> Config:
+def load_config(
+    path: str | Path | None = None, *, world_size: int | None = None, cuda: bool = False, **flags: Any
+) -> Config:
     """The resolved, checked configuration of a training run.
 
     Args:
@@ -142,11 +149,13 @@ def load_config(path: str | Path | None = None, *, world_size: int | None = None
     from ptdp.commands.train_flags import add_train_arguments, config_from_args
     from ptdp.spec import resolve
     from ptdp.spec.files import apply_config_file
+
     parser = RaisingParser(prog="ptdp.load_config", add_help=False)
     add_train_arguments(parser, local_launch=False)
     names = keyword_actions(parser, ("config", "print_config"))
-    argv = (["--config", str(path)] if path is not None else []) + keywords_to_argv(flags, names,
-                                                                                 caller="ptdp.load_config")
+    argv = (["--config", str(path)] if path is not None else []) + keywords_to_argv(
+        flags, names, caller="ptdp.load_config"
+    )
     apply_config_file(parser, argv)
     args = parser.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size

@@ -14,9 +14,9 @@ import os
 import sys
 import traceback
 
-from ptdp.spec import ConfigError
 from ptdp.planner.hardware import UnknownGPUError
 from ptdp.planner.models import UnknownModelError
+from ptdp.spec import ConfigError
 from ptdp.topology.model import TopologyError
 
 #: each command: its one-line help and its module (imported only when chosen), which provides
@@ -24,8 +24,10 @@ from ptdp.topology.model import TopologyError
 COMMANDS = {
     "train": ("train a GPT on local workers", "ptdp.commands.train"),
     "plan": ("choose a parallel layout for a model on a GPU cluster, and explain why", "ptdp.commands.plan"),
-    "schedule": ("print each pipeline rank's program and p2p groups, proven deadlock-free under NCCL",
-                 "ptdp.commands.schedule"),
+    "schedule": (
+        "print each pipeline rank's program and p2p groups, proven deadlock-free under NCCL",
+        "ptdp.commands.schedule",
+    ),
     "topo": ("show this node's GPUs, links and NUMA nodes, and place ranks on them", "ptdp.commands.topo"),
     "generate": ("continue a prompt with a trained checkpoint (any layout)", "ptdp.commands.generate"),
     "convert": ("export a checkpoint to Hugging Face GPT-2 or Llama, or import one", "ptdp.commands.convert"),
@@ -61,7 +63,7 @@ def _take_config_file(parser: argparse.ArgumentParser, name: str, argv: list[str
         return
     from ptdp.spec.files import apply_config_file
 
-    apply_config_file(command, argv[argv.index(name) + 1:])
+    apply_config_file(command, argv[argv.index(name) + 1 :])
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -111,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a failed worker: the launcher's ChildFailedError names rank and error
         if getattr(args, "debug", False):
             raise
-        print(f"ptdp {args.command}: failed: {type(e).__name__}: {e}\n  (--debug shows the traceback)",
-              file=sys.stderr)
+        print(f"ptdp {args.command}: failed: {type(e).__name__}: {e}\n  (--debug shows the traceback)", file=sys.stderr)
         return 1
 
 

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from helpers.cli import TINY, FinishedRun, run, train_uninterrupted, write_docs
 from helpers.pp2_dp2_runs import train_pp2_dp2
 from helpers.proc_helpers import Finished
@@ -22,9 +23,27 @@ def uninterrupted(corpus, tmp_path_factory) -> FinishedRun:
 #: The profiled run's flags after ``ptdp train``: the tiny model at (1,2,1) with hidden dropout,
 #: torch.profiler on steps 1 and 2 (iterations 2 and 3) of both ranks, each worker bound to CPUs of
 #: its own.
-PROFILED_FLAGS = [*TINY, "--tp", "1", "--pp", "2", "--dp", "1", "--hidden-dropout", "0.1", "--profile",
-                  "--profile-step-start", "1", "--profile-step-end", "3", "--profile-ranks", "0,1",
-                  "--bind-cpus", "exclusive", "--no-progress"]
+PROFILED_FLAGS = [
+    *TINY,
+    "--tp",
+    "1",
+    "--pp",
+    "2",
+    "--dp",
+    "1",
+    "--hidden-dropout",
+    "0.1",
+    "--profile",
+    "--profile-step-start",
+    "1",
+    "--profile-step-end",
+    "3",
+    "--profile-ranks",
+    "0,1",
+    "--bind-cpus",
+    "exclusive",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="session")
@@ -34,8 +53,20 @@ def profiled_run(corpus, tmp_path_factory) -> FinishedRun:
     checked on, whose printed CPU binding plan and config ``--bind-cpus`` is checked on, and which
     ``--config a/config.json`` replays. Read-only."""
     root = tmp_path_factory.mktemp("profiled")
-    proc = run([sys.executable, "-m", "ptdp.cli", "train", *PROFILED_FLAGS, "--data", str(corpus / "docs"),
-                "--output-dir", str(root / "a")], root)
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "ptdp.cli",
+            "train",
+            *PROFILED_FLAGS,
+            "--data",
+            str(corpus / "docs"),
+            "--output-dir",
+            str(root / "a"),
+        ],
+        root,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return FinishedRun(root / "a", root / "cache", proc)
 

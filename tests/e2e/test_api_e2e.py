@@ -21,15 +21,32 @@ print("SUMMARY", json.dumps({"run_dir": summary["run_dir"], "final_loss": summar
 def test_python_api_trains_like_the_worker_module(tmp_path):
     corpus = make_corpus(tmp_path)
     options = {key.replace("-", "_"): value for key, value in TINY_OPTIONS.items()}
-    options.update(tp=1, pp=1, data=[str(corpus / "docs")], output_dir=str(tmp_path / "api"), log_interval=1,
-                   train_iters=3)
+    options.update(
+        tp=1, pp=1, data=[str(corpus / "docs")], output_dir=str(tmp_path / "api"), log_interval=1, train_iters=3
+    )
     api = run([sys.executable, "-c", SCRIPT, json.dumps(options)], tmp_path)
     assert api.returncode == 0, api.stderr[-3000:]
     line = next(x for x in api.stdout.splitlines() if x.startswith("SUMMARY "))
-    summary = json.loads(line[len("SUMMARY "):])
+    summary = json.loads(line[len("SUMMARY ") :])
     assert summary["run_dir"] == str(tmp_path / "api")
-    cli = run([sys.executable, "-m", "ptdp.train", *tiny_flags(log_interval=1, train_iters=3), "--tp", "1", "--pp", "1", "--data",
-               str(corpus / "docs"), "--no-progress", "--output-dir", str(tmp_path / "cli")], tmp_path)
+    cli = run(
+        [
+            sys.executable,
+            "-m",
+            "ptdp.train",
+            *tiny_flags(log_interval=1, train_iters=3),
+            "--tp",
+            "1",
+            "--pp",
+            "1",
+            "--data",
+            str(corpus / "docs"),
+            "--no-progress",
+            "--output-dir",
+            str(tmp_path / "cli"),
+        ],
+        tmp_path,
+    )
     assert cli.returncode == 0, cli.stderr[-3000:]
     losses = train_losses(tmp_path / "api")
     assert len(losses) == 3

@@ -24,10 +24,33 @@ def test_busy_master_port_under_torchrun_fails_at_once_and_writes_nothing(tmp_pa
         port = busy.getsockname()[1]
         env = dict(os.environ, PTDP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
         proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
-             "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "ptdp.train", "--tp", "1", "--pp", "1",
-             "--output-dir", str(tmp_path / "run")],
-            capture_output=True, text=True, timeout=budget.seconds(80), env=env, cwd=tmp_path)
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "-m",
+                "ptdp.train",
+                "--tp",
+                "1",
+                "--pp",
+                "1",
+                "--output-dir",
+                str(tmp_path / "run"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=budget.seconds(80),
+            env=env,
+            cwd=tmp_path,
+        )
     assert proc.returncode != 0
     assert "EADDRINUSE" in proc.stderr or "address already in use" in proc.stderr
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()

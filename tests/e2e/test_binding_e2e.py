@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.topology.binding import allowed_numa_nodes, plan_cpu_only, read_cpu_layout
-
 from helpers.proc_helpers import run_together
-
+from ptdp.topology.binding import allowed_numa_nodes, plan_cpu_only, read_cpu_layout
 
 WORKER = """
 import json, os, sys
@@ -45,14 +43,23 @@ def test_torchrun_workers_bind_themselves(policy, tmp_path):
     the policy gives its local rank (exclusive: disjoint shares; numa: its node's CPUs)."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(script), policy, str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        policy,
+        str(tmp_path),
+    ]
     (proc,) = run_together([cmd], env=_env(tmp_path), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     layout = read_cpu_layout()
     allowed = set(layout.allowed)
-    for rank, record in enumerate(got):
+    for record in got:
         assert record["cpus"] and set(record["cpus"]) <= allowed
         assert all(cpus == record["cpus"] for cpus in record["thread_cpus"]), "a thread escaped the binding"
     if policy == "exclusive":

@@ -17,12 +17,26 @@ def test_a_run_replays_from_its_config_json(profiled_run, tmp_path):
     0.1 and --profile), given back with --config (and a new --output-dir), trains bitwise the same:
     every logged loss and gradient norm, and the validation losses."""
     first = profiled_run.run_dir
-    again = run([sys.executable, "-m", "ptdp.cli", "train", "--config", str(first / "config.json"),
-                 "--output-dir", str(tmp_path / "b"), "--no-progress"], tmp_path,
-                env={"PTDP_CACHE_DIR": str(profiled_run.cache)})
+    again = run(
+        [
+            sys.executable,
+            "-m",
+            "ptdp.cli",
+            "train",
+            "--config",
+            str(first / "config.json"),
+            "--output-dir",
+            str(tmp_path / "b"),
+            "--no-progress",
+        ],
+        tmp_path,
+        env={"PTDP_CACHE_DIR": str(profiled_run.cache)},
+    )
     assert again.returncode == 0, again.stderr[-3000:]
-    lines = {run_dir: [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-             for run_dir in (first, tmp_path / "b")}
+    lines = {
+        run_dir: [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        for run_dir in (first, tmp_path / "b")
+    }
     timed = ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_bytes")  # measured, not trained
     strip = [{k: v for k, v in r.items() if k not in timed} for r in lines[first]]
     assert strip == [{k: v for k, v in r.items() if k not in timed} for r in lines[tmp_path / "b"]]

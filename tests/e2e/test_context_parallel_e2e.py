@@ -16,9 +16,32 @@ from helpers.cli import run, tiny_flags
 def test_ptdp_train_with_context_parallelism(corpus, tmp_path):
     out = tmp_path / "run"
     flags = tiny_flags(train_iters=2, log_interval=1, eval_interval=2, num_layers=2)
-    proc = run([sys.executable, "-m", "ptdp.cli", "train", *flags, "--nproc-per-node", "4", "--tp", "1", "--pp", "1",
-                "--cp", "2", "--dp", "2", "--use-distributed-optimizer", "--data", str(corpus / "docs"),
-                "--output-dir", str(out), "--no-progress"], tmp_path)
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "ptdp.cli",
+            "train",
+            *flags,
+            "--nproc-per-node",
+            "4",
+            "--tp",
+            "1",
+            "--pp",
+            "1",
+            "--cp",
+            "2",
+            "--dp",
+            "2",
+            "--use-distributed-optimizer",
+            "--data",
+            str(corpus / "docs"),
+            "--output-dir",
+            str(out),
+            "--no-progress",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ptdp train: 4 workers, tp=1 cp=2 pp=1 dp=2" in proc.stdout
     assert "context-parallel traffic of the last step on rank 0: " in proc.stdout
@@ -26,7 +49,13 @@ def test_ptdp_train_with_context_parallelism(corpus, tmp_path):
     assert (config["context_parallel_size"], config["data_parallel_size"], config["cp_comm_type"]) == (2, 2, "p2p")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["iterations"] == 2 and summary["layout"] == {
-        "tp": 1, "cp": 2, "pp": 1, "dp": 2, "world_size": 4, "num_microbatches": 2}
+        "tp": 1,
+        "cp": 2,
+        "pp": 1,
+        "dp": 2,
+        "world_size": 4,
+        "num_microbatches": 2,
+    }
     assert 0 < summary["final_loss"] < 20 and summary["final_val_loss"] > 0
     comm = summary["comm_per_step_rank0"]
     assert comm["cp/send/cp_attention_forward"]["calls"] == 2 * 2  # C - 1 = 1 per layer and microbatch
@@ -36,9 +65,29 @@ def test_ptdp_train_with_context_parallelism(corpus, tmp_path):
 
 
 def test_a_bad_cp_exits_2_before_any_worker(tmp_path):
-    proc = run([sys.executable, "-m", "ptdp.cli", "train", *tiny_flags(), "--nproc-per-node", "3", "--tp", "1",
-                "--pp", "1", "--cp", "3", "--output-dir", str(tmp_path / "run")], tmp_path)
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "ptdp.cli",
+            "train",
+            *tiny_flags(),
+            "--nproc-per-node",
+            "3",
+            "--tp",
+            "1",
+            "--pp",
+            "1",
+            "--cp",
+            "3",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert ("seq_length=32 is not divisible by 2*context_parallel_size = 2*3 = 6 (rule: seq_length % (2 * cp) == 0"
-            in proc.stderr), proc.stderr
+    assert (
+        "seq_length=32 is not divisible by 2*context_parallel_size = 2*3 = 6 (rule: seq_length % (2 * cp) == 0"
+        in proc.stderr
+    ), proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()

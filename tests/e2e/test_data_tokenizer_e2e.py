@@ -8,10 +8,8 @@ import sys
 import textwrap
 
 from helpers import budget
-
-from ptdp.data import train_tokenizer
-
 from helpers.texts import make_texts
+from ptdp.data import train_tokenizer
 
 
 def test_training_is_deterministic_across_processes(tmp_path):
@@ -26,6 +24,12 @@ def test_training_is_deterministic_across_processes(tmp_path):
     expected = train_tokenizer(make_texts(), 400).to_str()
     for threads in ("1", "2"):
         env = {**__import__("os").environ, "RAYON_NUM_THREADS": threads}
-        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                             check=True, timeout=budget.seconds())
+        out = subprocess.run(
+            [sys.executable, "-c", script],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=budget.seconds(),
+        )
         assert out.stdout.strip() == expected

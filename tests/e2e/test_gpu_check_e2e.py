@@ -18,8 +18,17 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(120)
 def test_gpu_check_cpu_quick_report(tmp_path):
     out = tmp_path / "check.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
-           "--peak-tflops", "0.5", "--output", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "gpu_check.py"),
+        "--device",
+        "cpu",
+        "--quick",
+        "--peak-tflops",
+        "0.5",
+        "--output",
+        str(out),
+    ]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     (done,) = run_together([cmd], timeout=90, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr

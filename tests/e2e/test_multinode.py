@@ -12,14 +12,18 @@ import sys
 import uuid
 
 import pytest
+
 from helpers.pp2_dp2_runs import FLAGS, ITERS, LAYOUT, metric_lines
 from helpers.proc_helpers import free_port, run_together
 
 
 def _metrics(lines: list[dict]) -> list[dict]:
     """The training and evaluation lines' iteration, loss, gradient norm and validation loss."""
-    return [{k: v for k, v in r.items() if k in ("iteration", "loss", "grad_norm", "val_loss")}
-            for r in lines if "loss" in r or "val_loss" in r]
+    return [
+        {k: v for k, v in r.items() if k in ("iteration", "loss", "grad_norm", "val_loss")}
+        for r in lines
+        if "loss" in r or "val_loss" in r
+    ]
 
 
 def _failed(procs) -> str:
@@ -31,11 +35,33 @@ def test_two_launchers_on_loopback_equal_one_launcher(tmp_path, pp2_dp2_workspac
     # A cold data cache of their own: both launchers' local rank 0 tokenize at once; preparation is atomic.
     env = dict(os.environ, PTDP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     port = free_port()
-    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex[:8],
-            "--local-addr", "127.0.0.1", "--max-restarts", "0",
-            "-m", "ptdp.train", *LAYOUT, *FLAGS, "--data", str(pp2_dp2_workspace / "docs"),
-            "--output-dir", str(tmp_path / "two-nodes")]
+    node = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        uuid.uuid4().hex[:8],
+        "--local-addr",
+        "127.0.0.1",
+        "--max-restarts",
+        "0",
+        "-m",
+        "ptdp.train",
+        *LAYOUT,
+        *FLAGS,
+        "--data",
+        str(pp2_dp2_workspace / "docs"),
+        "--output-dir",
+        str(tmp_path / "two-nodes"),
+    ]
     procs = run_together([node, node], env=env, cwd=tmp_path)
     assert all(p.returncode == 0 for p in procs), _failed(procs)
     summaries = [p.stderr for p in procs if f"done: {ITERS} iterations" in p.stderr]

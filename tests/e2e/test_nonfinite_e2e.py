@@ -7,14 +7,12 @@ import json
 import sys
 
 import pytest
-
 import torch
-
-from ptdp.engine.faults import NAN_LOSS_ENV
-from ptdp.engine.step import NONFINITE_LOSS
 
 from helpers.checkpoints import stored_tensors
 from helpers.cli import TINY, run
+from ptdp.engine.faults import NAN_LOSS_ENV
+from ptdp.engine.step import NONFINITE_LOSS
 
 
 @pytest.mark.slow
@@ -23,18 +21,46 @@ def test_nan_every_step_stops_after_the_limit(corpus, tmp_path):
     logged and warned about, each checkpoint holds the unchanged finite state), the fourth stops
     the run naming the iteration."""
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    proc = run([sys.executable, "-m", "ptdp.cli", "train", *TINY, "--tp", "1", "--pp", "2", "--dp", "1", "--data",
-                str(corpus / "docs"), "--output-dir", str(out), "--no-progress", "--max-skipped-steps", "3",
-                "--save", str(ckpt), "--save-interval", "1"], tmp_path, env={NAN_LOSS_ENV: "0:every"})
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "ptdp.cli",
+            "train",
+            *TINY,
+            "--tp",
+            "1",
+            "--pp",
+            "2",
+            "--dp",
+            "1",
+            "--data",
+            str(corpus / "docs"),
+            "--output-dir",
+            str(out),
+            "--no-progress",
+            "--max-skipped-steps",
+            "3",
+            "--save",
+            str(ckpt),
+            "--save-interval",
+            "1",
+        ],
+        tmp_path,
+        env={NAN_LOSS_ENV: "0:every"},
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert ("is not finite at iteration 4 (non-finite loss on some rank): 4 such steps in a row, "
-            "more than --max-skipped-steps 3; stopping") in proc.stderr, proc.stderr[-3000:]
+    assert (
+        "is not finite at iteration 4 (non-finite loss on some rank): 4 such steps in a row, "
+        "more than --max-skipped-steps 3; stopping"
+    ) in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert proc.stderr.count("the step is skipped on every rank, no update") == 3
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in lines if "loss" in r]
     assert [(r["iteration"], r["skipped"], r["reason"], r["loss"]) for r in train] == [
-        (i, True, NONFINITE_LOSS, None) for i in (1, 2, 3, 4)]
+        (i, True, NONFINITE_LOSS, None) for i in (1, 2, 3, 4)
+    ]
     assert (ckpt / "latest").read_text().strip() == "iter_0000003"
     saved = sorted(p.name for p in ckpt.iterdir())
     assert saved == ["iter_0000001", "iter_0000002", "iter_0000003", "latest"]

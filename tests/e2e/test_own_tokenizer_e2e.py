@@ -14,10 +14,10 @@ import sys
 import numpy as np
 import pytest
 import torch
+
 from helpers.cli import run, tiny_flags
 from helpers.own_tokenizer import write_tokenizer_folder
 from helpers.texts import make_texts
-
 from ptdp import cli
 from ptdp.data import IndexedTokens, TokenWindows, eval_indices
 
@@ -29,8 +29,16 @@ SEQ, HIDDEN, LAYERS, HEADS, VOCAB = 32, 32, 2, 4, 300
 
 
 def _gpt2(folder) -> transformers.GPT2LMHeadModel:
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=HIDDEN,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():
@@ -48,17 +56,52 @@ def test_convert_from_hf_then_continue_pre_training_with_its_tokenizer(tmp_path,
     assert cli.main(["convert", "from-hf", str(hf), str(imported)]) == 0
     hint = capsys.readouterr().out.splitlines()[-1].split()  # the command that continues, with its tokenizer
     start = hint.index("train") + 1
-    assert hint[start:start + 2] == ["--load", str(imported)] and hint[-2:] == ["--tokenizer-model", str(hf)]
-    model_flags = hint[start + 2:hint.index("--data")]
+    assert hint[start : start + 2] == ["--load", str(imported)] and hint[-2:] == ["--tokenizer-model", str(hf)]
+    model_flags = hint[start + 2 : hint.index("--data")]
     assert model_flags[:2] == ["--num-layers", str(LAYERS)] and "gelu_tanh" in model_flags
     rows = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"text": make_texts(seed=11, n_docs=40)}), rows)
-    flags = tiny_flags(num_layers=None, hidden_size=None, num_attention_heads=None, seq_length=None, vocab_size=None,
-                       train_iters=2, eval_interval=2, log_interval=1, lr_warmup_iters=0, no_progress=True)
-    proc = run([sys.executable, "-m", "ptdp.cli", "train", *flags, *model_flags, "--tp", "2", "--pp", "1",
-                "--nproc-per-node", "2", "--params-dtype", "float64", "--load", str(imported), "--tokenizer-model",
-                str(hf), "--data", str(rows), "--save", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "run")],
-               tmp_path)
+    flags = tiny_flags(
+        num_layers=None,
+        hidden_size=None,
+        num_attention_heads=None,
+        seq_length=None,
+        vocab_size=None,
+        train_iters=2,
+        eval_interval=2,
+        log_interval=1,
+        lr_warmup_iters=0,
+        no_progress=True,
+    )
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "ptdp.cli",
+            "train",
+            *flags,
+            *model_flags,
+            "--tp",
+            "2",
+            "--pp",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--params-dtype",
+            "float64",
+            "--load",
+            str(imported),
+            "--tokenizer-model",
+            str(hf),
+            "--data",
+            str(rows),
+            "--save",
+            str(tmp_path / "ckpt"),
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((tmp_path / "run" / "config.json").read_text())
     assert record["data"]["tokenizer_model"] == str(hf) and record["model"]["vocab_size"] == VOCAB

@@ -11,12 +11,21 @@ from pathlib import Path
 
 import pytest
 
-
 ROOT = Path(__file__).resolve().parents[2]
 PUBLISHED = ROOT / "benchmarks" / "data" / "published_runs.csv"
 #: the largest model of Narayanan et al. SC21 Table 1 (1T parameters) at its published size and batch
-ONE_T = ["--model", "gpt-1008b", "--gpus", "3072", "--gpu", "a100-80gb", "--global-batch-size", "3072",
-         "--seq-length", "2048"]
+ONE_T = [
+    "--model",
+    "gpt-1008b",
+    "--gpus",
+    "3072",
+    "--gpu",
+    "a100-80gb",
+    "--global-batch-size",
+    "3072",
+    "--seq-length",
+    "2048",
+]
 
 
 PROBE = """
@@ -32,16 +41,16 @@ print("ptdp modules:", sorted(m for m in sys.modules if m.startswith("ptdp")))
 
 def _plan_in_subprocess(args: list[str], tmp_path: Path) -> str:
     env = {**os.environ, "PTDP_CACHE_DIR": str(tmp_path / "cache"), "MPLBACKEND": "Agg"}
-    proc = subprocess.run([sys.executable, "-c", PROBE, "plan", *args], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, "plan", *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
 
 @pytest.mark.parametrize("extra", [[], ["--json"], ["--plot", "plan.png"]], ids=["table", "json", "plot"])
 def test_plan_search_imports_no_torch(extra, tmp_path):
-    out = _plan_in_subprocess(["--model", "gpt3-175b", "--gpus", "64", "--global-batch-size", "1536", *extra],
-                              tmp_path)
+    out = _plan_in_subprocess(["--model", "gpt3-175b", "--gpus", "64", "--global-batch-size", "1536", *extra], tmp_path)
     assert "exit 0" in out
     assert "torch imported: False" in out, out
 
@@ -77,8 +86,25 @@ def test_one_trillion_parameter_search_costs_under_a_cpu_second(tmp_path):
 def test_schedule_command_imports_no_torch(tmp_path):
     """``ptdp schedule`` (programs, the NCCL model, the bubble) is pure: no torch in the process."""
     env = {**os.environ, "PTDP_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-c", PROBE, "schedule", "--pipeline-schedule", "interleaved-1f1b",
-                           "--pp", "4", "--num-microbatches", "16", "--json"], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            PROBE,
+            "schedule",
+            "--pipeline-schedule",
+            "interleaved-1f1b",
+            "--pp",
+            "4",
+            "--num-microbatches",
+            "16",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "exit 0" in proc.stdout and "torch imported: False" in proc.stdout

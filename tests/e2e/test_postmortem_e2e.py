@@ -8,19 +8,14 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 from helpers import budget
-
-from ptdp.engine import faults
-
-from ptdp.run import postmortem
-
-from helpers.proc_helpers import run_together
 from helpers.cli import TINY
-
+from helpers.proc_helpers import run_together
+from ptdp.engine import faults
+from ptdp.run import postmortem
 
 RECORDING = textwrap.dedent("""
     import os, signal, sys, time
@@ -41,12 +36,15 @@ RECORDING = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("how, kind, summary", [
-    ("raise", "raised", "ValueError: bad thing"),
-    ("abort", "signal", "died of a fatal signal (Aborted)"),
-    ("kill", "silent", "was killed without a trace"),
-    ("term", "sigterm", "received SIGTERM"),
-])
+@pytest.mark.parametrize(
+    "how, kind, summary",
+    [
+        ("raise", "raised", "ValueError: bad thing"),
+        ("abort", "signal", "died of a fatal signal (Aborted)"),
+        ("kill", "silent", "was killed without a trace"),
+        ("term", "sigterm", "received SIGTERM"),
+    ],
+)
 def test_a_worker_leaves_its_phase_and_how_it_ended(tmp_path, how, kind, summary):
     env = dict(os.environ, **{postmortem.DIR_ENV: str(tmp_path)})
     proc = subprocess.Popen([sys.executable, "-c", RECORDING, how], env=env, stdout=subprocess.PIPE, text=True)
@@ -69,16 +67,38 @@ def test_ptdp_train_names_the_rank_that_raised_first(corpus, tmp_path):
     """tp2 pp1 dp2: rank 3 raises in backward at iteration 2; its peers then fail in collectives and
     the launcher may poll any of them first. The message names rank 3, its error and phase, and
     says the others follow from it; the launcher's own traceback stays off the terminal."""
-    env = dict(os.environ, PTDP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1",
-               **{faults.CRASH_ENV: "3:2:backward:raise"})
-    cmd = [sys.executable, "-m", "ptdp.cli", "train", *TINY, "--tp", "2", "--pp", "1", "--dp", "2",
-           "--data", str(corpus / "docs"), "--output-dir", str(tmp_path / "run"), "--no-progress"]
-    started = time.monotonic()
+    env = dict(
+        os.environ,
+        PTDP_CACHE_DIR=str(tmp_path / "cache"),
+        OMP_NUM_THREADS="1",
+        **{faults.CRASH_ENV: "3:2:backward:raise"},
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "ptdp.cli",
+        "train",
+        *TINY,
+        "--tp",
+        "2",
+        "--pp",
+        "1",
+        "--dp",
+        "2",
+        "--data",
+        str(corpus / "docs"),
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--no-progress",
+    ]
     [proc] = run_together([cmd], env=env, cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert ("ptdp train: error: worker rank 3 (local rank 3, pid " in proc.stderr
-            and ") failed first, in backward at iteration 2: RuntimeError: ptdp test crash: rank 3 in backward at "
-                "iteration 2" in proc.stderr), proc.stderr[-3000:]
+    assert (
+        "ptdp train: error: worker rank 3 (local rank 3, pid " in proc.stderr
+        and ") failed first, in backward at iteration 2: RuntimeError: ptdp test crash: rank 3 in backward at "
+        "iteration 2"
+        in proc.stderr
+    ), proc.stderr[-3000:]
     assert "the other ranks' errors follow from it: " in proc.stderr
     assert "no restarts allowed (--max-restarts 0)" in proc.stderr
     assert "torch.multiprocessing.spawn.ProcessRaisedException" not in proc.stderr

@@ -13,6 +13,7 @@ import os
 import sys
 
 import pytest
+
 from helpers.pp2_dp2_runs import (
     FLAGS,
     ITERS,
@@ -50,9 +51,9 @@ def test_killed_worker_is_restarted_and_the_run_resumes_bitwise(workspace, unint
     resumed = events[0]["resumed_from_iteration"]
     assert resumed == KILL_AT // SAVE_INTERVAL * SAVE_INTERVAL
     assert events[0]["checkpoint"].endswith(f"iter_{resumed:07d}")
-    after = records[records.index(events[0]):]
+    after = records[records.index(events[0]) :]
     assert all(r.get("restart") == 1 for r in after), "every line of the resumed part is marked"
-    assert all("restart" not in r for r in records[:records.index(events[0])])
+    assert all("restart" not in r for r in records[: records.index(events[0])])
     first = {r["iteration"] for r in records if "loss" in r and "restart" not in r}
     second = {r["iteration"] for r in records if "loss" in r and r.get("restart") == 1}
     recomputed = first & second
@@ -78,12 +79,38 @@ def test_killed_worker_without_restarts_fails_naming_the_rank(workspace):
 def test_torchrun_restart_resumes(workspace, uninterrupted):
     """``torchrun --max-restarts 1 -m ptdp.train`` at (1,2,1): the restarted workers resume from
     --save and end like the (1,2,2) run (float64 layout equivalence, 1e-9)."""
-    env = dict(os.environ, PTDP_CACHE_DIR=str(workspace / "cache"), OMP_NUM_THREADS="1",
-               PTDP_TEST_KILL_AT_ITERATION=str(KILL_AT), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "1", "-m", "ptdp.train", *FLAGS, "--tp", "1", "--pp", "2",
-           "--data", str(workspace / "docs"), "--output-dir", str(workspace / "torchrun"),
-           "--save", str(workspace / "torchrun-ckpt"), "--save-interval", str(SAVE_INTERVAL)]
+    env = dict(
+        os.environ,
+        PTDP_CACHE_DIR=str(workspace / "cache"),
+        OMP_NUM_THREADS="1",
+        PTDP_TEST_KILL_AT_ITERATION=str(KILL_AT),
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "-m",
+        "ptdp.train",
+        *FLAGS,
+        "--tp",
+        "1",
+        "--pp",
+        "2",
+        "--data",
+        str(workspace / "docs"),
+        "--output-dir",
+        str(workspace / "torchrun"),
+        "--save",
+        str(workspace / "torchrun-ckpt"),
+        "--save-interval",
+        str(SAVE_INTERVAL),
+    ]
     (proc,) = run_together([cmd], env=env, cwd=workspace)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = metric_lines(workspace / "torchrun")

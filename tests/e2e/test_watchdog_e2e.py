@@ -19,8 +19,10 @@ def test_a_watchdog_abort_names_the_stalled_rank_and_where_the_aborted_one_waite
     assert lines[0].startswith("worker rank 1 (local rank 1, pid "), lines
     assert ") failed first, in forward at iteration 3: made no progress for " in lines[0], lines
     assert "before NCCL's watchdog aborted rank 0 (a collective timed out waiting for it" in lines[0], lines
-    assert ("the other ranks' errors follow from it: rank 0 was aborted by NCCL's watchdog (a collective timed out)"
-            in lines), lines
+    assert (
+        "the other ranks' errors follow from it: rank 0 was aborted by NCCL's watchdog (a collective timed out)"
+        in lines
+    ), lines
     aborted = "  (rank 0 was aborted by NCCL's watchdog (SIGABRT) "
     where = " after entering its last phase, in gradient sync at iteration 3)"
     assert any(line.startswith(aborted) and line.endswith(where) for line in lines), lines
@@ -33,4 +35,5 @@ def test_without_the_timeout_an_abort_is_a_fatal_signal_of_its_own():
         launch_workers(simulated_watchdog_worker, 2, 0.5)
     first = str(info.value).splitlines()[0]
     assert first.startswith("worker rank 0 (local rank 0, pid ") and (
-        ") failed first, in gradient sync at iteration 3: died of a fatal signal (Aborted)" in first), first
+        ") failed first, in gradient sync at iteration 3: died of a fatal signal (Aborted)" in first
+    ), first

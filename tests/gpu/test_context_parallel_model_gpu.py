@@ -12,6 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.cp_cases import cp_config
+from helpers.dist_helpers import PG_TIMEOUT
+from helpers.layout_cases import TOL, full_parameters, real_rows
+from helpers.nccl_helpers import run_nccl_workers, train_on_device
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.context_parallel.attention import context_parallel_attention
 from ptdp.engine.groups import ParallelGroups
@@ -19,19 +23,15 @@ from ptdp.engine.model.attention import Attention
 from ptdp.spec import ModelConfig
 from ptdp.spec.layout import ParallelLayout
 
-from helpers.cp_cases import cp_config
-from helpers.dist_helpers import PG_TIMEOUT
-from helpers.layout_cases import TOL, full_parameters, real_rows
-from helpers.nccl_helpers import run_nccl_workers, train_on_device
-
 pytestmark = pytest.mark.gpu
 VARIANTS = ("gpt_p2p", "llama_all_gather", "llama_dropout_full_p2p", "gpt_bf16_p2p")
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["mha", "gqa"])
 def test_fused_kernel_takes_the_models_strided_views(grouped):
-    cfg = ModelConfig(hidden_size=512, num_attention_heads=8, num_query_groups=2 if grouped else None,
-                      params_dtype="bfloat16")
+    cfg = ModelConfig(
+        hidden_size=512, num_attention_heads=8, num_query_groups=2 if grouped else None, params_dtype="bfloat16"
+    )
     attention = Attention(cfg, AxisGroup.single("tp"), torch.bfloat16)
     rows = attention.qkv.weight.shape[0]
     qkv = torch.randn(256, 2, rows, device="cuda", dtype=torch.bfloat16)
@@ -68,5 +68,6 @@ def test_cp2_on_nccl_trains_like_one_gpu():
         got = full_parameters(results, name)  # the cp replicas bitwise equal
         if not bf16:
             for key, (t, spec, _) in ref["params"].items():
-                torch.testing.assert_close(got[key], real_rows(t, spec), **tol,
-                                           msg=lambda m, name=name, key=key: f"{name} {key}: {m}")
+                torch.testing.assert_close(
+                    got[key], real_rows(t, spec), **tol, msg=lambda m, name=name, key=key: f"{name} {key}: {m}"
+                )

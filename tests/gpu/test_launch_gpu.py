@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ptdp.engine import faults
-
 from helpers.cli import TINY, run
+from ptdp.engine import faults
 
 pytestmark = pytest.mark.gpu
 
@@ -23,8 +22,24 @@ def gpus(n: int):
 
 
 def _base(corpus: Path) -> list[str]:
-    return [sys.executable, "-m", "ptdp.cli", "train", *TINY, "--tp", "1", "--pp", "1", "--dp", "2",
-            "--params-dtype", "float32", "--data", str(corpus / "docs"), "--no-progress"]
+    return [
+        sys.executable,
+        "-m",
+        "ptdp.cli",
+        "train",
+        *TINY,
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--dp",
+        "2",
+        "--params-dtype",
+        "float32",
+        "--data",
+        str(corpus / "docs"),
+        "--no-progress",
+    ]
 
 
 @gpus(2)
@@ -51,8 +66,21 @@ def test_async_save_resumes_on_nccl(corpus, tmp_path):
     whole = run(base + ["--output-dir", str(tmp_path / "whole")], tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]
     ckpt = tmp_path / "ckpt"
-    first = run(base + ["--train-iters", "3", "--save", str(ckpt), "--save-interval", "1", "--async-save",
-                        "--output-dir", str(tmp_path / "first")], tmp_path)
+    first = run(
+        base
+        + [
+            "--train-iters",
+            "3",
+            "--save",
+            str(ckpt),
+            "--save-interval",
+            "1",
+            "--async-save",
+            "--output-dir",
+            str(tmp_path / "first"),
+        ],
+        tmp_path,
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     assert (ckpt / "latest").read_text().strip() == "iter_0000003"
     second = run(base + ["--load", str(ckpt), "--output-dir", str(tmp_path / "second")], tmp_path)

@@ -11,22 +11,25 @@ import functools
 import pytest
 import torch
 
-from ptdp.engine.groups import ParallelGroups
-from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
-from ptdp.engine.step import build_stage
-from ptdp.spec.layout import ParallelLayout
-
 from helpers.dist_helpers import PG_TIMEOUT
 from helpers.layout_cases import TOL, full_parameters, real_rows, tiny_config
 from helpers.nccl_helpers import run_nccl_workers, train_on_device
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.step import build_stage
+from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
+from ptdp.spec.layout import ParallelLayout
 
 pytestmark = pytest.mark.gpu
 
 #: a realistic layer width (the tiny vocabulary keeps the output layer small)
 WIDE = {"num_layers": 4, "hidden_size": 1024, "num_attention_heads": 16, "ffn_hidden_size": 4096, "seq_length": 256}
 #: distributed optimizer, reduction overlapped with backward in several buckets, gathers overlapped with forward
-DISTOPT = {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
-           "ddp_bucket_size": 2**20}
+DISTOPT = {
+    "use_distributed_optimizer": True,
+    "overlap_grad_reduce": True,
+    "overlap_param_gather": True,
+    "ddp_bucket_size": 2**20,
+}
 STEPS = 3
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]
 
@@ -65,8 +68,11 @@ def _assert_matches(results: list[dict], variant: str, tol: dict) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", [pytest.param(l, marks=gpus(l[0] * l[1] * l[2])) for l in LAYOUTS],
-                         ids=lambda l: "tp{}pp{}dp{}".format(*l))
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param(l, marks=gpus(l[0] * l[1] * l[2])) for l in LAYOUTS],
+    ids=lambda l: "tp{}pp{}dp{}".format(*l),
+)
 def test_layouts_on_nccl_match_one_gpu(layout):
     """float64 exactly (1e-9) with and without the overlapped distributed optimizer; bfloat16 to
     bf16 precision, replicas and tied copies bitwise equal."""
@@ -76,20 +82,36 @@ def test_layouts_on_nccl_match_one_gpu(layout):
         _assert_matches(results, "distopt", TOL["float64"])
     ref = _reference("bfloat16")
     for res in results:
-        torch.testing.assert_close(torch.tensor(res["bfloat16"]["losses"]), torch.tensor(ref["losses"]), rtol=1e-2, atol=0)
-        torch.testing.assert_close(torch.tensor(res["bfloat16"]["norms"]), torch.tensor(ref["norms"]), rtol=5e-2, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(res["bfloat16"]["losses"]), torch.tensor(ref["losses"]), rtol=1e-2, atol=0
+        )
+        torch.testing.assert_close(
+            torch.tensor(res["bfloat16"]["norms"]), torch.tensor(ref["norms"]), rtol=5e-2, atol=0
+        )
     full_parameters(results, "bfloat16")
 
 
 #: interleaved 1F1B at pp = 2, v = 2, m = 8 > p; each activation message b s h bf16 = 4 * 2048 * 2048 * 2 B = 32 MiB
-INTERLEAVED = {"num_layers": 4, "hidden_size": 2048, "num_attention_heads": 16, "ffn_hidden_size": 8192,
-               "seq_length": 2048}
+INTERLEAVED = {
+    "num_layers": 4,
+    "hidden_size": 2048,
+    "num_attention_heads": 16,
+    "ffn_hidden_size": 8192,
+    "seq_length": 2048,
+}
 
 
 def _interleaved_config(pp: int):
     parallel = {"pipeline_schedule": "interleaved-1f1b", "num_layers_per_virtual_pipeline_stage": 1} if pp > 1 else {}
-    return tiny_config(1, pp, 1, "bfloat16", parallel_overrides=parallel,
-                       train_overrides={"micro_batch_size": 4, "global_batch_size": 32}, **INTERLEAVED)
+    return tiny_config(
+        1,
+        pp,
+        1,
+        "bfloat16",
+        parallel_overrides=parallel,
+        train_overrides={"micro_batch_size": 4, "global_batch_size": 32},
+        **INTERLEAVED,
+    )
 
 
 def _interleaved_worker(rank: int, world: int) -> dict:

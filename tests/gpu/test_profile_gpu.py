@@ -12,17 +12,38 @@ import torch
 
 from helpers.cli import run, tiny_flags
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 
 
 @pytest.mark.timeout(600)
 def test_profile_trace_and_peak_memory_on_gpus(corpus, tmp_path):
     out = tmp_path / "run"
     flags = tiny_flags(train_iters=4, eval_iters=0, tp=1, pp=2, dp=1)
-    proc = run([sys.executable, "-m", "ptdp.cli", "train", *flags, "--data", str(corpus / "docs"),
-                "--output-dir", str(out), "--no-progress", "--profile", "--profile-step-start", "1",
-                "--profile-step-end", "3", "--profile-ranks", "0,1", "--trace", "--trace-iters", "2"], tmp_path)
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "ptdp.cli",
+            "train",
+            *flags,
+            "--data",
+            str(corpus / "docs"),
+            "--output-dir",
+            str(out),
+            "--no-progress",
+            "--profile",
+            "--profile-step-start",
+            "1",
+            "--profile-step-end",
+            "3",
+            "--profile-ranks",
+            "0,1",
+            "--trace",
+            "--trace-iters",
+            "2",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         events = json.loads((out / "profile" / f"rank{rank}.json").read_text())["traceEvents"]

@@ -7,17 +7,15 @@ import functools
 
 import torch
 
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve, stage_layer_counts
 from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
+from ptdp.engine.step import build_stage, train_step
 from ptdp.planner.memory import stage_activation_bytes
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.plan import Layout
-from ptdp.engine.step import build_stage, train_step
-
-from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
-
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve, stage_layer_counts
+from ptdp.spec.layout import ParallelLayout
 
 MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=500)
 MICRO_BATCH, MICROBATCHES = 2, 4
@@ -26,8 +24,15 @@ TOLERANCE = 0.02
 #: (tp, pp, dp, schedule) per world size; one job per world size runs all of its cases
 CASES = {
     1: [(1, 1, 1, "1f1b"), (1, 1, 1, "gpipe")],
-    2: [(2, 1, 1, "1f1b"), (1, 1, 2, "1f1b"), (1, 2, 1, "1f1b"), (1, 2, 1, "gpipe"), (1, 2, 1, "interleaved-1f1b"),
-        (2, 1, 1, "1f1b", True), (1, 2, 1, "interleaved-1f1b", False, True)],
+    2: [
+        (2, 1, 1, "1f1b"),
+        (1, 1, 2, "1f1b"),
+        (1, 2, 1, "1f1b"),
+        (1, 2, 1, "gpipe"),
+        (1, 2, 1, "interleaved-1f1b"),
+        (2, 1, 1, "1f1b", True),
+        (1, 2, 1, "interleaved-1f1b", False, True),
+    ],
     4: [(2, 2, 1, "1f1b"), (2, 2, 1, "interleaved-1f1b"), (1, 2, 2, "gpipe"), (2, 2, 1, "1f1b", True)],
 }
 """A fifth entry True: with sequence parallelism; a sixth True: the embedding and the loss counted as
@@ -35,15 +40,22 @@ layers (4 + 2 units over 2 ranks x 3 chunks of one: rank 0 holds the embedding, 
 rank 1 layers 0 and 2 and the loss)."""
 
 
-def case_config(tp: int, pp: int, dp: int, schedule: str, dtype: str, sequence_parallel: bool = False,
-                accounted: bool = False) -> Config:
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
-                              pipeline_schedule=schedule, sequence_parallel=sequence_parallel,
-                              num_layers_per_virtual_pipeline_stage=1 if schedule == "interleaved-1f1b" else None,
-                              account_for_embedding_in_pipeline_split=accounted,
-                              account_for_loss_in_pipeline_split=accounted)
-    train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICROBATCHES * dp,
-                        lr_warmup_iters=0)
+def case_config(
+    tp: int, pp: int, dp: int, schedule: str, dtype: str, sequence_parallel: bool = False, accounted: bool = False
+) -> Config:
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        data_parallel_size=dp,
+        pipeline_schedule=schedule,
+        sequence_parallel=sequence_parallel,
+        num_layers_per_virtual_pipeline_stage=1 if schedule == "interleaved-1f1b" else None,
+        account_for_embedding_in_pipeline_split=accounted,
+        account_for_loss_in_pipeline_split=accounted,
+    )
+    train = TrainConfig(
+        micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICROBATCHES * dp, lr_warmup_iters=0
+    )
     return resolve(Config(model=ModelConfig(**MODEL, params_dtype=dtype), parallel=parallel, train=train), tp * pp * dp)
 
 
@@ -64,13 +76,27 @@ def predicted_peak(cfg: Config, pp_rank: int) -> float:
     """The planner's activation peak of ``pp_rank`` (fp32 figure, doubled for float64)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     split = p.layer_split(m.num_layers)
-    layout = Layout(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size,
-                    virtual_stages=p.virtual_stages(m.num_layers), precision="fp32",
-                    sequence_parallel=p.sequence_parallel, layer_split=split)
+    layout = Layout(
+        p.tp,
+        p.pp,
+        p.dp,
+        t.micro_batch_size,
+        t.global_batch_size,
+        virtual_stages=p.virtual_stages(m.num_layers),
+        precision="fp32",
+        sequence_parallel=p.sequence_parallel,
+        layer_split=split,
+    )
     schedule = "gpipe" if p.schedule == "gpipe" else "1f1b"
     layers = stage_layer_counts(m.num_layers, p.pp, split)[pp_rank]
-    fp32 = stage_activation_bytes(spec_from_model_config(m), layout, pp_rank, layers,
-                                  schedule=schedule, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
+    fp32 = stage_activation_bytes(
+        spec_from_model_config(m),
+        layout,
+        pp_rank,
+        layers,
+        schedule=schedule,
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+    )
     return {"float32": 1, "float64": 2}[m.params_dtype] * fp32
 
 
@@ -81,8 +107,13 @@ def _run_cases(groups_for, cases) -> list[dict]:
         c = groups.coords
         for dtype in DTYPES:
             case = (tp, pp, dp, schedule, dtype, *sp)
-            out.append({"case": case, "coords": (c.tp_rank, c.pp_rank, c.dp_rank),
-                        "measured": measured_peak(case_config(*case), groups)})
+            out.append(
+                {
+                    "case": case,
+                    "coords": (c.tp_rank, c.pp_rank, c.dp_rank),
+                    "measured": measured_peak(case_config(*case), groups),
+                }
+            )
     return out
 
 
@@ -107,5 +138,8 @@ def compared(world: int) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    return "\n".join(f"{r['case']} (tp, pp, dp rank) {r['coords']}: measured {r['measured']:,} B, "
-                     f"predicted {r['predicted']:,.0f} B, {100 * r['error']:+.2f}%" for r in rows)
+    return "\n".join(
+        f"{r['case']} (tp, pp, dp rank) {r['coords']}: measured {r['measured']:,} B, "
+        f"predicted {r['predicted']:,.0f} B, {100 * r['error']:+.2f}%"
+        for r in rows
+    )

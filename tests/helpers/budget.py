@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 
-
 MARGIN_S = 15.0
 """Seconds kept back at the end of a test's budget for killing processes and reporting."""
 _deadline: float | None = None

@@ -13,8 +13,11 @@ def stored_tensors(folder) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
 
     md = dcp.FileSystemReader(folder).read_metadata()
-    sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
-          if k.startswith(("model/", "optim/"))}
+    sd = {
+        k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if k.startswith(("model/", "optim/"))
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(sd, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
@@ -23,9 +26,8 @@ def stored_tensors(folder) -> dict[str, torch.Tensor]:
 
 def train_steps(stage, cfg, groups, first: int, last: int) -> list:
     """Steps ``first`` .. ``last - 1`` of the tiny model's data; their results."""
-    from ptdp.engine.step import train_step
-
     from helpers.layout_cases import rank_microbatches
+    from ptdp.engine.step import train_step
 
     return [train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i) for i in range(first, last)]
 
@@ -35,5 +37,8 @@ def record_run(stage, results) -> dict:
     from ptdp.engine.model.chunks import global_named_parameters
 
     stage.wait_for_params()
-    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
-            "params": {n: p.detach().clone() for n, p in global_named_parameters(stage.model)}}
+    return {
+        "losses": [r.loss for r in results],
+        "norms": [r.grad_norm for r in results],
+        "params": {n: p.detach().clone() for n, p in global_named_parameters(stage.model)},
+    }

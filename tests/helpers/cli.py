@@ -12,12 +12,20 @@ from pathlib import Path
 
 from helpers import budget
 
-
 #: The tiny model and short run of the end-to-end tests: flag (without ``--``) -> value.
 TINY_OPTIONS: dict[str, str | bool] = {
-    "num-layers": "2", "hidden-size": "32", "num-attention-heads": "4", "seq-length": "32", "vocab-size": "400",
-    "micro-batch-size": "2", "global-batch-size": "8", "train-iters": "6", "lr-warmup-iters": "1",
-    "log-interval": "2", "eval-interval": "3", "eval-iters": "1",
+    "num-layers": "2",
+    "hidden-size": "32",
+    "num-attention-heads": "4",
+    "seq-length": "32",
+    "vocab-size": "400",
+    "micro-batch-size": "2",
+    "global-batch-size": "8",
+    "train-iters": "6",
+    "lr-warmup-iters": "1",
+    "log-interval": "2",
+    "eval-interval": "3",
+    "eval-iters": "1",
 }
 
 
@@ -67,14 +75,14 @@ def make_corpus(root: Path) -> Path:
     return root
 
 
-def run(cmd: list[str], tmp_path: Path, timeout: float | None = None, env: dict | None = None
-        ) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], tmp_path: Path, timeout: float | None = None, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run ``cmd`` in ``tmp_path`` with its data cache there, one thread per process and ``env``
     added (it may name another ``PTDP_CACHE_DIR``), within what is left of the test's budget (at
     most ``timeout`` seconds)."""
     env = {**os.environ, "PTDP_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=budget.seconds(timeout), env=env,
-                          cwd=tmp_path)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=budget.seconds(timeout), env=env, cwd=tmp_path)
 
 
 def train_losses(run_dir: Path) -> dict[int, tuple[float, float]]:
@@ -98,8 +106,23 @@ def uninterrupted_flags(corpus: Path) -> list[str]:
     6 iterations whatever ``--train-iters`` says."""
     import sys
 
-    return [sys.executable, "-m", "ptdp.train", *TINY, "--tp", "1", "--pp", "1", "--data", str(corpus / "docs"),
-            "--no-progress", "--log-interval", "1", "--lr-decay-iters", "6"]
+    return [
+        sys.executable,
+        "-m",
+        "ptdp.train",
+        *TINY,
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--data",
+        str(corpus / "docs"),
+        "--no-progress",
+        "--log-interval",
+        "1",
+        "--lr-decay-iters",
+        "6",
+    ]
 
 
 def train_uninterrupted(corpus: Path, root: Path) -> FinishedRun:
@@ -118,8 +141,24 @@ def save_and_resume(corpus: Path, tmp_path: Path, whole: FinishedRun, save_flags
     base = uninterrupted_flags(corpus)
     cache = {"PTDP_CACHE_DIR": str(whole.cache)}
     ckpt = tmp_path / "ckpt"
-    first = run(base + ["--train-iters", "3", "--save", str(ckpt), "--save-interval", "1", "--keep-last", "2",
-                        *save_flags, "--output-dir", str(tmp_path / "first")], tmp_path, env=cache)
+    first = run(
+        base
+        + [
+            "--train-iters",
+            "3",
+            "--save",
+            str(ckpt),
+            "--save-interval",
+            "1",
+            "--keep-last",
+            "2",
+            *save_flags,
+            "--output-dir",
+            str(tmp_path / "first"),
+        ],
+        tmp_path,
+        env=cache,
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "iter_0000003", "latest"]
     assert (ckpt / "latest").read_text().strip() == "iter_0000003"

@@ -8,11 +8,10 @@ import dataclasses
 import torch
 from torch._dynamo.utils import counters
 
-from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
-
 from helpers.dist_helpers import PG_TIMEOUT
 from helpers.layout_cases import tiny_config, train_and_collect
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
 
 #: float32 tolerance between compiled and eager runs (different kernels, same arithmetic)
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -26,8 +25,9 @@ def eager_and_compiled(tp: int, groups: ParallelGroups, **model) -> dict:
     eager = train_and_collect(cfg, groups, record_comm_step=0)
     torch._dynamo.reset()
     counters.clear()
-    compiled = train_and_collect(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compile=True)), groups,
-                                 record_comm_step=0)
+    compiled = train_and_collect(
+        dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compile=True)), groups, record_comm_step=0
+    )
     return {"eager": eager, "compiled": compiled, "graphs": counters["stats"]["unique_graphs"]}
 
 

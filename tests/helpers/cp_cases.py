@@ -6,14 +6,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from helpers.host_sync import count_host_syncs, label_check_on_device
+from helpers.layout_cases import LLAMA_OPTIONS, VOCAB, rank_microbatches, train_and_collect
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, eval_loss, read_results, train_step
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.spec.layout import ParallelLayout
-
-from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
-from helpers.host_sync import count_host_syncs, label_check_on_device
-from helpers.layout_cases import LLAMA_OPTIONS, VOCAB, rank_microbatches, train_and_collect
 
 #: (tp, cp, pp, dp) of the issue, by world size (one job per world size)
 LAYOUTS = {2: [(1, 2, 1, 1)], 4: [(1, 4, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1), (1, 2, 1, 2)], 8: [(2, 2, 2, 1)]}
@@ -33,9 +32,14 @@ VARIANTS = {
     "gpt_sp_dropout_all_gather": (DROPOUT, {"cp_comm_type": "all_gather", "sequence_parallel": True}),
     "llama_sp_selective_p2p": (LLAMA_OPTIONS | SELECTIVE, {"cp_comm_type": "p2p", "sequence_parallel": True}),
     # interleaved 1F1B: 4 layers in 2 model chunks of 1 layer per pipeline rank
-    "gpt_interleaved_all_gather": ({"num_layers": 4}, {"cp_comm_type": "all_gather",
-                                                       "pipeline_schedule": "interleaved-1f1b",
-                                                       "num_layers_per_virtual_pipeline_stage": 1}),
+    "gpt_interleaved_all_gather": (
+        {"num_layers": 4},
+        {
+            "cp_comm_type": "all_gather",
+            "pipeline_schedule": "interleaved-1f1b",
+            "num_layers_per_virtual_pipeline_stage": 1,
+        },
+    ),
     # GPipe: every microbatch's forward before any backward
     "llama_gpipe_p2p": (LLAMA_OPTIONS, {"cp_comm_type": "p2p", "pipeline_schedule": "gpipe"}),
     # bf16 weights (float32 main parameters and gradients; attention blocks accumulate in float32)
@@ -68,16 +72,39 @@ def cp_config(name: str, tp: int, cp: int, pp: int, dp: int) -> Config:
     microbatches per pipeline), float64, clipping active. At tp = cp = pp = dp = 1 (the reference)
     the parallel overrides are dropped: the same model in one process."""
     model_overrides, parallel_overrides = VARIANTS[name]
-    model = dataclasses.replace(ModelConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=16, vocab_size=VOCAB,
-        make_vocab_size_divisible_by=8, params_dtype="float64"), **model_overrides)
-    train = TrainConfig(micro_batch_size=2, global_batch_size=4, train_iters=3, lr=3e-3, min_lr=3e-4,
-                        lr_warmup_iters=1, clip_grad=0.05, weight_decay=0.1)
+    model = dataclasses.replace(
+        ModelConfig(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            ffn_hidden_size=64,
+            seq_length=16,
+            vocab_size=VOCAB,
+            make_vocab_size_divisible_by=8,
+            params_dtype="float64",
+        ),
+        **model_overrides,
+    )
+    train = TrainConfig(
+        micro_batch_size=2,
+        global_batch_size=4,
+        train_iters=3,
+        lr=3e-3,
+        min_lr=3e-4,
+        lr_warmup_iters=1,
+        clip_grad=0.05,
+        weight_decay=0.1,
+    )
     parallel = dict(parallel_overrides) if tp * cp * pp * dp > 1 else {}
     if tp == 1:
         parallel.pop("sequence_parallel", None)
-    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
-                         context_parallel_size=cp, **parallel)
+    par = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        data_parallel_size=dp,
+        context_parallel_size=cp,
+        **parallel,
+    )
     return resolve(Config(model=model, parallel=par, train=train), tp * cp * pp * dp)
 
 

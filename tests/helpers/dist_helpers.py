@@ -11,15 +11,15 @@ import shutil
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing import connection as mp_connection
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from helpers import budget
-
 
 PG_TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -46,14 +46,16 @@ def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float | None
     return spawn_and_collect(_entry, fn, world_size, args, budget.seconds(timeout), "workers")
 
 
-def spawn_and_collect(entry: Callable, fn: Callable, world_size: int, args: tuple, timeout: float,
-                      what: str) -> list[Any]:
+def spawn_and_collect(
+    entry: Callable, fn: Callable, world_size: int, args: tuple, timeout: float, what: str
+) -> list[Any]:
     """Spawn ``entry(rank, fn, world_size, tmp, args)`` on ``world_size`` processes (each saves its
     result to ``tmp/result_<rank>.pt``); their results, or TimeoutError naming ``what`` after
     ``timeout`` seconds (the workers are killed either way)."""
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(entry, args=(fn, world_size, tmp, args), nprocs=world_size, join=False,
-                                 start_method="spawn")
+        ctx = mp.start_processes(
+            entry, args=(fn, world_size, tmp, args), nprocs=world_size, join=False, start_method="spawn"
+        )
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
@@ -81,8 +83,7 @@ def spawn_and_collect(entry: Callable, fn: Callable, world_size: int, args: tupl
 
 def _pool_entry(rank: int, world_size: int, store: str, conn) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
-                            timeout=PG_TIMEOUT)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=PG_TIMEOUT)
     try:
         while (job := conn.recv()) is not None:
             fn, args, out = job
@@ -90,7 +91,7 @@ def _pool_entry(rank: int, world_size: int, store: str, conn) -> None:
             try:
                 torch.save(fn(rank, world_size, *args), os.path.join(out, f"result_{rank}.pt"))
                 conn.send(None)
-            except BaseException:  # noqa: BLE001 - reported to the test, which ends this world
+            except BaseException:
                 conn.send(traceback.format_exc())
                 return
             finally:
@@ -117,8 +118,12 @@ class WorkerPool:
         self.conns, self.procs = [], []
         for rank in range(world_size):
             here, there = ctx.Pipe()
-            proc = ctx.Process(target=_pool_entry, args=(rank, world_size, os.path.join(self.tmp, "store"), there),
-                               daemon=True, name=f"ptdp-tests-world{world_size}-rank{rank}")
+            proc = ctx.Process(
+                target=_pool_entry,
+                args=(rank, world_size, os.path.join(self.tmp, "store"), there),
+                daemon=True,
+                name=f"ptdp-tests-world{world_size}-rank{rank}",
+            )
             proc.start()
             there.close()
             self.conns.append(here)

@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import torch
 
-from ptdp.spec import Config
+from helpers.layout_cases import STEPS, rank_microbatches, tiny_config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.chunks import global_named_parameters
 from ptdp.engine.step import build_stage, train_step
-
-from helpers.layout_cases import STEPS, rank_microbatches, tiny_config
-
+from ptdp.spec import Config
 
 P = 0.2
 DROPOUT = {"hidden_dropout": P, "attention_dropout": P}
-LLAMA = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "num_query_groups": 2,
-         "add_bias_linear": False}
-RECOMPUTE = {"full_uniform_1": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-             "full_uniform_2": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
-             "full_block_1": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
-             "selective": {"recompute_granularity": "selective"}}
+LLAMA = {
+    "normalization": "RMSNorm",
+    "swiglu": True,
+    "position_embedding_type": "rope",
+    "num_query_groups": 2,
+    "add_bias_linear": False,
+}
+RECOMPUTE = {
+    "full_uniform_1": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    "full_uniform_2": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
+    "full_block_1": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
+    "selective": {"recompute_granularity": "selective"},
+}
 
 
 def config(tp: int, pp: int, dp: int, *, parallel: dict | None = None, **model) -> Config:
@@ -39,9 +44,14 @@ def train(cfg: Config, groups: ParallelGroups, *, steps=range(STEPS), stage=None
         norms.append(result.grad_norm)
     stage.wait_for_params()
     c = groups.coords
-    return {"losses": losses, "norms": norms, "coords": (c.tp_rank, c.dp_rank, c.pp_rank),
-            "params": {name: (p.detach().clone(), p.ptdp_spec, False) for name, p in global_named_parameters(stage.model)},
-            "masks": stage.dropout_rng.recording, "stage": stage}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "coords": (c.tp_rank, c.dp_rank, c.pp_rank),
+        "params": {name: (p.detach().clone(), p.ptdp_spec, False) for name, p in global_named_parameters(stage.model)},
+        "masks": stage.dropout_rng.recording,
+        "stage": stage,
+    }
 
 
 def assert_bitwise(got: dict, want: dict, what: str) -> None:

@@ -4,18 +4,17 @@ the multi-process tests share."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from helpers.layout_cases import rank_microbatches
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage
 from ptdp.engine.tensor_parallel import wgrad
 from ptdp.spec import Config
-
-from helpers.layout_cases import rank_microbatches
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
@@ -54,8 +53,9 @@ def table_gradients_made(weight: torch.Tensor, backward: Callable[[], None]) -> 
     return mode.ops
 
 
-def embedding_gradients(cfg: Config, groups: ParallelGroups, *, fused: bool, microbatches: int = 2,
-                        distinct: int | None = None) -> dict:
+def embedding_gradients(
+    cfg: Config, groups: ParallelGroups, *, fused: bool, microbatches: int = 2, distinct: int | None = None
+) -> dict:
     """Backward of this rank's first ``microbatches`` microbatches of step 0 on a fresh stage of ``cfg``
     (all but the last under ``no_sync``, as a step runs them), with or without the fusion; with
     ``distinct`` the token ids are taken modulo it (many repeated tokens per microbatch).
@@ -84,7 +84,9 @@ def embedding_gradients(cfg: Config, groups: ParallelGroups, *, fused: bool, mic
             def add(grad):
                 rows = grad.double().reshape(-1, grad.shape[-1])
                 lookup.index_add_(0, ids[mine], rows[mine])
+
             out.register_hook(add)
+
         if not model.sequence_parallel:  # (with it the module's output is this rank's positions only)
             model.word_embeddings.register_forward_hook(received)
         grads.zero()
@@ -98,8 +100,12 @@ def embedding_gradients(cfg: Config, groups: ParallelGroups, *, fused: bool, mic
         grads.finish()
     output = model.output_layer.weight if hasattr(model, "output_layer") else None
     return {
-        "word": grads.grad(weight).clone(), "output": None if output is None else grads.grad(output).clone(),
-        "arrived": arrived, "hooks": len(hooks), "grad_is_none": weight.grad is None, "started": started,
+        "word": grads.grad(weight).clone(),
+        "output": None if output is None else grads.grad(output).clone(),
+        "arrived": arrived,
+        "hooks": len(hooks),
+        "grad_is_none": weight.grad is None,
+        "started": started,
         "lookup": lookup,
     }
 
@@ -149,5 +155,12 @@ def lookup_run(tp, dtype: torch.dtype, *, main_grad: bool) -> dict:
         outs.append(out.detach())
         made += table_gradients_made(emb.weight, lambda: out.backward(d["grad"].to(dtype)))
     grad = emb.weight.main_grad if main_grad else emb.weight.grad
-    return {"out": outs[0], "grad": grad.double(), "made": made, "arrived": arrived, "hooks": len(hooks),
-            "grad_is_none": emb.weight.grad is None, "rows": (emb.vocab_start, emb.vocab_end)}
+    return {
+        "out": outs[0],
+        "grad": grad.double(),
+        "made": made,
+        "arrived": arrived,
+        "hooks": len(hooks),
+        "grad_is_none": emb.weight.grad is None,
+        "rows": (emb.vocab_start, emb.vocab_end),
+    }

@@ -6,25 +6,31 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from helpers.dist_helpers import PG_TIMEOUT
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.step import build_stage
 from ptdp.run.checkpoint.hf import model_config_from_hf
 from ptdp.run.checkpoint.io import load_checkpoint
 from ptdp.spec import Config, ParallelConfig, TrainConfig, resolve
-from ptdp.engine.groups import ParallelGroups
 from ptdp.spec.layout import ParallelLayout
-from ptdp.engine.step import build_stage
-
-from helpers.dist_helpers import PG_TIMEOUT
 
 
-def tp2_pp2_logits_worker(rank: int, world: int, ckpt: str, hf_config: dict, tokens: torch.Tensor,
-                          vocab: int) -> torch.Tensor | None:
+def tp2_pp2_logits_worker(
+    rank: int, world: int, ckpt: str, hf_config: dict, tokens: torch.Tensor, vocab: int
+) -> torch.Tensor | None:
     """Load ``ckpt`` at tp=2 pp=2 dp=1 (4 workers) and return the last stage's logits ``[b, s, vocab]``
     for ``tokens`` (stage 0 returns None). Stage 0's output goes to stage 1 over the pipeline group;
     the vocab-parallel logits are all-gathered over tp and cut to the real rows."""
     groups = ParallelGroups.build(ParallelLayout(tp=2, pp=2, dp=1), PG_TIMEOUT)
     b, s = tokens.shape
-    cfg = resolve(Config(model=model_config_from_hf(hf_config), parallel=ParallelConfig(2, 2),
-                         train=TrainConfig(micro_batch_size=b, global_batch_size=b)), 4)
+    cfg = resolve(
+        Config(
+            model=model_config_from_hf(hf_config),
+            parallel=ParallelConfig(2, 2),
+            train=TrainConfig(micro_batch_size=b, global_batch_size=b),
+        ),
+        4,
+    )
     stage = build_stage(cfg, groups)
     load_checkpoint(stage, ckpt)
     model = stage.model

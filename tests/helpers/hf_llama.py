@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from typing import TYPE_CHECKING
 
+import torch
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
@@ -13,13 +12,24 @@ if TYPE_CHECKING:
 SEQ, HIDDEN, VOCAB = 16, 64, 300  # 300 real rows, padded to 512 at tp = 2
 
 
-def random_llama(path, *, kv_heads=2, tied=False, bias=False, shard=None) -> "LlamaForCausalLM":
+def random_llama(path, *, kv_heads=2, tied=False, bias=False, shard=None) -> LlamaForCausalLM:
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=SEQ,
-                                   rope_theta=5000.0, rms_norm_eps=1e-5, initializer_range=0.1,
-                                   tie_word_embeddings=tied, attention_bias=bias, mlp_bias=bias)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=SEQ,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-5,
+        initializer_range=0.1,
+        tie_word_embeddings=tied,
+        attention_bias=bias,
+        mlp_bias=bias,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # non-trivial norms (and biases) too

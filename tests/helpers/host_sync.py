@@ -11,8 +11,8 @@ import contextlib
 import sys
 import traceback
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
@@ -61,6 +61,7 @@ def count_host_syncs() -> Iterator[SyncCount]:
                 return method(self, *args, **kwargs)
             finally:
                 busy[0] = was
+
         return counted
 
     def crosses(self, args, kwargs) -> bool:  # Tensor.to(...) / copy_(src) between devices, blocking
@@ -103,6 +104,7 @@ def label_check_on_device() -> Iterator[None]:
     """Make the cross entropy's label check take its GPU path (``torch._assert_async``, queued on
     the device, no host read) on the CPU too, where it otherwise raises at once after reading
     ``bad.any()``: the shim then counts what a GPU step would synchronise."""
+
     def check(target, vocab_size, ignore_index=-100):
         bad = ((target < 0) | (target >= vocab_size)) & (target != ignore_index)
         torch._assert_async(~bad.any(), f"a label is outside [0, {vocab_size})")

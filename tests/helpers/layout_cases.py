@@ -7,31 +7,42 @@ import functools
 
 import torch
 
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
-from ptdp.engine.model.chunks import global_named_parameters
-from ptdp.run.planner_report import measure_stage
-from ptdp.engine.step import build_stage, train_step
-
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.model.chunks import global_named_parameters
+from ptdp.engine.step import build_stage, train_step
 from ptdp.engine.tensor_parallel.sharding import unshard
-
+from ptdp.run.planner_report import measure_stage
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.spec.layout import ParallelLayout
 
 VOCAB = 303  # odd: tp never divides it before padding
 STEPS = 3
 
 
-def tiny_config(tp: int, pp: int, dp: int, dtype: str, *, train_overrides=None, parallel_overrides=None,
-                **model_overrides) -> Config:
+def tiny_config(
+    tp: int, pp: int, dp: int, dtype: str, *, train_overrides=None, parallel_overrides=None, **model_overrides
+) -> Config:
     model = ModelConfig(
-        num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=8,
-        vocab_size=VOCAB, make_vocab_size_divisible_by=8, params_dtype=dtype,
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        seq_length=8,
+        vocab_size=VOCAB,
+        make_vocab_size_divisible_by=8,
+        params_dtype=dtype,
     )
     model = dataclasses.replace(model, **model_overrides)
     train = TrainConfig(
-        micro_batch_size=2, global_batch_size=8, train_iters=STEPS, lr=3e-3, min_lr=3e-4,
-        lr_warmup_iters=1, clip_grad=0.05, weight_decay=0.1,
+        micro_batch_size=2,
+        global_batch_size=8,
+        train_iters=STEPS,
+        lr=3e-3,
+        min_lr=3e-4,
+        lr_warmup_iters=1,
+        clip_grad=0.05,
+        weight_decay=0.1,
         # Adam divides by sqrt(v) + eps: with eps = 1e-8, float32 rounding noise in near-zero
         # gradients (which differs between layouts by summation order) becomes updates of order
         # 1e-5, as large as float32-vs-float64 of one layout. eps = 1e-6 keeps that noise near 2e-7
@@ -39,8 +50,12 @@ def tiny_config(tp: int, pp: int, dp: int, dtype: str, *, train_overrides=None, 
         adam_eps=1e-6 if dtype == "float32" else 1e-8,
     )
     train = dataclasses.replace(train, **(train_overrides or {}))
-    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
-                         **(parallel_overrides or {}))
+    par = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        data_parallel_size=dp,
+        **(parallel_overrides or {}),
+    )
     return resolve(Config(model=model, parallel=par, train=train), tp * pp * dp)
 
 
@@ -76,14 +91,24 @@ def train_and_collect(cfg: Config, groups: ParallelGroups, record_comm_step: int
     }
     c = groups.coords
     return {
-        "losses": losses, "norms": norms, "params": params, "comm": comm, "measured": measure_stage(stage),
+        "losses": losses,
+        "norms": norms,
+        "params": params,
+        "comm": comm,
+        "measured": measure_stage(stage),
         "coords": (c.tp_rank, c.dp_rank, c.pp_rank),
         "grad_numel": stage.grads.data.numel(),
     }
 
 
-LLAMA_OPTIONS = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "num_query_groups": 2,
-                 "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
+LLAMA_OPTIONS = {
+    "normalization": "RMSNorm",
+    "swiglu": True,
+    "position_embedding_type": "rope",
+    "num_query_groups": 2,
+    "add_bias_linear": False,
+    "untie_embeddings_and_output_weights": True,
+}
 
 #: Named variants of the tiny model: (dtype, model, parallel and train overrides). Parallel
 #: overrides apply only where pp > 1 (the single-process reference has one stage).
@@ -94,16 +119,27 @@ VARIANTS = {
     "uneven": ("float64", {"num_layers": 5}, {"pipeline_layer_split": (3, 2)}, {}),
     # Megatron's first/last stage counts at pp = 4 (1, 3, 3, 1) and the same split given explicitly;
     # the first stage's count alone (1, 2, 2, 2)
-    "first_last": ("float64", {"num_layers": 8}, {"decoder_first_pipeline_num_layers": 1,
-                                                 "decoder_last_pipeline_num_layers": 1}, {}),
+    "first_last": (
+        "float64",
+        {"num_layers": 8},
+        {"decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 1},
+        {},
+    ),
     "first_last_explicit": ("float64", {"num_layers": 8}, {"pipeline_layer_split": (1, 3, 3, 1)}, {}),
     "first_only": ("float64", {"num_layers": 7}, {"decoder_first_pipeline_num_layers": 1}, {}),
     # the embedding and the loss counted as layers (Megatron's account-for flags): 6 layers + 2 in
     # chunks of 1 unit, interleaved (pp = 4: v = 2, rank 0's first chunk only the embedding, the last
     # rank's last chunk only the output layer + loss); the embedding alone, 7 + 1 over 4 stages: 1, 2, 2, 2
-    "accounted_interleaved": ("float64", {"num_layers": 6}, {"account_for_embedding_in_pipeline_split": True,
-                                                           "account_for_loss_in_pipeline_split": True,
-                                                           "num_layers_per_virtual_pipeline_stage": 1}, {}),
+    "accounted_interleaved": (
+        "float64",
+        {"num_layers": 6},
+        {
+            "account_for_embedding_in_pipeline_split": True,
+            "account_for_loss_in_pipeline_split": True,
+            "num_layers_per_virtual_pipeline_stage": 1,
+        },
+        {},
+    ),
     "accounted_embedding": ("float64", {"num_layers": 7}, {"account_for_embedding_in_pipeline_split": True}, {}),
     # one microbatch per pipeline when dp = 2 (fewer microbatches than stages)
     "one_microbatch": ("float64", {}, {}, {"global_batch_size": 4}),
@@ -114,20 +150,44 @@ VARIANTS = {
     "interleaved": ("float64", {"num_layers": 8}, {"pipeline_schedule": "interleaved-1f1b"}, {}),
     # more microbatches than stages (8 at dp = 1, 4 at dp = 2): the steady state of interleaving,
     # where grouping transfers as the action list places them deadlocks on NCCL
-    "interleaved_m8": ("float64", {"num_layers": 8}, {"pipeline_schedule": "interleaved-1f1b"},
-                       {"micro_batch_size": 1}),
+    "interleaved_m8": (
+        "float64",
+        {"num_layers": 8},
+        {"pipeline_schedule": "interleaved-1f1b"},
+        {"micro_batch_size": 1},
+    ),
     # data-parallel engine (applied at every layout, dp = 1 included): small buckets reduced during
     # backward; the distributed optimizer with buckets that need padding; accumulation of 4-8
     # microbatches (16 for the dp = 1 reference)
     "dp_overlap": ("float64", {}, {}, {}, {"overlap_grad_reduce": True, "ddp_bucket_size": 700}),
     "dp_distopt": ("float64", {}, {}, {}, {"use_distributed_optimizer": True, "ddp_bucket_size": 901}),
-    "dp_distopt_overlap": ("float64", {}, {}, {}, {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
-                                                   "ddp_bucket_size": 2000}),
+    "dp_distopt_overlap": (
+        "float64",
+        {},
+        {},
+        {},
+        {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "ddp_bucket_size": 2000},
+    ),
     # parameter all-gathers finished by the next forward's pre-hooks (tied embedding: pp = 2)
-    "dp_distopt_overlap_gather": ("float64", {}, {}, {}, {"use_distributed_optimizer": True, "overlap_param_gather": True,
-                                                          "overlap_grad_reduce": True, "ddp_bucket_size": 1500}),
-    "dp_accumulate": ("float64", {}, {}, {"micro_batch_size": 1, "global_batch_size": 16},
-                      {"overlap_grad_reduce": True, "ddp_bucket_size": 5000}),
+    "dp_distopt_overlap_gather": (
+        "float64",
+        {},
+        {},
+        {},
+        {
+            "use_distributed_optimizer": True,
+            "overlap_param_gather": True,
+            "overlap_grad_reduce": True,
+            "ddp_bucket_size": 1500,
+        },
+    ),
+    "dp_accumulate": (
+        "float64",
+        {},
+        {},
+        {"micro_batch_size": 1, "global_batch_size": 16},
+        {"overlap_grad_reduce": True, "ddp_bucket_size": 5000},
+    ),
     "dp_distopt_bf16": ("bfloat16", {}, {}, {}, {"use_distributed_optimizer": True, "ddp_bucket_size": 901}),
     # Llama-like: RMSNorm, SwiGLU, rotary positions, 2 query groups of 2 heads, no linear biases,
     # untied output layer; at tp = 4 (2 groups cannot be split over 4 ranks) 8 heads in 4 groups
@@ -137,16 +197,36 @@ VARIANTS = {
     # Llama-like model with full recompute of groups of 2 layers; the GPT with the distributed
     # optimizer reducing small buckets during backward (the tp sum then acts on gradient shards)
     "sp": ("float64", {}, {}, {}, {"sequence_parallel": True}),
-    "sp_llama": ("float64", LLAMA_OPTIONS | {"recompute_granularity": "full", "recompute_num_layers": 2}, {}, {},
-                 {"sequence_parallel": True}),
-    "sp_distopt": ("float64", {}, {}, {}, {"sequence_parallel": True, "use_distributed_optimizer": True,
-                                           "overlap_grad_reduce": True, "ddp_bucket_size": 901}),
+    "sp_llama": (
+        "float64",
+        LLAMA_OPTIONS | {"recompute_granularity": "full", "recompute_num_layers": 2},
+        {},
+        {},
+        {"sequence_parallel": True},
+    ),
+    "sp_distopt": (
+        "float64",
+        {},
+        {},
+        {},
+        {
+            "sequence_parallel": True,
+            "use_distributed_optimizer": True,
+            "overlap_grad_reduce": True,
+            "ddp_bucket_size": 901,
+        },
+    ),
     # the vocabulary (303) padded to a multiple of 64 * tp: at tp = 4 (512 rows, 128 per rank) the
     # last tp rank holds padding only; untied, and (sp_pad_rank) tied with sequence parallelism and
     # the distributed optimizer: every rank still takes part in every collective with equal shapes
     "pad_rank": ("float64", {"make_vocab_size_divisible_by": 64, "untie_embeddings_and_output_weights": True}, {}, {}),
-    "sp_pad_rank": ("float64", {"make_vocab_size_divisible_by": 64}, {}, {},
-                    {"sequence_parallel": True, "use_distributed_optimizer": True, "ddp_bucket_size": 901}),
+    "sp_pad_rank": (
+        "float64",
+        {"make_vocab_size_divisible_by": 64},
+        {},
+        {},
+        {"sequence_parallel": True, "use_distributed_optimizer": True, "ddp_bucket_size": 901},
+    ),
 }
 DP_LAYOUTS = {(1, 1, 4), (2, 2, 2), (1, 2, 2)}
 DP_VARIANTS = ["dp_overlap", "dp_distopt", "dp_distopt_overlap", "dp_distopt_overlap_gather", "dp_accumulate"]

@@ -7,19 +7,19 @@ Like :func:`helpers.dist_helpers.run_workers`, with backend ``nccl`` and worker 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from helpers import budget
+from helpers.dist_helpers import PG_TIMEOUT, spawn_and_collect
+from helpers.layout_cases import rank_microbatches
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.chunks import global_named_parameters
 from ptdp.engine.step import build_stage, train_step
 from ptdp.spec import Config
-
-from helpers import budget
-from helpers.dist_helpers import PG_TIMEOUT, spawn_and_collect
-from helpers.layout_cases import rank_microbatches
 
 
 def to_cpu(obj: Any) -> Any:
@@ -37,8 +37,14 @@ def _entry(rank: int, fn: Callable, world_size: int, tmp: str, args: tuple) -> N
     torch.set_num_threads(1)
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"file://{tmp}/store", rank=rank, world_size=world_size,
-                            timeout=PG_TIMEOUT, device_id=device)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"file://{tmp}/store",
+        rank=rank,
+        world_size=world_size,
+        timeout=PG_TIMEOUT,
+        device_id=device,
+    )
     try:
         result = fn(rank, world_size, *args)
         torch.save(to_cpu(result), os.path.join(tmp, f"result_{rank}.pt"))
@@ -53,8 +59,9 @@ def run_nccl_workers(fn: Callable, world_size: int, *args: Any, timeout: float |
     return spawn_and_collect(_entry, fn, world_size, args, budget.seconds(timeout), "NCCL workers (a hang?)")
 
 
-def train_on_device(cfg: Config, groups: ParallelGroups, device: torch.device, steps: int, *, first: int = 0,
-                    stage=None) -> dict:
+def train_on_device(
+    cfg: Config, groups: ParallelGroups, device: torch.device, steps: int, *, first: int = 0, stage=None
+) -> dict:
     """Train 0-based steps ``first .. first + steps - 1`` on ``device``; the losses, gradient norms,
     this rank's parameters (with their specs) and the p2p bytes of the last step per call.
     ``stage``: continue this one instead of building a new one."""
@@ -68,7 +75,8 @@ def train_on_device(cfg: Config, groups: ParallelGroups, device: torch.device, s
     pp = {k: v for k, v in groups.stats.as_dict().items() if k.startswith("pp/")}
     c = groups.coords
     return {
-        "losses": [loss for loss, _ in results], "norms": [norm for _, norm in results],
+        "losses": [loss for loss, _ in results],
+        "norms": [norm for _, norm in results],
         "params": {n: (p.detach().clone(), p.ptdp_spec, False) for n, p in global_named_parameters(stage.model)},
         "coords": (c.tp_rank, c.dp_rank, c.pp_rank),
         "largest_p2p_bytes": max((v["bytes"] / v["calls"] for v in pp.values() if v["calls"]), default=0),

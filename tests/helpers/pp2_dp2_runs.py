@@ -18,8 +18,9 @@ FLAGS = tiny_flags(train_iters=ITERS, log_interval=1, eval_interval=100, params_
 LAYOUT = ["--tp", "1", "--pp", "2", "--dp", "2"]
 
 
-def train_pp2_dp2(workspace: Path, name: str, extra: list[str], *, kill: bool, timeout: float | None = None
-                  ) -> Finished:
+def train_pp2_dp2(
+    workspace: Path, name: str, extra: list[str], *, kill: bool, timeout: float | None = None
+) -> Finished:
     """``ptdp train`` at (1,2,2), 4 workers, on ``workspace/docs`` with the data cache
     ``workspace/cache``, into ``name`` (run directory) and ``name``-ckpt (checkpoints, every
     :data:`SAVE_INTERVAL` iterations); with ``kill``, a worker is killed at :data:`KILL_AT` in the
@@ -28,9 +29,23 @@ def train_pp2_dp2(workspace: Path, name: str, extra: list[str], *, kill: bool, t
     env.pop("PTDP_TEST_KILL_AT_ITERATION", None)
     if kill:
         env["PTDP_TEST_KILL_AT_ITERATION"] = str(KILL_AT)
-    cmd = [sys.executable, "-m", "ptdp.cli", "train", *FLAGS, *LAYOUT, "--data", str(workspace / "docs"),
-           "--output-dir", str(workspace / name), "--save", str(workspace / f"{name}-ckpt"),
-           "--save-interval", str(SAVE_INTERVAL), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ptdp.cli",
+        "train",
+        *FLAGS,
+        *LAYOUT,
+        "--data",
+        str(workspace / "docs"),
+        "--output-dir",
+        str(workspace / name),
+        "--save",
+        str(workspace / f"{name}-ckpt"),
+        "--save-interval",
+        str(SAVE_INTERVAL),
+        *extra,
+    ]
     (proc,) = run_together([cmd], timeout=timeout, env=env, cwd=workspace)
     return proc
 

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from ptdp.spec import Config
-from ptdp.engine.groups import ParallelGroups
-
 from helpers.layout_cases import tiny_config, train_and_collect
-
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec import Config
 
 FULL_UNIFORM_1 = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 FULL_UNIFORM_2 = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}
 FULL_BLOCK_1 = {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}
 SELECTIVE = {"recompute_granularity": "selective"}
-RECOMPUTE = {"full_uniform_1": FULL_UNIFORM_1, "full_uniform_2": FULL_UNIFORM_2, "full_block_1": FULL_BLOCK_1,
-             "selective": SELECTIVE}
+RECOMPUTE = {
+    "full_uniform_1": FULL_UNIFORM_1,
+    "full_uniform_2": FULL_UNIFORM_2,
+    "full_block_1": FULL_BLOCK_1,
+    "selective": SELECTIVE,
+}
 #: (name, dtype, model overrides, parallel overrides used where pp > 1): each recompute variant is
 #: compared with the variant of the same base without recompute
 BASES = {
@@ -24,15 +26,36 @@ BASES = {
     # 8 layers in 2 chunks of 2 per rank at pp = 2: block and uniform act on each chunk
     "interleaved": ("float64", {"num_layers": 8}, {"num_layers_per_virtual_pipeline_stage": 2}),
     # forward pre-hooks of the parameter all-gathers fire again in the recompute
-    "gather": ("float64", {}, {"use_distributed_optimizer": True, "overlap_param_gather": True,
-                                "overlap_grad_reduce": True, "ddp_bucket_size": 1500}),
+    "gather": (
+        "float64",
+        {},
+        {
+            "use_distributed_optimizer": True,
+            "overlap_param_gather": True,
+            "overlap_grad_reduce": True,
+            "ddp_bucket_size": 1500,
+        },
+    ),
     # rotary q and k enter the recomputed core; 2 key/value groups (grouped-query attention)
-    "llama": ("float64", {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
-                          "num_query_groups": 2, "add_bias_linear": False}, {}),
+    "llama": (
+        "float64",
+        {
+            "normalization": "RMSNorm",
+            "swiglu": True,
+            "position_embedding_type": "rope",
+            "num_query_groups": 2,
+            "add_bias_linear": False,
+        },
+        {},
+    ),
 }
 CASES = [(base, rec) for base in ("float64", "float32") for rec in RECOMPUTE] + [
-    ("interleaved", "full_uniform_2"), ("interleaved", "full_block_1"), ("gather", "full_uniform_1"),
-    ("llama", "selective"), ("llama", "full_uniform_1")]
+    ("interleaved", "full_uniform_2"),
+    ("interleaved", "full_block_1"),
+    ("gather", "full_uniform_1"),
+    ("llama", "selective"),
+    ("llama", "full_uniform_1"),
+]
 
 
 def case_config(base: str, recompute: str | None, tp: int, pp: int, dp: int) -> Config:
@@ -46,8 +69,10 @@ def case_config(base: str, recompute: str | None, tp: int, pp: int, dp: int) -> 
 def run_cases(tp: int, pp: int, dp: int, groups: ParallelGroups) -> dict:
     """Every base without recompute and every case, trained from the same weights and data."""
     runs = {(base, None) for base, _ in CASES} | set(CASES)
-    return {key: train_and_collect(case_config(*key, tp, pp, dp), groups, record_comm_step=0)
-            for key in sorted(runs, key=str)}
+    return {
+        key: train_and_collect(case_config(*key, tp, pp, dp), groups, record_comm_step=0)
+        for key in sorted(runs, key=str)
+    }
 
 
 def assert_bitwise(results: dict, base: str, recompute: str) -> None:

@@ -10,11 +10,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ptdp.engine.groups import ParallelGroups
-from ptdp.run import trainer
-
 from helpers.host_sync import count_cuda_syncs, count_host_syncs
 from helpers.layout_cases import VOCAB, tiny_config
+from ptdp.engine.groups import ParallelGroups
+from ptdp.run import trainer
 
 ITERS, LOG_INTERVAL = 7, 3
 
@@ -45,15 +44,27 @@ def logged(iteration: int) -> bool:
     return iteration % LOG_INTERVAL == 0 or iteration in (1, ITERS)
 
 
-def counted_run(groups: ParallelGroups, tp: int, pp: int, dp: int, run_dir: Path, dtype: str = "float64",
-                device: str = "cpu", **parallel) -> dict:
+def counted_run(
+    groups: ParallelGroups,
+    tp: int,
+    pp: int,
+    dp: int,
+    run_dir: Path,
+    dtype: str = "float64",
+    device: str = "cpu",
+    **parallel,
+) -> dict:
     """Train ITERS steps through the trainer on ``device``, counting each step's synchronisations
     (the shim on the CPU, CUDA's sync debug mode on a GPU); returns ``{"per_step": {iteration:
     [calls]}, "final_loss", "iterations"}``."""
     counting = count_cuda_syncs if torch.device(device).type == "cuda" else count_host_syncs
     cfg = tiny_config(tp, pp, dp, dtype, parallel_overrides=parallel)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(
-        cfg.train, train_iters=ITERS, log_interval=LOG_INTERVAL, eval_interval=ITERS, eval_iters=1))
+    cfg = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(
+            cfg.train, train_iters=ITERS, log_interval=LOG_INTERVAL, eval_interval=ITERS, eval_iters=1
+        ),
+    )
     per_step: dict[int, list[str]] = {}
     original = trainer._Loop.step
 

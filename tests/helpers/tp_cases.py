@@ -7,7 +7,6 @@ import torch.nn.functional as F
 
 from ptdp.engine.tensor_parallel import vocab_parallel_cross_entropy
 
-
 B, S, H, VOCAB, DIV = 2, 3, 8, 10, 8  # tp=4: padded vocab 32, ranks 2 and 3 hold only padding
 S_SP = 4  # sequence-parallel inputs: split over 2 or 4 tp ranks
 
@@ -73,7 +72,7 @@ def label_cases(tp, d: dict, vocab_start: int, num_real: int) -> dict:
     target = d["target"].clone()
     for pos in IGNORED:
         target[pos] = -100
-    logits = d["logits"][..., vocab_start: vocab_start + num_real].clone().requires_grad_()
+    logits = d["logits"][..., vocab_start : vocab_start + num_real].clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(logits, target, vocab_start=vocab_start, vocab_size=VOCAB, axis=tp)
     loss.backward(d["grad_loss"])
     errors = []
@@ -81,8 +80,13 @@ def label_cases(tp, d: dict, vocab_start: int, num_real: int) -> dict:
         target = d["target"].clone()
         target[1, 1] = bad
         try:
-            vocab_parallel_cross_entropy(d["logits"][..., vocab_start: vocab_start + num_real], target,
-                                         vocab_start=vocab_start, vocab_size=VOCAB, axis=tp)
+            vocab_parallel_cross_entropy(
+                d["logits"][..., vocab_start : vocab_start + num_real],
+                target,
+                vocab_start=vocab_start,
+                vocab_size=VOCAB,
+                axis=tp,
+            )
             errors.append(None)
         except ValueError as e:
             errors.append(str(e))
@@ -114,8 +118,14 @@ def reference() -> dict:
     w1, b1, w2, b2 = (d[k].clone().requires_grad_() for k in ("w1", "b1", "w2", "b2"))
     y = F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
     y.backward(d["ys_grad"])
-    ref.update(sp_y=y.detach(), sp_x_grad=x.grad, sp_w1_grad=w1.grad, sp_b1_grad=b1.grad, sp_w2_grad=w2.grad,
-               sp_b2_grad=b2.grad)
+    ref.update(
+        sp_y=y.detach(),
+        sp_x_grad=x.grad,
+        sp_w1_grad=w1.grad,
+        sp_b1_grad=b1.grad,
+        sp_w2_grad=w2.grad,
+        sp_b2_grad=b2.grad,
+    )
     target = d["target"].clone()
     for pos in IGNORED:
         target[pos] = -100
@@ -137,8 +147,10 @@ def check_label_cases(results: list[dict]) -> None:
     for res in results:
         torch.testing.assert_close(res["ignored_loss"], ref["ignored_loss"], **tol)
         assert all(res["ignored_loss"][pos] == 0 for pos in IGNORED)
-        assert [e is not None and f"label {bad} at position (1, 1) is outside the vocabulary [0, {VOCAB})" in e
-                for bad, e in zip(BAD_LABELS, res["label_errors"])] == [True] * len(BAD_LABELS)
+        assert [
+            e is not None and f"label {bad} at position (1, 1) is outside the vocabulary [0, {VOCAB})" in e
+            for bad, e in zip(BAD_LABELS, res["label_errors"])
+        ] == [True] * len(BAD_LABELS)
     grad = torch.cat([r["ignored_logits_grad"] for r in results], dim=-1)
     torch.testing.assert_close(grad, ref["ignored_logits_grad"], **tol)
     assert all(torch.all(grad[pos] == 0) for pos in IGNORED)

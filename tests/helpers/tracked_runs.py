@@ -45,8 +45,7 @@ def check_tracked_run(run_dir: Path, tb_dir: Path, world: int, logged: tuple[int
     config = json.loads((run_dir / "config.json").read_text())
     m, t = config["model"], config["train"]
     tokens = t["global_batch_size"] * m["seq_length"]
-    flops = k22_model_flops(t["global_batch_size"], m["seq_length"], m["num_layers"], m["hidden_size"],
-                            m["vocab_size"])
+    flops = k22_model_flops(t["global_batch_size"], m["seq_length"], m["num_layers"], m["hidden_size"], m["vocab_size"])
     summary = json.loads((run_dir / "summary.json").read_text())
     largest_peak = max(summary["peak_memory_bytes_by_rank"].values())
     for r in train.values():
@@ -59,9 +58,14 @@ def check_tracked_run(run_dir: Path, tb_dir: Path, world: int, logged: tuple[int
     assert summary["tflops_per_gpu"] == pytest.approx(flops / summary["mean_step_time_s"] / world / 1e12, rel=1e-12)
 
     scalars = event_scalars(tb_dir)
-    for field, tag in [("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
-                       ("tokens_per_s", "throughput/tokens_per_s"), ("tflops_per_gpu", "throughput/tflops_per_gpu"),
-                       ("peak_memory_bytes", "memory/peak_bytes")]:
+    for field, tag in [
+        ("loss", "train/loss"),
+        ("lr", "train/lr"),
+        ("grad_norm", "train/grad_norm"),
+        ("tokens_per_s", "throughput/tokens_per_s"),
+        ("tflops_per_gpu", "throughput/tflops_per_gpu"),
+        ("peak_memory_bytes", "memory/peak_bytes"),
+    ]:
         assert scalars[tag] == pytest.approx({i: r[field] for i, r in train.items()}, rel=1e-6), tag
     assert scalars["val/loss"] == pytest.approx(val, rel=1e-6)
 

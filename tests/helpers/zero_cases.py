@@ -23,19 +23,29 @@ VARIANTS = {
     # backward ends
     "grads": ("float64", {}, {"ddp_bucket_size": 901}, {}),
     # buckets reduced during every backward, parameters gathered by the next forward's pre-hooks
-    "grads_overlap": ("float64", {}, {"ddp_bucket_size": 1500, "overlap_grad_reduce": True,
-                                      "overlap_param_gather": True}, {}),
+    "grads_overlap": (
+        "float64",
+        {},
+        {"ddp_bucket_size": 1500, "overlap_grad_reduce": True, "overlap_param_gather": True},
+        {},
+    ),
     # an untied output layer, one bucket per stage (the default size)
     "grads_untied": ("float64", {"untie_embeddings_and_output_weights": True}, {}, {}),
     # interleaved 1F1B: 8 layers in 2 chunks per pipeline rank
-    "grads_interleaved": ("float64", {"num_layers": 8}, {"pipeline_schedule": "interleaved-1f1b",
-                                                         "num_layers_per_virtual_pipeline_stage": 2,
-                                                         "ddp_bucket_size": 901}, {}),
+    "grads_interleaved": (
+        "float64",
+        {"num_layers": 8},
+        {"pipeline_schedule": "interleaved-1f1b", "num_layers_per_virtual_pipeline_stage": 2, "ddp_bucket_size": 901},
+        {},
+    ),
     # the Llama-like model with full recompute of every layer and sequence parallelism (the tp sum
     # of the norms' gradients acts on the shards), reduced during backward
-    "grads_sp": ("float64", LLAMA_OPTIONS | {"recompute_granularity": "full", "recompute_method": "uniform",
-                                             "recompute_num_layers": 1},
-                 {"ddp_bucket_size": 1500, "overlap_grad_reduce": True, "sequence_parallel": True}, {}),
+    "grads_sp": (
+        "float64",
+        LLAMA_OPTIONS | {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        {"ddp_bucket_size": 1500, "overlap_grad_reduce": True, "sequence_parallel": True},
+        {},
+    ),
     # bf16 weights: float32 main gradients written by the layers (main_grad), float32 shards
     "grads_bf16": ("bfloat16", {}, {"ddp_bucket_size": 901, "overlap_grad_reduce": True}, {}),
 }
@@ -43,8 +53,12 @@ VARIANTS = {
 
 #: the variants each layout runs (kept few: every run costs seconds on a 2-core machine); every
 #: layout runs a float64 case with 2-4 accumulated microbatches
-RUNS = {(1, 1, 4): ["grads", "grads_overlap", "grads_bf16"], (2, 1, 2): ["grads_sp"],
-        (1, 2, 2): ["grads", "grads_untied", "grads_interleaved"], (2, 2, 2): ["grads_overlap", "grads_bf16"]}
+RUNS = {
+    (1, 1, 4): ["grads", "grads_overlap", "grads_bf16"],
+    (2, 1, 2): ["grads_sp"],
+    (1, 2, 2): ["grads", "grads_untied", "grads_interleaved"],
+    (2, 2, 2): ["grads_overlap", "grads_bf16"],
+}
 
 
 def variants(tp: int, pp: int, dp: int) -> list[str]:
@@ -77,8 +91,10 @@ def cp_config(name: str) -> Config:
     """Variant ``name`` at :data:`CP_LAYOUT`: gradients summed over cp, averaged over dp."""
     tp, cp, pp, dp = CP_LAYOUT
     cfg = zero_config(name, tp, pp, dp)
-    return resolve(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, context_parallel_size=cp)),
-                   tp * cp * pp * dp)
+    return resolve(
+        dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, context_parallel_size=cp)),
+        tp * cp * pp * dp,
+    )
 
 
 def zero_worker(rank: int, world: int) -> dict:
@@ -87,8 +103,9 @@ def zero_worker(rank: int, world: int) -> dict:
     out = {}
     for tp, pp, dp in LAYOUTS[world]:
         groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp), PG_TIMEOUT)
-        out[(tp, pp, dp)] = {name: train_and_collect(zero_config(name, tp, pp, dp), groups, 0)
-                             for name in variants(tp, pp, dp)}
+        out[(tp, pp, dp)] = {
+            name: train_and_collect(zero_config(name, tp, pp, dp), groups, 0) for name in variants(tp, pp, dp)
+        }
     if world == 4:
         tp, cp, pp, dp = CP_LAYOUT
         groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp), PG_TIMEOUT)
@@ -109,7 +126,9 @@ def reference(name: str) -> dict:
 
 
 def with_strategy(cfg: Config, strategy: str) -> Config:
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, data_parallel_sharding_strategy=strategy))
+    return dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, data_parallel_sharding_strategy=strategy)
+    )
 
 
 def full_state(stage, groups: ParallelGroups) -> dict:
@@ -146,9 +165,9 @@ def checkpoint_worker(rank: int, world: int, root: str) -> dict:
     """Train 2 steps at the first layout of :data:`ROUND_TRIP` and save; load at each next layout
     (saving again after loading); the last layout then trains a third step, as the first one
     does without stopping. Returns each layout's state after loading and both third steps' losses."""
+    from helpers.checkpoints import train_steps
     from ptdp.engine.step import build_stage
     from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
-    from helpers.checkpoints import train_steps
 
     def stage_at(layout, strategy, bucket):
         parallel = {"data_parallel_sharding_strategy": strategy, "ddp_bucket_size": bucket}
@@ -180,9 +199,18 @@ def fp16_worker(rank: int, world: int) -> dict:
     from helpers.host_sync import count_host_syncs, label_check_on_device
     from helpers.layout_cases import rank_microbatches
 
-    cfg = tiny_config(1, 1, 4, "float16", train_overrides={"micro_batch_size": 1},
-                      parallel_overrides={"data_parallel_sharding_strategy": "optim_grads", "ddp_bucket_size": 901,
-                                          "overlap_grad_reduce": True})
+    cfg = tiny_config(
+        1,
+        1,
+        4,
+        "float16",
+        train_overrides={"micro_batch_size": 1},
+        parallel_overrides={
+            "data_parallel_sharding_strategy": "optim_grads",
+            "ddp_bucket_size": 901,
+            "overlap_grad_reduce": True,
+        },
+    )
     groups = ParallelGroups.build(ParallelLayout(tp=1, pp=1, dp=4), PG_TIMEOUT)
     stage = step_module.build_stage(cfg, groups)
     original = step_module.finalize_grads
@@ -207,6 +235,15 @@ def fp16_worker(rank: int, world: int) -> dict:
         good = step_module.train_step(stage, rank_microbatches(1, cfg, groups.dp.rank, groups.dp.size), 1)
     stage.wait_for_params()
     changed = any(not torch.equal(before[n], p) for n, p in stage.model.named_parameters())
-    return {"skipped": bad.skipped, "reason": bad.skip_reason, "used": bad.loss_scale, "unchanged": unchanged,
-            "scales": (scale_before, scale_after), "good_skipped": good.skipped, "good_used": good.loss_scale,
-            "changed_after_good": changed, "syncs": counted.calls, "loss": good.loss}
+    return {
+        "skipped": bad.skipped,
+        "reason": bad.skip_reason,
+        "used": bad.loss_scale,
+        "unchanged": unchanged,
+        "scales": (scale_before, scale_after),
+        "good_skipped": good.skipped,
+        "good_used": good.loss_scale,
+        "changed_after_good": changed,
+        "syncs": counted.calls,
+        "loss": good.loss,
+    }

@@ -21,8 +21,24 @@ REQUEST = dict(gpus=64, gpu="h100-sxm", global_batch_size=512, seq_length=4096)
 
 def test_plan_equals_the_command_line_json(capsys):
     result = ptdp.plan("llama3-8b", **REQUEST, tp=2)
-    code = cli_main(["plan", "--model", "llama3-8b", "--gpus", "64", "--gpu", "h100-sxm", "--global-batch-size",
-                     "512", "--seq-length", "4096", "--tp", "2", "--json"])
+    code = cli_main(
+        [
+            "plan",
+            "--model",
+            "llama3-8b",
+            "--gpus",
+            "64",
+            "--gpu",
+            "h100-sxm",
+            "--global-batch-size",
+            "512",
+            "--seq-length",
+            "4096",
+            "--tp",
+            "2",
+            "--json",
+        ]
+    )
     assert code == 0
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(result.to_json()))
     assert result.best is result.plans[0] and result.best.layout.tp == 2
@@ -40,17 +56,28 @@ def test_plan_takes_a_model_spec_and_shape_keywords():
     assert by_spec.model == dataclasses.replace(spec, seq_length=4096)  # the keyword applied to the spec
     assert {p.layout.recompute for p in by_spec.plans} == {"full"}
     assert {p.layout.sharding_strategy for p in by_spec.plans if p.layout.shard_size > 1} == {"optim"}
-    shaped = ptdp.plan(None, num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=1024,
-                       gpus=8, global_batch_size=64, pipeline_layer_split=[3, 5])
+    shaped = ptdp.plan(
+        None,
+        num_layers=8,
+        hidden_size=1024,
+        num_attention_heads=16,
+        seq_length=1024,
+        gpus=8,
+        global_batch_size=64,
+        pipeline_layer_split=[3, 5],
+    )
     assert shaped.plans and {p.layout.layer_split for p in shaped.plans} == {(3, 5)}
 
 
-@pytest.mark.parametrize("options, error, words", [
-    (dict(tp=3), ptdp.ConfigError, ["tp=3", "64 GPUs"]),
-    (dict(recompute_granularity="bogus"), ptdp.ConfigError, ["--recompute-granularity", "bogus"]),
-    (dict(tensor_parallel=2), TypeError, ["tensor_parallel", "tensor_model_parallel_size"]),
-    (dict(gpus=None), ptdp.ConfigError, ["--gpus"]),
-])
+@pytest.mark.parametrize(
+    "options, error, words",
+    [
+        (dict(tp=3), ptdp.ConfigError, ["tp=3", "64 GPUs"]),
+        (dict(recompute_granularity="bogus"), ptdp.ConfigError, ["--recompute-granularity", "bogus"]),
+        (dict(tensor_parallel=2), TypeError, ["tensor_parallel", "tensor_model_parallel_size"]),
+        (dict(gpus=None), ptdp.ConfigError, ["--gpus"]),
+    ],
+)
 def test_plan_refuses_a_bad_request_naming_it(options, error, words):
     with pytest.raises(error) as caught:
         ptdp.plan("llama3-8b", **{**REQUEST, **options})
@@ -60,9 +87,12 @@ def test_plan_refuses_a_bad_request_naming_it(options, error, words):
 
 def test_load_config_file_then_keywords(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text("[parallel]\ntensor-model-parallel-size = 2\npipeline_model_parallel_size = 2\n"
-                    "[model]\nnum-layers = 4\nhidden-size = 64\nnum-attention-heads = 4\nseq-length = 64\n"
-                    "[train]\nmicro-batch-size = 2\nglobal-batch-size = 16\n", encoding="utf-8")
+    path.write_text(
+        "[parallel]\ntensor-model-parallel-size = 2\npipeline_model_parallel_size = 2\n"
+        "[model]\nnum-layers = 4\nhidden-size = 64\nnum-attention-heads = 4\nseq-length = 64\n"
+        "[train]\nmicro-batch-size = 2\nglobal-batch-size = 16\n",
+        encoding="utf-8",
+    )
     config = ptdp.load_config(path, world_size=8, pp=1, sequence_parallel=True, data=["a.txt", "b"])
     assert isinstance(config, ptdp.Config)
     assert (config.parallel.tp, config.parallel.pp, config.parallel.dp) == (2, 1, 4)  # keyword beats the file
@@ -83,8 +113,10 @@ def test_train_is_the_callable_worker_module():
 
 def test_example_runs_and_the_planner_imports_no_torch():
     """docs/api.md's runnable example, as a user runs it; then no torch in the process."""
-    code = ("import runpy, sys; runpy.run_path('examples/plan_from_python.py', run_name='__main__'); "
-            "print('torch imported:', 'torch' in sys.modules)")
+    code = (
+        "import runpy, sys; runpy.run_path('examples/plan_from_python.py', run_name='__main__'); "
+        "print('torch imported:', 'torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "s per step" in out.stdout and "refused: invalid plan request" in out.stdout

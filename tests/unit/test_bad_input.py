@@ -16,16 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from helpers.cli import tiny_flags
 from ptdp import cli
 from ptdp.commands.train_flags import config_from_args, local_world_size
-from ptdp.run.checkpoint.io import save_checkpoint
-from ptdp.spec import ParallelConfig, resolve
 from ptdp.data import DataError
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, with_vocab
-
-from helpers.cli import tiny_flags
-
+from ptdp.run.checkpoint.io import save_checkpoint
+from ptdp.spec import ParallelConfig, resolve
 
 TINY = tiny_flags(log_interval=None, eval_interval=None, no_progress=True)
 
@@ -70,11 +68,11 @@ def snapshot(*roots: Path) -> dict[str, tuple[str, int]]:
 
 # ---- data files given with --data -----------------------------------------------------------------
 
+
 def _bad_files(tmp_path: Path) -> dict[str, Path]:
     bad = tmp_path / "bad"
     bad.mkdir()
-    files = {"empty": bad / "empty.txt", "binary": bad / "blob.txt", "latin-1": bad / "latin.txt",
-             "fifo": bad / "pipe"}
+    files = {"empty": bad / "empty.txt", "binary": bad / "blob.txt", "latin-1": bad / "latin.txt", "fifo": bad / "pipe"}
     files["empty"].write_text("  \n")
     files["binary"].write_bytes(b"PK\x03\x04\x00\x00binary")
     files["latin-1"].write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
@@ -82,8 +80,12 @@ def _bad_files(tmp_path: Path) -> dict[str, Path]:
     return files
 
 
-REASONS = {"empty": "empty (no non-blank text)", "binary": "contains NUL bytes (binary?)",
-           "latin-1": "not valid UTF-8", "fifo": "not a regular file or folder"}
+REASONS = {
+    "empty": "empty (no non-blank text)",
+    "binary": "contains NUL bytes (binary?)",
+    "latin-1": "not valid UTF-8",
+    "fifo": "not a regular file or folder",
+}
 
 
 def test_unusable_data_files_are_named_and_nothing_is_left_behind(tmp_path, capsys, launched):
@@ -94,7 +96,7 @@ def test_unusable_data_files_are_named_and_nothing_is_left_behind(tmp_path, caps
     argv = [a for f in files.values() for a in ("--data", str(f))]
     code, err = train(capsys, tmp_path, *argv, "--output-dir", str(tmp_path / "run"))
     assert code == 2 and "Traceback" not in err and not launched
-    error = err[err.index("ptdp train: error:"):]
+    error = err[err.index("ptdp train: error:") :]
     assert "no usable documents" in error and "every file was skipped" in error
     for kind, path in files.items():
         assert f"warning: skipping data file {str(path)!r}: {REASONS[kind]}" in err, kind
@@ -106,8 +108,18 @@ def test_unusable_data_files_are_named_and_nothing_is_left_behind(tmp_path, caps
 
 def test_unusable_files_are_skipped_when_usable_ones_remain(tmp_path, capsys, flat_corpus, launched):
     files = _bad_files(tmp_path)
-    code, err = train(capsys, tmp_path, "--data", str(flat_corpus), "--data", str(files["binary"]),
-                      "--data", str(files["fifo"]), "--output-dir", str(tmp_path / "run"))
+    code, err = train(
+        capsys,
+        tmp_path,
+        "--data",
+        str(flat_corpus),
+        "--data",
+        str(files["binary"]),
+        "--data",
+        str(files["fifo"]),
+        "--output-dir",
+        str(tmp_path / "run"),
+    )
     assert code == 1 and len(launched) == 1, err  # the stub launcher stops the run with exit code 1
     assert f"skipping data file {str(files['binary'])!r}" in err and f"{str(files['fifo'])!r}" in err
 
@@ -163,15 +175,42 @@ def test_debug_shows_the_traceback_and_keeps_exit_code_2(tmp_path, capsys):
 
 # ---- a corpus too small -------------------------------------------------------------------------
 
+
 def test_corpus_too_small_names_token_counts(tmp_path, capsys, flat_corpus, launched):
     before = snapshot(flat_corpus)
-    code, err = train(capsys, tmp_path, "--data", str(flat_corpus), "--global-batch-size", "100000",
-                      "--micro-batch-size", "1", "--dp", "1", "--output-dir", str(tmp_path / "run"))
+    code, err = train(
+        capsys,
+        tmp_path,
+        "--data",
+        str(flat_corpus),
+        "--global-batch-size",
+        "100000",
+        "--micro-batch-size",
+        "1",
+        "--dp",
+        "1",
+        "--output-dir",
+        str(tmp_path / "run"),
+    )
     assert code == 2 and not launched
     assert "fewer than global_batch_size=100000: one global batch needs 100000*32+1 = 3,200,001 tokens" in err
     assert "the training split has" in err and not (tmp_path / "run").exists()
-    code, err = train(capsys, tmp_path, "--data", str(flat_corpus), "--seq-length", "20000", "--global-batch-size", "2",
-                      "--micro-batch-size", "1", "--dp", "1", "--output-dir", str(tmp_path / "run"))
+    code, err = train(
+        capsys,
+        tmp_path,
+        "--data",
+        str(flat_corpus),
+        "--seq-length",
+        "20000",
+        "--global-batch-size",
+        "2",
+        "--micro-batch-size",
+        "1",
+        "--dp",
+        "1",
+        "--output-dir",
+        str(tmp_path / "run"),
+    )
     assert code == 2 and not launched
     assert "the validation split has" in err and "fewer than the seq_length+1 = 20001 tokens of one sample" in err
     assert snapshot(flat_corpus) == before
@@ -179,11 +218,13 @@ def test_corpus_too_small_names_token_counts(tmp_path, capsys, flat_corpus, laun
 
 # ---- --load, --output-dir, --save -----------------------------------------------------------------
 
+
 @pytest.fixture
 def checkpoint(tmp_path, flat_corpus) -> Path:
     """A real checkpoint (iteration 2) of the tiny model ``ptdp train`` would build from ``corpus``."""
-    args = cli.build_parser().parse_args(["train", *TINY, "--data", str(flat_corpus), "--data-cache-dir",
-                                          str(tmp_path / "cache")])
+    args = cli.build_parser().parse_args(
+        ["train", *TINY, "--data", str(flat_corpus), "--data-cache-dir", str(tmp_path / "cache")]
+    )
     config = resolve(config_from_args(args), local_world_size(args))
     from ptdp.run.rundir import prepare
 
@@ -195,13 +236,17 @@ def checkpoint(tmp_path, flat_corpus) -> Path:
     return root
 
 
-@pytest.mark.parametrize("target,message", [
-    ("nothing", "checkpoint path {path} does not exist"),
-    ("folder", "{path} is not a ptdp checkpoint (no ptdp.json and no 'latest' file)"),
-    ("file", "{path} is a file, not a ptdp checkpoint folder"),
-])
-def test_load_of_no_checkpoint_is_refused_before_the_data_are_prepared(tmp_path, capsys, flat_corpus, launched,
-                                                                   target, message):
+@pytest.mark.parametrize(
+    "target,message",
+    [
+        ("nothing", "checkpoint path {path} does not exist"),
+        ("folder", "{path} is not a ptdp checkpoint (no ptdp.json and no 'latest' file)"),
+        ("file", "{path} is a file, not a ptdp checkpoint folder"),
+    ],
+)
+def test_load_of_no_checkpoint_is_refused_before_the_data_are_prepared(
+    tmp_path, capsys, flat_corpus, launched, target, message
+):
     path = tmp_path / target
     if target == "folder":
         path.mkdir()
@@ -209,8 +254,9 @@ def test_load_of_no_checkpoint_is_refused_before_the_data_are_prepared(tmp_path,
     elif target == "file":
         path.write_text("not a checkpoint")
     before = snapshot(path) if path.exists() else {}
-    code, err = train(capsys, tmp_path, "--data", str(flat_corpus), "--load", str(path), "--output-dir",
-                      str(tmp_path / "run"))
+    code, err = train(
+        capsys, tmp_path, "--data", str(flat_corpus), "--load", str(path), "--output-dir", str(tmp_path / "run")
+    )
     assert code == 2 and message.format(path=path) in err and "Traceback" not in err and not launched
     assert not (tmp_path / "cache").exists(), "checked before the data are prepared"
     assert cli.main(["generate", "--load", str(path), "--prompt", "def "]) == 2
@@ -221,8 +267,9 @@ def test_load_of_no_checkpoint_is_refused_before_the_data_are_prepared(tmp_path,
     assert (snapshot(path) if path.exists() else {}) == before
 
 
-def test_existing_run_directory_is_refused_unless_overwrite_or_continued(tmp_path, capsys, flat_corpus, launched,
-                                                                         checkpoint):
+def test_existing_run_directory_is_refused_unless_overwrite_or_continued(
+    tmp_path, capsys, flat_corpus, launched, checkpoint
+):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"iteration": 1, "loss": 5.0}\n')
@@ -240,8 +287,18 @@ def test_existing_run_directory_is_refused_unless_overwrite_or_continued(tmp_pat
     assert code == 2 and "exists and is not empty" in err and not launched
     assert snapshot(run, checkpoint) == before
     # continuing the run from its own checkpoint keeps its metrics (the resumed lines are appended)
-    code, err = train(capsys, tmp_path, "--data", str(flat_corpus), "--output-dir", str(run), "--load", str(checkpoint),
-                      "--save", str(checkpoint))
+    code, err = train(
+        capsys,
+        tmp_path,
+        "--data",
+        str(flat_corpus),
+        "--output-dir",
+        str(run),
+        "--load",
+        str(checkpoint),
+        "--save",
+        str(checkpoint),
+    )
     assert code == 1 and len(launched) == 1, err
     assert (run / "metrics.jsonl").read_text() == '{"iteration": 1, "loss": 5.0}\n'
     assert snapshot(checkpoint) == {k: v for k, v in before.items() if k.startswith(str(checkpoint))}
@@ -252,18 +309,32 @@ def test_existing_run_directory_is_refused_unless_overwrite_or_continued(tmp_pat
 
 def test_save_into_another_runs_checkpoints_is_refused(tmp_path, capsys, flat_corpus, launched, checkpoint):
     before = snapshot(checkpoint)
-    code, err = train(capsys, tmp_path, "--data", str(flat_corpus), "--save", str(checkpoint), "--output-dir",
-                      str(tmp_path / "run"))
+    code, err = train(
+        capsys, tmp_path, "--data", str(flat_corpus), "--save", str(checkpoint), "--output-dir", str(tmp_path / "run")
+    )
     assert code == 2 and not launched and not (tmp_path / "run").exists()
-    assert (f"--save {checkpoint} already holds 1 checkpoint(s) (newest iter_0000002) that this run would "
-            f"overwrite; continue from them with --load {checkpoint}") in err
+    assert (
+        f"--save {checkpoint} already holds 1 checkpoint(s) (newest iter_0000002) that this run would "
+        f"overwrite; continue from them with --load {checkpoint}"
+    ) in err
     assert snapshot(checkpoint) == before
-    code, err = train(capsys, tmp_path, "--data", str(flat_corpus), "--load", str(checkpoint / "iter_0000002"),
-                      "--save", str(checkpoint), "--output-dir", str(tmp_path / "run"))
+    code, err = train(
+        capsys,
+        tmp_path,
+        "--data",
+        str(flat_corpus),
+        "--load",
+        str(checkpoint / "iter_0000002"),
+        "--save",
+        str(checkpoint),
+        "--output-dir",
+        str(tmp_path / "run"),
+    )
     assert code == 1 and len(launched) == 1, err
 
 
 # ---- checkpoints that would run code ----------------------------------------------------------------
+
 
 class _Exploit:
     """Unpickling this object creates ``marker`` (as a shell command could)."""
@@ -283,8 +354,9 @@ def test_a_crafted_index_never_runs_code_on_any_path(tmp_path, capsys, flat_corp
     (checkpoint / "iter_0000002" / ".metadata").write_bytes(pickle.dumps(_Exploit(str(marker))))
     before = snapshot(checkpoint)
     refused = "not a DCP metadata type"
-    code, err = train(capsys, tmp_path, "--data", str(flat_corpus), "--load", str(checkpoint), "--output-dir",
-                      str(tmp_path / "run"))
+    code, err = train(
+        capsys, tmp_path, "--data", str(flat_corpus), "--load", str(checkpoint), "--output-dir", str(tmp_path / "run")
+    )
     assert code == 2 and refused in err and "posix.system" in err and not launched
     assert cli.main(["generate", "--load", str(checkpoint), "--prompt", "def "]) == 2
     assert refused in capsys.readouterr().err
@@ -306,6 +378,7 @@ def test_convert_never_overwrites(tmp_path, capsys, checkpoint):
 
 
 # ---- rendezvous and the planner ---------------------------------------------------------------------
+
 
 def test_local_runs_bind_the_rendezvous_to_loopback(monkeypatch):
     """``ptdp train``'s launcher: c10d rendezvous on 127.0.0.1 at a port the OS picks (so it never
@@ -347,7 +420,7 @@ def test_a_binary_file_named_directly_is_named_with_its_reason(tmp_path, capsys,
     assert code == 2 and not launched, err
     reason = f"{str(path)!r}: its extension {path.suffix!r} marks a binary file"
     assert f"warning: skipping data file {reason}" in err
-    error = err[err.index("ptdp train: error:"):]
+    error = err[err.index("ptdp train: error:") :]
     assert "no files found" not in error and reason in error
 
 
@@ -357,12 +430,21 @@ def _a_file(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("flag, problem", [
-    ("--output-dir", "output directory (--output-dir): {p} cannot be created: {f} is a file, not a directory"),
-    ("--data-cache-dir", "data cache directory (--data-cache-dir or $PTDP_CACHE_DIR): {p} cannot be created: {f} is a "
-                         "file, not a directory"),
-    ("--save", "cannot use {p} as checkpoint folder (--save): {p} cannot be created: {f} is a file, not a directory"),
-])
+@pytest.mark.parametrize(
+    "flag, problem",
+    [
+        ("--output-dir", "output directory (--output-dir): {p} cannot be created: {f} is a file, not a directory"),
+        (
+            "--data-cache-dir",
+            "data cache directory (--data-cache-dir or $PTDP_CACHE_DIR): {p} cannot be created: {f} is a "
+            "file, not a directory",
+        ),
+        (
+            "--save",
+            "cannot use {p} as checkpoint folder (--save): {p} cannot be created: {f} is a file, not a directory",
+        ),
+    ],
+)
 def test_a_folder_under_a_file_is_refused_before_any_work(tmp_path, capsys, flat_corpus, launched, flag, problem):
     """--output-dir, --data-cache-dir and --save below a path that is a file: exit 2 naming the
     path and why, before the data are prepared (no cache written) and before any worker."""
@@ -370,8 +452,18 @@ def test_a_folder_under_a_file_is_refused_before_any_work(tmp_path, capsys, flat
     target = file / "sub" / "dir"
     argv = ["--data", str(flat_corpus), "--output-dir", str(tmp_path / "run")]
     if flag == "--data-cache-dir":
-        code = cli.main(["train", *TINY, "--data", str(flat_corpus), "--output-dir", str(tmp_path / "run"),
-                         "--data-cache-dir", str(target)])
+        code = cli.main(
+            [
+                "train",
+                *TINY,
+                "--data",
+                str(flat_corpus),
+                "--output-dir",
+                str(tmp_path / "run"),
+                "--data-cache-dir",
+                str(target),
+            ]
+        )
         err = capsys.readouterr().err
     else:
         code, err = train(capsys, tmp_path, *argv, flag, str(target))
@@ -387,8 +479,20 @@ def test_an_unwritable_folder_is_refused_before_any_work(tmp_path, capsys, flat_
     locked.mkdir()
     locked.chmod(0o500)
     try:
-        code = cli.main(["train", *TINY, "--data", str(flat_corpus), "--output-dir", str(tmp_path / "run"),
-                         "--data-cache-dir", str(tmp_path / "cache"), flag, str(locked / "x")])
+        code = cli.main(
+            [
+                "train",
+                *TINY,
+                "--data",
+                str(flat_corpus),
+                "--output-dir",
+                str(tmp_path / "run"),
+                "--data-cache-dir",
+                str(tmp_path / "cache"),
+                flag,
+                str(locked / "x"),
+            ]
+        )
     finally:
         locked.chmod(0o700)
     err = capsys.readouterr().err
@@ -429,18 +533,23 @@ def test_memory_estimate_of_cpu_workers_and_of_gpu_ranks():
     need = per_stage + 8 * CPU_WORKER_OVERHEAD
     assert memory_problem(config, 8, need, gpu=False, where="this machine") is None
     text = memory_problem(config, 8, need - 1, gpu=False, where="this machine")
-    assert text.startswith(f"the run does not fit in memory: the 8 local workers together need about "
-                           f"{need / GiB:,.1f} GiB and this machine has ")
+    assert text.startswith(
+        f"the run does not fit in memory: the 8 local workers together need about "
+        f"{need / GiB:,.1f} GiB and this machine has "
+    )
     worst = max(r.total for r in ranks) + GPU_WORKER_OVERHEAD
     assert memory_problem(config, 8, worst, gpu=True, where="each GPU") is None
     assert "the most loaded rank needs about" in memory_problem(config, 8, worst - 1, gpu=True, where="each GPU")
 
 
-@pytest.mark.parametrize("argv, usage, hint", [
-    (["train", "--tpp", "2"], "usage: ptdp train", "--tpp: did you mean --tp"),
-    (["train", "--hiden-size=64"], "usage: ptdp train", "--hiden-size: did you mean --hidden-size"),
-    (["plan", "--gpuz", "8"], "usage: ptdp plan", "--gpuz: did you mean --gpu"),
-])
+@pytest.mark.parametrize(
+    "argv, usage, hint",
+    [
+        (["train", "--tpp", "2"], "usage: ptdp train", "--tpp: did you mean --tp"),
+        (["train", "--hiden-size=64"], "usage: ptdp train", "--hiden-size: did you mean --hidden-size"),
+        (["plan", "--gpuz", "8"], "usage: ptdp plan", "--gpuz: did you mean --gpu"),
+    ],
+)
 def test_an_unknown_flag_shows_the_command_usage_and_the_closest_flag(capsys, argv, usage, hint):
     with pytest.raises(SystemExit) as exit_:
         cli.main(argv)
@@ -455,9 +564,14 @@ def test_nonpositive_nproc_per_node_is_named(tmp_path, capsys, launched):
     assert "nproc_per_node=-2 must be a positive integer" in err and "world_size" not in err
 
 
-@pytest.mark.parametrize("flags,named", [(["--bf16", "--fp16"], "--bf16 and --fp16"),
-                                         (["--params-dtype", "float64", "--bf16"], "--params-dtype and --bf16"),
-                                         (["--fp32", "--params-dtype", "bfloat16"], "--fp32 and --params-dtype")])
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (["--bf16", "--fp16"], "--bf16 and --fp16"),
+        (["--params-dtype", "float64", "--bf16"], "--params-dtype and --bf16"),
+        (["--fp32", "--params-dtype", "bfloat16"], "--fp32 and --params-dtype"),
+    ],
+)
 def test_conflicting_precision_flags_are_refused_naming_both(capsys, flags, named):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", *flags, "--print-config"])

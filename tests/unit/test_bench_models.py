@@ -50,11 +50,19 @@ def test_plain_like_refuses_llama_options(bench):
         plain_gpt.plain_like(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, swiglu=True)))
 
 
-@pytest.mark.parametrize("name, key", [
-    ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
-    ("NVIDIA A100-PCIE-40GB", "a100-40gb"), ("Tesla V100-SXM2-32GB", "v100-32gb"),
-    ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None), ("NVIDIA GeForce RTX 4090", None),
-])
+@pytest.mark.parametrize(
+    "name, key",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+        ("NVIDIA A100-PCIE-40GB", "a100-40gb"),
+        ("Tesla V100-SXM2-32GB", "v100-32gb"),
+        ("NVIDIA H100 PCIe", None),
+        ("NVIDIA H100 NVL", None),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
 def test_catalog_key_of_device_names(bench, name, key):
     gpu_check, _ = bench
     assert gpu_check.catalog_key(name) == key
@@ -79,8 +87,11 @@ def test_flop_params_count_the_plain_models_parameters_but_the_positions(bench, 
     gpu_check, plain_gpt = bench
     cfg = gpu_check.speed_config(dict(gpu_check.QUICK, **shape), "float32")
     plain = plain_gpt.plain_like(cfg)
-    assert gpu_check.flop_params(cfg) == plain.flop_params() == sum(
-        p.numel() for n, p in plain.named_parameters() if n != "wpe.weight")
+    assert (
+        gpu_check.flop_params(cfg)
+        == plain.flop_params()
+        == sum(p.numel() for n, p in plain.named_parameters() if n != "wpe.weight")
+    )
 
 
 def test_a_failing_mode_is_reported_and_the_rest_still_written(bench, monkeypatch, tmp_path, capsys):
@@ -103,7 +114,9 @@ def test_a_failing_mode_is_reported_and_the_rest_still_written(bench, monkeypatc
 def test_a_loss_beyond_rounding_fails_the_check(bench):
     gpu_check, _ = bench
     assert gpu_check.loss_failures({"max_rel_diff": 3e-3}, "bfloat16") == []
-    assert gpu_check.loss_failures({"max_rel_diff": 3e-3, "max_rel_diff_float64_device_vs_cpu": 1e-12}, "bfloat16") == []
+    assert (
+        gpu_check.loss_failures({"max_rel_diff": 3e-3, "max_rel_diff_float64_device_vs_cpu": 1e-12}, "bfloat16") == []
+    )
     (too_far,) = gpu_check.loss_failures({"max_rel_diff": 2e-5}, "float32")
     assert "float32 differs from float64 on the CPU by 2.00e-05" in too_far
     (device,) = gpu_check.loss_failures({"max_rel_diff": 1e-3, "max_rel_diff_float64_device_vs_cpu": 1e-7}, "bfloat16")

@@ -9,9 +9,18 @@ import pytest
 
 from ptdp.commands.train_flags import add_train_arguments, config_from_args
 from ptdp.spec import ConfigError, resolve
-from ptdp.topology.binding import (BindingError, CpuLayout, GpuCpus, allowed_numa_nodes, exclusive_shares,
-                                   plan_cpu_only, plan_gpus, read_cpu_layout, read_gpu_cpus, read_node_plan)
-
+from ptdp.topology.binding import (
+    BindingError,
+    CpuLayout,
+    GpuCpus,
+    allowed_numa_nodes,
+    exclusive_shares,
+    plan_cpu_only,
+    plan_gpus,
+    read_cpu_layout,
+    read_gpu_cpus,
+    read_node_plan,
+)
 
 # Two sockets x 4 cores x 2 hyperthreads: node 0 = cores 0-3 (CPUs 0-3 and siblings 8-11),
 # node 1 = cores 4-7 (CPUs 4-7 and siblings 12-15), Linux's usual numbering.
@@ -163,7 +172,11 @@ def test_readers_on_a_fake_sysfs(tmp_path):
     single.mkdir(parents=True)
     single.joinpath("numa_node").write_text("-1\n")
     assert read_gpu_cpus(["0000:1b:00.0", "0000:2c:00.0", "0000:ff:00.0", None], tmp_path) == [
-        GpuCpus(1, (4, 5, 6, 7)), GpuCpus(None, ()), None, None]
+        GpuCpus(1, (4, 5, 6, 7)),
+        GpuCpus(None, ()),
+        None,
+        None,
+    ]
     assert len(read_node_plan("exclusive", 2, use_gpus=False, sysfs=tmp_path).bindings) == 2
     (tmp_path / "devices/system/node/node1/cpulist").write_text("4-\n")
     with pytest.raises(BindingError, match="node1/cpulist"):
@@ -181,7 +194,8 @@ def test_flag_reaches_the_config_and_bad_values_are_rejected():
     with pytest.raises(SystemExit):
         parser.parse_args(["--bind-cpus", "spread"])
     bad = config_from_args(parser.parse_args([]))
-    bad = bad.__class__(**{**bad.__dict__, "parallel": bad.parallel.__class__(
-        **{**bad.parallel.__dict__, "bind_cpus": "spread"})})
+    bad = bad.__class__(
+        **{**bad.__dict__, "parallel": bad.parallel.__class__(**{**bad.parallel.__dict__, "bind_cpus": "spread"})}
+    )
     with pytest.raises(ConfigError, match="bind_cpus='spread' must be one of"):
         resolve(bad, 8)

@@ -52,9 +52,16 @@ def _args(nproc=None) -> argparse.Namespace:
     return argparse.Namespace(nproc_per_node=nproc)
 
 
-@pytest.mark.parametrize("available, count, nproc, expected", [
-    (True, 4, None, 4), (True, 1, None, 1), (True, 8, 2, 2), (False, 0, None, 8), (False, 0, 3, 3),
-])
+@pytest.mark.parametrize(
+    "available, count, nproc, expected",
+    [
+        (True, 4, None, 4),
+        (True, 1, None, 1),
+        (True, 8, 2, 2),
+        (False, 0, None, 8),
+        (False, 0, 3, 3),
+    ],
+)
 def test_calibration_workers_default_to_the_gpus(monkeypatch, available, count, nproc, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
@@ -69,19 +76,37 @@ def test_more_calibration_workers_than_gpus_is_an_error(monkeypatch):
 
 
 def _mine() -> dict:
-    gemms = [{"m": 256, "n": 256, "k": 256, "batch": 1, "flops_per_s": 1e12},
-             {"m": 512, "n": 512, "k": 512, "batch": 1, "flops_per_s": 2e12}]
-    return {"gemms": gemms, "bandwidth": 2e12, "optimizer": (1000, 1e-5),
-            "tp_all_reduce": [(1 << 20, 1e-5), (1 << 24, 1e-4)], "layer_s": 1e-3, "head_s": 1e-3}
+    gemms = [
+        {"m": 256, "n": 256, "k": 256, "batch": 1, "flops_per_s": 1e12},
+        {"m": 512, "n": 512, "k": 512, "batch": 1, "flops_per_s": 2e12},
+    ]
+    return {
+        "gemms": gemms,
+        "bandwidth": 2e12,
+        "optimizer": (1000, 1e-5),
+        "tp_all_reduce": [(1 << 20, 1e-5), (1 << 24, 1e-4)],
+        "layer_s": 1e-3,
+        "head_s": 1e-3,
+    }
 
 
 def test_a_gpu_profile_holds_the_device_memory_and_shares_no_cores():
     from ptdp.commands.calibrate import calibration_config
 
-    args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=None,
-                              vocab_size=512, seq_length=16, micro_batch_size=2, global_batch_size=4,
-                              tensor_model_parallel_size=2, pipeline_model_parallel_size=1, nproc_per_node=2,
-                              precision="bf16")
+    args = argparse.Namespace(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=None,
+        vocab_size=512,
+        seq_length=16,
+        micro_batch_size=2,
+        global_batch_size=4,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=1,
+        nproc_per_node=2,
+        precision="bf16",
+    )
     config = calibration_config(args, 2)
     per_rank = [_mine(), _mine()]
     combined = calibration._combine(per_rank, config, 0)
@@ -96,8 +121,15 @@ def test_a_gpu_profile_holds_the_device_memory_and_shares_no_cores():
 def test_cpu_measurements_run_on_the_given_device():
     from ptdp.planner.models import ModelSpec
 
-    model = ModelSpec(name="t", num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16,
-                      vocab_size=128, ffn_hidden_size=128)
+    model = ModelSpec(
+        name="t",
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=16,
+        vocab_size=128,
+        ffn_hidden_size=128,
+    )
     rows = calibration.measure_gemms(model, 1, 1, 128, torch.float32, torch.device("cpu"))
     assert rows and all(r["flops_per_s"] > 0 for r in rows)
     assert calibration.measure_bandwidth(1 << 12, torch.device("cpu")) > 0

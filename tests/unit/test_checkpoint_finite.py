@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.layout_cases import rank_microbatches, tiny_config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.chunks import global_named_parameters
 from ptdp.engine.step import build_stage, train_step
 from ptdp.run.checkpoint import io
 from ptdp.run.checkpoint.folders import CheckpointError
-
-from helpers.layout_cases import rank_microbatches, tiny_config
 
 
 def test_all_finite_flags_per_tensor():

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from helpers.compile_cases import assert_trains_like_eager, eager_and_compiled
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.compile import compile_layers
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.spec import ModelConfig
-
-from helpers.compile_cases import assert_trains_like_eager, eager_and_compiled
 
 
 @pytest.mark.slow
@@ -24,8 +23,7 @@ def test_compiled_layers_train_like_eager():
 
 def test_compile_keeps_parameter_names():
     cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=4, vocab_size=300)
-    model = GPTModel(cfg, ParallelGroups.single_process().tp, layer_ids=range(2), pre_process=True,
-                     post_process=True)
+    model = GPTModel(cfg, ParallelGroups.single_process().tp, layer_ids=range(2), pre_process=True, post_process=True)
     names = [n for n, _ in model.named_parameters()]
     assert compile_layers(model) == 2
     assert [n for n, _ in model.named_parameters()] == names and list(model.state_dict()) == names
@@ -39,9 +37,8 @@ def test_compiled_layers_train_like_eager_on_cuda_in_bfloat16():
 
     import torch
 
-    from ptdp.engine.step import build_stage, train_step
-
     from helpers.layout_cases import rank_microbatches, tiny_config
+    from ptdp.engine.step import build_stage, train_step
 
     cfg = tiny_config(1, 1, 1, "bfloat16")
     losses = {}

@@ -8,18 +8,25 @@ import dataclasses
 import pytest
 import torch.distributed as dist
 
-from ptdp import cli, train as train_module
-from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, padded_vocab_size, resolve
+from ptdp import cli
+from ptdp import train as train_module
 from ptdp.run.planner_report import planner_layout
+from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, padded_vocab_size, resolve
 
 
 def make(world=8, tp=2, pp=2, dp=None, split=None, schedule=None, per_chunk=None, sp=False, **kw) -> tuple[Config, int]:
     model_keys = {f.name for f in dataclasses.fields(ModelConfig)}
     model = ModelConfig(**{k: v for k, v in kw.items() if k in model_keys})
     train = TrainConfig(**{k: v for k, v in kw.items() if k not in model_keys})
-    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         data_parallel_size=dp, pipeline_layer_split=split, pipeline_schedule=schedule,
-                         num_layers_per_virtual_pipeline_stage=per_chunk, sequence_parallel=sp)
+    par = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        data_parallel_size=dp,
+        pipeline_layer_split=split,
+        pipeline_schedule=schedule,
+        num_layers_per_virtual_pipeline_stage=per_chunk,
+        sequence_parallel=sp,
+    )
     return Config(model=model, parallel=par, train=train), world
 
 
@@ -27,14 +34,26 @@ BAD = [
     (dict(world=8, tp=2, pp=2, dp=3), r"world_size=8 != tp\*pp\*dp = 2\*2\*3 = 12"),
     (dict(world=8, tp=2, pp=2, dp=0), r"data_parallel_size=0 must be a positive integer"),
     (dict(world=6, tp=4, pp=1), r"world_size=6 is not divisible by tp\*pp=4\*1=4"),
-    (dict(num_attention_heads=6, hidden_size=120, tp=4, pp=1), r"num_attention_heads=6 is not divisible by tensor_model_parallel_size=4"),
-    (dict(hidden_size=130, num_attention_heads=4, tp=1, pp=1), r"hidden_size=130 is not divisible by num_attention_heads=4"),
+    (
+        dict(num_attention_heads=6, hidden_size=120, tp=4, pp=1),
+        r"num_attention_heads=6 is not divisible by tensor_model_parallel_size=4",
+    ),
+    (
+        dict(hidden_size=130, num_attention_heads=4, tp=1, pp=1),
+        r"hidden_size=130 is not divisible by num_attention_heads=4",
+    ),
     (dict(ffn_hidden_size=126, tp=4, pp=1), r"ffn_hidden_size=126 is not divisible by tensor_model_parallel_size=4"),
     (dict(num_layers=5, tp=2, pp=2), r"num_layers=5 is not divisible by pipeline_model_parallel_size=2"),
-    (dict(num_layers=5, pp=2, split=(3, 3)), r"pipeline_layer_split=\[3, 3\] must have pp=2 entries, each >= 1, summing to num_layers=5"),
+    (
+        dict(num_layers=5, pp=2, split=(3, 3)),
+        r"pipeline_layer_split=\[3, 3\] must have pp=2 entries, each >= 1, summing to num_layers=5",
+    ),
     (dict(num_layers=4, pp=2, split=(4, 0)), r"pipeline_layer_split=\[4, 0\]"),
     (dict(num_layers=4, pp=2, split=(1, 1, 2)), r"pipeline_layer_split=\[1, 1, 2\] must have pp=2 entries"),
-    (dict(global_batch_size=30, micro_batch_size=4), r"global_batch_size=30 is not divisible by micro_batch_size\*dp = 4\*2 = 8"),
+    (
+        dict(global_batch_size=30, micro_batch_size=4),
+        r"global_batch_size=30 is not divisible by micro_batch_size\*dp = 4\*2 = 8",
+    ),
     (dict(vocab_size=100), r"vocab_size=100 must be >= 258"),
     (dict(params_dtype="int8"), r"params_dtype='int8' must be one of"),
     (dict(lr=0.0), r"lr=0.0 must be > 0"),
@@ -48,18 +67,34 @@ BAD = [
     (dict(clip_grad=float("nan")), r"clip_grad=nan must be a finite number"),
     (dict(init_method_std=float("nan")), r"init_method_std=nan must be a finite number"),
     (dict(seed=-1), r"seed=-1 must be in \[0, 2\*\*63\)"),
-    (dict(per_chunk=1, global_batch_size=8, micro_batch_size=4, pp=4, tp=1, world=8),
-     r"interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches=1 .* pp=4"),
-    (dict(per_chunk=1, global_batch_size=24, micro_batch_size=4),
-     r"interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches=3"),
-    (dict(per_chunk=3, num_layers=8), r"num_layers=8 is not divisible by pp \* num_layers_per_virtual_pipeline_stage = 2\*3 = 6"),
-    (dict(per_chunk=1, pp=1, tp=2, world=8), r"interleaved-1f1b schedule needs pipeline_model_parallel_size >= 2, got 1"),
+    (
+        dict(per_chunk=1, global_batch_size=8, micro_batch_size=4, pp=4, tp=1, world=8),
+        r"interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches=1 .* pp=4",
+    ),
+    (
+        dict(per_chunk=1, global_batch_size=24, micro_batch_size=4),
+        r"interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches=3",
+    ),
+    (
+        dict(per_chunk=3, num_layers=8),
+        r"num_layers=8 is not divisible by pp \* num_layers_per_virtual_pipeline_stage = 2\*3 = 6",
+    ),
+    (
+        dict(per_chunk=1, pp=1, tp=2, world=8),
+        r"interleaved-1f1b schedule needs pipeline_model_parallel_size >= 2, got 1",
+    ),
     (dict(schedule="interleaved-1f1b"), r"interleaved-1f1b schedule needs num_layers_per_virtual_pipeline_stage"),
-    (dict(schedule="gpipe", per_chunk=1), r"num_layers_per_virtual_pipeline_stage needs the interleaved-1f1b schedule, not gpipe"),
+    (
+        dict(schedule="gpipe", per_chunk=1),
+        r"num_layers_per_virtual_pipeline_stage needs the interleaved-1f1b schedule, not gpipe",
+    ),
     (dict(schedule="zero-bubble"), r"pipeline_schedule='zero-bubble' must be one of"),
     (dict(sp=True, tp=1, world=4), r"sequence_parallel needs tensor_model_parallel_size > 1, got 1"),
-    (dict(sp=True, tp=4, pp=1, seq_length=130), r"seq_length=130 is not divisible by tensor_model_parallel_size=4 "
-                                                r"\(rule: s % tp == 0 with sequence_parallel"),
+    (
+        dict(sp=True, tp=4, pp=1, seq_length=130),
+        r"seq_length=130 is not divisible by tensor_model_parallel_size=4 "
+        r"\(rule: s % tp == 0 with sequence_parallel",
+    ),
 ]
 
 
@@ -104,8 +139,10 @@ def test_config_json_round_trip():
 @pytest.fixture
 def no_workers(monkeypatch):
     """Fail the test if anything tries to start workers or a process group."""
+
     def forbidden(*args, **kwargs):
         raise AssertionError("a worker or process group was started for an invalid config")
+
     monkeypatch.setattr("ptdp.run.launch.launch_local", forbidden)
     monkeypatch.setattr("ptdp.run.rundir.prepare", forbidden)
     monkeypatch.setattr(dist, "init_process_group", forbidden)
@@ -132,9 +169,14 @@ CLI_BAD = [
     (["--nproc-per-node", "6"], "world_size=6 is not divisible by tp*pp=2*2=4"),
     (["--num-layers", "3"], "num_layers=3 is not divisible by pipeline_model_parallel_size=2"),
     (["--ffn-hidden-size", "511"], "ffn_hidden_size=511 is not divisible by tensor_model_parallel_size=2"),
-    (["--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "24"],
-     "interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches=3"),
-    (["--num-layers-per-virtual-pipeline-stage", "3"], "num_layers=4 is not divisible by pp * num_layers_per_virtual_pipeline_stage"),
+    (
+        ["--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "24"],
+        "interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches=3",
+    ),
+    (
+        ["--num-layers-per-virtual-pipeline-stage", "3"],
+        "num_layers=4 is not divisible by pp * num_layers_per_virtual_pipeline_stage",
+    ),
     (["--sequence-parallel", "--tp", "1"], "sequence_parallel needs tensor_model_parallel_size > 1, got 1"),
 ]
 

@@ -39,55 +39,95 @@ def test_world_is_tp_cp_pp_dp_and_the_sequence_splits_into_2cp_chunks():
     (v,) = context_parallel_violations(96, 32)
     assert "seq_length=96 is not divisible by 2*context_parallel_size = 2*32 = 64" in v.message
     assert "positive integer" in context_parallel_violations(64, 0)[0].message
-    with pytest.raises(ConfigError, match=r"world_size=8 != tp\*cp\*pp\*dp = 2\*2\*2\*2 = 16 \(rule: world_size = "
-                                          r"tp \* cp \* pp \* dp\)"):
-        resolve(_config(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2,
-                        data_parallel_size=2), 8)
+    with pytest.raises(
+        ConfigError,
+        match=r"world_size=8 != tp\*cp\*pp\*dp = 2\*2\*2\*2 = 16 \(rule: world_size = "
+        r"tp \* cp \* pp \* dp\)",
+    ):
+        resolve(
+            _config(
+                tensor_model_parallel_size=2,
+                pipeline_model_parallel_size=2,
+                context_parallel_size=2,
+                data_parallel_size=2,
+            ),
+            8,
+        )
 
 
 def test_cp_resolves_with_dp_from_the_world():
-    p = resolve(_config(tensor_model_parallel_size=2, pipeline_model_parallel_size=1, context_parallel_size=2,
-                        use_distributed_optimizer=True), 8).parallel
+    p = resolve(
+        _config(
+            tensor_model_parallel_size=2,
+            pipeline_model_parallel_size=1,
+            context_parallel_size=2,
+            use_distributed_optimizer=True,
+        ),
+        8,
+    ).parallel
     assert (p.tp, p.cp, p.pp, p.dp, p.sharding_strategy) == (2, 2, 1, 2, "optim")
 
 
-@pytest.mark.parametrize("parallel, message", [
-    (dict(data_parallel_sharding_strategy="optim_grads_params"), "optim_grads_params: planned .* but not yet trainable"),
-    (dict(data_parallel_sharding_strategy="no_shard", use_distributed_optimizer=True), "contradicts"),
-    (dict(data_parallel_sharding_strategy="optim_grads", grad_compression="1bit"),
-     r"grad_compression=1bit cannot be combined .*data_parallel_sharding_strategy=optim_grads.*reduce-scattered"),
-])
+@pytest.mark.parametrize(
+    "parallel, message",
+    [
+        (
+            dict(data_parallel_sharding_strategy="optim_grads_params"),
+            "optim_grads_params: planned .* but not yet trainable",
+        ),
+        (dict(data_parallel_sharding_strategy="no_shard", use_distributed_optimizer=True), "contradicts"),
+        (
+            dict(data_parallel_sharding_strategy="optim_grads", grad_compression="1bit"),
+            r"grad_compression=1bit cannot be combined .*data_parallel_sharding_strategy=optim_grads.*reduce-scattered",
+        ),
+    ],
+)
 def test_train_rejects_what_it_cannot_run_yet(parallel, message):
     with pytest.raises(ConfigError, match=message):
         resolve(_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, **parallel), 2)
 
 
 def test_optim_grads_resolves_as_a_sharded_optimizer():
-    p = resolve(_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, overlap_param_gather=True,
-                        data_parallel_sharding_strategy="optim_grads"), 2).parallel
+    p = resolve(
+        _config(
+            tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=1,
+            overlap_param_gather=True,
+            data_parallel_sharding_strategy="optim_grads",
+        ),
+        2,
+    ).parallel
     assert p.use_distributed_optimizer and p.sharding_strategy == "optim_grads"
 
 
 def test_optim_is_the_distributed_optimizer():
     for given in (dict(data_parallel_sharding_strategy="optim"), dict(use_distributed_optimizer=True)):
-        p = resolve(_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, overlap_param_gather=True,
-                            **given), 2).parallel
+        p = resolve(
+            _config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, overlap_param_gather=True, **given), 2
+        ).parallel
         assert p.use_distributed_optimizer and p.sharding_strategy == "optim"
     p = resolve(_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1), 2).parallel
     assert not p.use_distributed_optimizer and p.sharding_strategy == "no_shard"
     # a resolved config keeps the strategy unset, so a replay can still add --use-distributed-optimizer
     assert p.data_parallel_sharding_strategy is None
-    again = dataclasses.replace(_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1),
-                                parallel=dataclasses.replace(p, use_distributed_optimizer=True))
+    again = dataclasses.replace(
+        _config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1),
+        parallel=dataclasses.replace(p, use_distributed_optimizer=True),
+    )
     assert resolve(again, 2).parallel.sharding_strategy == "optim"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--data-parallel-sharding-strategy", "optim_grads_params"], "not yet trainable"),
-    (["--cp", "3", "--seq-length", "32"], "seq_length=32 is not divisible by 2*context_parallel_size = 2*3 = 6 "
-                                          "(rule: seq_length % (2 * cp) == 0"),
-    (["--cp", "2", "--nproc-per-node", "4", "--dp", "2"], "world_size=4 != tp*cp*pp*dp = 2*2*2*2 = 16"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--data-parallel-sharding-strategy", "optim_grads_params"], "not yet trainable"),
+        (
+            ["--cp", "3", "--seq-length", "32"],
+            "seq_length=32 is not divisible by 2*context_parallel_size = 2*3 = 6 (rule: seq_length % (2 * cp) == 0",
+        ),
+        (["--cp", "2", "--nproc-per-node", "4", "--dp", "2"], "world_size=4 != tp*cp*pp*dp = 2*2*2*2 = 16"),
+    ],
+)
 def test_ptdp_train_exits_2_before_any_process(argv, message, capsys, monkeypatch):
     import ptdp.run.launch
 

@@ -14,15 +14,27 @@ def printed(capsys, *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("name, text", [
-    ("c.toml", 'tp = 4\npp = 1\n[model]\nnum-layers = 8\nhidden_size = 64\ndisable-bias-linear = true\n'
-               'recompute-granularity = "full"\n[train]\nlr = 0.001\ndata = ["a", "b"]\n'),
-    ("c.yaml", "tensor-model-parallel-size: 4\npipeline_model_parallel_size: 1\nmodel:\n  num_layers: 8\n"
-               "  hidden-size: 64\n  add_bias_linear: false\n  recompute_granularity: full\nlr: 0.001\n"
-               "data: [a, b]\n"),
-    ("c.json", '{"parallel": {"tp": 4, "pp": 1}, "num-layers": 8, "hidden_size": 64, "disable_bias_linear": true, '
-               '"recompute-granularity": "full", "train": {"lr": 0.001}, "data_paths": ["a", "b"]}'),
-])
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        (
+            "c.toml",
+            "tp = 4\npp = 1\n[model]\nnum-layers = 8\nhidden_size = 64\ndisable-bias-linear = true\n"
+            'recompute-granularity = "full"\n[train]\nlr = 0.001\ndata = ["a", "b"]\n',
+        ),
+        (
+            "c.yaml",
+            "tensor-model-parallel-size: 4\npipeline_model_parallel_size: 1\nmodel:\n  num_layers: 8\n"
+            "  hidden-size: 64\n  add_bias_linear: false\n  recompute_granularity: full\nlr: 0.001\n"
+            "data: [a, b]\n",
+        ),
+        (
+            "c.json",
+            '{"parallel": {"tp": 4, "pp": 1}, "num-layers": 8, "hidden_size": 64, "disable_bias_linear": true, '
+            '"recompute-granularity": "full", "train": {"lr": 0.001}, "data_paths": ["a", "b"]}',
+        ),
+    ],
+)
 def test_a_config_file_sets_flags_by_their_long_names(tmp_path, capsys, name, text):
     path = tmp_path / name
     path.write_text(text)
@@ -47,14 +59,17 @@ def test_print_config_round_trips_through_config(tmp_path, capsys):
     assert printed(capsys, "--config", str(tmp_path / "c.json")) == first
 
 
-@pytest.mark.parametrize("text, message", [
-    ("num_layer = 3\n", "unknown key 'num_layer'; did you mean 'num-layers'?"),
-    ("[model]\nhiden-size = 3\n", "unknown key 'model.hiden-size'; did you mean 'hidden-size'?"),
-    ("num-layers = 2.5\n", "num-layers=2.5 must be a int"),
-    ('normalization = "BatchNorm"\n', "normalization='BatchNorm' must be one of ('LayerNorm', 'RMSNorm')"),
-    ('swiglu = "yes"\n', "swiglu='yes' must be true or false"),
-    ("tp = \n", "not valid toml"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("num_layer = 3\n", "unknown key 'num_layer'; did you mean 'num-layers'?"),
+        ("[model]\nhiden-size = 3\n", "unknown key 'model.hiden-size'; did you mean 'hidden-size'?"),
+        ("num-layers = 2.5\n", "num-layers=2.5 must be a int"),
+        ('normalization = "BatchNorm"\n', "normalization='BatchNorm' must be one of ('LayerNorm', 'RMSNorm')"),
+        ('swiglu = "yes"\n', "swiglu='yes' must be true or false"),
+        ("tp = \n", "not valid toml"),
+    ],
+)
 def test_a_bad_config_file_is_refused_naming_the_key(tmp_path, capsys, text, message):
     path = tmp_path / "c.toml"
     path.write_text(text)

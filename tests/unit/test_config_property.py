@@ -19,19 +19,21 @@ import subprocess
 import time
 from unittest import mock
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from ptdp.spec import SCHEDULES, Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.planner.hardware import CATALOG, Cluster
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout
-from ptdp.planner.request import check_model, check_request as check_plan_request
+from ptdp.planner.request import check_model
+from ptdp.planner.request import check_request as check_plan_request
 from ptdp.planner.search import Fixed, evaluate, search
 from ptdp.planner.splits import split_options
+from ptdp.spec import SCHEDULES, Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
 
-
-PROPERTY = settings(max_examples=300, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(
+    max_examples=300, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 GPU = CATALOG["h100-sxm"]
 #: A refusal must come back this fast (seconds): it is pure arithmetic, no process, no I/O.
 REFUSAL_BUDGET = 0.05
@@ -40,13 +42,16 @@ REFUSAL_BUDGET = 0.05
 @contextlib.contextmanager
 def no_processes():
     """Any attempt to start a process or a process group fails the test."""
+
     def forbidden(*args, **kwargs):
         raise AssertionError("a process or process group was started while validating a configuration")
 
-    with mock.patch.object(subprocess.Popen, "__init__", forbidden), \
-            mock.patch("multiprocessing.process.BaseProcess.start", forbidden), \
-            mock.patch("torch.distributed.init_process_group", forbidden), \
-            mock.patch("ptdp.run.launch.launch_local", forbidden):
+    with (
+        mock.patch.object(subprocess.Popen, "__init__", forbidden),
+        mock.patch("multiprocessing.process.BaseProcess.start", forbidden),
+        mock.patch("torch.distributed.init_process_group", forbidden),
+        mock.patch("ptdp.run.launch.launch_local", forbidden),
+    ):
         yield
 
 
@@ -55,6 +60,7 @@ def requests(draw) -> tuple[Config, int]:
     """A ``ptdp train`` request: (unresolved config, world size). Each number is usually drawn to
     fit the others (heads a multiple of tp, layers of pp, ...) and sometimes anything, zero and
     negative included, so that every rule is both met and broken."""
+
     def fit(good, anything):  # 1 in 8: anything
         return draw(anything if draw(st.integers(0, 7)) == 0 else good)
 
@@ -65,12 +71,16 @@ def requests(draw) -> tuple[Config, int]:
     per_chunk = fit(st.none() | st.integers(1, 3), st.integers(-1, 4))
     layers = fit(st.integers(1, 3).map(lambda k: k * pos_pp * max(per_chunk or 1, 1)), st.integers(-1, 12))
     model = ModelConfig(
-        num_layers=layers, hidden_size=fit(st.integers(1, 8).map(lambda d: d * max(heads, 1)), st.integers(-1, 96)),
-        num_attention_heads=heads, ffn_hidden_size=fit(st.none() | st.integers(1, 32).map(lambda k: k * pos_tp),
-                                                       st.integers(-1, 256)),
-        seq_length=fit(st.integers(1, 64), st.integers(-1, 64)), vocab_size=draw(st.integers(250, 700)),
-        num_query_groups=fit(st.none() | st.sampled_from([g for g in (1, 2, 4) if g % pos_tp == 0 and heads % g == 0]
-                                                        or [None]), st.integers(-1, 4)),
+        num_layers=layers,
+        hidden_size=fit(st.integers(1, 8).map(lambda d: d * max(heads, 1)), st.integers(-1, 96)),
+        num_attention_heads=heads,
+        ffn_hidden_size=fit(st.none() | st.integers(1, 32).map(lambda k: k * pos_tp), st.integers(-1, 256)),
+        seq_length=fit(st.integers(1, 64), st.integers(-1, 64)),
+        vocab_size=draw(st.integers(250, 700)),
+        num_query_groups=fit(
+            st.none() | st.sampled_from([g for g in (1, 2, 4) if g % pos_tp == 0 and heads % g == 0] or [None]),
+            st.integers(-1, 4),
+        ),
         untie_embeddings_and_output_weights=draw(st.booleans()),
     )
     grid = pos_tp * pos_pp * (dp if dp and dp > 0 else draw(st.integers(1, 3)))
@@ -85,10 +95,14 @@ def requests(draw) -> tuple[Config, int]:
         good = cuts.map(lambda c: tuple(b - a for a, b in zip([0, *sorted(c)], [*sorted(c), layers])))
         split = fit(good if pos_pp <= layers else anything, anything)
     parallel = ParallelConfig(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        data_parallel_size=dp,
         pipeline_layer_split=split,
-        pipeline_schedule=fit(st.sampled_from([None, "interleaved-1f1b"] if per_chunk else [None, "1f1b", "gpipe"]),
-                              st.sampled_from(SCHEDULES)),
+        pipeline_schedule=fit(
+            st.sampled_from([None, "interleaved-1f1b"] if per_chunk else [None, "1f1b", "gpipe"]),
+            st.sampled_from(SCHEDULES),
+        ),
         num_layers_per_virtual_pipeline_stage=per_chunk,
     )
     train = TrainConfig(micro_batch_size=b, global_batch_size=big_b, train_iters=1, lr_warmup_iters=0)
@@ -99,10 +113,26 @@ def planner_view(config: Config) -> tuple[ModelSpec, Layout]:
     """What ``ptdp plan`` evaluates for a resolved config: its model and its exact layout
     (gpipe and 1f1b are both v = 1 to the planner; precision fp32 as ptdp's float32)."""
     m, p, t = config.model, config.parallel, config.train
-    model = ModelSpec(m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn, m.vocab_size, m.seq_length,
-                      num_query_groups=m.num_query_groups, tied=not m.untie_embeddings_and_output_weights)
-    layout = Layout(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size, p.virtual_stages(m.num_layers),
-                    precision="fp32", layer_split=p.pipeline_layer_split)
+    model = ModelSpec(
+        m.num_layers,
+        m.hidden_size,
+        m.num_attention_heads,
+        m.ffn,
+        m.vocab_size,
+        m.seq_length,
+        num_query_groups=m.num_query_groups,
+        tied=not m.untie_embeddings_and_output_weights,
+    )
+    layout = Layout(
+        p.tp,
+        p.pp,
+        p.dp,
+        t.micro_batch_size,
+        t.global_batch_size,
+        p.virtual_stages(m.num_layers),
+        precision="fp32",
+        layer_split=p.pipeline_layer_split,
+    )
     return model, layout
 
 
@@ -143,13 +173,21 @@ def planner_requests(draw) -> tuple[ModelSpec, int, int, Fixed]:
     heads = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]))
     groups = draw(st.none() | st.sampled_from([g for g in (1, 2, 3, 4, 8) if heads % g == 0]))
     model = ModelSpec(
-        num_layers=draw(st.integers(1, 12)), hidden_size=heads * draw(st.integers(1, 16)), num_attention_heads=heads,
-        ffn_hidden_size=draw(st.none() | st.integers(1, 256)), vocab_size=draw(st.integers(250, 700)),
-        seq_length=draw(st.integers(1, 64)), num_query_groups=groups, tied=draw(st.booleans()),
+        num_layers=draw(st.integers(1, 12)),
+        hidden_size=heads * draw(st.integers(1, 16)),
+        num_attention_heads=heads,
+        ffn_hidden_size=draw(st.none() | st.integers(1, 256)),
+        vocab_size=draw(st.integers(250, 700)),
+        seq_length=draw(st.integers(1, 64)),
+        num_query_groups=groups,
+        tied=draw(st.booleans()),
     )
-    fixed = Fixed(tp=draw(st.none() | st.sampled_from([1, 2, 4])), pp=draw(st.none() | st.sampled_from([1, 2, 3, 4])),
-                  micro_batch_size=draw(st.none() | st.sampled_from([1, 2, 4])),
-                  layers_per_virtual_stage=draw(st.none() | st.integers(1, 3)))
+    fixed = Fixed(
+        tp=draw(st.none() | st.sampled_from([1, 2, 4])),
+        pp=draw(st.none() | st.sampled_from([1, 2, 3, 4])),
+        micro_batch_size=draw(st.none() | st.sampled_from([1, 2, 4])),
+        layers_per_virtual_stage=draw(st.none() | st.integers(1, 3)),
+    )
     return model, draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16])), draw(st.integers(1, 48)), fixed
 
 
@@ -160,15 +198,29 @@ def config_of(model: ModelSpec, layout: Layout, fixed: Fixed) -> Config:
     options = dict(split_options(layout.layer_split, v))  # the split's flags, as the report prints them
     options.setdefault("num_layers_per_virtual_pipeline_stage", per_chunk)
     return Config(
-        model=ModelConfig(num_layers=model.num_layers, hidden_size=model.hidden_size,
-                          num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn,
-                          seq_length=model.seq_length, vocab_size=model.vocab_size,
-                          num_query_groups=model.num_query_groups, untie_embeddings_and_output_weights=not model.tied),
-        parallel=ParallelConfig(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-                                data_parallel_size=layout.dp, use_distributed_optimizer=layout.distributed_optimizer,
-                                **options),
-        train=TrainConfig(micro_batch_size=layout.micro_batch_size, global_batch_size=layout.global_batch_size,
-                          train_iters=1, lr_warmup_iters=0),
+        model=ModelConfig(
+            num_layers=model.num_layers,
+            hidden_size=model.hidden_size,
+            num_attention_heads=model.num_attention_heads,
+            ffn_hidden_size=model.ffn,
+            seq_length=model.seq_length,
+            vocab_size=model.vocab_size,
+            num_query_groups=model.num_query_groups,
+            untie_embeddings_and_output_weights=not model.tied,
+        ),
+        parallel=ParallelConfig(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            data_parallel_size=layout.dp,
+            use_distributed_optimizer=layout.distributed_optimizer,
+            **options,
+        ),
+        train=TrainConfig(
+            micro_batch_size=layout.micro_batch_size,
+            global_batch_size=layout.global_batch_size,
+            train_iters=1,
+            lr_warmup_iters=0,
+        ),
     )
 
 
@@ -195,9 +247,11 @@ def test_planner_keeps_the_interleaved_rules_of_the_virtual_stage_flag():
     model = ModelSpec(4, 32, 4, vocab_size=300, seq_length=16)
     alone = search(model, Cluster(GPU, 1, gpus_per_node=1), 2, fixed=Fixed(layers_per_virtual_stage=2))
     assert not alone.plans and "needs pipeline_model_parallel_size >= 2, got 1" in alone.rejected[0][0].reasons[0]
-    odd = search(model, Cluster(GPU, 2, gpus_per_node=2), 3,
-                 fixed=Fixed(pp=2, micro_batch_size=1, layers_per_virtual_stage=2))
+    odd = search(
+        model, Cluster(GPU, 2, gpus_per_node=2), 3, fixed=Fixed(pp=2, micro_batch_size=1, layers_per_virtual_stage=2)
+    )
     assert not odd.plans and "needs num_microbatches % pp == 0: num_microbatches=3" in odd.rejected[0][0].reasons[0]
-    even = search(model, Cluster(GPU, 2, gpus_per_node=2), 4,
-                  fixed=Fixed(pp=2, micro_batch_size=1, layers_per_virtual_stage=2))
+    even = search(
+        model, Cluster(GPU, 2, gpus_per_node=2), 4, fixed=Fixed(pp=2, micro_batch_size=1, layers_per_virtual_stage=2)
+    )
     assert even.plans and {p.layout.virtual_stages for p in even.plans} == {1}

@@ -9,17 +9,27 @@ import torch
 import torch.nn.functional as F
 
 from ptdp.engine.context_parallel.blockwise import (
-    Partial, attention_block, attention_block_backward, block_attention, block_kind, blockwise_causal_attention,
+    Partial,
+    attention_block,
+    attention_block_backward,
+    block_attention,
+    block_kind,
+    blockwise_causal_attention,
     merge,
 )
 from ptdp.engine.context_parallel.chunks import (
-    check_sequence, chunk_ids, local_positions, shard_sequence, unshard_sequence,
+    check_sequence,
+    chunk_ids,
+    local_positions,
+    shard_sequence,
+    unshard_sequence,
 )
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 
 
 # ---- layout ---------------------------------------------------------------------------------------
+
 
 def test_layout_example_in_docstring():
     assert local_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
@@ -50,8 +60,7 @@ def test_shard_and_unshard(cp):
         assert torch.equal(part, tokens[:, local_positions(s, r, cp)])
         assert torch.equal(shard_sequence(seq_first, r, cp, dim=0), seq_first[local_positions(s, r, cp)])
     assert torch.equal(unshard_sequence(parts, dim=1), tokens)
-    assert torch.equal(unshard_sequence([shard_sequence(seq_first, r, cp, dim=0) for r in range(cp)], dim=0),
-                       seq_first)
+    assert torch.equal(unshard_sequence([shard_sequence(seq_first, r, cp, dim=0) for r in range(cp)], dim=0), seq_first)
 
 
 def test_one_rank_takes_any_length():
@@ -72,6 +81,7 @@ def test_layout_errors_name_the_numbers():
 
 
 # ---- blockwise attention -----------------------------------------------------------------------------
+
 
 def _inputs(heads: int, kv_heads: int, s: int = 24, b: int = 2, d: int = 8, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
@@ -129,8 +139,13 @@ def test_blocks_merged_by_autograd_equal_plain_attention(heads, kv_heads, blocks
         for i in range(blocks):
             acc = None
             for j in range(blocks):
-                part = block_attention(q[:, :, i * c:(i + 1) * c], k[:, :, j * c:(j + 1) * c],
-                                       v[:, :, j * c:(j + 1) * c], q_start=i * c, k_start=j * c)
+                part = block_attention(
+                    q[:, :, i * c : (i + 1) * c],
+                    k[:, :, j * c : (j + 1) * c],
+                    v[:, :, j * c : (j + 1) * c],
+                    q_start=i * c,
+                    k_start=j * c,
+                )
                 acc = part if acc is None else acc if part is None else merge(acc, part)
             rows.append(acc.out)
         return torch.cat(rows, dim=2)
@@ -155,13 +170,19 @@ def test_bottom_right_causal_block_and_backward_with_final_statistics():
     q, k, v, dout = _inputs(4, 2, s=12)
     rows = slice(8, 12)
     want = _reference(q, k, v, dout)
-    part = attention_block(q[:, :, rows], k, v, causal=True, scale=8 ** -0.5)
+    part = attention_block(q[:, :, rows], k, v, causal=True, scale=8**-0.5)
     torch.testing.assert_close(part.out, want[0][:, :, rows], **TOL)
-    dq, dk, dv = attention_block_backward(dout[:, :, rows], q[:, :, rows], k, v, part.out, part.lse, causal=True,
-                                          scale=8 ** -0.5)
+    dq, dk, dv = attention_block_backward(
+        dout[:, :, rows], q[:, :, rows], k, v, part.out, part.lse, causal=True, scale=8**-0.5
+    )
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    F.scaled_dot_product_attention(leaves[0][:, :, rows], leaves[1], leaves[2], attn_mask=torch.ones(
-        4, 12, dtype=torch.bool).tril(8), enable_gqa=True).backward(dout[:, :, rows])
+    F.scaled_dot_product_attention(
+        leaves[0][:, :, rows],
+        leaves[1],
+        leaves[2],
+        attn_mask=torch.ones(4, 12, dtype=torch.bool).tril(8),
+        enable_gqa=True,
+    ).backward(dout[:, :, rows])
     for got, ref in zip((dq, dk, dv), (leaves[0].grad[:, :, rows], leaves[1].grad, leaves[2].grad)):
         torch.testing.assert_close(got, ref, **TOL)
 
@@ -194,10 +215,14 @@ def test_cp_attention_on_one_rank_is_plain_causal_attention(heads, kv_heads, com
 
     axis = AxisGroup.single("cp")
     q, k, v, dout = _inputs(heads, kv_heads, seed=2)
-    _check_against_reference(lambda q, k, v: context_parallel_attention(q, k, v, axis, comm, kernel=kernel),
-                             q, k, v, dout)
-    assert axis.stats.as_dict() == {} == cp_attention_comm(comm, batch=2, kv_heads=kv_heads, local_seq=24,
-                                                            head_dim=8, cp_size=1, dtype=torch.float64)
+    _check_against_reference(
+        lambda q, k, v: context_parallel_attention(q, k, v, axis, comm, kernel=kernel), q, k, v, dout
+    )
+    assert (
+        axis.stats.as_dict()
+        == {}
+        == cp_attention_comm(comm, batch=2, kv_heads=kv_heads, local_seq=24, head_dim=8, cp_size=1, dtype=torch.float64)
+    )
 
 
 def test_cp_attention_bad_input_is_named():
@@ -220,7 +245,7 @@ def test_fused_kernel_equals_math_kernel(heads, kv_heads, causal, n):
     from ptdp.engine.context_parallel.kernels import block_backward, block_forward
 
     q, k, v, dout = _inputs(heads, kv_heads, s=24, seed=3)
-    q, dout = q[:, :, 12:12 + n], dout[:, :, 12:12 + n]
+    q, dout = q[:, :, 12 : 12 + n], dout[:, :, 12 : 12 + n]
     scale = 0.3
     blocks = [(k[:, :, 12:24], v[:, :, 12:24], causal), (k[:, :, :12], v[:, :, :12], False)]
     final = None
@@ -233,8 +258,10 @@ def test_fused_kernel_equals_math_kernel(heads, kv_heads, causal, n):
                 torch.testing.assert_close(got.out, want.out, **TOL)
                 torch.testing.assert_close(got.lse, want.lse, **TOL)
     for kb, vb, c in blocks:
-        got, want = (block_backward(dout, q, kb, vb, final.out, final.lse, causal=c, scale=scale, kernel=kernel)
-                     for kernel in ("fused", "math"))
+        got, want = (
+            block_backward(dout, q, kb, vb, final.out, final.lse, causal=c, scale=scale, kernel=kernel)
+            for kernel in ("fused", "math")
+        )
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, **TOL)
 

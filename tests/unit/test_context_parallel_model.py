@@ -76,8 +76,15 @@ def test_attention_dropout_masks_are_the_rows_of_the_unsplit_models_masks():
     assert want.shape == (b, 2, s, s) and want.any() and not want.all()
     for r in range(cp):
         axis = AxisGroup("cp", tuple(range(cp)), r, None, None)
-        attention = Attention(cfg, AxisGroup("tp", (0, 1), 1, None, None), torch.float64, layer_id=2,
-                              rng=DropoutRNG(9, tp_rank=1, cp_rank=r, cp_size=cp), cp=axis, cp_comm_type="all_gather")
+        attention = Attention(
+            cfg,
+            AxisGroup("tp", (0, 1), 1, None, None),
+            torch.float64,
+            layer_id=2,
+            rng=DropoutRNG(9, tp_rank=1, cp_rank=r, cp_size=cp),
+            cp=axis,
+            cp_comm_type="all_gather",
+        )
         got = attention.cp_dropout_masks(torch.zeros(b, 2, s // cp, 8, dtype=torch.float64))
         assert torch.equal(got, want[:, :, local_positions(s, r, cp)])
 
@@ -95,20 +102,37 @@ def test_blocks_with_dropout_merge_into_dropped_attention(grouped):
     dout = torch.randn(b, heads, n, d, generator=gen, dtype=torch.float64)
     # dense reference: queries at positions n .. 2n-1 against keys 0 .. 2n-1
     kr, vr = (t.repeat_interleave(heads // kv, dim=1) for t in (k, v))
-    scores = (q @ kr.transpose(-1, -2)) / d ** 0.5
+    scores = (q @ kr.transpose(-1, -2)) / d**0.5
     future = torch.arange(2 * n).unsqueeze(0) > torch.arange(n, 2 * n).unsqueeze(1)
     probs = torch.softmax(scores.masked_fill(future, float("-inf")), -1)
     want = (probs.masked_fill(drop, 0.0) / (1 - p)) @ vr
     want.backward(dout)
-    scale, past, diag = 1 / d ** 0.5, slice(0, n), slice(n, 2 * n)
+    scale, past, diag = 1 / d**0.5, slice(0, n), slice(n, 2 * n)
     pieces = ((past, False), (diag, True))
     with torch.no_grad():
-        blocks = [attention_block(q, k[:, :, cols], v[:, :, cols], causal=causal, scale=scale, drop=drop[..., cols],
-                                  dropout_p=p) for cols, causal in pieces]
+        blocks = [
+            attention_block(
+                q, k[:, :, cols], v[:, :, cols], causal=causal, scale=scale, drop=drop[..., cols], dropout_p=p
+            )
+            for cols, causal in pieces
+        ]
         out, lse = merge(*blocks)
         torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
-        grads = [attention_block_backward(dout, q, k[:, :, cols], v[:, :, cols], out, lse, causal=causal, scale=scale,
-                                          drop=drop[..., cols], dropout_p=p) for cols, causal in pieces]
+        grads = [
+            attention_block_backward(
+                dout,
+                q,
+                k[:, :, cols],
+                v[:, :, cols],
+                out,
+                lse,
+                causal=causal,
+                scale=scale,
+                drop=drop[..., cols],
+                dropout_p=p,
+            )
+            for cols, causal in pieces
+        ]
     torch.testing.assert_close(grads[0][0] + grads[1][0], q.grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(torch.cat([grads[0][1], grads[1][1]], 2), k.grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(torch.cat([grads[0][2], grads[1][2]], 2), v.grad, rtol=1e-12, atol=1e-12)
@@ -123,8 +147,9 @@ def test_attention_takes_the_cp_axis_and_a_dropout_mask_of_the_right_shape():
     with pytest.raises(ValueError, match=r"dropout mask must be bool \[b, heads, s/C, s\] = \[1, 4, 4, 8\]"):
         context_parallel_attention(q, q, q, cp, "p2p", drop=torch.zeros(1, 4, 4, 4, dtype=torch.bool), dropout_p=0.1)
     with pytest.raises(ValueError, match="attention dropout runs only on the math kernel"):
-        context_parallel_attention(q, q, q, cp, "p2p", kernel="fused", drop=torch.zeros(1, 4, 4, 8, dtype=torch.bool),
-                                   dropout_p=0.1)
+        context_parallel_attention(
+            q, q, q, cp, "p2p", kernel="fused", drop=torch.zeros(1, 4, 4, 8, dtype=torch.bool), dropout_p=0.1
+        )
 
 
 def test_rules_refuse_uneven_sequence_parallel_rows_and_take_attention_dropout():
@@ -134,8 +159,10 @@ def test_rules_refuse_uneven_sequence_parallel_rows_and_take_attention_dropout()
     assert context_parallel_model_violations(m, 2, 4, False) == []  # without sequence parallelism
     assert context_parallel_model_violations(dataclasses.replace(m, seq_length=24), 2, 4, True) == []
     (v,) = context_parallel_model_violations(m, 2, 4, True)  # 20 % (2 * 2) == 0 but 20 % (2 * 4) != 0
-    assert ("seq_length=20 is not divisible by context_parallel_size * tensor_model_parallel_size = 2*4 = 8"
-            in v.message and v.values == {"seq_length": 20, "cp": 2, "tp": 4})
+    assert (
+        "seq_length=20 is not divisible by context_parallel_size * tensor_model_parallel_size = 2*4 = 8" in v.message
+        and v.values == {"seq_length": 20, "cp": 2, "tp": 4}
+    )
     parallel = dict(tensor_model_parallel_size=4, context_parallel_size=2)
     with pytest.raises(ConfigError, match=r"seq_length=20 is not divisible by context_parallel_size \* tensor"):
         resolve(Config(model=m, train=TrainConfig(), parallel=ParallelConfig(**parallel, sequence_parallel=True)), 8)
@@ -146,10 +173,13 @@ def test_stage_hidden_shape_divides_the_sequence_by_cp_and_by_tp_with_sequence_p
     from ptdp.engine.step import Stage
 
     def shape(cp, tp, sp):
-        cfg = Config(model=ModelConfig(seq_length=48, hidden_size=32), train=TrainConfig(micro_batch_size=3),
-                     parallel=ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                             sequence_parallel=sp))
+        cfg = Config(
+            model=ModelConfig(seq_length=48, hidden_size=32),
+            train=TrainConfig(micro_batch_size=3),
+            parallel=ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp),
+        )
         return Stage(cfg, None, None, None, None, torch.device("cpu")).hidden_shape
+
     assert shape(1, 2, False) == (48, 3, 32) and shape(1, 2, True) == (24, 3, 32)
     assert shape(2, 1, False) == (24, 3, 32) and shape(4, 2, False) == (12, 3, 32) and shape(2, 2, True) == (12, 3, 32)
 
@@ -163,8 +193,10 @@ def test_the_planner_refuses_what_ptdp_train_refuses():
     from ptdp.planner.rules import all_rejections
 
     model, cluster = dataclasses.replace(PRESETS["gpt3-175b"], seq_length=20), Cluster(CATALOG["a100-80gb"], 1024)
-    rules = {r.rule: r.message for r in all_rejections(model, Layout(4, 16, 8, 1, 1536, cp=2, sequence_parallel=True),
-                                                      cluster)}
+    rules = {
+        r.rule: r.message
+        for r in all_rejections(model, Layout(4, 16, 8, 1, 1536, cp=2, sequence_parallel=True), cluster)
+    }
     assert "context_parallel_size * tensor_model_parallel_size = 2*4 = 8" in rules["sequence parallel"]
     assert all_rejections(model, Layout(4, 16, 8, 1, 1536, cp=2), cluster) == []
 
@@ -174,8 +206,30 @@ def test_ptdp_train_exits_2_naming_the_numbers_before_any_process(capsys, monkey
     from ptdp import cli
 
     monkeypatch.setattr(ptdp.run.launch, "launch_local", lambda *a, **k: pytest.fail("a process was started"))
-    argv = ["train", "--train-iters", "1", "--tp", "4", "--cp", "2", "--pp", "1", "--dp", "1", "--nproc-per-node", "8",
-            "--sequence-parallel", "--seq-length", "20", "--num-attention-heads", "4", "--hidden-size", "32"]
+    argv = [
+        "train",
+        "--train-iters",
+        "1",
+        "--tp",
+        "4",
+        "--cp",
+        "2",
+        "--pp",
+        "1",
+        "--dp",
+        "1",
+        "--nproc-per-node",
+        "8",
+        "--sequence-parallel",
+        "--seq-length",
+        "20",
+        "--num-attention-heads",
+        "4",
+        "--hidden-size",
+        "32",
+    ]
     assert cli.main(argv) == 2
-    assert ("seq_length=20 is not divisible by context_parallel_size * tensor_model_parallel_size = 2*4 = 8 (rule: "
-            "s % (cp * tp) == 0" in capsys.readouterr().err)
+    assert (
+        "seq_length=20 is not divisible by context_parallel_size * tensor_model_parallel_size = 2*4 = 8 (rule: "
+        "s % (cp * tp) == 0" in capsys.readouterr().err
+    )

@@ -15,8 +15,13 @@ from ptdp.engine.pipeline.nccl_model import Op, ScheduleError, simulate_nccl
 
 
 def _programs(size: int, phase: str) -> list[list]:
-    return [[SimpleNamespace(communicator="cp", ops=[Op(kind, peer, label) for kind, peer, label in group])
-             for group in ring_groups(rank, size, phase)] for rank in range(size)]
+    return [
+        [
+            SimpleNamespace(communicator="cp", ops=[Op(kind, peer, label) for kind, peer, label in group])
+            for group in ring_groups(rank, size, phase)
+        ]
+        for rank in range(size)
+    ]
 
 
 @pytest.mark.parametrize("size", [2, 3, 4, 5, 8, 16])
@@ -49,8 +54,8 @@ def test_every_key_block_of_every_query_is_computed_once(size):
         for step in range(size):
             src = (rank - step) % size
             rows, cols, causal = ring_block(rank, src, c)
-            q_chunks = chunk_ids(rank, size)[rows.start // c:rows.stop // c]
-            k_chunks = chunk_ids(src, size)[cols.start // c:cols.stop // c]
+            q_chunks = chunk_ids(rank, size)[rows.start // c : rows.stop // c]
+            k_chunks = chunk_ids(src, size)[cols.start // c : cols.stop // c]
             for qc in q_chunks:
                 for kc in k_chunks:
                     if causal and kc > qc:  # masked by the causal mask on local indices
@@ -93,6 +98,7 @@ def test_each_transfer_is_posted_before_the_attention_it_overlaps(monkeypatch):
         def fn(*args, **kwargs):
             events.append((name,))
             return real(*args, **kwargs)
+
         return fn
 
     monkeypatch.setattr(ring, "post", fake_post)
@@ -101,13 +107,30 @@ def test_each_transfer_is_posted_before_the_attention_it_overlaps(monkeypatch):
     axis = AxisGroup("cp", (0, 1, 2), 1, None, CommStats())
     q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     out = ring.RingAttention.apply(q, k, v, axis, 0.5, "math")
-    assert events == [("post", ["kv1", "kv0"]), ("attend",), ("wait", 1),
-                      ("post", ["kv0", "kv2"]), ("attend",), ("wait", 2), ("attend",)]
+    assert events == [
+        ("post", ["kv1", "kv0"]),
+        ("attend",),
+        ("wait", 1),
+        ("post", ["kv0", "kv2"]),
+        ("attend",),
+        ("wait", 2),
+        ("attend",),
+    ]
     events.clear()
     out.backward(torch.ones_like(out))
-    assert events == [("post", ["kv1", "kv0"]), ("attend",), ("wait", 1),
-                      ("post", ["kv0", "dkv1", "kv2", "dkv0"]), ("attend",), ("wait", 2),
-                      ("post", ["dkv0", "dkv2"]), ("attend",), ("wait", 3),
-                      ("post", ["dkv2", "dkv1"]), ("wait", 4)]
+    assert events == [
+        ("post", ["kv1", "kv0"]),
+        ("attend",),
+        ("wait", 1),
+        ("post", ["kv0", "dkv1", "kv2", "dkv0"]),
+        ("attend",),
+        ("wait", 2),
+        ("post", ["dkv0", "dkv2"]),
+        ("attend",),
+        ("wait", 3),
+        ("post", ["dkv2", "dkv1"]),
+        ("wait", 4),
+    ]
     assert [[label for _, _, label in group] for group in ring_groups(1, 3, "backward")] == [
-        e[1] for e in events if e[0] == "post"]
+        e[1] for e in events if e[0] == "post"
+    ]

@@ -15,21 +15,26 @@ from ptdp.spec.resolve import _resolve_dp
 
 
 def _config(**parallel) -> Config:
-    model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=512,
-                        params_dtype="bfloat16")
-    return Config(model=model, parallel=ParallelConfig(**parallel),
-                  train=TrainConfig(micro_batch_size=1, global_batch_size=8))
+    model = ModelConfig(
+        num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=512, params_dtype="bfloat16"
+    )
+    return Config(
+        model=model, parallel=ParallelConfig(**parallel), train=TrainConfig(micro_batch_size=1, global_batch_size=8)
+    )
 
 
 def test_world_is_tp_cp_pp_dp():
-    config = _config(tensor_model_parallel_size=2, pipeline_model_parallel_size=3, context_parallel_size=2,
-                     data_parallel_size=5)
+    config = _config(
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=3, context_parallel_size=2, data_parallel_size=5
+    )
     assert config.world_size == 2 * 2 * 3 * 5
     errors: list[Violation] = []
     assert _resolve_dp(dataclasses.replace(config.parallel, data_parallel_size=None), 60, errors) == 5 and not errors
     _resolve_dp(dataclasses.replace(config.parallel, data_parallel_size=None), 18, errors)
-    assert "world_size=18 is not divisible by tp*cp*pp=2*2*3=12 (rule: world_size = tp * cp * pp * dp)" in \
-        errors[0].message
+    assert (
+        "world_size=18 is not divisible by tp*cp*pp=2*2*3=12 (rule: world_size = tp * cp * pp * dp)"
+        in errors[0].message
+    )
 
 
 def test_local_workers_count_cp():
@@ -41,8 +46,9 @@ def test_local_workers_count_cp():
 
 def test_run_layout_for_the_planner_and_the_memory_check_has_cp():
     one = _config(context_parallel_size=1, data_parallel_size=4, use_distributed_optimizer=True)
-    two = _config(context_parallel_size=2, data_parallel_size=2, use_distributed_optimizer=True,
-                  cp_comm_type="all_gather")
+    two = _config(
+        context_parallel_size=2, data_parallel_size=2, use_distributed_optimizer=True, cp_comm_type="all_gather"
+    )
     layout = planner_layout(two)
     assert (layout.tp, layout.cp, layout.dp, layout.cp_comm_type) == (1, 2, 2, "all_gather")
     assert layout.sharding_strategy == "optim" and layout.shard_size == 4 and layout.num_gpus == 4

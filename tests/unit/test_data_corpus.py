@@ -33,7 +33,11 @@ def test_documents_sorted_and_formats(tmp_path):
     root = _tree(tmp_path / "corpus")
     docs = list(iter_documents([root]))
     assert [d.doc_id for d in docs] == [
-        "corpus/a/y.md", "corpus/a/z.txt", "corpus/b/x.py", "corpus/c.jsonl:1", "corpus/c.jsonl:3",
+        "corpus/a/y.md",
+        "corpus/a/z.txt",
+        "corpus/b/x.py",
+        "corpus/c.jsonl:1",
+        "corpus/c.jsonl:3",
     ]
     assert docs[0].text == "# why" and docs[-1].text == "line three"
     assert docs == list(iter_documents(str(root)))  # deterministic; a single str path works too

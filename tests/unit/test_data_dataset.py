@@ -52,7 +52,7 @@ def test_microbatches_shift_labels(stream):
     w = TokenWindows(stream, 16)
     mbs = microbatches(w, np.array([5, 1, 9, 2, 7, 0]), 2)
     assert len(mbs) == 3
-    for k, (tokens, labels) in enumerate(mbs):
+    for tokens, labels in mbs:
         assert tokens.dtype == labels.dtype == torch.long
         assert tokens.shape == labels.shape == (2, 16)
         assert torch.equal(tokens[:, 1:], labels[:, :-1])
@@ -66,8 +66,10 @@ def test_device_microbatches_equal_microbatches_from_one_block(stream):
     w = TokenWindows(stream, 16)
     indices = np.array([5, 1, 9, 2, 7, 0])
     # the reference: each microbatch's windows gathered on their own
-    host = [(torch.from_numpy(w.batch(indices[i:i + 2]))[:, :-1], torch.from_numpy(w.batch(indices[i:i + 2]))[:, 1:])
-            for i in range(0, 6, 2)]
+    host = [
+        (torch.from_numpy(w.batch(indices[i : i + 2]))[:, :-1], torch.from_numpy(w.batch(indices[i : i + 2]))[:, 1:])
+        for i in range(0, 6, 2)
+    ]
     dev = device_microbatches(w, indices, 2, "cpu")
     assert len(dev) == 3
     for (t, l), (dt, dl) in zip(host, dev):

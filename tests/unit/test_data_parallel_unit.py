@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.data_parallel.compression import packbits, unpackbits
 from ptdp.engine.groups import ParallelGroups
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 
 
 def test_a_non_finite_gradient_norm_with_fp16_compression_points_to_bf16():
@@ -51,8 +51,13 @@ def test_no_sync_defers_every_reduction():
 
 def test_grad_compression_warmup_defaults():
     def warmup(codec, iters=None):
-        par = ParallelConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, data_parallel_size=2,
-                             grad_compression=codec, grad_compression_warmup_iters=iters)
+        par = ParallelConfig(
+            tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=1,
+            data_parallel_size=2,
+            grad_compression=codec,
+            grad_compression_warmup_iters=iters,
+        )
         return resolve(Config(parallel=par, train=TrainConfig(lr_warmup_iters=30)), 2).grad_compression_warmup
 
     assert (warmup("none"), warmup("fp16"), warmup("bf16"), warmup("1bit")) == (0, 0, 0, 30)
@@ -69,11 +74,11 @@ def test_overlap_without_no_sync_is_an_error_not_a_race():
     from ptdp.engine.comm import AxisGroup, CommStats
 
     p = torch.nn.Parameter(torch.ones(4))
-    buf = GradBuffer([[p]], dp=AxisGroup("dp", (0, 1), 0, None, CommStats()), overlap=True)
+    _buffer = GradBuffer([[p]], dp=AxisGroup("dp", (0, 1), 0, None, CommStats()), overlap=True)  # its hooks act
     import ptdp.engine.data_parallel.buffer as buffer_module
 
     original = buffer_module.start_reduction
-    buffer_module.start_reduction = lambda *a, **k: (lambda: None)
+    buffer_module.start_reduction = lambda *a, **k: lambda: None
     try:
         (p * 2).sum().backward()  # last (synced) backward: the bucket starts
         with pytest.raises(RuntimeError, match="after its reduction started"):
@@ -85,7 +90,9 @@ def test_overlap_without_no_sync_is_an_error_not_a_race():
 def test_data_parallel_config_rules():
     base = dict(model=ModelConfig(), train=TrainConfig())
     with pytest.raises(ValueError, match="grad_compression=1bit cannot be combined with use_distributed_optimizer"):
-        resolve(Config(parallel=ParallelConfig(2, 2, grad_compression="1bit", use_distributed_optimizer=True), **base), 8)
+        resolve(
+            Config(parallel=ParallelConfig(2, 2, grad_compression="1bit", use_distributed_optimizer=True), **base), 8
+        )
     with pytest.raises(ValueError, match="grad_compression='2bit' must be one of"):
         resolve(Config(parallel=ParallelConfig(2, 2, grad_compression="2bit"), **base), 8)
     with pytest.raises(ValueError, match="overlap_param_gather needs use_distributed_optimizer"):

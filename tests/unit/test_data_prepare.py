@@ -19,8 +19,11 @@ def write_corpus(root: Path, n_docs: int = 80, seed: int = 0) -> Path:
     rng = random.Random(seed)
     words = ["".join(rng.choice("etaoinshrdlu_") for _ in range(rng.randint(2, 8))) for _ in range(400)]
     for i in range(n_docs):
-        lines = [f"def f{i}_{j}({rng.choice(words)}):\n    return " + " + ".join(
-            rng.choice(words) for _ in range(rng.randint(1, 6))) for j in range(rng.randint(10, 40))]
+        lines = [
+            f"def f{i}_{j}({rng.choice(words)}):\n    return "
+            + " + ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))
+            for j in range(rng.randint(10, 40))
+        ]
         path = root / f"pkg{i % 4}" / f"mod{i:03d}.py"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines) + "\n")
@@ -117,8 +120,14 @@ def test_concurrent_prepare_uses_winner(code_corpus, tmp_path, monkeypatch):
 
     monkeypatch.setattr(prepare_mod, "_build", slow_build)
     results, logs = [None, None], []
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(
-        i, prepare_data([code_corpus], 300, tmp_path, valid_fraction=0.1, log=logs.append))) for i in range(2)]
+    threads = [
+        threading.Thread(
+            target=lambda i=i: results.__setitem__(
+                i, prepare_data([code_corpus], 300, tmp_path, valid_fraction=0.1, log=logs.append)
+            )
+        )
+        for i in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:

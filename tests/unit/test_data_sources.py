@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.texts import make_texts
 
 import ptdp.data.prepare as prepare_mod
+from helpers.texts import make_texts
 from ptdp.data import DataError, iter_documents, prepare_data
 from ptdp.data.encode import AUTO_MAX_WORKERS, PARALLEL_MIN_BYTES, worker_count
 
@@ -34,8 +34,14 @@ def _table(batch_rows: int = 5):
 def tables(tmp_path_factory) -> dict[str, Path]:
     """One input of each kind holding ``ROWS``, the text in column ``body``."""
     root = tmp_path_factory.mktemp("tables")
-    paths = {"parquet": root / "rows.parquet", "arrow_file": root / "file.arrow", "arrow_stream": root / "stream.arrow",
-             "saved": root / "saved", "saved_dict": root / "saved_dict", "folder": root / "folder"}
+    paths = {
+        "parquet": root / "rows.parquet",
+        "arrow_file": root / "file.arrow",
+        "arrow_stream": root / "stream.arrow",
+        "saved": root / "saved",
+        "saved_dict": root / "saved_dict",
+        "folder": root / "folder",
+    }
     pq.write_table(pa.Table.from_pydict(ROWS), paths["parquet"], row_group_size=7)
     schema = _table()[0].schema
     with pa.ipc.new_file(str(paths["arrow_file"]), schema) as writer:
@@ -164,7 +170,9 @@ def test_progress_bars_count_the_documents(tmp_path, monkeypatch):
     texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in make_texts(seed=2, n_docs=20)))
     prepare_data([texts], 300, tmp_path / "on", log=None)
     assert [(b.kwargs["desc"], b.n, b.kwargs["disable"]) for b in bars] == [
-        ("[data] scanning", 20, None), ("[data] tokenizing", 20, None)]
+        ("[data] scanning", 20, None),
+        ("[data] tokenizing", 20, None),
+    ]
     assert bars[1].kwargs["total"] == 20
     bars.clear()
     prepare_data([texts], 300, tmp_path / "off", log=None, progress=False)

@@ -2,10 +2,9 @@
 
 import pytest
 
-from ptdp.data import DataError, EOS_TOKEN, load_tokenizer, save_tokenizer, train_tokenizer
-from ptdp.data.tokenizer import MIN_VOCAB_SIZE, encode_documents, eos_id
-
 from helpers.texts import make_texts
+from ptdp.data import EOS_TOKEN, DataError, load_tokenizer, save_tokenizer, train_tokenizer
+from ptdp.data.tokenizer import MIN_VOCAB_SIZE, encode_documents, eos_id
 
 
 def test_training_is_deterministic_in_process():

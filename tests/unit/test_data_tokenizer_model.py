@@ -8,10 +8,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from helpers.cli import tiny_flags
 from helpers.own_tokenizer import build_tokenizer, write_tokenizer_folder
 from helpers.texts import make_texts
-
 from ptdp import cli
 from ptdp.data import DataError, IndexedTokens, prepare_data
 from ptdp.data.tokenizer import load_tokenizer_model
@@ -111,8 +111,9 @@ def test_end_of_document_token(tmp_path):
 def launched(monkeypatch) -> list:
     """Replaces the worker launcher: records each launch and stops there."""
     calls = []
-    monkeypatch.setattr("ptdp.run.launch.launch_local",
-                        lambda config, *a, **k: calls.append(config) or {"error": "stopped by the test"})
+    monkeypatch.setattr(
+        "ptdp.run.launch.launch_local", lambda config, *a, **k: calls.append(config) or {"error": "stopped by the test"}
+    )
     return calls
 
 
@@ -125,11 +126,27 @@ def test_bad_tokenizer_paths_exit_2_naming_the_path(tmp_path, capsys, corpus, la
     (slow / "merges.txt").write_text("")
     junk = tmp_path / "junk.json"
     junk.write_text('{"not": "a tokenizer"}')
-    cases = {tmp_path / "missing": "does not exist", slow: "is a folder without a tokenizer.json; it has merges.txt, "
-             "vocab.json", junk: "is not a Hugging Face tokenizer.json", corpus: "is not a Hugging Face tokenizer.json"}
+    cases = {
+        tmp_path / "missing": "does not exist",
+        slow: "is a folder without a tokenizer.json; it has merges.txt, vocab.json",
+        junk: "is not a Hugging Face tokenizer.json",
+        corpus: "is not a Hugging Face tokenizer.json",
+    }
     for path, why in cases.items():
-        code = cli.main(["train", *tiny_flags(no_progress=True), "--data", str(corpus), "--data-cache-dir",
-                         str(tmp_path / "cache"), "--tokenizer-model", str(path), "--output-dir", str(tmp_path / "run")])
+        code = cli.main(
+            [
+                "train",
+                *tiny_flags(no_progress=True),
+                "--data",
+                str(corpus),
+                "--data-cache-dir",
+                str(tmp_path / "cache"),
+                "--tokenizer-model",
+                str(path),
+                "--output-dir",
+                str(tmp_path / "run"),
+            ]
+        )
         err = capsys.readouterr().err
         assert code == 2 and not launched, err
         assert f"--tokenizer-model {str(path)!r} {why}" in err and "Traceback" not in err
@@ -139,8 +156,20 @@ def test_bad_tokenizer_paths_exit_2_naming_the_path(tmp_path, capsys, corpus, la
 def test_train_records_the_tokenizer_and_its_vocabulary(tmp_path, capsys, corpus, folder, launched):
     """ptdp train with --tokenizer-model: config.json records the path given, and the tokenizer's
     vocabulary (300) replaces --vocab-size (padded as any other: tests/e2e/test_own_tokenizer_e2e.py)."""
-    code = cli.main(["train", *tiny_flags(no_progress=True), "--data", str(corpus), "--data-cache-dir",
-                     str(tmp_path / "cache"), "--tokenizer-model", str(folder), "--output-dir", str(tmp_path / "run")])
+    code = cli.main(
+        [
+            "train",
+            *tiny_flags(no_progress=True),
+            "--data",
+            str(corpus),
+            "--data-cache-dir",
+            str(tmp_path / "cache"),
+            "--tokenizer-model",
+            str(folder),
+            "--output-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     out = capsys.readouterr()
     assert code == 1 and len(launched) == 1, out.err  # the stub stops the run after the launch
     record = json.loads((tmp_path / "run" / "config.json").read_text())
@@ -158,22 +187,43 @@ def _gpt2_folder(folder: Path, vocab: int, h: int = 32, layers: int = 2, seq: in
     gen = torch.Generator().manual_seed(0)
     shapes = {"wte.weight": (vocab, h), "wpe.weight": (seq, h), "ln_f.weight": (h,), "ln_f.bias": (h,)}
     for i in range(layers):
-        shapes |= {f"h.{i}.ln_1.weight": (h,), f"h.{i}.ln_1.bias": (h,), f"h.{i}.ln_2.weight": (h,),
-                   f"h.{i}.ln_2.bias": (h,), f"h.{i}.attn.c_attn.weight": (h, 3 * h), f"h.{i}.attn.c_attn.bias": (3 * h,),
-                   f"h.{i}.attn.c_proj.weight": (h, h), f"h.{i}.attn.c_proj.bias": (h,),
-                   f"h.{i}.mlp.c_fc.weight": (h, 4 * h), f"h.{i}.mlp.c_fc.bias": (4 * h,),
-                   f"h.{i}.mlp.c_proj.weight": (4 * h, h), f"h.{i}.mlp.c_proj.bias": (h,)}
+        shapes |= {
+            f"h.{i}.ln_1.weight": (h,),
+            f"h.{i}.ln_1.bias": (h,),
+            f"h.{i}.ln_2.weight": (h,),
+            f"h.{i}.ln_2.bias": (h,),
+            f"h.{i}.attn.c_attn.weight": (h, 3 * h),
+            f"h.{i}.attn.c_attn.bias": (3 * h,),
+            f"h.{i}.attn.c_proj.weight": (h, h),
+            f"h.{i}.attn.c_proj.bias": (h,),
+            f"h.{i}.mlp.c_fc.weight": (h, 4 * h),
+            f"h.{i}.mlp.c_fc.bias": (4 * h,),
+            f"h.{i}.mlp.c_proj.weight": (4 * h, h),
+            f"h.{i}.mlp.c_proj.bias": (h,),
+        }
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({f"transformer.{k}": torch.randn(s, generator=gen) * 0.02 for k, s in shapes.items()},
-              str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "gpt2", "vocab_size": vocab, "n_positions": seq, "n_embd": h, "n_layer": layers, "n_head": 4,
-        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5}))
+    save_file(
+        {f"transformer.{k}": torch.randn(s, generator=gen) * 0.02 for k, s in shapes.items()},
+        str(folder / "model.safetensors"),
+    )
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "vocab_size": vocab,
+                "n_positions": seq,
+                "n_embd": h,
+                "n_layer": layers,
+                "n_head": 4,
+                "activation_function": "gelu_new",
+                "layer_norm_epsilon": 1e-5,
+            }
+        )
+    )
     return folder
 
 
-def test_convert_from_hf_says_how_to_continue_and_a_mismatched_tokenizer_is_refused(tmp_path, capsys, corpus,
-                                                                                      launched):
+def test_convert_from_hf_says_how_to_continue_and_a_mismatched_tokenizer_is_refused(tmp_path, capsys, corpus, launched):
     """from-hf prints the train command with --tokenizer-model when the folder's tokenizer has the
     model's size, says why not otherwise; ptdp train --load with a tokenizer of another size: exit 2."""
     plain = _gpt2_folder(tmp_path / "plain", 300)
@@ -183,23 +233,59 @@ def test_convert_from_hf_says_how_to_continue_and_a_mismatched_tokenizer_is_refu
     assert cli.main(["convert", "from-hf", str(other), str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     assert "has 300 tokens but the model's vocabulary is 301" in out and "--tokenizer-model" in out
-    code = cli.main(["train", *tiny_flags(no_progress=True, vocab_size=None, activation="gelu_tanh",
-                                          ffn_hidden_size=128), "--data", str(corpus),
-                     "--data-cache-dir", str(tmp_path / "cache"), "--load", str(tmp_path / "b"),
-                     "--tokenizer-model", str(other), "--output-dir", str(tmp_path / "run")])
+    code = cli.main(
+        [
+            "train",
+            *tiny_flags(no_progress=True, vocab_size=None, activation="gelu_tanh", ffn_hidden_size=128),
+            "--data",
+            str(corpus),
+            "--data-cache-dir",
+            str(tmp_path / "cache"),
+            "--load",
+            str(tmp_path / "b"),
+            "--tokenizer-model",
+            str(other),
+            "--output-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and not launched, err
-    assert f"--tokenizer-model {other} has 300 tokens but the model in --load {tmp_path / 'b'} has a vocabulary " \
-           f"of 301: they must be equal" in err
+    assert (
+        f"--tokenizer-model {other} has 300 tokens but the model in --load {tmp_path / 'b'} has a vocabulary "
+        f"of 301: they must be equal" in err
+    )
 
 
-@pytest.mark.parametrize("hf_config", [
-    {"model_type": "gpt2", "vocab_size": 300, "n_positions": 64, "n_embd": 48, "n_layer": 3, "n_head": 6,
-     "activation_function": "gelu_new", "tie_word_embeddings": False},
-    {"model_type": "llama", "vocab_size": 320, "max_position_embeddings": 64, "hidden_size": 64, "num_hidden_layers": 2,
-     "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 96, "rms_norm_eps": 1e-6,
-     "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False},
-])
+@pytest.mark.parametrize(
+    "hf_config",
+    [
+        {
+            "model_type": "gpt2",
+            "vocab_size": 300,
+            "n_positions": 64,
+            "n_embd": 48,
+            "n_layer": 3,
+            "n_head": 6,
+            "activation_function": "gelu_new",
+            "tie_word_embeddings": False,
+        },
+        {
+            "model_type": "llama",
+            "vocab_size": 320,
+            "max_position_embeddings": 64,
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "intermediate_size": 96,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 500000.0,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+        },
+    ],
+)
 def test_the_printed_model_flags_give_the_imported_model(hf_config):
     """from-hf's hint: its flags, parsed by ptdp train's parser, give the imported model exactly
     (the vocabulary aside, which the tokenizer sets)."""

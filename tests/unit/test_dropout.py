@@ -25,18 +25,16 @@ import dataclasses
 import pytest
 import torch
 
+from helpers.activations import TOLERANCE, measured_peak, predicted_peak
+from helpers.dropout_cases import DROPOUT, LLAMA, RECOMPUTE, assert_bitwise, config, train
+from helpers.layout_cases import tiny_config
 from ptdp.commands.train_flags import add_train_arguments, config_from_args
 from ptdp.engine.comm import AxisGroup
-from ptdp.spec import ConfigError, ModelConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.gpt import Attention
 from ptdp.engine.step import build_stage
 from ptdp.engine.tensor_parallel.random import TP_DISTINCT, Dropout, DropoutRNG
-
-from helpers.layout_cases import tiny_config
-from helpers.activations import TOLERANCE, measured_peak, predicted_peak
-from helpers.dropout_cases import DROPOUT, LLAMA, RECOMPUTE, assert_bitwise, config, train
-
+from ptdp.spec import ConfigError, ModelConfig
 
 # -- one process -------------------------------------------------------------------------------
 
@@ -72,23 +70,35 @@ def test_masks_scale_and_gradient():
 
 def test_streams_are_seeded_by_seed_dp_rank_and_name():
     x = torch.ones(64, 64)
+
     def mask(rng, key="layer.0", **kw):
         return rng.dropout(x, 0.5, key, **kw) == 0
+
     base = mask(DropoutRNG(1, dp_rank=0, tp_rank=0))
     assert torch.equal(base, mask(DropoutRNG(1, dp_rank=0, tp_rank=1)))  # replicated: tp rank not in the seed
-    for other in (mask(DropoutRNG(2)), mask(DropoutRNG(1, dp_rank=1)), mask(DropoutRNG(1), key="layer.1"),
-                  mask(DropoutRNG(1), stream=TP_DISTINCT)):
+    for other in (
+        mask(DropoutRNG(2)),
+        mask(DropoutRNG(1, dp_rank=1)),
+        mask(DropoutRNG(1), key="layer.1"),
+        mask(DropoutRNG(1), stream=TP_DISTINCT),
+    ):
         assert not torch.equal(base, other)
-    assert not torch.equal(mask(DropoutRNG(1, tp_rank=0), stream=TP_DISTINCT),
-                           mask(DropoutRNG(1, tp_rank=1), stream=TP_DISTINCT))
+    assert not torch.equal(
+        mask(DropoutRNG(1, tp_rank=0), stream=TP_DISTINCT), mask(DropoutRNG(1, tp_rank=1), stream=TP_DISTINCT)
+    )
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["mha", "gqa"])
 def test_explicit_attention_core_equals_fused_kernel(grouped):
     """With a probability small enough to drop nothing, the explicit core (scores, causal
     softmax, per-head dropout, context) equals scaled_dot_product_attention."""
-    cfg = ModelConfig(hidden_size=32, num_attention_heads=4, num_query_groups=2 if grouped else None,
-                      attention_dropout=1e-12, params_dtype="float64")
+    cfg = ModelConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2 if grouped else None,
+        attention_dropout=1e-12,
+        params_dtype="float64",
+    )
     attention = Attention(cfg, AxisGroup.single("tp"), torch.float64)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 8, 8, generator=gen, dtype=torch.float64)
@@ -129,6 +139,7 @@ def test_planner_counts_saved_activations_with_dropout():
     """The bytes autograd saves with hidden and attention dropout (masks, the explicit core's
     probabilities) against the planner's ModelSpec(dropout=True, flash_attention=False)."""
     from helpers.activations import case_config
+
     for dtype in ("float32", "float64"):
         cfg = case_config(1, 1, 1, "1f1b", dtype)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden_dropout=0.1, attention_dropout=0.1))

@@ -8,12 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.embedding_cases import embedding_gradients, lookup_reference, lookup_run, table_gradients_made
+from helpers.layout_cases import tiny_config
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.tensor_parallel.wgrad import embedding
-
-from helpers.embedding_cases import embedding_gradients, lookup_reference, lookup_run, table_gradients_made
-from helpers.layout_cases import tiny_config
 
 
 def _ids_and_mask():

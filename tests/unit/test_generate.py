@@ -6,11 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.layout_cases import VOCAB, tiny_config
 from ptdp.commands.generate import generate, next_token_logits
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage
-
-from helpers.layout_cases import VOCAB, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +22,10 @@ def test_next_token_logits_give_the_training_loss(model):
     tokens, labels = data[:, :-1], data[:, 1:]
     with torch.no_grad():
         expected = model(tokens, labels)
-    per_position = [F.cross_entropy(next_token_logits(model, tokens[:, : i + 1]).double(), labels[:, i], reduction="none")
-                    for i in range(tokens.shape[1])]
+    per_position = [
+        F.cross_entropy(next_token_logits(model, tokens[:, : i + 1]).double(), labels[:, i], reduction="none")
+        for i in range(tokens.shape[1])
+    ]
     torch.testing.assert_close(torch.stack(per_position).mean().double(), expected.double(), rtol=1e-6, atol=1e-6)
 
 
@@ -48,7 +49,9 @@ def test_the_context_cut_is_said_when_prompt_and_new_tokens_exceed_the_sequence_
 
     assert context_note(3, 5, 8) is None
     note = context_note(3, 40, 8)
-    assert note.startswith("note: the model reads at most its last 8 tokens (the checkpoint's --seq-length); the "
-                           "prompt (3 tokens) and 40 new tokens make 43")
+    assert note.startswith(
+        "note: the model reads at most its last 8 tokens (the checkpoint's --seq-length); the "
+        "prompt (3 tokens) and 40 new tokens make 43"
+    )
     assert "sliding window of the 8 tokens" in note and "never seen" not in note
     assert context_note(12, 1, 8).endswith("and the prompt's first 4 tokens are never seen")

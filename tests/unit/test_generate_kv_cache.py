@@ -12,6 +12,8 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
+from helpers.host_sync import count_cuda_syncs, count_host_syncs
+from helpers.layout_cases import VOCAB, tiny_config
 from ptdp import cli
 from ptdp.commands.generate import CachedDecoder, Recompute, generate
 from ptdp.engine.comm import AxisGroup
@@ -22,20 +24,32 @@ from ptdp.engine.tensor_parallel.sharding import initialize_parameters
 from ptdp.run.checkpoint.io import save_checkpoint
 from ptdp.spec import ModelConfig
 
-from helpers.host_sync import count_cuda_syncs, count_host_syncs
-from helpers.layout_cases import VOCAB, tiny_config
-
 SEQ = 16
-LLAMA = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope", "num_query_groups": 2,
-         "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
+LLAMA = {
+    "normalization": "RMSNorm",
+    "swiglu": True,
+    "position_embedding_type": "rope",
+    "num_query_groups": 2,
+    "add_bias_linear": False,
+    "untie_embeddings_and_output_weights": True,
+}
 KINDS = {"gpt": {}, "llama-gqa": LLAMA}
 
 
 def _model(kind: str, dtype: str) -> GPTModel:
     """A 2-layer model (h 32, 4 heads, s 16, V 97) with weights large enough (std 0.2) that the
     tokens it picks vary."""
-    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=SEQ,
-                      vocab_size=97, make_vocab_size_divisible_by=8, params_dtype=dtype, **KINDS[kind])
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        seq_length=SEQ,
+        vocab_size=97,
+        make_vocab_size_divisible_by=8,
+        params_dtype=dtype,
+        **KINDS[kind],
+    )
     model = GPTModel(cfg, AxisGroup.single("tp"), layer_ids=range(2), pre_process=True, post_process=True)
     initialize_parameters(model, seed=11, std=0.2, num_layers=2, tp_rank=0, tp_size=1)
     return model.eval()
@@ -60,7 +74,7 @@ def test_cached_logits_equal_the_recomputed_ones_at_every_step_in_float64(kind):
     model = _model(kind, "float64")
     prompt, new = [3, 14, 15, 92, 65], 20  # 25 tokens > seq_length 16: the window slides after position 16
     tokens = generate(model, prompt, new, kv_cache=False)
-    assert len(set(tokens[len(prompt):])) > 3  # the model does not repeat one token
+    assert len(set(tokens[len(prompt) :])) > 3  # the model does not repeat one token
     decoder, recompute = CachedDecoder(model, len(prompt) + new), Recompute(model)
     counting = _Counting(model)
     for n in range(len(prompt), len(tokens)):
@@ -123,7 +137,7 @@ def test_reading_into_the_cache_makes_no_host_synchronisation(kind):
     with torch.no_grad(), count_host_syncs() as syncs:
         model.decode(tokens[:, :5], cache)
         for i in range(5, 9):
-            model.decode(tokens[:, i:i + 1], cache)
+            model.decode(tokens[:, i : i + 1], cache)
         model.decode(tokens[:, 9:12], cache)
     assert syncs.calls == []
 
@@ -153,7 +167,7 @@ def test_on_cuda_the_cache_gives_the_same_tokens_and_no_synchronisation(kind):
             cache = model.kv_cache(2, SEQ)
             with count_cuda_syncs() as syncs:
                 pieces = [model.decode(tokens[:, :5], cache)]
-                pieces += [model.decode(tokens[:, i:i + 1], cache) for i in range(5, 9)]
+                pieces += [model.decode(tokens[:, i : i + 1], cache) for i in range(5, 9)]
                 pieces.append(model.decode(tokens[:, 9:], cache))
         assert syncs.calls == [], dtype
         tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == "float32" else {"rtol": 0.02, "atol": 0.05}
@@ -182,8 +196,17 @@ def test_ptdp_generate_prints_the_same_text_with_and_without_the_cache(tmp_path,
     tokenizer = Tokenizer(WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tokenizer.pre_tokenizer = Whitespace()
     tokenizer.save(str(tmp_path / "tok.json"))
-    args = ["generate", "--load", str(tmp_path / "ckpt"), "--prompt", "w5 w9 w200", "--max-new-tokens", "10",
-            "--tokenizer", str(tmp_path / "tok.json")]  # 13 tokens > seq_length 8
+    args = [
+        "generate",
+        "--load",
+        str(tmp_path / "ckpt"),
+        "--prompt",
+        "w5 w9 w200",
+        "--max-new-tokens",
+        "10",
+        "--tokenizer",
+        str(tmp_path / "tok.json"),
+    ]  # 13 tokens > seq_length 8
     texts = []
     for extra in ([], ["--no-kv-cache"], ["--temperature", "1"], ["--temperature", "1", "--no-kv-cache"]):
         assert cli.main(args + extra) == 0

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.layout_cases import rank_microbatches, tiny_config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
-
-from helpers.layout_cases import rank_microbatches, tiny_config
 
 
 @pytest.mark.gpu

@@ -10,7 +10,6 @@ import warnings
 import pytest
 
 from helpers.cli import tiny_flags
-
 from ptdp import cli
 
 
@@ -23,8 +22,18 @@ def test_ptdp_train_refuses_a_bad_hardware_profile_before_any_worker(tmp_path, c
     profile = tmp_path / "profile.json"
     if content is not None:
         profile.write_text(content, encoding="utf-8")
-    code = cli.main(["train", *tiny_flags(no_progress=True), "--data", str(tmp_path / "none"), "--output-dir", "run",
-                     "--hardware-profile", str(profile)])
+    code = cli.main(
+        [
+            "train",
+            *tiny_flags(no_progress=True),
+            "--data",
+            str(tmp_path / "none"),
+            "--output-dir",
+            "run",
+            "--hardware-profile",
+            str(profile),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and not launched, err
     assert f"--hardware-profile: {profile} is not a hardware profile written by `ptdp plan --calibrate`" in err
@@ -32,14 +41,19 @@ def test_ptdp_train_refuses_a_bad_hardware_profile_before_any_worker(tmp_path, c
 
 
 def test_a_calibrated_profile_is_accepted(tmp_path):
+    import dataclasses
+
     from ptdp.planner.hardware import CATALOG
     from ptdp.planner.perf import DEFAULT_CONSTANTS
     from ptdp.run.preflight import check_hardware_profile
     from ptdp.spec import Config
-    import dataclasses
 
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps({"gpu": dataclasses.asdict(CATALOG["a100-80gb"]),
-                                "constants": dataclasses.asdict(DEFAULT_CONSTANTS)}), encoding="utf-8")
+    path.write_text(
+        json.dumps(
+            {"gpu": dataclasses.asdict(CATALOG["a100-80gb"]), "constants": dataclasses.asdict(DEFAULT_CONSTANTS)}
+        ),
+        encoding="utf-8",
+    )
     check_hardware_profile(Config(hardware_profile=str(path)))  # no error
     check_hardware_profile(Config())  # none given: the default profile is optional

@@ -34,7 +34,8 @@ def test_a_stuck_phase_is_named_once_with_rank_and_iteration(fresh_activity):
     [line] = out.getvalue().splitlines()
     assert line.startswith("ptdp: rank 3 has made no progress for ") and (
         " in gradient sync at iteration 7 (90% of the process-group timeout, 0.00333333 min): if NCCL's watchdog "
-        "aborts this process, this is where it waited" in line), line
+        "aborts this process, this is where it waited" in line
+    ), line
 
 
 def test_progress_keeps_it_quiet_and_a_new_stall_is_named_again(fresh_activity):

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.run.checkpoint.hf import export_hf, import_hf, model_config_from_hf
 from ptdp.run.checkpoint.folders import CheckpointError
-
+from ptdp.run.checkpoint.hf import export_hf, import_hf, model_config_from_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -17,8 +16,9 @@ def test_import_rejects_what_ptdp_cannot_express(tmp_path):
     with pytest.raises(CheckpointError, match="not a Hugging Face model folder"):
         import_hf(tmp_path, tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match="scale_attn_by_inverse_layer_idx"):
-        model_config_from_hf({"model_type": "gpt2", "activation_function": "gelu_new",
-                              "scale_attn_by_inverse_layer_idx": True})
+        model_config_from_hf(
+            {"model_type": "gpt2", "activation_function": "gelu_new", "scale_attn_by_inverse_layer_idx": True}
+        )
 
 
 @pytest.mark.parametrize("llama", [False, True])
@@ -28,22 +28,35 @@ def test_export_carries_the_tokenizer_and_its_special_ids_with_ordinary_file_mod
     AutoTokenizer, and every file gets 0666 less the umask (not 0600)."""
     import os
 
-    from ptdp.run.checkpoint.io import save_checkpoint
-    from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
     from ptdp.data.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer
     from ptdp.engine.groups import ParallelGroups
     from ptdp.engine.step import build_stage
+    from ptdp.run.checkpoint.io import save_checkpoint
+    from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 
     tok = train_tokenizer(["def main(x):\n    return x * 2\n" * 20, "class A:\n    pass\n" * 20], 300)
     tok_path = save_tokenizer(tok, tmp_path / "tok.json")
-    options = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-                   add_bias_linear=False) if llama else {}
-    model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
-                        vocab_size=tok.get_vocab_size(), **options)
-    config = resolve(Config(model=model, parallel=ParallelConfig(1, 1, 1),
-                            train=TrainConfig(micro_batch_size=1, global_batch_size=1)), 1)
-    save_checkpoint(build_stage(config, ParallelGroups.single_process()), tmp_path / "ckpt", 1, consumed_samples=0,
-                    files={"tokenizer.json": tok_path})
+    options = (
+        dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False)
+        if llama
+        else {}
+    )
+    model = ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=tok.get_vocab_size(), **options
+    )
+    config = resolve(
+        Config(
+            model=model, parallel=ParallelConfig(1, 1, 1), train=TrainConfig(micro_batch_size=1, global_batch_size=1)
+        ),
+        1,
+    )
+    save_checkpoint(
+        build_stage(config, ParallelGroups.single_process()),
+        tmp_path / "ckpt",
+        1,
+        consumed_samples=0,
+        files={"tokenizer.json": tok_path},
+    )
     before = os.umask(0o022)
     try:
         out = export_hf(tmp_path / "ckpt", tmp_path / "hf")
@@ -52,10 +65,15 @@ def test_export_carries_the_tokenizer_and_its_special_ids_with_ordinary_file_mod
     config_json = __import__("json").loads((out / "config.json").read_text())
     eos = tok.token_to_id(EOS_TOKEN)
     assert config_json["bos_token_id"] == config_json["eos_token_id"] == eos
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
-                                                      "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == dict.fromkeys(
-        ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"], 0o644)
+        ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"], 0o644
+    )
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     assert hf_tok.eos_token_id == eos and hf_tok.decode(hf_tok("def main(x):")["input_ids"]) == "def main(x):"
     hf_config = transformers.AutoConfig.from_pretrained(out)

@@ -12,21 +12,25 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from ptdp.run.checkpoint.hf import export_hf, import_hf, model_config_from_hf
-from ptdp.run.checkpoint.folders import CheckpointError
-from ptdp.run.checkpoint.io import save_checkpoint
+from helpers.hf_llama import assert_same_state, random_llama, tokens
+from helpers.layout_cases import VOCAB as TINY_VOCAB
+from helpers.layout_cases import rank_microbatches, tiny_config
 from ptdp.commands.generate import load_for_inference
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
-
-from helpers.layout_cases import VOCAB as TINY_VOCAB, rank_microbatches, tiny_config
-from helpers.hf_llama import assert_same_state, random_llama, tokens
-
+from ptdp.run.checkpoint.folders import CheckpointError
+from ptdp.run.checkpoint.hf import export_hf, import_hf, model_config_from_hf
+from ptdp.run.checkpoint.io import save_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
-LLAMA_FLAGS = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
-                   untie_embeddings_and_output_weights=True)
+LLAMA_FLAGS = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+)
 
 
 def full_logits(model, x: torch.Tensor) -> torch.Tensor:
@@ -39,8 +43,11 @@ def full_logits(model, x: torch.Tensor) -> torch.Tensor:
         return F.linear(model.final_norm(h), out.real_weight()).transpose(0, 1)  # [s, b, V] -> [b, s, V]
 
 
-@pytest.mark.parametrize("kv_heads,tied,bias,shard", [(4, True, True, None), (1, False, False, "40KB")],
-                         ids=["multi-head-tied-biases", "multi-query-sharded"])
+@pytest.mark.parametrize(
+    "kv_heads,tied,bias,shard",
+    [(4, True, True, None), (1, False, False, "40KB")],
+    ids=["multi-head-tied-biases", "multi-query-sharded"],
+)
 def test_llama_variants_in_one_process(tmp_path, kv_heads, tied, bias, shard):
     reference = random_llama(tmp_path / "hf", kv_heads=kv_heads, tied=tied, bias=bias, shard=shard)
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file() == bool(shard)
@@ -77,14 +84,25 @@ def test_ptdp_trained_llama_runs_in_transformers(tmp_path):
 
 
 def test_what_cannot_be_mapped_is_refused(tmp_path):
-    base = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 300, "max_position_embeddings": 16}
-    for extra, field in [({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
-                         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters={'rope_type': 'yarn'"),
-                         ({"attention_bias": True}, "attention_bias=True with mlp_bias=False"),
-                         ({"head_dim": 32}, "head_dim=32"), ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-                         ({"model_type": "mistral"}, "model_type 'mistral' is not gpt2 or llama"),
-                         ({"hidden_size": None}, "has no hidden_size")]:
+    base = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "vocab_size": 300,
+        "max_position_embeddings": 16,
+    }
+    for extra, field in [
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters={'rope_type': 'yarn'"),
+        ({"attention_bias": True}, "attention_bias=True with mlp_bias=False"),
+        ({"head_dim": 32}, "head_dim=32"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"model_type": "mistral"}, "model_type 'mistral' is not gpt2 or llama"),
+        ({"hidden_size": None}, "has no hidden_size"),
+    ]:
         with pytest.raises(CheckpointError, match=re.escape(field)):
             model_config_from_hf({k: v for k, v in (base | extra).items() if v is not None})
     # tensors that do not fit the config

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ptdp.engine.groups import ParallelGroups
-
 from helpers.host_sync import count_host_syncs, label_check_on_device
 from helpers.sync_cases import ITERS, counted_run, logged
+from ptdp.engine.groups import ParallelGroups
 
 
 def test_the_shim_counts_what_would_synchronise():
@@ -27,8 +26,11 @@ def test_the_shim_counts_what_would_synchronise():
 
 
 def test_one_synchronisation_per_logged_step_none_otherwise(tmp_path):
-    for dtype, parallel in (("float64", {}), ("bfloat16", {"overlap_grad_reduce": True}),
-                            ("float16", {"overlap_grad_reduce": True})):  # the loss scaler included
+    for dtype, parallel in (
+        ("float64", {}),
+        ("bfloat16", {"overlap_grad_reduce": True}),
+        ("float16", {"overlap_grad_reduce": True}),
+    ):  # the loss scaler included
         with label_check_on_device():
             run = counted_run(ParallelGroups.single_process(), 1, 1, 1, tmp_path / dtype, dtype, **parallel)
         assert run["iterations"] == ITERS and run["final_loss"] is not None
@@ -43,8 +45,9 @@ def test_one_synchronisation_per_logged_step_none_otherwise(tmp_path):
 def test_no_cuda_synchronisation_in_a_step_that_is_not_logged(tmp_path, dtype):
     """On a GPU, CUDA itself reports the synchronisations (the label check is asynchronous there);
     float16 with its loss scaler on the device."""
-    run = counted_run(ParallelGroups.single_process(), 1, 1, 1, tmp_path, dtype, device="cuda",
-                      overlap_grad_reduce=True)
+    run = counted_run(
+        ParallelGroups.single_process(), 1, 1, 1, tmp_path, dtype, device="cuda", overlap_grad_reduce=True
+    )
     assert run["iterations"] == ITERS
     for iteration, calls in run["per_step"].items():
         if iteration > 2:  # the first steps create state and warm up kernels

@@ -41,8 +41,7 @@ def test_padded_vocabulary_is_the_same_on_every_layout(tp):
     base = init_full(ParamSpec((320, 64), tp_dim=0, real_rows=real), name="word_embeddings.weight", **KW)
     v_pad = -(-real // (64 * tp)) * 64 * tp
     spec = ParamSpec((v_pad, 64), tp_dim=0, real_rows=real)
-    whole = torch.cat([init_shard(spec, name="word_embeddings.weight", tp_rank=r, tp_size=tp, **KW)
-                       for r in range(tp)])
+    whole = torch.cat([init_shard(spec, name="word_embeddings.weight", tp_rank=r, tp_size=tp, **KW) for r in range(tp)])
     assert torch.equal(whole[:real], base[:real])
     assert torch.all(whole[real:] == 0) and torch.all(base[real:] == 0)
 

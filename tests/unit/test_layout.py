@@ -85,8 +85,9 @@ def test_cp_groups_partition_world_and_coords_invert(tp, cp, dp, pp):
         varying = ("cp", "dp") if axis == "dp_cp" else (axis,)
         for g in groups:
             coords = [layout.coords(r) for r in g]
-            fixed = {tuple(getattr(c, f"{a}_rank") for a in ("tp", "cp", "dp", "pp") if a not in varying)
-                     for c in coords}
+            fixed = {
+                tuple(getattr(c, f"{a}_rank") for a in ("tp", "cp", "dp", "pp") if a not in varying) for c in coords
+            }
             assert len(fixed) == 1
             if axis == "dp_cp":
                 assert [c.cp_rank + cp * c.dp_rank for c in coords] == list(range(size))

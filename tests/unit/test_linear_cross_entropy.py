@@ -5,13 +5,12 @@ logits."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers.tp_cases import CHUNKS, IGNORED, VOCAB, ce_labels, inputs, linear_ce_reference, padded_output_weight
 from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.gpt import GPTModel
@@ -19,8 +18,6 @@ from ptdp.engine.tensor_parallel.linear_cross_entropy import default_chunk_token
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
 from ptdp.engine.tensor_parallel.vocab import keeps_logits
 from ptdp.spec import ModelConfig
-
-from helpers.tp_cases import CHUNKS, IGNORED, VOCAB, ce_labels, inputs, linear_ce_reference, padded_output_weight
 
 TOL = dict(rtol=1e-9, atol=1e-12)
 
@@ -36,8 +33,9 @@ def test_matches_cross_entropy_of_the_real_vocabulary(chunk, keep):
     x = d["x"].clone().requires_grad_()
     w = padded_output_weight(d).requires_grad_()
     tp = ParallelGroups.single_process().tp
-    loss = linear_cross_entropy(x, w, ce_labels(d["ids"]), vocab_start=0, vocab_size=VOCAB, axis=tp,
-                                chunk_tokens=chunk, keep_logits=keep)
+    loss = linear_cross_entropy(
+        x, w, ce_labels(d["ids"]), vocab_start=0, vocab_size=VOCAB, axis=tp, chunk_tokens=chunk, keep_logits=keep
+    )
     loss.sum().backward()
     torch.testing.assert_close(loss, ref["loss"], **TOL)
     torch.testing.assert_close(x.grad, ref["x_grad"], **TOL)
@@ -53,8 +51,9 @@ def test_rejects_bad_labels_and_chunks():
     with pytest.raises(ValueError, match=f"label {VOCAB} at position \\(1, 1\\) is outside the vocabulary"):
         linear_cross_entropy(d["x"], padded_output_weight(d), target, vocab_start=0, vocab_size=VOCAB, axis=tp)
     with pytest.raises(ValueError, match="chunk_tokens=0 must be at least 1"):
-        linear_cross_entropy(d["x"], padded_output_weight(d), d["ids"], vocab_start=0, vocab_size=VOCAB, axis=tp,
-                             chunk_tokens=0)
+        linear_cross_entropy(
+            d["x"], padded_output_weight(d), d["ids"], vocab_start=0, vocab_size=VOCAB, axis=tp, chunk_tokens=0
+        )
 
 
 def test_default_chunk_keeps_a_chunk_of_float32_logits_under_256_mib():
@@ -72,11 +71,18 @@ def test_logits_are_kept_up_to_256_mib_in_the_compute_dtype():
 
 
 def _tiny_model(untied: bool, vocab: int = 301, dtype: str = "float64") -> GPTModel:
-    cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, seq_length=6,
-                      vocab_size=vocab, make_vocab_size_divisible_by=64, params_dtype=dtype,
-                      untie_embeddings_and_output_weights=untied)
-    model = GPTModel(cfg, ParallelGroups.single_process().tp, layer_ids=range(1), pre_process=True,
-                     post_process=True)
+    cfg = ModelConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_hidden_size=32,
+        seq_length=6,
+        vocab_size=vocab,
+        make_vocab_size_divisible_by=64,
+        params_dtype=dtype,
+        untie_embeddings_and_output_weights=untied,
+    )
+    model = GPTModel(cfg, ParallelGroups.single_process().tp, layer_ids=range(1), pre_process=True, post_process=True)
     initialize_parameters(model, seed=3, std=0.02, num_layers=1, tp_rank=0, tp_size=1)
     return model
 
@@ -203,8 +209,15 @@ def _bf16_case(device: str) -> None:
         x = x64.to(torch.bfloat16).to(dtype).to(device).requires_grad_()
         w = w64.to(torch.bfloat16).to(dtype).to(device).requires_grad_()
         if fused:
-            loss = linear_cross_entropy(x, w, labels.to(device), vocab_start=0, vocab_size=1000,
-                                        axis=ParallelGroups.single_process().tp, chunk_tokens=40)
+            loss = linear_cross_entropy(
+                x,
+                w,
+                labels.to(device),
+                vocab_start=0,
+                vocab_size=1000,
+                axis=ParallelGroups.single_process().tp,
+                chunk_tokens=40,
+            )
             assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
         else:
             logits = F.linear(x, w[:1000]).float()
@@ -243,9 +256,17 @@ def test_compiled_chunks_match_cross_entropy_of_the_real_vocabulary(keep):
     x = d["x"].clone().requires_grad_()
     w = padded_output_weight(d).requires_grad_()
     counters.clear()
-    loss = linear_cross_entropy(x, w, ce_labels(d["ids"]), vocab_start=0, vocab_size=VOCAB,
-                                axis=ParallelGroups.single_process().tp, chunk_tokens=5, compiled=True,
-                                keep_logits=keep)
+    loss = linear_cross_entropy(
+        x,
+        w,
+        ce_labels(d["ids"]),
+        vocab_start=0,
+        vocab_size=VOCAB,
+        axis=ParallelGroups.single_process().tp,
+        chunk_tokens=5,
+        compiled=True,
+        keep_logits=keep,
+    )
     loss.sum().backward()
     assert counters["stats"]["unique_graphs"] >= 2, "statistics and gradient compiled"
     torch.testing.assert_close(loss, ref["loss"], **TOL)

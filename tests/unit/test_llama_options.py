@@ -16,19 +16,31 @@ from torch import nn
 
 from ptdp.commands.train_flags import add_train_arguments, config_from_args
 from ptdp.engine.comm import AxisGroup, CommStats
-from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.engine.model.gpt import MLP, Attention, GPTModel, RMSNorm
 from ptdp.engine.model.rotary import RotaryEmbedding
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters, shard, spec_of
+from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
 
-
-LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", num_query_groups=2,
-             add_bias_linear=False, untie_embeddings_and_output_weights=True)
+LLAMA = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    num_query_groups=2,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+)
 
 
 def _model(**overrides) -> ModelConfig:
-    base = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=6,
-                       vocab_size=300, params_dtype="float64")
+    base = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=48,
+        seq_length=6,
+        vocab_size=300,
+        params_dtype="float64",
+    )
     return dataclasses.replace(base, **overrides)
 
 
@@ -117,8 +129,12 @@ def _reference_gqa(cfg: ModelConfig, attention: Attention, x: torch.Tensor) -> t
 
 @pytest.mark.parametrize("rope", [False, True])
 def test_grouped_query_attention_equals_repeated_key_value_heads(rope):
-    cfg = _model(num_attention_heads=8, num_query_groups=2, add_bias_linear=False,
-                 position_embedding_type="rope" if rope else "learned_absolute")
+    cfg = _model(
+        num_attention_heads=8,
+        num_query_groups=2,
+        add_bias_linear=False,
+        position_embedding_type="rope" if rope else "learned_absolute",
+    )
     attention = Attention(cfg, AxisGroup.single("tp"), torch.float64)
     initialize_parameters(attention, seed=3, std=0.3, num_layers=2, tp_rank=0, tp_size=1)
     assert attention.qkv.weight.shape == ((8 + 2 * 2) * 4, 32)
@@ -136,9 +152,9 @@ def test_grouped_qkv_shard_holds_whole_groups():
     w = full.qkv.weight.detach()
     for rank in range(2):
         mine = shard(w, spec_of(full.qkv.weight), rank, 2)
-        assert torch.equal(mine, w[rank * 2 * rows_per_group:(rank + 1) * 2 * rows_per_group])
+        assert torch.equal(mine, w[rank * 2 * rows_per_group : (rank + 1) * 2 * rows_per_group])
         first_q_head_of_rank = rank * 4  # a / tp query heads per rank
-        assert torch.equal(mine[:d], w[first_q_head_of_rank // 2 * rows_per_group:][:d])
+        assert torch.equal(mine[:d], w[first_q_head_of_rank // 2 * rows_per_group :][:d])
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])
@@ -169,8 +185,8 @@ def test_swiglu_shards_hold_matching_gate_and_up_columns(bias):
         rows = ffn // tp_size
         for rank in range(tp_size):
             mine = shard(w1.detach(), spec_of(w1), rank, tp_size)
-            assert torch.equal(mine[:rows], w1[rank * rows:(rank + 1) * rows])  # gate
-            assert torch.equal(mine[rows:], w1[ffn + rank * rows:ffn + (rank + 1) * rows])  # up
+            assert torch.equal(mine[:rows], w1[rank * rows : (rank + 1) * rows])  # gate
+            assert torch.equal(mine[rows:], w1[ffn + rank * rows : ffn + (rank + 1) * rows])  # up
 
 
 def test_llama_model_has_no_biases_and_no_position_table():
@@ -185,22 +201,37 @@ def test_llama_model_has_no_biases_and_no_position_table():
 
 
 def _resolve(tp: int = 1, **model) -> Config:
-    return resolve(Config(model=_model(**model), parallel=ParallelConfig(tp, 1, 1),
-                          train=TrainConfig(micro_batch_size=1, global_batch_size=1)), tp)
+    return resolve(
+        Config(
+            model=_model(**model),
+            parallel=ParallelConfig(tp, 1, 1),
+            train=TrainConfig(micro_batch_size=1, global_batch_size=1),
+        ),
+        tp,
+    )
 
 
-@pytest.mark.parametrize("model,tp,message", [
-    ({"num_query_groups": 2}, 4, "num_query_groups=2 is not divisible by tensor_model_parallel_size=4 "
-                                 "(rule: query groups must divide by tp"),
-    ({"num_query_groups": 3}, 1, "num_attention_heads=4 is not divisible by num_query_groups=3"),
-    ({"num_query_groups": 0}, 1, "num_query_groups=0 must be a positive integer"),
-    ({"position_embedding_type": "rope", "hidden_size": 36, "num_attention_heads": 4}, 1,
-     "head dim hidden_size / num_attention_heads = 36/4 = 9 is odd"),
-    ({"normalization": "BatchNorm"}, 1, "normalization='BatchNorm' must be one of"),
-    ({"position_embedding_type": "alibi"}, 1, "position_embedding_type='alibi' must be one of"),
-    ({"rotary_base": -1.0}, 1, "rotary_base=-1.0 must be > 0"),
-    ({"swiglu": True, "activation": "gelu_tanh"}, 1, "activation='gelu_tanh' has no effect with swiglu"),
-])
+@pytest.mark.parametrize(
+    "model,tp,message",
+    [
+        (
+            {"num_query_groups": 2},
+            4,
+            "num_query_groups=2 is not divisible by tensor_model_parallel_size=4 (rule: query groups must divide by tp",
+        ),
+        ({"num_query_groups": 3}, 1, "num_attention_heads=4 is not divisible by num_query_groups=3"),
+        ({"num_query_groups": 0}, 1, "num_query_groups=0 must be a positive integer"),
+        (
+            {"position_embedding_type": "rope", "hidden_size": 36, "num_attention_heads": 4},
+            1,
+            "head dim hidden_size / num_attention_heads = 36/4 = 9 is odd",
+        ),
+        ({"normalization": "BatchNorm"}, 1, "normalization='BatchNorm' must be one of"),
+        ({"position_embedding_type": "alibi"}, 1, "position_embedding_type='alibi' must be one of"),
+        ({"rotary_base": -1.0}, 1, "rotary_base=-1.0 must be > 0"),
+        ({"swiglu": True, "activation": "gelu_tanh"}, 1, "activation='gelu_tanh' has no effect with swiglu"),
+    ],
+)
 def test_invalid_llama_options_are_named(model, tp, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
         _resolve(tp, **model)
@@ -209,21 +240,44 @@ def test_invalid_llama_options_are_named(model, tp, message):
 def test_flags_set_the_model_options():
     parser = argparse.ArgumentParser()
     add_train_arguments(parser, local_launch=False)
-    args = parser.parse_args(["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-                              "--rotary-base", "500000", "--num-query-groups", "2", "--disable-bias-linear",
-                              "--untie-embeddings-and-output-weights"])
+    args = parser.parse_args(
+        [
+            "--normalization",
+            "RMSNorm",
+            "--swiglu",
+            "--position-embedding-type",
+            "rope",
+            "--rotary-base",
+            "500000",
+            "--num-query-groups",
+            "2",
+            "--disable-bias-linear",
+            "--untie-embeddings-and-output-weights",
+        ]
+    )
     m = config_from_args(args).model
-    assert (m.normalization, m.swiglu, m.position_embedding_type, m.rotary_base, m.num_query_groups,
-            m.add_bias_linear, m.untie_embeddings_and_output_weights) == ("RMSNorm", True, "rope", 500000.0, 2,
-                                                                          False, True)
+    assert (
+        m.normalization,
+        m.swiglu,
+        m.position_embedding_type,
+        m.rotary_base,
+        m.num_query_groups,
+        m.add_bias_linear,
+        m.untie_embeddings_and_output_weights,
+    ) == ("RMSNorm", True, "rope", 500000.0, 2, False, True)
     m = config_from_args(parser.parse_args([])).model
     assert (m.normalization, m.swiglu, m.position_embedding_type, m.num_query_groups, m.add_bias_linear) == (
-        "LayerNorm", False, "learned_absolute", None, True)
+        "LayerNorm",
+        False,
+        "learned_absolute",
+        None,
+        True,
+    )
 
 
 def test_gpt2_export_refuses_llama_options():
-    from ptdp.run.checkpoint.hf import _gpt2_config
     from ptdp.run.checkpoint.folders import CheckpointError
+    from ptdp.run.checkpoint.hf import _gpt2_config
 
     meta = dataclasses.asdict(_model(**LLAMA)) | {"ffn": 48}
     with pytest.raises(CheckpointError, match="normalization='RMSNorm', swiglu=True, position_embedding_type='rope'"):

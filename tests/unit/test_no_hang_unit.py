@@ -31,9 +31,13 @@ def test_fault_hooks_parse_and_reject_bad_values(monkeypatch):
 
 def test_a_lost_peer_is_named_without_claiming_a_timeout():
     activity.set_phase(activity.BACKWARD, 9)
-    err = RuntimeError("[/x/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5. This is "
-                       "typically caused by a remote worker crashing.")
+    err = RuntimeError(
+        "[/x/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5. This is "
+        "typically caused by a remote worker crashing."
+    )
     e = activity.collective_error(err, rank=4, axis="tp", op="all_reduce", ranks=(4, 5), timeout_s=120)
     assert type(e) is activity.CollectiveError
-    assert str(e) == ("rank 4 failed in backward at iteration 9: tp all_reduce over ranks 4, 5: "
-                      "Connection closed by peer [127.0.0.1]:5")
+    assert str(e) == (
+        "rank 4 failed in backward at iteration 9: tp all_reduce over ranks 4, 5: "
+        "Connection closed by peer [127.0.0.1]:5"
+    )

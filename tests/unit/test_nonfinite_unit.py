@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import pytest
-
 import torch
 
-from ptdp.run.checkpoint.folders import CheckpointError
-from ptdp.run.checkpoint.io import save_checkpoint
+from helpers.layout_cases import rank_microbatches, tiny_config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.chunks import global_named_parameters
 from ptdp.engine.step import build_stage, train_step
-
-from helpers.layout_cases import rank_microbatches, tiny_config
+from ptdp.run.checkpoint.folders import CheckpointError
+from ptdp.run.checkpoint.io import save_checkpoint
 
 
 def test_a_non_finite_state_is_never_saved(tmp_path):
@@ -21,8 +19,11 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
     name, param = next(iter(global_named_parameters(stage.model)))
     with torch.no_grad():
         param.view(-1)[3] = float("nan")
-    with pytest.raises(CheckpointError, match=rf"refusing to save the checkpoint of iteration 1: parameter {name} "
-                                              r"holds nan/inf values on rank 0; nothing was written"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"refusing to save the checkpoint of iteration 1: parameter {name} "
+        r"holds nan/inf values on rank 0; nothing was written",
+    ):
         save_checkpoint(stage, tmp_path / "ckpt", 1, consumed_samples=8)
     assert not (tmp_path / "ckpt").exists()
     with torch.no_grad():

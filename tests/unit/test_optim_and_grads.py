@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from ptdp.spec import ModelConfig, TrainConfig
 from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.data_parallel.grads import clip_grad_norm, counts_in_norm
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.engine.optim import build_optimizer, lr_at
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
+from ptdp.spec import ModelConfig, TrainConfig
 
 
 def test_lr_warmup_cosine_and_floor():
@@ -27,8 +27,9 @@ def test_lr_warmup_cosine_and_floor():
 
 
 def tiny_model() -> GPTModel:
-    cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=300,
-                      params_dtype="float64")
+    cfg = ModelConfig(
+        num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=300, params_dtype="float64"
+    )
     model = GPTModel(cfg, ParallelGroups.single_process().tp, layer_ids=range(2), pre_process=True, post_process=True)
     initialize_parameters(model, seed=1, std=0.02, num_layers=2, tp_rank=0, tp_size=1)
     return model
@@ -36,7 +37,11 @@ def tiny_model() -> GPTModel:
 
 def test_weight_decay_only_on_matrices():
     model = tiny_model()
-    opt = build_optimizer(model, TrainConfig(weight_decay=0.1), GradBuffer([list(model.parameters())], dp=ParallelGroups.single_process().dp))
+    opt = build_optimizer(
+        model,
+        TrainConfig(weight_decay=0.1),
+        GradBuffer([list(model.parameters())], dp=ParallelGroups.single_process().dp),
+    )
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and all(p.ndim == 2 for p in decay["params"])
     assert no_decay["weight_decay"] == 0.0 and all(p.ndim == 1 for p in no_decay["params"])
@@ -79,8 +84,8 @@ def test_bfloat16_trains_float32_main_params():
     below bf16's resolution (1 + 3e-4 rounds to 1 in bf16) still accumulate."""
     import dataclasses
 
-    from ptdp.engine.step import build_stage, train_step
     from helpers.layout_cases import rank_microbatches, tiny_config
+    from ptdp.engine.step import build_stage, train_step
 
     losses = {}
     for dtype in ("bfloat16", "float32"):

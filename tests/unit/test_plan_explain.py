@@ -53,7 +53,12 @@ def test_explain_pick_needs_two_plans_and_differences_name_every_field():
     assert explain_pick([_plan(A)]) == []
     other = dataclasses.replace(B, tp=4, dp=256, sequence_parallel=True, recompute="selective")
     assert layout_differences(_plan(A), _plan(other)) == [
-        "tp 8 vs 4", "dp 128 vs 256", "v 2 vs 1", "recompute none vs selective", "sp off vs on"]
+        "tp 8 vs 4",
+        "dp 128 vs 256",
+        "v 2 vs 1",
+        "recompute none vs selective",
+        "sp off vs on",
+    ]
     lines = explain_pick([_plan(A, bubble=1.0), _plan(other)])
     assert lines[0] == "why #1:" and lines[1].startswith("#1 vs #2: tp 8 vs 4")
 
@@ -64,7 +69,8 @@ def test_distance_of_a_fixed_layout_from_the_best():
     assert lines[0] == "the best layout with nothing fixed:" and lines[1] == "best vs yours: v 2 vs 1"
     assert "decided by bubble -1 s" in lines[3]
     assert distance_from_best(best, best) == [
-        "your fixed choices include the best layout the search finds with nothing fixed"]
+        "your fixed choices include the best layout the search finds with nothing fixed"
+    ]
     assert distance_from_best(best, None) == []
     assert distance_from_best(None, best)[0].startswith("with nothing fixed the search finds a fitting layout: tp=8")
 
@@ -99,8 +105,24 @@ def test_fixed_choices_no_layout_can_use_are_bad_requests(capsys, tmp_path):
     assert cli.main(["plan", "--model", str(tmp_path / "missing.json"), "--gpus", "8", "--global-batch-size", "8"]) == 2
     assert "no such file or folder" in capsys.readouterr().err
     plot = tmp_path / "nf.png"
-    assert cli.main(["plan", "--model", "llama3-405b", "--gpus", "8", "--gpu", "a100-80gb", "--global-batch-size",
-                     "8", "--plot", str(plot)]) == 1
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--model",
+                "llama3-405b",
+                "--gpus",
+                "8",
+                "--gpu",
+                "a100-80gb",
+                "--global-batch-size",
+                "8",
+                "--plot",
+                str(plot),
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "no layout fits: no plot written" in err and "failed" not in err and not plot.exists()
 
@@ -110,8 +132,24 @@ def test_the_split_flags_the_report_prints_can_be_given_back(capsys):
     plan the same layout when given back with the same pp."""
     from ptdp import cli
 
-    base = ["plan", "--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100-sxm", "--global-batch-size", "2048",
-            "--seq-length", "8192", "--tp", "8", "--pp", "32", "--json"]
+    base = [
+        "plan",
+        "--model",
+        "llama3-405b",
+        "--gpus",
+        "16384",
+        "--gpu",
+        "h100-sxm",
+        "--global-batch-size",
+        "2048",
+        "--seq-length",
+        "8192",
+        "--tp",
+        "8",
+        "--pp",
+        "32",
+        "--json",
+    ]
     assert cli.main(base) == 0
     best = json.loads(capsys.readouterr().out)[0]
     flags = best["layer_split_flags"].split()

@@ -22,11 +22,23 @@ from ptdp.planner.search import Fixed, search
 from ptdp.planner.sharding import chunk_by_chunk, sharded_dp_times
 
 H100 = CATALOG["h100-sxm"]
-LINKS = Links(nvlink_bandwidth=400e9, network_bandwidth=40e9, nvlink_latency=5e-6, network_latency=10e-6,
-              gpus_per_node=8)
+LINKS = Links(
+    nvlink_bandwidth=400e9, network_bandwidth=40e9, nvlink_latency=5e-6, network_latency=10e-6, gpus_per_node=8
+)
 # a small Llama-like model: grouped-query attention, SwiGLU, no dropout; s divisible by 2 * 8
-LLAMA = ModelSpec(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=512,
-                  vocab_size=1000, seq_length=1024, swiglu=True, tied=False, llama_style=True, dropout=False)
+LLAMA = ModelSpec(
+    num_layers=4,
+    hidden_size=256,
+    num_attention_heads=8,
+    num_query_groups=2,
+    ffn_hidden_size=512,
+    vocab_size=1000,
+    seq_length=1024,
+    swiglu=True,
+    tied=False,
+    llama_style=True,
+    dropout=False,
+)
 
 
 @pytest.mark.parametrize("flash", [True, False])
@@ -35,8 +47,7 @@ def test_activations_per_rank_are_divided_by_cp_plus_the_kv_buffers(flash, recom
     """Every kept tensor is per token of the rank's s/cp tokens; an unfused kernel's scores are
     (s/cp) x s per rank, 1/cp of s x s too. On top: the key/value buffers of the running layer."""
     model = dataclasses.replace(LLAMA, flash_attention=flash)
-    base = Layout(tp=2, pp=2, dp=1, micro_batch_size=2, global_batch_size=8, recompute=recompute,
-                  sequence_parallel=sp)
+    base = Layout(tp=2, pp=2, dp=1, micro_batch_size=2, global_batch_size=8, recompute=recompute, sequence_parallel=sp)
     for pp_rank in (0, 1):
         one = rank_activation_bytes(model, base, pp_rank, 2)
         for cp, comm in ((2, "p2p"), (4, "p2p"), (8, "all_gather")):
@@ -67,8 +78,9 @@ def test_ring_exchange_bytes_and_overlap():
     assert fwd == pytest.approx((cp - 1) * step_nvlink, rel=1e-12)
     grad_block = block_bytes / e * 4  # dK, dV accumulators travel in float32
     last_hop = 2 * grad_block / 400e9 + 5e-6  # dK, dV home, after the last block's backward
-    assert bwd == pytest.approx((cp - 1) * ((2 * block_bytes + 2 * grad_block) / 400e9 + 5e-6) + last_hop,
-                                rel=1e-12)  # K, V, dK, dV per step
+    assert bwd == pytest.approx(
+        (cp - 1) * ((2 * block_bytes + 2 * grad_block) / 400e9 + 5e-6) + last_hop, rel=1e-12
+    )  # K, V, dK, dV per step
     hidden_backward = kv_exchange_times(LLAMA, tp, cp, b, "p2p", 0.0, LINKS, 2, block_attention_backward=1.0)
     assert hidden_backward == pytest.approx(((cp - 1) * step_nvlink, last_hop))
     assert kv_exchange_times(LLAMA, tp, cp, b, "p2p", 1.0, LINKS) == pytest.approx((0.0, last_hop))  # hidden
@@ -77,7 +89,8 @@ def test_ring_exchange_bytes_and_overlap():
     # tp 4 x cp 4 = 16 > 8 GPUs per node: the ring crosses the network
     block4 = (1024 / cp) * b * 2 * 32 / 4 * e
     assert kv_exchange_times(LLAMA, 4, cp, b, "p2p", 0.0, LINKS)[0] == pytest.approx(
-        (cp - 1) * (2 * block4 / 40e9 + 10e-6), rel=1e-12)
+        (cp - 1) * (2 * block4 / 40e9 + 10e-6), rel=1e-12
+    )
     # all-gather of K and V (2 cp blocks) once forward, gather + reduce-scatter backward, not hidden
     gather = 0.5 * hierarchical_all_reduce_time(2 * cp * block_bytes, cp, 4, LINKS)
     scatter = 0.5 * hierarchical_all_reduce_time(2 * cp * grad_block, cp, 4, LINKS)  # float32 dK, dV
@@ -95,9 +108,12 @@ def test_each_strategy_bytes_per_rank_hand_computed():
     unit = n - 2 * layer  # the embedding + output layer + final norm as one unit, larger than a layer
     assert unit == 2 * 5120 * 256 + 256 > layer  # V padded to 5120, untied output, RMSNorm weight
     d = 2 * 4
-    expect = {"no_shard": (2 * n, 4 * n, 12 * n), "optim": (2 * n, 4 * n, 12 * n / d),
-              "optim_grads": (2 * n, 4 * n / d + 4 * min(40_000_000, n), 12 * n / d),
-              "optim_grads_params": (2 * n / d + 2 * 2 * unit, 4 * n / d + 4 * unit, 12 * n / d)}
+    expect = {
+        "no_shard": (2 * n, 4 * n, 12 * n),
+        "optim": (2 * n, 4 * n, 12 * n / d),
+        "optim_grads": (2 * n, 4 * n / d + 4 * min(40_000_000, n), 12 * n / d),
+        "optim_grads_params": (2 * n / d + 2 * 2 * unit, 4 * n / d + 4 * unit, 12 * n / d),
+    }
     for strategy, (params, grads, optimizer) in expect.items():
         layout = Layout(tp=1, pp=1, dp=2, micro_batch_size=1, global_batch_size=2, cp=4, sharding=strategy)
         assert layout.distributed_optimizer == (strategy != "no_shard")
@@ -113,8 +129,17 @@ def test_sharded_communication_times():
     per microbatch, hidden behind its backward but the last; optim_grads_params: no weight
     all-gather after the step, two gathers of every unit per microbatch, the first exposed."""
     g, p, u = 4e9, 2e9, 1e8
-    kw = dict(grad_bytes=g, param_bytes=p, unit_param_bytes=u, tp=8, shard=64, units=10, layer_forward=0.001,
-              layer_backward=0.002, links=LINKS)
+    kw = dict(
+        grad_bytes=g,
+        param_bytes=p,
+        unit_param_bytes=u,
+        tp=8,
+        shard=64,
+        units=10,
+        layer_forward=0.001,
+        layer_backward=0.002,
+        links=LINKS,
+    )
     ar = lambda nbytes: hierarchical_all_reduce_time(nbytes, 64, 1, LINKS)  # noqa: E731 - tp 8 fills the node
     rs, ag, unit_ag = ar(g) / 2, ar(p) / 2, ar(u) / 2
     assert sharded_dp_times("no_shard", num_microbatches=4, microbatch_backward=0.0, **kw) == pytest.approx(ar(g))
@@ -163,8 +188,25 @@ def test_llama3_405b_128k_stage_fits_as_published(batch, capsys):
     """Llama 3 405B's long-context stage (Dubey et al. 2024, §3.3.2 and Table 4: tp 8, cp 16, pp 16,
     dp 8 on 16,384 H100, 16M tokens per batch = 128 sequences of 131,072 tokens, 16 per
     data-parallel rank) is planned as fitting, with 128 sequences and with 16."""
-    assert cli.main([*LLAMA_405B_128K, "--global-batch-size", batch, "--tp", "8", "--cp", "16", "--pp", "16",
-                     "--pipeline-layer-split", SPLIT, "--json"]) == 0
+    assert (
+        cli.main(
+            [
+                *LLAMA_405B_128K,
+                "--global-batch-size",
+                batch,
+                "--tp",
+                "8",
+                "--cp",
+                "16",
+                "--pp",
+                "16",
+                "--pipeline-layer-split",
+                SPLIT,
+                "--json",
+            ]
+        )
+        == 0
+    )
     plans = json.loads(capsys.readouterr().out)
     best = plans[0]
     assert best["fits"] and (best["tp"], best["cp"], best["pp"], best["dp"]) == (8, 16, 16, 8)
@@ -199,13 +241,22 @@ def test_search_stops_at_the_first_sharded_strategy_that_fits():
         seen.setdefault(key, []).append(plan)
     assert seen
     for plans in seen.values():
-        sharded = [p for p in plans if p.layout.sharding_strategy != "no_shard"
-                   and not chunk_by_chunk(p.layout.sharding_strategy, p.layout.shard_size, p.layout.virtual_stages,
-                                          p.layout.num_microbatches, p.layout.pp)]  # always evaluated
+        sharded = [
+            p
+            for p in plans
+            if p.layout.sharding_strategy != "no_shard"
+            and not chunk_by_chunk(
+                p.layout.sharding_strategy,
+                p.layout.shard_size,
+                p.layout.virtual_stages,
+                p.layout.num_microbatches,
+                p.layout.pp,
+            )
+        ]  # always evaluated
         assert len(sharded) <= 1
         for plan in sharded:
             level = order.index(plan.layout.sharding_strategy)
-            for more in order[level + 1:]:
+            for more in order[level + 1 :]:
                 other = evaluate_performance(model, dataclasses.replace(plan.layout, sharding=more), cluster)
                 n = plan.memory.params / 2  # 16-bit weights of the stage
                 slack = 8 * n / (cluster.gpu.memory_bandwidth * 0.5)
@@ -226,9 +277,28 @@ def test_plan_flag_errors_exit_2(capsys):
 def test_cp_comm_type_flag_plans_the_all_gather(capsys):
     """--cp-comm-type all_gather: the all-gather's buffers (4 cp B e) instead of the ring's (8 B e)
     and its exchange exposed; p2p by default."""
-    args = [*LLAMA_405B_128K, "--global-batch-size", "16", "--tp", "8", "--cp", "16", "--pp", "16",
-            "--pipeline-layer-split", SPLIT, "--micro-batch-size", "1", "--recompute-granularity", "none",
-            "--sequence-parallel", "--use-distributed-optimizer", "--json", "--top", "1"]
+    args = [
+        *LLAMA_405B_128K,
+        "--global-batch-size",
+        "16",
+        "--tp",
+        "8",
+        "--cp",
+        "16",
+        "--pp",
+        "16",
+        "--pipeline-layer-split",
+        SPLIT,
+        "--micro-batch-size",
+        "1",
+        "--recompute-granularity",
+        "none",
+        "--sequence-parallel",
+        "--use-distributed-optimizer",
+        "--json",
+        "--top",
+        "1",
+    ]
     plans = {}
     for comm in ("p2p", "all_gather"):
         assert cli.main([*args, "--cp-comm-type", comm]) == 0

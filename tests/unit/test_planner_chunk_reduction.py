@@ -22,17 +22,23 @@ from ptdp.planner.search import Fixed, search
 from ptdp.planner.sharding import chunk_by_chunk, sharded_dp_times, stage_state_bytes
 
 H100 = get_gpu("h100-sxm")
-LINKS = Links(nvlink_bandwidth=400e9, network_bandwidth=40e9, nvlink_latency=5e-6, network_latency=10e-6,
-              gpus_per_node=8)
+LINKS = Links(
+    nvlink_bandwidth=400e9, network_bandwidth=40e9, nvlink_latency=5e-6, network_latency=10e-6, gpus_per_node=8
+)
 
 
-@pytest.mark.parametrize("strategy, shard, v, m, pp, expected", [
-    ("optim_grads", 128, 8, 16, 16, True), ("optim_grads_params", 4, 2, 4, 4, True),
-    ("optim_grads", 128, 8, 32, 16, False),  # two rounds: every chunk accumulates over both
-    ("optim_grads", 128, 1, 16, 16, False),  # one chunk: every microbatch touches the whole stage
-    ("optim", 128, 8, 16, 16, False), ("no_shard", 128, 8, 16, 16, False),
-    ("optim_grads", 1, 8, 16, 16, False),  # nothing to shard
-])
+@pytest.mark.parametrize(
+    "strategy, shard, v, m, pp, expected",
+    [
+        ("optim_grads", 128, 8, 16, 16, True),
+        ("optim_grads_params", 4, 2, 4, 4, True),
+        ("optim_grads", 128, 8, 32, 16, False),  # two rounds: every chunk accumulates over both
+        ("optim_grads", 128, 1, 16, 16, False),  # one chunk: every microbatch touches the whole stage
+        ("optim", 128, 8, 16, 16, False),
+        ("no_shard", 128, 8, 16, 16, False),
+        ("optim_grads", 1, 8, 16, 16, False),  # nothing to shard
+    ],
+)
 def test_when_gradients_are_reduced_chunk_by_chunk(strategy, shard, v, m, pp, expected):
     assert chunk_by_chunk(strategy, shard, v, m, pp) is expected
 
@@ -49,15 +55,27 @@ def test_one_chunk_gradient_whole_at_a_time():
 
 def test_chunk_reduce_scatters_hide_behind_the_next_round():
     g, p, u = 4e9, 2e9, 1e8
-    kw = dict(grad_bytes=g, param_bytes=p, unit_param_bytes=u, tp=8, shard=64, units=10, layer_forward=0.001,
-              layer_backward=0.002, links=LINKS, num_microbatches=16)
+    kw = dict(
+        grad_bytes=g,
+        param_bytes=p,
+        unit_param_bytes=u,
+        tp=8,
+        shard=64,
+        units=10,
+        layer_forward=0.001,
+        layer_backward=0.002,
+        links=LINKS,
+        num_microbatches=16,
+    )
     ar = lambda nbytes: hierarchical_all_reduce_time(nbytes, 64, 1, LINKS)  # noqa: E731 - tp 8 fills the node
     chunk_rs, ag = ar(g / 8) / 2, ar(p) / 2
     hidden = sharded_dp_times("optim_grads", microbatch_backward=10.0, chunks=8, **kw)
     assert hidden == pytest.approx(chunk_rs + ag)  # only the last chunk's, then the weights' all-gather
     exposed = sharded_dp_times("optim_grads", microbatch_backward=0.0, chunks=8, **kw)
     assert exposed == pytest.approx(8 * chunk_rs + ag)  # nothing to hide behind: every chunk's
-    assert sharded_dp_times("optim_grads", microbatch_backward=0.0, chunks=1, **kw) == pytest.approx(16 * ar(g) / 2 + ag)
+    assert sharded_dp_times("optim_grads", microbatch_backward=0.0, chunks=1, **kw) == pytest.approx(
+        16 * ar(g) / 2 + ag
+    )
     with_params = sharded_dp_times("optim_grads_params", microbatch_backward=10.0, chunks=8, **kw)
     per_microbatch = 2 * ar(u) / 2 + 9 * max(0, ar(u) / 2 - 0.001) + 9 * max(0, ar(u) / 2 - 0.002)
     assert with_params == pytest.approx(16 * per_microbatch + chunk_rs)
@@ -66,8 +84,9 @@ def test_chunk_reduce_scatters_hide_behind_the_next_round():
 def test_memory_and_time_of_a_one_round_interleaved_layout():
     model = get_model("llama3-405b")
     split = (7,) + (8,) * 14 + (7,)
-    base = Layout(8, 16, 128, 1, 2048, virtual_stages=8, sequence_parallel=True, layer_split=split,
-                  sharding="optim_grads")
+    base = Layout(
+        8, 16, 128, 1, 2048, virtual_stages=8, sequence_parallel=True, layer_split=split, sharding="optim_grads"
+    )
     mem = memory_breakdown(model, base, H100)
     n = stage_param_counts(model, 8, 16, layer_split=split)[mem.stage]
     layers = split[mem.stage]
@@ -77,16 +96,20 @@ def test_memory_and_time_of_a_one_round_interleaved_layout():
     assert memory_breakdown(model, two_rounds, H100).grads < mem.grads
     cluster = Cluster(H100, 16384, 8)
     by_chunk = evaluate_performance(model, base, cluster).time.dp_comm
-    optim = evaluate_performance(model, dataclasses.replace(base, sharding=None, distributed_optimizer=True),
-                                 cluster).time.dp_comm
+    optim = evaluate_performance(
+        model, dataclasses.replace(base, sharding=None, distributed_optimizer=True), cluster
+    ).time.dp_comm
     assert by_chunk < optim  # one chunk's reduce-scatter exposed instead of the whole stage's
 
 
 def test_llama3_405b_published_layout_is_planned_within_10_percent():
     """Meta's 8K stage: 16,384 H100, tp 8, pp 16, dp 128 (Llama 3 paper, Table 4: 400 TFLOP/s per
     GPU, a 6.753 s step) is listed among the fitting layouts, predicted within 10%."""
-    reported = next(r for r in load_h100_runs(H100_CSV) if r.name == "Llama 3 405B" and r.layout.num_gpus == 16384
-                    and r.layout.cp == 1).step_time
+    reported = next(
+        r
+        for r in load_h100_runs(H100_CSV)
+        if r.name == "Llama 3 405B" and r.layout.num_gpus == 16384 and r.layout.cp == 1
+    ).step_time
     assert reported == pytest.approx(6.753, abs=1e-3)
     result = search(get_model("llama3-405b"), Cluster(H100, 16384, 8), 2048)
     meta = [p for p in result.plans if (p.layout.tp, p.layout.pp, p.layout.dp, p.layout.cp) == (8, 16, 128, 1)]
@@ -100,7 +123,11 @@ def test_llama3_405b_published_layout_is_planned_within_10_percent():
 def test_search_evaluates_chunk_by_chunk_optim_grads_beside_optim():
     model = get_model("llama3-8b")
     cluster = Cluster(H100, 64, 8)
-    result = search(model, cluster, 32, fixed=Fixed(tp=2, pp=4, micro_batch_size=1, virtual_stages=2,
-                                                     recompute="none", sequence_parallel=True))
+    result = search(
+        model,
+        cluster,
+        32,
+        fixed=Fixed(tp=2, pp=4, micro_batch_size=1, virtual_stages=2, recompute="none", sequence_parallel=True),
+    )
     strategies = {p.layout.sharding_strategy for p in result.plans if p.layout.num_microbatches == 4}
     assert {"optim", "optim_grads"} <= strategies

@@ -12,11 +12,10 @@ import pytest
 from ptdp.cli import build_parser
 from ptdp.commands.plan import model_from_args
 from ptdp.planner import flops
-from ptdp.planner.hardware import CATALOG
+from ptdp.planner.hardware import CATALOG, Cluster
 from ptdp.planner.memory import layer_activation_bytes
 from ptdp.planner.models import PRESETS, ModelSpec, get_model
 from ptdp.planner.search import Fixed, search
-from ptdp.planner.hardware import Cluster
 
 # GPT with dropout (the [K22] setting): a = 16, h = 1024, s = 2048, b = 2
 GPT = ModelSpec(4, 1024, 16, vocab_size=51200, seq_length=2048, dropout=True)
@@ -65,7 +64,8 @@ def test_selective_recompute_costs_nothing_with_flash():
     base = flops.model_flops_per_step(flash, 64)
     assert flops.hardware_flops_per_step(flash, 64, "selective") == base
     assert flops.hardware_flops_per_step(GPT, 64, "selective") == pytest.approx(
-        flops.model_flops_per_step(GPT, 64) + 64 * GPT.num_layers * 4 * 2048 ** 2 * 1024, rel=1e-12)
+        flops.model_flops_per_step(GPT, 64) + 64 * GPT.num_layers * 4 * 2048**2 * 1024, rel=1e-12
+    )
     kw = dict(peak_flops=312e12, bandwidth=1.6e12, peak_fraction=0.77, half_dim=64.0)
     assert flops.layer_compute_times(flash, 2, 1, True, *kw.values())[2] == 0.0
     assert flops.layer_compute_times(GPT, 2, 1, True, *kw.values())[2] > 0.0
@@ -82,8 +82,9 @@ def test_flash_attention_time_is_compute_bound_causal_half():
     # the unfused layer minus its attention core (GEMMs + score bytes) plus the flash kernel
     assert fwd_f == pytest.approx(fwd_u - core_u + attention, rel=1e-12)
     scores = flops.layer_elementwise_bytes(GPT, 1, 1, sequence_parallel=False)[1]
-    assert bwd_f == pytest.approx(bwd_u - 2 * (core_u - scores / 1.6e12) - 2 * scores / 1.6e12 + 2.5 * attention,
-                                  rel=1e-12)
+    assert bwd_f == pytest.approx(
+        bwd_u - 2 * (core_u - scores / 1.6e12) - 2 * scores / 1.6e12 + 2.5 * attention, rel=1e-12
+    )
     assert flops.layer_elementwise_bytes(flash, 1, 1, sequence_parallel=False)[1] == 0.0
 
 
@@ -96,15 +97,18 @@ def _args(*argv):
     return build_parser().parse_args(["plan", *argv])
 
 
-@pytest.mark.parametrize("argv,gpu,flash", [
-    (["--model", "gpt3-175b"], "a100-80gb", False),        # as published
-    (["--model", "gpt3-175b"], "h100-sxm", True),          # today's GPUs
-    (["--model", "llama3-8b"], "a100-80gb", True),         # the Llama presets
-    (["--model", "llama3-8b", "--no-use-flash-attn"], "h200", False),
-    (["--model", "gpt-1.7b", "--use-flash-attn"], "a100-80gb", True),
-    (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"], "a100-80gb", False),
-    (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"], "h200", True),
-])
+@pytest.mark.parametrize(
+    "argv,gpu,flash",
+    [
+        (["--model", "gpt3-175b"], "a100-80gb", False),  # as published
+        (["--model", "gpt3-175b"], "h100-sxm", True),  # today's GPUs
+        (["--model", "llama3-8b"], "a100-80gb", True),  # the Llama presets
+        (["--model", "llama3-8b", "--no-use-flash-attn"], "h200", False),
+        (["--model", "gpt-1.7b", "--use-flash-attn"], "a100-80gb", True),
+        (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"], "a100-80gb", False),
+        (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"], "h200", True),
+    ],
+)
 def test_plan_flag_and_defaults(argv, gpu, flash):
     model, notes = model_from_args(_args(*argv), CATALOG[gpu])
     assert model.flash_attention is flash and notes == []

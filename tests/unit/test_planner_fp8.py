@@ -10,7 +10,7 @@ import pytest
 from ptdp.cli import main
 from ptdp.planner import flops
 from ptdp.planner.fp8 import FP8_WEIGHT_COPY_BYTES, fp8_precision, layer_fp8_weights
-from ptdp.planner.hardware import CATALOG, Cluster, GiB
+from ptdp.planner.hardware import CATALOG, Cluster
 from ptdp.planner.memory import layer_activation_bytes, layer_param_count, memory_breakdown
 from ptdp.planner.models import ModelSpec, get_model
 from ptdp.planner.perf import DEFAULT_CONSTANTS, evaluate_performance
@@ -20,8 +20,9 @@ from ptdp.spec import ConfigError
 H100 = CATALOG["h100-sxm"]
 
 
-@pytest.mark.parametrize("model", [get_model("llama3-8b"), ModelSpec(4, 1024, 16, seq_length=2048)],
-                         ids=["swiglu-gqa", "gpt"])
+@pytest.mark.parametrize(
+    "model", [get_model("llama3-8b"), ModelSpec(4, 1024, 16, seq_length=2048)], ids=["swiglu-gqa", "gpt"]
+)
 @pytest.mark.parametrize("t,sp", [(1, False), (4, False), (4, True)])
 def test_fp8_keeps_the_four_gemm_inputs_in_one_byte(model, t, sp):
     kw = dict(sequence_parallel=sp, recompute="none")
@@ -34,8 +35,9 @@ def test_fp8_keeps_the_four_gemm_inputs_in_one_byte(model, t, sp):
     saved = 2 * model.seq_length * (2 * h / (t if sp else 1) + (a * d + model.ffn) / t)
     assert bf16 - fp8 == pytest.approx(saved, rel=1e-12)
     # full recompute keeps the bf16 layer input either way
-    assert layer_activation_bytes(model, t, 2, precision="fp8", sequence_parallel=sp, recompute="full") == \
-        layer_activation_bytes(model, t, 2, precision="bf16", sequence_parallel=sp, recompute="full")
+    assert layer_activation_bytes(
+        model, t, 2, precision="fp8", sequence_parallel=sp, recompute="full"
+    ) == layer_activation_bytes(model, t, 2, precision="bf16", sequence_parallel=sp, recompute="full")
 
 
 def test_fp8_weight_copies_in_memory():
@@ -60,8 +62,17 @@ def test_fp8_gemms_at_the_fp8_peak_plus_casts():
     shapes = flops.layer_gemms(model, 4, 1)
 
     def linear(peak, nbytes):
-        return sum(flops.gemm_time(*shapes[i], peak_flops=peak, bandwidth=kw[1], peak_fraction=0.77,
-                                   half_dim=64.0, bytes_per_element=nbytes) for i in flops.LINEAR_GEMMS)
+        return sum(
+            flops.gemm_time(
+                *shapes[i],
+                peak_flops=peak,
+                bandwidth=kw[1],
+                peak_fraction=0.77,
+                half_dim=64.0,
+                bytes_per_element=nbytes,
+            )
+            for i in flops.LINEAR_GEMMS
+        )
 
     cast_f, cast_b = flops.fp8_cast_bytes(model, 4, 1)
     saved = linear(H100.peak("bf16"), 2.0) - linear(H100.peak("fp8"), 1.0)
@@ -107,13 +118,24 @@ def test_published_fp8_run_llama3_70b_on_h100(global_batch, tokens_per_gpu):
     no recompute, the tensor-parallel communication overlapped with the GEMMs (all but one of tp
     chunks hidden, as ``ptdp.planner.validate.run_constants`` counts it)."""
     model = get_model("llama3-70b")
-    layout = Layout(tp=4, pp=8, dp=2, micro_batch_size=1, global_batch_size=global_batch, virtual_stages=5,
-                    recompute="none", sequence_parallel=True, distributed_optimizer=True, precision="fp8")
+    layout = Layout(
+        tp=4,
+        pp=8,
+        dp=2,
+        micro_batch_size=1,
+        global_batch_size=global_batch,
+        virtual_stages=5,
+        recompute="none",
+        sequence_parallel=True,
+        distributed_optimizer=True,
+        precision="fp8",
+    )
     assert memory_breakdown(model, layout, H100).total <= H100.memory_bytes
     constants = dataclasses.replace(DEFAULT_CONSTANTS.for_gpu(H100), tp_overlap=3 / 4)
     step = evaluate_performance(model, layout, Cluster(H100, 64), constants).step_time
     reported = global_batch * model.seq_length / (tokens_per_gpu * 64)
     assert step / reported - 1 == pytest.approx(0, abs=0.25)
-    bf16 = evaluate_performance(model, dataclasses.replace(layout, precision="bf16"), Cluster(H100, 64),
-                                constants).step_time
+    bf16 = evaluate_performance(
+        model, dataclasses.replace(layout, precision="bf16"), Cluster(H100, 64), constants
+    ).step_time
     assert 1.2 < bf16 / step < 2.0  # FP8 speeds up the GEMMs only

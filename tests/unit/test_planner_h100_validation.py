@@ -69,6 +69,7 @@ def test_table_has_the_published_rows_with_sources(runs):
 def test_step_time_in_the_notes_is_the_one_derived(runs):
     """Each row's notes spell out its conversion to a step time; the loader derives the same."""
     import csv
+
     with open(CSV, newline="", encoding="utf-8") as f:
         notes = [r["notes"] for r in csv.DictReader(f)]
     for run, text in zip(runs, notes):
@@ -176,12 +177,14 @@ def test_run_constants_follow_the_run(runs):
 def test_overlap_window_hides_one_microbatch_of_the_end_reduction(sharding, m):
     """dp_comm with the window = what exceeds one microbatch's compute on the busiest stage."""
     model = ModelSpec(32, 7168, 56, vocab_size=131072, seq_length=4096, tied=False, flash_attention=True)
-    layout = Layout(tp=8, pp=1, dp=48, micro_batch_size=4 // m, global_batch_size=192, sequence_parallel=True,
-                    sharding=sharding)
+    layout = Layout(
+        tp=8, pp=1, dp=48, micro_batch_size=4 // m, global_batch_size=192, sequence_parallel=True, sharding=sharding
+    )
     cluster = Cluster(CATALOG["h100-sxm"], 384)
     plain = evaluate_performance(model, layout, cluster).time
-    window = evaluate_performance(model, layout, cluster,
-                                  dataclasses.replace(DEFAULT_CONSTANTS, overlap_window=True)).time
+    window = evaluate_performance(
+        model, layout, cluster, dataclasses.replace(DEFAULT_CONSTANTS, overlap_window=True)
+    ).time
     one_microbatch = plain.compute / layout.num_microbatches
     assert window.dp_comm == pytest.approx(max(0.0, plain.dp_comm - one_microbatch), rel=1e-9)
     assert window.compute == plain.compute and plain.dp_comm > 0
@@ -189,6 +192,7 @@ def test_overlap_window_hides_one_microbatch_of_the_end_reduction(sharding, m):
 
 def test_update_benchmarks_keeps_one_block_per_table(tmp_path):
     from ptdp.commands.validate import BEGIN, END, markers, update_markdown, validation_markdown
+
     doc = tmp_path / "B.md"
     doc.write_text(f"intro\n{BEGIN}\nA100 block\n{END}\nmiddle\n", encoding="utf-8")
     begin, end = markers(CSV)
@@ -202,14 +206,19 @@ def test_update_benchmarks_keeps_one_block_per_table(tmp_path):
 
 def test_catalog_file_may_name_the_architecture(tmp_path):
     from ptdp.planner.hardware import load_catalog
-    base = ('peak_flops = { bf16 = 400e12 }\nmemory_bytes = 48e9\nmemory_bandwidth = 1.0e12\n'
-            'nvlink_bandwidth = 0\nnetwork_bandwidth = 12.5e9\n')
+
+    base = (
+        "peak_flops = { bf16 = 400e12 }\nmemory_bytes = 48e9\nmemory_bandwidth = 1.0e12\n"
+        "nvlink_bandwidth = 0\nnetwork_bandwidth = 12.5e9\n"
+    )
     good, bad, plain = tmp_path / "g.toml", tmp_path / "b.toml", tmp_path / "p.toml"
-    good.write_text('[my-gpu]\n' + base + 'arch = "hopper"\n', encoding="utf-8")
-    bad.write_text('[my-gpu]\n' + base + 'arch = 9\n', encoding="utf-8")
-    plain.write_text('[my-gpu]\n' + base, encoding="utf-8")
-    assert DEFAULT_CONSTANTS.for_gpu(load_catalog(good)["my-gpu"]).gemm_peak_fraction == \
-        DEFAULT_CONSTANTS.for_gpu(CATALOG["h100"]).gemm_peak_fraction
+    good.write_text("[my-gpu]\n" + base + 'arch = "hopper"\n', encoding="utf-8")
+    bad.write_text("[my-gpu]\n" + base + "arch = 9\n", encoding="utf-8")
+    plain.write_text("[my-gpu]\n" + base, encoding="utf-8")
+    assert (
+        DEFAULT_CONSTANTS.for_gpu(load_catalog(good)["my-gpu"]).gemm_peak_fraction
+        == DEFAULT_CONSTANTS.for_gpu(CATALOG["h100"]).gemm_peak_fraction
+    )
     assert DEFAULT_CONSTANTS.for_gpu(load_catalog(plain)["my-gpu"]) == DEFAULT_CONSTANTS
     with pytest.raises(ValueError, match="arch=9 must be a string"):
         load_catalog(bad)

@@ -16,18 +16,31 @@ from ptdp.spec import ConfigError
 
 transformers = pytest.importorskip("transformers")
 
-LLAMA_SHAPE = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                   intermediate_size=96, vocab_size=300, max_position_embeddings=128)
+LLAMA_SHAPE = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    vocab_size=300,
+    max_position_embeddings=128,
+)
 CASES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA_SHAPE),
     "llama-biases": ("LlamaConfig", "LlamaForCausalLM", {**LLAMA_SHAPE, "attention_bias": True, "mlp_bias": True}),
-    "llama-attention-bias-mha": ("LlamaConfig", "LlamaForCausalLM",
-                                 {**LLAMA_SHAPE, "num_key_value_heads": 4, "attention_bias": True}),
+    "llama-attention-bias-mha": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {**LLAMA_SHAPE, "num_key_value_heads": 4, "attention_bias": True},
+    ),
     "mistral": ("MistralConfig", "MistralForCausalLM", {**LLAMA_SHAPE, "sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", LLAMA_SHAPE),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=96)),
-    "gpt2-n-inner": ("GPT2Config", "GPT2LMHeadModel",
-                     dict(n_layer=3, n_embd=32, n_head=2, n_inner=80, vocab_size=257, n_positions=40)),
+    "gpt2-n-inner": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(n_layer=3, n_embd=32, n_head=2, n_inner=80, vocab_size=257, n_positions=40),
+    ),
 }
 
 
@@ -60,8 +73,15 @@ def test_every_supported_type_is_covered():
 def test_fields_mapped(tmp_path):
     _save(tmp_path, "qwen2", tied=True)
     model, notes = load_hf_config(tmp_path)
-    assert (model.num_layers, model.hidden_size, model.num_attention_heads, model.kv_heads, model.ffn,
-            model.vocab_size, model.seq_length) == (2, 64, 4, 2, 96, 300, 128)
+    assert (
+        model.num_layers,
+        model.hidden_size,
+        model.num_attention_heads,
+        model.kv_heads,
+        model.ffn,
+        model.vocab_size,
+        model.seq_length,
+    ) == (2, 64, 4, 2, 96, 300, 128)
     assert model.tied and model.swiglu and model.flash_attention and not model.dropout and notes == []
     assert model.linears_with_bias == ("qkv",) and not model.has_position_table and model.uses_rmsnorm
     assert load_hf_config(tmp_path, seq_length=32)[0].seq_length == 32
@@ -77,16 +97,21 @@ def _write(tmp_path, config: dict):
     return path
 
 
-@pytest.mark.parametrize("config,words", [
-    ({"model_type": "mixtral", "num_local_experts": 8}, ["model_type='mixtral'", "llama, mistral, qwen2, gpt2"]),
-    ({"model_type": "llama", "num_local_experts": 8}, ["num_local_experts=8", "dense"]),
-    ({"model_type": "qwen2", "num_experts": 64}, ["num_experts=64"]),
-    ({"model_type": "llama", "hidden_size": 5120, "num_attention_heads": 32, "head_dim": 128},
-     ["head_dim=128", "5120 / 32"]),
-    ({"model_type": "llama", "hidden_size": "big"}, ["hidden_size='big'", "positive integer"]),
-    ({"model_type": "gpt2", "add_cross_attention": True}, ["add_cross_attention"]),
-    ([1, 2], ["JSON list"]),
-])
+@pytest.mark.parametrize(
+    "config,words",
+    [
+        ({"model_type": "mixtral", "num_local_experts": 8}, ["model_type='mixtral'", "llama, mistral, qwen2, gpt2"]),
+        ({"model_type": "llama", "num_local_experts": 8}, ["num_local_experts=8", "dense"]),
+        ({"model_type": "qwen2", "num_experts": 64}, ["num_experts=64"]),
+        (
+            {"model_type": "llama", "hidden_size": 5120, "num_attention_heads": 32, "head_dim": 128},
+            ["head_dim=128", "5120 / 32"],
+        ),
+        ({"model_type": "llama", "hidden_size": "big"}, ["hidden_size='big'", "positive integer"]),
+        ({"model_type": "gpt2", "add_cross_attention": True}, ["add_cross_attention"]),
+        ([1, 2], ["JSON list"]),
+    ],
+)
 def test_unsupported_fields_are_named(tmp_path, config, words):
     with pytest.raises(ConfigError) as err:
         load_hf_config(_write(tmp_path, config))
@@ -95,8 +120,9 @@ def test_unsupported_fields_are_named(tmp_path, config, words):
 
 
 def test_cost_notes(tmp_path):
-    _, notes = load_hf_config(_write(tmp_path, {"model_type": "mistral", "sliding_window": 4096,
-                                                "max_position_embeddings": 32768}))
+    _, notes = load_hf_config(
+        _write(tmp_path, {"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768})
+    )
     assert len(notes) == 1 and "sliding_window=4096 < seq_length=32768" in notes[0]
     _, notes = load_hf_config(_write(tmp_path, {"model_type": "mistral", "sliding_window": 4096}), seq_length=4096)
     assert notes == []
@@ -108,16 +134,19 @@ def test_cost_notes(tmp_path):
 
 def test_cli_plans_a_config_folder(tmp_path, capsys):
     _save(tmp_path, "llama", tied=False)
-    argv = ["plan", "--model", str(tmp_path), "--gpus", "8", "--gpu", "h100-sxm", "--global-batch-size", "16",
-            "--json"]
+    argv = ["plan", "--model", str(tmp_path), "--gpus", "8", "--gpu", "h100-sxm", "--global-batch-size", "16", "--json"]
     assert main(argv) == 0
     plans = json.loads(capsys.readouterr().out)
     assert [p for p in plans if p["fits"]]
 
 
 def test_cli_errors_exit_2(tmp_path, capsys):
-    assert main(["plan", "--model", str(_write(tmp_path, {"model_type": "t5"})), "--gpus", "8",
-                 "--global-batch-size", "8"]) == 2
+    assert (
+        main(
+            ["plan", "--model", str(_write(tmp_path, {"model_type": "t5"})), "--gpus", "8", "--global-batch-size", "8"]
+        )
+        == 2
+    )
     assert "model_type='t5' is not supported" in capsys.readouterr().err
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -6,9 +6,19 @@ import json
 
 from ptdp.cli import main
 
-
-GPT3 = ["plan", "--model", "gpt3-175b", "--gpus", "1024", "--gpu", "a100-80gb", "--global-batch-size", "1536",
-        "--seq-length", "2048"]
+GPT3 = [
+    "plan",
+    "--model",
+    "gpt3-175b",
+    "--gpus",
+    "1024",
+    "--gpu",
+    "a100-80gb",
+    "--global-batch-size",
+    "1536",
+    "--seq-length",
+    "2048",
+]
 
 
 def test_json_tflops_per_gpu_is_in_tflops(capsys):

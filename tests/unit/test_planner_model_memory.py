@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 
 from ptdp.engine.comm import AxisGroup, CommStats
-from ptdp.spec import ConfigError, ModelConfig
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.engine.pipeline.partition import stage_layer_ids
 from ptdp.planner.hardware import CATALOG, GiB
@@ -22,7 +21,7 @@ from ptdp.planner.memory import (
 )
 from ptdp.planner.models import PRESETS, ModelSpec
 from ptdp.planner.plan import Layout
-
+from ptdp.spec import ConfigError, ModelConfig
 
 A100 = CATALOG["a100-80gb"]
 
@@ -32,28 +31,43 @@ def _real_stage_numels(cfg: ModelConfig, tp: int, pp: int, split) -> list[int]:
     out = []
     for pp_rank in range(pp):
         axis = AxisGroup("tp", tuple(range(tp)), 0, None, CommStats())
-        stage = GPTModel(cfg, axis, layer_ids=stage_layer_ids(cfg.num_layers, pp, pp_rank, split),
-                         pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
+        stage = GPTModel(
+            cfg,
+            axis,
+            layer_ids=stage_layer_ids(cfg.num_layers, pp, pp_rank, split),
+            pre_process=pp_rank == 0,
+            post_process=pp_rank == pp - 1,
+        )
         out.append(sum(p.numel() for p in stage.parameters()))
     return out
 
 
-@pytest.mark.parametrize("tp,pp,tied,split,divisible", [
-    (1, 1, True, None, 8),
-    (2, 1, True, None, 8),
-    (2, 2, True, None, 8),
-    (4, 2, False, None, 8),
-    (2, 3, True, (1, 3, 1), 8),
-    (1, 2, False, (4, 1), 8),
-    (4, 1, False, None, 8),
-    (2, 4, True, None, 128),
-    (4, 5, False, (1, 1, 1, 1, 1), 128),
-])
+@pytest.mark.parametrize(
+    "tp,pp,tied,split,divisible",
+    [
+        (1, 1, True, None, 8),
+        (2, 1, True, None, 8),
+        (2, 2, True, None, 8),
+        (4, 2, False, None, 8),
+        (2, 3, True, (1, 3, 1), 8),
+        (1, 2, False, (4, 1), 8),
+        (4, 1, False, None, 8),
+        (2, 4, True, None, 128),
+        (4, 5, False, (1, 1, 1, 1, 1), 128),
+    ],
+)
 def test_param_counts_equal_ptdp_gpt_numel(tp, pp, tied, split, divisible):
     layers = sum(split) if split else 4
-    cfg = ModelConfig(num_layers=layers, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=8,
-                      vocab_size=303, make_vocab_size_divisible_by=divisible,
-                      untie_embeddings_and_output_weights=not tied)
+    cfg = ModelConfig(
+        num_layers=layers,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=48,
+        seq_length=8,
+        vocab_size=303,
+        make_vocab_size_divisible_by=divisible,
+        untie_embeddings_and_output_weights=not tied,
+    )
     spec = ModelSpec(layers, 32, 4, 48, vocab_size=303, seq_length=8, tied=tied)
     predicted = stage_param_counts(spec, tp, pp, make_vocab_size_divisible_by=divisible, layer_split=split)
     assert predicted == _real_stage_numels(cfg, tp, pp, split)
@@ -119,15 +133,18 @@ def test_activation_formulas_match_korthikanti():
     s, b, h, a, t = 2048, 4, 6144, 64, 8
     sbh = s * b * h
     assert layer_activation_bytes(m, 1, b, sequence_parallel=False, recompute="none") == pytest.approx(
-        sbh * (34 + 5 * a * s / h))
+        sbh * (34 + 5 * a * s / h)
+    )
     assert layer_activation_bytes(m, t, b, sequence_parallel=False, recompute="none") == pytest.approx(
-        sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+        sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    )
     assert layer_activation_bytes(m, t, b, sequence_parallel=True, recompute="none") == pytest.approx(
-        sbh / t * (34 + 5 * a * s / h))
-    assert layer_activation_bytes(m, t, b, sequence_parallel=True, recompute="selective") == pytest.approx(
-        sbh / t * 34)
+        sbh / t * (34 + 5 * a * s / h)
+    )
+    assert layer_activation_bytes(m, t, b, sequence_parallel=True, recompute="selective") == pytest.approx(sbh / t * 34)
     assert layer_activation_bytes(m, t, b, sequence_parallel=False, recompute="selective") == pytest.approx(
-        sbh * (10 + 24 / t))
+        sbh * (10 + 24 / t)
+    )
     assert layer_activation_bytes(m, t, b, sequence_parallel=False, recompute="full") == 2 * sbh
     # Hand computation: 2048*4*6144 * (10 + 3 + 13.333) * 48 layers = 59.25 GiB (K22 Figure 1).
     per_layer = layer_activation_bytes(m, t, b, sequence_parallel=False, recompute="none")
@@ -139,11 +156,13 @@ def test_gqa_swiglu_generalisation_reduces_to_gpt():
     as_gqa = dataclasses.replace(gpt, num_query_groups=16)
     for rec in ("none", "selective", "full"):
         for sp in (False, True):
-            assert layer_activation_bytes(gpt, 4, 2, sequence_parallel=sp, recompute=rec) == \
-                layer_activation_bytes(as_gqa, 4, 2, sequence_parallel=sp, recompute=rec)
+            assert layer_activation_bytes(gpt, 4, 2, sequence_parallel=sp, recompute=rec) == layer_activation_bytes(
+                as_gqa, 4, 2, sequence_parallel=sp, recompute=rec
+            )
     fewer_kv = dataclasses.replace(gpt, num_query_groups=4)
-    assert layer_activation_bytes(fewer_kv, 1, 1, sequence_parallel=False, recompute="selective") < \
-        layer_activation_bytes(gpt, 1, 1, sequence_parallel=False, recompute="selective")
+    assert layer_activation_bytes(
+        fewer_kv, 1, 1, sequence_parallel=False, recompute="selective"
+    ) < layer_activation_bytes(gpt, 1, 1, sequence_parallel=False, recompute="selective")
 
 
 def test_monotonicity():
@@ -155,9 +174,11 @@ def test_monotonicity():
         assert prev is None or total < prev, "more tp -> less memory per GPU"
         prev = total
     act = {
-        (rec, sp): memory_breakdown(model, dataclasses.replace(base, recompute=rec, sequence_parallel=sp),
-                                    A100).activations
-        for rec in ("none", "selective", "full") for sp in (False, True)
+        (rec, sp): memory_breakdown(
+            model, dataclasses.replace(base, recompute=rec, sequence_parallel=sp), A100
+        ).activations
+        for rec in ("none", "selective", "full")
+        for sp in (False, True)
     }
     assert act["none", True] < act["none", False]
     assert act["selective", False] < act["none", False]
@@ -189,12 +210,15 @@ def test_memory_breakdown_fields_and_stage():
     assert mem.activations < fp32.activations < 2 * mem.activations
     no_dropout = dataclasses.replace(model, dropout=False)
     for rec in ("none", "selective", "full"):
-        assert layer_activation_bytes(no_dropout, 2, 2, sequence_parallel=False, recompute=rec, precision="fp32") \
-            == 2 * layer_activation_bytes(no_dropout, 2, 2, sequence_parallel=False, recompute=rec)
+        assert layer_activation_bytes(
+            no_dropout, 2, 2, sequence_parallel=False, recompute=rec, precision="fp32"
+        ) == 2 * layer_activation_bytes(no_dropout, 2, 2, sequence_parallel=False, recompute=rec)
 
 
 def test_gpipe_holds_more_than_1f1b():
     model = PRESETS["gpt-7.5b"]
     layout = Layout(tp=4, pp=4, dp=1, micro_batch_size=1, global_batch_size=32, recompute="selective")
-    assert memory_breakdown(model, layout, A100, schedule="gpipe").activations > \
-        memory_breakdown(model, layout, A100).activations
+    assert (
+        memory_breakdown(model, layout, A100, schedule="gpipe").activations
+        > memory_breakdown(model, layout, A100).activations
+    )

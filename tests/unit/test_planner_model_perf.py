@@ -21,7 +21,6 @@ from ptdp.planner.models import PRESETS, ModelSpec
 from ptdp.planner.perf import DEFAULT_CONSTANTS, PerfConstants, evaluate_performance
 from ptdp.planner.plan import Layout
 
-
 A100 = CATALOG["a100-80gb"]
 LINKS = Links(240e9, 22.5e9, 0.0, 0.0, 8)
 
@@ -151,8 +150,12 @@ def test_performance_bookkeeping():
     assert p.time.dp_comm > 0 and p.time.optimizer > 0
     single = _perf(m, pp=2, dp=1, micro_batch_size=4, global_batch_size=48)
     assert single.time.dp_comm < p.time.dp_comm
-    hidden = evaluate_performance(m, Layout(8, 2, 32, 4, 1536, recompute="full"), Cluster(A100, 512),
-                                  dataclasses.replace(DEFAULT_CONSTANTS, dp_overlap=1.0))
+    hidden = evaluate_performance(
+        m,
+        Layout(8, 2, 32, 4, 1536, recompute="full"),
+        Cluster(A100, 512),
+        dataclasses.replace(DEFAULT_CONSTANTS, dp_overlap=1.0),
+    )
     assert hidden.time.dp_comm == 0.0
     zero = _perf(m, pp=2, dp=32, micro_batch_size=4, global_batch_size=1536, distributed_optimizer=True)
     assert zero.time.optimizer < p.time.optimizer

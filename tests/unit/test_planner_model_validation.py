@@ -27,7 +27,6 @@ from ptdp.planner.validate import (
     validate,
 )
 
-
 CSV = default_csv()
 pytestmark = pytest.mark.skipif(CSV is None, reason="published_runs.csv not found (set PTDP_PUBLISHED_RUNS)")
 
@@ -72,15 +71,26 @@ def test_memory_rows_only_for_reported_numbers(runs):
     """A run reporting only the activations without recompute gets that one row: a number it does
     not report is no row (it once became a row whose ``reported`` was None)."""
     run = next(r for r in runs if r.reported_act_none_gib is not None and r.reported_params_opt_gib is not None)
-    only_none = dataclasses.replace(run, reported_tflops=None, reported_iteration_time=None,
-                                    reported_act_seqsel_gib=None, reported_params_opt_gib=None)
+    only_none = dataclasses.replace(
+        run,
+        reported_tflops=None,
+        reported_iteration_time=None,
+        reported_act_seqsel_gib=None,
+        reported_params_opt_gib=None,
+    )
     got = validate([only_none])
     assert [row.metric for row in got] == [ACT_NONE]
     assert got[0] == next(row for row in validate([run]) if row.metric == ACT_NONE)
     assert sorted(row.metric for row in validate([run]) if row.metric != ACT_NONE) == sorted(
-        m for m, value in ((ACT_SEQSEL, run.reported_act_seqsel_gib), (PARAMS_OPT, run.reported_params_opt_gib),
-                           (TFLOPS, run.reported_tflops), (ITER_TIME, run.reported_iteration_time))
-        if value is not None)
+        m
+        for m, value in (
+            (ACT_SEQSEL, run.reported_act_seqsel_gib),
+            (PARAMS_OPT, run.reported_params_opt_gib),
+            (TFLOPS, run.reported_tflops),
+            (ITER_TIME, run.reported_iteration_time),
+        )
+        if value is not None
+    )
 
 
 def test_every_published_layout_fits(runs):
@@ -91,8 +101,10 @@ def test_every_published_layout_fits(runs):
 def test_default_constants_are_the_least_squares_fit(runs):
     """A change to the model must come with a refit (``python -m ptdp.planner.validate --fit``)."""
     best, _ = fit_constants(runs)
-    assert (best.gemm_peak_fraction, best.hbm_efficiency) == \
-        (DEFAULT_CONSTANTS.gemm_peak_fraction, DEFAULT_CONSTANTS.hbm_efficiency)
+    assert (best.gemm_peak_fraction, best.hbm_efficiency) == (
+        DEFAULT_CONSTANTS.gemm_peak_fraction,
+        DEFAULT_CONSTANTS.hbm_efficiency,
+    )
 
 
 def test_table_format(rows):

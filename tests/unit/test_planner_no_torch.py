@@ -8,11 +8,17 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "ptdp"
-FORBIDDEN = ("torch", "ptdp.engine.step", "ptdp.train", "ptdp.run", "ptdp.commands", "ptdp.engine.groups",
-             "ptdp.engine.comm")
+FORBIDDEN = (
+    "torch",
+    "ptdp.engine.step",
+    "ptdp.train",
+    "ptdp.run",
+    "ptdp.commands",
+    "ptdp.engine.groups",
+    "ptdp.engine.comm",
+)
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -28,14 +34,16 @@ def _imported_modules(path: Path) -> set[str]:
 
 def _is_forbidden(name: str) -> bool:
     """torch, the training code (ptdp.engine.step, groups and comm, the run layer, ptdp.train, the commands)."""
-    return any(name == f or name.startswith(f + ".") or (f == "ptdp.train" and name.startswith(f))
-               for f in FORBIDDEN)
+    return any(name == f or name.startswith(f + ".") or (f == "ptdp.train" and name.startswith(f)) for f in FORBIDDEN)
 
 
 def test_planner_package_imports_no_torch_or_training_code():
     for path in sorted((SRC / "planner").glob("*.py")):
-        bad = sorted(n for n in _imported_modules(path) if _is_forbidden(n) or n.startswith("ptdp.run.calibration")
-                     or n == "ptdp.run.planner_report")
+        bad = sorted(
+            n
+            for n in _imported_modules(path)
+            if _is_forbidden(n) or n.startswith("ptdp.run.calibration") or n == "ptdp.run.planner_report"
+        )
         assert not bad, f"{path.name} imports {bad}"
 
 

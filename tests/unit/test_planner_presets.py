@@ -29,9 +29,15 @@ def _count(model) -> int:
 def test_llama_presets_equal_transformers(name):
     """Two layers of the preset's width (the count is linear in the layers) against transformers."""
     m = dataclasses.replace(PRESETS[name], num_layers=2)
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=m.hidden_size,
-                                      num_attention_heads=m.num_attention_heads, num_key_value_heads=m.kv_heads,
-                                      intermediate_size=m.ffn, vocab_size=m.vocab_size, tie_word_embeddings=m.tied)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.kv_heads,
+        intermediate_size=m.ffn,
+        vocab_size=m.vocab_size,
+        tie_word_embeddings=m.tied,
+    )
     with torch.device("meta"):
         hf = transformers.LlamaForCausalLM(config)
     assert _count(m) == sum(p.numel() for p in hf.parameters())
@@ -42,9 +48,15 @@ def test_nemotron4_340b_equals_transformers():
     with biases, a two-matrix squared-ReLU MLP, no linear biases, untied), and its 341.0B total
     next to the published "340B"."""
     m = dataclasses.replace(PRESETS["nemotron4-340b"], num_layers=2)
-    config = transformers.NemotronConfig(num_hidden_layers=2, hidden_size=m.hidden_size,
-                                         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.kv_heads,
-                                         intermediate_size=m.ffn, vocab_size=m.vocab_size, tie_word_embeddings=False)
+    config = transformers.NemotronConfig(
+        num_hidden_layers=2,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.kv_heads,
+        intermediate_size=m.ffn,
+        vocab_size=m.vocab_size,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         hf = transformers.NemotronForCausalLM(config)
     assert _count(m) == sum(p.numel() for p in hf.parameters())

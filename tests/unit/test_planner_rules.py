@@ -9,7 +9,6 @@ from ptdp.planner.models import PRESETS, UnknownModelError, get_model
 from ptdp.planner.plan import Layout
 from ptdp.planner.rules import all_rejections
 
-
 GPT3 = PRESETS["gpt3-175b"]
 A100 = Cluster(CATALOG["a100-80gb"], 1024)
 
@@ -22,16 +21,38 @@ def test_published_layout_breaks_no_rule():
     assert rules_of(Layout(8, 16, 8, 1, 1536, virtual_stages=2)) == {}
 
 
-@pytest.mark.parametrize("layout,rule,text", [
-    (Layout(64, 16, 1, 1, 1536), "heads % tp", "num_attention_heads=96 is not divisible by tensor_model_parallel_size=64"),
-    (Layout(16, 8, 8, 1, 1536), "tp crosses nodes", "tp=16 crosses nodes (8 GPUs per node)"),
-    (Layout(8, 128, 1, 1, 1536), "layers % pp", "num_layers=96 is not divisible by pipeline_model_parallel_size=128"),
-    (Layout(8, 16, 8, 5, 1536), "B % (b * dp)", "global_batch_size=1536 is not divisible by micro_batch_size*dp = 5*8 = 40"),
-    (Layout(8, 16, 8, 1, 1536, virtual_stages=4), "interleaving", "num_layers=96 is not divisible by pp*v = 16*4 = 64"),
-    (Layout(8, 16, 8, 16, 1536, virtual_stages=2), "interleaving",
-     "the interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches=12"),
-    (Layout(8, 16, 4, 1, 1536), "gpus", "tp*pp*dp = 8*16*4 = 512 != 1024 GPUs"),
-])
+@pytest.mark.parametrize(
+    "layout,rule,text",
+    [
+        (
+            Layout(64, 16, 1, 1, 1536),
+            "heads % tp",
+            "num_attention_heads=96 is not divisible by tensor_model_parallel_size=64",
+        ),
+        (Layout(16, 8, 8, 1, 1536), "tp crosses nodes", "tp=16 crosses nodes (8 GPUs per node)"),
+        (
+            Layout(8, 128, 1, 1, 1536),
+            "layers % pp",
+            "num_layers=96 is not divisible by pipeline_model_parallel_size=128",
+        ),
+        (
+            Layout(8, 16, 8, 5, 1536),
+            "B % (b * dp)",
+            "global_batch_size=1536 is not divisible by micro_batch_size*dp = 5*8 = 40",
+        ),
+        (
+            Layout(8, 16, 8, 1, 1536, virtual_stages=4),
+            "interleaving",
+            "num_layers=96 is not divisible by pp*v = 16*4 = 64",
+        ),
+        (
+            Layout(8, 16, 8, 16, 1536, virtual_stages=2),
+            "interleaving",
+            "the interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches=12",
+        ),
+        (Layout(8, 16, 4, 1, 1536), "gpus", "tp*pp*dp = 8*16*4 = 512 != 1024 GPUs"),
+    ],
+)
 def test_each_rule_names_its_numbers(layout, rule, text):
     found = rules_of(layout)
     assert rule in found, found
@@ -58,10 +79,12 @@ def test_catalog_lookup_and_user_file(tmp_path):
     with pytest.raises(UnknownModelError, match="unknown model 'gpt5'"):
         get_model("gpt5")
     f = tmp_path / "gpus.toml"
-    f.write_text('[my-gpu]\npeak_flops = { bf16 = 400e12 }\nmemory_bytes = 48e9\nmemory_bandwidth = 1e12\n'
-                 'nvlink_bandwidth = 0\nnetwork_bandwidth = 12.5e9\ngpus_per_node = 4\n')
+    f.write_text(
+        "[my-gpu]\npeak_flops = { bf16 = 400e12 }\nmemory_bytes = 48e9\nmemory_bandwidth = 1e12\n"
+        "nvlink_bandwidth = 0\nnetwork_bandwidth = 12.5e9\ngpus_per_node = 4\n"
+    )
     catalog = load_catalog(f)
     assert catalog["my-gpu"].gpus_per_node == 4 and catalog["my-gpu"].peak("bf16") == 400e12
-    f.write_text('[bad]\npeak_flops = { bf16 = 1.0 }\n')
+    f.write_text("[bad]\npeak_flops = { bf16 = 1.0 }\n")
     with pytest.raises(ValueError, match="missing fields"):
         load_catalog(f)

@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.planner.hardware import CATALOG, Cluster
 from ptdp.planner.models import PRESETS, ModelSpec
 from ptdp.planner.plan import Layout
 from ptdp.planner.search import Fixed, evaluate, search
 from ptdp.planner.splits import split_options
-
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 
 CSV = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "published_runs.csv"
 A100 = CATALOG["a100-80gb"]
@@ -26,12 +25,28 @@ def table1_rows() -> list[dict]:
 
 @pytest.mark.parametrize("row", table1_rows(), ids=lambda r: r["model"])
 def test_search_beats_or_matches_published_layout_and_lists_it_as_fitting(row):
-    model = ModelSpec(int(row["layers"]), int(row["hidden"]), int(row["heads"]), vocab_size=int(row["vocab"]),
-                      seq_length=int(row["seq_len"]), name=row["model"])
+    model = ModelSpec(
+        int(row["layers"]),
+        int(row["hidden"]),
+        int(row["heads"]),
+        vocab_size=int(row["vocab"]),
+        seq_length=int(row["seq_len"]),
+        name=row["model"],
+    )
     gpus, big_b = int(row["gpus"]), int(row["global_batch"])
     cluster = Cluster(A100, gpus)
-    published = Layout(int(row["tp"]), int(row["pp"]), int(row["dp"]), int(row["micro_batch"]), big_b,
-                       int(row["vpp"]), "full", False, False, "fp16")
+    published = Layout(
+        int(row["tp"]),
+        int(row["pp"]),
+        int(row["dp"]),
+        int(row["micro_batch"]),
+        big_b,
+        int(row["vpp"]),
+        "full",
+        False,
+        False,
+        "fp16",
+    )
     result = search(model, cluster, big_b, precision="fp16")
     fitting = {p.layout: p for p in result.plans}
     assert published in fitting, f"published layout {published} not listed as fitting"
@@ -43,17 +58,28 @@ def test_every_proposed_layout_passes_ptdp_train_validation():
     cluster = Cluster(A100, 64)
     result = search(model, cluster, 256)
     assert result.plans
-    mc = ModelConfig(num_layers=model.num_layers, hidden_size=model.hidden_size,
-                     num_attention_heads=model.num_attention_heads, seq_length=model.seq_length,
-                     vocab_size=model.vocab_size)
+    mc = ModelConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        seq_length=model.seq_length,
+        vocab_size=model.vocab_size,
+    )
     assert any(plan.layout.layer_split for plan in result.plans)  # 36 layers: uneven splits at pp = 8
     for plan in result.plans:
         lay = plan.layout
         # a searched split is given to ptdp train by the options the report prints
         options = split_options(lay.layer_split, lay.virtual_stages)
-        cfg = Config(model=mc, parallel=ParallelConfig(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
-                                                       data_parallel_size=lay.dp, **options),
-                     train=TrainConfig(micro_batch_size=lay.micro_batch_size, global_batch_size=256, lr_warmup_iters=1))
+        cfg = Config(
+            model=mc,
+            parallel=ParallelConfig(
+                tensor_model_parallel_size=lay.tp,
+                pipeline_model_parallel_size=lay.pp,
+                data_parallel_size=lay.dp,
+                **options,
+            ),
+            train=TrainConfig(micro_batch_size=lay.micro_batch_size, global_batch_size=256, lr_warmup_iters=1),
+        )
         resolve(cfg, 64)  # raises ConfigError for an invalid layout
         assert lay.tp <= 8 and plan.memory.total <= A100.memory_bytes
         if lay.virtual_stages > 1:
@@ -69,12 +95,24 @@ def test_memory_rejection_says_by_how_much():
 
 
 def test_fixed_choices_evaluate_one_layout():
-    fixed = Fixed(tp=8, pp=8, dp=16, micro_batch_size=1, virtual_stages=3, recompute="selective",
-                  sequence_parallel=True, distributed_optimizer=False)
+    fixed = Fixed(
+        tp=8,
+        pp=8,
+        dp=16,
+        micro_batch_size=1,
+        virtual_stages=3,
+        recompute="selective",
+        sequence_parallel=True,
+        distributed_optimizer=False,
+    )
     result = search(PRESETS["gpt3-175b"], Cluster(A100, 1024), 1536, fixed=fixed)
     assert [p.layout for p in result.plans] == [Layout(8, 8, 16, 1, 1536, 3, "selective", True, False)]
-    by_chunk = search(PRESETS["gpt3-175b"], Cluster(A100, 1024), 1536,
-                      fixed=Fixed(tp=8, pp=8, micro_batch_size=1, layers_per_virtual_stage=4))
+    by_chunk = search(
+        PRESETS["gpt3-175b"],
+        Cluster(A100, 1024),
+        1536,
+        fixed=Fixed(tp=8, pp=8, micro_batch_size=1, layers_per_virtual_stage=4),
+    )
     assert {p.layout.virtual_stages for p in by_chunk.plans} == {3}
 
 
@@ -163,12 +201,15 @@ def test_layer_split_request_errors(capsys):
     assert "cannot be combined with virtual pipeline stages" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--pipeline-layer-split", "0,24"], "each >= 1, summing to num_layers=24"),
-    (["--pipeline-layer-split", "10,10"], "(sum is 20)"),
-    (["--memory-overhead-gib", "nan"], "must be a finite number >= 0"),
-    (["--memory-overhead-gib", "inf"], "must be a finite number >= 0"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--pipeline-layer-split", "0,24"], "each >= 1, summing to num_layers=24"),
+        (["--pipeline-layer-split", "10,10"], "(sum is 20)"),
+        (["--memory-overhead-gib", "nan"], "must be a finite number >= 0"),
+        (["--memory-overhead-gib", "inf"], "must be a finite number >= 0"),
+    ],
+)
 def test_bad_plan_numbers_are_request_errors(extra, message, capsys):
     from ptdp.cli import main
 
@@ -214,8 +255,18 @@ def test_timeline_marks_iterations_and_microbatches_with_the_legend_below_the_ro
             for mb in range(4):
                 for kind, offset in (("forward", 0.0), ("backward", 0.5)):
                     ts = (t0 + offset + 0.1 * mb + 0.05 * rank) * 1e6
-                    events.append({"name": f"{kind}{mb}", "cat": kind, "ph": "X", "pid": rank, "tid": 0, "ts": ts,
-                                   "dur": 0.04e6, "args": {"iteration": it, "microbatch": mb, "chunk": 0}})
+                    events.append(
+                        {
+                            "name": f"{kind}{mb}",
+                            "cat": kind,
+                            "ph": "X",
+                            "pid": rank,
+                            "tid": 0,
+                            "ts": ts,
+                            "dur": 0.04e6,
+                            "args": {"iteration": it, "microbatch": mb, "chunk": 0},
+                        }
+                    )
     captured = _captured_figure(monkeypatch)
     trace._draw(events, tmp_path / "t.png", {0: "rank 0", 1: "rank 1"})
     ax = captured[0].axes[0]

@@ -9,26 +9,45 @@ import json
 import pytest
 
 from ptdp import cli
-from ptdp.spec import (Config, ModelConfig, ParallelConfig, TrainConfig, first_last_of, first_last_split,
-                       resolve)
 from ptdp.planner.hardware import CATALOG, Cluster
-from ptdp.planner.memory import (inflight_layer_microbatches, memory_breakdown, stage_activation_bytes,
-                                 stage_param_counts)
+from ptdp.planner.memory import (
+    inflight_layer_microbatches,
+    memory_breakdown,
+    stage_activation_bytes,
+    stage_param_counts,
+)
 from ptdp.planner.models import ModelSpec, get_model
 from ptdp.planner.perf import edge_layer_equivalents, evaluate_performance, split_stage_times
 from ptdp.planner.plan import Layout
 from ptdp.planner.search import Fixed, evaluate, search
-from ptdp.planner.splits import (accounting_of, candidate_splits, chunk_layers, describe_split, interleaved_splits,
-                                 split_flags, split_options)
+from ptdp.planner.splits import (
+    accounting_of,
+    candidate_splits,
+    chunk_layers,
+    describe_split,
+    interleaved_splits,
+    split_flags,
+    split_options,
+)
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, first_last_of, first_last_split, resolve
 
 A100, H100 = CATALOG["a100-80gb"], CATALOG["h100-sxm"]
 LLAMA3_405B_SPLIT = (7,) + (8,) * 14 + (7,)
 
 
-@pytest.mark.parametrize("layers, pp, first, last", [
-    (126, 16, 0.01, 0.6), (126, 8, 0.0, 0.6), (96, 8, 0.0, 0.3), (32, 4, 0.0, 3.0), (7, 2, 0.0, 0.5),
-    (80, 16, 0.1, 1.4), (61, 4, 0.0, 0.0), (3, 4, 0.0, 0.5),
-])
+@pytest.mark.parametrize(
+    "layers, pp, first, last",
+    [
+        (126, 16, 0.01, 0.6),
+        (126, 8, 0.0, 0.6),
+        (96, 8, 0.0, 0.3),
+        (32, 4, 0.0, 3.0),
+        (7, 2, 0.0, 0.5),
+        (80, 16, 0.1, 1.4),
+        (61, 4, 0.0, 0.0),
+        (3, 4, 0.0, 0.5),
+    ],
+)
 def test_candidates_are_few_valid_and_expressible_with_megatrons_flags(layers, pp, first, last):
     splits = candidate_splits(layers, pp, first, last)
     assert len(splits) <= 6 and len(set(splits)) == len(splits)
@@ -46,8 +65,9 @@ def test_candidates_hold_llama3_405b_split():
 
 
 def test_flags_and_description_of_a_split():
-    assert split_flags(LLAMA3_405B_SPLIT) == ("--decoder-first-pipeline-num-layers 7 "
-                                              "--decoder-last-pipeline-num-layers 7")
+    assert split_flags(LLAMA3_405B_SPLIT) == (
+        "--decoder-first-pipeline-num-layers 7 --decoder-last-pipeline-num-layers 7"
+    )
     assert split_flags((8,) * 15 + (6,)) == "--decoder-last-pipeline-num-layers 6"
     assert split_flags((3, 2)) == "--decoder-first-pipeline-num-layers 3"
     assert split_flags((1, 2, 3, 1)) == "--pipeline-layer-split 1,2,3,1"
@@ -62,7 +82,7 @@ SMALL_LAYOUT = Layout(tp=1, pp=3, dp=1, micro_batch_size=1, global_batch_size=8,
 
 
 def test_memory_per_stage_of_an_uneven_split_by_hand():
-    layer = 12 * 64 ** 2 + 13 * 64  # 4 h^2 attention + 8 h^2 MLP weights, 13 h of biases and norms: 49,984
+    layer = 12 * 64**2 + 13 * 64  # 4 h^2 attention + 8 h^2 MLP weights, 13 h of biases and norms: 49,984
     embedding, positions, final_norm = 1024 * 64, 32 * 64, 2 * 64
     params = [1 * layer + embedding + positions, 4 * layer, 1 * layer + final_norm + embedding]  # tied copy last
     assert stage_param_counts(SMALL, 1, 3, layer_split=(1, 4, 1)) == params == [117_568, 199_936, 115_648]
@@ -72,9 +92,11 @@ def test_memory_per_stage_of_an_uneven_split_by_hand():
     # output-layer inputs (2 x 2 s b h), an fp32 log-sum-exp and int64 label per token (12 s b) and
     # the bf16 logits s b V_pad (kept: far below 256 MiB)
     per_layer = 32 * 64 * (34 + 5 * 4 * 32 // 64)
-    activations = [per_layer * 3 * 1 + 3 * 32 * 64,
-                   per_layer * 2 * 4,
-                   per_layer * 1 * 1 + 2 * 2 * 32 * 64 + 12 * 32 + 2 * 32 * 1024]
+    activations = [
+        per_layer * 3 * 1 + 3 * 32 * 64,
+        per_layer * 2 * 4,
+        per_layer * 1 * 1 + 2 * 2 * 32 * 64 + 12 * 32 + 2 * 32 * 1024,
+    ]
     assert activations == [276_480, 720_896, 164_224]
     for rank, n_layers in enumerate((1, 4, 1)):
         assert stage_activation_bytes(SMALL, SMALL_LAYOUT, rank, n_layers) == activations[rank]
@@ -83,8 +105,9 @@ def test_memory_per_stage_of_an_uneven_split_by_hand():
     assert (mem.params, mem.grads, mem.optimizer) == (2 * params[1], 4 * params[1], 12 * params[1])
     assert mem.activations == activations[1] and mem.total == 18 * 199_936 + 720_896
     # an uneven split's memory checks the stages that can be the largest, not one per stage
-    lighter_middle = memory_breakdown(SMALL, dataclasses.replace(SMALL_LAYOUT, layer_split=(4, 1, 1)), A100,
-                                      overhead_bytes=0)
+    lighter_middle = memory_breakdown(
+        SMALL, dataclasses.replace(SMALL_LAYOUT, layer_split=(4, 1, 1)), A100, overhead_bytes=0
+    )
     assert lighter_middle.stage == 0 and lighter_middle.activations == per_layer * 3 * 4 + 3 * 32 * 64
 
 
@@ -108,8 +131,9 @@ def test_uneven_step_is_the_busiest_stage_m_times_plus_fill():
     assert 0 <= first_eq < 0.1 < 1 < last_eq < 4  # the lookup is nearly free; a 128K vocabulary is not
     # busiest: a middle stage of 10 layers (5 + the loss side is lighter); its m = 16 slots
     per_layer_even = (even.time.compute + even.time.recompute + even.time.tp_comm) / 16 / (8 + last_eq)
-    assert perf.time.compute + perf.time.recompute + perf.time.tp_comm == pytest.approx(16 * 10 * per_layer_even,
-                                                                                        rel=1e-6)
+    assert perf.time.compute + perf.time.recompute + perf.time.tp_comm == pytest.approx(
+        16 * 10 * per_layer_even, rel=1e-6
+    )
     p2p = perf.time.pp_comm / 16
     assert perf.time.bubble == pytest.approx((32 - 10) * per_layer_even + 3 * p2p, rel=1e-6)
 
@@ -137,13 +161,30 @@ def test_even_split_kept_unless_an_uneven_one_is_needed_to_fit():
 
 
 def test_plan_prints_the_split_and_its_flags(capsys):
-    argv = ["plan", "--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100-sxm", "--global-batch-size", "2048",
-            "--seq-length", "8192", "--tp", "8", "--pp", "16"]
+    argv = [
+        "plan",
+        "--model",
+        "llama3-405b",
+        "--gpus",
+        "16384",
+        "--gpu",
+        "h100-sxm",
+        "--global-batch-size",
+        "2048",
+        "--seq-length",
+        "8192",
+        "--tp",
+        "8",
+        "--pp",
+        "16",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "layers per stage 7, 8 x 14, 7" in out
-    assert ("--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
-            "--num-layers-per-virtual-pipeline-stage 1") in out  # the best: v = 8, Llama 3's own layout
+    assert (
+        "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
+        "--num-layers-per-virtual-pipeline-stage 1"
+    ) in out  # the best: v = 8, Llama 3's own layout
     assert "126 layers do not split evenly over 16 stages" in out
     assert cli.main(argv + ["--json", "--top", "40"]) == 0
     records = [r for r in json.loads(capsys.readouterr().out) if r["fits"]]
@@ -151,7 +192,8 @@ def test_plan_prints_the_split_and_its_flags(capsys):
     assert {r["virtual_stages"] for r in records} >= {1, 8}
     assert all(r["layer_split_flags"] == split_flags(LLAMA3_405B_SPLIT, r["virtual_stages"]) for r in records)
     assert "--decoder-first-pipeline-num-layers 7 --decoder-last-pipeline-num-layers 7" in {
-        r["layer_split_flags"] for r in records}
+        r["layer_split_flags"] for r in records
+    }
 
 
 def test_interleaved_splits_count_the_embedding_and_loss():
@@ -159,11 +201,15 @@ def test_interleaved_splits_count_the_embedding_and_loss():
     assert [v for v, _ in pairs] == [2, 4, 8] and all(s == LLAMA3_405B_SPLIT for _, s in pairs)
     assert accounting_of(LLAMA3_405B_SPLIT, 8) == (True, True) and accounting_of((4, 4), 2) is None
     assert interleaved_splits(7, 4) == [(2, (2, 2, 2, 1)), (2, (1, 2, 2, 2))]  # 7 + 1 (loss; embedding) in 4 x 2
-    assert split_options(LLAMA3_405B_SPLIT, 8) == {"account_for_embedding_in_pipeline_split": True,
-                                                   "account_for_loss_in_pipeline_split": True,
-                                                   "num_layers_per_virtual_pipeline_stage": 1}
-    assert split_options(LLAMA3_405B_SPLIT) == {"decoder_first_pipeline_num_layers": 7,
-                                                "decoder_last_pipeline_num_layers": 7}
+    assert split_options(LLAMA3_405B_SPLIT, 8) == {
+        "account_for_embedding_in_pipeline_split": True,
+        "account_for_loss_in_pipeline_split": True,
+        "num_layers_per_virtual_pipeline_stage": 1,
+    }
+    assert split_options(LLAMA3_405B_SPLIT) == {
+        "decoder_first_pipeline_num_layers": 7,
+        "decoder_last_pipeline_num_layers": 7,
+    }
     assert split_options((1, 2, 3, 1)) == {"pipeline_layer_split": (1, 2, 3, 1)} and split_options(None) == {}
     assert split_options((3, 5), 2) is None and split_flags((3, 5), 2) is None
 
@@ -174,22 +220,57 @@ def test_every_searched_split_runs_in_ptdp_train():
     ptdp train does not run yet, left out)."""
     model = get_model("llama3-405b")
     result = search(model, Cluster(H100, 16384), 2048, fixed=Fixed(tp=8, pp=16))
-    config = ModelConfig(num_layers=126, hidden_size=16384, num_attention_heads=128, num_query_groups=8,
-                         ffn_hidden_size=53248, seq_length=8192, vocab_size=128256)
+    config = ModelConfig(
+        num_layers=126,
+        hidden_size=16384,
+        num_attention_heads=128,
+        num_query_groups=8,
+        ffn_hidden_size=53248,
+        seq_length=8192,
+        vocab_size=128256,
+    )
     assert {p.layout.virtual_stages for p in result.plans} >= {1, 8}
     for plan in (p for p in result.plans if p.layout.cp == 1):
         lay = plan.layout
-        parallel = ParallelConfig(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
-                                  data_parallel_size=lay.dp, **split_options(lay.layer_split, lay.virtual_stages))
-        resolved = resolve(Config(model=config, parallel=parallel, train=TrainConfig(
-            micro_batch_size=lay.micro_batch_size, global_batch_size=2048)), 16384)
+        parallel = ParallelConfig(
+            tensor_model_parallel_size=lay.tp,
+            pipeline_model_parallel_size=lay.pp,
+            data_parallel_size=lay.dp,
+            **split_options(lay.layer_split, lay.virtual_stages),
+        )
+        resolved = resolve(
+            Config(
+                model=config,
+                parallel=parallel,
+                train=TrainConfig(micro_batch_size=lay.micro_batch_size, global_batch_size=2048),
+            ),
+            16384,
+        )
         assert resolved.parallel.virtual_stages(126) == lay.virtual_stages
         assert resolved.parallel.layer_split(126) == lay.layer_split
 
 
 def test_plan_with_the_embedding_and_loss_counted(capsys):
-    base = ["plan", "--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100-sxm", "--global-batch-size", "2048",
-            "--seq-length", "8192", "--tp", "8", "--pp", "16", "--json", "--top", "50"]
+    base = [
+        "plan",
+        "--model",
+        "llama3-405b",
+        "--gpus",
+        "16384",
+        "--gpu",
+        "h100-sxm",
+        "--global-batch-size",
+        "2048",
+        "--seq-length",
+        "8192",
+        "--tp",
+        "8",
+        "--pp",
+        "16",
+        "--json",
+        "--top",
+        "50",
+    ]
     both = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
     assert cli.main(base + both) == 0
     records = [r for r in json.loads(capsys.readouterr().out) if r["fits"]]
@@ -198,10 +279,15 @@ def test_plan_with_the_embedding_and_loss_counted(capsys):
     assert cli.main(base + both + ["--virtual-pipeline-stages", "4"]) == 0
     records = [r for r in json.loads(capsys.readouterr().out) if r["fits"]]
     assert records and {r["virtual_stages"] for r in records} == {4}
-    assert cli.main(base + ["--no-account-for-embedding-in-pipeline-split", "--no-account-for-loss-in-pipeline-split"]) == 0
+    assert (
+        cli.main(base + ["--no-account-for-embedding-in-pipeline-split", "--no-account-for-loss-in-pipeline-split"])
+        == 0
+    )
     assert {r["virtual_stages"] for r in json.loads(capsys.readouterr().out) if r["fits"]} == {1}
     assert cli.main(base + ["--account-for-loss-in-pipeline-split"]) == 2
-    assert "num_layers=126 + the loss counted as layers = 127 is not divisible by pp*v = 16*1" in capsys.readouterr().err
+    assert (
+        "num_layers=126 + the loss counted as layers = 127 is not divisible by pp*v = 16*1" in capsys.readouterr().err
+    )
     assert cli.main(base + both + ["--decoder-first-pipeline-num-layers", "7"]) == 2
     assert "cannot be combined with decoder_first_pipeline_num_layers=7" in capsys.readouterr().err
 
@@ -232,9 +318,29 @@ def test_no_balanced_split_is_a_rejection_not_a_crash(capsys):
     used to fail on an empty candidate list)."""
     from ptdp import cli
 
-    code = cli.main(["plan", "--num-layers", "6", "--hidden-size", "512", "--num-attention-heads", "8",
-                     "--ffn-hidden-size", "2048", "--vocab-size", "150000", "--seq-length", "1024", "--gpus", "8",
-                     "--gpu", "a100-80gb", "--global-batch-size", "32"])
+    code = cli.main(
+        [
+            "plan",
+            "--num-layers",
+            "6",
+            "--hidden-size",
+            "512",
+            "--num-attention-heads",
+            "8",
+            "--ffn-hidden-size",
+            "2048",
+            "--vocab-size",
+            "150000",
+            "--seq-length",
+            "1024",
+            "--gpus",
+            "8",
+            "--gpu",
+            "a100-80gb",
+            "--global-batch-size",
+            "32",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "fit" in out
     assert "num_layers=6 has no balanced split over pp=4 stages" in out
@@ -246,9 +352,26 @@ def test_fixed_virtual_stages_still_count_the_embedding_and_loss_as_layers(capsy
     unconstrained search finds (it used to reject every such layout when v was fixed)."""
     from ptdp import cli
 
-    code = cli.main(["plan", "--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100-sxm",
-                     "--global-batch-size", "2048", "--seq-length", "8192", "--pp", "16",
-                     "--virtual-pipeline-stages", "8", "--json"])
+    code = cli.main(
+        [
+            "plan",
+            "--model",
+            "llama3-405b",
+            "--gpus",
+            "16384",
+            "--gpu",
+            "h100-sxm",
+            "--global-batch-size",
+            "2048",
+            "--seq-length",
+            "8192",
+            "--pp",
+            "16",
+            "--virtual-pipeline-stages",
+            "8",
+            "--json",
+        ]
+    )
     plans = [p for p in json.loads(capsys.readouterr().out) if p["fits"]]
     assert code == 0 and plans
     assert all(p["virtual_stages"] == 8 and tuple(p["layer_split"]) == (7,) + (8,) * 14 + (7,) for p in plans)

@@ -15,7 +15,6 @@ from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.plan import Layout
 from ptdp.topology.nvsmi import parse_nvidia_smi_topo
 
-
 TOPO = Path(__file__).parents[1] / "data" / "topo"
 
 
@@ -24,11 +23,14 @@ def _topology(name: str):
     return parse_nvidia_smi_topo(path.read_text(), source=str(path))
 
 
-@pytest.mark.parametrize("name, gpus, bandwidth", [
-    ("hgx_a100_8gpu_nvswitch.txt", 8, 300 * GB),   # NV12 everywhere: the catalog's 300 GB/s stays
-    ("nvlink_4gpu_nv4_4nic.txt", 4, 300 * GB),     # 3 peers x 4 links x 25 GB/s
-    ("pcie_8x4090_no_nvlink.txt", 8, PCIE_BANDWIDTH),
-])
+@pytest.mark.parametrize(
+    "name, gpus, bandwidth",
+    [
+        ("hgx_a100_8gpu_nvswitch.txt", 8, 300 * GB),  # NV12 everywhere: the catalog's 300 GB/s stays
+        ("nvlink_4gpu_nv4_4nic.txt", 4, 300 * GB),  # 3 peers x 4 links x 25 GB/s
+        ("pcie_8x4090_no_nvlink.txt", 8, PCIE_BANDWIDTH),
+    ],
+)
 def test_gpu_adapted_to_saved_topologies(name, gpus, bandwidth):
     gpu, notes = gpu_for_topology(CATALOG["a100-80gb"], _topology(name))
     assert gpu.gpus_per_node == gpus
@@ -64,10 +66,13 @@ def test_plan_command_with_topology(capsys):
     assert "modelled at PCIe bandwidth" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--topology", "/nonexistent/topo.txt"], "--topology /nonexistent/topo.txt: No such file"),
-    (["--gpus-per-node", "8", "--topology", str(TOPO / "nvlink_4gpu_nv4_4nic.txt")], "contradicts --topology"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--topology", "/nonexistent/topo.txt"], "--topology /nonexistent/topo.txt: No such file"),
+        (["--gpus-per-node", "8", "--topology", str(TOPO / "nvlink_4gpu_nv4_4nic.txt")], "contradicts --topology"),
+    ],
+)
 def test_plan_topology_errors(extra, message, capsys, tmp_path):
     code = main(["plan", "--model", "gpt-1.7b", "--gpus", "16", "--global-batch-size", "64"] + extra)
     assert code != 0 and message in capsys.readouterr().err
@@ -76,7 +81,8 @@ def test_plan_topology_errors(extra, message, capsys, tmp_path):
 def test_plan_topology_that_does_not_parse(capsys, tmp_path):
     bad = tmp_path / "topo.txt"
     bad.write_text("\tGPU0\tGPU1\nGPU0\t X \tNVX\nGPU1\tNVX\t X \n")
-    assert main(["plan", "--model", "gpt-1.7b", "--gpus", "16", "--global-batch-size", "64",
-                 "--topology", str(bad)]) != 0
+    assert (
+        main(["plan", "--model", "gpt-1.7b", "--gpus", "16", "--global-batch-size", "64", "--topology", str(bad)]) != 0
+    )
     err = capsys.readouterr().err
     assert "--topology" in err and "line 2" in err and "NVX" in err

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.run.calibration import fit_gemm_curve, fit_ring
-from ptdp.planner.profile import load_profile, save_profile
 from ptdp.planner.flops import gemm_efficiency
 from ptdp.planner.hardware import CATALOG
 from ptdp.planner.perf import DEFAULT_CONSTANTS
+from ptdp.planner.profile import load_profile, save_profile
+from ptdp.run.calibration import fit_gemm_curve, fit_ring
 
 
 def test_gemm_and_ring_fits_recover_known_values(tmp_path):
-    samples = [{"m": m, "n": n, "k": k, "flops_per_s": 5e10 * gemm_efficiency(m, n, k, peak_fraction=1.0, half_dim=16.0)}
-               for m, n, k in [(512, 192, 128), (128, 128, 32), (512, 2048, 128), (64, 64, 64), (1024, 1024, 1024)]]
+    samples = [
+        {"m": m, "n": n, "k": k, "flops_per_s": 5e10 * gemm_efficiency(m, n, k, peak_fraction=1.0, half_dim=16.0)}
+        for m, n, k in [(512, 192, 128), (128, 128, 32), (512, 2048, 128), (64, 64, 64), (1024, 1024, 1024)]
+    ]
     peak, half = fit_gemm_curve(samples)
     assert peak == pytest.approx(5e10, rel=0.05) and half == pytest.approx(16.0, rel=0.1)
     g, bw, lat = 4, 2e9, 1e-4
@@ -30,8 +32,8 @@ def test_gemm_and_ring_fits_recover_known_values(tmp_path):
 
 
 def test_linear_fit_and_core_sharing_model():
-    from ptdp.run.calibration import fit_linear
     from ptdp.planner.perf import core_shared_step
+    from ptdp.run.calibration import fit_linear
 
     bw, lat = 1.5e9, 3e-4
     fit_bw, fit_lat = fit_linear([(n, lat + n / bw) for n in (1 << 12, 1 << 18, 1 << 22)])
@@ -52,10 +54,25 @@ def test_shared_cores_bound_the_step_from_below():
     from ptdp.planner.perf import evaluate_performance
     from ptdp.planner.plan import Layout
 
-    cpu = dataclasses.replace(CATALOG["a100-80gb"], name="local", peak_flops={"fp32": 1.6e11},
-                              memory_bandwidth=4e10, nvlink_bandwidth=1.5e9, network_bandwidth=1.5e9, gpus_per_node=8)
-    constants = dataclasses.replace(DEFAULT_CONSTANTS, gemm_peak_fraction=1.0, gemm_half_dim=0.0, hbm_efficiency=1.0,
-                                    nvlink_efficiency=1.0, nvlink_latency=5e-4, layer_overhead=2e-3, head_overhead=5e-3)
+    cpu = dataclasses.replace(
+        CATALOG["a100-80gb"],
+        name="local",
+        peak_flops={"fp32": 1.6e11},
+        memory_bandwidth=4e10,
+        nvlink_bandwidth=1.5e9,
+        network_bandwidth=1.5e9,
+        gpus_per_node=8,
+    )
+    constants = dataclasses.replace(
+        DEFAULT_CONSTANTS,
+        gemm_peak_fraction=1.0,
+        gemm_half_dim=0.0,
+        hbm_efficiency=1.0,
+        nvlink_efficiency=1.0,
+        nvlink_latency=5e-4,
+        layer_overhead=2e-3,
+        head_overhead=5e-3,
+    )
     model = ModelSpec(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=4096)
     layout = Layout(2, 2, 2, 4, 32, precision="fp32")
     alone = evaluate_performance(model, layout, Cluster(cpu, 8, 8), constants)
@@ -63,8 +80,9 @@ def test_shared_cores_bound_the_step_from_below():
     assert alone.time.core_sharing == 0.0
     assert shared.time.core_sharing > 0.0
     assert shared.step_time == pytest.approx(alone.step_time + shared.time.core_sharing)
-    no_overhead = evaluate_performance(model, layout, Cluster(cpu, 8, 8),
-                                       dataclasses.replace(constants, layer_overhead=0.0, head_overhead=0.0))
+    no_overhead = evaluate_performance(
+        model, layout, Cluster(cpu, 8, 8), dataclasses.replace(constants, layer_overhead=0.0, head_overhead=0.0)
+    )
     # the last stage's microbatch pays 2 layers' and the head's overhead, m = 4 times
     assert alone.time.compute - no_overhead.time.compute == pytest.approx(4 * (2 * 2e-3 + 5e-3))
     plenty = evaluate_performance(model, layout, Cluster(dataclasses.replace(cpu, shared_cores=8), 8, 8), constants)

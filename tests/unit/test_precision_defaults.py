@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from ptdp import cli
+from ptdp.engine.step import allow_tf32
 from ptdp.planner.args import plan_precision
 from ptdp.spec import Config, ConfigError, ModelConfig, resolve
-from ptdp.engine.step import allow_tf32
 
 
 def test_auto_is_bfloat16_on_cuda_and_float32_on_the_cpu():

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from ptdp.run.profiling import StepProfiler, peak_memory_bytes
+from ptdp.run.profiling import StepProfiler
 from ptdp.run.trace import Tracer
 
 
@@ -20,10 +20,15 @@ def _work(n: int = 64) -> None:
     (a @ a).sum()
 
 
-@pytest.mark.parametrize("start, end, iterations", [
-    (1, 3, {2, 3}),
-    pytest.param(0, 1, {1}, marks=pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")),  # no step before
-])
+@pytest.mark.parametrize(
+    "start, end, iterations",
+    [
+        (1, 3, {2, 3}),
+        pytest.param(
+            0, 1, {1}, marks=pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
+        ),  # no step before
+    ],
+)
 def test_profiler_writes_a_chrome_trace_of_the_chosen_steps(tmp_path, start, end, iterations):
     """Steps [start, end) (0-based) are in the trace; the warm-up step before them is not."""
     prof = StepProfiler(rank=1, ranks=(0, 1), start=start, end=end, run_dir=tmp_path, device="cpu")
@@ -50,9 +55,11 @@ def test_peak_memory_on_cpu_is_the_process_peak_rss():
     """In a fresh process (this one's peak may be anything): with 256 MiB more touched, the peak is
     at least the resident size before plus 256 MiB, and rose by at most that (VmHWM is in KiB, the
     function gives bytes)."""
-    code = ("import os, torch; from ptdp.run.profiling import peak_memory_bytes as p; a, kind = p('cpu'); "
-            "rss = int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE'); "
-            "t = torch.ones(256 * 2**20 // 4); b, _ = p('cpu'); print(a, rss, b, kind)")
+    code = (
+        "import os, torch; from ptdp.run.profiling import peak_memory_bytes as p; a, kind = p('cpu'); "
+        "rss = int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE'); "
+        "t = torch.ones(256 * 2**20 // 4); b, _ = p('cpu'); print(a, rss, b, kind)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     before, rss, after, kind = out.stdout.split(maxsplit=3)
     assert kind.strip() == "peak RSS"
@@ -65,7 +72,7 @@ class _Event:
     def record(self) -> None:
         self.t = time.perf_counter()
 
-    def elapsed_time(self, end: "_Event") -> float:
+    def elapsed_time(self, end: _Event) -> float:
         return (end.t - self.t) * 1e3  # milliseconds, like CUDA events
 
 
@@ -117,9 +124,8 @@ def test_cuda_event_spans_measure_device_time():
 
 def test_profile_step_range_is_checked_against_train_iters(tmp_path, capsys, monkeypatch):
     """Megatron-LM's default steps (10, 12) with --train-iters 6: exit 2 naming the numbers, no worker."""
-    from ptdp import cli
-
     from helpers.cli import tiny_flags
+    from ptdp import cli
 
     launched = []
     monkeypatch.setattr("ptdp.run.launch.launch_local", lambda *a, **k: launched.append(a) or {"error": "stub"})
@@ -127,8 +133,27 @@ def test_profile_step_range_is_checked_against_train_iters(tmp_path, capsys, mon
     assert cli.main(argv) == 2 and not launched
     err = capsys.readouterr().err
     assert "--profile-step-start 10 and --profile-step-end 12" in err and "--train-iters 6" in err
-    assert cli.main(argv[:-1] + ["--profile", "--profile-step-start", "2", "--profile-step-end", "4",
-                                 "--profile-ranks", "0,9", "--tp", "1", "--pp", "2", "--dp", "1"]) == 2
+    assert (
+        cli.main(
+            argv[:-1]
+            + [
+                "--profile",
+                "--profile-step-start",
+                "2",
+                "--profile-step-end",
+                "4",
+                "--profile-ranks",
+                "0,9",
+                "--tp",
+                "1",
+                "--pp",
+                "2",
+                "--dp",
+                "1",
+            ]
+        )
+        == 2
+    )
     assert "--profile-ranks 0,9: each rank must be in [0, world_size=2)" in capsys.readouterr().err
     assert not launched and not (tmp_path / "cache").exists()
 
@@ -145,8 +170,10 @@ def test_peak_memory_on_cpu_is_not_the_parent_process_peak():
     """A worker started (fork + exec) by a process holding 1 GiB reports its own peak, not the
     parent's (``ru_maxrss`` keeps the forked copy's resident size across the exec)."""
     child = "from ptdp.run.profiling import peak_memory_bytes as p; print(p('cpu')[0])"
-    code = ("import subprocess, sys; big = b'\\x01' * 2**30; "
-            f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True).stdout)")
+    code = (
+        "import subprocess, sys; big = b'\\x01' * 2**30; "
+        f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True).stdout)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     rss_of_child = int(out.stdout.split()[0])
     assert rss_of_child < 900 * 2**20, rss_of_child
@@ -159,8 +186,10 @@ def test_a_resumed_run_profiles_only_the_steps_it_runs(tmp_path):
     from ptdp.run.profiling import StepProfiler
     from ptdp.spec import Config, TrainConfig
 
-    config = Config(train=TrainConfig(train_iters=6, profile=True, profile_step_start=1, profile_step_end=3,
-                                      profile_ranks=(0, 0)))
+    config = Config(
+        train=TrainConfig(train_iters=6, profile=True, profile_step_start=1, profile_step_end=3, profile_ranks=(0, 0))
+    )
+
     def profiler(first_step: int, rank: int = 0) -> StepProfiler:
         return StepProfiler.for_run(config, rank, tmp_path, "cpu", first_step=first_step)
 

@@ -20,14 +20,13 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
+from helpers.recompute_cases import CASES, FULL_UNIFORM_2, RECOMPUTE, SELECTIVE, assert_bitwise, run_cases
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.engine.model.recompute import layer_groups
-from ptdp.run.planner_report import planner_layout
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
-
-from helpers.recompute_cases import CASES, FULL_UNIFORM_2, RECOMPUTE, SELECTIVE, assert_bitwise, run_cases
+from ptdp.run.planner_report import planner_layout
+from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
 
 
 def test_single_process_recompute_is_bitwise_identical():
@@ -37,9 +36,17 @@ def test_single_process_recompute_is_bitwise_identical():
 
 
 def _middle_stage(recompute: dict, num_layers: int = 4) -> tuple[GPTModel, ModelConfig]:
-    cfg = ModelConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-                      seq_length=16, vocab_size=303, make_vocab_size_divisible_by=8, params_dtype="float64",
-                      **recompute)
+    cfg = ModelConfig(
+        num_layers=num_layers,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        seq_length=16,
+        vocab_size=303,
+        make_vocab_size_divisible_by=8,
+        params_dtype="float64",
+        **recompute,
+    )
     tp = ParallelGroups.single_process().tp
     model = GPTModel(cfg, tp, layer_ids=range(num_layers), pre_process=False, post_process=False)
     initialize_parameters(model, seed=1, std=0.02, num_layers=num_layers, tp_rank=0, tp_size=1)
@@ -116,9 +123,11 @@ def test_layer_groups():
 
 
 def _resolve(world: int = 1, parallel: dict | None = None, **model) -> Config:
-    cfg = Config(model=ModelConfig(num_layers=4, vocab_size=303, **model),
-                 parallel=ParallelConfig(**(parallel or {})),
-                 train=TrainConfig(micro_batch_size=1, global_batch_size=8))
+    cfg = Config(
+        model=ModelConfig(num_layers=4, vocab_size=303, **model),
+        parallel=ParallelConfig(**(parallel or {})),
+        train=TrainConfig(micro_batch_size=1, global_batch_size=8),
+    )
     return resolve(cfg, world)
 
 
@@ -130,26 +139,52 @@ def test_full_defaults_to_uniform_one_layer():
     assert _resolve().model.recompute_granularity is None
 
 
-@pytest.mark.parametrize("model, parallel, message", [
-    ({"recompute_granularity": "everything"}, {}, "recompute_granularity='everything' must be one of"),
-    ({"recompute_method": "uniform"}, {}, "recompute_method='uniform' needs recompute_granularity=full"),
-    ({"recompute_granularity": "selective", "recompute_num_layers": 1}, {},
-     "recompute_num_layers=1 needs recompute_granularity=full, not 'selective'"),
-    ({"recompute_granularity": "full", "recompute_method": "blocks"}, {}, "recompute_method='blocks' must be one of"),
-    ({"recompute_granularity": "full", "recompute_num_layers": 0}, {}, "recompute_num_layers=0 must be a positive"),
-    ({"recompute_granularity": "full", "recompute_method": "block"}, {}, "recompute_method=block needs recompute_num_layers"),
-    ({"recompute_granularity": "full", "recompute_num_layers": 5}, {},
-     "recompute_num_layers=5 is more than the 4 layers of the smallest model chunk"),
-    # pp = 2: 2 layers per stage
-    ({"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 3},
-     {"pipeline_model_parallel_size": 2}, "recompute_num_layers=3 is more than the 2 layers"),
-    # uneven split 3 + 1: the smallest stage decides
-    ({"recompute_granularity": "full", "recompute_num_layers": 2},
-     {"pipeline_model_parallel_size": 2, "pipeline_layer_split": (3, 1)}, "layers per chunk: [3, 1]"),
-    # interleaved: 1 layer per model chunk
-    ({"recompute_granularity": "full", "recompute_num_layers": 2},
-     {"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1}, "the 1 layers of the smallest"),
-])
+@pytest.mark.parametrize(
+    "model, parallel, message",
+    [
+        ({"recompute_granularity": "everything"}, {}, "recompute_granularity='everything' must be one of"),
+        ({"recompute_method": "uniform"}, {}, "recompute_method='uniform' needs recompute_granularity=full"),
+        (
+            {"recompute_granularity": "selective", "recompute_num_layers": 1},
+            {},
+            "recompute_num_layers=1 needs recompute_granularity=full, not 'selective'",
+        ),
+        (
+            {"recompute_granularity": "full", "recompute_method": "blocks"},
+            {},
+            "recompute_method='blocks' must be one of",
+        ),
+        ({"recompute_granularity": "full", "recompute_num_layers": 0}, {}, "recompute_num_layers=0 must be a positive"),
+        (
+            {"recompute_granularity": "full", "recompute_method": "block"},
+            {},
+            "recompute_method=block needs recompute_num_layers",
+        ),
+        (
+            {"recompute_granularity": "full", "recompute_num_layers": 5},
+            {},
+            "recompute_num_layers=5 is more than the 4 layers of the smallest model chunk",
+        ),
+        # pp = 2: 2 layers per stage
+        (
+            {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 3},
+            {"pipeline_model_parallel_size": 2},
+            "recompute_num_layers=3 is more than the 2 layers",
+        ),
+        # uneven split 3 + 1: the smallest stage decides
+        (
+            {"recompute_granularity": "full", "recompute_num_layers": 2},
+            {"pipeline_model_parallel_size": 2, "pipeline_layer_split": (3, 1)},
+            "layers per chunk: [3, 1]",
+        ),
+        # interleaved: 1 layer per model chunk
+        (
+            {"recompute_granularity": "full", "recompute_num_layers": 2},
+            {"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1},
+            "the 1 layers of the smallest",
+        ),
+    ],
+)
 def test_invalid_recompute_settings(model, parallel, message):
     world = parallel.get("pipeline_model_parallel_size", 1)
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -169,8 +204,9 @@ def test_cli_flags_reach_the_config():
 
     parser = argparse.ArgumentParser()
     add_train_arguments(parser, local_launch=False)
-    args = parser.parse_args(["--recompute-granularity", "full", "--recompute-method", "block",
-                              "--recompute-num-layers", "1"])
+    args = parser.parse_args(
+        ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
+    )
     m = config_from_args(args).model
     assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == ("full", "block", 1)
     assert config_from_args(parser.parse_args([])).model.recompute_granularity is None

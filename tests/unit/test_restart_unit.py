@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from ptdp.commands.train_flags import config_from_args, max_restarts
-from ptdp.spec import ConfigError, resolve
 from ptdp.run.restart import check_torchrun_restarts, resume_config
+from ptdp.spec import ConfigError, resolve
 
 
 def _fake_checkpoint(root: Path, iteration: int, complete: bool = True) -> Path:
@@ -39,9 +39,11 @@ def test_resume_config_picks_the_newest_complete_checkpoint_in_save(tmp_path):
     (save / "iter_0000020").mkdir()  # no ptdp.json: not complete
     resumed = resume_config(config, 1).checkpoint
     assert resumed.load == str(newest) and not resumed.no_load_optim and not resumed.no_load_rng
-    assert resume_config(dataclasses.replace(config, checkpoint=dataclasses.replace(
-        config.checkpoint, save=None)), 2) == dataclasses.replace(
-        config, checkpoint=dataclasses.replace(config.checkpoint, save=None)), "no --save: unchanged"
+    assert resume_config(
+        dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, save=None)), 2
+    ) == dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, save=None)), (
+        "no --save: unchanged"
+    )
 
 
 def test_restart_flags_are_checked_before_any_worker(monkeypatch, capsys):

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.spec import ConfigError
 from ptdp.engine.pipeline.partition import chunk_layer_ids, stage_layer_ids
 from ptdp.engine.pipeline.program import P2PGroup, build_programs
 from ptdp.engine.pipeline.schedule import Action, build_schedule
 from ptdp.engine.pipeline.verify import ScheduleError, check_schedule, ideal_idle_time, in_flight_bound, simulate
+from ptdp.spec import ConfigError
 
-
-CASES = [(kind, p, m, v) for kind in ("gpipe", "1f1b", "interleaved-1f1b", "forward-only")
-         for p in (1, 2, 3, 4, 8) for m in range(1, 17) for v in (1, 2, 3)
-         if (v == 1 or kind in ("interleaved-1f1b", "forward-only"))
-         and (kind != "interleaved-1f1b" or (p >= 2 and m % p == 0))
-         and (kind != "forward-only" or v == 1 or (p >= 2 and m % p == 0))]
+CASES = [
+    (kind, p, m, v)
+    for kind in ("gpipe", "1f1b", "interleaved-1f1b", "forward-only")
+    for p in (1, 2, 3, 4, 8)
+    for m in range(1, 17)
+    for v in (1, 2, 3)
+    if (v == 1 or kind in ("interleaved-1f1b", "forward-only"))
+    and (kind != "interleaved-1f1b" or (p >= 2 and m % p == 0))
+    and (kind != "forward-only" or v == 1 or (p >= 2 and m % p == 0))
+]
 
 
 @pytest.mark.parametrize("kind,p,m,v", CASES)
@@ -36,12 +40,15 @@ def test_in_flight_bounds():
             live += {"forward": 1, "backward": -1}.get(a.kind, 0)
             top = max(top, live)
         return top
+
     p, m = 4, 8
     assert [peak(a) for a in build_schedule("1f1b", p, m)] == [4, 3, 2, 1]
     assert [peak(a) for a in build_schedule("gpipe", p, m)] == [8, 8, 8, 8]
     assert [peak(a) for a in build_schedule("interleaved-1f1b", p, m, 2)] == [11, 9, 7, 5]
     with pytest.raises(ScheduleError, match="in flight"):
-        check_schedule(build_schedule("gpipe", p, m), m, max_in_flight=[in_flight_bound("1f1b", p, m, 1, r) for r in range(p)])
+        check_schedule(
+            build_schedule("gpipe", p, m), m, max_in_flight=[in_flight_bound("1f1b", p, m, 1, r) for r in range(p)]
+        )
 
 
 def test_steady_state_groups_send_next_with_recv_prev_and_recv_next():
@@ -64,18 +71,26 @@ def _with_io(order, r, p):
     acts = []
     for kind, mb in order:
         if kind == "forward":
-            acts += ([Action("recv_forward", mb)] if r else []) + [Action("forward", mb)] + \
-                    ([Action("send_forward", mb)] if r < p - 1 else [])
+            acts += (
+                ([Action("recv_forward", mb)] if r else [])
+                + [Action("forward", mb)]
+                + ([Action("send_forward", mb)] if r < p - 1 else [])
+            )
         else:
-            acts += ([Action("recv_backward", mb)] if r < p - 1 else []) + [Action("backward", mb)] + \
-                    ([Action("send_backward", mb)] if r else [])
+            acts += (
+                ([Action("recv_backward", mb)] if r < p - 1 else [])
+                + [Action("backward", mb)]
+                + ([Action("send_backward", mb)] if r else [])
+            )
     return acts
 
 
 def test_checker_finds_deadlock_and_bad_order():
     # rank 1 runs forward 1 before forward 0, rank 0 needs backward 0 before forward 1: a cycle
-    deadlock = [_with_io([("forward", 0), ("backward", 0), ("forward", 1), ("backward", 1)], 0, 2),
-                _with_io([("forward", 1), ("forward", 0), ("backward", 0), ("backward", 1)], 1, 2)]
+    deadlock = [
+        _with_io([("forward", 0), ("backward", 0), ("forward", 1), ("backward", 1)], 0, 2),
+        _with_io([("forward", 1), ("forward", 0), ("backward", 0), ("backward", 1)], 1, 2),
+    ]
     with pytest.raises(ScheduleError, match="deadlock"):
         check_schedule(deadlock, 2)
     with pytest.raises(ScheduleError, match="before its forward"):
@@ -121,18 +136,32 @@ def test_runtime_rejects_microbatches_of_the_wrong_shape():
     actions = build_schedule("1f1b", 1, 2)[0]
     good = (torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
     short = (torch.zeros(2, 7, dtype=torch.long), torch.zeros(2, 7, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"microbatch 1 has tokens \(2, 7\).*expected \[micro_batch_size, seq_length\] = \[2, 8\]"):
-        run_schedule(actions, torch.nn.Identity(), [good, short], pp=AxisGroup.single("pp"), hidden_shape=(2, 8, 4),
-                     dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(
+        ValueError, match=r"microbatch 1 has tokens \(2, 7\).*expected \[micro_batch_size, seq_length\] = \[2, 8\]"
+    ):
+        run_schedule(
+            actions,
+            torch.nn.Identity(),
+            [good, short],
+            pp=AxisGroup.single("pp"),
+            hidden_shape=(2, 8, 4),
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
 
 
 # ---- NCCL's point-to-point rules (engine/pipeline/nccl_model.py) ----
 
-NCCL_CASES = [(kind, p, m, v) for kind in ("gpipe", "1f1b", "interleaved-1f1b", "forward-only")
-              for p in (2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 12, 16, 24, 32) for v in (1, 2, 3, 4)
-              if (v == 1 or kind in ("interleaved-1f1b", "forward-only"))
-              and (kind != "interleaved-1f1b" or m % p == 0)
-              and (kind != "forward-only" or v == 1 or m % p == 0)]
+NCCL_CASES = [
+    (kind, p, m, v)
+    for kind in ("gpipe", "1f1b", "interleaved-1f1b", "forward-only")
+    for p in (2, 3, 4, 8)
+    for m in (1, 2, 3, 4, 5, 8, 12, 16, 24, 32)
+    for v in (1, 2, 3, 4)
+    if (v == 1 or kind in ("interleaved-1f1b", "forward-only"))
+    and (kind != "interleaved-1f1b" or m % p == 0)
+    and (kind != "forward-only" or v == 1 or m % p == 0)
+]
 
 
 def test_every_program_is_deadlock_free_under_nccl_rules():
@@ -205,10 +234,16 @@ def test_nccl_model_checks_order_tags_and_partners():
     with pytest.raises(ScheduleError, match="never sends"):
         simulate_nccl([[compute], [group(Op("recv", 0, "a"))]])
     # a rendezvous cycle: each rank sends first, in its own group, then receives
-    crossed = [[group(Op("send", 1, "x")), group(Op("recv", 1, "y"))],
-               [group(Op("send", 0, "y")), group(Op("recv", 0, "x"))]]
+    crossed = [
+        [group(Op("send", 1, "x")), group(Op("recv", 1, "y"))],
+        [group(Op("send", 0, "y")), group(Op("recv", 0, "x"))],
+    ]
     with pytest.raises(ScheduleError, match=r"rank 0 step 0: send x waits for rank 1's step 1 \(rank 1 is at step 0\)"):
         simulate_nccl(crossed)
     # the same transfers in one group each: both start together and complete
-    assert simulate_nccl([[group(Op("send", 1, "x"), Op("recv", 1, "y"))],
-                          [group(Op("send", 0, "y"), Op("recv", 0, "x"))]]) >= 1
+    assert (
+        simulate_nccl(
+            [[group(Op("send", 1, "x"), Op("recv", 1, "y"))], [group(Op("send", 0, "y"), Op("recv", 0, "x"))]]
+        )
+        >= 1
+    )

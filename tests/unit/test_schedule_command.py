@@ -48,12 +48,33 @@ def replay_under_nccl(doc: dict) -> None:
             pc[r] += 1
 
 
-@pytest.mark.parametrize("argv", [
-    ["--pipeline-schedule", "1f1b", "--pp", "4", "--num-microbatches", "8"],
-    ["--pipeline-schedule", "gpipe", "--pp", "2", "--num-microbatches", "3"],
-    ["--pipeline-schedule", "interleaved-1f1b", "--pp", "4", "--num-microbatches", "16", "--virtual-pipeline-stages", "3"],
-    ["--pipeline-schedule", "interleaved-1f1b", "--pp", "8", "--num-microbatches", "32", "--virtual-pipeline-stages", "4"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--pipeline-schedule", "1f1b", "--pp", "4", "--num-microbatches", "8"],
+        ["--pipeline-schedule", "gpipe", "--pp", "2", "--num-microbatches", "3"],
+        [
+            "--pipeline-schedule",
+            "interleaved-1f1b",
+            "--pp",
+            "4",
+            "--num-microbatches",
+            "16",
+            "--virtual-pipeline-stages",
+            "3",
+        ],
+        [
+            "--pipeline-schedule",
+            "interleaved-1f1b",
+            "--pp",
+            "8",
+            "--num-microbatches",
+            "32",
+            "--virtual-pipeline-stages",
+            "4",
+        ],
+    ],
+)
 def test_json_replays_deadlock_free_under_an_independent_nccl_model(capsys, argv):
     code, out, _ = run(capsys, *argv, "--json")
     assert code == 0
@@ -83,11 +104,20 @@ def test_plot_writes_a_png(capsys, tmp_path):
     assert code == 0 and path.read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--pipeline-schedule", "interleaved-1f1b", "--pp", "4", "-m", "6"], "num_microbatches % pp == 0: pp=4, num_microbatches=6"),
-    (["--pipeline-schedule", "1f1b", "--pp", "2", "-m", "4", "--virtual-pipeline-stages", "2"], "needs interleaved-1f1b"),
-    (["--pp", "0", "-m", "4"], "must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--pipeline-schedule", "interleaved-1f1b", "--pp", "4", "-m", "6"],
+            "num_microbatches % pp == 0: pp=4, num_microbatches=6",
+        ),
+        (
+            ["--pipeline-schedule", "1f1b", "--pp", "2", "-m", "4", "--virtual-pipeline-stages", "2"],
+            "needs interleaved-1f1b",
+        ),
+        (["--pp", "0", "-m", "4"], "must be >= 1"),
+    ],
+)
 def test_bad_shapes_exit_2_naming_the_rule(capsys, argv, message):
     code, _, err = run(capsys, *argv)
     assert code == 2 and message in err
@@ -100,9 +130,11 @@ def test_debug_keeps_exit_code_2_and_a_closed_pipe_is_no_failure(capsys, monkeyp
 
     def closed(args):
         raise BrokenPipeError(32, "Broken pipe")
+
     monkeypatch.setattr(command, "run", closed)
     import os
     import sys
+
     saved = os.dup(sys.stdout.fileno()) if hasattr(sys.stdout, "fileno") and _has_fd(sys.stdout) else None
     try:
         assert ptdp_main(["schedule", "--pp", "2"]) == 0
@@ -120,8 +152,9 @@ def _has_fd(stream) -> bool:
         return False
 
 
-@pytest.mark.parametrize("plot,message", [("x.txt", "ending in .png"), ("/nonexistent/x.png", "does not exist"),
-                                          ("", "ending in .png")])
+@pytest.mark.parametrize(
+    "plot,message", [("x.txt", "ending in .png"), ("/nonexistent/x.png", "does not exist"), ("", "ending in .png")]
+)
 def test_bad_plot_paths_exit_2_before_any_output(capsys, plot, message):
     code, out, err = run(capsys, "--pp", "2", "-m", "4", "--plot", plot)
     assert code == 2 and message in err and out == ""
@@ -135,6 +168,7 @@ def test_plot_into_a_folder_is_refused(capsys, tmp_path):
 
 
 def test_zero_virtual_stages_is_refused_not_replaced(capsys):
-    code, _, err = run(capsys, "--pipeline-schedule", "interleaved-1f1b", "--pp", "2", "-m", "4",
-                       "--virtual-pipeline-stages", "0")
+    code, _, err = run(
+        capsys, "--pipeline-schedule", "interleaved-1f1b", "--pp", "2", "-m", "4", "--virtual-pipeline-stages", "0"
+    )
     assert code == 2 and "must be >= 1" in err

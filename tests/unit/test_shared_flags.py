@@ -23,8 +23,15 @@ def test_every_shared_setting_has_the_same_flags_in_train_and_plan():
     add_plan_arguments(plan)
     t, p = _options(train), _options(plan)
     shared = [s for s in settings() if s.flag.plan]
-    assert {s.name for s in shared} >= {"num_layers", "hidden_size", "tensor_model_parallel_size", "micro_batch_size",
-                                         "recompute_granularity", "sequence_parallel", "params_dtype"}
+    assert {s.name for s in shared} >= {
+        "num_layers",
+        "hidden_size",
+        "tensor_model_parallel_size",
+        "micro_batch_size",
+        "recompute_granularity",
+        "sequence_parallel",
+        "params_dtype",
+    }
     for s in shared:
         for name in (s.flag.name, *s.flag.aliases, *(n for n, _, _ in s.flag.shortcuts)):
             assert name in t and name in p, name
@@ -41,8 +48,11 @@ def test_the_two_commands_read_recompute_none_and_precision_alike():
     assert train.parse_args(["--recompute-granularity", "none"]).recompute_granularity is None  # unset
     assert plan.parse_args(["--recompute-granularity", "none"]).recompute_granularity == "none"  # fixed, not searched
     assert plan.parse_args([]).recompute_granularity is None  # searched
-    for flag, dtype, precision in (("--bf16", "bfloat16", "bf16"), ("--fp16", "float16", "fp16"),
-                                   ("--fp32", "float32", "fp32")):
+    for flag, dtype, precision in (
+        ("--bf16", "bfloat16", "bf16"),
+        ("--fp16", "float16", "fp16"),
+        ("--fp32", "float32", "fp32"),
+    ):
         assert train.parse_args([flag]).params_dtype == dtype
         assert plan_precision(plan.parse_args([flag])) == precision
     with pytest.raises(ConfigError, match="the planner models bfloat16, float16 and float32"):

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.tp_cases import VOCAB, check_label_cases, inputs, label_cases
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.tensor_parallel import ParamSpec, shard, unshard
-
-from helpers.tp_cases import VOCAB, check_label_cases, inputs, label_cases
 
 
 @pytest.mark.parametrize("groups", [1, 3])

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from helpers.layout_cases import tiny_config
 
+from helpers.layout_cases import tiny_config
 from ptdp.planner.hardware import CATALOG, Cluster, GPUSpec
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.perf import DEFAULT_CONSTANTS, evaluate_performance
@@ -33,29 +33,58 @@ def test_a_gpt_step_counts_the_papers_model_flops():
 def test_the_step_flops_are_the_planners_mfu_numerator_whatever_the_recompute(recompute):
     """Model FLOPs: recompute not counted, the same count the planner's MFU divides (for a
     Llama-style model too, where no closed formula applies)."""
-    cfg = tiny_config(2, 2, 1, "bfloat16", swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
-                      num_query_groups=2, recompute_granularity=recompute)
+    cfg = tiny_config(
+        2,
+        2,
+        1,
+        "bfloat16",
+        swiglu=True,
+        normalization="RMSNorm",
+        position_embedding_type="rope",
+        num_query_groups=2,
+        recompute_granularity=recompute,
+    )
     cluster = Cluster(CATALOG["h100"], cfg.world_size)
     perf = evaluate_performance(spec_from_model_config(cfg.model), planner_layout(cfg), cluster, DEFAULT_CONSTANTS)
     assert step_model_flops(cfg) == perf.model_flops
-    assert step_model_flops(cfg) == step_model_flops(tiny_config(2, 2, 1, "bfloat16", swiglu=True,
-                                                                 normalization="RMSNorm",
-                                                                 position_embedding_type="rope", num_query_groups=2))
+    assert step_model_flops(cfg) == step_model_flops(
+        tiny_config(
+            2,
+            2,
+            1,
+            "bfloat16",
+            swiglu=True,
+            normalization="RMSNorm",
+            position_embedding_type="rope",
+            num_query_groups=2,
+        )
+    )
 
 
 def test_rates_follow_from_the_step_time():
     rate = Throughput(tokens_per_step=8 * 32, flops_per_step=6.0e12, world=4, peak_flops=2.0e12)
     out = rate.of(0.5)
-    assert out == {"tokens_per_s": 8 * 32 / 0.5, "tflops_per_gpu": 6.0e12 / 0.5 / 4 / 1e12,
-                   "mfu": 6.0e12 / 0.5 / 4 / 2.0e12}
+    assert out == {
+        "tokens_per_s": 8 * 32 / 0.5,
+        "tflops_per_gpu": 6.0e12 / 0.5 / 4 / 1e12,
+        "mfu": 6.0e12 / 0.5 / 4 / 2.0e12,
+    }
     assert "mfu" not in dataclasses.replace(rate, peak_flops=None).of(0.5)
 
 
-@pytest.mark.parametrize("name, key", [
-    ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
-    ("NVIDIA A100-PCIE-40GB", "a100-40gb"), ("Tesla V100-SXM2-32GB", "v100-32gb"),
-    ("NVIDIA H100 PCIe", None), ("NVIDIA GeForce RTX 4090", None), ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", None),
-])
+@pytest.mark.parametrize(
+    "name, key",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+        ("NVIDIA A100-PCIE-40GB", "a100-40gb"),
+        ("Tesla V100-SXM2-32GB", "v100-32gb"),
+        ("NVIDIA H100 PCIe", None),
+        ("NVIDIA GeForce RTX 4090", None),
+        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", None),
+    ],
+)
 def test_cuda_device_names_match_the_catalog(name, key):
     gpu = catalog_gpu(name)
     assert (gpu.name if gpu else None) == (CATALOG[key].name if key else None)
@@ -84,7 +113,6 @@ def test_the_trainers_lines_carry_throughput_mfu_memory_and_the_loss_scale(tmp_p
     import json
 
     from helpers.sync_cases import ITERS, counted_run, logged
-
     from ptdp.engine.groups import ParallelGroups
     from ptdp.run.profiling import process_peak_rss
 
@@ -114,8 +142,8 @@ def test_on_cuda_the_lines_carry_the_allocators_peak_and_the_catalog_mfu_without
     import json
 
     import torch
-    from helpers.sync_cases import counted_run, logged
 
+    from helpers.sync_cases import counted_run, logged
     from ptdp.engine.groups import ParallelGroups
 
     torch.cuda.reset_peak_memory_stats()

@@ -10,7 +10,6 @@ import pytest
 
 from ptdp.cli import main
 
-
 DATA = Path(__file__).parents[1] / "data" / "topo"
 HGX = str(DATA / "hgx_a100_8gpu_nvswitch.txt")
 PCIE = str(DATA / "pcie_8x4090_no_nvlink.txt")
@@ -27,15 +26,25 @@ def test_json_of_a_saved_file_with_placement(capsys):
     assert [g["numa_node"] for g in out["gpus"]] == [3, 3, 1, 1, 7, 7, 5, 5]
     assert out["gpus"][4] == {"index": 4, "numa_node": 7, "cpus": list(range(112, 128))}
     assert out["links"][0] == ["X"] + ["NV12"] * 7 and len(out["links"]) == 8
-    assert out["nics"] == [{"name": "mlx5_0", "device": None,
-                            "links": ["SYS", "SYS", "PXB", "PXB", "SYS", "SYS", "SYS", "SYS"]}]
-    assert out["numa_nodes"] == {"1": list(range(16, 32)), "3": list(range(48, 64)),
-                                 "5": list(range(80, 96)), "7": list(range(112, 128))}
+    assert out["nics"] == [
+        {"name": "mlx5_0", "device": None, "links": ["SYS", "SYS", "PXB", "PXB", "SYS", "SYS", "SYS", "SYS"]}
+    ]
+    assert out["numa_nodes"] == {
+        "1": list(range(16, 32)),
+        "3": list(range(48, 64)),
+        "5": list(range(80, 96)),
+        "7": list(range(112, 128)),
+    }
     p = out["placement"]
     assert (p["tp"], p["pp"], p["dp"], p["nproc_per_node"], p["num_nodes"]) == (2, 2, 2, 8, 1)  # dp fills the node
     assert p["gpu_of_local_rank"] == list(range(8)) and p["numa_of_local_rank"] == [3, 3, 1, 1, 7, 7, 5, 5]
-    assert p["tp_groups"][1] == {"local_ranks": [2, 3], "gpus": [2, 3], "numa_nodes": [1],
-                                 "worst_link": "NV12", "crosses_nodes": False}
+    assert p["tp_groups"][1] == {
+        "local_ranks": [2, 3],
+        "gpus": [2, 3],
+        "numa_nodes": [1],
+        "worst_link": "NV12",
+        "crosses_nodes": False,
+    }
     assert p["tp_link_kind"] == "NVLink" and p["warnings"] == []
 
 
@@ -63,14 +72,17 @@ def test_this_machine(capsys):
     assert len(out["placement"]["numa_of_local_rank"]) == 2
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--file", HGX, "--tp", "3"], "give --dp: tp*pp = 3*1 = 3 does not divide the 8 GPUs of one node"),
-    (["--file", HGX, "--tp", "0"], "--tp=0 must be a positive integer"),
-    (["--file", HGX, "--nproc-per-node", "9"], "9 processes per node but the node has only 8 GPUs"),
-    (["--file", HGX, "--tp", "2", "--dp", "3"], "world size tp*pp*dp = 2*1*3 = 6 is not a multiple of the 8"),
-    (["--file", "/nonexistent/topo.txt"], "--file /nonexistent/topo.txt: No such file or directory"),
-    (["--file", __file__], "no header line found"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--file", HGX, "--tp", "3"], "give --dp: tp*pp = 3*1 = 3 does not divide the 8 GPUs of one node"),
+        (["--file", HGX, "--tp", "0"], "--tp=0 must be a positive integer"),
+        (["--file", HGX, "--nproc-per-node", "9"], "9 processes per node but the node has only 8 GPUs"),
+        (["--file", HGX, "--tp", "2", "--dp", "3"], "world size tp*pp*dp = 2*1*3 = 6 is not a multiple of the 8"),
+        (["--file", "/nonexistent/topo.txt"], "--file /nonexistent/topo.txt: No such file or directory"),
+        (["--file", __file__], "no header line found"),
+    ],
+)
 def test_errors_are_one_line_with_exit_status_2(flags, message, capsys):
     assert main(["topo", *flags]) == 2
     captured = capsys.readouterr()
@@ -82,6 +94,6 @@ def test_parse_error_names_the_line_and_debug_shows_the_traceback(tmp_path, caps
     bad = tmp_path / "bad.txt"
     bad.write_text(Path(HGX).read_text().replace("PXB     16-31   1", "PXB     16-31   one", 1))
     assert main(["topo", "--file", str(bad)]) == 2
-    assert f"{bad}: line 6: NUMA Affinity \"one\" is not a NUMA node number" in capsys.readouterr().err
+    assert f'{bad}: line 6: NUMA Affinity "one" is not a NUMA node number' in capsys.readouterr().err
     assert main(["topo", "--file", str(bad), "--debug"]) == 2
     assert "Traceback" in capsys.readouterr().err

@@ -15,7 +15,6 @@ from ptdp.topology.model import TopologyError, format_cpu_list, parse_cpu_list
 from ptdp.topology.nvsmi import parse_nvidia_smi_topo
 from ptdp.topology.sysfs import cpu_topology, from_sysfs, local_topology
 
-
 DATA = Path(__file__).parents[1] / "data" / "topo"
 HGX = DATA / "hgx_a100_8gpu_nvswitch.txt"
 NV4 = DATA / "nvlink_4gpu_nv4_4nic.txt"
@@ -55,22 +54,33 @@ SYS SYS SYS SYS SYS SYS SYS X
 
 EXPECTED = {
     HGX: dict(
-        links=HGX_LINKS, numa=[3, 3, 1, 1, 7, 7, 5, 5],
+        links=HGX_LINKS,
+        numa=[3, 3, 1, 1, 7, 7, 5, 5],
         cpus=["48-63", "48-63", "16-31", "16-31", "112-127", "112-127", "80-95", "80-95"],
         nics={"mlx5_0": "SYS SYS PXB PXB SYS SYS SYS SYS"},
-        numa_cpus={1: "16-31", 3: "48-63", 5: "80-95", 7: "112-127"}, all_cpus="16-31,48-63,80-95,112-127",
+        numa_cpus={1: "16-31", 3: "48-63", 5: "80-95", 7: "112-127"},
+        all_cpus="16-31,48-63,80-95,112-127",
     ),
     NV4: dict(
-        links=NV4_LINKS, numa=[0, 0, 0, 0], cpus=["0-15"] * 4,
-        nics={"mlx5_0": "PXB NODE NODE NODE", "mlx5_1": "NODE PXB NODE NODE",
-              "mlx5_2": "NODE NODE PXB NODE", "mlx5_3": "NODE NODE NODE PXB"},
-        numa_cpus={0: "0-15"}, all_cpus="0-15",
+        links=NV4_LINKS,
+        numa=[0, 0, 0, 0],
+        cpus=["0-15"] * 4,
+        nics={
+            "mlx5_0": "PXB NODE NODE NODE",
+            "mlx5_1": "NODE PXB NODE NODE",
+            "mlx5_2": "NODE NODE PXB NODE",
+            "mlx5_3": "NODE NODE NODE PXB",
+        },
+        numa_cpus={0: "0-15"},
+        all_cpus="0-15",
     ),
     PCIE: dict(
-        links=PCIE_LINKS, numa=[0, 0, 0, 0, 1, 1, 1, 1],
+        links=PCIE_LINKS,
+        numa=[0, 0, 0, 0, 1, 1, 1, 1],
         cpus=["0-55,112-167"] * 4 + ["56-111,168-223"] * 4,
         nics={"NIC0": "SYS SYS SYS SYS SYS SYS PHB SYS", "NIC1": "SYS SYS SYS SYS SYS SYS PHB SYS"},
-        numa_cpus={0: "0-55,112-167", 1: "56-111,168-223"}, all_cpus="0-223",
+        numa_cpus={0: "0-55,112-167", 1: "56-111,168-223"},
+        all_cpus="0-223",
     ),
 }
 
@@ -141,10 +151,12 @@ def test_without_affinity_columns_numa_and_cpus_are_unknown():
 
 
 def test_na_values_and_doubled_tabs_of_a_single_gpu():
-    text = ("$ nvidia-smi topo -m\n"
-            "\tGPU0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\n"
-            "GPU0\t X \t0-7\t\tN/A\t\tN/A\n"
-            "\nLegend:\n\n  X    = Self\n")
+    text = (
+        "$ nvidia-smi topo -m\n"
+        "\tGPU0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\n"
+        "GPU0\t X \t0-7\t\tN/A\t\tN/A\n"
+        "\nLegend:\n\n  X    = Self\n"
+    )
     topo = parse_nvidia_smi_topo(text)
     assert topo.num_gpus == 1 and topo.links == (("X",),)
     assert topo.gpus[0].numa_node is None and topo.gpus[0].cpus == tuple(range(8))
@@ -165,7 +177,9 @@ def test_nic_legend_names_the_devices():
     )
     topo = parse_nvidia_smi_topo(text)
     assert [(n.name, n.device, n.links) for n in topo.nics] == [
-        ("NIC0", "mlx5_0", ("PIX", "SYS")), ("NIC1", "mlx5_3", ("SYS", "PIX"))]
+        ("NIC0", "mlx5_0", ("PIX", "SYS")),
+        ("NIC1", "mlx5_3", ("SYS", "PIX")),
+    ]
     assert topo.numa_cpus == {0: tuple(range(24)), 1: tuple(range(24, 48))}
 
 
@@ -178,18 +192,27 @@ def _hgx_with(old: str, new: str, count: int = 1) -> str:
 GPU3_ROW = "GPU3    NV12    NV12    NV12     X      NV12    NV12    NV12    NV12    PXB     16-31   1"
 MALFORMED = [
     # (text, line number in the message, words the message must contain)
-    (_hgx_with(GPU3_ROW, GPU3_ROW.replace("NV12    NV12    PXB", "NVX     NV12    PXB")), 7,
-     ['unknown link name "NVX"', "column GPU6 of row GPU3"]),
+    (
+        _hgx_with(GPU3_ROW, GPU3_ROW.replace("NV12    NV12    PXB", "NVX     NV12    PXB")),
+        7,
+        ['unknown link name "NVX"', "column GPU6 of row GPU3"],
+    ),
     (_hgx_with(GPU3_ROW, GPU3_ROW.replace("PXB     ", "")), 7, ["row GPU3 has 11 fields, expected 12"]),
     (_hgx_with(GPU3_ROW + "\n", ""), 3, ["GPU row missing", "no row for GPU3", "not square"]),
-    (_hgx_with("mlx5_0  SYS     SYS     PXB     PXB     SYS     SYS     SYS     SYS      X\n", ""), 3,
-     ["NIC row missing", "no row for mlx5_0"]),
+    (
+        _hgx_with("mlx5_0  SYS     SYS     PXB     PXB     SYS     SYS     SYS     SYS      X\n", ""),
+        3,
+        ["NIC row missing", "no row for mlx5_0"],
+    ),
     (_hgx_with("112-127 7", "112- 7"), 8, ['bad CPU list "112-"', "CPU Affinity"]),
     (_hgx_with("48-63   3", "48-63   x"), 4, ['NUMA Affinity "x" is not a NUMA node number']),
     (_hgx_with("NUMA Affinity", "NUMA Afinity"), 3, ['unknown column "NUMA"']),
     (_hgx_with("GPU1    NV12     X ", "GPU1    NV12     SYS"), 5, ['"SYS" on the diagonal']),
-    (_hgx_with("GPU2    NV12    NV12     X ", "GPU2    NV4     NV12     X "), 6,
-     ["asymmetric matrix: GPU2 -> GPU0 is NV4 but GPU0 -> GPU2 is NV12 (line 4)"]),
+    (
+        _hgx_with("GPU2    NV12    NV12     X ", "GPU2    NV4     NV12     X "),
+        6,
+        ["asymmetric matrix: GPU2 -> GPU0 is NV4 but GPU0 -> GPU2 is NV12 (line 4)"],
+    ),
     (_hgx_with("GPU7    NV12", "GPU9    NV12"), 11, ['row "GPU9" is not one of the header\'s columns']),
     (_hgx_with("GPU6    NV12", "GPU5    NV12"), 10, ["second row for GPU5 (first on line 9)"]),
     (_hgx_with("GPU0    GPU1    GPU2", "GPU0    GPU2    GPU1"), 3, ["GPU columns must be GPU0, GPU1"]),
@@ -214,6 +237,7 @@ def test_no_header_is_an_error():
 
 
 # --- sysfs ---------------------------------------------------------------------------------------
+
 
 def _pci(root: Path, address: str, vendor: str, cls: str, numa: str | None = None, cpus: str | None = None):
     dev = root / "bus" / "pci" / "devices" / address
@@ -252,7 +276,11 @@ def test_sysfs_gpus_in_bus_order_with_numa_links(fake_sys):
     topo = from_sysfs(fake_sys)
     # bus order: 17 (node 0), 18 (node 0), 65 (unknown), b1 (node 1)
     assert [(g.index, g.numa_node, format_cpu_list(g.cpus)) for g in topo.gpus] == [
-        (0, 0, "0-7"), (1, 0, "0-7"), (2, None, "0-15"), (3, 1, "8-15")]
+        (0, 0, "0-7"),
+        (1, 0, "0-7"),
+        (2, None, "0-15"),
+        (3, 1, "8-15"),
+    ]
     assert [list(r) for r in topo.links] == rows("""
         X    NODE SYS  SYS
         NODE X    SYS  SYS

@@ -15,7 +15,6 @@ from ptdp.topology.model import GPU, NIC, Topology
 from ptdp.topology.nvsmi import parse_nvidia_smi_topo
 from ptdp.topology.placement import PlacementError, _block_cost, _nearest_nics, place
 
-
 DATA = Path(__file__).parents[1] / "data" / "topo"
 FILES = {p.stem: p for p in sorted(DATA.glob("*.txt"))}
 
@@ -30,10 +29,12 @@ HGX, NV4, PCIE = (load(s) for s in ("hgx_a100_8gpu_nvswitch", "nvlink_4gpu_nv4_4
 def synthetic(numa: list[int | None], link, nics: tuple[NIC, ...] = ()) -> Topology:
     """A node whose GPU i is on NUMA node numa[i] and whose link(i, j) is given by a function."""
     n = len(numa)
-    return Topology(gpus=tuple(GPU(i, numa[i], ()) for i in range(n)),
-                    links=tuple(tuple("X" if i == j else link(min(i, j), max(i, j)) for j in range(n))
-                                for i in range(n)),
-                    nics=nics, source="synthetic")
+    return Topology(
+        gpus=tuple(GPU(i, numa[i], ()) for i in range(n)),
+        links=tuple(tuple("X" if i == j else link(min(i, j), max(i, j)) for j in range(n)) for i in range(n)),
+        nics=nics,
+        source="synthetic",
+    )
 
 
 def test_hgx_tp2_groups_share_a_numa_node():
@@ -42,8 +43,11 @@ def test_hgx_tp2_groups_share_a_numa_node():
     assert p.gpu_of_local_rank == (0, 1, 2, 3, 4, 5, 6, 7)
     assert p.numa_of_local_rank == (3, 3, 1, 1, 7, 7, 5, 5)
     assert [(g.local_ranks, g.gpus, g.numa_nodes, g.worst_link) for g in p.tp_groups] == [
-        ((0, 1), (0, 1), (3,), "NV12"), ((2, 3), (2, 3), (1,), "NV12"),
-        ((4, 5), (4, 5), (7,), "NV12"), ((6, 7), (6, 7), (5,), "NV12")]
+        ((0, 1), (0, 1), (3,), "NV12"),
+        ((2, 3), (2, 3), (1,), "NV12"),
+        ((4, 5), (4, 5), (7,), "NV12"),
+        ((6, 7), (6, 7), (5,), "NV12"),
+    ]
     assert p.tp_link_kind == "NVLink" and p.worst_link == "NV12" and p.warnings == () and p.notes == ()
     assert p.cost == "tensor-parallel groups communicate over NVLink (worst link NV12)"
 
@@ -53,8 +57,10 @@ def test_hgx_tp8_spans_the_node_on_nvlink_with_a_note_only():
     (group,) = p.tp_groups
     assert group.gpus == tuple(range(8)) and group.numa_nodes == (1, 3, 5, 7) and group.worst_link == "NV12"
     assert p.tp_link_kind == "NVLink" and p.warnings == ()
-    assert p.notes == ("tp group [0, 1, 2, 3, 4, 5, 6, 7] (GPUs 0, 1, 2, 3, 4, 5, 6, 7) spans NUMA nodes "
-                       "1, 3, 5 and 7; its GPUs are all NVLink-connected, so only host-side work crosses sockets",)
+    assert p.notes == (
+        "tp group [0, 1, 2, 3, 4, 5, 6, 7] (GPUs 0, 1, 2, 3, 4, 5, 6, 7) spans NUMA nodes "
+        "1, 3, 5 and 7; its GPUs are all NVLink-connected, so only host-side work crosses sockets",
+    )
 
 
 def test_pcie_only_tp4_stays_on_one_socket_and_warns():
@@ -67,14 +73,17 @@ def test_pcie_only_tp4_stays_on_one_socket_and_warns():
     assert any("SYS links inside tp groups whose GPUs share one NUMA node" in n for n in p.notes)
     crossing = place(PCIE, tp=8, pp=1, dp=1)
     assert crossing.tp_link_kind == "PCIe, across sockets"
-    assert "tp group [0, 1, 2, 3, 4, 5, 6, 7] (GPUs 0, 1, 2, 3, 4, 5, 6, 7) spans NUMA nodes 0 and 1" in crossing.warnings
+    assert (
+        "tp group [0, 1, 2, 3, 4, 5, 6, 7] (GPUs 0, 1, 2, 3, 4, 5, 6, 7) spans NUMA nodes 0 and 1" in crossing.warnings
+    )
 
 
 def test_tp_larger_than_a_node_crosses_nodes():
     p = place(HGX, tp=16, pp=1, dp=1)
     assert p.num_nodes == 2 and p.tp_link_kind == "network"
-    assert p.warnings[0] == ("tp=16 is larger than the 8 GPUs per node: every tensor-parallel all-reduce "
-                             "crosses nodes over the network")
+    assert p.warnings[0] == (
+        "tp=16 is larger than the 8 GPUs per node: every tensor-parallel all-reduce crosses nodes over the network"
+    )
     assert p.tp_groups[0].crosses_nodes and p.cost.startswith("tensor-parallel all-reduces cross nodes")
     uneven = place(HGX, tp=3, pp=1, dp=8)
     assert uneven.num_nodes == 3 and uneven.tp_link_kind == "network"
@@ -97,13 +106,16 @@ def test_fewer_processes_than_gpus_keep_groups_on_one_socket():
     assert hgx.num_nodes == 2 and "tp=4 does not divide the 6 processes per node" in hgx.warnings[0]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(tp=0, pp=1, dp=1), "tp must be a positive integer, got 0"),
-    (dict(tp=2, pp=-1, dp=1), "pp must be a positive integer, got -1"),
-    (dict(tp=1, pp=1, dp=9, nproc_per_node=9), "9 processes per node but the node has only 8 GPUs"),
-    (dict(tp=2, pp=1, dp=3), "world size tp*pp*dp = 2*1*3 = 6 is not a multiple of the 8 processes per node"),
-    (dict(tp=2, pp=2, dp=1, nproc_per_node=0), "nproc_per_node must be a positive integer, got 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(tp=0, pp=1, dp=1), "tp must be a positive integer, got 0"),
+        (dict(tp=2, pp=-1, dp=1), "pp must be a positive integer, got -1"),
+        (dict(tp=1, pp=1, dp=9, nproc_per_node=9), "9 processes per node but the node has only 8 GPUs"),
+        (dict(tp=2, pp=1, dp=3), "world size tp*pp*dp = 2*1*3 = 6 is not a multiple of the 8 processes per node"),
+        (dict(tp=2, pp=2, dp=1, nproc_per_node=0), "nproc_per_node must be a positive integer, got 0"),
+    ],
+)
 def test_bad_sizes_are_clear_errors(kwargs, message):
     with pytest.raises(PlacementError) as info:
         place(HGX, **kwargs)
@@ -116,7 +128,9 @@ def test_nvlink_pairs_beat_index_order():
     p = place(topo, tp=2, pp=1, dp=2)
     assert p.gpu_of_local_rank == (0, 2, 1, 3) and p.tp_link_kind == "NVLink" and p.warnings == ()
     # more bonded links win: 0-1 NV1, 0-2 NV4, 1-3 NV4, 2-3 NV1
-    more = synthetic([0] * 4, lambda i, j: {(0, 2): "NV4", (1, 3): "NV4", (0, 1): "NV1", (2, 3): "NV1"}.get((i, j), "SYS"))
+    more = synthetic(
+        [0] * 4, lambda i, j: {(0, 2): "NV4", (1, 3): "NV4", (0, 1): "NV1", (2, 3): "NV1"}.get((i, j), "SYS")
+    )
     assert place(more, tp=2, pp=1, dp=2).gpu_of_local_rank == (0, 2, 1, 3)
 
 
@@ -127,8 +141,10 @@ def test_interleaved_numa_nodes_and_partial_nvlink_warning():
     assert p.worst_link == "NODE" and p.tp_link_kind == "PCIe, same socket"
     partial = synthetic([0, 0, 1, 1], lambda i, j: "NV1" if j == i + 1 and i % 2 == 0 else "SYS")
     q = place(partial, tp=4, pp=1, dp=1)
-    assert q.warnings == ("tp group [0, 1, 2, 3] (GPUs 0, 1, 2, 3) is not fully NVLink-connected: worst link SYS",
-                          "tp group [0, 1, 2, 3] (GPUs 0, 1, 2, 3) spans NUMA nodes 0 and 1")
+    assert q.warnings == (
+        "tp group [0, 1, 2, 3] (GPUs 0, 1, 2, 3) is not fully NVLink-connected: worst link SYS",
+        "tp group [0, 1, 2, 3] (GPUs 0, 1, 2, 3) spans NUMA nodes 0 and 1",
+    )
 
 
 def test_gpus_sharing_a_nic_go_together():
@@ -159,7 +175,7 @@ def test_cpu_only_nodes_get_whole_groups_by_cpu_count():
 
 
 def _blocks(gpu_of: tuple[int, ...], unit: int) -> list[tuple[int, ...]]:
-    return [gpu_of[i:i + unit] for i in range(0, len(gpu_of), unit)]
+    return [gpu_of[i : i + unit] for i in range(0, len(gpu_of), unit)]
 
 
 def _numa_feasible(topo: Topology, nproc: int, unit: int) -> bool:
@@ -250,7 +266,9 @@ def test_launch_env_is_empty_for_the_default_order_and_lists_gpus_otherwise():
     assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     order = [int(g) for g in env["CUDA_VISIBLE_DEVICES"].split(",")]
     assert sorted(order) == [0, 1, 2, 3] and {frozenset(order[:2]), frozenset(order[2:])} == {
-        frozenset({0, 2}), frozenset({1, 3})}
+        frozenset({0, 2}),
+        frozenset({1, 3}),
+    }
 
 
 def test_gpu_order_for_ptdp_train():

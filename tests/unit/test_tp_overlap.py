@@ -103,8 +103,14 @@ def test_sequence_parallel_backward_overlaps_gather_and_reduce_scatter(monkeypat
     with _Events(events):
         y.backward(grad)
     gemms_and_comm = [e for e in events if e != "copy"]
-    assert gemms_and_comm == ["start all_gather attn_qkv_regather", "gemm", "start reduce_scatter attn_qkv",
-                              "wait all_gather", "gemm", "wait reduce_scatter"]
+    assert gemms_and_comm == [
+        "start all_gather attn_qkv_regather",
+        "gemm",
+        "start reduce_scatter attn_qkv",
+        "wait all_gather",
+        "gemm",
+        "wait reduce_scatter",
+    ]
     full = torch.cat([x.detach(), x.detach()], dim=0)
     torch.testing.assert_close(weight.grad, grad.flatten(0, 1).t() @ full.flatten(0, 1), **TOL)
     torch.testing.assert_close(x.grad, 2 * (grad @ weight.detach())[:3], **TOL)
@@ -153,7 +159,7 @@ def test_sequence_gather_and_scatter_on_dim_0_copy_nothing(monkeypatch):
         assert tensor.is_contiguous() and out.is_contiguous() and out.shape[0] == 2 * tensor.shape[0]
         mode.paused = True
         out[: tensor.shape[0]].copy_(tensor)  # rank 0's block, then the peer's
-        out[tensor.shape[0]:].copy_(peer_blocks.pop(0))
+        out[tensor.shape[0] :].copy_(peer_blocks.pop(0))
         mode.paused = False
         return _Handle([], "all_gather")
 

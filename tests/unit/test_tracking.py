@@ -18,10 +18,13 @@ def with_train(**changes) -> Config:
     return Config(train=dataclasses.replace(TrainConfig(), **changes))
 
 
-@pytest.mark.parametrize("flag, field, module, extra", [
-    ("--tensorboard-dir", "tensorboard_dir", "tensorboard", "ptdp[tensorboard]"),
-    ("--wandb-project", "wandb_project", "wandb", "ptdp[wandb]"),
-])
+@pytest.mark.parametrize(
+    "flag, field, module, extra",
+    [
+        ("--tensorboard-dir", "tensorboard_dir", "tensorboard", "ptdp[tensorboard]"),
+        ("--wandb-project", "wandb_project", "wandb", "ptdp[wandb]"),
+    ],
+)
 def test_a_tracker_whose_package_is_missing_is_refused(monkeypatch, flag, field, module, extra):
     monkeypatch.setitem(sys.modules, module, None)  # what an uninstalled package looks like to import
     with pytest.raises(ConfigError) as err:
@@ -68,18 +71,36 @@ def test_tensorboard_gets_every_numeric_field_of_the_metrics_lines(tmp_path):
     cfg = with_train(tensorboard_dir=str(tmp_path / "tb"))
     log = RunLog(tmp_path, enabled=True, total_iters=2, progress=False, trackers=Trackers(cfg, tmp_path))
     log.write({"iteration": 0, "val_loss": 5.5})
-    log.write({"iteration": 1, "loss": 5.25, "grad_norm": 0.5, "lr": 1e-3, "step_time_s": 0.25,
-               "tokens_per_s": 1024.0, "tflops_per_gpu": 0.125, "mfu": 0.375, "peak_memory_bytes": 2**20,
-               "skipped": True, "reason": "x"})
+    log.write(
+        {
+            "iteration": 1,
+            "loss": 5.25,
+            "grad_norm": 0.5,
+            "lr": 1e-3,
+            "step_time_s": 0.25,
+            "tokens_per_s": 1024.0,
+            "tflops_per_gpu": 0.125,
+            "mfu": 0.375,
+            "peak_memory_bytes": 2**20,
+            "skipped": True,
+            "reason": "x",
+        }
+    )
     log.write({"iteration": 2, "loss": float("nan"), "loss_scale": 512.0})
     log.write({"event": "restart", "resumed_from_iteration": 1})
     log.close()
     scalars = read_scalars(tmp_path / "tb")
     assert scalars == {
-        "val/loss": [(0, 5.5)], "train/loss": [(1, 5.25)], "train/grad_norm": [(1, 0.5)],
-        "train/lr": [(1, pytest.approx(1e-3))], "train/step_time_s": [(1, 0.25)],
-        "throughput/tokens_per_s": [(1, 1024.0)], "throughput/tflops_per_gpu": [(1, 0.125)],
-        "throughput/mfu": [(1, 0.375)], "memory/peak_bytes": [(1, 2.0**20)], "train/loss_scale": [(2, 512.0)],
+        "val/loss": [(0, 5.5)],
+        "train/loss": [(1, 5.25)],
+        "train/grad_norm": [(1, 0.5)],
+        "train/lr": [(1, pytest.approx(1e-3))],
+        "train/step_time_s": [(1, 0.25)],
+        "throughput/tokens_per_s": [(1, 1024.0)],
+        "throughput/tflops_per_gpu": [(1, 0.125)],
+        "throughput/mfu": [(1, 0.375)],
+        "memory/peak_bytes": [(1, 2.0**20)],
+        "train/loss_scale": [(2, 512.0)],
     }
 
 
@@ -87,20 +108,32 @@ def test_only_rank_0_tracks_and_no_flag_tracks_nothing(tmp_path):
     assert not Trackers().active and not Trackers(with_train(), tmp_path).active
     log = RunLog(tmp_path, enabled=False, total_iters=1, progress=False, trackers=Trackers())
     assert log.trackers is None
-    assert set(tracking.SCALARS) >= {"loss", "lr", "grad_norm", "loss_scale", "val_loss", "tokens_per_s",
-                                     "tflops_per_gpu", "mfu", "peak_memory_bytes"}
+    assert set(tracking.SCALARS) >= {
+        "loss",
+        "lr",
+        "grad_norm",
+        "loss_scale",
+        "val_loss",
+        "tokens_per_s",
+        "tflops_per_gpu",
+        "mfu",
+        "peak_memory_bytes",
+    }
 
 
-@pytest.mark.parametrize("flags, module, extra", [
-    (["--tensorboard-dir", "tb"], "tensorboard", "ptdp[tensorboard]"),
-    (["--wandb-project", "p", "--wandb-save-dir", "wb"], "wandb", "ptdp[wandb]"),
-])
-def test_ptdp_train_exits_2_before_any_worker_when_a_tracker_is_missing(tmp_path, capsys, monkeypatch, flags,
-                                                                       module, extra):
+@pytest.mark.parametrize(
+    "flags, module, extra",
+    [
+        (["--tensorboard-dir", "tb"], "tensorboard", "ptdp[tensorboard]"),
+        (["--wandb-project", "p", "--wandb-save-dir", "wb"], "wandb", "ptdp[wandb]"),
+    ],
+)
+def test_ptdp_train_exits_2_before_any_worker_when_a_tracker_is_missing(
+    tmp_path, capsys, monkeypatch, flags, module, extra
+):
     import warnings
 
     from helpers.cli import tiny_flags
-
     from ptdp import cli
 
     monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # ptdp train sets its own display
@@ -108,8 +141,9 @@ def test_ptdp_train_exits_2_before_any_worker_when_a_tracker_is_missing(tmp_path
     monkeypatch.setattr("ptdp.run.launch.launch_local", lambda *a, **k: launched.append(a))
     monkeypatch.setitem(sys.modules, module, None)
     monkeypatch.chdir(tmp_path)
-    code = cli.main(["train", *tiny_flags(no_progress=True), "--data", str(tmp_path / "none"),
-                     "--output-dir", "run", *flags])
+    code = cli.main(
+        ["train", *tiny_flags(no_progress=True), "--data", str(tmp_path / "none"), "--output-dir", "run", *flags]
+    )
     err = capsys.readouterr().err
     assert code == 2 and not launched, err
     assert f'pip install "{extra}"' in err and flags[0] in err

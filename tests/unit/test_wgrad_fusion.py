@@ -101,10 +101,9 @@ def test_output_layer_gradient_goes_straight_into_main_grad(monkeypatch, untied)
     main_grad chunk by chunk (a tied embedding's lookup adds its part there too: test_embedding_wgrad), and
     the buffer holds what the 16-bit-gradient path gives, up to bfloat16 rounding of that path."""
     import ptdp.engine.tensor_parallel.linear_cross_entropy as lce
+    from helpers.layout_cases import rank_microbatches, tiny_config
     from ptdp.engine.groups import ParallelGroups
     from ptdp.engine.step import build_stage
-
-    from helpers.layout_cases import rank_microbatches, tiny_config
 
     cfg = tiny_config(1, 1, 1, "bfloat16", untie_embeddings_and_output_weights=untied)
     grads = {}

@@ -14,9 +14,12 @@ def add_arguments(conv: argparse.ArgumentParser) -> None:
     from ptdp.commands.train_flags import HelpFormatter
 
     conv.formatter_class = HelpFormatter
-    conv.add_argument("direction", choices=("to-hf", "from-hf"),
-                      help="to-hf: ptdp checkpoint -> GPT-2 folder (Llama with RMSNorm, --swiglu and rope); "
-                           "from-hf: GPT-2 or Llama folder -> ptdp checkpoint")
+    conv.add_argument(
+        "direction",
+        choices=("to-hf", "from-hf"),
+        help="to-hf: ptdp checkpoint -> GPT-2 folder (Llama with RMSNorm, --swiglu and rope); "
+        "from-hf: GPT-2 or Llama folder -> ptdp checkpoint",
+    )
     conv.add_argument("source", help="checkpoint root/iteration folder (to-hf) or GPT-2/Llama folder (from-hf)")
     conv.add_argument("target", help="GPT-2/Llama folder to write (to-hf) or checkpoint root to write (from-hf)")
 
@@ -45,15 +48,19 @@ def continue_hint(source: Path, target: str) -> str:
     model = model_config_from_hf(json.loads((source / "config.json").read_text()))
     command = f"ptdp train --load {target} " + " ".join(model_flags(model)) + " --data ..."
     if not (source / "tokenizer.json").is_file():
-        return (f"continue pre-training: {command} (with a tokenizer of {model.vocab_size} tokens: "
-                f"--tokenizer-model PATH; {source} has no tokenizer.json)")
+        return (
+            f"continue pre-training: {command} (with a tokenizer of {model.vocab_size} tokens: "
+            f"--tokenizer-model PATH; {source} has no tokenizer.json)"
+        )
     try:
         tokenizer = load_tokenizer_model(source)
     except DataError as err:
         return f"continue pre-training: {command}; its tokenizer cannot be used: {err}"
     if tokenizer.vocab_size != model.vocab_size:
-        return (f"continue pre-training: {command}; note: {source / 'tokenizer.json'} has {tokenizer.vocab_size} "
-                f"tokens but the model's vocabulary is {model.vocab_size}: --tokenizer-model needs them equal")
+        return (
+            f"continue pre-training: {command}; note: {source / 'tokenizer.json'} has {tokenizer.vocab_size} "
+            f"tokens but the model's vocabulary is {model.vocab_size}: --tokenizer-model needs them equal"
+        )
     return f"continue pre-training with its tokenizer: {command} --tokenizer-model {source}"
 
 

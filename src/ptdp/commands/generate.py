@@ -13,21 +13,20 @@ the whole window again each step, as the uncached one does.
 from __future__ import annotations
 
 import argparse
-import sys
-
 import dataclasses
 import math
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from ptdp.run.checkpoint.folders import CheckpointError, read_meta, resolve_checkpoint
-from ptdp.run.checkpoint.io import load_checkpoint
-from ptdp.spec import ConfigError, Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.engine.step import build_stage
+from ptdp.run.checkpoint.folders import CheckpointError, read_meta, resolve_checkpoint
+from ptdp.run.checkpoint.io import load_checkpoint
+from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
 
 
 def load_for_inference(path: str | Path, dtype: str = "float32") -> tuple[GPTModel, dict, Path]:
@@ -36,8 +35,14 @@ def load_for_inference(path: str | Path, dtype: str = "float32") -> tuple[GPTMod
     meta = read_meta(folder)
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     model_cfg = ModelConfig(**{k: v for k, v in meta["model"].items() if k in fields} | {"params_dtype": dtype})
-    config = resolve(Config(model=model_cfg, parallel=ParallelConfig(1, 1, 1),
-                            train=TrainConfig(micro_batch_size=1, global_batch_size=1)), 1)
+    config = resolve(
+        Config(
+            model=model_cfg,
+            parallel=ParallelConfig(1, 1, 1),
+            train=TrainConfig(micro_batch_size=1, global_batch_size=1),
+        ),
+        1,
+    )
     stage = build_stage(config, ParallelGroups.single_process())
     load_checkpoint(stage, folder, load_optimizer=False, load_rng=False)
     model = stage.model
@@ -76,7 +81,7 @@ class Recompute:
         self.model = model
 
     def __call__(self, tokens: list[int]) -> torch.Tensor:
-        context = torch.tensor([tokens[-self.model.cfg.seq_length:]], device=_device(self.model))
+        context = torch.tensor([tokens[-self.model.cfg.seq_length :]], device=_device(self.model))
         return next_token_logits(self.model, context)[0]
 
 
@@ -102,14 +107,22 @@ class CachedDecoder:
             x = self.model.decode(torch.tensor([tokens[-1:]], device=_device(self.model)), cache)
         else:
             cache.length = 0
-            x = self.model.decode(torch.tensor([tokens[-cache.max_len:]], device=_device(self.model)), cache)
+            x = self.model.decode(torch.tensor([tokens[-cache.max_len :]], device=_device(self.model)), cache)
         self.read = len(tokens)
         return output_logits(self.model, x[-1])[0]
 
 
 @torch.no_grad()
-def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int | None = None, seed: int = 0, kv_cache: bool = True) -> list[int]:
+def generate(
+    model: GPTModel,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int = 0,
+    kv_cache: bool = True,
+) -> list[int]:
     """``prompt`` followed by ``max_new_tokens`` tokens: greedy when ``temperature`` is 0, else
     sampled from softmax(logits / temperature) restricted to the ``top_k`` most likely, drawn
     with a CPU generator seeded ``seed``. ``kv_cache``: through :class:`CachedDecoder` (a
@@ -147,9 +160,11 @@ def context_note(prompt_tokens: int, max_new_tokens: int, window: int) -> str | 
     total = prompt_tokens + max_new_tokens
     if total <= window:
         return None
-    text = (f"note: the model reads at most its last {window} tokens (the checkpoint's --seq-length); the prompt "
-            f"({prompt_tokens} tokens) and {max_new_tokens} new tokens make {total}, so each token after "
-            f"position {window} is predicted from a sliding window of the {window} tokens before it")
+    text = (
+        f"note: the model reads at most its last {window} tokens (the checkpoint's --seq-length); the prompt "
+        f"({prompt_tokens} tokens) and {max_new_tokens} new tokens make {total}, so each token after "
+        f"position {window} is predicted from a sliding window of the {window} tokens before it"
+    )
     if prompt_tokens > window:
         text += f", and the prompt's first {prompt_tokens - window} tokens are never seen"
     return text
@@ -173,8 +188,9 @@ def check_tokenizer_size(tokenizer, vocab_size: int, path: str | None) -> None:
     size = tokenizer.get_vocab_size()
     if size != vocab_size:
         where = f"--tokenizer {path}" if path else "the checkpoint's tokenizer.json"
-        raise ConfigError(f"{where} has {size} tokens but the model has a vocabulary of {vocab_size}: "
-                          "they must be equal")
+        raise ConfigError(
+            f"{where} has {size} tokens but the model has a vocabulary of {vocab_size}: they must be equal"
+        )
 
 
 def add_arguments(gen: argparse.ArgumentParser) -> None:
@@ -185,13 +201,18 @@ def add_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--prompt", required=True, help="text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=50)
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample")
-    gen.add_argument("--top-k", type=int, default=None,
-                     help="with --temperature > 0: sample among the K most likely tokens")
+    gen.add_argument(
+        "--top-k", type=int, default=None, help="with --temperature > 0: sample among the K most likely tokens"
+    )
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--tokenizer", default=None, help="tokenizers JSON file (default: the checkpoint's)")
-    gen.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
-                     help="recompute the whole sequence for every new token instead of reading the prompt once "
-                          "into a key/value cache (same tokens; slower)")
+    gen.add_argument(
+        "--no-kv-cache",
+        dest="kv_cache",
+        action="store_false",
+        help="recompute the whole sequence for every new token instead of reading the prompt once "
+        "into a key/value cache (same tokens; slower)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -213,7 +234,14 @@ def run(args: argparse.Namespace) -> int:
     note = context_note(len(prompt), args.max_new_tokens, model.cfg.seq_length)
     if note:
         print(note, file=sys.stderr, flush=True)
-    out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   seed=args.seed, kv_cache=args.kv_cache)
+    out = generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        kv_cache=args.kv_cache,
+    )
     print(tokenizer.decode(out), flush=True)
     return 0

@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
-import dataclasses
 
-from ptdp.spec import ConfigError, stage_layer_counts, virtual_stages
 from ptdp.planner.args import plan_precision
+from ptdp.planner.explain import distance_from_best, explain_pick
 from ptdp.planner.fp8 import fp8_precision
 from ptdp.planner.hardware import CATALOG, Cluster, GiB, GPUSpec, get_gpu, load_catalog, runs_flash_attention
 from ptdp.planner.hf_config import is_config_path, load_hf_config
 from ptdp.planner.models import ModelSpec, get_model
-from ptdp.planner.report import json_report, plot, text_report
 from ptdp.planner.perf import DEFAULT_CONSTANTS
-from ptdp.planner.request import (check_fixed_choices, check_model, check_output_path, check_request,
-                                  check_stage_layers)
-from ptdp.planner.explain import distance_from_best, explain_pick
+from ptdp.planner.report import json_report, plot, text_report
+from ptdp.planner.request import check_fixed_choices, check_model, check_output_path, check_request, check_stage_layers
 from ptdp.planner.search import Fixed, SearchResult, search
+from ptdp.spec import ConfigError, stage_layer_counts, virtual_stages
 
 PLAN_DESCRIPTION = """\
 Predict memory and step time of every tensor x context x pipeline x data parallel layout (with
@@ -37,14 +36,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _SHAPE_FLAGS = {
-    "num_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
-    "ffn_hidden_size": "ffn_hidden_size", "vocab_size": "vocab_size", "seq_length": "seq_length",
+    "num_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "ffn_hidden_size": "ffn_hidden_size",
+    "vocab_size": "vocab_size",
+    "seq_length": "seq_length",
     "num_query_groups": "num_query_groups",
 }
 
 
-def model_from_args(args: argparse.Namespace, gpu: GPUSpec | None = None,
-                    base: ModelSpec | None = None) -> tuple[ModelSpec, list[str]]:
+def model_from_args(
+    args: argparse.Namespace, gpu: GPUSpec | None = None, base: ModelSpec | None = None
+) -> tuple[ModelSpec, list[str]]:
     """The model ``--model`` names (a preset, or a Hugging Face config.json file or folder), or
     ``base``, with any shape flags applied, or a model from the flags alone; and notes on what a
     config holds that the planner does not model.
@@ -65,13 +69,18 @@ def model_from_args(args: argparse.Namespace, gpu: GPUSpec | None = None,
     elif args.model and is_config_path(args.model):
         model, notes = load_hf_config(args.model, seq_length=args.seq_length)
     elif args.model and (args.model.endswith(".json") or "/" in args.model):
-        raise ConfigError(f"--model {args.model}: no such file or folder (a Hugging Face config.json, or a preset "
-                          "name such as llama3-8b)")
+        raise ConfigError(
+            f"--model {args.model}: no such file or folder (a Hugging Face config.json, or a preset "
+            "name such as llama3-8b)"
+        )
     elif args.model:
         model = get_model(args.model)
     else:
-        missing = [f"--{f.replace('_', '-')}" for f in ("num_layers", "hidden_size", "num_attention_heads")
-                   if f not in overrides]
+        missing = [
+            f"--{f.replace('_', '-')}"
+            for f in ("num_layers", "hidden_size", "num_attention_heads")
+            if f not in overrides
+        ]
         if missing:
             raise ConfigError(f"give --model NAME or the model shape: missing {', '.join(missing)}")
         model = ModelSpec(**overrides, name="custom")
@@ -112,8 +121,10 @@ def _apply_topology(gpu, args: argparse.Namespace):
     except ValueError as e:  # TopologyError included
         raise ConfigError(f"--topology {args.topology}: {e}") from None
     if args.gpus_per_node is not None and args.gpus_per_node != gpu.gpus_per_node:
-        raise ConfigError(f"--gpus-per-node={args.gpus_per_node} contradicts --topology {args.topology}, "
-                          f"which has {gpu.gpus_per_node} GPUs per node")
+        raise ConfigError(
+            f"--gpus-per-node={args.gpus_per_node} contradicts --topology {args.topology}, "
+            f"which has {gpu.gpus_per_node} GPUs per node"
+        )
     return gpu, notes
 
 
@@ -122,9 +133,11 @@ def _sharding(args: argparse.Namespace) -> str | None:
     --no-use-distributed-optimizer; ConfigError when they contradict; None: searched."""
     strategy, dopt = args.data_parallel_sharding_strategy, args.use_distributed_optimizer
     if strategy is not None and dopt is not None and dopt != (strategy != "no_shard"):
-        raise ConfigError(f"--data-parallel-sharding-strategy {strategy} contradicts "
-                          f"--{'' if dopt else 'no-'}use-distributed-optimizer (which means "
-                          f"{'optim' if dopt else 'no_shard'}): give one")
+        raise ConfigError(
+            f"--data-parallel-sharding-strategy {strategy} contradicts "
+            f"--{'' if dopt else 'no-'}use-distributed-optimizer (which means "
+            f"{'optim' if dopt else 'no_shard'}): give one"
+        )
     if strategy is None and dopt is not None:
         return "optim" if dopt else "no_shard"
     return strategy
@@ -132,14 +145,22 @@ def _sharding(args: argparse.Namespace) -> str | None:
 
 def fixed_from_args(args: argparse.Namespace) -> Fixed:
     return Fixed(
-        tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, dp=args.data_parallel_size,
-        micro_batch_size=args.micro_batch_size, virtual_stages=args.virtual_pipeline_stages,
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        dp=args.data_parallel_size,
+        micro_batch_size=args.micro_batch_size,
+        virtual_stages=args.virtual_pipeline_stages,
         layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
-        recompute=args.recompute_granularity, sequence_parallel=args.sequence_parallel,
+        recompute=args.recompute_granularity,
+        sequence_parallel=args.sequence_parallel,
         distributed_optimizer=args.use_distributed_optimizer,
-        cp=args.context_parallel_size, sharding=_sharding(args), cp_comm_type=args.cp_comm_type,
-        layer_split=args.pipeline_layer_split, first_layers=args.decoder_first_pipeline_num_layers,
-        last_layers=args.decoder_last_pipeline_num_layers, accounting=_accounting(args),
+        cp=args.context_parallel_size,
+        sharding=_sharding(args),
+        cp_comm_type=args.cp_comm_type,
+        layer_split=args.pipeline_layer_split,
+        first_layers=args.decoder_first_pipeline_num_layers,
+        last_layers=args.decoder_last_pipeline_num_layers,
+        accounting=_accounting(args),
     )
 
 
@@ -167,8 +188,7 @@ def _explanation(result: SearchResult, free: SearchResult | None) -> list[str]:
     search with nothing fixed), how far the best plan under them is from the best found."""
     lines = explain_pick(result.plans)
     if free is not None:
-        lines += distance_from_best(result.plans[0] if result.plans else None,
-                                    free.plans[0] if free.plans else None)
+        lines += distance_from_best(result.plans[0] if result.plans else None, free.plans[0] if free.plans else None)
     return lines
 
 
@@ -196,8 +216,15 @@ class PlanRequest:
     notes: list[str]
 
     def search(self, *, fixed: Fixed | None = None) -> SearchResult:
-        return search(self.model, self.cluster, self.global_batch_size, fixed=self.fixed if fixed is None else fixed,
-                      precision=self.precision, constants=self.constants, overhead_bytes=self.overhead)
+        return search(
+            self.model,
+            self.cluster,
+            self.global_batch_size,
+            fixed=self.fixed if fixed is None else fixed,
+            precision=self.precision,
+            constants=self.constants,
+            overhead_bytes=self.overhead,
+        )
 
     def explanation(self, result: SearchResult) -> list[str]:
         """:func:`_explanation`, with the free search run when choices are fixed."""
@@ -256,8 +283,9 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         for note in request.notes:
             print(note)
-        print(text_report(request.model, request.cluster, result, top=args.top,
-                          explanation=request.explanation(result)))
+        print(
+            text_report(request.model, request.cluster, result, top=args.top, explanation=request.explanation(result))
+        )
     if args.plot and not result.plans:
         print(f"ptdp plan: no layout fits: no plot written to {args.plot}", file=sys.stderr)
     elif args.plot:

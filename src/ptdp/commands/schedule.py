@@ -33,16 +33,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ptdp.spec.flags import add_named_flags
 
     parser.description, parser.formatter_class = DESCRIPTION, argparse.RawDescriptionHelpFormatter
-    add_named_flags(parser, {"pipeline_schedule": "1f1b", "pipeline_model_parallel_size": 2},
-                    {"pipeline_schedule": "pipeline schedule (default: 1f1b)",
-                     "pipeline_model_parallel_size": "pipeline ranks p (default: 2)"})
-    parser.add_argument("--num-microbatches", "-m", type=int, default=8, metavar="M",
-                        help="microbatches per step and data-parallel rank (default: %(default)s)")
-    parser.add_argument("--virtual-pipeline-stages", "--num-virtual-stages-per-pipeline-rank", type=int, default=None,
-                        metavar="V", dest="virtual_pipeline_stages",
-                        help="model chunks per rank for interleaved-1f1b (default: 2 for interleaved-1f1b, else 1)")
-    parser.add_argument("--json", action="store_true",
-                        help="print {\"ranks\": [{\"rank\", \"program\", \"p2p_groups\"}], ...} instead of text")
+    add_named_flags(
+        parser,
+        {"pipeline_schedule": "1f1b", "pipeline_model_parallel_size": 2},
+        {
+            "pipeline_schedule": "pipeline schedule (default: 1f1b)",
+            "pipeline_model_parallel_size": "pipeline ranks p (default: 2)",
+        },
+    )
+    parser.add_argument(
+        "--num-microbatches",
+        "-m",
+        type=int,
+        default=8,
+        metavar="M",
+        help="microbatches per step and data-parallel rank (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--virtual-pipeline-stages",
+        "--num-virtual-stages-per-pipeline-rank",
+        type=int,
+        default=None,
+        metavar="V",
+        dest="virtual_pipeline_stages",
+        help="model chunks per rank for interleaved-1f1b (default: 2 for interleaved-1f1b, else 1)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help='print {"ranks": [{"rank", "program", "p2p_groups"}], ...} instead of text'
+    )
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the simulated timeline of every rank")
 
 
@@ -64,20 +82,33 @@ def run(args: argparse.Namespace) -> int:
     check_schedule(schedule, m, virtual_stages=v, max_in_flight=[in_flight_bound(kind, p, m, v, r) for r in range(p)])
     programs = build_programs(kind, p, m, v)
     timeline = simulate(schedule, virtual_stages=v)
-    bubble = {"ideal": (p - 1) / (v * m),
-              "simulated": [idle / busy for idle, busy in zip(timeline.idle, timeline.busy)]}
+    bubble = {
+        "ideal": (p - 1) / (v * m),
+        "simulated": [idle / busy for idle, busy in zip(timeline.idle, timeline.busy)],
+    }
     if args.plot:
         _plot(timeline, args.plot, f"{kind}, pp={p}, m={m}, v={v}")
     if args.json:
-        out = {"pipeline_schedule": kind, "pp": p, "num_microbatches": m, "virtual_pipeline_stages": v,
-               "bubble": bubble, "nccl_deadlock_free": True, **program_json(programs)}
+        out = {
+            "pipeline_schedule": kind,
+            "pp": p,
+            "num_microbatches": m,
+            "virtual_pipeline_stages": v,
+            "bubble": bubble,
+            "nccl_deadlock_free": True,
+            **program_json(programs),
+        }
         print(json.dumps(out, indent=1))
         return 0
     print(f"{kind}: pp={p}, num_microbatches={m}, virtual stages per rank={v}")
-    print(f"bubble: (p - 1) / (v m) = {bubble['ideal']:.4f} of the ideal time; simulated (backward = 2 forwards): "
-          + ", ".join(f"rank {r} {b:.4f}" for r, b in enumerate(bubble["simulated"])))
-    print("deadlock-free under NCCL's rules (ordered groups on communicator 'pp', rendezvous); "
-          "p2p = one batch_isend_irecv")
+    print(
+        f"bubble: (p - 1) / (v m) = {bubble['ideal']:.4f} of the ideal time; simulated (backward = 2 forwards): "
+        + ", ".join(f"rank {r} {b:.4f}" for r, b in enumerate(bubble["simulated"]))
+    )
+    print(
+        "deadlock-free under NCCL's rules (ordered groups on communicator 'pp', rendezvous); "
+        "p2p = one batch_isend_irecv"
+    )
     for r, program in enumerate(programs):
         print(f"\nrank {r}:")
         for step in program:
@@ -118,8 +149,9 @@ def _plot(timeline, path: str, title: str) -> None:
     chunks = max((a.chunk for events in timeline.events for a, _, _ in events), default=0) + 1
     for r, events in enumerate(timeline.events):
         for a, start, end in events:
-            ax.barh(r, end - start, left=start, color="#9ecae1" if a.kind == "forward" else "#3182bd",
-                    edgecolor="white")
+            ax.barh(
+                r, end - start, left=start, color="#9ecae1" if a.kind == "forward" else "#3182bd", edgecolor="white"
+            )
             label = f"{a.microbatch}" + (f".{a.chunk}" if chunks > 1 else "")
             ax.text((start + end) / 2, r, label, ha="center", va="center", fontsize=7)
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])

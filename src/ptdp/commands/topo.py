@@ -36,14 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_topo_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``ptdp topo`` (``--debug`` is added by the caller, as for every command)."""
-    parser.add_argument("--file", metavar="FILE",
-                        help="a saved `nvidia-smi topo -m` output (default: this machine)")
+    parser.add_argument("--file", metavar="FILE", help="a saved `nvidia-smi topo -m` output (default: this machine)")
     parser.add_argument("--tp", type=int, metavar="N", help="tensor-parallel size (default 1)")
     parser.add_argument("--pp", type=int, metavar="N", help="pipeline-parallel size (default 1)")
-    parser.add_argument("--dp", type=int, metavar="N",
-                        help="data-parallel size (default: fill one node, --nproc-per-node or its GPUs)")
-    parser.add_argument("--nproc-per-node", type=int, metavar="N",
-                        help="processes per node (default: the node's GPUs)")
+    parser.add_argument(
+        "--dp", type=int, metavar="N", help="data-parallel size (default: fill one node, --nproc-per-node or its GPUs)"
+    )
+    parser.add_argument("--nproc-per-node", type=int, metavar="N", help="processes per node (default: the node's GPUs)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -114,19 +113,27 @@ def format_topology(topology: Topology) -> str:
     n = topology.num_gpus
     nodes = sorted(topology.numa_cpus)
     nics = f", {len(topology.nics)} NIC{'s' if len(topology.nics) != 1 else ''}" if topology.nics else ""
-    lines = [f"topology: {topology.source}",
-             f"{n or 'no'} GPU{'s' if n != 1 else ''}{nics}, {len(nodes)} NUMA node{'s' if len(nodes) != 1 else ''}"
-             f", {len(topology.cpus)} CPUs known"]
+    lines = [
+        f"topology: {topology.source}",
+        f"{n or 'no'} GPU{'s' if n != 1 else ''}{nics}, {len(nodes)} NUMA node{'s' if len(nodes) != 1 else ''}"
+        f", {len(topology.cpus)} CPUs known",
+    ]
     if n:
         names = [f"GPU{g.index}" for g in topology.gpus]
         nic_names = [nic.name if not nic.device else f"{nic.name}({nic.device})" for nic in topology.nics]
         rows = [[""] + names + nic_names + ["NUMA", "CPUs"]]
         for g in topology.gpus:
-            rows.append([names[g.index], *topology.links[g.index], *(nic.links[g.index] for nic in topology.nics),
-                         "-" if g.numa_node is None else str(g.numa_node), format_cpu_list(g.cpus) or "-"])
+            rows.append(
+                [
+                    names[g.index],
+                    *topology.links[g.index],
+                    *(nic.links[g.index] for nic in topology.nics),
+                    "-" if g.numa_node is None else str(g.numa_node),
+                    format_cpu_list(g.cpus) or "-",
+                ]
+            )
         lines += [""] + _table(rows)
-    lines += [""] + [f"NUMA node {node}: CPUs {format_cpu_list(topology.numa_cpus[node]) or '-'}"
-                     for node in nodes]
+    lines += [""] + [f"NUMA node {node}: CPUs {format_cpu_list(topology.numa_cpus[node]) or '-'}" for node in nodes]
     return "\n".join(lines)
 
 
@@ -154,8 +161,11 @@ def format_placement(p: Placement) -> str:
     lines.append(f"cost: {p.cost}")
     env = launch_env(p)
     if env:
-        lines.append("launch each node's workers with: " + " ".join(f"{k}={v}" for k, v in env.items())
-                     + " (ptdp train sets this itself)")
+        lines.append(
+            "launch each node's workers with: "
+            + " ".join(f"{k}={v}" for k, v in env.items())
+            + " (ptdp train sets this itself)"
+        )
     elif p.gpu_of_local_rank:
         lines.append("the default order (local rank r on GPU r) is this placement")
     lines += [f"warning: {w}" for w in p.warnings] + [f"note: {n}" for n in p.notes]

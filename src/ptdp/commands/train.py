@@ -27,8 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _one_line_warnings() -> None:
     """Show warnings (e.g. skipped data files) as ``warning: ...`` lines, not source excerpts."""
+
     def show(message, category, filename, lineno, file=None, line=None):
         print(f"warning: {message}", file=sys.stderr, flush=True)
+
     warnings.showwarning = show
 
 
@@ -79,8 +81,9 @@ def run(args: argparse.Namespace) -> int:
         f"run directory: {run_dir}" + binding,
         flush=True,
     )
-    summary = launch_local(config, nproc, str(run_dir), str(data.cache_dir), progress=not args.no_progress,
-                           max_restarts=restarts)
+    summary = launch_local(
+        config, nproc, str(run_dir), str(data.cache_dir), progress=not args.no_progress, max_restarts=restarts
+    )
     if "error" in summary:
         print(f"ptdp train: error: {summary['error']}\n  run directory: {run_dir}", file=sys.stderr, flush=True)
         return 1

@@ -7,9 +7,8 @@ import datetime
 import platform
 from pathlib import Path
 
-from ptdp.spec import ConfigError
-from ptdp.planner.request import check_output_path
 from ptdp.planner.published import load_h100_runs
+from ptdp.planner.request import check_output_path
 from ptdp.planner.validate import (
     fit_check,
     format_validation_table,
@@ -19,6 +18,7 @@ from ptdp.planner.validate import (
     validate,
     validate_h100,
 )
+from ptdp.spec import ConfigError
 
 BEGIN, END = "<!-- begin: ptdp plan --validate -->", "<!-- end: ptdp plan --validate -->"
 
@@ -40,9 +40,14 @@ def validation_markdown(csv: str | Path) -> str:
     else:
         published = load_published_runs(csv)
         table, checks = format_validation_table(validate(published)), fit_check(published)
-    lines = [table, "",
-             "Memory of each published layout under the planner's model (it must fit: the run happened):", "",
-             "| model | layout | predicted total GiB | capacity GiB |", "|---|---|---|---|"]
+    lines = [
+        table,
+        "",
+        "Memory of each published layout under the planner's model (it must fit: the run happened):",
+        "",
+        "| model | layout | predicted total GiB | capacity GiB |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {name} | {label} | {total:.1f} | {cap:.0f} |" for name, label, total, cap in checks]
     return "\n".join(lines)
 
@@ -71,9 +76,11 @@ def run_validation(args: argparse.Namespace) -> int:
     try:
         block = validation_markdown(csv)
     except (KeyError, ValueError, TypeError) as e:
-        raise ConfigError(f"--validate {csv}: not a published-runs table like benchmarks/data/published_runs.csv "
-                          f"or published_runs_h100.csv "
-                          f"({type(e).__name__}: {e})") from None
+        raise ConfigError(
+            f"--validate {csv}: not a published-runs table like benchmarks/data/published_runs.csv "
+            f"or published_runs_h100.csv "
+            f"({type(e).__name__}: {e})"
+        ) from None
     print(block)
     if args.update_benchmarks:
         command = f"ptdp plan --validate {args.validate} --update-benchmarks {args.update_benchmarks}"

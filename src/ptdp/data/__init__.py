@@ -66,8 +66,9 @@ if TYPE_CHECKING:
 
 #: Names of :mod:`ptdp.data.dataset` (which imports torch), imported on first use, so that the
 #: processes that only tokenize (:mod:`ptdp.data.encode`) start without torch.
-_DATASET_NAMES = frozenset({"GlobalBatchSampler", "TokenWindows", "device_microbatches", "dp_shard", "eval_indices",
-                            "microbatches"})
+_DATASET_NAMES = frozenset(
+    {"GlobalBatchSampler", "TokenWindows", "device_microbatches", "dp_shard", "eval_indices", "microbatches"}
+)
 
 
 def __getattr__(name: str):

@@ -24,9 +24,10 @@ import json
 import os
 import sysconfig
 import warnings
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection, Iterator, Sequence, Union
+from typing import Union
 
 from ptdp.data.errors import DataError
 from ptdp.data.tabular import folder_stat, is_saved_dataset, iter_rows, table_kind
@@ -113,7 +114,8 @@ def _walk(folder: Path, skipped: list[tuple[Path, str]] | None = None) -> Iterat
 
 
 def list_corpus_files(
-    paths: Sequence[PathLike] | PathLike, suffixes: Collection[str] | None = None,
+    paths: Sequence[PathLike] | PathLike,
+    suffixes: Collection[str] | None = None,
     skipped: list[tuple[Path, str]] | None = None,
 ) -> list[CorpusFile]:
     """Every file that would be read, in reading order, with its size and mtime (stat only).
@@ -142,9 +144,12 @@ def list_corpus_files(
             if not _wanted(path.name, suffix_set):
                 if path == root:  # named directly: say why it is not read
                     suffix = os.path.splitext(path.name)[1].lower()
-                    why = (f"its extension {suffix!r} marks a binary file (token files, archives, images and "
-                           f"compiled code are not read as text)" if suffix_set is None
-                           else f"its extension {suffix!r} is not one of {sorted(suffix_set)}")
+                    why = (
+                        f"its extension {suffix!r} marks a binary file (token files, archives, images and "
+                        f"compiled code are not read as text)"
+                        if suffix_set is None
+                        else f"its extension {suffix!r} is not one of {sorted(suffix_set)}"
+                    )
                     _skip(path, why, skipped)
                 continue
             try:
@@ -170,9 +175,7 @@ def _skip(path: Path, reason: str, skipped: list[tuple[Path, str]] | None, warn:
     skipped.append((path, reason))
 
 
-def corpus_fingerprint(
-    paths: Sequence[PathLike] | PathLike, suffixes: Collection[str] | None = None
-) -> str:
+def corpus_fingerprint(paths: Sequence[PathLike] | PathLike, suffixes: Collection[str] | None = None) -> str:
     """Hex SHA-1 over (root, relative path, size, mtime_ns) of every file that would be read.
 
     Cheap (no file contents are read); used as a cache key. Editing, adding, removing or touching
@@ -239,15 +242,19 @@ def iter_documents(
 
 
 def _generate(
-    roots: list[Path], files: list[CorpusFile], suffixes: Collection[str] | None,
-    skipped: list[tuple[Path, str]], text_key: str = "text",
+    roots: list[Path],
+    files: list[CorpusFile],
+    suffixes: Collection[str] | None,
+    skipped: list[tuple[Path, str]],
+    text_key: str = "text",
 ) -> Iterator[Document]:
     count = 0
     for f in files:
         kind = table_kind(f.path)
         if kind is not None:
-            docs: Iterator[Document] = (Document(f"{f.doc_id}:{row}", text)
-                                        for row, text in iter_rows(f.path, kind, text_key))
+            docs: Iterator[Document] = (
+                Document(f"{f.doc_id}:{row}", text) for row, text in iter_rows(f.path, kind, text_key)
+            )
         else:
             text, reason = _read_text(f.path)
             if text is None:

@@ -11,7 +11,7 @@ parallel size, ``b`` = micro batch size; each rank runs ``B / (dp * b)`` microba
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -159,9 +159,7 @@ def device_microbatches(
     """
     _check_int("micro_batch_size", micro_batch_size, 1)
     if len(indices) % micro_batch_size:
-        raise DataError(
-            f"{len(indices)} samples per rank are not divisible by micro_batch_size={micro_batch_size}"
-        )
+        raise DataError(f"{len(indices)} samples per rank are not divisible by micro_batch_size={micro_batch_size}")
     device = torch.device(device)
     block = torch.from_numpy(windows.batch(indices))
     if device.type == "cuda":

@@ -48,8 +48,9 @@ def worker_count(requested: int | None, corpus_bytes: int) -> int:
     return max(1, min(AUTO_MAX_WORKERS, os.cpu_count() or 1))
 
 
-def encode_chunks(chunks: Iterable[tuple[list[str], Tag]], tokenizer, tokenizer_path: Path, eos_token: str,
-                  workers: int) -> Iterator[tuple[list[np.ndarray], Tag]]:
+def encode_chunks(
+    chunks: Iterable[tuple[list[str], Tag]], tokenizer, tokenizer_path: Path, eos_token: str, workers: int
+) -> Iterator[tuple[list[np.ndarray], Tag]]:
     """For each ``(texts, tag)`` of ``chunks``, in order: (each text's int64 ids followed by
     ``eos_token``'s id, ``tag``). ``workers == 1``: encoded here with ``tokenizer``; more: by that
     many processes, each with the tokenizer read from ``tokenizer_path``."""
@@ -59,8 +60,9 @@ def encode_chunks(chunks: Iterable[tuple[list[str], Tag]], tokenizer, tokenizer_
         return
     context = multiprocessing.get_context("spawn")
     pending: collections.deque[tuple[Future, Tag]] = collections.deque()
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
-                             initargs=(str(tokenizer_path), eos_token)) as pool:
+    with ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_start_worker, initargs=(str(tokenizer_path), eos_token)
+    ) as pool:
         for texts, tag in chunks:
             pending.append((pool.submit(_encode, texts), tag))
             if len(pending) >= 2 * workers:

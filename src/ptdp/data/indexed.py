@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 import struct
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
@@ -96,7 +96,7 @@ class IndexedWriter:
         self._bin_tmp.unlink(missing_ok=True)
         self._idx_tmp.unlink(missing_ok=True)
 
-    def __enter__(self) -> "IndexedWriter":
+    def __enter__(self) -> IndexedWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -158,8 +158,7 @@ class IndexedTokens:
         expected = _HEADER.size + 8 * (n_docs + 1)
         if n_docs < 0 or size != expected:
             raise DataError(
-                f"index file {name!r} is {size} bytes; {n_docs} documents need {expected} "
-                f"(truncated or corrupt)"
+                f"index file {name!r} is {size} bytes; {n_docs} documents need {expected} (truncated or corrupt)"
             )
         offsets = np.memmap(self.idx_path, dtype="<i8", mode="r", offset=_HEADER.size, shape=(n_docs + 1,))
         if offsets[0] != 0 or np.any(np.diff(offsets) < 0):

@@ -30,9 +30,9 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import tokenizers
 from tqdm import tqdm
@@ -89,7 +89,7 @@ class PreparedData:
     eos_token: str = EOS_TOKEN
 
     @classmethod
-    def load(cls, directory: str | os.PathLike[str]) -> "PreparedData":
+    def load(cls, directory: str | os.PathLike[str]) -> PreparedData:
         """Read ``directory/meta.json`` (written by :func:`prepare_data`)."""
         directory = Path(directory)
         meta_path = directory / META_FILE
@@ -125,12 +125,22 @@ class PreparedData:
 
 
 _COUNT_FIELDS = (
-    "vocab_size", "eos_id", "num_train_docs", "num_valid_docs", "num_train_tokens", "num_valid_tokens",
+    "vocab_size",
+    "eos_id",
+    "num_train_docs",
+    "num_valid_docs",
+    "num_train_tokens",
+    "num_valid_tokens",
 )
 
 
-def cache_key(fingerprint: str, vocab_size: int, valid_fraction: float, tokenizer: TokenizerModel | None = None,
-              text_key: str = "text") -> str:
+def cache_key(
+    fingerprint: str,
+    vocab_size: int,
+    valid_fraction: float,
+    tokenizer: TokenizerModel | None = None,
+    text_key: str = "text",
+) -> str:
     """Hex key naming the cache folder for this corpus and these settings (``tokenizer``: a given
     one, whose content hash replaces the trained tokenizer's settings)."""
     spec: dict = {
@@ -249,8 +259,9 @@ def _unique_documents(source: _Source, duplicates: list[int] | None = None) -> I
         yield doc
 
 
-def _scan(source: _Source, valid_fraction: float, sample_chars: int, progress: bool = False
-          ) -> tuple[list[str], list[bool], list[str], int]:
+def _scan(
+    source: _Source, valid_fraction: float, sample_chars: int, progress: bool = False
+) -> tuple[list[str], list[bool], list[str], int]:
     """Pass 1: (doc_ids, is_valid, up to ``sample_chars`` characters of train documents to train a
     tokenizer on, duplicates dropped)."""
     total_bytes = sum(f.size for f in list_corpus_files(source.roots, source.suffixes))
@@ -258,8 +269,14 @@ def _scan(source: _Source, valid_fraction: float, sample_chars: int, progress: b
     doc_ids: list[str] = []
     candidates: list[tuple[int, str]] = []  # (document number, text), likely-train documents
     sampled_chars, duplicates = 0, [0]
-    documents = tqdm(_unique_documents(source, duplicates), unit="doc", desc="[data] scanning", mininterval=1.0,
-                     leave=False, disable=None if progress else True)
+    documents = tqdm(
+        _unique_documents(source, duplicates),
+        unit="doc",
+        desc="[data] scanning",
+        mininterval=1.0,
+        leave=False,
+        disable=None if progress else True,
+    )
     for doc in documents:
         doc_ids.append(doc.doc_id)
         room = sample_chars - sampled_chars
@@ -296,12 +313,31 @@ def _chunks(source: _Source, doc_ids: list[str], is_valid: list[bool]) -> Iterat
         raise DataError(f"corpus changed while being prepared ({len(doc_ids)} -> {n} documents); retry")
 
 
-def _tokenize(source: _Source, doc_ids, is_valid, tokenizer, tokenizer_file: Path, eos_token: str, out_dir: Path,
-              dtype, workers: int, progress: bool) -> tuple:
+def _tokenize(
+    source: _Source,
+    doc_ids,
+    is_valid,
+    tokenizer,
+    tokenizer_file: Path,
+    eos_token: str,
+    out_dir: Path,
+    dtype,
+    workers: int,
+    progress: bool,
+) -> tuple:
     """Pass 2: encode every document into train/valid token files; return the two writers."""
-    with IndexedWriter(out_dir / "train", dtype) as train, IndexedWriter(out_dir / "valid", dtype) as valid, \
-            tqdm(total=len(doc_ids), unit="doc", desc="[data] tokenizing", disable=None if progress else True,
-                 mininterval=1.0, leave=False) as bar:
+    with (
+        IndexedWriter(out_dir / "train", dtype) as train,
+        IndexedWriter(out_dir / "valid", dtype) as valid,
+        tqdm(
+            total=len(doc_ids),
+            unit="doc",
+            desc="[data] tokenizing",
+            disable=None if progress else True,
+            mininterval=1.0,
+            leave=False,
+        ) as bar,
+    ):
         encoded = encode_chunks(_chunks(source, doc_ids, is_valid), tokenizer, tokenizer_file, eos_token, workers)
         for arrays, sides in encoded:
             for tokens, side in zip(arrays, sides):
@@ -320,26 +356,44 @@ def _build(out_dir: Path, source: _Source, settings: _Settings, log: Log) -> Non
     doc_ids, is_valid, sample, duplicates = _scan(source, settings.valid_fraction, sample_chars, settings.progress)
     n_valid = sum(is_valid)
     t1 = time.perf_counter()
-    log(f"[data] {len(doc_ids)} unique documents ({duplicates} duplicates dropped): "
-        f"{len(doc_ids) - n_valid} train, {n_valid} validation ({t1 - t0:.1f}s)")
+    log(
+        f"[data] {len(doc_ids)} unique documents ({duplicates} duplicates dropped): "
+        f"{len(doc_ids) - n_valid} train, {n_valid} validation ({t1 - t0:.1f}s)"
+    )
     if given:
         tokenizer, eos_token, vocab_size = given.tokenizer, given.eos_token, given.vocab_size
         shutil.copyfile(given.path, out_dir / "tokenizer.json")  # as given, byte for byte
-        log(f"[data] using tokenizer {str(given.path)!r} as given: {vocab_size} tokens, documents end with "
-            f"{eos_token!r}")
+        log(
+            f"[data] using tokenizer {str(given.path)!r} as given: {vocab_size} tokens, documents end with "
+            f"{eos_token!r}"
+        )
     else:
         tokenizer, eos_token = train_tokenizer(sample, settings.vocab_size, length=len(sample)), EOS_TOKEN
         vocab_size = tokenizer.get_vocab_size()
         save_tokenizer(tokenizer, out_dir / "tokenizer.json")
-        log(f"[data] trained tokenizer: {vocab_size} tokens on {sum(map(len, sample)) / 1e6:.1f}M chars "
-            f"({time.perf_counter() - t1:.1f}s)")
+        log(
+            f"[data] trained tokenizer: {vocab_size} tokens on {sum(map(len, sample)) / 1e6:.1f}M chars "
+            f"({time.perf_counter() - t1:.1f}s)"
+        )
     t2 = time.perf_counter()
     workers = worker_count(settings.workers, sum(f.size for f in list_corpus_files(source.roots, source.suffixes)))
-    train, valid = _tokenize(source, doc_ids, is_valid, tokenizer, out_dir / "tokenizer.json", eos_token, out_dir,
-                             token_dtype(vocab_size), workers, settings.progress)
+    train, valid = _tokenize(
+        source,
+        doc_ids,
+        is_valid,
+        tokenizer,
+        out_dir / "tokenizer.json",
+        eos_token,
+        out_dir,
+        token_dtype(vocab_size),
+        workers,
+        settings.progress,
+    )
     t3 = time.perf_counter()
-    log(f"[data] tokenized: {train.num_tokens} train tokens, {valid.num_tokens} validation tokens "
-        f"({t3 - t2:.1f}s{f', {workers} processes' if workers > 1 else ''})")
+    log(
+        f"[data] tokenized: {train.num_tokens} train tokens, {valid.num_tokens} validation tokens "
+        f"({t3 - t2:.1f}s{f', {workers} processes' if workers > 1 else ''})"
+    )
     meta = {
         "format_version": FORMAT_VERSION,
         "key": settings.key,

@@ -8,7 +8,7 @@ document keeps its side when other documents are added or removed.
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 from ptdp.data.errors import DataError
 

@@ -32,7 +32,8 @@ INSTALL = 'pip install "ptdp[data]"'
 def is_saved_dataset(folder: Path) -> bool:
     """True if ``folder`` was written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
     return ((folder / "state.json").is_file() and (folder / "dataset_info.json").is_file()) or (
-        folder / "dataset_dict.json").is_file()
+        folder / "dataset_dict.json"
+    ).is_file()
 
 
 def table_kind(path: Path) -> str | None:
@@ -83,13 +84,19 @@ def _check_column(path: Path, names: list[str], types: list, text_key: str) -> N
     """DataError unless ``text_key`` is one of the table's columns and holds strings."""
     pa = _import("pyarrow", "Parquet and Arrow files")
     if text_key not in names:
-        raise DataError(f"{str(path)!r} has no column {text_key!r} (its columns: {names[:12]}"
-                        f"{', ...' if len(names) > 12 else ''}); name the text column with --data-text-key")
+        raise DataError(
+            f"{str(path)!r} has no column {text_key!r} (its columns: {names[:12]}"
+            f"{', ...' if len(names) > 12 else ''}); name the text column with --data-text-key"
+        )
     kind = types[names.index(text_key)]
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
-            or getattr(pa.types, "is_string_view", lambda _t: False)(kind)):
-        raise DataError(f"{str(path)!r}: column {text_key!r} holds {kind}, not text; name the text column with "
-                        f"--data-text-key")
+    if not (
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or getattr(pa.types, "is_string_view", lambda _t: False)(kind)
+    ):
+        raise DataError(
+            f"{str(path)!r}: column {text_key!r} holds {kind}, not text; name the text column with --data-text-key"
+        )
 
 
 def _parquet_batches(path: Path, text_key: str) -> Iterator[list]:
@@ -97,7 +104,7 @@ def _parquet_batches(path: Path, text_key: str) -> Iterator[list]:
     try:
         table = pq.ParquetFile(str(path))
         schema = table.schema_arrow
-    except Exception as err:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...
+    except Exception as err:
         raise DataError(f"{str(path)!r} is not a readable Parquet file: {err}") from None
     _check_column(path, schema.names, schema.types, text_key)
     for batch in table.iter_batches(batch_size=BATCH_ROWS, columns=[text_key]):
@@ -133,19 +140,25 @@ def _dataset_batches(path: Path, text_key: str) -> Iterator[list]:
     datasets = _import("datasets", f"the saved dataset {str(path)!r}")
     try:
         loaded = datasets.load_from_disk(str(path))
-    except Exception as err:  # noqa: BLE001 - datasets raises FileNotFoundError, ValueError, ...
+    except Exception as err:
         raise DataError(f"{str(path)!r} is not a readable save_to_disk folder: {err}") from None
     if isinstance(loaded, datasets.DatasetDict):
         if "train" not in loaded:
-            raise DataError(f"{str(path)!r} is a DatasetDict without a 'train' split (its splits: {sorted(loaded)}); "
-                            f"give the split's folder, e.g. --data {path / min(loaded)}")
+            raise DataError(
+                f"{str(path)!r} is a DatasetDict without a 'train' split (its splits: {sorted(loaded)}); "
+                f"give the split's folder, e.g. --data {path / min(loaded)}"
+            )
         loaded = loaded["train"]
     features = loaded.features
     if text_key not in features:
-        raise DataError(f"{str(path)!r} has no column {text_key!r} (its columns: {list(features)[:12]}); name the "
-                        f"text column with --data-text-key")
+        raise DataError(
+            f"{str(path)!r} has no column {text_key!r} (its columns: {list(features)[:12]}); name the "
+            f"text column with --data-text-key"
+        )
     if getattr(features[text_key], "dtype", None) not in ("string", "large_string"):
-        raise DataError(f"{str(path)!r}: column {text_key!r} holds {features[text_key]}, not text; name the text "
-                        f"column with --data-text-key")
+        raise DataError(
+            f"{str(path)!r}: column {text_key!r} holds {features[text_key]}, not text; name the text "
+            f"column with --data-text-key"
+        )
     for batch in loaded.select_columns([text_key]).iter(batch_size=BATCH_ROWS):
         yield batch[text_key]

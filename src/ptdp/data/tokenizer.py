@@ -165,24 +165,31 @@ def load_tokenizer_model(path: str | os.PathLike[str]) -> TokenizerModel:
     given = Path(path).expanduser()
     file = given / "tokenizer.json" if given.is_dir() else given
     if not given.exists():
-        raise DataError(f"--tokenizer-model {str(given)!r} does not exist (expected a Hugging Face tokenizer.json "
-                        f"or a folder holding one)")
+        raise DataError(
+            f"--tokenizer-model {str(given)!r} does not exist (expected a Hugging Face tokenizer.json "
+            f"or a folder holding one)"
+        )
     if not file.is_file():
         others = sorted(p.name for p in given.iterdir() if p.name in _OTHER_FORMATS) if given.is_dir() else []
-        hint = (f"; it has {', '.join(others)}: only the tokenizers library's tokenizer.json is read (transformers' "
-                f"AutoTokenizer.from_pretrained(folder).save_pretrained(folder) writes one)" if others else "")
+        hint = (
+            f"; it has {', '.join(others)}: only the tokenizers library's tokenizer.json is read (transformers' "
+            f"AutoTokenizer.from_pretrained(folder).save_pretrained(folder) writes one)"
+            if others
+            else ""
+        )
         what = "a folder without a tokenizer.json" if given.is_dir() else "not a regular file"
         raise DataError(f"--tokenizer-model {str(given)!r} is {what}{hint}")
     try:
         data = file.read_bytes()
         tokenizer = Tokenizer.from_str(data.decode("utf-8"))
-    except Exception as err:  # noqa: BLE001 - OSError, UnicodeDecodeError, or tokenizers' plain Exception
+    except Exception as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DataError(f"--tokenizer-model {str(file)!r} is not a Hugging Face tokenizer.json: {first}") from None
     eos = _find_eos(tokenizer, file)
     vocab = tokenizer.get_vocab(with_added_tokens=True)
-    return TokenizerModel(file, _whole_documents(tokenizer), hashlib.sha256(data).hexdigest(), eos,
-                          max(vocab.values()) + 1)
+    return TokenizerModel(
+        file, _whole_documents(tokenizer), hashlib.sha256(data).hexdigest(), eos, max(vocab.values()) + 1
+    )
 
 
 _OTHER_FORMATS = frozenset({"tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model"})

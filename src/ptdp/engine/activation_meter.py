@@ -25,7 +25,7 @@ Use::
 from __future__ import annotations
 
 import weakref
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn

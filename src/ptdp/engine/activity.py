@@ -128,9 +128,17 @@ def is_timeout(err: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def collective_error(err: BaseException, *, rank: int, axis: str, op: str, ranks: tuple[int, ...],
-                     peer: int | None = None, timeout_s: float | None = None,
-                     silent: list[int] | None = None) -> CollectiveError:
+def collective_error(
+    err: BaseException,
+    *,
+    rank: int,
+    axis: str,
+    op: str,
+    ranks: tuple[int, ...],
+    peer: int | None = None,
+    timeout_s: float | None = None,
+    silent: list[int] | None = None,
+) -> CollectiveError:
     """The :class:`CollectiveError` for ``err`` raised by ``op`` on ``axis`` (global ``ranks`` of
     the group; ``peer``: the other rank of a send or recv), worded with :data:`CURRENT`.
     ``silent``: after a timeout, the ranks that did not report one too (the likely culprits)."""
@@ -143,15 +151,22 @@ def collective_error(err: BaseException, *, rank: int, axis: str, op: str, ranks
     where = CURRENT.where()
     phase, iteration = CURRENT.phase, CURRENT.iteration
     if not is_timeout(err):
-        return CollectiveError(f"rank {rank} failed {where}: {what}: {detail.split('. ')[0]}",
-                               rank=rank, phase=phase, iteration=iteration)
+        return CollectiveError(
+            f"rank {rank} failed {where}: {what}: {detail.split('. ')[0]}", rank=rank, phase=phase, iteration=iteration
+        )
     after = f" after {timeout_s / 60:g} min" if timeout_s else ""
     if silent:
         many = len(silent) > 1
-        why = (f"rank{'s' if many else ''} {', '.join(map(str, silent))} reported no timeout of "
-               f"{'their' if many else 'its'} own: likely the one{'s' if many else ''} that stopped responding")
+        why = (
+            f"rank{'s' if many else ''} {', '.join(map(str, silent))} reported no timeout of "
+            f"{'their' if many else 'its'} own: likely the one{'s' if many else ''} that stopped responding"
+        )
     else:
         why = "a rank it waits for stopped responding, or is much slower"
-    return CollectiveTimeout(f"rank {rank} timed out{after} {where}: {what} did not complete ({why}; "
-                             f"--distributed-timeout-minutes sets the limit)",
-                             rank=rank, phase=phase, iteration=iteration)
+    return CollectiveTimeout(
+        f"rank {rank} timed out{after} {where}: {what} did not complete ({why}; "
+        f"--distributed-timeout-minutes sets the limit)",
+        rank=rank,
+        phase=phase,
+        iteration=iteration,
+    )

@@ -70,8 +70,7 @@ class CommStats:
     def as_dict(self) -> dict[str, dict[str, int]]:
         """``{"axis/op/tag": {"calls", "numel", "bytes"}}``, for logs and JSON."""
         return {
-            "/".join(k): {"calls": c.calls, "numel": c.numel, "bytes": c.bytes}
-            for k, c in sorted(self._counts.items())
+            "/".join(k): {"calls": c.calls, "numel": c.numel, "bytes": c.bytes} for k, c in sorted(self._counts.items())
         }
 
 
@@ -111,8 +110,16 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 def _failure(err: RuntimeError, axis: AxisGroup, op: str, peer: int | None = None) -> CollectiveError:
     rank = axis.ranks[axis.rank]
     silent = _silent_ranks(rank, axis.timeout_s) if is_timeout(err) else None
-    return collective_error(err, rank=rank, axis=axis.name, op=op, ranks=axis.ranks, silent=silent,
-                            peer=None if peer is None else axis.ranks[peer], timeout_s=axis.timeout_s)
+    return collective_error(
+        err,
+        rank=rank,
+        axis=axis.name,
+        op=op,
+        ranks=axis.ranks,
+        silent=silent,
+        peer=None if peer is None else axis.ranks[peer],
+        timeout_s=axis.timeout_s,
+    )
 
 
 def _silent_ranks(rank: int, timeout_s: float | None) -> list[int] | None:
@@ -135,7 +142,7 @@ def _silent_ranks(rank: int, timeout_s: float | None) -> list[int] | None:
             time.sleep(0.05)
             count = store.add(f"{key}/count", 0)
         return [r for r in range(world) if not store.check([f"{key}/{r}"])]
-    except Exception:  # noqa: BLE001 - the diagnosis is best effort; the timeout is reported anyway
+    except Exception:
         return None
 
 
@@ -192,8 +199,7 @@ def all_reduce_async(tensor: torch.Tensor, axis: AxisGroup, *, tag: str = "") ->
     if axis.size == 1:
         return _Done()
     axis.stats.record(axis.name, "all_reduce", tensor, tag)
-    return _call(axis, "all_reduce", dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=axis.group,
-                 async_op=True)
+    return _call(axis, "all_reduce", dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=axis.group, async_op=True)
 
 
 def reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, axis: AxisGroup, *, tag: str = "") -> Handle:
@@ -203,8 +209,7 @@ def reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, axis: AxisG
         output.copy_(tensor)
         return _Done()
     axis.stats.record(axis.name, "reduce_scatter", tensor, tag)
-    return _call(axis, "reduce_scatter", dist.reduce_scatter_single, output, tensor, group=axis.group,
-                 async_op=True)
+    return _call(axis, "reduce_scatter", dist.reduce_scatter_single, output, tensor, group=axis.group, async_op=True)
 
 
 def all_gather_async(output: torch.Tensor, tensor: torch.Tensor, axis: AxisGroup, *, tag: str = "") -> Handle:
@@ -241,8 +246,10 @@ def reduce_scatter_along(tensor: torch.Tensor, axis: AxisGroup, *, dim: int, tag
         return tensor
     dim = dim % tensor.dim()
     if tensor.shape[dim] % axis.size:
-        raise ValueError(f"reduce-scatter along dim {dim} of {tuple(tensor.shape)} over {axis.size} ranks: "
-                         f"{tensor.shape[dim]} is not divisible by {axis.size}")
+        raise ValueError(
+            f"reduce-scatter along dim {dim} of {tuple(tensor.shape)} over {axis.size} ranks: "
+            f"{tensor.shape[dim]} is not divisible by {axis.size}"
+        )
     chunks = tensor.unflatten(dim, (axis.size, tensor.shape[dim] // axis.size)).movedim(dim, 0).contiguous()
     out = chunks.new_empty(chunks.shape[1:])
     axis.stats.record(axis.name, "reduce_scatter", tensor, tag)

@@ -29,8 +29,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 NAN_LOSS_ENV = "PTDP_TEST_NAN_LOSS"
 STALL_ENV = "PTDP_TEST_STALL"
@@ -58,14 +58,17 @@ class FaultPlan:
         """The plan the test variables describe, or None when none is set. Raises ValueError for
         a malformed value (naming the variable and the expected form)."""
         env = os.environ if env is None else env
-        nan, stall, crash, kill = (env.get(name)
-                                   for name in (NAN_LOSS_ENV, STALL_ENV, CRASH_ENV, KILL_AT_ITERATION_ENV))
+        nan, stall, crash, kill = (
+            env.get(name) for name in (NAN_LOSS_ENV, STALL_ENV, CRASH_ENV, KILL_AT_ITERATION_ENV)
+        )
         if not (nan or stall or crash or kill):
             return None
-        return cls(nan_loss=parse_nan_loss(nan) if nan else None,
-                   stall=parse_stall(stall) if stall else None,
-                   crash=parse_crash(crash) if crash else None,
-                   kill_at=(int(kill), int(env.get(KILL_RANK_ENV, "1"))) if kill else None)
+        return cls(
+            nan_loss=parse_nan_loss(nan) if nan else None,
+            stall=parse_stall(stall) if stall else None,
+            crash=parse_crash(crash) if crash else None,
+            kill_at=(int(kill), int(env.get(KILL_RANK_ENV, "1"))) if kill else None,
+        )
 
     def poisons(self, rank: int, iteration: int) -> bool:
         """Whether ``rank`` makes its first forward output NaN at ``iteration``."""
@@ -83,8 +86,11 @@ class FaultPlan:
     def do_stall(self, rank: int | None, iteration: int | None, phase: str) -> None:
         if self.stall is None:
             return
-        print(f"ptdp test stall: rank {rank} sleeps in {phase} at iteration {iteration} from {time.time():.3f}",
-              file=sys.stderr, flush=True)
+        print(
+            f"ptdp test stall: rank {rank} sleeps in {phase} at iteration {iteration} from {time.time():.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
         time.sleep(self.stall[3])
 
     def do_crash(self, rank: int | None, iteration: int | None, phase: str) -> None:
@@ -135,7 +141,9 @@ def parse_crash(text: str) -> tuple[int, int, str, str]:
             raise ValueError
         plan = int(parts[0]), int(parts[1]), parts[2], parts[3]
     except ValueError:
-        raise ValueError(f'{CRASH_ENV}={text!r}: expected "RANK:ITER:PHASE:HOW" with HOW one of {CRASH_KINDS}') from None
+        raise ValueError(
+            f'{CRASH_ENV}={text!r}: expected "RANK:ITER:PHASE:HOW" with HOW one of {CRASH_KINDS}'
+        ) from None
     if plan[2] not in PHASES:
         raise ValueError(f"{CRASH_ENV}: phase {plan[2]!r} is not one of {PHASES}")
     return plan
@@ -143,6 +151,7 @@ def parse_crash(text: str) -> tuple[int, int, str, str]:
 
 def poison_first_forward(module):
     """Make ``module``'s next forward output NaN (once); returns the hook handle."""
+
     def hook(_module, _args, output):
         handle.remove()
         return output * float("nan")

@@ -74,9 +74,7 @@ class ParallelGroups:
         """
         world = dist.get_world_size()
         if world != layout.world_size:
-            raise ValueError(
-                f"world_size={world} != tp*cp*pp*dp = {layout.tp}*{layout.cp}*{layout.pp}*{layout.dp}"
-            )
+            raise ValueError(f"world_size={world} != tp*cp*pp*dp = {layout.tp}*{layout.cp}*{layout.pp}*{layout.dp}")
         rank = dist.get_rank()
         stats = CommStats()
         axes = {}
@@ -99,7 +97,11 @@ class ParallelGroups:
 
 
 def _build_axis(
-    name: str, all_groups: list[list[int]], rank: int, timeout: datetime.timedelta, stats: CommStats,
+    name: str,
+    all_groups: list[list[int]],
+    rank: int,
+    timeout: datetime.timedelta,
+    stats: CommStats,
     desc: str | None = None,
 ) -> AxisGroup:
     """Create every group along one axis (all ranks call new_group for each) and keep ours; its

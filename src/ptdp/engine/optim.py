@@ -8,8 +8,8 @@ import math
 import torch
 from torch import nn
 
-from ptdp.spec import TrainConfig
 from ptdp.engine.data_parallel.buffer import GradBuffer
+from ptdp.spec import TrainConfig
 
 
 def adamw(groups: list[dict], **adam_kwargs) -> torch.optim.AdamW:
@@ -66,7 +66,7 @@ class MainParamsAdamW:
             mains = []
             for p in group["params"]:
                 grad = grads.grad(p)
-                view = self.main_data[grad.storage_offset(): grad.storage_offset() + p.numel()].view_as(p)
+                view = self.main_data[grad.storage_offset() : grad.storage_offset() + p.numel()].view_as(p)
                 view.copy_(p.detach())
                 main = nn.Parameter(view)
                 main.grad = grad
@@ -89,8 +89,13 @@ class MainParamsAdamW:
         torch._foreach_copy_(self._model, self._mains)
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, grads: GradBuffer, *,
-                    param_gather_units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None):
+def build_optimizer(
+    model: nn.Module,
+    cfg: TrainConfig,
+    grads: GradBuffer,
+    *,
+    param_gather_units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
+):
     """AdamW over the stage's parameters; weight decay on every tensor with >= 2 dims (weight
     matrices, word and position embeddings), none on biases and LayerNorm parameters.
 
@@ -106,8 +111,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, grads: GradBuffer, *,
     if grads.sharded:
         from ptdp.engine.data_parallel.zero import ShardedAdamW
 
-        return ShardedAdamW(grads, weight_decay=cfg.weight_decay, overlap_with=param_gather_units,
-                            **kwargs)
+        return ShardedAdamW(grads, weight_decay=cfg.weight_decay, overlap_with=param_gather_units, **kwargs)
     params = list(model.parameters())
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},

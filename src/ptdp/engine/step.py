@@ -29,29 +29,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import overload
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 from torch import nn
 
 from ptdp.engine import activity
-from ptdp.engine.faults import FaultPlan, poison_first_forward
 from ptdp.engine.comm import all_reduce
-from ptdp.spec import Config
 from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.data_parallel.grads import clip_grads, finalize_grads, global_grad_norm
 from ptdp.engine.data_parallel.loss_scale import DynamicLossScaler
+from ptdp.engine.faults import FaultPlan, poison_first_forward
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.model.gpt import DTYPES, GPTModel
-from ptdp.engine.optim import MainParamsAdamW, build_optimizer, lr_at, set_lr, step_unless
 from ptdp.engine.model.chunks import ModelChunks
 from ptdp.engine.model.compile import compile_stage
+from ptdp.engine.model.gpt import DTYPES, GPTModel
+from ptdp.engine.optim import MainParamsAdamW, build_optimizer, lr_at, set_lr, step_unless
 from ptdp.engine.pipeline.partition import chunk_layer_ids, stage_layer_ids
-from ptdp.engine.pipeline.runtime import Microbatch, run_schedule
 from ptdp.engine.pipeline.program import build_programs
+from ptdp.engine.pipeline.runtime import Microbatch, run_schedule
 from ptdp.engine.tensor_parallel.random import DropoutRNG
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
+from ptdp.spec import Config
 
 
 @dataclass
@@ -154,8 +154,14 @@ class PendingStep:
             reason = NONFINITE_LOSS
         elif bad_norms or not math.isfinite(norm):  # float16: halving the scale is the remedy, unless it can't
             reason = FP16_OVERFLOW if self.min_scale is not None and scale > self.min_scale else NONFINITE_GRAD_NORM
-        self._result = StepResult(loss=loss, grad_norm=norm, lr=self.lr, skipped=reason is not None,
-                                  loss_scale=scale if scaled else None, skip_reason=reason)
+        self._result = StepResult(
+            loss=loss,
+            grad_norm=norm,
+            lr=self.lr,
+            skipped=reason is not None,
+            loss_scale=scale if scaled else None,
+            skip_reason=reason,
+        )
 
     loss = property(lambda self: self.result().loss)
     grad_norm = property(lambda self: self.result().grad_norm)
@@ -179,8 +185,9 @@ def read_results_with(steps: list[PendingStep], extra: torch.Tensor) -> tuple[li
 def read_results_with(steps: list[PendingStep], extra: None = None) -> tuple[list[StepResult], None]: ...
 
 
-def read_results_with(steps: list[PendingStep], extra: torch.Tensor | None = None
-                      ) -> tuple[list[StepResult], list[float] | None]:
+def read_results_with(
+    steps: list[PendingStep], extra: torch.Tensor | None = None
+) -> tuple[list[StepResult], list[float] | None]:
     """:func:`read_results`, and the values of ``extra`` (a float64 ``[5]`` tensor on the steps'
     device, e.g. values reduced over ranks at log time) read in the same ``tolist()``: still one
     host synchronisation. Returns the results and ``extra``'s values (None without it)."""
@@ -200,28 +207,63 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     """
     m, p = config.model, config.parallel
     pp, rank, v = groups.pp.size, groups.pp.rank, p.virtual_stages(m.num_layers)
-    rng = DropoutRNG(config.train.seed, dp_rank=groups.dp.rank, tp_rank=groups.tp.rank, device=device,
-                     sequence_parallel=p.sequence_parallel, cp_rank=groups.cp.rank, cp_size=groups.cp.size,
-                     tp_size=groups.tp.size)
+    rng = DropoutRNG(
+        config.train.seed,
+        dp_rank=groups.dp.rank,
+        tp_rank=groups.tp.rank,
+        device=device,
+        sequence_parallel=p.sequence_parallel,
+        cp_rank=groups.cp.rank,
+        cp_size=groups.cp.size,
+        tp_size=groups.tp.size,
+    )
     # cp: each rank computes its chunks of the sequence
     if v == 1:
         layer_ids = stage_layer_ids(m.num_layers, pp, rank, p.layer_split(m.num_layers))
-        chunks = [GPTModel(m, groups.tp, layer_ids=layer_ids, pre_process=groups.is_first_stage,
-                           post_process=groups.is_last_stage, sequence_parallel=p.sequence_parallel, rng=rng,
-                           cp=groups.cp, cp_comm_type=p.cp_comm_type)]
+        chunks = [
+            GPTModel(
+                m,
+                groups.tp,
+                layer_ids=layer_ids,
+                pre_process=groups.is_first_stage,
+                post_process=groups.is_last_stage,
+                sequence_parallel=p.sequence_parallel,
+                rng=rng,
+                cp=groups.cp,
+                cp_comm_type=p.cp_comm_type,
+            )
+        ]
     else:
         chunks = [
-            GPTModel(m, groups.tp, layer_ids=chunk_layer_ids(m.num_layers, pp, v, rank, c,
-                                                             embedding=p.account_for_embedding_in_pipeline_split,
-                                                             loss=p.account_for_loss_in_pipeline_split),
-                     pre_process=rank == 0 and c == 0, post_process=rank == pp - 1 and c == v - 1,
-                     sequence_parallel=p.sequence_parallel, rng=rng, cp=groups.cp, cp_comm_type=p.cp_comm_type)
+            GPTModel(
+                m,
+                groups.tp,
+                layer_ids=chunk_layer_ids(
+                    m.num_layers,
+                    pp,
+                    v,
+                    rank,
+                    c,
+                    embedding=p.account_for_embedding_in_pipeline_split,
+                    loss=p.account_for_loss_in_pipeline_split,
+                ),
+                pre_process=rank == 0 and c == 0,
+                post_process=rank == pp - 1 and c == v - 1,
+                sequence_parallel=p.sequence_parallel,
+                rng=rng,
+                cp=groups.cp,
+                cp_comm_type=p.cp_comm_type,
+            )
             for c in range(v)
         ]
     for chunk in chunks:  # each chunk by its global parameter names: the same weights on every layout
         initialize_parameters(
-            chunk, seed=config.train.seed, std=m.init_method_std, num_layers=m.num_layers,
-            tp_rank=groups.tp.rank, tp_size=groups.tp.size,
+            chunk,
+            seed=config.train.seed,
+            std=m.init_method_std,
+            num_layers=m.num_layers,
+            tp_rank=groups.tp.rank,
+            tp_size=groups.tp.size,
         )
     model = chunks[0] if v == 1 else ModelChunks(chunks)
     device = torch.device(device)
@@ -235,9 +277,14 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     grads = GradBuffer(
         # reduced (and sharded) over the dp x cp ranks holding these parameters: summed over cp,
         # averaged over dp (1/dp in the loss, or average_over=dp for float16)
-        [list(chunk.parameters()) for chunk in chunks], dp=groups.dp_cp, average_over=groups.dp.size,
-        grad_dtype=torch.float32 if low_precision else None, bucket_size=p.ddp_bucket_size,
-        overlap=p.overlap_grad_reduce, codec=p.grad_compression, shard=p.use_distributed_optimizer,
+        [list(chunk.parameters()) for chunk in chunks],
+        dp=groups.dp_cp,
+        average_over=groups.dp.size,
+        grad_dtype=torch.float32 if low_precision else None,
+        bucket_size=p.ddp_bucket_size,
+        overlap=p.overlap_grad_reduce,
+        codec=p.grad_compression,
+        shard=p.use_distributed_optimizer,
         deferred=(tied,) if tied is not None and groups.embedding.size > 1 else (),
         # 1/dp folded into the loss, except for float16: its backward keeps the whole loss scale
         # (dividing it by dp would let small float16 gradients underflow); its codecs divide
@@ -292,8 +339,9 @@ def _gradient_units(chunks: list[GPTModel]) -> list[tuple[nn.Module, list[nn.Par
     return units
 
 
-def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tracer=None,
-               faults: FaultPlan | None = None) -> PendingStep:
+def train_step(
+    stage: Stage, microbatches: list[Microbatch], iteration: int, tracer=None, faults: FaultPlan | None = None
+) -> PendingStep:
     """One optimizer step over this rank's ``m`` microbatches (collective over the whole world);
     ``iteration`` is 0-based. Skipped on every rank, without any change, when the loss or the
     gradient norm is not finite on some rank, or float16 gradients overflowed (module docstring).
@@ -319,8 +367,16 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     poison = _test_poison(stage, iteration, faults)
     try:
         losses = run_schedule(
-            programs[g.pp.rank], stage.model, microbatches, pp=g.pp, hidden_shape=stage.hidden_shape,
-            dtype=stage.dtype, device=stage.device, tracer=tracer, grad_sync=stage.grads, loss_scale=loss_factor,
+            programs[g.pp.rank],
+            stage.model,
+            microbatches,
+            pp=g.pp,
+            hidden_shape=stage.hidden_shape,
+            dtype=stage.dtype,
+            device=stage.device,
+            tracer=tracer,
+            grad_sync=stage.grads,
+            loss_scale=loss_factor,
             batch_shape=(cfg.train.micro_batch_size, cfg.model.seq_length),
         )
     finally:
@@ -333,8 +389,11 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     if stage.scaler is not None and scale is not None:  # scale: the scaler's
         overflow = stage.scaler.unscale(stage.grads.reduced, scale)
     norm = global_grad_norm(stage.model, stage.grads, g)
-    pending = PendingStep(_step_values(stage, losses, len(microbatches), norm, overflow, scale),
-                          lr_at(iteration, cfg.train), stage.scaler.min_scale if stage.scaler is not None else None)
+    pending = PendingStep(
+        _step_values(stage, losses, len(microbatches), norm, overflow, scale),
+        lr_at(iteration, cfg.train),
+        stage.scaler.min_scale if stage.scaler is not None else None,
+    )
     skip = (pending.values[2] + pending.values[3] > 0) | ~pending.values[0].isfinite()
     if stage.scaler is not None:
         stage.scaler.update(skip)
@@ -387,8 +446,14 @@ def _eval_loss(stage: Stage, batches: list[list[Microbatch]]) -> float:
     for microbatches in batches:
         programs = build_programs("forward-only", g.pp.size, len(microbatches), stage.virtual_stages)
         losses = run_schedule(
-            programs[g.pp.rank], stage.model, microbatches, pp=g.pp,
-            hidden_shape=stage.hidden_shape, dtype=stage.dtype, device=stage.device, forward_only=True,
+            programs[g.pp.rank],
+            stage.model,
+            microbatches,
+            pp=g.pp,
+            hidden_shape=stage.hidden_shape,
+            dtype=stage.dtype,
+            device=stage.device,
+            forward_only=True,
             batch_shape=(stage.config.train.micro_batch_size, stage.config.model.seq_length),
         )
         if g.is_last_stage and g.tp.rank == 0 and losses:
@@ -397,8 +462,14 @@ def _eval_loss(stage: Stage, batches: list[list[Microbatch]]) -> float:
     return total.item() / (g.dp.size * len(batches))
 
 
-def _step_values(stage: Stage, losses: list[torch.Tensor], m: int, norm: torch.Tensor,
-                 overflow: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+def _step_values(
+    stage: Stage,
+    losses: list[torch.Tensor],
+    m: int,
+    norm: torch.Tensor,
+    overflow: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``[mean loss, norm, ranks with a non-finite loss, ranks with a non-finite norm or (float16)
     an ``overflow`` flag set, loss scale]``: float64 on the device, the same on every rank. One
     world all-reduce of three float64 (tag ``metrics``; only tp rank 0 of each last stage adds its

@@ -63,8 +63,9 @@ def hierarchical_all_reduce_time(nbytes: float, n: int, per_node: int, links: Li
     return intra + inter
 
 
-def tp_layer_comm_times(tokens: int, hidden: int, tp: int, *, sequence_parallel: bool, links: Links,
-                        bytes_per_element: float = 2.0) -> tuple[float, float]:
+def tp_layer_comm_times(
+    tokens: int, hidden: int, tp: int, *, sequence_parallel: bool, links: Links, bytes_per_element: float = 2.0
+) -> tuple[float, float]:
     """Seconds of TP communication of one layer, one microbatch: ``(forward, backward)``.
 
     Without sequence parallelism [S20]: 2 all-reduces of ``T h`` elements in forward (after
@@ -85,8 +86,18 @@ def tp_layer_comm_times(tokens: int, hidden: int, tp: int, *, sequence_parallel:
     return 2.0 * one, (3.0 if sequence_parallel else 2.0) * one
 
 
-def pp_transfer_time(tokens: int, hidden: int, tp: int, dp: int, pp: int, *, sequence_parallel: bool,
-                     links: Links, bytes_per_element: float = 2.0, scatter_gather: bool = True) -> float:
+def pp_transfer_time(
+    tokens: int,
+    hidden: int,
+    tp: int,
+    dp: int,
+    pp: int,
+    *,
+    sequence_parallel: bool,
+    links: Links,
+    bytes_per_element: float = 2.0,
+    scatter_gather: bool = True,
+) -> float:
     """Seconds of one stage-to-stage transfer (activation or its gradient) of one microbatch.
 
     ``T h`` elements [N21 §3.2]. With the scatter/gather optimisation each of the ``tp`` ranks
@@ -114,8 +125,9 @@ def dp_group_per_node(tp: int, dp: int, gpus_per_node: int) -> int:
     return max(1, min(dp, gpus_per_node // tp)) if tp < gpus_per_node else 1
 
 
-def dp_grad_sync_time(grad_bytes: float, param_bytes: float, tp: int, dp: int, *, distributed_optimizer: bool,
-                      links: Links) -> float:
+def dp_grad_sync_time(
+    grad_bytes: float, param_bytes: float, tp: int, dp: int, *, distributed_optimizer: bool, links: Links
+) -> float:
     """Seconds of the once-per-step gradient synchronisation over dp (before overlap).
 
     Plain data parallelism: a hierarchical all-reduce of the stage's ``grad_bytes``. Distributed
@@ -126,8 +138,10 @@ def dp_grad_sync_time(grad_bytes: float, param_bytes: float, tp: int, dp: int, *
         return 0.0
     per_node = dp_group_per_node(tp, dp, links.gpus_per_node)
     if distributed_optimizer:
-        return 0.5 * (hierarchical_all_reduce_time(grad_bytes, dp, per_node, links)
-                      + hierarchical_all_reduce_time(param_bytes, dp, per_node, links))
+        return 0.5 * (
+            hierarchical_all_reduce_time(grad_bytes, dp, per_node, links)
+            + hierarchical_all_reduce_time(param_bytes, dp, per_node, links)
+        )
     return hierarchical_all_reduce_time(grad_bytes, dp, per_node, links)
 
 

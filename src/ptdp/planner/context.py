@@ -68,8 +68,9 @@ def kv_block_elements(model: ModelSpec, tp: int, cp: int, micro_batch_size: int)
     return model.seq_length / cp * micro_batch_size * model.kv_heads * d / tp
 
 
-def kv_buffer_bytes(model: ModelSpec, tp: int, cp: int, micro_batch_size: int, comm_type: str,
-                    bytes_per_value: float = 2.0) -> float:
+def kv_buffer_bytes(
+    model: ModelSpec, tp: int, cp: int, micro_batch_size: int, comm_type: str, bytes_per_value: float = 2.0
+) -> float:
     """Peak bytes of the key/value exchange of the one layer running (transient; once per stage):
     p2p ``8 B e`` (K, V, dK, dV, two blocks each), all_gather ``4 cp B e``; 0 when cp = 1."""
     if cp <= 1:
@@ -92,21 +93,31 @@ def unfused_score_bytes_missing(local_none: float, local_selective: float, cp: i
     return (cp - 1) * (local_none - local_selective)
 
 
-def block_attention_times(local: ModelSpec, tp: int, micro_batch_size: int, core: float, *, peak_flops: float,
-                          peak_fraction: float, half_dim: float) -> tuple[float, float]:
+def block_attention_times(
+    local: ModelSpec,
+    tp: int,
+    micro_batch_size: int,
+    core: float,
+    *,
+    peak_flops: float,
+    peak_fraction: float,
+    half_dim: float,
+) -> tuple[float, float]:
     """(forward, backward) seconds of the attention of one ``(s/cp) x (s/cp)`` block: a flash
     kernel's (:func:`ptdp.planner.flops.flash_attention_time`, backward ``FLASH_BACKWARD_RATIO``
     x), else the unfused core ``core`` of the local model and twice that backward (its GEMMs and
     score traffic are twice the forward's, :func:`ptdp.planner.flops.layer_compute_times`)."""
     if not local.flash_attention:
         return core, 2.0 * core
-    fwd = flops.flash_attention_time(local, tp, micro_batch_size, peak_flops=peak_flops,
-                                     peak_fraction=peak_fraction, half_dim=half_dim)
+    fwd = flops.flash_attention_time(
+        local, tp, micro_batch_size, peak_flops=peak_flops, peak_fraction=peak_fraction, half_dim=half_dim
+    )
     return fwd, flops.FLASH_BACKWARD_RATIO * fwd
 
 
-def layer_times(local_times: tuple[float, float, float], block: tuple[float, float],
-                cp: int) -> tuple[float, float, float]:
+def layer_times(
+    local_times: tuple[float, float, float], block: tuple[float, float], cp: int
+) -> tuple[float, float, float]:
     """(forward, backward, attention core) seconds of one layer on one cp rank from the local
     model's (:func:`ptdp.planner.flops.layer_compute_times` of :func:`local_model`), which
     attends one block: the rank attends ``cp`` blocks, forward ``+ (cp - 1)`` and backward
@@ -124,10 +135,18 @@ def cp_link(tp: int, cp: int, links: Links) -> tuple[float, float]:
     return links.network_bandwidth, links.network_latency
 
 
-def kv_exchange_times(model: ModelSpec, tp: int, cp: int, micro_batch_size: int, comm_type: str,
-                      block_attention: float, links: Links, bytes_per_value: float = 2.0,
-                      block_attention_backward: float | None = None,
-                      grad_bytes_per_value: float = 4.0) -> tuple[float, float]:
+def kv_exchange_times(
+    model: ModelSpec,
+    tp: int,
+    cp: int,
+    micro_batch_size: int,
+    comm_type: str,
+    block_attention: float,
+    links: Links,
+    bytes_per_value: float = 2.0,
+    block_attention_backward: float | None = None,
+    grad_bytes_per_value: float = 4.0,
+) -> tuple[float, float]:
     """Exposed seconds of one layer's key/value exchange for one microbatch: ``(forward,
     backward)`` (module docstring). p2p: ``cp - 1`` ring steps each way, a forward step (K, V:
     ``2 B e`` bytes + one latency) hidden behind ``block_attention`` (one block's forward
@@ -144,8 +163,11 @@ def kv_exchange_times(model: ModelSpec, tp: int, cp: int, micro_batch_size: int,
         bw, lat = cp_link(tp, cp, links)
         hide_backward = 2.0 * block_attention if block_attention_backward is None else block_attention_backward
         fwd = (cp - 1) * max(0.0, 2.0 * block / bw + lat - block_attention)
-        bwd = ((cp - 1) * max(0.0, (2.0 * block + 2.0 * grad_block) / bw + lat - hide_backward)
-               + 2.0 * grad_block / bw + lat)
+        bwd = (
+            (cp - 1) * max(0.0, (2.0 * block + 2.0 * grad_block) / bw + lat - hide_backward)
+            + 2.0 * grad_block / bw
+            + lat
+        )
         return fwd, bwd
     if comm_type == "all_gather":
         per_node = min(cp, max(1, links.gpus_per_node // tp)) if tp < links.gpus_per_node else 1

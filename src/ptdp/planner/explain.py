@@ -20,8 +20,14 @@ from ptdp.planner.splits import describe_split
 NEAR_TIE = 0.02
 """Relative step-time difference under which two layouts are called a near tie."""
 
-_LAYOUT_NAMES = {"micro_batch_size": "b", "virtual_stages": "v", "sequence_parallel": "sp",
-                 "distributed_optimizer": "dist-opt", "layer_split": "layer split", "global_batch_size": "B"}
+_LAYOUT_NAMES = {
+    "micro_batch_size": "b",
+    "virtual_stages": "v",
+    "sequence_parallel": "sp",
+    "distributed_optimizer": "dist-opt",
+    "layer_split": "layer split",
+    "global_batch_size": "B",
+}
 
 
 def _value(value) -> str:
@@ -38,8 +44,9 @@ def layout_differences(a: Plan, b: Plan) -> list[str]:
     for side, plan in ((left, a), (right, b)):  # the strategy, not its None spelling for no_shard / optim
         side["sharding"] = plan.layout.sharding_strategy
         side.pop("distributed_optimizer")  # sharding says it
-    return [f"{_LAYOUT_NAMES.get(k, k)} {_value(left[k])} vs {_value(right[k])}"
-            for k in left if left[k] != right.get(k)]
+    return [
+        f"{_LAYOUT_NAMES.get(k, k)} {_value(left[k])} vs {_value(right[k])}" for k in left if left[k] != right.get(k)
+    ]
 
 
 def _time_terms(plan: Plan) -> dict[str, float]:
@@ -75,8 +82,10 @@ def compare(faster: Plan, slower: Plan, *, faster_name: str, slower_name: str) -
     diff = layout_differences(faster, slower)
     lines = [f"{faster_name} vs {slower_name}: {'; '.join(diff) if diff else 'same layout'}"]
     if rel < NEAR_TIE:
-        lines.append(f"  a near tie: {_seconds(step_a)} vs {_seconds(step_b)} per step ({100 * rel:.1f}% apart, "
-                     f"within the model's error)")
+        lines.append(
+            f"  a near tie: {_seconds(step_a)} vs {_seconds(step_b)} per step ({100 * rel:.1f}% apart, "
+            f"within the model's error)"
+        )
     else:
         lines.append(f"  {100 * rel:.1f}% faster ({_seconds(step_a)} vs {_seconds(step_b)} per step)")
     gains, losses = deciding_terms(faster, slower)
@@ -103,9 +112,10 @@ def distance_from_best(chosen: Plan | None, best: Plan | None) -> list[str]:
     if best is None:
         return []
     if chosen is None:
-        return ["with nothing fixed the search finds a fitting layout: "
-                + ", ".join(f"{k}={_value(v)}" for k, v in dataclasses.asdict(best.layout).items())]
+        return [
+            "with nothing fixed the search finds a fitting layout: "
+            + ", ".join(f"{k}={_value(v)}" for k, v in dataclasses.asdict(best.layout).items())
+        ]
     if best.layout == chosen.layout or best.need_time().step >= chosen.need_time().step:
         return ["your fixed choices include the best layout the search finds with nothing fixed"]
-    return ["the best layout with nothing fixed:",
-            *compare(best, chosen, faster_name="best", slower_name="yours")]
+    return ["the best layout with nothing fixed:", *compare(best, chosen, faster_name="best", slower_name="yours")]

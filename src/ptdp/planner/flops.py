@@ -151,8 +151,18 @@ def gemm_efficiency(m: int, n: int, k: int, *, peak_fraction: float, half_dim: f
     return peak_fraction * (m / (m + half_dim)) * (n / (n + half_dim)) * (k / (k + half_dim))
 
 
-def gemm_time(m: int, n: int, k: int, batch: int, *, peak_flops: float, bandwidth: float,
-              peak_fraction: float, half_dim: float, bytes_per_element: float = 2.0) -> float:
+def gemm_time(
+    m: int,
+    n: int,
+    k: int,
+    batch: int,
+    *,
+    peak_flops: float,
+    bandwidth: float,
+    peak_fraction: float,
+    half_dim: float,
+    bytes_per_element: float = 2.0,
+) -> float:
     """Seconds of ``batch`` GEMMs: roofline ``max(FLOPs / (peak * efficiency), bytes / bandwidth)``.
 
     bytes: read both operands and write the result once, ``(m k + k n + m n) batch`` elements.
@@ -164,8 +174,9 @@ def gemm_time(m: int, n: int, k: int, batch: int, *, peak_flops: float, bandwidt
     return compute if compute > memory else memory
 
 
-def layer_elementwise_bytes(model: ModelSpec, tp: int, micro_batch_size: int, *,
-                            sequence_parallel: bool) -> tuple[float, float]:
+def layer_elementwise_bytes(
+    model: ModelSpec, tp: int, micro_batch_size: int, *, sequence_parallel: bool
+) -> tuple[float, float]:
     """Forward bytes of the memory-bound kernels of one layer: ``(total, attention-score part)``.
 
     ``T h * HIDDEN_BYTES`` (divided by t with sequence parallelism, which splits the norms and
@@ -204,8 +215,9 @@ def fp8_cast_bytes(model: ModelSpec, tp: int, micro_batch_size: int) -> tuple[fl
     return FP8_CAST_BYTES * forward, FP8_CAST_BYTES * backward
 
 
-def flash_attention_time(model: ModelSpec, tp: int, micro_batch_size: int, *, peak_flops: float,
-                         peak_fraction: float, half_dim: float) -> float:
+def flash_attention_time(
+    model: ModelSpec, tp: int, micro_batch_size: int, *, peak_flops: float, peak_fraction: float, half_dim: float
+) -> float:
     """Forward seconds of a causal flash attention kernel on one tp rank, one microbatch:
     ``FLASH_CAUSAL_FRACTION`` of the score and context FLOPs at the efficiency of an ``(s, s, d)``
     GEMM (compute-bound, no s x s bytes); its backward is ``FLASH_BACKWARD_RATIO`` x this."""
@@ -215,9 +227,17 @@ def flash_attention_time(model: ModelSpec, tp: int, micro_batch_size: int, *, pe
 
 
 @lru_cache(maxsize=65536)
-def layer_compute_times(model: ModelSpec, tp: int, micro_batch_size: int, sequence_parallel: bool,
-                        peak_flops: float, bandwidth: float, peak_fraction: float,
-                        half_dim: float, fp8_peak: float = 0.0) -> tuple[float, float, float]:
+def layer_compute_times(
+    model: ModelSpec,
+    tp: int,
+    micro_batch_size: int,
+    sequence_parallel: bool,
+    peak_flops: float,
+    bandwidth: float,
+    peak_fraction: float,
+    half_dim: float,
+    fp8_peak: float = 0.0,
+) -> tuple[float, float, float]:
     """Seconds of one layer on one tp rank for one microbatch, communication excluded:
     ``(forward, backward, attention-core forward)``.
 
@@ -230,8 +250,9 @@ def layer_compute_times(model: ModelSpec, tp: int, micro_batch_size: int, sequen
     that peak (FLOP/s) with 1-byte operands, and the casts of their activation operands
     (:func:`fp8_cast_bytes`) move memory. ``bandwidth``: achieved HBM bytes/s. Cached.
     """
-    timed = partial(gemm_time, peak_flops=peak_flops, bandwidth=bandwidth, peak_fraction=peak_fraction,
-                    half_dim=half_dim)
+    timed = partial(
+        gemm_time, peak_flops=peak_flops, bandwidth=bandwidth, peak_fraction=peak_fraction, half_dim=half_dim
+    )
     shapes = layer_gemms(model, tp, micro_batch_size)
     gemms = [timed(*g) for g in shapes]
     elementwise, scores = layer_elementwise_bytes(model, tp, micro_batch_size, sequence_parallel=sequence_parallel)
@@ -242,11 +263,15 @@ def layer_compute_times(model: ModelSpec, tp: int, micro_batch_size: int, sequen
         cast_forward, cast_backward = fp8_cast_bytes(model, tp, micro_batch_size)
     linear = sum(gemms[i] for i in LINEAR_GEMMS)
     if model.flash_attention:
-        attention = flash_attention_time(model, tp, micro_batch_size, peak_flops=peak_flops,
-                                         peak_fraction=peak_fraction, half_dim=half_dim)
+        attention = flash_attention_time(
+            model, tp, micro_batch_size, peak_flops=peak_flops, peak_fraction=peak_fraction, half_dim=half_dim
+        )
         forward = linear + attention + (elementwise + cast_forward) / bandwidth
-        backward = (2.0 * linear + FLASH_BACKWARD_RATIO * attention
-                    + (BACKWARD_TRAFFIC_RATIO * elementwise + cast_backward) / bandwidth)
+        backward = (
+            2.0 * linear
+            + FLASH_BACKWARD_RATIO * attention
+            + (BACKWARD_TRAFFIC_RATIO * elementwise + cast_backward) / bandwidth
+        )
         return forward, backward, 0.0
     forward = sum(gemms) + (elementwise + cast_forward) / bandwidth
     backward = 2.0 * sum(gemms) + (BACKWARD_TRAFFIC_RATIO * elementwise + cast_backward) / bandwidth
@@ -255,11 +280,27 @@ def layer_compute_times(model: ModelSpec, tp: int, micro_batch_size: int, sequen
 
 
 @lru_cache(maxsize=65536)
-def logits_compute_time(model: ModelSpec, tp: int, micro_batch_size: int, padded_vocab: int, peak_flops: float,
-                        bandwidth: float, peak_fraction: float, half_dim: float) -> float:
+def logits_compute_time(
+    model: ModelSpec,
+    tp: int,
+    micro_batch_size: int,
+    padded_vocab: int,
+    peak_flops: float,
+    bandwidth: float,
+    peak_fraction: float,
+    half_dim: float,
+) -> float:
     """Seconds of the output layer and cross entropy, forward + backward, one tp rank, one
     microbatch: 3 roofline GEMMs of ``(T, V/t, h)`` + ``T V / t * LOGIT_BYTES`` / bandwidth."""
     tokens = micro_batch_size * model.seq_length
-    gemm = gemm_time(tokens, padded_vocab // tp, model.hidden_size, 1, peak_flops=peak_flops, bandwidth=bandwidth,
-                     peak_fraction=peak_fraction, half_dim=half_dim)
+    gemm = gemm_time(
+        tokens,
+        padded_vocab // tp,
+        model.hidden_size,
+        1,
+        peak_flops=peak_flops,
+        bandwidth=bandwidth,
+        peak_fraction=peak_fraction,
+        half_dim=half_dim,
+    )
     return 3.0 * gemm + LOGIT_BYTES * tokens * padded_vocab / tp / bandwidth

@@ -24,8 +24,8 @@ Engine with Megatron-Core, delayed scaling, "hybrid" E4M3 forward / E5M2 backwar
 
 from __future__ import annotations
 
-from ptdp.spec import ConfigError
 from ptdp.planner.models import ModelSpec
+from ptdp.spec import ConfigError
 
 #: Bytes per weight of an FP8 GEMM held besides the bf16 weight: the FP8 weight (1) and its
 #: transpose (1).
@@ -37,11 +37,15 @@ def fp8_precision(gpu, precision: str) -> str:
     requested ``precision``; ConfigError when the GPU has no FP8 peak in the catalog (A100, V100)
     or the precision is not bf16 (FP8 training keeps bf16 activations and weights)."""
     if "fp8" not in gpu.peak_flops:
-        raise ConfigError(f"--fp8: {gpu.name} has no FP8 tensor cores (its catalog peaks: "
-                          f"{', '.join(sorted(gpu.peak_flops))}); FP8 training needs an H100/H200-class GPU")
+        raise ConfigError(
+            f"--fp8: {gpu.name} has no FP8 tensor cores (its catalog peaks: "
+            f"{', '.join(sorted(gpu.peak_flops))}); FP8 training needs an H100/H200-class GPU"
+        )
     if precision != "bf16":
-        raise ConfigError(f"--fp8 plans bf16 training with FP8 GEMMs; the requested precision is {precision} "
-                          f"(drop --fp16/--fp32 or give --bf16)")
+        raise ConfigError(
+            f"--fp8 plans bf16 training with FP8 GEMMs; the requested precision is {precision} "
+            f"(drop --fp16/--fp32 or give --bf16)"
+        )
     return "fp8"
 
 

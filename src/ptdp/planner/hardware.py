@@ -76,28 +76,77 @@ _A100_PEAK = {"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "tf32": 156 * TFLOPS, 
 # NVLink, 400 Gbps per GPU on RoCE or InfiniBand); Megatron-LM's H100 table divides its TFLOP/s
 # by about 989 to print MFU (benchmarks/data/published_runs_h100.csv). Measured NVLink 4:
 # NVIDIA/nccl issue 1264, p2pBandwidthLatencyTest 380 GB/s of the 450 GB/s per direction (84%).
-_H100_PEAK = {"bf16": 989.5 * TFLOPS, "fp16": 989.5 * TFLOPS, "fp8": 1979 * TFLOPS, "tf32": 494.7 * TFLOPS,
-              "fp32": 66.9 * TFLOPS}
+_H100_PEAK = {
+    "bf16": 989.5 * TFLOPS,
+    "fp16": 989.5 * TFLOPS,
+    "fp8": 1979 * TFLOPS,
+    "tf32": 494.7 * TFLOPS,
+    "fp32": 66.9 * TFLOPS,
+}
 
 CATALOG: dict[str, GPUSpec] = {
-    "a100-40gb": GPUSpec("a100-40gb", _A100_PEAK, 40 * GiB, 1555 * GB, 300 * GB, 25 * GB, 8,
-                         "NVIDIA A100 datasheet (SXM4 40GB); DGX A100 HDR 200 Gb/s per GPU", arch="ampere"),
-    "a100-80gb": GPUSpec("a100-80gb", _A100_PEAK, 80 * GiB, 2039 * GB, 300 * GB, 25 * GB, 8,
-                         "NVIDIA A100 datasheet (SXM4 80GB); DGX A100 HDR 200 Gb/s per GPU", arch="ampere"),
-    "h100-sxm": GPUSpec("h100-sxm", _H100_PEAK, 80 * GiB, 3350 * GB, 450 * GB, 50 * GB, 8,
-                        "NVIDIA H100 datasheet (SXM5 80GB); DGX H100 NDR 400 Gb/s per GPU", arch="hopper"),
+    "a100-40gb": GPUSpec(
+        "a100-40gb",
+        _A100_PEAK,
+        40 * GiB,
+        1555 * GB,
+        300 * GB,
+        25 * GB,
+        8,
+        "NVIDIA A100 datasheet (SXM4 40GB); DGX A100 HDR 200 Gb/s per GPU",
+        arch="ampere",
+    ),
+    "a100-80gb": GPUSpec(
+        "a100-80gb",
+        _A100_PEAK,
+        80 * GiB,
+        2039 * GB,
+        300 * GB,
+        25 * GB,
+        8,
+        "NVIDIA A100 datasheet (SXM4 80GB); DGX A100 HDR 200 Gb/s per GPU",
+        arch="ampere",
+    ),
+    "h100-sxm": GPUSpec(
+        "h100-sxm",
+        _H100_PEAK,
+        80 * GiB,
+        3350 * GB,
+        450 * GB,
+        50 * GB,
+        8,
+        "NVIDIA H100 datasheet (SXM5 80GB); DGX H100 NDR 400 Gb/s per GPU",
+        arch="hopper",
+    ),
     # NVIDIA H200 datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; nvidia-smi
     # reports 143,771 MiB of memory. Checked 2026-12-01: NVIDIA's MLPerf Inference v4.1 system
     # description H200-SXM-141GBx8 (mlcommons/inference_results_v4.1, closed/NVIDIA/systems:
     # "141 GB" HBM3e, "18x 4th Gen NVLink, 900GB/s", 700 W) and restatements of the datasheet
     # (4.8 TB/s; same GH100 compute as H100 SXM).
-    "h200": GPUSpec("h200", _H100_PEAK, 143771 * 2**20, 4800 * GB, 450 * GB, 50 * GB, 8,
-                    "NVIDIA H200 datasheet (SXM 141GB); NDR 400 Gb/s per GPU", arch="hopper"),
+    "h200": GPUSpec(
+        "h200",
+        _H100_PEAK,
+        143771 * 2**20,
+        4800 * GB,
+        450 * GB,
+        50 * GB,
+        8,
+        "NVIDIA H200 datasheet (SXM 141GB); NDR 400 Gb/s per GPU",
+        arch="hopper",
+    ),
     # NVIDIA V100 datasheet (SXM2 32GB): 125 TFLOPS FP16 tensor, 15.7 FP32; HBM2 900 GB/s;
     # NVLink 2 300 GB/s bidirectional. DGX-1V: 4 x 100 Gb/s EDR InfiniBand for 8 GPUs.
-    "v100-32gb": GPUSpec("v100-32gb", {"fp16": 125 * TFLOPS, "fp32": 15.7 * TFLOPS}, 32 * GiB, 900 * GB,
-                         150 * GB, 6.25 * GB, 8, "NVIDIA V100 datasheet (SXM2 32GB); DGX-1V 4 x EDR 100 Gb/s",
-                         arch="volta"),
+    "v100-32gb": GPUSpec(
+        "v100-32gb",
+        {"fp16": 125 * TFLOPS, "fp32": 15.7 * TFLOPS},
+        32 * GiB,
+        900 * GB,
+        150 * GB,
+        6.25 * GB,
+        8,
+        "NVIDIA V100 datasheet (SXM2 32GB); DGX-1V 4 x EDR 100 Gb/s",
+        arch="volta",
+    ),
 }
 CATALOG["h100"] = CATALOG["h100-sxm"]
 CATALOG["v100"] = CATALOG["v100-32gb"]
@@ -118,7 +167,9 @@ def get_gpu(name: str, catalog: dict[str, GPUSpec] | None = None) -> GPUSpec:
     catalog = catalog if catalog is not None else CATALOG
     key = name.lower()
     if key not in catalog:
-        raise UnknownGPUError(f"unknown GPU {name!r}; known: {', '.join(sorted(catalog))} (add one with --gpu-catalog FILE)")
+        raise UnknownGPUError(
+            f"unknown GPU {name!r}; known: {', '.join(sorted(catalog))} (add one with --gpu-catalog FILE)"
+        )
     return catalog[key]
 
 
@@ -156,10 +207,12 @@ def load_catalog(path: str | Path) -> dict[str, GPUSpec]:
         missing = required - set(table)
         unknown = set(table) - known
         if missing or unknown:
-            raise ValueError(f"{path}: GPU {name!r}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
+            raise ValueError(
+                f"{path}: GPU {name!r}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}"
+            )
         _check_numbers(path, name, table)
         if not isinstance(table.get("arch", ""), str):
-            raise ValueError(f"{path}: GPU {name!r}: arch={table['arch']!r} must be a string such as \"hopper\"")
+            raise ValueError(f'{path}: GPU {name!r}: arch={table["arch"]!r} must be a string such as "hopper"')
         out[name.lower()] = GPUSpec(name=name.lower(), **{k: v for k, v in table.items() if k != "name"})
     return out
 

@@ -29,26 +29,64 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ptdp.spec import ConfigError
 from ptdp.planner.models import ModelSpec
+from ptdp.spec import ConfigError
 
 SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
 
 #: transformers' defaults (its ``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``GPT2Config``)
 #: for the fields read here, used when a config.json leaves one out.
 DEFAULTS: dict[str, dict] = {
-    "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-              "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 2048,
-              "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "head_dim": None},
-    "mistral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
-                "tie_word_embeddings": False, "head_dim": None, "sliding_window": 4096},
-    "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
-              "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768,
-              "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": 4096,
-              "max_window_layers": 28},
-    "gpt2": {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
-             "tie_word_embeddings": True, "resid_pdrop": 0.1, "embd_pdrop": 0.1, "add_cross_attention": False},
+    "llama": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": None,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "head_dim": None,
+    },
+    "mistral": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096 * 32,
+        "tie_word_embeddings": False,
+        "head_dim": None,
+        "sliding_window": 4096,
+    },
+    "qwen2": {
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+    "gpt2": {
+        "vocab_size": 50257,
+        "n_positions": 1024,
+        "n_embd": 768,
+        "n_layer": 12,
+        "n_head": 12,
+        "n_inner": None,
+        "tie_word_embeddings": True,
+        "resid_pdrop": 0.1,
+        "embd_pdrop": 0.1,
+        "add_cross_attention": False,
+    },
 }
 
 #: Fields of mixture-of-experts configs (Mixtral, Qwen2-MoE, DeepSeek): the planner models dense MLPs.
@@ -91,8 +129,10 @@ def load_hf_config(path: str | Path, *, seq_length: int | None = None) -> tuple[
     cfg = {**DEFAULTS[kind], **raw}
     experts = [f"{k}={cfg[k]}" for k in MOE_FIELDS if cfg.get(k) not in (None, 0, 1)]
     if experts:
-        raise ConfigError(f"--model {path}: mixture-of-experts fields {', '.join(experts)} are not supported "
-                          f"(the planner models dense MLPs)")
+        raise ConfigError(
+            f"--model {path}: mixture-of-experts fields {', '.join(experts)} are not supported "
+            f"(the planner models dense MLPs)"
+        )
     name = f"hf:{file.parent.name or kind}"
     if kind == "gpt2":
         return _gpt2(cfg, path, name, seq_length), []
@@ -112,19 +152,35 @@ def _llama_like(kind: str, cfg: dict, path, name: str, seq_length: int | None) -
     kv = a if cfg.get("num_key_value_heads") is None else _int(cfg, "num_key_value_heads", path)
     head_dim = cfg.get("head_dim")
     if head_dim is not None and head_dim * a != h:
-        raise ConfigError(f"--model {path}: head_dim={head_dim} differs from hidden_size / num_attention_heads = "
-                          f"{h} / {a}; the planner models heads of h / a channels")
+        raise ConfigError(
+            f"--model {path}: head_dim={head_dim} differs from hidden_size / num_attention_heads = "
+            f"{h} / {a}; the planner models heads of h / a channels"
+        )
     s = seq_length if seq_length is not None else _int(cfg, "max_position_embeddings", path)
     biases: tuple[str, ...] = ()
     if kind == "qwen2":
         biases = ("qkv",)
     elif kind == "llama":
-        biases = (("qkv", "proj") if cfg.get("attention_bias") else ()) + (("fc1", "fc2") if cfg.get("mlp_bias") else ())
+        biases = (("qkv", "proj") if cfg.get("attention_bias") else ()) + (
+            ("fc1", "fc2") if cfg.get("mlp_bias") else ()
+        )
     notes = _cost_notes(kind, cfg, s, path)
-    model = ModelSpec(_int(cfg, "num_hidden_layers", path), h, a, _int(cfg, "intermediate_size", path),
-                      _int(cfg, "vocab_size", path), s, num_query_groups=kv, swiglu=True,
-                      tied=bool(cfg.get("tie_word_embeddings")), llama_style=True, biased_linears=biases,
-                      dropout=False, flash_attention=True, name=name)
+    model = ModelSpec(
+        _int(cfg, "num_hidden_layers", path),
+        h,
+        a,
+        _int(cfg, "intermediate_size", path),
+        _int(cfg, "vocab_size", path),
+        s,
+        num_query_groups=kv,
+        swiglu=True,
+        tied=bool(cfg.get("tie_word_embeddings")),
+        llama_style=True,
+        biased_linears=biases,
+        dropout=False,
+        flash_attention=True,
+        name=name,
+    )
     return model, notes
 
 
@@ -137,8 +193,10 @@ def _cost_notes(kind: str, cfg: dict, s: int, path) -> list[str]:
         window = None
     if isinstance(window, int) and window < s:
         layers = "every layer" if kind != "qwen2" else f"layers from {cfg.get('max_window_layers')} on"
-        notes.append(f"note: {path}: sliding_window={window} < seq_length={s} on {layers}; planned as full causal "
-                     f"attention (attention time over-estimated, memory unchanged with a flash kernel)")
+        notes.append(
+            f"note: {path}: sliding_window={window} < seq_length={s} on {layers}; planned as full causal "
+            f"attention (attention time over-estimated, memory unchanged with a flash kernel)"
+        )
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     kind_of_rope = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if kind_of_rope not in (None, "default"):
@@ -154,5 +212,15 @@ def _gpt2(cfg: dict, path, name: str, seq_length: int | None) -> ModelSpec:
     ffn = 4 * h if cfg.get("n_inner") is None else _int(cfg, "n_inner", path)
     s = seq_length if seq_length is not None else _int(cfg, "n_positions", path)
     dropout = bool(cfg.get("resid_pdrop") or cfg.get("embd_pdrop"))
-    return ModelSpec(_int(cfg, "n_layer", path), h, _int(cfg, "n_head", path), ffn, _int(cfg, "vocab_size", path), s,
-                     tied=bool(cfg.get("tie_word_embeddings")), dropout=dropout, flash_attention=True, name=name)
+    return ModelSpec(
+        _int(cfg, "n_layer", path),
+        h,
+        _int(cfg, "n_head", path),
+        ffn,
+        _int(cfg, "vocab_size", path),
+        s,
+        tied=bool(cfg.get("tie_word_embeddings")),
+        dropout=dropout,
+        flash_attention=True,
+        name=name,
+    )

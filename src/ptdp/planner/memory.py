@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from functools import lru_cache, partial
 
-from ptdp.spec import keeps_logits, padded_vocab_size, stage_layer_counts
+from ptdp.planner.context import kv_buffer_bytes, local_model, unfused_score_bytes_missing
 from ptdp.planner.fp8 import fp8_weight_copy_bytes
 from ptdp.planner.hardware import GiB, GPUSpec
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout, MemoryBreakdown
-from ptdp.planner.splits import chunk_layers, interleaved_peak
-from ptdp.planner.context import kv_buffer_bytes, local_model, unfused_score_bytes_missing
 from ptdp.planner.sharding import chunk_by_chunk, stage_state_bytes, strategy_bytes_per_param
+from ptdp.planner.splits import chunk_layers, interleaved_peak
+from ptdp.spec import keeps_logits, padded_vocab_size, stage_layer_counts
 
 #: Default fixed overhead per GPU (bytes): CUDA context and kernel images (~0.5 GiB on A100/H100),
 #: NCCL buffers of the 3-5 communicators a rank joins (tp, pp, dp, embedding, world; a few hundred
@@ -110,8 +110,9 @@ def bytes_per_param(precision: str, dp: int = 1, distributed_optimizer: bool = F
     return weights, grads, (state / dp if distributed_optimizer else state)  # sharding strategies: rank_state_bytes
 
 
-def rank_state_bytes(model: ModelSpec, layout: Layout, n_params: int, n_layers: int,
-                     per_param: tuple[float, float, float] | None = None) -> tuple[float, float, float]:
+def rank_state_bytes(
+    model: ModelSpec, layout: Layout, n_params: int, n_layers: int, per_param: tuple[float, float, float] | None = None
+) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes of one rank of a stage holding ``n_params`` parameters and
     ``n_layers`` layers under ``layout``'s sharding strategy over ``dp * cp`` ranks
     (:func:`ptdp.planner.sharding.stage_state_bytes`; a gathered unit is one layer, or the
@@ -150,8 +151,15 @@ def activation_value_bytes(precision: str) -> tuple[int, int]:
     raise ValueError(f"precision={precision!r} must be one of bf16, fp16, fp8, fp32")
 
 
-def layer_activation_bytes(model: ModelSpec, tp: int, micro_batch_size: int, *, sequence_parallel: bool,
-                           recompute: str, precision: str = "bf16") -> float:
+def layer_activation_bytes(
+    model: ModelSpec,
+    tp: int,
+    micro_batch_size: int,
+    *,
+    sequence_parallel: bool,
+    recompute: str,
+    precision: str = "bf16",
+) -> float:
     """Activation bytes one transformer layer keeps for backward, per microbatch, on one tp rank.
 
     [K22] eq. (1)-(2) and §5 for GPT, per layer (s: sequence, b: micro batch, h, a, t = tp):
@@ -217,8 +225,9 @@ def inflight_microbatches(layout: Layout, pp_rank: int, *, schedule: str = "1f1b
     return min(2 * (pp - pp_rank - 1) + (v - 1) * pp + 1, m * v) / v
 
 
-def inflight_layer_microbatches(layout: Layout, pp_rank: int, layers_on_stage: int, *, schedule: str = "1f1b",
-                                loss_weight: float = 0.0) -> tuple[float, float | None]:
+def inflight_layer_microbatches(
+    layout: Layout, pp_rank: int, layers_on_stage: int, *, schedule: str = "1f1b", loss_weight: float = 0.0
+) -> tuple[float, float | None]:
     """(layer-microbatches, loss-side microbatches) rank ``pp_rank`` holds at its peak; one
     layer-microbatch is one layer's activations for one microbatch.
 
@@ -235,13 +244,22 @@ def inflight_layer_microbatches(layout: Layout, pp_rank: int, layers_on_stage: i
     if counts is None or len(set(counts)) == 1:
         return mbs * layers_on_stage, None
     last = pp_rank == layout.pp - 1
-    layers, losses = interleaved_peak(counts, layout.pp, layout.num_microbatches, pp_rank, last=last,
-                                      loss_weight=loss_weight)
+    layers, losses = interleaved_peak(
+        counts, layout.pp, layout.num_microbatches, pp_rank, last=last, loss_weight=loss_weight
+    )
     return layers, (losses if last else None)
 
 
-def _edge_activation_bytes(model: ModelSpec, layout: Layout, *, first: bool, last: bool,
-                           inflight: float, last_inflight: int, divisible_by: int = 128) -> float:
+def _edge_activation_bytes(
+    model: ModelSpec,
+    layout: Layout,
+    *,
+    first: bool,
+    last: bool,
+    inflight: float,
+    last_inflight: int,
+    divisible_by: int = 128,
+) -> float:
     """Activations outside the transformer layers [K22] §4.3, on one tp rank.
 
     First stage: the embedding-dropout mask, ``s b h`` per microbatch in flight (/t with SP; none
@@ -266,8 +284,15 @@ def _edge_activation_bytes(model: ModelSpec, layout: Layout, *, first: bool, las
     return out
 
 
-def stage_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, layers_on_stage: int, *,
-                           schedule: str = "1f1b", make_vocab_size_divisible_by: int = 128) -> float:
+def stage_activation_bytes(
+    model: ModelSpec,
+    layout: Layout,
+    pp_rank: int,
+    layers_on_stage: int,
+    *,
+    schedule: str = "1f1b",
+    make_vocab_size_divisible_by: int = 128,
+) -> float:
     """Peak activation bytes of pipeline rank ``pp_rank`` (one tp rank).
 
     Stored layer activations x layers on the stage x microbatches in flight
@@ -281,27 +306,50 @@ def stage_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, layer
     whose logits the last stage keeps when they are small enough.
     """
     b, sp, precision = layout.micro_batch_size, layout.sequence_parallel, layout.precision
-    per_layer = layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute=layout.recompute,
-                                       precision=precision)
+    per_layer = layer_activation_bytes(
+        model, layout.tp, b, sequence_parallel=sp, recompute=layout.recompute, precision=precision
+    )
     mbs = inflight_microbatches(layout, pp_rank, schedule=schedule)
     last = pp_rank == layout.pp - 1
     last_inflight = layout.num_microbatches if schedule == "gpipe" else 1
-    loss_side = _edge_activation_bytes(model, layout, first=False, last=True, inflight=mbs,
-                                       last_inflight=1, divisible_by=make_vocab_size_divisible_by) if last else 0.0
-    layer_mbs, loss_mbs = inflight_layer_microbatches(layout, pp_rank, layers_on_stage, schedule=schedule,
-                                                      loss_weight=loss_side / per_layer if per_layer else 0.0)
+    loss_side = (
+        _edge_activation_bytes(
+            model,
+            layout,
+            first=False,
+            last=True,
+            inflight=mbs,
+            last_inflight=1,
+            divisible_by=make_vocab_size_divisible_by,
+        )
+        if last
+        else 0.0
+    )
+    layer_mbs, loss_mbs = inflight_layer_microbatches(
+        layout, pp_rank, layers_on_stage, schedule=schedule, loss_weight=loss_side / per_layer if per_layer else 0.0
+    )
     out = per_layer * layer_mbs
-    out += _edge_activation_bytes(model, layout, first=pp_rank == 0, last=False, inflight=mbs,
-                                  last_inflight=last_inflight)
+    out += _edge_activation_bytes(
+        model, layout, first=pp_rank == 0, last=False, inflight=mbs, last_inflight=last_inflight
+    )
     if layout.recompute == "full":
-        working = layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute="none",
-                                         precision=precision) - per_layer
+        working = (
+            layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute="none", precision=precision)
+            - per_layer
+        )
         return out + max(working, loss_side) + (last_inflight - 1) * loss_side
     return out + (last_inflight if loss_mbs is None else loss_mbs) * loss_side
 
 
-def rank_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, layers_on_stage: int, *,
-                          schedule: str = "1f1b", make_vocab_size_divisible_by: int = 128) -> float:
+def rank_activation_bytes(
+    model: ModelSpec,
+    layout: Layout,
+    pp_rank: int,
+    layers_on_stage: int,
+    *,
+    schedule: str = "1f1b",
+    make_vocab_size_divisible_by: int = 128,
+) -> float:
     """Peak activation bytes of one cp rank of pipeline rank ``pp_rank`` (one tp rank).
 
     :func:`stage_activation_bytes` of the ``s / cp``-token model
@@ -312,14 +360,32 @@ def rank_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, layers
     """
     cp = layout.cp
     if cp == 1:
-        return stage_activation_bytes(model, layout, pp_rank, layers_on_stage, schedule=schedule,
-                                      make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+        return stage_activation_bytes(
+            model,
+            layout,
+            pp_rank,
+            layers_on_stage,
+            schedule=schedule,
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        )
     local = local_model(model, cp)
-    out = stage_activation_bytes(local, layout, pp_rank, layers_on_stage, schedule=schedule,
-                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    out = stage_activation_bytes(
+        local,
+        layout,
+        pp_rank,
+        layers_on_stage,
+        schedule=schedule,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+    )
     b = layout.micro_batch_size
-    activations = partial(layer_activation_bytes, local, layout.tp, b,
-                          sequence_parallel=layout.sequence_parallel, precision=layout.precision)
+    activations = partial(
+        layer_activation_bytes,
+        local,
+        layout.tp,
+        b,
+        sequence_parallel=layout.sequence_parallel,
+        precision=layout.precision,
+    )
     none, selective = activations(recompute="none"), activations(recompute="selective")
     missing = unfused_score_bytes_missing(none, selective, cp, model.flash_attention)
     if layout.recompute == "none":
@@ -370,14 +436,19 @@ def memory_breakdown(
     layer_split = layer_split if layer_split is not None else layout.layer_split
     if layer_split is None:
         first_params, last_params, per_stage = _even_stage_params(
-            model, layout.tp, layout.pp, make_vocab_size_divisible_by)
+            model, layout.tp, layout.pp, make_vocab_size_divisible_by
+        )
         candidates = [(0, first_params, per_stage)]
         if layout.pp > 1:
             candidates.append((layout.pp - 1, last_params, per_stage))
     else:
-        stage_params = stage_param_counts(model, layout.tp, layout.pp,
-                                          make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                                          layer_split=layer_split)
+        stage_params = stage_param_counts(
+            model,
+            layout.tp,
+            layout.pp,
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+            layer_split=layer_split,
+        )
         candidates, counts_seen = [], set()
         for rank, (n_params, n_layers) in enumerate(zip(stage_params, layer_split)):
             middle = 0 < rank < layout.pp - 1
@@ -391,12 +462,19 @@ def memory_breakdown(
     transients = layout.shard_size > 1 and layout.sharding_strategy in ("optim_grads", "optim_grads_params")
     activation_bytes = rank_activation_bytes if layout.cp > 1 else stage_activation_bytes
     for rank, n_params, n_layers in candidates:
-        act = activation_bytes(model, layout, rank, n_layers, schedule=schedule,
-                               make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+        act = activation_bytes(
+            model, layout, rank, n_layers, schedule=schedule, make_vocab_size_divisible_by=make_vocab_size_divisible_by
+        )
         fp8_copies = fp8_weight_copy_bytes(model, layout.tp, n_layers, layout.precision)
         state = sum(rank_state_bytes(model, layout, n_params, n_layers)) if transients else n_params * per_param_total
         rows.append((state + fp8_copies + act, rank, n_params, n_layers, act, fp8_copies))
     _, rank, n_params, n_layers, act, fp8_copies = max(rows, key=lambda row: row[0])  # the first largest
     params, grads, optimizer = rank_state_bytes(model, layout, n_params, n_layers, per_param)
-    return MemoryBreakdown(params=params + fp8_copies, grads=grads, optimizer=optimizer, activations=act,
-                           overhead=float(overhead_bytes), stage=rank)
+    return MemoryBreakdown(
+        params=params + fp8_copies,
+        grads=grads,
+        optimizer=optimizer,
+        activations=act,
+        overhead=float(overhead_bytes),
+        stage=rank,
+    )

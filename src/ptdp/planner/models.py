@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 #: The linear layers of a transformer layer: fused QKV, attention output projection, fc1 (GELU's
 #: input, or SwiGLU's gate and up), fc2.
 LINEARS = ("qkv", "proj", "fc1", "fc2")
@@ -108,8 +107,21 @@ def _gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
 
 
 def _llama(name, layers, hidden, heads, groups, ffn, vocab, seq) -> ModelSpec:
-    return ModelSpec(layers, hidden, heads, ffn, vocab, seq, num_query_groups=groups, swiglu=True, tied=False,
-                     llama_style=True, dropout=False, flash_attention=True, name=name)
+    return ModelSpec(
+        layers,
+        hidden,
+        heads,
+        ffn,
+        vocab,
+        seq,
+        num_query_groups=groups,
+        swiglu=True,
+        tied=False,
+        llama_style=True,
+        dropout=False,
+        flash_attention=True,
+        name=name,
+    )
 
 
 PRESETS: dict[str, ModelSpec] = {
@@ -139,9 +151,23 @@ PRESETS: dict[str, ModelSpec] = {
 # key/value heads, sequence 4096, vocabulary 256,000; the model_config.yaml of
 # nvidia/Nemotron-4-340B: ffn_hidden_size 73728, squared-ReLU MLP of two matrices, LayerNorm
 # (layernorm1p: weight and bias), rotary positions, no linear biases, untied output layer).
-PRESETS["nemotron4-340b"] = ModelSpec(96, 18432, 96, 73728, 256000, 4096, num_query_groups=8, swiglu=False,
-                                      tied=False, rmsnorm=False, linear_bias=False, learned_positions=False,
-                                      dropout=False, flash_attention=True, name="nemotron4-340b")
+PRESETS["nemotron4-340b"] = ModelSpec(
+    96,
+    18432,
+    96,
+    73728,
+    256000,
+    4096,
+    num_query_groups=8,
+    swiglu=False,
+    tied=False,
+    rmsnorm=False,
+    linear_bias=False,
+    learned_positions=False,
+    dropout=False,
+    flash_attention=True,
+    name="nemotron4-340b",
+)
 PRESETS["gpt-1t"] = PRESETS["gpt-1008b"]
 # Llama 3.1 keeps Llama 3's shapes (Dubey et al. 2024, Table 3); its longer context is a later stage.
 for _size in ("8b", "70b", "405b"):
@@ -162,8 +188,14 @@ def get_model(name: str) -> ModelSpec:
 def _ptdp_options(cfg) -> dict:
     """The Llama-like options of a :class:`ptdp.spec.ModelConfig` as ModelSpec fields."""
     rms, rope, bias = cfg.normalization == "RMSNorm", cfg.position_embedding_type == "rope", cfg.add_bias_linear
-    return {"num_query_groups": cfg.num_query_groups, "swiglu": cfg.swiglu, "llama_style": rms and rope and not bias,
-            "rmsnorm": rms, "linear_bias": bias, "learned_positions": not rope}
+    return {
+        "num_query_groups": cfg.num_query_groups,
+        "swiglu": cfg.swiglu,
+        "llama_style": rms and rope and not bias,
+        "rmsnorm": rms,
+        "linear_bias": bias,
+        "learned_positions": not rope,
+    }
 
 
 def spec_from_model_config(cfg) -> ModelSpec:
@@ -182,7 +214,16 @@ def spec_from_model_config(cfg) -> ModelSpec:
     """
     attention_dropout = getattr(cfg, "attention_dropout", 0.0)
     dropout = bool(getattr(cfg, "hidden_dropout", 0.0) or attention_dropout)
-    return ModelSpec(cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.ffn, cfg.vocab_size,
-                     cfg.seq_length, tied=not cfg.untie_embeddings_and_output_weights, dropout=dropout,
-                     flash_attention=not attention_dropout, name="ptdp-gpt",
-                     **_ptdp_options(cfg))
+    return ModelSpec(
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.ffn,
+        cfg.vocab_size,
+        cfg.seq_length,
+        tied=not cfg.untie_embeddings_and_output_weights,
+        dropout=dropout,
+        flash_attention=not attention_dropout,
+        name="ptdp-gpt",
+        **_ptdp_options(cfg),
+    )

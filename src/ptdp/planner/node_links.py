@@ -40,16 +40,25 @@ def gpu_for_topology(gpu: GPUSpec, topology: Topology) -> tuple[GPUSpec, list[st
     notes = [f"topology {topology.source}: {n} GPUs per node"]
     pairs = [(i, j) for i in range(n) for j in range(n) if i != j]
     if all(topology.nvlinked(i, j) for i, j in pairs):
-        links = min(sum(nvlink_count(topology.link(i, j)) for j in range(n) if j != i) for i in range(n)) if n > 1 else 0
-        bandwidth = gpu.nvlink_bandwidth if n == 1 else min(gpu.nvlink_bandwidth or NVLINK_PER_LINK * links,
-                                                            NVLINK_PER_LINK * links)
+        links = (
+            min(sum(nvlink_count(topology.link(i, j)) for j in range(n) if j != i) for i in range(n)) if n > 1 else 0
+        )
+        bandwidth = (
+            gpu.nvlink_bandwidth
+            if n == 1
+            else min(gpu.nvlink_bandwidth or NVLINK_PER_LINK * links, NVLINK_PER_LINK * links)
+        )
         kinds = sorted({topology.link(i, j) for i, j in pairs})
-        notes.append(f"every GPU pair joined by NVLink ({', '.join(kinds) or 'single GPU'}): "
-                     f"{bandwidth / GB:.0f} GB/s per GPU per direction")
+        notes.append(
+            f"every GPU pair joined by NVLink ({', '.join(kinds) or 'single GPU'}): "
+            f"{bandwidth / GB:.0f} GB/s per GPU per direction"
+        )
     else:
         bandwidth = PCIE_BANDWIDTH
         worst = sorted({topology.link(i, j) for i, j in pairs if not topology.nvlinked(i, j)})
-        notes.append(f"not every GPU pair is joined by NVLink ({', '.join(worst)} links): tensor-parallel "
-                     f"communication inside the node is modelled at PCIe bandwidth, "
-                     f"{PCIE_BANDWIDTH / GB:.0f} GB/s per GPU per direction")
+        notes.append(
+            f"not every GPU pair is joined by NVLink ({', '.join(worst)} links): tensor-parallel "
+            f"communication inside the node is modelled at PCIe bandwidth, "
+            f"{PCIE_BANDWIDTH / GB:.0f} GB/s per GPU per direction"
+        )
     return dataclasses.replace(gpu, gpus_per_node=n, nvlink_bandwidth=bandwidth), notes

@@ -19,7 +19,6 @@ import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ptdp.spec import padded_vocab_size
 from ptdp.planner import flops
 from ptdp.planner.comm import (
     Links,
@@ -34,6 +33,7 @@ from ptdp.planner.memory import _even_stage_params, layer_param_count, stage_par
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout, TimeBreakdown
 from ptdp.planner.sharding import chunk_by_chunk, optimizer_bytes_per_param, sharded_dp_times
+from ptdp.spec import padded_vocab_size
 
 
 @dataclass(frozen=True)
@@ -135,8 +135,9 @@ class PerfConstants:
 def _for_arch(constants: PerfConstants, arch: str) -> PerfConstants:
     for name, gemm, half_dim, hbm in constants.arch_fits:
         if name == arch:
-            return dataclasses.replace(constants, gemm_peak_fraction=gemm, gemm_half_dim=half_dim,
-                                       hbm_efficiency=hbm, arch_fits=())
+            return dataclasses.replace(
+                constants, gemm_peak_fraction=gemm, gemm_half_dim=half_dim, hbm_efficiency=hbm, arch_fits=()
+            )
     return constants
 
 
@@ -198,31 +199,62 @@ def core_shared_step(busy: list[float], pp: int, workers: int, cores: int) -> fl
 def links_for(cluster: Cluster, constants: PerfConstants) -> Links:
     """Achieved link bandwidths of ``cluster``'s GPU under ``constants``."""
     gpu = cluster.gpu
-    return Links(gpu.nvlink_bandwidth * constants.nvlink_efficiency if gpu.nvlink_bandwidth else
-                 gpu.network_bandwidth * constants.network_efficiency,
-                 gpu.network_bandwidth * constants.network_efficiency,
-                 constants.nvlink_latency, constants.network_latency, cluster.gpus_per_node)
+    return Links(
+        gpu.nvlink_bandwidth * constants.nvlink_efficiency
+        if gpu.nvlink_bandwidth
+        else gpu.network_bandwidth * constants.network_efficiency,
+        gpu.network_bandwidth * constants.network_efficiency,
+        constants.nvlink_latency,
+        constants.network_latency,
+        cluster.gpus_per_node,
+    )
 
 
-def rank_layer_times(model: ModelSpec, layout: Layout, peak: float, bandwidth: float, c: PerfConstants,
-                     fp8_peak: float = 0.0) -> tuple[float, float, float, float, float]:
+def rank_layer_times(
+    model: ModelSpec, layout: Layout, peak: float, bandwidth: float, c: PerfConstants, fp8_peak: float = 0.0
+) -> tuple[float, float, float, float, float]:
     """(forward, backward, attention core, one block's forward attention, its backward) seconds
     of one layer on one tp and cp rank for one microbatch (:mod:`ptdp.planner.context`: the
     ``s / cp``-token layer attending ``cp`` blocks; the last two hide one ring step of the
     key/value exchange each)."""
     local = local_model(model, layout.cp) if layout.cp > 1 else model
-    times = flops.layer_compute_times(local, layout.tp, layout.micro_batch_size, layout.sequence_parallel, peak,
-                                      bandwidth, c.gemm_peak_fraction, c.gemm_half_dim, fp8_peak)
+    times = flops.layer_compute_times(
+        local,
+        layout.tp,
+        layout.micro_batch_size,
+        layout.sequence_parallel,
+        peak,
+        bandwidth,
+        c.gemm_peak_fraction,
+        c.gemm_half_dim,
+        fp8_peak,
+    )
     if layout.cp == 1:
         return (*times, times[2], 2.0 * times[2])
-    block = block_attention_times(local, layout.tp, layout.micro_batch_size, times[2], peak_flops=peak,
-                                  peak_fraction=c.gemm_peak_fraction, half_dim=c.gemm_half_dim)
+    block = block_attention_times(
+        local,
+        layout.tp,
+        layout.micro_batch_size,
+        times[2],
+        peak_flops=peak,
+        peak_fraction=c.gemm_peak_fraction,
+        half_dim=c.gemm_half_dim,
+    )
     return (*layer_times(times, block, layout.cp), *block)
 
 
-def _stage_microbatch_times(model: ModelSpec, layout: Layout, peak: float, bandwidth: float, links: Links,
-                            c: PerfConstants, v_pad: int, elem: float,
-                            layers: int, fp8_peak: float = 0.0) -> tuple[Parts, Parts, Parts]:
+def _stage_microbatch_times(
+    model: ModelSpec,
+    layout: Layout,
+    peak: float,
+    bandwidth: float,
+    links: Links,
+    c: PerfConstants,
+    v_pad: int,
+    elem: float,
+    layers: int,
+    fp8_peak: float = 0.0,
+) -> tuple[Parts, Parts, Parts]:
     """(compute, recompute, tp_comm, cp_comm) seconds of one microbatch on (middle, first, last)
     stages of one cp rank (:func:`rank_layer_times`; tp transfers and logits of ``s / cp`` tokens,
     key/value exchange :func:`ptdp.planner.context.kv_exchange_times`, again in a full recompute);
@@ -230,15 +262,20 @@ def _stage_microbatch_times(model: ModelSpec, layout: Layout, peak: float, bandw
     local = local_model(model, layout.cp) if layout.cp > 1 else model
     tp, b, s, h = layout.tp, layout.micro_batch_size, local.seq_length, model.hidden_size
     fwd, bwd, core, block, block_bwd = rank_layer_times(model, layout, peak, bandwidth, c, fp8_peak)
-    tp_f, tp_b = tp_layer_comm_times(b * s, h, tp, sequence_parallel=layout.sequence_parallel, links=links,
-                                     bytes_per_element=elem)
+    tp_f, tp_b = tp_layer_comm_times(
+        b * s, h, tp, sequence_parallel=layout.sequence_parallel, links=links, bytes_per_element=elem
+    )
     tp_f, tp_b = (1.0 - c.tp_overlap) * tp_f, (1.0 - c.tp_overlap) * tp_b
     cp_f, cp_b = kv_exchange_times(model, tp, layout.cp, b, layout.cp_comm_type, block, links, elem, block_bwd)
     rec = {"full": fwd, "selective": core}.get(layout.recompute, 0.0)
     full = layout.recompute == "full"
     rec_comm, rec_cp = (tp_f, cp_f) if full else (0.0, 0.0)
-    mid = (layers * (fwd + bwd + c.layer_overhead), layers * rec, layers * (tp_f + tp_b + rec_comm),
-           layers * (cp_f + cp_b + rec_cp))
+    mid = (
+        layers * (fwd + bwd + c.layer_overhead),
+        layers * rec,
+        layers * (tp_f + tp_b + rec_comm),
+        layers * (cp_f + cp_b + rec_cp),
+    )
     one_ar = hierarchical_all_reduce_time(elem * b * s * h, tp, links.gpus_per_node, links)
     logits = flops.logits_compute_time(local, tp, b, v_pad, peak, bandwidth, c.gemm_peak_fraction, c.gemm_half_dim)
     first = (mid[0], mid[1], mid[2] + one_ar, mid[3])
@@ -248,8 +285,9 @@ def _stage_microbatch_times(model: ModelSpec, layout: Layout, peak: float, bandw
     return mid, first, last
 
 
-def split_stage_times(split: tuple[int, ...], layer: tuple[float, ...], first: tuple[float, ...],
-                      last: tuple[float, ...]) -> tuple[Parts, Parts, Parts, Parts, float]:
+def split_stage_times(
+    split: tuple[int, ...], layer: tuple[float, ...], first: tuple[float, ...], last: tuple[float, ...]
+) -> tuple[Parts, Parts, Parts, Parts, float]:
     """Per-microbatch times of the stages of an uneven split, from ``layer`` (the times of one
     layer) and ``first`` / ``last`` (one layer plus the first / last stage's edge work), each a
     tuple of parts (compute, recompute, tp_comm).
@@ -273,9 +311,14 @@ def split_stage_times(split: tuple[int, ...], layer: tuple[float, ...], first: t
     return stages[0], mean, stages[-1], stages[busiest], fill
 
 
-def edge_layer_equivalents(model: ModelSpec, layout: Layout, cluster: Cluster,
-                           constants: PerfConstants = DEFAULT_CONSTANTS, *,
-                           make_vocab_size_divisible_by: int = 128) -> tuple[float, float]:
+def edge_layer_equivalents(
+    model: ModelSpec,
+    layout: Layout,
+    cluster: Cluster,
+    constants: PerfConstants = DEFAULT_CONSTANTS,
+    *,
+    make_vocab_size_divisible_by: int = 128,
+) -> tuple[float, float]:
     """(first, last): the first stage's embedding work and the last stage's output layer + loss, in
     transformer layers of this time model (one microbatch; compute, recompute and exposed tp
     communication). Their FLOPs: the lookup has none, the output layer ``2 b s h V / t`` forward, a
@@ -286,14 +329,24 @@ def edge_layer_equivalents(model: ModelSpec, layout: Layout, cluster: Cluster,
     fp8_peak = gpu.peak("fp8") if prec == "fp8" else 0.0
     v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, layout.tp)
     elem = 4.0 if prec == "fp32" else 2.0
-    layer, first, last = _stage_microbatch_times(model, layout, peak, gpu.memory_bandwidth * c.hbm_efficiency,
-                                                 links_for(cluster, c), c, v_pad, elem, 1, fp8_peak)
+    layer, first, last = _stage_microbatch_times(
+        model, layout, peak, gpu.memory_bandwidth * c.hbm_efficiency, links_for(cluster, c), c, v_pad, elem, 1, fp8_peak
+    )
     unit = sum(layer)
     return (sum(first) - unit) / unit, (sum(last) - unit) / unit
 
 
-def _dp_comm_time(model: ModelSpec, layout: Layout, n_params: int, busiest: tuple[float, ...], stage_layers: int,
-                  elem: float, links: Links, c: PerfConstants, layer: tuple[float, ...]) -> float:
+def _dp_comm_time(
+    model: ModelSpec,
+    layout: Layout,
+    n_params: int,
+    busiest: tuple[float, ...],
+    stage_layers: int,
+    elem: float,
+    links: Links,
+    c: PerfConstants,
+    layer: tuple[float, ...],
+) -> float:
     """Exposed seconds of the data-parallel communication of the stage's ``n_params`` parameters
     over ``dp * cp`` ranks under the layout's sharding strategy
     (:func:`ptdp.planner.sharding.sharded_dp_times`): float32 gradients, ``elem``-byte weights,
@@ -307,16 +360,27 @@ def _dp_comm_time(model: ModelSpec, layout: Layout, n_params: int, busiest: tupl
     unit = max(per_layer, n_params - stage_layers * per_layer)
     microbatch_backward = busiest[0] * 2.0 / 3.0
     v = layout.virtual_stages
-    chunks = v if chunk_by_chunk(layout.sharding_strategy, layout.shard_size, v, layout.num_microbatches,
-                                 layout.pp) else 1
+    chunks = (
+        v if chunk_by_chunk(layout.sharding_strategy, layout.shard_size, v, layout.num_microbatches, layout.pp) else 1
+    )
 
     def exposed(end_overlap: float) -> float:
-        return sharded_dp_times(layout.sharding_strategy, grad_bytes=4.0 * n_params, param_bytes=elem * n_params,
-                                unit_param_bytes=elem * unit, tp=layout.tp, shard=layout.shard_size,
-                                num_microbatches=layout.num_microbatches, units=stage_layers + 1,
-                                layer_forward=layer[0], layer_backward=layer[1],
-                                microbatch_backward=microbatch_backward, links=links, end_overlap=end_overlap,
-                                chunks=chunks)
+        return sharded_dp_times(
+            layout.sharding_strategy,
+            grad_bytes=4.0 * n_params,
+            param_bytes=elem * n_params,
+            unit_param_bytes=elem * unit,
+            tp=layout.tp,
+            shard=layout.shard_size,
+            num_microbatches=layout.num_microbatches,
+            units=stage_layers + 1,
+            layer_forward=layer[0],
+            layer_backward=layer[1],
+            microbatch_backward=microbatch_backward,
+            links=links,
+            end_overlap=end_overlap,
+            chunks=chunks,
+        )
 
     if not c.overlap_window:
         return exposed(c.dp_overlap)
@@ -324,10 +388,15 @@ def _dp_comm_time(model: ModelSpec, layout: Layout, n_params: int, busiest: tupl
     return without_end + max(0.0, exposed(c.dp_overlap) - without_end - busiest[0])
 
 
-def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
-                         constants: PerfConstants = DEFAULT_CONSTANTS, *,
-                         make_vocab_size_divisible_by: int = 128,
-                         layer_split: tuple[int, ...] | None = None) -> Performance:
+def evaluate_performance(
+    model: ModelSpec,
+    layout: Layout,
+    cluster: Cluster,
+    constants: PerfConstants = DEFAULT_CONSTANTS,
+    *,
+    make_vocab_size_divisible_by: int = 128,
+    layer_split: tuple[int, ...] | None = None,
+) -> Performance:
     """Predicted step time, TFLOP/s per GPU and MFU of ``layout`` (1F1B, or interleaved 1F1B when
     ``layout.virtual_stages > 1``; GPipe has the same time) on ``cluster``.
 
@@ -357,44 +426,81 @@ def evaluate_performance(model: ModelSpec, layout: Layout, cluster: Cluster,
         n_params, layers = max(first_params, last_params), model.num_layers // pp
         stage_layers = layers
     else:
-        n_params = max(stage_param_counts(model, tp, pp, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                                          layer_split=split))
+        n_params = max(
+            stage_param_counts(
+                model, tp, pp, make_vocab_size_divisible_by=make_vocab_size_divisible_by, layer_split=split
+            )
+        )
         layers = 1  # one layer and the edges: each stage's time is built from them
         stage_layers = max(split)
-    mid, first, last = _stage_microbatch_times(model, layout, peak, bandwidth, links, c, v_pad, elem, layers,
-                                               fp8_peak)
+    mid, first, last = _stage_microbatch_times(model, layout, peak, bandwidth, links, c, v_pad, elem, layers, fp8_peak)
     busiest = last if sum(last) >= sum(first) else first
-    p2p = 2.0 * v * pp_transfer_time(layout.micro_batch_size * model.seq_length // layout.cp, model.hidden_size, tp,
-                                     layout.shard_size, pp,
-                                     sequence_parallel=layout.sequence_parallel, links=links,
-                                     bytes_per_element=elem, scatter_gather=c.pp_scatter_gather)
+    p2p = (
+        2.0
+        * v
+        * pp_transfer_time(
+            layout.micro_batch_size * model.seq_length // layout.cp,
+            model.hidden_size,
+            tp,
+            layout.shard_size,
+            pp,
+            sequence_parallel=layout.sequence_parallel,
+            links=links,
+            bytes_per_element=elem,
+            scatter_gather=c.pp_scatter_gather,
+        )
+    )
     bubble = (pp - 1) / v * (sum(mid) + p2p)
     if split is not None:
         first, mid, last, busiest, fill = split_stage_times(split, mid, first, last)
         bubble = (fill + (pp - 1) * p2p) / v  # interleaving spreads fill and drain over v chunks ([N21] §2.2)
 
-    exposed_dp = _dp_comm_time(model, layout, n_params, busiest, stage_layers, elem, links, c,
-                               rank_layer_times(model, layout, peak, bandwidth, c, fp8_peak))
+    exposed_dp = _dp_comm_time(
+        model,
+        layout,
+        n_params,
+        busiest,
+        stage_layers,
+        elem,
+        links,
+        c,
+        rank_layer_times(model, layout, peak, bandwidth, c, fp8_peak),
+    )
     if model.tied and pp > 1:
-        exposed_dp += (1.0 - c.dp_overlap) * embedding_sync_time(4.0 * v_pad // tp * model.hidden_size, pp, tp,
-                                                                 layout.shard_size, links)
+        exposed_dp += (1.0 - c.dp_overlap) * embedding_sync_time(
+            4.0 * v_pad // tp * model.hidden_size, pp, tp, layout.shard_size, links
+        )
     shard = layout.shard_size
-    per_param = optimizer_bytes_per_param(OPT_BYTES_FULL[prec], OPT_BYTES_SHARDED[prec], layout.sharding_strategy,
-                                          shard, weight_bytes=elem)
+    per_param = optimizer_bytes_per_param(
+        OPT_BYTES_FULL[prec], OPT_BYTES_SHARDED[prec], layout.sharding_strategy, shard, weight_bytes=elem
+    )
     optimizer = n_params * per_param / (bandwidth * c.optimizer_efficiency)
 
-    time = TimeBreakdown(compute=m * busiest[0], recompute=m * busiest[1], tp_comm=m * busiest[2],
-                         pp_comm=m * p2p, bubble=bubble, dp_comm=exposed_dp,
-                         optimizer=optimizer, cp_comm=m * busiest[3])
+    time = TimeBreakdown(
+        compute=m * busiest[0],
+        recompute=m * busiest[1],
+        tp_comm=m * busiest[2],
+        pp_comm=m * p2p,
+        bubble=bubble,
+        dp_comm=exposed_dp,
+        optimizer=optimizer,
+        cp_comm=m * busiest[3],
+    )
     if gpu.shared_cores and cluster.gpus_per_node > gpu.shared_cores:
         per_step = exposed_dp + optimizer
         busy = [m * (sum(stage) + p2p) + per_step for stage in (first, mid, last)]
-        time = dataclasses.replace(time, core_sharing=max(
-            0.0, core_shared_step(busy, pp, cluster.gpus_per_node, gpu.shared_cores) - time.step))
+        time = dataclasses.replace(
+            time, core_sharing=max(0.0, core_shared_step(busy, pp, cluster.gpus_per_node, gpu.shared_cores) - time.step)
+        )
     step = time.step
     gpus = layout.num_gpus
     model_flops = flops.model_flops_per_step(model, layout.global_batch_size)
     hw_flops = flops.hardware_flops_per_step(model, layout.global_batch_size, layout.recompute)
-    return Performance(time=time, tflops_per_gpu=hw_flops / (step * gpus),
-                       mfu=model_flops / (step * gpus * peak), model_flops=model_flops, hardware_flops=hw_flops,
-                       tokens_per_second=layout.global_batch_size * model.seq_length / step)
+    return Performance(
+        time=time,
+        tflops_per_gpu=hw_flops / (step * gpus),
+        mfu=model_flops / (step * gpus * peak),
+        model_flops=model_flops,
+        hardware_flops=hw_flops,
+        tokens_per_second=layout.global_batch_size * model.seq_length / step,
+    )

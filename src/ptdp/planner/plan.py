@@ -129,8 +129,17 @@ class TimeBreakdown:
 
     @property
     def step(self) -> float:
-        return (self.compute + self.recompute + self.tp_comm + self.pp_comm + self.bubble + self.dp_comm
-                + self.optimizer + self.core_sharing + self.cp_comm)
+        return (
+            self.compute
+            + self.recompute
+            + self.tp_comm
+            + self.pp_comm
+            + self.bubble
+            + self.dp_comm
+            + self.optimizer
+            + self.core_sharing
+            + self.cp_comm
+        )
 
 
 @dataclass
@@ -176,15 +185,33 @@ class Plan:
         out["layer_split_flags"] = split_flags(self.layout.layer_split, self.layout.virtual_stages)  # null: even
         out["fits"] = self.fits
         out["memory_bytes"] = (
-            {**{k: getattr(self.memory, k) for k in ("params", "grads", "optimizer", "activations", "overhead")},
-             "total": self.memory.total}
-            if self.memory else None
+            {
+                **{k: getattr(self.memory, k) for k in ("params", "grads", "optimizer", "activations", "overhead")},
+                "total": self.memory.total,
+            }
+            if self.memory
+            else None
         )
         out["time_s"] = (
-            {**{k: getattr(self.time, k) for k in ("compute", "recompute", "tp_comm", "pp_comm", "bubble",
-                                                    "dp_comm", "optimizer", "core_sharing", "cp_comm")},
-             "step": self.time.step}
-            if self.time else None
+            {
+                **{
+                    k: getattr(self.time, k)
+                    for k in (
+                        "compute",
+                        "recompute",
+                        "tp_comm",
+                        "pp_comm",
+                        "bubble",
+                        "dp_comm",
+                        "optimizer",
+                        "core_sharing",
+                        "cp_comm",
+                    )
+                },
+                "step": self.time.step,
+            }
+            if self.time
+            else None
         )
         out["tflops_per_gpu"] = self.tflops_per_gpu
         out["mfu"] = self.mfu

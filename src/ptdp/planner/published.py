@@ -86,8 +86,15 @@ def megatron_2024_flops(model: ModelSpec, global_batch_size: int, *, divisible_b
     q = (h // a) * a
     v_pad = padded_vocab_size(model.vocab_size, divisible_by, tp)
     gated = 1.5 if model.swiglu else 1.0
-    return 12.0 * b * s * l * h * h * ((1 + model.kv_heads / a + s / h) * q / h + model.ffn / h * gated
-                                       + v_pad / (2 * l * h))
+    return (
+        12.0
+        * b
+        * s
+        * l
+        * h
+        * h
+        * ((1 + model.kv_heads / a + s / h) * q / h + model.ffn / h * gated + v_pad / (2 * l * h))
+    )
 
 
 def palm_flops(model: ModelSpec, global_batch_size: int) -> float:
@@ -97,8 +104,9 @@ def palm_flops(model: ModelSpec, global_batch_size: int) -> float:
     return (6.0 * n_params + 12.0 * model.num_layers * model.hidden_size * s) * global_batch_size * s
 
 
-def reported_step_time(model: ModelSpec, layout: Layout, gpu: str, reported: float, unit: str,
-                       convention: str) -> float:
+def reported_step_time(
+    model: ModelSpec, layout: Layout, gpu: str, reported: float, unit: str, convention: str
+) -> float:
     """Seconds per step implied by a reported TFLOP/s per GPU or MFU (%) under ``convention``, or
     by tokens/s per GPU.
 
@@ -107,13 +115,18 @@ def reported_step_time(model: ModelSpec, layout: Layout, gpu: str, reported: flo
     unit or convention.
     """
     if unit not in UNITS or convention not in CONVENTIONS or (unit == UNITS[2]) != (convention == "tokens"):
-        raise ValueError(f"unit {unit!r} / convention {convention!r}: expected one of {UNITS} / {CONVENTIONS} "
-                         f"(tokens/s per GPU goes with the convention tokens)")
+        raise ValueError(
+            f"unit {unit!r} / convention {convention!r}: expected one of {UNITS} / {CONVENTIONS} "
+            f"(tokens/s per GPU goes with the convention tokens)"
+        )
     if unit == UNITS[2]:
         return layout.global_batch_size * model.seq_length / (reported * layout.num_gpus)
     tflops = reported * 1e12 if unit == UNITS[0] else reported / 100.0 * CATALOG[gpu].peak("bf16")
-    count = (megatron_2024_flops(model, layout.global_batch_size, tp=layout.tp) if convention == "megatron-2024"
-             else palm_flops(model, layout.global_batch_size))
+    count = (
+        megatron_2024_flops(model, layout.global_batch_size, tp=layout.tp)
+        if convention == "megatron-2024"
+        else palm_flops(model, layout.global_batch_size)
+    )
     return count / (tflops * layout.num_gpus)
 
 
@@ -123,21 +136,42 @@ def _yes(text: str) -> bool:
 
 def _model(r: dict) -> ModelSpec:
     llama = r["mlp"].strip() == "swiglu"
-    return ModelSpec(int(r["layers"]), int(r["hidden"]), int(r["heads"]), int(r["ffn_hidden"]), int(r["vocab"]),
-                     int(r["seq_len"]), num_query_groups=int(r["kv_heads"]), swiglu=llama, tied=_yes(r["tied"]),
-                     llama_style=llama, dropout=not llama, flash_attention=_yes(r["flash_attention"]),
-                     name=r["model"])
+    return ModelSpec(
+        int(r["layers"]),
+        int(r["hidden"]),
+        int(r["heads"]),
+        int(r["ffn_hidden"]),
+        int(r["vocab"]),
+        int(r["seq_len"]),
+        num_query_groups=int(r["kv_heads"]),
+        swiglu=llama,
+        tied=_yes(r["tied"]),
+        llama_style=llama,
+        dropout=not llama,
+        flash_attention=_yes(r["flash_attention"]),
+        name=r["model"],
+    )
 
 
 def _layout(r: dict) -> Layout:
     split = tuple(int(x) for x in r["layer_split"].split()) or None
     cp = int(r["cp"])
     cp_comm_type = (r["cp_comm_type"].strip() or "p2p") if cp > 1 else "p2p"
-    return Layout(tp=int(r["tp"]), pp=int(r["pp"]), dp=int(r["dp"]), micro_batch_size=int(r["micro_batch"]),
-                  global_batch_size=int(r["global_batch"]), virtual_stages=int(r["vpp"]),
-                  recompute=r["recompute"].strip(), sequence_parallel=_yes(r["sequence_parallel"]),
-                  sharding=r["sharding"].strip(), precision=r["precision"].strip(), layer_split=split,
-                  cp=max(cp, 1), cp_comm_type=cp_comm_type)
+    return Layout(
+        tp=int(r["tp"]),
+        pp=int(r["pp"]),
+        dp=int(r["dp"]),
+        micro_batch_size=int(r["micro_batch"]),
+        global_batch_size=int(r["global_batch"]),
+        virtual_stages=int(r["vpp"]),
+        recompute=r["recompute"].strip(),
+        sequence_parallel=_yes(r["sequence_parallel"]),
+        sharding=r["sharding"].strip(),
+        precision=r["precision"].strip(),
+        layer_split=split,
+        cp=max(cp, 1),
+        cp_comm_type=cp_comm_type,
+    )
 
 
 def load_h100_runs(path: str | Path) -> list[H100Run]:
@@ -153,9 +187,20 @@ def load_h100_runs(path: str | Path) -> list[H100Run]:
             if layout.num_gpus != int(r["gpus"]):
                 raise ValueError(f"{path}:{line}: gpus={r['gpus']} but tp*cp*pp*dp = {layout.num_gpus}")
             reported, unit, convention = float(r["reported"]), r["reported_unit"].strip(), r["flop_convention"].strip()
-            runs.append(H100Run(
-                name=r["model"], source=r["source"], model=model, layout=layout, gpu=gpu, reported=reported,
-                unit=unit, convention=convention,
-                step_time=reported_step_time(model, layout, gpu, reported, unit, convention),
-                dp_overlap=_yes(r["dp_overlap"]), tp_overlap=_yes(r["tp_overlap"]), assumed=r["assumed"].strip()))
+            runs.append(
+                H100Run(
+                    name=r["model"],
+                    source=r["source"],
+                    model=model,
+                    layout=layout,
+                    gpu=gpu,
+                    reported=reported,
+                    unit=unit,
+                    convention=convention,
+                    step_time=reported_step_time(model, layout, gpu, reported, unit, convention),
+                    dp_overlap=_yes(r["dp_overlap"]),
+                    tp_overlap=_yes(r["tp_overlap"]),
+                    assumed=r["assumed"].strip(),
+                )
+            )
     return runs

@@ -19,8 +19,17 @@ _TIME = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_
 
 def _layout_cells(plan: Plan) -> list[str]:
     lay = plan.layout
-    return [str(lay.tp), str(lay.cp), str(lay.pp), str(lay.dp), str(lay.micro_batch_size), str(lay.virtual_stages),
-            lay.recompute, "y" if lay.sequence_parallel else "n", lay.sharding_strategy]
+    return [
+        str(lay.tp),
+        str(lay.cp),
+        str(lay.pp),
+        str(lay.dp),
+        str(lay.micro_batch_size),
+        str(lay.virtual_stages),
+        lay.recompute,
+        "y" if lay.sequence_parallel else "n",
+        lay.sharding_strategy,
+    ]
 
 
 def _num(x: float) -> str:
@@ -41,10 +50,12 @@ def _row(plan: Plan, rank: int, capacity: float) -> list[str]:
     return cells
 
 
-HEADER = (["#", "tp", "cp", "pp", "dp", "b", "v", "recomp", "sp", "shard"]
-          + ["params", "grads", "optim", "activ", "overh", "total/cap GiB"]
-          + ["compute", "recomp", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_comm", "optim", "step s"]
-          + ["TFLOP/s", "MFU"])
+HEADER = (
+    ["#", "tp", "cp", "pp", "dp", "b", "v", "recomp", "sp", "shard"]
+    + ["params", "grads", "optim", "activ", "overh", "total/cap GiB"]
+    + ["compute", "recomp", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_comm", "optim", "step s"]
+    + ["TFLOP/s", "MFU"]
+)
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -59,8 +70,9 @@ def _first_plans(result: SearchResult) -> list[Plan]:
     return result.plans[:1] + [plan for plan, _ in result.rejected[:1]]
 
 
-def text_report(model: ModelSpec, cluster: Cluster, result: SearchResult, *, top: int = 10,
-                explanation: Sequence[str] = ()) -> str:
+def text_report(
+    model: ModelSpec, cluster: Cluster, result: SearchResult, *, top: int = 10, explanation: Sequence[str] = ()
+) -> str:
     """Ranked table of the ``top`` fitting layouts, the ``explanation`` lines of the pick
     (:mod:`ptdp.planner.explain`) and a summary of why the others were rejected."""
     gpu = cluster.gpu
@@ -80,9 +92,12 @@ def text_report(model: ModelSpec, cluster: Cluster, result: SearchResult, *, top
         rows = [_row(p, i + 1, gpu.memory_bytes) for i, p in enumerate(result.plans[:top])]
         lines.append(_table(rows, HEADER))
         best = result.plans[0]
-        lines += ["", f"best: {_describe(best)}: {_num(best.need_time().step)} s/step, "
-                      f"{_optional(best.tflops_per_gpu, _num)} TFLOP/s per GPU, "
-                      f"MFU {_optional(best.mfu, lambda mfu: f'{100 * mfu:.1f}%')}"]
+        lines += [
+            "",
+            f"best: {_describe(best)}: {_num(best.need_time().step)} s/step, "
+            f"{_optional(best.tflops_per_gpu, _num)} TFLOP/s per GPU, "
+            f"MFU {_optional(best.mfu, lambda mfu: f'{100 * mfu:.1f}%')}",
+        ]
         lines += split_report_lines(best.layout.layer_split, best.layout.virtual_stages)
     else:
         lines.append("no layout fits.")
@@ -95,11 +110,16 @@ def text_report(model: ModelSpec, cluster: Cluster, result: SearchResult, *, top
 
 def _describe(plan: Plan) -> str:
     lay = plan.layout
-    return (f"tp={lay.tp}{f' cp={lay.cp}' if lay.cp > 1 else ''} pp={lay.pp} dp={lay.dp} b={lay.micro_batch_size} "
-            f"v={lay.virtual_stages} recompute={lay.recompute} sp={'on' if lay.sequence_parallel else 'off'} "
-            f"sharding={lay.sharding_strategy}"
-            + (f" layers={describe_split(lay.layer_split).replace(' x ', 'x').replace(', ', ',')}"
-               if lay.layer_split else ""))
+    return (
+        f"tp={lay.tp}{f' cp={lay.cp}' if lay.cp > 1 else ''} pp={lay.pp} dp={lay.dp} b={lay.micro_batch_size} "
+        f"v={lay.virtual_stages} recompute={lay.recompute} sp={'on' if lay.sequence_parallel else 'off'} "
+        f"sharding={lay.sharding_strategy}"
+        + (
+            f" layers={describe_split(lay.layer_split).replace(' x ', 'x').replace(', ', ',')}"
+            if lay.layer_split
+            else ""
+        )
+    )
 
 
 def grouped_rejections(result: SearchResult) -> dict[str, list[tuple[Plan, Rejection]]]:
@@ -145,19 +165,23 @@ def json_report(result: SearchResult, *, top: int = 10) -> str:
     return json.dumps([p.to_json() for p in plans], indent=2)
 
 
-ABBREVIATIONS = ("tp/cp/pp/dp: tensor/context/pipeline/data-parallel sizes; b: micro batch size; v: model chunks per "
-                 "pipeline rank; rec none/sel/full: activation recomputation; sp: sequence parallel; do: distributed "
-                 "optimizer (sharding optim); og/ogp: sharding optim_grads/optim_grads_params; "
-                 "tp_comm/cp_comm/pp_comm/dp_comm: exposed "
-                 "communication of each axis")
+ABBREVIATIONS = (
+    "tp/cp/pp/dp: tensor/context/pipeline/data-parallel sizes; b: micro batch size; v: model chunks per "
+    "pipeline rank; rec none/sel/full: activation recomputation; sp: sequence parallel; do: distributed "
+    "optimizer (sharding optim); og/ogp: sharding optim_grads/optim_grads_params; "
+    "tp_comm/cp_comm/pp_comm/dp_comm: exposed "
+    "communication of each axis"
+)
 
 
 def plot_label(rank: int, plan: Plan) -> str:
     """The x label of one layout in :func:`plot` (abbreviations in :data:`ABBREVIATIONS`)."""
     lay = plan.layout
     shard = {"no_shard": "", "optim": " do", "optim_grads": " og", "optim_grads_params": " ogp"}[lay.sharding_strategy]
-    return (f"#{rank} tp{lay.tp}{f' cp{lay.cp}' if lay.cp > 1 else ''} pp{lay.pp} dp{lay.dp} b{lay.micro_batch_size} "
-            f"v{lay.virtual_stages} rec {lay.recompute[:4]}{' sp' if lay.sequence_parallel else ''}{shard}")
+    return (
+        f"#{rank} tp{lay.tp}{f' cp{lay.cp}' if lay.cp > 1 else ''} pp{lay.pp} dp{lay.dp} b{lay.micro_batch_size} "
+        f"v{lay.virtual_stages} rec {lay.recompute[:4]}{' sp' if lay.sequence_parallel else ''}{shard}"
+    )
 
 
 def time_axis_floor(steps: list[float]) -> float:
@@ -185,10 +209,13 @@ def plot(result: SearchResult, path: str, *, capacity_bytes: float, top: int = 1
         raise ValueError("no layout fits: nothing to plot")
     labels = [plot_label(i + 1, p) for i, p in enumerate(plans)]
     xs = range(len(plans))
-    fig, (ax_m, ax_t, ax_s) = plt.subplots(1, 3, figsize=(max(15, 1.9 * len(plans) + 6), 6),
-                                           gridspec_kw={"width_ratios": [1, 1, 0.7]})
-    for ax, keys, get, unit in ((ax_m, _MEM, lambda p, k: getattr(p.need_memory(), k) / GiB, "GiB"),
-                                (ax_t, _TIME, lambda p, k: getattr(p.need_time(), k), "s per step")):
+    fig, (ax_m, ax_t, ax_s) = plt.subplots(
+        1, 3, figsize=(max(15, 1.9 * len(plans) + 6), 6), gridspec_kw={"width_ratios": [1, 1, 0.7]}
+    )
+    for ax, keys, get, unit in (
+        (ax_m, _MEM, lambda p, k: getattr(p.need_memory(), k) / GiB, "GiB"),
+        (ax_t, _TIME, lambda p, k: getattr(p.need_time(), k), "s per step"),
+    ):
         bottom = [0.0] * len(plans)
         for key in keys:
             values = [get(p, key) for p in plans]

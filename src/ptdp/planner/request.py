@@ -7,25 +7,36 @@ import math
 import os
 from pathlib import Path
 
-from ptdp.spec import ConfigError, heads_violations, layer_split
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.rules import context_rejections, kv_head_rejections
+from ptdp.spec import ConfigError, heads_violations, layer_split
 
 
 def check_model(model: ModelSpec) -> None:
-    errors = [f"{name}={value} must be a positive integer" for name, value in (
-        ("num_layers", model.num_layers), ("hidden_size", model.hidden_size),
-        ("num_attention_heads", model.num_attention_heads), ("ffn_hidden_size", model.ffn),
-        ("vocab_size", model.vocab_size), ("seq_length", model.seq_length), ("num_query_groups", model.kv_heads),
-    ) if not isinstance(value, int) or value < 1]
+    errors = [
+        f"{name}={value} must be a positive integer"
+        for name, value in (
+            ("num_layers", model.num_layers),
+            ("hidden_size", model.hidden_size),
+            ("num_attention_heads", model.num_attention_heads),
+            ("ffn_hidden_size", model.ffn),
+            ("vocab_size", model.vocab_size),
+            ("seq_length", model.seq_length),
+            ("num_query_groups", model.kv_heads),
+        )
+        if not isinstance(value, int) or value < 1
+    ]
     if not errors:
         if model.hidden_size % model.num_attention_heads:
-            errors.append(f"hidden_size={model.hidden_size} is not divisible by "
-                          f"num_attention_heads={model.num_attention_heads}")
+            errors.append(
+                f"hidden_size={model.hidden_size} is not divisible by num_attention_heads={model.num_attention_heads}"
+            )
         if model.num_attention_heads % model.kv_heads:
-            errors.append(f"num_attention_heads={model.num_attention_heads} is not divisible by "
-                          f"num_query_groups={model.kv_heads} (each key/value head serves a whole group)")
+            errors.append(
+                f"num_attention_heads={model.num_attention_heads} is not divisible by "
+                f"num_query_groups={model.kv_heads} (each key/value head serves a whole group)"
+            )
     if errors:
         raise ConfigError("invalid model:\n  " + "\n  ".join(errors))
 
@@ -34,12 +45,20 @@ def check_request(cluster: Cluster, global_batch_size: int, fixed, *, top: int, 
     """Positive sizes, and fixed tp/cp/pp/dp that can make up the cluster's GPU count."""
     n = cluster.num_gpus
     cp = getattr(fixed, "cp", None)
-    given = {"global_batch_size": global_batch_size, "top": top, "tp": fixed.tp, "cp": cp, "pp": fixed.pp,
-             "dp": fixed.dp,
-             "micro_batch_size": fixed.micro_batch_size, "virtual_pipeline_stages": fixed.virtual_stages,
-             "num_layers_per_virtual_pipeline_stage": fixed.layers_per_virtual_stage}
-    errors = [f"{name}={value} must be a positive integer" for name, value in given.items()
-              if value is not None and value < 1]
+    given = {
+        "global_batch_size": global_batch_size,
+        "top": top,
+        "tp": fixed.tp,
+        "cp": cp,
+        "pp": fixed.pp,
+        "dp": fixed.dp,
+        "micro_batch_size": fixed.micro_batch_size,
+        "virtual_pipeline_stages": fixed.virtual_stages,
+        "num_layers_per_virtual_pipeline_stage": fixed.layers_per_virtual_stage,
+    }
+    errors = [
+        f"{name}={value} must be a positive integer" for name, value in given.items() if value is not None and value < 1
+    ]
     if overhead_bytes is not None and not (math.isfinite(overhead_bytes) and overhead_bytes >= 0):
         errors.append(f"memory overhead {overhead_bytes / 2**30:g} GiB must be a finite number >= 0")
     split = getattr(fixed, "layer_split", None)
@@ -60,8 +79,10 @@ def check_request(cluster: Cluster, global_batch_size: int, fixed, *, top: int, 
             text = " * ".join(parts) + (f" = {product}" if len(parts) > 1 else "")
             errors.append(f"{text} does not divide the {n} GPUs (rule: {rule})")
         elif None not in (fixed.tp, pp, fixed.dp) and cp in (None, 1) and product != n:
-            errors.append(f"tp*pp*dp = {fixed.tp}*{pp}*{fixed.dp} = {product} != {n} GPUs"
-                          + (" (with context parallelism give --cp: tp*cp*pp*dp = GPUs)" if cp is None else ""))
+            errors.append(
+                f"tp*pp*dp = {fixed.tp}*{pp}*{fixed.dp} = {product} != {n} GPUs"
+                + (" (with context parallelism give --cp: tp*cp*pp*dp = GPUs)" if cp is None else "")
+            )
         elif None not in (fixed.tp, cp, pp, fixed.dp) and product != n:
             errors.append(f"tp*cp*pp*dp = {fixed.tp}*{cp}*{pp}*{fixed.dp} = {product} != {n} GPUs")
     if errors:
@@ -78,11 +99,14 @@ def check_stage_layers(num_layers: int, fixed) -> None:
         _check_accounting(num_layers, fixed, counted)
     if first is None and last is None:
         return
-    given = " / ".join(f"decoder_{k}_pipeline_num_layers={n}" for k, n in (("first", first), ("last", last))
-                       if n is not None)
+    given = " / ".join(
+        f"decoder_{k}_pipeline_num_layers={n}" for k, n in (("first", first), ("last", last)) if n is not None
+    )
     if fixed.virtual_stages or fixed.layers_per_virtual_stage:
-        raise ConfigError(f"invalid plan request:\n  {given} cannot be combined with virtual pipeline stages (ptdp's "
-                          f"interleaved schedule gives every model chunk num_layers / (pp * v) layers)")
+        raise ConfigError(
+            f"invalid plan request:\n  {given} cannot be combined with virtual pipeline stages (ptdp's "
+            f"interleaved schedule gives every model chunk num_layers / (pp * v) layers)"
+        )
     pp = len(fixed.layer_split) if fixed.layer_split is not None else fixed.pp
     try:
         if fixed.layer_split is not None or pp is not None:
@@ -99,11 +123,21 @@ def _check_accounting(num_layers: int, fixed, counted: tuple[bool, bool]) -> Non
     pp = len(fixed.layer_split) if fixed.layer_split is not None else fixed.pp
     try:
         if fixed.layers_per_virtual_stage:
-            raise ConfigError("with account_for_embedding/loss_in_pipeline_split give ptdp plan v as "
-                              "--virtual-pipeline-stages V (or leave it to the search), not "
-                              "--num-layers-per-virtual-pipeline-stage")
-        layer_split(num_layers, pp or 1, fixed.layer_split, fixed.first_layers, fixed.last_layers,
-                    embedding=counted[0], loss=counted[1], v=fixed.virtual_stages or 1)
+            raise ConfigError(
+                "with account_for_embedding/loss_in_pipeline_split give ptdp plan v as "
+                "--virtual-pipeline-stages V (or leave it to the search), not "
+                "--num-layers-per-virtual-pipeline-stage"
+            )
+        layer_split(
+            num_layers,
+            pp or 1,
+            fixed.layer_split,
+            fixed.first_layers,
+            fixed.last_layers,
+            embedding=counted[0],
+            loss=counted[1],
+            v=fixed.virtual_stages or 1,
+        )
     except ConfigError as e:
         if pp is not None or "cannot be combined" in str(e) or "virtual-pipeline" in str(e):
             raise ConfigError(f"invalid plan request:\n  {e}") from None
@@ -133,7 +167,8 @@ def check_fixed_choices(model: ModelSpec, global_batch_size: int, fixed) -> None
     if cp is not None:
         errors += [r.message for r in context_rejections(model, tp or 1, cp)]
     if b is not None and global_batch_size % b:
-        errors.append(f"global_batch_size={global_batch_size} is not divisible by micro_batch_size={b} "
-                      "(rule: B % (b * dp) == 0)")
+        errors.append(
+            f"global_batch_size={global_batch_size} is not divisible by micro_batch_size={b} (rule: B % (b * dp) == 0)"
+        )
     if errors:
         raise ConfigError("invalid plan request:\n  " + "\n  ".join(errors))

@@ -9,13 +9,20 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ptdp.spec import (ModelConfig, ParallelConfig, context_parallel_violations, layout_violations, schedule_violations,
-                       sequence_parallel_violations)
-from ptdp.spec.rules import context_parallel_model_violations
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import CP_COMM_TYPES, PRECISIONS, RECOMPUTE, SHARDING, Layout
 from ptdp.planner.splits import accounting_of
+from ptdp.spec import (
+    ModelConfig,
+    ParallelConfig,
+    context_parallel_violations,
+    layout_violations,
+    schedule_violations,
+    sequence_parallel_violations,
+)
+from ptdp.spec.rules import context_parallel_model_violations
+
 
 @dataclass(frozen=True)
 class Rejection:
@@ -23,40 +30,68 @@ class Rejection:
     message: str
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model_config(model: ModelSpec) -> ModelConfig:
     return ModelConfig(
-        num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
-        ffn_hidden_size=model.ffn, seq_length=model.seq_length, vocab_size=model.vocab_size,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        ffn_hidden_size=model.ffn,
+        seq_length=model.seq_length,
+        vocab_size=model.vocab_size,
         untie_embeddings_and_output_weights=not model.tied,
     )
 
 
 @functools.lru_cache(maxsize=65536)
-def structural_rejections(model: ModelSpec, tp: int, pp: int, dp: int, b: int, big_b: int,
-                          gpus_per_node: int, layer_split: tuple[int, ...] | None = None) -> tuple[Rejection, ...]:
+def structural_rejections(
+    model: ModelSpec,
+    tp: int,
+    pp: int,
+    dp: int,
+    b: int,
+    big_b: int,
+    gpus_per_node: int,
+    layer_split: tuple[int, ...] | None = None,
+) -> tuple[Rejection, ...]:
     """Rules on (tp, pp, dp, b) and an explicit pipeline layer split alone: ptdp's config rules,
     grouped-query heads, node boundary."""
     out = []
-    for v in layout_violations(_model_config(model), tp=tp, pp=pp, dp=dp, micro_batch_size=b,
-                               global_batch_size=big_b, split=layer_split):  # the rules of ptdp train
+    for v in layout_violations(
+        _model_config(model), tp=tp, pp=pp, dp=dp, micro_batch_size=b, global_batch_size=big_b, split=layer_split
+    ):  # the rules of ptdp train
         rule = "config" if v.rule == "option" else v.rule
-        out.append(Rejection(rule, v.message.replace("; give an explicit --pipeline-layer-split to split unevenly", "")))
+        out.append(
+            Rejection(rule, v.message.replace("; give an explicit --pipeline-layer-split to split unevenly", ""))
+        )
     out += kv_head_rejections(model, tp)
     if tp > gpus_per_node:
-        out.append(Rejection("tp crosses nodes", f"tp={tp} crosses nodes ({gpus_per_node} GPUs per node); "
-                                                 f"tensor parallelism needs NVLink"))
+        out.append(
+            Rejection(
+                "tp crosses nodes",
+                f"tp={tp} crosses nodes ({gpus_per_node} GPUs per node); tensor parallelism needs NVLink",
+            )
+        )
     elif gpus_per_node % tp:
-        out.append(Rejection("tp crosses nodes", f"tp={tp} does not divide the {gpus_per_node} GPUs of a node: "
-                                                 f"some tensor-parallel groups would span two nodes"))
+        out.append(
+            Rejection(
+                "tp crosses nodes",
+                f"tp={tp} does not divide the {gpus_per_node} GPUs of a node: "
+                f"some tensor-parallel groups would span two nodes",
+            )
+        )
     return tuple(out)
 
 
 def kv_head_rejections(model: ModelSpec, tp: int) -> list[Rejection]:
     """Grouped-query attention splits whole key/value heads over tp: ``kv_heads % tp == 0``."""
     if model.num_query_groups is not None and model.kv_heads % tp != 0:
-        return [Rejection("kv heads % tp", f"num_query_groups={model.kv_heads} is not divisible by tp={tp} "
-                                           f"(rule: key/value heads % tp == 0)")]
+        return [
+            Rejection(
+                "kv heads % tp",
+                f"num_query_groups={model.kv_heads} is not divisible by tp={tp} (rule: key/value heads % tp == 0)",
+            )
+        ]
     return []
 
 
@@ -74,31 +109,50 @@ def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Rejection]:
     v, pp, m = layout.virtual_stages, layout.pp, layout.num_microbatches
     counted = accounting_of(layout.layer_split, v) if v > 1 and layout.layer_split is not None else None
     if v > 1 and layout.layer_split is not None and counted is None:
-        out.append(Rejection("interleaving", f"layers per rank {list(layout.layer_split)} at v={v}: ptdp's interleaved "
-                                             f"schedule splits the layers evenly over pp*v model chunks, with the "
-                                             f"embedding and/or loss counted as layers at most"))
+        out.append(
+            Rejection(
+                "interleaving",
+                f"layers per rank {list(layout.layer_split)} at v={v}: ptdp's interleaved "
+                f"schedule splits the layers evenly over pp*v model chunks, with the "
+                f"embedding and/or loss counted as layers at most",
+            )
+        )
     elif counted is not None:  # the schedule's rules for the units per chunk, as ptdp train checks them
         per_chunk = (model.num_layers + sum(counted)) // (pp * v)
-        parallel = ParallelConfig(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=pp,
-                                  data_parallel_size=layout.dp, pipeline_schedule="interleaved-1f1b",
-                                  num_layers_per_virtual_pipeline_stage=per_chunk,
-                                  account_for_embedding_in_pipeline_split=counted[0],
-                                  account_for_loss_in_pipeline_split=counted[1])
+        parallel = ParallelConfig(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=pp,
+            data_parallel_size=layout.dp,
+            pipeline_schedule="interleaved-1f1b",
+            num_layers_per_virtual_pipeline_stage=per_chunk,
+            account_for_embedding_in_pipeline_split=counted[0],
+            account_for_loss_in_pipeline_split=counted[1],
+        )
         out += [Rejection("interleaving", v.message) for v in schedule_violations(parallel, model.num_layers, m)]
     elif v > 1:
         if model.num_layers % (pp * v):
-            out.append(Rejection("interleaving", f"num_layers={model.num_layers} is not divisible by "
-                                                 f"pp*v = {pp}*{v} = {pp * v}"))
+            out.append(
+                Rejection(
+                    "interleaving", f"num_layers={model.num_layers} is not divisible by pp*v = {pp}*{v} = {pp * v}"
+                )
+            )
         else:  # the interleaved schedule's own rules, as ptdp train checks them
-            parallel = ParallelConfig(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=pp,
-                                      data_parallel_size=layout.dp, pipeline_schedule="interleaved-1f1b",
-                                      num_layers_per_virtual_pipeline_stage=model.num_layers // (pp * v))
+            parallel = ParallelConfig(
+                tensor_model_parallel_size=layout.tp,
+                pipeline_model_parallel_size=pp,
+                data_parallel_size=layout.dp,
+                pipeline_schedule="interleaved-1f1b",
+                num_layers_per_virtual_pipeline_stage=model.num_layers // (pp * v),
+            )
             out += [Rejection("interleaving", v.message) for v in schedule_violations(parallel, model.num_layers, m)]
-    out += [Rejection(v.rule, v.message)
-            for v in sequence_parallel_violations(_model_config(model), layout.tp, layout.sequence_parallel)]
-    out += [Rejection(v.rule, v.message)  # sequence parallelism inside each cp rank's s / cp positions
-            for v in context_parallel_model_violations(_model_config(model), layout.cp, layout.tp,
-                                                       layout.sequence_parallel)]
+    out += [
+        Rejection(v.rule, v.message)
+        for v in sequence_parallel_violations(_model_config(model), layout.tp, layout.sequence_parallel)
+    ]
+    out += [
+        Rejection(v.rule, v.message)  # sequence parallelism inside each cp rank's s / cp positions
+        for v in context_parallel_model_violations(_model_config(model), layout.cp, layout.tp, layout.sequence_parallel)
+    ]
     if layout.recompute not in RECOMPUTE:
         out.append(Rejection("option", f"recompute={layout.recompute!r} not in {RECOMPUTE}"))
     if layout.sharding_strategy not in SHARDING:
@@ -114,12 +168,27 @@ def all_rejections(model: ModelSpec, layout: Layout, cluster: Cluster) -> list[R
     """Every rule ``layout`` breaks on ``cluster`` (memory excluded)."""
     out = []
     if layout.num_gpus != cluster.num_gpus:
-        sizes = (("tp", "pp", "dp"), (layout.tp, layout.pp, layout.dp)) if layout.cp == 1 else (
-            ("tp", "cp", "pp", "dp"), (layout.tp, layout.cp, layout.pp, layout.dp))
-        out.append(Rejection("gpus", f"{'*'.join(sizes[0])} = {'*'.join(map(str, sizes[1]))} = {layout.num_gpus} "
-                                     f"!= {cluster.num_gpus} GPUs"))
-    out += structural_rejections(model, layout.tp, layout.pp, layout.dp, layout.micro_batch_size,
-                                 layout.global_batch_size, cluster.gpus_per_node, layout.layer_split)
+        sizes = (
+            (("tp", "pp", "dp"), (layout.tp, layout.pp, layout.dp))
+            if layout.cp == 1
+            else (("tp", "cp", "pp", "dp"), (layout.tp, layout.cp, layout.pp, layout.dp))
+        )
+        out.append(
+            Rejection(
+                "gpus",
+                f"{'*'.join(sizes[0])} = {'*'.join(map(str, sizes[1]))} = {layout.num_gpus} != {cluster.num_gpus} GPUs",
+            )
+        )
+    out += structural_rejections(
+        model,
+        layout.tp,
+        layout.pp,
+        layout.dp,
+        layout.micro_batch_size,
+        layout.global_batch_size,
+        cluster.gpus_per_node,
+        layout.layer_split,
+    )
     out += context_rejections(model, layout.tp, layout.cp)
     out += schedule_rejections(model, layout)
     return out

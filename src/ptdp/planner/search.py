@@ -30,17 +30,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ptdp.spec import ConfigError, ParallelConfig, accounted_split, first_last_split, schedule_violations
+from ptdp.planner.context import CP_MIN_LOCAL_TOKENS, CP_MIN_SEQ_LENGTH
 from ptdp.planner.hardware import TFLOPS, Cluster, GiB
 from ptdp.planner.memory import memory_breakdown
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.perf import DEFAULT_CONSTANTS, edge_layer_equivalents, evaluate_performance
-from ptdp.planner.context import CP_MIN_LOCAL_TOKENS, CP_MIN_SEQ_LENGTH
 from ptdp.planner.plan import RECOMPUTE, SHARDING, Layout, Plan
-from ptdp.planner.rules import (Rejection, all_rejections, context_rejections, schedule_rejections,
-                                structural_rejections)
+from ptdp.planner.rules import Rejection, all_rejections, context_rejections, schedule_rejections, structural_rejections
 from ptdp.planner.sharding import chunk_by_chunk, strategy_bytes_per_param
 from ptdp.planner.splits import ACCOUNTING, candidate_splits, interleaved_splits
+from ptdp.spec import ConfigError, ParallelConfig, accounted_split, first_last_split, schedule_violations
 
 MAX_MICRO_BATCH = 32
 
@@ -101,8 +100,14 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, *, constants=DEFAULT_CONSTANTS,
-             overhead_bytes: float | None = None) -> tuple[Plan, Rejection | None]:
+def evaluate(
+    model: ModelSpec,
+    layout: Layout,
+    cluster: Cluster,
+    *,
+    constants=DEFAULT_CONSTANTS,
+    overhead_bytes: float | None = None,
+) -> tuple[Plan, Rejection | None]:
     """Predict one layout: rules, then memory, then (if it fits) time. Returns the plan and the
     first rejection (None when it fits)."""
     broken = all_rejections(model, layout, cluster)
@@ -118,8 +123,10 @@ def _predict(model, layout, cluster, constants, overhead_bytes) -> tuple[Plan, R
     if memory.total > capacity:
         largest = max(("params", "grads", "optimizer", "activations"), key=lambda k: getattr(memory, k))
         digits = 2 if f"{memory.total / GiB:.2f}" != f"{capacity / GiB:.2f}" else 4
-        message = (f"memory {memory.total / GiB:.{digits}f} GiB > {capacity / GiB:.{digits}f} GiB on stage "
-                   f"{memory.stage} ({largest} {getattr(memory, largest) / GiB:.1f} GiB)")
+        message = (
+            f"memory {memory.total / GiB:.{digits}f} GiB > {capacity / GiB:.{digits}f} GiB on stage "
+            f"{memory.stage} ({largest} {getattr(memory, largest) / GiB:.1f} GiB)"
+        )
         return Plan(layout, False, memory=memory, reasons=[message]), Rejection("memory", message)
     perf = evaluate_performance(model, layout, cluster, constants)
     return Plan(layout, True, memory, perf.time, perf.tflops_per_gpu / TFLOPS, perf.mfu), None
@@ -129,8 +136,16 @@ def _options(fixed_value, choices):
     return [fixed_value] if fixed_value is not None else choices
 
 
-def search(model: ModelSpec, cluster: Cluster, global_batch_size: int, *, fixed: Fixed = Fixed(),
-           precision: str = "bf16", constants=DEFAULT_CONSTANTS, overhead_bytes: float | None = None) -> SearchResult:
+def search(
+    model: ModelSpec,
+    cluster: Cluster,
+    global_batch_size: int,
+    *,
+    fixed: Fixed = Fixed(),
+    precision: str = "bf16",
+    constants=DEFAULT_CONSTANTS,
+    overhead_bytes: float | None = None,
+) -> SearchResult:
     """Every layout of ``cluster.num_gpus`` GPUs for ``model`` at ``global_batch_size``, predicted."""
     result = SearchResult([])
     args = (model, cluster, global_batch_size, fixed, precision, constants, overhead_bytes, result)
@@ -139,8 +154,14 @@ def search(model: ModelSpec, cluster: Cluster, global_batch_size: int, *, fixed:
     else:
         _search_cp(*args, cps=(1,))
         if model.seq_length >= CP_MIN_SEQ_LENGTH or not result.plans:
-            _search_cp(*args, cps=tuple(c for c in divisors(cluster.num_gpus)[1:] if model.seq_length % (2 * c) == 0
-                                        and model.seq_length // c >= CP_MIN_LOCAL_TOKENS))
+            _search_cp(
+                *args,
+                cps=tuple(
+                    c
+                    for c in divisors(cluster.num_gpus)[1:]
+                    if model.seq_length % (2 * c) == 0 and model.seq_length // c >= CP_MIN_LOCAL_TOKENS
+                ),
+            )
     result.plans.sort(key=lambda p: p.need_time().step)
     return result
 
@@ -159,16 +180,23 @@ def _search_cp(model, cluster, big_b, fixed, precision, constants, overhead, res
                 dp = n // (tp * cp * pp)
                 micro = fixed.micro_batch_size if fixed.micro_batch_size is not None or cp == 1 else 1
                 for b in _micro_batches(big_b, dp, micro):
-                    _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, constants, overhead,
-                                   result, cp=cp)
+                    _search_layout(
+                        model, cluster, tp, pp, dp, b, big_b, fixed, precision, constants, overhead, result, cp=cp
+                    )
 
 
-def _interleaving_flag_errors(num_layers: int, tp: int, pp: int, dp: int, b: int, big_b: int,
-                              per_chunk: int) -> list[str]:
+def _interleaving_flag_errors(
+    num_layers: int, tp: int, pp: int, dp: int, b: int, big_b: int, per_chunk: int
+) -> list[str]:
     """``--num-layers-per-virtual-pipeline-stage`` makes ``ptdp train`` run the interleaved schedule
     whatever v it gives (v = 1 included): that schedule's rules, as ``ptdp train`` checks them."""
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
-                              pipeline_schedule="interleaved-1f1b", num_layers_per_virtual_pipeline_stage=per_chunk)
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        data_parallel_size=dp,
+        pipeline_schedule="interleaved-1f1b",
+        num_layers_per_virtual_pipeline_stage=per_chunk,
+    )
     return [v.message for v in schedule_violations(parallel, num_layers, big_b // (b * dp))]
 
 
@@ -209,10 +237,12 @@ def _predict_split(model, layout, cluster, constants, overhead, search_split: bo
         if best is None or key < best[0]:
             best = (key, plan, rejection)
     if best is None:  # no split balances the edge work within one layer of the middle stages
-        message = (f"num_layers={model.num_layers} has no balanced split over pp={layout.pp} stages (the first "
-                   f"and last stages also carry the embedding and the output layer + loss, {first:.1f} and "
-                   f"{last:.1f} layers' worth; rule: each stage >= 1 layer, the first and last at most one "
-                   f"layer above the middle ones); give --pipeline-layer-split to plan a split of your own")
+        message = (
+            f"num_layers={model.num_layers} has no balanced split over pp={layout.pp} stages (the first "
+            f"and last stages also carry the embedding and the output layer + loss, {first:.1f} and "
+            f"{last:.1f} layers' worth; rule: each stage >= 1 layer, the first and last at most one "
+            f"layer above the middle ones); give --pipeline-layer-split to plan a split of your own"
+        )
         return Plan(layout, False, reasons=[message]), Rejection("layers % pp", message)
     return best[1], best[2]
 
@@ -249,8 +279,9 @@ def _sharding_cannot_fit(unsharded: Plan, layout: Layout, cluster) -> bool:
     return mem.activations + mem.overhead + floor > cluster.gpu.memory_bytes
 
 
-def _predict_strategies(model, make, strategies: list[str], cluster, constants, overhead, search_split: bool,
-                        result: SearchResult) -> None:
+def _predict_strategies(
+    model, make, strategies: list[str], cluster, constants, overhead, search_split: bool, result: SearchResult
+) -> None:
     """Predict the layout ``make(strategy)`` gives under ``strategies`` (least sharded first) and
     record it: no_shard first; when it fits, optim too (never slower, less memory); when it does
     not, the sharded ones in order up to the first that fits, unless even full sharding cannot
@@ -275,7 +306,8 @@ def _predict_strategies(model, make, strategies: list[str], cluster, constants, 
     elif len(strategies) > 1 and not _sharding_cannot_fit(outcomes[strategies[0]][0], first, cluster):
         next((s for s in strategies[1:] if fits(s)), None)
     by_chunk = "optim_grads" in strategies and chunk_by_chunk(
-        "optim_grads", first.shard_size, first.virtual_stages, first.num_microbatches, first.pp)
+        "optim_grads", first.shard_size, first.virtual_stages, first.num_microbatches, first.pp
+    )
     if by_chunk and "optim_grads" not in outcomes:  # may be faster than optim: one chunk's reduction exposed
         fits("optim_grads")
     kept_sharded = False
@@ -290,12 +322,14 @@ def _predict_strategies(model, make, strategies: list[str], cluster, constants, 
             kept_sharded = strategy != "no_shard"
 
 
-def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, constants, overhead, result, *,
-                   cp: int = 1) -> None:
+def _search_layout(
+    model, cluster, tp, pp, dp, b, big_b, fixed, precision, constants, overhead, result, *, cp: int = 1
+) -> None:
     split, search_split, broken = _fixed_split(model.num_layers, pp, fixed)
     probe = next(iter(candidate_splits(model.num_layers, pp, 0.0, 0.0)), None) if search_split else split
-    broken = (broken or structural_rejections(model, tp, pp, dp, b, big_b, cluster.gpus_per_node, probe)
-              + context_rejections(model, tp, cp))
+    broken = broken or structural_rejections(
+        model, tp, pp, dp, b, big_b, cluster.gpus_per_node, probe
+    ) + context_rejections(model, tp, cp)
     base = Layout(tp, pp, dp, b, big_b, precision=precision, layer_split=split, cp=cp)
     if broken:
         result.rejected.append((Plan(base, False, reasons=[r.message for r in broken]), broken[0]))
@@ -305,8 +339,7 @@ def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, const
     elif fixed.virtual_stages is not None:
         vs = [fixed.virtual_stages]
     elif fixed.layers_per_virtual_stage is not None:
-        flag_errors = _interleaving_flag_errors(model.num_layers, tp, pp, dp, b, big_b,
-                                                fixed.layers_per_virtual_stage)
+        flag_errors = _interleaving_flag_errors(model.num_layers, tp, pp, dp, b, big_b, fixed.layers_per_virtual_stage)
         if flag_errors:
             result.rejected.append((Plan(base, False, reasons=flag_errors), Rejection("interleaving", flag_errors[0])))
             return
@@ -315,28 +348,60 @@ def _search_layout(model, cluster, tp, pp, dp, b, big_b, fixed, precision, const
         vs = divisors(model.num_layers // pp)
     else:
         vs = [1]
-    pairs: list[tuple[int, tuple[int, ...] | None]] = [(v, None) for v in vs]  # (v, the split of an interleaved layout, None: as above)
+    pairs: list[tuple[int, tuple[int, ...] | None]] = [
+        (v, None) for v in vs
+    ]  # (v, the split of an interleaved layout, None: as above)
     counted = fixed.accounting
     if counted is not None and any(counted):  # the split fixed by what counts as layers, at every v
         pairs = [(1, None)] if fixed.virtual_stages in (None, 1) else []
-        pairs += [(v, s) for v, s in interleaved_splits(model.num_layers, pp, (counted,), uneven_only=False)
-                  if fixed.virtual_stages in (None, v)]
+        pairs += [
+            (v, s)
+            for v, s in interleaved_splits(model.num_layers, pp, (counted,), uneven_only=False)
+            if fixed.virtual_stages in (None, v)
+        ]
     elif search_split and fixed.layers_per_virtual_stage is None:
-        pairs += [(v, s) for v, s in interleaved_splits(model.num_layers, pp, ACCOUNTING if counted is None else ())
-                  if fixed.virtual_stages in (None, v) and (v not in vs or model.num_layers % (pp * v))]
+        pairs += [
+            (v, s)
+            for v, s in interleaved_splits(model.num_layers, pp, ACCOUNTING if counted is None else ())
+            if fixed.virtual_stages in (None, v) and (v not in vs or model.num_layers % (pp * v))
+        ]
     if pp > 1 and model.num_layers % pp and search_split:
-        result.note(f"pp={pp}: {model.num_layers} layers do not split evenly over {pp} stages: planned with "
-                    f"uneven first/last stages (v = 1) and interleaved only where the embedding and/or loss "
-                    f"counted as layers split evenly over pp*v model chunks (ptdp train runs both)")
+        result.note(
+            f"pp={pp}: {model.num_layers} layers do not split evenly over {pp} stages: planned with "
+            f"uneven first/last stages (v = 1) and interleaved only where the embedding and/or loss "
+            f"counted as layers split evenly over pp*v model chunks (ptdp train runs both)"
+        )
     for v, v_split in pairs:
         # with a flash kernel selective recompute keeps and costs what "none" does: not searched
         searched = [r for r in RECOMPUTE if not (r == "selective" and model.flash_attention)]
         for recompute in _options(fixed.recompute, searched):
             # sequence parallelism needs tp > 1 and sharding dp * cp > 1: off otherwise
             for sp in _options(fixed.sequence_parallel, [False, True]) if tp > 1 else [False]:
+
                 def make(sharding, v=v, recompute=recompute, sp=sp, v_split=v_split):
-                    return Layout(tp, pp, dp, b, big_b, v, recompute, sp, precision=precision,
-                                  layer_split=v_split or split, cp=cp, sharding=sharding,
-                                  cp_comm_type=fixed.cp_comm_type or "p2p")
-                _predict_strategies(model, make, _strategies(fixed, dp * cp), cluster, constants, overhead,
-                                    search_split and v == 1 and v_split is None, result)
+                    return Layout(
+                        tp,
+                        pp,
+                        dp,
+                        b,
+                        big_b,
+                        v,
+                        recompute,
+                        sp,
+                        precision=precision,
+                        layer_split=v_split or split,
+                        cp=cp,
+                        sharding=sharding,
+                        cp_comm_type=fixed.cp_comm_type or "p2p",
+                    )
+
+                _predict_strategies(
+                    model,
+                    make,
+                    _strategies(fixed, dp * cp),
+                    cluster,
+                    constants,
+                    overhead,
+                    search_split and v == 1 and v_split is None,
+                    result,
+                )

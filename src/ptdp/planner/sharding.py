@@ -88,12 +88,24 @@ def chunk_by_chunk(strategy: str, shard: int, virtual_stages: int, num_microbatc
     """Whether a sharded-gradient strategy reduces each model chunk's gradient once per step
     (module docstring): ``optim_grads`` or ``optim_grads_params`` over ``shard > 1`` ranks with
     the interleaved schedule (``virtual_stages > 1``) in one round (``num_microbatches == pp``)."""
-    return (shard > 1 and strategy in ("optim_grads", "optim_grads_params") and virtual_stages > 1
-            and num_microbatches == pp)
+    return (
+        shard > 1
+        and strategy in ("optim_grads", "optim_grads_params")
+        and virtual_stages > 1
+        and num_microbatches == pp
+    )
 
 
-def stage_state_bytes(n_params: int, unit_params: int, precision: str, strategy: str, shard: int, *,
-                      bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, chunk_params: int = 0) -> tuple[float, float, float]:
+def stage_state_bytes(
+    n_params: int,
+    unit_params: int,
+    precision: str,
+    strategy: str,
+    shard: int,
+    *,
+    bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
+    chunk_params: int = 0,
+) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes of one rank holding ``n_params`` parameters (one tp rank of
     one stage), transients included: ``optim_grads`` one bucket's full gradient,
     ``optim_grads_params`` two gathered units' 16-bit weights and one unit's full gradient
@@ -112,8 +124,9 @@ def stage_state_bytes(n_params: int, unit_params: int, precision: str, strategy:
     return params, grads, optimizer
 
 
-def optimizer_bytes_per_param(full: float, sharded: float, strategy: str, shard: int, *,
-                              grad_bytes: float = 8.0, weight_bytes: float = 2.0) -> float:
+def optimizer_bytes_per_param(
+    full: float, sharded: float, strategy: str, shard: int, *, grad_bytes: float = 8.0, weight_bytes: float = 2.0
+) -> float:
     """Memory traffic of the optimizer step per parameter of the stage.
 
     ``full`` bytes touch every parameter and ``sharded`` only the rank's ``1/shard`` (see
@@ -129,10 +142,23 @@ def optimizer_bytes_per_param(full: float, sharded: float, strategy: str, shard:
     return (full - moved) + (sharded + moved) / shard
 
 
-def sharded_dp_times(strategy: str, *, grad_bytes: float, param_bytes: float, unit_param_bytes: float,
-                     tp: int, shard: int, num_microbatches: int, units: int, layer_forward: float,
-                     layer_backward: float, microbatch_backward: float, links: Links,
-                     end_overlap: float = 0.0, chunks: int = 1) -> float:
+def sharded_dp_times(
+    strategy: str,
+    *,
+    grad_bytes: float,
+    param_bytes: float,
+    unit_param_bytes: float,
+    tp: int,
+    shard: int,
+    num_microbatches: int,
+    units: int,
+    layer_forward: float,
+    layer_backward: float,
+    microbatch_backward: float,
+    links: Links,
+    end_overlap: float = 0.0,
+    chunks: int = 1,
+) -> float:
     """Exposed seconds per step of the data-parallel communication of ``strategy`` over ``shard``
     ranks (the module docstring's model).
 
@@ -167,6 +193,5 @@ def sharded_dp_times(strategy: str, *, grad_bytes: float, param_bytes: float, un
         return hidden_rs + (1.0 - end_overlap) * (last_rs + weights_gather)
     gather = 0.5 * hierarchical_all_reduce_time(unit_param_bytes, shard, per_node, links)
     rest = max(units - 1, 0)
-    per_microbatch = (2.0 * gather + rest * max(0.0, gather - layer_forward)
-                      + rest * max(0.0, gather - layer_backward))
+    per_microbatch = 2.0 * gather + rest * max(0.0, gather - layer_forward) + rest * max(0.0, gather - layer_backward)
     return m * per_microbatch + hidden_rs + (1.0 - end_overlap) * last_rs

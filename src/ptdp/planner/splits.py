@@ -70,8 +70,9 @@ def candidate_splits(num_layers: int, pp: int, first_extra: float, last_extra: f
 ACCOUNTING = ((True, True), (False, True), (True, False))
 
 
-def interleaved_splits(num_layers: int, pp: int, accounting=ACCOUNTING, *,
-                       uneven_only: bool = True) -> list[tuple[int, tuple[int, ...]]]:
+def interleaved_splits(
+    num_layers: int, pp: int, accounting=ACCOUNTING, *, uneven_only: bool = True
+) -> list[tuple[int, tuple[int, ...]]]:
     """(v, layers per rank) of the interleaved layouts (v > 1) that count the embedding and/or the
     loss as layers (Megatron-LM's ``--account-for-embedding/loss-in-pipeline-split``,
     :func:`ptdp.spec.accounted_split`): for each way in ``accounting`` with ``(l + counted) % pp ==
@@ -118,20 +119,24 @@ def chunk_layers(split: tuple[int, ...], v: int, pp_rank: int) -> tuple[int, ...
     counted = accounting_of(split, v)
     if counted is None:
         return None
-    return tuple(len(chunk_layer_ids(sum(split), len(split), v, pp_rank, c, embedding=counted[0], loss=counted[1]))
-                 for c in range(v))
+    return tuple(
+        len(chunk_layer_ids(sum(split), len(split), v, pp_rank, c, embedding=counted[0], loss=counted[1]))
+        for c in range(v)
+    )
 
 
-def interleaved_peak(counts: tuple[int, ...], pp: int, m: int, pp_rank: int, *, last: bool,
-                     loss_weight: float = 0.0) -> tuple[float, float]:
+def interleaved_peak(
+    counts: tuple[int, ...], pp: int, m: int, pp_rank: int, *, last: bool, loss_weight: float = 0.0
+) -> tuple[float, float]:
     """:func:`_interleaved_peak`, cached (the search asks for the same schedules many times; the
     loss weight matters only on the last rank)."""
     return _interleaved_peak(tuple(counts), pp, m, pp_rank, last, loss_weight if last else 0.0)
 
 
 @functools.lru_cache(maxsize=65536)
-def _interleaved_peak(counts: tuple[int, ...], pp: int, m: int, pp_rank: int, last: bool,
-                      loss_weight: float) -> tuple[float, float]:
+def _interleaved_peak(
+    counts: tuple[int, ...], pp: int, m: int, pp_rank: int, last: bool, loss_weight: float
+) -> tuple[float, float]:
     """(layers, losses) held at the peak of ``layers + loss_weight * losses`` by rank ``pp_rank`` of
     an interleaved 1F1B pipeline whose ``v = len(counts)`` chunks hold ``counts`` layers, over ``m``
     microbatches: warm-up forwards ``j < 2 (pp - r - 1) + (v - 1) pp`` of chunk ``(j // pp) % v``
@@ -172,8 +177,10 @@ def split_options(split: tuple[int, ...] | None, v: int = 1) -> dict[str, object
         if counted is None:
             return None
         names = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
-        return {**{name: True for name, on in zip(names, counted) if on},
-                "num_layers_per_virtual_pipeline_stage": (sum(split) + sum(counted)) // (len(split) * v)}
+        return {
+            **{name: True for name, on in zip(names, counted) if on},
+            "num_layers_per_virtual_pipeline_stage": (sum(split) + sum(counted)) // (len(split) * v),
+        }
     counts = first_last_of(split)
     if counts is None:
         return {"pipeline_layer_split": tuple(split)}
@@ -200,8 +207,10 @@ def split_report_lines(split: tuple[int, ...] | None, v: int = 1) -> list[str]:
     """What ``ptdp plan``'s text report says of a plan's split (nothing for an even split)."""
     if split is None:
         return []
-    return [f"pipeline: layers per stage {describe_split(split)}; ptdp train (and Megatron-LM) flags: "
-            f"{split_flags(split, v)}"]
+    return [
+        f"pipeline: layers per stage {describe_split(split)}; ptdp train (and Megatron-LM) flags: "
+        f"{split_flags(split, v)}"
+    ]
 
 
 def describe_split(split: tuple[int, ...]) -> str:

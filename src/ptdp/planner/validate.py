@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ptdp.planner.hardware import GiB, CATALOG, Cluster
+from ptdp.planner.hardware import CATALOG, Cluster, GiB
 from ptdp.planner.memory import bytes_per_param, memory_breakdown, stage_param_counts
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.perf import DEFAULT_CONSTANTS, PerfConstants, evaluate_performance
@@ -36,9 +36,7 @@ from ptdp.planner.published import H100Run, load_h100_runs
 
 #: Where :func:`default_csv` looks, in order: $PTDP_PUBLISHED_RUNS, the repository's
 #: ``benchmarks/data/published_runs.csv``, the shared data folder of the project.
-CSV_CANDIDATES = (
-    Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "published_runs.csv",
-)
+CSV_CANDIDATES = (Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "published_runs.csv",)
 
 
 def default_csv() -> Path | None:
@@ -48,6 +46,7 @@ def default_csv() -> Path | None:
         if path.is_file():
             return path
     return None
+
 
 TFLOPS = "TFLOP/s per GPU"
 ITER_TIME = "iteration time (s)"
@@ -112,29 +111,50 @@ def load_published_runs(path: str | Path) -> list[PublishedRun]:
     with open(path, newline="", encoding="utf-8") as f:
         for r in csv.DictReader(f):
             ffn = int(r["ffn_hidden"]) if r["ffn_hidden"].strip() else None
-            model = ModelSpec(int(r["layers"]), int(r["hidden"]), int(r["heads"]), ffn, int(r["vocab"]),
-                              int(r["seq_len"]), name=r["model"])
-            layout = Layout(tp=int(r["tp"]), pp=int(r["pp"]), dp=int(r["dp"]),
-                            micro_batch_size=int(r["micro_batch"]), global_batch_size=int(r["global_batch"]),
-                            virtual_stages=int(r["vpp"]), recompute=r["recompute"].strip(),
-                            sequence_parallel=r["sequence_parallel"].strip() == "y",
-                            precision=_precision(r["precision"]))
+            model = ModelSpec(
+                int(r["layers"]),
+                int(r["hidden"]),
+                int(r["heads"]),
+                ffn,
+                int(r["vocab"]),
+                int(r["seq_len"]),
+                name=r["model"],
+            )
+            layout = Layout(
+                tp=int(r["tp"]),
+                pp=int(r["pp"]),
+                dp=int(r["dp"]),
+                micro_batch_size=int(r["micro_batch"]),
+                global_batch_size=int(r["global_batch"]),
+                virtual_stages=int(r["vpp"]),
+                recompute=r["recompute"].strip(),
+                sequence_parallel=r["sequence_parallel"].strip() == "y",
+                precision=_precision(r["precision"]),
+            )
             notes = r["notes"]
-            runs.append(PublishedRun(
-                source=r["source"].split(" (")[0], name=r["model"], model=model, layout=layout,
-                gpu=r["gpu_type"].lower(), reported_tflops=_float(r["reported_tflops_per_gpu"]),
-                reported_iteration_time=_search(r"iteration time ([0-9.]+) s", notes),
-                reported_params_opt_gib=_search(r"params\+opt ([0-9.]+)", notes),
-                reported_act_none_gib=_search(r"act ([0-9.]+) none", notes),
-                reported_act_seqsel_gib=_search(r"/ ([0-9.]+) seq\+sel", notes),
-            ))
+            runs.append(
+                PublishedRun(
+                    source=r["source"].split(" (")[0],
+                    name=r["model"],
+                    model=model,
+                    layout=layout,
+                    gpu=r["gpu_type"].lower(),
+                    reported_tflops=_float(r["reported_tflops_per_gpu"]),
+                    reported_iteration_time=_search(r"iteration time ([0-9.]+) s", notes),
+                    reported_params_opt_gib=_search(r"params\+opt ([0-9.]+)", notes),
+                    reported_act_none_gib=_search(r"act ([0-9.]+) none", notes),
+                    reported_act_seqsel_gib=_search(r"/ ([0-9.]+) seq\+sel", notes),
+                )
+            )
     return runs
 
 
 def layout_label(layout: Layout) -> str:
     """Short layout text: ``t8 p8 d1 v3 b1 B64 full`` (+ ``sp``)."""
-    label = (f"t{layout.tp} p{layout.pp} d{layout.dp} v{layout.virtual_stages} b{layout.micro_batch_size} "
-             f"B{layout.global_batch_size} {layout.recompute}")
+    label = (
+        f"t{layout.tp} p{layout.pp} d{layout.dp} v{layout.virtual_stages} b{layout.micro_batch_size} "
+        f"B{layout.global_batch_size} {layout.recompute}"
+    )
     return label + (" sp" if layout.sequence_parallel else "")
 
 
@@ -164,18 +184,34 @@ def validate(runs: list[PublishedRun], constants: PerfConstants = DEFAULT_CONSTA
             none = dataclasses.replace(run.layout, recompute="none", sequence_parallel=False)
             seqsel = dataclasses.replace(run.layout, recompute="selective", sequence_parallel=True)
             mem_none = memory_breakdown(run.model, none, gpu)
-            out.append(ValidationRow(run.name, layout_label(none), ACT_NONE, run.reported_act_none_gib,
-                                     mem_none.activations / GiB))
+            out.append(
+                ValidationRow(
+                    run.name, layout_label(none), ACT_NONE, run.reported_act_none_gib, mem_none.activations / GiB
+                )
+            )
             if run.reported_act_seqsel_gib is not None:
                 mem_seqsel = memory_breakdown(run.model, seqsel, gpu)
-                out.append(ValidationRow(run.name, layout_label(seqsel), ACT_SEQSEL, run.reported_act_seqsel_gib,
-                                         mem_seqsel.activations / GiB))
+                out.append(
+                    ValidationRow(
+                        run.name,
+                        layout_label(seqsel),
+                        ACT_SEQSEL,
+                        run.reported_act_seqsel_gib,
+                        mem_seqsel.activations / GiB,
+                    )
+                )
             if run.reported_params_opt_gib is not None:
                 counts = stage_param_counts(run.model, run.layout.tp, run.layout.pp)
-                per_param = sum(bytes_per_param(run.layout.precision, run.layout.dp,
-                                                run.layout.distributed_optimizer))
-                out.append(ValidationRow(run.name, layout_label(none), PARAMS_OPT, run.reported_params_opt_gib,
-                                         sum(counts) / len(counts) * per_param / GiB))
+                per_param = sum(bytes_per_param(run.layout.precision, run.layout.dp, run.layout.distributed_optimizer))
+                out.append(
+                    ValidationRow(
+                        run.name,
+                        layout_label(none),
+                        PARAMS_OPT,
+                        run.reported_params_opt_gib,
+                        sum(counts) / len(counts) * per_param / GiB,
+                    )
+                )
     return out
 
 
@@ -186,15 +222,22 @@ def speed_log_error(runs: list[PublishedRun], constants: PerfConstants) -> float
     return sum(e * e for e in errors) / len(errors)
 
 
-def fit_constants(runs: list[PublishedRun], base: PerfConstants = DEFAULT_CONSTANTS, *,
-                  gemm_peak_fractions=None, hbm_efficiencies=None) -> tuple[PerfConstants, float]:
+def fit_constants(
+    runs: list[PublishedRun],
+    base: PerfConstants = DEFAULT_CONSTANTS,
+    *,
+    gemm_peak_fractions=None,
+    hbm_efficiencies=None,
+) -> tuple[PerfConstants, float]:
     """Grid least squares (:func:`speed_log_error`) of the two fitted constants,
     ``gemm_peak_fraction`` (default grid 0.70-0.85 by 0.005) and ``hbm_efficiency`` (0.60-1.00 by
     0.025), every other constant as in ``base``. Returns the best constants and their objective."""
     gemm = gemm_peak_fractions or [round(0.70 + 0.005 * i, 3) for i in range(31)]
     hbm = hbm_efficiencies or [round(0.60 + 0.025 * i, 3) for i in range(17)]
-    scored = ((speed_log_error(runs, c), c) for c in
-              (dataclasses.replace(base, gemm_peak_fraction=g, hbm_efficiency=e) for g in gemm for e in hbm))
+    scored = (
+        (speed_log_error(runs, c), c)
+        for c in (dataclasses.replace(base, gemm_peak_fraction=g, hbm_efficiency=e) for g in gemm for e in hbm)
+    )
     best = min(scored, key=lambda sc: sc[0])
     return best[1], best[0]
 
@@ -226,10 +269,10 @@ def validate_h100(runs: list[H100Run], constants: PerfConstants = DEFAULT_CONSTA
         c = run_constants(run, constants)
         perf = evaluate_performance(run.model, run.layout, Cluster(CATALOG[run.gpu], run.layout.num_gpus), c)
         label = layout_label(run.layout) + (f" c{run.layout.cp}" if run.layout.cp > 1 else "")
-        metric = (H100_STEP_FP8 if run.layout.precision == "fp8" else H100_STEP if run.layout.cp == 1
-                  else H100_STEP_CP)
-        out.append(ValidationRow(f"{run.name} ({run.layout.num_gpus} GPUs)", label, metric, run.step_time,
-                                 perf.step_time))
+        metric = H100_STEP_FP8 if run.layout.precision == "fp8" else H100_STEP if run.layout.cp == 1 else H100_STEP_CP
+        out.append(
+            ValidationRow(f"{run.name} ({run.layout.num_gpus} GPUs)", label, metric, run.step_time, perf.step_time)
+        )
     return out
 
 
@@ -247,8 +290,14 @@ def h100_log_error(runs: list[H100Run], constants: PerfConstants) -> float:
     return sum(e * e for e in errors) / len(errors)
 
 
-def fit_arch(runs: list[H100Run], base: PerfConstants = DEFAULT_CONSTANTS, arch: str = "hopper", *,
-             gemm_peak_fractions=None, hbm_efficiencies=None) -> tuple[PerfConstants, float]:
+def fit_arch(
+    runs: list[H100Run],
+    base: PerfConstants = DEFAULT_CONSTANTS,
+    arch: str = "hopper",
+    *,
+    gemm_peak_fractions=None,
+    hbm_efficiencies=None,
+) -> tuple[PerfConstants, float]:
     """Grid least squares (:func:`h100_log_error`) of ``arch``'s ``gemm_peak_fraction`` (default
     grid 0.50-0.80 by 0.01) and ``hbm_efficiency`` (0.60-1.00 by 0.05) in ``base.arch_fits``, its
     ``gemm_half_dim`` kept. Returns the best constants and their objective."""
@@ -261,8 +310,9 @@ def fit_arch(runs: list[H100Run], base: PerfConstants = DEFAULT_CONSTANTS, arch:
         others = tuple(fit for fit in base.arch_fits if fit[0] != arch)
         return dataclasses.replace(base, arch_fits=others + ((arch, g, half_dim, e),))
 
-    best = min(((h100_log_error(runs, c), c) for c in (with_fit(g, e) for g in gemm for e in hbm)),
-               key=lambda sc: sc[0])
+    best = min(
+        ((h100_log_error(runs, c), c) for c in (with_fit(g, e) for g in gemm for e in hbm)), key=lambda sc: sc[0]
+    )
     return best[1], best[0]
 
 
@@ -291,8 +341,9 @@ def format_validation_table(rows: list[ValidationRow]) -> str:
     mean and max absolute error per metric."""
     lines = ["| model | layout | metric | reported | predicted | error |", "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: METRICS.index(r.metric)):
-        lines.append(f"| {r.name} | {r.layout} | {r.metric} | {r.reported:.2f} | {r.predicted:.2f} | "
-                     f"{100 * r.error:+.1f}% |")
+        lines.append(
+            f"| {r.name} | {r.layout} | {r.metric} | {r.reported:.2f} | {r.predicted:.2f} | {100 * r.error:+.1f}% |"
+        )
     lines += ["", "| metric | rows | mean abs. error | max abs. error |", "|---|---|---|---|"]
     for metric, (n, mae, worst) in summarize(rows).items():
         lines.append(f"| {metric} | {n} | {100 * mae:.2f}% | {100 * worst:.2f}% |")
@@ -332,8 +383,10 @@ def main(argv: list[str] | None = None) -> None:
         print()
         if fit:
             best, score = fit_arch(h100)
-            print(f"least squares: arch_fits={best.arch_fits} mean ln-error^2={score:.6f} "
-                  f"(defaults: {h100_log_error(h100, DEFAULT_CONSTANTS):.6f})\n")
+            print(
+                f"least squares: arch_fits={best.arch_fits} mean ln-error^2={score:.6f} "
+                f"(defaults: {h100_log_error(h100, DEFAULT_CONSTANTS):.6f})\n"
+            )
         checks = h100_fit_check(h100)
     else:
         runs = load_published_runs(path)
@@ -341,9 +394,11 @@ def main(argv: list[str] | None = None) -> None:
         print()
         if fit:
             best, score = fit_constants(runs)
-            print(f"least squares: gemm_peak_fraction={best.gemm_peak_fraction} "
-                  f"hbm_efficiency={best.hbm_efficiency} mean ln-error^2={score:.6f} "
-                  f"(defaults: {speed_log_error(runs, DEFAULT_CONSTANTS):.6f})\n")
+            print(
+                f"least squares: gemm_peak_fraction={best.gemm_peak_fraction} "
+                f"hbm_efficiency={best.hbm_efficiency} mean ln-error^2={score:.6f} "
+                f"(defaults: {speed_log_error(runs, DEFAULT_CONSTANTS):.6f})\n"
+            )
         checks = fit_check(runs)
     print("| model | layout | predicted total GiB | capacity GiB |")
     print("|---|---|---|---|")

@@ -80,8 +80,9 @@ _CPU_SIZES = (1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22)
 _GPU_SIZES = (1 << 16, 1 << 20, 1 << 23, 1 << 26, 1 << 28)
 
 
-def measure_gemms(model: ModelSpec, tp: int, micro_batch_size: int, vocab_local: int, dtype,
-                  device: torch.device | None = None) -> list[dict]:
+def measure_gemms(
+    model: ModelSpec, tp: int, micro_batch_size: int, vocab_local: int, dtype, device: torch.device | None = None
+) -> list[dict]:
     """FLOP/s of each forward GEMM shape of a layer and of the output layer, on this process's device."""
     shapes = list(layer_gemms(model, tp, micro_batch_size))
     shapes.append((micro_batch_size * model.seq_length, vocab_local, model.hidden_size, 1))
@@ -124,7 +125,7 @@ def measure_p2p(pp_axis, sizes=None, device: torch.device | None = None) -> list
         t = torch.ones(nbytes // 4, device=device)
 
         def round_trip() -> None:
-            for kind in (("send", "recv") if pp_axis.rank == 0 else ("recv", "send")):
+            for kind in ("send", "recv") if pp_axis.rank == 0 else ("recv", "send"):
                 for work in comm.post([comm.P2P(kind, t, peer)], pp_axis, tag="calibrate") or []:
                     work.wait()
 
@@ -146,13 +147,16 @@ def measure_optimizer(config, tp_axis, dtype, device: torch.device | None = None
     from ptdp.engine.model.gpt import GPTModel
 
     m, p, t = config.model, config.parallel, config.train
-    stage = GPTModel(m, tp_axis, layer_ids=range(m.num_layers // p.pp), pre_process=True,
-                     post_process=p.pp == 1).to(device)
+    stage = GPTModel(m, tp_axis, layer_ids=range(m.num_layers // p.pp), pre_process=True, post_process=p.pp == 1).to(
+        device
+    )
     params = list(stage.parameters())
     for q in params:
         q.grad = torch.randn_like(q)
-    groups = [{"params": [q for q in params if q.ndim >= 2], "weight_decay": t.weight_decay},
-              {"params": [q for q in params if q.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [q for q in params if q.ndim >= 2], "weight_decay": t.weight_decay},
+        {"params": [q for q in params if q.ndim < 2], "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=1e-4)
     grads = [q.grad for q in params if q.grad is not None]  # every one, set above
 
@@ -198,8 +202,11 @@ def fit_gemm_curve(samples: list[dict]) -> tuple[float, float]:
     """(peak FLOP/s, half_dim) so that peak * prod(x/(x+half_dim)) best fits the samples (log LSQ)."""
     fits = []  # (squared log error, peak, half_dim) per candidate half_dim
     for half_dim in [0.0] + [2.0 ** (i / 4) for i in range(0, 36)]:
-        logs = [math.log(s["flops_per_s"]) - math.log(gemm_efficiency(s["m"], s["n"], s["k"], peak_fraction=1.0,
-                                                                      half_dim=half_dim)) for s in samples]
+        logs = [
+            math.log(s["flops_per_s"])
+            - math.log(gemm_efficiency(s["m"], s["n"], s["k"], peak_fraction=1.0, half_dim=half_dim))
+            for s in samples
+        ]
         log_peak = sum(logs) / len(logs)
         fits.append((sum((x - log_peak) ** 2 for x in logs), math.exp(log_peak), half_dim))
     _, peak, half_dim = min(fits, key=lambda fit: fit[0])  # the first smallest error
@@ -226,32 +233,35 @@ def fit_ring(samples: list[tuple[int, float]], group_size: int | list[int]) -> t
     return 1.0 / max(inv_bw, 1e-30), latency
 
 
-def fit_overheads(model: ModelSpec, config, gpu: GPUSpec, constants: PerfConstants, precision: str,
-                  layer_s: float, head_s: float) -> tuple[float, float]:
+def fit_overheads(
+    model: ModelSpec, config, gpu: GPUSpec, constants: PerfConstants, precision: str, layer_s: float, head_s: float
+) -> tuple[float, float]:
     """(layer_overhead, head_overhead): measured seconds of one real layer / output layer + loss
     (forward + backward, one microbatch) minus the planner's prediction from the primitives."""
-    from ptdp.spec import padded_vocab_size
     from ptdp.planner.comm import hierarchical_all_reduce_time, tp_layer_comm_times
     from ptdp.planner.flops import layer_compute_times, logits_compute_time
     from ptdp.planner.hardware import Cluster
     from ptdp.planner.perf import links_for
+    from ptdp.spec import padded_vocab_size
 
     tp, b, m = config.parallel.tp, config.train.micro_batch_size, config.model
     peak, bw = gpu.peak(precision), gpu.memory_bandwidth
     links = links_for(Cluster(gpu, gpu.gpus_per_node, gpu.gpus_per_node), constants)
     elem = 4.0 if precision == "fp32" else 2.0
     fwd, bwd, _ = layer_compute_times(model, tp, b, False, peak, bw, 1.0, constants.gemm_half_dim)
-    comm_f, comm_b = tp_layer_comm_times(b * model.seq_length, model.hidden_size, tp, sequence_parallel=False,
-                                         links=links, bytes_per_element=elem)
+    comm_f, comm_b = tp_layer_comm_times(
+        b * model.seq_length, model.hidden_size, tp, sequence_parallel=False, links=links, bytes_per_element=elem
+    )
     v_pad = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
-    head = (logits_compute_time(model, tp, b, v_pad, peak, bw, 1.0, constants.gemm_half_dim)
-            + hierarchical_all_reduce_time(elem * b * model.seq_length * model.hidden_size, tp, links.gpus_per_node,
-                                           links))
+    head = logits_compute_time(
+        model, tp, b, v_pad, peak, bw, 1.0, constants.gemm_half_dim
+    ) + hierarchical_all_reduce_time(elem * b * model.seq_length * model.hidden_size, tp, links.gpus_per_node, links)
     return max(0.0, layer_s - (fwd + bwd + comm_f + comm_b)), max(0.0, head_s - head)
 
 
-def build_profile(mine: dict, config, precision: str, cores: int,
-                  device: dict | None = None) -> tuple[GPUSpec, PerfConstants, dict]:
+def build_profile(
+    mine: dict, config, precision: str, cores: int, device: dict | None = None
+) -> tuple[GPUSpec, PerfConstants, dict]:
     """The profile from the measurements in ``mine``: rank 0's GEMMs and bandwidth; tensor-parallel
     group 0's medians of all-reduce, layer and head times (already scaled to one core per worker);
     the pipeline ping-pong (``p2p``, when pp > 1). ``cores``: the CPU cores the workers share (0:
@@ -259,7 +269,7 @@ def build_profile(mine: dict, config, precision: str, cores: int,
     on CPUs (the machine's memory is then shared by the workers)."""
     from ptdp.planner.models import spec_from_model_config
 
-    nproc, tp = config.world_size, config.parallel.tp
+    nproc = config.world_size
     peak, half_dim = fit_gemm_curve(mine["gemms"])
     bandwidth = mine["bandwidth"]
     if mine["all_reduce"]:
@@ -274,33 +284,60 @@ def build_profile(mine: dict, config, precision: str, cores: int,
     else:
         memory, what = float(device["memory_bytes"]), f"{nproc} x {device['name']}"
     gpu = GPUSpec(
-        name="local", peak_flops={precision: peak}, memory_bytes=memory, memory_bandwidth=bandwidth,
-        nvlink_bandwidth=link_bw, network_bandwidth=link_bw, gpus_per_node=nproc,
+        name="local",
+        peak_flops={precision: peak},
+        memory_bytes=memory,
+        memory_bandwidth=bandwidth,
+        nvlink_bandwidth=link_bw,
+        network_bandwidth=link_bw,
+        gpus_per_node=nproc,
         source=f"ptdp plan --calibrate on {platform.node()} ({what}, {nproc} workers) "
-               f"{datetime.date.today().isoformat()}",
+        f"{datetime.date.today().isoformat()}",
         shared_cores=cores,
     )
     constants = dataclasses.replace(
-        DEFAULT_CONSTANTS, gemm_peak_fraction=1.0, gemm_half_dim=half_dim, hbm_efficiency=1.0,
-        nvlink_efficiency=1.0, network_efficiency=1.0, nvlink_latency=latency, network_latency=latency,
+        DEFAULT_CONSTANTS,
+        gemm_peak_fraction=1.0,
+        gemm_half_dim=half_dim,
+        hbm_efficiency=1.0,
+        nvlink_efficiency=1.0,
+        network_efficiency=1.0,
+        nvlink_latency=latency,
+        network_latency=latency,
         pp_scatter_gather=False,
     )
-    layer_overhead, head_overhead = fit_overheads(spec_from_model_config(config.model), config, gpu, constants,
-                                                  precision, mine["layer_s"], mine["head_s"])
+    layer_overhead, head_overhead = fit_overheads(
+        spec_from_model_config(config.model), config, gpu, constants, precision, mine["layer_s"], mine["head_s"]
+    )
     from ptdp.planner.perf import OPT_BYTES_FULL, OPT_BYTES_SHARDED
 
     opt_params, opt_s = mine["optimizer"]
-    opt_efficiency = min(1.0, opt_params * (OPT_BYTES_FULL[precision] + OPT_BYTES_SHARDED[precision])
-                         / bandwidth / opt_s)
-    constants = dataclasses.replace(constants, layer_overhead=layer_overhead, head_overhead=head_overhead,
-                                    optimizer_efficiency=opt_efficiency)
-    measured = {"gemms": mine["gemms"], "add_bandwidth": bandwidth, "all_reduce": mine["all_reduce"],
-                "layer_s": mine["layer_s"], "head_s": mine["head_s"], "p2p": mine.get("p2p"), "cores": cores,
-                "workers": nproc,
-                "fitted": {"peak_flops": peak, "gemm_half_dim": half_dim, "link_bandwidth": link_bw,
-                           "link_latency": latency, "layer_overhead": layer_overhead,
-                           "head_overhead": head_overhead,
-                           "optimizer_efficiency": opt_efficiency}, "optimizer_s": opt_s}
+    opt_efficiency = min(
+        1.0, opt_params * (OPT_BYTES_FULL[precision] + OPT_BYTES_SHARDED[precision]) / bandwidth / opt_s
+    )
+    constants = dataclasses.replace(
+        constants, layer_overhead=layer_overhead, head_overhead=head_overhead, optimizer_efficiency=opt_efficiency
+    )
+    measured = {
+        "gemms": mine["gemms"],
+        "add_bandwidth": bandwidth,
+        "all_reduce": mine["all_reduce"],
+        "layer_s": mine["layer_s"],
+        "head_s": mine["head_s"],
+        "p2p": mine.get("p2p"),
+        "cores": cores,
+        "workers": nproc,
+        "fitted": {
+            "peak_flops": peak,
+            "gemm_half_dim": half_dim,
+            "link_bandwidth": link_bw,
+            "link_latency": latency,
+            "layer_overhead": layer_overhead,
+            "head_overhead": head_overhead,
+            "optimizer_efficiency": opt_efficiency,
+        },
+        "optimizer_s": opt_s,
+    }
     return gpu, constants, measured
 
 
@@ -309,8 +346,8 @@ def _measure(groups, host, config, precision: str, device: torch.device | None =
     the others wait on a barrier of the gloo group ``host``: rank 0 alone (GEMMs, bandwidth,
     optimizer), tensor-parallel group 0 (all-reduce, layer, head), data-parallel group 0
     (all-reduce), pipeline ranks 0 and 1 of pipeline group 0 (ping-pong)."""
-    from ptdp.spec import padded_vocab_size
     from ptdp.planner.models import spec_from_model_config
+    from ptdp.spec import padded_vocab_size
 
     p, m, dtype = config.parallel, config.model, PRECISION_DTYPES[precision]
     rank = groups.global_rank
@@ -321,15 +358,18 @@ def _measure(groups, host, config, precision: str, device: torch.device | None =
 
     if rank == 0:
         vocab_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp) // p.tp
-        mine["gemms"] = measure_gemms(spec_from_model_config(m), p.tp, config.train.micro_batch_size,
-                                      vocab_local, dtype, device)
+        mine["gemms"] = measure_gemms(
+            spec_from_model_config(m), p.tp, config.train.micro_batch_size, vocab_local, dtype, device
+        )
         mine["bandwidth"] = measure_bandwidth(device=device)
         mine["optimizer"] = measure_optimizer(config, groups.tp, dtype, device)
     barrier()
     if rank < p.tp:  # tensor-parallel group 0
-        mine.update(tp_all_reduce=measure_all_reduce(groups.tp, device=device) if p.tp > 1 else [],
-                    layer_s=measure_layer(config, groups.tp, dtype, device),
-                    head_s=measure_head(config, groups.tp, dtype, device))
+        mine.update(
+            tp_all_reduce=measure_all_reduce(groups.tp, device=device) if p.tp > 1 else [],
+            layer_s=measure_layer(config, groups.tp, dtype, device),
+            head_s=measure_head(config, groups.tp, dtype, device),
+        )
     barrier()
     if p.dp > 1 and rank % p.tp == 0 and rank < p.tp * p.dp:  # data-parallel group 0
         mine["dp_all_reduce"] = measure_all_reduce(groups.dp, device=device)
@@ -368,9 +408,9 @@ def calibrate_worker(config_json: str, precision: str, out_path: str) -> dict:
     profile to ``out_path`` and returns its GPU spec and constants (the others return {})."""
     import torch.distributed as dist
 
-    from ptdp.spec import Config
-    from ptdp.run.distributed import init_distributed
     from ptdp.engine.groups import ParallelGroups, host_group
+    from ptdp.run.distributed import init_distributed
+    from ptdp.spec import Config
     from ptdp.spec.layout import ParallelLayout
 
     config = Config.from_dict(json.loads(config_json))
@@ -388,8 +428,7 @@ def calibrate_worker(config_json: str, precision: str, out_path: str) -> dict:
             props = torch.cuda.get_device_properties(device)
             gpu_info = {"name": props.name, "memory_bytes": props.total_memory}
         cores = 0 if gpu_info else len(os.sched_getaffinity(0))
-        gpu, constants, measured = build_profile(_combine(per_rank, config, cores), config, precision, cores,
-                                                 gpu_info)
+        gpu, constants, measured = build_profile(_combine(per_rank, config, cores), config, precision, cores, gpu_info)
         save_profile(Path(out_path), gpu, constants, measured)
         return {"gpu": dataclasses.asdict(gpu), "constants": dataclasses.asdict(constants)}
     finally:

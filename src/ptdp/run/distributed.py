@@ -22,8 +22,9 @@ def env_world() -> tuple[int, int, int]:
     )
 
 
-def init_distributed(timeout_minutes: float, threads_per_worker: int | None = None,
-                     bind_cpus: str = "none") -> torch.device:
+def init_distributed(
+    timeout_minutes: float, threads_per_worker: int | None = None, bind_cpus: str = "none"
+) -> torch.device:
     """Initialise the default process group from the launcher's environment; return the device.
 
     NCCL on the GPU :func:`cuda_device_index` picks when CUDA is available (with the watchdog
@@ -80,10 +81,12 @@ def cuda_device_index(local_rank: int, local_world: int, device_count: int) -> i
     if device_count == 1:
         return 0
     if local_world > device_count:
-        raise ConfigError(f"{local_world} processes on this node (LOCAL_WORLD_SIZE) but only {device_count} GPUs "
-                          f"visible (torch.cuda.device_count(), CUDA_VISIBLE_DEVICES="
-                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): each process needs a GPU of its own; "
-                          f"start at most {device_count} per node (torchrun --nproc-per-node)")
+        raise ConfigError(
+            f"{local_world} processes on this node (LOCAL_WORLD_SIZE) but only {device_count} GPUs "
+            f"visible (torch.cuda.device_count(), CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): each process needs a GPU of its own; "
+            f"start at most {device_count} per node (torchrun --nproc-per-node)"
+        )
     return local_rank % device_count
 
 

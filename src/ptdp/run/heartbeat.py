@@ -71,9 +71,11 @@ class Heartbeat:
                 self._say(now - since)
 
     def _say(self, idle_s: float) -> None:
-        line = (f"ptdp: rank {self.rank} has made no progress for {idle_s / 60:.1f} min {activity.CURRENT.where()} "
-                f"({WARN_FRACTION:.0%} of the process-group timeout, {self.timeout_s / 60:g} min): if NCCL's "
-                f"watchdog aborts this process, this is where it waited")
+        line = (
+            f"ptdp: rank {self.rank} has made no progress for {idle_s / 60:.1f} min {activity.CURRENT.where()} "
+            f"({WARN_FRACTION:.0%} of the process-group timeout, {self.timeout_s / 60:g} min): if NCCL's "
+            f"watchdog aborts this process, this is where it waited"
+        )
         self.warnings.append(line)
         print(line, file=self.out or sys.stderr, flush=True)
 

@@ -21,8 +21,9 @@ class WorkerFailedError(RuntimeError):
     """A worker died or raised, and the launcher had no restart left; the message names it."""
 
 
-def launch_local(config: Config, nproc: int, run_dir: str, data_dir: str, *, progress: bool,
-                 max_restarts: int = 0) -> dict:
+def launch_local(
+    config: Config, nproc: int, run_dir: str, data_dir: str, *, progress: bool, max_restarts: int = 0
+) -> dict:
     """Run ``nproc`` workers of ``ptdp.run.worker.worker_entry`` on this machine; return rank 0's result,
     or ``{"error": message}`` when a worker failed for good. See :func:`launch_workers`. On a CUDA
     machine the workers' GPUs follow the placement of this machine's topology
@@ -41,15 +42,23 @@ def launch_local(config: Config, nproc: int, run_dir: str, data_dir: str, *, pro
             print(line, flush=True)
         os.environ.update(env)
     try:
-        return launch_workers(worker_entry, nproc, config.to_json(), run_dir, data_dir, progress,
-                              max_restarts=max_restarts,
-                              collective_timeout_s=60.0 * config.parallel.distributed_timeout_minutes)
+        return launch_workers(
+            worker_entry,
+            nproc,
+            config.to_json(),
+            run_dir,
+            data_dir,
+            progress,
+            max_restarts=max_restarts,
+            collective_timeout_s=60.0 * config.parallel.distributed_timeout_minutes,
+        )
     except WorkerFailedError as e:
         return {"error": str(e)}
 
 
-def launch_workers(entrypoint, nproc: int, *args, max_restarts: int = 0,
-                   collective_timeout_s: float | None = None) -> dict:
+def launch_workers(
+    entrypoint, nproc: int, *args, max_restarts: int = 0, collective_timeout_s: float | None = None
+) -> dict:
     """Run ``nproc`` workers of ``entrypoint(*args)`` on this machine; return rank 0's result.
 
     Rendezvous binds to loopback on a free port. When a worker fails, the launcher stops the
@@ -64,8 +73,12 @@ def launch_workers(entrypoint, nproc: int, *args, max_restarts: int = 0,
     """
     cores = len(os.sched_getaffinity(0))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
-    with tempfile.TemporaryDirectory(prefix="ptdp-launch-") as log_dir, _fresh_store_per_attempt(max_restarts), \
-            _environ(postmortem.DIR_ENV, os.path.join(log_dir, "postmortem")), _quiet_launcher():
+    with (
+        tempfile.TemporaryDirectory(prefix="ptdp-launch-") as log_dir,
+        _fresh_store_per_attempt(max_restarts),
+        _environ(postmortem.DIR_ENV, os.path.join(log_dir, "postmortem")),
+        _quiet_launcher(),
+    ):
         try:
             return _launch(entrypoint, nproc, args, log_dir, max_restarts)
         except ChildFailedError as e:
@@ -74,16 +87,18 @@ def launch_workers(entrypoint, nproc: int, *args, max_restarts: int = 0,
             raise WorkerFailedError(failure_message(e, max_restarts, diagnosis)) from e
 
 
-def failure_message(error: ChildFailedError, max_restarts: int,
-                    diagnosis: postmortem.Diagnosis | None = None) -> str:
+def failure_message(error: ChildFailedError, max_restarts: int, diagnosis: postmortem.Diagnosis | None = None) -> str:
     """One paragraph: which rank failed first, how (signal or exit code, the worker's own error and
     the end of its traceback), in which phase and iteration, that no restart was left, and that
     the other ranks' errors follow from it. ``diagnosis`` (the workers' own records,
     :mod:`ptdp.run.postmortem`) decides which rank failed first; without it, the rank the launcher
     reports."""
     rank, failure = error.get_first_failure()
-    restarts = (f"after {max_restarts} restart(s), none left (--max-restarts {max_restarts})" if max_restarts
-                else "no restarts allowed (--max-restarts 0)")
+    restarts = (
+        f"after {max_restarts} restart(s), none left (--max-restarts {max_restarts})"
+        if max_restarts
+        else "no restarts allowed (--max-restarts 0)"
+    )
     if diagnosis is not None:
         first = diagnosis.first
         pid = failure.pid if first.rank == rank else (first.pid if first.pid is not None else "?")

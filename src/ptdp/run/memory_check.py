@@ -51,21 +51,38 @@ def rank_estimates(config: Config) -> list[RankBytes]:
     precision, scale = _PRECISION[m.params_dtype]
     model = spec_from_model_config(m)
     split = p.layer_split(m.num_layers)
-    layout = Layout(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size,
-                    virtual_stages=p.virtual_stages(m.num_layers), recompute=m.recompute_granularity or "none",
-                    precision=precision, sequence_parallel=p.sequence_parallel,
-                    distributed_optimizer=p.use_distributed_optimizer, layer_split=split, cp=p.cp,
-                    cp_comm_type=p.cp_comm_type)
+    layout = Layout(
+        p.tp,
+        p.pp,
+        p.dp,
+        t.micro_batch_size,
+        t.global_batch_size,
+        virtual_stages=p.virtual_stages(m.num_layers),
+        recompute=m.recompute_granularity or "none",
+        precision=precision,
+        sequence_parallel=p.sequence_parallel,
+        distributed_optimizer=p.use_distributed_optimizer,
+        layer_split=split,
+        cp=p.cp,
+        cp_comm_type=p.cp_comm_type,
+    )
     layers = stage_layer_counts(m.num_layers, p.pp, split)
-    counts = stage_param_counts(model, p.tp, p.pp, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-                                layer_split=split)
+    counts = stage_param_counts(
+        model, p.tp, p.pp, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, layer_split=split
+    )
     pb, gb, ob = bytes_per_param(precision, p.dp * p.cp, p.use_distributed_optimizer)  # ZeRO-1 over dp x cp
     activation_bytes = rank_activation_bytes if p.cp > 1 else stage_activation_bytes
     schedule = "gpipe" if p.schedule == "gpipe" else "1f1b"
     out = []
     for stage, (n, n_layers) in enumerate(zip(counts, layers)):
-        act = activation_bytes(model, layout, stage, n_layers, schedule=schedule,
-                                     make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
+        act = activation_bytes(
+            model,
+            layout,
+            stage,
+            n_layers,
+            schedule=schedule,
+            make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+        )
         out.append(RankBytes(stage, scale * n * pb, scale * n * gb, scale * n * ob, scale * act))
     return out
 
@@ -87,16 +104,30 @@ def _alternatives(config: Config) -> list[tuple[str, Config]]:
     m, p, t = config.model, config.parallel, config.train
     out = []
     if not p.use_distributed_optimizer and p.dp > 1 and p.grad_compression != "1bit":
-        out.append(("--use-distributed-optimizer", dataclasses.replace(
-            config, parallel=dataclasses.replace(p, use_distributed_optimizer=True))))
+        out.append(
+            (
+                "--use-distributed-optimizer",
+                dataclasses.replace(config, parallel=dataclasses.replace(p, use_distributed_optimizer=True)),
+            )
+        )
     if m.recompute_granularity != "full":
-        out.append(("--recompute-granularity full", dataclasses.replace(
-            config, model=dataclasses.replace(m, recompute_granularity="full", recompute_method="uniform",
-                                              recompute_num_layers=1))))
+        out.append(
+            (
+                "--recompute-granularity full",
+                dataclasses.replace(
+                    config,
+                    model=dataclasses.replace(
+                        m, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+                    ),
+                ),
+            )
+        )
     if m.params_dtype in ("float32", "float64"):
         out.append(("--bf16", dataclasses.replace(config, model=dataclasses.replace(m, params_dtype="bfloat16"))))
     if t.micro_batch_size > 1:
-        out.append(("--micro-batch-size 1", dataclasses.replace(config, train=dataclasses.replace(t, micro_batch_size=1))))
+        out.append(
+            ("--micro-batch-size 1", dataclasses.replace(config, train=dataclasses.replace(t, micro_batch_size=1)))
+        )
     return out
 
 
@@ -109,14 +140,19 @@ def memory_problem(config: Config, nproc: int, available: float, *, gpu: bool, w
     ranks = rank_estimates(config)
     worst = max(ranks, key=lambda r: r.total)
     unit = "the most loaded rank needs" if gpu else f"the {nproc} local workers together need"
-    lines = [f"the run does not fit in memory: {unit} about {need / GiB:,.1f} GiB and {where} has "
-             f"{available / GiB:,.1f} GiB",
-             f"  per rank of stage {worst.stage}: parameters {worst.params / GiB:,.2f} GiB, gradients "
-             f"{worst.grads / GiB:,.2f}, optimizer state {worst.optimizer / GiB:,.2f}, activations "
-             f"{worst.activations / GiB:,.2f} (planner estimate), plus "
-             f"{(GPU_WORKER_OVERHEAD if gpu else CPU_WORKER_OVERHEAD) / GiB:g} GiB per process"]
-    helps = [f"{flag} ({alt_need / GiB:,.1f} GiB)" for flag, alt in _alternatives(config)
-             if (alt_need := needed_bytes(alt, nproc, gpu=gpu)) < need]
+    lines = [
+        f"the run does not fit in memory: {unit} about {need / GiB:,.1f} GiB and {where} has "
+        f"{available / GiB:,.1f} GiB",
+        f"  per rank of stage {worst.stage}: parameters {worst.params / GiB:,.2f} GiB, gradients "
+        f"{worst.grads / GiB:,.2f}, optimizer state {worst.optimizer / GiB:,.2f}, activations "
+        f"{worst.activations / GiB:,.2f} (planner estimate), plus "
+        f"{(GPU_WORKER_OVERHEAD if gpu else CPU_WORKER_OVERHEAD) / GiB:g} GiB per process",
+    ]
+    helps = [
+        f"{flag} ({alt_need / GiB:,.1f} GiB)"
+        for flag, alt in _alternatives(config)
+        if (alt_need := needed_bytes(alt, nproc, gpu=gpu)) < need
+    ]
     more = "larger --tp or --pp (each rank then holds a smaller part of the model)"
     lines.append("  would help: " + ", ".join(helps + [more]) + "; or a smaller model")
     lines.append("  --force starts the workers anyway")

@@ -25,8 +25,16 @@ class RunLog:
     appended to. ``trackers`` (:class:`ptdp.run.tracking.Trackers`, rank 0) get every line too.
     """
 
-    def __init__(self, run_dir: Path, *, enabled: bool, total_iters: int, progress: bool = True,
-                 restart: int = 0, trackers: Any = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        total_iters: int,
+        progress: bool = True,
+        restart: int = 0,
+        trackers: Any = None,
+    ) -> None:
         self.enabled = enabled
         self.restart = restart
         self.trackers = trackers if enabled else None
@@ -50,15 +58,22 @@ class RunLog:
     def restarted(self, iteration: int, checkpoint: str | None) -> None:
         """The restart event line, and a message saying where the restarted job resumes."""
         self.write({"event": "restart", "resumed_from_iteration": iteration, "checkpoint": checkpoint})
-        where = (f"resumed from {checkpoint} at iteration {iteration}" if checkpoint else
-                 "no checkpoint to resume from (no --save, or nothing saved yet): starting from scratch")
+        where = (
+            f"resumed from {checkpoint} at iteration {iteration}"
+            if checkpoint
+            else "no checkpoint to resume from (no --save, or nothing saved yet): starting from scratch"
+        )
         self.message(f"restart {self.restart} of the job: {where}")
 
     def step(self, iteration: int, loss: float, step_time_s: float, tokens_per_s: float, lr: float) -> None:
         if self._bar is not None:
             self._bar.set_postfix(
-                {"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}", "step": f"{step_time_s:.2f}s",
-                 "lr": f"{lr:.2e}"},
+                {
+                    "loss": f"{loss:.3f}",
+                    "tok/s": f"{tokens_per_s:,.0f}",
+                    "step": f"{step_time_s:.2f}s",
+                    "lr": f"{lr:.2e}",
+                },
                 refresh=False,
             )
             self._bar.update(1)
@@ -116,8 +131,10 @@ def format_summary(s: dict, run_dir) -> str:
     lines = [f"done: {s['iterations']} iterations in {s['elapsed_s']:.1f} s"]
     if s.get("tokens_per_s"):
         mfu = f", MFU {100 * s['mfu']:.1f}%" if s.get("mfu") is not None else ""
-        lines.append(f"  throughput: {s['tokens_per_s']:,.0f} tokens/s, {s['mean_step_time_s']:.3f} s/step, "
-                     f"{s.get('tflops_per_gpu', 0.0):.4g} model TFLOP/s per GPU{mfu}")
+        lines.append(
+            f"  throughput: {s['tokens_per_s']:,.0f} tokens/s, {s['mean_step_time_s']:.3f} s/step, "
+            f"{s.get('tflops_per_gpu', 0.0):.4g} model TFLOP/s per GPU{mfu}"
+        )
     if s.get("final_loss") is not None:
         lines.append(f"  train loss: {s['first_loss']:.4f} -> {s['final_loss']:.4f}")
     if s.get("val_loss_ratio") is not None:
@@ -128,25 +145,33 @@ def format_summary(s: dict, run_dir) -> str:
     dp_bytes = sum(c["bytes"] for k, c in s.get("comm_per_step_rank0", {}).items() if k.startswith("dp/"))
     if dp_bytes:
         exact = " (still in its exact warmup)" if s.get("last_step_reduced_exactly") else ""
-        lines.append(f"  data-parallel payload of the last step on rank 0: {dp_bytes:,} bytes "
-                     f"(gradient compression: {s.get('grad_compression', 'none')}{exact})")
+        lines.append(
+            f"  data-parallel payload of the last step on rank 0: {dp_bytes:,} bytes "
+            f"(gradient compression: {s.get('grad_compression', 'none')}{exact})"
+        )
     cp_bytes = sum(c["bytes"] for k, c in s.get("comm_per_step_rank0", {}).items() if k.startswith("cp/"))
     if cp_bytes:
-        lines.append(f"  context-parallel traffic of the last step on rank 0: {cp_bytes:,} bytes (keys, values and "
-                     f"their gradients over {s['layout'].get('cp')} cp ranks)")
+        lines.append(
+            f"  context-parallel traffic of the last step on rank 0: {cp_bytes:,} bytes (keys, values and "
+            f"their gradients over {s['layout'].get('cp')} cp ranks)"
+        )
     if s.get("bubble"):
         b = s["bubble"]
         by_rank = b["measured_idle_over_compute_by_rank"]
-        lines.append(f"  pipeline bubble ({b['schedule']}): idle/compute per rank "
-                     + ", ".join(f"{r}: {v:.2f}" for r, v in sorted(by_rank.items(), key=lambda kv: int(kv[0])))
-                     + f"; formula (p-1)/(v m) = {b['formula_(p-1)/(v*m)']:.2f}; trace.json, timeline.png written")
+        lines.append(
+            f"  pipeline bubble ({b['schedule']}): idle/compute per rank "
+            + ", ".join(f"{r}: {v:.2f}" for r, v in sorted(by_rank.items(), key=lambda kv: int(kv[0])))
+            + f"; formula (p-1)/(v m) = {b['formula_(p-1)/(v*m)']:.2f}; trace.json, timeline.png written"
+        )
     if s.get("peak_memory_bytes_by_rank"):
         lines.append(format_peak_memory(s["peak_memory_bytes_by_rank"], s["peak_memory_measure"]))
     if s.get("profile"):
         p = s["profile"]
         if p["iterations"]:
-            lines.append(f"  torch.profiler trace of iterations {p['iterations'][0]}-{p['iterations'][1]}: "
-                         + ", ".join(p["files"]))
+            lines.append(
+                f"  torch.profiler trace of iterations {p['iterations'][0]}-{p['iterations'][1]}: "
+                + ", ".join(p["files"])
+            )
         else:
             lines.append(f"  --profile: {p['note']}")
     if s.get("planner_check"):

@@ -19,15 +19,15 @@ from typing import Any
 
 import torch
 
-from ptdp.spec import Config
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.memory import memory_breakdown, stage_param_counts
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.plan import Layout
-from ptdp.run.profiling import process_peak_rss
 from ptdp.planner.profile import default_profile_path, load_profile
 from ptdp.planner.sharding import strategy_bytes_per_param
+from ptdp.run.profiling import process_peak_rss
+from ptdp.spec import Config
 
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -37,8 +37,12 @@ def measure_stage(stage) -> dict:
     params = list(stage.model.parameters())
     opt = stage.optimizer
     inner = getattr(opt, "inner", opt)
-    state_bytes = sum(t.numel() * t.element_size() for s in inner.state.values() for k, t in s.items()
-                      if k != "step" and torch.is_tensor(t))
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for s in inner.state.values()
+        for k, t in s.items()
+        if k != "step" and torch.is_tensor(t)
+    )
     main_bytes = sum(m.numel() * m.element_size() for _, m in getattr(opt, "pairs", []))
     if stage.device.type == "cuda":
         peak, peak_kind = torch.cuda.max_memory_allocated(stage.device), "CUDA max allocated"
@@ -54,7 +58,8 @@ def measure_stage(stage) -> dict:
         # optim_grads: the most bucket gradient bytes allocated at once during a backward
         "grads_transient": stage.grads.peak_live_bytes,
         "optimizer": state_bytes + main_bytes,
-        "peak": peak, "peak_kind": peak_kind,
+        "peak": peak,
+        "peak_kind": peak_kind,
     }
 
 
@@ -71,21 +76,36 @@ def planner_layout(config: Config) -> Layout | None:
     if precision is None:
         return None
     p, t = config.parallel, config.train
-    return Layout(p.tp, p.pp, p.dp, t.micro_batch_size, t.global_batch_size,
-                  virtual_stages=p.virtual_stages(config.model.num_layers),
-                  recompute=config.model.recompute_granularity or "none", precision=precision,
-                  sequence_parallel=p.sequence_parallel, layer_split=p.layer_split(config.model.num_layers),
-                  distributed_optimizer=p.use_distributed_optimizer, cp=p.cp, cp_comm_type=p.cp_comm_type,
-                  sharding=p.sharding_strategy)
+    return Layout(
+        p.tp,
+        p.pp,
+        p.dp,
+        t.micro_batch_size,
+        t.global_batch_size,
+        virtual_stages=p.virtual_stages(config.model.num_layers),
+        recompute=config.model.recompute_granularity or "none",
+        precision=precision,
+        sequence_parallel=p.sequence_parallel,
+        layer_split=p.layer_split(config.model.num_layers),
+        distributed_optimizer=p.use_distributed_optimizer,
+        cp=p.cp,
+        cp_comm_type=p.cp_comm_type,
+        sharding=p.sharding_strategy,
+    )
 
 
 def recompute_note(config: Config) -> str | None:
     """Why the planner's activation memory is approximate for this run's full recompute, if it is."""
     m = config.model
-    if m.recompute_granularity != "full" or (m.recompute_method, m.recompute_num_layers) in ((None, None), ("uniform", 1)):
+    if m.recompute_granularity != "full" or (m.recompute_method, m.recompute_num_layers) in (
+        (None, None),
+        ("uniform", 1),
+    ):
         return None
-    return (f"the planner models full recompute of every layer (uniform, 1 layer per group), not "
-            f"{m.recompute_method} with {m.recompute_num_layers} layers")
+    return (
+        f"the planner models full recompute of every layer (uniform, 1 layer per group), not "
+        f"{m.recompute_method} with {m.recompute_num_layers} layers"
+    )
 
 
 def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, profile: Path | None) -> dict:
@@ -95,8 +115,9 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
         return {"note": f"the planner does not model params_dtype={config.model.params_dtype}"}
     model, p = spec_from_model_config(config.model), config.parallel
     split = p.layer_split(config.model.num_layers)
-    counts = stage_param_counts(model, p.tp, p.pp, make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by,
-                                layer_split=split)
+    counts = stage_param_counts(
+        model, p.tp, p.pp, make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by, layer_split=split
+    )
     # the run's sharding strategy over the dp x cp ranks holding the same parameters
     per_param = strategy_bytes_per_param(layout.precision, p.sharding_strategy, p.dp * p.cp)
     rows, exact = [], True
@@ -110,11 +131,23 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
         slack = {"numel": 0, "params": 0, "grads": pad * per_param[1], "optimizer": pad * per_param[2]}
         same = all(0 <= r[k] - predicted[k] <= slack[k] for k in predicted)
         exact &= same
-        rows.append({"coords": r["coords"], "predicted": predicted, "padding_elements": pad,
-                     "measured": {k: r[k] for k in predicted}, "exact": same})
+        rows.append(
+            {
+                "coords": r["coords"],
+                "predicted": predicted,
+                "padding_elements": pad,
+                "measured": {k: r[k] for k in predicted},
+                "exact": same,
+            }
+        )
     out: dict[str, Any] = {
-        "bytes_exact_on_every_rank": exact, "ranks": rows,
-        "peak_memory": {"measured_max_bytes": max(r["peak"] for r in per_rank), "measured_kind": per_rank[0]["peak_kind"]}}
+        "bytes_exact_on_every_rank": exact,
+        "ranks": rows,
+        "peak_memory": {
+            "measured_max_bytes": max(r["peak"] for r in per_rank),
+            "measured_kind": per_rank[0]["peak_kind"],
+        },
+    }
     if profile is not None and profile.is_file():
         try:
             gpu, constants = load_profile(profile)
@@ -122,18 +155,35 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
             out["step_time"] = {"note": str(e)}
             return out
         cluster = Cluster(gpu, config.world_size, config.world_size)  # ptdp train's workers share one machine
-        memory = memory_breakdown(model, layout, gpu, overhead_bytes=0.0, layer_split=split,
-                                  schedule="gpipe" if p.schedule == "gpipe" else "1f1b",
-                                  make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by)
+        memory = memory_breakdown(
+            model,
+            layout,
+            gpu,
+            overhead_bytes=0.0,
+            layer_split=split,
+            schedule="gpipe" if p.schedule == "gpipe" else "1f1b",
+            make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by,
+        )
         out["peak_memory"]["predicted_bytes"] = memory.total
         if recompute_note(config):
             out["peak_memory"]["note"] = recompute_note(config)
         if layout.precision in gpu.peak_flops and mean_step_s:
-            perf = evaluate_performance(model, layout, cluster, constants, layer_split=split,
-                                        make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by)
+            perf = evaluate_performance(
+                model,
+                layout,
+                cluster,
+                constants,
+                layer_split=split,
+                make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by,
+            )
             error = perf.time.step / mean_step_s - 1.0
-            out["step_time"] = {"predicted_s": perf.time.step, "measured_s": mean_step_s, "error": error,
-                                "within_25_percent": abs(error) <= 0.25, "profile": str(profile)}
+            out["step_time"] = {
+                "predicted_s": perf.time.step,
+                "measured_s": mean_step_s,
+                "error": error,
+                "within_25_percent": abs(error) <= 0.25,
+                "profile": str(profile),
+            }
     else:
         out["step_time"] = {"note": "no hardware profile: run `ptdp plan --calibrate` to predict step time"}
     return out
@@ -164,20 +214,31 @@ def format_comparison(check: dict) -> list[str]:
         pr, me = r["predicted"], r["measured"]
         lines.append(
             f"    stage {pp_rank}: params {pr['params']:,.0f} / {me['params']:,} B, grads {pr['grads']:,.0f} / "
-            f"{me['grads']:,} B, optimizer {pr['optimizer']:,.0f} / {me['optimizer']:,} B (predicted / measured)")
+            f"{me['grads']:,} B, optimizer {pr['optimizer']:,.0f} / {me['optimizer']:,} B (predicted / measured)"
+        )
     padded = any(r.get("padding_elements") for r in check["ranks"])
-    lines.append(f"    bytes equal on every rank{' (up to bucket padding)' if padded else ''}: "
-                 f"{'yes' if check['bytes_exact_on_every_rank'] else 'NO'}")
+    lines.append(
+        f"    bytes equal on every rank{' (up to bucket padding)' if padded else ''}: "
+        f"{'yes' if check['bytes_exact_on_every_rank'] else 'NO'}"
+    )
     pm = check["peak_memory"]
-    predicted = f"{pm['predicted_bytes'] / 2**20:,.0f} MiB predicted (model state + activations), " if "predicted_bytes" in pm else ""
-    lines.append(f"    peak memory: {predicted}{pm['measured_max_bytes'] / 2**20:,.0f} MiB measured ({pm['measured_kind']})")
+    predicted = (
+        f"{pm['predicted_bytes'] / 2**20:,.0f} MiB predicted (model state + activations), "
+        if "predicted_bytes" in pm
+        else ""
+    )
+    lines.append(
+        f"    peak memory: {predicted}{pm['measured_max_bytes'] / 2**20:,.0f} MiB measured ({pm['measured_kind']})"
+    )
     if "note" in pm:
         lines.append(f"      ({pm['note']})")
     st = check.get("step_time", {})
     if "predicted_s" in st:
         verdict = "within" if st["within_25_percent"] else "NOT within"
-        lines.append(f"    step time: {st['predicted_s']:.3f} s predicted, {st['measured_s']:.3f} s measured "
-                     f"({100 * st['error']:+.0f}%, {verdict} 25%; profile {st['profile']})")
+        lines.append(
+            f"    step time: {st['predicted_s']:.3f} s predicted, {st['measured_s']:.3f} s measured "
+            f"({100 * st['error']:+.0f}%, {verdict} 25%; profile {st['profile']})"
+        )
     elif "note" in st:
         lines.append(f"    step time: {st['note']}")
     return lines

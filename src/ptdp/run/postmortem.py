@@ -76,9 +76,17 @@ class ActivityBox:
 
     def write(self, phase_index: int, iteration: int | None, state: int = RUNNING, since_ns: int | None = None) -> None:
         """Record the phase, iteration and state, and ``since_ns`` (default: now, ``time.time_ns()``)."""
-        struct.pack_into(_BOX_FORMAT, self._map, 0, _MAGIC, phase_index, state,
-                         -1 if iteration is None else iteration, os.getpid(),
-                         time.time_ns() if since_ns is None else since_ns)
+        struct.pack_into(
+            _BOX_FORMAT,
+            self._map,
+            0,
+            _MAGIC,
+            phase_index,
+            state,
+            -1 if iteration is None else iteration,
+            os.getpid(),
+            time.time_ns() if since_ns is None else since_ns,
+        )
 
 
 def read_box(path: Path) -> dict | None:
@@ -92,8 +100,13 @@ def read_box(path: Path) -> dict | None:
         return None
     if magic != _MAGIC:
         return None
-    return {"phase": PHASES[phase] if phase < len(PHASES) else "?", "iteration": None if iteration < 0 else iteration,
-            "state": state, "pid": pid, "since_ns": since}
+    return {
+        "phase": PHASES[phase] if phase < len(PHASES) else "?",
+        "iteration": None if iteration < 0 else iteration,
+        "state": state,
+        "pid": pid,
+        "since_ns": since,
+    }
 
 
 @contextmanager
@@ -110,7 +123,7 @@ def recording(rank: int, attempt: int = 0):
     folder.mkdir(parents=True, exist_ok=True)
     box = ActivityBox(folder / f"rank{rank}.activity")
     activity.mirror_to(box)
-    signal_file = open(folder / f"rank{rank}.signal", "w")  # noqa: SIM115 - open while the worker lives
+    signal_file = open(folder / f"rank{rank}.signal", "w")
     faulthandler.enable(file=signal_file, all_threads=False)
     faulthandler.register(signal.SIGTERM, file=signal_file, all_threads=False, chain=True)
     try:
@@ -132,9 +145,12 @@ def _write_error(path: Path, err: BaseException) -> None:
     from ptdp.engine import activity
 
     record = {
-        "time_ns": time.time_ns(), "type": type(err).__name__, "message": str(err).strip(),
+        "time_ns": time.time_ns(),
+        "type": type(err).__name__,
+        "message": str(err).strip(),
         "consequence": isinstance(err, activity.CollectiveError),
-        "phase": activity.CURRENT.phase, "iteration": activity.CURRENT.iteration,
+        "phase": activity.CURRENT.phase,
+        "iteration": activity.CURRENT.iteration,
         "traceback": "".join(traceback.format_exception(err)),
     }
     tmp = path.with_suffix(".tmp")
@@ -174,8 +190,9 @@ def read_rank_end(folder: Path, rank: int) -> RankEnd:
     """How ``rank`` ended, from its records in ``folder``."""
     box = read_box(folder / f"rank{rank}.activity")
     phase, iteration, pid = (box["phase"], box["iteration"], box["pid"]) if box else (None, None, None)
-    return dataclasses.replace(_rank_end(folder, rank, box, phase, iteration, pid),
-                               since_ns=box["since_ns"] if box else None)
+    return dataclasses.replace(
+        _rank_end(folder, rank, box, phase, iteration, pid), since_ns=box["since_ns"] if box else None
+    )
 
 
 def _rank_end(folder: Path, rank: int, box: dict | None, phase, iteration, pid) -> RankEnd:
@@ -185,10 +202,26 @@ def _rank_end(folder: Path, rank: int, box: dict | None, phase, iteration, pid) 
             e = json.loads(error_path.read_text())
             first = (e["message"].splitlines() or [""])[0]
             if e["consequence"]:  # the message itself names the operation, peers and stalled ranks
-                return RankEnd(rank, "collective", e["time_ns"], e["type"], e.get("phase", phase),
-                               e.get("iteration", iteration), e["message"], pid)
-            return RankEnd(rank, "raised", e["time_ns"], f"{e['type']}: {first}" if first else e["type"],
-                           e.get("phase", phase), e.get("iteration", iteration), e.get("traceback", ""), pid)
+                return RankEnd(
+                    rank,
+                    "collective",
+                    e["time_ns"],
+                    e["type"],
+                    e.get("phase", phase),
+                    e.get("iteration", iteration),
+                    e["message"],
+                    pid,
+                )
+            return RankEnd(
+                rank,
+                "raised",
+                e["time_ns"],
+                f"{e['type']}: {first}" if first else e["type"],
+                e.get("phase", phase),
+                e.get("iteration", iteration),
+                e.get("traceback", ""),
+                pid,
+            )
         except (OSError, ValueError, KeyError, TypeError):
             pass
     text = signal_path.read_text(errors="replace") if signal_path.is_file() else ""
@@ -196,15 +229,29 @@ def _rank_end(folder: Path, rank: int, box: dict | None, phase, iteration, pid) 
         first = text.strip().splitlines()[0]
         kind = "signal" if first.startswith("Fatal Python error") else "sigterm"  # register() writes no header
         name = first.removeprefix("Fatal Python error: ").strip()
-        return RankEnd(rank, kind, signal_path.stat().st_mtime_ns,
-                       "received SIGTERM" if kind == "sigterm" else f"died of a fatal signal ({name})",
-                       phase, iteration, text, pid)
+        return RankEnd(
+            rank,
+            kind,
+            signal_path.stat().st_mtime_ns,
+            "received SIGTERM" if kind == "sigterm" else f"died of a fatal signal ({name})",
+            phase,
+            iteration,
+            text,
+            pid,
+        )
     if box and box["state"] == FINISHED:
         return RankEnd(rank, "finished", None, "finished", phase, iteration, pid=pid)
     if box is None:
         return RankEnd(rank, "silent", None, "left no record (it never started, or was killed at once)")
-    return RankEnd(rank, "silent", None, "was killed without a trace (SIGKILL, e.g. by the out-of-memory killer "
-                   "or kill -9)", phase, iteration, pid=pid)
+    return RankEnd(
+        rank,
+        "silent",
+        None,
+        "was killed without a trace (SIGKILL, e.g. by the out-of-memory killer or kill -9)",
+        phase,
+        iteration,
+        pid=pid,
+    )
 
 
 _FOLLOWERS = (  # how the other ranks ended, one rank / several
@@ -213,8 +260,11 @@ _FOLLOWERS = (  # how the other ranks ended, one rank / several
     ("silent", "ended without a record", "ended without a record"),
     ("raised", "raised an error of its own", "raised errors of their own"),
     ("signal", "died of a fatal signal", "died of fatal signals"),
-    ("watchdog", "was aborted by NCCL's watchdog (a collective timed out)",
-     "were aborted by NCCL's watchdog (a collective timed out)"),
+    (
+        "watchdog",
+        "was aborted by NCCL's watchdog (a collective timed out)",
+        "were aborted by NCCL's watchdog (a collective timed out)",
+    ),
 )
 
 
@@ -270,7 +320,9 @@ def diagnose(folder: Path, world_size: int, timeout_s: float | None = None) -> D
         found = [e for e in ends if e.kind in kinds]
         return min(found, key=lambda e: (e.time_ns if e.time_ns is not None else 0, e.rank)) if found else None
 
-    first = earliest(("raised", "signal")) or earliest(("silent",)) or earliest(("collective",)) or earliest(("sigterm",))
+    first = (
+        earliest(("raised", "signal")) or earliest(("silent",)) or earliest(("collective",)) or earliest(("sigterm",))
+    )
     if first is None:
         return None
     return Diagnosis(first, [e for e in ends if e.rank != first.rank])
@@ -285,13 +337,18 @@ def watchdog_aborts(ends: list[RankEnd], timeout_s: float | None) -> list[RankEn
     if not timeout_s:
         return []
     limit = WATCHDOG_FRACTION * timeout_s * 1e9
-    aborts = [(e, e.time_ns, e.since_ns) for e in ends if e.kind == "signal" and e.summary.endswith("(Aborted)")
-              and e.time_ns is not None and e.since_ns is not None]
+    aborts = [
+        (e, e.time_ns, e.since_ns)
+        for e in ends
+        if e.kind == "signal" and e.summary.endswith("(Aborted)") and e.time_ns is not None and e.since_ns is not None
+    ]
     if not aborts:
         return []
     first = min(time_ns for _, time_ns, _ in aborts)
-    idle = any(e.kind in ("sigterm", "silent", "collective") and e.since_ns is not None and first - e.since_ns >= limit
-               for e in ends)
+    idle = any(
+        e.kind in ("sigterm", "silent", "collective") and e.since_ns is not None and first - e.since_ns >= limit
+        for e in ends
+    )
     return [e for e, time_ns, since_ns in aborts if idle or time_ns - since_ns >= limit]
 
 
@@ -306,25 +363,41 @@ def _watchdog_diagnosis(ends: list[RankEnd], aborted: list[RankEnd]) -> Diagnosi
     """After NCCL watchdog aborts: the rank that was not aborted and made no progress for the
     longest time is named first (the one the aborted ranks waited for); if every rank was aborted,
     the first abort."""
+
     def waited(e: RankEnd) -> str:
         time_ns, since_ns = _times(e)
         return _duration(time_ns - since_ns)
 
-    marked = {e.rank: dataclasses.replace(e, kind="watchdog", summary=f"was aborted by NCCL's watchdog (SIGABRT) "
-                                          f"{waited(e)} after entering its last phase") for e in aborted}
-    candidates = [(e, e.since_ns) for e in ends
-                  if e.rank not in marked and e.kind in ("sigterm", "silent", "collective") and e.since_ns is not None]
+    marked = {
+        e.rank: dataclasses.replace(
+            e,
+            kind="watchdog",
+            summary=f"was aborted by NCCL's watchdog (SIGABRT) {waited(e)} after entering its last phase",
+        )
+        for e in aborted
+    }
+    candidates = [
+        (e, e.since_ns)
+        for e in ends
+        if e.rank not in marked and e.kind in ("sigterm", "silent", "collective") and e.since_ns is not None
+    ]
     last_abort = max(_times(e)[0] for e in aborted)
     if candidates:
         stalled, since_ns = min(candidates, key=lambda c: (c[1], c[0].rank))
-        first = dataclasses.replace(stalled, kind="stalled", summary=(
-            f"made no progress for {_duration(last_abort - since_ns)} before NCCL's watchdog aborted "
-            f"rank{'s' if len(marked) > 1 else ''} {', '.join(map(str, sorted(marked)))} (a collective timed out "
-            f"waiting for it: likely the one that stopped responding; --distributed-timeout-minutes sets the limit)"))
+        first = dataclasses.replace(
+            stalled,
+            kind="stalled",
+            summary=(
+                f"made no progress for {_duration(last_abort - since_ns)} before NCCL's watchdog aborted "
+                f"rank{'s' if len(marked) > 1 else ''} {', '.join(map(str, sorted(marked)))} (a collective timed out "
+                f"waiting for it: likely the one that stopped responding; --distributed-timeout-minutes sets the limit)"
+            ),
+        )
     else:
         first = min(marked.values(), key=lambda e: (_times(e)[0], e.rank))
-        first = dataclasses.replace(first, summary=first.summary + " (a collective timed out; "
-                                    "--distributed-timeout-minutes sets the limit)")
+        first = dataclasses.replace(
+            first, summary=first.summary + " (a collective timed out; --distributed-timeout-minutes sets the limit)"
+        )
     others = [marked.get(e.rank, e) for e in ends if e.rank != first.rank]
     return Diagnosis(first, others)
 

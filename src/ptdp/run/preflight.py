@@ -18,9 +18,9 @@ rank's error is raised on every rank (``share``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from ptdp.data import DataError, PreparedData
 from ptdp.run.memory_check import check_memory
@@ -85,8 +85,14 @@ class Share:
     run_dir: Callable[[Path], Path]
 
 
-def prepare_run(config: Config, *, roles: Roles = Roles(), restart: int = 0, share: Share | None = None,
-                log: Callable[[str], None] = print) -> tuple[Config, Path, PreparedData]:
+def prepare_run(
+    config: Config,
+    *,
+    roles: Roles = Roles(),
+    restart: int = 0,
+    share: Share | None = None,
+    log: Callable[[str], None] = print,
+) -> tuple[Config, Path, PreparedData]:
     """Check the run directory, prepare the data and create the run directory with its
     ``config.json`` (a restarted job keeps its first attempt's). Returns the config with
     ``output_dir`` set, the run directory and the prepared data. Raises ConfigError/DataError."""

@@ -56,8 +56,17 @@ class StepProfiler:
     ``end - 1`` writes the trace and stops.
     """
 
-    def __init__(self, *, rank: int, ranks: tuple[int, ...], start: int, end: int, run_dir: Path,
-                 device: torch.device | str, first_step: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        ranks: tuple[int, ...],
+        start: int,
+        end: int,
+        run_dir: Path,
+        device: torch.device | str,
+        first_step: int = 0,
+    ) -> None:
         self.start, self.end = max(start, first_step), end  # a resumed run profiles what is left
         self.ranks, self.first_step = tuple(sorted(set(ranks))), first_step
         self.enabled = rank in ranks and self.start < end
@@ -93,13 +102,19 @@ class StepProfiler:
         self.written = self.path
 
     @classmethod
-    def for_run(cls, config, rank: int, run_dir: Path, device: torch.device | str,
-                first_step: int = 0) -> StepProfiler:
+    def for_run(cls, config, rank: int, run_dir: Path, device: torch.device | str, first_step: int = 0) -> StepProfiler:
         """The profiler of a run's ``config.train`` (``--profile``, its steps and ranks) on global
         ``rank``, for a run whose first step is ``first_step`` (0-based; > 0 when it resumed)."""
         t = config.train
-        return cls(rank=rank, ranks=t.profile_ranks if t.profile else (), start=t.profile_step_start,
-                   end=t.profile_step_end, run_dir=run_dir, device=device, first_step=first_step)
+        return cls(
+            rank=rank,
+            ranks=t.profile_ranks if t.profile else (),
+            start=t.profile_step_start,
+            end=t.profile_step_end,
+            run_dir=run_dir,
+            device=device,
+            first_step=first_step,
+        )
 
     def summary(self) -> dict | None:
         """What the run summary says of ``--profile`` (None without it): the iterations profiled
@@ -108,7 +123,10 @@ class StepProfiler:
         if not self.ranks:
             return None
         if self.start >= self.end:
-            return {"iterations": [], "files": [],
-                    "note": f"nothing profiled: the run resumed at iteration {self.first_step}, after "
-                            f"--profile-step-end {self.end}"}
+            return {
+                "iterations": [],
+                "files": [],
+                "note": f"nothing profiled: the run resumed at iteration {self.first_step}, after "
+                f"--profile-step-end {self.end}",
+            }
         return {"iterations": [self.start + 1, self.end], "files": [f"profile/rank{r}.json" for r in self.ranks]}

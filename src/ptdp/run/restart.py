@@ -28,7 +28,6 @@ from ptdp.run.checkpoint.folders import newest_checkpoint
 from ptdp.spec import Config, ConfigError
 
 
-
 def restart_count() -> int:
     """How many times the launcher has restarted this job's workers (0: the first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
@@ -51,9 +50,11 @@ def check_torchrun_restarts(output_dir: str | None) -> None:
     if n and not output_dir:
         needs.append("--output-dir (a restarted job appends to the run directory of its first attempt)")
     if n and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        needs.append("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment (with the store torchrun "
-                     "shares by default, restarted workers read their peers' addresses from the previous "
-                     "attempt and cannot connect)")
+        needs.append(
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment (with the store torchrun "
+            "shares by default, restarted workers read their peers' addresses from the previous "
+            "attempt and cannot connect)"
+        )
     if needs:
         raise ConfigError(f"torchrun --max-restarts {n} needs " + " and ".join(needs))
 

@@ -13,10 +13,10 @@ import os
 import time
 from pathlib import Path
 
-from ptdp.spec import Config, ConfigError
 from ptdp.data import DataError, PreparedData, prepare_data
 from ptdp.run.metrics import write_json
 from ptdp.run.paths import folder_problem
+from ptdp.spec import Config, ConfigError
 
 
 def cache_dir(config: Config) -> Path:
@@ -54,16 +54,26 @@ def prepare(config: Config, log=print) -> PreparedData:
     if problem:
         raise DataError(f"data cache directory (--data-cache-dir or $PTDP_CACHE_DIR): {problem}")
     d = config.data
-    data = prepare_data(paths, config.model.vocab_size, cache, d.valid_fraction, log=log,
-                        tokenizer_model=d.tokenizer_model, text_key=d.data_text_key, workers=d.tokenizer_workers,
-                        progress=not config.launch.no_progress)
+    data = prepare_data(
+        paths,
+        config.model.vocab_size,
+        cache,
+        d.valid_fraction,
+        log=log,
+        tokenizer_model=d.tokenizer_model,
+        text_key=d.data_text_key,
+        workers=d.tokenizer_workers,
+        progress=not config.launch.no_progress,
+    )
     check_data_fits(config, data)
     if ck.load and d.tokenizer_model and loaded["model"]["vocab_size"] != data.vocab_size:
-        raise DataError(f"--tokenizer-model {d.tokenizer_model} has {data.vocab_size} tokens but the model in --load "
-                        f"{ck.load} has a vocabulary of {loaded['model']['vocab_size']}: they must be equal")
+        raise DataError(
+            f"--tokenizer-model {d.tokenizer_model} has {data.vocab_size} tokens but the model in --load "
+            f"{ck.load} has a vocabulary of {loaded['model']['vocab_size']}: they must be equal"
+        )
     if ck.load:
-        from ptdp.run.checkpoint.folders import precheck
         from ptdp.engine.step import with_vocab
+        from ptdp.run.checkpoint.folders import precheck
 
         precheck(with_vocab(config, data.vocab_size))
     return data
@@ -165,8 +175,11 @@ def write_config(run_dir: Path, config: Config, data: PreparedData) -> None:
     record["requested_vocab_size"] = config.model.vocab_size
     record["num_microbatches"] = config.num_microbatches
     record["prepared_data"] = {
-        "cache_dir": str(data.cache_dir), "tokenizer": str(data.tokenizer_path),
-        "train_tokens": data.num_train_tokens, "valid_tokens": data.num_valid_tokens,
-        "train_documents": data.num_train_docs, "valid_documents": data.num_valid_docs,
+        "cache_dir": str(data.cache_dir),
+        "tokenizer": str(data.tokenizer_path),
+        "train_tokens": data.num_train_tokens,
+        "valid_tokens": data.num_valid_tokens,
+        "train_documents": data.num_train_docs,
+        "valid_documents": data.num_valid_docs,
     }
     write_json(run_dir / "config.json", record)

@@ -106,8 +106,12 @@ class Throughput:
 
     @classmethod
     def for_run(cls, config: Config, device: torch.device | str) -> Throughput:
-        return cls(config.train.global_batch_size * config.model.seq_length, step_model_flops(config),
-                   config.world_size, device_peak(config, device)[0])
+        return cls(
+            config.train.global_batch_size * config.model.seq_length,
+            step_model_flops(config),
+            config.world_size,
+            device_peak(config, device)[0],
+        )
 
     def of(self, step_time_s: float) -> dict[str, float]:
         """``tokens_per_s``, ``tflops_per_gpu`` and (peak known) ``mfu`` of a ``step_time_s`` step."""

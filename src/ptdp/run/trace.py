@@ -20,16 +20,23 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ptdp.engine.pipeline.schedule import Action
 
-COLORS = {"forward": "#1f77b4", "backward": "#ff7f0e", "transfer": "#7f7f7f", "wait": "#e0e0e0",
-          "grad_sync": "#2ca02c", "optimizer": "#9467bd"}
+COLORS = {
+    "forward": "#1f77b4",
+    "backward": "#ff7f0e",
+    "transfer": "#7f7f7f",
+    "wait": "#e0e0e0",
+    "grad_sync": "#2ca02c",
+    "optimizer": "#9467bd",
+}
 LABELS = {"transfer": "send/recv group (posted and waited)", "wait": "wait for recv"}
 
 
@@ -54,8 +61,15 @@ class Tracer:
     and ``torch.cuda.synchronize`` (tests run the event path on a CPU with stand-ins).
     """
 
-    def __init__(self, rank: int, pp_rank: int, device: torch.device | str | None = None, *,
-                 make_event: Callable | None = None, synchronize: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        pp_rank: int,
+        device: torch.device | str | None = None,
+        *,
+        make_event: Callable | None = None,
+        synchronize: Callable[[], None] | None = None,
+    ) -> None:
         self.rank, self.pp_rank = rank, pp_rank
         self.events: list[dict] = []
         self.iteration = 0
@@ -63,7 +77,8 @@ class Tracer:
         cuda = device is not None and torch.device(device).type == "cuda"
         self._make_event = make_event or (partial(torch.cuda.Event, enable_timing=True) if cuda else None)
         self._synchronize: Callable[[], object] = synchronize or (
-            partial(torch.cuda.synchronize, device) if cuda else _nothing)
+            partial(torch.cuda.synchronize, device) if cuda else _nothing
+        )
         self._anchor: tuple[Any, float] | None = None  # (event, wall-clock seconds) of the first traced span's start
         self._pending: list[tuple] = []  # spans timed by events, not read yet
 
@@ -90,8 +105,18 @@ class Tracer:
         if self._make_event is not None:
             self._pending.append((name, cat, start, end, args))
             return
-        self.events.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": 0,
-                            "ts": start * 1e6, "dur": (end - start) * 1e6, "args": args})
+        self.events.append(
+            {
+                "name": name,
+                "cat": cat,
+                "ph": "X",
+                "pid": self.rank,
+                "tid": 0,
+                "ts": start * 1e6,
+                "dur": (end - start) * 1e6,
+                "args": args,
+            }
+        )
 
     def collect(self) -> list[dict]:
         """Every recorded event, with the spans timed by events read (one synchronisation)."""
@@ -102,8 +127,18 @@ class Tracer:
             anchor, wall = self._anchor
             for name, cat, start, end, args in self._pending:
                 ts = wall * 1e6 + anchor.elapsed_time(start) * 1e3  # elapsed_time is in ms
-                self.events.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": 0,
-                                    "ts": ts, "dur": start.elapsed_time(end) * 1e3, "args": args})
+                self.events.append(
+                    {
+                        "name": name,
+                        "cat": cat,
+                        "ph": "X",
+                        "pid": self.rank,
+                        "tid": 0,
+                        "ts": ts,
+                        "dur": start.elapsed_time(end) * 1e3,
+                        "args": args,
+                    }
+                )
             self._pending = []
         return self.events
 
@@ -113,8 +148,12 @@ class Tracer:
             return _Span(self, step, cat or step, {})
         first = step[0]
         if first.kind in ("forward", "backward"):
-            return _Span(self, f"{first.kind[0].upper()}{first.microbatch}.{first.chunk}", first.kind,
-                         {"microbatch": first.microbatch, "chunk": first.chunk})
+            return _Span(
+                self,
+                f"{first.kind[0].upper()}{first.microbatch}.{first.chunk}",
+                first.kind,
+                {"microbatch": first.microbatch, "chunk": first.chunk},
+            )
         name = " + ".join(f"{a.kind} {a.microbatch}.{a.chunk}" for a in step)
         return _Span(self, name, "transfer", {})
 
@@ -126,8 +165,11 @@ def bubble_by_rank(events: list[dict]) -> dict[int, float]:
         mine = [e for e in events if e["pid"] == rank]
         busy = idle = 0.0
         for it in sorted({e["args"]["iteration"] for e in mine}):
-            sched = [e for e in mine if e["args"]["iteration"] == it
-                     and e["cat"] in ("forward", "backward", "transfer", "wait")]
+            sched = [
+                e
+                for e in mine
+                if e["args"]["iteration"] == it and e["cat"] in ("forward", "backward", "transfer", "wait")
+            ]
             if not sched:
                 continue
             span = max(e["ts"] + e["dur"] for e in sched) - min(e["ts"] for e in sched)
@@ -166,12 +208,22 @@ def _draw(events: list[dict], path: Path, labels: dict[int, str]) -> None:
         for cat, color in COLORS.items():
             bars = [((e["ts"] - origin) / 1e3, e["dur"] / 1e3) for e in mine if e["cat"] == cat]
             if bars:
-                ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=color, label=LABELS.get(cat, cat) if row == 0 else None)
+                ax.broken_barh(
+                    bars, (row - 0.4, 0.8), facecolors=color, label=LABELS.get(cat, cat) if row == 0 else None
+                )
         for e in mine:  # microbatch numbers where the bar is wide enough to hold them
             if e["cat"] in ("forward", "backward") and e["dur"] / 1e3 > width_ms / 300:
                 text = f"{e['args']['microbatch']}" + (f".{e['args']['chunk']}" if chunks else "")
-                ax.text((e["ts"] - origin + e["dur"] / 2) / 1e3, row, text, ha="center", va="center", fontsize=6,
-                        color="white", clip_on=True)
+                ax.text(
+                    (e["ts"] - origin + e["dur"] / 2) / 1e3,
+                    row,
+                    text,
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                    color="white",
+                    clip_on=True,
+                )
     starts: dict[int, float] = {}
     for e in events:
         it = e["args"]["iteration"]
@@ -182,10 +234,16 @@ def _draw(events: list[dict], path: Path, labels: dict[int, str]) -> None:
         ax.text(x, -0.65, f" iteration {it}", fontsize=7, va="bottom", ha="left")
     ax.set_yticks(range(len(ranks)), [labels[r] for r in ranks], fontsize=8)
     ax.set_ylim(len(ranks) - 0.5, -0.9)
-    ax.set_xlabel("ms from the first traced event (numbers: microbatch" + (".chunk" if chunks else "")
-                  + "; white: idle)")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / max(1, len(ranks))), fontsize=8,
-              ncol=len(COLORS), frameon=False)
+    ax.set_xlabel(
+        "ms from the first traced event (numbers: microbatch" + (".chunk" if chunks else "") + "; white: idle)"
+    )
+    ax.legend(
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12 - 0.3 / max(1, len(ranks))),
+        fontsize=8,
+        ncol=len(COLORS),
+        frameon=False,
+    )
     ax.set_title("ptdp pipeline timeline")
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")

@@ -29,14 +29,23 @@ from ptdp.spec import Config, ConfigError
 
 #: metrics.jsonl field -> tracker scalar name.
 SCALARS = {
-    "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "loss_scale": "train/loss_scale",
-    "step_time_s": "train/step_time_s", "val_loss": "val/loss", "tokens_per_s": "throughput/tokens_per_s",
-    "tflops_per_gpu": "throughput/tflops_per_gpu", "mfu": "throughput/mfu", "peak_memory_bytes": "memory/peak_bytes",
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "loss_scale": "train/loss_scale",
+    "step_time_s": "train/step_time_s",
+    "val_loss": "val/loss",
+    "tokens_per_s": "throughput/tokens_per_s",
+    "tflops_per_gpu": "throughput/tflops_per_gpu",
+    "mfu": "throughput/mfu",
+    "peak_memory_bytes": "memory/peak_bytes",
 }
 
 #: tracker -> (the module it needs, the extra that installs it, the flag asking for it).
-EXTRAS = {"tensorboard": ("tensorboard", "ptdp[tensorboard]", "--tensorboard-dir"),
-          "wandb": ("wandb", "ptdp[wandb]", "--wandb-project")}
+EXTRAS = {
+    "tensorboard": ("tensorboard", "ptdp[tensorboard]", "--tensorboard-dir"),
+    "wandb": ("wandb", "ptdp[wandb]", "--wandb-project"),
+}
 
 
 def requested(config: Config) -> list[str]:
@@ -60,15 +69,17 @@ def check_trackers(config: Config) -> None:
     from ptdp.run.paths import folder_problem
 
     t = config.train
-    stray = [flag for flag, value in (("--wandb-exp-name", t.wandb_exp_name), ("--wandb-save-dir", t.wandb_save_dir))
-             if value is not None]
+    stray = [
+        flag
+        for flag, value in (("--wandb-exp-name", t.wandb_exp_name), ("--wandb-save-dir", t.wandb_save_dir))
+        if value is not None
+    ]
     if stray and not t.wandb_project:
         raise ConfigError(f"{' and '.join(stray)} given without --wandb-project: name the W&B project too")
     for name in requested(config):
         module, extra, flag = EXTRAS[name]
         if not installed(module):
-            raise ConfigError(f"{flag} needs the {module!r} package, which is not installed: "
-                              f'pip install "{extra}"')
+            raise ConfigError(f'{flag} needs the {module!r} package, which is not installed: pip install "{extra}"')
     for flag, folder in (("--tensorboard-dir", t.tensorboard_dir), ("--wandb-save-dir", t.wandb_save_dir)):
         problem = folder_problem(folder) if folder else None
         if problem:
@@ -104,8 +115,13 @@ class Trackers:
             save_dir = Path(t.wandb_save_dir or Path(run_dir or ".") / "wandb")
             save_dir.mkdir(parents=True, exist_ok=True)
             mode: Any = wandb_mode()  # one of wandb's modes, checked by wandb
-            self._wandb = wandb.init(project=t.wandb_project, name=t.wandb_exp_name or Path(run_dir or ".").name,
-                                     dir=str(save_dir), config=config.to_dict(), mode=mode)
+            self._wandb = wandb.init(
+                project=t.wandb_project,
+                name=t.wandb_exp_name or Path(run_dir or ".").name,
+                dir=str(save_dir),
+                config=config.to_dict(),
+                mode=mode,
+            )
 
     @property
     def active(self) -> bool:
@@ -114,8 +130,11 @@ class Trackers:
     def log(self, record: dict[str, Any]) -> None:
         if not self.active or "iteration" not in record:
             return
-        scalars = {SCALARS[k]: float(v) for k, v in record.items()
-                   if k in SCALARS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        scalars = {
+            SCALARS[k]: float(v)
+            for k, v in record.items()
+            if k in SCALARS and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if not scalars:
             return
         step = int(record["iteration"])

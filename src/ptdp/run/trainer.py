@@ -12,23 +12,30 @@ from typing import Any
 
 import torch
 
-from ptdp.engine import activity
-from ptdp.run.checkpoint.folders import CheckpointError
-from ptdp.run.checkpoint.io import load_checkpoint
-from ptdp.run.checkpoint.saver import Checkpointer
-from ptdp.spec import Config
 from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, device_microbatches, dp_shard, eval_indices
+from ptdp.engine import activity
 from ptdp.engine.comm import all_gather_object, all_reduce
 from ptdp.engine.faults import FaultPlan
 from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.step import (
+    NONFINITE_GRAD_NORM,
+    PendingStep,
+    build_stage,
+    eval_loss,
+    read_results_with,
+    train_step,
+    with_vocab,
+)
+from ptdp.run.checkpoint.folders import CheckpointError
+from ptdp.run.checkpoint.io import load_checkpoint
+from ptdp.run.checkpoint.saver import Checkpointer
 from ptdp.run.metrics import RunLog, write_json
 from ptdp.run.planner_report import check_run, measure_stage
 from ptdp.run.profiling import StepProfiler, peak_memory_bytes
 from ptdp.run.throughput import Throughput
-from ptdp.run.tracking import Trackers
 from ptdp.run.trace import Tracer, bubble_by_rank, write_trace
-from ptdp.engine.step import (NONFINITE_GRAD_NORM, PendingStep, build_stage, eval_loss, read_results_with, train_step,
-                             with_vocab)
+from ptdp.run.tracking import Trackers
+from ptdp.spec import Config
 
 
 class TrainingError(RuntimeError):
@@ -36,8 +43,17 @@ class TrainingError(RuntimeError):
     or gradient norm, or a checkpoint would hold non-finite values); all ranks raise it."""
 
 
-def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: Path, device: torch.device,
-          *, progress: bool = True, restart: int = 0, faults: FaultPlan | None = None) -> dict:
+def train(
+    config: Config,
+    groups: ParallelGroups,
+    data: PreparedData,
+    run_dir: Path,
+    device: torch.device,
+    *,
+    progress: bool = True,
+    restart: int = 0,
+    faults: FaultPlan | None = None,
+) -> dict:
     """Train ``config.train.train_iters`` steps; returns the summary (same on every rank).
 
     Evaluates the validation loss before the first step, every ``eval_interval`` steps and after
@@ -52,18 +68,29 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
     start, consumed, note = 0, 0, None  # resumed runs continue from the checkpoint's sample position
     saver = Checkpointer(groups, async_save=ck.async_save) if ck.save or ck.load else None
     if ck.load:
-        meta = load_checkpoint(stage, ck.load, load_optimizer=not ck.no_load_optim, load_rng=not ck.no_load_rng,
-                               group=saver.group if saver is not None else None)
+        meta = load_checkpoint(
+            stage,
+            ck.load,
+            load_optimizer=not ck.no_load_optim,
+            load_rng=not ck.no_load_rng,
+            group=saver.group if saver is not None else None,
+        )
         start, consumed, note = meta["iteration"], meta["consumed_samples"], meta.get("residual_note")
         if start >= t.train_iters:
-            raise CheckpointError(f"checkpoint {ck.load} is at iteration {start}: --train-iters {t.train_iters} "
-                                  f"leaves nothing to train")
-    log = RunLog(run_dir, enabled=groups.global_rank == 0, total_iters=t.train_iters, progress=progress,
-                 restart=restart, trackers=Trackers(config, run_dir) if groups.global_rank == 0 else None)
+            raise CheckpointError(
+                f"checkpoint {ck.load} is at iteration {start}: --train-iters {t.train_iters} leaves nothing to train"
+            )
+    log = RunLog(
+        run_dir,
+        enabled=groups.global_rank == 0,
+        total_iters=t.train_iters,
+        progress=progress,
+        restart=restart,
+        trackers=Trackers(config, run_dir) if groups.global_rank == 0 else None,
+    )
     if note:
         log.message(f"warning: {note}")
-    loop = _Loop(config, groups, data, stage, log, start, consumed, faults, restart, run_dir=Path(run_dir),
-                 saver=saver)
+    loop = _Loop(config, groups, data, stage, log, start, consumed, faults, restart, run_dir=Path(run_dir), saver=saver)
     if restart:
         log.restarted(start, ck.load)
     elif ck.load:
@@ -85,9 +112,21 @@ def train(config: Config, groups: ParallelGroups, data: PreparedData, run_dir: P
 class _Loop:
     """The state of one worker's training loop: data, evaluation, history, trace."""
 
-    def __init__(self, config: Config, groups: ParallelGroups, data: PreparedData, stage, log: RunLog, start: int,
-                 consumed: int, faults: FaultPlan | None = None, restart: int = 0, *, run_dir: Path = Path("."),
-                 saver: Checkpointer | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        groups: ParallelGroups,
+        data: PreparedData,
+        stage,
+        log: RunLog,
+        start: int,
+        consumed: int,
+        faults: FaultPlan | None = None,
+        restart: int = 0,
+        *,
+        run_dir: Path = Path("."),
+        saver: Checkpointer | None = None,
+    ) -> None:
         t = config.train
         self.config, self.groups, self.data, self.stage, self.log = config, groups, data, stage, log
         self.start, self.consumed = start, consumed
@@ -178,16 +217,22 @@ class _Loop:
         host[0] = peak_memory_bytes(self.stage.device)[0]
         if self.stage.device.type == "cuda":
             host = host.pin_memory()
-        return all_reduce(host.to(self.stage.device, non_blocking=True), self.groups.world, op="max",
-                          tag="peak memory")
+        return all_reduce(host.to(self.stage.device, non_blocking=True), self.groups.world, op="max", tag="peak memory")
 
     def _record(self, result, iteration: int, step_time: float, peak_memory: int) -> None:
         """Log one step read to the host: its metrics line (logged steps and skipped steps; with
         the throughput of :class:`~ptdp.run.throughput.Throughput` and ``peak_memory`` bytes), the
         progress bar, and the warning or :class:`TrainingError` of a non-finite step."""
         t = self.config.train
-        record = {"iteration": iteration, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
-                  "step_time_s": step_time, **self.throughput.of(step_time), "peak_memory_bytes": peak_memory}
+        record = {
+            "iteration": iteration,
+            "loss": result.loss,
+            "grad_norm": result.grad_norm,
+            "lr": result.lr,
+            "step_time_s": step_time,
+            **self.throughput.of(step_time),
+            "peak_memory_bytes": peak_memory,
+        }
         self.history["train"].append(record)
         if result.loss_scale is not None:  # float16: the scale the step used
             record["loss_scale"] = result.loss_scale
@@ -198,8 +243,14 @@ class _Loop:
         self.log.step(iteration, result.loss, step_time, record["tokens_per_s"], result.lr)
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if result.nonfinite else 0
         if result.nonfinite:
-            _non_finite_step(result, iteration, self.skipped_in_a_row, t.max_skipped_steps, self.log,
-                             self.config.parallel.grad_compression)
+            _non_finite_step(
+                result,
+                iteration,
+                self.skipped_in_a_row,
+                t.max_skipped_steps,
+                self.log,
+                self.config.parallel.grad_compression,
+            )
 
     def finish(self, run_dir: Path, elapsed: float) -> dict:
         """The summary (same on every rank); rank 0 adds the bubble and the planner's comparison
@@ -207,8 +258,9 @@ class _Loop:
         g, is_logger = self.groups, self.groups.global_rank == 0
         summary = _summary(self.config, self.history, elapsed)
         if summary["mean_step_time_s"]:  # TFLOP/s per GPU and MFU of the mean step (tokens/s: _summary's)
-            summary.update({k: v for k, v in self.throughput.of(summary["mean_step_time_s"]).items()
-                            if k != "tokens_per_s"})
+            summary.update(
+                {k: v for k, v in self.throughput.of(summary["mean_step_time_s"]).items() if k != "tokens_per_s"}
+            )
         per_rank = all_gather_object(measure_stage(self.stage), g.world)
         if self.tracer is not None:
             events = [e for rank_events in all_gather_object(self.tracer.collect(), g.world) for e in rank_events]
@@ -230,37 +282,52 @@ def _non_finite_step(result, iteration: int, in_a_row: int, limit: int, log: Run
     (on every rank alike) when it makes more than ``limit`` such steps in a row. With
     ``--grad-compression fp16`` (``codec``) a non-finite norm after a finite loss says that a mean
     gradient beyond float16's range overflows it."""
-    what = (f"loss {result.loss} / gradient norm {result.grad_norm} is not finite at iteration {iteration} "
-            f"({result.skip_reason} on some rank)")
+    what = (
+        f"loss {result.loss} / gradient norm {result.grad_norm} is not finite at iteration {iteration} "
+        f"({result.skip_reason} on some rank)"
+    )
     if codec == "fp16" and result.skip_reason == NONFINITE_GRAD_NORM and math.isfinite(result.loss):
-        what += (" (with --grad-compression fp16 a mean gradient above 65,504 overflows float16; "
-                 "--grad-compression bf16 has float32's range)")
+        what += (
+            " (with --grad-compression fp16 a mean gradient above 65,504 overflows float16; "
+            "--grad-compression bf16 has float32's range)"
+        )
     if in_a_row > limit:
         log.close()
-        raise TrainingError(f"{what}: {in_a_row} such steps in a row, more than --max-skipped-steps {limit}; "
-                            f"stopping (try a lower --lr or --clip-grad, or check the data)")
-    log.message(f"warning: {what}; the step is skipped on every rank, no update "
-                f"({in_a_row} in a row, at most {limit})")
+        raise TrainingError(
+            f"{what}: {in_a_row} such steps in a row, more than --max-skipped-steps {limit}; "
+            f"stopping (try a lower --lr or --clip-grad, or check the data)"
+        )
+    log.message(f"warning: {what}; the step is skipped on every rank, no update ({in_a_row} in a row, at most {limit})")
 
 
-def _save(saver: Checkpointer, stage, ck, iteration: int, consumed_samples: int, log: RunLog,
-          data: PreparedData) -> None:
+def _save(
+    saver: Checkpointer, stage, ck, iteration: int, consumed_samples: int, log: RunLog, data: PreparedData
+) -> None:
     """Save a checkpoint (after completing one still being written, ``--async-save``); one that
     cannot be written (e.g. non-finite values, refused on every rank) stops training with
     :class:`TrainingError`."""
     start = time.perf_counter()
     activity.set_phase(activity.CHECKPOINT, iteration)
     try:
-        folder, earlier = saver.save(stage, ck.save, iteration, consumed_samples=consumed_samples,
-                                     keep_last=ck.keep_last, files={"tokenizer.json": data.tokenizer_path})
+        folder, earlier = saver.save(
+            stage,
+            ck.save,
+            iteration,
+            consumed_samples=consumed_samples,
+            keep_last=ck.keep_last,
+            files={"tokenizer.json": data.tokenizer_path},
+        )
     except CheckpointError as e:
         log.close()
         raise TrainingError(str(e)) from e
     if earlier is not None:
         log.message(f"iteration {iteration:>6}: saved checkpoint {earlier} (written in the background)")
     took = f"{time.perf_counter() - start:.1f} s"
-    log.message(f"iteration {iteration:>6}: checkpoint {folder} staged in CPU memory ({took}), written in the "
-                f"background" if saver.async_save else f"iteration {iteration:>6}: saved checkpoint {folder} ({took})")
+    log.message(
+        f"iteration {iteration:>6}: checkpoint {folder} staged in CPU memory ({took}), written in the background"
+        if saver.async_save
+        else f"iteration {iteration:>6}: saved checkpoint {folder} ({took})"
+    )
 
 
 def _complete_save(complete, log: RunLog) -> None:
@@ -286,9 +353,12 @@ def _write_trace(config: Config, groups: ParallelGroups, events: list[dict], run
     write_trace(events, run_dir, labels)
     p = config.parallel
     v, m = p.virtual_stages(config.model.num_layers), config.num_microbatches
-    return {"measured_idle_over_compute_by_rank": bubble_by_rank(events),
-            "formula_(p-1)/(v*m)": (p.pp - 1) / (v * m), "schedule": p.schedule,
-            "files": ["trace.json", "timeline.png"]}
+    return {
+        "measured_idle_over_compute_by_rank": bubble_by_rank(events),
+        "formula_(p-1)/(v*m)": (p.pp - 1) / (v * m),
+        "schedule": p.schedule,
+        "files": ["trace.json", "timeline.png"],
+    }
 
 
 def _valid_batches(config: Config, groups: ParallelGroups, data: PreparedData, device: torch.device) -> list:
@@ -310,8 +380,14 @@ def _summary(config: Config, history: dict, elapsed: float) -> dict:
     tokens = config.train.global_batch_size * config.model.seq_length
     p = config.parallel
     return {
-        "layout": {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "world_size": config.world_size,
-                   "num_microbatches": config.num_microbatches},
+        "layout": {
+            "tp": p.tp,
+            "cp": p.cp,
+            "pp": p.pp,
+            "dp": p.dp,
+            "world_size": config.world_size,
+            "num_microbatches": config.num_microbatches,
+        },
         "iterations": len(train_hist),
         "skipped_steps": sum(1 for r in train_hist if r.get("skipped")),
         "vocab_size": config.model.vocab_size,
@@ -325,5 +401,6 @@ def _summary(config: Config, history: dict, elapsed: float) -> dict:
         "elapsed_s": elapsed,
         "comm_per_step_rank0": history["comm"],
         "grad_compression": p.grad_compression,
-        "last_step_reduced_exactly": p.grad_compression != "none" and config.train.train_iters <= config.grad_compression_warmup,
+        "last_step_reduced_exactly": p.grad_compression != "none"
+        and config.train.train_iters <= config.grad_compression_warmup,
     }

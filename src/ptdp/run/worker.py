@@ -24,22 +24,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ptdp.engine import comm
-
-from ptdp.run import postmortem
-from ptdp.engine.activity import CollectiveError
 from ptdp.commands.train_flags import HelpFormatter, add_train_arguments, config_from_args, parse_args
-from ptdp.spec import Config, ConfigError, resolve
 from ptdp.data import DataError, PreparedData
-from ptdp.run.distributed import env_world, init_distributed
+from ptdp.engine import comm
+from ptdp.engine.activity import CollectiveError
 from ptdp.engine.faults import FaultPlan
 from ptdp.engine.groups import ParallelGroups, host_group
-from ptdp.spec.layout import ParallelLayout
-from ptdp.run.preflight import Roles, Share, check_request, prepare_run
-from ptdp.spec.files import apply_config_file
+from ptdp.run import postmortem
+from ptdp.run.distributed import env_world, init_distributed
 from ptdp.run.metrics import format_summary
+from ptdp.run.preflight import Roles, Share, check_request, prepare_run
 from ptdp.run.restart import check_torchrun_restarts, restart_count, resume_config
 from ptdp.run.trainer import TrainingError, train
+from ptdp.spec import Config, ConfigError, resolve
+from ptdp.spec.files import apply_config_file
+from ptdp.spec.layout import ParallelLayout
 
 #: Waiting for another rank to tokenize a large corpus may take much longer than a collective.
 DATA_PREPARATION_TIMEOUT = datetime.timedelta(hours=4)
@@ -51,8 +50,7 @@ def _run(config: Config, run_dir: Path, data: PreparedData, device, progress: bo
     p = config.parallel
     layout = ParallelLayout(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
     groups = ParallelGroups.build(layout, datetime.timedelta(minutes=p.distributed_timeout_minutes))
-    return train(config, groups, data, run_dir, device, progress=progress, restart=restart,
-                 faults=FaultPlan.from_env())
+    return train(config, groups, data, run_dir, device, progress=progress, restart=restart, faults=FaultPlan.from_env())
 
 
 def worker_entry(config_json: str, run_dir: str, data_dir: str, progress: bool) -> dict:
@@ -151,6 +149,7 @@ def nccl_watch(device, timeout_minutes: float):
 def _host_share(host) -> Share:
     """Agreement over the gloo host group: the first rank's error raised everywhere, rank 0's run
     directory given to all."""
+
     def raise_first(error):
         for e in comm.all_gather_object(error, host):
             if e is not None:
@@ -166,8 +165,9 @@ def set_single_process_environment() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
 
 
 if __name__ == "__main__":

@@ -17,11 +17,18 @@ from ptdp.spec.parallel import ParallelConfig
 class TrainConfig:
     """Batches, optimizer (AdamW) and learning-rate schedule (linear warmup, cosine decay)."""
 
-    micro_batch_size: int = opt(4, "--micro-batch-size", "samples b per microbatch", "train", aliases=("--mbs",),
-                                plan=True)
+    micro_batch_size: int = opt(
+        4, "--micro-batch-size", "samples b per microbatch", "train", aliases=("--mbs",), plan=True
+    )
     """Samples b in one microbatch on one data-parallel rank."""
-    global_batch_size: int = opt(32, "--global-batch-size", "samples B per optimizer step, all dp replicas together",
-                                 "train", aliases=("--gbs",), plan=True)
+    global_batch_size: int = opt(
+        32,
+        "--global-batch-size",
+        "samples B per optimizer step, all dp replicas together",
+        "train",
+        aliases=("--gbs",),
+        plan=True,
+    )
     """Samples B in one optimizer step over all data-parallel ranks."""
     train_iters: int = opt(300, "--train-iters", "optimizer steps", "train")
     """Optimizer steps of the run."""
@@ -44,9 +51,14 @@ class TrainConfig:
     """AdamW's epsilon, added to the square root of the second moment."""
     clip_grad: float = opt(1.0, "--clip-grad", "global gradient-norm clip; 0 disables", "train")
     """Clip the global gradient norm to this; 0 disables clipping."""
-    max_skipped_steps: int = opt(10, "--max-skipped-steps", "a step with a nan/inf loss or gradient norm on any "
-                                 "rank is skipped; stop when more than N come in a row (0: at the first)", "train",
-                                 metavar="N")
+    max_skipped_steps: int = opt(
+        10,
+        "--max-skipped-steps",
+        "a step with a nan/inf loss or gradient norm on any "
+        "rank is skipped; stop when more than N come in a row (0: at the first)",
+        "train",
+        metavar="N",
+    )
     """A step whose loss or gradient norm is nan/inf on any rank is skipped (no update); training
     stops with an error at the step that makes more than this many such steps in a row. 0: stop
     at the first one."""
@@ -58,39 +70,68 @@ class TrainConfig:
     """Steps between two evaluations (also at iteration 0 and at the end)."""
     eval_iters: int = opt(4, "--eval-iters", "global batches per evaluation; 0 disables", "data")
     """Global batches of validation data per evaluation."""
-    trace: bool = opt(False, "--trace", "record every rank's forward/backward/send/receive/wait times into "
-                      "trace.json and timeline.png, and the bubble per rank in the summary", "data")
+    trace: bool = opt(
+        False,
+        "--trace",
+        "record every rank's forward/backward/send/receive/wait times into "
+        "trace.json and timeline.png, and the bubble per rank in the summary",
+        "data",
+    )
     """Trace ``trace_iters`` iterations (from the second on) into trace.json and timeline.png."""
     trace_iters: int = opt(3, "--trace-iters", "iterations traced with --trace, from the second on", "data")
     """Iterations traced with ``trace``."""
-    profile: bool = opt(False, "--profile", "write a torch.profiler trace (CPU, and CUDA on GPUs) of steps "
-                        "--profile-step-start..--profile-step-end on --profile-ranks into the run directory", "data")
+    profile: bool = opt(
+        False,
+        "--profile",
+        "write a torch.profiler trace (CPU, and CUDA on GPUs) of steps "
+        "--profile-step-start..--profile-step-end on --profile-ranks into the run directory",
+        "data",
+    )
     """Profile steps ``[profile_step_start, profile_step_end)`` (0-based; iterations start+1 .. end of
     metrics.jsonl) with ``torch.profiler`` on ``profile_ranks``; each writes ``profile/rank<r>.json``
     (Chrome trace) in the run directory."""
-    profile_step_start: int = opt(10, "--profile-step-start", "first profiled step (0-based, as in Megatron-LM)",
-                                  "data", metavar="N")
+    profile_step_start: int = opt(
+        10, "--profile-step-start", "first profiled step (0-based, as in Megatron-LM)", "data", metavar="N"
+    )
     """First profiled step (0-based: the step that logs iteration N + 1)."""
-    profile_step_end: int = opt(12, "--profile-step-end", "profiling stops before this step (0-based); at most "
-                                "--train-iters", "data", metavar="N")
+    profile_step_end: int = opt(
+        12,
+        "--profile-step-end",
+        "profiling stops before this step (0-based); at most --train-iters",
+        "data",
+        metavar="N",
+    )
     """Profiling stops before this 0-based step; ``profile_step_start < profile_step_end <= train_iters``."""
-    profile_ranks: tuple[int, ...] = opt((0,), "--profile-ranks", "global ranks to profile (comma list)", "data",
-                                         metavar="R,...")
+    profile_ranks: tuple[int, ...] = opt(
+        (0,), "--profile-ranks", "global ranks to profile (comma list)", "data", metavar="R,..."
+    )
     """Global ranks that profile (each ``< world_size``)."""
-    tensorboard_dir: str | None = opt(None, "--tensorboard-dir", "also write the metrics.jsonl scalars as TensorBoard "
-                                      "events into DIR (needs ptdp[tensorboard])", "data", metavar="DIR")
+    tensorboard_dir: str | None = opt(
+        None,
+        "--tensorboard-dir",
+        "also write the metrics.jsonl scalars as TensorBoard events into DIR (needs ptdp[tensorboard])",
+        "data",
+        metavar="DIR",
+    )
     """Folder of TensorBoard event files (``torch.utils.tensorboard``), written by global rank 0
     at every metrics line (:mod:`ptdp.run.tracking`); None: none."""
-    wandb_project: str | None = opt(None, "--wandb-project", "also log the metrics.jsonl scalars to this Weights & "
-                                    "Biases project (offline without WANDB_API_KEY; needs ptdp[wandb])", "data",
-                                    metavar="NAME")
+    wandb_project: str | None = opt(
+        None,
+        "--wandb-project",
+        "also log the metrics.jsonl scalars to this Weights & "
+        "Biases project (offline without WANDB_API_KEY; needs ptdp[wandb])",
+        "data",
+        metavar="NAME",
+    )
     """Weights & Biases project the scalars go to (``WANDB_MODE``, else offline unless
     ``WANDB_API_KEY`` is set); None: no W&B."""
-    wandb_exp_name: str | None = opt(None, "--wandb-exp-name", "the W&B run's name (default: the run directory's "
-                                     "name)", "data", metavar="NAME")
+    wandb_exp_name: str | None = opt(
+        None, "--wandb-exp-name", "the W&B run's name (default: the run directory's name)", "data", metavar="NAME"
+    )
     """Name of the W&B run; None: the run directory's name. Needs ``wandb_project``."""
-    wandb_save_dir: str | None = opt(None, "--wandb-save-dir", "folder of W&B's local files (default: "
-                                     "<run directory>/wandb)", "data", metavar="DIR")
+    wandb_save_dir: str | None = opt(
+        None, "--wandb-save-dir", "folder of W&B's local files (default: <run directory>/wandb)", "data", metavar="DIR"
+    )
     """Folder W&B writes its run files into; None: ``<run directory>/wandb``. Needs ``wandb_project``."""
 
     @property
@@ -107,19 +148,33 @@ class TrainConfig:
 class CheckpointConfig:
     """Where checkpoints are saved and loaded (``ptdp.run.checkpoint``)."""
 
-    save: str | None = opt(None, "--save", "save checkpoints into DIR (DIR/iter_NNNNNNN, DIR/latest) after the last "
-                           "iteration", "checkpoint", metavar="DIR")
+    save: str | None = opt(
+        None,
+        "--save",
+        "save checkpoints into DIR (DIR/iter_NNNNNNN, DIR/latest) after the last iteration",
+        "checkpoint",
+        metavar="DIR",
+    )
     """Checkpoint root to save into (one folder per iteration, ``latest`` marker); None: no saving."""
     save_interval: int | None = opt(None, "--save-interval", "also save every N iterations", "checkpoint", metavar="N")
     """Save every N iterations (and always after the last one); None: only after the last one."""
-    load: str | None = opt(None, "--load", "resume from the checkpoint DIR/latest names (or an iteration folder), "
-                           "at any layout", "checkpoint", metavar="DIR")
+    load: str | None = opt(
+        None,
+        "--load",
+        "resume from the checkpoint DIR/latest names (or an iteration folder), at any layout",
+        "checkpoint",
+        metavar="DIR",
+    )
     """Checkpoint root (or iteration folder) to resume from, at any layout."""
     keep_last: int | None = opt(None, "--keep-last", "keep only the newest K checkpoints", "checkpoint", metavar="K")
     """Keep only the newest K complete checkpoints; None: keep all."""
-    async_save: bool = opt(False, "--async-save", "write checkpoints in the background (copied to CPU memory "
-                           "first) while training goes on; the next save and the end of training wait for it",
-                           "checkpoint")
+    async_save: bool = opt(
+        False,
+        "--async-save",
+        "write checkpoints in the background (copied to CPU memory "
+        "first) while training goes on; the next save and the end of training wait for it",
+        "checkpoint",
+    )
     """Write each checkpoint with ``torch.distributed.checkpoint.async_save``: the state is copied
     into CPU memory, then written by a background thread; it becomes the ``latest`` checkpoint
     when the next save or the end of training has waited for it."""
@@ -133,30 +188,56 @@ class CheckpointConfig:
 class DataConfig:
     """Where the text comes from and where its tokenized form is cached."""
 
-    data_paths: tuple[str, ...] = opt((), "--data", "text, .jsonl, .parquet or .arrow file, a folder of them, or a "
-                                      "datasets save_to_disk folder; repeatable (default: the Python standard "
-                                      "library's .py files)", "data", metavar="PATH", append=True)
+    data_paths: tuple[str, ...] = opt(
+        (),
+        "--data",
+        "text, .jsonl, .parquet or .arrow file, a folder of them, or a "
+        "datasets save_to_disk folder; repeatable (default: the Python standard "
+        "library's .py files)",
+        "data",
+        metavar="PATH",
+        append=True,
+    )
     """Files or folders of text, ``.jsonl``, ``.parquet`` or ``.arrow`` files, or Hugging Face
     ``datasets`` folders written by ``save_to_disk`` (the last three need the ``[data]`` extra);
     empty: the Python standard library's .py sources."""
-    data_cache_dir: str | None = opt(None, "--data-cache-dir", "where tokenizer and token files are cached "
-                                     "(default $PTDP_CACHE_DIR or ~/.cache/ptdp)", "data")
+    data_cache_dir: str | None = opt(
+        None,
+        "--data-cache-dir",
+        "where tokenizer and token files are cached (default $PTDP_CACHE_DIR or ~/.cache/ptdp)",
+        "data",
+    )
     """Folder for the tokenizer and token files; None: $PTDP_CACHE_DIR or ~/.cache/ptdp."""
     valid_fraction: float = opt(0.02, "--valid-fraction", "fraction of documents held out for validation", "data")
     """Fraction of documents held out for validation (split by document, never inside one)."""
-    data_text_key: str = opt("text", "--data-text-key", "the field of .jsonl records and the column of Parquet, "
-                             "Arrow and saved datasets that holds the text", "data", metavar="NAME")
+    data_text_key: str = opt(
+        "text",
+        "--data-text-key",
+        "the field of .jsonl records and the column of Parquet, Arrow and saved datasets that holds the text",
+        "data",
+        metavar="NAME",
+    )
     """Field of each ``.jsonl`` record, and column of Parquet/Arrow files and ``save_to_disk``
     datasets, that holds a document's text."""
-    tokenizer_model: str | None = opt(None, "--tokenizer-model", "a Hugging Face tokenizer.json, or a folder with "
-                                      "one, used as is (default: train a byte-level BPE of --vocab-size)", "data",
-                                      metavar="PATH")
+    tokenizer_model: str | None = opt(
+        None,
+        "--tokenizer-model",
+        "a Hugging Face tokenizer.json, or a folder with "
+        "one, used as is (default: train a byte-level BPE of --vocab-size)",
+        "data",
+        metavar="PATH",
+    )
     """A Hugging Face ``tokenizer.json`` (or a folder holding one: a model folder, ``ptdp convert
     to-hf``'s output) used as given, never retrained; its size replaces ``--vocab-size``. None:
     train a byte-level BPE of ``vocab_size`` tokens on the corpus."""
-    tokenizer_workers: int | None = opt(None, "--tokenizer-workers", "processes that tokenize the corpus (default: "
-                                        "one per CPU core, at most 8, for corpora over 64 MB; else 1: this process)",
-                                        "data", metavar="N")
+    tokenizer_workers: int | None = opt(
+        None,
+        "--tokenizer-workers",
+        "processes that tokenize the corpus (default: "
+        "one per CPU core, at most 8, for corpora over 64 MB; else 1: this process)",
+        "data",
+        metavar="N",
+    )
     """Worker processes that encode the corpus into token files (1: this process alone); the files
     are identical for every count. None: ``min(8, cores)`` for corpora over 64 MB, else 1."""
 
@@ -165,17 +246,30 @@ class DataConfig:
 class LaunchConfig:
     """How ``ptdp train`` starts and watches its local workers (not part of the training itself)."""
 
-    nproc_per_node: int | None = opt(None, "--nproc-per-node", "local worker processes, one per GPU on a GPU "
-                                     "machine (default: TP x PP x DP if --dp is given, else the visible GPUs, or 8 "
-                                     "without GPUs, when TP x PP divides it, else TP x PP)", "layout", local=True)
+    nproc_per_node: int | None = opt(
+        None,
+        "--nproc-per-node",
+        "local worker processes, one per GPU on a GPU "
+        "machine (default: TP x PP x DP if --dp is given, else the visible GPUs, or 8 "
+        "without GPUs, when TP x PP divides it, else TP x PP)",
+        "layout",
+        local=True,
+    )
     """Workers ``ptdp train`` starts on this machine, at most one per visible GPU; None: see
     :func:`ptdp.spec.resolve.local_world_size`."""
-    max_restarts: int = opt(0, "--max-restarts", "when a worker dies, restart all workers up to N times; a "
-                            "restarted job resumes from the newest checkpoint in --save", "layout", metavar="N",
-                            local=True)
+    max_restarts: int = opt(
+        0,
+        "--max-restarts",
+        "when a worker dies, restart all workers up to N times; a "
+        "restarted job resumes from the newest checkpoint in --save",
+        "layout",
+        metavar="N",
+        local=True,
+    )
     """Restarts of all workers after a failure (0: a failed worker ends the run)."""
-    force: bool = opt(False, "--force", "start even when the planner's memory estimate says the run does not fit",
-                      "launch")
+    force: bool = opt(
+        False, "--force", "start even when the planner's memory estimate says the run does not fit", "launch"
+    )
     """Start even when the memory estimate says the run cannot fit."""
     overwrite: bool = opt(False, "--overwrite", "allow writing into an existing, non-empty --output-dir", "data")
     """Write into an existing, non-empty run directory."""
@@ -196,9 +290,15 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     output_dir: str | None = opt(None, "--output-dir", "run directory (default runs/<time>-tpX-ppY-dpZ)", "data")
     """The run directory; None: ``runs/<YYYYmmdd-HHMMSS>-tp<T>-pp<P>-dp<D>``."""
-    hardware_profile: str | None = opt(None, "--hardware-profile", "profile from `ptdp plan --calibrate` for the "
-                                       "planner's step-time prediction (default: $PTDP_CACHE_DIR/hardware-profile.json "
-                                       "if it exists)", "data", metavar="FILE")
+    hardware_profile: str | None = opt(
+        None,
+        "--hardware-profile",
+        "profile from `ptdp plan --calibrate` for the "
+        "planner's step-time prediction (default: $PTDP_CACHE_DIR/hardware-profile.json "
+        "if it exists)",
+        "data",
+        metavar="FILE",
+    )
     """Profile from ``ptdp plan --calibrate`` used to predict the run's step time; None: the
     default location if it exists."""
 
@@ -237,13 +337,23 @@ class Config:
         if "profile_ranks" in train:
             train["profile_ranks"] = tuple(train["profile_ranks"])
         return cls(
-            model=ModelConfig(**d["model"]), parallel=ParallelConfig(**parallel), train=TrainConfig(**train),
-            data=DataConfig(**data), checkpoint=CheckpointConfig(**d.get("checkpoint", {})),
-            launch=LaunchConfig(**d.get("launch", {})), output_dir=d.get("output_dir"),
+            model=ModelConfig(**d["model"]),
+            parallel=ParallelConfig(**parallel),
+            train=TrainConfig(**train),
+            data=DataConfig(**data),
+            checkpoint=CheckpointConfig(**d.get("checkpoint", {})),
+            launch=LaunchConfig(**d.get("launch", {})),
+            output_dir=d.get("output_dir"),
             hardware_profile=d.get("hardware_profile"),
         )
 
 
-SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
-            "checkpoint": CheckpointConfig, "launch": LaunchConfig}
+SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "launch": LaunchConfig,
+}
 """The sections of :class:`Config`, by attribute name; its own fields follow them."""

@@ -50,7 +50,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
             data = yaml.safe_load(text)
         else:
             data = json.loads(text)
-    except Exception as err:  # noqa: BLE001 - every parser has its own error type
+    except Exception as err:
         raise ConfigError(f"--config {path}: not valid {path.suffix.lstrip('.') or 'JSON'}: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of flag names to values, got {type(data).__name__}")
@@ -134,10 +134,17 @@ def _value(s: Setting, value: Any, key: str, path: str | Path, negated: bool) ->
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """``--config FILE`` and ``--print-config``."""
     g = parser.add_argument_group("configuration file")
-    g.add_argument("--config", metavar="FILE", help="TOML, YAML or JSON file of settings (keys: the long flag names; "
-                   "a run's config.json replays that run); flags on the command line override it")
-    g.add_argument("--print-config", action="store_true", help="print the resolved configuration (JSON, usable with "
-                   "--config) and exit")
+    g.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML, YAML or JSON file of settings (keys: the long flag names; "
+        "a run's config.json replays that run); flags on the command line override it",
+    )
+    g.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved configuration (JSON, usable with --config) and exit",
+    )
 
 
 def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:

@@ -14,7 +14,8 @@ import argparse
 import dataclasses
 import difflib
 import typing
-from typing import Any, Iterator, Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
 from ptdp.spec.config import SECTIONS, Config
 from ptdp.spec.fields import GROUPS, UNSET, Flag
@@ -102,7 +103,9 @@ def add_flags(parser: argparse.ArgumentParser, command: Command, defaults: dict[
         _add(groups[s.flag.group], s, command, (defaults or {}).get(s.dest, _default(s, command)))
 
 
-def add_named_flags(parser: argparse.ArgumentParser, names: dict[str, Any], helps: dict[str, str] | None = None) -> None:
+def add_named_flags(
+    parser: argparse.ArgumentParser, names: dict[str, Any], helps: dict[str, str] | None = None
+) -> None:
     """Add the flags of the schema fields named in ``names`` (field name -> default), as ``ptdp
     train`` spells them (same names, aliases, types and choices), with ``helps`` replacing the
     help of some: for commands that take a few of the schema's settings, e.g. ``ptdp schedule``."""
@@ -127,16 +130,22 @@ def _add(group, s: Setting, command: Command, default: Any) -> None:
     f = dataclasses.replace(s.flag, help=s.flag.help.replace("%", "%%"))  # argparse formats help with %
     names = [f.name, *f.aliases]
     if s.kind == "bool" and f.negate:
-        group.add_argument(*names, dest=s.dest, action="store_false", default=default if default is not None else True,
-                           help=f.help)
+        group.add_argument(
+            *names, dest=s.dest, action="store_false", default=default if default is not None else True, help=f.help
+        )
         return
     if s.kind == "bool" and f.name.startswith("--no-"):  # a switch that is itself a negation
         group.add_argument(*names, dest=s.dest, action="store_true", default=default, help=f.help)
         return
     if s.kind == "bool":
         searched = command == "plan" and s.section in ("parallel", "train") or s.name == "recompute_granularity"
-        group.add_argument(*names, dest=s.dest, action=argparse.BooleanOptionalAction, default=default,
-                           help=f.help + (" (default: search both)" if command == "plan" and searched else ""))
+        group.add_argument(
+            *names,
+            dest=s.dest,
+            action=argparse.BooleanOptionalAction,
+            default=default,
+            help=f.help + (" (default: search both)" if command == "plan" and searched else ""),
+        )
         return
     kwargs: dict[str, Any] = {"dest": s.dest, "default": default, "help": f.help, "metavar": f.metavar}
     if s.kind == "choice":
@@ -168,8 +177,10 @@ class _OneAnswer(argparse.Action):
         given = namespace.__dict__.setdefault("_ptdp_given", {})
         earlier = given.get(self.dest)
         if earlier is not None and earlier[1] != value:
-            parser.error(f"{earlier[0]} and {option_string} ask for different {self.dest.replace('_', ' ')} "
-                         f"({earlier[1]} and {value}): give one")
+            parser.error(
+                f"{earlier[0]} and {option_string} ask for different {self.dest.replace('_', ' ')} "
+                f"({earlier[1]} and {value}): give one"
+            )
         given[self.dest] = (option_string, value)
         setattr(namespace, self.dest, value)
 
@@ -187,9 +198,11 @@ class _AppendReplacing(argparse.Action):
 
 def _none_choice(word: str) -> type[argparse.Action]:
     """A store action that keeps None for ``word`` (checked against the choices first)."""
+
     class StoreNoneChoice(argparse.Action):
         def __call__(self, parser, namespace, values, option_string=None):
             setattr(namespace, self.dest, None if values == word else values)
+
     return StoreNoneChoice
 
 

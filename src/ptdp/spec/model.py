@@ -35,28 +35,42 @@ class ModelConfig:
     """Width h of the residual stream."""
     num_attention_heads: int = opt(4, "--num-attention-heads", "attention heads a", "model", plan=True)
     """Attention heads a; each has h / a channels."""
-    ffn_hidden_size: int | None = opt(None, "--ffn-hidden-size", "MLP inner width (default 4 x hidden size)", "model",
-                                      plan=True)
+    ffn_hidden_size: int | None = opt(
+        None, "--ffn-hidden-size", "MLP inner width (default 4 x hidden size)", "model", plan=True
+    )
     """Width of the MLP's inner layer; None means 4 * hidden_size."""
     seq_length: int = opt(128, "--seq-length", "tokens per sample s", "model", plan=True)
     """Tokens per sample s (also the number of learned positions)."""
-    vocab_size: int = opt(4096, "--vocab-size", "vocabulary size (ptdp train: of the BPE tokenizer it trains)",
-                          "model", plan=True)
+    vocab_size: int = opt(
+        4096, "--vocab-size", "vocabulary size (ptdp train: of the BPE tokenizer it trains)", "model", plan=True
+    )
     """Size of the tokenizer to train (before padding)."""
-    make_vocab_size_divisible_by: int = opt(128, "--make-vocab-size-divisible-by",
-                                            "pad the vocabulary to a multiple of this x TP", "model")
+    make_vocab_size_divisible_by: int = opt(
+        128, "--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this x TP", "model"
+    )
     """The embedding is padded to a multiple of this times tp; padded rows never affect the loss."""
     untie_embeddings_and_output_weights: bool = opt(
-        False, "--untie-embeddings-and-output-weights",
-        "give the output layer its own weight (default: tied to the input embedding)", "model", plan=True)
+        False,
+        "--untie-embeddings-and-output-weights",
+        "give the output layer its own weight (default: tied to the input embedding)",
+        "model",
+        plan=True,
+    )
     """Give the output layer its own weight instead of sharing the input embedding."""
     params_dtype: ParamsDtype = opt(
-        "auto", "--params-dtype", "parameter/activation dtype; auto (default): bfloat16 on CUDA GPUs, float32 "
+        "auto",
+        "--params-dtype",
+        "parameter/activation dtype; auto (default): bfloat16 on CUDA GPUs, float32 "
         "on CPUs; bfloat16 and float16 keep float32 main parameters and gradients, float16 with dynamic loss "
-        "scaling", "model", plan=True,
-        shortcuts=(("--bf16", "bfloat16", "same as --params-dtype bfloat16"),
-                   ("--fp16", "float16", "same as --params-dtype float16"),
-                   ("--fp32", "float32", "same as --params-dtype float32")))
+        "scaling",
+        "model",
+        plan=True,
+        shortcuts=(
+            ("--bf16", "bfloat16", "same as --params-dtype bfloat16"),
+            ("--fp16", "float16", "same as --params-dtype float16"),
+            ("--fp32", "float32", "same as --params-dtype float32"),
+        ),
+    )
     """dtype of parameters and activations: float32, float64, bfloat16 or float16 (the 16-bit
     ones with float32 main parameters and gradients; float16 with dynamic loss scaling). ``auto``
     is made concrete by :func:`ptdp.spec.resolve` where the device is known
@@ -67,68 +81,117 @@ class ModelConfig:
     layernorm_epsilon: float = opt(1e-5, "--layernorm-epsilon", "epsilon of the norms (LayerNorm or RMSNorm)", "model")
     """Epsilon added to the variance (LayerNorm) or mean square (RMSNorm)."""
     activation: Activation = opt(
-        "gelu", "--activation", "MLP activation: exact GELU or its tanh approximation (GPT-2)", "model")
+        "gelu", "--activation", "MLP activation: exact GELU or its tanh approximation (GPT-2)", "model"
+    )
     """MLP activation: ``gelu`` (exact, erf) or ``gelu_tanh`` (the tanh approximation GPT-2 uses);
     unused with ``swiglu``."""
     normalization: Literal["LayerNorm", "RMSNorm"] = opt(
-        "LayerNorm", "--normalization", "LayerNorm (weight, bias) or RMSNorm (weight only)", "model")
+        "LayerNorm", "--normalization", "LayerNorm (weight, bias) or RMSNorm (weight only)", "model"
+    )
     """``LayerNorm`` (weight and bias) or ``RMSNorm`` (weight only: ``x / rms(x) * weight``)."""
-    swiglu: bool = opt(False, "--swiglu", "gated MLP: fc1 makes gate and up halves, each --ffn-hidden-size wide; "
-                       "fc2(silu(gate) * up)", "model", plan=True)
+    swiglu: bool = opt(
+        False,
+        "--swiglu",
+        "gated MLP: fc1 makes gate and up halves, each --ffn-hidden-size wide; fc2(silu(gate) * up)",
+        "model",
+        plan=True,
+    )
     """Gated MLP: fc1 makes a gate and an up projection, each ``ffn`` wide, and the MLP computes
     ``fc2(silu(gate) * up)`` (Shazeer 2020, arXiv:2002.05202)."""
     position_embedding_type: Literal["learned_absolute", "rope"] = opt(
-        "learned_absolute", "--position-embedding-type",
-        "learned position table, or rotary embeddings of q and k (rope, no table)", "model")
+        "learned_absolute",
+        "--position-embedding-type",
+        "learned position table, or rotary embeddings of q and k (rope, no table)",
+        "model",
+    )
     """``learned_absolute`` (a learned ``[s, h]`` table added to the token embeddings) or ``rope``
     (rotary embeddings applied to q and k in every layer, no position table; Su et al. 2021,
     arXiv:2104.09864)."""
     rotary_base: float = opt(10000.0, "--rotary-base", "base of the rotary frequencies", "model")
     """Base of the rotary frequencies: channel pair i of a head turns by ``pos * base^(-2i/d)``."""
     num_query_groups: int | None = opt(
-        None, "--num-query-groups", "grouped-query attention: G key/value heads, each shared by heads / G query "
-        "heads; needs heads % G == 0 and G % TP == 0 (default: multi-head attention)", "model", metavar="G", plan=True)
+        None,
+        "--num-query-groups",
+        "grouped-query attention: G key/value heads, each shared by heads / G query "
+        "heads; needs heads % G == 0 and G % TP == 0 (default: multi-head attention)",
+        "model",
+        metavar="G",
+        plan=True,
+    )
     """Key/value heads G for grouped-query attention (Ainslie et al. 2023, arXiv:2305.13245), each
     shared by a / G query heads; None: ordinary multi-head attention (a key/value heads)."""
-    add_bias_linear: bool = opt(True, "--disable-bias-linear",
-                                "no biases in the linear layers (QKV, attention output, fc1, fc2)", "model", negate=True)
+    add_bias_linear: bool = opt(
+        True,
+        "--disable-bias-linear",
+        "no biases in the linear layers (QKV, attention output, fc1, fc2)",
+        "model",
+        negate=True,
+    )
     """Biases in the linear layers (QKV, attention output, fc1, fc2); norms keep theirs."""
-    hidden_dropout: float = opt(0.0, "--hidden-dropout", "dropout probability of the hidden states after the "
-                                "embeddings, the attention projection and fc2 (0: none)", "model", metavar="P")
+    hidden_dropout: float = opt(
+        0.0,
+        "--hidden-dropout",
+        "dropout probability of the hidden states after the embeddings, the attention projection and fc2 (0: none)",
+        "model",
+        metavar="P",
+    )
     """Dropout probability of the hidden states ``[b, s, h]`` after the embeddings, after the
     attention projection and after fc2 (before the residual adds); 0 disables. Masks come from
     :class:`ptdp.engine.tensor_parallel.random.DropoutRNG` streams: equal on the tp ranks of a replica,
     different over dp replicas."""
-    attention_dropout: float = opt(0.0, "--attention-dropout", "dropout probability of the attention probabilities "
-                                   "(computed without the fused kernel when > 0; 0: none)", "model", metavar="P")
+    attention_dropout: float = opt(
+        0.0,
+        "--attention-dropout",
+        "dropout probability of the attention probabilities (computed without the fused kernel when > 0; 0: none)",
+        "model",
+        metavar="P",
+    )
     """Dropout probability of the attention probabilities; 0 disables. With it, attention is
     computed explicitly (scores, causal softmax, dropout, context; the ``s x s`` probabilities are
     kept for backward) instead of by the fused ``scaled_dot_product_attention`` kernel, whose own
     dropout draws from torch's default generator and cannot follow ptdp's per-head streams. With
     context parallelism the blocks of the attention across cp ranks apply the same masks."""
     recompute_granularity: Literal["full", "selective"] | None = opt(
-        None, "--recompute-granularity", "full: keep only the inputs of groups of layers and run them again in "
+        None,
+        "--recompute-granularity",
+        "full: keep only the inputs of groups of layers and run them again in "
         "backward; selective: run only the attention core again; none (default): keep every activation",
-        "recompute", none_choice="none", plan=True)
+        "recompute",
+        none_choice="none",
+        plan=True,
+    )
     """Activation recomputation (Korthikanti et al. 2022, arXiv:2205.05198; ``ptdp.engine.model.recompute``):
     None keeps every activation; ``full`` keeps only the inputs of groups of layers and recomputes
     the groups in backward; ``selective`` recomputes only the attention core (scores, softmax,
     context). Results are identical; it trades compute for activation memory."""
     recompute_method: Literal["uniform", "block"] | None = opt(
-        None, "--recompute-method", "with full: uniform = every layer, in groups of --recompute-num-layers; block = "
-        "only the first --recompute-num-layers layers of each model chunk (default with full: uniform)", "recompute")
+        None,
+        "--recompute-method",
+        "with full: uniform = every layer, in groups of --recompute-num-layers; block = "
+        "only the first --recompute-num-layers layers of each model chunk (default with full: uniform)",
+        "recompute",
+    )
     """With ``full``: ``uniform`` (every layer of each model chunk, in groups of
     ``recompute_num_layers``) or ``block`` (only the first ``recompute_num_layers`` layers of each
     model chunk, one by one). None with ``full``: uniform."""
     recompute_num_layers: int | None = opt(
-        None, "--recompute-num-layers", "with full: layers per group (uniform, default 1) or recomputed layers per "
-        "model chunk (block, required)", "recompute", metavar="N")
+        None,
+        "--recompute-num-layers",
+        "with full: layers per group (uniform, default 1) or recomputed layers per model chunk (block, required)",
+        "recompute",
+        metavar="N",
+    )
     """With ``full``: layers per recomputed group (uniform) or recomputed layers per model chunk
     (block). None with ``full``: 1 for uniform (every layer's input kept); block needs it."""
 
-    compile: bool = opt(False, "--compile", "torch.compile each transformer layer and the chunks of the output "
-                        "layer + loss (inductor); tensor-parallel collectives run between the compiled regions and "
-                        "are counted as in eager mode", "model")
+    compile: bool = opt(
+        False,
+        "--compile",
+        "torch.compile each transformer layer and the chunks of the output "
+        "layer + loss (inductor); tensor-parallel collectives run between the compiled regions and "
+        "are counted as in eager mode",
+        "model",
+    )
     """Compile every transformer layer's forward and each chunk of the output layer + loss with
     ``torch.compile`` (inductor; :mod:`ptdp.engine.model.compile`). The functions that communicate over tp run eagerly between
     the compiled regions. Results equal eager mode within float rounding; the first steps pay
@@ -147,6 +210,11 @@ class ModelConfig:
     def family(self) -> str:
         """``Llama-like`` with any of the Llama options (RMSNorm, SwiGLU, rotary positions,
         grouped-query attention, no linear biases), else ``GPT``."""
-        llama = (self.normalization == "RMSNorm" or self.swiglu or self.position_embedding_type == "rope"
-                 or self.num_query_groups is not None or not self.add_bias_linear)
+        llama = (
+            self.normalization == "RMSNorm"
+            or self.swiglu
+            or self.position_embedding_type == "rope"
+            or self.num_query_groups is not None
+            or not self.add_bias_linear
+        )
         return "Llama-like" if llama else "GPT"

@@ -18,21 +18,49 @@ PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 class ParallelConfig:
     """Sizes of the parallel axes; 1 means the axis is not used."""
 
-    tensor_model_parallel_size: int = opt(1, "--tensor-model-parallel-size", "tensor-parallel size: each layer's "
-                                          "matrices split over TP ranks", "layout", aliases=("--tp",), metavar="TP",
-                                          plan=True, cli_default=2)
+    tensor_model_parallel_size: int = opt(
+        1,
+        "--tensor-model-parallel-size",
+        "tensor-parallel size: each layer's matrices split over TP ranks",
+        "layout",
+        aliases=("--tp",),
+        metavar="TP",
+        plan=True,
+        cli_default=2,
+    )
     """Tensor-parallel size t (``ptdp train``'s default: 2)."""
-    pipeline_model_parallel_size: int = opt(1, "--pipeline-model-parallel-size", "pipeline-parallel size: layers "
-                                            "split into PP stages", "layout", aliases=("--pp",), metavar="PP",
-                                            plan=True, cli_default=2)
+    pipeline_model_parallel_size: int = opt(
+        1,
+        "--pipeline-model-parallel-size",
+        "pipeline-parallel size: layers split into PP stages",
+        "layout",
+        aliases=("--pp",),
+        metavar="PP",
+        plan=True,
+        cli_default=2,
+    )
     """Pipeline-parallel size p (``ptdp train``'s default: 2)."""
-    data_parallel_size: int | None = opt(None, "--data-parallel-size", "data-parallel size (default: world size / "
-                                         "(TP x CP x PP))", "layout", aliases=("--dp",), metavar="DP", plan=True)
+    data_parallel_size: int | None = opt(
+        None,
+        "--data-parallel-size",
+        "data-parallel size (default: world size / (TP x CP x PP))",
+        "layout",
+        aliases=("--dp",),
+        metavar="DP",
+        plan=True,
+    )
     """None: inferred as world_size / (tp * cp * pp)."""
-    context_parallel_size: int = opt(1, "--context-parallel-size", "context-parallel size: each sequence split into "
-                                     "2 x CP chunks, two per CP rank, keys and values exchanged over the CP ranks "
-                                     "(world = TP x CP x PP x DP)", "layout", aliases=("--cp",), metavar="CP",
-                                     plan=True)
+    context_parallel_size: int = opt(
+        1,
+        "--context-parallel-size",
+        "context-parallel size: each sequence split into "
+        "2 x CP chunks, two per CP rank, keys and values exchanged over the CP ranks "
+        "(world = TP x CP x PP x DP)",
+        "layout",
+        aliases=("--cp",),
+        metavar="CP",
+        plan=True,
+    )
     """Context-parallel size c: each sequence is cut into ``2 c`` chunks and cp rank i holds chunks
     i and ``2c - 1 - i`` (causal load balance), so activations and attention FLOPs per rank are
     divided by c; keys and values travel over the cp group (ring or all-gather). World =
@@ -40,94 +68,165 @@ class ParallelConfig:
     ``seq_length % (2 c) == 0``. ``ptdp train`` trains it (:mod:`ptdp.engine.context_parallel`),
     ``ptdp plan`` models it (:mod:`ptdp.planner.context`)."""
     cp_comm_type: Literal["p2p", "all_gather"] = opt(
-        "p2p", "--cp-comm-type", "how context-parallel ranks exchange keys and values: a ring of point-to-point "
+        "p2p",
+        "--cp-comm-type",
+        "how context-parallel ranks exchange keys and values: a ring of point-to-point "
         "transfers overlapped with attention (p2p), or one all-gather per layer (all_gather); Megatron-Core's "
-        "names (its a2a variants are not modelled)", "layout", plan=True)
+        "names (its a2a variants are not modelled)",
+        "layout",
+        plan=True,
+    )
     """Key/value exchange of context parallelism: ``p2p`` (ring attention, cp - 1 steps each hidden
     behind one block's attention) or ``all_gather`` (one all-gather of K and V per layer); see
     :mod:`ptdp.planner.context`. No effect with cp = 1. ``ptdp plan``: None means p2p."""
     pipeline_layer_split: tuple[int, ...] | None = opt(
-        None, "--pipeline-layer-split", "explicit layers per pipeline stage, e.g. 3,3,2 (default: even split)",
-        "layout", metavar="N,N,...", plan=True)
+        None,
+        "--pipeline-layer-split",
+        "explicit layers per pipeline stage, e.g. 3,3,2 (default: even split)",
+        "layout",
+        metavar="N,N,...",
+        plan=True,
+    )
     """Explicit layers per pipeline stage (pp entries summing to num_layers); None: even split
     (or the first/last stage counts below; not together with them)."""
     decoder_first_pipeline_num_layers: int | None = opt(
-        None, "--decoder-first-pipeline-num-layers", "layers on the first pipeline stage; the other stages split the "
-        "rest evenly (Megatron-LM's flag; not with --pipeline-layer-split or interleaving)", "layout", metavar="N",
-        plan=True)
+        None,
+        "--decoder-first-pipeline-num-layers",
+        "layers on the first pipeline stage; the other stages split the "
+        "rest evenly (Megatron-LM's flag; not with --pipeline-layer-split or interleaving)",
+        "layout",
+        metavar="N",
+        plan=True,
+    )
     """Layers on the first pipeline stage, which also holds the embedding; the stages without a
     count of their own split the remaining layers evenly (must divide). None: no count of its own."""
     decoder_last_pipeline_num_layers: int | None = opt(
-        None, "--decoder-last-pipeline-num-layers", "layers on the last pipeline stage; the other stages split the "
-        "rest evenly (Megatron-LM's flag; not with --pipeline-layer-split or interleaving)", "layout", metavar="N",
-        plan=True)
+        None,
+        "--decoder-last-pipeline-num-layers",
+        "layers on the last pipeline stage; the other stages split the "
+        "rest evenly (Megatron-LM's flag; not with --pipeline-layer-split or interleaving)",
+        "layout",
+        metavar="N",
+        plan=True,
+    )
     """Layers on the last pipeline stage, which also holds the output layer and the loss (see
     :func:`ptdp.engine.pipeline.partition.first_last_split`). None: no count of its own."""
     account_for_embedding_in_pipeline_split: bool = opt(
-        False, "--account-for-embedding-in-pipeline-split", "count the input embedding as one layer when splitting "
-        "layers over pipeline stages and model chunks (Megatron-LM's flag)", "layout", plan=True)
+        False,
+        "--account-for-embedding-in-pipeline-split",
+        "count the input embedding as one layer when splitting "
+        "layers over pipeline stages and model chunks (Megatron-LM's flag)",
+        "layout",
+        plan=True,
+    )
     """The input embedding counts as one layer of the split: ``num_layers + 1`` (+ 1 with
     :attr:`account_for_loss_in_pipeline_split`) units over ``pp`` stages, or ``pp * v`` model chunks of
     ``num_layers_per_virtual_pipeline_stage`` units each (then the first chunk may hold only the
     embedding); see :func:`ptdp.engine.pipeline.partition.accounted_split`. Not with the explicit
     split flags above."""
     account_for_loss_in_pipeline_split: bool = opt(
-        False, "--account-for-loss-in-pipeline-split", "count the output layer + loss as one layer when splitting "
-        "layers over pipeline stages and model chunks (Megatron-LM's flag)", "layout", plan=True)
+        False,
+        "--account-for-loss-in-pipeline-split",
+        "count the output layer + loss as one layer when splitting "
+        "layers over pipeline stages and model chunks (Megatron-LM's flag)",
+        "layout",
+        plan=True,
+    )
     """The output layer and the loss count as one layer of the split (the last unit; the last model
     chunk may hold only them)."""
     pipeline_schedule: PipelineSchedule | None = opt(
-        None, "--pipeline-schedule", "pipeline schedule (default: 1f1b, or interleaved-1f1b when "
-        "--num-layers-per-virtual-pipeline-stage is given)", "layout")
+        None,
+        "--pipeline-schedule",
+        "pipeline schedule (default: 1f1b, or interleaved-1f1b when --num-layers-per-virtual-pipeline-stage is given)",
+        "layout",
+    )
     """gpipe, 1f1b or interleaved-1f1b; None: interleaved-1f1b when
     num_layers_per_virtual_pipeline_stage is set, else 1f1b."""
     num_layers_per_virtual_pipeline_stage: int | None = opt(
-        None, "--num-layers-per-virtual-pipeline-stage", "layers per model chunk for the interleaved schedule: "
-        "each rank holds num_layers / (PP x N) chunks", "layout", metavar="N", plan=True)
+        None,
+        "--num-layers-per-virtual-pipeline-stage",
+        "layers per model chunk for the interleaved schedule: each rank holds num_layers / (PP x N) chunks",
+        "layout",
+        metavar="N",
+        plan=True,
+    )
     """Layers per model chunk; each rank then holds v = num_layers / (pp * this) chunks."""
-    sequence_parallel: bool = opt(False, "--sequence-parallel", "split the activations outside the tensor-parallel "
-                                  "regions along the sequence over TP (needs TP > 1 and seq_length % TP == 0)",
-                                  "layout", plan=True)
+    sequence_parallel: bool = opt(
+        False,
+        "--sequence-parallel",
+        "split the activations outside the tensor-parallel "
+        "regions along the sequence over TP (needs TP > 1 and seq_length % TP == 0)",
+        "layout",
+        plan=True,
+    )
     """Split the activations outside the tensor-parallel regions (norms, residual adds, the
     embedding output) along the sequence over tp, ``[b, s/tp, h]`` per rank (Korthikanti et al.
     2022, §4.2.2): the tp all-reduces become all-gathers and reduce-scatters of the same total,
     those activations take 1/tp of the memory, and pipeline transfers carry ``[b, s/tp, h]``.
     Needs tp > 1 and ``seq_length % tp == 0``."""
     distributed_timeout_minutes: float = opt(
-        10.0, "--distributed-timeout-minutes", "timeout of every process group (fractions allowed): a worker that "
+        10.0,
+        "--distributed-timeout-minutes",
+        "timeout of every process group (fractions allowed): a worker that "
         "waits longer for another fails the job, naming the rank, phase and iteration (ptdp train without CUDA: 2)",
-        "layout", metavar="MINUTES")
+        "layout",
+        metavar="MINUTES",
+    )
     """Timeout of every process group, in minutes (fractions allowed): a collective or transfer
     that waits longer fails the job with a message naming the rank, phase and iteration instead of
     hanging. 10 as in Megatron-LM; ``ptdp train`` on a machine without CUDA defaults to 2."""
-    ddp_bucket_size: int | None = opt(None, "--ddp-bucket-size", "most gradient elements per bucket (default: "
-                                      "40,000,000)", "dp", metavar="ELEMENTS")
+    ddp_bucket_size: int | None = opt(
+        None, "--ddp-bucket-size", "most gradient elements per bucket (default: 40,000,000)", "dp", metavar="ELEMENTS"
+    )
     """Most gradient elements per data-parallel bucket; None: 40 million (Megatron's default)."""
-    overlap_grad_reduce: bool = opt(True, "--overlap-grad-reduce", "start each bucket's data-parallel reduction "
-                                    "during the last microbatch's backward (default; --no-overlap-grad-reduce: "
-                                    "after the whole backward)", "dp")
+    overlap_grad_reduce: bool = opt(
+        True,
+        "--overlap-grad-reduce",
+        "start each bucket's data-parallel reduction "
+        "during the last microbatch's backward (default; --no-overlap-grad-reduce: "
+        "after the whole backward)",
+        "dp",
+    )
     """Start each bucket's data-parallel reduction during the last microbatch's backward, as soon
     as all its gradients are ready (on by default: the reductions then hide behind the rest of
     backward; the result is the same either way). The tied embedding's bucket always waits for
     the sum over the first and last stage; unused parameters' buckets start after backward."""
     grad_compression: Literal["none", "fp16", "bf16", "1bit"] = opt(
-        "none", "--grad-compression", "reduce gradients over dp in fp32 (none), 16 bits, or 1 bit with error "
-        "feedback", "dp")
+        "none",
+        "--grad-compression",
+        "reduce gradients over dp in fp32 (none), 16 bits, or 1 bit with error feedback",
+        "dp",
+    )
     """Data-parallel gradient reduction in none (fp32), fp16, bf16 or 1bit (with error feedback)."""
     grad_compression_warmup_iters: int | None = opt(
-        None, "--grad-compression-warmup-iters", "reduce the first N iterations exactly before compressing (default: "
-        "--lr-warmup-iters for 1bit, 0 for fp16/bf16)", "dp", metavar="N")
+        None,
+        "--grad-compression-warmup-iters",
+        "reduce the first N iterations exactly before compressing (default: "
+        "--lr-warmup-iters for 1bit, 0 for fp16/bf16)",
+        "dp",
+        metavar="N",
+    )
     """First iterations reduced exactly (fp32) before the codec starts; None: the learning-rate
     warmup for 1bit, 0 for fp16/bf16."""
-    use_distributed_optimizer: bool = opt(False, "--use-distributed-optimizer", "shard Adam's state and fp32 main "
-                                          "parameters over dp (ZeRO-1)", "dp", plan=True)
+    use_distributed_optimizer: bool = opt(
+        False,
+        "--use-distributed-optimizer",
+        "shard Adam's state and fp32 main parameters over dp (ZeRO-1)",
+        "dp",
+        plan=True,
+    )
     """Shard Adam's state (and float32 main parameters) over dp (ZeRO-1); the same as
     ``--data-parallel-sharding-strategy optim``."""
     data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] | None = opt(
-        None, "--data-parallel-sharding-strategy", "what is sharded over the dp x cp ranks: nothing, the optimizer "
+        None,
+        "--data-parallel-sharding-strategy",
+        "what is sharded over the dp x cp ranks: nothing, the optimizer "
         "state (optim = --use-distributed-optimizer, ZeRO-1), also the gradients (optim_grads, ZeRO-2) or also the "
         "parameters (optim_grads_params, ZeRO-3); ptdp train runs all but optim_grads_params (default: optim with "
-        "--use-distributed-optimizer, else no_shard)", "dp", plan=True)
+        "--use-distributed-optimizer, else no_shard)",
+        "dp",
+        plan=True,
+    )
     """Megatron-Core's names for what the data-parallel ranks (dp x cp) shard: ``no_shard``,
     ``optim`` (ZeRO-1, the distributed optimizer), ``optim_grads`` (ZeRO-2) and
     ``optim_grads_params`` (ZeRO-3; Rajbhandari et al. 2020). None: ``optim`` when
@@ -135,13 +234,20 @@ class ParallelConfig:
     models all four (:mod:`ptdp.planner.memory`, :mod:`ptdp.planner.comm`); ``ptdp train`` trains
     the first three (:mod:`ptdp.engine.data_parallel.buffer`) and rejects ``optim_grads_params``
     until it can train it."""
-    overlap_param_gather: bool = opt(False, "--overlap-param-gather", "with --use-distributed-optimizer: overlap the "
-                                     "parameter all-gather with the next forward", "dp")
+    overlap_param_gather: bool = opt(
+        False,
+        "--overlap-param-gather",
+        "with --use-distributed-optimizer: overlap the parameter all-gather with the next forward",
+        "dp",
+    )
     """Distributed optimizer: all-gather updated parameters asynchronously; each module's forward
     waits only for the buckets holding its own parameters."""
     bind_cpus: Literal["none", "numa", "exclusive"] = opt(
-        "none", "--bind-cpus", "bind each worker to CPUs at start-up: numa = its GPU's NUMA node, exclusive = a "
-        "non-overlapping share of it", "layout")
+        "none",
+        "--bind-cpus",
+        "bind each worker to CPUs at start-up: numa = its GPU's NUMA node, exclusive = a non-overlapping share of it",
+        "layout",
+    )
     """CPU binding of each worker at start-up: none (leave the affinity alone), numa (the allowed
     CPUs of its GPU's NUMA node; without GPUs, of the node it is spread to) or exclusive (a
     non-overlapping share of them); see :mod:`ptdp.topology.binding`."""
@@ -176,9 +282,16 @@ class ParallelConfig:
         """Layers per pipeline stage as the options ask: ``pipeline_layer_split``, the first/last
         counts expanded, the split with the embedding / loss counted as layers, or None (even);
         raises ``ConfigError`` when they are impossible."""
-        return layer_split(num_layers, self.pp, self.pipeline_layer_split, self.decoder_first_pipeline_num_layers,
-                           self.decoder_last_pipeline_num_layers, embedding=self.account_for_embedding_in_pipeline_split,
-                           loss=self.account_for_loss_in_pipeline_split, v=self.virtual_stages(num_layers))
+        return layer_split(
+            num_layers,
+            self.pp,
+            self.pipeline_layer_split,
+            self.decoder_first_pipeline_num_layers,
+            self.decoder_last_pipeline_num_layers,
+            embedding=self.account_for_embedding_in_pipeline_split,
+            loss=self.account_for_loss_in_pipeline_split,
+            v=self.virtual_stages(num_layers),
+        )
 
     @property
     def accounted_units(self) -> int:

@@ -16,10 +16,21 @@ from ptdp.spec.config import CheckpointConfig, Config, LaunchConfig, TrainConfig
 from ptdp.spec.errors import ConfigError, Violation, raise_violations
 from ptdp.spec.model import ModelConfig, concrete_params_dtype
 from ptdp.spec.parallel import ParallelConfig
-from ptdp.spec.rules import (V, context_parallel_model_violations, context_parallel_violations, data_parallel_violations, finite_violations,
-                             layout_violations, model_option_violations, not_yet_trainable_violations,
-                             positive_violations, recompute_violations, schedule_violations,
-                             sequence_parallel_violations, sharding_violations)
+from ptdp.spec.rules import (
+    V,
+    context_parallel_model_violations,
+    context_parallel_violations,
+    data_parallel_violations,
+    finite_violations,
+    layout_violations,
+    model_option_violations,
+    not_yet_trainable_violations,
+    positive_violations,
+    recompute_violations,
+    schedule_violations,
+    sequence_parallel_violations,
+    sharding_violations,
+)
 
 DEFAULT_LOCAL_WORKERS = 8
 """Workers ``ptdp train`` starts on a machine without GPUs when neither ``--nproc-per-node`` nor
@@ -40,18 +51,34 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
     raise_violations(positive_violations(_sizes(config, world_size)) + finite_violations(_floats(config)))
     errors: list[Violation] = []
     dp = _resolve_dp(p, world_size, errors)
-    errors += layout_violations(m, tp=p.tp, pp=p.pp, dp=dp, micro_batch_size=t.micro_batch_size,
-                                global_batch_size=t.global_batch_size, split=p.pipeline_layer_split,
-                                first=p.decoder_first_pipeline_num_layers, last=p.decoder_last_pipeline_num_layers,
-                                embedding=p.account_for_embedding_in_pipeline_split,
-                                loss=p.account_for_loss_in_pipeline_split)
+    errors += layout_violations(
+        m,
+        tp=p.tp,
+        pp=p.pp,
+        dp=dp,
+        micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        split=p.pipeline_layer_split,
+        first=p.decoder_first_pipeline_num_layers,
+        last=p.decoder_last_pipeline_num_layers,
+        embedding=p.account_for_embedding_in_pipeline_split,
+        loss=p.account_for_loss_in_pipeline_split,
+    )
     errors += train_violations(t) + profile_violations(t, world_size)
     if not errors:
         errors += schedule_violations(p, m.num_layers, t.global_batch_size // (t.micro_batch_size * dp))
-    chunks = None if errors else chunk_layer_counts(m.num_layers, p.pp, p.layer_split(m.num_layers),
-                                                    p.num_layers_per_virtual_pipeline_stage,
-                                                    embedding=p.account_for_embedding_in_pipeline_split,
-                                                    loss=p.account_for_loss_in_pipeline_split)
+    chunks = (
+        None
+        if errors
+        else chunk_layer_counts(
+            m.num_layers,
+            p.pp,
+            p.layer_split(m.num_layers),
+            p.num_layers_per_virtual_pipeline_stage,
+            embedding=p.account_for_embedding_in_pipeline_split,
+            loss=p.account_for_loss_in_pipeline_split,
+        )
+    )
     errors += recompute_violations(m, chunks)
     errors += sequence_parallel_violations(m, p.tp, p.sequence_parallel)
     errors += data_parallel_violations(p)
@@ -68,8 +95,12 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
     raise_violations(errors)
     return dataclasses.replace(
         config,
-        parallel=dataclasses.replace(p, data_parallel_size=dp, pipeline_schedule=p.schedule,
-                                     use_distributed_optimizer=p.sharding_strategy != "no_shard"),
+        parallel=dataclasses.replace(
+            p,
+            data_parallel_size=dp,
+            pipeline_schedule=p.schedule,
+            use_distributed_optimizer=p.sharding_strategy != "no_shard",
+        ),
         model=dataclasses.replace(m, ffn_hidden_size=m.ffn, **_recompute_defaults(m)),
         train=dataclasses.replace(t, lr_decay_iters=t.decay_iters),
     )
@@ -81,10 +112,18 @@ def _sizes(config: Config, world_size: int) -> dict[str, object]:
         "tensor_model_parallel_size": p.tensor_model_parallel_size,
         "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
         "context_parallel_size": p.context_parallel_size,
-        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
-        "ffn_hidden_size": m.ffn, "seq_length": m.seq_length, "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
-        "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size, "train_iters": t.train_iters,
-        "log_interval": t.log_interval, "eval_interval": t.eval_interval, "world_size": world_size,
+        "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "num_attention_heads": m.num_attention_heads,
+        "ffn_hidden_size": m.ffn,
+        "seq_length": m.seq_length,
+        "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+        "micro_batch_size": t.micro_batch_size,
+        "global_batch_size": t.global_batch_size,
+        "train_iters": t.train_iters,
+        "log_interval": t.log_interval,
+        "eval_interval": t.eval_interval,
+        "world_size": world_size,
     }
     if p.data_parallel_size is not None:
         sizes["data_parallel_size"] = p.data_parallel_size
@@ -97,10 +136,18 @@ def _sizes(config: Config, world_size: int) -> dict[str, object]:
 def _floats(config: Config) -> dict[str, object]:
     t, m = config.train, config.model
     return {
-        "lr": t.lr, "min_lr": t.min_lr, "weight_decay": t.weight_decay, "adam_beta1": t.adam_beta1,
-        "adam_beta2": t.adam_beta2, "adam_eps": t.adam_eps, "clip_grad": t.clip_grad,
-        "init_method_std": m.init_method_std, "layernorm_epsilon": m.layernorm_epsilon, "rotary_base": m.rotary_base,
-        "hidden_dropout": m.hidden_dropout, "attention_dropout": m.attention_dropout,
+        "lr": t.lr,
+        "min_lr": t.min_lr,
+        "weight_decay": t.weight_decay,
+        "adam_beta1": t.adam_beta1,
+        "adam_beta2": t.adam_beta2,
+        "adam_eps": t.adam_eps,
+        "clip_grad": t.clip_grad,
+        "init_method_std": m.init_method_std,
+        "layernorm_epsilon": m.layernorm_epsilon,
+        "rotary_base": m.rotary_base,
+        "hidden_dropout": m.hidden_dropout,
+        "attention_dropout": m.attention_dropout,
         "valid_fraction": config.data.valid_fraction,
         "distributed_timeout_minutes": config.parallel.distributed_timeout_minutes,
     }
@@ -115,14 +162,22 @@ def _resolve_dp(p: ParallelConfig, world_size: int, errors: list[Violation]) -> 
     model_parallel = tp * cp * pp
     if p.data_parallel_size is None:
         if world_size % model_parallel != 0:
-            errors.append(V("world size", f"world_size={world_size} is not divisible by {names}={values}="
-                            f"{model_parallel} (rule: {rule})"))
+            errors.append(
+                V(
+                    "world size",
+                    f"world_size={world_size} is not divisible by {names}={values}={model_parallel} (rule: {rule})",
+                )
+            )
             return 1
         return world_size // model_parallel
     dp = p.data_parallel_size
     if model_parallel * dp != world_size:
-        errors.append(V("world size", f"world_size={world_size} != {names}*dp = {values}*{dp} = {model_parallel * dp} "
-                        f"(rule: {rule})"))
+        errors.append(
+            V(
+                "world size",
+                f"world_size={world_size} != {names}*dp = {values}*{dp} = {model_parallel * dp} (rule: {rule})",
+            )
+        )
     return dp
 
 
@@ -140,13 +195,19 @@ def train_violations(t: TrainConfig) -> list[Violation]:
     if t.clip_grad < 0:
         out.append(V("option", f"clip_grad={t.clip_grad} must be >= 0 (0 disables clipping)"))
     if not (0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1) or t.adam_eps <= 0:
-        out.append(V("option", f"adam betas ({t.adam_beta1}, {t.adam_beta2}) must be in [0, 1) and "
-                     f"adam_eps={t.adam_eps} > 0"))
+        out.append(
+            V("option", f"adam betas ({t.adam_beta1}, {t.adam_beta2}) must be in [0, 1) and adam_eps={t.adam_eps} > 0")
+        )
     if t.eval_iters < 0:
         out.append(V("option", f"eval_iters={t.eval_iters} must be >= 0 (0 disables evaluation)"))
     if not isinstance(t.max_skipped_steps, int) or t.max_skipped_steps < 0:
-        out.append(V("option", f"max_skipped_steps={t.max_skipped_steps!r} must be an integer >= 0 (0: stop at the "
-                     f"first non-finite step)"))
+        out.append(
+            V(
+                "option",
+                f"max_skipped_steps={t.max_skipped_steps!r} must be an integer >= 0 (0: stop at the "
+                f"first non-finite step)",
+            )
+        )
     if t.trace_iters < 0:
         out.append(V("option", f"trace_iters={t.trace_iters} must be >= 0 (0 disables tracing)"))
     if not 0 <= t.seed < 2**63:
@@ -162,27 +223,47 @@ def profile_violations(t: TrainConfig, world_size: int) -> list[Violation]:
     out = []
     start, end = t.profile_step_start, t.profile_step_end
     if not 0 <= start < end <= t.train_iters:
-        out.append(V("option", f"--profile-step-start {start} and --profile-step-end {end} must satisfy "
-                     f"0 <= start < end <= --train-iters {t.train_iters} (steps are 0-based; Megatron-LM's "
-                     f"defaults are 10 and 12)", profile_step_start=start, profile_step_end=end,
-                     train_iters=t.train_iters))
+        out.append(
+            V(
+                "option",
+                f"--profile-step-start {start} and --profile-step-end {end} must satisfy "
+                f"0 <= start < end <= --train-iters {t.train_iters} (steps are 0-based; Megatron-LM's "
+                f"defaults are 10 and 12)",
+                profile_step_start=start,
+                profile_step_end=end,
+                train_iters=t.train_iters,
+            )
+        )
     bad = [r for r in t.profile_ranks if not 0 <= r < world_size]
     if bad or not t.profile_ranks:
-        out.append(V("option", f"--profile-ranks {','.join(map(str, t.profile_ranks)) or '(none)'}: each rank must be "
-                     f"in [0, world_size={world_size})", profile_ranks=t.profile_ranks, world_size=world_size))
+        out.append(
+            V(
+                "option",
+                f"--profile-ranks {','.join(map(str, t.profile_ranks)) or '(none)'}: each rank must be "
+                f"in [0, world_size={world_size})",
+                profile_ranks=t.profile_ranks,
+                world_size=world_size,
+            )
+        )
     return out
 
 
 def checkpoint_violations(c: CheckpointConfig) -> list[Violation]:
-    out = positive_violations({name: getattr(c, name) for name in ("save_interval", "keep_last")
-                               if getattr(c, name) is not None})
+    out = positive_violations(
+        {name: getattr(c, name) for name in ("save_interval", "keep_last") if getattr(c, name) is not None}
+    )
     if c.save is None:
-        out += [V("checkpoint", f"{name}={getattr(c, name)} needs a save directory (--save)")
-                for name in ("save_interval", "keep_last") if getattr(c, name) is not None]
+        out += [
+            V("checkpoint", f"{name}={getattr(c, name)} needs a save directory (--save)")
+            for name in ("save_interval", "keep_last")
+            if getattr(c, name) is not None
+        ]
         if c.async_save:
             out.append(V("checkpoint", "--async-save needs a save directory (--save)"))
     if c.load is None:
-        out += [V("checkpoint", f"{name} needs --load") for name in ("no_load_optim", "no_load_rng") if getattr(c, name)]
+        out += [
+            V("checkpoint", f"{name} needs --load") for name in ("no_load_optim", "no_load_rng") if getattr(c, name)
+        ]
     return out
 
 
@@ -190,8 +271,12 @@ def launch_violations(launch: LaunchConfig) -> list[Violation]:
     out = []
     n = launch.nproc_per_node
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        out.append(V("positive", f"nproc_per_node={n} must be a positive integer (local worker processes; default: "
-                     f"tp x cp x pp x dp)"))
+        out.append(
+            V(
+                "positive",
+                f"nproc_per_node={n} must be a positive integer (local worker processes; default: tp x cp x pp x dp)",
+            )
+        )
     r = launch.max_restarts
     if not isinstance(r, int) or isinstance(r, bool) or r < 0:
         out.append(V("option", f"max_restarts={r!r} must be >= 0 (0: a failed worker ends the run)"))
@@ -213,12 +298,26 @@ def local_world_size(config: Config, gpus: int | None = None) -> int:
     raise_violations(launch_violations(launch))
     nproc = _requested_workers(config, gpus if gpus else DEFAULT_LOCAL_WORKERS)
     if gpus is not None and nproc > gpus:
-        why = ("--nproc-per-node" if launch.nproc_per_node is not None else
-               "tp x cp x pp x dp" if p.data_parallel_size is not None else "tp x cp x pp")
-        raise_violations([V("workers <= gpus", f"{nproc} local workers ({why}) but this machine shows only "
-                             f"{gpus} GPU(s) (torch.cuda.device_count(), which CUDA_VISIBLE_DEVICES limits): each "
-                             f"worker needs a GPU of its own; ask for at most {gpus} workers (--nproc-per-node, a "
-                             f"smaller layout) or use torchrun across machines", workers=nproc, gpus=gpus)])
+        why = (
+            "--nproc-per-node"
+            if launch.nproc_per_node is not None
+            else "tp x cp x pp x dp"
+            if p.data_parallel_size is not None
+            else "tp x cp x pp"
+        )
+        raise_violations(
+            [
+                V(
+                    "workers <= gpus",
+                    f"{nproc} local workers ({why}) but this machine shows only "
+                    f"{gpus} GPU(s) (torch.cuda.device_count(), which CUDA_VISIBLE_DEVICES limits): each "
+                    f"worker needs a GPU of its own; ask for at most {gpus} workers (--nproc-per-node, a "
+                    f"smaller layout) or use torchrun across machines",
+                    workers=nproc,
+                    gpus=gpus,
+                )
+            ]
+        )
     return nproc
 
 
@@ -239,8 +338,10 @@ def _recompute_defaults(m: ModelConfig) -> dict:
     if m.recompute_granularity != "full":
         return {}
     method = m.recompute_method or "uniform"
-    return {"recompute_method": method,
-            "recompute_num_layers": m.recompute_num_layers or (1 if method == "uniform" else None)}
+    return {
+        "recompute_method": method,
+        "recompute_num_layers": m.recompute_num_layers or (1 if method == "uniform" else None),
+    }
 
 
 __all__ = ["ConfigError", "local_world_size", "resolve"]

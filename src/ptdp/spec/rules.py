@@ -30,39 +30,76 @@ import math
 
 from ptdp.engine.pipeline.partition import layer_split, stage_layer_counts
 from ptdp.spec.errors import ConfigError, Violation
-from ptdp.spec.fields import (ACTIVATIONS, BIND_POLICIES, DTYPES, GRAD_COMPRESSIONS, MIN_VOCAB_SIZE, NORMALIZATIONS,
-                              POSITION_EMBEDDINGS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, SCHEDULES,
-                              SHARDING_STRATEGIES)
+from ptdp.spec.fields import (
+    ACTIVATIONS,
+    BIND_POLICIES,
+    DTYPES,
+    GRAD_COMPRESSIONS,
+    MIN_VOCAB_SIZE,
+    NORMALIZATIONS,
+    POSITION_EMBEDDINGS,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+    SCHEDULES,
+    SHARDING_STRATEGIES,
+)
 from ptdp.spec.model import AUTO_DTYPE, ModelConfig
 from ptdp.spec.parallel import ParallelConfig
 
 
-def V(rule: str, message: str, **values) -> Violation:  # noqa: N802 - a short constructor
+def V(rule: str, message: str, **values) -> Violation:
     return Violation(rule, message, values)
 
 
-def model_violations(m: ModelConfig, tp: int, pp: int, split: tuple[int, ...] | None, *, first: int | None = None,
-                     last: int | None = None, embedding: bool = False, loss: bool = False) -> list[Violation]:
+def model_violations(
+    m: ModelConfig,
+    tp: int,
+    pp: int,
+    split: tuple[int, ...] | None,
+    *,
+    first: int | None = None,
+    last: int | None = None,
+    embedding: bool = False,
+    loss: bool = False,
+) -> list[Violation]:
     """Rules tying the model to tp and pp (heads, hidden, ffn, layers per stage, vocabulary, dtype);
     ``first``/``last``: the first/last stage's layers, ``embedding``/``loss``: counted as layers of the
     split (:func:`~ptdp.engine.pipeline.partition.layer_split`)."""
     out = heads_violations(m.num_attention_heads, tp)
     a, h = m.num_attention_heads, m.hidden_size
     if h % a != 0:
-        out.append(V("hidden % heads", f"hidden_size={h} is not divisible by num_attention_heads={a} (rule: h % a == 0)",
-                     hidden=h, heads=a))
+        out.append(
+            V(
+                "hidden % heads",
+                f"hidden_size={h} is not divisible by num_attention_heads={a} (rule: h % a == 0)",
+                hidden=h,
+                heads=a,
+            )
+        )
     if m.ffn % tp != 0:
-        out.append(V("ffn % tp", f"ffn_hidden_size={m.ffn} is not divisible by tensor_model_parallel_size={tp} "
-                     f"(rule: ffn % tp == 0)", ffn=m.ffn, tp=tp))
+        out.append(
+            V(
+                "ffn % tp",
+                f"ffn_hidden_size={m.ffn} is not divisible by tensor_model_parallel_size={tp} (rule: ffn % tp == 0)",
+                ffn=m.ffn,
+                tp=tp,
+            )
+        )
     out += llama_option_violations(m, tp)
     try:
-        stage_layer_counts(m.num_layers, pp, layer_split(m.num_layers, pp, split, first, last, embedding=embedding,
-                                                         loss=loss))
+        stage_layer_counts(
+            m.num_layers, pp, layer_split(m.num_layers, pp, split, first, last, embedding=embedding, loss=loss)
+        )
     except ConfigError as e:
         out.append(V("layers % pp", str(e), num_layers=m.num_layers, pp=pp, split=split, first=first, last=last))
     if m.vocab_size < MIN_VOCAB_SIZE:
-        out.append(V("vocab size", f"vocab_size={m.vocab_size} must be >= {MIN_VOCAB_SIZE} (256 bytes + end token + "
-                     f"merges)", vocab_size=m.vocab_size))
+        out.append(
+            V(
+                "vocab size",
+                f"vocab_size={m.vocab_size} must be >= {MIN_VOCAB_SIZE} (256 bytes + end token + merges)",
+                vocab_size=m.vocab_size,
+            )
+        )
     if m.params_dtype not in (AUTO_DTYPE, *DTYPES):  # auto: made concrete by resolve()
         out.append(V("option", f"params_dtype={m.params_dtype!r} must be one of {(AUTO_DTYPE, *DTYPES)}"))
     if m.init_method_std <= 0:
@@ -73,8 +110,15 @@ def model_violations(m: ModelConfig, tp: int, pp: int, split: tuple[int, ...] | 
 def heads_violations(heads: int, tp: int) -> list[Violation]:
     """Attention is split by heads: ``heads % tp == 0``."""
     if heads % tp != 0:
-        return [V("heads % tp", f"num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp} "
-                  f"(rule: heads % tp == 0; attention is split by heads)", heads=heads, tp=tp)]
+        return [
+            V(
+                "heads % tp",
+                f"num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp} "
+                f"(rule: heads % tp == 0; attention is split by heads)",
+                heads=heads,
+                tp=tp,
+            )
+        ]
     return []
 
 
@@ -85,12 +129,18 @@ def llama_option_violations(m: ModelConfig, tp: int) -> list[Violation]:
     if m.normalization not in NORMALIZATIONS:
         out.append(V("option", f"normalization={m.normalization!r} must be one of {NORMALIZATIONS}"))
     if m.position_embedding_type not in POSITION_EMBEDDINGS:
-        out.append(V("option", f"position_embedding_type={m.position_embedding_type!r} must be one of "
-                     f"{POSITION_EMBEDDINGS}"))
+        out.append(
+            V("option", f"position_embedding_type={m.position_embedding_type!r} must be one of {POSITION_EMBEDDINGS}")
+        )
     elif m.position_embedding_type == "rope" and a > 0 and m.hidden_size % a == 0 and (m.hidden_size // a) % 2:
-        out.append(V("rope head dim", f"head dim hidden_size / num_attention_heads = {m.hidden_size}/{a} = "
-                     f"{m.hidden_size // a} is odd (rule: rotary embeddings turn pairs of channels, the head dim must "
-                     f"be even)"))
+        out.append(
+            V(
+                "rope head dim",
+                f"head dim hidden_size / num_attention_heads = {m.hidden_size}/{a} = "
+                f"{m.hidden_size // a} is odd (rule: rotary embeddings turn pairs of channels, the head dim must "
+                f"be even)",
+            )
+        )
     if not m.rotary_base > 0:
         out.append(V("option", f"rotary_base={m.rotary_base} must be > 0"))
     if g is None:
@@ -98,24 +148,54 @@ def llama_option_violations(m: ModelConfig, tp: int) -> list[Violation]:
     if not isinstance(g, int) or isinstance(g, bool) or g < 1:
         return out + [V("option", f"num_query_groups={g!r} must be a positive integer")]
     if a % g:
-        out.append(V("heads % groups", f"num_attention_heads={a} is not divisible by num_query_groups={g} "
-                     f"(rule: heads % groups == 0; each key/value head serves a / G query heads)"))
+        out.append(
+            V(
+                "heads % groups",
+                f"num_attention_heads={a} is not divisible by num_query_groups={g} "
+                f"(rule: heads % groups == 0; each key/value head serves a / G query heads)",
+            )
+        )
     if g % tp:
-        out.append(V("kv heads % tp", f"num_query_groups={g} is not divisible by tensor_model_parallel_size={tp} "
-                     f"(rule: query groups must divide by tp; each tp rank holds whole key/value heads)",
-                     groups=g, tp=tp))
+        out.append(
+            V(
+                "kv heads % tp",
+                f"num_query_groups={g} is not divisible by tensor_model_parallel_size={tp} "
+                f"(rule: query groups must divide by tp; each tp rank holds whole key/value heads)",
+                groups=g,
+                tp=tp,
+            )
+        )
     return out
 
 
-def layout_violations(m: ModelConfig, *, tp: int, pp: int, dp: int, micro_batch_size: int, global_batch_size: int,
-                      split: tuple[int, ...] | None = None, first: int | None = None,
-                      last: int | None = None, embedding: bool = False, loss: bool = False) -> list[Violation]:
+def layout_violations(
+    m: ModelConfig,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro_batch_size: int,
+    global_batch_size: int,
+    split: tuple[int, ...] | None = None,
+    first: int | None = None,
+    last: int | None = None,
+    embedding: bool = False,
+    loss: bool = False,
+) -> list[Violation]:
     """The rules tying a model and batch to a tp x pp x dp layout (shared with the planner)."""
     out = model_violations(m, tp, pp, split, first=first, last=last, embedding=embedding, loss=loss)
     b, big_b = micro_batch_size, global_batch_size
     if big_b % (b * dp) != 0:
-        out.append(V("B % (b * dp)", f"global_batch_size={big_b} is not divisible by micro_batch_size*dp = {b}*{dp} = "
-                     f"{b * dp} (rule: B % (b * dp) == 0)", global_batch_size=big_b, micro_batch_size=b, dp=dp))
+        out.append(
+            V(
+                "B % (b * dp)",
+                f"global_batch_size={big_b} is not divisible by micro_batch_size*dp = {b}*{dp} = "
+                f"{b * dp} (rule: B % (b * dp) == 0)",
+                global_batch_size=big_b,
+                micro_batch_size=b,
+                dp=dp,
+            )
+        )
     return out
 
 
@@ -130,30 +210,53 @@ def schedule_violations(p: ParallelConfig, num_layers: int, num_microbatches: in
             return [V("option", f"num_layers_per_virtual_pipeline_stage={per_chunk!r} must be a positive integer")]
         units = num_layers + p.accounted_units
         if units % (pp * per_chunk):
-            counted = f" + {p.accounted_units} (embedding/loss counted as layers) = {units}" if p.accounted_units else ""
-            out.append(V("interleaving", f"num_layers={num_layers}{counted} is not divisible by pp * "
-                         f"num_layers_per_virtual_pipeline_stage = {pp}*{per_chunk} = {pp * per_chunk} (rule: layers "
-                         f"split evenly over pp * v model chunks)"))
+            counted = (
+                f" + {p.accounted_units} (embedding/loss counted as layers) = {units}" if p.accounted_units else ""
+            )
+            out.append(
+                V(
+                    "interleaving",
+                    f"num_layers={num_layers}{counted} is not divisible by pp * "
+                    f"num_layers_per_virtual_pipeline_stage = {pp}*{per_chunk} = {pp * per_chunk} (rule: layers "
+                    f"split evenly over pp * v model chunks)",
+                )
+            )
         if kind != "interleaved-1f1b":
-            out.append(V("interleaving", f"num_layers_per_virtual_pipeline_stage needs the interleaved-1f1b schedule, "
-                         f"not {kind}"))
+            out.append(
+                V(
+                    "interleaving",
+                    f"num_layers_per_virtual_pipeline_stage needs the interleaved-1f1b schedule, not {kind}",
+                )
+            )
         if p.pipeline_layer_split is not None:
             out.append(V("interleaving", "pipeline_layer_split cannot be combined with virtual pipeline stages"))
         if p.decoder_first_pipeline_num_layers is not None or p.decoder_last_pipeline_num_layers is not None:
-            out.append(V("interleaving", f"decoder_first_pipeline_num_layers={p.decoder_first_pipeline_num_layers} / "
-                         f"decoder_last_pipeline_num_layers={p.decoder_last_pipeline_num_layers} cannot be combined "
-                         f"with virtual pipeline stages (ptdp's interleaved schedule gives every model chunk "
-                         f"num_layers / (pp * v) layers)"))
+            out.append(
+                V(
+                    "interleaving",
+                    f"decoder_first_pipeline_num_layers={p.decoder_first_pipeline_num_layers} / "
+                    f"decoder_last_pipeline_num_layers={p.decoder_last_pipeline_num_layers} cannot be combined "
+                    f"with virtual pipeline stages (ptdp's interleaved schedule gives every model chunk "
+                    f"num_layers / (pp * v) layers)",
+                )
+            )
     if kind == "interleaved-1f1b":
         if per_chunk is None:
             out.append(V("interleaving", "the interleaved-1f1b schedule needs num_layers_per_virtual_pipeline_stage"))
         if pp < 2:
-            out.append(V("interleaving", f"the interleaved-1f1b schedule needs pipeline_model_parallel_size >= 2, "
-                         f"got {pp}"))
+            out.append(
+                V("interleaving", f"the interleaved-1f1b schedule needs pipeline_model_parallel_size >= 2, got {pp}")
+            )
         elif m % pp:
-            out.append(V("interleaving", f"the interleaved-1f1b schedule needs num_microbatches % pp == 0: "
-                         f"num_microbatches={m} (= global_batch_size / (micro_batch_size * dp)), pp={pp}",
-                         num_microbatches=m, pp=pp))
+            out.append(
+                V(
+                    "interleaving",
+                    f"the interleaved-1f1b schedule needs num_microbatches % pp == 0: "
+                    f"num_microbatches={m} (= global_batch_size / (micro_batch_size * dp)), pp={pp}",
+                    num_microbatches=m,
+                    pp=pp,
+                )
+            )
     return out
 
 
@@ -162,11 +265,21 @@ def sequence_parallel_violations(m: ModelConfig, tp: int, sequence_parallel: boo
     if not sequence_parallel:
         return []
     if tp < 2:
-        return [V("sequence parallel", f"sequence_parallel needs tensor_model_parallel_size > 1, got {tp} (rule: the "
-                  f"sequence is split over the tp ranks)")]
+        return [
+            V(
+                "sequence parallel",
+                f"sequence_parallel needs tensor_model_parallel_size > 1, got {tp} (rule: the "
+                f"sequence is split over the tp ranks)",
+            )
+        ]
     if m.seq_length % tp:
-        return [V("sequence parallel", f"seq_length={m.seq_length} is not divisible by tensor_model_parallel_size={tp} "
-                  f"(rule: s % tp == 0 with sequence_parallel; each tp rank holds s / tp positions)")]
+        return [
+            V(
+                "sequence parallel",
+                f"seq_length={m.seq_length} is not divisible by tensor_model_parallel_size={tp} "
+                f"(rule: s % tp == 0 with sequence_parallel; each tp rank holds s / tp positions)",
+            )
+        ]
     return []
 
 
@@ -175,12 +288,20 @@ def context_parallel_violations(seq_length: int, cp: int) -> list[Violation]:
     al. 2024, §3.3.2): ``cp >= 1`` and ``seq_length % (2 cp) == 0``, each cp rank holding chunks
     ``i`` and ``2 cp - 1 - i`` of ``seq_length / (2 cp)`` tokens."""
     if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-        return [V("option", f"context_parallel_size={cp!r} must be a positive integer (1: no context parallelism)",
-                  cp=cp)]
+        return [
+            V("option", f"context_parallel_size={cp!r} must be a positive integer (1: no context parallelism)", cp=cp)
+        ]
     if cp > 1 and seq_length % (2 * cp):
-        return [V("seq % (2 * cp)", f"seq_length={seq_length} is not divisible by 2*context_parallel_size = 2*{cp} = "
-                  f"{2 * cp} (rule: seq_length % (2 * cp) == 0; each cp rank holds two of 2*cp equal chunks for "
-                  f"causal load balance)", seq_length=seq_length, cp=cp)]
+        return [
+            V(
+                "seq % (2 * cp)",
+                f"seq_length={seq_length} is not divisible by 2*context_parallel_size = 2*{cp} = "
+                f"{2 * cp} (rule: seq_length % (2 * cp) == 0; each cp rank holds two of 2*cp equal chunks for "
+                f"causal load balance)",
+                seq_length=seq_length,
+                cp=cp,
+            )
+        ]
     return []
 
 
@@ -191,10 +312,17 @@ def context_parallel_model_violations(m: ModelConfig, cp: int, tp: int, sequence
         return []
     out = []
     if sequence_parallel and isinstance(tp, int) and tp > 1 and m.seq_length % (cp * tp):
-        out.append(V("sequence parallel", f"seq_length={m.seq_length} is not divisible by context_parallel_size * "
-                     f"tensor_model_parallel_size = {cp}*{tp} = {cp * tp} (rule: s % (cp * tp) == 0 with "
-                     f"sequence_parallel; each tp rank holds s / (cp * tp) positions of its cp rank's s / cp)",
-                     seq_length=m.seq_length, cp=cp, tp=tp))
+        out.append(
+            V(
+                "sequence parallel",
+                f"seq_length={m.seq_length} is not divisible by context_parallel_size * "
+                f"tensor_model_parallel_size = {cp}*{tp} = {cp * tp} (rule: s % (cp * tp) == 0 with "
+                f"sequence_parallel; each tp rank holds s / (cp * tp) positions of its cp rank's s / cp)",
+                seq_length=m.seq_length,
+                cp=cp,
+                tp=tp,
+            )
+        )
     return out
 
 
@@ -207,8 +335,13 @@ def sharding_violations(p: ParallelConfig) -> list[Violation]:
     if strategy not in SHARDING_STRATEGIES:
         return [V("option", f"data_parallel_sharding_strategy={strategy!r} must be one of {SHARDING_STRATEGIES}")]
     if p.use_distributed_optimizer and strategy == "no_shard":
-        return [V("data parallel", "use_distributed_optimizer (data_parallel_sharding_strategy=optim) contradicts "
-                  "data_parallel_sharding_strategy=no_shard: give one")]
+        return [
+            V(
+                "data parallel",
+                "use_distributed_optimizer (data_parallel_sharding_strategy=optim) contradicts "
+                "data_parallel_sharding_strategy=no_shard: give one",
+            )
+        ]
     return []
 
 
@@ -217,9 +350,14 @@ def not_yet_trainable_violations(p: ParallelConfig) -> list[Violation]:
     sharding strategy."""
     out = []
     if p.data_parallel_sharding_strategy == "optim_grads_params":
-        out.append(V("not yet trainable", f"data_parallel_sharding_strategy={p.data_parallel_sharding_strategy}: "
-                     f"planned (ptdp plan) but not yet trainable; ptdp train runs no_shard, optim "
-                     f"(--use-distributed-optimizer) and optim_grads"))
+        out.append(
+            V(
+                "not yet trainable",
+                f"data_parallel_sharding_strategy={p.data_parallel_sharding_strategy}: "
+                f"planned (ptdp plan) but not yet trainable; ptdp train runs no_shard, optim "
+                f"(--use-distributed-optimizer) and optim_grads",
+            )
+        )
     return out
 
 
@@ -228,8 +366,13 @@ def recompute_violations(m: ModelConfig, chunk_layers: list[int] | None) -> list
     when the layout is invalid: the range of recompute_num_layers is then not checked)."""
     granularity, method, n = m.recompute_granularity, m.recompute_method, m.recompute_num_layers
     if granularity is not None and granularity not in RECOMPUTE_GRANULARITIES:
-        return [V("option", f"recompute_granularity={granularity!r} must be one of {RECOMPUTE_GRANULARITIES} (or "
-                  f"unset: no recompute)")]
+        return [
+            V(
+                "option",
+                f"recompute_granularity={granularity!r} must be one of {RECOMPUTE_GRANULARITIES} (or "
+                f"unset: no recompute)",
+            )
+        ]
     out = []
     if method is not None and method not in RECOMPUTE_METHODS:
         out.append(V("option", f"recompute_method={method!r} must be one of {RECOMPUTE_METHODS}"))
@@ -237,17 +380,25 @@ def recompute_violations(m: ModelConfig, chunk_layers: list[int] | None) -> list
         out.append(V("option", f"recompute_num_layers={n!r} must be a positive integer"))
         n = None
     if granularity != "full":
-        return out + [V("recompute", f"{name}={value!r} needs recompute_granularity=full, not {granularity!r}")
-                      for name, value in (("recompute_method", method), ("recompute_num_layers", m.recompute_num_layers))
-                      if value is not None]
+        return out + [
+            V("recompute", f"{name}={value!r} needs recompute_granularity=full, not {granularity!r}")
+            for name, value in (("recompute_method", method), ("recompute_num_layers", m.recompute_num_layers))
+            if value is not None
+        ]
     if method == "block" and m.recompute_num_layers is None:
-        out.append(V("recompute", "recompute_method=block needs recompute_num_layers (the layers recomputed per "
-                     "model chunk)"))
+        out.append(
+            V("recompute", "recompute_method=block needs recompute_num_layers (the layers recomputed per model chunk)")
+        )
     smallest = min((c for c in chunk_layers or () if c), default=None)  # a chunk of only the embedding / loss: none
     if n is not None and smallest is not None and n > smallest:
-        out.append(V("recompute", f"recompute_num_layers={n} is more than the {smallest} layers of the "
-                     f"smallest model chunk (layers per chunk: {chunk_layers}; rule: 1 <= recompute_num_layers <= "
-                     f"layers per model chunk)"))
+        out.append(
+            V(
+                "recompute",
+                f"recompute_num_layers={n} is more than the {smallest} layers of the "
+                f"smallest model chunk (layers per chunk: {chunk_layers}; rule: 1 <= recompute_num_layers <= "
+                f"layers per model chunk)",
+            )
+        )
     return out
 
 
@@ -258,18 +409,29 @@ def data_parallel_violations(p: ParallelConfig) -> list[Violation]:
     if p.grad_compression not in GRAD_COMPRESSIONS:
         out.append(V("option", f"grad_compression={p.grad_compression!r} must be one of {GRAD_COMPRESSIONS}"))
     if p.overlap_param_gather and not sharded:
-        out.append(V("data parallel", "overlap_param_gather needs use_distributed_optimizer (only the distributed "
-                     "optimizer all-gathers parameters)"))
+        out.append(
+            V(
+                "data parallel",
+                "overlap_param_gather needs use_distributed_optimizer (only the distributed "
+                "optimizer all-gathers parameters)",
+            )
+        )
     if p.grad_compression == "1bit" and sharded:
-        out.append(V("data parallel", f"grad_compression=1bit cannot be combined with use_distributed_optimizer "
-                     f"(data_parallel_sharding_strategy={p.sharding_strategy}; 1-bit gradients are all-gathered, "
-                     f"not reduce-scattered into shards: use no_shard)"))
+        out.append(
+            V(
+                "data parallel",
+                f"grad_compression=1bit cannot be combined with use_distributed_optimizer "
+                f"(data_parallel_sharding_strategy={p.sharding_strategy}; 1-bit gradients are all-gathered, "
+                f"not reduce-scattered into shards: use no_shard)",
+            )
+        )
     warmup = p.grad_compression_warmup_iters
     if warmup is not None and (not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0):
         out.append(V("option", f"grad_compression_warmup_iters={warmup!r} must be an integer >= 0"))
     elif warmup is not None and p.grad_compression == "none":
-        out.append(V("data parallel", f"grad_compression_warmup_iters={warmup} has no effect with "
-                     f"grad_compression=none"))
+        out.append(
+            V("data parallel", f"grad_compression_warmup_iters={warmup} has no effect with grad_compression=none")
+        )
     if p.ddp_bucket_size is not None and (not isinstance(p.ddp_bucket_size, int) or p.ddp_bucket_size < 1):
         out.append(V("option", f"ddp_bucket_size={p.ddp_bucket_size!r} must be a positive integer (elements)"))
     if p.bind_cpus not in BIND_POLICIES:
@@ -279,9 +441,11 @@ def data_parallel_violations(p: ParallelConfig) -> list[Violation]:
 
 def model_option_violations(m: ModelConfig) -> list[Violation]:
     """Dropout probabilities and the activation."""
-    out = [V("option", f"{name}={value} must be in [0, 1) (a dropout probability; 0 disables)")
-           for name, value in (("hidden_dropout", m.hidden_dropout), ("attention_dropout", m.attention_dropout))
-           if not 0 <= value < 1]
+    out = [
+        V("option", f"{name}={value} must be in [0, 1) (a dropout probability; 0 disables)")
+        for name, value in (("hidden_dropout", m.hidden_dropout), ("attention_dropout", m.attention_dropout))
+        if not 0 <= value < 1
+    ]
     if m.activation not in ACTIVATIONS:
         out.append(V("option", f"activation={m.activation!r} must be one of {ACTIVATIONS}"))
     elif m.swiglu and m.activation != "gelu":
@@ -291,13 +455,17 @@ def model_option_violations(m: ModelConfig) -> list[Violation]:
 
 def positive_violations(values: dict[str, object]) -> list[Violation]:
     """Each value must be a positive integer."""
-    return [V("positive", f"{name}={value!r} must be a positive integer", **{name: value})
-            for name, value in values.items()
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1]
+    return [
+        V("positive", f"{name}={value!r} must be a positive integer", **{name: value})
+        for name, value in values.items()
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1
+    ]
 
 
 def finite_violations(values: dict[str, object]) -> list[Violation]:
     """Each value must be a finite number (nan or inf would train silently wrong)."""
-    return [V("finite", f"{name}={value!r} must be a finite number")
-            for name, value in values.items()
-            if not isinstance(value, (int, float)) or not math.isfinite(value)]
+    return [
+        V("finite", f"{name}={value!r} must be a finite number")
+        for name, value in values.items()
+        if not isinstance(value, (int, float)) or not math.isfinite(value)
+    ]

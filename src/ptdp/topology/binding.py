@@ -44,8 +44,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ptdp.spec import BIND_POLICIES, ConfigError
 from ptdp.topology.model import TopologyError, format_cpu_list, parse_cpu_list
@@ -106,7 +106,9 @@ class NodePlan:
                 lines.append(f"local rank {rank}: not bound ({b.where})")
             else:
                 cpus = f"CPU{'s' if len(b.cpus) > 1 else ''} {format_cpu_list(b.cpus)}"
-                lines.append(f"local rank {rank}: {cpus} ({b.threads} thread{'s' if b.threads != 1 else ''}, {b.where})")
+                lines.append(
+                    f"local rank {rank}: {cpus} ({b.threads} thread{'s' if b.threads != 1 else ''}, {b.where})"
+                )
         return "\n".join(lines)
 
 
@@ -119,8 +121,9 @@ def allowed_numa_nodes(layout: CpuLayout) -> dict[int, tuple[int, ...]]:
     return nodes or {0: tuple(layout.allowed)}
 
 
-def exclusive_shares(cpus: Sequence[int], n: int, core_of: dict[int, int] | None = None
-                     ) -> tuple[list[tuple[int, ...]], str | None]:
+def exclusive_shares(
+    cpus: Sequence[int], n: int, core_of: dict[int, int] | None = None
+) -> tuple[list[tuple[int, ...]], str | None]:
     """Split ``cpus`` (in the order given, which should keep cores and NUMA nodes together) into
     ``n`` contiguous shares; return the shares (each ascending) and a note when they are not whole
     cores of their own.
@@ -149,13 +152,17 @@ def exclusive_shares(cpus: Sequence[int], n: int, core_of: dict[int, int] | None
         return [tuple(sorted(c for unit in share for c in unit)) for share in _even_split(units, n)], None
     ordered = [c for unit in units for c in unit]
     if n <= len(ordered):
-        note = (f"{n} workers but {len(units)} physical cores ({len(ordered)} logical CPUs): "
-                f"hyperthread siblings are given to different workers")
+        note = (
+            f"{n} workers but {len(units)} physical cores ({len(ordered)} logical CPUs): "
+            f"hyperthread siblings are given to different workers"
+        )
         return [tuple(sorted(share)) for share in _even_split(ordered, n)], note
     lo, hi = n // len(ordered), -(-n // len(ordered))
     per_cpu = str(lo) if lo == hi else f"{lo} or {hi}"
-    note = (f"{n} workers but only {len(ordered)} CPUs ({format_cpu_list(ordered)}): each worker is bound to one "
-            f"CPU, shared by {per_cpu} consecutive local ranks; expect them to slow each other down")
+    note = (
+        f"{n} workers but only {len(ordered)} CPUs ({format_cpu_list(ordered)}): each worker is bound to one "
+        f"CPU, shared by {per_cpu} consecutive local ranks; expect them to slow each other down"
+    )
     return [(ordered[i * len(ordered) // n],) for i in range(n)], note
 
 
@@ -176,7 +183,9 @@ def _check(policy: str, layout: CpuLayout, local_world: int) -> None:
     if local_world < 1:
         raise BindingError(f"local world size {local_world} must be >= 1")
     if not layout.allowed:
-        raise BindingError("CPU binding was asked for but this process is allowed no CPU (os.sched_getaffinity is empty)")
+        raise BindingError(
+            "CPU binding was asked for but this process is allowed no CPU (os.sched_getaffinity is empty)"
+        )
 
 
 def plan_cpu_only(policy: str, local_world: int, layout: CpuLayout) -> NodePlan:
@@ -195,7 +204,8 @@ def plan_cpu_only(policy: str, local_world: int, layout: CpuLayout) -> NodePlan:
         node_of = [ids[r * len(ids) // local_world] for r in range(local_world)]
         bindings = tuple(
             Binding(nodes[node], max(1, len(nodes[node]) // node_of.count(node)), f"NUMA node {node}")
-            for node in node_of)
+            for node in node_of
+        )
         return NodePlan(policy, bindings)
     node_of_cpu = {c: node for node, cpus in nodes.items() for c in cpus}
     pool = [c for cpus in nodes.values() for c in cpus]
@@ -222,8 +232,12 @@ def plan_gpus(policy: str, gpus: Sequence[GpuCpus | None], layout: CpuLayout) ->
         if pool is not None:
             groups.setdefault(pool[0], []).append(rank)
     bindings: list[Binding] = []
-    notes = [f"local rank {r}: where GPU {r} sits is unknown (no PCI address from torch, or no sysfs entry "
-             f"with its NUMA node or local CPUs); not bound" for r, pool in enumerate(pools) if pool is None]
+    notes = [
+        f"local rank {r}: where GPU {r} sits is unknown (no PCI address from torch, or no sysfs entry "
+        f"with its NUMA node or local CPUs); not bound"
+        for r, pool in enumerate(pools)
+        if pool is None
+    ]
     for rank, pool in enumerate(pools):
         if pool is None:
             bindings.append(Binding(None, None, "GPU position unknown"))
@@ -255,7 +269,8 @@ def _gpu_pool(rank: int, gpu: GpuCpus, layout: CpuLayout) -> tuple[tuple, tuple[
     if not cpus:
         raise BindingError(
             f"GPU {rank} sits on {where} (CPUs {format_cpu_list(near)}) but this process may only use CPUs "
-            f"{format_cpu_list(layout.allowed)}; ask the scheduler for CPUs near the GPUs or use --bind-cpus none")
+            f"{format_cpu_list(layout.allowed)}; ask the scheduler for CPUs near the GPUs or use --bind-cpus none"
+        )
     return key, cpus, where
 
 
@@ -269,6 +284,7 @@ def _nodes_of(cpus: tuple[int, ...], node_of_cpu: dict[int, int]) -> str:
 
 
 # ---- reading the machine and binding (the only impure part) ----
+
 
 def read_cpu_layout(sysfs: str | os.PathLike[str] = "/sys") -> CpuLayout:
     """This process's :class:`CpuLayout`: ``os.sched_getaffinity(0)``, the NUMA nodes'
@@ -284,8 +300,7 @@ def read_cpu_layout(sysfs: str | os.PathLike[str] = "/sys") -> CpuLayout:
     return CpuLayout(allowed, numa_nodes(root), core_of)
 
 
-def read_gpu_cpus(pci_addresses: Sequence[str | None], sysfs: str | os.PathLike[str] = "/sys"
-                  ) -> list[GpuCpus | None]:
+def read_gpu_cpus(pci_addresses: Sequence[str | None], sysfs: str | os.PathLike[str] = "/sys") -> list[GpuCpus | None]:
     """Each GPU's ``numa_node`` and ``local_cpulist`` from ``sysfs/bus/pci/devices/<address>``;
     None for an unknown address or a missing folder."""
     out: list[GpuCpus | None] = []
@@ -316,7 +331,9 @@ def cuda_pci_addresses(count: int) -> list[str | None]:
     return out
 
 
-def read_node_plan(policy: str, local_world: int, *, use_gpus: bool, sysfs: str | os.PathLike[str] = "/sys") -> NodePlan:
+def read_node_plan(
+    policy: str, local_world: int, *, use_gpus: bool, sysfs: str | os.PathLike[str] = "/sys"
+) -> NodePlan:
     """:func:`plan_gpus` or :func:`plan_cpu_only` for this machine as it is now.
 
     Raises:

@@ -15,8 +15,15 @@ from ptdp.topology.model import Topology, TopologyError
 from ptdp.topology.placement import PlacementError, launch_env, place
 
 
-def gpu_order(tp: int, pp: int, dp: int, nproc: int, *, read_topology: Callable[[], Topology] | None = None,
-              environ: Mapping[str, str] | None = None) -> tuple[dict[str, str], list[str]]:
+def gpu_order(
+    tp: int,
+    pp: int,
+    dp: int,
+    nproc: int,
+    *,
+    read_topology: Callable[[], Topology] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[dict[str, str], list[str]]:
     """(environment to add for the workers, lines to print) for ``nproc`` local workers of a
     ``tp x pp x dp`` run. ``read_topology`` defaults to
     :func:`ptdp.topology.sysfs.local_topology`; a topology that cannot be read or placed leaves the
@@ -26,6 +33,7 @@ def gpu_order(tp: int, pp: int, dp: int, nproc: int, *, read_topology: Callable[
         return {}, [f"GPU placement: CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']} is set; left as is"]
     if read_topology is None:
         from ptdp.topology.sysfs import local_topology
+
         read_topology = local_topology
     try:
         topology = read_topology()

@@ -98,7 +98,8 @@ def _find_header(lines: list[_Line], source: str) -> int:
         return i
     raise TopologyError(
         f"{source}: no header line found: expected a line naming the columns "
-        f"(GPU0 GPU1 ... CPU Affinity NUMA Affinity), as printed by nvidia-smi topo -m")
+        f"(GPU0 GPU1 ... CPU Affinity NUMA Affinity), as printed by nvidia-smi topo -m"
+    )
 
 
 def _parse_header(line: _Line, source: str) -> _Header:
@@ -106,21 +107,24 @@ def _parse_header(line: _Line, source: str) -> _Header:
     first = _AFFINITY.search(text)
     devices = (text[: first.start()] if first else text).split()
     affinity: list[str] = []
-    rest = text[first.start():] if first else ""
+    rest = text[first.start() :] if first else ""
     while rest:
         match = _AFFINITY.match(rest)
         if match is None:
             raise _fail(source, line, f'unknown column "{rest.split()[0]}" after the device columns')
         affinity.append(" ".join(match.group().split()))
-        rest = rest[match.end():].lstrip()
+        rest = rest[match.end() :].lstrip()
     num_gpus = 0
     while num_gpus < len(devices) and _GPU_NAME.match(devices[num_gpus]):
         num_gpus += 1
     for pos, name in enumerate(devices):
         gpu = _GPU_NAME.match(name)
         if gpu and (pos >= num_gpus or int(gpu.group(1)) != pos):
-            raise _fail(source, line, f"GPU columns must be GPU0, GPU1, ... in order, before the NICs; "
-                                      f'found "{name}" as column {pos + 1}')
+            raise _fail(
+                source,
+                line,
+                f'GPU columns must be GPU0, GPU1, ... in order, before the NICs; found "{name}" as column {pos + 1}',
+            )
         if not _DEVICE_NAME.match(name):
             raise _fail(source, line, f'"{name}" is not a device name')
     for name in devices + affinity:
@@ -166,20 +170,28 @@ def _read_rows(lines: list[_Line], start: int, header: _Header, source: str) -> 
         fields = _split(stripped)
         name = fields[0]
         if name not in header.devices:
-            raise _fail(source, line, f'row "{name}" is not one of the header\'s columns '
-                                      f'({" ".join(header.devices)}, header on line {header.line.number})')
+            raise _fail(
+                source,
+                line,
+                f'row "{name}" is not one of the header\'s columns '
+                f"({' '.join(header.devices)}, header on line {header.line.number})",
+            )
         if name in rows:
             raise _fail(source, line, f"second row for {name} (first on line {rows[name].line.number})")
         is_gpu = header.devices.index(name) < header.num_gpus
         expected = 1 + n + k
         fields = _fit(fields, expected)
-        if not is_gpu and len(fields) > 1 + n and all(f in _UNKNOWN for f in fields[1 + n:]):
+        if not is_gpu and len(fields) > 1 + n and all(f in _UNKNOWN for f in fields[1 + n :]):
             fields = fields[: 1 + n]  # a NIC row with empty or N/A affinity fields
         if len(fields) != expected and (is_gpu or len(fields) != 1 + n):
             names = ", ".join(header.affinity)
-            raise _fail(source, line, f"row {name} has {len(fields)} fields, expected {expected} "
-                                      f"(name, {n} links{', ' + names if names else ''})")
-        rows[name] = _Row(line, fields[1: 1 + n], dict(zip(header.affinity, fields[1 + n:])))
+            raise _fail(
+                source,
+                line,
+                f"row {name} has {len(fields)} fields, expected {expected} "
+                f"(name, {n} links{', ' + names if names else ''})",
+            )
+        rows[name] = _Row(line, fields[1 : 1 + n], dict(zip(header.affinity, fields[1 + n :])))
         i += 1
     return rows, i
 
@@ -190,16 +202,23 @@ def _check_matrix(header: _Header, rows: dict[str, _Row], source: str) -> None:
     for name in devices:
         if name not in rows:
             what = "GPU row missing" if devices.index(name) < header.num_gpus else "NIC row missing"
-            raise _fail(source, header.line, f"{what}: no row for {name}, so the matrix is not square "
-                                             f"({len(devices)} columns, {len(rows)} rows)")
+            raise _fail(
+                source,
+                header.line,
+                f"{what}: no row for {name}, so the matrix is not square ({len(devices)} columns, {len(rows)} rows)",
+            )
     for i, name in enumerate(devices):
         row = rows[name]
         for j, link in enumerate(row.links):
             if link == "":
                 raise _fail(source, row.line, f"empty link field in column {devices[j]} of row {name}")
             if not is_known_link(link):
-                raise _fail(source, row.line, f'unknown link name "{link}" in column {devices[j]} of row '
-                                              f"{name} (expected X, NV#, PIX, PXB, PHB, NODE or SYS)")
+                raise _fail(
+                    source,
+                    row.line,
+                    f'unknown link name "{link}" in column {devices[j]} of row '
+                    f"{name} (expected X, NV#, PIX, PXB, PHB, NODE or SYS)",
+                )
             if (link == "X") != (i == j):
                 what = "X off the diagonal" if link == "X" else f'"{link}" on the diagonal, expected X'
                 raise _fail(source, row.line, f"{what} (row {name}, column {devices[j]})")
@@ -207,9 +226,12 @@ def _check_matrix(header: _Header, rows: dict[str, _Row], source: str) -> None:
         for j in range(i):
             there, back = rows[name].links[j], rows[devices[j]].links[i]
             if there != back:
-                raise _fail(source, rows[name].line,
-                            f"asymmetric matrix: {name} -> {devices[j]} is {there} but {devices[j]} -> "
-                            f"{name} is {back} (line {rows[devices[j]].line.number})")
+                raise _fail(
+                    source,
+                    rows[name].line,
+                    f"asymmetric matrix: {name} -> {devices[j]} is {there} but {devices[j]} -> "
+                    f"{name} is {back} (line {rows[devices[j]].line.number})",
+                )
 
 
 def _affinity(row: _Row, source: str) -> tuple[tuple[int, ...], int | None]:
@@ -263,7 +285,10 @@ def _build(header: _Header, rows: dict[str, _Row], legend: dict[str, str], sourc
         for k, name in enumerate(header.devices[n_gpu:])
     )
     return Topology(
-        gpus=tuple(gpus), links=links, nics=nics,
+        gpus=tuple(gpus),
+        links=links,
+        nics=nics,
         numa_cpus={node: tuple(sorted(cpus)) for node, cpus in sorted(numa_cpus.items())},
-        cpus=tuple(sorted(all_cpus)), source=source,
+        cpus=tuple(sorted(all_cpus)),
+        source=source,
     )

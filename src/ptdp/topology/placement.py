@@ -140,11 +140,15 @@ def place(topology: Topology, tp: int, pp: int, dp: int, nproc_per_node: int | N
     world, num_gpus = tp * pp * dp, topology.num_gpus
     nproc = nproc_per_node or num_gpus or world
     if num_gpus and nproc > num_gpus:
-        raise PlacementError(f"{nproc} processes per node but the node has only {num_gpus} GPUs "
-                             f"({topology.source}): one process per GPU at most")
+        raise PlacementError(
+            f"{nproc} processes per node but the node has only {num_gpus} GPUs "
+            f"({topology.source}): one process per GPU at most"
+        )
     if world % nproc:
-        raise PlacementError(f"world size tp*pp*dp = {tp}*{pp}*{dp} = {world} is not a multiple of the "
-                             f"{nproc} processes per node: nodes must be full")
+        raise PlacementError(
+            f"world size tp*pp*dp = {tp}*{pp}*{dp} = {world} is not a multiple of the "
+            f"{nproc} processes per node: nodes must be full"
+        )
     unit = math.gcd(tp, nproc)
     if num_gpus:
         gpu_of = _place_gpus(topology, nproc, unit)
@@ -154,13 +158,31 @@ def place(topology: Topology, tp: int, pp: int, dp: int, nproc_per_node: int | N
     groups = _groups(topology, tp, nproc, gpu_of, numa_of)
     crosses = any(g.crosses_nodes for g in groups)
     worst = max((g.worst_link for g in groups if g.worst_link), key=link_key, default=None)
-    kind = ("none" if tp == 1 else "network" if crosses else "host memory" if not num_gpus
-            else _pcie_or_nvlink(topology, groups, worst) if worst else "none")
+    kind = (
+        "none"
+        if tp == 1
+        else "network"
+        if crosses
+        else "host memory"
+        if not num_gpus
+        else _pcie_or_nvlink(topology, groups, worst)
+        if worst
+        else "none"
+    )
     return Placement(
-        tp=tp, pp=pp, dp=dp, nproc_per_node=nproc, num_nodes=world // nproc,
-        gpu_of_local_rank=gpu_of, numa_of_local_rank=numa_of, tp_groups=groups, worst_link=worst,
-        tp_link_kind=kind, cost=_cost_sentence(tp, kind, worst),
-        warnings=tuple(_warnings(topology, tp, nproc, groups)), notes=tuple(_notes(topology, nproc, groups)),
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        nproc_per_node=nproc,
+        num_nodes=world // nproc,
+        gpu_of_local_rank=gpu_of,
+        numa_of_local_rank=numa_of,
+        tp_groups=groups,
+        worst_link=worst,
+        tp_link_kind=kind,
+        cost=_cost_sentence(tp, kind, worst),
+        warnings=tuple(_warnings(topology, tp, nproc, groups)),
+        notes=tuple(_notes(topology, nproc, groups)),
     )
 
 
@@ -260,16 +282,24 @@ def _place_on_numa(topology: Topology, nproc: int, unit: int) -> tuple[int | Non
     return tuple(node for node, share in zip(nodes, shares) for _ in range(share * unit))
 
 
-def _groups(topology: Topology, tp: int, nproc: int, gpu_of: tuple[int, ...],
-            numa_of: tuple[int | None, ...]) -> tuple[GroupPlacement, ...]:
+def _groups(
+    topology: Topology, tp: int, nproc: int, gpu_of: tuple[int, ...], numa_of: tuple[int | None, ...]
+) -> tuple[GroupPlacement, ...]:
     """Node 0's tensor-parallel groups (local rank = global rank there)."""
     groups = []
     for start in range(0, nproc, tp):
         local = tuple(range(start, min(start + tp, nproc)))
         gpus = tuple(gpu_of[r] for r in local) if gpu_of else ()
         numa = tuple(sorted({n for n in (numa_of[r] for r in local) if n is not None}))
-        groups.append(GroupPlacement(local_ranks=local, gpus=gpus, numa_nodes=numa,
-                                     worst_link=worst_link(topology, gpus), crosses_nodes=len(local) < tp))
+        groups.append(
+            GroupPlacement(
+                local_ranks=local,
+                gpus=gpus,
+                numa_nodes=numa,
+                worst_link=worst_link(topology, gpus),
+                crosses_nodes=len(local) < tp,
+            )
+        )
     return tuple(groups)
 
 
@@ -302,17 +332,20 @@ def _warnings(topology: Topology, tp: int, nproc: int, groups: tuple[GroupPlacem
     out = []
     per_node = "GPUs" if nproc == topology.num_gpus else "processes"
     if tp > nproc:
-        out.append(f"tp={tp} is larger than the {nproc} {per_node} per node: every tensor-parallel "
-                   f"all-reduce crosses nodes over the network")
+        out.append(
+            f"tp={tp} is larger than the {nproc} {per_node} per node: every tensor-parallel "
+            f"all-reduce crosses nodes over the network"
+        )
     elif nproc % tp:
-        out.append(f"tp={tp} does not divide the {nproc} {per_node} per node: some tensor-parallel groups "
-                   f"span two nodes and their all-reduces cross the network (groups shown for node 0)")
+        out.append(
+            f"tp={tp} does not divide the {nproc} {per_node} per node: some tensor-parallel groups "
+            f"span two nodes and their all-reduces cross the network (groups shown for node 0)"
+        )
     multi = [g for g in groups if len(g.gpus) > 1]
     any_nvlink = any(topology.nvlinked(i, j) for i, j in combinations(range(topology.num_gpus), 2))
     if multi and not any_nvlink:
         worst = max((g.worst_link for g in multi if g.worst_link is not None), key=link_key)
-        out.append(f"no NVLink on this node (PCIe only): tp={tp} groups communicate over PCIe "
-                   f"(worst link {worst})")
+        out.append(f"no NVLink on this node (PCIe only): tp={tp} groups communicate over PCIe (worst link {worst})")
     elif multi:
         for g in multi:
             if not _fully_nvlinked(topology, g.gpus):
@@ -331,19 +364,30 @@ def _notes(topology: Topology, nproc: int, groups: tuple[GroupPlacement, ...]) -
     unknown = [g.index for g in topology.gpus if g.numa_node is None]
     if unknown:
         out.append(f"NUMA node unknown for GPU{'s' if len(unknown) > 1 else ''} {_and(unknown)}")
-    odd = [g for g in groups if g.worst_link == "SYS" and len(g.numa_nodes) == 1
-           and all(topology.gpus[i].numa_node is not None for i in g.gpus)]
+    odd = [
+        g
+        for g in groups
+        if g.worst_link == "SYS"
+        and len(g.numa_nodes) == 1
+        and all(topology.gpus[i].numa_node is not None for i in g.gpus)
+    ]
     if odd:
-        out.append(f"the source reports SYS links inside tp groups whose GPUs share one NUMA node "
-                   f"(e.g. {_describe(odd[0])} on NUMA node {odd[0].numa_nodes[0]}); they count as "
-                   f"same-socket PCIe")
+        out.append(
+            f"the source reports SYS links inside tp groups whose GPUs share one NUMA node "
+            f"(e.g. {_describe(odd[0])} on NUMA node {odd[0].numa_nodes[0]}); they count as "
+            f"same-socket PCIe"
+        )
     for g in groups:
         if len(g.numa_nodes) > 1 and g.gpus and _fully_nvlinked(topology, g.gpus):
-            out.append(f"{_describe(g)} spans NUMA nodes {_and(g.numa_nodes)}; its GPUs are all "
-                       f"NVLink-connected, so only host-side work crosses sockets")
+            out.append(
+                f"{_describe(g)} spans NUMA nodes {_and(g.numa_nodes)}; its GPUs are all "
+                f"NVLink-connected, so only host-side work crosses sockets"
+            )
     if not num_gpus:
-        out.append("no GPUs: local ranks are spread over NUMA nodes in proportion to their CPUs, "
-                   "whole tensor-parallel groups at a time where the shares allow")
+        out.append(
+            "no GPUs: local ranks are spread over NUMA nodes in proportion to their CPUs, "
+            "whole tensor-parallel groups at a time where the shares allow"
+        )
         if topology.cpus and nproc > len(topology.cpus):
             out.append(f"{nproc} processes share {len(topology.cpus)} CPUs")
     return out

@@ -108,18 +108,21 @@ def from_sysfs(root: str | os.PathLike = "/sys") -> Topology:
         vendor, pci_class = _read_hex(dev / "vendor"), _read_hex(dev / "class")
         if vendor != NVIDIA_VENDOR or pci_class is None or pci_class >> 16 != DISPLAY_CLASS:
             continue
-        gpus.append(GPU(index=len(gpus), numa_node=_read_numa(dev / "numa_node"),
-                        cpus=_read_cpus(dev / "local_cpulist")))
+        gpus.append(
+            GPU(index=len(gpus), numa_node=_read_numa(dev / "numa_node"), cpus=_read_cpus(dev / "local_cpulist"))
+        )
     links = tuple(
-        tuple("X" if a.index == b.index else
-              "NODE" if a.numa_node is not None and a.numa_node == b.numa_node else "SYS"
-              for b in gpus)
+        tuple(
+            "X" if a.index == b.index else "NODE" if a.numa_node is not None and a.numa_node == b.numa_node else "SYS"
+            for b in gpus
+        )
         for a in gpus
     )
     numa_cpus = {node: cpus for node, cpus in numa_nodes(root).items() if cpus}
     cpus = set().union(*numa_cpus.values()) if numa_cpus else set().union(*(g.cpus for g in gpus))
-    return Topology(gpus=tuple(gpus), links=links, numa_cpus=numa_cpus, cpus=tuple(sorted(cpus)),
-                    source=f"sysfs {root}")
+    return Topology(
+        gpus=tuple(gpus), links=links, numa_cpus=numa_cpus, cpus=tuple(sorted(cpus)), source=f"sysfs {root}"
+    )
 
 
 def allowed_cpus() -> set[int]:
@@ -144,8 +147,13 @@ def cpu_topology(root: str | os.PathLike = "/sys", allowed: set[int] | None = No
             numa_cpus[node] = mine
     if not numa_cpus and allowed:
         numa_cpus = {0: tuple(sorted(allowed))}
-    return Topology(gpus=(), links=(), numa_cpus=numa_cpus, cpus=tuple(sorted(allowed)),
-                    source=f"CPUs of this machine (sysfs {root})")
+    return Topology(
+        gpus=(),
+        links=(),
+        numa_cpus=numa_cpus,
+        cpus=tuple(sorted(allowed)),
+        source=f"CPUs of this machine (sysfs {root})",
+    )
 
 
 def local_topology(root: str | os.PathLike = "/sys", timeout: float = 15.0) -> Topology:

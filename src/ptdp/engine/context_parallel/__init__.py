@@ -14,16 +14,24 @@ from __future__ import annotations
 import importlib
 
 _WHERE = {
-    "check_sequence": "chunks", "chunk_ids": "chunks", "local_positions": "chunks", "rank_positions": "chunks",
+    "check_sequence": "chunks",
+    "chunk_ids": "chunks",
+    "local_positions": "chunks",
+    "rank_positions": "chunks",
     "shard_sequence": "chunks",
     "unshard_sequence": "chunks",
-    "Partial": "blockwise", "attention_block": "blockwise", "attention_block_backward": "blockwise",
-    "block_attention": "blockwise", "block_kind": "blockwise", "blockwise_causal_attention": "blockwise",
+    "Partial": "blockwise",
+    "attention_block": "blockwise",
+    "attention_block_backward": "blockwise",
+    "block_attention": "blockwise",
+    "block_kind": "blockwise",
+    "blockwise_causal_attention": "blockwise",
     "merge": "blockwise",
-    "context_parallel_attention": "attention", "cp_attention_comm": "attention",
+    "context_parallel_attention": "attention",
+    "cp_attention_comm": "attention",
 }
 
-__all__ = sorted(_WHERE)
+__all__ = sorted(_WHERE)  # noqa: PLE0605 - the lazily imported names, listed once in _WHERE
 
 
 def __getattr__(name: str):

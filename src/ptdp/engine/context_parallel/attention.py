@@ -88,9 +88,16 @@ class AllGatherAttention(torch.autograd.Function):
         for half, chunk in enumerate(chunk_ids(axis.rank, axis.size)):
             rows, part = slice(half * c, (half + 1) * c), None
             for cols, causal in _key_blocks(chunk, c):
-                block = block_forward(q[:, :, rows], whole[0][:, :, cols], whole[1][:, :, cols], causal=causal,
-                                      scale=scale, kernel=kernel, drop=_block_drop(drop, rows, cols),
-                                      dropout_p=dropout_p)
+                block = block_forward(
+                    q[:, :, rows],
+                    whole[0][:, :, cols],
+                    whole[1][:, :, cols],
+                    causal=causal,
+                    scale=scale,
+                    kernel=kernel,
+                    drop=_block_drop(drop, rows, cols),
+                    dropout_p=dropout_p,
+                )
                 part = block if part is None else merge(part, block)
             if part is None:  # every chunk sees at least its own (diagonal) key block
                 raise ValueError(f"query chunk {chunk} of cp={axis.size} has no key block")
@@ -109,10 +116,19 @@ class AllGatherAttention(torch.autograd.Function):
         for half, chunk in enumerate(chunk_ids(axis.rank, axis.size)):
             rows = slice(half * c, (half + 1) * c)
             for cols, causal in _key_blocks(chunk, c):
-                gq, gk, gv = block_backward(dout[:, :, rows], q[:, :, rows], whole[0][:, :, cols],
-                                            whole[1][:, :, cols], out[:, :, rows], lse[:, :, rows], causal=causal,
-                                            scale=ctx.scale, kernel=ctx.kernel, drop=_block_drop(drop, rows, cols),
-                                            dropout_p=ctx.dropout_p)
+                gq, gk, gv = block_backward(
+                    dout[:, :, rows],
+                    q[:, :, rows],
+                    whole[0][:, :, cols],
+                    whole[1][:, :, cols],
+                    out[:, :, rows],
+                    lse[:, :, rows],
+                    causal=causal,
+                    scale=ctx.scale,
+                    kernel=ctx.kernel,
+                    drop=_block_drop(drop, rows, cols),
+                    dropout_p=ctx.dropout_p,
+                )
                 dq[:, :, rows] += gq
                 dwhole[0][:, :, cols] += gk
                 dwhole[1][:, :, cols] += gv
@@ -121,9 +137,18 @@ class AllGatherAttention(torch.autograd.Function):
 
 
 @outside_compile
-def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: AxisGroup,
-                               comm_type: str = "p2p", *, scale: float | None = None, kernel: str = "auto",
-                               drop: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    axis: AxisGroup,
+    comm_type: str = "p2p",
+    *,
+    scale: float | None = None,
+    kernel: str = "auto",
+    drop: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
     """Causal self-attention of a sequence split over the cp ranks of ``axis`` (``C = axis.size``).
 
     Each rank holds chunks ``r`` and ``2C - 1 - r`` of the sequence (:mod:`.chunks`); the result
@@ -167,16 +192,21 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if comm_type not in COMM_TYPES:
         raise ValueError(f"cp comm type {comm_type!r} is not one of {COMM_TYPES}")
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
-        raise ValueError(f"expected q [b, heads, s/C, d], k and v [b, kv_heads, s/C, d]; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"expected q [b, heads, s/C, d], k and v [b, kv_heads, s/C, d]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if q.shape[2] % 2 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"the local sequence length {q.shape[2]} must be even (2 chunks) and the query heads "
-                         f"{q.shape[1]} a multiple of the key/value heads {k.shape[1]}")
+        raise ValueError(
+            f"the local sequence length {q.shape[2]} must be even (2 chunks) and the query heads "
+            f"{q.shape[1]} a multiple of the key/value heads {k.shape[1]}"
+        )
     if drop is not None:
         want = (q.shape[0], q.shape[1], q.shape[2], q.shape[2] * axis.size)
         if tuple(drop.shape) != want or drop.dtype != torch.bool:
-            raise ValueError(f"the dropout mask must be bool [b, heads, s/C, s] = {list(want)}, got "
-                             f"{drop.dtype} {list(drop.shape)}")
+            raise ValueError(
+                f"the dropout mask must be bool [b, heads, s/C, s] = {list(want)}, got {drop.dtype} {list(drop.shape)}"
+            )
         if kernel == "fused":
             raise ValueError("attention dropout runs only on the math kernel, not 'fused'")
         kernel = "math"
@@ -185,8 +215,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return fn.apply(q, k, v, axis, scale, choose(kernel, q), drop, dropout_p)
 
 
-def cp_attention_comm(comm_type: str, *, batch: int, kv_heads: int, local_seq: int, head_dim: int,
-                      cp_size: int, dtype: torch.dtype) -> dict[str, dict[str, int]]:
+def cp_attention_comm(
+    comm_type: str, *, batch: int, kv_heads: int, local_seq: int, head_dim: int, cp_size: int, dtype: torch.dtype
+) -> dict[str, dict[str, int]]:
     """What one forward and backward of :func:`context_parallel_attention` communicates on one
     rank, as :meth:`~ptdp.engine.comm.CommStats.as_dict` gives it (``"cp/op/tag"`` -> calls,
     numel, bytes); empty when ``cp_size == 1``. ``local_seq`` is ``s / C``."""
@@ -202,9 +233,11 @@ def cp_attention_comm(comm_type: str, *, batch: int, kv_heads: int, local_seq: i
         return {"calls": calls, "numel": numel, "bytes": nbytes}
 
     if comm_type == "all_gather":
-        return {fwd.format("all_gather"): count(1, elems, elems * e),
-                bwd.format("all_gather"): count(1, elems, elems * e),
-                bwd.format("reduce_scatter"): count(1, size * elems, size * elems * g)}
+        return {
+            fwd.format("all_gather"): count(1, elems, elems * e),
+            bwd.format("all_gather"): count(1, elems, elems * e),
+            bwd.format("reduce_scatter"): count(1, size * elems, size * elems * g),
+        }
     if comm_type != "p2p":
         raise ValueError(f"cp comm type {comm_type!r} is not one of {COMM_TYPES}")
     out = {}

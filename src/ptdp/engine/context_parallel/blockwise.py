@@ -80,8 +80,10 @@ def block_kind(q_start: int, q_len: int, k_start: int, k_len: int) -> str:
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"expected q [b, heads, n, d], k and v [b, kv_heads, m, d]; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"expected q [b, heads, n, d], k and v [b, kv_heads, m, d]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} are not a multiple of key/value heads {k.shape[1]}")
 
@@ -119,8 +121,16 @@ def _dropped(probs: torch.Tensor, drop: torch.Tensor | None, p: float) -> torch.
     return probs.masked_fill(drop.unflatten(1, probs.shape[1:3]), 0.0) * (1.0 / (1.0 - p))
 
 
-def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool | int,
-                    scale: float, drop: torch.Tensor | None = None, dropout_p: float = 0.0) -> Partial:
+def attention_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool | int,
+    scale: float,
+    drop: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> Partial:
     """Attention of ``q`` over one key/value block, with its log-sum-exp.
 
     Args:
@@ -144,10 +154,19 @@ def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     return Partial(out.flatten(1, 2), lse.squeeze(-1).flatten(1, 2))
 
 
-def attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             out: torch.Tensor, lse: torch.Tensor, *, causal: bool | int, scale: float,
-                             drop: torch.Tensor | None = None,
-                             dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool | int,
+    scale: float,
+    drop: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of the gradients, given the rows' *final* (merged) output and log-sum-exp.
 
     Args:
@@ -193,8 +212,9 @@ def merge_into(acc: Partial, part: Partial) -> None:
     acc.lse.copy_(merged.lse)
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_start: int, k_start: int,
-                    scale: float | None = None) -> Partial | None:
+def block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_start: int, k_start: int, scale: float | None = None
+) -> Partial | None:
     """:func:`attention_block` of a query block at global positions ``[q_start, q_start + n)``
     over a key block at ``[k_start, k_start + m)`` with the causal mask their offsets imply; None
     for a block entirely in the future (skipped: nothing computed)."""
@@ -210,8 +230,10 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_star
 def empty_partial(q: torch.Tensor) -> Partial:
     """Accumulators of no keys yet: output 0, log-sum-exp -inf, in the compute dtype."""
     cd = compute_dtype(q.dtype)
-    return Partial(torch.zeros(q.shape, dtype=cd, device=q.device),
-                   torch.full(q.shape[:3], float("-inf"), dtype=cd, device=q.device))
+    return Partial(
+        torch.zeros(q.shape, dtype=cd, device=q.device),
+        torch.full(q.shape[:3], float("-inf"), dtype=cd, device=q.device),
+    )
 
 
 class _BlockwiseCausal(torch.autograd.Function):
@@ -223,8 +245,9 @@ class _BlockwiseCausal(torch.autograd.Function):
         pairs = []
         for i, (q0, q1) in enumerate(zip(starts, starts[1:])):
             for j, (k0, k1) in enumerate(zip(starts, starts[1:])):
-                part = block_attention(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], q_start=q0, k_start=k0,
-                                       scale=scale)
+                part = block_attention(
+                    q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], q_start=q0, k_start=k0, scale=scale
+                )
                 if part is not None:
                     merge_into(Partial(acc.out[:, :, q0:q1], acc.lse[:, :, q0:q1]), part)
                     pairs.append((i, j))
@@ -242,16 +265,24 @@ class _BlockwiseCausal(torch.autograd.Function):
             kind = block_kind(rows.start, rows.stop - rows.start, cols.start, cols.stop - cols.start)
             causal = {"full": False, "causal": True, "masked": rows.start - cols.start}[kind]
             gq, gk, gv = attention_block_backward(
-                dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows], lse[:, :, rows],
-                causal=causal, scale=ctx.scale)
+                dout[:, :, rows],
+                q[:, :, rows],
+                k[:, :, cols],
+                v[:, :, cols],
+                out[:, :, rows],
+                lse[:, :, rows],
+                causal=causal,
+                scale=ctx.scale,
+            )
             dq[:, :, rows] += gq
             dk[:, :, cols] += gk
             dv[:, :, cols] += gv
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def blockwise_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_sizes: list[int],
-                               *, scale: float | None = None) -> torch.Tensor:
+def blockwise_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_sizes: list[int], *, scale: float | None = None
+) -> torch.Tensor:
     """Causal self-attention of a whole sequence computed as blocks of queries against blocks of
     keys (sizes ``block_sizes``, summing to ``s``), merged by log-sum-exp, with the explicit
     block-by-block backward: the single-process form of what the context-parallel attention
@@ -264,8 +295,9 @@ def blockwise_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """
     s = q.shape[2]
     if sum(block_sizes) != s or min(block_sizes) <= 0 or k.shape[2] != s:
-        raise ValueError(f"block sizes {block_sizes} must be positive and sum to the sequence length {s} "
-                         f"(keys: {k.shape[2]})")
+        raise ValueError(
+            f"block sizes {block_sizes} must be positive and sum to the sequence length {s} (keys: {k.shape[2]})"
+        )
     starts = tuple(itertools.accumulate(block_sizes, initial=0))
     scale = default_scale(q.shape[-1]) if scale is None else scale
     return _BlockwiseCausal.apply(q, k, v, starts, scale)

@@ -31,8 +31,10 @@ def check_sequence(seq_length: int, cp_size: int) -> int:
     if cp_size < 1:
         raise ValueError(f"context-parallel size must be >= 1, got cp_size={cp_size}")
     if seq_length <= 0 or (cp_size > 1 and seq_length % (2 * cp_size)):
-        raise ValueError(f"sequence length {seq_length} is not a positive multiple of 2 * cp_size = "
-                         f"2 * {cp_size} = {2 * cp_size} (each cp rank holds 2 equal chunks of the sequence)")
+        raise ValueError(
+            f"sequence length {seq_length} is not a positive multiple of 2 * cp_size = "
+            f"2 * {cp_size} = {2 * cp_size} (each cp rank holds 2 equal chunks of the sequence)"
+        )
     return seq_length // (2 * cp_size)
 
 
@@ -54,8 +56,9 @@ def local_positions(seq_length: int, cp_rank: int, cp_size: int, *, device=None)
     return torch.where(local < c, first * c + local, second * c + local - c)
 
 
-def rank_positions(seq_length: int, cp_rank: int, cp_size: int, *, tp_rank: int = 0, tp_size: int = 1,
-                   device=None) -> torch.Tensor:
+def rank_positions(
+    seq_length: int, cp_rank: int, cp_size: int, *, tp_rank: int = 0, tp_size: int = 1, device=None
+) -> torch.Tensor:
     """Global positions of the hidden-state rows a rank holds outside attention and the MLP
     (int64 ``[s / (C t)]``): its cp chunks' positions (:func:`local_positions`), and with sequence
     parallelism over ``tp_size`` ranks the ``tp_rank``-th contiguous block of them (the rows of
@@ -66,11 +69,13 @@ def rank_positions(seq_length: int, cp_rank: int, cp_size: int, *, tp_rank: int 
     """
     local = local_positions(seq_length, cp_rank, cp_size, device=device)
     if local.numel() % tp_size or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"the {local.numel()} positions of a cp rank (seq_length {seq_length} / cp {cp_size}) cannot "
-                         f"be split over {tp_size} tp ranks (rule: seq_length % (cp * tp) == 0 with sequence "
-                         f"parallelism), or tp_rank {tp_rank} is outside [0, {tp_size})")
+        raise ValueError(
+            f"the {local.numel()} positions of a cp rank (seq_length {seq_length} / cp {cp_size}) cannot "
+            f"be split over {tp_size} tp ranks (rule: seq_length % (cp * tp) == 0 with sequence "
+            f"parallelism), or tp_rank {tp_rank} is outside [0, {tp_size})"
+        )
     per = local.numel() // tp_size
-    return local[tp_rank * per:(tp_rank + 1) * per]
+    return local[tp_rank * per : (tp_rank + 1) * per]
 
 
 def shard_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, *, dim: int) -> torch.Tensor:
@@ -97,8 +102,9 @@ def unshard_sequence(parts: list[torch.Tensor] | tuple[torch.Tensor, ...], *, di
         return parts[0]
     n = parts[0].shape[dim]
     if n % 2 or any(p.shape[dim] != n for p in parts):
-        raise ValueError(f"every part must have the same even length along dim {dim}, got "
-                         f"{[p.shape[dim] for p in parts]}")
+        raise ValueError(
+            f"every part must have the same even length along dim {dim}, got {[p.shape[dim] for p in parts]}"
+        )
     c = n // 2
     chunks = [p.narrow(dim, 0, c) for p in parts] + [p.narrow(dim, c, c) for p in reversed(parts)]
     return torch.cat(chunks, dim=dim)

@@ -24,7 +24,10 @@ from __future__ import annotations
 import torch
 
 from ptdp.engine.context_parallel.blockwise import (
-    Partial, attention_block, attention_block_backward, compute_dtype,
+    Partial,
+    attention_block,
+    attention_block_backward,
+    compute_dtype,
 )
 
 KERNELS = ("auto", "math", "fused")
@@ -43,8 +46,10 @@ def choose(kernel: str, q: torch.Tensor) -> str:
     if kernel == "auto":
         return "fused" if cuda and fused_ok else "math"
     if kernel == "fused" and not fused_ok:
-        raise ValueError(f"no fused flash-attention kernel for {q.dtype} inputs with head dim {d} on CUDA "
-                         "(16-bit inputs, head dim a multiple of 8 up to 256)")
+        raise ValueError(
+            f"no fused flash-attention kernel for {q.dtype} inputs with head dim {d} on CUDA "
+            "(16-bit inputs, head dim a multiple of 8 up to 256)"
+        )
     return kernel
 
 
@@ -66,8 +71,17 @@ def _check_dropout(drop: torch.Tensor | None, kernel: str) -> None:
         raise ValueError(f"attention dropout runs only on the math kernel, not {kernel!r}")
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-                  kernel: str, drop: torch.Tensor | None = None, dropout_p: float = 0.0) -> Partial:
+def block_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    kernel: str,
+    drop: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> Partial:
     """:class:`Partial` of ``q`` ``[b, heads, n, d]`` over ``k, v`` ``[b, kv_heads, m, d]`` in the
     compute dtype; ``causal`` True for a square diagonal block, False for a full one; ``drop``
     ``[b, heads, n, m]`` (True: dropped) and ``dropout_p``: the block's attention dropout (math
@@ -79,22 +93,33 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     group, cd = q.shape[1] // k.shape[1], compute_dtype(q.dtype)
     k, v = _repeat(k, group), _repeat(v, group)
     if q.device.type == "cuda":
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale)
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return Partial(out.to(cd), lse.to(cd))
 
 
-def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, *, causal: bool, scale: float, kernel: str, drop: torch.Tensor | None = None,
-                   dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    kernel: str,
+    drop: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's ``(dq, dk, dv)`` in the compute dtype, from the rows' final ``out`` and
     ``lse`` (as :func:`~ptdp.engine.context_parallel.blockwise.attention_block_backward`)."""
     _check_dropout(drop, kernel)
     if kernel == "math":
-        return attention_block_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, drop=drop,
-                                        dropout_p=dropout_p)
+        return attention_block_backward(
+            dout, q, k, v, out, lse, causal=causal, scale=scale, drop=drop, dropout_p=dropout_p
+        )
     _check_causal(causal, q.shape[2], k.shape[2])
     group, cd = q.shape[1] // k.shape[1], compute_dtype(q.dtype)
     kr, vr = _repeat(k, group), _repeat(v, group)
@@ -103,9 +128,24 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         seed = torch.empty(2, dtype=torch.uint64, device=q.device)  # read only with dropout
         offset = torch.empty((), dtype=torch.uint64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, kr, vr, out, lse.float().contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal,
-            seed, offset, scale=scale)
+            dout,
+            q,
+            kr,
+            vr,
+            out,
+            lse.float().contiguous(),
+            None,
+            None,
+            q.shape[2],
+            k.shape[2],
+            0.0,
+            causal,
+            seed,
+            offset,
+            scale=scale,
+        )
     else:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, kr, vr, out, lse.to(cd).contiguous(), 0.0, causal, scale=scale)
+            dout, q, kr, vr, out, lse.to(cd).contiguous(), 0.0, causal, scale=scale
+        )
     return dq.to(cd), _unrepeat(dk, group).to(cd), _unrepeat(dv, group).to(cd)

@@ -64,15 +64,17 @@ def ring_groups(rank: int, size: int, phase: str) -> list[list[tuple[str, int, s
     return groups
 
 
-def _post(axis: AxisGroup, sends: list[tuple[torch.Tensor, int, str]], recvs: list[tuple[torch.Tensor, int, str]],
-          tag: str) -> list:
+def _post(
+    axis: AxisGroup, sends: list[tuple[torch.Tensor, int, str]], recvs: list[tuple[torch.Tensor, int, str]], tag: str
+) -> list:
     """One batch: each ``(tensor, message tag, label)`` of ``sends`` to the next rank, each of
     ``recvs`` from the previous one; the handles to wait for (nothing on an axis of size 1)."""
     if axis.size == 1 or not sends:
         return []
     nxt, prev = (axis.rank + 1) % axis.size, (axis.rank - 1) % axis.size
-    transfers = ([P2P("send", t, nxt, msg, label) for t, msg, label in sends]
-                 + [P2P("recv", t, prev, msg, label) for t, msg, label in recvs])
+    transfers = [P2P("send", t, nxt, msg, label) for t, msg, label in sends] + [
+        P2P("recv", t, prev, msg, label) for t, msg, label in recvs
+    ]
     return post(transfers, axis, tag=tag, defer=True) or []
 
 
@@ -81,18 +83,17 @@ def _wait(works: list) -> None:
         work.wait()
 
 
-def ring_drop(drop: torch.Tensor | None, rows: slice, cols: slice, src: int, size: int,
-              c: int) -> torch.Tensor | None:
+def ring_drop(drop: torch.Tensor | None, rows: slice, cols: slice, src: int, size: int, c: int) -> torch.Tensor | None:
     """The dropout mask (``drop``: this rank's rows, columns in global positions) of query rows
     ``rows`` against rows ``cols`` of ``src``'s key/value block (its chunks ``src`` and
     ``2C - 1 - src``: all of them, or the first, as :func:`ring_block` gives them)."""
     if drop is None:
         return None
-    first = drop[:, :, rows, src * c:(src + 1) * c]
+    first = drop[:, :, rows, src * c : (src + 1) * c]
     if cols.stop - cols.start == c:
         return first
     second = (2 * size - 1 - src) * c
-    return torch.cat([first, drop[:, :, rows, second:second + c]], dim=3)
+    return torch.cat([first, drop[:, :, rows, second : second + c]], dim=3)
 
 
 class RingAttention(torch.autograd.Function):
@@ -109,11 +110,22 @@ class RingAttention(torch.autograd.Function):
         for step in range(size):
             # post the next block's transfer before this block's attention: they overlap
             src = (rank - step) % size
-            works = (_post(axis, [(kv, KV_TAG, f"kv{src}")], [(spare, KV_TAG, f"kv{(src - 1) % size}")], FORWARD)
-                     if step < size - 1 else [])
+            works = (
+                _post(axis, [(kv, KV_TAG, f"kv{src}")], [(spare, KV_TAG, f"kv{(src - 1) % size}")], FORWARD)
+                if step < size - 1
+                else []
+            )
             rows, cols, causal = ring_block(rank, src, c)
-            part = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal=causal, scale=scale,
-                                 kernel=kernel, drop=ring_drop(drop, rows, cols, src, size, c), dropout_p=dropout_p)
+            part = block_forward(
+                q[:, :, rows],
+                kv[0][:, :, cols],
+                kv[1][:, :, cols],
+                causal=causal,
+                scale=scale,
+                kernel=kernel,
+                drop=ring_drop(drop, rows, cols, src, size, c),
+                dropout_p=dropout_p,
+            )
             merge_into(Partial(acc.out[:, :, rows], acc.lse[:, :, rows]), part)
             _wait(works)
             kv, spare = spare, kv
@@ -142,10 +154,19 @@ class RingAttention(torch.autograd.Function):
                 recvs.append((arrived, DKV_TAG, f"dkv{src}"))
             works = _post(axis, sends, recvs, BACKWARD)
             rows, cols, causal = ring_block(rank, src, c)
-            gq, gk, gv = block_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                        out[:, :, rows], lse[:, :, rows], causal=causal, scale=scale,
-                                        kernel=ctx.kernel, drop=ring_drop(drop, rows, cols, src, size, c),
-                                        dropout_p=ctx.dropout_p)
+            gq, gk, gv = block_backward(
+                dout[:, :, rows],
+                q[:, :, rows],
+                kv[0][:, :, cols],
+                kv[1][:, :, cols],
+                out[:, :, rows],
+                lse[:, :, rows],
+                causal=causal,
+                scale=scale,
+                kernel=ctx.kernel,
+                drop=ring_drop(drop, rows, cols, src, size, c),
+                dropout_p=ctx.dropout_p,
+            )
             dq[:, :, rows] += gq
             share = torch.zeros(kv.shape, dtype=cd, device=kv.device)
             share[0][:, :, cols] = gk

@@ -43,8 +43,8 @@ first and the last stage, so the embedding-group sum acts on the shards
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -121,10 +121,21 @@ class GradBuffer:
             :attr:`shard_grads`; the flat buffer lives only during a backward (module docstring).
     """
 
-    def __init__(self, chunk_params: list[list[nn.Parameter]], *, dp: AxisGroup, grad_dtype: torch.dtype | None = None,
-                 bucket_size: int | None = None, overlap: bool = False, codec: str = "none", shard: bool = False,
-                 deferred: tuple[nn.Parameter, ...] = (), prescaled: bool = False,
-                 average_over: int | None = None, shard_grads: bool = False) -> None:
+    def __init__(
+        self,
+        chunk_params: list[list[nn.Parameter]],
+        *,
+        dp: AxisGroup,
+        grad_dtype: torch.dtype | None = None,
+        bucket_size: int | None = None,
+        overlap: bool = False,
+        codec: str = "none",
+        shard: bool = False,
+        deferred: tuple[nn.Parameter, ...] = (),
+        prescaled: bool = False,
+        average_over: int | None = None,
+        shard_grads: bool = False,
+    ) -> None:
         params = [p for ps in chunk_params for p in ps]
         if not params:
             raise ValueError("GradBuffer needs at least one parameter")
@@ -132,8 +143,9 @@ class GradBuffer:
         if len(dtypes) != 1:
             raise ValueError(f"parameters of one buffer must share a dtype, got {sorted(map(str, dtypes))}")
         if shard_grads and (not shard or codec == "1bit"):
-            raise ValueError(f"shard_grads needs shard=True and a codec other than 1bit (got shard={shard}, "
-                             f"codec={codec!r})")
+            raise ValueError(
+                f"shard_grads needs shard=True and a codec other than 1bit (got shard={shard}, codec={codec!r})"
+            )
         self.params, self.dp, self.codec, self.sharded, self.prescaled = params, dp, codec, shard, prescaled
         self.grads_sharded = shard_grads
         self.average_over = dp.size if average_over is None else average_over
@@ -143,8 +155,13 @@ class GradBuffer:
         """How much the gradients in the buffer are scaled (1/dp when ``prescaled``; with float16
         the loss scale, a 0-dim float32 tensor on the device); set per step."""
         self.uses_main_grad = grad_dtype is not None and grad_dtype != params[0].dtype
-        self.buckets = _plan_buckets(chunk_params, bucket_size or DEFAULT_BUCKET_SIZE, overlap,
-                                     {id(p) for p in deferred}, dp.size if shard else 1)
+        self.buckets = _plan_buckets(
+            chunk_params,
+            bucket_size or DEFAULT_BUCKET_SIZE,
+            overlap,
+            {id(p) for p in deferred},
+            dp.size if shard else 1,
+        )
         total = sum(b.numel for b in self.buckets)
         device = params[0].device
         self.data = torch.zeros(total, dtype=grad_dtype or params[0].dtype, device=device)
@@ -179,11 +196,11 @@ class GradBuffer:
             offset = bucket.start
             flat, base = (self.data, 0) if bucket.data is None else (bucket.data, bucket.start)
             for p in bucket.params:
-                view = flat[offset - base: offset - base + p.numel()].view_as(p)
+                view = flat[offset - base : offset - base + p.numel()].view_as(p)
                 self._views[id(p)] = view
                 self._bucket_of[id(p)] = bucket
                 if self.param_data is not None:
-                    pview = self.param_data[offset: offset + p.numel()].view_as(p)
+                    pview = self.param_data[offset : offset + p.numel()].view_as(p)
                     pview.copy_(p.detach())
                     p.data = pview
                 if self.uses_main_grad:
@@ -239,8 +256,9 @@ class GradBuffer:
         if missing:
             raise ValueError(f"shard_grads: parameters of shapes {missing} belong to no watched module")
         for module, params in units:
-            buckets = list({id(b): b for b in (self._bucket_of[id(p)] for p in params if id(p) in self._bucket_of)}
-                           .values())
+            buckets = list(
+                {id(b): b for b in (self._bucket_of[id(p)] for p in params if id(p) in self._bucket_of)}.values()
+            )
             if buckets:
                 module.register_forward_hook(lambda _m, _args, out, buckets=buckets: self._watch_output(out, buckets))
 
@@ -295,8 +313,10 @@ class GradBuffer:
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if self.grads_sharded and self._bucket_of[id(param)].own_data().untyped_storage().nbytes() == 0:
-            raise RuntimeError(f"shard_grads: a gradient (shape {tuple(param.shape)}) arrived in bucket "
-                               f"{self._bucket_of[id(param)].index} before its memory was allocated (GradBuffer.watch)")
+            raise RuntimeError(
+                f"shard_grads: a gradient (shape {tuple(param.shape)}) arrived in bucket "
+                f"{self._bucket_of[id(param)].index} before its memory was allocated (GradBuffer.watch)"
+            )
         if self.uses_main_grad and param.grad is not None:  # None: its layer added it to main_grad
             param.main_grad.add_(param.grad)  # type: ignore[attr-defined]  # set in _place_params (wgrad.py)
             param.grad = None
@@ -316,24 +336,33 @@ class GradBuffer:
         if bucket.finish is not None:
             raise RuntimeError(
                 f"a gradient arrived for bucket {bucket.index} after its reduction started (shape "
-                f"{tuple(param.shape)}); with overlap, run every backward but the step's last under no_sync()")
+                f"{tuple(param.shape)}); with overlap, run every backward but the step's last under no_sync()"
+            )
         bucket.ready.add(id(param))
         if len(bucket.ready) == len(bucket.params):
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        grad = self.data[bucket.start: bucket.start + bucket.numel] if bucket.data is None else bucket.data
+        grad = self.data[bucket.start : bucket.start + bucket.numel] if bucket.data is None else bucket.data
         shard = None
         if self.shard_grads is not None:
             per = bucket.numel // self.dp.size
-            shard = self.shard_grads[bucket.start // self.dp.size: bucket.start // self.dp.size + per]
+            shard = self.shard_grads[bucket.start // self.dp.size : bucket.start // self.dp.size + per]
         if self.grads_sharded:
             return self._launch_into_shard(bucket, grad, self._shard_of(bucket))
-        residual = self.residual[bucket.start: bucket.start + bucket.numel] if self.residual is not None else None
+        residual = self.residual[bucket.start : bucket.start + bucket.numel] if self.residual is not None else None
         codec = "none" if self.exact else self.codec
-        bucket.finish = start_reduction(codec, grad, self.dp, shard=shard, residual=residual,
-                                        grad_scale=self.grad_scale, blocks=bucket.blocks, average=not self.prescaled,
-                                        divisor=self.average_over)
+        bucket.finish = start_reduction(
+            codec,
+            grad,
+            self.dp,
+            shard=shard,
+            residual=residual,
+            grad_scale=self.grad_scale,
+            blocks=bucket.blocks,
+            average=not self.prescaled,
+            divisor=self.average_over,
+        )
         self._launched.append(bucket)
 
     def _launch_into_shard(self, bucket: Bucket, grad: torch.Tensor, shard: torch.Tensor) -> None:
@@ -344,8 +373,15 @@ class GradBuffer:
             bucket.finish = _done
         else:
             scratch = torch.empty_like(shard)
-            wait = start_reduction("none" if self.exact else self.codec, grad, self.dp, shard=scratch,
-                                   grad_scale=self.grad_scale, average=not self.prescaled, divisor=self.average_over)
+            wait = start_reduction(
+                "none" if self.exact else self.codec,
+                grad,
+                self.dp,
+                shard=scratch,
+                grad_scale=self.grad_scale,
+                average=not self.prescaled,
+                divisor=self.average_over,
+            )
 
             def finish() -> None:
                 wait()
@@ -387,7 +423,7 @@ class GradBuffer:
     def _shard_of(self, bucket: Bucket) -> torch.Tensor:
         """``bucket``'s ``[numel / d]`` share in :attr:`shard_grads` (d = dp size, padding included)."""
         d = self.dp.size
-        return self._shard()[bucket.start // d: (bucket.start + bucket.numel) // d]
+        return self._shard()[bucket.start // d : (bucket.start + bucket.numel) // d]
 
     @property
     def reduced(self) -> torch.Tensor:
@@ -409,7 +445,9 @@ class GradBuffer:
             storage = self.data.untyped_storage().data_ptr()
             for p in self.params:
                 if p.grad is None or p.grad.untyped_storage().data_ptr() != storage:
-                    raise RuntimeError("a parameter's .grad no longer views the gradient buffer (was zero_grad called?)")
+                    raise RuntimeError(
+                        "a parameter's .grad no longer views the gradient buffer (was zero_grad called?)"
+                    )
         self.data.zero_()
         for bucket in self.buckets:
             bucket.ready.clear()

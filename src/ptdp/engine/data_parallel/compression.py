@@ -27,8 +27,8 @@ Payload per rank and step (counted by :mod:`ptdp.engine.comm`): ``none`` 4 bytes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -65,10 +65,18 @@ def unpackbits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return bits.flatten(-2)[..., :n].bool()
 
 
-def start_reduction(codec: str, grad: torch.Tensor, axis: AxisGroup, *, shard: torch.Tensor | None = None,
-                    residual: torch.Tensor | None = None, grad_scale: float | torch.Tensor = 1.0,
-                    blocks: torch.Tensor | None = None, average: bool = True,
-                    divisor: int | None = None) -> Callable[[], None]:
+def start_reduction(
+    codec: str,
+    grad: torch.Tensor,
+    axis: AxisGroup,
+    *,
+    shard: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    grad_scale: float | torch.Tensor = 1.0,
+    blocks: torch.Tensor | None = None,
+    average: bool = True,
+    divisor: int | None = None,
+) -> Callable[[], None]:
     """Start averaging ``grad`` (a flat fp32 bucket) over ``axis``; returns ``finish()``.
 
     ``divisor``: what averaging divides the sum over ``axis`` by (default ``axis.size``); the
@@ -113,10 +121,12 @@ def start_reduction(codec: str, grad: torch.Tensor, axis: AxisGroup, *, shard: t
 
 def _then(work: Handle, after: Callable[[], object] | None) -> Callable[[], None]:
     """``finish()``: wait for ``work``, then run ``after`` (if any) on the reduced values."""
+
     def finish() -> None:
         work.wait()
         if after is not None:
             after()
+
     return finish
 
 
@@ -145,8 +155,14 @@ def _per_element(scales: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Te
     return scales.repeat_interleave(blocks, dim=-1, output_size=n)
 
 
-def _start_one_bit(grad: torch.Tensor, axis: AxisGroup, residual: torch.Tensor, grad_scale: float | torch.Tensor,
-                   blocks: torch.Tensor | None, divide: int) -> Callable[[], None]:
+def _start_one_bit(
+    grad: torch.Tensor,
+    axis: AxisGroup,
+    residual: torch.Tensor,
+    grad_scale: float | torch.Tensor,
+    blocks: torch.Tensor | None,
+    divide: int,
+) -> Callable[[], None]:
     n, dp = grad.numel(), axis.size
     blocks = blocks if blocks is not None else block_sizes([n], grad.device)
     # a tensor scale is never compared on the host (that would read it back): always applied
@@ -160,8 +176,10 @@ def _start_one_bit(grad: torch.Tensor, axis: AxisGroup, residual: torch.Tensor, 
     packed = packbits(signs)
     all_packed = torch.empty(dp * packed.numel(), dtype=torch.uint8, device=grad.device)
     all_scales = torch.empty(dp * scales.numel(), dtype=torch.float32, device=grad.device)
-    works = [all_gather_async(all_packed, packed, axis, tag="grads"),
-             all_gather_async(all_scales, scales, axis, tag="grads")]
+    works = [
+        all_gather_async(all_packed, packed, axis, tag="grads"),
+        all_gather_async(all_scales, scales, axis, tag="grads"),
+    ]
 
     def finish() -> None:
         for work in works:

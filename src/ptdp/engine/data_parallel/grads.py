@@ -57,8 +57,11 @@ def sum_sequence_parallel_grads(buffer: GradBuffer, groups: ParallelGroups) -> N
         return
     shard = buffer.shard_grads  # not None: sharded
     if shard is not None:
-        grads = [shard[seg.shard_offset: seg.shard_offset + seg.hi - seg.lo]
-                 for seg in buffer.segments if is_sequence_parallel(seg.param)]
+        grads = [
+            shard[seg.shard_offset : seg.shard_offset + seg.hi - seg.lo]
+            for seg in buffer.segments
+            if is_sequence_parallel(seg.param)
+        ]
     else:
         grads = [buffer.grad(p) for p in buffer.params if is_sequence_parallel(p)]
     if not grads:
@@ -67,7 +70,7 @@ def sum_sequence_parallel_grads(buffer: GradBuffer, groups: ParallelGroups) -> N
     all_reduce(flat, groups.tp, tag="sequence_parallel")
     offset = 0
     for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -85,8 +88,11 @@ def counts_in_norm(param: nn.Parameter, groups: ParallelGroups) -> bool:
 def _sum_of_squares(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups) -> torch.Tensor:
     shard = buffer.shard_grads  # not None: sharded
     if shard is not None:  # this rank's shard of the reduced gradients; the dp x cp ranks' shards add up
-        grads = [shard[seg.shard_offset: seg.shard_offset + seg.hi - seg.lo]
-                 for seg in buffer.segments if counts_in_norm(seg.param, groups)]
+        grads = [
+            shard[seg.shard_offset : seg.shard_offset + seg.hi - seg.lo]
+            for seg in buffer.segments
+            if counts_in_norm(seg.param, groups)
+        ]
         sq = _squares(grads, buffer.data.device)
         all_reduce(sq, groups.dp_cp, tag="grad_norm")
         return sq

@@ -34,9 +34,16 @@ class DynamicLossScaler:
         device: where the two state tensors live (the stage's device).
     """
 
-    def __init__(self, scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 1000, min_scale: float = 1.0, good_steps: int = 0,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        min_scale: float = 1.0,
+        good_steps: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.min_scale = growth_interval, min_scale
         self.scale = torch.tensor(scale, dtype=torch.float32, device=device)

@@ -38,8 +38,14 @@ class ShardedAdamW:
     :meth:`wait_for_params`.
     """
 
-    def __init__(self, grads: GradBuffer, *, weight_decay: float, overlap_with: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
-                 **adam_kwargs) -> None:
+    def __init__(
+        self,
+        grads: GradBuffer,
+        *,
+        weight_decay: float,
+        overlap_with: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
+        **adam_kwargs,
+    ) -> None:
         param_data, shard_grads = grads.param_data, grads.shard_grads
         if not grads.sharded or param_data is None or shard_grads is None:
             raise ValueError("ShardedAdamW needs a GradBuffer built with shard=True")
@@ -51,20 +57,25 @@ class ShardedAdamW:
         decay: list[nn.Parameter] = []
         no_decay: list[nn.Parameter] = []
         for seg in grads.segments:
-            model_view = seg.param.data.view(-1)[seg.lo: seg.hi]
+            model_view = seg.param.data.view(-1)[seg.lo : seg.hi]
             main = nn.Parameter(model_view.detach().float().clone() if low_precision else model_view)
-            main.grad = shard_grads[seg.shard_offset: seg.shard_offset + (seg.hi - seg.lo)]
+            main.grad = shard_grads[seg.shard_offset : seg.shard_offset + (seg.hi - seg.lo)]
             if low_precision:
                 self.pairs.append((model_view, main))
             self.segment_mains.append((seg, main))
             (decay if seg.param.ndim >= 2 else no_decay).append(main)
-        groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        groups = [
+            g
+            for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+            if g["params"]
+        ]
         # a rank whose shards hold only padding has nothing to update
         self.inner = adamw(groups, **adam_kwargs) if groups else None
         self._model_views = [view for view, _ in self.pairs]
         self._mains: list[torch.Tensor] = [main for _, main in self.pairs]
-        self._shard_ranges = [(b.start + rank * (b.numel // dp), b.numel // dp, b.start, b.numel) for b in grads.buckets]
+        self._shard_ranges = [
+            (b.start + rank * (b.numel // dp), b.numel // dp, b.start, b.numel) for b in grads.buckets
+        ]
         # buckets hold each chunk's parameters back to front: the next forward needs them in
         # chunk order, last bucket of a chunk first
         self._gather_order = sorted(range(len(grads.buckets)), key=lambda i: (grads.buckets[i].chunk, -i))
@@ -114,7 +125,7 @@ class ShardedAdamW:
         data = self._param_data
         for i in self._gather_order:
             shard_start, per, start, numel = self._shard_ranges[i]
-            mine = data[shard_start: shard_start + per].clone()
-            self._pending[i] = all_gather_async(data[start: start + numel], mine, self.grads.dp, tag="params")
+            mine = data[shard_start : shard_start + per].clone()
+            self._pending[i] = all_gather_async(data[start : start + numel], mine, self.grads.dp, tag="params")
         if not self.overlap:
             self.wait_for_params()

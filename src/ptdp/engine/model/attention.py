@@ -54,9 +54,18 @@ class Attention(nn.Module):
     block of the cp attention takes its part (the same masks, hence the same training, at every cp).
     """
 
-    def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype, sequence_parallel: bool = False,
-                 *, layer_id: int = 0, rng: DropoutRNG | None = None, cp: AxisGroup | None = None,
-                 cp_comm_type: str = "p2p") -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: AxisGroup,
+        dtype: torch.dtype,
+        sequence_parallel: bool = False,
+        *,
+        layer_id: int = 0,
+        rng: DropoutRNG | None = None,
+        cp: AxisGroup | None = None,
+        cp_comm_type: str = "p2p",
+    ) -> None:
         super().__init__()
         self.cp, self.cp_comm_type = cp if cp is not None else AxisGroup.single("cp"), cp_comm_type
         h, a = cfg.hidden_size, cfg.num_attention_heads
@@ -66,8 +75,9 @@ class Attention(nn.Module):
         rows, fused = ((a + 2 * cfg.kv_heads) * self.head_dim, 1) if self.grouped else (3 * h, 3)
         bias = cfg.add_bias_linear
         sp = sequence_parallel
-        self.qkv = ColumnParallelLinear(h, rows, tp=tp, dtype=dtype, bias=bias, fused=fused, tag="attn_qkv",
-                                        sequence_parallel=sp)
+        self.qkv = ColumnParallelLinear(
+            h, rows, tp=tp, dtype=dtype, bias=bias, fused=fused, tag="attn_qkv", sequence_parallel=sp
+        )
         self.proj = RowParallelLinear(h, h, tp=tp, dtype=dtype, bias=bias, tag="attn_proj", sequence_parallel=sp)
         rope = cfg.position_embedding_type == "rope"
         self.rotary = RotaryEmbedding(self.head_dim, cfg.rotary_base) if rope else None
@@ -134,8 +144,16 @@ class Attention(nn.Module):
         unsplit model (``layer.<i>/head<j>`` streams)."""
         b, n, size = q.shape[0], q.shape[2], self.cp.size
         rows = local_positions(n * size, self.cp.rank, size, device=q.device)
-        return self.rng.head_masks(b, n * size, n * size, self.dropout_p, self.dropout_key, first_head=self.first_head,
-                                   heads=self.local_heads, rows=rows)
+        return self.rng.head_masks(
+            b,
+            n * size,
+            n * size,
+            self.dropout_p,
+            self.dropout_key,
+            first_head=self.first_head,
+            heads=self.local_heads,
+            rows=rows,
+        )
 
     def core_with_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The core written out, ``dropout(softmax(causal(q k^T / sqrt(d)))) v``: the fused
@@ -185,16 +203,18 @@ class KVCache:
         ``max_len`` (checked on host integers)."""
         n = k.shape[-2]
         if start + n > self.max_len:
-            raise ValueError(f"the key/value cache holds {self.max_len} positions; positions {start}..{start + n - 1} "
-                             f"do not fit")
+            raise ValueError(
+                f"the key/value cache holds {self.max_len} positions; positions {start}..{start + n - 1} do not fit"
+            )
         keys, values = self.keys[layer], self.values[layer]
-        keys[:, :, start:start + n].copy_(k)
-        values[:, :, start:start + n].copy_(v)
-        return keys[:, :, :start + n], values[:, :, :start + n]
+        keys[:, :, start : start + n].copy_(k)
+        values[:, :, start : start + n].copy_(v)
+        return keys[:, :, : start + n], values[:, :, : start + n]
 
 
-def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, *,
-                     grouped: bool) -> torch.Tensor:
+def cached_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, *, grouped: bool
+) -> torch.Tensor:
     """``softmax(q k^T / sqrt(d)) v`` of queries ``[b, a/tp, n, d]`` at positions ``start ..
     start + n - 1`` over the cached keys and values ``[b, kv/tp, start + n, d]``, causal in absolute
     positions: query ``i`` reads keys ``0 .. start + i``. A prefill (``start == 0``) is the causal

@@ -53,7 +53,8 @@ def compile_stage(model: GPTModel, *, whole: bool = True, backend: str = "induct
         prepare_for_compile()
         # the instance's compiled method shadows the class's (mypy does not model assigning to a method)
         model.hidden_states = torch.compile(  # type: ignore[method-assign]
-            model.hidden_states, backend=backend, dynamic=False)
+            model.hidden_states, backend=backend, dynamic=False
+        )
         return True
     compile_layers(model, backend=backend)
     return False

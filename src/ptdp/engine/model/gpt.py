@@ -71,11 +71,26 @@ from ptdp.engine.tensor_parallel.random import Dropout, DropoutRNG
 from ptdp.engine.tensor_parallel.sharding import make_parameter
 from ptdp.spec import ModelConfig, padded_vocab_size
 
-__all__ = ["DTYPES", "MLP", "Attention", "GPTModel", "KVCache", "LayerNorm", "RMSNorm", "TransformerLayer", "make_norm",
-           "masked_mean"]
+__all__ = [
+    "DTYPES",
+    "MLP",
+    "Attention",
+    "GPTModel",
+    "KVCache",
+    "LayerNorm",
+    "RMSNorm",
+    "TransformerLayer",
+    "make_norm",
+    "masked_mean",
+]
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "auto": torch.float32}
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "auto": torch.float32,
+}
 """``params_dtype`` -> torch dtype. ``auto`` is made concrete by ``ptdp.spec.resolve`` (bfloat16 on
 CUDA); a model built from a config that never went through it is a CPU model: float32."""
 
@@ -129,8 +144,9 @@ class MLP(nn.Module):
         h, ffn, bias, sp = cfg.hidden_size, cfg.ffn, cfg.add_bias_linear, sequence_parallel
         self.swiglu = cfg.swiglu
         halves = 2 if cfg.swiglu else 1
-        self.fc1 = ColumnParallelLinear(h, halves * ffn, tp=tp, dtype=dtype, bias=bias, fused=halves, tag="mlp_fc1",
-                                        sequence_parallel=sp)
+        self.fc1 = ColumnParallelLinear(
+            h, halves * ffn, tp=tp, dtype=dtype, bias=bias, fused=halves, tag="mlp_fc1", sequence_parallel=sp
+        )
         self.fc2 = RowParallelLinear(ffn, h, tp=tp, dtype=dtype, bias=bias, tag="mlp_fc2", sequence_parallel=sp)
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
 
@@ -146,9 +162,18 @@ class TransformerLayer(nn.Module):
     """``x + dropout(attn(ln1(x)))`` then ``x + dropout(mlp(ln2(x)))``; ``layer_id``, the global
     layer index, names the layer's dropout streams in ``rng``."""
 
-    def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype, sequence_parallel: bool = False,
-                 *, layer_id: int = 0, rng: DropoutRNG | None = None, cp: AxisGroup | None = None,
-                 cp_comm_type: str = "p2p") -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: AxisGroup,
+        dtype: torch.dtype,
+        sequence_parallel: bool = False,
+        *,
+        layer_id: int = 0,
+        rng: DropoutRNG | None = None,
+        cp: AxisGroup | None = None,
+        cp_comm_type: str = "p2p",
+    ) -> None:
         super().__init__()
         rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
         sp = sequence_parallel
@@ -197,7 +222,13 @@ class GPTModel(nn.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, tp: AxisGroup, *, layer_ids: range, pre_process: bool, post_process: bool,
+        self,
+        cfg: ModelConfig,
+        tp: AxisGroup,
+        *,
+        layer_ids: range,
+        pre_process: bool,
+        post_process: bool,
         sequence_parallel: bool = False,
         rng: DropoutRNG | None = None,
         cp: AxisGroup | None = None,
@@ -212,8 +243,9 @@ class GPTModel(nn.Module):
         v_pad = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp.size)
         tied = not cfg.untie_embeddings_and_output_weights
         if pre_process or (post_process and tied):
-            self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, v_pad, cfg.hidden_size, tp=tp, dtype=dtype,
-                                                          sequence_parallel=sp)
+            self.word_embeddings = VocabParallelEmbedding(
+                cfg.vocab_size, v_pad, cfg.hidden_size, tp=tp, dtype=dtype, sequence_parallel=sp
+            )
             if not pre_process:
                 self.word_embeddings.weight.ptdp_tied_copy = True
         if pre_process and cfg.position_embedding_type == "learned_absolute":
@@ -224,9 +256,14 @@ class GPTModel(nn.Module):
         self.rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
         if pre_process:
             self.embedding_dropout = Dropout(cfg.hidden_dropout, self.rng, "embedding")
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, tp, dtype, sp, layer_id=i, rng=self.rng,
-                                                              cp=self.cp, cp_comm_type=cp_comm_type)
-                                     for i in layer_ids})
+        self.layers = nn.ModuleDict(
+            {
+                str(i): TransformerLayer(
+                    cfg, tp, dtype, sp, layer_id=i, rng=self.rng, cp=self.cp, cp_comm_type=cp_comm_type
+                )
+                for i in layer_ids
+            }
+        )
         self.loss_chunk_tokens: int | None = None
         """Tokens per chunk of the output layer + loss (None: a chunk's float32 logits <= 256 MiB)."""
         self.loss_keep_logits: bool | None = None
@@ -272,8 +309,14 @@ class GPTModel(nn.Module):
             x = self.embedding_dropout(self.embed(x))
         cfg = self.cfg  # full recompute runs groups of layers again in backward (ptdp.engine.model.recompute)
         rng = self.rng if cfg.hidden_dropout > 0 or cfg.attention_dropout > 0 else None
-        x = run_layers(list(self.layers.values()), x, granularity=cfg.recompute_granularity,
-                       method=cfg.recompute_method, num_layers=cfg.recompute_num_layers, rng=rng)
+        x = run_layers(
+            list(self.layers.values()),
+            x,
+            granularity=cfg.recompute_granularity,
+            method=cfg.recompute_method,
+            num_layers=cfg.recompute_num_layers,
+            rng=rng,
+        )
         return self.final_norm(x) if self.post_process else x
 
     def embed(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -307,9 +350,11 @@ class GPTModel(nn.Module):
         ValueError unless this stage is the whole model (pp = 1) with cp = 1, no sequence
         parallelism and ``max_len <= seq_length`` (the positions the model was built for)."""
         if not (self.pre_process and self.post_process) or self.cp.size > 1 or self.sequence_parallel:
-            raise ValueError(f"a key/value cache needs the whole model (pp = 1), cp = 1 and no sequence parallelism; "
-                             f"this stage has pre_process={self.pre_process}, post_process={self.post_process}, "
-                             f"cp={self.cp.size}, sequence_parallel={self.sequence_parallel}")
+            raise ValueError(
+                f"a key/value cache needs the whole model (pp = 1), cp = 1 and no sequence parallelism; "
+                f"this stage has pre_process={self.pre_process}, post_process={self.post_process}, "
+                f"cp={self.cp.size}, sequence_parallel={self.sequence_parallel}"
+            )
         if max_len > self.cfg.seq_length:
             raise ValueError(f"max_len={max_len} exceeds the model's seq_length={self.cfg.seq_length}")
         return KVCache({name: layer.attention for name, layer in self.transformer_layers()}, batch, max_len)
@@ -351,10 +396,18 @@ class GPTModel(nn.Module):
         and reduce-scatter, tag ``output``).
         """
         out = self.output_layer if hasattr(self, "output_layer") else self.word_embeddings
-        losses = linear_cross_entropy(x, out.weight, labels.t(), vocab_start=out.vocab_start,
-                                      vocab_size=out.vocab_size, axis=self.tp, sequence_parallel=self.sequence_parallel,
-                                      chunk_tokens=self.loss_chunk_tokens, compiled=self.cfg.compile,
-                                      keep_logits=self.loss_keep_logits)
+        losses = linear_cross_entropy(
+            x,
+            out.weight,
+            labels.t(),
+            vocab_start=out.vocab_start,
+            vocab_size=out.vocab_size,
+            axis=self.tp,
+            sequence_parallel=self.sequence_parallel,
+            chunk_tokens=self.loss_chunk_tokens,
+            compiled=self.cfg.compile,
+            keep_logits=self.loss_keep_logits,
+        )
         return losses.t()
 
 

@@ -29,14 +29,14 @@ nothing extra.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ptdp.spec import RECOMPUTE_METHODS
 from ptdp.engine.tensor_parallel.random import DropoutRNG
+from ptdp.spec import RECOMPUTE_METHODS
 
 
 def recomputed(fn: Callable[..., torch.Tensor], *args: torch.Tensor, rng: DropoutRNG | None = None) -> torch.Tensor:
@@ -69,8 +69,15 @@ def layer_groups(num_layers: int, method: str, per_group: int) -> list[tuple[int
     raise ValueError(f"recompute_method={method!r} must be one of {RECOMPUTE_METHODS}")
 
 
-def run_layers(layers: Sequence[nn.Module], x: torch.Tensor, *, granularity: str | None, method: str | None,
-               num_layers: int | None, rng: DropoutRNG | None = None) -> torch.Tensor:
+def run_layers(
+    layers: Sequence[nn.Module],
+    x: torch.Tensor,
+    *,
+    granularity: str | None,
+    method: str | None,
+    num_layers: int | None,
+    rng: DropoutRNG | None = None,
+) -> torch.Tensor:
     """Run ``layers`` in order on ``x [s, b, h]``, recomputing groups of them under ``full``
     granularity (any other granularity runs them plainly; selective acts inside attention).
     ``rng``: the layers' dropout streams (None without dropout)."""

@@ -39,8 +39,9 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.base = head_dim, base
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def cos_sin(self, seq_length: int, dtype: torch.dtype, device: torch.device, *, cp_rank: int = 0,
-                cp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, seq_length: int, dtype: torch.dtype, device: torch.device, *, cp_rank: int = 0, cp_size: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and ``sin`` of the angles of the ``seq_length`` local rows, each ``[n, d / 2]``
         (``n = seq_length``; with ``cp_size > 1`` the rows of cp rank ``cp_rank``'s global positions
         in a sequence of ``n * cp_size`` tokens)."""
@@ -50,7 +51,10 @@ class RotaryEmbedding(nn.Module):
             inv_freq = self.base ** (-torch.arange(half, dtype=torch.float64) * 2.0 / self.head_dim)
             positions = local_positions(seq_length * cp_size, cp_rank, cp_size)
             angles = positions.to(torch.float64).unsqueeze(1) * inv_freq
-            self._cache[key] = (angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device))
+            self._cache[key] = (
+                angles.cos().to(dtype=dtype, device=device),
+                angles.sin().to(dtype=dtype, device=device),
+            )
         return self._cache[key]
 
     def forward(self, x: torch.Tensor, *, cp_rank: int = 0, cp_size: int = 1) -> torch.Tensor:
@@ -69,7 +73,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rotary positions {start}..{start + n - 1} are outside the table of {table_rows}")
         work = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
         cos, sin = self.cos_sin(table_rows, work, x.device)
-        return _turn(x, cos[start:start + n], sin[start:start + n], work)
+        return _turn(x, cos[start : start + n], sin[start : start + n], work)
 
 
 def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, work: torch.dtype) -> torch.Tensor:

@@ -43,8 +43,13 @@ class Op:
     tag: str
 
 
-def simulate_nccl(programs: list[list], *, communicator=lambda step: step.communicator,
-                  ops=lambda step: step.ops, is_group=lambda step: hasattr(step, "ops")) -> int:
+def simulate_nccl(
+    programs: list[list],
+    *,
+    communicator=lambda step: step.communicator,
+    ops=lambda step: step.ops,
+    is_group=lambda step: hasattr(step, "ops"),
+) -> int:
     """Run ``programs`` (per rank: steps, where a group has ``communicator`` and ``ops`` with ``op``,
     ``peer`` and ``tag``, and anything else is a compute) under NCCL's rules.
 
@@ -75,8 +80,10 @@ def simulate_nccl(programs: list[list], *, communicator=lambda step: step.commun
                     moved.add((r, i, j))
         done = [(r, i) for r, i in running if all((r, i, j) in moved for j in range(len(ops(programs[r][i]))))]
         if not done:
-            raise ScheduleError("deadlock under NCCL's rules (ordered groups, rendezvous): " + "; ".join(
-                _stuck(programs, r, i, partner, running, ops) for r, i in sorted(running)))
+            raise ScheduleError(
+                "deadlock under NCCL's rules (ordered groups, rendezvous): "
+                + "; ".join(_stuck(programs, r, i, partner, running, ops) for r, i in sorted(running))
+            )
         for r, _ in done:
             pc[r] += 1
 
@@ -102,12 +109,16 @@ def _pair(programs, communicator, ops, is_group) -> dict[tuple[int, int, int], t
             continue
         theirs = queues.get((comm, src, dst, "recv"), [])
         if len(mine) != len(theirs):
-            raise ScheduleError(f"on communicator {comm}, rank {src} sends {len(mine)} messages to rank {dst}, "
-                                f"which receives {len(theirs)} from it")
+            raise ScheduleError(
+                f"on communicator {comm}, rank {src} sends {len(mine)} messages to rank {dst}, "
+                f"which receives {len(theirs)} from it"
+            )
         for n, (sent, received) in enumerate(zip(mine, theirs)):
             if sent[3] != received[3]:
-                raise ScheduleError(f"on communicator {comm}, send #{n} from rank {src} to rank {dst} carries "
-                                    f"{sent[3]} but rank {dst}'s receive #{n} from rank {src} expects {received[3]}")
+                raise ScheduleError(
+                    f"on communicator {comm}, send #{n} from rank {src} to rank {dst} carries "
+                    f"{sent[3]} but rank {dst}'s receive #{n} from rank {src} expects {received[3]}"
+                )
             partner[sent[:3]], partner[received[:3]] = received[:3], sent[:3]
     return partner
 

@@ -42,8 +42,11 @@ def first_last_split(num_layers: int, pp: int, first: int | None, last: int | No
         ConfigError: pp < 2, a value < 1, or remaining layers that do not split evenly into at
             least one layer per remaining stage (naming the numbers).
     """
-    given = {name: n for name, n in (("decoder_first_pipeline_num_layers", first),
-                                      ("decoder_last_pipeline_num_layers", last)) if n is not None}
+    given = {
+        name: n
+        for name, n in (("decoder_first_pipeline_num_layers", first), ("decoder_last_pipeline_num_layers", last))
+        if n is not None
+    }
     text = " and ".join(f"{name}={n}" for name, n in given.items())
     if pp < 2:
         raise ConfigError(f"{text} needs pipeline_model_parallel_size >= 2, got {pp}")
@@ -52,22 +55,33 @@ def first_last_split(num_layers: int, pp: int, first: int | None, last: int | No
     rest, stages = num_layers - sum(given.values()), pp - len(given)
     if stages == 0:
         if rest != 0:
-            raise ConfigError(f"{text} with pp={pp}: the two stages must hold all num_layers={num_layers} layers "
-                              f"(their sum is {num_layers - rest})")
+            raise ConfigError(
+                f"{text} with pp={pp}: the two stages must hold all num_layers={num_layers} layers "
+                f"(their sum is {num_layers - rest})"
+            )
         return tuple(given.values())  # (first, last): both given
     if rest < stages or rest % stages:
         minus = " - ".join(["num_layers", *("first" if "first" in k else "last" for k in given)])
         raise ConfigError(
             f"{text} leave {num_layers} - {sum(given.values())} = {rest} layers for the other {stages} of pp={pp} "
             f"stages, which must split them evenly with at least one layer each (rule: ({minus}) % "
-            f"(pp - {len(given)}) == 0)")
+            f"(pp - {len(given)}) == 0)"
+        )
     per = rest // stages
     return (first if first is not None else per,) + (per,) * (pp - 2) + (last if last is not None else per,)
 
 
-def layer_split(num_layers: int, pp: int, split: tuple[int, ...] | None = None, first: int | None = None,
-                last: int | None = None, *, embedding: bool = False, loss: bool = False,
-                v: int = 1) -> tuple[int, ...] | None:
+def layer_split(
+    num_layers: int,
+    pp: int,
+    split: tuple[int, ...] | None = None,
+    first: int | None = None,
+    last: int | None = None,
+    *,
+    embedding: bool = False,
+    loss: bool = False,
+    v: int = 1,
+) -> tuple[int, ...] | None:
     """The explicit layers per stage the options ask for: ``split`` (``--pipeline-layer-split``)
     as given, the first/last stage counts expanded (:func:`first_last_split`), the split with the
     embedding and/or loss counted as layers over ``pp`` ranks of ``v`` chunks
@@ -78,20 +92,31 @@ def layer_split(num_layers: int, pp: int, split: tuple[int, ...] | None = None, 
             ``embedding``/``loss``), or counts that cannot split ``num_layers``.
     """
     if embedding or loss:
-        others = [f"{name}={value}" for name, value in (("pipeline_layer_split", split and list(split)),
-                                                        ("decoder_first_pipeline_num_layers", first),
-                                                        ("decoder_last_pipeline_num_layers", last)) if value]
+        others = [
+            f"{name}={value}"
+            for name, value in (
+                ("pipeline_layer_split", split and list(split)),
+                ("decoder_first_pipeline_num_layers", first),
+                ("decoder_last_pipeline_num_layers", last),
+            )
+            if value
+        ]
         if others:
-            raise ConfigError(f"account_for_embedding/loss_in_pipeline_split already decide every stage's layers; "
-                              f"they cannot be combined with {', '.join(others)} (give one way of splitting)")
+            raise ConfigError(
+                f"account_for_embedding/loss_in_pipeline_split already decide every stage's layers; "
+                f"they cannot be combined with {', '.join(others)} (give one way of splitting)"
+            )
         return accounted_split(num_layers, pp, v, embedding=embedding, loss=loss)
     if first is None and last is None:
         return split
     if split is not None:
         raise ConfigError(
             f"pipeline_layer_split={list(split)} lists every stage's layers; it cannot be combined with "
-            + " or ".join(f"decoder_{k}_pipeline_num_layers={n}" for k, n in (("first", first), ("last", last))
-                          if n is not None) + " (give one or the other)")
+            + " or ".join(
+                f"decoder_{k}_pipeline_num_layers={n}" for k, n in (("first", first), ("last", last)) if n is not None
+            )
+            + " (give one or the other)"
+        )
     return first_last_split(num_layers, pp, first, last)
 
 
@@ -120,29 +145,47 @@ def accounted_split(num_layers: int, pp: int, v: int = 1, *, embedding: bool, lo
     Raises:
         ConfigError: ``U % (pp v) != 0``, or a rank left without any layer.
     """
-    units, what = num_layers + embedding + loss, " and ".join(
-        name for name, on in (("embedding", embedding), ("loss", loss)) if on)
+    units, what = (
+        num_layers + embedding + loss,
+        " and ".join(name for name, on in (("embedding", embedding), ("loss", loss)) if on),
+    )
     if units % (pp * v):
-        raise ConfigError(f"num_layers={num_layers} + the {what} counted as layers = {units} is not divisible by "
-                          f"pp*v = {pp}*{v} = {pp * v} (rule: (num_layers + embedding + loss) % (pp * v) == 0 with "
-                          f"account_for_{'_'.join(what.split(' and '))}_in_pipeline_split)")
-    counts = tuple(sum(len(chunk_layer_ids(num_layers, pp, v, r, c, embedding=embedding, loss=loss))
-                       for c in range(v)) for r in range(pp))
+        raise ConfigError(
+            f"num_layers={num_layers} + the {what} counted as layers = {units} is not divisible by "
+            f"pp*v = {pp}*{v} = {pp * v} (rule: (num_layers + embedding + loss) % (pp * v) == 0 with "
+            f"account_for_{'_'.join(what.split(' and '))}_in_pipeline_split)"
+        )
+    counts = tuple(
+        sum(len(chunk_layer_ids(num_layers, pp, v, r, c, embedding=embedding, loss=loss)) for c in range(v))
+        for r in range(pp)
+    )
     if min(counts) < 1:
-        raise ConfigError(f"num_layers={num_layers} + the {what} counted as layers = {units} over pp*v = {pp}*{v} "
-                          f"leaves a pipeline rank without layers (layers per rank: {list(counts)})")
+        raise ConfigError(
+            f"num_layers={num_layers} + the {what} counted as layers = {units} over pp*v = {pp}*{v} "
+            f"leaves a pipeline rank without layers (layers per rank: {list(counts)})"
+        )
     return counts
 
 
-def chunk_layer_counts(num_layers: int, pp: int, split: tuple[int, ...] | None,
-                       layers_per_chunk: int | None, *, embedding: bool = False, loss: bool = False) -> list[int]:
+def chunk_layer_counts(
+    num_layers: int,
+    pp: int,
+    split: tuple[int, ...] | None,
+    layers_per_chunk: int | None,
+    *,
+    embedding: bool = False,
+    loss: bool = False,
+) -> list[int]:
     """Layers of each model chunk (a stage, or a virtual stage when interleaved), the unit that
     recomputation works on; the layout rules must hold. ``embedding`` / ``loss``: counted as layers
     of the split (:func:`accounted_split`; a chunk may then hold no layer)."""
     if layers_per_chunk and (embedding or loss):
         v = virtual_stages(num_layers, pp, layers_per_chunk, embedding + loss)
-        return [len(chunk_layer_ids(num_layers, pp, v, r, c, embedding=embedding, loss=loss))
-                for c in range(v) for r in range(pp)]
+        return [
+            len(chunk_layer_ids(num_layers, pp, v, r, c, embedding=embedding, loss=loss))
+            for c in range(v)
+            for r in range(pp)
+        ]
     if layers_per_chunk:
         return [layers_per_chunk] * (num_layers // layers_per_chunk)
     return stage_layer_counts(num_layers, pp, split)
@@ -165,8 +208,16 @@ def stage_layer_ids(num_layers: int, pp_size: int, pp_rank: int, split: tuple[in
     return range(start, start + counts[pp_rank])
 
 
-def chunk_layer_ids(num_layers: int, pp_size: int, virtual_stages: int, pp_rank: int, chunk: int, *,
-                    embedding: bool = False, loss: bool = False) -> range:
+def chunk_layer_ids(
+    num_layers: int,
+    pp_size: int,
+    virtual_stages: int,
+    pp_rank: int,
+    chunk: int,
+    *,
+    embedding: bool = False,
+    loss: bool = False,
+) -> range:
     """Layers of model chunk ``chunk`` on rank ``pp_rank``: virtual stage k = chunk * pp + pp_rank
     holds layers [k L / (pp v), (k + 1) L / (pp v)) (Narayanan et al. SC21, §2.2: rank r holds
     chunks r, r + p, r + 2p, ...). With ``embedding`` / ``loss`` the embedding and the output
@@ -176,8 +227,10 @@ def chunk_layer_ids(num_layers: int, pp_size: int, virtual_stages: int, pp_rank:
     units = num_layers + embedding + loss
     per = units // (pp_size * virtual_stages)
     if per * pp_size * virtual_stages != units:
-        raise ValueError(f"num_layers={num_layers} (+{embedding + loss} counted as layers) is not divisible by "
-                         f"pp*v = {pp_size}*{virtual_stages}")
+        raise ValueError(
+            f"num_layers={num_layers} (+{embedding + loss} counted as layers) is not divisible by "
+            f"pp*v = {pp_size}*{virtual_stages}"
+        )
     stage = chunk * pp_size + pp_rank
     start, end = (min(max(k * per - embedding, 0), num_layers) for k in (stage, stage + 1))
     return range(start, end)

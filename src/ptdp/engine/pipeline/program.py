@@ -50,9 +50,9 @@ order only: the n-th send from a to b meets the n-th receive on b from a).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence, Union
 
 from ptdp.engine.pipeline.schedule import COMPUTE, Action, build_schedule, peer
 
@@ -84,11 +84,13 @@ class P2PGroup:
     time: int
 
 
-Step = Union[Action, P2PGroup]
+Step = Action | P2PGroup
 
 
 @lru_cache(maxsize=64)
-def build_programs(kind: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1) -> tuple[tuple[Step, ...], ...]:
+def build_programs(
+    kind: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1
+) -> tuple[tuple[Step, ...], ...]:
     """Per pipeline rank, its program: compute :class:`Action` s and :class:`P2PGroup` s in the
     order the runtime runs and posts them (cached: built once per shape, read-only). Before they are
     returned they are run under the NCCL model (:func:`ptdp.engine.pipeline.nccl_model.simulate_nccl`),
@@ -151,8 +153,10 @@ def compute_times(schedule: list[list[Action]], virtual_stages: int) -> tuple[di
                 progress = True
     stuck = [(r, computes[r][pc[r]]) for r in range(p) if pc[r] < len(computes[r])]
     if stuck:
-        raise ValueError("the schedule's computes wait on each other: " + "; ".join(
-            f"rank {r} at {a.kind} of microbatch {a.microbatch} chunk {a.chunk}" for r, a in stuck))
+        raise ValueError(
+            "the schedule's computes wait on each other: "
+            + "; ".join(f"rank {r} at {a.kind} of microbatch {a.microbatch} chunk {a.chunk}" for r, a in stuck)
+        )
     return start, end
 
 
@@ -209,18 +213,27 @@ def program_json(programs: Sequence[Sequence[Step]]) -> dict:
     ranks = []
     for r, program in enumerate(programs):
         groups = [step for step in program if isinstance(step, P2PGroup)]
-        ranks.append({
-            "rank": r,
-            "program": [describe(step) for step in program],
-            "p2p_groups": [{"communicator": g.communicator, "time": g.time,
-                            "ops": [{"op": o.op, "peer": o.peer, "tag": o.tag} for o in g.ops]} for g in groups],
-        })
+        ranks.append(
+            {
+                "rank": r,
+                "program": [describe(step) for step in program],
+                "p2p_groups": [
+                    {
+                        "communicator": g.communicator,
+                        "time": g.time,
+                        "ops": [{"op": o.op, "peer": o.peer, "tag": o.tag} for o in g.ops],
+                    }
+                    for g in groups
+                ],
+            }
+        )
     return {"ranks": ranks}
 
 
 def describe(step: Step) -> str:
     """One line for a step of a program."""
     if isinstance(step, P2PGroup):
-        return "p2p [" + ", ".join(f"{o.op} {o.tag} {'->' if o.op == 'send' else '<-'} {o.peer}"
-                                   for o in step.ops) + "]"
+        return (
+            "p2p [" + ", ".join(f"{o.op} {o.tag} {'->' if o.op == 'send' else '<-'} {o.peer}" for o in step.ops) + "]"
+        )
     return f"{step.kind} mb{step.microbatch} chunk{step.chunk}"

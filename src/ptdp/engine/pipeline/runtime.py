@@ -28,11 +28,10 @@ the activation forward and one of its gradient backward, each of ``hidden_shape`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
-
 from torch.autograd.graph import _engine_run_backward
 
 from ptdp.engine.activity import PIPELINE, set_phase
@@ -117,11 +116,19 @@ def run_schedule(
     b, s = batch_shape or (hidden_shape[0], seq_length or hidden_shape[1])
     _check_microbatches(microbatches, b, s)
     if any(isinstance(step, Action) and step.kind not in COMPUTE for step in program):
-        raise TypeError("run_schedule takes a program (ptdp.engine.pipeline.program.build_programs), whose "
-                        "transfers are grouped; got a schedule's transfer action")
+        raise TypeError(
+            "run_schedule takes a program (ptdp.engine.pipeline.program.build_programs), whose "
+            "transfers are grouped; got a schedule's transfer action"
+        )
     chunks = list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]
-    state = _State(chunks, microbatches, pp, device, forward_only,
-                   loss_factor=(1.0 if loss_scale is None else loss_scale) / len(microbatches))
+    state = _State(
+        chunks,
+        microbatches,
+        pp,
+        device,
+        forward_only,
+        loss_factor=(1.0 if loss_scale is None else loss_scale) / len(microbatches),
+    )
     last_backward = {a.chunk: a for a in program if isinstance(a, Action) and a.kind == "backward"}
     track = not forward_only  # evaluation keeps the caller's phase
     for step in program:

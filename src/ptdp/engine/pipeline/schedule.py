@@ -48,14 +48,15 @@ def check_schedule_args(kind: str, pp_size: int, num_microbatches: int, virtual_
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"pp_size={p}, num_microbatches={m} and virtual_stages={v} must be >= 1")
     if kind in ("gpipe", "1f1b") and v != 1:
-        raise ValueError(f"the {kind} schedule runs one model chunk per rank; virtual_stages={v} needs interleaved-1f1b")
-    if kind == "interleaved-1f1b" and (p < 2 or m % p):
         raise ValueError(
-            f"interleaved-1f1b needs pp >= 2 and num_microbatches % pp == 0: pp={p}, num_microbatches={m}"
+            f"the {kind} schedule runs one model chunk per rank; virtual_stages={v} needs interleaved-1f1b"
         )
+    if kind == "interleaved-1f1b" and (p < 2 or m % p):
+        raise ValueError(f"interleaved-1f1b needs pp >= 2 and num_microbatches % pp == 0: pp={p}, num_microbatches={m}")
     if kind == "forward-only" and v > 1 and (p < 2 or m % p):
-        raise ValueError(f"forward-only over {v} chunks needs pp >= 2 and num_microbatches % pp == 0: pp={p}, "
-                         f"num_microbatches={m}")
+        raise ValueError(
+            f"forward-only over {v} chunks needs pp >= 2 and num_microbatches % pp == 0: pp={p}, num_microbatches={m}"
+        )
 
 
 def build_schedule(kind: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
@@ -101,7 +102,7 @@ def _compute_order(kind: str, p: int, m: int, v: int, r: int) -> list[tuple[str,
     order = fwd[:warmup]
     for i in range(total - warmup):
         order += [fwd[warmup + i], bwd[i]]
-    return order + bwd[total - warmup:]
+    return order + bwd[total - warmup :]
 
 
 def _with_transfers(order: list[tuple[str, int, int]], r: int, p: int, v: int) -> list[Action]:

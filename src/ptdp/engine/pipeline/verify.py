@@ -24,8 +24,16 @@ from ptdp.engine.pipeline.nccl_model import ScheduleError, simulate_nccl
 from ptdp.engine.pipeline.program import P2PGroup, Step, programs_from_schedule
 from ptdp.engine.pipeline.schedule import COMPUTE, Action, boundary, peer, warmup_forwards
 
-__all__ = ["ScheduleError", "check_programs", "check_schedule", "ideal_idle_time", "in_flight_bound", "programs_of",
-           "simulate", "simulate_nccl"]
+__all__ = [
+    "ScheduleError",
+    "check_programs",
+    "check_schedule",
+    "ideal_idle_time",
+    "in_flight_bound",
+    "programs_of",
+    "simulate",
+    "simulate_nccl",
+]
 
 
 def in_flight_bound(kind: str, p: int, m: int, v: int, r: int) -> int:
@@ -36,8 +44,13 @@ def in_flight_bound(kind: str, p: int, m: int, v: int, r: int) -> int:
     return min(warmup_forwards(kind, p, m, v, r) + 1, m * v)
 
 
-def check_schedule(schedule: list[list[Action]], num_microbatches: int, *, virtual_stages: int = 1,
-                   max_in_flight: list[int] | None = None) -> None:
+def check_schedule(
+    schedule: list[list[Action]],
+    num_microbatches: int,
+    *,
+    virtual_stages: int = 1,
+    max_in_flight: list[int] | None = None,
+) -> None:
     """Raise :class:`ScheduleError` unless ``schedule`` is correct (see the module docstring)."""
     p = len(schedule)
     for r, acts in enumerate(schedule):
@@ -79,7 +92,9 @@ def _check_rank(r: int, acts: list[Action], m: int, v: int, p: int, bound: int |
         }.get(a.kind, [])
         for need in needs:
             if (need, a.microbatch, a.chunk) not in seen:
-                raise ScheduleError(f"rank {r}: {a.kind} of microbatch {a.microbatch} chunk {a.chunk} before its {need}")
+                raise ScheduleError(
+                    f"rank {r}: {a.kind} of microbatch {a.microbatch} chunk {a.chunk} before its {need}"
+                )
         in_flight += {"forward": 1, "backward": -1}.get(a.kind, 0)
         if bound is not None and in_flight > bound:
             raise ScheduleError(f"rank {r}: {in_flight} microbatches in flight > bound {bound}")
@@ -104,8 +119,9 @@ class Timeline:
         return [self.makespan - b for b in self.busy]
 
 
-def simulate(schedule: list[list[Action]], *, virtual_stages: int = 1, forward_time: float = 1.0,
-             backward_time: float = 2.0) -> Timeline:
+def simulate(
+    schedule: list[list[Action]], *, virtual_stages: int = 1, forward_time: float = 1.0, backward_time: float = 2.0
+) -> Timeline:
     """Run the programs of ``schedule`` on all ranks together under gloo's rules: a chunk's forward
     takes ``forward_time / v``, its backward ``backward_time / v``; a group of transfers completes
     when the sends of all its receives are posted (sends never block).
@@ -140,8 +156,10 @@ def _simulate_programs(programs: list[list[Step]], v: int, forward_time: float, 
                 progress = True
     stuck = [(r, steps[r][pc[r]]) for r in range(p) if pc[r] < len(steps[r])]
     if stuck:
-        raise ScheduleError("deadlock: " + "; ".join(
-            f"rank {r} waits in {[(a.kind, a.microbatch, a.chunk) for a in s]}" for r, s in stuck))
+        raise ScheduleError(
+            "deadlock: "
+            + "; ".join(f"rank {r} waits in {[(a.kind, a.microbatch, a.chunk) for a in s]}" for r, s in stuck)
+        )
     return Timeline(events, busy, max(clock))
 
 
@@ -175,7 +193,8 @@ def _transfer(r, step, p, pc, clock, posted, posted_at) -> bool:
         if other[index][0] != key:
             raise ScheduleError(
                 f"rank {r}: {a.kind} of microbatch {a.microbatch} chunk {a.chunk} is paired with microbatch "
-                f"{other[index][0][0]} at stage boundary {other[index][0][1]} by the peer")
+                f"{other[index][0][0]} at stage boundary {other[index][0][1]} by the peer"
+            )
         if a.kind.startswith("recv"):
             done = max(done, other[index][1])
     clock[r] = done

@@ -11,16 +11,26 @@ import importlib
 
 _WHERE = {
     "vocab_parallel_cross_entropy": "cross_entropy",
-    "ColumnParallelLinear": "layers", "RowParallelLinear": "layers", "VocabParallelEmbedding": "layers",
-    "copy_to_tp": "mappings", "reduce_from_tp": "mappings",
-    "all_gather_sequence": "sequence", "is_sequence_parallel": "sequence", "mark_sequence_parallel": "sequence",
-    "reduce_scatter_sequence": "sequence", "sequence_gathered_linear": "sequence", "sequence_shard": "sequence",
-    "ParamSpec": "sharding", "initialize_parameters": "sharding", "shard": "sharding", "spec_of": "sharding",
+    "ColumnParallelLinear": "layers",
+    "RowParallelLinear": "layers",
+    "VocabParallelEmbedding": "layers",
+    "copy_to_tp": "mappings",
+    "reduce_from_tp": "mappings",
+    "all_gather_sequence": "sequence",
+    "is_sequence_parallel": "sequence",
+    "mark_sequence_parallel": "sequence",
+    "reduce_scatter_sequence": "sequence",
+    "sequence_gathered_linear": "sequence",
+    "sequence_shard": "sequence",
+    "ParamSpec": "sharding",
+    "initialize_parameters": "sharding",
+    "shard": "sharding",
+    "spec_of": "sharding",
     "unshard": "sharding",
     "padded_vocab_size": "vocab",
 }
 
-__all__ = sorted(_WHERE)
+__all__ = sorted(_WHERE)  # noqa: PLE0605 - the lazily imported names, listed once in _WHERE
 
 
 def __getattr__(name: str):

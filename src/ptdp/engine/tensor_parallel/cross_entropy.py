@@ -75,18 +75,24 @@ def check_labels(target: torch.Tensor, vocab_size: int, ignore_index: int = IGNO
     """
     bad = ((target < 0) | (target >= vocab_size)) & (target != ignore_index)
     if target.device.type != "cpu":
-        torch._assert_async(~bad.any(), f"a label is outside [0, {vocab_size}) and not the ignore index "
-                                        f"{ignore_index}")
+        torch._assert_async(~bad.any(), f"a label is outside [0, {vocab_size}) and not the ignore index {ignore_index}")
         return
     if bool(bad.any()):
         value = int(target[bad][0])
         where = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"label {value} at position {where} is outside the vocabulary [0, {vocab_size}) and is "
-                         f"not the ignore index {ignore_index}")
+        raise ValueError(
+            f"label {value} at position {where} is outside the vocabulary [0, {vocab_size}) and is "
+            f"not the ignore index {ignore_index}"
+        )
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, *, vocab_start: int, vocab_size: int, axis: AxisGroup,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    axis: AxisGroup,
     ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
     """Per-token cross entropy of vocab-sharded logits.
@@ -113,6 +119,7 @@ def vocab_parallel_cross_entropy(
     check_labels(target, vocab_size, ignore_index)
     if axis.size == 1:
         b, s, v = logits.shape
-        return F.cross_entropy(logits.reshape(b * s, v), target.reshape(b * s), reduction="none",
-                               ignore_index=ignore_index).view(b, s)
+        return F.cross_entropy(
+            logits.reshape(b * s, v), target.reshape(b * s), reduction="none", ignore_index=ignore_index
+        ).view(b, s)
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, axis, ignore_index)

@@ -13,7 +13,8 @@ run eagerly and are counted by :mod:`ptdp.engine.comm`.
 from __future__ import annotations
 
 import functools
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 

@@ -15,7 +15,11 @@ from torch import nn
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.tensor_parallel.eager import outside_compile
 from ptdp.engine.tensor_parallel.mappings import reduce_from_tp
-from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel, reduce_scatter_sequence, sequence_gathered_linear
+from ptdp.engine.tensor_parallel.sequence import (
+    mark_sequence_parallel,
+    reduce_scatter_sequence,
+    sequence_gathered_linear,
+)
 from ptdp.engine.tensor_parallel.sharding import ParamSpec, make_parameter
 from ptdp.engine.tensor_parallel.wgrad import LinearFunction, embedding, linear
 
@@ -141,7 +145,13 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(
-        self, vocab_size: int, padded_vocab_size: int, hidden_size: int, *, tp: AxisGroup, dtype: torch.dtype,
+        self,
+        vocab_size: int,
+        padded_vocab_size: int,
+        hidden_size: int,
+        *,
+        tp: AxisGroup,
+        dtype: torch.dtype,
         sequence_parallel: bool = False,
     ) -> None:
         super().__init__()

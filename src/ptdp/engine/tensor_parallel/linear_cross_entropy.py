@@ -105,8 +105,9 @@ def _local_target(labels: torch.Tensor, vocab_start: int, num_real: int) -> tupl
     return local.masked_fill(~inside, 0), inside
 
 
-def _statistics(raw: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-                num_real: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _statistics(
+    raw: torch.Tensor, labels: torch.Tensor, vocab_start: int, num_real: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk's per-token local max, sum of ``exp(z - max)`` (0 on a shard of padding only)
     and target logit (0 where the label is on another shard), each ``[c]``, from its logits."""
     z = _masked(raw, num_real)
@@ -118,14 +119,21 @@ def _statistics(raw: torch.Tensor, labels: torch.Tensor, vocab_start: int,
     return peak, sum_exp, target_logit
 
 
-def _chunk_statistics(rows: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-                      num_real: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _chunk_statistics(
+    rows: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_start: int, num_real: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_statistics` of the logits ``rows [c, h] @ weight^T`` (made here, then freed)."""
     return _statistics(rows @ weight.t(), labels, vocab_start, num_real)
 
 
-def _grad_logits(raw: torch.Tensor, labels: torch.Tensor, log_sum_exp: torch.Tensor, scale: torch.Tensor,
-                 vocab_start: int, num_real: int) -> torch.Tensor:
+def _grad_logits(
+    raw: torch.Tensor,
+    labels: torch.Tensor,
+    log_sum_exp: torch.Tensor,
+    scale: torch.Tensor,
+    vocab_start: int,
+    num_real: int,
+) -> torch.Tensor:
     """One chunk's ``(softmax - onehot) * scale`` in the logits' dtype, ``[c, V_pad / t]``, the
     padding columns 0. Eager: in place (one chunk-sized buffer; float32 and float64 logits are
     overwritten, kept logits being used once). Under ``torch.compile``: out of place, which
@@ -140,8 +148,15 @@ def _grad_logits(raw: torch.Tensor, labels: torch.Tensor, log_sum_exp: torch.Ten
     return probs.mul_(scale.unsqueeze(-1)).to(raw.dtype)
 
 
-def _chunk_grad_logits(rows: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, log_sum_exp: torch.Tensor,
-                       scale: torch.Tensor, vocab_start: int, num_real: int) -> torch.Tensor:
+def _chunk_grad_logits(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    log_sum_exp: torch.Tensor,
+    scale: torch.Tensor,
+    vocab_start: int,
+    num_real: int,
+) -> torch.Tensor:
     """:func:`_grad_logits` of the logits recomputed as ``rows [c, h] @ weight^T``."""
     return _grad_logits(rows @ weight.t(), labels, log_sum_exp, scale, vocab_start, num_real)
 
@@ -179,7 +194,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else:
                 inputs = (torch.mm(rows[start:stop], weight.t(), out=kept[start:stop]),)
             local_max[start:stop], sum_exp[start:stop], target_logit[start:stop] = statistics(
-                *inputs, labels[start:stop], shard.vocab_start, shard.num_real)
+                *inputs, labels[start:stop], shard.vocab_start, shard.num_real
+            )
         global_max = all_reduce(local_max.clone(), shard.axis, op="max", tag="ce_max")
         all_reduce(target_logit, shard.axis, tag="ce_target")
         sum_exp.mul_((local_max - global_max).exp_())  # each rank's sum rescaled to the global max
@@ -210,8 +226,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, rows.shape[0], shard.chunk):
             stop = min(rows.shape[0], start + shard.chunk)
             inputs = (rows[start:stop], weight) if kept is None else (kept[start:stop],)
-            grad_logits = grad_logits_of(*inputs, labels[start:stop], log_sum_exp[start:stop], scale[start:stop],
-                                         shard.vocab_start, shard.num_real)
+            grad_logits = grad_logits_of(
+                *inputs,
+                labels[start:stop],
+                log_sum_exp[start:stop],
+                scale[start:stop],
+                shard.vocab_start,
+                shard.num_real,
+            )
             torch.mm(grad_logits, weight, out=grad_rows[start:stop])
             if grad_weight is None:  # the first chunk's product is the weight gradient so far
                 grad_weight = grad_logits.t().mm(rows[start:stop])
@@ -228,9 +250,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(
-    x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, vocab_start: int, vocab_size: int,
-    axis: AxisGroup, sequence_parallel: bool = False, chunk_tokens: int | None = None, tag: str = "output",
-    ignore_index: int = IGNORE_INDEX, compiled: bool = False, keep_logits: bool | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    axis: AxisGroup,
+    sequence_parallel: bool = False,
+    chunk_tokens: int | None = None,
+    tag: str = "output",
+    ignore_index: int = IGNORE_INDEX,
+    compiled: bool = False,
+    keep_logits: bool | None = None,
 ) -> torch.Tensor:
     """Per-token cross entropy of ``x W^T`` over the vocabulary shards, in chunks of tokens.
 
@@ -276,6 +308,15 @@ def linear_cross_entropy(
     sp = sequence_parallel and axis.size > 1
     if keep_logits is None:  # an explicit chunk size asks for the bounded-memory path
         keep_logits = chunk_tokens is None and keeps_logits(target.numel(), local_vocab, weight.element_size())
-    shard = _Shard(vocab_start, num_real, axis, chunk_tokens or default_chunk_tokens(local_vocab), sp, tag,
-                   ignore_index, compiled, keep_logits)
+    shard = _Shard(
+        vocab_start,
+        num_real,
+        axis,
+        chunk_tokens or default_chunk_tokens(local_vocab),
+        sp,
+        tag,
+        ignore_index,
+        compiled,
+        keep_logits,
+    )
     return _LinearCrossEntropy.apply(x, weight, target, shard)

@@ -79,8 +79,18 @@ class DropoutRNG:
     for the attention probabilities), or None; for tests.
     """
 
-    def __init__(self, seed: int, *, dp_rank: int = 0, tp_rank: int = 0, device: torch.device | str = "cpu",
-                 sequence_parallel: bool = False, cp_rank: int = 0, cp_size: int = 1, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        seed: int,
+        *,
+        dp_rank: int = 0,
+        tp_rank: int = 0,
+        device: torch.device | str = "cpu",
+        sequence_parallel: bool = False,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        tp_size: int = 1,
+    ) -> None:
         self.seed, self.dp_rank, self.tp_rank = seed, dp_rank, tp_rank
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.row_split = tp_size if sequence_parallel else 1
@@ -124,8 +134,9 @@ class DropoutRNG:
         name = self.stream_name(key, stream)
         if stream == WHOLE_SEQUENCE:
             rows = self.rows(x.shape[0])
-            whole = _uniform((x.shape[0] * self.cp_size * self.row_split, *x.shape[1:]), self.generator(name),
-                             self.device)
+            whole = _uniform(
+                (x.shape[0] * self.cp_size * self.row_split, *x.shape[1:]), self.generator(name), self.device
+            )
             drop = whole.index_select(0, rows) < p
         else:
             drop = _uniform(x.shape, self.generator(name), self.device) < p
@@ -136,9 +147,14 @@ class DropoutRNG:
         """The global positions of this rank's ``n`` hidden-state rows (int64 ``[n]``, cached)."""
         rows = self._rows.get(n)
         if rows is None:
-            rows = rank_positions(n * self.cp_size * self.row_split, self.cp_rank, self.cp_size,
-                                  tp_rank=self.tp_rank if self.row_split > 1 else 0, tp_size=self.row_split,
-                                  device=self.device)
+            rows = rank_positions(
+                n * self.cp_size * self.row_split,
+                self.cp_rank,
+                self.cp_size,
+                tp_rank=self.tp_rank if self.row_split > 1 else 0,
+                tp_size=self.row_split,
+                device=self.device,
+            )
             self._rows[n] = rows
         return rows
 
@@ -149,8 +165,18 @@ class DropoutRNG:
         b, heads, s_q, s_k = probs.shape
         return _apply(probs, self.head_masks(b, s_q, s_k, p, key, first_head=first_head, heads=heads), p)
 
-    def head_masks(self, b: int, s_q: int, s_k: int, p: float, key: str, *, first_head: int, heads: int,
-                   rows: torch.Tensor | None = None) -> torch.Tensor:
+    def head_masks(
+        self,
+        b: int,
+        s_q: int,
+        s_k: int,
+        p: float,
+        key: str,
+        *,
+        first_head: int,
+        heads: int,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The drop masks (True: dropped) of the attention probabilities of ``heads`` local heads,
         global heads ``first_head ..``: bool ``[b, heads, s_q, s_k]``, head ``j``'s ``[b, s_q, s_k]``
         drawn from stream ``<key>/head<j>`` one head at a time. ``rows`` (int64 query positions):
@@ -214,14 +240,22 @@ class DropoutRNG:
 
     def state_dict(self) -> dict:
         """JSON-serialisable state: the reseed iteration and every stream's generator state."""
-        return {"reseed_iteration": self.reseed_iteration,
-                "generators": {name: base64.b64encode(state.numpy().tobytes()).decode("ascii")
-                               for name, state in self.get_states().items()}}
+        return {
+            "reseed_iteration": self.reseed_iteration,
+            "generators": {
+                name: base64.b64encode(state.numpy().tobytes()).decode("ascii")
+                for name, state in self.get_states().items()
+            },
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.reseed(int(state["reseed_iteration"]))
-        self.set_states({name: torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-                         for name, text in state["generators"].items()})
+        self.set_states(
+            {
+                name: torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+                for name, text in state["generators"].items()
+            }
+        )
 
 
 class Dropout(nn.Module):

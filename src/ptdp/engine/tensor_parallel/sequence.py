@@ -45,7 +45,7 @@ runs outside ``torch.compile`` graphs (``torch.compiler.disable``), which are sp
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -129,8 +129,10 @@ def start_sequence_reduce_scatter(y: torch.Tensor, axis: AxisGroup, tag: str):
     ``[s/t, b, h]``. A contiguous ``y`` is sent as it is (its ``t`` blocks are already the
     chunks the collective expects: no copy)."""
     if y.shape[0] % axis.size:
-        raise ValueError(f"reduce-scatter of {tuple(y.shape)} along the sequence (dim 0) over {axis.size} tp "
-                         f"ranks: {y.shape[0]} is not divisible by {axis.size}")
+        raise ValueError(
+            f"reduce-scatter of {tuple(y.shape)} along the sequence (dim 0) over {axis.size} tp "
+            f"ranks: {y.shape[0]} is not divisible by {axis.size}"
+        )
     whole = y.contiguous()
     out = whole.new_empty((whole.shape[0] // axis.size, *whole.shape[1:]))
     work = reduce_scatter_async(out, whole, axis, tag=tag)
@@ -167,8 +169,9 @@ def reduce_scatter_sequence(x: torch.Tensor, axis: AxisGroup, tag: str = "") -> 
     return _outside_compile(_ReduceScatterSequence.apply, x, axis, tag)
 
 
-def sequence_gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             axis: AxisGroup, tag: str = "") -> torch.Tensor:
+def sequence_gathered_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, axis: AxisGroup, tag: str = ""
+) -> torch.Tensor:
     """``F.linear(all_gather_sequence(x), weight, bias)`` keeping only ``x``'s shard for backward.
 
     Per rank: ``x [s/t, b, in]``, ``weight [out_local, in]`` (this rank's column-parallel shard)
@@ -204,7 +207,9 @@ def is_sequence_parallel(param: torch.Tensor) -> bool:
 def sequence_shard(length: int, axis: AxisGroup) -> slice:
     """The positions ``[r L/t, (r + 1) L/t)`` of a sequence of ``length`` that tp rank r holds."""
     if length % axis.size:
-        raise ValueError(f"a sequence of {length} positions cannot be split over {axis.size} tp ranks "
-                         f"(rule: s % tp == 0 with sequence parallelism)")
+        raise ValueError(
+            f"a sequence of {length} positions cannot be split over {axis.size} tp ranks "
+            f"(rule: s % tp == 0 with sequence parallelism)"
+        )
     per = length // axis.size
     return slice(axis.rank * per, (axis.rank + 1) * per)

@@ -78,9 +78,7 @@ def shard(full: torch.Tensor, spec: ParamSpec, tp_rank: int, tp_size: int) -> to
         return full.clone()
     dim, groups = spec.tp_dim, spec.tp_groups
     n = full.shape[dim] // groups
-    pieces = [
-        part.chunk(tp_size, dim=dim)[tp_rank] for part in full.split(n, dim=dim)
-    ]
+    pieces = [part.chunk(tp_size, dim=dim)[tp_rank] for part in full.split(n, dim=dim)]
     return torch.cat(pieces, dim=dim).contiguous()
 
 
@@ -141,8 +139,9 @@ def _draw(spec: ParamSpec, name: str, seed: int, start: int, stop: int) -> torch
     return torch.cat(parts, dim) if len(parts) != 1 else parts[0]
 
 
-def init_shard(spec: ParamSpec, *, name: str, seed: int, std: float, num_layers: int, tp_rank: int,
-               tp_size: int) -> torch.Tensor:
+def init_shard(
+    spec: ParamSpec, *, name: str, seed: int, std: float, num_layers: int, tp_rank: int, tp_size: int
+) -> torch.Tensor:
     """Rank ``tp_rank``'s shard (float32, ``spec.local_shape(tp_size)``) of parameter ``name``'s
     initial value, identical on every layout, drawing only the blocks the shard overlaps.
 
@@ -183,5 +182,6 @@ def initialize_parameters(
     (:func:`init_shard`: each rank draws only what its shard overlaps)."""
     for name, param in module.named_parameters():
         spec = spec_of(param)
-        param.copy_(init_shard(spec, name=name, seed=seed, std=std, num_layers=num_layers, tp_rank=tp_rank,
-                               tp_size=tp_size))
+        param.copy_(
+            init_shard(spec, name=name, seed=seed, std=std, num_layers=num_layers, tp_rank=tp_rank, tp_size=tp_size)
+        )

@@ -51,8 +51,12 @@ def weight_grad(weight: torch.Tensor, grad_rows: torch.Tensor, input_rows: torch
 
 def add_weight_grad(main: torch.Tensor, grad_rows: torch.Tensor, input_rows: torch.Tensor) -> None:
     """``main += grad_rowsᵀ · input_rows`` (float32 accumulation in the GEMM on CUDA)."""
-    if not (main.is_cuda and main.dtype == torch.float32 and grad_rows.dtype != torch.float32
-            and _fused_gemm(main, grad_rows, input_rows)):
+    if not (
+        main.is_cuda
+        and main.dtype == torch.float32
+        and grad_rows.dtype != torch.float32
+        and _fused_gemm(main, grad_rows, input_rows)
+    ):
         main.add_(grad_rows.t().mm(input_rows))
 
 

@@ -15,19 +15,48 @@ from ptdp.spec import Config, ConfigError
 FORMAT = 1
 META = "ptdp.json"
 #: model fields that must match between a checkpoint and the model loading it
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn", "seq_length",
-                "vocab_size", "untie_embeddings_and_output_weights", "activation", "layernorm_epsilon",
-                "normalization", "swiglu", "position_embedding_type", "rotary_base", "num_query_groups",
-                "add_bias_linear")
-_FLAGS = {"vocab_size": "--vocab-size", "activation": "--activation", "layernorm_epsilon": "--layernorm-epsilon",
-          "seq_length": "--seq-length", "num_layers": "--num-layers", "hidden_size": "--hidden-size",
-          "normalization": "--normalization", "swiglu": "--swiglu", "position_embedding_type": "--position-embedding-type",
-          "rotary_base": "--rotary-base", "num_query_groups": "--num-query-groups",
-          "add_bias_linear": "--disable-bias-linear"}
+SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn",
+    "seq_length",
+    "vocab_size",
+    "untie_embeddings_and_output_weights",
+    "activation",
+    "layernorm_epsilon",
+    "normalization",
+    "swiglu",
+    "position_embedding_type",
+    "rotary_base",
+    "num_query_groups",
+    "add_bias_linear",
+)
+_FLAGS = {
+    "vocab_size": "--vocab-size",
+    "activation": "--activation",
+    "layernorm_epsilon": "--layernorm-epsilon",
+    "seq_length": "--seq-length",
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "normalization": "--normalization",
+    "swiglu": "--swiglu",
+    "position_embedding_type": "--position-embedding-type",
+    "rotary_base": "--rotary-base",
+    "num_query_groups": "--num-query-groups",
+    "add_bias_linear": "--disable-bias-linear",
+}
 #: values of model fields that checkpoints written before the field existed had
-MODEL_DEFAULTS = {"activation": "gelu", "layernorm_epsilon": 1e-5, "normalization": "LayerNorm", "swiglu": False,
-                  "position_embedding_type": "learned_absolute", "rotary_base": 10000.0, "num_query_groups": None,
-                  "add_bias_linear": True}
+MODEL_DEFAULTS = {
+    "activation": "gelu",
+    "layernorm_epsilon": 1e-5,
+    "normalization": "LayerNorm",
+    "swiglu": False,
+    "position_embedding_type": "learned_absolute",
+    "rotary_base": 10000.0,
+    "num_query_groups": None,
+    "add_bias_linear": True,
+}
 
 
 class CheckpointError(ConfigError):
@@ -37,12 +66,14 @@ class CheckpointError(ConfigError):
 def complete_checkpoints(root: str | Path) -> list[Path]:
     """The complete iteration folders under ``root`` (renamed into place, with ``ptdp.json`` and
     DCP's index), oldest first; ``.iter_N.tmp`` folders of unfinished saves are not among them."""
+
     def number(p: Path) -> int:
         digits = p.name.removeprefix("iter_")
         return int(digits) if digits.isdigit() else -1
 
-    folders = (p for p in Path(root).glob("iter_*") if p.is_dir() and (p / META).is_file()
-               and (p / ".metadata").is_file())
+    folders = (
+        p for p in Path(root).glob("iter_*") if p.is_dir() and (p / META).is_file() and (p / ".metadata").is_file()
+    )
     return sorted(folders, key=number)
 
 
@@ -68,8 +99,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
     if not path.is_dir():
-        raise CheckpointError(f"{path} is a file, not a ptdp checkpoint folder (give the folder --save wrote, "
-                              f"or one of its iter_* folders)")
+        raise CheckpointError(
+            f"{path} is a file, not a ptdp checkpoint folder (give the folder --save wrote, "
+            f"or one of its iter_* folders)"
+        )
     raise CheckpointError(f"{path} is not a ptdp checkpoint (no {META} and no 'latest' file)")
 
 
@@ -101,7 +134,7 @@ def check_files(folder: Path) -> None:
 
     try:
         md = SafeFileSystemReader(folder).read_metadata()
-    except (Exception, CheckpointException) as err:  # noqa: BLE001 - any reader failure: unusable
+    except (Exception, CheckpointException) as err:
         raise CheckpointError(f"cannot read the tensor index {folder / '.metadata'}: {err}") from err
     needed: dict[str, int] = {}
     for info in (md.storage_data or {}).values():
@@ -111,8 +144,10 @@ def check_files(folder: Path) -> None:
         if not path.is_file():
             raise CheckpointError(f"checkpoint {folder} is incomplete: shard file {rel} is missing")
         if path.stat().st_size < size:
-            raise CheckpointError(f"checkpoint {folder} is corrupted: shard file {rel} has "
-                                  f"{path.stat().st_size} bytes, its index needs {size}")
+            raise CheckpointError(
+                f"checkpoint {folder} is corrupted: shard file {rel} has "
+                f"{path.stat().st_size} bytes, its index needs {size}"
+            )
 
 
 def precheck(config: Config) -> dict:
@@ -123,8 +158,10 @@ def precheck(config: Config) -> dict:
         raise CheckpointError("no checkpoint to check: --load is not set")
     folder, meta = _open(config.checkpoint.load, config)
     if meta["iteration"] >= config.train.train_iters:
-        raise CheckpointError(f"checkpoint {folder} is at iteration {meta['iteration']}: --train-iters "
-                              f"{config.train.train_iters} leaves nothing to train (raise --train-iters)")
+        raise CheckpointError(
+            f"checkpoint {folder} is at iteration {meta['iteration']}: --train-iters "
+            f"{config.train.train_iters} leaves nothing to train (raise --train-iters)"
+        )
     return meta
 
 
@@ -147,9 +184,12 @@ def check_save_dir(path: str | Path) -> None:
 
 def _check_model(meta: dict, config: Config, folder: Path) -> None:
     m = config.model
-    diffs = [f"{f}={meta['model'].get(f, MODEL_DEFAULTS.get(f))!r} in the checkpoint, {getattr(m, f)!r} here"
-             + (f" (set {_FLAGS[f]})" if f in _FLAGS else "")
-             for f in SHAPE_FIELDS if meta["model"].get(f, MODEL_DEFAULTS.get(f)) != getattr(m, f)]
+    diffs = [
+        f"{f}={meta['model'].get(f, MODEL_DEFAULTS.get(f))!r} in the checkpoint, {getattr(m, f)!r} here"
+        + (f" (set {_FLAGS[f]})" if f in _FLAGS else "")
+        for f in SHAPE_FIELDS
+        if meta["model"].get(f, MODEL_DEFAULTS.get(f)) != getattr(m, f)
+    ]
     if diffs:
         raise CheckpointError(f"checkpoint {folder} is for a different model: " + "; ".join(diffs))
 
@@ -161,12 +201,19 @@ def residual_note(meta: dict, layout: dict, world_size: int, codec: str) -> str 
     if meta.get("grad_compression") != "1bit" or meta.get("restored", {}).get("residual"):
         return None
     if codec != "1bit":
-        return (f"the checkpoint's 1-bit error-feedback residual is dropped: this run reduces gradients with "
-                f"--grad-compression {codec}")
+        return (
+            f"the checkpoint's 1-bit error-feedback residual is dropped: this run reduces gradients with "
+            f"--grad-compression {codec}"
+        )
     saved = dict(meta.get("layout", {}), world_size=meta.get("world_size"))
     now = dict(layout, world_size=world_size)
     keys = list(now) + [k for k in saved if k not in now]  # cp is in a layout only when > 1
-    diff = ", ".join(f"{k} {saved.get(k, 1 if k == 'cp' else None)} -> {now.get(k, 1 if k == 'cp' else None)}"
-                     for k in keys if saved.get(k) != now.get(k))
-    return (f"the checkpoint's 1-bit error-feedback residual cannot be restored at another layout ({diff}): it "
-            f"starts again from zero, so the first compressed steps differ from an uninterrupted run")
+    diff = ", ".join(
+        f"{k} {saved.get(k, 1 if k == 'cp' else None)} -> {now.get(k, 1 if k == 'cp' else None)}"
+        for k in keys
+        if saved.get(k) != now.get(k)
+    )
+    return (
+        f"the checkpoint's 1-bit error-feedback residual cannot be restored at another layout ({diff}): it "
+        f"starts again from zero, so the first compressed steps differ from an uninterrupted run"
+    )

@@ -24,16 +24,30 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ptdp.run.checkpoint.folders import (
+    FORMAT,
+    META,
+    MODEL_DEFAULTS,
+    CheckpointError,
+    _first_line,
+    check_files,
+    read_meta,
+    resolve_checkpoint,
+)
 from ptdp.run.checkpoint.hf_llama import from_llama, is_gpt2_like, llama_config, model_config_from_llama, to_llama
-from ptdp.run.checkpoint.folders import (FORMAT, META, MODEL_DEFAULTS, CheckpointError, _first_line, check_files,
-                                     read_meta, resolve_checkpoint)
 from ptdp.run.checkpoint.io import _write_json, _write_text_atomic
 from ptdp.run.checkpoint.safe_reader import SafeFileSystemReader
 from ptdp.spec import ModelConfig
 from ptdp.spec.model import Activation
 
-_LAYER = {"ln_1": "ln1", "ln_2": "ln2", "attn.c_attn": "attention.qkv", "attn.c_proj": "attention.proj",
-          "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
+_LAYER = {
+    "ln_1": "ln1",
+    "ln_2": "ln2",
+    "attn.c_attn": "attention.qkv",
+    "attn.c_proj": "attention.proj",
+    "mlp.c_fc": "mlp.fc1",
+    "mlp.c_proj": "mlp.fc2",
+}
 _CONV1D = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}
 
 
@@ -43,15 +57,18 @@ def read_model_tensors(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
     meta = read_meta(folder)
     check_files(folder)
     md = SafeFileSystemReader(folder).read_metadata()
-    sd = {key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
-          for key, item in md.state_dict_metadata.items() if key.startswith("model/") and hasattr(item, "size")}
+    sd = {
+        key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        for key, item in md.state_dict_metadata.items()
+        if key.startswith("model/") and hasattr(item, "size")
+    }
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
             dcp.load(sd, storage_reader=SafeFileSystemReader(folder), no_dist=True)
-    except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
+    except (Exception, CheckpointException) as err:
         raise CheckpointError(f"reading checkpoint {folder} failed: {_first_line(err)}") from err
-    return meta, {key[len("model/"):]: value for key, value in sd.items()}
+    return meta, {key[len("model/") :]: value for key, value in sd.items()}
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
@@ -116,9 +133,18 @@ def _write_hf(out: Path, hf: dict[str, torch.Tensor], config: dict, tokenizer: P
     if tokenizer.is_file():
         shutil.copyfile(tokenizer, out / "tokenizer.json")
         max_len = config.get("n_positions") or config.get("max_position_embeddings")
-        (out / "tokenizer_config.json").write_text(json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN,
-            "unk_token": EOS_TOKEN, "model_max_length": max_len}, indent=2))
+        (out / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "bos_token": EOS_TOKEN,
+                    "eos_token": EOS_TOKEN,
+                    "unk_token": EOS_TOKEN,
+                    "model_max_length": max_len,
+                },
+                indent=2,
+            )
+        )
         written += [out / "tokenizer.json", out / "tokenizer_config.json"]
     umask = os.umask(0)
     os.umask(umask)
@@ -130,18 +156,30 @@ def _write_hf(out: Path, hf: dict[str, torch.Tensor], config: dict, tokenizer: P
 def _gpt2_config(m: dict) -> dict:
     if m.get("activation", "gelu") not in ("gelu", "gelu_tanh"):
         raise CheckpointError(f"activation {m.get('activation')!r} has no GPT-2 equivalent")
-    options = {f: m.get(f, default) for f, default in MODEL_DEFAULTS.items() if f not in ("activation", "layernorm_epsilon")}
+    options = {
+        f: m.get(f, default) for f, default in MODEL_DEFAULTS.items() if f not in ("activation", "layernorm_epsilon")
+    }
     other = [f"{f}={value!r}" for f, value in options.items() if value != MODEL_DEFAULTS[f]]
     if other:
-        raise CheckpointError(f"the model has {', '.join(other)}: GPT-2 has LayerNorm, learned positions, a GELU MLP, "
-                              f"biases and multi-head attention")
+        raise CheckpointError(
+            f"the model has {', '.join(other)}: GPT-2 has LayerNorm, learned positions, a GELU MLP, "
+            f"biases and multi-head attention"
+        )
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": m["vocab_size"], "n_positions": m["seq_length"], "n_embd": m["hidden_size"],
-        "n_layer": m["num_layers"], "n_head": m["num_attention_heads"], "n_inner": m["ffn"],
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": m["vocab_size"],
+        "n_positions": m["seq_length"],
+        "n_embd": m["hidden_size"],
+        "n_layer": m["num_layers"],
+        "n_head": m["num_attention_heads"],
+        "n_inner": m["ffn"],
         "activation_function": "gelu_new" if m.get("activation") == "gelu_tanh" else "gelu",
-        "layer_norm_epsilon": m["layernorm_epsilon"], "initializer_range": m.get("init_method_std", 0.02),
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "layer_norm_epsilon": m["layernorm_epsilon"],
+        "initializer_range": m.get("init_method_std", 0.02),
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
         "tie_word_embeddings": not m["untie_embeddings_and_output_weights"],
     }
 
@@ -165,11 +203,18 @@ def model_config_from_hf(config: dict) -> ModelConfig:
     if config.get("scale_attn_weights") is False:
         raise CheckpointError("GPT-2 option scale_attn_weights=false is not supported")
     h = config["n_embd"]
-    return ModelConfig(num_layers=config["n_layer"], hidden_size=h, num_attention_heads=config["n_head"],
-                       ffn_hidden_size=config.get("n_inner") or 4 * h, seq_length=config["n_positions"],
-                       vocab_size=config["vocab_size"], layernorm_epsilon=config.get("layer_norm_epsilon", 1e-5),
-                       untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", True),
-                       activation=act, init_method_std=config.get("initializer_range", 0.02))
+    return ModelConfig(
+        num_layers=config["n_layer"],
+        hidden_size=h,
+        num_attention_heads=config["n_head"],
+        ffn_hidden_size=config.get("n_inner") or 4 * h,
+        seq_length=config["n_positions"],
+        vocab_size=config["vocab_size"],
+        layernorm_epsilon=config.get("layer_norm_epsilon", 1e-5),
+        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", True),
+        activation=act,
+        init_method_std=config.get("initializer_range", 0.02),
+    )
 
 
 def import_hf(hf_dir: str | Path, save_dir: str | Path) -> Path:
@@ -180,8 +225,9 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path) -> Path:
         raise CheckpointError(f"{root} exists and is not an empty folder; import into a new one")
     index = hf_dir / "model.safetensors.index.json"
     if not (hf_dir / "config.json").is_file() or not ((hf_dir / "model.safetensors").is_file() or index.is_file()):
-        raise CheckpointError(f"{hf_dir} is not a Hugging Face model folder (config.json + model.safetensors or its "
-                              "index)")
+        raise CheckpointError(
+            f"{hf_dir} is not a Hugging Face model folder (config.json + model.safetensors or its index)"
+        )
     config = json.loads((hf_dir / "config.json").read_text())
     m = model_config_from_hf(config)
     files = ["model.safetensors"]
@@ -196,8 +242,12 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path) -> Path:
 
 
 def _from_gpt2(m: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    sd = {"model/word_embeddings.weight": hf["wte.weight"], "model/position_embeddings": hf["wpe.weight"],
-          "model/final_norm.weight": hf["ln_f.weight"], "model/final_norm.bias": hf["ln_f.bias"]}
+    sd = {
+        "model/word_embeddings.weight": hf["wte.weight"],
+        "model/position_embeddings": hf["wpe.weight"],
+        "model/final_norm.weight": hf["ln_f.weight"],
+        "model/final_norm.bias": hf["ln_f.bias"],
+    }
     if m.untie_embeddings_and_output_weights:
         sd["model/output_layer.weight"] = hf["lm_head.weight"]
     for i in range(m.num_layers):
@@ -219,11 +269,20 @@ def _write_imported(root: Path, m: ModelConfig, sd: dict[str, torch.Tensor], hf_
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
-    _write_json(tmp / META, {
-        "format": FORMAT, "iteration": 0, "consumed_samples": 0, "model": dataclasses.asdict(m) | {"ffn": m.ffn},
-        "layout": {"imported_from": str(hf_dir)}, "world_size": 1, "optimizer_state": [],
-        "loss_scaler": None, "grad_compression": "none",
-    })
+    _write_json(
+        tmp / META,
+        {
+            "format": FORMAT,
+            "iteration": 0,
+            "consumed_samples": 0,
+            "model": dataclasses.asdict(m) | {"ffn": m.ffn},
+            "layout": {"imported_from": str(hf_dir)},
+            "world_size": 1,
+            "optimizer_state": [],
+            "loss_scaler": None,
+            "grad_compression": "none",
+        },
+    )
     os.replace(tmp, root / name)
     _write_text_atomic(root / "latest", name)
     return root / name

@@ -29,8 +29,14 @@ from ptdp.spec import ModelConfig
 #: what ptdp needs for a Llama export, besides any query groups, biases and tying
 LLAMA_OPTIONS = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope"}
 #: fields a Llama ``config.json`` must have (the others have Llama's defaults)
-REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
-            "max_position_embeddings")
+REQUIRED = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
 
 
 def is_gpt2_like(m: dict) -> bool:
@@ -40,22 +46,38 @@ def is_gpt2_like(m: dict) -> bool:
 
 def llama_config(m: dict, dtype: torch.dtype) -> dict:
     """``config.json`` of ``LlamaForCausalLM`` for the checkpoint metadata's ``model``."""
-    other = [f"{f}={m.get(f, MODEL_DEFAULTS[f])!r}" for f, need in LLAMA_OPTIONS.items()
-             if m.get(f, MODEL_DEFAULTS[f]) != need]
+    other = [
+        f"{f}={m.get(f, MODEL_DEFAULTS[f])!r}"
+        for f, need in LLAMA_OPTIONS.items()
+        if m.get(f, MODEL_DEFAULTS[f]) != need
+    ]
     if other:
-        raise CheckpointError(f"the model has {', '.join(other)}: neither GPT-2 (LayerNorm, learned positions, GELU "
-                              f"MLP, biases, multi-head attention) nor Llama (RMSNorm, --swiglu, rope) can express it")
+        raise CheckpointError(
+            f"the model has {', '.join(other)}: neither GPT-2 (LayerNorm, learned positions, GELU "
+            f"MLP, biases, multi-head attention) nor Llama (RMSNorm, --swiglu, rope) can express it"
+        )
     a, h = m["num_attention_heads"], m["hidden_size"]
     bias = bool(m.get("add_bias_linear", True))
     theta = float(m.get("rotary_base", 10000.0))
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": m["vocab_size"], "hidden_size": h, "intermediate_size": m["ffn"],
-        "num_hidden_layers": m["num_layers"], "num_attention_heads": a,
-        "num_key_value_heads": m.get("num_query_groups") or a, "head_dim": h // a,
-        "hidden_act": "silu", "max_position_embeddings": m["seq_length"], "rms_norm_eps": m["layernorm_epsilon"],
-        "rope_theta": theta, "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "attention_bias": bias, "mlp_bias": bias, "attention_dropout": 0.0,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": m["vocab_size"],
+        "hidden_size": h,
+        "intermediate_size": m["ffn"],
+        "num_hidden_layers": m["num_layers"],
+        "num_attention_heads": a,
+        "num_key_value_heads": m.get("num_query_groups") or a,
+        "head_dim": h // a,
+        "hidden_act": "silu",
+        "max_position_embeddings": m["seq_length"],
+        "rms_norm_eps": m["layernorm_epsilon"],
+        "rope_theta": theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "attention_bias": bias,
+        "mlp_bias": bias,
+        "attention_dropout": 0.0,
         "tie_word_embeddings": not m["untie_embeddings_and_output_weights"],
         "initializer_range": m.get("init_method_std", 0.02),
         "torch_dtype": str(dtype).removeprefix("torch."),
@@ -77,23 +99,30 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: int, groups:
     if groups is None:
         return torch.stack((q, k, v))
     tail, per = q.shape[1:], a // groups
-    fused = torch.cat((q.reshape(groups, per, d, *tail), k.reshape(groups, 1, d, *tail),
-                       v.reshape(groups, 1, d, *tail)), dim=1)
+    fused = torch.cat(
+        (q.reshape(groups, per, d, *tail), k.reshape(groups, 1, d, *tail), v.reshape(groups, 1, d, *tail)), dim=1
+    )
     return fused.reshape((a + 2 * groups) * d, *tail)
 
 
 def _layer_names(i: int) -> dict[str, str]:
     pre = f"model.layers.{i}."
-    return {"ln1": pre + "input_layernorm", "ln2": pre + "post_attention_layernorm",
-            "attention.proj": pre + "self_attn.o_proj", "mlp.fc2": pre + "mlp.down_proj"}
+    return {
+        "ln1": pre + "input_layernorm",
+        "ln2": pre + "post_attention_layernorm",
+        "attention.proj": pre + "self_attn.o_proj",
+        "mlp.fc2": pre + "mlp.down_proj",
+    }
 
 
 def to_llama(m: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """ptdp's stored model tensors -> ``LlamaForCausalLM``'s state dict."""
     a, groups, bias = m["num_attention_heads"], m.get("num_query_groups"), m.get("add_bias_linear", True)
     d = m["hidden_size"] // a
-    hf = {"model.embed_tokens.weight": tensors["word_embeddings.weight"],
-          "model.norm.weight": tensors["final_norm.weight"]}
+    hf = {
+        "model.embed_tokens.weight": tensors["word_embeddings.weight"],
+        "model.norm.weight": tensors["final_norm.weight"],
+    }
     if m["untie_embeddings_and_output_weights"]:
         hf["lm_head.weight"] = tensors["output_layer.weight"]
     for i in range(m["num_layers"]):
@@ -104,9 +133,13 @@ def to_llama(m: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         for kind in ("weight", "bias") if bias else ("weight",):
             q, k, v = _split_qkv(tensors[f"layers.{i}.attention.qkv.{kind}"], a, groups, d)
             gate, up = tensors[f"layers.{i}.mlp.fc1.{kind}"].unbind(0)
-            hf |= {f"{pre}self_attn.q_proj.{kind}": q, f"{pre}self_attn.k_proj.{kind}": k,
-                   f"{pre}self_attn.v_proj.{kind}": v, f"{pre}mlp.gate_proj.{kind}": gate,
-                   f"{pre}mlp.up_proj.{kind}": up}
+            hf |= {
+                f"{pre}self_attn.q_proj.{kind}": q,
+                f"{pre}self_attn.k_proj.{kind}": k,
+                f"{pre}self_attn.v_proj.{kind}": v,
+                f"{pre}mlp.gate_proj.{kind}": gate,
+                f"{pre}mlp.up_proj.{kind}": up,
+            }
     return hf
 
 
@@ -134,18 +167,28 @@ def model_config_from_llama(config: dict) -> ModelConfig:
         problems.append(f"rope_parameters.partial_rotary_factor={rope['partial_rotary_factor']!r}")
     attention_bias, mlp_bias = bool(config.get("attention_bias", False)), bool(config.get("mlp_bias", False))
     if attention_bias != mlp_bias:
-        problems.append(f"attention_bias={attention_bias} with mlp_bias={mlp_bias} (ptdp's --disable-bias-linear "
-                        "sets both)")
+        problems.append(
+            f"attention_bias={attention_bias} with mlp_bias={mlp_bias} (ptdp's --disable-bias-linear sets both)"
+        )
     if problems:
         raise CheckpointError("this Llama cannot be expressed in ptdp: " + "; ".join(problems))
-    return ModelConfig(num_layers=config["num_hidden_layers"], hidden_size=h, num_attention_heads=a,
-                       ffn_hidden_size=config["intermediate_size"], seq_length=config["max_position_embeddings"],
-                       vocab_size=config["vocab_size"], layernorm_epsilon=config.get("rms_norm_eps", 1e-6),
-                       untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
-                       init_method_std=config.get("initializer_range", 0.02), normalization="RMSNorm", swiglu=True,
-                       position_embedding_type="rope",
-                       rotary_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-                       num_query_groups=None if kv == a else kv, add_bias_linear=attention_bias)
+    return ModelConfig(
+        num_layers=config["num_hidden_layers"],
+        hidden_size=h,
+        num_attention_heads=a,
+        ffn_hidden_size=config["intermediate_size"],
+        seq_length=config["max_position_embeddings"],
+        vocab_size=config["vocab_size"],
+        layernorm_epsilon=config.get("rms_norm_eps", 1e-6),
+        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+        init_method_std=config.get("initializer_range", 0.02),
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        rotary_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        num_query_groups=None if kv == a else kv,
+        add_bias_linear=attention_bias,
+    )
 
 
 def _inputs(kind: str, width: int) -> tuple[int, ...]:
@@ -169,8 +212,10 @@ def from_llama(m: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.T
         unused.discard(name)
         return hf[name]
 
-    sd = {"word_embeddings.weight": take("model.embed_tokens.weight", v, h),
-          "final_norm.weight": take("model.norm.weight", h)}
+    sd = {
+        "word_embeddings.weight": take("model.embed_tokens.weight", v, h),
+        "final_norm.weight": take("model.norm.weight", h),
+    }
     if m.untie_embeddings_and_output_weights:
         sd["output_layer.weight"] = take("lm_head.weight", v, h)
     else:

@@ -38,24 +38,33 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from concurrent.futures import Future
 import os
 import random
 import shutil
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import cast
 
 import numpy as np
 import torch
 
-from ptdp.run.checkpoint.folders import FORMAT, META, CheckpointError, _first_line, _open, complete_checkpoints, residual_note
-from ptdp.run.checkpoint.optim_state import MOMENTS, gather_local_state, load_local_state, state_kinds, step_count
-from ptdp.run.checkpoint.tensors import stored_form, to_checkpoint_value
 from ptdp.engine.comm import all_gather_object, barrier
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.chunks import global_named_parameters
 from ptdp.engine.tensor_parallel.sharding import spec_of
+from ptdp.run.checkpoint.folders import (
+    FORMAT,
+    META,
+    CheckpointError,
+    _first_line,
+    _open,
+    complete_checkpoints,
+    residual_note,
+)
+from ptdp.run.checkpoint.optim_state import MOMENTS, gather_local_state, load_local_state, state_kinds, step_count
+from ptdp.run.checkpoint.tensors import stored_form, to_checkpoint_value
+
 
 @contextlib.contextmanager
 def _quiet():
@@ -74,16 +83,23 @@ def _barrier(stage) -> None:
 def _layout_key(stage) -> dict:
     p = stage.config.parallel
     split = p.layer_split(stage.config.model.num_layers)  # the first/last stage counts as the split they give
-    key = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": stage.virtual_stages,
-           "ddp_bucket_size": p.ddp_bucket_size, "use_distributed_optimizer": p.use_distributed_optimizer,
-           "pipeline_layer_split": list(split) if split else None}
+    key = {
+        "tp": p.tp,
+        "pp": p.pp,
+        "dp": p.dp,
+        "virtual_stages": stage.virtual_stages,
+        "ddp_bucket_size": p.ddp_bucket_size,
+        "use_distributed_optimizer": p.use_distributed_optimizer,
+        "pipeline_layer_split": list(split) if split else None,
+    }
     if p.cp > 1:  # absent at cp = 1, as in checkpoints written before context parallelism
         key["cp"] = p.cp
     return key
 
 
-def _state_dict(stage, tensors: dict[int, dict[str, torch.Tensor]], model_values: dict[int, torch.Tensor],
-                kinds: tuple[str, ...]) -> dict:
+def _state_dict(
+    stage, tensors: dict[int, dict[str, torch.Tensor]], model_values: dict[int, torch.Tensor], kinds: tuple[str, ...]
+) -> dict:
     """DCP state dict: every entry in stored form (ShardedTensor over tp where split)."""
     g = stage.groups
     sd = {}
@@ -97,17 +113,35 @@ def _state_dict(stage, tensors: dict[int, dict[str, torch.Tensor]], model_values
     return sd
 
 
-def save_checkpoint(stage, root: str | Path, iteration: int, *, consumed_samples: int,
-                    keep_last: int | None = None, files: dict[str, Path] | None = None, group=None) -> Path:
+def save_checkpoint(
+    stage,
+    root: str | Path,
+    iteration: int,
+    *,
+    consumed_samples: int,
+    keep_last: int | None = None,
+    files: dict[str, Path] | None = None,
+    group=None,
+) -> Path:
     """Save the whole training state after ``iteration`` steps into ``root/iter_<iteration>``
     (collective over the world) and return the folder: :func:`start_save` and
     :meth:`PendingSave.finish` at once."""
-    return start_save(stage, root, iteration, consumed_samples=consumed_samples, keep_last=keep_last,
-                      files=files, group=group).finish()
+    return start_save(
+        stage, root, iteration, consumed_samples=consumed_samples, keep_last=keep_last, files=files, group=group
+    ).finish()
 
 
-def start_save(stage, root: str | Path, iteration: int, *, consumed_samples: int, keep_last: int | None = None,
-               files: dict[str, Path] | None = None, group=None, async_save: bool = False) -> PendingSave:
+def start_save(
+    stage,
+    root: str | Path,
+    iteration: int,
+    *,
+    consumed_samples: int,
+    keep_last: int | None = None,
+    files: dict[str, Path] | None = None,
+    group=None,
+    async_save: bool = False,
+) -> PendingSave:
     """Begin saving the training state after ``iteration`` steps into ``root/iter_<iteration>``
     (collective over the world). ``group``: the process group of DCP's collectives (a gloo group
     of the whole world; None: the world group, or none for one process). ``async_save``: DCP
@@ -184,7 +218,7 @@ class PendingSave:
             try:
                 with _quiet():
                     self.future.result()
-            except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
+            except (Exception, CheckpointException) as err:
                 raise CheckpointError(f"writing checkpoint {self.final} failed: {_first_line(err)}") from err
             self.future = None
         barrier(self.groups.world)
@@ -217,8 +251,10 @@ def _refuse_non_finite(stage, iteration: int, named, tensors: dict[int, dict[str
     found = [(rank, what) for rank, what in enumerate(all_gather_object(bad, stage.groups.world)) if what]
     if found:
         more = f" (and on {len(found) - 1} more rank(s))" if len(found) > 1 else ""
-        raise CheckpointError(f"refusing to save the checkpoint of iteration {iteration}: {found[0][1]} holds "
-                              f"nan/inf values on rank {found[0][0]}{more}; nothing was written")
+        raise CheckpointError(
+            f"refusing to save the checkpoint of iteration {iteration}: {found[0][1]} holds "
+            f"nan/inf values on rank {found[0][0]}{more}; nothing was written"
+        )
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> list[bool]:
@@ -238,9 +274,12 @@ def _meta(stage, iteration: int, consumed_samples: int, kinds) -> dict:
     m = stage.config.model
     scaler = stage.scaler
     return {
-        "format": FORMAT, "iteration": iteration, "consumed_samples": consumed_samples,
+        "format": FORMAT,
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
         "model": dataclasses.asdict(m) | {"ffn": m.ffn},
-        "layout": _layout_key(stage), "world_size": stage.groups.world.size,
+        "layout": _layout_key(stage),
+        "world_size": stage.groups.world.size,
         "optimizer_state": list(kinds),
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
         "grad_compression": stage.config.parallel.grad_compression,
@@ -266,8 +305,11 @@ def _write_text_atomic(path: Path, text: str) -> None:
 
 def _rng_state(stage) -> dict:
     np_state = cast(tuple, np.random.get_state(legacy=True))  # legacy=True: the tuple, never the dict
-    state = {"python": _to_json(random.getstate()), "torch": torch.get_rng_state().tolist(),
-             "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    state = {
+        "python": _to_json(random.getstate()),
+        "torch": torch.get_rng_state().tolist(),
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+    }
     if stage.dropout_rng is not None:
         state["dropout"] = stage.dropout_rng.state_dict()
     return state
@@ -289,8 +331,7 @@ def _set_rng_state(state: dict) -> None:
 
 
 @torch.no_grad()
-def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, load_rng: bool = True,
-                    group=None) -> dict:
+def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, load_rng: bool = True, group=None) -> dict:
     """Load a checkpoint saved at any layout into ``stage`` (collective over the world): parameters,
     Adam state and step, loss scale, and, at the same layout, the 1-bit residual and RNG states.
     Returns the checkpoint's metadata (``iteration``, ``consumed_samples``, ...). ``group``: the
@@ -304,15 +345,16 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
     g = stage.groups
     stage.wait_for_params()
     params = [p for _, p in global_named_parameters(stage.model)]
-    wide = {id(p): torch.zeros_like(p, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
-            for p in params}
+    wide = {
+        id(p): torch.zeros_like(p, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32) for p in params
+    }
     saved_kinds = tuple(meta.get("optimizer_state", ())) if load_optimizer else ()
     tensors = {id(p): {k: torch.zeros_like(wide[id(p)]) for k in saved_kinds} for p in params}
     sd = _state_dict(stage, tensors, wide, saved_kinds)
     sd["optim/step"] = torch.zeros((), dtype=torch.int64)
     same_layout = meta["layout"] == _layout_key(stage) and meta["world_size"] == g.world.size
     residual = stage.grads.residual
-    restore_residual = (residual is not None and same_layout and meta.get("grad_compression") == "1bit")
+    restore_residual = residual is not None and same_layout and meta.get("grad_compression") == "1bit"
     if restore_residual:
         sd[f"residual/rank{g.global_rank}"] = residual
     import torch.distributed.checkpoint as dcp
@@ -322,9 +364,12 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
 
     try:
         with _quiet():
-            dcp.load(sd, storage_reader=SafeFileSystemReader(folder),
-                     process_group=group if group is not None else g.world.group if g.world.size > 1 else None)
-    except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
+            dcp.load(
+                sd,
+                storage_reader=SafeFileSystemReader(folder),
+                process_group=group if group is not None else g.world.group if g.world.size > 1 else None,
+            )
+    except (Exception, CheckpointException) as err:
         raise CheckpointError(f"loading checkpoint {folder} failed: {_first_line(err)}") from err
     for p in params:  # 16-bit runs saved float32 main parameters: the exact values
         p.copy_(tensors[id(p)].get("main", wide[id(p)]))
@@ -348,7 +393,8 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
             stage.dropout_rng.load_state_dict(rng_state["dropout"])
         else:
             stage.dropout_rng.reseed(meta["iteration"])
-    meta["restored"] = {"optimizer": load_optimizer, "residual": restore_residual,
-                        "rng": load_rng and same_layout}
-    meta["residual_note"] = residual_note(meta, _layout_key(stage), g.world.size, stage.config.parallel.grad_compression)
+    meta["restored"] = {"optimizer": load_optimizer, "residual": restore_residual, "rng": load_rng and same_layout}
+    meta["residual_note"] = residual_note(
+        meta, _layout_key(stage), g.world.size, stage.config.parallel.grad_compression
+    )
     return meta

@@ -26,7 +26,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 def state_kinds(optimizer) -> tuple[str, ...]:
     """Per-parameter tensors this optimizer checkpoints."""
     low_precision = isinstance(optimizer, MainParamsAdamW) or (
-        isinstance(optimizer, ShardedAdamW) and bool(optimizer.pairs))
+        isinstance(optimizer, ShardedAdamW) and bool(optimizer.pairs)
+    )
     return MOMENTS + (("main",) if low_precision else ())
 
 
@@ -85,9 +86,9 @@ def _gather_sharded(optimizer: ShardedAdamW, params, kinds, dp) -> dict[int, dic
         for seg, main in segments.get(id(p), ()):
             for k in MOMENTS:
                 if main in state and k in state[main]:
-                    entry[k][seg.lo: seg.hi] = state[main][k]
+                    entry[k][seg.lo : seg.hi] = state[main][k]
             if "main" in kinds:
-                entry["main"][seg.lo: seg.hi] = main.detach()
+                entry["main"][seg.lo : seg.hi] = main.detach()
         for k in kinds:
             all_reduce(entry[k], dp, tag="checkpoint")
         out[id(p)] = {k: t.view(p.shape).to("cpu") for k, t in entry.items()}
@@ -95,8 +96,9 @@ def _gather_sharded(optimizer: ShardedAdamW, params, kinds, dp) -> dict[int, dic
 
 
 @torch.no_grad()
-def load_local_state(optimizer, params: list[nn.Parameter], tensors: dict[int, dict[str, torch.Tensor]],
-                     step: int) -> None:
+def load_local_state(
+    optimizer, params: list[nn.Parameter], tensors: dict[int, dict[str, torch.Tensor]], step: int
+) -> None:
     """Put loaded per-parameter tensors (local shapes) into ``optimizer``; ``step`` is Adam's count.
     A ``main`` entry also becomes the 16-bit parameter's float32 main copy."""
     if isinstance(optimizer, ShardedAdamW):
@@ -105,8 +107,8 @@ def load_local_state(optimizer, params: list[nn.Parameter], tensors: dict[int, d
         for seg, main in optimizer.segment_mains:
             entry = tensors[id(seg.param)]
             if "main" in entry:
-                main.copy_(entry["main"].reshape(-1)[seg.lo: seg.hi])
-            _set_state(optimizer.inner, main, {k: entry[k].reshape(-1)[seg.lo: seg.hi] for k in MOMENTS}, step)
+                main.copy_(entry["main"].reshape(-1)[seg.lo : seg.hi])
+            _set_state(optimizer.inner, main, {k: entry[k].reshape(-1)[seg.lo : seg.hi] for k in MOMENTS}, step)
         return
     inner, to_key = _inner_and_map(optimizer)
     for p in params:
@@ -121,5 +123,7 @@ def _set_state(inner: torch.optim.Optimizer, key: torch.Tensor, moments: dict[st
         inner.state.pop(key, None)
         return
     # on the parameter's device: fused AdamW keeps (and needs) its step count there
-    inner.state[key] = {"step": torch.tensor(float(step), dtype=torch.float32, device=key.device),
-                        **{k: v.to(key.dtype).clone().view_as(key) for k, v in moments.items()}}
+    inner.state[key] = {
+        "step": torch.tensor(float(step), dtype=torch.float32, device=key.device),
+        **{k: v.to(key.dtype).clone().view_as(key) for k, v in moments.items()},
+    }

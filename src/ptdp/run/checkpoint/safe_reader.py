@@ -17,8 +17,15 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 
 _DCP_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
-        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+        "Metadata",
+        "MetadataIndex",
+        "ChunkStorageMetadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},

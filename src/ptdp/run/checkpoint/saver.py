@@ -35,8 +35,7 @@ def checkpoint_group(groups, timeout: datetime.timedelta | None = None):
         return None
     if timeout is None and world.timeout_s is not None:
         timeout = datetime.timedelta(seconds=world.timeout_s)
-    return dist.new_group(ranks=list(range(world.size)), timeout=timeout, backend="gloo",
-                          group_desc="ptdp_checkpoint")
+    return dist.new_group(ranks=list(range(world.size)), timeout=timeout, backend="gloo", group_desc="ptdp_checkpoint")
 
 
 class Checkpointer:
@@ -45,14 +44,25 @@ class Checkpointer:
     def __init__(self, groups, *, async_save: bool = False) -> None:
         self.group = checkpoint_group(groups)
         w = groups.world
-        self.axis = AxisGroup("checkpoint", w.ranks, w.rank, self.group, w.stats, w.timeout_s) \
-            if self.group is not None else None
+        self.axis = (
+            AxisGroup("checkpoint", w.ranks, w.rank, self.group, w.stats, w.timeout_s)
+            if self.group is not None
+            else None
+        )
         """The checkpoint group as an axis, for :meth:`poll`'s flag (None: a process on its own)."""
         self.async_save = async_save
         self.pending: PendingSave | None = None
 
-    def save(self, stage, root: str | Path, iteration: int, *, consumed_samples: int, keep_last: int | None = None,
-             files: dict[str, Path] | None = None) -> tuple[Path, Path | None]:
+    def save(
+        self,
+        stage,
+        root: str | Path,
+        iteration: int,
+        *,
+        consumed_samples: int,
+        keep_last: int | None = None,
+        files: dict[str, Path] | None = None,
+    ) -> tuple[Path, Path | None]:
         """Save after ``iteration`` steps (collective over the world); returns (this save's
         folder, the folder of an earlier save completed first or None). Without ``async_save``
         the folder is complete on return; with it, at the next :meth:`save` or :meth:`wait`.
@@ -62,8 +72,16 @@ class Checkpointer:
                 write that failed.
         """
         earlier = self.wait()
-        pending = start_save(stage, root, iteration, consumed_samples=consumed_samples, keep_last=keep_last,
-                             files=files, group=self.group, async_save=self.async_save)
+        pending = start_save(
+            stage,
+            root,
+            iteration,
+            consumed_samples=consumed_samples,
+            keep_last=keep_last,
+            files=files,
+            group=self.group,
+            async_save=self.async_save,
+        )
         if not self.async_save:
             return pending.finish(), earlier
         self.pending = pending

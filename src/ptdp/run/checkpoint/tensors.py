@@ -53,8 +53,8 @@ def stored_form(local: torch.Tensor, spec: ParamSpec, tp_rank: int, tp_size: int
     dim, groups = spec.tp_dim, spec.tp_groups
     local_shape = list(local.shape)
     if groups > 1:  # [.., n, ..] -> [.., groups, n / groups, ..]
-        view = local.view(local_shape[:dim] + [groups, local_shape[dim] // groups] + local_shape[dim + 1:])
-        shape = shape[:dim] + [groups, shape[dim] // groups] + shape[dim + 1:]
+        view = local.view(local_shape[:dim] + [groups, local_shape[dim] // groups] + local_shape[dim + 1 :])
+        shape = shape[:dim] + [groups, shape[dim] // groups] + shape[dim + 1 :]
         offsets = [0] * len(shape)
         offsets[dim + 1] = tp_rank * view.shape[dim + 1]
         return StoredForm(tuple(shape), tuple(offsets), view, tp_size > 1)
@@ -79,8 +79,11 @@ def to_checkpoint_value(form: StoredForm, tp: AxisGroup, global_rank: int):
         return form.local
     shards = []
     if form.local.numel() > 0:
-        md = ShardMetadata(list(form.offsets), list(form.local.shape), f"rank:{global_rank}/cpu"
-                           if form.local.device.type == "cpu" else f"rank:{global_rank}/{form.local.device}")
+        md = ShardMetadata(
+            list(form.offsets),
+            list(form.local.shape),
+            f"rank:{global_rank}/cpu" if form.local.device.type == "cpu" else f"rank:{global_rank}/{form.local.device}",
+        )
         shards.append(Shard(form.local, md))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
