@@ -3,6 +3,7 @@ models, and the learning-rate schedule."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -12,15 +13,32 @@ from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.spec import TrainConfig
 
 
+class AdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` whose parameter-group setup and step run torch's own code without its
+    ``torch._dynamo`` wrappers: torch decorates them so that a compiled optimizer breaks its graph
+    there, and those decorators import ``torch._dynamo`` on first use, about 1.8 s of CPU in every
+    process (more than ``import torch`` itself on a small CPU). ptdp never compiles the optimizer,
+    so the step runs torch's undecorated ``AdamW.step`` under ``torch.no_grad()`` (what the
+    decorator does outside compilation for a non-differentiable optimizer). The state, the state
+    dict and the arithmetic are torch's."""
+
+    def add_param_group(self, param_group: dict) -> None:
+        inspect.unwrap(torch.optim.Optimizer.add_param_group)(self, param_group)
+
+    def step(self, closure=None):  # the profiler hook wraps it as torch's
+        with torch.no_grad():
+            return inspect.unwrap(torch.optim.AdamW.step)(self, closure)
+
+
 def adamw(groups: list[dict], **adam_kwargs) -> torch.optim.AdamW:
-    """``torch.optim.AdamW`` with ``fused=True`` (one multi-tensor kernel per device and dtype, the
+    """:class:`AdamW` with ``fused=True`` (one multi-tensor kernel per device and dtype, the
     step count kept on the device, the update skippable on the device: :func:`step_unless`)
     where torch has the fused kernel for the parameters' device and dtype (torch 2.13: CUDA,
     CPU, XPU, MPS; floating-point parameters); the default (foreach) implementation otherwise."""
     try:
-        return torch.optim.AdamW(groups, fused=True, **adam_kwargs)
+        return AdamW(groups, fused=True, **adam_kwargs)
     except RuntimeError:  # "`fused=True` requires all the params to be floating point Tensors of supported devices"
-        return torch.optim.AdamW(groups, **adam_kwargs)
+        return AdamW(groups, **adam_kwargs)
 
 
 def step_unless(optimizer: torch.optim.Optimizer | None, skip: torch.Tensor | None) -> None:
