@@ -73,11 +73,10 @@ class PlanResult:
 
     def to_json(self, top: int = 10) -> list[dict]:
         """The records of ``ptdp plan --json``: the ``top`` fitting plans, then a few rejected ones."""
-        from ptdp.planner.report import representatives
+        from ptdp.planner.report import json_records
         from ptdp.planner.search import SearchResult
 
-        result = SearchResult(self.plans, self.rejected, self.notes)
-        return [p.to_json() for p in self.plans[:top] + representatives(result)]
+        return json_records(SearchResult(self.plans, self.rejected, self.notes), top=top)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -158,11 +158,15 @@ def rejection_summary(result: SearchResult, per_rule: int = 3) -> list[str]:
     return lines
 
 
-def json_report(result: SearchResult, *, top: int = 10) -> str:
-    """The plans of :func:`text_report` as a JSON list: the top fitting plans, then a few rejected
+def json_records(result: SearchResult, *, top: int = 10) -> list[dict]:
+    """The plans of :func:`text_report` as records: the top fitting plans, then a few rejected
     ones per rule (``fits`` false, ``reasons`` saying why)."""
-    plans = result.plans[:top] + representatives(result)
-    return json.dumps([p.to_json() for p in plans], indent=2)
+    return [p.to_json() for p in result.plans[:top] + representatives(result)]
+
+
+def json_report(result: SearchResult, *, top: int = 10) -> str:
+    """:func:`json_records` as a JSON list (``ptdp plan --json``)."""
+    return json.dumps(json_records(result, top=top), indent=2)
 
 
 ABBREVIATIONS = (
