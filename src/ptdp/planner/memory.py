@@ -41,6 +41,7 @@ SCHEDULES = ("1f1b", "gpipe")
 # --------------------------------------------------------------------------------------------
 # Parameters
 # --------------------------------------------------------------------------------------------
+@lru_cache(maxsize=4096)
 def layer_param_count(model: ModelSpec, tp: int) -> int:
     """Parameters of one transformer layer on one tp rank.
 
@@ -151,6 +152,7 @@ def activation_value_bytes(precision: str) -> tuple[int, int]:
     raise ValueError(f"precision={precision!r} must be one of bf16, fp16, fp8, fp32")
 
 
+@lru_cache(maxsize=65536)
 def layer_activation_bytes(
     model: ModelSpec,
     tp: int,
@@ -399,6 +401,54 @@ def rank_activation_bytes(
 # --------------------------------------------------------------------------------------------
 # The most loaded GPU
 # --------------------------------------------------------------------------------------------
+@lru_cache(maxsize=4096)
+def mean_stage_params(model: ModelSpec, tp: int, pp: int, divisible_by: int = 128) -> float:
+    """Mean parameters per pipeline stage on one tp rank, the same for every split of the layers
+    (their sum is; the tied embedding's copy counted with pp > 1): a lower bound of the most
+    loaded stage's, whatever the split. ``pp > num_layers``: 0 (no split exists)."""
+    layers, rest = divmod(model.num_layers, pp)
+    if layers == 0:
+        return 0.0
+    split = tuple(layers + (rank < rest) for rank in range(pp))
+    counts = stage_param_counts(model, tp, pp, make_vocab_size_divisible_by=divisible_by, layer_split=split)
+    return sum(counts) / pp
+
+
+_ACTIVATIONS: dict[tuple, float] = {}
+
+
+def _rank_activations(model: ModelSpec, layout: Layout, rank: int, n_layers: int, schedule: str, div: int) -> float:
+    """:func:`rank_activation_bytes`, memoised on every field of ``layout`` that activations depend
+    on (not the sharding strategy: a search predicts the same layout under several)."""
+    key = (
+        model,
+        layout.tp,
+        layout.cp,
+        layout.pp,
+        layout.dp,
+        layout.micro_batch_size,
+        layout.global_batch_size,
+        layout.virtual_stages,
+        layout.recompute,
+        layout.sequence_parallel,
+        layout.precision,
+        layout.layer_split,
+        layout.cp_comm_type,
+        rank,
+        n_layers,
+        schedule,
+        div,
+    )
+    act = _ACTIVATIONS.get(key)
+    if act is None:
+        if len(_ACTIVATIONS) >= 65536:
+            _ACTIVATIONS.clear()
+        act = _ACTIVATIONS[key] = rank_activation_bytes(
+            model, layout, rank, n_layers, schedule=schedule, make_vocab_size_divisible_by=div
+        )
+    return act
+
+
 @lru_cache(maxsize=65536)
 def _even_stage_params(model: ModelSpec, tp: int, pp: int, divisible_by: int) -> tuple[int, int, int]:
     """(first, last, layers-per-stage) params for an even split; cached per (model, tp, pp)."""
@@ -460,11 +510,8 @@ def memory_breakdown(
     per_param = strategy_bytes_per_param(layout.precision, layout.sharding_strategy, layout.shard_size)
     per_param_total = sum(per_param)
     transients = layout.shard_size > 1 and layout.sharding_strategy in ("optim_grads", "optim_grads_params")
-    activation_bytes = rank_activation_bytes if layout.cp > 1 else stage_activation_bytes
     for rank, n_params, n_layers in candidates:
-        act = activation_bytes(
-            model, layout, rank, n_layers, schedule=schedule, make_vocab_size_divisible_by=make_vocab_size_divisible_by
-        )
+        act = _rank_activations(model, layout, rank, n_layers, schedule, make_vocab_size_divisible_by)
         fp8_copies = fp8_weight_copy_bytes(model, layout.tp, n_layers, layout.precision)
         state = sum(rank_state_bytes(model, layout, n_params, n_layers)) if transients else n_params * per_param_total
         rows.append((state + fp8_copies + act, rank, n_params, n_layers, act, fp8_copies))

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from ptdp.planner.context import CP_MIN_LOCAL_TOKENS, CP_MIN_SEQ_LENGTH
 from ptdp.planner.hardware import TFLOPS, Cluster, GiB
-from ptdp.planner.memory import memory_breakdown
+from ptdp.planner.memory import DEFAULT_OVERHEAD_BYTES, mean_stage_params, memory_breakdown
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.perf import DEFAULT_CONSTANTS, edge_layer_equivalents, evaluate_performance
 from ptdp.planner.plan import RECOMPUTE, SHARDING, Layout, Plan
@@ -224,6 +224,9 @@ def _predict_split(model, layout, cluster, constants, overhead, search_split: bo
     no shorter."""
     if not search_split:
         return _predict(model, layout, cluster, constants, overhead)
+    if _no_split_fits(model, layout, cluster, overhead):  # the even (or first) split stands for all
+        split = next(iter(candidate_splits(model.num_layers, layout.pp, 0.0, 0.0)), None)
+        return _predict(model, dataclasses.replace(layout, layer_split=split), cluster, constants, overhead)
     first, last = edge_layer_equivalents(model, layout, cluster, constants)
     load = lambda s: max(s[0] + first, s[-1] + last, *s[1:-1])  # noqa: E731 - busiest stage, in layers
     best, even_load = None, None
@@ -245,6 +248,15 @@ def _predict_split(model, layout, cluster, constants, overhead, search_split: bo
         )
         return Plan(layout, False, reasons=[message]), Rejection("layers % pp", message)
     return best[1], best[2]
+
+
+def _no_split_fits(model, layout: Layout, cluster, overhead) -> bool:
+    """True when no split of the layers can fit: the mean stage's state bytes (a lower bound of the
+    most loaded stage's, :func:`~ptdp.planner.memory.mean_stage_params`; transients, activations
+    and FP8 copies left out) and the overhead already exceed the GPU."""
+    per_param = sum(strategy_bytes_per_param(layout.precision, layout.sharding_strategy, layout.shard_size))
+    floor = mean_stage_params(model, layout.tp, layout.pp) * per_param
+    return floor + (DEFAULT_OVERHEAD_BYTES if overhead is None else overhead) > cluster.gpu.memory_bytes
 
 
 def _micro_batches(big_b: int, dp: int, fixed: int | None) -> list[int]:
