@@ -94,6 +94,25 @@ def test_bad_jsonl_raises_with_line(tmp_path):
         list(iter_documents([bad]))
 
 
+@pytest.mark.parametrize(
+    ("line", "said"),
+    [
+        ('{"text": 5}', "got 'text' holding a JSON number (5)"),
+        ('{"text": null}', "got 'text' holding a JSON null"),
+        ('{"text": ["a"]}', "got 'text' holding a JSON array"),
+        ("[1, 2]", "got a JSON array"),
+        ('"just a string"', "got a JSON string"),
+        ('{"body": "x"}', "got an object without it (keys ['body'])"),
+    ],
+)
+def test_bad_jsonl_record_says_what_it_holds(tmp_path, line, said):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(line + "\n")
+    with pytest.raises(DataError) as info:
+        list(iter_documents([bad]))
+    assert said in str(info.value)
+
+
 def test_fingerprint_tracks_files(tmp_path):
     root = _tree(tmp_path / "corpus")
     fp = corpus_fingerprint([root])

@@ -204,6 +204,21 @@ def _read_text(path: Path) -> tuple[str | None, str]:
         return None, f"not valid UTF-8 ({err})"
 
 
+def _json_type(value: object) -> str:
+    """JSON's name for the type of a decoded ``value``."""
+    names = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _describe_record(record: object, text_key: str) -> str:
+    """What a JSON Lines record holds instead of a string ``text_key`` field, for an error message."""
+    if not isinstance(record, dict):
+        return f"a JSON {_json_type(record)}"
+    if text_key in record:
+        return f"{text_key!r} holding a JSON {_json_type(record[text_key])} ({json.dumps(record[text_key])[:40]})"
+    return f"an object without it (keys {sorted(record)[:8]})"
+
+
 def _jsonl_documents(path: Path, doc_id: str, text: str, text_key: str = "text") -> Iterator[Document]:
     # JSON Lines separates records by "\n" only; str.splitlines would also split inside strings
     # holding U+2028, U+2029 or U+0085, which json.dumps(ensure_ascii=False) writes unescaped.
@@ -217,9 +232,7 @@ def _jsonl_documents(path: Path, doc_id: str, text: str, text_key: str = "text")
         if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
             raise DataError(
                 f"{str(path)!r} line {lineno}: expected a JSON object with a string {text_key!r} field "
-                f"(--data-text-key), "
-                f"got {type(record).__name__}"
-                + (f" with keys {sorted(record)[:8]}" if isinstance(record, dict) else "")
+                f"(--data-text-key), got {_describe_record(record, text_key)}"
             )
         if record[text_key].strip():
             yield Document(f"{doc_id}:{lineno}", record[text_key])
