@@ -267,6 +267,34 @@ def test_load_of_no_checkpoint_is_refused_before_the_data_are_prepared(
     assert (snapshot(path) if path.exists() else {}) == before
 
 
+def test_load_of_another_models_checkpoint_is_refused_before_the_data_are_prepared(
+    tmp_path, capsys, flat_corpus, launched, checkpoint
+):
+    """A wrong shape costs no tokenization: every shape field but the vocabulary (known only once
+    the data are prepared) is compared with the checkpoint's before."""
+    fresh = tmp_path / "fresh-cache"
+    code = cli.main(
+        [
+            "train",
+            *TINY,
+            "--hidden-size",
+            "48",
+            "--data",
+            str(flat_corpus),
+            "--data-cache-dir",
+            str(fresh),
+            "--load",
+            str(checkpoint),
+            "--output-dir",
+            str(tmp_path / "run"),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and not launched and "Traceback" not in err
+    assert "is for a different model: hidden_size=32 in the checkpoint, 48 here" in err
+    assert not fresh.exists(), "checked before the data are prepared"
+
+
 def test_existing_run_directory_is_refused_unless_overwrite_or_continued(
     tmp_path, capsys, flat_corpus, launched, checkpoint
 ):

@@ -33,14 +33,15 @@ def prepare(config: Config, log=print) -> PreparedData:
         DataError: unusable data, or too little of it for one global batch of training samples or
             one validation sequence (checked here, before any worker starts).
         CheckpointError: ``--load`` names no usable checkpoint for this model (whether it is a
-            checkpoint at all is checked before the data are prepared); ``--save`` holds
+            checkpoint at all, and for this model but its vocabulary, is checked before the data
+            are prepared); ``--save`` holds
             checkpoints that ``--load`` does not resume from.
     """
     ck = config.checkpoint
     if ck.load:
-        from ptdp.run.checkpoint.folders import read_meta, resolve_checkpoint
+        from ptdp.run.checkpoint.folders import check_model_shape
 
-        loaded = read_meta(resolve_checkpoint(ck.load))
+        loaded = check_model_shape(ck.load, config)
     if ck.save:
         from ptdp.run.checkpoint.folders import check_save_dir
 

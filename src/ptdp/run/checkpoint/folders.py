@@ -182,13 +182,24 @@ def check_save_dir(path: str | Path) -> None:
         raise CheckpointError(f"cannot use {path} as checkpoint folder (--save): {problem}")
 
 
-def _check_model(meta: dict, config: Config, folder: Path) -> None:
+def check_model_shape(path: str | Path, config: Config) -> dict:
+    """The checkpoint ``--load`` names must be for ``config``'s model in every shape field but the
+    vocabulary (known only once the data are prepared: :func:`precheck` checks it then); run
+    before the data are prepared so that a wrong model costs no tokenization. Returns the
+    metadata; raises :class:`CheckpointError`."""
+    folder = resolve_checkpoint(path)
+    meta = read_meta(folder)
+    _check_model(meta, config, folder, skip=("vocab_size",))
+    return meta
+
+
+def _check_model(meta: dict, config: Config, folder: Path, skip: tuple[str, ...] = ()) -> None:
     m = config.model
     diffs = [
         f"{f}={meta['model'].get(f, MODEL_DEFAULTS.get(f))!r} in the checkpoint, {getattr(m, f)!r} here"
         + (f" (set {_FLAGS[f]})" if f in _FLAGS else "")
         for f in SHAPE_FIELDS
-        if meta["model"].get(f, MODEL_DEFAULTS.get(f)) != getattr(m, f)
+        if f not in skip and meta["model"].get(f, MODEL_DEFAULTS.get(f)) != getattr(m, f)
     ]
     if diffs:
         raise CheckpointError(f"checkpoint {folder} is for a different model: " + "; ".join(diffs))
