@@ -40,7 +40,7 @@ class GPUSpec:
             (``ptdp plan --calibrate``): the number of CPU cores the node's workers share; the
             rates above are then those of one worker running alone on a core.
         arch: GPU architecture ("ampere", "hopper", ...): selects the time model's fitted
-            efficiencies for that generation (:meth:`ptdp.planner.perf.PerfConstants.for_gpu`);
+            efficiencies for that generation (:meth:`ptdp.planner.perf_constants.PerfConstants.for_gpu`);
             "" (and any architecture without its own fit) uses the constants as given.
     """
 

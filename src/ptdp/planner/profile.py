@@ -1,7 +1,7 @@
 """The hardware profile file that ``ptdp plan --calibrate`` writes and the planner reads.
 
 A profile is a :class:`~ptdp.planner.hardware.GPUSpec` ("local") plus the
-:class:`~ptdp.planner.perf.PerfConstants` that go with it, and the raw measurements, in JSON. The
+:class:`~ptdp.planner.perf_constants.PerfConstants` that go with it, and the raw measurements, in JSON. The
 measuring itself (torch workers) lives in :mod:`ptdp.run.calibration`; this module only reads and
 writes the file, so the planner can use a profile without importing torch.
 """
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from ptdp.planner.hardware import GPUSpec
-from ptdp.planner.perf import PerfConstants
+from ptdp.planner.perf_constants import PerfConstants
 
 
 def default_profile_path() -> Path:
