@@ -78,3 +78,43 @@ def test_export_carries_the_tokenizer_and_its_special_ids_with_ordinary_file_mod
     assert hf_tok.eos_token_id == eos and hf_tok.decode(hf_tok("def main(x):")["input_ids"]) == "def main(x):"
     hf_config = transformers.AutoConfig.from_pretrained(out)
     assert hf_config.eos_token_id == eos and hf_config.vocab_size == tok.get_vocab_size()
+
+
+@pytest.mark.parametrize("kept_config", [True, False], ids=["config-kept", "no-config"])
+def test_export_of_a_run_on_another_tokenizer_names_its_own_special_tokens(tmp_path, kept_config):
+    """A run on a ``--tokenizer-model`` trained elsewhere (``<s>``/``</s>``, no ``<|endoftext|>``):
+    the export names that tokenizer's end-of-document token, never ptdp's ``<|endoftext|>``; the
+    ``tokenizer_config.json`` the checkpoint kept from beside the tokenizer is written out as given,
+    and without one, ``</s>`` (the first known end-of-document token it has) is the eos."""
+    import json
+
+    from helpers.own_tokenizer import write_tokenizer_folder
+    from ptdp.engine.groups import ParallelGroups
+    from ptdp.engine.step import build_stage
+    from ptdp.run.checkpoint.io import save_checkpoint
+    from ptdp.run.trainer import _tokenizer_files
+    from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+
+    folder = write_tokenizer_folder(tmp_path / "tok", eos_token="</s>" if kept_config else None)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    files = _tokenizer_files(type("Data", (), {"tokenizer_path": folder / "tokenizer.json"})(), str(folder))
+    assert ("tokenizer_config.json" in files) == kept_config
+    model = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=len(tok))
+    config = resolve(
+        Config(
+            model=model, parallel=ParallelConfig(1, 1, 1), train=TrainConfig(micro_batch_size=1, global_batch_size=1)
+        ),
+        1,
+    )
+    stage = build_stage(config, ParallelGroups.single_process())
+    save_checkpoint(stage, tmp_path / "ckpt", 1, consumed_samples=0, files=files)
+    out = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    written = json.loads((out / "tokenizer_config.json").read_text())
+    assert "<|endoftext|>" not in json.dumps(written)
+    assert written["eos_token"] == "</s>"
+    if kept_config:
+        assert written == json.loads((folder / "tokenizer_config.json").read_text())
+    config_json = json.loads((out / "config.json").read_text())
+    assert config_json["eos_token_id"] == tok.convert_tokens_to_ids("</s>") == 2
+    assert config_json["bos_token_id"] == (1 if kept_config else None)
+    assert transformers.AutoTokenizer.from_pretrained(out).eos_token_id == 2

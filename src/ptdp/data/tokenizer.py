@@ -195,6 +195,23 @@ def load_tokenizer_model(path: str | os.PathLike[str]) -> TokenizerModel:
 _OTHER_FORMATS = frozenset({"tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model"})
 
 
+def tokenizer_config_beside(path: str | os.PathLike[str]) -> Path | None:
+    """The ``tokenizer_config.json`` beside a tokenizer file (or in a folder holding one), if any:
+    it names the end-of-document token and the other special tokens of a downloaded model."""
+    given = Path(path).expanduser()
+    config = (given if given.is_dir() else given.parent) / "tokenizer_config.json"
+    return config if config.is_file() else None
+
+
+def end_of_document_token(tokenizer: Tokenizer, file: Path) -> str | None:
+    """The end-of-document token of the tokenizer read from ``file`` as :func:`load_tokenizer_model`
+    picks it (a ``tokenizer_config.json`` beside ``file``, else :data:`KNOWN_EOS_TOKENS`), or None."""
+    try:
+        return _find_eos(tokenizer, file)
+    except DataError:
+        return None
+
+
 def _find_eos(tokenizer: Tokenizer, file: Path) -> str:
     """The end-of-document token (see :func:`load_tokenizer_model`); DataError naming ``file`` if none."""
     named = None

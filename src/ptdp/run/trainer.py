@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, device_microbatches, dp_shard, eval_indices
+from ptdp.data.tokenizer import tokenizer_config_beside
 from ptdp.engine import activity
 from ptdp.engine.comm import all_gather_object, all_reduce
 from ptdp.engine.faults import FaultPlan
@@ -103,7 +104,8 @@ def train(
     loop.evaluate(t.train_iters)
     stage.wait_for_params()
     if ck.save and saver is not None:  # --save always has a saver
-        _save(saver, stage, ck, t.train_iters, loop.samples_before(t.train_iters), log, data)
+        files = _tokenizer_files(data, config.data.tokenizer_model)
+        _save(saver, stage, ck, t.train_iters, loop.samples_before(t.train_iters), log, files)
         _complete_save(saver.wait, log)  # the end of training waits for a save in the background
     log.close()
     return loop.finish(Path(run_dir), time.perf_counter() - started)
@@ -183,7 +185,8 @@ class _Loop:
         if evaluate:
             self.evaluate(iteration)
         if save and self.saver is not None:  # --save always has a saver
-            _save(self.saver, self.stage, ck, iteration, self.samples_before(iteration), self.log, self.data)
+            files = _tokenizer_files(self.data, self.config.data.tokenizer_model)
+            _save(self.saver, self.stage, ck, iteration, self.samples_before(iteration), self.log, files)
         if evaluate or save:
             self.interval_start = None  # the next interval's time starts at its first step
         if self.faults is not None:
@@ -300,8 +303,17 @@ def _non_finite_step(result, iteration: int, in_a_row: int, limit: int, log: Run
     log.message(f"warning: {what}; the step is skipped on every rank, no update ({in_a_row} in a row, at most {limit})")
 
 
+def _tokenizer_files(data: PreparedData, tokenizer_model: str | None) -> dict[str, Path]:
+    """What a checkpoint keeps of the run's tokenizer: its ``tokenizer.json`` and, for a
+    ``--tokenizer-model`` with one beside it, the ``tokenizer_config.json`` naming its special
+    tokens (``ptdp convert to-hf`` writes them out as given)."""
+    files = {"tokenizer.json": Path(data.tokenizer_path)}
+    config = tokenizer_config_beside(tokenizer_model) if tokenizer_model else None
+    return files | ({"tokenizer_config.json": config} if config else {})
+
+
 def _save(
-    saver: Checkpointer, stage, ck, iteration: int, consumed_samples: int, log: RunLog, data: PreparedData
+    saver: Checkpointer, stage, ck, iteration: int, consumed_samples: int, log: RunLog, files: dict[str, Path]
 ) -> None:
     """Save a checkpoint (after completing one still being written, ``--async-save``); one that
     cannot be written (e.g. non-finite values, refused on every rank) stops training with
@@ -315,7 +327,7 @@ def _save(
             iteration,
             consumed_samples=consumed_samples,
             keep_last=ck.keep_last,
-            files={"tokenizer.json": data.tokenizer_path},
+            files=files,
         )
     except CheckpointError as e:
         log.close()

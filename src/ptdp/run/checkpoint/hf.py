@@ -106,23 +106,57 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     return _write_hf(target, hf, gpt2 | tokens | {"torch_dtype": dtype}, tokenizer)
 
 
-def _special_token_ids(tokenizer: Path) -> dict:
-    """``bos_token_id`` / ``eos_token_id`` of the checkpoint's tokenizer (its ``<|endoftext|>``,
-    which ends every document in training), or None for both when the checkpoint has none (an
-    imported model): never GPT-2's 50256, which may lie outside the vocabulary."""
+def _end_of_document(tokenizer: Path) -> str | None:
+    """The token that ended every document in training: ``<|endoftext|>`` for ptdp's own tokenizer,
+    else what the ``tokenizer_config.json`` kept beside the checkpoint's tokenizer names, else the
+    first of :data:`~ptdp.data.tokenizer.KNOWN_EOS_TOKENS` it knows (as ``--tokenizer-model`` picks
+    it); None without a tokenizer or such a token."""
     if not tokenizer.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    from ptdp.data.tokenizer import end_of_document_token
+
+    return end_of_document_token(Tokenizer.from_file(str(tokenizer)), tokenizer)
+
+
+def _special_token_ids(tokenizer: Path) -> dict:
+    """``eos_token_id`` of the checkpoint's end-of-document token (:func:`_end_of_document`) and
+    ``bos_token_id``: the same token for ptdp's own tokenizer (GPT-2's convention), the named
+    ``bos_token`` of a kept ``tokenizer_config.json``, else None; both None when the checkpoint has
+    no tokenizer (an imported model): never GPT-2's 50256, which may lie outside the vocabulary."""
+    eos = _end_of_document(tokenizer)
+    if eos is None:
         return {"bos_token_id": None, "eos_token_id": None}
     from tokenizers import Tokenizer
 
     from ptdp.data.tokenizer import EOS_TOKEN
 
-    eos = Tokenizer.from_file(str(tokenizer)).token_to_id(EOS_TOKEN)
-    return {"bos_token_id": eos, "eos_token_id": eos}
+    known = Tokenizer.from_file(str(tokenizer))
+    bos = eos if eos == EOS_TOKEN else _named_token(tokenizer.with_name("tokenizer_config.json"), "bos_token")
+    return {
+        "bos_token_id": known.token_to_id(bos) if bos else None,
+        "eos_token_id": known.token_to_id(eos),
+    }
+
+
+def _named_token(config: Path, key: str) -> str | None:
+    """``key`` (e.g. ``bos_token``) of a ``tokenizer_config.json``, plain or ``{"content": ...}``."""
+    if not config.is_file():
+        return None
+    try:
+        value = json.loads(config.read_text(encoding="utf-8")).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) else None
 
 
 def _write_hf(out: Path, hf: dict[str, torch.Tensor], config: dict, tokenizer: Path) -> Path:
     """``config.json`` and ``model.safetensors`` (and, when the checkpoint has one, the tokenizer as
-    ``tokenizer.json`` with a ``tokenizer_config.json`` for transformers' ``AutoTokenizer``), with
+    ``tokenizer.json`` with a ``tokenizer_config.json`` for transformers' ``AutoTokenizer``: the one
+    the checkpoint kept from a ``--tokenizer-model``, else one naming the end-of-document token as
+    ``eos_token``, and for ptdp's own tokenizer as ``bos_token`` and ``unk_token`` too), with
     the permissions of an ordinary new file (``0666`` less the umask)."""
     from ptdp.data.tokenizer import EOS_TOKEN
 
@@ -132,19 +166,18 @@ def _write_hf(out: Path, hf: dict[str, torch.Tensor], config: dict, tokenizer: P
     written = [out / "model.safetensors", out / "config.json"]
     if tokenizer.is_file():
         shutil.copyfile(tokenizer, out / "tokenizer.json")
-        max_len = config.get("n_positions") or config.get("max_position_embeddings")
-        (out / "tokenizer_config.json").write_text(
-            json.dumps(
-                {
-                    "tokenizer_class": "PreTrainedTokenizerFast",
-                    "bos_token": EOS_TOKEN,
-                    "eos_token": EOS_TOKEN,
-                    "unk_token": EOS_TOKEN,
-                    "model_max_length": max_len,
-                },
-                indent=2,
+        kept = tokenizer.with_name("tokenizer_config.json")
+        if kept.is_file():
+            shutil.copyfile(kept, out / "tokenizer_config.json")
+        else:
+            eos = _end_of_document(tokenizer)
+            special = {"eos_token": eos} | ({"bos_token": eos, "unk_token": eos} if eos == EOS_TOKEN else {})
+            max_len = config.get("n_positions") or config.get("max_position_embeddings")
+            (out / "tokenizer_config.json").write_text(
+                json.dumps(
+                    {"tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": max_len}, indent=2
+                )
             )
-        )
         written += [out / "tokenizer.json", out / "tokenizer_config.json"]
     umask = os.umask(0)
     os.umask(umask)
