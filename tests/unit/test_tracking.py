@@ -148,3 +148,22 @@ def test_ptdp_train_exits_2_before_any_worker_when_a_tracker_is_missing(
     assert code == 2 and not launched, err
     assert f'pip install "{extra}"' in err and flags[0] in err
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run directory, no tracker folder
+
+
+def test_a_restarted_run_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
+    """Every attempt of a run directory passes W&B the same run id with resume="allow" (a new
+    directory gets a new id), so restarts continue one W&B run instead of starting one each."""
+    import types
+
+    calls: list[dict] = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kwargs: calls.append(kwargs) or types.SimpleNamespace(finish=lambda: None)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    config = with_train(wandb_project="p")
+    for run_dir in (tmp_path / "run", tmp_path / "run", tmp_path / "other"):
+        run_dir.mkdir(exist_ok=True)
+        Trackers(config, run_dir).close()
+    first, restart, other = calls
+    assert first["resume"] == restart["resume"] == other["resume"] == "allow"
+    assert first["id"] == restart["id"] == (tmp_path / "run" / tracking.WANDB_ID_FILE).read_text().strip()
+    assert other["id"] != first["id"] and len(first["id"]) == 16

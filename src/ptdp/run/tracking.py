@@ -14,7 +14,9 @@ Scalar names (:data:`SCALARS`): ``train/loss``, ``train/lr``, ``train/grad_norm`
 
 W&B mode: ``$WANDB_MODE`` when set, else ``online`` if ``$WANDB_API_KEY`` is set, else ``offline``
 (files under ``--wandb-save-dir``, default ``<run directory>/wandb``; ``wandb sync`` uploads them
-later), so a machine without a network or an account trains as usual.
+later), so a machine without a network or an account trains as usual. A restarted run (and a
+``--load`` continuing it in its run directory) logs into the same W&B run: its id is kept in the
+run directory (:data:`WANDB_ID_FILE`).
 """
 
 from __future__ import annotations
@@ -92,6 +94,26 @@ def wandb_mode(environ: dict[str, str] | None = None) -> str:
     return env.get("WANDB_MODE") or ("online" if env.get("WANDB_API_KEY") else "offline")
 
 
+#: the W&B run id of a run directory, kept in it so that a restart continues the same W&B run
+WANDB_ID_FILE = "wandb-run-id"
+
+
+def _resumed_run(run_dir: Path | None) -> dict[str, str]:
+    """``wandb.init`` arguments continuing the run directory's W&B run: its id, made and written
+    to :data:`WANDB_ID_FILE` by the first attempt, read back by every restart (and by a ``--load``
+    continuing the run in the same folder), with ``resume="allow"``. No run directory: none."""
+    if run_dir is None:
+        return {}
+    import secrets
+
+    path = Path(run_dir) / WANDB_ID_FILE
+    run_id = path.read_text().strip() if path.is_file() else ""
+    if not run_id:
+        run_id = secrets.token_hex(8)
+        path.write_text(run_id + "\n")
+    return {"id": run_id, "resume": "allow"}
+
+
 class Trackers:
     """The trackers of a run on global rank 0 (an instance with none on the other ranks).
 
@@ -121,6 +143,7 @@ class Trackers:
                 dir=str(save_dir),
                 config=config.to_dict(),
                 mode=mode,
+                **_resumed_run(run_dir),
             )
 
     @property
