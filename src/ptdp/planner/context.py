@@ -84,7 +84,7 @@ def kv_buffer_bytes(
 
 
 def unfused_score_bytes_missing(local_none: float, local_selective: float, cp: int, flash: bool) -> float:
-    """What :func:`ptdp.planner.memory.layer_activation_bytes` of :func:`local_model` leaves out
+    """What :func:`ptdp.planner.activation_memory.layer_activation_bytes` of :func:`local_model` leaves out
     without a fused kernel: the kept scores are ``(s/cp) x s`` per head, the local model counts
     ``(s/cp) x (s/cp)``; the score part (no recompute minus selective) times ``cp - 1``. A fused
     kernel keeps a per-query log-sum-exp only, already right."""

@@ -9,8 +9,8 @@ bound by memory bandwidth. How these add up to a step is :func:`ptdp.planner.per
 from __future__ import annotations
 
 from ptdp.planner.comm import Links, embedding_sync_time
-from ptdp.planner.memory import layer_param_count
 from ptdp.planner.models import ModelSpec
+from ptdp.planner.param_memory import layer_param_count
 from ptdp.planner.perf_constants import PerfConstants
 from ptdp.planner.plan import Layout
 from ptdp.planner.sharding import chunk_by_chunk, optimizer_bytes_per_param, sharded_dp_times

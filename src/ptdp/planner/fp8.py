@@ -11,7 +11,7 @@ Engine with Megatron-Core, delayed scaling, "hybrid" E4M3 forward / E5M2 backwar
   (:func:`ptdp.planner.flops.fp8_cast_bytes`). The attention core (a bf16 flash kernel), the
   output layer and the loss, norms and elementwise kernels stay bf16; MFU is reported against
   the bf16 peak.
-- Activations (:func:`ptdp.planner.memory.layer_activation_bytes`): the inputs of those four GEMMs
+- Activations (:func:`ptdp.planner.activation_memory.layer_activation_bytes`): the inputs of those four GEMMs
   are kept in FP8 for the weight-gradient GEMMs (1 byte per value: the QKV and fc1 inputs, h per
   token, the projection input ``a d`` and the fc2 input ``ffn``); every other kept tensor is bf16.
 - Weights: bf16 parameters with fp32 main parameters, gradients and Adam state, as without FP8,

@@ -27,8 +27,8 @@ from ptdp.planner.dp_time import (
     optimizer_time,
 )
 from ptdp.planner.hardware import Cluster
-from ptdp.planner.memory import _even_stage_params, stage_param_counts
 from ptdp.planner.models import ModelSpec
+from ptdp.planner.param_memory import even_stage_params, stage_param_counts
 from ptdp.planner.perf_constants import DEFAULT_CONSTANTS, PerfConstants, links_for
 from ptdp.planner.plan import Layout, TimeBreakdown
 from ptdp.planner.stage_time import (
@@ -110,7 +110,7 @@ def _stage_extent(
     layers each; an uneven ``split``'s times are built from one layer and the edges
     (:func:`ptdp.planner.stage_time.split_stage_times`)."""
     if split is None:
-        first_params, last_params, _ = _even_stage_params(model, layout.tp, layout.pp, divisible_by)
+        first_params, last_params, _ = even_stage_params(model, layout.tp, layout.pp, divisible_by)
         layers = model.num_layers // layout.pp
         return max(first_params, last_params), layers, layers
     counts = stage_param_counts(
