@@ -108,3 +108,24 @@ def test_schedule_command_imports_no_torch(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "exit 0" in proc.stdout and "torch imported: False" in proc.stdout
+
+
+def test_a_bad_train_request_is_answered_without_importing_torch(tmp_path):
+    """With a CPU-only torch, ``ptdp train``'s rules run before torch is imported: a bad request
+    is answered (exit 2, the rule named) in a fraction of a second, not after torch's import."""
+    from ptdp.commands.train_flags import cpu_only_torch
+
+    if not cpu_only_torch():
+        pytest.skip("a CUDA build of torch: ptdp train asks it for the visible GPUs")
+    env = {**os.environ, "PTDP_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, "train", "--tp", "3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "exit 2" in proc.stdout and "torch imported: False" in proc.stdout, proc.stdout
+    assert "num_attention_heads=4 is not divisible by tensor_model_parallel_size=3" in proc.stderr

@@ -47,7 +47,12 @@ def _binding_plan(policy: str, nproc: int) -> str:
 
 
 def visible_gpus() -> int | None:
-    """The GPUs the local workers can use (``torch.cuda.device_count()``), None without CUDA."""
+    """The GPUs the local workers can use (``torch.cuda.device_count()``), None without CUDA (a
+    CPU-only torch build is told without importing torch)."""
+    from ptdp.commands.train_flags import cpu_only_torch
+
+    if cpu_only_torch():
+        return None
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else None
@@ -56,8 +61,6 @@ def visible_gpus() -> int | None:
 def run(args: argparse.Namespace) -> int:
     """``ptdp train``: the exit code (0, or 1 when a worker failed; request errors are raised)."""
     from ptdp.commands.train_flags import config_from_args, local_world_size, max_restarts
-    from ptdp.run.launch import launch_local
-    from ptdp.run.metrics import format_summary
     from ptdp.run.preflight import check_request, prepare_run
 
     _one_line_warnings()
@@ -81,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
         f"run directory: {run_dir}" + binding,
         flush=True,
     )
+    from ptdp.run.launch import launch_local  # torch's elastic launcher: imported once the request is good
+    from ptdp.run.metrics import format_summary
+
     summary = launch_local(
         config, nproc, str(run_dir), str(data.cache_dir), progress=not args.no_progress, max_restarts=restarts
     )

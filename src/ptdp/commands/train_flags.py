@@ -12,6 +12,7 @@ machine without CUDA.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ptdp.spec import Config, ConfigError
 from ptdp.spec import local_world_size as _local_world_size
@@ -52,9 +53,33 @@ def add_train_arguments(parser: argparse.ArgumentParser, *, local_launch: bool) 
 
 
 def _cuda_available() -> bool:
+    """Whether torch sees a GPU; a CPU-only build is told without importing torch (:func:`cpu_only_torch`)."""
+    if cpu_only_torch():
+        return False
     import torch
 
     return torch.cuda.is_available()
+
+
+def cpu_only_torch() -> bool:
+    """True when the installed torch is a CPU-only build: its ``torch/version.py`` says ``cuda =
+    None`` and ``hip = None``, read without importing torch, so that ``ptdp train`` answers a bad
+    request on a CPU machine without torch's import (seconds). False when unsure (ask torch)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    if not locations or not (Path(locations[0]) / "version.py").is_file():
+        return False
+    version_spec = importlib.util.spec_from_file_location("_ptdp_torch_version", Path(locations[0]) / "version.py")
+    if version_spec is None or version_spec.loader is None:
+        return False
+    version = importlib.util.module_from_spec(version_spec)
+    try:
+        version_spec.loader.exec_module(version)
+    except Exception:  # an unusual build: ask torch itself
+        return False
+    return getattr(version, "cuda", "") is None and getattr(version, "hip", "") is None
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
