@@ -1,7 +1,8 @@
 """Validation of the planner's models against published training runs.
 
-``published_runs.csv`` (see :func:`default_csv`) holds 18 runs on A100-80GB: Megatron SC21 (Narayanan et al., arXiv:2104.04473) Table 1,
-TFLOP/s per GPU counted with eq. 3 (full recompute), and Korthikanti et al. 2022
+``published_runs.csv`` (read by :mod:`ptdp.planner.published_a100`) holds 18 runs on A100-80GB:
+Megatron SC21 (Narayanan et al., arXiv:2104.04473) Table 1, TFLOP/s per GPU counted with eq. 3
+(full recompute), and Korthikanti et al. 2022
 (arXiv:2205.05198) Table 5, iteration times with full recompute and with sequence parallelism +
 selective recompute, with the activation memory per GPU of their Figure 1 in the notes.
 
@@ -21,32 +22,49 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
-import os
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from ptdp.planner.hardware import CATALOG, Cluster, GiB
 from ptdp.planner.memory import bytes_per_param, memory_breakdown, stage_param_counts
-from ptdp.planner.models import ModelSpec
 from ptdp.planner.perf import DEFAULT_CONSTANTS, PerfConstants, evaluate_performance
 from ptdp.planner.plan import Layout
 from ptdp.planner.published import H100Run, load_h100_runs
+from ptdp.planner.published_a100 import CSV_CANDIDATES, PublishedRun, default_csv, load_published_runs
 
-#: Where :func:`default_csv` looks, in order: $PTDP_PUBLISHED_RUNS, the repository's
-#: ``benchmarks/data/published_runs.csv``, the shared data folder of the project.
-CSV_CANDIDATES = (Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "published_runs.csv",)
-
-
-def default_csv() -> Path | None:
-    """The published-runs file to use, or None if none of the candidate paths exists."""
-    env = os.environ.get("PTDP_PUBLISHED_RUNS")
-    for path in ([Path(env)] if env else []) + list(CSV_CANDIDATES):
-        if path.is_file():
-            return path
-    return None
-
+#: The A100 table's reading (:mod:`ptdp.planner.published_a100`) is importable from here too.
+__all__ = [
+    "ACT_NONE",
+    "ACT_SEQSEL",
+    "CSV_CANDIDATES",
+    "H100_STEP",
+    "H100_STEP_CP",
+    "H100_STEP_FP8",
+    "ITER_TIME",
+    "METRICS",
+    "PARAMS_OPT",
+    "TFLOPS",
+    "PublishedRun",
+    "ValidationRow",
+    "default_csv",
+    "fit_arch",
+    "fit_check",
+    "fit_constants",
+    "fitted_runs",
+    "format_validation_table",
+    "h100_fit_check",
+    "h100_log_error",
+    "is_h100_table",
+    "layout_label",
+    "load_published_runs",
+    "main",
+    "run_constants",
+    "speed_log_error",
+    "summarize",
+    "validate",
+    "validate_h100",
+]
 
 TFLOPS = "TFLOP/s per GPU"
 ITER_TIME = "iteration time (s)"
@@ -57,22 +75,6 @@ H100_STEP = "step time, H100 runs (s)"
 H100_STEP_CP = "step time, H100 runs with cp (s)"
 H100_STEP_FP8 = "step time, H100 FP8 runs (s)"
 METRICS = (TFLOPS, ITER_TIME, ACT_NONE, ACT_SEQSEL, PARAMS_OPT, H100_STEP, H100_STEP_CP, H100_STEP_FP8)
-
-
-@dataclass(frozen=True)
-class PublishedRun:
-    """One row of the published-runs file, as planner objects plus the reported numbers."""
-
-    source: str
-    name: str
-    model: ModelSpec
-    layout: Layout
-    gpu: str
-    reported_tflops: float | None
-    reported_iteration_time: float | None
-    reported_params_opt_gib: float | None
-    reported_act_none_gib: float | None
-    reported_act_seqsel_gib: float | None
 
 
 @dataclass(frozen=True)
@@ -88,65 +90,6 @@ class ValidationRow:
     @property
     def error(self) -> float:
         return self.predicted / self.reported - 1.0
-
-
-def _float(text: str) -> float | None:
-    return float(text) if text.strip() else None
-
-
-def _search(pattern: str, text: str) -> float | None:
-    found = re.search(pattern, text)
-    return float(found.group(1)) if found else None
-
-
-def _precision(text: str) -> str:
-    return "bf16" if text.startswith("bf16") else "fp16" if "16" in text else "fp32"
-
-
-def load_published_runs(path: str | Path) -> list[PublishedRun]:
-    """Parse the CSV: model shape, layout (tp, pp, dp, vpp, micro/global batch, sp, recompute),
-    GPU, and reported TFLOP/s, iteration time (notes: "iteration time X s") and Figure 1 memory
-    (notes: "params+opt X; act Y none / Z seq+sel")."""
-    runs = []
-    with open(path, newline="", encoding="utf-8") as f:
-        for r in csv.DictReader(f):
-            ffn = int(r["ffn_hidden"]) if r["ffn_hidden"].strip() else None
-            model = ModelSpec(
-                int(r["layers"]),
-                int(r["hidden"]),
-                int(r["heads"]),
-                ffn,
-                int(r["vocab"]),
-                int(r["seq_len"]),
-                name=r["model"],
-            )
-            layout = Layout(
-                tp=int(r["tp"]),
-                pp=int(r["pp"]),
-                dp=int(r["dp"]),
-                micro_batch_size=int(r["micro_batch"]),
-                global_batch_size=int(r["global_batch"]),
-                virtual_stages=int(r["vpp"]),
-                recompute=r["recompute"].strip(),
-                sequence_parallel=r["sequence_parallel"].strip() == "y",
-                precision=_precision(r["precision"]),
-            )
-            notes = r["notes"]
-            runs.append(
-                PublishedRun(
-                    source=r["source"].split(" (")[0],
-                    name=r["model"],
-                    model=model,
-                    layout=layout,
-                    gpu=r["gpu_type"].lower(),
-                    reported_tflops=_float(r["reported_tflops_per_gpu"]),
-                    reported_iteration_time=_search(r"iteration time ([0-9.]+) s", notes),
-                    reported_params_opt_gib=_search(r"params\+opt ([0-9.]+)", notes),
-                    reported_act_none_gib=_search(r"act ([0-9.]+) none", notes),
-                    reported_act_seqsel_gib=_search(r"/ ([0-9.]+) seq\+sel", notes),
-                )
-            )
-    return runs
 
 
 def layout_label(layout: Layout) -> str:
