@@ -592,6 +592,14 @@ def test_nonpositive_nproc_per_node_is_named(tmp_path, capsys, launched):
     assert "nproc_per_node=-2 must be a positive integer" in err and "world_size" not in err
 
 
+@pytest.mark.parametrize("flag", ["--tp", "--cp", "--pp"])
+def test_a_nonpositive_size_is_named_once_not_the_world_size_it_makes(tmp_path, capsys, launched, flag):
+    """``--cp 0`` makes the default world size tp x cp x pp x dp = 0: only the size given is named."""
+    code, err = train(capsys, tmp_path, flag, "0")
+    assert code == 2 and not launched
+    assert "size=0 must be a positive integer" in err and "world_size" not in err, err
+
+
 @pytest.mark.parametrize(
     "flags,named",
     [

@@ -24,11 +24,11 @@ from ptdp.spec.rules import (
     finite_violations,
     layout_violations,
     model_option_violations,
-    not_yet_trainable_violations,
     positive_violations,
     recompute_violations,
     schedule_violations,
     sequence_parallel_violations,
+    sharded_params_violations,
     sharding_violations,
 )
 
@@ -48,7 +48,10 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
     dtype = concrete_params_dtype(config.model.params_dtype, cuda=cuda)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, params_dtype=dtype))
     p, m, t = config.parallel, config.model, config.train
-    raise_violations(positive_violations(_sizes(config, world_size)) + finite_violations(_floats(config)))
+    sizes = positive_violations(_sizes(config, world_size))
+    if any("world_size" not in v.values for v in sizes):  # a world size made of a bad size: that one says it
+        sizes = [v for v in sizes if "world_size" not in v.values]
+    raise_violations(sizes + finite_violations(_floats(config)))
     errors: list[Violation] = []
     dp = _resolve_dp(p, world_size, errors)
     errors += layout_violations(
@@ -84,7 +87,7 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
     errors += data_parallel_violations(p)
     errors += context_parallel_violations(m.seq_length, p.context_parallel_size)
     errors += context_parallel_model_violations(m, p.context_parallel_size, p.tp, p.sequence_parallel)
-    errors += sharding_violations(p) + not_yet_trainable_violations(p)
+    errors += sharding_violations(p) + sharded_params_violations(p)
     errors += checkpoint_violations(config.checkpoint)
     errors += launch_violations(config.launch)
     errors += model_option_violations(m)
