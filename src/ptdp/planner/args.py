@@ -31,6 +31,17 @@ def plan_precision(args: argparse.Namespace) -> str | None:
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag of ``ptdp plan`` on ``parser``, in the order ``--help`` lists them: the model
+    (with the flags shared with ``ptdp train``, generated from the schema), the cluster, the output
+    and the calibration."""
+    _add_model_arguments(parser)
+    add_flags(parser, "plan")  # shared with ptdp train: the model shape, layout, batch and options
+    _add_cluster_arguments(parser)
+    _add_output_arguments(parser)
+    _add_calibration_arguments(parser)
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model (a preset, optionally overridden, or the shape flags alone)")
     g.add_argument(
         "--model",
@@ -57,8 +68,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "kept in FP8; attention, output layer, communication and weights stay bf16 with fp32 "
         "main parameters",
     )
-    add_flags(parser, "plan")  # shared with ptdp train: the model shape, layout, batch and options
 
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("cluster")
     g.add_argument("--gpus", type=int, required=False, help="number of GPUs (required unless --validate)")
     g.add_argument("--gpus-per-node", type=int, help="default: the GPU's usual node size (8)")
@@ -76,6 +88,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="v directly (alternative to --num-layers-per-virtual-pipeline-stage)",
     )
 
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("output")
     g.add_argument("--top", type=int, default=10, help="fitting layouts to list (default: %(default)s)")
     g.add_argument("--json", action="store_true", help="print the plans as JSON")
@@ -93,6 +107,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "(default for --calibrate: $PTDP_CACHE_DIR/hardware-profile.json)",
     )
 
+
+def _add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("calibration: measure this machine for the planner")
     g.add_argument(
         "--calibrate",
