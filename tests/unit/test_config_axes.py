@@ -1,7 +1,9 @@
 """Context parallelism and data-parallel sharding strategies in the configuration schema: one flag
-each, shared by ``ptdp train`` and ``ptdp plan``; ``ptdp train`` rejects what it cannot run yet
-(optim_grads, optim_grads_params) and a sequence that 2 cp chunks do not divide before any
-process, with exit code 2; cp > 1 resolves (dp from the world divided by tp cp pp)."""
+each, shared by ``ptdp train`` and ``ptdp plan``; ``ptdp train`` rejects what it cannot run
+(optim_grads_params with the distributed optimizer's overlapped all-gather, --no-reshard-after-forward
+without optim_grads_params, 1-bit codecs with sharding) and a sequence that 2 cp chunks do not
+divide before any process, with exit code 2; cp > 1 resolves (dp from the world divided by tp cp
+pp), optim_grads and optim_grads_params resolve as sharded optimizers."""
 
 from __future__ import annotations
 
@@ -72,8 +74,17 @@ def test_cp_resolves_with_dp_from_the_world():
     "parallel, message",
     [
         (
-            dict(data_parallel_sharding_strategy="optim_grads_params"),
-            "optim_grads_params: planned .* but not yet trainable",
+            dict(data_parallel_sharding_strategy="optim_grads_params", overlap_param_gather=True),
+            "overlap_param_gather does not apply to data_parallel_sharding_strategy=optim_grads_params",
+        ),
+        (
+            dict(data_parallel_sharding_strategy="optim_grads", reshard_after_forward=False),
+            r"reshard_after_forward=False \(--no-reshard-after-forward\) needs "
+            r"data_parallel_sharding_strategy=optim_grads_params, not optim_grads",
+        ),
+        (
+            dict(data_parallel_sharding_strategy="optim_grads_params", grad_compression="1bit"),
+            r"grad_compression=1bit cannot be combined .*data_parallel_sharding_strategy=optim_grads_params",
         ),
         (dict(data_parallel_sharding_strategy="no_shard", use_distributed_optimizer=True), "contradicts"),
         (
@@ -82,7 +93,7 @@ def test_cp_resolves_with_dp_from_the_world():
         ),
     ],
 )
-def test_train_rejects_what_it_cannot_run_yet(parallel, message):
+def test_train_rejects_what_it_cannot_run(parallel, message):
     with pytest.raises(ConfigError, match=message):
         resolve(_config(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, **parallel), 2)
 
@@ -98,6 +109,21 @@ def test_optim_grads_resolves_as_a_sharded_optimizer():
         2,
     ).parallel
     assert p.use_distributed_optimizer and p.sharding_strategy == "optim_grads"
+
+
+def test_optim_grads_params_resolves_with_or_without_resharding():
+    for reshard in (True, False):
+        p = resolve(
+            _config(
+                tensor_model_parallel_size=1,
+                pipeline_model_parallel_size=1,
+                data_parallel_sharding_strategy="optim_grads_params",
+                reshard_after_forward=reshard,
+            ),
+            2,
+        ).parallel
+        assert p.use_distributed_optimizer and p.sharding_strategy == "optim_grads_params"
+        assert p.reshard_after_forward is reshard
 
 
 def test_optim_is_the_distributed_optimizer():
@@ -120,7 +146,11 @@ def test_optim_is_the_distributed_optimizer():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--data-parallel-sharding-strategy", "optim_grads_params"], "not yet trainable"),
+        (
+            ["--data-parallel-sharding-strategy", "optim", "--no-reshard-after-forward"],
+            "reshard_after_forward=False (--no-reshard-after-forward) needs data_parallel_sharding_strategy="
+            "optim_grads_params, not optim",
+        ),
         (
             ["--cp", "3", "--seq-length", "32"],
             "seq_length=32 is not divisible by 2*context_parallel_size = 2*3 = 6 (rule: seq_length % (2 * cp) == 0",

@@ -33,13 +33,20 @@ from dataclasses import dataclass
 from typing import overload
 
 import torch
-from torch import nn
 
 from ptdp.engine import activity
 from ptdp.engine.comm import all_reduce
 from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.data_parallel.grads import clip_grads, finalize_grads, global_grad_norm
 from ptdp.engine.data_parallel.loss_scale import DynamicLossScaler
+from ptdp.engine.data_parallel.units import (
+    ParamUnits,
+    gradient_units,
+    param_gather_units,
+    sharded_params_optimizer,
+    sharding_units,
+    unit_index,
+)
 from ptdp.engine.faults import FaultPlan, poison_first_forward
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.chunks import ModelChunks
@@ -76,10 +83,19 @@ class Stage:
 
     def wait_for_params(self) -> None:
         """With ``overlap_param_gather``: finish every parameter all-gather still in flight, so the
-        parameters can be read outside a forward pass (the forward waits by itself)."""
+        parameters can be read outside a forward pass (the forward waits by itself); with
+        ``optim_grads_params``: gather every unit (freed again by its next forward or the next
+        optimizer step). Collective over the dp x cp group with sharded parameters."""
         wait = getattr(self.optimizer, "wait_for_params", None)
         if wait is not None:
             wait()
+
+    def params_written(self) -> None:
+        """After parameters were written in place (a checkpoint loaded into them, following
+        :meth:`wait_for_params`): with ``optim_grads_params`` keep this rank's shard of them."""
+        units = getattr(self.optimizer, "units", None)
+        if units is not None:
+            units.take_shards()
 
     @property
     def virtual_stages(self) -> int:
@@ -269,11 +285,13 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     device = torch.device(device)
     allow_tf32(device)
     model.to(device)
+    zero3 = p.sharding_strategy == "optim_grads_params"  # parameters sharded too, gathered unit by unit
     if m.compile:  # one graph per stage at tp = 1, else each layer's forward (collectives stay eager)
         for chunk in chunks:
-            compile_stage(chunk, whole=not p.overlap_param_gather)
+            compile_stage(chunk, whole=not (p.overlap_param_gather or zero3))
     low_precision = DTYPES[m.params_dtype] in (torch.bfloat16, torch.float16)
     tied = model.tied_embedding()
+    specs = sharding_units(chunks) if zero3 else []
     grads = GradBuffer(
         # reduced (and sharded) over the dp x cp ranks holding these parameters: summed over cp,
         # averaged over dp (1/dp in the loss, or average_over=dp for float16)
@@ -289,13 +307,19 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
         # 1/dp folded into the loss, except for float16: its backward keeps the whole loss scale
         # (dividing it by dp would let small float16 gradients underflow); its codecs divide
         prescaled=m.params_dtype != "float16",
-        shard_grads=p.sharding_strategy == "optim_grads",  # ZeRO-2: only the shard between microbatches
+        # ZeRO-2 and 3: only the shard between microbatches
+        shard_grads=p.sharding_strategy in ("optim_grads", "optim_grads_params"),
+        unit_of=unit_index(specs) if zero3 else None,  # ZeRO-3: a bucket never spans two units
     )
     if grads.grads_sharded:  # a bucket's memory is allocated when backward reaches its module's output
-        grads.watch(_gradient_units(chunks))
+        grads.watch(gradient_units(chunks))
     scaler = DynamicLossScaler(device=device) if m.params_dtype == "float16" else None
-    units = _param_gather_units(chunks) if p.overlap_param_gather else None
-    optimizer = build_optimizer(model, config.train, grads, param_gather_units=units)
+    if zero3:
+        units = ParamUnits(grads, specs, chunks, reshard_after_forward=p.reshard_after_forward)
+        optimizer = sharded_params_optimizer(units, config.train)
+    else:
+        gather = param_gather_units(chunks) if p.overlap_param_gather else None
+        optimizer = build_optimizer(model, config.train, grads, param_gather_units=gather)
     return Stage(config, groups, model, optimizer, grads, device, scaler, dropout_rng=rng)
 
 
@@ -307,36 +331,6 @@ def allow_tf32(device: torch.device) -> None:
     on the CPU (float64 equivalence tests run there)."""
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
-
-
-def _param_gather_units(chunks: list[GPTModel]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """Who waits for which parameters with ``overlap_param_gather``: each transformer layer for
-    its own; each chunk, when its forward starts, for the rest (embeddings, final norm, output
-    layer: the output weight is read directly, not through a module call)."""
-    units: list[tuple[nn.Module, list[nn.Parameter]]] = []
-    for chunk in chunks:
-        in_layers = {id(p) for layer in chunk.layers.values() for p in layer.parameters()}
-        units.append((chunk, [p for p in chunk.parameters() if id(p) not in in_layers]))
-        units.extend((layer, list(layer.parameters())) for layer in chunk.layers.values())
-    return units
-
-
-def _gradient_units(chunks: list[GPTModel]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """Which module's output, reached by backward, allocates which parameters' gradient buckets
-    with ``optim_grads`` (:meth:`GradBuffer.watch`): each transformer layer its own; the word
-    embedding its weight where only the lookup reads it (a first stage without a tied output
-    layer), so that bucket exists only at the end of backward; each chunk the rest when its
-    backward starts (the output layer, read directly, comes first)."""
-    units: list[tuple[nn.Module, list[nn.Parameter]]] = []
-    for chunk in chunks:
-        taken = {id(p) for layer in chunk.layers.values() for p in layer.parameters()}
-        lookup = getattr(chunk, "word_embeddings", None)
-        if lookup is not None and chunk.pre_process and (hasattr(chunk, "output_layer") or not chunk.post_process):
-            units.append((lookup, [lookup.weight]))
-            taken.add(id(lookup.weight))
-        units.append((chunk, [p for p in chunk.parameters() if id(p) not in taken]))
-        units.extend((layer, list(layer.parameters())) for layer in chunk.layers.values())
-    return units
 
 
 def train_step(

@@ -1,9 +1,10 @@
 """The planner's prediction for a finished ``ptdp train`` run, beside what the run measured.
 
 Parameter, gradient and optimizer bytes per rank must match exactly (same counting: parameters
-including padded vocabulary rows and the tied copy on the last stage; gradients = the flat
-gradient buffer; optimizer = Adam's two moments plus float32 main parameters for bfloat16, not
-the per-tensor step counters). Peak memory and step time are predictions: the step time needs a
+including padded vocabulary rows and the tied copy on the last stage, with ``optim_grads_params``
+the rank's shard of them; gradients = the flat gradient buffer, or the rank's shard of it;
+optimizer = Adam's two moments plus float32 main parameters for bfloat16, not the per-tensor
+step counters), up to the padding of the buckets to a multiple of dp x cp. Peak memory and step time are predictions: the step time needs a
 hardware profile from ``ptdp plan --calibrate``; without one it is not predicted.
 
 The run side of the planner: the trainer measures each rank with :func:`measure_stage` and hands
@@ -49,10 +50,13 @@ def measure_stage(stage) -> dict:
     else:
         peak, peak_kind = process_peak_rss(), "process peak RSS"
     c = stage.groups.coords
+    units = getattr(opt, "units", None)  # optim_grads_params: the rank keeps its shard of the parameters
     return {
         "coords": (c.tp_rank, c.dp_rank, c.pp_rank),
         "numel": sum(p.numel() for p in params),
-        "params": sum(p.numel() * p.element_size() for p in params),
+        "params": sum(p.numel() * p.element_size() for p in params) if units is None else units.held_bytes,
+        # optim_grads_params: the most gathered parameter bytes at once (units in use and prefetched)
+        "params_transient": 0 if units is None else units.peak_live_bytes,
         "grads": stage.grads.held_bytes,  # optim_grads: the shard (the buffer lives during backward only)
         "padding": stage.grads.data.numel() - sum(p.numel() for p in params),
         # optim_grads: the most bucket gradient bytes allocated at once during a backward
@@ -126,9 +130,15 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
         predicted = {"numel": n, "params": n * per_param[0], "grads": n * per_param[1], "optimizer": n * per_param[2]}
         # the sharded strategies pad each bucket to a multiple of dp x cp: the padding elements are
         # the only allowed difference (grads: whole padding, optim_grads its 1/(dp cp) share;
-        # optimizer: its 1/(dp cp) share)
+        # optimizer: its 1/(dp cp) share; params: optim_grads_params's 1/(dp cp) share)
         pad = r.get("padding", 0)
-        slack = {"numel": 0, "params": 0, "grads": pad * per_param[1], "optimizer": pad * per_param[2]}
+        sharded_params = p.sharding_strategy == "optim_grads_params"
+        slack = {
+            "numel": 0,
+            "params": pad * per_param[0] if sharded_params else 0,
+            "grads": pad * per_param[1],
+            "optimizer": pad * per_param[2],
+        }
         same = all(0 <= r[k] - predicted[k] <= slack[k] for k in predicted)
         exact &= same
         rows.append(

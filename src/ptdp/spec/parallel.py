@@ -222,8 +222,8 @@ class ParallelConfig:
         "--data-parallel-sharding-strategy",
         "what is sharded over the dp x cp ranks: nothing, the optimizer "
         "state (optim = --use-distributed-optimizer, ZeRO-1), also the gradients (optim_grads, ZeRO-2) or also the "
-        "parameters (optim_grads_params, ZeRO-3); ptdp train runs all but optim_grads_params (default: optim with "
-        "--use-distributed-optimizer, else no_shard)",
+        "parameters (optim_grads_params, ZeRO-3: each layer's parameters all-gathered before its forward and "
+        "backward) (default: optim with --use-distributed-optimizer, else no_shard)",
         "dp",
         plan=True,
     )
@@ -231,9 +231,20 @@ class ParallelConfig:
     ``optim`` (ZeRO-1, the distributed optimizer), ``optim_grads`` (ZeRO-2) and
     ``optim_grads_params`` (ZeRO-3; Rajbhandari et al. 2020). None: ``optim`` when
     ``use_distributed_optimizer`` is set, else ``no_shard`` (:attr:`sharding_strategy`). ``ptdp plan``
-    models all four (:mod:`ptdp.planner.memory`, :mod:`ptdp.planner.comm`); ``ptdp train`` trains
-    the first three (:mod:`ptdp.engine.data_parallel.buffer`) and rejects ``optim_grads_params``
-    until it can train it."""
+    models all four (:mod:`ptdp.planner.memory`, :mod:`ptdp.planner.comm`) and ``ptdp train`` trains
+    them (:mod:`ptdp.engine.data_parallel.buffer`, :mod:`ptdp.engine.data_parallel.units`)."""
+    reshard_after_forward: bool = opt(
+        True,
+        "--reshard-after-forward",
+        "optim_grads_params: free each layer's gathered parameters after its forward and gather them "
+        "again for its backward (default; --no-reshard-after-forward keeps them from forward to backward)",
+        "dp",
+    )
+    """With ``optim_grads_params``: free a unit's gathered parameters after its forward and gather
+    them again before its backward (two all-gathers per unit and microbatch; FSDP2's and
+    Megatron-Core's ``reshard_after_forward``). False keeps them gathered from a chunk's forward
+    until no microbatch of it is in flight (one all-gather per unit and microbatch at pp = 1,
+    fewer with pipeline schedules, at the memory of the stage's gathered parameters)."""
     overlap_param_gather: bool = opt(
         False,
         "--overlap-param-gather",

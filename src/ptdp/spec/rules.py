@@ -21,7 +21,8 @@ parallelism, recompute).
   the ``2 cp`` load-balanced causal chunks); the head rules do not involve cp; with cp > 1 and
   sequence parallelism ``seq_length % (cp tp) == 0``
 - data-parallel sharding: one of no_shard, optim, optim_grads, optim_grads_params, not
-  contradicting ``use_distributed_optimizer`` (which means optim)
+  contradicting ``use_distributed_optimizer`` (which means optim); optim_grads_params without
+  ``overlap_param_gather``; ``reshard_after_forward=False`` only with optim_grads_params
 """
 
 from __future__ import annotations
@@ -345,17 +346,29 @@ def sharding_violations(p: ParallelConfig) -> list[Violation]:
     return []
 
 
-def not_yet_trainable_violations(p: ParallelConfig) -> list[Violation]:
-    """What ``ptdp plan`` models but ``ptdp train`` cannot run yet: the optim_grads_params
-    sharding strategy."""
+def sharded_params_violations(p: ParallelConfig) -> list[Violation]:
+    """Rules of ``optim_grads_params`` (parameters sharded, gathered unit by unit before each
+    forward and backward): ``overlap_param_gather`` (the distributed optimizer's all-gather after
+    the step, overlapped with the next forward) does not exist there, and
+    ``reshard_after_forward=False`` means nothing without it."""
     out = []
-    if p.data_parallel_sharding_strategy == "optim_grads_params":
+    strategy = p.data_parallel_sharding_strategy
+    if strategy == "optim_grads_params" and p.overlap_param_gather:
         out.append(
             V(
-                "not yet trainable",
-                f"data_parallel_sharding_strategy={p.data_parallel_sharding_strategy}: "
-                f"planned (ptdp plan) but not yet trainable; ptdp train runs no_shard, optim "
-                f"(--use-distributed-optimizer) and optim_grads",
+                "data parallel",
+                "overlap_param_gather does not apply to data_parallel_sharding_strategy=optim_grads_params: "
+                "its parameters are all-gathered unit by unit before each forward and backward (the next "
+                "unit's gather always overlaps the current one's compute), never after the optimizer step",
+            )
+        )
+    if not p.reshard_after_forward and strategy != "optim_grads_params":
+        out.append(
+            V(
+                "data parallel",
+                f"reshard_after_forward=False (--no-reshard-after-forward) needs "
+                f"data_parallel_sharding_strategy=optim_grads_params, not {p.sharding_strategy} (only sharded "
+                f"parameters are gathered and freed around each forward)",
             )
         )
     return out

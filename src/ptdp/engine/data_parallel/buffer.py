@@ -43,58 +43,16 @@ first and the last stage, so the embedding-group sum acts on the shards
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from ptdp.engine.comm import AxisGroup
+from ptdp.engine.data_parallel.buckets import Bucket, Segment, plan_buckets
 from ptdp.engine.data_parallel.compression import block_sizes, start_reduction
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements; Megatron-LM's default
-
-
-@dataclass
-class Bucket:
-    """Parameters whose gradients are reduced together; ``[start, start + numel)`` of the buffer."""
-
-    index: int
-    chunk: int
-    params: list[nn.Parameter]
-    start: int
-    numel: int
-    overlap: bool
-    ready: set[int] = field(default_factory=set)
-    finish: Callable[[], None] | None = None
-    blocks: torch.Tensor | None = None
-    """1-bit scale block sizes (:func:`~ptdp.engine.data_parallel.compression.block_sizes`), 1bit only."""
-    data: torch.Tensor | None = None
-    """``shard_grads`` only: the bucket's own ``[numel]`` gradient tensor (its storage released
-    between uses); otherwise the bucket is ``[start, start + numel)`` of the flat buffer."""
-
-    def own_data(self) -> torch.Tensor:
-        """:attr:`data`, which a ``shard_grads`` buffer gives every bucket (ValueError otherwise)."""
-        if self.data is None:
-            raise ValueError(f"bucket {self.index} has no gradient tensor of its own (shard_grads only)")
-        return self.data
-
-    def wait(self) -> None:
-        """Finish the bucket's started reduction (RuntimeError if none was started)."""
-        if self.finish is None:
-            raise RuntimeError(f"bucket {self.index}: no reduction was started")
-        self.finish()
-
-
-@dataclass(frozen=True)
-class Segment:
-    """The part ``[lo, hi)`` of a parameter (flattened) that falls in this rank's shard, at
-    ``shard_offset`` of :attr:`GradBuffer.shard_grads`."""
-
-    param: nn.Parameter
-    lo: int
-    hi: int
-    shard_offset: int
 
 
 class GradBuffer:
@@ -119,6 +77,8 @@ class GradBuffer:
         shard_grads: keep only the shard of the gradients between microbatches (ZeRO-2; needs
             ``shard``): each backward's buckets are reduce-scattered and added into
             :attr:`shard_grads`; the flat buffer lives only during a backward (module docstring).
+        unit_of: parameter id -> unit index (``optim_grads_params``): no bucket spans two units
+            (:func:`~ptdp.engine.data_parallel.buckets.plan_buckets`).
     """
 
     def __init__(
@@ -135,6 +95,7 @@ class GradBuffer:
         prescaled: bool = False,
         average_over: int | None = None,
         shard_grads: bool = False,
+        unit_of: dict[int, int] | None = None,
     ) -> None:
         params = [p for ps in chunk_params for p in ps]
         if not params:
@@ -155,12 +116,13 @@ class GradBuffer:
         """How much the gradients in the buffer are scaled (1/dp when ``prescaled``; with float16
         the loss scale, a 0-dim float32 tensor on the device); set per step."""
         self.uses_main_grad = grad_dtype is not None and grad_dtype != params[0].dtype
-        self.buckets = _plan_buckets(
+        self.buckets = plan_buckets(
             chunk_params,
             bucket_size or DEFAULT_BUCKET_SIZE,
             overlap,
             {id(p) for p in deferred},
             dp.size if shard else 1,
+            unit_of,
         )
         total = sum(b.numel for b in self.buckets)
         device = params[0].device
@@ -456,29 +418,3 @@ class GradBuffer:
 
 def _done() -> None:
     """A reduction with nothing to wait for."""
-
-
-def _plan_buckets(chunk_params, bucket_size: int, overlap: bool, deferred: set[int], multiple: int) -> list[Bucket]:
-    buckets: list[Bucket] = []
-    start = 0
-
-    def close(chunk: int, params: list[nn.Parameter], can_overlap: bool) -> None:
-        nonlocal start
-        numel = sum(p.numel() for p in params)
-        numel += (-numel) % multiple
-        buckets.append(Bucket(len(buckets), chunk, params, start, numel, overlap and can_overlap))
-        start += numel
-
-    for chunk, params in enumerate(chunk_params):
-        current: list[nn.Parameter] = []
-        for p in reversed(params):
-            if id(p) in deferred:
-                close(chunk, [p], False)
-                continue
-            if current and sum(q.numel() for q in current) + p.numel() > bucket_size:
-                close(chunk, current, True)
-                current = []
-            current.append(p)
-        if current:
-            close(chunk, current, True)
-    return buckets

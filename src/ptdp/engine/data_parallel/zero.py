@@ -13,16 +13,27 @@ With ``overlap_param_gather`` the all-gathers are issued in the order the next f
 buckets, and a forward pre-hook on each given module (a transformer layer, or a model chunk for
 its embeddings and output layer) waits only for the buckets holding that module's parameters
 (Megatron-LM's ``--overlap-param-gather``).
+
+With sharded parameters (``optim_grads_params``, :class:`~ptdp.engine.data_parallel.units.ParamUnits`)
+the shard the optimizer updates is the rank's only copy of the parameters: the step writes it and
+drops the gathered copies (the next forward gathers the updated values unit by unit), with no
+all-gather after the step.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ptdp.engine.comm import Handle, all_gather_async
-from ptdp.engine.data_parallel.buffer import GradBuffer, Segment
+from ptdp.engine.data_parallel.buckets import Segment
+from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.optim import adamw, step_unless
+
+if TYPE_CHECKING:
+    from ptdp.engine.data_parallel.units import ParamUnits
 
 
 class ShardedAdamW:
@@ -36,6 +47,10 @@ class ShardedAdamW:
     all-gathers of those parameters' buckets (every parameter must be in some pair, and the pair
     must run before the parameter is read). Until then, read parameters only after
     :meth:`wait_for_params`.
+
+    ``units`` (``optim_grads_params``): the parameters are kept as this rank's shard
+    (:attr:`ParamUnits.shard`), which the step updates; :meth:`wait_for_params` then gathers every
+    unit (to read the parameters outside a forward) and each step frees them again.
     """
 
     def __init__(
@@ -44,12 +59,16 @@ class ShardedAdamW:
         *,
         weight_decay: float,
         overlap_with: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
+        units: ParamUnits | None = None,
         **adam_kwargs,
     ) -> None:
-        param_data, shard_grads = grads.param_data, grads.shard_grads
+        shard_grads = grads.shard_grads
+        param_data = grads.param_data if units is None else units.shard
         if not grads.sharded or param_data is None or shard_grads is None:
             raise ValueError("ShardedAdamW needs a GradBuffer built with shard=True")
-        self.grads, self._param_data = grads, param_data
+        if units is not None and overlap_with is not None:
+            raise ValueError("sharded parameters are gathered by their units, not after the step (overlap_with)")
+        self.grads, self._param_data, self.units = grads, param_data, units
         dp, rank = grads.dp.size, grads.dp.rank
         low_precision = param_data.dtype in (torch.bfloat16, torch.float16)
         self.pairs: list[tuple[torch.Tensor, nn.Parameter]] = []  # (model shard view, main)
@@ -57,7 +76,7 @@ class ShardedAdamW:
         decay: list[nn.Parameter] = []
         no_decay: list[nn.Parameter] = []
         for seg in grads.segments:
-            model_view = seg.param.data.view(-1)[seg.lo : seg.hi]
+            model_view = seg.param.data.view(-1)[seg.lo : seg.hi] if units is None else units.shard_view(seg)
             main = nn.Parameter(model_view.detach().float().clone() if low_precision else model_view)
             main.grad = shard_grads[seg.shard_offset : seg.shard_offset + (seg.hi - seg.lo)]
             if low_precision:
@@ -102,7 +121,10 @@ class ShardedAdamW:
                 work.wait()
 
     def wait_for_params(self) -> None:
-        """Finish every parameter all-gather still in flight."""
+        """Finish every parameter all-gather still in flight (sharded parameters: gather all)."""
+        if self.units is not None:
+            self.units.gather_all()
+            return
         self._wait(list(self._pending))
 
     @property
@@ -117,7 +139,14 @@ class ShardedAdamW:
     def step(self, skip: torch.Tensor | None = None) -> None:
         """Update this rank's shard (unless the 0-dim bool tensor ``skip`` is true, decided on the
         device: :func:`~ptdp.engine.optim.step_unless`), then all-gather every bucket's parameters
-        from all dp ranks (finished here, or with ``overlap_with`` during the next forward)."""
+        from all dp ranks (finished here, or with ``overlap_with`` during the next forward). With
+        ``units`` the shard is the parameters: no all-gather, the gathered copies are freed."""
+        if self.units is not None:
+            step_unless(self.inner, skip)
+            if self._mains:
+                torch._foreach_copy_(self._model_views, self._mains)
+            self.units.invalidate()
+            return
         self.wait_for_params()  # a bucket no forward used (no parameter ran) is still in flight
         step_unless(self.inner, skip)
         if self._mains:

@@ -1,0 +1,343 @@
+"""Parameters sharded over the data-parallel ranks (``--data-parallel-sharding-strategy
+optim_grads_params``, ZeRO-3; Rajbhandari et al., "ZeRO", arXiv:1910.02054, §5.3): a rank keeps
+only its shard of every parameter and gathers a unit's full parameters just while it computes.
+
+Units (:func:`sharding_units`), in forward order per model chunk: the chunk's parameters outside
+its transformer layers (word and position embeddings, final norm, output layer; gathered when the
+chunk's forward starts, the output layer being read at its end), then each transformer layer. The
+gradient buffer is planned so that no bucket spans two units
+(:func:`~ptdp.engine.data_parallel.buckets.plan_buckets`), so a unit is a set of whole buckets and
+rank r's shard of a unit is the r-th ``1/d`` of each of its buckets, the same layout as the
+gradient shard (d = dp x cp, the ``ParallelGroups.dp_cp`` group). Every bucket has a full
+parameter tensor of its own (the parameters are views of it) whose memory exists only while the
+unit is gathered (``untyped_storage().resize_``: the parameters and the tensors autograd saved
+from them stay valid objects, FSDP's idiom); :attr:`ParamUnits.shard` (``[numel / d]``, padding
+included) is what the rank keeps and what the optimizer updates.
+
+Lifetime of a unit's gathered parameters, per microbatch:
+
+- forward: its forward pre-hook waits for its all-gather (issuing it if nobody did) and issues
+  the next unit's (prefetch, forward order); its forward hook frees it (``reshard_after_forward``,
+  the default) and sets a tensor hook on its output;
+- backward: that tensor hook fires when backward reaches the unit's output: it waits for the
+  unit's gather and issues the previous unit's (prefetch, reverse order); the unit is freed when
+  the gradients of all its parameters have been accumulated (post-accumulate hooks: nothing of
+  the unit's backward reads it after that), and at the end of every backward at the latest;
+- recompute (full or selective) runs the forward again inside backward: the pre-hook then only
+  waits for the unit (gathering it if needed) and nothing is freed until the unit's backward;
+- ``reshard_after_forward=False`` (``--no-reshard-after-forward``): a unit gathered for a forward
+  stays gathered until the backward that leaves its model chunk with no microbatch in flight
+  (pipeline schedules run several forwards of a chunk before their backwards);
+- evaluation (no autograd): gathered before and freed after each forward.
+
+Communication (dp axis, tag ``params``): one all-gather per bucket of a unit each time the unit is
+gathered, ``numel / d`` elements from this rank: with resharding ``2 m`` gathers of every unit per
+step for ``m`` microbatches (one per forward, one per backward), without it one per stretch of
+the chunk's microbatches in flight (``m`` at pp = 1); no all-gather after the optimizer step, which
+updates only :attr:`ParamUnits.shard` (:meth:`invalidate` drops the stale gathered copies). The
+gradients are reduce-scattered as with ``optim_grads``. No host synchronisation: the gathers are
+asynchronous handles waited for by the hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ptdp.engine.comm import Handle, all_gather_async
+from ptdp.engine.data_parallel.buckets import Bucket, Segment
+from ptdp.engine.data_parallel.buffer import GradBuffer
+from ptdp.engine.optim import lr_at
+from ptdp.spec import TrainConfig
+
+#: (model chunk index, module whose forward uses them, parameters)
+UnitSpec = tuple[int, nn.Module, list[nn.Parameter]]
+
+
+def param_gather_units(chunks: list[nn.Module]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Who waits for which parameters with ``overlap_param_gather``: each transformer layer for
+    its own; each chunk, when its forward starts, for the rest (embeddings, final norm, output
+    layer: the output weight is read directly, not through a module call)."""
+    return [(module, params) for _, module, params in sharding_units(chunks)]
+
+
+def sharding_units(chunks: list[nn.Module]) -> list[UnitSpec]:
+    """The units of ``chunks`` (``GPTModel`` stages) in forward order: per chunk its parameters
+    outside the transformer layers (when it has any), then each layer's."""
+    units: list[UnitSpec] = []
+    for c, chunk in enumerate(chunks):
+        layers = list(chunk.layers.values())  # type: ignore[union-attr]  # a GPTModel's ModuleDict
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        rest = [p for p in chunk.parameters() if id(p) not in in_layers]
+        if rest:
+            units.append((c, chunk, rest))
+        units.extend((c, layer, list(layer.parameters())) for layer in layers)
+    return units
+
+
+def gradient_units(chunks: list[nn.Module]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Which module's output, reached by backward, allocates which parameters' gradient buckets
+    with ``optim_grads`` (:meth:`GradBuffer.watch`): each transformer layer its own; the word
+    embedding its weight where only the lookup reads it (a first stage without a tied output
+    layer), so that bucket exists only at the end of backward; each chunk the rest when its
+    backward starts (the output layer, read directly, comes first)."""
+    units: list[tuple[nn.Module, list[nn.Parameter]]] = []
+    for chunk in chunks:
+        layers = list(chunk.layers.values())  # type: ignore[union-attr]
+        taken = {id(p) for layer in layers for p in layer.parameters()}
+        lookup = getattr(chunk, "word_embeddings", None)
+        if lookup is not None and chunk.pre_process and (hasattr(chunk, "output_layer") or not chunk.post_process):
+            units.append((lookup, [lookup.weight]))
+            taken.add(id(lookup.weight))
+        units.append((chunk, [p for p in chunk.parameters() if id(p) not in taken]))
+        units.extend((layer, list(layer.parameters())) for layer in layers)
+    return units
+
+
+def unit_index(specs: list[UnitSpec]) -> dict[int, int]:
+    """Parameter id -> index of its unit in ``specs`` (for the bucket plan)."""
+    return {id(p): i for i, (_, _, params) in enumerate(specs) for p in params}
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a recompute's forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass(eq=False)
+class Unit:
+    """One unit: its buckets, their full parameter tensors (memory only while gathered) and their
+    shards in :attr:`ParamUnits.shard`."""
+
+    index: int
+    chunk: int
+    params: list[nn.Parameter]
+    buckets: list[Bucket]
+    fulls: list[torch.Tensor]
+    shards: list[torch.Tensor]
+    gathered: bool = False
+    """Memory allocated and the all-gathers issued (maybe not finished: ``pending``)."""
+    pending: list[Handle] = field(default_factory=list)
+    ready: set[int] = field(default_factory=set)
+    """Parameters whose gradient this backward has accumulated."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(full.numel() * full.element_size() for full in self.fulls)
+
+
+class ParamUnits:
+    """The parameters of a sharded ``grads`` (built with ``shard=True`` and ``unit_of`` from
+    :func:`unit_index` of ``specs``) kept as this rank's shard and gathered unit by unit (module
+    docstring). Moves the parameters out of ``grads.param_data`` (then None) into per-bucket full
+    tensors, keeps this rank's shard of them in :attr:`shard`, and installs the hooks on the
+    modules of ``specs`` and on ``chunks`` (the model chunks, whose microbatches in flight decide
+    when kept units are freed)."""
+
+    def __init__(
+        self, grads: GradBuffer, specs: list[UnitSpec], chunks: list[nn.Module], *, reshard_after_forward: bool = True
+    ) -> None:
+        param_data = grads.param_data
+        if param_data is None:
+            raise ValueError("ParamUnits needs a GradBuffer built with shard=True")
+        self.grads, self.dp, self.reshard = grads, grads.dp, reshard_after_forward
+        d, rank = self.dp.size, self.dp.rank
+        self.shard = torch.empty(param_data.numel() // d, dtype=param_data.dtype, device=param_data.device)
+        of = unit_index(specs)
+        parts: dict[int, list[tuple[Bucket, torch.Tensor, torch.Tensor]]] = {}
+        for bucket in grads.buckets:
+            owners = {of[id(p)] for p in bucket.params}
+            if len(owners) != 1:
+                raise ValueError(
+                    f"bucket {bucket.index} holds parameters of units {sorted(owners)} (plan with unit_of)"
+                )
+            full = param_data[bucket.start : bucket.start + bucket.numel].clone()
+            per = bucket.numel // d
+            shard = self.shard[bucket.start // d : bucket.start // d + per]
+            shard.copy_(full[rank * per : (rank + 1) * per])
+            offset = 0
+            for p in bucket.params:
+                p.data = full[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+            full.untyped_storage().resize_(0)
+            parts.setdefault(owners.pop(), []).append((bucket, full, shard))
+        grads.param_data = None  # the rank keeps the shard only
+        self.units = [
+            Unit(
+                i,
+                c,
+                params,
+                [b for b, _, _ in parts.get(i, [])],
+                [full for _, full, _ in parts.get(i, [])],
+                [shard for _, _, shard in parts.get(i, [])],
+            )
+            for i, (c, _, params) in enumerate(specs)
+        ]
+        self.inflight = [0] * len(chunks)
+        """Microbatches of each chunk whose forward ran and whose backward has not started."""
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
+        """The most gathered parameter bytes at once (host-side bookkeeping), the transient."""
+        self._queued_task: int | None = None
+        self._install(specs, chunks)
+
+    def _install(self, specs: list[UnitSpec], chunks: list[nn.Module]) -> None:
+        order: dict[int, list[Unit]] = {}
+        for unit in self.units:
+            order.setdefault(unit.chunk, []).append(unit)
+        self.next: dict[int, Unit | None] = {}
+        self.prev: dict[int, Unit | None] = {}
+        for seq in order.values():
+            # backward order: the chunk's own unit (if any: gathered when its backward starts and
+            # kept to its end), then the layers back to front
+            own = specs[seq[0].index][1] is chunks[seq[0].chunk]
+            layers = seq[1:] if own else seq
+            for i, unit in enumerate(seq):
+                self.next[unit.index] = seq[i + 1] if i + 1 < len(seq) else None
+            for i, unit in enumerate(layers):
+                self.prev[unit.index] = layers[i - 1] if i > 0 else None
+            if own:
+                self.prev[seq[0].index] = layers[-1] if layers else None
+        for c, chunk in enumerate(chunks):
+            chunk.register_forward_pre_hook(lambda _m, _a, c=c: self._chunk_forward(c))
+            chunk.register_forward_hook(lambda _m, _a, out, c=c: self._chunk_output(c, out))
+        for unit, (_, module, params) in zip(self.units, specs):
+            module.register_forward_pre_hook(lambda _m, _a, u=unit: self._before_forward(u))
+            module.register_forward_hook(lambda _m, _a, out, u=unit: self._after_forward(u, out))
+            for p in params:
+                p.register_post_accumulate_grad_hook(lambda p, u=unit: self._grad_ready(u, p))
+
+    def shard_view(self, seg: Segment) -> torch.Tensor:
+        """This rank's values of segment ``seg`` (``[hi - lo]``, a view of :attr:`shard`)."""
+        return self.shard[seg.shard_offset : seg.shard_offset + seg.hi - seg.lo]
+
+    @property
+    def held_bytes(self) -> int:
+        """Parameter bytes this rank keeps between uses: its shard."""
+        return self.shard.numel() * self.shard.element_size()
+
+    # -- gathering and freeing -------------------------------------------------------------
+
+    def _gather(self, unit: Unit) -> None:
+        """Allocate ``unit``'s full tensors and issue their all-gathers (no-op when gathered)."""
+        if unit.gathered:
+            return
+        for full, shard in zip(unit.fulls, unit.shards):
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            unit.pending.append(all_gather_async(full, shard, self.dp, tag="params"))
+        unit.gathered = True
+        self.live_bytes += unit.nbytes
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+
+    def _wait(self, unit: Unit) -> None:
+        """Gather ``unit`` if needed and finish its all-gathers."""
+        self._gather(unit)
+        while unit.pending:
+            unit.pending.pop(0).wait()
+
+    def _free(self, unit: Unit) -> None:
+        """Release ``unit``'s full tensors (after finishing a gather still in flight)."""
+        if not unit.gathered:
+            return
+        while unit.pending:
+            unit.pending.pop(0).wait()
+        for full in unit.fulls:
+            full.untyped_storage().resize_(0)
+        unit.gathered = False
+        self.live_bytes -= unit.nbytes
+
+    def gather_all(self) -> None:
+        """Gather every unit and finish (to read the parameters outside a forward: checkpoints,
+        tests); the next forward of each unit frees it again, as does :meth:`invalidate`."""
+        for unit in self.units:
+            self._gather(unit)
+        for unit in self.units:
+            self._wait(unit)
+
+    def invalidate(self) -> None:
+        """Free every gathered unit: after the optimizer updated :attr:`shard` their copies are stale."""
+        for unit in self.units:
+            self._free(unit)
+            unit.ready.clear()
+
+    def take_shards(self) -> None:
+        """After the full parameters were written in place (a checkpoint loaded into them, every
+        unit gathered): keep this rank's part of them in :attr:`shard`."""
+        rank = self.dp.rank
+        for unit in self.units:
+            self._wait(unit)
+            for full, shard in zip(unit.fulls, unit.shards):
+                shard.copy_(full[rank * shard.numel() : (rank + 1) * shard.numel()])
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _keep(self, unit: Unit) -> bool:
+        return not self.reshard and self.inflight[unit.chunk] > 0
+
+    def _chunk_forward(self, chunk: int) -> None:
+        if torch.is_grad_enabled() and not in_backward():
+            self.inflight[chunk] += 1
+
+    def _chunk_output(self, chunk: int, out) -> None:
+        if isinstance(out, torch.Tensor) and out.requires_grad and not in_backward():
+            out.register_hook(lambda _grad: self._chunk_backward(chunk))
+
+    def _chunk_backward(self, chunk: int) -> None:
+        self.inflight[chunk] -= 1
+        task = torch._C._current_graph_task_id()
+        if task != self._queued_task:  # once per backward: free what its hooks did not
+            self._queued_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._queued_task = None
+        for unit in self.units:
+            unit.ready.clear()
+            if not self._keep(unit):
+                self._free(unit)
+
+    def _before_forward(self, unit: Unit) -> None:
+        self._wait(unit)
+        following = self.next[unit.index]
+        if following is not None and not in_backward():  # a recompute gathers what it runs
+            self._gather(following)
+
+    def _after_forward(self, unit: Unit, out) -> None:
+        if in_backward():  # a recompute: the unit's backward comes next
+            return
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda _grad: self._before_backward(unit))
+            if self.reshard:
+                self._free(unit)
+        else:
+            self._free(unit)
+
+    def _before_backward(self, unit: Unit) -> None:
+        self._wait(unit)
+        previous = self.prev[unit.index]
+        if previous is not None:
+            self._gather(previous)
+
+    def _grad_ready(self, unit: Unit, param: torch.Tensor) -> None:
+        unit.ready.add(id(param))
+        if len(unit.ready) == len(unit.params):
+            unit.ready.clear()
+            if not self._keep(unit):
+                self._free(unit)
+
+
+def sharded_params_optimizer(units: ParamUnits, cfg: TrainConfig):
+    """The :class:`~ptdp.engine.data_parallel.zero.ShardedAdamW` of a stage whose parameters
+    ``units`` shard (AdamW settings of ``cfg`` as :func:`~ptdp.engine.optim.build_optimizer`'s)."""
+    from ptdp.engine.data_parallel.zero import ShardedAdamW
+
+    return ShardedAdamW(
+        units.grads,
+        weight_decay=cfg.weight_decay,
+        units=units,
+        lr=lr_at(0, cfg),
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+    )
