@@ -179,7 +179,8 @@ class ParamUnits:
         """Microbatches of each chunk whose forward ran and whose backward has not started."""
         self.live_bytes = 0
         self.peak_live_bytes = 0
-        """The most gathered parameter bytes at once (host-side bookkeeping), the transient."""
+        """The most gathered parameter bytes at once in forward and backward (host-side
+        bookkeeping; :meth:`gather_all` not counted): the transient."""
         self._queued_task: int | None = None
         self._install(specs, chunks)
 
@@ -250,11 +251,14 @@ class ParamUnits:
 
     def gather_all(self) -> None:
         """Gather every unit and finish (to read the parameters outside a forward: checkpoints,
-        tests); the next forward of each unit frees it again, as does :meth:`invalidate`."""
+        tests); the next forward of each unit frees it again, as does :meth:`invalidate`. Not
+        counted in :attr:`peak_live_bytes` (the training transient)."""
+        peak = self.peak_live_bytes
         for unit in self.units:
             self._gather(unit)
         for unit in self.units:
             self._wait(unit)
+        self.peak_live_bytes = peak
 
     def invalidate(self) -> None:
         """Free every gathered unit: after the optimizer updated :attr:`shard` their copies are stale."""

@@ -373,6 +373,7 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
         raise CheckpointError(f"loading checkpoint {folder} failed: {_first_line(err)}") from err
     for p in params:  # 16-bit runs saved float32 main parameters: the exact values
         p.copy_(tensors[id(p)].get("main", wide[id(p)]))
+    stage.params_written()  # optim_grads_params: the rank keeps its shard of what was loaded
     kinds = state_kinds(stage.optimizer)
     step = int(sd["optim/step"]) if load_optimizer and "exp_avg" in saved_kinds else 0
     for p in params:  # fresh Adam state (step 0) unless loaded; 16-bit main copies always set

@@ -1,0 +1,119 @@
+"""``--data-parallel-sharding-strategy optim_grads_params`` (ZeRO-3) trains exactly like one process
+without sharding (float64, 3 AdamW steps, clipping firing, 2-4 microbatches accumulated per step):
+losses, gradient norms and every parameter within 1e-9 at (tp, pp, dp) = (1,1,4), (2,1,2), (1,2,2),
+(2,2,2), with the interleaved schedule at pp = 2, full recompute with sequence parallelism (the
+Llama-like model) at (2,1,2), selective recompute with the gathered parameters kept from forward
+to backward (``--no-reshard-after-forward``) at (1,1,4) and (1,2,2), context parallelism at (tp,
+cp, pp, dp) = (1,2,1,2), and bf16 weights within bf16 precision at (2,2,2)
+(:data:`helpers.zero_cases.RUNS`). Each rank keeps 1/dp of the parameters, gradients and
+optimizer state as the planner counts them, and one step communicates exactly the gradient
+reduce-scatters and the unit all-gathers the formula gives. The runs share the jobs of
+``test_sharded_grads`` (:mod:`helpers.zero_cases`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.zero_cases import (
+    CP_LAYOUT,
+    CP_PARAMS_VARIANT,
+    LAYOUTS,
+    VARIANTS,
+    check_against_reference,
+    variants,
+    world_results,
+    zero_config,
+)
+from ptdp.engine.pipeline.program import build_programs
+from ptdp.engine.pipeline.schedule import Action
+from ptdp.run.planner_report import compare
+
+STRATEGY = "optim_grads_params"
+CASES = [(world, layout) for world, layouts in LAYOUTS.items() for layout in layouts]
+IDS = ["tp{}pp{}dp{}".format(*layout) for _, layout in CASES]
+
+
+def _results(world: int, layout: tuple) -> list[dict]:
+    return [rank_results[layout] for rank_results in world_results(world)]
+
+
+@pytest.mark.parametrize("world, layout", CASES, ids=IDS)
+def test_optim_grads_params_trains_like_one_process(world, layout):
+    names = variants(*layout, STRATEGY)
+    assert names
+    for name in names:
+        check_against_reference(_results(world, layout), name)
+
+
+def test_optim_grads_params_with_context_parallelism_trains_like_one_process():
+    """(tp, cp, pp, dp) = (1,2,1,2): parameters and gradients sharded over the 4 dp x cp ranks."""
+    results = _results(4, CP_LAYOUT)
+    check_against_reference(results, CP_PARAMS_VARIANT)
+    for res in results:
+        m = res[CP_PARAMS_VARIANT]["measured"]
+        assert m["params"] == m["grads"] == 8 * (m["numel"] + m["padding"]) // 4, m
+
+
+@pytest.mark.parametrize("world, layout", CASES, ids=IDS)
+def test_optim_grads_params_keeps_a_shard_as_the_planner_counts(world, layout):
+    """Bytes per rank: parameters, gradients and optimizer state each 1/dp of the stage's (plus
+    bucket padding; float64: 8, 8 and 16 bytes per parameter, bf16: 2, 4 and 12); equal to the
+    planner's on every rank (bf16). The gathered transient is counted."""
+    results = _results(world, layout)
+    dp = layout[2]
+    for name in variants(*layout, STRATEGY):
+        bf16 = VARIANTS[name][0] == "bfloat16"
+        per_param = (2, 4, 12) if bf16 else (8, 8, 16)
+        if bf16:  # the planner models bf16, not float64
+            check = compare(zero_config(name, *layout), [res[name]["measured"] for res in results], None, None)
+            assert check["bytes_exact_on_every_rank"], check["ranks"]
+        for res in results:
+            m = res[name]["measured"]
+            held = m["numel"] + m["padding"]
+            assert (m["params"], m["grads"], m["optimizer"]) == tuple(b * held // dp for b in per_param), (name, m)
+            whole = per_param[0] * held
+            if zero_config(name, *layout).parallel.reshard_after_forward:
+                assert 0 < m["params_transient"] <= whole, (name, m["params_transient"], whole)
+
+
+def _gathers_per_unit(cfg, pp_rank: int, m: int) -> int:
+    """How often each unit of this pp rank is gathered in one step (each chunk's units alike):
+    with resharding once per forward and once per backward (2 m); kept, once per stretch of the
+    program during which the unit's chunk has a microbatch in flight (forward run, backward not)."""
+    v = cfg.parallel.virtual_stages(cfg.model.num_layers)
+    if cfg.parallel.reshard_after_forward:
+        return 2 * m
+    program = build_programs(cfg.parallel.schedule, cfg.parallel.pp, m, v)[pp_rank]
+    inflight, stretches = [0] * v, [0] * v
+    for step in program:
+        if isinstance(step, Action) and step.kind == "forward":
+            stretches[step.chunk] += inflight[step.chunk] == 0
+            inflight[step.chunk] += 1
+        elif isinstance(step, Action) and step.kind == "backward":
+            inflight[step.chunk] -= 1
+    assert len(set(stretches)) == 1, stretches
+    return stretches[0]
+
+
+@pytest.mark.parametrize("world, layout", CASES, ids=IDS)
+def test_one_step_communicates_as_the_formula_says(world, layout):
+    """Step 0 on the dp axis: each backward reduce-scatters every bucket (m times the gradient
+    elements per step); each unit is all-gathered 2 m times (once per forward, once per
+    backward), or with --no-reshard-after-forward once per stretch of microbatches in flight (m at
+    pp = 1, fewer under 1F1B on an earlier stage), this rank sending its 1/dp share of the stage's
+    parameters each time; no all-gather after the optimizer step; no gradient all-reduce."""
+    dp = layout[2]
+    for name in variants(*layout, STRATEGY):
+        cfg = zero_config(name, *layout)
+        m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+        for res in _results(world, layout):
+            run, pp_rank = res[name], res[name]["coords"][2]
+            comm = run["comm"]
+            rs, gathers = comm["dp/reduce_scatter/grads"], comm["dp/all_gather/params"]
+            assert "dp/all_reduce/grads" not in comm, comm
+            assert rs["numel"] == m * run["grad_numel"], (name, rs, m)
+            times = _gathers_per_unit(cfg, pp_rank, m)
+            if layout[1] == 1:
+                assert times == (2 * m if cfg.parallel.reshard_after_forward else m)
+            assert gathers["numel"] == times * run["grad_numel"] // dp, (name, gathers, times)
+            assert gathers["calls"] == times * rs["calls"] // m, (name, gathers, rs)  # every bucket, each time
