@@ -41,9 +41,10 @@ class RankBytes:
 
 
 def rank_estimates(config: Config) -> list[RankBytes]:
-    """Bytes of one tp (and cp) rank of each pipeline stage of the resolved ``config`` (planner model;
-    float64 counted as twice float32)."""
-    from ptdp.planner.memory import bytes_per_param, rank_activation_bytes, stage_activation_bytes, stage_param_counts
+    """Bytes of one tp (and cp) rank of each pipeline stage of the resolved ``config`` (planner model:
+    parameters, gradients and optimizer state as the run's sharding strategy keeps them over the
+    dp x cp ranks, transients included; float64 counted as twice float32)."""
+    from ptdp.planner.memory import rank_activation_bytes, rank_state_bytes, stage_activation_bytes, stage_param_counts
     from ptdp.planner.models import spec_from_model_config
     from ptdp.planner.plan import Layout
 
@@ -65,12 +66,12 @@ def rank_estimates(config: Config) -> list[RankBytes]:
         layer_split=split,
         cp=p.cp,
         cp_comm_type=p.cp_comm_type,
+        sharding=p.sharding_strategy,
     )
     layers = stage_layer_counts(m.num_layers, p.pp, split)
     counts = stage_param_counts(
         model, p.tp, p.pp, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, layer_split=split
     )
-    pb, gb, ob = bytes_per_param(precision, p.dp * p.cp, p.use_distributed_optimizer)  # ZeRO-1 over dp x cp
     activation_bytes = rank_activation_bytes if p.cp > 1 else stage_activation_bytes
     schedule = "gpipe" if p.schedule == "gpipe" else "1f1b"
     out = []
@@ -83,7 +84,9 @@ def rank_estimates(config: Config) -> list[RankBytes]:
             schedule=schedule,
             make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         )
-        out.append(RankBytes(stage, scale * n * pb, scale * n * gb, scale * n * ob, scale * act))
+        # the run's sharding strategy over dp x cp, with its transients (a gradient bucket, gathered units)
+        params, grads, optimizer = rank_state_bytes(model, layout, n, n_layers)
+        out.append(RankBytes(stage, scale * params, scale * grads, scale * optimizer, scale * act))
     return out
 
 
@@ -109,6 +112,16 @@ def _alternatives(config: Config) -> list[tuple[str, Config]]:
                 "--use-distributed-optimizer",
                 dataclasses.replace(config, parallel=dataclasses.replace(p, use_distributed_optimizer=True)),
             )
+        )
+    if p.sharding_strategy != "optim_grads_params" and p.dp * p.cp > 1 and p.grad_compression != "1bit":
+        zero3 = dataclasses.replace(
+            p,
+            data_parallel_sharding_strategy="optim_grads_params",
+            use_distributed_optimizer=True,
+            overlap_param_gather=False,
+        )
+        out.append(
+            ("--data-parallel-sharding-strategy optim_grads_params", dataclasses.replace(config, parallel=zero3))
         )
     if m.recompute_granularity != "full":
         out.append(
