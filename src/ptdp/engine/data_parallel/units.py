@@ -52,28 +52,56 @@ from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.optim import lr_at
 from ptdp.spec import TrainConfig
 
-#: (model chunk index, module whose forward uses them, parameters)
-UnitSpec = tuple[int, nn.Module, list[nn.Parameter]]
+
+@dataclass(frozen=True, eq=False)
+class UnitSpec:
+    """Where a unit's parameters are used in a model chunk's forward: from ``start``'s forward
+    pre-hook to ``end``'s forward hook (``end`` None: until the next unit starts, whose input is
+    then the unit's output)."""
+
+    chunk: int
+    params: list[nn.Parameter]
+    start: nn.Module
+    end: nn.Module | None
 
 
 def param_gather_units(chunks: list[nn.Module]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
     """Who waits for which parameters with ``overlap_param_gather``: each transformer layer for
     its own; each chunk, when its forward starts, for the rest (embeddings, final norm, output
     layer: the output weight is read directly, not through a module call)."""
-    return [(module, params) for _, module, params in sharding_units(chunks)]
+    units: list[tuple[nn.Module, list[nn.Parameter]]] = []
+    for chunk in chunks:
+        layers = list(chunk.layers.values())  # type: ignore[union-attr]  # a GPTModel's ModuleDict
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        units.append((chunk, [p for p in chunk.parameters() if id(p) not in in_layers]))
+        units.extend((layer, list(layer.parameters())) for layer in layers)
+    return units
 
 
 def sharding_units(chunks: list[nn.Module]) -> list[UnitSpec]:
-    """The units of ``chunks`` (``GPTModel`` stages) in forward order: per chunk its parameters
-    outside the transformer layers (when it has any), then each layer's."""
+    """The units of ``chunks`` (``GPTModel`` stages), per chunk in forward order: the embeddings
+    (word embedding where the lookup alone reads it, learned positions; until the first layer
+    starts), each transformer layer, and the head (final norm, output layer, or the tied word
+    embedding the output layer reads; from the final norm to the end of the chunk's forward, the
+    loss included). A chunk that looks up and projects with one tied word embedding (pp = 1) has
+    one unit for both, from the start to the end of its forward."""
     units: list[UnitSpec] = []
     for c, chunk in enumerate(chunks):
         layers = list(chunk.layers.values())  # type: ignore[union-attr]  # a GPTModel's ModuleDict
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
         rest = [p for p in chunk.parameters() if id(p) not in in_layers]
-        if rest:
-            units.append((c, chunk, rest))
-        units.extend((c, layer, list(layer.parameters())) for layer in layers)
+        layer_units = [UnitSpec(c, list(layer.parameters()), layer, layer) for layer in layers]
+        lookup = getattr(chunk, "word_embeddings", None)
+        projects = lookup is not None and chunk.post_process and not hasattr(chunk, "output_layer")
+        if projects and chunk.pre_process:  # one table read first and last
+            units += [UnitSpec(c, rest, chunk, chunk), *layer_units]
+            continue
+        head_modules = [getattr(chunk, n) for n in ("final_norm", "output_layer") if hasattr(chunk, n)]
+        head = [p for m in head_modules for p in m.parameters()] + ([lookup.weight] if projects else [])
+        embed = [p for p in rest if all(p is not q for q in head)]
+        units += [UnitSpec(c, embed, chunk, None)] if embed else []
+        units += layer_units
+        units += [UnitSpec(c, head, chunk.final_norm, chunk)] if head else []
     return units
 
 
@@ -98,7 +126,7 @@ def gradient_units(chunks: list[nn.Module]) -> list[tuple[nn.Module, list[nn.Par
 
 def unit_index(specs: list[UnitSpec]) -> dict[int, int]:
     """Parameter id -> index of its unit in ``specs`` (for the bucket plan)."""
-    return {id(p): i for i, (_, _, params) in enumerate(specs) for p in params}
+    return {id(p): i for i, spec in enumerate(specs) for p in spec.params}
 
 
 def in_backward() -> bool:
@@ -173,7 +201,7 @@ class ParamUnits:
                 [full for _, full, _ in parts.get(i, [])],
                 [shard for _, _, shard in parts.get(i, [])],
             )
-            for i, (c, _, params) in enumerate(specs)
+            for i, (c, params) in enumerate((spec.chunk, spec.params) for spec in specs)
         ]
         self.inflight = [0] * len(chunks)
         """Microbatches of each chunk whose forward ran and whose backward has not started."""
@@ -188,26 +216,30 @@ class ParamUnits:
         order: dict[int, list[Unit]] = {}
         for unit in self.units:
             order.setdefault(unit.chunk, []).append(unit)
-        self.next: dict[int, Unit | None] = {}
-        self.prev: dict[int, Unit | None] = {}
+        self.next: dict[int, Unit | None] = {}  # forward order: prefetched when a unit starts
+        self.prev: dict[int, Unit | None] = {}  # backward order: prefetched when backward reaches a unit
+        self.ends_here: dict[int, Unit] = {}  # unit -> the unit (spec.end None) whose use its start ends
         for seq in order.values():
-            # backward order: the chunk's own unit (if any: gathered when its backward starts and
-            # kept to its end), then the layers back to front
-            own = specs[seq[0].index][1] is chunks[seq[0].chunk]
-            layers = seq[1:] if own else seq
             for i, unit in enumerate(seq):
                 self.next[unit.index] = seq[i + 1] if i + 1 < len(seq) else None
-            for i, unit in enumerate(layers):
-                self.prev[unit.index] = layers[i - 1] if i > 0 else None
-            if own:
-                self.prev[seq[0].index] = layers[-1] if layers else None
+                if i > 0 and specs[seq[i - 1].index].end is None:
+                    self.ends_here[unit.index] = seq[i - 1]
+            # backward: the unit ending with the chunk first (gathered when the chunk's backward
+            # starts; one that also started with the chunk is held to its end), then the others
+            # back to front
+            chunk = chunks[seq[0].chunk]
+            backward = [u for u in seq if specs[u.index].end is chunk]
+            backward += [u for u in reversed(seq) if specs[u.index].end is not chunk]
+            for i, unit in enumerate(backward):
+                self.prev[unit.index] = backward[i + 1] if i + 1 < len(backward) else None
         for c, chunk in enumerate(chunks):
             chunk.register_forward_pre_hook(lambda _m, _a, c=c: self._chunk_forward(c))
             chunk.register_forward_hook(lambda _m, _a, out, c=c: self._chunk_output(c, out))
-        for unit, (_, module, params) in zip(self.units, specs):
-            module.register_forward_pre_hook(lambda _m, _a, u=unit: self._before_forward(u))
-            module.register_forward_hook(lambda _m, _a, out, u=unit: self._after_forward(u, out))
-            for p in params:
+        for unit, spec in zip(self.units, specs):
+            spec.start.register_forward_pre_hook(lambda _m, args, u=unit: self._before_forward(u, args))
+            if spec.end is not None:
+                spec.end.register_forward_hook(lambda _m, _a, out, u=unit: self._after_forward(u, out))
+            for p in spec.params:
                 p.register_post_accumulate_grad_hook(lambda p, u=unit: self._grad_ready(u, p))
 
     def shard_view(self, seg: Segment) -> torch.Tensor:
@@ -302,7 +334,10 @@ class ParamUnits:
             if not self._keep(unit):
                 self._free(unit)
 
-    def _before_forward(self, unit: Unit) -> None:
+    def _before_forward(self, unit: Unit, args: tuple) -> None:
+        ended = self.ends_here.get(unit.index)
+        if ended is not None and args and isinstance(args[0], torch.Tensor):  # its output is this input
+            self._after_forward(ended, args[0])
         self._wait(unit)
         following = self.next[unit.index]
         if following is not None and not in_backward():  # a recompute gathers what it runs
