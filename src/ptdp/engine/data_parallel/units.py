@@ -2,9 +2,10 @@
 optim_grads_params``, ZeRO-3; Rajbhandari et al., "ZeRO", arXiv:1910.02054, §5.3): a rank keeps
 only its shard of every parameter and gathers a unit's full parameters just while it computes.
 
-Units (:func:`sharding_units`), in forward order per model chunk: the chunk's parameters outside
-its transformer layers (word and position embeddings, final norm, output layer; gathered when the
-chunk's forward starts, the output layer being read at its end), then each transformer layer. The
+Units (:func:`sharding_units`), in forward order per model chunk: its embeddings (gathered when
+the chunk's forward starts, used until the first layer starts), each transformer layer, and its
+head (final norm and output layer, from the final norm to the end of the loss); one unit of all
+but the layers where one tied word embedding is looked up first and projected last. The
 gradient buffer is planned so that no bucket spans two units
 (:func:`~ptdp.engine.data_parallel.buckets.plan_buckets`), so a unit is a set of whole buckets and
 rank r's shard of a unit is the r-th ``1/d`` of each of its buckets, the same layout as the
@@ -17,8 +18,8 @@ included) is what the rank keeps and what the optimizer updates.
 Lifetime of a unit's gathered parameters, per microbatch:
 
 - forward: its forward pre-hook waits for its all-gather (issuing it if nobody did) and issues
-  the next unit's (prefetch, forward order); its forward hook frees it (``reshard_after_forward``,
-  the default) and sets a tensor hook on its output;
+  the next unit's (prefetch, forward order); its forward hook (for the embeddings: the next unit's
+  pre-hook) frees it (``reshard_after_forward``, the default) and sets a tensor hook on its output;
 - backward: that tensor hook fires when backward reaches the unit's output: it waits for the
   unit's gather and issues the previous unit's (prefetch, reverse order); the unit is freed when
   the gradients of all its parameters have been accumulated (post-accumulate hooks: nothing of
