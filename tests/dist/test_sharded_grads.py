@@ -20,6 +20,7 @@ from helpers.dist_helpers import run_in_pool
 from helpers.zero_cases import (
     CP_LAYOUT,
     CP_VARIANT,
+    FP16_STRATEGIES,
     LAYOUTS,
     ROUND_TRIPS,
     check_against_reference,
@@ -127,13 +128,17 @@ def test_checkpoints_cross_strategies_and_dp_sizes(tmp_path):
 
 
 def test_fp16_overflow_in_one_shard_skips_the_step_everywhere():
-    """float16 with optim_grads: an inf in one rank's gradient shard skips the step on every rank
-    as float16's overflow (parameters unchanged, scale halved everywhere); the next step trains at
-    the halved scale and makes no call that would synchronise the host on a GPU."""
+    """float16 with optim_grads and with optim_grads_params: an inf in one rank's gradient shard
+    skips the step on every rank as float16's overflow (parameters unchanged, scale halved
+    everywhere); the next step trains at the halved scale and makes no call that would
+    synchronise the host on a GPU."""
     from ptdp.engine.step import FP16_OVERFLOW
 
-    for res in run_in_pool(fp16_worker, 4):
-        assert res["skipped"] and res["reason"] == FP16_OVERFLOW and res["unchanged"], res
-        assert res["scales"] == (2.0**16, 2.0**15) and res["used"] == 2.0**16, res
-        assert not res["good_skipped"] and res["good_used"] == 2.0**15 and res["changed_after_good"], res
-        assert res["syncs"] == [] and res["loss"] > 0, res
+    for rank_results in run_in_pool(fp16_worker, 4):
+        assert sorted(rank_results) == sorted(FP16_STRATEGIES)
+        for strategy, res in rank_results.items():
+            assert res["skipped"] and res["reason"] == FP16_OVERFLOW and res["unchanged"], (strategy, res)
+            assert res["scales"] == (2.0**16, 2.0**15) and res["used"] == 2.0**16, (strategy, res)
+            assert not res["good_skipped"] and res["good_used"] == 2.0**15, (strategy, res)
+            assert res["changed_after_good"], (strategy, res)
+            assert res["syncs"] == [] and res["loss"] > 0, (strategy, res)

@@ -270,8 +270,17 @@ def check_against_reference(results: list[dict], name: str) -> None:
         torch.testing.assert_close(got[key], want[key], **TOL["float64"], msg=lambda m, key=key: f"{name} {key}: {m}")
 
 
+#: the strategies the float16 overflow case runs (one job)
+FP16_STRATEGIES = ("optim_grads", "optim_grads_params")
+
+
 def fp16_worker(rank: int, world: int) -> dict:
-    """float16 with optim_grads at (1,1,4), 2 microbatches per step: an inf put into rank 3's
+    """:func:`fp16_case` with each of :data:`FP16_STRATEGIES`: ``{strategy: result}``."""
+    return {strategy: fp16_case(strategy) for strategy in FP16_STRATEGIES}
+
+
+def fp16_case(strategy: str) -> dict:
+    """float16 with ``strategy`` at (1,1,4), 2 microbatches per step: an inf put into rank 3's
     gradient shard after the reduction (before unscaling) at step 0, then a good step counted for
     host synchronisations (:mod:`helpers.host_sync`)."""
     import torch
@@ -287,7 +296,7 @@ def fp16_worker(rank: int, world: int) -> dict:
         "float16",
         train_overrides={"micro_batch_size": 1},
         parallel_overrides={
-            "data_parallel_sharding_strategy": "optim_grads",
+            "data_parallel_sharding_strategy": strategy,
             "ddp_bucket_size": 901,
             "overlap_grad_reduce": True,
         },
