@@ -26,11 +26,14 @@ Transients on top (:func:`stage_state_bytes`), per rank:
   (bucket: ``--ddp-bucket-size``, 40 M elements by default).
 * ``optim_grads_params``: parameters are all-gathered one unit at a time (a unit: one
   transformer layer, or the stage's embedding / output layer and final norm together when
-  larger); the unit in use and the next one prefetched exist in full (``2 w * unit``), and the
-  unit whose gradients are being reduce-scattered (``g * unit``). Units are resharded after
-  forward (``reshard_after_forward``, the FSDP default), so with pipeline parallelism the
-  gathers repeat for every microbatch, in forward and again in backward; keeping them gathered
-  (``--no-reshard-after-forward`` in FSDP) is not modelled.
+  larger; ptdp's units are the layers, the embeddings and the head, one unit for the two where
+  a single stage looks up and projects with one tied table: ``engine/data_parallel/units.py``,
+  so this is an upper bound where a stage has both); the unit in use and the next one
+  prefetched exist in full (``2 w * unit``), and the unit whose gradients are being
+  reduce-scattered (``g * unit``). Units are resharded after forward (``reshard_after_forward``,
+  the FSDP default and ptdp's), so with pipeline parallelism the gathers repeat for every
+  microbatch, in forward and again in backward; keeping them gathered (ptdp's
+  ``--no-reshard-after-forward``) is not modelled.
 
 Communication per step (:func:`sharded_dp_times`; ring collectives over the ``d`` ranks, NVLink
 inside the node and the network across, as :func:`ptdp.planner.comm.hierarchical_all_reduce_time`):
@@ -53,7 +56,9 @@ inside the node and the network across, as :func:`ptdp.planner.comm.hierarchical
 * ``optim_grads_params``: the same reduce-scatters, no weight all-gather after the step, and per
   microbatch two all-gathers of every unit (forward, backward), each prefetched behind the
   previous unit's compute: the first unit's gather is exposed, every other unit's only by what
-  it exceeds one layer's compute.
+  it exceeds one layer's compute. In elements, what ptdp counts on one rank per step for a stage
+  of ``N`` gradient elements (padded) and ``m`` microbatches: ``m * N`` reduce-scattered and
+  ``2 m * N / d`` all-gathered (``tests/dist/test_sharded_params.py``).
 """
 
 from __future__ import annotations
