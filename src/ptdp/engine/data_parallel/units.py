@@ -42,7 +42,9 @@ asynchronous handles waited for by the hooks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -52,6 +54,9 @@ from ptdp.engine.data_parallel.buckets import Bucket, Segment
 from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.optim import lr_at
 from ptdp.spec import TrainConfig
+
+if TYPE_CHECKING:
+    from ptdp.engine.model.gpt import GPTModel
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,20 +71,20 @@ class UnitSpec:
     end: nn.Module | None
 
 
-def param_gather_units(chunks: list[nn.Module]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+def param_gather_units(chunks: Sequence[GPTModel]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
     """Who waits for which parameters with ``overlap_param_gather``: each transformer layer for
     its own; each chunk, when its forward starts, for the rest (embeddings, final norm, output
     layer: the output weight is read directly, not through a module call)."""
     units: list[tuple[nn.Module, list[nn.Parameter]]] = []
     for chunk in chunks:
-        layers = list(chunk.layers.values())  # type: ignore[union-attr]  # a GPTModel's ModuleDict
+        layers = list(chunk.layers.values())
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
         units.append((chunk, [p for p in chunk.parameters() if id(p) not in in_layers]))
         units.extend((layer, list(layer.parameters())) for layer in layers)
     return units
 
 
-def sharding_units(chunks: list[nn.Module]) -> list[UnitSpec]:
+def sharding_units(chunks: Sequence[GPTModel]) -> list[UnitSpec]:
     """The units of ``chunks`` (``GPTModel`` stages), per chunk in forward order: the embeddings
     (word embedding where the lookup alone reads it, learned positions; until the first layer
     starts), each transformer layer, and the head (final norm, output layer, or the tied word
@@ -88,7 +93,7 @@ def sharding_units(chunks: list[nn.Module]) -> list[UnitSpec]:
     one unit for both, from the start to the end of its forward."""
     units: list[UnitSpec] = []
     for c, chunk in enumerate(chunks):
-        layers = list(chunk.layers.values())  # type: ignore[union-attr]  # a GPTModel's ModuleDict
+        layers = list(chunk.layers.values())
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
         rest = [p for p in chunk.parameters() if id(p) not in in_layers]
         layer_units = [UnitSpec(c, list(layer.parameters()), layer, layer) for layer in layers]
@@ -98,15 +103,18 @@ def sharding_units(chunks: list[nn.Module]) -> list[UnitSpec]:
             units += [UnitSpec(c, rest, chunk, chunk), *layer_units]
             continue
         head_modules = [getattr(chunk, n) for n in ("final_norm", "output_layer") if hasattr(chunk, n)]
-        head = [p for m in head_modules for p in m.parameters()] + ([lookup.weight] if projects else [])
-        embed = [p for p in rest if all(p is not q for q in head)]
+        head = [p for m in head_modules for p in m.parameters()]
+        if projects and lookup is not None:  # the last stage's copy of the tied table
+            head.append(lookup.weight)
+        in_head = {id(p) for p in head}
+        embed = [p for p in rest if id(p) not in in_head]
         units += [UnitSpec(c, embed, chunk, None)] if embed else []
         units += layer_units
         units += [UnitSpec(c, head, chunk.final_norm, chunk)] if head else []
     return units
 
 
-def gradient_units(chunks: list[nn.Module]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+def gradient_units(chunks: Sequence[GPTModel]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
     """Which module's output, reached by backward, allocates which parameters' gradient buckets
     with ``optim_grads`` (:meth:`GradBuffer.watch`): each transformer layer its own; the word
     embedding its weight where only the lookup reads it (a first stage without a tied output
@@ -114,7 +122,7 @@ def gradient_units(chunks: list[nn.Module]) -> list[tuple[nn.Module, list[nn.Par
     backward starts (the output layer, read directly, comes first)."""
     units: list[tuple[nn.Module, list[nn.Parameter]]] = []
     for chunk in chunks:
-        layers = list(chunk.layers.values())  # type: ignore[union-attr]
+        layers = list(chunk.layers.values())
         taken = {id(p) for layer in layers for p in layer.parameters()}
         lookup = getattr(chunk, "word_embeddings", None)
         if lookup is not None and chunk.pre_process and (hasattr(chunk, "output_layer") or not chunk.post_process):
@@ -166,7 +174,12 @@ class ParamUnits:
     when kept units are freed)."""
 
     def __init__(
-        self, grads: GradBuffer, specs: list[UnitSpec], chunks: list[nn.Module], *, reshard_after_forward: bool = True
+        self,
+        grads: GradBuffer,
+        specs: list[UnitSpec],
+        chunks: Sequence[nn.Module],
+        *,
+        reshard_after_forward: bool = True,
     ) -> None:
         param_data = grads.param_data
         if param_data is None:
@@ -213,7 +226,7 @@ class ParamUnits:
         self._queued_task: int | None = None
         self._install(specs, chunks)
 
-    def _install(self, specs: list[UnitSpec], chunks: list[nn.Module]) -> None:
+    def _install(self, specs: list[UnitSpec], chunks: Sequence[nn.Module]) -> None:
         order: dict[int, list[Unit]] = {}
         for unit in self.units:
             order.setdefault(unit.chunk, []).append(unit)
