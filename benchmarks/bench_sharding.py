@@ -7,8 +7,11 @@ into ``plain_gpt.PlainGPT`` for FSDP2) and trains on the same random token batch
 ``B``, this rank's contiguous quarter, ``m = B / (b * dp)`` microbatches accumulated per step,
 global-norm clipping, AdamW, float32.
 
-- ptdp ``no_shard``, ``optim`` (ZeRO-1) and ``optim_grads`` (ZeRO-2), buckets of
-  ``--bucket-size`` elements reduced during backward (``--overlap-grad-reduce``);
+- ptdp ``no_shard``, ``optim`` (ZeRO-1), ``optim_grads`` (ZeRO-2) and ``optim_grads_params``
+  (ZeRO-3: each unit, a transformer layer, the embeddings or the head, all-gathered before its
+  forward and again before its backward; ``optim_grads_params_kept`` with
+  ``--no-reshard-after-forward``), buckets of ``--bucket-size`` elements reduced during backward
+  (``--overlap-grad-reduce``);
 - FSDP2: ``fully_shard`` on every transformer block and on the whole model (its default
   ``reshard_after_forward=True``, so parameters are sharded too: ZeRO-3), reduce-scatter in
   every microbatch's backward, ``clip_grad_norm_`` over its DTensor gradients, ``torch.optim.AdamW``.
@@ -18,8 +21,9 @@ otherwise). Then steps rotate (a, b, c, d), (b, c, d, a), ... so machine noise h
 time = slowest rank's after a barrier. Reported: median step time and its ratio to ``no_shard``,
 and the bytes each rank keeps between steps: parameters, gradients, optimizer state (ptdp:
 :func:`ptdp.run.planner_report.measure_stage`; FSDP2: the local tensors of its DTensor parameters,
-gradients and AdamW state), and ptdp's gradient transient under ``optim_grads`` (the most bucket
-bytes allocated at once during a backward). The processes' peak RSS is not reported: all variants
+gradients and AdamW state), ptdp's gradient transient under ``optim_grads`` and
+``optim_grads_params`` (the most bucket bytes allocated at once during a backward) and its
+parameter transient under ``optim_grads_params`` (the most gathered unit bytes at once). The processes' peak RSS is not reported: all variants
 share each process, so it cannot be told apart per variant.
 
     python benchmarks/bench_sharding.py            # 4 layers, h = 256, s = 128, B = 16, b = 2
@@ -46,12 +50,21 @@ from ptdp.run.planner_report import measure_stage
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.spec.layout import ParallelLayout
 
-STRATEGIES = ("no_shard", "optim", "optim_grads")
+#: ptdp's variants: name -> (sharding strategy, reshard after forward)
+VARIANTS = {
+    "no_shard": ("no_shard", True),
+    "optim": ("optim", True),
+    "optim_grads": ("optim_grads", True),
+    "optim_grads_params": ("optim_grads_params", True),
+    "optim_grads_params_kept": ("optim_grads_params", False),
+}
+STRATEGIES = tuple(VARIANTS)
 LOSS_RTOL = 1e-4
 DP = 4
 
 
-def make_config(args, strategy: str) -> Config:
+def make_config(args, variant: str) -> Config:
+    strategy, reshard = VARIANTS[variant]
     model = ModelConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -75,6 +88,7 @@ def make_config(args, strategy: str) -> Config:
         ddp_bucket_size=args.bucket_size,
         overlap_grad_reduce=True,
         data_parallel_sharding_strategy=strategy,
+        reshard_after_forward=reshard,
         distributed_timeout_minutes=pc.TIMEOUT_MINUTES,
     )
     return resolve(Config(model=model, parallel=par, train=train), DP)
@@ -162,7 +176,7 @@ def _run(args, groups: ParallelGroups) -> dict:
         s: {
             k: v
             for k, v in measure_stage(stages[s]).items()
-            if k in ("params", "grads", "optimizer", "grads_transient")
+            if k in ("params", "grads", "optimizer", "grads_transient", "params_transient")
         }
         for s in STRATEGIES
     }
@@ -186,12 +200,14 @@ def report(args, res: dict) -> str:
     for name in (*STRATEGIES, "fsdp2"):
         m = mem[name]
         transient = f"{m['grads_transient'] / 2**20:.2f}" if m.get("grads_transient") else "-"
+        gathered = f"{m['params_transient'] / 2**20:.2f}" if m.get("params_transient") else "-"
         rows.append(
             [
                 name,
                 f"{res['median_step_s'][name]:.3f}",
                 f"{res['ratio_to_no_shard'][name]:.2f}",
                 f"{m['params'] / 2**20:.2f}",
+                gathered,
                 f"{m['grads'] / 2**20:.2f}",
                 transient,
                 f"{m['optimizer'] / 2**20:.2f}",
@@ -211,7 +227,8 @@ def report(args, res: dict) -> str:
                 "variant",
                 "step s",
                 "/ no_shard",
-                "params MiB",
+                "params MiB (kept)",
+                "params MiB (gathered)",
                 "grads MiB (kept)",
                 "grads MiB (transient)",
                 "optimizer MiB",
