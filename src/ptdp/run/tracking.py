@@ -98,12 +98,12 @@ def wandb_mode(environ: dict[str, str] | None = None) -> str:
 WANDB_ID_FILE = "wandb-run-id"
 
 
-def _resumed_run(run_dir: Path | None) -> dict[str, str]:
-    """``wandb.init`` arguments continuing the run directory's W&B run: its id, made and written
-    to :data:`WANDB_ID_FILE` by the first attempt, read back by every restart (and by a ``--load``
-    continuing the run in the same folder), with ``resume="allow"``. No run directory: none."""
+def _run_id(run_dir: Path | None) -> str | None:
+    """The W&B run id of the run directory, passed to ``wandb.init`` with ``resume="allow"``: made
+    and written to :data:`WANDB_ID_FILE` by the first attempt, read back by every restart (and by a
+    ``--load`` continuing the run in the same folder). No run directory: None (a new W&B run)."""
     if run_dir is None:
-        return {}
+        return None
     import secrets
 
     path = Path(run_dir) / WANDB_ID_FILE
@@ -111,7 +111,7 @@ def _resumed_run(run_dir: Path | None) -> dict[str, str]:
     if not run_id:
         run_id = secrets.token_hex(8)
         path.write_text(run_id + "\n")
-    return {"id": run_id, "resume": "allow"}
+    return run_id
 
 
 class Trackers:
@@ -137,13 +137,15 @@ class Trackers:
             save_dir = Path(t.wandb_save_dir or Path(run_dir or ".") / "wandb")
             save_dir.mkdir(parents=True, exist_ok=True)
             mode: Any = wandb_mode()  # one of wandb's modes, checked by wandb
+            run_id = _run_id(run_dir)
             self._wandb = wandb.init(
                 project=t.wandb_project,
                 name=t.wandb_exp_name or Path(run_dir or ".").name,
                 dir=str(save_dir),
                 config=config.to_dict(),
                 mode=mode,
-                **_resumed_run(run_dir),
+                id=run_id,
+                resume="allow" if run_id else None,
             )
 
     @property
