@@ -7,19 +7,23 @@ to backward (``--no-reshard-after-forward``) at (1,1,4) and (1,2,2), context par
 cp, pp, dp) = (1,2,1,2), and bf16 weights within bf16 precision at (2,2,2)
 (:data:`helpers.zero_cases.RUNS`). Each rank keeps 1/dp of the parameters, gradients and
 optimizer state as the planner counts them, and one step communicates exactly the gradient
-reduce-scatters and the unit all-gathers the formula gives. The runs share the jobs of
+reduce-scatters and the unit all-gathers the formula gives; evaluation sees the gathered
+parameters. The runs share the jobs of
 ``test_sharded_grads`` (:mod:`helpers.zero_cases`)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers.zero_cases import (
     CP_LAYOUT,
     CP_PARAMS_VARIANT,
+    EVAL_VARIANTS,
     LAYOUTS,
     VARIANTS,
     check_against_reference,
+    eval_reference,
     variants,
     world_results,
     zero_config,
@@ -118,3 +122,13 @@ def test_one_step_communicates_as_the_formula_says(world, layout):
                 assert times == (2 * m if cfg.parallel.reshard_after_forward else m)
             assert gathers["numel"] == times * run["grad_numel"] // dp, (name, gathers, times)
             assert gathers["calls"] == times * rs["calls"] // m, (name, gathers, rs)  # every bucket, each time
+
+
+def test_evaluation_gathers_the_parameters_it_reads():
+    """``eval_loss`` at (2,2,2) with optim_grads_params, resharding and keeping, before and after a
+    training step, equals one unsharded process's (float64, 1e-12): every unit is gathered for its
+    forward without autograd and freed after it."""
+    for rank_results in world_results(8):
+        for name in EVAL_VARIANTS:
+            got, want = rank_results["eval"][name], eval_reference(name)
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-12, atol=0, msg=name)

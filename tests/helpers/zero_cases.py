@@ -150,7 +150,33 @@ def zero_worker(rank: int, world: int) -> dict:
         out[CP_LAYOUT] = {
             name: train_and_collect(cp_config(name), groups, 0) for name in (CP_VARIANT, CP_PARAMS_VARIANT)
         }
+    if world == 8:
+        groups = ParallelGroups.build(ParallelLayout(tp=2, pp=2, dp=2), PG_TIMEOUT)
+        out["eval"] = {name: eval_case(zero_config(name, 2, 2, 2), groups) for name in EVAL_VARIANTS}
     return out
+
+
+#: optim_grads_params variants whose evaluation is checked at (2,2,2) (world 8)
+EVAL_VARIANTS = ("params", "params_keep")
+
+
+def eval_case(cfg: Config, groups: ParallelGroups) -> tuple[float, float]:
+    """``eval_loss`` over two global batches before and after one training step."""
+    from helpers.layout_cases import rank_microbatches
+    from ptdp.engine.step import build_stage, eval_loss, train_step
+
+    stage = build_stage(cfg, groups)
+    dp_rank, dp = groups.dp.rank, groups.dp.size
+    batches = [rank_microbatches(10 + i, cfg, dp_rank, dp) for i in range(2)]
+    before = eval_loss(stage, batches)
+    train_step(stage, rank_microbatches(0, cfg, dp_rank, dp), 0).result()
+    return before, eval_loss(stage, batches)
+
+
+@functools.cache
+def eval_reference(name: str) -> tuple[float, float]:
+    """:func:`eval_case` of variant ``name`` in one process without sharding."""
+    return eval_case(zero_config(name, 1, 1, 1), ParallelGroups.single_process())
 
 
 @functools.cache
