@@ -1,0 +1,71 @@
+"""The memory check before start counts each data-parallel sharding strategy as the planner does:
+parameters, gradients and optimizer state per rank from ``rank_state_bytes`` (transients
+included), so optim_grads and optim_grads_params are not counted as ZeRO-1; it suggests
+optim_grads_params when that lowers the estimate."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ptdp.planner.memory import rank_state_bytes, stage_param_counts
+from ptdp.planner.models import spec_from_model_config
+from ptdp.run.memory_check import GiB, memory_problem, needed_bytes, rank_estimates
+from ptdp.run.planner_report import planner_layout
+from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def _config(strategy: str, dtype: str = "bfloat16") -> Config:
+    model = ModelConfig(
+        num_layers=16,
+        hidden_size=1024,
+        num_attention_heads=8,
+        seq_length=256,
+        vocab_size=8000,  # a layer (12.6 M parameters) is the largest unit
+        params_dtype=dtype,
+    )
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=2,
+        data_parallel_size=4,
+        data_parallel_sharding_strategy=strategy,
+    )
+    train = TrainConfig(micro_batch_size=1, global_batch_size=16)
+    return resolve(Config(model=model, parallel=parallel, train=train), 8)
+
+
+def test_each_strategy_is_counted_as_the_planner_counts_it():
+    estimates = {s: rank_estimates(_config(s)) for s in STRATEGIES}
+    for strategy, ranks in estimates.items():
+        config = _config(strategy)
+        model, p = spec_from_model_config(config.model), config.parallel
+        counts = stage_param_counts(model, p.tp, p.pp, make_vocab_size_divisible_by=128)
+        layout = planner_layout(config)
+        for r, n in zip(ranks, counts):
+            assert (r.params, r.grads, r.optimizer) == rank_state_bytes(model, layout, n, 8), strategy
+    stage0 = {s: ranks[0] for s, ranks in estimates.items()}
+    assert stage0["optim"].optimizer < stage0["no_shard"].optimizer
+    assert stage0["optim_grads"].grads < stage0["optim"].grads == stage0["no_shard"].grads
+    assert stage0["optim_grads_params"].params < stage0["optim_grads"].params == stage0["no_shard"].params
+    # optim_grads_params: a quarter of the bf16 weights plus two gathered units, fp32 gradients and
+    # optimizer state a quarter
+    n = stage_param_counts(spec_from_model_config(_config("no_shard").model), 1, 2, make_vocab_size_divisible_by=128)[0]
+    assert stage0["optim_grads_params"].params > 2 * n / 4
+    assert stage0["optim_grads_params"].optimizer == 12 * n / 4
+
+
+def test_optim_grads_params_is_suggested_when_it_helps():
+    config = _config("no_shard")
+    need = needed_bytes(config, 8, gpu=True)
+    text = memory_problem(config, 8, need - 1, gpu=True, where="each GPU")
+    zero3 = dataclasses.replace(
+        config, parallel=dataclasses.replace(config.parallel, data_parallel_sharding_strategy="optim_grads_params")
+    )
+    assert (
+        f"--data-parallel-sharding-strategy optim_grads_params ({needed_bytes(zero3, 8, gpu=True) / GiB:,.1f} GiB)"
+        in text
+    )
+    already = _config("optim_grads_params")
+    text = memory_problem(already, 8, needed_bytes(already, 8, gpu=True) - 1, gpu=True, where="each GPU")
+    assert "--data-parallel-sharding-strategy optim_grads_params (" not in text
