@@ -38,6 +38,10 @@ does not defer the reductions in this mode; leaving it ends one microbatch's bac
 embedding keeps its own bucket (never started early); its shard covers the same rows on the
 first and the last stage, so the embedding-group sum acts on the shards
 (:func:`~ptdp.engine.data_parallel.grads.finalize_grads`).
+
+``--data-parallel-sharding-strategy optim_grads_params`` (ZeRO-3) is ``shard_grads`` with buckets
+that never span two units (``unit_of``); :class:`~ptdp.engine.data_parallel.units.ParamUnits`
+then takes the parameters out of :attr:`GradBuffer.param_data` (left None) into its own shards.
 """
 
 from __future__ import annotations
