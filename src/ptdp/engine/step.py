@@ -289,6 +289,18 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     if m.compile:  # one graph per stage at tp = 1, else each layer's forward (collectives stay eager)
         for chunk in chunks:
             compile_stage(chunk, whole=not (p.overlap_param_gather or zero3))
+    grads, optimizer = _data_parallel(config, groups, chunks, model)
+    scaler = DynamicLossScaler(device=device) if m.params_dtype == "float16" else None
+    return Stage(config, groups, model, optimizer, grads, device, scaler, dropout_rng=rng)
+
+
+def _data_parallel(
+    config: Config, groups: ParallelGroups, chunks: list[GPTModel], model: GPTModel | ModelChunks
+) -> tuple[GradBuffer, torch.optim.Optimizer | MainParamsAdamW]:
+    """The stage's gradient buffer and optimizer for the run's data-parallel sharding strategy
+    (with ``optim_grads_params`` the parameters become shards gathered unit by unit)."""
+    m, p = config.model, config.parallel
+    zero3 = p.sharding_strategy == "optim_grads_params"  # parameters sharded too, gathered unit by unit
     low_precision = DTYPES[m.params_dtype] in (torch.bfloat16, torch.float16)
     tied = model.tied_embedding()
     specs = sharding_units(chunks) if zero3 else []
@@ -313,14 +325,13 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     )
     if grads.grads_sharded:  # a bucket's memory is allocated when backward reaches its module's output
         grads.watch(gradient_units(chunks))
-    scaler = DynamicLossScaler(device=device) if m.params_dtype == "float16" else None
     if zero3:
         units = ParamUnits(grads, specs, chunks, reshard_after_forward=p.reshard_after_forward)
         optimizer = sharded_params_optimizer(units, config.train)
     else:
         gather = param_gather_units(chunks) if p.overlap_param_gather else None
         optimizer = build_optimizer(model, config.train, grads, param_gather_units=gather)
-    return Stage(config, groups, model, optimizer, grads, device, scaler, dropout_rng=rng)
+    return grads, optimizer
 
 
 def allow_tf32(device: torch.device) -> None:
