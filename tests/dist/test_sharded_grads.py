@@ -24,6 +24,7 @@ from helpers.zero_cases import (
     LAYOUTS,
     ROUND_TRIPS,
     check_against_reference,
+    check_transients,
     checkpoint_worker,
     cp_config,
     fp16_worker,
@@ -108,6 +109,22 @@ def test_a_backward_holds_only_some_buckets(world, layout):
         m = res[name]["measured"]
         full = 8 * (m["numel"] + m["padding"])
         assert 8 * 1500 <= m["grads_transient"] < full, (m["grads_transient"], full)
+
+
+@pytest.mark.parametrize("world, layout", CASES, ids=IDS)
+def test_optim_grads_transient_is_what_the_planner_counts(world, layout):
+    """The most full-size bucket gradient memory a rank held at once over the run (the engine's
+    own counter) equals the planner's count exactly, on every rank: buckets of 901 and 1,500
+    elements (smaller than a layer), of a layer's size at tp 1 and the default (the whole stage),
+    reduced during backward (at most two in flight) and when each backward ends (all of a
+    backward's buckets at its end; interleaved: also the buckets a chunk's last backward leaves
+    to the next chunk's backward), tied and untied output layers, tp 1 and 2, pp 1 and 2, the
+    interleaved schedule, bf16 main gradients; and at (tp, cp, pp, dp) = (1,2,1,2)."""
+    results = [rank_results[layout] for rank_results in world_results(world)]
+    for name in variants(*layout, "optim_grads"):
+        check_transients(results, name, zero_config(name, *layout))
+    if world == 4:
+        check_transients([r[CP_LAYOUT] for r in world_results(4)], CP_VARIANT, cp_config(CP_VARIANT))
 
 
 def test_checkpoints_cross_strategies_and_dp_sizes(tmp_path):

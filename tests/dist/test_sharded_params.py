@@ -23,6 +23,8 @@ from helpers.zero_cases import (
     LAYOUTS,
     VARIANTS,
     check_against_reference,
+    check_transients,
+    cp_config,
     eval_reference,
     variants,
     world_results,
@@ -79,6 +81,20 @@ def test_optim_grads_params_keeps_a_shard_as_the_planner_counts(world, layout):
             whole = per_param[0] * held
             if zero_config(name, *layout).parallel.reshard_after_forward:
                 assert 0 < m["params_transient"] < whole, (name, m["params_transient"], whole)
+
+
+@pytest.mark.parametrize("world, layout", CASES, ids=IDS)
+def test_optim_grads_params_transients_are_what_the_planner_counts(world, layout):
+    """The most gathered parameter memory and the most full-size bucket gradient memory a rank
+    held at once over the run (the engine's own counters) equal the planner's counts exactly, on
+    every rank: units resharded after forward (two neighbours; at pp = 1 the tied unit with two
+    layers) and kept (the whole stage), buckets of 901, 1,500 and 8,544 elements within units,
+    reduced during and after backward, interleaved, bf16; and at (tp, cp, pp, dp) = (1,2,1,2)."""
+    results = _results(world, layout)
+    for name in variants(*layout, STRATEGY):
+        check_transients(results, name, zero_config(name, *layout))
+    if world == 4:
+        check_transients(_results(4, CP_LAYOUT), CP_PARAMS_VARIANT, cp_config(CP_PARAMS_VARIANT))
 
 
 def _gathers_per_unit(cfg, pp_rank: int, m: int) -> int:

@@ -75,19 +75,42 @@ VARIANTS = {
     ),
     # bf16 weights gathered, float32 main-parameter and gradient shards
     "params_bf16": ("bfloat16", {}, {"ddp_bucket_size": 901, "overlap_grad_reduce": True}, {}),
+    # buckets of one layer's size at tp 1 (8,544 elements), reduced when each backward ends
+    # (--no-overlap-grad-reduce: a backward holds all its buckets at its end)
+    "grads_sync": ("float64", {}, {"ddp_bucket_size": 8544, "overlap_grad_reduce": False}, {}),
+    "params_sync": ("float64", {}, {"ddp_bucket_size": 8544, "overlap_grad_reduce": False}, {}),
+    # interleaved, one bucket per chunk (the default size), reduced when each backward ends: the
+    # last backward of a chunk keeps its buckets through the next chunk's backward
+    "grads_interleaved_sync": (
+        "float64",
+        {"num_layers": 8},
+        {
+            "pipeline_schedule": "interleaved-1f1b",
+            "num_layers_per_virtual_pipeline_stage": 2,
+            "overlap_grad_reduce": False,
+        },
+        {},
+    ),
 }
 
 #: the variants trained with optim_grads_params (the others with optim_grads)
-PARAMS_VARIANTS = ("params", "params_keep", "params_sp", "params_interleaved", "params_bf16")
+PARAMS_VARIANTS = ("params", "params_keep", "params_sp", "params_interleaved", "params_bf16", "params_sync")
 
 
 #: the variants each layout runs (kept few: every run costs seconds on a 2-core machine); every
 #: layout runs a float64 case with 2-4 accumulated microbatches
 RUNS = {
-    (1, 1, 4): ["grads", "grads_overlap", "grads_bf16", "params", "params_keep"],
+    (1, 1, 4): ["grads", "grads_overlap", "grads_bf16", "params", "params_keep", "grads_sync"],
     (2, 1, 2): ["grads_sp", "params_sp"],
-    (1, 2, 2): ["grads", "grads_untied", "grads_interleaved", "params_interleaved", "params_keep"],
-    (2, 2, 2): ["grads_overlap", "grads_bf16", "params", "params_bf16"],
+    (1, 2, 2): [
+        "grads",
+        "grads_untied",
+        "grads_interleaved",
+        "params_interleaved",
+        "params_keep",
+        "grads_interleaved_sync",
+    ],
+    (2, 2, 2): ["grads_overlap", "grads_bf16", "params", "params_bf16", "params_sync"],
 }
 
 
@@ -118,6 +141,43 @@ def zero_config(name: str, tp: int, pp: int, dp: int, strategy: str | None = Non
     parallel["data_parallel_sharding_strategy"] = strategy
     train = {"micro_batch_size": 1} | train
     return tiny_config(tp, pp, dp, dtype, train_overrides=train, parallel_overrides=parallel, **model)
+
+
+def planner_transients(cfg: Config, pp_rank: int) -> tuple[int, int]:
+    """The planner's (gathered parameter, gradient bucket) elements at their peaks on a rank of
+    pipeline stage ``pp_rank`` of run ``cfg`` (:func:`ptdp.planner.transients.rank_transients`)."""
+    from ptdp.planner.models import spec_from_model_config
+    from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS
+    from ptdp.planner.transients import rank_transients, stage_chunks
+    from ptdp.spec import stage_layer_counts
+
+    m, p = cfg.model, cfg.parallel
+    layers = stage_layer_counts(m.num_layers, p.pp, p.layer_split(m.num_layers))[pp_rank]
+    return rank_transients(
+        spec_from_model_config(m),
+        p.tp,
+        p.pp,
+        stage_chunks(m.num_layers, p.pp, p.virtual_stages(m.num_layers), pp_rank, layers),
+        p.dp * p.cp,
+        p.ddp_bucket_size or DEFAULT_BUCKET_ELEMENTS,
+        overlap=p.overlap_grad_reduce,
+        params_sharded=p.sharding_strategy == "optim_grads_params",
+        reshard=p.reshard_after_forward,
+        divisible_by=m.make_vocab_size_divisible_by,
+    )
+
+
+def check_transients(results: list[dict], name: str, cfg: Config) -> None:
+    """Every rank's measured peaks of variant ``name`` (``GradBuffer.peak_live_bytes``,
+    ``ParamUnits.peak_live_bytes``) equal the planner's elements times the element size
+    (gradients: float64, or float32 main gradients for bf16; parameters: the weights' dtype)."""
+    bf16 = cfg.model.params_dtype == "bfloat16"
+    grad_size, param_size = (4, 2) if bf16 else (8, 8)
+    for res in results:
+        m, pp_rank = res[name]["measured"], res[name]["coords"][2]
+        params, grads = planner_transients(cfg, pp_rank)
+        assert grads > 0 and m["grads_transient"] == grad_size * grads, (name, pp_rank, m, grads)
+        assert m["params_transient"] == param_size * params, (name, pp_rank, m, params)
 
 
 #: context parallelism (world 4): (tp, cp, pp, dp) and its variants (optim_grads, optim_grads_params);

@@ -7,19 +7,19 @@ Dubey et al. 2024, §3.3.2)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 
 from ptdp.planner.comm import Links, hierarchical_all_reduce_time
 from ptdp.planner.hardware import Cluster, get_gpu
-from ptdp.planner.memory import layer_param_count, memory_breakdown, stage_param_counts
+from ptdp.planner.memory import memory_breakdown, stage_param_counts
 from ptdp.planner.models import get_model
 from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.plan import Layout
 from ptdp.planner.published import H100_CSV, load_h100_runs
 from ptdp.planner.search import Fixed, search
-from ptdp.planner.sharding import chunk_by_chunk, sharded_dp_times, stage_state_bytes
+from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, chunk_by_chunk, sharded_dp_times, stage_state_bytes
+from ptdp.planner.transients import rank_transients, stage_chunks
 
 H100 = get_gpu("h100-sxm")
 LINKS = Links(
@@ -43,14 +43,17 @@ def test_when_gradients_are_reduced_chunk_by_chunk(strategy, shard, v, m, pp, ex
     assert chunk_by_chunk(strategy, shard, v, m, pp) is expected
 
 
-def test_one_chunk_gradient_whole_at_a_time():
-    n, chunk = 8_000_000, 1_000_000
-    _, grads, _ = stage_state_bytes(n, 0, "bf16", "optim_grads", 16, chunk_params=chunk)
-    assert grads == 4 * n / 16 + 4 * chunk
-    _, bucket, _ = stage_state_bytes(n, 0, "bf16", "optim_grads", 16, bucket_elements=500_000)
-    assert bucket == 4 * n / 16 + 4 * 500_000
-    params, grads, _ = stage_state_bytes(n, 200_000, "bf16", "optim_grads_params", 16, chunk_params=chunk)
-    assert (params, grads) == (2 * n / 16 + 2 * 2 * 200_000, 4 * n / 16 + 4 * chunk)
+def test_transients_add_their_elements_to_the_shares():
+    """stage_state_bytes adds the transients it is given (elements, from
+    ptdp.planner.transients) to the strategy's shares: float32 gradient elements for both
+    sharded-gradient strategies, 16-bit parameter elements for optim_grads_params only."""
+    n, grads_transient, params_transient = 8_000_000, 1_000_000, 400_000
+    kw = dict(params_transient=params_transient, grads_transient=grads_transient)
+    params, grads, _ = stage_state_bytes(n, "bf16", "optim_grads", 16, **kw)
+    assert (params, grads) == (2 * n, 4 * n / 16 + 4 * grads_transient)
+    params, grads, _ = stage_state_bytes(n, "bf16", "optim_grads_params", 16, **kw)
+    assert (params, grads) == (2 * n / 16 + 2 * params_transient, 4 * n / 16 + 4 * grads_transient)
+    assert stage_state_bytes(n, "bf16", "optim", 16, **kw) == stage_state_bytes(n, "bf16", "optim", 16)
 
 
 def test_chunk_reduce_scatters_hide_behind_the_next_round():
@@ -90,10 +93,15 @@ def test_memory_and_time_of_a_one_round_interleaved_layout():
     mem = memory_breakdown(model, base, H100)
     n = stage_param_counts(model, 8, 16, layer_split=split)[mem.stage]
     layers = split[mem.stage]
-    edge = n - layers * layer_param_count(model, 8)
-    assert mem.grads == pytest.approx(4 * n / 128 + 4 * (layer_param_count(model, 8) * math.ceil(layers / 8) + edge))
-    two_rounds = dataclasses.replace(base, global_batch_size=4096)  # m = 32: per microbatch, one bucket
-    assert memory_breakdown(model, two_rounds, H100).grads < mem.grads
+    # the memory is what ptdp holds: its buckets, reduce-scattered in every backward (one round or two)
+    chunks = stage_chunks(model.num_layers, 16, 8, mem.stage, layers)
+    _, transient = rank_transients(
+        model, 8, 16, chunks, 128, DEFAULT_BUCKET_ELEMENTS, overlap=True, params_sharded=False
+    )
+    assert transient > 0
+    assert mem.grads == pytest.approx(4 * n / 128 + 4 * transient)
+    two_rounds = dataclasses.replace(base, global_batch_size=4096)  # m = 32
+    assert memory_breakdown(model, two_rounds, H100).grads == mem.grads
     cluster = Cluster(H100, 16384, 8)
     by_chunk = evaluate_performance(model, base, cluster).time.dp_comm
     optim = evaluate_performance(

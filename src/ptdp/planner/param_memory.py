@@ -14,7 +14,8 @@ from functools import lru_cache
 
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout
-from ptdp.planner.sharding import chunk_by_chunk, stage_state_bytes
+from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, stage_state_bytes
+from ptdp.planner.transients import rank_transients, stage_chunks
 from ptdp.spec import padded_vocab_size, stage_layer_counts
 
 
@@ -89,26 +90,77 @@ def bytes_per_param(precision: str, dp: int = 1, distributed_optimizer: bool = F
 
 
 def rank_state_bytes(
-    model: ModelSpec, layout: Layout, n_params: int, n_layers: int, per_param: tuple[float, float, float] | None = None
+    model: ModelSpec,
+    layout: Layout,
+    n_params: int,
+    n_layers: int,
+    per_param: tuple[float, float, float] | None = None,
+    *,
+    stage: int,
+    divisible_by: int = 128,
 ) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes of one rank of a stage holding ``n_params`` parameters and
-    ``n_layers`` layers under ``layout``'s sharding strategy over ``dp * cp`` ranks
-    (:func:`ptdp.planner.sharding.stage_state_bytes`; a gathered unit is one layer, or the
-    stage's embedding / output parameters when larger; reduced chunk by chunk, the largest chunk's
-    gradient is the transient). ``per_param``: the strategy's
+    """(params, grads, optimizer) bytes of one rank of pipeline stage ``stage`` holding
+    ``n_params`` parameters and ``n_layers`` layers under ``layout``'s sharding strategy over
+    ``dp * cp`` ranks (:func:`ptdp.planner.sharding.stage_state_bytes`), with the transients of
+    ``optim_grads`` / ``optim_grads_params`` at their peaks as ptdp's engine holds them
+    (:func:`ptdp.planner.transients.rank_transients`: the gradient buckets alive during a
+    backward for the layout's bucket size and overlap, the gathered units for its resharding;
+    ``divisible_by``: the vocabulary padding). ``per_param``: the strategy's
     :func:`~ptdp.planner.sharding.strategy_bytes_per_param` when the caller has it."""
     strategy, shard = layout.sharding_strategy, layout.shard_size
-    if per_param is not None and (shard == 1 or strategy in ("no_shard", "optim")):  # no transients
-        return n_params * per_param[0], n_params * per_param[1], n_params * per_param[2]
-    unit, chunk = 0, 0
-    per_layer = layer_param_count(model, layout.tp)
-    edge = max(0, n_params - n_layers * per_layer)  # the embedding / output layer and final norm
-    if strategy == "optim_grads_params":  # the only strategy with gathered units
-        unit = max(per_layer, edge)
-    v = layout.virtual_stages
-    if chunk_by_chunk(strategy, shard, v, layout.num_microbatches, layout.pp):
-        chunk = per_layer * -(-n_layers // v) + edge  # the largest chunk, at most (its layers + the edge)
-    return stage_state_bytes(n_params, unit, layout.precision, strategy, shard, chunk_params=chunk)
+    if shard == 1 or strategy in ("no_shard", "optim"):  # no transients
+        if per_param is not None:
+            return n_params * per_param[0], n_params * per_param[1], n_params * per_param[2]
+        return stage_state_bytes(n_params, layout.precision, strategy, shard)
+    params, grads = _stage_transients(
+        model,
+        layout.tp,
+        layout.pp,
+        layout.virtual_stages,
+        stage,
+        n_layers,
+        shard,
+        layout.ddp_bucket_size or DEFAULT_BUCKET_ELEMENTS,
+        layout.overlap_grad_reduce,
+        strategy == "optim_grads_params",
+        layout.reshard_after_forward,
+        divisible_by,
+    )
+    return stage_state_bytes(
+        n_params, layout.precision, strategy, shard, params_transient=params, grads_transient=grads
+    )
+
+
+@lru_cache(maxsize=65536)
+def _stage_transients(
+    model: ModelSpec,
+    tp: int,
+    pp: int,
+    v: int,
+    stage: int,
+    n_layers: int,
+    shard: int,
+    bucket: int,
+    overlap: bool,
+    params_sharded: bool,
+    reshard: bool,
+    divisible_by: int,
+) -> tuple[int, int]:
+    """:func:`~ptdp.planner.transients.rank_transients` of pipeline rank ``stage`` (its ``v``
+    model chunks sharing its ``n_layers`` layers); cached on plain numbers for the search."""
+    chunks = stage_chunks(model.num_layers, pp, v, stage, n_layers)
+    return rank_transients(
+        model,
+        tp,
+        pp,
+        chunks,
+        shard,
+        bucket,
+        overlap=overlap,
+        params_sharded=params_sharded,
+        reshard=reshard,
+        divisible_by=divisible_by,
+    )
 
 
 @lru_cache(maxsize=4096)

@@ -41,6 +41,16 @@ class Layout:
             for ``no_shard`` and ``optim``, which ``distributed_optimizer`` tells apart, so equal
             layouts compare equal; :attr:`sharding_strategy` is the strategy.
         cp_comm_type: key/value exchange of context parallelism (:data:`CP_COMM_TYPES`).
+        ddp_bucket_size: most gradient elements per data-parallel bucket (``--ddp-bucket-size``;
+            None: 40 million, ptdp's and Megatron's default); with ``optim_grads`` and
+            ``optim_grads_params`` it sets the gradient transient (:mod:`ptdp.planner.transients`).
+        overlap_grad_reduce: buckets reduced during backward as they fill (``--overlap-grad-reduce``,
+            ptdp's default); without it a sharded-gradient backward holds all its buckets at its end.
+        reshard_after_forward: ``optim_grads_params`` frees each unit's gathered parameters after
+            its forward and gathers them again for its backward (ptdp's default); False
+            (``--no-reshard-after-forward``) keeps a chunk's units gathered while it has a
+            microbatch in flight: one all-gather per unit per stretch of such microbatches, the
+            stage's parameters gathered at once.
     """
 
     tp: int
@@ -57,6 +67,9 @@ class Layout:
     cp: int = 1
     sharding: str | None = None
     cp_comm_type: str = "p2p"
+    ddp_bucket_size: int | None = None
+    overlap_grad_reduce: bool = True
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.sharding is not None:  # the strategy decides; distributed_optimizer follows it

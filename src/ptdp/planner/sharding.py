@@ -19,21 +19,25 @@ fp32 training: ``w = 4, g = 4, k = 8``)::
     optim_grads         w     + g / d + k / d     (ZeRO-2)
     optim_grads_params  w / d + g / d + k / d     (ZeRO-3)
 
-Transients on top (:func:`stage_state_bytes`), per rank:
+Transients on top (:func:`stage_state_bytes`), per rank, counted exactly as ptdp's engine holds
+them at their peaks (:mod:`ptdp.planner.transients`, checked against the engine's own counters by
+``tests/dist/test_sharded_grads.py`` and ``test_sharded_params.py``):
 
-* ``optim_grads``: gradients are reduce-scattered bucket by bucket during every microbatch's
-  backward; the bucket being reduced exists in full: ``g * min(bucket, stage parameters)``
-  (bucket: ``--ddp-bucket-size``, 40 M elements by default).
-* ``optim_grads_params``: parameters are all-gathered one unit at a time (a unit: one
-  transformer layer, or the stage's embedding / output layer and final norm together when
-  larger; ptdp's units are the layers, the embeddings and the head, one unit for the two where
-  a single stage looks up and projects with one tied table: ``engine/data_parallel/units.py``,
-  so this is an upper bound where a stage has both); the unit in use and the next one
-  prefetched exist in full (``2 w * unit``), and the unit whose gradients are being
-  reduce-scattered (``g * unit``). Units are resharded after forward (``reshard_after_forward``,
-  the FSDP default and ptdp's), so with pipeline parallelism the gathers repeat for every
-  microbatch, in forward and again in backward; keeping them gathered (ptdp's
-  ``--no-reshard-after-forward``) is not modelled.
+* both: the full-size float32 gradient buckets alive during a backward (``g`` bytes per
+  element; buckets of ``--ddp-bucket-size`` elements, 40 M by default, padded to a multiple of
+  ``d``). A layer's buckets are allocated when backward reaches the layer, the chunk's other
+  buckets when its backward starts; with ``--overlap-grad-reduce`` (ptdp's default) a bucket is
+  reduce-scattered as soon as it is complete and freed when a third is started (at most two in
+  flight), so the peak is about one layer's buckets, the ones straddling it, two in flight and
+  those of the non-layer parameters still filling; without it a backward holds every bucket of
+  its model chunk at its end (interleaved: on top of those the chunk after it left).
+* ``optim_grads_params``: the gathered 16-bit parameters (``w`` bytes per element): ptdp's units
+  (a chunk's embeddings, each layer, its head; one unit for embeddings and head where a single
+  stage looks up and projects with one tied table, ``engine/data_parallel/units.py``) are
+  gathered one ahead (prefetch): the largest sum of two neighbouring units, or the tied unit
+  and two layers; with ``--no-reshard-after-forward`` every unit of the stage at once (each chunk
+  has a microbatch in flight when the first backward starts). Resharding after forward repeats
+  the gathers for every microbatch, in forward and again in backward.
 
 Communication per step (:func:`sharded_dp_times`; ring collectives over the ``d`` ranks, NVLink
 inside the node and the network across, as :func:`ptdp.planner.comm.hierarchical_all_reduce_time`):
@@ -48,11 +52,11 @@ inside the node and the network across, as :func:`ptdp.planner.comm.hierarchical
   its last chunk, then all of the chunk before, and so on (the rounds of ``pp`` microbatches of
   [N21] §2.2 with a single round), so each chunk's gradient is accumulated whole in float32 and
   reduce-scattered once, when its last backward is done, behind the next chunk's backward round;
-  only the last chunk's is exposed, with the weights' all-gather. One chunk's full float32
-  gradient exists at a time (the transient in :func:`stage_state_bytes`). This is how the
-  Llama 3 405B run reduced its sharded gradients (Dubey et al. 2024, arXiv:2407.21783, §3.3.2:
-  gradients sharded, accumulated in FP32 across microbatches and reduce-scattered in FP32, with
-  interleaved pipeline stages).
+  only the last chunk's is exposed, with the weights' all-gather. This is how the Llama 3 405B
+  run reduced its sharded gradients (Dubey et al. 2024, arXiv:2407.21783, §3.3.2: gradients
+  sharded, accumulated in FP32 across microbatches and reduce-scattered in FP32, with
+  interleaved pipeline stages); the time model follows that run, the memory is ptdp's (which
+  reduce-scatters every backward's buckets: the transients above).
 * ``optim_grads_params``: the same reduce-scatters, no weight all-gather after the step, and per
   microbatch two all-gathers of every unit (forward, backward), each prefetched behind the
   previous unit's compute: the first unit's gather is exposed, every other unit's only by what
@@ -103,29 +107,25 @@ def chunk_by_chunk(strategy: str, shard: int, virtual_stages: int, num_microbatc
 
 def stage_state_bytes(
     n_params: int,
-    unit_params: int,
     precision: str,
     strategy: str,
     shard: int,
     *,
-    bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
-    chunk_params: int = 0,
+    params_transient: int = 0,
+    grads_transient: int = 0,
 ) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes of one rank holding ``n_params`` parameters (one tp rank of
-    one stage), transients included: ``optim_grads`` one bucket's full gradient,
-    ``optim_grads_params`` two gathered units' 16-bit weights and one unit's full gradient
-    (``unit_params``: the stage's largest unit on this rank). ``chunk_params`` > 0: the gradient
-    is reduced chunk by chunk (:func:`chunk_by_chunk`), and the largest model chunk's full
-    gradient (``chunk_params`` parameters) replaces the bucket's or the unit's."""
+    one stage): the strategy's shares (:func:`strategy_bytes_per_param`) plus, with
+    ``optim_grads`` / ``optim_grads_params`` over ``shard > 1`` ranks, the transients at their
+    peaks in elements (:func:`ptdp.planner.transients.rank_transients`): ``grads_transient``
+    full-size gradient bucket elements (``g`` bytes each) and ``params_transient`` gathered
+    parameter elements (``w`` bytes each, ``optim_grads_params`` only)."""
     pb, gb, ob = strategy_bytes_per_param(precision, strategy, shard)
     w, g, _ = _BYTES[precision]
     params, grads, optimizer = n_params * pb, n_params * gb, n_params * ob
-    if shard > 1 and strategy == "optim_grads":
-        grads += g * (min(chunk_params, n_params) if chunk_params else min(bucket_elements, n_params))
-    elif shard > 1 and strategy == "optim_grads_params":
-        unit = min(unit_params, n_params)
-        params += 2 * w * unit
-        grads += g * (min(chunk_params, n_params) if chunk_params else unit)
+    if shard > 1 and strategy in ("optim_grads", "optim_grads_params"):
+        grads += g * grads_transient
+        params += w * params_transient if strategy == "optim_grads_params" else 0.0
     return params, grads, optimizer
 
 

@@ -67,6 +67,9 @@ def rank_estimates(config: Config) -> list[RankBytes]:
         cp=p.cp,
         cp_comm_type=p.cp_comm_type,
         sharding=p.sharding_strategy,
+        ddp_bucket_size=p.ddp_bucket_size,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        reshard_after_forward=p.reshard_after_forward,
     )
     layers = stage_layer_counts(m.num_layers, p.pp, split)
     counts = stage_param_counts(
@@ -85,7 +88,9 @@ def rank_estimates(config: Config) -> list[RankBytes]:
             make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         )
         # the run's sharding strategy over dp x cp, with its transients (a gradient bucket, gathered units)
-        params, grads, optimizer = rank_state_bytes(model, layout, n, n_layers)
+        params, grads, optimizer = rank_state_bytes(
+            model, layout, n, n_layers, stage=stage, divisible_by=m.make_vocab_size_divisible_by
+        )
         out.append(RankBytes(stage, scale * params, scale * grads, scale * optimizer, scale * act))
     return out
 

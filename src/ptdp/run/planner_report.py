@@ -95,6 +95,9 @@ def planner_layout(config: Config) -> Layout | None:
         cp=p.cp,
         cp_comm_type=p.cp_comm_type,
         sharding=p.sharding_strategy,
+        ddp_bucket_size=p.ddp_bucket_size,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        reshard_after_forward=p.reshard_after_forward,
     )
 
 

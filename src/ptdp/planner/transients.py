@@ -1,0 +1,344 @@
+"""What a rank holds on top of its shards with ``optim_grads`` and ``optim_grads_params``: the
+peak of the full-size gradient buckets alive during a backward, and the peak of the gathered
+parameter units, in elements (per rank of one pipeline stage), exactly as ptdp's engine
+allocates them (:mod:`ptdp.engine.data_parallel.buffer`, :mod:`~ptdp.engine.data_parallel.units`).
+
+The parameters of a model chunk, in ptdp's order (``GPTModel.parameters()``): the learned
+position table (first chunk), the word embedding (first chunk; on the last chunk its tied copy
+when pp > 1), the layers (``ln1``, ``qkv``, ``proj``, ``ln2``, ``fc1``, ``fc2``, each weight
+then bias), the final norm and the untied output layer (last chunk). Buckets are cut as
+:func:`ptdp.engine.data_parallel.buckets.plan_buckets` does: back to front, at most
+``bucket`` elements each (a larger parameter alone), never across two ZeRO-3 units, the tied
+embedding alone when pp > 1 (never started early), each padded to a multiple of ``d = dp * cp``.
+
+Gradient buckets (both strategies; ``GradBuffer.watch``): a chunk's backward meets its
+parameters back to front. The buckets of the chunk's non-layer parameters (output layer, final
+norm, position table, and the word embedding where its output layer also reads it) are allocated
+when the backward starts, a layer's buckets when the backward reaches that layer, the word
+embedding's (where only the lookup reads it) when it reaches the lookup. A bucket whose
+gradients are all in starts its reduce-scatter with ``overlap`` (at most two in flight: a third
+first lands the oldest, which frees it); every bucket is freed at the end of a backward, except
+after the last backward of a chunk with the interleaved schedule, whose buckets in flight (all
+of them without overlap) stay until the end of the next backward, that of the chunk before. The
+peak is counted when buckets are allocated (where live memory grows), as the engine's counter
+``GradBuffer.peak_live_bytes`` does; the order assumed inside a layer is the reverse of the
+parameter order, which a layer's backward follows up to the order of a norm's weight and bias
+(never two buckets apart in completion order).
+
+Gathered parameters (``optim_grads_params``; units as :func:`~ptdp.engine.data_parallel.units.
+sharding_units`: a chunk's embeddings, each layer, its head; one unit of all non-layer parameters
+where one tied table is looked up and projected, pp = 1): resharded after forward, a unit in use
+and the next one prefetched (forward order in forward, reverse in backward) exist in full, so the
+peak is the largest sum of two neighbours of the chunk's unit sequence; the single tied unit
+stays gathered from its backward's start to its end (its lookup's gradient comes last), on top of
+two layers. Kept (``--no-reshard-after-forward``), every unit of the stage is gathered at once
+(each chunk has a microbatch in flight when the first backward starts: the warmup runs forwards
+of every chunk). A unit's size is that of its padded buckets.
+
+Pure arithmetic (no torch); ``tests/dist/test_sharded_grads.py`` checks every run of the sharded
+cases against these counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ptdp.planner.models import ModelSpec
+from ptdp.spec import padded_vocab_size
+
+#: watch groups: the chunk's non-layer parameters (allocated when its backward starts), the word
+#: embedding read by the lookup alone, and layer k (>= 0)
+REST, LOOKUP = -1, -2
+#: ZeRO-3 units besides the layers (which are their own index)
+EMBED_UNIT, HEAD_UNIT, TIED_UNIT = -1, -2, -3
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Where a model chunk sits: whether it is the model's first (looks up) and last (projects)."""
+
+    layers: int
+    first: bool
+    last: bool
+
+
+def layer_param_sizes(model: ModelSpec, tp: int) -> tuple[int, ...]:
+    """Elements of each parameter of one transformer layer on one tp rank, in ptdp's order
+    (sums to :func:`ptdp.planner.param_memory.layer_param_count`)."""
+    return tuple(n for n, _ in _layer_params(model, tp))
+
+
+@lru_cache(maxsize=256)
+def _layer_params(model: ModelSpec, tp: int) -> list[tuple[int, int]]:
+    """(elements, place in the order a layer's backward completes the gradients) of each
+    parameter of one layer, in ptdp's order: ``fc2`` bias and weight (row-parallel), ``fc1``,
+    ``ln2`` weight and bias, ``proj``, ``qkv``, ``ln1``; a column-parallel linear (``qkv``,
+    ``fc1``) completes its bias first at tp = 1 and its weight first at tp > 1 (its own autograd
+    function)."""
+    h, a = model.hidden_size, model.num_attention_heads
+    d = h // a
+    q, kv, ffn = a * d, model.kv_heads * d, model.ffn
+    mats = 3 if model.swiglu else 2
+    biased = set(model.linears_with_bias)
+    parts: list[tuple[str, str, int]] = []  # (module, weight or bias, elements), ptdp's order
+    for name, weight, bias in (
+        ("ln1", h, 0 if model.uses_rmsnorm else h),
+        ("qkv", (q + 2 * kv) * h // tp, (q + 2 * kv) // tp if "qkv" in biased else 0),
+        ("proj", q * h // tp, h if "proj" in biased else 0),
+        ("ln2", h, 0 if model.uses_rmsnorm else h),
+        ("fc1", (mats - 1) * ffn * h // tp, (mats - 1) * ffn // tp if "fc1" in biased else 0),
+        ("fc2", ffn * h // tp, h if "fc2" in biased else 0),
+    ):
+        parts += [(name, "weight", weight)] + ([(name, "bias", bias)] if bias else [])
+    weight_first = {"ln1", "ln2"} | ({"qkv", "fc1"} if tp > 1 else set())
+    modules = ("fc2", "fc1", "ln2", "proj", "qkv", "ln1")
+    ready = sorted(
+        parts,
+        key=lambda part: (modules.index(part[0]), (part[1] == "bias") == (part[0] in weight_first)),
+    )
+    return [(n, ready.index((name, kind, n))) for name, kind, n in parts]
+
+
+def chunk_params(model: ModelSpec, tp: int, chunk: Chunk, divisible_by: int) -> tuple[tuple[int, int, int], ...]:
+    """(elements, watch group, unit) of each parameter of ``chunk`` on one tp rank, in ptdp's order."""
+    h = model.hidden_size
+    table = padded_vocab_size(model.vocab_size, divisible_by, tp) // tp * h
+    tied_one = chunk.first and chunk.last and model.tied  # one table looked up and projected
+    out: list[tuple[int, int, int]] = []
+    if chunk.first and model.has_position_table:
+        out.append((model.seq_length * h, REST, TIED_UNIT if tied_one else EMBED_UNIT))
+    if chunk.first:
+        alone = not model.tied or not chunk.last  # only the lookup reads it
+        out.append((table, LOOKUP if alone else REST, TIED_UNIT if tied_one else EMBED_UNIT))
+    elif chunk.last and model.tied:
+        out.append((table, REST, HEAD_UNIT))
+    sizes = layer_param_sizes(model, tp)
+    for k in range(chunk.layers):
+        out += [(n, k, k) for n in sizes]
+    if chunk.last:
+        head = TIED_UNIT if tied_one else HEAD_UNIT
+        out += [(n, REST, head) for n in ((h,) if model.uses_rmsnorm else (h, h))]
+        if not model.tied:
+            out.append((table, REST, head))
+    return tuple(out)
+
+
+def plan_buckets(
+    params: tuple[tuple[int, int, int], ...], bucket: int, *, by_unit: bool, deferred: int | None
+) -> tuple[tuple[int, ...], ...]:
+    """The parameter indices of each bucket of one chunk, as the engine cuts them (module
+    docstring; padding apart); ``deferred``: the index of the tied embedding kept alone."""
+    out: list[tuple[int, ...]] = []
+    current: list[int] = []
+    total = 0
+    for i in reversed(range(len(params))):
+        n, _, unit = params[i]
+        if i == deferred:
+            out.append((i,))
+            continue
+        other_unit = by_unit and current and params[current[-1]][2] != unit
+        if current and (other_unit or total + n > bucket):
+            out.append(tuple(current))
+            current, total = [], 0
+        current.append(i)
+        total += n
+    if current:
+        out.append(tuple(current))
+    return tuple(out)
+
+
+#: an event of a backward: ("alloc", bucket indices) or ("launch", bucket index)
+Event = tuple[str, object]
+
+
+def _backward_events(params, buckets, deferred: int | None, order: list[int]) -> list[Event]:
+    """The allocations and reduce-scatter launches (with overlap) of one backward of a chunk,
+    its gradients completed in ``order`` (keys: bucket indices)."""
+    of = {i: b for b, members in enumerate(buckets) for i in members}
+    groups: dict[int, list[int]] = {}
+    for i, (_, group, _) in enumerate(params):
+        keys = groups.setdefault(group, [])
+        if of[i] not in keys:
+            keys.append(of[i])
+    events: list[Event] = [("alloc", tuple(groups.get(REST, [])))]
+    opened, missing = {REST}, {b: len(members) for b, members in enumerate(buckets)}
+    for i in order:
+        group = params[i][1]
+        if group not in opened:
+            opened.add(group)
+            events.append(("alloc", tuple(groups[group])))
+        missing[of[i]] -= 1
+        if missing[of[i]] == 0 and i != deferred:
+            events.append(("launch", of[i]))
+    return events
+
+
+def _peak(run: list[_Plan], d: int) -> int:
+    """Replay the backwards of ``run`` (chunks, in order; no flush between them): the most bucket
+    elements allocated at once, counted after each allocation (as ``GradBuffer.peak_live_bytes``);
+    a launch with two in flight first lands (and frees) the oldest."""
+    alive: set[tuple[int, int]] = set()
+    launched: list[tuple[int, int]] = []
+    live = peak = 0
+    for slot, plan in enumerate(run):
+        sizes = [n + (-n) % d for n in plan.raw]
+        for kind, what in plan.events:
+            if kind == "alloc":
+                for b in what:
+                    if (slot, b) not in alive:
+                        alive.add((slot, b))
+                        live += sizes[b]
+                peak = max(peak, live)
+            else:
+                while len(launched) >= 2:
+                    key = launched.pop(0)
+                    alive.discard(key)
+                    live -= run[key[0]].raw[key[1]] + (-run[key[0]].raw[key[1]]) % d
+                launched.append((slot, what))
+    return peak
+
+
+def _ready_order(model: ModelSpec, tp: int, params, word: int | None) -> list[int]:
+    """Parameter indices of a chunk (:func:`chunk_params`) in the order a backward completes
+    their gradients: the head's back to front, each layer's as :func:`_layer_params` says from
+    the last layer to the first, then the others back to front, the looked-up word embedding
+    (index ``word``) last, after the position table (the two sum into the chunk's input: the
+    table's gradient is accumulated before backward enters the lookup)."""
+    places = [place for _, place in _layer_params(model, tp)]
+    by_place = sorted(range(len(places)), key=places.__getitem__)  # a layer's positions, in completion order
+    layer_index: dict[int, list[int]] = {}
+    for i, (_, group, _) in enumerate(params):
+        if group >= 0:
+            layer_index.setdefault(group, []).append(i)
+    after_layers = max((i for ids in layer_index.values() for i in ids), default=-1)
+    head = [i for i in reversed(range(len(params))) if i > after_layers and i != word]
+    layers = [layer_index[k][j] for k in sorted(layer_index, reverse=True) for j in by_place]
+    done = set(head) | set(layers) | ({word} if word is not None else set())
+    rest = [i for i in reversed(range(len(params))) if i not in done]
+    return head + layers + rest + ([word] if word is not None else [])
+
+
+#: layers per chunk simulated when every layer's buckets are cut alike (:func:`rank_transients`)
+PERIODIC_LAYERS = 4
+
+
+@lru_cache(maxsize=4096)
+def rank_transients(
+    model: ModelSpec,
+    tp: int,
+    pp: int,
+    chunks: tuple[Chunk, ...],
+    d: int,
+    bucket: int,
+    *,
+    overlap: bool,
+    params_sharded: bool,
+    reshard: bool = True,
+    divisible_by: int = 128,
+) -> tuple[int, int]:
+    """(gathered parameter elements, gradient bucket elements) at their peaks on one rank holding
+    ``chunks`` (its model chunks in order), sharded over ``d`` ranks with ``bucket``-element
+    buckets (module docstring); the first is 0 unless ``params_sharded`` (``optim_grads_params``).
+
+    Without ``overlap`` nothing is freed before a backward ends: a chunk's buckets all at once,
+    with the interleaved schedule on top of those of the chunk after it. With ``overlap`` the
+    backwards are replayed: each chunk alone, and (interleaved) each right after the last
+    backward of the chunk after it. Where every layer's buckets are cut alike (a bucket never
+    spans two units, or a layer parameter fills a bucket alone, which restarts the cutting in
+    every layer), a chunk of :data:`PERIODIC_LAYERS` layers (its top, two inner layers, its
+    bottom) has the same peaks and the totals grow by one inner layer's buckets per layer:
+    exact, at a cost independent of the layer count (the plan and its events are shared by
+    every ``d``)."""
+    periodic = params_sharded or max(layer_param_sizes(model, tp)) >= bucket
+    short = chunks
+    if periodic and any(c.layers > PERIODIC_LAYERS + 1 for c in chunks):
+        short = tuple(Chunk(min(c.layers, PERIODIC_LAYERS), c.first, c.last) for c in chunks)
+    split = pp > 1  # all a chunk's plan needs of pp (the tied copy)
+    plan = {c: _chunk_plan(model, tp, split, c, bucket, params_sharded, divisible_by) for c in set(short)}
+    totals = [sum(n + (-n) % d for n in plan[c].raw) for c in short]
+    if short != chunks:
+        longer = (Chunk(min(c.layers, PERIODIC_LAYERS + 1), c.first, c.last) for c in chunks)
+        more = [
+            sum(n + (-n) % d for n in _chunk_plan(model, tp, split, c, bucket, params_sharded, divisible_by).raw)
+            for c in longer
+        ]
+        totals = [t + (c.layers - s.layers) * (m - t) for c, s, t, m in zip(chunks, short, totals, more)]
+    if overlap:  # each kind of chunk alone, and each after the chunk after it (its last backward)
+        runs = {(c,) for c in short} | {(short[i + 1], short[i]) for i in range(len(short) - 1)}
+        grads = max(_peak([plan[c] for c in run], d) for run in runs)
+    else:
+        grads = max(t + (totals[c + 1] if c + 1 < len(totals) else 0) for c, t in enumerate(totals))
+    if not params_sharded:
+        return 0, grads
+    if not reshard:  # every unit of the stage (each bucket belongs to one unit)
+        return sum(totals), grads
+    return max(_resharded_peak(_unit_sizes(plan[c], d)) for c in set(short)), grads
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One chunk's parameters (:func:`chunk_params`), buckets (parameter indices), their unpadded
+    elements, and the events of its backward with overlap (keys: bucket indices)."""
+
+    params: tuple
+    buckets: tuple
+    raw: tuple
+    events: tuple
+
+
+@lru_cache(maxsize=1024)
+def _chunk_plan(
+    model: ModelSpec, tp: int, split: bool, chunk: Chunk, bucket: int, by_unit: bool, divisible_by: int
+) -> _Plan:
+    """The :class:`_Plan` of ``chunk`` (``split``: pp > 1)."""
+    params = chunk_params(model, tp, chunk, divisible_by)
+    deferred = _tied_copy_index(model, split, chunk)
+    order = _ready_order(model, tp, params, int(model.has_position_table) if chunk.first else None)
+    buckets = plan_buckets(params, bucket, by_unit=by_unit, deferred=deferred)
+    raw = tuple(sum(params[i][0] for i in members) for members in buckets)
+    return _Plan(params, buckets, raw, tuple(_backward_events(params, buckets, deferred, order)))
+
+
+def _tied_copy_index(model: ModelSpec, split: bool, chunk: Chunk) -> int | None:
+    """Index in :func:`chunk_params` of the tied word embedding whose bucket is kept alone and
+    never started early (``split``, pp > 1: its gradient is summed over the first and last
+    stage first)."""
+    if not model.tied or not split or not (chunk.first or chunk.last):
+        return None
+    return 1 if chunk.first and model.has_position_table else 0
+
+
+def _unit_sizes(plan: _Plan, d: int) -> dict[int, int]:
+    """Unit -> its padded elements (a bucket never spans two units)."""
+    out: dict[int, int] = {}
+    for members, n in zip(plan.buckets, plan.raw):
+        unit = plan.params[members[0]][2]
+        out[unit] = out.get(unit, 0) + n + (-n) % d
+    return out
+
+
+def _resharded_peak(units: dict[int, int]) -> int:
+    """Most gathered elements at once with resharding: two neighbours in forward order (embeddings,
+    layers, head), or the single tied unit with two layers."""
+    layers = [units[k] for k in sorted(k for k in units if k >= 0)]
+    if TIED_UNIT in units:
+        pairs = [a + b for a, b in zip(layers, layers[1:])] or layers or [0]
+        return units[TIED_UNIT] + max(pairs)
+    seq = (
+        ([units[EMBED_UNIT]] if EMBED_UNIT in units else [])
+        + layers
+        + ([units[HEAD_UNIT]] if HEAD_UNIT in units else [])
+    )
+    pairs = [a + b for a, b in zip(seq, seq[1:])] or seq or [0]
+    return max(pairs)
+
+
+def stage_chunks(num_layers: int, pp: int, v: int, pp_rank: int, stage_layers: int) -> tuple[Chunk, ...]:
+    """The model chunks of pipeline rank ``pp_rank`` holding ``stage_layers`` layers: ``v`` chunks
+    of an even share each (the last chunks one layer fewer where they do not divide), the first
+    chunk of rank 0 looking up, the last of rank pp - 1 projecting."""
+    per, extra = divmod(stage_layers, v)
+    return tuple(
+        Chunk(per + (c < extra), first=pp_rank == 0 and c == 0, last=pp_rank == pp - 1 and c == v - 1) for c in range(v)
+    )
