@@ -161,6 +161,9 @@ def fixed_from_args(args: argparse.Namespace) -> Fixed:
         first_layers=args.decoder_first_pipeline_num_layers,
         last_layers=args.decoder_last_pipeline_num_layers,
         accounting=_accounting(args),
+        ddp_bucket_size=args.ddp_bucket_size,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        reshard_after_forward=args.reshard_after_forward,
     )
 
 

@@ -67,6 +67,9 @@ def dp_comm_time(
             links=links,
             end_overlap=end_overlap,
             chunks=chunks,
+            # kept gathered: once per stretch of microbatches in flight, m on the last stage (and
+            # at pp = 1), the most any stage gathers
+            kept_gathers=None if layout.reshard_after_forward else layout.num_microbatches,
         )
 
     if not c.overlap_window:

@@ -55,6 +55,7 @@ def check_request(cluster: Cluster, global_batch_size: int, fixed, *, top: int, 
         "micro_batch_size": fixed.micro_batch_size,
         "virtual_pipeline_stages": fixed.virtual_stages,
         "num_layers_per_virtual_pipeline_stage": fixed.layers_per_virtual_stage,
+        "ddp_bucket_size": getattr(fixed, "ddp_bucket_size", None),
     }
     errors = [
         f"{name}={value} must be a positive integer" for name, value in given.items() if value is not None and value < 1

@@ -77,6 +77,12 @@ class Fixed:
     """(embedding, loss) counted as layers of the split (--account-for-embedding/loss-in-pipeline-split):
     with one True only such splits are planned (v = 1 and interleaved); both False: none of them;
     None: searched."""
+    ddp_bucket_size: int | None = None
+    """--ddp-bucket-size (None: 40 M elements; not searched)."""
+    overlap_grad_reduce: bool | None = None
+    """--overlap-grad-reduce (None: on, ptdp train's default; not searched)."""
+    reshard_after_forward: bool | None = None
+    """--reshard-after-forward (None: on, ptdp train's default; not searched; optim_grads_params only)."""
 
 
 @dataclass
@@ -290,6 +296,9 @@ def _search_layout(
                         cp=cp,
                         sharding=sharding,
                         cp_comm_type=fixed.cp_comm_type or "p2p",
+                        ddp_bucket_size=fixed.ddp_bucket_size,
+                        overlap_grad_reduce=fixed.overlap_grad_reduce is not False,
+                        reshard_after_forward=fixed.reshard_after_forward is not False,
                     )
 
                 plans, rejected = predict_strategies(

@@ -60,9 +60,13 @@ inside the node and the network across, as :func:`ptdp.planner.comm.hierarchical
 * ``optim_grads_params``: the same reduce-scatters, no weight all-gather after the step, and per
   microbatch two all-gathers of every unit (forward, backward), each prefetched behind the
   previous unit's compute: the first unit's gather is exposed, every other unit's only by what
-  it exceeds one layer's compute. In elements, what ptdp counts on one rank per step for a stage
-  of ``N`` gradient elements (padded) and ``m`` microbatches: ``m * N`` reduce-scattered and
-  ``2 m * N / d`` all-gathered (``tests/dist/test_sharded_params.py``).
+  it exceeds one layer's compute. Kept gathered (``--no-reshard-after-forward``) a unit is
+  gathered once per stretch of microbatches its chunk has in flight, in forward only: ``m``
+  times per step at pp = 1 and on the last stage of 1F1B, the planner's count (an upper bound
+  for the stages before it, which gather fewer times). In elements, what ptdp counts on one rank
+  per step for a stage of ``N`` gradient elements (padded) and ``m`` microbatches: ``m * N``
+  reduce-scattered and ``2 m * N / d`` all-gathered, kept ``k * N / d`` for ``k`` stretches
+  (``tests/dist/test_sharded_params.py``).
 """
 
 from __future__ import annotations
@@ -163,6 +167,7 @@ def sharded_dp_times(
     links: Links,
     end_overlap: float = 0.0,
     chunks: int = 1,
+    kept_gathers: int | None = None,
 ) -> float:
     """Exposed seconds per step of the data-parallel communication of ``strategy`` over ``shard``
     ranks (the module docstring's model).
@@ -174,8 +179,11 @@ def sharded_dp_times(
     reduce-scatter; ``end_overlap``: fraction of the end-of-step reduction hidden (the time
     model's ``dp_overlap``); ``chunks`` > 1: the gradient is reduced chunk by chunk
     (:func:`chunk_by_chunk`), ``1/chunks`` of it after each round of ``num_microbatches`` chunk
-    backwards, each hidden behind the next round, the last exposed. Group members per node:
-    ``min(shard, gpus_per_node / tp)``.
+    backwards, each hidden behind the next round, the last exposed. ``kept_gathers``
+    (``optim_grads_params`` with ``--no-reshard-after-forward``): the units are gathered that
+    many times per step, once per stretch of microbatches in flight, in forward only (each gather
+    behind the previous unit's forward), instead of twice per microbatch. Group members per
+    node: ``min(shard, gpus_per_node / tp)``.
     """
     check_strategy(strategy)
     if shard <= 1:
@@ -198,5 +206,8 @@ def sharded_dp_times(
         return hidden_rs + (1.0 - end_overlap) * (last_rs + weights_gather)
     gather = 0.5 * hierarchical_all_reduce_time(unit_param_bytes, shard, per_node, links)
     rest = max(units - 1, 0)
-    per_microbatch = 2.0 * gather + rest * max(0.0, gather - layer_forward) + rest * max(0.0, gather - layer_backward)
+    forward_pass = gather + rest * max(0.0, gather - layer_forward)
+    if kept_gathers is not None:
+        return kept_gathers * forward_pass + hidden_rs + (1.0 - end_overlap) * last_rs
+    per_microbatch = forward_pass + gather + rest * max(0.0, gather - layer_backward)
     return m * per_microbatch + hidden_rs + (1.0 - end_overlap) * last_rs

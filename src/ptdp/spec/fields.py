@@ -49,6 +49,8 @@ class Flag:
         group: the argparse group (a key of :data:`GROUPS`).
         plan: ``ptdp plan`` has the flag too (there its default is None: searched, or the model
             preset's value).
+        plan_searched: ``ptdp plan`` searches the setting when the flag is not given (False: it
+            plans ``ptdp train``'s default).
         cli_default: the default of ``ptdp train`` when it differs from the field's (tp = pp = 2).
         none_choice: a choice that means None (``--recompute-granularity none``).
         negate: the flag sets the field to False (``--disable-bias-linear``).
@@ -62,6 +64,7 @@ class Flag:
     aliases: tuple[str, ...] = ()
     metavar: str | None = None
     plan: bool = False
+    plan_searched: bool = True
     cli_default: Any = UNSET
     none_choice: str | None = None
     negate: bool = False

@@ -139,6 +139,7 @@ def _add(group, s: Setting, command: Command, default: Any) -> None:
         return
     if s.kind == "bool":
         searched = command == "plan" and s.section in ("parallel", "train") or s.name == "recompute_granularity"
+        searched = searched and f.plan_searched
         group.add_argument(
             *names,
             dest=s.dest,

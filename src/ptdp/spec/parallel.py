@@ -176,7 +176,13 @@ class ParallelConfig:
     that waits longer fails the job with a message naming the rank, phase and iteration instead of
     hanging. 10 as in Megatron-LM; ``ptdp train`` on a machine without CUDA defaults to 2."""
     ddp_bucket_size: int | None = opt(
-        None, "--ddp-bucket-size", "most gradient elements per bucket (default: 40,000,000)", "dp", metavar="ELEMENTS"
+        None,
+        "--ddp-bucket-size",
+        "most gradient elements per bucket (default: 40,000,000)",
+        "dp",
+        metavar="ELEMENTS",
+        plan=True,
+        plan_searched=False,
     )
     """Most gradient elements per data-parallel bucket; None: 40 million (Megatron's default)."""
     overlap_grad_reduce: bool = opt(
@@ -186,6 +192,8 @@ class ParallelConfig:
         "during the last microbatch's backward (default; --no-overlap-grad-reduce: "
         "after the whole backward)",
         "dp",
+        plan=True,
+        plan_searched=False,
     )
     """Start each bucket's data-parallel reduction during the last microbatch's backward, as soon
     as all its gradients are ready (on by default: the reductions then hide behind the rest of
@@ -239,6 +247,8 @@ class ParallelConfig:
         "optim_grads_params: free each layer's gathered parameters after its forward and gather them "
         "again for its backward (default; --no-reshard-after-forward keeps them from forward to backward)",
         "dp",
+        plan=True,
+        plan_searched=False,
     )
     """With ``optim_grads_params``: free a unit's gathered parameters after its forward and gather
     them again before its backward (two all-gathers per unit and microbatch; FSDP2's and

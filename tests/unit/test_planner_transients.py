@@ -1,0 +1,107 @@
+"""The planner's transients of optim_grads / optim_grads_params (``ptdp.planner.transients``):
+pure checks of the counting (the measured equality with ptdp's engine is in
+``tests/dist/test_sharded_grads.py`` and ``test_sharded_params.py``), and ``ptdp plan``'s
+--ddp-bucket-size, --no-overlap-grad-reduce and --no-reshard-after-forward."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ptdp import cli
+from ptdp.planner import transients
+from ptdp.planner.models import get_model
+from ptdp.planner.param_memory import layer_param_count, stage_param_counts
+from ptdp.planner.transients import layer_param_sizes, rank_transients, stage_chunks
+from ptdp.spec import stage_layer_counts
+
+#: (model, tp, pp, v, bucket elements, shard size d)
+CASES = [
+    ("gpt3-175b", 8, 8, 1, 40_000_000, 16),
+    ("llama3-8b", 8, 4, 2, 40_000_000, 8),
+    ("llama3-8b", 4, 1, 1, 1_000_000, 4),
+    ("llama2-70b", 2, 2, 1, 10**9, 3),  # buckets larger than a layer: cut unevenly, no shortcut
+]
+
+
+@pytest.mark.parametrize("name, tp, pp, v, bucket, d", CASES)
+def test_the_short_replay_equals_the_full_one(name, tp, pp, v, bucket, d, monkeypatch):
+    """Where every layer's buckets are cut alike the planner replays 4 layers per chunk and
+    extrapolates the totals: the same numbers as replaying every layer, for both strategies,
+    with and without overlap, resharded and kept, on the first and the last stage."""
+    model = get_model(name)
+    layers = model.num_layers // pp
+    fast = {}
+    for rank in (0, pp - 1):
+        chunks = stage_chunks(model.num_layers, pp, v, rank, layers)
+        for overlap in (True, False):
+            for params_sharded in (False, True):
+                for reshard in (True, False):
+                    key = (rank, overlap, params_sharded, reshard)
+                    kw = dict(overlap=overlap, params_sharded=params_sharded, reshard=reshard)
+                    fast[key] = rank_transients(model, tp, pp, chunks, d, bucket, **kw)
+    rank_transients.cache_clear()
+    monkeypatch.setattr(transients, "PERIODIC_LAYERS", 10**6)
+    for (rank, overlap, params_sharded, reshard), want in fast.items():
+        chunks = stage_chunks(model.num_layers, pp, v, rank, layers)
+        kw = dict(overlap=overlap, params_sharded=params_sharded, reshard=reshard)
+        assert rank_transients(model, tp, pp, chunks, d, bucket, **kw) == want
+    rank_transients.cache_clear()
+
+
+@pytest.mark.parametrize("name, tp, pp", [("gpt3-175b", 8, 8), ("llama3-8b", 2, 1), ("llama2-70b", 4, 4)])
+def test_without_overlap_a_backward_holds_its_whole_stage(name, tp, pp):
+    """One rank (d = 1: no padding), one chunk, no overlap: every bucket stays until the backward
+    ends, so the gradient transient is the stage's parameter count; kept units are the stage's
+    parameters too, and resharded at most two layers (with an edge unit) of them."""
+    model = get_model(name)
+    counts = stage_param_counts(model, tp, pp)
+    for rank, (n, layers) in enumerate(zip(counts, stage_layer_counts(model.num_layers, pp, None))):
+        chunks = stage_chunks(model.num_layers, pp, 1, rank, layers)
+        _, grads = rank_transients(model, tp, pp, chunks, 1, 40_000_000, overlap=False, params_sharded=False)
+        assert grads == n
+        kept, _ = rank_transients(
+            model, tp, pp, chunks, 1, 40_000_000, overlap=True, params_sharded=True, reshard=False
+        )
+        assert kept == n
+        resharded, _ = rank_transients(model, tp, pp, chunks, 1, 40_000_000, overlap=True, params_sharded=True)
+        assert 2 * layer_param_count(model, tp) <= resharded < n
+
+
+def test_a_layers_parameters_in_ptdps_order():
+    model = get_model("gpt3-175b")
+    sizes = layer_param_sizes(model, 8)
+    assert sum(sizes) == layer_param_count(model, 8)
+    h = model.hidden_size
+    assert sizes[:4] == (h, h, 3 * h * h // 8, 3 * h // 8)  # ln1 weight, bias, qkv weight, bias
+
+
+def _plan_json(capsys, *extra: str) -> dict:
+    args = ["plan", "--model", "llama3-8b", "--gpus", "64", "--global-batch-size", "256", "--tp", "2", "--pp", "2"]
+    assert cli.main([*args, "--json", "--top", "1", *extra]) == 0
+    return json.loads(capsys.readouterr().out)[0]
+
+
+def test_ptdp_plan_takes_the_bucket_size_overlap_and_resharding(capsys):
+    """The three flags come from the schema and reach the plan: a smaller bucket lowers
+    optim_grads's gradient transient, no overlap raises it, keeping the units gathered raises
+    optim_grads_params's parameter bytes and lowers its exposed communication."""
+    grads = "--data-parallel-sharding-strategy", "optim_grads"
+    default = _plan_json(capsys, *grads)
+    small = _plan_json(capsys, *grads, "--ddp-bucket-size", "1000000")
+    sync = _plan_json(capsys, *grads, "--no-overlap-grad-reduce")
+    assert (small["ddp_bucket_size"], sync["overlap_grad_reduce"]) == (1_000_000, False)
+    assert small["memory_bytes"]["grads"] < default["memory_bytes"]["grads"] < sync["memory_bytes"]["grads"]
+    params = "--data-parallel-sharding-strategy", "optim_grads_params"
+    resharded = _plan_json(capsys, *params)
+    kept = _plan_json(capsys, *params, "--no-reshard-after-forward")
+    assert kept["reshard_after_forward"] is False and resharded["reshard_after_forward"] is True
+    assert kept["memory_bytes"]["params"] > resharded["memory_bytes"]["params"]
+    assert kept["time_s"]["dp_comm"] < resharded["time_s"]["dp_comm"]
+
+
+def test_a_bucket_size_below_one_element_is_refused(capsys):
+    args = ["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch-size", "8", "--ddp-bucket-size", "0"]
+    assert cli.main(args) == 2
+    assert "ddp_bucket_size=0 must be a positive integer" in capsys.readouterr().err
