@@ -22,6 +22,11 @@ class Violation:
         return self.message
 
 
+def V(rule: str, message: str, **values) -> Violation:
+    """A :class:`Violation` of ``rule`` with its ``message`` and the ``values`` it saw."""
+    return Violation(rule, message, values)
+
+
 class ConfigError(ValueError):
     """An invalid configuration; the message names every broken rule and the values involved.
     ``violations`` holds them as data when they came from the rules."""

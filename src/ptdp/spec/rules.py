@@ -6,7 +6,8 @@ rule id the planner groups by, the values it saw, and a message naming them.
 
 Sources: Narayanan et al. SC21, arXiv:2104.04473 (layout, schedules); Shoeybi et al.,
 arXiv:1909.08053 (tensor parallelism); Korthikanti et al. 2022, arXiv:2205.05198 (sequence
-parallelism, recompute).
+parallelism, recompute). The rules of sequence and context parallelism, sharding and the
+data-parallel engine live in :mod:`ptdp.spec.axis_rules` (importable from here too).
 
 - ``heads % tp == 0`` (attention is split by heads), ``hidden % heads == 0``, ``ffn % tp == 0``
 - ``num_layers % pp == 0`` unless an explicit ``pipeline_layer_split`` (pp entries >= 1 summing
@@ -30,26 +31,27 @@ from __future__ import annotations
 import math
 
 from ptdp.engine.pipeline.partition import layer_split, stage_layer_counts
-from ptdp.spec.errors import ConfigError, Violation
+from ptdp.spec.axis_rules import (  # noqa: F401 - the axis rules, importable from here too
+    context_parallel_model_violations,
+    context_parallel_violations,
+    data_parallel_violations,
+    sequence_parallel_violations,
+    sharded_params_violations,
+    sharding_violations,
+)
+from ptdp.spec.errors import ConfigError, V, Violation
 from ptdp.spec.fields import (
     ACTIVATIONS,
-    BIND_POLICIES,
     DTYPES,
-    GRAD_COMPRESSIONS,
     MIN_VOCAB_SIZE,
     NORMALIZATIONS,
     POSITION_EMBEDDINGS,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
     SCHEDULES,
-    SHARDING_STRATEGIES,
 )
 from ptdp.spec.model import AUTO_DTYPE, ModelConfig
 from ptdp.spec.parallel import ParallelConfig
-
-
-def V(rule: str, message: str, **values) -> Violation:
-    return Violation(rule, message, values)
 
 
 def model_violations(
@@ -261,119 +263,6 @@ def schedule_violations(p: ParallelConfig, num_layers: int, num_microbatches: in
     return out
 
 
-def sequence_parallel_violations(m: ModelConfig, tp: int, sequence_parallel: bool) -> list[Violation]:
-    """Rules of sequence parallelism (Korthikanti et al. 2022, §4.2.2)."""
-    if not sequence_parallel:
-        return []
-    if tp < 2:
-        return [
-            V(
-                "sequence parallel",
-                f"sequence_parallel needs tensor_model_parallel_size > 1, got {tp} (rule: the "
-                f"sequence is split over the tp ranks)",
-            )
-        ]
-    if m.seq_length % tp:
-        return [
-            V(
-                "sequence parallel",
-                f"seq_length={m.seq_length} is not divisible by tensor_model_parallel_size={tp} "
-                f"(rule: s % tp == 0 with sequence_parallel; each tp rank holds s / tp positions)",
-            )
-        ]
-    return []
-
-
-def context_parallel_violations(seq_length: int, cp: int) -> list[Violation]:
-    """Rules of context parallelism (Megatron-Core's load-balanced causal split; Llama 3, Dubey et
-    al. 2024, §3.3.2): ``cp >= 1`` and ``seq_length % (2 cp) == 0``, each cp rank holding chunks
-    ``i`` and ``2 cp - 1 - i`` of ``seq_length / (2 cp)`` tokens."""
-    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-        return [
-            V("option", f"context_parallel_size={cp!r} must be a positive integer (1: no context parallelism)", cp=cp)
-        ]
-    if cp > 1 and seq_length % (2 * cp):
-        return [
-            V(
-                "seq % (2 * cp)",
-                f"seq_length={seq_length} is not divisible by 2*context_parallel_size = 2*{cp} = "
-                f"{2 * cp} (rule: seq_length % (2 * cp) == 0; each cp rank holds two of 2*cp equal chunks for "
-                f"causal load balance)",
-                seq_length=seq_length,
-                cp=cp,
-            )
-        ]
-    return []
-
-
-def context_parallel_model_violations(m: ModelConfig, cp: int, tp: int, sequence_parallel: bool) -> list[Violation]:
-    """What the model needs under context parallelism (cp > 1): with sequence parallelism each cp
-    rank's ``s / cp`` positions split evenly over tp, ``seq_length % (cp * tp) == 0``."""
-    if not isinstance(cp, int) or isinstance(cp, bool) or cp <= 1:
-        return []
-    out = []
-    if sequence_parallel and isinstance(tp, int) and tp > 1 and m.seq_length % (cp * tp):
-        out.append(
-            V(
-                "sequence parallel",
-                f"seq_length={m.seq_length} is not divisible by context_parallel_size * "
-                f"tensor_model_parallel_size = {cp}*{tp} = {cp * tp} (rule: s % (cp * tp) == 0 with "
-                f"sequence_parallel; each tp rank holds s / (cp * tp) positions of its cp rank's s / cp)",
-                seq_length=m.seq_length,
-                cp=cp,
-                tp=tp,
-            )
-        )
-    return out
-
-
-def sharding_violations(p: ParallelConfig) -> list[Violation]:
-    """``data_parallel_sharding_strategy`` is a known name and agrees with
-    ``use_distributed_optimizer`` (which means ``optim``)."""
-    strategy = p.data_parallel_sharding_strategy
-    if strategy is None:
-        return []
-    if strategy not in SHARDING_STRATEGIES:
-        return [V("option", f"data_parallel_sharding_strategy={strategy!r} must be one of {SHARDING_STRATEGIES}")]
-    if p.use_distributed_optimizer and strategy == "no_shard":
-        return [
-            V(
-                "data parallel",
-                "use_distributed_optimizer (data_parallel_sharding_strategy=optim) contradicts "
-                "data_parallel_sharding_strategy=no_shard: give one",
-            )
-        ]
-    return []
-
-
-def sharded_params_violations(p: ParallelConfig) -> list[Violation]:
-    """Rules of ``optim_grads_params`` (parameters sharded, gathered unit by unit before each
-    forward and backward): ``overlap_param_gather`` (the distributed optimizer's all-gather after
-    the step, overlapped with the next forward) does not exist there, and
-    ``reshard_after_forward=False`` means nothing without it."""
-    out = []
-    strategy = p.data_parallel_sharding_strategy
-    if strategy == "optim_grads_params" and p.overlap_param_gather:
-        out.append(
-            V(
-                "data parallel",
-                "overlap_param_gather does not apply to data_parallel_sharding_strategy=optim_grads_params: "
-                "its parameters are all-gathered unit by unit before each forward and backward (the next "
-                "unit's gather always overlaps the current one's compute), never after the optimizer step",
-            )
-        )
-    if not p.reshard_after_forward and strategy != "optim_grads_params":
-        out.append(
-            V(
-                "data parallel",
-                f"reshard_after_forward=False (--no-reshard-after-forward) needs "
-                f"data_parallel_sharding_strategy=optim_grads_params, not {p.sharding_strategy} (only sharded "
-                f"parameters are gathered and freed around each forward)",
-            )
-        )
-    return out
-
-
 def recompute_violations(m: ModelConfig, chunk_layers: list[int] | None) -> list[Violation]:
     """Rules of activation recomputation; ``chunk_layers``: the layers of every model chunk (None
     when the layout is invalid: the range of recompute_num_layers is then not checked)."""
@@ -412,43 +301,6 @@ def recompute_violations(m: ModelConfig, chunk_layers: list[int] | None) -> list
                 f"layers per model chunk)",
             )
         )
-    return out
-
-
-def data_parallel_violations(p: ParallelConfig) -> list[Violation]:
-    """Rules of the data-parallel engine: codec, distributed optimizer, buckets, CPU binding."""
-    out = []
-    sharded = p.use_distributed_optimizer or p.data_parallel_sharding_strategy not in (None, "no_shard")
-    if p.grad_compression not in GRAD_COMPRESSIONS:
-        out.append(V("option", f"grad_compression={p.grad_compression!r} must be one of {GRAD_COMPRESSIONS}"))
-    if p.overlap_param_gather and not sharded:
-        out.append(
-            V(
-                "data parallel",
-                "overlap_param_gather needs use_distributed_optimizer (only the distributed "
-                "optimizer all-gathers parameters)",
-            )
-        )
-    if p.grad_compression == "1bit" and sharded:
-        out.append(
-            V(
-                "data parallel",
-                f"grad_compression=1bit cannot be combined with use_distributed_optimizer "
-                f"(data_parallel_sharding_strategy={p.sharding_strategy}; 1-bit gradients are all-gathered, "
-                f"not reduce-scattered into shards: use no_shard)",
-            )
-        )
-    warmup = p.grad_compression_warmup_iters
-    if warmup is not None and (not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0):
-        out.append(V("option", f"grad_compression_warmup_iters={warmup!r} must be an integer >= 0"))
-    elif warmup is not None and p.grad_compression == "none":
-        out.append(
-            V("data parallel", f"grad_compression_warmup_iters={warmup} has no effect with grad_compression=none")
-        )
-    if p.ddp_bucket_size is not None and (not isinstance(p.ddp_bucket_size, int) or p.ddp_bucket_size < 1):
-        out.append(V("option", f"ddp_bucket_size={p.ddp_bucket_size!r} must be a positive integer (elements)"))
-    if p.bind_cpus not in BIND_POLICIES:
-        out.append(V("option", f"bind_cpus={p.bind_cpus!r} must be one of {BIND_POLICIES}"))
     return out
 
 
