@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -125,7 +126,7 @@ def build_optimizer(
     ``param_gather_units`` (sharded only): overlap the parameter all-gather with the next forward,
     each module waiting for its own parameters (:class:`~ptdp.engine.data_parallel.zero.ShardedAdamW`).
     """
-    kwargs = dict(lr=lr_at(0, cfg), betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    kwargs: dict[str, Any] = dict(lr=lr_at(0, cfg), betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
     if grads.sharded:
         from ptdp.engine.data_parallel.zero import ShardedAdamW
 
