@@ -4,7 +4,9 @@ Parameter, gradient and optimizer bytes per rank must match exactly (same counti
 including padded vocabulary rows and the tied copy on the last stage, with ``optim_grads_params``
 the rank's shard of them; gradients = the flat gradient buffer, or the rank's shard of it;
 optimizer = Adam's two moments plus float32 main parameters for bfloat16, not the per-tensor
-step counters), up to the padding of the buckets to a multiple of dp x cp. Peak memory and step time are predictions: the step time needs a
+step counters), up to the padding of the buckets to a multiple of dp x cp; so must the
+transients of ``optim_grads`` and ``optim_grads_params`` (the most full-size gradient bucket
+bytes and gathered parameter bytes a rank held at once, :mod:`ptdp.planner.transients`). Peak memory and step time are predictions: the step time needs a
 hardware profile from ``ptdp plan --calibrate``; without one it is not predicted.
 
 The run side of the planner: the trainer measures each rank with :func:`measure_stage` and hands
@@ -26,9 +28,10 @@ from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.plan import Layout
 from ptdp.planner.profile import default_profile_path, load_profile
-from ptdp.planner.sharding import strategy_bytes_per_param
+from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, strategy_bytes_per_param
+from ptdp.planner.transients import rank_transients, stage_chunks
 from ptdp.run.profiling import process_peak_rss
-from ptdp.spec import Config
+from ptdp.spec import Config, stage_layer_counts
 
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -101,6 +104,31 @@ def planner_layout(config: Config) -> Layout | None:
     )
 
 
+def predicted_transients(config: Config, layout: Layout, pp_rank: int) -> dict[str, int]:
+    """The planner's transients of a rank of stage ``pp_rank`` in bytes (0 unless the run's
+    strategy is ``optim_grads`` / ``optim_grads_params`` over dp x cp > 1): ``params_transient``
+    gathered 16-bit (or float32) weights, ``grads_transient`` float32 gradient buckets
+    (:func:`ptdp.planner.transients.rank_transients`)."""
+    p, m = config.parallel, config.model
+    if p.dp * p.cp == 1 or p.sharding_strategy not in ("optim_grads", "optim_grads_params"):
+        return {"params_transient": 0, "grads_transient": 0}
+    layers = stage_layer_counts(m.num_layers, p.pp, p.layer_split(m.num_layers))[pp_rank]
+    params, grads = rank_transients(
+        spec_from_model_config(m),
+        p.tp,
+        p.pp,
+        stage_chunks(m.num_layers, p.pp, layout.virtual_stages, pp_rank, layers),
+        p.dp * p.cp,
+        p.ddp_bucket_size or DEFAULT_BUCKET_ELEMENTS,
+        overlap=p.overlap_grad_reduce,
+        params_sharded=p.sharding_strategy == "optim_grads_params",
+        reshard=p.reshard_after_forward,
+        divisible_by=m.make_vocab_size_divisible_by,
+    )
+    weight, grad, _ = strategy_bytes_per_param(layout.precision, "no_shard", 1)
+    return {"params_transient": int(weight * params), "grads_transient": int(grad * grads)}
+
+
 def recompute_note(config: Config) -> str | None:
     """Why the planner's activation memory is approximate for this run's full recompute, if it is."""
     m = config.model
@@ -143,6 +171,9 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
             "optimizer": pad * per_param[2],
         }
         same = all(0 <= r[k] - predicted[k] <= slack[k] for k in predicted)
+        transients = predicted_transients(config, layout, r["coords"][2])
+        measured_transients = {k: r.get(k, 0) for k in transients}
+        same &= measured_transients == transients
         exact &= same
         rows.append(
             {
@@ -150,6 +181,7 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
                 "predicted": predicted,
                 "padding_elements": pad,
                 "measured": {k: r[k] for k in predicted},
+                "transients": {"predicted": transients, "measured": measured_transients},
                 "exact": same,
             }
         )
@@ -229,6 +261,13 @@ def format_comparison(check: dict) -> list[str]:
             f"    stage {pp_rank}: params {pr['params']:,.0f} / {me['params']:,} B, grads {pr['grads']:,.0f} / "
             f"{me['grads']:,} B, optimizer {pr['optimizer']:,.0f} / {me['optimizer']:,} B (predicted / measured)"
         )
+        tr = r.get("transients")
+        if tr and any(tr["predicted"].values()):
+            lines.append(
+                f"      at their peaks: gathered params {tr['predicted']['params_transient']:,} / "
+                f"{tr['measured']['params_transient']:,} B, gradient buckets {tr['predicted']['grads_transient']:,} / "
+                f"{tr['measured']['grads_transient']:,} B"
+            )
     padded = any(r.get("padding_elements") for r in check["ranks"])
     lines.append(
         f"    bytes equal on every rank{' (up to bucket padding)' if padded else ''}: "
