@@ -99,20 +99,25 @@ def test_ring_exchange_bytes_and_overlap():
 
 
 def test_each_strategy_bytes_per_rank_hand_computed():
-    """bf16: no_shard 2+4+12, optim 2+4+12/d, optim_grads 2+4/d+12/d + one bucket of fp32 grads,
-    optim_grads_params (2+4+12)/d + two gathered 16-bit units + one unit's fp32 gradient; d = dp*cp."""
+    """bf16: no_shard 2+4+12, optim 2+4+12/d, optim_grads 2+4/d+12/d + the fp32 gradient buckets
+    alive at once, optim_grads_params (2+4+12)/d + the gathered 16-bit units + those buckets;
+    d = dp*cp (ptdp.planner.transients)."""
     model = dataclasses.replace(LLAMA, num_layers=2, vocab_size=5000)
     n = stage_param_counts(model, 1, 1)[0]
     layer = layer_param_count(model, 1)
     assert layer == (256 + 2 * 64) * 256 + 256 * 256 + 3 * 512 * 256 + 2 * 256  # QKV (GQA), proj, SwiGLU, norms
-    unit = n - 2 * layer  # the embedding + output layer + final norm as one unit, larger than a layer
-    assert unit == 2 * 5120 * 256 + 256 > layer  # V padded to 5120, untied output, RMSNorm weight
+    embedding, head = 5120 * 256, 5120 * 256 + 256  # V padded to 5120; untied output and RMSNorm weight
+    assert n == embedding + 2 * layer + head and n % 8 == layer % 8 == head % 8 == 0  # no padding
     d = 2 * 4
+    # optim_grads: one 40 M bucket holds the stage (allocated when backward starts: it holds the
+    # output layer). optim_grads_params: a bucket per unit (embeddings, layer 0, layer 1, head);
+    # gathered at most the last layer and the head (the largest neighbours); gradient buckets at
+    # most the head's (in flight) and both layers' (the head's lands when the embedding's starts)
     expect = {
         "no_shard": (2 * n, 4 * n, 12 * n),
         "optim": (2 * n, 4 * n, 12 * n / d),
-        "optim_grads": (2 * n, 4 * n / d + 4 * min(40_000_000, n), 12 * n / d),
-        "optim_grads_params": (2 * n / d + 2 * 2 * unit, 4 * n / d + 4 * unit, 12 * n / d),
+        "optim_grads": (2 * n, 4 * n / d + 4 * n, 12 * n / d),
+        "optim_grads_params": (2 * n / d + 2 * (layer + head), 4 * n / d + 4 * (2 * layer + head), 12 * n / d),
     }
     for strategy, (params, grads, optimizer) in expect.items():
         layout = Layout(tp=1, pp=1, dp=2, micro_batch_size=1, global_batch_size=2, cp=4, sharding=strategy)
