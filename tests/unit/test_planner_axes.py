@@ -112,7 +112,7 @@ def test_each_strategy_bytes_per_rank_hand_computed():
     # optim_grads: one 40 M bucket holds the stage (allocated when backward starts: it holds the
     # output layer). optim_grads_params: a bucket per unit (embeddings, layer 0, layer 1, head);
     # gathered at most the last layer and the head (the largest neighbours); gradient buckets at
-    # most the head's (in flight) and both layers' (the head's lands when the embedding's starts)
+    # most the head's (in flight) and both layers' (the head's lands when layer 0's starts)
     expect = {
         "no_shard": (2 * n, 4 * n, 12 * n),
         "optim": (2 * n, 4 * n, 12 * n / d),
