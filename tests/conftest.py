@@ -11,13 +11,25 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+#: the tiers whose tests start processes (worker worlds, launchers, subprocesses): run one after another
+PROCESS_TIERS = ("dist", "e2e", "gpu")
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    """Skip the ``gpu`` tests without CUDA; put every test of a process tier into one xdist group.
+
+    With pytest-xdist (``-n 2 --dist loadgroup`` in ``pyproject.toml``) the group runs on one
+    pytest worker, its tests one after another as without xdist (they load every core already,
+    and their timeouts assume that), while the other worker takes the single-process unit tests
+    beside them."""
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
+    tests = Path(__file__).resolve().parent
     for item in items:
-        if "gpu" in item.keywords:
+        if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
+        parts = Path(str(item.path)).resolve().relative_to(tests).parts
+        if parts and parts[0] in PROCESS_TIERS:
+            item.add_marker(pytest.mark.xdist_group("processes"))
 
 
 @pytest.hookimpl(tryfirst=True)
