@@ -15,7 +15,7 @@ from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 
 def test_a_non_finite_gradient_norm_with_fp16_compression_points_to_bf16():
     from ptdp.engine.step import NONFINITE_GRAD_NORM, StepResult
-    from ptdp.run.trainer import _non_finite_step
+    from ptdp.run.loop_events import non_finite_step
 
     class Log:
         def __init__(self):
@@ -27,7 +27,7 @@ def test_a_non_finite_gradient_norm_with_fp16_compression_points_to_bf16():
     result = StepResult(loss=2.0, grad_norm=float("inf"), lr=1e-3, skipped=True, skip_reason=NONFINITE_GRAD_NORM)
     for codec, hint in (("fp16", True), ("bf16", False), ("none", False)):
         log = Log()
-        _non_finite_step(result, 7, 1, 10, log, codec)
+        non_finite_step(result, 7, 1, 10, log, codec)
         assert ("--grad-compression fp16" in log.lines[0] and "65,504" in log.lines[0]) == hint, log.lines
 
 

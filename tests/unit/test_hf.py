@@ -92,12 +92,12 @@ def test_export_of_a_run_on_another_tokenizer_names_its_own_special_tokens(tmp_p
     from ptdp.engine.groups import ParallelGroups
     from ptdp.engine.step import build_stage
     from ptdp.run.checkpoint.io import save_checkpoint
-    from ptdp.run.trainer import _tokenizer_files
+    from ptdp.run.loop_events import tokenizer_files
     from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 
     folder = write_tokenizer_folder(tmp_path / "tok", eos_token="</s>" if kept_config else None)
     tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
-    files = _tokenizer_files(type("Data", (), {"tokenizer_path": folder / "tokenizer.json"})(), str(folder))
+    files = tokenizer_files(type("Data", (), {"tokenizer_path": folder / "tokenizer.json"})(), str(folder))
     assert ("tokenizer_config.json" in files) == kept_config
     model = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=len(tok))
     config = resolve(

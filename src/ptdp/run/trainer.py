@@ -5,7 +5,6 @@ Runs inside an initialised process group (``ptdp.train``); every rank executes i
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -13,13 +12,11 @@ from typing import Any
 import torch
 
 from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, device_microbatches, dp_shard, eval_indices
-from ptdp.data.tokenizer import tokenizer_config_beside
 from ptdp.engine import activity
 from ptdp.engine.comm import all_gather_object, all_reduce
 from ptdp.engine.faults import FaultPlan
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import (
-    NONFINITE_GRAD_NORM,
     PendingStep,
     build_stage,
     eval_loss,
@@ -30,6 +27,13 @@ from ptdp.engine.step import (
 from ptdp.run.checkpoint.folders import CheckpointError
 from ptdp.run.checkpoint.io import load_checkpoint
 from ptdp.run.checkpoint.saver import Checkpointer
+from ptdp.run.loop_events import (
+    TrainingError,  # noqa: F401 - raised by train, caught by ptdp.run.worker
+    complete_save,
+    non_finite_step,
+    save_and_log,
+    tokenizer_files,
+)
 from ptdp.run.metrics import RunLog, write_json
 from ptdp.run.planner_report import check_run, measure_stage
 from ptdp.run.profiling import StepProfiler, peak_memory_bytes
@@ -37,11 +41,6 @@ from ptdp.run.throughput import Throughput
 from ptdp.run.trace import Tracer, bubble_by_rank, write_trace
 from ptdp.run.tracking import Trackers
 from ptdp.spec import Config
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. more than ``max_skipped_steps`` steps in a row had a nan/inf loss
-    or gradient norm, or a checkpoint would hold non-finite values); all ranks raise it."""
 
 
 def train(
@@ -104,9 +103,9 @@ def train(
     loop.evaluate(t.train_iters)
     stage.wait_for_params()
     if ck.save and saver is not None:  # --save always has a saver
-        files = _tokenizer_files(data, config.data.tokenizer_model)
-        _save(saver, stage, ck, t.train_iters, loop.samples_before(t.train_iters), log, files)
-        _complete_save(saver.wait, log)  # the end of training waits for a save in the background
+        files = tokenizer_files(data, config.data.tokenizer_model)
+        save_and_log(saver, stage, ck, t.train_iters, loop.samples_before(t.train_iters), log, files)
+        complete_save(saver.wait, log)  # the end of training waits for a save in the background
     log.close()
     return loop.finish(Path(run_dir), time.perf_counter() - started)
 
@@ -181,12 +180,12 @@ class _Loop:
         if evaluate or save or iteration % t.log_interval == 0 or iteration in (1, t.train_iters):
             self.flush()
             if self.saver is not None and self.saver.async_save and not save:
-                _complete_save(self.saver.poll, self.log)
+                complete_save(self.saver.poll, self.log)
         if evaluate:
             self.evaluate(iteration)
         if save and self.saver is not None:  # --save always has a saver
-            files = _tokenizer_files(self.data, self.config.data.tokenizer_model)
-            _save(self.saver, self.stage, ck, iteration, self.samples_before(iteration), self.log, files)
+            files = tokenizer_files(self.data, self.config.data.tokenizer_model)
+            save_and_log(self.saver, self.stage, ck, iteration, self.samples_before(iteration), self.log, files)
         if evaluate or save:
             self.interval_start = None  # the next interval's time starts at its first step
         if self.faults is not None:
@@ -246,7 +245,7 @@ class _Loop:
         self.log.step(iteration, result.loss, step_time, record["tokens_per_s"], result.lr)
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if result.nonfinite else 0
         if result.nonfinite:
-            _non_finite_step(
+            non_finite_step(
                 result,
                 iteration,
                 self.skipped_in_a_row,
@@ -278,80 +277,6 @@ class _Loop:
             summary["planner_check"] = check_run(self.config, per_rank, summary["mean_step_time_s"])
             write_json(run_dir / "summary.json", summary)
         return summary
-
-
-def _non_finite_step(result, iteration: int, in_a_row: int, limit: int, log: RunLog, codec: str = "none") -> None:
-    """A step skipped for a nan/inf loss or gradient norm: a warning, or :class:`TrainingError`
-    (on every rank alike) when it makes more than ``limit`` such steps in a row. With
-    ``--grad-compression fp16`` (``codec``) a non-finite norm after a finite loss says that a mean
-    gradient beyond float16's range overflows it."""
-    what = (
-        f"loss {result.loss} / gradient norm {result.grad_norm} is not finite at iteration {iteration} "
-        f"({result.skip_reason} on some rank)"
-    )
-    if codec == "fp16" and result.skip_reason == NONFINITE_GRAD_NORM and math.isfinite(result.loss):
-        what += (
-            " (with --grad-compression fp16 a mean gradient above 65,504 overflows float16; "
-            "--grad-compression bf16 has float32's range)"
-        )
-    if in_a_row > limit:
-        log.close()
-        raise TrainingError(
-            f"{what}: {in_a_row} such steps in a row, more than --max-skipped-steps {limit}; "
-            f"stopping (try a lower --lr or --clip-grad, or check the data)"
-        )
-    log.message(f"warning: {what}; the step is skipped on every rank, no update ({in_a_row} in a row, at most {limit})")
-
-
-def _tokenizer_files(data: PreparedData, tokenizer_model: str | None) -> dict[str, Path]:
-    """What a checkpoint keeps of the run's tokenizer: its ``tokenizer.json`` and, for a
-    ``--tokenizer-model`` with one beside it, the ``tokenizer_config.json`` naming its special
-    tokens (``ptdp convert to-hf`` writes them out as given)."""
-    files = {"tokenizer.json": Path(data.tokenizer_path)}
-    config = tokenizer_config_beside(tokenizer_model) if tokenizer_model else None
-    return files | ({"tokenizer_config.json": config} if config else {})
-
-
-def _save(
-    saver: Checkpointer, stage, ck, iteration: int, consumed_samples: int, log: RunLog, files: dict[str, Path]
-) -> None:
-    """Save a checkpoint (after completing one still being written, ``--async-save``); one that
-    cannot be written (e.g. non-finite values, refused on every rank) stops training with
-    :class:`TrainingError`."""
-    start = time.perf_counter()
-    activity.set_phase(activity.CHECKPOINT, iteration)
-    try:
-        folder, earlier = saver.save(
-            stage,
-            ck.save,
-            iteration,
-            consumed_samples=consumed_samples,
-            keep_last=ck.keep_last,
-            files=files,
-        )
-    except CheckpointError as e:
-        log.close()
-        raise TrainingError(str(e)) from e
-    if earlier is not None:
-        log.message(f"iteration {iteration:>6}: saved checkpoint {earlier} (written in the background)")
-    took = f"{time.perf_counter() - start:.1f} s"
-    log.message(
-        f"iteration {iteration:>6}: checkpoint {folder} staged in CPU memory ({took}), written in the background"
-        if saver.async_save
-        else f"iteration {iteration:>6}: saved checkpoint {folder} ({took})"
-    )
-
-
-def _complete_save(complete, log: RunLog) -> None:
-    """Complete a save written in the background (``--async-save``): ``complete`` is the saver's
-    ``wait`` (every rank waits for it) or ``poll`` (only once every rank has written it)."""
-    try:
-        folder = complete()
-    except CheckpointError as e:
-        log.close()
-        raise TrainingError(str(e)) from e
-    if folder is not None:
-        log.message(f"saved checkpoint {folder} (written in the background)")
 
 
 def _write_trace(config: Config, groups: ParallelGroups, events: list[dict], run_dir: Path) -> dict:
