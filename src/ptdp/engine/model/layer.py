@@ -1,0 +1,124 @@
+"""One pre-norm transformer layer and its parts: LayerNorm / RMSNorm, the MLP (GELU, or SwiGLU
+for Llama-like models) and :class:`TransformerLayer` (norm, attention, residual add, norm, MLP,
+residual add), split over the tensor-parallel group as :mod:`ptdp.engine.model.gpt` describes
+(per-rank shapes ``[s, b, h]``, or ``[s/t, b, h]`` with sequence parallelism; 2 all-reduces per
+layer and microbatch in forward and 2 in backward, Shoeybi et al. 2019, §3). :class:`GPTModel`
+(:mod:`ptdp.engine.model.gpt`) stacks them into a pipeline stage.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ptdp.engine.comm import AxisGroup
+from ptdp.engine.model.attention import Attention, KVCache
+from ptdp.engine.tensor_parallel import (
+    ColumnParallelLinear,
+    ParamSpec,
+    RowParallelLinear,
+    mark_sequence_parallel,
+)
+from ptdp.engine.tensor_parallel.random import Dropout, DropoutRNG
+from ptdp.engine.tensor_parallel.sharding import make_parameter
+from ptdp.spec import ModelConfig
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with parameters replicated on every tp rank."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = make_parameter(ParamSpec((hidden_size,), init="ones"), 1, dtype)
+        self.bias = make_parameter(ParamSpec((hidden_size,), init="zeros"), 1, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang and Sennrich 2019, arXiv:1910.07467), ``x / sqrt(mean(x^2) + eps) * weight``
+    over the hidden dim; the weight is replicated on every tp rank; no bias."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = make_parameter(ParamSpec((hidden_size,), init="ones"), 1, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def make_norm(cfg: ModelConfig, dtype: torch.dtype, sequence_parallel: bool = False) -> nn.Module:
+    """The configured normalization (``cfg.normalization``) of width h; with ``sequence_parallel``
+    it normalizes sequence shards and its parameters are marked for the tp sum of their gradients."""
+    kind = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
+    norm = kind(cfg.hidden_size, cfg.layernorm_epsilon, dtype)
+    if sequence_parallel:
+        mark_sequence_parallel(norm.parameters())
+    return norm
+
+
+class MLP(nn.Module):
+    """fc1 column-parallel -> activation -> fc2 row-parallel; no communication in between.
+
+    GELU: fc1 is ``[ffn, h]``. SwiGLU (``swiglu``): fc1 is ``[gate | up]``, ``[2 ffn, h]``, each
+    half split over tp separately (like the blocks of a fused QKV), so rank r's shard holds the
+    gate and up rows of the same ``ffn / tp`` channels and ``silu(gate) * up`` is local.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        h, ffn, bias, sp = cfg.hidden_size, cfg.ffn, cfg.add_bias_linear, sequence_parallel
+        self.swiglu = cfg.swiglu
+        halves = 2 if cfg.swiglu else 1
+        self.fc1 = ColumnParallelLinear(
+            h, halves * ffn, tp=tp, dtype=dtype, bias=bias, fused=halves, tag="mlp_fc1", sequence_parallel=sp
+        )
+        self.fc2 = RowParallelLinear(ffn, h, tp=tp, dtype=dtype, bias=bias, tag="mlp_fc2", sequence_parallel=sp)
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc1(x)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            return self.fc2(F.silu(gate) * up)
+        return self.fc2(F.gelu(y, approximate=self.approximate))
+
+
+class TransformerLayer(nn.Module):
+    """``x + dropout(attn(ln1(x)))`` then ``x + dropout(mlp(ln2(x)))``; ``layer_id``, the global
+    layer index, names the layer's dropout streams in ``rng``."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: AxisGroup,
+        dtype: torch.dtype,
+        sequence_parallel: bool = False,
+        *,
+        layer_id: int = 0,
+        rng: DropoutRNG | None = None,
+        cp: AxisGroup | None = None,
+        cp_comm_type: str = "p2p",
+    ) -> None:
+        super().__init__()
+        rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
+        sp = sequence_parallel
+        self.ln1 = make_norm(cfg, dtype, sp)
+        self.attention = Attention(cfg, tp, dtype, sp, layer_id=layer_id, rng=rng, cp=cp, cp_comm_type=cp_comm_type)
+        self.ln2 = make_norm(cfg, dtype, sp)
+        self.mlp = MLP(cfg, tp, dtype, sp)
+        self.hidden_dropout = Dropout(cfg.hidden_dropout, rng, f"layer.{layer_id}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.hidden_dropout(self.attention(self.ln1(x)))
+        return x + self.hidden_dropout(self.mlp(self.ln2(x)))
+
+    def forward_cached(self, x: torch.Tensor, cache: KVCache, layer: str, start: int) -> torch.Tensor:
+        """:meth:`forward` of positions ``start .. start + n - 1`` (``x`` ``[n, b, h]``) over the keys and
+        values of ``cache`` (:meth:`Attention.forward_cached`); for inference, in eval mode."""
+        x = x + self.hidden_dropout(self.attention.forward_cached(self.ln1(x), cache, layer, start))
+        return x + self.hidden_dropout(self.mlp(self.ln2(x)))
