@@ -15,7 +15,7 @@ from helpers.cli import run, tiny_flags
 
 def test_ptdp_train_with_optim_grads_params_reports_the_planners_bytes(corpus, tmp_path):
     out = tmp_path / "run"
-    flags = tiny_flags(train_iters=2, log_interval=1, eval_interval=2, params_dtype="float32")
+    flags = tiny_flags(train_iters=2, log_interval=1, eval_interval=100, params_dtype="float32")
     proc = run(
         [
             sys.executable,
