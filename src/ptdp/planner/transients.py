@@ -21,9 +21,13 @@ first lands the oldest, which frees it); every bucket is freed at the end of a b
 after the last backward of a chunk with the interleaved schedule, whose buckets in flight (all
 of them without overlap) stay until the end of the next backward, that of the chunk before. The
 peak is counted when buckets are allocated (where live memory grows), as the engine's counter
-``GradBuffer.peak_live_bytes`` does; the order assumed inside a layer is the reverse of the
-parameter order, which a layer's backward follows up to the order of a norm's weight and bias
-(never two buckets apart in completion order).
+``GradBuffer.peak_live_bytes`` does. The order in which a backward completes the gradients
+(what decides which buckets are in flight) is ptdp's as observed: the head, then each layer from
+the last (``fc2`` bias and weight, ``fc1``, ``ln2`` weight and bias, ``proj``, ``qkv``, ``ln1``;
+a column-parallel linear, ``qkv`` and ``fc1``, completes its weight before its bias at tp > 1,
+its bias first at tp = 1), then the position table, the looked-up word embedding last. Not
+checked against ptdp: sequence parallelism with linear biases (its column-parallel linears run
+another autograd function, whose order is assumed the same as at tp > 1).
 
 Gathered parameters (``optim_grads_params``; units as :func:`~ptdp.engine.data_parallel.units.
 sharding_units`: a chunk's embeddings, each layer, its head; one unit of all non-layer parameters
@@ -35,8 +39,10 @@ two layers. Kept (``--no-reshard-after-forward``), every unit of the stage is ga
 (each chunk has a microbatch in flight when the first backward starts: the warmup runs forwards
 of every chunk). A unit's size is that of its padded buckets.
 
-Pure arithmetic (no torch); ``tests/dist/test_sharded_grads.py`` checks every run of the sharded
-cases against these counts.
+Pure arithmetic (no torch); ``tests/dist/test_sharded_grads.py`` and ``test_sharded_params.py``
+measure the engine's counters equal to these counts on every rank of every sharded run (tp 1 and
+2, pp 1 and 2, interleaved, cp 2, buckets from 901 elements to the whole stage, with and without
+overlap, resharded and kept, float64 and bf16).
 """
 
 from __future__ import annotations
