@@ -72,3 +72,18 @@ def test_optim_grads_params_is_suggested_when_it_helps():
     already = _config("optim_grads_params")
     text = memory_problem(already, 8, needed_bytes(already, 8, gpu=True) - 1, gpu=True, where="each GPU")
     assert "--data-parallel-sharding-strategy optim_grads_params (" not in text
+
+
+def test_a_smaller_bucket_is_suggested_when_buckets_exceed_a_layer():
+    """optim_grads with the default 40 M-element buckets on layers of 12.6 M parameters: a backward
+    holds buckets worth more than the stage's unsharded gradient; an eighth of a layer is
+    suggested, with its (lower) estimate."""
+    config = dataclasses.replace(
+        _config("optim_grads"), parallel=dataclasses.replace(_config("optim_grads").parallel, ddp_bucket_size=None)
+    )
+    assert rank_estimates(config)[0].grads > rank_estimates(_config("optim"))[0].grads
+    need = needed_bytes(config, 8, gpu=True)
+    text = memory_problem(config, 8, need - 1, gpu=True, where="each GPU")
+    smaller = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, ddp_bucket_size=1_574_528))
+    assert needed_bytes(smaller, 8, gpu=True) < need
+    assert f"--ddp-bucket-size 1574528 ({needed_bytes(smaller, 8, gpu=True) / GiB:,.1f} GiB)" in text

@@ -128,6 +128,14 @@ def _alternatives(config: Config) -> list[tuple[str, Config]]:
         out.append(
             ("--data-parallel-sharding-strategy optim_grads_params", dataclasses.replace(config, parallel=zero3))
         )
+    bucket = _layer_bucket(config)
+    if p.sharding_strategy in ("optim_grads", "optim_grads_params") and p.dp * p.cp > 1 and bucket:
+        out.append(
+            (
+                f"--ddp-bucket-size {bucket}",
+                dataclasses.replace(config, parallel=dataclasses.replace(p, ddp_bucket_size=bucket)),
+            )
+        )
     if m.recompute_granularity != "full":
         out.append(
             (
@@ -147,6 +155,18 @@ def _alternatives(config: Config) -> list[tuple[str, Config]]:
             ("--micro-batch-size 1", dataclasses.replace(config, train=dataclasses.replace(t, micro_batch_size=1)))
         )
     return out
+
+
+def _layer_bucket(config: Config) -> int | None:
+    """A bucket of an eighth of a layer's parameters on one tp rank, when smaller than the run's:
+    a sharded-gradient backward then holds about one layer's buckets instead of several
+    buckets larger than a layer (:mod:`ptdp.planner.transients`)."""
+    from ptdp.planner.memory import layer_param_count
+    from ptdp.planner.models import spec_from_model_config
+    from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS
+
+    bucket = max(1, layer_param_count(spec_from_model_config(config.model), config.parallel.tp) // 8)
+    return bucket if bucket < (config.parallel.ddp_bucket_size or DEFAULT_BUCKET_ELEMENTS) else None
 
 
 def memory_problem(config: Config, nproc: int, available: float, *, gpu: bool, where: str) -> str | None:
