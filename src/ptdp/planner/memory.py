@@ -123,18 +123,17 @@ def memory_breakdown(
     for rank, n_params, n_layers in candidates:
         act = cached_rank_activation_bytes(model, layout, rank, n_layers, schedule, make_vocab_size_divisible_by)
         fp8_copies = fp8_weight_copy_bytes(model, layout.tp, n_layers, layout.precision)
-        state = (
-            sum(
-                rank_state_bytes(
-                    model, layout, n_params, n_layers, stage=rank, divisible_by=make_vocab_size_divisible_by
-                )
+        parts = (
+            rank_state_bytes(
+                model, layout, n_params, n_layers, per_param, stage=rank, divisible_by=make_vocab_size_divisible_by
             )
             if transients
-            else n_params * per_param_total
+            else None
         )
-        rows.append((state + fp8_copies + act, rank, n_params, n_layers, act, fp8_copies))
-    _, rank, n_params, n_layers, act, fp8_copies = max(rows, key=lambda row: row[0])  # the first largest
-    params, grads, optimizer = rank_state_bytes(
+        state = sum(parts) if parts is not None else n_params * per_param_total
+        rows.append((state + fp8_copies + act, rank, n_params, n_layers, act, fp8_copies, parts))
+    _, rank, n_params, n_layers, act, fp8_copies, parts = max(rows, key=lambda row: row[0])  # the first largest
+    params, grads, optimizer = parts or rank_state_bytes(
         model, layout, n_params, n_layers, per_param, stage=rank, divisible_by=make_vocab_size_divisible_by
     )
     return MemoryBreakdown(

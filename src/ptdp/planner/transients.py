@@ -154,8 +154,8 @@ def plan_buckets(
     return tuple(out)
 
 
-#: an event of a backward: ("alloc", bucket indices) or ("launch", bucket index)
-Event = tuple[str, object]
+#: an event of a backward: the bucket indices allocated (a tuple), or the bucket started (an int)
+Event = tuple[int, ...] | int
 
 
 def _backward_events(params, buckets, deferred: int | None, order: list[int]) -> list[Event]:
@@ -167,42 +167,59 @@ def _backward_events(params, buckets, deferred: int | None, order: list[int]) ->
         keys = groups.setdefault(group, [])
         if of[i] not in keys:
             keys.append(of[i])
-    events: list[Event] = [("alloc", tuple(groups.get(REST, [])))]
+    events: list[Event] = [tuple(groups.get(REST, []))]
     opened, missing = {REST}, {b: len(members) for b, members in enumerate(buckets)}
     for i in order:
         group = params[i][1]
         if group not in opened:
             opened.add(group)
-            events.append(("alloc", tuple(groups[group])))
+            events.append(tuple(groups[group]))
         missing[of[i]] -= 1
         if missing[of[i]] == 0 and i != deferred:
-            events.append(("launch", of[i]))
+            events.append(of[i])
     return events
 
 
-def _peak(run: list[_Plan], d: int) -> int:
-    """Replay the backwards of ``run`` (chunks, in order; no flush between them): the most bucket
-    elements allocated at once, counted after each allocation (as ``GradBuffer.peak_live_bytes``);
-    a launch with two in flight first lands (and frees) the oldest."""
-    alive: set[tuple[int, int]] = set()
+@lru_cache(maxsize=4096)
+def _allocation_states(
+    model: ModelSpec, tp: int, split: bool, bucket: int, by_unit: bool, divisible_by: int, run: tuple[Chunk, ...]
+) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Replay the backwards of the chunks of ``run`` in order, no flush between them: after each
+    allocation (where ``GradBuffer.peak_live_bytes`` is counted) the unpadded elements alive and
+    those of each alive bucket, largest first; a launch with two in flight first lands (frees)
+    the oldest. Which buckets are alive does not depend on the shard size, only their padding."""
+    plans = [_chunk_plan(model, tp, split, c, bucket, by_unit, divisible_by) for c in run]
+    alive: list[dict[int, int]] = [{} for _ in plans]  # slot -> bucket -> unpadded elements
     launched: list[tuple[int, int]] = []
-    live = peak = 0
-    for slot, plan in enumerate(run):
-        sizes = [n + (-n) % d for n in plan.raw]
-        for kind, what in plan.events:
-            if kind == "alloc":
-                for b in what:
-                    if (slot, b) not in alive:
-                        alive.add((slot, b))
-                        live += sizes[b]
-                peak = max(peak, live)
-            else:
-                while len(launched) >= 2:
-                    key = launched.pop(0)
-                    alive.discard(key)
-                    live -= run[key[0]].raw[key[1]] + (-run[key[0]].raw[key[1]]) % d
-                launched.append((slot, what))
-    return peak
+    live = 0
+    states = []
+    for slot, plan in enumerate(plans):
+        here = alive[slot]
+        for event in plan.events:
+            if isinstance(event, tuple):
+                for b in event:
+                    if b not in here:
+                        here[b] = plan.raw[b]
+                        live += plan.raw[b]
+                states.append((live, tuple(n for slot_alive in alive for n in slot_alive.values())))
+                continue
+            if len(launched) == 2:  # never more than two in flight
+                old_slot, old = launched.pop(0)
+                live -= alive[old_slot].pop(old)
+            launched.append((slot, event))
+    return tuple(sorted(set(states), reverse=True))
+
+
+def _padded_peak(states: tuple[tuple[int, tuple[int, ...]], ...], d: int) -> int:
+    """The most elements alive at once once every bucket is padded to a multiple of ``d``
+    (:func:`_allocation_states`; states that cannot win even fully padded are skipped)."""
+    most = max(len(sizes) for _, sizes in states)
+    best = 0
+    for raw, sizes in states:
+        if raw + most * (d - 1) <= best:
+            break
+        best = max(best, raw + sum((-n) % d for n in sizes))
+    return best
 
 
 def _ready_order(model: ModelSpec, tp: int, params, word: int | None) -> list[int]:
@@ -262,17 +279,19 @@ def rank_transients(
         short = tuple(Chunk(min(c.layers, PERIODIC_LAYERS), c.first, c.last) for c in chunks)
     split = pp > 1  # all a chunk's plan needs of pp (the tied copy)
     plan = {c: _chunk_plan(model, tp, split, c, bucket, params_sharded, divisible_by) for c in set(short)}
-    totals = [sum(n + (-n) % d for n in plan[c].raw) for c in short]
+    padded = {c: sum(n + (-n) % d for n in p.raw) for c, p in plan.items()}  # each kind of chunk once
+    totals = [padded[c] for c in short]
     if short != chunks:
-        longer = (Chunk(min(c.layers, PERIODIC_LAYERS + 1), c.first, c.last) for c in chunks)
-        more = [
-            sum(n + (-n) % d for n in _chunk_plan(model, tp, split, c, bucket, params_sharded, divisible_by).raw)
-            for c in longer
-        ]
-        totals = [t + (c.layers - s.layers) * (m - t) for c, s, t, m in zip(chunks, short, totals, more)]
+        longer = [Chunk(min(c.layers, PERIODIC_LAYERS + 1), c.first, c.last) for c in chunks]
+        more = {
+            c: sum(n + (-n) % d for n in _chunk_plan(model, tp, split, c, bucket, params_sharded, divisible_by).raw)
+            for c in set(longer)
+        }
+        totals = [t + (c.layers - s.layers) * (more[m] - t) for c, s, t, m in zip(chunks, short, totals, longer)]
     if overlap:  # each kind of chunk alone, and each after the chunk after it (its last backward)
         runs = {(c,) for c in short} | {(short[i + 1], short[i]) for i in range(len(short) - 1)}
-        grads = max(_peak([plan[c] for c in run], d) for run in runs)
+        key = (model, tp, split, bucket, params_sharded, divisible_by)
+        grads = max(_padded_peak(_allocation_states(*key, run), d) for run in runs)
     else:
         grads = max(t + (totals[c + 1] if c + 1 < len(totals) else 0) for c, t in enumerate(totals))
     if not params_sharded:
