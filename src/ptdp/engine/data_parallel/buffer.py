@@ -39,6 +39,18 @@ embedding keeps its own bucket (never started early); its shard covers the same 
 first and the last stage, so the embedding-group sum acts on the shards
 (:func:`~ptdp.engine.data_parallel.grads.finalize_grads`).
 
+Except chunk by chunk (:func:`ptdp.planner.sharding.chunk_by_chunk`: the interleaved schedule in
+one round, ``v > 1`` chunks and ``m == pp`` microbatches, over ``d > 1`` ranks; set per step by
+:meth:`GradBuffer.begin_backwards`): a rank then runs every backward of its last chunk, then
+every backward of the chunk before, and so on, so a chunk's buckets get their memory in the
+chunk's first backward, accumulate its microbatches under :meth:`GradBuffer.no_sync` (which then
+defers, as without ``shard_grads``), and are reduce-scattered straight into the shard once per
+step: during the chunk's last backward with ``overlap``, the rest when it ends
+(:meth:`GradBuffer.chunk_done`); at most two in flight, each freed when it lands. One chunk's
+whole gradient exists at a time, plus the two buckets of the chunk after it still in flight
+(Dubey et al. 2024, arXiv:2407.21783, §3.3.2: gradients accumulated in float32 across
+microbatches and reduce-scattered once).
+
 ``--data-parallel-sharding-strategy optim_grads_params`` (ZeRO-3) is ``shard_grads`` with buckets
 that never span two units (``unit_of``); :class:`~ptdp.engine.data_parallel.units.ParamUnits`
 then takes the parameters out of :attr:`GradBuffer.param_data` (left None) into its own shards.
@@ -55,6 +67,7 @@ from torch import nn
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.data_parallel.buckets import Bucket, Segment, plan_buckets
 from ptdp.engine.data_parallel.compression import block_sizes, start_reduction
+from ptdp.planner.sharding import chunk_by_chunk
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements; Megatron-LM's default
 
@@ -113,6 +126,9 @@ class GradBuffer:
             )
         self.params, self.dp, self.codec, self.sharded, self.prescaled = params, dp, codec, shard, prescaled
         self.grads_sharded = shard_grads
+        self.by_chunk = False
+        """Reduce each chunk's gradient once per step (module docstring); set by :meth:`begin_backwards`."""
+        self._strategy = "optim_grads_params" if unit_of is not None else "optim_grads"  # with shard_grads
         self.average_over = dp.size if average_over is None else average_over
         self.exact = False
         """Reduce in the buffer's dtype whatever ``codec`` is (compression warmup); set per step."""
@@ -197,10 +213,10 @@ class GradBuffer:
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients without starting any data-parallel reduction (PyTorch DDP's name).
 
-        With ``shard_grads`` the reductions are not deferred: the backward run inside reduces as
-        any other, and leaving the context finishes its reductions into the shard and releases
-        the flat buffer (:meth:`flush`)."""
-        if self.grads_sharded:
+        With ``shard_grads`` the reductions are not deferred (except chunk by chunk,
+        :attr:`by_chunk`): the backward run inside reduces as any other, and leaving the context
+        finishes its reductions into the shard and releases the flat buffer (:meth:`flush`)."""
+        if self.grads_sharded and not self.by_chunk:
             yield
             self.flush()
             return
@@ -209,6 +225,30 @@ class GradBuffer:
             yield
         finally:
             self._syncing = previous
+
+    def begin_backwards(self, virtual_stages: int, num_microbatches: int, pp: int) -> None:
+        """Before a step's backwards: whether they reduce chunk by chunk (:attr:`by_chunk`, with
+        ``shard_grads`` over d > 1 ranks: :func:`~ptdp.planner.sharding.chunk_by_chunk` of the
+        schedule's ``virtual_stages`` chunks, ``num_microbatches`` and ``pp``)."""
+        self.by_chunk = self.grads_sharded and chunk_by_chunk(
+            self._strategy, self.dp.size, virtual_stages, num_microbatches, pp
+        )
+
+    def chunk_done(self, chunk: int) -> None:
+        """After the last backward of ``chunk`` in a step: with :attr:`by_chunk`, start the
+        reduce-scatter of each of its buckets holding gradients and not started (in bucket order,
+        the same on every rank; at most two in flight); otherwise nothing."""
+        if not self.by_chunk:
+            return
+        for bucket in self.buckets:
+            if bucket.chunk == chunk and bucket.finish is None and bucket.own_data().untyped_storage().nbytes():
+                self._launch_in_turn(bucket)
+
+    def _launch_in_turn(self, bucket: Bucket) -> None:
+        """``shard_grads``: start ``bucket``'s reduction, first landing the oldest of two in flight."""
+        while len(self._launched) >= 2:
+            self._land(self._launched.pop(0))
+        self._launch(bucket)
 
     def watch(self, units: list[tuple[nn.Module, list[nn.Parameter]]]) -> None:
         """``shard_grads`` only: for each (module, parameters) pair, allocate the buckets holding
@@ -287,12 +327,12 @@ class GradBuffer:
             param.main_grad.add_(param.grad)  # type: ignore[attr-defined]  # set in _place_params (wgrad.py)
             param.grad = None
         if self.grads_sharded:  # every backward reduces; ready also marks the bucket touched
+            if not self._syncing:  # by_chunk, under no_sync: accumulating the chunk's microbatches
+                return
             bucket = self._bucket_of[id(param)]
             bucket.ready.add(id(param))
             if bucket.overlap and bucket.finish is None and len(bucket.ready) == len(bucket.params):
-                while len(self._launched) >= 2:  # at most two buckets in flight
-                    self._land(self._launched.pop(0))
-                self._launch(bucket)
+                self._launch_in_turn(bucket)  # at most two buckets in flight
             return
         if not self._syncing or self.dp.size == 1:  # accumulating (no_sync), or nothing to reduce
             return
@@ -333,8 +373,19 @@ class GradBuffer:
 
     def _launch_into_shard(self, bucket: Bucket, grad: torch.Tensor, shard: torch.Tensor) -> None:
         """``shard_grads``: reduce-scatter this backward's ``grad`` of ``bucket`` into a scratch
-        shard (1/d of the bucket) whose finish adds it into the accumulated ``shard``."""
-        if self.dp.size == 1:
+        shard (1/d of the bucket) whose finish adds it into the accumulated ``shard``; with
+        :attr:`by_chunk` (reduced once per step, into a zeroed shard) straight into ``shard``."""
+        if self.by_chunk:
+            bucket.finish = start_reduction(
+                "none" if self.exact else self.codec,
+                grad,
+                self.dp,
+                shard=shard,
+                grad_scale=self.grad_scale,
+                average=not self.prescaled,
+                divisor=self.average_over,
+            )
+        elif self.dp.size == 1:
             shard.add_(grad)
             bucket.finish = _done
         else:

@@ -95,9 +95,11 @@ def run_schedule(
             ``(s/t, b, h)``; any shape for other stage modules).
         forward_only: no autograd graph (evaluation).
         tracer: optional :class:`ptdp.run.trace.Tracer` recording each step's start and end.
-        grad_sync: optional object with a ``no_sync()`` context (the gradient buffer): every
-            backward but the last of each chunk runs under it, so data-parallel reductions start
-            only in the last microbatch's backward (on every stage, the last one included).
+        grad_sync: optional gradient buffer (:class:`~ptdp.engine.data_parallel.buffer.GradBuffer`):
+            told the schedule first (``begin_backwards(v, m, pp)``); every backward but the last
+            of each chunk runs under its ``no_sync()`` context, so data-parallel reductions start
+            only in the last microbatch's backward (on every stage, the last one included), and
+            ``chunk_done(chunk)`` follows each chunk's last backward.
         loss_scale: multiply each loss by this before backward (float16 loss scaling: a 0-dim
             float32 tensor on ``device``, never read to the host).
         seq_length, batch_shape: ``(b, s)`` of a microbatch, which every microbatch must have
@@ -130,6 +132,8 @@ def run_schedule(
         loss_factor=(1.0 if loss_scale is None else loss_scale) / len(microbatches),
     )
     last_backward = {a.chunk: a for a in program if isinstance(a, Action) and a.kind == "backward"}
+    if grad_sync is not None and not forward_only:
+        grad_sync.begin_backwards(len(chunks), len(microbatches), pp.size)
     track = not forward_only  # evaluation keeps the caller's phase
     for step in program:
         if isinstance(step, P2PGroup):
@@ -159,11 +163,13 @@ def _check_microbatches(microbatches: list[Microbatch], b: int, s: int) -> None:
 
 def _compute(a: Action, state: _State, reduce: bool, grad_sync) -> None:
     """A forward, or a backward (under ``grad_sync.no_sync()`` unless ``reduce``: the last
-    backward of its chunk starts the data-parallel reductions)."""
+    backward of its chunk starts the data-parallel reductions, then ``grad_sync.chunk_done``)."""
     if a.kind == "forward":
         _forward(a, state)
     elif reduce:
         _backward(a, state)
+        if grad_sync is not None:
+            grad_sync.chunk_done(a.chunk)
     else:
         with grad_sync.no_sync():
             _backward(a, state)
