@@ -8,8 +8,10 @@ Llama-like model with full recompute and sequence parallelism at (2,1,2), and co
 at (tp, cp, pp, dp) = (1,2,1,2) (shards over dp x cp); bf16 weights within
 bf16 precision at (1,1,4) and (2,2,2) (:data:`helpers.zero_cases.RUNS`). Replicas and tied copies
 stay bitwise equal. Each rank keeps 1/dp of the gradients between microbatches, as the planner
-counts them, and every backward reduce-scatters what it produced. All layouts of a world size run
-in one job (:mod:`helpers.zero_cases`)."""
+counts them, and every backward reduce-scatters what it produced, except with the interleaved
+schedule in one round (m == pp) at (1,2,2) and (2,2,2), both strategies, where each chunk's
+buckets accumulate its microbatches and are reduce-scattered once per step (chunk by chunk, as
+the planner models it). All layouts of a world size run in one job (:mod:`helpers.zero_cases`)."""
 
 from __future__ import annotations
 
@@ -18,16 +20,20 @@ import torch
 
 from helpers.dist_helpers import run_in_pool
 from helpers.zero_cases import (
+    CHUNK_VARIANTS,
     CP_LAYOUT,
     CP_VARIANT,
     FP16_STRATEGIES,
     LAYOUTS,
     ROUND_TRIPS,
+    VARIANTS,
     check_against_reference,
     check_transients,
     checkpoint_worker,
     cp_config,
     fp16_worker,
+    is_chunk_by_chunk,
+    strategy_of,
     variants,
     world_results,
     zero_config,
@@ -67,7 +73,7 @@ def test_optim_grads_keeps_a_shard_as_the_planner_counts(world, layout):
         check = compare(zero_config("grads_bf16", *layout), measured, None, None)
         assert check["bytes_exact_on_every_rank"], check["ranks"]
     for name in variants(*layout, "optim_grads"):
-        grad_bytes, opt_bytes = (4, 12) if name == "grads_bf16" else (8, 16)  # float64: no main params
+        grad_bytes, opt_bytes = (4, 12) if VARIANTS[name][0] == "bfloat16" else (8, 16)  # float64: no main params
         for res in results:
             m = res[name]["measured"]
             assert m["grads"] == grad_bytes * (m["numel"] + m["padding"]) // dp, (name, m)
@@ -122,9 +128,79 @@ def test_optim_grads_transient_is_what_the_planner_counts(world, layout):
     interleaved schedule, bf16 main gradients; and at (tp, cp, pp, dp) = (1,2,1,2)."""
     results = [rank_results[layout] for rank_results in world_results(world)]
     for name in variants(*layout, "optim_grads"):
-        check_transients(results, name, zero_config(name, *layout))
+        if name not in CHUNK_VARIANTS:  # chunk by chunk: test_chunk_by_chunk_holds_one_chunks_gradient
+            check_transients(results, name, zero_config(name, *layout))
     if world == 4:
         check_transients([r[CP_LAYOUT] for r in world_results(4)], CP_VARIANT, cp_config(CP_VARIANT))
+
+
+CHUNKED = [(world, layout) for world, layout in CASES if set(CHUNK_VARIANTS) & set(variants(*layout))]
+CHUNKED_IDS = ["tp{}pp{}dp{}".format(*layout) for _, layout in CHUNKED]
+
+
+def _chunked(layout: tuple) -> list[str]:
+    """The chunk-by-chunk variants of ``layout`` (interleaved, m == pp: checked)."""
+    names = [name for name in variants(*layout) if name in CHUNK_VARIANTS]
+    for name in names:
+        assert is_chunk_by_chunk(zero_config(name, *layout)), name
+    return names
+
+
+@pytest.mark.parametrize("world, layout", CHUNKED, ids=CHUNKED_IDS)
+def test_chunk_by_chunk_reduces_each_bucket_once_per_step(world, layout):
+    """Interleaved in one round (v = 2 chunks, m == pp = 2 microbatches, dp 2), both strategies:
+    step 0 reduce-scatters every bucket once (not once per microbatch), the stage's N padded
+    gradient elements in all, the planner's count for chunk by chunk (``m * N`` otherwise);
+    optim_grads_params still gathers every unit's buckets twice per microbatch (forward and
+    backward, 2 m N / dp elements sent), optim_grads the updated shard once."""
+    results = [rank_results[layout] for rank_results in world_results(world)]
+    dp = layout[2]
+    for name in _chunked(layout):
+        cfg = zero_config(name, *layout)
+        m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+        assert m == layout[1] == 2, (name, m)
+        for res in results:
+            run = res[name]
+            comm, buckets = run["comm"], run["buckets"]
+            assert sum(n for _, n in buckets) == run["grad_numel"] and {c for c, _ in buckets} == {0, 1}
+            rs, gathers = comm["dp/reduce_scatter/grads"], comm["dp/all_gather/params"]
+            assert "dp/all_reduce/grads" not in comm, comm
+            assert (rs["calls"], rs["numel"]) == (len(buckets), run["grad_numel"]), (name, rs, len(buckets))
+            times = 2 * m if strategy_of(name) == "optim_grads_params" else 1
+            want = (times * len(buckets), times * run["grad_numel"] // dp)
+            assert (gathers["calls"], gathers["numel"]) == want, (name, gathers, want)
+
+
+def _peaks(buckets: list[tuple[int, int]]) -> tuple[int, int, int]:
+    """Elements of the chunk-by-chunk bucket peaks of a stage of ``buckets`` ((chunk, elements) in
+    bucket order): (the largest chunk, the exact peak when each chunk's buckets are started in
+    bucket order after its last backward (no overlap: the chunk reduced first alone, every other
+    one with the last two buckets of the chunk after it in flight), the most it can be with two
+    buckets of the chunk after it in flight)."""
+    chunks = max(c for c, _ in buckets) + 1
+    sizes = [[n for c, n in buckets if c == chunk] for chunk in range(chunks)]
+    totals = [sum(s) for s in sizes]
+    in_order = max([totals[-1]] + [totals[c] + sum(sizes[c + 1][-2:]) for c in range(chunks - 1)])
+    bound = max([totals[-1]] + [totals[c] + sum(sorted(sizes[c + 1])[-2:]) for c in range(chunks - 1)])
+    return max(totals), in_order, bound
+
+
+@pytest.mark.parametrize("world, layout", CHUNKED, ids=CHUNKED_IDS)
+def test_chunk_by_chunk_holds_one_chunks_gradient(world, layout):
+    """The most full-size bucket gradient memory a rank held at once (``GradBuffer.peak_live_bytes``)
+    is one model chunk's whole gradient (its buckets accumulate the chunk's microbatches) plus at
+    most two buckets of the chunk reduced before it, still in flight: exactly so, without overlap,
+    for the last two buckets of that chunk; less than the stage's gradient. Float64 (8 bytes) or
+    bf16's float32 main gradients (4)."""
+    for res in (rank_results[layout] for rank_results in world_results(world)):
+        for name in _chunked(layout):
+            cfg = zero_config(name, *layout)
+            size = 4 if VARIANTS[name][0] == "bfloat16" else 8
+            largest, in_order, bound = _peaks(res[name]["buckets"])
+            peak = res[name]["measured"]["grads_transient"]
+            assert size * largest <= peak <= size * bound < size * res[name]["grad_numel"], (name, peak)
+            if not cfg.parallel.overlap_grad_reduce:
+                assert peak == size * in_order, (name, res[name]["coords"], peak, in_order)
 
 
 def test_checkpoints_cross_strategies_and_dp_sizes(tmp_path):

@@ -17,7 +17,8 @@ from ptdp.spec.layout import ParallelLayout
 LAYOUTS = {4: [(1, 1, 4), (2, 1, 2), (1, 2, 2)], 8: [(2, 2, 2)]}
 
 #: name -> (dtype, model overrides, parallel overrides, train overrides). Every case accumulates
-#: 2 (dp = 4) or 4 (dp = 2) microbatches of 1 sequence per step, clipping at 0.05 fires.
+#: 2 (dp = 4) or 4 (dp = 2) microbatches of 1 sequence per step (the chunk-by-chunk cases 2 at
+#: dp = 2), clipping at 0.05 fires.
 VARIANTS = {
     # buckets of 901 elements: padded to a multiple of dp, several per stage, reduced when each
     # backward ends
@@ -91,10 +92,81 @@ VARIANTS = {
         },
         {},
     ),
+    # chunk by chunk (ptdp.planner.sharding.chunk_by_chunk): interleaved with m == pp = 2
+    # microbatches per step (dp 2), each chunk's buckets accumulated over its 2 backwards and
+    # reduce-scattered once, during its last backward
+    "grads_chunk": (
+        "float64",
+        {"num_layers": 8},
+        {
+            "pipeline_schedule": "interleaved-1f1b",
+            "num_layers_per_virtual_pipeline_stage": 2,
+            "ddp_bucket_size": 901,
+            "overlap_grad_reduce": True,
+        },
+        {"global_batch_size": 4},
+    ),
+    # ... when the chunk's last backward ends (--no-overlap-grad-reduce)
+    "grads_chunk_sync": (
+        "float64",
+        {"num_layers": 8},
+        {
+            "pipeline_schedule": "interleaved-1f1b",
+            "num_layers_per_virtual_pipeline_stage": 2,
+            "ddp_bucket_size": 901,
+            "overlap_grad_reduce": False,
+        },
+        {"global_batch_size": 4},
+    ),
+    "grads_chunk_bf16": (
+        "bfloat16",
+        {"num_layers": 8},
+        {
+            "pipeline_schedule": "interleaved-1f1b",
+            "num_layers_per_virtual_pipeline_stage": 2,
+            "ddp_bucket_size": 901,
+            "overlap_grad_reduce": True,
+        },
+        {"global_batch_size": 4},
+    ),
+    "params_chunk": (
+        "float64",
+        {"num_layers": 8},
+        {
+            "pipeline_schedule": "interleaved-1f1b",
+            "num_layers_per_virtual_pipeline_stage": 2,
+            "ddp_bucket_size": 901,
+            "overlap_grad_reduce": True,
+        },
+        {"global_batch_size": 4},
+    ),
+    "params_chunk_sync": (
+        "float64",
+        {"num_layers": 8},
+        {
+            "pipeline_schedule": "interleaved-1f1b",
+            "num_layers_per_virtual_pipeline_stage": 2,
+            "ddp_bucket_size": 901,
+            "overlap_grad_reduce": False,
+        },
+        {"global_batch_size": 4},
+    ),
 }
 
 #: the variants trained with optim_grads_params (the others with optim_grads)
-PARAMS_VARIANTS = ("params", "params_keep", "params_sp", "params_interleaved", "params_bf16", "params_sync")
+PARAMS_VARIANTS = (
+    "params",
+    "params_keep",
+    "params_sp",
+    "params_interleaved",
+    "params_bf16",
+    "params_sync",
+    "params_chunk",
+    "params_chunk_sync",
+)
+
+#: the variants whose gradients are reduced chunk by chunk (each chunk once per step)
+CHUNK_VARIANTS = ("grads_chunk", "grads_chunk_sync", "grads_chunk_bf16", "params_chunk", "params_chunk_sync")
 
 
 #: the variants each layout runs (kept few: every run costs seconds on a 2-core machine); every
@@ -109,8 +181,19 @@ RUNS = {
         "params_interleaved",
         "params_keep",
         "grads_interleaved_sync",
+        "grads_chunk_sync",
+        "grads_chunk_bf16",
+        "params_chunk",
     ],
-    (2, 2, 2): ["grads_overlap", "grads_bf16", "params", "params_bf16", "params_sync"],
+    (2, 2, 2): [
+        "grads_overlap",
+        "grads_bf16",
+        "params",
+        "params_bf16",
+        "params_sync",
+        "grads_chunk",
+        "params_chunk_sync",
+    ],
 }
 
 
@@ -147,23 +230,25 @@ def planner_transients(cfg: Config, pp_rank: int) -> tuple[int, int]:
     """The planner's (gathered parameter, gradient bucket) elements at their peaks on a rank of
     pipeline stage ``pp_rank`` of run ``cfg`` (:func:`ptdp.planner.transients.rank_transients`)."""
     from ptdp.planner.models import spec_from_model_config
-    from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS
+    from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, chunk_by_chunk
     from ptdp.planner.transients import rank_transients, stage_chunks
     from ptdp.spec import stage_layer_counts
 
     m, p = cfg.model, cfg.parallel
     layers = stage_layer_counts(m.num_layers, p.pp, p.layer_split(m.num_layers))[pp_rank]
+    v, microbatches = p.virtual_stages(m.num_layers), cfg.train.global_batch_size // (cfg.train.micro_batch_size * p.dp)
     return rank_transients(
         spec_from_model_config(m),
         p.tp,
         p.pp,
-        stage_chunks(m.num_layers, p.pp, p.virtual_stages(m.num_layers), pp_rank, layers),
+        stage_chunks(m.num_layers, p.pp, v, pp_rank, layers),
         p.dp * p.cp,
         p.ddp_bucket_size or DEFAULT_BUCKET_ELEMENTS,
         overlap=p.overlap_grad_reduce,
         params_sharded=p.sharding_strategy == "optim_grads_params",
         reshard=p.reshard_after_forward,
         divisible_by=m.make_vocab_size_divisible_by,
+        by_chunk=chunk_by_chunk(p.sharding_strategy, p.dp * p.cp, v, microbatches, p.pp),
     )
 
 
@@ -201,9 +286,7 @@ def zero_worker(rank: int, world: int) -> dict:
     out = {}
     for tp, pp, dp in LAYOUTS[world]:
         groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp), PG_TIMEOUT)
-        out[(tp, pp, dp)] = {
-            name: train_and_collect(zero_config(name, tp, pp, dp), groups, 0) for name in variants(tp, pp, dp)
-        }
+        out[(tp, pp, dp)] = {name: collect(zero_config(name, tp, pp, dp), groups) for name in variants(tp, pp, dp)}
     if world == 4:
         tp, cp, pp, dp = CP_LAYOUT
         groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp), PG_TIMEOUT)
@@ -214,6 +297,26 @@ def zero_worker(rank: int, world: int) -> dict:
         groups = ParallelGroups.build(ParallelLayout(tp=2, pp=2, dp=2), PG_TIMEOUT)
         out["eval"] = {name: eval_case(zero_config(name, 2, 2, 2), groups) for name in EVAL_VARIANTS}
     return out
+
+
+def collect(cfg: Config, groups: ParallelGroups) -> dict:
+    """:func:`train_and_collect` (step 0's communication recorded) and, for a run reducing chunk
+    by chunk, its stage's buckets as ``(chunk, padded elements)`` in bucket order (``buckets``)."""
+    out = train_and_collect(cfg, groups, 0)
+    if is_chunk_by_chunk(cfg):
+        from ptdp.engine.step import build_stage
+
+        out["buckets"] = [(b.chunk, b.numel) for b in build_stage(cfg, groups).grads.buckets]
+    return out
+
+
+def is_chunk_by_chunk(cfg: Config) -> bool:
+    """Whether run ``cfg`` reduces its gradients chunk by chunk (:func:`ptdp.planner.sharding.chunk_by_chunk`)."""
+    from ptdp.planner.sharding import chunk_by_chunk
+
+    p = cfg.parallel
+    m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * p.dp)
+    return chunk_by_chunk(p.sharding_strategy, p.dp * p.cp, p.virtual_stages(cfg.model.num_layers), m, p.pp)
 
 
 #: optim_grads_params variants whose evaluation is checked at (2,2,2) (world 8)
