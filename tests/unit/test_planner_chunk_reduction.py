@@ -12,7 +12,7 @@ import pytest
 
 from ptdp.planner.comm import Links, hierarchical_all_reduce_time
 from ptdp.planner.hardware import Cluster, get_gpu
-from ptdp.planner.memory import memory_breakdown, stage_param_counts
+from ptdp.planner.memory import layer_param_count, memory_breakdown, stage_param_counts
 from ptdp.planner.models import get_model
 from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.plan import Layout
@@ -93,15 +93,17 @@ def test_memory_and_time_of_a_one_round_interleaved_layout():
     mem = memory_breakdown(model, base, H100)
     n = stage_param_counts(model, 8, 16, layer_split=split)[mem.stage]
     layers = split[mem.stage]
-    # the memory is what ptdp holds: its buckets, reduce-scattered in every backward (one round or two)
+    # the memory is what ptdp holds: in one round a chunk's buckets whole (reduced once, chunk by
+    # chunk) beside two of the chunk after it in flight; in two rounds its buckets reduce-scattered
+    # in every backward
     chunks = stage_chunks(model.num_layers, 16, 8, mem.stage, layers)
-    _, transient = rank_transients(
-        model, 8, 16, chunks, 128, DEFAULT_BUCKET_ELEMENTS, overlap=True, params_sharded=False
-    )
-    assert transient > 0
-    assert mem.grads == pytest.approx(4 * n / 128 + 4 * transient)
+    kw = dict(overlap=True, params_sharded=False)
+    _, by_chunk = rank_transients(model, 8, 16, chunks, 128, DEFAULT_BUCKET_ELEMENTS, **kw, by_chunk=True)
+    assert by_chunk >= layer_param_count(model, 8)  # at least one chunk (a layer) whole
+    assert mem.grads == pytest.approx(4 * n / 128 + 4 * by_chunk)
     two_rounds = dataclasses.replace(base, global_batch_size=4096)  # m = 32
-    assert memory_breakdown(model, two_rounds, H100).grads == mem.grads
+    _, every_backward = rank_transients(model, 8, 16, chunks, 128, DEFAULT_BUCKET_ELEMENTS, **kw)
+    assert memory_breakdown(model, two_rounds, H100).grads == pytest.approx(4 * n / 128 + 4 * every_backward)
     cluster = Cluster(H100, 16384, 8)
     by_chunk = evaluate_performance(model, base, cluster).time.dp_comm
     optim = evaluate_performance(

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout
-from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, stage_state_bytes
+from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, chunk_by_chunk, stage_state_bytes
 from ptdp.planner.transients import rank_transients, stage_chunks
 from ptdp.spec import padded_vocab_size, stage_layer_counts
 
@@ -125,6 +125,7 @@ def rank_state_bytes(
         strategy == "optim_grads_params",
         layout.reshard_after_forward,
         divisible_by,
+        chunk_by_chunk(strategy, shard, layout.virtual_stages, layout.num_microbatches, layout.pp),
     )
     return stage_state_bytes(
         n_params, layout.precision, strategy, shard, params_transient=params, grads_transient=grads
@@ -145,6 +146,7 @@ def _stage_transients(
     params_sharded: bool,
     reshard: bool,
     divisible_by: int,
+    by_chunk: bool,
 ) -> tuple[int, int]:
     """:func:`~ptdp.planner.transients.rank_transients` of pipeline rank ``stage`` (its ``v``
     model chunks sharing its ``n_layers`` layers); cached on plain numbers for the search."""
@@ -160,6 +162,7 @@ def _stage_transients(
         params_sharded=params_sharded,
         reshard=reshard,
         divisible_by=divisible_by,
+        by_chunk=by_chunk,
     )
 
 

@@ -210,6 +210,15 @@ def _allocation_states(
     return tuple(sorted(set(states), reverse=True))
 
 
+def _in_flight(plan: _Plan, overlap: bool) -> tuple[int, ...]:
+    """Chunk by chunk: the buckets of ``plan``'s chunk still in flight after its gradient was
+    reduce-scattered: the last two started, those started during its last backward (with
+    ``overlap``) and then the others in bucket order (``GradBuffer.chunk_done``)."""
+    started = [event for event in plan.events if not isinstance(event, tuple)] if overlap else []
+    rest = [b for b in range(len(plan.buckets)) if b not in set(started)]
+    return tuple((started + rest)[-2:])
+
+
 def _padded_peak(states: tuple[tuple[int, tuple[int, ...]], ...], d: int) -> int:
     """The most elements alive at once once every bucket is padded to a multiple of ``d``
     (:func:`_allocation_states`; states that cannot win even fully padded are skipped)."""
@@ -259,6 +268,7 @@ def rank_transients(
     params_sharded: bool,
     reshard: bool = True,
     divisible_by: int = 128,
+    by_chunk: bool = False,
 ) -> tuple[int, int]:
     """(gathered parameter elements, gradient bucket elements) at their peaks on one rank holding
     ``chunks`` (its model chunks in order), sharded over ``d`` ranks with ``bucket``-element
@@ -272,7 +282,13 @@ def rank_transients(
     every layer), a chunk of :data:`PERIODIC_LAYERS` layers (its top, two inner layers, its
     bottom) has the same peaks and the totals grow by one inner layer's buckets per layer:
     exact, at a cost independent of the layer count (the plan and its events are shared by
-    every ``d``)."""
+    every ``d``).
+
+    ``by_chunk`` (:func:`ptdp.planner.sharding.chunk_by_chunk`: the interleaved schedule in one
+    round, the engine's ``GradBuffer.by_chunk``): a chunk's buckets stay allocated from its first
+    backward through its last, then are reduce-scattered (during it with ``overlap``, the rest in
+    bucket order when it ends), each freed when it lands; the peak is a chunk's whole gradient
+    beside the two buckets of the chunk after it still in flight."""
     periodic = params_sharded or max(layer_param_sizes(model, tp)) >= bucket
     short = chunks
     if periodic and any(c.layers > PERIODIC_LAYERS + 1 for c in chunks):
@@ -288,7 +304,18 @@ def rank_transients(
             for c in set(longer)
         }
         totals = [t + (c.layers - s.layers) * (more[m] - t) for c, s, t, m in zip(chunks, short, totals, longer)]
-    if overlap:  # each kind of chunk alone, and each after the chunk after it (its last backward)
+    if by_chunk and len(short) > 1:
+        after = [
+            sum(
+                plan[short[c + 1]].raw[b] + (-plan[short[c + 1]].raw[b]) % d
+                for b in _in_flight(plan[short[c + 1]], overlap)
+            )
+            if c + 1 < len(short)
+            else 0
+            for c in range(len(short))
+        ]
+        grads = max(t + a for t, a in zip(totals, after))
+    elif overlap:  # each kind of chunk alone, and each after the chunk after it (its last backward)
         runs = {(c,) for c in short} | {(short[i + 1], short[i]) for i in range(len(short) - 1)}
         key = (model, tp, split, bucket, params_sharded, divisible_by)
         grads = max(_padded_peak(_allocation_states(*key, run), d) for run in runs)

@@ -28,7 +28,7 @@ from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.plan import Layout
 from ptdp.planner.profile import default_profile_path, load_profile
-from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, strategy_bytes_per_param
+from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, chunk_by_chunk, strategy_bytes_per_param
 from ptdp.planner.transients import rank_transients, stage_chunks
 from ptdp.run.profiling import process_peak_rss
 from ptdp.spec import Config, stage_layer_counts
@@ -124,6 +124,7 @@ def predicted_transients(config: Config, layout: Layout, pp_rank: int) -> dict[s
         params_sharded=p.sharding_strategy == "optim_grads_params",
         reshard=p.reshard_after_forward,
         divisible_by=m.make_vocab_size_divisible_by,
+        by_chunk=chunk_by_chunk(p.sharding_strategy, p.dp * p.cp, layout.virtual_stages, layout.num_microbatches, p.pp),
     )
     weight, grad, _ = strategy_bytes_per_param(layout.precision, "no_shard", 1)
     return {"params_transient": int(weight * params), "grads_transient": int(grad * grads)}
