@@ -55,8 +55,8 @@ inside the node and the network across, as :func:`ptdp.planner.comm.hierarchical
   only the last chunk's is exposed, with the weights' all-gather. This is how the Llama 3 405B
   run reduced its sharded gradients (Dubey et al. 2024, arXiv:2407.21783, §3.3.2: gradients
   sharded, accumulated in FP32 across microbatches and reduce-scattered in FP32, with
-  interleaved pipeline stages); the time model follows that run, the memory is ptdp's (which
-  reduce-scatters every backward's buckets: the transients above).
+  interleaved pipeline stages), and how ptdp's engine reduces then (``GradBuffer.by_chunk``):
+  its transient is a chunk's whole gradient beside two buckets of the chunk after it in flight.
 * ``optim_grads_params``: the same reduce-scatters, no weight all-gather after the step, and per
   microbatch two all-gathers of every unit (forward, backward), each prefetched behind the
   previous unit's compute: the first unit's gather is exposed, every other unit's only by what

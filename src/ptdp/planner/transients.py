@@ -19,7 +19,9 @@ embedding's (where only the lookup reads it) when it reaches the lookup. A bucke
 gradients are all in starts its reduce-scatter with ``overlap`` (at most two in flight: a third
 first lands the oldest, which frees it); every bucket is freed at the end of a backward, except
 after the last backward of a chunk with the interleaved schedule, whose buckets in flight (all
-of them without overlap) stay until the end of the next backward, that of the chunk before. The
+of them without overlap) stay until the end of the next backward, that of the chunk before; and
+chunk by chunk (the interleaved schedule in one round, ``GradBuffer.by_chunk``), where a chunk's
+buckets stay from its first backward until reduce-scattered once after its last. The
 peak is counted when buckets are allocated (where live memory grows), as the engine's counter
 ``GradBuffer.peak_live_bytes`` does. The order in which a backward completes the gradients
 (what decides which buckets are in flight) is ptdp's as observed: the head, then each layer from
