@@ -29,7 +29,7 @@ CASES = [
 def test_the_short_replay_equals_the_full_one(name, tp, pp, v, bucket, d, monkeypatch):
     """Where every layer's buckets are cut alike the planner replays 4 layers per chunk and
     extrapolates the totals: the same numbers as replaying every layer, for both strategies,
-    with and without overlap, resharded and kept, on the first and the last stage."""
+    with and without overlap, resharded and kept, chunk by chunk, on the first and the last stage."""
     model = get_model(name)
     layers = model.num_layers // pp
     fast = {}
@@ -37,15 +37,15 @@ def test_the_short_replay_equals_the_full_one(name, tp, pp, v, bucket, d, monkey
         chunks = stage_chunks(model.num_layers, pp, v, rank, layers)
         for overlap in (True, False):
             for params_sharded in (False, True):
-                for reshard in (True, False):
-                    key = (rank, overlap, params_sharded, reshard)
-                    kw = dict(overlap=overlap, params_sharded=params_sharded, reshard=reshard)
+                for reshard, by_chunk in ((True, False), (False, False), (True, True)):
+                    key = (rank, overlap, params_sharded, reshard, by_chunk)
+                    kw = dict(overlap=overlap, params_sharded=params_sharded, reshard=reshard, by_chunk=by_chunk)
                     fast[key] = rank_transients(model, tp, pp, chunks, d, bucket, **kw)
     rank_transients.cache_clear()
     monkeypatch.setattr(transients, "PERIODIC_LAYERS", 10**6)
-    for (rank, overlap, params_sharded, reshard), want in fast.items():
+    for (rank, overlap, params_sharded, reshard, by_chunk), want in fast.items():
         chunks = stage_chunks(model.num_layers, pp, v, rank, layers)
-        kw = dict(overlap=overlap, params_sharded=params_sharded, reshard=reshard)
+        kw = dict(overlap=overlap, params_sharded=params_sharded, reshard=reshard, by_chunk=by_chunk)
         assert rank_transients(model, tp, pp, chunks, d, bucket, **kw) == want
     rank_transients.cache_clear()
 
