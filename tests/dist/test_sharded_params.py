@@ -93,8 +93,7 @@ def test_optim_grads_params_transients_are_what_the_planner_counts(world, layout
     reduced during and after backward, interleaved, bf16; and at (tp, cp, pp, dp) = (1,2,1,2)."""
     results = _results(world, layout)
     for name in variants(*layout, STRATEGY):
-        if name not in CHUNK_VARIANTS:  # chunk by chunk: test_sharded_grads.test_chunk_by_chunk_*
-            check_transients(results, name, zero_config(name, *layout))
+        check_transients(results, name, zero_config(name, *layout))
     if world == 4:
         check_transients(_results(4, CP_LAYOUT), CP_PARAMS_VARIANT, cp_config(CP_PARAMS_VARIANT))
 
