@@ -249,6 +249,7 @@ def planner_transients(cfg: Config, pp_rank: int) -> tuple[int, int]:
         reshard=p.reshard_after_forward,
         divisible_by=m.make_vocab_size_divisible_by,
         by_chunk=chunk_by_chunk(p.sharding_strategy, p.dp * p.cp, v, microbatches, p.pp),
+        main_grad=m.params_dtype in ("bfloat16", "float16"),
     )
 
 

@@ -126,6 +126,7 @@ def rank_state_bytes(
         layout.reshard_after_forward,
         divisible_by,
         chunk_by_chunk(strategy, shard, layout.virtual_stages, layout.num_microbatches, layout.pp),
+        layout.precision != "fp32",  # 16-bit weights: float32 main gradients
     )
     return stage_state_bytes(
         n_params, layout.precision, strategy, shard, params_transient=params, grads_transient=grads
@@ -147,6 +148,7 @@ def _stage_transients(
     reshard: bool,
     divisible_by: int,
     by_chunk: bool,
+    main_grad: bool,
 ) -> tuple[int, int]:
     """:func:`~ptdp.planner.transients.rank_transients` of pipeline rank ``stage`` (its ``v``
     model chunks sharing its ``n_layers`` layers); cached on plain numbers for the search."""
@@ -163,6 +165,7 @@ def _stage_transients(
         reshard=reshard,
         divisible_by=divisible_by,
         by_chunk=by_chunk,
+        main_grad=main_grad,
     )
 
 

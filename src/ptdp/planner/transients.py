@@ -27,7 +27,8 @@ peak is counted when buckets are allocated (where live memory grows), as the eng
 (what decides which buckets are in flight) is ptdp's as observed: the head, then each layer from
 the last (``fc2`` bias and weight, ``fc1``, ``ln2`` weight and bias, ``proj``, ``qkv``, ``ln1``;
 a column-parallel linear, ``qkv`` and ``fc1``, completes its weight before its bias at tp > 1,
-its bias first at tp = 1), then the position table, the looked-up word embedding last. Not
+its bias first at tp = 1; with 16-bit weights every linear its weight first), then the position
+table, the looked-up word embedding last. Not
 checked against ptdp: sequence parallelism with linear biases (its column-parallel linears run
 another autograd function, whose order is assumed the same as at tp > 1).
 
@@ -78,12 +79,13 @@ def layer_param_sizes(model: ModelSpec, tp: int) -> tuple[int, ...]:
 
 
 @lru_cache(maxsize=256)
-def _layer_params(model: ModelSpec, tp: int) -> list[tuple[int, int]]:
+def _layer_params(model: ModelSpec, tp: int, main_grad: bool = False) -> list[tuple[int, int]]:
     """(elements, place in the order a layer's backward completes the gradients) of each
     parameter of one layer, in ptdp's order: ``fc2`` bias and weight (row-parallel), ``fc1``,
     ``ln2`` weight and bias, ``proj``, ``qkv``, ``ln1``; a column-parallel linear (``qkv``,
     ``fc1``) completes its bias first at tp = 1 and its weight first at tp > 1 (its own autograd
-    function)."""
+    function); with ``main_grad`` (16-bit weights) every linear completes its weight first (it adds
+    the weight's gradient into the float32 ``main_grad`` itself)."""
     h, a = model.hidden_size, model.num_attention_heads
     d = h // a
     q, kv, ffn = a * d, model.kv_heads * d, model.ffn
@@ -100,6 +102,8 @@ def _layer_params(model: ModelSpec, tp: int) -> list[tuple[int, int]]:
     ):
         parts += [(name, "weight", weight)] + ([(name, "bias", bias)] if bias else [])
     weight_first = {"ln1", "ln2"} | ({"qkv", "fc1"} if tp > 1 else set())
+    if main_grad:  # 16-bit weights: each linear adds its weight's gradient into main_grad itself, first
+        weight_first |= {"qkv", "proj", "fc1", "fc2"}
     modules = ("fc2", "fc1", "ln2", "proj", "qkv", "ln1")
     ready = sorted(
         parts,
@@ -184,13 +188,20 @@ def _backward_events(params, buckets, deferred: int | None, order: list[int]) ->
 
 @lru_cache(maxsize=4096)
 def _allocation_states(
-    model: ModelSpec, tp: int, split: bool, bucket: int, by_unit: bool, divisible_by: int, run: tuple[Chunk, ...]
+    model: ModelSpec,
+    tp: int,
+    split: bool,
+    bucket: int,
+    by_unit: bool,
+    divisible_by: int,
+    main_grad: bool,
+    run: tuple[Chunk, ...],
 ) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """Replay the backwards of the chunks of ``run`` in order, no flush between them: after each
     allocation (where ``GradBuffer.peak_live_bytes`` is counted) the unpadded elements alive and
     those of each alive bucket, largest first; a launch with two in flight first lands (frees)
     the oldest. Which buckets are alive does not depend on the shard size, only their padding."""
-    plans = [_chunk_plan(model, tp, split, c, bucket, by_unit, divisible_by) for c in run]
+    plans = [_chunk_plan(model, tp, split, c, bucket, by_unit, divisible_by, main_grad) for c in run]
     alive: list[dict[int, int]] = [{} for _ in plans]  # slot -> bucket -> unpadded elements
     launched: list[tuple[int, int]] = []
     live = 0
@@ -233,13 +244,13 @@ def _padded_peak(states: tuple[tuple[int, tuple[int, ...]], ...], d: int) -> int
     return best
 
 
-def _ready_order(model: ModelSpec, tp: int, params, word: int | None) -> list[int]:
+def _ready_order(model: ModelSpec, tp: int, params, word: int | None, main_grad: bool = False) -> list[int]:
     """Parameter indices of a chunk (:func:`chunk_params`) in the order a backward completes
     their gradients: the head's back to front, each layer's as :func:`_layer_params` says from
     the last layer to the first, then the others back to front, the looked-up word embedding
     (index ``word``) last, after the position table (the two sum into the chunk's input: the
     table's gradient is accumulated before backward enters the lookup)."""
-    places = [place for _, place in _layer_params(model, tp)]
+    places = [place for _, place in _layer_params(model, tp, main_grad)]
     by_place = sorted(range(len(places)), key=places.__getitem__)  # a layer's positions, in completion order
     layer_index: dict[int, list[int]] = {}
     for i, (_, group, _) in enumerate(params):
@@ -271,6 +282,7 @@ def rank_transients(
     reshard: bool = True,
     divisible_by: int = 128,
     by_chunk: bool = False,
+    main_grad: bool = False,
 ) -> tuple[int, int]:
     """(gathered parameter elements, gradient bucket elements) at their peaks on one rank holding
     ``chunks`` (its model chunks in order), sharded over ``d`` ranks with ``bucket``-element
@@ -286,6 +298,9 @@ def rank_transients(
     exact, at a cost independent of the layer count (the plan and its events are shared by
     every ``d``).
 
+    ``main_grad``: 16-bit weights with float32 main gradients, whose linear layers complete their
+    weight's gradient before their bias's (:func:`_layer_params`).
+
     ``by_chunk`` (:func:`ptdp.planner.sharding.chunk_by_chunk`: the interleaved schedule in one
     round, the engine's ``GradBuffer.by_chunk``): a chunk's buckets stay allocated from its first
     backward through its last, then are reduce-scattered (during it with ``overlap``, the rest in
@@ -296,13 +311,16 @@ def rank_transients(
     if periodic and any(c.layers > PERIODIC_LAYERS + 1 for c in chunks):
         short = tuple(Chunk(min(c.layers, PERIODIC_LAYERS), c.first, c.last) for c in chunks)
     split = pp > 1  # all a chunk's plan needs of pp (the tied copy)
-    plan = {c: _chunk_plan(model, tp, split, c, bucket, params_sharded, divisible_by) for c in set(short)}
+    plan = {c: _chunk_plan(model, tp, split, c, bucket, params_sharded, divisible_by, main_grad) for c in set(short)}
     padded = {c: sum(n + (-n) % d for n in p.raw) for c, p in plan.items()}  # each kind of chunk once
     totals = [padded[c] for c in short]
     if short != chunks:
         longer = [Chunk(min(c.layers, PERIODIC_LAYERS + 1), c.first, c.last) for c in chunks]
         more = {
-            c: sum(n + (-n) % d for n in _chunk_plan(model, tp, split, c, bucket, params_sharded, divisible_by).raw)
+            c: sum(
+                n + (-n) % d
+                for n in _chunk_plan(model, tp, split, c, bucket, params_sharded, divisible_by, main_grad).raw
+            )
             for c in set(longer)
         }
         totals = [t + (c.layers - s.layers) * (more[m] - t) for c, s, t, m in zip(chunks, short, totals, longer)]
@@ -319,7 +337,7 @@ def rank_transients(
         grads = max(t + a for t, a in zip(totals, after))
     elif overlap:  # each kind of chunk alone, and each after the chunk after it (its last backward)
         runs = {(c,) for c in short} | {(short[i + 1], short[i]) for i in range(len(short) - 1)}
-        key = (model, tp, split, bucket, params_sharded, divisible_by)
+        key = (model, tp, split, bucket, params_sharded, divisible_by, main_grad)
         grads = max(_padded_peak(_allocation_states(*key, run), d) for run in runs)
     else:
         grads = max(t + (totals[c + 1] if c + 1 < len(totals) else 0) for c, t in enumerate(totals))
@@ -343,12 +361,19 @@ class _Plan:
 
 @lru_cache(maxsize=1024)
 def _chunk_plan(
-    model: ModelSpec, tp: int, split: bool, chunk: Chunk, bucket: int, by_unit: bool, divisible_by: int
+    model: ModelSpec,
+    tp: int,
+    split: bool,
+    chunk: Chunk,
+    bucket: int,
+    by_unit: bool,
+    divisible_by: int,
+    main_grad: bool = False,
 ) -> _Plan:
-    """The :class:`_Plan` of ``chunk`` (``split``: pp > 1)."""
+    """The :class:`_Plan` of ``chunk`` (``split``: pp > 1; ``main_grad``: 16-bit weights)."""
     params = chunk_params(model, tp, chunk, divisible_by)
     deferred = _tied_copy_index(model, split, chunk)
-    order = _ready_order(model, tp, params, int(model.has_position_table) if chunk.first else None)
+    order = _ready_order(model, tp, params, int(model.has_position_table) if chunk.first else None, main_grad)
     buckets = plan_buckets(params, bucket, by_unit=by_unit, deferred=deferred)
     raw = tuple(sum(params[i][0] for i in members) for members in buckets)
     return _Plan(params, buckets, raw, tuple(_backward_events(params, buckets, deferred, order)))

@@ -125,6 +125,7 @@ def predicted_transients(config: Config, layout: Layout, pp_rank: int) -> dict[s
         reshard=p.reshard_after_forward,
         divisible_by=m.make_vocab_size_divisible_by,
         by_chunk=chunk_by_chunk(p.sharding_strategy, p.dp * p.cp, layout.virtual_stages, layout.num_microbatches, p.pp),
+        main_grad=layout.precision != "fp32",
     )
     weight, grad, _ = strategy_bytes_per_param(layout.precision, "no_shard", 1)
     return {"params_transient": int(weight * params), "grads_transient": int(grad * grads)}
