@@ -25,31 +25,10 @@ for the other parameters the post-accumulate hook adds ``param.grad`` into it an
 hook runs for every parameter in every backward, and marks its gradient complete.
 
 With ``shard_grads=True`` as well (``--data-parallel-sharding-strategy optim_grads``, ZeRO-2)
-the rank keeps only its shard of the gradients between microbatches: *every* microbatch's
-backward reduce-scatters each bucket it touched (during backward with overlap, else when that
-backward ends) and adds the result into :attr:`GradBuffer.shard_grads`, which accumulates the
-step's gradient. Each bucket then has a tensor of its own whose memory exists only from the
-moment backward reaches the output of the module holding its first parameter (a transformer
-layer, the word embedding where only the lookup reads it, or the model chunk for the rest:
-:meth:`GradBuffer.watch`) until its reduce-scatter finished; with ``overlap`` at most two buckets
-are in flight (launching a third first finishes the oldest), so a backward holds the buckets
-being filled and two being reduced, not the stage's whole gradient. :meth:`GradBuffer.no_sync`
-does not defer the reductions in this mode; leaving it ends one microbatch's backward. The tied
-embedding keeps its own bucket (never started early); its shard covers the same rows on the
-first and the last stage, so the embedding-group sum acts on the shards
-(:func:`~ptdp.engine.data_parallel.grads.finalize_grads`).
-
-Except chunk by chunk (:func:`ptdp.planner.sharding.chunk_by_chunk`: the interleaved schedule in
-one round, ``v > 1`` chunks and ``m == pp`` microbatches, over ``d > 1`` ranks; set per step by
-:meth:`GradBuffer.begin_backwards`): a rank then runs every backward of its last chunk, then
-every backward of the chunk before, and so on, so a chunk's buckets get their memory in the
-chunk's first backward, accumulate its microbatches under :meth:`GradBuffer.no_sync` (which then
-defers, as without ``shard_grads``), and are reduce-scattered straight into the shard once per
-step: during the chunk's last backward with ``overlap``, the rest when it ends
-(:meth:`GradBuffer.chunk_done`); at most two in flight, each freed when it lands. One chunk's
-whole gradient exists at a time, plus the two buckets of the chunk after it still in flight
-(Dubey et al. 2024, arXiv:2407.21783, §3.3.2: gradients accumulated in float32 across
-microbatches and reduce-scattered once).
+the rank keeps only its shard of the gradients between microbatches, each bucket's full gradient
+only while a backward fills it: every backward reduce-scatters what it produced, or, with the
+interleaved schedule in one round, each chunk once per step, chunk by chunk
+(:mod:`ptdp.engine.data_parallel.sharded_grads`).
 
 ``--data-parallel-sharding-strategy optim_grads_params`` (ZeRO-3) is ``shard_grads`` with buckets
 that never span two units (``unit_of``); :class:`~ptdp.engine.data_parallel.units.ParamUnits`
@@ -67,12 +46,12 @@ from torch import nn
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.data_parallel.buckets import Bucket, Segment, plan_buckets
 from ptdp.engine.data_parallel.compression import block_sizes, start_reduction
-from ptdp.planner.sharding import chunk_by_chunk
+from ptdp.engine.data_parallel.sharded_grads import ShardedGradients
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements; Megatron-LM's default
 
 
-class GradBuffer:
+class GradBuffer(ShardedGradients):
     """Flat gradient buckets for the parameters of each model chunk (``chunk_params[c]``).
 
     Args:
@@ -226,96 +205,12 @@ class GradBuffer:
         finally:
             self._syncing = previous
 
-    def begin_backwards(self, virtual_stages: int, num_microbatches: int, pp: int) -> None:
-        """Before a step's backwards: whether they reduce chunk by chunk (:attr:`by_chunk`, with
-        ``shard_grads`` over d > 1 ranks: :func:`~ptdp.planner.sharding.chunk_by_chunk` of the
-        schedule's ``virtual_stages`` chunks, ``num_microbatches`` and ``pp``)."""
-        self.by_chunk = self.grads_sharded and chunk_by_chunk(
-            self._strategy, self.dp.size, virtual_stages, num_microbatches, pp
-        )
-
-    def chunk_done(self, chunk: int) -> None:
-        """After the last backward of ``chunk`` in a step: with :attr:`by_chunk`, start the
-        reduce-scatter of each of its buckets holding gradients and not started (in bucket order,
-        the same on every rank; at most two in flight); otherwise nothing."""
-        if not self.by_chunk:
-            return
-        for bucket in self.buckets:
-            if bucket.chunk == chunk and bucket.finish is None and bucket.own_data().untyped_storage().nbytes():
-                self._launch_in_turn(bucket)
-
-    def _launch_in_turn(self, bucket: Bucket) -> None:
-        """``shard_grads``: start ``bucket``'s reduction, first landing the oldest of two in flight."""
-        while len(self._launched) >= 2:
-            self._land(self._launched.pop(0))
-        self._launch(bucket)
-
-    def watch(self, units: list[tuple[nn.Module, list[nn.Parameter]]]) -> None:
-        """``shard_grads`` only: for each (module, parameters) pair, allocate the buckets holding
-        those parameters when a backward reaches the module's output (a tensor hook on each
-        output that needs a gradient, set by a forward hook): before any of their gradients is
-        written. Every parameter must be in a pair whose module's output its gradient flows
-        through (ptdp's stages: each transformer layer with its parameters, each chunk with the
-        rest)."""
-        covered = {id(p) for _, params in units for p in params}
-        missing = [tuple(p.shape) for p in self.params if id(p) not in covered]
-        if missing:
-            raise ValueError(f"shard_grads: parameters of shapes {missing} belong to no watched module")
-        for module, params in units:
-            buckets = list(
-                {id(b): b for b in (self._bucket_of[id(p)] for p in params if id(p) in self._bucket_of)}.values()
-            )
-            if buckets:
-                module.register_forward_hook(lambda _m, _args, out, buckets=buckets: self._watch_output(out, buckets))
-
-    def _watch_output(self, out, buckets: list[Bucket]) -> None:
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda _grad: self._allocate(buckets))
-
-    def _allocate(self, buckets: list[Bucket]) -> None:
-        """Give ``buckets`` their memory back, zeroed (no-op for those that have it)."""
-        for bucket in buckets:
-            data = bucket.own_data()
-            storage = data.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(bucket.numel * data.element_size())
-                data.zero_()
-                self.live_bytes += storage.nbytes()
-        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
-
-    def _release(self, bucket: Bucket) -> None:
-        """Free ``bucket``'s gradient memory; the parameters' views stay valid objects (FSDP's
-        ``resize_(0)`` idiom) and get memory again in :meth:`_allocate`."""
-        storage = bucket.own_data().untyped_storage()
-        self.live_bytes -= storage.nbytes()
-        storage.resize_(0)
-
     @property
     def held_bytes(self) -> int:
         """Gradient bytes this rank keeps between microbatches: the flat buffer, or with
         ``shard_grads`` only :attr:`shard_grads` (the buffer exists during a backward only)."""
         kept = self._shard() if self.grads_sharded else self.data
         return kept.numel() * kept.element_size()
-
-    def flush(self) -> None:
-        """``shard_grads``, after a backward: start the reduction of every bucket that backward
-        touched and has not started, wait for all started ones (each adds its reduced shard into
-        :attr:`shard_grads`), and release the flat buffer."""
-        for bucket in self.buckets:
-            if bucket.ready and bucket.finish is None:
-                self._launch(bucket)
-        while self._launched:
-            self._land(self._launched.pop(0))
-        for bucket in self.buckets:
-            bucket.ready.clear()
-            bucket.finish = None
-            self._release(bucket)
-
-    def _land(self, bucket: Bucket) -> None:
-        """``shard_grads``: wait for ``bucket``'s reduce-scatter (adding it into the shard) and
-        release its gradient memory."""
-        bucket.wait()
-        self._release(bucket)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if self.grads_sharded and self._bucket_of[id(param)].own_data().untyped_storage().nbytes() == 0:
@@ -369,42 +264,6 @@ class GradBuffer:
             average=not self.prescaled,
             divisor=self.average_over,
         )
-        self._launched.append(bucket)
-
-    def _launch_into_shard(self, bucket: Bucket, grad: torch.Tensor, shard: torch.Tensor) -> None:
-        """``shard_grads``: reduce-scatter this backward's ``grad`` of ``bucket`` into a scratch
-        shard (1/d of the bucket) whose finish adds it into the accumulated ``shard``; with
-        :attr:`by_chunk` (reduced once per step, into a zeroed shard) straight into ``shard``."""
-        if self.by_chunk:
-            bucket.finish = start_reduction(
-                "none" if self.exact else self.codec,
-                grad,
-                self.dp,
-                shard=shard,
-                grad_scale=self.grad_scale,
-                average=not self.prescaled,
-                divisor=self.average_over,
-            )
-        elif self.dp.size == 1:
-            shard.add_(grad)
-            bucket.finish = _done
-        else:
-            scratch = torch.empty_like(shard)
-            wait = start_reduction(
-                "none" if self.exact else self.codec,
-                grad,
-                self.dp,
-                shard=scratch,
-                grad_scale=self.grad_scale,
-                average=not self.prescaled,
-                divisor=self.average_over,
-            )
-
-            def finish() -> None:
-                wait()
-                shard.add_(scratch)
-
-            bucket.finish = finish
         self._launched.append(bucket)
 
     def finish(self) -> None:
@@ -469,7 +328,3 @@ class GradBuffer:
         for bucket in self.buckets:
             bucket.ready.clear()
             bucket.finish = None
-
-
-def _done() -> None:
-    """A reduction with nothing to wait for."""
