@@ -325,15 +325,8 @@ def rank_transients(
         }
         totals = [t + (c.layers - s.layers) * (more[m] - t) for c, s, t, m in zip(chunks, short, totals, longer)]
     if by_chunk and len(short) > 1:
-        after = [
-            sum(
-                plan[short[c + 1]].raw[b] + (-plan[short[c + 1]].raw[b]) % d
-                for b in _in_flight(plan[short[c + 1]], overlap)
-            )
-            if c + 1 < len(short)
-            else 0
-            for c in range(len(short))
-        ]
+        tail = {c: sum(n + (-n) % d for n in p.in_flight[overlap]) for c, p in plan.items()}
+        after = [tail[short[c + 1]] if c + 1 < len(short) else 0 for c in range(len(short))]
         grads = max(t + a for t, a in zip(totals, after))
     elif overlap:  # each kind of chunk alone, and each after the chunk after it (its last backward)
         runs = {(c,) for c in short} | {(short[i + 1], short[i]) for i in range(len(short) - 1)}
@@ -351,12 +344,15 @@ def rank_transients(
 @dataclass(frozen=True)
 class _Plan:
     """One chunk's parameters (:func:`chunk_params`), buckets (parameter indices), their unpadded
-    elements, and the events of its backward with overlap (keys: bucket indices)."""
+    elements, the events of its backward with overlap (keys: bucket indices), and chunk by chunk
+    the unpadded elements of the two buckets still in flight after its reduction, without and
+    with overlap (:func:`_in_flight`)."""
 
     params: tuple
     buckets: tuple
     raw: tuple
     events: tuple
+    in_flight: tuple = ((), ())
 
 
 @lru_cache(maxsize=1024)
@@ -376,7 +372,9 @@ def _chunk_plan(
     order = _ready_order(model, tp, params, int(model.has_position_table) if chunk.first else None, main_grad)
     buckets = plan_buckets(params, bucket, by_unit=by_unit, deferred=deferred)
     raw = tuple(sum(params[i][0] for i in members) for members in buckets)
-    return _Plan(params, buckets, raw, tuple(_backward_events(params, buckets, deferred, order)))
+    plan = _Plan(params, buckets, raw, tuple(_backward_events(params, buckets, deferred, order)))
+    in_flight = tuple(tuple(raw[b] for b in _in_flight(plan, overlap)) for overlap in (False, True))
+    return _Plan(params, buckets, raw, plan.events, in_flight)
 
 
 def _tied_copy_index(model: ModelSpec, split: bool, chunk: Chunk) -> int | None:
