@@ -14,11 +14,11 @@ from ptdp.spec import Config, resolve
 from ptdp.spec.layout import ParallelLayout
 
 #: (tp, pp, dp) by world size: one job per world size
-LAYOUTS = {4: [(1, 1, 4), (2, 1, 2), (1, 2, 2)], 8: [(2, 2, 2)]}
+LAYOUTS = {4: [(1, 1, 4), (2, 1, 2), (1, 2, 2)], 8: [(2, 2, 2), (1, 2, 4)]}
 
 #: name -> (dtype, model overrides, parallel overrides, train overrides). Every case accumulates
 #: 2 (dp = 4) or 4 (dp = 2) microbatches of 1 sequence per step (the chunk-by-chunk cases 2 at
-#: dp = 2), clipping at 0.05 fires.
+#: dp = 2 and 4), clipping at 0.05 fires.
 VARIANTS = {
     # buckets of 901 elements: padded to a multiple of dp, several per stage, reduced when each
     # backward ends
@@ -151,6 +151,29 @@ VARIANTS = {
         },
         {"global_batch_size": 4},
     ),
+    # chunk by chunk over 4 ranks: 8 sequences per step, m == pp = 2 at dp 4
+    "grads_chunk_b8": (
+        "float64",
+        {"num_layers": 8},
+        {
+            "pipeline_schedule": "interleaved-1f1b",
+            "num_layers_per_virtual_pipeline_stage": 2,
+            "ddp_bucket_size": 901,
+            "overlap_grad_reduce": True,
+        },
+        {},
+    ),
+    "params_chunk_b8": (
+        "float64",
+        {"num_layers": 8},
+        {
+            "pipeline_schedule": "interleaved-1f1b",
+            "num_layers_per_virtual_pipeline_stage": 2,
+            "ddp_bucket_size": 901,
+            "overlap_grad_reduce": False,
+        },
+        {},
+    ),
 }
 
 #: the variants trained with optim_grads_params (the others with optim_grads)
@@ -163,10 +186,19 @@ PARAMS_VARIANTS = (
     "params_sync",
     "params_chunk",
     "params_chunk_sync",
+    "params_chunk_b8",
 )
 
 #: the variants whose gradients are reduced chunk by chunk (each chunk once per step)
-CHUNK_VARIANTS = ("grads_chunk", "grads_chunk_sync", "grads_chunk_bf16", "params_chunk", "params_chunk_sync")
+CHUNK_VARIANTS = (
+    "grads_chunk",
+    "grads_chunk_sync",
+    "grads_chunk_bf16",
+    "params_chunk",
+    "params_chunk_sync",
+    "grads_chunk_b8",
+    "params_chunk_b8",
+)
 
 
 #: the variants each layout runs (kept few: every run costs seconds on a 2-core machine); every
@@ -194,6 +226,7 @@ RUNS = {
         "grads_chunk",
         "params_chunk_sync",
     ],
+    (1, 2, 4): ["grads_chunk_b8", "params_chunk_b8"],
 }
 
 
