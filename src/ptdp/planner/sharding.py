@@ -65,8 +65,9 @@ inside the node and the network across, as :func:`ptdp.planner.comm.hierarchical
   times per step at pp = 1 and on the last stage of 1F1B, the planner's count (an upper bound
   for the stages before it, which gather fewer times). In elements, what ptdp counts on one rank
   per step for a stage of ``N`` gradient elements (padded) and ``m`` microbatches: ``m * N``
-  reduce-scattered and ``2 m * N / d`` all-gathered, kept ``k * N / d`` for ``k`` stretches
-  (``tests/dist/test_sharded_params.py``).
+  reduce-scattered (``N`` chunk by chunk: one reduce-scatter per bucket per step) and
+  ``2 m * N / d`` all-gathered, kept ``k * N / d`` for ``k`` stretches
+  (``tests/dist/test_sharded_params.py``; chunk by chunk ``test_sharded_grads.py``).
 """
 
 from __future__ import annotations
