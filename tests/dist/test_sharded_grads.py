@@ -154,7 +154,8 @@ def test_chunk_by_chunk_reduces_each_bucket_once_per_step(world, layout):
     step 0 reduce-scatters every bucket once (not once per microbatch), the stage's N padded
     gradient elements in all, the planner's count for chunk by chunk (``m * N`` otherwise);
     optim_grads_params still gathers every unit's buckets twice per microbatch (forward and
-    backward, 2 m N / dp elements sent), optim_grads the updated shard once."""
+    backward, 2 m N / dp elements sent), optim_grads the updated shard once. The step makes no
+    call that would synchronise the host on a GPU."""
     results = [rank_results[layout] for rank_results in world_results(world)]
     dp = layout[2]
     for name in _chunked(layout):
@@ -171,6 +172,7 @@ def test_chunk_by_chunk_reduces_each_bucket_once_per_step(world, layout):
             times = 2 * m if strategy_of(name) == "optim_grads_params" else 1
             want = (times * len(buckets), times * run["grad_numel"] // dp)
             assert (gathers["calls"], gathers["numel"]) == want, (name, gathers, want)
+            assert run["syncs"] == [], (name, run["syncs"])  # no call that would wait for a GPU
 
 
 def _peaks(buckets: list[tuple[int, int]]) -> tuple[int, int, int]:

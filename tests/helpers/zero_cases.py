@@ -335,12 +335,21 @@ def zero_worker(rank: int, world: int) -> dict:
 
 def collect(cfg: Config, groups: ParallelGroups) -> dict:
     """:func:`train_and_collect` (step 0's communication recorded) and, for a run reducing chunk
-    by chunk, its stage's buckets as ``(chunk, padded elements)`` in bucket order (``buckets``)."""
+    by chunk, its stage's buckets as ``(chunk, padded elements)`` in bucket order (``buckets``)
+    and the calls of a second first step (on a new stage) that would synchronise the host on a
+    GPU (``syncs``, :mod:`helpers.host_sync`)."""
     out = train_and_collect(cfg, groups, 0)
     if is_chunk_by_chunk(cfg):
-        from ptdp.engine.step import build_stage
+        from helpers.host_sync import count_host_syncs, label_check_on_device
+        from helpers.layout_cases import rank_microbatches
+        from ptdp.engine.step import build_stage, train_step
 
-        out["buckets"] = [(b.chunk, b.numel) for b in build_stage(cfg, groups).grads.buckets]
+        stage = build_stage(cfg, groups)
+        out["buckets"] = [(b.chunk, b.numel) for b in stage.grads.buckets]
+        microbatches = rank_microbatches(0, cfg, groups.dp.rank, groups.dp.size)
+        with label_check_on_device(), count_host_syncs() as counted:
+            train_step(stage, microbatches, 0)
+        out["syncs"] = counted.calls
     return out
 
 
