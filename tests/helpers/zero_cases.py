@@ -16,6 +16,19 @@ from ptdp.spec.layout import ParallelLayout
 #: (tp, pp, dp) by world size: one job per world size
 LAYOUTS = {4: [(1, 1, 4), (2, 1, 2), (1, 2, 2)], 8: [(2, 2, 2), (1, 2, 4)]}
 
+
+def _chunk_case(dtype: str, overlap: bool, global_batch: int | None) -> tuple:
+    """An 8-layer interleaved variant (2 layers per chunk, 901-element buckets) that reduces chunk
+    by chunk; ``global_batch`` None keeps the default batch."""
+    parallel = {
+        "pipeline_schedule": "interleaved-1f1b",
+        "num_layers_per_virtual_pipeline_stage": 2,
+        "ddp_bucket_size": 901,
+        "overlap_grad_reduce": overlap,
+    }
+    return dtype, {"num_layers": 8}, parallel, ({} if global_batch is None else {"global_batch_size": global_batch})
+
+
 #: name -> (dtype, model overrides, parallel overrides, train overrides). Every case accumulates
 #: 2 (dp = 4) or 4 (dp = 2) microbatches of 1 sequence per step (the chunk-by-chunk cases 2 at
 #: dp = 2 and 4), clipping at 0.05 fires.
@@ -94,86 +107,20 @@ VARIANTS = {
     ),
     # chunk by chunk (ptdp.planner.sharding.chunk_by_chunk): interleaved with m == pp = 2
     # microbatches per step (dp 2), each chunk's buckets accumulated over its 2 backwards and
-    # reduce-scattered once, during its last backward
-    "grads_chunk": (
-        "float64",
-        {"num_layers": 8},
-        {
-            "pipeline_schedule": "interleaved-1f1b",
-            "num_layers_per_virtual_pipeline_stage": 2,
-            "ddp_bucket_size": 901,
-            "overlap_grad_reduce": True,
-        },
-        {"global_batch_size": 4},
-    ),
-    # ... when the chunk's last backward ends (--no-overlap-grad-reduce)
-    "grads_chunk_sync": (
-        "float64",
-        {"num_layers": 8},
-        {
-            "pipeline_schedule": "interleaved-1f1b",
-            "num_layers_per_virtual_pipeline_stage": 2,
-            "ddp_bucket_size": 901,
-            "overlap_grad_reduce": False,
-        },
-        {"global_batch_size": 4},
-    ),
-    "grads_chunk_bf16": (
-        "bfloat16",
-        {"num_layers": 8},
-        {
-            "pipeline_schedule": "interleaved-1f1b",
-            "num_layers_per_virtual_pipeline_stage": 2,
-            "ddp_bucket_size": 901,
-            "overlap_grad_reduce": True,
-        },
-        {"global_batch_size": 4},
-    ),
-    "params_chunk": (
-        "float64",
-        {"num_layers": 8},
-        {
-            "pipeline_schedule": "interleaved-1f1b",
-            "num_layers_per_virtual_pipeline_stage": 2,
-            "ddp_bucket_size": 901,
-            "overlap_grad_reduce": True,
-        },
-        {"global_batch_size": 4},
-    ),
-    "params_chunk_sync": (
-        "float64",
-        {"num_layers": 8},
-        {
-            "pipeline_schedule": "interleaved-1f1b",
-            "num_layers_per_virtual_pipeline_stage": 2,
-            "ddp_bucket_size": 901,
-            "overlap_grad_reduce": False,
-        },
-        {"global_batch_size": 4},
-    ),
-    # chunk by chunk over 4 ranks: 8 sequences per step, m == pp = 2 at dp 4
-    "grads_chunk_b8": (
-        "float64",
-        {"num_layers": 8},
-        {
-            "pipeline_schedule": "interleaved-1f1b",
-            "num_layers_per_virtual_pipeline_stage": 2,
-            "ddp_bucket_size": 901,
-            "overlap_grad_reduce": True,
-        },
-        {},
-    ),
-    "params_chunk_b8": (
-        "float64",
-        {"num_layers": 8},
-        {
-            "pipeline_schedule": "interleaved-1f1b",
-            "num_layers_per_virtual_pipeline_stage": 2,
-            "ddp_bucket_size": 901,
-            "overlap_grad_reduce": False,
-        },
-        {},
-    ),
+    # reduce-scattered once, during its last backward (overlap) or when it ends (``_sync``); the
+    # ``_b8`` ones over 4 ranks: 8 sequences per step, m == pp = 2 at dp 4
+    **{
+        name: _chunk_case(dtype, overlap, batch)
+        for name, dtype, overlap, batch in (
+            ("grads_chunk", "float64", True, 4),
+            ("grads_chunk_sync", "float64", False, 4),
+            ("grads_chunk_bf16", "bfloat16", True, 4),
+            ("params_chunk", "float64", True, 4),
+            ("params_chunk_sync", "float64", False, 4),
+            ("grads_chunk_b8", "float64", True, None),
+            ("params_chunk_b8", "float64", False, None),
+        )
+    },
 }
 
 #: the variants trained with optim_grads_params (the others with optim_grads)
