@@ -71,12 +71,12 @@ def _cpu_seconds_of(cmd: list[str], env: dict) -> float:
 
 def test_one_trillion_parameter_search_costs_under_a_cpu_second(tmp_path):
     """The whole process (interpreter start, imports, search over every layout, report); the
-    fastest of up to 3 runs (stopping at the first under a second), so that a busy machine does
+    fastest of up to 5 runs (stopping at the first under a second), so that a busy machine does
     not fail it."""
     env = {**os.environ, "PTDP_CACHE_DIR": str(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "ptdp.cli", "plan", *ONE_T]
     fastest = float("inf")
-    for _ in range(3):
+    for _ in range(5):
         fastest = min(fastest, _cpu_seconds_of(cmd, env))
         if fastest < 1.0:
             break
