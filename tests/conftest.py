@@ -16,20 +16,29 @@ PROCESS_TIERS = ("dist", "e2e", "gpu")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip the ``gpu`` tests without CUDA; put every test of a process tier into one xdist group.
-
-    With pytest-xdist (``-n 2 --dist loadgroup`` in ``pyproject.toml``) the group runs on one
-    pytest worker, its tests one after another as without xdist (they load every core already,
-    and their timeouts assume that), while the other worker takes the single-process unit tests
-    beside them."""
-    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
-    tests = Path(__file__).resolve().parent
+    """Skip the ``gpu`` tests without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if skip is not None and "gpu" in item.keywords:
+        if "gpu" in item.keywords:
             item.add_marker(skip)
-        parts = Path(str(item.path)).resolve().relative_to(tests).parts
-        if parts and parts[0] in PROCESS_TIERS:
-            item.add_marker(pytest.mark.xdist_group("processes"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With pytest-xdist (``-n 2`` in ``pyproject.toml``): every test of the process tiers
+    (:data:`PROCESS_TIERS`) in one scope, which one pytest worker runs one after another as a
+    plain ``pytest`` would (they keep the cores busy themselves, and their timeouts count on that),
+    while the other worker runs the single-process unit tests beside them, one scope each."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ProcessTiersTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            parts = nodeid.split("/")
+            return "process tiers" if len(parts) > 2 and parts[1] in PROCESS_TIERS else nodeid
+
+    return ProcessTiersTogether(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)
