@@ -117,11 +117,7 @@ def run_schedule(
     """
     b, s = batch_shape or (hidden_shape[0], seq_length or hidden_shape[1])
     _check_microbatches(microbatches, b, s)
-    if any(isinstance(step, Action) and step.kind not in COMPUTE for step in program):
-        raise TypeError(
-            "run_schedule takes a program (ptdp.engine.pipeline.program.build_programs), whose "
-            "transfers are grouped; got a schedule's transfer action"
-        )
+    _check_program(program)
     chunks = list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]
     state = _State(
         chunks,
@@ -150,6 +146,14 @@ def run_schedule(
     if track:
         set_phase(PIPELINE)
     return [state.losses[i] for i in sorted(state.losses)]
+
+
+def _check_program(program: Sequence[Step]) -> None:
+    if any(isinstance(step, Action) and step.kind not in COMPUTE for step in program):
+        raise TypeError(
+            "run_schedule takes a program (ptdp.engine.pipeline.program.build_programs), whose "
+            "transfers are grouped; got a schedule's transfer action"
+        )
 
 
 def _check_microbatches(microbatches: list[Microbatch], b: int, s: int) -> None:
