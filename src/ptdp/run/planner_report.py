@@ -155,85 +155,84 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
     counts = stage_param_counts(
         model, p.tp, p.pp, make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by, layer_split=split
     )
-    # the run's sharding strategy over the dp x cp ranks holding the same parameters
-    per_param = strategy_bytes_per_param(layout.precision, p.sharding_strategy, p.dp * p.cp)
-    rows, exact = [], True
-    for r in per_rank:
-        n = counts[r["coords"][2]]
-        predicted = {"numel": n, "params": n * per_param[0], "grads": n * per_param[1], "optimizer": n * per_param[2]}
-        # the sharded strategies pad each bucket to a multiple of dp x cp: the padding elements are
-        # the only allowed difference (grads: whole padding, optim_grads its 1/(dp cp) share;
-        # optimizer: its 1/(dp cp) share; params: optim_grads_params's 1/(dp cp) share)
-        pad = r.get("padding", 0)
-        sharded_params = p.sharding_strategy == "optim_grads_params"
-        slack = {
-            "numel": 0,
-            "params": pad * per_param[0] if sharded_params else 0,
-            "grads": pad * per_param[1],
-            "optimizer": pad * per_param[2],
-        }
-        same = all(0 <= r[k] - predicted[k] <= slack[k] for k in predicted)
-        transients = predicted_transients(config, layout, r["coords"][2])
-        measured_transients = {k: r.get(k, 0) for k in transients}
-        same &= measured_transients == transients
-        exact &= same
-        rows.append(
-            {
-                "coords": r["coords"],
-                "predicted": predicted,
-                "padding_elements": pad,
-                "measured": {k: r[k] for k in predicted},
-                "transients": {"predicted": transients, "measured": measured_transients},
-                "exact": same,
-            }
-        )
+    rows = [_rank_row(config, layout, r, counts[r["coords"][2]]) for r in per_rank]
     out: dict[str, Any] = {
-        "bytes_exact_on_every_rank": exact,
+        "bytes_exact_on_every_rank": all(row["exact"] for row in rows),
         "ranks": rows,
         "peak_memory": {
             "measured_max_bytes": max(r["peak"] for r in per_rank),
             "measured_kind": per_rank[0]["peak_kind"],
         },
     }
-    if profile is not None and profile.is_file():
-        try:
-            gpu, constants = load_profile(profile)
-        except ValueError as e:
-            out["step_time"] = {"note": str(e)}
-            return out
-        cluster = Cluster(gpu, config.world_size, config.world_size)  # ptdp train's workers share one machine
-        memory = memory_breakdown(
+    if profile is None or not profile.is_file():
+        out["step_time"] = {"note": "no hardware profile: run `ptdp plan --calibrate` to predict step time"}
+        return out
+    try:
+        gpu, constants = load_profile(profile)
+    except ValueError as e:
+        out["step_time"] = {"note": str(e)}
+        return out
+    cluster = Cluster(gpu, config.world_size, config.world_size)  # ptdp train's workers share one machine
+    memory = memory_breakdown(
+        model,
+        layout,
+        gpu,
+        overhead_bytes=0.0,
+        layer_split=split,
+        schedule="gpipe" if p.schedule == "gpipe" else "1f1b",
+        make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by,
+    )
+    out["peak_memory"]["predicted_bytes"] = memory.total
+    note = recompute_note(config)
+    if note:
+        out["peak_memory"]["note"] = note
+    if layout.precision in gpu.peak_flops and mean_step_s:
+        perf = evaluate_performance(
             model,
             layout,
-            gpu,
-            overhead_bytes=0.0,
+            cluster,
+            constants,
             layer_split=split,
-            schedule="gpipe" if p.schedule == "gpipe" else "1f1b",
             make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by,
         )
-        out["peak_memory"]["predicted_bytes"] = memory.total
-        if recompute_note(config):
-            out["peak_memory"]["note"] = recompute_note(config)
-        if layout.precision in gpu.peak_flops and mean_step_s:
-            perf = evaluate_performance(
-                model,
-                layout,
-                cluster,
-                constants,
-                layer_split=split,
-                make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by,
-            )
-            error = perf.time.step / mean_step_s - 1.0
-            out["step_time"] = {
-                "predicted_s": perf.time.step,
-                "measured_s": mean_step_s,
-                "error": error,
-                "within_25_percent": abs(error) <= 0.25,
-                "profile": str(profile),
-            }
-    else:
-        out["step_time"] = {"note": "no hardware profile: run `ptdp plan --calibrate` to predict step time"}
+        error = perf.time.step / mean_step_s - 1.0
+        out["step_time"] = {
+            "predicted_s": perf.time.step,
+            "measured_s": mean_step_s,
+            "error": error,
+            "within_25_percent": abs(error) <= 0.25,
+            "profile": str(profile),
+        }
     return out
+
+
+def _rank_row(config: Config, layout, r: dict, n: int) -> dict:
+    """One rank's predicted and measured state bytes and transients (``n``: its stage's parameters)."""
+    p = config.parallel
+    # the run's sharding strategy over the dp x cp ranks holding the same parameters
+    per_param = strategy_bytes_per_param(layout.precision, p.sharding_strategy, p.dp * p.cp)
+    predicted = {"numel": n, "params": n * per_param[0], "grads": n * per_param[1], "optimizer": n * per_param[2]}
+    # the sharded strategies pad each bucket to a multiple of dp x cp: the padding elements are
+    # the only allowed difference (grads: whole padding, optim_grads its 1/(dp cp) share;
+    # optimizer: its 1/(dp cp) share; params: optim_grads_params's 1/(dp cp) share)
+    pad = r.get("padding", 0)
+    slack = {
+        "numel": 0,
+        "params": pad * per_param[0] if p.sharding_strategy == "optim_grads_params" else 0,
+        "grads": pad * per_param[1],
+        "optimizer": pad * per_param[2],
+    }
+    transients = predicted_transients(config, layout, r["coords"][2])
+    measured_transients = {k: r.get(k, 0) for k in transients}
+    same = all(0 <= r[k] - predicted[k] <= slack[k] for k in predicted) and measured_transients == transients
+    return {
+        "coords": r["coords"],
+        "predicted": predicted,
+        "padding_elements": pad,
+        "measured": {k: r[k] for k in predicted},
+        "transients": {"predicted": transients, "measured": measured_transients},
+        "exact": same,
+    }
 
 
 def profile_path(config: Config) -> Path | None:
