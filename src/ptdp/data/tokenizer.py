@@ -212,17 +212,23 @@ def end_of_document_token(tokenizer: Tokenizer, file: Path) -> str | None:
         return None
 
 
+def named_special_token(file: Path, key: str) -> object:
+    """What the ``tokenizer_config.json`` beside the tokenizer ``file`` names as ``key`` (e.g.
+    ``eos_token``; ``{"content": ...}`` in older files gives its content), as read: a token is a
+    string, anything else names none; None without such a file or key, or for an unreadable one."""
+    config = file.with_name("tokenizer_config.json")
+    if not config.is_file():
+        return None
+    try:
+        named = json.loads(config.read_text(encoding="utf-8")).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return named.get("content") if isinstance(named, dict) else named
+
+
 def _find_eos(tokenizer: Tokenizer, file: Path) -> str:
     """The end-of-document token (see :func:`load_tokenizer_model`); DataError naming ``file`` if none."""
-    named = None
-    config = file.with_name("tokenizer_config.json")
-    if config.is_file():
-        try:
-            named = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
-        except (OSError, ValueError, AttributeError):
-            named = None
-        if isinstance(named, dict):  # {"content": "</s>", ...} in older files
-            named = named.get("content")
+    named = named_special_token(file, "eos_token")
     for token in ([named] if isinstance(named, str) else []) + list(KNOWN_EOS_TOKENS):
         if tokenizer.token_to_id(token) is not None:
             return token

@@ -81,10 +81,10 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     meta, tensors = read_model_tensors(checkpoint)
     m = meta["model"]
     tokenizer = resolve_checkpoint(checkpoint) / "tokenizer.json"
-    tokens = _special_token_ids(tokenizer)
+    eos, tokens = _special_tokens(tokenizer)
     if not is_gpt2_like(m):
         config = llama_config(m, tensors["word_embeddings.weight"].dtype) | tokens  # raises for what Llama lacks
-        return _write_hf(target, to_llama(m, tensors), config, tokenizer)
+        return _write_hf(target, to_llama(m, tensors), config, tokenizer, eos)
     gpt2 = _gpt2_config(m)  # raises for what GPT-2 lacks, before any tensor is mapped
     h = m["hidden_size"]
     hf: dict[str, torch.Tensor] = {
@@ -103,60 +103,42 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
             hf[f"transformer.h.{i}.{theirs}.weight"] = w.t() if theirs in _CONV1D else w
             hf[f"transformer.h.{i}.{theirs}.bias"] = b
     dtype = str(next(iter(hf.values())).dtype).removeprefix("torch.")
-    return _write_hf(target, hf, gpt2 | tokens | {"torch_dtype": dtype}, tokenizer)
+    return _write_hf(target, hf, gpt2 | tokens | {"torch_dtype": dtype}, tokenizer, eos)
 
 
-def _end_of_document(tokenizer: Path) -> str | None:
-    """The token that ended every document in training: ``<|endoftext|>`` for ptdp's own tokenizer,
-    else what the ``tokenizer_config.json`` kept beside the checkpoint's tokenizer names, else the
-    first of :data:`~ptdp.data.tokenizer.KNOWN_EOS_TOKENS` it knows (as ``--tokenizer-model`` picks
-    it); None without a tokenizer or such a token."""
+def _special_tokens(tokenizer: Path) -> tuple[str | None, dict]:
+    """The checkpoint's end-of-document token and the ``bos_token_id`` / ``eos_token_id`` for its
+    ``config.json``, from its ``tokenizer.json`` (read once). The token that ended every document
+    in training: ``<|endoftext|>`` for ptdp's own tokenizer, else what the ``tokenizer_config.json``
+    kept beside the checkpoint's tokenizer names, else the first of
+    :data:`~ptdp.data.tokenizer.KNOWN_EOS_TOKENS` it knows (as ``--tokenizer-model`` picks it).
+    ``bos_token_id``: the same token for ptdp's own tokenizer (GPT-2's convention), else the kept
+    ``tokenizer_config.json``'s ``bos_token``, else None. No tokenizer (an imported model) or no
+    such token: (None, both ids None), never GPT-2's 50256, which may lie outside the vocabulary."""
+    none = {"bos_token_id": None, "eos_token_id": None}
     if not tokenizer.is_file():
-        return None
+        return None, none
     from tokenizers import Tokenizer
 
-    from ptdp.data.tokenizer import end_of_document_token
-
-    return end_of_document_token(Tokenizer.from_file(str(tokenizer)), tokenizer)
-
-
-def _special_token_ids(tokenizer: Path) -> dict:
-    """``eos_token_id`` of the checkpoint's end-of-document token (:func:`_end_of_document`) and
-    ``bos_token_id``: the same token for ptdp's own tokenizer (GPT-2's convention), the named
-    ``bos_token`` of a kept ``tokenizer_config.json``, else None; both None when the checkpoint has
-    no tokenizer (an imported model): never GPT-2's 50256, which may lie outside the vocabulary."""
-    eos = _end_of_document(tokenizer)
-    if eos is None:
-        return {"bos_token_id": None, "eos_token_id": None}
-    from tokenizers import Tokenizer
-
-    from ptdp.data.tokenizer import EOS_TOKEN
+    from ptdp.data.tokenizer import EOS_TOKEN, end_of_document_token, named_special_token
 
     known = Tokenizer.from_file(str(tokenizer))
-    bos = eos if eos == EOS_TOKEN else _named_token(tokenizer.with_name("tokenizer_config.json"), "bos_token")
-    return {
-        "bos_token_id": known.token_to_id(bos) if bos else None,
+    eos = end_of_document_token(known, tokenizer)
+    if eos is None:
+        return None, none
+    bos = eos if eos == EOS_TOKEN else named_special_token(tokenizer, "bos_token")
+    return eos, {
+        "bos_token_id": known.token_to_id(bos) if isinstance(bos, str) else None,
         "eos_token_id": known.token_to_id(eos),
     }
 
 
-def _named_token(config: Path, key: str) -> str | None:
-    """``key`` (e.g. ``bos_token``) of a ``tokenizer_config.json``, plain or ``{"content": ...}``."""
-    if not config.is_file():
-        return None
-    try:
-        value = json.loads(config.read_text(encoding="utf-8")).get(key)
-    except (OSError, ValueError, AttributeError):
-        return None
-    value = value.get("content") if isinstance(value, dict) else value
-    return value if isinstance(value, str) else None
-
-
-def _write_hf(out: Path, hf: dict[str, torch.Tensor], config: dict, tokenizer: Path) -> Path:
+def _write_hf(out: Path, hf: dict[str, torch.Tensor], config: dict, tokenizer: Path, eos: str | None) -> Path:
     """``config.json`` and ``model.safetensors`` (and, when the checkpoint has one, the tokenizer as
     ``tokenizer.json`` with a ``tokenizer_config.json`` for transformers' ``AutoTokenizer``: the one
     the checkpoint kept from a ``--tokenizer-model``, else one naming the end-of-document token as
-    ``eos_token``, and for ptdp's own tokenizer as ``bos_token`` and ``unk_token`` too), with
+    ``eos_token``, and for ptdp's own tokenizer as ``bos_token`` and ``unk_token`` too; ``eos``:
+    :func:`_special_tokens`'), with
     the permissions of an ordinary new file (``0666`` less the umask)."""
     from ptdp.data.tokenizer import EOS_TOKEN
 
@@ -170,7 +152,6 @@ def _write_hf(out: Path, hf: dict[str, torch.Tensor], config: dict, tokenizer: P
         if kept.is_file():
             shutil.copyfile(kept, out / "tokenizer_config.json")
         else:
-            eos = _end_of_document(tokenizer)
             special = {"eos_token": eos} | ({"bos_token": eos, "unk_token": eos} if eos == EOS_TOKEN else {})
             max_len = config.get("n_positions") or config.get("max_position_embeddings")
             (out / "tokenizer_config.json").write_text(
