@@ -10,6 +10,7 @@ time), their values when the H100 rows were added.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import pytest
@@ -168,9 +169,37 @@ def test_interleaving_divides_an_explicit_splits_fill():
 def test_run_constants_follow_the_run(runs):
     megatron = next(r for r in runs if r.tp_overlap and r.layout.tp == 8)
     c = run_constants(megatron)
-    assert c.tp_overlap == pytest.approx(7 / 8) and c.overlap_window and c.dp_overlap == 0.0
+    assert c.tp_comm_overlap and c.overlap_window and c.dp_overlap == 0.0 and c.pp_overlap
     llama = next(r for r in runs if r.convention == "palm")
-    assert run_constants(llama).tp_overlap == 0.0 and run_constants(llama).overlap_window
+    assert not run_constants(llama).tp_comm_overlap and run_constants(llama).overlap_window
+    assert run_constants(llama).pp_overlap  # Llama 3 paper section 3.3.2: asynchronous p2p in PP
+
+
+def test_tp_comm_overlap_hides_tp_minus_one_of_tp_chunks_with_sequence_parallelism():
+    model = ModelSpec(24, 4096, 32, vocab_size=51200, seq_length=2048)
+    cluster = Cluster(CATALOG["h100-sxm"], 8)
+    on = dataclasses.replace(DEFAULT_CONSTANTS, tp_comm_overlap=True)
+    for tp in (2, 4, 8):
+        layout = Layout(tp=tp, pp=1, dp=8 // tp, micro_batch_size=1, global_batch_size=8, sequence_parallel=True)
+        shared = dataclasses.replace(DEFAULT_CONSTANTS, tp_overlap=(tp - 1) / tp)
+        assert (
+            evaluate_performance(model, layout, cluster, on).time
+            == evaluate_performance(model, layout, cluster, shared).time
+        )
+        plain = dataclasses.replace(layout, sequence_parallel=False)  # the overlap needs sequence parallelism
+        assert evaluate_performance(model, plain, cluster, on).time == evaluate_performance(model, plain, cluster).time
+
+
+def test_pp_overlap_hides_steady_state_transfers_of_the_interleaved_schedule_only():
+    model = ModelSpec(32, 8192, 64, vocab_size=32000, seq_length=4096, flash_attention=True)
+    cluster = Cluster(CATALOG["h100-sxm"], 16)  # pp crosses nodes: transfers on the network
+    on = dataclasses.replace(DEFAULT_CONSTANTS, pp_overlap=True)
+    layout = Layout(tp=1, pp=4, dp=4, micro_batch_size=1, global_batch_size=128, virtual_stages=4)
+    base, hidden = (evaluate_performance(model, layout, cluster, c).time for c in (DEFAULT_CONSTANTS, on))
+    assert base.pp_comm > 0 and hidden.pp_comm == 0.0  # each transfer is shorter than a chunk's compute
+    assert hidden.bubble == base.bubble and hidden.compute == base.compute  # fill and drain stay exposed
+    one_f1b = dataclasses.replace(layout, virtual_stages=1)  # Megatron overlaps the interleaved schedule only
+    assert evaluate_performance(model, one_f1b, cluster, on).time == evaluate_performance(model, one_f1b, cluster).time
 
 
 @pytest.mark.parametrize("sharding,m", [("optim", 1), ("optim", 4), ("no_shard", 2)])
@@ -222,3 +251,44 @@ def test_catalog_file_may_name_the_architecture(tmp_path):
     assert DEFAULT_CONSTANTS.for_gpu(load_catalog(plain)["my-gpu"]) == DEFAULT_CONSTANTS
     with pytest.raises(ValueError, match="arch=9 must be a string"):
         load_catalog(bad)
+
+
+def test_exposed_p2p_is_the_excess_over_the_microbatch_work():
+    from ptdp.planner.perf import exposed_p2p
+
+    on = dataclasses.replace(DEFAULT_CONSTANTS, pp_overlap=True)
+    work = (1.0, 0.25, 0.5, 0.25)  # compute, recompute, tp, cp seconds: 2 s
+    assert exposed_p2p(3.0, work, 2, on) == pytest.approx(1.0)
+    assert exposed_p2p(1.5, work, 2, on) == 0.0
+    assert exposed_p2p(3.0, work, 1, on) == 3.0 and exposed_p2p(3.0, work, 2, DEFAULT_CONSTANTS) == 3.0
+
+
+def _cli_json(capsys, *flags: str) -> dict:
+    from ptdp import cli
+
+    base = ["plan", "--model", "llama2-70b", "--gpus", "64", "--gpu", "h100-sxm", "--global-batch-size", "128"]
+    fixed = ["--seq-length", "4096", "--tp", "4", "--pp", "4", "--virtual-pipeline-stages", "20"]
+    fixed += ["--micro-batch-size", "1", "--recompute-granularity", "none", "--sequence-parallel"]
+    fixed += ["--data-parallel-sharding-strategy", "optim", "--top", "1", "--json"]
+    assert cli.main([*base, *fixed, *flags]) == 0
+    return json.loads(capsys.readouterr().out)[0]["time_s"]
+
+
+def test_plan_overlap_flags_reach_the_time_model(capsys):
+    """--tp-comm-overlap and --overlap-p2p-communication hide what the validation's per-run
+    constants hide; --no-overlap-grad-reduce exposes the whole end-of-step reduction."""
+    plain = _cli_json(capsys)
+    tp = _cli_json(capsys, "--tp-comm-overlap")
+    pp = _cli_json(capsys, "--overlap-p2p-communication")
+    no_window = _cli_json(capsys, "--no-overlap-grad-reduce")
+    assert tp["tp_comm"] < 0.5 * plain["tp_comm"] and tp["compute"] == plain["compute"]
+    assert pp["pp_comm"] < plain["pp_comm"] and pp["bubble"] == plain["bubble"]
+    assert no_window["dp_comm"] > plain["dp_comm"]
+
+
+def test_tp_comm_overlap_without_sequence_parallelism_is_a_bad_request(capsys):
+    from ptdp import cli
+
+    base = ["plan", "--model", "llama2-7b", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch-size", "8"]
+    assert cli.main([*base, "--tp-comm-overlap", "--no-sequence-parallel"]) == 2
+    assert "--tp-comm-overlap needs sequence parallelism" in capsys.readouterr().err

@@ -266,7 +266,45 @@ def prepare(args: argparse.Namespace, model: ModelSpec | None = None) -> PlanReq
         raise ConfigError(f"{gpu.name} has no peak FLOP/s for {precision}; known: {sorted(gpu.peak_flops)}")
     if getattr(args, "fp8", False):
         precision = fp8_precision(gpu, precision)
+    constants, overlap_notes = overlap_constants(args, constants, fixed)
+    notes += overlap_notes
     return PlanRequest(model, cluster, args.global_batch_size, fixed, precision, constants, overhead, notes)
+
+
+def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
+    """``constants`` with the communication overlap the run uses, and a note naming it:
+    the data-parallel reduction during the last microbatch's backward with ``--overlap-grad-reduce``
+    (ptdp's default, :attr:`~ptdp.planner.perf_constants.PerfConstants.overlap_window`),
+    ``--tp-comm-overlap`` and ``--overlap-p2p-communication`` (planner only). ConfigError for
+    ``--tp-comm-overlap`` with ``--no-sequence-parallel`` (the overlap splits sequence
+    parallelism's collectives; Megatron refuses it too)."""
+    tp_overlap = bool(getattr(args, "tp_comm_overlap", None))
+    pp_overlap = bool(getattr(args, "overlap_p2p_communication", None))
+    if tp_overlap and fixed.sequence_parallel is False:
+        raise ConfigError(
+            "--tp-comm-overlap needs sequence parallelism (it overlaps the sequence-parallel all-gather "
+            "and reduce-scatter with the GEMMs): drop --no-sequence-parallel"
+        )
+    window = fixed.overlap_grad_reduce is not False
+    constants = dataclasses.replace(
+        constants,
+        overlap_window=constants.overlap_window or window,
+        tp_comm_overlap=tp_overlap,
+        pp_overlap=pp_overlap,
+    )
+    hidden = [
+        name
+        for name, on in (
+            (
+                "tensor-parallel communication behind the GEMMs with sequence parallelism (--tp-comm-overlap)",
+                tp_overlap,
+            ),
+            ("the interleaved schedule's pipeline transfers (--overlap-p2p-communication)", pp_overlap),
+        )
+        if on
+    ]
+    note = f"overlap planned beyond ptdp train's (which ptdp train does not run): {'; '.join(hidden)}"
+    return constants, ([note] if hidden else [])
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -36,6 +36,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     and the calibration."""
     _add_model_arguments(parser)
     add_flags(parser, "plan")  # shared with ptdp train: the model shape, layout, batch and options
+    _add_overlap_arguments(parser)
     _add_cluster_arguments(parser)
     _add_output_arguments(parser)
     _add_calibration_arguments(parser)
@@ -67,6 +68,29 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "has no FP8): QKV, projection, fc1 and fc2 GEMMs at the GPU's FP8 peak with their inputs "
         "kept in FP8; attention, output layer, communication and weights stay bf16 with fp32 "
         "main parameters",
+    )
+
+
+def _add_overlap_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "communication overlap the run uses (planner only: ptdp train overlaps the data-parallel "
+        "reduction, --overlap-grad-reduce, and neither of these)"
+    )
+    g.add_argument(
+        "--tp-comm-overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan Transformer Engine's tensor-parallel comm-GEMM overlap (Megatron's flag): with "
+        "sequence parallelism, (tp - 1) / tp of the layers' tensor-parallel communication hidden "
+        "behind their GEMMs; default: off",
+    )
+    g.add_argument(
+        "--overlap-p2p-communication",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan the interleaved schedule's pipeline transfers overlapped with the next model "
+        "chunk's compute (Megatron's default, --no-overlap-p2p-communication there turns it off); "
+        "the fill and drain transfers stay exposed; default: off, as ptdp's runtime waits for them",
     )
 
 

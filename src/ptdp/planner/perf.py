@@ -89,6 +89,17 @@ class Performance:
         return self.time.step
 
 
+def exposed_p2p(p2p: float, busiest: Parts, v: int, c: PerfConstants) -> float:
+    """Exposed seconds of one microbatch's ``p2p`` seconds of stage-to-stage transfers on the
+    busiest stage: all of them, or with ``c.pp_overlap`` and the interleaved schedule (``v > 1``)
+    only their excess over the microbatch's work on that stage (``busiest``: compute, recompute,
+    tp and cp communication), each transfer running while another model chunk computes
+    (:attr:`PerfConstants.pp_overlap`; the fill and drain transfers are in the bubble)."""
+    if c.pp_overlap and v > 1:
+        return max(0.0, p2p - sum(busiest))
+    return p2p
+
+
 def core_shared_step(busy: list[float], pp: int, workers: int, cores: int) -> float:
     """Step time when ``workers`` processes share ``cores`` CPU cores: the node's total busy time
     over its cores (processor sharing: a worker that waits gives its core to the others).
@@ -146,7 +157,8 @@ def evaluate_performance(
     """Predicted step time, TFLOP/s per GPU and MFU of ``layout`` (1F1B, or interleaved 1F1B when
     ``layout.virtual_stages > 1``; GPipe has the same time) on ``cluster``.
 
-    Step = m x (busiest stage's microbatch: compute + recompute + TP + 2 v PP transfers)
+    Step = m x (busiest stage's microbatch: compute + recompute + TP + 2 v PP transfers, those
+    exposed: :func:`exposed_p2p`)
     + (pp - 1)/v x (a layers-only stage's microbatch) + exposed DP + optimizer.
     The DP reduction moves fp32 gradients (ptdp's main-grad buffer, 4 bytes per parameter; with
     the distributed optimizer, reduce-scatter of those + all-gather of the 16-bit weights).
@@ -182,7 +194,7 @@ def evaluate_performance(
         compute=m * busiest[0],
         recompute=m * busiest[1],
         tp_comm=m * busiest[2],
-        pp_comm=m * p2p,
+        pp_comm=m * exposed_p2p(p2p, busiest, v, c),
         bubble=bubble,
         dp_comm=exposed_dp,
         optimizer=optimizer_time(n_params, layout, elem, bandwidth, c),

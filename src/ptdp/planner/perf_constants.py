@@ -71,13 +71,27 @@ class PerfConstants:
             GEMM into tp chunks and exchanges one chunk while multiplying another, so all but the
             first of tp transfers are hidden: ``(tp - 1) / tp`` for the runs that used it
             (:func:`ptdp.planner.validate.run_constants`).
+        tp_comm_overlap: Transformer Engine's comm-GEMM overlap as a switch (``ptdp plan
+            --tp-comm-overlap``, Megatron's flag): the layers' tensor-parallel communication is
+            hidden by ``(tp - 1) / tp`` at each layout's own tp, with sequence parallelism only
+            (the overlap splits the all-gather and reduce-scatter that sequence parallelism uses;
+            Megatron refuses ``--tp-comm-overlap`` without it). ptdp's engine does not overlap them.
+        pp_overlap: with the interleaved schedule (``v > 1``), the steady state's stage-to-stage
+            transfers run while the next model chunk computes and only their excess over that
+            compute is exposed; the fill and drain transfers stay in the bubble. Megatron's
+            ``overlap_p2p_comm`` (on by default for the interleaved schedule; NeMo documents it:
+            "PP communication overlap ... in the 1F1B stage ... The PP communications in pipeline
+            fill and flush are still exposed", NeMo docs, Communication Overlap) and the Llama 3
+            runs' asynchronous point-to-point communication (Llama 3 paper, section 3.3.2).
+            ``ptdp plan --overlap-p2p-communication``; ptdp's runtime waits for each transfer
+            group before the compute that needs it, so off for ptdp's own runs.
         arch_fits: per GPU architecture (:attr:`ptdp.planner.hardware.GPUSpec.arch`), that
             generation's ``(arch, gemm_peak_fraction, gemm_half_dim, hbm_efficiency)``. Hopper
-            (H100, H200): 0.61 and 0.65 fitted jointly by least squares over the 13 published H100
-            runs without context parallelism (``python -m ptdp.planner.validate
+            (H100, H200): 0.58 and 0.85 fitted jointly by least squares over the 13 published H100
+            bf16 runs without context parallelism, each with the overlap it used (``python -m ptdp.planner.validate
             benchmarks/data/published_runs_h100.csv --fit``), ``gemm_half_dim`` 128 set: Hopper's
             tensor-core GEMMs run 128 x 256 tiles (warp-group MMAs of 64 x N), half of a 256-wide
-            tile, twice Ampere's. 0.61 x 989.5 = 604 TFLOP/s for a large bf16 GEMM in a training
+            tile, twice Ampere's. 0.58 x 989.5 = 574 TFLOP/s for a large bf16 GEMM in a training
             step; the datasheet's peak is 528 tensor cores x 1,024 FLOP per clock at 1.83 GHz, and
             what a step gets below it is the clock a 700 W card holds under load times the
             kernels' efficiency, which the fit does not separate.
@@ -97,7 +111,9 @@ class PerfConstants:
     optimizer_efficiency: float = 1.0
     tp_overlap: float = 0.0
     overlap_window: bool = False
-    arch_fits: tuple[tuple[str, float, float, float], ...] = (("hopper", 0.61, 128.0, 0.65),)
+    tp_comm_overlap: bool = False
+    pp_overlap: bool = False
+    arch_fits: tuple[tuple[str, float, float, float], ...] = (("hopper", 0.58, 128.0, 0.85),)
 
     def __post_init__(self) -> None:  # a profile read from JSON holds lists
         object.__setattr__(self, "arch_fits", tuple(tuple(fit) for fit in self.arch_fits))

@@ -63,6 +63,8 @@ class H100Run:
         reported: the figure as published, in ``unit`` (:data:`UNITS`) under ``convention``.
         step_time: seconds per step that figure implies (:func:`reported_step_time`).
         dp_overlap, tp_overlap: the run overlapped its data-/tensor-parallel communication.
+        pp_overlap: the run overlapped its pipeline transfers with compute (column ``pp_overlap``;
+            absent: no), :attr:`ptdp.planner.perf_constants.PerfConstants.pp_overlap`.
         assumed: settings the source does not state.
     """
 
@@ -78,6 +80,7 @@ class H100Run:
     dp_overlap: bool
     tp_overlap: bool
     assumed: str
+    pp_overlap: bool = False
 
 
 def megatron_2024_flops(model: ModelSpec, global_batch_size: int, *, divisible_by: int = 128, tp: int = 1) -> float:
@@ -201,6 +204,7 @@ def load_h100_runs(path: str | Path) -> list[H100Run]:
                     dp_overlap=_yes(r["dp_overlap"]),
                     tp_overlap=_yes(r["tp_overlap"]),
                     assumed=r["assumed"].strip(),
+                    pp_overlap=_yes(r.get("pp_overlap") or ""),
                 )
             )
     return runs

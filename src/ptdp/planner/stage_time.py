@@ -58,6 +58,15 @@ def rank_layer_times(
     return (*layer_times(times, block, layout.cp), *block)
 
 
+def tp_hidden_share(c: PerfConstants, tp: int, sequence_parallel: bool) -> float:
+    """Share of the layers' tensor-parallel communication hidden behind their GEMMs:
+    ``(tp - 1) / tp`` with ``c.tp_comm_overlap`` and sequence parallelism (Transformer Engine's
+    ring exchange hides all but the first of tp chunks), else ``c.tp_overlap``."""
+    if c.tp_comm_overlap and sequence_parallel and tp > 1:
+        return max(c.tp_overlap, (tp - 1) / tp)
+    return c.tp_overlap
+
+
 def stage_microbatch_times(
     model: ModelSpec,
     layout: Layout,
@@ -80,7 +89,8 @@ def stage_microbatch_times(
     tp_f, tp_b = tp_layer_comm_times(
         b * s, h, tp, sequence_parallel=layout.sequence_parallel, links=links, bytes_per_element=elem
     )
-    tp_f, tp_b = (1.0 - c.tp_overlap) * tp_f, (1.0 - c.tp_overlap) * tp_b
+    hidden = tp_hidden_share(c, tp, layout.sequence_parallel)
+    tp_f, tp_b = (1.0 - hidden) * tp_f, (1.0 - hidden) * tp_b
     cp_f, cp_b = kv_exchange_times(model, tp, layout.cp, b, layout.cp_comm_type, block, links, elem, block_bwd)
     rec = {"full": fwd, "selective": core}.get(layout.recompute, 0.0)
     full = layout.recompute == "full"

@@ -189,16 +189,24 @@ def run_constants(run: H100Run, constants: PerfConstants = DEFAULT_CONSTANTS) ->
     """The time model's constants for one published H100 run: its GPU generation's fit
     (:meth:`PerfConstants.for_gpu`) and the overlap of communication the run used.
 
-    ``tp_overlap``: ``(tp - 1) / tp`` when the run pipelined its tensor-parallel collectives
-    with the GEMMs (Transformer Engine's ring exchange hides all but the first of tp chunks).
+    ``tp_comm_overlap``: the run pipelined its tensor-parallel collectives with the GEMMs
+    (Transformer Engine's ring exchange hides all but the first of tp chunks: ``(tp - 1) / tp``).
+    ``pp_overlap``: the run overlapped its pipeline transfers with the interleaved schedule's
+    compute (Megatron's ``overlap_p2p_comm``, the Llama 3 paper's asynchronous point-to-point).
     ``overlap_window``: when the run overlapped its data-parallel reduction (Megatron's
     ``--overlap-grad-reduce --overlap-param-gather``, the Llama 3 paper's asynchronous FSDP), the
     end-of-step reduction hides behind up to one microbatch's compute on the busiest stage (the
     gradients of a microbatch exist only once it is done; nothing earlier can be sent).
     """
     c = constants.for_gpu(CATALOG[run.gpu])
-    tp_overlap = (run.layout.tp - 1) / run.layout.tp if run.tp_overlap else 0.0
-    return dataclasses.replace(c, tp_overlap=tp_overlap, dp_overlap=0.0, overlap_window=run.dp_overlap)
+    return dataclasses.replace(
+        c,
+        tp_overlap=0.0,
+        tp_comm_overlap=run.tp_overlap,
+        pp_overlap=run.pp_overlap,
+        dp_overlap=0.0,
+        overlap_window=run.dp_overlap,
+    )
 
 
 def validate_h100(runs: list[H100Run], constants: PerfConstants = DEFAULT_CONSTANTS) -> list[ValidationRow]:
