@@ -33,7 +33,12 @@ def test_published_layout_breaks_no_rule():
         (
             Layout(8, 128, 1, 1, 1536),
             "layers % pp",
-            "num_layers=96 is not divisible by pipeline_model_parallel_size=128",
+            "pipeline_model_parallel_size=128 is more stages than num_layers=96",
+        ),
+        (
+            Layout(8, 64, 1, 1, 1536),
+            "layers % pp",
+            "num_layers=96 is not divisible by pipeline_model_parallel_size=64",
         ),
         (
             Layout(8, 16, 8, 5, 1536),

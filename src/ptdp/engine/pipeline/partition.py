@@ -10,9 +10,15 @@ def stage_layer_counts(num_layers: int, pp: int, split: tuple[int, ...] | None) 
     """Layers held by each of the pp stages; raises ConfigError if they do not add up exactly.
 
     Even (``num_layers % pp == 0``) unless ``split`` lists the layers per stage explicitly (pp
-    entries, each >= 1, summing to ``num_layers``: no layer is ever dropped silently).
+    entries, each >= 1, summing to ``num_layers``: no layer is ever dropped silently). More stages
+    than layers is refused as such.
     """
     if split is None:
+        if pp > num_layers:
+            raise ConfigError(
+                f"pipeline_model_parallel_size={pp} is more stages than num_layers={num_layers} "
+                f"(rule: every stage holds at least one layer, pp <= num_layers)"
+            )
         if num_layers % pp != 0:
             raise ConfigError(
                 f"num_layers={num_layers} is not divisible by pipeline_model_parallel_size={pp} "
