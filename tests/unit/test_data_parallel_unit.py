@@ -89,7 +89,10 @@ def test_overlap_without_no_sync_is_an_error_not_a_race():
 
 def test_data_parallel_config_rules():
     base = dict(model=ModelConfig(), train=TrainConfig())
-    with pytest.raises(ValueError, match="grad_compression=1bit cannot be combined with use_distributed_optimizer"):
+    with pytest.raises(
+        ValueError,
+        match="grad_compression=1bit cannot be combined with a sharded data-parallel state \\(use_distributed_optimizer;",
+    ):
         resolve(
             Config(parallel=ParallelConfig(2, 2, grad_compression="1bit", use_distributed_optimizer=True), **base), 8
         )

@@ -148,9 +148,9 @@ def data_parallel_violations(p: ParallelConfig) -> list[Violation]:
         out.append(
             V(
                 "data parallel",
-                f"grad_compression=1bit cannot be combined with use_distributed_optimizer "
-                f"(data_parallel_sharding_strategy={p.sharding_strategy}; 1-bit gradients are all-gathered, "
-                f"not reduce-scattered into shards: use no_shard)",
+                f"grad_compression=1bit cannot be combined with a sharded data-parallel state "
+                f"({_sharding_named(p)}; 1-bit gradients are all-gathered, not reduce-scattered into "
+                f"shards: use data_parallel_sharding_strategy=no_shard)",
             )
         )
     warmup = p.grad_compression_warmup_iters
@@ -165,3 +165,13 @@ def data_parallel_violations(p: ParallelConfig) -> list[Violation]:
     if p.bind_cpus not in BIND_POLICIES:
         out.append(V("option", f"bind_cpus={p.bind_cpus!r} must be one of {BIND_POLICIES}"))
     return out
+
+
+def _sharding_named(p) -> str:
+    """The flag(s) that asked for a sharded data-parallel state, as the user gave them."""
+    named = []
+    if p.use_distributed_optimizer:
+        named.append("use_distributed_optimizer")
+    if p.data_parallel_sharding_strategy not in (None, "no_shard"):
+        named.append(f"data_parallel_sharding_strategy={p.data_parallel_sharding_strategy}")
+    return " and ".join(named)
