@@ -303,7 +303,7 @@ def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
         )
         if on
     ]
-    note = f"overlap planned beyond ptdp train's (which ptdp train does not run): {'; '.join(hidden)}"
+    note = f"overlap planned that ptdp train does not run: {'; '.join(hidden)}"
     return constants, ([note] if hidden else [])
 
 
