@@ -17,6 +17,7 @@ imports no torch and nothing of the training code).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +174,8 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
         out["step_time"] = {"note": str(e)}
         return out
     cluster = Cluster(gpu, config.world_size, config.world_size)  # ptdp train's workers share one machine
+    # the run's --overlap-grad-reduce, as ptdp plan credits it (PerfConstants.overlap_window)
+    constants = dataclasses.replace(constants, overlap_window=constants.overlap_window or layout.overlap_grad_reduce)
     memory = memory_breakdown(
         model,
         layout,
