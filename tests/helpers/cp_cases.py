@@ -42,6 +42,9 @@ VARIANTS = {
     ),
     # GPipe: every microbatch's forward before any backward
     "llama_gpipe_p2p": (LLAMA_OPTIONS, {"cp_comm_type": "p2p", "pipeline_schedule": "gpipe"}),
+    # the other two pairings of model and comm type, where no dropout variant runs them (dp > 1)
+    "gpt_all_gather": ({}, {"cp_comm_type": "all_gather"}),
+    "llama_p2p": (LLAMA_OPTIONS, {"cp_comm_type": "p2p"}),
     # bf16 weights (float32 main parameters and gradients; attention blocks accumulate in float32)
     "gpt_bf16_p2p": ({"params_dtype": "bfloat16"}, {"cp_comm_type": "p2p"}),
 }
@@ -52,12 +55,15 @@ SYNC_COUNTED = {((1, 2, 1, 1), "llama_dropout_full_p2p"), ((2, 2, 1, 1), "gpt_sp
 
 
 def variants(tp: int, cp: int, pp: int, dp: int) -> list[str]:
-    """The variants one layout runs: both models and both comm types everywhere; dropout with
-    selective or full recompute at dp = 1; sequence parallelism at tp = 2; bf16 at (1,2,1,1); the
-    interleaved and GPipe schedules at (1,2,2,1)."""
+    """The variants one layout runs: each model with each comm type everywhere (the GPT with p2p and
+    the Llama-like model with all_gather plainly; the other two pairings with dropout and selective
+    or full recompute at dp = 1, plainly at dp > 1); sequence parallelism at tp = 2; bf16 at
+    (1,2,1,1); the interleaved and GPipe schedules at (1,2,2,1)."""
     names = ["gpt_p2p", "llama_all_gather"]
     if dp == 1:
         names += ["gpt_dropout_selective_all_gather", "llama_dropout_full_p2p"]
+    else:
+        names += ["gpt_all_gather", "llama_p2p"]
     if tp > 1:
         names += ["gpt_sp_dropout_all_gather", "llama_sp_selective_p2p"]
     if (tp, cp, pp, dp) == (1, 2, 1, 1):
@@ -109,14 +115,15 @@ def cp_config(name: str, tp: int, cp: int, pp: int, dp: int) -> Config:
 
 
 def cp_worker(rank: int, world: int) -> dict:
-    """Every layout of this world size, each of its variants in turn: ``{layout: {variant: result}}``."""
+    """Every layout of this world size, each of its variants in turn: ``{layout: {variant: result}}``
+    (with the first step's communication counts, ``"comm"``)."""
     out = {}
     for tp, cp, pp, dp in LAYOUTS[world]:
         groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp), PG_TIMEOUT)
         runs = {}
         for name in variants(tp, cp, pp, dp):
             cfg = cp_config(name, tp, cp, pp, dp)
-            res = train_and_collect(cfg, groups)
+            res = train_and_collect(cfg, groups, record_comm_step=0)
             res["cp_rank"] = groups.cp.rank
             if name in EVALUATED:
                 res["eval"] = evaluate_initial(cfg, groups)
