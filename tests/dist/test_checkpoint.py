@@ -7,19 +7,17 @@ import functools
 import pytest
 import torch
 
-from ptdp.run.checkpoint.folders import CheckpointError, resolve_checkpoint
-from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
-from ptdp.run.checkpoint.optim_state import gather_local_state
+from helpers.checkpoints import record_run, stored_tensors, train_steps
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool, run_workers
+from helpers.layout_cases import LLAMA_OPTIONS, rank_microbatches, tiny_config
 from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
 from ptdp.engine.model.chunks import global_named_parameters
 from ptdp.engine.step import build_stage, eval_loss, train_step
 from ptdp.engine.tensor_parallel.sharding import spec_of, unshard
-
-from helpers.dist_helpers import PG_TIMEOUT, run_in_pool, run_workers
-from helpers.layout_cases import LLAMA_OPTIONS, rank_microbatches, tiny_config
-from helpers.checkpoints import record_run, stored_tensors, train_steps
-
+from ptdp.run.checkpoint.folders import CheckpointError, resolve_checkpoint
+from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
+from ptdp.run.checkpoint.optim_state import gather_local_state
+from ptdp.spec.layout import ParallelLayout
 
 SAVE_LAYOUT = (2, 2, 2)
 
@@ -74,8 +72,9 @@ def load_worker(rank: int, world: int, root: str, cases: list) -> list[dict]:
         cfg = _config(*layout, **parallel)
         stage = build_stage(cfg, groups)
         meta = load_checkpoint(stage, root)
-        out.append({"state": _full_state(stage, groups), "eval": _eval(stage, cfg, groups),
-                    "iteration": meta["iteration"]})
+        out.append(
+            {"state": _full_state(stage, groups), "eval": _eval(stage, cfg, groups), "iteration": meta["iteration"]}
+        )
     return out
 
 
@@ -156,8 +155,11 @@ def test_llama_checkpoint_loads_at_another_layout(tmp_path):
         assert torch.equal(got[key], value), key
     torch.testing.assert_close(_eval(stage, cfg, groups), ref["eval"], rtol=1e-9, atol=0)
     gpt = build_stage(tiny_config(1, 1, 1, "float64", untie_embeddings_and_output_weights=True), groups)
-    with pytest.raises(CheckpointError, match="normalization='RMSNorm' in the checkpoint, 'LayerNorm' here "
-                                              r"\(set --normalization\); swiglu=True in the checkpoint"):
+    with pytest.raises(
+        CheckpointError,
+        match="normalization='RMSNorm' in the checkpoint, 'LayerNorm' here "
+        r"\(set --normalization\); swiglu=True in the checkpoint",
+    ):
         load_checkpoint(gpt, root)
 
 
@@ -174,12 +176,21 @@ def test_latest_and_failures(checkpoint_root, tmp_path):
         load_checkpoint(other, checkpoint_root)
 
 
-RESUME = [((1, 1, 1), {}), ((2, 2, 2), {"use_distributed_optimizer": True, "ddp_bucket_size": 777}),
-          ((1, 2, 2), {"use_distributed_optimizer": True, "overlap_param_gather": True, "overlap_grad_reduce": True}),
-          # interleaved with the embedding and the loss counted as layers: chunks of only the embedding /
-          # only the loss (4 + 2 units, v = 3)
-          ((1, 2, 1), {"account_for_embedding_in_pipeline_split": True, "account_for_loss_in_pipeline_split": True,
-                       "num_layers_per_virtual_pipeline_stage": 1})]
+RESUME = [
+    ((1, 1, 1), {}),
+    ((2, 2, 2), {"use_distributed_optimizer": True, "ddp_bucket_size": 777}),
+    ((1, 2, 2), {"use_distributed_optimizer": True, "overlap_param_gather": True, "overlap_grad_reduce": True}),
+    # interleaved with the embedding and the loss counted as layers: chunks of only the embedding /
+    # only the loss (4 + 2 units, v = 3)
+    (
+        (1, 2, 1),
+        {
+            "account_for_embedding_in_pipeline_split": True,
+            "account_for_loss_in_pipeline_split": True,
+            "num_layers_per_virtual_pipeline_stage": 1,
+        },
+    ),
+]
 
 
 def resume_worker(rank: int, world: int, root: str, layout: tuple, parallel: dict, resume: bool) -> dict:
@@ -255,8 +266,7 @@ def test_round_trip_through_one_process_gives_the_same_files(checkpoint_root, tm
     the final checkpoint is bitwise the original's."""
     one, back = str(tmp_path / "one"), str(tmp_path / "back")
     resave_worker(0, 1, checkpoint_root, one, (1, 1, 1), {})
-    run_in_pool(resave_worker, 8, one, back, SAVE_LAYOUT, {"use_distributed_optimizer": True,
-                                                           "ddp_bucket_size": 777})
+    run_in_pool(resave_worker, 8, one, back, SAVE_LAYOUT, {"use_distributed_optimizer": True, "ddp_bucket_size": 777})
     original = stored_tensors(resolve_checkpoint(checkpoint_root))
     again = stored_tensors(resolve_checkpoint(back))
     assert set(original) == set(again)
@@ -319,8 +329,8 @@ def test_damaged_checkpoints_and_bad_targets_are_clear_errors(checkpoint_root, t
     import dataclasses
     import shutil
 
-    from ptdp.run.checkpoint.hf import import_hf
     from ptdp.run.checkpoint.folders import check_save_dir, precheck
+    from ptdp.run.checkpoint.hf import import_hf
 
     stage = build_stage(tiny_config(1, 1, 1, "float64"), ParallelGroups.single_process())
     # same-size shard with flipped bytes: DCP's own error (a BaseException) becomes a CheckpointError

@@ -8,15 +8,14 @@ import os
 
 import torch
 
+from helpers.checkpoints import record_run, train_steps
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from helpers.layout_cases import tiny_config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage
 from ptdp.run.checkpoint.io import load_checkpoint
 from ptdp.run.checkpoint.saver import Checkpointer
 from ptdp.spec.layout import ParallelLayout
-
-from helpers.checkpoints import record_run, train_steps
-from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
-from helpers.layout_cases import tiny_config
 
 LAYOUT = (2, 1, 2)  # tp 2 (sharded tensors in the checkpoint) x dp 2 with the distributed optimizer
 PARALLEL = {"use_distributed_optimizer": True, "ddp_bucket_size": 777}
@@ -42,9 +41,16 @@ def async_worker(rank: int, world: int, root: str) -> dict:
     train_steps(stage, cfg, groups, 2, 4)  # updates the parameters and Adam state in place meanwhile
     second, completed = saver.save(stage, root, 4, consumed_samples=4 * cfg.train.global_batch_size)
     last = saver.wait()
-    return {"whole": whole, "first": str(first), "earlier": earlier, "completed": str(completed),
-            "second": str(second), "last": str(last), "pending_latest": pending_latest,
-            "latest": open(os.path.join(root, "latest")).read().strip()}
+    return {
+        "whole": whole,
+        "first": str(first),
+        "earlier": earlier,
+        "completed": str(completed),
+        "second": str(second),
+        "last": str(last),
+        "pending_latest": pending_latest,
+        "latest": open(os.path.join(root, "latest")).read().strip(),
+    }
 
 
 def resume_worker(rank: int, world: int, folder: str, first: int) -> dict:

@@ -13,9 +13,8 @@ all-reduces of b*s*h become all-gathers and reduce-scatters of the same ring vol
 
 from __future__ import annotations
 
-from ptdp.spec import padded_vocab_size
-
 from helpers.layout_cases import parallel_run, tiny_config
+from ptdp.spec import padded_vocab_size
 
 
 def _count(comm: dict, axis: str, op: str, tag: str | None = None) -> tuple[int, int]:
@@ -109,7 +108,10 @@ def test_sequence_parallel_step_at_tp2_pp2_dp2_matches_formulas():
             assert _count(sp, "tp", "all_reduce", tag) == _count(plain, "tp", "all_reduce", tag), tag
         marked = layers * (2 * 2 * h + 2 * h) + (s * h if first else 0) + (2 * h if last else 0)
         assert _count(sp, "tp", "all_reduce", "sequence_parallel") == (1, marked)
-        assert _count(sp, "tp", "all_reduce")[0] == _count(plain, "tp", "all_reduce")[0] - 4 * layers * m - m * (first + last) + 1
+        assert (
+            _count(sp, "tp", "all_reduce")[0]
+            == _count(plain, "tp", "all_reduce")[0] - 4 * layers * m - m * (first + last) + 1
+        )
         assert _count(sp, "pp", "send") == (m, m * bsh // t) and _count(sp, "pp", "recv") == (m, m * bsh // t)
         for axis in ("dp", "embedding", "world"):
             assert _count(sp, axis, "all_reduce") == _count(plain, axis, "all_reduce"), axis

@@ -16,5 +16,6 @@ def test_compiled_tp2_trains_like_eager_with_the_same_communication():
     for res in results:
         assert_trains_like_eager(res)
         comm = res["compiled"]["comm"]  # 4 microbatches x 4 layers: g forward, f backward, per site
-        assert [comm[f"tp/all_reduce/{site}"]["calls"] for site in ("attn_qkv", "attn_proj", "mlp_fc1", "mlp_fc2")] \
-            == [16] * 4
+        assert [comm[f"tp/all_reduce/{site}"]["calls"] for site in ("attn_qkv", "attn_proj", "mlp_fc1", "mlp_fc2")] == [
+            16
+        ] * 4

@@ -15,21 +15,26 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from helpers.host_sync import count_host_syncs
 from ptdp.engine.comm import AxisGroup, CommStats
 from ptdp.engine.context_parallel.attention import context_parallel_attention, cp_attention_comm
 from ptdp.engine.context_parallel.chunks import shard_sequence, unshard_sequence
 from ptdp.engine.context_parallel.ring import ring_groups
 from ptdp.engine.pipeline.nccl_model import Op, simulate_nccl
 
-from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
-from helpers.host_sync import count_host_syncs
-
 B, D = 2, 8
 # (comm type, heads, kv heads, dtype, chunk length c: s = 2 C c, kernel)
-CASES = ([(comm, heads, kv, torch.float64, c, "math") for comm in ("p2p", "all_gather")
-          for heads, kv in ((4, 4), (6, 2)) for c in (1, 3)]
-         + [(comm, 6, 2, torch.float64, 3, "fused") for comm in ("p2p", "all_gather")]
-         + [(comm, 4, 2, torch.bfloat16, 4, "math") for comm in ("p2p", "all_gather")])
+CASES = (
+    [
+        (comm, heads, kv, torch.float64, c, "math")
+        for comm in ("p2p", "all_gather")
+        for heads, kv in ((4, 4), (6, 2))
+        for c in (1, 3)
+    ]
+    + [(comm, 6, 2, torch.float64, 3, "fused") for comm in ("p2p", "all_gather")]
+    + [(comm, 4, 2, torch.bfloat16, 4, "math") for comm in ("p2p", "all_gather")]
+)
 
 
 def inputs(heads: int, kv_heads: int, s: int, seed: int) -> dict[str, torch.Tensor]:
@@ -54,9 +59,17 @@ def cp_worker(rank: int, world: int) -> list[dict]:
             posted, stats.p2p_log = {"forward": stats.p2p_log}, []
             out.backward(local["dout"])
         posted["backward"], stats.p2p_log = stats.p2p_log, None
-        results.append({"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "comm": stats.as_dict(),
-                        "posted": {phase: [ops for _, ops in log] for phase, log in posted.items()},
-                        "host_syncs": syncs.calls})
+        results.append(
+            {
+                "out": out.detach(),
+                "dq": q.grad,
+                "dk": k.grad,
+                "dv": v.grad,
+                "comm": stats.as_dict(),
+                "posted": {phase: [ops for _, ops in log] for phase, log in posted.items()},
+                "host_syncs": syncs.calls,
+            }
+        )
     return results
 
 
@@ -83,16 +96,16 @@ def test_cp_attention_equals_plain_causal_attention(world):
         for key, ref in want.items():
             got = unshard_sequence([results[r][i][key] for r in range(world)], dim=2)
             assert got.dtype == dtype
-            torch.testing.assert_close(got.double(), ref, **tol,
-                                       msg=lambda m, key=key, case=case: f"{case} {key}: {m}")
+            torch.testing.assert_close(got.double(), ref, **tol, msg=lambda m, key=key, case=case: f"{case} {key}: {m}")
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_attention_bytes_equal_the_formula(world):
     results = cp_results(world)
     for i, (comm, heads, kv_heads, dtype, c, _) in enumerate(CASES):
-        want = cp_attention_comm(comm, batch=B, kv_heads=kv_heads, local_seq=2 * c, head_dim=D, cp_size=world,
-                                 dtype=dtype)
+        want = cp_attention_comm(
+            comm, batch=B, kv_heads=kv_heads, local_seq=2 * c, head_dim=D, cp_size=world, dtype=dtype
+        )
         assert want  # a formula that could be empty would prove nothing
         for r in range(world):
             assert results[r][i]["comm"] == want, (comm, heads, kv_heads, dtype, r)
@@ -118,5 +131,9 @@ def test_ring_posts_its_program_which_is_deadlock_free_under_nccl_rules(world):
                 assert posted == [[]] * world
                 continue
             assert posted == [ring_groups(r, world, phase) for r in range(world)]
-            simulate_nccl([[SimpleNamespace(communicator="cp", ops=[Op(*op) for op in group]) for group in program]
-                           for program in posted])
+            simulate_nccl(
+                [
+                    [SimpleNamespace(communicator="cp", ops=[Op(*op) for op in group]) for group in program]
+                    for program in posted
+                ]
+            )

@@ -7,13 +7,13 @@ checkpoint holds each tensor once (its files are as large as those of a cp 1 sav
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from helpers.layout_cases import VOCAB, rank_microbatches
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.chunks import global_named_parameters
 from ptdp.engine.step import build_stage, eval_loss, train_step
@@ -22,9 +22,6 @@ from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
 from ptdp.run.checkpoint.optim_state import gather_local_state
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.spec.layout import ParallelLayout
-
-from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
-from helpers.layout_cases import VOCAB, rank_microbatches
 
 SAVE = ((1, 2, 1, 2), {"use_distributed_optimizer": True, "ddp_bucket_size": 777})  # (tp, cp, pp, dp), parallel
 LOADS = [  # each loads the cp 2 checkpoint, checks it, and runs step 3
@@ -40,12 +37,33 @@ STEPS = 2
 def _config(layout: tuple, parallel: dict) -> Config:
     """2 layers, h 32, 4 heads, s 16, b 2, B 8, float64, clipping active."""
     tp, cp, pp, dp = layout
-    model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=16,
-                        vocab_size=VOCAB, make_vocab_size_divisible_by=8, params_dtype="float64")
-    train = TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=4, lr=3e-3, min_lr=3e-4,
-                        lr_warmup_iters=1, clip_grad=0.05, weight_decay=0.1)
-    par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
-                         context_parallel_size=cp, **parallel)
+    model = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        seq_length=16,
+        vocab_size=VOCAB,
+        make_vocab_size_divisible_by=8,
+        params_dtype="float64",
+    )
+    train = TrainConfig(
+        micro_batch_size=2,
+        global_batch_size=8,
+        train_iters=4,
+        lr=3e-3,
+        min_lr=3e-4,
+        lr_warmup_iters=1,
+        clip_grad=0.05,
+        weight_decay=0.1,
+    )
+    par = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        data_parallel_size=dp,
+        context_parallel_size=cp,
+        **parallel,
+    )
     return resolve(Config(model=model, parallel=par, train=train), tp * cp * pp * dp)
 
 

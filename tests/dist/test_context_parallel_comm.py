@@ -15,13 +15,12 @@ import functools
 
 import pytest
 
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from helpers.layout_cases import LLAMA_OPTIONS, VOCAB, rank_microbatches
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, eval_loss, train_step
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.spec.layout import ParallelLayout
-
-from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
-from helpers.layout_cases import LLAMA_OPTIONS, VOCAB, rank_microbatches
 
 LAYOUT = (1, 2, 1, 2)  # tp, cp, pp, dp
 FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
@@ -36,12 +35,27 @@ VARIANTS = {  # name -> (comm type, model overrides, whether backward runs the a
 def _config(variant: str) -> Config:
     """3 layers, h 32, 4 heads, s 16, b 2, B 8 (m = 2 per dp rank), float64."""
     comm, overrides, _ = VARIANTS[variant]
-    model = dataclasses.replace(ModelConfig(
-        num_layers=3, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=16, vocab_size=VOCAB,
-        make_vocab_size_divisible_by=8, params_dtype="float64"), **overrides)
+    model = dataclasses.replace(
+        ModelConfig(
+            num_layers=3,
+            hidden_size=32,
+            num_attention_heads=4,
+            ffn_hidden_size=64,
+            seq_length=16,
+            vocab_size=VOCAB,
+            make_vocab_size_divisible_by=8,
+            params_dtype="float64",
+        ),
+        **overrides,
+    )
     tp, cp, pp, dp = LAYOUT
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
-                              context_parallel_size=cp, cp_comm_type=comm)
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        data_parallel_size=dp,
+        context_parallel_size=cp,
+        cp_comm_type=comm,
+    )
     train = TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=1, lr=1e-3, min_lr=1e-4)
     return resolve(Config(model=model, parallel=parallel, train=train), tp * cp * pp * dp)
 
@@ -60,8 +74,13 @@ def comm_worker(rank: int, world: int) -> dict:
         groups.stats.reset()
         evaluated = rank_microbatches(1, cfg, groups.dp.rank, groups.dp.size)
         eval_loss(stage, [evaluated])
-        out[variant] = {"step": step, "eval": groups.stats.as_dict(), "m": len(mbs), "eval_m": len(evaluated),
-                        "grad_numel": stage.grads.data.numel()}
+        out[variant] = {
+            "step": step,
+            "eval": groups.stats.as_dict(),
+            "m": len(mbs),
+            "eval_m": len(evaluated),
+            "grad_numel": stage.grads.data.numel(),
+        }
     return out
 
 
@@ -74,8 +93,21 @@ def _count(calls: int, numel: int, nbytes: int) -> dict:
     return {"calls": calls, "numel": numel, "bytes": nbytes}
 
 
-def expected_cp(comm_type: str, *, b: int, kv: int, s: int, d: int, cp: int, e: int, g: int, layers: int, m: int,
-                refwd: bool, forward_only: bool = False) -> dict:
+def expected_cp(
+    comm_type: str,
+    *,
+    b: int,
+    kv: int,
+    s: int,
+    d: int,
+    cp: int,
+    e: int,
+    g: int,
+    layers: int,
+    m: int,
+    refwd: bool,
+    forward_only: bool = False,
+) -> dict:
     """The docs' formula: ``"cp/op/tag"`` -> calls, numel, bytes of one step (or one evaluation)."""
     E, C = 2 * b * kv * (s // cp) * d, cp
     fwd, bwd = "cp/{}/cp_attention_forward", "cp/{}/cp_attention_backward"
@@ -97,8 +129,16 @@ def test_cp_bytes_of_one_step_and_one_evaluation(variant):
     cfg = _config(variant)
     m, p = cfg.model, cfg.parallel
     kv = m.num_query_groups or m.num_attention_heads
-    shape = dict(b=cfg.train.micro_batch_size, kv=kv, s=m.seq_length, d=m.hidden_size // m.num_attention_heads,
-                 cp=p.cp, e=8, g=8, layers=m.num_layers)  # float64: activations and accumulation 8 bytes
+    shape = dict(
+        b=cfg.train.micro_batch_size,
+        kv=kv,
+        s=m.seq_length,
+        d=m.hidden_size // m.num_attention_heads,
+        cp=p.cp,
+        e=8,
+        g=8,
+        layers=m.num_layers,
+    )  # float64: activations and accumulation 8 bytes
     refwd = VARIANTS[variant][2]
     for rank, res in enumerate(results()):
         got = res[variant]
@@ -106,8 +146,10 @@ def test_cp_bytes_of_one_step_and_one_evaluation(variant):
         cp_step = {k: v for k, v in got["step"].items() if k.startswith("cp/")}
         assert cp_step == expected_cp(p.cp_comm_type, **shape, m=got["m"], refwd=refwd), (rank, cp_step)
         cp_eval = {k: v for k, v in got["eval"].items() if k.startswith("cp/")}
-        assert cp_eval == expected_cp(p.cp_comm_type, **shape, m=got["eval_m"], refwd=refwd,
-                                       forward_only=True), (rank, cp_eval)
+        assert cp_eval == expected_cp(p.cp_comm_type, **shape, m=got["eval_m"], refwd=refwd, forward_only=True), (
+            rank,
+            cp_eval,
+        )
         # the gradients: one all-reduce of the whole buffer over the 4 dp x cp ranks, on the dp axis
         grads = got["step"]["dp/all_reduce/grads"]
         assert grads["numel"] == got["grad_numel"] and grads["bytes"] == 8 * got["grad_numel"]

@@ -43,15 +43,14 @@ def _check_bf16(results: list[dict], ref: dict, name: str) -> None:
     """bf16 activations round differently when the sequence is split: losses and norms agree to
     bf16 precision; cp replicas stay bitwise equal."""
     for res in results:
-        torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]),
-                                   rtol=1e-2, atol=0)
-        torch.testing.assert_close(torch.tensor(res[name]["norms"]), torch.tensor(ref["norms"]),
-                                   rtol=5e-2, atol=0)
+        torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), rtol=1e-2, atol=0)
+        torch.testing.assert_close(torch.tensor(res[name]["norms"]), torch.tensor(ref["norms"]), rtol=5e-2, atol=0)
     full_parameters(results, name)
 
 
-@pytest.mark.parametrize("world, layout", CASES, ids=lambda x: "tp{}cp{}pp{}dp{}".format(*x) if isinstance(x, tuple)
-                         else f"world{x}")
+@pytest.mark.parametrize(
+    "world, layout", CASES, ids=lambda x: "tp{}cp{}pp{}dp{}".format(*x) if isinstance(x, tuple) else f"world{x}"
+)
 def test_context_parallel_trains_like_one_process(world, layout):
     results = [rank_results[layout] for rank_results in world_results(world)]
     assert sorted({res["gpt_p2p"]["cp_rank"] for res in results}) == list(range(layout[1]))

@@ -8,13 +8,12 @@ import functools
 import pytest
 import torch
 
-from ptdp.engine.data_parallel.compression import start_reduction
-from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
-from ptdp.engine.step import FP16_OVERFLOW, build_stage, train_step
-
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.layout_cases import rank_microbatches, tiny_config
+from ptdp.engine.data_parallel.compression import start_reduction
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.step import FP16_OVERFLOW, build_stage, train_step
+from ptdp.spec.layout import ParallelLayout
 
 
 def compression_worker(rank: int, world: int) -> dict:
@@ -146,15 +145,26 @@ def loss_scaling_worker(rank: int, world: int, tp: int, pp: int, dp: int, parall
     good = train_step(stage, rank_microbatches(1, cfg, groups.dp.rank, groups.dp.size), 1)
     stage.wait_for_params()
     changed = any(not torch.equal(before[n], p) for n, p in stage.model.named_parameters())
-    return {"skipped": result.skipped, "reason": result.skip_reason, "used": result.loss_scale,
-            "unchanged": unchanged, "scales": (scale_before, scale_after), "good_skipped": good.skipped,
-            "good_used": good.loss_scale, "changed_after_good": changed}
+    return {
+        "skipped": result.skipped,
+        "reason": result.skip_reason,
+        "used": result.loss_scale,
+        "unchanged": unchanged,
+        "scales": (scale_before, scale_after),
+        "good_skipped": good.skipped,
+        "good_used": good.loss_scale,
+        "changed_after_good": changed,
+    }
 
 
-@pytest.mark.parametrize("tp, pp, dp, parallel", [
-    (2, 1, 2, {}),
-    pytest.param(2, 2, 2, {"use_distributed_optimizer": True}, marks=pytest.mark.slow),
-], ids=["tp2_dp2", "tp2_pp2_dp2_distributed_optimizer"])
+@pytest.mark.parametrize(
+    "tp, pp, dp, parallel",
+    [
+        (2, 1, 2, {}),
+        pytest.param(2, 2, 2, {"use_distributed_optimizer": True}, marks=pytest.mark.slow),
+    ],
+    ids=["tp2_dp2", "tp2_pp2_dp2_distributed_optimizer"],
+)
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tp, pp, dp, parallel):
     """An inf in one rank's gradient (rank 3: a first stage's tp rank 1, never the rank that counts
     a replicated parameter in the norm) skips the step on every rank as float16's overflow, with no
@@ -171,10 +181,12 @@ def unused_param_worker(rank: int, world: int) -> dict:
     """A stage whose model has a parameter that gets no gradient; small buckets; overlap on."""
     from ptdp.engine.tensor_parallel.sharding import ParamSpec, make_parameter
 
-    groups = ParallelGroups.build(ParallelLayout(tp=1, pp=1, dp=world), PG_TIMEOUT) if world > 1 \
+    groups = (
+        ParallelGroups.build(ParallelLayout(tp=1, pp=1, dp=world), PG_TIMEOUT)
+        if world > 1
         else ParallelGroups.single_process()
-    cfg = tiny_config(1, 1, world, "float64", parallel_overrides={"ddp_bucket_size": 300,
-                                                                   "overlap_grad_reduce": True})
+    )
+    cfg = tiny_config(1, 1, world, "float64", parallel_overrides={"ddp_bucket_size": 300, "overlap_grad_reduce": True})
     import ptdp.engine.step as step_module
 
     original = step_module.GPTModel
@@ -190,8 +202,11 @@ def unused_param_worker(rank: int, world: int) -> dict:
     finally:
         step_module.GPTModel = original
     losses = [train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i).loss for i in range(2)]
-    return {"losses": losses, "unused": stage.model.unused.detach().clone(),
-            "params": {n: p.detach().clone() for n, p in stage.model.named_parameters()}}
+    return {
+        "losses": losses,
+        "unused": stage.model.unused.detach().clone(),
+        "params": {n: p.detach().clone() for n, p in stage.model.named_parameters()},
+    }
 
 
 def test_unused_parameter_neither_hangs_nor_corrupts():
@@ -208,8 +223,13 @@ def compression_warmup_worker(rank: int, world: int) -> dict:
     groups = ParallelGroups.build(ParallelLayout(tp=1, pp=1, dp=world), PG_TIMEOUT)
     out = {}
     for codec, warmup in (("none", None), ("1bit", 2)):
-        cfg = tiny_config(1, 1, world, "float64", parallel_overrides={
-            "grad_compression": codec, "grad_compression_warmup_iters": warmup})
+        cfg = tiny_config(
+            1,
+            1,
+            world,
+            "float64",
+            parallel_overrides={"grad_compression": codec, "grad_compression_warmup_iters": warmup},
+        )
         torch.manual_seed(0)
         stage = build_stage(cfg, groups)
         params = []
@@ -245,13 +265,23 @@ def deferred_gather_worker(rank: int, world: int) -> dict:
 
     out = {}
     for overlap in (False, True):
-        cfg = tiny_config(1, 2, 2, "float64", parallel_overrides={
-            "use_distributed_optimizer": True, "overlap_param_gather": overlap, "ddp_bucket_size": 1500})
+        cfg = tiny_config(
+            1,
+            2,
+            2,
+            "float64",
+            parallel_overrides={
+                "use_distributed_optimizer": True,
+                "overlap_param_gather": overlap,
+                "ddp_bucket_size": 1500,
+            },
+        )
         zero.all_gather_async = Deferred if overlap else real
         try:
             stage = build_stage(cfg, groups)
-            losses = [train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i).loss
-                      for i in range(3)]
+            losses = [
+                train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i).loss for i in range(3)
+            ]
             stage.wait_for_params()
         finally:
             zero.all_gather_async = real
@@ -270,8 +300,17 @@ def fp16_one_bit_worker(rank: int, world: int) -> dict:
     """float16 + 1-bit: an inf on one rank at step 0 is skipped and does not poison the residual."""
     groups = ParallelGroups.build(ParallelLayout(tp=1, pp=1, dp=2), PG_TIMEOUT)
     # the inf is put into the buffer after backward, so the reduction must not have started in it
-    cfg = tiny_config(1, 1, 2, "float16", parallel_overrides={"grad_compression": "1bit", "overlap_grad_reduce": False,
-                                                               "grad_compression_warmup_iters": 0})
+    cfg = tiny_config(
+        1,
+        1,
+        2,
+        "float16",
+        parallel_overrides={
+            "grad_compression": "1bit",
+            "overlap_grad_reduce": False,
+            "grad_compression_warmup_iters": 0,
+        },
+    )
     stage = build_stage(cfg, groups)
     import ptdp.engine.step as step_module
 
@@ -288,8 +327,11 @@ def fp16_one_bit_worker(rank: int, world: int) -> dict:
     finally:
         step_module.finalize_grads = original
     later = [train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i) for i in range(1, 4)]
-    return {"first": first.skipped, "later": [r.skipped for r in later],
-            "residual_finite": bool(torch.isfinite(stage.grads.residual).all())}
+    return {
+        "first": first.skipped,
+        "later": [r.skipped for r in later],
+        "residual_finite": bool(torch.isfinite(stage.grads.residual).all()),
+    }
 
 
 def test_fp16_overflow_with_one_bit_does_not_poison_the_error_feedback():
@@ -299,15 +341,18 @@ def test_fp16_overflow_with_one_bit_does_not_poison_the_error_feedback():
 
 def one_bit_tp_worker(rank: int, world: int) -> dict:
     groups = ParallelGroups.build(ParallelLayout(tp=2, pp=1, dp=2), PG_TIMEOUT)
-    cfg = tiny_config(2, 1, 2, "float32", parallel_overrides={"grad_compression": "1bit",
-                                                               "grad_compression_warmup_iters": 0})
+    cfg = tiny_config(
+        2, 1, 2, "float32", parallel_overrides={"grad_compression": "1bit", "grad_compression_warmup_iters": 0}
+    )
     stage = build_stage(cfg, groups)
     for i in range(3):
         train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i)
     from ptdp.engine.tensor_parallel.sharding import spec_of
 
-    return {"tp": groups.tp.rank, "replicated": {n: p.detach().clone() for n, p in stage.model.named_parameters()
-                                                 if spec_of(p).tp_dim is None}}
+    return {
+        "tp": groups.tp.rank,
+        "replicated": {n: p.detach().clone() for n, p in stage.model.named_parameters() if spec_of(p).tp_dim is None},
+    }
 
 
 def test_one_bit_keeps_tensor_parallel_replicas_identical():

@@ -11,15 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from helpers.dropout_cases import RECOMPUTE, assert_bitwise, config, train
+from helpers.layout_cases import STEPS, TOL, full_parameters
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.step import build_stage
 from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
 from ptdp.spec import Config
-from ptdp.engine.groups import ParallelGroups
 from ptdp.spec.layout import ParallelLayout
-from ptdp.engine.step import build_stage
-
-from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
-from helpers.layout_cases import STEPS, TOL, full_parameters
-from helpers.dropout_cases import RECOMPUTE, assert_bitwise, config, train
 
 
 def by_stream(masks: list[tuple[str, torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
@@ -32,16 +31,20 @@ def by_stream(masks: list[tuple[str, torch.Tensor]]) -> dict[str, list[torch.Ten
 @functools.cache
 def single_process_runs() -> dict:
     groups = ParallelGroups.single_process()
-    return {"plain": train(config(1, 1, 1), groups, record=True),
-            "interleaved": train(config(1, 1, 1, num_layers=8), groups, record=True)}
+    return {
+        "plain": train(config(1, 1, 1), groups, record=True),
+        "interleaved": train(config(1, 1, 1, num_layers=8), groups, record=True),
+    }
 
 
 def _worker(rank: int, world: int, folder: str) -> dict:
     out = {}
     # (2, 2, 1): the same masks and training as one process (also 2 chunks per rank)
     groups = ParallelGroups.build(ParallelLayout(tp=2, pp=2, dp=1), PG_TIMEOUT)
-    for name, cfg in (("plain", config(2, 2, 1)),
-                      ("interleaved", config(2, 2, 1, num_layers=8, parallel={"num_layers_per_virtual_pipeline_stage": 2}))):
+    for name, cfg in (
+        ("plain", config(2, 2, 1)),
+        ("interleaved", config(2, 2, 1, num_layers=8, parallel={"num_layers_per_virtual_pipeline_stage": 2})),
+    ):
         out[("221", name)] = _portable(train(cfg, groups, record=True))
     # (2, 1, 2): mask properties, reproducibility, recompute, checkpoint resume
     groups = ParallelGroups.build(ParallelLayout(tp=2, pp=1, dp=2), PG_TIMEOUT)
@@ -67,9 +70,14 @@ def _resume(cfg: Config, groups: ParallelGroups, folder: Path) -> dict:
     load_checkpoint(resumed, folder)
     load_checkpoint(reseeded, folder, load_rng=False)
     assert reseeded.dropout_rng.reseed_iteration == 2
-    return {name: _portable(run) for name, run in (("uninterrupted", uninterrupted),
-                                                    ("resumed", train(cfg, groups, steps=[2], stage=resumed)),
-                                                    ("reseeded", train(cfg, groups, steps=[2], stage=reseeded)))}
+    return {
+        name: _portable(run)
+        for name, run in (
+            ("uninterrupted", uninterrupted),
+            ("resumed", train(cfg, groups, steps=[2], stage=resumed)),
+            ("reseeded", train(cfg, groups, steps=[2], stage=reseeded)),
+        )
+    }
 
 
 def _portable(run: dict) -> dict:
@@ -107,8 +115,10 @@ def test_tp2_dp2_mask_properties(parallel):
 
 def test_tp2_dp2_sequence_parallel_masks_differ_over_tp(parallel):
     """Hidden states [s/2, b, h] per rank: every rank masks its part from its own stream."""
-    runs = {r[("212", "sp")]["coords"][:2]: [(n, m) for n, m in r[("212", "sp")]["masks"] if "/head" not in n]
-            for r in parallel}
+    runs = {
+        r[("212", "sp")]["coords"][:2]: [(n, m) for n, m in r[("212", "sp")]["masks"] if "/head" not in n]
+        for r in parallel
+    }
     for (tp, _dp), masks in runs.items():
         assert masks and all(n.endswith(f"/tp{tp}") and m.shape == (4, 2, 32) for n, m in masks)
     for i in range(len(runs[(0, 0)])):

@@ -10,12 +10,11 @@ import functools
 import pytest
 import torch
 
-from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
-
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.embedding_cases import LOOKUP_PADDED, embedding_gradients, lookup_reference, lookup_run
 from helpers.layout_cases import tiny_config
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
 
 GPT_CASES = {  # name: (tiny_config keyword arguments, token ids modulo)
     "tied": ({}, None),
@@ -30,8 +29,12 @@ def worker(rank: int, world: int, tp: int, dp: int) -> dict:
     groups = ParallelGroups.build(ParallelLayout(tp=tp, dp=dp), PG_TIMEOUT)
     out = {}
     if tp == 2:
-        for name, dtype, main_grad in (("bf16", torch.bfloat16, True), ("bf16_autograd", torch.bfloat16, False),
-                                       ("f64", torch.float64, True), ("f64_autograd", torch.float64, False)):
+        for name, dtype, main_grad in (
+            ("bf16", torch.bfloat16, True),
+            ("bf16_autograd", torch.bfloat16, False),
+            ("f64", torch.float64, True),
+            ("f64_autograd", torch.float64, False),
+        ):
             out[name] = lookup_run(groups.tp, dtype, main_grad=main_grad)
         cases = GPT_CASES
     else:
@@ -53,8 +56,11 @@ def test_vocab_parallel_lookup_adds_its_rows_into_main_grad():
     .grad stays None and the post-accumulate hook runs once per backward; float64 without main_grad
     is autograd's gradient."""
     res = results(2, 1)
-    for key, ref in (("f64", lookup_reference()), ("f64_autograd", lookup_reference()),
-                     ("bf16", lookup_reference(torch.bfloat16))):
+    for key, ref in (
+        ("f64", lookup_reference()),
+        ("f64_autograd", lookup_reference()),
+        ("bf16", lookup_reference(torch.bfloat16)),
+    ):
         grads = torch.cat([r[key]["grad"] for r in res])
         tol = dict(rtol=1e-6, atol=1e-6) if key == "bf16" else dict(rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(grads, 2 * ref, **tol, msg=lambda m: f"{key}: {m}")

@@ -6,11 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ptdp.run.checkpoint.hf import export_hf, import_hf
-
 from helpers.dist_helpers import run_in_pool
 from helpers.hf_helpers import tp2_pp2_logits_worker
-
+from ptdp.run.checkpoint.hf import export_hf, import_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -18,9 +16,17 @@ transformers = pytest.importorskip("transformers")
 SEQ, HIDDEN, VOCAB = 16, 32, 303  # vocabulary not divisible by tp = 2
 
 
-def random_gpt2(path) -> "transformers.GPT2LMHeadModel":
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=4, n_head=4,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+def random_gpt2(path) -> transformers.GPT2LMHeadModel:
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=HIDDEN,
+        n_layer=4,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():  # non-trivial biases and LayerNorms too
@@ -40,8 +46,9 @@ def test_gpt2_import_logits_and_export_round_trip(tmp_path):
     import_hf(hf_dir, ckpt)
     import json
 
-    results = run_in_pool(tp2_pp2_logits_worker, 4, str(ckpt), json.loads((hf_dir / "config.json").read_text()),
-                          tokens(), VOCAB)
+    results = run_in_pool(
+        tp2_pp2_logits_worker, 4, str(ckpt), json.loads((hf_dir / "config.json").read_text()), tokens(), VOCAB
+    )
     with torch.no_grad():
         expected = reference(tokens()).logits
     for logits in results[2:]:

@@ -9,21 +9,24 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
-
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.host_sync import label_check_on_device
 from helpers.sync_cases import ITERS, counted_run, logged
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
 
 VARIANTS = {
     "float64": ("float64", {}),
-    "bf16_distributed_optimizer": ("bfloat16", {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
-                                                "overlap_param_gather": True}),
+    "bf16_distributed_optimizer": (
+        "bfloat16",
+        {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True},
+    ),
     "1bit": ("float64", {"grad_compression": "1bit", "grad_compression_warmup_iters": 0}),
     # the loss scale as a device tensor in the loss, the unscale and the 1-bit codec's residual
-    "float16_1bit": ("float16", {"grad_compression": "1bit", "grad_compression_warmup_iters": 0,
-                                 "overlap_grad_reduce": True}),
+    "float16_1bit": (
+        "float16",
+        {"grad_compression": "1bit", "grad_compression_warmup_iters": 0, "overlap_grad_reduce": True},
+    ),
 }
 
 

@@ -12,7 +12,22 @@ import pytest
 import torch
 
 from helpers.layout_cases import (
-    DP_LAYOUTS, DP_VARIANTS, EXTRA_VARIANTS, EXTRA_VARIANT_LAYOUTS, LAYOUTS, PAD_RANK_VARIANTS, SCHEDULE_LAYOUTS, SCHEDULE_VARIANTS, SP_LAYOUTS, TOL, full_parameters, llama_variant, parallel_run, real_rows, reference, sp_variants,
+    DP_LAYOUTS,
+    DP_VARIANTS,
+    EXTRA_VARIANT_LAYOUTS,
+    EXTRA_VARIANTS,
+    LAYOUTS,
+    PAD_RANK_VARIANTS,
+    SCHEDULE_LAYOUTS,
+    SCHEDULE_VARIANTS,
+    SP_LAYOUTS,
+    TOL,
+    full_parameters,
+    llama_variant,
+    parallel_run,
+    real_rows,
+    reference,
+    sp_variants,
 )
 
 
@@ -76,8 +91,9 @@ def test_distributed_optimizer_bf16_tracks_single_process(layout):
     ref = reference("dp_distopt_bf16")
     results = parallel_run(*layout)
     for res in results:
-        torch.testing.assert_close(torch.tensor(res["dp_distopt_bf16"]["losses"]), torch.tensor(ref["losses"]),
-                                   rtol=1e-2, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(res["dp_distopt_bf16"]["losses"]), torch.tensor(ref["losses"]), rtol=1e-2, atol=0
+        )
     full_parameters(results, "dp_distopt_bf16")  # replicas and tied copies bitwise equal
 
 
@@ -103,8 +119,12 @@ def test_sequence_parallel_matches_single_process(layout):
 
 def test_interleaved_ranks_hold_their_chunks():
     results = parallel_run(1, 2, 1)
-    layers = {res["interleaved"]["coords"][2]: sorted({int(n.split(".")[1]) for n in res["interleaved"]["params"]
-                                                       if n.startswith("layers.")}) for res in results}
+    layers = {
+        res["interleaved"]["coords"][2]: sorted(
+            {int(n.split(".")[1]) for n in res["interleaved"]["params"] if n.startswith("layers.")}
+        )
+        for res in results
+    }
     assert layers == {0: [0, 1, 4, 5], 1: [2, 3, 6, 7]}
 
 
@@ -113,8 +133,12 @@ def test_bfloat16_layouts_track_single_process(layout):
     """bf16 activations round differently per layout; losses and norms agree to bf16 precision."""
     ref = reference("bfloat16")
     for res in parallel_run(*layout):
-        torch.testing.assert_close(torch.tensor(res["bfloat16"]["losses"]), torch.tensor(ref["losses"]), rtol=1e-2, atol=0)
-        torch.testing.assert_close(torch.tensor(res["bfloat16"]["norms"]), torch.tensor(ref["norms"]), rtol=5e-2, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(res["bfloat16"]["losses"]), torch.tensor(ref["losses"]), rtol=1e-2, atol=0
+        )
+        torch.testing.assert_close(
+            torch.tensor(res["bfloat16"]["norms"]), torch.tensor(ref["norms"]), rtol=5e-2, atol=0
+        )
     full_parameters(parallel_run(*layout), "bfloat16")  # replicas and tied copies stay bitwise equal
 
 

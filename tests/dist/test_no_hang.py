@@ -9,11 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.dist_helpers import run_workers
 from ptdp.engine import activity
 from ptdp.engine.comm import P2P, AxisGroup, CommStats, all_reduce, post
-
-from helpers.dist_helpers import run_workers
-
 
 TIMEOUT_S = 3.0
 
@@ -53,9 +51,13 @@ def test_a_timed_out_collective_names_rank_phase_iteration_and_the_stalled_rank(
     assert results[2] == ("silent",)
     kind, message, rank, phase, iteration = results[0]
     assert (kind, rank, phase, iteration) == ("CollectiveTimeout", 0, activity.PIPELINE, 4)
-    assert message.startswith("rank 0 timed out after 0.05 min in pipeline send/recv at iteration 4: "
-                              "pp recv from rank 2 did not complete (rank 2 reported no timeout of its own"), message
+    assert message.startswith(
+        "rank 0 timed out after 0.05 min in pipeline send/recv at iteration 4: "
+        "pp recv from rank 2 did not complete (rank 2 reported no timeout of its own"
+    ), message
     kind, message, rank, phase, iteration = results[1]
     assert (kind, rank, phase, iteration) == ("CollectiveTimeout", 1, activity.GRAD_SYNC, 4)
-    assert message.startswith("rank 1 timed out after 0.05 min in gradient sync at iteration 4: "
-                              "dp all_reduce over ranks 1, 2 did not complete (rank 2 reported"), message
+    assert message.startswith(
+        "rank 1 timed out after 0.05 min in gradient sync at iteration 4: "
+        "dp all_reduce over ranks 1, 2 did not complete (rank 2 reported"
+    ), message

@@ -4,18 +4,15 @@ training state; too many in a row stop training; a non-finite state is never che
 from __future__ import annotations
 
 import pytest
-
 import torch
-
-from ptdp.engine.faults import NAN_LOSS_ENV, FaultPlan
-from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
-from ptdp.engine.model.chunks import global_named_parameters
-from ptdp.engine.step import NONFINITE_LOSS, build_stage, train_step
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.layout_cases import rank_microbatches, tiny_config
-
+from ptdp.engine.faults import NAN_LOSS_ENV, FaultPlan
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.model.chunks import global_named_parameters
+from ptdp.engine.step import NONFINITE_LOSS, build_stage, train_step
+from ptdp.spec.layout import ParallelLayout
 
 #: variant -> (dtype, parallel overrides, the global rank whose forward is poisoned at iteration 2)
 VARIANTS = {

@@ -8,13 +8,12 @@ import json
 
 import pytest
 
+from helpers.dist_helpers import run_in_pool
+from helpers.layout_cases import PG_TIMEOUT, rank_microbatches, tiny_config
 from ptdp.cli import main as ptdp_main
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
 from ptdp.spec.layout import ParallelLayout
-
-from helpers.dist_helpers import run_in_pool
-from helpers.layout_cases import PG_TIMEOUT, rank_microbatches, tiny_config
 
 CASES = [("1f1b", 4, 1), ("gpipe", 4, 1), ("interleaved-1f1b", 4, 2), ("interleaved-1f1b", 2, 2)]
 
@@ -24,8 +23,9 @@ def posted_groups(rank: int, world: int, kind: str, v: int) -> list:
     parallel = {"pipeline_schedule": kind}
     if v > 1:
         parallel["num_layers_per_virtual_pipeline_stage"] = 8 // (world * v)
-    cfg = tiny_config(1, world, 1, "float64", train_overrides={"micro_batch_size": 1},
-                      parallel_overrides=parallel, num_layers=8)
+    cfg = tiny_config(
+        1, world, 1, "float64", train_overrides={"micro_batch_size": 1}, parallel_overrides=parallel, num_layers=8
+    )
     groups = ParallelGroups.build(ParallelLayout(tp=1, pp=world, dp=1), PG_TIMEOUT)
     stage = build_stage(cfg, groups)
     groups.stats.p2p_log = []
@@ -34,8 +34,23 @@ def posted_groups(rank: int, world: int, kind: str, v: int) -> list:
 
 
 def schedule_json(capsys, kind: str, p: int, m: int, v: int) -> dict:
-    assert ptdp_main(["schedule", "--pipeline-schedule", kind, "--pp", str(p), "--num-microbatches", str(m),
-                      "--virtual-pipeline-stages", str(v), "--json"]) == 0
+    assert (
+        ptdp_main(
+            [
+                "schedule",
+                "--pipeline-schedule",
+                kind,
+                "--pp",
+                str(p),
+                "--num-microbatches",
+                str(m),
+                "--virtual-pipeline-stages",
+                str(v),
+                "--json",
+            ]
+        )
+        == 0
+    )
     return json.loads(capsys.readouterr().out)
 
 

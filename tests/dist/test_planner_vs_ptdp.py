@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from helpers.layout_cases import EXTRA_VARIANT_LAYOUTS, LAYOUTS, llama_variant, parallel_run, variant_config
 from ptdp.planner.profile import load_profile
 from ptdp.run.planner_report import compare, format_comparison
-
-from helpers.layout_cases import EXTRA_VARIANT_LAYOUTS, LAYOUTS, llama_variant, parallel_run, variant_config
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "tp{}pp{}dp{}".format(*l))
@@ -79,10 +78,21 @@ def test_calibration_run_writes_a_usable_profile(tmp_path):
     from ptdp.commands.calibrate import run_calibration
 
     out = tmp_path / "profile.json"
-    args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=None,
-                              vocab_size=512, seq_length=16, micro_batch_size=2, global_batch_size=4,
-                              tensor_model_parallel_size=2, pipeline_model_parallel_size=2, nproc_per_node=4,
-                              precision="fp32", hardware_profile=str(out))
+    args = argparse.Namespace(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=None,
+        vocab_size=512,
+        seq_length=16,
+        micro_batch_size=2,
+        global_batch_size=4,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        nproc_per_node=4,
+        precision="fp32",
+        hardware_profile=str(out),
+    )
     assert run_calibration(args) == 0
     gpu, constants = load_profile(out)
     import json

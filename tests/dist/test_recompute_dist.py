@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
-
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.recompute_cases import CASES, assert_bitwise, run_cases
+from ptdp.engine.groups import ParallelGroups
+from ptdp.spec.layout import ParallelLayout
 
 
 def recompute_worker(rank: int, world: int, tp: int, pp: int, dp: int) -> dict:
@@ -34,7 +33,11 @@ def test_recompute_repeats_forward_all_reduces(results_222):
     backward all-reduces and everything else stay as without recompute. Selective: nothing."""
     m, layers = 2, 2  # microbatches per step; layers per stage at pp = 2
     extra = {  # (attn_proj, mlp_fc2) extra all-reduces per microbatch on one stage
-        "full_uniform_1": (2, 0), "full_uniform_2": (2, 1), "full_block_1": (1, 0), "selective": (0, 0)}
+        "full_uniform_1": (2, 0),
+        "full_uniform_2": (2, 1),
+        "full_block_1": (1, 0),
+        "selective": (0, 0),
+    }
     for rank_results in results_222:
         base = rank_results[("float64", None)]["comm"]
         assert base["tp/all_reduce/attn_proj"]["calls"] == layers * m

@@ -9,9 +9,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from helpers.tp_cases import (
+    CHUNKS,
+    PADDED,
+    S_SP,
+    VOCAB,
+    B,
+    H,
+    S,
+    ce_labels,
+    check_label_cases,
+    inputs,
+    label_cases,
+    linear_ce_reference,
+    padded_output_weight,
+    reference,
+)
 from ptdp.engine.comm import all_gather_along, reduce_scatter_along
 from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
 from ptdp.engine.tensor_parallel import (
     ColumnParallelLinear,
     ParamSpec,
@@ -25,14 +41,8 @@ from ptdp.engine.tensor_parallel import (
     unshard,
     vocab_parallel_cross_entropy,
 )
-
-from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from ptdp.engine.tensor_parallel.linear_cross_entropy import linear_cross_entropy
-
-from helpers.tp_cases import (
-    CHUNKS, PADDED, S, S_SP, VOCAB, B, H, ce_labels, check_label_cases, inputs, label_cases, linear_ce_reference,
-    padded_output_weight, reference,
-)
+from ptdp.spec.layout import ParallelLayout
 
 
 def tp_worker(rank: int, world: int) -> dict:
@@ -86,14 +96,20 @@ def linear_ce_worker(tp, d: dict) -> dict:
         for chunk in CHUNKS:
             tp.stats.reset()
             x = (seq_first(xs)[mine] if sp else xs).clone(memory_format=torch.contiguous_format).requires_grad_()
-            w = padded_output_weight(d)[start: start + per_rank].clone().requires_grad_()
+            w = padded_output_weight(d)[start : start + per_rank].clone().requires_grad_()
             labels = ce_labels(ids).t() if sp else ce_labels(ids)
-            loss = linear_cross_entropy(x, w, labels, vocab_start=start, vocab_size=VOCAB, axis=tp,
-                                        sequence_parallel=sp, chunk_tokens=chunk)
+            loss = linear_cross_entropy(
+                x, w, labels, vocab_start=start, vocab_size=VOCAB, axis=tp, sequence_parallel=sp, chunk_tokens=chunk
+            )
             loss.sum().backward()
             loss, x_grad = (loss.detach().t(), x.grad.transpose(0, 1)) if sp else (loss.detach(), x.grad)
-            out[sp, chunk] = {"loss": loss, "x_grad": x_grad, "w_grad": w.grad, "mine": mine,
-                              "comm": tp.stats.as_dict()}
+            out[sp, chunk] = {
+                "loss": loss,
+                "x_grad": x_grad,
+                "w_grad": w.grad,
+                "mine": mine,
+                "comm": tp.stats.as_dict(),
+            }
     return out
 
 
@@ -146,12 +162,19 @@ def sequence_parallel_worker(tp, d: dict, emb_weight: torch.Tensor, fc1, fc2) ->
     y = sp2(F.gelu(sp1(x)))
     y.backward(seq_first(d["ys_grad"])[mine])
     return {
-        "sp_embedding": seq_first(hidden.detach()), "sp_embedding_grad": emb.weight.grad, "sp_y": seq_first(y.detach()),
-        "sp_x_grad": seq_first(x.grad), "sp_w1_grad": sp1.weight.grad, "sp_b1_grad": sp1.bias.grad,
+        "sp_embedding": seq_first(hidden.detach()),
+        "sp_embedding_grad": emb.weight.grad,
+        "sp_y": seq_first(y.detach()),
+        "sp_x_grad": seq_first(x.grad),
+        "sp_w1_grad": sp1.weight.grad,
+        "sp_b1_grad": sp1.bias.grad,
         "sp_w2_grad": sp2.weight.grad,
-        "sp_b2_grad": sp2.bias.grad, "sp_comm": tp.stats.as_dict(), "sp_positions": mine,
+        "sp_b2_grad": sp2.bias.grad,
+        "sp_comm": tp.stats.as_dict(),
+        "sp_positions": mine,
         "sp_marked": [is_sequence_parallel(p) for p in (sp1.weight, sp1.bias, sp2.weight, sp2.bias)],
-        "g_out": seq_first(gathered.detach()), "g_grad": seq_first(part.grad),
+        "g_out": seq_first(gathered.detach()),
+        "g_grad": seq_first(part.grad),
         "gathered": [all_gather_along(d["cube"][..., :2] + tp.rank, tp, dim=dim) for dim in (0, 1, 2)],
         "scattered": [reduce_scatter_along(d["cube"] * (tp.rank + 1), tp, dim=dim) for dim in (0, 1, 2)],
     }
@@ -215,8 +238,9 @@ def test_sequence_parallel_layers_match_single_process(world):
     torch.testing.assert_close(emb_grad[:VOCAB], ref["sp_embedding_grad"], **tol)
     col, row = ParamSpec((4 * H, H), tp_dim=0), ParamSpec((H, 4 * H), tp_dim=1)
     torch.testing.assert_close(unshard([r["sp_w1_grad"] for r in results], col), ref["sp_w1_grad"], **tol)
-    torch.testing.assert_close(unshard([r["sp_b1_grad"] for r in results], ParamSpec((4 * H,), tp_dim=0)),
-                               ref["sp_b1_grad"], **tol)
+    torch.testing.assert_close(
+        unshard([r["sp_b1_grad"] for r in results], ParamSpec((4 * H,), tp_dim=0)), ref["sp_b1_grad"], **tol
+    )
     torch.testing.assert_close(unshard([r["sp_w2_grad"] for r in results], row), ref["sp_w2_grad"], **tol)
     torch.testing.assert_close(sum(r["sp_b2_grad"] for r in results), ref["sp_b2_grad"], **tol)
 
@@ -282,8 +306,13 @@ def test_chunked_linear_cross_entropy_matches_single_process(world, sp):
             assert all(torch.equal(p["x_grad"], x_grad) for p in parts)
         torch.testing.assert_close(torch.cat([p["w_grad"] for p in parts]), ref["w_grad"], **tol)
         ce = {f"tp/all_reduce/ce_{t}": {"calls": 1, "numel": bs, "bytes": 8 * bs} for t in ("max", "target", "sum_exp")}
-        entry = ({"tp/all_gather/output": {"calls": 1, "numel": bsh // world, "bytes": 8 * bsh // world},
-                  "tp/all_gather/output_regather": {"calls": 1, "numel": bsh // world, "bytes": 8 * bsh // world},
-                  "tp/reduce_scatter/output": {"calls": 1, "numel": bsh, "bytes": 8 * bsh}} if sp else
-                 {"tp/all_reduce/output": {"calls": 1, "numel": bsh, "bytes": 8 * bsh}})
+        entry = (
+            {
+                "tp/all_gather/output": {"calls": 1, "numel": bsh // world, "bytes": 8 * bsh // world},
+                "tp/all_gather/output_regather": {"calls": 1, "numel": bsh // world, "bytes": 8 * bsh // world},
+                "tp/reduce_scatter/output": {"calls": 1, "numel": bsh, "bytes": 8 * bsh},
+            }
+            if sp
+            else {"tp/all_reduce/output": {"calls": 1, "numel": bsh, "bytes": 8 * bsh}}
+        )
         assert all(p["comm"] == {**ce, **entry} for p in parts)

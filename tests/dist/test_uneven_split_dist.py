@@ -21,8 +21,12 @@ def _results() -> list[dict]:
 
 
 def _layers_by_stage(results: list[dict], variant: str) -> dict[int, list[int]]:
-    return {res[variant]["coords"][2]: sorted({int(n.split(".")[1]) for n in res[variant]["params"]
-                                               if n.startswith("layers.")}) for res in results}
+    return {
+        res[variant]["coords"][2]: sorted(
+            {int(n.split(".")[1]) for n in res[variant]["params"] if n.startswith("layers.")}
+        )
+        for res in results
+    }
 
 
 def test_first_last_counts_train_like_one_process():
@@ -30,10 +34,12 @@ def test_first_last_counts_train_like_one_process():
     for variant in ("first_last", "first_only", "accounted_interleaved", "accounted_embedding"):
         ref = reference(variant)
         for res in results:
-            torch.testing.assert_close(torch.tensor(res[variant]["losses"]), torch.tensor(ref["losses"]),
-                                       **TOL["float64"])
-            torch.testing.assert_close(torch.tensor(res[variant]["norms"]), torch.tensor(ref["norms"]),
-                                       **TOL["float64"])
+            torch.testing.assert_close(
+                torch.tensor(res[variant]["losses"]), torch.tensor(ref["losses"]), **TOL["float64"]
+            )
+            torch.testing.assert_close(
+                torch.tensor(res[variant]["norms"]), torch.tensor(ref["norms"]), **TOL["float64"]
+            )
         assert all(n > 0.05 for n in ref["norms"]), "clipping (clip_grad=0.05) must fire in this test"
         got = full_parameters(results, variant)
         want = {name: real_rows(t, spec) for name, (t, spec, _) in ref["params"].items()}
