@@ -33,6 +33,27 @@ def test_a_tracker_whose_package_is_missing_is_refused(monkeypatch, flag, field,
     check_trackers(with_train())  # nothing asked, nothing needed
 
 
+@pytest.mark.parametrize(
+    "flag, field, package, entry",
+    [
+        ("--tensorboard-dir", "tensorboard_dir", "tensorboard", "torch.utils.tensorboard"),
+        ("--wandb-project", "wandb_project", "wandb", "wandb"),
+    ],
+)
+def test_a_tracker_whose_package_is_installed_but_broken_is_refused(tmp_path, monkeypatch, flag, field, package, entry):
+    """A package that is found but fails to import (e.g. a protobuf it needs is missing) is named
+    with its error before any worker starts, not raised by rank 0's tracker after the launch."""
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("raise ImportError(\"No module named 'google.protobuf'\")\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in {package, entry}:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.raises(ConfigError) as err:
+        check_trackers(with_train(**{field: "x"}))
+    message = str(err.value)
+    assert flag in message and f"{entry!r} cannot be imported" in message and "google.protobuf" in message
+
+
 def test_wandb_name_or_folder_without_a_project_is_refused():
     with pytest.raises(ConfigError, match="--wandb-exp-name and --wandb-save-dir given without --wandb-project"):
         check_trackers(with_train(wandb_exp_name="a", wandb_save_dir="b"))

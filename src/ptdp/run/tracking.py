@@ -1,11 +1,12 @@
 """Experiment trackers: TensorBoard (``--tensorboard-dir``) and Weights & Biases (``--wandb-project``).
 
 Both are optional extras (``pip install "ptdp[tensorboard]"``, ``"ptdp[wandb]"``); asking for one
-that is not installed stops the run before any worker starts (:func:`check_trackers`, part of
-:func:`ptdp.run.preflight.check_request`). Global rank 0 writes them, from the same records as
-``metrics.jsonl`` (:class:`ptdp.run.metrics.RunLog`), so every tracked scalar is a number of a
-metrics line: nothing is read from the device for the trackers; rank 0 hands each line to them
-(TensorBoard's writer and W&B queue it and write it in the background).
+that is not installed or cannot be imported stops the run before any worker starts
+(:func:`check_trackers`, part of :func:`ptdp.run.preflight.check_request`). Global rank 0 writes
+them, from the same records as ``metrics.jsonl`` (:class:`ptdp.run.metrics.RunLog`), so every
+tracked scalar is a number of a metrics line: nothing is read from the device for the trackers;
+rank 0 hands each line to them (TensorBoard's writer and W&B queue it and write it in the
+background).
 
 Scalar names (:data:`SCALARS`): ``train/loss``, ``train/lr``, ``train/grad_norm``,
 ``train/loss_scale`` (float16), ``train/step_time_s``, ``val/loss``, ``throughput/tokens_per_s``,
@@ -43,10 +44,11 @@ SCALARS = {
     "peak_memory_bytes": "memory/peak_bytes",
 }
 
-#: tracker -> (the module it needs, the extra that installs it, the flag asking for it).
+#: tracker -> (the package it needs, the extra that installs it, the flag asking for it, the module
+#: rank 0 imports for it: :class:`Trackers`).
 EXTRAS = {
-    "tensorboard": ("tensorboard", "ptdp[tensorboard]", "--tensorboard-dir"),
-    "wandb": ("wandb", "ptdp[wandb]", "--wandb-project"),
+    "tensorboard": ("tensorboard", "ptdp[tensorboard]", "--tensorboard-dir", "torch.utils.tensorboard"),
+    "wandb": ("wandb", "ptdp[wandb]", "--wandb-project", "wandb"),
 }
 
 
@@ -63,8 +65,21 @@ def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def import_problem(module: str) -> str | None:
+    """Why ``module`` cannot be imported (its exception on one line), or None when it imports. A
+    package that is installed but broken (a dependency missing or too old) raises more than
+    ImportError at import time."""
+    try:
+        importlib.import_module(module)
+    except Exception as e:
+        first = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
+    return None
+
+
 def check_trackers(config: Config) -> None:
-    """Raise ConfigError for a tracker whose package is not installed, for ``--wandb-exp-name`` /
+    """Raise ConfigError for a tracker whose package is not installed or cannot be imported
+    (:func:`import_problem`: what rank 0 would import, imported here), for ``--wandb-exp-name`` /
     ``--wandb-save-dir`` without ``--wandb-project``, or for a ``--tensorboard-dir`` or
     ``--wandb-save-dir`` that cannot be written (:func:`ptdp.run.paths.folder_problem`); each
     message names the fix or the path and why."""
@@ -79,9 +94,12 @@ def check_trackers(config: Config) -> None:
     if stray and not t.wandb_project:
         raise ConfigError(f"{' and '.join(stray)} given without --wandb-project: name the W&B project too")
     for name in requested(config):
-        module, extra, flag = EXTRAS[name]
+        module, extra, flag, entry = EXTRAS[name]
         if not installed(module):
             raise ConfigError(f'{flag} needs the {module!r} package, which is not installed: pip install "{extra}"')
+        problem = import_problem(entry)
+        if problem:
+            raise ConfigError(f'{flag}: {entry!r} cannot be imported ({problem}); repair it: pip install "{extra}"')
     for flag, folder in (("--tensorboard-dir", t.tensorboard_dir), ("--wandb-save-dir", t.wandb_save_dir)):
         problem = folder_problem(folder) if folder else None
         if problem:
