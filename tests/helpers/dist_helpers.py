@@ -1,5 +1,6 @@
-"""Run a function in N gloo worker processes spawned from pytest, with a hard timeout: in new processes
-(:func:`run_workers`) or on the workers kept for the session (:func:`run_in_pool`)."""
+"""Run a function in N gloo worker processes started from pytest, with a hard timeout: in new processes
+(:func:`run_workers`) or on the workers kept for the session (:func:`run_in_pool`). Both fork their
+workers from one fork server that has imported torch and ptdp (:func:`worker_context`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,38 @@ from helpers import budget
 
 PG_TIMEOUT = datetime.timedelta(seconds=60)
 
+#: What the fork server imports once: every worker forked from it starts with them imported,
+#: instead of importing torch and ptdp again (about 2 s of CPU per worker on the 2-core VM), and
+#: what many jobs import later (torch._dynamo with torch.utils.checkpoint or --compile, 1.7 s;
+#: torch.distributed.checkpoint, 0.9 s).
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch.distributed.checkpoint",
+    "ptdp.engine.step",
+    "ptdp.run.checkpoint.io",
+    "ptdp.run.planner_report",
+]
+
+
+def worker_context():
+    """The ``forkserver`` multiprocessing context with :data:`PRELOAD`: each worker is a new
+    process forked from a server that has only imported those modules (it never runs a job, holds
+    no process group and starts no thread pool), so it starts as a spawned one would, without
+    paying for the imports; the server starts on first use and exits with pytest."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def start_fork_server() -> None:
+    """Start the fork server of :func:`worker_context` now and wait until it has imported
+    :data:`PRELOAD` (the first worker's start waits for that otherwise)."""
+    proc = worker_context().Process(target=int)  # int() returns at once
+    proc.start()
+    proc.join()
+
 
 def _entry(rank: int, fn: Callable, world_size: int, tmp: str, args: tuple) -> None:
     torch.set_num_threads(1)
@@ -37,24 +70,26 @@ def _entry(rank: int, fn: Callable, world_size: int, tmp: str, args: tuple) -> N
 
 
 def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float | None = None) -> list[Any]:
-    """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)`` on a gloo world.
+    """Start ``world_size`` new processes (forked from the fork server, :func:`worker_context`)
+    running ``fn(rank, world_size, *args)`` on a gloo world.
 
     Returns each rank's return value. Fails (and kills the workers) after ``timeout`` seconds
     (default: what is left of the test's budget, :mod:`budget`; always ending before the test's
     own timeout); a worker's exception is re-raised here.
     """
-    return spawn_and_collect(_entry, fn, world_size, args, budget.seconds(timeout), "workers")
+    worker_context()  # the fork server's preloads, before it starts
+    return spawn_and_collect(_entry, fn, world_size, args, budget.seconds(timeout), "workers", "forkserver")
 
 
 def spawn_and_collect(
-    entry: Callable, fn: Callable, world_size: int, args: tuple, timeout: float, what: str
+    entry: Callable, fn: Callable, world_size: int, args: tuple, timeout: float, what: str, start_method="spawn"
 ) -> list[Any]:
-    """Spawn ``entry(rank, fn, world_size, tmp, args)`` on ``world_size`` processes (each saves its
-    result to ``tmp/result_<rank>.pt``); their results, or TimeoutError naming ``what`` after
-    ``timeout`` seconds (the workers are killed either way)."""
+    """Start ``entry(rank, fn, world_size, tmp, args)`` on ``world_size`` new processes
+    (``start_method``; each saves its result to ``tmp/result_<rank>.pt``); their results, or
+    TimeoutError naming ``what`` after ``timeout`` seconds (the workers are killed either way)."""
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(
-            entry, args=(fn, world_size, tmp, args), nprocs=world_size, join=False, start_method="spawn"
+            entry, args=(fn, world_size, tmp, args), nprocs=world_size, join=False, start_method=start_method
         )
         deadline = time.monotonic() + timeout
         try:
@@ -71,8 +106,9 @@ def spawn_and_collect(
 
 # ---- workers kept for the session -----------------------------------------------------------------
 #
-# Starting a gloo world costs seconds per worker on a 2-core machine (a fresh interpreter importing
-# torch and ptdp, then the rendezvous), more than most multi-process tests take to train. Tests whose
+# Starting a gloo world costs time per worker on a 2-core machine (a new process, its rendezvous; with
+# a fresh interpreter also 2-4 s of importing torch and ptdp, which the fork server saves), more than
+# most multi-process tests take to train. Tests whose
 # jobs need no fresh processes share one world per size through :func:`run_in_pool`: its workers
 # join the gloo world once and then run one job after another, each job building the process groups
 # of its own layout (``ParallelGroups.build``), which are destroyed when it ends. A job that raises
@@ -114,7 +150,7 @@ class WorkerPool:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.tmp = tempfile.mkdtemp(prefix=f"ptdp-tests-world{world_size}-")
-        ctx = mp.get_context("spawn")
+        ctx = worker_context()
         self.conns, self.procs = [], []
         for rank in range(world_size):
             here, there = ctx.Pipe()
