@@ -14,6 +14,11 @@ the planner never imports torch:
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports each name on first use
+    from ptdp.api import PlanResult, load_config, plan, train
+    from ptdp.spec import Config, ConfigError
 
 __version__ = "0.2.0"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,38 @@ def test_example_runs_and_the_planner_imports_no_torch():
     assert "s per step" in out.stdout and "refused: invalid plan request" in out.stdout
     assert "config: tp 2 pp 2 dp 2, 4 microbatches per step" in out.stdout
     assert out.stdout.strip().endswith("torch imported: False")
+
+
+def test_type_checkers_see_the_api_s_types(tmp_path):
+    """``py.typed`` is only worth its annotations if a type checker reaches them: mypy reads
+    ``ptdp.plan``, ``ptdp.load_config``, ``ptdp.train`` and ``ptdp.ConfigError`` with their types, not
+    as ``Any`` from the package's lazy ``__getattr__``, and the runnable example type-checks."""
+    pytest.importorskip("mypy")
+    user = tmp_path / "user.py"
+    user.write_text(
+        "import ptdp\n"
+        "result = ptdp.plan('llama3-8b', gpus=8, global_batch_size=8)\n"
+        "reveal_type(result)\n"
+        "reveal_type(result.best)\n"
+        "reveal_type(ptdp.load_config(world_size=2))\n"
+        "reveal_type(ptdp.train)\n"
+        "reveal_type(ptdp.ConfigError)\n"
+    )
+    cmd = [sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache"), "--python-version", "3.10"]
+    out = subprocess.run(
+        [*cmd, str(user), str(ROOT / "examples" / "plan_from_python.py")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "MYPYPATH": str(ROOT / "src")},
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    for revealed in (
+        '"ptdp.api.PlanResult"',
+        '"ptdp.planner.plan.Plan | None"',
+        '"ptdp.spec.config.Config"',
+        '"def (config: ptdp.spec.config.Config, *, progress: bool =) -> dict[Any, Any]"',
+    ):
+        assert f"Revealed type is {revealed}" in out.stdout, out.stdout
+    assert '-> ptdp.spec.errors.ConfigError"' in out.stdout, out.stdout  # the class, not Any
