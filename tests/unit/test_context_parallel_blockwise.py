@@ -225,6 +225,35 @@ def test_cp_attention_on_one_rank_is_plain_causal_attention(heads, kv_heads, com
     )
 
 
+@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cp_attention_keeps_its_output_once_in_the_input_dtype(comm, dtype):
+    """What the attention core and the output projection keep for backward, as the model calls them
+    (q, k, v strided views of one ``[s, b, 3, a, d]`` QKV output; the output permuted to
+    ``[s, b, a d]`` for the projection): the QKV output, the attention output once, in the input's
+    dtype (the projection's input is a view of it, not a copy) and one log-sum-exp per row in the
+    compute dtype; not a float32 accumulator beside a 16-bit copy. Flash attention's accounting,
+    which the planner's activation memory uses."""
+    from ptdp.engine.activation_meter import SavedActivationMeter
+    from ptdp.engine.comm import AxisGroup
+    from ptdp.engine.context_parallel.attention import context_parallel_attention
+
+    s, b, a, d = 12, 2, 4, 8
+    qkv = torch.randn(s, b, 3, a, d, dtype=dtype, requires_grad=True)
+    weight = torch.randn(a * d, a * d, dtype=dtype, requires_grad=True)
+    meter = SavedActivationMeter({weight.untyped_storage().data_ptr()})
+    with meter.hooks():
+        q, k, v = (qkv * 1).permute(2, 1, 3, 0, 4).unbind(0)  # [b, a, s, d] views of the QKV output
+        out = context_parallel_attention(q, k, v, AxisGroup.single("cp"), comm, kernel="math")
+        y = out.permute(2, 0, 1, 3).flatten(2) @ weight.T  # [s, b, a d], as Attention.forward projects
+    e = torch.tensor([], dtype=dtype).element_size()
+    lse = b * a * s * 4  # float32 log-sum-exp per row and head
+    assert out.dtype == dtype
+    assert meter.live == 3 * s * b * a * d * e + s * b * a * d * e + lse, (meter.live, dtype)
+    y.sum().backward()
+    assert qkv.grad is not None and torch.isfinite(qkv.grad).all()
+
+
 def test_cp_attention_bad_input_is_named():
     from ptdp.engine.comm import AxisGroup
     from ptdp.engine.context_parallel.attention import context_parallel_attention

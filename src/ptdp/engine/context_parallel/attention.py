@@ -102,17 +102,18 @@ class AllGatherAttention(torch.autograd.Function):
             if part is None:  # every chunk sees at least its own (diagonal) key block
                 raise ValueError(f"query chunk {chunk} of cp={axis.size} has no key block")
             acc.out[:, :, rows], acc.lse[:, :, rows] = part
-        ctx.save_for_backward(q, k, v, acc.out, acc.lse, drop)
+        out = acc.out.to(q.dtype)  # the accumulator itself unless 16-bit (strides kept)
+        ctx.save_for_backward(q, k, v, out, acc.lse, drop)  # the output kept once, as returned
         ctx.axis, ctx.scale, ctx.kernel, ctx.dropout_p = axis, scale, kernel, dropout_p
-        return acc.out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, drop = ctx.saved_tensors
-        axis, c = ctx.axis, q.shape[2] // 2
+        axis, c, cd = ctx.axis, q.shape[2] // 2, compute_dtype(q.dtype)
         whole = _gather_kv(k, v, axis, BACKWARD)
-        dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
-        dwhole = torch.zeros(whole.shape, dtype=out.dtype, device=q.device)
+        dq = torch.zeros(q.shape, dtype=cd, device=q.device)
+        dwhole = torch.zeros(whole.shape, dtype=cd, device=q.device)
         for half, chunk in enumerate(chunk_ids(axis.rank, axis.size)):
             rows = slice(half * c, (half + 1) * c)
             for cols, causal in _key_blocks(chunk, c):

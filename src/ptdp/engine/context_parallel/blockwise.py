@@ -228,10 +228,14 @@ def block_attention(
 
 
 def empty_partial(q: torch.Tensor) -> Partial:
-    """Accumulators of no keys yet: output 0, log-sum-exp -inf, in the compute dtype."""
+    """Accumulators of no keys yet: output 0, log-sum-exp -inf, in the compute dtype. The output
+    ``[b, heads, n, d]`` is a permuted view of an ``[n, b, heads, d]`` tensor, the layout of the
+    sequence-first activations: the model's ``[n, b, heads d]`` view of the attention output (the
+    output projection's input) is then no copy."""
     cd = compute_dtype(q.dtype)
+    b, heads, n, d = q.shape
     return Partial(
-        torch.zeros(q.shape, dtype=cd, device=q.device),
+        torch.zeros((n, b, heads, d), dtype=cd, device=q.device).permute(1, 2, 0, 3),
         torch.full(q.shape[:3], float("-inf"), dtype=cd, device=q.device),
     )
 

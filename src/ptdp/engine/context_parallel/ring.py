@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ptdp.engine.comm import P2P, AxisGroup, post
-from ptdp.engine.context_parallel.blockwise import Partial, empty_partial, merge_into
+from ptdp.engine.context_parallel.blockwise import Partial, compute_dtype, empty_partial, merge_into
 from ptdp.engine.context_parallel.kernels import block_backward, block_forward
 
 #: gloo tags of the two kinds of message between ring neighbours (NCCL matches by order)
@@ -129,8 +129,8 @@ class RingAttention(torch.autograd.Function):
             merge_into(Partial(acc.out[:, :, rows], acc.lse[:, :, rows]), part)
             _wait(works)
             kv, spare = spare, kv
-        out = acc.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, acc.out, acc.lse, drop)
+        out = acc.out.to(q.dtype)  # the accumulator itself unless 16-bit (strides kept)
+        ctx.save_for_backward(q, k, v, out, acc.lse, drop)  # the output kept once, as returned
         ctx.axis, ctx.scale, ctx.kernel, ctx.dropout_p = axis, scale, kernel, dropout_p
         return out
 
@@ -138,7 +138,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, drop = ctx.saved_tensors
         axis, scale = ctx.axis, ctx.scale
-        size, rank, c, cd = axis.size, axis.rank, q.shape[2] // 2, out.dtype
+        size, rank, c, cd = axis.size, axis.rank, q.shape[2] // 2, compute_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=cd, device=q.device)
         kv = torch.stack([k, v])
         spare = torch.empty_like(kv)
