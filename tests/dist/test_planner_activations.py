@@ -8,7 +8,10 @@ saves, once, parameters excluded). Its peak is compared with
 for a small GPT (4 layers, h = 64, a = 4, s = 32, V = 500 padded to 512, b = 2) at
 (tp, pp, dp) = (1,1,1), (2,1,1), (1,1,2), (1,2,1), (2,2,1), (1,2,2) with 1F1B, GPipe and
 interleaved 1F1B (pp = 2, v = 2; and v = 3 with the embedding and the loss counted as layers, chunks of
-0 or 1 layer), and with sequence parallelism at (2,1,1) and (2,2,1), in float32
+0 or 1 layer), with sequence parallelism at (2,1,1) and (2,2,1), and with context parallelism
+(cp = 2 at (1,1,1) with p2p, at (1,2,1) with all_gather, at (2,1,1) with sequence parallelism:
+``rank_activation_bytes`` of a cp rank, the s/cp-token model, less its key/value exchange
+buffers, which autograd does not save), in float32
 and float64 (the planner has no fp64: twice its fp32 figure). Tolerance: 2% on every rank
 (observed: at most 0.9%).
 

@@ -11,7 +11,8 @@ from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
-from ptdp.planner.memory import stage_activation_bytes
+from ptdp.planner.context import kv_buffer_bytes
+from ptdp.planner.memory import rank_activation_bytes
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.plan import Layout
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve, stage_layer_counts
@@ -32,21 +33,40 @@ CASES = {
         (1, 2, 1, "interleaved-1f1b"),
         (2, 1, 1, "1f1b", True),
         (1, 2, 1, "interleaved-1f1b", False, True),
+        (1, 1, 1, "1f1b", False, False, 2),
     ],
-    4: [(2, 2, 1, "1f1b"), (2, 2, 1, "interleaved-1f1b"), (1, 2, 2, "gpipe"), (2, 2, 1, "1f1b", True)],
+    4: [
+        (2, 2, 1, "1f1b"),
+        (2, 2, 1, "interleaved-1f1b"),
+        (1, 2, 2, "gpipe"),
+        (2, 2, 1, "1f1b", True),
+        (1, 2, 1, "1f1b", False, False, 2, "all_gather"),
+        (2, 1, 1, "1f1b", True, False, 2),
+    ],
 }
 """A fifth entry True: with sequence parallelism; a sixth True: the embedding and the loss counted as
 layers (4 + 2 units over 2 ranks x 3 chunks of one: rank 0 holds the embedding, layers 1 and 3;
-rank 1 layers 0 and 2 and the loss)."""
+rank 1 layers 0 and 2 and the loss); a seventh: the context-parallel size (its ranks hold s/cp
+tokens of every activation), an eighth the key/value exchange (default p2p)."""
 
 
 def case_config(
-    tp: int, pp: int, dp: int, schedule: str, dtype: str, sequence_parallel: bool = False, accounted: bool = False
+    tp: int,
+    pp: int,
+    dp: int,
+    schedule: str,
+    dtype: str,
+    sequence_parallel: bool = False,
+    accounted: bool = False,
+    cp: int = 1,
+    cp_comm_type: str = "p2p",
 ) -> Config:
     parallel = ParallelConfig(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         data_parallel_size=dp,
+        context_parallel_size=cp,
+        cp_comm_type=cp_comm_type,
         pipeline_schedule=schedule,
         sequence_parallel=sequence_parallel,
         num_layers_per_virtual_pipeline_stage=1 if schedule == "interleaved-1f1b" else None,
@@ -56,7 +76,8 @@ def case_config(
     train = TrainConfig(
         micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICROBATCHES * dp, lr_warmup_iters=0
     )
-    return resolve(Config(model=ModelConfig(**MODEL, params_dtype=dtype), parallel=parallel, train=train), tp * pp * dp)
+    config = Config(model=ModelConfig(**MODEL, params_dtype=dtype), parallel=parallel, train=train)
+    return resolve(config, tp * pp * dp * cp)
 
 
 def measured_peak(cfg: Config, groups: ParallelGroups) -> int:
@@ -73,7 +94,9 @@ def measured_peak(cfg: Config, groups: ParallelGroups) -> int:
 
 
 def predicted_peak(cfg: Config, pp_rank: int) -> float:
-    """The planner's activation peak of ``pp_rank`` (fp32 figure, doubled for float64)."""
+    """The planner's activation peak of ``pp_rank`` (fp32 figure, doubled for float64): with
+    cp > 1 that of one cp rank (:func:`~ptdp.planner.memory.rank_activation_bytes`) without its
+    key/value exchange buffers, which autograd does not save."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     split = p.layer_split(m.num_layers)
     layout = Layout(
@@ -86,24 +109,27 @@ def predicted_peak(cfg: Config, pp_rank: int) -> float:
         precision="fp32",
         sequence_parallel=p.sequence_parallel,
         layer_split=split,
+        cp=p.cp,
+        cp_comm_type=p.cp_comm_type,
     )
     schedule = "gpipe" if p.schedule == "gpipe" else "1f1b"
     layers = stage_layer_counts(m.num_layers, p.pp, split)[pp_rank]
-    fp32 = stage_activation_bytes(
-        spec_from_model_config(m),
+    spec = spec_from_model_config(m)
+    fp32 = rank_activation_bytes(
+        spec,
         layout,
         pp_rank,
         layers,
         schedule=schedule,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-    )
+    ) - kv_buffer_bytes(spec, p.tp, p.cp, t.micro_batch_size, p.cp_comm_type, 4.0)
     return {"float32": 1, "float64": 2}[m.params_dtype] * fp32
 
 
 def _run_cases(groups_for, cases) -> list[dict]:
     out = []
     for tp, pp, dp, schedule, *sp in cases:
-        groups = groups_for(tp, pp, dp)
+        groups = groups_for(tp, pp, dp, sp[2] if len(sp) > 2 else 1)
         c = groups.coords
         for dtype in DTYPES:
             case = (tp, pp, dp, schedule, dtype, *sp)
@@ -118,14 +144,16 @@ def _run_cases(groups_for, cases) -> list[dict]:
 
 
 def _worker(rank: int, world: int, cases) -> list[dict]:
-    return _run_cases(lambda tp, pp, dp: ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp), PG_TIMEOUT), cases)
+    return _run_cases(
+        lambda tp, pp, dp, cp: ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp), PG_TIMEOUT), cases
+    )
 
 
 @functools.cache
 def measurements(world: int) -> list[dict]:
     """Every rank's records for the cases of this world size (world 1 runs in this process)."""
     if world == 1:
-        return _run_cases(lambda tp, pp, dp: ParallelGroups.single_process(), CASES[1])
+        return _run_cases(lambda tp, pp, dp, cp: ParallelGroups.single_process(), CASES[1])
     return [row for rows in run_in_pool(_worker, world, CASES[world]) for row in rows]
 
 
