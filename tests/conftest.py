@@ -14,6 +14,26 @@ torch.set_num_threads(1)
 #: the tiers whose tests start processes (worker worlds, launchers, subprocesses): run one after another
 PROCESS_TIERS = ("dist", "e2e", "gpu")
 
+#: Tests of the process tiers that run one process at a time beside pytest (a command without a
+#: launcher or whose launcher exits before any worker, one after another): they keep one core busy,
+#: not both, so they run in a scope of their own, on the other pytest worker beside the multi-process
+#: tests (path prefixes of their node ids). Every user of a session fixture they share is here too
+#: (``uninterrupted``: run once per pytest worker that needs it).
+ONE_PROCESS = (
+    "tests/e2e/test_api_e2e.py::",
+    "tests/e2e/test_async_save_e2e.py::",
+    "tests/e2e/test_cli.py::test_bad_data_path_is_a_clear_error",
+    "tests/e2e/test_cli.py::test_corpus_too_small_for_one_global_batch",
+    "tests/e2e/test_cli.py::test_output_dir_problems_are_found_before_data_preparation",
+    "tests/e2e/test_cli.py::test_train_module_runs_without_a_launcher",
+    "tests/e2e/test_cli.py::test_save_and_resume_from_the_command_line",
+    "tests/e2e/test_data_tokenizer_e2e.py::",
+    "tests/e2e/test_planner_search_e2e.py::",
+    "tests/e2e/test_topology_command_e2e.py::",
+    "tests/e2e/test_topology_placement_e2e.py::",
+    "tests/e2e/test_worker_imports_e2e.py::",
+)
+
 
 def pytest_collection_modifyitems(config, items):
     """Skip the ``gpu`` tests without CUDA."""
@@ -30,11 +50,15 @@ def pytest_xdist_make_scheduler(config, log):
     """With pytest-xdist (``-n 2`` in ``pyproject.toml``): every test of the process tiers
     (:data:`PROCESS_TIERS`) in one scope, which one pytest worker runs one after another as a
     plain ``pytest`` would (they keep the cores busy themselves, and their timeouts count on that),
-    while the other worker runs the single-process unit tests beside them, one scope each."""
+    while the other worker runs the single-process unit tests beside them, one scope each, and the
+    tests of :data:`ONE_PROCESS` in a second scope (the larger scopes go out first: the process
+    tiers to one worker, these to the other, before its unit tests)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ProcessTiersTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith(ONE_PROCESS):
+                return "one-process tests"
             parts = nodeid.split("/")
             return "process tiers" if len(parts) > 2 and parts[1] in PROCESS_TIERS else nodeid
 
