@@ -18,16 +18,24 @@ PROCESS_TIERS = ("dist", "e2e", "gpu")
 #: launcher or whose launcher exits before any worker, one after another): they keep one core busy,
 #: not both, so they run in a scope of their own, on the other pytest worker beside the multi-process
 #: tests (path prefixes of their node ids). Every user of a session fixture they share is here too
-#: (``uninterrupted``: run once per pytest worker that needs it).
+#: (``uninterrupted``: run once per pytest worker that needs it). The 1T search's CPU bound stays
+#: with the process tiers.
 ONE_PROCESS = (
     "tests/e2e/test_api_e2e.py::",
     "tests/e2e/test_async_save_e2e.py::",
+    "tests/e2e/test_bad_input_e2e.py::",
+    "tests/e2e/test_budget_e2e.py::",
     "tests/e2e/test_cli.py::test_bad_data_path_is_a_clear_error",
     "tests/e2e/test_cli.py::test_corpus_too_small_for_one_global_batch",
     "tests/e2e/test_cli.py::test_output_dir_problems_are_found_before_data_preparation",
     "tests/e2e/test_cli.py::test_train_module_runs_without_a_launcher",
     "tests/e2e/test_cli.py::test_save_and_resume_from_the_command_line",
+    "tests/e2e/test_context_parallel_e2e.py::test_a_bad_cp_exits_2_before_any_worker",
     "tests/e2e/test_data_tokenizer_e2e.py::",
+    "tests/e2e/test_gpu_check_e2e.py::",
+    "tests/e2e/test_planner_no_torch_e2e.py::test_plan_",
+    "tests/e2e/test_planner_no_torch_e2e.py::test_schedule_command_imports_no_torch",
+    "tests/e2e/test_planner_no_torch_e2e.py::test_a_bad_train_request_is_answered_without_importing_torch",
     "tests/e2e/test_planner_search_e2e.py::",
     "tests/e2e/test_topology_command_e2e.py::",
     "tests/e2e/test_topology_placement_e2e.py::",
