@@ -119,12 +119,13 @@ def programs_from_schedule(schedule: list[list[Action]], virtual_stages: int = 1
             if a.kind not in COMPUTE:
                 groups.setdefault(end[_producer(a, r, p, v)], []).append(a)
         program: list[Step] = []
-        times = sorted(groups)
+        times, i = sorted(groups), 0
         for a in computes:
-            while times and times[0] <= start[(r, a)]:
-                program.append(_group(groups[times[0]], times.pop(0), r, p))
+            while i < len(times) and times[i] <= start[(r, a)]:
+                program.append(_group(groups[times[i]], times[i], r, p))
+                i += 1
             program.append(a)
-        program += [_group(groups[t], t, r, p) for t in times]
+        program += [_group(groups[t], t, r, p) for t in times[i:]]
         programs.append(program)
     return programs
 

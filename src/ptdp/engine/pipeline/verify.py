@@ -136,6 +136,7 @@ def _simulate_programs(programs: list[list[Step]], v: int, forward_time: float, 
     steps = [[[o.action for o in s.ops] if isinstance(s, P2PGroup) else [s] for s in program] for program in programs]
     pc, clock = [0] * p, [0.0] * p
     posted: dict[tuple, list[tuple[tuple[int, int], float]]] = {}
+    where: dict[tuple, dict[tuple[int, int], int]] = {}  # channel -> key -> its first position in posted
     posted_at: list[int] = [-1] * p
     events: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
     busy = [0.0] * p
@@ -150,7 +151,7 @@ def _simulate_programs(programs: list[list[Step]], v: int, forward_time: float, 
                     events[r].append((step[0], clock[r], clock[r] + duration))
                     clock[r] += duration
                     busy[r] += duration
-                elif not _transfer(r, step, p, pc, clock, posted, posted_at):
+                elif not _transfer(r, step, p, pc, clock, (posted, where), posted_at):
                     break
                 pc[r] += 1
                 progress = True
@@ -173,18 +174,22 @@ def _channels(r: int, a: Action, p: int) -> tuple[tuple, tuple, tuple[int, int]]
     return mine, theirs, (a.microbatch, boundary(a, r, p))
 
 
-def _transfer(r, step, p, pc, clock, posted, posted_at) -> bool:
+def _transfer(r, step, p, pc, clock, book, posted_at) -> bool:
     """Post the batch once; it completes (advancing the clock) when every receive in it has its
-    send posted. Sends never block: the runtime waits for them at the end of the step."""
+    send posted. Sends never block: the runtime waits for them at the end of the step.
+    ``book``: (each channel's posted (key, time) in order, each key's first position there)."""
+    posted, where = book
     if posted_at[r] < pc[r]:
         for a in step:
             mine, _, key = _channels(r, a, p)
-            posted.setdefault(mine, []).append((key, clock[r]))
+            queue = posted.setdefault(mine, [])
+            where.setdefault(mine, {}).setdefault(key, len(queue))
+            queue.append((key, clock[r]))
         posted_at[r] = pc[r]
     done = clock[r]
     for a in step:
         mine, theirs, key = _channels(r, a, p)
-        index = [k for k, _ in posted[mine]].index(key)
+        index = where[mine][key]
         other = posted.get(theirs, [])
         if index >= len(other):
             if a.kind.startswith("send"):
