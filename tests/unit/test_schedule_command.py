@@ -116,6 +116,7 @@ def test_plot_writes_a_png(capsys, tmp_path):
             "needs interleaved-1f1b",
         ),
         (["--pp", "0", "-m", "4"], "must be >= 1"),
+        (["--pp", "100000", "-m", "8"], "= 100000 x 1 x 8 = 800,000: ptdp schedule proves"),
     ],
 )
 def test_bad_shapes_exit_2_naming_the_rule(capsys, argv, message):

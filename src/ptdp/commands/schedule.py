@@ -64,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the simulated timeline of every rank")
 
 
+#: Largest pp x v x m ``ptdp schedule`` builds, proves and prints (pp 64, m 1024: about 20 s of CPU).
+MAX_COMPUTES = 65_536
+
+
 def run(args: argparse.Namespace) -> int:
     from ptdp.engine.pipeline.program import build_programs, describe, program_json
     from ptdp.engine.pipeline.schedule import build_schedule
@@ -75,6 +79,12 @@ def run(args: argparse.Namespace) -> int:
         v = 2 if kind == "interleaved-1f1b" else 1
     if args.plot is not None:
         _check_plot_path(args.plot)
+    if p * m * v > MAX_COMPUTES:
+        raise ConfigError(
+            f"pp x virtual stages x num_microbatches = {p} x {v} x {m} = {p * m * v:,}: ptdp schedule proves "
+            f"and prints every compute and transfer of every rank and takes at most {MAX_COMPUTES:,} "
+            f"(about 20 s of CPU); training runs check their own shape without this limit"
+        )
     try:
         schedule = build_schedule(kind, p, m, v)
     except ValueError as err:
