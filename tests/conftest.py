@@ -55,22 +55,25 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """With pytest-xdist (``-n 2`` in ``pyproject.toml``): every test of the process tiers
-    (:data:`PROCESS_TIERS`) in one scope, which one pytest worker runs one after another as a
-    plain ``pytest`` would (they keep the cores busy themselves, and their timeouts count on that),
-    while the other worker runs the single-process unit tests beside them, one scope each, and the
-    tests of :data:`ONE_PROCESS` in a second scope (the larger scopes go out first: the process
-    tiers to one worker, these to the other, before its unit tests)."""
+    """With pytest-xdist (``-n 2`` in ``pyproject.toml``): the multi-process tests of the process
+    tiers (:data:`PROCESS_TIERS`) in two scopes, ``tests/dist`` (and ``tests/gpu``) and
+    ``tests/e2e``, each run one test after another by one pytest worker as a plain ``pytest`` would
+    (a worker world rarely keeps both cores busy: it waits on gloo and on process start-up, so two
+    of them, one per pytest worker, fill the cores better than one); the tests of
+    :data:`ONE_PROCESS` in a third scope; the single-process unit tests one scope each, taken by
+    whichever worker is free (the larger scopes go out first)."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class ProcessTiersTogether(LoadScopeScheduling):
+    class ProcessTiersInScopes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             if nodeid.startswith(ONE_PROCESS):
                 return "one-process tests"
             parts = nodeid.split("/")
-            return "process tiers" if len(parts) > 2 and parts[1] in PROCESS_TIERS else nodeid
+            if len(parts) > 2 and parts[1] in PROCESS_TIERS:
+                return "end-to-end tier" if parts[1] == "e2e" else "multi-process tiers"
+            return nodeid
 
-    return ProcessTiersTogether(config, log)
+    return ProcessTiersInScopes(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)
