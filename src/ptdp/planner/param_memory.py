@@ -112,7 +112,24 @@ def rank_state_bytes(
         if per_param is not None:
             return n_params * per_param[0], n_params * per_param[1], n_params * per_param[2]
         return stage_state_bytes(n_params, layout.precision, strategy, shard)
-    params, grads = _stage_transients(
+    params, grads = stage_transients(model, layout, stage, n_layers, divisible_by)
+    return stage_state_bytes(
+        n_params, layout.precision, strategy, shard, params_transient=params, grads_transient=grads
+    )
+
+
+def stage_transients(
+    model: ModelSpec, layout: Layout, stage: int, n_layers: int, divisible_by: int = 128
+) -> tuple[int, int]:
+    """(gathered parameter elements, gradient bucket elements) at their peaks on a rank of pipeline
+    stage ``stage`` (``n_layers`` layers) under ``layout``'s ``optim_grads`` /
+    ``optim_grads_params`` sharding, its bucket size, overlap and resharding
+    (:func:`ptdp.planner.transients.rank_transients`); (0, 0) for the other strategies or
+    ``dp * cp`` = 1. ``divisible_by``: the vocabulary padding."""
+    strategy, shard = layout.sharding_strategy, layout.shard_size
+    if shard == 1 or strategy not in ("optim_grads", "optim_grads_params"):
+        return 0, 0
+    return _stage_transients(
         model,
         layout.tp,
         layout.pp,
@@ -127,9 +144,6 @@ def rank_state_bytes(
         divisible_by,
         chunk_by_chunk(strategy, shard, layout.virtual_stages, layout.num_microbatches, layout.pp),
         layout.precision != "fp32",  # 16-bit weights: float32 main gradients
-    )
-    return stage_state_bytes(
-        n_params, layout.precision, strategy, shard, params_transient=params, grads_transient=grads
     )
 
 

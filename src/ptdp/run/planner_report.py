@@ -26,11 +26,11 @@ import torch
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.memory import memory_breakdown, stage_param_counts
 from ptdp.planner.models import spec_from_model_config
+from ptdp.planner.param_memory import stage_transients
 from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.plan import Layout
 from ptdp.planner.profile import default_profile_path, load_profile
-from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, chunk_by_chunk, strategy_bytes_per_param
-from ptdp.planner.transients import rank_transients, stage_chunks
+from ptdp.planner.sharding import strategy_bytes_per_param
 from ptdp.run.profiling import process_peak_rss
 from ptdp.spec import Config, stage_layer_counts
 
@@ -109,25 +109,10 @@ def predicted_transients(config: Config, layout: Layout, pp_rank: int) -> dict[s
     """The planner's transients of a rank of stage ``pp_rank`` in bytes (0 unless the run's
     strategy is ``optim_grads`` / ``optim_grads_params`` over dp x cp > 1): ``params_transient``
     gathered 16-bit (or float32) weights, ``grads_transient`` float32 gradient buckets
-    (:func:`ptdp.planner.transients.rank_transients`)."""
+    (:func:`ptdp.planner.param_memory.stage_transients`, as the planner's memory counts them)."""
     p, m = config.parallel, config.model
-    if p.dp * p.cp == 1 or p.sharding_strategy not in ("optim_grads", "optim_grads_params"):
-        return {"params_transient": 0, "grads_transient": 0}
     layers = stage_layer_counts(m.num_layers, p.pp, p.layer_split(m.num_layers))[pp_rank]
-    params, grads = rank_transients(
-        spec_from_model_config(m),
-        p.tp,
-        p.pp,
-        stage_chunks(m.num_layers, p.pp, layout.virtual_stages, pp_rank, layers),
-        p.dp * p.cp,
-        p.ddp_bucket_size or DEFAULT_BUCKET_ELEMENTS,
-        overlap=p.overlap_grad_reduce,
-        params_sharded=p.sharding_strategy == "optim_grads_params",
-        reshard=p.reshard_after_forward,
-        divisible_by=m.make_vocab_size_divisible_by,
-        by_chunk=chunk_by_chunk(p.sharding_strategy, p.dp * p.cp, layout.virtual_stages, layout.num_microbatches, p.pp),
-        main_grad=layout.precision != "fp32",
-    )
+    params, grads = stage_transients(spec_from_model_config(m), layout, pp_rank, layers, m.make_vocab_size_divisible_by)
     weight, grad, _ = strategy_bytes_per_param(layout.precision, "no_shard", 1)
     return {"params_transient": int(weight * params), "grads_transient": int(grad * grads)}
 
