@@ -39,14 +39,11 @@ import contextlib
 import dataclasses
 import json
 import os
-import random
 import shutil
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
-from typing import cast
 
-import numpy as np
 import torch
 
 from ptdp.engine.comm import all_gather_object, barrier
@@ -63,6 +60,7 @@ from ptdp.run.checkpoint.folders import (
     residual_note,
 )
 from ptdp.run.checkpoint.optim_state import MOMENTS, gather_local_state, load_local_state, state_kinds, step_count
+from ptdp.run.checkpoint.rng_state import host_rng_state, set_host_rng_state
 from ptdp.run.checkpoint.tensors import stored_form, to_checkpoint_value
 
 
@@ -185,7 +183,7 @@ def start_save(
         else:
             dcp.save(sd, storage_writer=writer, process_group=group)
             future = None
-    _write_json(tmp / "rng" / f"rank{g.global_rank}.json", _rng_state(stage))
+    _write_json(tmp / "rng" / f"rank{g.global_rank}.json", host_rng_state(stage))
     if g.global_rank == 0:
         for name_in_folder, source in (files or {}).items():
             shutil.copyfile(source, tmp / name_in_folder)
@@ -303,33 +301,6 @@ def _write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _rng_state(stage) -> dict:
-    np_state = cast(tuple, np.random.get_state(legacy=True))  # legacy=True: the tuple, never the dict
-    state = {
-        "python": _to_json(random.getstate()),
-        "torch": torch.get_rng_state().tolist(),
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-    }
-    if stage.dropout_rng is not None:
-        state["dropout"] = stage.dropout_rng.state_dict()
-    return state
-
-
-def _to_json(obj):
-    return [_to_json(x) for x in obj] if isinstance(obj, (tuple, list)) else obj
-
-
-def _to_tuple(obj):
-    return tuple(_to_tuple(x) for x in obj) if isinstance(obj, list) else obj
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(_to_tuple(state["python"]))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-
-
 @torch.no_grad()
 def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, load_rng: bool = True, group=None) -> dict:
     """Load a checkpoint saved at any layout into ``stage`` (collective over the world): parameters,
@@ -388,7 +359,7 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
     rng_file = folder / "rng" / f"rank{g.global_rank}.json"
     rng_state = json.loads(rng_file.read_text()) if load_rng and same_layout and rng_file.is_file() else None
     if rng_state is not None:
-        _set_rng_state(rng_state)
+        set_host_rng_state(rng_state)
     if stage.dropout_rng is not None:  # the saved streams, else fresh ones seeded with the iteration
         if rng_state is not None and "dropout" in rng_state:
             stage.dropout_rng.load_state_dict(rng_state["dropout"])
