@@ -285,12 +285,8 @@ def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
             "--tp-comm-overlap needs sequence parallelism (it overlaps the sequence-parallel all-gather "
             "and reduce-scatter with the GEMMs): drop --no-sequence-parallel"
         )
-    window = fixed.overlap_grad_reduce is not False
-    constants = dataclasses.replace(
-        constants,
-        overlap_window=constants.overlap_window or window,
-        tp_comm_overlap=tp_overlap,
-        pp_overlap=pp_overlap,
+    constants = constants.with_overlap(
+        overlap_grad_reduce=fixed.overlap_grad_reduce is not False, tp_comm_overlap=tp_overlap, pp_overlap=pp_overlap
     )
     hidden = [
         name

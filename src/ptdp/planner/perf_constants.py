@@ -118,6 +118,20 @@ class PerfConstants:
     def __post_init__(self) -> None:  # a profile read from JSON holds lists
         object.__setattr__(self, "arch_fits", tuple(tuple(fit) for fit in self.arch_fits))
 
+    def with_overlap(
+        self, *, overlap_grad_reduce: bool, tp_comm_overlap: bool = False, pp_overlap: bool = False
+    ) -> PerfConstants:
+        """These constants for a run with that communication overlap: ``overlap_window`` on with
+        ``overlap_grad_reduce`` (kept on if already), ``tp_comm_overlap`` and ``pp_overlap`` as
+        given. The one place ``ptdp plan``'s flags, ``ptdp train``'s report and the published runs'
+        columns become the time model's overlap."""
+        return dataclasses.replace(
+            self,
+            overlap_window=self.overlap_window or overlap_grad_reduce,
+            tp_comm_overlap=tp_comm_overlap,
+            pp_overlap=pp_overlap,
+        )
+
     def for_gpu(self, gpu) -> PerfConstants:
         """These constants with ``gpu.arch``'s fitted efficiencies (``arch_fits``), or unchanged
         for an architecture without its own fit (Ampere, whose fit the plain fields hold; a

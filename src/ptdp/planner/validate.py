@@ -198,15 +198,8 @@ def run_constants(run: H100Run, constants: PerfConstants = DEFAULT_CONSTANTS) ->
     end-of-step reduction hides behind up to one microbatch's compute on the busiest stage (the
     gradients of a microbatch exist only once it is done; nothing earlier can be sent).
     """
-    c = constants.for_gpu(CATALOG[run.gpu])
-    return dataclasses.replace(
-        c,
-        tp_overlap=0.0,
-        tp_comm_overlap=run.tp_overlap,
-        pp_overlap=run.pp_overlap,
-        dp_overlap=0.0,
-        overlap_window=run.dp_overlap,
-    )
+    c = dataclasses.replace(constants.for_gpu(CATALOG[run.gpu]), tp_overlap=0.0, dp_overlap=0.0, overlap_window=False)
+    return c.with_overlap(overlap_grad_reduce=run.dp_overlap, tp_comm_overlap=run.tp_overlap, pp_overlap=run.pp_overlap)
 
 
 def validate_h100(runs: list[H100Run], constants: PerfConstants = DEFAULT_CONSTANTS) -> list[ValidationRow]:

@@ -17,7 +17,6 @@ imports no torch and nothing of the training code).
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +159,7 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
         return out
     cluster = Cluster(gpu, config.world_size, config.world_size)  # ptdp train's workers share one machine
     # the run's --overlap-grad-reduce, as ptdp plan credits it (PerfConstants.overlap_window)
-    constants = dataclasses.replace(constants, overlap_window=constants.overlap_window or layout.overlap_grad_reduce)
+    constants = constants.with_overlap(overlap_grad_reduce=layout.overlap_grad_reduce)
     memory = memory_breakdown(
         model,
         layout,
