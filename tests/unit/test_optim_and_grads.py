@@ -26,6 +26,18 @@ def test_lr_warmup_cosine_and_floor():
     assert all(a >= b for a, b in zip(values, values[1:])), "cosine decay is monotone"
 
 
+def test_lr_warmup_is_a_fraction_of_the_decay_unless_given():
+    # Megatron-LM's --lr-warmup-fraction: a share of the decay iterations, rounded down here
+    assert TrainConfig().warmup_iters == 30  # 0.1 of the default 300 steps
+    assert TrainConfig(train_iters=5).warmup_iters == 0  # a short run is never refused for its warmup
+    assert TrainConfig(train_iters=100, lr_decay_iters=57, lr_warmup_fraction=0.2).warmup_iters == 11
+    assert TrainConfig(train_iters=100, lr_warmup_iters=7, lr_warmup_fraction=0.5).warmup_iters == 7  # given: wins
+    assert TrainConfig(train_iters=100, lr_warmup_iters=0).warmup_iters == 0
+    cfg = TrainConfig(lr=1.0, min_lr=0.0, train_iters=40)  # warmup 4 from the fraction
+    assert [lr_at(i, cfg) for i in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert lr_at(40, cfg) == 0.0
+
+
 def tiny_model() -> GPTModel:
     cfg = ModelConfig(
         num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=300, params_dtype="float64"

@@ -145,10 +145,10 @@ def build_optimizer(
 def lr_at(iteration: int, cfg: TrainConfig) -> float:
     """Learning rate for optimizer step ``iteration`` (0-based).
 
-    Linear warmup from lr / warmup to lr over ``lr_warmup_iters`` steps, then cosine decay to
+    Linear warmup from lr / warmup to lr over ``cfg.warmup_iters`` steps, then cosine decay to
     ``min_lr`` at ``lr_decay_iters`` (default ``train_iters``), constant after.
     """
-    warmup, decay_end = cfg.lr_warmup_iters, cfg.decay_iters
+    warmup, decay_end = cfg.warmup_iters, cfg.decay_iters
     if iteration < warmup:
         return cfg.lr * (iteration + 1) / warmup
     if iteration >= decay_end:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,8 +37,19 @@ class TrainConfig:
     """Peak learning rate, reached at the end of warmup."""
     min_lr: float = opt(3e-4, "--min-lr", "learning rate at the end of the cosine decay", "train")
     """Learning rate at the end of the cosine decay."""
-    lr_warmup_iters: int = opt(0, "--lr-warmup-iters", "linear warmup steps (0, as in Megatron-LM: none)", "train")
-    """Iterations of linear warmup from 0 to ``lr``; 0 (Megatron-LM's default): none."""
+    lr_warmup_iters: int | None = opt(
+        None, "--lr-warmup-iters", "linear warmup steps (default: --lr-warmup-fraction of the decay steps)", "train"
+    )
+    """Iterations of linear warmup from 0 to ``lr``; None: ``lr_warmup_fraction`` of the decay
+    iterations. Given, it wins over the fraction."""
+    lr_warmup_fraction: float = opt(
+        0.1,
+        "--lr-warmup-fraction",
+        "share of the decay steps spent in linear warmup, when --lr-warmup-iters is not given",
+        "train",
+    )
+    """Warmup as a share of ``lr_decay_iters`` (Megatron-LM's ``--lr-warmup-fraction``), rounded
+    down, used when ``lr_warmup_iters`` is None; in [0, 1]."""
     lr_decay_iters: int | None = opt(None, "--lr-decay-iters", "cosine decay steps (default: --train-iters)", "train")
     """Iterations of cosine decay after which lr stays at min_lr; None: train_iters."""
     weight_decay: float = opt(0.1, "--weight-decay", "decoupled weight decay on weights and embeddings", "train")
@@ -137,6 +149,13 @@ class TrainConfig:
     @property
     def decay_iters(self) -> int:
         return self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters
+
+    @property
+    def warmup_iters(self) -> int:
+        """``lr_warmup_iters`` when given, else ``floor(lr_warmup_fraction * decay_iters)``."""
+        if self.lr_warmup_iters is not None:
+            return self.lr_warmup_iters
+        return math.floor(self.lr_warmup_fraction * self.decay_iters)
 
     @property
     def traced_iters(self) -> int:
@@ -311,7 +330,7 @@ class Config:
     @property
     def grad_compression_warmup(self) -> int:
         """Iterations (0-based steps ``< this``) whose gradients are reduced exactly in fp32."""
-        return self.parallel.codec.exact_iters(self.train.lr_warmup_iters)
+        return self.parallel.codec.exact_iters(self.train.warmup_iters)
 
     @property
     def world_size(self) -> int:

@@ -105,7 +105,7 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
             use_distributed_optimizer=p.sharding_strategy != "no_shard",
         ),
         model=dataclasses.replace(m, ffn_hidden_size=m.ffn, **_recompute_defaults(m)),
-        train=dataclasses.replace(t, lr_decay_iters=t.decay_iters),
+        train=dataclasses.replace(t, lr_decay_iters=t.decay_iters, lr_warmup_iters=t.warmup_iters),
     )
 
 
@@ -191,8 +191,10 @@ def train_violations(t: TrainConfig) -> list[Violation]:
         out.append(V("option", f"lr={t.lr} must be > 0"))
     if not 0 <= t.min_lr <= t.lr:
         out.append(V("option", f"min_lr={t.min_lr} must be in [0, lr={t.lr}]"))
-    if t.lr_warmup_iters < 0 or t.lr_warmup_iters > t.decay_iters:
-        out.append(V("option", f"lr_warmup_iters={t.lr_warmup_iters} must be in [0, lr_decay_iters={t.decay_iters}]"))
+    if not 0 <= t.lr_warmup_fraction <= 1:
+        out.append(V("option", f"lr_warmup_fraction={t.lr_warmup_fraction} must be in [0, 1]"))
+    elif t.warmup_iters < 0 or t.warmup_iters > t.decay_iters:
+        out.append(V("option", f"lr_warmup_iters={t.warmup_iters} must be in [0, lr_decay_iters={t.decay_iters}]"))
     if t.weight_decay < 0:
         out.append(V("option", f"weight_decay={t.weight_decay} must be >= 0"))
     if t.clip_grad < 0:
