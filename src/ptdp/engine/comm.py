@@ -107,6 +107,17 @@ class AxisGroup:
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+def _all_gather_single():
+    """``dist.all_gather_single`` where this torch has it, else ``all_gather_into_tensor``: the
+    same collective under its older name (deprecated once the new one exists)."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_single():
+    """``dist.reduce_scatter_single`` where this torch has it, else ``reduce_scatter_tensor``."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _failure(err: RuntimeError, axis: AxisGroup, op: str, peer: int | None = None) -> CollectiveError:
     rank = axis.ranks[axis.rank]
     silent = _silent_ranks(rank, axis.timeout_s) if is_timeout(err) else None
@@ -209,7 +220,7 @@ def reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, axis: AxisG
         output.copy_(tensor)
         return _Done()
     axis.stats.record(axis.name, "reduce_scatter", tensor, tag)
-    return _call(axis, "reduce_scatter", dist.reduce_scatter_single, output, tensor, group=axis.group, async_op=True)
+    return _call(axis, "reduce_scatter", _reduce_scatter_single(), output, tensor, group=axis.group, async_op=True)
 
 
 def all_gather_async(output: torch.Tensor, tensor: torch.Tensor, axis: AxisGroup, *, tag: str = "") -> Handle:
@@ -219,7 +230,7 @@ def all_gather_async(output: torch.Tensor, tensor: torch.Tensor, axis: AxisGroup
         output.copy_(tensor)
         return _Done()
     axis.stats.record(axis.name, "all_gather", tensor, tag)
-    return _call(axis, "all_gather", dist.all_gather_single, output, tensor, group=axis.group, async_op=True)
+    return _call(axis, "all_gather", _all_gather_single(), output, tensor, group=axis.group, async_op=True)
 
 
 def all_gather_along(tensor: torch.Tensor, axis: AxisGroup, *, dim: int, tag: str = "") -> torch.Tensor:
@@ -233,7 +244,7 @@ def all_gather_along(tensor: torch.Tensor, axis: AxisGroup, *, dim: int, tag: st
     part = tensor.contiguous()
     out = part.new_empty((axis.size * part.shape[0], *part.shape[1:]))  # rank blocks along dim 0
     axis.stats.record(axis.name, "all_gather", part, tag)
-    _call(axis, "all_gather", dist.all_gather_single, out, part, group=axis.group)
+    _call(axis, "all_gather", _all_gather_single(), out, part, group=axis.group)
     return out.unflatten(0, (axis.size, part.shape[0])).movedim(0, dim).flatten(dim, dim + 1)
 
 
@@ -253,7 +264,7 @@ def reduce_scatter_along(tensor: torch.Tensor, axis: AxisGroup, *, dim: int, tag
     chunks = tensor.unflatten(dim, (axis.size, tensor.shape[dim] // axis.size)).movedim(dim, 0).contiguous()
     out = chunks.new_empty(chunks.shape[1:])
     axis.stats.record(axis.name, "reduce_scatter", tensor, tag)
-    _call(axis, "reduce_scatter", dist.reduce_scatter_single, out, chunks.flatten(0, 1), group=axis.group)
+    _call(axis, "reduce_scatter", _reduce_scatter_single(), out, chunks.flatten(0, 1), group=axis.group)
     return out
 
 
