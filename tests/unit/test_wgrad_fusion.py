@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
+import ptdp.engine.tensor_parallel.wgrad as wgrad
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -77,6 +80,57 @@ def test_linear_matches_f_linear_forward_and_input_grad():
     torch.testing.assert_close(w.main_grad, w2.grad, rtol=1e-15, atol=1e-15)
 
 
+def _bf16_gemm_inputs():
+    torch.manual_seed(4)
+    return torch.randn(10, 8, dtype=torch.bfloat16), torch.randn(10, 6, dtype=torch.bfloat16)
+
+
+def test_a_failing_fused_gemm_is_warned_once_counted_and_not_retried(monkeypatch):
+    """The CPU has no ``aten::addmm.dtype_out`` kernel (NotImplementedError): the failure is kept,
+    warned about once, and every later call counted as a fallback without trying again."""
+    monkeypatch.setattr(wgrad, "FUSED_GEMM", wgrad.FusedGemmRecord())
+    g, x = _bf16_gemm_inputs()
+    main = torch.zeros(8, 6)
+    with pytest.warns(RuntimeWarning, match="fall back to a 16-bit GEMM") as caught:
+        assert wgrad._fused_gemm(main, g, x) is False
+    assert len(caught) == 1 and torch.equal(main, torch.zeros(8, 6))  # nothing written by the failed try
+    tried = []
+    monkeypatch.setattr(wgrad, "_addmm_float32", lambda *a: tried.append(a))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning would raise
+        assert wgrad._fused_gemm(main, g, x) is False
+    assert tried == []
+    record = wgrad.FUSED_GEMM
+    assert (record.fused, record.fallback) == (0, 2) and record.error.startswith("NotImplementedError: ")
+
+
+def test_a_torch_without_the_dtype_out_overload_falls_back(monkeypatch):
+    """torch 2.6 (the floor) has no ``addmm.dtype_out`` overload: looking it up raises AttributeError."""
+    monkeypatch.setattr(wgrad, "FUSED_GEMM", wgrad.FusedGemmRecord())
+
+    def missing(*args):
+        raise AttributeError("'OpOverloadPacket' object has no attribute 'dtype_out'")
+
+    monkeypatch.setattr(wgrad, "_addmm_float32", missing)
+    g, x = _bf16_gemm_inputs()
+    with pytest.warns(RuntimeWarning, match="AttributeError"):
+        assert wgrad._fused_gemm(torch.zeros(8, 6), g, x) is False
+    assert wgrad.FUSED_GEMM.fallback == 1
+
+
+def test_fused_calls_are_counted_in_eager_mode_only(monkeypatch):
+    """A working kernel (emulated here) counts each eager call; traced by ``torch.compile`` nothing
+    is counted (a Python counter there would become a guard), and the result is the same."""
+    monkeypatch.setattr(wgrad, "FUSED_GEMM", wgrad.FusedGemmRecord())
+    monkeypatch.setattr(wgrad, "_addmm_float32", lambda main, g, x: main.add_(g.t().float() @ x.float()))
+    g, x = _bf16_gemm_inputs()
+    eager, compiled = torch.zeros(8, 6), torch.zeros(8, 6)
+    assert wgrad._fused_gemm(eager, g, x) is True
+    assert torch.compile(wgrad._fused_gemm, backend="eager")(compiled, g, x) is True
+    assert torch.equal(eager, compiled) and eager.abs().sum() > 0
+    assert wgrad.FUSED_GEMM == wgrad.FusedGemmRecord(fused=1, fallback=0, error=None)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_accumulates_in_float32_in_place():
@@ -88,7 +142,9 @@ def test_cuda_accumulates_in_float32_in_place():
     x = torch.randn(256, 48, dtype=torch.bfloat16, device="cuda")
     w.main_grad = torch.ones(64, 48, device="cuda")
     ptr = w.main_grad.data_ptr()
+    fused_before = wgrad.FUSED_GEMM.fused
     assert weight_grad(w, g, x) is None and w.main_grad.data_ptr() == ptr
+    assert wgrad.FUSED_GEMM.error is None and wgrad.FUSED_GEMM.fused == fused_before + 1  # not the fallback
     exact = 1 + g.double().t().mm(x.double())
     fused_err = (w.main_grad.double() - exact).abs().max()
     rounded_err = (1 + g.t().mm(x).double() - exact).abs().max()

@@ -9,8 +9,10 @@ backward adds ``grad_outputᵀ · input`` into ``main_grad`` itself (Megatron-LM
 accumulation fusion", Narayanan et al. SC21 §4): on CUDA in one GEMM that reads 16-bit inputs and
 accumulates in float32 into the buffer (``aten::addmm.dtype_out`` with ``out = main_grad``, beta = 1,
 no temporary), elsewhere as a 16-bit GEMM added into the buffer (the CPU has no mixed-dtype GEMM in
-torch 2.13). The layer then returns no weight gradient to autograd; autograd still runs the
-parameter's accumulation step and with it the buffer's post-accumulate hook, which finds no
+torch 2.13). Where the fused kernel fails (a torch without ``addmm.dtype_out``, a GPU without the
+kernel) CUDA takes that path too, warned about once and counted in :data:`FUSED_GEMM`, so a
+benchmark can tell which one ran. The layer then returns no weight gradient to autograd; autograd
+still runs the parameter's accumulation step and with it the buffer's post-accumulate hook, which finds no
 ``.grad`` to add and only marks the parameter's gradient complete, so bucketed reductions start as
 early as before. The output layer of the chunked loss does the same chunk by chunk
 (:mod:`~ptdp.engine.tensor_parallel.linear_cross_entropy`), and the word embedding's lookup adds
@@ -25,6 +27,9 @@ their gradient returned as usual. Inside a ``torch.compile`` region autograd's p
 """
 
 from __future__ import annotations
+
+import dataclasses
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -60,20 +65,53 @@ def add_weight_grad(main: torch.Tensor, grad_rows: torch.Tensor, input_rows: tor
         main.add_(grad_rows.t().mm(input_rows))
 
 
-_FUSED_GEMM = {"ok": True}
+@dataclasses.dataclass
+class FusedGemmRecord:
+    """What the float32-accumulating weight-gradient GEMM did in this process (eager calls only;
+    plain Python counters, no host synchronisation): ``fused`` calls ran ``aten::addmm.dtype_out``,
+    ``fallback`` calls wanted it (CUDA, float32 ``main_grad``, 16-bit inputs) but ran the 16-bit GEMM
+    added into float32, because the kernel failed once with ``error`` (then warned once, never
+    tried again)."""
+
+    fused: int = 0
+    fallback: int = 0
+    error: str | None = None
+
+
+FUSED_GEMM = FusedGemmRecord()
+"""This process's :class:`FusedGemmRecord`."""
+
+
+def _addmm_float32(main: torch.Tensor, grad_rows: torch.Tensor, input_rows: torch.Tensor) -> None:
+    """``main += grad_rowsᵀ · input_rows`` by ``aten::addmm.dtype_out`` (``out = main``, beta = 1).
+    Raises AttributeError on a torch without that overload, NotImplementedError or RuntimeError
+    where the device has no kernel for it."""
+    torch.ops.aten.addmm.dtype_out(main, grad_rows.t(), input_rows, torch.float32, out=main)
 
 
 def _fused_gemm(main: torch.Tensor, grad_rows: torch.Tensor, input_rows: torch.Tensor) -> bool:
-    """``main += grad_rowsᵀ · input_rows`` in one float32-accumulating GEMM on CUDA; False (and never
-    tried again) where this torch or device lacks the kernel."""
-    if not _FUSED_GEMM["ok"]:
-        return False
-    try:
-        torch.ops.aten.addmm.dtype_out(main, grad_rows.t(), input_rows, torch.float32, out=main)
-        return True
-    except (NotImplementedError, RuntimeError):
-        _FUSED_GEMM["ok"] = False
-        return False
+    """``main += grad_rowsᵀ · input_rows`` in one float32-accumulating GEMM on CUDA; False where
+    this torch or device lacks the kernel: recorded in :data:`FUSED_GEMM` and warned about once
+    (a RuntimeWarning), and never tried again."""
+    record, counted = FUSED_GEMM, not torch.compiler.is_compiling()
+    if record.error is None:
+        try:
+            _addmm_float32(main, grad_rows, input_rows)
+        except (AttributeError, NotImplementedError, RuntimeError) as e:
+            record.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            warnings.warn(
+                f"ptdp: the float32-accumulating weight-gradient GEMM (aten::addmm.dtype_out) failed "
+                f"({record.error}); weight gradients fall back to a 16-bit GEMM added into float32",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        else:
+            if counted:
+                record.fused += 1
+            return True
+    if counted:
+        record.fallback += 1
+    return False
 
 
 class LinearFunction(torch.autograd.Function):
