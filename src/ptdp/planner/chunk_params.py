@@ -13,8 +13,9 @@ from ptdp.planner.models import ModelSpec
 from ptdp.spec import padded_vocab_size
 
 #: watch groups: the chunk's non-layer parameters (allocated when its backward starts), the word
-#: embedding read by the lookup alone, and layer k (>= 0)
-REST, LOOKUP = -1, -2
+#: embedding read by the lookup alone, the learned position table (when backward reaches the sum of
+#: the lookups), and layer k (>= 0)
+REST, LOOKUP, POSITIONS = -1, -2, -3
 #: ZeRO-3 units besides the layers (which are their own index)
 EMBED_UNIT, HEAD_UNIT, TIED_UNIT = -1, -2, -3
 
@@ -75,7 +76,7 @@ def chunk_params(model: ModelSpec, tp: int, chunk: Chunk, divisible_by: int) -> 
     tied_one = chunk.first and chunk.last and model.tied  # one table looked up and projected
     out: list[tuple[int, int, int]] = []
     if chunk.first and model.has_position_table:
-        out.append((model.seq_length * h, REST, TIED_UNIT if tied_one else EMBED_UNIT))
+        out.append((model.seq_length * h, POSITIONS, TIED_UNIT if tied_one else EMBED_UNIT))
     if chunk.first:
         alone = not model.tied or not chunk.last  # only the lookup reads it
         out.append((table, LOOKUP if alone else REST, TIED_UNIT if tied_one else EMBED_UNIT))

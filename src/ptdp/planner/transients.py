@@ -13,8 +13,9 @@ embedding alone when pp > 1 (never started early), each padded to a multiple of 
 
 Gradient buckets (both strategies; ``GradBuffer.watch``): a chunk's backward meets its
 parameters back to front. The buckets of the chunk's non-layer parameters (output layer, final
-norm, position table, and the word embedding where its output layer also reads it) are allocated
-when the backward starts, a layer's buckets when the backward reaches that layer, the word
+norm, and the word embedding where its output layer also reads it) are allocated when the
+backward starts, a layer's buckets when the backward reaches that layer, the learned position
+table's when it reaches the sum of the lookups (the embedding dropout's output), the word
 embedding's (where only the lookup reads it) when it reaches the lookup. A bucket whose
 gradients are all in starts its reduce-scatter with ``overlap`` (at most two in flight: a third
 first lands the oldest, which frees it); every bucket is freed at the end of a backward, except
@@ -57,6 +58,7 @@ from ptdp.planner.chunk_params import (  # noqa: F401 - a chunk's parameters, im
     EMBED_UNIT,
     HEAD_UNIT,
     LOOKUP,
+    POSITIONS,
     REST,
     TIED_UNIT,
     Chunk,

@@ -8,8 +8,9 @@ backward reduce-scatters each bucket it touched (during backward with overlap, e
 backward ends) and adds the result into :attr:`GradBuffer.shard_grads`, which accumulates the
 step's gradient. Each bucket then has a tensor of its own whose memory exists only from the
 moment backward reaches the output of the module holding its first parameter (a transformer
-layer, the word embedding where only the lookup reads it, or the model chunk for the rest:
-:meth:`GradBuffer.watch`) until its reduce-scatter finished; with ``overlap`` at most two buckets
+layer, the word embedding where only the lookup reads it, the embedding dropout for the learned
+position table added before it, or the model chunk for the rest: :meth:`GradBuffer.watch`) until
+its reduce-scatter finished; with ``overlap`` at most two buckets
 are in flight (launching a third first finishes the oldest), so a backward holds the buckets
 being filled and two being reduced, not the stage's whole gradient. :meth:`GradBuffer.no_sync`
 does not defer the reductions in this mode; leaving it ends one microbatch's backward. The tied

@@ -118,12 +118,17 @@ def gradient_units(chunks: Sequence[GPTModel]) -> list[tuple[nn.Module, list[nn.
     """Which module's output, reached by backward, allocates which parameters' gradient buckets
     with ``optim_grads`` (:meth:`GradBuffer.watch`): each transformer layer its own; the word
     embedding its weight where only the lookup reads it (a first stage without a tied output
-    layer), so that bucket exists only at the end of backward; each chunk the rest when its
+    layer), and the embedding dropout, whose input is the sum of the lookups, the learned position
+    table, so that these buckets exist only at the end of backward; each chunk the rest when its
     backward starts (the output layer, read directly, comes first)."""
     units: list[tuple[nn.Module, list[nn.Parameter]]] = []
     for chunk in chunks:
         layers = list(chunk.layers.values())
         taken = {id(p) for layer in layers for p in layer.parameters()}
+        positions = getattr(chunk, "position_embeddings", None)
+        if positions is not None:  # its gradient flows through the embedding dropout only
+            units.append((chunk.embedding_dropout, [positions]))
+            taken.add(id(positions))
         lookup = getattr(chunk, "word_embeddings", None)
         if lookup is not None and chunk.pre_process and (hasattr(chunk, "output_layer") or not chunk.post_process):
             units.append((lookup, [lookup.weight]))
