@@ -33,6 +33,7 @@ from helpers.zero_cases import (
     cp_config,
     fp16_worker,
     is_chunk_by_chunk,
+    planner_gathers,
     strategy_of,
     variants,
     world_results,
@@ -153,9 +154,10 @@ def test_chunk_by_chunk_reduces_each_bucket_once_per_step(world, layout):
     """Interleaved in one round (v = 2 chunks, m == pp = 2 microbatches, dp 2), both strategies:
     step 0 reduce-scatters every bucket once (not once per microbatch), the stage's N padded
     gradient elements in all, the planner's count for chunk by chunk (``m * N`` otherwise);
-    optim_grads_params still gathers every unit's buckets twice per microbatch (forward and
-    backward, 2 m N / dp elements sent), optim_grads the updated shard once. The step makes no
-    call that would synchronise the host on a GPU."""
+    optim_grads_params still gathers every unit's buckets in every forward and, but the
+    embeddings', backward (the planner's counts: 2 m N / dp elements sent on the last stage),
+    optim_grads the updated shard once. The step makes no call that would synchronise the host
+    on a GPU."""
     results = [rank_results[layout] for rank_results in world_results(world)]
     dp = layout[2]
     for name in _chunked(layout):
@@ -169,8 +171,11 @@ def test_chunk_by_chunk_reduces_each_bucket_once_per_step(world, layout):
             rs, gathers = comm["dp/reduce_scatter/grads"], comm["dp/all_gather/params"]
             assert "dp/all_reduce/grads" not in comm, comm
             assert (rs["calls"], rs["numel"]) == (len(buckets), run["grad_numel"]), (name, rs, len(buckets))
-            times = 2 * m if strategy_of(name) == "optim_grads_params" else 1
-            want = (times * len(buckets), times * run["grad_numel"] // dp)
+            want = (len(buckets), run["grad_numel"] // dp)  # the updated shard, once
+            if strategy_of(name) == "optim_grads_params":
+                forward, backward = planner_gathers(cfg, run["coords"][2])
+                assert forward == (len(buckets), run["grad_numel"]), (name, forward)
+                want = (m * (forward[0] + backward[0]), m * (forward[1] + backward[1]) // dp)
             assert (gathers["calls"], gathers["numel"]) == want, (name, gathers, want)
             assert run["syncs"] == [], (name, run["syncs"])  # no call that would wait for a GPU
 

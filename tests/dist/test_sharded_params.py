@@ -27,6 +27,7 @@ from helpers.zero_cases import (
     check_transients,
     cp_config,
     eval_reference,
+    planner_gathers,
     variants,
     world_results,
     zero_config,
@@ -98,13 +99,11 @@ def test_optim_grads_params_transients_are_what_the_planner_counts(world, layout
         check_transients(_results(4, CP_LAYOUT), CP_PARAMS_VARIANT, cp_config(CP_PARAMS_VARIANT))
 
 
-def _gathers_per_unit(cfg, pp_rank: int, m: int) -> int:
-    """How often each unit of this pp rank is gathered in one step (each chunk's units alike):
-    with resharding once per forward and once per backward (2 m); kept, once per stretch of the
-    program during which the unit's chunk has a microbatch in flight (forward run, backward not)."""
+def _stretches(cfg, pp_rank: int, m: int) -> int:
+    """Kept gathered: how often each unit of this pp rank is gathered in one step (each chunk's
+    units alike), once per stretch of the program during which the unit's chunk has a microbatch
+    in flight (forward run, backward not)."""
     v = cfg.parallel.virtual_stages(cfg.model.num_layers)
-    if cfg.parallel.reshard_after_forward:
-        return 2 * m
     program = build_programs(cfg.parallel.schedule, cfg.parallel.pp, m, v)[pp_rank]
     inflight, stretches = [0] * v, [0] * v
     for step in program:
@@ -120,10 +119,12 @@ def _gathers_per_unit(cfg, pp_rank: int, m: int) -> int:
 @pytest.mark.parametrize("world, layout", CASES, ids=IDS)
 def test_one_step_communicates_as_the_formula_says(world, layout):
     """Step 0 on the dp axis: each backward reduce-scatters every bucket (m times the gradient
-    elements per step); each unit is all-gathered 2 m times (once per forward, once per
-    backward), or with --no-reshard-after-forward once per stretch of microbatches in flight (m at
-    pp = 1, fewer under 1F1B on an earlier stage), this rank sending its 1/dp share of the stage's
-    parameters each time; no all-gather after the optimizer step; no gradient all-reduce."""
+    elements per step); each forward all-gathers every unit (every bucket of the stage), each
+    backward every unit but the embeddings' (only looked up: their gradients need the ids, not
+    the tables; the tied unit of a pp = 1 stage, which projects too, is gathered again), or with
+    --no-reshard-after-forward each unit once per stretch of microbatches in flight (m at pp = 1,
+    fewer under 1F1B on an earlier stage), this rank sending its 1/dp share each time: the
+    planner's counts; no all-gather after the optimizer step; no gradient all-reduce."""
     dp = layout[2]
     for name in variants(*layout, STRATEGY):
         if name in CHUNK_VARIANTS:  # once per step: test_sharded_grads.test_chunk_by_chunk_*
@@ -136,11 +137,17 @@ def test_one_step_communicates_as_the_formula_says(world, layout):
             rs, gathers = comm["dp/reduce_scatter/grads"], comm["dp/all_gather/params"]
             assert "dp/all_reduce/grads" not in comm, comm
             assert rs["numel"] == m * run["grad_numel"], (name, rs, m)
-            times = _gathers_per_unit(cfg, pp_rank, m)
-            if layout[1] == 1:
-                assert times == (2 * m if cfg.parallel.reshard_after_forward else m)
-            assert gathers["numel"] == times * run["grad_numel"] // dp, (name, gathers, times)
-            assert gathers["calls"] == times * rs["calls"] // m, (name, gathers, rs)  # every bucket, each time
+            forward, backward = planner_gathers(cfg, pp_rank)
+            assert forward == (rs["calls"] // m, run["grad_numel"]), (name, forward, rs)  # every bucket
+            embeddings = pp_rank == 0 and (layout[1] > 1 or cfg.model.untie_embeddings_and_output_weights)
+            assert (backward[1] < forward[1]) == embeddings, (name, pp_rank, forward, backward)
+            if cfg.parallel.reshard_after_forward:
+                calls, numel = m * (forward[0] + backward[0]), m * (forward[1] + backward[1])
+            else:
+                times = _stretches(cfg, pp_rank, m)
+                assert times == m or layout[1] > 1, (name, times, m)
+                calls, numel = times * forward[0], times * forward[1]
+            assert (gathers["calls"], gathers["numel"]) == (calls, numel // dp), (name, pp_rank, gathers)
 
 
 def test_evaluation_gathers_the_parameters_it_reads():

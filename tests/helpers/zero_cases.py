@@ -233,6 +233,28 @@ def planner_transients(cfg: Config, pp_rank: int) -> tuple[int, int]:
     )
 
 
+def planner_gathers(cfg: Config, pp_rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The planner's parameter all-gathers of one microbatch, (calls, elements) in forward and in
+    backward, on a rank of pipeline stage ``pp_rank`` of run ``cfg`` (optim_grads_params,
+    :func:`ptdp.planner.transients.unit_gathers`)."""
+    from ptdp.planner.models import spec_from_model_config
+    from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS
+    from ptdp.planner.transients import stage_chunks, unit_gathers
+    from ptdp.spec import stage_layer_counts
+
+    m, p = cfg.model, cfg.parallel
+    layers = stage_layer_counts(m.num_layers, p.pp, p.layer_split(m.num_layers))[pp_rank]
+    return unit_gathers(
+        spec_from_model_config(m),
+        p.tp,
+        p.pp,
+        stage_chunks(m.num_layers, p.pp, p.virtual_stages(m.num_layers), pp_rank, layers),
+        p.dp * p.cp,
+        p.ddp_bucket_size or DEFAULT_BUCKET_ELEMENTS,
+        divisible_by=m.make_vocab_size_divisible_by,
+    )
+
+
 def check_transients(results: list[dict], name: str, cfg: Config) -> None:
     """Every rank's measured peaks of variant ``name`` (``GradBuffer.peak_live_bytes``,
     ``ParamUnits.peak_live_bytes``) equal the planner's elements times the element size

@@ -155,6 +155,11 @@ def test_sharded_communication_times():
     params = sharded_dp_times("optim_grads_params", num_microbatches=4, microbatch_backward=10.0, **kw)
     per_microbatch = 2 * unit_ag + 9 * max(0, unit_ag - 0.001) + 9 * max(0, unit_ag - 0.002)
     assert params == pytest.approx(4 * per_microbatch + rs)
+    # a first stage's embeddings' unit is gathered in forward only: one gather fewer per backward
+    embeddings = sharded_dp_times(
+        "optim_grads_params", num_microbatches=4, microbatch_backward=10.0, backward_units=9, **kw
+    )
+    assert embeddings == pytest.approx(4 * (per_microbatch - max(0, unit_ag - 0.002)) + rs)
     one = dict(kw, shard=1)
     assert sharded_dp_times("optim_grads_params", num_microbatches=4, microbatch_backward=0.0, **one) == 0.0
 

@@ -13,8 +13,8 @@ from ptdp import cli
 from ptdp.planner import transients
 from ptdp.planner.models import get_model
 from ptdp.planner.param_memory import layer_param_count, stage_param_counts
-from ptdp.planner.transients import layer_param_sizes, rank_transients, stage_chunks
-from ptdp.spec import stage_layer_counts
+from ptdp.planner.transients import layer_param_sizes, rank_transients, stage_chunks, unit_gathers
+from ptdp.spec import padded_vocab_size, stage_layer_counts
 
 #: (model, tp, pp, v, bucket elements, shard size d)
 CASES = [
@@ -67,6 +67,31 @@ def test_without_overlap_a_backward_holds_its_whole_stage(name, tp, pp):
         assert kept == n
         resharded, _ = rank_transients(model, tp, pp, chunks, 1, 40_000_000, overlap=True, params_sharded=True)
         assert 2 * layer_param_count(model, tp) <= resharded < n
+
+
+@pytest.mark.parametrize(
+    "name, tp, pp, v, d",
+    [("gpt3-175b", 8, 8, 1, 16), ("llama3-8b", 2, 1, 1, 4), ("gpt3-175b", 8, 1, 1, 8), ("llama3-8b", 4, 4, 2, 8)],
+)
+def test_backward_gathers_every_unit_but_the_embeddings(name, tp, pp, v, d):
+    """optim_grads_params, per microbatch: forward gathers every bucket of the stage (at least its
+    parameters, at most d - 1 padding elements more per bucket); backward the same but on a stage
+    that looks up without projecting with the same table, where it leaves out the embeddings'
+    unit (the word table and the learned positions: the lookups' gradients need the ids only)."""
+    model = get_model(name)
+    h = model.hidden_size
+    table = padded_vocab_size(model.vocab_size, 128, tp) // tp * h
+    embeddings = table + (model.seq_length * h if model.has_position_table else 0)
+    counts = stage_param_counts(model, tp, pp)
+    for rank, layers in enumerate(stage_layer_counts(model.num_layers, pp, None)):
+        chunks = stage_chunks(model.num_layers, pp, v, rank, layers)
+        (calls, numel), (back_calls, back_numel) = unit_gathers(model, tp, pp, chunks, d, 40_000_000)
+        assert counts[rank] <= numel <= counts[rank] + calls * (d - 1)
+        if rank == 0 and (pp > 1 or not model.tied):
+            assert 0 < back_calls < calls
+            assert embeddings <= numel - back_numel <= embeddings + (calls - back_calls) * (d - 1)
+        else:
+            assert (back_calls, back_numel) == (calls, numel)
 
 
 def test_a_layers_parameters_in_ptdps_order():

@@ -16,7 +16,8 @@ from ptdp.spec import padded_vocab_size
 #: embedding read by the lookup alone, the learned position table (when backward reaches the sum of
 #: the lookups), and layer k (>= 0)
 REST, LOOKUP, POSITIONS = -1, -2, -3
-#: ZeRO-3 units besides the layers (which are their own index)
+#: ZeRO-3 units besides the layers (which are their own index); the embeddings' unit is gathered
+#: for forward only (backward's lookups read the ids, not the tables)
 EMBED_UNIT, HEAD_UNIT, TIED_UNIT = -1, -2, -3
 
 

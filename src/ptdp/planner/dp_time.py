@@ -33,11 +33,15 @@ def dp_comm_time(
     links: Links,
     c: PerfConstants,
     layer: tuple[float, ...],
+    *,
+    first_stage: bool = False,
 ) -> float:
     """Exposed seconds of the data-parallel communication of the stage's ``n_params`` parameters
     over ``dp * cp`` ranks under the layout's sharding strategy
     (:func:`ptdp.planner.sharding.sharded_dp_times`): float32 gradients, ``elem``-byte weights,
-    units of one layer (plus the embedding / output unit), hidden behind one microbatch's
+    units of one layer (plus the embedding / output unit; ``first_stage``: the stage looks up,
+    and unless it also projects with the same tied table, pp = 1, backward does not gather its
+    embeddings' unit again), hidden behind one microbatch's
     backward (the busiest stage's compute without its forward third) and one layer's compute;
     chunk by chunk (:func:`~ptdp.planner.sharding.chunk_by_chunk`) each chunk's behind the next
     chunk's backward round.
@@ -45,6 +49,7 @@ def dp_comm_time(
     microbatch's compute on the busiest stage (``busiest[0]``)."""
     per_layer = layer_param_count(model, layout.tp)
     unit = max(per_layer, n_params - stage_layers * per_layer)
+    lookup_only = first_stage and not (layout.pp == 1 and model.tied)  # its embeddings' unit
     microbatch_backward = busiest[0] * 2.0 / 3.0
     v = layout.virtual_stages
     chunks = (
@@ -70,6 +75,7 @@ def dp_comm_time(
             # kept gathered: once per stretch of microbatches in flight, m on the last stage (and
             # at pp = 1), the most any stage gathers
             kept_gathers=None if layout.reshard_after_forward else layout.num_microbatches,
+            backward_units=stage_layers + 1 - int(lookup_only),
         )
 
     if not c.overlap_window:

@@ -115,19 +115,19 @@ def core_shared_step(busy: list[float], pp: int, workers: int, cores: int) -> fl
 
 def _stage_extent(
     model: ModelSpec, layout: Layout, split: tuple[int, ...] | None, divisible_by: int
-) -> tuple[int, int, int]:
-    """(parameters of the stage holding the most on one tp rank, layers the per-microbatch times
-    are built from, layers of the stage with the most): an even split's stages hold ``l / pp``
-    layers each; an uneven ``split``'s times are built from one layer and the edges
-    (:func:`ptdp.planner.stage_time.split_stage_times`)."""
+) -> tuple[tuple[int, ...], int, int]:
+    """(parameters on one tp rank of the first stage and of the other stage holding the most,
+    layers the per-microbatch times are built from, layers of the stage with the most): an even
+    split's stages hold ``l / pp`` layers each; an uneven ``split``'s times are built from one
+    layer and the edges (:func:`ptdp.planner.stage_time.split_stage_times`)."""
     if split is None:
         first_params, last_params, _ = even_stage_params(model, layout.tp, layout.pp, divisible_by)
         layers = model.num_layers // layout.pp
-        return max(first_params, last_params), layers, layers
+        return (first_params, last_params)[: min(layout.pp, 2)], layers, layers
     counts = stage_param_counts(
         model, layout.tp, layout.pp, make_vocab_size_divisible_by=divisible_by, layer_split=split
     )
-    return max(counts), 1, max(split)
+    return (counts[0], max(counts[1:])), 1, max(split)
 
 
 def _with_core_sharing(
@@ -179,7 +179,8 @@ def evaluate_performance(
     layer_split = layer_split if layer_split is not None else layout.layer_split
     v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, layout.tp)
     split = layer_split if layer_split is not None and len(layer_split) > 1 else None  # None: an even split
-    n_params, layers, stage_layers = _stage_extent(model, layout, split, make_vocab_size_divisible_by)
+    stage_params, layers, stage_layers = _stage_extent(model, layout, split, make_vocab_size_divisible_by)
+    n_params = max(stage_params)
     mid, first, last = stage_microbatch_times(model, layout, peak, bandwidth, links, c, v_pad, elem, layers, fp8_peak)
     busiest = last if sum(last) >= sum(first) else first
     p2p = pipeline_transfer_time(model, layout, links, elem, c)
@@ -188,7 +189,11 @@ def evaluate_performance(
         first, mid, last, busiest, fill = split_stage_times(split, mid, first, last)
         bubble = (fill + (pp - 1) * p2p) / v  # interleaving spreads fill and drain over v chunks ([N21] §2.2)
     layer = rank_layer_times(model, layout, peak, bandwidth, c, fp8_peak)
-    exposed_dp = dp_comm_time(model, layout, n_params, busiest, stage_layers, elem, links, c, layer)
+    # the first stage's, which gathers its embeddings for forward only, or another's
+    exposed_dp = max(
+        dp_comm_time(model, layout, n, busiest, stage_layers, elem, links, c, layer, first_stage=rank == 0)
+        for rank, n in enumerate(stage_params)
+    )
     exposed_dp += embedding_sync_dp_time(model, layout, v_pad, links, c)
     time = TimeBreakdown(
         compute=m * busiest[0],

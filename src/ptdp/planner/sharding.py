@@ -37,7 +37,8 @@ them at their peaks (:mod:`ptdp.planner.transients`, checked against the engine'
   gathered one ahead (prefetch): the largest sum of two neighbouring units, or the tied unit
   and two layers; with ``--no-reshard-after-forward`` every unit of the stage at once (each chunk
   has a microbatch in flight when the first backward starts). Resharding after forward repeats
-  the gathers for every microbatch, in forward and again in backward.
+  the gathers for every microbatch, in forward and again in backward (not the embeddings' unit,
+  which only the lookups read: their gradients need the ids, not the tables).
 
 Communication per step (:func:`sharded_dp_times`; ring collectives over the ``d`` ranks, NVLink
 inside the node and the network across, as :func:`ptdp.planner.comm.hierarchical_all_reduce_time`):
@@ -58,7 +59,8 @@ inside the node and the network across, as :func:`ptdp.planner.comm.hierarchical
   interleaved pipeline stages), and how ptdp's engine reduces then (``GradBuffer.by_chunk``):
   its transient is a chunk's whole gradient beside two buckets of the chunk after it in flight.
 * ``optim_grads_params``: the same reduce-scatters, no weight all-gather after the step, and per
-  microbatch two all-gathers of every unit (forward, backward), each prefetched behind the
+  microbatch two all-gathers of every unit (forward, backward; the embeddings' unit of a first
+  stage that does not also project with its table once, in forward), each prefetched behind the
   previous unit's compute: the first unit's gather is exposed, every other unit's only by what
   it exceeds one layer's compute. Kept gathered (``--no-reshard-after-forward``) a unit is
   gathered once per stretch of microbatches its chunk has in flight, in forward only: ``m``
@@ -66,8 +68,9 @@ inside the node and the network across, as :func:`ptdp.planner.comm.hierarchical
   for the stages before it, which gather fewer times). In elements, what ptdp counts on one rank
   per step for a stage of ``N`` gradient elements (padded) and ``m`` microbatches: ``m * N``
   reduce-scattered (``N`` chunk by chunk: one reduce-scatter per bucket per step) and
-  ``2 m * N / d`` all-gathered, kept ``k * N / d`` for ``k`` stretches
-  (``tests/dist/test_sharded_params.py``; chunk by chunk ``test_sharded_grads.py``).
+  ``m * (2 N - E) / d`` all-gathered with ``E`` the embeddings' unit's elements (0 but on the
+  first stage; :func:`ptdp.planner.transients.unit_gathers`), kept ``k * N / d`` for ``k``
+  stretches (``tests/dist/test_sharded_params.py``; chunk by chunk ``test_sharded_grads.py``).
 """
 
 from __future__ import annotations
@@ -169,6 +172,7 @@ def sharded_dp_times(
     end_overlap: float = 0.0,
     chunks: int = 1,
     kept_gathers: int | None = None,
+    backward_units: int | None = None,
 ) -> float:
     """Exposed seconds per step of the data-parallel communication of ``strategy`` over ``shard``
     ranks (the module docstring's model).
@@ -183,8 +187,9 @@ def sharded_dp_times(
     backwards, each hidden behind the next round, the last exposed. ``kept_gathers``
     (``optim_grads_params`` with ``--no-reshard-after-forward``): the units are gathered that
     many times per step, once per stretch of microbatches in flight, in forward only (each gather
-    behind the previous unit's forward), instead of twice per microbatch. Group members per
-    node: ``min(shard, gpus_per_node / tp)``.
+    behind the previous unit's forward), instead of twice per microbatch. ``backward_units``:
+    the units gathered again in each backward (None: ``units``; one fewer on a stage whose
+    embeddings' unit only the lookups read). Group members per node: ``min(shard, gpus_per_node / tp)``.
     """
     check_strategy(strategy)
     if shard <= 1:
@@ -210,5 +215,6 @@ def sharded_dp_times(
     forward_pass = gather + rest * max(0.0, gather - layer_forward)
     if kept_gathers is not None:
         return kept_gathers * forward_pass + hidden_rs + (1.0 - end_overlap) * last_rs
-    per_microbatch = forward_pass + gather + rest * max(0.0, gather - layer_backward)
-    return m * per_microbatch + hidden_rs + (1.0 - end_overlap) * last_rs
+    again = units if backward_units is None else backward_units
+    backward_pass = (gather + (again - 1) * max(0.0, gather - layer_backward)) if again > 0 else 0.0
+    return m * (forward_pass + backward_pass) + hidden_rs + (1.0 - end_overlap) * last_rs

@@ -36,15 +36,19 @@ another autograd function, whose order is assumed the same as at tp > 1).
 Gathered parameters (``optim_grads_params``; units as :func:`~ptdp.engine.data_parallel.units.
 sharding_units`: a chunk's embeddings, each layer, its head; one unit of all non-layer parameters
 where one tied table is looked up and projected, pp = 1): resharded after forward, a unit in use
-and the next one prefetched (forward order in forward, reverse in backward) exist in full, so the
-peak is the largest sum of two neighbours of the chunk's unit sequence; the single tied unit
+and the next one prefetched (forward order in forward, reverse in backward, which skips the
+embeddings' unit: the lookups' gradients need the ids, not the tables) exist in full, so the
+peak is the largest sum of two neighbours of the chunk's unit sequence (met in forward); the single tied unit
 stays gathered from its backward's start to its end (its lookup's gradient comes last), on top of
 two layers. Kept (``--no-reshard-after-forward``), every unit of the stage is gathered at once
 (each chunk has a microbatch in flight when the first backward starts: the warmup runs forwards
 of every chunk). A unit's size is that of its padded buckets.
 
+The all-gathers of one microbatch (:func:`unit_gathers`): every bucket of every unit in
+forward, again in backward except the embeddings' unit's.
+
 Pure arithmetic (no torch); ``tests/dist/test_sharded_grads.py`` and ``test_sharded_params.py``
-measure the engine's counters equal to these counts on every rank of every sharded run (tp 1 and
+measure the engine's counters (and gathers) equal to these counts on every rank of every sharded run (tp 1 and
 2, pp 1 and 2, interleaved, cp 2, buckets from 901 elements to the whole stage, with and without
 overlap, resharded and kept, float64 and bf16).
 """
@@ -343,3 +347,31 @@ def _resharded_peak(units: dict[int, int]) -> int:
     )
     pairs = [a + b for a, b in zip(seq, seq[1:])] or seq or [0]
     return max(pairs)
+
+
+def unit_gathers(
+    model: ModelSpec,
+    tp: int,
+    pp: int,
+    chunks: tuple[Chunk, ...],
+    d: int,
+    bucket: int,
+    *,
+    divisible_by: int = 128,
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``optim_grads_params``: the parameter all-gathers of one microbatch on one rank holding
+    ``chunks``, as (calls, padded elements) for its forwards and for its backwards (resharded
+    after forward): one call per bucket of each unit gathered, this rank sending ``1/d`` of its
+    elements. Forward gathers every unit, so every bucket of the stage; backward every unit but
+    the embeddings' (:data:`EMBED_UNIT`: the lookups' gradients need the ids, not the tables).
+    Kept (``--no-reshard-after-forward``) a unit is gathered in forward only, once per stretch of
+    its chunk's microbatches in flight."""
+    forward, backward = [0, 0], [0, 0]
+    for chunk in chunks:
+        plan = _chunk_plan(model, tp, pp > 1, chunk, bucket, True, divisible_by)
+        for members, n in zip(plan.buckets, plan.raw):
+            passes = (forward,) if plan.params[members[0]][2] == EMBED_UNIT else (forward, backward)
+            for counts in passes:
+                counts[0] += 1
+                counts[1] += n + (-n) % d
+    return (forward[0], forward[1]), (backward[0], backward[1])

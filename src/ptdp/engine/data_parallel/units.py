@@ -19,11 +19,15 @@ Lifetime of a unit's gathered parameters, per microbatch:
 
 - forward: its forward pre-hook waits for its all-gather (issuing it if nobody did) and issues
   the next unit's (prefetch, forward order); its forward hook (for the embeddings: the next unit's
-  pre-hook) frees it (``reshard_after_forward``, the default) and sets a tensor hook on its output;
+  pre-hook) frees it (``reshard_after_forward``, the default) and, if backward reads it, sets a
+  tensor hook on its output;
 - backward: that tensor hook fires when backward reaches the unit's output: it waits for the
   unit's gather and issues the previous unit's (prefetch, reverse order); the unit is freed when
   the gradients of all its parameters have been accumulated (post-accumulate hooks: nothing of
-  the unit's backward reads it after that), and at the end of every backward at the latest;
+  the unit's backward reads it after that), and at the end of every backward at the latest. The
+  embeddings' unit is not gathered for backward (:attr:`UnitSpec.read_in_backward`): the
+  lookups' weight gradients are the output gradient added into the looked-up rows, which needs
+  the ids, not the tables;
 - recompute (full or selective) runs the forward again inside backward: the pre-hook then only
   waits for the unit (gathering it if needed) and nothing is freed until the unit's backward;
 - ``reshard_after_forward=False`` (``--no-reshard-after-forward``): a unit gathered for a forward
@@ -33,8 +37,9 @@ Lifetime of a unit's gathered parameters, per microbatch:
 
 Communication (dp axis, tag ``params``): one all-gather per bucket of a unit each time the unit is
 gathered, ``numel / d`` elements from this rank: with resharding ``2 m`` gathers of every unit per
-step for ``m`` microbatches (one per forward, one per backward), without it one per stretch of
-the chunk's microbatches in flight (``m`` at pp = 1); no all-gather after the optimizer step, which
+step for ``m`` microbatches (one per forward, one per backward), ``m`` of the embeddings' unit
+(forward only), without it one per stretch of the chunk's microbatches in flight (``m`` at
+pp = 1); no all-gather after the optimizer step, which
 updates only :attr:`ParamUnits.shard` (:meth:`invalidate` drops the stale gathered copies). The
 gradients are reduce-scattered as with ``optim_grads``. No host synchronisation: the gathers are
 asynchronous handles waited for by the hooks.
@@ -69,6 +74,9 @@ class UnitSpec:
     params: list[nn.Parameter]
     start: nn.Module
     end: nn.Module | None
+    read_in_backward: bool = True
+    """Whether the unit's backward reads its parameters, so that backward gathers it again
+    (False: tables only looked up, whose gradients need the ids alone)."""
 
 
 def param_gather_units(chunks: Sequence[GPTModel]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
@@ -87,10 +95,11 @@ def param_gather_units(chunks: Sequence[GPTModel]) -> list[tuple[nn.Module, list
 def sharding_units(chunks: Sequence[GPTModel]) -> list[UnitSpec]:
     """The units of ``chunks`` (``GPTModel`` stages), per chunk in forward order: the embeddings
     (word embedding where the lookup alone reads it, learned positions; until the first layer
-    starts), each transformer layer, and the head (final norm, output layer, or the tied word
-    embedding the output layer reads; from the final norm to the end of the chunk's forward, the
-    loss included). A chunk that looks up and projects with one tied word embedding (pp = 1) has
-    one unit for both, from the start to the end of its forward."""
+    starts; only looked up, so not read in backward), each transformer layer, and the head (final
+    norm, output layer, or the tied word embedding the output layer reads; from the final norm to
+    the end of the chunk's forward, the loss included). A chunk that looks up and projects with one
+    tied word embedding (pp = 1) has one unit for both, from the start to the end of its forward,
+    read in backward by the output layer."""
     units: list[UnitSpec] = []
     for c, chunk in enumerate(chunks):
         layers = list(chunk.layers.values())
@@ -108,7 +117,7 @@ def sharding_units(chunks: Sequence[GPTModel]) -> list[UnitSpec]:
             head.append(lookup.weight)
         in_head = {id(p) for p in head}
         embed = [p for p in rest if id(p) not in in_head]
-        units += [UnitSpec(c, embed, chunk, None)] if embed else []
+        units += [UnitSpec(c, embed, chunk, None, read_in_backward=False)] if embed else []
         units += layer_units
         units += [UnitSpec(c, head, chunk.final_norm, chunk)] if head else []
     return units
@@ -159,6 +168,8 @@ class Unit:
     buckets: list[Bucket]
     fulls: list[torch.Tensor]
     shards: list[torch.Tensor]
+    read_in_backward: bool = True
+    """Gathered again when backward reaches it (:attr:`UnitSpec.read_in_backward`)."""
     gathered: bool = False
     """Memory allocated and the all-gathers issued (maybe not finished: ``pending``)."""
     pending: list[Handle] = field(default_factory=list)
@@ -214,13 +225,14 @@ class ParamUnits:
         self.units = [
             Unit(
                 i,
-                c,
-                params,
+                spec.chunk,
+                spec.params,
                 [b for b, _, _ in parts.get(i, [])],
                 [full for _, full, _ in parts.get(i, [])],
                 [shard for _, _, shard in parts.get(i, [])],
+                read_in_backward=spec.read_in_backward,
             )
-            for i, (c, params) in enumerate((spec.chunk, spec.params) for spec in specs)
+            for i, spec in enumerate(specs)
         ]
         self.inflight = [0] * len(chunks)
         """Microbatches of each chunk whose forward ran and whose backward has not started."""
@@ -245,10 +257,11 @@ class ParamUnits:
                     self.ends_here[unit.index] = seq[i - 1]
             # backward: the unit ending with the chunk first (gathered when the chunk's backward
             # starts; one that also started with the chunk is held to its end), then the others
-            # back to front
+            # back to front, those backward does not read left out
             chunk = chunks[seq[0].chunk]
             backward = [u for u in seq if specs[u.index].end is chunk]
             backward += [u for u in reversed(seq) if specs[u.index].end is not chunk]
+            backward = [u for u in backward if u.read_in_backward]
             for i, unit in enumerate(backward):
                 self.prev[unit.index] = backward[i + 1] if i + 1 < len(backward) else None
         for c, chunk in enumerate(chunks):
@@ -366,7 +379,8 @@ class ParamUnits:
         if in_backward():  # a recompute: the unit's backward comes next
             return
         if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda _grad: self._before_backward(unit))
+            if unit.read_in_backward:
+                out.register_hook(lambda _grad: self._before_backward(unit))
             if self.reshard:
                 self._free(unit)
         else:
