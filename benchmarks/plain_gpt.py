@@ -2,7 +2,9 @@
 
 A textbook pre-LayerNorm GPT with tied embeddings, learned positions, exact GELU and biases, written
 as one would write it without ptdp; :func:`copy_weights` gives it the weights of a ptdp model of the
-same shape (tp = pp = dp = 1), so both compute the same loss. :func:`plain_step` is its training
+same shape (tp = pp = dp = 1), so both compute the same loss. Like nanoGPT it pads its word
+embedding to a multiple of 64 rows (GPT-2's 50,257 to 50,304), so its logits GEMM has an even
+shape; the cross entropy reads the real vocabulary's columns only, as ptdp's does. :func:`plain_step` is its training
 step: gradient accumulation over the microbatches, ``clip_grad_norm_`` and one AdamW step, with no
 host synchronisation (the loss stays on the device).
 
@@ -35,12 +37,26 @@ class PlainBlock(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
+VOCAB_MULTIPLE = 64
+"""The plain GPT's word embedding has a multiple of this many rows (nanoGPT's padding)."""
+
+
+def padded_vocab(vocab: int) -> int:
+    """``vocab`` rounded up to a multiple of :data:`VOCAB_MULTIPLE` (50,257 -> 50,304)."""
+    return -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
 class PlainGPT(nn.Module):
-    """Tokens ``[b, s]`` and labels ``[b, s]`` -> the mean cross entropy over the ``b * s`` tokens."""
+    """Tokens ``[b, s]`` and labels ``[b, s]`` -> the mean cross entropy over the ``b * s`` tokens.
+
+    The word embedding is ``[padded_vocab(vocab), h]``; the logits ``[b, s, V_pad]`` come from one
+    GEMM on all of it, the cross entropy from their first ``vocab`` columns (the padding rows are
+    never a label and get no gradient)."""
 
     def __init__(self, vocab: int, seq: int, h: int, heads: int, ffn: int, layers: int) -> None:
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(seq, h)
+        self.vocab = vocab
+        self.wte, self.wpe = nn.Embedding(padded_vocab(vocab), h), nn.Embedding(seq, h)
         self.blocks = nn.ModuleList(PlainBlock(h, heads, ffn) for _ in range(layers))
         self.ln_f = nn.LayerNorm(h)
 
@@ -49,12 +65,14 @@ class PlainGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return F.cross_entropy(logits[..., : self.vocab].flatten(0, 1), labels.flatten())
 
     def flop_params(self) -> int:
         """Parameters N of the FLOP count ``6N + 12 l h s`` per token: all but the position table
-        (a lookup); the tied word embedding counts once, for the logits GEMM."""
-        return sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()
+        (a lookup) and the padding rows; the tied word embedding counts once, for the logits GEMM,
+        on the real vocabulary."""
+        padding = (self.wte.weight.shape[0] - self.vocab) * self.wte.weight.shape[1]
+        return sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel() - padding
 
 
 def plain_like(config) -> PlainGPT:
@@ -77,10 +95,12 @@ def plain_like(config) -> PlainGPT:
 
 
 def copy_weights(ptdp_model, plain: PlainGPT, vocab: int) -> None:
-    """Copy a tp = pp = dp = 1 ptdp model's weights into ``plain`` (the padded vocabulary rows dropped)."""
+    """Copy a tp = pp = dp = 1 ptdp model's weights into ``plain``: the real vocabulary's rows of the
+    word embedding (each model pads its own), the plain model's padding rows zero."""
     src = dict(ptdp_model.named_parameters())
     with torch.no_grad():
-        plain.wte.weight.copy_(src["word_embeddings.weight"][:vocab])
+        plain.wte.weight[:vocab].copy_(src["word_embeddings.weight"][:vocab])
+        plain.wte.weight[vocab:].zero_()
         plain.wpe.weight.copy_(src["position_embeddings"])
         plain.ln_f.weight.copy_(src["final_norm.weight"])
         plain.ln_f.bias.copy_(src["final_norm.bias"])

@@ -41,6 +41,8 @@ def test_plain_gpt_trains_like_ptdp_in_float64(bench):
         torch.testing.assert_close(torch.tensor(float(ours), dtype=torch.float64), theirs, rtol=1e-9, atol=0)
     params = dict(stage.model.named_parameters())
     torch.testing.assert_close(plain.blocks[1].fc2.weight, params["layers.1.mlp.fc2.weight"], rtol=1e-9, atol=1e-12)
+    assert (stage.model.word_embeddings.weight.shape[0], plain.wte.weight.shape[0]) == (384, 320)  # each its own
+    assert not plain.wte.weight[300:].any()  # the padding rows: never a label, no gradient, no decay
 
 
 def test_plain_like_refuses_llama_options(bench):
@@ -83,15 +85,27 @@ def test_with_compile_switches_on_ptdps_compile_flag(bench):
 
 
 @pytest.mark.parametrize("shape", [{}, {"num_layers": 3, "hidden_size": 48, "vocab_size": 333}])
-def test_flop_params_count_the_plain_models_parameters_but_the_positions(bench, shape):
+def test_flop_params_count_the_plain_models_parameters_but_the_positions_and_padding(bench, shape):
     gpu_check, plain_gpt = bench
     cfg = gpu_check.speed_config(dict(gpu_check.QUICK, **shape), "float32")
     plain = plain_gpt.plain_like(cfg)
-    assert (
-        gpu_check.flop_params(cfg)
-        == plain.flop_params()
-        == sum(p.numel() for n, p in plain.named_parameters() if n != "wpe.weight")
-    )
+    counted = sum(p.numel() for n, p in plain.named_parameters() if n != "wpe.weight")
+    padding = (plain.wte.weight.shape[0] - cfg.model.vocab_size) * cfg.model.hidden_size
+    assert gpu_check.flop_params(cfg) == plain.flop_params() == counted - padding
+
+
+def test_the_plain_gpt_pads_gpt2s_vocabulary_as_nanogpt(bench):
+    _, plain_gpt = bench
+    assert [plain_gpt.padded_vocab(v) for v in (50257, 50304, 500, 64, 1)] == [50304, 50304, 512, 64, 64]
+    plain = plain_gpt.PlainGPT(vocab=70, seq=8, h=16, heads=2, ffn=64, layers=1)
+    assert plain.wte.weight.shape == (128, 16)
+    tokens = torch.randint(0, 70, (2, 8))
+    with torch.no_grad():
+        plain.wte.weight[70:] = 5.0  # padding rows with large logits would change a loss over all rows
+        loss = plain(tokens, tokens)
+        x = plain.wte(tokens) + plain.wpe.weight
+        logits = torch.nn.functional.linear(plain.ln_f(plain.blocks[0](x)), plain.wte.weight[:70])
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()))
 
 
 def test_a_failing_mode_is_reported_and_the_rest_still_written(bench, monkeypatch, tmp_path, capsys):
