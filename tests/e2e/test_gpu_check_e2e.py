@@ -1,56 +1,70 @@
-"""``benchmarks/gpu_check.py --device cpu --quick``: the GPU check's CPU mode writes a sane report."""
+"""``benchmarks/gpu_run.sh`` on the CPU (``--device cpu --quick``): its two commands run every stage
+of the GPU check with ``PYTHONPATH=src``, each writing its report and its log."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import budget
 from helpers.proc_helpers import run_together
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.timeout(120)
-def test_gpu_check_cpu_quick_report(tmp_path):
-    out = tmp_path / "check.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "gpu_check.py"),
-        "--device",
-        "cpu",
-        "--quick",
-        "--peak-tflops",
-        "0.5",
-        "--output",
-        str(out),
-    ]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    (done,) = run_together([cmd], timeout=90, env=env, cwd=tmp_path)
+def gpu_run(group: str, out: str, cwd: Path):
+    """``benchmarks/gpu_run.sh GROUP OUT --device cpu --quick`` in ``cwd``, with this interpreter as ``python3``."""
+    cmd = ["bash", str(ROOT / "benchmarks" / "gpu_run.sh"), group, out, "--device", "cpu", "--quick"]
+    env = os.environ | {
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
+    (done,) = run_together([cmd], timeout=budget.seconds(), env=env, cwd=cwd)
+    return done
+
+
+@pytest.mark.timeout(240)
+def test_gpu_run_sh_first_runs_the_eager_and_probes_stages(tmp_path):
+    done = gpu_run("first", "out", cwd=tmp_path)  # a relative DIR is the caller's, not the checkout's
     assert done.returncode == 0, done.stderr
-    r = json.loads(out.read_text())
-    for key in ("device", "tokens_per_s", "mfu", "ratio_vs_plain", "max_loss_rel_diff_vs_float64_cpu", "rows"):
-        assert key in r, key
-    assert r["device"] == "cpu" and r["dtype"] == "float32" and r["headline_mode"] == "eager"
-    assert [row["mode"] for row in r["rows"]] == ["eager"]
-    # the model FLOPs per token, 6 N + 12 l h s, counted here from the quick shape (tied embedding once,
-    # no position table): N = l (12 h^2 + 13 h) + 2 h + V h
-    m = r["model"]
-    l, h, s, v = m["num_layers"], m["hidden_size"], m["seq_length"], m["vocab_size"]
-    n = l * (12 * h * h + 13 * h) + 2 * h + v * h
-    assert r["flops_per_token"] == 6 * n + 12 * l * h * s
-    assert r["tokens_per_s"] > 0 and 0.2 < r["ratio_vs_plain"] < 5
-    assert math.isclose(r["mfu"], r["flops_per_token"] * r["tokens_per_s"] / 0.5e12, rel_tol=1e-12)
-    row = r["rows"][0]
-    assert math.isclose(r["tokens_per_s"], r["batch"]["tokens_per_step"] / row["ptdp_step_s"], rel_tol=1e-12)
-    assert math.isclose(row["ratio_vs_plain"], row["ptdp_step_s"] / row["plain_step_s"], rel_tol=1e-12)
-    # float32 against float64 differs by rounding only, and not by nothing
-    assert 0 < r["max_loss_rel_diff_vs_float64_cpu"] < 1e-5
-    check = r["loss_check"]
-    assert len(check["float64_cpu"]) == len(check["float32"]) == check["steps"] == 3
-    assert abs(check["float64_cpu"][0] - math.log(check["model"]["vocab_size"])) < 0.1  # small init: ~ln V
-    assert "ptdp GPU check on cpu" in done.stdout and "ratio" in done.stdout
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "gpu_check_eager.json",
+        "gpu_check_eager.log",
+        "gpu_check_probes.json",
+        "gpu_check_probes.log",
+    ]
+    eager = json.loads((out / "gpu_check_eager.json").read_text())
+    probes = json.loads((out / "gpu_check_probes.json").read_text())
+    for r, stage in ((eager, "eager"), (probes, "probes")):
+        assert (r["stage"], r["complete"], r["failures"], r["device"]) == (stage, True, [], "cpu")
+        assert r["budget_s"] == {"eager": 150, "probes": 150}[stage]  # gpu_run.sh's budget
+        assert f"--budget {r['budget_s']:g}" in r["command"] and r["git_commit"]
+    (row,) = eager["rows"]
+    assert (
+        row["timed_steps"] == 3 and row["ratio_vs_plain"] > 0 and 0 < eager["max_loss_rel_diff_vs_float64_cpu"] < 1e-5
+    )
+    assert probes["probes"]["sdpa"]["default"]["backend"] == "FLASH_ATTENTION"
+    log = (out / "gpu_check_eager.log").read_text()
+    assert "stage eager" in log and "ratio" in log and "stage eager" in done.stdout
+
+
+@pytest.mark.timeout(420)
+def test_gpu_run_sh_second_runs_the_compiled_stage(tmp_path):
+    done = gpu_run("second", str(tmp_path / "out"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    r = json.loads((tmp_path / "out" / "gpu_check_compile.json").read_text())
+    assert (r["stage"], r["complete"], r["failures"], r["budget_s"]) == ("compile", True, [], 420)
+    (row,) = r["rows"]
+    assert row["mode"] == "compile" and row["timed_steps"] == 3 and row["ratio_vs_plain"] > 0
+    first = row["first_step_loss"]
+    assert abs(first["ptdp"] - first["plain"]) <= 1e-4 * first["plain"]
+
+
+def test_gpu_run_sh_refuses_an_unknown_stage(tmp_path):
+    done = gpu_run("everything", "out", cwd=tmp_path)
+    assert done.returncode == 2 and "usage:" in done.stderr and not (tmp_path / "out").exists()

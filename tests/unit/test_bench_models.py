@@ -1,97 +1,44 @@
-"""The benchmarks' plain PyTorch GPT equals ptdp's model, and the GPU check's catalog lookup."""
+"""The benchmarks' plain PyTorch GPT equals ptdp's model, and the GPU check's models built on the device."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
+import math
 
 import pytest
 import torch
 
+from helpers.bench_scripts import import_scripts
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from ptdp.engine.tensor_parallel.sharding import spec_of
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    """The benchmarks folder on sys.path (its scripts import each other by plain name)."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import gpu_check
-    import plain_gpt
-
-    return gpu_check, plain_gpt
+    return import_scripts(monkeypatch, "gpu_models", "plain_gpt")
 
 
 def test_plain_gpt_trains_like_ptdp_in_float64(bench):
-    gpu_check, plain_gpt = bench
-    shape = dict(gpu_check.QUICK, seq_length=16, vocab_size=300)
-    cfg = gpu_check.speed_config(shape, "float64")
+    """Each model pads its own vocabulary (300: ptdp 384 rows, the plain GPT 320) and both train alike."""
+    gpu_models, plain_gpt = bench
+    shape = dict(gpu_models.QUICK, seq_length=16, vocab_size=300)
+    cfg = gpu_models.speed_config(shape, "float64")
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=1e-2, min_lr=1e-2, clip_grad=0.5))
     stage = build_stage(cfg, ParallelGroups.single_process())
     plain = plain_gpt.plain_like(cfg).double()
+    assert (stage.model.word_embeddings.weight.shape[0], plain.wte.weight.shape[0]) == (384, 320)
     plain_gpt.copy_weights(stage.model, plain, cfg.model.vocab_size)
     opt = plain_gpt.plain_optimizer(plain, cfg.train, torch.device("cpu"))
     for step in range(3):
-        mbs = gpu_check.random_microbatches(cfg, seed=step)
+        mbs = gpu_models.random_microbatches(cfg, seed=step)
         ours = train_step(stage, mbs, step).loss
         theirs = plain_gpt.plain_step(plain, opt, mbs, cfg.train.clip_grad)
         torch.testing.assert_close(torch.tensor(float(ours), dtype=torch.float64), theirs, rtol=1e-9, atol=0)
     params = dict(stage.model.named_parameters())
     torch.testing.assert_close(plain.blocks[1].fc2.weight, params["layers.1.mlp.fc2.weight"], rtol=1e-9, atol=1e-12)
-    assert (stage.model.word_embeddings.weight.shape[0], plain.wte.weight.shape[0]) == (384, 320)  # each its own
+    torch.testing.assert_close(plain.wte.weight[:300], params["word_embeddings.weight"][:300], rtol=1e-9, atol=1e-12)
     assert not plain.wte.weight[300:].any()  # the padding rows: never a label, no gradient, no decay
-
-
-def test_plain_like_refuses_llama_options(bench):
-    gpu_check, plain_gpt = bench
-    cfg = gpu_check.speed_config(gpu_check.QUICK, "float32")
-    with pytest.raises(ValueError, match="LayerNorm"):
-        plain_gpt.plain_like(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, swiglu=True)))
-
-
-@pytest.mark.parametrize(
-    "name, key",
-    [
-        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
-        ("NVIDIA H200", "h200"),
-        ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
-        ("NVIDIA A100-PCIE-40GB", "a100-40gb"),
-        ("Tesla V100-SXM2-32GB", "v100-32gb"),
-        ("NVIDIA H100 PCIe", None),
-        ("NVIDIA H100 NVL", None),
-        ("NVIDIA GeForce RTX 4090", None),
-    ],
-)
-def test_catalog_key_of_device_names(bench, name, key):
-    gpu_check, _ = bench
-    assert gpu_check.catalog_key(name) == key
-
-
-def test_peak_flops_cpu_needs_an_override(bench):
-    gpu_check, _ = bench
-    assert gpu_check.peak_flops(torch.device("cpu"), "float32", None)[0] is None
-    assert gpu_check.peak_flops(torch.device("cpu"), "float32", 2.0) == (2e12, "--peak-tflops")
-
-
-def test_with_compile_switches_on_ptdps_compile_flag(bench):
-    gpu_check, plain_gpt = bench
-    cfg = gpu_check.speed_config(gpu_check.QUICK, "float32")
-    compiled = plain_gpt.with_compile(cfg)
-    assert compiled is not None and compiled.model.compile is True and not cfg.model.compile
-    assert dataclasses.replace(compiled, model=dataclasses.replace(compiled.model, compile=False)) == cfg
-
-
-@pytest.mark.parametrize("shape", [{}, {"num_layers": 3, "hidden_size": 48, "vocab_size": 333}])
-def test_flop_params_count_the_plain_models_parameters_but_the_positions_and_padding(bench, shape):
-    gpu_check, plain_gpt = bench
-    cfg = gpu_check.speed_config(dict(gpu_check.QUICK, **shape), "float32")
-    plain = plain_gpt.plain_like(cfg)
-    counted = sum(p.numel() for n, p in plain.named_parameters() if n != "wpe.weight")
-    padding = (plain.wte.weight.shape[0] - cfg.model.vocab_size) * cfg.model.hidden_size
-    assert gpu_check.flop_params(cfg) == plain.flop_params() == counted - padding
 
 
 def test_the_plain_gpt_pads_gpt2s_vocabulary_as_nanogpt(bench):
@@ -108,31 +55,60 @@ def test_the_plain_gpt_pads_gpt2s_vocabulary_as_nanogpt(bench):
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()))
 
 
-def test_a_failing_mode_is_reported_and_the_rest_still_written(bench, monkeypatch, tmp_path, capsys):
-    gpu_check, _ = bench
-
-    def broken(config, mode, shape, device):
-        raise RuntimeError("out of memory (simulated)")
-
-    monkeypatch.setattr(gpu_check, "measure_mode", broken)
-    out = tmp_path / "r.json"
-    with pytest.raises(SystemExit) as exit_info:
-        gpu_check.main(["--device", "cpu", "--quick", "--output", str(out)])
-    assert exit_info.value.code == 1
-    report = json.loads(out.read_text())
-    assert report["failures"] == ["eager: RuntimeError: out of memory (simulated)"] and report["rows"] == []
-    assert report["tokens_per_s"] is None and 0 < report["max_loss_rel_diff_vs_float64_cpu"] < 1e-5
-    assert "FAILED eager: RuntimeError: out of memory (simulated)" in capsys.readouterr().out
+def test_plain_like_refuses_llama_options(bench):
+    gpu_models, plain_gpt = bench
+    cfg = gpu_models.speed_config(gpu_models.QUICK, "float32")
+    with pytest.raises(ValueError, match="LayerNorm"):
+        plain_gpt.plain_like(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, swiglu=True)))
 
 
-def test_a_loss_beyond_rounding_fails_the_check(bench):
-    gpu_check, _ = bench
-    assert gpu_check.loss_failures({"max_rel_diff": 3e-3}, "bfloat16") == []
-    assert (
-        gpu_check.loss_failures({"max_rel_diff": 3e-3, "max_rel_diff_float64_device_vs_cpu": 1e-12}, "bfloat16") == []
-    )
-    (too_far,) = gpu_check.loss_failures({"max_rel_diff": 2e-5}, "float32")
-    assert "float32 differs from float64 on the CPU by 2.00e-05" in too_far
-    (device,) = gpu_check.loss_failures({"max_rel_diff": 1e-3, "max_rel_diff_float64_device_vs_cpu": 1e-7}, "bfloat16")
-    assert "float64 on the device differs from the CPU by 1.00e-07" in device
-    assert len(gpu_check.loss_failures({"max_rel_diff": float("nan")}, "bfloat16")) == 1
+def test_with_compile_switches_on_ptdps_compile_flag(bench):
+    gpu_models, plain_gpt = bench
+    cfg = gpu_models.speed_config(gpu_models.QUICK, "float32")
+    compiled = plain_gpt.with_compile(cfg)
+    assert compiled is not None and compiled.model.compile is True and not cfg.model.compile
+    assert dataclasses.replace(compiled, model=dataclasses.replace(compiled.model, compile=False)) == cfg
+
+
+@pytest.mark.parametrize("shape", [{}, {"num_layers": 3, "hidden_size": 48, "vocab_size": 333}])
+def test_flop_params_count_the_plain_models_parameters_but_the_positions_and_padding(bench, shape):
+    gpu_models, plain_gpt = bench
+    cfg = gpu_models.speed_config(dict(gpu_models.QUICK, **shape), "float32")
+    plain = plain_gpt.plain_like(cfg)
+    m = cfg.model
+    counted = sum(p.numel() for n, p in plain.named_parameters() if n != "wpe.weight")
+    padding = (plain.wte.weight.shape[0] - m.vocab_size) * m.hidden_size
+    assert gpu_models.flop_params(cfg) == plain.flop_params() == counted - padding
+    assert gpu_models.flops_per_token(cfg) == 6 * plain.flop_params() + 12 * m.num_layers * m.hidden_size * m.seq_length
+
+
+def test_device_stage_draws_the_initial_values_where_the_stage_lives(bench):
+    """``device_stage`` draws on the stage's device (here the CPU): other values than ptdp's own
+    CPU draw, from the same distributions (std 0.02, scaled by 1 / sqrt(2 l) for the output
+    projections), norms one, biases and padded vocabulary rows zero; the optimizer's main
+    parameters start from them, and the stage trains from about ln V."""
+    gpu_models, _ = bench
+    cfg = gpu_models.speed_config(dict(gpu_models.QUICK, hidden_size=128, num_layers=4), "bfloat16")
+    stage = gpu_models.device_stage(cfg, torch.device("cpu"))
+    ptdp_own = dict(build_stage(cfg, ParallelGroups.single_process()).model.named_parameters())
+    std, layers = cfg.model.init_method_std, cfg.model.num_layers
+    for name, p in stage.model.named_parameters():
+        spec = spec_of(p)
+        assert p.device.type == "cpu" and p.dtype == torch.bfloat16 and p.shape == ptdp_own[name].shape
+        if spec.init == "ones":
+            assert bool((p == 1).all()), name
+        elif spec.init == "zeros":
+            assert not p.any(), name
+        else:
+            real = p[: spec.real_rows].float() if spec.real_rows is not None else p.float()
+            expected = std / math.sqrt(2 * layers) if spec.init == "scaled_normal" else std
+            assert abs(real.std().item() / expected - 1) < 0.05, name
+            assert not torch.equal(p, ptdp_own[name]), name  # drawn here, not ptdp's CPU values
+            if spec.real_rows is not None:
+                assert not p[spec.real_rows :].any(), name
+    assert stage.model.word_embeddings.weight.shape[0] == 512  # the quick vocabulary, 500, padded
+    # the float32 main parameters were made from these values (the optimizer is built after them)
+    for p, main in stage.optimizer.pairs:
+        assert torch.equal(main.detach().to(p.dtype), p.detach())
+    losses = [train_step(stage, gpu_models.random_microbatches(cfg, seed=i), i).loss for i in range(2)]
+    assert abs(losses[0] - math.log(cfg.model.vocab_size)) < 0.1 and losses[1] < losses[0] + 0.1
