@@ -251,7 +251,8 @@ class ParallelConfig:
         plan_searched=False,
     )
     """With ``optim_grads_params``: free a unit's gathered parameters after its forward and gather
-    them again before its backward (two all-gathers per unit and microbatch; FSDP2's and
+    them again before its backward (two all-gathers per unit and microbatch, one of the embeddings'
+    unit, which backward does not read; FSDP2's and
     Megatron-Core's ``reshard_after_forward``). False keeps them gathered from a chunk's forward
     until no microbatch of it is in flight (one all-gather per unit and microbatch at pp = 1,
     fewer with pipeline schedules, at the memory of the stage's gathered parameters)."""
