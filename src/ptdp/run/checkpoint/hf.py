@@ -13,6 +13,7 @@ The Llama mapping is in :mod:`ptdp.run.checkpoint.hf_llama`.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import shutil
@@ -51,6 +52,13 @@ _LAYER = {
 _CONV1D = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}
 
 
+def _one_process(fn) -> dict:
+    """``no_dist=True`` where ``fn`` (``dcp.save`` or ``dcp.load``) takes it; an older torch lacks
+    the argument and runs in one process by itself when no process group exists (as in
+    ``ptdp convert``)."""
+    return {"no_dist": True} if "no_dist" in inspect.signature(fn).parameters else {}
+
+
 def read_model_tensors(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """The checkpoint's metadata and its global model tensors in stored form, by ptdp name."""
     folder = resolve_checkpoint(path)
@@ -65,7 +73,7 @@ def read_model_tensors(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
-            dcp.load(sd, storage_reader=SafeFileSystemReader(folder), no_dist=True)
+            dcp.load(sd, storage_reader=SafeFileSystemReader(folder), **_one_process(dcp.load))
     except (Exception, CheckpointException) as err:
         raise CheckpointError(f"reading checkpoint {folder} failed: {_first_line(err)}") from err
     return meta, {key[len("model/") :]: value for key, value in sd.items()}
@@ -282,7 +290,7 @@ def _write_imported(root: Path, m: ModelConfig, sd: dict[str, torch.Tensor], hf_
     tmp.mkdir(parents=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), **_one_process(dcp.save))
     _write_json(
         tmp / META,
         {
