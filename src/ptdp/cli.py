@@ -17,6 +17,7 @@ import traceback
 from ptdp.planner.hardware import UnknownGPUError
 from ptdp.planner.models import UnknownModelError
 from ptdp.spec import ConfigError
+from ptdp.spec.flags import Parser, reject_unknown
 from ptdp.topology.model import TopologyError
 
 #: each command: its one-line help and its module (imported only when chosen), which provides
@@ -37,7 +38,7 @@ COMMANDS = {
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``ptdp`` parser. ``command``: add only that command's flags (the others are listed by name
     and help, without importing their modules); None: every command's flags."""
-    parser = argparse.ArgumentParser(prog="ptdp", description="PTD-P GPT training on torch.distributed.")
+    parser = Parser(prog="ptdp", description="PTD-P GPT training on torch.distributed.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, module) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text)
@@ -92,8 +93,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args, extra = parser.parse_known_args(argv)
     if extra:  # the command's own usage and the closest flags, not the top-level usage
-        from ptdp.commands.train_flags import reject_unknown
-
         command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         reject_unknown(command.choices[args.command], extra)
     try:

@@ -571,19 +571,55 @@ def test_memory_estimate_of_cpu_workers_and_of_gpu_ranks():
 
 
 @pytest.mark.parametrize(
-    "argv, usage, hint",
+    "argv, hint",
     [
-        (["train", "--tpp", "2"], "usage: ptdp train", "--tpp: did you mean --tp"),
-        (["train", "--hiden-size=64"], "usage: ptdp train", "--hiden-size: did you mean --hidden-size"),
-        (["plan", "--gpuz", "8"], "usage: ptdp plan", "--gpuz: did you mean --gpu"),
+        (["train", "--tpp", "2"], "--tpp: did you mean --tp"),
+        (["train", "--tp3"], "--tp3: did you mean --tp"),
+        (["train", "--tensor-parallel", "2"], "--tensor-parallel: did you mean --tensor-model-parallel-size"),
+        (["train", "--num-layer", "2"], "--num-layer: did you mean --num-layers"),
+        (["train", "--hiden-size=64"], "--hiden-size: did you mean --hidden-size"),
+        (["plan", "--gpuz", "8"], "--gpuz: did you mean --gpu"),
     ],
 )
-def test_an_unknown_flag_shows_the_command_usage_and_the_closest_flag(capsys, argv, usage, hint):
+def test_an_unknown_flag_is_a_few_lines_naming_the_closest_flags(capsys, argv, hint):
+    """No usage: the error, the closest flags (an abbreviation is not taken for a flag it begins)
+    and where --help is."""
     with pytest.raises(SystemExit) as exit_:
         cli.main(argv)
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.startswith(usage), err[:200]
-    assert f"ptdp {argv[0]}: error: unrecognized arguments: {' '.join(argv[1:])}" in err and hint in err
+    assert exit_.value.code == 2 and "usage:" not in err and len(err.splitlines()) <= 4, err
+    assert err.startswith(f"ptdp {argv[0]}: error: unrecognized arguments: {' '.join(argv[1:])}\n"), err
+    assert hint in err and err.rstrip().endswith(f"(see `ptdp {argv[0]} --help`)"), err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "--cp-comm-type", "foo"], "argument --cp-comm-type: invalid choice: 'foo'"),
+        (["train", "--recompute-granularity", "bad"], "argument --recompute-granularity: invalid choice: 'bad'"),
+        (["train", "--tp", "x"], "invalid int value: 'x'"),
+        (["trian"], "argument COMMAND: invalid choice: 'trian'"),
+    ],
+)
+def test_a_bad_value_is_one_line_and_where_help_is(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    lines = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2 and len(lines) == 2 and message in lines[0], lines
+    assert lines[1].strip().startswith("(see `ptdp") and lines[1].strip().endswith("--help`)"), lines
+
+
+def test_the_worker_entry_point_names_the_closest_flags_too(capsys, monkeypatch):
+    from ptdp.run import worker
+
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)  # as under a launcher: no environment set for a world of one
+
+    with pytest.raises(SystemExit) as exit_:
+        worker.main(["--num-layer", "2"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "usage:" not in err, err
+    assert "--num-layer: did you mean --num-layers" in err and "(see `python -m ptdp.train --help`)" in err, err
 
 
 def test_nonpositive_nproc_per_node_is_named(tmp_path, capsys, launched):

@@ -12,7 +12,6 @@ Both resume by themselves when the launcher restarts the job (``--max-restarts``
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import json
@@ -38,6 +37,7 @@ from ptdp.run.restart import check_torchrun_restarts, restart_count, resume_conf
 from ptdp.run.trainer import TrainingError, train
 from ptdp.spec import Config, ConfigError, resolve
 from ptdp.spec.files import apply_config_file
+from ptdp.spec.flags import Parser
 from ptdp.spec.layout import ParallelLayout
 
 #: Waiting for another rank to tokenize a large corpus may take much longer than a collective.
@@ -75,7 +75,7 @@ def worker_entry(config_json: str, run_dir: str, data_dir: str, progress: bool) 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m ptdp.train`` under torchrun (or alone: then a single process)."""
-    parser = argparse.ArgumentParser(prog="python -m ptdp.train", description=__doc__, formatter_class=HelpFormatter)
+    parser = Parser(prog="python -m ptdp.train", description=__doc__, formatter_class=HelpFormatter)
     add_train_arguments(parser, local_launch=False)
     set_single_process_environment()
     rank, local_rank, world = env_world()

@@ -221,15 +221,36 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return Config(**sections, **values[None])
 
 
+class Parser(argparse.ArgumentParser):
+    """An :class:`argparse.ArgumentParser` whose errors are a few lines, not the usage: the error,
+    the closest flags for an unknown or ambiguous one, and where ``--help`` is; exit code 2.
+    Abbreviated flags are refused (``allow_abbrev=False``, as Megatron-LM's parser)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n  (see `{self.prog} --help`)\n")
+
+
+def closest_flags(flag: str, known: list[str], n: int = 3) -> list[str]:
+    """Up to ``n`` flags of ``known`` closest to the unknown ``flag``: those it begins, then
+    difflib's closest."""
+    starts = sorted((k for k in known if k.startswith(flag) and len(flag) > 2), key=len)
+    close = difflib.get_close_matches(flag, known, n=n, cutoff=0.6)
+    return list(dict.fromkeys([*starts, *close]))[:n]
+
+
 def reject_unknown(parser: argparse.ArgumentParser, extra: list[str]) -> None:
-    """Exit 2 through ``parser`` (its own usage) naming the unrecognized arguments ``extra`` and, for
-    each unknown flag, the closest flags ``parser`` knows."""
+    """Exit 2 through ``parser`` naming the unrecognized arguments ``extra`` and, for each unknown
+    flag, the closest flags ``parser`` knows."""
     known = [opt for action in parser._actions for opt in action.option_strings]
     hints = []
     for arg in extra:
         flag = arg.split("=", 1)[0]
         if flag.startswith("-") and flag not in known:
-            close = difflib.get_close_matches(flag, known, n=3, cutoff=0.6)
+            close = closest_flags(flag, known)
             if close:
                 hints.append(f"{flag}: did you mean {' or '.join(close)}?")
     parser.error(f"unrecognized arguments: {' '.join(extra)}" + "".join(f"\n  {h}" for h in hints))
