@@ -103,8 +103,70 @@ def test_end_of_document_token(tmp_path):
     from tokenizers import Tokenizer, models
 
     Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(tmp_path / "no_eos.json"))
-    with pytest.raises(DataError, match=r"no_eos\.json.*no end-of-document token"):
+    with pytest.raises(DataError, match=r"no_eos\.json.*no end-of-document token.*--eod-token TEXT"):
         load_tokenizer_model(tmp_path / "no_eos.json")
+    assert load_tokenizer_model(tmp_path / "no_eos.json", "b").eos_token == "b"
+
+
+def test_an_eod_token_absent_from_the_tokenizer_is_added_and_ends_every_document(corpus, tmp_path):
+    """--eod-token TEXT: the given tokenizer lacks it, so it becomes the next id (300); every document
+    ends with it and nowhere else; the cached tokenizer.json has it, a tokenizer_config.json beside it
+    names it (kept by checkpoints, exported to Hugging Face); the original's settings stay."""
+    from tokenizers import Tokenizer
+
+    source = write_tokenizer_folder(tmp_path / "model", eos_token="</s>")
+    data = prepare_data([corpus], 100, tmp_path / "c", 0.2, None, tokenizer_model=source, eod_token="<|doc|>")
+    assert (data.eos_token, data.eos_id, data.vocab_size) == ("<|doc|>", 300, 301)
+    cached = Tokenizer.from_file(str(data.cache_dir / "tokenizer.json"))
+    assert cached.token_to_id("<|doc|>") == 300 and cached.token_to_id("</s>") == 2
+    named = json.loads((data.cache_dir / "tokenizer_config.json").read_text())
+    assert named == {"eos_token": "<|doc|>", "bos_token": "<s>"}
+    reference = build_tokenizer()
+    texts = [json.loads(json.dumps(t)) for t in make_texts(seed=3, n_docs=30)]
+    encodings = {tuple(reference.encode(t, add_special_tokens=False).ids) for t in texts}
+    documents = 0
+    for prefix in (data.train_prefix, data.valid_prefix):
+        tokens = IndexedTokens(prefix)
+        for i in range(tokens.num_docs):
+            ids = tokens.doc(i).tolist()
+            assert ids[-1] == 300 and 300 not in ids[:-1] and tuple(ids[:-1]) in encodings
+            documents += 1
+    assert documents == 30
+    present = prepare_data([corpus], 100, tmp_path / "c", 0.2, None, tokenizer_model=source, eod_token="<s>")
+    assert (present.eos_id, present.vocab_size) == (1, 300) and present.cache_dir != data.cache_dir
+    assert (present.cache_dir / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+
+
+def test_eod_token_through_ptdp_train(tmp_path, capsys, corpus, launched):
+    """The refused tokenizer's error names --eod-token; with it the run starts on 1 more token; without
+    --tokenizer-model it is refused before anything starts (exit 2)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(tmp_path / "no_eos.json"))
+    base = ["train", *tiny_flags(no_progress=True), "--data", str(corpus), "--data-cache-dir", str(tmp_path / "cache")]
+    code = cli.main([*base, "--tokenizer-model", str(tmp_path / "no_eos.json"), "--output-dir", str(tmp_path / "a")])
+    err = capsys.readouterr().err
+    assert code == 2 and not launched and "--eod-token TEXT" in err, err
+    code = cli.main([*base, "--eod-token", "<|doc|>", "--output-dir", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert code == 2 and not launched and "eod_token='<|doc|>' needs --tokenizer-model" in err, err
+    code = cli.main(
+        [
+            *base,
+            "--tokenizer-model",
+            str(tmp_path / "no_eos.json"),
+            "--eod-token",
+            "<|doc|>",
+            "--output-dir",
+            str(tmp_path / "c"),
+        ]
+    )
+    out = capsys.readouterr()
+    assert code == 1 and len(launched) == 1, out.err  # the stub stops the run after the launch
+    record = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert record["data"]["eod_token"] == "<|doc|>" and record["model"]["vocab_size"] == 3
 
 
 @pytest.fixture

@@ -58,6 +58,7 @@ from ptdp.data.tokenizer import (
     eos_id,
     load_tokenizer_model,
     save_tokenizer,
+    tokenizer_config_beside,
     train_tokenizer,
 )
 
@@ -86,6 +87,7 @@ def prepare_data(
     log: Log | None = print,
     *,
     tokenizer_model: PathLike | None = None,
+    eod_token: str | None = None,
     text_key: str = "text",
     workers: int | None = None,
     progress: bool = True,
@@ -95,7 +97,8 @@ def prepare_data(
     ``paths=None``: the ``.py`` files of the standard library. ``vocab_size``: tokenizer size to
     train (>= 258; unused with ``tokenizer_model``). ``valid_fraction``: expected share of documents
     held out, in (0, 1). ``tokenizer_model``: a ``tokenizer.json`` or a folder with one, used as is
-    (:func:`ptdp.data.tokenizer.load_tokenizer_model`). ``text_key``: the text's field in ``.jsonl``
+    (:func:`ptdp.data.tokenizer.load_tokenizer_model`); ``eod_token``: its end-of-document token,
+    added when absent (None: the one it names). ``text_key``: the text's field in ``.jsonl``
     records and column in tables. ``workers``: encoding processes
     (:func:`ptdp.data.encode.worker_count`; the files do not depend on it). ``progress``:
     progress bars while scanning and encoding (on a terminal only).
@@ -104,7 +107,11 @@ def prepare_data(
         DataError: unusable settings, tokenizer or corpus (the message names the value or path).
     """
     log = log or (lambda _msg: None)
-    tokenizer = load_tokenizer_model(tokenizer_model) if tokenizer_model is not None else None
+    if eod_token is not None and tokenizer_model is None:
+        raise DataError(
+            f"eod_token={eod_token!r} needs a tokenizer_model (ptdp's own ends documents with {EOS_TOKEN!r})"
+        )
+    tokenizer = load_tokenizer_model(tokenizer_model, eod_token) if tokenizer_model is not None else None
     if tokenizer is None:
         check_vocab_size(vocab_size)
     check_valid_fraction(valid_fraction)
@@ -139,6 +146,19 @@ def prepare_data(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _name_eos_token(tokenizer: Path, eos_token: str, out: Path) -> None:
+    """Write ``out``: the ``tokenizer_config.json`` beside ``tokenizer`` (if any) naming
+    ``eos_token`` as its ``eos_token``, so that a checkpoint and its Hugging Face export name the
+    token documents ended with."""
+    beside = tokenizer_config_beside(tokenizer)
+    try:
+        config = json.loads(beside.read_text(encoding="utf-8")) if beside else {}
+    except (OSError, ValueError):
+        config = {}
+    config = config if isinstance(config, dict) else {}
+    out.write_text(json.dumps(config | {"eos_token": eos_token}, indent=2), encoding="utf-8")
 
 
 @dataclass(frozen=True)
@@ -282,10 +302,15 @@ def _build(out_dir: Path, source: _Source, settings: _Settings, log: Log) -> Non
     )
     if given:
         tokenizer, eos_token, vocab_size = given.tokenizer, given.eos_token, given.vocab_size
-        shutil.copyfile(given.path, out_dir / "tokenizer.json")  # as given, byte for byte
+        if given.added_json is None:
+            shutil.copyfile(given.path, out_dir / "tokenizer.json")  # as given, byte for byte
+        else:
+            (out_dir / "tokenizer.json").write_text(given.added_json, encoding="utf-8")
+            _name_eos_token(given.path, eos_token, out_dir / "tokenizer_config.json")
+        added = f" (added as id {eos_id(tokenizer, eos_token)})" if given.added_json is not None else ""
         log(
             f"[data] using tokenizer {str(given.path)!r} as given: {vocab_size} tokens, documents end with "
-            f"{eos_token!r}"
+            f"{eos_token!r}{added}"
         )
     else:
         tokenizer, eos_token = train_tokenizer(sample, settings.vocab_size, length=len(sample)), EOS_TOKEN

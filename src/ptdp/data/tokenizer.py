@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ptdp.data.errors import DataError
 
@@ -141,6 +141,8 @@ class TokenizerModel:
     ``path``: the ``tokenizer.json`` read; ``sha256``: hex digest of its bytes (part of the data
     cache key: another file re-tokenizes); ``eos_token``: the token appended to every document;
     ``vocab_size``: largest id + 1 (added tokens included), the model's vocabulary before padding.
+    ``added_json``: the tokenizer JSON with ``eos_token`` added (``--eod-token`` absent from the
+    file), written instead of the file; None: the file is used as is.
     """
 
     path: Path
@@ -148,15 +150,17 @@ class TokenizerModel:
     sha256: str
     eos_token: str
     vocab_size: int
+    added_json: str | None = None
 
 
-def load_tokenizer_model(path: str | os.PathLike[str]) -> TokenizerModel:
+def load_tokenizer_model(path: str | os.PathLike[str], eod_token: str | None = None) -> TokenizerModel:
     """Read a Hugging Face ``tokenizer.json``, or the one in the folder ``path`` (a downloaded model,
     ``ptdp convert to-hf``'s output), as given: nothing is retrained or changed.
 
-    The end-of-document token is ``eos_token`` of a ``tokenizer_config.json`` beside the file when it
-    names one the tokenizer knows, else the first of :data:`KNOWN_EOS_TOKENS` it knows. Truncation
-    and padding settings in the file are not applied (documents are encoded whole).
+    The end-of-document token is ``eod_token`` when given (added as a special token, with the next
+    id, when the tokenizer lacks it), else ``eos_token`` of a ``tokenizer_config.json`` beside the
+    file when it names one the tokenizer knows, else the first of :data:`KNOWN_EOS_TOKENS` it
+    knows. Truncation and padding settings in the file are not applied (documents are encoded whole).
 
     Raises:
         DataError: naming ``path`` when it does not exist, is a folder without ``tokenizer.json``,
@@ -185,10 +189,14 @@ def load_tokenizer_model(path: str | os.PathLike[str]) -> TokenizerModel:
     except Exception as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DataError(f"--tokenizer-model {str(file)!r} is not a Hugging Face tokenizer.json: {first}") from None
-    eos = _find_eos(tokenizer, file)
+    added_json = None
+    if eod_token is not None and tokenizer.token_to_id(eod_token) is None:
+        tokenizer.add_special_tokens([AddedToken(eod_token, special=True, normalized=False)])
+        added_json = tokenizer.to_str()
+    eos = eod_token if eod_token is not None else _find_eos(tokenizer, file)
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     return TokenizerModel(
-        file, _whole_documents(tokenizer), hashlib.sha256(data).hexdigest(), eos, max(vocab.values()) + 1
+        file, _whole_documents(tokenizer), hashlib.sha256(data).hexdigest(), eos, max(vocab.values()) + 1, added_json
     )
 
 
@@ -235,6 +243,6 @@ def _find_eos(tokenizer: Tokenizer, file: Path) -> str:
     raise DataError(
         f"--tokenizer-model {str(file)!r} has no end-of-document token: none of {list(KNOWN_EOS_TOKENS)}"
         + (f" nor tokenizer_config.json's eos_token {named!r}" if named else "")
-        + " is in its vocabulary, and every document must end with one (a tokenizer_config.json beside it "
-        "can name its eos_token)"
+        + " is in its vocabulary, and every document must end with one: name it with --eod-token TEXT "
+        "(added to the vocabulary when absent), or in a tokenizer_config.json beside it as eos_token"
     )

@@ -50,9 +50,11 @@ def non_finite_step(result, iteration: int, in_a_row: int, limit: int, log: RunL
 def tokenizer_files(data: PreparedData, tokenizer_model: str | None) -> dict[str, Path]:
     """What a checkpoint keeps of the run's tokenizer: its ``tokenizer.json`` and, for a
     ``--tokenizer-model`` with one beside it, the ``tokenizer_config.json`` naming its special
-    tokens (``ptdp convert to-hf`` writes them out as given)."""
+    tokens (``ptdp convert to-hf`` writes them out as given), or the one the prepared data hold
+    (written for an ``--eod-token`` added to the tokenizer)."""
     files = {"tokenizer.json": Path(data.tokenizer_path)}
-    config = tokenizer_config_beside(tokenizer_model) if tokenizer_model else None
+    config = tokenizer_config_beside(data.tokenizer_path) if tokenizer_model else None
+    config = config or (tokenizer_config_beside(tokenizer_model) if tokenizer_model else None)
     return files | ({"tokenizer_config.json": config} if config else {})
 
 

@@ -63,7 +63,7 @@ def _with_given_vocabulary(config: Config) -> Config:
         return config
     from ptdp.data.tokenizer import load_tokenizer_model
 
-    vocab = load_tokenizer_model(config.data.tokenizer_model).vocab_size
+    vocab = load_tokenizer_model(config.data.tokenizer_model, config.data.eod_token).vocab_size
     return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab))
 
 

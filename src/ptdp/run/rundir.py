@@ -62,6 +62,7 @@ def prepare(config: Config, log=print) -> PreparedData:
         d.valid_fraction,
         log=log,
         tokenizer_model=d.tokenizer_model,
+        eod_token=d.eod_token,
         text_key=d.data_text_key,
         workers=d.tokenizer_workers,
         progress=not config.launch.no_progress,

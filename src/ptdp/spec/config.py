@@ -249,6 +249,17 @@ class DataConfig:
     """A Hugging Face ``tokenizer.json`` (or a folder holding one: a model folder, ``ptdp convert
     to-hf``'s output) used as given, never retrained; its size replaces ``--vocab-size``. None:
     train a byte-level BPE of ``vocab_size`` tokens on the corpus."""
+    eod_token: str | None = opt(
+        None,
+        "--eod-token",
+        "the token that ends every document with --tokenizer-model, added to its vocabulary when absent "
+        "(default: tokenizer_config.json's eos_token, else the first known end-of-text token it has)",
+        "data",
+        metavar="TEXT",
+    )
+    """End-of-document token of a ``--tokenizer-model``; added as a special token (id = its size)
+    when the tokenizer lacks it. None: found as :func:`ptdp.data.tokenizer.load_tokenizer_model`
+    says. Needs ``tokenizer_model`` (ptdp's own tokenizer ends documents with ``<|endoftext|>``)."""
     tokenizer_workers: int | None = opt(
         None,
         "--tokenizer-workers",
