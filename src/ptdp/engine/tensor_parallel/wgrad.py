@@ -22,13 +22,15 @@ layer on one weight) thus gets both parts in ``main_grad`` and nothing through a
 learned position embeddings (``[s, h]``, sliced, not looked up) keep autograd's path.
 
 Weights without ``main_grad`` (float32 and float64 models, whose buffer *is* ``param.grad``) get
-their gradient returned as usual. Inside a ``torch.compile`` region autograd's path is kept
+their gradient returned as usual, and so do all weights on a torch that skips a leaf's
+post-accumulate hooks when no gradient reaches it (:func:`hooks_run_without_grad`: torch 2.6). Inside a ``torch.compile`` region autograd's path is kept
 (:func:`fuse_here`): compiled graphs cannot write into a buffer that is not one of their inputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 
 import torch
@@ -38,8 +40,36 @@ from ptdp.engine.comm import AxisGroup, all_reduce_async
 
 
 def fuse_here(weight: torch.Tensor) -> bool:
-    """Whether ``weight``'s gradient goes straight into its float32 ``main_grad`` in this call."""
-    return hasattr(weight, "main_grad") and not torch.compiler.is_compiling()
+    """Whether ``weight``'s gradient goes straight into its float32 ``main_grad`` in this call: it
+    has one, this is not traced by ``torch.compile``, and this torch runs a leaf's post-accumulate
+    hook when no gradient reaches it (:func:`hooks_run_without_grad`)."""
+    return hasattr(weight, "main_grad") and not torch.compiler.is_compiling() and hooks_run_without_grad()
+
+
+@functools.cache
+def hooks_run_without_grad() -> bool:
+    """Whether autograd runs a leaf's post-accumulate-grad hooks when every function using it
+    returned None for its gradient (torch 2.13 does; torch 2.6 skips the accumulation step, so a
+    fused layer's gradient would never be marked complete and its bucket never reduced in
+    backward). Found once per process by a three-element backward on the CPU."""
+    leaf = torch.zeros(3, requires_grad=True)
+    calls: list[int] = []
+    leaf.register_post_accumulate_grad_hook(lambda p: calls.append(1))
+    with torch.inference_mode(False), torch.enable_grad():
+        _NoGrad.apply(torch.ones(3, requires_grad=True), leaf).sum().backward()
+    return calls == [1]
+
+
+class _NoGrad(torch.autograd.Function):
+    """``x + w`` whose backward returns no gradient for ``w`` (:func:`hooks_run_without_grad`)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        return x + w
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def weight_grad(weight: torch.Tensor, grad_rows: torch.Tensor, input_rows: torch.Tensor) -> torch.Tensor | None:

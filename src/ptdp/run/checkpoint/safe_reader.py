@@ -50,7 +50,11 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     """:class:`torch.distributed.checkpoint.FileSystemReader` with an allow-listed index unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any):
-        path = self._get_metadata_path(kwargs.get("rank"))
+        rank = kwargs.get("rank")
+        if hasattr(self, "_get_metadata_path"):
+            path = self._get_metadata_path(rank)
+        else:  # torch 2.6: one index file, no per-rank ones
+            path = self.fs.concat_path(self.path, ".metadata")
         with self.fs.create_stream(path, "rb") as stream:
             metadata = _IndexUnpickler(stream).load()
         if getattr(metadata, "storage_meta", None) is None:
