@@ -658,3 +658,21 @@ def test_the_same_precision_twice_is_fine(capsys):
 def test_async_save_without_save_is_refused(capsys):
     assert cli.main(["train", "--async-save", "--print-config"]) == 2
     assert "--async-save needs a save directory (--save)" in capsys.readouterr().err
+
+
+def test_more_cpu_workers_than_cores_is_said_before_the_start(tmp_path, capsys, launched, monkeypatch):
+    """tp 2 x pp 2 x dp 4 on 2 cores: the warning names both numbers before any worker starts; as many
+    workers as cores say nothing."""
+    import ptdp.commands.train as train_command
+
+    monkeypatch.setattr(train_command, "cpu_cores", lambda: 2)
+    monkeypatch.setattr(train_command, "visible_gpus", lambda: None)
+    code, err = train(
+        capsys, tmp_path, "--nproc-per-node", "16", "--tp", "2", "--pp", "2", "--output-dir", str(tmp_path / "a")
+    )
+    assert code == 1 and len(launched) == 1, err
+    assert "warning: 16 workers on 2 CPU cores, 8 per core" in err, err
+    code, err = train(
+        capsys, tmp_path, "--nproc-per-node", "2", "--tp", "1", "--pp", "1", "--output-dir", str(tmp_path / "b")
+    )
+    assert code == 1 and len(launched) == 2 and "CPU cores" not in err, err

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 
@@ -58,6 +59,22 @@ def visible_gpus() -> int | None:
     return torch.cuda.device_count() if torch.cuda.is_available() else None
 
 
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else os.cpu_count() or 1
+
+
+def oversubscription(nproc: int, cores: int) -> str | None:
+    """The warning for ``nproc`` CPU workers on ``cores`` cores, None when they fit."""
+    if nproc <= cores:
+        return None
+    return (
+        f"warning: {nproc} workers on {cores} CPU cores, {nproc / cores:.3g} per core: each step waits for "
+        f"workers that share a core (at most {cores} worker{'s' if cores > 1 else ''} keep their own core)"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """``ptdp train``: the exit code (0, or 1 when a worker failed; request errors are raised)."""
     from ptdp.commands.train_flags import config_from_args, local_world_size, max_restarts
@@ -73,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     p, m = config.parallel, config.model
     check_request(config, nproc)
+    crowded = None if gpus else oversubscription(nproc, cpu_cores())
+    if crowded:
+        print(crowded, file=sys.stderr, flush=True)
     binding = _binding_plan(p.bind_cpus, nproc)  # a BindingError stops here, before any worker
     config, run_dir, data = prepare_run(config, log=lambda msg: print(msg, flush=True))
     print(
