@@ -1,10 +1,9 @@
 """``ptdp plan`` is a light command: run as a process it imports no torch, and a full search for a
-1T-parameter GPT on 3,072 GPUs costs under a second of CPU time (interpreter start included)."""
+1T-parameter GPT on 3,072 GPUs evaluates a bounded number of layouts, each once."""
 
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -60,27 +59,48 @@ def test_plan_validate_imports_no_torch(tmp_path):
     assert "torch imported: False" in out, out
 
 
-def _cpu_seconds_of(cmd: list[str], env: dict) -> float:
-    """User + system CPU seconds of the child process running ``cmd``."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    assert proc.returncode == 0, proc.stderr
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+COUNT = """
+import contextlib, io, sys
+import ptdp.commands.plan as command
+results = []
+def counted(*args, **kwargs):
+    result = search(*args, **kwargs)
+    results.append(result)
+    return result
+search, command.search = command.search, counted
+from ptdp.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    code = main(sys.argv[1:])
+layouts = [p.layout for r in results for p in [*r.plans, *(plan for plan, _ in r.rejected)]]
+print("exit", code)
+print("torch imported:", "torch" in sys.modules)
+print("evaluated:", sum(r.evaluated for r in results), "distinct:", len(set(layouts)), "fitting:", sum(len(r.plans) for r in results))
+"""
+
+#: the layouts the 1T search may evaluate: every (tp, cp, pp, dp, v, micro-batch, recompute,
+#: sharding) it tries is counted, whatever the machine's speed (the CPU time is a benchmark:
+#: benchmarks/bench_plan_process.py)
+MAX_LAYOUTS = 10_000
 
 
-def test_one_trillion_parameter_search_costs_under_a_cpu_second(tmp_path):
-    """The whole process (interpreter start, imports, search over every layout, report); the
-    fastest of up to 5 runs (stopping at the first under a second), so that a busy machine does
-    not fail it."""
+def test_one_trillion_parameter_search_is_bounded_and_imports_no_torch(tmp_path):
+    """The 1T / 3,072-GPU search as a process: no torch, each layout evaluated once, at most
+    MAX_LAYOUTS of them, and some fit."""
     env = {**os.environ, "PTDP_CACHE_DIR": str(tmp_path / "cache")}
-    cmd = [sys.executable, "-m", "ptdp.cli", "plan", *ONE_T]
-    fastest = float("inf")
-    for _ in range(5):
-        fastest = min(fastest, _cpu_seconds_of(cmd, env))
-        if fastest < 1.0:
-            break
-    assert fastest < 1.0, f"ptdp plan took {fastest:.2f} s of CPU for the 1T / 3,072-GPU search"
+    proc = subprocess.run(
+        [sys.executable, "-c", COUNT, "plan", *ONE_T],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
+    assert "exit 0" in proc.stdout and lines["torch imported"] == "False", proc.stdout
+    counts = lines["evaluated"].split()
+    evaluated, distinct, fitting = int(counts[0]), int(counts[2]), int(counts[4])
+    assert 0 < fitting <= evaluated == distinct <= MAX_LAYOUTS, proc.stdout
 
 
 def test_schedule_command_imports_no_torch(tmp_path):
