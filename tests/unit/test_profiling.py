@@ -76,6 +76,17 @@ class _Event:
         return (end.t - self.t) * 1e3  # milliseconds, like CUDA events
 
 
+def test_the_peak_so_far_never_falls_when_the_kernel_s_count_does(monkeypatch):
+    """VmHWM read twice can fall by a page (Linux's approximate per-CPU page counters): each read
+    gives the highest value read so far, so a metrics line never exceeds the run's summary."""
+    import ptdp.run.profiling as profiling
+
+    readings = iter([343_568_384, 343_564_288, 350_000_000, 349_995_904])
+    monkeypatch.setattr(profiling, "_HIGHEST", [0])
+    monkeypatch.setattr(profiling, "_read_peak_rss", lambda: next(readings))
+    assert [profiling.process_peak_rss() for _ in range(4)] == [343_568_384, 343_568_384, 350_000_000, 350_000_000]
+
+
 def test_event_timed_spans_are_read_once_and_placed_on_the_wall_clock():
     syncs = []
     tracer = Tracer(0, 0, make_event=_Event, synchronize=lambda: syncs.append(1))

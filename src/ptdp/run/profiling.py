@@ -37,7 +37,18 @@ def peak_memory_bytes(device: torch.device | str) -> tuple[int, str]:
 
 
 def process_peak_rss() -> int:
-    """This process's peak resident set size in bytes: ``VmHWM`` (Linux), else ``ru_maxrss``."""
+    """This process's peak resident set size in bytes: ``VmHWM`` (Linux), else ``ru_maxrss``; the
+    highest value read so far in this process. Linux counts resident pages approximately (per-CPU
+    counters), so ``VmHWM`` read twice can fall by a page: a peak so far never does."""
+    _HIGHEST[0] = max(_HIGHEST[0], _read_peak_rss())
+    return _HIGHEST[0]
+
+
+#: the highest peak :func:`process_peak_rss` has read in this process
+_HIGHEST = [0]
+
+
+def _read_peak_rss() -> int:
     with contextlib.suppress(OSError, ValueError):
         with open("/proc/self/status") as status:
             for line in status:
