@@ -91,6 +91,9 @@ def probe_wgrad(config: Config, device: torch.device, budget: Budget) -> dict:
         "status": "fused" if fused else "fell back",
         "shape": {"rows": n, "out": 3 * h, "in": h, "dtype": str(dtype)},
         "error": after["error"],
+        # False: this torch runs no post-accumulate hook without a gradient, so training keeps
+        # autograd's 16-bit weight gradients and never calls the fused GEMM (wgrad.fuse_here)
+        "layers_fuse": wgrad.hooks_run_without_grad(),
         "warnings": [str(w.message) for w in caught],
         "max_rel_err_vs_float64": float((main.double() - exact).abs().max() / scale),
         "gemm_16_bit_max_rel_err_vs_float64": float(((g.t() @ x).double() - exact).abs().max() / scale),

@@ -84,6 +84,8 @@ def wgrad_record(device: torch.device, dtype: str) -> dict:
         out["status"] = f"not used: {dtype} weights have no float32 main gradient"
     elif out["fallback"] or out["error"]:
         out["status"] = "fell back"
+    elif not wgrad.hooks_run_without_grad():
+        out["status"] = "not used: this torch runs no post-accumulate hook without a gradient"
     else:
         out["status"] = "fused" if out["fused"] else "not called"
     return out
