@@ -14,7 +14,7 @@ from ptdp.engine.comm import AxisGroup
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.tensor_parallel.wgrad import embedding, hooks_run_without_grad
 
-#: the fused lookup is off on a torch that skips a leaf's post-accumulate hooks without a gradient (2.6)
+#: the fused lookup is off on a torch that skips a leaf's post-accumulate hooks without a gradient (2.7)
 needs_fusion = pytest.mark.skipif(
     not hooks_run_without_grad(), reason="this torch runs no post-accumulate hook without a gradient"
 )

@@ -14,7 +14,7 @@ from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ptdp.engine.tensor_parallel.wgrad import linear, weight_grad
 
-#: the fused paths are off on a torch that skips a leaf's post-accumulate hooks without a gradient (2.6)
+#: the fused paths are off on a torch that skips a leaf's post-accumulate hooks without a gradient (2.7)
 needs_fusion = pytest.mark.skipif(
     not wgrad.hooks_run_without_grad(), reason="this torch runs no post-accumulate hook without a gradient"
 )
@@ -57,7 +57,7 @@ def test_linear_weight_gradients_land_in_main_grad_without_a_16_bit_grad():
 
 
 def test_where_hooks_need_a_gradient_autograds_path_feeds_the_buffer(monkeypatch):
-    """On a torch that runs no post-accumulate hook for a leaf without a gradient (2.6), the layers
+    """On a torch that runs no post-accumulate hook for a leaf without a gradient (2.7), the layers
     hand autograd their 16-bit gradients: the buffer's hook runs for every parameter once per
     microbatch and adds them, to the main gradients the fused path gives (bfloat16 rounding)."""
     grads = {}
@@ -143,7 +143,7 @@ def test_a_failing_fused_gemm_is_warned_once_counted_and_not_retried(monkeypatch
 
 
 def test_a_torch_without_the_dtype_out_overload_falls_back(monkeypatch):
-    """torch 2.6 (the floor) has no ``addmm.dtype_out`` overload: looking it up raises AttributeError."""
+    """torch 2.7 (the floor) has no ``addmm.dtype_out`` overload: looking it up raises AttributeError."""
     monkeypatch.setattr(wgrad, "FUSED_GEMM", wgrad.FusedGemmRecord())
 
     def missing(*args):

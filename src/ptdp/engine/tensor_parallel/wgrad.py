@@ -23,7 +23,7 @@ learned position embeddings (``[s, h]``, sliced, not looked up) keep autograd's 
 
 Weights without ``main_grad`` (float32 and float64 models, whose buffer *is* ``param.grad``) get
 their gradient returned as usual, and so do all weights on a torch that skips a leaf's
-post-accumulate hooks when no gradient reaches it (:func:`hooks_run_without_grad`: torch 2.6). Inside a ``torch.compile`` region autograd's path is kept
+post-accumulate hooks when no gradient reaches it (:func:`hooks_run_without_grad`: torch 2.7). Inside a ``torch.compile`` region autograd's path is kept
 (:func:`fuse_here`): compiled graphs cannot write into a buffer that is not one of their inputs.
 """
 
@@ -49,7 +49,7 @@ def fuse_here(weight: torch.Tensor) -> bool:
 @functools.cache
 def hooks_run_without_grad() -> bool:
     """Whether autograd runs a leaf's post-accumulate-grad hooks when every function using it
-    returned None for its gradient (torch 2.13 does; torch 2.6 skips the accumulation step, so a
+    returned None for its gradient (torch 2.8 and later do; torch 2.7 skips the accumulation step, so a
     fused layer's gradient would never be marked complete and its bucket never reduced in
     backward). Found once per process by a three-element backward on the CPU."""
     leaf = torch.zeros(3, requires_grad=True)

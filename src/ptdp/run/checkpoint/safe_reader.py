@@ -53,7 +53,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         rank = kwargs.get("rank")
         if hasattr(self, "_get_metadata_path"):
             path = self._get_metadata_path(rank)
-        else:  # torch 2.6: one index file, no per-rank ones
+        else:  # torch 2.7: one index file, no per-rank ones
             path = self.fs.concat_path(self.path, ".metadata")
         with self.fs.create_stream(path, "rb") as stream:
             metadata = _IndexUnpickler(stream).load()
