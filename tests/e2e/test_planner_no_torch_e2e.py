@@ -38,10 +38,11 @@ print("ptdp modules:", sorted(m for m in sys.modules if m.startswith("ptdp")))
 """
 
 
-def _plan_in_subprocess(args: list[str], tmp_path: Path) -> str:
+def _in_subprocess(args: list[str], tmp_path: Path, code: str = PROBE) -> str:
+    """The output of ``code`` run as ``python -c code ARGS`` (ptdp's CLI arguments), which must exit 0."""
     env = {**os.environ, "PTDP_CACHE_DIR": str(tmp_path / "cache"), "MPLBACKEND": "Agg"}
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE, "plan", *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
@@ -49,13 +50,15 @@ def _plan_in_subprocess(args: list[str], tmp_path: Path) -> str:
 
 @pytest.mark.parametrize("extra", [[], ["--json"], ["--plot", "plan.png"]], ids=["table", "json", "plot"])
 def test_plan_search_imports_no_torch(extra, tmp_path):
-    out = _plan_in_subprocess(["--model", "gpt3-175b", "--gpus", "64", "--global-batch-size", "1536", *extra], tmp_path)
+    out = _in_subprocess(
+        ["plan", "--model", "gpt3-175b", "--gpus", "64", "--global-batch-size", "1536", *extra], tmp_path
+    )
     assert "exit 0" in out
     assert "torch imported: False" in out, out
 
 
 def test_plan_validate_imports_no_torch(tmp_path):
-    out = _plan_in_subprocess(["--validate", str(PUBLISHED)], tmp_path)
+    out = _in_subprocess(["plan", "--validate", str(PUBLISHED)], tmp_path)
     assert "torch imported: False" in out, out
 
 
@@ -86,48 +89,19 @@ MAX_LAYOUTS = 10_000
 def test_one_trillion_parameter_search_is_bounded_and_imports_no_torch(tmp_path):
     """The 1T / 3,072-GPU search as a process: no torch, each layout evaluated once, at most
     MAX_LAYOUTS of them, and some fit."""
-    env = {**os.environ, "PTDP_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run(
-        [sys.executable, "-c", COUNT, "plan", *ONE_T],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
-    assert "exit 0" in proc.stdout and lines["torch imported"] == "False", proc.stdout
+    out = _in_subprocess(["plan", *ONE_T], tmp_path, COUNT)
+    lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+    assert "exit 0" in out and lines["torch imported"] == "False", out
     counts = lines["evaluated"].split()
     evaluated, distinct, fitting = int(counts[0]), int(counts[2]), int(counts[4])
-    assert 0 < fitting <= evaluated == distinct <= MAX_LAYOUTS, proc.stdout
+    assert 0 < fitting <= evaluated == distinct <= MAX_LAYOUTS, out
 
 
 def test_schedule_command_imports_no_torch(tmp_path):
     """``ptdp schedule`` (programs, the NCCL model, the bubble) is pure: no torch in the process."""
-    env = {**os.environ, "PTDP_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            PROBE,
-            "schedule",
-            "--pipeline-schedule",
-            "interleaved-1f1b",
-            "--pp",
-            "4",
-            "--num-microbatches",
-            "16",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "exit 0" in proc.stdout and "torch imported: False" in proc.stdout
+    args = ["schedule", "--pipeline-schedule", "interleaved-1f1b", "--pp", "4", "--num-microbatches", "16", "--json"]
+    out = _in_subprocess(args, tmp_path)
+    assert "exit 0" in out and "torch imported: False" in out
 
 
 def test_a_bad_train_request_is_answered_without_importing_torch(tmp_path):
