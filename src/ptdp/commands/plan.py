@@ -12,7 +12,7 @@ from ptdp.planner.explain import distance_from_best, explain_pick
 from ptdp.planner.fp8 import fp8_precision
 from ptdp.planner.hardware import CATALOG, Cluster, GiB, GPUSpec, get_gpu, load_catalog, runs_flash_attention
 from ptdp.planner.hf_config import is_config_path, load_hf_config
-from ptdp.planner.models import ModelSpec, get_model
+from ptdp.planner.models import PRESETS, PUBLISHED_BATCH, ModelSpec, get_model, published_batch
 from ptdp.planner.perf import DEFAULT_CONSTANTS
 from ptdp.planner.report import json_report, plot, text_report
 from ptdp.planner.request import check_fixed_choices, check_model, check_output_path, check_request, check_stage_layers
@@ -217,6 +217,8 @@ class PlanRequest:
     constants: object
     overhead: float | None
     notes: list[str]
+    global_batch_source: str = "--global-batch-size"
+    """Where ``global_batch_size`` came from: the flag, or the preset's published batch."""
 
     def search(self, *, fixed: Fixed | None = None) -> SearchResult:
         return search(
@@ -238,8 +240,13 @@ class PlanRequest:
 def prepare(args: argparse.Namespace, model: ModelSpec | None = None) -> PlanRequest:
     """Check the flags of a search and build its model, cluster and fixed choices (``model``: use
     this one instead of ``--model``, the shape flags applied to it). Raises ConfigError naming the rule."""
-    if args.gpus is None or args.global_batch_size is None:
-        raise ConfigError("ptdp plan needs --gpus N and --global-batch-size B (or --validate CSV, or --calibrate)")
+    if args.gpus is None:
+        if args.global_batch_size is None:
+            raise ConfigError(
+                "ptdp plan needs --gpus N and --global-batch-size B, or --validate CSV, or --calibrate "
+                "(B defaults to a preset's published batch)"
+            )
+        raise ConfigError("ptdp plan needs --gpus N (or --validate CSV, or --calibrate)")
     if args.plot:
         check_output_path(args.plot, "--plot", (".png", ".pdf", ".svg"))
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
@@ -254,13 +261,16 @@ def prepare(args: argparse.Namespace, model: ModelSpec | None = None) -> PlanReq
     model, model_notes = model_from_args(args, gpu, base=model)
     notes = [*model_notes, *notes]
     check_model(model)
+    global_batch_size, batch_source = global_batch(args.global_batch_size, model)
+    if args.global_batch_size is None:
+        notes.insert(0, f"global batch size {global_batch_size}: {batch_source} (--global-batch-size to change)")
     if args.pipeline_layer_split is not None:
         stage_layer_counts(model.num_layers, len(args.pipeline_layer_split), args.pipeline_layer_split)
     fixed = _counted_chunks_as_v(fixed_from_args(args), model.num_layers)
     check_stage_layers(model.num_layers, fixed)
     overhead = None if args.memory_overhead_gib is None else args.memory_overhead_gib * GiB
-    check_request(cluster, args.global_batch_size, fixed, top=args.top, overhead_bytes=overhead)
-    check_fixed_choices(model, args.global_batch_size, fixed)
+    check_request(cluster, global_batch_size, fixed, top=args.top, overhead_bytes=overhead)
+    check_fixed_choices(model, global_batch_size, fixed)
     precision = plan_precision(args) or ("bf16" if "bf16" in gpu.peak_flops else sorted(gpu.peak_flops)[0])
     if precision not in gpu.peak_flops:
         raise ConfigError(f"{gpu.name} has no peak FLOP/s for {precision}; known: {sorted(gpu.peak_flops)}")
@@ -268,7 +278,26 @@ def prepare(args: argparse.Namespace, model: ModelSpec | None = None) -> PlanReq
         precision = fp8_precision(gpu, precision)
     constants, overlap_notes = overlap_constants(args, constants, fixed)
     notes += overlap_notes
-    return PlanRequest(model, cluster, args.global_batch_size, fixed, precision, constants, overhead, notes)
+    return PlanRequest(model, cluster, global_batch_size, fixed, precision, constants, overhead, notes, batch_source)
+
+
+def global_batch(given: int | None, model: ModelSpec) -> tuple[int, str]:
+    """(``--global-batch-size``, else the batch the preset ``model`` was published with; where it
+    came from). ConfigError naming the flag when neither exists."""
+    if given is not None:
+        return given, "--global-batch-size"
+    published = published_batch(model)
+    if published is not None:
+        return published[0], f"{model.name}'s published batch, {published[1]}"
+    need = "ptdp plan needs --global-batch-size B"
+    if model.name in PUBLISHED_BATCH:
+        raise ConfigError(
+            f"{need}: {model.name}'s published batch ({PUBLISHED_BATCH[model.name][0]}) is for its own "
+            "shape, which the shape flags change"
+        )
+    if model.name in PRESETS:
+        raise ConfigError(f"{need}: {model.name} has no published global batch size to start from")
+    raise ConfigError(f"{need} (or --validate CSV, or --calibrate)")
 
 
 def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
@@ -316,7 +345,7 @@ def _plan(args: argparse.Namespace) -> int:
     request = prepare(args)
     result = request.search()
     if args.json:
-        print(json_report(result, top=args.top))
+        print(json_report(result, top=args.top, fields={"global_batch_size_source": request.global_batch_source}))
     else:
         for note in request.notes:
             print(note)

@@ -16,7 +16,7 @@ trained and released. ``ptdp plan --use-flash-attn / --no-use-flash-attn`` overr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 #: The linear layers of a transformer layer: fused QKV, attention output projection, fc1 (GELU's
 #: input, or SwiGLU's gate and up), fc2.
@@ -172,6 +172,52 @@ PRESETS["gpt-1t"] = PRESETS["gpt-1008b"]
 # Llama 3.1 keeps Llama 3's shapes (Dubey et al. 2024, Table 3); its longer context is a later stage.
 for _size in ("8b", "70b", "405b"):
     PRESETS[f"llama3.1-{_size}"] = PRESETS[f"llama3-{_size}"]
+
+
+#: The global batch (sequences per step) each preset was published with, and where: ``ptdp
+#: plan``'s default ``--global-batch-size`` for that preset. Llama 3 8B and 70B are absent: the
+#: Llama 3 paper gives the batch of 405B only.
+PUBLISHED_BATCH: dict[str, tuple[int, str]] = {
+    # Narayanan et al. SC21 (arXiv:2104.04473), Table 1, column "Batch size".
+    **{
+        name: (batch, "Narayanan et al. SC21, Table 1")
+        for name, batch in (
+            ("gpt-1.7b", 512),
+            ("gpt-3.6b", 512),
+            ("gpt-7.5b", 512),
+            ("gpt-18.4b", 1024),
+            ("gpt-39.1b", 1536),
+            ("gpt-76.1b", 1792),
+            ("gpt-145.6b", 2304),
+            ("gpt-310.1b", 2160),
+            ("gpt-529.6b", 2520),
+            ("gpt-1008b", 3072),
+        )
+    },
+    # GPT-3 175B as Megatron trains it: Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh
+    # (--global-batch-size 1536). Brown et al.'s Table 2.1 gives 3.2M tokens, 1,562.5 sequences of 2,048.
+    "gpt3-175b": (1536, "Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh"),
+    # Touvron et al. 2023 (arXiv:2307.09288), Table 1: "a global batch-size of 4M tokens" for every
+    # size, 1,024 sequences of 4,096.
+    **{f"llama2-{size}": (1024, "Touvron et al. 2023, Table 1: 4M tokens") for size in ("7b", "13b", "70b")},
+    # Dubey et al. 2024 (arXiv:2407.21783), Table 4: 16M tokens per batch at 8,192 tokens (32 per
+    # data-parallel rank x dp 64), 2,048 sequences.
+    "llama3-405b": (2048, "Dubey et al. 2024, Table 4: 16M tokens"),
+    # The model card of nvidia/Nemotron-4-340B-Base: "trained with a global batch-size of 2304, a
+    # sequence length of 4096 tokens" (the last stage of the ramp in arXiv:2406.11704, Table 2).
+    "nemotron4-340b": (2304, "the nvidia/Nemotron-4-340B-Base model card"),
+}
+
+
+def published_batch(model: ModelSpec) -> tuple[int, str] | None:
+    """(global batch, source) published for the preset ``model``, when its shape is the preset's
+    (the attention kernel aside); None for a preset without one, a changed shape, other models."""
+    preset = PRESETS.get(model.name)
+    if preset is None or model.name not in PUBLISHED_BATCH:
+        return None
+    if replace(model, flash_attention=preset.flash_attention) != preset:
+        return None
+    return PUBLISHED_BATCH[model.name]
 
 
 class UnknownModelError(ValueError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ptdp.planner.hardware import Cluster, GiB
 from ptdp.planner.models import ModelSpec
@@ -164,9 +164,10 @@ def json_records(result: SearchResult, *, top: int = 10) -> list[dict]:
     return [p.to_json() for p in result.plans[:top] + representatives(result)]
 
 
-def json_report(result: SearchResult, *, top: int = 10) -> str:
-    """:func:`json_records` as a JSON list (``ptdp plan --json``)."""
-    return json.dumps(json_records(result, top=top), indent=2)
+def json_report(result: SearchResult, *, top: int = 10, fields: Mapping[str, object] | None = None) -> str:
+    """:func:`json_records` as a JSON list (``ptdp plan --json``), ``fields`` of the request (such
+    as ``global_batch_size_source``) added to every record."""
+    return json.dumps([{**record, **(fields or {})} for record in json_records(result, top=top)], indent=2)
 
 
 ABBREVIATIONS = (

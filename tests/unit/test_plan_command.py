@@ -1,0 +1,66 @@
+"""``ptdp plan``'s request as the user sees it: the defaults it takes and says, and the notes on
+flags that change nothing."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from ptdp.cli import main
+from ptdp.planner.models import PRESETS, PUBLISHED_BATCH
+
+DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
+
+
+def test_a_presets_published_batch_is_the_default_and_is_said(capsys):
+    base = ["plan", "--model", "gpt-1.7b", "--gpus", "8", "--top", "2"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == (
+        "global batch size 512: gpt-1.7b's published batch, Narayanan et al. SC21, Table 1 "
+        "(--global-batch-size to change)"
+    )
+    assert main([*base, "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert records and {(r["global_batch_size"], r["global_batch_size_source"]) for r in records} == {
+        (512, "gpt-1.7b's published batch, Narayanan et al. SC21, Table 1")
+    }
+    assert main([*base, "--global-batch-size", "64"]) == 0
+    assert "global batch size" not in capsys.readouterr().out
+    assert main([*base, "--global-batch-size", "64", "--json"]) == 0
+    assert {r["global_batch_size_source"] for r in json.loads(capsys.readouterr().out)} == {"--global-batch-size"}
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--model", "llama3-70b"], "--global-batch-size B: llama3-70b has no published global batch size"),
+        (["--model", "gpt-1.7b", "--num-layers", "12"], "gpt-1.7b's published batch (512) is for its own shape"),
+        (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"], "needs --global-batch-size B"),
+    ],
+)
+def test_without_a_published_batch_the_flag_is_named(extra, message, capsys):
+    assert main(["plan", "--gpus", "8", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_hugging_face_config_needs_the_flag(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4}))
+    assert main(["plan", "--model", str(tmp_path), "--gpus", "8"]) == 2
+    assert "ptdp plan needs --global-batch-size B" in capsys.readouterr().err
+
+
+def test_published_batches_equal_the_validation_tables():
+    """The SC21 presets' batches are Table 1's rows of published_runs.csv; Llama 3 405B's is Table 4's."""
+    with open(DATA / "published_runs.csv", newline="") as f:
+        table1 = [r for r in csv.DictReader(f) if r["source"].startswith("Narayanan")]
+    shapes = {(m.num_layers, m.hidden_size, m.num_attention_heads): m.name for m in PRESETS.values()}
+    batches = {shapes[int(r["layers"]), int(r["hidden"]), int(r["heads"])]: int(r["global_batch"]) for r in table1}
+    assert len(batches) == 10
+    assert {name: PUBLISHED_BATCH[name][0] for name in batches} == batches
+    with open(DATA / "published_runs_h100.csv", newline="") as f:
+        llama = [r for r in csv.DictReader(f) if r["model"] == "Llama 3 405B" and r["seq_len"] == "8192"]
+    assert {int(r["global_batch"]) for r in llama} == {PUBLISHED_BATCH["llama3-405b"][0]}
