@@ -64,3 +64,37 @@ def test_published_batches_equal_the_validation_tables():
     with open(DATA / "published_runs_h100.csv", newline="") as f:
         llama = [r for r in csv.DictReader(f) if r["model"] == "Llama 3 405B" and r["seq_len"] == "8192"]
     assert {int(r["global_batch"]) for r in llama} == {PUBLISHED_BATCH["llama3-405b"][0]}
+
+
+PLAN = ["plan", "--model", "llama2-7b", "--gpus", "8", "--global-batch-size", "64", "--tp", "2", "--pp", "1"]
+
+
+@pytest.mark.parametrize(
+    "extra, note",
+    [
+        (["--cp", "1", "--cp-comm-type", "all_gather"], "note: --cp-comm-type all_gather changes nothing with --cp 1"),
+        (
+            ["--recompute-granularity", "selective"],
+            "note: --recompute-granularity selective changes nothing with flash",
+        ),
+    ],
+)
+def test_flags_that_change_nothing_are_noted(extra, note, capsys):
+    assert main([*PLAN, *extra]) == 0
+    assert note in capsys.readouterr().out
+    assert main(PLAN) == 0
+    assert "changes nothing" not in capsys.readouterr().out
+
+
+def test_selective_recompute_with_flash_attention_is_planned_as_none():
+    """What the note says: the same memory and step as no recompute."""
+    from ptdp.planner.hardware import CATALOG, Cluster
+    from ptdp.planner.search import Fixed, search
+
+    cluster = Cluster(CATALOG["h100-sxm"], 8)
+    fixed = dict(tp=2, pp=1, dp=4, micro_batch_size=1, sequence_parallel=True, sharding="optim")
+    plans = [
+        search(PRESETS["llama2-7b"], cluster, 64, fixed=Fixed(**fixed, recompute=r)).plans[0]
+        for r in ("selective", "none")
+    ]
+    assert plans[0].need_memory() == plans[1].need_memory() and plans[0].need_time() == plans[1].need_time()

@@ -15,7 +15,14 @@ from ptdp.planner.hf_config import is_config_path, load_hf_config
 from ptdp.planner.models import PRESETS, PUBLISHED_BATCH, ModelSpec, get_model, published_batch
 from ptdp.planner.perf import DEFAULT_CONSTANTS
 from ptdp.planner.report import json_report, plot, text_report
-from ptdp.planner.request import check_fixed_choices, check_model, check_output_path, check_request, check_stage_layers
+from ptdp.planner.request import (
+    check_fixed_choices,
+    check_model,
+    check_output_path,
+    check_request,
+    check_stage_layers,
+    ineffective_flag_notes,
+)
 from ptdp.planner.search import Fixed, SearchResult, search
 from ptdp.spec import ConfigError, stage_layer_counts, virtual_stages
 
@@ -271,6 +278,7 @@ def prepare(args: argparse.Namespace, model: ModelSpec | None = None) -> PlanReq
     overhead = None if args.memory_overhead_gib is None else args.memory_overhead_gib * GiB
     check_request(cluster, global_batch_size, fixed, top=args.top, overhead_bytes=overhead)
     check_fixed_choices(model, global_batch_size, fixed)
+    notes += ineffective_flag_notes(model, fixed)
     precision = plan_precision(args) or ("bf16" if "bf16" in gpu.peak_flops else sorted(gpu.peak_flops)[0])
     if precision not in gpu.peak_flops:
         raise ConfigError(f"{gpu.name} has no peak FLOP/s for {precision}; known: {sorted(gpu.peak_flops)}")

@@ -144,6 +144,24 @@ def _check_accounting(num_layers: int, fixed, counted: tuple[bool, bool]) -> Non
             raise ConfigError(f"invalid plan request:\n  {e}") from None
 
 
+def ineffective_flag_notes(model: ModelSpec, fixed) -> list[str]:
+    """Notes on flags given that change nothing in the plan, each saying why: ``--cp-comm-type``
+    with ``--cp 1`` and ``--recompute-granularity selective`` with flash attention."""
+    notes = []
+    if getattr(fixed, "cp", None) == 1 and getattr(fixed, "cp_comm_type", None) is not None:
+        notes.append(
+            f"note: --cp-comm-type {fixed.cp_comm_type} changes nothing with --cp 1: without context "
+            "parallelism no keys and values are exchanged"
+        )
+    if fixed.recompute == "selective" and model.flash_attention:
+        notes.append(
+            "note: --recompute-granularity selective changes nothing with flash attention: the kernel "
+            "keeps no s x s attention scores, so recomputing the attention core saves no memory (planned "
+            "as none; --no-use-flash-attn plans the unfused kernel)"
+        )
+    return notes
+
+
 def check_output_path(path: str, flag: str, suffixes: tuple[str, ...] = ()) -> None:
     """The file ``path`` can be written (its folder exists and is writable; a known suffix)."""
     p = Path(path)
