@@ -153,3 +153,20 @@ def test_cli_errors_exit_2(tmp_path, capsys):
     assert main(["plan", "--model", str(empty), "--gpus", "8", "--global-batch-size", "8"]) == 2
     assert "has no config.json" in capsys.readouterr().err
     assert main(["plan", "--model", "no-such-preset", "--gpus", "8", "--global-batch-size", "8"]) == 2
+
+
+def test_gpt2_vocabulary_is_planned_padded_as_ptdp_train_pads_it(tmp_path, capsys):
+    """GPT-2's 50,257 tokens: the plan's weights are those with the vocabulary ptdp train pads to
+    (``padded_vocab_size``, 50,304 at tp 1), not the 50,257 rows of the Hugging Face model."""
+    from ptdp.spec import ModelConfig, padded_vocab_size
+
+    shape = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=50257, n_positions=64)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**shape))
+    hf.config.save_pretrained(tmp_path)
+    padded = padded_vocab_size(50257, ModelConfig().make_vocab_size_divisible_by, 1)
+    assert padded == 50304
+    expected = sum(p.numel() for p in hf.parameters()) + (padded - 50257) * 64  # one tied table
+    argv = ["plan", "--model", str(tmp_path), "--gpus", "1", "--global-batch-size", "8", "--bf16", "--json"]
+    assert main(argv) == 0
+    plans = [p for p in json.loads(capsys.readouterr().out) if p["fits"]]
+    assert plans and {p["memory_bytes"]["params"] for p in plans} == {2.0 * expected}  # bf16 weights
