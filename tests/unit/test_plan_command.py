@@ -31,7 +31,7 @@ def test_a_presets_published_batch_is_the_default_and_is_said(capsys):
     assert main([*base, "--global-batch-size", "64"]) == 0
     assert "global batch size" not in capsys.readouterr().out
     assert main([*base, "--global-batch-size", "64", "--json"]) == 0
-    assert {r["global_batch_size_source"] for r in json.loads(capsys.readouterr().out)} == {"--global-batch-size"}
+    assert not any("global_batch_size_source" in r for r in json.loads(capsys.readouterr().out))
 
 
 @pytest.mark.parametrize(

@@ -353,7 +353,9 @@ def _plan(args: argparse.Namespace) -> int:
     request = prepare(args)
     result = request.search()
     if args.json:
-        print(json_report(result, top=args.top, fields={"global_batch_size_source": request.global_batch_source}))
+        defaulted = args.global_batch_size is None  # records as the Python API's when the flag is given
+        fields = {"global_batch_size_source": request.global_batch_source} if defaulted else {}
+        print(json_report(result, top=args.top, fields=fields))
     else:
         for note in request.notes:
             print(note)
