@@ -98,3 +98,25 @@ def test_selective_recompute_with_flash_attention_is_planned_as_none():
         for r in ("selective", "none")
     ]
     assert plans[0].need_memory() == plans[1].need_memory() and plans[0].need_time() == plans[1].need_time()
+
+
+def test_the_layout_found_with_nothing_fixed_is_printed_as_flags_that_plan_it(capsys):
+    """With no layout fitting the fixed choices, the best free one is given as flags (no Python
+    spellings such as ``layer_split=None``), and those flags plan it."""
+    base = ["plan", "--model", "gpt-1.7b", "--gpus", "8", "--global-batch-size", "64", "--top", "1"]
+    assert main([*base, "--pp", "2", "--num-layers-per-virtual-pipeline-stage", "5"]) == 1  # 24 % (2 * 5)
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("with nothing fixed"))
+    flags = line.split(": ", 1)[1]
+    assert flags.startswith("--tp ") and "None" not in out and "True" not in out
+    assert main([*base, *flags.split(), "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)[0]
+    assert best["fits"] and f"--tp {best['tp']} " in flags and f"--pp {best['pp']} " in flags
+
+
+def test_request_errors_use_the_flags_words(capsys):
+    base = ["plan", "--model", "gpt-1.7b", "--gpus", "8", "--global-batch-size", "64"]
+    assert main([*base, "--pp", "4", "--pipeline-layer-split", "12,12"]) == 2
+    assert "--pipeline-layer-split 12,12 has 2 stages but --pp 4" in capsys.readouterr().err
+    assert main([*base, "--params-dtype", "float64"]) == 2
+    assert "--params-dtype float64: the planner models" in capsys.readouterr().err

@@ -72,7 +72,11 @@ def test_distance_of_a_fixed_layout_from_the_best():
         "your fixed choices include the best layout the search finds with nothing fixed"
     ]
     assert distance_from_best(best, None) == []
-    assert distance_from_best(None, best)[0].startswith("with nothing fixed the search finds a fitting layout: tp=8")
+    assert distance_from_best(None, best) == [
+        "with nothing fixed the search finds a fitting layout: --tp 8 --pp 16 --dp 128 --micro-batch-size 1 "
+        "--virtual-pipeline-stages 2 --recompute-granularity none --no-sequence-parallel "
+        "--data-parallel-sharding-strategy no_shard"
+    ]
 
 
 def test_ptdp_plan_explains_its_pick_and_a_fixed_layouts_distance(capsys):
@@ -157,3 +161,28 @@ def test_the_split_flags_the_report_prints_can_be_given_back(capsys):
     assert cli.main([*base, *flags]) == 0
     again = json.loads(capsys.readouterr().out)[0]
     assert (again["virtual_stages"], again["layer_split"]) == (best["virtual_stages"], best["layer_split"])
+
+
+def test_differences_say_even_and_not_set_rather_than_none():
+    split = dataclasses.replace(B, layer_split=(7, 9), pp=2, ddp_bucket_size=1000)
+    assert layout_differences(_plan(B), _plan(split)) == [
+        "pp 16 vs 2",
+        "layer split even vs 7,9",
+        "ddp_bucket_size not set vs 1000",
+    ]
+
+
+def test_layout_flags_give_the_split_cp_and_non_default_options():
+    from ptdp.planner.explain import layout_flags
+
+    uneven = Layout(2, 4, 2, 1, 64, layer_split=(5, 7, 7, 5), cp=2, cp_comm_type="all_gather")
+    assert layout_flags(uneven) == (
+        "--tp 2 --cp 2 --cp-comm-type all_gather --pp 4 --dp 2 --micro-batch-size 1 "
+        "--decoder-first-pipeline-num-layers 5 --decoder-last-pipeline-num-layers 5 --recompute-granularity none "
+        "--no-sequence-parallel --data-parallel-sharding-strategy no_shard"
+    )
+    options = dataclasses.replace(B, ddp_bucket_size=1000, overlap_grad_reduce=False, sharding="optim_grads_params")
+    assert layout_flags(dataclasses.replace(options, reshard_after_forward=False)).endswith(
+        "--data-parallel-sharding-strategy optim_grads_params --ddp-bucket-size 1000 --no-overlap-grad-reduce "
+        "--no-reshard-after-forward"
+    )

@@ -100,15 +100,16 @@ def _write(tmp_path, config: dict):
 @pytest.mark.parametrize(
     "config,words",
     [
-        ({"model_type": "mixtral", "num_local_experts": 8}, ["model_type='mixtral'", "llama, mistral, qwen2, gpt2"]),
+        ({"model_type": "mixtral", "num_local_experts": 8}, ['model_type="mixtral"', "llama, mistral, qwen2, gpt2"]),
         ({"model_type": "llama", "num_local_experts": 8}, ["num_local_experts=8", "dense"]),
         ({"model_type": "qwen2", "num_experts": 64}, ["num_experts=64"]),
         (
             {"model_type": "llama", "hidden_size": 5120, "num_attention_heads": 32, "head_dim": 128},
             ["head_dim=128", "5120 / 32"],
         ),
-        ({"model_type": "llama", "hidden_size": "big"}, ["hidden_size='big'", "positive integer"]),
-        ({"model_type": "gpt2", "add_cross_attention": True}, ["add_cross_attention"]),
+        ({"model_type": "llama", "hidden_size": "big"}, ['hidden_size="big"', "positive integer"]),
+        ({"model_type": "gpt2", "add_cross_attention": True}, ["add_cross_attention=true"]),
+        ({"model_type": "gpt2", "n_layer": None}, ["n_layer=null must be a positive integer"]),
         ([1, 2], ["JSON list"]),
     ],
 )
@@ -129,7 +130,7 @@ def test_cost_notes(tmp_path):
     _, notes = load_hf_config(_write(tmp_path, {"model_type": "qwen2", "sliding_window": 4096}))
     assert notes == []  # use_sliding_window is False by default
     _, notes = load_hf_config(_write(tmp_path, {"model_type": "llama", "rope_scaling": {"rope_type": "llama3"}}))
-    assert len(notes) == 1 and "'llama3' ignored" in notes[0]
+    assert len(notes) == 1 and 'rotary scaling "llama3" ignored' in notes[0]
 
 
 def test_cli_plans_a_config_folder(tmp_path, capsys):
@@ -147,7 +148,7 @@ def test_cli_errors_exit_2(tmp_path, capsys):
         )
         == 2
     )
-    assert "model_type='t5' is not supported" in capsys.readouterr().err
+    assert 'model_type="t5" is not supported' in capsys.readouterr().err
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["plan", "--model", str(empty), "--gpus", "8", "--global-batch-size", "8"]) == 2

@@ -194,7 +194,7 @@ def test_layer_split_request_errors(capsys):
 
     base = ["plan", "--model", "gpt-1.7b", "--gpus", "8", "--global-batch-size", "64"]
     assert main(base + ["--pipeline-layer-split", "6,6,6,6", "--pp", "2"]) != 0
-    assert "has 4 stages but pp=2" in capsys.readouterr().err
+    assert "--pipeline-layer-split 6,6,6,6 has 4 stages but --pp 2" in capsys.readouterr().err
     assert main(base + ["--pipeline-layer-split", "8,8,8"]) != 0
     assert "pp=3 does not divide the 8 GPUs" in capsys.readouterr().err
     assert main(base + ["--pipeline-layer-split", "6,6,6,6", "--virtual-pipeline-stages", "2"]) != 0

@@ -24,7 +24,7 @@ def plan_precision(args: argparse.Namespace) -> str | None:
         return None
     if dtype not in PRECISION:
         raise ConfigError(
-            f"params_dtype={dtype!r}: the planner models bfloat16, float16 and float32 training "
+            f"--params-dtype {dtype}: the planner models bfloat16, float16 and float32 training "
             f"(--bf16, --fp16, --fp32)"
         )
     return PRECISION[dtype]

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 
 from ptdp.planner.hardware import GiB
-from ptdp.planner.plan import Plan
-from ptdp.planner.splits import describe_split
+from ptdp.planner.plan import Layout, Plan
+from ptdp.planner.splits import describe_split, split_flags
 
 NEAR_TIE = 0.02
 """Relative step-time difference under which two layouts are called a near tie."""
@@ -30,7 +30,11 @@ _LAYOUT_NAMES = {
 }
 
 
-def _value(value) -> str:
+def _value(value, field: str = "") -> str:
+    """A layout field's value in the report's words: on/off, a layer split as ``3,4x30,3`` (None:
+    ``even``), other None as ``not set``."""
+    if value is None:
+        return "even" if field == "layer_split" else "not set"
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, tuple):  # a layer split: 3,4x30,3
@@ -45,8 +49,35 @@ def layout_differences(a: Plan, b: Plan) -> list[str]:
         side["sharding"] = plan.layout.sharding_strategy
         side.pop("distributed_optimizer")  # sharding says it
     return [
-        f"{_LAYOUT_NAMES.get(k, k)} {_value(left[k])} vs {_value(right[k])}" for k in left if left[k] != right.get(k)
+        f"{_LAYOUT_NAMES.get(k, k)} {_value(left[k], k)} vs {_value(right[k], k)}"
+        for k in left
+        if left[k] != right.get(k)
     ]
+
+
+def layout_flags(layout: Layout) -> str:
+    """The ``ptdp plan`` flags that fix ``layout`` (the request's batch and precision aside), e.g.
+    ``--tp 8 --pp 16 --dp 8 --micro-batch-size 1 --virtual-pipeline-stages 2 --recompute-granularity
+    none --sequence-parallel --data-parallel-sharding-strategy optim``; flags at ptdp's defaults
+    (bucket size, overlap, resharding) only when the layout differs from them."""
+    v, split = layout.virtual_stages, split_flags(layout.layer_split, layout.virtual_stages)
+    words = [f"--tp {layout.tp}"]
+    if layout.cp > 1:
+        words += [f"--cp {layout.cp}", f"--cp-comm-type {layout.cp_comm_type}"]
+    words += [f"--pp {layout.pp}", f"--dp {layout.dp}", f"--micro-batch-size {layout.micro_batch_size}"]
+    if v > 1 and "--num-layers-per-virtual-pipeline-stage" not in (split or ""):
+        words.append(f"--virtual-pipeline-stages {v}")
+    words += [split] if split else []
+    words += [
+        f"--recompute-granularity {layout.recompute}",
+        "--sequence-parallel" if layout.sequence_parallel else "--no-sequence-parallel",
+        f"--data-parallel-sharding-strategy {layout.sharding_strategy}",
+    ]
+    if layout.ddp_bucket_size is not None:
+        words.append(f"--ddp-bucket-size {layout.ddp_bucket_size}")
+    words += [] if layout.overlap_grad_reduce else ["--no-overlap-grad-reduce"]
+    words += [] if layout.reshard_after_forward else ["--no-reshard-after-forward"]
+    return " ".join(words)
 
 
 def _time_terms(plan: Plan) -> dict[str, float]:
@@ -112,10 +143,7 @@ def distance_from_best(chosen: Plan | None, best: Plan | None) -> list[str]:
     if best is None:
         return []
     if chosen is None:
-        return [
-            "with nothing fixed the search finds a fitting layout: "
-            + ", ".join(f"{k}={_value(v)}" for k, v in dataclasses.asdict(best.layout).items())
-        ]
+        return [f"with nothing fixed the search finds a fitting layout: {layout_flags(best.layout)}"]
     if best.layout == chosen.layout or best.need_time().step >= chosen.need_time().step:
         return ["your fixed choices include the best layout the search finds with nothing fixed"]
     return ["the best layout with nothing fixed:", *compare(best, chosen, faster_name="best", slower_name="yours")]

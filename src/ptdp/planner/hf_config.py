@@ -125,9 +125,11 @@ def load_hf_config(path: str | Path, *, seq_length: int | None = None) -> tuple[
         raise ConfigError(f"--model {path}: {file} holds a JSON {type(raw).__name__}, expected an object")
     kind = raw.get("model_type")
     if kind not in SUPPORTED:
-        raise ConfigError(f"--model {path}: model_type={kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
+        raise ConfigError(
+            f"--model {path}: model_type={json.dumps(kind)} is not supported; supported: {', '.join(SUPPORTED)}"
+        )
     cfg = {**DEFAULTS[kind], **raw}
-    experts = [f"{k}={cfg[k]}" for k in MOE_FIELDS if cfg.get(k) not in (None, 0, 1)]
+    experts = [f"{k}={json.dumps(cfg[k])}" for k in MOE_FIELDS if cfg.get(k) not in (None, 0, 1)]
     if experts:
         raise ConfigError(
             f"--model {path}: mixture-of-experts fields {', '.join(experts)} are not supported "
@@ -142,7 +144,7 @@ def load_hf_config(path: str | Path, *, seq_length: int | None = None) -> tuple[
 def _int(cfg: dict, key: str, path) -> int:
     value = cfg.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"--model {path}: {key}={value!r} must be a positive integer")
+        raise ConfigError(f"--model {path}: {key}={json.dumps(value)} must be a positive integer")
     return value
 
 
@@ -200,14 +202,16 @@ def _cost_notes(kind: str, cfg: dict, s: int, path) -> list[str]:
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     kind_of_rope = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if kind_of_rope not in (None, "default"):
-        notes.append(f"note: {path}: rotary scaling {kind_of_rope!r} ignored (it changes neither shapes nor cost)")
+        notes.append(
+            f"note: {path}: rotary scaling {json.dumps(kind_of_rope)} ignored (it changes neither shapes nor cost)"
+        )
     return notes
 
 
 def _gpt2(cfg: dict, path, name: str, seq_length: int | None) -> ModelSpec:
     """GPT-2: LayerNorm, learned positions, GELU MLP, biases; dropout masks when trained with them."""
     if cfg.get("add_cross_attention"):
-        raise ConfigError(f"--model {path}: add_cross_attention=True is not supported (decoder-only models)")
+        raise ConfigError(f"--model {path}: add_cross_attention=true is not supported (decoder-only models)")
     h = _int(cfg, "n_embd", path)
     ffn = 4 * h if cfg.get("n_inner") is None else _int(cfg, "n_inner", path)
     s = seq_length if seq_length is not None else _int(cfg, "n_positions", path)

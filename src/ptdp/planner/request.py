@@ -64,9 +64,12 @@ def check_request(cluster: Cluster, global_batch_size: int, fixed, *, top: int, 
         errors.append(f"memory overhead {overhead_bytes / 2**30:g} GiB must be a finite number >= 0")
     split = getattr(fixed, "layer_split", None)
     if split is not None and fixed.pp is not None and fixed.pp != len(split):
-        errors.append(f"pipeline_layer_split={list(split)} has {len(split)} stages but pp={fixed.pp}")
+        errors.append(f"--pipeline-layer-split {','.join(map(str, split))} has {len(split)} stages but --pp {fixed.pp}")
     if split is not None and (fixed.virtual_stages or fixed.layers_per_virtual_stage):
-        errors.append("pipeline_layer_split cannot be combined with virtual pipeline stages")
+        errors.append(
+            "--pipeline-layer-split cannot be combined with virtual pipeline stages (--virtual-pipeline-stages, "
+            "--num-layers-per-virtual-pipeline-stage)"
+        )
     if not errors:
         product = 1
         pp = len(split) if split is not None else fixed.pp

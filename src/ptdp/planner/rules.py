@@ -112,7 +112,7 @@ def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Rejection]:
         out.append(
             Rejection(
                 "interleaving",
-                f"layers per rank {list(layout.layer_split)} at v={v}: ptdp's interleaved "
+                f"layers per rank {','.join(map(str, layout.layer_split))} at v={v}: ptdp's interleaved "
                 f"schedule splits the layers evenly over pp*v model chunks, with the "
                 f"embedding and/or loss counted as layers at most",
             )
