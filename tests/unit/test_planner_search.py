@@ -242,8 +242,40 @@ def test_plot_draws_every_listed_layout_with_labelled_capacity_and_legends_besid
     steps = [p.time.step for p in result.plans[:10]]
     assert ax_s.get_ylim()[0] == time_axis_floor(steps) > 0.5 * min(steps)  # zoomed near the data
     assert "axis starts at" in ax_s.get_ylabel() and ax_t.get_ylim()[0] == 0
-    assert any(t.get_text() == ABBREVIATIONS for t in fig.texts) and "do: distributed optimizer" in ABBREVIATIONS
+    assert any(" ".join(t.get_text().split()) == ABBREVIATIONS for t in fig.texts)
+    assert "do: distributed optimizer" in ABBREVIATIONS
     assert time_axis_floor([1.0, 3.0]) == 0.0
+
+
+@pytest.mark.parametrize("top", [1, 10])
+def test_plot_footer_lies_inside_the_figure_below_the_tick_labels(monkeypatch, tmp_path, top):
+    """Rendered with Agg: the footnote's window extent is within the figure and under every axes'
+    tick labels, for the narrowest figure (one layout) and a wide one."""
+    import matplotlib.figure
+
+    from ptdp.planner.report import ABBREVIATIONS, plot
+
+    boxes = []
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        real_savefig(fig, *args, **kwargs)
+        renderer = fig.canvas.get_renderer()
+        footer = next(t for t in fig.texts if " ".join(t.get_text().split()) == ABBREVIATIONS)
+        boxes.append((footer.get_window_extent(renderer), fig.bbox, [ax.get_tightbbox(renderer) for ax in fig.axes]))
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    plot(
+        search(PRESETS["gpt-1.7b"], Cluster(A100, 8), 64),
+        str(tmp_path / "plan.png"),
+        capacity_bytes=A100.memory_bytes,
+        top=top,
+    )
+    footer, figure, axes = boxes[0]
+    assert figure.x0 <= footer.x0 and footer.x1 <= figure.x1, (footer, figure)
+    assert figure.y0 <= footer.y0 and footer.y1 <= figure.y1, (footer, figure)
+    assert all(footer.y1 <= ax.y0 for ax in axes), (footer, axes)
+    assert (tmp_path / "plan.png").stat().st_size > 0
 
 
 def test_timeline_marks_iterations_and_microbatches_with_the_legend_below_the_rows(monkeypatch, tmp_path):

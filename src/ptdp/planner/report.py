@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
@@ -203,7 +204,7 @@ def plot(result: SearchResult, path: str, *, capacity_bytes: float, top: int = 1
     bars of the memory (GiB, the GPU's capacity as a labelled dashed line) and of the step-time
     breakdown (s, from 0), and each layout's step time on an axis that starts near the fastest
     (its start written on it) so that differences show. Legends sit beside the axes, never on
-    the bars; a footnote explains the abbreviations."""
+    the bars; a footnote below them, wrapped to the figure's width, explains the abbreviations."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -245,7 +246,10 @@ def plot(result: SearchResult, path: str, *, capacity_bytes: float, top: int = 1
     ax_m.set_title("memory on the most loaded GPU")
     ax_t.set_title("step time breakdown")
     ax_s.set_title("step time, zoomed")
-    fig.text(0.01, 0.01, ABBREVIATIONS, fontsize=7, ha="left", va="bottom")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    # the footnote wrapped to the figure's width, the axes and their tick labels laid out above it
+    footer = fig.text(0.01, 0.01, ABBREVIATIONS, fontsize=7, ha="left", va="bottom")
+    chars = int(0.9 * len(ABBREVIATIONS) * fig.bbox.width / footer.get_window_extent().width)
+    footer.set_text(textwrap.fill(ABBREVIATIONS, max(chars, 40)))
+    fig.tight_layout(rect=(0, footer.get_window_extent().y1 / fig.bbox.height + 0.01, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
