@@ -51,6 +51,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         rank = kwargs.get("rank")
+        path: Any
         if hasattr(self, "_get_metadata_path"):
             path = self._get_metadata_path(rank)
         else:  # torch 2.7: one index file, no per-rank ones
