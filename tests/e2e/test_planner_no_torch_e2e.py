@@ -10,21 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from helpers.bench_scripts import import_scripts
+
 ROOT = Path(__file__).resolve().parents[2]
 PUBLISHED = ROOT / "benchmarks" / "data" / "published_runs.csv"
-#: the largest model of Narayanan et al. SC21 Table 1 (1T parameters) at its published size and batch
-ONE_T = [
-    "--model",
-    "gpt-1008b",
-    "--gpus",
-    "3072",
-    "--gpu",
-    "a100-80gb",
-    "--global-batch-size",
-    "3072",
-    "--seq-length",
-    "2048",
-]
 
 
 PROBE = """
@@ -86,10 +75,11 @@ print("evaluated:", sum(r.evaluated for r in results), "distinct:", len(set(layo
 MAX_LAYOUTS = 10_000
 
 
-def test_one_trillion_parameter_search_is_bounded_and_imports_no_torch(tmp_path):
+def test_one_trillion_parameter_search_is_bounded_and_imports_no_torch(tmp_path, monkeypatch):
     """The 1T / 3,072-GPU search as a process: no torch, each layout evaluated once, at most
     MAX_LAYOUTS of them, and some fit."""
-    out = _in_subprocess(["plan", *ONE_T], tmp_path, COUNT)
+    (bench,) = import_scripts(monkeypatch, "bench_plan_process")  # the search its benchmark times
+    out = _in_subprocess(["plan", *bench.ONE_T], tmp_path, COUNT)
     lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
     assert "exit 0" in out and lines["torch imported"] == "False", out
     counts = lines["evaluated"].split()
