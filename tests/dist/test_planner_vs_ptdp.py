@@ -3,8 +3,13 @@ training actually holds, for every tested layout; and the calibration fits."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+
 import pytest
 
+from helpers.cli import run
 from helpers.layout_cases import EXTRA_VARIANT_LAYOUTS, LAYOUTS, llama_variant, parallel_run, variant_config
 from ptdp.planner.profile import load_profile
 from ptdp.run.planner_report import compare, format_comparison
@@ -72,32 +77,16 @@ def test_distributed_optimizer_state_is_one_dp_th(layout):
 
 def test_calibration_run_writes_a_usable_profile(tmp_path):
     """``ptdp plan --calibrate``'s workers (4: tp=2 pp=2) measure and write a profile that loads,
-    records the shared cores and fits non-negative overheads and a pipeline link."""
-    import argparse
-
-    from ptdp.commands.calibrate import run_calibration
-
+    records the shared cores and fits non-negative overheads and a pipeline link. Run as a process
+    within the test's budget (the launcher in it has no timeout of its own)."""
     out = tmp_path / "profile.json"
-    args = argparse.Namespace(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        ffn_hidden_size=None,
-        vocab_size=512,
-        seq_length=16,
-        micro_batch_size=2,
-        global_batch_size=4,
-        tensor_model_parallel_size=2,
-        pipeline_model_parallel_size=2,
-        nproc_per_node=4,
-        precision="fp32",
-        hardware_profile=str(out),
-    )
-    assert run_calibration(args) == 0
+    flags = {"num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "vocab-size": 512, "seq-length": 16}
+    flags.update({"micro-batch-size": 2, "global-batch-size": 4, "tp": 2, "pp": 2, "nproc-per-node": 4})
+    argv = [arg for k, v in flags.items() for arg in (f"--{k}", str(v))]
+    cmd = [sys.executable, "-m", "ptdp.cli", "plan", "--calibrate", *argv, "--fp32", "--hardware-profile", str(out)]
+    proc = run(cmd, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     gpu, constants = load_profile(out)
-    import json
-    import os
-
     measured = json.loads(out.read_text())["measurements"]
     assert gpu.shared_cores == len(os.sched_getaffinity(0)) and gpu.gpus_per_node == 4
     assert gpu.peak("fp32") > 1e8 and gpu.nvlink_bandwidth > 0
