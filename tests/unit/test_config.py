@@ -122,7 +122,7 @@ def test_valid_config_resolves_dp_and_microbatches():
     resolved = resolve(cfg, world)
     assert resolved.parallel.dp == 2 and resolved.num_microbatches == 4
     assert resolved.model.ffn_hidden_size == 4 * resolved.model.hidden_size
-    assert resolved.train.lr_decay_iters == resolved.train.train_iters
+    assert resolved.train.lr_decay_iters is None and resolved.train.decay_iters == resolved.train.train_iters
     uneven, _ = make(world=2, tp=1, pp=2, num_layers=5, split=(3, 2), global_batch_size=8, micro_batch_size=2)
     assert resolve(uneven, 2).parallel.pipeline_layer_split == (3, 2)
 

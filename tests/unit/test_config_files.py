@@ -59,6 +59,20 @@ def test_print_config_round_trips_through_config(tmp_path, capsys):
     assert printed(capsys, "--config", str(tmp_path / "c.json")) == first
 
 
+def test_a_printed_config_with_other_iterations_decays_over_them(tmp_path, capsys):
+    """The decay and warmup steps that follow --train-iters are not written as fixed numbers:
+    a config printed for 5 steps, run for 300, decays over 300 and warms up over 30."""
+    from ptdp.spec import Config
+
+    short = printed(capsys, "--train-iters", "5")
+    assert short["train"]["lr_decay_iters"] is None and short["train"]["lr_warmup_iters"] is None
+    (tmp_path / "c.json").write_text(json.dumps(short))
+    train = Config.from_dict(printed(capsys, "--config", str(tmp_path / "c.json"), "--train-iters", "300")).train
+    assert (train.train_iters, train.decay_iters, train.warmup_iters) == (300, 300, 30)
+    given = printed(capsys, "--train-iters", "5", "--lr-decay-iters", "4", "--lr-warmup-iters", "1")["train"]
+    assert (given["lr_decay_iters"], given["lr_warmup_iters"]) == (4, 1)
+
+
 @pytest.mark.parametrize(
     "text, message",
     [

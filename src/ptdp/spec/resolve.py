@@ -113,7 +113,6 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
             use_distributed_optimizer=p.sharding_strategy != "no_shard",
         ),
         model=dataclasses.replace(m, ffn_hidden_size=m.ffn, **_recompute_defaults(m)),
-        train=dataclasses.replace(t, lr_decay_iters=t.decay_iters, lr_warmup_iters=t.warmup_iters),
     )
 
 
