@@ -438,6 +438,25 @@ def test_unknown_gpu_lists_the_known_ones(capsys):
     assert "unknown GPU 'a100'; known: a100-40gb, a100-80gb, h100" in err and "h200" in err and "--gpu-catalog" in err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpus", "0"], "ptdp plan: error: num_gpus=0 must be >= 1\n"),
+        (["--gpus", "8", "--gpu", "v100-32gb", "--bf16"], "v100-32gb has no peak FLOP/s for bf16; known: fp16, fp32\n"),
+    ],
+)
+def test_a_bad_cluster_names_only_what_is_wrong(capsys, argv, message):
+    code = cli.main(["plan", "--model", "gpt-1.7b", "--global-batch-size", "8", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.endswith(message), err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out == "ptdp 0.2.0\n"
+
+
 @pytest.mark.parametrize("name", ["blob.bin", "lib.so", "tokens.idx", "weights.safetensors"])
 def test_a_binary_file_named_directly_is_named_with_its_reason(tmp_path, capsys, launched, name):
     """A file given with --data whose extension marks it binary is not silently dropped: the
