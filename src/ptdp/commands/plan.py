@@ -281,7 +281,7 @@ def prepare(args: argparse.Namespace, model: ModelSpec | None = None) -> PlanReq
     notes += ineffective_flag_notes(model, fixed)
     precision = plan_precision(args) or ("bf16" if "bf16" in gpu.peak_flops else sorted(gpu.peak_flops)[0])
     if precision not in gpu.peak_flops:
-        raise ConfigError(f"{gpu.name} has no peak FLOP/s for {precision}; known: {sorted(gpu.peak_flops)}")
+        raise ConfigError(f"{gpu.name} has no peak FLOP/s for {precision}; known: {', '.join(sorted(gpu.peak_flops))}")
     if getattr(args, "fp8", False):
         precision = fp8_precision(gpu, precision)
     constants, overlap_notes = overlap_constants(args, constants, fixed)

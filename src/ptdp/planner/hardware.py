@@ -57,7 +57,9 @@ class GPUSpec:
 
     def peak(self, precision: str) -> float:
         if precision not in self.peak_flops:
-            raise ValueError(f"{self.name} has no peak for precision {precision!r}; known: {sorted(self.peak_flops)}")
+            raise ValueError(
+                f"{self.name} has no peak for precision {precision!r}; known: {', '.join(sorted(self.peak_flops))}"
+            )
         return self.peak_flops[precision]
 
 
@@ -240,7 +242,8 @@ class Cluster:
     def __post_init__(self) -> None:
         if self.gpus_per_node == 0:
             object.__setattr__(self, "gpus_per_node", self.gpu.gpus_per_node)
-        if self.num_gpus < 1 or self.gpus_per_node < 1:
-            raise ValueError(f"num_gpus={self.num_gpus} and gpus_per_node={self.gpus_per_node} must be >= 1")
+        small = [f"{k}={v}" for k, v in (("num_gpus", self.num_gpus), ("gpus_per_node", self.gpus_per_node)) if v < 1]
+        if small:
+            raise ValueError(f"{' and '.join(small)} must be >= 1")
         if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
             raise ValueError(f"num_gpus={self.num_gpus} is not a multiple of gpus_per_node={self.gpus_per_node}")
