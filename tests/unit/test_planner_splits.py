@@ -138,11 +138,18 @@ def test_uneven_step_is_the_busiest_stage_m_times_plus_fill():
     assert perf.time.bubble == pytest.approx((32 - 10) * per_layer_even + 3 * p2p, rel=1e-6)
 
 
+def test_uneven_pipeline_sizes_share_one_note():
+    result = search(get_model("llama3-405b"), Cluster(H100, 64), 64)
+    uneven = [n for n in result.notes if "layers do not split evenly" in n]
+    assert len(uneven) == 1, result.notes
+    assert uneven[0].startswith("126 layers do not split evenly over pp = 4, 8, 16, 32, 64 stages:"), uneven
+
+
 def test_search_picks_llama3_405b_split_and_notes_interleaving():
     model = get_model("llama3-405b")
     result = search(model, Cluster(H100, 2048), 2048, fixed=Fixed(tp=8, pp=16))
     assert result.plans and {p.layout.layer_split for p in result.plans} == {LLAMA3_405B_SPLIT}
-    assert any("126 layers do not split evenly over 16 stages" in n and "interleaved" in n for n in result.notes)
+    assert any("126 layers do not split evenly over pp = 16 stages" in n and "interleaved" in n for n in result.notes)
     fixed = search(model, Cluster(H100, 2048), 2048, fixed=Fixed(tp=8, pp=16, first_layers=6, last_layers=8))
     assert {p.layout.layer_split for p in fixed.plans + [p for p, _ in fixed.rejected]} == {(6,) + (8,) * 15}
 
@@ -185,7 +192,7 @@ def test_plan_prints_the_split_and_its_flags(capsys):
         "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
         "--num-layers-per-virtual-pipeline-stage 1"
     ) in out  # the best: v = 8, Llama 3's own layout
-    assert "126 layers do not split evenly over 16 stages" in out
+    assert "126 layers do not split evenly over pp = 16 stages" in out
     assert cli.main(argv + ["--json", "--top", "40"]) == 0
     records = [r for r in json.loads(capsys.readouterr().out) if r["fits"]]
     assert records and all(r["layer_split"] == list(LLAMA3_405B_SPLIT) for r in records)

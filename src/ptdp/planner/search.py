@@ -98,9 +98,30 @@ class SearchResult:
     def evaluated(self) -> int:
         return len(self.plans) + len(self.rejected)
 
+    uneven_pp: list[int] = field(default_factory=list, repr=False)
+    """The pipeline sizes whose stages the layers do not split evenly (one note names them all)."""
+
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
+
+    def note_uneven(self, num_layers: int, pp: int) -> None:
+        """One note for every pp whose stages ``num_layers`` layers do not split evenly."""
+        old = self._uneven_note(num_layers)
+        if pp not in self.uneven_pp:
+            self.uneven_pp.append(pp)
+        if old in self.notes:
+            self.notes[self.notes.index(old)] = self._uneven_note(num_layers)
+        else:
+            self.note(self._uneven_note(num_layers))
+
+    def _uneven_note(self, num_layers: int) -> str:
+        sizes = ", ".join(str(pp) for pp in self.uneven_pp)
+        return (
+            f"{num_layers} layers do not split evenly over pp = {sizes} stages: planned with uneven "
+            f"first/last stages (v = 1) and interleaved only where the embedding and/or loss counted as "
+            f"layers split evenly over pp*v model chunks (ptdp train runs both)"
+        )
 
 
 def divisors(n: int) -> list[int]:
@@ -269,11 +290,7 @@ def _search_layout(
         result.rejected.append((Plan(base, False, reasons=flag_errors), Rejection("interleaving", flag_errors[0])))
         return
     if pp > 1 and model.num_layers % pp and search_split:
-        result.note(
-            f"pp={pp}: {model.num_layers} layers do not split evenly over {pp} stages: planned with "
-            f"uneven first/last stages (v = 1) and interleaved only where the embedding and/or loss "
-            f"counted as layers split evenly over pp*v model chunks (ptdp train runs both)"
-        )
+        result.note_uneven(model.num_layers, pp)
     # with a flash kernel selective recompute keeps and costs what "none" does: not searched
     searched = [r for r in RECOMPUTE if not (r == "selective" and model.flash_attention)]
     for v, v_split in pairs:
