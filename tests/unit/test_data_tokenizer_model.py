@@ -152,6 +152,11 @@ def test_eod_token_through_ptdp_train(tmp_path, capsys, corpus, launched):
     code = cli.main([*base, "--eod-token", "<|doc|>", "--output-dir", str(tmp_path / "b")])
     err = capsys.readouterr().err
     assert code == 2 and not launched and "eod_token='<|doc|>' needs --tokenizer-model" in err, err
+    no_eos = ["--tokenizer-model", str(tmp_path / "no_eos.json")]
+    code = cli.main([*base, *no_eos, "--eod-token", "", "--output-dir", str(tmp_path / "d")])
+    err = capsys.readouterr().err
+    assert code == 2 and not launched and "eod_token='' is empty: name the tokenizer's" in err, err
+    assert "ptdp's own tokenizer" not in err
     code = cli.main(
         [
             *base,

@@ -94,13 +94,11 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
     if not 0 < config.data.valid_fraction < 1:
         errors.append(V("option", f"valid_fraction={config.data.valid_fraction} must be in (0, 1)"))
     if config.data.eod_token is not None and (config.data.tokenizer_model is None or not config.data.eod_token):
-        what = "is empty" if not config.data.eod_token else "needs --tokenizer-model"
-        errors.append(
-            V(
-                "option",
-                f"eod_token={config.data.eod_token!r} {what} (ptdp's own tokenizer ends documents with <|endoftext|>)",
-            )
-        )
+        if config.data.tokenizer_model is None:
+            what = "needs --tokenizer-model (ptdp's own tokenizer ends documents with <|endoftext|>)"
+        else:
+            what = "is empty: name the tokenizer's end-of-document token"
+        errors.append(V("option", f"eod_token={config.data.eod_token!r} {what}"))
     if p.distributed_timeout_minutes <= 0:
         errors.append(V("option", f"distributed_timeout_minutes={p.distributed_timeout_minutes} must be > 0"))
     raise_violations(errors)
