@@ -41,7 +41,15 @@ for stage in $stages; do
     tee "$out/gpu_check_$stage.log"
   status=${PIPESTATUS[0]}
   if [ "$status" -ne 0 ]; then
-    echo "gpu_run.sh: stage $stage exited with $status (124: killed at its time limit)" >&2
+    if [ "$status" -eq 2 ]; then  # gpu_check.py refused its arguments: so would the next stages
+      echo "gpu_run.sh: stage $stage refused its arguments (exit 2); no further stage run" >&2
+      exit 2
+    fi
+    case $status in
+      124 | 137) why="killed at its time limit" ;;
+      *) why="failed" ;;
+    esac
+    echo "gpu_run.sh: stage $stage exited with $status ($why)" >&2
     rc=1
   fi
 done

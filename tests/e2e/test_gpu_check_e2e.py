@@ -16,15 +16,24 @@ from helpers.proc_helpers import run_together
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def gpu_run(group: str, out: str, cwd: Path):
-    """``benchmarks/gpu_run.sh GROUP OUT --device cpu --quick`` in ``cwd``, with this interpreter as ``python3``."""
-    cmd = ["bash", str(ROOT / "benchmarks" / "gpu_run.sh"), group, out, "--device", "cpu", "--quick"]
+def gpu_run(group: str, out: str, cwd: Path, *extra: str):
+    """``benchmarks/gpu_run.sh GROUP OUT --device cpu --quick EXTRA`` in ``cwd``, with this interpreter as ``python3``."""
+    cmd = ["bash", str(ROOT / "benchmarks" / "gpu_run.sh"), group, out, "--device", "cpu", "--quick", *extra]
     env = os.environ | {
         "OMP_NUM_THREADS": "1",
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     }
     (done,) = run_together([cmd], timeout=budget.seconds(), env=env, cwd=cwd)
     return done
+
+
+@pytest.mark.timeout(120)
+def test_gpu_run_sh_stops_at_arguments_its_stages_refuse(tmp_path):
+    """An option gpu_check.py does not know: the first stage refuses it, no later stage runs, exit 2."""
+    done = gpu_run("first", "out", tmp_path, "--bogus")
+    assert done.returncode == 2, done.stderr
+    assert "stage eager refused its arguments" in done.stderr and "--bogus" in done.stdout  # tee: the log
+    assert not (tmp_path / "out" / "gpu_check_probes.log").exists()
 
 
 @pytest.mark.timeout(240)
