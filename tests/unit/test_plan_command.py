@@ -37,7 +37,6 @@ def test_a_presets_published_batch_is_the_default_and_is_said(capsys):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--model", "llama3-70b"], "--global-batch-size B: llama3-70b has no published global batch size"),
         (["--model", "gpt-1.7b", "--num-layers", "12"], "gpt-1.7b's published batch (512) is for its own shape"),
         (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"], "needs --global-batch-size B"),
     ],
@@ -45,6 +44,15 @@ def test_a_presets_published_batch_is_the_default_and_is_said(capsys):
 def test_without_a_published_batch_the_flag_is_named(extra, message, capsys):
     assert main(["plan", "--gpus", "8", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, seq, batch", [("llama3-70b", 8192, 512), ("llama3-8b", 8192, 512)])
+def test_a_preset_without_a_published_batch_takes_4m_tokens_per_step(name, seq, batch, capsys):
+    assert name in PRESETS and name not in PUBLISHED_BATCH and PRESETS[name].seq_length == seq
+    assert main(["plan", "--model", name, "--gpus", "64", "--top", "1", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert records and {r["global_batch_size"] for r in records} == {batch} and batch == 4 * 2**20 // seq
+    assert all(r["global_batch_size_source"].startswith(f"{name} has no published batch: 4M tokens") for r in records)
 
 
 def test_a_hugging_face_config_needs_the_flag(tmp_path, capsys):

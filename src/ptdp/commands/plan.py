@@ -12,7 +12,7 @@ from ptdp.planner.explain import distance_from_best, explain_pick
 from ptdp.planner.fp8 import fp8_precision
 from ptdp.planner.hardware import CATALOG, Cluster, GiB, GPUSpec, get_gpu, load_catalog, runs_flash_attention
 from ptdp.planner.hf_config import is_config_path, load_hf_config
-from ptdp.planner.models import PRESETS, PUBLISHED_BATCH, ModelSpec, get_model, published_batch
+from ptdp.planner.models import PRESETS, PUBLISHED_BATCH, ModelSpec, get_model, published_batch, token_budget_batch
 from ptdp.planner.perf import DEFAULT_CONSTANTS
 from ptdp.planner.report import json_report, plot, text_report
 from ptdp.planner.request import (
@@ -290,8 +290,9 @@ def prepare(args: argparse.Namespace, model: ModelSpec | None = None) -> PlanReq
 
 
 def global_batch(given: int | None, model: ModelSpec) -> tuple[int, str]:
-    """(``--global-batch-size``, else the batch the preset ``model`` was published with; where it
-    came from). ConfigError naming the flag when neither exists."""
+    """(``--global-batch-size``, else the batch the preset ``model`` was published with, else for a
+    preset without one 4M tokens per step; where it came from). ConfigError naming the flag for
+    other models and a preset whose shape flags changed."""
     if given is not None:
         return given, "--global-batch-size"
     published = published_batch(model)
@@ -304,7 +305,7 @@ def global_batch(given: int | None, model: ModelSpec) -> tuple[int, str]:
             "shape, which the shape flags change"
         )
     if model.name in PRESETS:
-        raise ConfigError(f"{need}: {model.name} has no published global batch size to start from")
+        return token_budget_batch(model)
     raise ConfigError(f"{need} (or --validate CSV, or --calibrate)")
 
 

@@ -209,6 +209,21 @@ PUBLISHED_BATCH: dict[str, tuple[int, str]] = {
 }
 
 
+#: Tokens per step of a preset without a published batch: the 4M tokens (4 x 2**20) Touvron et al.
+#: 2023 (arXiv:2307.09288, Table 1) give for every Llama 2 size, and Dubey et al. 2024 (section
+#: 3.4.1) for Llama 3 405B's first stage.
+DEFAULT_TOKENS_PER_STEP = 4 * 2**20
+
+
+def token_budget_batch(model: ModelSpec) -> tuple[int, str]:
+    """(global batch, where it came from) of :data:`DEFAULT_TOKENS_PER_STEP` at ``model``'s sequence length."""
+    batch = max(1, DEFAULT_TOKENS_PER_STEP // model.seq_length)
+    return batch, (
+        f"{model.name} has no published batch: 4M tokens per step in sequences of {model.seq_length:,} "
+        "(Llama 2's batch, Touvron et al. 2023, Table 1)"
+    )
+
+
 def published_batch(model: ModelSpec) -> tuple[int, str] | None:
     """(global batch, source) published for the preset ``model``, when its shape is the preset's
     (the attention kernel aside); None for a preset without one, a changed shape, other models."""
