@@ -94,8 +94,8 @@ def plan(model: str | ModelSpec | None = None, **options: Any) -> PlanResult:
         model: a preset name (``"llama3-405b"``, ``"gpt3-175b"``, ...), the path of a Hugging Face
             ``config.json`` (or its folder), a :class:`~ptdp.planner.models.ModelSpec`, or None to
             give the shape by keywords (``num_layers``, ``hidden_size``, ``num_attention_heads``, ...).
-        **options: ``ptdp plan``'s flags by name (module docstring); ``gpus`` and
-            ``global_batch_size`` are required.
+        **options: ``ptdp plan``'s flags by name (module docstring); ``gpus`` is required,
+            ``global_batch_size`` too except for a preset (which defaults as ``ptdp plan`` does).
 
     Returns:
         :class:`PlanResult`; ``result.plans`` is empty when no layout fits (``ptdp plan`` then exits 1).
