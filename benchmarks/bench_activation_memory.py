@@ -16,10 +16,10 @@ A second count adds the storages of the tensors the stage sent (activations forw
 backward) while they are still alive, whoever holds them: the graph, the runtime, or a send's work
 handle (gloo's work keeps its tensor until the handle is dropped; ptdp's runtime keeps the handles
 of sends). It is recorded by wrapping ``post`` as the runtime sees it
-(``ptdp.engine.pipeline.runtime.post``) inside the worker; ptdp's files are unchanged.
+(``ptdp.engine.comm.post``) inside the worker; ptdp's files are unchanged.
 
 With ``--planner`` the planner's prediction for every rank and schedule
-(:func:`ptdp.planner.memory.stage_activation_bytes` for ``spec_from_model_config``; float64:
+(:func:`ptdp.planner.activation_memory.stage_activation_bytes` for ``spec_from_model_config``; float64:
 twice the fp32 figure) is printed beside the measurement. ``--tp`` adds tensor parallelism
 (tp x pp workers), ``--interleaved`` the interleaved 1F1B schedule with v = 2.
 
@@ -43,7 +43,7 @@ import ptdp.engine.pipeline.runtime as runtime
 from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
-from ptdp.planner.memory import stage_activation_bytes
+from ptdp.planner.activation_memory import stage_activation_bytes
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.plan import Layout
 from ptdp.run.distributed import init_distributed

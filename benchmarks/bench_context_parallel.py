@@ -7,7 +7,7 @@ One world per cp size (tp = pp = dp = 1, world = cp, gloo). Each rank builds its
 
 * memory: one step under :class:`ptdp.engine.activation_meter.SavedActivationMeter` (every storage
   autograd saves for backward, once; parameters excluded), per comm type; its peak on the most
-  loaded rank beside the planner's :func:`ptdp.planner.memory.rank_activation_bytes` for the same
+  loaded rank beside the planner's :func:`ptdp.planner.activation_memory.rank_activation_bytes` for the same
   layout (float32). The planner's figure adds the key/value exchange buffers of the running layer
   (:func:`ptdp.planner.context.kv_buffer_bytes`), which autograd does not save; both are shown.
   Expected: the layers' activations fall as 1/cp (each rank keeps s/cp tokens of every tensor).
@@ -32,8 +32,8 @@ import torch
 from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
+from ptdp.planner.activation_memory import rank_activation_bytes
 from ptdp.planner.context import kv_buffer_bytes
-from ptdp.planner.memory import rank_activation_bytes
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.plan import Layout
 from ptdp.run.distributed import init_distributed

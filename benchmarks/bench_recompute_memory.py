@@ -38,7 +38,7 @@ import ptdp.engine.model.recompute as recompute_mod
 from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
-from ptdp.planner.memory import stage_activation_bytes
+from ptdp.planner.activation_memory import stage_activation_bytes
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.plan import Layout
 from ptdp.run.distributed import init_distributed

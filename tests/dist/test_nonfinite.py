@@ -11,7 +11,8 @@ from helpers.layout_cases import rank_microbatches, tiny_config
 from ptdp.engine.faults import NAN_LOSS_ENV, FaultPlan
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.chunks import global_named_parameters
-from ptdp.engine.step import NONFINITE_LOSS, build_stage, train_step
+from ptdp.engine.step import build_stage, train_step
+from ptdp.engine.step_results import NONFINITE_LOSS
 from ptdp.spec.layout import ParallelLayout
 
 #: variant -> (dtype, parallel overrides, the global rank whose forward is poisoned at iteration 2)

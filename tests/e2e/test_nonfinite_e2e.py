@@ -12,7 +12,7 @@ import torch
 from helpers.checkpoints import stored_tensors
 from helpers.cli import TINY, run
 from ptdp.engine.faults import NAN_LOSS_ENV
-from ptdp.engine.step import NONFINITE_LOSS
+from ptdp.engine.step_results import NONFINITE_LOSS
 
 
 @pytest.mark.slow

@@ -15,13 +15,13 @@ from helpers import budget
 from helpers.cli import TINY
 from helpers.proc_helpers import run_together
 from ptdp.engine import faults
-from ptdp.run import postmortem
+from ptdp.run import rank_records
 
 RECORDING = textwrap.dedent("""
     import os, signal, sys, time
     from ptdp.engine import activity
-    from ptdp.run import postmortem
-    with postmortem.recording(2, 0):
+    from ptdp.run import postmortem, rank_records
+    with rank_records.recording(2, 0):
         activity.start_step(2, 5)
         activity.set_phase(activity.BACKWARD)
         how = sys.argv[1]
@@ -46,7 +46,7 @@ RECORDING = textwrap.dedent("""
     ],
 )
 def test_a_worker_leaves_its_phase_and_how_it_ended(tmp_path, how, kind, summary):
-    env = dict(os.environ, **{postmortem.DIR_ENV: str(tmp_path)})
+    env = dict(os.environ, **{rank_records.DIR_ENV: str(tmp_path)})
     proc = subprocess.Popen([sys.executable, "-c", RECORDING, how], env=env, stdout=subprocess.PIPE, text=True)
     try:
         if how == "term":
@@ -56,7 +56,7 @@ def test_a_worker_leaves_its_phase_and_how_it_ended(tmp_path, how, kind, summary
     finally:
         proc.kill()
         proc.wait()
-    end = postmortem.read_rank_end(postmortem.attempt_dir(tmp_path, 0), 2)
+    end = rank_records.read_rank_end(rank_records.attempt_dir(tmp_path, 0), 2)
     assert (end.kind, end.phase, end.iteration) == (kind, "backward", 5)
     assert end.summary.startswith(summary), end.summary
     assert end.pid == proc.pid

@@ -11,8 +11,8 @@ from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
+from ptdp.planner.activation_memory import rank_activation_bytes
 from ptdp.planner.context import kv_buffer_bytes
-from ptdp.planner.memory import rank_activation_bytes
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.plan import Layout
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve, stage_layer_counts
@@ -95,7 +95,7 @@ def measured_peak(cfg: Config, groups: ParallelGroups) -> int:
 
 def predicted_peak(cfg: Config, pp_rank: int) -> float:
     """The planner's activation peak of ``pp_rank`` (fp32 figure, doubled for float64): with
-    cp > 1 that of one cp rank (:func:`~ptdp.planner.memory.rank_activation_bytes`) without its
+    cp > 1 that of one cp rank (:func:`~ptdp.planner.activation_memory.rank_activation_bytes`) without its
     key/value exchange buffers, which autograd does not save."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     split = p.layer_split(m.num_layers)

@@ -10,7 +10,8 @@ from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.host_sync import count_host_syncs, label_check_on_device
 from helpers.layout_cases import LLAMA_OPTIONS, VOCAB, rank_microbatches, train_and_collect
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage, eval_loss, read_results, train_step
+from ptdp.engine.step import build_stage, eval_loss, train_step
+from ptdp.engine.step_results import read_results
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 from ptdp.spec.layout import ParallelLayout
 

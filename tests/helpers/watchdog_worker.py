@@ -9,12 +9,12 @@ import os
 import time
 
 from ptdp.engine import activity
-from ptdp.run import postmortem
+from ptdp.run import rank_records
 
 
 def simulated_watchdog_worker(timeout_s: float) -> dict:
     rank = int(os.environ["RANK"])
-    with postmortem.recording(rank, 0):
+    with rank_records.recording(rank, 0):
         activity.start_step(rank, 3)
         if rank == 1:
             time.sleep(600)  # stops responding; the launcher stops it after rank 0's abort

@@ -218,9 +218,10 @@ def zero_config(name: str, tp: int, pp: int, dp: int, strategy: str | None = Non
 def planner_transients(cfg: Config, pp_rank: int) -> tuple[int, int]:
     """The planner's (gathered parameter, gradient bucket) elements at their peaks on a rank of
     pipeline stage ``pp_rank`` of run ``cfg`` (:func:`ptdp.planner.transients.rank_transients`)."""
+    from ptdp.planner.chunk_params import stage_chunks
     from ptdp.planner.models import spec_from_model_config
     from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, chunk_by_chunk
-    from ptdp.planner.transients import rank_transients, stage_chunks
+    from ptdp.planner.transients import rank_transients
     from ptdp.spec import stage_layer_counts
 
     m, p = cfg.model, cfg.parallel
@@ -246,9 +247,10 @@ def planner_gathers(cfg: Config, pp_rank: int) -> tuple[tuple[int, int], tuple[i
     """The planner's parameter all-gathers of one microbatch, (calls, elements) in forward and in
     backward, on a rank of pipeline stage ``pp_rank`` of run ``cfg`` (optim_grads_params,
     :func:`ptdp.planner.transients.unit_gathers`)."""
+    from ptdp.planner.chunk_params import stage_chunks
     from ptdp.planner.models import spec_from_model_config
     from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS
-    from ptdp.planner.transients import stage_chunks, unit_gathers
+    from ptdp.planner.transients import unit_gathers
     from ptdp.spec import stage_layer_counts
 
     m, p = cfg.model, cfg.parallel

@@ -16,7 +16,7 @@ from ptdp import cli
 from ptdp.commands.train_flags import add_train_arguments
 from ptdp.planner.args import add_plan_arguments
 from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.spec.rules import context_parallel_violations
+from ptdp.spec.axis_rules import context_parallel_violations
 
 
 def _config(**parallel) -> Config:

@@ -25,9 +25,10 @@ from hypothesis import strategies as st
 from ptdp.planner.hardware import CATALOG, Cluster
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout
+from ptdp.planner.predict import evaluate
 from ptdp.planner.request import check_model
 from ptdp.planner.request import check_request as check_plan_request
-from ptdp.planner.search import Fixed, evaluate, search
+from ptdp.planner.search import Fixed, search
 from ptdp.planner.splits import split_options
 from ptdp.spec import SCHEDULES, Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
 

@@ -16,11 +16,11 @@ from ptdp.engine.comm import AxisGroup
 from ptdp.engine.context_parallel.attention import context_parallel_attention
 from ptdp.engine.context_parallel.blockwise import attention_block, attention_block_backward, merge
 from ptdp.engine.context_parallel.chunks import local_positions, rank_positions, shard_sequence, unshard_sequence
-from ptdp.engine.model.gpt import Attention
+from ptdp.engine.model.attention import Attention
 from ptdp.engine.model.rotary import RotaryEmbedding
 from ptdp.engine.tensor_parallel.random import REPLICATED, WHOLE_SEQUENCE, DropoutRNG
 from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.spec.rules import context_parallel_model_violations
+from ptdp.spec.axis_rules import context_parallel_model_violations
 
 
 @pytest.mark.parametrize("cp, tp", [(1, 2), (2, 1), (2, 2), (4, 2), (3, 1)])

@@ -31,7 +31,7 @@ from helpers.layout_cases import tiny_config
 from ptdp.commands.train_flags import add_train_arguments, config_from_args
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.model.gpt import Attention
+from ptdp.engine.model.attention import Attention
 from ptdp.engine.step import build_stage
 from ptdp.engine.tensor_parallel.random import TP_DISTINCT, Dropout, DropoutRNG
 from ptdp.spec import ConfigError, ModelConfig

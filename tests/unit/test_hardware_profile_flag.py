@@ -44,7 +44,7 @@ def test_a_calibrated_profile_is_accepted(tmp_path):
     import dataclasses
 
     from ptdp.planner.hardware import CATALOG
-    from ptdp.planner.perf import DEFAULT_CONSTANTS
+    from ptdp.planner.perf_constants import DEFAULT_CONSTANTS
     from ptdp.run.preflight import check_hardware_profile
     from ptdp.spec import Config
 

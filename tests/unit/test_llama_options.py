@@ -16,7 +16,9 @@ from torch import nn
 
 from ptdp.commands.train_flags import add_train_arguments, config_from_args
 from ptdp.engine.comm import AxisGroup, CommStats
-from ptdp.engine.model.gpt import MLP, Attention, GPTModel, RMSNorm
+from ptdp.engine.model.attention import Attention
+from ptdp.engine.model.gpt import GPTModel
+from ptdp.engine.model.layer import MLP, RMSNorm
 from ptdp.engine.model.rotary import RotaryEmbedding
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters, shard, spec_of
 from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve

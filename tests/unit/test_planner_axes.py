@@ -11,11 +11,13 @@ import json
 import pytest
 
 from ptdp import cli
+from ptdp.planner.activation_memory import rank_activation_bytes
 from ptdp.planner.comm import Links, hierarchical_all_reduce_time
 from ptdp.planner.context import kv_buffer_bytes, kv_exchange_times
 from ptdp.planner.hardware import CATALOG, Cluster, get_gpu
-from ptdp.planner.memory import layer_param_count, memory_breakdown, rank_activation_bytes, stage_param_counts
+from ptdp.planner.memory import memory_breakdown
 from ptdp.planner.models import ModelSpec, get_model
+from ptdp.planner.param_memory import layer_param_count, stage_param_counts
 from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.plan import Layout
 from ptdp.planner.search import Fixed, search

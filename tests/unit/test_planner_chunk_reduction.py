@@ -10,16 +10,18 @@ import dataclasses
 
 import pytest
 
+from ptdp.planner.chunk_params import stage_chunks
 from ptdp.planner.comm import Links, hierarchical_all_reduce_time
 from ptdp.planner.hardware import Cluster, get_gpu
-from ptdp.planner.memory import layer_param_count, memory_breakdown, stage_param_counts
+from ptdp.planner.memory import memory_breakdown
 from ptdp.planner.models import get_model
+from ptdp.planner.param_memory import layer_param_count, stage_param_counts
 from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.plan import Layout
 from ptdp.planner.published import H100_CSV, load_h100_runs
 from ptdp.planner.search import Fixed, search
 from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, chunk_by_chunk, sharded_dp_times, stage_state_bytes
-from ptdp.planner.transients import rank_transients, stage_chunks
+from ptdp.planner.transients import rank_transients
 
 H100 = get_gpu("h100-sxm")
 LINKS = Links(

@@ -12,8 +12,8 @@ import pytest
 from ptdp.cli import build_parser
 from ptdp.commands.plan import model_from_args
 from ptdp.planner import flops
+from ptdp.planner.activation_memory import layer_activation_bytes
 from ptdp.planner.hardware import CATALOG, Cluster
-from ptdp.planner.memory import layer_activation_bytes
 from ptdp.planner.models import PRESETS, ModelSpec, get_model
 from ptdp.planner.search import Fixed, search
 

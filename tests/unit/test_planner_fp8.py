@@ -9,11 +9,14 @@ import pytest
 
 from ptdp.cli import main
 from ptdp.planner import flops
+from ptdp.planner.activation_memory import layer_activation_bytes
 from ptdp.planner.fp8 import FP8_WEIGHT_COPY_BYTES, fp8_precision, layer_fp8_weights
 from ptdp.planner.hardware import CATALOG, Cluster
-from ptdp.planner.memory import layer_activation_bytes, layer_param_count, memory_breakdown
+from ptdp.planner.memory import memory_breakdown
 from ptdp.planner.models import ModelSpec, get_model
-from ptdp.planner.perf import DEFAULT_CONSTANTS, evaluate_performance
+from ptdp.planner.param_memory import layer_param_count
+from ptdp.planner.perf import evaluate_performance
+from ptdp.planner.perf_constants import DEFAULT_CONSTANTS
 from ptdp.planner.plan import Layout
 from ptdp.spec import ConfigError
 

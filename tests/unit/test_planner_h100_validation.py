@@ -18,7 +18,8 @@ import pytest
 from ptdp.planner import flops
 from ptdp.planner.hardware import CATALOG, Cluster
 from ptdp.planner.models import ModelSpec
-from ptdp.planner.perf import DEFAULT_CONSTANTS, PerfConstants, evaluate_performance
+from ptdp.planner.perf import evaluate_performance
+from ptdp.planner.perf_constants import DEFAULT_CONSTANTS, PerfConstants
 from ptdp.planner.plan import Layout
 from ptdp.planner.published import (
     CONVENTIONS,
@@ -27,18 +28,17 @@ from ptdp.planner.published import (
     megatron_2024_flops,
     palm_flops,
 )
+from ptdp.planner.published_a100 import default_csv, load_published_runs
 from ptdp.planner.validate import (
     H100_STEP,
     H100_STEP_CP,
     H100_STEP_FP8,
     ITER_TIME,
     TFLOPS,
-    default_csv,
     fit_arch,
     fitted_runs,
     format_validation_table,
     h100_log_error,
-    load_published_runs,
     run_constants,
     summarize,
     validate,

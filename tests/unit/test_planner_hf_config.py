@@ -11,7 +11,7 @@ import pytest
 
 from ptdp.cli import main
 from ptdp.planner.hf_config import SUPPORTED, load_hf_config
-from ptdp.planner.memory import stage_param_counts
+from ptdp.planner.param_memory import stage_param_counts
 from ptdp.spec import ConfigError
 
 transformers = pytest.importorskip("transformers")

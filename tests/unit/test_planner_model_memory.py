@@ -10,16 +10,11 @@ import pytest
 from ptdp.engine.comm import AxisGroup, CommStats
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.engine.pipeline.partition import stage_layer_ids
+from ptdp.planner.activation_memory import inflight_microbatches, layer_activation_bytes
 from ptdp.planner.hardware import CATALOG, GiB
-from ptdp.planner.memory import (
-    DEFAULT_OVERHEAD_BYTES,
-    bytes_per_param,
-    inflight_microbatches,
-    layer_activation_bytes,
-    memory_breakdown,
-    stage_param_counts,
-)
+from ptdp.planner.memory import DEFAULT_OVERHEAD_BYTES, memory_breakdown
 from ptdp.planner.models import PRESETS, ModelSpec
+from ptdp.planner.param_memory import bytes_per_param, stage_param_counts
 from ptdp.planner.plan import Layout
 from ptdp.spec import ConfigError, ModelConfig
 

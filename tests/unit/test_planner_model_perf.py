@@ -18,7 +18,8 @@ from ptdp.planner.comm import (
 )
 from ptdp.planner.hardware import CATALOG, Cluster
 from ptdp.planner.models import PRESETS, ModelSpec
-from ptdp.planner.perf import DEFAULT_CONSTANTS, PerfConstants, evaluate_performance
+from ptdp.planner.perf import evaluate_performance
+from ptdp.planner.perf_constants import DEFAULT_CONSTANTS, PerfConstants
 from ptdp.planner.plan import Layout
 
 A100 = CATALOG["a100-80gb"]

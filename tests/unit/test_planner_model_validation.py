@@ -11,18 +11,17 @@ import dataclasses
 
 import pytest
 
-from ptdp.planner.perf import DEFAULT_CONSTANTS
+from ptdp.planner.perf_constants import DEFAULT_CONSTANTS
+from ptdp.planner.published_a100 import default_csv, load_published_runs
 from ptdp.planner.validate import (
     ACT_NONE,
     ACT_SEQSEL,
     ITER_TIME,
     PARAMS_OPT,
     TFLOPS,
-    default_csv,
     fit_check,
     fit_constants,
     format_validation_table,
-    load_published_runs,
     summarize,
     validate,
 )

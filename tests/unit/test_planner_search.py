@@ -10,7 +10,8 @@ import pytest
 from ptdp.planner.hardware import CATALOG, Cluster
 from ptdp.planner.models import PRESETS, ModelSpec
 from ptdp.planner.plan import Layout
-from ptdp.planner.search import Fixed, evaluate, search
+from ptdp.planner.predict import evaluate
+from ptdp.planner.search import Fixed, search
 from ptdp.planner.splits import split_options
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 

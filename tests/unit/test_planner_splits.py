@@ -9,17 +9,15 @@ import json
 import pytest
 
 from ptdp import cli
+from ptdp.planner.activation_memory import inflight_layer_microbatches, stage_activation_bytes
 from ptdp.planner.hardware import CATALOG, Cluster
-from ptdp.planner.memory import (
-    inflight_layer_microbatches,
-    memory_breakdown,
-    stage_activation_bytes,
-    stage_param_counts,
-)
+from ptdp.planner.memory import memory_breakdown
 from ptdp.planner.models import ModelSpec, get_model
-from ptdp.planner.perf import edge_layer_equivalents, evaluate_performance, split_stage_times
+from ptdp.planner.param_memory import stage_param_counts
+from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.plan import Layout
-from ptdp.planner.search import Fixed, evaluate, search
+from ptdp.planner.predict import evaluate
+from ptdp.planner.search import Fixed, search
 from ptdp.planner.splits import (
     accounting_of,
     candidate_splits,
@@ -29,6 +27,7 @@ from ptdp.planner.splits import (
     split_flags,
     split_options,
 )
+from ptdp.planner.stage_time import edge_layer_equivalents, split_stage_times
 from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, first_last_of, first_last_split, resolve
 
 A100, H100 = CATALOG["a100-80gb"], CATALOG["h100-sxm"]

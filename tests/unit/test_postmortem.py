@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import os
 
-from ptdp.run import postmortem
+from ptdp.run import postmortem, rank_records
 
 
-def _box(folder, rank, phase_index, iteration, state=postmortem.RUNNING):
-    box = postmortem.ActivityBox(folder / f"rank{rank}.activity")
+def _box(folder, rank, phase_index, iteration, state=rank_records.RUNNING):
+    box = rank_records.ActivityBox(folder / f"rank{rank}.activity")
     box.write(phase_index, iteration, state)
 
 

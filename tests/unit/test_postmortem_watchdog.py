@@ -8,14 +8,14 @@ from __future__ import annotations
 import os
 
 from ptdp.engine.activity import PHASES
-from ptdp.run import postmortem
+from ptdp.run import postmortem, rank_records
 
 MIN = 60_000_000_000  # ns
 T0 = 1_800_000_000 * 1_000_000_000  # some wall-clock time, ns
 
 
 def _box(folder, rank, phase, iteration, since_ns):
-    postmortem.ActivityBox(folder / f"rank{rank}.activity").write(PHASES.index(phase), iteration, since_ns=since_ns)
+    rank_records.ActivityBox(folder / f"rank{rank}.activity").write(PHASES.index(phase), iteration, since_ns=since_ns)
 
 
 def _signal(folder, rank, at_ns, aborted: bool):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from ptdp.engine.pipeline.nccl_model import ScheduleError
 from ptdp.engine.pipeline.partition import chunk_layer_ids, stage_layer_ids
 from ptdp.engine.pipeline.program import P2PGroup, build_programs
 from ptdp.engine.pipeline.schedule import Action, build_schedule
-from ptdp.engine.pipeline.verify import ScheduleError, check_schedule, ideal_idle_time, in_flight_bound, simulate
+from ptdp.engine.pipeline.verify import check_schedule, ideal_idle_time, in_flight_bound, simulate
 from ptdp.spec import ConfigError
 
 CASES = [

@@ -13,7 +13,7 @@ from ptdp.planner.fp8 import fp8_precision
 from ptdp.planner.hardware import CATALOG, Cluster, GiB, GPUSpec, get_gpu, load_catalog, runs_flash_attention
 from ptdp.planner.hf_config import is_config_path, load_hf_config
 from ptdp.planner.models import PRESETS, PUBLISHED_BATCH, ModelSpec, get_model, published_batch, token_budget_batch
-from ptdp.planner.perf import DEFAULT_CONSTANTS
+from ptdp.planner.perf_constants import DEFAULT_CONSTANTS
 from ptdp.planner.report import json_report, plot, text_report
 from ptdp.planner.request import (
     check_fixed_choices,

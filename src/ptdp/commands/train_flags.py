@@ -17,7 +17,7 @@ from pathlib import Path
 from ptdp.spec import Config, ConfigError
 from ptdp.spec import local_world_size as _local_world_size
 from ptdp.spec.files import add_config_flags
-from ptdp.spec.flags import add_flags, int_list, parse_args, reject_unknown  # noqa: F401 - re-exported
+from ptdp.spec.flags import add_flags
 from ptdp.spec.flags import config_from_args as _config_from_args
 
 DEFAULT_TP, DEFAULT_PP = 2, 2

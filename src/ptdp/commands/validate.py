@@ -8,13 +8,13 @@ import platform
 from pathlib import Path
 
 from ptdp.planner.published import load_h100_runs
+from ptdp.planner.published_a100 import load_published_runs
 from ptdp.planner.request import check_output_path
 from ptdp.planner.validate import (
     fit_check,
     format_validation_table,
     h100_fit_check,
     is_h100_table,
-    load_published_runs,
     validate,
     validate_h100,
 )

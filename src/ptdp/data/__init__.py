@@ -19,7 +19,8 @@ from ptdp.data.corpus import (
 )
 from ptdp.data.errors import DataError
 from ptdp.data.indexed import IndexedTokens, token_dtype, write_indexed
-from ptdp.data.prepare import PreparedData, prepare_data
+from ptdp.data.prepare import prepare_data
+from ptdp.data.prepared_data import PreparedData
 from ptdp.data.tokenizer import (
     EOS_TOKEN,
     TokenizerModel,

@@ -65,16 +65,7 @@ from ptdp.data.tokenizer import (
 #: Characters of text per call to the batch encoder.
 ENCODE_CHUNK_CHARS = 2_000_000
 
-#: The prepared folder's record and cache key (:mod:`ptdp.data.prepared_data`) are importable from here too.
-__all__ = [
-    "ENCODE_CHUNK_CHARS",
-    "FORMAT_VERSION",
-    "META_FILE",
-    "TOKENIZER_SAMPLE_CHARS",
-    "PreparedData",
-    "cache_key",
-    "prepare_data",
-]
+__all__ = ["ENCODE_CHUNK_CHARS", "prepare_data"]
 
 Log = Callable[[str], None]
 

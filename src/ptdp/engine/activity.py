@@ -61,7 +61,7 @@ class Activity:
 
 CURRENT = Activity()
 """The record of this process."""
-_mirror = None  # a ptdp.run.postmortem.ActivityBox while a launched worker runs
+_mirror = None  # a ptdp.run.rank_records.ActivityBox while a launched worker runs
 
 
 def mirror_to(box) -> None:

@@ -7,52 +7,26 @@ al., "Reducing Activation Recomputation in Large Transformer Models", arXiv:2205
 The parts: parameters per stage, bytes per parameter and the state of a rank under its sharding
 strategy are :mod:`ptdp.planner.param_memory`; the activations a pipeline rank keeps at its peak
 ([K22] §4, microbatches in flight) are :mod:`ptdp.planner.activation_memory`. This module puts them
-together for the most loaded GPU (:func:`memory_breakdown`); the parts' public names are
-importable from here too.
+together for the most loaded GPU (:func:`memory_breakdown`).
 """
 
 from __future__ import annotations
 
 from ptdp.planner.activation_memory import (
-    SCHEDULES,
-    activation_value_bytes,
     cached_rank_activation_bytes,
-    inflight_layer_microbatches,
-    inflight_microbatches,
-    layer_activation_bytes,
-    rank_activation_bytes,
-    stage_activation_bytes,
 )
 from ptdp.planner.fp8 import fp8_weight_copy_bytes
 from ptdp.planner.hardware import GiB, GPUSpec
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.param_memory import (
-    bytes_per_param,
     even_stage_params,
-    layer_param_count,
-    mean_stage_params,
     rank_state_bytes,
     stage_param_counts,
 )
 from ptdp.planner.plan import Layout, MemoryBreakdown
 from ptdp.planner.sharding import strategy_bytes_per_param
 
-__all__ = [
-    "DEFAULT_OVERHEAD_BYTES",
-    "SCHEDULES",
-    "activation_value_bytes",
-    "bytes_per_param",
-    "inflight_layer_microbatches",
-    "inflight_microbatches",
-    "layer_activation_bytes",
-    "layer_param_count",
-    "mean_stage_params",
-    "memory_breakdown",
-    "rank_activation_bytes",
-    "rank_state_bytes",
-    "stage_activation_bytes",
-    "stage_param_counts",
-]
+__all__ = ["DEFAULT_OVERHEAD_BYTES", "memory_breakdown"]
 
 #: Default fixed overhead per GPU (bytes): CUDA context and kernel images (~0.5 GiB on A100/H100),
 #: NCCL buffers of the 3-5 communicators a rank joins (tp, pp, dp, embedding, world; a few hundred

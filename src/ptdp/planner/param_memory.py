@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from ptdp.planner.chunk_params import stage_chunks
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout
 from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, chunk_by_chunk, stage_state_bytes
-from ptdp.planner.transients import rank_transients, stage_chunks
+from ptdp.planner.transients import rank_transients
 from ptdp.spec import padded_vocab_size, stage_layer_counts
 
 

@@ -20,8 +20,6 @@ from dataclasses import dataclass
 
 from ptdp.planner import flops
 from ptdp.planner.dp_time import (
-    OPT_BYTES_FULL,
-    OPT_BYTES_SHARDED,
     dp_comm_time,
     embedding_sync_dp_time,
     optimizer_time,
@@ -33,7 +31,6 @@ from ptdp.planner.perf_constants import DEFAULT_CONSTANTS, PerfConstants, links_
 from ptdp.planner.plan import Layout, TimeBreakdown
 from ptdp.planner.stage_time import (
     Parts,
-    edge_layer_equivalents,
     pipeline_transfer_time,
     rank_layer_times,
     split_stage_times,
@@ -43,21 +40,8 @@ from ptdp.spec import padded_vocab_size
 
 #: The time model's parts live in :mod:`ptdp.planner.perf_constants` (constants, links),
 #: :mod:`ptdp.planner.stage_time` (per-microbatch stage times) and :mod:`ptdp.planner.dp_time`
-#: (data-parallel and optimizer time); their public names are importable from here too.
-__all__ = [
-    "DEFAULT_CONSTANTS",
-    "OPT_BYTES_FULL",
-    "OPT_BYTES_SHARDED",
-    "Parts",
-    "PerfConstants",
-    "Performance",
-    "core_shared_step",
-    "edge_layer_equivalents",
-    "evaluate_performance",
-    "links_for",
-    "rank_layer_times",
-    "split_stage_times",
-]
+#: (data-parallel and optimizer time).
+__all__ = ["Performance", "core_shared_step", "evaluate_performance"]
 
 
 @dataclass(frozen=True)

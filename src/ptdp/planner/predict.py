@@ -13,13 +13,16 @@ from __future__ import annotations
 import dataclasses
 
 from ptdp.planner.hardware import TFLOPS, Cluster, GiB
-from ptdp.planner.memory import DEFAULT_OVERHEAD_BYTES, mean_stage_params, memory_breakdown
+from ptdp.planner.memory import DEFAULT_OVERHEAD_BYTES, memory_breakdown
 from ptdp.planner.models import ModelSpec
-from ptdp.planner.perf import DEFAULT_CONSTANTS, edge_layer_equivalents, evaluate_performance
+from ptdp.planner.param_memory import mean_stage_params
+from ptdp.planner.perf import evaluate_performance
+from ptdp.planner.perf_constants import DEFAULT_CONSTANTS
 from ptdp.planner.plan import Layout, Plan
 from ptdp.planner.rules import Rejection, all_rejections, schedule_rejections
 from ptdp.planner.sharding import chunk_by_chunk, strategy_bytes_per_param
 from ptdp.planner.splits import candidate_splits
+from ptdp.planner.stage_time import edge_layer_equivalents
 
 
 def evaluate(
@@ -90,7 +93,7 @@ def _predict_split(model, layout, cluster, constants, overhead, search_split: bo
 
 def _no_split_fits(model, layout: Layout, cluster, overhead) -> bool:
     """True when no split of the layers can fit: the mean stage's state bytes (a lower bound of the
-    most loaded stage's, :func:`~ptdp.planner.memory.mean_stage_params`; transients, activations
+    most loaded stage's, :func:`~ptdp.planner.param_memory.mean_stage_params`; transients, activations
     and FP8 copies left out) and the overhead already exceed the GPU."""
     per_param = sum(strategy_bytes_per_param(layout.precision, layout.sharding_strategy, layout.shard_size))
     floor = mean_stage_params(model, layout.tp, layout.pp) * per_param

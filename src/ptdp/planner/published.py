@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ptdp.planner.hardware import CATALOG
-from ptdp.planner.memory import stage_param_counts
 from ptdp.planner.models import ModelSpec
+from ptdp.planner.param_memory import stage_param_counts
 from ptdp.planner.plan import Layout
 from ptdp.spec import padded_vocab_size
 

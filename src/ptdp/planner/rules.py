@@ -21,7 +21,7 @@ from ptdp.spec import (
     schedule_violations,
     sequence_parallel_violations,
 )
-from ptdp.spec.rules import context_parallel_model_violations
+from ptdp.spec.axis_rules import context_parallel_model_violations
 
 
 @dataclass(frozen=True)

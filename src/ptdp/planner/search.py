@@ -34,13 +34,12 @@ from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.perf_constants import DEFAULT_CONSTANTS
 from ptdp.planner.plan import RECOMPUTE, SHARDING, Layout, Plan
-from ptdp.planner.predict import evaluate, predict_strategies
+from ptdp.planner.predict import predict_strategies
 from ptdp.planner.rules import Rejection, context_rejections, structural_rejections
 from ptdp.planner.splits import ACCOUNTING, candidate_splits, interleaved_splits
 from ptdp.spec import ConfigError, ParallelConfig, accounted_split, first_last_split, schedule_violations
 
-#: :func:`evaluate` (one layout) lives in :mod:`ptdp.planner.predict` and is importable from here too.
-__all__ = ["MAX_MICRO_BATCH", "Fixed", "SearchResult", "divisors", "evaluate", "search"]
+__all__ = ["MAX_MICRO_BATCH", "Fixed", "SearchResult", "divisors", "search"]
 
 MAX_MICRO_BATCH = 32
 

@@ -143,7 +143,7 @@ def optimizer_bytes_per_param(
     """Memory traffic of the optimizer step per parameter of the stage.
 
     ``full`` bytes touch every parameter and ``sharded`` only the rank's ``1/shard`` (see
-    :data:`ptdp.planner.perf.OPT_BYTES_FULL`): unsharded everything is full; ``optim`` shards the
+    :data:`ptdp.planner.dp_time.OPT_BYTES_FULL`): unsharded everything is full; ``optim`` shards the
     update; ``optim_grads`` also the gradient's norm read and zeroing (``grad_bytes`` of
     ``full``); ``optim_grads_params`` also the 16-bit weight write (``weight_bytes``).
     """

@@ -58,18 +58,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ptdp.planner.chunk_params import (  # noqa: F401 - a chunk's parameters, importable from here too
+from ptdp.planner.chunk_params import (
     EMBED_UNIT,
     HEAD_UNIT,
-    LOOKUP,
-    POSITIONS,
     REST,
     TIED_UNIT,
     Chunk,
     _layer_params,
     chunk_params,
     layer_param_sizes,
-    stage_chunks,
 )
 from ptdp.planner.models import ModelSpec
 

@@ -27,17 +27,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ptdp.planner.hardware import CATALOG, Cluster, GiB
-from ptdp.planner.memory import bytes_per_param, memory_breakdown, stage_param_counts
-from ptdp.planner.perf import DEFAULT_CONSTANTS, PerfConstants, evaluate_performance
+from ptdp.planner.memory import memory_breakdown
+from ptdp.planner.param_memory import bytes_per_param, stage_param_counts
+from ptdp.planner.perf import evaluate_performance
+from ptdp.planner.perf_constants import DEFAULT_CONSTANTS, PerfConstants
 from ptdp.planner.plan import Layout
 from ptdp.planner.published import H100Run, load_h100_runs
-from ptdp.planner.published_a100 import CSV_CANDIDATES, PublishedRun, default_csv, load_published_runs
+from ptdp.planner.published_a100 import PublishedRun, default_csv, load_published_runs
 
-#: The A100 table's reading (:mod:`ptdp.planner.published_a100`) is importable from here too.
 __all__ = [
     "ACT_NONE",
     "ACT_SEQSEL",
-    "CSV_CANDIDATES",
     "H100_STEP",
     "H100_STEP_CP",
     "H100_STEP_FP8",
@@ -45,9 +45,7 @@ __all__ = [
     "METRICS",
     "PARAMS_OPT",
     "TFLOPS",
-    "PublishedRun",
     "ValidationRow",
-    "default_csv",
     "fit_arch",
     "fit_check",
     "fit_constants",
@@ -57,7 +55,6 @@ __all__ = [
     "h100_log_error",
     "is_h100_table",
     "layout_label",
-    "load_published_runs",
     "main",
     "run_constants",
     "speed_log_error",

@@ -44,17 +44,11 @@ from ptdp.engine import comm
 from ptdp.planner.flops import layer_gemms
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.profile import save_profile
-from ptdp.run.calibration_fit import build_profile, fit_gemm_curve, fit_linear, fit_overheads, fit_ring
+from ptdp.run.calibration_fit import build_profile
 
-#: The fits (:mod:`ptdp.run.calibration_fit`) are importable from here too.
 __all__ = [
     "PRECISION_DTYPES",
-    "build_profile",
     "calibrate_worker",
-    "fit_gemm_curve",
-    "fit_linear",
-    "fit_overheads",
-    "fit_ring",
     "measure_all_reduce",
     "measure_bandwidth",
     "measure_gemms",
@@ -184,7 +178,7 @@ def _init_normal(module, std: float) -> None:
 def measure_layer(config, tp_axis, dtype, device: torch.device | None = None) -> float:
     """Seconds of forward + backward of one real ptdp transformer layer (its TP communication
     included) for one microbatch."""
-    from ptdp.engine.model.gpt import TransformerLayer
+    from ptdp.engine.model.layer import TransformerLayer
 
     m, t = config.model, config.train
     layer = TransformerLayer(m, tp_axis, dtype).to(device)

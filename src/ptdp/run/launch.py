@@ -13,7 +13,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from ptdp.run import postmortem
+from ptdp.run import postmortem, rank_records
 from ptdp.spec import Config
 
 
@@ -76,7 +76,7 @@ def launch_workers(
     with (
         tempfile.TemporaryDirectory(prefix="ptdp-launch-") as log_dir,
         _fresh_store_per_attempt(max_restarts),
-        _environ(postmortem.DIR_ENV, os.path.join(log_dir, "postmortem")),
+        _environ(rank_records.DIR_ENV, os.path.join(log_dir, "postmortem")),
         _quiet_launcher(),
     ):
         try:

@@ -13,7 +13,7 @@ from pathlib import Path
 from ptdp.data import PreparedData
 from ptdp.data.tokenizer import tokenizer_config_beside
 from ptdp.engine import activity
-from ptdp.engine.step import NONFINITE_GRAD_NORM
+from ptdp.engine.step_results import NONFINITE_GRAD_NORM
 from ptdp.run.checkpoint.folders import CheckpointError
 from ptdp.run.checkpoint.saver import Checkpointer
 from ptdp.run.metrics import RunLog

@@ -44,8 +44,9 @@ def rank_estimates(config: Config) -> list[RankBytes]:
     """Bytes of one tp (and cp) rank of each pipeline stage of the resolved ``config`` (planner model:
     parameters, gradients and optimizer state as the run's sharding strategy keeps them over the
     dp x cp ranks, transients included; float64 counted as twice float32)."""
-    from ptdp.planner.memory import rank_activation_bytes, rank_state_bytes, stage_activation_bytes, stage_param_counts
+    from ptdp.planner.activation_memory import rank_activation_bytes, stage_activation_bytes
     from ptdp.planner.models import spec_from_model_config
+    from ptdp.planner.param_memory import rank_state_bytes, stage_param_counts
     from ptdp.planner.plan import Layout
 
     m, p, t = config.model, config.parallel, config.train
@@ -161,8 +162,8 @@ def _layer_bucket(config: Config) -> int | None:
     """A bucket of an eighth of a layer's parameters on one tp rank, when smaller than the run's:
     a sharded-gradient backward then holds about one layer's buckets instead of several
     buckets larger than a layer (:mod:`ptdp.planner.transients`)."""
-    from ptdp.planner.memory import layer_param_count
     from ptdp.planner.models import spec_from_model_config
+    from ptdp.planner.param_memory import layer_param_count
     from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS
 
     bucket = max(1, layer_param_count(spec_from_model_config(config.model), config.parallel.tp) // 8)

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from ptdp.planner.hardware import Cluster
-from ptdp.planner.memory import memory_breakdown, stage_param_counts
+from ptdp.planner.memory import memory_breakdown
 from ptdp.planner.models import spec_from_model_config
-from ptdp.planner.param_memory import stage_transients
+from ptdp.planner.param_memory import stage_param_counts, stage_transients
 from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.plan import Layout
 from ptdp.planner.profile import default_profile_path, load_profile

@@ -4,8 +4,7 @@ When one worker of a job dies, its peers fail a moment later in a collective ("C
 by peer", or a timeout), and the launcher stops the rest. PyTorch's launcher then reports the
 first failed process it happens to poll, often a healthy peer, and a worker killed by a signal
 leaves no Python traceback at all. So each worker started by ``ptdp train`` leaves records of its
-phase and iteration, its error and its fatal signal (:mod:`ptdp.run.rank_records`, whose public
-names are importable from here too).
+phase and iteration, its error and its fatal signal (:mod:`ptdp.run.rank_records`).
 
 :func:`diagnose` reads them after the launcher gave up and names the rank that failed first: the
 earliest worker that raised an error of its own or died of a fatal signal; else one that left no
@@ -31,34 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ptdp.run.rank_records import (
-    DIR_ENV,
-    FINISHED,
-    RAISED,
-    RUNNING,
-    ActivityBox,
     RankEnd,
-    attempt_dir,
-    read_box,
     read_rank_end,
-    recording,
 )
 
-__all__ = [
-    "DIR_ENV",
-    "FINISHED",
-    "RAISED",
-    "RUNNING",
-    "WATCHDOG_FRACTION",
-    "ActivityBox",
-    "Diagnosis",
-    "RankEnd",
-    "attempt_dir",
-    "diagnose",
-    "read_box",
-    "read_rank_end",
-    "recording",
-    "watchdog_aborts",
-]
+__all__ = ["WATCHDOG_FRACTION", "Diagnosis", "diagnose", "watchdog_aborts"]
 
 WATCHDOG_FRACTION = 0.9
 """Share of the process-group timeout that tells an NCCL watchdog abort (:func:`watchdog_aborts`)."""

@@ -16,19 +16,12 @@ from ptdp.engine import activity
 from ptdp.engine.comm import all_gather_object, all_reduce
 from ptdp.engine.faults import FaultPlan
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import (
-    PendingStep,
-    build_stage,
-    eval_loss,
-    read_results_with,
-    train_step,
-    with_vocab,
-)
+from ptdp.engine.step import build_stage, eval_loss, train_step, with_vocab
+from ptdp.engine.step_results import PendingStep, read_results_with
 from ptdp.run.checkpoint.folders import CheckpointError
 from ptdp.run.checkpoint.io import load_checkpoint
 from ptdp.run.checkpoint.saver import Checkpointer
 from ptdp.run.loop_events import (
-    TrainingError,  # noqa: F401 - raised by train, caught by ptdp.run.worker
     complete_save,
     non_finite_step,
     save_and_log,
@@ -193,7 +186,7 @@ class _Loop:
 
     def flush(self) -> None:
         """Read the steps since the last flush to the host (one synchronisation for all:
-        :func:`~ptdp.engine.step.read_results_with`) and record them in order. Called at every logged
+        :func:`~ptdp.engine.step_results.read_results_with`) and record them in order. Called at every logged
         step (``--log-interval``, the first and the last) and before an evaluation or a checkpoint,
         so a step that is not logged never waits for the device. Each step of the interval is given
         the interval's mean step time (its wall time from the first step's start to the read) and

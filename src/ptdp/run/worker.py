@@ -23,21 +23,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ptdp.commands.train_flags import HelpFormatter, add_train_arguments, config_from_args, parse_args
+from ptdp.commands.train_flags import HelpFormatter, add_train_arguments, config_from_args
 from ptdp.data import DataError, PreparedData
 from ptdp.engine import comm
 from ptdp.engine.activity import CollectiveError
 from ptdp.engine.faults import FaultPlan
 from ptdp.engine.groups import ParallelGroups, host_group
-from ptdp.run import postmortem
+from ptdp.run import rank_records
 from ptdp.run.distributed import env_world, init_distributed
+from ptdp.run.loop_events import TrainingError
 from ptdp.run.metrics import format_summary
 from ptdp.run.preflight import Roles, Share, check_request, prepare_run
 from ptdp.run.restart import check_torchrun_restarts, restart_count, resume_config
-from ptdp.run.trainer import TrainingError, train
+from ptdp.run.trainer import train
 from ptdp.spec import Config, ConfigError, resolve
 from ptdp.spec.files import apply_config_file
-from ptdp.spec.flags import Parser
+from ptdp.spec.flags import Parser, parse_args
 from ptdp.spec.layout import ParallelLayout
 
 #: Waiting for another rank to tokenize a large corpus may take much longer than a collective.
@@ -59,7 +60,7 @@ def worker_entry(config_json: str, run_dir: str, data_dir: str, progress: bool) 
     :class:`~ptdp.engine.activity.CollectiveError` (a peer stopped responding or went away) is raised, so
     that the launcher stops the other workers and reports it."""
     restart = restart_count()
-    with postmortem.recording(env_world()[0], restart):  # who failed first, and where (ptdp.run.postmortem)
+    with rank_records.recording(env_world()[0], restart):  # who failed first, and where (ptdp.run.postmortem)
         config = resume_config(Config.from_dict(json.loads(config_json)), restart)
         device = init_distributed(config.parallel.distributed_timeout_minutes, bind_cpus=config.parallel.bind_cpus)
         try:

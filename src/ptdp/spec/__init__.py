@@ -16,6 +16,7 @@ from ptdp.engine.pipeline.partition import (
     virtual_stages,
 )
 from ptdp.engine.tensor_parallel.vocab import keeps_logits, padded_vocab_size
+from ptdp.spec.axis_rules import context_parallel_violations, sequence_parallel_violations
 from ptdp.spec.config import SECTIONS, CheckpointConfig, Config, DataConfig, LaunchConfig, TrainConfig
 from ptdp.spec.errors import ConfigError, Violation
 from ptdp.spec.fields import (
@@ -34,14 +35,7 @@ from ptdp.spec.fields import (
 from ptdp.spec.model import ModelConfig
 from ptdp.spec.parallel import ParallelConfig
 from ptdp.spec.resolve import DEFAULT_LOCAL_WORKERS, local_world_size, resolve
-from ptdp.spec.rules import (
-    context_parallel_violations,
-    heads_violations,
-    layout_violations,
-    recompute_violations,
-    schedule_violations,
-    sequence_parallel_violations,
-)
+from ptdp.spec.rules import heads_violations, layout_violations, recompute_violations, schedule_violations
 
 __all__ = [
     "ACTIVATIONS",

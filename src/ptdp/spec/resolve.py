@@ -12,24 +12,25 @@ from __future__ import annotations
 import dataclasses
 
 from ptdp.engine.pipeline.partition import chunk_layer_counts
-from ptdp.spec.config import CheckpointConfig, Config, LaunchConfig, TrainConfig
-from ptdp.spec.errors import ConfigError, Violation, raise_violations
-from ptdp.spec.model import ModelConfig, concrete_params_dtype
-from ptdp.spec.parallel import ParallelConfig
-from ptdp.spec.rules import (
-    V,
+from ptdp.spec.axis_rules import (
     context_parallel_model_violations,
     context_parallel_violations,
     data_parallel_violations,
+    sequence_parallel_violations,
+    sharded_params_violations,
+    sharding_violations,
+)
+from ptdp.spec.config import CheckpointConfig, Config, LaunchConfig, TrainConfig
+from ptdp.spec.errors import V, Violation, raise_violations
+from ptdp.spec.model import ModelConfig, concrete_params_dtype
+from ptdp.spec.parallel import ParallelConfig
+from ptdp.spec.rules import (
     finite_violations,
     layout_violations,
     model_option_violations,
     positive_violations,
     recompute_violations,
     schedule_violations,
-    sequence_parallel_violations,
-    sharded_params_violations,
-    sharding_violations,
 )
 
 DEFAULT_LOCAL_WORKERS = 8
@@ -354,4 +355,4 @@ def _recompute_defaults(m: ModelConfig) -> dict:
     }
 
 
-__all__ = ["ConfigError", "local_world_size", "resolve"]
+__all__ = ["local_world_size", "resolve"]

@@ -7,7 +7,7 @@ rule id the planner groups by, the values it saw, and a message naming them.
 Sources: Narayanan et al. SC21, arXiv:2104.04473 (layout, schedules); Shoeybi et al.,
 arXiv:1909.08053 (tensor parallelism); Korthikanti et al. 2022, arXiv:2205.05198 (sequence
 parallelism, recompute). The rules of sequence and context parallelism, sharding and the
-data-parallel engine live in :mod:`ptdp.spec.axis_rules` (importable from here too).
+data-parallel engine live in :mod:`ptdp.spec.axis_rules`.
 
 - ``heads % tp == 0`` (attention is split by heads), ``hidden % heads == 0``, ``ffn % tp == 0``
 - ``num_layers % pp == 0`` unless an explicit ``pipeline_layer_split`` (pp entries >= 1 summing
@@ -31,14 +31,6 @@ from __future__ import annotations
 import math
 
 from ptdp.engine.pipeline.partition import layer_split, stage_layer_counts
-from ptdp.spec.axis_rules import (  # noqa: F401 - the axis rules, importable from here too
-    context_parallel_model_violations,
-    context_parallel_violations,
-    data_parallel_violations,
-    sequence_parallel_violations,
-    sharded_params_violations,
-    sharding_violations,
-)
 from ptdp.spec.errors import ConfigError, V, Violation
 from ptdp.spec.fields import (
     ACTIVATIONS,

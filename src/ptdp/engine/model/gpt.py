@@ -54,8 +54,8 @@ from torch import nn
 
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.context_parallel.chunks import rank_positions, shard_sequence
-from ptdp.engine.model.attention import Attention, KVCache
-from ptdp.engine.model.layer import MLP, LayerNorm, RMSNorm, TransformerLayer, make_norm
+from ptdp.engine.model.attention import KVCache
+from ptdp.engine.model.layer import TransformerLayer, make_norm
 from ptdp.engine.model.recompute import run_layers
 from ptdp.engine.tensor_parallel import (
     ParamSpec,
@@ -69,18 +69,7 @@ from ptdp.engine.tensor_parallel.random import Dropout, DropoutRNG
 from ptdp.engine.tensor_parallel.sharding import make_parameter
 from ptdp.spec import ModelConfig, padded_vocab_size
 
-__all__ = [
-    "DTYPES",
-    "MLP",
-    "Attention",
-    "GPTModel",
-    "KVCache",
-    "LayerNorm",
-    "RMSNorm",
-    "TransformerLayer",
-    "make_norm",
-    "masked_mean",
-]
+__all__ = ["DTYPES", "GPTModel", "masked_mean"]
 
 DTYPES = {
     "float32": torch.float32,

@@ -29,7 +29,7 @@ increasing time, and a send and its receive are in groups of the same time. Take
 T whose groups have not all completed: every rank with a group at T reaches it (everything before
 it is computes, which need no peer, and groups of earlier times, which completed), so all groups
 of time T are running together, every send meets its receive, and they complete. By induction
-every group completes. :func:`ptdp.engine.pipeline.verify.simulate_nccl` checks it independently
+every group completes. :func:`ptdp.engine.pipeline.nccl_model.simulate_nccl` checks it independently
 for every shape the configuration accepts.
 
 Communicator: ptdp posts every pipeline transfer through ``batch_isend_irecv`` on the pipeline

@@ -24,16 +24,7 @@ from ptdp.engine.pipeline.nccl_model import ScheduleError, simulate_nccl
 from ptdp.engine.pipeline.program import P2PGroup, Step, programs_from_schedule
 from ptdp.engine.pipeline.schedule import COMPUTE, Action, boundary, peer, warmup_forwards
 
-__all__ = [
-    "ScheduleError",
-    "check_programs",
-    "check_schedule",
-    "ideal_idle_time",
-    "in_flight_bound",
-    "programs_of",
-    "simulate",
-    "simulate_nccl",
-]
+__all__ = ["check_programs", "check_schedule", "ideal_idle_time", "in_flight_bound", "programs_of", "simulate"]
 
 
 def in_flight_bound(kind: str, p: int, m: int, v: int, r: int) -> int:

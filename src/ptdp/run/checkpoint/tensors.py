@@ -9,7 +9,7 @@ A checkpoint stores every parameter as its *global* tensor, whatever the layout 
   ``[3, h / tp, ...]`` at offset ``(0, tp_rank * h / tp, 0)``; a SwiGLU fc1 ``[gate | up]``
   (``tp_groups = 2``) likewise as ``[2, ffn, ...]``;
 - a grouped-query QKV projection is laid out group by group (``[q of group 0, k_0, v_0, q of
-  group 1, ...]``, see :class:`ptdp.engine.model.gpt.Attention`) and split contiguously over tp, so it is
+  group 1, ...]``, see :class:`ptdp.engine.model.attention.Attention`) and split contiguously over tp, so it is
   stored as its global ``[(a + 2 G) d, h]`` tensor with each rank's whole groups at their offset;
 - vocabulary tensors keep only their ``real_rows`` (padding depends on tp and is not stored);
 - replicated tensors (LayerNorm, row-parallel biases, positions) are plain tensors, stored once.
