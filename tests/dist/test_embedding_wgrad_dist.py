@@ -13,15 +13,13 @@ import torch
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.embedding_cases import LOOKUP_PADDED, embedding_gradients, lookup_reference, lookup_run
 from helpers.layout_cases import tiny_config
+from helpers.torch_features import NEEDS_FUSED_WGRAD
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.tensor_parallel.wgrad import hooks_run_without_grad
 from ptdp.spec.layout import ParallelLayout
 
 # Every test here checks the fused path, which is off on a torch that runs no post-accumulate hook
 # without a gradient (docs/testing.md#older-torch).
-pytestmark = pytest.mark.skipif(
-    not hooks_run_without_grad(), reason="this torch runs no post-accumulate hook without a gradient"
-)
+pytestmark = NEEDS_FUSED_WGRAD
 
 GPT_CASES = {  # name: (tiny_config keyword arguments, token ids modulo)
     "tied": ({}, None),

@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from helpers.dist_helpers import run_in_pool
+from helpers.torch_features import NEEDS_FUSED_WGRAD
 from helpers.zero_cases import (
     CHUNK_VARIANTS,
     CP_LAYOUT,
     CP_VARIANT,
     FP16_STRATEGIES,
     LAYOUTS,
-    PLANNER_COUNTS_FUSED,
     ROUND_TRIPS,
     VARIANTS,
     check_against_reference,
@@ -64,7 +64,7 @@ def test_optim_grads_with_context_parallelism_trains_like_one_process():
         assert m["grads"] == 8 * (m["numel"] + m["padding"]) // 4, m
 
 
-@PLANNER_COUNTS_FUSED
+@NEEDS_FUSED_WGRAD  # the planner counts the fused path
 @pytest.mark.parametrize("world, layout", CASES, ids=IDS)
 def test_optim_grads_keeps_a_shard_as_the_planner_counts(world, layout):
     """Bytes per rank: gradients and optimizer state 1/dp of the stage's (plus bucket padding),
@@ -123,7 +123,7 @@ def test_a_backward_holds_only_some_buckets(world, layout):
         assert 8 * 1500 <= m["grads_transient"] < full, (m["grads_transient"], full)
 
 
-@PLANNER_COUNTS_FUSED
+@NEEDS_FUSED_WGRAD  # the planner counts the fused path
 @pytest.mark.parametrize("world, layout", CASES, ids=IDS)
 def test_optim_grads_transient_is_what_the_planner_counts(world, layout):
     """The most full-size bucket gradient memory a rank held at once over the run (the engine's

@@ -16,13 +16,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.torch_features import NEEDS_FUSED_WGRAD
 from helpers.zero_cases import (
     CHUNK_VARIANTS,
     CP_LAYOUT,
     CP_PARAMS_VARIANT,
     EVAL_VARIANTS,
     LAYOUTS,
-    PLANNER_COUNTS_FUSED,
     VARIANTS,
     check_against_reference,
     check_transients,
@@ -63,7 +63,7 @@ def test_optim_grads_params_with_context_parallelism_trains_like_one_process():
         assert m["params"] == m["grads"] == 8 * (m["numel"] + m["padding"]) // 4, m
 
 
-@PLANNER_COUNTS_FUSED
+@NEEDS_FUSED_WGRAD  # the planner counts the fused path
 @pytest.mark.parametrize("world, layout", CASES, ids=IDS)
 def test_optim_grads_params_keeps_a_shard_as_the_planner_counts(world, layout):
     """Bytes per rank: parameters, gradients and optimizer state each 1/dp of the stage's (plus
@@ -87,7 +87,7 @@ def test_optim_grads_params_keeps_a_shard_as_the_planner_counts(world, layout):
                 assert 0 < m["params_transient"] < whole, (name, m["params_transient"], whole)
 
 
-@PLANNER_COUNTS_FUSED
+@NEEDS_FUSED_WGRAD  # the planner counts the fused path
 @pytest.mark.parametrize("world, layout", CASES, ids=IDS)
 def test_optim_grads_params_transients_are_what_the_planner_counts(world, layout):
     """The most gathered parameter memory and the most full-size bucket gradient memory a rank
@@ -119,7 +119,7 @@ def _stretches(cfg, pp_rank: int, m: int) -> int:
     return stretches[0]
 
 
-@PLANNER_COUNTS_FUSED
+@NEEDS_FUSED_WGRAD  # the planner counts the fused path
 @pytest.mark.parametrize("world, layout", CASES, ids=IDS)
 def test_one_step_communicates_as_the_formula_says(world, layout):
     """Step 0 on the dp axis: each backward reduce-scatters every bucket (m times the gradient

@@ -7,20 +7,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import pytest
-
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.layout_cases import LLAMA_OPTIONS, tiny_config, train_and_collect
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.tensor_parallel.wgrad import hooks_run_without_grad
 from ptdp.spec import Config, resolve
 from ptdp.spec.layout import ParallelLayout
-
-#: the planner counts the fused weight-gradient path's transients and reductions; on a torch that
-#: runs no post-accumulate hook without a gradient that path is off (docs/testing.md#older-torch)
-PLANNER_COUNTS_FUSED = pytest.mark.skipif(
-    not hooks_run_without_grad(), reason="this torch runs no post-accumulate hook without a gradient"
-)
 
 #: (tp, pp, dp) by world size: one job per world size
 LAYOUTS = {4: [(1, 1, 4), (2, 1, 2), (1, 2, 2)], 8: [(2, 2, 2), (1, 2, 4)]}

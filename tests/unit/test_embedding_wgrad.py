@@ -10,14 +10,10 @@ import torch.nn.functional as F
 
 from helpers.embedding_cases import embedding_gradients, lookup_reference, lookup_run, table_gradients_made
 from helpers.layout_cases import tiny_config
+from helpers.torch_features import NEEDS_FUSED_WGRAD
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.tensor_parallel.wgrad import embedding, hooks_run_without_grad
-
-#: the fused lookup is off on a torch that skips a leaf's post-accumulate hooks without a gradient (2.7)
-needs_fusion = pytest.mark.skipif(
-    not hooks_run_without_grad(), reason="this torch runs no post-accumulate hook without a gradient"
-)
+from ptdp.engine.tensor_parallel.wgrad import embedding
 
 
 def _ids_and_mask():
@@ -27,7 +23,7 @@ def _ids_and_mask():
     return ids.masked_fill(outside, 0), outside, g
 
 
-@needs_fusion
+@NEEDS_FUSED_WGRAD
 @pytest.mark.parametrize("masked", [False, True])
 def test_float64_lookup_into_main_grad_equals_autograd(masked):
     """Forward bitwise equal to F.embedding (+ the mask); main_grad = start + autograd's gradient."""
@@ -68,7 +64,7 @@ def test_without_main_grad_the_lookup_is_autograds_exactly():
     assert torch.equal(w.grad, ref_w.grad)
 
 
-@needs_fusion
+@NEEDS_FUSED_WGRAD
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_rows_summed_in_float32_without_a_table_sized_16_bit_gradient(dtype):
     """tp = 1, two microbatches: main_grad is the float64 sum of the received 16-bit rows to float32
@@ -94,7 +90,7 @@ def test_float32_and_float64_models_keep_autograds_gradient():
     assert res["arrived"] == [True, True]
 
 
-@needs_fusion
+@NEEDS_FUSED_WGRAD
 @pytest.mark.parametrize("untied", [False, True])
 @pytest.mark.parametrize("distinct", [None, 5])
 def test_bf16_gpt_embedding_gradient_in_main_grad_matches_autograds_path(untied, distinct):
@@ -121,7 +117,7 @@ def test_bf16_gpt_embedding_gradient_in_main_grad_matches_autograds_path(untied,
     assert plain["arrived"] == [True, True] and plain["hooks"] == 2
 
 
-@needs_fusion
+@NEEDS_FUSED_WGRAD
 def test_fusion_is_off_where_torch_compile_traces(monkeypatch):
     """Inside a compiled region the lookup stays autograd's (the graph cannot write main_grad)."""
     w = torch.randn(6, 4, requires_grad=True, dtype=torch.bfloat16)

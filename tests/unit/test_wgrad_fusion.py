@@ -9,15 +9,11 @@ import pytest
 import torch
 
 import ptdp.engine.tensor_parallel.wgrad as wgrad
+from helpers.torch_features import NEEDS_FUSED_WGRAD
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ptdp.engine.tensor_parallel.wgrad import linear, weight_grad
-
-#: the fused paths are off on a torch that skips a leaf's post-accumulate hooks without a gradient (2.7)
-needs_fusion = pytest.mark.skipif(
-    not wgrad.hooks_run_without_grad(), reason="this torch runs no post-accumulate hook without a gradient"
-)
 
 
 def _bf16_layers():
@@ -31,7 +27,7 @@ def _bf16_layers():
     return col, row
 
 
-@needs_fusion
+@NEEDS_FUSED_WGRAD
 def test_linear_weight_gradients_land_in_main_grad_without_a_16_bit_grad():
     col, row = _bf16_layers()
     params = [*col.parameters(), *row.parameters()]
@@ -95,7 +91,7 @@ def test_fused_accumulation_equals_16_bit_grad_plus_add():
     torch.testing.assert_close(w.main_grad, 0.5 + g.t().mm(x).float(), rtol=0, atol=0)
 
 
-@needs_fusion
+@NEEDS_FUSED_WGRAD
 def test_linear_matches_f_linear_forward_and_input_grad():
     torch.manual_seed(2)
     w = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
@@ -189,7 +185,7 @@ def test_cuda_accumulates_in_float32_in_place():
     assert fused_err <= rounded_err
 
 
-@needs_fusion
+@NEEDS_FUSED_WGRAD
 @pytest.mark.parametrize("untied", [True, False])
 def test_output_layer_gradient_goes_straight_into_main_grad(monkeypatch, untied):
     """bfloat16 GPT at tp = 1: the chunked loss adds the output layer's gradient into its float32
