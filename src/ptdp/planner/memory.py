@@ -12,9 +12,7 @@ together for the most loaded GPU (:func:`memory_breakdown`).
 
 from __future__ import annotations
 
-from ptdp.planner.activation_memory import (
-    cached_rank_activation_bytes,
-)
+from ptdp.planner.activation_memory import cached_rank_activation_bytes
 from ptdp.planner.fp8 import fp8_weight_copy_bytes
 from ptdp.planner.hardware import GiB, GPUSpec
 from ptdp.planner.models import ModelSpec

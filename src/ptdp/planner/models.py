@@ -219,7 +219,8 @@ def token_budget_batch(model: ModelSpec) -> tuple[int, str]:
     """(global batch, where it came from) of :data:`DEFAULT_TOKENS_PER_STEP` at ``model``'s sequence length."""
     batch = max(1, DEFAULT_TOKENS_PER_STEP // model.seq_length)
     return batch, (
-        f"{model.name} has no published batch: 4M tokens per step in sequences of {model.seq_length:,} "
+        f"{model.name} has no published batch: {DEFAULT_TOKENS_PER_STEP // 2**20}M tokens per step in sequences of "
+        f"{model.seq_length:,} "
         "(Llama 2's batch, Touvron et al. 2023, Table 1)"
     )
 

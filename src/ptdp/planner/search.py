@@ -92,13 +92,12 @@ class SearchResult:
     rejected: list[tuple[Plan, Rejection]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     """What the search left out and why (each once), e.g. interleaving where the layers do not split evenly."""
+    uneven_pp: list[int] = field(default_factory=list, repr=False)
+    """The pipeline sizes whose stages the layers do not split evenly (one note names them all)."""
 
     @property
     def evaluated(self) -> int:
         return len(self.plans) + len(self.rejected)
-
-    uneven_pp: list[int] = field(default_factory=list, repr=False)
-    """The pipeline sizes whose stages the layers do not split evenly (one note names them all)."""
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -106,13 +105,14 @@ class SearchResult:
 
     def note_uneven(self, num_layers: int, pp: int) -> None:
         """One note for every pp whose stages ``num_layers`` layers do not split evenly."""
-        old = self._uneven_note(num_layers)
-        if pp not in self.uneven_pp:
-            self.uneven_pp.append(pp)
+        if pp in self.uneven_pp:
+            return
+        old = self._uneven_note(num_layers) if self.uneven_pp else None
+        self.uneven_pp.append(pp)
         if old in self.notes:
             self.notes[self.notes.index(old)] = self._uneven_note(num_layers)
         else:
-            self.note(self._uneven_note(num_layers))
+            self.notes.append(self._uneven_note(num_layers))
 
     def _uneven_note(self, num_layers: int) -> str:
         sizes = ", ".join(str(pp) for pp in self.uneven_pp)
