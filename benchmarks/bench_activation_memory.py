@@ -40,15 +40,18 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import ptdp.engine.pipeline.runtime as runtime
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
+from ptdp.layout.grid import ParallelLayout
 from ptdp.planner.activation_memory import stage_activation_bytes
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.plan import Layout
 from ptdp.run.distributed import init_distributed
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.spec.layout import ParallelLayout
 
 SCHEDULES = ("gpipe", "1f1b")
 

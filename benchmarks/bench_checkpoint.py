@@ -26,12 +26,15 @@ import pipeline_common as pc
 import torch
 import torch.distributed as dist
 
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
+from ptdp.layout.grid import ParallelLayout
 from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
 from ptdp.run.distributed import init_distributed
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.spec.layout import ParallelLayout
 
 LAYOUT = (2, 2, 2)
 

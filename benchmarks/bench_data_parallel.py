@@ -53,14 +53,18 @@ import torch.distributed as dist
 from bench_step import PlainGPT, copy_weights
 from torch.nn.parallel import DistributedDataParallel
 
-from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, dp_shard, microbatches
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
+from ptdp.data.dataset import GlobalBatchSampler, TokenWindows, dp_shard, microbatches
+from ptdp.data.prepared_data import PreparedData
 from ptdp.engine.comm import AxisGroup, all_reduce
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
+from ptdp.layout.grid import ParallelLayout
 from ptdp.run.rundir import prepare
 from ptdp.run.trace import Tracer
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.spec.layout import ParallelLayout
 
 CODECS = ("none", "fp16", "bf16", "1bit")
 TIMED = ("ptdp", "ptdp_no_overlap", "ddp")

@@ -22,10 +22,10 @@ import time
 import torch
 
 from ptdp.commands.generate import generate
+from ptdp.config.model import ModelConfig
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
-from ptdp.spec import ModelConfig
 
 
 def build(args: argparse.Namespace) -> GPTModel:

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ptdp.engine.activation_meter import SavedActivationMeter
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.tensor_parallel.linear_cross_entropy import linear_cross_entropy
-from ptdp.spec import padded_vocab_size
+from ptdp.layout.vocab import padded_vocab_size
 
 
 class LargestTensor(TorchDispatchMode):

@@ -35,15 +35,18 @@ import torch
 import torch.utils.checkpoint as tcheckpoint
 
 import ptdp.engine.model.recompute as recompute_mod
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
+from ptdp.layout.grid import ParallelLayout
 from ptdp.planner.activation_memory import stage_activation_bytes
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.plan import Layout
 from ptdp.run.distributed import init_distributed
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.spec.layout import ParallelLayout
 
 MODES = [(r, sp) for sp in (False, True) for r in ("none", "selective", "full")]
 

@@ -11,7 +11,7 @@ with Narayanan et al. SC21 (arXiv:2104.04473), §2.2:
     ideal step      m (t_f + t_b)
     predicted step  m (t_f + t_b) + (p - 1) (t_f + t_b) / v       bubble (p - 1) / (v m)
 
-and with ``ptdp.engine.pipeline.verify.simulate`` (the same schedule, zero-cost communication).
+and with ``ptdp.layout.pipeline.verify.simulate`` (the same schedule, zero-cost communication).
 Target: measured step within 5% of the predicted step.
 
 Three more numbers locate the difference: the time actually slept per rank (``time.sleep`` wakes
@@ -37,10 +37,10 @@ import pipeline_common as pc
 import torch
 from torch import nn
 
-from ptdp.engine.pipeline.program import build_programs
 from ptdp.engine.pipeline.runtime import run_schedule
-from ptdp.engine.pipeline.schedule import build_schedule
-from ptdp.engine.pipeline.verify import simulate
+from ptdp.layout.pipeline.program import build_programs
+from ptdp.layout.pipeline.schedule import build_schedule
+from ptdp.layout.pipeline.verify import simulate
 
 HIDDEN = 8
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))

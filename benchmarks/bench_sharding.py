@@ -43,12 +43,15 @@ import torch
 import torch.distributed as dist
 from plain_gpt import PlainGPT, copy_weights, plain_optimizer, plain_step
 
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
+from ptdp.layout.grid import ParallelLayout
 from ptdp.run.distributed import init_distributed
 from ptdp.run.planner_report import measure_stage
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.spec.layout import ParallelLayout
 
 #: ptdp's variants: name -> (sharding strategy, reshard after forward)
 VARIANTS = {

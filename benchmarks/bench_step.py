@@ -25,9 +25,12 @@ import time
 import torch
 from plain_gpt import copy_weights, plain_like, plain_optimizer, plain_step, with_compile
 
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 
 
 def main() -> None:

@@ -41,11 +41,14 @@ def worker(tp: int, pp: int, dp: int, steps: int, warmup: int) -> dict:
     import torch
 
     from helpers.host_sync import count_host_syncs, label_check_on_device
+    from ptdp.config.model import ModelConfig
+    from ptdp.config.parallel import ParallelConfig
+    from ptdp.config.resolve import resolve
+    from ptdp.config.schema import Config, TrainConfig
     from ptdp.engine.groups import ParallelGroups
     from ptdp.engine.step import build_stage, train_step
+    from ptdp.layout.grid import ParallelLayout
     from ptdp.run.distributed import init_distributed
-    from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-    from ptdp.spec.layout import ParallelLayout
 
     init_distributed(pc.TIMEOUT_MINUTES, threads_per_worker=1)
     groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp), datetime.timedelta(minutes=pc.TIMEOUT_MINUTES))

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import pipelining
 
-from ptdp.engine.pipeline.program import build_programs
 from ptdp.engine.pipeline.runtime import run_schedule
+from ptdp.layout.pipeline.program import build_programs
 
 SCHEDULES = (
     ("gpipe", 1, "ScheduleGPipe"),

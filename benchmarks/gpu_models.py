@@ -16,10 +16,13 @@ from unittest import mock
 import torch
 
 import ptdp.engine.step as ptdp_step
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import Stage, build_stage
 from ptdp.engine.tensor_parallel.sharding import spec_of
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 
 FULL = {
     "num_layers": 24,

@@ -35,11 +35,11 @@ import torch.nn.functional as F
 from gpu_models import device_stage, random_microbatches, speed_config
 from gpu_report import NOT_ON_CPU, Budget, median_seconds
 
+from ptdp.config.schema import Config
 from ptdp.engine.step import Stage, train_step
 from ptdp.engine.tensor_parallel import wgrad
 from ptdp.engine.tensor_parallel.linear_cross_entropy import default_chunk_tokens
-from ptdp.engine.tensor_parallel.vocab import keeps_logits, padded_vocab_size
-from ptdp.spec import Config
+from ptdp.layout.vocab import keeps_logits, padded_vocab_size
 
 BACKENDS = ("MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 """The SDPA backends tried, in this order (the math backend first: the others are compared with it)."""

@@ -33,10 +33,10 @@ from gpu_models import device_stage, flops_per_token, random_microbatches
 from gpu_report import NOT_ON_CPU, Budget
 from plain_gpt import copy_weights, plain_like, plain_optimizer, plain_step
 
+from ptdp.config.schema import Config
 from ptdp.engine.step import Stage, train_step
 from ptdp.engine.tensor_parallel import wgrad
 from ptdp.planner.hardware import CATALOG
-from ptdp.spec import Config
 
 TARGETS = {"mfu_compiled_at_least": 0.50, "ratio_vs_plain_at_most": 1.05}
 PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}

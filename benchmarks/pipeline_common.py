@@ -21,9 +21,9 @@ import torch.distributed as dist
 from ptdp.engine import comm
 from ptdp.engine.comm import AxisGroup, all_reduce
 from ptdp.engine.groups import ParallelGroups
+from ptdp.layout.grid import ParallelLayout
 from ptdp.run.distributed import init_distributed
 from ptdp.run.launch import launch_workers
-from ptdp.spec.layout import ParallelLayout
 
 TIMEOUT_MINUTES = 5.0
 

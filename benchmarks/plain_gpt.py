@@ -162,7 +162,7 @@ def with_compile(config):
     flag in its schema (the compiled comparison is then left out)."""
     import dataclasses
 
-    from ptdp.spec.config import SECTIONS
+    from ptdp.config.schema import SECTIONS
 
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):

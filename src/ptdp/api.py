@@ -1,12 +1,12 @@
 """ptdp's Python API (``docs/api.md``): the planner (:func:`plan`), a validated
-:class:`~ptdp.spec.Config` from a file and keywords (:func:`load_config`), and training in a
+:class:`~ptdp.config.Config` from a file and keywords (:func:`load_config`), and training in a
 launched worker (:func:`train`).
 
-Each takes the command line's flags by name (:mod:`ptdp.spec.keywords`: ``global_batch_size``,
+Each takes the command line's flags by name (:mod:`ptdp.config.keywords`: ``global_batch_size``,
 ``recompute_granularity``, ``use_flash_attn``, or a short alias ``tp``, ``cp``, ``mbs``...), turned
 into a command line and parsed by the command's own parser (``ptdp plan``'s, ``python -m
 ptdp.train``'s), so types, choices and every rule are checked once, the same way, before any search
-or process group; a bad request raises :class:`ptdp.spec.ConfigError` (a ``ValueError``) naming the
+or process group; a bad request raises :class:`ptdp.config.ConfigError` (a ``ValueError``) naming the
 numbers and the rule. :func:`plan` and :func:`load_config` import no torch.
 
 Example::
@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ptdp.config.keywords import RaisingParser, keyword_actions, keywords_to_argv
+from ptdp.config.schema import Config
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Plan
 from ptdp.planner.rules import Rejection
-from ptdp.spec import Config
-from ptdp.spec.keywords import RaisingParser, keyword_actions, keywords_to_argv
 
 #: options that are not part of a search
 _NOT_FOR_SEARCH = ("validate", "calibrate", "update_benchmarks", "nproc_per_node", "json", "plot")
@@ -139,15 +139,15 @@ def load_config(
             ``sequence_parallel=True``, ``data=["corpus.txt"]``...).
 
     Returns:
-        The :class:`~ptdp.spec.Config` with ``dp`` filled in and ``params_dtype`` concrete.
+        The :class:`~ptdp.config.Config` with ``dp`` filled in and ``params_dtype`` concrete.
 
     Raises:
         ConfigError (a ValueError): a bad file or setting, naming the values and the rule.
         TypeError: an unknown keyword.
     """
     from ptdp.commands.train_flags import add_train_arguments, config_from_args
-    from ptdp.spec import resolve
-    from ptdp.spec.files import apply_config_file
+    from ptdp.config.files import apply_config_file
+    from ptdp.config.resolve import resolve
 
     parser = RaisingParser(prog="ptdp.load_config", add_help=False)
     add_train_arguments(parser, local_launch=False)
@@ -166,7 +166,7 @@ def train(config: Config, *, progress: bool = False) -> dict:
     ``RANK``/``WORLD_SIZE``/... environment) or alone as a world of one process.
 
     What ``python -m ptdp.train`` does after parsing its flags: the config is checked again for this
-    world (:func:`ptdp.spec.resolve`; a config from :func:`load_config` passes), torch.distributed
+    world (:func:`ptdp.config.resolve`; a config from :func:`load_config` passes), torch.distributed
     is initialised (NCCL on CUDA, gloo on CPU), local rank 0 of each node prepares the data (cached)
     while the others wait, global rank 0 creates the run directory, then every rank trains and the
     process group is destroyed.
@@ -182,10 +182,10 @@ def train(config: Config, *, progress: bool = False) -> dict:
     import torch
     import torch.distributed as dist
 
+    from ptdp.config.resolve import resolve
     from ptdp.run.distributed import env_world, init_distributed
     from ptdp.run.preflight import check_request
     from ptdp.run.worker import set_single_process_environment, train_in_process_group
-    from ptdp.spec import resolve
 
     set_single_process_environment()
     _, _, world = env_world()

@@ -15,10 +15,10 @@ import sys
 import traceback
 
 from ptdp import __version__
+from ptdp.config.flags import Parser, reject_unknown
+from ptdp.errors import ConfigError
 from ptdp.planner.hardware import UnknownGPUError
 from ptdp.planner.models import UnknownModelError
-from ptdp.spec import ConfigError
-from ptdp.spec.flags import Parser, reject_unknown
 from ptdp.topology.model import TopologyError
 
 #: each command: its one-line help and its module (imported only when chosen), which provides
@@ -64,7 +64,7 @@ def _take_config_file(parser: argparse.ArgumentParser, name: str, argv: list[str
     command = sub.choices.get(name) if sub is not None else None
     if command is None or not any("--config" in a.option_strings for a in command._actions):
         return
-    from ptdp.spec.files import apply_config_file
+    from ptdp.config.files import apply_config_file
 
     apply_config_file(command, argv[argv.index(name) + 1 :])
 

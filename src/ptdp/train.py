@@ -1,7 +1,7 @@
 """``torchrun ... -m ptdp.train [flags]``: the training worker under torchrun (or alone, as a single
 process). The worker itself is :mod:`ptdp.run.worker`.
 
-From Python, ``ptdp.train(config)`` trains a :class:`~ptdp.spec.Config` in a launched worker
+From Python, ``ptdp.train(config)`` trains a :class:`~ptdp.config.Config` in a launched worker
 (:func:`ptdp.api.train`): this module is callable, so ``ptdp.train`` is both the worker module of
 ``-m ptdp.train`` and that function.
 """

@@ -14,10 +14,10 @@ from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.chunks import global_named_parameters
 from ptdp.engine.step import build_stage, eval_loss, train_step
 from ptdp.engine.tensor_parallel.sharding import spec_of, unshard
+from ptdp.layout.grid import ParallelLayout
 from ptdp.run.checkpoint.folders import CheckpointError, resolve_checkpoint
 from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
 from ptdp.run.checkpoint.optim_state import gather_local_state
-from ptdp.spec.layout import ParallelLayout
 
 SAVE_LAYOUT = (2, 2, 2)
 

@@ -13,9 +13,9 @@ from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.layout_cases import tiny_config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage
+from ptdp.layout.grid import ParallelLayout
 from ptdp.run.checkpoint.io import load_checkpoint
 from ptdp.run.checkpoint.saver import Checkpointer
-from ptdp.spec.layout import ParallelLayout
 
 LAYOUT = (2, 1, 2)  # tp 2 (sharded tensors in the checkpoint) x dp 2 with the distributed optimizer
 PARALLEL = {"use_distributed_optimizer": True, "ddp_bucket_size": 777}

@@ -14,7 +14,7 @@ all-reduces of b*s*h become all-gathers and reduce-scatters of the same ring vol
 from __future__ import annotations
 
 from helpers.layout_cases import parallel_run, tiny_config
-from ptdp.spec import padded_vocab_size
+from ptdp.layout.vocab import padded_vocab_size
 
 
 def _count(comm: dict, axis: str, op: str, tag: str | None = None) -> tuple[int, int]:

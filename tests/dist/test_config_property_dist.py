@@ -11,10 +11,14 @@ import pytest
 import torch
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
-from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.spec.layout import ParallelLayout
+from ptdp.errors import ConfigError
+from ptdp.layout.grid import ParallelLayout
 
 
 def sample_requests(count: int, world: int, seed: int = 20240601) -> list[Config]:

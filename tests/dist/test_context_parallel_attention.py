@@ -21,7 +21,7 @@ from ptdp.engine.comm import AxisGroup, CommStats
 from ptdp.engine.context_parallel.attention import context_parallel_attention, cp_attention_comm
 from ptdp.engine.context_parallel.chunks import shard_sequence, unshard_sequence
 from ptdp.engine.context_parallel.ring import ring_groups
-from ptdp.engine.pipeline.nccl_model import Op, simulate_nccl
+from ptdp.layout.pipeline.nccl_model import Op, simulate_nccl
 
 B, D = 2, 8
 # (comm type, heads, kv heads, dtype, chunk length c: s = 2 C c, kernel)

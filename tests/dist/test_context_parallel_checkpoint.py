@@ -14,14 +14,17 @@ import torch
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.layout_cases import VOCAB, rank_microbatches
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.chunks import global_named_parameters
 from ptdp.engine.step import build_stage, eval_loss, train_step
 from ptdp.engine.tensor_parallel.sharding import spec_of, unshard
+from ptdp.layout.grid import ParallelLayout
 from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
 from ptdp.run.checkpoint.optim_state import gather_local_state
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.spec.layout import ParallelLayout
 
 SAVE = ((1, 2, 1, 2), {"use_distributed_optimizer": True, "ddp_bucket_size": 777})  # (tp, cp, pp, dp), parallel
 LOADS = [  # each loads the cp 2 checkpoint, checks it, and runs step 3

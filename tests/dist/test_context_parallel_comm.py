@@ -17,10 +17,13 @@ import pytest
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.layout_cases import LLAMA_OPTIONS, VOCAB, rank_microbatches
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, eval_loss, train_step
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.spec.layout import ParallelLayout
+from ptdp.layout.grid import ParallelLayout
 
 LAYOUT = (1, 2, 1, 2)  # tp, cp, pp, dp
 FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}

@@ -16,14 +16,14 @@ import torch
 from torch import nn
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from ptdp.config.schema import TrainConfig
 from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.data_parallel.compression import ONE_BIT_BLOCK, start_reduction
 from ptdp.engine.data_parallel.grads import clip_grads, finalize_grads, global_grad_norm
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.optim import build_optimizer, step_unless
 from ptdp.engine.tensor_parallel.sharding import ParamSpec
-from ptdp.spec import TrainConfig
-from ptdp.spec.layout import ParallelLayout
+from ptdp.layout.grid import ParallelLayout
 
 WORLD, M, TOKENS, STEPS, CLIP = 4, 2, 24, 2, 0.05
 LAYOUTS = ((1, 2), (4, 1), (2, 2), (2, 2), (2, 2))  # (cp, dp), one per case of CASES; tp fills the world

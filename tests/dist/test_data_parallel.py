@@ -14,7 +14,7 @@ from ptdp.engine.data_parallel.compression import start_reduction
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
 from ptdp.engine.step_results import FP16_OVERFLOW
-from ptdp.spec.layout import ParallelLayout
+from ptdp.layout.grid import ParallelLayout
 
 
 def compression_worker(rank: int, world: int) -> dict:

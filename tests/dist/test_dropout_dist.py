@@ -14,11 +14,11 @@ import torch
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.dropout_cases import RECOMPUTE, assert_bitwise, config, train
 from helpers.layout_cases import STEPS, TOL, full_parameters
+from ptdp.config.schema import Config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage
+from ptdp.layout.grid import ParallelLayout
 from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
-from ptdp.spec import Config
-from ptdp.spec.layout import ParallelLayout
 
 
 def by_stream(masks: list[tuple[str, torch.Tensor]]) -> dict[str, list[torch.Tensor]]:

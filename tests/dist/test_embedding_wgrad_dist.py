@@ -15,7 +15,7 @@ from helpers.embedding_cases import LOOKUP_PADDED, embedding_gradients, lookup_r
 from helpers.layout_cases import tiny_config
 from helpers.torch_features import NEEDS_FUSED_WGRAD
 from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
+from ptdp.layout.grid import ParallelLayout
 
 # Every test here checks the fused path, which is off on a torch that runs no post-accumulate hook
 # without a gradient (docs/testing.md#older-torch).

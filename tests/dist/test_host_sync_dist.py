@@ -13,7 +13,7 @@ from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.host_sync import label_check_on_device
 from helpers.sync_cases import ITERS, counted_run, logged
 from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
+from ptdp.layout.grid import ParallelLayout
 
 VARIANTS = {
     "float64": ("float64", {}),

@@ -13,7 +13,7 @@ from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.chunks import global_named_parameters
 from ptdp.engine.step import build_stage, train_step
 from ptdp.engine.step_results import NONFINITE_LOSS
-from ptdp.spec.layout import ParallelLayout
+from ptdp.layout.grid import ParallelLayout
 
 #: variant -> (dtype, parallel overrides, the global rank whose forward is poisoned at iteration 2)
 VARIANTS = {

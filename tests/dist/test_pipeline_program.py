@@ -13,7 +13,7 @@ from helpers.layout_cases import PG_TIMEOUT, rank_microbatches, tiny_config
 from ptdp.cli import main as ptdp_main
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
-from ptdp.spec.layout import ParallelLayout
+from ptdp.layout.grid import ParallelLayout
 
 CASES = [("1f1b", 4, 1), ("gpipe", 4, 1), ("interleaved-1f1b", 4, 2), ("interleaved-1f1b", 2, 2)]
 

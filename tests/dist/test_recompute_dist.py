@@ -9,7 +9,7 @@ import pytest
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.recompute_cases import CASES, assert_bitwise, run_cases
 from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
+from ptdp.layout.grid import ParallelLayout
 
 
 def recompute_worker(rank: int, world: int, tp: int, pp: int, dp: int) -> dict:

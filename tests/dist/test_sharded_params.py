@@ -33,8 +33,8 @@ from helpers.zero_cases import (
     world_results,
     zero_config,
 )
-from ptdp.engine.pipeline.program import build_programs
-from ptdp.engine.pipeline.schedule import Action
+from ptdp.layout.pipeline.program import build_programs
+from ptdp.layout.pipeline.schedule import Action
 from ptdp.run.planner_report import compare
 
 STRATEGY = "optim_grads_params"

@@ -28,21 +28,17 @@ from helpers.tp_cases import (
 )
 from ptdp.engine.comm import all_gather_along, reduce_scatter_along
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.tensor_parallel import (
-    ColumnParallelLinear,
-    ParamSpec,
-    RowParallelLinear,
-    VocabParallelEmbedding,
+from ptdp.engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ptdp.engine.tensor_parallel.linear_cross_entropy import linear_cross_entropy
+from ptdp.engine.tensor_parallel.sequence import (
     all_gather_sequence,
     is_sequence_parallel,
     sequence_gathered_linear,
     sequence_shard,
-    shard,
-    unshard,
-    vocab_parallel_cross_entropy,
 )
-from ptdp.engine.tensor_parallel.linear_cross_entropy import linear_cross_entropy
-from ptdp.spec.layout import ParallelLayout
+from ptdp.engine.tensor_parallel.sharding import ParamSpec, shard, unshard
+from ptdp.layout.grid import ParallelLayout
 
 
 def tp_worker(rank: int, world: int) -> dict:

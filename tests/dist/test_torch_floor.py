@@ -17,7 +17,7 @@ from helpers import cp_cases, layout_cases, zero_cases
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.layout_cases import TOL, full_parameters, real_rows, train_and_collect
 from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
+from ptdp.layout.grid import ParallelLayout
 
 NEWER = ("all_gather_single", "reduce_scatter_single")
 OLDER = ("all_gather_into_tensor", "reduce_scatter_tensor")

@@ -9,7 +9,7 @@ import textwrap
 
 from helpers import budget
 from helpers.texts import make_texts
-from ptdp.data import train_tokenizer
+from ptdp.data.tokenizer import train_tokenizer
 
 
 def test_training_is_deterministic_across_processes(tmp_path):

@@ -19,7 +19,8 @@ from helpers.cli import run, tiny_flags
 from helpers.own_tokenizer import write_tokenizer_folder
 from helpers.texts import make_texts
 from ptdp import cli
-from ptdp.data import IndexedTokens, TokenWindows, eval_indices
+from ptdp.data.dataset import TokenWindows, eval_indices
+from ptdp.data.indexed import IndexedTokens
 
 transformers = pytest.importorskip("transformers")
 pa = pytest.importorskip("pyarrow")

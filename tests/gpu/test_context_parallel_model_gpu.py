@@ -16,12 +16,12 @@ from helpers.cp_cases import cp_config
 from helpers.dist_helpers import PG_TIMEOUT
 from helpers.layout_cases import TOL, full_parameters, real_rows
 from helpers.nccl_helpers import run_nccl_workers, train_on_device
+from ptdp.config.model import ModelConfig
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.context_parallel.attention import context_parallel_attention
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.attention import Attention
-from ptdp.spec import ModelConfig
-from ptdp.spec.layout import ParallelLayout
+from ptdp.layout.grid import ParallelLayout
 
 pytestmark = pytest.mark.gpu
 VARIANTS = ("gpt_p2p", "llama_all_gather", "llama_dropout_full_p2p", "gpt_bf16_p2p")

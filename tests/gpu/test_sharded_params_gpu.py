@@ -15,7 +15,7 @@ from helpers.dist_helpers import PG_TIMEOUT
 from helpers.layout_cases import TOL, full_parameters, real_rows, tiny_config
 from helpers.nccl_helpers import run_nccl_workers, train_on_device
 from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
+from ptdp.layout.grid import ParallelLayout
 
 pytestmark = pytest.mark.gpu
 

@@ -8,15 +8,19 @@ import functools
 import torch
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
+from ptdp.layout.grid import ParallelLayout
+from ptdp.layout.pipeline.partition import stage_layer_counts
 from ptdp.planner.activation_memory import rank_activation_bytes
 from ptdp.planner.context import kv_buffer_bytes
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.plan import Layout
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve, stage_layer_counts
-from ptdp.spec.layout import ParallelLayout
 
 MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=500)
 MICRO_BATCH, MICROBATCHES = 2, 4

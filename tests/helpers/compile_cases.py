@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 from helpers.dist_helpers import PG_TIMEOUT
 from helpers.layout_cases import tiny_config, train_and_collect
 from ptdp.engine.groups import ParallelGroups
-from ptdp.spec.layout import ParallelLayout
+from ptdp.layout.grid import ParallelLayout
 
 #: float32 tolerance between compiled and eager runs (different kernels, same arithmetic)
 TOL = dict(rtol=1e-5, atol=1e-6)

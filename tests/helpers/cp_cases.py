@@ -9,11 +9,14 @@ import functools
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.host_sync import count_host_syncs, label_check_on_device
 from helpers.layout_cases import LLAMA_OPTIONS, VOCAB, rank_microbatches, train_and_collect
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, eval_loss, train_step
 from ptdp.engine.step_results import read_results
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.spec.layout import ParallelLayout
+from ptdp.layout.grid import ParallelLayout
 
 #: (tp, cp, pp, dp) of the issue, by world size (one job per world size)
 LAYOUTS = {2: [(1, 2, 1, 1)], 4: [(1, 4, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1), (1, 2, 1, 2)], 8: [(2, 2, 2, 1)]}

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from helpers.layout_cases import STEPS, rank_microbatches, tiny_config
+from ptdp.config.schema import Config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.chunks import global_named_parameters
 from ptdp.engine.step import build_stage, train_step
-from ptdp.spec import Config
 
 P = 0.2
 DROPOUT = {"hidden_dropout": P, "attention_dropout": P}

@@ -11,10 +11,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from helpers.layout_cases import rank_microbatches
+from ptdp.config.schema import Config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage
 from ptdp.engine.tensor_parallel import wgrad
-from ptdp.spec import Config
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
@@ -139,7 +139,8 @@ def lookup_run(tp, dtype: torch.dtype, *, main_grad: bool) -> dict:
     .grad, float64), ``made`` (ops that made a 16-bit tensor shaped like the table in backward),
     ``arrived`` (per backward: whether autograd brought the weight a gradient), ``hooks`` (how often its
     post-accumulate hook ran), ``grad_is_none`` and ``rows`` (this rank's rows of the table)."""
-    from ptdp.engine.tensor_parallel import VocabParallelEmbedding, shard
+    from ptdp.engine.tensor_parallel.layers import VocabParallelEmbedding
+    from ptdp.engine.tensor_parallel.sharding import shard
 
     d = lookup_inputs()
     emb = VocabParallelEmbedding(LOOKUP_VOCAB, LOOKUP_PADDED, LOOKUP_H, tp=tp, dtype=dtype)

@@ -7,12 +7,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from helpers.dist_helpers import PG_TIMEOUT
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage
+from ptdp.layout.grid import ParallelLayout
 from ptdp.run.checkpoint.hf import model_config_from_hf
 from ptdp.run.checkpoint.io import load_checkpoint
-from ptdp.spec import Config, ParallelConfig, TrainConfig, resolve
-from ptdp.spec.layout import ParallelLayout
 
 
 def tp2_pp2_logits_worker(

@@ -8,13 +8,16 @@ import functools
 import torch
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.chunks import global_named_parameters
 from ptdp.engine.step import build_stage, train_step
 from ptdp.engine.tensor_parallel.sharding import unshard
+from ptdp.layout.grid import ParallelLayout
 from ptdp.run.planner_report import measure_stage
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.spec.layout import ParallelLayout
 
 VOCAB = 303  # odd: tp never divides it before padding
 STEPS = 3

@@ -16,10 +16,10 @@ import torch.distributed as dist
 from helpers import budget
 from helpers.dist_helpers import PG_TIMEOUT, spawn_and_collect
 from helpers.layout_cases import rank_microbatches
+from ptdp.config.schema import Config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.chunks import global_named_parameters
 from ptdp.engine.step import build_stage, train_step
-from ptdp.spec import Config
 
 
 def to_cpu(obj: Any) -> Any:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from helpers.layout_cases import tiny_config, train_and_collect
+from ptdp.config.schema import Config
 from ptdp.engine.groups import ParallelGroups
-from ptdp.spec import Config
 
 FULL_UNIFORM_1 = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 FULL_UNIFORM_2 = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ptdp.engine.tensor_parallel import vocab_parallel_cross_entropy
+from ptdp.engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
 B, S, H, VOCAB, DIV = 2, 3, 8, 10, 8  # tp=4: padded vocab 32, ranks 2 and 3 hold only padding
 S_SP = 4  # sequence-parallel inputs: split over 2 or 4 tp ranks

@@ -9,9 +9,10 @@ import functools
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.layout_cases import LLAMA_OPTIONS, tiny_config, train_and_collect
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config
 from ptdp.engine.groups import ParallelGroups
-from ptdp.spec import Config, resolve
-from ptdp.spec.layout import ParallelLayout
+from ptdp.layout.grid import ParallelLayout
 
 #: (tp, pp, dp) by world size: one job per world size
 LAYOUTS = {4: [(1, 1, 4), (2, 1, 2), (1, 2, 2)], 8: [(2, 2, 2), (1, 2, 4)]}
@@ -209,11 +210,11 @@ def zero_config(name: str, tp: int, pp: int, dp: int, strategy: str | None = Non
 def planner_transients(cfg: Config, pp_rank: int) -> tuple[int, int]:
     """The planner's (gathered parameter, gradient bucket) elements at their peaks on a rank of
     pipeline stage ``pp_rank`` of run ``cfg`` (:func:`ptdp.planner.transients.rank_transients`)."""
+    from ptdp.layout.pipeline.partition import stage_layer_counts
     from ptdp.planner.chunk_params import stage_chunks
     from ptdp.planner.models import spec_from_model_config
     from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, chunk_by_chunk
     from ptdp.planner.transients import rank_transients
-    from ptdp.spec import stage_layer_counts
 
     m, p = cfg.model, cfg.parallel
     layers = stage_layer_counts(m.num_layers, p.pp, p.layer_split(m.num_layers))[pp_rank]
@@ -238,11 +239,11 @@ def planner_gathers(cfg: Config, pp_rank: int) -> tuple[tuple[int, int], tuple[i
     """The planner's parameter all-gathers of one microbatch, (calls, elements) in forward and in
     backward, on a rank of pipeline stage ``pp_rank`` of run ``cfg`` (optim_grads_params,
     :func:`ptdp.planner.transients.unit_gathers`)."""
+    from ptdp.layout.pipeline.partition import stage_layer_counts
     from ptdp.planner.chunk_params import stage_chunks
     from ptdp.planner.models import spec_from_model_config
     from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS
     from ptdp.planner.transients import unit_gathers
-    from ptdp.spec import stage_layer_counts
 
     m, p = cfg.model, cfg.parallel
     layers = stage_layer_counts(m.num_layers, p.pp, p.layer_split(m.num_layers))[pp_rank]

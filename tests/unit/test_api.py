@@ -153,8 +153,8 @@ def test_type_checkers_see_the_api_s_types(tmp_path):
     for revealed in (
         '"ptdp.api.PlanResult"',
         '"ptdp.planner.plan.Plan | None"',
-        '"ptdp.spec.config.Config"',
-        '"def (config: ptdp.spec.config.Config, *, progress: bool =) -> dict[Any, Any]"',
+        '"ptdp.config.schema.Config"',
+        '"def (config: ptdp.config.schema.Config, *, progress: bool =) -> dict[Any, Any]"',
     ):
         assert f"Revealed type is {revealed}" in out.stdout, out.stdout
-    assert '-> ptdp.spec.errors.ConfigError"' in out.stdout, out.stdout  # the class, not Any
+    assert '-> ptdp.errors.ConfigError"' in out.stdout, out.stdout  # the class, not Any

@@ -19,11 +19,12 @@ import pytest
 from helpers.cli import tiny_flags
 from ptdp import cli
 from ptdp.commands.train_flags import config_from_args, local_world_size
-from ptdp.data import DataError
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.data.errors import DataError
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, with_vocab
 from ptdp.run.checkpoint.io import save_checkpoint
-from ptdp.spec import ParallelConfig, resolve
 
 TINY = tiny_flags(log_interval=None, eval_interval=None, no_progress=True)
 
@@ -126,7 +127,7 @@ def test_unusable_files_are_skipped_when_usable_ones_remain(tmp_path, capsys, fl
 
 def test_unreadable_data_file_is_skipped_with_a_warning(tmp_path, capsys, monkeypatch):
     """chmod 000 (as root, whom permissions do not stop, the read is made to fail the same way)."""
-    from ptdp.data import iter_documents
+    from ptdp.data.corpus import iter_documents
 
     (tmp_path / "ok.txt").write_text("fine text")
     locked = tmp_path / "locked.txt"
@@ -156,7 +157,7 @@ def test_empty_files_inside_a_folder_are_skipped_silently(tmp_path):
     """An empty ``__init__.py`` in a folder is normal: no warning (a file named directly gets one)."""
     import warnings
 
-    from ptdp.data import iter_documents
+    from ptdp.data.corpus import iter_documents
 
     (tmp_path / "__init__.py").write_text("")
     (tmp_path / "a.py").write_text("x = 1\n")

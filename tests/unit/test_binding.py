@@ -8,7 +8,8 @@ import os
 import pytest
 
 from ptdp.commands.train_flags import add_train_arguments, config_from_args
-from ptdp.spec import ConfigError, resolve
+from ptdp.config.resolve import resolve
+from ptdp.errors import ConfigError
 from ptdp.topology.binding import (
     BindingError,
     CpuLayout,

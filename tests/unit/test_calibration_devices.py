@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ptdp.commands import calibrate as calibrate_command
+from ptdp.errors import ConfigError
 from ptdp.run import calibration
-from ptdp.spec import ConfigError
 
 
 class _FakeEvent:

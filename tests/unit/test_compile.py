@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from helpers.compile_cases import assert_trains_like_eager, eager_and_compiled
+from ptdp.config.model import ModelConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.compile import compile_layers
 from ptdp.engine.model.gpt import GPTModel
-from ptdp.spec import ModelConfig
 
 
 @pytest.mark.slow

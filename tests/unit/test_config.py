@@ -8,10 +8,15 @@ import dataclasses
 import pytest
 import torch.distributed as dist
 
+import ptdp.train as train_module
 from ptdp import cli
-from ptdp import train as train_module
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
+from ptdp.errors import ConfigError
+from ptdp.layout.vocab import padded_vocab_size
 from ptdp.run.planner_report import planner_layout
-from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, padded_vocab_size, resolve
 
 
 def make(world=8, tp=2, pp=2, dp=None, split=None, schedule=None, per_chunk=None, sp=False, **kw) -> tuple[Config, int]:

@@ -14,9 +14,13 @@ import pytest
 
 from ptdp import cli
 from ptdp.commands.train_flags import add_train_arguments
+from ptdp.config.axis_rules import context_parallel_violations
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
+from ptdp.errors import ConfigError
 from ptdp.planner.args import add_plan_arguments
-from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.spec.axis_rules import context_parallel_violations
 
 
 def _config(**parallel) -> Config:

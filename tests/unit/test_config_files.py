@@ -62,7 +62,7 @@ def test_print_config_round_trips_through_config(tmp_path, capsys):
 def test_a_printed_config_with_other_iterations_decays_over_them(tmp_path, capsys):
     """The decay and warmup steps that follow --train-iters are not written as fixed numbers:
     a config printed for 5 steps, run for 300, decays over 300 and warms up over 30."""
-    from ptdp.spec import Config
+    from ptdp.config.schema import Config
 
     short = printed(capsys, "--train-iters", "5")
     assert short["train"]["lr_decay_iters"] is None and short["train"]["lr_warmup_iters"] is None

@@ -2,7 +2,7 @@
 
 - Every request ``ptdp train`` could be given (model shape, tp, pp, dp, world size, micro and global
   batch, schedule, virtual stages, explicit layer split) is either refused by
-  :func:`ptdp.spec.resolve` with a :class:`ConfigError` within milliseconds and without starting
+  :func:`ptdp.config.resolve` with a :class:`ConfigError` within milliseconds and without starting
   any process, or accepted by it and by the planner evaluating that exact layout (memory may not
   fit; no rule may reject it).
 - Conversely, every layout the planner's search lists is accepted by the validator.
@@ -22,6 +22,12 @@ from unittest import mock
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ptdp.config.fields import SCHEDULES
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
+from ptdp.errors import ConfigError
 from ptdp.planner.hardware import CATALOG, Cluster
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout
@@ -30,7 +36,6 @@ from ptdp.planner.request import check_model
 from ptdp.planner.request import check_request as check_plan_request
 from ptdp.planner.search import Fixed, search
 from ptdp.planner.splits import split_options
-from ptdp.spec import SCHEDULES, Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
 
 PROPERTY = settings(
     max_examples=300, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]

@@ -12,6 +12,11 @@ import dataclasses
 import pytest
 import torch
 
+from ptdp.config.axis_rules import context_parallel_model_violations
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.context_parallel.attention import context_parallel_attention
 from ptdp.engine.context_parallel.blockwise import attention_block, attention_block_backward, merge
@@ -19,8 +24,7 @@ from ptdp.engine.context_parallel.chunks import local_positions, rank_positions,
 from ptdp.engine.model.attention import Attention
 from ptdp.engine.model.rotary import RotaryEmbedding
 from ptdp.engine.tensor_parallel.random import REPLICATED, WHOLE_SEQUENCE, DropoutRNG
-from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
-from ptdp.spec.axis_rules import context_parallel_model_violations
+from ptdp.errors import ConfigError
 
 
 @pytest.mark.parametrize("cp, tp", [(1, 2), (2, 1), (2, 2), (4, 2), (3, 1)])

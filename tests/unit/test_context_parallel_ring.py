@@ -11,7 +11,7 @@ import pytest
 
 from ptdp.engine.context_parallel.chunks import chunk_ids
 from ptdp.engine.context_parallel.ring import ring_block, ring_groups
-from ptdp.engine.pipeline.nccl_model import Op, ScheduleError, simulate_nccl
+from ptdp.layout.pipeline.nccl_model import Op, ScheduleError, simulate_nccl
 
 
 def _programs(size: int, phase: str) -> list[list]:

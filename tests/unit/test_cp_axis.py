@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import _resolve_dp, local_world_size
+from ptdp.config.schema import Config, TrainConfig
+from ptdp.errors import Violation
 from ptdp.run.memory_check import rank_estimates
 from ptdp.run.planner_report import planner_layout
 from ptdp.run.rundir import run_dir_path
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, local_world_size
-from ptdp.spec.errors import Violation
-from ptdp.spec.resolve import _resolve_dp
 
 
 def _config(**parallel) -> Config:

@@ -7,8 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.data import DataError, corpus_fingerprint, default_corpus_paths, iter_documents
-from ptdp.data.corpus import DEFAULT_SUFFIXES, list_corpus_files
+from ptdp.data.corpus import (
+    DEFAULT_SUFFIXES,
+    corpus_fingerprint,
+    default_corpus_paths,
+    iter_documents,
+    list_corpus_files,
+)
+from ptdp.data.errors import DataError
 
 
 def _tree(root: Path) -> Path:

@@ -4,17 +4,16 @@ import numpy as np
 import pytest
 import torch
 
-from ptdp.data import (
-    DataError,
+from ptdp.data.dataset import (
     GlobalBatchSampler,
-    IndexedTokens,
     TokenWindows,
     device_microbatches,
     dp_shard,
     eval_indices,
     microbatches,
-    write_indexed,
 )
+from ptdp.data.errors import DataError
+from ptdp.data.indexed import IndexedTokens, write_indexed
 
 
 @pytest.fixture

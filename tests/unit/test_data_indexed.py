@@ -5,7 +5,8 @@ import pickle
 import numpy as np
 import pytest
 
-from ptdp.data import DataError, IndexedTokens, token_dtype, write_indexed
+from ptdp.data.errors import DataError
+from ptdp.data.indexed import IndexedTokens, token_dtype, write_indexed
 
 
 def _docs(rng, n=20, vmax=1000):

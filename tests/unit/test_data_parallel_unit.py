@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.data_parallel.compression import packbits, unpackbits
 from ptdp.engine.groups import ParallelGroups
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 
 
 def test_a_non_finite_gradient_norm_with_fp16_compression_points_to_bf16():

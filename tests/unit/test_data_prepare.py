@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 
 import ptdp.data.prepare as prepare_mod
-from ptdp.data import DataError, IndexedTokens, PreparedData, iter_documents, prepare_data
+from ptdp.data.corpus import iter_documents
+from ptdp.data.errors import DataError
+from ptdp.data.indexed import IndexedTokens
+from ptdp.data.prepare import prepare_data
+from ptdp.data.prepared_data import PreparedData
 from ptdp.data.split import assign_splits
 
 

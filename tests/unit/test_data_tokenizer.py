@@ -3,8 +3,16 @@
 import pytest
 
 from helpers.texts import make_texts
-from ptdp.data import EOS_TOKEN, DataError, load_tokenizer, save_tokenizer, train_tokenizer
-from ptdp.data.tokenizer import MIN_VOCAB_SIZE, encode_documents, eos_id
+from ptdp.data.errors import DataError
+from ptdp.data.tokenizer import (
+    EOS_TOKEN,
+    MIN_VOCAB_SIZE,
+    encode_documents,
+    eos_id,
+    load_tokenizer,
+    save_tokenizer,
+    train_tokenizer,
+)
 
 
 def test_training_is_deterministic_in_process():

@@ -13,7 +13,9 @@ from helpers.cli import tiny_flags
 from helpers.own_tokenizer import build_tokenizer, write_tokenizer_folder
 from helpers.texts import make_texts
 from ptdp import cli
-from ptdp.data import DataError, IndexedTokens, prepare_data
+from ptdp.data.errors import DataError
+from ptdp.data.indexed import IndexedTokens
+from ptdp.data.prepare import prepare_data
 from ptdp.data.tokenizer import load_tokenizer_model
 
 
@@ -373,8 +375,8 @@ def test_the_printed_model_flags_give_the_imported_model(hf_config):
 def test_the_memory_check_uses_the_given_tokenizer_s_vocabulary(folder, monkeypatch):
     """Before any data are prepared, the memory estimate is made for the tokenizer's 300 tokens,
     not --vocab-size; --force skips reading it."""
+    from ptdp.config.schema import Config, DataConfig, LaunchConfig
     from ptdp.run import preflight
-    from ptdp.spec import Config, DataConfig, LaunchConfig
 
     seen = []
     monkeypatch.setattr(preflight, "check_memory", lambda config, nproc: seen.append(config.model.vocab_size))

@@ -1,6 +1,6 @@
 """Workers and GPUs: the default worker count on a GPU machine is its GPU count, more workers than
 GPUs is an error before any process starts, one GPU per task uses cuda:0, and the NCCL watchdog
-settings (ptdp.spec.resolve.local_world_size, ptdp.run.distributed). CUDA is simulated by
+settings (ptdp.config.resolve.local_world_size, ptdp.run.distributed). CUDA is simulated by
 monkeypatching torch.cuda."""
 
 from __future__ import annotations
@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from ptdp import cli
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import local_world_size
+from ptdp.config.schema import Config, LaunchConfig
+from ptdp.errors import ConfigError
 from ptdp.run import distributed
-from ptdp.spec import Config, ConfigError, LaunchConfig, ParallelConfig, local_world_size
 
 
 def _config(tp=2, pp=2, dp=None, nproc=None) -> Config:

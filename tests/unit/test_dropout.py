@@ -29,12 +29,13 @@ from helpers.activations import TOLERANCE, measured_peak, predicted_peak
 from helpers.dropout_cases import DROPOUT, LLAMA, RECOMPUTE, assert_bitwise, config, train
 from helpers.layout_cases import tiny_config
 from ptdp.commands.train_flags import add_train_arguments, config_from_args
+from ptdp.config.model import ModelConfig
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.attention import Attention
 from ptdp.engine.step import build_stage
 from ptdp.engine.tensor_parallel.random import TP_DISTINCT, Dropout, DropoutRNG
-from ptdp.spec import ConfigError, ModelConfig
+from ptdp.errors import ConfigError
 
 # -- one process -------------------------------------------------------------------------------
 

@@ -16,13 +16,13 @@ from helpers.host_sync import count_cuda_syncs, count_host_syncs
 from helpers.layout_cases import VOCAB, tiny_config
 from ptdp import cli
 from ptdp.commands.generate import CachedDecoder, Recompute, generate
+from ptdp.config.model import ModelConfig
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.engine.step import build_stage
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
 from ptdp.run.checkpoint.io import save_checkpoint
-from ptdp.spec import ModelConfig
 
 SEQ = 16
 LLAMA = {

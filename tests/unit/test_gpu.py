@@ -27,7 +27,8 @@ def test_cuda_step_matches_cpu():
 def test_device_microbatches_on_cuda(tmp_path):
     import numpy as np
 
-    from ptdp.data import IndexedTokens, TokenWindows, device_microbatches, microbatches, write_indexed
+    from ptdp.data.dataset import TokenWindows, device_microbatches, microbatches
+    from ptdp.data.indexed import IndexedTokens, write_indexed
 
     write_indexed(tmp_path / "s", np.array_split(np.arange(1001), 7), np.uint16)
     windows = TokenWindows(IndexedTokens(tmp_path / "s"), 16)

@@ -43,10 +43,10 @@ def test_ptdp_train_refuses_a_bad_hardware_profile_before_any_worker(tmp_path, c
 def test_a_calibrated_profile_is_accepted(tmp_path):
     import dataclasses
 
+    from ptdp.config.schema import Config
     from ptdp.planner.hardware import CATALOG
     from ptdp.planner.perf_constants import DEFAULT_CONSTANTS
     from ptdp.run.preflight import check_hardware_profile
-    from ptdp.spec import Config
 
     path = tmp_path / "profile.json"
     path.write_text(

@@ -28,11 +28,14 @@ def test_export_carries_the_tokenizer_and_its_special_ids_with_ordinary_file_mod
     AutoTokenizer, and every file gets 0666 less the umask (not 0600)."""
     import os
 
+    from ptdp.config.model import ModelConfig
+    from ptdp.config.parallel import ParallelConfig
+    from ptdp.config.resolve import resolve
+    from ptdp.config.schema import Config, TrainConfig
     from ptdp.data.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer
     from ptdp.engine.groups import ParallelGroups
     from ptdp.engine.step import build_stage
     from ptdp.run.checkpoint.io import save_checkpoint
-    from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 
     tok = train_tokenizer(["def main(x):\n    return x * 2\n" * 20, "class A:\n    pass\n" * 20], 300)
     tok_path = save_tokenizer(tok, tmp_path / "tok.json")
@@ -89,11 +92,14 @@ def test_export_of_a_run_on_another_tokenizer_names_its_own_special_tokens(tmp_p
     import json
 
     from helpers.own_tokenizer import write_tokenizer_folder
+    from ptdp.config.model import ModelConfig
+    from ptdp.config.parallel import ParallelConfig
+    from ptdp.config.resolve import resolve
+    from ptdp.config.schema import Config, TrainConfig
     from ptdp.engine.groups import ParallelGroups
     from ptdp.engine.step import build_stage
     from ptdp.run.checkpoint.io import save_checkpoint
     from ptdp.run.loop_events import tokenizer_files
-    from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 
     folder = write_tokenizer_folder(tmp_path / "tok", eos_token="</s>" if kept_config else None)
     tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))

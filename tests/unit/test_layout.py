@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from ptdp.spec.layout import Coords, ParallelLayout
+from ptdp.layout.grid import Coords, ParallelLayout
 
 
 def test_worked_example_world8():

@@ -11,13 +11,13 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers.tp_cases import CHUNKS, IGNORED, VOCAB, ce_labels, inputs, linear_ce_reference, padded_output_weight
+from ptdp.config.model import ModelConfig
 from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.engine.tensor_parallel.linear_cross_entropy import default_chunk_tokens, linear_cross_entropy
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
-from ptdp.engine.tensor_parallel.vocab import keeps_logits
-from ptdp.spec import ModelConfig
+from ptdp.layout.vocab import keeps_logits
 
 TOL = dict(rtol=1e-9, atol=1e-12)
 

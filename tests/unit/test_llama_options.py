@@ -15,13 +15,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptdp.commands.train_flags import add_train_arguments, config_from_args
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.comm import AxisGroup, CommStats
 from ptdp.engine.model.attention import Attention
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.engine.model.layer import MLP, RMSNorm
 from ptdp.engine.model.rotary import RotaryEmbedding
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters, shard, spec_of
-from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
+from ptdp.errors import ConfigError
 
 LLAMA = dict(
     normalization="RMSNorm",

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.param_memory import rank_state_bytes, stage_param_counts
 from ptdp.run.memory_check import GiB, memory_problem, needed_bytes, rank_estimates
 from ptdp.run.planner_report import planner_layout
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 

@@ -7,13 +7,14 @@ import math
 import pytest
 import torch
 
+from ptdp.config.model import ModelConfig
+from ptdp.config.schema import TrainConfig
 from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.data_parallel.grads import clip_grad_norm, counts_in_norm
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.engine.optim import build_optimizer, lr_at
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
-from ptdp.spec import ModelConfig, TrainConfig
 
 
 def test_lr_warmup_cosine_and_floor():

@@ -10,7 +10,12 @@ import pytest
 
 from helpers.cli import tiny_flags
 from ptdp import cli
-from ptdp.engine.pipeline.partition import (
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
+from ptdp.errors import ConfigError
+from ptdp.layout.pipeline.partition import (
     accounted_split,
     chunk_layer_ids,
     first_last_of,
@@ -19,7 +24,6 @@ from ptdp.engine.pipeline.partition import (
     stage_layer_counts,
     stage_layer_ids,
 )
-from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
 
 
 @pytest.mark.parametrize(

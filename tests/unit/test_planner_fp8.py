@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from ptdp.cli import main
+from ptdp.errors import ConfigError
 from ptdp.planner import flops
 from ptdp.planner.activation_memory import layer_activation_bytes
 from ptdp.planner.fp8 import FP8_WEIGHT_COPY_BYTES, fp8_precision, layer_fp8_weights
@@ -18,7 +19,6 @@ from ptdp.planner.param_memory import layer_param_count
 from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.perf_constants import DEFAULT_CONSTANTS
 from ptdp.planner.plan import Layout
-from ptdp.spec import ConfigError
 
 H100 = CATALOG["h100-sxm"]
 

@@ -10,9 +10,9 @@ import json
 import pytest
 
 from ptdp.cli import main
+from ptdp.errors import ConfigError
 from ptdp.planner.hf_config import SUPPORTED, load_hf_config
 from ptdp.planner.param_memory import stage_param_counts
-from ptdp.spec import ConfigError
 
 transformers = pytest.importorskip("transformers")
 
@@ -159,7 +159,8 @@ def test_cli_errors_exit_2(tmp_path, capsys):
 def test_gpt2_vocabulary_is_planned_padded_as_ptdp_train_pads_it(tmp_path, capsys):
     """GPT-2's 50,257 tokens: the plan's weights are those with the vocabulary ptdp train pads to
     (``padded_vocab_size``, 50,304 at tp 1), not the 50,257 rows of the Hugging Face model."""
-    from ptdp.spec import ModelConfig, padded_vocab_size
+    from ptdp.config.model import ModelConfig
+    from ptdp.layout.vocab import padded_vocab_size
 
     shape = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=50257, n_positions=64)
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**shape))

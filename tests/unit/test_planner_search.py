@@ -7,13 +7,16 @@ from pathlib import Path
 
 import pytest
 
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.planner.hardware import CATALOG, Cluster
 from ptdp.planner.models import PRESETS, ModelSpec
 from ptdp.planner.plan import Layout
 from ptdp.planner.predict import evaluate
 from ptdp.planner.search import Fixed, search
 from ptdp.planner.splits import split_options
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, resolve
 
 CSV = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "published_runs.csv"
 A100 = CATALOG["a100-80gb"]

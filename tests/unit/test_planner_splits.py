@@ -9,6 +9,11 @@ import json
 import pytest
 
 from ptdp import cli
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
+from ptdp.layout.pipeline.partition import first_last_of, first_last_split
 from ptdp.planner.activation_memory import inflight_layer_microbatches, stage_activation_bytes
 from ptdp.planner.hardware import CATALOG, Cluster
 from ptdp.planner.memory import memory_breakdown
@@ -28,7 +33,6 @@ from ptdp.planner.splits import (
     split_options,
 )
 from ptdp.planner.stage_time import edge_layer_equivalents, split_stage_times
-from ptdp.spec import Config, ModelConfig, ParallelConfig, TrainConfig, first_last_of, first_last_split, resolve
 
 A100, H100 = CATALOG["a100-80gb"], CATALOG["h100-sxm"]
 LLAMA3_405B_SPLIT = (7,) + (8,) * 14 + (7,)

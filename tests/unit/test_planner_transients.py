@@ -10,12 +10,13 @@ import json
 import pytest
 
 from ptdp import cli
+from ptdp.layout.pipeline.partition import stage_layer_counts
+from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner import transients
 from ptdp.planner.chunk_params import layer_param_sizes, stage_chunks
 from ptdp.planner.models import get_model
 from ptdp.planner.param_memory import layer_param_count, stage_param_counts
 from ptdp.planner.transients import rank_transients, unit_gathers
-from ptdp.spec import padded_vocab_size, stage_layer_counts
 
 #: (model, tp, pp, v, bucket elements, shard size d)
 CASES = [

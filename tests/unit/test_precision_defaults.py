@@ -10,9 +10,12 @@ import pytest
 import torch
 
 from ptdp import cli
+from ptdp.config.model import ModelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config
 from ptdp.engine.step import allow_tf32
+from ptdp.errors import ConfigError
 from ptdp.planner.args import plan_precision
-from ptdp.spec import Config, ConfigError, ModelConfig, resolve
 
 
 def test_auto_is_bfloat16_on_cuda_and_float32_on_the_cpu():

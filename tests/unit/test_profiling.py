@@ -170,7 +170,7 @@ def test_profile_step_range_is_checked_against_train_iters(tmp_path, capsys, mon
 
 
 def test_profile_fields_round_trip_through_config_json():
-    from ptdp.spec import Config, TrainConfig
+    from ptdp.config.schema import Config, TrainConfig
 
     config = Config(train=TrainConfig(profile=True, profile_ranks=(0, 3)))
     again = Config.from_dict(json.loads(config.to_json()))
@@ -194,8 +194,8 @@ def test_a_resumed_run_profiles_only_the_steps_it_runs(tmp_path):
     """--profile-step-start 1 --profile-step-end 3 (iterations 2-3): a run resumed at iteration 4
     profiles nothing and says so; one resumed at iteration 2 profiles iteration 3 only, without a
     warm-up step before its first; the ranks are listed once."""
+    from ptdp.config.schema import Config, TrainConfig
     from ptdp.run.profiling import StepProfiler
-    from ptdp.spec import Config, TrainConfig
 
     config = Config(
         train=TrainConfig(train_iters=6, profile=True, profile_step_start=1, profile_step_end=3, profile_ranks=(0, 0))

@@ -21,12 +21,16 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from helpers.recompute_cases import CASES, FULL_UNIFORM_2, RECOMPUTE, SELECTIVE, assert_bitwise, run_cases
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.engine.model.recompute import layer_groups
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
+from ptdp.errors import ConfigError
 from ptdp.run.planner_report import planner_layout
-from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
 
 
 def test_single_process_recompute_is_bitwise_identical():

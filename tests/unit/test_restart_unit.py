@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from ptdp.commands.train_flags import config_from_args, max_restarts
+from ptdp.config.resolve import resolve
+from ptdp.errors import ConfigError
 from ptdp.run.restart import check_torchrun_restarts, resume_config
-from ptdp.spec import ConfigError, resolve
 
 
 def _fake_checkpoint(root: Path, iteration: int, complete: bool = True) -> Path:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.engine.pipeline.nccl_model import ScheduleError
-from ptdp.engine.pipeline.partition import chunk_layer_ids, stage_layer_ids
-from ptdp.engine.pipeline.program import P2PGroup, build_programs
-from ptdp.engine.pipeline.schedule import Action, build_schedule
-from ptdp.engine.pipeline.verify import check_schedule, ideal_idle_time, in_flight_bound, simulate
-from ptdp.spec import ConfigError
+from ptdp.errors import ConfigError
+from ptdp.layout.pipeline.nccl_model import ScheduleError
+from ptdp.layout.pipeline.partition import chunk_layer_ids, stage_layer_ids
+from ptdp.layout.pipeline.program import P2PGroup, build_programs
+from ptdp.layout.pipeline.schedule import Action, build_schedule
+from ptdp.layout.pipeline.verify import check_schedule, ideal_idle_time, in_flight_bound, simulate
 
 CASES = [
     (kind, p, m, v)
@@ -151,7 +151,7 @@ def test_runtime_rejects_microbatches_of_the_wrong_shape():
         )
 
 
-# ---- NCCL's point-to-point rules (engine/pipeline/nccl_model.py) ----
+# ---- NCCL's point-to-point rules (layout/pipeline/nccl_model.py) ----
 
 NCCL_CASES = [
     (kind, p, m, v)
@@ -169,7 +169,7 @@ def test_every_program_is_deadlock_free_under_nccl_rules():
     """Every kind, p in 2-8, m up to 32, v up to 4: the runtime's groups complete under the NCCL model,
     and groups of one rank are in increasing schedule time with each send and its receive at the same
     time (the property the proof in program.py rests on)."""
-    from ptdp.engine.pipeline.nccl_model import simulate_nccl
+    from ptdp.layout.pipeline.nccl_model import simulate_nccl
 
     for kind, p, m, v in NCCL_CASES:
         programs = build_programs(kind, p, m, v)
@@ -189,8 +189,8 @@ def test_every_program_is_deadlock_free_under_nccl_rules():
 def _grouped_like_the_action_list(kind, p, m, v):
     """The grouping ptdp used before: each run of consecutive transfers of a rank's actions posted
     as one group (what gloo tolerates and NCCL does not)."""
-    from ptdp.engine.pipeline.program import P2POp, tag
-    from ptdp.engine.pipeline.schedule import COMPUTE, peer
+    from ptdp.layout.pipeline.program import P2POp, tag
+    from ptdp.layout.pipeline.schedule import COMPUTE, peer
 
     programs = []
     for r, acts in enumerate(build_schedule(kind, p, m, v)):
@@ -212,8 +212,8 @@ def _grouped_like_the_action_list(kind, p, m, v):
 def test_nccl_model_finds_the_interleaved_deadlock_of_consecutive_grouping(p, v):
     """The model is strict enough to catch the real hang: interleaved 1F1B with m > p grouped as runs
     of consecutive transfers deadlocks under NCCL's rules, but not under gloo's; with m == p it runs."""
-    from ptdp.engine.pipeline.nccl_model import simulate_nccl
-    from ptdp.engine.pipeline.verify import check_programs
+    from ptdp.layout.pipeline.nccl_model import simulate_nccl
+    from ptdp.layout.pipeline.verify import check_programs
 
     with pytest.raises(ScheduleError, match="deadlock under NCCL"):
         simulate_nccl(_grouped_like_the_action_list("interleaved-1f1b", p, 2 * p, v))
@@ -222,7 +222,7 @@ def test_nccl_model_finds_the_interleaved_deadlock_of_consecutive_grouping(p, v)
 
 
 def test_nccl_model_checks_order_tags_and_partners():
-    from ptdp.engine.pipeline.nccl_model import Op, simulate_nccl
+    from ptdp.layout.pipeline.nccl_model import Op, simulate_nccl
 
     group = lambda *ops: P2PGroup("pp", tuple(ops), 0)  # noqa: E731
     compute = Action("forward", 0)

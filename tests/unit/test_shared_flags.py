@@ -8,9 +8,9 @@ import argparse
 import pytest
 
 from ptdp.commands.train_flags import add_train_arguments
+from ptdp.config.flags import settings
+from ptdp.errors import ConfigError
 from ptdp.planner.args import add_plan_arguments, plan_precision
-from ptdp.spec import ConfigError
-from ptdp.spec.flags import settings
 
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:

@@ -8,7 +8,7 @@ import torch
 
 from helpers.tp_cases import VOCAB, check_label_cases, inputs, label_cases
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.tensor_parallel import ParamSpec, shard, unshard
+from ptdp.engine.tensor_parallel.sharding import ParamSpec, shard, unshard
 
 
 @pytest.mark.parametrize("groups", [1, 3])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.spec.layout import ParallelLayout
+from ptdp.layout.grid import ParallelLayout
 from ptdp.topology.model import GPU, NIC, Topology
 from ptdp.topology.nvsmi import parse_nvidia_smi_topo
 from ptdp.topology.placement import PlacementError, _block_cost, _nearest_nics, place

@@ -8,10 +8,11 @@ import sys
 
 import pytest
 
+from ptdp.config.schema import Config, TrainConfig
+from ptdp.errors import ConfigError
 from ptdp.run import tracking
 from ptdp.run.metrics import RunLog
 from ptdp.run.tracking import Trackers, check_trackers, wandb_mode
-from ptdp.spec import Config, ConfigError, TrainConfig
 
 
 def with_train(**changes) -> Config:

@@ -41,7 +41,7 @@ def continue_hint(source: Path, target: str) -> str:
     """The ``ptdp train`` command line that continues pre-training the model imported from ``source``
     into ``target``: its shape flags and, when ``source`` has a ``tokenizer.json`` whose size equals
     the model's vocabulary, ``--tokenizer-model source`` (else a note saying why not)."""
-    from ptdp.data import DataError
+    from ptdp.data.errors import DataError
     from ptdp.data.tokenizer import load_tokenizer_model
     from ptdp.run.checkpoint.hf import model_config_from_hf
 
@@ -67,7 +67,7 @@ def continue_hint(source: Path, target: str) -> str:
 def model_flags(model) -> list[str]:
     """``ptdp train`` flags giving ``model``'s fields that differ from the defaults (vocab_size
     aside: the tokenizer sets it), spelled as the schema defines them."""
-    from ptdp.spec.flags import settings
+    from ptdp.config.flags import settings
 
     flags: list[str] = []
     for s in settings():

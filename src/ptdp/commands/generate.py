@@ -21,12 +21,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.engine.step import build_stage
+from ptdp.errors import ConfigError
 from ptdp.run.checkpoint.folders import CheckpointError, read_meta, resolve_checkpoint
 from ptdp.run.checkpoint.io import load_checkpoint
-from ptdp.spec import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, resolve
 
 
 def load_for_inference(path: str | Path, dtype: str = "float32") -> tuple[GPTModel, dict, Path]:

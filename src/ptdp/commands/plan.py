@@ -7,6 +7,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from ptdp.errors import ConfigError
+from ptdp.layout.pipeline.partition import stage_layer_counts, virtual_stages
 from ptdp.planner.args import plan_precision
 from ptdp.planner.explain import distance_from_best, explain_pick
 from ptdp.planner.fp8 import fp8_precision
@@ -24,7 +26,6 @@ from ptdp.planner.request import (
     ineffective_flag_notes,
 )
 from ptdp.planner.search import Fixed, SearchResult, search
-from ptdp.spec import ConfigError, stage_layer_counts, virtual_stages
 
 PLAN_DESCRIPTION = """\
 Predict memory and step time of every tensor x context x pipeline x data parallel layout (with

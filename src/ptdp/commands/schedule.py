@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ptdp.spec import ConfigError
+from ptdp.errors import ConfigError
 
 DESCRIPTION = """\
 Print each pipeline rank's program: its forwards (F), backwards (B) and groups of point-to-point
@@ -30,7 +30,7 @@ while its receive runs) before they are printed. The bubble: (p - 1) / (v m) of 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ptdp.spec.flags import add_named_flags
+    from ptdp.config.flags import add_named_flags
 
     parser.description, parser.formatter_class = DESCRIPTION, argparse.RawDescriptionHelpFormatter
     add_named_flags(
@@ -69,9 +69,9 @@ MAX_COMPUTES = 65_536
 
 
 def run(args: argparse.Namespace) -> int:
-    from ptdp.engine.pipeline.program import build_programs, describe, program_json
-    from ptdp.engine.pipeline.schedule import build_schedule
-    from ptdp.engine.pipeline.verify import check_schedule, in_flight_bound, simulate
+    from ptdp.layout.pipeline.program import build_programs, describe, program_json
+    from ptdp.layout.pipeline.schedule import build_schedule
+    from ptdp.layout.pipeline.verify import check_schedule, in_flight_bound, simulate
 
     kind, p, m = args.pipeline_schedule, args.pipeline_model_parallel_size, args.num_microbatches
     v = args.virtual_pipeline_stages

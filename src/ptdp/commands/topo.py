@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ptdp.spec import ConfigError
+from ptdp.errors import ConfigError
 from ptdp.topology.model import Topology, format_cpu_list
 from ptdp.topology.placement import Placement, PlacementError, launch_env, place
 

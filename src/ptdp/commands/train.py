@@ -8,7 +8,7 @@ import os
 import sys
 import warnings
 
-from ptdp.spec import resolve
+from ptdp.config.resolve import resolve
 
 TRAIN_DESCRIPTION = """\
 Train a GPT with tensor x context x pipeline x data parallelism on local worker processes

@@ -1,12 +1,12 @@
 """Command-line flags of ``ptdp train`` (and ``python -m ptdp.train`` under torchrun), generated
-from the configuration schema (:mod:`ptdp.spec.flags`).
+from the configuration schema (:mod:`ptdp.config.flags`).
 
 Flag names follow Megatron-LM (``--tensor-model-parallel-size``, ``--micro-batch-size``, ...) with
 short aliases (``--tp``, ``--mbs``). Defaults come from the schema, except the parallel sizes:
 ``ptdp train`` defaults to tp=2, pp=2 and dp inferred from the number of workers (8 local workers,
 or one per visible GPU, unless told otherwise), and its process-group timeout is 2 minutes on a
 machine without CUDA.
-``--config FILE`` takes settings from a TOML, YAML or JSON file (:mod:`ptdp.spec.files`).
+``--config FILE`` takes settings from a TOML, YAML or JSON file (:mod:`ptdp.config.files`).
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ptdp.spec import Config, ConfigError
-from ptdp.spec import local_world_size as _local_world_size
-from ptdp.spec.files import add_config_flags
-from ptdp.spec.flags import add_flags
-from ptdp.spec.flags import config_from_args as _config_from_args
+from ptdp.config.files import add_config_flags
+from ptdp.config.flags import add_flags
+from ptdp.config.flags import config_from_args as _config_from_args
+from ptdp.config.resolve import local_world_size as _local_world_size
+from ptdp.config.schema import Config
+from ptdp.errors import ConfigError
 
 DEFAULT_TP, DEFAULT_PP = 2, 2
 #: ``ptdp train``'s process-group timeout on a machine without CUDA: local CPU workers keep each
@@ -89,7 +90,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 def local_world_size(args: argparse.Namespace, gpus: int | None = None) -> int:
     """Workers ``ptdp train`` starts on this machine (``gpus``: the visible GPUs, None without
-    CUDA; see :func:`ptdp.spec.resolve.local_world_size`); ConfigError unless ``--nproc-per-node``
+    CUDA; see :func:`ptdp.config.resolve.local_world_size`); ConfigError unless ``--nproc-per-node``
     is a positive integer, or when it asks for more workers than ``gpus``."""
     return _local_world_size(config_from_args(args), gpus)
 

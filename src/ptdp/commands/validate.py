@@ -7,6 +7,7 @@ import datetime
 import platform
 from pathlib import Path
 
+from ptdp.errors import ConfigError
 from ptdp.planner.published import load_h100_runs
 from ptdp.planner.published_a100 import load_published_runs
 from ptdp.planner.request import check_output_path
@@ -18,7 +19,6 @@ from ptdp.planner.validate import (
     validate,
     validate_h100,
 )
-from ptdp.spec import ConfigError
 
 BEGIN, END = "<!-- begin: ptdp plan --validate -->", "<!-- end: ptdp plan --validate -->"
 

@@ -1,4 +1,4 @@
-"""The process groups of one process, built once from a :class:`~ptdp.spec.layout.ParallelLayout`.
+"""The process groups of one process, built once from a :class:`~ptdp.layout.grid.ParallelLayout`.
 
 :class:`ParallelGroups` is the single object that holds this process's tensor-, context-,
 pipeline- and data-parallel groups, the data x context gradient group and the embedding group; it is
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ptdp.engine.comm import AxisGroup, CommStats
-from ptdp.spec.layout import Coords, ParallelLayout
+from ptdp.layout.grid import Coords, ParallelLayout
 
 
 @dataclass(frozen=True, eq=False)

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ptdp.config.schema import TrainConfig
 from ptdp.engine.data_parallel.buffer import GradBuffer
-from ptdp.spec import TrainConfig
 
 
 class AdamW(torch.optim.AdamW):

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ptdp.config.schema import Config
 from ptdp.engine import activity
 from ptdp.engine.comm import all_reduce
 from ptdp.engine.data_parallel.buffer import GradBuffer
@@ -51,8 +52,6 @@ from ptdp.engine.model.chunks import ModelChunks
 from ptdp.engine.model.compile import compile_stage
 from ptdp.engine.model.gpt import DTYPES, GPTModel
 from ptdp.engine.optim import MainParamsAdamW, build_optimizer, lr_at, set_lr, step_unless
-from ptdp.engine.pipeline.partition import chunk_layer_ids, stage_layer_ids
-from ptdp.engine.pipeline.program import build_programs
 from ptdp.engine.pipeline.runtime import Microbatch, run_schedule
 from ptdp.engine.step_results import FP16_OVERFLOW as FP16_OVERFLOW
 from ptdp.engine.step_results import NONFINITE_GRAD_NORM as NONFINITE_GRAD_NORM
@@ -63,7 +62,8 @@ from ptdp.engine.step_results import read_results as read_results
 from ptdp.engine.step_results import read_results_with as read_results_with
 from ptdp.engine.tensor_parallel.random import DropoutRNG
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
-from ptdp.spec import Config
+from ptdp.layout.pipeline.partition import chunk_layer_ids, stage_layer_ids
+from ptdp.layout.pipeline.program import build_programs
 
 
 @dataclass
@@ -118,7 +118,7 @@ class Stage:
 def build_stage(config: Config, groups: ParallelGroups, device: torch.device | str = "cpu") -> Stage:
     """Build, initialise (layout-independently, from ``config.train.seed``) and place this rank's stage.
 
-    ``config`` must be resolved (``ptdp.spec.resolve``) and ``config.model.vocab_size`` the real
+    ``config`` must be resolved (``ptdp.config.resolve``) and ``config.model.vocab_size`` the real
     vocabulary size.
     """
     m, p = config.model, config.parallel

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from functools import lru_cache, partial
 
+from ptdp.layout.vocab import keeps_logits, padded_vocab_size
 from ptdp.planner.context import kv_buffer_bytes, local_model, unfused_score_bytes_missing
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout
 from ptdp.planner.splits import chunk_layers, interleaved_peak
-from ptdp.spec import keeps_logits, padded_vocab_size
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -159,7 +159,7 @@ def _edge_activation_bytes(
     and what the chunked output layer + cross entropy keeps besides its input
     (:mod:`ptdp.engine.tensor_parallel.linear_cross_entropy`): one fp32 log-sum-exp and one int64
     label per token, ``12 s b`` bytes, and the logits ``s b V_pad / t`` in the activation dtype
-    when they take at most 256 MiB (:func:`~ptdp.engine.tensor_parallel.vocab.keeps_logits`, the
+    when they take at most 256 MiB (:func:`~ptdp.layout.vocab.keeps_logits`, the
     rule the loss follows; larger, they are recomputed in backward and not kept).
     """
     e, e32 = activation_value_bytes(layout.precision)

@@ -1,6 +1,6 @@
 """Flags of ``ptdp plan``. The flags it shares with ``ptdp train`` (model shape, layout, batch,
 recompute, sequence parallelism, distributed optimizer, precision) are generated from the same
-schema fields (:mod:`ptdp.spec.flags`): the same names, aliases, types and choices; here each
+schema fields (:mod:`ptdp.config.flags`): the same names, aliases, types and choices; here each
 defaults to None, meaning "take the preset's value" (model) or "search this choice" (layout).
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from ptdp.spec import ConfigError
-from ptdp.spec.flags import add_flags
+from ptdp.config.flags import add_flags
+from ptdp.errors import ConfigError
 
 #: ptdp train's --params-dtype as the planner's precision (float64 is not planned; auto is what
 #: ptdp train picks on GPUs, which the planner plans for)

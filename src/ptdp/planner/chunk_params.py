@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.models import ModelSpec
-from ptdp.spec import padded_vocab_size
 
 #: watch groups: the chunk's non-layer parameters (allocated when its backward starts), the word
 #: embedding read by the lookup alone, the learned position table (when backward reaches the sum of

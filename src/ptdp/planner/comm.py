@@ -8,7 +8,7 @@ JPDC 2009 (ring all-reduce ``2 (n-1)/n`` bytes per rank).
 
 Bandwidths are achieved bytes/s per GPU per direction (link bandwidth x an efficiency from
 :class:`ptdp.planner.perf_constants.PerfConstants`); latencies are seconds per ring step. Ranks are laid out
-``tp-dp-pp`` (TP fastest, ``ptdp.spec.layout``): a TP group is ``tp`` consecutive GPUs, a DP group has
+``tp-dp-pp`` (TP fastest, ``ptdp.layout.grid``): a TP group is ``tp`` consecutive GPUs, a DP group has
 ``min(dp, gpus_per_node // tp)`` members in each node, a pipeline stage is ``tp * dp`` GPUs.
 """
 

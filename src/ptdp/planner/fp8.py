@@ -24,8 +24,8 @@ Engine with Megatron-Core, delayed scaling, "hybrid" E4M3 forward / E5M2 backwar
 
 from __future__ import annotations
 
+from ptdp.errors import ConfigError
 from ptdp.planner.models import ModelSpec
-from ptdp.spec import ConfigError
 
 #: Bytes per weight of an FP8 GEMM held besides the bf16 weight: the FP8 weight (1) and its
 #: transpose (1).

@@ -18,7 +18,7 @@ A field missing from the file takes the default of transformers' config class fo
 (:data:`DEFAULTS`). Every model from a config is planned with a flash attention kernel (no
 attention-dropout mask or scores kept). Fields that would change the shape or the count of
 parameters and that the planner does not model (experts of a mixture of experts, a ``head_dim``
-other than h / a, cross attention) raise :class:`~ptdp.spec.ConfigError` naming them; fields
+other than h / a, cross attention) raise :class:`~ptdp.config.ConfigError` naming them; fields
 that change the cost but not the shape (a sliding attention window shorter than the sequence,
 whose attention the planner counts as full causal) or neither (rotary scaling) are returned as
 notes. Pure: reads one JSON file, imports no torch.
@@ -29,8 +29,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ptdp.errors import ConfigError
 from ptdp.planner.models import ModelSpec
-from ptdp.spec import ConfigError
 
 SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
 

@@ -248,7 +248,7 @@ def get_model(name: str) -> ModelSpec:
 
 
 def _ptdp_options(cfg) -> dict:
-    """The Llama-like options of a :class:`ptdp.spec.ModelConfig` as ModelSpec fields."""
+    """The Llama-like options of a :class:`ptdp.config.ModelConfig` as ModelSpec fields."""
     rms, rope, bias = cfg.normalization == "RMSNorm", cfg.position_embedding_type == "rope", cfg.add_bias_linear
     return {
         "num_query_groups": cfg.num_query_groups,
@@ -261,7 +261,7 @@ def _ptdp_options(cfg) -> dict:
 
 
 def spec_from_model_config(cfg) -> ModelSpec:
-    """The planner's description of ptdp's own GPT for a :class:`ptdp.spec.ModelConfig`.
+    """The planner's description of ptdp's own GPT for a :class:`ptdp.config.ModelConfig`.
 
     Dropout is on when ``hidden_dropout`` or ``attention_dropout`` is non-zero (one flag: with
     attention dropout alone the planner still counts the hidden-state masks, ``2 s b h`` bytes per

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner import flops
 from ptdp.planner.dp_time import (
     dp_comm_time,
@@ -36,7 +37,6 @@ from ptdp.planner.stage_time import (
     split_stage_times,
     stage_microbatch_times,
 )
-from ptdp.spec import padded_vocab_size
 
 #: The time model's parts live in :mod:`ptdp.planner.perf_constants` (constants, links),
 #: :mod:`ptdp.planner.stage_time` (per-microbatch stage times) and :mod:`ptdp.planner.dp_time`

@@ -35,11 +35,11 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
+from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.hardware import CATALOG
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.param_memory import stage_param_counts
 from ptdp.planner.plan import Layout
-from ptdp.spec import padded_vocab_size
 
 CONVENTIONS = ("megatron-2024", "palm", "tokens")
 UNITS = ("model TFLOP/s per GPU", "MFU %", "tokens/s per GPU")

@@ -7,10 +7,12 @@ import math
 import os
 from pathlib import Path
 
+from ptdp.config.rules import heads_violations
+from ptdp.errors import ConfigError
+from ptdp.layout.pipeline.partition import layer_split
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.rules import context_rejections, kv_head_rejections
-from ptdp.spec import ConfigError, heads_violations, layer_split
 
 
 def check_model(model: ModelSpec) -> None:
@@ -96,7 +98,7 @@ def check_request(cluster: Cluster, global_batch_size: int, fixed, *, top: int, 
 def check_stage_layers(num_layers: int, fixed) -> None:
     """Fixed first/last pipeline stage layer counts (``--decoder-first/last-pipeline-num-layers``):
     not with ``--pipeline-layer-split`` nor interleaving, each >= 1, and with a fixed pp they must
-    split ``num_layers`` (:func:`ptdp.spec.first_last_split`). Raises ``ConfigError`` naming them."""
+    split ``num_layers`` (:func:`ptdp.config.first_last_split`). Raises ``ConfigError`` naming them."""
     first, last = fixed.first_layers, fixed.last_layers
     counted = getattr(fixed, "accounting", None)
     if counted is not None and any(counted):

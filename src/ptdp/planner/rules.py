@@ -9,19 +9,18 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from ptdp.config.axis_rules import (
+    context_parallel_model_violations,
+    context_parallel_violations,
+    sequence_parallel_violations,
+)
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.rules import layout_violations, schedule_violations
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import CP_COMM_TYPES, PRECISIONS, RECOMPUTE, SHARDING, Layout
 from ptdp.planner.splits import accounting_of
-from ptdp.spec import (
-    ModelConfig,
-    ParallelConfig,
-    context_parallel_violations,
-    layout_violations,
-    schedule_violations,
-    sequence_parallel_violations,
-)
-from ptdp.spec.axis_rules import context_parallel_model_violations
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,7 @@ def kv_head_rejections(model: ModelSpec, tp: int) -> list[Rejection]:
 
 @functools.lru_cache(maxsize=4096)
 def context_rejections(model: ModelSpec, tp: int, cp: int) -> tuple[Rejection, ...]:
-    """Rules of context parallelism (``ptdp.spec``'s: ``cp >= 1``, ``seq_length % (2 cp) == 0``).
+    """Rules of context parallelism (``ptdp.config``'s: ``cp >= 1``, ``seq_length % (2 cp) == 0``).
     A cp group may leave the node (``tp * cp > gpus_per_node``): allowed, its key/value ring then
     runs at network speed (:func:`ptdp.planner.context.cp_link`)."""
     return tuple(Rejection(v.rule, v.message) for v in context_parallel_violations(model.seq_length, cp))

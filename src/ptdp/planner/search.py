@@ -29,6 +29,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.rules import schedule_violations
+from ptdp.errors import ConfigError
+from ptdp.layout.pipeline.partition import accounted_split, first_last_split
 from ptdp.planner.context import CP_MIN_LOCAL_TOKENS, CP_MIN_SEQ_LENGTH
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
@@ -37,7 +41,6 @@ from ptdp.planner.plan import RECOMPUTE, SHARDING, Layout, Plan
 from ptdp.planner.predict import predict_strategies
 from ptdp.planner.rules import Rejection, context_rejections, structural_rejections
 from ptdp.planner.splits import ACCOUNTING, candidate_splits, interleaved_splits
-from ptdp.spec import ConfigError, ParallelConfig, accounted_split, first_last_split, schedule_violations
 
 __all__ = ["MAX_MICRO_BATCH", "Fixed", "SearchResult", "divisors", "search"]
 

@@ -6,10 +6,10 @@ an even split (when ``pp`` divides ``l``) leaves the last stage the busiest; giv
 last stages fewer layers balances them (Llama 3 405B: 126 layers at pp = 16 as 7, 8 x 14, 7,
 Llama 3 paper, arXiv:2407.21783, §3.3.2). The search expresses such splits with Megatron-LM's
 ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` (the middle
-stages split the rest evenly, :func:`ptdp.engine.pipeline.partition.first_last_split`) and, when
+stages split the rest evenly, :func:`ptdp.layout.pipeline.partition.first_last_split`) and, when
 interleaved, with ``--account-for-embedding-in-pipeline-split`` /
 ``--account-for-loss-in-pipeline-split`` (the embedding and the loss count as one layer each of the
-split over pp x v model chunks, :func:`ptdp.engine.pipeline.partition.accounted_split`); ``ptdp
+split over pp x v model chunks, :func:`ptdp.layout.pipeline.partition.accounted_split`); ``ptdp
 train`` runs both.
 
 :func:`candidate_splits` proposes a handful of v = 1 splits from the edge work in layer
@@ -26,7 +26,8 @@ import math
 from itertools import accumulate, islice, repeat
 from operator import add, mul, sub
 
-from ptdp.spec import ConfigError, accounted_split, chunk_layer_ids, first_last_of
+from ptdp.errors import ConfigError
+from ptdp.layout.pipeline.partition import accounted_split, chunk_layer_ids, first_last_of
 
 
 def candidate_splits(num_layers: int, pp: int, first_extra: float, last_extra: float) -> list[tuple[int, ...] | None]:
@@ -75,7 +76,7 @@ def interleaved_splits(
 ) -> list[tuple[int, tuple[int, ...]]]:
     """(v, layers per rank) of the interleaved layouts (v > 1) that count the embedding and/or the
     loss as layers (Megatron-LM's ``--account-for-embedding/loss-in-pipeline-split``,
-    :func:`ptdp.spec.accounted_split`): for each way in ``accounting`` with ``(l + counted) % pp ==
+    :func:`ptdp.config.accounted_split`): for each way in ``accounting`` with ``(l + counted) % pp ==
     0``, every v > 1 dividing ``(l + counted) / pp`` whose split is valid (and, with ``uneven_only``,
     not the same on every rank). Llama 3 405B (126 layers) at pp = 16: v = 2, 4, 8 with both
     counted, each ``7, 8 x 14, 7``."""
@@ -165,7 +166,7 @@ def _interleaved_peak(
 
 
 def split_options(split: tuple[int, ...] | None, v: int = 1) -> dict[str, object] | None:
-    """The :class:`~ptdp.spec.ParallelConfig` fields that make ``ptdp train`` run ``split`` at ``v``
+    """The :class:`~ptdp.config.ParallelConfig` fields that make ``ptdp train`` run ``split`` at ``v``
     chunks per rank: the first/last stage counts where the middle stages are equal, else
     ``pipeline_layer_split``; with ``v`` > 1 the embedding / loss counted as layers and the units
     per model chunk (``num_layers_per_virtual_pipeline_stage``). ``{}`` for an even split, None for a

@@ -12,6 +12,7 @@ step is :func:`ptdp.planner.perf.evaluate_performance`.
 
 from __future__ import annotations
 
+from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner import flops
 from ptdp.planner.comm import Links, hierarchical_all_reduce_time, pp_transfer_time, tp_layer_comm_times
 from ptdp.planner.context import block_attention_times, kv_exchange_times, layer_times, local_model
@@ -19,7 +20,6 @@ from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.perf_constants import DEFAULT_CONSTANTS, PerfConstants, links_for
 from ptdp.planner.plan import Layout
-from ptdp.spec import padded_vocab_size
 
 Parts = tuple[float, ...]
 """Per-microbatch seconds of a stage by part: (compute, recompute, tp_comm, cp_comm)."""

@@ -205,8 +205,8 @@ def _measure(groups, host, config, precision: str, device: torch.device | None =
     the others wait on a barrier of the gloo group ``host``: rank 0 alone (GEMMs, bandwidth,
     optimizer), tensor-parallel group 0 (all-reduce, layer, head), data-parallel group 0
     (all-reduce), pipeline ranks 0 and 1 of pipeline group 0 (ping-pong)."""
+    from ptdp.layout.vocab import padded_vocab_size
     from ptdp.planner.models import spec_from_model_config
-    from ptdp.spec import padded_vocab_size
 
     p, m, dtype = config.parallel, config.model, PRECISION_DTYPES[precision]
     rank = groups.global_rank
@@ -267,10 +267,10 @@ def calibrate_worker(config_json: str, precision: str, out_path: str) -> dict:
     profile to ``out_path`` and returns its GPU spec and constants (the others return {})."""
     import torch.distributed as dist
 
+    from ptdp.config.schema import Config
     from ptdp.engine.groups import ParallelGroups, host_group
+    from ptdp.layout.grid import ParallelLayout
     from ptdp.run.distributed import init_distributed
-    from ptdp.spec import Config
-    from ptdp.spec.layout import ParallelLayout
 
     config = Config.from_dict(json.loads(config_json))
     p = config.parallel

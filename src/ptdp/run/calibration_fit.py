@@ -16,13 +16,13 @@ import math
 import os
 import platform
 
+from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.comm import hierarchical_all_reduce_time, tp_layer_comm_times
 from ptdp.planner.dp_time import OPT_BYTES_FULL, OPT_BYTES_SHARDED
 from ptdp.planner.flops import gemm_efficiency, layer_compute_times, logits_compute_time
 from ptdp.planner.hardware import Cluster, GPUSpec
 from ptdp.planner.models import ModelSpec, spec_from_model_config
 from ptdp.planner.perf_constants import DEFAULT_CONSTANTS, PerfConstants, links_for
-from ptdp.spec import padded_vocab_size
 
 
 def fit_linear(samples: list[tuple[int, float]]) -> tuple[float, float]:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from ptdp.spec.errors import ConfigError
+from ptdp.errors import ConfigError
 from ptdp.topology.binding import bind_this_worker
 
 

@@ -13,8 +13,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from ptdp.config.schema import Config
 from ptdp.run import postmortem, rank_records
-from ptdp.spec import Config
 
 
 class WorkerFailedError(RuntimeError):

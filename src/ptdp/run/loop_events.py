@@ -10,7 +10,7 @@ import math
 import time
 from pathlib import Path
 
-from ptdp.data import PreparedData
+from ptdp.data.prepared_data import PreparedData
 from ptdp.data.tokenizer import tokenizer_config_beside
 from ptdp.engine import activity
 from ptdp.engine.step_results import NONFINITE_GRAD_NORM

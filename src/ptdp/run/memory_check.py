@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ptdp.spec import Config, stage_layer_counts
+from ptdp.config.schema import Config
+from ptdp.layout.pipeline.partition import stage_layer_counts
 
 GiB = 2**30
 #: Resident memory of a CPU worker before the model: Python, torch, gloo (about 0.3 GiB measured),
@@ -226,7 +227,7 @@ def _cpu_available() -> int:
 def check_memory(config: Config, nproc: int) -> None:
     """Raise ConfigError (exit 2) when the run cannot fit in this machine's memory
     (:func:`memory_problem`)."""
-    from ptdp.spec import ConfigError
+    from ptdp.errors import ConfigError
 
     available, gpu, where = available_memory(nproc)
     problem = memory_problem(config, nproc, available, gpu=gpu, where=where)

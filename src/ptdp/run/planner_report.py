@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ptdp.config.schema import Config
+from ptdp.layout.pipeline.partition import stage_layer_counts
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.memory import memory_breakdown
 from ptdp.planner.models import spec_from_model_config
@@ -31,7 +33,6 @@ from ptdp.planner.plan import Layout
 from ptdp.planner.profile import default_profile_path, load_profile
 from ptdp.planner.sharding import strategy_bytes_per_param
 from ptdp.run.profiling import process_peak_rss
-from ptdp.spec import Config, stage_layer_counts
 
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 

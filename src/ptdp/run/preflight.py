@@ -1,6 +1,6 @@
 """One preflight for both launch paths: ``ptdp train``'s local launcher and ``torchrun -m ptdp.train``.
 
-After :func:`ptdp.spec.resolve`, every check that needs no worker runs here, in this order, and
+After :func:`ptdp.config.resolve`, every check that needs no worker runs here, in this order, and
 the first problem stops the run with a one-line error (exit 2) before anything is written:
 
 1. :func:`check_request`: the trackers asked for are installed (``--tensorboard-dir``,
@@ -22,11 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ptdp.data import DataError, PreparedData
+from ptdp.config.schema import Config
+from ptdp.data.errors import DataError
+from ptdp.data.prepared_data import PreparedData
+from ptdp.errors import ConfigError
 from ptdp.run.memory_check import check_memory
 from ptdp.run.rundir import check_run_dir, make_run_dir, prepare, run_dir_path, write_config
 from ptdp.run.tracking import check_trackers
-from ptdp.spec import Config, ConfigError
 
 
 def check_request(config: Config, local_workers: int) -> None:

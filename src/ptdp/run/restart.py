@@ -24,8 +24,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from ptdp.config.schema import Config
+from ptdp.errors import ConfigError
 from ptdp.run.checkpoint.folders import newest_checkpoint
-from ptdp.spec import Config, ConfigError
 
 
 def restart_count() -> int:

@@ -13,10 +13,13 @@ import os
 import time
 from pathlib import Path
 
-from ptdp.data import DataError, PreparedData, prepare_data
+from ptdp.config.schema import Config
+from ptdp.data.errors import DataError
+from ptdp.data.prepare import prepare_data
+from ptdp.data.prepared_data import PreparedData
+from ptdp.errors import ConfigError
 from ptdp.run.metrics import write_json
 from ptdp.run.paths import folder_problem
-from ptdp.spec import Config, ConfigError
 
 
 def cache_dir(config: Config) -> Path:

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ptdp.config.schema import Config
 from ptdp.planner.flops import model_flops_per_step
 from ptdp.planner.hardware import CATALOG, GPUSpec
 from ptdp.planner.models import spec_from_model_config
 from ptdp.planner.profile import load_profile
-from ptdp.spec import Config
 
 #: ``params_dtype`` -> the precision key of a :class:`GPUSpec`'s peaks (float64 has none).
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

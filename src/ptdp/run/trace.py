@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ptdp.engine.pipeline.schedule import Action
+from ptdp.layout.pipeline.schedule import Action
 
 COLORS = {
     "forward": "#1f77b4",

@@ -28,7 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ptdp.spec import Config, ConfigError
+from ptdp.config.schema import Config
+from ptdp.errors import ConfigError
 
 #: metrics.jsonl field -> tracker scalar name.
 SCALARS = {

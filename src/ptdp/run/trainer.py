@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 
-from ptdp.data import GlobalBatchSampler, PreparedData, TokenWindows, device_microbatches, dp_shard, eval_indices
+from ptdp.config.schema import Config
+from ptdp.data.dataset import GlobalBatchSampler, TokenWindows, device_microbatches, dp_shard, eval_indices
+from ptdp.data.prepared_data import PreparedData
 from ptdp.engine import activity
 from ptdp.engine.comm import all_gather_object, all_reduce
 from ptdp.engine.faults import FaultPlan
@@ -33,7 +35,6 @@ from ptdp.run.profiling import StepProfiler, peak_memory_bytes
 from ptdp.run.throughput import Throughput
 from ptdp.run.trace import Tracer, bubble_by_rank, write_trace
 from ptdp.run.tracking import Trackers
-from ptdp.spec import Config
 
 
 def train(

@@ -24,11 +24,18 @@ import torch
 import torch.distributed as dist
 
 from ptdp.commands.train_flags import HelpFormatter, add_train_arguments, config_from_args
-from ptdp.data import DataError, PreparedData
+from ptdp.config.files import apply_config_file
+from ptdp.config.flags import Parser, parse_args
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config
+from ptdp.data.errors import DataError
+from ptdp.data.prepared_data import PreparedData
 from ptdp.engine import comm
 from ptdp.engine.activity import CollectiveError
 from ptdp.engine.faults import FaultPlan
 from ptdp.engine.groups import ParallelGroups, host_group
+from ptdp.errors import ConfigError
+from ptdp.layout.grid import ParallelLayout
 from ptdp.run import rank_records
 from ptdp.run.distributed import env_world, init_distributed
 from ptdp.run.loop_events import TrainingError
@@ -36,10 +43,6 @@ from ptdp.run.metrics import format_summary
 from ptdp.run.preflight import Roles, Share, check_request, prepare_run
 from ptdp.run.restart import check_torchrun_restarts, restart_count, resume_config
 from ptdp.run.trainer import train
-from ptdp.spec import Config, ConfigError, resolve
-from ptdp.spec.files import apply_config_file
-from ptdp.spec.flags import Parser, parse_args
-from ptdp.spec.layout import ParallelLayout
 
 #: Waiting for another rank to tokenize a large corpus may take much longer than a collective.
 DATA_PREPARATION_TIMEOUT = datetime.timedelta(hours=4)

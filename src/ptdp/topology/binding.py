@@ -47,7 +47,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ptdp.spec import BIND_POLICIES, ConfigError
+from ptdp.config.fields import BIND_POLICIES
+from ptdp.errors import ConfigError
 from ptdp.topology.model import TopologyError, format_cpu_list, parse_cpu_list
 from ptdp.topology.sysfs import numa_nodes
 

@@ -1,6 +1,6 @@
 """Which GPU (or NUMA node) each local rank of a node uses, so tensor-parallel groups sit close.
 
-Pure: no torch.distributed, no I/O. ptdp orders ranks ``tp-dp-pp`` (:mod:`ptdp.spec.layout`)::
+Pure: no torch.distributed, no I/O. ptdp orders ranks ``tp-dp-pp`` (:mod:`ptdp.layout.grid`)::
 
     rank = tp_rank + tp * dp_rank + tp * dp * pp_rank
 

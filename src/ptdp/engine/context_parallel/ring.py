@@ -44,7 +44,7 @@ def ring_block(rank: int, src: int, c: int) -> tuple[slice, slice, bool]:
 def ring_groups(rank: int, size: int, phase: str) -> list[list[tuple[str, int, str]]]:
     """The batches ``rank`` posts in one ``phase`` (``"forward"`` or ``"backward"``), in order,
     each a list of ``(kind, peer, label)`` as :attr:`~ptdp.engine.comm.CommStats.p2p_log`
-    records them (pure: the NCCL model of :mod:`ptdp.engine.pipeline.nccl_model` checks them).
+    records them (pure: the NCCL model of :mod:`ptdp.layout.pipeline.nccl_model` checks them).
     ``"kv{x}"`` is rank x's key/value block, ``"dkv{x}"`` the accumulator of its gradients."""
     if size == 1:
         return []

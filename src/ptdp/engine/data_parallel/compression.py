@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ptdp.engine.comm import AxisGroup, Handle, all_gather_async, all_reduce_async, reduce_scatter_async
-from ptdp.engine.data_parallel.codecs import CODECS
+from ptdp.layout.codecs import CODECS
 
 ONE_BIT_BLOCK = 64
 """Elements sharing one scale in ``1bit``; the payload is 1/8 + 4/ONE_BIT_BLOCK bytes per element."""

@@ -54,11 +54,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ptdp.config.schema import TrainConfig
 from ptdp.engine.comm import Handle, all_gather_async
 from ptdp.engine.data_parallel.buckets import Bucket, Segment
 from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.optim import lr_at
-from ptdp.spec import TrainConfig
 
 if TYPE_CHECKING:
     from ptdp.engine.model.gpt import GPTModel

@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ptdp.config.model import ModelConfig
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.context_parallel.attention import context_parallel_attention
 from ptdp.engine.context_parallel.chunks import local_positions
 from ptdp.engine.model.recompute import recomputed
 from ptdp.engine.model.rotary import RotaryEmbedding
-from ptdp.engine.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ptdp.engine.tensor_parallel.random import DropoutRNG
-from ptdp.spec import ModelConfig
 
 
 class Attention(nn.Module):

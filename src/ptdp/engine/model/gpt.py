@@ -1,6 +1,6 @@
 """A pre-norm GPT: by default LayerNorm, learned positions, a GELU MLP, biases and a tied
 input/output embedding; Llama-like options: RMSNorm, a SwiGLU MLP, rotary positions,
-grouped-query attention, no linear biases, an untied output layer (:class:`ptdp.spec.ModelConfig`).
+grouped-query attention, no linear biases, an untied output layer (:class:`ptdp.config.ModelConfig`).
 
 :class:`GPTModel` is one pipeline stage: it holds the layers ``layer_ids`` and, on the first stage,
 the embeddings, and on the last stage the final LayerNorm, the output layer and the loss. With
@@ -52,22 +52,19 @@ from typing import cast
 import torch
 from torch import nn
 
+from ptdp.config.model import ModelConfig
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.context_parallel.chunks import rank_positions, shard_sequence
 from ptdp.engine.model.attention import KVCache
 from ptdp.engine.model.layer import TransformerLayer, make_norm
 from ptdp.engine.model.recompute import run_layers
-from ptdp.engine.tensor_parallel import (
-    ParamSpec,
-    VocabParallelEmbedding,
-    mark_sequence_parallel,
-    sequence_shard,
-)
 from ptdp.engine.tensor_parallel.cross_entropy import IGNORE_INDEX
+from ptdp.engine.tensor_parallel.layers import VocabParallelEmbedding
 from ptdp.engine.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from ptdp.engine.tensor_parallel.random import Dropout, DropoutRNG
-from ptdp.engine.tensor_parallel.sharding import make_parameter
-from ptdp.spec import ModelConfig, padded_vocab_size
+from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel, sequence_shard
+from ptdp.engine.tensor_parallel.sharding import ParamSpec, make_parameter
+from ptdp.layout.vocab import padded_vocab_size
 
 __all__ = ["DTYPES", "GPTModel", "masked_mean"]
 
@@ -78,7 +75,7 @@ DTYPES = {
     "float16": torch.float16,
     "auto": torch.float32,
 }
-"""``params_dtype`` -> torch dtype. ``auto`` is made concrete by ``ptdp.spec.resolve`` (bfloat16 on
+"""``params_dtype`` -> torch dtype. ``auto`` is made concrete by ``ptdp.config.resolve`` (bfloat16 on
 CUDA); a model built from a config that never went through it is a CPU model: float32."""
 
 
@@ -135,7 +132,7 @@ class GPTModel(nn.Module):
                 cfg.vocab_size, v_pad, cfg.hidden_size, tp=tp, dtype=dtype, sequence_parallel=sp
             )
             if not pre_process:
-                self.word_embeddings.weight.ptdp_tied_copy = True
+                self.word_embeddings.weight.ptdp_tied_copy = True  # type: ignore[attr-defined]
         if pre_process and cfg.position_embedding_type == "learned_absolute":
             spec = ParamSpec((cfg.seq_length, cfg.hidden_size))
             self.position_embeddings = make_parameter(spec, 1, dtype)

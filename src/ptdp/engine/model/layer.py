@@ -12,17 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ptdp.config.model import ModelConfig
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.model.attention import Attention, KVCache
-from ptdp.engine.tensor_parallel import (
-    ColumnParallelLinear,
-    ParamSpec,
-    RowParallelLinear,
-    mark_sequence_parallel,
-)
+from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ptdp.engine.tensor_parallel.random import Dropout, DropoutRNG
-from ptdp.engine.tensor_parallel.sharding import make_parameter
-from ptdp.spec import ModelConfig
+from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel
+from ptdp.engine.tensor_parallel.sharding import ParamSpec, make_parameter
 
 
 class LayerNorm(nn.Module):

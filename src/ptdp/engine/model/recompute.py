@@ -35,8 +35,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ptdp.config.fields import RECOMPUTE_METHODS
 from ptdp.engine.tensor_parallel.random import DropoutRNG
-from ptdp.spec import RECOMPUTE_METHODS
 
 
 def recomputed(fn: Callable[..., torch.Tensor], *args: torch.Tensor, rng: DropoutRNG | None = None) -> torch.Tensor:

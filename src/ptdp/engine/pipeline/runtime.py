@@ -1,11 +1,11 @@
-"""Executes one pipeline rank's program (:func:`ptdp.engine.pipeline.program.build_programs`): its
+"""Executes one pipeline rank's program (:func:`ptdp.layout.pipeline.program.build_programs`): its
 computes, and its point-to-point groups exactly as the program lists them.
 
-Each :class:`~ptdp.engine.pipeline.program.P2PGroup` is posted as one ``batch_isend_irecv`` on the
+Each :class:`~ptdp.layout.pipeline.program.P2PGroup` is posted as one ``batch_isend_irecv`` on the
 pp axis (on NCCL: one group on the pipeline group's communicator) and waited for before the next
 step: the receives land before the compute that needs them, and a sent activation's buffer is free
 as soon as its group completes. That is NCCL's strictest reading (a send completes only while its
-receive runs), under which :mod:`ptdp.engine.pipeline.nccl_model` proves every program
+receive runs), under which :mod:`ptdp.layout.pipeline.nccl_model` proves every program
 deadlock-free; on gloo the runtime does the same, so both backends run the same program. On NCCL a
 wait makes the compute stream wait for the group; the host does not block.
 
@@ -36,8 +36,8 @@ from torch.autograd.graph import _engine_run_backward
 
 from ptdp.engine.activity import PIPELINE, set_phase
 from ptdp.engine.comm import P2P, AxisGroup, post
-from ptdp.engine.pipeline.program import P2PGroup, Step
-from ptdp.engine.pipeline.schedule import COMPUTE, Action
+from ptdp.layout.pipeline.program import P2PGroup, Step
+from ptdp.layout.pipeline.schedule import COMPUTE, Action
 
 Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [b, s], labels [b, s])
 TAGS = {"forward": 0, "backward": 1}
@@ -151,7 +151,7 @@ def run_schedule(
 def _check_program(program: Sequence[Step]) -> None:
     if any(isinstance(step, Action) and step.kind not in COMPUTE for step in program):
         raise TypeError(
-            "run_schedule takes a program (ptdp.engine.pipeline.program.build_programs), whose "
+            "run_schedule takes a program (ptdp.layout.pipeline.program.build_programs), whose "
             "transfers are grouped; got a schedule's transfer action"
         )
 

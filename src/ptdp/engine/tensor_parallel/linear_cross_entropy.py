@@ -13,7 +13,7 @@ computed without ever holding the logits of the whole microbatch:
   three numbers per token (local max, local sum of exponentials, the target's logit).
   Saved for backward: the input (as the plain output layer would), the float32 log-sum-exp
   ``[b s]``, the labels, and, when the microbatch's logits in the compute dtype take at most
-  256 MiB (:func:`~ptdp.engine.tensor_parallel.vocab.keeps_logits`, the rule the planner counts),
+  256 MiB (:func:`~ptdp.layout.vocab.keeps_logits`, the rule the planner counts),
   the logits ``[b s, V_pad / t]`` themselves: backward then makes each chunk's gradient from them
   and costs the two GEMMs of a plain output layer. Larger (or with an explicit chunk size), the
   logits are freed chunk by chunk and backward recomputes them from the input (a third GEMM).
@@ -50,8 +50,8 @@ import torch
 from ptdp.engine.comm import AxisGroup, all_reduce
 from ptdp.engine.tensor_parallel.cross_entropy import IGNORE_INDEX, check_labels
 from ptdp.engine.tensor_parallel.sequence import start_sequence_gather, start_sequence_reduce_scatter
-from ptdp.engine.tensor_parallel.vocab import keeps_logits
 from ptdp.engine.tensor_parallel.wgrad import add_weight_grad, fuse_here
+from ptdp.layout.vocab import keeps_logits
 
 CHUNK_LOGIT_BYTES = 2**28
 """Bytes of one chunk's float32 logits that :func:`default_chunk_tokens` aims at (256 MiB)."""
@@ -285,7 +285,7 @@ def linear_cross_entropy(
             ``torch.compile`` (``--compile``); the collectives stay outside.
         keep_logits: keep the logits ``[b s, V_pad / t]`` (compute dtype) for backward instead of
             recomputing them. Default: without ``chunk_tokens``, when they take at most 256 MiB
-            (:func:`~ptdp.engine.tensor_parallel.vocab.keeps_logits`); with ``chunk_tokens``, never
+            (:func:`~ptdp.layout.vocab.keeps_logits`); with ``chunk_tokens``, never
             (at most one chunk's logits then exist at a time).
 
     Returns:

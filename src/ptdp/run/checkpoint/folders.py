@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ptdp.config.schema import Config
+from ptdp.errors import ConfigError
 from ptdp.run.paths import folder_problem
-from ptdp.spec import Config, ConfigError
 
 FORMAT = 1
 META = "ptdp.json"

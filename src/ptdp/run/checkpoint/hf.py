@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ptdp.config.model import Activation, ModelConfig
 from ptdp.run.checkpoint.folders import (
     FORMAT,
     META,
@@ -38,8 +39,6 @@ from ptdp.run.checkpoint.folders import (
 from ptdp.run.checkpoint.hf_llama import from_llama, is_gpt2_like, llama_config, model_config_from_llama, to_llama
 from ptdp.run.checkpoint.io import _write_json, _write_text_atomic
 from ptdp.run.checkpoint.safe_reader import SafeFileSystemReader
-from ptdp.spec import ModelConfig
-from ptdp.spec.model import Activation
 
 _LAYER = {
     "ln_1": "ln1",

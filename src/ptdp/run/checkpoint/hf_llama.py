@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from ptdp.config.model import ModelConfig
 from ptdp.run.checkpoint.folders import MODEL_DEFAULTS, CheckpointError
-from ptdp.spec import ModelConfig
 
 #: what ptdp needs for a Llama export, besides any query groups, biases and tying
 LLAMA_OPTIONS = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope"}

@@ -1,14 +1,14 @@
 """The parallel layout and the data-parallel engine's settings (a section of the configuration
-schema, :mod:`ptdp.spec.fields`)."""
+schema, :mod:`ptdp.config.fields`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from ptdp.engine.data_parallel.codecs import CodecChoice
-from ptdp.engine.pipeline.partition import layer_split, virtual_stages
-from ptdp.spec.fields import opt
+from ptdp.config.fields import opt
+from ptdp.layout.codecs import CodecChoice
+from ptdp.layout.pipeline.partition import layer_split, virtual_stages
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 """The values of ``--pipeline-schedule``."""
@@ -110,7 +110,7 @@ class ParallelConfig:
         plan=True,
     )
     """Layers on the last pipeline stage, which also holds the output layer and the loss (see
-    :func:`ptdp.engine.pipeline.partition.first_last_split`). None: no count of its own."""
+    :func:`ptdp.layout.pipeline.partition.first_last_split`). None: no count of its own."""
     account_for_embedding_in_pipeline_split: bool = opt(
         False,
         "--account-for-embedding-in-pipeline-split",
@@ -122,7 +122,7 @@ class ParallelConfig:
     """The input embedding counts as one layer of the split: ``num_layers + 1`` (+ 1 with
     :attr:`account_for_loss_in_pipeline_split`) units over ``pp`` stages, or ``pp * v`` model chunks of
     ``num_layers_per_virtual_pipeline_stage`` units each (then the first chunk may hold only the
-    embedding); see :func:`ptdp.engine.pipeline.partition.accounted_split`. Not with the explicit
+    embedding); see :func:`ptdp.layout.pipeline.partition.accounted_split`. Not with the explicit
     split flags above."""
     account_for_loss_in_pipeline_split: bool = opt(
         False,
@@ -328,9 +328,9 @@ class ParallelConfig:
     @property
     def dp(self) -> int:
         if self.data_parallel_size is None:
-            from ptdp.spec.errors import ConfigError
+            from ptdp.errors import ConfigError
 
-            raise ConfigError("data_parallel_size is not resolved yet; call ptdp.spec.resolve")
+            raise ConfigError("data_parallel_size is not resolved yet; call ptdp.config.resolve")
         return self.data_parallel_size
 
     @property

@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ptdp.spec.errors import ConfigError
-from ptdp.spec.flags import Setting, int_list, settings
+from ptdp.config.flags import Setting, int_list, settings
+from ptdp.errors import ConfigError
 
 #: Keys a run's config.json records about itself, not settings.
 RUN_RECORD_KEYS = {"num_microbatches", "prepared_data", "output_dir"}

@@ -1,5 +1,5 @@
 """The command-line flags of ``ptdp train``, ``python -m ptdp.train`` and ``ptdp plan``, built from
-the schema's fields (:class:`~ptdp.spec.fields.Flag`), and the config they give back.
+the schema's fields (:class:`~ptdp.config.fields.Flag`), and the config they give back.
 
 Every flag's name, aliases, type, choices and help come from one field, so the commands share them:
 a boolean field gets ``--x/--no-x``, a ``Literal`` its choices (plus ``none`` where that means
@@ -17,8 +17,8 @@ import typing
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from ptdp.spec.config import SECTIONS, Config
-from ptdp.spec.fields import GROUPS, UNSET, Flag
+from ptdp.config.fields import GROUPS, UNSET, Flag
+from ptdp.config.schema import SECTIONS, Config
 
 Command = Literal["train", "torchrun", "plan"]
 

@@ -69,7 +69,7 @@ class ParallelLayout:
 
     ``cp`` comes last so that ``ParallelLayout(tp, pp, dp)`` keeps its meaning. Sizes are positive
     integers; 1 means the axis is not used. Raises ``ValueError`` for a non-positive size
-    (``ConfigError`` in ``ptdp.spec`` gives the user-facing checks).
+    (``ConfigError`` in ``ptdp.config`` gives the user-facing checks).
     """
 
     tp: int = 1

@@ -3,7 +3,7 @@ used by the model, the configuration rules and the planner (no torch)."""
 
 from __future__ import annotations
 
-from ptdp.spec.errors import ConfigError
+from ptdp.errors import ConfigError
 
 
 def stage_layer_counts(num_layers: int, pp: int, split: tuple[int, ...] | None) -> list[int]:

@@ -1,11 +1,11 @@
 """The pieces of the configuration schema: the flag a field carries and the choices.
 
-The schema (:mod:`ptdp.spec.model`, :mod:`ptdp.spec.parallel`, :mod:`ptdp.spec.config`) is frozen
+The schema (:mod:`ptdp.config.model`, :mod:`ptdp.config.parallel`, :mod:`ptdp.config.schema`) is frozen
 dataclasses, a docstring per field, choices as ``Literal`` types, and on each field its
 command-line flag (:class:`Flag`: Megatron-LM's long name, a short alias, help, the group it is
-shown in, whether ``ptdp plan`` shares it). :mod:`ptdp.spec.flags` builds the argparse flags of
+shown in, whether ``ptdp plan`` shares it). :mod:`ptdp.config.flags` builds the argparse flags of
 ``ptdp train``, ``python -m ptdp.train`` and ``ptdp plan`` from these fields, and
-:mod:`ptdp.spec.files` reads the same names from a config file, so a setting has one name,
+:mod:`ptdp.config.files` reads the same names from a config file, so a setting has one name,
 one type, one set of choices and one default everywhere. Sizes use "1 means disabled".
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ptdp.engine.data_parallel.codecs import CODECS
+from ptdp.layout.codecs import CODECS
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 BIND_POLICIES = ("none", "numa", "exclusive")

@@ -1,5 +1,5 @@
 """A whole run's configuration: the model and layout sections, training, data, checkpoints and
-the local launch (sections of the schema, :mod:`ptdp.spec.fields`)."""
+the local launch (sections of the schema, :mod:`ptdp.config.fields`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ptdp.spec.fields import opt
-from ptdp.spec.model import ModelConfig
-from ptdp.spec.parallel import ParallelConfig
+from ptdp.config.fields import opt
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -286,7 +286,7 @@ class LaunchConfig:
         local=True,
     )
     """Workers ``ptdp train`` starts on this machine, at most one per visible GPU; None: see
-    :func:`ptdp.spec.resolve.local_world_size`."""
+    :func:`ptdp.config.resolve.local_world_size`."""
     max_restarts: int = opt(
         0,
         "--max-restarts",

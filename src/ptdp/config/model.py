@@ -1,11 +1,11 @@
-"""The model's shape and options (a section of the configuration schema, :mod:`ptdp.spec.fields`)."""
+"""The model's shape and options (a section of the configuration schema, :mod:`ptdp.config.fields`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from ptdp.spec.fields import opt
+from ptdp.config.fields import opt
 
 AUTO_DTYPE = "auto"
 ParamsDtype = Literal["auto", "float32", "float64", "bfloat16", "float16"]
@@ -73,7 +73,7 @@ class ModelConfig:
     )
     """dtype of parameters and activations: float32, float64, bfloat16 or float16 (the 16-bit
     ones with float32 main parameters and gradients; float16 with dynamic loss scaling). ``auto``
-    is made concrete by :func:`ptdp.spec.resolve` where the device is known
+    is made concrete by :func:`ptdp.config.resolve` where the device is known
     (:func:`concrete_params_dtype`): bfloat16 on CUDA, float32 on the CPU; ``ptdp plan`` plans for
     GPUs, so bfloat16."""
     init_method_std: float = opt(0.02, "--init-method-std", "std of the normal weight init", "model")

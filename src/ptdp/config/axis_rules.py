@@ -1,8 +1,8 @@
 """The rules of the parallel axes beyond the layout itself: sequence parallelism, context
 parallelism, data-parallel sharding and the data-parallel engine's options; pure functions
-returning :class:`~ptdp.spec.errors.Violation` objects, called by ``ptdp train``'s
-:func:`ptdp.spec.resolve.resolve` and the planner (:mod:`ptdp.planner.rules`) alike (the other
-rules: :mod:`ptdp.spec.rules`, whose docstring lists them all).
+returning :class:`~ptdp.errors.Violation` objects, called by ``ptdp train``'s
+:func:`ptdp.config.resolve.resolve` and the planner (:mod:`ptdp.planner.rules`) alike (the other
+rules: :mod:`ptdp.config.rules`, whose docstring lists them all).
 
 Sources: Korthikanti et al. 2022, arXiv:2205.05198 §4.2.2 (sequence parallelism); Megatron-Core's
 load-balanced causal split and Dubey et al. 2024, arXiv:2407.21783 §3.3.2 (context parallelism);
@@ -11,10 +11,10 @@ Rajbhandari et al., arXiv:1910.02054 (sharding strategies).
 
 from __future__ import annotations
 
-from ptdp.spec.errors import V, Violation
-from ptdp.spec.fields import BIND_POLICIES, GRAD_COMPRESSIONS, SHARDING_STRATEGIES
-from ptdp.spec.model import ModelConfig
-from ptdp.spec.parallel import ParallelConfig
+from ptdp.config.fields import BIND_POLICIES, GRAD_COMPRESSIONS, SHARDING_STRATEGIES
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.errors import V, Violation
 
 
 def sequence_parallel_violations(m: ModelConfig, tp: int, sequence_parallel: bool) -> list[Violation]:

@@ -4,8 +4,8 @@ An :class:`Action` is a forward or backward of microbatch ``i`` on model chunk `
 ``v`` chunks: chunk ``c`` of rank ``r`` is virtual stage ``c * p + r``), or a send/receive of an
 activation (``*_forward``: to the next rank, from the previous) or of a gradient (``*_backward``).
 How the transfers are grouped into ``batch_isend_irecv`` calls is decided by
-:mod:`ptdp.engine.pipeline.program` (each rank's program, safe under NCCL's rules);
-:mod:`ptdp.engine.pipeline.verify` proves a schedule and its programs correct and measures the bubble
+:mod:`ptdp.layout.pipeline.program` (each rank's program, safe under NCCL's rules);
+:mod:`ptdp.layout.pipeline.verify` proves a schedule and its programs correct and measures the bubble
 without any process.
 
 Kinds (Narayanan et al. SC21, arXiv:2104.04473, §2.2):

@@ -1,13 +1,13 @@
 """The rules a request must satisfy, as pure functions returning :class:`Violation` objects.
 
-``ptdp train`` (:func:`ptdp.spec.resolve.resolve`) and the planner (:mod:`ptdp.planner.rules`)
+``ptdp train`` (:func:`ptdp.config.resolve.resolve`) and the planner (:mod:`ptdp.planner.rules`)
 call the same functions, so every layout the planner proposes can run; each violation carries a
 rule id the planner groups by, the values it saw, and a message naming them.
 
 Sources: Narayanan et al. SC21, arXiv:2104.04473 (layout, schedules); Shoeybi et al.,
 arXiv:1909.08053 (tensor parallelism); Korthikanti et al. 2022, arXiv:2205.05198 (sequence
 parallelism, recompute). The rules of sequence and context parallelism, sharding and the
-data-parallel engine live in :mod:`ptdp.spec.axis_rules`.
+data-parallel engine live in :mod:`ptdp.config.axis_rules`.
 
 - ``heads % tp == 0`` (attention is split by heads), ``hidden % heads == 0``, ``ffn % tp == 0``
 - ``num_layers % pp == 0`` unless an explicit ``pipeline_layer_split`` (pp entries >= 1 summing
@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import math
 
-from ptdp.engine.pipeline.partition import layer_split, stage_layer_counts
-from ptdp.spec.errors import ConfigError, V, Violation
-from ptdp.spec.fields import (
+from ptdp.config.fields import (
     ACTIVATIONS,
     DTYPES,
     MIN_VOCAB_SIZE,
@@ -42,8 +40,10 @@ from ptdp.spec.fields import (
     RECOMPUTE_METHODS,
     SCHEDULES,
 )
-from ptdp.spec.model import AUTO_DTYPE, ModelConfig
-from ptdp.spec.parallel import ParallelConfig
+from ptdp.config.model import AUTO_DTYPE, ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.errors import ConfigError, V, Violation
+from ptdp.layout.pipeline.partition import layer_split, stage_layer_counts
 
 
 def model_violations(
@@ -59,7 +59,7 @@ def model_violations(
 ) -> list[Violation]:
     """Rules tying the model to tp and pp (heads, hidden, ffn, layers per stage, vocabulary, dtype);
     ``first``/``last``: the first/last stage's layers, ``embedding``/``loss``: counted as layers of the
-    split (:func:`~ptdp.engine.pipeline.partition.layer_split`)."""
+    split (:func:`~ptdp.layout.pipeline.partition.layer_split`)."""
     out = heads_violations(m.num_attention_heads, tp)
     a, h = m.num_attention_heads, m.hidden_size
     if h % a != 0:

@@ -6,9 +6,9 @@ and outputs sent after it; every send paired with the peer's receive of the same
 stage boundary, in order, per direction; that every receive completes (sends are posted without
 blocking and waited for at the end of the step, so only receives can wait: no deadlock); and
 in-flight microbatches within the kind's bound. It then builds the programs the runtime runs
-(:mod:`ptdp.engine.pipeline.program`: the transfers grouped into ``batch_isend_irecv`` calls) and
+(:mod:`ptdp.layout.pipeline.program`: the transfers grouped into ``batch_isend_irecv`` calls) and
 proves them deadlock-free twice: under gloo's rules (:func:`simulate`: sends never block) and under
-NCCL's (:func:`ptdp.engine.pipeline.nccl_model.simulate_nccl`: groups in order per communicator,
+NCCL's (:func:`ptdp.layout.pipeline.nccl_model.simulate_nccl`: groups in order per communicator,
 a send completes only while its receive runs, matching by order with the tags checked).
 
 :func:`simulate` runs the programs with fixed forward/backward times per chunk (transfers free) and
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ptdp.engine.pipeline.nccl_model import ScheduleError, simulate_nccl
-from ptdp.engine.pipeline.program import P2PGroup, Step, programs_from_schedule
-from ptdp.engine.pipeline.schedule import COMPUTE, Action, boundary, peer, warmup_forwards
+from ptdp.layout.pipeline.nccl_model import ScheduleError, simulate_nccl
+from ptdp.layout.pipeline.program import P2PGroup, Step, programs_from_schedule
+from ptdp.layout.pipeline.schedule import COMPUTE, Action, boundary, peer, warmup_forwards
 
 __all__ = ["check_programs", "check_schedule", "ideal_idle_time", "in_flight_bound", "programs_of", "simulate"]
 

@@ -1,6 +1,6 @@
 """Check a request against every rule and fill in what it leaves open, before any process exists.
 
-:func:`resolve` reports every broken rule at once in one :class:`~ptdp.spec.errors.ConfigError`
+:func:`resolve` reports every broken rule at once in one :class:`~ptdp.errors.ConfigError`
 (its ``violations`` hold them as data) and returns the config with the data-parallel size, the
 schedule, the MLP width, the decay length and the recompute defaults filled in. It never touches
 torch.distributed: the launcher, the torchrun entry point and the tests call it before any
@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ptdp.engine.pipeline.partition import chunk_layer_counts
-from ptdp.spec.axis_rules import (
+from ptdp.config.axis_rules import (
     context_parallel_model_violations,
     context_parallel_violations,
     data_parallel_violations,
@@ -20,11 +19,9 @@ from ptdp.spec.axis_rules import (
     sharded_params_violations,
     sharding_violations,
 )
-from ptdp.spec.config import CheckpointConfig, Config, LaunchConfig, TrainConfig
-from ptdp.spec.errors import V, Violation, raise_violations
-from ptdp.spec.model import ModelConfig, concrete_params_dtype
-from ptdp.spec.parallel import ParallelConfig
-from ptdp.spec.rules import (
+from ptdp.config.model import ModelConfig, concrete_params_dtype
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.rules import (
     finite_violations,
     layout_violations,
     model_option_violations,
@@ -32,6 +29,9 @@ from ptdp.spec.rules import (
     recompute_violations,
     schedule_violations,
 )
+from ptdp.config.schema import CheckpointConfig, Config, LaunchConfig, TrainConfig
+from ptdp.errors import V, Violation, raise_violations
+from ptdp.layout.pipeline.partition import chunk_layer_counts
 
 DEFAULT_LOCAL_WORKERS = 8
 """Workers ``ptdp train`` starts on a machine without GPUs when neither ``--nproc-per-node`` nor
@@ -41,7 +41,7 @@ DEFAULT_LOCAL_WORKERS = 8
 def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
     """Check every rule for ``world_size`` processes and return the config with dp filled in and
     ``params_dtype`` concrete (``auto``: bfloat16 if ``cuda``, the workers training on CUDA GPUs,
-    else float32; :func:`ptdp.spec.model.concrete_params_dtype`).
+    else float32; :func:`ptdp.config.model.concrete_params_dtype`).
 
     Raises:
         ConfigError: listing every broken rule with its values. Never touches torch.distributed.

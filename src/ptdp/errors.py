@@ -1,6 +1,6 @@
 """Errors of a request, and one broken rule as data.
 
-A :class:`Violation` is what a rule of :mod:`ptdp.spec.rules` returns: a short rule id (for
+A :class:`Violation` is what a rule of :mod:`ptdp.config.rules` returns: a short rule id (for
 grouping, e.g. in ``ptdp plan``'s rejection summary), the values involved and the message that
 names them. :class:`ConfigError` carries the violations of a whole request at once.
 """

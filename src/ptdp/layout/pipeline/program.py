@@ -1,7 +1,7 @@
 """A pipeline rank's program: its computes and its point-to-point groups, exactly as the runtime
 posts them (pure data, no torch).
 
-A schedule (:mod:`ptdp.engine.pipeline.schedule`) fixes each rank's order of forwards and
+A schedule (:mod:`ptdp.layout.pipeline.schedule`) fixes each rank's order of forwards and
 backwards and which activations and gradients cross a stage boundary. This module decides how the
 transfers are *grouped*: each :class:`P2PGroup` is one ``batch_isend_irecv`` call, which on NCCL is
 one ``ncclGroupStart``/``ncclGroupEnd`` launched on one communicator's stream. On NCCL, groups of a
@@ -29,7 +29,7 @@ increasing time, and a send and its receive are in groups of the same time. Take
 T whose groups have not all completed: every rank with a group at T reaches it (everything before
 it is computes, which need no peer, and groups of earlier times, which completed), so all groups
 of time T are running together, every send meets its receive, and they complete. By induction
-every group completes. :func:`ptdp.engine.pipeline.nccl_model.simulate_nccl` checks it independently
+every group completes. :func:`ptdp.layout.pipeline.nccl_model.simulate_nccl` checks it independently
 for every shape the configuration accepts.
 
 Communicator: ptdp posts every pipeline transfer through ``batch_isend_irecv`` on the pipeline
@@ -54,7 +54,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ptdp.engine.pipeline.schedule import COMPUTE, Action, build_schedule, peer
+from ptdp.layout.pipeline.schedule import COMPUTE, Action, build_schedule, peer
 
 #: the NCCL communicator (and stream) every pipeline group runs on: the pipeline group's own
 COMMUNICATOR = "pp"
@@ -93,13 +93,13 @@ def build_programs(
 ) -> tuple[tuple[Step, ...], ...]:
     """Per pipeline rank, its program: compute :class:`Action` s and :class:`P2PGroup` s in the
     order the runtime runs and posts them (cached: built once per shape, read-only). Before they are
-    returned they are run under the NCCL model (:func:`ptdp.engine.pipeline.nccl_model.simulate_nccl`),
+    returned they are run under the NCCL model (:func:`ptdp.layout.pipeline.nccl_model.simulate_nccl`),
     so no run can start with a program that would deadlock on NCCL (ScheduleError if one did).
 
-    Raises ValueError (:func:`ptdp.engine.pipeline.schedule.check_schedule_args`) for a kind that
+    Raises ValueError (:func:`ptdp.layout.pipeline.schedule.check_schedule_args`) for a kind that
     cannot run with these sizes.
     """
-    from ptdp.engine.pipeline.nccl_model import simulate_nccl
+    from ptdp.layout.pipeline.nccl_model import simulate_nccl
 
     programs = programs_from_schedule(build_schedule(kind, pp_size, num_microbatches, virtual_stages), virtual_stages)
     simulate_nccl(programs)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, NoReturn
 
-from ptdp.spec.errors import ConfigError
+from ptdp.errors import ConfigError
 
 
 class RaisingParser(argparse.ArgumentParser):
