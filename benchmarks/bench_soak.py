@@ -6,7 +6,7 @@ The run: a small GPT (2 layers, h=64, 4 heads, s=64, a 512-token vocabulary) on 
 the standard library, ``--iters`` iterations (default 2,000), a checkpoint every
 ``--save-interval`` (default 100; ``--keep-last 2``), every iteration logged. Global rank 1 kills
 itself with SIGKILL after iteration ``--kill-at`` (default 1,050) through the test-only hook
-``PTDP_TEST_KILL_AT_ITERATION`` (:meth:`ptdp.engine.faults.FaultPlan.kill_after`); the launcher restarts all 8
+``PTDP_TEST_KILL_AT_ITERATION`` (``tests/helpers/faults.py``); the launcher restarts all 8
 workers, which resume from the newest checkpoint.
 
 Measured while the run goes, every ``--poll`` seconds:
@@ -41,6 +41,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers.faults import environment
 
 MODEL = [
     "--num-layers",
@@ -131,7 +134,7 @@ class Watch:
 
 def run(args: argparse.Namespace, root: Path) -> dict:
     docs = corpus(root)
-    env = dict(
+    env = environment(
         os.environ,
         PTDP_CACHE_DIR=str(root / "cache"),
         OMP_NUM_THREADS="1",

@@ -145,9 +145,10 @@ def load_config(
         ConfigError (a ValueError): a bad file or setting, naming the values and the rule.
         TypeError: an unknown keyword.
     """
-    from ptdp.commands.train_flags import add_train_arguments, config_from_args
     from ptdp.config.files import apply_config_file
+    from ptdp.config.flags import config_from_args
     from ptdp.config.resolve import resolve
+    from ptdp.config.train_flags import add_train_arguments
 
     parser = RaisingParser(prog="ptdp.load_config", add_help=False)
     add_train_arguments(parser, local_launch=False)

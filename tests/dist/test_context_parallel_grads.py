@@ -21,7 +21,8 @@ from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.data_parallel.compression import ONE_BIT_BLOCK, start_reduction
 from ptdp.engine.data_parallel.grads import clip_grads, finalize_grads, global_grad_norm
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.optim import build_optimizer, step_unless
+from ptdp.engine.optim.adamw import step_unless
+from ptdp.engine.optim.factory import build_optimizer
 from ptdp.engine.tensor_parallel.sharding import ParamSpec
 from ptdp.layout.grid import ParallelLayout
 

@@ -252,7 +252,7 @@ def test_one_bit_compression_starts_after_its_warmup():
 def deferred_gather_worker(rank: int, world: int) -> dict:
     """overlap_param_gather with all-gathers that only run when waited on: a forward that read a
     parameter before its module's pre-hook waited would see the old value."""
-    import ptdp.engine.data_parallel.zero as zero
+    import ptdp.engine.optim.zero as zero
 
     groups = ParallelGroups.build(ParallelLayout(tp=1, pp=2, dp=2), PG_TIMEOUT)
     real = zero.all_gather_async

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from helpers.faults import NAN_LOSS_ENV, FaultPlan, install
 from helpers.layout_cases import rank_microbatches, tiny_config
-from ptdp.engine.faults import NAN_LOSS_ENV, FaultPlan
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.chunks import global_named_parameters
 from ptdp.engine.step import build_stage, train_step
@@ -51,7 +51,11 @@ def skip_worker(rank: int, world: int) -> dict:
         cfg = tiny_config(2, 2, 2, dtype, parallel_overrides=parallel)
 
         def step(stage, it, faults=None):
-            return train_step(stage, rank_microbatches(it, cfg, groups.dp.rank, groups.dp.size), it, faults=faults)
+            remove = install(faults)
+            try:
+                return train_step(stage, rank_microbatches(it, cfg, groups.dp.rank, groups.dp.size), it)
+            finally:
+                remove()
 
         stage = build_stage(cfg, groups)
         first = step(stage, 0)

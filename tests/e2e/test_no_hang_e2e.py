@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from helpers import faults
 from helpers.cli import TINY
 from helpers.proc_helpers import run_together
-from ptdp.engine import faults
 
 
 @pytest.mark.slow
@@ -20,7 +20,7 @@ def test_ptdp_train_with_a_stalled_worker_fails_within_the_timeout(corpus, tmp_p
     """tp1 pp2 dp2, timeout 0.1 min: rank 1 sleeps at the start of iteration 2's gradient sync; the
     job ends within the timeout + the diagnosis grace (2 s) + 25 s for the workers and the launcher
     to exit on a busy 2-core machine, naming the stalled rank."""
-    env = dict(
+    env = faults.environment(
         os.environ,
         PTDP_CACHE_DIR=str(tmp_path / "cache"),
         OMP_NUM_THREADS="1",

@@ -4,6 +4,7 @@ every checkpoint holds the unchanged finite state, then the run stops naming the
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from helpers.checkpoints import stored_tensors
 from helpers.cli import TINY, run
-from ptdp.engine.faults import NAN_LOSS_ENV
+from helpers.faults import NAN_LOSS_ENV, environment
 from ptdp.engine.step_results import NONFINITE_LOSS
 
 
@@ -47,7 +48,7 @@ def test_nan_every_step_stops_after_the_limit(corpus, tmp_path):
             "1",
         ],
         tmp_path,
-        env={NAN_LOSS_ENV: "0:every"},
+        env=environment(os.environ, **{NAN_LOSS_ENV: "0:every"}),
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert (

@@ -97,7 +97,7 @@ def test_schedule_command_imports_no_torch(tmp_path):
 def test_a_bad_train_request_is_answered_without_importing_torch(tmp_path):
     """With a CPU-only torch, ``ptdp train``'s rules run before torch is imported: a bad request
     is answered (exit 2, the rule named) in a fraction of a second, not after torch's import."""
-    from ptdp.commands.train_flags import cpu_only_torch
+    from ptdp.config.train_flags import cpu_only_torch
 
     if not cpu_only_torch():
         pytest.skip("a CUDA build of torch: ptdp train asks it for the visible GPUs")

@@ -11,10 +11,9 @@ import textwrap
 
 import pytest
 
-from helpers import budget
+from helpers import budget, faults
 from helpers.cli import TINY
 from helpers.proc_helpers import run_together
-from ptdp.engine import faults
 from ptdp.run import rank_records
 
 RECORDING = textwrap.dedent("""
@@ -67,7 +66,7 @@ def test_ptdp_train_names_the_rank_that_raised_first(corpus, tmp_path):
     """tp2 pp1 dp2: rank 3 raises in backward at iteration 2; its peers then fail in collectives and
     the launcher may poll any of them first. The message names rank 3, its error and phase, and
     says the others follow from it; the launcher's own traceback stays off the terminal."""
-    env = dict(
+    env = faults.environment(
         os.environ,
         PTDP_CACHE_DIR=str(tmp_path / "cache"),
         OMP_NUM_THREADS="1",

@@ -2,7 +2,7 @@
 launcher restarts the job, which resumes from the newest checkpoint in ``--save`` and trains
 exactly like an uninterrupted run; with ``--max-restarts 0`` the run fails, naming the dead rank.
 
-The kill is the test-only hook :meth:`ptdp.engine.faults.FaultPlan.kill_after`
+The kill is the test-only fault of :mod:`helpers.faults`
 (``PTDP_TEST_KILL_AT_ITERATION``), which fires in the job's first attempt only. The runs, their
 corpus and data cache, and the uninterrupted run (shared with tests/e2e/test_multinode.py):
 helpers/pp2_dp2_runs.py and tests/e2e/conftest.py."""
@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from helpers.faults import environment
 from helpers.pp2_dp2_runs import (
     FLAGS,
     ITERS,
@@ -79,7 +80,7 @@ def test_killed_worker_without_restarts_fails_naming_the_rank(workspace):
 def test_torchrun_restart_resumes(workspace, uninterrupted):
     """``torchrun --max-restarts 1 -m ptdp.train`` at (1,2,1): the restarted workers resume from
     --save and end like the (1,2,2) run (float64 layout equivalence, 1e-9)."""
-    env = dict(
+    env = environment(
         os.environ,
         PTDP_CACHE_DIR=str(workspace / "cache"),
         OMP_NUM_THREADS="1",

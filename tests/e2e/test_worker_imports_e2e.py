@@ -1,5 +1,5 @@
 """What a worker process imports before it trains: neither ``torch._dynamo`` (only ``--compile``
-needs it; ``ptdp.engine.tensor_parallel.eager`` disables the communicating functions lazily) nor
+needs it; ``ptdp.engine.eager`` disables the communicating functions lazily) nor
 ``torch.distributed.checkpoint`` (only saving and loading need it). Each costs every worker process
 of every run and test about half a second of CPU at start-up."""
 

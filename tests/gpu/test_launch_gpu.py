@@ -5,14 +5,15 @@ rank named with its phase and iteration, and --async-save checkpoints resume on 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import faults
 from helpers.cli import TINY, run
-from ptdp.engine import faults
 
 pytestmark = pytest.mark.gpu
 
@@ -48,7 +49,7 @@ def test_an_nccl_timeout_names_the_stalled_rank(corpus, tmp_path):
     """Rank 1 sleeps in gradient sync at iteration 2; rank 0's all-reduce times out after 6 s and
     NCCL's watchdog aborts it. The message names rank 1, its phase and iteration."""
     cmd = _base(corpus) + ["--distributed-timeout-minutes", "0.1", "--output-dir", str(tmp_path / "run")]
-    proc = run(cmd, tmp_path, env={faults.STALL_ENV: "1:2:gradient sync:300"})
+    proc = run(cmd, tmp_path, env=faults.environment(os.environ, **{faults.STALL_ENV: "1:2:gradient sync:300"}))
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "worker rank 1 (local rank 1, pid " in proc.stderr, proc.stderr[-3000:]
     assert "failed first, in gradient sync at iteration 2" in proc.stderr, proc.stderr[-3000:]

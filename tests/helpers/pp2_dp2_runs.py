@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from helpers.cli import tiny_flags
+from helpers.faults import KILL_AT_ITERATION_ENV, environment
 from helpers.proc_helpers import Finished, run_together
 
 ITERS, SAVE_INTERVAL, KILL_AT = 10, 3, 5
@@ -24,11 +25,11 @@ def train_pp2_dp2(
     """``ptdp train`` at (1,2,2), 4 workers, on ``workspace/docs`` with the data cache
     ``workspace/cache``, into ``name`` (run directory) and ``name``-ckpt (checkpoints, every
     :data:`SAVE_INTERVAL` iterations); with ``kill``, a worker is killed at :data:`KILL_AT` in the
-    job's first attempt (``PTDP_TEST_KILL_AT_ITERATION``, :meth:`ptdp.engine.faults.FaultPlan.kill_after`)."""
+    job's first attempt (``PTDP_TEST_KILL_AT_ITERATION``, :mod:`helpers.faults`)."""
     env = dict(os.environ, PTDP_CACHE_DIR=str(workspace / "cache"), OMP_NUM_THREADS="1")
-    env.pop("PTDP_TEST_KILL_AT_ITERATION", None)
+    env.pop(KILL_AT_ITERATION_ENV, None)
     if kill:
-        env["PTDP_TEST_KILL_AT_ITERATION"] = str(KILL_AT)
+        env = environment(env, **{KILL_AT_ITERATION_ENV: str(KILL_AT)})
     cmd = [
         sys.executable,
         "-m",

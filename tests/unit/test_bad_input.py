@@ -18,9 +18,10 @@ import pytest
 
 from helpers.cli import tiny_flags
 from ptdp import cli
-from ptdp.commands.train_flags import config_from_args, local_world_size
+from ptdp.config.flags import config_from_args
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
+from ptdp.config.train_flags import local_world_size
 from ptdp.data.errors import DataError
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, with_vocab

@@ -7,8 +7,9 @@ import os
 
 import pytest
 
-from ptdp.commands.train_flags import add_train_arguments, config_from_args
+from ptdp.config.flags import config_from_args
 from ptdp.config.resolve import resolve
+from ptdp.config.train_flags import add_train_arguments
 from ptdp.errors import ConfigError
 from ptdp.topology.binding import (
     BindingError,

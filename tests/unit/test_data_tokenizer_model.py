@@ -362,7 +362,8 @@ def test_the_printed_model_flags_give_the_imported_model(hf_config):
     import dataclasses
 
     from ptdp.commands.convert import model_flags
-    from ptdp.commands.train_flags import add_train_arguments, config_from_args
+    from ptdp.config.flags import config_from_args
+    from ptdp.config.train_flags import add_train_arguments
     from ptdp.run.checkpoint.hf import model_config_from_hf
 
     model = model_config_from_hf(hf_config)

@@ -102,7 +102,7 @@ def test_nccl_watchdog_settings_respect_the_users_values():
 
 def _fake_cuda(monkeypatch, count: int) -> list:
     calls = []
-    monkeypatch.setattr("ptdp.commands.train_flags.cpu_only_torch", lambda: False)  # a CUDA build, as faked
+    monkeypatch.setattr("ptdp.config.train_flags.cpu_only_torch", lambda: False)  # a CUDA build, as faked
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))

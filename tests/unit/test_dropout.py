@@ -28,8 +28,9 @@ import torch
 from helpers.activations import TOLERANCE, measured_peak, predicted_peak
 from helpers.dropout_cases import DROPOUT, LLAMA, RECOMPUTE, assert_bitwise, config, train
 from helpers.layout_cases import tiny_config
-from ptdp.commands.train_flags import add_train_arguments, config_from_args
+from ptdp.config.flags import config_from_args
 from ptdp.config.model import ModelConfig
+from ptdp.config.train_flags import add_train_arguments
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.attention import Attention

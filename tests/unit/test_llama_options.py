@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptdp.commands.train_flags import add_train_arguments, config_from_args
+from ptdp.config.flags import config_from_args
 from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
+from ptdp.config.train_flags import add_train_arguments
 from ptdp.engine.comm import AxisGroup, CommStats
 from ptdp.engine.model.attention import Attention
 from ptdp.engine.model.gpt import GPTModel

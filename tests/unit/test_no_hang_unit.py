@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.engine import activity, faults
+from helpers import faults
+from ptdp.engine import activity
 
 
 def test_fault_hooks_parse_and_reject_bad_values(monkeypatch):
-    plan = lambda: faults.FaultPlan.from_env()  # noqa: E731 - read once per worker in ptdp, here per check
+    plan = lambda: faults.FaultPlan.from_env()  # noqa: E731 - read once per process by install_from_env, here per check
     monkeypatch.setenv(faults.NAN_LOSS_ENV, "3:2,5")
     assert [plan().poisons(r, i) for r, i in ((3, 2), (3, 5), (3, 3), (2, 2))] == [True, True, False, False]
     monkeypatch.setenv(faults.NAN_LOSS_ENV, "0:every")
@@ -22,7 +23,7 @@ def test_fault_hooks_parse_and_reject_bad_values(monkeypatch):
     assert plan().stall_phase(1, 2) == "gradient sync" and plan().stall_phase(1, 3) is None
     monkeypatch.setenv(faults.STALL_ENV, "1:2:grad sync")
     with pytest.raises(ValueError, match="phase 'grad sync' is not one of"):
-        activity.start_step(1, 2, plan())
+        faults.install(plan())
     monkeypatch.delenv(faults.STALL_ENV)
     assert plan() is None, "no test variable: no plan, nothing on the production path"
     activity.start_step(1, 2)
@@ -41,3 +42,21 @@ def test_a_lost_peer_is_named_without_claiming_a_timeout():
         "rank 4 failed in backward at iteration 9: tp all_reduce over ranks 4, 5: "
         "Connection closed by peer [127.0.0.1]:5"
     )
+
+
+def test_an_installed_plan_acts_through_the_engine_hooks_and_only_then(monkeypatch):
+    monkeypatch.setenv(faults.CRASH_ENV, "1:2:backward:raise")
+    activity.start_step(1, 2)
+    activity.set_phase(activity.BACKWARD)  # the variable alone does nothing: no plan installed
+    remove = faults.install(faults.FaultPlan.from_env())
+    try:
+        activity.start_step(1, 2)
+        with pytest.raises(RuntimeError, match="ptdp test crash: rank 1 in backward at iteration 2"):
+            activity.set_phase(activity.BACKWARD)
+        activity.set_phase(activity.BACKWARD)  # once per iteration
+        activity.start_step(0, 2)
+        activity.set_phase(activity.BACKWARD)  # another rank
+    finally:
+        remove()
+    activity.start_step(1, 2)
+    activity.set_phase(activity.BACKWARD)

@@ -13,8 +13,9 @@ from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.data_parallel.grads import clip_grad_norm, counts_in_norm
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.gpt import GPTModel
-from ptdp.engine.optim import build_optimizer, lr_at
+from ptdp.engine.optim.factory import build_optimizer
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
+from ptdp.layout.lr_schedule import lr_at
 
 
 def test_lr_warmup_cosine_and_floor():
@@ -122,7 +123,7 @@ def test_bfloat16_trains_float32_main_params():
 def test_fused_adamw_skips_on_the_device_and_otherwise_matches_plain_adamw():
     """step_unless: a true skip flag leaves parameters, moments and step count bitwise unchanged
     (fused AdamW's found_inf, no host read); a false one updates like torch's default AdamW."""
-    from ptdp.engine.optim import adamw, step_unless
+    from ptdp.engine.optim.adamw import adamw, step_unless
 
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3, dtype=torch.float64, generator=gen)) for _ in range(2)]
@@ -159,7 +160,7 @@ def test_clip_coefficient_on_the_device():
 
 
 def test_main_parameters_are_one_flat_float32_tensor_laid_out_like_the_gradient_buffer():
-    from ptdp.engine.optim import MainParamsAdamW
+    from ptdp.engine.optim.adamw import MainParamsAdamW
 
     model = tiny_model().to(torch.bfloat16)
     buf = GradBuffer([list(model.parameters())], dp=ParallelGroups.single_process().dp, grad_dtype=torch.float32)

@@ -272,7 +272,7 @@ def test_resolve_interleaves_with_the_embedding_and_loss_counted():
 
 
 def test_train_flags_reach_the_config():
-    from ptdp.commands.train_flags import config_from_args
+    from ptdp.config.flags import config_from_args
 
     args = cli.build_parser().parse_args(
         [

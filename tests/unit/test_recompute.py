@@ -204,7 +204,8 @@ def test_planner_layout_takes_the_granularity():
 def test_cli_flags_reach_the_config():
     import argparse
 
-    from ptdp.commands.train_flags import add_train_arguments, config_from_args
+    from ptdp.config.flags import config_from_args
+    from ptdp.config.train_flags import add_train_arguments
 
     parser = argparse.ArgumentParser()
     add_train_arguments(parser, local_launch=False)

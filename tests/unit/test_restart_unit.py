@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.commands.train_flags import config_from_args, max_restarts
+from ptdp.config.flags import config_from_args
 from ptdp.config.resolve import resolve
+from ptdp.config.train_flags import max_restarts
 from ptdp.errors import ConfigError
 from ptdp.run.restart import check_torchrun_restarts, resume_config
 
@@ -25,7 +26,7 @@ def _fake_checkpoint(root: Path, iteration: int, complete: bool = True) -> Path:
 def test_resume_config_picks_the_newest_complete_checkpoint_in_save(tmp_path):
     import argparse
 
-    from ptdp.commands.train_flags import add_train_arguments
+    from ptdp.config.train_flags import add_train_arguments
 
     parser = argparse.ArgumentParser()
     add_train_arguments(parser, local_launch=True)

@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from ptdp.commands.train_flags import add_train_arguments
 from ptdp.config.flags import settings
+from ptdp.config.train_flags import add_train_arguments
 from ptdp.errors import ConfigError
 from ptdp.planner.args import add_plan_arguments, plan_precision
 

@@ -9,11 +9,11 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from ptdp.commands.train_flags import DEFAULT_PP, DEFAULT_TP
 from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import DEFAULT_LOCAL_WORKERS, resolve
 from ptdp.config.schema import Config, TrainConfig
+from ptdp.config.train_flags import DEFAULT_PP, DEFAULT_TP
 from ptdp.errors import ConfigError
 from ptdp.planner.args import plan_precision
 from ptdp.planner.profile import default_profile_path

@@ -11,7 +11,7 @@ from pathlib import Path
 
 
 def add_arguments(conv: argparse.ArgumentParser) -> None:
-    from ptdp.commands.train_flags import HelpFormatter
+    from ptdp.config.train_flags import HelpFormatter
 
     conv.formatter_class = HelpFormatter
     conv.add_argument(

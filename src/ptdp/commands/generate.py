@@ -198,7 +198,7 @@ def check_tokenizer_size(tokenizer, vocab_size: int, path: str | None) -> None:
 
 
 def add_arguments(gen: argparse.ArgumentParser) -> None:
-    from ptdp.commands.train_flags import HelpFormatter
+    from ptdp.config.train_flags import HelpFormatter
 
     gen.formatter_class = HelpFormatter
     gen.add_argument("--load", required=True, metavar="DIR", help="checkpoint root or iteration folder")

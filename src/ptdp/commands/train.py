@@ -1,5 +1,5 @@
 """``ptdp train``: check the request, prepare data and the run directory, start the local workers
-(PyTorch's elastic launcher), print the summary. The flags are :mod:`ptdp.commands.train_flags`."""
+(PyTorch's elastic launcher), print the summary. The flags are :mod:`ptdp.config.train_flags`."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ torchrun --nnodes N --nproc-per-node G -m ptdp.train ...
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ptdp.commands.train_flags import HelpFormatter, add_train_arguments
+    from ptdp.config.train_flags import HelpFormatter, add_train_arguments
 
     parser.description, parser.formatter_class = TRAIN_DESCRIPTION, HelpFormatter
     add_train_arguments(parser, local_launch=True)
@@ -50,7 +50,7 @@ def _binding_plan(policy: str, nproc: int) -> str:
 def visible_gpus() -> int | None:
     """The GPUs the local workers can use (``torch.cuda.device_count()``), None without CUDA (a
     CPU-only torch build is told without importing torch)."""
-    from ptdp.commands.train_flags import cpu_only_torch
+    from ptdp.config.train_flags import cpu_only_torch
 
     if cpu_only_torch():
         return None
@@ -77,7 +77,8 @@ def oversubscription(nproc: int, cores: int) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     """``ptdp train``: the exit code (0, or 1 when a worker failed; request errors are raised)."""
-    from ptdp.commands.train_flags import config_from_args, local_world_size, max_restarts
+    from ptdp.config.flags import config_from_args
+    from ptdp.config.train_flags import local_world_size, max_restarts
     from ptdp.run.preflight import check_request, prepare_run
 
     _one_line_warnings()

@@ -18,11 +18,8 @@ pipeline runtime and the trainer with plain attribute writes (no I/O, no communi
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ptdp.engine.faults import FaultPlan
-
+from ptdp.engine.hooks import PHASE_HOOKS
 
 START_UP = "start-up"
 FORWARD = "forward"
@@ -39,7 +36,7 @@ _PHASE_INDEX = {phase: i for i, phase in enumerate(PHASES)}
 class Activity:
     """This process's global rank, current phase and 1-based iteration (None before the first)."""
 
-    __slots__ = ("rank", "phase", "iteration", "changes", "stall_phase", "crash_phase", "faults")
+    __slots__ = ("rank", "phase", "iteration", "changes")
 
     def __init__(self) -> None:
         self.rank: int | None = None
@@ -47,12 +44,6 @@ class Activity:
         self.iteration: int | None = None
         self.changes = 0
         """Phase changes so far: a heartbeat (:mod:`ptdp.run.heartbeat`) sees progress when it grows."""
-        self.stall_phase: str | None = None
-        """Test-only: the phase this iteration stalls in (``PTDP_TEST_STALL``)."""
-        self.crash_phase: str | None = None
-        """Test-only: the phase this iteration crashes in (``PTDP_TEST_CRASH``)."""
-        self.faults: FaultPlan | None = None
-        """Test-only: the step's :class:`~ptdp.engine.faults.FaultPlan`, or None."""
 
     def where(self) -> str:
         at = f" at iteration {self.iteration}" if self.iteration is not None else " before the first iteration"
@@ -78,31 +69,23 @@ def phase_index() -> int:
     return _PHASE_INDEX.get(CURRENT.phase, 0)
 
 
-def start_step(rank: int, iteration: int, faults=None) -> None:
-    """A training step begins: ``iteration`` is 1-based, as in the logs. ``faults``: a test-only
-    :class:`~ptdp.engine.faults.FaultPlan` (None in a real run)."""
-    CURRENT.rank, CURRENT.iteration, CURRENT.faults = rank, iteration, faults
-    CURRENT.stall_phase = faults.stall_phase(rank, iteration) if faults is not None else None
-    CURRENT.crash_phase = faults.crash_phase(rank, iteration) if faults is not None else None
+def start_step(rank: int, iteration: int) -> None:
+    """A training step begins: ``iteration`` is 1-based, as in the logs."""
+    CURRENT.rank, CURRENT.iteration = rank, iteration
     set_phase(FORWARD)
 
 
 def set_phase(phase: str, iteration: int | None = None) -> None:
-    """Enter ``phase`` (one of :data:`PHASES`); ``iteration`` replaces the current one if given."""
+    """Enter ``phase`` (one of :data:`PHASES`); ``iteration`` replaces the current one if given.
+    Then the registered :data:`ptdp.engine.hooks.PHASE_HOOKS` run."""
     CURRENT.phase = phase
     CURRENT.changes += 1
     if iteration is not None:
         CURRENT.iteration = iteration
     if _mirror is not None:
         _mirror.write(_PHASE_INDEX[phase], CURRENT.iteration)
-    if CURRENT.faults is None:  # no fault injection: no stall or crash phase either
-        return
-    if phase == CURRENT.stall_phase:
-        CURRENT.stall_phase = None
-        CURRENT.faults.do_stall(CURRENT.rank, CURRENT.iteration, phase)
-    if phase == CURRENT.crash_phase:
-        CURRENT.crash_phase = None
-        CURRENT.faults.do_crash(CURRENT.rank, CURRENT.iteration, phase)
+    for hook in PHASE_HOOKS:
+        hook(CURRENT.rank, CURRENT.iteration, phase)
 
 
 class CollectiveError(RuntimeError):

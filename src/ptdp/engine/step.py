@@ -42,16 +42,16 @@ from ptdp.engine.data_parallel.units import (
     ParamUnits,
     gradient_units,
     param_gather_units,
-    sharded_params_optimizer,
     sharding_units,
     unit_index,
 )
-from ptdp.engine.faults import FaultPlan, poison_first_forward
 from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.hooks import STEP_HOOKS
 from ptdp.engine.model.chunks import ModelChunks
 from ptdp.engine.model.compile import compile_stage
 from ptdp.engine.model.gpt import DTYPES, GPTModel
-from ptdp.engine.optim import MainParamsAdamW, build_optimizer, lr_at, set_lr, step_unless
+from ptdp.engine.optim.adamw import MainParamsAdamW, set_lr, step_unless
+from ptdp.engine.optim.factory import build_optimizer
 from ptdp.engine.pipeline.runtime import Microbatch, run_schedule
 from ptdp.engine.step_results import FP16_OVERFLOW as FP16_OVERFLOW
 from ptdp.engine.step_results import NONFINITE_GRAD_NORM as NONFINITE_GRAD_NORM
@@ -62,6 +62,7 @@ from ptdp.engine.step_results import read_results as read_results
 from ptdp.engine.step_results import read_results_with as read_results_with
 from ptdp.engine.tensor_parallel.random import DropoutRNG
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
+from ptdp.layout.lr_schedule import lr_at
 from ptdp.layout.pipeline.partition import chunk_layer_ids, stage_layer_ids
 from ptdp.layout.pipeline.program import build_programs
 
@@ -227,7 +228,7 @@ def _data_parallel(
         grads.watch(gradient_units(chunks))
     if zero3:
         units = ParamUnits(grads, specs, chunks, reshard_after_forward=p.reshard_after_forward)
-        optimizer = sharded_params_optimizer(units, config.train)
+        optimizer = build_optimizer(model, config.train, grads, units=units)
     else:
         gather = param_gather_units(chunks) if p.overlap_param_gather else None
         optimizer = build_optimizer(model, config.train, grads, param_gather_units=gather)
@@ -244,22 +245,20 @@ def allow_tf32(device: torch.device) -> None:
         torch.set_float32_matmul_precision("high")
 
 
-def train_step(
-    stage: Stage, microbatches: list[Microbatch], iteration: int, tracer=None, faults: FaultPlan | None = None
-) -> PendingStep:
+def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tracer=None) -> PendingStep:
     """One optimizer step over this rank's ``m`` microbatches (collective over the whole world);
     ``iteration`` is 0-based. Skipped on every rank, without any change, when the loss or the
     gradient norm is not finite on some rank, or float16 gradients overflowed (module docstring).
-    ``tracer`` (a :class:`ptdp.run.trace.Tracer`) times every action and phase; ``faults`` (tests
-    only) poisons, stalls or crashes this rank as planned.
+    ``tracer`` (a :class:`ptdp.run.trace.Tracer`) times every action and phase; the
+    :data:`ptdp.engine.hooks.STEP_HOOKS` run before the schedule.
 
     No host synchronisation, float16 included: the clip coefficient, the skip decision and the
     loss scale stay on the device, the optimizer skips through its fused kernel
-    (:func:`~ptdp.engine.optim.step_unless`), and the metrics come back as a :class:`PendingStep`
+    (:func:`~ptdp.engine.optim.adamw.step_unless`), and the metrics come back as a :class:`PendingStep`
     that the caller reads when it logs.
     """
     cfg, g = stage.config, stage.groups
-    activity.start_step(g.global_rank, iteration + 1, faults)
+    activity.start_step(g.global_rank, iteration + 1)
     stage.grads.zero()
     stage.grads.exact = iteration < cfg.grad_compression_warmup
     programs = build_programs(cfg.parallel.schedule, g.pp.size, len(microbatches), stage.virtual_stages)
@@ -269,7 +268,8 @@ def train_step(
     stage.grads.grad_scale = loss_factor
     residual = stage.grads.residual
     kept = residual.clone() if residual is not None else None  # put back if the step is skipped
-    poison = _test_poison(stage, iteration, faults)
+    first_chunk = stage.model[0] if isinstance(stage.model, ModelChunks) else stage.model
+    undo = [u for hook in STEP_HOOKS if (u := hook(g.global_rank, iteration + 1, first_chunk)) is not None]
     try:
         losses = run_schedule(
             programs[g.pp.rank],
@@ -285,8 +285,8 @@ def train_step(
             batch_shape=(cfg.train.micro_batch_size, cfg.model.seq_length),
         )
     finally:
-        if poison is not None:
-            poison.remove()
+        for u in undo:
+            u()
     activity.set_phase(activity.GRAD_SYNC)
     span = tracer.span("grad sync + clip", "grad_sync") if tracer is not None else None
     finalize_grads(stage.model, stage.grads, g)
@@ -317,14 +317,6 @@ def train_step(
     if span is not None:
         span.end()
     return pending
-
-
-def _test_poison(stage: Stage, iteration: int, faults: FaultPlan | None):
-    """Test-only (:class:`~ptdp.engine.faults.FaultPlan`): the hook making this rank's first
-    forward output NaN at this iteration, or None."""
-    if faults is None or not faults.poisons(stage.groups.global_rank, iteration + 1):
-        return None
-    return poison_first_forward(stage.model[0] if isinstance(stage.model, ModelChunks) else stage.model)
 
 
 @torch.no_grad()

@@ -16,7 +16,6 @@ from ptdp.data.dataset import GlobalBatchSampler, TokenWindows, device_microbatc
 from ptdp.data.prepared_data import PreparedData
 from ptdp.engine import activity
 from ptdp.engine.comm import all_gather_object, all_reduce
-from ptdp.engine.faults import FaultPlan
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, eval_loss, train_step, with_vocab
 from ptdp.engine.step_results import PendingStep, read_results_with
@@ -46,15 +45,13 @@ def train(
     *,
     progress: bool = True,
     restart: int = 0,
-    faults: FaultPlan | None = None,
 ) -> dict:
     """Train ``config.train.train_iters`` steps; returns the summary (same on every rank).
 
     Evaluates the validation loss before the first step, every ``eval_interval`` steps and after
     the last. ``config.model.vocab_size`` is replaced by the tokenizer's real size. ``restart``:
     the launcher's restart count (:mod:`ptdp.run.restart`; ``config`` already points ``load`` at the
-    checkpoint to resume from), marked on the metrics lines. ``faults``: test-only faults (None in a
-    real run).
+    checkpoint to resume from), marked on the metrics lines.
     """
     config = with_vocab(config, data.vocab_size)
     t, ck = config.train, config.checkpoint
@@ -84,7 +81,7 @@ def train(
     )
     if note:
         log.message(f"warning: {note}")
-    loop = _Loop(config, groups, data, stage, log, start, consumed, faults, restart, run_dir=Path(run_dir), saver=saver)
+    loop = _Loop(config, groups, data, stage, log, start, consumed, run_dir=Path(run_dir), saver=saver)
     if restart:
         log.restarted(start, ck.load)
     elif ck.load:
@@ -116,8 +113,6 @@ class _Loop:
         log: RunLog,
         start: int,
         consumed: int,
-        faults: FaultPlan | None = None,
-        restart: int = 0,
         *,
         run_dir: Path = Path("."),
         saver: Checkpointer | None = None,
@@ -135,7 +130,6 @@ class _Loop:
         self.profiler = StepProfiler.for_run(config, groups.global_rank, run_dir, stage.device, first_step=start)
         self.first_traced = 2 if t.train_iters >= 2 else 1
         self.skipped_in_a_row = 0
-        self.faults, self.restart = faults, restart
         self.saver = saver
         """Checkpoint saves over their own gloo group (``--save``; it also served ``--load``)."""
         self.pending: list[tuple[int, PendingStep]] = []
@@ -167,7 +161,7 @@ class _Loop:
             self.interval_start = time.perf_counter()
         mbs = device_microbatches(self.train_windows, mine, t.micro_batch_size, self.stage.device)
         with self.profiler.around(it):
-            self.pending.append((iteration, train_step(self.stage, mbs, it, self.tracer, self.faults)))
+            self.pending.append((iteration, train_step(self.stage, mbs, it, self.tracer)))
         self.history["comm"] = g.stats.as_dict()
         evaluate = iteration % t.eval_interval == 0 and iteration != t.train_iters
         save = bool(ck.save and ck.save_interval and iteration % ck.save_interval == 0 and iteration != t.train_iters)
@@ -182,8 +176,6 @@ class _Loop:
             save_and_log(self.saver, self.stage, ck, iteration, self.samples_before(iteration), self.log, files)
         if evaluate or save:
             self.interval_start = None  # the next interval's time starts at its first step
-        if self.faults is not None:
-            self.faults.kill_after(iteration, g.global_rank, self.restart)
 
     def flush(self) -> None:
         """Read the steps since the last flush to the host (one synchronisation for all:

@@ -23,16 +23,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ptdp.commands.train_flags import HelpFormatter, add_train_arguments, config_from_args
 from ptdp.config.files import apply_config_file
-from ptdp.config.flags import Parser, parse_args
+from ptdp.config.flags import Parser, config_from_args, parse_args
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config
+from ptdp.config.train_flags import HelpFormatter, add_train_arguments
 from ptdp.data.errors import DataError
 from ptdp.data.prepared_data import PreparedData
 from ptdp.engine import comm
 from ptdp.engine.activity import CollectiveError
-from ptdp.engine.faults import FaultPlan
 from ptdp.engine.groups import ParallelGroups, host_group
 from ptdp.errors import ConfigError
 from ptdp.layout.grid import ParallelLayout
@@ -49,12 +48,11 @@ DATA_PREPARATION_TIMEOUT = datetime.timedelta(hours=4)
 
 
 def _run(config: Config, run_dir: Path, data: PreparedData, device, progress: bool, restart: int) -> dict:
-    """Build the process groups and train; test-only faults come from the environment, read once
-    here (:class:`~ptdp.engine.faults.FaultPlan`; None in a real run)."""
+    """Build the process groups and train."""
     p = config.parallel
     layout = ParallelLayout(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
     groups = ParallelGroups.build(layout, datetime.timedelta(minutes=p.distributed_timeout_minutes))
-    return train(config, groups, data, run_dir, device, progress=progress, restart=restart, faults=FaultPlan.from_env())
+    return train(config, groups, data, run_dir, device, progress=progress, restart=restart)
 
 
 def worker_entry(config_json: str, run_dir: str, data_dir: str, progress: bool) -> dict:

@@ -39,7 +39,7 @@ from ptdp.engine.context_parallel.blockwise import compute_dtype, default_scale,
 from ptdp.engine.context_parallel.chunks import chunk_ids
 from ptdp.engine.context_parallel.kernels import block_backward, block_forward, choose
 from ptdp.engine.context_parallel.ring import BACKWARD, FORWARD, RingAttention
-from ptdp.engine.tensor_parallel.eager import outside_compile
+from ptdp.engine.eager import outside_compile
 
 COMM_TYPES = ("p2p", "all_gather")
 

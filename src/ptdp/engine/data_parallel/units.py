@@ -54,11 +54,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ptdp.config.schema import TrainConfig
 from ptdp.engine.comm import Handle, all_gather_async
 from ptdp.engine.data_parallel.buckets import Bucket, Segment
 from ptdp.engine.data_parallel.buffer import GradBuffer
-from ptdp.engine.optim import lr_at
 
 if TYPE_CHECKING:
     from ptdp.engine.model.gpt import GPTModel
@@ -398,18 +396,3 @@ class ParamUnits:
             unit.ready.clear()
             if not self._keep(unit):
                 self._free(unit)
-
-
-def sharded_params_optimizer(units: ParamUnits, cfg: TrainConfig):
-    """The :class:`~ptdp.engine.data_parallel.zero.ShardedAdamW` of a stage whose parameters
-    ``units`` shard (AdamW settings of ``cfg`` as :func:`~ptdp.engine.optim.build_optimizer`'s)."""
-    from ptdp.engine.data_parallel.zero import ShardedAdamW
-
-    return ShardedAdamW(
-        units.grads,
-        weight_decay=cfg.weight_decay,
-        units=units,
-        lr=lr_at(0, cfg),
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        eps=cfg.adam_eps,
-    )

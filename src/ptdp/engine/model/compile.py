@@ -13,7 +13,7 @@ is traced by dynamo inside the compiled layer.
 
 Communication: the tensor-parallel functions that call :mod:`ptdp.engine.comm` (f, g, the
 sequence-parallel gathers and scatters, the column-parallel linear with its overlapped
-backward) are ``torch.compiler.disable``-d (:mod:`ptdp.engine.tensor_parallel.eager`, done here
+backward) are ``torch.compiler.disable``-d (:mod:`ptdp.engine.eager`, done here
 before compiling), so each compiled layer is split into regions between
 them and every collective still runs eagerly, counted per (axis, op, tag) exactly as without
 ``--compile``. At tp = 1 they are not called and a layer is one graph.
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ptdp.engine.tensor_parallel.eager import prepare_for_compile
+from ptdp.engine.eager import prepare_for_compile
 
 if TYPE_CHECKING:
     from ptdp.engine.model.gpt import GPTModel

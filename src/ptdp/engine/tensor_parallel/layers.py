@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ptdp.engine.comm import AxisGroup
-from ptdp.engine.tensor_parallel.eager import outside_compile
+from ptdp.engine.eager import outside_compile
 from ptdp.engine.tensor_parallel.mappings import reduce_from_tp
 from ptdp.engine.tensor_parallel.sequence import (
     mark_sequence_parallel,

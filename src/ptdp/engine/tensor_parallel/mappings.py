@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ptdp.engine.comm import AxisGroup, all_reduce
-from ptdp.engine.tensor_parallel.eager import outside_compile
+from ptdp.engine.eager import outside_compile
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptdp.engine.comm import AxisGroup, all_gather_async, reduce_scatter_async
-from ptdp.engine.tensor_parallel.eager import outside_compile
+from ptdp.engine.eager import outside_compile
 from ptdp.engine.tensor_parallel.wgrad import weight_grad
 
 SEQ_DIM = 0

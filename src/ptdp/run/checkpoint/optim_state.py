@@ -1,8 +1,8 @@
 """Adam's state per parameter, in the parameter's local (tp-shard) shape, whatever optimizer holds it.
 
 Three optimizers keep Adam's moments differently: ``torch.optim.AdamW`` on the parameters
-themselves (float32/float64), :class:`~ptdp.engine.optim.MainParamsAdamW` on float32 main copies of
-16-bit parameters, and :class:`~ptdp.engine.data_parallel.zero.ShardedAdamW` on this dp rank's flat
+themselves (float32/float64), :class:`~ptdp.engine.optim.adamw.MainParamsAdamW` on float32 main copies of
+16-bit parameters, and :class:`~ptdp.engine.optim.zero.ShardedAdamW` on this dp rank's flat
 segments of each parameter. Checkpoints see one form: for every parameter, ``exp_avg`` and
 ``exp_avg_sq`` (and ``main`` for 16-bit parameters) shaped like the local shard, plus one step
 count. For the distributed optimizer the full local tensors are assembled with one sum
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from ptdp.engine.comm import all_reduce
-from ptdp.engine.data_parallel.zero import ShardedAdamW
-from ptdp.engine.optim import MainParamsAdamW
+from ptdp.engine.optim.adamw import MainParamsAdamW
+from ptdp.engine.optim.zero import ShardedAdamW
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

@@ -15,10 +15,8 @@ import argparse
 from pathlib import Path
 
 from ptdp.config.files import add_config_flags
-from ptdp.config.flags import add_flags
-from ptdp.config.flags import config_from_args as _config_from_args
+from ptdp.config.flags import add_flags, config_from_args
 from ptdp.config.resolve import local_world_size as _local_world_size
-from ptdp.config.schema import Config
 from ptdp.errors import ConfigError
 
 DEFAULT_TP, DEFAULT_PP = 2, 2
@@ -81,11 +79,6 @@ def cpu_only_torch() -> bool:
     except Exception:  # an unusual build: ask torch itself
         return False
     return getattr(version, "cuda", "") is None and getattr(version, "hip", "") is None
-
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    """The (not yet resolved) :class:`Config` the flags describe."""
-    return _config_from_args(args)
 
 
 def local_world_size(args: argparse.Namespace, gpus: int | None = None) -> int:

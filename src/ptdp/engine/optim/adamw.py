@@ -1,16 +1,13 @@
-"""AdamW with decoupled weight decay on weight matrices, float32 main parameters for bfloat16
-models, and the learning-rate schedule."""
+"""AdamW as ptdp steps it: torch's fused (or foreach) AdamW without its ``torch._dynamo``
+wrappers, an update skipped on the device, and AdamW on float32 main parameters of 16-bit models."""
 
 from __future__ import annotations
 
 import inspect
-import math
-from typing import Any
 
 import torch
 from torch import nn
 
-from ptdp.config.schema import TrainConfig
 from ptdp.engine.data_parallel.buffer import GradBuffer
 
 
@@ -106,55 +103,6 @@ class MainParamsAdamW:
         the model's parameters (after a skipped step this rewrites the same values)."""
         step_unless(self.inner, skip)
         torch._foreach_copy_(self._model, self._mains)
-
-
-def build_optimizer(
-    model: nn.Module,
-    cfg: TrainConfig,
-    grads: GradBuffer,
-    *,
-    param_gather_units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
-):
-    """AdamW over the stage's parameters; weight decay on every tensor with >= 2 dims (weight
-    matrices, word and position embeddings), none on biases and LayerNorm parameters.
-
-    With a sharded ``grads`` (distributed optimizer) :class:`~ptdp.engine.data_parallel.zero.ShardedAdamW`;
-    otherwise float32/float64 parameters are updated in place (their ``.grad`` views ``grads``)
-    and bfloat16 parameters through :class:`MainParamsAdamW` (``grads`` is then float32). Fused
-    AdamW where torch has the kernel (:func:`adamw`); step with :func:`step_unless` (or, for the
-    two wrappers, ``step(skip)``) to skip an update on the device.
-    ``param_gather_units`` (sharded only): overlap the parameter all-gather with the next forward,
-    each module waiting for its own parameters (:class:`~ptdp.engine.data_parallel.zero.ShardedAdamW`).
-    """
-    kwargs: dict[str, Any] = dict(lr=lr_at(0, cfg), betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-    if grads.sharded:
-        from ptdp.engine.data_parallel.zero import ShardedAdamW
-
-        return ShardedAdamW(grads, weight_decay=cfg.weight_decay, overlap_with=param_gather_units, **kwargs)
-    params = list(model.parameters())
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    groups = [g for g in groups if g["params"]]
-    if grads.uses_main_grad:
-        return MainParamsAdamW(groups, grads, **kwargs)
-    return adamw(groups, **kwargs)
-
-
-def lr_at(iteration: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step ``iteration`` (0-based).
-
-    Linear warmup from lr / warmup to lr over ``cfg.warmup_iters`` steps, then cosine decay to
-    ``min_lr`` at ``lr_decay_iters`` (default ``train_iters``), constant after.
-    """
-    warmup, decay_end = cfg.warmup_iters, cfg.decay_iters
-    if iteration < warmup:
-        return cfg.lr * (iteration + 1) / warmup
-    if iteration >= decay_end:
-        return cfg.min_lr
-    progress = (iteration - warmup) / max(1, decay_end - warmup)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
 def set_lr(optimizer, lr: float) -> None:

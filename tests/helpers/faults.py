@@ -1,9 +1,7 @@
-"""Test-only fault injection: a :class:`FaultPlan` object handed to the step and the loop.
-
-Nothing on the production path reads the environment: a worker builds its plan once at start-up
-(:meth:`FaultPlan.from_env`, None in a real run) and passes it down (``train(..., faults=plan)``,
-``train_step(..., faults=plan)``, ``activity.start_step(..., faults=plan)``). Tests hand a plan in
-directly, or set these variables for the worker processes they launch:
+"""Fault injection for tests: a :class:`FaultPlan` installed as engine hooks
+(:mod:`ptdp.engine.hooks`), in this process (:func:`install`) or in the worker processes a test
+launches (:func:`environment`: the variables below plus ``fault_site/`` on ``PYTHONPATH``, whose
+``sitecustomize`` installs the plan the variables describe at interpreter start-up).
 
 ``PTDP_TEST_NAN_LOSS="RANK:ITERS"``
     ``ITERS`` is ``every`` or comma-separated 1-based iterations. At those iterations the first
@@ -19,8 +17,9 @@ directly, or set these variables for the worker processes they launch:
     raises ``RuntimeError("ptdp test crash ...")``, ``abort`` calls ``os.abort()`` (SIGABRT, a
     fatal signal), ``kill`` sends itself SIGKILL (no trace at all).
 ``PTDP_TEST_KILL_AT_ITERATION=K`` (with ``PTDP_TEST_KILL_RANK``, default 1)
-    That global rank of the job's first attempt sends itself SIGKILL right after iteration K (and
-    after its checkpoint, when one is due at K), as a crashed machine would (restart tests).
+    That global rank of the job's first attempt (``TORCHELASTIC_RESTART_COUNT`` 0) sends itself
+    SIGKILL when iteration K+1 starts (after iteration K's evaluation and checkpoint), as a crashed
+    machine would (restart tests).
 """
 
 from __future__ import annotations
@@ -29,8 +28,12 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+
+from ptdp.engine import hooks
+from ptdp.engine.activity import FORWARD, PHASES
 
 NAN_LOSS_ENV = "PTDP_TEST_NAN_LOSS"
 STALL_ENV = "PTDP_TEST_STALL"
@@ -38,6 +41,8 @@ CRASH_ENV = "PTDP_TEST_CRASH"
 KILL_AT_ITERATION_ENV = "PTDP_TEST_KILL_AT_ITERATION"
 KILL_RANK_ENV = "PTDP_TEST_KILL_RANK"
 CRASH_KINDS = ("raise", "abort", "kill")
+SITE_DIR = Path(__file__).resolve().parent / "fault_site"
+"""The folder whose ``sitecustomize`` installs the plan of the environment in a new process."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,54 @@ class FaultPlan:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def install(plan: FaultPlan | None, restart: int | None = None) -> Callable[[], None]:
+    """Register ``plan``'s hooks in this process (nothing for None); returns their remover.
+    ``restart``: the launcher's restart count, for :meth:`FaultPlan.kill_after` (None: read from
+    ``TORCHELASTIC_RESTART_COUNT`` then, which a launched function sets after start-up)."""
+    if plan is None:
+        return lambda: None
+    fired: set[tuple[str, int | None]] = set()  # each stall and crash once per iteration
+
+    def on_phase(rank: int | None, iteration: int | None, phase: str) -> None:
+        if rank is None or iteration is None:
+            return
+        if plan.stall_phase(rank, iteration) == phase and ("stall", iteration) not in fired:
+            fired.add(("stall", iteration))
+            plan.do_stall(rank, iteration, phase)
+        if plan.crash_phase(rank, iteration) == phase and ("crash", iteration) not in fired:
+            fired.add(("crash", iteration))
+            plan.do_crash(rank, iteration, phase)
+        if phase == FORWARD and iteration > 1 and plan.kill_at is not None:
+            count = restart if restart is not None else int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            plan.kill_after(iteration - 1, rank, count)
+
+    def on_step(rank: int, iteration: int, module) -> Callable[[], None] | None:
+        return poison_first_forward(module).remove if plan.poisons(rank, iteration) else None
+
+    hooks.PHASE_HOOKS.append(on_phase)
+    hooks.STEP_HOOKS.append(on_step)
+
+    def remove() -> None:
+        hooks.PHASE_HOOKS.remove(on_phase)
+        hooks.STEP_HOOKS.remove(on_step)
+
+    return remove
+
+
+def install_from_env() -> None:
+    """Install the plan of this process's environment (what ``fault_site/sitecustomize`` runs)."""
+    install(FaultPlan.from_env())
+
+
+def environment(base: Mapping[str, str], **variables: str) -> dict[str, str]:
+    """``base`` plus the fault ``variables`` (by their names above), with :data:`SITE_DIR` and the
+    tests folder first on ``PYTHONPATH`` so that every process started with it installs them."""
+    path = [str(SITE_DIR), str(SITE_DIR.parents[1])]
+    if base.get("PYTHONPATH"):
+        path.append(base["PYTHONPATH"])
+    return dict(base, **variables, PYTHONPATH=os.pathsep.join(path))
+
+
 def parse_nan_loss(text: str) -> tuple[int, frozenset[int] | None]:
     try:
         rank, iters = text.split(":")
@@ -118,8 +171,6 @@ def parse_nan_loss(text: str) -> tuple[int, frozenset[int] | None]:
 
 
 def parse_stall(text: str) -> tuple[int, int, str, float]:
-    from ptdp.engine.activity import PHASES
-
     parts = text.split(":")
     try:
         if len(parts) not in (3, 4):
@@ -133,8 +184,6 @@ def parse_stall(text: str) -> tuple[int, int, str, float]:
 
 
 def parse_crash(text: str) -> tuple[int, int, str, str]:
-    from ptdp.engine.activity import PHASES
-
     parts = text.split(":")
     try:
         if len(parts) != 4 or parts[3] not in CRASH_KINDS:

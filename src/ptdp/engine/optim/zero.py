@@ -30,7 +30,7 @@ from torch import nn
 from ptdp.engine.comm import Handle, all_gather_async
 from ptdp.engine.data_parallel.buckets import Segment
 from ptdp.engine.data_parallel.buffer import GradBuffer
-from ptdp.engine.optim import adamw, step_unless
+from ptdp.engine.optim.adamw import adamw, step_unless
 
 if TYPE_CHECKING:
     from ptdp.engine.data_parallel.units import ParamUnits
@@ -138,7 +138,7 @@ class ShardedAdamW:
     @torch.no_grad()
     def step(self, skip: torch.Tensor | None = None) -> None:
         """Update this rank's shard (unless the 0-dim bool tensor ``skip`` is true, decided on the
-        device: :func:`~ptdp.engine.optim.step_unless`), then all-gather every bucket's parameters
+        device: :func:`~ptdp.engine.optim.adamw.step_unless`), then all-gather every bucket's parameters
         from all dp ranks (finished here, or with ``overlap_with`` during the next forward). With
         ``units`` the shard is the parameters: no all-gather, the gathered copies are freed."""
         if self.units is not None:
