@@ -11,10 +11,12 @@ The Python API (``docs/api.md``), importing no torch until a run starts:
   the worker module of ``torchrun -m ptdp.train``; imported, that module is callable the same way.
 """
 
+from importlib.metadata import version
+
 from ptdp.api import PlanResult, load_config, plan, train
 from ptdp.config.schema import Config
 from ptdp.errors import ConfigError
 
-__version__ = "0.2.0"
+__version__ = version("ptdp")  # pyproject.toml's
 
 __all__ = ["Config", "ConfigError", "PlanResult", "load_config", "plan", "train", "__version__"]

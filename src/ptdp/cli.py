@@ -13,8 +13,8 @@ import importlib
 import os
 import sys
 import traceback
+from importlib.metadata import version
 
-from ptdp import __version__
 from ptdp.config.flags import Parser, reject_unknown
 from ptdp.errors import ConfigError
 from ptdp.planner.hardware import UnknownGPUError
@@ -40,7 +40,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``ptdp`` parser. ``command``: add only that command's flags (the others are listed by name
     and help, without importing their modules); None: every command's flags."""
     parser = Parser(prog="ptdp", description="PTD-P GPT training on torch.distributed.")
-    parser.add_argument("--version", action="version", version=f"ptdp {__version__}")
+    parser.add_argument("--version", action="version", version=f"ptdp {version('ptdp')}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, module) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text)

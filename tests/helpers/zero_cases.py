@@ -106,7 +106,7 @@ VARIANTS = {
         },
         {},
     ),
-    # chunk by chunk (ptdp.planner.sharding.chunk_by_chunk): interleaved with m == pp = 2
+    # chunk by chunk (ptdp.layout.buckets.chunk_by_chunk): interleaved with m == pp = 2
     # microbatches per step (dp 2), each chunk's buckets accumulated over its 2 backwards and
     # reduce-scattered once, during its last backward (overlap) or when it ends (``_sync``); the
     # ``_b8`` ones over 4 ranks: 8 sequences per step, m == pp = 2 at dp 4
@@ -210,10 +210,11 @@ def zero_config(name: str, tp: int, pp: int, dp: int, strategy: str | None = Non
 def planner_transients(cfg: Config, pp_rank: int) -> tuple[int, int]:
     """The planner's (gathered parameter, gradient bucket) elements at their peaks on a rank of
     pipeline stage ``pp_rank`` of run ``cfg`` (:func:`ptdp.planner.transients.rank_transients`)."""
+    from ptdp.layout.buckets import chunk_by_chunk
     from ptdp.layout.pipeline.partition import stage_layer_counts
     from ptdp.planner.chunk_params import stage_chunks
     from ptdp.planner.models import spec_from_model_config
-    from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, chunk_by_chunk
+    from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS
     from ptdp.planner.transients import rank_transients
 
     m, p = cfg.model, cfg.parallel
@@ -326,8 +327,8 @@ def collect(cfg: Config, groups: ParallelGroups) -> dict:
 
 
 def is_chunk_by_chunk(cfg: Config) -> bool:
-    """Whether run ``cfg`` reduces its gradients chunk by chunk (:func:`ptdp.planner.sharding.chunk_by_chunk`)."""
-    from ptdp.planner.sharding import chunk_by_chunk
+    """Whether run ``cfg`` reduces its gradients chunk by chunk (:func:`ptdp.layout.buckets.chunk_by_chunk`)."""
+    from ptdp.layout.buckets import chunk_by_chunk
 
     p = cfg.parallel
     m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * p.dp)

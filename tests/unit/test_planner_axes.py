@@ -11,6 +11,7 @@ import json
 import pytest
 
 from ptdp import cli
+from ptdp.layout.buckets import chunk_by_chunk
 from ptdp.planner.activation_memory import rank_activation_bytes
 from ptdp.planner.comm import Links, hierarchical_all_reduce_time
 from ptdp.planner.context import kv_buffer_bytes, kv_exchange_times
@@ -21,7 +22,7 @@ from ptdp.planner.param_memory import layer_param_count, stage_param_counts
 from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.plan import Layout
 from ptdp.planner.search import Fixed, search
-from ptdp.planner.sharding import chunk_by_chunk, sharded_dp_times
+from ptdp.planner.sharding import sharded_dp_times
 
 H100 = CATALOG["h100-sxm"]
 LINKS = Links(

@@ -1,4 +1,4 @@
-"""Sharded gradients reduced chunk by chunk (``ptdp.planner.sharding.chunk_by_chunk``): with the
+"""Sharded gradients reduced chunk by chunk (``ptdp.layout.buckets.chunk_by_chunk``): with the
 interleaved schedule in one round (v > 1, m == pp) every microbatch's backward of a model chunk
 runs before the chunk before it, so optim_grads / optim_grads_params accumulate one chunk's float32
 gradient whole and reduce-scatter it once, behind the next chunk's round (the Llama 3 405B run,
@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 
+from ptdp.layout.buckets import chunk_by_chunk
 from ptdp.planner.chunk_params import stage_chunks
 from ptdp.planner.comm import Links, hierarchical_all_reduce_time
 from ptdp.planner.hardware import Cluster, get_gpu
@@ -20,7 +21,7 @@ from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.plan import Layout
 from ptdp.planner.published import H100_CSV, load_h100_runs
 from ptdp.planner.search import Fixed, search
-from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, chunk_by_chunk, sharded_dp_times, stage_state_bytes
+from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, sharded_dp_times, stage_state_bytes
 from ptdp.planner.transients import rank_transients
 
 H100 = get_gpu("h100-sxm")

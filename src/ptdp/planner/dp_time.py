@@ -8,12 +8,13 @@ bound by memory bandwidth. How these add up to a step is :func:`ptdp.planner.per
 
 from __future__ import annotations
 
+from ptdp.layout.buckets import chunk_by_chunk
 from ptdp.planner.comm import Links, embedding_sync_time
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.param_memory import layer_param_count
 from ptdp.planner.perf_constants import PerfConstants
 from ptdp.planner.plan import Layout
-from ptdp.planner.sharding import chunk_by_chunk, optimizer_bytes_per_param, sharded_dp_times
+from ptdp.planner.sharding import optimizer_bytes_per_param, sharded_dp_times
 
 #: Bytes per parameter the optimizer step reads and writes (mixed precision, fp32 main weights):
 #: on every parameter: write the 16-bit weight (2), read the gradient for the global norm (4),
@@ -43,7 +44,7 @@ def dp_comm_time(
     and unless it also projects with the same tied table, pp = 1, backward does not gather its
     embeddings' unit again), hidden behind one microbatch's
     backward (the busiest stage's compute without its forward third) and one layer's compute;
-    chunk by chunk (:func:`~ptdp.planner.sharding.chunk_by_chunk`) each chunk's behind the next
+    chunk by chunk (:func:`~ptdp.layout.buckets.chunk_by_chunk`) each chunk's behind the next
     chunk's backward round.
     With ``c.overlap_window`` the end-of-step part left by ``c.dp_overlap`` is hidden up to one
     microbatch's compute on the busiest stage (``busiest[0]``)."""

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from ptdp.layout.buckets import chunk_by_chunk
 from ptdp.layout.pipeline.partition import stage_layer_counts
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.chunk_params import stage_chunks
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Layout
-from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, chunk_by_chunk, stage_state_bytes
+from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, stage_state_bytes
 from ptdp.planner.transients import rank_transients
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ptdp.layout.buckets import chunk_by_chunk
 from ptdp.planner.hardware import TFLOPS, Cluster, GiB
 from ptdp.planner.memory import DEFAULT_OVERHEAD_BYTES, memory_breakdown
 from ptdp.planner.models import ModelSpec
@@ -20,7 +21,7 @@ from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.perf_constants import DEFAULT_CONSTANTS
 from ptdp.planner.plan import Layout, Plan
 from ptdp.planner.rules import Rejection, all_rejections, schedule_rejections
-from ptdp.planner.sharding import chunk_by_chunk, strategy_bytes_per_param
+from ptdp.planner.sharding import strategy_bytes_per_param
 from ptdp.planner.splits import candidate_splits
 from ptdp.planner.stage_time import edge_layer_equivalents
 
@@ -120,7 +121,7 @@ def predict_strategies(
     record it: no_shard first; when it fits, optim too (never slower, less memory); when it does
     not, the sharded ones in order up to the first that fits, unless even full sharding cannot
     fit (:func:`_sharding_cannot_fit`); and optim_grads whenever it reduces chunk by chunk
-    (:func:`~ptdp.planner.sharding.chunk_by_chunk`: then it can be faster than optim). Kept: every
+    (:func:`~ptdp.layout.buckets.chunk_by_chunk`: then it can be faster than optim). Kept: every
     fitting no_shard, the first fitting sharded strategy, and a fitting chunk-by-chunk optim_grads.
     Returns (the plans kept, the rejected plans with the rule each broke), least sharded first."""
     first = make(strategies[0])

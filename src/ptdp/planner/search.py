@@ -20,7 +20,7 @@ Pruning (each keeps the search exact up to the stated approximation, and fast: t
   faster in this model (its extra reduce-scatters per microbatch and parameter all-gathers come
   on top), except for the optimizer step's 8 bytes per parameter of gradient-norm and zeroing
   traffic it shards, which the pruning gives up, and for ``optim_grads`` reducing chunk by chunk
-  (interleaved, one round: :func:`ptdp.planner.sharding.chunk_by_chunk`), which exposes only the
+  (interleaved, one round: :func:`ptdp.layout.buckets.chunk_by_chunk`), which exposes only the
   last chunk's reduce-scatter and is always evaluated. ``dp * cp = 1`` has nothing to shard: no_shard. Layouts that break a rule (:mod:`ptdp.planner.rules`, the same rules ``ptdp train``
 checks) or do not fit in memory are kept as rejected plans with their reasons.
 """

@@ -49,7 +49,7 @@ inside the node and the network across, as :func:`ptdp.planner.comm.hierarchical
   is never whole), each hidden behind its microbatch's backward up to that backward's length;
   the last one is exposed like the ``optim`` reduction, then the weights' all-gather.
   Except with the interleaved schedule in one round (``v > 1`` model chunks, ``m == pp``
-  microbatches: :func:`chunk_by_chunk`): every rank then runs the backward of all microbatches of
+  microbatches: :func:`~ptdp.layout.buckets.chunk_by_chunk`): every rank then runs the backward of all microbatches of
   its last chunk, then all of the chunk before, and so on (the rounds of ``pp`` microbatches of
   [N21] §2.2 with a single round), so each chunk's gradient is accumulated whole in float32 and
   reduce-scattered once, when its last backward is done, behind the next chunk's backward round;
@@ -99,18 +99,6 @@ def strategy_bytes_per_param(precision: str, strategy: str, shard: int) -> tuple
     w, g, k = _BYTES[precision]
     level = SHARDING.index(strategy)
     return (w / shard if level >= 3 else w, g / shard if level >= 2 else g, k / shard if level >= 1 else k)
-
-
-def chunk_by_chunk(strategy: str, shard: int, virtual_stages: int, num_microbatches: int, pp: int) -> bool:
-    """Whether a sharded-gradient strategy reduces each model chunk's gradient once per step
-    (module docstring): ``optim_grads`` or ``optim_grads_params`` over ``shard > 1`` ranks with
-    the interleaved schedule (``virtual_stages > 1``) in one round (``num_microbatches == pp``)."""
-    return (
-        shard > 1
-        and strategy in ("optim_grads", "optim_grads_params")
-        and virtual_stages > 1
-        and num_microbatches == pp
-    )
 
 
 def stage_state_bytes(
@@ -183,7 +171,7 @@ def sharded_dp_times(
     gather; ``microbatch_backward``: one microbatch's backward on the stage, which hides its
     reduce-scatter; ``end_overlap``: fraction of the end-of-step reduction hidden (the time
     model's ``dp_overlap``); ``chunks`` > 1: the gradient is reduced chunk by chunk
-    (:func:`chunk_by_chunk`), ``1/chunks`` of it after each round of ``num_microbatches`` chunk
+    (:func:`~ptdp.layout.buckets.chunk_by_chunk`), ``1/chunks`` of it after each round of ``num_microbatches`` chunk
     backwards, each hidden behind the next round, the last exposed. ``kept_gathers``
     (``optim_grads_params`` with ``--no-reshard-after-forward``): the units are gathered that
     many times per step, once per stretch of microbatches in flight, in forward only (each gather

@@ -7,7 +7,7 @@ The parameters of a model chunk, in ptdp's order (``GPTModel.parameters()``): th
 position table (first chunk), the word embedding (first chunk; on the last chunk its tied copy
 when pp > 1), the layers (``ln1``, ``qkv``, ``proj``, ``ln2``, ``fc1``, ``fc2``, each weight
 then bias), the final norm and the untied output layer (last chunk). Buckets are cut as
-:func:`ptdp.engine.data_parallel.buckets.plan_buckets` does: back to front, at most
+:func:`ptdp.layout.buckets.chunk_buckets` does for the engine: back to front, at most
 ``bucket`` elements each (a larger parameter alone), never across two ZeRO-3 units, the tied
 embedding alone when pp > 1 (never started early), each padded to a multiple of ``d = dp * cp``.
 
@@ -58,6 +58,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ptdp.layout.buckets import chunk_buckets
 from ptdp.planner.chunk_params import (
     EMBED_UNIT,
     HEAD_UNIT,
@@ -74,25 +75,11 @@ from ptdp.planner.models import ModelSpec
 def plan_buckets(
     params: tuple[tuple[int, int, int], ...], bucket: int, *, by_unit: bool, deferred: int | None
 ) -> tuple[tuple[int, ...], ...]:
-    """The parameter indices of each bucket of one chunk, as the engine cuts them (module
-    docstring; padding apart); ``deferred``: the index of the tied embedding kept alone."""
-    out: list[tuple[int, ...]] = []
-    current: list[int] = []
-    total = 0
-    for i in reversed(range(len(params))):
-        n, _, unit = params[i]
-        if i == deferred:
-            out.append((i,))
-            continue
-        other_unit = by_unit and current and params[current[-1]][2] != unit
-        if current and (other_unit or total + n > bucket):
-            out.append(tuple(current))
-            current, total = [], 0
-        current.append(i)
-        total += n
-    if current:
-        out.append(tuple(current))
-    return tuple(out)
+    """The parameter indices of each bucket of one chunk (:func:`ptdp.layout.buckets.chunk_buckets`,
+    the engine's plan; padding apart); ``deferred``: the index of the tied embedding kept alone."""
+    units = [unit for _, _, unit in params] if by_unit else None
+    alone = () if deferred is None else (deferred,)
+    return tuple(chunk_buckets([n for n, _, _ in params], bucket, units=units, deferred=alone))
 
 
 #: an event of a backward: the bucket indices allocated (a tuple), or the bucket started (an int)
@@ -236,7 +223,7 @@ def rank_transients(
     ``main_grad``: 16-bit weights with float32 main gradients, whose linear layers complete their
     weight's gradient before their bias's (:func:`_layer_params`).
 
-    ``by_chunk`` (:func:`ptdp.planner.sharding.chunk_by_chunk`: the interleaved schedule in one
+    ``by_chunk`` (:func:`ptdp.layout.buckets.chunk_by_chunk`: the interleaved schedule in one
     round, the engine's ``GradBuffer.by_chunk``): a chunk's buckets stay allocated from its first
     backward through its last, then are reduce-scattered (during it with ``overlap``, the rest in
     bucket order when it ends), each freed when it lands; the peak is a chunk's whole gradient

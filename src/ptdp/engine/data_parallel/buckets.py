@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ptdp.layout.buckets import chunk_buckets
+
 
 @dataclass
 class Bucket:
@@ -60,33 +62,19 @@ def plan_buckets(
     multiple: int,
     unit_of: dict[int, int] | None = None,
 ) -> list[Bucket]:
-    """Cut each chunk's parameters, back to front (the order backward produces their gradients),
-    into buckets of at most ``bucket_size`` elements (a larger parameter gets one of its own),
-    each padded to a multiple of ``multiple``; every ``deferred`` parameter alone in a bucket that
-    never starts early. ``unit_of`` (parameter id -> unit index, ``optim_grads_params``): a bucket
-    never holds parameters of two units, so a unit's all-gather is that of whole buckets."""
-    unit_of = unit_of or {}
+    """The :class:`Bucket` of each chunk's parameters as :func:`ptdp.layout.buckets.chunk_buckets`
+    cuts them (``deferred``: parameter ids, each alone in a bucket that never starts early;
+    ``unit_of``: parameter id -> ZeRO-3 unit), laid out one after another, each padded to a
+    multiple of ``multiple``."""
     buckets: list[Bucket] = []
     start = 0
-
-    def close(chunk: int, params: list[nn.Parameter], can_overlap: bool) -> None:
-        nonlocal start
-        numel = sum(p.numel() for p in params)
-        numel += (-numel) % multiple
-        buckets.append(Bucket(len(buckets), chunk, params, start, numel, overlap and can_overlap))
-        start += numel
-
     for chunk, params in enumerate(chunk_params):
-        current: list[nn.Parameter] = []
-        for p in reversed(params):
-            if id(p) in deferred:
-                close(chunk, [p], False)
-                continue
-            other_unit = bool(current) and unit_of.get(id(current[-1])) != unit_of.get(id(p))
-            if current and (other_unit or sum(q.numel() for q in current) + p.numel() > bucket_size):
-                close(chunk, current, True)
-                current = []
-            current.append(p)
-        if current:
-            close(chunk, current, True)
+        alone = {i for i, p in enumerate(params) if id(p) in deferred}
+        units = [unit_of.get(id(p)) for p in params] if unit_of else None
+        for members in chunk_buckets([p.numel() for p in params], bucket_size, units=units, deferred=alone):
+            numel = sum(params[i].numel() for i in members)
+            numel += (-numel) % multiple
+            early = not (len(members) == 1 and members[0] in alone)
+            buckets.append(Bucket(len(buckets), chunk, [params[i] for i in members], start, numel, overlap and early))
+            start += numel
     return buckets

@@ -18,7 +18,7 @@ embedding keeps its own bucket (never started early); its shard covers the same 
 first and the last stage, so the embedding-group sum acts on the shards
 (:func:`~ptdp.engine.data_parallel.grads.finalize_grads`).
 
-Except chunk by chunk (:func:`ptdp.planner.sharding.chunk_by_chunk`: the interleaved schedule in
+Except chunk by chunk (:func:`ptdp.layout.buckets.chunk_by_chunk`: the interleaved schedule in
 one round, ``v > 1`` chunks and ``m == pp`` microbatches, over ``d > 1`` ranks; set per step by
 :meth:`GradBuffer.begin_backwards`): a rank then runs every backward of its last chunk, then
 every backward of the chunk before, and so on, so a chunk's buckets get their memory in the
@@ -39,7 +39,7 @@ from torch import nn
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.data_parallel.buckets import Bucket
 from ptdp.engine.data_parallel.compression import start_reduction
-from ptdp.planner.sharding import chunk_by_chunk
+from ptdp.layout.buckets import chunk_by_chunk
 
 
 class ShardedGradients:
@@ -69,7 +69,7 @@ class ShardedGradients:
 
     def begin_backwards(self, virtual_stages: int, num_microbatches: int, pp: int) -> None:
         """Before a step's backwards: whether they reduce chunk by chunk (:attr:`by_chunk`, with
-        ``shard_grads`` over d > 1 ranks: :func:`~ptdp.planner.sharding.chunk_by_chunk` of the
+        ``shard_grads`` over d > 1 ranks: :func:`~ptdp.layout.buckets.chunk_by_chunk` of the
         schedule's ``virtual_stages`` chunks, ``num_microbatches`` and ``pp``)."""
         self.by_chunk = self.grads_sharded and chunk_by_chunk(
             self._strategy, self.dp.size, virtual_stages, num_microbatches, pp
