@@ -27,10 +27,10 @@ from typing import Any
 
 from ptdp.config.keywords import RaisingParser, keyword_actions, keywords_to_argv
 from ptdp.config.schema import Config
+from ptdp.errors import Violation
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Plan
-from ptdp.planner.rules import Rejection
 
 #: options that are not part of a search
 _NOT_FOR_SEARCH = ("validate", "calibrate", "update_benchmarks", "nproc_per_node", "json", "plot")
@@ -54,7 +54,7 @@ class PlanResult:
     model: ModelSpec
     cluster: Cluster
     plans: list[Plan]
-    rejected: list[tuple[Plan, Rejection]] = field(default_factory=list)
+    rejected: list[tuple[Plan, Violation]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     explanation: list[str] = field(default_factory=list)
 

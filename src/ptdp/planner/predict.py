@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ptdp.errors import Violation
 from ptdp.layout.buckets import chunk_by_chunk
 from ptdp.planner.hardware import TFLOPS, Cluster, GiB
 from ptdp.planner.memory import DEFAULT_OVERHEAD_BYTES, memory_breakdown
@@ -20,7 +21,7 @@ from ptdp.planner.param_memory import mean_stage_params
 from ptdp.planner.perf import evaluate_performance
 from ptdp.planner.perf_constants import DEFAULT_CONSTANTS
 from ptdp.planner.plan import Layout, Plan
-from ptdp.planner.rules import Rejection, all_rejections, schedule_rejections
+from ptdp.planner.rules import all_rejections, schedule_rejections
 from ptdp.planner.sharding import strategy_bytes_per_param
 from ptdp.planner.splits import candidate_splits
 from ptdp.planner.stage_time import edge_layer_equivalents
@@ -33,7 +34,7 @@ def evaluate(
     *,
     constants=DEFAULT_CONSTANTS,
     overhead_bytes: float | None = None,
-) -> tuple[Plan, Rejection | None]:
+) -> tuple[Plan, Violation | None]:
     """Predict one layout: rules, then memory, then (if it fits) time. Returns the plan and the
     first rejection (None when it fits)."""
     broken = all_rejections(model, layout, cluster)
@@ -42,7 +43,7 @@ def evaluate(
     return _predict(model, layout, cluster, constants, overhead_bytes)
 
 
-def _predict(model, layout, cluster, constants, overhead_bytes) -> tuple[Plan, Rejection | None]:
+def _predict(model, layout, cluster, constants, overhead_bytes) -> tuple[Plan, Violation | None]:
     kwargs = {} if overhead_bytes is None else {"overhead_bytes": overhead_bytes}
     memory = memory_breakdown(model, layout, cluster.gpu, **kwargs)
     capacity = cluster.gpu.memory_bytes
@@ -53,12 +54,12 @@ def _predict(model, layout, cluster, constants, overhead_bytes) -> tuple[Plan, R
             f"memory {memory.total / GiB:.{digits}f} GiB > {capacity / GiB:.{digits}f} GiB on stage "
             f"{memory.stage} ({largest} {getattr(memory, largest) / GiB:.1f} GiB)"
         )
-        return Plan(layout, False, memory=memory, reasons=[message]), Rejection("memory", message)
+        return Plan(layout, False, memory=memory, reasons=[message]), Violation("memory", message)
     perf = evaluate_performance(model, layout, cluster, constants)
     return Plan(layout, True, memory, perf.time, perf.tflops_per_gpu / TFLOPS, perf.mfu), None
 
 
-def _predict_split(model, layout, cluster, constants, overhead, search_split: bool) -> tuple[Plan, Rejection | None]:
+def _predict_split(model, layout, cluster, constants, overhead, search_split: bool) -> tuple[Plan, Violation | None]:
     """Predict ``layout``; with ``search_split`` try the splits of :func:`candidate_splits` (from the
     edge work of :func:`edge_layer_equivalents`) and return the fastest that fits, else the one
     closest to fitting (the even split first: it wins ties). When the even split fits, an uneven
@@ -88,7 +89,7 @@ def _predict_split(model, layout, cluster, constants, overhead, search_split: bo
             f"{last:.1f} layers' worth; rule: each stage >= 1 layer, the first and last at most one "
             f"layer above the middle ones); give --pipeline-layer-split to plan a split of your own"
         )
-        return Plan(layout, False, reasons=[message]), Rejection("layers % pp", message)
+        return Plan(layout, False, reasons=[message]), Violation("layers % pp", message)
     return best[1], best[2]
 
 
@@ -116,7 +117,7 @@ def _sharding_cannot_fit(unsharded: Plan, layout: Layout, cluster) -> bool:
 
 def predict_strategies(
     model, make, strategies: list[str], cluster, constants, overhead, search_split: bool
-) -> tuple[list[Plan], list[tuple[Plan, Rejection]]]:
+) -> tuple[list[Plan], list[tuple[Plan, Violation]]]:
     """Predict the layout ``make(strategy)`` gives under ``strategies`` (least sharded first) and
     record it: no_shard first; when it fits, optim too (never slower, less memory); when it does
     not, the sharded ones in order up to the first that fits, unless even full sharding cannot
@@ -146,7 +147,7 @@ def predict_strategies(
     if by_chunk and "optim_grads" not in outcomes:  # may be faster than optim: one chunk's reduction exposed
         fits("optim_grads")
     plans: list[Plan] = []
-    rejected: list[tuple[Plan, Rejection]] = []
+    rejected: list[tuple[Plan, Violation]] = []
     kept_sharded = False
     for strategy in strategies:
         if strategy not in outcomes:

@@ -7,10 +7,10 @@ import textwrap
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
+from ptdp.errors import Violation
 from ptdp.planner.hardware import Cluster, GiB
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import Plan
-from ptdp.planner.rules import Rejection
 from ptdp.planner.search import SearchResult
 from ptdp.planner.splits import describe_split, split_report_lines
 
@@ -123,8 +123,8 @@ def _describe(plan: Plan) -> str:
     )
 
 
-def grouped_rejections(result: SearchResult) -> dict[str, list[tuple[Plan, Rejection]]]:
-    groups: dict[str, list[tuple[Plan, Rejection]]] = defaultdict(list)
+def grouped_rejections(result: SearchResult) -> dict[str, list[tuple[Plan, Violation]]]:
+    groups: dict[str, list[tuple[Plan, Violation]]] = defaultdict(list)
     for plan, rejection in result.rejected:
         groups[rejection.rule].append((plan, rejection))
     return groups

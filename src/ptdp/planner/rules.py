@@ -1,13 +1,12 @@
 """Why a layout cannot run: the rules of ``ptdp train``'s config plus the planner's own.
 
-Each broken rule is a :class:`Rejection` with a short ``rule`` key (for grouping in reports) and a
-message naming the numbers, e.g. ``tp=16 crosses nodes (8 GPUs per node)``.
+Each broken rule is a :class:`~ptdp.errors.Violation` with a short ``rule`` key (for grouping in
+reports) and a message naming the numbers, e.g. ``tp=16 crosses nodes (8 GPUs per node)``.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 from ptdp.config.axis_rules import (
     context_parallel_model_violations,
@@ -17,16 +16,11 @@ from ptdp.config.axis_rules import (
 from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.rules import layout_violations, schedule_violations
+from ptdp.errors import Violation
 from ptdp.planner.hardware import Cluster
 from ptdp.planner.models import ModelSpec
 from ptdp.planner.plan import CP_COMM_TYPES, PRECISIONS, RECOMPUTE, SHARDING, Layout
 from ptdp.planner.splits import accounting_of
-
-
-@dataclass(frozen=True)
-class Rejection:
-    rule: str
-    message: str
 
 
 @functools.cache
@@ -52,7 +46,7 @@ def structural_rejections(
     big_b: int,
     gpus_per_node: int,
     layer_split: tuple[int, ...] | None = None,
-) -> tuple[Rejection, ...]:
+) -> tuple[Violation, ...]:
     """Rules on (tp, pp, dp, b) and an explicit pipeline layer split alone: ptdp's config rules,
     grouped-query heads, node boundary."""
     out = []
@@ -61,19 +55,19 @@ def structural_rejections(
     ):  # the rules of ptdp train
         rule = "config" if v.rule == "option" else v.rule
         out.append(
-            Rejection(rule, v.message.replace("; give an explicit --pipeline-layer-split to split unevenly", ""))
+            Violation(rule, v.message.replace("; give an explicit --pipeline-layer-split to split unevenly", ""))
         )
     out += kv_head_rejections(model, tp)
     if tp > gpus_per_node:
         out.append(
-            Rejection(
+            Violation(
                 "tp crosses nodes",
                 f"tp={tp} crosses nodes ({gpus_per_node} GPUs per node); tensor parallelism needs NVLink",
             )
         )
     elif gpus_per_node % tp:
         out.append(
-            Rejection(
+            Violation(
                 "tp crosses nodes",
                 f"tp={tp} does not divide the {gpus_per_node} GPUs of a node: "
                 f"some tensor-parallel groups would span two nodes",
@@ -82,11 +76,11 @@ def structural_rejections(
     return tuple(out)
 
 
-def kv_head_rejections(model: ModelSpec, tp: int) -> list[Rejection]:
+def kv_head_rejections(model: ModelSpec, tp: int) -> list[Violation]:
     """Grouped-query attention splits whole key/value heads over tp: ``kv_heads % tp == 0``."""
     if model.num_query_groups is not None and model.kv_heads % tp != 0:
         return [
-            Rejection(
+            Violation(
                 "kv heads % tp",
                 f"num_query_groups={model.kv_heads} is not divisible by tp={tp} (rule: key/value heads % tp == 0)",
             )
@@ -95,21 +89,21 @@ def kv_head_rejections(model: ModelSpec, tp: int) -> list[Rejection]:
 
 
 @functools.lru_cache(maxsize=4096)
-def context_rejections(model: ModelSpec, tp: int, cp: int) -> tuple[Rejection, ...]:
+def context_rejections(model: ModelSpec, tp: int, cp: int) -> tuple[Violation, ...]:
     """Rules of context parallelism (``ptdp.config``'s: ``cp >= 1``, ``seq_length % (2 cp) == 0``).
     A cp group may leave the node (``tp * cp > gpus_per_node``): allowed, its key/value ring then
     runs at network speed (:func:`ptdp.planner.context.cp_link`)."""
-    return tuple(Rejection(v.rule, v.message) for v in context_parallel_violations(model.seq_length, cp))
+    return tuple(context_parallel_violations(model.seq_length, cp))
 
 
-def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Rejection]:
+def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Violation]:
     """Rules of the interleaved schedule, of sequence parallelism and of the option values."""
     out = []
     v, pp, m = layout.virtual_stages, layout.pp, layout.num_microbatches
     counted = accounting_of(layout.layer_split, v) if v > 1 and layout.layer_split is not None else None
     if v > 1 and layout.layer_split is not None and counted is None:
         out.append(
-            Rejection(
+            Violation(
                 "interleaving",
                 f"layers per rank {','.join(map(str, layout.layer_split))} at v={v}: ptdp's interleaved "
                 f"schedule splits the layers evenly over pp*v model chunks, with the "
@@ -127,11 +121,11 @@ def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Rejection]:
             account_for_embedding_in_pipeline_split=counted[0],
             account_for_loss_in_pipeline_split=counted[1],
         )
-        out += [Rejection("interleaving", v.message) for v in schedule_violations(parallel, model.num_layers, m)]
+        out += [Violation("interleaving", v.message) for v in schedule_violations(parallel, model.num_layers, m)]
     elif v > 1:
         if model.num_layers % (pp * v):
             out.append(
-                Rejection(
+                Violation(
                     "interleaving", f"num_layers={model.num_layers} is not divisible by pp*v = {pp}*{v} = {pp * v}"
                 )
             )
@@ -143,27 +137,22 @@ def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Rejection]:
                 pipeline_schedule="interleaved-1f1b",
                 num_layers_per_virtual_pipeline_stage=model.num_layers // (pp * v),
             )
-            out += [Rejection("interleaving", v.message) for v in schedule_violations(parallel, model.num_layers, m)]
-    out += [
-        Rejection(v.rule, v.message)
-        for v in sequence_parallel_violations(_model_config(model), layout.tp, layout.sequence_parallel)
-    ]
-    out += [
-        Rejection(v.rule, v.message)  # sequence parallelism inside each cp rank's s / cp positions
-        for v in context_parallel_model_violations(_model_config(model), layout.cp, layout.tp, layout.sequence_parallel)
-    ]
+            out += [Violation("interleaving", v.message) for v in schedule_violations(parallel, model.num_layers, m)]
+    out += sequence_parallel_violations(_model_config(model), layout.tp, layout.sequence_parallel)
+    # sequence parallelism inside each cp rank's s / cp positions
+    out += context_parallel_model_violations(_model_config(model), layout.cp, layout.tp, layout.sequence_parallel)
     if layout.recompute not in RECOMPUTE:
-        out.append(Rejection("option", f"recompute={layout.recompute!r} not in {RECOMPUTE}"))
+        out.append(Violation("option", f"recompute={layout.recompute!r} not in {RECOMPUTE}"))
     if layout.sharding_strategy not in SHARDING:
-        out.append(Rejection("option", f"sharding={layout.sharding_strategy!r} not in {SHARDING}"))
+        out.append(Violation("option", f"sharding={layout.sharding_strategy!r} not in {SHARDING}"))
     if layout.cp_comm_type not in CP_COMM_TYPES:
-        out.append(Rejection("option", f"cp_comm_type={layout.cp_comm_type!r} not in {CP_COMM_TYPES}"))
+        out.append(Violation("option", f"cp_comm_type={layout.cp_comm_type!r} not in {CP_COMM_TYPES}"))
     if layout.precision not in PRECISIONS:
-        out.append(Rejection("option", f"precision={layout.precision!r} not in {PRECISIONS}"))
+        out.append(Violation("option", f"precision={layout.precision!r} not in {PRECISIONS}"))
     return out
 
 
-def all_rejections(model: ModelSpec, layout: Layout, cluster: Cluster) -> list[Rejection]:
+def all_rejections(model: ModelSpec, layout: Layout, cluster: Cluster) -> list[Violation]:
     """Every rule ``layout`` breaks on ``cluster`` (memory excluded)."""
     out = []
     if layout.num_gpus != cluster.num_gpus:
@@ -173,7 +162,7 @@ def all_rejections(model: ModelSpec, layout: Layout, cluster: Cluster) -> list[R
             else (("tp", "cp", "pp", "dp"), (layout.tp, layout.cp, layout.pp, layout.dp))
         )
         out.append(
-            Rejection(
+            Violation(
                 "gpus",
                 f"{'*'.join(sizes[0])} = {'*'.join(map(str, sizes[1]))} = {layout.num_gpus} != {cluster.num_gpus} GPUs",
             )

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.rules import schedule_violations
-from ptdp.errors import ConfigError
+from ptdp.errors import ConfigError, Violation
 from ptdp.layout.pipeline.partition import accounted_split, first_last_split
 from ptdp.planner.context import CP_MIN_LOCAL_TOKENS, CP_MIN_SEQ_LENGTH
 from ptdp.planner.hardware import Cluster
@@ -39,7 +39,7 @@ from ptdp.planner.models import ModelSpec
 from ptdp.planner.perf_constants import DEFAULT_CONSTANTS
 from ptdp.planner.plan import RECOMPUTE, SHARDING, Layout, Plan
 from ptdp.planner.predict import predict_strategies
-from ptdp.planner.rules import Rejection, context_rejections, structural_rejections
+from ptdp.planner.rules import context_rejections, structural_rejections
 from ptdp.planner.splits import ACCOUNTING, candidate_splits, interleaved_splits
 
 __all__ = ["MAX_MICRO_BATCH", "Fixed", "SearchResult", "divisors", "search"]
@@ -92,7 +92,7 @@ class SearchResult:
     """Fitting plans ranked fastest first, and every rejected plan with the rule it broke."""
 
     plans: list[Plan]
-    rejected: list[tuple[Plan, Rejection]] = field(default_factory=list)
+    rejected: list[tuple[Plan, Violation]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     """What the search left out and why (each once), e.g. interleaving where the layers do not split evenly."""
     uneven_pp: list[int] = field(default_factory=list, repr=False)
@@ -198,20 +198,20 @@ def _interleaving_flag_errors(
     return [v.message for v in schedule_violations(parallel, num_layers, big_b // (b * dp))]
 
 
-def _fixed_split(num_layers: int, pp: int, fixed: Fixed) -> tuple[tuple[int, ...] | None, bool, tuple[Rejection, ...]]:
+def _fixed_split(num_layers: int, pp: int, fixed: Fixed) -> tuple[tuple[int, ...] | None, bool, tuple[Violation, ...]]:
     """(the split the user fixed or None, whether the search picks the split, the rejection of fixed
     first/last counts that cannot split ``num_layers`` over ``pp`` stages)."""
     if fixed.accounting is not None and any(fixed.accounting):
         try:
             return accounted_split(num_layers, pp, embedding=fixed.accounting[0], loss=fixed.accounting[1]), False, ()
         except ConfigError as e:
-            return None, False, (Rejection("layers % pp", str(e)),)
+            return None, False, (Violation("layers % pp", str(e)),)
     if fixed.first_layers is None and fixed.last_layers is None:
         return fixed.layer_split, fixed.layer_split is None and pp > 1, ()
     try:
         return first_last_split(num_layers, pp, fixed.first_layers, fixed.last_layers), False, ()
     except ConfigError as e:
-        return None, False, (Rejection("layers % pp", str(e)),)
+        return None, False, (Violation("layers % pp", str(e)),)
 
 
 def _micro_batches(big_b: int, dp: int, fixed: int | None) -> list[int]:
@@ -289,7 +289,7 @@ def _search_layout(
         return
     pairs, flag_errors = _virtual_stage_pairs(model, tp, pp, dp, b, big_b, fixed, split, search_split)
     if flag_errors:
-        result.rejected.append((Plan(base, False, reasons=flag_errors), Rejection("interleaving", flag_errors[0])))
+        result.rejected.append((Plan(base, False, reasons=flag_errors), Violation("interleaving", flag_errors[0])))
         return
     if pp > 1 and model.num_layers % pp and search_split:
         result.note_uneven(model.num_layers, pp)
