@@ -19,7 +19,7 @@ of sends). It is recorded by wrapping ``post`` as the runtime sees it
 (``ptdp.engine.comm.post``) inside the worker; ptdp's files are unchanged.
 
 With ``--planner`` the planner's prediction for every rank and schedule
-(:func:`ptdp.planner.activation_memory.stage_activation_bytes` for ``spec_from_model_config``; float64:
+(:func:`ptdp.planner.memory.activations.stage_activation_bytes` for ``spec_from_model_config``; float64:
 twice the fp32 figure) is printed beside the measurement. ``--tp`` adds tensor parallelism
 (tp x pp workers), ``--interleaved`` the interleaved 1F1B schedule with v = 2.
 
@@ -48,9 +48,9 @@ from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storage
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
 from ptdp.layout.grid import ParallelLayout
-from ptdp.planner.activation_memory import stage_activation_bytes
-from ptdp.planner.models import spec_from_model_config
-from ptdp.planner.plan import Layout
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.models import spec_from_model_config
+from ptdp.planner.memory.activations import stage_activation_bytes
 from ptdp.run.distributed import init_distributed
 
 SCHEDULES = ("gpipe", "1f1b")

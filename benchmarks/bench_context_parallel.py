@@ -7,9 +7,9 @@ One world per cp size (tp = pp = dp = 1, world = cp, gloo). Each rank builds its
 
 * memory: one step under :class:`ptdp.engine.activation_meter.SavedActivationMeter` (every storage
   autograd saves for backward, once; parameters excluded), per comm type; its peak on the most
-  loaded rank beside the planner's :func:`ptdp.planner.activation_memory.rank_activation_bytes` for the same
+  loaded rank beside the planner's :func:`ptdp.planner.memory.activations.rank_activation_bytes` for the same
   layout (float32). The planner's figure adds the key/value exchange buffers of the running layer
-  (:func:`ptdp.planner.context.kv_buffer_bytes`), which autograd does not save; both are shown.
+  (:func:`ptdp.planner.memory.cp_local.kv_buffer_bytes`), which autograd does not save; both are shown.
   Expected: the layers' activations fall as 1/cp (each rank keeps s/cp tokens of every tensor).
 * time: the p2p and all_gather stages alternate step by step in the same world (same weights,
   same data), ``--steps`` timed steps each after one warm-up; medians of the slowest rank's time
@@ -37,10 +37,10 @@ from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storage
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
 from ptdp.layout.grid import ParallelLayout
-from ptdp.planner.activation_memory import rank_activation_bytes
-from ptdp.planner.context import kv_buffer_bytes
-from ptdp.planner.models import spec_from_model_config
-from ptdp.planner.plan import Layout
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.models import spec_from_model_config
+from ptdp.planner.memory.activations import rank_activation_bytes
+from ptdp.planner.memory.cp_local import kv_buffer_bytes
 from ptdp.run.distributed import init_distributed
 
 COMM_TYPES = ("p2p", "all_gather")

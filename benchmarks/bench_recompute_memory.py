@@ -43,9 +43,9 @@ from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storage
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
 from ptdp.layout.grid import ParallelLayout
-from ptdp.planner.activation_memory import stage_activation_bytes
-from ptdp.planner.models import spec_from_model_config
-from ptdp.planner.plan import Layout
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.models import spec_from_model_config
+from ptdp.planner.memory.activations import stage_activation_bytes
 from ptdp.run.distributed import init_distributed
 
 MODES = [(r, sp) for sp in (False, True) for r in ("none", "selective", "full")]

@@ -13,7 +13,7 @@ Both models are built with their weights drawn on the device (``gpu_models.devic
 MFU = (model FLOPs per token x tokens/s) / peak FLOP/s, with model FLOPs per token
 ``6 N + 12 l h s`` (Chowdhery et al. 2022, "PaLM", App. B: N the parameters but the position table,
 12 l h s the attention scores and their weighted sum, forward and backward). The peak is the
-planner's catalog entry (``ptdp.planner.hardware``) for ``torch.cuda.get_device_name()`` in the
+planner's catalog entry (``ptdp.planner.inputs.hardware``) for ``torch.cuda.get_device_name()`` in the
 checked precision (TF32 for float32 on CUDA); ``--peak-tflops`` overrides it; a CPU has none.
 
 Timing: CUDA events around each step (read when done, no extra synchronisation), wall clock on a
@@ -36,7 +36,7 @@ from plain_gpt import copy_weights, plain_like, plain_optimizer, plain_step
 from ptdp.config.schema import Config
 from ptdp.engine.step import Stage, train_step
 from ptdp.engine.tensor_parallel import wgrad
-from ptdp.planner.hardware import CATALOG
+from ptdp.planner.inputs.hardware import CATALOG
 
 TARGETS = {"mfu_compiled_at_least": 0.50, "ratio_vs_plain_at_most": 1.05}
 PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -71,7 +71,7 @@ def peak_flops(device: torch.device, dtype: str, override_tflops: float | None) 
         precision = "tf32"
     if key is None or precision not in CATALOG[key].peak_flops:
         return None, f"the planner's catalog has no {precision or dtype} peak for {name!r} (give --peak-tflops)"
-    return CATALOG[key].peak(precision), f"ptdp.planner.hardware {key} {precision}"
+    return CATALOG[key].peak(precision), f"ptdp.planner.inputs.hardware {key} {precision}"
 
 
 def wgrad_record(device: torch.device, dtype: str) -> dict:

@@ -4,7 +4,7 @@ torch.distributed, and a planner that picks the layout.
 The Python API (``docs/api.md``), importing no torch until a run starts:
 
 * :func:`plan`: search the layouts of a model on a cluster, as ``ptdp plan`` does; returns a
-  :class:`PlanResult` of typed :class:`~ptdp.planner.plan.Plan`.
+  :class:`PlanResult` of typed :class:`~ptdp.planner.candidate.Plan`.
 * :class:`Config` and :func:`load_config`: a run's configuration from a file and keywords,
   checked by the command line's rules; bad input raises :class:`ConfigError`.
 * :func:`train`: train a config in a launched worker (torchrun, or alone). ``ptdp.train`` is also

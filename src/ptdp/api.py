@@ -13,7 +13,7 @@ Example::
 
     import ptdp
     result = ptdp.plan("llama3-8b", gpus=64, gpu="h100-sxm", global_batch_size=512, seq_length=8192)
-    best = result.best                      # a ptdp.planner.plan.Plan
+    best = result.best                      # a ptdp.planner.candidate.Plan
     best.layout.tp, best.time.step, best.memory.total   # sizes, seconds per step, bytes per GPU
 """
 
@@ -28,9 +28,9 @@ from typing import Any
 from ptdp.config.keywords import RaisingParser, keyword_actions, keywords_to_argv
 from ptdp.config.schema import Config
 from ptdp.errors import Violation
-from ptdp.planner.hardware import Cluster
-from ptdp.planner.models import ModelSpec
-from ptdp.planner.plan import Plan
+from ptdp.planner.candidate import Plan
+from ptdp.planner.inputs.hardware import Cluster
+from ptdp.planner.inputs.models import ModelSpec
 
 #: options that are not part of a search
 _NOT_FOR_SEARCH = ("validate", "calibrate", "update_benchmarks", "nproc_per_node", "json", "plot")
@@ -42,7 +42,7 @@ class PlanResult:
 
     Attributes:
         model, cluster: the model and cluster planned for (presets resolved, flags applied).
-        plans: the fitting plans, fastest first (:class:`~ptdp.planner.plan.Plan`: ``layout``,
+        plans: the fitting plans, fastest first (:class:`~ptdp.planner.candidate.Plan`: ``layout``,
             ``memory`` in bytes per GPU, ``time`` in seconds per step, ``tflops_per_gpu``, ``mfu``).
         rejected: every layout that breaks a rule or does not fit, with the rule.
         notes: what the search left out and why, and what a Hugging Face config holds that the
@@ -65,22 +65,22 @@ class PlanResult:
 
     def report(self, top: int = 10) -> str:
         """The table ``ptdp plan`` prints."""
-        from ptdp.planner.report import text_report
-        from ptdp.planner.search import SearchResult
+        from ptdp.planner.report.render import text_report
+        from ptdp.planner.search.layouts import SearchResult
 
         result = SearchResult(self.plans, self.rejected, self.notes)
         return text_report(self.model, self.cluster, result, top=top, explanation=self.explanation)
 
     def to_json(self, top: int = 10) -> list[dict]:
         """The records of ``ptdp plan --json``: the ``top`` fitting plans, then a few rejected ones."""
-        from ptdp.planner.report import json_records
-        from ptdp.planner.search import SearchResult
+        from ptdp.planner.report.render import json_records
+        from ptdp.planner.search.layouts import SearchResult
 
         return json_records(SearchResult(self.plans, self.rejected, self.notes), top=top)
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ptdp.planner.args import add_plan_arguments
+    from ptdp.planner.inputs.plan_flags import add_plan_arguments
 
     parser = RaisingParser(prog="ptdp.plan", add_help=False)
     add_plan_arguments(parser)
@@ -92,7 +92,7 @@ def plan(model: str | ModelSpec | None = None, **options: Any) -> PlanResult:
 
     Args:
         model: a preset name (``"llama3-405b"``, ``"gpt3-175b"``, ...), the path of a Hugging Face
-            ``config.json`` (or its folder), a :class:`~ptdp.planner.models.ModelSpec`, or None to
+            ``config.json`` (or its folder), a :class:`~ptdp.planner.inputs.models.ModelSpec`, or None to
             give the shape by keywords (``num_layers``, ``hidden_size``, ``num_attention_heads``, ...).
         **options: ``ptdp plan``'s flags by name (module docstring); ``gpus`` is required,
             ``global_batch_size`` too except for a preset (which defaults as ``ptdp plan`` does).

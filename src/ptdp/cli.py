@@ -17,8 +17,8 @@ from importlib.metadata import version
 
 from ptdp.config.flags import Parser, reject_unknown
 from ptdp.errors import ConfigError
-from ptdp.planner.hardware import UnknownGPUError
-from ptdp.planner.models import UnknownModelError
+from ptdp.planner.inputs.hardware import UnknownGPUError
+from ptdp.planner.inputs.models import UnknownModelError
 from ptdp.topology.model import TopologyError
 
 #: each command: its one-line help and its module (imported only when chosen), which provides

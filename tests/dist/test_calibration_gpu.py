@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 
-from ptdp.planner.profile import load_profile
+from ptdp.planner.time.profile import load_profile
 
 
 @pytest.mark.gpu

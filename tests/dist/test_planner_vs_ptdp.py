@@ -11,7 +11,7 @@ import pytest
 
 from helpers.cli import run
 from helpers.layout_cases import EXTRA_VARIANT_LAYOUTS, LAYOUTS, llama_variant, parallel_run, variant_config
-from ptdp.planner.profile import load_profile
+from ptdp.planner.time.profile import load_profile
 from ptdp.run.planner_report import compare, format_comparison
 
 
@@ -40,7 +40,7 @@ def test_bytes_per_rank_match_llama(layout):
     (8 bytes per value instead of 4: parameter, gradient, Adam's two moments)."""
     import dataclasses
 
-    from ptdp.planner.models import spec_from_model_config
+    from ptdp.planner.inputs.models import spec_from_model_config
 
     variant = llama_variant(layout[0])
     config = variant_config(variant, *layout)

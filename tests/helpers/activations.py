@@ -17,10 +17,10 @@ from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
 from ptdp.layout.grid import ParallelLayout
 from ptdp.layout.pipeline.partition import stage_layer_counts
-from ptdp.planner.activation_memory import rank_activation_bytes
-from ptdp.planner.context import kv_buffer_bytes
-from ptdp.planner.models import spec_from_model_config
-from ptdp.planner.plan import Layout
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.models import spec_from_model_config
+from ptdp.planner.memory.activations import rank_activation_bytes
+from ptdp.planner.memory.cp_local import kv_buffer_bytes
 
 MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=500)
 MICRO_BATCH, MICROBATCHES = 2, 4
@@ -99,7 +99,7 @@ def measured_peak(cfg: Config, groups: ParallelGroups) -> int:
 
 def predicted_peak(cfg: Config, pp_rank: int) -> float:
     """The planner's activation peak of ``pp_rank`` (fp32 figure, doubled for float64): with
-    cp > 1 that of one cp rank (:func:`~ptdp.planner.activation_memory.rank_activation_bytes`) without its
+    cp > 1 that of one cp rank (:func:`~ptdp.planner.memory.activations.rank_activation_bytes`) without its
     key/value exchange buffers, which autograd does not save."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     split = p.layer_split(m.num_layers)

@@ -209,13 +209,13 @@ def zero_config(name: str, tp: int, pp: int, dp: int, strategy: str | None = Non
 
 def planner_transients(cfg: Config, pp_rank: int) -> tuple[int, int]:
     """The planner's (gathered parameter, gradient bucket) elements at their peaks on a rank of
-    pipeline stage ``pp_rank`` of run ``cfg`` (:func:`ptdp.planner.transients.rank_transients`)."""
+    pipeline stage ``pp_rank`` of run ``cfg`` (:func:`ptdp.planner.memory.transients.rank_transients`)."""
     from ptdp.layout.buckets import chunk_by_chunk
     from ptdp.layout.pipeline.partition import stage_layer_counts
-    from ptdp.planner.chunk_params import stage_chunks
-    from ptdp.planner.models import spec_from_model_config
-    from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS
-    from ptdp.planner.transients import rank_transients
+    from ptdp.planner.inputs.models import spec_from_model_config
+    from ptdp.planner.memory.chunk_params import stage_chunks
+    from ptdp.planner.memory.strategies import DEFAULT_BUCKET_ELEMENTS
+    from ptdp.planner.memory.transients import rank_transients
 
     m, p = cfg.model, cfg.parallel
     layers = stage_layer_counts(m.num_layers, p.pp, p.layer_split(m.num_layers))[pp_rank]
@@ -239,12 +239,12 @@ def planner_transients(cfg: Config, pp_rank: int) -> tuple[int, int]:
 def planner_gathers(cfg: Config, pp_rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """The planner's parameter all-gathers of one microbatch, (calls, elements) in forward and in
     backward, on a rank of pipeline stage ``pp_rank`` of run ``cfg`` (optim_grads_params,
-    :func:`ptdp.planner.transients.unit_gathers`)."""
+    :func:`ptdp.planner.memory.transients.unit_gathers`)."""
     from ptdp.layout.pipeline.partition import stage_layer_counts
-    from ptdp.planner.chunk_params import stage_chunks
-    from ptdp.planner.models import spec_from_model_config
-    from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS
-    from ptdp.planner.transients import unit_gathers
+    from ptdp.planner.inputs.models import spec_from_model_config
+    from ptdp.planner.memory.chunk_params import stage_chunks
+    from ptdp.planner.memory.strategies import DEFAULT_BUCKET_ELEMENTS
+    from ptdp.planner.memory.transients import unit_gathers
 
     m, p = cfg.model, cfg.parallel
     layers = stage_layer_counts(m.num_layers, p.pp, p.layer_split(m.num_layers))[pp_rank]

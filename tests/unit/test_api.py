@@ -14,7 +14,7 @@ import pytest
 
 import ptdp
 from ptdp.cli import main as cli_main
-from ptdp.planner.models import get_model
+from ptdp.planner.inputs.models import get_model
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUEST = dict(gpus=64, gpu="h100-sxm", global_batch_size=512, seq_length=4096)
@@ -152,7 +152,7 @@ def test_type_checkers_see_the_api_s_types(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     for revealed in (
         '"ptdp.api.PlanResult"',
-        '"ptdp.planner.plan.Plan | None"',
+        '"ptdp.planner.candidate.Plan | None"',
         '"ptdp.config.schema.Config"',
         '"def (config: ptdp.config.schema.Config, *, progress: bool =) -> dict[Any, Any]"',
     ):

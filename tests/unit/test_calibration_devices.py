@@ -119,7 +119,7 @@ def test_a_gpu_profile_holds_the_device_memory_and_shares_no_cores():
 
 
 def test_cpu_measurements_run_on_the_given_device():
-    from ptdp.planner.models import ModelSpec
+    from ptdp.planner.inputs.models import ModelSpec
 
     model = ModelSpec(
         name="t",

@@ -20,7 +20,7 @@ from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.config.train_flags import add_train_arguments
 from ptdp.errors import ConfigError
-from ptdp.planner.args import add_plan_arguments
+from ptdp.planner.inputs.plan_flags import add_plan_arguments
 
 
 def _config(**parallel) -> Config:

@@ -28,13 +28,13 @@ from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.errors import ConfigError
-from ptdp.planner.hardware import CATALOG, Cluster
-from ptdp.planner.models import ModelSpec
-from ptdp.planner.plan import Layout
-from ptdp.planner.predict import evaluate
-from ptdp.planner.request import check_model
-from ptdp.planner.request import check_request as check_plan_request
-from ptdp.planner.search import Fixed, search
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.hardware import CATALOG, Cluster
+from ptdp.planner.inputs.models import ModelSpec
+from ptdp.planner.search.layouts import Fixed, search
+from ptdp.planner.search.predict import evaluate
+from ptdp.planner.search.request import check_model
+from ptdp.planner.search.request import check_request as check_plan_request
 from ptdp.planner.splits import split_options
 
 PROPERTY = settings(

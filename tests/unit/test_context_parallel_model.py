@@ -191,10 +191,10 @@ def test_stage_hidden_shape_divides_the_sequence_by_cp_and_by_tp_with_sequence_p
 def test_the_planner_refuses_what_ptdp_train_refuses():
     """``ptdp plan`` checks the same rule: a sequence-parallel layout whose tp does not divide a cp
     rank's ``s / cp`` positions is rejected, naming the numbers."""
-    from ptdp.planner.hardware import CATALOG, Cluster
-    from ptdp.planner.models import PRESETS
-    from ptdp.planner.plan import Layout
-    from ptdp.planner.rules import all_rejections
+    from ptdp.planner.candidate import Layout
+    from ptdp.planner.inputs.hardware import CATALOG, Cluster
+    from ptdp.planner.inputs.models import PRESETS
+    from ptdp.planner.search.rules import all_rejections
 
     model, cluster = dataclasses.replace(PRESETS["gpt3-175b"], seq_length=20), Cluster(CATALOG["a100-80gb"], 1024)
     rules = {

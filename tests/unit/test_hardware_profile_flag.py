@@ -44,8 +44,8 @@ def test_a_calibrated_profile_is_accepted(tmp_path):
     import dataclasses
 
     from ptdp.config.schema import Config
-    from ptdp.planner.hardware import CATALOG
-    from ptdp.planner.perf_constants import DEFAULT_CONSTANTS
+    from ptdp.planner.inputs.hardware import CATALOG
+    from ptdp.planner.time.constants import DEFAULT_CONSTANTS
     from ptdp.run.preflight import check_hardware_profile
 
     path = tmp_path / "profile.json"

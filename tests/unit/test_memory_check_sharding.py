@@ -11,8 +11,8 @@ from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
-from ptdp.planner.models import spec_from_model_config
-from ptdp.planner.param_memory import rank_state_bytes, stage_param_counts
+from ptdp.planner.inputs.models import spec_from_model_config
+from ptdp.planner.memory.params import rank_state_bytes, stage_param_counts
 from ptdp.run.memory_check import GiB, memory_problem, needed_bytes, rank_estimates
 from ptdp.run.planner_report import planner_layout
 

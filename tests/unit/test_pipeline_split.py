@@ -316,9 +316,9 @@ def test_the_run_checks_and_reports_use_the_split():
     """ptdp train's memory check and planner report see the run's split: each rank's parameters
     with its own layers, and activations chunk by chunk when interleaved with the embedding and
     loss counted as layers (rank 1 keeps 5 layer-microbatches at its peak, not 2 x 5/3)."""
-    from ptdp.planner.activation_memory import stage_activation_bytes
-    from ptdp.planner.models import spec_from_model_config
-    from ptdp.planner.param_memory import stage_param_counts
+    from ptdp.planner.inputs.models import spec_from_model_config
+    from ptdp.planner.memory.activations import stage_activation_bytes
+    from ptdp.planner.memory.params import stage_param_counts
     from ptdp.run.memory_check import rank_estimates
     from ptdp.run.planner_report import planner_layout
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import main
-from ptdp.planner.models import PRESETS, PUBLISHED_BATCH
+from ptdp.planner.inputs.models import PRESETS, PUBLISHED_BATCH
 
 DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
 
@@ -96,8 +96,8 @@ def test_flags_that_change_nothing_are_noted(extra, note, capsys):
 
 def test_selective_recompute_with_flash_attention_is_planned_as_none():
     """What the note says: the same memory and step as no recompute."""
-    from ptdp.planner.hardware import CATALOG, Cluster
-    from ptdp.planner.search import Fixed, search
+    from ptdp.planner.inputs.hardware import CATALOG, Cluster
+    from ptdp.planner.search.layouts import Fixed, search
 
     cluster = Cluster(CATALOG["h100-sxm"], 8)
     fixed = dict(tp=2, pp=1, dp=4, micro_batch_size=1, sequence_parallel=True, sharding="optim")

@@ -1,4 +1,4 @@
-"""The planner's explanation of its pick (ptdp.planner.explain): which step-time terms decide
+"""The planner's explanation of its pick (ptdp.planner.report.explain): which step-time terms decide
 between the fastest layout and the runner-up, and how far a fixed layout is from the best."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from ptdp.planner.explain import compare, deciding_terms, distance_from_best, explain_pick, layout_differences
-from ptdp.planner.hardware import GiB
-from ptdp.planner.plan import Layout, MemoryBreakdown, Plan, TimeBreakdown
+from ptdp.planner.candidate import Layout, MemoryBreakdown, Plan, TimeBreakdown
+from ptdp.planner.inputs.hardware import GiB
+from ptdp.planner.report.explain import compare, deciding_terms, distance_from_best, explain_pick, layout_differences
 
 
 def _plan(layout: Layout, **times) -> Plan:
@@ -173,7 +173,7 @@ def test_differences_say_even_and_not_set_rather_than_none():
 
 
 def test_layout_flags_give_the_split_cp_and_non_default_options():
-    from ptdp.planner.explain import layout_flags
+    from ptdp.planner.report.explain import layout_flags
 
     uneven = Layout(2, 4, 2, 1, 64, layer_split=(5, 7, 7, 5), cp=2, cp_comm_type="all_gather")
     assert layout_flags(uneven) == (

@@ -10,7 +10,7 @@ import pytest
 
 from helpers.activations import CASES, DTYPES, MODEL, TOLERANCE, _table, compared
 from ptdp.config.model import ModelConfig
-from ptdp.planner.models import spec_from_model_config
+from ptdp.planner.inputs.models import spec_from_model_config
 
 
 @pytest.mark.parametrize("world", [1])  # worlds 2 and 4: tests/dist/test_planner_activations.py

@@ -1,6 +1,6 @@
 """Context parallelism and data-parallel sharding strategies in the planner: bytes per rank and
-communication time per the formulas of :mod:`ptdp.planner.context` and
-:mod:`ptdp.planner.sharding`, hand-computed here; the search over cp and strategies; the 128K stage
+communication time per the formulas of :mod:`ptdp.planner.time.cp_exchange` and
+:mod:`ptdp.planner.memory.strategies`, hand-computed here; the search over cp and strategies; the 128K stage
 of Llama 3 405B planned as fitting (pure, no processes)."""
 
 from __future__ import annotations
@@ -12,17 +12,18 @@ import pytest
 
 from ptdp import cli
 from ptdp.layout.buckets import chunk_by_chunk
-from ptdp.planner.activation_memory import rank_activation_bytes
-from ptdp.planner.comm import Links, hierarchical_all_reduce_time
-from ptdp.planner.context import kv_buffer_bytes, kv_exchange_times
-from ptdp.planner.hardware import CATALOG, Cluster, get_gpu
-from ptdp.planner.memory import memory_breakdown
-from ptdp.planner.models import ModelSpec, get_model
-from ptdp.planner.param_memory import layer_param_count, stage_param_counts
-from ptdp.planner.perf import evaluate_performance
-from ptdp.planner.plan import Layout
-from ptdp.planner.search import Fixed, search
-from ptdp.planner.sharding import sharded_dp_times
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.hardware import CATALOG, Cluster, get_gpu
+from ptdp.planner.inputs.models import ModelSpec, get_model
+from ptdp.planner.memory.activations import rank_activation_bytes
+from ptdp.planner.memory.breakdown import memory_breakdown
+from ptdp.planner.memory.cp_local import kv_buffer_bytes
+from ptdp.planner.memory.params import layer_param_count, stage_param_counts
+from ptdp.planner.search.layouts import Fixed, search
+from ptdp.planner.time.collectives import Links, hierarchical_all_reduce_time
+from ptdp.planner.time.cp_exchange import kv_exchange_times
+from ptdp.planner.time.data_parallel import sharded_dp_times
+from ptdp.planner.time.step import evaluate_performance
 
 H100 = CATALOG["h100-sxm"]
 LINKS = Links(
@@ -104,7 +105,7 @@ def test_ring_exchange_bytes_and_overlap():
 def test_each_strategy_bytes_per_rank_hand_computed():
     """bf16: no_shard 2+4+12, optim 2+4+12/d, optim_grads 2+4/d+12/d + the fp32 gradient buckets
     alive at once, optim_grads_params (2+4+12)/d + the gathered 16-bit units + those buckets;
-    d = dp*cp (ptdp.planner.transients)."""
+    d = dp*cp (ptdp.planner.memory.transients)."""
     model = dataclasses.replace(LLAMA, num_layers=2, vocab_size=5000)
     n = stage_param_counts(model, 1, 1)[0]
     layer = layer_param_count(model, 1)

@@ -11,18 +11,19 @@ import dataclasses
 import pytest
 
 from ptdp.layout.buckets import chunk_by_chunk
-from ptdp.planner.chunk_params import stage_chunks
-from ptdp.planner.comm import Links, hierarchical_all_reduce_time
-from ptdp.planner.hardware import Cluster, get_gpu
-from ptdp.planner.memory import memory_breakdown
-from ptdp.planner.models import get_model
-from ptdp.planner.param_memory import layer_param_count, stage_param_counts
-from ptdp.planner.perf import evaluate_performance
-from ptdp.planner.plan import Layout
-from ptdp.planner.published import H100_CSV, load_h100_runs
-from ptdp.planner.search import Fixed, search
-from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS, sharded_dp_times, stage_state_bytes
-from ptdp.planner.transients import rank_transients
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.hardware import Cluster, get_gpu
+from ptdp.planner.inputs.models import get_model
+from ptdp.planner.memory.breakdown import memory_breakdown
+from ptdp.planner.memory.chunk_params import stage_chunks
+from ptdp.planner.memory.params import layer_param_count, stage_param_counts
+from ptdp.planner.memory.strategies import DEFAULT_BUCKET_ELEMENTS, stage_state_bytes
+from ptdp.planner.memory.transients import rank_transients
+from ptdp.planner.search.layouts import Fixed, search
+from ptdp.planner.time.collectives import Links, hierarchical_all_reduce_time
+from ptdp.planner.time.data_parallel import sharded_dp_times
+from ptdp.planner.time.step import evaluate_performance
+from ptdp.planner.validate.published import H100_CSV, load_h100_runs
 
 H100 = get_gpu("h100-sxm")
 LINKS = Links(
@@ -48,7 +49,7 @@ def test_when_gradients_are_reduced_chunk_by_chunk(strategy, shard, v, m, pp, ex
 
 def test_transients_add_their_elements_to_the_shares():
     """stage_state_bytes adds the transients it is given (elements, from
-    ptdp.planner.transients) to the strategy's shares: float32 gradient elements for both
+    ptdp.planner.memory.transients) to the strategy's shares: float32 gradient elements for both
     sharded-gradient strategies, 16-bit parameter elements for optim_grads_params only."""
     n, grads_transient, params_transient = 8_000_000, 1_000_000, 400_000
     kw = dict(params_transient=params_transient, grads_transient=grads_transient)

@@ -11,11 +11,11 @@ import pytest
 
 from ptdp.cli import build_parser
 from ptdp.commands.plan import model_from_args
-from ptdp.planner import flops
-from ptdp.planner.activation_memory import layer_activation_bytes
-from ptdp.planner.hardware import CATALOG, Cluster
-from ptdp.planner.models import PRESETS, ModelSpec, get_model
-from ptdp.planner.search import Fixed, search
+from ptdp.planner.inputs.hardware import CATALOG, Cluster
+from ptdp.planner.inputs.models import PRESETS, ModelSpec, get_model
+from ptdp.planner.memory.activations import layer_activation_bytes
+from ptdp.planner.search.layouts import Fixed, search
+from ptdp.planner.time import flops
 
 # GPT with dropout (the [K22] setting): a = 16, h = 1024, s = 2048, b = 2
 GPT = ModelSpec(4, 1024, 16, vocab_size=51200, seq_length=2048, dropout=True)

@@ -1,4 +1,4 @@
-"""``ptdp plan --fp8`` (:mod:`ptdp.planner.fp8`): FP8 activation bytes, FP8 weight copies, the FP8
+"""``ptdp plan --fp8`` (:mod:`ptdp.planner.memory.fp8`): FP8 activation bytes, FP8 weight copies, the FP8
 GEMM peak and casts, the errors before any search, and a published FP8 run on H100."""
 
 from __future__ import annotations
@@ -9,16 +9,16 @@ import pytest
 
 from ptdp.cli import main
 from ptdp.errors import ConfigError
-from ptdp.planner import flops
-from ptdp.planner.activation_memory import layer_activation_bytes
-from ptdp.planner.fp8 import FP8_WEIGHT_COPY_BYTES, fp8_precision, layer_fp8_weights
-from ptdp.planner.hardware import CATALOG, Cluster
-from ptdp.planner.memory import memory_breakdown
-from ptdp.planner.models import ModelSpec, get_model
-from ptdp.planner.param_memory import layer_param_count
-from ptdp.planner.perf import evaluate_performance
-from ptdp.planner.perf_constants import DEFAULT_CONSTANTS
-from ptdp.planner.plan import Layout
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.hardware import CATALOG, Cluster
+from ptdp.planner.inputs.models import ModelSpec, get_model
+from ptdp.planner.memory.activations import layer_activation_bytes
+from ptdp.planner.memory.breakdown import memory_breakdown
+from ptdp.planner.memory.fp8 import FP8_WEIGHT_COPY_BYTES, fp8_precision, layer_fp8_weights
+from ptdp.planner.memory.params import layer_param_count
+from ptdp.planner.time import flops
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS
+from ptdp.planner.time.step import evaluate_performance
 
 H100 = CATALOG["h100-sxm"]
 
@@ -119,7 +119,7 @@ def test_published_fp8_run_llama3_70b_on_h100(global_batch, tokens_per_gpu):
     the Hopper fit's share of the FP8 peak, as bf16 GEMMs do of theirs). Not stated by the source and
     assumed as Megatron-Bridge's recipes run it: sequence parallelism, the distributed optimizer,
     no recompute, the tensor-parallel communication overlapped with the GEMMs (all but one of tp
-    chunks hidden, as ``ptdp.planner.validate.run_constants`` counts it)."""
+    chunks hidden, as ``ptdp.planner.validate.accuracy.run_constants`` counts it)."""
     model = get_model("llama3-70b")
     layout = Layout(
         tp=4,

@@ -15,21 +15,13 @@ import re
 
 import pytest
 
-from ptdp.planner import flops
-from ptdp.planner.hardware import CATALOG, Cluster
-from ptdp.planner.models import ModelSpec
-from ptdp.planner.perf import evaluate_performance
-from ptdp.planner.perf_constants import DEFAULT_CONSTANTS, PerfConstants
-from ptdp.planner.plan import Layout
-from ptdp.planner.published import (
-    CONVENTIONS,
-    default_h100_csv,
-    load_h100_runs,
-    megatron_2024_flops,
-    palm_flops,
-)
-from ptdp.planner.published_a100 import default_csv, load_published_runs
-from ptdp.planner.validate import (
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.hardware import CATALOG, Cluster
+from ptdp.planner.inputs.models import ModelSpec
+from ptdp.planner.time import flops
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants
+from ptdp.planner.time.step import evaluate_performance
+from ptdp.planner.validate.accuracy import (
     H100_STEP,
     H100_STEP_CP,
     H100_STEP_FP8,
@@ -43,6 +35,15 @@ from ptdp.planner.validate import (
     summarize,
     validate,
     validate_h100,
+)
+from ptdp.planner.validate.published import (
+    CONVENTIONS,
+    default_csv,
+    default_h100_csv,
+    load_h100_runs,
+    load_published_runs,
+    megatron_2024_flops,
+    palm_flops,
 )
 
 CSV = default_h100_csv()
@@ -123,7 +124,7 @@ def test_a100_rows_no_worse_than_before():
 
 
 def test_hopper_constants_are_the_least_squares_fit(runs):
-    """A change to the model must come with a refit (``python -m ptdp.planner.validate
+    """A change to the model must come with a refit (``python -m ptdp.planner.validate.accuracy
     benchmarks/data/published_runs_h100.csv --fit``). The objective is flat near its minimum
     (hbm_efficiency 0.65 and 0.70 differ by 0.1%), so the defaults must score within 2% of the
     grid's best rather than be its exact argmin."""
@@ -234,7 +235,7 @@ def test_update_benchmarks_keeps_one_block_per_table(tmp_path):
 
 
 def test_catalog_file_may_name_the_architecture(tmp_path):
-    from ptdp.planner.hardware import load_catalog
+    from ptdp.planner.inputs.hardware import load_catalog
 
     base = (
         "peak_flops = { bf16 = 400e12 }\nmemory_bytes = 48e9\nmemory_bandwidth = 1.0e12\n"
@@ -254,7 +255,7 @@ def test_catalog_file_may_name_the_architecture(tmp_path):
 
 
 def test_exposed_p2p_is_the_excess_over_the_microbatch_work():
-    from ptdp.planner.perf import exposed_p2p
+    from ptdp.planner.time.step import exposed_p2p
 
     on = dataclasses.replace(DEFAULT_CONSTANTS, pp_overlap=True)
     work = (1.0, 0.25, 0.5, 0.25)  # compute, recompute, tp, cp seconds: 2 s

@@ -1,4 +1,4 @@
-"""``ptdp plan --model PATH`` with Hugging Face configs (:mod:`ptdp.planner.hf_config`): the
+"""``ptdp plan --model PATH`` with Hugging Face configs (:mod:`ptdp.planner.inputs.hf_config`): the
 planner's parameter count equals ``sum(p.numel())`` of the transformers model built from the
 same config (small shapes, on the CPU) for every supported model_type, tied and untied; the
 fields it cannot model are named; the command runs on a config file and on a folder."""
@@ -11,8 +11,8 @@ import pytest
 
 from ptdp.cli import main
 from ptdp.errors import ConfigError
-from ptdp.planner.hf_config import SUPPORTED, load_hf_config
-from ptdp.planner.param_memory import stage_param_counts
+from ptdp.planner.inputs.hf_config import SUPPORTED, load_hf_config
+from ptdp.planner.memory.params import stage_param_counts
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,12 +12,12 @@ from ptdp.engine.comm import AxisGroup, CommStats
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.errors import ConfigError
 from ptdp.layout.pipeline.partition import stage_layer_ids
-from ptdp.planner.activation_memory import inflight_microbatches, layer_activation_bytes
-from ptdp.planner.hardware import CATALOG, GiB
-from ptdp.planner.memory import DEFAULT_OVERHEAD_BYTES, memory_breakdown
-from ptdp.planner.models import PRESETS, ModelSpec
-from ptdp.planner.param_memory import bytes_per_param, stage_param_counts
-from ptdp.planner.plan import Layout
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.hardware import CATALOG, GiB
+from ptdp.planner.inputs.models import PRESETS, ModelSpec
+from ptdp.planner.memory.activations import inflight_microbatches, layer_activation_bytes
+from ptdp.planner.memory.breakdown import DEFAULT_OVERHEAD_BYTES, memory_breakdown
+from ptdp.planner.memory.params import bytes_per_param, stage_param_counts
 
 A100 = CATALOG["a100-80gb"]
 

@@ -6,8 +6,11 @@ import dataclasses
 
 import pytest
 
-from ptdp.planner import flops
-from ptdp.planner.comm import (
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.hardware import CATALOG, Cluster
+from ptdp.planner.inputs.models import PRESETS, ModelSpec
+from ptdp.planner.time import flops
+from ptdp.planner.time.collectives import (
     Links,
     dp_group_per_node,
     hierarchical_all_reduce_time,
@@ -16,11 +19,8 @@ from ptdp.planner.comm import (
     ring_all_reduce_time,
     tp_layer_comm_times,
 )
-from ptdp.planner.hardware import CATALOG, Cluster
-from ptdp.planner.models import PRESETS, ModelSpec
-from ptdp.planner.perf import evaluate_performance
-from ptdp.planner.perf_constants import DEFAULT_CONSTANTS, PerfConstants
-from ptdp.planner.plan import Layout
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants
+from ptdp.planner.time.step import evaluate_performance
 
 A100 = CATALOG["a100-80gb"]
 LINKS = Links(240e9, 22.5e9, 0.0, 0.0, 8)

@@ -11,9 +11,8 @@ import dataclasses
 
 import pytest
 
-from ptdp.planner.perf_constants import DEFAULT_CONSTANTS
-from ptdp.planner.published_a100 import default_csv, load_published_runs
-from ptdp.planner.validate import (
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS
+from ptdp.planner.validate.accuracy import (
     ACT_NONE,
     ACT_SEQSEL,
     ITER_TIME,
@@ -25,6 +24,7 @@ from ptdp.planner.validate import (
     summarize,
     validate,
 )
+from ptdp.planner.validate.published import default_csv, load_published_runs
 
 CSV = default_csv()
 pytestmark = pytest.mark.skipif(CSV is None, reason="published_runs.csv not found (set PTDP_PUBLISHED_RUNS)")
@@ -98,7 +98,7 @@ def test_every_published_layout_fits(runs):
 
 
 def test_default_constants_are_the_least_squares_fit(runs):
-    """A change to the model must come with a refit (``python -m ptdp.planner.validate --fit``)."""
+    """A change to the model must come with a refit (``python -m ptdp.planner.validate.accuracy --fit``)."""
     best, _ = fit_constants(runs)
     assert (best.gemm_peak_fraction, best.hbm_efficiency) == (
         DEFAULT_CONSTANTS.gemm_peak_fraction,

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from ptdp.planner.models import PRESETS
-from ptdp.planner.param_memory import stage_param_counts
+from ptdp.planner.inputs.models import PRESETS
+from ptdp.planner.memory.params import stage_param_counts
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 
 import ptdp
-from ptdp.planner.hardware import CATALOG, Cluster
-from ptdp.planner.models import spec_from_model_config
-from ptdp.planner.perf import evaluate_performance
-from ptdp.planner.perf_constants import DEFAULT_CONSTANTS
-from ptdp.planner.profile import save_profile
+from ptdp.planner.inputs.hardware import CATALOG, Cluster
+from ptdp.planner.inputs.models import spec_from_model_config
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS
+from ptdp.planner.time.profile import save_profile
+from ptdp.planner.time.step import evaluate_performance
 from ptdp.run.planner_report import compare, planner_layout
 
 

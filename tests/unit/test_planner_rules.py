@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.planner.hardware import CATALOG, Cluster, UnknownGPUError, get_gpu, load_catalog
-from ptdp.planner.models import PRESETS, UnknownModelError, get_model
-from ptdp.planner.plan import Layout
-from ptdp.planner.rules import all_rejections
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.hardware import CATALOG, Cluster, UnknownGPUError, get_gpu, load_catalog
+from ptdp.planner.inputs.models import PRESETS, UnknownModelError, get_model
+from ptdp.planner.search.rules import all_rejections
 
 GPT3 = PRESETS["gpt3-175b"]
 A100 = Cluster(CATALOG["a100-80gb"], 1024)

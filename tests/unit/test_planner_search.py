@@ -11,11 +11,11 @@ from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
-from ptdp.planner.hardware import CATALOG, Cluster
-from ptdp.planner.models import PRESETS, ModelSpec
-from ptdp.planner.plan import Layout
-from ptdp.planner.predict import evaluate
-from ptdp.planner.search import Fixed, search
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.hardware import CATALOG, Cluster
+from ptdp.planner.inputs.models import PRESETS, ModelSpec
+from ptdp.planner.search.layouts import Fixed, search
+from ptdp.planner.search.predict import evaluate
 from ptdp.planner.splits import split_options
 
 CSV = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "published_runs.csv"
@@ -147,7 +147,7 @@ def test_bad_requests_are_clear_errors(extra, message, capsys):
 
 
 def test_tensor_parallel_groups_never_straddle_nodes():
-    from ptdp.planner.models import ModelSpec
+    from ptdp.planner.inputs.models import ModelSpec
 
     model = ModelSpec(24, 3072, 24, name="t")
     result = search(model, Cluster(A100, 24), 96, fixed=Fixed(tp=6))
@@ -159,10 +159,10 @@ def test_tensor_parallel_groups_never_straddle_nodes():
 def test_explicit_uneven_layer_split_is_planned():
     """--pipeline-layer-split fixes pp and v = 1; memory and time use the given split, and a split
     that does not add up is rejected with the config's rule."""
-    from ptdp.planner.hardware import CATALOG, Cluster
-    from ptdp.planner.memory import memory_breakdown
-    from ptdp.planner.models import get_model
-    from ptdp.planner.search import Fixed, search
+    from ptdp.planner.inputs.hardware import CATALOG, Cluster
+    from ptdp.planner.inputs.models import get_model
+    from ptdp.planner.memory.breakdown import memory_breakdown
+    from ptdp.planner.search.layouts import Fixed, search
 
     model = get_model("llama3-405b")  # 126 layers: no even split over 16 stages
     split = (7,) + (8,) * 14 + (7,)
@@ -182,10 +182,10 @@ def test_explicit_uneven_layer_split_is_planned():
 
 
 def test_uneven_split_shifts_memory_to_the_heavier_stage():
-    from ptdp.planner.hardware import CATALOG
-    from ptdp.planner.memory import memory_breakdown
-    from ptdp.planner.models import get_model
-    from ptdp.planner.plan import Layout
+    from ptdp.planner.candidate import Layout
+    from ptdp.planner.inputs.hardware import CATALOG
+    from ptdp.planner.inputs.models import get_model
+    from ptdp.planner.memory.breakdown import memory_breakdown
 
     model, gpu = get_model("gpt-1.7b"), CATALOG["a100-80gb"]
     even = memory_breakdown(model, Layout(1, 4, 2, 1, 64), gpu)
@@ -230,7 +230,7 @@ def _captured_figure(monkeypatch):
 
 
 def test_plot_draws_every_listed_layout_with_labelled_capacity_and_legends_beside_the_bars(monkeypatch):
-    from ptdp.planner.report import ABBREVIATIONS, plot, time_axis_floor
+    from ptdp.planner.report.render import ABBREVIATIONS, plot, time_axis_floor
 
     result = search(PRESETS["gpt3-175b"], Cluster(A100, 1024), 1536)
     captured = _captured_figure(monkeypatch)
@@ -257,7 +257,7 @@ def test_plot_footer_lies_inside_the_figure_below_the_tick_labels(monkeypatch, t
     tick labels, for the narrowest figure (one layout) and a wide one."""
     import matplotlib.figure
 
-    from ptdp.planner.report import ABBREVIATIONS, plot
+    from ptdp.planner.report.render import ABBREVIATIONS, plot
 
     boxes = []
     real_savefig = matplotlib.figure.Figure.savefig

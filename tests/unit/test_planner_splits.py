@@ -14,15 +14,14 @@ from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.layout.pipeline.partition import first_last_of, first_last_split
-from ptdp.planner.activation_memory import inflight_layer_microbatches, stage_activation_bytes
-from ptdp.planner.hardware import CATALOG, Cluster
-from ptdp.planner.memory import memory_breakdown
-from ptdp.planner.models import ModelSpec, get_model
-from ptdp.planner.param_memory import stage_param_counts
-from ptdp.planner.perf import evaluate_performance
-from ptdp.planner.plan import Layout
-from ptdp.planner.predict import evaluate
-from ptdp.planner.search import Fixed, search
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.hardware import CATALOG, Cluster
+from ptdp.planner.inputs.models import ModelSpec, get_model
+from ptdp.planner.memory.activations import inflight_layer_microbatches, stage_activation_bytes
+from ptdp.planner.memory.breakdown import memory_breakdown
+from ptdp.planner.memory.params import stage_param_counts
+from ptdp.planner.search.layouts import Fixed, search
+from ptdp.planner.search.predict import evaluate
 from ptdp.planner.splits import (
     accounting_of,
     candidate_splits,
@@ -32,7 +31,8 @@ from ptdp.planner.splits import (
     split_flags,
     split_options,
 )
-from ptdp.planner.stage_time import edge_layer_equivalents, split_stage_times
+from ptdp.planner.time.stages import edge_layer_equivalents, split_stage_times
+from ptdp.planner.time.step import evaluate_performance
 
 A100, H100 = CATALOG["a100-80gb"], CATALOG["h100-sxm"]
 LLAMA3_405B_SPLIT = (7,) + (8,) * 14 + (7,)

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import main
-from ptdp.planner.hardware import CATALOG, GB, Cluster
-from ptdp.planner.models import get_model
-from ptdp.planner.node_links import PCIE_BANDWIDTH, gpu_for_topology
-from ptdp.planner.perf import evaluate_performance
-from ptdp.planner.plan import Layout
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.hardware import CATALOG, GB, Cluster
+from ptdp.planner.inputs.models import get_model
+from ptdp.planner.inputs.node_links import PCIE_BANDWIDTH, gpu_for_topology
+from ptdp.planner.time.step import evaluate_performance
 from ptdp.topology.nvsmi import parse_nvidia_smi_topo
 
 TOPO = Path(__file__).parents[1] / "data" / "topo"

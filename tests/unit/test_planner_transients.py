@@ -1,4 +1,4 @@
-"""The planner's transients of optim_grads / optim_grads_params (``ptdp.planner.transients``):
+"""The planner's transients of optim_grads / optim_grads_params (``ptdp.planner.memory.transients``):
 pure checks of the counting (the measured equality with ptdp's engine is in
 ``tests/dist/test_sharded_grads.py`` and ``test_sharded_params.py``), and ``ptdp plan``'s
 --ddp-bucket-size, --no-overlap-grad-reduce and --no-reshard-after-forward."""
@@ -12,11 +12,11 @@ import pytest
 from ptdp import cli
 from ptdp.layout.pipeline.partition import stage_layer_counts
 from ptdp.layout.vocab import padded_vocab_size
-from ptdp.planner import transients
-from ptdp.planner.chunk_params import layer_param_sizes, stage_chunks
-from ptdp.planner.models import get_model
-from ptdp.planner.param_memory import layer_param_count, stage_param_counts
-from ptdp.planner.transients import rank_transients, unit_gathers
+from ptdp.planner.inputs.models import get_model
+from ptdp.planner.memory import transients
+from ptdp.planner.memory.chunk_params import layer_param_sizes, stage_chunks
+from ptdp.planner.memory.params import layer_param_count, stage_param_counts
+from ptdp.planner.memory.transients import rank_transients, unit_gathers
 
 #: (model, tp, pp, v, bucket elements, shard size d)
 CASES = [

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.planner.flops import gemm_efficiency
-from ptdp.planner.hardware import CATALOG
-from ptdp.planner.perf_constants import DEFAULT_CONSTANTS
-from ptdp.planner.profile import load_profile, save_profile
+from ptdp.planner.inputs.hardware import CATALOG
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS
+from ptdp.planner.time.flops import gemm_efficiency
+from ptdp.planner.time.profile import load_profile, save_profile
 from ptdp.run.calibration_fit import fit_gemm_curve, fit_ring
 
 
@@ -32,7 +32,7 @@ def test_gemm_and_ring_fits_recover_known_values(tmp_path):
 
 
 def test_linear_fit_and_core_sharing_model():
-    from ptdp.planner.perf import core_shared_step
+    from ptdp.planner.time.step import core_shared_step
     from ptdp.run.calibration_fit import fit_linear
 
     bw, lat = 1.5e9, 3e-4
@@ -49,10 +49,10 @@ def test_shared_cores_bound_the_step_from_below():
     cores; with a core per worker (or on GPUs) nothing is added."""
     import dataclasses
 
-    from ptdp.planner.hardware import Cluster
-    from ptdp.planner.models import ModelSpec
-    from ptdp.planner.perf import evaluate_performance
-    from ptdp.planner.plan import Layout
+    from ptdp.planner.candidate import Layout
+    from ptdp.planner.inputs.hardware import Cluster
+    from ptdp.planner.inputs.models import ModelSpec
+    from ptdp.planner.time.step import evaluate_performance
 
     cpu = dataclasses.replace(
         CATALOG["a100-80gb"],

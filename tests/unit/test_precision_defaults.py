@@ -15,7 +15,7 @@ from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config
 from ptdp.engine.step import allow_tf32
 from ptdp.errors import ConfigError
-from ptdp.planner.args import plan_precision
+from ptdp.planner.inputs.plan_flags import plan_precision
 
 
 def test_auto_is_bfloat16_on_cuda_and_float32_on_the_cpu():

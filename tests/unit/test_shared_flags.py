@@ -10,7 +10,7 @@ import pytest
 from ptdp.config.flags import settings
 from ptdp.config.train_flags import add_train_arguments
 from ptdp.errors import ConfigError
-from ptdp.planner.args import add_plan_arguments, plan_precision
+from ptdp.planner.inputs.plan_flags import add_plan_arguments, plan_precision
 
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 
 from helpers.layout_cases import tiny_config
-from ptdp.planner.hardware import CATALOG, Cluster, GPUSpec
-from ptdp.planner.models import spec_from_model_config
-from ptdp.planner.perf import evaluate_performance
-from ptdp.planner.perf_constants import DEFAULT_CONSTANTS
-from ptdp.planner.profile import save_profile
+from ptdp.planner.inputs.hardware import CATALOG, Cluster, GPUSpec
+from ptdp.planner.inputs.models import spec_from_model_config
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS
+from ptdp.planner.time.profile import save_profile
+from ptdp.planner.time.step import evaluate_performance
 from ptdp.run.planner_report import planner_layout
 from ptdp.run.throughput import Throughput, catalog_gpu, device_peak, step_model_flops
 

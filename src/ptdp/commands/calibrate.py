@@ -15,8 +15,8 @@ from ptdp.config.resolve import DEFAULT_LOCAL_WORKERS, resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.config.train_flags import DEFAULT_PP, DEFAULT_TP
 from ptdp.errors import ConfigError
-from ptdp.planner.args import plan_precision
-from ptdp.planner.profile import default_profile_path
+from ptdp.planner.inputs.plan_flags import plan_precision
+from ptdp.planner.time.profile import default_profile_path
 from ptdp.run.calibration import calibrate_worker
 
 

@@ -9,15 +9,22 @@ from pathlib import Path
 
 from ptdp.errors import ConfigError
 from ptdp.layout.pipeline.partition import stage_layer_counts, virtual_stages
-from ptdp.planner.args import plan_precision
-from ptdp.planner.explain import distance_from_best, explain_pick
-from ptdp.planner.fp8 import fp8_precision
-from ptdp.planner.hardware import CATALOG, Cluster, GiB, GPUSpec, get_gpu, load_catalog, runs_flash_attention
-from ptdp.planner.hf_config import is_config_path, load_hf_config
-from ptdp.planner.models import PRESETS, PUBLISHED_BATCH, ModelSpec, get_model, published_batch, token_budget_batch
-from ptdp.planner.perf_constants import DEFAULT_CONSTANTS
-from ptdp.planner.report import json_report, plot, text_report
-from ptdp.planner.request import (
+from ptdp.planner.inputs.hardware import CATALOG, Cluster, GiB, GPUSpec, get_gpu, load_catalog, runs_flash_attention
+from ptdp.planner.inputs.hf_config import is_config_path, load_hf_config
+from ptdp.planner.inputs.models import (
+    PRESETS,
+    PUBLISHED_BATCH,
+    ModelSpec,
+    get_model,
+    published_batch,
+    token_budget_batch,
+)
+from ptdp.planner.inputs.plan_flags import plan_precision
+from ptdp.planner.memory.fp8 import fp8_precision
+from ptdp.planner.report.explain import distance_from_best, explain_pick
+from ptdp.planner.report.render import json_report, plot, text_report
+from ptdp.planner.search.layouts import Fixed, SearchResult, search
+from ptdp.planner.search.request import (
     check_fixed_choices,
     check_model,
     check_output_path,
@@ -25,7 +32,7 @@ from ptdp.planner.request import (
     check_stage_layers,
     ineffective_flag_notes,
 )
-from ptdp.planner.search import Fixed, SearchResult, search
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS
 
 PLAN_DESCRIPTION = """\
 Predict memory and step time of every tensor x context x pipeline x data parallel layout (with
@@ -37,7 +44,7 @@ rank them and say why the others do not fit. Example:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ptdp.planner.args import add_plan_arguments
+    from ptdp.planner.inputs.plan_flags import add_plan_arguments
 
     parser.description, parser.formatter_class = PLAN_DESCRIPTION, argparse.RawDescriptionHelpFormatter
     add_plan_arguments(parser)
@@ -64,7 +71,7 @@ def model_from_args(
     Attention kernel: ``--use-flash-attn`` / ``--no-use-flash-attn`` when given; else the
     model's (flash for the Llama presets and Hugging Face configs, unfused for the
     Megatron-paper GPT presets and shape flags), made flash on H100/H200-class ``gpu``
-    (:func:`~ptdp.planner.hardware.runs_flash_attention`), where every current training stack
+    (:func:`~ptdp.planner.inputs.hardware.runs_flash_attention`), where every current training stack
     runs a fused kernel."""
     overrides = {field: getattr(args, flag) for flag, field in _SHAPE_FLAGS.items() if getattr(args, flag) is not None}
     if args.swiglu is not None:  # --swiglu / --no-swiglu; not given: the preset's
@@ -101,7 +108,7 @@ def model_from_args(
 def _hardware(args: argparse.Namespace):
     """The GPU and performance constants: a calibrated profile, or a catalog GPU with the defaults."""
     if args.hardware_profile:
-        from ptdp.planner.profile import load_profile
+        from ptdp.planner.time.profile import load_profile
 
         try:
             return load_profile(args.hardware_profile)
@@ -115,10 +122,10 @@ def _hardware(args: argparse.Namespace):
 
 
 def _apply_topology(gpu, args: argparse.Namespace):
-    """The GPU as installed in ``--topology FILE``'s node (see :mod:`ptdp.planner.node_links`)."""
+    """The GPU as installed in ``--topology FILE``'s node (see :mod:`ptdp.planner.inputs.node_links`)."""
     if not args.topology:
         return gpu, []
-    from ptdp.planner.node_links import gpu_for_topology
+    from ptdp.planner.inputs.node_links import gpu_for_topology
     from ptdp.topology.nvsmi import parse_nvidia_smi_topo
 
     try:
@@ -313,7 +320,7 @@ def global_batch(given: int | None, model: ModelSpec) -> tuple[int, str]:
 def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
     """``constants`` with the communication overlap the run uses, and a note naming it:
     the data-parallel reduction during the last microbatch's backward with ``--overlap-grad-reduce``
-    (ptdp's default, :attr:`~ptdp.planner.perf_constants.PerfConstants.overlap_window`),
+    (ptdp's default, :attr:`~ptdp.planner.time.constants.PerfConstants.overlap_window`),
     ``--tp-comm-overlap`` and ``--overlap-p2p-communication`` (planner only). ConfigError for
     ``--tp-comm-overlap`` with ``--no-sequence-parallel`` (the overlap splits sequence
     parallelism's collectives; Megatron refuses it too)."""

@@ -8,10 +8,8 @@ import platform
 from pathlib import Path
 
 from ptdp.errors import ConfigError
-from ptdp.planner.published import load_h100_runs
-from ptdp.planner.published_a100 import load_published_runs
-from ptdp.planner.request import check_output_path
-from ptdp.planner.validate import (
+from ptdp.planner.search.request import check_output_path
+from ptdp.planner.validate.accuracy import (
     fit_check,
     format_validation_table,
     h100_fit_check,
@@ -19,6 +17,7 @@ from ptdp.planner.validate import (
     validate,
     validate_h100,
 )
+from ptdp.planner.validate.published import load_h100_runs, load_published_runs
 
 BEGIN, END = "<!-- begin: ptdp plan --validate -->", "<!-- end: ptdp plan --validate -->"
 

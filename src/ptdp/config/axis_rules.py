@@ -1,7 +1,7 @@
 """The rules of the parallel axes beyond the layout itself: sequence parallelism, context
 parallelism, data-parallel sharding and the data-parallel engine's options; pure functions
 returning :class:`~ptdp.errors.Violation` objects, called by ``ptdp train``'s
-:func:`ptdp.config.resolve.resolve` and the planner (:mod:`ptdp.planner.rules`) alike (the other
+:func:`ptdp.config.resolve.resolve` and the planner (:mod:`ptdp.planner.search.rules`) alike (the other
 rules: :mod:`ptdp.config.rules`, whose docstring lists them all).
 
 Sources: Korthikanti et al. 2022, arXiv:2205.05198 §4.2.2 (sequence parallelism); Megatron-Core's

@@ -66,7 +66,7 @@ class ParallelConfig:
     divided by c; keys and values travel over the cp group (ring or all-gather). World =
     tp * cp * pp * dp, order tp-cp-dp-pp; gradients are summed over cp and averaged over dp. Needs
     ``seq_length % (2 c) == 0``. ``ptdp train`` trains it (:mod:`ptdp.engine.context_parallel`),
-    ``ptdp plan`` models it (:mod:`ptdp.planner.context`)."""
+    ``ptdp plan`` models it (:mod:`ptdp.planner.time.cp_exchange`)."""
     cp_comm_type: Literal["p2p", "all_gather"] = opt(
         "p2p",
         "--cp-comm-type",
@@ -78,7 +78,7 @@ class ParallelConfig:
     )
     """Key/value exchange of context parallelism: ``p2p`` (ring attention, cp - 1 steps each hidden
     behind one block's attention) or ``all_gather`` (one all-gather of K and V per layer); see
-    :mod:`ptdp.planner.context`. No effect with cp = 1. ``ptdp plan``: None means p2p."""
+    :mod:`ptdp.planner.time.cp_exchange`. No effect with cp = 1. ``ptdp plan``: None means p2p."""
     pipeline_layer_split: tuple[int, ...] | None = opt(
         None,
         "--pipeline-layer-split",
@@ -239,7 +239,7 @@ class ParallelConfig:
     ``optim`` (ZeRO-1, the distributed optimizer), ``optim_grads`` (ZeRO-2) and
     ``optim_grads_params`` (ZeRO-3; Rajbhandari et al. 2020). None: ``optim`` when
     ``use_distributed_optimizer`` is set, else ``no_shard`` (:attr:`sharding_strategy`). ``ptdp plan``
-    models all four (:mod:`ptdp.planner.memory`, :mod:`ptdp.planner.comm`) and ``ptdp train`` trains
+    models all four (:mod:`ptdp.planner.memory.breakdown`, :mod:`ptdp.planner.time.collectives`) and ``ptdp train`` trains
     them (:mod:`ptdp.engine.data_parallel.buffer`, :mod:`ptdp.engine.data_parallel.units`)."""
     reshard_after_forward: bool = opt(
         True,

@@ -1,6 +1,6 @@
 """The rules a request must satisfy, as pure functions returning :class:`Violation` objects.
 
-``ptdp train`` (:func:`ptdp.config.resolve.resolve`) and the planner (:mod:`ptdp.planner.rules`)
+``ptdp train`` (:func:`ptdp.config.resolve.resolve`) and the planner (:mod:`ptdp.planner.search.rules`)
 call the same functions, so every layout the planner proposes can run; each violation carries a
 rule id the planner groups by, the values it saw, and a message naming them.
 

@@ -6,7 +6,7 @@ counted by its storage, once: views sharing one storage (the q, k and v of one Q
 reshape saved by the next linear) are one allocation, held with a reference count. When the graph
 drops its last reference to a saved storage (after that node's backward, or when the graph is
 freed), the storage's bytes leave the live total. The peak of the live total is the activation
-peak that the planner's memory model predicts (:func:`ptdp.planner.activation_memory.stage_activation_bytes`).
+peak that the planner's memory model predicts (:func:`ptdp.planner.memory.activations.stage_activation_bytes`).
 
 Not counted: storages in ``exclude`` (pass the parameters' storages: a weight saved by a linear
 layer is model state, not an activation), and memory autograd does not save: gradients, the

@@ -13,7 +13,7 @@ split over pp x v model chunks, :func:`ptdp.layout.pipeline.partition.accounted_
 train`` runs both.
 
 :func:`candidate_splits` proposes a handful of v = 1 splits from the edge work in layer
-equivalents (:func:`ptdp.planner.stage_time.edge_layer_equivalents`), :func:`interleaved_splits` the
+equivalents (:func:`ptdp.planner.time.stages.edge_layer_equivalents`), :func:`interleaved_splits` the
 interleaved ones; the search predicts each (memory per stage, with :func:`interleaved_peak` for
 chunks of different sizes, and the busiest stage's time) and keeps the fastest that fits;
 :func:`split_options` / :func:`split_flags` say how to run it. Pure arithmetic, no torch.

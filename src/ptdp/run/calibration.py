@@ -1,7 +1,7 @@
 """``ptdp plan --calibrate``: measure this machine and save a hardware profile for the planner.
 
 Outside :mod:`ptdp.planner` because it runs torch workers; the profile file's format is
-:mod:`ptdp.planner.profile`.
+:mod:`ptdp.planner.time.profile`.
 
 Started with the run's own worker count and layout. Each primitive is measured by the workers that
 need it while the others wait (a waiting gloo worker leaves its core to the others), so the rates
@@ -14,7 +14,7 @@ planner's prediction from the primitives is the host overhead (operator dispatch
 Python) the planner adds per layer and per output layer (``layer_overhead``, ``head_overhead``).
 The profile records how many cores the workers share: with more workers than cores the planner
 predicts the step as the machine's total busy time over its cores
-(:func:`ptdp.planner.perf.core_shared_step`). The fits of the measurements are
+(:func:`ptdp.planner.time.step.core_shared_step`). The fits of the measurements are
 :mod:`ptdp.run.calibration_fit`.
 
 On GPUs every worker measures on its own device (the one :func:`ptdp.run.distributed.init_distributed`
@@ -23,8 +23,8 @@ around asynchronous kernels), collectives run over NCCL, and the sizes grow to w
 to reach its rates (GEMM FLOPs, a bandwidth tensor larger than the L2 cache, all-reduces up to
 256 MiB); the barriers between phases and the gathering of the results use a gloo group on the
 CPU. The profile then holds the device's memory and shares no cores. The profile is a
-:class:`~ptdp.planner.hardware.GPUSpec` ("local") plus the
-:class:`~ptdp.planner.perf_constants.PerfConstants` that go with it, in JSON.
+:class:`~ptdp.planner.inputs.hardware.GPUSpec` ("local") plus the
+:class:`~ptdp.planner.time.constants.PerfConstants` that go with it, in JSON.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from typing import Any
 import torch
 
 from ptdp.engine import comm
-from ptdp.planner.flops import layer_gemms
-from ptdp.planner.models import ModelSpec
-from ptdp.planner.profile import save_profile
+from ptdp.planner.inputs.models import ModelSpec
+from ptdp.planner.time.flops import layer_gemms
+from ptdp.planner.time.profile import save_profile
 from ptdp.run.calibration_fit import build_profile
 
 __all__ = [
@@ -206,7 +206,7 @@ def _measure(groups, host, config, precision: str, device: torch.device | None =
     optimizer), tensor-parallel group 0 (all-reduce, layer, head), data-parallel group 0
     (all-reduce), pipeline ranks 0 and 1 of pipeline group 0 (ping-pong)."""
     from ptdp.layout.vocab import padded_vocab_size
-    from ptdp.planner.models import spec_from_model_config
+    from ptdp.planner.inputs.models import spec_from_model_config
 
     p, m, dtype = config.parallel, config.model, PRECISION_DTYPES[precision]
     rank = groups.global_rank

@@ -1,11 +1,11 @@
 """The fits of ``ptdp plan --calibrate``: the hardware profile from what the workers measured.
 
 Pure arithmetic on the measurements of :mod:`ptdp.run.calibration` (no torch): the GEMM-efficiency
-curve (peak FLOP/s and half-dim of :func:`ptdp.planner.flops.gemm_efficiency`), the ring model's
-link bandwidth and latency (:mod:`ptdp.planner.comm`), the host overhead per layer and per output
+curve (peak FLOP/s and half-dim of :func:`ptdp.planner.time.flops.gemm_efficiency`), the ring model's
+link bandwidth and latency (:mod:`ptdp.planner.time.collectives`), the host overhead per layer and per output
 layer beyond the planner's prediction, and the optimizer's share of the memory bandwidth; together
-a :class:`~ptdp.planner.hardware.GPUSpec` ("local") and its
-:class:`~ptdp.planner.perf_constants.PerfConstants` (:func:`build_profile`).
+a :class:`~ptdp.planner.inputs.hardware.GPUSpec` ("local") and its
+:class:`~ptdp.planner.time.constants.PerfConstants` (:func:`build_profile`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import os
 import platform
 
 from ptdp.layout.vocab import padded_vocab_size
-from ptdp.planner.comm import hierarchical_all_reduce_time, tp_layer_comm_times
-from ptdp.planner.dp_time import OPT_BYTES_FULL, OPT_BYTES_SHARDED
-from ptdp.planner.flops import gemm_efficiency, layer_compute_times, logits_compute_time
-from ptdp.planner.hardware import Cluster, GPUSpec
-from ptdp.planner.models import ModelSpec, spec_from_model_config
-from ptdp.planner.perf_constants import DEFAULT_CONSTANTS, PerfConstants, links_for
+from ptdp.planner.inputs.hardware import Cluster, GPUSpec
+from ptdp.planner.inputs.models import ModelSpec, spec_from_model_config
+from ptdp.planner.time.collectives import hierarchical_all_reduce_time, tp_layer_comm_times
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants, links_for
+from ptdp.planner.time.data_parallel import OPT_BYTES_FULL, OPT_BYTES_SHARDED
+from ptdp.planner.time.flops import gemm_efficiency, layer_compute_times, logits_compute_time
 
 
 def fit_linear(samples: list[tuple[int, float]]) -> tuple[float, float]:

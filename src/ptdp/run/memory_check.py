@@ -1,6 +1,6 @@
 """Before any worker starts: will the run fit in memory? (the planner's memory model)
 
-Each rank's bytes are estimated with the planner's model (:mod:`ptdp.planner.memory`: exact
+Each rank's bytes are estimated with the planner's model (:mod:`ptdp.planner.memory.breakdown`: exact
 parameter, gradient and optimizer bytes, [K22] activations for the run's schedule, recompute and
 sequence parallelism) plus a fixed overhead per process. On GPUs every rank has its own device,
 so the most loaded rank must fit in one device's memory; on CPU the local workers share the
@@ -45,10 +45,10 @@ def rank_estimates(config: Config) -> list[RankBytes]:
     """Bytes of one tp (and cp) rank of each pipeline stage of the resolved ``config`` (planner model:
     parameters, gradients and optimizer state as the run's sharding strategy keeps them over the
     dp x cp ranks, transients included; float64 counted as twice float32)."""
-    from ptdp.planner.activation_memory import rank_activation_bytes, stage_activation_bytes
-    from ptdp.planner.models import spec_from_model_config
-    from ptdp.planner.param_memory import rank_state_bytes, stage_param_counts
-    from ptdp.planner.plan import Layout
+    from ptdp.planner.candidate import Layout
+    from ptdp.planner.inputs.models import spec_from_model_config
+    from ptdp.planner.memory.activations import rank_activation_bytes, stage_activation_bytes
+    from ptdp.planner.memory.params import rank_state_bytes, stage_param_counts
 
     m, p, t = config.model, config.parallel, config.train
     precision, scale = _PRECISION[m.params_dtype]
@@ -162,10 +162,10 @@ def _alternatives(config: Config) -> list[tuple[str, Config]]:
 def _layer_bucket(config: Config) -> int | None:
     """A bucket of an eighth of a layer's parameters on one tp rank, when smaller than the run's:
     a sharded-gradient backward then holds about one layer's buckets instead of several
-    buckets larger than a layer (:mod:`ptdp.planner.transients`)."""
-    from ptdp.planner.models import spec_from_model_config
-    from ptdp.planner.param_memory import layer_param_count
-    from ptdp.planner.sharding import DEFAULT_BUCKET_ELEMENTS
+    buckets larger than a layer (:mod:`ptdp.planner.memory.transients`)."""
+    from ptdp.planner.inputs.models import spec_from_model_config
+    from ptdp.planner.memory.params import layer_param_count
+    from ptdp.planner.memory.strategies import DEFAULT_BUCKET_ELEMENTS
 
     bucket = max(1, layer_param_count(spec_from_model_config(config.model), config.parallel.tp) // 8)
     return bucket if bucket < (config.parallel.ddp_bucket_size or DEFAULT_BUCKET_ELEMENTS) else None

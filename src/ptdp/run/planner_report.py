@@ -6,7 +6,7 @@ the rank's shard of them; gradients = the flat gradient buffer, or the rank's sh
 optimizer = Adam's two moments plus float32 main parameters for bfloat16, not the per-tensor
 step counters), up to the padding of the buckets to a multiple of dp x cp; so must the
 transients of ``optim_grads`` and ``optim_grads_params`` (the most full-size gradient bucket
-bytes and gathered parameter bytes a rank held at once, :mod:`ptdp.planner.transients`). Peak memory and step time are predictions: the step time needs a
+bytes and gathered parameter bytes a rank held at once, :mod:`ptdp.planner.memory.transients`). Peak memory and step time are predictions: the step time needs a
 hardware profile from ``ptdp plan --calibrate``; without one it is not predicted.
 
 The run side of the planner: the trainer measures each rank with :func:`measure_stage` and hands
@@ -24,14 +24,14 @@ import torch
 
 from ptdp.config.schema import Config
 from ptdp.layout.pipeline.partition import stage_layer_counts
-from ptdp.planner.hardware import Cluster
-from ptdp.planner.memory import memory_breakdown
-from ptdp.planner.models import spec_from_model_config
-from ptdp.planner.param_memory import stage_param_counts, stage_transients
-from ptdp.planner.perf import evaluate_performance
-from ptdp.planner.plan import Layout
-from ptdp.planner.profile import default_profile_path, load_profile
-from ptdp.planner.sharding import strategy_bytes_per_param
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.hardware import Cluster
+from ptdp.planner.inputs.models import spec_from_model_config
+from ptdp.planner.memory.breakdown import memory_breakdown
+from ptdp.planner.memory.params import stage_param_counts, stage_transients
+from ptdp.planner.memory.strategies import strategy_bytes_per_param
+from ptdp.planner.time.profile import default_profile_path, load_profile
+from ptdp.planner.time.step import evaluate_performance
 from ptdp.run.profiling import process_peak_rss
 
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -109,7 +109,7 @@ def predicted_transients(config: Config, layout: Layout, pp_rank: int) -> dict[s
     """The planner's transients of a rank of stage ``pp_rank`` in bytes (0 unless the run's
     strategy is ``optim_grads`` / ``optim_grads_params`` over dp x cp > 1): ``params_transient``
     gathered 16-bit (or float32) weights, ``grads_transient`` float32 gradient buckets
-    (:func:`ptdp.planner.param_memory.stage_transients`, as the planner's memory counts them)."""
+    (:func:`ptdp.planner.memory.params.stage_transients`, as the planner's memory counts them)."""
     p, m = config.parallel, config.model
     layers = stage_layer_counts(m.num_layers, p.pp, p.layer_split(m.num_layers))[pp_rank]
     params, grads = stage_transients(spec_from_model_config(m), layout, pp_rank, layers, m.make_vocab_size_divisible_by)

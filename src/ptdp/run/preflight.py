@@ -51,7 +51,7 @@ def check_hardware_profile(config: Config) -> None:
     is not required."""
     if not config.hardware_profile:
         return
-    from ptdp.planner.profile import load_profile
+    from ptdp.planner.time.profile import load_profile
 
     try:
         load_profile(config.hardware_profile)

@@ -1,7 +1,7 @@
 """Throughput of a training run the way the field reports it: tokens/s, model TFLOP/s per GPU, MFU.
 
 FLOPs counted (:func:`step_model_flops`): the planner's model FLOPs of one optimizer step,
-:func:`ptdp.planner.flops.model_flops_per_step` for the run's model (the tokenizer's real
+:func:`ptdp.planner.time.flops.model_flops_per_step` for the run's model (the tokenizer's real
 vocabulary, unpadded) and global batch: 3 x the forward GEMMs (forward, input gradients, weight
 gradients) of every layer and of the output layer, the attention scores and context counted in
 full (s x s, no causal skipping); for GPT exactly [K22] §6, ``72 B s l h^2 (1 + s/(6h) +
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from ptdp.config.schema import Config
-from ptdp.planner.flops import model_flops_per_step
-from ptdp.planner.hardware import CATALOG, GPUSpec
-from ptdp.planner.models import spec_from_model_config
-from ptdp.planner.profile import load_profile
+from ptdp.planner.inputs.hardware import CATALOG, GPUSpec
+from ptdp.planner.inputs.models import spec_from_model_config
+from ptdp.planner.time.flops import model_flops_per_step
+from ptdp.planner.time.profile import load_profile
 
 #: ``params_dtype`` -> the precision key of a :class:`GPUSpec`'s peaks (float64 has none).
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

@@ -1,0 +1,249 @@
+"""GPU and cluster catalog for the planner: peak FLOP/s, memory, and link bandwidths.
+
+All bandwidths are bytes per second *per GPU and per direction*; capacities are bytes; peaks are
+dense (no sparsity) FLOP/s. Each figure cites its datasheet. Users add or override GPUs with a
+TOML or JSON file (:func:`load_catalog`) whose tables have the fields of :class:`GPUSpec`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, published as tomli (a dependency there)
+    import tomli as tomllib
+
+GiB = 1024**3
+GB = 1e9
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One GPU model as deployed in a typical node.
+
+    Attributes:
+        name: catalog key, e.g. ``a100-80gb``.
+        peak_flops: dense peak FLOP/s per precision ("bf16", "fp16", "tf32", "fp32").
+        memory_bytes: HBM capacity usable by a process (bytes).
+        memory_bandwidth: HBM bandwidth (bytes/s).
+        nvlink_bandwidth: NVLink bandwidth per GPU per direction (bytes/s); 0 for PCIe-only.
+        network_bandwidth: inter-node bandwidth per GPU per direction (bytes/s), e.g. one HDR
+            200 Gb/s InfiniBand port per GPU = 25e9.
+        gpus_per_node: GPUs in one node (one NVLink domain).
+        source: where the figures come from.
+        shared_cores: 0 for real accelerators (one device per worker). For a CPU "device"
+            (``ptdp plan --calibrate``): the number of CPU cores the node's workers share; the
+            rates above are then those of one worker running alone on a core.
+        arch: GPU architecture ("ampere", "hopper", ...): selects the time model's fitted
+            efficiencies for that generation (:meth:`ptdp.planner.time.constants.PerfConstants.for_gpu`);
+            "" (and any architecture without its own fit) uses the constants as given.
+    """
+
+    name: str
+    peak_flops: dict[str, float]
+    memory_bytes: float
+    memory_bandwidth: float
+    nvlink_bandwidth: float
+    network_bandwidth: float
+    gpus_per_node: int = 8
+    source: str = ""
+    shared_cores: int = 0
+    arch: str = ""
+
+    def peak(self, precision: str) -> float:
+        if precision not in self.peak_flops:
+            raise ValueError(
+                f"{self.name} has no peak for precision {precision!r}; known: {', '.join(sorted(self.peak_flops))}"
+            )
+        return self.peak_flops[precision]
+
+
+# NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOPS BF16/FP16 dense, 156 TF32, 19.5 FP32;
+# 40 GB HBM2 at 1,555 GB/s, 80 GB HBM2e at 2,039 GB/s (SXM); NVLink 3 600 GB/s bidirectional.
+# DGX A100 user guide: 8 GPUs, 8 x 200 Gb/s HDR InfiniBand compute ports (one per GPU).
+_A100_PEAK = {"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "tf32": 156 * TFLOPS, "fp32": 19.5 * TFLOPS}
+# NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989.5 TFLOPS BF16/FP16 dense (1,979 with sparsity),
+# FP8 1,979 dense (3,958 with sparsity; "specifications 1/2 lower without sparsity"),
+# 494.7 TF32, 66.9 FP32; 80 GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s bidirectional.
+# DGX H100: 8 x 400 Gb/s NDR InfiniBand (ConnectX-7), one per GPU.
+# Checked 2026-12-01 against restatements of the datasheet (NVIDIA's page was not reachable from
+# here): glennklockwood.com/garden/processors/h100 (BF16/FP16 matrix 989.4 dense, 1,978.9 sparse;
+# FP8 1,978.9 dense; 80 GB HBM3; 3.35 TB/s; 900 GB/s NVLink; 132 SMs, 528 tensor cores);
+# the Llama 3 paper (arXiv:2407.21783, section 3.3.1: 80 GB HBM3 H100 at 700 W, 8 per server on
+# NVLink, 400 Gbps per GPU on RoCE or InfiniBand); Megatron-LM's H100 table divides its TFLOP/s
+# by about 989 to print MFU (benchmarks/data/published_runs_h100.csv). Measured NVLink 4:
+# NVIDIA/nccl issue 1264, p2pBandwidthLatencyTest 380 GB/s of the 450 GB/s per direction (84%).
+_H100_PEAK = {
+    "bf16": 989.5 * TFLOPS,
+    "fp16": 989.5 * TFLOPS,
+    "fp8": 1979 * TFLOPS,
+    "tf32": 494.7 * TFLOPS,
+    "fp32": 66.9 * TFLOPS,
+}
+
+CATALOG: dict[str, GPUSpec] = {
+    "a100-40gb": GPUSpec(
+        "a100-40gb",
+        _A100_PEAK,
+        40 * GiB,
+        1555 * GB,
+        300 * GB,
+        25 * GB,
+        8,
+        "NVIDIA A100 datasheet (SXM4 40GB); DGX A100 HDR 200 Gb/s per GPU",
+        arch="ampere",
+    ),
+    "a100-80gb": GPUSpec(
+        "a100-80gb",
+        _A100_PEAK,
+        80 * GiB,
+        2039 * GB,
+        300 * GB,
+        25 * GB,
+        8,
+        "NVIDIA A100 datasheet (SXM4 80GB); DGX A100 HDR 200 Gb/s per GPU",
+        arch="ampere",
+    ),
+    "h100-sxm": GPUSpec(
+        "h100-sxm",
+        _H100_PEAK,
+        80 * GiB,
+        3350 * GB,
+        450 * GB,
+        50 * GB,
+        8,
+        "NVIDIA H100 datasheet (SXM5 80GB); DGX H100 NDR 400 Gb/s per GPU",
+        arch="hopper",
+    ),
+    # NVIDIA H200 datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; nvidia-smi
+    # reports 143,771 MiB of memory. Checked 2026-12-01: NVIDIA's MLPerf Inference v4.1 system
+    # description H200-SXM-141GBx8 (mlcommons/inference_results_v4.1, closed/NVIDIA/systems:
+    # "141 GB" HBM3e, "18x 4th Gen NVLink, 900GB/s", 700 W) and restatements of the datasheet
+    # (4.8 TB/s; same GH100 compute as H100 SXM).
+    "h200": GPUSpec(
+        "h200",
+        _H100_PEAK,
+        143771 * 2**20,
+        4800 * GB,
+        450 * GB,
+        50 * GB,
+        8,
+        "NVIDIA H200 datasheet (SXM 141GB); NDR 400 Gb/s per GPU",
+        arch="hopper",
+    ),
+    # NVIDIA V100 datasheet (SXM2 32GB): 125 TFLOPS FP16 tensor, 15.7 FP32; HBM2 900 GB/s;
+    # NVLink 2 300 GB/s bidirectional. DGX-1V: 4 x 100 Gb/s EDR InfiniBand for 8 GPUs.
+    "v100-32gb": GPUSpec(
+        "v100-32gb",
+        {"fp16": 125 * TFLOPS, "fp32": 15.7 * TFLOPS},
+        32 * GiB,
+        900 * GB,
+        150 * GB,
+        6.25 * GB,
+        8,
+        "NVIDIA V100 datasheet (SXM2 32GB); DGX-1V 4 x EDR 100 Gb/s",
+        arch="volta",
+    ),
+}
+CATALOG["h100"] = CATALOG["h100-sxm"]
+CATALOG["v100"] = CATALOG["v100-32gb"]
+
+
+def runs_flash_attention(gpu: GPUSpec) -> bool:
+    """Plans on ``gpu`` default to a flash attention kernel: GPUs with FP8 tensor cores (H100,
+    H200 and later), on which every current training stack (Megatron-Core with Transformer
+    Engine, torchtitan, NeMo) runs fused attention. Older GPUs keep the model's own kernel."""
+    return "fp8" in gpu.peak_flops
+
+
+class UnknownGPUError(ValueError):
+    """A GPU name that is not in the catalog; the message lists the known names."""
+
+
+def get_gpu(name: str, catalog: dict[str, GPUSpec] | None = None) -> GPUSpec:
+    catalog = catalog if catalog is not None else CATALOG
+    key = name.lower()
+    if key not in catalog:
+        raise UnknownGPUError(
+            f"unknown GPU {name!r}; known: {', '.join(sorted(catalog))} (add one with --gpu-catalog FILE)"
+        )
+    return catalog[key]
+
+
+def load_catalog(path: str | Path) -> dict[str, GPUSpec]:
+    """The built-in catalog plus the GPUs of a TOML or JSON file.
+
+    File format: one table per GPU, keyed by name, with the :class:`GPUSpec` fields, e.g. (TOML)::
+
+        [my-gpu]
+        peak_flops = { bf16 = 400e12, fp32 = 50e12 }
+        memory_bytes = 48e9
+        memory_bandwidth = 1.0e12
+        nvlink_bandwidth = 0
+        network_bandwidth = 12.5e9
+        gpus_per_node = 4
+        source = "vendor sheet"
+        arch = "hopper"    # optional: plan with that generation's fitted efficiencies
+
+    Raises ValueError naming the file and the missing or unknown field.
+    """
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    try:
+        raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a table of GPUs keyed by name")
+    known = {f.name for f in fields(GPUSpec)}
+    required = known - {"name", "gpus_per_node", "source", "shared_cores", "arch"}
+    out = dict(CATALOG)
+    for name, table in raw.items():
+        if not isinstance(table, dict):
+            raise ValueError(f"{path}: GPU {name!r}: expected a table of fields, got {type(table).__name__}")
+        missing = required - set(table)
+        unknown = set(table) - known
+        if missing or unknown:
+            raise ValueError(
+                f"{path}: GPU {name!r}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}"
+            )
+        _check_numbers(path, name, table)
+        if not isinstance(table.get("arch", ""), str):
+            raise ValueError(f'{path}: GPU {name!r}: arch={table["arch"]!r} must be a string such as "hopper"')
+        out[name.lower()] = GPUSpec(name=name.lower(), **{k: v for k, v in table.items() if k != "name"})
+    return out
+
+
+def _check_numbers(path: Path, name: str, table: dict) -> None:
+    peaks = table["peak_flops"]
+    numbers = {f"peak_flops.{k}": v for k, v in peaks.items()} if isinstance(peaks, dict) else {"peak_flops": peaks}
+    numbers.update({k: table[k] for k in ("memory_bytes", "memory_bandwidth", "nvlink_bandwidth", "network_bandwidth")})
+    numbers["gpus_per_node"] = table.get("gpus_per_node", 8)
+    for key, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{path}: GPU {name!r}: {key}={value!r} must be a non-negative number")
+    if not numbers["gpus_per_node"] >= 1 or not isinstance(peaks, dict) or not peaks:
+        raise ValueError(f"{path}: GPU {name!r}: needs gpus_per_node >= 1 and a peak_flops table")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``num_gpus`` GPUs of one kind in nodes of ``gpus_per_node``."""
+
+    gpu: GPUSpec
+    num_gpus: int
+    gpus_per_node: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node == 0:
+            object.__setattr__(self, "gpus_per_node", self.gpu.gpus_per_node)
+        small = [f"{k}={v}" for k, v in (("num_gpus", self.num_gpus), ("gpus_per_node", self.gpus_per_node)) if v < 1]
+        if small:
+            raise ValueError(f"{' and '.join(small)} must be >= 1")
+        if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
+            raise ValueError(f"num_gpus={self.num_gpus} is not a multiple of gpus_per_node={self.gpus_per_node}")

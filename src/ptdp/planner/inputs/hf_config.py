@@ -1,0 +1,230 @@
+"""Models from Hugging Face ``config.json`` files: ``ptdp plan --model PATH``.
+
+PATH is a ``config.json`` file or a folder holding one (anything else is a preset name,
+:func:`ptdp.planner.inputs.models.get_model`). Supported ``model_type`` values and their fields:
+
+- ``llama``, ``mistral``, ``qwen2`` (decoder-only, dense): ``num_hidden_layers`` -> l,
+  ``hidden_size`` -> h, ``num_attention_heads`` -> a, ``num_key_value_heads`` -> key/value heads,
+  ``intermediate_size`` -> ffn, ``vocab_size`` -> V, ``max_position_embeddings`` -> s (unless the
+  caller gives a sequence length), ``tie_word_embeddings``. RMSNorm, rotary positions, SwiGLU MLP.
+  Biases: Llama's ``attention_bias`` (q, k, v and o projections) and ``mlp_bias`` (gate, up and
+  down), Qwen2's fixed q, k, v biases, none for Mistral.
+- ``gpt2``: ``n_layer``, ``n_embd``, ``n_head``, ``n_inner`` (None: 4h), ``vocab_size``,
+  ``n_positions`` -> s, ``tie_word_embeddings`` (default True); LayerNorm, learned positions
+  (a table of s rows), GELU MLP, biases everywhere; trained with dropout when ``resid_pdrop``
+  or ``embd_pdrop`` is non-zero.
+
+A field missing from the file takes the default of transformers' config class for that type
+(:data:`DEFAULTS`). Every model from a config is planned with a flash attention kernel (no
+attention-dropout mask or scores kept). Fields that would change the shape or the count of
+parameters and that the planner does not model (experts of a mixture of experts, a ``head_dim``
+other than h / a, cross attention) raise :class:`~ptdp.config.ConfigError` naming them; fields
+that change the cost but not the shape (a sliding attention window shorter than the sequence,
+whose attention the planner counts as full causal) or neither (rotary scaling) are returned as
+notes. Pure: reads one JSON file, imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ptdp.errors import ConfigError
+from ptdp.planner.inputs.models import ModelSpec
+
+SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
+
+#: transformers' defaults (its ``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``GPT2Config``)
+#: for the fields read here, used when a config.json leaves one out.
+DEFAULTS: dict[str, dict] = {
+    "llama": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": None,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "head_dim": None,
+    },
+    "mistral": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096 * 32,
+        "tie_word_embeddings": False,
+        "head_dim": None,
+        "sliding_window": 4096,
+    },
+    "qwen2": {
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+    "gpt2": {
+        "vocab_size": 50257,
+        "n_positions": 1024,
+        "n_embd": 768,
+        "n_layer": 12,
+        "n_head": 12,
+        "n_inner": None,
+        "tie_word_embeddings": True,
+        "resid_pdrop": 0.1,
+        "embd_pdrop": 0.1,
+        "add_cross_attention": False,
+    },
+}
+
+#: Fields of mixture-of-experts configs (Mixtral, Qwen2-MoE, DeepSeek): the planner models dense MLPs.
+MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+def is_config_path(model: str) -> bool:
+    """``--model`` names a file or a folder (a Hugging Face config), not a preset."""
+    return Path(model).exists()
+
+
+def config_file(path: str | Path) -> Path:
+    """``path`` itself, or ``path/config.json`` for a folder; ConfigError when there is none."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+        if not p.is_file():
+            raise ConfigError(f"--model {path}: the folder has no config.json")
+    return p
+
+
+def load_hf_config(path: str | Path, *, seq_length: int | None = None) -> tuple[ModelSpec, list[str]]:
+    """The planner's model for a Hugging Face ``config.json`` (a file or a folder holding it), and
+    notes about what the planner does not model. ``seq_length`` replaces the config's maximum
+    position count as s. Raises ConfigError for a file that is not a JSON object, an unknown
+    ``model_type`` (naming the supported ones), a field of the wrong type and the unsupported
+    fields that change the shape."""
+    file = config_file(path)
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"--model {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--model {path}: {file} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--model {path}: {file} holds a JSON {type(raw).__name__}, expected an object")
+    kind = raw.get("model_type")
+    if kind not in SUPPORTED:
+        raise ConfigError(
+            f"--model {path}: model_type={json.dumps(kind)} is not supported; supported: {', '.join(SUPPORTED)}"
+        )
+    cfg = {**DEFAULTS[kind], **raw}
+    experts = [f"{k}={json.dumps(cfg[k])}" for k in MOE_FIELDS if cfg.get(k) not in (None, 0, 1)]
+    if experts:
+        raise ConfigError(
+            f"--model {path}: mixture-of-experts fields {', '.join(experts)} are not supported "
+            f"(the planner models dense MLPs)"
+        )
+    name = f"hf:{file.parent.name or kind}"
+    if kind == "gpt2":
+        return _gpt2(cfg, path, name, seq_length), []
+    return _llama_like(kind, cfg, path, name, seq_length)
+
+
+def _int(cfg: dict, key: str, path) -> int:
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"--model {path}: {key}={json.dumps(value)} must be a positive integer")
+    return value
+
+
+def _llama_like(kind: str, cfg: dict, path, name: str, seq_length: int | None) -> tuple[ModelSpec, list[str]]:
+    """Llama, Mistral and Qwen2: RMSNorm, rotary positions, SwiGLU, grouped-query attention."""
+    h, a = _int(cfg, "hidden_size", path), _int(cfg, "num_attention_heads", path)
+    kv = a if cfg.get("num_key_value_heads") is None else _int(cfg, "num_key_value_heads", path)
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and head_dim * a != h:
+        raise ConfigError(
+            f"--model {path}: head_dim={head_dim} differs from hidden_size / num_attention_heads = "
+            f"{h} / {a}; the planner models heads of h / a channels"
+        )
+    s = seq_length if seq_length is not None else _int(cfg, "max_position_embeddings", path)
+    biases: tuple[str, ...] = ()
+    if kind == "qwen2":
+        biases = ("qkv",)
+    elif kind == "llama":
+        biases = (("qkv", "proj") if cfg.get("attention_bias") else ()) + (
+            ("fc1", "fc2") if cfg.get("mlp_bias") else ()
+        )
+    notes = _cost_notes(kind, cfg, s, path)
+    model = ModelSpec(
+        _int(cfg, "num_hidden_layers", path),
+        h,
+        a,
+        _int(cfg, "intermediate_size", path),
+        _int(cfg, "vocab_size", path),
+        s,
+        num_query_groups=kv,
+        swiglu=True,
+        tied=bool(cfg.get("tie_word_embeddings")),
+        llama_style=True,
+        biased_linears=biases,
+        dropout=False,
+        flash_attention=True,
+        name=name,
+    )
+    return model, notes
+
+
+def _cost_notes(kind: str, cfg: dict, s: int, path) -> list[str]:
+    """Sliding windows shorter than the sequence (the planner counts full causal attention) and
+    rotary scaling (changes neither shape nor cost)."""
+    notes = []
+    window = cfg.get("sliding_window")
+    if kind == "qwen2" and not cfg.get("use_sliding_window"):
+        window = None
+    if isinstance(window, int) and window < s:
+        layers = "every layer" if kind != "qwen2" else f"layers from {cfg.get('max_window_layers')} on"
+        notes.append(
+            f"note: {path}: sliding_window={window} < seq_length={s} on {layers}; planned as full causal "
+            f"attention (attention time over-estimated, memory unchanged with a flash kernel)"
+        )
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind_of_rope = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if kind_of_rope not in (None, "default"):
+        notes.append(
+            f"note: {path}: rotary scaling {json.dumps(kind_of_rope)} ignored (it changes neither shapes nor cost)"
+        )
+    return notes
+
+
+def _gpt2(cfg: dict, path, name: str, seq_length: int | None) -> ModelSpec:
+    """GPT-2: LayerNorm, learned positions, GELU MLP, biases; dropout masks when trained with them."""
+    if cfg.get("add_cross_attention"):
+        raise ConfigError(f"--model {path}: add_cross_attention=true is not supported (decoder-only models)")
+    h = _int(cfg, "n_embd", path)
+    ffn = 4 * h if cfg.get("n_inner") is None else _int(cfg, "n_inner", path)
+    s = seq_length if seq_length is not None else _int(cfg, "n_positions", path)
+    dropout = bool(cfg.get("resid_pdrop") or cfg.get("embd_pdrop"))
+    return ModelSpec(
+        _int(cfg, "n_layer", path),
+        h,
+        _int(cfg, "n_head", path),
+        ffn,
+        _int(cfg, "vocab_size", path),
+        s,
+        tied=bool(cfg.get("tie_word_embeddings")),
+        dropout=dropout,
+        flash_attention=True,
+        name=name,
+    )

@@ -1,0 +1,156 @@
+"""Flags of ``ptdp plan``. The flags it shares with ``ptdp train`` (model shape, layout, batch,
+recompute, sequence parallelism, distributed optimizer, precision) are generated from the same
+schema fields (:mod:`ptdp.config.flags`): the same names, aliases, types and choices; here each
+defaults to None, meaning "take the preset's value" (model) or "search this choice" (layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ptdp.config.flags import add_flags
+from ptdp.errors import ConfigError
+
+#: ptdp train's --params-dtype as the planner's precision (float64 is not planned; auto is what
+#: ptdp train picks on GPUs, which the planner plans for)
+PRECISION = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def plan_precision(args: argparse.Namespace) -> str | None:
+    """The planner's precision for ``--params-dtype`` / ``--bf16`` / ``--fp16`` / ``--fp32`` (None
+    when not given); ConfigError for float64, which the planner does not model."""
+    dtype = getattr(args, "params_dtype", None)
+    if dtype is None:
+        return None
+    if dtype not in PRECISION:
+        raise ConfigError(
+            f"--params-dtype {dtype}: the planner models bfloat16, float16 and float32 training "
+            f"(--bf16, --fp16, --fp32)"
+        )
+    return PRECISION[dtype]
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag of ``ptdp plan`` on ``parser``, in the order ``--help`` lists them: the model
+    (with the flags shared with ``ptdp train``, generated from the schema), the cluster, the output
+    and the calibration."""
+    _add_model_arguments(parser)
+    add_flags(parser, "plan")  # shared with ptdp train: the model shape, layout, batch and options
+    _add_overlap_arguments(parser)
+    _add_cluster_arguments(parser)
+    _add_output_arguments(parser)
+    _add_calibration_arguments(parser)
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model (a preset, optionally overridden, or the shape flags alone)")
+    g.add_argument(
+        "--model",
+        metavar="NAME|PATH",
+        help="preset name, e.g. gpt3-175b, gpt-1.7b ... gpt-1008b, llama2-70b, llama3-8b/70b/405b, "
+        "nemotron4-340b; or a "
+        "Hugging Face config.json (the file, or a folder holding it) of a Llama, Mistral, Qwen2 or "
+        "GPT-2 model; --seq-length default: its max_position_embeddings",
+    )
+    g.add_argument(
+        "--use-flash-attn",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="attention by a fused flash kernel (no s x s scores kept or written; selective recompute "
+        "then saves nothing); default: flash for the Llama presets, Hugging Face configs and on "
+        "H100/H200-class GPUs, the unfused kernel of the published runs for the Megatron-paper "
+        "GPT presets and other models on older GPUs",
+    )
+    g.add_argument(
+        "--fp8",
+        action="store_true",
+        help="plan FP8 training as Transformer Engine runs it on H100/H200 (planner only: ptdp train "
+        "has no FP8): QKV, projection, fc1 and fc2 GEMMs at the GPU's FP8 peak with their inputs "
+        "kept in FP8; attention, output layer, communication and weights stay bf16 with fp32 "
+        "main parameters",
+    )
+
+
+def _add_overlap_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "communication overlap the run uses (planner only: ptdp train overlaps the data-parallel "
+        "reduction, --overlap-grad-reduce, and neither of these)"
+    )
+    g.add_argument(
+        "--tp-comm-overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan Transformer Engine's tensor-parallel comm-GEMM overlap (Megatron's flag): with "
+        "sequence parallelism, (tp - 1) / tp of the layers' tensor-parallel communication hidden "
+        "behind their GEMMs; default: off",
+    )
+    g.add_argument(
+        "--overlap-p2p-communication",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan the interleaved schedule's pipeline transfers overlapped with the next model "
+        "chunk's compute (Megatron's default, --no-overlap-p2p-communication there turns it off); "
+        "the fill and drain transfers stay exposed; default: off, as ptdp's runtime waits for them",
+    )
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("cluster")
+    g.add_argument("--gpus", type=int, required=False, help="number of GPUs (required unless --validate)")
+    g.add_argument("--gpus-per-node", type=int, help="default: the GPU's usual node size (8)")
+    g.add_argument("--gpu", default="a100-80gb", help="GPU name from the catalog (default: %(default)s)")
+    g.add_argument(
+        "--gpu-catalog", metavar="FILE", help="TOML/JSON file with more GPUs (see planner/inputs/hardware.py)"
+    )
+    g.add_argument(
+        "--topology",
+        metavar="FILE",
+        help="saved `nvidia-smi topo -m` output of one node: its GPU count and link types "
+        "(NVLink or PCIe) replace the catalog's node",
+    )
+    g.add_argument(
+        "--virtual-pipeline-stages",
+        type=int,
+        help="v directly (alternative to --num-layers-per-virtual-pipeline-stage)",
+    )
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("output")
+    g.add_argument("--top", type=int, default=10, help="fitting layouts to list (default: %(default)s)")
+    g.add_argument("--json", action="store_true", help="print the plans as JSON")
+    g.add_argument("--plot", metavar="FILE.png", help="draw memory and time breakdowns of the top layouts")
+    g.add_argument(
+        "--memory-overhead-gib",
+        type=float,
+        help="fixed memory per GPU for framework and buffers (default: the planner's)",
+    )
+    g.add_argument("--validate", metavar="CSV", help="evaluate the published runs in CSV instead of searching")
+    g.add_argument(
+        "--hardware-profile",
+        metavar="FILE",
+        help="use (or, with --calibrate, write) a measured profile instead of --gpu "
+        "(default for --calibrate: $PTDP_CACHE_DIR/hardware-profile.json)",
+    )
+
+
+def _add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("calibration: measure this machine for the planner")
+    g.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure GEMM FLOP/s at the shapes of a ptdp train run, memory bandwidth and "
+        "all-reduce speed of the backend with the run's workers; write a hardware profile. "
+        "Layout and model flags not given take ptdp train's defaults",
+    )
+    g.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="workers for --calibrate, one per GPU (default: the visible GPUs, else 8)",
+    )
+    g.add_argument(
+        "--update-benchmarks",
+        metavar="FILE",
+        help="with --validate: write the table into this markdown file (e.g. BENCHMARKS.md)",
+    )

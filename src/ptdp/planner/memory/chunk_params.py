@@ -1,0 +1,104 @@
+"""The parameters of a model chunk on one tp rank, in ptdp's order (``GPTModel.parameters()``),
+with the watch group that allocates each one's gradient bucket and the ZeRO-3 unit that gathers it
+(:mod:`ptdp.planner.memory.transients` replays the engine's buckets and units over them), and the model
+chunks of a pipeline rank. Pure arithmetic (no torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ptdp.layout.vocab import padded_vocab_size
+from ptdp.planner.inputs.models import ModelSpec
+
+#: watch groups: the chunk's non-layer parameters (allocated when its backward starts), the word
+#: embedding read by the lookup alone, the learned position table (when backward reaches the sum of
+#: the lookups), and layer k (>= 0)
+REST, LOOKUP, POSITIONS = -1, -2, -3
+#: ZeRO-3 units besides the layers (which are their own index); the embeddings' unit is gathered
+#: for forward only (backward's lookups read the ids, not the tables)
+EMBED_UNIT, HEAD_UNIT, TIED_UNIT = -1, -2, -3
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Where a model chunk sits: whether it is the model's first (looks up) and last (projects)."""
+
+    layers: int
+    first: bool
+    last: bool
+
+
+def layer_param_sizes(model: ModelSpec, tp: int) -> tuple[int, ...]:
+    """Elements of each parameter of one transformer layer on one tp rank, in ptdp's order
+    (sums to :func:`ptdp.planner.memory.params.layer_param_count`)."""
+    return tuple(n for n, _ in _layer_params(model, tp))
+
+
+@lru_cache(maxsize=256)
+def _layer_params(model: ModelSpec, tp: int, main_grad: bool = False) -> list[tuple[int, int]]:
+    """(elements, place in the order a layer's backward completes the gradients) of each
+    parameter of one layer, in ptdp's order: ``fc2`` bias and weight (row-parallel), ``fc1``,
+    ``ln2`` weight and bias, ``proj``, ``qkv``, ``ln1``; a column-parallel linear (``qkv``,
+    ``fc1``) completes its bias first at tp = 1 and its weight first at tp > 1 (its own autograd
+    function); with ``main_grad`` (16-bit weights) every linear completes its weight first (it adds
+    the weight's gradient into the float32 ``main_grad`` itself)."""
+    h, a = model.hidden_size, model.num_attention_heads
+    d = h // a
+    q, kv, ffn = a * d, model.kv_heads * d, model.ffn
+    mats = 3 if model.swiglu else 2
+    biased = set(model.linears_with_bias)
+    parts: list[tuple[str, str, int]] = []  # (module, weight or bias, elements), ptdp's order
+    for name, weight, bias in (
+        ("ln1", h, 0 if model.uses_rmsnorm else h),
+        ("qkv", (q + 2 * kv) * h // tp, (q + 2 * kv) // tp if "qkv" in biased else 0),
+        ("proj", q * h // tp, h if "proj" in biased else 0),
+        ("ln2", h, 0 if model.uses_rmsnorm else h),
+        ("fc1", (mats - 1) * ffn * h // tp, (mats - 1) * ffn // tp if "fc1" in biased else 0),
+        ("fc2", ffn * h // tp, h if "fc2" in biased else 0),
+    ):
+        parts += [(name, "weight", weight)] + ([(name, "bias", bias)] if bias else [])
+    weight_first = {"ln1", "ln2"} | ({"qkv", "fc1"} if tp > 1 else set())
+    if main_grad:  # 16-bit weights: each linear adds its weight's gradient into main_grad itself, first
+        weight_first |= {"qkv", "proj", "fc1", "fc2"}
+    modules = ("fc2", "fc1", "ln2", "proj", "qkv", "ln1")
+    ready = sorted(
+        parts,
+        key=lambda part: (modules.index(part[0]), (part[1] == "bias") == (part[0] in weight_first)),
+    )
+    return [(n, ready.index((name, kind, n))) for name, kind, n in parts]
+
+
+def chunk_params(model: ModelSpec, tp: int, chunk: Chunk, divisible_by: int) -> tuple[tuple[int, int, int], ...]:
+    """(elements, watch group, unit) of each parameter of ``chunk`` on one tp rank, in ptdp's order."""
+    h = model.hidden_size
+    table = padded_vocab_size(model.vocab_size, divisible_by, tp) // tp * h
+    tied_one = chunk.first and chunk.last and model.tied  # one table looked up and projected
+    out: list[tuple[int, int, int]] = []
+    if chunk.first and model.has_position_table:
+        out.append((model.seq_length * h, POSITIONS, TIED_UNIT if tied_one else EMBED_UNIT))
+    if chunk.first:
+        alone = not model.tied or not chunk.last  # only the lookup reads it
+        out.append((table, LOOKUP if alone else REST, TIED_UNIT if tied_one else EMBED_UNIT))
+    elif chunk.last and model.tied:
+        out.append((table, REST, HEAD_UNIT))
+    sizes = layer_param_sizes(model, tp)
+    for k in range(chunk.layers):
+        out += [(n, k, k) for n in sizes]
+    if chunk.last:
+        head = TIED_UNIT if tied_one else HEAD_UNIT
+        out += [(n, REST, head) for n in ((h,) if model.uses_rmsnorm else (h, h))]
+        if not model.tied:
+            out.append((table, REST, head))
+    return tuple(out)
+
+
+def stage_chunks(num_layers: int, pp: int, v: int, pp_rank: int, stage_layers: int) -> tuple[Chunk, ...]:
+    """The model chunks of pipeline rank ``pp_rank`` holding ``stage_layers`` layers: ``v`` chunks
+    of an even share each (the last chunks one layer fewer where they do not divide), the first
+    chunk of rank 0 looking up, the last of rank pp - 1 projecting."""
+    per, extra = divmod(stage_layers, v)
+    return tuple(
+        Chunk(per + (c < extra), first=pp_rank == 0 and c == 0, last=pp_rank == pp - 1 and c == v - 1) for c in range(v)
+    )

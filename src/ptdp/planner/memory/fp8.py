@@ -1,0 +1,66 @@
+"""FP8 training as Transformer Engine runs it on H100/H200 (``ptdp plan --fp8``; planner only,
+``ptdp train`` has no FP8).
+
+The planner's precision ``"fp8"`` is bf16 mixed-precision training whose weight GEMMs run in FP8
+(Micikevicius et al., "FP8 Formats for Deep Learning", arXiv:2209.05433; NVIDIA Transformer
+Engine with Megatron-Core, delayed scaling, "hybrid" E4M3 forward / E5M2 backward):
+
+- Compute (:func:`ptdp.planner.time.flops.layer_compute_times`): the QKV, attention-projection, fc1
+  and fc2 GEMMs, forward and both backward GEMMs, at the GPU's dense FP8 peak with 1-byte
+  operands, plus the memory traffic of the FP8 cast-transposes no other kernel does
+  (:func:`ptdp.planner.time.flops.fp8_cast_bytes`). The attention core (a bf16 flash kernel), the
+  output layer and the loss, norms and elementwise kernels stay bf16; MFU is reported against
+  the bf16 peak.
+- Activations (:func:`ptdp.planner.memory.activations.layer_activation_bytes`): the inputs of those four GEMMs
+  are kept in FP8 for the weight-gradient GEMMs (1 byte per value: the QKV and fc1 inputs, h per
+  token, the projection input ``a d`` and the fc2 input ``ffn``); every other kept tensor is bf16.
+- Weights: bf16 parameters with fp32 main parameters, gradients and Adam state, as without FP8,
+  plus :data:`FP8_WEIGHT_COPY_BYTES` per weight of those four GEMMs: Transformer Engine casts each
+  weight to FP8 and its transpose (Hopper's FP8 GEMMs take both operands K-major) at the first
+  microbatch of a step and keeps both in persistent buffers for the other microbatches
+  (Megatron-Core passes ``is_first_microbatch``), so the copies stay allocated for the whole run.
+- Communication: unchanged (bf16 activations and weights, fp32 gradients).
+"""
+
+from __future__ import annotations
+
+from ptdp.errors import ConfigError
+from ptdp.planner.inputs.models import ModelSpec
+
+#: Bytes per weight of an FP8 GEMM held besides the bf16 weight: the FP8 weight (1) and its
+#: transpose (1).
+FP8_WEIGHT_COPY_BYTES = 2.0
+
+
+def fp8_precision(gpu, precision: str) -> str:
+    """``"fp8"`` for ``--fp8`` on ``gpu`` (a :class:`~ptdp.planner.inputs.hardware.GPUSpec`) at the
+    requested ``precision``; ConfigError when the GPU has no FP8 peak in the catalog (A100, V100)
+    or the precision is not bf16 (FP8 training keeps bf16 activations and weights)."""
+    if "fp8" not in gpu.peak_flops:
+        raise ConfigError(
+            f"--fp8: {gpu.name} has no FP8 tensor cores (its catalog peaks: "
+            f"{', '.join(sorted(gpu.peak_flops))}); FP8 training needs an H100/H200-class GPU"
+        )
+    if precision != "bf16":
+        raise ConfigError(
+            f"--fp8 plans bf16 training with FP8 GEMMs; the requested precision is {precision} "
+            f"(drop --fp16/--fp32 or give --bf16)"
+        )
+    return "fp8"
+
+
+def layer_fp8_weights(model: ModelSpec, tp: int) -> int:
+    """Weights of one layer's four FP8 GEMMs on one tp rank: QKV ``(a + 2 kv) d h / t``, projection
+    ``a d h / t``, fc1 ``n ffn h / t`` (n = 2 for SwiGLU), fc2 ``ffn h / t``."""
+    h, a = model.hidden_size, model.num_attention_heads
+    d, kv = h // a, model.kv_heads
+    up = 2 if model.swiglu else 1
+    return ((a + 2 * kv) * d * h + a * d * h + (up + 1) * model.ffn * h) // tp
+
+
+def fp8_weight_copy_bytes(model: ModelSpec, tp: int, layers: int, precision: str) -> float:
+    """Bytes of the FP8 weight copies on one tp rank of a stage of ``layers`` layers (0 unless
+    ``precision`` is "fp8")."""
+    if precision != "fp8":
+        return 0.0
+    return FP8_WEIGHT_COPY_BYTES * layers * layer_fp8_weights(model, tp)

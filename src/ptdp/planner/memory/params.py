@@ -1,0 +1,206 @@
+"""Parameters and their state on one GPU: parameter counts per stage, bytes per parameter, and the
+params / grads / optimizer bytes of a rank under its sharding strategy.
+
+All results are for ONE tensor-parallel rank of a pipeline stage. Parameters are counted exactly
+from the shapes ptdp's :class:`ptdp.engine.model.gpt.GPTModel` creates
+(``tests/unit/test_planner_model_memory.py`` checks the count against the real ``numel``). Sources:
+[N21] Narayanan et al., SC21, arXiv:2104.04473; [K22] Korthikanti et al., arXiv:2205.05198;
+Micikevicius et al. 2018 (mixed precision). The whole memory model is :mod:`ptdp.planner.memory.breakdown`.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ptdp.layout.buckets import chunk_by_chunk
+from ptdp.layout.pipeline.partition import stage_layer_counts
+from ptdp.layout.vocab import padded_vocab_size
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.models import ModelSpec
+from ptdp.planner.memory.chunk_params import stage_chunks
+from ptdp.planner.memory.strategies import DEFAULT_BUCKET_ELEMENTS, stage_state_bytes
+from ptdp.planner.memory.transients import rank_transients
+
+
+@lru_cache(maxsize=4096)
+def layer_param_count(model: ModelSpec, tp: int) -> int:
+    """Parameters of one transformer layer on one tp rank.
+
+    GPT (ptdp's ``TransformerLayer``): 2 LayerNorms (weight + bias, replicated, 4h), QKV
+    ``[3h/tp, h]`` + bias ``[3h/tp]``, proj ``[h, h/tp]`` + bias ``[h]`` (replicated), fc1
+    ``[ffn/tp, h]`` + bias ``[ffn/tp]``, fc2 ``[h, ffn/tp]`` + bias ``[h]`` (replicated).
+    Llama-style: 2 RMSNorm weights (2h), QKV ``[(a + 2 kv) d / tp, h]``, proj ``[h, a d / tp]``,
+    SwiGLU (or a 2-matrix MLP if ``swiglu`` is False) ``n * [ffn/tp, h]``, no biases. Mixed
+    models (``ModelSpec.rmsnorm`` / ``linear_bias`` / ``biased_linears`` set one by one) add each
+    part on its own; a bias is as wide as its layer's output on this rank.
+    """
+    h, a, d = model.hidden_size, model.num_attention_heads, model.hidden_size // model.num_attention_heads
+    q, kv, ffn = a * d, model.kv_heads * d, model.ffn
+    mats = 3 if model.swiglu else 2
+    weights = (q + 2 * kv) * h // tp + q * h // tp + mats * ffn * h // tp
+    norms = 2 * (h if model.uses_rmsnorm else 2 * h)
+    widths = {"qkv": (q + 2 * kv) // tp, "proj": h, "fc1": (mats - 1) * ffn // tp, "fc2": h}
+    biases = sum(widths[name] for name in model.linears_with_bias)
+    return weights + biases + norms
+
+
+def stage_param_counts(
+    model: ModelSpec,
+    tp: int,
+    pp: int,
+    *,
+    make_vocab_size_divisible_by: int = 128,
+    layer_split: tuple[int, ...] | None = None,
+) -> list[int]:
+    """Parameters held by one tp rank of each of the ``pp`` pipeline stages (exact).
+
+    First stage: word embedding ``[V_pad/tp, h]`` (V_pad: V rounded up to a multiple of
+    ``make_vocab_size_divisible_by * tp``) and, for GPT, learned positions ``[s, h]``. Last stage:
+    the final norm (weight + bias; RMSNorm: weight) and the output weight ``[V_pad/tp, h]`` when
+    untied, or, when tied and pp > 1, a copy of the word embedding. With pp = 1 one stage holds
+    everything. ``layer_split`` lists layers per stage (None: even, ``l % pp == 0`` required).
+    Raises ``ConfigError`` for an impossible split.
+    """
+    counts = stage_layer_counts(model.num_layers, pp, layer_split)
+    h = model.hidden_size
+    v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, tp)
+    embedding = v_pad // tp * h
+    per_layer = layer_param_count(model, tp)
+    first = embedding + (model.seq_length * h if model.has_position_table else 0)
+    last = (h if model.uses_rmsnorm else 2 * h) + (embedding if (not model.tied or pp > 1) else 0)
+    out = [n * per_layer for n in counts]
+    out[0] += first
+    out[-1] += last
+    return out
+
+
+def bytes_per_param(precision: str, dp: int = 1, distributed_optimizer: bool = False) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per parameter with Adam.
+
+    bf16/fp16 mixed precision [N21, K22; Micikevicius et al. 2018]: 2-byte weights, 4-byte fp32
+    main gradients, 12 bytes of optimizer state (fp32 main weights, Adam m and v): 2 + 4 + 12 = 18;
+    with the distributed optimizer (ZeRO-1) the 12 bytes are split over dp: 6 + 12/dp.
+    fp32: 4 + 4 + 8 (m, v) = 16; distributed: 8 + 8/dp. fp8 (bf16 training with FP8 GEMMs): as
+    bf16; the FP8 weight copies are :func:`ptdp.planner.memory.fp8.fp8_weight_copy_bytes`.
+    """
+    if precision in ("bf16", "fp16", "fp8"):
+        weights, grads, state = 2.0, 4.0, 12.0
+    elif precision == "fp32":
+        weights, grads, state = 4.0, 4.0, 8.0
+    else:
+        raise ValueError(f"precision={precision!r} must be one of bf16, fp16, fp8, fp32")
+    return weights, grads, (state / dp if distributed_optimizer else state)  # sharding strategies: rank_state_bytes
+
+
+def rank_state_bytes(
+    model: ModelSpec,
+    layout: Layout,
+    n_params: int,
+    n_layers: int,
+    per_param: tuple[float, float, float] | None = None,
+    *,
+    stage: int,
+    divisible_by: int = 128,
+) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes of one rank of pipeline stage ``stage`` holding
+    ``n_params`` parameters and ``n_layers`` layers under ``layout``'s sharding strategy over
+    ``dp * cp`` ranks (:func:`ptdp.planner.memory.strategies.stage_state_bytes`), with the transients of
+    ``optim_grads`` / ``optim_grads_params`` at their peaks as ptdp's engine holds them
+    (:func:`ptdp.planner.memory.transients.rank_transients`: the gradient buckets alive during a
+    backward for the layout's bucket size and overlap, the gathered units for its resharding;
+    ``divisible_by``: the vocabulary padding). ``per_param``: the strategy's
+    :func:`~ptdp.planner.memory.strategies.strategy_bytes_per_param` when the caller has it."""
+    strategy, shard = layout.sharding_strategy, layout.shard_size
+    if shard == 1 or strategy in ("no_shard", "optim"):  # no transients
+        if per_param is not None:
+            return n_params * per_param[0], n_params * per_param[1], n_params * per_param[2]
+        return stage_state_bytes(n_params, layout.precision, strategy, shard)
+    params, grads = stage_transients(model, layout, stage, n_layers, divisible_by)
+    return stage_state_bytes(
+        n_params, layout.precision, strategy, shard, params_transient=params, grads_transient=grads
+    )
+
+
+def stage_transients(
+    model: ModelSpec, layout: Layout, stage: int, n_layers: int, divisible_by: int = 128
+) -> tuple[int, int]:
+    """(gathered parameter elements, gradient bucket elements) at their peaks on a rank of pipeline
+    stage ``stage`` (``n_layers`` layers) under ``layout``'s ``optim_grads`` /
+    ``optim_grads_params`` sharding, its bucket size, overlap and resharding
+    (:func:`ptdp.planner.memory.transients.rank_transients`); (0, 0) for the other strategies or
+    ``dp * cp`` = 1. ``divisible_by``: the vocabulary padding."""
+    strategy, shard = layout.sharding_strategy, layout.shard_size
+    if shard == 1 or strategy not in ("optim_grads", "optim_grads_params"):
+        return 0, 0
+    return _stage_transients(
+        model,
+        layout.tp,
+        layout.pp,
+        layout.virtual_stages,
+        stage,
+        n_layers,
+        shard,
+        layout.ddp_bucket_size or DEFAULT_BUCKET_ELEMENTS,
+        layout.overlap_grad_reduce,
+        strategy == "optim_grads_params",
+        layout.reshard_after_forward,
+        divisible_by,
+        chunk_by_chunk(strategy, shard, layout.virtual_stages, layout.num_microbatches, layout.pp),
+        layout.precision != "fp32",  # 16-bit weights: float32 main gradients
+    )
+
+
+@lru_cache(maxsize=65536)
+def _stage_transients(
+    model: ModelSpec,
+    tp: int,
+    pp: int,
+    v: int,
+    stage: int,
+    n_layers: int,
+    shard: int,
+    bucket: int,
+    overlap: bool,
+    params_sharded: bool,
+    reshard: bool,
+    divisible_by: int,
+    by_chunk: bool,
+    main_grad: bool,
+) -> tuple[int, int]:
+    """:func:`~ptdp.planner.memory.transients.rank_transients` of pipeline rank ``stage`` (its ``v``
+    model chunks sharing its ``n_layers`` layers); cached on plain numbers for the search."""
+    chunks = stage_chunks(model.num_layers, pp, v, stage, n_layers)
+    return rank_transients(
+        model,
+        tp,
+        pp,
+        chunks,
+        shard,
+        bucket,
+        overlap=overlap,
+        params_sharded=params_sharded,
+        reshard=reshard,
+        divisible_by=divisible_by,
+        by_chunk=by_chunk,
+        main_grad=main_grad,
+    )
+
+
+@lru_cache(maxsize=4096)
+def mean_stage_params(model: ModelSpec, tp: int, pp: int, divisible_by: int = 128) -> float:
+    """Mean parameters per pipeline stage on one tp rank, the same for every split of the layers
+    (their sum is; the tied embedding's copy counted with pp > 1): a lower bound of the most
+    loaded stage's, whatever the split. ``pp > num_layers``: 0 (no split exists)."""
+    layers, rest = divmod(model.num_layers, pp)
+    if layers == 0:
+        return 0.0
+    split = tuple(layers + (rank < rest) for rank in range(pp))
+    counts = stage_param_counts(model, tp, pp, make_vocab_size_divisible_by=divisible_by, layer_split=split)
+    return sum(counts) / pp
+
+
+@lru_cache(maxsize=65536)
+def even_stage_params(model: ModelSpec, tp: int, pp: int, divisible_by: int) -> tuple[int, int, int]:
+    """(first, last, layers-per-stage) params for an even split; cached per (model, tp, pp)."""
+    counts = stage_param_counts(model, tp, pp, make_vocab_size_divisible_by=divisible_by)
+    return counts[0], counts[-1], model.num_layers // pp

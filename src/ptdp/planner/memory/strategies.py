@@ -1,0 +1,68 @@
+"""Data-parallel sharding strategies: the bytes one rank keeps (Megatron-Core's
+``--data-parallel-sharding-strategy``; ZeRO stages 0-3, Rajbhandari et al., SC20,
+arXiv:1910.02054, §5 and Table 1).
+
+The ``d = dp * cp`` ranks holding the same parameters shard them. Bytes per parameter with 16-bit
+weights ``w = 2``, float32 main gradients ``g = 4`` and optimizer state ``k = 12`` (float32 main
+weight, Adam m and v; fp32 training ``w = 4, g = 4, k = 8``; Megatron-Core's distributed-optimizer
+guide counts 18 unsharded and ``6 + 12/d`` sharded for bf16)::
+
+    no_shard            w     + g     + k
+    optim               w     + g     + k / d     (ZeRO-1, the distributed optimizer)
+    optim_grads         w     + g / d + k / d     (ZeRO-2)
+    optim_grads_params  w / d + g / d + k / d     (ZeRO-3)
+
+plus, with ``optim_grads`` / ``optim_grads_params``, the transients at their peaks
+(:mod:`ptdp.planner.memory.transients`): full-size float32 gradient buckets alive during a backward and
+gathered 16-bit parameter units.
+"""
+
+from __future__ import annotations
+
+from ptdp.planner.candidate import SHARDING
+
+#: Megatron's default data-parallel bucket: 40 million gradient elements
+DEFAULT_BUCKET_ELEMENTS = 40_000_000
+
+#: (weight, gradient, optimizer state) bytes per parameter; fp8 trains bf16 weights with FP8 GEMMs
+_BYTES = {"bf16": (2.0, 4.0, 12.0), "fp16": (2.0, 4.0, 12.0), "fp8": (2.0, 4.0, 12.0), "fp32": (4.0, 4.0, 8.0)}
+
+
+def check_strategy(strategy: str) -> None:
+    if strategy not in SHARDING:
+        raise ValueError(f"sharding={strategy!r} must be one of {SHARDING}")
+
+
+def strategy_bytes_per_param(precision: str, strategy: str, shard: int) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per parameter kept by one rank under ``strategy`` with
+    ``shard = dp * cp`` ranks (the module docstring's table, transients excluded)."""
+    check_strategy(strategy)
+    if precision not in _BYTES:
+        raise ValueError(f"precision={precision!r} must be one of {tuple(_BYTES)}")
+    w, g, k = _BYTES[precision]
+    level = SHARDING.index(strategy)
+    return (w / shard if level >= 3 else w, g / shard if level >= 2 else g, k / shard if level >= 1 else k)
+
+
+def stage_state_bytes(
+    n_params: int,
+    precision: str,
+    strategy: str,
+    shard: int,
+    *,
+    params_transient: int = 0,
+    grads_transient: int = 0,
+) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes of one rank holding ``n_params`` parameters (one tp rank of
+    one stage): the strategy's shares (:func:`strategy_bytes_per_param`) plus, with
+    ``optim_grads`` / ``optim_grads_params`` over ``shard > 1`` ranks, the transients at their
+    peaks in elements (:func:`ptdp.planner.memory.transients.rank_transients`): ``grads_transient``
+    full-size gradient bucket elements (``g`` bytes each) and ``params_transient`` gathered
+    parameter elements (``w`` bytes each, ``optim_grads_params`` only)."""
+    pb, gb, ob = strategy_bytes_per_param(precision, strategy, shard)
+    w, g, _ = _BYTES[precision]
+    params, grads, optimizer = n_params * pb, n_params * gb, n_params * ob
+    if shard > 1 and strategy in ("optim_grads", "optim_grads_params"):
+        grads += g * grads_transient
+        params += w * params_transient if strategy == "optim_grads_params" else 0.0
+    return params, grads, optimizer

@@ -1,0 +1,341 @@
+"""Search every valid layout for a model on a cluster, predict each, rank by step time.
+
+The search enumerates tp x cp x pp x dp = number of GPUs, micro batch size, virtual pipeline
+stages, recompute granularity, sequence parallelism, the data-parallel sharding strategy and the
+pipeline split (even, uneven first/last stages, or interleaved with the embedding and/or loss
+counted as layers: :mod:`ptdp.planner.splits`, the fastest fitting split kept per layout); any of
+them can be fixed.
+
+Pruning (each keeps the search exact up to the stated approximation, and fast: the full Llama 3
+405B search on 16,384 GPUs stays well under 2 s):
+
+* context parallelism: cp > 1 only with ``seq_length >= CP_MIN_SEQ_LENGTH``
+  (:data:`CP_MIN_SEQ_LENGTH`) or when no layout fits with cp = 1 (a second
+  pass), and only sizes with ``seq_length % (2 cp) == 0`` and ``seq_length / cp >=
+  CP_MIN_LOCAL_TOKENS``, with micro batch 1 (cp cuts each sequence's tokens per rank; b > 1 would
+  multiply them back); a fixed ``--cp`` is searched as given.
+* sharding strategies (:func:`ptdp.planner.search.predict.predict_strategies`): ``no_shard`` and, when it fits, ``optim``;
+  when it does not, the sharded ones in order up to the first that fits, none when a lower bound
+  of the fully sharded memory already exceeds the GPU. A more sharded strategy keeps less memory but is never
+  faster in this model (its extra reduce-scatters per microbatch and parameter all-gathers come
+  on top), except for the optimizer step's 8 bytes per parameter of gradient-norm and zeroing
+  traffic it shards, which the pruning gives up, and for ``optim_grads`` reducing chunk by chunk
+  (interleaved, one round: :func:`ptdp.layout.buckets.chunk_by_chunk`), which exposes only the
+  last chunk's reduce-scatter and is always evaluated. ``dp * cp = 1`` has nothing to shard: no_shard. Layouts that break a rule (:mod:`ptdp.planner.search.rules`, the same rules ``ptdp train``
+checks) or do not fit in memory are kept as rejected plans with their reasons.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.rules import schedule_violations
+from ptdp.errors import ConfigError, Violation
+from ptdp.layout.pipeline.partition import accounted_split, first_last_split
+from ptdp.planner.candidate import RECOMPUTE, SHARDING, Layout, Plan
+from ptdp.planner.inputs.hardware import Cluster
+from ptdp.planner.inputs.models import ModelSpec
+from ptdp.planner.search.predict import predict_strategies
+from ptdp.planner.search.rules import context_rejections, structural_rejections
+from ptdp.planner.splits import ACCOUNTING, candidate_splits, interleaved_splits
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS
+
+__all__ = ["MAX_MICRO_BATCH", "Fixed", "SearchResult", "divisors", "search"]
+
+MAX_MICRO_BATCH = 32
+#: Search cp > 1 only from this sequence length on (or when no layout fits without it): shorter
+#: sequences split into 2 cp chunks make GEMMs thinner and add key/value traffic for activation
+#: memory that recompute or more tp/pp can save instead. Llama 3 (§3.3.2) used cp only for its
+#: long-context stage; 16K is a round threshold, not fitted.
+CP_MIN_SEQ_LENGTH = 16384
+#: Search cp only while each rank keeps at least this many tokens (``s / cp``): a ring step's
+#: attention work falls with the square of the block length, its transfer only linearly, so
+#: ever smaller blocks cannot hide their exchange. A pruning bound, not fitted.
+CP_MIN_LOCAL_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """Choices the user fixed; None means "search it"."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    micro_batch_size: int | None = None
+    virtual_stages: int | None = None
+    layers_per_virtual_stage: int | None = None
+    """Megatron's --num-layers-per-virtual-pipeline-stage: v = num_layers / (pp * this)."""
+    recompute: str | None = None
+    sequence_parallel: bool | None = None
+    distributed_optimizer: bool | None = None
+    """--use-distributed-optimizer: True means sharding ``optim``, False ``no_shard`` (``sharding`` wins)."""
+    cp: int | None = None
+    """--context-parallel-size."""
+    sharding: str | None = None
+    """--data-parallel-sharding-strategy."""
+    cp_comm_type: str | None = None
+    """--cp-comm-type (None: p2p, not searched)."""
+    layer_split: tuple[int, ...] | None = None
+    """Megatron-style explicit layers per pipeline stage (--pipeline-layer-split): fixes pp and v = 1."""
+    first_layers: int | None = None
+    """--decoder-first-pipeline-num-layers: the first stage's layers (v = 1; the other stages split
+    the rest evenly). With ``last_layers`` None too, the search picks the split itself."""
+    last_layers: int | None = None
+    """--decoder-last-pipeline-num-layers: the last stage's layers."""
+    accounting: tuple[bool, bool] | None = None
+    """(embedding, loss) counted as layers of the split (--account-for-embedding/loss-in-pipeline-split):
+    with one True only such splits are planned (v = 1 and interleaved); both False: none of them;
+    None: searched."""
+    ddp_bucket_size: int | None = None
+    """--ddp-bucket-size (None: 40 M elements; not searched)."""
+    overlap_grad_reduce: bool | None = None
+    """--overlap-grad-reduce (None: on, ptdp train's default; not searched)."""
+    reshard_after_forward: bool | None = None
+    """--reshard-after-forward (None: on, ptdp train's default; not searched; optim_grads_params only)."""
+
+
+@dataclass
+class SearchResult:
+    """Fitting plans ranked fastest first, and every rejected plan with the rule it broke."""
+
+    plans: list[Plan]
+    rejected: list[tuple[Plan, Violation]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What the search left out and why (each once), e.g. interleaving where the layers do not split evenly."""
+    uneven_pp: list[int] = field(default_factory=list, repr=False)
+    """The pipeline sizes whose stages the layers do not split evenly (one note names them all)."""
+
+    @property
+    def evaluated(self) -> int:
+        return len(self.plans) + len(self.rejected)
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def note_uneven(self, num_layers: int, pp: int) -> None:
+        """One note for every pp whose stages ``num_layers`` layers do not split evenly."""
+        if pp in self.uneven_pp:
+            return
+        old = self._uneven_note(num_layers) if self.uneven_pp else None
+        self.uneven_pp.append(pp)
+        if old in self.notes:
+            self.notes[self.notes.index(old)] = self._uneven_note(num_layers)
+        else:
+            self.notes.append(self._uneven_note(num_layers))
+
+    def _uneven_note(self, num_layers: int) -> str:
+        sizes = ", ".join(str(pp) for pp in self.uneven_pp)
+        return (
+            f"{num_layers} layers do not split evenly over pp = {sizes} stages: planned with uneven "
+            f"first/last stages (v = 1) and interleaved only where the embedding and/or loss counted as "
+            f"layers split evenly over pp*v model chunks (ptdp train runs both)"
+        )
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _options(fixed_value, choices):
+    return [fixed_value] if fixed_value is not None else choices
+
+
+def search(
+    model: ModelSpec,
+    cluster: Cluster,
+    global_batch_size: int,
+    *,
+    fixed: Fixed = Fixed(),
+    precision: str = "bf16",
+    constants=DEFAULT_CONSTANTS,
+    overhead_bytes: float | None = None,
+) -> SearchResult:
+    """Every layout of ``cluster.num_gpus`` GPUs for ``model`` at ``global_batch_size``, predicted."""
+    result = SearchResult([])
+    args = (model, cluster, global_batch_size, fixed, precision, constants, overhead_bytes, result)
+    if fixed.cp is not None:
+        _search_cp(*args, cps=(fixed.cp,))
+    else:
+        _search_cp(*args, cps=(1,))
+        if model.seq_length >= CP_MIN_SEQ_LENGTH or not result.plans:
+            _search_cp(
+                *args,
+                cps=tuple(
+                    c
+                    for c in divisors(cluster.num_gpus)[1:]
+                    if model.seq_length % (2 * c) == 0 and model.seq_length // c >= CP_MIN_LOCAL_TOKENS
+                ),
+            )
+    result.plans.sort(key=lambda p: p.need_time().step)
+    return result
+
+
+def _search_cp(model, cluster, big_b, fixed, precision, constants, overhead, result, *, cps) -> None:
+    """Every tp x cp x pp x dp layout with cp in ``cps`` (tp, then cp inside the node next to it)."""
+    n = cluster.num_gpus
+    fixed_pp = len(fixed.layer_split) if fixed.layer_split is not None else fixed.pp
+    for tp in _options(fixed.tp, divisors(n)):
+        for cp in cps:
+            if n % (tp * cp):
+                continue
+            for pp in _options(fixed_pp, divisors(n // (tp * cp))):
+                if n % (tp * cp * pp) or (fixed.dp is not None and fixed.dp * tp * cp * pp != n):
+                    continue
+                dp = n // (tp * cp * pp)
+                micro = fixed.micro_batch_size if fixed.micro_batch_size is not None or cp == 1 else 1
+                for b in _micro_batches(big_b, dp, micro):
+                    _search_layout(
+                        model, cluster, tp, pp, dp, b, big_b, fixed, precision, constants, overhead, result, cp=cp
+                    )
+
+
+def _interleaving_flag_errors(
+    num_layers: int, tp: int, pp: int, dp: int, b: int, big_b: int, per_chunk: int
+) -> list[str]:
+    """``--num-layers-per-virtual-pipeline-stage`` makes ``ptdp train`` run the interleaved schedule
+    whatever v it gives (v = 1 included): that schedule's rules, as ``ptdp train`` checks them."""
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        data_parallel_size=dp,
+        pipeline_schedule="interleaved-1f1b",
+        num_layers_per_virtual_pipeline_stage=per_chunk,
+    )
+    return [v.message for v in schedule_violations(parallel, num_layers, big_b // (b * dp))]
+
+
+def _fixed_split(num_layers: int, pp: int, fixed: Fixed) -> tuple[tuple[int, ...] | None, bool, tuple[Violation, ...]]:
+    """(the split the user fixed or None, whether the search picks the split, the rejection of fixed
+    first/last counts that cannot split ``num_layers`` over ``pp`` stages)."""
+    if fixed.accounting is not None and any(fixed.accounting):
+        try:
+            return accounted_split(num_layers, pp, embedding=fixed.accounting[0], loss=fixed.accounting[1]), False, ()
+        except ConfigError as e:
+            return None, False, (Violation("layers % pp", str(e)),)
+    if fixed.first_layers is None and fixed.last_layers is None:
+        return fixed.layer_split, fixed.layer_split is None and pp > 1, ()
+    try:
+        return first_last_split(num_layers, pp, fixed.first_layers, fixed.last_layers), False, ()
+    except ConfigError as e:
+        return None, False, (Violation("layers % pp", str(e)),)
+
+
+def _micro_batches(big_b: int, dp: int, fixed: int | None) -> list[int]:
+    if fixed is not None:
+        return [fixed]
+    if big_b % dp:
+        return [1]  # rejected by the batch rule, reported once
+    return [b for b in divisors(big_b // dp) if b <= MAX_MICRO_BATCH]
+
+
+def _strategies(fixed: Fixed, shard: int) -> list[str]:
+    """Sharding strategies to try, least sharded first (see the module docstring's pruning)."""
+    if shard == 1:
+        return ["no_shard"]
+    if fixed.sharding is not None:
+        return [fixed.sharding]
+    if fixed.distributed_optimizer is not None:
+        return ["optim" if fixed.distributed_optimizer else "no_shard"]
+    return list(SHARDING)
+
+
+def _virtual_stage_pairs(
+    model: ModelSpec, tp: int, pp: int, dp: int, b: int, big_b: int, fixed: Fixed, split, search_split: bool
+) -> tuple[list[tuple[int, tuple[int, ...] | None]], list[str]]:
+    """((v, the split of an interleaved layout or None) pairs to plan, the flag errors that reject
+    them all): the v the user fixed (directly or by layers per virtual stage), else every v whose
+    chunks split the stage's layers evenly, plus the interleaved splits with the embedding and/or
+    loss counted as layers (:func:`ptdp.planner.splits.interleaved_splits`) where that is searched
+    or fixed."""
+    if split is not None:
+        vs = [1]
+    elif fixed.virtual_stages is not None:
+        vs = [fixed.virtual_stages]
+    elif fixed.layers_per_virtual_stage is not None:
+        flag_errors = _interleaving_flag_errors(model.num_layers, tp, pp, dp, b, big_b, fixed.layers_per_virtual_stage)
+        if flag_errors:
+            return [], flag_errors
+        vs = [model.num_layers // (pp * fixed.layers_per_virtual_stage)]
+    elif pp > 1 and model.num_layers % pp == 0:
+        vs = divisors(model.num_layers // pp)
+    else:
+        vs = [1]
+    pairs: list[tuple[int, tuple[int, ...] | None]] = [(v, None) for v in vs]
+    counted = fixed.accounting
+    if counted is not None and any(counted):  # the split fixed by what counts as layers, at every v
+        pairs = [(1, None)] if fixed.virtual_stages in (None, 1) else []
+        pairs += [
+            (v, s)
+            for v, s in interleaved_splits(model.num_layers, pp, (counted,), uneven_only=False)
+            if fixed.virtual_stages in (None, v)
+        ]
+    elif search_split and fixed.layers_per_virtual_stage is None:
+        pairs += [
+            (v, s)
+            for v, s in interleaved_splits(model.num_layers, pp, ACCOUNTING if counted is None else ())
+            if fixed.virtual_stages in (None, v) and (v not in vs or model.num_layers % (pp * v))
+        ]
+    return pairs, []
+
+
+def _search_layout(
+    model, cluster, tp, pp, dp, b, big_b, fixed, precision, constants, overhead, result, *, cp: int = 1
+) -> None:
+    """Predict the layouts of one (tp, cp, pp, dp, b): every (v, split) pair
+    (:func:`_virtual_stage_pairs`), recompute granularity and sequence parallelism, each under its
+    sharding strategies (:func:`ptdp.planner.search.predict.predict_strategies`), into ``result``."""
+    split, search_split, broken = _fixed_split(model.num_layers, pp, fixed)
+    probe = next(iter(candidate_splits(model.num_layers, pp, 0.0, 0.0)), None) if search_split else split
+    broken = broken or structural_rejections(
+        model, tp, pp, dp, b, big_b, cluster.gpus_per_node, probe
+    ) + context_rejections(model, tp, cp)
+    base = Layout(tp, pp, dp, b, big_b, precision=precision, layer_split=split, cp=cp)
+    if broken:
+        result.rejected.append((Plan(base, False, reasons=[r.message for r in broken]), broken[0]))
+        return
+    pairs, flag_errors = _virtual_stage_pairs(model, tp, pp, dp, b, big_b, fixed, split, search_split)
+    if flag_errors:
+        result.rejected.append((Plan(base, False, reasons=flag_errors), Violation("interleaving", flag_errors[0])))
+        return
+    if pp > 1 and model.num_layers % pp and search_split:
+        result.note_uneven(model.num_layers, pp)
+    # with a flash kernel selective recompute keeps and costs what "none" does: not searched
+    searched = [r for r in RECOMPUTE if not (r == "selective" and model.flash_attention)]
+    for v, v_split in pairs:
+        for recompute in _options(fixed.recompute, searched):
+            # sequence parallelism needs tp > 1 and sharding dp * cp > 1: off otherwise
+            for sp in _options(fixed.sequence_parallel, [False, True]) if tp > 1 else [False]:
+
+                def make(sharding, v=v, recompute=recompute, sp=sp, v_split=v_split):
+                    return Layout(
+                        tp,
+                        pp,
+                        dp,
+                        b,
+                        big_b,
+                        v,
+                        recompute,
+                        sp,
+                        precision=precision,
+                        layer_split=v_split or split,
+                        cp=cp,
+                        sharding=sharding,
+                        cp_comm_type=fixed.cp_comm_type or "p2p",
+                        ddp_bucket_size=fixed.ddp_bucket_size,
+                        overlap_grad_reduce=fixed.overlap_grad_reduce is not False,
+                        reshard_after_forward=fixed.reshard_after_forward is not False,
+                    )
+
+                plans, rejected = predict_strategies(
+                    model,
+                    make,
+                    _strategies(fixed, dp * cp),
+                    cluster,
+                    constants,
+                    overhead,
+                    search_split and v == 1 and v_split is None,
+                )
+                result.plans += plans
+                result.rejected += rejected

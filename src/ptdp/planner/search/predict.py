@@ -1,0 +1,161 @@
+"""Prediction of the layouts the search enumerates: rules, memory, time; the sharding strategies
+and the pipeline split tried for each layout, with the pruning that keeps the search fast.
+
+:func:`evaluate` predicts one layout (:mod:`ptdp.planner.search.rules`, :func:`ptdp.planner.memory.breakdown.memory_breakdown`,
+:func:`ptdp.planner.time.step.evaluate_performance`). :func:`predict_strategies` predicts one layout
+under the data-parallel sharding strategies worth trying and, with a split to choose, under the
+candidate splits of :mod:`ptdp.planner.splits`; the pruning is explained in
+:mod:`ptdp.planner.search.layouts`'s docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ptdp.errors import Violation
+from ptdp.layout.buckets import chunk_by_chunk
+from ptdp.planner.candidate import Layout, Plan
+from ptdp.planner.inputs.hardware import TFLOPS, Cluster, GiB
+from ptdp.planner.inputs.models import ModelSpec
+from ptdp.planner.memory.breakdown import DEFAULT_OVERHEAD_BYTES, memory_breakdown
+from ptdp.planner.memory.params import mean_stage_params
+from ptdp.planner.memory.strategies import strategy_bytes_per_param
+from ptdp.planner.search.rules import all_rejections, schedule_rejections
+from ptdp.planner.splits import candidate_splits
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS
+from ptdp.planner.time.stages import edge_layer_equivalents
+from ptdp.planner.time.step import evaluate_performance
+
+
+def evaluate(
+    model: ModelSpec,
+    layout: Layout,
+    cluster: Cluster,
+    *,
+    constants=DEFAULT_CONSTANTS,
+    overhead_bytes: float | None = None,
+) -> tuple[Plan, Violation | None]:
+    """Predict one layout: rules, then memory, then (if it fits) time. Returns the plan and the
+    first rejection (None when it fits)."""
+    broken = all_rejections(model, layout, cluster)
+    if broken:
+        return Plan(layout, False, reasons=[r.message for r in broken]), broken[0]
+    return _predict(model, layout, cluster, constants, overhead_bytes)
+
+
+def _predict(model, layout, cluster, constants, overhead_bytes) -> tuple[Plan, Violation | None]:
+    kwargs = {} if overhead_bytes is None else {"overhead_bytes": overhead_bytes}
+    memory = memory_breakdown(model, layout, cluster.gpu, **kwargs)
+    capacity = cluster.gpu.memory_bytes
+    if memory.total > capacity:
+        largest = max(("params", "grads", "optimizer", "activations"), key=lambda k: getattr(memory, k))
+        digits = 2 if f"{memory.total / GiB:.2f}" != f"{capacity / GiB:.2f}" else 4
+        message = (
+            f"memory {memory.total / GiB:.{digits}f} GiB > {capacity / GiB:.{digits}f} GiB on stage "
+            f"{memory.stage} ({largest} {getattr(memory, largest) / GiB:.1f} GiB)"
+        )
+        return Plan(layout, False, memory=memory, reasons=[message]), Violation("memory", message)
+    perf = evaluate_performance(model, layout, cluster, constants)
+    return Plan(layout, True, memory, perf.time, perf.tflops_per_gpu / TFLOPS, perf.mfu), None
+
+
+def _predict_split(model, layout, cluster, constants, overhead, search_split: bool) -> tuple[Plan, Violation | None]:
+    """Predict ``layout``; with ``search_split`` try the splits of :func:`candidate_splits` (from the
+    edge work of :func:`edge_layer_equivalents`) and return the fastest that fits, else the one
+    closest to fitting (the even split first: it wins ties). When the even split fits, an uneven
+    one whose busiest stage is no lighter (layers + edge work) is not predicted: its m slots are
+    no shorter."""
+    if not search_split:
+        return _predict(model, layout, cluster, constants, overhead)
+    if _no_split_fits(model, layout, cluster, overhead):  # the even (or first) split stands for all
+        split = next(iter(candidate_splits(model.num_layers, layout.pp, 0.0, 0.0)), None)
+        return _predict(model, dataclasses.replace(layout, layer_split=split), cluster, constants, overhead)
+    first, last = edge_layer_equivalents(model, layout, cluster, constants)
+    load = lambda s: max(s[0] + first, s[-1] + last, *s[1:-1])  # noqa: E731 - busiest stage, in layers
+    best, even_load = None, None
+    for split in candidate_splits(model.num_layers, layout.pp, first, last):
+        if split is not None and even_load is not None and load(split) >= even_load:
+            continue
+        plan, rejection = _predict(model, dataclasses.replace(layout, layer_split=split), cluster, constants, overhead)
+        if split is None and rejection is None:
+            even_load = load((model.num_layers // layout.pp,) * layout.pp)
+        key = (0, plan.need_time().step) if rejection is None else (1, plan.memory.total if plan.memory else 0.0)
+        if best is None or key < best[0]:
+            best = (key, plan, rejection)
+    if best is None:  # no split balances the edge work within one layer of the middle stages
+        message = (
+            f"num_layers={model.num_layers} has no balanced split over pp={layout.pp} stages (the first "
+            f"and last stages also carry the embedding and the output layer + loss, {first:.1f} and "
+            f"{last:.1f} layers' worth; rule: each stage >= 1 layer, the first and last at most one "
+            f"layer above the middle ones); give --pipeline-layer-split to plan a split of your own"
+        )
+        return Plan(layout, False, reasons=[message]), Violation("layers % pp", message)
+    return best[1], best[2]
+
+
+def _no_split_fits(model, layout: Layout, cluster, overhead) -> bool:
+    """True when no split of the layers can fit: the mean stage's state bytes (a lower bound of the
+    most loaded stage's, :func:`~ptdp.planner.memory.params.mean_stage_params`; transients, activations
+    and FP8 copies left out) and the overhead already exceed the GPU."""
+    per_param = sum(strategy_bytes_per_param(layout.precision, layout.sharding_strategy, layout.shard_size))
+    floor = mean_stage_params(model, layout.tp, layout.pp) * per_param
+    return floor + (DEFAULT_OVERHEAD_BYTES if overhead is None else overhead) > cluster.gpu.memory_bytes
+
+
+def _sharding_cannot_fit(unsharded: Plan, layout: Layout, cluster) -> bool:
+    """True when ``unsharded`` (the no_shard plan that did not fit) would not fit even with every
+    state byte sharded: its most loaded stage's ``n`` parameters (its float32 gradients / 4) keep
+    at least ``n (w + g + k) / (dp cp)`` bytes of state under optim_grads_params, besides the
+    same activations and overhead (a lower bound: transients and FP8 copies left out)."""
+    mem = unsharded.memory
+    if mem is None:
+        return False
+    n = mem.grads / 4.0
+    floor = sum(strategy_bytes_per_param(layout.precision, "optim_grads_params", layout.shard_size)) * n
+    return mem.activations + mem.overhead + floor > cluster.gpu.memory_bytes
+
+
+def predict_strategies(
+    model, make, strategies: list[str], cluster, constants, overhead, search_split: bool
+) -> tuple[list[Plan], list[tuple[Plan, Violation]]]:
+    """Predict the layout ``make(strategy)`` gives under ``strategies`` (least sharded first) and
+    record it: no_shard first; when it fits, optim too (never slower, less memory); when it does
+    not, the sharded ones in order up to the first that fits, unless even full sharding cannot
+    fit (:func:`_sharding_cannot_fit`); and optim_grads whenever it reduces chunk by chunk
+    (:func:`~ptdp.layout.buckets.chunk_by_chunk`: then it can be faster than optim). Kept: every
+    fitting no_shard, the first fitting sharded strategy, and a fitting chunk-by-chunk optim_grads.
+    Returns (the plans kept, the rejected plans with the rule each broke), least sharded first."""
+    first = make(strategies[0])
+    bad = schedule_rejections(model, first)  # the same for every strategy
+    if bad:
+        return [], [(Plan(first, False, reasons=[r.message for r in bad]), bad[0])]
+    outcomes = {}
+
+    def fits(strategy: str) -> bool:
+        layout = first if strategy == strategies[0] else make(strategy)
+        outcomes[strategy] = _predict_split(model, layout, cluster, constants, overhead, search_split)
+        return outcomes[strategy][1] is None
+
+    if fits(strategies[0]):
+        if len(strategies) > 1:
+            fits(strategies[1])
+    elif len(strategies) > 1 and not _sharding_cannot_fit(outcomes[strategies[0]][0], first, cluster):
+        next((s for s in strategies[1:] if fits(s)), None)
+    by_chunk = "optim_grads" in strategies and chunk_by_chunk(
+        "optim_grads", first.shard_size, first.virtual_stages, first.num_microbatches, first.pp
+    )
+    if by_chunk and "optim_grads" not in outcomes:  # may be faster than optim: one chunk's reduction exposed
+        fits("optim_grads")
+    plans: list[Plan] = []
+    rejected: list[tuple[Plan, Violation]] = []
+    kept_sharded = False
+    for strategy in strategies:
+        if strategy not in outcomes:
+            continue
+        plan, rejection = outcomes[strategy]
+        if rejection is not None:
+            rejected.append((plan, rejection))
+        elif strategy == "no_shard" or not kept_sharded or (by_chunk and strategy == "optim_grads"):
+            plans.append(plan)
+            kept_sharded = strategy != "no_shard"
+    return plans, rejected

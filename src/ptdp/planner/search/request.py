@@ -1,0 +1,198 @@
+"""Checks of a ``ptdp plan`` request before any search: every number the user gave must be usable,
+and the fixed choices must be able to fill the cluster. Raises ``ConfigError`` naming the values."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from ptdp.config.rules import heads_violations
+from ptdp.errors import ConfigError
+from ptdp.layout.pipeline.partition import layer_split
+from ptdp.planner.inputs.hardware import Cluster
+from ptdp.planner.inputs.models import ModelSpec
+from ptdp.planner.search.rules import context_rejections, kv_head_rejections
+
+
+def check_model(model: ModelSpec) -> None:
+    errors = [
+        f"{name}={value} must be a positive integer"
+        for name, value in (
+            ("num_layers", model.num_layers),
+            ("hidden_size", model.hidden_size),
+            ("num_attention_heads", model.num_attention_heads),
+            ("ffn_hidden_size", model.ffn),
+            ("vocab_size", model.vocab_size),
+            ("seq_length", model.seq_length),
+            ("num_query_groups", model.kv_heads),
+        )
+        if not isinstance(value, int) or value < 1
+    ]
+    if not errors:
+        if model.hidden_size % model.num_attention_heads:
+            errors.append(
+                f"hidden_size={model.hidden_size} is not divisible by num_attention_heads={model.num_attention_heads}"
+            )
+        if model.num_attention_heads % model.kv_heads:
+            errors.append(
+                f"num_attention_heads={model.num_attention_heads} is not divisible by "
+                f"num_query_groups={model.kv_heads} (each key/value head serves a whole group)"
+            )
+    if errors:
+        raise ConfigError("invalid model:\n  " + "\n  ".join(errors))
+
+
+def check_request(cluster: Cluster, global_batch_size: int, fixed, *, top: int, overhead_bytes: float | None) -> None:
+    """Positive sizes, and fixed tp/cp/pp/dp that can make up the cluster's GPU count."""
+    n = cluster.num_gpus
+    cp = getattr(fixed, "cp", None)
+    given = {
+        "global_batch_size": global_batch_size,
+        "top": top,
+        "tp": fixed.tp,
+        "cp": cp,
+        "pp": fixed.pp,
+        "dp": fixed.dp,
+        "micro_batch_size": fixed.micro_batch_size,
+        "virtual_pipeline_stages": fixed.virtual_stages,
+        "num_layers_per_virtual_pipeline_stage": fixed.layers_per_virtual_stage,
+        "ddp_bucket_size": getattr(fixed, "ddp_bucket_size", None),
+    }
+    errors = [
+        f"{name}={value} must be a positive integer" for name, value in given.items() if value is not None and value < 1
+    ]
+    if overhead_bytes is not None and not (math.isfinite(overhead_bytes) and overhead_bytes >= 0):
+        errors.append(f"memory overhead {overhead_bytes / 2**30:g} GiB must be a finite number >= 0")
+    split = getattr(fixed, "layer_split", None)
+    if split is not None and fixed.pp is not None and fixed.pp != len(split):
+        errors.append(f"--pipeline-layer-split {','.join(map(str, split))} has {len(split)} stages but --pp {fixed.pp}")
+    if split is not None and (fixed.virtual_stages or fixed.layers_per_virtual_stage):
+        errors.append(
+            "--pipeline-layer-split cannot be combined with virtual pipeline stages (--virtual-pipeline-stages, "
+            "--num-layers-per-virtual-pipeline-stage)"
+        )
+    if not errors:
+        product = 1
+        pp = len(split) if split is not None else fixed.pp
+        for value in (fixed.tp, cp, pp, fixed.dp):
+            if value is not None:
+                product *= value
+        rule = "tp * pp * dp = GPUs" if cp in (None, 1) else "tp * cp * pp * dp = GPUs"
+        if n % product:
+            sizes = {"tp": fixed.tp, "cp": cp, "pp": pp, "dp": fixed.dp}
+            parts = [f"{k}={v}" for k, v in sizes.items() if v]
+            text = " * ".join(parts) + (f" = {product}" if len(parts) > 1 else "")
+            errors.append(f"{text} does not divide the {n} GPUs (rule: {rule})")
+        elif None not in (fixed.tp, pp, fixed.dp) and cp in (None, 1) and product != n:
+            errors.append(
+                f"tp*pp*dp = {fixed.tp}*{pp}*{fixed.dp} = {product} != {n} GPUs"
+                + (" (with context parallelism give --cp: tp*cp*pp*dp = GPUs)" if cp is None else "")
+            )
+        elif None not in (fixed.tp, cp, pp, fixed.dp) and product != n:
+            errors.append(f"tp*cp*pp*dp = {fixed.tp}*{cp}*{pp}*{fixed.dp} = {product} != {n} GPUs")
+    if errors:
+        raise ConfigError("invalid plan request:\n  " + "\n  ".join(errors))
+
+
+def check_stage_layers(num_layers: int, fixed) -> None:
+    """Fixed first/last pipeline stage layer counts (``--decoder-first/last-pipeline-num-layers``):
+    not with ``--pipeline-layer-split`` nor interleaving, each >= 1, and with a fixed pp they must
+    split ``num_layers`` (:func:`ptdp.config.first_last_split`). Raises ``ConfigError`` naming them."""
+    first, last = fixed.first_layers, fixed.last_layers
+    counted = getattr(fixed, "accounting", None)
+    if counted is not None and any(counted):
+        _check_accounting(num_layers, fixed, counted)
+    if first is None and last is None:
+        return
+    given = " / ".join(
+        f"decoder_{k}_pipeline_num_layers={n}" for k, n in (("first", first), ("last", last)) if n is not None
+    )
+    if fixed.virtual_stages or fixed.layers_per_virtual_stage:
+        raise ConfigError(
+            f"invalid plan request:\n  {given} cannot be combined with virtual pipeline stages (ptdp's "
+            f"interleaved schedule gives every model chunk num_layers / (pp * v) layers)"
+        )
+    pp = len(fixed.layer_split) if fixed.layer_split is not None else fixed.pp
+    try:
+        if fixed.layer_split is not None or pp is not None:
+            layer_split(num_layers, pp, fixed.layer_split, first, last)
+        elif any(n is not None and n < 1 for n in (first, last)):
+            raise ConfigError(f"{given}: each must be an integer >= 1 (layers on that stage)")
+    except ConfigError as e:
+        raise ConfigError(f"invalid plan request:\n  {e}") from None
+
+
+def _check_accounting(num_layers: int, fixed, counted: tuple[bool, bool]) -> None:
+    """The embedding / loss counted as layers: not with the explicit split flags, v given as
+    ``--virtual-pipeline-stages`` (or searched), and with a fixed pp a split that exists."""
+    pp = len(fixed.layer_split) if fixed.layer_split is not None else fixed.pp
+    try:
+        if fixed.layers_per_virtual_stage:
+            raise ConfigError(
+                "with account_for_embedding/loss_in_pipeline_split give ptdp plan v as "
+                "--virtual-pipeline-stages V (or leave it to the search), not "
+                "--num-layers-per-virtual-pipeline-stage"
+            )
+        layer_split(
+            num_layers,
+            pp or 1,
+            fixed.layer_split,
+            fixed.first_layers,
+            fixed.last_layers,
+            embedding=counted[0],
+            loss=counted[1],
+            v=fixed.virtual_stages or 1,
+        )
+    except ConfigError as e:
+        if pp is not None or "cannot be combined" in str(e) or "virtual-pipeline" in str(e):
+            raise ConfigError(f"invalid plan request:\n  {e}") from None
+
+
+def ineffective_flag_notes(model: ModelSpec, fixed) -> list[str]:
+    """Notes on flags given that change nothing in the plan, each saying why: ``--cp-comm-type``
+    with ``--cp 1`` and ``--recompute-granularity selective`` with flash attention."""
+    notes = []
+    if getattr(fixed, "cp", None) == 1 and getattr(fixed, "cp_comm_type", None) is not None:
+        notes.append(
+            f"note: --cp-comm-type {fixed.cp_comm_type} changes nothing with --cp 1: without context "
+            "parallelism no keys and values are exchanged"
+        )
+    if fixed.recompute == "selective" and model.flash_attention:
+        notes.append(
+            "note: --recompute-granularity selective changes nothing with flash attention: the kernel "
+            "keeps no s x s attention scores, so recomputing the attention core saves no memory (planned "
+            "as none; --no-use-flash-attn plans the unfused kernel)"
+        )
+    return notes
+
+
+def check_output_path(path: str, flag: str, suffixes: tuple[str, ...] = ()) -> None:
+    """The file ``path`` can be written (its folder exists and is writable; a known suffix)."""
+    p = Path(path)
+    folder = p.parent if str(p.parent) else Path(".")
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ConfigError(f"{flag} {path}: folder {folder} does not exist or is not writable")
+    if suffixes and p.suffix.lower() not in suffixes:
+        raise ConfigError(f"{flag} {path}: use one of {', '.join(suffixes)}")
+
+
+def check_fixed_choices(model: ModelSpec, global_batch_size: int, fixed) -> None:
+    """Fixed choices that no layout can satisfy, whatever the search tries, are a bad request
+    (exit 2) rather than "no layout fits": a fixed tp that does not divide the attention heads or
+    the key/value heads, a fixed cp whose ``2 cp`` chunks do not divide the sequence (the rules
+    every layout is checked by), a fixed micro batch that does not divide the global batch. Raises
+    ``ConfigError`` naming the numbers."""
+    errors = []
+    tp, cp, b = fixed.tp, getattr(fixed, "cp", None), fixed.micro_batch_size
+    if tp is not None:
+        heads = heads_violations(model.num_attention_heads, tp)
+        errors += [v.message for v in heads] or [r.message for r in kv_head_rejections(model, tp)]
+    if cp is not None:
+        errors += [r.message for r in context_rejections(model, tp or 1, cp)]
+    if b is not None and global_batch_size % b:
+        errors.append(
+            f"global_batch_size={global_batch_size} is not divisible by micro_batch_size={b} (rule: B % (b * dp) == 0)"
+        )
+    if errors:
+        raise ConfigError("invalid plan request:\n  " + "\n  ".join(errors))

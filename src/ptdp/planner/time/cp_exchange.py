@@ -1,0 +1,107 @@
+"""Context parallelism's time: one cp rank's attention over ``cp`` key/value blocks and the
+exchange of the blocks (Megatron-Core's ``--cp-comm-type``; ring attention, Liu et al. 2023,
+arXiv:2310.01889; Llama 3, Dubey et al. 2024, arXiv:2407.21783, §3.3.2).
+
+Per layer and microbatch on one tp rank, a block is ``B = (s / cp) b kv d / t`` elements of ``e``
+bytes (keys or values), gradients in float32 (``g = 4``, as ptdp sends them):
+
+* ``p2p`` (ring): forward ``cp - 1`` steps of K and V (``2 B e``), each behind the attention of the
+  block already there; backward ``cp - 1`` steps of K, V, dK, dV (``2 B e + 2 B g``) behind one
+  block's backward, then dK, dV home (``2 B g``, exposed).
+* ``all_gather``: forward one all-gather of K and V (``2 cp B e``); backward the gather again and a
+  reduce-scatter of dK, dV (``2 cp B g``); not overlapped.
+
+A cp group is ``cp`` ranks at stride tp (order tp-cp-dp-pp): inside a node while ``tp * cp <=
+gpus_per_node``, else its ring runs at network speed.
+"""
+
+from __future__ import annotations
+
+from ptdp.planner.inputs.models import ModelSpec
+from ptdp.planner.memory.cp_local import kv_block_elements
+from ptdp.planner.time import flops
+from ptdp.planner.time.collectives import Links, hierarchical_all_reduce_time
+
+
+def block_attention_times(
+    local: ModelSpec,
+    tp: int,
+    micro_batch_size: int,
+    core: float,
+    *,
+    peak_flops: float,
+    peak_fraction: float,
+    half_dim: float,
+) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention of one ``(s/cp) x (s/cp)`` block: a flash
+    kernel's (:func:`ptdp.planner.time.flops.flash_attention_time`, backward ``FLASH_BACKWARD_RATIO``
+    x), else the unfused core ``core`` of the local model and twice that backward (its GEMMs and
+    score traffic are twice the forward's, :func:`ptdp.planner.time.flops.layer_compute_times`)."""
+    if not local.flash_attention:
+        return core, 2.0 * core
+    fwd = flops.flash_attention_time(
+        local, tp, micro_batch_size, peak_flops=peak_flops, peak_fraction=peak_fraction, half_dim=half_dim
+    )
+    return fwd, flops.FLASH_BACKWARD_RATIO * fwd
+
+
+def layer_times(
+    local_times: tuple[float, float, float], block: tuple[float, float], cp: int
+) -> tuple[float, float, float]:
+    """(forward, backward, attention core) seconds of one layer on one cp rank from the local
+    model's (:func:`ptdp.planner.time.flops.layer_compute_times` of :func:`local_model`), which
+    attends one block: the rank attends ``cp`` blocks, forward ``+ (cp - 1)`` and backward
+    ``+ (cp - 1)`` times ``block`` (:func:`block_attention_times`); the core (what selective
+    recompute repeats; 0 with a flash kernel) ``cp x``. A causal kernel's skipped half is the
+    same share of every rank's blocks under the load-balanced split."""
+    fwd, bwd, core = local_times
+    return fwd + (cp - 1) * block[0], bwd + (cp - 1) * block[1], cp * core
+
+
+def cp_link(tp: int, cp: int, links: Links) -> tuple[float, float]:
+    """(bandwidth, latency) of the cp group's ring: NVLink when ``tp * cp <= gpus_per_node``."""
+    if tp * cp <= links.gpus_per_node:
+        return links.nvlink_bandwidth, links.nvlink_latency
+    return links.network_bandwidth, links.network_latency
+
+
+def kv_exchange_times(
+    model: ModelSpec,
+    tp: int,
+    cp: int,
+    micro_batch_size: int,
+    comm_type: str,
+    block_attention: float,
+    links: Links,
+    bytes_per_value: float = 2.0,
+    block_attention_backward: float | None = None,
+    grad_bytes_per_value: float = 4.0,
+) -> tuple[float, float]:
+    """Exposed seconds of one layer's key/value exchange for one microbatch: ``(forward,
+    backward)`` (module docstring). p2p: ``cp - 1`` ring steps each way, a forward step (K, V:
+    ``2 B e`` bytes + one latency) hidden behind ``block_attention`` (one block's forward
+    attention), a backward step (K, V and the dK, dV accumulators: ``2 B e + 2 B g``) behind
+    ``block_attention_backward`` (default twice the forward), and the last hop of dK, dV to their
+    owner (``2 B g``) exposed. all_gather: the gather (``2 cp B e``) in forward, the gather again
+    and the reduce-scatter of dK, dV (``2 cp B g``) in backward. ``g`` =
+    ``grad_bytes_per_value`` (float32, as ptdp sends them)."""
+    if cp <= 1:
+        return 0.0, 0.0
+    elements = kv_block_elements(model, tp, cp, micro_batch_size)
+    block, grad_block = elements * bytes_per_value, elements * grad_bytes_per_value
+    if comm_type == "p2p":
+        bw, lat = cp_link(tp, cp, links)
+        hide_backward = 2.0 * block_attention if block_attention_backward is None else block_attention_backward
+        fwd = (cp - 1) * max(0.0, 2.0 * block / bw + lat - block_attention)
+        bwd = (
+            (cp - 1) * max(0.0, (2.0 * block + 2.0 * grad_block) / bw + lat - hide_backward)
+            + 2.0 * grad_block / bw
+            + lat
+        )
+        return fwd, bwd
+    if comm_type == "all_gather":
+        per_node = min(cp, max(1, links.gpus_per_node // tp)) if tp < links.gpus_per_node else 1
+        gather = 0.5 * hierarchical_all_reduce_time(2.0 * cp * block, cp, per_node, links)
+        scatter = 0.5 * hierarchical_all_reduce_time(2.0 * cp * grad_block, cp, per_node, links)
+        return gather, gather + scatter
+    raise ValueError(f"cp_comm_type={comm_type!r} must be p2p or all_gather")

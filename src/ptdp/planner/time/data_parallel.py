@@ -1,0 +1,203 @@
+"""Data-parallel and optimizer time of one step: the end-of-step terms of the step-time model.
+
+Communication per step of each sharding strategy over its ``d`` ranks (ring collectives, NVLink
+inside the node and the network across, :func:`ptdp.planner.time.collectives.hierarchical_all_reduce_time`):
+``no_shard`` one all-reduce of the float32 gradients; ``optim`` a reduce-scatter of them and an
+all-gather of the updated 16-bit weights [N21 §3.2]; ``optim_grads`` one reduce-scatter per
+microbatch, each behind the next microbatch's backward, the last exposed, then the weights'
+all-gather (with the interleaved schedule in one round, :func:`~ptdp.layout.buckets.chunk_by_chunk`,
+one reduce-scatter per model chunk, Dubey et al. 2024, §3.3.2); ``optim_grads_params`` the same
+reduce-scatters and per microbatch two all-gathers of each unit (forward and backward, each behind
+the previous unit's compute; kept gathered with ``--no-reshard-after-forward``: once per stretch of
+microbatches in flight).
+
+The data-parallel communication of a stage's parameters under its sharding strategy
+(:mod:`ptdp.planner.memory.strategies`), the part of it hidden behind backward, the tied embedding's
+gradient all-reduce between the first and the last stage, and the optimizer update, which is
+bound by memory bandwidth. How these add up to a step is :func:`ptdp.planner.time.step.evaluate_performance`.
+"""
+
+from __future__ import annotations
+
+from ptdp.layout.buckets import chunk_by_chunk
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.models import ModelSpec
+from ptdp.planner.memory.params import layer_param_count
+from ptdp.planner.memory.strategies import check_strategy
+from ptdp.planner.time.collectives import Links, dp_group_per_node, embedding_sync_time, hierarchical_all_reduce_time
+from ptdp.planner.time.constants import PerfConstants
+
+#: Bytes per parameter the optimizer step reads and writes (mixed precision, fp32 main weights):
+#: on every parameter: write the 16-bit weight (2), read the gradient for the global norm (4),
+#: zero the gradient buffer (4); on the parameters this rank updates (1/dp of them with the
+#: distributed optimizer): read the gradient (4), read and write the main weight, m and v (24).
+OPT_BYTES_FULL = {"bf16": 10.0, "fp16": 10.0, "fp32": 8.0, "fp8": 10.0}
+OPT_BYTES_SHARDED = {"bf16": 28.0, "fp16": 28.0, "fp32": 28.0, "fp8": 28.0}
+
+
+def dp_comm_time(
+    model: ModelSpec,
+    layout: Layout,
+    n_params: int,
+    busiest: tuple[float, ...],
+    stage_layers: int,
+    elem: float,
+    links: Links,
+    c: PerfConstants,
+    layer: tuple[float, ...],
+    *,
+    first_stage: bool = False,
+) -> float:
+    """Exposed seconds of the data-parallel communication of the stage's ``n_params`` parameters
+    over ``dp * cp`` ranks under the layout's sharding strategy
+    (:func:`sharded_dp_times`): float32 gradients, ``elem``-byte weights,
+    units of one layer (plus the embedding / output unit; ``first_stage``: the stage looks up,
+    and unless it also projects with the same tied table, pp = 1, backward does not gather its
+    embeddings' unit again), hidden behind one microbatch's
+    backward (the busiest stage's compute without its forward third) and one layer's compute;
+    chunk by chunk (:func:`~ptdp.layout.buckets.chunk_by_chunk`) each chunk's behind the next
+    chunk's backward round.
+    With ``c.overlap_window`` the end-of-step part left by ``c.dp_overlap`` is hidden up to one
+    microbatch's compute on the busiest stage (``busiest[0]``)."""
+    per_layer = layer_param_count(model, layout.tp)
+    unit = max(per_layer, n_params - stage_layers * per_layer)
+    lookup_only = first_stage and not (layout.pp == 1 and model.tied)  # its embeddings' unit
+    microbatch_backward = busiest[0] * 2.0 / 3.0
+    v = layout.virtual_stages
+    chunks = (
+        v if chunk_by_chunk(layout.sharding_strategy, layout.shard_size, v, layout.num_microbatches, layout.pp) else 1
+    )
+
+    def exposed(end_overlap: float) -> float:
+        return sharded_dp_times(
+            layout.sharding_strategy,
+            grad_bytes=4.0 * n_params,
+            param_bytes=elem * n_params,
+            unit_param_bytes=elem * unit,
+            tp=layout.tp,
+            shard=layout.shard_size,
+            num_microbatches=layout.num_microbatches,
+            units=stage_layers + 1,
+            layer_forward=layer[0],
+            layer_backward=layer[1],
+            microbatch_backward=microbatch_backward,
+            links=links,
+            end_overlap=end_overlap,
+            chunks=chunks,
+            # kept gathered: once per stretch of microbatches in flight, m on the last stage (and
+            # at pp = 1), the most any stage gathers
+            kept_gathers=None if layout.reshard_after_forward else layout.num_microbatches,
+            backward_units=stage_layers + 1 - int(lookup_only),
+        )
+
+    if not c.overlap_window:
+        return exposed(c.dp_overlap)
+    without_end = exposed(1.0)
+    return without_end + max(0.0, exposed(c.dp_overlap) - without_end - busiest[0])
+
+
+def embedding_sync_dp_time(model: ModelSpec, layout: Layout, v_pad: int, links: Links, c: PerfConstants) -> float:
+    """Exposed seconds of the all-reduce of the tied word embedding's float32 gradient
+    (``V_pad / tp x h`` on one tp rank) between the first and the last pipeline stage
+    (:func:`ptdp.planner.time.collectives.embedding_sync_time`), the part ``c.dp_overlap`` does not hide; 0
+    for an untied model or pp = 1 (one stage holds the only copy)."""
+    if not (model.tied and layout.pp > 1):
+        return 0.0
+    nbytes = 4.0 * v_pad // layout.tp * model.hidden_size
+    return (1.0 - c.dp_overlap) * embedding_sync_time(nbytes, layout.pp, layout.tp, layout.shard_size, links)
+
+
+def optimizer_time(n_params: int, layout: Layout, elem: float, bandwidth: float, c: PerfConstants) -> float:
+    """Seconds of the optimizer step of a rank holding a stage of ``n_params`` parameters: the bytes
+    per parameter it reads and writes under the layout's sharding strategy
+    (:func:`optimizer_bytes_per_param` of :data:`OPT_BYTES_FULL` /
+    :data:`OPT_BYTES_SHARDED`, ``elem``-byte weights) over ``bandwidth`` (achieved HBM bytes/s)
+    times ``c.optimizer_efficiency``."""
+    prec = layout.precision
+    per_param = optimizer_bytes_per_param(
+        OPT_BYTES_FULL[prec], OPT_BYTES_SHARDED[prec], layout.sharding_strategy, layout.shard_size, weight_bytes=elem
+    )
+    return n_params * per_param / (bandwidth * c.optimizer_efficiency)
+
+
+def optimizer_bytes_per_param(
+    full: float, sharded: float, strategy: str, shard: int, *, grad_bytes: float = 8.0, weight_bytes: float = 2.0
+) -> float:
+    """Memory traffic of the optimizer step per parameter of the stage.
+
+    ``full`` bytes touch every parameter and ``sharded`` only the rank's ``1/shard`` (see
+    :data:`ptdp.planner.time.data_parallel.OPT_BYTES_FULL`): unsharded everything is full; ``optim`` shards the
+    update; ``optim_grads`` also the gradient's norm read and zeroing (``grad_bytes`` of
+    ``full``); ``optim_grads_params`` also the 16-bit weight write (``weight_bytes``).
+    """
+    check_strategy(strategy)
+    if strategy == "no_shard" or shard <= 1:
+        return full + sharded
+    moved = {"optim": 0.0, "optim_grads": grad_bytes, "optim_grads_params": grad_bytes + weight_bytes}[strategy]
+    moved = min(moved, full)
+    return (full - moved) + (sharded + moved) / shard
+
+
+def sharded_dp_times(
+    strategy: str,
+    *,
+    grad_bytes: float,
+    param_bytes: float,
+    unit_param_bytes: float,
+    tp: int,
+    shard: int,
+    num_microbatches: int,
+    units: int,
+    layer_forward: float,
+    layer_backward: float,
+    microbatch_backward: float,
+    links: Links,
+    end_overlap: float = 0.0,
+    chunks: int = 1,
+    kept_gathers: int | None = None,
+    backward_units: int | None = None,
+) -> float:
+    """Exposed seconds per step of the data-parallel communication of ``strategy`` over ``shard``
+    ranks (the module docstring's model).
+
+    ``grad_bytes`` / ``param_bytes``: the stage's float32 gradients and 16-bit weights on one
+    rank; ``unit_param_bytes``: one unit's 16-bit weights; ``units``: units per microbatch pass;
+    ``layer_forward`` / ``layer_backward``: seconds of one layer's compute that hides the next
+    gather; ``microbatch_backward``: one microbatch's backward on the stage, which hides its
+    reduce-scatter; ``end_overlap``: fraction of the end-of-step reduction hidden (the time
+    model's ``dp_overlap``); ``chunks`` > 1: the gradient is reduced chunk by chunk
+    (:func:`~ptdp.layout.buckets.chunk_by_chunk`), ``1/chunks`` of it after each round of ``num_microbatches`` chunk
+    backwards, each hidden behind the next round, the last exposed. ``kept_gathers``
+    (``optim_grads_params`` with ``--no-reshard-after-forward``): the units are gathered that
+    many times per step, once per stretch of microbatches in flight, in forward only (each gather
+    behind the previous unit's forward), instead of twice per microbatch. ``backward_units``:
+    the units gathered again in each backward (None: ``units``; one fewer on a stage whose
+    embeddings' unit only the lookups read). Group members per node: ``min(shard, gpus_per_node / tp)``.
+    """
+    check_strategy(strategy)
+    if shard <= 1:
+        return 0.0
+    per_node = dp_group_per_node(tp, shard, links.gpus_per_node)
+    reduce_scatter = 0.5 * hierarchical_all_reduce_time(grad_bytes, shard, per_node, links)
+    weights_gather = 0.5 * hierarchical_all_reduce_time(param_bytes, shard, per_node, links)
+    if strategy == "no_shard":
+        return (1.0 - end_overlap) * hierarchical_all_reduce_time(grad_bytes, shard, per_node, links)
+    if strategy == "optim":
+        return (1.0 - end_overlap) * (reduce_scatter + weights_gather)
+    m = num_microbatches
+    if chunks > 1:  # one reduce-scatter per chunk, after its round of m chunk backwards
+        last_rs = 0.5 * hierarchical_all_reduce_time(grad_bytes / chunks, shard, per_node, links)
+        hidden_rs = (chunks - 1) * max(0.0, last_rs - m * microbatch_backward / chunks)
+    else:
+        last_rs = reduce_scatter
+        hidden_rs = (m - 1) * max(0.0, reduce_scatter - microbatch_backward)
+    if strategy == "optim_grads":
+        return hidden_rs + (1.0 - end_overlap) * (last_rs + weights_gather)
+    gather = 0.5 * hierarchical_all_reduce_time(unit_param_bytes, shard, per_node, links)
+    rest = max(units - 1, 0)
+    forward_pass = gather + rest * max(0.0, gather - layer_forward)
+    if kept_gathers is not None:
+        return kept_gathers * forward_pass + hidden_rs + (1.0 - end_overlap) * last_rs
+    again = units if backward_units is None else backward_units
+    backward_pass = (gather + (again - 1) * max(0.0, gather - layer_backward)) if again > 0 else 0.0
+    return m * (forward_pass + backward_pass) + hidden_rs + (1.0 - end_overlap) * last_rs

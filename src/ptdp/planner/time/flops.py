@@ -1,0 +1,306 @@
+"""Compute model: FLOPs and memory traffic of a transformer layer, and their achieved speed.
+
+Sources: [N21] Narayanan et al., SC21, arXiv:2104.04473 (eq. 3); [K22] Korthikanti et al.,
+arXiv:2205.05198 (§6, model FLOPs); Williams et al., "Roofline", CACM 2009.
+
+Everything is per GPU (one tensor-parallel rank, t = tp) and per microbatch of b sequences of s
+tokens (T = b s tokens), unless a name says "per step". Notation: h hidden, a query heads,
+kv key/value heads, d = h / a head size, ffn MLP width, V vocabulary.
+
+Forward GEMMs of one layer, as (M, N, K, batch), FLOPs ``2 M N K batch``:
+  QKV ``(T, (a + 2 kv) d / t, h)``; scores ``(s, s, d)`` x ``b a / t``; context ``(s, d, s)`` x
+  ``b a / t``; projection ``(T, h, a d / t)``; fc1 ``(T, n ffn / t, h)`` (n = 2 for SwiGLU);
+  fc2 ``(T, h, ffn / t)``. For GPT this is ``24 T h^2 / t + 4 b s^2 h / t``, [N21] §5.1.
+  Backward = 2 x forward (input and weight gradients; each has the forward's three dims
+  permuted, so the same efficiency). Full recompute adds one layer forward; selective recompute
+  adds the attention core (scores, softmax, dropout, context) [K22] §5.
+Flash attention (``ModelSpec.flash_attention``; [D23] Dao, "FlashAttention-2", arXiv:2307.08691)
+  keeps the scores on chip: no score bytes in memory, causal blocks above the diagonal skipped
+  (about half of the score and context FLOPs executed), a backward of five GEMMs of that size for
+  the forward's two (2.5 x the forward, [D23] §4.1), and nothing for selective recompute to redo.
+FP8 (``fp8_peak``, :mod:`ptdp.planner.memory.fp8`): the QKV, projection, fc1 and fc2 GEMMs (forward and
+  backward) run at the GPU's FP8 peak with 1-byte operands, plus the memory traffic of the casts
+  no other kernel does (:func:`fp8_cast_bytes`); attention and the output layer stay 16-bit.
+Memory-bound (elementwise) kernels move bytes instead of doing FLOPs; their time is bytes /
+(achieved HBM bandwidth). A GEMM takes ``max(FLOP time, byte time)`` (roofline), which is what
+makes the thin ``K = d`` score GEMMs slow.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache, partial
+
+from ptdp.planner.inputs.models import ModelSpec
+
+#: Bytes moved in the forward pass per element of the h-wide residual stream, per layer, by
+#: the memory-bound kernels of a Megatron-style layer (16-bit values, 1-byte dropout masks):
+#: two LayerNorms (read 2 + write 2 each = 8) and two fused bias-dropout-residual adds (read the
+#: branch output 2 and the residual 2, write 2 and a mask 1 = 7 each = 14). Kernel accounting,
+#: not fitted. Llama-style (RMSNorm, no dropout): 8 + 2 * 6 = 20.
+HIDDEN_BYTES_GPT = 22.0
+HIDDEN_BYTES_LLAMA = 20.0
+#: Bytes per element of the ffn/t-wide MLP activation: fused bias + GELU reads 2, writes 2;
+#: SwiGLU reads the 2 halves (4) and writes 2.
+FFN_BYTES_GELU = 4.0
+FFN_BYTES_SWIGLU = 6.0
+#: Bytes per attention-score element (b a s^2 / t of them) in the forward: fused scale + mask +
+#: softmax reads 2 and writes 2; dropout reads 2, writes 2 and a 1-byte mask. Without dropout 4.
+SCORE_BYTES_DROPOUT = 9.0
+SCORE_BYTES_NO_DROPOUT = 4.0
+#: Bytes per logit element (T V / t of them) of the fp32 vocab-parallel cross entropy, forward and
+#: backward together: cast to fp32 (2 + 4), max (4), subtract and exp (8 + 8), sum (4),
+#: normalise (8), gradient (8 + 8), cast back (4 + 2), about 64.
+LOGIT_BYTES = 64.0
+#: Share of the s x s score and context FLOPs a causal flash kernel executes: it skips the key
+#: blocks wholly above the diagonal ([D23] §3.1.1), half of them for s much larger than a block.
+FLASH_CAUSAL_FRACTION = 0.5
+#: Backward FLOPs of a flash kernel over its forward: it recomputes the scores and runs five GEMMs
+#: (S, dP, dV, dQ, dK) for the forward's two ([D23] §4.1: "2.5 times that of the forward").
+FLASH_BACKWARD_RATIO = 2.5
+#: Indices of the weight GEMMs in :func:`layer_gemms` (QKV, projection, fc1, fc2): those that run
+#: in FP8 under Transformer Engine; the score and context GEMMs (1, 2) stay 16-bit.
+LINEAR_GEMMS = (0, 3, 4, 5)
+#: Bytes per element of an FP8 cast of an activation: read 2 (bf16), write 1 (FP8) and 1 (its
+#: FP8 transpose), Transformer Engine's fused cast-transpose.
+FP8_CAST_BYTES = 4.0
+#: Backward memory traffic of an elementwise kernel relative to its forward: it reads the saved
+#: input(s) and the output gradient and writes the input gradient, about twice the forward's
+#: one read and one write.
+BACKWARD_TRAFFIC_RATIO = 2.0
+
+
+def layer_gemms(model: ModelSpec, tp: int, micro_batch_size: int) -> tuple[tuple[int, int, int, int], ...]:
+    """Forward GEMMs of one layer on one tp rank for one microbatch: ``(M, N, K, batch)``.
+
+    Order: QKV, scores, context, projection, fc1, fc2 (see the module docstring).
+    """
+    b, s, h, a = micro_batch_size, model.seq_length, model.hidden_size, model.num_attention_heads
+    d, kv, t = h // a, model.kv_heads, tp
+    tokens, heads = b * s, b * a // t
+    up = (2 if model.swiglu else 1) * model.ffn // t
+    return (
+        (tokens, (a + 2 * kv) * d // t, h, 1),
+        (s, s, d, heads),
+        (s, d, s, heads),
+        (tokens, h, a * d // t, 1),
+        (tokens, up, h, 1),
+        (tokens, h, model.ffn // t, 1),
+    )
+
+
+def gemm_flops(m: int, n: int, k: int, batch: int = 1) -> float:
+    """FLOPs of ``batch`` products of an ``[m, k]`` and a ``[k, n]`` matrix: ``2 m n k batch``."""
+    return 2.0 * m * n * k * batch
+
+
+def layer_forward_flops(model: ModelSpec, tp: int, micro_batch_size: int) -> float:
+    """Forward FLOPs of one layer, one tp rank, one microbatch; GPT: ``(24 T h^2 + 4 b s^2 h) / t``."""
+    return sum(gemm_flops(*g) for g in layer_gemms(model, tp, micro_batch_size))
+
+
+def attention_core_flops(model: ModelSpec, tp: int, micro_batch_size: int) -> float:
+    """Forward FLOPs of the score and context GEMMs: ``4 b s^2 a d / t`` (full s x s, as computed
+    without a causal-skipping kernel, and as the papers count model FLOPs); what selective
+    recompute repeats [K22] §5 with the unfused kernel."""
+    g = layer_gemms(model, tp, micro_batch_size)
+    return gemm_flops(*g[1]) + gemm_flops(*g[2])
+
+
+def logits_forward_flops(model: ModelSpec, tp: int, micro_batch_size: int, padded_vocab: int | None = None) -> float:
+    """Forward FLOPs of the output layer on one tp rank: ``2 T h V / t``."""
+    vocab = padded_vocab if padded_vocab is not None else model.vocab_size
+    return gemm_flops(micro_batch_size * model.seq_length, vocab // tp, model.hidden_size)
+
+
+@lru_cache(maxsize=65536)
+def model_flops_per_step(model: ModelSpec, global_batch_size: int) -> float:
+    """Model FLOPs of one step (no recompute), all GPUs: 3 x forward over ``B s`` tokens.
+
+    For GPT this is exactly [K22] §6: ``72 B s l h^2 (1 + s/(6h) + V/(12 h l))``; for other
+    shapes the same count from :func:`layer_gemms` at tp = 1 (V unpadded, as in the papers).
+    """
+    per_sequence = model.num_layers * layer_forward_flops(model, 1, 1) + logits_forward_flops(model, 1, 1)
+    return 3.0 * global_batch_size * per_sequence
+
+
+@lru_cache(maxsize=65536)
+def hardware_flops_per_step(model: ModelSpec, global_batch_size: int, recompute: str) -> float:
+    """FLOPs executed in one step, all GPUs, counting the recompute forward.
+
+    Full recompute: ``4 x`` layer forward + ``3 x`` logits, i.e. [N21] eq. 3 for GPT:
+    ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``. Selective: model FLOPs + the attention core once
+    more (nothing with a flash kernel, which is not recomputed). None: model FLOPs.
+    """
+    extra = 0.0
+    if recompute == "full":
+        extra = layer_forward_flops(model, 1, 1)
+    elif recompute == "selective" and not model.flash_attention:
+        extra = attention_core_flops(model, 1, 1)
+    return model_flops_per_step(model, global_batch_size) + global_batch_size * model.num_layers * extra
+
+
+def gemm_efficiency(m: int, n: int, k: int, *, peak_fraction: float, half_dim: float) -> float:
+    """Achieved fraction of peak of a compute-bound ``[m, k] x [k, n]`` GEMM (dimensionless).
+
+    ``peak_fraction * prod(x / (x + half_dim) for x in (m, n, k))``: a large GEMM reaches
+    ``peak_fraction``; each dimension comparable to ``half_dim`` loses the part of its last
+    tensor-core tile / wave that is idle (a dimension of ``half_dim`` runs at half speed). The form
+    is symmetric in (m, n, k), so a layer's backward GEMMs (its forward dims permuted) run at the
+    forward's efficiency.
+    """
+    return peak_fraction * (m / (m + half_dim)) * (n / (n + half_dim)) * (k / (k + half_dim))
+
+
+def gemm_time(
+    m: int,
+    n: int,
+    k: int,
+    batch: int,
+    *,
+    peak_flops: float,
+    bandwidth: float,
+    peak_fraction: float,
+    half_dim: float,
+    bytes_per_element: float = 2.0,
+) -> float:
+    """Seconds of ``batch`` GEMMs: roofline ``max(FLOPs / (peak * efficiency), bytes / bandwidth)``.
+
+    bytes: read both operands and write the result once, ``(m k + k n + m n) batch`` elements.
+    ``bandwidth`` is the achieved HBM bandwidth (bytes/s).
+    """
+    eff = gemm_efficiency(m, n, k, peak_fraction=peak_fraction, half_dim=half_dim)
+    compute = gemm_flops(m, n, k, batch) / (peak_flops * eff)
+    memory = (m * k + k * n + m * n) * batch * bytes_per_element / bandwidth
+    return compute if compute > memory else memory
+
+
+def layer_elementwise_bytes(
+    model: ModelSpec, tp: int, micro_batch_size: int, *, sequence_parallel: bool
+) -> tuple[float, float]:
+    """Forward bytes of the memory-bound kernels of one layer: ``(total, attention-score part)``.
+
+    ``T h * HIDDEN_BYTES`` (divided by t with sequence parallelism, which splits the norms and
+    dropouts along the sequence [K22] §4.2.2) + ``T ffn / t * FFN_BYTES`` + ``b a s^2 / t *
+    SCORE_BYTES``. The score part is what selective recompute repeats; 0 with a flash kernel,
+    which keeps the scores on chip.
+    """
+    b, s, h, t = micro_batch_size, model.seq_length, model.hidden_size, tp
+    tokens = b * s
+    hidden = HIDDEN_BYTES_LLAMA if model.llama_style else HIDDEN_BYTES_GPT
+    ffn = FFN_BYTES_SWIGLU if model.swiglu else FFN_BYTES_GELU
+    score = SCORE_BYTES_NO_DROPOUT if model.llama_style else SCORE_BYTES_DROPOUT
+    scores = 0.0 if model.flash_attention else score * b * model.num_attention_heads / t * s * s
+    total = hidden * tokens * h / (t if sequence_parallel else 1) + ffn * tokens * model.ffn / t + scores
+    return total, scores
+
+
+def fp8_cast_bytes(model: ModelSpec, tp: int, micro_batch_size: int) -> tuple[float, float]:
+    """(forward, backward) bytes of the FP8 casts of one layer on one tp rank for one microbatch
+    that no other kernel does on the way.
+
+    An FP8 GEMM needs its activation operand in FP8 and, for the weight-gradient GEMM, its FP8
+    transpose (Hopper's FP8 GEMMs take K-major operands). Transformer Engine writes both from the
+    kernel that makes the value when it can: the norms before QKV and fc1 and the SwiGLU/GELU
+    before fc2 write FP8 + transpose (1 + 1 bytes) instead of 2 (no extra traffic), and so does
+    the activation's backward for fc1's output gradient. The rest are separate cast-transposes,
+    :data:`FP8_CAST_BYTES` per element: forward the attention output (the projection's input,
+    ``a d / t`` per token, from the 16-bit attention kernel); backward the output gradients of
+    fc2 and of the projection (h each) and of QKV (``(a + 2 kv) d / t``, from the attention
+    backward). Weights are cast once per step (not counted).
+    """
+    h, a = model.hidden_size, model.num_attention_heads
+    d, kv, t, tokens = h // a, model.kv_heads, tp, micro_batch_size * model.seq_length
+    forward = tokens * a * d / t
+    backward = tokens * (2 * h + (a + 2 * kv) * d / t)
+    return FP8_CAST_BYTES * forward, FP8_CAST_BYTES * backward
+
+
+def flash_attention_time(
+    model: ModelSpec, tp: int, micro_batch_size: int, *, peak_flops: float, peak_fraction: float, half_dim: float
+) -> float:
+    """Forward seconds of a causal flash attention kernel on one tp rank, one microbatch:
+    ``FLASH_CAUSAL_FRACTION`` of the score and context FLOPs at the efficiency of an ``(s, s, d)``
+    GEMM (compute-bound, no s x s bytes); its backward is ``FLASH_BACKWARD_RATIO`` x this."""
+    s, d = model.seq_length, model.hidden_size // model.num_attention_heads
+    eff = gemm_efficiency(s, s, d, peak_fraction=peak_fraction, half_dim=half_dim)
+    return FLASH_CAUSAL_FRACTION * attention_core_flops(model, tp, micro_batch_size) / (peak_flops * eff)
+
+
+@lru_cache(maxsize=65536)
+def layer_compute_times(
+    model: ModelSpec,
+    tp: int,
+    micro_batch_size: int,
+    sequence_parallel: bool,
+    peak_flops: float,
+    bandwidth: float,
+    peak_fraction: float,
+    half_dim: float,
+    fp8_peak: float = 0.0,
+) -> tuple[float, float, float]:
+    """Seconds of one layer on one tp rank for one microbatch, communication excluded:
+    ``(forward, backward, attention-core forward)``.
+
+    forward = Σ roofline GEMM times + elementwise bytes / bandwidth; backward = 2 x GEMM times +
+    ``BACKWARD_TRAFFIC_RATIO`` x elementwise; the third item (score and context GEMMs + score
+    elementwise) is what selective recompute adds. With ``model.flash_attention`` the score and
+    context GEMMs are one fused kernel, compute-bound (no s x s bytes), executing
+    ``FLASH_CAUSAL_FRACTION`` of their FLOPs forward and ``FLASH_BACKWARD_RATIO`` x that backward;
+    the third item is then 0. ``fp8_peak`` > 0: the weight GEMMs (:data:`LINEAR_GEMMS`) run at
+    that peak (FLOP/s) with 1-byte operands, and the casts of their activation operands
+    (:func:`fp8_cast_bytes`) move memory. ``bandwidth``: achieved HBM bytes/s. Cached.
+    """
+    timed = partial(
+        gemm_time, peak_flops=peak_flops, bandwidth=bandwidth, peak_fraction=peak_fraction, half_dim=half_dim
+    )
+    shapes = layer_gemms(model, tp, micro_batch_size)
+    gemms = [timed(*g) for g in shapes]
+    elementwise, scores = layer_elementwise_bytes(model, tp, micro_batch_size, sequence_parallel=sequence_parallel)
+    cast_forward = cast_backward = 0.0
+    if fp8_peak:
+        for i in LINEAR_GEMMS:
+            gemms[i] = timed(*shapes[i], peak_flops=fp8_peak, bytes_per_element=1.0)
+        cast_forward, cast_backward = fp8_cast_bytes(model, tp, micro_batch_size)
+    linear = sum(gemms[i] for i in LINEAR_GEMMS)
+    if model.flash_attention:
+        attention = flash_attention_time(
+            model, tp, micro_batch_size, peak_flops=peak_flops, peak_fraction=peak_fraction, half_dim=half_dim
+        )
+        forward = linear + attention + (elementwise + cast_forward) / bandwidth
+        backward = (
+            2.0 * linear
+            + FLASH_BACKWARD_RATIO * attention
+            + (BACKWARD_TRAFFIC_RATIO * elementwise + cast_backward) / bandwidth
+        )
+        return forward, backward, 0.0
+    forward = sum(gemms) + (elementwise + cast_forward) / bandwidth
+    backward = 2.0 * sum(gemms) + (BACKWARD_TRAFFIC_RATIO * elementwise + cast_backward) / bandwidth
+    core = gemms[1] + gemms[2] + scores / bandwidth
+    return forward, backward, core
+
+
+@lru_cache(maxsize=65536)
+def logits_compute_time(
+    model: ModelSpec,
+    tp: int,
+    micro_batch_size: int,
+    padded_vocab: int,
+    peak_flops: float,
+    bandwidth: float,
+    peak_fraction: float,
+    half_dim: float,
+) -> float:
+    """Seconds of the output layer and cross entropy, forward + backward, one tp rank, one
+    microbatch: 3 roofline GEMMs of ``(T, V/t, h)`` + ``T V / t * LOGIT_BYTES`` / bandwidth."""
+    tokens = micro_batch_size * model.seq_length
+    gemm = gemm_time(
+        tokens,
+        padded_vocab // tp,
+        model.hidden_size,
+        1,
+        peak_flops=peak_flops,
+        bandwidth=bandwidth,
+        peak_fraction=peak_fraction,
+        half_dim=half_dim,
+    )
+    return 3.0 * gemm + LOGIT_BYTES * tokens * padded_vocab / tp / bandwidth

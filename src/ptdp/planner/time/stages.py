@@ -1,0 +1,184 @@
+"""Per-microbatch time of the pipeline stages: the time terms of the step-time model.
+
+Sources: [N21] Narayanan et al., SC21, arXiv:2104.04473 (§2.2 bubble, §3.2 and §4.1
+communication); [K22] Korthikanti et al., arXiv:2205.05198 (§5 selective recompute).
+
+One microbatch on a stage is its layers' compute (:func:`ptdp.planner.time.flops.layer_compute_times`),
+the recompute forward, the exposed TP communication (:mod:`ptdp.planner.time.collectives`; Megatron-style TP
+does not overlap it), the context-parallel key/value exchange (:mod:`ptdp.planner.time.cp_exchange`) and the
+edge work of the first stage (embedding) and the last (output layer + loss). How these add up to a
+step is :func:`ptdp.planner.time.step.evaluate_performance`.
+"""
+
+from __future__ import annotations
+
+from ptdp.layout.vocab import padded_vocab_size
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.hardware import Cluster
+from ptdp.planner.inputs.models import ModelSpec
+from ptdp.planner.memory.cp_local import local_model
+from ptdp.planner.time import flops
+from ptdp.planner.time.collectives import Links, hierarchical_all_reduce_time, pp_transfer_time, tp_layer_comm_times
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants, links_for
+from ptdp.planner.time.cp_exchange import block_attention_times, kv_exchange_times, layer_times
+
+Parts = tuple[float, ...]
+"""Per-microbatch seconds of a stage by part: (compute, recompute, tp_comm, cp_comm)."""
+
+
+def rank_layer_times(
+    model: ModelSpec, layout: Layout, peak: float, bandwidth: float, c: PerfConstants, fp8_peak: float = 0.0
+) -> tuple[float, float, float, float, float]:
+    """(forward, backward, attention core, one block's forward attention, its backward) seconds
+    of one layer on one tp and cp rank for one microbatch (:mod:`ptdp.planner.time.cp_exchange`: the
+    ``s / cp``-token layer attending ``cp`` blocks; the last two hide one ring step of the
+    key/value exchange each)."""
+    local = local_model(model, layout.cp) if layout.cp > 1 else model
+    times = flops.layer_compute_times(
+        local,
+        layout.tp,
+        layout.micro_batch_size,
+        layout.sequence_parallel,
+        peak,
+        bandwidth,
+        c.gemm_peak_fraction,
+        c.gemm_half_dim,
+        fp8_peak,
+    )
+    if layout.cp == 1:
+        return (*times, times[2], 2.0 * times[2])
+    block = block_attention_times(
+        local,
+        layout.tp,
+        layout.micro_batch_size,
+        times[2],
+        peak_flops=peak,
+        peak_fraction=c.gemm_peak_fraction,
+        half_dim=c.gemm_half_dim,
+    )
+    return (*layer_times(times, block, layout.cp), *block)
+
+
+def tp_hidden_share(c: PerfConstants, tp: int, sequence_parallel: bool) -> float:
+    """Share of the layers' tensor-parallel communication hidden behind their GEMMs:
+    ``(tp - 1) / tp`` with ``c.tp_comm_overlap`` and sequence parallelism (Transformer Engine's
+    ring exchange hides all but the first of tp chunks), else ``c.tp_overlap``."""
+    if c.tp_comm_overlap and sequence_parallel and tp > 1:
+        return max(c.tp_overlap, (tp - 1) / tp)
+    return c.tp_overlap
+
+
+def stage_microbatch_times(
+    model: ModelSpec,
+    layout: Layout,
+    peak: float,
+    bandwidth: float,
+    links: Links,
+    c: PerfConstants,
+    v_pad: int,
+    elem: float,
+    layers: int,
+    fp8_peak: float = 0.0,
+) -> tuple[Parts, Parts, Parts]:
+    """(compute, recompute, tp_comm, cp_comm) seconds of one microbatch on (middle, first, last)
+    stages of one cp rank (:func:`rank_layer_times`; tp transfers and logits of ``s / cp`` tokens,
+    key/value exchange :func:`ptdp.planner.time.cp_exchange.kv_exchange_times`, again in a full recompute);
+    ``fp8_peak`` > 0: the layers' weight GEMMs run at that FP8 peak (FLOP/s)."""
+    local = local_model(model, layout.cp) if layout.cp > 1 else model
+    tp, b, s, h = layout.tp, layout.micro_batch_size, local.seq_length, model.hidden_size
+    fwd, bwd, core, block, block_bwd = rank_layer_times(model, layout, peak, bandwidth, c, fp8_peak)
+    tp_f, tp_b = tp_layer_comm_times(
+        b * s, h, tp, sequence_parallel=layout.sequence_parallel, links=links, bytes_per_element=elem
+    )
+    hidden = tp_hidden_share(c, tp, layout.sequence_parallel)
+    tp_f, tp_b = (1.0 - hidden) * tp_f, (1.0 - hidden) * tp_b
+    cp_f, cp_b = kv_exchange_times(model, tp, layout.cp, b, layout.cp_comm_type, block, links, elem, block_bwd)
+    rec = {"full": fwd, "selective": core}.get(layout.recompute, 0.0)
+    full = layout.recompute == "full"
+    rec_comm, rec_cp = (tp_f, cp_f) if full else (0.0, 0.0)
+    mid = (
+        layers * (fwd + bwd + c.layer_overhead),
+        layers * rec,
+        layers * (tp_f + tp_b + rec_comm),
+        layers * (cp_f + cp_b + rec_cp),
+    )
+    one_ar = hierarchical_all_reduce_time(elem * b * s * h, tp, links.gpus_per_node, links)
+    logits = flops.logits_compute_time(local, tp, b, v_pad, peak, bandwidth, c.gemm_peak_fraction, c.gemm_half_dim)
+    first = (mid[0], mid[1], mid[2] + one_ar, mid[3])
+    last = (mid[0] + logits + c.head_overhead, mid[1], mid[2] + one_ar, mid[3])
+    if layout.pp == 1:
+        last = (last[0], last[1], last[2] + one_ar, last[3])
+    return mid, first, last
+
+
+def split_stage_times(
+    split: tuple[int, ...], layer: tuple[float, ...], first: tuple[float, ...], last: tuple[float, ...]
+) -> tuple[Parts, Parts, Parts, Parts, float]:
+    """Per-microbatch times of the stages of an uneven split, from ``layer`` (the times of one
+    layer) and ``first`` / ``last`` (one layer plus the first / last stage's edge work), each a
+    tuple of parts (compute, recompute, tp_comm).
+
+    Returns (first stage, mean of the middle stages, last stage, busiest stage, fill seconds): stage
+    i takes ``split[i]`` layers plus its edge; the busiest has the largest total (the later on a tie);
+    fill and drain take the layers-only time of all the other stages, ``(sum(split) -
+    split[busiest]) * sum(layer)`` (the 1F1B step of stages with times t_i is about
+    ``m max t_i + sum of the others``, [N21] §2.2 generalised; with an even split it is the
+    ``(pp - 1)`` layers-only slots of :func:`ptdp.planner.time.step.evaluate_performance`). Needs ``len(split) >= 2``.
+    """
+    edge_first = [f - u for f, u in zip(first, layer)]
+    edge_last = [x - u for x, u in zip(last, layer)]
+    stages = [tuple(n * u for u in layer) for n in split]
+    stages[0] = tuple(t + e for t, e in zip(stages[0], edge_first))
+    stages[-1] = tuple(t + e for t, e in zip(stages[-1], edge_last))
+    busiest = max(range(len(split)), key=lambda i: (sum(stages[i]), i))
+    middle = stages[1:-1] or [tuple(0.0 for _ in layer)]
+    mean = tuple(sum(col) / len(middle) for col in zip(*middle))
+    fill = (sum(split) - split[busiest]) * sum(layer)
+    return stages[0], mean, stages[-1], stages[busiest], fill
+
+
+def edge_layer_equivalents(
+    model: ModelSpec,
+    layout: Layout,
+    cluster: Cluster,
+    constants: PerfConstants = DEFAULT_CONSTANTS,
+    *,
+    make_vocab_size_divisible_by: int = 128,
+) -> tuple[float, float]:
+    """(first, last): the first stage's embedding work and the last stage's output layer + loss, in
+    transformer layers of this time model (one microbatch; compute, recompute and exposed tp
+    communication). Their FLOPs: the lookup has none, the output layer ``2 b s h V / t`` forward, a
+    layer about ``(24 h^2 + 4 h s) b s / t`` for GPT ([N21] eq. 3's terms), so the loss side is about
+    ``V / (12 h + 2 s)`` layers; the time model adds the memory-bound and communication parts."""
+    c, gpu, prec = constants.for_gpu(cluster.gpu), cluster.gpu, layout.precision
+    peak = gpu.peak("bf16" if prec == "fp8" else prec)
+    fp8_peak = gpu.peak("fp8") if prec == "fp8" else 0.0
+    v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, layout.tp)
+    elem = 4.0 if prec == "fp32" else 2.0
+    layer, first, last = stage_microbatch_times(
+        model, layout, peak, gpu.memory_bandwidth * c.hbm_efficiency, links_for(cluster, c), c, v_pad, elem, 1, fp8_peak
+    )
+    unit = sum(layer)
+    return (sum(first) - unit) / unit, (sum(last) - unit) / unit
+
+
+def pipeline_transfer_time(model: ModelSpec, layout: Layout, links: Links, elem: float, c: PerfConstants) -> float:
+    """Seconds of one microbatch's stage-to-stage transfers on a pipeline rank: two per model chunk
+    (activations forward, their gradients backward), ``2 v`` transfers of the ``b s / cp`` tokens'
+    ``elem``-byte hidden states (:func:`ptdp.planner.time.collectives.pp_transfer_time`; split over the tp ranks
+    and all-gathered with ``c.pp_scatter_gather``, [N21] §4.1)."""
+    return (
+        2.0
+        * layout.virtual_stages
+        * pp_transfer_time(
+            layout.micro_batch_size * model.seq_length // layout.cp,
+            model.hidden_size,
+            layout.tp,
+            layout.shard_size,
+            layout.pp,
+            sequence_parallel=layout.sequence_parallel,
+            links=links,
+            bytes_per_element=elem,
+            scatter_gather=c.pp_scatter_gather,
+        )
+    )

@@ -1,0 +1,203 @@
+"""Step-time model: compute, recompute, communication, pipeline bubble and optimizer of one step.
+
+Sources: [N21] Narayanan et al., SC21, arXiv:2104.04473 (§2.2 bubble, §3.2 communication, eq. 3
+FLOPs); [K22] Korthikanti et al., arXiv:2205.05198 (§5 selective recompute, §6 model FLOPs).
+
+The time of one microbatch on a pipeline stage is the sum of its layers' compute
+(:func:`ptdp.planner.time.flops.layer_compute_times`), the recompute forward, the exposed TP
+communication (:mod:`ptdp.planner.time.collectives`; Megatron-style TP does not overlap it) and, with
+pp > 1, two stage-to-stage transfers per model chunk. A 1F1B or GPipe step is
+``m`` slots of the busiest stage plus ``(pp - 1) / v`` slots of a layers-only stage of fill and
+drain ([N21] §2.2: bubble fraction ``(pp - 1) / (v m)``), then the data-parallel gradient
+reduction (minus the part hidden behind backward) and the optimizer update, which is bound by
+memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ptdp.layout.vocab import padded_vocab_size
+from ptdp.planner.candidate import Layout, TimeBreakdown
+from ptdp.planner.inputs.hardware import Cluster
+from ptdp.planner.inputs.models import ModelSpec
+from ptdp.planner.memory.params import even_stage_params, stage_param_counts
+from ptdp.planner.time import flops
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants, links_for
+from ptdp.planner.time.data_parallel import (
+    dp_comm_time,
+    embedding_sync_dp_time,
+    optimizer_time,
+)
+from ptdp.planner.time.stages import (
+    Parts,
+    pipeline_transfer_time,
+    rank_layer_times,
+    split_stage_times,
+    stage_microbatch_times,
+)
+
+#: The time model's parts live in :mod:`ptdp.planner.time.constants` (constants, links),
+#: :mod:`ptdp.planner.time.stages` (per-microbatch stage times) and :mod:`ptdp.planner.time.data_parallel`
+#: (data-parallel and optimizer time).
+__all__ = ["Performance", "core_shared_step", "evaluate_performance"]
+
+
+@dataclass(frozen=True)
+class Performance:
+    """Predicted speed of one layout.
+
+    Attributes:
+        time: seconds of one step by part; ``time.step`` is the step time.
+        tflops_per_gpu: executed FLOP/s per GPU, in FLOP/s like every rate of this module
+            (divide by 1e12 for the TFLOP/s the papers print; a :class:`~ptdp.planner.candidate.Plan`
+            holds it in TFLOP/s), counted like [N21]: eq. 3 with full
+            recompute (the recompute forward included); with selective recompute the model
+            FLOPs plus the attention core once more; without recompute the model FLOPs.
+        mfu: model FLOPs utilisation, ``model FLOPs / (step time * GPUs * peak)`` [K22] §6.
+        model_flops: FLOPs of one step without recompute, all GPUs.
+        hardware_flops: FLOPs executed in one step, all GPUs (recompute included).
+        tokens_per_second: ``B s / step``.
+    """
+
+    time: TimeBreakdown
+    tflops_per_gpu: float
+    mfu: float
+    model_flops: float
+    hardware_flops: float
+    tokens_per_second: float
+
+    @property
+    def step_time(self) -> float:
+        return self.time.step
+
+
+def exposed_p2p(p2p: float, busiest: Parts, v: int, c: PerfConstants) -> float:
+    """Exposed seconds of one microbatch's ``p2p`` seconds of stage-to-stage transfers on the
+    busiest stage: all of them, or with ``c.pp_overlap`` and the interleaved schedule (``v > 1``)
+    only their excess over the microbatch's work on that stage (``busiest``: compute, recompute,
+    tp and cp communication), each transfer running while another model chunk computes
+    (:attr:`PerfConstants.pp_overlap`; the fill and drain transfers are in the bubble)."""
+    if c.pp_overlap and v > 1:
+        return max(0.0, p2p - sum(busiest))
+    return p2p
+
+
+def core_shared_step(busy: list[float], pp: int, workers: int, cores: int) -> float:
+    """Step time when ``workers`` processes share ``cores`` CPU cores: the node's total busy time
+    over its cores (processor sharing: a worker that waits gives its core to the others).
+
+    ``busy``: seconds one worker of the (first, middle, last) stage computes and communicates per
+    step when running alone on a core (with pp = 1 the last stage's figure covers the whole
+    model). The node's workers are spread evenly over the ``pp`` stages.
+    """
+    first, mid, last = busy
+    per_stage = [last] if pp == 1 else [first] + [mid] * (pp - 2) + [last]
+    return workers * (sum(per_stage) / pp) / cores
+
+
+def _stage_extent(
+    model: ModelSpec, layout: Layout, split: tuple[int, ...] | None, divisible_by: int
+) -> tuple[tuple[int, ...], int, int]:
+    """(parameters on one tp rank of the first stage and of the other stage holding the most,
+    layers the per-microbatch times are built from, layers of the stage with the most): an even
+    split's stages hold ``l / pp`` layers each; an uneven ``split``'s times are built from one
+    layer and the edges (:func:`ptdp.planner.time.stages.split_stage_times`)."""
+    if split is None:
+        first_params, last_params, _ = even_stage_params(model, layout.tp, layout.pp, divisible_by)
+        layers = model.num_layers // layout.pp
+        return (first_params, last_params)[: min(layout.pp, 2)], layers, layers
+    counts = stage_param_counts(
+        model, layout.tp, layout.pp, make_vocab_size_divisible_by=divisible_by, layer_split=split
+    )
+    return (counts[0], max(counts[1:])), 1, max(split)
+
+
+def _with_core_sharing(
+    time: TimeBreakdown, stages: tuple[Parts, ...], p2p: float, m: int, layout: Layout, cluster: Cluster
+) -> TimeBreakdown:
+    """``time`` with the wait of workers sharing CPU cores (:func:`core_shared_step`) when the
+    cluster's device runs more workers per node than it has cores; unchanged otherwise.
+    ``stages``: the (first, middle, last) stages' per-microbatch parts."""
+    gpu = cluster.gpu
+    if not (gpu.shared_cores and cluster.gpus_per_node > gpu.shared_cores):
+        return time
+    per_step = time.dp_comm + time.optimizer
+    busy = [m * (sum(stage) + p2p) + per_step for stage in stages]
+    shared = core_shared_step(busy, layout.pp, cluster.gpus_per_node, gpu.shared_cores)
+    return dataclasses.replace(time, core_sharing=max(0.0, shared - time.step))
+
+
+def evaluate_performance(
+    model: ModelSpec,
+    layout: Layout,
+    cluster: Cluster,
+    constants: PerfConstants = DEFAULT_CONSTANTS,
+    *,
+    make_vocab_size_divisible_by: int = 128,
+    layer_split: tuple[int, ...] | None = None,
+) -> Performance:
+    """Predicted step time, TFLOP/s per GPU and MFU of ``layout`` (1F1B, or interleaved 1F1B when
+    ``layout.virtual_stages > 1``; GPipe has the same time) on ``cluster``.
+
+    Step = m x (busiest stage's microbatch: compute + recompute + TP + 2 v PP transfers, those
+    exposed: :func:`exposed_p2p`)
+    + (pp - 1)/v x (a layers-only stage's microbatch) + exposed DP + optimizer.
+    The DP reduction moves fp32 gradients (ptdp's main-grad buffer, 4 bytes per parameter; with
+    the distributed optimizer, reduce-scatter of those + all-gather of the 16-bit weights).
+    ``layer_split`` (layers per stage; default ``layout.layer_split``, None: even): each stage's
+    microbatch is its layers plus its edge work (the first stage's embedding, the last stage's output
+    layer + loss), the busiest stage sets the m slots, and fill and drain take the layers-only time
+    of every other stage, ``(l - l_busiest)`` layers plus ``pp - 1`` transfers (:func:`split_stage_times`;
+    with an even split this is the ``(pp - 1)`` slots above).
+    Cost: O(1) in pp; per-model and per-(tp, b, sp) quantities are cached.
+    """
+    c, gpu, prec = constants.for_gpu(cluster.gpu), cluster.gpu, layout.precision
+    peak = gpu.peak("bf16" if prec == "fp8" else prec)  # fp8: attention, logits and MFU at the bf16 peak
+    fp8_peak = gpu.peak("fp8") if prec == "fp8" else 0.0
+    bandwidth = gpu.memory_bandwidth * c.hbm_efficiency
+    links = links_for(cluster, c)
+    elem = 4.0 if prec == "fp32" else 2.0
+    pp, v, m = layout.pp, layout.virtual_stages, layout.num_microbatches
+    layer_split = layer_split if layer_split is not None else layout.layer_split
+    v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, layout.tp)
+    split = layer_split if layer_split is not None and len(layer_split) > 1 else None  # None: an even split
+    stage_params, layers, stage_layers = _stage_extent(model, layout, split, make_vocab_size_divisible_by)
+    n_params = max(stage_params)
+    mid, first, last = stage_microbatch_times(model, layout, peak, bandwidth, links, c, v_pad, elem, layers, fp8_peak)
+    busiest = last if sum(last) >= sum(first) else first
+    p2p = pipeline_transfer_time(model, layout, links, elem, c)
+    bubble = (pp - 1) / v * (sum(mid) + p2p)
+    if split is not None:
+        first, mid, last, busiest, fill = split_stage_times(split, mid, first, last)
+        bubble = (fill + (pp - 1) * p2p) / v  # interleaving spreads fill and drain over v chunks ([N21] §2.2)
+    layer = rank_layer_times(model, layout, peak, bandwidth, c, fp8_peak)
+    # the first stage's, which gathers its embeddings for forward only, or another's
+    exposed_dp = max(
+        dp_comm_time(model, layout, n, busiest, stage_layers, elem, links, c, layer, first_stage=rank == 0)
+        for rank, n in enumerate(stage_params)
+    )
+    exposed_dp += embedding_sync_dp_time(model, layout, v_pad, links, c)
+    time = TimeBreakdown(
+        compute=m * busiest[0],
+        recompute=m * busiest[1],
+        tp_comm=m * busiest[2],
+        pp_comm=m * exposed_p2p(p2p, busiest, v, c),
+        bubble=bubble,
+        dp_comm=exposed_dp,
+        optimizer=optimizer_time(n_params, layout, elem, bandwidth, c),
+        cp_comm=m * busiest[3],
+    )
+    time = _with_core_sharing(time, (first, mid, last), p2p, m, layout, cluster)
+    step, gpus = time.step, layout.num_gpus
+    model_flops = flops.model_flops_per_step(model, layout.global_batch_size)
+    hw_flops = flops.hardware_flops_per_step(model, layout.global_batch_size, layout.recompute)
+    return Performance(
+        time=time,
+        tflops_per_gpu=hw_flops / (step * gpus),
+        mfu=model_flops / (step * gpus * peak),
+        model_flops=model_flops,
+        hardware_flops=hw_flops,
+        tokens_per_second=layout.global_batch_size * model.seq_length / step,
+    )

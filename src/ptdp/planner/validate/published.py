@@ -1,0 +1,307 @@
+"""The published training runs the planner is checked against, and the FLOP conventions their
+sources count in.
+
+``published_runs.csv`` (:func:`load_published_runs`): 18 runs on A100-80GB, Megatron SC21
+(Narayanan et al., arXiv:2104.04473) Table 1, TFLOP/s per GPU counted with eq. 3 (full
+recompute), and Korthikanti et al. 2022 (arXiv:2205.05198) Table 5, iteration times with full
+recompute and with sequence parallelism + selective recompute, with the activation memory per GPU
+of their Figure 1 in the notes.
+
+``published_runs_h100.csv`` (:func:`load_h100_runs`): H100-era runs. A source reports TFLOP/s per GPU or MFU, each under its own FLOP count, or tokens per second per
+GPU; the planner predicts a step time. So each row names its convention and the reported figure
+is turned into the step time it implies: ``step = FLOPs per step (source's convention) / (TFLOP/s
+per GPU x GPUs)``, with ``TFLOP/s per GPU = MFU x the GPU's dense 16-bit peak`` when only MFU is
+given, or ``step = B s / (tokens/s per GPU x GPUs)`` (convention ``tokens``: no FLOP count
+involved). The planner's prediction (its own count, :mod:`ptdp.planner.time.flops`) is then compared
+on seconds, which do not depend on any convention.
+
+Conventions (FLOPs of one step of ``B`` sequences of ``s`` tokens, no recompute counted):
+
+* ``megatron-2024``: Megatron-LM's ``num_floating_point_operations`` (``megatron/training/
+  training.py`` at commit f2e5db4, 2024-07-15, the commit of the README's H100 tables):
+  ``12 B s l h^2 ((1 + g/a + s/h) q/h + f/h x (3/2 with SwiGLU) + V/(2 l h))`` with ``q = a d``
+  the query width, ``g`` key/value groups, ``f`` the MLP width and ``V`` the padded vocabulary:
+  every GEMM, the full ``s x s`` attention (no causal halving). For these models it equals
+  :func:`ptdp.planner.time.flops.model_flops_per_step` (the same GEMMs, V padded).
+* ``palm``: PaLM (Chowdhery et al. 2022, arXiv:2204.02311, App. B), the MFU of the Llama 3 paper:
+  ``(6 N + 12 l h s)`` per token, ``N`` every parameter (embeddings included) and ``12 l h s``
+  the full ``s x s`` attention.
+
+Columns beyond the model shape and layout: ``cp_comm_type`` (``p2p`` or ``all_gather``, with
+``cp > 1``), ``sharding`` (Megatron's data-parallel sharding strategy), ``dp_overlap`` /
+``tp_overlap`` (y: the run overlapped that communication with compute, e.g. Megatron's
+``--overlap-grad-reduce`` and ``--tp-comm-overlap``), ``layer_split`` (layers per pipeline rank,
+space-separated; empty: even), ``assumed`` (settings the source does not state and the row
+assumes, named in ``notes`` with the reason).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ptdp.layout.vocab import padded_vocab_size
+from ptdp.planner.candidate import Layout
+from ptdp.planner.inputs.hardware import CATALOG
+from ptdp.planner.inputs.models import ModelSpec
+from ptdp.planner.memory.params import stage_param_counts
+
+#: Where :func:`default_csv` looks after $PTDP_PUBLISHED_RUNS: the repository's
+#: ``benchmarks/data/published_runs.csv``.
+CSV_CANDIDATES = (Path(__file__).resolve().parents[4] / "benchmarks" / "data" / "published_runs.csv",)
+
+
+def default_csv() -> Path | None:
+    """The published-runs file to use, or None if none of the candidate paths exists."""
+    env = os.environ.get("PTDP_PUBLISHED_RUNS")
+    for path in ([Path(env)] if env else []) + list(CSV_CANDIDATES):
+        if path.is_file():
+            return path
+    return None
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One row of the published-runs file, as planner objects plus the reported numbers."""
+
+    source: str
+    name: str
+    model: ModelSpec
+    layout: Layout
+    gpu: str
+    reported_tflops: float | None
+    reported_iteration_time: float | None
+    reported_params_opt_gib: float | None
+    reported_act_none_gib: float | None
+    reported_act_seqsel_gib: float | None
+
+
+def _float(text: str) -> float | None:
+    return float(text) if text.strip() else None
+
+
+def _search(pattern: str, text: str) -> float | None:
+    found = re.search(pattern, text)
+    return float(found.group(1)) if found else None
+
+
+def _precision(text: str) -> str:
+    return "bf16" if text.startswith("bf16") else "fp16" if "16" in text else "fp32"
+
+
+def load_published_runs(path: str | Path) -> list[PublishedRun]:
+    """Parse the CSV: model shape, layout (tp, pp, dp, vpp, micro/global batch, sp, recompute),
+    GPU, and reported TFLOP/s, iteration time (notes: "iteration time X s") and Figure 1 memory
+    (notes: "params+opt X; act Y none / Z seq+sel")."""
+    runs = []
+    with open(path, newline="", encoding="utf-8") as f:
+        for r in csv.DictReader(f):
+            ffn = int(r["ffn_hidden"]) if r["ffn_hidden"].strip() else None
+            model = ModelSpec(
+                int(r["layers"]),
+                int(r["hidden"]),
+                int(r["heads"]),
+                ffn,
+                int(r["vocab"]),
+                int(r["seq_len"]),
+                name=r["model"],
+            )
+            layout = Layout(
+                tp=int(r["tp"]),
+                pp=int(r["pp"]),
+                dp=int(r["dp"]),
+                micro_batch_size=int(r["micro_batch"]),
+                global_batch_size=int(r["global_batch"]),
+                virtual_stages=int(r["vpp"]),
+                recompute=r["recompute"].strip(),
+                sequence_parallel=r["sequence_parallel"].strip() == "y",
+                precision=_precision(r["precision"]),
+            )
+            notes = r["notes"]
+            runs.append(
+                PublishedRun(
+                    source=r["source"].split(" (")[0],
+                    name=r["model"],
+                    model=model,
+                    layout=layout,
+                    gpu=r["gpu_type"].lower(),
+                    reported_tflops=_float(r["reported_tflops_per_gpu"]),
+                    reported_iteration_time=_search(r"iteration time ([0-9.]+) s", notes),
+                    reported_params_opt_gib=_search(r"params\+opt ([0-9.]+)", notes),
+                    reported_act_none_gib=_search(r"act ([0-9.]+) none", notes),
+                    reported_act_seqsel_gib=_search(r"/ ([0-9.]+) seq\+sel", notes),
+                )
+            )
+    return runs
+
+
+CONVENTIONS = ("megatron-2024", "palm", "tokens")
+UNITS = ("model TFLOP/s per GPU", "MFU %", "tokens/s per GPU")
+
+#: Where :func:`default_h100_csv` looks: the repository's benchmarks/data folder.
+H100_CSV = Path(__file__).resolve().parents[4] / "benchmarks" / "data" / "published_runs_h100.csv"
+
+
+def default_h100_csv() -> Path | None:
+    """``benchmarks/data/published_runs_h100.csv`` of this checkout, or None if absent."""
+    return H100_CSV if H100_CSV.is_file() else None
+
+
+@dataclass(frozen=True)
+class H100Run:
+    """One row of ``published_runs_h100.csv`` as planner objects.
+
+    Attributes:
+        name, source: model label and source (document, table, URL).
+        model, layout, gpu: what the planner evaluates (``gpu`` a catalog key).
+        reported: the figure as published, in ``unit`` (:data:`UNITS`) under ``convention``.
+        step_time: seconds per step that figure implies (:func:`reported_step_time`).
+        dp_overlap, tp_overlap: the run overlapped its data-/tensor-parallel communication.
+        pp_overlap: the run overlapped its pipeline transfers with compute (column ``pp_overlap``;
+            absent: no), :attr:`ptdp.planner.time.constants.PerfConstants.pp_overlap`.
+        assumed: settings the source does not state.
+    """
+
+    name: str
+    source: str
+    model: ModelSpec
+    layout: Layout
+    gpu: str
+    reported: float
+    unit: str
+    convention: str
+    step_time: float
+    dp_overlap: bool
+    tp_overlap: bool
+    assumed: str
+    pp_overlap: bool = False
+
+
+def megatron_2024_flops(model: ModelSpec, global_batch_size: int, *, divisible_by: int = 128, tp: int = 1) -> float:
+    """FLOPs of one step by Megatron-LM's ``num_floating_point_operations`` (commit f2e5db4)."""
+    b, s, l, h, a = global_batch_size, model.seq_length, model.num_layers, model.hidden_size, model.num_attention_heads
+    q = (h // a) * a
+    v_pad = padded_vocab_size(model.vocab_size, divisible_by, tp)
+    gated = 1.5 if model.swiglu else 1.0
+    return (
+        12.0
+        * b
+        * s
+        * l
+        * h
+        * h
+        * ((1 + model.kv_heads / a + s / h) * q / h + model.ffn / h * gated + v_pad / (2 * l * h))
+    )
+
+
+def palm_flops(model: ModelSpec, global_batch_size: int) -> float:
+    """FLOPs of one step by PaLM App. B: ``(6 N + 12 l h s) B s``, N every parameter (exact count)."""
+    n_params = sum(stage_param_counts(model, 1, 1))
+    s = model.seq_length
+    return (6.0 * n_params + 12.0 * model.num_layers * model.hidden_size * s) * global_batch_size * s
+
+
+def reported_step_time(
+    model: ModelSpec, layout: Layout, gpu: str, reported: float, unit: str, convention: str
+) -> float:
+    """Seconds per step implied by a reported TFLOP/s per GPU or MFU (%) under ``convention``, or
+    by tokens/s per GPU.
+
+    MFU is turned into TFLOP/s with the GPU's dense bf16 peak of the catalog (989.5 TFLOP/s on
+    H100 SXM and H200, the figure the sources divide by). Raises ValueError for an unknown
+    unit or convention.
+    """
+    if unit not in UNITS or convention not in CONVENTIONS or (unit == UNITS[2]) != (convention == "tokens"):
+        raise ValueError(
+            f"unit {unit!r} / convention {convention!r}: expected one of {UNITS} / {CONVENTIONS} "
+            f"(tokens/s per GPU goes with the convention tokens)"
+        )
+    if unit == UNITS[2]:
+        return layout.global_batch_size * model.seq_length / (reported * layout.num_gpus)
+    tflops = reported * 1e12 if unit == UNITS[0] else reported / 100.0 * CATALOG[gpu].peak("bf16")
+    count = (
+        megatron_2024_flops(model, layout.global_batch_size, tp=layout.tp)
+        if convention == "megatron-2024"
+        else palm_flops(model, layout.global_batch_size)
+    )
+    return count / (tflops * layout.num_gpus)
+
+
+def _yes(text: str) -> bool:
+    return text.strip().lower() in ("y", "yes", "true", "1")
+
+
+def _model(r: dict) -> ModelSpec:
+    llama = r["mlp"].strip() == "swiglu"
+    return ModelSpec(
+        int(r["layers"]),
+        int(r["hidden"]),
+        int(r["heads"]),
+        int(r["ffn_hidden"]),
+        int(r["vocab"]),
+        int(r["seq_len"]),
+        num_query_groups=int(r["kv_heads"]),
+        swiglu=llama,
+        tied=_yes(r["tied"]),
+        llama_style=llama,
+        dropout=not llama,
+        flash_attention=_yes(r["flash_attention"]),
+        name=r["model"],
+    )
+
+
+def _layout(r: dict) -> Layout:
+    split = tuple(int(x) for x in r["layer_split"].split()) or None
+    cp = int(r["cp"])
+    cp_comm_type = (r["cp_comm_type"].strip() or "p2p") if cp > 1 else "p2p"
+    return Layout(
+        tp=int(r["tp"]),
+        pp=int(r["pp"]),
+        dp=int(r["dp"]),
+        micro_batch_size=int(r["micro_batch"]),
+        global_batch_size=int(r["global_batch"]),
+        virtual_stages=int(r["vpp"]),
+        recompute=r["recompute"].strip(),
+        sequence_parallel=_yes(r["sequence_parallel"]),
+        sharding=r["sharding"].strip(),
+        precision=r["precision"].strip(),
+        layer_split=split,
+        cp=max(cp, 1),
+        cp_comm_type=cp_comm_type,
+    )
+
+
+def load_h100_runs(path: str | Path) -> list[H100Run]:
+    """Parse ``published_runs_h100.csv``; checks that ``gpus`` equals the layout's GPU count.
+
+    Raises KeyError for a missing column, ValueError for a bad number, unit, convention or a
+    ``gpus`` column that disagrees with ``tp * cp * pp * dp``.
+    """
+    runs = []
+    with open(path, newline="", encoding="utf-8") as f:
+        for line, r in enumerate(csv.DictReader(f), start=2):
+            model, layout, gpu = _model(r), _layout(r), r["gpu_type"].strip().lower()
+            if layout.num_gpus != int(r["gpus"]):
+                raise ValueError(f"{path}:{line}: gpus={r['gpus']} but tp*cp*pp*dp = {layout.num_gpus}")
+            reported, unit, convention = float(r["reported"]), r["reported_unit"].strip(), r["flop_convention"].strip()
+            runs.append(
+                H100Run(
+                    name=r["model"],
+                    source=r["source"],
+                    model=model,
+                    layout=layout,
+                    gpu=gpu,
+                    reported=reported,
+                    unit=unit,
+                    convention=convention,
+                    step_time=reported_step_time(model, layout, gpu, reported, unit, convention),
+                    dp_overlap=_yes(r["dp_overlap"]),
+                    tp_overlap=_yes(r["tp_overlap"]),
+                    assumed=r["assumed"].strip(),
+                    pp_overlap=_yes(r.get("pp_overlap") or ""),
+                )
+            )
+    return runs
