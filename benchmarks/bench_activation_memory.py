@@ -127,7 +127,7 @@ def predicted_bytes(config: Config, pp_rank: int) -> float:
         p.dp,
         t.micro_batch_size,
         t.global_batch_size,
-        virtual_stages=p.virtual_stages(m.num_layers),
+        virtual_stages=config.pipeline.virtual_stages,
         precision="fp32",
     )
     fp32 = stage_activation_bytes(

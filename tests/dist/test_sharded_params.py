@@ -106,7 +106,7 @@ def _stretches(cfg, pp_rank: int, m: int) -> int:
     """Kept gathered: how often each unit of this pp rank is gathered in one step (each chunk's
     units alike), once per stretch of the program during which the unit's chunk has a microbatch
     in flight (forward run, backward not)."""
-    v = cfg.parallel.virtual_stages(cfg.model.num_layers)
+    v = cfg.pipeline.virtual_stages
     program = build_programs(cfg.parallel.schedule, cfg.parallel.pp, m, v)[pp_rank]
     inflight, stretches = [0] * v, [0] * v
     for step in program:

@@ -102,14 +102,14 @@ def predicted_peak(cfg: Config, pp_rank: int) -> float:
     cp > 1 that of one cp rank (:func:`~ptdp.planner.memory.activations.rank_activation_bytes`) without its
     key/value exchange buffers, which autograd does not save."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    split = p.layer_split(m.num_layers)
+    split = cfg.pipeline.layer_split
     layout = Layout(
         p.tp,
         p.pp,
         p.dp,
         t.micro_batch_size,
         t.global_batch_size,
-        virtual_stages=p.virtual_stages(m.num_layers),
+        virtual_stages=cfg.pipeline.virtual_stages,
         precision="fp32",
         sequence_parallel=p.sequence_parallel,
         layer_split=split,

@@ -211,15 +211,14 @@ def planner_transients(cfg: Config, pp_rank: int) -> tuple[int, int]:
     """The planner's (gathered parameter, gradient bucket) elements at their peaks on a rank of
     pipeline stage ``pp_rank`` of run ``cfg`` (:func:`ptdp.planner.memory.transients.rank_transients`)."""
     from ptdp.layout.buckets import chunk_by_chunk
-    from ptdp.layout.pipeline.partition import stage_layer_counts
     from ptdp.planner.inputs.models import spec_from_model_config
     from ptdp.planner.memory.chunk_params import stage_chunks
     from ptdp.planner.memory.strategies import DEFAULT_BUCKET_ELEMENTS
     from ptdp.planner.memory.transients import rank_transients
 
     m, p = cfg.model, cfg.parallel
-    layers = stage_layer_counts(m.num_layers, p.pp, p.layer_split(m.num_layers))[pp_rank]
-    v, microbatches = p.virtual_stages(m.num_layers), cfg.train.global_batch_size // (cfg.train.micro_batch_size * p.dp)
+    layers = cfg.pipeline.stage_layers[pp_rank]
+    v, microbatches = cfg.pipeline.virtual_stages, cfg.train.global_batch_size // (cfg.train.micro_batch_size * p.dp)
     return rank_transients(
         spec_from_model_config(m),
         p.tp,
@@ -240,19 +239,18 @@ def planner_gathers(cfg: Config, pp_rank: int) -> tuple[tuple[int, int], tuple[i
     """The planner's parameter all-gathers of one microbatch, (calls, elements) in forward and in
     backward, on a rank of pipeline stage ``pp_rank`` of run ``cfg`` (optim_grads_params,
     :func:`ptdp.planner.memory.transients.unit_gathers`)."""
-    from ptdp.layout.pipeline.partition import stage_layer_counts
     from ptdp.planner.inputs.models import spec_from_model_config
     from ptdp.planner.memory.chunk_params import stage_chunks
     from ptdp.planner.memory.strategies import DEFAULT_BUCKET_ELEMENTS
     from ptdp.planner.memory.transients import unit_gathers
 
     m, p = cfg.model, cfg.parallel
-    layers = stage_layer_counts(m.num_layers, p.pp, p.layer_split(m.num_layers))[pp_rank]
+    layers = cfg.pipeline.stage_layers[pp_rank]
     return unit_gathers(
         spec_from_model_config(m),
         p.tp,
         p.pp,
-        stage_chunks(m.num_layers, p.pp, p.virtual_stages(m.num_layers), pp_rank, layers),
+        stage_chunks(m.num_layers, p.pp, cfg.pipeline.virtual_stages, pp_rank, layers),
         p.dp * p.cp,
         p.ddp_bucket_size or DEFAULT_BUCKET_ELEMENTS,
         divisible_by=m.make_vocab_size_divisible_by,
@@ -332,7 +330,7 @@ def is_chunk_by_chunk(cfg: Config) -> bool:
 
     p = cfg.parallel
     m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * p.dp)
-    return chunk_by_chunk(p.sharding_strategy, p.dp * p.cp, p.virtual_stages(cfg.model.num_layers), m, p.pp)
+    return chunk_by_chunk(p.sharding_strategy, p.dp * p.cp, cfg.pipeline.virtual_stages, m, p.pp)
 
 
 #: optim_grads_params variants whose evaluation is checked at (2,2,2) (world 8)

@@ -167,7 +167,7 @@ def test_virtual_stages_imply_interleaving():
     cfg, world = make(per_chunk=1)
     resolved = resolve(cfg, world)
     assert resolved.parallel.pipeline_schedule == "interleaved-1f1b"
-    assert resolved.parallel.virtual_stages(resolved.model.num_layers) == 2
+    assert resolved.pipeline.virtual_stages == 2
     assert resolve(make()[0], 8).parallel.pipeline_schedule == "1f1b"
 
 

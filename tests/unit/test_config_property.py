@@ -135,7 +135,7 @@ def planner_view(config: Config) -> tuple[ModelSpec, Layout]:
         p.dp,
         t.micro_batch_size,
         t.global_batch_size,
-        p.virtual_stages(m.num_layers),
+        config.pipeline.virtual_stages,
         precision="fp32",
         layer_split=p.pipeline_layer_split,
     )

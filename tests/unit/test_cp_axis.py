@@ -8,7 +8,7 @@ import dataclasses
 
 from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
-from ptdp.config.resolve import _resolve_dp, local_world_size
+from ptdp.config.resolve import _resolve_dp, local_world_size, resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.errors import Violation
 from ptdp.run.memory_check import rank_estimates
@@ -47,9 +47,12 @@ def test_local_workers_count_cp():
 
 
 def test_run_layout_for_the_planner_and_the_memory_check_has_cp():
-    one = _config(context_parallel_size=1, data_parallel_size=4, use_distributed_optimizer=True)
-    two = _config(
-        context_parallel_size=2, data_parallel_size=2, use_distributed_optimizer=True, cp_comm_type="all_gather"
+    one = resolve(_config(context_parallel_size=1, data_parallel_size=4, use_distributed_optimizer=True), 4)
+    two = resolve(
+        _config(
+            context_parallel_size=2, data_parallel_size=2, use_distributed_optimizer=True, cp_comm_type="all_gather"
+        ),
+        4,
     )
     layout = planner_layout(two)
     assert (layout.tp, layout.cp, layout.dp, layout.cp_comm_type) == (1, 2, 2, "all_gather")

@@ -114,9 +114,14 @@ def test_resolve_keeps_the_counts_and_the_stages_hold_the_split():
     config = resolve(_config(4, 8, decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=1), 4)
     p = config.parallel
     assert (p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers) == (1, 1)
-    assert p.pipeline_layer_split is None and p.layer_split(8) == (1, 3, 3, 1)
-    assert [list(stage_layer_ids(8, 4, r, p.layer_split(8))) for r in range(4)] == [[0], [1, 2, 3], [4, 5, 6], [7]]
-    assert stage_layer_counts(8, 4, p.layer_split(8)) == [1, 3, 3, 1]
+    assert p.pipeline_layer_split is None and p.pipeline_split(8).layer_split == (1, 3, 3, 1)
+    assert [list(stage_layer_ids(8, 4, r, p.pipeline_split(8).layer_split)) for r in range(4)] == [
+        [0],
+        [1, 2, 3],
+        [4, 5, 6],
+        [7],
+    ]
+    assert stage_layer_counts(8, 4, p.pipeline_split(8).layer_split) == [1, 3, 3, 1]
     assert resolve(config, 4) == config  # a resolved config (config.json) resolves again unchanged
 
 
@@ -261,7 +266,11 @@ def test_resolve_interleaves_with_the_embedding_and_loss_counted():
         2,
     )
     p = config.parallel
-    assert p.schedule == "interleaved-1f1b" and p.virtual_stages(6) == 4 and p.layer_split(6) == (3, 3)
+    assert (
+        p.schedule == "interleaved-1f1b"
+        and p.pipeline_split(6).virtual_stages == 4
+        and p.pipeline_split(6).layer_split == (3, 3)
+    )
     # chunks of 0 layers (only the embedding / only the loss) do not limit recompute_num_layers
     with pytest.raises(
         ConfigError,
@@ -291,7 +300,7 @@ def test_train_flags_reach_the_config():
         ]
     )
     p = resolve(config_from_args(args), 8).parallel
-    assert p.layer_split(8) == (1, 3, 3, 1)
+    assert p.pipeline_split(8).layer_split == (1, 3, 3, 1)
     args = cli.build_parser().parse_args(
         [
             "train",
@@ -309,7 +318,11 @@ def test_train_flags_reach_the_config():
         ]
     )
     p = resolve(config_from_args(args), 2).parallel
-    assert (p.schedule, p.virtual_stages(6), p.layer_split(6)) == ("interleaved-1f1b", 2, (3, 3))
+    assert (p.schedule, p.pipeline_split(6).virtual_stages, p.pipeline_split(6).layer_split) == (
+        "interleaved-1f1b",
+        2,
+        (3, 3),
+    )
 
 
 def test_the_run_checks_and_reports_use_the_split():

@@ -256,8 +256,8 @@ def test_every_searched_split_runs_in_ptdp_train():
             ),
             16384,
         )
-        assert resolved.parallel.virtual_stages(126) == lay.virtual_stages
-        assert resolved.parallel.layer_split(126) == lay.layer_split
+        assert resolved.pipeline.virtual_stages == lay.virtual_stages
+        assert resolved.pipeline.layer_split == lay.layer_split
 
 
 def test_plan_with_the_embedding_and_loss_counted(capsys):

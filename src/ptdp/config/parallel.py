@@ -8,7 +8,7 @@ from typing import Literal
 
 from ptdp.config.fields import opt
 from ptdp.layout.codecs import CodecChoice
-from ptdp.layout.pipeline.partition import layer_split, virtual_stages
+from ptdp.layout.pipeline.partition import PipelineSplit, pipeline_split
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 """The values of ``--pipeline-schedule``."""
@@ -300,11 +300,11 @@ class ParallelConfig:
             return self.pipeline_schedule
         return "interleaved-1f1b" if self.num_layers_per_virtual_pipeline_stage else "1f1b"
 
-    def layer_split(self, num_layers: int) -> tuple[int, ...] | None:
-        """Layers per pipeline stage as the options ask: ``pipeline_layer_split``, the first/last
-        counts expanded, the split with the embedding / loss counted as layers, or None (even);
-        raises ``ConfigError`` when they are impossible."""
-        return layer_split(
+    def pipeline_split(self, num_layers: int) -> PipelineSplit:
+        """Where the layers of a ``num_layers`` model sit as the options ask (v chunks per rank;
+        ``pipeline_layer_split``, the first/last counts expanded, or the split with the embedding /
+        loss counted as layers); raises ``ConfigError`` when they are impossible."""
+        return pipeline_split(
             num_layers,
             self.pp,
             self.pipeline_layer_split,
@@ -312,18 +312,13 @@ class ParallelConfig:
             self.decoder_last_pipeline_num_layers,
             embedding=self.account_for_embedding_in_pipeline_split,
             loss=self.account_for_loss_in_pipeline_split,
-            v=self.virtual_stages(num_layers),
+            layers_per_chunk=self.num_layers_per_virtual_pipeline_stage,
         )
 
     @property
     def accounted_units(self) -> int:
         """Units counted besides the layers when splitting: the embedding and/or the loss (0-2)."""
         return int(self.account_for_embedding_in_pipeline_split) + int(self.account_for_loss_in_pipeline_split)
-
-    def virtual_stages(self, num_layers: int) -> int:
-        """v, the model chunks per pipeline rank: ``(num_layers + accounted units) / (pp * N)`` with
-        N = ``num_layers_per_virtual_pipeline_stage``, else 1."""
-        return virtual_stages(num_layers, self.pp, self.num_layers_per_virtual_pipeline_stage, self.accounted_units)
 
     @property
     def dp(self) -> int:

@@ -2,7 +2,8 @@
 
 :func:`resolve` reports every broken rule at once in one :class:`~ptdp.errors.ConfigError`
 (its ``violations`` hold them as data) and returns the config with the data-parallel size, the
-schedule, the MLP width, the decay length and the recompute defaults filled in. It never touches
+schedule, the MLP width, the decay length and the recompute defaults filled in, and the pipeline
+split stored (:attr:`~ptdp.config.schema.Config.pipeline`). It never touches
 torch.distributed: the launcher, the torchrun entry point and the tests call it before any
 process group exists.
 """
@@ -31,7 +32,6 @@ from ptdp.config.rules import (
 )
 from ptdp.config.schema import CheckpointConfig, Config, LaunchConfig, TrainConfig
 from ptdp.errors import V, Violation, raise_violations
-from ptdp.layout.pipeline.partition import chunk_layer_counts
 
 DEFAULT_LOCAL_WORKERS = 8
 """Workers ``ptdp train`` starts on a machine without GPUs when neither ``--nproc-per-node`` nor
@@ -71,19 +71,8 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
     errors += train_violations(t) + profile_violations(t, world_size)
     if not errors:
         errors += schedule_violations(p, m.num_layers, t.global_batch_size // (t.micro_batch_size * dp))
-    chunks = (
-        None
-        if errors
-        else chunk_layer_counts(
-            m.num_layers,
-            p.pp,
-            p.layer_split(m.num_layers),
-            p.num_layers_per_virtual_pipeline_stage,
-            embedding=p.account_for_embedding_in_pipeline_split,
-            loss=p.account_for_loss_in_pipeline_split,
-        )
-    )
-    errors += recompute_violations(m, chunks)
+    split = None if errors else p.pipeline_split(m.num_layers)
+    errors += recompute_violations(m, None if split is None else split.chunk_layers)
     errors += sequence_parallel_violations(m, p.tp, p.sequence_parallel)
     errors += data_parallel_violations(p)
     errors += context_parallel_violations(m.seq_length, p.context_parallel_size)
@@ -112,6 +101,7 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
             use_distributed_optimizer=p.sharding_strategy != "no_shard",
         ),
         model=dataclasses.replace(m, ffn_hidden_size=m.ffn, **_recompute_defaults(m)),
+        pipeline_split=split,
     )
 
 

@@ -12,6 +12,8 @@ from typing import Any
 from ptdp.config.fields import opt
 from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
+from ptdp.errors import ConfigError
+from ptdp.layout.pipeline.partition import PipelineSplit
 
 
 @dataclass(frozen=True)
@@ -331,6 +333,16 @@ class Config:
     )
     """Profile from ``ptdp plan --calibrate`` used to predict the run's step time; None: the
     default location if it exists."""
+    pipeline_split: PipelineSplit | None = field(default=None, compare=False)
+    """Where the layers sit, stored by :func:`ptdp.config.resolve.resolve` (None before); derived, not
+    a setting: equality and :meth:`to_dict` leave it out. Read it as :attr:`pipeline`."""
+
+    @property
+    def pipeline(self) -> PipelineSplit:
+        """:attr:`pipeline_split`; raises ``ConfigError`` on a config that was not resolved."""
+        if self.pipeline_split is None:
+            raise ConfigError("the pipeline split is not resolved yet; call ptdp.config.resolve.resolve")
+        return self.pipeline_split
 
     @property
     def num_microbatches(self) -> int:
@@ -350,7 +362,10 @@ class Config:
         return p.tp * p.cp * p.pp * p.dp
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The settings (the resolved :attr:`pipeline_split` left out)."""
+        out = dataclasses.asdict(self)
+        del out["pipeline_split"]
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

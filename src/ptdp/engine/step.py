@@ -63,7 +63,6 @@ from ptdp.engine.step_results import read_results_with as read_results_with
 from ptdp.engine.tensor_parallel.random import DropoutRNG
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
 from ptdp.layout.lr_schedule import lr_at
-from ptdp.layout.pipeline.partition import chunk_layer_ids, stage_layer_ids
 from ptdp.layout.pipeline.program import build_programs
 
 
@@ -105,7 +104,7 @@ class Stage:
 
     @property
     def virtual_stages(self) -> int:
-        return self.config.parallel.virtual_stages(self.config.model.num_layers)
+        return self.config.pipeline.virtual_stages
 
     @property
     def hidden_shape(self) -> tuple[int, int, int]:
@@ -122,8 +121,8 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     ``config`` must be resolved (``ptdp.config.resolve``) and ``config.model.vocab_size`` the real
     vocabulary size.
     """
-    m, p = config.model, config.parallel
-    pp, rank, v = groups.pp.size, groups.pp.rank, p.virtual_stages(m.num_layers)
+    m, p, split = config.model, config.parallel, config.pipeline
+    pp, rank, v = groups.pp.size, groups.pp.rank, split.virtual_stages
     rng = DropoutRNG(
         config.train.seed,
         dp_rank=groups.dp.rank,
@@ -135,44 +134,20 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
         tp_size=groups.tp.size,
     )
     # cp: each rank computes its chunks of the sequence
-    if v == 1:
-        layer_ids = stage_layer_ids(m.num_layers, pp, rank, p.layer_split(m.num_layers))
-        chunks = [
-            GPTModel(
-                m,
-                groups.tp,
-                layer_ids=layer_ids,
-                pre_process=groups.is_first_stage,
-                post_process=groups.is_last_stage,
-                sequence_parallel=p.sequence_parallel,
-                rng=rng,
-                cp=groups.cp,
-                cp_comm_type=p.cp_comm_type,
-            )
-        ]
-    else:
-        chunks = [
-            GPTModel(
-                m,
-                groups.tp,
-                layer_ids=chunk_layer_ids(
-                    m.num_layers,
-                    pp,
-                    v,
-                    rank,
-                    c,
-                    embedding=p.account_for_embedding_in_pipeline_split,
-                    loss=p.account_for_loss_in_pipeline_split,
-                ),
-                pre_process=rank == 0 and c == 0,
-                post_process=rank == pp - 1 and c == v - 1,
-                sequence_parallel=p.sequence_parallel,
-                rng=rng,
-                cp=groups.cp,
-                cp_comm_type=p.cp_comm_type,
-            )
-            for c in range(v)
-        ]
+    chunks = [
+        GPTModel(
+            m,
+            groups.tp,
+            layer_ids=split.chunk_layer_ids(rank, c),
+            pre_process=rank == 0 and c == 0,
+            post_process=rank == pp - 1 and c == v - 1,
+            sequence_parallel=p.sequence_parallel,
+            rng=rng,
+            cp=groups.cp,
+            cp_comm_type=p.cp_comm_type,
+        )
+        for c in range(v)
+    ]
     for chunk in chunks:  # each chunk by its global parameter names: the same weights on every layout
         initialize_parameters(
             chunk,

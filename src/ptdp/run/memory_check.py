@@ -15,7 +15,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from ptdp.config.schema import Config
-from ptdp.layout.pipeline.partition import stage_layer_counts
 
 GiB = 2**30
 #: Resident memory of a CPU worker before the model: Python, torch, gloo (about 0.3 GiB measured),
@@ -53,14 +52,14 @@ def rank_estimates(config: Config) -> list[RankBytes]:
     m, p, t = config.model, config.parallel, config.train
     precision, scale = _PRECISION[m.params_dtype]
     model = spec_from_model_config(m)
-    split = p.layer_split(m.num_layers)
+    split = config.pipeline.layer_split
     layout = Layout(
         p.tp,
         p.pp,
         p.dp,
         t.micro_batch_size,
         t.global_batch_size,
-        virtual_stages=p.virtual_stages(m.num_layers),
+        virtual_stages=config.pipeline.virtual_stages,
         recompute=m.recompute_granularity or "none",
         precision=precision,
         sequence_parallel=p.sequence_parallel,
@@ -73,7 +72,7 @@ def rank_estimates(config: Config) -> list[RankBytes]:
         overlap_grad_reduce=p.overlap_grad_reduce,
         reshard_after_forward=p.reshard_after_forward,
     )
-    layers = stage_layer_counts(m.num_layers, p.pp, split)
+    layers = config.pipeline.stage_layers
     counts = stage_param_counts(
         model, p.tp, p.pp, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, layer_split=split
     )

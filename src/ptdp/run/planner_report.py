@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from ptdp.config.schema import Config
-from ptdp.layout.pipeline.partition import stage_layer_counts
 from ptdp.planner.candidate import Layout
 from ptdp.planner.inputs.hardware import Cluster
 from ptdp.planner.inputs.models import spec_from_model_config
@@ -90,11 +89,11 @@ def planner_layout(config: Config) -> Layout | None:
         p.dp,
         t.micro_batch_size,
         t.global_batch_size,
-        virtual_stages=p.virtual_stages(config.model.num_layers),
+        virtual_stages=config.pipeline.virtual_stages,
         recompute=config.model.recompute_granularity or "none",
         precision=precision,
         sequence_parallel=p.sequence_parallel,
-        layer_split=p.layer_split(config.model.num_layers),
+        layer_split=config.pipeline.layer_split,
         distributed_optimizer=p.use_distributed_optimizer,
         cp=p.cp,
         cp_comm_type=p.cp_comm_type,
@@ -110,8 +109,8 @@ def predicted_transients(config: Config, layout: Layout, pp_rank: int) -> dict[s
     strategy is ``optim_grads`` / ``optim_grads_params`` over dp x cp > 1): ``params_transient``
     gathered 16-bit (or float32) weights, ``grads_transient`` float32 gradient buckets
     (:func:`ptdp.planner.memory.params.stage_transients`, as the planner's memory counts them)."""
-    p, m = config.parallel, config.model
-    layers = stage_layer_counts(m.num_layers, p.pp, p.layer_split(m.num_layers))[pp_rank]
+    m = config.model
+    layers = config.pipeline.stage_layers[pp_rank]
     params, grads = stage_transients(spec_from_model_config(m), layout, pp_rank, layers, m.make_vocab_size_divisible_by)
     weight, grad, _ = strategy_bytes_per_param(layout.precision, "no_shard", 1)
     return {"params_transient": int(weight * params), "grads_transient": int(grad * grads)}
@@ -137,7 +136,7 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
     if layout is None:
         return {"note": f"the planner does not model params_dtype={config.model.params_dtype}"}
     model, p = spec_from_model_config(config.model), config.parallel
-    split = p.layer_split(config.model.num_layers)
+    split = config.pipeline.layer_split
     counts = stage_param_counts(
         model, p.tp, p.pp, make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by, layer_split=split
     )

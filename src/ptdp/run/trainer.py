@@ -275,7 +275,7 @@ def _write_trace(config: Config, groups: ParallelGroups, events: list[dict], run
         labels[r] = f"rank {r} (tp{c.tp_rank}{cp} dp{c.dp_rank} pp{c.pp_rank})"
     write_trace(events, run_dir, labels)
     p = config.parallel
-    v, m = p.virtual_stages(config.model.num_layers), config.num_microbatches
+    v, m = config.pipeline.virtual_stages, config.num_microbatches
     return {
         "measured_idle_over_compute_by_rank": bubble_by_rank(events),
         "formula_(p-1)/(v*m)": (p.pp - 1) / (v * m),

@@ -3,7 +3,71 @@ used by the model, the configuration rules and the planner (no torch)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ptdp.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """Where the layers sit, resolved once from the split options (:func:`pipeline_split`).
+
+    Attributes:
+        num_layers, pp: the model's layers and the pipeline size.
+        virtual_stages: v, model chunks per pipeline rank (interleaved schedule when > 1).
+        layer_split: layers per pipeline stage when the options give them (explicit, first/last
+            counts, or the embedding / loss counted as layers); None: even.
+        embedding, loss: the embedding / the output layer + loss count as one layer each of the
+            split over ``pp * v`` chunks (:func:`accounted_split`).
+    """
+
+    num_layers: int
+    pp: int
+    virtual_stages: int = 1
+    layer_split: tuple[int, ...] | None = None
+    embedding: bool = False
+    loss: bool = False
+
+    @property
+    def stage_layers(self) -> list[int]:
+        """Layers of each pipeline stage."""
+        return stage_layer_counts(self.num_layers, self.pp, self.layer_split)
+
+    def chunk_layer_ids(self, pp_rank: int, chunk: int = 0) -> range:
+        """Global indices of the layers of model chunk ``chunk`` of rank ``pp_rank``."""
+        if self.virtual_stages == 1:
+            return stage_layer_ids(self.num_layers, self.pp, pp_rank, self.layer_split)
+        return chunk_layer_ids(
+            self.num_layers, self.pp, self.virtual_stages, pp_rank, chunk, embedding=self.embedding, loss=self.loss
+        )
+
+    @property
+    def chunk_layers(self) -> list[int]:
+        """Layers of every model chunk, virtual stage by virtual stage (the unit of recomputation)."""
+        v, pp = self.virtual_stages, self.pp
+        return [len(self.chunk_layer_ids(r, c)) for c in range(v) for r in range(pp)]
+
+
+def pipeline_split(
+    num_layers: int,
+    pp: int,
+    split: tuple[int, ...] | None = None,
+    first: int | None = None,
+    last: int | None = None,
+    *,
+    embedding: bool = False,
+    loss: bool = False,
+    layers_per_chunk: int | None = None,
+) -> PipelineSplit:
+    """The :class:`PipelineSplit` the options ask for: ``v = (num_layers + counted) / (pp *
+    layers_per_chunk)`` chunks per rank and :func:`layer_split`'s layers per stage.
+
+    Raises:
+        ConfigError: as :func:`layer_split`.
+    """
+    v = virtual_stages(num_layers, pp, layers_per_chunk, embedding + loss)
+    stages = layer_split(num_layers, pp, split, first, last, embedding=embedding, loss=loss, v=v)
+    return PipelineSplit(num_layers, pp, v, stages, embedding, loss)
 
 
 def stage_layer_counts(num_layers: int, pp: int, split: tuple[int, ...] | None) -> list[int]:
@@ -171,30 +235,6 @@ def accounted_split(num_layers: int, pp: int, v: int = 1, *, embedding: bool, lo
             f"leaves a pipeline rank without layers (layers per rank: {list(counts)})"
         )
     return counts
-
-
-def chunk_layer_counts(
-    num_layers: int,
-    pp: int,
-    split: tuple[int, ...] | None,
-    layers_per_chunk: int | None,
-    *,
-    embedding: bool = False,
-    loss: bool = False,
-) -> list[int]:
-    """Layers of each model chunk (a stage, or a virtual stage when interleaved), the unit that
-    recomputation works on; the layout rules must hold. ``embedding`` / ``loss``: counted as layers
-    of the split (:func:`accounted_split`; a chunk may then hold no layer)."""
-    if layers_per_chunk and (embedding or loss):
-        v = virtual_stages(num_layers, pp, layers_per_chunk, embedding + loss)
-        return [
-            len(chunk_layer_ids(num_layers, pp, v, r, c, embedding=embedding, loss=loss))
-            for c in range(v)
-            for r in range(pp)
-        ]
-    if layers_per_chunk:
-        return [layers_per_chunk] * (num_layers // layers_per_chunk)
-    return stage_layer_counts(num_layers, pp, split)
 
 
 def virtual_stages(num_layers: int, pp: int, layers_per_chunk: int | None, extra: int = 0) -> int:

@@ -80,7 +80,7 @@ def _barrier(stage) -> None:
 
 def _layout_key(stage) -> dict:
     p = stage.config.parallel
-    split = p.layer_split(stage.config.model.num_layers)  # the first/last stage counts as the split they give
+    split = stage.config.pipeline.layer_split  # the first/last stage counts as the split they give
     key = {
         "tp": p.tp,
         "pp": p.pp,
