@@ -171,6 +171,28 @@ def test_virtual_stages_imply_interleaving():
     assert resolve(make()[0], 8).parallel.pipeline_schedule == "1f1b"
 
 
+def test_virtual_pipeline_size_is_the_same_run_as_layers_per_chunk():
+    """--virtual-pipeline-model-parallel-size v places the layers as --num-layers-per-virtual-pipeline-stage
+    L / (pp v) does; both given must agree; v must split the layers evenly."""
+    by_chunk = resolve(make(per_chunk=1)[0], 8)
+    cfg, world = make()
+    by_v = resolve(
+        dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, virtual_pipeline_model_parallel_size=2)),
+        world,
+    )
+    assert by_v.parallel.pipeline_schedule == "interleaved-1f1b"
+    assert by_v.pipeline == by_chunk.pipeline
+    assert [list(by_v.pipeline.chunk_layer_ids(r, c)) for r in range(2) for c in range(2)] == [[0], [2], [1], [3]]
+    both = dataclasses.replace(
+        cfg.parallel, virtual_pipeline_model_parallel_size=4, num_layers_per_virtual_pipeline_stage=1
+    )
+    with pytest.raises(ConfigError, match="virtual_pipeline_model_parallel_size=4 contradicts num_layers_per_virtual"):
+        resolve(dataclasses.replace(cfg, parallel=both), world)
+    three = dataclasses.replace(cfg.parallel, virtual_pipeline_model_parallel_size=3)
+    with pytest.raises(ConfigError, match=r"num_layers=4 is not divisible by pp\*v = 2\*3 = 6"):
+        resolve(dataclasses.replace(cfg, parallel=three), world)
+
+
 CLI_BAD = [
     (["--tp", "3"], "num_attention_heads=4 is not divisible by tensor_model_parallel_size=3"),
     (["--dp", "3"], "global_batch_size=32 is not divisible by micro_batch_size*dp = 4*3 = 12"),

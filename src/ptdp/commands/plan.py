@@ -164,7 +164,7 @@ def fixed_from_args(args: argparse.Namespace) -> Fixed:
         pp=args.pipeline_model_parallel_size,
         dp=args.data_parallel_size,
         micro_batch_size=args.micro_batch_size,
-        virtual_stages=args.virtual_pipeline_stages,
+        virtual_stages=args.virtual_pipeline_model_parallel_size,
         layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
         recompute=args.recompute_granularity,
         sequence_parallel=args.sequence_parallel,

@@ -35,10 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description, parser.formatter_class = DESCRIPTION, argparse.RawDescriptionHelpFormatter
     add_named_flags(
         parser,
-        {"pipeline_schedule": "1f1b", "pipeline_model_parallel_size": 2},
+        {"pipeline_schedule": "1f1b", "pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": None},
         {
             "pipeline_schedule": "pipeline schedule (default: 1f1b)",
             "pipeline_model_parallel_size": "pipeline ranks p (default: 2)",
+            "virtual_pipeline_model_parallel_size": "model chunks per rank for interleaved-1f1b (default: 2 for "
+            "interleaved-1f1b, else 1)",
         },
     )
     parser.add_argument(
@@ -48,15 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=8,
         metavar="M",
         help="microbatches per step and data-parallel rank (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--virtual-pipeline-stages",
-        "--num-virtual-stages-per-pipeline-rank",
-        type=int,
-        default=None,
-        metavar="V",
-        dest="virtual_pipeline_stages",
-        help="model chunks per rank for interleaved-1f1b (default: 2 for interleaved-1f1b, else 1)",
     )
     parser.add_argument(
         "--json", action="store_true", help='print {"ranks": [{"rank", "program", "p2p_groups"}], ...} instead of text'
@@ -74,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from ptdp.layout.pipeline.verify import check_schedule, in_flight_bound, simulate
 
     kind, p, m = args.pipeline_schedule, args.pipeline_model_parallel_size, args.num_microbatches
-    v = args.virtual_pipeline_stages
+    v = args.virtual_pipeline_model_parallel_size
     if v is None:
         v = 2 if kind == "interleaved-1f1b" else 1
     if args.plot is not None:

@@ -137,11 +137,13 @@ class ParallelConfig:
     pipeline_schedule: PipelineSchedule | None = opt(
         None,
         "--pipeline-schedule",
-        "pipeline schedule (default: 1f1b, or interleaved-1f1b when --num-layers-per-virtual-pipeline-stage is given)",
+        "pipeline schedule (default: 1f1b, or interleaved-1f1b with model chunks: "
+        "--num-layers-per-virtual-pipeline-stage, --virtual-pipeline-model-parallel-size > 1)",
         "layout",
     )
-    """gpipe, 1f1b or interleaved-1f1b; None: interleaved-1f1b when
-    num_layers_per_virtual_pipeline_stage is set, else 1f1b."""
+    """gpipe, 1f1b or interleaved-1f1b; None: interleaved-1f1b when model chunks are asked for
+    (``num_layers_per_virtual_pipeline_stage``, or ``virtual_pipeline_model_parallel_size`` > 1),
+    else 1f1b."""
     num_layers_per_virtual_pipeline_stage: int | None = opt(
         None,
         "--num-layers-per-virtual-pipeline-stage",
@@ -151,6 +153,19 @@ class ParallelConfig:
         plan=True,
     )
     """Layers per model chunk; each rank then holds v = num_layers / (pp * this) chunks."""
+    virtual_pipeline_model_parallel_size: int | None = opt(
+        None,
+        "--virtual-pipeline-model-parallel-size",
+        "model chunks v per pipeline rank for the interleaved schedule (instead of "
+        "--num-layers-per-virtual-pipeline-stage; both given, they must agree)",
+        "layout",
+        aliases=("--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-stages"),
+        metavar="V",
+        plan=True,
+    )
+    """v, the model chunks per pipeline rank (Megatron-LM's name); None: from
+    ``num_layers_per_virtual_pipeline_stage``, else 1. Each chunk holds ``(num_layers + counted) /
+    (pp * v)`` layers."""
     sequence_parallel: bool = opt(
         False,
         "--sequence-parallel",
@@ -295,10 +310,16 @@ class ParallelConfig:
         return "optim" if self.use_distributed_optimizer else "no_shard"
 
     @property
+    def interleaved(self) -> bool:
+        """Model chunks are asked for: layers per chunk, or v > 1."""
+        v = self.virtual_pipeline_model_parallel_size
+        return bool(self.num_layers_per_virtual_pipeline_stage) or (isinstance(v, int) and v > 1)
+
+    @property
     def schedule(self) -> PipelineSchedule:
         if self.pipeline_schedule is not None:
             return self.pipeline_schedule
-        return "interleaved-1f1b" if self.num_layers_per_virtual_pipeline_stage else "1f1b"
+        return "interleaved-1f1b" if self.interleaved else "1f1b"
 
     def pipeline_split(self, num_layers: int) -> PipelineSplit:
         """Where the layers of a ``num_layers`` model sit as the options ask (v chunks per rank;
@@ -313,6 +334,7 @@ class ParallelConfig:
             embedding=self.account_for_embedding_in_pipeline_split,
             loss=self.account_for_loss_in_pipeline_split,
             layers_per_chunk=self.num_layers_per_virtual_pipeline_stage,
+            v=self.virtual_pipeline_model_parallel_size,
         )
 
     @property

@@ -14,7 +14,8 @@ data-parallel engine live in :mod:`ptdp.config.axis_rules`.
   to ``num_layers``) or first/last stage counts (``decoder_first/last_pipeline_num_layers``: the
   other stages split the rest evenly; not with ``pipeline_layer_split`` nor interleaving)
 - ``global_batch_size % (micro_batch_size * dp) == 0``
-- interleaved 1F1B: ``num_layers % (pp * layers_per_chunk) == 0``, ``pp >= 2``, ``m % pp == 0``
+- interleaved 1F1B: ``(num_layers + counted) % (pp * layers_per_chunk) == 0`` or ``% (pp * v)``
+  (both given: the same v), ``pp >= 2``, ``m % pp == 0``
 - grouped-query attention: ``heads % G == 0`` and ``G % tp == 0``; rotary needs an even head dim
 - sequence parallelism: ``tp > 1`` and ``seq_length % tp == 0``
 - recompute: method and count need ``full``; ``1 <= recompute_num_layers <=`` layers per chunk
@@ -195,19 +196,27 @@ def layout_violations(
 
 
 def schedule_violations(p: ParallelConfig, num_layers: int, num_microbatches: int) -> list[Violation]:
-    """Rules of the pipeline schedule (Narayanan et al. SC21, §2.2)."""
-    kind, per_chunk, pp, m = p.schedule, p.num_layers_per_virtual_pipeline_stage, p.pp, num_microbatches
+    """Rules of the pipeline schedule and its model chunks (Narayanan et al. SC21, §2.2)."""
+    kind, per_chunk, v, pp, m = (
+        p.schedule,
+        p.num_layers_per_virtual_pipeline_stage,
+        p.virtual_pipeline_model_parallel_size,
+        p.pp,
+        num_microbatches,
+    )
     if kind not in SCHEDULES:
         return [V("option", f"pipeline_schedule={kind!r} must be one of {SCHEDULES}")]
+    for name, value in (
+        ("num_layers_per_virtual_pipeline_stage", per_chunk),
+        ("virtual_pipeline_model_parallel_size", v),
+    ):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            return [V("option", f"{name}={value!r} must be a positive integer")]
     out = []
+    units = num_layers + p.accounted_units
+    counted = f" + {p.accounted_units} (embedding/loss counted as layers) = {units}" if p.accounted_units else ""
     if per_chunk is not None:
-        if not isinstance(per_chunk, int) or per_chunk < 1:
-            return [V("option", f"num_layers_per_virtual_pipeline_stage={per_chunk!r} must be a positive integer")]
-        units = num_layers + p.accounted_units
         if units % (pp * per_chunk):
-            counted = (
-                f" + {p.accounted_units} (embedding/loss counted as layers) = {units}" if p.accounted_units else ""
-            )
             out.append(
                 V(
                     "interleaving",
@@ -216,13 +225,28 @@ def schedule_violations(p: ParallelConfig, num_layers: int, num_microbatches: in
                     f"split evenly over pp * v model chunks)",
                 )
             )
-        if kind != "interleaved-1f1b":
+        elif v is not None and units // (pp * per_chunk) != v:
             out.append(
                 V(
                     "interleaving",
-                    f"num_layers_per_virtual_pipeline_stage needs the interleaved-1f1b schedule, not {kind}",
+                    f"virtual_pipeline_model_parallel_size={v} contradicts num_layers_per_virtual_pipeline_stage="
+                    f"{per_chunk}, which gives (num_layers{counted}) / (pp * {per_chunk}) = "
+                    f"{units // (pp * per_chunk)} model chunks per rank (give one of them)",
                 )
             )
+    elif v is not None and v > 1 and units % (pp * v):
+        out.append(
+            V("interleaving", f"num_layers={num_layers}{counted} is not divisible by pp*v = {pp}*{v} = {pp * v}")
+        )
+    chunked = p.interleaved
+    if chunked:
+        name = (
+            "num_layers_per_virtual_pipeline_stage"
+            if per_chunk is not None
+            else f"virtual_pipeline_model_parallel_size={v}"
+        )
+        if kind != "interleaved-1f1b":
+            out.append(V("interleaving", f"{name} needs the interleaved-1f1b schedule, not {kind}"))
         if p.pipeline_layer_split is not None:
             out.append(V("interleaving", "pipeline_layer_split cannot be combined with virtual pipeline stages"))
         if p.decoder_first_pipeline_num_layers is not None or p.decoder_last_pipeline_num_layers is not None:
@@ -236,8 +260,14 @@ def schedule_violations(p: ParallelConfig, num_layers: int, num_microbatches: in
                 )
             )
     if kind == "interleaved-1f1b":
-        if per_chunk is None:
-            out.append(V("interleaving", "the interleaved-1f1b schedule needs num_layers_per_virtual_pipeline_stage"))
+        if per_chunk is None and v is None:
+            out.append(
+                V(
+                    "interleaving",
+                    "the interleaved-1f1b schedule needs num_layers_per_virtual_pipeline_stage (or "
+                    "virtual_pipeline_model_parallel_size)",
+                )
+            )
         if pp < 2:
             out.append(
                 V("interleaving", f"the interleaved-1f1b schedule needs pipeline_model_parallel_size >= 2, got {pp}")

@@ -58,14 +58,16 @@ def pipeline_split(
     embedding: bool = False,
     loss: bool = False,
     layers_per_chunk: int | None = None,
+    v: int | None = None,
 ) -> PipelineSplit:
-    """The :class:`PipelineSplit` the options ask for: ``v = (num_layers + counted) / (pp *
-    layers_per_chunk)`` chunks per rank and :func:`layer_split`'s layers per stage.
+    """The :class:`PipelineSplit` the options ask for: ``v`` chunks per rank (else ``(num_layers +
+    counted) / (pp * layers_per_chunk)``, else 1) and :func:`layer_split`'s layers per stage.
 
     Raises:
         ConfigError: as :func:`layer_split`.
     """
-    v = virtual_stages(num_layers, pp, layers_per_chunk, embedding + loss)
+    if v is None:
+        v = virtual_stages(num_layers, pp, layers_per_chunk, embedding + loss)
     stages = layer_split(num_layers, pp, split, first, last, embedding=embedding, loss=loss, v=v)
     return PipelineSplit(num_layers, pp, v, stages, embedding, loss)
 

@@ -108,11 +108,6 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         help="saved `nvidia-smi topo -m` output of one node: its GPU count and link types "
         "(NVLink or PCIe) replace the catalog's node",
     )
-    g.add_argument(
-        "--virtual-pipeline-stages",
-        type=int,
-        help="v directly (alternative to --num-layers-per-virtual-pipeline-stage)",
-    )
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
