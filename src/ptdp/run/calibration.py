@@ -267,12 +267,13 @@ def calibrate_worker(config_json: str, precision: str, out_path: str) -> dict:
     profile to ``out_path`` and returns its GPU spec and constants (the others return {})."""
     import torch.distributed as dist
 
+    from ptdp.config.resolve import resolve
     from ptdp.config.schema import Config
     from ptdp.engine.groups import ParallelGroups, host_group
     from ptdp.layout.grid import ParallelLayout
     from ptdp.run.distributed import init_distributed
 
-    config = Config.from_dict(json.loads(config_json))
+    config = resolve(Config.from_dict(json.loads(config_json)), int(os.environ.get("WORLD_SIZE", "1")))
     p = config.parallel
     device = init_distributed(p.distributed_timeout_minutes)
     try:

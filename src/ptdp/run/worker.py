@@ -61,8 +61,10 @@ def worker_entry(config_json: str, run_dir: str, data_dir: str, progress: bool) 
     :class:`~ptdp.engine.activity.CollectiveError` (a peer stopped responding or went away) is raised, so
     that the launcher stops the other workers and reports it."""
     restart = restart_count()
-    with rank_records.recording(env_world()[0], restart):  # who failed first, and where (ptdp.run.postmortem)
-        config = resume_config(Config.from_dict(json.loads(config_json)), restart)
+    rank, _, world = env_world()
+    with rank_records.recording(rank, restart):  # who failed first, and where (ptdp.run.postmortem)
+        # the launcher's settings, resolved again for this world (the derived values travel as settings)
+        config = resolve(resume_config(Config.from_dict(json.loads(config_json)), restart), world)
         device = init_distributed(config.parallel.distributed_timeout_minutes, bind_cpus=config.parallel.bind_cpus)
         try:
             with nccl_watch(device, config.parallel.distributed_timeout_minutes):
