@@ -48,7 +48,7 @@ from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storage
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
 from ptdp.layout.grid import ParallelLayout
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.models import spec_from_model_config
 from ptdp.planner.memory.activations import stage_activation_bytes
 from ptdp.run.distributed import init_distributed
@@ -121,7 +121,7 @@ def _config(args, schedule: str) -> Config:
 def predicted_bytes(config: Config, pp_rank: int) -> float:
     """The planner's activation peak of ``pp_rank`` (its fp32 figure; twice that for float64)."""
     m, p, t = config.model, config.parallel, config.train
-    layout = Layout(
+    layout = Candidate.of(
         p.tp,
         p.pp,
         p.dp,

@@ -37,7 +37,7 @@ from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storage
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
 from ptdp.layout.grid import ParallelLayout
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.models import spec_from_model_config
 from ptdp.planner.memory.activations import rank_activation_bytes
 from ptdp.planner.memory.cp_local import kv_buffer_bytes
@@ -70,7 +70,7 @@ def predicted(args, cp: int, comm_type: str) -> tuple[float, float]:
     """(the planner's activation peak of a cp rank, its key/value exchange buffers), float32."""
     config = _config(args, cp, comm_type)
     spec = spec_from_model_config(config.model)
-    layout = Layout(
+    layout = Candidate.of(
         1,
         1,
         1,

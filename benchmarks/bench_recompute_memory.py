@@ -6,7 +6,7 @@ group), each without and with ``sequence_parallel``. For each mode:
 
 - memory: one ``ptdp.engine.step.train_step`` under :class:`ptdp.engine.activation_meter.SavedActivationMeter`
   (parameters excluded), beside the planner's ``stage_activation_bytes`` for
-  ``spec_from_model_config`` with a ``Layout`` carrying ``recompute`` and ``sequence_parallel``.
+  ``spec_from_model_config`` with a ``Candidate`` carrying ``recompute`` and ``sequence_parallel``.
   Recomputed regions run in ``torch.utils.checkpoint`` (non-reentrant), whose own saved-tensor
   hooks hide the region from the meter. Two additions make it visible, for the metered step
   only: the tensor inputs of each recomputed region (which the checkpoint keeps until backward)
@@ -43,7 +43,7 @@ from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storage
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
 from ptdp.layout.grid import ParallelLayout
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.models import spec_from_model_config
 from ptdp.planner.memory.activations import stage_activation_bytes
 from ptdp.run.distributed import init_distributed
@@ -82,7 +82,7 @@ def _config(args, mode) -> Config:
 
 def predicted_bytes(config: Config, mode, pp_rank: int) -> float:
     m, p, t = config.model, config.parallel, config.train
-    layout = Layout(
+    layout = Candidate.of(
         p.tp,
         p.pp,
         p.dp,

@@ -17,7 +17,7 @@ from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
 from ptdp.layout.grid import ParallelLayout
 from ptdp.layout.pipeline.partition import stage_layer_counts
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.models import spec_from_model_config
 from ptdp.planner.memory.activations import rank_activation_bytes
 from ptdp.planner.memory.cp_local import kv_buffer_bytes
@@ -103,7 +103,7 @@ def predicted_peak(cfg: Config, pp_rank: int) -> float:
     key/value exchange buffers, which autograd does not save."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     split = cfg.pipeline.layer_split
-    layout = Layout(
+    layout = Candidate.of(
         p.tp,
         p.pp,
         p.dp,

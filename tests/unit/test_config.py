@@ -16,7 +16,7 @@ from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.errors import ConfigError
 from ptdp.layout.vocab import padded_vocab_size
-from ptdp.run.planner_report import planner_layout
+from ptdp.planner.candidate import run_candidate
 
 
 def make(world=8, tp=2, pp=2, dp=None, split=None, schedule=None, per_chunk=None, sp=False, **kw) -> tuple[Config, int]:
@@ -160,7 +160,7 @@ def test_sequence_parallel_resolves_at_tp_above_one():
     resolved = resolve(make(sp=True, seq_length=128)[0], 8)
     assert resolved.parallel.sequence_parallel and resolved.parallel.tp == 2
     assert Config.from_dict(resolved.to_dict()) == resolved
-    assert planner_layout(resolved).sequence_parallel  # the planner comparison at the end of ptdp train
+    assert run_candidate(resolved).parallel.sequence_parallel  # the planner comparison at the end of ptdp train
 
 
 def test_virtual_stages_imply_interleaving():

@@ -28,7 +28,7 @@ from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.errors import ConfigError
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
 from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.search.layouts import Fixed, search
@@ -115,7 +115,7 @@ def requests(draw) -> tuple[Config, int]:
     return Config(model=model, parallel=parallel, train=train), world
 
 
-def planner_view(config: Config) -> tuple[ModelSpec, Layout]:
+def planner_view(config: Config) -> tuple[ModelSpec, Candidate]:
     """What ``ptdp plan`` evaluates for a resolved config: its model and its exact layout
     (gpipe and 1f1b are both v = 1 to the planner; precision fp32 as ptdp's float32)."""
     m, p, t = config.model, config.parallel, config.train
@@ -129,7 +129,7 @@ def planner_view(config: Config) -> tuple[ModelSpec, Layout]:
         num_query_groups=m.num_query_groups,
         tied=not m.untie_embeddings_and_output_weights,
     )
-    layout = Layout(
+    layout = Candidate.of(
         p.tp,
         p.pp,
         p.dp,
@@ -197,7 +197,7 @@ def planner_requests(draw) -> tuple[ModelSpec, int, int, Fixed]:
     return model, draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16])), draw(st.integers(1, 48)), fixed
 
 
-def config_of(model: ModelSpec, layout: Layout, fixed: Fixed) -> Config:
+def config_of(model: ModelSpec, layout: Candidate, fixed: Fixed) -> Config:
     """The ``ptdp train`` request with the flags of ``ptdp plan`` (``fixed``) for a layout it lists."""
     v = layout.virtual_stages
     per_chunk = fixed.layers_per_virtual_stage or (model.num_layers // (layout.pp * v) if v > 1 else None)
@@ -218,7 +218,7 @@ def config_of(model: ModelSpec, layout: Layout, fixed: Fixed) -> Config:
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
             data_parallel_size=layout.dp,
-            use_distributed_optimizer=layout.distributed_optimizer,
+            use_distributed_optimizer=layout.parallel.use_distributed_optimizer,
             **options,
         ),
         train=TrainConfig(

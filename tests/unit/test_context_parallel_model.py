@@ -191,7 +191,7 @@ def test_stage_hidden_shape_divides_the_sequence_by_cp_and_by_tp_with_sequence_p
 def test_the_planner_refuses_what_ptdp_train_refuses():
     """``ptdp plan`` checks the same rule: a sequence-parallel layout whose tp does not divide a cp
     rank's ``s / cp`` positions is rejected, naming the numbers."""
-    from ptdp.planner.candidate import Layout
+    from ptdp.planner.candidate import Candidate
     from ptdp.planner.inputs.hardware import CATALOG, Cluster
     from ptdp.planner.inputs.models import PRESETS
     from ptdp.planner.search.rules import all_rejections
@@ -199,10 +199,10 @@ def test_the_planner_refuses_what_ptdp_train_refuses():
     model, cluster = dataclasses.replace(PRESETS["gpt3-175b"], seq_length=20), Cluster(CATALOG["a100-80gb"], 1024)
     rules = {
         r.rule: r.message
-        for r in all_rejections(model, Layout(4, 16, 8, 1, 1536, cp=2, sequence_parallel=True), cluster)
+        for r in all_rejections(model, Candidate.of(4, 16, 8, 1, 1536, cp=2, sequence_parallel=True), cluster)
     }
     assert "context_parallel_size * tensor_model_parallel_size = 2*4 = 8" in rules["sequence parallel"]
-    assert all_rejections(model, Layout(4, 16, 8, 1, 1536, cp=2), cluster) == []
+    assert all_rejections(model, Candidate.of(4, 16, 8, 1, 1536, cp=2), cluster) == []
 
 
 def test_ptdp_train_exits_2_naming_the_numbers_before_any_process(capsys, monkeypatch):

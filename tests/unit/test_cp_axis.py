@@ -11,8 +11,8 @@ from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import _resolve_dp, local_world_size, resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.errors import Violation
+from ptdp.planner.candidate import run_candidate
 from ptdp.run.memory_check import rank_estimates
-from ptdp.run.planner_report import planner_layout
 from ptdp.run.rundir import run_dir_path
 
 
@@ -54,10 +54,10 @@ def test_run_layout_for_the_planner_and_the_memory_check_has_cp():
         ),
         4,
     )
-    layout = planner_layout(two)
-    assert (layout.tp, layout.cp, layout.dp, layout.cp_comm_type) == (1, 2, 2, "all_gather")
+    layout = run_candidate(two)
+    assert (layout.tp, layout.cp, layout.dp, layout.parallel.cp_comm_type) == (1, 2, 2, "all_gather")
     assert layout.sharding_strategy == "optim" and layout.shard_size == 4 and layout.num_gpus == 4
-    assert planner_layout(one).cp == 1
+    assert run_candidate(one).cp == 1
     (r1,), (r2,) = rank_estimates(one), rank_estimates(two)
     # the same parameters and ZeRO-1 over dp x cp = 4 ranks either way; a cp rank holds half the tokens
     assert (r1.params, r1.grads, r1.optimizer) == (r2.params, r2.grads, r2.optimizer)

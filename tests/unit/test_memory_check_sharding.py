@@ -11,10 +11,10 @@ from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
+from ptdp.planner.candidate import run_candidate
 from ptdp.planner.inputs.models import spec_from_model_config
 from ptdp.planner.memory.params import rank_state_bytes, stage_param_counts
 from ptdp.run.memory_check import GiB, memory_problem, needed_bytes, rank_estimates
-from ptdp.run.planner_report import planner_layout
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -47,7 +47,7 @@ def test_each_strategy_is_counted_as_the_planner_counts_it():
         config = _config(strategy)
         model, p = spec_from_model_config(config.model), config.parallel
         counts = stage_param_counts(model, p.tp, p.pp, make_vocab_size_divisible_by=128)
-        layout = planner_layout(config)
+        layout = run_candidate(config)
         for stage, (r, n) in enumerate(zip(ranks, counts)):
             assert (r.params, r.grads, r.optimizer) == rank_state_bytes(model, layout, n, 8, stage=stage), strategy
     stage0 = {s: ranks[0] for s, ranks in estimates.items()}

@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from helpers.cli import tiny_flags
@@ -329,14 +327,14 @@ def test_the_run_checks_and_reports_use_the_split():
     """ptdp train's memory check and planner report see the run's split: each rank's parameters
     with its own layers, and activations chunk by chunk when interleaved with the embedding and
     loss counted as layers (rank 1 keeps 5 layer-microbatches at its peak, not 2 x 5/3)."""
+    from ptdp.planner.candidate import run_candidate
     from ptdp.planner.inputs.models import spec_from_model_config
     from ptdp.planner.memory.activations import stage_activation_bytes
     from ptdp.planner.memory.params import stage_param_counts
     from ptdp.run.memory_check import rank_estimates
-    from ptdp.run.planner_report import planner_layout
 
     config = resolve(_config(4, 8, decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=1), 4)
-    assert planner_layout(config).layer_split == (1, 3, 3, 1)
+    assert run_candidate(config).layer_split == (1, 3, 3, 1)
     params = [r.params for r in rank_estimates(config)]
     counts = stage_param_counts(
         spec_from_model_config(config.model),
@@ -357,10 +355,10 @@ def test_the_run_checks_and_reports_use_the_split():
         ),
         2,
     )
-    layout = planner_layout(config)
+    layout = run_candidate(config)
     assert (layout.virtual_stages, layout.layer_split) == (3, (2, 2))
     model = spec_from_model_config(config.model)
-    per_mb = stage_activation_bytes(model, dataclasses.replace(layout, layer_split=None), 0, 1) / (7 / 3)
+    per_mb = stage_activation_bytes(model, layout.replace(layer_split=None), 0, 1) / (7 / 3)
     estimates = rank_estimates(config)
     assert estimates[1].activations == pytest.approx(
         stage_activation_bytes(

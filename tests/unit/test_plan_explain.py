@@ -3,23 +3,22 @@ between the fastest layout and the runner-up, and how far a fixed layout is from
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
-from ptdp.planner.candidate import Layout, MemoryBreakdown, Plan, TimeBreakdown
+from ptdp.planner.candidate import Candidate, MemoryBreakdown, Plan, TimeBreakdown
 from ptdp.planner.inputs.hardware import GiB
 from ptdp.planner.report.explain import compare, deciding_terms, distance_from_best, explain_pick, layout_differences
 
 
-def _plan(layout: Layout, **times) -> Plan:
+def _plan(layout: Candidate, **times) -> Plan:
     base = dict(compute=10.0, recompute=0.0, tp_comm=1.0, pp_comm=0.5, bubble=2.0, dp_comm=0.3, optimizer=0.2)
     base.update(times)
     memory = MemoryBreakdown(10 * GiB, 5 * GiB, 20 * GiB, 30 * GiB, 2 * GiB)
     return Plan(layout, True, memory, TimeBreakdown(**base), 400.0, 0.4)
 
 
-A = Layout(8, 16, 128, 1, 2048, virtual_stages=2)
-B = dataclasses.replace(A, virtual_stages=1)
+A = Candidate.of(8, 16, 128, 1, 2048, virtual_stages=2)
+B = A.replace(virtual_stages=1)
 
 
 def test_bubble_decides_interleaving_with_its_extra_communication_against_it():
@@ -51,7 +50,7 @@ def test_near_tie_is_called_one():
 
 def test_explain_pick_needs_two_plans_and_differences_name_every_field():
     assert explain_pick([_plan(A)]) == []
-    other = dataclasses.replace(B, tp=4, dp=256, sequence_parallel=True, recompute="selective")
+    other = B.replace(tp=4, dp=256, sequence_parallel=True, recompute="selective")
     assert layout_differences(_plan(A), _plan(other)) == [
         "tp 8 vs 4",
         "dp 128 vs 256",
@@ -164,7 +163,7 @@ def test_the_split_flags_the_report_prints_can_be_given_back(capsys):
 
 
 def test_differences_say_even_and_not_set_rather_than_none():
-    split = dataclasses.replace(B, layer_split=(7, 9), pp=2, ddp_bucket_size=1000)
+    split = B.replace(layer_split=(7, 9), pp=2, ddp_bucket_size=1000)
     assert layout_differences(_plan(B), _plan(split)) == [
         "pp 16 vs 2",
         "layer split even vs 7,9",
@@ -175,14 +174,14 @@ def test_differences_say_even_and_not_set_rather_than_none():
 def test_layout_flags_give_the_split_cp_and_non_default_options():
     from ptdp.planner.report.explain import layout_flags
 
-    uneven = Layout(2, 4, 2, 1, 64, layer_split=(5, 7, 7, 5), cp=2, cp_comm_type="all_gather")
+    uneven = Candidate.of(2, 4, 2, 1, 64, layer_split=(5, 7, 7, 5), cp=2, cp_comm_type="all_gather")
     assert layout_flags(uneven) == (
         "--tp 2 --cp 2 --cp-comm-type all_gather --pp 4 --dp 2 --micro-batch-size 1 "
         "--decoder-first-pipeline-num-layers 5 --decoder-last-pipeline-num-layers 5 --recompute-granularity none "
         "--no-sequence-parallel --data-parallel-sharding-strategy no_shard"
     )
-    options = dataclasses.replace(B, ddp_bucket_size=1000, overlap_grad_reduce=False, sharding="optim_grads_params")
-    assert layout_flags(dataclasses.replace(options, reshard_after_forward=False)).endswith(
+    options = B.replace(ddp_bucket_size=1000, overlap_grad_reduce=False, sharding="optim_grads_params")
+    assert layout_flags(options.replace(reshard_after_forward=False)).endswith(
         "--data-parallel-sharding-strategy optim_grads_params --ddp-bucket-size 1000 --no-overlap-grad-reduce "
         "--no-reshard-after-forward"
     )

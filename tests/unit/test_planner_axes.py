@@ -12,7 +12,7 @@ import pytest
 
 from ptdp import cli
 from ptdp.layout.buckets import chunk_by_chunk
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster, get_gpu
 from ptdp.planner.inputs.models import ModelSpec, get_model
 from ptdp.planner.memory.activations import rank_activation_bytes
@@ -51,11 +51,13 @@ def test_activations_per_rank_are_divided_by_cp_plus_the_kv_buffers(flash, recom
     """Every kept tensor is per token of the rank's s/cp tokens; an unfused kernel's scores are
     (s/cp) x s per rank, 1/cp of s x s too. On top: the key/value buffers of the running layer."""
     model = dataclasses.replace(LLAMA, flash_attention=flash)
-    base = Layout(tp=2, pp=2, dp=1, micro_batch_size=2, global_batch_size=8, recompute=recompute, sequence_parallel=sp)
+    base = Candidate.of(
+        tp=2, pp=2, dp=1, micro_batch_size=2, global_batch_size=8, recompute=recompute, sequence_parallel=sp
+    )
     for pp_rank in (0, 1):
         one = rank_activation_bytes(model, base, pp_rank, 2)
         for cp, comm in ((2, "p2p"), (4, "p2p"), (8, "all_gather")):
-            layout = dataclasses.replace(base, cp=cp, cp_comm_type=comm)
+            layout = base.replace(cp=cp, cp_comm_type=comm)
             d, kv, t, b, s = 256 // 8, 2, 2, 2, 1024
             block = (s / cp) * b * kv * d / t  # one K (or V) block of a rank, elements
             buffers = 2 * (8 * block if comm == "p2p" else 4 * cp * block)  # 2-byte values
@@ -64,7 +66,7 @@ def test_activations_per_rank_are_divided_by_cp_plus_the_kv_buffers(flash, recom
 
 
 def test_memory_breakdown_counts_the_cp_rank():
-    layout = Layout(tp=2, pp=1, dp=1, micro_batch_size=1, global_batch_size=4, cp=4)
+    layout = Candidate.of(tp=2, pp=1, dp=1, micro_batch_size=1, global_batch_size=4, cp=4)
     mem = memory_breakdown(LLAMA, layout, H100)
     assert mem.activations == rank_activation_bytes(LLAMA, layout, 0, 4)
     assert mem.params == 2 * stage_param_counts(LLAMA, 2, 1)[0]  # parameters are replicated over cp
@@ -124,12 +126,12 @@ def test_each_strategy_bytes_per_rank_hand_computed():
         "optim_grads_params": (2 * n / d + 2 * (layer + head), 4 * n / d + 4 * (2 * layer + head), 12 * n / d),
     }
     for strategy, (params, grads, optimizer) in expect.items():
-        layout = Layout(tp=1, pp=1, dp=2, micro_batch_size=1, global_batch_size=2, cp=4, sharding=strategy)
-        assert layout.distributed_optimizer == (strategy != "no_shard")
+        layout = Candidate.of(tp=1, pp=1, dp=2, micro_batch_size=1, global_batch_size=2, cp=4, sharding=strategy)
+        assert layout.parallel.use_distributed_optimizer == (strategy != "no_shard")
         mem = memory_breakdown(model, layout, H100)
         assert (mem.params, mem.grads, mem.optimizer) == pytest.approx((params, grads, optimizer), rel=1e-12)
     # one rank holds the state alone: nothing to shard, nothing gathered
-    alone = memory_breakdown(model, Layout(1, 1, 1, 1, 1, sharding="optim_grads_params"), H100)
+    alone = memory_breakdown(model, Candidate.of(1, 1, 1, 1, 1, sharding="optim_grads_params"), H100)
     assert (alone.params, alone.grads, alone.optimizer) == (2 * n, 4 * n, 12 * n)
 
 
@@ -175,22 +177,22 @@ def test_cp_divides_the_step_work_and_reduces_over_dp_times_cp():
     for flash in (True, False):
         model = dataclasses.replace(LLAMA, flash_attention=flash, seq_length=4096)
         cluster = Cluster(H100, 2, 8)
-        cp = evaluate_performance(model, Layout(1, 1, 1, 1, 2, cp=2), cluster)
-        dp = evaluate_performance(model, Layout(1, 1, 2, 1, 2), cluster)
+        cp = evaluate_performance(model, Candidate.of(1, 1, 1, 1, 2, cp=2), cluster)
+        dp = evaluate_performance(model, Candidate.of(1, 1, 2, 1, 2), cluster)
         assert cp.time.cp_comm >= 0 and dp.time.cp_comm == 0  # the ring hides behind attention here
         assert cp.time.dp_comm == pytest.approx(dp.time.dp_comm)
         assert cp.time.compute == pytest.approx(dp.time.compute, rel=0.1)
         assert cp.model_flops == dp.model_flops
-        half = evaluate_performance(dataclasses.replace(model, seq_length=2048), Layout(1, 1, 2, 1, 2), cluster)
+        half = evaluate_performance(dataclasses.replace(model, seq_length=2048), Candidate.of(1, 1, 2, 1, 2), cluster)
         assert cp.time.compute > 1.2 * half.time.compute  # not just s/cp tokens: attention sees all s keys
 
 
 def test_layout_fields_and_json():
-    layout = Layout(8, 16, 8, 1, 16, cp=16, sharding="optim")
-    assert layout.num_gpus == 16384 and layout.shard_size == 128 and layout.distributed_optimizer
-    assert Layout(1, 1, 2, 1, 2, distributed_optimizer=True).sharding_strategy == "optim"
-    assert Layout(1, 1, 2, 1, 2).sharding_strategy == "no_shard"
-    assert dataclasses.replace(Layout(1, 1, 2, 1, 2), distributed_optimizer=True).sharding_strategy == "optim"
+    layout = Candidate.of(8, 16, 8, 1, 16, cp=16, sharding="optim")
+    assert layout.num_gpus == 16384 and layout.shard_size == 128 and layout.parallel.use_distributed_optimizer
+    assert Candidate.of(1, 1, 2, 1, 2, distributed_optimizer=True).sharding_strategy == "optim"
+    assert Candidate.of(1, 1, 2, 1, 2).sharding_strategy == "no_shard"
+    assert Candidate.of(1, 1, 2, 1, 2).replace(distributed_optimizer=True).sharding_strategy == "optim"
 
 
 LLAMA_405B_128K = ["plan", "--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100-sxm", "--seq-length", "131072"]
@@ -251,7 +253,7 @@ def test_search_stops_at_the_first_sharded_strategy_that_fits():
     order = ("no_shard", "optim", "optim_grads", "optim_grads_params")
     seen = {}
     for plan in result.plans:
-        key = dataclasses.replace(plan.layout, sharding=None, distributed_optimizer=False, layer_split=None)
+        key = plan.layout.replace(sharding=None, distributed_optimizer=False, layer_split=None)
         seen.setdefault(key, []).append(plan)
     assert seen
     for plans in seen.values():
@@ -271,7 +273,7 @@ def test_search_stops_at_the_first_sharded_strategy_that_fits():
         for plan in sharded:
             level = order.index(plan.layout.sharding_strategy)
             for more in order[level + 1 :]:
-                other = evaluate_performance(model, dataclasses.replace(plan.layout, sharding=more), cluster)
+                other = evaluate_performance(model, plan.layout.replace(sharding=more), cluster)
                 n = plan.memory.params / 2  # 16-bit weights of the stage
                 slack = 8 * n / (cluster.gpu.memory_bandwidth * 0.5)
                 assert other.time.step >= plan.time.step - slack

@@ -6,12 +6,10 @@ Dubey et al. 2024, §3.3.2)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from ptdp.layout.buckets import chunk_by_chunk
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import Cluster, get_gpu
 from ptdp.planner.inputs.models import get_model
 from ptdp.planner.memory.breakdown import memory_breakdown
@@ -91,7 +89,7 @@ def test_chunk_reduce_scatters_hide_behind_the_next_round():
 def test_memory_and_time_of_a_one_round_interleaved_layout():
     model = get_model("llama3-405b")
     split = (7,) + (8,) * 14 + (7,)
-    base = Layout(
+    base = Candidate.of(
         8, 16, 128, 1, 2048, virtual_stages=8, sequence_parallel=True, layer_split=split, sharding="optim_grads"
     )
     mem = memory_breakdown(model, base, H100)
@@ -105,14 +103,12 @@ def test_memory_and_time_of_a_one_round_interleaved_layout():
     _, by_chunk = rank_transients(model, 8, 16, chunks, 128, DEFAULT_BUCKET_ELEMENTS, **kw, by_chunk=True)
     assert by_chunk >= layer_param_count(model, 8)  # at least one chunk (a layer) whole
     assert mem.grads == pytest.approx(4 * n / 128 + 4 * by_chunk)
-    two_rounds = dataclasses.replace(base, global_batch_size=4096)  # m = 32
+    two_rounds = base.replace(global_batch_size=4096)  # m = 32
     _, every_backward = rank_transients(model, 8, 16, chunks, 128, DEFAULT_BUCKET_ELEMENTS, **kw)
     assert memory_breakdown(model, two_rounds, H100).grads == pytest.approx(4 * n / 128 + 4 * every_backward)
     cluster = Cluster(H100, 16384, 8)
     by_chunk = evaluate_performance(model, base, cluster).time.dp_comm
-    optim = evaluate_performance(
-        model, dataclasses.replace(base, sharding=None, distributed_optimizer=True), cluster
-    ).time.dp_comm
+    optim = evaluate_performance(model, base.replace(sharding=None, distributed_optimizer=True), cluster).time.dp_comm
     assert by_chunk < optim  # one chunk's reduce-scatter exposed instead of the whole stage's
 
 

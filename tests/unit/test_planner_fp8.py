@@ -9,7 +9,7 @@ import pytest
 
 from ptdp.cli import main
 from ptdp.errors import ConfigError
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
 from ptdp.planner.inputs.models import ModelSpec, get_model
 from ptdp.planner.memory.activations import layer_activation_bytes
@@ -45,9 +45,9 @@ def test_fp8_keeps_the_four_gemm_inputs_in_one_byte(model, t, sp):
 
 def test_fp8_weight_copies_in_memory():
     model = get_model("llama3-8b")
-    layout = Layout(tp=2, pp=2, dp=2, micro_batch_size=1, global_batch_size=8, precision="bf16")
+    layout = Candidate.of(tp=2, pp=2, dp=2, micro_batch_size=1, global_batch_size=8, precision="bf16")
     bf16 = memory_breakdown(model, layout, H100)
-    fp8 = memory_breakdown(model, dataclasses.replace(layout, precision="fp8"), H100)
+    fp8 = memory_breakdown(model, layout.replace(precision="fp8"), H100)
     copies = FP8_WEIGHT_COPY_BYTES * (model.num_layers // 2) * layer_fp8_weights(model, 2)
     assert fp8.stage == bf16.stage
     assert fp8.params - bf16.params == pytest.approx(copies, rel=1e-12)
@@ -121,7 +121,7 @@ def test_published_fp8_run_llama3_70b_on_h100(global_batch, tokens_per_gpu):
     no recompute, the tensor-parallel communication overlapped with the GEMMs (all but one of tp
     chunks hidden, as ``ptdp.planner.validate.accuracy.run_constants`` counts it)."""
     model = get_model("llama3-70b")
-    layout = Layout(
+    layout = Candidate.of(
         tp=4,
         pp=8,
         dp=2,
@@ -138,7 +138,5 @@ def test_published_fp8_run_llama3_70b_on_h100(global_batch, tokens_per_gpu):
     step = evaluate_performance(model, layout, Cluster(H100, 64), constants).step_time
     reported = global_batch * model.seq_length / (tokens_per_gpu * 64)
     assert step / reported - 1 == pytest.approx(0, abs=0.25)
-    bf16 = evaluate_performance(
-        model, dataclasses.replace(layout, precision="bf16"), Cluster(H100, 64), constants
-    ).step_time
+    bf16 = evaluate_performance(model, layout.replace(precision="bf16"), Cluster(H100, 64), constants).step_time
     assert 1.2 < bf16 / step < 2.0  # FP8 speeds up the GEMMs only

@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
 from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.time import flops
@@ -146,7 +146,7 @@ def test_for_gpu_picks_the_generation():
 
 def test_tp_overlap_hides_that_share_of_tp_time():
     model = ModelSpec(24, 4096, 32, vocab_size=51200, seq_length=2048)
-    layout = Layout(tp=8, pp=1, dp=1, micro_batch_size=1, global_batch_size=4, sequence_parallel=True)
+    layout = Candidate.of(tp=8, pp=1, dp=1, micro_batch_size=1, global_batch_size=4, sequence_parallel=True)
     cluster = Cluster(CATALOG["h100-sxm"], 8)
     base = evaluate_performance(model, layout, cluster).time
     hidden = evaluate_performance(model, layout, cluster, dataclasses.replace(DEFAULT_CONSTANTS, tp_overlap=0.75)).time
@@ -160,10 +160,10 @@ def test_tp_overlap_hides_that_share_of_tp_time():
 def test_interleaving_divides_an_explicit_splits_fill():
     """An explicit split equal to the even one gives the even split's bubble, interleaved too."""
     model = ModelSpec(32, 4096, 32, vocab_size=51200, seq_length=2048)
-    layout = Layout(tp=2, pp=4, dp=1, micro_batch_size=1, global_batch_size=16, virtual_stages=2)
+    layout = Candidate.of(tp=2, pp=4, dp=1, micro_batch_size=1, global_batch_size=16, virtual_stages=2)
     cluster = Cluster(CATALOG["h100-sxm"], 8)
     even = evaluate_performance(model, layout, cluster).time
-    split = evaluate_performance(model, dataclasses.replace(layout, layer_split=(8, 8, 8, 8)), cluster).time
+    split = evaluate_performance(model, layout.replace(layer_split=(8, 8, 8, 8)), cluster).time
     assert split.bubble == pytest.approx(even.bubble, rel=1e-9)
 
 
@@ -181,13 +181,13 @@ def test_tp_comm_overlap_hides_tp_minus_one_of_tp_chunks_with_sequence_paralleli
     cluster = Cluster(CATALOG["h100-sxm"], 8)
     on = dataclasses.replace(DEFAULT_CONSTANTS, tp_comm_overlap=True)
     for tp in (2, 4, 8):
-        layout = Layout(tp=tp, pp=1, dp=8 // tp, micro_batch_size=1, global_batch_size=8, sequence_parallel=True)
+        layout = Candidate.of(tp=tp, pp=1, dp=8 // tp, micro_batch_size=1, global_batch_size=8, sequence_parallel=True)
         shared = dataclasses.replace(DEFAULT_CONSTANTS, tp_overlap=(tp - 1) / tp)
         assert (
             evaluate_performance(model, layout, cluster, on).time
             == evaluate_performance(model, layout, cluster, shared).time
         )
-        plain = dataclasses.replace(layout, sequence_parallel=False)  # the overlap needs sequence parallelism
+        plain = layout.replace(sequence_parallel=False)  # the overlap needs sequence parallelism
         assert evaluate_performance(model, plain, cluster, on).time == evaluate_performance(model, plain, cluster).time
 
 
@@ -195,11 +195,11 @@ def test_pp_overlap_hides_steady_state_transfers_of_the_interleaved_schedule_onl
     model = ModelSpec(32, 8192, 64, vocab_size=32000, seq_length=4096, flash_attention=True)
     cluster = Cluster(CATALOG["h100-sxm"], 16)  # pp crosses nodes: transfers on the network
     on = dataclasses.replace(DEFAULT_CONSTANTS, pp_overlap=True)
-    layout = Layout(tp=1, pp=4, dp=4, micro_batch_size=1, global_batch_size=128, virtual_stages=4)
+    layout = Candidate.of(tp=1, pp=4, dp=4, micro_batch_size=1, global_batch_size=128, virtual_stages=4)
     base, hidden = (evaluate_performance(model, layout, cluster, c).time for c in (DEFAULT_CONSTANTS, on))
     assert base.pp_comm > 0 and hidden.pp_comm == 0.0  # each transfer is shorter than a chunk's compute
     assert hidden.bubble == base.bubble and hidden.compute == base.compute  # fill and drain stay exposed
-    one_f1b = dataclasses.replace(layout, virtual_stages=1)  # Megatron overlaps the interleaved schedule only
+    one_f1b = layout.replace(virtual_stages=1)  # Megatron overlaps the interleaved schedule only
     assert evaluate_performance(model, one_f1b, cluster, on).time == evaluate_performance(model, one_f1b, cluster).time
 
 
@@ -207,7 +207,7 @@ def test_pp_overlap_hides_steady_state_transfers_of_the_interleaved_schedule_onl
 def test_overlap_window_hides_one_microbatch_of_the_end_reduction(sharding, m):
     """dp_comm with the window = what exceeds one microbatch's compute on the busiest stage."""
     model = ModelSpec(32, 7168, 56, vocab_size=131072, seq_length=4096, tied=False, flash_attention=True)
-    layout = Layout(
+    layout = Candidate.of(
         tp=8, pp=1, dp=48, micro_batch_size=4 // m, global_batch_size=192, sequence_parallel=True, sharding=sharding
     )
     cluster = Cluster(CATALOG["h100-sxm"], 384)

@@ -12,7 +12,7 @@ from ptdp.engine.comm import AxisGroup, CommStats
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.errors import ConfigError
 from ptdp.layout.pipeline.partition import stage_layer_ids
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, GiB
 from ptdp.planner.inputs.models import PRESETS, ModelSpec
 from ptdp.planner.memory.activations import inflight_microbatches, layer_activation_bytes
@@ -105,9 +105,9 @@ def test_bytes_per_param():
         bytes_per_param("int8")
 
 
-def _layout(**kw) -> Layout:
+def _layout(**kw) -> Candidate:
     base = dict(tp=1, pp=4, dp=1, micro_batch_size=1, global_batch_size=8)
-    return Layout(**{**base, **kw})
+    return Candidate.of(**{**base, **kw})
 
 
 def test_inflight_microbatches_1f1b_gpipe_interleaved():
@@ -163,16 +163,14 @@ def test_gqa_swiglu_generalisation_reduces_to_gpt():
 
 def test_monotonicity():
     model = PRESETS["gpt3-175b"]
-    base = Layout(tp=2, pp=8, dp=4, micro_batch_size=1, global_batch_size=512, recompute="none")
+    base = Candidate.of(tp=2, pp=8, dp=4, micro_batch_size=1, global_batch_size=512, recompute="none")
     prev = None
     for tp in (1, 2, 4, 8):
-        total = memory_breakdown(model, dataclasses.replace(base, tp=tp), A100).total
+        total = memory_breakdown(model, base.replace(tp=tp), A100).total
         assert prev is None or total < prev, "more tp -> less memory per GPU"
         prev = total
     act = {
-        (rec, sp): memory_breakdown(
-            model, dataclasses.replace(base, recompute=rec, sequence_parallel=sp), A100
-        ).activations
+        (rec, sp): memory_breakdown(model, base.replace(recompute=rec, sequence_parallel=sp), A100).activations
         for rec in ("none", "selective", "full")
         for sp in (False, True)
     }
@@ -180,7 +178,7 @@ def test_monotonicity():
     assert act["selective", False] < act["none", False]
     assert act["selective", True] < act["selective", False]
     assert act["full", False] < act["selective", False]
-    zero = memory_breakdown(model, dataclasses.replace(base, distributed_optimizer=True), A100)
+    zero = memory_breakdown(model, base.replace(distributed_optimizer=True), A100)
     plain = memory_breakdown(model, base, A100)
     assert zero.optimizer == pytest.approx(plain.optimizer / 4)
     assert zero.params == plain.params and zero.grads == plain.grads
@@ -188,7 +186,7 @@ def test_monotonicity():
 
 def test_memory_breakdown_fields_and_stage():
     model = ModelSpec(8, 256, 8, vocab_size=50000, seq_length=512)
-    layout = Layout(tp=2, pp=4, dp=1, micro_batch_size=2, global_batch_size=16, precision="bf16")
+    layout = Candidate.of(tp=2, pp=4, dp=1, micro_batch_size=2, global_batch_size=16, precision="bf16")
     mem = memory_breakdown(model, layout, A100)
     counts = stage_param_counts(model, 2, 4)
     assert mem.stage in (0, 3)
@@ -201,7 +199,7 @@ def test_memory_breakdown_fields_and_stage():
     assert memory_breakdown(model, layout, A100, layer_split=(2, 2, 2, 2)) == mem
     # fp32 (what `ptdp train` runs): 16 bytes per parameter, 4-byte activations; dropout masks
     # stay 1 byte and the logits were fp32 already, so less than twice the bf16 bytes
-    fp32 = memory_breakdown(model, dataclasses.replace(layout, precision="fp32"), A100)
+    fp32 = memory_breakdown(model, layout.replace(precision="fp32"), A100)
     assert fp32.params + fp32.grads + fp32.optimizer == 16 * counts[fp32.stage]
     assert mem.activations < fp32.activations < 2 * mem.activations
     no_dropout = dataclasses.replace(model, dropout=False)
@@ -213,7 +211,7 @@ def test_memory_breakdown_fields_and_stage():
 
 def test_gpipe_holds_more_than_1f1b():
     model = PRESETS["gpt-7.5b"]
-    layout = Layout(tp=4, pp=4, dp=1, micro_batch_size=1, global_batch_size=32, recompute="selective")
+    layout = Candidate.of(tp=4, pp=4, dp=1, micro_batch_size=1, global_batch_size=32, recompute="selective")
     assert (
         memory_breakdown(model, layout, A100, schedule="gpipe").activations
         > memory_breakdown(model, layout, A100).activations

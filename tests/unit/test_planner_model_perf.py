@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
 from ptdp.planner.inputs.models import PRESETS, ModelSpec
 from ptdp.planner.time import flops
@@ -67,7 +67,7 @@ def test_mfu_grows_with_model_size():
     for tp in (1, 8):
         mfus = []
         for name in ("gpt-1.7b", "gpt-7.5b", "gpt-18.4b", "gpt-145.6b", "gpt-1008b"):
-            layout = Layout(tp=tp, pp=1, dp=1, micro_batch_size=2, global_batch_size=16, recompute="full")
+            layout = Candidate.of(tp=tp, pp=1, dp=1, micro_batch_size=2, global_batch_size=16, recompute="full")
             model = dataclasses.replace(PRESETS[name], num_layers=8)
             mfus.append(evaluate_performance(model, layout, Cluster(A100, 8)).mfu)
         assert mfus == sorted(mfus) and mfus[-1] > mfus[0] + 0.1
@@ -114,7 +114,7 @@ def test_pp_transfer_and_dp_groups():
 
 def _perf(model, **kw):
     base = dict(tp=8, pp=8, dp=4, micro_batch_size=1, global_batch_size=256, recompute="full")
-    layout = Layout(**{**base, **kw})
+    layout = Candidate.of(**{**base, **kw})
     return evaluate_performance(model, layout, Cluster(A100, layout.num_gpus))
 
 
@@ -153,7 +153,7 @@ def test_performance_bookkeeping():
     assert single.time.dp_comm < p.time.dp_comm
     hidden = evaluate_performance(
         m,
-        Layout(8, 2, 32, 4, 1536, recompute="full"),
+        Candidate.of(8, 2, 32, 4, 1536, recompute="full"),
         Cluster(A100, 512),
         dataclasses.replace(DEFAULT_CONSTANTS, dp_overlap=1.0),
     )
@@ -164,7 +164,7 @@ def test_performance_bookkeeping():
 
 def test_uneven_split_and_constants_are_hashable():
     m = ModelSpec(10, 1024, 16, vocab_size=32000, seq_length=1024)
-    layout = Layout(tp=2, pp=3, dp=1, micro_batch_size=1, global_batch_size=12)
+    layout = Candidate.of(tp=2, pp=3, dp=1, micro_batch_size=1, global_batch_size=12)
     p = evaluate_performance(m, layout, Cluster(A100, 8), layer_split=(4, 3, 3))
     even = evaluate_performance(dataclasses.replace(m, num_layers=12), layout, Cluster(A100, 8))
     # 4 layers on the busiest stage either way, but the split's last stage holds 3 with the output

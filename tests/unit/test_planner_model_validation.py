@@ -45,7 +45,10 @@ def test_csv_parsed(runs):
     assert sum(r.reported_tflops is not None for r in runs) == 10
     assert sum(r.reported_iteration_time is not None for r in runs) == 8
     t5 = [r for r in runs if r.reported_iteration_time is not None]
-    assert {(r.layout.recompute, r.layout.sequence_parallel) for r in t5} == {("full", False), ("selective", True)}
+    assert {(r.layout.recompute, r.layout.parallel.sequence_parallel) for r in t5} == {
+        ("full", False),
+        ("selective", True),
+    }
     assert all(r.reported_act_none_gib and r.reported_act_seqsel_gib for r in t5)
 
 

@@ -9,12 +9,13 @@ import dataclasses
 import pytest
 
 import ptdp
+from ptdp.planner.candidate import run_candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
 from ptdp.planner.inputs.models import spec_from_model_config
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS
 from ptdp.planner.time.profile import save_profile
 from ptdp.planner.time.step import evaluate_performance
-from ptdp.run.planner_report import compare, planner_layout
+from ptdp.run.planner_report import compare
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -28,7 +29,7 @@ def test_report_credits_the_runs_overlap_grad_reduce(tmp_path, overlap):
         for d in range(4)
     ]
     step = compare(config, per_rank, 1.0, profile)["step_time"]["predicted_s"]
-    layout = planner_layout(config)
+    layout = run_candidate(config)
     cluster = Cluster(gpu, 4, 4)
 
     def predicted(window: bool) -> float:

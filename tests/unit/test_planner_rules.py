@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster, UnknownGPUError, get_gpu, load_catalog
 from ptdp.planner.inputs.models import PRESETS, UnknownModelError, get_model
 from ptdp.planner.search.rules import all_rejections
@@ -13,49 +13,49 @@ GPT3 = PRESETS["gpt3-175b"]
 A100 = Cluster(CATALOG["a100-80gb"], 1024)
 
 
-def rules_of(layout: Layout, model=GPT3, cluster=A100) -> dict[str, str]:
+def rules_of(layout: Candidate, model=GPT3, cluster=A100) -> dict[str, str]:
     return {r.rule: r.message for r in all_rejections(model, layout, cluster)}
 
 
 def test_published_layout_breaks_no_rule():
-    assert rules_of(Layout(8, 16, 8, 1, 1536, virtual_stages=2)) == {}
+    assert rules_of(Candidate.of(8, 16, 8, 1, 1536, virtual_stages=2)) == {}
 
 
 @pytest.mark.parametrize(
     "layout,rule,text",
     [
         (
-            Layout(64, 16, 1, 1, 1536),
+            Candidate.of(64, 16, 1, 1, 1536),
             "heads % tp",
             "num_attention_heads=96 is not divisible by tensor_model_parallel_size=64",
         ),
-        (Layout(16, 8, 8, 1, 1536), "tp crosses nodes", "tp=16 crosses nodes (8 GPUs per node)"),
+        (Candidate.of(16, 8, 8, 1, 1536), "tp crosses nodes", "tp=16 crosses nodes (8 GPUs per node)"),
         (
-            Layout(8, 128, 1, 1, 1536),
+            Candidate.of(8, 128, 1, 1, 1536),
             "layers % pp",
             "pipeline_model_parallel_size=128 is more stages than num_layers=96",
         ),
         (
-            Layout(8, 64, 1, 1, 1536),
+            Candidate.of(8, 64, 1, 1, 1536),
             "layers % pp",
             "num_layers=96 is not divisible by pipeline_model_parallel_size=64",
         ),
         (
-            Layout(8, 16, 8, 5, 1536),
+            Candidate.of(8, 16, 8, 5, 1536),
             "B % (b * dp)",
             "global_batch_size=1536 is not divisible by micro_batch_size*dp = 5*8 = 40",
         ),
         (
-            Layout(8, 16, 8, 1, 1536, virtual_stages=4),
+            Candidate.of(8, 16, 8, 1, 1536, virtual_stages=4),
             "interleaving",
             "num_layers=96 is not divisible by pp*v = 16*4 = 64",
         ),
         (
-            Layout(8, 16, 8, 16, 1536, virtual_stages=2),
+            Candidate.of(8, 16, 8, 16, 1536, virtual_stages=2),
             "interleaving",
             "the interleaved-1f1b schedule needs num_microbatches % pp == 0: num_microbatches=12",
         ),
-        (Layout(8, 16, 4, 1, 1536), "gpus", "tp*pp*dp = 8*16*4 = 512 != 1024 GPUs"),
+        (Candidate.of(8, 16, 4, 1, 1536), "gpus", "tp*pp*dp = 8*16*4 = 512 != 1024 GPUs"),
     ],
 )
 def test_each_rule_names_its_numbers(layout, rule, text):
@@ -65,15 +65,15 @@ def test_each_rule_names_its_numbers(layout, rule, text):
 
 
 def test_sequence_parallel_rule():
-    assert rules_of(Layout(8, 16, 8, 1, 1536, sequence_parallel=True)) == {}
-    assert "got 1" in rules_of(Layout(1, 16, 64, 1, 1536, sequence_parallel=True))["sequence parallel"]
-    found = rules_of(Layout(3, 16, 8, 1, 1536, sequence_parallel=True))
+    assert rules_of(Candidate.of(8, 16, 8, 1, 1536, sequence_parallel=True)) == {}
+    assert "got 1" in rules_of(Candidate.of(1, 16, 64, 1, 1536, sequence_parallel=True))["sequence parallel"]
+    found = rules_of(Candidate.of(3, 16, 8, 1, 1536, sequence_parallel=True))
     assert "seq_length=2048 is not divisible by tensor_model_parallel_size=3" in found["sequence parallel"]
 
 
 def test_grouped_query_heads_rule():
     llama = get_model("llama2-70b")  # 8 key/value heads
-    found = rules_of(Layout(16, 1, 64, 1, 1024), model=llama)
+    found = rules_of(Candidate.of(16, 1, 64, 1, 1024), model=llama)
     assert "num_query_groups=8 is not divisible by tp=16" in found["kv heads % tp"]
 
 

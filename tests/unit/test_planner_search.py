@@ -11,7 +11,7 @@ from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
 from ptdp.planner.inputs.models import PRESETS, ModelSpec
 from ptdp.planner.search.layouts import Fixed, search
@@ -39,7 +39,7 @@ def test_search_beats_or_matches_published_layout_and_lists_it_as_fitting(row):
     )
     gpus, big_b = int(row["gpus"]), int(row["global_batch"])
     cluster = Cluster(A100, gpus)
-    published = Layout(
+    published = Candidate.of(
         int(row["tp"]),
         int(row["pp"]),
         int(row["dp"]),
@@ -93,7 +93,7 @@ def test_every_proposed_layout_passes_ptdp_train_validation():
 
 
 def test_memory_rejection_says_by_how_much():
-    plan, rejection = evaluate(PRESETS["gpt3-175b"], Layout(8, 1, 1, 1, 8), Cluster(A100, 8))
+    plan, rejection = evaluate(PRESETS["gpt3-175b"], Candidate.of(8, 1, 1, 1, 8), Cluster(A100, 8))
     assert not plan.fits and rejection.rule == "memory"
     assert "GiB > 80.00 GiB" in plan.reasons[0]
 
@@ -110,7 +110,7 @@ def test_fixed_choices_evaluate_one_layout():
         distributed_optimizer=False,
     )
     result = search(PRESETS["gpt3-175b"], Cluster(A100, 1024), 1536, fixed=fixed)
-    assert [p.layout for p in result.plans] == [Layout(8, 8, 16, 1, 1536, 3, "selective", True, False)]
+    assert [p.layout for p in result.plans] == [Candidate.of(8, 8, 16, 1, 1536, 3, "selective", True, False)]
     by_chunk = search(
         PRESETS["gpt3-175b"],
         Cluster(A100, 1024),
@@ -182,14 +182,14 @@ def test_explicit_uneven_layer_split_is_planned():
 
 
 def test_uneven_split_shifts_memory_to_the_heavier_stage():
-    from ptdp.planner.candidate import Layout
+    from ptdp.planner.candidate import Candidate
     from ptdp.planner.inputs.hardware import CATALOG
     from ptdp.planner.inputs.models import get_model
     from ptdp.planner.memory.breakdown import memory_breakdown
 
     model, gpu = get_model("gpt-1.7b"), CATALOG["a100-80gb"]
-    even = memory_breakdown(model, Layout(1, 4, 2, 1, 64), gpu)
-    heavy_first = memory_breakdown(model, Layout(1, 4, 2, 1, 64, layer_split=(9, 5, 5, 5)), gpu)
+    even = memory_breakdown(model, Candidate.of(1, 4, 2, 1, 64), gpu)
+    heavy_first = memory_breakdown(model, Candidate.of(1, 4, 2, 1, 64, layer_split=(9, 5, 5, 5)), gpu)
     assert heavy_first.stage == 0 and heavy_first.params > even.params and heavy_first.activations > even.activations
 
 

@@ -3,7 +3,6 @@ hand-computed bytes, the time of the busiest stage, and the split the search pic
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -14,7 +13,7 @@ from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.layout.pipeline.partition import first_last_of, first_last_split
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
 from ptdp.planner.inputs.models import ModelSpec, get_model
 from ptdp.planner.memory.activations import inflight_layer_microbatches, stage_activation_bytes
@@ -81,7 +80,7 @@ def test_flags_and_description_of_a_split():
 # A small GPT worked by hand: h = 64, a = 4, s = 32, V = 1000 (padded to 1024), tied, dropout,
 # unfused attention; 6 layers over pp = 3 as (1, 4, 1); b = 1, m = 8, tp = dp = 1, bf16, 1F1B.
 SMALL = ModelSpec(6, 64, 4, vocab_size=1000, seq_length=32, dropout=True, flash_attention=False)
-SMALL_LAYOUT = Layout(tp=1, pp=3, dp=1, micro_batch_size=1, global_batch_size=8, layer_split=(1, 4, 1))
+SMALL_LAYOUT = Candidate.of(tp=1, pp=3, dp=1, micro_batch_size=1, global_batch_size=8, layer_split=(1, 4, 1))
 
 
 def test_memory_per_stage_of_an_uneven_split_by_hand():
@@ -108,9 +107,7 @@ def test_memory_per_stage_of_an_uneven_split_by_hand():
     assert (mem.params, mem.grads, mem.optimizer) == (2 * params[1], 4 * params[1], 12 * params[1])
     assert mem.activations == activations[1] and mem.total == 18 * 199_936 + 720_896
     # an uneven split's memory checks the stages that can be the largest, not one per stage
-    lighter_middle = memory_breakdown(
-        SMALL, dataclasses.replace(SMALL_LAYOUT, layer_split=(4, 1, 1)), A100, overhead_bytes=0
-    )
+    lighter_middle = memory_breakdown(SMALL, SMALL_LAYOUT.replace(layer_split=(4, 1, 1)), A100, overhead_bytes=0)
     assert lighter_middle.stage == 0 and lighter_middle.activations == per_layer * 3 * 4 + 3 * 32 * 64
 
 
@@ -126,10 +123,10 @@ def test_busiest_stage_and_fill_of_an_uneven_split():
 
 def test_uneven_step_is_the_busiest_stage_m_times_plus_fill():
     model = get_model("llama3-8b")
-    layout = Layout(tp=2, pp=4, dp=1, micro_batch_size=1, global_batch_size=16, layer_split=(7, 10, 10, 5))
+    layout = Candidate.of(tp=2, pp=4, dp=1, micro_batch_size=1, global_batch_size=16, layer_split=(7, 10, 10, 5))
     cluster = Cluster(H100, 8)
     perf = evaluate_performance(model, layout, cluster)
-    even = evaluate_performance(model, dataclasses.replace(layout, layer_split=None), cluster)
+    even = evaluate_performance(model, layout.replace(layer_split=None), cluster)
     first_eq, last_eq = edge_layer_equivalents(model, layout, cluster)
     assert 0 <= first_eq < 0.1 < 1 < last_eq < 4  # the lookup is nearly free; a 128K vocabulary is not
     # busiest: a middle stage of 10 layers (5 + the loss side is lighter); its m = 16 slots
@@ -167,7 +164,7 @@ def test_even_split_kept_unless_an_uneven_one_is_needed_to_fit():
     uneven = [p for p in result.plans if p.layout.layer_split is not None]
     assert uneven and all(p.layout.layer_split == (9,) + (13,) * 6 + (9,) for p in uneven)
     for plan in uneven:
-        assert evaluate(model, dataclasses.replace(plan.layout, layer_split=None), cluster)[1].rule == "memory"
+        assert evaluate(model, plan.layout.replace(layer_split=None), cluster)[1].rule == "memory"
 
 
 def test_plan_prints_the_split_and_its_flags(capsys):
@@ -309,16 +306,16 @@ def test_layers_in_flight_of_an_interleaved_split_with_the_embedding_and_loss_co
     then forward chunk 0 (5 layers held, no loss side: both chunk-2 backwards done) / backward chunk 1.
     The even formula would say 7/3 x 2 and 5/3 x 2; the dist test checks these against ptdp's saved
     bytes (tests/dist/test_planner_activations.py)."""
-    layout = Layout(1, 2, 1, 2, 8, virtual_stages=3, layer_split=(2, 2))
+    layout = Candidate.of(1, 2, 1, 2, 8, virtual_stages=3, layer_split=(2, 2))
     assert chunk_layers((2, 2), 3, 0) == (0, 1, 1) and chunk_layers((2, 2), 3, 1) == (1, 1, 0)
     assert inflight_layer_microbatches(layout, 0, 2) == (4.0, None)
     assert inflight_layer_microbatches(layout, 1, 2) == (5.0, 0.0)
     # a heavy loss side moves the peak to where a loss is held: 4 layers + 1 loss (forward of chunk 2)
     assert inflight_layer_microbatches(layout, 1, 2, loss_weight=10.0) == (4.0, 1.0)
-    even = dataclasses.replace(layout, layer_split=None, virtual_stages=2)
+    even = layout.replace(layer_split=None, virtual_stages=2)
     assert inflight_layer_microbatches(even, 0, 2) == (2 * (2 + 2 + 1) / 2, None)  # the usual formula
     # Llama 3 405B's layout at m = 16: every chunk's forwards in flight on rank 0 (7 x 16 layers)
-    meta = Layout(8, 16, 128, 1, 2048, virtual_stages=8, layer_split=LLAMA3_405B_SPLIT)
+    meta = Candidate.of(8, 16, 128, 1, 2048, virtual_stages=8, layer_split=LLAMA3_405B_SPLIT)
     assert inflight_layer_microbatches(meta, 0, 7)[0] == 112.0
 
 

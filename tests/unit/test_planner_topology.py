@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import main
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, GB, Cluster
 from ptdp.planner.inputs.models import get_model
 from ptdp.planner.inputs.node_links import PCIE_BANDWIDTH, gpu_for_topology
@@ -46,7 +46,7 @@ def test_fewer_nvlinks_than_the_catalog_lower_the_bandwidth():
 
 
 def test_pcie_node_makes_tensor_parallelism_slower():
-    model, layout = get_model("gpt-1.7b"), Layout(8, 1, 2, 1, 64, precision="bf16")
+    model, layout = get_model("gpt-1.7b"), Candidate.of(8, 1, 2, 1, 64, precision="bf16")
     times = {}
     for name in ("hgx_a100_8gpu_nvswitch.txt", "pcie_8x4090_no_nvlink.txt"):
         gpu, _ = gpu_for_topology(CATALOG["a100-80gb"], _topology(name))

@@ -49,7 +49,7 @@ def test_shared_cores_bound_the_step_from_below():
     cores; with a core per worker (or on GPUs) nothing is added."""
     import dataclasses
 
-    from ptdp.planner.candidate import Layout
+    from ptdp.planner.candidate import Candidate
     from ptdp.planner.inputs.hardware import Cluster
     from ptdp.planner.inputs.models import ModelSpec
     from ptdp.planner.time.step import evaluate_performance
@@ -74,7 +74,7 @@ def test_shared_cores_bound_the_step_from_below():
         head_overhead=5e-3,
     )
     model = ModelSpec(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=4096)
-    layout = Layout(2, 2, 2, 4, 32, precision="fp32")
+    layout = Candidate.of(2, 2, 2, 4, 32, precision="fp32")
     alone = evaluate_performance(model, layout, Cluster(cpu, 8, 8), constants)
     shared = evaluate_performance(model, layout, Cluster(dataclasses.replace(cpu, shared_cores=2), 8, 8), constants)
     assert alone.time.core_sharing == 0.0

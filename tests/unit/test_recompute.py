@@ -30,7 +30,7 @@ from ptdp.engine.model.gpt import GPTModel
 from ptdp.engine.model.recompute import layer_groups
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
 from ptdp.errors import ConfigError
-from ptdp.run.planner_report import planner_layout
+from ptdp.planner.candidate import run_candidate
 
 
 def test_single_process_recompute_is_bitwise_identical():
@@ -196,9 +196,9 @@ def test_invalid_recompute_settings(model, parallel, message):
 
 
 def test_planner_layout_takes_the_granularity():
-    assert planner_layout(_resolve(params_dtype="float32")).recompute == "none"
-    assert planner_layout(_resolve(params_dtype="float32", recompute_granularity="selective")).recompute == "selective"
-    assert planner_layout(_resolve(params_dtype="float32", recompute_granularity="full")).recompute == "full"
+    assert run_candidate(_resolve(params_dtype="float32")).recompute == "none"
+    assert run_candidate(_resolve(params_dtype="float32", recompute_granularity="selective")).recompute == "selective"
+    assert run_candidate(_resolve(params_dtype="float32", recompute_granularity="full")).recompute == "full"
 
 
 def test_cli_flags_reach_the_config():

@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 
 from helpers.layout_cases import tiny_config
+from ptdp.planner.candidate import run_candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster, GPUSpec
 from ptdp.planner.inputs.models import spec_from_model_config
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS
 from ptdp.planner.time.profile import save_profile
 from ptdp.planner.time.step import evaluate_performance
-from ptdp.run.planner_report import planner_layout
 from ptdp.run.throughput import Throughput, catalog_gpu, device_peak, step_model_flops
 
 
@@ -46,7 +46,7 @@ def test_the_step_flops_are_the_planners_mfu_numerator_whatever_the_recompute(re
         recompute_granularity=recompute,
     )
     cluster = Cluster(CATALOG["h100"], cfg.world_size)
-    perf = evaluate_performance(spec_from_model_config(cfg.model), planner_layout(cfg), cluster, DEFAULT_CONSTANTS)
+    perf = evaluate_performance(spec_from_model_config(cfg.model), run_candidate(cfg), cluster, DEFAULT_CONSTANTS)
     assert step_model_flops(cfg) == perf.model_flops
     assert step_model_flops(cfg) == step_model_flops(
         tiny_config(

@@ -23,6 +23,7 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+CP_COMM_TYPES = ("p2p", "all_gather")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 GRAD_COMPRESSIONS = CODECS

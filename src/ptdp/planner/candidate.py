@@ -1,89 +1,147 @@
-"""What the planner evaluates (a :class:`Layout`) and what it predicts for it (a :class:`Plan`).
+"""What the planner evaluates (a :class:`Candidate`) and what it predicts for it (a :class:`Plan`).
 
 Units: bytes, seconds, FLOP/s.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import Any
 
-from ptdp.planner.splits import split_flags
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.schema import Config
+from ptdp.planner.splits import accounting_of, split_flags
 
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
-#: Megatron-Core's data-parallel sharding strategies, least sharded first (ZeRO stages 0-3)
-SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-#: How context-parallel ranks exchange keys and values: a ring of point-to-point transfers, or
-#: one all-gather per layer (Megatron-Core's ``--cp-comm-type`` p2p and all_gather)
-CP_COMM_TYPES = ("p2p", "all_gather")
+#: ``--params-dtype`` as the planner's precision (float64 is not planned)
+PRECISION_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 @dataclass(frozen=True)
-class Layout:
-    """One way to run a model on a cluster.
+class Candidate:
+    """One way to run a model on a cluster: the parallel config ``ptdp train`` runs, its resolved
+    pipeline, and the batch, recompute and precision.
 
     Attributes:
-        tp, pp, dp: tensor-, pipeline- and data-parallel sizes (tp * cp * pp * dp GPUs).
+        parallel: the layout as ``ptdp train`` takes it, resolved: ``data_parallel_size`` set, the
+            sharding strategy explicit (``use_distributed_optimizer`` following it), v in
+            ``virtual_pipeline_model_parallel_size`` (None: 1), an uneven split in its flags.
         micro_batch_size: b; global_batch_size: B; m = B / (b * dp) microbatches per step.
-        virtual_stages: v model chunks per pipeline rank (interleaved 1F1B when > 1).
         recompute: "none", "selective" (attention scores) or "full" (each layer's input kept).
-        sequence_parallel: LayerNorm/dropout regions split along the sequence over tp (Korthikanti
-            et al. 2022); TP all-reduces become all-gather + reduce-scatter.
-        distributed_optimizer: optimizer state (and fp32 main parameters) sharded (ZeRO-1); kept
-            equal to ``sharding != "no_shard"``.
         precision: "bf16", "fp16" (mixed precision with fp32 main weights), "fp32", or "fp8" (bf16
             mixed precision with FP8 weight GEMMs, :mod:`ptdp.planner.memory.fp8`).
-        layer_split: explicit layers per pipeline stage (None: even).
-        cp: context-parallel size; the sequence is split into ``2 cp`` chunks, two per cp rank.
-            Rank order tp-cp-dp-pp: a cp group is ``cp`` ranks at stride tp.
-        sharding: data-parallel sharding strategy over the ``dp * cp`` ranks that hold the same
-            parameters (:data:`SHARDING`); given, it sets ``distributed_optimizer``. Kept as None
-            for ``no_shard`` and ``optim``, which ``distributed_optimizer`` tells apart, so equal
-            layouts compare equal; :attr:`sharding_strategy` is the strategy.
-        cp_comm_type: key/value exchange of context parallelism (:data:`CP_COMM_TYPES`).
-        ddp_bucket_size: most gradient elements per data-parallel bucket (``--ddp-bucket-size``;
-            None: 40 million, ptdp's and Megatron's default); with ``optim_grads`` and
-            ``optim_grads_params`` it sets the gradient transient (:mod:`ptdp.planner.memory.transients`).
-        overlap_grad_reduce: buckets reduced during backward as they fill (``--overlap-grad-reduce``,
-            ptdp's default); without it a sharded-gradient backward holds all its buckets at its end.
-        reshard_after_forward: ``optim_grads_params`` frees each unit's gathered parameters after
-            its forward and gathers them again for its backward (ptdp's default); False
-            (``--no-reshard-after-forward``) keeps a chunk's units gathered while it has a
-            microbatch in flight: one all-gather per unit per stretch of such microbatches, the
-            stage's parameters gathered at once.
+        virtual_stages: v model chunks per pipeline rank (interleaved 1F1B when > 1).
+        layer_split: layers per pipeline stage as ``parallel`` gives them (None: even).
     """
 
-    tp: int
-    pp: int
-    dp: int
+    parallel: ParallelConfig
     micro_batch_size: int
     global_batch_size: int
-    virtual_stages: int = 1
     recompute: str = "none"
-    sequence_parallel: bool = False
-    distributed_optimizer: bool = False
     precision: str = "bf16"
+    virtual_stages: int = 1
     layer_split: tuple[int, ...] | None = None
-    cp: int = 1
-    sharding: str | None = None
-    cp_comm_type: str = "p2p"
-    ddp_bucket_size: int | None = None
-    overlap_grad_reduce: bool = True
-    reshard_after_forward: bool = True
 
-    def __post_init__(self) -> None:
-        if self.sharding is not None:  # the strategy decides; distributed_optimizer follows it
-            object.__setattr__(self, "distributed_optimizer", self.sharding != "no_shard")
-        if self.sharding in ("no_shard", "optim"):  # one spelling: distributed_optimizer says which
-            object.__setattr__(self, "sharding", None)
+    @classmethod
+    def of(
+        cls,
+        tp: int,
+        pp: int,
+        dp: int,
+        micro_batch_size: int,
+        global_batch_size: int,
+        virtual_stages: int = 1,
+        recompute: str = "none",
+        sequence_parallel: bool = False,
+        distributed_optimizer: bool = False,
+        precision: str = "bf16",
+        layer_split: tuple[int, ...] | None = None,
+        cp: int = 1,
+        sharding: str | None = None,
+        cp_comm_type: str = "p2p",
+        ddp_bucket_size: int | None = None,
+        overlap_grad_reduce: bool = True,
+        reshard_after_forward: bool = True,
+        schedule: str | None = None,
+    ) -> Candidate:
+        """The candidate of these choices (``sharding``: the strategy, else ``optim`` with
+        ``distributed_optimizer``, else ``no_shard``; ``layer_split`` at ``virtual_stages`` > 1: the
+        split with the embedding and/or loss counted as layers, :func:`~ptdp.planner.splits.accounting_of`)."""
+        strategy = sharding or ("optim" if distributed_optimizer else "no_shard")
+        counted = accounting_of(layer_split, virtual_stages) if virtual_stages > 1 and layer_split else None
+        parallel = ParallelConfig(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            data_parallel_size=dp,
+            context_parallel_size=cp,
+            cp_comm_type=cp_comm_type,  # type: ignore[arg-type]
+            pipeline_layer_split=layer_split if counted is None else None,
+            account_for_embedding_in_pipeline_split=bool(counted and counted[0]),
+            account_for_loss_in_pipeline_split=bool(counted and counted[1]),
+            pipeline_schedule=schedule or ("interleaved-1f1b" if virtual_stages > 1 else "1f1b"),  # type: ignore[arg-type]
+            virtual_pipeline_model_parallel_size=virtual_stages if virtual_stages > 1 else None,
+            sequence_parallel=sequence_parallel,
+            ddp_bucket_size=ddp_bucket_size,
+            overlap_grad_reduce=overlap_grad_reduce,
+            use_distributed_optimizer=strategy != "no_shard",
+            data_parallel_sharding_strategy=strategy,  # type: ignore[arg-type]
+            reshard_after_forward=reshard_after_forward,
+        )
+        return cls(parallel, micro_batch_size, global_batch_size, recompute, precision, virtual_stages, layer_split)
+
+    def fields(self) -> dict[str, Any]:
+        """The candidate's choices by name, as ``ptdp plan --json`` lists them."""
+        p = self.parallel
+        return {
+            "tp": p.tp,
+            "pp": p.pp,
+            "dp": p.dp,
+            "micro_batch_size": self.micro_batch_size,
+            "global_batch_size": self.global_batch_size,
+            "virtual_stages": self.virtual_stages,
+            "recompute": self.recompute,
+            "sequence_parallel": p.sequence_parallel,
+            "distributed_optimizer": p.use_distributed_optimizer,
+            "precision": self.precision,
+            "layer_split": self.layer_split,
+            "cp": p.cp,
+            "sharding": p.sharding_strategy,
+            "cp_comm_type": p.cp_comm_type,
+            "ddp_bucket_size": p.ddp_bucket_size,
+            "overlap_grad_reduce": p.overlap_grad_reduce,
+            "reshard_after_forward": p.reshard_after_forward,
+        }
+
+    def replace(self, **changes: Any) -> Candidate:
+        """This candidate with some of :meth:`fields` (or the ``schedule``) changed."""
+        given = self.fields()
+        if "distributed_optimizer" in changes and "sharding" not in changes:
+            given["sharding"] = None
+        given.update(changes)
+        if self.parallel.pipeline_schedule == "gpipe":
+            given.setdefault("schedule", "gpipe")
+        return Candidate.of(**given)
+
+    @property
+    def tp(self) -> int:
+        return self.parallel.tp
+
+    @property
+    def pp(self) -> int:
+        return self.parallel.pp
+
+    @property
+    def dp(self) -> int:
+        return self.parallel.dp
+
+    @property
+    def cp(self) -> int:
+        return self.parallel.cp
 
     @property
     def sharding_strategy(self) -> str:
-        """The data-parallel sharding strategy: ``sharding``, else ``optim`` with the distributed
-        optimizer, else ``no_shard``."""
-        if self.sharding is not None:
-            return self.sharding
-        return "optim" if self.distributed_optimizer else "no_shard"
+        return self.parallel.sharding_strategy
 
     @property
     def num_gpus(self) -> int:
@@ -98,6 +156,26 @@ class Layout:
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+
+def run_candidate(config: Config, precision: str | None = None) -> Candidate | None:
+    """The candidate a resolved ``ptdp train`` config runs: its parallel config and pipeline as they
+    are, its batch, its recompute granularity (the planner's ``full`` keeps every layer's input) and
+    ``precision`` (default: its ``params_dtype``'s, :data:`PRECISION_OF_DTYPE`; None for a dtype the
+    planner does not model)."""
+    precision = precision or PRECISION_OF_DTYPE.get(config.model.params_dtype)
+    if precision is None:
+        return None
+    t, split = config.train, config.pipeline
+    return Candidate(
+        config.parallel,
+        t.micro_batch_size,
+        t.global_batch_size,
+        config.model.recompute_granularity or "none",
+        precision,
+        split.virtual_stages,
+        split.layer_split,
+    )
 
 
 @dataclass(frozen=True)
@@ -163,7 +241,7 @@ class Plan:
     :class:`~ptdp.planner.time.step.Performance` it comes from keeps FLOP/s.
     """
 
-    layout: Layout
+    layout: Candidate
     fits: bool
     memory: MemoryBreakdown | None = None
     time: TimeBreakdown | None = None
@@ -193,8 +271,7 @@ class Plan:
 
     def to_json(self) -> dict:
         """The ``--json`` record: layout fields (with ``cp`` and ``sharding``), fits, memory_bytes, time_s, tflops_per_gpu, mfu, reasons."""
-        out = {k: v for k, v in asdict(self.layout).items()}
-        out["sharding"] = self.layout.sharding_strategy
+        out = self.layout.fields()
         out["layer_split_flags"] = split_flags(self.layout.layer_split, self.layout.virtual_stages)  # null: even
         out["fits"] = self.fits
         out["memory_bytes"] = (

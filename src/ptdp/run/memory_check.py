@@ -44,34 +44,17 @@ def rank_estimates(config: Config) -> list[RankBytes]:
     """Bytes of one tp (and cp) rank of each pipeline stage of the resolved ``config`` (planner model:
     parameters, gradients and optimizer state as the run's sharding strategy keeps them over the
     dp x cp ranks, transients included; float64 counted as twice float32)."""
-    from ptdp.planner.candidate import Layout
+    from ptdp.planner.candidate import run_candidate
     from ptdp.planner.inputs.models import spec_from_model_config
     from ptdp.planner.memory.activations import rank_activation_bytes, stage_activation_bytes
     from ptdp.planner.memory.params import rank_state_bytes, stage_param_counts
 
-    m, p, t = config.model, config.parallel, config.train
+    m, p = config.model, config.parallel
     precision, scale = _PRECISION[m.params_dtype]
     model = spec_from_model_config(m)
     split = config.pipeline.layer_split
-    layout = Layout(
-        p.tp,
-        p.pp,
-        p.dp,
-        t.micro_batch_size,
-        t.global_batch_size,
-        virtual_stages=config.pipeline.virtual_stages,
-        recompute=m.recompute_granularity or "none",
-        precision=precision,
-        sequence_parallel=p.sequence_parallel,
-        distributed_optimizer=p.use_distributed_optimizer,
-        layer_split=split,
-        cp=p.cp,
-        cp_comm_type=p.cp_comm_type,
-        sharding=p.sharding_strategy,
-        ddp_bucket_size=p.ddp_bucket_size,
-        overlap_grad_reduce=p.overlap_grad_reduce,
-        reshard_after_forward=p.reshard_after_forward,
-    )
+    layout = run_candidate(config, precision)
+    assert layout is not None
     layers = config.pipeline.stage_layers
     counts = stage_param_counts(
         model, p.tp, p.pp, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, layer_split=split

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ptdp.config.schema import Config
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate, run_candidate
 from ptdp.planner.inputs.hardware import Cluster
 from ptdp.planner.inputs.models import spec_from_model_config
 from ptdp.planner.memory.breakdown import memory_breakdown
@@ -32,8 +32,6 @@ from ptdp.planner.memory.strategies import strategy_bytes_per_param
 from ptdp.planner.time.profile import default_profile_path, load_profile
 from ptdp.planner.time.step import evaluate_performance
 from ptdp.run.profiling import process_peak_rss
-
-PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def measure_stage(stage) -> dict:
@@ -70,41 +68,7 @@ def measure_stage(stage) -> dict:
     }
 
 
-def planner_layout(config: Config) -> Layout | None:
-    """The planner's :class:`Layout` of a run (None for a dtype the planner does not model).
-
-    Its recompute is the run's granularity; the planner's ``full`` keeps every layer's input
-    (uniform, one layer per group): see :func:`recompute_note` for the other full settings. Its
-    sequence parallelism, pipeline split (its layers per stage, None: even), data-parallel sharding
-    strategy and context parallelism (cp, the key/value exchange) are the run's, so that the report and
-    ``ptdp plan`` for the same layout agree.
-    """
-    precision = PRECISION.get(config.model.params_dtype)
-    if precision is None:
-        return None
-    p, t = config.parallel, config.train
-    return Layout(
-        p.tp,
-        p.pp,
-        p.dp,
-        t.micro_batch_size,
-        t.global_batch_size,
-        virtual_stages=config.pipeline.virtual_stages,
-        recompute=config.model.recompute_granularity or "none",
-        precision=precision,
-        sequence_parallel=p.sequence_parallel,
-        layer_split=config.pipeline.layer_split,
-        distributed_optimizer=p.use_distributed_optimizer,
-        cp=p.cp,
-        cp_comm_type=p.cp_comm_type,
-        sharding=p.sharding_strategy,
-        ddp_bucket_size=p.ddp_bucket_size,
-        overlap_grad_reduce=p.overlap_grad_reduce,
-        reshard_after_forward=p.reshard_after_forward,
-    )
-
-
-def predicted_transients(config: Config, layout: Layout, pp_rank: int) -> dict[str, int]:
+def predicted_transients(config: Config, layout: Candidate, pp_rank: int) -> dict[str, int]:
     """The planner's transients of a rank of stage ``pp_rank`` in bytes (0 unless the run's
     strategy is ``optim_grads`` / ``optim_grads_params`` over dp x cp > 1): ``params_transient``
     gathered 16-bit (or float32) weights, ``grads_transient`` float32 gradient buckets
@@ -132,7 +96,7 @@ def recompute_note(config: Config) -> str | None:
 
 def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, profile: Path | None) -> dict:
     """The planner's numbers for the run's layout next to the measured ones (JSON-able)."""
-    layout = planner_layout(config)
+    layout = run_candidate(config)
     if layout is None:
         return {"note": f"the planner does not model params_dtype={config.model.params_dtype}"}
     model, p = spec_from_model_config(config.model), config.parallel
@@ -159,7 +123,7 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
         return out
     cluster = Cluster(gpu, config.world_size, config.world_size)  # ptdp train's workers share one machine
     # the run's --overlap-grad-reduce, as ptdp plan credits it (PerfConstants.overlap_window)
-    constants = constants.with_overlap(overlap_grad_reduce=layout.overlap_grad_reduce)
+    constants = constants.with_overlap(overlap_grad_reduce=layout.parallel.overlap_grad_reduce)
     memory = memory_breakdown(
         model,
         layout,

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 import torch
 
 from ptdp.config.schema import Config
+from ptdp.planner.candidate import PRECISION_OF_DTYPE
 from ptdp.planner.inputs.hardware import CATALOG, GPUSpec
 from ptdp.planner.inputs.models import spec_from_model_config
 from ptdp.planner.time.flops import model_flops_per_step
 from ptdp.planner.time.profile import load_profile
 
 #: ``params_dtype`` -> the precision key of a :class:`GPUSpec`'s peaks (float64 has none).
-PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 #: (words all in the upper-cased ``torch.cuda.get_device_name``, catalog key), first match wins.
 #: H100 PCIe and NVL have lower peaks than the SXM part of the catalog, so only SXM names
@@ -68,7 +68,7 @@ def catalog_gpu(device_name: str) -> GPUSpec | None:
 def device_peak(config: Config, device: torch.device | str) -> tuple[float | None, str]:
     """Dense peak FLOP/s of one ``device`` at the run's ``params_dtype`` and where it comes from,
     or ``(None, why not)``. Reads no device value (no synchronisation)."""
-    precision = PRECISION.get(config.model.params_dtype)
+    precision = PRECISION_OF_DTYPE.get(config.model.params_dtype)
     if precision is None:
         return None, f"no peak for params_dtype={config.model.params_dtype}"
     device = torch.device(device)

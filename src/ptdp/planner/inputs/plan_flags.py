@@ -10,10 +10,11 @@ import argparse
 
 from ptdp.config.flags import add_flags
 from ptdp.errors import ConfigError
+from ptdp.planner.candidate import PRECISION_OF_DTYPE
 
 #: ptdp train's --params-dtype as the planner's precision (float64 is not planned; auto is what
 #: ptdp train picks on GPUs, which the planner plans for)
-PRECISION = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+PRECISION = {"auto": "bf16", **PRECISION_OF_DTYPE}
 
 
 def plan_precision(args: argparse.Namespace) -> str | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from functools import lru_cache, partial
 
 from ptdp.layout.vocab import keeps_logits, padded_vocab_size
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.memory.cp_local import kv_buffer_bytes, local_model, unfused_score_bytes_missing
 from ptdp.planner.splits import chunk_layers, interleaved_peak
@@ -98,7 +98,7 @@ def layer_activation_bytes(
     return tokens * per_token
 
 
-def inflight_microbatches(layout: Layout, pp_rank: int, *, schedule: str = "1f1b") -> float:
+def inflight_microbatches(layout: Candidate, pp_rank: int, *, schedule: str = "1f1b") -> float:
     """Microbatches (in whole-stage equivalents) pipeline rank ``pp_rank`` holds at its peak.
 
     1F1B [N21 §2.2]: rank r holds ``min(pp - r, m)``. GPipe: ``m``. Interleaved 1F1B (v > 1 model
@@ -117,7 +117,7 @@ def inflight_microbatches(layout: Layout, pp_rank: int, *, schedule: str = "1f1b
 
 
 def inflight_layer_microbatches(
-    layout: Layout, pp_rank: int, layers_on_stage: int, *, schedule: str = "1f1b", loss_weight: float = 0.0
+    layout: Candidate, pp_rank: int, layers_on_stage: int, *, schedule: str = "1f1b", loss_weight: float = 0.0
 ) -> tuple[float, float | None]:
     """(layer-microbatches, loss-side microbatches) rank ``pp_rank`` holds at its peak; one
     layer-microbatch is one layer's activations for one microbatch.
@@ -143,7 +143,7 @@ def inflight_layer_microbatches(
 
 def _edge_activation_bytes(
     model: ModelSpec,
-    layout: Layout,
+    layout: Candidate,
     *,
     first: bool,
     last: bool,
@@ -164,7 +164,7 @@ def _edge_activation_bytes(
     """
     e, e32 = activation_value_bytes(layout.precision)
     t, tokens, h = layout.tp, layout.micro_batch_size * model.seq_length, model.hidden_size
-    shard = t if layout.sequence_parallel else 1
+    shard = t if layout.parallel.sequence_parallel else 1
     out = 0.0
     if first and model.dropout:
         out += inflight * tokens * h / shard
@@ -177,7 +177,7 @@ def _edge_activation_bytes(
 
 def stage_activation_bytes(
     model: ModelSpec,
-    layout: Layout,
+    layout: Candidate,
     pp_rank: int,
     layers_on_stage: int,
     *,
@@ -196,7 +196,7 @@ def stage_activation_bytes(
     so the larger of the two counts. ``make_vocab_size_divisible_by`` sets the padded vocabulary
     whose logits the last stage keeps when they are small enough.
     """
-    b, sp, precision = layout.micro_batch_size, layout.sequence_parallel, layout.precision
+    b, sp, precision = layout.micro_batch_size, layout.parallel.sequence_parallel, layout.precision
     per_layer = layer_activation_bytes(
         model, layout.tp, b, sequence_parallel=sp, recompute=layout.recompute, precision=precision
     )
@@ -234,7 +234,7 @@ def stage_activation_bytes(
 
 def rank_activation_bytes(
     model: ModelSpec,
-    layout: Layout,
+    layout: Candidate,
     pp_rank: int,
     layers_on_stage: int,
     *,
@@ -274,7 +274,7 @@ def rank_activation_bytes(
         local,
         layout.tp,
         b,
-        sequence_parallel=layout.sequence_parallel,
+        sequence_parallel=layout.parallel.sequence_parallel,
         precision=layout.precision,
     )
     none, selective = activations(recompute="none"), activations(recompute="selective")
@@ -284,14 +284,14 @@ def rank_activation_bytes(
     elif layout.recompute == "full":
         out += missing  # the one layer recomputed at a time
     e, _ = activation_value_bytes(layout.precision)
-    return out + kv_buffer_bytes(model, layout.tp, cp, b, layout.cp_comm_type, e)
+    return out + kv_buffer_bytes(model, layout.tp, cp, b, layout.parallel.cp_comm_type, e)
 
 
 _ACTIVATIONS: dict[tuple, float] = {}
 
 
 def cached_rank_activation_bytes(
-    model: ModelSpec, layout: Layout, rank: int, n_layers: int, schedule: str, div: int
+    model: ModelSpec, layout: Candidate, rank: int, n_layers: int, schedule: str, div: int
 ) -> float:
     """:func:`rank_activation_bytes`, memoised on every field of ``layout`` that activations depend
     on (not the sharding strategy: a search predicts the same layout under several)."""
@@ -305,10 +305,10 @@ def cached_rank_activation_bytes(
         layout.global_batch_size,
         layout.virtual_stages,
         layout.recompute,
-        layout.sequence_parallel,
+        layout.parallel.sequence_parallel,
         layout.precision,
         layout.layer_split,
-        layout.cp_comm_type,
+        layout.parallel.cp_comm_type,
         rank,
         n_layers,
         schedule,

@@ -12,7 +12,7 @@ together for the most loaded GPU (:func:`memory_breakdown`).
 
 from __future__ import annotations
 
-from ptdp.planner.candidate import Layout, MemoryBreakdown
+from ptdp.planner.candidate import Candidate, MemoryBreakdown
 from ptdp.planner.inputs.hardware import GiB, GPUSpec
 from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.memory.activations import cached_rank_activation_bytes
@@ -35,7 +35,7 @@ DEFAULT_OVERHEAD_BYTES = 2 * GiB
 
 
 def _candidate_stages(
-    model: ModelSpec, layout: Layout, layer_split: tuple[int, ...] | None, divisible_by: int
+    model: ModelSpec, layout: Candidate, layer_split: tuple[int, ...] | None, divisible_by: int
 ) -> list[tuple[int, int, int]]:
     """(pipeline rank, parameters on one tp rank, layers) of every stage that can hold the most
     bytes (:func:`memory_breakdown`): the first and the last of an even split; with ``layer_split``
@@ -61,7 +61,7 @@ def _candidate_stages(
 
 def memory_breakdown(
     model: ModelSpec,
-    layout: Layout,
+    layout: Candidate,
     gpu: GPUSpec,
     *,
     overhead_bytes: float = DEFAULT_OVERHEAD_BYTES,

@@ -15,7 +15,7 @@ from functools import lru_cache
 from ptdp.layout.buckets import chunk_by_chunk
 from ptdp.layout.pipeline.partition import stage_layer_counts
 from ptdp.layout.vocab import padded_vocab_size
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.memory.chunk_params import stage_chunks
 from ptdp.planner.memory.strategies import DEFAULT_BUCKET_ELEMENTS, stage_state_bytes
@@ -94,7 +94,7 @@ def bytes_per_param(precision: str, dp: int = 1, distributed_optimizer: bool = F
 
 def rank_state_bytes(
     model: ModelSpec,
-    layout: Layout,
+    layout: Candidate,
     n_params: int,
     n_layers: int,
     per_param: tuple[float, float, float] | None = None,
@@ -122,7 +122,7 @@ def rank_state_bytes(
 
 
 def stage_transients(
-    model: ModelSpec, layout: Layout, stage: int, n_layers: int, divisible_by: int = 128
+    model: ModelSpec, layout: Candidate, stage: int, n_layers: int, divisible_by: int = 128
 ) -> tuple[int, int]:
     """(gathered parameter elements, gradient bucket elements) at their peaks on a rank of pipeline
     stage ``stage`` (``n_layers`` layers) under ``layout``'s ``optim_grads`` /
@@ -140,10 +140,10 @@ def stage_transients(
         stage,
         n_layers,
         shard,
-        layout.ddp_bucket_size or DEFAULT_BUCKET_ELEMENTS,
-        layout.overlap_grad_reduce,
+        layout.parallel.ddp_bucket_size or DEFAULT_BUCKET_ELEMENTS,
+        layout.parallel.overlap_grad_reduce,
         strategy == "optim_grads_params",
-        layout.reshard_after_forward,
+        layout.parallel.reshard_after_forward,
         divisible_by,
         chunk_by_chunk(strategy, shard, layout.virtual_stages, layout.num_microbatches, layout.pp),
         layout.precision != "fp32",  # 16-bit weights: float32 main gradients

@@ -19,7 +19,7 @@ gathered 16-bit parameter units.
 
 from __future__ import annotations
 
-from ptdp.planner.candidate import SHARDING
+from ptdp.config.fields import SHARDING_STRATEGIES
 
 #: Megatron's default data-parallel bucket: 40 million gradient elements
 DEFAULT_BUCKET_ELEMENTS = 40_000_000
@@ -29,8 +29,8 @@ _BYTES = {"bf16": (2.0, 4.0, 12.0), "fp16": (2.0, 4.0, 12.0), "fp8": (2.0, 4.0, 
 
 
 def check_strategy(strategy: str) -> None:
-    if strategy not in SHARDING:
-        raise ValueError(f"sharding={strategy!r} must be one of {SHARDING}")
+    if strategy not in SHARDING_STRATEGIES:
+        raise ValueError(f"sharding={strategy!r} must be one of {SHARDING_STRATEGIES}")
 
 
 def strategy_bytes_per_param(precision: str, strategy: str, shard: int) -> tuple[float, float, float]:
@@ -40,7 +40,7 @@ def strategy_bytes_per_param(precision: str, strategy: str, shard: int) -> tuple
     if precision not in _BYTES:
         raise ValueError(f"precision={precision!r} must be one of {tuple(_BYTES)}")
     w, g, k = _BYTES[precision]
-    level = SHARDING.index(strategy)
+    level = SHARDING_STRATEGIES.index(strategy)
     return (w / shard if level >= 3 else w, g / shard if level >= 2 else g, k / shard if level >= 1 else k)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ptdp.planner.candidate import Layout, Plan
+from ptdp.planner.candidate import Candidate, Plan
 from ptdp.planner.inputs.hardware import GiB
 from ptdp.planner.splits import describe_split, split_flags
 
@@ -44,9 +44,8 @@ def _value(value, field: str = "") -> str:
 
 def layout_differences(a: Plan, b: Plan) -> list[str]:
     """``"name a vs b"`` for every layout field where the two plans differ (Megatron's short names)."""
-    left, right = dataclasses.asdict(a.layout), dataclasses.asdict(b.layout)
-    for side, plan in ((left, a), (right, b)):  # the strategy, not its None spelling for no_shard / optim
-        side["sharding"] = plan.layout.sharding_strategy
+    left, right = a.layout.fields(), b.layout.fields()
+    for side in (left, right):
         side.pop("distributed_optimizer")  # sharding says it
     return [
         f"{_LAYOUT_NAMES.get(k, k)} {_value(left[k], k)} vs {_value(right[k], k)}"
@@ -55,7 +54,7 @@ def layout_differences(a: Plan, b: Plan) -> list[str]:
     ]
 
 
-def layout_flags(layout: Layout) -> str:
+def layout_flags(layout: Candidate) -> str:
     """The ``ptdp plan`` flags that fix ``layout`` (the request's batch and precision aside), e.g.
     ``--tp 8 --pp 16 --dp 8 --micro-batch-size 1 --virtual-pipeline-stages 2 --recompute-granularity
     none --sequence-parallel --data-parallel-sharding-strategy optim``; flags at ptdp's defaults
@@ -63,20 +62,20 @@ def layout_flags(layout: Layout) -> str:
     v, split = layout.virtual_stages, split_flags(layout.layer_split, layout.virtual_stages)
     words = [f"--tp {layout.tp}"]
     if layout.cp > 1:
-        words += [f"--cp {layout.cp}", f"--cp-comm-type {layout.cp_comm_type}"]
+        words += [f"--cp {layout.cp}", f"--cp-comm-type {layout.parallel.cp_comm_type}"]
     words += [f"--pp {layout.pp}", f"--dp {layout.dp}", f"--micro-batch-size {layout.micro_batch_size}"]
     if v > 1 and "--num-layers-per-virtual-pipeline-stage" not in (split or ""):
         words.append(f"--virtual-pipeline-stages {v}")
     words += [split] if split else []
     words += [
         f"--recompute-granularity {layout.recompute}",
-        "--sequence-parallel" if layout.sequence_parallel else "--no-sequence-parallel",
+        "--sequence-parallel" if layout.parallel.sequence_parallel else "--no-sequence-parallel",
         f"--data-parallel-sharding-strategy {layout.sharding_strategy}",
     ]
-    if layout.ddp_bucket_size is not None:
-        words.append(f"--ddp-bucket-size {layout.ddp_bucket_size}")
-    words += [] if layout.overlap_grad_reduce else ["--no-overlap-grad-reduce"]
-    words += [] if layout.reshard_after_forward else ["--no-reshard-after-forward"]
+    if layout.parallel.ddp_bucket_size is not None:
+        words.append(f"--ddp-bucket-size {layout.parallel.ddp_bucket_size}")
+    words += [] if layout.parallel.overlap_grad_reduce else ["--no-overlap-grad-reduce"]
+    words += [] if layout.parallel.reshard_after_forward else ["--no-reshard-after-forward"]
     return " ".join(words)
 
 

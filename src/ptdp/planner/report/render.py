@@ -28,7 +28,7 @@ def _layout_cells(plan: Plan) -> list[str]:
         str(lay.micro_batch_size),
         str(lay.virtual_stages),
         lay.recompute,
-        "y" if lay.sequence_parallel else "n",
+        "y" if lay.parallel.sequence_parallel else "n",
         lay.sharding_strategy,
     ]
 
@@ -113,7 +113,7 @@ def _describe(plan: Plan) -> str:
     lay = plan.layout
     return (
         f"tp={lay.tp}{f' cp={lay.cp}' if lay.cp > 1 else ''} pp={lay.pp} dp={lay.dp} b={lay.micro_batch_size} "
-        f"v={lay.virtual_stages} recompute={lay.recompute} sp={'on' if lay.sequence_parallel else 'off'} "
+        f"v={lay.virtual_stages} recompute={lay.recompute} sp={'on' if lay.parallel.sequence_parallel else 'off'} "
         f"sharding={lay.sharding_strategy}"
         + (
             f" layers={describe_split(lay.layer_split).replace(' x ', 'x').replace(', ', ',')}"
@@ -186,7 +186,7 @@ def plot_label(rank: int, plan: Plan) -> str:
     shard = {"no_shard": "", "optim": " do", "optim_grads": " og", "optim_grads_params": " ogp"}[lay.sharding_strategy]
     return (
         f"#{rank} tp{lay.tp}{f' cp{lay.cp}' if lay.cp > 1 else ''} pp{lay.pp} dp{lay.dp} b{lay.micro_batch_size} "
-        f"v{lay.virtual_stages} rec {lay.recompute[:4]}{' sp' if lay.sequence_parallel else ''}{shard}"
+        f"v{lay.virtual_stages} rec {lay.recompute[:4]}{' sp' if lay.parallel.sequence_parallel else ''}{shard}"
     )
 
 

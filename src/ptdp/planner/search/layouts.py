@@ -29,11 +29,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ptdp.config.fields import SHARDING_STRATEGIES
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.rules import schedule_violations
 from ptdp.errors import ConfigError, Violation
 from ptdp.layout.pipeline.partition import accounted_split, first_last_split
-from ptdp.planner.candidate import RECOMPUTE, SHARDING, Layout, Plan
+from ptdp.planner.candidate import RECOMPUTE, Candidate, Plan
 from ptdp.planner.inputs.hardware import Cluster
 from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.search.predict import predict_strategies
@@ -238,7 +239,7 @@ def _strategies(fixed: Fixed, shard: int) -> list[str]:
         return [fixed.sharding]
     if fixed.distributed_optimizer is not None:
         return ["optim" if fixed.distributed_optimizer else "no_shard"]
-    return list(SHARDING)
+    return list(SHARDING_STRATEGIES)
 
 
 def _virtual_stage_pairs(
@@ -291,7 +292,7 @@ def _search_layout(
     broken = broken or structural_rejections(
         model, tp, pp, dp, b, big_b, cluster.gpus_per_node, probe
     ) + context_rejections(model, tp, cp)
-    base = Layout(tp, pp, dp, b, big_b, precision=precision, layer_split=split, cp=cp)
+    base = Candidate.of(tp, pp, dp, b, big_b, precision=precision, layer_split=split, cp=cp)
     if broken:
         result.rejected.append((Plan(base, False, reasons=[r.message for r in broken]), broken[0]))
         return
@@ -309,7 +310,7 @@ def _search_layout(
             for sp in _options(fixed.sequence_parallel, [False, True]) if tp > 1 else [False]:
 
                 def make(sharding, v=v, recompute=recompute, sp=sp, v_split=v_split):
-                    return Layout(
+                    return Candidate.of(
                         tp,
                         pp,
                         dp,

@@ -10,11 +10,9 @@ candidate splits of :mod:`ptdp.planner.splits`; the pruning is explained in
 
 from __future__ import annotations
 
-import dataclasses
-
 from ptdp.errors import Violation
 from ptdp.layout.buckets import chunk_by_chunk
-from ptdp.planner.candidate import Layout, Plan
+from ptdp.planner.candidate import Candidate, Plan
 from ptdp.planner.inputs.hardware import TFLOPS, Cluster, GiB
 from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.memory.breakdown import DEFAULT_OVERHEAD_BYTES, memory_breakdown
@@ -29,7 +27,7 @@ from ptdp.planner.time.step import evaluate_performance
 
 def evaluate(
     model: ModelSpec,
-    layout: Layout,
+    layout: Candidate,
     cluster: Cluster,
     *,
     constants=DEFAULT_CONSTANTS,
@@ -69,14 +67,14 @@ def _predict_split(model, layout, cluster, constants, overhead, search_split: bo
         return _predict(model, layout, cluster, constants, overhead)
     if _no_split_fits(model, layout, cluster, overhead):  # the even (or first) split stands for all
         split = next(iter(candidate_splits(model.num_layers, layout.pp, 0.0, 0.0)), None)
-        return _predict(model, dataclasses.replace(layout, layer_split=split), cluster, constants, overhead)
+        return _predict(model, layout.replace(layer_split=split), cluster, constants, overhead)
     first, last = edge_layer_equivalents(model, layout, cluster, constants)
     load = lambda s: max(s[0] + first, s[-1] + last, *s[1:-1])  # noqa: E731 - busiest stage, in layers
     best, even_load = None, None
     for split in candidate_splits(model.num_layers, layout.pp, first, last):
         if split is not None and even_load is not None and load(split) >= even_load:
             continue
-        plan, rejection = _predict(model, dataclasses.replace(layout, layer_split=split), cluster, constants, overhead)
+        plan, rejection = _predict(model, layout.replace(layer_split=split), cluster, constants, overhead)
         if split is None and rejection is None:
             even_load = load((model.num_layers // layout.pp,) * layout.pp)
         key = (0, plan.need_time().step) if rejection is None else (1, plan.memory.total if plan.memory else 0.0)
@@ -93,7 +91,7 @@ def _predict_split(model, layout, cluster, constants, overhead, search_split: bo
     return best[1], best[2]
 
 
-def _no_split_fits(model, layout: Layout, cluster, overhead) -> bool:
+def _no_split_fits(model, layout: Candidate, cluster, overhead) -> bool:
     """True when no split of the layers can fit: the mean stage's state bytes (a lower bound of the
     most loaded stage's, :func:`~ptdp.planner.memory.params.mean_stage_params`; transients, activations
     and FP8 copies left out) and the overhead already exceed the GPU."""
@@ -102,7 +100,7 @@ def _no_split_fits(model, layout: Layout, cluster, overhead) -> bool:
     return floor + (DEFAULT_OVERHEAD_BYTES if overhead is None else overhead) > cluster.gpu.memory_bytes
 
 
-def _sharding_cannot_fit(unsharded: Plan, layout: Layout, cluster) -> bool:
+def _sharding_cannot_fit(unsharded: Plan, layout: Candidate, cluster) -> bool:
     """True when ``unsharded`` (the no_shard plan that did not fit) would not fit even with every
     state byte sharded: its most loaded stage's ``n`` parameters (its float32 gradients / 4) keep
     at least ``n (w + g + k) / (dp cp)`` bytes of state under optim_grads_params, besides the

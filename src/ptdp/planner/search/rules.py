@@ -13,11 +13,12 @@ from ptdp.config.axis_rules import (
     context_parallel_violations,
     sequence_parallel_violations,
 )
+from ptdp.config.fields import CP_COMM_TYPES, SHARDING_STRATEGIES
 from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.rules import layout_violations, schedule_violations
 from ptdp.errors import Violation
-from ptdp.planner.candidate import CP_COMM_TYPES, PRECISIONS, RECOMPUTE, SHARDING, Layout
+from ptdp.planner.candidate import PRECISIONS, RECOMPUTE, Candidate
 from ptdp.planner.inputs.hardware import Cluster
 from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.splits import accounting_of
@@ -96,7 +97,7 @@ def context_rejections(model: ModelSpec, tp: int, cp: int) -> tuple[Violation, .
     return tuple(context_parallel_violations(model.seq_length, cp))
 
 
-def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Violation]:
+def schedule_rejections(model: ModelSpec, layout: Candidate) -> list[Violation]:
     """Rules of the interleaved schedule, of sequence parallelism and of the option values."""
     out = []
     v, pp, m = layout.virtual_stages, layout.pp, layout.num_microbatches
@@ -138,21 +139,23 @@ def schedule_rejections(model: ModelSpec, layout: Layout) -> list[Violation]:
                 num_layers_per_virtual_pipeline_stage=model.num_layers // (pp * v),
             )
             out += [Violation("interleaving", v.message) for v in schedule_violations(parallel, model.num_layers, m)]
-    out += sequence_parallel_violations(_model_config(model), layout.tp, layout.sequence_parallel)
+    out += sequence_parallel_violations(_model_config(model), layout.tp, layout.parallel.sequence_parallel)
     # sequence parallelism inside each cp rank's s / cp positions
-    out += context_parallel_model_violations(_model_config(model), layout.cp, layout.tp, layout.sequence_parallel)
+    out += context_parallel_model_violations(
+        _model_config(model), layout.cp, layout.tp, layout.parallel.sequence_parallel
+    )
     if layout.recompute not in RECOMPUTE:
         out.append(Violation("option", f"recompute={layout.recompute!r} not in {RECOMPUTE}"))
-    if layout.sharding_strategy not in SHARDING:
-        out.append(Violation("option", f"sharding={layout.sharding_strategy!r} not in {SHARDING}"))
-    if layout.cp_comm_type not in CP_COMM_TYPES:
-        out.append(Violation("option", f"cp_comm_type={layout.cp_comm_type!r} not in {CP_COMM_TYPES}"))
+    if layout.sharding_strategy not in SHARDING_STRATEGIES:
+        out.append(Violation("option", f"sharding={layout.sharding_strategy!r} not in {SHARDING_STRATEGIES}"))
+    if layout.parallel.cp_comm_type not in CP_COMM_TYPES:
+        out.append(Violation("option", f"cp_comm_type={layout.parallel.cp_comm_type!r} not in {CP_COMM_TYPES}"))
     if layout.precision not in PRECISIONS:
         out.append(Violation("option", f"precision={layout.precision!r} not in {PRECISIONS}"))
     return out
 
 
-def all_rejections(model: ModelSpec, layout: Layout, cluster: Cluster) -> list[Violation]:
+def all_rejections(model: ModelSpec, layout: Candidate, cluster: Cluster) -> list[Violation]:
     """Every rule ``layout`` breaks on ``cluster`` (memory excluded)."""
     out = []
     if layout.num_gpus != cluster.num_gpus:

@@ -20,7 +20,7 @@ bound by memory bandwidth. How these add up to a step is :func:`ptdp.planner.tim
 from __future__ import annotations
 
 from ptdp.layout.buckets import chunk_by_chunk
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.memory.params import layer_param_count
 from ptdp.planner.memory.strategies import check_strategy
@@ -37,7 +37,7 @@ OPT_BYTES_SHARDED = {"bf16": 28.0, "fp16": 28.0, "fp32": 28.0, "fp8": 28.0}
 
 def dp_comm_time(
     model: ModelSpec,
-    layout: Layout,
+    layout: Candidate,
     n_params: int,
     busiest: tuple[float, ...],
     stage_layers: int,
@@ -86,7 +86,7 @@ def dp_comm_time(
             chunks=chunks,
             # kept gathered: once per stretch of microbatches in flight, m on the last stage (and
             # at pp = 1), the most any stage gathers
-            kept_gathers=None if layout.reshard_after_forward else layout.num_microbatches,
+            kept_gathers=None if layout.parallel.reshard_after_forward else layout.num_microbatches,
             backward_units=stage_layers + 1 - int(lookup_only),
         )
 
@@ -96,7 +96,7 @@ def dp_comm_time(
     return without_end + max(0.0, exposed(c.dp_overlap) - without_end - busiest[0])
 
 
-def embedding_sync_dp_time(model: ModelSpec, layout: Layout, v_pad: int, links: Links, c: PerfConstants) -> float:
+def embedding_sync_dp_time(model: ModelSpec, layout: Candidate, v_pad: int, links: Links, c: PerfConstants) -> float:
     """Exposed seconds of the all-reduce of the tied word embedding's float32 gradient
     (``V_pad / tp x h`` on one tp rank) between the first and the last pipeline stage
     (:func:`ptdp.planner.time.collectives.embedding_sync_time`), the part ``c.dp_overlap`` does not hide; 0
@@ -107,7 +107,7 @@ def embedding_sync_dp_time(model: ModelSpec, layout: Layout, v_pad: int, links: 
     return (1.0 - c.dp_overlap) * embedding_sync_time(nbytes, layout.pp, layout.tp, layout.shard_size, links)
 
 
-def optimizer_time(n_params: int, layout: Layout, elem: float, bandwidth: float, c: PerfConstants) -> float:
+def optimizer_time(n_params: int, layout: Candidate, elem: float, bandwidth: float, c: PerfConstants) -> float:
     """Seconds of the optimizer step of a rank holding a stage of ``n_params`` parameters: the bytes
     per parameter it reads and writes under the layout's sharding strategy
     (:func:`optimizer_bytes_per_param` of :data:`OPT_BYTES_FULL` /

@@ -13,7 +13,7 @@ step is :func:`ptdp.planner.time.step.evaluate_performance`.
 from __future__ import annotations
 
 from ptdp.layout.vocab import padded_vocab_size
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import Cluster
 from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.memory.cp_local import local_model
@@ -27,7 +27,7 @@ Parts = tuple[float, ...]
 
 
 def rank_layer_times(
-    model: ModelSpec, layout: Layout, peak: float, bandwidth: float, c: PerfConstants, fp8_peak: float = 0.0
+    model: ModelSpec, layout: Candidate, peak: float, bandwidth: float, c: PerfConstants, fp8_peak: float = 0.0
 ) -> tuple[float, float, float, float, float]:
     """(forward, backward, attention core, one block's forward attention, its backward) seconds
     of one layer on one tp and cp rank for one microbatch (:mod:`ptdp.planner.time.cp_exchange`: the
@@ -38,7 +38,7 @@ def rank_layer_times(
         local,
         layout.tp,
         layout.micro_batch_size,
-        layout.sequence_parallel,
+        layout.parallel.sequence_parallel,
         peak,
         bandwidth,
         c.gemm_peak_fraction,
@@ -70,7 +70,7 @@ def tp_hidden_share(c: PerfConstants, tp: int, sequence_parallel: bool) -> float
 
 def stage_microbatch_times(
     model: ModelSpec,
-    layout: Layout,
+    layout: Candidate,
     peak: float,
     bandwidth: float,
     links: Links,
@@ -88,11 +88,11 @@ def stage_microbatch_times(
     tp, b, s, h = layout.tp, layout.micro_batch_size, local.seq_length, model.hidden_size
     fwd, bwd, core, block, block_bwd = rank_layer_times(model, layout, peak, bandwidth, c, fp8_peak)
     tp_f, tp_b = tp_layer_comm_times(
-        b * s, h, tp, sequence_parallel=layout.sequence_parallel, links=links, bytes_per_element=elem
+        b * s, h, tp, sequence_parallel=layout.parallel.sequence_parallel, links=links, bytes_per_element=elem
     )
-    hidden = tp_hidden_share(c, tp, layout.sequence_parallel)
+    hidden = tp_hidden_share(c, tp, layout.parallel.sequence_parallel)
     tp_f, tp_b = (1.0 - hidden) * tp_f, (1.0 - hidden) * tp_b
-    cp_f, cp_b = kv_exchange_times(model, tp, layout.cp, b, layout.cp_comm_type, block, links, elem, block_bwd)
+    cp_f, cp_b = kv_exchange_times(model, tp, layout.cp, b, layout.parallel.cp_comm_type, block, links, elem, block_bwd)
     rec = {"full": fwd, "selective": core}.get(layout.recompute, 0.0)
     full = layout.recompute == "full"
     rec_comm, rec_cp = (tp_f, cp_f) if full else (0.0, 0.0)
@@ -139,7 +139,7 @@ def split_stage_times(
 
 def edge_layer_equivalents(
     model: ModelSpec,
-    layout: Layout,
+    layout: Candidate,
     cluster: Cluster,
     constants: PerfConstants = DEFAULT_CONSTANTS,
     *,
@@ -162,7 +162,7 @@ def edge_layer_equivalents(
     return (sum(first) - unit) / unit, (sum(last) - unit) / unit
 
 
-def pipeline_transfer_time(model: ModelSpec, layout: Layout, links: Links, elem: float, c: PerfConstants) -> float:
+def pipeline_transfer_time(model: ModelSpec, layout: Candidate, links: Links, elem: float, c: PerfConstants) -> float:
     """Seconds of one microbatch's stage-to-stage transfers on a pipeline rank: two per model chunk
     (activations forward, their gradients backward), ``2 v`` transfers of the ``b s / cp`` tokens'
     ``elem``-byte hidden states (:func:`ptdp.planner.time.collectives.pp_transfer_time`; split over the tp ranks
@@ -176,7 +176,7 @@ def pipeline_transfer_time(model: ModelSpec, layout: Layout, links: Links, elem:
             layout.tp,
             layout.shard_size,
             layout.pp,
-            sequence_parallel=layout.sequence_parallel,
+            sequence_parallel=layout.parallel.sequence_parallel,
             links=links,
             bytes_per_element=elem,
             scatter_gather=c.pp_scatter_gather,

@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ptdp.layout.vocab import padded_vocab_size
-from ptdp.planner.candidate import Layout, TimeBreakdown
+from ptdp.planner.candidate import Candidate, TimeBreakdown
 from ptdp.planner.inputs.hardware import Cluster
 from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.memory.params import even_stage_params, stage_param_counts
@@ -98,7 +98,7 @@ def core_shared_step(busy: list[float], pp: int, workers: int, cores: int) -> fl
 
 
 def _stage_extent(
-    model: ModelSpec, layout: Layout, split: tuple[int, ...] | None, divisible_by: int
+    model: ModelSpec, layout: Candidate, split: tuple[int, ...] | None, divisible_by: int
 ) -> tuple[tuple[int, ...], int, int]:
     """(parameters on one tp rank of the first stage and of the other stage holding the most,
     layers the per-microbatch times are built from, layers of the stage with the most): an even
@@ -115,7 +115,7 @@ def _stage_extent(
 
 
 def _with_core_sharing(
-    time: TimeBreakdown, stages: tuple[Parts, ...], p2p: float, m: int, layout: Layout, cluster: Cluster
+    time: TimeBreakdown, stages: tuple[Parts, ...], p2p: float, m: int, layout: Candidate, cluster: Cluster
 ) -> TimeBreakdown:
     """``time`` with the wait of workers sharing CPU cores (:func:`core_shared_step`) when the
     cluster's device runs more workers per node than it has cores; unchanged otherwise.
@@ -131,7 +131,7 @@ def _with_core_sharing(
 
 def evaluate_performance(
     model: ModelSpec,
-    layout: Layout,
+    layout: Candidate,
     cluster: Cluster,
     constants: PerfConstants = DEFAULT_CONSTANTS,
     *,

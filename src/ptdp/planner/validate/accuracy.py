@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster, GiB
 from ptdp.planner.memory.breakdown import memory_breakdown
 from ptdp.planner.memory.params import bytes_per_param, stage_param_counts
@@ -88,13 +88,13 @@ class ValidationRow:
         return self.predicted / self.reported - 1.0
 
 
-def layout_label(layout: Layout) -> str:
+def layout_label(layout: Candidate) -> str:
     """Short layout text: ``t8 p8 d1 v3 b1 B64 full`` (+ ``sp``)."""
     label = (
         f"t{layout.tp} p{layout.pp} d{layout.dp} v{layout.virtual_stages} b{layout.micro_batch_size} "
         f"B{layout.global_batch_size} {layout.recompute}"
     )
-    return label + (" sp" if layout.sequence_parallel else "")
+    return label + (" sp" if layout.parallel.sequence_parallel else "")
 
 
 def validate(runs: list[PublishedRun], constants: PerfConstants = DEFAULT_CONSTANTS) -> list[ValidationRow]:
@@ -120,8 +120,8 @@ def validate(runs: list[PublishedRun], constants: PerfConstants = DEFAULT_CONSTA
             out.append(ValidationRow(run.name, label, ITER_TIME, run.reported_iteration_time, perf.step_time))
         if run.reported_act_none_gib is not None and run.name not in seen_memory:
             seen_memory.add(run.name)
-            none = dataclasses.replace(run.layout, recompute="none", sequence_parallel=False)
-            seqsel = dataclasses.replace(run.layout, recompute="selective", sequence_parallel=True)
+            none = run.layout.replace(recompute="none", sequence_parallel=False)
+            seqsel = run.layout.replace(recompute="selective", sequence_parallel=True)
             mem_none = memory_breakdown(run.model, none, gpu)
             out.append(
                 ValidationRow(
@@ -141,7 +141,9 @@ def validate(runs: list[PublishedRun], constants: PerfConstants = DEFAULT_CONSTA
                 )
             if run.reported_params_opt_gib is not None:
                 counts = stage_param_counts(run.model, run.layout.tp, run.layout.pp)
-                per_param = sum(bytes_per_param(run.layout.precision, run.layout.dp, run.layout.distributed_optimizer))
+                per_param = sum(
+                    bytes_per_param(run.layout.precision, run.layout.dp, run.layout.parallel.use_distributed_optimizer)
+                )
                 out.append(
                     ValidationRow(
                         run.name,

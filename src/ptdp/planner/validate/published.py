@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ptdp.layout.vocab import padded_vocab_size
-from ptdp.planner.candidate import Layout
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG
 from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.memory.params import stage_param_counts
@@ -70,7 +70,7 @@ class PublishedRun:
     source: str
     name: str
     model: ModelSpec
-    layout: Layout
+    layout: Candidate
     gpu: str
     reported_tflops: float | None
     reported_iteration_time: float | None
@@ -109,7 +109,7 @@ def load_published_runs(path: str | Path) -> list[PublishedRun]:
                 int(r["seq_len"]),
                 name=r["model"],
             )
-            layout = Layout(
+            layout = Candidate.of(
                 tp=int(r["tp"]),
                 pp=int(r["pp"]),
                 dp=int(r["dp"]),
@@ -168,7 +168,7 @@ class H100Run:
     name: str
     source: str
     model: ModelSpec
-    layout: Layout
+    layout: Candidate
     gpu: str
     reported: float
     unit: str
@@ -205,7 +205,7 @@ def palm_flops(model: ModelSpec, global_batch_size: int) -> float:
 
 
 def reported_step_time(
-    model: ModelSpec, layout: Layout, gpu: str, reported: float, unit: str, convention: str
+    model: ModelSpec, layout: Candidate, gpu: str, reported: float, unit: str, convention: str
 ) -> float:
     """Seconds per step implied by a reported TFLOP/s per GPU or MFU (%) under ``convention``, or
     by tokens/s per GPU.
@@ -253,11 +253,11 @@ def _model(r: dict) -> ModelSpec:
     )
 
 
-def _layout(r: dict) -> Layout:
+def _layout(r: dict) -> Candidate:
     split = tuple(int(x) for x in r["layer_split"].split()) or None
     cp = int(r["cp"])
     cp_comm_type = (r["cp_comm_type"].strip() or "p2p") if cp > 1 else "p2p"
-    return Layout(
+    return Candidate.of(
         tp=int(r["tp"]),
         pp=int(r["pp"]),
         dp=int(r["dp"]),
