@@ -49,7 +49,6 @@ from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
 from ptdp.layout.grid import ParallelLayout
 from ptdp.planner.candidate import Candidate
-from ptdp.planner.inputs.models import spec_from_model_config
 from ptdp.planner.memory.activations import stage_activation_bytes
 from ptdp.run.distributed import init_distributed
 
@@ -131,7 +130,7 @@ def predicted_bytes(config: Config, pp_rank: int) -> float:
         precision="fp32",
     )
     fp32 = stage_activation_bytes(
-        spec_from_model_config(m),
+        m,
         layout,
         pp_rank,
         m.num_layers // p.pp,

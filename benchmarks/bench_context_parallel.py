@@ -38,7 +38,6 @@ from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
 from ptdp.layout.grid import ParallelLayout
 from ptdp.planner.candidate import Candidate
-from ptdp.planner.inputs.models import spec_from_model_config
 from ptdp.planner.memory.activations import rank_activation_bytes
 from ptdp.planner.memory.cp_local import kv_buffer_bytes
 from ptdp.run.distributed import init_distributed
@@ -69,7 +68,7 @@ def _config(args, cp: int, comm_type: str) -> Config:
 def predicted(args, cp: int, comm_type: str) -> tuple[float, float]:
     """(the planner's activation peak of a cp rank, its key/value exchange buffers), float32."""
     config = _config(args, cp, comm_type)
-    spec = spec_from_model_config(config.model)
+    spec = config.model
     layout = Candidate.of(
         1,
         1,

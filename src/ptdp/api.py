@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from ptdp.config.keywords import RaisingParser, keyword_actions, keywords_to_argv
+from ptdp.config.model import ModelConfig
 from ptdp.config.schema import Config
 from ptdp.errors import Violation
 from ptdp.planner.candidate import Plan
 from ptdp.planner.inputs.hardware import Cluster
-from ptdp.planner.inputs.models import ModelSpec
 
 #: options that are not part of a search
 _NOT_FOR_SEARCH = ("validate", "calibrate", "update_benchmarks", "nproc_per_node", "json", "plot")
@@ -51,12 +51,14 @@ class PlanResult:
             from the best plan found without them (the lines ``ptdp plan`` prints).
     """
 
-    model: ModelSpec
+    model: ModelConfig
     cluster: Cluster
     plans: list[Plan]
     rejected: list[tuple[Plan, Violation]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     explanation: list[str] = field(default_factory=list)
+    name: str = "custom"
+    """The model's name in the report (a preset's, ``hf:FOLDER``, or ``custom``)."""
 
     @property
     def best(self) -> Plan | None:
@@ -69,7 +71,7 @@ class PlanResult:
         from ptdp.planner.search.layouts import SearchResult
 
         result = SearchResult(self.plans, self.rejected, self.notes)
-        return text_report(self.model, self.cluster, result, top=top, explanation=self.explanation)
+        return text_report(self.name, self.model, self.cluster, result, top=top, explanation=self.explanation)
 
     def to_json(self, top: int = 10) -> list[dict]:
         """The records of ``ptdp plan --json``: the ``top`` fitting plans, then a few rejected ones."""
@@ -87,12 +89,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def plan(model: str | ModelSpec | None = None, **options: Any) -> PlanResult:
+def plan(model: str | ModelConfig | None = None, **options: Any) -> PlanResult:
     """Search the layouts of ``model`` on a cluster, as ``ptdp plan`` does.
 
     Args:
         model: a preset name (``"llama3-405b"``, ``"gpt3-175b"``, ...), the path of a Hugging Face
-            ``config.json`` (or its folder), a :class:`~ptdp.planner.inputs.models.ModelSpec`, or None to
+            ``config.json`` (or its folder), a :class:`~ptdp.config.model.ModelConfig`, or None to
             give the shape by keywords (``num_layers``, ``hidden_size``, ``num_attention_heads``, ...).
         **options: ``ptdp plan``'s flags by name (module docstring); ``gpus`` is required,
             ``global_batch_size`` too except for a preset (which defaults as ``ptdp plan`` does).
@@ -112,7 +114,7 @@ def plan(model: str | ModelSpec | None = None, **options: Any) -> PlanResult:
         {**({"model": model} if isinstance(model, str) else {}), **options}, names, caller="ptdp.plan"
     )
     args = parser.parse_args(argv)
-    request = prepare(args, model=model if isinstance(model, ModelSpec) else None)
+    request = prepare(args, model=model if isinstance(model, ModelConfig) else None)
     result = request.search()
     return PlanResult(
         request.model,
@@ -121,6 +123,7 @@ def plan(model: str | ModelSpec | None = None, **options: Any) -> PlanResult:
         result.rejected,
         [*request.notes, *result.notes],
         request.explanation(result),
+        request.name,
     )
 
 

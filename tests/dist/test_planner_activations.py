@@ -4,7 +4,7 @@ really keeps for backward.
 Each rank builds its stage (``ptdp.engine.step.build_stage``) and runs one ``train_step`` over m = 4
 microbatches under :class:`ptdp.engine.activation_meter.SavedActivationMeter` (every storage autograd
 saves, once, parameters excluded). Its peak is compared with
-``stage_activation_bytes(spec_from_model_config(...), Layout(..., precision="fp32"), pp_rank, ...)``
+``stage_activation_bytes(..., Layout(..., precision="fp32"), pp_rank, ...)``
 for a small GPT (4 layers, h = 64, a = 4, s = 32, V = 500 padded to 512, b = 2) at
 (tp, pp, dp) = (1,1,1), (2,1,1), (1,1,2), (1,2,1), (2,2,1), (1,2,2) with 1F1B, GPipe and
 interleaved 1F1B (pp = 2, v = 2; and v = 3 with the embedding and the loss counted as layers, chunks of
@@ -20,8 +20,8 @@ the two LayerNorms, of QKV and of fc1 (4h, replicated over tp), q, k, v and the 
 (4h / t), the GELU input and output (2 ffn / t), the fused attention kernel's log-sum-exp (a / t;
 ``scaled_dot_product_attention`` keeps no s x s scores) and each LayerNorm's mean and 1/std (4).
 The planner counts all of it except the LayerNorm statistics: [K22]'s accounting without dropout
-masks and with the score matrix replaced by the log-sum-exp (``dropout=False``,
-``flash_attention=True``). Outside the layers ptdp saves, and the planner counts, the final-norm
+masks and with the score matrix replaced by the log-sum-exp (no dropout,
+``use_flash_attn``). Outside the layers ptdp saves, and the planner counts, the final-norm
 and output-layer inputs, one float32 log-sum-exp per token and the logits of the rank's padded
 vocabulary slice (V_pad / t columns), kept because they take far less than 256 MiB (last stage:
 one microbatch under 1F1B, m under GPipe). Residual terms, not in the planner: the LayerNorm

@@ -40,11 +40,9 @@ def test_bytes_per_rank_match_llama(layout):
     (8 bytes per value instead of 4: parameter, gradient, Adam's two moments)."""
     import dataclasses
 
-    from ptdp.planner.inputs.models import spec_from_model_config
-
     variant = llama_variant(layout[0])
     config = variant_config(variant, *layout)
-    spec = spec_from_model_config(config.model)
+    spec = config.model
     assert spec.llama_style and spec.swiglu and not spec.tied and spec.kv_heads == config.model.num_query_groups
     as_float32 = dataclasses.replace(config, model=dataclasses.replace(config.model, params_dtype="float32"))
     measured = []

@@ -18,7 +18,6 @@ from ptdp.engine.step import build_stage, train_step
 from ptdp.layout.grid import ParallelLayout
 from ptdp.layout.pipeline.partition import stage_layer_counts
 from ptdp.planner.candidate import Candidate
-from ptdp.planner.inputs.models import spec_from_model_config
 from ptdp.planner.memory.activations import rank_activation_bytes
 from ptdp.planner.memory.cp_local import kv_buffer_bytes
 
@@ -118,7 +117,7 @@ def predicted_peak(cfg: Config, pp_rank: int) -> float:
     )
     schedule = "gpipe" if p.schedule == "gpipe" else "1f1b"
     layers = stage_layer_counts(m.num_layers, p.pp, split)[pp_rank]
-    spec = spec_from_model_config(m)
+    spec = m
     fp32 = rank_activation_bytes(
         spec,
         layout,

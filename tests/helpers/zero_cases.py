@@ -211,7 +211,6 @@ def planner_transients(cfg: Config, pp_rank: int) -> tuple[int, int]:
     """The planner's (gathered parameter, gradient bucket) elements at their peaks on a rank of
     pipeline stage ``pp_rank`` of run ``cfg`` (:func:`ptdp.planner.memory.transients.rank_transients`)."""
     from ptdp.layout.buckets import chunk_by_chunk
-    from ptdp.planner.inputs.models import spec_from_model_config
     from ptdp.planner.memory.chunk_params import stage_chunks
     from ptdp.planner.memory.strategies import DEFAULT_BUCKET_ELEMENTS
     from ptdp.planner.memory.transients import rank_transients
@@ -220,7 +219,7 @@ def planner_transients(cfg: Config, pp_rank: int) -> tuple[int, int]:
     layers = cfg.pipeline.stage_layers[pp_rank]
     v, microbatches = cfg.pipeline.virtual_stages, cfg.train.global_batch_size // (cfg.train.micro_batch_size * p.dp)
     return rank_transients(
-        spec_from_model_config(m),
+        m,
         p.tp,
         p.pp,
         stage_chunks(m.num_layers, p.pp, v, pp_rank, layers),
@@ -239,7 +238,6 @@ def planner_gathers(cfg: Config, pp_rank: int) -> tuple[tuple[int, int], tuple[i
     """The planner's parameter all-gathers of one microbatch, (calls, elements) in forward and in
     backward, on a rank of pipeline stage ``pp_rank`` of run ``cfg`` (optim_grads_params,
     :func:`ptdp.planner.memory.transients.unit_gathers`)."""
-    from ptdp.planner.inputs.models import spec_from_model_config
     from ptdp.planner.memory.chunk_params import stage_chunks
     from ptdp.planner.memory.strategies import DEFAULT_BUCKET_ELEMENTS
     from ptdp.planner.memory.transients import unit_gathers
@@ -247,7 +245,7 @@ def planner_gathers(cfg: Config, pp_rank: int) -> tuple[tuple[int, int], tuple[i
     m, p = cfg.model, cfg.parallel
     layers = cfg.pipeline.stage_layers[pp_rank]
     return unit_gathers(
-        spec_from_model_config(m),
+        m,
         p.tp,
         p.pp,
         stage_chunks(m.num_layers, p.pp, cfg.pipeline.virtual_stages, pp_rank, layers),

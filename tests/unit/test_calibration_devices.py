@@ -119,17 +119,9 @@ def test_a_gpu_profile_holds_the_device_memory_and_shares_no_cores():
 
 
 def test_cpu_measurements_run_on_the_given_device():
-    from ptdp.planner.inputs.models import ModelSpec
+    from ptdp.planner.inputs.models import gpt
 
-    model = ModelSpec(
-        name="t",
-        num_layers=1,
-        hidden_size=32,
-        num_attention_heads=4,
-        seq_length=16,
-        vocab_size=128,
-        ffn_hidden_size=128,
-    )
+    model = gpt(1, 32, 4, seq_length=16, vocab_size=128, ffn_hidden_size=128)
     rows = calibration.measure_gemms(model, 1, 1, 128, torch.float32, torch.device("cpu"))
     assert rows and all(r["flops_per_s"] > 0 for r in rows)
     assert calibration.measure_bandwidth(1 << 12, torch.device("cpu")) > 0

@@ -30,7 +30,7 @@ from ptdp.config.schema import Config, TrainConfig
 from ptdp.errors import ConfigError
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
-from ptdp.planner.inputs.models import ModelSpec
+from ptdp.planner.inputs.models import gpt
 from ptdp.planner.search.layouts import Fixed, search
 from ptdp.planner.search.predict import evaluate
 from ptdp.planner.search.request import check_model
@@ -115,19 +115,19 @@ def requests(draw) -> tuple[Config, int]:
     return Config(model=model, parallel=parallel, train=train), world
 
 
-def planner_view(config: Config) -> tuple[ModelSpec, Candidate]:
+def planner_view(config: Config) -> tuple[ModelConfig, Candidate]:
     """What ``ptdp plan`` evaluates for a resolved config: its model and its exact layout
     (gpipe and 1f1b are both v = 1 to the planner; precision fp32 as ptdp's float32)."""
     m, p, t = config.model, config.parallel, config.train
-    model = ModelSpec(
+    model = gpt(
         m.num_layers,
         m.hidden_size,
         m.num_attention_heads,
-        m.ffn,
-        m.vocab_size,
-        m.seq_length,
         num_query_groups=m.num_query_groups,
-        tied=not m.untie_embeddings_and_output_weights,
+        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+        ffn_hidden_size=m.ffn,
+        vocab_size=m.vocab_size,
+        seq_length=m.seq_length,
     )
     layout = Candidate.of(
         p.tp,
@@ -173,20 +173,20 @@ def test_every_request_is_refused_quickly_or_accepted_by_the_planner_too():
 
 
 @st.composite
-def planner_requests(draw) -> tuple[ModelSpec, int, int, Fixed]:
+def planner_requests(draw) -> tuple[ModelConfig, int, int, Fixed]:
     """A ``ptdp plan`` request: a GPT (valid for :func:`check_model`), a GPU count, a global batch
     and the layout flags given (the others are searched)."""
     heads = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]))
     groups = draw(st.none() | st.sampled_from([g for g in (1, 2, 3, 4, 8) if heads % g == 0]))
-    model = ModelSpec(
-        num_layers=draw(st.integers(1, 12)),
-        hidden_size=heads * draw(st.integers(1, 16)),
-        num_attention_heads=heads,
+    model = gpt(
+        draw(st.integers(1, 12)),
+        heads * draw(st.integers(1, 16)),
+        heads,
         ffn_hidden_size=draw(st.none() | st.integers(1, 256)),
         vocab_size=draw(st.integers(250, 700)),
         seq_length=draw(st.integers(1, 64)),
         num_query_groups=groups,
-        tied=draw(st.booleans()),
+        untie_embeddings_and_output_weights=not draw(st.booleans()),
     )
     fixed = Fixed(
         tp=draw(st.none() | st.sampled_from([1, 2, 4])),
@@ -197,7 +197,7 @@ def planner_requests(draw) -> tuple[ModelSpec, int, int, Fixed]:
     return model, draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16])), draw(st.integers(1, 48)), fixed
 
 
-def config_of(model: ModelSpec, layout: Candidate, fixed: Fixed) -> Config:
+def config_of(model: ModelConfig, layout: Candidate, fixed: Fixed) -> Config:
     """The ``ptdp train`` request with the flags of ``ptdp plan`` (``fixed``) for a layout it lists."""
     v = layout.virtual_stages
     per_chunk = fixed.layers_per_virtual_stage or (model.num_layers // (layout.pp * v) if v > 1 else None)
@@ -250,7 +250,7 @@ def test_planner_keeps_the_interleaved_rules_of_the_virtual_stage_flag():
     """``--num-layers-per-virtual-pipeline-stage`` selects the interleaved schedule even when it
     gives one chunk per stage, so ``ptdp plan`` applies that schedule's rules as ``ptdp train`` does
     (found by the property above: the planner listed pp = 1 and m % pp != 0 layouts)."""
-    model = ModelSpec(4, 32, 4, vocab_size=300, seq_length=16)
+    model = gpt(4, 32, 4, vocab_size=300, seq_length=16)
     alone = search(model, Cluster(GPU, 1, gpus_per_node=1), 2, fixed=Fixed(layers_per_virtual_stage=2))
     assert not alone.plans and "needs pipeline_model_parallel_size >= 2, got 1" in alone.rejected[0][0].reasons[0]
     odd = search(

@@ -139,7 +139,7 @@ def test_single_process_reproducible_and_recompute_replays_masks():
 
 def test_planner_counts_saved_activations_with_dropout():
     """The bytes autograd saves with hidden and attention dropout (masks, the explicit core's
-    probabilities) against the planner's ModelSpec(dropout=True, flash_attention=False)."""
+    probabilities) against the planner's model with dropout and the unfused kernel (use_flash_attn=False)."""
     from helpers.activations import case_config
 
     for dtype in ("float32", "float64"):

@@ -12,7 +12,6 @@ from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.planner.candidate import run_candidate
-from ptdp.planner.inputs.models import spec_from_model_config
 from ptdp.planner.memory.params import rank_state_bytes, stage_param_counts
 from ptdp.run.memory_check import GiB, memory_problem, needed_bytes, rank_estimates
 
@@ -45,7 +44,7 @@ def test_each_strategy_is_counted_as_the_planner_counts_it():
     estimates = {s: rank_estimates(_config(s)) for s in STRATEGIES}
     for strategy, ranks in estimates.items():
         config = _config(strategy)
-        model, p = spec_from_model_config(config.model), config.parallel
+        model, p = config.model, config.parallel
         counts = stage_param_counts(model, p.tp, p.pp, make_vocab_size_divisible_by=128)
         layout = run_candidate(config)
         for stage, (r, n) in enumerate(zip(ranks, counts)):
@@ -56,7 +55,7 @@ def test_each_strategy_is_counted_as_the_planner_counts_it():
     assert stage0["optim_grads_params"].params < stage0["optim_grads"].params == stage0["no_shard"].params
     # optim_grads_params: a quarter of the bf16 weights plus two gathered units, fp32 gradients and
     # optimizer state a quarter
-    n = stage_param_counts(spec_from_model_config(_config("no_shard").model), 1, 2, make_vocab_size_divisible_by=128)[0]
+    n = stage_param_counts(_config("no_shard").model, 1, 2, make_vocab_size_divisible_by=128)[0]
     assert stage0["optim_grads_params"].params > 2 * n / 4
     assert stage0["optim_grads_params"].optimizer == 12 * n / 4
 

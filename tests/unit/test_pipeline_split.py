@@ -328,7 +328,6 @@ def test_the_run_checks_and_reports_use_the_split():
     with its own layers, and activations chunk by chunk when interleaved with the embedding and
     loss counted as layers (rank 1 keeps 5 layer-microbatches at its peak, not 2 x 5/3)."""
     from ptdp.planner.candidate import run_candidate
-    from ptdp.planner.inputs.models import spec_from_model_config
     from ptdp.planner.memory.activations import stage_activation_bytes
     from ptdp.planner.memory.params import stage_param_counts
     from ptdp.run.memory_check import rank_estimates
@@ -337,7 +336,7 @@ def test_the_run_checks_and_reports_use_the_split():
     assert run_candidate(config).layer_split == (1, 3, 3, 1)
     params = [r.params for r in rank_estimates(config)]
     counts = stage_param_counts(
-        spec_from_model_config(config.model),
+        config.model,
         1,
         4,
         layer_split=(1, 3, 3, 1),
@@ -357,7 +356,7 @@ def test_the_run_checks_and_reports_use_the_split():
     )
     layout = run_candidate(config)
     assert (layout.virtual_stages, layout.layer_split) == (3, (2, 2))
-    model = spec_from_model_config(config.model)
+    model = config.model
     per_mb = stage_activation_bytes(model, layout.replace(layer_split=None), 0, 1) / (7 / 3)
     estimates = rank_estimates(config)
     assert estimates[1].activations == pytest.approx(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import main
-from ptdp.planner.inputs.models import PRESETS, PUBLISHED_BATCH
+from ptdp.planner.inputs.models import PRESETS, PUBLISHED_BATCH, preset_name
 
 DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
 
@@ -65,7 +65,7 @@ def test_published_batches_equal_the_validation_tables():
     """The SC21 presets' batches are Table 1's rows of published_runs.csv; Llama 3 405B's is Table 4's."""
     with open(DATA / "published_runs.csv", newline="") as f:
         table1 = [r for r in csv.DictReader(f) if r["source"].startswith("Narayanan")]
-    shapes = {(m.num_layers, m.hidden_size, m.num_attention_heads): m.name for m in PRESETS.values()}
+    shapes = {(m.num_layers, m.hidden_size, m.num_attention_heads): preset_name(k) for k, m in PRESETS.items()}
     batches = {shapes[int(r["layers"]), int(r["hidden"]), int(r["heads"])]: int(r["global_batch"]) for r in table1}
     assert len(batches) == 10
     assert {name: PUBLISHED_BATCH[name][0] for name in batches} == batches

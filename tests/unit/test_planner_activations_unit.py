@@ -10,7 +10,6 @@ import pytest
 
 from helpers.activations import CASES, DTYPES, MODEL, TOLERANCE, _table, compared
 from ptdp.config.model import ModelConfig
-from ptdp.planner.inputs.models import spec_from_model_config
 
 
 @pytest.mark.parametrize("world", [1])  # worlds 2 and 4: tests/dist/test_planner_activations.py
@@ -21,9 +20,8 @@ def test_activation_peak_per_rank_within_tolerance(world):
     assert worst <= TOLERANCE, _table(rows)
 
 
-def test_spec_from_model_config_describes_ptdp_attention_and_dropout():
+def test_model_config_describes_ptdp_attention_and_dropout():
     cfg = ModelConfig(**MODEL)
-    spec = spec_from_model_config(cfg)
-    assert spec.flash_attention and not spec.dropout
+    assert cfg.flash_attention and not cfg.has_dropout
 
-    assert spec_from_model_config(dataclasses.replace(cfg, hidden_dropout=0.1)).dropout
+    assert dataclasses.replace(cfg, hidden_dropout=0.1).has_dropout

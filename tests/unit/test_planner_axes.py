@@ -14,7 +14,7 @@ from ptdp import cli
 from ptdp.layout.buckets import chunk_by_chunk
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster, get_gpu
-from ptdp.planner.inputs.models import ModelSpec, get_model
+from ptdp.planner.inputs.models import get_model, gpt
 from ptdp.planner.memory.activations import rank_activation_bytes
 from ptdp.planner.memory.breakdown import memory_breakdown
 from ptdp.planner.memory.cp_local import kv_buffer_bytes
@@ -30,18 +30,21 @@ LINKS = Links(
     nvlink_bandwidth=400e9, network_bandwidth=40e9, nvlink_latency=5e-6, network_latency=10e-6, gpus_per_node=8
 )
 # a small Llama-like model: grouped-query attention, SwiGLU, no dropout; s divisible by 2 * 8
-LLAMA = ModelSpec(
-    num_layers=4,
-    hidden_size=256,
-    num_attention_heads=8,
+LLAMA = gpt(
+    4,
+    256,
+    8,
     num_query_groups=2,
     ffn_hidden_size=512,
     vocab_size=1000,
     seq_length=1024,
     swiglu=True,
-    tied=False,
-    llama_style=True,
-    dropout=False,
+    untie_embeddings_and_output_weights=True,
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    add_bias_linear=False,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
 )
 
 
@@ -50,7 +53,7 @@ LLAMA = ModelSpec(
 def test_activations_per_rank_are_divided_by_cp_plus_the_kv_buffers(flash, recompute, sp):
     """Every kept tensor is per token of the rank's s/cp tokens; an unfused kernel's scores are
     (s/cp) x s per rank, 1/cp of s x s too. On top: the key/value buffers of the running layer."""
-    model = dataclasses.replace(LLAMA, flash_attention=flash)
+    model = dataclasses.replace(LLAMA, use_flash_attn=flash)
     base = Candidate.of(
         tp=2, pp=2, dp=1, micro_batch_size=2, global_batch_size=8, recompute=recompute, sequence_parallel=sp
     )
@@ -175,7 +178,7 @@ def test_cp_divides_the_step_work_and_reduces_over_dp_times_cp():
     to all s keys, vs 1 microbatch of s tokens: the same FLOPs (only GEMM shapes differ), a
     key/value exchange, gradients reduced over 2 ranks either way."""
     for flash in (True, False):
-        model = dataclasses.replace(LLAMA, flash_attention=flash, seq_length=4096)
+        model = dataclasses.replace(LLAMA, use_flash_attn=flash, seq_length=4096)
         cluster = Cluster(H100, 2, 8)
         cp = evaluate_performance(model, Candidate.of(1, 1, 1, 1, 2, cp=2), cluster)
         dp = evaluate_performance(model, Candidate.of(1, 1, 2, 1, 2), cluster)

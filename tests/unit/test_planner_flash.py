@@ -12,13 +12,13 @@ import pytest
 from ptdp.cli import build_parser
 from ptdp.commands.plan import model_from_args
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
-from ptdp.planner.inputs.models import PRESETS, ModelSpec, get_model
+from ptdp.planner.inputs.models import PRESETS, get_model, gpt
 from ptdp.planner.memory.activations import layer_activation_bytes
 from ptdp.planner.search.layouts import Fixed, search
 from ptdp.planner.time import flops
 
 # GPT with dropout (the [K22] setting): a = 16, h = 1024, s = 2048, b = 2
-GPT = ModelSpec(4, 1024, 16, vocab_size=51200, seq_length=2048, dropout=True)
+GPT = gpt(4, 1024, 16, vocab_size=51200, seq_length=2048)
 
 
 def _bytes(model, t, sp, rec, b=2):
@@ -29,7 +29,7 @@ def _bytes(model, t, sp, rec, b=2):
 def test_unfused_and_flash_bytes_follow_k22(t):
     s, b, h, a = GPT.seq_length, 2, GPT.hidden_size, GPT.num_attention_heads
     sbh = s * b * h
-    flash = dataclasses.replace(GPT, flash_attention=True)
+    flash = dataclasses.replace(GPT, use_flash_attn=True)
     lse = 4 * a * s * b  # one fp32 log-sum-exp per head and token
     if t == 1:
         assert _bytes(GPT, 1, False, "none") == 34 * sbh + 5 * a * s * s * b
@@ -48,7 +48,7 @@ def test_unfused_and_flash_bytes_follow_k22(t):
 
 def test_flash_saves_the_scores_at_long_sequences():
     llama = get_model("llama3-405b")
-    unfused = dataclasses.replace(llama, flash_attention=False)
+    unfused = dataclasses.replace(llama, use_flash_attn=False)
     # at s = 8192 the unfused kernel's 2 a s bytes per token are 4x everything else (a = 128)
     ratio = _bytes(unfused, 8, True, "none", b=1) / _bytes(llama, 8, True, "none", b=1)
     s, h, a, kv, ffn = 8192, 16384, 128, 8, 53248
@@ -60,7 +60,7 @@ def test_flash_saves_the_scores_at_long_sequences():
 
 
 def test_selective_recompute_costs_nothing_with_flash():
-    flash = dataclasses.replace(GPT, flash_attention=True)
+    flash = dataclasses.replace(GPT, use_flash_attn=True)
     base = flops.model_flops_per_step(flash, 64)
     assert flops.hardware_flops_per_step(flash, 64, "selective") == base
     assert flops.hardware_flops_per_step(GPT, 64, "selective") == pytest.approx(
@@ -73,7 +73,7 @@ def test_selective_recompute_costs_nothing_with_flash():
 
 def test_flash_attention_time_is_compute_bound_causal_half():
     kw = (312e12, 1.6e12, 0.77, 64.0)
-    flash = dataclasses.replace(GPT, flash_attention=True)
+    flash = dataclasses.replace(GPT, use_flash_attn=True)
     fwd_f, bwd_f, _ = flops.layer_compute_times(flash, 1, 1, False, *kw)
     fwd_u, bwd_u, core_u = flops.layer_compute_times(GPT, 1, 1, False, *kw)
     s, d = GPT.seq_length, GPT.hidden_size // GPT.num_attention_heads

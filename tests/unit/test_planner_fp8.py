@@ -11,7 +11,7 @@ from ptdp.cli import main
 from ptdp.errors import ConfigError
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
-from ptdp.planner.inputs.models import ModelSpec, get_model
+from ptdp.planner.inputs.models import get_model, gpt
 from ptdp.planner.memory.activations import layer_activation_bytes
 from ptdp.planner.memory.breakdown import memory_breakdown
 from ptdp.planner.memory.fp8 import FP8_WEIGHT_COPY_BYTES, fp8_precision, layer_fp8_weights
@@ -24,7 +24,7 @@ H100 = CATALOG["h100-sxm"]
 
 
 @pytest.mark.parametrize(
-    "model", [get_model("llama3-8b"), ModelSpec(4, 1024, 16, seq_length=2048)], ids=["swiglu-gqa", "gpt"]
+    "model", [get_model("llama3-8b"), gpt(4, 1024, 16, seq_length=2048)], ids=["swiglu-gqa", "gpt"]
 )
 @pytest.mark.parametrize("t,sp", [(1, False), (4, False), (4, True)])
 def test_fp8_keeps_the_four_gemm_inputs_in_one_byte(model, t, sp):

@@ -17,7 +17,7 @@ import pytest
 
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
-from ptdp.planner.inputs.models import ModelSpec
+from ptdp.planner.inputs.models import gpt
 from ptdp.planner.time import flops
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants
 from ptdp.planner.time.step import evaluate_performance
@@ -80,8 +80,10 @@ def test_step_time_in_the_notes_is_the_one_derived(runs):
 
 
 def test_megatron_convention_is_the_planners_model_flops():
-    gpt = ModelSpec(24, 2048, 16, 8192, 131072, 4096, tied=False)
-    assert megatron_2024_flops(gpt, 192) == pytest.approx(flops.model_flops_per_step(gpt, 192), rel=1e-12)
+    model_gpt = gpt(
+        24, 2048, 16, untie_embeddings_and_output_weights=True, ffn_hidden_size=8192, vocab_size=131072, seq_length=4096
+    )
+    assert megatron_2024_flops(model_gpt, 192) == pytest.approx(flops.model_flops_per_step(model_gpt, 192), rel=1e-12)
 
 
 def test_palm_convention_counts_every_parameter(runs):
@@ -145,7 +147,7 @@ def test_for_gpu_picks_the_generation():
 
 
 def test_tp_overlap_hides_that_share_of_tp_time():
-    model = ModelSpec(24, 4096, 32, vocab_size=51200, seq_length=2048)
+    model = gpt(24, 4096, 32, vocab_size=51200, seq_length=2048)
     layout = Candidate.of(tp=8, pp=1, dp=1, micro_batch_size=1, global_batch_size=4, sequence_parallel=True)
     cluster = Cluster(CATALOG["h100-sxm"], 8)
     base = evaluate_performance(model, layout, cluster).time
@@ -159,7 +161,7 @@ def test_tp_overlap_hides_that_share_of_tp_time():
 
 def test_interleaving_divides_an_explicit_splits_fill():
     """An explicit split equal to the even one gives the even split's bubble, interleaved too."""
-    model = ModelSpec(32, 4096, 32, vocab_size=51200, seq_length=2048)
+    model = gpt(32, 4096, 32, vocab_size=51200, seq_length=2048)
     layout = Candidate.of(tp=2, pp=4, dp=1, micro_batch_size=1, global_batch_size=16, virtual_stages=2)
     cluster = Cluster(CATALOG["h100-sxm"], 8)
     even = evaluate_performance(model, layout, cluster).time
@@ -177,7 +179,7 @@ def test_run_constants_follow_the_run(runs):
 
 
 def test_tp_comm_overlap_hides_tp_minus_one_of_tp_chunks_with_sequence_parallelism():
-    model = ModelSpec(24, 4096, 32, vocab_size=51200, seq_length=2048)
+    model = gpt(24, 4096, 32, vocab_size=51200, seq_length=2048)
     cluster = Cluster(CATALOG["h100-sxm"], 8)
     on = dataclasses.replace(DEFAULT_CONSTANTS, tp_comm_overlap=True)
     for tp in (2, 4, 8):
@@ -192,7 +194,7 @@ def test_tp_comm_overlap_hides_tp_minus_one_of_tp_chunks_with_sequence_paralleli
 
 
 def test_pp_overlap_hides_steady_state_transfers_of_the_interleaved_schedule_only():
-    model = ModelSpec(32, 8192, 64, vocab_size=32000, seq_length=4096, flash_attention=True)
+    model = gpt(32, 8192, 64, vocab_size=32000, seq_length=4096, use_flash_attn=True)
     cluster = Cluster(CATALOG["h100-sxm"], 16)  # pp crosses nodes: transfers on the network
     on = dataclasses.replace(DEFAULT_CONSTANTS, pp_overlap=True)
     layout = Candidate.of(tp=1, pp=4, dp=4, micro_batch_size=1, global_batch_size=128, virtual_stages=4)
@@ -206,7 +208,9 @@ def test_pp_overlap_hides_steady_state_transfers_of_the_interleaved_schedule_onl
 @pytest.mark.parametrize("sharding,m", [("optim", 1), ("optim", 4), ("no_shard", 2)])
 def test_overlap_window_hides_one_microbatch_of_the_end_reduction(sharding, m):
     """dp_comm with the window = what exceeds one microbatch's compute on the busiest stage."""
-    model = ModelSpec(32, 7168, 56, vocab_size=131072, seq_length=4096, tied=False, flash_attention=True)
+    model = gpt(
+        32, 7168, 56, vocab_size=131072, seq_length=4096, untie_embeddings_and_output_weights=True, use_flash_attn=True
+    )
     layout = Candidate.of(
         tp=8, pp=1, dp=48, micro_batch_size=4 // m, global_batch_size=192, sequence_parallel=True, sharding=sharding
     )

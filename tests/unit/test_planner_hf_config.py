@@ -82,13 +82,13 @@ def test_fields_mapped(tmp_path):
         model.vocab_size,
         model.seq_length,
     ) == (2, 64, 4, 2, 96, 300, 128)
-    assert model.tied and model.swiglu and model.flash_attention and not model.dropout and notes == []
+    assert model.tied and model.swiglu and model.flash_attention and not model.has_dropout and notes == []
     assert model.linears_with_bias == ("qkv",) and not model.has_position_table and model.uses_rmsnorm
     assert load_hf_config(tmp_path, seq_length=32)[0].seq_length == 32
     gpt2 = tmp_path / "gpt2"
     _save(gpt2, "gpt2", tied=True)
     model, _ = load_hf_config(gpt2)
-    assert model.seq_length == 96 and model.has_position_table and model.dropout and model.ffn == 256
+    assert model.seq_length == 96 and model.has_position_table and model.has_dropout and model.ffn == 256
 
 
 def _write(tmp_path, config: dict):

@@ -14,7 +14,7 @@ from ptdp.errors import ConfigError
 from ptdp.layout.pipeline.partition import stage_layer_ids
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, GiB
-from ptdp.planner.inputs.models import PRESETS, ModelSpec
+from ptdp.planner.inputs.models import PRESETS, gpt
 from ptdp.planner.memory.activations import inflight_microbatches, layer_activation_bytes
 from ptdp.planner.memory.breakdown import DEFAULT_OVERHEAD_BYTES, memory_breakdown
 from ptdp.planner.memory.params import bytes_per_param, stage_param_counts
@@ -64,7 +64,9 @@ def test_param_counts_equal_ptdp_gpt_numel(tp, pp, tied, split, divisible):
         make_vocab_size_divisible_by=divisible,
         untie_embeddings_and_output_weights=not tied,
     )
-    spec = ModelSpec(layers, 32, 4, 48, vocab_size=303, seq_length=8, tied=tied)
+    spec = gpt(
+        layers, 32, 4, vocab_size=303, seq_length=8, untie_embeddings_and_output_weights=not tied, ffn_hidden_size=48
+    )
     predicted = stage_param_counts(spec, tp, pp, make_vocab_size_divisible_by=divisible, layer_split=split)
     assert predicted == _real_stage_numels(cfg, tp, pp, split)
 
@@ -125,7 +127,7 @@ def test_inflight_microbatches_1f1b_gpipe_interleaved():
 
 def test_activation_formulas_match_korthikanti():
     """[K22] eq. 1-2 and §5 for the 22B model of its Table 3 (t = 8, b = 4)."""
-    m = ModelSpec(48, 6144, 64, vocab_size=51200, seq_length=2048)
+    m = gpt(48, 6144, 64, vocab_size=51200, seq_length=2048)
     s, b, h, a, t = 2048, 4, 6144, 64, 8
     sbh = s * b * h
     assert layer_activation_bytes(m, 1, b, sequence_parallel=False, recompute="none") == pytest.approx(
@@ -148,17 +150,17 @@ def test_activation_formulas_match_korthikanti():
 
 
 def test_gqa_swiglu_generalisation_reduces_to_gpt():
-    gpt = ModelSpec(4, 1024, 16)
-    as_gqa = dataclasses.replace(gpt, num_query_groups=16)
+    model_gpt = gpt(4, 1024, 16)
+    as_gqa = dataclasses.replace(model_gpt, num_query_groups=16)
     for rec in ("none", "selective", "full"):
         for sp in (False, True):
-            assert layer_activation_bytes(gpt, 4, 2, sequence_parallel=sp, recompute=rec) == layer_activation_bytes(
-                as_gqa, 4, 2, sequence_parallel=sp, recompute=rec
-            )
-    fewer_kv = dataclasses.replace(gpt, num_query_groups=4)
+            assert layer_activation_bytes(
+                model_gpt, 4, 2, sequence_parallel=sp, recompute=rec
+            ) == layer_activation_bytes(as_gqa, 4, 2, sequence_parallel=sp, recompute=rec)
+    fewer_kv = dataclasses.replace(model_gpt, num_query_groups=4)
     assert layer_activation_bytes(
         fewer_kv, 1, 1, sequence_parallel=False, recompute="selective"
-    ) < layer_activation_bytes(gpt, 1, 1, sequence_parallel=False, recompute="selective")
+    ) < layer_activation_bytes(model_gpt, 1, 1, sequence_parallel=False, recompute="selective")
 
 
 def test_monotonicity():
@@ -185,7 +187,7 @@ def test_monotonicity():
 
 
 def test_memory_breakdown_fields_and_stage():
-    model = ModelSpec(8, 256, 8, vocab_size=50000, seq_length=512)
+    model = gpt(8, 256, 8, vocab_size=50000, seq_length=512)
     layout = Candidate.of(tp=2, pp=4, dp=1, micro_batch_size=2, global_batch_size=16, precision="bf16")
     mem = memory_breakdown(model, layout, A100)
     counts = stage_param_counts(model, 2, 4)
@@ -202,7 +204,7 @@ def test_memory_breakdown_fields_and_stage():
     fp32 = memory_breakdown(model, layout.replace(precision="fp32"), A100)
     assert fp32.params + fp32.grads + fp32.optimizer == 16 * counts[fp32.stage]
     assert mem.activations < fp32.activations < 2 * mem.activations
-    no_dropout = dataclasses.replace(model, dropout=False)
+    no_dropout = dataclasses.replace(model, hidden_dropout=0.0, attention_dropout=0.0)
     for rec in ("none", "selective", "full"):
         assert layer_activation_bytes(
             no_dropout, 2, 2, sequence_parallel=False, recompute=rec, precision="fp32"

@@ -8,7 +8,7 @@ import pytest
 
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
-from ptdp.planner.inputs.models import PRESETS, ModelSpec
+from ptdp.planner.inputs.models import PRESETS, gpt
 from ptdp.planner.time import flops
 from ptdp.planner.time.collectives import (
     Links,
@@ -163,7 +163,7 @@ def test_performance_bookkeeping():
 
 
 def test_uneven_split_and_constants_are_hashable():
-    m = ModelSpec(10, 1024, 16, vocab_size=32000, seq_length=1024)
+    m = gpt(10, 1024, 16, vocab_size=32000, seq_length=1024)
     layout = Candidate.of(tp=2, pp=3, dp=1, micro_batch_size=1, global_batch_size=12)
     p = evaluate_performance(m, layout, Cluster(A100, 8), layer_split=(4, 3, 3))
     even = evaluate_performance(dataclasses.replace(m, num_layers=12), layout, Cluster(A100, 8))

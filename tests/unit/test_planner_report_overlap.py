@@ -11,7 +11,6 @@ import pytest
 import ptdp
 from ptdp.planner.candidate import run_candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
-from ptdp.planner.inputs.models import spec_from_model_config
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS
 from ptdp.planner.time.profile import save_profile
 from ptdp.planner.time.step import evaluate_performance
@@ -34,7 +33,7 @@ def test_report_credits_the_runs_overlap_grad_reduce(tmp_path, overlap):
 
     def predicted(window: bool) -> float:
         c = dataclasses.replace(DEFAULT_CONSTANTS, overlap_window=window)
-        model = spec_from_model_config(config.model)
+        model = config.model
         return evaluate_performance(
             model, layout, cluster, c, make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by
         ).time.step

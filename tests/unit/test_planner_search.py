@@ -13,7 +13,7 @@ from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
-from ptdp.planner.inputs.models import PRESETS, ModelSpec
+from ptdp.planner.inputs.models import PRESETS, gpt
 from ptdp.planner.search.layouts import Fixed, search
 from ptdp.planner.search.predict import evaluate
 from ptdp.planner.splits import split_options
@@ -29,13 +29,12 @@ def table1_rows() -> list[dict]:
 
 @pytest.mark.parametrize("row", table1_rows(), ids=lambda r: r["model"])
 def test_search_beats_or_matches_published_layout_and_lists_it_as_fitting(row):
-    model = ModelSpec(
+    model = gpt(
         int(row["layers"]),
         int(row["hidden"]),
         int(row["heads"]),
         vocab_size=int(row["vocab"]),
         seq_length=int(row["seq_len"]),
-        name=row["model"],
     )
     gpus, big_b = int(row["gpus"]), int(row["global_batch"])
     cluster = Cluster(A100, gpus)
@@ -147,9 +146,9 @@ def test_bad_requests_are_clear_errors(extra, message, capsys):
 
 
 def test_tensor_parallel_groups_never_straddle_nodes():
-    from ptdp.planner.inputs.models import ModelSpec
+    from ptdp.planner.inputs.models import gpt
 
-    model = ModelSpec(24, 3072, 24, name="t")
+    model = gpt(24, 3072, 24)
     result = search(model, Cluster(A100, 24), 96, fixed=Fixed(tp=6))
     assert not result.plans
     assert any("tp=6 does not divide the 8 GPUs of a node" in p.reasons[0] for p, _ in result.rejected)

@@ -15,7 +15,7 @@ from ptdp.config.schema import Config, TrainConfig
 from ptdp.layout.pipeline.partition import first_last_of, first_last_split
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
-from ptdp.planner.inputs.models import ModelSpec, get_model
+from ptdp.planner.inputs.models import get_model, gpt
 from ptdp.planner.memory.activations import inflight_layer_microbatches, stage_activation_bytes
 from ptdp.planner.memory.breakdown import memory_breakdown
 from ptdp.planner.memory.params import stage_param_counts
@@ -79,7 +79,7 @@ def test_flags_and_description_of_a_split():
 
 # A small GPT worked by hand: h = 64, a = 4, s = 32, V = 1000 (padded to 1024), tied, dropout,
 # unfused attention; 6 layers over pp = 3 as (1, 4, 1); b = 1, m = 8, tp = dp = 1, bf16, 1F1B.
-SMALL = ModelSpec(6, 64, 4, vocab_size=1000, seq_length=32, dropout=True, flash_attention=False)
+SMALL = gpt(6, 64, 4, vocab_size=1000, seq_length=32, use_flash_attn=False)
 SMALL_LAYOUT = Candidate.of(tp=1, pp=3, dp=1, micro_batch_size=1, global_batch_size=8, layer_split=(1, 4, 1))
 
 

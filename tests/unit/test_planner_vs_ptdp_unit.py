@@ -51,7 +51,7 @@ def test_shared_cores_bound_the_step_from_below():
 
     from ptdp.planner.candidate import Candidate
     from ptdp.planner.inputs.hardware import Cluster
-    from ptdp.planner.inputs.models import ModelSpec
+    from ptdp.planner.inputs.models import gpt
     from ptdp.planner.time.step import evaluate_performance
 
     cpu = dataclasses.replace(
@@ -73,7 +73,7 @@ def test_shared_cores_bound_the_step_from_below():
         layer_overhead=2e-3,
         head_overhead=5e-3,
     )
-    model = ModelSpec(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=4096)
+    model = gpt(4, 128, 4, seq_length=128, vocab_size=4096)
     layout = Candidate.of(2, 2, 2, 4, 32, precision="fp32")
     alone = evaluate_performance(model, layout, Cluster(cpu, 8, 8), constants)
     shared = evaluate_performance(model, layout, Cluster(dataclasses.replace(cpu, shared_cores=2), 8, 8), constants)

@@ -11,7 +11,6 @@ import pytest
 from helpers.layout_cases import tiny_config
 from ptdp.planner.candidate import run_candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster, GPUSpec
-from ptdp.planner.inputs.models import spec_from_model_config
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS
 from ptdp.planner.time.profile import save_profile
 from ptdp.planner.time.step import evaluate_performance
@@ -46,7 +45,7 @@ def test_the_step_flops_are_the_planners_mfu_numerator_whatever_the_recompute(re
         recompute_granularity=recompute,
     )
     cluster = Cluster(CATALOG["h100"], cfg.world_size)
-    perf = evaluate_performance(spec_from_model_config(cfg.model), run_candidate(cfg), cluster, DEFAULT_CONSTANTS)
+    perf = evaluate_performance(cfg.model, run_candidate(cfg), cluster, DEFAULT_CONSTANTS)
     assert step_model_flops(cfg) == perf.model_flops
     assert step_model_flops(cfg) == step_model_flops(
         tiny_config(

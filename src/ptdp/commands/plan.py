@@ -7,15 +7,17 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from ptdp.config.model import ModelConfig
 from ptdp.errors import ConfigError
 from ptdp.layout.pipeline.partition import stage_layer_counts, virtual_stages
 from ptdp.planner.inputs.hardware import CATALOG, Cluster, GiB, GPUSpec, get_gpu, load_catalog, runs_flash_attention
-from ptdp.planner.inputs.hf_config import is_config_path, load_hf_config
+from ptdp.planner.inputs.hf_config import hf_model_name, is_config_path, load_hf_config
 from ptdp.planner.inputs.models import (
     PRESETS,
     PUBLISHED_BATCH,
-    ModelSpec,
     get_model,
+    gpt,
+    preset_name,
     published_batch,
     token_budget_batch,
 )
@@ -50,34 +52,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_plan_arguments(parser)
 
 
-_SHAPE_FLAGS = {
-    "num_layers": "num_layers",
-    "hidden_size": "hidden_size",
-    "num_attention_heads": "num_attention_heads",
-    "ffn_hidden_size": "ffn_hidden_size",
-    "vocab_size": "vocab_size",
-    "seq_length": "seq_length",
-    "num_query_groups": "num_query_groups",
-}
+#: The model flags ``ptdp plan`` shares with ``ptdp train``: they change the preset's shape.
+_SHAPE_FLAGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "vocab_size",
+    "seq_length",
+    "num_query_groups",
+    "swiglu",
+    "untie_embeddings_and_output_weights",
+)
 
 
 def model_from_args(
-    args: argparse.Namespace, gpu: GPUSpec | None = None, base: ModelSpec | None = None
-) -> tuple[ModelSpec, list[str]]:
+    args: argparse.Namespace, gpu: GPUSpec | None = None, base: ModelConfig | None = None
+) -> tuple[ModelConfig, list[str]]:
     """The model ``--model`` names (a preset, or a Hugging Face config.json file or folder), or
-    ``base``, with any shape flags applied, or a model from the flags alone; and notes on what a
-    config holds that the planner does not model.
+    ``base``, with any shape flags applied, or a GPT from the flags alone
+    (:func:`~ptdp.planner.inputs.models.gpt`); and notes on what a config holds that the planner
+    does not model.
 
     Attention kernel: ``--use-flash-attn`` / ``--no-use-flash-attn`` when given; else the
     model's (flash for the Llama presets and Hugging Face configs, unfused for the
     Megatron-paper GPT presets and shape flags), made flash on H100/H200-class ``gpu``
     (:func:`~ptdp.planner.inputs.hardware.runs_flash_attention`), where every current training stack
     runs a fused kernel."""
-    overrides = {field: getattr(args, flag) for flag, field in _SHAPE_FLAGS.items() if getattr(args, flag) is not None}
-    if args.swiglu is not None:  # --swiglu / --no-swiglu; not given: the preset's
-        overrides["swiglu"] = args.swiglu
-    if args.untie_embeddings_and_output_weights is not None:
-        overrides["tied"] = not args.untie_embeddings_and_output_weights
+    overrides = {name: getattr(args, name) for name in _SHAPE_FLAGS if getattr(args, name) is not None}
     notes: list[str] = []
     if base is not None:
         model = base
@@ -98,11 +100,21 @@ def model_from_args(
         ]
         if missing:
             raise ConfigError(f"give --model NAME or the model shape: missing {', '.join(missing)}")
-        model = ModelSpec(**overrides, name="custom")
+        model = gpt(**overrides)
     flash = getattr(args, "use_flash_attn", None)
     if flash is None:
         flash = model.flash_attention or (gpu is not None and runs_flash_attention(gpu))
-    return dataclasses.replace(model, **overrides, flash_attention=flash), notes
+    return dataclasses.replace(model, **overrides, use_flash_attn=flash), notes
+
+
+def model_name(args: argparse.Namespace, base: ModelConfig | None = None) -> str:
+    """The name :func:`model_from_args`'s model is reported under: a preset's (its first name),
+    ``hf:FOLDER`` for a Hugging Face config, else ``custom`` (``base``: a preset's when it is one)."""
+    if base is not None:
+        return next((name for name, preset in PRESETS.items() if preset == base), "custom")
+    if args.model and is_config_path(args.model):
+        return hf_model_name(args.model)
+    return preset_name(args.model) if args.model else "custom"
 
 
 def _hardware(args: argparse.Namespace):
@@ -224,7 +236,9 @@ def run(args: argparse.Namespace) -> int:
 class PlanRequest:
     """A ``ptdp plan`` search request, checked: what :func:`prepare` builds from the flags."""
 
-    model: ModelSpec
+    name: str
+    """The model's name in reports (a preset's, ``hf:FOLDER``, or ``custom``)."""
+    model: ModelConfig
     cluster: Cluster
     global_batch_size: int
     fixed: Fixed
@@ -252,7 +266,7 @@ class PlanRequest:
         return _explanation(result, free)
 
 
-def prepare(args: argparse.Namespace, model: ModelSpec | None = None) -> PlanRequest:
+def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanRequest:
     """Check the flags of a search and build its model, cluster and fixed choices (``model``: use
     this one instead of ``--model``, the shape flags applied to it). Raises ConfigError naming the rule."""
     if args.gpus is None:
@@ -273,10 +287,12 @@ def prepare(args: argparse.Namespace, model: ModelSpec | None = None) -> PlanReq
         cluster = Cluster(gpu, args.gpus, per_node)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    model, model_notes = model_from_args(args, gpu, base=model)
+    base = model
+    model, model_notes = model_from_args(args, gpu, base=base)
+    name = model_name(args, base=base)  # after model_from_args, which names a bad --model
     notes = [*model_notes, *notes]
     check_model(model)
-    global_batch_size, batch_source = global_batch(args.global_batch_size, model)
+    global_batch_size, batch_source = global_batch(args.global_batch_size, name, model)
     if args.global_batch_size is None:
         notes.insert(0, f"global batch size {global_batch_size}: {batch_source} (--global-batch-size to change)")
     if args.pipeline_layer_split is not None:
@@ -294,26 +310,28 @@ def prepare(args: argparse.Namespace, model: ModelSpec | None = None) -> PlanReq
         precision = fp8_precision(gpu, precision)
     constants, overlap_notes = overlap_constants(args, constants, fixed)
     notes += overlap_notes
-    return PlanRequest(model, cluster, global_batch_size, fixed, precision, constants, overhead, notes, batch_source)
+    return PlanRequest(
+        name, model, cluster, global_batch_size, fixed, precision, constants, overhead, notes, batch_source
+    )
 
 
-def global_batch(given: int | None, model: ModelSpec) -> tuple[int, str]:
+def global_batch(given: int | None, name: str, model: ModelConfig) -> tuple[int, str]:
     """(``--global-batch-size``, else the batch the preset ``model`` was published with, else for a
     preset without one 4M tokens per step; where it came from). ConfigError naming the flag for
     other models and a preset whose shape flags changed."""
     if given is not None:
         return given, "--global-batch-size"
-    published = published_batch(model)
+    published = published_batch(name, model)
     if published is not None:
-        return published[0], f"{model.name}'s published batch, {published[1]}"
+        return published[0], f"{name}'s published batch, {published[1]}"
     need = "ptdp plan needs --global-batch-size B"
-    if model.name in PUBLISHED_BATCH:
+    if name in PUBLISHED_BATCH:
         raise ConfigError(
-            f"{need}: {model.name}'s published batch ({PUBLISHED_BATCH[model.name][0]}) is for its own "
+            f"{need}: {name}'s published batch ({PUBLISHED_BATCH[name][0]}) is for its own "
             "shape, which the shape flags change"
         )
-    if model.name in PRESETS:
-        return token_budget_batch(model)
+    if name in PRESETS:
+        return token_budget_batch(name, model)
     raise ConfigError(f"{need} (or --validate CSV, or --calibrate)")
 
 
@@ -369,7 +387,14 @@ def _plan(args: argparse.Namespace) -> int:
         for note in request.notes:
             print(note)
         print(
-            text_report(request.model, request.cluster, result, top=args.top, explanation=request.explanation(result))
+            text_report(
+                request.name,
+                request.model,
+                request.cluster,
+                result,
+                top=args.top,
+                explanation=request.explanation(result),
+            )
         )
     if args.plot and not result.plans:
         print(f"ptdp plan: no layout fits: no plot written to {args.plot}", file=sys.stderr)

@@ -57,6 +57,8 @@ class Flag:
         negate: the flag sets the field to False (``--disable-bias-linear``).
         shortcuts: extra switches setting a value (``--bf16`` -> ``params_dtype=bfloat16``).
         local: only ``ptdp train`` (its local launcher) has it, not ``python -m ptdp.train``.
+        train: ``ptdp train`` has it (False: a ``ptdp plan`` setting only, e.g. the attention kernel
+            of a run on another stack).
     """
 
     name: str
@@ -72,6 +74,7 @@ class Flag:
     shortcuts: tuple[tuple[str, Any, str], ...] = ()
     local: bool = False
     append: bool = False
+    train: bool = True
 
 
 GROUPS = {

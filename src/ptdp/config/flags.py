@@ -98,6 +98,8 @@ def add_flags(parser: argparse.ArgumentParser, command: Command, defaults: dict[
     for s in settings():
         if (command == "plan" and not s.flag.plan) or (command == "torchrun" and s.flag.local):
             continue
+        if command != "plan" and not s.flag.train:
+            continue
         if s.flag.group not in groups:
             groups[s.flag.group] = parser.add_argument_group(GROUPS[s.flag.group])
         _add(groups[s.flag.group], s, command, (defaults or {}).get(s.dest, _default(s, command)))

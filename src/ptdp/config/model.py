@@ -12,6 +12,9 @@ ParamsDtype = Literal["auto", "float32", "float64", "bfloat16", "float16"]
 """The values of ``--params-dtype``."""
 Activation = Literal["gelu", "gelu_tanh"]
 """The values of ``--activation``."""
+#: The linear layers of a transformer layer: fused QKV, attention output projection, fc1 (GELU's
+#: input, or SwiGLU's gate and up), fc2.
+LINEARS = ("qkv", "proj", "fc1", "fc2")
 
 
 def concrete_params_dtype(params_dtype: ParamsDtype, *, cuda: bool) -> ParamsDtype:
@@ -128,6 +131,26 @@ class ModelConfig:
         negate=True,
     )
     """Biases in the linear layers (QKV, attention output, fc1, fc2); norms keep theirs."""
+    linear_biases: tuple[str, ...] | None = None
+    """The linear layers (of :data:`LINEARS`) with a bias when they are not all or none (Qwen2:
+    ``("qkv",)``; a Llama config's ``attention_bias``: ``("qkv", "proj")``); ``ptdp plan`` reads it
+    from a Hugging Face config, ``ptdp train`` builds biases on all four or none. None: as
+    ``add_bias_linear`` says."""
+    use_flash_attn: bool | None = opt(
+        None,
+        "--use-flash-attn",
+        "attention by a fused flash kernel (no s x s scores kept or written; selective recompute "
+        "then saves nothing); default: flash for the Llama presets, Hugging Face configs and on "
+        "H100/H200-class GPUs, the unfused kernel of the published runs for the Megatron-paper "
+        "GPT presets and other models on older GPUs",
+        "model",
+        plan=True,
+        train=False,
+    )
+    """Attention by a fused kernel that keeps no ``a s x s`` score matrix for backward (FlashAttention;
+    ``ptdp train``'s ``scaled_dot_product_attention``), only a log-sum-exp per head and token. A
+    ``ptdp plan`` setting for runs on other stacks; None: what ``ptdp train`` does, fused unless
+    ``attention_dropout`` (then the probabilities and their mask are kept, as unfused kernels do)."""
     hidden_dropout: float = opt(
         0.0,
         "--hidden-dropout",
@@ -205,6 +228,43 @@ class ModelConfig:
     def kv_heads(self) -> int:
         """Key/value heads: ``num_query_groups``, or one per query head without it."""
         return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+    @property
+    def tied(self) -> bool:
+        """The output layer reads the input embedding's table."""
+        return not self.untie_embeddings_and_output_weights
+
+    @property
+    def uses_rmsnorm(self) -> bool:
+        """Norms are RMSNorm (a weight of h) rather than LayerNorm (weight and bias, 2h)."""
+        return self.normalization == "RMSNorm"
+
+    @property
+    def linears_with_bias(self) -> tuple[str, ...]:
+        """The linear layers (of :data:`LINEARS`) that have a bias."""
+        if self.linear_biases is not None:
+            return self.linear_biases
+        return LINEARS if self.add_bias_linear else ()
+
+    @property
+    def has_position_table(self) -> bool:
+        """A learned ``[s, h]`` position table on the first stage (not with rotary positions)."""
+        return self.position_embedding_type == "learned_absolute"
+
+    @property
+    def llama_style(self) -> bool:
+        """RMSNorm, rotary positions and no bias on every linear layer: Llama's elementwise work."""
+        return self.uses_rmsnorm and not self.has_position_table and not self.add_bias_linear
+
+    @property
+    def flash_attention(self) -> bool:
+        """Attention keeps no score matrix: ``use_flash_attn``, else no attention dropout."""
+        return self.use_flash_attn if self.use_flash_attn is not None else not self.attention_dropout
+
+    @property
+    def has_dropout(self) -> bool:
+        """Trained with dropout: each dropout keeps a 1-byte mask per value for backward."""
+        return bool(self.hidden_dropout or self.attention_dropout)
 
     @property
     def family(self) -> str:

@@ -25,6 +25,7 @@ from ptdp.config.parallel import ParallelConfig
 from ptdp.config.rules import (
     finite_violations,
     layout_violations,
+    llama_option_violations,
     model_option_violations,
     positive_violations,
     recompute_violations,
@@ -68,6 +69,7 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
         embedding=p.account_for_embedding_in_pipeline_split,
         loss=p.account_for_loss_in_pipeline_split,
     )
+    errors += llama_option_violations(m, p.tp)
     errors += train_violations(t) + profile_violations(t, world_size)
     if not errors:
         errors += schedule_violations(p, m.num_layers, t.global_batch_size // (t.micro_batch_size * dp))

@@ -58,7 +58,8 @@ def model_violations(
     embedding: bool = False,
     loss: bool = False,
 ) -> list[Violation]:
-    """Rules tying the model to tp and pp (heads, hidden, ffn, layers per stage, vocabulary, dtype);
+    """Rules tying the model to tp and pp (heads, hidden, ffn, layers per stage, vocabulary, dtype;
+    the Llama-like options are :func:`llama_option_violations`);
     ``first``/``last``: the first/last stage's layers, ``embedding``/``loss``: counted as layers of the
     split (:func:`~ptdp.layout.pipeline.partition.layer_split`)."""
     out = heads_violations(m.num_attention_heads, tp)
@@ -81,7 +82,6 @@ def model_violations(
                 tp=tp,
             )
         )
-    out += llama_option_violations(m, tp)
     try:
         stage_layer_counts(
             m.num_layers, pp, layer_split(m.num_layers, pp, split, first, last, embedding=embedding, loss=loss)
@@ -327,7 +327,7 @@ def recompute_violations(m: ModelConfig, chunk_layers: list[int] | None) -> list
 
 
 def model_option_violations(m: ModelConfig) -> list[Violation]:
-    """Dropout probabilities and the activation."""
+    """Dropout probabilities, the activation, and the model settings only ``ptdp plan`` takes."""
     out = [
         V("option", f"{name}={value} must be in [0, 1) (a dropout probability; 0 disables)")
         for name, value in (("hidden_dropout", m.hidden_dropout), ("attention_dropout", m.attention_dropout))
@@ -337,6 +337,22 @@ def model_option_violations(m: ModelConfig) -> list[Violation]:
         out.append(V("option", f"activation={m.activation!r} must be one of {ACTIVATIONS}"))
     elif m.swiglu and m.activation != "gelu":
         out.append(V("option", f"activation={m.activation!r} has no effect with swiglu (the gate uses silu)"))
+    if m.use_flash_attn is not None:
+        out.append(
+            V(
+                "option",
+                f"use_flash_attn={m.use_flash_attn} is a ptdp plan setting: ptdp train runs the fused "
+                "kernel, or the explicit attention with attention_dropout > 0",
+            )
+        )
+    if m.linear_biases is not None:
+        out.append(
+            V(
+                "option",
+                f"linear_biases={m.linear_biases}: ptdp train builds biases on all four linear layers "
+                "or none (--disable-bias-linear)",
+            )
+        )
     return out
 
 

@@ -362,9 +362,12 @@ class Config:
         return p.tp * p.cp * p.pp * p.dp
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings (the resolved :attr:`pipeline_split` left out)."""
+        """The settings of a run: the resolved :attr:`pipeline_split` and the model settings only
+        ``ptdp plan`` takes (:data:`PLAN_ONLY_MODEL_FIELDS`, refused by ``resolve``) left out."""
         out = dataclasses.asdict(self)
         del out["pipeline_split"]
+        for name in PLAN_ONLY_MODEL_FIELDS:
+            del out["model"][name]
         return out
 
     def to_json(self) -> str:
@@ -392,6 +395,9 @@ class Config:
             hardware_profile=d.get("hardware_profile"),
         )
 
+
+PLAN_ONLY_MODEL_FIELDS = ("use_flash_attn", "linear_biases")
+"""Model fields ``ptdp plan`` reads and ``ptdp train`` refuses (a run on another stack)."""
 
 SECTIONS = {
     "model": ModelConfig,

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
+from ptdp.config.model import ModelConfig
 from ptdp.engine import comm
-from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.time.flops import layer_gemms
 from ptdp.planner.time.profile import save_profile
 from ptdp.run.calibration_fit import build_profile
@@ -91,7 +91,7 @@ _GPU_SIZES = (1 << 16, 1 << 20, 1 << 23, 1 << 26, 1 << 28)
 
 
 def measure_gemms(
-    model: ModelSpec, tp: int, micro_batch_size: int, vocab_local: int, dtype, device: torch.device | None = None
+    model: ModelConfig, tp: int, micro_batch_size: int, vocab_local: int, dtype, device: torch.device | None = None
 ) -> list[dict]:
     """FLOP/s of each forward GEMM shape of a layer and of the output layer, on this process's device."""
     shapes = list(layer_gemms(model, tp, micro_batch_size))
@@ -206,7 +206,6 @@ def _measure(groups, host, config, precision: str, device: torch.device | None =
     optimizer), tensor-parallel group 0 (all-reduce, layer, head), data-parallel group 0
     (all-reduce), pipeline ranks 0 and 1 of pipeline group 0 (ping-pong)."""
     from ptdp.layout.vocab import padded_vocab_size
-    from ptdp.planner.inputs.models import spec_from_model_config
 
     p, m, dtype = config.parallel, config.model, PRECISION_DTYPES[precision]
     rank = groups.global_rank
@@ -217,9 +216,7 @@ def _measure(groups, host, config, precision: str, device: torch.device | None =
 
     if rank == 0:
         vocab_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp) // p.tp
-        mine["gemms"] = measure_gemms(
-            spec_from_model_config(m), p.tp, config.train.micro_batch_size, vocab_local, dtype, device
-        )
+        mine["gemms"] = measure_gemms(m, p.tp, config.train.micro_batch_size, vocab_local, dtype, device)
         mine["bandwidth"] = measure_bandwidth(device=device)
         mine["optimizer"] = measure_optimizer(config, groups.tp, dtype, device)
     barrier()

@@ -16,9 +16,9 @@ import math
 import os
 import platform
 
+from ptdp.config.model import ModelConfig
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.inputs.hardware import Cluster, GPUSpec
-from ptdp.planner.inputs.models import ModelSpec, spec_from_model_config
 from ptdp.planner.time.collectives import hierarchical_all_reduce_time, tp_layer_comm_times
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants, links_for
 from ptdp.planner.time.data_parallel import OPT_BYTES_FULL, OPT_BYTES_SHARDED
@@ -69,7 +69,7 @@ def fit_ring(samples: list[tuple[int, float]], group_size: int | list[int]) -> t
 
 
 def fit_overheads(
-    model: ModelSpec, config, gpu: GPUSpec, constants: PerfConstants, precision: str, layer_s: float, head_s: float
+    model: ModelConfig, config, gpu: GPUSpec, constants: PerfConstants, precision: str, layer_s: float, head_s: float
 ) -> tuple[float, float]:
     """(layer_overhead, head_overhead): measured seconds of one real layer / output layer + loss
     (forward + backward, one microbatch) minus the planner's prediction from the primitives."""
@@ -147,7 +147,7 @@ def build_profile(
         pp_scatter_gather=False,
     )
     layer_overhead, head_overhead = fit_overheads(
-        spec_from_model_config(config.model), config, gpu, constants, precision, mine["layer_s"], mine["head_s"]
+        config.model, config, gpu, constants, precision, mine["layer_s"], mine["head_s"]
     )
     opt_params, opt_s = mine["optimizer"]
     opt_efficiency = min(

@@ -45,36 +45,22 @@ def rank_estimates(config: Config) -> list[RankBytes]:
     parameters, gradients and optimizer state as the run's sharding strategy keeps them over the
     dp x cp ranks, transients included; float64 counted as twice float32)."""
     from ptdp.planner.candidate import run_candidate
-    from ptdp.planner.inputs.models import spec_from_model_config
     from ptdp.planner.memory.activations import rank_activation_bytes, stage_activation_bytes
     from ptdp.planner.memory.params import rank_state_bytes, stage_param_counts
 
     m, p = config.model, config.parallel
     precision, scale = _PRECISION[m.params_dtype]
-    model = spec_from_model_config(m)
-    split = config.pipeline.layer_split
     layout = run_candidate(config, precision)
     assert layout is not None
-    layers = config.pipeline.stage_layers
-    counts = stage_param_counts(
-        model, p.tp, p.pp, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, layer_split=split
-    )
+    div = m.make_vocab_size_divisible_by
+    counts = stage_param_counts(m, p.tp, p.pp, make_vocab_size_divisible_by=div, layer_split=layout.layer_split)
     activation_bytes = rank_activation_bytes if p.cp > 1 else stage_activation_bytes
     schedule = "gpipe" if p.schedule == "gpipe" else "1f1b"
     out = []
-    for stage, (n, n_layers) in enumerate(zip(counts, layers)):
-        act = activation_bytes(
-            model,
-            layout,
-            stage,
-            n_layers,
-            schedule=schedule,
-            make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-        )
+    for stage, (n, n_layers) in enumerate(zip(counts, config.pipeline.stage_layers)):
+        act = activation_bytes(m, layout, stage, n_layers, schedule=schedule, make_vocab_size_divisible_by=div)
         # the run's sharding strategy over dp x cp, with its transients (a gradient bucket, gathered units)
-        params, grads, optimizer = rank_state_bytes(
-            model, layout, n, n_layers, stage=stage, divisible_by=m.make_vocab_size_divisible_by
-        )
+        params, grads, optimizer = rank_state_bytes(m, layout, n, n_layers, stage=stage, divisible_by=div)
         out.append(RankBytes(stage, scale * params, scale * grads, scale * optimizer, scale * act))
     return out
 
@@ -145,11 +131,10 @@ def _layer_bucket(config: Config) -> int | None:
     """A bucket of an eighth of a layer's parameters on one tp rank, when smaller than the run's:
     a sharded-gradient backward then holds about one layer's buckets instead of several
     buckets larger than a layer (:mod:`ptdp.planner.memory.transients`)."""
-    from ptdp.planner.inputs.models import spec_from_model_config
     from ptdp.planner.memory.params import layer_param_count
     from ptdp.planner.memory.strategies import DEFAULT_BUCKET_ELEMENTS
 
-    bucket = max(1, layer_param_count(spec_from_model_config(config.model), config.parallel.tp) // 8)
+    bucket = max(1, layer_param_count(config.model, config.parallel.tp) // 8)
     return bucket if bucket < (config.parallel.ddp_bucket_size or DEFAULT_BUCKET_ELEMENTS) else None
 
 

@@ -25,7 +25,6 @@ import torch
 from ptdp.config.schema import Config
 from ptdp.planner.candidate import Candidate, run_candidate
 from ptdp.planner.inputs.hardware import Cluster
-from ptdp.planner.inputs.models import spec_from_model_config
 from ptdp.planner.memory.breakdown import memory_breakdown
 from ptdp.planner.memory.params import stage_param_counts, stage_transients
 from ptdp.planner.memory.strategies import strategy_bytes_per_param
@@ -75,7 +74,7 @@ def predicted_transients(config: Config, layout: Candidate, pp_rank: int) -> dic
     (:func:`ptdp.planner.memory.params.stage_transients`, as the planner's memory counts them)."""
     m = config.model
     layers = config.pipeline.stage_layers[pp_rank]
-    params, grads = stage_transients(spec_from_model_config(m), layout, pp_rank, layers, m.make_vocab_size_divisible_by)
+    params, grads = stage_transients(m, layout, pp_rank, layers, m.make_vocab_size_divisible_by)
     weight, grad, _ = strategy_bytes_per_param(layout.precision, "no_shard", 1)
     return {"params_transient": int(weight * params), "grads_transient": int(grad * grads)}
 
@@ -99,7 +98,7 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
     layout = run_candidate(config)
     if layout is None:
         return {"note": f"the planner does not model params_dtype={config.model.params_dtype}"}
-    model, p = spec_from_model_config(config.model), config.parallel
+    model, p = config.model, config.parallel
     split = config.pipeline.layer_split
     counts = stage_param_counts(
         model, p.tp, p.pp, make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by, layer_split=split

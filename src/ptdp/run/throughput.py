@@ -28,7 +28,6 @@ import torch
 from ptdp.config.schema import Config
 from ptdp.planner.candidate import PRECISION_OF_DTYPE
 from ptdp.planner.inputs.hardware import CATALOG, GPUSpec
-from ptdp.planner.inputs.models import spec_from_model_config
 from ptdp.planner.time.flops import model_flops_per_step
 from ptdp.planner.time.profile import load_profile
 
@@ -50,7 +49,7 @@ DEVICE_NAMES = (
 def step_model_flops(config: Config) -> float:
     """Model FLOPs of one optimizer step, all GPUs together (see the module docstring);
     ``config.model.vocab_size`` should be the tokenizer's real size (as in the trainer)."""
-    return model_flops_per_step(spec_from_model_config(config.model), config.train.global_batch_size)
+    return model_flops_per_step(config.model, config.train.global_batch_size)
 
 
 def catalog_gpu(device_name: str) -> GPUSpec | None:

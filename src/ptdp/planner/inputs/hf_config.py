@@ -29,8 +29,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ptdp.config.model import ModelConfig
 from ptdp.errors import ConfigError
-from ptdp.planner.inputs.models import ModelSpec
 
 SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
 
@@ -108,7 +108,16 @@ def config_file(path: str | Path) -> Path:
     return p
 
 
-def load_hf_config(path: str | Path, *, seq_length: int | None = None) -> tuple[ModelSpec, list[str]]:
+def hf_model_name(path: str | Path) -> str:
+    """The name a model from a (readable) Hugging Face config is reported under: ``hf:`` and its
+    folder, or its ``model_type``."""
+    file = config_file(path)
+    if file.parent.name:
+        return f"hf:{file.parent.name}"
+    return f"hf:{json.loads(file.read_text(encoding='utf-8')).get('model_type')}"
+
+
+def load_hf_config(path: str | Path, *, seq_length: int | None = None) -> tuple[ModelConfig, list[str]]:
     """The planner's model for a Hugging Face ``config.json`` (a file or a folder holding it), and
     notes about what the planner does not model. ``seq_length`` replaces the config's maximum
     position count as s. Raises ConfigError for a file that is not a JSON object, an unknown
@@ -135,10 +144,9 @@ def load_hf_config(path: str | Path, *, seq_length: int | None = None) -> tuple[
             f"--model {path}: mixture-of-experts fields {', '.join(experts)} are not supported "
             f"(the planner models dense MLPs)"
         )
-    name = f"hf:{file.parent.name or kind}"
     if kind == "gpt2":
-        return _gpt2(cfg, path, name, seq_length), []
-    return _llama_like(kind, cfg, path, name, seq_length)
+        return _gpt2(cfg, path, seq_length), []
+    return _llama_like(kind, cfg, path, seq_length)
 
 
 def _int(cfg: dict, key: str, path) -> int:
@@ -148,7 +156,7 @@ def _int(cfg: dict, key: str, path) -> int:
     return value
 
 
-def _llama_like(kind: str, cfg: dict, path, name: str, seq_length: int | None) -> tuple[ModelSpec, list[str]]:
+def _llama_like(kind: str, cfg: dict, path, seq_length: int | None) -> tuple[ModelConfig, list[str]]:
     """Llama, Mistral and Qwen2: RMSNorm, rotary positions, SwiGLU, grouped-query attention."""
     h, a = _int(cfg, "hidden_size", path), _int(cfg, "num_attention_heads", path)
     kv = a if cfg.get("num_key_value_heads") is None else _int(cfg, "num_key_value_heads", path)
@@ -167,21 +175,21 @@ def _llama_like(kind: str, cfg: dict, path, name: str, seq_length: int | None) -
             ("fc1", "fc2") if cfg.get("mlp_bias") else ()
         )
     notes = _cost_notes(kind, cfg, s, path)
-    model = ModelSpec(
-        _int(cfg, "num_hidden_layers", path),
-        h,
-        a,
-        _int(cfg, "intermediate_size", path),
-        _int(cfg, "vocab_size", path),
-        s,
+    model = ModelConfig(
+        num_layers=_int(cfg, "num_hidden_layers", path),
+        hidden_size=h,
+        num_attention_heads=a,
+        ffn_hidden_size=_int(cfg, "intermediate_size", path),
+        vocab_size=_int(cfg, "vocab_size", path),
+        seq_length=s,
         num_query_groups=kv,
         swiglu=True,
-        tied=bool(cfg.get("tie_word_embeddings")),
-        llama_style=True,
-        biased_linears=biases,
-        dropout=False,
-        flash_attention=True,
-        name=name,
+        untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings"),
+        normalization="RMSNorm",
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        linear_biases=biases or None,
+        use_flash_attn=True,
     )
     return model, notes
 
@@ -208,23 +216,21 @@ def _cost_notes(kind: str, cfg: dict, s: int, path) -> list[str]:
     return notes
 
 
-def _gpt2(cfg: dict, path, name: str, seq_length: int | None) -> ModelSpec:
+def _gpt2(cfg: dict, path, seq_length: int | None) -> ModelConfig:
     """GPT-2: LayerNorm, learned positions, GELU MLP, biases; dropout masks when trained with them."""
     if cfg.get("add_cross_attention"):
         raise ConfigError(f"--model {path}: add_cross_attention=true is not supported (decoder-only models)")
     h = _int(cfg, "n_embd", path)
     ffn = 4 * h if cfg.get("n_inner") is None else _int(cfg, "n_inner", path)
     s = seq_length if seq_length is not None else _int(cfg, "n_positions", path)
-    dropout = bool(cfg.get("resid_pdrop") or cfg.get("embd_pdrop"))
-    return ModelSpec(
-        _int(cfg, "n_layer", path),
-        h,
-        _int(cfg, "n_head", path),
-        ffn,
-        _int(cfg, "vocab_size", path),
-        s,
-        tied=bool(cfg.get("tie_word_embeddings")),
-        dropout=dropout,
-        flash_attention=True,
-        name=name,
+    return ModelConfig(
+        num_layers=_int(cfg, "n_layer", path),
+        hidden_size=h,
+        num_attention_heads=_int(cfg, "n_head", path),
+        ffn_hidden_size=ffn,
+        vocab_size=_int(cfg, "vocab_size", path),
+        seq_length=s,
+        untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings"),
+        hidden_dropout=float(cfg.get("resid_pdrop") or cfg.get("embd_pdrop") or 0.0),
+        use_flash_attn=True,
     )

@@ -54,15 +54,6 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "GPT-2 model; --seq-length default: its max_position_embeddings",
     )
     g.add_argument(
-        "--use-flash-attn",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="attention by a fused flash kernel (no s x s scores kept or written; selective recompute "
-        "then saves nothing); default: flash for the Llama presets, Hugging Face configs and on "
-        "H100/H200-class GPUs, the unfused kernel of the published runs for the Megatron-paper "
-        "GPT presets and other models on older GPUs",
-    )
-    g.add_argument(
         "--fp8",
         action="store_true",
         help="plan FP8 training as Transformer Engine runs it on H100/H200 (planner only: ptdp train "

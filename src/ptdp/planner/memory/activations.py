@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from functools import lru_cache, partial
 
+from ptdp.config.model import ModelConfig
 from ptdp.layout.vocab import keeps_logits, padded_vocab_size
 from ptdp.planner.candidate import Candidate
-from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.memory.cp_local import kv_buffer_bytes, local_model, unfused_score_bytes_missing
 from ptdp.planner.splits import chunk_layers, interleaved_peak
 
@@ -43,7 +43,7 @@ def activation_value_bytes(precision: str) -> tuple[int, int]:
 
 @lru_cache(maxsize=65536)
 def layer_activation_bytes(
-    model: ModelSpec,
+    model: ModelConfig,
     tp: int,
     micro_batch_size: int,
     *,
@@ -59,7 +59,7 @@ def layer_activation_bytes(
       full recompute keeps only the layer input, ``2 s b h`` (``2 s b h / t`` with SP).
     Generalisation used for GQA and SwiGLU (same accounting, per token, 2 bytes per value):
       replicated over tp (divided by t with SP): 2 norm inputs (4h), QKV and fc1 inputs (4h),
-      2 dropout masks (2h, 1 byte each; 0 when ``model.dropout`` is False);
+      2 dropout masks (2h, 1 byte each; 0 when ``model.has_dropout`` is False);
       split over tp: q and k for the scores, v, attention context (``4 a d + 4 kv d``), MLP
       ``4 ffn`` (GELU input and output) or ``6 ffn`` (SwiGLU: the fused ``2 ffn`` fc1 output and
       the gated product); scores ``5 a s`` per token (softmax output 2, dropout mask 1, dropout
@@ -86,7 +86,7 @@ def layer_activation_bytes(
     if recompute == "full":
         return e * tokens * h / (t if sequence_parallel else 1)
     d, kv = h // a, model.kv_heads
-    mask = 1 if model.dropout else 0
+    mask = 1 if model.has_dropout else 0
     replicated = (2 * e + 2 * g + 2 * mask) * h
     mlp = (2 if model.swiglu else 1) * model.ffn  # fc1 output: GELU input, or SwiGLU's gate and up halves
     split = e * (a * d + 2 * kv * d + mlp) + g * (a * d + model.ffn)
@@ -142,7 +142,7 @@ def inflight_layer_microbatches(
 
 
 def _edge_activation_bytes(
-    model: ModelSpec,
+    model: ModelConfig,
     layout: Candidate,
     *,
     first: bool,
@@ -166,7 +166,7 @@ def _edge_activation_bytes(
     t, tokens, h = layout.tp, layout.micro_batch_size * model.seq_length, model.hidden_size
     shard = t if layout.parallel.sequence_parallel else 1
     out = 0.0
-    if first and model.dropout:
+    if first and model.has_dropout:
         out += inflight * tokens * h / shard
     if last:
         local_vocab = padded_vocab_size(model.vocab_size, divisible_by, t) // t
@@ -176,7 +176,7 @@ def _edge_activation_bytes(
 
 
 def stage_activation_bytes(
-    model: ModelSpec,
+    model: ModelConfig,
     layout: Candidate,
     pp_rank: int,
     layers_on_stage: int,
@@ -233,7 +233,7 @@ def stage_activation_bytes(
 
 
 def rank_activation_bytes(
-    model: ModelSpec,
+    model: ModelConfig,
     layout: Candidate,
     pp_rank: int,
     layers_on_stage: int,
@@ -291,7 +291,7 @@ _ACTIVATIONS: dict[tuple, float] = {}
 
 
 def cached_rank_activation_bytes(
-    model: ModelSpec, layout: Candidate, rank: int, n_layers: int, schedule: str, div: int
+    model: ModelConfig, layout: Candidate, rank: int, n_layers: int, schedule: str, div: int
 ) -> float:
     """:func:`rank_activation_bytes`, memoised on every field of ``layout`` that activations depend
     on (not the sharding strategy: a search predicts the same layout under several)."""

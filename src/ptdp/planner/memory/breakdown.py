@@ -12,9 +12,9 @@ together for the most loaded GPU (:func:`memory_breakdown`).
 
 from __future__ import annotations
 
+from ptdp.config.model import ModelConfig
 from ptdp.planner.candidate import Candidate, MemoryBreakdown
 from ptdp.planner.inputs.hardware import GiB, GPUSpec
-from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.memory.activations import cached_rank_activation_bytes
 from ptdp.planner.memory.fp8 import fp8_weight_copy_bytes
 from ptdp.planner.memory.params import (
@@ -35,7 +35,7 @@ DEFAULT_OVERHEAD_BYTES = 2 * GiB
 
 
 def _candidate_stages(
-    model: ModelSpec, layout: Candidate, layer_split: tuple[int, ...] | None, divisible_by: int
+    model: ModelConfig, layout: Candidate, layer_split: tuple[int, ...] | None, divisible_by: int
 ) -> list[tuple[int, int, int]]:
     """(pipeline rank, parameters on one tp rank, layers) of every stage that can hold the most
     bytes (:func:`memory_breakdown`): the first and the last of an even split; with ``layer_split``
@@ -60,7 +60,7 @@ def _candidate_stages(
 
 
 def memory_breakdown(
-    model: ModelSpec,
+    model: ModelConfig,
     layout: Candidate,
     gpu: GPUSpec,
     *,

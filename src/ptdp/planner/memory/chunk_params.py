@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ptdp.config.model import ModelConfig
 from ptdp.layout.vocab import padded_vocab_size
-from ptdp.planner.inputs.models import ModelSpec
 
 #: watch groups: the chunk's non-layer parameters (allocated when its backward starts), the word
 #: embedding read by the lookup alone, the learned position table (when backward reaches the sum of
@@ -30,14 +30,14 @@ class Chunk:
     last: bool
 
 
-def layer_param_sizes(model: ModelSpec, tp: int) -> tuple[int, ...]:
+def layer_param_sizes(model: ModelConfig, tp: int) -> tuple[int, ...]:
     """Elements of each parameter of one transformer layer on one tp rank, in ptdp's order
     (sums to :func:`ptdp.planner.memory.params.layer_param_count`)."""
     return tuple(n for n, _ in _layer_params(model, tp))
 
 
 @lru_cache(maxsize=256)
-def _layer_params(model: ModelSpec, tp: int, main_grad: bool = False) -> list[tuple[int, int]]:
+def _layer_params(model: ModelConfig, tp: int, main_grad: bool = False) -> list[tuple[int, int]]:
     """(elements, place in the order a layer's backward completes the gradients) of each
     parameter of one layer, in ptdp's order: ``fc2`` bias and weight (row-parallel), ``fc1``,
     ``ln2`` weight and bias, ``proj``, ``qkv``, ``ln1``; a column-parallel linear (``qkv``,
@@ -70,7 +70,7 @@ def _layer_params(model: ModelSpec, tp: int, main_grad: bool = False) -> list[tu
     return [(n, ready.index((name, kind, n))) for name, kind, n in parts]
 
 
-def chunk_params(model: ModelSpec, tp: int, chunk: Chunk, divisible_by: int) -> tuple[tuple[int, int, int], ...]:
+def chunk_params(model: ModelConfig, tp: int, chunk: Chunk, divisible_by: int) -> tuple[tuple[int, int, int], ...]:
     """(elements, watch group, unit) of each parameter of ``chunk`` on one tp rank, in ptdp's order."""
     h = model.hidden_size
     table = padded_vocab_size(model.vocab_size, divisible_by, tp) // tp * h

@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
-from ptdp.planner.inputs.models import ModelSpec
+from ptdp.config.model import ModelConfig
 
 
 @lru_cache(maxsize=4096)
-def local_model(model: ModelSpec, cp: int) -> ModelSpec:
+def local_model(model: ModelConfig, cp: int) -> ModelConfig:
     """``model`` seen by one cp rank for everything per token: ``seq_length = s / cp`` (exact: the
     rule ``s % (2 cp) == 0`` holds). ``cp = 1`` returns ``model``. Not for parameter counts (a
     learned position table is ``[s, h]`` on every rank)."""
@@ -23,14 +23,14 @@ def local_model(model: ModelSpec, cp: int) -> ModelSpec:
     return dataclasses.replace(model, seq_length=model.seq_length // cp)
 
 
-def kv_block_elements(model: ModelSpec, tp: int, cp: int, micro_batch_size: int) -> float:
+def kv_block_elements(model: ModelConfig, tp: int, cp: int, micro_batch_size: int) -> float:
     """Elements of one key (or value) block on one tp rank: ``(s / cp) b kv d / t``."""
     d = model.hidden_size // model.num_attention_heads
     return model.seq_length / cp * micro_batch_size * model.kv_heads * d / tp
 
 
 def kv_buffer_bytes(
-    model: ModelSpec, tp: int, cp: int, micro_batch_size: int, comm_type: str, bytes_per_value: float = 2.0
+    model: ModelConfig, tp: int, cp: int, micro_batch_size: int, comm_type: str, bytes_per_value: float = 2.0
 ) -> float:
     """Peak bytes of the key/value exchange of the one layer running (transient; once per stage):
     p2p ``8 B e`` (K, V, dK, dV, two blocks each), all_gather ``4 cp B e``; 0 when cp = 1."""

@@ -24,8 +24,8 @@ Engine with Megatron-Core, delayed scaling, "hybrid" E4M3 forward / E5M2 backwar
 
 from __future__ import annotations
 
+from ptdp.config.model import ModelConfig
 from ptdp.errors import ConfigError
-from ptdp.planner.inputs.models import ModelSpec
 
 #: Bytes per weight of an FP8 GEMM held besides the bf16 weight: the FP8 weight (1) and its
 #: transpose (1).
@@ -49,7 +49,7 @@ def fp8_precision(gpu, precision: str) -> str:
     return "fp8"
 
 
-def layer_fp8_weights(model: ModelSpec, tp: int) -> int:
+def layer_fp8_weights(model: ModelConfig, tp: int) -> int:
     """Weights of one layer's four FP8 GEMMs on one tp rank: QKV ``(a + 2 kv) d h / t``, projection
     ``a d h / t``, fc1 ``n ffn h / t`` (n = 2 for SwiGLU), fc2 ``ffn h / t``."""
     h, a = model.hidden_size, model.num_attention_heads
@@ -58,7 +58,7 @@ def layer_fp8_weights(model: ModelSpec, tp: int) -> int:
     return ((a + 2 * kv) * d * h + a * d * h + (up + 1) * model.ffn * h) // tp
 
 
-def fp8_weight_copy_bytes(model: ModelSpec, tp: int, layers: int, precision: str) -> float:
+def fp8_weight_copy_bytes(model: ModelConfig, tp: int, layers: int, precision: str) -> float:
     """Bytes of the FP8 weight copies on one tp rank of a stage of ``layers`` layers (0 unless
     ``precision`` is "fp8")."""
     if precision != "fp8":

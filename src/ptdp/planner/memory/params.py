@@ -12,18 +12,18 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from ptdp.config.model import ModelConfig
 from ptdp.layout.buckets import chunk_by_chunk
 from ptdp.layout.pipeline.partition import stage_layer_counts
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate
-from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.memory.chunk_params import stage_chunks
 from ptdp.planner.memory.strategies import DEFAULT_BUCKET_ELEMENTS, stage_state_bytes
 from ptdp.planner.memory.transients import rank_transients
 
 
 @lru_cache(maxsize=4096)
-def layer_param_count(model: ModelSpec, tp: int) -> int:
+def layer_param_count(model: ModelConfig, tp: int) -> int:
     """Parameters of one transformer layer on one tp rank.
 
     GPT (ptdp's ``TransformerLayer``): 2 LayerNorms (weight + bias, replicated, 4h), QKV
@@ -31,7 +31,7 @@ def layer_param_count(model: ModelSpec, tp: int) -> int:
     ``[ffn/tp, h]`` + bias ``[ffn/tp]``, fc2 ``[h, ffn/tp]`` + bias ``[h]`` (replicated).
     Llama-style: 2 RMSNorm weights (2h), QKV ``[(a + 2 kv) d / tp, h]``, proj ``[h, a d / tp]``,
     SwiGLU (or a 2-matrix MLP if ``swiglu`` is False) ``n * [ffn/tp, h]``, no biases. Mixed
-    models (``ModelSpec.rmsnorm`` / ``linear_bias`` / ``biased_linears`` set one by one) add each
+    models (``ModelConfig.rmsnorm`` / ``linear_bias`` / ``biased_linears`` set one by one) add each
     part on its own; a bias is as wide as its layer's output on this rank.
     """
     h, a, d = model.hidden_size, model.num_attention_heads, model.hidden_size // model.num_attention_heads
@@ -45,7 +45,7 @@ def layer_param_count(model: ModelSpec, tp: int) -> int:
 
 
 def stage_param_counts(
-    model: ModelSpec,
+    model: ModelConfig,
     tp: int,
     pp: int,
     *,
@@ -93,7 +93,7 @@ def bytes_per_param(precision: str, dp: int = 1, distributed_optimizer: bool = F
 
 
 def rank_state_bytes(
-    model: ModelSpec,
+    model: ModelConfig,
     layout: Candidate,
     n_params: int,
     n_layers: int,
@@ -122,7 +122,7 @@ def rank_state_bytes(
 
 
 def stage_transients(
-    model: ModelSpec, layout: Candidate, stage: int, n_layers: int, divisible_by: int = 128
+    model: ModelConfig, layout: Candidate, stage: int, n_layers: int, divisible_by: int = 128
 ) -> tuple[int, int]:
     """(gathered parameter elements, gradient bucket elements) at their peaks on a rank of pipeline
     stage ``stage`` (``n_layers`` layers) under ``layout``'s ``optim_grads`` /
@@ -152,7 +152,7 @@ def stage_transients(
 
 @lru_cache(maxsize=65536)
 def _stage_transients(
-    model: ModelSpec,
+    model: ModelConfig,
     tp: int,
     pp: int,
     v: int,
@@ -187,7 +187,7 @@ def _stage_transients(
 
 
 @lru_cache(maxsize=4096)
-def mean_stage_params(model: ModelSpec, tp: int, pp: int, divisible_by: int = 128) -> float:
+def mean_stage_params(model: ModelConfig, tp: int, pp: int, divisible_by: int = 128) -> float:
     """Mean parameters per pipeline stage on one tp rank, the same for every split of the layers
     (their sum is; the tied embedding's copy counted with pp > 1): a lower bound of the most
     loaded stage's, whatever the split. ``pp > num_layers``: 0 (no split exists)."""
@@ -200,7 +200,7 @@ def mean_stage_params(model: ModelSpec, tp: int, pp: int, divisible_by: int = 12
 
 
 @lru_cache(maxsize=65536)
-def even_stage_params(model: ModelSpec, tp: int, pp: int, divisible_by: int) -> tuple[int, int, int]:
+def even_stage_params(model: ModelConfig, tp: int, pp: int, divisible_by: int) -> tuple[int, int, int]:
     """(first, last, layers-per-stage) params for an even split; cached per (model, tp, pp)."""
     counts = stage_param_counts(model, tp, pp, make_vocab_size_divisible_by=divisible_by)
     return counts[0], counts[-1], model.num_layers // pp

@@ -58,8 +58,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ptdp.config.model import ModelConfig
 from ptdp.layout.buckets import chunk_buckets
-from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.memory.chunk_params import (
     EMBED_UNIT,
     HEAD_UNIT,
@@ -110,7 +110,7 @@ def _backward_events(params, buckets, deferred: int | None, order: list[int]) ->
 
 @lru_cache(maxsize=4096)
 def _allocation_states(
-    model: ModelSpec,
+    model: ModelConfig,
     tp: int,
     split: bool,
     bucket: int,
@@ -166,7 +166,7 @@ def _padded_peak(states: tuple[tuple[int, tuple[int, ...]], ...], d: int) -> int
     return best
 
 
-def _ready_order(model: ModelSpec, tp: int, params, word: int | None, main_grad: bool = False) -> list[int]:
+def _ready_order(model: ModelConfig, tp: int, params, word: int | None, main_grad: bool = False) -> list[int]:
     """Parameter indices of a chunk (:func:`chunk_params`) in the order a backward completes
     their gradients: the head's back to front, each layer's as :func:`_layer_params` says from
     the last layer to the first, then the others back to front, the looked-up word embedding
@@ -192,7 +192,7 @@ PERIODIC_LAYERS = 4
 
 @lru_cache(maxsize=4096)
 def rank_transients(
-    model: ModelSpec,
+    model: ModelConfig,
     tp: int,
     pp: int,
     chunks: tuple[Chunk, ...],
@@ -279,7 +279,7 @@ class _Plan:
 
 @lru_cache(maxsize=1024)
 def _chunk_plan(
-    model: ModelSpec,
+    model: ModelConfig,
     tp: int,
     split: bool,
     chunk: Chunk,
@@ -299,7 +299,7 @@ def _chunk_plan(
     return _Plan(params, buckets, raw, plan.events, in_flight)
 
 
-def _tied_copy_index(model: ModelSpec, split: bool, chunk: Chunk) -> int | None:
+def _tied_copy_index(model: ModelConfig, split: bool, chunk: Chunk) -> int | None:
     """Index in :func:`chunk_params` of the tied word embedding whose bucket is kept alone and
     never started early (``split``, pp > 1: its gradient is summed over the first and last
     stage first)."""
@@ -334,7 +334,7 @@ def _resharded_peak(units: dict[int, int]) -> int:
 
 
 def unit_gathers(
-    model: ModelSpec,
+    model: ModelConfig,
     tp: int,
     pp: int,
     chunks: tuple[Chunk, ...],

@@ -7,10 +7,10 @@ import textwrap
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
+from ptdp.config.model import ModelConfig
 from ptdp.errors import Violation
 from ptdp.planner.candidate import Plan
 from ptdp.planner.inputs.hardware import Cluster, GiB
-from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.search.layouts import SearchResult
 from ptdp.planner.splits import describe_split, split_report_lines
 
@@ -72,13 +72,19 @@ def _first_plans(result: SearchResult) -> list[Plan]:
 
 
 def text_report(
-    model: ModelSpec, cluster: Cluster, result: SearchResult, *, top: int = 10, explanation: Sequence[str] = ()
+    name: str,
+    model: ModelConfig,
+    cluster: Cluster,
+    result: SearchResult,
+    *,
+    top: int = 10,
+    explanation: Sequence[str] = (),
 ) -> str:
     """Ranked table of the ``top`` fitting layouts, the ``explanation`` lines of the pick
     (:mod:`ptdp.planner.report.explain`) and a summary of why the others were rejected."""
     gpu = cluster.gpu
     lines = [
-        f"model {model.name}: l={model.num_layers} h={model.hidden_size} a={model.num_attention_heads} "
+        f"model {name}: l={model.num_layers} h={model.hidden_size} a={model.num_attention_heads} "
         f"kv={model.kv_heads} ffn={model.ffn} V={model.vocab_size} s={model.seq_length}, "
         f"{'flash' if model.flash_attention else 'unfused'} attention"
         f"{', FP8 GEMMs' if any(p.layout.precision == 'fp8' for p in _first_plans(result)) else ''}; "

@@ -30,13 +30,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ptdp.config.fields import SHARDING_STRATEGIES
+from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.rules import schedule_violations
 from ptdp.errors import ConfigError, Violation
 from ptdp.layout.pipeline.partition import accounted_split, first_last_split
 from ptdp.planner.candidate import RECOMPUTE, Candidate, Plan
 from ptdp.planner.inputs.hardware import Cluster
-from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.search.predict import predict_strategies
 from ptdp.planner.search.rules import context_rejections, structural_rejections
 from ptdp.planner.splits import ACCOUNTING, candidate_splits, interleaved_splits
@@ -144,7 +144,7 @@ def _options(fixed_value, choices):
 
 
 def search(
-    model: ModelSpec,
+    model: ModelConfig,
     cluster: Cluster,
     global_batch_size: int,
     *,
@@ -243,7 +243,7 @@ def _strategies(fixed: Fixed, shard: int) -> list[str]:
 
 
 def _virtual_stage_pairs(
-    model: ModelSpec, tp: int, pp: int, dp: int, b: int, big_b: int, fixed: Fixed, split, search_split: bool
+    model: ModelConfig, tp: int, pp: int, dp: int, b: int, big_b: int, fixed: Fixed, split, search_split: bool
 ) -> tuple[list[tuple[int, tuple[int, ...] | None]], list[str]]:
     """((v, the split of an interleaved layout or None) pairs to plan, the flag errors that reject
     them all): the v the user fixed (directly or by layers per virtual stage), else every v whose

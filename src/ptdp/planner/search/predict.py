@@ -10,11 +10,11 @@ candidate splits of :mod:`ptdp.planner.splits`; the pruning is explained in
 
 from __future__ import annotations
 
+from ptdp.config.model import ModelConfig
 from ptdp.errors import Violation
 from ptdp.layout.buckets import chunk_by_chunk
 from ptdp.planner.candidate import Candidate, Plan
 from ptdp.planner.inputs.hardware import TFLOPS, Cluster, GiB
-from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.memory.breakdown import DEFAULT_OVERHEAD_BYTES, memory_breakdown
 from ptdp.planner.memory.params import mean_stage_params
 from ptdp.planner.memory.strategies import strategy_bytes_per_param
@@ -26,7 +26,7 @@ from ptdp.planner.time.step import evaluate_performance
 
 
 def evaluate(
-    model: ModelSpec,
+    model: ModelConfig,
     layout: Candidate,
     cluster: Cluster,
     *,

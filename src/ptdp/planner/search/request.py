@@ -7,15 +7,15 @@ import math
 import os
 from pathlib import Path
 
+from ptdp.config.model import ModelConfig
 from ptdp.config.rules import heads_violations
 from ptdp.errors import ConfigError
 from ptdp.layout.pipeline.partition import layer_split
 from ptdp.planner.inputs.hardware import Cluster
-from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.search.rules import context_rejections, kv_head_rejections
 
 
-def check_model(model: ModelSpec) -> None:
+def check_model(model: ModelConfig) -> None:
     errors = [
         f"{name}={value} must be a positive integer"
         for name, value in (
@@ -149,7 +149,7 @@ def _check_accounting(num_layers: int, fixed, counted: tuple[bool, bool]) -> Non
             raise ConfigError(f"invalid plan request:\n  {e}") from None
 
 
-def ineffective_flag_notes(model: ModelSpec, fixed) -> list[str]:
+def ineffective_flag_notes(model: ModelConfig, fixed) -> list[str]:
     """Notes on flags given that change nothing in the plan, each saying why: ``--cp-comm-type``
     with ``--cp 1`` and ``--recompute-granularity selective`` with flash attention."""
     notes = []
@@ -177,7 +177,7 @@ def check_output_path(path: str, flag: str, suffixes: tuple[str, ...] = ()) -> N
         raise ConfigError(f"{flag} {path}: use one of {', '.join(suffixes)}")
 
 
-def check_fixed_choices(model: ModelSpec, global_batch_size: int, fixed) -> None:
+def check_fixed_choices(model: ModelConfig, global_batch_size: int, fixed) -> None:
     """Fixed choices that no layout can satisfy, whatever the search tries, are a bad request
     (exit 2) rather than "no layout fits": a fixed tp that does not divide the attention heads or
     the key/value heads, a fixed cp whose ``2 cp`` chunks do not divide the sequence (the rules

@@ -20,26 +20,12 @@ from ptdp.config.rules import layout_violations, schedule_violations
 from ptdp.errors import Violation
 from ptdp.planner.candidate import PRECISIONS, RECOMPUTE, Candidate
 from ptdp.planner.inputs.hardware import Cluster
-from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.splits import accounting_of
-
-
-@functools.cache
-def _model_config(model: ModelSpec) -> ModelConfig:
-    return ModelConfig(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        ffn_hidden_size=model.ffn,
-        seq_length=model.seq_length,
-        vocab_size=model.vocab_size,
-        untie_embeddings_and_output_weights=not model.tied,
-    )
 
 
 @functools.lru_cache(maxsize=65536)
 def structural_rejections(
-    model: ModelSpec,
+    model: ModelConfig,
     tp: int,
     pp: int,
     dp: int,
@@ -52,7 +38,7 @@ def structural_rejections(
     grouped-query heads, node boundary."""
     out = []
     for v in layout_violations(
-        _model_config(model), tp=tp, pp=pp, dp=dp, micro_batch_size=b, global_batch_size=big_b, split=layer_split
+        model, tp=tp, pp=pp, dp=dp, micro_batch_size=b, global_batch_size=big_b, split=layer_split
     ):  # the rules of ptdp train
         rule = "config" if v.rule == "option" else v.rule
         out.append(
@@ -77,7 +63,7 @@ def structural_rejections(
     return tuple(out)
 
 
-def kv_head_rejections(model: ModelSpec, tp: int) -> list[Violation]:
+def kv_head_rejections(model: ModelConfig, tp: int) -> list[Violation]:
     """Grouped-query attention splits whole key/value heads over tp: ``kv_heads % tp == 0``."""
     if model.num_query_groups is not None and model.kv_heads % tp != 0:
         return [
@@ -90,14 +76,14 @@ def kv_head_rejections(model: ModelSpec, tp: int) -> list[Violation]:
 
 
 @functools.lru_cache(maxsize=4096)
-def context_rejections(model: ModelSpec, tp: int, cp: int) -> tuple[Violation, ...]:
+def context_rejections(model: ModelConfig, tp: int, cp: int) -> tuple[Violation, ...]:
     """Rules of context parallelism (``ptdp.config``'s: ``cp >= 1``, ``seq_length % (2 cp) == 0``).
     A cp group may leave the node (``tp * cp > gpus_per_node``): allowed, its key/value ring then
     runs at network speed (:func:`ptdp.planner.time.cp_exchange.cp_link`)."""
     return tuple(context_parallel_violations(model.seq_length, cp))
 
 
-def schedule_rejections(model: ModelSpec, layout: Candidate) -> list[Violation]:
+def schedule_rejections(model: ModelConfig, layout: Candidate) -> list[Violation]:
     """Rules of the interleaved schedule, of sequence parallelism and of the option values."""
     out = []
     v, pp, m = layout.virtual_stages, layout.pp, layout.num_microbatches
@@ -139,11 +125,9 @@ def schedule_rejections(model: ModelSpec, layout: Candidate) -> list[Violation]:
                 num_layers_per_virtual_pipeline_stage=model.num_layers // (pp * v),
             )
             out += [Violation("interleaving", v.message) for v in schedule_violations(parallel, model.num_layers, m)]
-    out += sequence_parallel_violations(_model_config(model), layout.tp, layout.parallel.sequence_parallel)
+    out += sequence_parallel_violations(model, layout.tp, layout.parallel.sequence_parallel)
     # sequence parallelism inside each cp rank's s / cp positions
-    out += context_parallel_model_violations(
-        _model_config(model), layout.cp, layout.tp, layout.parallel.sequence_parallel
-    )
+    out += context_parallel_model_violations(model, layout.cp, layout.tp, layout.parallel.sequence_parallel)
     if layout.recompute not in RECOMPUTE:
         out.append(Violation("option", f"recompute={layout.recompute!r} not in {RECOMPUTE}"))
     if layout.sharding_strategy not in SHARDING_STRATEGIES:
@@ -155,7 +139,7 @@ def schedule_rejections(model: ModelSpec, layout: Candidate) -> list[Violation]:
     return out
 
 
-def all_rejections(model: ModelSpec, layout: Candidate, cluster: Cluster) -> list[Violation]:
+def all_rejections(model: ModelConfig, layout: Candidate, cluster: Cluster) -> list[Violation]:
     """Every rule ``layout`` breaks on ``cluster`` (memory excluded)."""
     out = []
     if layout.num_gpus != cluster.num_gpus:

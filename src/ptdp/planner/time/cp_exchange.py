@@ -17,14 +17,14 @@ gpus_per_node``, else its ring runs at network speed.
 
 from __future__ import annotations
 
-from ptdp.planner.inputs.models import ModelSpec
+from ptdp.config.model import ModelConfig
 from ptdp.planner.memory.cp_local import kv_block_elements
 from ptdp.planner.time import flops
 from ptdp.planner.time.collectives import Links, hierarchical_all_reduce_time
 
 
 def block_attention_times(
-    local: ModelSpec,
+    local: ModelConfig,
     tp: int,
     micro_batch_size: int,
     core: float,
@@ -66,7 +66,7 @@ def cp_link(tp: int, cp: int, links: Links) -> tuple[float, float]:
 
 
 def kv_exchange_times(
-    model: ModelSpec,
+    model: ModelConfig,
     tp: int,
     cp: int,
     micro_batch_size: int,

@@ -19,9 +19,9 @@ bound by memory bandwidth. How these add up to a step is :func:`ptdp.planner.tim
 
 from __future__ import annotations
 
+from ptdp.config.model import ModelConfig
 from ptdp.layout.buckets import chunk_by_chunk
 from ptdp.planner.candidate import Candidate
-from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.memory.params import layer_param_count
 from ptdp.planner.memory.strategies import check_strategy
 from ptdp.planner.time.collectives import Links, dp_group_per_node, embedding_sync_time, hierarchical_all_reduce_time
@@ -36,7 +36,7 @@ OPT_BYTES_SHARDED = {"bf16": 28.0, "fp16": 28.0, "fp32": 28.0, "fp8": 28.0}
 
 
 def dp_comm_time(
-    model: ModelSpec,
+    model: ModelConfig,
     layout: Candidate,
     n_params: int,
     busiest: tuple[float, ...],
@@ -96,7 +96,7 @@ def dp_comm_time(
     return without_end + max(0.0, exposed(c.dp_overlap) - without_end - busiest[0])
 
 
-def embedding_sync_dp_time(model: ModelSpec, layout: Candidate, v_pad: int, links: Links, c: PerfConstants) -> float:
+def embedding_sync_dp_time(model: ModelConfig, layout: Candidate, v_pad: int, links: Links, c: PerfConstants) -> float:
     """Exposed seconds of the all-reduce of the tied word embedding's float32 gradient
     (``V_pad / tp x h`` on one tp rank) between the first and the last pipeline stage
     (:func:`ptdp.planner.time.collectives.embedding_sync_time`), the part ``c.dp_overlap`` does not hide; 0

@@ -14,7 +14,7 @@ Forward GEMMs of one layer, as (M, N, K, batch), FLOPs ``2 M N K batch``:
   Backward = 2 x forward (input and weight gradients; each has the forward's three dims
   permuted, so the same efficiency). Full recompute adds one layer forward; selective recompute
   adds the attention core (scores, softmax, dropout, context) [K22] §5.
-Flash attention (``ModelSpec.flash_attention``; [D23] Dao, "FlashAttention-2", arXiv:2307.08691)
+Flash attention (``ModelConfig.flash_attention``; [D23] Dao, "FlashAttention-2", arXiv:2307.08691)
   keeps the scores on chip: no score bytes in memory, causal blocks above the diagonal skipped
   (about half of the score and context FLOPs executed), a backward of five GEMMs of that size for
   the forward's two (2.5 x the forward, [D23] §4.1), and nothing for selective recompute to redo.
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from functools import lru_cache, partial
 
-from ptdp.planner.inputs.models import ModelSpec
+from ptdp.config.model import ModelConfig
 
 #: Bytes moved in the forward pass per element of the h-wide residual stream, per layer, by
 #: the memory-bound kernels of a Megatron-style layer (16-bit values, 1-byte dropout masks):
@@ -69,7 +69,7 @@ FP8_CAST_BYTES = 4.0
 BACKWARD_TRAFFIC_RATIO = 2.0
 
 
-def layer_gemms(model: ModelSpec, tp: int, micro_batch_size: int) -> tuple[tuple[int, int, int, int], ...]:
+def layer_gemms(model: ModelConfig, tp: int, micro_batch_size: int) -> tuple[tuple[int, int, int, int], ...]:
     """Forward GEMMs of one layer on one tp rank for one microbatch: ``(M, N, K, batch)``.
 
     Order: QKV, scores, context, projection, fc1, fc2 (see the module docstring).
@@ -93,12 +93,12 @@ def gemm_flops(m: int, n: int, k: int, batch: int = 1) -> float:
     return 2.0 * m * n * k * batch
 
 
-def layer_forward_flops(model: ModelSpec, tp: int, micro_batch_size: int) -> float:
+def layer_forward_flops(model: ModelConfig, tp: int, micro_batch_size: int) -> float:
     """Forward FLOPs of one layer, one tp rank, one microbatch; GPT: ``(24 T h^2 + 4 b s^2 h) / t``."""
     return sum(gemm_flops(*g) for g in layer_gemms(model, tp, micro_batch_size))
 
 
-def attention_core_flops(model: ModelSpec, tp: int, micro_batch_size: int) -> float:
+def attention_core_flops(model: ModelConfig, tp: int, micro_batch_size: int) -> float:
     """Forward FLOPs of the score and context GEMMs: ``4 b s^2 a d / t`` (full s x s, as computed
     without a causal-skipping kernel, and as the papers count model FLOPs); what selective
     recompute repeats [K22] §5 with the unfused kernel."""
@@ -106,14 +106,14 @@ def attention_core_flops(model: ModelSpec, tp: int, micro_batch_size: int) -> fl
     return gemm_flops(*g[1]) + gemm_flops(*g[2])
 
 
-def logits_forward_flops(model: ModelSpec, tp: int, micro_batch_size: int, padded_vocab: int | None = None) -> float:
+def logits_forward_flops(model: ModelConfig, tp: int, micro_batch_size: int, padded_vocab: int | None = None) -> float:
     """Forward FLOPs of the output layer on one tp rank: ``2 T h V / t``."""
     vocab = padded_vocab if padded_vocab is not None else model.vocab_size
     return gemm_flops(micro_batch_size * model.seq_length, vocab // tp, model.hidden_size)
 
 
 @lru_cache(maxsize=65536)
-def model_flops_per_step(model: ModelSpec, global_batch_size: int) -> float:
+def model_flops_per_step(model: ModelConfig, global_batch_size: int) -> float:
     """Model FLOPs of one step (no recompute), all GPUs: 3 x forward over ``B s`` tokens.
 
     For GPT this is exactly [K22] §6: ``72 B s l h^2 (1 + s/(6h) + V/(12 h l))``; for other
@@ -124,7 +124,7 @@ def model_flops_per_step(model: ModelSpec, global_batch_size: int) -> float:
 
 
 @lru_cache(maxsize=65536)
-def hardware_flops_per_step(model: ModelSpec, global_batch_size: int, recompute: str) -> float:
+def hardware_flops_per_step(model: ModelConfig, global_batch_size: int, recompute: str) -> float:
     """FLOPs executed in one step, all GPUs, counting the recompute forward.
 
     Full recompute: ``4 x`` layer forward + ``3 x`` logits, i.e. [N21] eq. 3 for GPT:
@@ -175,7 +175,7 @@ def gemm_time(
 
 
 def layer_elementwise_bytes(
-    model: ModelSpec, tp: int, micro_batch_size: int, *, sequence_parallel: bool
+    model: ModelConfig, tp: int, micro_batch_size: int, *, sequence_parallel: bool
 ) -> tuple[float, float]:
     """Forward bytes of the memory-bound kernels of one layer: ``(total, attention-score part)``.
 
@@ -194,7 +194,7 @@ def layer_elementwise_bytes(
     return total, scores
 
 
-def fp8_cast_bytes(model: ModelSpec, tp: int, micro_batch_size: int) -> tuple[float, float]:
+def fp8_cast_bytes(model: ModelConfig, tp: int, micro_batch_size: int) -> tuple[float, float]:
     """(forward, backward) bytes of the FP8 casts of one layer on one tp rank for one microbatch
     that no other kernel does on the way.
 
@@ -216,7 +216,7 @@ def fp8_cast_bytes(model: ModelSpec, tp: int, micro_batch_size: int) -> tuple[fl
 
 
 def flash_attention_time(
-    model: ModelSpec, tp: int, micro_batch_size: int, *, peak_flops: float, peak_fraction: float, half_dim: float
+    model: ModelConfig, tp: int, micro_batch_size: int, *, peak_flops: float, peak_fraction: float, half_dim: float
 ) -> float:
     """Forward seconds of a causal flash attention kernel on one tp rank, one microbatch:
     ``FLASH_CAUSAL_FRACTION`` of the score and context FLOPs at the efficiency of an ``(s, s, d)``
@@ -228,7 +228,7 @@ def flash_attention_time(
 
 @lru_cache(maxsize=65536)
 def layer_compute_times(
-    model: ModelSpec,
+    model: ModelConfig,
     tp: int,
     micro_batch_size: int,
     sequence_parallel: bool,
@@ -281,7 +281,7 @@ def layer_compute_times(
 
 @lru_cache(maxsize=65536)
 def logits_compute_time(
-    model: ModelSpec,
+    model: ModelConfig,
     tp: int,
     micro_batch_size: int,
     padded_vocab: int,

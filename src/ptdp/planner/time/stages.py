@@ -12,10 +12,10 @@ step is :func:`ptdp.planner.time.step.evaluate_performance`.
 
 from __future__ import annotations
 
+from ptdp.config.model import ModelConfig
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import Cluster
-from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.memory.cp_local import local_model
 from ptdp.planner.time import flops
 from ptdp.planner.time.collectives import Links, hierarchical_all_reduce_time, pp_transfer_time, tp_layer_comm_times
@@ -27,7 +27,7 @@ Parts = tuple[float, ...]
 
 
 def rank_layer_times(
-    model: ModelSpec, layout: Candidate, peak: float, bandwidth: float, c: PerfConstants, fp8_peak: float = 0.0
+    model: ModelConfig, layout: Candidate, peak: float, bandwidth: float, c: PerfConstants, fp8_peak: float = 0.0
 ) -> tuple[float, float, float, float, float]:
     """(forward, backward, attention core, one block's forward attention, its backward) seconds
     of one layer on one tp and cp rank for one microbatch (:mod:`ptdp.planner.time.cp_exchange`: the
@@ -69,7 +69,7 @@ def tp_hidden_share(c: PerfConstants, tp: int, sequence_parallel: bool) -> float
 
 
 def stage_microbatch_times(
-    model: ModelSpec,
+    model: ModelConfig,
     layout: Candidate,
     peak: float,
     bandwidth: float,
@@ -138,7 +138,7 @@ def split_stage_times(
 
 
 def edge_layer_equivalents(
-    model: ModelSpec,
+    model: ModelConfig,
     layout: Candidate,
     cluster: Cluster,
     constants: PerfConstants = DEFAULT_CONSTANTS,
@@ -162,7 +162,7 @@ def edge_layer_equivalents(
     return (sum(first) - unit) / unit, (sum(last) - unit) / unit
 
 
-def pipeline_transfer_time(model: ModelSpec, layout: Candidate, links: Links, elem: float, c: PerfConstants) -> float:
+def pipeline_transfer_time(model: ModelConfig, layout: Candidate, links: Links, elem: float, c: PerfConstants) -> float:
     """Seconds of one microbatch's stage-to-stage transfers on a pipeline rank: two per model chunk
     (activations forward, their gradients backward), ``2 v`` transfers of the ``b s / cp`` tokens'
     ``elem``-byte hidden states (:func:`ptdp.planner.time.collectives.pp_transfer_time`; split over the tp ranks

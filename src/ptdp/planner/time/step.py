@@ -18,10 +18,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ptdp.config.model import ModelConfig
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate, TimeBreakdown
 from ptdp.planner.inputs.hardware import Cluster
-from ptdp.planner.inputs.models import ModelSpec
 from ptdp.planner.memory.params import even_stage_params, stage_param_counts
 from ptdp.planner.time import flops
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants, links_for
@@ -98,7 +98,7 @@ def core_shared_step(busy: list[float], pp: int, workers: int, cores: int) -> fl
 
 
 def _stage_extent(
-    model: ModelSpec, layout: Candidate, split: tuple[int, ...] | None, divisible_by: int
+    model: ModelConfig, layout: Candidate, split: tuple[int, ...] | None, divisible_by: int
 ) -> tuple[tuple[int, ...], int, int]:
     """(parameters on one tp rank of the first stage and of the other stage holding the most,
     layers the per-microbatch times are built from, layers of the stage with the most): an even
@@ -130,7 +130,7 @@ def _with_core_sharing(
 
 
 def evaluate_performance(
-    model: ModelSpec,
+    model: ModelConfig,
     layout: Candidate,
     cluster: Cluster,
     constants: PerfConstants = DEFAULT_CONSTANTS,

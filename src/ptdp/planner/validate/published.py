@@ -43,10 +43,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ptdp.config.model import ModelConfig
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG
-from ptdp.planner.inputs.models import ModelSpec
+from ptdp.planner.inputs.models import gpt, llama
 from ptdp.planner.memory.params import stage_param_counts
 
 #: Where :func:`default_csv` looks after $PTDP_PUBLISHED_RUNS: the repository's
@@ -69,7 +70,7 @@ class PublishedRun:
 
     source: str
     name: str
-    model: ModelSpec
+    model: ModelConfig
     layout: Candidate
     gpu: str
     reported_tflops: float | None
@@ -100,14 +101,13 @@ def load_published_runs(path: str | Path) -> list[PublishedRun]:
     with open(path, newline="", encoding="utf-8") as f:
         for r in csv.DictReader(f):
             ffn = int(r["ffn_hidden"]) if r["ffn_hidden"].strip() else None
-            model = ModelSpec(
+            model = gpt(
                 int(r["layers"]),
                 int(r["hidden"]),
                 int(r["heads"]),
-                ffn,
-                int(r["vocab"]),
-                int(r["seq_len"]),
-                name=r["model"],
+                ffn_hidden_size=ffn,
+                vocab_size=int(r["vocab"]),
+                seq_length=int(r["seq_len"]),
             )
             layout = Candidate.of(
                 tp=int(r["tp"]),
@@ -167,7 +167,7 @@ class H100Run:
 
     name: str
     source: str
-    model: ModelSpec
+    model: ModelConfig
     layout: Candidate
     gpu: str
     reported: float
@@ -180,7 +180,7 @@ class H100Run:
     pp_overlap: bool = False
 
 
-def megatron_2024_flops(model: ModelSpec, global_batch_size: int, *, divisible_by: int = 128, tp: int = 1) -> float:
+def megatron_2024_flops(model: ModelConfig, global_batch_size: int, *, divisible_by: int = 128, tp: int = 1) -> float:
     """FLOPs of one step by Megatron-LM's ``num_floating_point_operations`` (commit f2e5db4)."""
     b, s, l, h, a = global_batch_size, model.seq_length, model.num_layers, model.hidden_size, model.num_attention_heads
     q = (h // a) * a
@@ -197,7 +197,7 @@ def megatron_2024_flops(model: ModelSpec, global_batch_size: int, *, divisible_b
     )
 
 
-def palm_flops(model: ModelSpec, global_batch_size: int) -> float:
+def palm_flops(model: ModelConfig, global_batch_size: int) -> float:
     """FLOPs of one step by PaLM App. B: ``(6 N + 12 l h s) B s``, N every parameter (exact count)."""
     n_params = sum(stage_param_counts(model, 1, 1))
     s = model.seq_length
@@ -205,7 +205,7 @@ def palm_flops(model: ModelSpec, global_batch_size: int) -> float:
 
 
 def reported_step_time(
-    model: ModelSpec, layout: Candidate, gpu: str, reported: float, unit: str, convention: str
+    model: ModelConfig, layout: Candidate, gpu: str, reported: float, unit: str, convention: str
 ) -> float:
     """Seconds per step implied by a reported TFLOP/s per GPU or MFU (%) under ``convention``, or
     by tokens/s per GPU.
@@ -234,22 +234,22 @@ def _yes(text: str) -> bool:
     return text.strip().lower() in ("y", "yes", "true", "1")
 
 
-def _model(r: dict) -> ModelSpec:
-    llama = r["mlp"].strip() == "swiglu"
-    return ModelSpec(
-        int(r["layers"]),
-        int(r["hidden"]),
-        int(r["heads"]),
-        int(r["ffn_hidden"]),
-        int(r["vocab"]),
-        int(r["seq_len"]),
-        num_query_groups=int(r["kv_heads"]),
-        swiglu=llama,
-        tied=_yes(r["tied"]),
-        llama_style=llama,
-        dropout=not llama,
-        flash_attention=_yes(r["flash_attention"]),
-        name=r["model"],
+def _model(r: dict) -> ModelConfig:
+    shape = [int(r[k]) for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len")]
+    untied, flash = not _yes(r["tied"]), _yes(r["flash_attention"])
+    if r["mlp"].strip() == "swiglu":
+        return llama(*shape, untie_embeddings_and_output_weights=untied, use_flash_attn=flash)
+    layers, hidden, heads, kv, ffn, vocab, seq = shape
+    return gpt(
+        layers,
+        hidden,
+        heads,
+        num_query_groups=kv,
+        ffn_hidden_size=ffn,
+        vocab_size=vocab,
+        seq_length=seq,
+        untie_embeddings_and_output_weights=untied,
+        use_flash_attn=flash,
     )
 
 
