@@ -7,18 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers.cli import TINY, FinishedRun, run, train_uninterrupted, write_docs
+from helpers.cli import TINY, FinishedRun, run, write_docs
 from helpers.pp2_dp2_runs import train_pp2_dp2
 from helpers.proc_helpers import Finished
-
-
-@pytest.fixture(scope="session")
-def uninterrupted(corpus, tmp_path_factory) -> FinishedRun:
-    """``python -m ptdp.train`` (no launcher) of the tiny model at (1,1,1) for 6 iterations on
-    ``corpus/docs``, every iteration logged: the run the save-and-resume tests (plain and
-    ``--async-save``) compare with, and the worker module's own end-to-end check. Read-only."""
-    return train_uninterrupted(corpus, tmp_path_factory.mktemp("uninterrupted"))
-
 
 #: The profiled run's flags after ``ptdp train``: the tiny model at (1,2,1) with hidden dropout,
 #: torch.profiler on steps 1 and 2 (iterations 2 and 3) of both ranks, each worker bound to CPUs of

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,3 +169,25 @@ def save_and_resume(corpus: Path, tmp_path: Path, whole: FinishedRun, save_flags
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
     assert train_losses(tmp_path / "second") == {i: expected[i] for i in (4, 5, 6)}
     return base, ckpt, first, second
+
+
+#: ptdp's CLI run in a process that reports its exit code and whether torch was imported
+PROBE = """
+import contextlib, io, sys
+from ptdp.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    code = main(sys.argv[1:])
+print("exit", code)
+print("torch imported:", "torch" in sys.modules)
+print("ptdp modules:", sorted(m for m in sys.modules if m.startswith("ptdp")))
+"""
+
+
+def in_subprocess(args: list[str], tmp_path: Path, code: str = PROBE) -> str:
+    """The output of ``code`` run as ``python -c code ARGS`` (ptdp's CLI arguments), which must exit 0."""
+    env = {**os.environ, "PTDP_CACHE_DIR": str(tmp_path / "cache"), "MPLBACKEND": "Agg"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
