@@ -35,7 +35,7 @@ ONE_T = [
 
 COUNT = """
 import contextlib, io, sys
-import ptdp.commands.plan as command
+import ptdp.planner.request as command
 searched = []
 def counted(*args, **kwargs):
     result = search(*args, **kwargs)

@@ -2,12 +2,13 @@
 :class:`~ptdp.config.Config` from a file and keywords (:func:`load_config`), and training in a
 launched worker (:func:`train`).
 
-Each takes the command line's flags by name (:mod:`ptdp.config.keywords`: ``global_batch_size``,
-``recompute_granularity``, ``use_flash_attn``, or a short alias ``tp``, ``cp``, ``mbs``...), turned
-into a command line and parsed by the command's own parser (``ptdp plan``'s, ``python -m
-ptdp.train``'s), so types, choices and every rule are checked once, the same way, before any search
-or process group; a bad request raises :class:`ptdp.config.ConfigError` (a ``ValueError``) naming the
-numbers and the rule. :func:`plan` and :func:`load_config` import no torch.
+Each takes the command line's flags by name as Python values (:mod:`ptdp.config.keywords`:
+``global_batch_size``, ``recompute_granularity``, ``use_flash_attn``, or a short alias ``tp``,
+``cp``, ``mbs``...), checked against the flags' types and choices; then the planner
+(:mod:`ptdp.planner.request`) or ``ptdp train``'s rules (:func:`ptdp.config.resolve.resolve`) check
+the request before any search or process group. A bad request raises
+:class:`ptdp.errors.ConfigError` (a ``ValueError``) naming the numbers and the rule. :func:`plan` and
+:func:`load_config` import no torch.
 
 Example::
 
@@ -19,13 +20,12 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ptdp.config.keywords import RaisingParser, keyword_actions, keywords_to_argv
+from ptdp.config.keywords import RaisingParser, keyword_namespace
 from ptdp.config.model import ModelConfig
 from ptdp.config.schema import Config
 from ptdp.errors import Violation
@@ -81,14 +81,6 @@ class PlanResult:
         return json_records(SearchResult(self.plans, self.rejected, self.notes), top=top)
 
 
-def _parser() -> argparse.ArgumentParser:
-    from ptdp.planner.inputs.plan_flags import add_plan_arguments
-
-    parser = RaisingParser(prog="ptdp.plan", add_help=False)
-    add_plan_arguments(parser)
-    return parser
-
-
 def plan(model: str | ModelConfig | None = None, **options: Any) -> PlanResult:
     """Search the layouts of ``model`` on a cluster, as ``ptdp plan`` does.
 
@@ -106,15 +98,14 @@ def plan(model: str | ModelConfig | None = None, **options: Any) -> PlanResult:
         ConfigError: a bad request (the message ``ptdp plan`` prints before exiting with code 2).
         TypeError: an unknown keyword.
     """
-    from ptdp.commands.plan import prepare
+    from ptdp.planner.inputs.plan_flags import add_plan_arguments
+    from ptdp.planner.request import prepare
 
-    parser = _parser()
-    names = keyword_actions(parser, _NOT_FOR_SEARCH)
-    argv = keywords_to_argv(
-        {**({"model": model} if isinstance(model, str) else {}), **options}, names, caller="ptdp.plan"
-    )
-    args = parser.parse_args(argv)
-    request = prepare(args, model=model if isinstance(model, ModelConfig) else None)
+    parser = RaisingParser(prog="ptdp.plan", add_help=False)
+    add_plan_arguments(parser)
+    named = {"model": model} if isinstance(model, str) else {}
+    values = keyword_namespace(parser, {**named, **options}, skip=_NOT_FOR_SEARCH, caller="ptdp.plan")
+    request = prepare(values, model=model if isinstance(model, ModelConfig) else None)
     result = request.search()
     return PlanResult(
         request.model,
@@ -148,19 +139,17 @@ def load_config(
         ConfigError (a ValueError): a bad file or setting, naming the values and the rule.
         TypeError: an unknown keyword.
     """
-    from ptdp.config.files import apply_config_file
-    from ptdp.config.flags import config_from_args
+    from ptdp.config.files import file_defaults
+    from ptdp.config.flags import config_from_args, settings
     from ptdp.config.resolve import resolve
     from ptdp.config.train_flags import add_train_arguments
 
     parser = RaisingParser(prog="ptdp.load_config", add_help=False)
     add_train_arguments(parser, local_launch=False)
-    names = keyword_actions(parser, ("config", "print_config"))
-    argv = (["--config", str(path)] if path is not None else []) + keywords_to_argv(
-        flags, names, caller="ptdp.load_config"
-    )
-    apply_config_file(parser, argv)
-    args = parser.parse_args(argv)
+    if path is not None:
+        dests = {action.dest for action in parser._actions}
+        parser.set_defaults(**file_defaults(path, [s for s in settings() if s.dest in dests]))
+    args = keyword_namespace(parser, flags, skip=("config", "print_config"), caller="ptdp.load_config")
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     return resolve(config_from_args(args), world, cuda=cuda)
 

@@ -8,7 +8,7 @@ from helpers.cli import in_subprocess
 
 COUNT = """
 import contextlib, io, sys
-import ptdp.commands.plan as command
+import ptdp.planner.request as command
 results = []
 def counted(*args, **kwargs):
     result = search(*args, **kwargs)

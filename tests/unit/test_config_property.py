@@ -31,10 +31,10 @@ from ptdp.errors import ConfigError
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
 from ptdp.planner.inputs.models import gpt
+from ptdp.planner.search.checks import check_model
+from ptdp.planner.search.checks import check_request as check_plan_request
 from ptdp.planner.search.layouts import Fixed, search
 from ptdp.planner.search.predict import evaluate
-from ptdp.planner.search.request import check_model
-from ptdp.planner.search.request import check_request as check_plan_request
 from ptdp.planner.splits import split_options
 
 PROPERTY = settings(

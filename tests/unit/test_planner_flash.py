@@ -10,10 +10,10 @@ import dataclasses
 import pytest
 
 from ptdp.cli import build_parser
-from ptdp.commands.plan import model_from_args
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
 from ptdp.planner.inputs.models import PRESETS, get_model, gpt
 from ptdp.planner.memory.activations import layer_activation_bytes
+from ptdp.planner.request import model_from_args
 from ptdp.planner.search.layouts import Fixed, search
 from ptdp.planner.time import flops
 

@@ -8,7 +8,7 @@ import platform
 from pathlib import Path
 
 from ptdp.errors import ConfigError
-from ptdp.planner.search.request import check_output_path
+from ptdp.planner.search.checks import check_output_path
 from ptdp.planner.validate.accuracy import (
     fit_check,
     format_validation_table,

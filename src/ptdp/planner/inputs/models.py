@@ -6,7 +6,7 @@ biases, learned positions, GELU MLP, tied embeddings, hidden and attention dropo
 attention of 2021 that keeps its scores); Llama 2/3 (:func:`llama`: RMSNorm, rotary positions,
 SwiGLU, grouped-query attention, no biases, untied, no dropout, a flash kernel), as trained and
 released. ``ptdp plan --use-flash-attn / --no-use-flash-attn`` overrides the kernel
-(:mod:`ptdp.commands.plan` also makes flash the default on H100/H200-class GPUs).
+(:mod:`ptdp.planner.request` also makes flash the default on H100/H200-class GPUs).
 """
 
 from __future__ import annotations

@@ -1,0 +1,343 @@
+"""A ``ptdp plan`` request from its option values: the model, the cluster, the batch, the
+choices fixed and the overlap planned, each checked (``ConfigError`` naming the rule) before any
+search. The values are those of ``ptdp plan``'s flags by destination
+(:mod:`ptdp.planner.inputs.plan_flags`), from its command line or from :func:`ptdp.plan`'s keywords.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from ptdp.config.model import ModelConfig
+from ptdp.errors import ConfigError
+from ptdp.layout.pipeline.partition import stage_layer_counts, virtual_stages
+from ptdp.planner.inputs.hardware import CATALOG, Cluster, GiB, GPUSpec, get_gpu, load_catalog, runs_flash_attention
+from ptdp.planner.inputs.hf_config import hf_model_name, is_config_path, load_hf_config
+from ptdp.planner.inputs.models import (
+    PRESETS,
+    PUBLISHED_BATCH,
+    get_model,
+    gpt,
+    preset_name,
+    published_batch,
+    token_budget_batch,
+)
+from ptdp.planner.inputs.plan_flags import plan_precision
+from ptdp.planner.memory.fp8 import fp8_precision
+from ptdp.planner.report.explain import distance_from_best, explain_pick
+from ptdp.planner.search.checks import (
+    check_fixed_choices,
+    check_model,
+    check_output_path,
+    check_request,
+    check_stage_layers,
+    ineffective_flag_notes,
+)
+from ptdp.planner.search.layouts import Fixed, SearchResult, search
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS
+
+#: The model flags ``ptdp plan`` shares with ``ptdp train``: they change the preset's shape.
+_SHAPE_FLAGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "vocab_size",
+    "seq_length",
+    "num_query_groups",
+    "swiglu",
+    "untie_embeddings_and_output_weights",
+)
+
+
+def model_from_args(
+    args: argparse.Namespace, gpu: GPUSpec | None = None, base: ModelConfig | None = None
+) -> tuple[ModelConfig, list[str]]:
+    """The model ``--model`` names (a preset, or a Hugging Face config.json file or folder), or
+    ``base``, with any shape flags applied, or a GPT from the flags alone
+    (:func:`~ptdp.planner.inputs.models.gpt`); and notes on what a config holds that the planner
+    does not model.
+
+    Attention kernel: ``--use-flash-attn`` / ``--no-use-flash-attn`` when given; else the
+    model's (flash for the Llama presets and Hugging Face configs, unfused for the
+    Megatron-paper GPT presets and shape flags), made flash on H100/H200-class ``gpu``
+    (:func:`~ptdp.planner.inputs.hardware.runs_flash_attention`), where every current training stack
+    runs a fused kernel."""
+    overrides = {name: getattr(args, name) for name in _SHAPE_FLAGS if getattr(args, name) is not None}
+    notes: list[str] = []
+    if base is not None:
+        model = base
+    elif args.model and is_config_path(args.model):
+        model, notes = load_hf_config(args.model, seq_length=args.seq_length)
+    elif args.model and (args.model.endswith(".json") or "/" in args.model):
+        raise ConfigError(
+            f"--model {args.model}: no such file or folder (a Hugging Face config.json, or a preset "
+            "name such as llama3-8b)"
+        )
+    elif args.model:
+        model = get_model(args.model)
+    else:
+        missing = [
+            f"--{f.replace('_', '-')}"
+            for f in ("num_layers", "hidden_size", "num_attention_heads")
+            if f not in overrides
+        ]
+        if missing:
+            raise ConfigError(f"give --model NAME or the model shape: missing {', '.join(missing)}")
+        model = gpt(**overrides)
+    flash = getattr(args, "use_flash_attn", None)
+    if flash is None:
+        flash = model.flash_attention or (gpu is not None and runs_flash_attention(gpu))
+    return dataclasses.replace(model, **overrides, use_flash_attn=flash), notes
+
+
+def model_name(args: argparse.Namespace, base: ModelConfig | None = None) -> str:
+    """The name :func:`model_from_args`'s model is reported under: a preset's (its first name),
+    ``hf:FOLDER`` for a Hugging Face config, else ``custom`` (``base``: a preset's when it is one)."""
+    if base is not None:
+        return next((name for name, preset in PRESETS.items() if preset == base), "custom")
+    if args.model and is_config_path(args.model):
+        return hf_model_name(args.model)
+    return preset_name(args.model) if args.model else "custom"
+
+
+def _hardware(args: argparse.Namespace):
+    """The GPU and performance constants: a calibrated profile, or a catalog GPU with the defaults."""
+    if args.hardware_profile:
+        from ptdp.planner.time.profile import load_profile
+
+        try:
+            return load_profile(args.hardware_profile)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    try:
+        catalog = load_catalog(args.gpu_catalog) if args.gpu_catalog else CATALOG
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--gpu-catalog {args.gpu_catalog}: {e}") from None
+    return get_gpu(args.gpu, catalog), DEFAULT_CONSTANTS
+
+
+def _apply_topology(gpu, args: argparse.Namespace):
+    """The GPU as installed in ``--topology FILE``'s node (see :mod:`ptdp.planner.inputs.node_links`)."""
+    if not args.topology:
+        return gpu, []
+    from ptdp.planner.inputs.node_links import gpu_for_topology
+    from ptdp.topology.nvsmi import parse_nvidia_smi_topo
+
+    try:
+        text = Path(args.topology).read_text(encoding="utf-8", errors="replace")
+        gpu, notes = gpu_for_topology(gpu, parse_nvidia_smi_topo(text, source=args.topology))
+    except OSError as e:
+        raise ConfigError(f"--topology {args.topology}: {e.strerror or e}") from None
+    except ValueError as e:  # TopologyError included
+        raise ConfigError(f"--topology {args.topology}: {e}") from None
+    if args.gpus_per_node is not None and args.gpus_per_node != gpu.gpus_per_node:
+        raise ConfigError(
+            f"--gpus-per-node={args.gpus_per_node} contradicts --topology {args.topology}, "
+            f"which has {gpu.gpus_per_node} GPUs per node"
+        )
+    return gpu, notes
+
+
+def _sharding(args: argparse.Namespace) -> str | None:
+    """--data-parallel-sharding-strategy, or optim / no_shard for --use-distributed-optimizer /
+    --no-use-distributed-optimizer; ConfigError when they contradict; None: searched."""
+    strategy, dopt = args.data_parallel_sharding_strategy, args.use_distributed_optimizer
+    if strategy is not None and dopt is not None and dopt != (strategy != "no_shard"):
+        raise ConfigError(
+            f"--data-parallel-sharding-strategy {strategy} contradicts "
+            f"--{'' if dopt else 'no-'}use-distributed-optimizer (which means "
+            f"{'optim' if dopt else 'no_shard'}): give one"
+        )
+    if strategy is None and dopt is not None:
+        return "optim" if dopt else "no_shard"
+    return strategy
+
+
+def fixed_from_args(args: argparse.Namespace) -> Fixed:
+    return Fixed(
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        dp=args.data_parallel_size,
+        micro_batch_size=args.micro_batch_size,
+        virtual_stages=args.virtual_pipeline_model_parallel_size,
+        layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
+        recompute=args.recompute_granularity,
+        sequence_parallel=args.sequence_parallel,
+        distributed_optimizer=args.use_distributed_optimizer,
+        cp=args.context_parallel_size,
+        sharding=_sharding(args),
+        cp_comm_type=args.cp_comm_type,
+        layer_split=args.pipeline_layer_split,
+        first_layers=args.decoder_first_pipeline_num_layers,
+        last_layers=args.decoder_last_pipeline_num_layers,
+        accounting=_accounting(args),
+        ddp_bucket_size=args.ddp_bucket_size,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        reshard_after_forward=args.reshard_after_forward,
+    )
+
+
+def _counted_chunks_as_v(fixed: Fixed, num_layers: int) -> Fixed:
+    """With the embedding and/or loss counted as layers and pp fixed,
+    ``--num-layers-per-virtual-pipeline-stage N`` means ``v = (layers + counted) / (pp N)``, as
+    ``ptdp train`` reads it (the flags the report prints can be given back); ``fixed`` unchanged
+    otherwise."""
+    counted, per_chunk, pp = fixed.accounting, fixed.layers_per_virtual_stage, fixed.pp
+    if counted and any(counted) and per_chunk and pp and fixed.virtual_stages is None:
+        if (num_layers + sum(counted)) % (pp * per_chunk) == 0:
+            v = virtual_stages(num_layers, pp, per_chunk, sum(counted))
+            return dataclasses.replace(fixed, virtual_stages=v, layers_per_virtual_stage=None)
+    return fixed
+
+
+def _accounting(args: argparse.Namespace) -> tuple[bool, bool] | None:
+    """(embedding, loss) counted as layers of the pipeline split, when either flag is given."""
+    given = (args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split)
+    return None if given == (None, None) else (bool(given[0]), bool(given[1]))
+
+
+def _explanation(result: SearchResult, free: SearchResult | None) -> list[str]:
+    """Why the best plan beats the runner-up and, when the user fixed choices (``free``: the
+    search with nothing fixed), how far the best plan under them is from the best found."""
+    lines = explain_pick(result.plans)
+    if free is not None:
+        lines += distance_from_best(result.plans[0] if result.plans else None, free.plans[0] if free.plans else None)
+    return lines
+
+
+@dataclasses.dataclass
+class PlanRequest:
+    """A ``ptdp plan`` search request, checked: what :func:`prepare` builds from the flags."""
+
+    name: str
+    """The model's name in reports (a preset's, ``hf:FOLDER``, or ``custom``)."""
+    model: ModelConfig
+    cluster: Cluster
+    global_batch_size: int
+    fixed: Fixed
+    precision: str
+    constants: object
+    overhead: float | None
+    notes: list[str]
+    global_batch_source: str = "--global-batch-size"
+    """Where ``global_batch_size`` came from: the flag, or the preset's published batch."""
+
+    def search(self, *, fixed: Fixed | None = None) -> SearchResult:
+        return search(
+            self.model,
+            self.cluster,
+            self.global_batch_size,
+            fixed=self.fixed if fixed is None else fixed,
+            precision=self.precision,
+            constants=self.constants,
+            overhead_bytes=self.overhead,
+        )
+
+    def explanation(self, result: SearchResult) -> list[str]:
+        """:func:`_explanation`, with the free search run when choices are fixed."""
+        free = self.search(fixed=Fixed()) if self.fixed != Fixed() else None
+        return _explanation(result, free)
+
+
+def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanRequest:
+    """Check the flags of a search and build its model, cluster and fixed choices (``model``: use
+    this one instead of ``--model``, the shape flags applied to it). Raises ConfigError naming the rule."""
+    if args.gpus is None:
+        if args.global_batch_size is None:
+            raise ConfigError(
+                "ptdp plan needs --gpus N and --global-batch-size B, or --validate CSV, or --calibrate "
+                "(B defaults to a preset's published batch)"
+            )
+        raise ConfigError("ptdp plan needs --gpus N (or --validate CSV, or --calibrate)")
+    if args.plot:
+        check_output_path(args.plot, "--plot", (".png", ".pdf", ".svg"))
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node={args.gpus_per_node} must be a positive integer")
+    gpu, constants = _hardware(args)
+    gpu, notes = _apply_topology(gpu, args)
+    try:
+        per_node = gpu.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
+        cluster = Cluster(gpu, args.gpus, per_node)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    base = model
+    model, model_notes = model_from_args(args, gpu, base=base)
+    name = model_name(args, base=base)  # after model_from_args, which names a bad --model
+    notes = [*model_notes, *notes]
+    check_model(model)
+    global_batch_size, batch_source = global_batch(args.global_batch_size, name, model)
+    if args.global_batch_size is None:
+        notes.insert(0, f"global batch size {global_batch_size}: {batch_source} (--global-batch-size to change)")
+    if args.pipeline_layer_split is not None:
+        stage_layer_counts(model.num_layers, len(args.pipeline_layer_split), args.pipeline_layer_split)
+    fixed = _counted_chunks_as_v(fixed_from_args(args), model.num_layers)
+    check_stage_layers(model.num_layers, fixed)
+    overhead = None if args.memory_overhead_gib is None else args.memory_overhead_gib * GiB
+    check_request(cluster, global_batch_size, fixed, top=args.top, overhead_bytes=overhead)
+    check_fixed_choices(model, global_batch_size, fixed)
+    notes += ineffective_flag_notes(model, fixed)
+    precision = plan_precision(args) or ("bf16" if "bf16" in gpu.peak_flops else sorted(gpu.peak_flops)[0])
+    if precision not in gpu.peak_flops:
+        raise ConfigError(f"{gpu.name} has no peak FLOP/s for {precision}; known: {', '.join(sorted(gpu.peak_flops))}")
+    if getattr(args, "fp8", False):
+        precision = fp8_precision(gpu, precision)
+    constants, overlap_notes = overlap_constants(args, constants, fixed)
+    notes += overlap_notes
+    return PlanRequest(
+        name, model, cluster, global_batch_size, fixed, precision, constants, overhead, notes, batch_source
+    )
+
+
+def global_batch(given: int | None, name: str, model: ModelConfig) -> tuple[int, str]:
+    """(``--global-batch-size``, else the batch the preset ``model`` was published with, else for a
+    preset without one 4M tokens per step; where it came from). ConfigError naming the flag for
+    other models and a preset whose shape flags changed."""
+    if given is not None:
+        return given, "--global-batch-size"
+    published = published_batch(name, model)
+    if published is not None:
+        return published[0], f"{name}'s published batch, {published[1]}"
+    need = "ptdp plan needs --global-batch-size B"
+    if name in PUBLISHED_BATCH:
+        raise ConfigError(
+            f"{need}: {name}'s published batch ({PUBLISHED_BATCH[name][0]}) is for its own "
+            "shape, which the shape flags change"
+        )
+    if name in PRESETS:
+        return token_budget_batch(name, model)
+    raise ConfigError(f"{need} (or --validate CSV, or --calibrate)")
+
+
+def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
+    """``constants`` with the communication overlap the run uses, and a note naming it:
+    the data-parallel reduction during the last microbatch's backward with ``--overlap-grad-reduce``
+    (ptdp's default, :attr:`~ptdp.planner.time.constants.PerfConstants.overlap_window`),
+    ``--tp-comm-overlap`` and ``--overlap-p2p-communication`` (planner only). ConfigError for
+    ``--tp-comm-overlap`` with ``--no-sequence-parallel`` (the overlap splits sequence
+    parallelism's collectives; Megatron refuses it too)."""
+    tp_overlap = bool(getattr(args, "tp_comm_overlap", None))
+    pp_overlap = bool(getattr(args, "overlap_p2p_communication", None))
+    if tp_overlap and fixed.sequence_parallel is False:
+        raise ConfigError(
+            "--tp-comm-overlap needs sequence parallelism (it overlaps the sequence-parallel all-gather "
+            "and reduce-scatter with the GEMMs): drop --no-sequence-parallel"
+        )
+    constants = constants.with_overlap(
+        overlap_grad_reduce=fixed.overlap_grad_reduce is not False, tp_comm_overlap=tp_overlap, pp_overlap=pp_overlap
+    )
+    hidden = [
+        name
+        for name, on in (
+            (
+                "tensor-parallel communication behind the GEMMs with sequence parallelism (--tp-comm-overlap)",
+                tp_overlap,
+            ),
+            ("the interleaved schedule's pipeline transfers (--overlap-p2p-communication)", pp_overlap),
+        )
+        if on
+    ]
+    note = f"overlap planned that ptdp train does not run: {'; '.join(hidden)}"
+    return constants, ([note] if hidden else [])
