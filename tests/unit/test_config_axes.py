@@ -13,10 +13,10 @@ import dataclasses
 import pytest
 
 from ptdp import cli
-from ptdp.config.axis_rules import context_parallel_violations
 from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
+from ptdp.config.rules.axes import context_parallel_violations
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.config.train_flags import add_train_arguments
 from ptdp.errors import ConfigError

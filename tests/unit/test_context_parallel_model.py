@@ -12,10 +12,10 @@ import dataclasses
 import pytest
 import torch
 
-from ptdp.config.axis_rules import context_parallel_model_violations
 from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
+from ptdp.config.rules.axes import context_parallel_model_violations
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.context_parallel.attention import context_parallel_attention

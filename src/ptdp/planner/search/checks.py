@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from ptdp.config.model import ModelConfig
-from ptdp.config.rules import heads_violations
+from ptdp.config.rules.shape import heads_violations
 from ptdp.errors import ConfigError
 from ptdp.layout.pipeline.partition import layer_split
 from ptdp.planner.inputs.hardware import Cluster

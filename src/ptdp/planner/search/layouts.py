@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from ptdp.config.fields import SHARDING_STRATEGIES
 from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
-from ptdp.config.rules import schedule_violations
+from ptdp.config.rules.layout import schedule_violations
 from ptdp.errors import ConfigError, Violation
 from ptdp.layout.pipeline.partition import accounted_split, first_last_split
 from ptdp.planner.candidate import RECOMPUTE, Candidate, Plan

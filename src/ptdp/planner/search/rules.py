@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import functools
 
-from ptdp.config.axis_rules import (
+from ptdp.config.fields import CP_COMM_TYPES, SHARDING_STRATEGIES
+from ptdp.config.model import ModelConfig
+from ptdp.config.rules.axes import (
     context_parallel_model_violations,
     context_parallel_violations,
     sequence_parallel_violations,
 )
-from ptdp.config.fields import CP_COMM_TYPES, SHARDING_STRATEGIES
-from ptdp.config.model import ModelConfig
-from ptdp.config.parallel import ParallelConfig
-from ptdp.config.rules import layout_violations, schedule_violations
+from ptdp.config.rules.layout import layout_violations, schedule_violations
 from ptdp.errors import Violation
 from ptdp.planner.candidate import PRECISIONS, RECOMPUTE, Candidate
 from ptdp.planner.inputs.hardware import Cluster
-from ptdp.planner.splits import accounting_of
 
 
 @functools.lru_cache(maxsize=65536)
@@ -84,47 +82,10 @@ def context_rejections(model: ModelConfig, tp: int, cp: int) -> tuple[Violation,
 
 
 def schedule_rejections(model: ModelConfig, layout: Candidate) -> list[Violation]:
-    """Rules of the interleaved schedule, of sequence parallelism and of the option values."""
-    out = []
-    v, pp, m = layout.virtual_stages, layout.pp, layout.num_microbatches
-    counted = accounting_of(layout.layer_split, v) if v > 1 and layout.layer_split is not None else None
-    if v > 1 and layout.layer_split is not None and counted is None:
-        out.append(
-            Violation(
-                "interleaving",
-                f"layers per rank {','.join(map(str, layout.layer_split))} at v={v}: ptdp's interleaved "
-                f"schedule splits the layers evenly over pp*v model chunks, with the "
-                f"embedding and/or loss counted as layers at most",
-            )
-        )
-    elif counted is not None:  # the schedule's rules for the units per chunk, as ptdp train checks them
-        per_chunk = (model.num_layers + sum(counted)) // (pp * v)
-        parallel = ParallelConfig(
-            tensor_model_parallel_size=layout.tp,
-            pipeline_model_parallel_size=pp,
-            data_parallel_size=layout.dp,
-            pipeline_schedule="interleaved-1f1b",
-            num_layers_per_virtual_pipeline_stage=per_chunk,
-            account_for_embedding_in_pipeline_split=counted[0],
-            account_for_loss_in_pipeline_split=counted[1],
-        )
-        out += [Violation("interleaving", v.message) for v in schedule_violations(parallel, model.num_layers, m)]
-    elif v > 1:
-        if model.num_layers % (pp * v):
-            out.append(
-                Violation(
-                    "interleaving", f"num_layers={model.num_layers} is not divisible by pp*v = {pp}*{v} = {pp * v}"
-                )
-            )
-        else:  # the interleaved schedule's own rules, as ptdp train checks them
-            parallel = ParallelConfig(
-                tensor_model_parallel_size=layout.tp,
-                pipeline_model_parallel_size=pp,
-                data_parallel_size=layout.dp,
-                pipeline_schedule="interleaved-1f1b",
-                num_layers_per_virtual_pipeline_stage=model.num_layers // (pp * v),
-            )
-            out += [Violation("interleaving", v.message) for v in schedule_violations(parallel, model.num_layers, m)]
+    """Rules of the pipeline schedule (the config's, on the candidate's parallel config), of
+    sequence parallelism and of the option values."""
+    m = layout.num_microbatches
+    out = [Violation("interleaving", v.message) for v in schedule_violations(layout.parallel, model.num_layers, m)]
     out += sequence_parallel_violations(model, layout.tp, layout.parallel.sequence_parallel)
     # sequence parallelism inside each cp rank's s / cp positions
     out += context_parallel_model_violations(model, layout.cp, layout.tp, layout.parallel.sequence_parallel)

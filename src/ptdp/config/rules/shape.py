@@ -1,35 +1,8 @@
-"""The rules a request must satisfy, as pure functions returning :class:`Violation` objects.
-
-``ptdp train`` (:func:`ptdp.config.resolve.resolve`) and the planner (:mod:`ptdp.planner.search.rules`)
-call the same functions, so every layout the planner proposes can run; each violation carries a
-rule id the planner groups by, the values it saw, and a message naming them.
-
-Sources: Narayanan et al. SC21, arXiv:2104.04473 (layout, schedules); Shoeybi et al.,
-arXiv:1909.08053 (tensor parallelism); Korthikanti et al. 2022, arXiv:2205.05198 (sequence
-parallelism, recompute). The rules of sequence and context parallelism, sharding and the
-data-parallel engine live in :mod:`ptdp.config.axis_rules`.
-
-- ``heads % tp == 0`` (attention is split by heads), ``hidden % heads == 0``, ``ffn % tp == 0``
-- ``num_layers % pp == 0`` unless an explicit ``pipeline_layer_split`` (pp entries >= 1 summing
-  to ``num_layers``) or first/last stage counts (``decoder_first/last_pipeline_num_layers``: the
-  other stages split the rest evenly; not with ``pipeline_layer_split`` nor interleaving)
-- ``global_batch_size % (micro_batch_size * dp) == 0``
-- interleaved 1F1B: ``(num_layers + counted) % (pp * layers_per_chunk) == 0`` or ``% (pp * v)``
-  (both given: the same v), ``pp >= 2``, ``m % pp == 0``
-- grouped-query attention: ``heads % G == 0`` and ``G % tp == 0``; rotary needs an even head dim
-- sequence parallelism: ``tp > 1`` and ``seq_length % tp == 0``
-- recompute: method and count need ``full``; ``1 <= recompute_num_layers <=`` layers per chunk
-- context parallelism: ``cp >= 1`` and ``seq_length % (2 cp) == 0`` (each cp rank holds two of
-  the ``2 cp`` load-balanced causal chunks); the head rules do not involve cp; with cp > 1 and
-  sequence parallelism ``seq_length % (cp tp) == 0``
-- data-parallel sharding: one of no_shard, optim, optim_grads, optim_grads_params, not
-  contradicting ``use_distributed_optimizer`` (which means optim); optim_grads_params without
-  ``overlap_param_gather``; ``reshard_after_forward=False`` only with optim_grads_params
-"""
+"""Rules of the model: its shape against tp and pp, the Llama-like options, recompute and the
+model settings ``ptdp train`` refuses (Shoeybi et al., arXiv:1909.08053; Korthikanti et al. 2022,
+arXiv:2205.05198)."""
 
 from __future__ import annotations
-
-import math
 
 from ptdp.config.fields import (
     ACTIVATIONS,
@@ -39,10 +12,8 @@ from ptdp.config.fields import (
     POSITION_EMBEDDINGS,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
-    SCHEDULES,
 )
 from ptdp.config.model import AUTO_DTYPE, ModelConfig
-from ptdp.config.parallel import ParallelConfig
 from ptdp.errors import ConfigError, V, Violation
 from ptdp.layout.pipeline.partition import layer_split, stage_layer_counts
 
@@ -164,127 +135,6 @@ def llama_option_violations(m: ModelConfig, tp: int) -> list[Violation]:
     return out
 
 
-def layout_violations(
-    m: ModelConfig,
-    *,
-    tp: int,
-    pp: int,
-    dp: int,
-    micro_batch_size: int,
-    global_batch_size: int,
-    split: tuple[int, ...] | None = None,
-    first: int | None = None,
-    last: int | None = None,
-    embedding: bool = False,
-    loss: bool = False,
-) -> list[Violation]:
-    """The rules tying a model and batch to a tp x pp x dp layout (shared with the planner)."""
-    out = model_violations(m, tp, pp, split, first=first, last=last, embedding=embedding, loss=loss)
-    b, big_b = micro_batch_size, global_batch_size
-    if big_b % (b * dp) != 0:
-        out.append(
-            V(
-                "B % (b * dp)",
-                f"global_batch_size={big_b} is not divisible by micro_batch_size*dp = {b}*{dp} = "
-                f"{b * dp} (rule: B % (b * dp) == 0)",
-                global_batch_size=big_b,
-                micro_batch_size=b,
-                dp=dp,
-            )
-        )
-    return out
-
-
-def schedule_violations(p: ParallelConfig, num_layers: int, num_microbatches: int) -> list[Violation]:
-    """Rules of the pipeline schedule and its model chunks (Narayanan et al. SC21, §2.2)."""
-    kind, per_chunk, v, pp, m = (
-        p.schedule,
-        p.num_layers_per_virtual_pipeline_stage,
-        p.virtual_pipeline_model_parallel_size,
-        p.pp,
-        num_microbatches,
-    )
-    if kind not in SCHEDULES:
-        return [V("option", f"pipeline_schedule={kind!r} must be one of {SCHEDULES}")]
-    for name, value in (
-        ("num_layers_per_virtual_pipeline_stage", per_chunk),
-        ("virtual_pipeline_model_parallel_size", v),
-    ):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            return [V("option", f"{name}={value!r} must be a positive integer")]
-    out = []
-    units = num_layers + p.accounted_units
-    counted = f" + {p.accounted_units} (embedding/loss counted as layers) = {units}" if p.accounted_units else ""
-    if per_chunk is not None:
-        if units % (pp * per_chunk):
-            out.append(
-                V(
-                    "interleaving",
-                    f"num_layers={num_layers}{counted} is not divisible by pp * "
-                    f"num_layers_per_virtual_pipeline_stage = {pp}*{per_chunk} = {pp * per_chunk} (rule: layers "
-                    f"split evenly over pp * v model chunks)",
-                )
-            )
-        elif v is not None and units // (pp * per_chunk) != v:
-            out.append(
-                V(
-                    "interleaving",
-                    f"virtual_pipeline_model_parallel_size={v} contradicts num_layers_per_virtual_pipeline_stage="
-                    f"{per_chunk}, which gives (num_layers{counted}) / (pp * {per_chunk}) = "
-                    f"{units // (pp * per_chunk)} model chunks per rank (give one of them)",
-                )
-            )
-    elif v is not None and v > 1 and units % (pp * v):
-        out.append(
-            V("interleaving", f"num_layers={num_layers}{counted} is not divisible by pp*v = {pp}*{v} = {pp * v}")
-        )
-    chunked = p.interleaved
-    if chunked:
-        name = (
-            "num_layers_per_virtual_pipeline_stage"
-            if per_chunk is not None
-            else f"virtual_pipeline_model_parallel_size={v}"
-        )
-        if kind != "interleaved-1f1b":
-            out.append(V("interleaving", f"{name} needs the interleaved-1f1b schedule, not {kind}"))
-        if p.pipeline_layer_split is not None:
-            out.append(V("interleaving", "pipeline_layer_split cannot be combined with virtual pipeline stages"))
-        if p.decoder_first_pipeline_num_layers is not None or p.decoder_last_pipeline_num_layers is not None:
-            out.append(
-                V(
-                    "interleaving",
-                    f"decoder_first_pipeline_num_layers={p.decoder_first_pipeline_num_layers} / "
-                    f"decoder_last_pipeline_num_layers={p.decoder_last_pipeline_num_layers} cannot be combined "
-                    f"with virtual pipeline stages (ptdp's interleaved schedule gives every model chunk "
-                    f"num_layers / (pp * v) layers)",
-                )
-            )
-    if kind == "interleaved-1f1b":
-        if per_chunk is None and v is None:
-            out.append(
-                V(
-                    "interleaving",
-                    "the interleaved-1f1b schedule needs num_layers_per_virtual_pipeline_stage (or "
-                    "virtual_pipeline_model_parallel_size)",
-                )
-            )
-        if pp < 2:
-            out.append(
-                V("interleaving", f"the interleaved-1f1b schedule needs pipeline_model_parallel_size >= 2, got {pp}")
-            )
-        elif m % pp:
-            out.append(
-                V(
-                    "interleaving",
-                    f"the interleaved-1f1b schedule needs num_microbatches % pp == 0: "
-                    f"num_microbatches={m} (= global_batch_size / (micro_batch_size * dp)), pp={pp}",
-                    num_microbatches=m,
-                    pp=pp,
-                )
-            )
-    return out
-
-
 def recompute_violations(m: ModelConfig, chunk_layers: list[int] | None) -> list[Violation]:
     """Rules of activation recomputation; ``chunk_layers``: the layers of every model chunk (None
     when the layout is invalid: the range of recompute_num_layers is then not checked)."""
@@ -354,21 +204,3 @@ def model_option_violations(m: ModelConfig) -> list[Violation]:
             )
         )
     return out
-
-
-def positive_violations(values: dict[str, object]) -> list[Violation]:
-    """Each value must be a positive integer."""
-    return [
-        V("positive", f"{name}={value!r} must be a positive integer", **{name: value})
-        for name, value in values.items()
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1
-    ]
-
-
-def finite_violations(values: dict[str, object]) -> list[Violation]:
-    """Each value must be a finite number (nan or inf would train silently wrong)."""
-    return [
-        V("finite", f"{name}={value!r} must be a finite number")
-        for name, value in values.items()
-        if not isinstance(value, (int, float)) or not math.isfinite(value)
-    ]
