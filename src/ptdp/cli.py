@@ -19,7 +19,7 @@ from ptdp.config.flags import Parser, reject_unknown
 from ptdp.errors import ConfigError
 from ptdp.planner.inputs.hardware import UnknownGPUError
 from ptdp.planner.inputs.models import UnknownModelError
-from ptdp.topology.model import TopologyError
+from ptdp.topology.node import TopologyError
 
 #: each command: its one-line help and its module (imported only when chosen), which provides
 #: ``add_arguments(parser)`` and ``run(args) -> exit code``
@@ -73,7 +73,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors reported as one line (exit code 2). :class:`ptdp.data.DataError` counts only once
     ``ptdp.data`` is imported (before that none can be raised), so ``ptdp plan`` needs not import it."""
     errors = (ConfigError, UnknownGPUError, UnknownModelError, TopologyError)
-    data_errors = sys.modules.get("ptdp.data.errors")
+    data_errors = sys.modules.get("ptdp.errors")
     return errors + ((data_errors.DataError,) if data_errors else ())
 
 

@@ -1,4 +1,4 @@
-"""Errors of a request, and one broken rule as data.
+"""Errors of a request and of its data, and one broken rule as data.
 
 A :class:`Violation` is what a rule of :mod:`ptdp.config.rules` returns: a short rule id (for
 grouping, e.g. in ``ptdp plan``'s rejection summary), the values involved and the message that
@@ -40,3 +40,8 @@ def raise_violations(violations: list[Violation]) -> None:
     """Raise one :class:`ConfigError` listing every violation, if there is any."""
     if violations:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(v.message for v in violations), tuple(violations))
+
+
+class DataError(ValueError):
+    """Bad or unusable training data: a missing path, an empty corpus, a corrupt token file, a
+    sequence length longer than the corpus, ... The message names the offending values."""

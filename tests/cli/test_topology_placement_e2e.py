@@ -10,7 +10,7 @@ def test_topology_modules_do_not_import_torch():
     import sys
 
     code = (
-        "import sys, ptdp.topology.model, ptdp.topology.nvsmi, ptdp.topology.sysfs, "
+        "import sys, ptdp.topology.node, ptdp.topology.nvsmi, ptdp.topology.sysfs, "
         "ptdp.topology.placement, ptdp.commands.topo; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )

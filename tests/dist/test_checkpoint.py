@@ -11,7 +11,7 @@ from helpers.checkpoints import record_run, stored_tensors, train_steps
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool, run_workers
 from helpers.layout_cases import LLAMA_OPTIONS, rank_microbatches, tiny_config
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.model.chunks import global_named_parameters
+from ptdp.engine.model.model_chunks import global_named_parameters
 from ptdp.engine.step import build_stage, eval_loss, train_step
 from ptdp.engine.tensor_parallel.sharding import spec_of, unshard
 from ptdp.layout.grid import ParallelLayout

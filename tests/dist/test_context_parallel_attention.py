@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.host_sync import count_host_syncs
 from ptdp.engine.comm import AxisGroup, CommStats
-from ptdp.engine.context_parallel.attention import context_parallel_attention, cp_attention_comm
-from ptdp.engine.context_parallel.chunks import shard_sequence, unshard_sequence
+from ptdp.engine.context_parallel.cp_attention import context_parallel_attention, cp_attention_comm
+from ptdp.engine.context_parallel.load_balance import shard_sequence, unshard_sequence
 from ptdp.engine.context_parallel.ring import ring_groups
 from ptdp.layout.pipeline.nccl_model import Op, simulate_nccl
 

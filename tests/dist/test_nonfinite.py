@@ -10,7 +10,7 @@ from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.faults import NAN_LOSS_ENV, FaultPlan, install
 from helpers.layout_cases import rank_microbatches, tiny_config
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.model.chunks import global_named_parameters
+from ptdp.engine.model.model_chunks import global_named_parameters
 from ptdp.engine.step import build_stage, train_step
 from ptdp.engine.step_results import NONFINITE_LOSS
 from ptdp.layout.grid import ParallelLayout

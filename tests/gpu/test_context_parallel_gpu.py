@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from helpers.dist_helpers import PG_TIMEOUT
 from helpers.nccl_helpers import run_nccl_workers
 from ptdp.engine.comm import AxisGroup, CommStats
-from ptdp.engine.context_parallel.attention import context_parallel_attention
-from ptdp.engine.context_parallel.chunks import shard_sequence, unshard_sequence
+from ptdp.engine.context_parallel.cp_attention import context_parallel_attention
+from ptdp.engine.context_parallel.load_balance import shard_sequence, unshard_sequence
 
 pytestmark = pytest.mark.gpu
 BF16 = dict(rtol=3e-2, atol=3e-2)

@@ -18,7 +18,7 @@ from helpers.layout_cases import TOL, full_parameters, real_rows
 from helpers.nccl_helpers import run_nccl_workers, train_on_device
 from ptdp.config.model import ModelConfig
 from ptdp.engine.comm import AxisGroup
-from ptdp.engine.context_parallel.attention import context_parallel_attention
+from ptdp.engine.context_parallel.cp_attention import context_parallel_attention
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.attention import Attention
 from ptdp.layout.grid import ParallelLayout

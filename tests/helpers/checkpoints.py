@@ -34,7 +34,7 @@ def train_steps(stage, cfg, groups, first: int, last: int) -> list:
 
 def record_run(stage, results) -> dict:
     """Losses, gradient norms and the global parameters after ``results``."""
-    from ptdp.engine.model.chunks import global_named_parameters
+    from ptdp.engine.model.model_chunks import global_named_parameters
 
     stage.wait_for_params()
     return {

@@ -7,7 +7,7 @@ import torch
 from helpers.layout_cases import STEPS, rank_microbatches, tiny_config
 from ptdp.config.schema import Config
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.model.chunks import global_named_parameters
+from ptdp.engine.model.model_chunks import global_named_parameters
 from ptdp.engine.step import build_stage, train_step
 
 P = 0.2

@@ -13,7 +13,7 @@ from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.model.chunks import global_named_parameters
+from ptdp.engine.model.model_chunks import global_named_parameters
 from ptdp.engine.step import build_stage, train_step
 from ptdp.engine.tensor_parallel.sharding import unshard
 from ptdp.layout.grid import ParallelLayout

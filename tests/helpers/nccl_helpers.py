@@ -18,7 +18,7 @@ from helpers.dist_helpers import PG_TIMEOUT, spawn_and_collect
 from helpers.layout_cases import rank_microbatches
 from ptdp.config.schema import Config
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.model.chunks import global_named_parameters
+from ptdp.engine.model.model_chunks import global_named_parameters
 from ptdp.engine.step import build_stage, train_step
 
 

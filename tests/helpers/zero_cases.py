@@ -377,7 +377,7 @@ def full_state(stage, groups: ParallelGroups) -> dict:
     gets the whole of each; keys ``kind/name``)."""
     import torch
 
-    from ptdp.engine.model.chunks import global_named_parameters
+    from ptdp.engine.model.model_chunks import global_named_parameters
     from ptdp.engine.tensor_parallel.sharding import spec_of, unshard
     from ptdp.run.checkpoint.optim_state import gather_local_state
 

@@ -22,9 +22,9 @@ from ptdp.config.flags import config_from_args
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.train_flags import local_world_size
-from ptdp.data.errors import DataError
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, with_vocab
+from ptdp.errors import DataError
 from ptdp.run.checkpoint.io import save_checkpoint
 
 TINY = tiny_flags(log_interval=None, eval_interval=None, no_progress=True)

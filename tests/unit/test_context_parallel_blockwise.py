@@ -17,7 +17,7 @@ from ptdp.engine.context_parallel.blockwise import (
     blockwise_causal_attention,
     merge,
 )
-from ptdp.engine.context_parallel.chunks import (
+from ptdp.engine.context_parallel.load_balance import (
     check_sequence,
     chunk_ids,
     local_positions,
@@ -211,7 +211,7 @@ def test_bad_shapes_are_named():
 @pytest.mark.parametrize("kernel", ["math", "fused"])
 def test_cp_attention_on_one_rank_is_plain_causal_attention(heads, kv_heads, comm, kernel):
     from ptdp.engine.comm import AxisGroup
-    from ptdp.engine.context_parallel.attention import context_parallel_attention, cp_attention_comm
+    from ptdp.engine.context_parallel.cp_attention import context_parallel_attention, cp_attention_comm
 
     axis = AxisGroup.single("cp")
     q, k, v, dout = _inputs(heads, kv_heads, seed=2)
@@ -236,7 +236,7 @@ def test_cp_attention_keeps_its_output_once_in_the_input_dtype(comm, dtype):
     which the planner's activation memory uses."""
     from ptdp.engine.activation_meter import SavedActivationMeter
     from ptdp.engine.comm import AxisGroup
-    from ptdp.engine.context_parallel.attention import context_parallel_attention
+    from ptdp.engine.context_parallel.cp_attention import context_parallel_attention
 
     s, b, a, d = 12, 2, 4, 8
     qkv = torch.randn(s, b, 3, a, d, dtype=dtype, requires_grad=True)
@@ -256,7 +256,7 @@ def test_cp_attention_keeps_its_output_once_in_the_input_dtype(comm, dtype):
 
 def test_cp_attention_bad_input_is_named():
     from ptdp.engine.comm import AxisGroup
-    from ptdp.engine.context_parallel.attention import context_parallel_attention
+    from ptdp.engine.context_parallel.cp_attention import context_parallel_attention
 
     q, k, v, _ = _inputs(4, 2, s=10)
     with pytest.raises(ValueError, match="'ring' is not one of"):

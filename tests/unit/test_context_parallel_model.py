@@ -18,9 +18,9 @@ from ptdp.config.resolve import resolve
 from ptdp.config.rules.axes import context_parallel_model_violations
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.comm import AxisGroup
-from ptdp.engine.context_parallel.attention import context_parallel_attention
 from ptdp.engine.context_parallel.blockwise import attention_block, attention_block_backward, merge
-from ptdp.engine.context_parallel.chunks import local_positions, rank_positions, shard_sequence, unshard_sequence
+from ptdp.engine.context_parallel.cp_attention import context_parallel_attention
+from ptdp.engine.context_parallel.load_balance import local_positions, rank_positions, shard_sequence, unshard_sequence
 from ptdp.engine.model.attention import Attention
 from ptdp.engine.model.rotary import RotaryEmbedding
 from ptdp.engine.tensor_parallel.random import REPLICATED, WHOLE_SEQUENCE, DropoutRNG

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ptdp.engine.context_parallel.chunks import chunk_ids
+from ptdp.engine.context_parallel.load_balance import chunk_ids
 from ptdp.engine.context_parallel.ring import ring_block, ring_groups
 from ptdp.layout.pipeline.nccl_model import Op, ScheduleError, simulate_nccl
 

@@ -14,7 +14,7 @@ from ptdp.data.corpus import (
     iter_documents,
     list_corpus_files,
 )
-from ptdp.data.errors import DataError
+from ptdp.errors import DataError
 
 
 def _tree(root: Path) -> Path:

@@ -12,8 +12,8 @@ from ptdp.data.dataset import (
     eval_indices,
     microbatches,
 )
-from ptdp.data.errors import DataError
 from ptdp.data.indexed import IndexedTokens, write_indexed
+from ptdp.errors import DataError
 
 
 @pytest.fixture

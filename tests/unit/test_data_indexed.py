@@ -5,8 +5,8 @@ import pickle
 import numpy as np
 import pytest
 
-from ptdp.data.errors import DataError
 from ptdp.data.indexed import IndexedTokens, token_dtype, write_indexed
+from ptdp.errors import DataError
 
 
 def _docs(rng, n=20, vmax=1000):

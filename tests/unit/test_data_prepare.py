@@ -11,11 +11,11 @@ import pytest
 
 import ptdp.data.prepare as prepare_mod
 from ptdp.data.corpus import iter_documents
-from ptdp.data.errors import DataError
 from ptdp.data.indexed import IndexedTokens
 from ptdp.data.prepare import prepare_data
 from ptdp.data.prepared_data import PreparedData
 from ptdp.data.split import assign_splits
+from ptdp.errors import DataError
 
 
 def write_corpus(root: Path, n_docs: int = 80, seed: int = 0) -> Path:

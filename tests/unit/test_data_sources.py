@@ -15,8 +15,8 @@ import ptdp.data.prepare as prepare_mod
 from helpers.texts import make_texts
 from ptdp.data.corpus import iter_documents
 from ptdp.data.encode import AUTO_MAX_WORKERS, PARALLEL_MIN_BYTES, worker_count
-from ptdp.data.errors import DataError
 from ptdp.data.prepare import prepare_data
+from ptdp.errors import DataError
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

@@ -3,7 +3,6 @@
 import pytest
 
 from helpers.texts import make_texts
-from ptdp.data.errors import DataError
 from ptdp.data.tokenizer import (
     EOS_TOKEN,
     MIN_VOCAB_SIZE,
@@ -13,6 +12,7 @@ from ptdp.data.tokenizer import (
     save_tokenizer,
     train_tokenizer,
 )
+from ptdp.errors import DataError
 
 
 def test_training_is_deterministic_in_process():

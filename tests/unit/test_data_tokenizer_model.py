@@ -13,10 +13,10 @@ from helpers.cli import tiny_flags
 from helpers.own_tokenizer import build_tokenizer, write_tokenizer_folder
 from helpers.texts import make_texts
 from ptdp import cli
-from ptdp.data.errors import DataError
 from ptdp.data.indexed import IndexedTokens
 from ptdp.data.prepare import prepare_data
 from ptdp.data.tokenizer import load_tokenizer_model
+from ptdp.errors import DataError
 
 
 @pytest.fixture(scope="module")

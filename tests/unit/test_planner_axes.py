@@ -23,7 +23,7 @@ from ptdp.planner.search.layouts import Fixed, search
 from ptdp.planner.time.collectives import Links, hierarchical_all_reduce_time
 from ptdp.planner.time.cp_exchange import kv_exchange_times
 from ptdp.planner.time.data_parallel import sharded_dp_times
-from ptdp.planner.time.step import evaluate_performance
+from ptdp.planner.time.step_time import evaluate_performance
 
 H100 = CATALOG["h100-sxm"]
 LINKS = Links(

@@ -20,7 +20,7 @@ from ptdp.planner.memory.transients import rank_transients
 from ptdp.planner.search.layouts import Fixed, search
 from ptdp.planner.time.collectives import Links, hierarchical_all_reduce_time
 from ptdp.planner.time.data_parallel import sharded_dp_times
-from ptdp.planner.time.step import evaluate_performance
+from ptdp.planner.time.step_time import evaluate_performance
 from ptdp.planner.validate.published import H100_CSV, load_h100_runs
 
 H100 = get_gpu("h100-sxm")

@@ -18,7 +18,7 @@ from ptdp.planner.memory.fp8 import FP8_WEIGHT_COPY_BYTES, fp8_precision, layer_
 from ptdp.planner.memory.params import layer_param_count
 from ptdp.planner.time import flops
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS
-from ptdp.planner.time.step import evaluate_performance
+from ptdp.planner.time.step_time import evaluate_performance
 
 H100 = CATALOG["h100-sxm"]
 

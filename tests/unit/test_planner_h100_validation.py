@@ -20,7 +20,7 @@ from ptdp.planner.inputs.hardware import CATALOG, Cluster
 from ptdp.planner.inputs.models import gpt
 from ptdp.planner.time import flops
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants
-from ptdp.planner.time.step import evaluate_performance
+from ptdp.planner.time.step_time import evaluate_performance
 from ptdp.planner.validate.accuracy import (
     H100_STEP,
     H100_STEP_CP,
@@ -259,7 +259,7 @@ def test_catalog_file_may_name_the_architecture(tmp_path):
 
 
 def test_exposed_p2p_is_the_excess_over_the_microbatch_work():
-    from ptdp.planner.time.step import exposed_p2p
+    from ptdp.planner.time.step_time import exposed_p2p
 
     on = dataclasses.replace(DEFAULT_CONSTANTS, pp_overlap=True)
     work = (1.0, 0.25, 0.5, 0.25)  # compute, recompute, tp, cp seconds: 2 s

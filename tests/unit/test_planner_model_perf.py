@@ -20,7 +20,7 @@ from ptdp.planner.time.collectives import (
     tp_layer_comm_times,
 )
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants
-from ptdp.planner.time.step import evaluate_performance
+from ptdp.planner.time.step_time import evaluate_performance
 
 A100 = CATALOG["a100-80gb"]
 LINKS = Links(240e9, 22.5e9, 0.0, 0.0, 8)

@@ -31,7 +31,7 @@ from ptdp.planner.splits import (
     split_options,
 )
 from ptdp.planner.time.stages import edge_layer_equivalents, split_stage_times
-from ptdp.planner.time.step import evaluate_performance
+from ptdp.planner.time.step_time import evaluate_performance
 
 A100, H100 = CATALOG["a100-80gb"], CATALOG["h100-sxm"]
 LLAMA3_405B_SPLIT = (7,) + (8,) * 14 + (7,)

@@ -12,7 +12,7 @@ from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, GB, Cluster
 from ptdp.planner.inputs.models import get_model
 from ptdp.planner.inputs.node_links import PCIE_BANDWIDTH, gpu_for_topology
-from ptdp.planner.time.step import evaluate_performance
+from ptdp.planner.time.step_time import evaluate_performance
 from ptdp.topology.nvsmi import parse_nvidia_smi_topo
 
 TOPO = Path(__file__).parents[1] / "data" / "topo"

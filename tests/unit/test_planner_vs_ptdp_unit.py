@@ -32,7 +32,7 @@ def test_gemm_and_ring_fits_recover_known_values(tmp_path):
 
 
 def test_linear_fit_and_core_sharing_model():
-    from ptdp.planner.time.step import core_shared_step
+    from ptdp.planner.time.step_time import core_shared_step
     from ptdp.run.calibration_fit import fit_linear
 
     bw, lat = 1.5e9, 3e-4
@@ -52,7 +52,7 @@ def test_shared_cores_bound_the_step_from_below():
     from ptdp.planner.candidate import Candidate
     from ptdp.planner.inputs.hardware import Cluster
     from ptdp.planner.inputs.models import gpt
-    from ptdp.planner.time.step import evaluate_performance
+    from ptdp.planner.time.step_time import evaluate_performance
 
     cpu = dataclasses.replace(
         CATALOG["a100-80gb"],

@@ -13,7 +13,7 @@ from ptdp.planner.candidate import run_candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster, GPUSpec
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS
 from ptdp.planner.time.profile import save_profile
-from ptdp.planner.time.step import evaluate_performance
+from ptdp.planner.time.step_time import evaluate_performance
 from ptdp.run.throughput import Throughput, catalog_gpu, device_peak, step_model_flops
 
 

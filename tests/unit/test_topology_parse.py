@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.topology import sysfs
-from ptdp.topology.model import TopologyError, format_cpu_list, parse_cpu_list
+from ptdp.topology.node import TopologyError, format_cpu_list, parse_cpu_list
 from ptdp.topology.nvsmi import parse_nvidia_smi_topo
 from ptdp.topology.sysfs import cpu_topology, from_sysfs, local_topology
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.layout.grid import ParallelLayout
-from ptdp.topology.model import GPU, NIC, Topology
+from ptdp.topology.node import GPU, NIC, Topology
 from ptdp.topology.nvsmi import parse_nvidia_smi_topo
 from ptdp.topology.placement import PlacementError, _block_cost, _nearest_nics, place
 
@@ -273,7 +273,7 @@ def test_launch_env_is_empty_for_the_default_order_and_lists_gpus_otherwise():
 
 def test_gpu_order_for_ptdp_train():
     from ptdp.topology.gpu_order import gpu_order
-    from ptdp.topology.model import TopologyError
+    from ptdp.topology.node import TopologyError
 
     bridged = synthetic([0, 0, 0, 0], lambda i, j: "NV4" if (i, j) in ((0, 2), (1, 3)) else "PHB")
     env, lines = gpu_order(2, 1, 2, 4, read_topology=lambda: bridged, environ={})

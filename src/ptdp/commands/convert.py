@@ -41,8 +41,8 @@ def continue_hint(source: Path, target: str) -> str:
     """The ``ptdp train`` command line that continues pre-training the model imported from ``source``
     into ``target``: its shape flags and, when ``source`` has a ``tokenizer.json`` whose size equals
     the model's vocabulary, ``--tokenizer-model source`` (else a note saying why not)."""
-    from ptdp.data.errors import DataError
     from ptdp.data.tokenizer import load_tokenizer_model
+    from ptdp.errors import DataError
     from ptdp.run.checkpoint.hf import model_config_from_hf
 
     model = model_config_from_hf(json.loads((source / "config.json").read_text()))

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from ptdp.errors import ConfigError
-from ptdp.topology.model import Topology, format_cpu_list
+from ptdp.topology.node import Topology, format_cpu_list
 from ptdp.topology.placement import Placement, PlacementError, launch_env, place
 
 DESCRIPTION = """\
@@ -50,7 +50,7 @@ def load_topology(path: str | None) -> Topology:
     """The topology in ``path`` (``nvidia-smi topo -m`` text), or this machine's when ``None``.
 
     Raises :class:`ConfigError` for an unreadable file and
-    :class:`~ptdp.topology.model.TopologyError` for one that does not parse."""
+    :class:`~ptdp.topology.node.TopologyError` for one that does not parse."""
     if path is None:
         from ptdp.topology.sysfs import local_topology
 
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``ptdp topo`` with parsed ``args``; prints to stdout and returns 0.
 
     Raises :class:`ConfigError` (bad flags, unreadable file, impossible sizes) and
-    :class:`~ptdp.topology.model.TopologyError` (unparsable topology); ``ptdp`` turns both into one
+    :class:`~ptdp.topology.node.TopologyError` (unparsable topology); ``ptdp`` turns both into one
     line on stderr and exit status 2."""
     topology = load_topology(args.file)
     placement = placement_from_args(args, topology)

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
-from ptdp.data.errors import DataError
 from ptdp.data.tabular import folder_stat, is_saved_dataset, iter_rows, table_kind
+from ptdp.errors import DataError
 
 PathLike = Union[str, "os.PathLike[str]"]
 

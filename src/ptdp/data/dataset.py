@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ptdp.data.errors import DataError
 from ptdp.data.indexed import IndexedTokens
+from ptdp.errors import DataError
 
 
 def _check_int(name: str, value, minimum: int) -> None:

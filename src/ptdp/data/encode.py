@@ -21,8 +21,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from ptdp.data.errors import DataError
 from ptdp.data.tokenizer import encode_documents, load_tokenizer
+from ptdp.errors import DataError
 
 Tag = TypeVar("Tag")
 #: Corpora at least this large (bytes on disk) are encoded by several processes when

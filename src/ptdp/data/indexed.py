@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ptdp.data.errors import DataError
+from ptdp.errors import DataError
 
 MAGIC = b"PTDPIDX\0"
 VERSION = 1

@@ -47,7 +47,6 @@ from ptdp.data.corpus import (
     list_corpus_files,
 )
 from ptdp.data.encode import encode_chunks, worker_count
-from ptdp.data.errors import DataError
 from ptdp.data.indexed import IndexedWriter, token_dtype
 from ptdp.data.prepared_data import FORMAT_VERSION, META_FILE, TOKENIZER_SAMPLE_CHARS, PreparedData, cache_key
 from ptdp.data.split import assign_splits, check_valid_fraction, stable_unit
@@ -61,6 +60,7 @@ from ptdp.data.tokenizer import (
     tokenizer_config_beside,
     train_tokenizer,
 )
+from ptdp.errors import DataError
 
 #: Characters of text per call to the batch encoder.
 ENCODE_CHUNK_CHARS = 2_000_000

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import tokenizers
 
-from ptdp.data.errors import DataError
 from ptdp.data.indexed import IndexedTokens
 from ptdp.data.tokenizer import EOS_TOKEN, TokenizerModel, load_tokenizer
+from ptdp.errors import DataError
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"

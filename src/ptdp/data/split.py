@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from ptdp.data.errors import DataError
+from ptdp.errors import DataError
 
 
 def stable_unit(doc_id: str, salt: str = "split") -> float:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from ptdp.data.errors import DataError
+from ptdp.errors import DataError
 
 #: Rows per batch read from a table.
 BATCH_ROWS = 1024

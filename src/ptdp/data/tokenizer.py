@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ptdp.data.errors import DataError
+from ptdp.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
 #: End-of-document tokens of common tokenizers (GPT-2 and ours, Llama 2 / Mistral, Llama 3, Gemma),

@@ -47,9 +47,9 @@ from ptdp.engine.data_parallel.units import (
 )
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.hooks import STEP_HOOKS
-from ptdp.engine.model.chunks import ModelChunks
 from ptdp.engine.model.compile import compile_stage
 from ptdp.engine.model.gpt import DTYPES, GPTModel
+from ptdp.engine.model.model_chunks import ModelChunks
 from ptdp.engine.optim.adamw import MainParamsAdamW, set_lr, step_unless
 from ptdp.engine.optim.factory import build_optimizer
 from ptdp.engine.pipeline.runtime import Microbatch, run_schedule

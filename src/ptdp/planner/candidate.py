@@ -238,7 +238,7 @@ class Plan:
     """The prediction for one layout; ``reasons`` say why it does not fit or cannot run.
 
     ``tflops_per_gpu`` is in TFLOP/s (1e12 FLOP/s), as the papers and ``--json`` report it; the
-    :class:`~ptdp.planner.time.step.Performance` it comes from keeps FLOP/s.
+    :class:`~ptdp.planner.time.step_time.Performance` it comes from keeps FLOP/s.
     """
 
     layout: Candidate

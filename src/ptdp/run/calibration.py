@@ -14,7 +14,7 @@ planner's prediction from the primitives is the host overhead (operator dispatch
 Python) the planner adds per layer and per output layer (``layer_overhead``, ``head_overhead``).
 The profile records how many cores the workers share: with more workers than cores the planner
 predicts the step as the machine's total busy time over its cores
-(:func:`ptdp.planner.time.step.core_shared_step`). The fits of the measurements are
+(:func:`ptdp.planner.time.step_time.core_shared_step`). The fits of the measurements are
 :mod:`ptdp.run.calibration_fit`.
 
 On GPUs every worker measures on its own device (the one :func:`ptdp.run.distributed.init_distributed`

@@ -29,7 +29,7 @@ from ptdp.planner.memory.breakdown import memory_breakdown
 from ptdp.planner.memory.params import stage_param_counts, stage_transients
 from ptdp.planner.memory.strategies import strategy_bytes_per_param
 from ptdp.planner.time.profile import default_profile_path, load_profile
-from ptdp.planner.time.step import evaluate_performance
+from ptdp.planner.time.step_time import evaluate_performance
 from ptdp.run.profiling import process_peak_rss
 
 

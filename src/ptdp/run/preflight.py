@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ptdp.config.schema import Config
-from ptdp.data.errors import DataError
 from ptdp.data.prepared_data import PreparedData
-from ptdp.errors import ConfigError
+from ptdp.errors import ConfigError, DataError
 from ptdp.run.memory_check import check_memory
 from ptdp.run.rundir import check_run_dir, make_run_dir, prepare, run_dir_path, write_config
 from ptdp.run.tracking import check_trackers

@@ -14,10 +14,9 @@ import time
 from pathlib import Path
 
 from ptdp.config.schema import Config
-from ptdp.data.errors import DataError
 from ptdp.data.prepare import prepare_data
 from ptdp.data.prepared_data import PreparedData
-from ptdp.errors import ConfigError
+from ptdp.errors import ConfigError, DataError
 from ptdp.run.metrics import write_json
 from ptdp.run.paths import folder_problem
 

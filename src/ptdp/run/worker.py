@@ -28,12 +28,11 @@ from ptdp.config.flags import Parser, config_from_args, parse_args
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config
 from ptdp.config.train_flags import HelpFormatter, add_train_arguments
-from ptdp.data.errors import DataError
 from ptdp.data.prepared_data import PreparedData
 from ptdp.engine import comm
 from ptdp.engine.activity import CollectiveError
 from ptdp.engine.groups import ParallelGroups, host_group
-from ptdp.errors import ConfigError
+from ptdp.errors import ConfigError, DataError
 from ptdp.layout.grid import ParallelLayout
 from ptdp.run import rank_records
 from ptdp.run.distributed import env_world, init_distributed

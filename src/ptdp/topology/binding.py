@@ -49,7 +49,7 @@ from pathlib import Path
 
 from ptdp.config.fields import BIND_POLICIES
 from ptdp.errors import ConfigError
-from ptdp.topology.model import TopologyError, format_cpu_list, parse_cpu_list
+from ptdp.topology.node import TopologyError, format_cpu_list, parse_cpu_list
 from ptdp.topology.sysfs import numa_nodes
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 
-from ptdp.topology.model import Topology, TopologyError
+from ptdp.topology.node import Topology, TopologyError
 from ptdp.topology.placement import PlacementError, launch_env, place
 
 

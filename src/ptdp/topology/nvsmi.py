@@ -1,4 +1,4 @@
-"""Parse the text of ``nvidia-smi topo -m`` into a :class:`~ptdp.topology.model.Topology`.
+"""Parse the text of ``nvidia-smi topo -m`` into a :class:`~ptdp.topology.node.Topology`.
 
 The table looks like this (columns separated by tabs in nvidia-smi's own output, by runs of spaces
 once copied through a terminal or a web page)::
@@ -22,7 +22,7 @@ named ``mlx5_N``, ``NICn`` or any other device name, NIC rows without affinity f
 for an unknown value; ANSI colour codes and trailing whitespace. The table ends at a blank line,
 ``Legend:`` or the end of the text. A ``NIC Legend:`` block (``NIC0: mlx5_0``) fills ``NIC.device``.
 
-Everything else raises :class:`~ptdp.topology.model.TopologyError` naming the source, the line number,
+Everything else raises :class:`~ptdp.topology.node.TopologyError` naming the source, the line number,
 what was wrong and the line's text. ``GPU NUMA ID`` (the NUMA node of the GPU's own memory, on
 systems that expose it) is checked but not kept.
 """
@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from ptdp.topology.model import GPU, NIC, Topology, TopologyError, is_known_link, parse_cpu_list
+from ptdp.topology.node import GPU, NIC, Topology, TopologyError, is_known_link, parse_cpu_list
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _AFFINITY = re.compile(r"CPU\s+Affinity|NUMA\s+Affinity|GPU\s+NUMA\s+ID")

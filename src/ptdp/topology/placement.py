@@ -35,7 +35,7 @@ import dataclasses
 import math
 from itertools import combinations
 
-from ptdp.topology.model import PCIE_LINKS, Topology, nvlink_count
+from ptdp.topology.node import PCIE_LINKS, Topology, nvlink_count
 
 MAX_SEARCH_GPUS = 16
 """Nodes with more GPUs than this keep the index order (the exact search grows too large)."""

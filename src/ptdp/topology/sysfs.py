@@ -22,7 +22,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from ptdp.topology.model import GPU, Topology, TopologyError, parse_cpu_list
+from ptdp.topology.node import GPU, Topology, TopologyError, parse_cpu_list
 from ptdp.topology.nvsmi import parse_nvidia_smi_topo
 
 NVIDIA_VENDOR = 0x10DE

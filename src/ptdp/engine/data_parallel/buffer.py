@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from ptdp.engine.comm import AxisGroup
-from ptdp.engine.data_parallel.buckets import Bucket, Segment, plan_buckets
+from ptdp.engine.data_parallel.bucket_layout import Bucket, Segment, plan_buckets
 from ptdp.engine.data_parallel.compression import block_sizes, start_reduction
 from ptdp.engine.data_parallel.sharded_grads import ShardedGradients
 
@@ -74,7 +74,7 @@ class GradBuffer(ShardedGradients):
             ``shard``): each backward's buckets are reduce-scattered and added into
             :attr:`shard_grads`; the flat buffer lives only during a backward (module docstring).
         unit_of: parameter id -> unit index (``optim_grads_params``): no bucket spans two units
-            (:func:`~ptdp.engine.data_parallel.buckets.plan_buckets`).
+            (:func:`~ptdp.engine.data_parallel.bucket_layout.plan_buckets`).
     """
 
     def __init__(

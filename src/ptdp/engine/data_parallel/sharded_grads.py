@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ptdp.engine.comm import AxisGroup
-from ptdp.engine.data_parallel.buckets import Bucket
+from ptdp.engine.data_parallel.bucket_layout import Bucket
 from ptdp.engine.data_parallel.compression import start_reduction
 from ptdp.layout.buckets import chunk_by_chunk
 

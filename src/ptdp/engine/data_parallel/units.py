@@ -7,7 +7,7 @@ the chunk's forward starts, used until the first layer starts), each transformer
 head (final norm and output layer, from the final norm to the end of the loss); one unit of all
 but the layers where one tied word embedding is looked up first and projected last. The
 gradient buffer is planned so that no bucket spans two units
-(:func:`~ptdp.engine.data_parallel.buckets.plan_buckets`), so a unit is a set of whole buckets and
+(:func:`~ptdp.engine.data_parallel.bucket_layout.plan_buckets`), so a unit is a set of whole buckets and
 rank r's shard of a unit is the r-th ``1/d`` of each of its buckets, the same layout as the
 gradient shard (d = dp x cp, the ``ParallelGroups.dp_cp`` group). Every bucket has a full
 parameter tensor of its own (the parameters are views of it) whose memory exists only while the
@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from ptdp.engine.comm import Handle, all_gather_async
-from ptdp.engine.data_parallel.buckets import Bucket, Segment
+from ptdp.engine.data_parallel.bucket_layout import Bucket, Segment
 from ptdp.engine.data_parallel.buffer import GradBuffer
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@ parallelism, over cp by sequence chunks (:class:`Attention`; the model is :mod:`
 
 Communication: the QKV and output projections' tensor-parallel collectives
 (:mod:`ptdp.engine.tensor_parallel`); with cp > 1 the key/value exchange of
-:func:`~ptdp.engine.context_parallel.attention.context_parallel_attention`.
+:func:`~ptdp.engine.context_parallel.cp_attention.context_parallel_attention`.
 
 For generation, :class:`KVCache` holds the keys and values of the positions already read and
 :meth:`Attention.forward_cached` runs only the new positions against them; training never creates
@@ -20,8 +20,8 @@ from torch import nn
 
 from ptdp.config.model import ModelConfig
 from ptdp.engine.comm import AxisGroup
-from ptdp.engine.context_parallel.attention import context_parallel_attention
-from ptdp.engine.context_parallel.chunks import local_positions
+from ptdp.engine.context_parallel.cp_attention import context_parallel_attention
+from ptdp.engine.context_parallel.load_balance import local_positions
 from ptdp.engine.model.recompute import recomputed
 from ptdp.engine.model.rotary import RotaryEmbedding
 from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -46,7 +46,7 @@ class Attention(nn.Module):
     Context parallelism (``cp`` of size C > 1): input and output are this cp rank's ``s/C`` rows
     (its chunks ``r`` and ``2C - 1 - r``; ``s/(C t)`` with ``sequence_parallel``, QKV gathering the
     rank's ``s/C``), rotary positions are the rows' global positions, and the core is
-    :func:`~ptdp.engine.context_parallel.attention.context_parallel_attention` over ``cp`` with
+    :func:`~ptdp.engine.context_parallel.cp_attention.context_parallel_attention` over ``cp`` with
     ``cp_comm_type`` (keys and values exchanged over the cp ranks, their gradients sent back; its
     docstring gives the bytes), on the same ``a/t`` query and ``kv/t`` key/value heads. With
     attention dropout each rank draws every local head's mask of the whole ``s x s`` attention

@@ -54,7 +54,7 @@ from torch import nn
 
 from ptdp.config.model import ModelConfig
 from ptdp.engine.comm import AxisGroup
-from ptdp.engine.context_parallel.chunks import rank_positions, shard_sequence
+from ptdp.engine.context_parallel.load_balance import rank_positions, shard_sequence
 from ptdp.engine.model.attention import KVCache
 from ptdp.engine.model.layer import TransformerLayer, make_norm
 from ptdp.engine.model.recompute import run_layers
@@ -94,7 +94,7 @@ class GPTModel(nn.Module):
         sequence_parallel: split the hidden states outside attention and MLP along the sequence
             over tp (needs ``s % tp == 0``); the stage's input and output are then ``[s/t, b, h]``.
         cp: the context-parallel axis (None: size 1). With C > 1 this rank computes its two
-            chunks of every sequence (:mod:`ptdp.engine.context_parallel.chunks`): the first stage
+            chunks of every sequence (:mod:`ptdp.engine.context_parallel.load_balance`): the first stage
             takes the whole ``[b, s]`` tokens and keeps its ``s/C``; hidden states, the stage's
             input and output are ``[s/C, b, h]`` (``[s/(C t), b, h]`` with sequence parallelism,
             needing ``s % (C t) == 0``); positions are global.

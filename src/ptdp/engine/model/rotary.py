@@ -10,7 +10,7 @@ Applied to q and k (not v), the score ``q_m . k_n`` then depends on the position
 ``m - n``. Nothing is learned and nothing is communicated: every tp rank turns its own heads.
 
 Under context parallelism (``cp_size > 1``) a rank holds chunks ``r`` and ``2C - 1 - r`` of the
-sequence (:mod:`ptdp.engine.context_parallel.chunks`): its ``s / C`` local rows are turned by their
+sequence (:mod:`ptdp.engine.context_parallel.load_balance`): its ``s / C`` local rows are turned by their
 *global* positions, so every token gets the angle it gets in the unsplit model.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ptdp.engine.context_parallel.chunks import local_positions
+from ptdp.engine.context_parallel.load_balance import local_positions
 
 
 class RotaryEmbedding(nn.Module):
@@ -27,7 +27,7 @@ class RotaryEmbedding(nn.Module):
 
     ``n`` rows are positions ``0 .. n-1`` (``cp_size == 1``), or the global positions of cp rank
     ``cp_rank``'s two chunks of a sequence of ``s = n * cp_size`` tokens
-    (:func:`~ptdp.engine.context_parallel.chunks.local_positions`). The angles are computed in
+    (:func:`~ptdp.engine.context_parallel.load_balance.local_positions`). The angles are computed in
     float64 and cached per (n, cp rank, cp size, dtype, device); the rotation runs in the input's
     dtype (in float32 for 16-bit inputs, cast back).
     """

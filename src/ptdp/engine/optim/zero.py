@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ptdp.engine.comm import Handle, all_gather_async
-from ptdp.engine.data_parallel.buckets import Segment
+from ptdp.engine.data_parallel.bucket_layout import Segment
 from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.optim.adamw import adamw, step_unless
 

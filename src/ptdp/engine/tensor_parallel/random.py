@@ -22,7 +22,7 @@ sequence chunks, ``[s/C, b, h]`` (``[s/(C t), b, h]`` with sequence parallelism)
 then uses the **whole-sequence** kind: the replicated stream ``<key>`` draws the mask of the whole
 ``[s, b, h]`` tensor, as every tp rank does without sequence parallelism, and the rank keeps the
 rows of the global positions it holds
-(:func:`~ptdp.engine.context_parallel.chunks.rank_positions`). The masks are thus those of the
+(:func:`~ptdp.engine.context_parallel.load_balance.rank_positions`). The masks are thus those of the
 unsplit model (cp = 1, no sequence parallelism) at every cp, tp and sequence-parallel setting;
 the price is ``s b h`` random numbers and a float32 ``[s, b, h]`` temporary per site and
 microbatch on every rank. Attention dropout under cp likewise draws each head's whole ``[b, s, s]``
@@ -51,7 +51,7 @@ import hashlib
 import torch
 from torch import nn
 
-from ptdp.engine.context_parallel.chunks import rank_positions
+from ptdp.engine.context_parallel.load_balance import rank_positions
 
 REPLICATED = "replicated"
 TP_DISTINCT = "tp-distinct"

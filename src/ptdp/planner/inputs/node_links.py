@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from ptdp.planner.inputs.hardware import GB, GPUSpec
-from ptdp.topology.model import Topology, nvlink_count
+from ptdp.topology.node import Topology, nvlink_count
 
 #: Bytes/s per NVLink link per direction: 25 GB/s for NVLink 2, 3 and 4 (V100 datasheet: 6 links,
 #: 300 GB/s bidirectional; A100: 12 links, 600 GB/s; H100 SXM: 18 links, 900 GB/s).

@@ -2,7 +2,7 @@
 and the pipeline split tried for each layout, with the pruning that keeps the search fast.
 
 :func:`evaluate` predicts one layout (:mod:`ptdp.planner.search.rules`, :func:`ptdp.planner.memory.breakdown.memory_breakdown`,
-:func:`ptdp.planner.time.step.evaluate_performance`). :func:`predict_strategies` predicts one layout
+:func:`ptdp.planner.time.step_time.evaluate_performance`). :func:`predict_strategies` predicts one layout
 under the data-parallel sharding strategies worth trying and, with a split to choose, under the
 candidate splits of :mod:`ptdp.planner.splits`; the pruning is explained in
 :mod:`ptdp.planner.search.layouts`'s docstring.
@@ -22,7 +22,7 @@ from ptdp.planner.search.rules import all_rejections, schedule_rejections
 from ptdp.planner.splits import candidate_splits
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS
 from ptdp.planner.time.stages import edge_layer_equivalents
-from ptdp.planner.time.step import evaluate_performance
+from ptdp.planner.time.step_time import evaluate_performance
 
 
 def evaluate(

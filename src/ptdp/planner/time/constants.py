@@ -1,6 +1,6 @@
 """The time model's tunable constants (:class:`PerfConstants`) and the link bandwidths they give.
 
-The step-time model that uses them is :mod:`ptdp.planner.time.step`; the fit of the two fitted ones is
+The step-time model that uses them is :mod:`ptdp.planner.time.step_time`; the fit of the two fitted ones is
 :mod:`ptdp.planner.validate.accuracy`.
 """
 

@@ -14,7 +14,7 @@ microbatches in flight).
 The data-parallel communication of a stage's parameters under its sharding strategy
 (:mod:`ptdp.planner.memory.strategies`), the part of it hidden behind backward, the tied embedding's
 gradient all-reduce between the first and the last stage, and the optimizer update, which is
-bound by memory bandwidth. How these add up to a step is :func:`ptdp.planner.time.step.evaluate_performance`.
+bound by memory bandwidth. How these add up to a step is :func:`ptdp.planner.time.step_time.evaluate_performance`.
 """
 
 from __future__ import annotations

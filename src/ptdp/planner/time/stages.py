@@ -7,7 +7,7 @@ One microbatch on a stage is its layers' compute (:func:`ptdp.planner.time.flops
 the recompute forward, the exposed TP communication (:mod:`ptdp.planner.time.collectives`; Megatron-style TP
 does not overlap it), the context-parallel key/value exchange (:mod:`ptdp.planner.time.cp_exchange`) and the
 edge work of the first stage (embedding) and the last (output layer + loss). How these add up to a
-step is :func:`ptdp.planner.time.step.evaluate_performance`.
+step is :func:`ptdp.planner.time.step_time.evaluate_performance`.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def split_stage_times(
     fill and drain take the layers-only time of all the other stages, ``(sum(split) -
     split[busiest]) * sum(layer)`` (the 1F1B step of stages with times t_i is about
     ``m max t_i + sum of the others``, [N21] §2.2 generalised; with an even split it is the
-    ``(pp - 1)`` layers-only slots of :func:`ptdp.planner.time.step.evaluate_performance`). Needs ``len(split) >= 2``.
+    ``(pp - 1)`` layers-only slots of :func:`ptdp.planner.time.step_time.evaluate_performance`). Needs ``len(split) >= 2``.
     """
     edge_first = [f - u for f, u in zip(first, layer)]
     edge_last = [x - u for x, u in zip(last, layer)]

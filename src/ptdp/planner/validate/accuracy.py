@@ -31,7 +31,7 @@ from ptdp.planner.inputs.hardware import CATALOG, Cluster, GiB
 from ptdp.planner.memory.breakdown import memory_breakdown
 from ptdp.planner.memory.params import bytes_per_param, stage_param_counts
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants
-from ptdp.planner.time.step import evaluate_performance
+from ptdp.planner.time.step_time import evaluate_performance
 from ptdp.planner.validate.published import H100Run, PublishedRun, default_csv, load_h100_runs, load_published_runs
 
 __all__ = [

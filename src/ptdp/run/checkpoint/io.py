@@ -48,7 +48,7 @@ import torch
 
 from ptdp.engine.comm import all_gather_object, barrier
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.model.chunks import global_named_parameters
+from ptdp.engine.model.model_chunks import global_named_parameters
 from ptdp.engine.tensor_parallel.sharding import spec_of
 from ptdp.run.checkpoint.folders import (
     FORMAT,

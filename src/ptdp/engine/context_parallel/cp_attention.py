@@ -36,8 +36,8 @@ import torch
 
 from ptdp.engine.comm import AxisGroup, all_gather_along, reduce_scatter_along
 from ptdp.engine.context_parallel.blockwise import compute_dtype, default_scale, empty_partial, merge
-from ptdp.engine.context_parallel.chunks import chunk_ids
 from ptdp.engine.context_parallel.kernels import block_backward, block_forward, choose
+from ptdp.engine.context_parallel.load_balance import chunk_ids
 from ptdp.engine.context_parallel.ring import BACKWARD, FORWARD, RingAttention
 from ptdp.engine.eager import outside_compile
 
