@@ -22,7 +22,7 @@ from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import Stage, build_stage
-from ptdp.engine.tensor_parallel.sharding import spec_of
+from ptdp.engine.tensor_parallel.sharding import global_param
 
 FULL = {
     "num_layers": 24,
@@ -107,7 +107,7 @@ def _initial_values_on(device: torch.device):
             raise ValueError(f"weights drawn on the device at tp = 1 only (tp = {tp_size})")
         gen = torch.Generator(device=device).manual_seed(seed)
         for param in module.parameters():
-            spec = spec_of(param)
+            spec = global_param(param)
             value = torch.empty(param.shape, dtype=torch.float32, device=device)
             if spec.init in ("zeros", "ones"):
                 value.fill_(1.0 if spec.init == "ones" else 0.0)

@@ -13,7 +13,7 @@ from helpers.layout_cases import LLAMA_OPTIONS, rank_microbatches, tiny_config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.model_chunks import global_named_parameters
 from ptdp.engine.step import build_stage, eval_loss, train_step
-from ptdp.engine.tensor_parallel.sharding import spec_of, unshard
+from ptdp.engine.tensor_parallel.sharding import global_param, unshard
 from ptdp.layout.grid import ParallelLayout
 from ptdp.run.checkpoint.folders import CheckpointError, resolve_checkpoint
 from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
@@ -44,8 +44,8 @@ def _full_state(stage, groups: ParallelGroups) -> dict:
                 torch.distributed.all_gather(shards, local.contiguous(), group=groups.tp.group)
             else:
                 shards = [local]
-            full = unshard([s.clone() for s in shards], spec_of(p))
-            real = spec_of(p).real_rows
+            full = unshard([s.clone() for s in shards], global_param(p))
+            real = global_param(p).real_rows
             out[f"{kind}/{name}"] = full[:real] if real is not None else full
     return out
 

@@ -21,7 +21,7 @@ from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.model_chunks import global_named_parameters
 from ptdp.engine.step import build_stage, eval_loss, train_step
-from ptdp.engine.tensor_parallel.sharding import spec_of, unshard
+from ptdp.engine.tensor_parallel.sharding import global_param, unshard
 from ptdp.layout.grid import ParallelLayout
 from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
 from ptdp.run.checkpoint.optim_state import gather_local_state
@@ -88,8 +88,8 @@ def _full_state(stage, groups: ParallelGroups) -> dict:
             if groups.tp.size > 1:
                 shards = [torch.empty_like(local) for _ in range(groups.tp.size)]
                 torch.distributed.all_gather(shards, local.contiguous(), group=groups.tp.group)
-            full = unshard([s.clone() for s in shards], spec_of(p))
-            real = spec_of(p).real_rows
+            full = unshard([s.clone() for s in shards], global_param(p))
+            real = global_param(p).real_rows
             out[f"{kind}/{name}"] = full[:real] if real is not None else full
     return out
 

@@ -23,7 +23,7 @@ from ptdp.engine.data_parallel.grads import clip_grads, finalize_grads, global_g
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.optim.adamw import step_unless
 from ptdp.engine.optim.factory import build_optimizer
-from ptdp.engine.tensor_parallel.sharding import ParamSpec
+from ptdp.engine.tensor_parallel.sharding import GlobalParam
 from ptdp.layout.grid import ParallelLayout
 
 WORLD, M, TOKENS, STEPS, CLIP = 4, 2, 24, 2, 0.05
@@ -48,7 +48,7 @@ class Toy(nn.Module):
         self.b1 = nn.Parameter(torch.randn(10, generator=g, dtype=torch.float64) / 3)
         self.w2 = nn.Parameter(torch.randn(3, 10, generator=g, dtype=torch.float64) / 3)
         for p in self.parameters():
-            p.ptdp_spec = ParamSpec(tuple(p.shape))
+            p.ptdp_global = GlobalParam(tuple(p.shape))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         out = torch.tanh(x @ self.w1.T + self.b1) @ self.w2.T

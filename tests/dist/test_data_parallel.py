@@ -180,7 +180,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tp, pp, dp, paralle
 
 def unused_param_worker(rank: int, world: int) -> dict:
     """A stage whose model has a parameter that gets no gradient; small buckets; overlap on."""
-    from ptdp.engine.tensor_parallel.sharding import ParamSpec, make_parameter
+    from ptdp.engine.tensor_parallel.sharding import GlobalParam, make_parameter
 
     groups = (
         ParallelGroups.build(ParallelLayout(tp=1, pp=1, dp=world), PG_TIMEOUT)
@@ -195,7 +195,7 @@ def unused_param_worker(rank: int, world: int) -> dict:
     class WithUnused(original):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.unused = make_parameter(ParamSpec((50,), init="ones"), 1, torch.float64)
+            self.unused = make_parameter(GlobalParam((50,), init="ones"), 1, torch.float64)
 
     step_module.GPTModel = WithUnused
     try:
@@ -348,11 +348,13 @@ def one_bit_tp_worker(rank: int, world: int) -> dict:
     stage = build_stage(cfg, groups)
     for i in range(3):
         train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i)
-    from ptdp.engine.tensor_parallel.sharding import spec_of
+    from ptdp.engine.tensor_parallel.sharding import global_param
 
     return {
         "tp": groups.tp.rank,
-        "replicated": {n: p.detach().clone() for n, p in stage.model.named_parameters() if spec_of(p).tp_dim is None},
+        "replicated": {
+            n: p.detach().clone() for n, p in stage.model.named_parameters() if global_param(p).tp_dim is None
+        },
     }
 
 

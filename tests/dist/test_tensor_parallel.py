@@ -37,7 +37,7 @@ from ptdp.engine.tensor_parallel.sequence import (
     sequence_gathered_linear,
     sequence_shard,
 )
-from ptdp.engine.tensor_parallel.sharding import ParamSpec, shard, unshard
+from ptdp.engine.tensor_parallel.sharding import GlobalParam, shard, unshard
 from ptdp.layout.grid import ParallelLayout
 
 
@@ -51,7 +51,7 @@ def tp_worker(rank: int, world: int) -> dict:
     full = torch.zeros(32, H, dtype=torch.float64)
     full[:VOCAB] = d["emb"]
     with torch.no_grad():
-        emb.weight.copy_(shard(full, emb.weight.ptdp_spec, tp.rank, tp.size))
+        emb.weight.copy_(shard(full, emb.weight.ptdp_global, tp.rank, tp.size))
     hidden = emb(d["ids"])
     hidden.backward(d["x"])
     out["embedding"] = hidden.detach()
@@ -66,8 +66,8 @@ def tp_worker(rank: int, world: int) -> dict:
     fc2 = RowParallelLinear(4 * H, H, tp=tp, dtype=torch.float64)
     with torch.no_grad():
         for layer, w, b in ((fc1, d["w1"], d["b1"]), (fc2, d["w2"], d["b2"])):
-            layer.weight.copy_(shard(w, layer.weight.ptdp_spec, tp.rank, tp.size))
-            layer.bias.copy_(shard(b, layer.bias.ptdp_spec, tp.rank, tp.size))
+            layer.weight.copy_(shard(w, layer.weight.ptdp_global, tp.rank, tp.size))
+            layer.bias.copy_(shard(b, layer.bias.ptdp_global, tp.rank, tp.size))
     x = d["x"].clone().requires_grad_()
     y = fc2(F.gelu(fc1(x)))
     y.backward(torch.ones_like(y))
@@ -193,8 +193,8 @@ def test_tp_layers_match_single_process(world):
     emb_grad = torch.cat([r["embedding_grad"] for r in results])
     torch.testing.assert_close(emb_grad[:VOCAB], ref["embedding_grad"], **tol)
     assert torch.all(emb_grad[VOCAB:] == 0), "padding rows get no gradient"
-    col = ParamSpec((4 * H, H), tp_dim=0)
-    row = ParamSpec((H, 4 * H), tp_dim=1)
+    col = GlobalParam((4 * H, H), tp_dim=0)
+    row = GlobalParam((H, 4 * H), tp_dim=1)
     torch.testing.assert_close(unshard([r["w1_grad"] for r in results], col), ref["w1_grad"], **tol)
     torch.testing.assert_close(unshard([r["w2_grad"] for r in results], row), ref["w2_grad"], **tol)
     if world == 4:
@@ -232,10 +232,10 @@ def test_sequence_parallel_layers_match_single_process(world):
     assert sorted(r["sp_positions"].start for r in results) == list(range(0, S_SP, S_SP // world))
     emb_grad = torch.cat([r["sp_embedding_grad"] for r in results])
     torch.testing.assert_close(emb_grad[:VOCAB], ref["sp_embedding_grad"], **tol)
-    col, row = ParamSpec((4 * H, H), tp_dim=0), ParamSpec((H, 4 * H), tp_dim=1)
+    col, row = GlobalParam((4 * H, H), tp_dim=0), GlobalParam((H, 4 * H), tp_dim=1)
     torch.testing.assert_close(unshard([r["sp_w1_grad"] for r in results], col), ref["sp_w1_grad"], **tol)
     torch.testing.assert_close(
-        unshard([r["sp_b1_grad"] for r in results], ParamSpec((4 * H,), tp_dim=0)), ref["sp_b1_grad"], **tol
+        unshard([r["sp_b1_grad"] for r in results], GlobalParam((4 * H,), tp_dim=0)), ref["sp_b1_grad"], **tol
     )
     torch.testing.assert_close(unshard([r["sp_w2_grad"] for r in results], row), ref["sp_w2_grad"], **tol)
     torch.testing.assert_close(sum(r["sp_b2_grad"] for r in results), ref["sp_b2_grad"], **tol)

@@ -48,7 +48,9 @@ def train(cfg: Config, groups: ParallelGroups, *, steps=range(STEPS), stage=None
         "losses": losses,
         "norms": norms,
         "coords": (c.tp_rank, c.dp_rank, c.pp_rank),
-        "params": {name: (p.detach().clone(), p.ptdp_spec, False) for name, p in global_named_parameters(stage.model)},
+        "params": {
+            name: (p.detach().clone(), p.ptdp_global, False) for name, p in global_named_parameters(stage.model)
+        },
         "masks": stage.dropout_rng.recording,
         "stage": stage,
     }

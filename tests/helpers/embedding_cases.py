@@ -145,7 +145,7 @@ def lookup_run(tp, dtype: torch.dtype, *, main_grad: bool) -> dict:
     d = lookup_inputs()
     emb = VocabParallelEmbedding(LOOKUP_VOCAB, LOOKUP_PADDED, LOOKUP_H, tp=tp, dtype=dtype)
     with torch.no_grad():
-        emb.weight.copy_(shard(d["table"], emb.weight.ptdp_spec, tp.rank, tp.size))
+        emb.weight.copy_(shard(d["table"], emb.weight.ptdp_global, tp.rank, tp.size))
     if main_grad:
         emb.weight.main_grad = torch.zeros(emb.weight.shape, dtype=torch.float32 if dtype in SIXTEEN_BIT else dtype)
     arrived, hooks, made, outs = [], [], [], []

@@ -89,7 +89,7 @@ def train_and_collect(cfg: Config, groups: ParallelGroups, record_comm_step: int
         norms.append(result.grad_norm)
     stage.wait_for_params()
     params = {
-        name: (p.detach().clone(), p.ptdp_spec, getattr(p, "ptdp_tied_copy", False))
+        name: (p.detach().clone(), p.ptdp_global, getattr(p, "ptdp_tied_copy", False))
         for name, p in global_named_parameters(stage.model)
     }
     c = groups.coords

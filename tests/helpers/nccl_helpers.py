@@ -77,7 +77,7 @@ def train_on_device(
     return {
         "losses": [loss for loss, _ in results],
         "norms": [norm for _, norm in results],
-        "params": {n: (p.detach().clone(), p.ptdp_spec, False) for n, p in global_named_parameters(stage.model)},
+        "params": {n: (p.detach().clone(), p.ptdp_global, False) for n, p in global_named_parameters(stage.model)},
         "coords": (c.tp_rank, c.dp_rank, c.pp_rank),
         "largest_p2p_bytes": max((v["bytes"] / v["calls"] for v in pp.values() if v["calls"]), default=0),
     }

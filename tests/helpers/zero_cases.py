@@ -378,7 +378,7 @@ def full_state(stage, groups: ParallelGroups) -> dict:
     import torch
 
     from ptdp.engine.model.model_chunks import global_named_parameters
-    from ptdp.engine.tensor_parallel.sharding import spec_of, unshard
+    from ptdp.engine.tensor_parallel.sharding import global_param, unshard
     from ptdp.run.checkpoint.optim_state import gather_local_state
 
     stage.wait_for_params()
@@ -391,8 +391,8 @@ def full_state(stage, groups: ParallelGroups) -> dict:
             if groups.tp.size > 1:
                 shards = [torch.empty_like(local) for _ in range(groups.tp.size)]
                 torch.distributed.all_gather(shards, local.contiguous(), group=groups.tp.group)
-            full = unshard(shards, spec_of(p))
-            real = spec_of(p).real_rows
+            full = unshard(shards, global_param(p))
+            real = global_param(p).real_rows
             out[f"{kind}/{name}"] = full[:real] if real is not None else full
     return out
 

@@ -11,7 +11,7 @@ import torch
 from helpers.bench_scripts import import_scripts
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.step import build_stage, train_step
-from ptdp.engine.tensor_parallel.sharding import spec_of
+from ptdp.engine.tensor_parallel.sharding import global_param
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_device_stage_draws_the_initial_values_where_the_stage_lives(bench):
     ptdp_own = dict(build_stage(cfg, ParallelGroups.single_process()).model.named_parameters())
     std, layers = cfg.model.init_method_std, cfg.model.num_layers
     for name, p in stage.model.named_parameters():
-        spec = spec_of(p)
+        spec = global_param(p)
         assert p.device.type == "cpu" and p.dtype == torch.bfloat16 and p.shape == ptdp_own[name].shape
         if spec.init == "ones":
             assert bool((p == 1).all()), name

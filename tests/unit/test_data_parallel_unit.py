@@ -44,7 +44,7 @@ def test_packbits_round_trip():
 def test_no_sync_defers_every_reduction():
     groups = ParallelGroups.single_process()
     p = torch.nn.Parameter(torch.ones(4))
-    p.ptdp_spec = None
+    p.ptdp_global = None
     buf = GradBuffer([[p]], dp=groups.dp, overlap=True)
     with buf.no_sync():
         (p * 2).sum().backward()

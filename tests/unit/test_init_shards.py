@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from ptdp.engine.tensor_parallel import sharding
-from ptdp.engine.tensor_parallel.sharding import ParamSpec, init_block_size, init_full, init_shard, shard, unshard
+from ptdp.engine.tensor_parallel.sharding import GlobalParam, init_block_size, init_full, init_shard, shard, unshard
 
 SPECS = {
-    "column_qkv": ParamSpec((3 * 96, 40), tp_dim=0, tp_groups=3),  # fused [q | k | v], 3 blocks per group
-    "row": ParamSpec((40, 384), tp_dim=1, init="scaled_normal"),  # split by input columns
-    "replicated": ParamSpec((33, 2048)),
-    "swiglu": ParamSpec((2 * 256, 512), tp_dim=0, tp_groups=2),
+    "column_qkv": GlobalParam((3 * 96, 40), tp_dim=0, tp_groups=3),  # fused [q | k | v], 3 blocks per group
+    "row": GlobalParam((40, 384), tp_dim=1, init="scaled_normal"),  # split by input columns
+    "replicated": GlobalParam((33, 2048)),
+    "swiglu": GlobalParam((2 * 256, 512), tp_dim=0, tp_groups=2),
 }
 KW = dict(seed=11, std=0.02, num_layers=3)
 
@@ -38,9 +38,9 @@ def test_padded_vocabulary_is_the_same_on_every_layout(tp):
     """V = 303 padded to a multiple of 64 tp: 320 (tp 1), 384 (tp 2), 512 (tp 4); the real rows are equal on
     every layout although the global shape is not, the padding rows are zero."""
     real = 303
-    base = init_full(ParamSpec((320, 64), tp_dim=0, real_rows=real), name="word_embeddings.weight", **KW)
+    base = init_full(GlobalParam((320, 64), tp_dim=0, real_rows=real), name="word_embeddings.weight", **KW)
     v_pad = -(-real // (64 * tp)) * 64 * tp
-    spec = ParamSpec((v_pad, 64), tp_dim=0, real_rows=real)
+    spec = GlobalParam((v_pad, 64), tp_dim=0, real_rows=real)
     whole = torch.cat([init_shard(spec, name="word_embeddings.weight", tp_rank=r, tp_size=tp, **KW) for r in range(tp)])
     assert torch.equal(whole[:real], base[:real])
     assert torch.all(whole[real:] == 0) and torch.all(base[real:] == 0)
@@ -58,7 +58,7 @@ def test_a_rank_draws_only_the_blocks_its_shard_overlaps(monkeypatch):
         drawn.append(out.numel())
         return out
 
-    spec = ParamSpec((4096, 64), tp_dim=0)
+    spec = GlobalParam((4096, 64), tp_dim=0)
     assert init_block_size(spec) == 1024
     monkeypatch.setattr(sharding.torch, "randn", counting_randn)
     init_shard(spec, name="w", tp_rank=3, tp_size=4, **KW)

@@ -25,7 +25,7 @@ from ptdp.engine.model.attention import Attention
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.engine.model.layer import MLP, RMSNorm
 from ptdp.engine.model.rotary import RotaryEmbedding
-from ptdp.engine.tensor_parallel.sharding import initialize_parameters, shard, spec_of
+from ptdp.engine.tensor_parallel.sharding import global_param, initialize_parameters, shard
 from ptdp.errors import ConfigError
 
 LLAMA = dict(
@@ -158,7 +158,7 @@ def test_grouped_qkv_shard_holds_whole_groups():
     d, rows_per_group = 4, (8 // 4 + 2) * 4
     w = full.qkv.weight.detach()
     for rank in range(2):
-        mine = shard(w, spec_of(full.qkv.weight), rank, 2)
+        mine = shard(w, global_param(full.qkv.weight), rank, 2)
         assert torch.equal(mine, w[rank * 2 * rows_per_group : (rank + 1) * 2 * rows_per_group])
         first_q_head_of_rank = rank * 4  # a / tp query heads per rank
         assert torch.equal(mine[:d], w[first_q_head_of_rank // 2 * rows_per_group :][:d])
@@ -191,7 +191,7 @@ def test_swiglu_shards_hold_matching_gate_and_up_columns(bias):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
         rows = ffn // tp_size
         for rank in range(tp_size):
-            mine = shard(w1.detach(), spec_of(w1), rank, tp_size)
+            mine = shard(w1.detach(), global_param(w1), rank, tp_size)
             assert torch.equal(mine[:rows], w1[rank * rows : (rank + 1) * rows])  # gate
             assert torch.equal(mine[rows:], w1[ffn + rank * rows : ffn + (rank + 1) * rows])  # up
 

@@ -8,13 +8,13 @@ import torch
 
 from helpers.tp_cases import VOCAB, check_label_cases, inputs, label_cases
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.tensor_parallel.sharding import ParamSpec, shard, unshard
+from ptdp.engine.tensor_parallel.sharding import GlobalParam, shard, unshard
 
 
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_shard_unshard_round_trip(tp, groups):
-    spec = ParamSpec((groups * 8, 5), tp_dim=0, tp_groups=groups)
+    spec = GlobalParam((groups * 8, 5), tp_dim=0, tp_groups=groups)
     full = torch.arange(groups * 8 * 5, dtype=torch.float64).view(groups * 8, 5)
     shards = [shard(full, spec, r, tp) for r in range(tp)]
     assert all(s.shape == spec.local_shape(tp) for s in shards)
@@ -25,7 +25,7 @@ def test_shard_unshard_round_trip(tp, groups):
 
 def test_local_shape_rejects_indivisible_split():
     with pytest.raises(ValueError, match="not divisible"):
-        ParamSpec((10, 4), tp_dim=0).local_shape(4)
+        GlobalParam((10, 4), tp_dim=0).local_shape(4)
 
 
 @pytest.mark.parametrize("world", [1])  # tp = 2 and 4: tests/dist/test_tensor_parallel.py

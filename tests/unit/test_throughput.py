@@ -10,7 +10,7 @@ import pytest
 
 from helpers.layout_cases import tiny_config
 from ptdp.planner.candidate import run_candidate
-from ptdp.planner.inputs.hardware import CATALOG, Cluster, GPUSpec
+from ptdp.planner.inputs.hardware import CATALOG, Cluster, GPUType
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS
 from ptdp.planner.time.profile import save_profile
 from ptdp.planner.time.step_time import evaluate_performance
@@ -96,7 +96,7 @@ def test_the_cpu_peak_is_the_calibrated_profiles(tmp_path, monkeypatch):
     assert device_peak(cfg, "cpu")[0] is None
     assert Throughput.for_run(cfg, "cpu").peak_flops is None
     profile = tmp_path / "profile.json"
-    gpu = GPUSpec("local", {"fp32": 5.0e10}, 1e9, 1e10, 0.0, 1e9, gpus_per_node=2, shared_cores=2)
+    gpu = GPUType("local", {"fp32": 5.0e10}, 1e9, 1e10, 0.0, 1e9, gpus_per_node=2, shared_cores=2)
     save_profile(profile, gpu, DEFAULT_CONSTANTS, {})
     cfg = dataclasses.replace(cfg, hardware_profile=str(profile))
     assert device_peak(cfg, "cpu") == (5.0e10, f"profile {profile}")
@@ -117,7 +117,7 @@ def test_the_trainers_lines_carry_throughput_mfu_memory_and_the_loss_scale(tmp_p
     from ptdp.run.profiling import process_peak_rss
 
     monkeypatch.setenv("PTDP_CACHE_DIR", str(tmp_path / "cache"))
-    gpu = GPUSpec("local", {"fp16": 4.0e10}, 1e9, 1e10, 0.0, 1e9, gpus_per_node=1, shared_cores=1)
+    gpu = GPUType("local", {"fp16": 4.0e10}, 1e9, 1e10, 0.0, 1e9, gpus_per_node=1, shared_cores=1)
     save_profile(tmp_path / "cache" / "hardware-profile.json", gpu, DEFAULT_CONSTANTS, {})
     counted_run(ParallelGroups.single_process(), 1, 1, 1, tmp_path / "run", "float16")
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

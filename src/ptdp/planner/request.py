@@ -13,7 +13,7 @@ from pathlib import Path
 from ptdp.config.model import ModelConfig
 from ptdp.errors import ConfigError
 from ptdp.layout.pipeline.partition import stage_layer_counts, virtual_stages
-from ptdp.planner.inputs.hardware import CATALOG, Cluster, GiB, GPUSpec, get_gpu, load_catalog, runs_flash_attention
+from ptdp.planner.inputs.hardware import CATALOG, Cluster, GiB, GPUType, get_gpu, load_catalog, runs_flash_attention
 from ptdp.planner.inputs.hf_config import hf_model_name, is_config_path, load_hf_config
 from ptdp.planner.inputs.models import (
     PRESETS,
@@ -53,7 +53,7 @@ _SHAPE_FLAGS = (
 
 
 def model_from_args(
-    args: argparse.Namespace, gpu: GPUSpec | None = None, base: ModelConfig | None = None
+    args: argparse.Namespace, gpu: GPUType | None = None, base: ModelConfig | None = None
 ) -> tuple[ModelConfig, list[str]]:
     """The model ``--model`` names (a preset, or a Hugging Face config.json file or folder), or
     ``base``, with any shape flags applied, or a GPT from the flags alone

@@ -23,7 +23,7 @@ around asynchronous kernels), collectives run over NCCL, and the sizes grow to w
 to reach its rates (GEMM FLOPs, a bandwidth tensor larger than the L2 cache, all-reduces up to
 256 MiB); the barriers between phases and the gathering of the results use a gloo group on the
 CPU. The profile then holds the device's memory and shares no cores. The profile is a
-:class:`~ptdp.planner.inputs.hardware.GPUSpec` ("local") plus the
+:class:`~ptdp.planner.inputs.hardware.GPUType` ("local") plus the
 :class:`~ptdp.planner.time.constants.PerfConstants` that go with it, in JSON.
 """
 

@@ -4,7 +4,7 @@ Pure arithmetic on the measurements of :mod:`ptdp.run.calibration` (no torch): t
 curve (peak FLOP/s and half-dim of :func:`ptdp.planner.time.flops.gemm_efficiency`), the ring model's
 link bandwidth and latency (:mod:`ptdp.planner.time.collectives`), the host overhead per layer and per output
 layer beyond the planner's prediction, and the optimizer's share of the memory bandwidth; together
-a :class:`~ptdp.planner.inputs.hardware.GPUSpec` ("local") and its
+a :class:`~ptdp.planner.inputs.hardware.GPUType` ("local") and its
 :class:`~ptdp.planner.time.constants.PerfConstants` (:func:`build_profile`).
 """
 
@@ -18,7 +18,7 @@ import platform
 
 from ptdp.config.model import ModelConfig
 from ptdp.layout.vocab import padded_vocab_size
-from ptdp.planner.inputs.hardware import Cluster, GPUSpec
+from ptdp.planner.inputs.hardware import Cluster, GPUType
 from ptdp.planner.time.collectives import hierarchical_all_reduce_time, tp_layer_comm_times
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants, links_for
 from ptdp.planner.time.data_parallel import OPT_BYTES_FULL, OPT_BYTES_SHARDED
@@ -69,7 +69,7 @@ def fit_ring(samples: list[tuple[int, float]], group_size: int | list[int]) -> t
 
 
 def fit_overheads(
-    model: ModelConfig, config, gpu: GPUSpec, constants: PerfConstants, precision: str, layer_s: float, head_s: float
+    model: ModelConfig, config, gpu: GPUType, constants: PerfConstants, precision: str, layer_s: float, head_s: float
 ) -> tuple[float, float]:
     """(layer_overhead, head_overhead): measured seconds of one real layer / output layer + loss
     (forward + backward, one microbatch) minus the planner's prediction from the primitives."""
@@ -100,7 +100,7 @@ def _fit_link(mine: dict, bandwidth: float) -> tuple[float, float]:
 
 def _local_gpu(
     precision: str, peak: float, bandwidth: float, link_bw: float, nproc: int, cores: int, device: dict | None
-) -> GPUSpec:
+) -> GPUType:
     """The measured "local" device: on CPUs (``device`` None) the machine's memory shared by the
     ``nproc`` workers, on GPUs rank 0's device memory."""
     if device is None:
@@ -108,7 +108,7 @@ def _local_gpu(
         what = f"{platform.processor() or platform.machine()}, {cores} cores"
     else:
         memory, what = float(device["memory_bytes"]), f"{nproc} x {device['name']}"
-    return GPUSpec(
+    return GPUType(
         name="local",
         peak_flops={precision: peak},
         memory_bytes=memory,
@@ -124,7 +124,7 @@ def _local_gpu(
 
 def build_profile(
     mine: dict, config, precision: str, cores: int, device: dict | None = None
-) -> tuple[GPUSpec, PerfConstants, dict]:
+) -> tuple[GPUType, PerfConstants, dict]:
     """The profile from the measurements in ``mine``: rank 0's GEMMs and bandwidth; tensor-parallel
     group 0's medians of all-reduce, layer and head times (already scaled to one core per worker);
     the pipeline ping-pong (``p2p``, when pp > 1). ``cores``: the CPU cores the workers share (0:

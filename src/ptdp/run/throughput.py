@@ -27,11 +27,11 @@ import torch
 
 from ptdp.config.schema import Config
 from ptdp.planner.candidate import PRECISION_OF_DTYPE
-from ptdp.planner.inputs.hardware import CATALOG, GPUSpec
+from ptdp.planner.inputs.hardware import CATALOG, GPUType
 from ptdp.planner.time.flops import model_flops_per_step
 from ptdp.planner.time.profile import load_profile
 
-#: ``params_dtype`` -> the precision key of a :class:`GPUSpec`'s peaks (float64 has none).
+#: ``params_dtype`` -> the precision key of a :class:`GPUType`'s peaks (float64 has none).
 
 #: (words all in the upper-cased ``torch.cuda.get_device_name``, catalog key), first match wins.
 #: H100 PCIe and NVL have lower peaks than the SXM part of the catalog, so only SXM names
@@ -52,7 +52,7 @@ def step_model_flops(config: Config) -> float:
     return model_flops_per_step(config.model, config.train.global_batch_size)
 
 
-def catalog_gpu(device_name: str) -> GPUSpec | None:
+def catalog_gpu(device_name: str) -> GPUType | None:
     """The catalog GPU that ``device_name`` (``torch.cuda.get_device_name``) is, or None; None for
     a MIG slice (``... MIG 1g.10gb``), which has a fraction of the GPU's peak."""
     name = device_name.upper()

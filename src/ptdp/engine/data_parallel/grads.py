@@ -11,7 +11,7 @@ from ptdp.engine.comm import all_reduce
 from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.tensor_parallel.sequence import is_sequence_parallel
-from ptdp.engine.tensor_parallel.sharding import spec_of
+from ptdp.engine.tensor_parallel.sharding import global_param
 
 
 def finalize_grads(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups) -> None:
@@ -82,7 +82,7 @@ def counts_in_norm(param: nn.Parameter, groups: ParallelGroups) -> bool:
     """
     if getattr(param, "ptdp_tied_copy", False):
         return False
-    return spec_of(param).tp_dim is not None or groups.tp.rank == 0
+    return global_param(param).tp_dim is not None or groups.tp.rank == 0
 
 
 def _sum_of_squares(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups) -> torch.Tensor:

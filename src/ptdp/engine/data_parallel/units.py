@@ -25,7 +25,7 @@ Lifetime of a unit's gathered parameters, per microbatch:
   unit's gather and issues the previous unit's (prefetch, reverse order); the unit is freed when
   the gradients of all its parameters have been accumulated (post-accumulate hooks: nothing of
   the unit's backward reads it after that), and at the end of every backward at the latest. The
-  embeddings' unit is not gathered for backward (:attr:`UnitSpec.read_in_backward`): the
+  embeddings' unit is not gathered for backward (:attr:`UnitUse.read_in_backward`): the
   lookups' weight gradients are the output gradient added into the looked-up rows, which needs
   the ids, not the tables;
 - recompute (full or selective) runs the forward again inside backward: the pre-hook then only
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, eq=False)
-class UnitSpec:
+class UnitUse:
     """Where a unit's parameters are used in a model chunk's forward: from ``start``'s forward
     pre-hook to ``end``'s forward hook (``end`` None: until the next unit starts, whose input is
     then the unit's output)."""
@@ -90,7 +90,7 @@ def param_gather_units(chunks: Sequence[GPTModel]) -> list[tuple[nn.Module, list
     return units
 
 
-def sharding_units(chunks: Sequence[GPTModel]) -> list[UnitSpec]:
+def sharding_units(chunks: Sequence[GPTModel]) -> list[UnitUse]:
     """The units of ``chunks`` (``GPTModel`` stages), per chunk in forward order: the embeddings
     (word embedding where the lookup alone reads it, learned positions; until the first layer
     starts; only looked up, so not read in backward), each transformer layer, and the head (final
@@ -98,16 +98,16 @@ def sharding_units(chunks: Sequence[GPTModel]) -> list[UnitSpec]:
     the end of the chunk's forward, the loss included). A chunk that looks up and projects with one
     tied word embedding (pp = 1) has one unit for both, from the start to the end of its forward,
     read in backward by the output layer."""
-    units: list[UnitSpec] = []
+    units: list[UnitUse] = []
     for c, chunk in enumerate(chunks):
         layers = list(chunk.layers.values())
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
         rest = [p for p in chunk.parameters() if id(p) not in in_layers]
-        layer_units = [UnitSpec(c, list(layer.parameters()), layer, layer) for layer in layers]
+        layer_units = [UnitUse(c, list(layer.parameters()), layer, layer) for layer in layers]
         lookup = getattr(chunk, "word_embeddings", None)
         projects = lookup is not None and chunk.post_process and not hasattr(chunk, "output_layer")
         if projects and chunk.pre_process:  # one table read first and last
-            units += [UnitSpec(c, rest, chunk, chunk), *layer_units]
+            units += [UnitUse(c, rest, chunk, chunk), *layer_units]
             continue
         head_modules = [getattr(chunk, n) for n in ("final_norm", "output_layer") if hasattr(chunk, n)]
         head = [p for m in head_modules for p in m.parameters()]
@@ -115,9 +115,9 @@ def sharding_units(chunks: Sequence[GPTModel]) -> list[UnitSpec]:
             head.append(lookup.weight)
         in_head = {id(p) for p in head}
         embed = [p for p in rest if id(p) not in in_head]
-        units += [UnitSpec(c, embed, chunk, None, read_in_backward=False)] if embed else []
+        units += [UnitUse(c, embed, chunk, None, read_in_backward=False)] if embed else []
         units += layer_units
-        units += [UnitSpec(c, head, chunk.final_norm, chunk)] if head else []
+        units += [UnitUse(c, head, chunk.final_norm, chunk)] if head else []
     return units
 
 
@@ -145,7 +145,7 @@ def gradient_units(chunks: Sequence[GPTModel]) -> list[tuple[nn.Module, list[nn.
     return units
 
 
-def unit_index(specs: list[UnitSpec]) -> dict[int, int]:
+def unit_index(specs: list[UnitUse]) -> dict[int, int]:
     """Parameter id -> index of its unit in ``specs`` (for the bucket plan)."""
     return {id(p): i for i, spec in enumerate(specs) for p in spec.params}
 
@@ -167,7 +167,7 @@ class Unit:
     fulls: list[torch.Tensor]
     shards: list[torch.Tensor]
     read_in_backward: bool = True
-    """Gathered again when backward reaches it (:attr:`UnitSpec.read_in_backward`)."""
+    """Gathered again when backward reaches it (:attr:`UnitUse.read_in_backward`)."""
     gathered: bool = False
     """Memory allocated and the all-gathers issued (maybe not finished: ``pending``)."""
     pending: list[Handle] = field(default_factory=list)
@@ -190,7 +190,7 @@ class ParamUnits:
     def __init__(
         self,
         grads: GradBuffer,
-        specs: list[UnitSpec],
+        specs: list[UnitUse],
         chunks: Sequence[nn.Module],
         *,
         reshard_after_forward: bool = True,
@@ -241,7 +241,7 @@ class ParamUnits:
         self._queued_task: int | None = None
         self._install(specs, chunks)
 
-    def _install(self, specs: list[UnitSpec], chunks: Sequence[nn.Module]) -> None:
+    def _install(self, specs: list[UnitUse], chunks: Sequence[nn.Module]) -> None:
         order: dict[int, list[Unit]] = {}
         for unit in self.units:
             order.setdefault(unit.chunk, []).append(unit)

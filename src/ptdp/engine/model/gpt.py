@@ -63,7 +63,7 @@ from ptdp.engine.tensor_parallel.layers import VocabParallelEmbedding
 from ptdp.engine.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from ptdp.engine.tensor_parallel.random import Dropout, DropoutRNG
 from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel, sequence_shard
-from ptdp.engine.tensor_parallel.sharding import ParamSpec, make_parameter
+from ptdp.engine.tensor_parallel.sharding import GlobalParam, make_parameter
 from ptdp.layout.vocab import padded_vocab_size
 
 __all__ = ["DTYPES", "GPTModel", "masked_mean"]
@@ -134,7 +134,7 @@ class GPTModel(nn.Module):
             if not pre_process:
                 self.word_embeddings.weight.ptdp_tied_copy = True  # type: ignore[attr-defined]
         if pre_process and cfg.position_embedding_type == "learned_absolute":
-            spec = ParamSpec((cfg.seq_length, cfg.hidden_size))
+            spec = GlobalParam((cfg.seq_length, cfg.hidden_size))
             self.position_embeddings = make_parameter(spec, 1, dtype)
             if sp:  # each rank adds the rows of its own positions
                 mark_sequence_parallel([self.position_embeddings])

@@ -18,7 +18,7 @@ from ptdp.engine.model.attention import Attention, KVCache
 from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ptdp.engine.tensor_parallel.random import Dropout, DropoutRNG
 from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel
-from ptdp.engine.tensor_parallel.sharding import ParamSpec, make_parameter
+from ptdp.engine.tensor_parallel.sharding import GlobalParam, make_parameter
 
 
 class LayerNorm(nn.Module):
@@ -27,8 +27,8 @@ class LayerNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = make_parameter(ParamSpec((hidden_size,), init="ones"), 1, dtype)
-        self.bias = make_parameter(ParamSpec((hidden_size,), init="zeros"), 1, dtype)
+        self.weight = make_parameter(GlobalParam((hidden_size,), init="ones"), 1, dtype)
+        self.bias = make_parameter(GlobalParam((hidden_size,), init="zeros"), 1, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
@@ -41,7 +41,7 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = make_parameter(ParamSpec((hidden_size,), init="ones"), 1, dtype)
+        self.weight = make_parameter(GlobalParam((hidden_size,), init="ones"), 1, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

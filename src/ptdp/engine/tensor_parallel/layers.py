@@ -20,7 +20,7 @@ from ptdp.engine.tensor_parallel.sequence import (
     reduce_scatter_sequence,
     sequence_gathered_linear,
 )
-from ptdp.engine.tensor_parallel.sharding import ParamSpec, make_parameter
+from ptdp.engine.tensor_parallel.sharding import GlobalParam, make_parameter
 from ptdp.engine.tensor_parallel.wgrad import LinearFunction, embedding, linear
 
 
@@ -62,10 +62,10 @@ class ColumnParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.tp, self.tag, self.sequence_parallel = tp, tag, sequence_parallel
-        spec = ParamSpec((out_features, in_features), tp_dim=0, tp_groups=fused, init=init)
+        spec = GlobalParam((out_features, in_features), tp_dim=0, tp_groups=fused, init=init)
         self.weight = make_parameter(spec, tp.size, dtype)
         self.bias = (
-            make_parameter(ParamSpec((out_features,), tp_dim=0, tp_groups=fused, init="zeros"), tp.size, dtype)
+            make_parameter(GlobalParam((out_features,), tp_dim=0, tp_groups=fused, init="zeros"), tp.size, dtype)
             if bias
             else None
         )
@@ -105,8 +105,8 @@ class RowParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.tp, self.tag, self.sequence_parallel = tp, tag, sequence_parallel
-        self.weight = make_parameter(ParamSpec((out_features, in_features), tp_dim=1, init=init), tp.size, dtype)
-        self.bias = make_parameter(ParamSpec((out_features,), init="zeros"), tp.size, dtype) if bias else None
+        self.weight = make_parameter(GlobalParam((out_features, in_features), tp_dim=1, init=init), tp.size, dtype)
+        self.bias = make_parameter(GlobalParam((out_features,), init="zeros"), tp.size, dtype) if bias else None
         if sequence_parallel and self.bias is not None:
             mark_sequence_parallel([self.bias])
 
@@ -161,7 +161,7 @@ class VocabParallelEmbedding(nn.Module):
         per_rank = padded_vocab_size // tp.size
         self.vocab_start = tp.rank * per_rank
         self.vocab_end = self.vocab_start + per_rank
-        spec = ParamSpec((padded_vocab_size, hidden_size), tp_dim=0, real_rows=vocab_size)
+        spec = GlobalParam((padded_vocab_size, hidden_size), tp_dim=0, real_rows=vocab_size)
         self.weight = make_parameter(spec, tp.size, dtype)
 
     @property

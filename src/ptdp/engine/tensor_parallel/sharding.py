@@ -1,6 +1,6 @@
 """How a parameter is split over the tensor-parallel axis, and its layout-independent initialisation.
 
-Every ptdp parameter carries a :class:`ParamSpec` (attribute ``ptdp_spec``) describing the *global*
+Every ptdp parameter carries a :class:`GlobalParam` (attribute ``ptdp_global``) describing the *global*
 (unsharded, vocab-padded) tensor and how tp ranks split it. That makes initialisation independent of
 the layout: the global tensor is cut into fixed-size blocks along its split dim, each drawn from a
 generator seeded by (seed, parameter name, block index), and each rank draws only the blocks its
@@ -21,7 +21,7 @@ INIT_KINDS = ("normal", "scaled_normal", "zeros", "ones")
 
 
 @dataclass(frozen=True)
-class ParamSpec:
+class GlobalParam:
     """Global shape and tensor-parallel split of one parameter.
 
     Attributes:
@@ -58,21 +58,21 @@ class ParamSpec:
         return tuple(shape)
 
 
-def make_parameter(spec: ParamSpec, tp_size: int, dtype: torch.dtype) -> nn.Parameter:
+def make_parameter(spec: GlobalParam, tp_size: int, dtype: torch.dtype) -> nn.Parameter:
     """An uninitialised parameter of the tp-local shape, tagged with ``spec``."""
     param = nn.Parameter(torch.empty(spec.local_shape(tp_size), dtype=dtype))
-    param.ptdp_spec = spec  # type: ignore[attr-defined]  # a dynamic attribute; read back by spec_of
+    param.ptdp_global = spec  # type: ignore[attr-defined]  # a dynamic attribute; read back by global_param
     return param
 
 
-def spec_of(param: torch.Tensor) -> ParamSpec:
-    spec = getattr(param, "ptdp_spec", None)
+def global_param(param: torch.Tensor) -> GlobalParam:
+    spec = getattr(param, "ptdp_global", None)
     if spec is None:
-        raise ValueError(f"parameter of shape {tuple(param.shape)} has no ptdp_spec")
+        raise ValueError(f"parameter of shape {tuple(param.shape)} has no ptdp_global")
     return spec
 
 
-def shard(full: torch.Tensor, spec: ParamSpec, tp_rank: int, tp_size: int) -> torch.Tensor:
+def shard(full: torch.Tensor, spec: GlobalParam, tp_rank: int, tp_size: int) -> torch.Tensor:
     """The tp_rank-th shard of the global tensor ``full`` (a contiguous copy)."""
     if spec.tp_dim is None or tp_size == 1:
         return full.clone()
@@ -82,7 +82,7 @@ def shard(full: torch.Tensor, spec: ParamSpec, tp_rank: int, tp_size: int) -> to
     return torch.cat(pieces, dim=dim).contiguous()
 
 
-def unshard(shards: list[torch.Tensor], spec: ParamSpec) -> torch.Tensor:
+def unshard(shards: list[torch.Tensor], spec: GlobalParam) -> torch.Tensor:
     """Inverse of :func:`shard`: the global tensor from the shards of tp ranks 0..tp-1."""
     if spec.tp_dim is None or len(shards) == 1:
         return shards[0].clone()
@@ -95,7 +95,7 @@ INIT_BLOCK_ELEMENTS = 2**16
 """Elements of one independently drawn block of an initial weight (at least one index of its dim)."""
 
 
-def init_block_size(spec: ParamSpec) -> int:
+def init_block_size(spec: GlobalParam) -> int:
     """Indices of the block dim (the tp dim, else 0) per block: ``INIT_BLOCK_ELEMENTS`` divided
     by the product of the other dims, at least 1. It depends on those other dims only, never on
     the split dim's length (the padded vocabulary grows with tp)."""
@@ -104,11 +104,11 @@ def init_block_size(spec: ParamSpec) -> int:
     return max(1, INIT_BLOCK_ELEMENTS // max(other, 1))
 
 
-def _block_dim(spec: ParamSpec) -> int:
+def _block_dim(spec: GlobalParam) -> int:
     return spec.tp_dim if spec.tp_dim is not None else 0
 
 
-def shard_ranges(spec: ParamSpec, tp_rank: int, tp_size: int) -> list[tuple[int, int]]:
+def shard_ranges(spec: GlobalParam, tp_rank: int, tp_size: int) -> list[tuple[int, int]]:
     """The ``[start, stop)`` index ranges of the split dim (dim 0 if replicated) that rank
     ``tp_rank``'s shard holds, in shard order: one per group of a fused split (:func:`shard`)."""
     length = spec.global_shape[_block_dim(spec)]
@@ -124,7 +124,7 @@ def _block_seed(seed: int, name: str, block: int) -> int:
     return int.from_bytes(digest, "little") % 2**63
 
 
-def _draw(spec: ParamSpec, name: str, seed: int, start: int, stop: int) -> torch.Tensor:
+def _draw(spec: GlobalParam, name: str, seed: int, start: int, stop: int) -> torch.Tensor:
     """Standard normal values of indices ``[start, stop)`` of the block dim: every block they
     overlap is drawn whole (its full block shape, so its values do not depend on where it is
     cut) and the overlap kept."""
@@ -140,7 +140,7 @@ def _draw(spec: ParamSpec, name: str, seed: int, start: int, stop: int) -> torch
 
 
 def init_shard(
-    spec: ParamSpec, *, name: str, seed: int, std: float, num_layers: int, tp_rank: int, tp_size: int
+    spec: GlobalParam, *, name: str, seed: int, std: float, num_layers: int, tp_rank: int, tp_size: int
 ) -> torch.Tensor:
     """Rank ``tp_rank``'s shard (float32, ``spec.local_shape(tp_size)``) of parameter ``name``'s
     initial value, identical on every layout, drawing only the blocks the shard overlaps.
@@ -168,7 +168,7 @@ def init_shard(
     return out
 
 
-def init_full(spec: ParamSpec, *, name: str, seed: int, std: float, num_layers: int) -> torch.Tensor:
+def init_full(spec: GlobalParam, *, name: str, seed: int, std: float, num_layers: int) -> torch.Tensor:
     """The global initial value of parameter ``name`` (float32): :func:`init_shard` at tp = 1,
     which every layout's shards are slices of."""
     return init_shard(spec, name=name, seed=seed, std=std, num_layers=num_layers, tp_rank=0, tp_size=1)
@@ -181,7 +181,7 @@ def initialize_parameters(
     """Fill every parameter of ``module`` with its shard of the layout-independent initial value
     (:func:`init_shard`: each rank draws only what its shard overlaps)."""
     for name, param in module.named_parameters():
-        spec = spec_of(param)
+        spec = global_param(param)
         param.copy_(
             init_shard(spec, name=name, seed=seed, std=std, num_layers=num_layers, tp_rank=tp_rank, tp_size=tp_size)
         )

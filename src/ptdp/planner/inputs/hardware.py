@@ -2,7 +2,7 @@
 
 All bandwidths are bytes per second *per GPU and per direction*; capacities are bytes; peaks are
 dense (no sparsity) FLOP/s. Each figure cites its datasheet. Users add or override GPUs with a
-TOML or JSON file (:func:`load_catalog`) whose tables have the fields of :class:`GPUSpec`.
+TOML or JSON file (:func:`load_catalog`) whose tables have the fields of :class:`GPUType`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ TFLOPS = 1e12
 
 
 @dataclass(frozen=True)
-class GPUSpec:
+class GPUType:
     """One GPU model as deployed in a typical node.
 
     Attributes:
@@ -86,8 +86,8 @@ _H100_PEAK = {
     "fp32": 66.9 * TFLOPS,
 }
 
-CATALOG: dict[str, GPUSpec] = {
-    "a100-40gb": GPUSpec(
+CATALOG: dict[str, GPUType] = {
+    "a100-40gb": GPUType(
         "a100-40gb",
         _A100_PEAK,
         40 * GiB,
@@ -98,7 +98,7 @@ CATALOG: dict[str, GPUSpec] = {
         "NVIDIA A100 datasheet (SXM4 40GB); DGX A100 HDR 200 Gb/s per GPU",
         arch="ampere",
     ),
-    "a100-80gb": GPUSpec(
+    "a100-80gb": GPUType(
         "a100-80gb",
         _A100_PEAK,
         80 * GiB,
@@ -109,7 +109,7 @@ CATALOG: dict[str, GPUSpec] = {
         "NVIDIA A100 datasheet (SXM4 80GB); DGX A100 HDR 200 Gb/s per GPU",
         arch="ampere",
     ),
-    "h100-sxm": GPUSpec(
+    "h100-sxm": GPUType(
         "h100-sxm",
         _H100_PEAK,
         80 * GiB,
@@ -125,7 +125,7 @@ CATALOG: dict[str, GPUSpec] = {
     # description H200-SXM-141GBx8 (mlcommons/inference_results_v4.1, closed/NVIDIA/systems:
     # "141 GB" HBM3e, "18x 4th Gen NVLink, 900GB/s", 700 W) and restatements of the datasheet
     # (4.8 TB/s; same GH100 compute as H100 SXM).
-    "h200": GPUSpec(
+    "h200": GPUType(
         "h200",
         _H100_PEAK,
         143771 * 2**20,
@@ -138,7 +138,7 @@ CATALOG: dict[str, GPUSpec] = {
     ),
     # NVIDIA V100 datasheet (SXM2 32GB): 125 TFLOPS FP16 tensor, 15.7 FP32; HBM2 900 GB/s;
     # NVLink 2 300 GB/s bidirectional. DGX-1V: 4 x 100 Gb/s EDR InfiniBand for 8 GPUs.
-    "v100-32gb": GPUSpec(
+    "v100-32gb": GPUType(
         "v100-32gb",
         {"fp16": 125 * TFLOPS, "fp32": 15.7 * TFLOPS},
         32 * GiB,
@@ -154,7 +154,7 @@ CATALOG["h100"] = CATALOG["h100-sxm"]
 CATALOG["v100"] = CATALOG["v100-32gb"]
 
 
-def runs_flash_attention(gpu: GPUSpec) -> bool:
+def runs_flash_attention(gpu: GPUType) -> bool:
     """Plans on ``gpu`` default to a flash attention kernel: GPUs with FP8 tensor cores (H100,
     H200 and later), on which every current training stack (Megatron-Core with Transformer
     Engine, torchtitan, NeMo) runs fused attention. Older GPUs keep the model's own kernel."""
@@ -165,7 +165,7 @@ class UnknownGPUError(ValueError):
     """A GPU name that is not in the catalog; the message lists the known names."""
 
 
-def get_gpu(name: str, catalog: dict[str, GPUSpec] | None = None) -> GPUSpec:
+def get_gpu(name: str, catalog: dict[str, GPUType] | None = None) -> GPUType:
     catalog = catalog if catalog is not None else CATALOG
     key = name.lower()
     if key not in catalog:
@@ -175,10 +175,10 @@ def get_gpu(name: str, catalog: dict[str, GPUSpec] | None = None) -> GPUSpec:
     return catalog[key]
 
 
-def load_catalog(path: str | Path) -> dict[str, GPUSpec]:
+def load_catalog(path: str | Path) -> dict[str, GPUType]:
     """The built-in catalog plus the GPUs of a TOML or JSON file.
 
-    File format: one table per GPU, keyed by name, with the :class:`GPUSpec` fields, e.g. (TOML)::
+    File format: one table per GPU, keyed by name, with the :class:`GPUType` fields, e.g. (TOML)::
 
         [my-gpu]
         peak_flops = { bf16 = 400e12, fp32 = 50e12 }
@@ -200,7 +200,7 @@ def load_catalog(path: str | Path) -> dict[str, GPUSpec]:
         raise ValueError(f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({e})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a table of GPUs keyed by name")
-    known = {f.name for f in fields(GPUSpec)}
+    known = {f.name for f in fields(GPUType)}
     required = known - {"name", "gpus_per_node", "source", "shared_cores", "arch"}
     out = dict(CATALOG)
     for name, table in raw.items():
@@ -215,7 +215,7 @@ def load_catalog(path: str | Path) -> dict[str, GPUSpec]:
         _check_numbers(path, name, table)
         if not isinstance(table.get("arch", ""), str):
             raise ValueError(f'{path}: GPU {name!r}: arch={table["arch"]!r} must be a string such as "hopper"')
-        out[name.lower()] = GPUSpec(name=name.lower(), **{k: v for k, v in table.items() if k != "name"})
+        out[name.lower()] = GPUType(name=name.lower(), **{k: v for k, v in table.items() if k != "name"})
     return out
 
 
@@ -235,7 +235,7 @@ def _check_numbers(path: Path, name: str, table: dict) -> None:
 class Cluster:
     """``num_gpus`` GPUs of one kind in nodes of ``gpus_per_node``."""
 
-    gpu: GPUSpec
+    gpu: GPUType
     num_gpus: int
     gpus_per_node: int = field(default=0)
 

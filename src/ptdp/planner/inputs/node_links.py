@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ptdp.planner.inputs.hardware import GB, GPUSpec
+from ptdp.planner.inputs.hardware import GB, GPUType
 from ptdp.topology.node import Topology, nvlink_count
 
 #: Bytes/s per NVLink link per direction: 25 GB/s for NVLink 2, 3 and 4 (V100 datasheet: 6 links,
@@ -29,7 +29,7 @@ NVLINK_PER_LINK = 25 * GB
 PCIE_BANDWIDTH = 25 * GB
 
 
-def gpu_for_topology(gpu: GPUSpec, topology: Topology) -> tuple[GPUSpec, list[str]]:
+def gpu_for_topology(gpu: GPUType, topology: Topology) -> tuple[GPUType, list[str]]:
     """``gpu`` as installed in ``topology``'s node, and sentences saying what changed.
 
     Raises ValueError if the topology has no GPU.

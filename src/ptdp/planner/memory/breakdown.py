@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ptdp.config.model import ModelConfig
 from ptdp.planner.candidate import Candidate, MemoryBreakdown
-from ptdp.planner.inputs.hardware import GiB, GPUSpec
+from ptdp.planner.inputs.hardware import GiB, GPUType
 from ptdp.planner.memory.activations import cached_rank_activation_bytes
 from ptdp.planner.memory.fp8 import fp8_weight_copy_bytes
 from ptdp.planner.memory.params import (
@@ -62,7 +62,7 @@ def _candidate_stages(
 def memory_breakdown(
     model: ModelConfig,
     layout: Candidate,
-    gpu: GPUSpec,
+    gpu: GPUType,
     *,
     overhead_bytes: float = DEFAULT_OVERHEAD_BYTES,
     schedule: str = "1f1b",

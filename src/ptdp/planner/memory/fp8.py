@@ -33,7 +33,7 @@ FP8_WEIGHT_COPY_BYTES = 2.0
 
 
 def fp8_precision(gpu, precision: str) -> str:
-    """``"fp8"`` for ``--fp8`` on ``gpu`` (a :class:`~ptdp.planner.inputs.hardware.GPUSpec`) at the
+    """``"fp8"`` for ``--fp8`` on ``gpu`` (a :class:`~ptdp.planner.inputs.hardware.GPUType`) at the
     requested ``precision``; ConfigError when the GPU has no FP8 peak in the catalog (A100, V100)
     or the precision is not bf16 (FP8 training keeps bf16 activations and weights)."""
     if "fp8" not in gpu.peak_flops:

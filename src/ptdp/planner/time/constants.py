@@ -85,7 +85,7 @@ class PerfConstants:
             runs' asynchronous point-to-point communication (Llama 3 paper, section 3.3.2).
             ``ptdp plan --overlap-p2p-communication``; ptdp's runtime waits for each transfer
             group before the compute that needs it, so off for ptdp's own runs.
-        arch_fits: per GPU architecture (:attr:`ptdp.planner.inputs.hardware.GPUSpec.arch`), that
+        arch_fits: per GPU architecture (:attr:`ptdp.planner.inputs.hardware.GPUType.arch`), that
             generation's ``(arch, gemm_peak_fraction, gemm_half_dim, hbm_efficiency)``. Hopper
             (H100, H200): 0.58 and 0.85 fitted jointly by least squares over the 13 published H100
             bf16 runs without context parallelism, each with the overlap it used (``python -m ptdp.planner.validate.accuracy

@@ -49,7 +49,7 @@ import torch
 from ptdp.engine.comm import all_gather_object, barrier
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.model_chunks import global_named_parameters
-from ptdp.engine.tensor_parallel.sharding import spec_of
+from ptdp.engine.tensor_parallel.sharding import global_param
 from ptdp.run.checkpoint.folders import (
     FORMAT,
     META,
@@ -102,7 +102,7 @@ def _state_dict(
     g = stage.groups
     sd = {}
     for name, p in global_named_parameters(stage.model):
-        spec = spec_of(p)
+        spec = global_param(p)
         form = stored_form(model_values[id(p)], spec, g.tp.rank, g.tp.size)
         sd[f"model/{name}"] = to_checkpoint_value(form, g.tp, g.global_rank)
         for kind in kinds:

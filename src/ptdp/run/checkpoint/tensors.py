@@ -4,7 +4,7 @@ A checkpoint stores every parameter as its *global* tensor, whatever the layout 
 
 - tensor-parallel shards are pieces of that tensor at their offsets (a ``ShardedTensor`` over the
   tp group; ``torch.distributed.checkpoint`` reassembles or re-splits them on load);
-- a fused ``[q | k | v]`` projection (``ParamSpec.tp_groups = 3``) is stored as ``[3, h, ...]``,
+- a fused ``[q | k | v]`` projection (``GlobalParam.tp_groups = 3``) is stored as ``[3, h, ...]``,
   so q, k and v each stay grouped by head and a tp rank's shard is one block
   ``[3, h / tp, ...]`` at offset ``(0, tp_rank * h / tp, 0)``; a SwiGLU fc1 ``[gate | up]``
   (``tp_groups = 2``) likewise as ``[2, ffn, ...]``;
@@ -28,7 +28,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 
 from ptdp.engine.comm import AxisGroup
-from ptdp.engine.tensor_parallel.sharding import ParamSpec
+from ptdp.engine.tensor_parallel.sharding import GlobalParam
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class StoredForm:
     sharded: bool
 
 
-def stored_form(local: torch.Tensor, spec: ParamSpec, tp_rank: int, tp_size: int) -> StoredForm:
+def stored_form(local: torch.Tensor, spec: GlobalParam, tp_rank: int, tp_size: int) -> StoredForm:
     """The stored form of the local shard ``local`` of a parameter described by ``spec``."""
     shape = list(spec.global_shape)
     if spec.tp_dim is None:
