@@ -1,6 +1,6 @@
 """Peak activation memory per pipeline rank: GPipe against 1F1B, with ptdp's real GPT.
 
-Each rank builds its stage with ``ptdp.engine.step.build_stage`` (same seed, so both schedules start
+Each rank builds its stage with ``ptdp.engine.stage.build_stage`` (same seed, so both schedules start
 from the same weights) and runs one ``ptdp.engine.step.train_step`` over m microbatches under
 :class:`ptdp.engine.activation_meter.SavedActivationMeter`: every tensor autograd saves for backward
 is counted by its storage, once (storages shared by several saved tensors, e.g. q, k, v views of
@@ -46,7 +46,8 @@ from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage, train_step
+from ptdp.engine.stage import build_stage
+from ptdp.engine.step import train_step
 from ptdp.layout.grid import ParallelLayout
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.memory.activations import stage_activation_bytes

@@ -2,7 +2,7 @@
 step time of the two key/value exchanges (``--cp-comm-type p2p`` against ``all_gather``).
 
 One world per cp size (tp = pp = dp = 1, world = cp, gloo). Each rank builds its stage with
-``ptdp.engine.step.build_stage`` and runs ``ptdp.engine.step.train_step`` on the same microbatches
+``ptdp.engine.stage.build_stage`` and runs ``ptdp.engine.step.train_step`` on the same microbatches
 (full sequences: the model keeps its two chunks):
 
 * memory: one step under :class:`ptdp.engine.activation_meter.SavedActivationMeter` (every storage
@@ -35,7 +35,8 @@ from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage, train_step
+from ptdp.engine.stage import build_stage
+from ptdp.engine.step import train_step
 from ptdp.layout.grid import ParallelLayout
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.memory.activations import rank_activation_bytes

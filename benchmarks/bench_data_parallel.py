@@ -61,7 +61,8 @@ from ptdp.data.dataset import GlobalBatchSampler, TokenWindows, dp_shard, microb
 from ptdp.data.prepared_data import PreparedData
 from ptdp.engine.comm import AxisGroup, all_reduce
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage, train_step
+from ptdp.engine.stage import build_stage
+from ptdp.engine.step import train_step
 from ptdp.layout.grid import ParallelLayout
 from ptdp.run.rundir import prepare
 from ptdp.run.trace import Tracer

@@ -41,7 +41,8 @@ from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage, train_step
+from ptdp.engine.stage import build_stage
+from ptdp.engine.step import train_step
 from ptdp.layout.grid import ParallelLayout
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.memory.activations import stage_activation_bytes

@@ -14,7 +14,8 @@ import torch
 from gpu_models import random_microbatches, speed_config
 
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage, train_step
+from ptdp.engine.stage import build_stage
+from ptdp.engine.step import train_step
 
 LOSS_BOUND = {"bfloat16": 1e-2, "float16": 1e-2, "tfloat32": 1e-2, "float32": 1e-5, "float64": 1e-9}
 """Largest relative loss difference against float64 expected from rounding alone, per precision

@@ -15,13 +15,13 @@ from unittest import mock
 
 import torch
 
-import ptdp.engine.step as ptdp_step
+import ptdp.engine.stage as ptdp_stage
 from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import Stage, build_stage
+from ptdp.engine.stage import Stage, build_stage
 from ptdp.engine.tensor_parallel.sharding import global_param
 
 FULL = {
@@ -118,7 +118,7 @@ def _initial_values_on(device: torch.device):
                 value[spec.real_rows :] = 0.0
             param.data = value.to(param.dtype)
 
-    with mock.patch.object(ptdp_step, "initialize_parameters", draw):
+    with mock.patch.object(ptdp_stage, "initialize_parameters", draw):
         yield
 
 

@@ -36,7 +36,8 @@ from gpu_models import device_stage, random_microbatches, speed_config
 from gpu_report import NOT_ON_CPU, Budget, median_seconds
 
 from ptdp.config.schema import Config
-from ptdp.engine.step import Stage, train_step
+from ptdp.engine.stage import Stage
+from ptdp.engine.step import train_step
 from ptdp.engine.tensor_parallel import wgrad
 from ptdp.engine.tensor_parallel.linear_cross_entropy import default_chunk_tokens
 from ptdp.layout.vocab import keeps_logits, padded_vocab_size

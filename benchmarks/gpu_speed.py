@@ -34,7 +34,8 @@ from gpu_report import NOT_ON_CPU, Budget
 from plain_gpt import copy_weights, plain_like, plain_optimizer, plain_step
 
 from ptdp.config.schema import Config
-from ptdp.engine.step import Stage, train_step
+from ptdp.engine.stage import Stage
+from ptdp.engine.step import train_step
 from ptdp.engine.tensor_parallel import wgrad
 from ptdp.planner.inputs.hardware import CATALOG
 

@@ -12,7 +12,8 @@ from helpers.dist_helpers import PG_TIMEOUT, run_in_pool, run_workers
 from helpers.layout_cases import LLAMA_OPTIONS, rank_microbatches, tiny_config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.model_chunks import global_named_parameters
-from ptdp.engine.step import build_stage, eval_loss, train_step
+from ptdp.engine.stage import build_stage
+from ptdp.engine.step import eval_loss, train_step
 from ptdp.engine.tensor_parallel.sharding import global_param, unshard
 from ptdp.layout.grid import ParallelLayout
 from ptdp.run.checkpoint.folders import CheckpointError, resolve_checkpoint

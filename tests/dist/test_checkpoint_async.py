@@ -12,7 +12,7 @@ from helpers.checkpoints import record_run, train_steps
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.layout_cases import tiny_config
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage
+from ptdp.engine.stage import build_stage
 from ptdp.layout.grid import ParallelLayout
 from ptdp.run.checkpoint.io import load_checkpoint
 from ptdp.run.checkpoint.saver import Checkpointer

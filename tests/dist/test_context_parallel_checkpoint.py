@@ -20,7 +20,8 @@ from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.model_chunks import global_named_parameters
-from ptdp.engine.step import build_stage, eval_loss, train_step
+from ptdp.engine.stage import build_stage
+from ptdp.engine.step import eval_loss, train_step
 from ptdp.engine.tensor_parallel.sharding import global_param, unshard
 from ptdp.layout.grid import ParallelLayout
 from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint

@@ -22,7 +22,8 @@ from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage, eval_loss, train_step
+from ptdp.engine.stage import build_stage
+from ptdp.engine.step import eval_loss, train_step
 from ptdp.layout.grid import ParallelLayout
 
 LAYOUT = (1, 2, 1, 2)  # tp, cp, pp, dp

@@ -12,8 +12,8 @@ from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from helpers.layout_cases import rank_microbatches, tiny_config
 from ptdp.engine.data_parallel.compression import start_reduction
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage, train_step
-from ptdp.engine.step_results import FP16_OVERFLOW
+from ptdp.engine.stage import build_stage
+from ptdp.engine.step import FP16_OVERFLOW, train_step
 from ptdp.layout.grid import ParallelLayout
 
 

@@ -16,7 +16,7 @@ from helpers.dropout_cases import RECOMPUTE, assert_bitwise, config, train
 from helpers.layout_cases import STEPS, TOL, full_parameters
 from ptdp.config.schema import Config
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage
+from ptdp.engine.stage import build_stage
 from ptdp.layout.grid import ParallelLayout
 from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
 

@@ -11,8 +11,8 @@ from helpers.faults import NAN_LOSS_ENV, FaultPlan, install
 from helpers.layout_cases import rank_microbatches, tiny_config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.model_chunks import global_named_parameters
-from ptdp.engine.step import build_stage, train_step
-from ptdp.engine.step_results import NONFINITE_LOSS
+from ptdp.engine.stage import build_stage
+from ptdp.engine.step import NONFINITE_LOSS, train_step
 from ptdp.layout.grid import ParallelLayout
 
 #: variant -> (dtype, parallel overrides, the global rank whose forward is poisoned at iteration 2)

@@ -12,7 +12,8 @@ from helpers.dist_helpers import run_in_pool
 from helpers.layout_cases import PG_TIMEOUT, rank_microbatches, tiny_config
 from ptdp.cli import main as ptdp_main
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage, train_step
+from ptdp.engine.stage import build_stage
+from ptdp.engine.step import train_step
 from ptdp.layout.grid import ParallelLayout
 
 CASES = [("1f1b", 4, 1), ("gpipe", 4, 1), ("interleaved-1f1b", 4, 2), ("interleaved-1f1b", 2, 2)]

@@ -1,7 +1,7 @@
 """Invariant 5, activations: the planner's activation peak per rank against the bytes ptdp's GPT
 really keeps for backward.
 
-Each rank builds its stage (``ptdp.engine.step.build_stage``) and runs one ``train_step`` over m = 4
+Each rank builds its stage (``ptdp.engine.stage.build_stage``) and runs one ``train_step`` over m = 4
 microbatches under :class:`ptdp.engine.activation_meter.SavedActivationMeter` (every storage autograd
 saves, once, parameters excluded). Its peak is compared with
 ``stage_activation_bytes(..., Layout(..., precision="fp32"), pp_rank, ...)``

@@ -238,7 +238,7 @@ def test_fp16_overflow_in_one_shard_skips_the_step_everywhere():
     skips the step on every rank as float16's overflow (parameters unchanged, scale halved
     everywhere); the next step trains at the halved scale and makes no call that would
     synchronise the host on a GPU."""
-    from ptdp.engine.step_results import FP16_OVERFLOW
+    from ptdp.engine.step import FP16_OVERFLOW
 
     for rank_results in run_in_pool(fp16_worker, 4):
         assert sorted(rank_results) == sorted(FP16_STRATEGIES)

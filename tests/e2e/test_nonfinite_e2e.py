@@ -13,7 +13,7 @@ import torch
 from helpers.checkpoints import stored_tensors
 from helpers.cli import TINY, run
 from helpers.faults import NAN_LOSS_ENV, environment
-from ptdp.engine.step_results import NONFINITE_LOSS
+from ptdp.engine.step import NONFINITE_LOSS
 
 
 @pytest.mark.slow

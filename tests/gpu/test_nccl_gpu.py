@@ -15,7 +15,7 @@ from helpers.dist_helpers import PG_TIMEOUT
 from helpers.layout_cases import TOL, full_parameters, real_rows, tiny_config
 from helpers.nccl_helpers import run_nccl_workers, train_on_device
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage
+from ptdp.engine.stage import build_stage
 from ptdp.layout.grid import ParallelLayout
 from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
 

@@ -14,8 +14,8 @@ from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage, eval_loss, train_step
-from ptdp.engine.step_results import read_results
+from ptdp.engine.stage import build_stage
+from ptdp.engine.step import eval_loss, read_results, train_step
 from ptdp.layout.grid import ParallelLayout
 
 #: (tp, cp, pp, dp) of the issue, by world size (one job per world size)

@@ -8,7 +8,8 @@ from helpers.layout_cases import STEPS, rank_microbatches, tiny_config
 from ptdp.config.schema import Config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.model_chunks import global_named_parameters
-from ptdp.engine.step import build_stage, train_step
+from ptdp.engine.stage import build_stage
+from ptdp.engine.step import train_step
 
 P = 0.2
 DROPOUT = {"hidden_dropout": P, "attention_dropout": P}

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 from helpers.layout_cases import rank_microbatches
 from ptdp.config.schema import Config
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage
+from ptdp.engine.stage import build_stage
 from ptdp.engine.tensor_parallel import wgrad
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)

@@ -11,7 +11,7 @@ from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage
+from ptdp.engine.stage import build_stage
 from ptdp.layout.grid import ParallelLayout
 from ptdp.run.checkpoint.hf import model_config_from_hf
 from ptdp.run.checkpoint.io import load_checkpoint

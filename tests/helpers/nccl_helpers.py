@@ -19,7 +19,8 @@ from helpers.layout_cases import rank_microbatches
 from ptdp.config.schema import Config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.model_chunks import global_named_parameters
-from ptdp.engine.step import build_stage, train_step
+from ptdp.engine.stage import build_stage
+from ptdp.engine.step import train_step
 
 
 def to_cpu(obj: Any) -> Any:

@@ -311,7 +311,8 @@ def collect(cfg: Config, groups: ParallelGroups) -> dict:
     if is_chunk_by_chunk(cfg):
         from helpers.host_sync import count_host_syncs, label_check_on_device
         from helpers.layout_cases import rank_microbatches
-        from ptdp.engine.step import build_stage, train_step
+        from ptdp.engine.stage import build_stage
+        from ptdp.engine.step import train_step
 
         stage = build_stage(cfg, groups)
         out["buckets"] = [(b.chunk, b.numel) for b in stage.grads.buckets]
@@ -338,7 +339,8 @@ EVAL_VARIANTS = ("params", "params_keep")
 def eval_case(cfg: Config, groups: ParallelGroups) -> tuple[float, float]:
     """``eval_loss`` over two global batches before and after one training step."""
     from helpers.layout_cases import rank_microbatches
-    from ptdp.engine.step import build_stage, eval_loss, train_step
+    from ptdp.engine.stage import build_stage
+    from ptdp.engine.step import eval_loss, train_step
 
     stage = build_stage(cfg, groups)
     dp_rank, dp = groups.dp.rank, groups.dp.size
@@ -420,7 +422,7 @@ def round_trip(trip: list, root: str) -> dict:
     again after loading); the last layout then trains a third step, as the first one does without
     stopping. Returns each layout's state after loading and both third steps' losses."""
     from helpers.checkpoints import train_steps
-    from ptdp.engine.step import build_stage
+    from ptdp.engine.stage import build_stage
     from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
 
     def stage_at(layout, strategy, bucket):

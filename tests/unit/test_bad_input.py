@@ -23,7 +23,7 @@ from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.train_flags import local_world_size
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage, with_vocab
+from ptdp.engine.stage import build_stage, with_vocab
 from ptdp.errors import DataError
 from ptdp.run.checkpoint.io import save_checkpoint
 

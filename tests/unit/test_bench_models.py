@@ -10,7 +10,8 @@ import torch
 
 from helpers.bench_scripts import import_scripts
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage, train_step
+from ptdp.engine.stage import build_stage
+from ptdp.engine.step import train_step
 from ptdp.engine.tensor_parallel.sharding import global_param
 
 

@@ -9,7 +9,8 @@ import torch
 from helpers.layout_cases import rank_microbatches, tiny_config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.model_chunks import global_named_parameters
-from ptdp.engine.step import build_stage, train_step
+from ptdp.engine.stage import build_stage
+from ptdp.engine.step import train_step
 from ptdp.run.checkpoint import io
 from ptdp.run.checkpoint.folders import CheckpointError
 

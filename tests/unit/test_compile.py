@@ -38,7 +38,8 @@ def test_compiled_layers_train_like_eager_on_cuda_in_bfloat16():
     import torch
 
     from helpers.layout_cases import rank_microbatches, tiny_config
-    from ptdp.engine.step import build_stage, train_step
+    from ptdp.engine.stage import build_stage
+    from ptdp.engine.step import train_step
 
     cfg = tiny_config(1, 1, 1, "bfloat16")
     losses = {}

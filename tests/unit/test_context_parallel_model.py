@@ -174,7 +174,7 @@ def test_rules_refuse_uneven_sequence_parallel_rows_and_take_attention_dropout()
 
 
 def test_stage_hidden_shape_divides_the_sequence_by_cp_and_by_tp_with_sequence_parallelism():
-    from ptdp.engine.step import Stage
+    from ptdp.engine.stage import Stage
 
     def shape(cp, tp, sp):
         cfg = Config(

@@ -17,8 +17,8 @@ from ptdp.engine.groups import ParallelGroups
 
 
 def test_a_non_finite_gradient_norm_with_fp16_compression_points_to_bf16():
-    from ptdp.engine.step_results import NONFINITE_GRAD_NORM, StepResult
-    from ptdp.run.loop_events import non_finite_step
+    from ptdp.engine.step import NONFINITE_GRAD_NORM, StepResult
+    from ptdp.run.trainer import non_finite_step
 
     class Log:
         def __init__(self):

@@ -34,7 +34,7 @@ from ptdp.config.train_flags import add_train_arguments
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.attention import Attention
-from ptdp.engine.step import build_stage
+from ptdp.engine.stage import build_stage
 from ptdp.engine.tensor_parallel.random import TP_DISTINCT, Dropout, DropoutRNG
 from ptdp.errors import ConfigError
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from helpers.layout_cases import VOCAB, tiny_config
 from ptdp.commands.generate import generate, next_token_logits
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage
+from ptdp.engine.stage import build_stage
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from ptdp.config.model import ModelConfig
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.gpt import GPTModel
-from ptdp.engine.step import build_stage
+from ptdp.engine.stage import build_stage
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
 from ptdp.run.checkpoint.io import save_checkpoint
 

@@ -34,7 +34,7 @@ def test_export_carries_the_tokenizer_and_its_special_ids_with_ordinary_file_mod
     from ptdp.config.schema import Config, TrainConfig
     from ptdp.data.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer
     from ptdp.engine.groups import ParallelGroups
-    from ptdp.engine.step import build_stage
+    from ptdp.engine.stage import build_stage
     from ptdp.run.checkpoint.io import save_checkpoint
 
     tok = train_tokenizer(["def main(x):\n    return x * 2\n" * 20, "class A:\n    pass\n" * 20], 300)
@@ -97,9 +97,9 @@ def test_export_of_a_run_on_another_tokenizer_names_its_own_special_tokens(tmp_p
     from ptdp.config.resolve import resolve
     from ptdp.config.schema import Config, TrainConfig
     from ptdp.engine.groups import ParallelGroups
-    from ptdp.engine.step import build_stage
+    from ptdp.engine.stage import build_stage
     from ptdp.run.checkpoint.io import save_checkpoint
-    from ptdp.run.loop_events import tokenizer_files
+    from ptdp.run.trainer import tokenizer_files
 
     folder = write_tokenizer_folder(tmp_path / "tok", eos_token="</s>" if kept_config else None)
     tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))

@@ -17,7 +17,8 @@ from helpers.layout_cases import VOCAB as TINY_VOCAB
 from helpers.layout_cases import rank_microbatches, tiny_config
 from ptdp.commands.generate import load_for_inference
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage, train_step
+from ptdp.engine.stage import build_stage
+from ptdp.engine.step import train_step
 from ptdp.run.checkpoint.folders import CheckpointError
 from ptdp.run.checkpoint.hf import export_hf, import_hf, model_config_from_hf
 from ptdp.run.checkpoint.io import save_checkpoint

@@ -14,8 +14,8 @@ from helpers.host_sync import count_host_syncs, label_check_on_device
 from helpers.layout_cases import rank_microbatches, tiny_config
 from ptdp.engine.data_parallel.loss_scale import DynamicLossScaler
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.step import build_stage, train_step
-from ptdp.engine.step_results import FP16_OVERFLOW, NONFINITE_GRAD_NORM, read_results
+from ptdp.engine.stage import build_stage
+from ptdp.engine.step import FP16_OVERFLOW, NONFINITE_GRAD_NORM, read_results, train_step
 
 
 def host_schedule(skips: list[bool], scale: float, interval: int, min_scale: float, good: int = 0) -> list[float]:

@@ -99,7 +99,8 @@ def test_bfloat16_trains_float32_main_params():
     import dataclasses
 
     from helpers.layout_cases import rank_microbatches, tiny_config
-    from ptdp.engine.step import build_stage, train_step
+    from ptdp.engine.stage import build_stage
+    from ptdp.engine.step import train_step
 
     losses = {}
     for dtype in ("bfloat16", "float32"):

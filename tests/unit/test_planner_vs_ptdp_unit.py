@@ -9,7 +9,7 @@ from ptdp.planner.inputs.hardware import CATALOG
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS
 from ptdp.planner.time.flops import gemm_efficiency
 from ptdp.planner.time.profile import load_profile, save_profile
-from ptdp.run.calibration_fit import fit_gemm_curve, fit_ring
+from ptdp.planner.time.profile_fit import fit_gemm_curve, fit_ring
 
 
 def test_gemm_and_ring_fits_recover_known_values(tmp_path):
@@ -32,8 +32,8 @@ def test_gemm_and_ring_fits_recover_known_values(tmp_path):
 
 
 def test_linear_fit_and_core_sharing_model():
+    from ptdp.planner.time.profile_fit import fit_linear
     from ptdp.planner.time.step_time import core_shared_step
-    from ptdp.run.calibration_fit import fit_linear
 
     bw, lat = 1.5e9, 3e-4
     fit_bw, fit_lat = fit_linear([(n, lat + n / bw) for n in (1 << 12, 1 << 18, 1 << 22)])

@@ -13,7 +13,7 @@ from ptdp import cli
 from ptdp.config.model import ModelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config
-from ptdp.engine.step import allow_tf32
+from ptdp.engine.stage import allow_tf32
 from ptdp.errors import ConfigError
 from ptdp.planner.inputs.plan_flags import plan_precision
 

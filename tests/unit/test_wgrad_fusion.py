@@ -194,7 +194,7 @@ def test_output_layer_gradient_goes_straight_into_main_grad(monkeypatch, untied)
     import ptdp.engine.tensor_parallel.linear_cross_entropy as lce
     from helpers.layout_cases import rank_microbatches, tiny_config
     from ptdp.engine.groups import ParallelGroups
-    from ptdp.engine.step import build_stage
+    from ptdp.engine.stage import build_stage
 
     cfg = tiny_config(1, 1, 1, "bfloat16", untie_embeddings_and_output_weights=untied)
     grads = {}

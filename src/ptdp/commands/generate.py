@@ -27,7 +27,7 @@ from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.gpt import GPTModel
-from ptdp.engine.step import build_stage
+from ptdp.engine.stage import build_stage
 from ptdp.errors import ConfigError
 from ptdp.run.checkpoint.folders import CheckpointError, read_meta, resolve_checkpoint
 from ptdp.run.checkpoint.io import load_checkpoint

@@ -27,197 +27,126 @@ is read.
 
 from __future__ import annotations
 
-import dataclasses
+import math
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
-from ptdp.config.schema import Config
 from ptdp.engine import activity
 from ptdp.engine.comm import all_reduce
-from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.data_parallel.grads import clip_grads, finalize_grads, global_grad_norm
-from ptdp.engine.data_parallel.loss_scale import DynamicLossScaler
-from ptdp.engine.data_parallel.units import (
-    ParamUnits,
-    gradient_units,
-    param_gather_units,
-    sharding_units,
-    unit_index,
-)
-from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.hooks import STEP_HOOKS
-from ptdp.engine.model.compile import compile_stage
-from ptdp.engine.model.gpt import DTYPES, GPTModel
 from ptdp.engine.model.model_chunks import ModelChunks
-from ptdp.engine.optim.adamw import MainParamsAdamW, set_lr, step_unless
-from ptdp.engine.optim.factory import build_optimizer
+from ptdp.engine.optim.adamw import set_lr, step_unless
 from ptdp.engine.pipeline.runtime import Microbatch, run_schedule
-from ptdp.engine.step_results import FP16_OVERFLOW as FP16_OVERFLOW
-from ptdp.engine.step_results import NONFINITE_GRAD_NORM as NONFINITE_GRAD_NORM
-from ptdp.engine.step_results import NONFINITE_LOSS as NONFINITE_LOSS
-from ptdp.engine.step_results import PendingStep
-from ptdp.engine.step_results import StepResult as StepResult
-from ptdp.engine.step_results import read_results as read_results
-from ptdp.engine.step_results import read_results_with as read_results_with
-from ptdp.engine.tensor_parallel.random import DropoutRNG
-from ptdp.engine.tensor_parallel.sharding import initialize_parameters
+from ptdp.engine.stage import Stage
 from ptdp.layout.lr_schedule import lr_at
 from ptdp.layout.pipeline.program import build_programs
 
+NONFINITE_LOSS = "non-finite loss"
+NONFINITE_GRAD_NORM = "non-finite gradient norm"
+FP16_OVERFLOW = "float16 overflow"
 
-@dataclass
-class Stage:
-    """Everything one rank needs to train its shard: model, optimizer, gradients, groups."""
 
-    config: Config
-    groups: ParallelGroups
-    model: GPTModel | ModelChunks
-    """One stage, or the v chunks of an interleaved rank."""
-    optimizer: torch.optim.Optimizer | MainParamsAdamW
-    grads: GradBuffer
-    device: torch.device
-    scaler: DynamicLossScaler | None = None
-    """Dynamic loss scaling, for float16 parameters only."""
-    dropout_rng: DropoutRNG | None = None
-    """This rank's dropout streams (shared by its model chunks; saved in checkpoints)."""
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return DTYPES[self.config.model.params_dtype]
-
-    def wait_for_params(self) -> None:
-        """With ``overlap_param_gather``: finish every parameter all-gather still in flight, so the
-        parameters can be read outside a forward pass (the forward waits by itself); with
-        ``optim_grads_params``: gather every unit (freed again by its next forward or the next
-        optimizer step). Collective over the dp x cp group with sharded parameters."""
-        wait = getattr(self.optimizer, "wait_for_params", None)
-        if wait is not None:
-            wait()
-
-    def params_written(self) -> None:
-        """After parameters were written in place (a checkpoint loaded into them, following
-        :meth:`wait_for_params`): with ``optim_grads_params`` keep this rank's shard of them."""
-        units = getattr(self.optimizer, "units", None)
-        if units is not None:
-            units.take_shards()
+@dataclass(frozen=True)
+class StepResult:
+    loss: float
+    """Mean loss (nats per token) over the global batch."""
+    grad_norm: float
+    """Global gradient norm before clipping, of the unscaled gradients with float16 (inf/nan when a
+    gradient it counts is; an overflow it does not count still skips the step: ``skip_reason``)."""
+    lr: float
+    skipped: bool = False
+    """No update on any rank (see ``skip_reason``)."""
+    loss_scale: float | None = None
+    """The loss scale this step multiplied its loss by (float16 only; the next step's is halved
+    after a skip)."""
+    skip_reason: str | None = None
+    """:data:`NONFINITE_LOSS` or :data:`NONFINITE_GRAD_NORM` (on some rank), or
+    :data:`FP16_OVERFLOW`: float16 gradients overflowed at a loss scale that can still be halved
+    (the scaler's ordinary business, not a failure)."""
 
     @property
-    def virtual_stages(self) -> int:
-        return self.config.pipeline.virtual_stages
-
-    @property
-    def hidden_shape(self) -> tuple[int, int, int]:
-        """Activations passed between stages, sequence-first: ``[s/cp, b, h]`` (a cp rank's two
-        chunks; ``[s, b, h]`` at cp = 1), ``[s/(cp tp), b, h]`` with sequence parallelism."""
-        m, t, p = self.config.model, self.config.train, self.config.parallel
-        rows = m.seq_length // (p.context_parallel_size * (p.tp if p.sequence_parallel else 1))
-        return (rows, t.micro_batch_size, m.hidden_size)
+    def nonfinite(self) -> bool:
+        """Skipped because the loss or the gradient norm was not finite."""
+        return self.skip_reason in (NONFINITE_LOSS, NONFINITE_GRAD_NORM)
 
 
-def build_stage(config: Config, groups: ParallelGroups, device: torch.device | str = "cpu") -> Stage:
-    """Build, initialise (layout-independently, from ``config.train.seed``) and place this rank's stage.
+class PendingStep:
+    """What :func:`train_step` returns: the step's metrics while they are still on the device.
 
-    ``config`` must be resolved (``ptdp.config.resolve``) and ``config.model.vocab_size`` the real
-    vocabulary size.
+    ``values`` is a float64 ``[5]`` tensor on the stage's device, the same on every rank: the mean
+    loss, the gradient norm before clipping, how many ranks found a non-finite loss, how many a
+    non-finite gradient norm (with float16: or an inf/nan in their unscaled gradients), and the
+    loss scale the step used (1 without a scaler). Nothing is read to the host until
+    :meth:`result` (or :func:`read_results` for many steps, one synchronisation for all) is
+    called; the attributes of :class:`StepResult` read it on first use. ``min_scale``: the
+    float16 scaler's smallest scale (None without a scaler), which tells an overflow the scaler
+    handles (:data:`FP16_OVERFLOW`) from one it cannot (:data:`NONFINITE_GRAD_NORM`).
     """
-    m, p, split = config.model, config.parallel, config.pipeline
-    pp, rank, v = groups.pp.size, groups.pp.rank, split.virtual_stages
-    rng = DropoutRNG(
-        config.train.seed,
-        dp_rank=groups.dp.rank,
-        tp_rank=groups.tp.rank,
-        device=device,
-        sequence_parallel=p.sequence_parallel,
-        cp_rank=groups.cp.rank,
-        cp_size=groups.cp.size,
-        tp_size=groups.tp.size,
-    )
-    # cp: each rank computes its chunks of the sequence
-    chunks = [
-        GPTModel(
-            m,
-            groups.tp,
-            layer_ids=split.chunk_layer_ids(rank, c),
-            pre_process=rank == 0 and c == 0,
-            post_process=rank == pp - 1 and c == v - 1,
-            sequence_parallel=p.sequence_parallel,
-            rng=rng,
-            cp=groups.cp,
-            cp_comm_type=p.cp_comm_type,
+
+    def __init__(self, values: torch.Tensor, lr: float, min_scale: float | None = None) -> None:
+        self.values, self.lr, self.min_scale = values, lr, min_scale
+        self._result: StepResult | None = None
+
+    def result(self) -> StepResult:
+        """The step's :class:`StepResult` (reads ``values`` to the host once: a synchronisation)."""
+        if self._result is None:
+            return read_results([self])[0]
+        return self._result
+
+    def _resolve(self, row: list[float]) -> None:
+        loss, norm, bad_losses, bad_norms, scale = row
+        scaled = self.min_scale is not None
+        reason = None
+        if bad_losses or not math.isfinite(loss):
+            reason = NONFINITE_LOSS
+        elif bad_norms or not math.isfinite(norm):  # float16: halving the scale is the remedy, unless it can't
+            reason = FP16_OVERFLOW if self.min_scale is not None and scale > self.min_scale else NONFINITE_GRAD_NORM
+        self._result = StepResult(
+            loss=loss,
+            grad_norm=norm,
+            lr=self.lr,
+            skipped=reason is not None,
+            loss_scale=scale if scaled else None,
+            skip_reason=reason,
         )
-        for c in range(v)
-    ]
-    for chunk in chunks:  # each chunk by its global parameter names: the same weights on every layout
-        initialize_parameters(
-            chunk,
-            seed=config.train.seed,
-            std=m.init_method_std,
-            num_layers=m.num_layers,
-            tp_rank=groups.tp.rank,
-            tp_size=groups.tp.size,
-        )
-    model = chunks[0] if v == 1 else ModelChunks(chunks)
-    device = torch.device(device)
-    allow_tf32(device)
-    model.to(device)
-    zero3 = p.sharding_strategy == "optim_grads_params"  # parameters sharded too, gathered unit by unit
-    if m.compile:  # one graph per stage at tp = 1, else each layer's forward (collectives stay eager)
-        for chunk in chunks:
-            compile_stage(chunk, whole=not (p.overlap_param_gather or zero3))
-    grads, optimizer = _data_parallel(config, groups, chunks, model)
-    scaler = DynamicLossScaler(device=device) if m.params_dtype == "float16" else None
-    return Stage(config, groups, model, optimizer, grads, device, scaler, dropout_rng=rng)
+
+    loss = property(lambda self: self.result().loss)
+    grad_norm = property(lambda self: self.result().grad_norm)
+    skipped = property(lambda self: self.result().skipped)
+    skip_reason = property(lambda self: self.result().skip_reason)
+    loss_scale = property(lambda self: self.result().loss_scale)
+    nonfinite = property(lambda self: self.result().nonfinite)
 
 
-def _data_parallel(
-    config: Config, groups: ParallelGroups, chunks: list[GPTModel], model: GPTModel | ModelChunks
-) -> tuple[GradBuffer, torch.optim.Optimizer | MainParamsAdamW]:
-    """The stage's gradient buffer and optimizer for the run's data-parallel sharding strategy
-    (with ``optim_grads_params`` the parameters become shards gathered unit by unit)."""
-    m, p = config.model, config.parallel
-    zero3 = p.sharding_strategy == "optim_grads_params"  # parameters sharded too, gathered unit by unit
-    low_precision = DTYPES[m.params_dtype] in (torch.bfloat16, torch.float16)
-    tied = model.tied_embedding()
-    specs = sharding_units(chunks) if zero3 else []
-    grads = GradBuffer(
-        # reduced (and sharded) over the dp x cp ranks holding these parameters: summed over cp,
-        # averaged over dp (1/dp in the loss, or average_over=dp for float16)
-        [list(chunk.parameters()) for chunk in chunks],
-        dp=groups.dp_cp,
-        average_over=groups.dp.size,
-        grad_dtype=torch.float32 if low_precision else None,
-        bucket_size=p.ddp_bucket_size,
-        overlap=p.overlap_grad_reduce,
-        codec=p.grad_compression,
-        shard=p.use_distributed_optimizer,
-        deferred=(tied,) if tied is not None and groups.embedding.size > 1 else (),
-        # 1/dp folded into the loss, except for float16: its backward keeps the whole loss scale
-        # (dividing it by dp would let small float16 gradients underflow); its codecs divide
-        prescaled=m.params_dtype != "float16",
-        # ZeRO-2 and 3: only the shard between microbatches
-        shard_grads=p.sharding_strategy in ("optim_grads", "optim_grads_params"),
-        unit_of=unit_index(specs) if zero3 else None,  # ZeRO-3: a bucket never spans two units
-    )
-    if grads.grads_sharded:  # a bucket's memory is allocated when backward reaches its module's output
-        grads.watch(gradient_units(chunks))
-    if zero3:
-        units = ParamUnits(grads, specs, chunks, reshard_after_forward=p.reshard_after_forward)
-        optimizer = build_optimizer(model, config.train, grads, units=units)
-    else:
-        gather = param_gather_units(chunks) if p.overlap_param_gather else None
-        optimizer = build_optimizer(model, config.train, grads, param_gather_units=gather)
-    return grads, optimizer
+def read_results(steps: list[PendingStep]) -> list[StepResult]:
+    """The results of ``steps``, reading every one not read yet to the host with one
+    ``tolist()`` of their stacked values: one host synchronisation for all of them."""
+    return read_results_with(steps)[0]
 
 
-def allow_tf32(device: torch.device) -> None:
-    """On CUDA, let float32 matrix multiplications use TensorFloat-32 tensor cores
-    (``torch.set_float32_matmul_precision("high")``: inputs rounded to 10 explicit mantissa bits,
-    float32 accumulation and range; NVIDIA's A100/H100 datasheets give 8x the float32 rate). A
-    process-wide setting; bfloat16, float16 and float64 GEMMs are unaffected, and nothing changes
-    on the CPU (float64 equivalence tests run there)."""
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")
+@overload
+def read_results_with(steps: list[PendingStep], extra: torch.Tensor) -> tuple[list[StepResult], list[float]]: ...
+
+
+@overload
+def read_results_with(steps: list[PendingStep], extra: None = None) -> tuple[list[StepResult], None]: ...
+
+
+def read_results_with(
+    steps: list[PendingStep], extra: torch.Tensor | None = None
+) -> tuple[list[StepResult], list[float] | None]:
+    """:func:`read_results`, and the values of ``extra`` (a float64 ``[5]`` tensor on the steps'
+    device, e.g. values reduced over ranks at log time) read in the same ``tolist()``: still one
+    host synchronisation. Returns the results and ``extra``'s values (None without it)."""
+    unread = [step for step in steps if step._result is None]
+    values = [step.values for step in unread] + ([extra] if extra is not None else [])
+    rows = torch.stack(values).tolist() if values else []
+    for step, row in zip(unread, rows):
+        step._resolve(row)
+    return [step.result() for step in steps], (rows[-1] if extra is not None else None)
 
 
 def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tracer=None) -> PendingStep:
@@ -360,8 +289,3 @@ def _step_values(
     all_reduce(value, g.world, tag="metrics")
     scale = torch.ones((), dtype=torch.float64, device=stage.device) if scale is None else scale.to(torch.float64)
     return torch.stack([value[0] / (m * g.dp.size), norm.to(torch.float64), value[1], value[2], scale])
-
-
-def with_vocab(config: Config, vocab_size: int) -> Config:
-    """``config`` with the model's vocabulary set to the tokenizer's real size."""
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab_size))

@@ -5,5 +5,5 @@ launcher (``launch.py``) and what it reports when a worker fails (``postmortem.p
 (``worker.py``: the entry of launched workers and of ``torchrun -m ptdp.train``), its start-up
 (``distributed.py``), the loop (``trainer.py``), restarts (``restart.py``), metrics and traces
 (``metrics.py``, ``trace.py``), checkpoints (``checkpoint/``), measuring the machine for the
-planner (``calibration.py``, its fits ``calibration_fit.py``) and the planner-vs-measured report (``planner_report.py``).
+planner (``calibration.py``; its fits are :mod:`ptdp.planner.time.profile_fit`) and the planner-vs-measured report (``planner_report.py``).
 """

@@ -15,7 +15,7 @@ Python) the planner adds per layer and per output layer (``layer_overhead``, ``h
 The profile records how many cores the workers share: with more workers than cores the planner
 predicts the step as the machine's total busy time over its cores
 (:func:`ptdp.planner.time.step_time.core_shared_step`). The fits of the measurements are
-:mod:`ptdp.run.calibration_fit`.
+:mod:`ptdp.planner.time.profile_fit`.
 
 On GPUs every worker measures on its own device (the one :func:`ptdp.run.distributed.init_distributed`
 picks): tensors live there, times come from CUDA events around the repetitions (no host clock
@@ -44,7 +44,7 @@ from ptdp.config.model import ModelConfig
 from ptdp.engine import comm
 from ptdp.planner.time.flops import layer_gemms
 from ptdp.planner.time.profile import save_profile
-from ptdp.run.calibration_fit import build_profile
+from ptdp.planner.time.profile_fit import build_profile
 
 __all__ = [
     "PRECISION_DTYPES",

@@ -76,7 +76,7 @@ def prepare(config: Config, log=print) -> PreparedData:
             f"{ck.load} has a vocabulary of {loaded['model']['vocab_size']}: they must be equal"
         )
     if ck.load:
-        from ptdp.engine.step import with_vocab
+        from ptdp.engine.stage import with_vocab
         from ptdp.run.checkpoint.folders import precheck
 
         precheck(with_vocab(config, data.vocab_size))
@@ -173,7 +173,7 @@ def make_run_dir(path: Path, *, overwrite: bool, load: str | None = None) -> Pat
 
 def write_config(run_dir: Path, config: Config, data: PreparedData) -> None:
     """``config.json``: the resolved config (real vocabulary size) and the prepared data it used."""
-    from ptdp.engine.step import with_vocab
+    from ptdp.engine.stage import with_vocab
 
     record = with_vocab(config, data.vocab_size).to_dict()
     record["requested_vocab_size"] = config.model.vocab_size

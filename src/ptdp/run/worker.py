@@ -36,11 +36,10 @@ from ptdp.errors import ConfigError, DataError
 from ptdp.layout.grid import ParallelLayout
 from ptdp.run import rank_records
 from ptdp.run.distributed import env_world, init_distributed
-from ptdp.run.loop_events import TrainingError
 from ptdp.run.metrics import format_summary
 from ptdp.run.preflight import Roles, Share, check_request, prepare_run
 from ptdp.run.restart import check_torchrun_restarts, restart_count, resume_config
-from ptdp.run.trainer import train
+from ptdp.run.trainer import TrainingError, train
 
 #: Waiting for another rank to tokenize a large corpus may take much longer than a collective.
 DATA_PREPARATION_TIMEOUT = datetime.timedelta(hours=4)

@@ -1,0 +1,188 @@
+"""A pipeline stage of one rank: its model chunks built and initialised (layout-independently)
+for the resolved config, the gradient buffer of its data-parallel strategy, its optimizer and its
+pipeline programs (:class:`Stage`, :func:`build_stage`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ptdp.config.schema import Config
+from ptdp.engine.data_parallel.buffer import GradBuffer
+from ptdp.engine.data_parallel.loss_scale import DynamicLossScaler
+from ptdp.engine.data_parallel.units import (
+    ParamUnits,
+    gradient_units,
+    param_gather_units,
+    sharding_units,
+    unit_index,
+)
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.model.compile import compile_stage
+from ptdp.engine.model.gpt import DTYPES, GPTModel
+from ptdp.engine.model.model_chunks import ModelChunks
+from ptdp.engine.optim.adamw import MainParamsAdamW
+from ptdp.engine.optim.factory import build_optimizer
+from ptdp.engine.tensor_parallel.random import DropoutRNG
+from ptdp.engine.tensor_parallel.sharding import initialize_parameters
+
+
+@dataclass
+class Stage:
+    """Everything one rank needs to train its shard: model, optimizer, gradients, groups."""
+
+    config: Config
+    groups: ParallelGroups
+    model: GPTModel | ModelChunks
+    """One stage, or the v chunks of an interleaved rank."""
+    optimizer: torch.optim.Optimizer | MainParamsAdamW
+    grads: GradBuffer
+    device: torch.device
+    scaler: DynamicLossScaler | None = None
+    """Dynamic loss scaling, for float16 parameters only."""
+    dropout_rng: DropoutRNG | None = None
+    """This rank's dropout streams (shared by its model chunks; saved in checkpoints)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.config.model.params_dtype]
+
+    def wait_for_params(self) -> None:
+        """With ``overlap_param_gather``: finish every parameter all-gather still in flight, so the
+        parameters can be read outside a forward pass (the forward waits by itself); with
+        ``optim_grads_params``: gather every unit (freed again by its next forward or the next
+        optimizer step). Collective over the dp x cp group with sharded parameters."""
+        wait = getattr(self.optimizer, "wait_for_params", None)
+        if wait is not None:
+            wait()
+
+    def params_written(self) -> None:
+        """After parameters were written in place (a checkpoint loaded into them, following
+        :meth:`wait_for_params`): with ``optim_grads_params`` keep this rank's shard of them."""
+        units = getattr(self.optimizer, "units", None)
+        if units is not None:
+            units.take_shards()
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.config.pipeline.virtual_stages
+
+    @property
+    def hidden_shape(self) -> tuple[int, int, int]:
+        """Activations passed between stages, sequence-first: ``[s/cp, b, h]`` (a cp rank's two
+        chunks; ``[s, b, h]`` at cp = 1), ``[s/(cp tp), b, h]`` with sequence parallelism."""
+        m, t, p = self.config.model, self.config.train, self.config.parallel
+        rows = m.seq_length // (p.context_parallel_size * (p.tp if p.sequence_parallel else 1))
+        return (rows, t.micro_batch_size, m.hidden_size)
+
+
+def build_stage(config: Config, groups: ParallelGroups, device: torch.device | str = "cpu") -> Stage:
+    """Build, initialise (layout-independently, from ``config.train.seed``) and place this rank's stage.
+
+    ``config`` must be resolved (``ptdp.config.resolve``) and ``config.model.vocab_size`` the real
+    vocabulary size.
+    """
+    m, p, split = config.model, config.parallel, config.pipeline
+    pp, rank, v = groups.pp.size, groups.pp.rank, split.virtual_stages
+    rng = DropoutRNG(
+        config.train.seed,
+        dp_rank=groups.dp.rank,
+        tp_rank=groups.tp.rank,
+        device=device,
+        sequence_parallel=p.sequence_parallel,
+        cp_rank=groups.cp.rank,
+        cp_size=groups.cp.size,
+        tp_size=groups.tp.size,
+    )
+    # cp: each rank computes its chunks of the sequence
+    chunks = [
+        GPTModel(
+            m,
+            groups.tp,
+            layer_ids=split.chunk_layer_ids(rank, c),
+            pre_process=rank == 0 and c == 0,
+            post_process=rank == pp - 1 and c == v - 1,
+            sequence_parallel=p.sequence_parallel,
+            rng=rng,
+            cp=groups.cp,
+            cp_comm_type=p.cp_comm_type,
+        )
+        for c in range(v)
+    ]
+    for chunk in chunks:  # each chunk by its global parameter names: the same weights on every layout
+        initialize_parameters(
+            chunk,
+            seed=config.train.seed,
+            std=m.init_method_std,
+            num_layers=m.num_layers,
+            tp_rank=groups.tp.rank,
+            tp_size=groups.tp.size,
+        )
+    model = chunks[0] if v == 1 else ModelChunks(chunks)
+    device = torch.device(device)
+    allow_tf32(device)
+    model.to(device)
+    zero3 = p.sharding_strategy == "optim_grads_params"  # parameters sharded too, gathered unit by unit
+    if m.compile:  # one graph per stage at tp = 1, else each layer's forward (collectives stay eager)
+        for chunk in chunks:
+            compile_stage(chunk, whole=not (p.overlap_param_gather or zero3))
+    grads, optimizer = _data_parallel(config, groups, chunks, model)
+    scaler = DynamicLossScaler(device=device) if m.params_dtype == "float16" else None
+    return Stage(config, groups, model, optimizer, grads, device, scaler, dropout_rng=rng)
+
+
+def _data_parallel(
+    config: Config, groups: ParallelGroups, chunks: list[GPTModel], model: GPTModel | ModelChunks
+) -> tuple[GradBuffer, torch.optim.Optimizer | MainParamsAdamW]:
+    """The stage's gradient buffer and optimizer for the run's data-parallel sharding strategy
+    (with ``optim_grads_params`` the parameters become shards gathered unit by unit)."""
+    m, p = config.model, config.parallel
+    zero3 = p.sharding_strategy == "optim_grads_params"  # parameters sharded too, gathered unit by unit
+    low_precision = DTYPES[m.params_dtype] in (torch.bfloat16, torch.float16)
+    tied = model.tied_embedding()
+    specs = sharding_units(chunks) if zero3 else []
+    grads = GradBuffer(
+        # reduced (and sharded) over the dp x cp ranks holding these parameters: summed over cp,
+        # averaged over dp (1/dp in the loss, or average_over=dp for float16)
+        [list(chunk.parameters()) for chunk in chunks],
+        dp=groups.dp_cp,
+        average_over=groups.dp.size,
+        grad_dtype=torch.float32 if low_precision else None,
+        bucket_size=p.ddp_bucket_size,
+        overlap=p.overlap_grad_reduce,
+        codec=p.grad_compression,
+        shard=p.use_distributed_optimizer,
+        deferred=(tied,) if tied is not None and groups.embedding.size > 1 else (),
+        # 1/dp folded into the loss, except for float16: its backward keeps the whole loss scale
+        # (dividing it by dp would let small float16 gradients underflow); its codecs divide
+        prescaled=m.params_dtype != "float16",
+        # ZeRO-2 and 3: only the shard between microbatches
+        shard_grads=p.sharding_strategy in ("optim_grads", "optim_grads_params"),
+        unit_of=unit_index(specs) if zero3 else None,  # ZeRO-3: a bucket never spans two units
+    )
+    if grads.grads_sharded:  # a bucket's memory is allocated when backward reaches its module's output
+        grads.watch(gradient_units(chunks))
+    if zero3:
+        units = ParamUnits(grads, specs, chunks, reshard_after_forward=p.reshard_after_forward)
+        optimizer = build_optimizer(model, config.train, grads, units=units)
+    else:
+        gather = param_gather_units(chunks) if p.overlap_param_gather else None
+        optimizer = build_optimizer(model, config.train, grads, param_gather_units=gather)
+    return grads, optimizer
+
+
+def allow_tf32(device: torch.device) -> None:
+    """On CUDA, let float32 matrix multiplications use TensorFloat-32 tensor cores
+    (``torch.set_float32_matmul_precision("high")``: inputs rounded to 10 explicit mantissa bits,
+    float32 accumulation and range; NVIDIA's A100/H100 datasheets give 8x the float32 rate). A
+    process-wide setting; bfloat16, float16 and float64 GEMMs are unaffected, and nothing changes
+    on the CPU (float64 equivalence tests run there)."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+
+
+def with_vocab(config: Config, vocab_size: int) -> Config:
+    """``config`` with the model's vocabulary set to the tokenizer's real size."""
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab_size))
