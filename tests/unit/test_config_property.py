@@ -189,10 +189,10 @@ def planner_requests(draw) -> tuple[ModelConfig, int, int, Fixed]:
         untie_embeddings_and_output_weights=not draw(st.booleans()),
     )
     fixed = Fixed(
-        tp=draw(st.none() | st.sampled_from([1, 2, 4])),
-        pp=draw(st.none() | st.sampled_from([1, 2, 3, 4])),
+        tensor_model_parallel_size=draw(st.none() | st.sampled_from([1, 2, 4])),
+        pipeline_model_parallel_size=draw(st.none() | st.sampled_from([1, 2, 3, 4])),
         micro_batch_size=draw(st.none() | st.sampled_from([1, 2, 4])),
-        layers_per_virtual_stage=draw(st.none() | st.integers(1, 3)),
+        num_layers_per_virtual_pipeline_stage=draw(st.none() | st.integers(1, 3)),
     )
     return model, draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16])), draw(st.integers(1, 48)), fixed
 
@@ -200,7 +200,7 @@ def planner_requests(draw) -> tuple[ModelConfig, int, int, Fixed]:
 def config_of(model: ModelConfig, layout: Candidate, fixed: Fixed) -> Config:
     """The ``ptdp train`` request with the flags of ``ptdp plan`` (``fixed``) for a layout it lists."""
     v = layout.virtual_stages
-    per_chunk = fixed.layers_per_virtual_stage or (model.num_layers // (layout.pp * v) if v > 1 else None)
+    per_chunk = fixed.num_layers_per_virtual_pipeline_stage or (model.num_layers // (layout.pp * v) if v > 1 else None)
     options = dict(split_options(layout.layer_split, v))  # the split's flags, as the report prints them
     options.setdefault("num_layers_per_virtual_pipeline_stage", per_chunk)
     return Config(
@@ -251,13 +251,19 @@ def test_planner_keeps_the_interleaved_rules_of_the_virtual_stage_flag():
     gives one chunk per stage, so ``ptdp plan`` applies that schedule's rules as ``ptdp train`` does
     (found by the property above: the planner listed pp = 1 and m % pp != 0 layouts)."""
     model = gpt(4, 32, 4, vocab_size=300, seq_length=16)
-    alone = search(model, Cluster(GPU, 1, gpus_per_node=1), 2, fixed=Fixed(layers_per_virtual_stage=2))
+    alone = search(model, Cluster(GPU, 1, gpus_per_node=1), 2, fixed=Fixed(num_layers_per_virtual_pipeline_stage=2))
     assert not alone.plans and "needs pipeline_model_parallel_size >= 2, got 1" in alone.rejected[0][0].reasons[0]
     odd = search(
-        model, Cluster(GPU, 2, gpus_per_node=2), 3, fixed=Fixed(pp=2, micro_batch_size=1, layers_per_virtual_stage=2)
+        model,
+        Cluster(GPU, 2, gpus_per_node=2),
+        3,
+        fixed=Fixed(pipeline_model_parallel_size=2, micro_batch_size=1, num_layers_per_virtual_pipeline_stage=2),
     )
     assert not odd.plans and "needs num_microbatches % pp == 0: num_microbatches=3" in odd.rejected[0][0].reasons[0]
     even = search(
-        model, Cluster(GPU, 2, gpus_per_node=2), 4, fixed=Fixed(pp=2, micro_batch_size=1, layers_per_virtual_stage=2)
+        model,
+        Cluster(GPU, 2, gpus_per_node=2),
+        4,
+        fixed=Fixed(pipeline_model_parallel_size=2, micro_batch_size=1, num_layers_per_virtual_pipeline_stage=2),
     )
     assert even.plans and {p.layout.virtual_stages for p in even.plans} == {1}

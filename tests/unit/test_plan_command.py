@@ -100,9 +100,16 @@ def test_selective_recompute_with_flash_attention_is_planned_as_none():
     from ptdp.planner.search.layouts import Fixed, search
 
     cluster = Cluster(CATALOG["h100-sxm"], 8)
-    fixed = dict(tp=2, pp=1, dp=4, micro_batch_size=1, sequence_parallel=True, sharding="optim")
+    fixed = dict(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=1,
+        data_parallel_size=4,
+        micro_batch_size=1,
+        sequence_parallel=True,
+        data_parallel_sharding_strategy="optim",
+    )
     plans = [
-        search(PRESETS["llama2-7b"], cluster, 64, fixed=Fixed(**fixed, recompute=r)).plans[0]
+        search(PRESETS["llama2-7b"], cluster, 64, fixed=Fixed(**fixed, recompute_granularity=r)).plans[0]
         for r in ("selective", "none")
     ]
     assert plans[0].need_memory() == plans[1].need_memory() and plans[0].need_time() == plans[1].need_time()

@@ -240,7 +240,17 @@ def test_search_uses_cp_for_long_sequences_only():
     result = search(model, cluster, 16)
     assert result.plans and all(p.layout.cp > 1 for p in result.plans[:10])
     assert all(131072 // p.layout.cp >= 1024 and 131072 % (2 * p.layout.cp) == 0 for p in result.plans)
-    fixed = search(model, cluster, 16, fixed=Fixed(tp=8, cp=16, pp=16, layer_split=(7,) + (8,) * 14 + (7,)))
+    fixed = search(
+        model,
+        cluster,
+        16,
+        fixed=Fixed(
+            tensor_model_parallel_size=8,
+            context_parallel_size=16,
+            pipeline_model_parallel_size=16,
+            pipeline_layer_split=(7,) + (8,) * 14 + (7,),
+        ),
+    )
     assert fixed.plans and all(p.layout.cp == 16 and p.layout.dp == 8 for p in fixed.plans)
     short = search(dataclasses.replace(model, seq_length=4096), Cluster(get_gpu("h100-sxm"), 2048, 8), 512)
     assert short.plans and {p.layout.cp for p in short.plans + [pl for pl, _ in short.rejected]} == {1}
@@ -252,7 +262,9 @@ def test_search_stops_at_the_first_sharded_strategy_that_fits():
     sharded gradient traffic."""
     model = get_model("llama3-8b")
     cluster = Cluster(get_gpu("h100-sxm"), 64, 8)
-    result = search(model, cluster, 256, fixed=Fixed(micro_batch_size=1, recompute="none", sequence_parallel=True))
+    result = search(
+        model, cluster, 256, fixed=Fixed(micro_batch_size=1, recompute_granularity="none", sequence_parallel=True)
+    )
     order = ("no_shard", "optim", "optim_grads", "optim_grads_params")
     seen = {}
     for plan in result.plans:

@@ -137,7 +137,14 @@ def test_search_evaluates_chunk_by_chunk_optim_grads_beside_optim():
         model,
         cluster,
         32,
-        fixed=Fixed(tp=2, pp=4, micro_batch_size=1, virtual_stages=2, recompute="none", sequence_parallel=True),
+        fixed=Fixed(
+            tensor_model_parallel_size=2,
+            pipeline_model_parallel_size=4,
+            micro_batch_size=1,
+            virtual_pipeline_model_parallel_size=2,
+            recompute_granularity="none",
+            sequence_parallel=True,
+        ),
     )
     strategies = {p.layout.sharding_strategy for p in result.plans if p.layout.num_microbatches == 4}
     assert {"optim", "optim_grads"} <= strategies

@@ -116,7 +116,17 @@ def test_plan_flag_and_defaults(argv, gpu, flash):
 
 def test_search_does_not_list_selective_twice_with_flash():
     model = get_model("llama3-8b")
-    result = search(model, Cluster(CATALOG["h100-sxm"], 8), 64, fixed=Fixed(tp=2, pp=1))
+    result = search(
+        model,
+        Cluster(CATALOG["h100-sxm"], 8),
+        64,
+        fixed=Fixed(tensor_model_parallel_size=2, pipeline_model_parallel_size=1),
+    )
     assert result.plans and all(p.layout.recompute != "selective" for p in result.plans)
-    fixed = search(model, Cluster(CATALOG["h100-sxm"], 8), 64, fixed=Fixed(tp=2, pp=1, recompute="selective"))
+    fixed = search(
+        model,
+        Cluster(CATALOG["h100-sxm"], 8),
+        64,
+        fixed=Fixed(tensor_model_parallel_size=2, pipeline_model_parallel_size=1, recompute_granularity="selective"),
+    )
     assert fixed.plans and {p.layout.recompute for p in fixed.plans} == {"selective"}

@@ -99,14 +99,14 @@ def test_memory_rejection_says_by_how_much():
 
 def test_fixed_choices_evaluate_one_layout():
     fixed = Fixed(
-        tp=8,
-        pp=8,
-        dp=16,
+        tensor_model_parallel_size=8,
+        pipeline_model_parallel_size=8,
+        data_parallel_size=16,
         micro_batch_size=1,
-        virtual_stages=3,
-        recompute="selective",
+        virtual_pipeline_model_parallel_size=3,
+        recompute_granularity="selective",
         sequence_parallel=True,
-        distributed_optimizer=False,
+        use_distributed_optimizer=False,
     )
     result = search(PRESETS["gpt3-175b"], Cluster(A100, 1024), 1536, fixed=fixed)
     assert [p.layout for p in result.plans] == [Candidate.of(8, 8, 16, 1, 1536, 3, "selective", True, False)]
@@ -114,7 +114,12 @@ def test_fixed_choices_evaluate_one_layout():
         PRESETS["gpt3-175b"],
         Cluster(A100, 1024),
         1536,
-        fixed=Fixed(tp=8, pp=8, micro_batch_size=1, layers_per_virtual_stage=4),
+        fixed=Fixed(
+            tensor_model_parallel_size=8,
+            pipeline_model_parallel_size=8,
+            micro_batch_size=1,
+            num_layers_per_virtual_pipeline_stage=4,
+        ),
     )
     assert {p.layout.virtual_stages for p in by_chunk.plans} == {3}
 
@@ -149,7 +154,7 @@ def test_tensor_parallel_groups_never_straddle_nodes():
     from ptdp.planner.inputs.models import gpt
 
     model = gpt(24, 3072, 24)
-    result = search(model, Cluster(A100, 24), 96, fixed=Fixed(tp=6))
+    result = search(model, Cluster(A100, 24), 96, fixed=Fixed(tensor_model_parallel_size=6))
     assert not result.plans
     assert any("tp=6 does not divide the 8 GPUs of a node" in p.reasons[0] for p, _ in result.rejected)
     assert all(8 % p.layout.tp == 0 for p in search(model, Cluster(A100, 24), 96).plans)
@@ -166,16 +171,20 @@ def test_explicit_uneven_layer_split_is_planned():
     model = get_model("llama3-405b")  # 126 layers: no even split over 16 stages
     split = (7,) + (8,) * 14 + (7,)
     cluster = Cluster(CATALOG["a100-80gb"], 2048, 8)
-    result = search(model, cluster, 2048, fixed=Fixed(tp=8, layer_split=split))
+    result = search(model, cluster, 2048, fixed=Fixed(tensor_model_parallel_size=8, pipeline_layer_split=split))
     assert result.plans
     for plan in result.plans:
         assert plan.layout.pp == 16 and plan.layout.virtual_stages == 1 and plan.layout.layer_split == split
         assert plan.memory == memory_breakdown(model, plan.layout, cluster.gpu, layer_split=split)
         assert plan.to_json()["layer_split"] == split
-    searched = search(model, cluster, 2048, fixed=Fixed(tp=8, pp=16))  # the search picks Llama 3's own split
+    searched = search(
+        model, cluster, 2048, fixed=Fixed(tensor_model_parallel_size=8, pipeline_model_parallel_size=16)
+    )  # the search picks Llama 3's own split
     assert searched.plans and all(p.layout.layer_split == split for p in searched.plans)
     assert all(r.rule != "layers % pp" for _, r in searched.rejected)
-    bad = search(get_model("gpt-1.7b"), Cluster(CATALOG["a100-80gb"], 8, 8), 64, fixed=Fixed(layer_split=(5, 7, 7, 4)))
+    bad = search(
+        get_model("gpt-1.7b"), Cluster(CATALOG["a100-80gb"], 8, 8), 64, fixed=Fixed(pipeline_layer_split=(5, 7, 7, 4))
+    )
     assert not bad.plans
     assert all("summing to num_layers=24 (sum is 23)" in p.reasons[0] for p, _ in bad.rejected)
 

@@ -147,10 +147,22 @@ def test_uneven_pipeline_sizes_share_one_note():
 
 def test_search_picks_llama3_405b_split_and_notes_interleaving():
     model = get_model("llama3-405b")
-    result = search(model, Cluster(H100, 2048), 2048, fixed=Fixed(tp=8, pp=16))
+    result = search(
+        model, Cluster(H100, 2048), 2048, fixed=Fixed(tensor_model_parallel_size=8, pipeline_model_parallel_size=16)
+    )
     assert result.plans and {p.layout.layer_split for p in result.plans} == {LLAMA3_405B_SPLIT}
     assert any("126 layers do not split evenly over pp = 16 stages" in n and "interleaved" in n for n in result.notes)
-    fixed = search(model, Cluster(H100, 2048), 2048, fixed=Fixed(tp=8, pp=16, first_layers=6, last_layers=8))
+    fixed = search(
+        model,
+        Cluster(H100, 2048),
+        2048,
+        fixed=Fixed(
+            tensor_model_parallel_size=8,
+            pipeline_model_parallel_size=16,
+            decoder_first_pipeline_num_layers=6,
+            decoder_last_pipeline_num_layers=8,
+        ),
+    )
     assert {p.layout.layer_split for p in fixed.plans + [p for p, _ in fixed.rejected]} == {(6,) + (8,) * 15}
 
 
@@ -159,7 +171,12 @@ def test_even_split_kept_unless_an_uneven_one_is_needed_to_fit():
     loss side) is lighter than any 13-layer middle stage, so a layout keeps the even split unless
     that does not fit (then 9, 13 x 6, 9 takes memory off the first stage)."""
     model, cluster = get_model("gpt3-175b"), Cluster(A100, 1024)
-    result = search(model, cluster, 1536, fixed=Fixed(tp=8, pp=8, dp=16))
+    result = search(
+        model,
+        cluster,
+        1536,
+        fixed=Fixed(tensor_model_parallel_size=8, pipeline_model_parallel_size=8, data_parallel_size=16),
+    )
     assert result.plans[0].layout.layer_split is None
     uneven = [p for p in result.plans if p.layout.layer_split is not None]
     assert uneven and all(p.layout.layer_split == (9,) + (13,) * 6 + (9,) for p in uneven)
@@ -226,7 +243,9 @@ def test_every_searched_split_runs_in_ptdp_train():
     rules (every plan can run), interleaved ones included (plans with context parallelism, which
     ptdp train does not run yet, left out)."""
     model = get_model("llama3-405b")
-    result = search(model, Cluster(H100, 16384), 2048, fixed=Fixed(tp=8, pp=16))
+    result = search(
+        model, Cluster(H100, 16384), 2048, fixed=Fixed(tensor_model_parallel_size=8, pipeline_model_parallel_size=16)
+    )
     config = ModelConfig(
         num_layers=126,
         hidden_size=16384,

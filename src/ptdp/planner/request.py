@@ -141,9 +141,9 @@ def _apply_topology(gpu, args: argparse.Namespace):
     return gpu, notes
 
 
-def _sharding(args: argparse.Namespace) -> str | None:
-    """--data-parallel-sharding-strategy, or optim / no_shard for --use-distributed-optimizer /
-    --no-use-distributed-optimizer; ConfigError when they contradict; None: searched."""
+def fixed_from_args(args: argparse.Namespace) -> Fixed:
+    """The settings the flags fix (each :class:`Fixed` field is a flag's destination). ConfigError
+    when --data-parallel-sharding-strategy contradicts --use-distributed-optimizer."""
     strategy, dopt = args.data_parallel_sharding_strategy, args.use_distributed_optimizer
     if strategy is not None and dopt is not None and dopt != (strategy != "no_shard"):
         raise ConfigError(
@@ -151,33 +151,7 @@ def _sharding(args: argparse.Namespace) -> str | None:
             f"--{'' if dopt else 'no-'}use-distributed-optimizer (which means "
             f"{'optim' if dopt else 'no_shard'}): give one"
         )
-    if strategy is None and dopt is not None:
-        return "optim" if dopt else "no_shard"
-    return strategy
-
-
-def fixed_from_args(args: argparse.Namespace) -> Fixed:
-    return Fixed(
-        tp=args.tensor_model_parallel_size,
-        pp=args.pipeline_model_parallel_size,
-        dp=args.data_parallel_size,
-        micro_batch_size=args.micro_batch_size,
-        virtual_stages=args.virtual_pipeline_model_parallel_size,
-        layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
-        recompute=args.recompute_granularity,
-        sequence_parallel=args.sequence_parallel,
-        distributed_optimizer=args.use_distributed_optimizer,
-        cp=args.context_parallel_size,
-        sharding=_sharding(args),
-        cp_comm_type=args.cp_comm_type,
-        layer_split=args.pipeline_layer_split,
-        first_layers=args.decoder_first_pipeline_num_layers,
-        last_layers=args.decoder_last_pipeline_num_layers,
-        accounting=_accounting(args),
-        ddp_bucket_size=args.ddp_bucket_size,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        reshard_after_forward=args.reshard_after_forward,
-    )
+    return Fixed(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Fixed)})
 
 
 def _counted_chunks_as_v(fixed: Fixed, num_layers: int) -> Fixed:
@@ -185,18 +159,14 @@ def _counted_chunks_as_v(fixed: Fixed, num_layers: int) -> Fixed:
     ``--num-layers-per-virtual-pipeline-stage N`` means ``v = (layers + counted) / (pp N)``, as
     ``ptdp train`` reads it (the flags the report prints can be given back); ``fixed`` unchanged
     otherwise."""
-    counted, per_chunk, pp = fixed.accounting, fixed.layers_per_virtual_stage, fixed.pp
-    if counted and any(counted) and per_chunk and pp and fixed.virtual_stages is None:
+    counted, per_chunk, pp = fixed.accounting, fixed.num_layers_per_virtual_pipeline_stage, fixed.pp
+    if counted and any(counted) and per_chunk and pp and fixed.virtual_pipeline_model_parallel_size is None:
         if (num_layers + sum(counted)) % (pp * per_chunk) == 0:
             v = virtual_stages(num_layers, pp, per_chunk, sum(counted))
-            return dataclasses.replace(fixed, virtual_stages=v, layers_per_virtual_stage=None)
+            return dataclasses.replace(
+                fixed, virtual_pipeline_model_parallel_size=v, num_layers_per_virtual_pipeline_stage=None
+            )
     return fixed
-
-
-def _accounting(args: argparse.Namespace) -> tuple[bool, bool] | None:
-    """(embedding, loss) counted as layers of the pipeline split, when either flag is given."""
-    given = (args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split)
-    return None if given == (None, None) else (bool(given[0]), bool(given[1]))
 
 
 def _explanation(result: SearchResult, free: SearchResult | None) -> list[str]:

@@ -12,6 +12,7 @@ from ptdp.config.rules.shape import heads_violations
 from ptdp.errors import ConfigError
 from ptdp.layout.pipeline.partition import layer_split
 from ptdp.planner.inputs.hardware import Cluster
+from ptdp.planner.search.layouts import Fixed
 from ptdp.planner.search.rules import context_rejections, kv_head_rejections
 
 
@@ -43,10 +44,12 @@ def check_model(model: ModelConfig) -> None:
         raise ConfigError("invalid model:\n  " + "\n  ".join(errors))
 
 
-def check_request(cluster: Cluster, global_batch_size: int, fixed, *, top: int, overhead_bytes: float | None) -> None:
+def check_request(
+    cluster: Cluster, global_batch_size: int, fixed: Fixed, *, top: int, overhead_bytes: float | None
+) -> None:
     """Positive sizes, and fixed tp/cp/pp/dp that can make up the cluster's GPU count."""
     n = cluster.num_gpus
-    cp = getattr(fixed, "cp", None)
+    cp = fixed.cp
     given = {
         "global_batch_size": global_batch_size,
         "top": top,
@@ -55,19 +58,21 @@ def check_request(cluster: Cluster, global_batch_size: int, fixed, *, top: int, 
         "pp": fixed.pp,
         "dp": fixed.dp,
         "micro_batch_size": fixed.micro_batch_size,
-        "virtual_pipeline_stages": fixed.virtual_stages,
-        "num_layers_per_virtual_pipeline_stage": fixed.layers_per_virtual_stage,
-        "ddp_bucket_size": getattr(fixed, "ddp_bucket_size", None),
+        "virtual_pipeline_stages": fixed.virtual_pipeline_model_parallel_size,
+        "num_layers_per_virtual_pipeline_stage": fixed.num_layers_per_virtual_pipeline_stage,
+        "ddp_bucket_size": fixed.ddp_bucket_size,
     }
     errors = [
         f"{name}={value} must be a positive integer" for name, value in given.items() if value is not None and value < 1
     ]
     if overhead_bytes is not None and not (math.isfinite(overhead_bytes) and overhead_bytes >= 0):
         errors.append(f"memory overhead {overhead_bytes / 2**30:g} GiB must be a finite number >= 0")
-    split = getattr(fixed, "layer_split", None)
+    split = fixed.pipeline_layer_split
     if split is not None and fixed.pp is not None and fixed.pp != len(split):
         errors.append(f"--pipeline-layer-split {','.join(map(str, split))} has {len(split)} stages but --pp {fixed.pp}")
-    if split is not None and (fixed.virtual_stages or fixed.layers_per_virtual_stage):
+    if split is not None and (
+        fixed.virtual_pipeline_model_parallel_size or fixed.num_layers_per_virtual_pipeline_stage
+    ):
         errors.append(
             "--pipeline-layer-split cannot be combined with virtual pipeline stages (--virtual-pipeline-stages, "
             "--num-layers-per-virtual-pipeline-stage)"
@@ -95,12 +100,12 @@ def check_request(cluster: Cluster, global_batch_size: int, fixed, *, top: int, 
         raise ConfigError("invalid plan request:\n  " + "\n  ".join(errors))
 
 
-def check_stage_layers(num_layers: int, fixed) -> None:
+def check_stage_layers(num_layers: int, fixed: Fixed) -> None:
     """Fixed first/last pipeline stage layer counts (``--decoder-first/last-pipeline-num-layers``):
     not with ``--pipeline-layer-split`` nor interleaving, each >= 1, and with a fixed pp they must
     split ``num_layers`` (:func:`ptdp.config.first_last_split`). Raises ``ConfigError`` naming them."""
-    first, last = fixed.first_layers, fixed.last_layers
-    counted = getattr(fixed, "accounting", None)
+    first, last = fixed.decoder_first_pipeline_num_layers, fixed.decoder_last_pipeline_num_layers
+    counted = fixed.accounting
     if counted is not None and any(counted):
         _check_accounting(num_layers, fixed, counted)
     if first is None and last is None:
@@ -108,27 +113,27 @@ def check_stage_layers(num_layers: int, fixed) -> None:
     given = " / ".join(
         f"decoder_{k}_pipeline_num_layers={n}" for k, n in (("first", first), ("last", last)) if n is not None
     )
-    if fixed.virtual_stages or fixed.layers_per_virtual_stage:
+    if fixed.virtual_pipeline_model_parallel_size or fixed.num_layers_per_virtual_pipeline_stage:
         raise ConfigError(
             f"invalid plan request:\n  {given} cannot be combined with virtual pipeline stages (ptdp's "
             f"interleaved schedule gives every model chunk num_layers / (pp * v) layers)"
         )
-    pp = len(fixed.layer_split) if fixed.layer_split is not None else fixed.pp
+    pp = len(fixed.pipeline_layer_split) if fixed.pipeline_layer_split is not None else fixed.pp
     try:
-        if fixed.layer_split is not None or pp is not None:
-            layer_split(num_layers, pp, fixed.layer_split, first, last)
+        if pp is not None:  # given, or the split's length
+            layer_split(num_layers, pp, fixed.pipeline_layer_split, first, last)
         elif any(n is not None and n < 1 for n in (first, last)):
             raise ConfigError(f"{given}: each must be an integer >= 1 (layers on that stage)")
     except ConfigError as e:
         raise ConfigError(f"invalid plan request:\n  {e}") from None
 
 
-def _check_accounting(num_layers: int, fixed, counted: tuple[bool, bool]) -> None:
+def _check_accounting(num_layers: int, fixed: Fixed, counted: tuple[bool, bool]) -> None:
     """The embedding / loss counted as layers: not with the explicit split flags, v given as
     ``--virtual-pipeline-stages`` (or searched), and with a fixed pp a split that exists."""
-    pp = len(fixed.layer_split) if fixed.layer_split is not None else fixed.pp
+    pp = len(fixed.pipeline_layer_split) if fixed.pipeline_layer_split is not None else fixed.pp
     try:
-        if fixed.layers_per_virtual_stage:
+        if fixed.num_layers_per_virtual_pipeline_stage:
             raise ConfigError(
                 "with account_for_embedding/loss_in_pipeline_split give ptdp plan v as "
                 "--virtual-pipeline-stages V (or leave it to the search), not "
@@ -137,28 +142,28 @@ def _check_accounting(num_layers: int, fixed, counted: tuple[bool, bool]) -> Non
         layer_split(
             num_layers,
             pp or 1,
-            fixed.layer_split,
-            fixed.first_layers,
-            fixed.last_layers,
+            fixed.pipeline_layer_split,
+            fixed.decoder_first_pipeline_num_layers,
+            fixed.decoder_last_pipeline_num_layers,
             embedding=counted[0],
             loss=counted[1],
-            v=fixed.virtual_stages or 1,
+            v=fixed.virtual_pipeline_model_parallel_size or 1,
         )
     except ConfigError as e:
         if pp is not None or "cannot be combined" in str(e) or "virtual-pipeline" in str(e):
             raise ConfigError(f"invalid plan request:\n  {e}") from None
 
 
-def ineffective_flag_notes(model: ModelConfig, fixed) -> list[str]:
+def ineffective_flag_notes(model: ModelConfig, fixed: Fixed) -> list[str]:
     """Notes on flags given that change nothing in the plan, each saying why: ``--cp-comm-type``
     with ``--cp 1`` and ``--recompute-granularity selective`` with flash attention."""
     notes = []
-    if getattr(fixed, "cp", None) == 1 and getattr(fixed, "cp_comm_type", None) is not None:
+    if fixed.cp == 1 and fixed.cp_comm_type is not None:
         notes.append(
             f"note: --cp-comm-type {fixed.cp_comm_type} changes nothing with --cp 1: without context "
             "parallelism no keys and values are exchanged"
         )
-    if fixed.recompute == "selective" and model.flash_attention:
+    if fixed.recompute_granularity == "selective" and model.flash_attention:
         notes.append(
             "note: --recompute-granularity selective changes nothing with flash attention: the kernel "
             "keeps no s x s attention scores, so recomputing the attention core saves no memory (planned "
@@ -177,14 +182,14 @@ def check_output_path(path: str, flag: str, suffixes: tuple[str, ...] = ()) -> N
         raise ConfigError(f"{flag} {path}: use one of {', '.join(suffixes)}")
 
 
-def check_fixed_choices(model: ModelConfig, global_batch_size: int, fixed) -> None:
+def check_fixed_choices(model: ModelConfig, global_batch_size: int, fixed: Fixed) -> None:
     """Fixed choices that no layout can satisfy, whatever the search tries, are a bad request
     (exit 2) rather than "no layout fits": a fixed tp that does not divide the attention heads or
     the key/value heads, a fixed cp whose ``2 cp`` chunks do not divide the sequence (the rules
     every layout is checked by), a fixed micro batch that does not divide the global batch. Raises
     ``ConfigError`` naming the numbers."""
     errors = []
-    tp, cp, b = fixed.tp, getattr(fixed, "cp", None), fixed.micro_batch_size
+    tp, cp, b = fixed.tp, fixed.cp, fixed.micro_batch_size
     if tp is not None:
         heads = heads_violations(model.num_attention_heads, tp)
         errors += [v.message for v in heads] or [r.message for r in kv_head_rejections(model, tp)]

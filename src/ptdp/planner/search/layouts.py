@@ -58,42 +58,65 @@ CP_MIN_LOCAL_TOKENS = 1024
 
 @dataclass(frozen=True)
 class Fixed:
-    """Choices the user fixed; None means "search it"."""
+    """The settings of a ``ptdp plan`` request the user fixed, by their schema names (the fields of
+    :class:`~ptdp.config.parallel.ParallelConfig`, ``micro_batch_size`` and
+    ``recompute_granularity``); None means "search it" (or, for the data-parallel engine's options,
+    ``ptdp train``'s default)."""
 
-    tp: int | None = None
-    pp: int | None = None
-    dp: int | None = None
+    tensor_model_parallel_size: int | None = None
+    pipeline_model_parallel_size: int | None = None
+    data_parallel_size: int | None = None
+    context_parallel_size: int | None = None
     micro_batch_size: int | None = None
-    virtual_stages: int | None = None
-    layers_per_virtual_stage: int | None = None
-    """Megatron's --num-layers-per-virtual-pipeline-stage: v = num_layers / (pp * this)."""
-    recompute: str | None = None
+    virtual_pipeline_model_parallel_size: int | None = None
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    recompute_granularity: str | None = None
     sequence_parallel: bool | None = None
-    distributed_optimizer: bool | None = None
-    """--use-distributed-optimizer: True means sharding ``optim``, False ``no_shard`` (``sharding`` wins)."""
-    cp: int | None = None
-    """--context-parallel-size."""
-    sharding: str | None = None
-    """--data-parallel-sharding-strategy."""
+    use_distributed_optimizer: bool | None = None
+    data_parallel_sharding_strategy: str | None = None
     cp_comm_type: str | None = None
-    """--cp-comm-type (None: p2p, not searched)."""
-    layer_split: tuple[int, ...] | None = None
-    """Megatron-style explicit layers per pipeline stage (--pipeline-layer-split): fixes pp and v = 1."""
-    first_layers: int | None = None
-    """--decoder-first-pipeline-num-layers: the first stage's layers (v = 1; the other stages split
-    the rest evenly). With ``last_layers`` None too, the search picks the split itself."""
-    last_layers: int | None = None
-    """--decoder-last-pipeline-num-layers: the last stage's layers."""
-    accounting: tuple[bool, bool] | None = None
-    """(embedding, loss) counted as layers of the split (--account-for-embedding/loss-in-pipeline-split):
-    with one True only such splits are planned (v = 1 and interleaved); both False: none of them;
-    None: searched."""
+    pipeline_layer_split: tuple[int, ...] | None = None
+    """Explicit layers per pipeline stage: fixes pp and v = 1."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """The first stage's layers (v = 1; the other stages split the rest evenly). With the last
+    stage's None too, the search picks the split itself."""
+    decoder_last_pipeline_num_layers: int | None = None
+    account_for_embedding_in_pipeline_split: bool | None = None
+    account_for_loss_in_pipeline_split: bool | None = None
     ddp_bucket_size: int | None = None
-    """--ddp-bucket-size (None: 40 M elements; not searched)."""
     overlap_grad_reduce: bool | None = None
-    """--overlap-grad-reduce (None: on, ptdp train's default; not searched)."""
     reshard_after_forward: bool | None = None
-    """--reshard-after-forward (None: on, ptdp train's default; not searched; optim_grads_params only)."""
+
+    @property
+    def tp(self) -> int | None:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int | None:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def dp(self) -> int | None:
+        return self.data_parallel_size
+
+    @property
+    def cp(self) -> int | None:
+        return self.context_parallel_size
+
+    @property
+    def sharding_strategy(self) -> str | None:
+        """The sharding strategy fixed: the strategy, else ``optim`` / ``no_shard`` for
+        ``use_distributed_optimizer`` True / False, else None (searched)."""
+        if self.data_parallel_sharding_strategy is not None or self.use_distributed_optimizer is None:
+            return self.data_parallel_sharding_strategy
+        return "optim" if self.use_distributed_optimizer else "no_shard"
+
+    @property
+    def accounting(self) -> tuple[bool, bool] | None:
+        """(embedding, loss) counted as layers of the split: with one True only such splits are
+        planned (v = 1 and interleaved); both False: none of them; None (neither given): searched."""
+        given = (self.account_for_embedding_in_pipeline_split, self.account_for_loss_in_pipeline_split)
+        return None if given == (None, None) else (bool(given[0]), bool(given[1]))
 
 
 @dataclass
@@ -176,7 +199,7 @@ def search(
 def _search_cp(model, cluster, big_b, fixed, precision, constants, overhead, result, *, cps) -> None:
     """Every tp x cp x pp x dp layout with cp in ``cps`` (tp, then cp inside the node next to it)."""
     n = cluster.num_gpus
-    fixed_pp = len(fixed.layer_split) if fixed.layer_split is not None else fixed.pp
+    fixed_pp = len(fixed.pipeline_layer_split) if fixed.pipeline_layer_split is not None else fixed.pp
     for tp in _options(fixed.tp, divisors(n)):
         for cp in cps:
             if n % (tp * cp):
@@ -215,10 +238,16 @@ def _fixed_split(num_layers: int, pp: int, fixed: Fixed) -> tuple[tuple[int, ...
             return accounted_split(num_layers, pp, embedding=fixed.accounting[0], loss=fixed.accounting[1]), False, ()
         except ConfigError as e:
             return None, False, (Violation("layers % pp", str(e)),)
-    if fixed.first_layers is None and fixed.last_layers is None:
-        return fixed.layer_split, fixed.layer_split is None and pp > 1, ()
+    if fixed.decoder_first_pipeline_num_layers is None and fixed.decoder_last_pipeline_num_layers is None:
+        return fixed.pipeline_layer_split, fixed.pipeline_layer_split is None and pp > 1, ()
     try:
-        return first_last_split(num_layers, pp, fixed.first_layers, fixed.last_layers), False, ()
+        return (
+            first_last_split(
+                num_layers, pp, fixed.decoder_first_pipeline_num_layers, fixed.decoder_last_pipeline_num_layers
+            ),
+            False,
+            (),
+        )
     except ConfigError as e:
         return None, False, (Violation("layers % pp", str(e)),)
 
@@ -235,10 +264,8 @@ def _strategies(fixed: Fixed, shard: int) -> list[str]:
     """Sharding strategies to try, least sharded first (see the module docstring's pruning)."""
     if shard == 1:
         return ["no_shard"]
-    if fixed.sharding is not None:
-        return [fixed.sharding]
-    if fixed.distributed_optimizer is not None:
-        return ["optim" if fixed.distributed_optimizer else "no_shard"]
+    if fixed.sharding_strategy is not None:
+        return [fixed.sharding_strategy]
     return list(SHARDING_STRATEGIES)
 
 
@@ -252,13 +279,15 @@ def _virtual_stage_pairs(
     or fixed."""
     if split is not None:
         vs = [1]
-    elif fixed.virtual_stages is not None:
-        vs = [fixed.virtual_stages]
-    elif fixed.layers_per_virtual_stage is not None:
-        flag_errors = _interleaving_flag_errors(model.num_layers, tp, pp, dp, b, big_b, fixed.layers_per_virtual_stage)
+    elif fixed.virtual_pipeline_model_parallel_size is not None:
+        vs = [fixed.virtual_pipeline_model_parallel_size]
+    elif fixed.num_layers_per_virtual_pipeline_stage is not None:
+        flag_errors = _interleaving_flag_errors(
+            model.num_layers, tp, pp, dp, b, big_b, fixed.num_layers_per_virtual_pipeline_stage
+        )
         if flag_errors:
             return [], flag_errors
-        vs = [model.num_layers // (pp * fixed.layers_per_virtual_stage)]
+        vs = [model.num_layers // (pp * fixed.num_layers_per_virtual_pipeline_stage)]
     elif pp > 1 and model.num_layers % pp == 0:
         vs = divisors(model.num_layers // pp)
     else:
@@ -266,17 +295,17 @@ def _virtual_stage_pairs(
     pairs: list[tuple[int, tuple[int, ...] | None]] = [(v, None) for v in vs]
     counted = fixed.accounting
     if counted is not None and any(counted):  # the split fixed by what counts as layers, at every v
-        pairs = [(1, None)] if fixed.virtual_stages in (None, 1) else []
+        pairs = [(1, None)] if fixed.virtual_pipeline_model_parallel_size in (None, 1) else []
         pairs += [
             (v, s)
             for v, s in interleaved_splits(model.num_layers, pp, (counted,), uneven_only=False)
-            if fixed.virtual_stages in (None, v)
+            if fixed.virtual_pipeline_model_parallel_size in (None, v)
         ]
-    elif search_split and fixed.layers_per_virtual_stage is None:
+    elif search_split and fixed.num_layers_per_virtual_pipeline_stage is None:
         pairs += [
             (v, s)
             for v, s in interleaved_splits(model.num_layers, pp, ACCOUNTING if counted is None else ())
-            if fixed.virtual_stages in (None, v) and (v not in vs or model.num_layers % (pp * v))
+            if fixed.virtual_pipeline_model_parallel_size in (None, v) and (v not in vs or model.num_layers % (pp * v))
         ]
     return pairs, []
 
@@ -305,7 +334,7 @@ def _search_layout(
     # with a flash kernel selective recompute keeps and costs what "none" does: not searched
     searched = [r for r in RECOMPUTE if not (r == "selective" and model.flash_attention)]
     for v, v_split in pairs:
-        for recompute in _options(fixed.recompute, searched):
+        for recompute in _options(fixed.recompute_granularity, searched):
             # sequence parallelism needs tp > 1 and sharding dp * cp > 1: off otherwise
             for sp in _options(fixed.sequence_parallel, [False, True]) if tp > 1 else [False]:
 
