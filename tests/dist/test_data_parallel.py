@@ -188,20 +188,20 @@ def unused_param_worker(rank: int, world: int) -> dict:
         else ParallelGroups.single_process()
     )
     cfg = tiny_config(1, 1, world, "float64", parallel_overrides={"ddp_bucket_size": 300, "overlap_grad_reduce": True})
-    import ptdp.engine.step as step_module
+    import ptdp.engine.stage as stage_module
 
-    original = step_module.GPTModel
+    original = stage_module.GPTModel
 
     class WithUnused(original):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.unused = make_parameter(GlobalParam((50,), init="ones"), 1, torch.float64)
 
-    step_module.GPTModel = WithUnused
+    stage_module.GPTModel = WithUnused
     try:
         stage = build_stage(cfg, groups)
     finally:
-        step_module.GPTModel = original
+        stage_module.GPTModel = original
     losses = [train_step(stage, rank_microbatches(i, cfg, groups.dp.rank, groups.dp.size), i).loss for i in range(2)]
     return {
         "losses": losses,

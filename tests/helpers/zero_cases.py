@@ -491,6 +491,7 @@ def fp16_case(strategy: str) -> dict:
     import ptdp.engine.step as step_module
     from helpers.host_sync import count_host_syncs, label_check_on_device
     from helpers.layout_cases import rank_microbatches
+    from ptdp.engine.stage import build_stage
 
     cfg = tiny_config(
         1,
@@ -505,7 +506,7 @@ def fp16_case(strategy: str) -> dict:
         },
     )
     groups = ParallelGroups.build(ParallelLayout(tp=1, pp=1, dp=4), PG_TIMEOUT)
-    stage = step_module.build_stage(cfg, groups)
+    stage = build_stage(cfg, groups)
     original = step_module.finalize_grads
 
     def poisoned(model, buffer, g):
