@@ -121,3 +121,40 @@ def test_no_import_cycle_between_modules_or_folders():
                 if fa != fb and not fb.startswith(fa + ".") and not fa.startswith(fb + "."):
                     folders[fa].add(fb)
         assert cycles(folders) == [], depth
+
+
+def _defined(path: Path) -> set[str]:
+    """The names a module defines at its top level (functions, classes, assignments, also under
+    ``if``/``try``)."""
+    names: set[str] = set()
+    body = list(ast.parse(path.read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try)):
+            body += node.body + node.orelse
+    return names
+
+
+def test_every_import_names_the_module_that_defines_the_name():
+    """No module re-exports a name it imports: ``from ptdp.X import name`` finds ``name`` defined
+    in ``ptdp.X`` (or ``ptdp.X.name`` is a module); the package face ``ptdp`` aside."""
+    mods = modules()
+    defined = {name: _defined(path) for name, path in mods.items()}
+    borrowed = []
+    for name, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in mods):
+                continue
+            if node.module == "ptdp":
+                continue
+            borrowed += [
+                f"{name}: {a.name} from {node.module}"
+                for a in node.names
+                if f"{node.module}.{a.name}" not in mods and a.name not in defined[node.module]
+            ]
+    assert borrowed == []
