@@ -1,25 +1,11 @@
 """Live and peak bytes of the tensors autograd keeps for backward: the activation memory of a step.
 
-Counted: every tensor saved for backward (``ctx.save_for_backward`` of autograd functions and the
-built-in operators alike), seen through ``torch.autograd.graph.saved_tensors_hooks``. A tensor is
-counted by its storage, once: views sharing one storage (the q, k and v of one QKV output, a
-reshape saved by the next linear) are one allocation, held with a reference count. When the graph
-drops its last reference to a saved storage (after that node's backward, or when the graph is
-freed), the storage's bytes leave the live total. The peak of the live total is the activation
-peak that the planner's memory model predicts (:func:`ptdp.planner.memory.activations.stage_activation_bytes`).
-
-Not counted: storages in ``exclude`` (pass the parameters' storages: a weight saved by a linear
-layer is model state, not an activation), and memory autograd does not save: gradients, the
-outputs a pipeline stage sends, temporaries of a kernel, the allocator's caching. The bytes are
-the storage's ``nbytes`` (a saved view pins its whole storage).
-
-Use::
-
-    meter = SavedActivationMeter(parameter_storages(model))
-    with meter.hooks():
-        loss = model(x, y)
-        loss.backward()
-    meter.peak  # bytes
+Every tensor saved for backward is seen through ``torch.autograd.graph.saved_tensors_hooks`` and
+counted by its storage's ``nbytes``, once per storage (views share one), until the graph drops its
+last reference. The peak is what :func:`ptdp.planner.memory.activations.stage_activation_bytes`
+predicts. Not counted: storages in ``exclude`` (the parameters') and memory autograd does not save.
+Use: ``meter = SavedActivationMeter(parameter_storages(model))``, run forward and backward inside
+``with meter.hooks():``, then read ``meter.peak`` (bytes).
 """
 
 from __future__ import annotations
@@ -49,13 +35,9 @@ def parameter_storages(modules: nn.Module | Iterable[nn.Module]) -> set[int]:
 class SavedActivationMeter:
     """Live and peak bytes of the storages autograd holds for backward (each storage once).
 
-    Attributes:
-        live: bytes of saved storages alive now.
-        peak: the largest ``live`` seen.
-        packed: saved tensors counted (a storage saved twice counts twice here, once in bytes).
-
-    Use as ``with meter.hooks(): ...``. ``exclude``: data pointers of storages never counted.
-    Subclasses may override :meth:`on_pack`, called after every counted save.
+    ``live``: bytes saved now; ``peak``: the largest ``live``; ``packed``: saved tensors counted.
+    ``exclude``: data pointers of storages never counted. Use as ``with meter.hooks(): ...``;
+    subclasses may override :meth:`on_pack`, called after every counted save.
     """
 
     def __init__(self, exclude: Iterable[int] = ()) -> None:

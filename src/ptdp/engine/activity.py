@@ -1,18 +1,9 @@
 """What this process is doing, for error messages: its rank, the training phase and the iteration.
 
-A worker that stops responding makes its peers' collectives fail after the process-group timeout
-(``--distributed-timeout-minutes``; gloo raises a ``RuntimeError``, "Timed out waiting ...", in
-the call or in ``wait()``). :mod:`ptdp.engine.comm` turns that error into a :class:`CollectiveError`
-whose message says which rank failed, in which phase and iteration, on which axis and operation,
-which ranks it was waiting for and, after a timeout, which ranks reported none themselves (the
-ones that stopped; see ``comm._silent_ranks``)::
-
-    rank 0 timed out after 0.1 min in gradient sync at iteration 7: dp all_reduce over ranks 0, 1
-    did not complete (rank 1 reported no timeout of its own: likely the one that stopped
-    responding; --distributed-timeout-minutes sets the limit)
-
-The record is one small object per process (:data:`CURRENT`), updated by the training step, the
-pipeline runtime and the trainer with plain attribute writes (no I/O, no communication).
+:mod:`ptdp.engine.comm` turns a failed or timed-out collective (gloo: "Timed out waiting ...")
+into a :class:`CollectiveError` saying the rank, phase, iteration, axis, operation, the ranks
+waited for and, after a timeout, which of them reported none themselves (``comm._silent_ranks``).
+The record (:data:`CURRENT`) is updated with plain attribute writes (no I/O, no communication).
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """The one thin layer through which every collective and point-to-point transfer goes, counted.
 
-Each call is recorded in the :class:`CommStats` of its :class:`AxisGroup` as (axis, op, tag) ->
-calls, elements, bytes, so tests and reports can read exactly what a step communicated. The
-elements counted are what this rank puts in: the tensor of an all-reduce or send, the input of a
-reduce-scatter, this rank's part of an all-gather. A call on
-an axis of size 1 is a no-op and is not counted (nothing crosses a wire).
+Each call is recorded in its :class:`AxisGroup`'s :class:`CommStats` as (axis, op, tag) -> calls,
+elements, bytes; the elements are what this rank puts in (an all-gather: this rank's part). A call
+on an axis of size 1 is a no-op, not counted. Axes: ``tp``, ``cp``, ``pp``, ``dp`` (also the dp x cp
+gradient group), ``embedding`` (first and last stage, tied embedding), ``world``.
 
-Axes: ``tp``, ``pp``, ``dp``, ``embedding`` (first and last pipeline stage, for the tied
-embedding), ``world``; ``cp`` (context parallelism, :mod:`ptdp.engine.context_parallel`: the
-attention's keys, values and their gradients). The gradient group of dp x cp ranks
-(``ParallelGroups.dp_cp``) is counted on ``dp``: it carries the data-parallel gradient traffic.
-
-A call or ``wait()`` that fails (a peer timed out or went away) raises
-:class:`~ptdp.engine.activity.CollectiveError` naming this rank, its phase and iteration, the axis, the
-operation and the ranks waited for.
+A call or ``wait()`` that fails raises :class:`~ptdp.engine.activity.CollectiveError` naming this
+rank, its phase and iteration, the axis, the operation and the ranks waited for.
 """
 
 from __future__ import annotations
@@ -42,7 +35,7 @@ class CommStats:
 
     ``p2p_log``: None, or a list to which :func:`post` appends each batch of point-to-point
     operations as ``(axis, [(kind, peer, label), ...])`` in posting order (what the pipeline
-    runtime really posts, compared with ``ptdp schedule --json`` by the tests)."""
+    runtime really posts, comparable with ``ptdp schedule --json``)."""
 
     def __init__(self) -> None:
         self._counts: dict[tuple[str, str, str], CommCount] = defaultdict(CommCount)
@@ -78,13 +71,9 @@ class CommStats:
 class AxisGroup:
     """One process group along one axis, as seen by this process.
 
-    Attributes:
-        name: the axis its calls are counted on ("tp", "cp", "pp", "dp", "embedding", "world").
-        ranks: global ranks of the group, in group order.
-        rank: this process's index inside ``ranks``.
-        group: the torch process group (None when the group has size 1).
-        stats: where calls on this group are counted (shared by all axes of a process).
-        timeout_s: the group's timeout in seconds, for error messages (None: not known).
+    ``name``: the axis its calls are counted on; ``ranks``: global ranks in group order; ``rank``:
+    this process's index in ``ranks``; ``group``: the torch group (None at size 1); ``stats``: the
+    process's shared counts; ``timeout_s``: the group's timeout, for error messages (None: unknown).
     """
 
     name: str
@@ -136,11 +125,9 @@ def _failure(err: RuntimeError, axis: AxisGroup, op: str, peer: int | None = Non
 def _silent_ranks(rank: int, timeout_s: float | None) -> list[int] | None:
     """After a timeout on this rank: the ranks of the world that do not report one too.
 
-    When one rank stops responding, every other rank soon waits for it, directly or through a
-    rank that waits for it, and times out shortly after the first. Each timed-out rank marks
-    itself in the default group's store and waits until all ranks but one have (or a grace of a
-    quarter of the timeout, 2 to 30 s); the unmarked ranks are returned. None when the store
-    cannot be used (the error then names only this rank's own wait).
+    Each timed-out rank marks itself in the default group's store and waits until all ranks but
+    one have (or a grace of a quarter of the timeout, 2 to 30 s); the unmarked ranks are returned
+    (the one that stopped responding is the one others wait for). None when the store fails.
     """
     grace = min(30.0, max(2.0, 0.25 * (timeout_s or 0.0)))
     key = f"ptdp/timed_out/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"

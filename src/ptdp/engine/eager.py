@@ -1,13 +1,10 @@
 """Functions that always run eagerly, outside ``torch.compile`` graphs, with ``torch._dynamo``
 imported only when something is compiled.
 
-``torch.compiler.disable(fn)`` imports ``torch._dynamo`` (about 0.5 s of CPU) when it is applied,
-so decorating the tensor-parallel functions with it made every worker process pay for it at
-import, compiled or not. :func:`outside_compile` applies it at the function's first call instead,
-and :func:`prepare_for_compile` (called by :mod:`ptdp.engine.model.compile` before anything is
-compiled) applies it to every such function, so that ``torch.compile`` only ever sees the
-disabled functions: a compiled layer is split into regions around them, and their collectives
-run eagerly and are counted by :mod:`ptdp.engine.comm`.
+``torch.compiler.disable(fn)`` imports ``torch._dynamo`` when applied, so :func:`outside_compile`
+applies it at the first call, and :func:`prepare_for_compile` (called by
+:mod:`ptdp.engine.model.compile`) to every such function before compiling: a compiled layer is
+split around them, and their collectives run eagerly, counted by :mod:`ptdp.engine.comm`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The process groups of one process, built once from a :class:`~ptdp.layout.grid.ParallelLayout`.
 
-:class:`ParallelGroups` is the single object that holds this process's tensor-, context-,
-pipeline- and data-parallel groups, the data x context gradient group and the embedding group; it is
-passed explicitly to the model, the pipeline runtime and the gradient code. There are no
-module-level groups.
+:class:`ParallelGroups` holds this process's tp, cp, pp and dp groups, the dp x cp gradient group
+and the embedding group; it is passed explicitly (there are no module-level groups).
 """
 
 from __future__ import annotations
@@ -21,17 +19,11 @@ from ptdp.layout.grid import Coords, ParallelLayout
 class ParallelGroups:
     """This process's groups along every axis.
 
-    Attributes:
-        layout: the tp x cp x dp x pp grid.
-        global_rank: this process's rank in the world.
-        tp, pp, dp, cp, world: groups along each axis (``AxisGroup.rank`` is this process's
-            coordinate); traffic on ``cp`` is counted on the "cp" axis.
-        dp_cp: the gradient group, the dp x cp ranks sharing this rank's tp and pp ranks (index
-            ``cp_rank + cp * dp_rank``). With cp == 1 it is the ``dp`` object itself (no new
-            communicator); with cp > 1 its own communicator, its traffic counted on the "dp" axis
-            (it is the data-parallel gradient traffic).
-        embedding: first + last stage of this pipeline (size 1 when pp == 1).
-        stats: communication counters shared by all groups of this process.
+    ``tp``, ``pp``, ``dp``, ``cp``, ``world``: groups along each axis (``AxisGroup.rank`` is this
+    process's coordinate). ``dp_cp``: the gradient group, the dp x cp ranks sharing this rank's tp
+    and pp ranks (index ``cp_rank + cp * dp_rank``); the ``dp`` object itself when cp == 1, else
+    its own communicator counted on "dp". ``embedding``: first + last stage (size 1 when pp == 1).
+    ``stats``: the counters shared by all groups.
     """
 
     layout: ParallelLayout

@@ -1,5 +1,4 @@
-"""Where code outside the engine may act during a training step. Nothing is registered in a run;
-tests register their fault injection here.
+"""Where code outside the engine may act during a training step (nothing is registered by default).
 
 ``PHASE_HOOKS``: called as ``hook(rank, iteration, phase)`` on entering a phase
 (:func:`ptdp.engine.activity.set_phase`; rank and 1-based iteration None before the first step).

@@ -178,7 +178,7 @@ def allow_tf32(device: torch.device) -> None:
     (``torch.set_float32_matmul_precision("high")``: inputs rounded to 10 explicit mantissa bits,
     float32 accumulation and range; NVIDIA's A100/H100 datasheets give 8x the float32 rate). A
     process-wide setting; bfloat16, float16 and float64 GEMMs are unaffected, and nothing changes
-    on the CPU (float64 equivalence tests run there)."""
+    on the CPU."""
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
 

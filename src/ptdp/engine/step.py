@@ -1,28 +1,15 @@
-"""One training step and one evaluation of a pipeline stage: the core loop shared by ``ptdp train``,
-the tests and the benchmarks.
+"""One training step and one evaluation of a pipeline stage.
 
-A step: zero the gradient buffer -> run the pipeline schedule (gpipe, 1f1b or interleaved-1f1b) over the rank's ``m`` microbatches ->
-average gradients over dp (summing over cp: each cp rank's loss is its share of the microbatch's,
-so its gradients are partial) and sum the tied embedding over first/last stage -> global-norm clip ->
-AdamW with the scheduled learning rate (on float32 main parameters for bfloat16 models). Its loss is the mean over all ``B * s`` tokens of the global
-batch, identical for every layout.
+A step: zero the gradient buffer -> run the pipeline schedule over the rank's ``m`` microbatches ->
+average gradients over dp (sum over cp) and sum the tied embedding over first/last stage ->
+global-norm clip -> AdamW with the scheduled learning rate. The loss is the mean over all
+``B * s`` tokens of the global batch, identical for every layout.
 
-A step whose loss or gradient norm is nan or inf on any rank is skipped on every rank: the flag
-travels in the world all-reduce that also sums the loss, so all ranks decide alike at no extra
-collective. Nothing changes then: parameters, Adam's moments and step count, float32 main
-parameters (whole or sharded) and the 1-bit error-feedback residual (restored from a copy taken
-before the step) keep their values. The learning rate follows the iteration number, whose
-update is simply not applied.
-
-The host never waits for the device inside a step, whatever the precision: the gradient norm,
-the clip coefficient and the skip decision are tensors on the device, the fused AdamW kernel skips
-the update itself (``found_inf``), and the loss and norm come back in a :class:`PendingStep` that
-the trainer reads once per logged step (:func:`read_results`). float16's loss scale and count of
-good steps are device tensors too (:class:`~ptdp.engine.data_parallel.loss_scale.DynamicLossScaler`):
-an inf or nan in a rank's unscaled gradients is added to the count of non-finite gradient norms in
-the same world all-reduce, the scale is updated by ``torch.where`` from the skip decision, and
-whether a skip was float16's ordinary overflow (:data:`FP16_OVERFLOW`) is decided when the result
-is read.
+A step whose loss or gradient norm is nan or inf on any rank, or whose float16 gradients
+overflow (flags carried by the world all-reduce of the loss), is skipped on every rank, changing
+nothing (the 1-bit residual is restored). The host never waits for the device inside a step:
+the norm, clip coefficient, skip decision and float16 loss scale stay on the device;
+:class:`PendingStep` is read when logged.
 """
 
 from __future__ import annotations
@@ -76,14 +63,11 @@ class StepResult:
 class PendingStep:
     """What :func:`train_step` returns: the step's metrics while they are still on the device.
 
-    ``values`` is a float64 ``[5]`` tensor on the stage's device, the same on every rank: the mean
-    loss, the gradient norm before clipping, how many ranks found a non-finite loss, how many a
-    non-finite gradient norm (with float16: or an inf/nan in their unscaled gradients), and the
-    loss scale the step used (1 without a scaler). Nothing is read to the host until
-    :meth:`result` (or :func:`read_results` for many steps, one synchronisation for all) is
-    called; the attributes of :class:`StepResult` read it on first use. ``min_scale``: the
-    float16 scaler's smallest scale (None without a scaler), which tells an overflow the scaler
-    handles (:data:`FP16_OVERFLOW`) from one it cannot (:data:`NONFINITE_GRAD_NORM`).
+    ``values``: float64 ``[5]`` on the device, equal on every rank: mean loss, gradient norm before
+    clipping, ranks with a non-finite loss, ranks with a non-finite norm (float16: or inf/nan
+    gradients), loss scale used (1 without a scaler). Read to the host only by :meth:`result` or
+    :func:`read_results`. ``min_scale``: the float16 scaler's smallest scale (None without one),
+    telling :data:`FP16_OVERFLOW` from :data:`NONFINITE_GRAD_NORM`.
     """
 
     def __init__(self, values: torch.Tensor, lr: float, min_scale: float | None = None) -> None:
@@ -154,12 +138,8 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     ``iteration`` is 0-based. Skipped on every rank, without any change, when the loss or the
     gradient norm is not finite on some rank, or float16 gradients overflowed (module docstring).
     ``tracer`` (a :class:`ptdp.run.trace.Tracer`) times every action and phase; the
-    :data:`ptdp.engine.hooks.STEP_HOOKS` run before the schedule.
-
-    No host synchronisation, float16 included: the clip coefficient, the skip decision and the
-    loss scale stay on the device, the optimizer skips through its fused kernel
-    (:func:`~ptdp.engine.optim.adamw.step_unless`), and the metrics come back as a :class:`PendingStep`
-    that the caller reads when it logs.
+    :data:`ptdp.engine.hooks.STEP_HOOKS` run before the schedule. No host synchronisation: the
+    optimizer skips through :func:`~ptdp.engine.optim.adamw.step_unless`.
     """
     cfg, g = stage.config, stage.groups
     activity.start_step(g.global_rank, iteration + 1)

@@ -13,12 +13,9 @@ from ptdp.engine.data_parallel.buffer import GradBuffer
 
 class AdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` whose parameter-group setup and step run torch's own code without its
-    ``torch._dynamo`` wrappers: torch decorates them so that a compiled optimizer breaks its graph
-    there, and those decorators import ``torch._dynamo`` on first use, about 1.8 s of CPU in every
-    process (more than ``import torch`` itself on a small CPU). ptdp never compiles the optimizer,
-    so the step runs torch's undecorated ``AdamW.step`` under ``torch.no_grad()`` (what the
-    decorator does outside compilation for a non-differentiable optimizer). The state, the state
-    dict and the arithmetic are torch's."""
+    ``torch._dynamo`` wrappers (which import ``torch._dynamo`` on first use; ptdp never compiles
+    the optimizer): the undecorated ``AdamW.step`` under ``torch.no_grad()``, as the decorator
+    does outside compilation. The state, the state dict and the arithmetic are torch's."""
 
     def add_param_group(self, param_group: dict) -> None:
         inspect.unwrap(torch.optim.Optimizer.add_param_group)(self, param_group)
@@ -43,11 +40,9 @@ def step_unless(optimizer: torch.optim.Optimizer | None, skip: torch.Tensor | No
     """``optimizer.step()``, unless the 0-dim bool tensor ``skip`` is true: then nothing changes
     (parameters, moments, step count).
 
-    A fused AdamW decides on the device: ``skip`` is handed to its kernel as ``found_inf`` (the
-    attribute through which ``torch.amp.GradScaler`` passes it), which leaves every tensor
-    untouched and takes back the step count's increment, so a skipped step costs no host
-    synchronisation. An optimizer without the fused kernel reads ``skip`` to the host (one
-    synchronisation)."""
+    A fused AdamW decides on the device: ``skip`` is its kernel's ``found_inf`` (as
+    ``torch.amp.GradScaler`` passes it), so no host synchronisation; otherwise ``skip`` is read
+    to the host."""
     if optimizer is None:
         return
     if skip is None:
@@ -66,12 +61,10 @@ def step_unless(optimizer: torch.optim.Optimizer | None, skip: torch.Tensor | No
 class MainParamsAdamW:
     """AdamW on float32 copies ("main parameters") of low-precision model parameters.
 
-    Each step updates the float32 copies from the float32 gradient buffer, then copies them into the
-    model's parameters (rounding once), so updates smaller than the model dtype's resolution are not
-    lost (Micikevicius et al., "Mixed Precision Training", arXiv:1710.03740, §3.1). The main
-    parameters are views of one flat float32 tensor (:attr:`main_data`) laid out exactly like the
-    gradient buffer, each main parameter's ``.grad`` the matching view of the buffer; the copy back
-    is one ``torch._foreach_copy_``. Memory: 4 bytes per parameter more than plain AdamW.
+    Each step updates the float32 copies from the float32 gradient buffer, then rounds them into
+    the model's parameters, so small updates are not lost (Micikevicius et al., "Mixed Precision
+    Training", arXiv:1710.03740, §3.1). The main parameters are views of one flat float32 tensor
+    (:attr:`main_data`) laid out like the gradient buffer; 4 bytes per parameter more than AdamW.
     """
 
     def __init__(self, groups: list[dict], grads: GradBuffer, **adam_kwargs) -> None:

@@ -27,14 +27,11 @@ def build_optimizer(
     """AdamW over the stage's parameters; weight decay on every tensor with >= 2 dims (weight
     matrices, word and position embeddings), none on biases and LayerNorm parameters.
 
-    With a sharded ``grads`` (distributed optimizer) :class:`~ptdp.engine.optim.zero.ShardedAdamW`;
-    otherwise float32/float64 parameters are updated in place (their ``.grad`` views ``grads``)
-    and bfloat16 parameters through :class:`~ptdp.engine.optim.adamw.MainParamsAdamW` (``grads`` is then float32). Fused
-    AdamW where torch has the kernel (:func:`~ptdp.engine.optim.adamw.adamw`); step with :func:`~ptdp.engine.optim.adamw.step_unless` (or, for the
-    two wrappers, ``step(skip)``) to skip an update on the device.
-    ``param_gather_units`` (sharded only): overlap the parameter all-gather with the next forward,
-    each module waiting for its own parameters (:class:`~ptdp.engine.optim.zero.ShardedAdamW`).
-    ``units`` (``optim_grads_params``): the :class:`ShardedAdamW` updating the parameters' shards.
+    Sharded ``grads``: :class:`~ptdp.engine.optim.zero.ShardedAdamW` (``param_gather_units``:
+    overlap the parameter all-gather with the next forward; ``units``: ``optim_grads_params``).
+    Otherwise float32/float64 parameters are updated in place and 16-bit ones through
+    :class:`~ptdp.engine.optim.adamw.MainParamsAdamW`. Skip an update on the device with
+    :func:`~ptdp.engine.optim.adamw.step_unless` (the wrappers: ``step(skip)``).
     """
     kwargs: dict[str, Any] = dict(lr=lr_at(0, cfg), betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
     if units is not None:

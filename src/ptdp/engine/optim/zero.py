@@ -6,18 +6,11 @@ With context parallelism the shards are over all d = dp x cp ranks holding the s
 (the gradient buffer's group, ``ParallelGroups.dp_cp``); below, dp stands for that d.
 
 Memory per rank: optimizer state 8 / dp bytes per parameter (12 / dp with float32 main
-parameters), plus the padding that makes every bucket a multiple of dp. Communication per step:
-reduce-scatter of the gradients (in :class:`~ptdp.engine.data_parallel.buffer.GradBuffer`) and one
-all-gather of the parameters per bucket, on the dp axis (the dp x cp group is counted there).
-With ``overlap_param_gather`` the all-gathers are issued in the order the next forward uses the
-buckets, and a forward pre-hook on each given module (a transformer layer, or a model chunk for
-its embeddings and output layer) waits only for the buckets holding that module's parameters
-(Megatron-LM's ``--overlap-param-gather``).
-
-With sharded parameters (``optim_grads_params``, :class:`~ptdp.engine.data_parallel.units.ParamUnits`)
-the shard the optimizer updates is the rank's only copy of the parameters: the step writes it and
-drops the gathered copies (the next forward gathers the updated values unit by unit), with no
-all-gather after the step.
+parameters) plus bucket padding. Communication per step, on dp: the gradients' reduce-scatter
+(:class:`~ptdp.engine.data_parallel.buffer.GradBuffer`) and one all-gather of the parameters per
+bucket, in the next forward's order with ``overlap_param_gather`` (Megatron-LM's
+``--overlap-param-gather``). With ``optim_grads_params``
+(:class:`~ptdp.engine.data_parallel.units.ParamUnits`) the shard is the only copy: no all-gather.
 """
 
 from __future__ import annotations
@@ -39,18 +32,11 @@ if TYPE_CHECKING:
 class ShardedAdamW:
     """AdamW over this rank's shard of ``grads`` (a sharded :class:`GradBuffer`).
 
-    Weight decay applies to segments of parameters with >= 2 dims. For float32/float64
-    parameters the shard of the parameter buffer itself is updated; for bfloat16/float16 a float32
-    copy of it is, then rounded into the parameters.
-
-    ``overlap_with``: (module, parameters) pairs; the module's forward first waits for the
-    all-gathers of those parameters' buckets (every parameter must be in some pair, and the pair
-    must run before the parameter is read). Until then, read parameters only after
-    :meth:`wait_for_params`.
-
-    ``units`` (``optim_grads_params``): the parameters are kept as this rank's shard
-    (:attr:`ParamUnits.shard`), which the step updates; :meth:`wait_for_params` then gathers every
-    unit (to read the parameters outside a forward) and each step frees them again.
+    Weight decay on parameters with >= 2 dims; 16-bit parameters through a float32 copy of the
+    shard. ``overlap_with``: (module, parameters) pairs whose forward waits for those parameters'
+    all-gathers (every parameter in some pair); otherwise read parameters after
+    :meth:`wait_for_params`. ``units`` (``optim_grads_params``): the step updates
+    :attr:`ParamUnits.shard`; :meth:`wait_for_params` gathers every unit.
     """
 
     def __init__(

@@ -2,28 +2,14 @@
 computes, and its point-to-point groups exactly as the program lists them.
 
 Each :class:`~ptdp.layout.pipeline.program.P2PGroup` is posted as one ``batch_isend_irecv`` on the
-pp axis (on NCCL: one group on the pipeline group's communicator) and waited for before the next
-step: the receives land before the compute that needs them, and a sent activation's buffer is free
-as soon as its group completes. That is NCCL's strictest reading (a send completes only while its
-receive runs), under which :mod:`ptdp.layout.pipeline.nccl_model` proves every program
-deadlock-free; on gloo the runtime does the same, so both backends run the same program. On NCCL a
-wait makes the compute stream wait for the group; the host does not block.
-
-Memory: once the activation a stage sent is delivered, its storage is released (only the autograd
-graph behind it is kept; its backward is then run through the autograd engine directly, which
-checks the gradient against the shape the graph recorded). The last stage keeps its loss.
-
-The runtime owns the per-(microbatch, chunk) state: the input it received (or the tokens on the
-first virtual stage), the output it produced, and the gradient it received. Activations and
-gradients use different gloo message tags, so with pp = 2 (where the next and the previous rank are
-the same process) a forward activation is never paired with a gradient (NCCL matches by order,
-which the program keeps consistent). A microbatch's forward and backward see the same weights: the
-optimizer runs after the schedule. In training, each step sets the phase of
-:mod:`ptdp.engine.activity` (forward, backward, pipeline send/recv) that a failed transfer or
-collective reports.
-
-Communication per microbatch, chunk and stage boundary (Narayanan et al. SC21, §3.2): one send of
-the activation forward and one of its gradient backward, each of ``hidden_shape`` (``[s, b, h]``).
+pp axis and waited for before the next step: NCCL's strictest reading (a send completes only while
+its receive runs), under which :mod:`ptdp.layout.pipeline.nccl_model` proves every program
+deadlock-free; gloo runs the same program. A sent activation's storage is released once delivered
+(its backward then runs through the autograd engine directly). Activations and gradients use
+different gloo tags (with pp = 2 both neighbours are one process). Each step sets the phase of
+:mod:`ptdp.engine.activity`. Communication per microbatch, chunk and stage boundary (Narayanan et
+al. SC21, §3.2): one send of the activation forward and one of its gradient backward, each of
+``hidden_shape`` (``[s, b, h]``).
 """
 
 from __future__ import annotations
@@ -84,36 +70,16 @@ def run_schedule(
 ) -> list[torch.Tensor]:
     """Run this rank's ``program`` over ``microbatches``; returns the last stage's losses.
 
-    Args:
-        program: this pp rank's program (``build_programs(kind, p, m, v)[rank]``): compute actions
-            and point-to-point groups.
-        model: the stage (``GPTModel``), or its ``v`` model chunks in chunk order.
-        microbatches: ``m`` pairs ``(tokens, labels)`` of shape ``[b, s]``.
-        pp: the pipeline axis; peers are the previous and next rank (wrapping between chunks).
-        hidden_shape: shape of the activations passed between stages, in ``dtype``: the receive
-            buffers (ptdp's GPT: ``(s, b, h)``, with sequence parallelism over t tp ranks
-            ``(s/t, b, h)``; any shape for other stage modules).
-        forward_only: no autograd graph (evaluation).
-        tracer: optional :class:`ptdp.run.trace.Tracer` recording each step's start and end.
-        grad_sync: optional gradient buffer (:class:`~ptdp.engine.data_parallel.buffer.GradBuffer`):
-            told the schedule first (``begin_backwards(v, m, pp)``); every backward but the last
-            of each chunk runs under its ``no_sync()`` context, so data-parallel reductions start
-            only in the last microbatch's backward (on every stage, the last one included), and
-            ``chunk_done(chunk)`` follows each chunk's last backward.
-        loss_scale: multiply each loss by this before backward (float16 loss scaling: a 0-dim
-            float32 tensor on ``device``, never read to the host).
-        seq_length, batch_shape: ``(b, s)`` of a microbatch, which every microbatch must have
-            (default ``(hidden_shape[0], seq_length or hidden_shape[1])``, for batch-first stage
-            modules; ptdp's step passes ``batch_shape``).
-
-    Returns:
-        On the rank holding the last virtual stage, the ``m`` detached per-microbatch mean losses
-        in microbatch order; elsewhere ``[]``. In training each loss is backpropagated scaled by
-        1/m, so gradients are those of the mean loss over the ``m`` microbatches.
-
-    Raises:
-        ValueError: a microbatch whose tokens or labels are not ``[b, s]``.
-        TypeError: a schedule's transfer action instead of a program (see ``build_programs``).
+    ``program``: ``build_programs(kind, p, m, v)[rank]``; ``model``: the stage or its ``v``
+    chunks; ``microbatches``: ``m`` pairs ``(tokens, labels)`` of ``[b, s]``; ``pp``: the pipeline
+    axis; ``hidden_shape``: the activations between stages, in ``dtype`` (GPT: ``(s, b, h)``,
+    ``(s/t, b, h)`` with sequence parallelism); ``grad_sync``: a
+    :class:`~ptdp.engine.data_parallel.buffer.GradBuffer` whose reductions start only in each
+    chunk's last backward (``no_sync`` before); ``loss_scale``: a float16 loss scale (0-dim, on
+    the device); ``batch_shape``: ``(b, s)`` (default from ``hidden_shape`` and ``seq_length``).
+    Returns the last virtual stage's ``m`` detached mean losses (elsewhere ``[]``); each is
+    backpropagated scaled by 1/m. Raises ValueError for a microbatch not ``[b, s]``, TypeError for
+    a schedule's transfer action instead of a program.
     """
     b, s = batch_shape or (hidden_shape[0], seq_length or hidden_shape[1])
     _check_microbatches(microbatches, b, s)
