@@ -1,17 +1,12 @@
 """Cross entropy over vocabulary-sharded logits, without gathering the logits.
 
 Each tp rank holds the logits of its vocabulary slice ``[vocab_start, vocab_start + V_local)``.
-The loss ``log(sum_j exp(z_j)) - z_target`` needs three all-reduces of ``b*s`` elements on the tp
-axis in forward (max for stability, the target logit, the sum of exponentials) and none in
-backward: the gradient ``softmax - onehot`` is local to each slice (Shoeybi et al. 2019, §3).
-Padded vocabulary entries are never part of the logits (the caller passes only real rows), so they
-cannot affect the loss; a rank whose slice is all padding passes ``[b, s, 0]`` logits and still
-takes part in the three all-reduces with the same shapes.
-
-Labels equal to :data:`IGNORE_INDEX` (-100, PyTorch's default ``ignore_index``) give loss 0 and
-no gradient on every path (tp = 1 and tp > 1 alike): padded or packed sequences and fine-tuning
-masks use it. Any other label outside ``[0, V)`` is an error on every path
-(:func:`check_labels`).
+The loss ``log(sum_j exp(z_j)) - z_target`` needs three all-reduces of ``b*s`` elements on tp in
+forward (max, target logit, sum of exponentials) and none in backward: ``softmax - onehot`` is
+local to each slice (Shoeybi et al. 2019, arXiv:1909.08053, §3). Padded vocabulary entries are
+never in the logits; a rank holding only padding passes ``[b, s, 0]`` logits.
+Labels equal to :data:`IGNORE_INDEX` (-100, as PyTorch) give loss 0 and no gradient; any other
+label outside ``[0, V)`` is an error (:func:`check_labels`).
 """
 
 from __future__ import annotations
@@ -95,26 +90,14 @@ def vocab_parallel_cross_entropy(
     axis: AxisGroup,
     ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
-    """Per-token cross entropy of vocab-sharded logits.
+    """Per-token cross entropy of vocab-sharded logits: ``[b, s]`` losses in nats, replicated on tp.
 
-    Args:
-        logits: ``[b, s, V_local]``, this rank's real vocabulary columns starting at ``vocab_start``
-            (``V_local`` may be 0: a rank holding padding only).
-        target: ``[b, s]`` token ids in ``[0, V)`` (global ids), or ``ignore_index``.
-        vocab_start: global id of this rank's first column.
-        vocab_size: V, the real vocabulary over all tp ranks.
-        axis: the tp axis.
-        ignore_index: labels that give loss 0 and no gradient (default -100, as PyTorch).
-
-    Returns:
-        ``[b, s]`` losses in nats, replicated on every tp rank; 0 where the label is ignored.
-
-    Raises:
-        ValueError: a label outside ``[0, V)`` that is not ``ignore_index`` (:func:`check_labels`;
-            on a GPU reported asynchronously), the same on every path.
-
-    Communication: forward 3 all-reduces of ``b*s`` elements on tp (max, target logit, sum of
-    exponentials); backward none. With tp of size 1 this is ``F.cross_entropy``.
+    ``logits``: ``[b, s, V_local]``, this rank's real columns from global id ``vocab_start``
+    (``V_local`` may be 0); ``target``: ``[b, s]`` global ids in ``[0, vocab_size)`` or
+    ``ignore_index`` (loss 0, no gradient); ``axis``: the tp axis. Forward: 3 all-reduces of
+    ``b*s`` elements on tp; backward: none. With tp of size 1 this is ``F.cross_entropy``.
+    Raises ValueError for any other label outside ``[0, V)`` (:func:`check_labels`; on a GPU
+    reported asynchronously).
     """
     check_labels(target, vocab_size, ignore_index)
     if axis.size == 1:

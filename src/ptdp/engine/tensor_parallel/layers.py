@@ -35,16 +35,11 @@ class ColumnParallelLinear(nn.Module):
     """``Y = X A^T + b`` with ``A`` split by output rows (columns of ``X A^T``) over tp.
 
     Per rank: input ``[..., in_features]`` (replicated), output ``[..., out_features / tp]``.
-    Communication: forward none; backward one all-reduce of the input gradient (f), ``x.numel()``
-    elements, on the tp axis, started before the weight-gradient GEMM and waited for after it.
-
-    ``fused=3`` treats the output as three equal blocks (q | k | v) split separately, so each rank
-    keeps the q, k and v of the same heads (``fused=2``: SwiGLU's gate | up, the same channels).
-
-    ``sequence_parallel``: input ``[s/t, b, in_features]`` (this rank's positions, sequence
-    first), output ``[s, b, out_features / tp]``; forward all-gather of the input along the
-    sequence, backward the all-gather again and a reduce-scatter of the input gradient
-    (:func:`~ptdp.engine.tensor_parallel.sequence.sequence_gathered_linear`).
+    Forward: none; backward: all-reduce of the input gradient (f) on tp, overlapping the
+    weight-gradient GEMM. ``fused=3``: q | k | v split separately, so each rank keeps the same
+    heads' q, k, v (``fused=2``: SwiGLU's gate | up). ``sequence_parallel``: input
+    ``[s/t, b, in_features]``; forward all-gathers it along the sequence, backward all-gathers again
+    and reduce-scatters the input gradient (:func:`~ptdp.engine.tensor_parallel.sequence.sequence_gathered_linear`).
     """
 
     def __init__(
@@ -81,14 +76,11 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """``Y = X A^T + b`` with ``A`` split by input columns over tp; partial outputs summed (g).
 
-    Per rank: input ``[..., in_features / tp]`` (this rank's slice), output ``[..., out_features]``
-    (replicated). Communication: forward one all-reduce of the output, ``y.numel()`` elements, on
-    the tp axis; backward none. The bias is replicated and added once, after the sum.
-
-    ``sequence_parallel``: input ``[s, b, in_features / tp]``, output ``[s/t, b, out_features]``
-    (this rank's positions); forward reduce-scatter of ``s b out_features`` along the sequence,
-    backward all-gather of the output gradient. The bias is then added to the sequence shard, so
-    its gradient is marked to be summed over tp.
+    Per rank: input ``[..., in_features / tp]``, output ``[..., out_features]`` (replicated).
+    Forward: one all-reduce of the output on tp; backward: none. The bias is added after the sum.
+    ``sequence_parallel``: input ``[s, b, in_features / tp]``, output ``[s/t, b, out_features]``;
+    forward reduce-scatters along the sequence, backward all-gathers the output gradient; the
+    bias gradient is then marked to be summed over tp.
     """
 
     def __init__(
@@ -125,23 +117,11 @@ class VocabParallelEmbedding(nn.Module):
     """Token embedding whose (padded) vocabulary rows are split over tp.
 
     Rank r holds rows ``[r * V_pad / tp, (r + 1) * V_pad / tp)`` of the ``[V_pad, h]`` table; rows
-    at or past ``vocab_size`` are padding, zero and never looked up.
-    Per rank: input token ids of any shape, ``[s, b]`` in the model (replicated), output
-    ``[s, b, h]`` (replicated). Communication: forward one all-reduce of ``s*b*h`` elements on tp (g); backward
-    none.
-    The same class is the output layer (its own weight, or this one when embeddings are tied):
-    the loss multiplies by the whole padded shard and masks the padding columns
-    (:mod:`~ptdp.engine.tensor_parallel.linear_cross_entropy`); :meth:`real_weight` gives the real
-    rows alone (generation, conversions).
-
-    ``sequence_parallel``: ids ``[s, b]`` (sequence first), output ``[s/t, b, h]`` (this rank's
-    positions); the sum over the vocabulary shards is a reduce-scatter of ``s*b*h`` along the
-    sequence, dim 0 (ḡ), whose backward
-    all-gathers the output gradient.
-
-    With a float32 ``weight.main_grad`` (16-bit models) the lookup's weight gradient is added into
-    it row by row (:class:`~ptdp.engine.tensor_parallel.wgrad.EmbeddingFunction`): no 16-bit
-    ``[V_pad/tp, h]`` gradient is made.
+    at or past ``vocab_size`` are zero padding. Per rank: ids ``[s, b]`` (replicated), output
+    ``[s, b, h]`` (replicated); forward one all-reduce on tp (g), backward none. Also the output
+    layer; :meth:`real_weight` gives the real rows. ``sequence_parallel``: output ``[s/t, b, h]``,
+    the sum a reduce-scatter along dim 0 (ḡ). A float32 ``weight.main_grad`` receives the weight
+    gradient row by row (:class:`~ptdp.engine.tensor_parallel.wgrad.EmbeddingFunction`).
     """
 
     def __init__(

@@ -1,43 +1,17 @@
 """The output layer and the cross entropy in one chunked operation, on the padded vocabulary.
 
-``loss[i] = logsumexp_j(z[i, j]) - z[i, y_i]`` with ``z = x W^T`` over the *real* vocabulary,
-computed without ever holding the logits of the whole microbatch:
+``loss[i] = logsumexp_j(z[i, j]) - z[i, y_i]`` with ``z = x W^T`` over the real vocabulary,
+computed in chunks of tokens. The GEMM runs on this rank's padded shard
+``W [V_pad / t, h]``; padding columns (global id ``>= V``) are set to ``-inf``, so they add 0 and
+get no gradient. Tokens go in chunks of ``c`` rows, each reduced to three float32 numbers per token
+(local max, sum of exponentials, target logit). The logits are kept for backward when
+:func:`~ptdp.layout.vocab.keeps_logits` allows, else recomputed (a third GEMM).
 
-- The GEMM runs on this rank's whole padded shard ``W [V_pad / t, h]`` (``V_pad`` a multiple of
-  ``make_vocab_size_divisible_by * t``: GEMM-friendly widths, never an odd 50,257-wide matrix).
-  The columns of padding rows (global id ``>= V``) are set to ``-inf`` before the softmax, so
-  they add ``exp(-inf) = 0`` to every sum and get a zero gradient: loss and gradients equal those
-  of the real vocabulary.
-- Tokens are processed in chunks of ``c`` rows: a chunk's logits ``[c, V_pad / t]`` are made in
-  the compute dtype and turned into float32 (float64 models: float64) for the softmax, reduced to
-  three numbers per token (local max, local sum of exponentials, the target's logit).
-  Saved for backward: the input (as the plain output layer would), the float32 log-sum-exp
-  ``[b s]``, the labels, and, when the microbatch's logits in the compute dtype take at most
-  256 MiB (:func:`~ptdp.layout.vocab.keeps_logits`, the rule the planner counts),
-  the logits ``[b s, V_pad / t]`` themselves: backward then makes each chunk's gradient from them
-  and costs the two GEMMs of a plain output layer. Larger (or with an explicit chunk size), the
-  logits are freed chunk by chunk and backward recomputes them from the input (a third GEMM).
-  Peak temporaries: a few float32 ``[c, V_pad / t]`` chunks; float32 logits of the whole
-  microbatch exist only in a float32 model whose microbatch fits one default chunk.
-
-Vocabulary parallelism (Shoeybi et al. 2019, §3): each tp rank holds ``V_pad / t`` rows; the
-per-token statistics are combined after the last chunk with the three all-reduces of
-:func:`~ptdp.engine.tensor_parallel.cross_entropy.vocab_parallel_cross_entropy` (max, target
-logit, rescaled sum of exponentials: ``b s`` elements each, tags ``ce_max``, ``ce_target``,
-``ce_sum_exp``), whatever the number of chunks. A rank whose shard is all padding takes part with
-``-inf`` maxima and zero sums. The input enters as f does: backward one all-reduce of the input
-gradient (``b s h``, tag ``tag``). With sequence parallelism (Korthikanti et al. 2022, §4.2.2)
-the input is ``[s/t, b, h]``: forward all-gather along the sequence (dim 0: into one new buffer,
-no copy of the input; ``tag``), backward the all-gather again (``<tag>_regather``) and a
-reduce-scatter of the input gradient (``tag``); only the shard is saved.
-
-Tokens are rows in the input's order: the model passes ``[s, b, h]`` hidden states with the
-labels transposed to ``[s, b]`` and gets ``[s, b]`` losses back (each token's loss does not depend
-on the order; only which label goes with which row does).
-
-Labels equal to :data:`~ptdp.engine.tensor_parallel.cross_entropy.IGNORE_INDEX` give loss 0 and
-no gradient; any other label outside ``[0, V)`` raises ``ValueError``
-(:func:`~ptdp.engine.tensor_parallel.cross_entropy.check_labels`).
+Vocabulary parallelism (Shoeybi et al. 2019, §3): the statistics are combined with the three
+all-reduces of :func:`~ptdp.engine.tensor_parallel.cross_entropy.vocab_parallel_cross_entropy`;
+the input enters as f (backward all-reduce of its gradient). Sequence parallelism (Korthikanti et
+al. 2022, §4.2.2): input ``[s/t, b, h]``, all-gathered along dim 0 in forward and again in backward
+(``<tag>_regather``) before the reduce-scatter of its gradient.
 """
 
 from __future__ import annotations
@@ -266,39 +240,15 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """Per-token cross entropy of ``x W^T`` over the vocabulary shards, in chunks of tokens.
 
-    Args:
-        x: ``[s, b, h]`` final hidden states, replicated over tp (``[s/t, b, h]``, this rank's
-            positions, with ``sequence_parallel``: the sequence must be dim 0). Without
-            sequence parallelism any ``[..., h]`` whose rows are in ``target``'s order.
-        weight: this rank's padded vocabulary shard ``[V_pad / t, h]``, global rows
-            ``[vocab_start, vocab_start + V_pad / t)``; rows at or past ``vocab_size`` are padding.
-        target: ``[s, b]`` (``x``'s leading dims, the whole sequence) global token ids in
-            ``[0, V)`` or ``ignore_index``; a transposed view is fine (its ``s b`` ids are copied).
-        vocab_start: global id of this rank's first row.
-        vocab_size: V, the real vocabulary.
-        axis: the tp axis.
-        sequence_parallel: ``x`` is a sequence shard (gathered here, module docstring).
-        chunk_tokens: tokens per chunk (default :func:`default_chunk_tokens`).
-        tag: the tag of the input's communication (f, or the sequence gather).
-        ignore_index: labels with loss 0 and no gradient.
-        compiled: run each chunk's elementwise work and reductions (with its GEMM) through
-            ``torch.compile`` (``--compile``); the collectives stay outside.
-        keep_logits: keep the logits ``[b s, V_pad / t]`` (compute dtype) for backward instead of
-            recomputing them. Default: without ``chunk_tokens``, when they take at most 256 MiB
-            (:func:`~ptdp.layout.vocab.keeps_logits`); with ``chunk_tokens``, never
-            (at most one chunk's logits then exist at a time).
-
-    Returns:
-        losses of ``target``'s shape (``[s, b]``) in nats, replicated on every tp rank; 0 where
-        the label is ignored.
-
-    Raises:
-        ValueError: a label outside ``[0, V)`` that is not ``ignore_index`` (before any
-            collective; reported asynchronously on a GPU), or ``chunk_tokens < 1``.
-
-    Communication on tp: forward 3 all-reduces of ``s b`` elements (+ the all-gather of ``x``
-    with sequence parallelism); backward 1 all-reduce of ``s b h`` (sequence parallelism: an
-    all-gather and a reduce-scatter).
+    ``x``: ``[s, b, h]`` hidden states replicated over tp (``[s/t, b, h]`` with
+    ``sequence_parallel``); ``weight``: this rank's padded shard ``[V_pad / t, h]`` from global row
+    ``vocab_start``; ``target``: ``[s, b]`` global ids in ``[0, vocab_size)`` or ``ignore_index``;
+    ``axis``: tp; ``tag``: of the input's communication; ``compiled``: chunks through
+    ``torch.compile``; ``keep_logits``: keep the logits for backward (default: without
+    ``chunk_tokens``, per :func:`~ptdp.layout.vocab.keeps_logits`).
+    Returns ``[s, b]`` losses in nats, replicated on tp (0 where ignored). Forward: 3 all-reduces
+    of ``s b`` on tp (+ the all-gather of ``x`` with sp); backward: 1 all-reduce of ``s b h`` (sp:
+    all-gather and reduce-scatter). Raises ValueError for a bad label or ``chunk_tokens < 1``.
     """
     check_labels(target, vocab_size, ignore_index)
     if chunk_tokens is not None and chunk_tokens < 1:

@@ -8,11 +8,9 @@ Shoeybi et al., "Megatron-LM", arXiv:1909.08053, §3, Fig. 3:
   Placed where the partial outputs of a row-parallel layer (or of the vocab-parallel embedding) are
   summed.
 
-Both are the identity, with no autograd node at all, when the tp axis has size 1. ``g`` sums in
-place when it may (the partial sums are a fresh output nobody keeps for backward): no copy
-around the forward all-reduce. The autograd functions that communicate run outside
-``torch.compile`` graphs (``torch.compiler.disable``): a compiled layer is split into regions
-between them, and every collective still goes through :mod:`ptdp.engine.comm` and is counted.
+Both are the identity, with no autograd node, when the tp axis has size 1. ``g`` sums in place
+when it may (the partial sums are a fresh output nobody keeps). The communicating functions run
+outside ``torch.compile`` graphs, so every collective goes through :mod:`ptdp.engine.comm`.
 """
 
 from __future__ import annotations

@@ -1,45 +1,19 @@
-"""Random numbers for dropout under tensor, pipeline and data parallelism.
+"""Random numbers for dropout under tensor, pipeline, context and data parallelism.
 
-:class:`DropoutRNG` holds one rank's dropout generators (``torch.Generator`` objects, created on
-first use) and is passed explicitly to the model; dropout never draws from torch's default
-generator. Each generator is a *stream* seeded from ``--seed``, the data-parallel rank, the
-iteration of the last reseed (0 unless a run resumed without its dropout state) and the stream's
-name. Three kinds of streams, chosen by what the masked activation is on a tensor-parallel rank:
+:class:`DropoutRNG` holds one rank's dropout generators (never torch's default one), each a
+*stream* seeded from ``--seed``, the dp rank, the iteration of the last reseed and its name:
 
-- **replicated** ``<key>``: the same numbers on every tp rank of a data-parallel replica, for an
-  activation every tp rank holds whole: the hidden states ``[s, b, h]`` outside the tp regions
-  (embedding output, attention projection output, fc2 output). The mask is drawn for the whole
-  tensor, so it is the same at every tp.
-- **tp-distinct** ``<key>/tp<r>``: different on every tp rank, for an activation split over tp,
-  such as the hidden states split along the sequence under sequence parallelism (Korthikanti et
-  al. 2022, arXiv:2205.05198, §4.2.2): each rank masks its own part with its own numbers.
-- **per head** ``<key>/head<j>``: one stream per global attention head ``j``, for the attention
-  probabilities ``[b, a/tp, s, s]``; a rank draws for its own heads only, so masks differ over the
-  tp ranks (they hold different heads) while head ``j``'s mask is the same at every tp.
+- **replicated** ``<key>``: the same on every tp rank, for activations every tp rank holds whole.
+- **tp-distinct** ``<key>/tp<r>``: for activations split over tp, e.g. by sequence parallelism
+  (Korthikanti et al. 2022, arXiv:2205.05198, §4.2.2).
+- **per head** ``<key>/head<j>``: one per global attention head ``j`` (probabilities ``[b, a/tp, s, s]``).
+- **whole-sequence** (cp > 1): the replicated stream draws the whole ``[s, b, h]`` mask and the
+  rank keeps its rows (:func:`~ptdp.engine.context_parallel.load_balance.rank_positions`).
 
-Under context parallelism (``cp_size > 1``) a rank's hidden states are the rows of its two
-sequence chunks, ``[s/C, b, h]`` (``[s/(C t), b, h]`` with sequence parallelism). Hidden dropout
-then uses the **whole-sequence** kind: the replicated stream ``<key>`` draws the mask of the whole
-``[s, b, h]`` tensor, as every tp rank does without sequence parallelism, and the rank keeps the
-rows of the global positions it holds
-(:func:`~ptdp.engine.context_parallel.load_balance.rank_positions`). The masks are thus those of the
-unsplit model (cp = 1, no sequence parallelism) at every cp, tp and sequence-parallel setting;
-the price is ``s b h`` random numbers and a float32 ``[s, b, h]`` temporary per site and
-microbatch on every rank. Attention dropout under cp likewise draws each head's whole ``[b, s, s]``
-mask and keeps the rank's query rows (:meth:`DropoutRNG.head_masks` with ``rows``), which the
-blocks of the attention across cp ranks take their parts of.
-
-Keys are ``embedding`` and ``layer.<i>`` (the global layer index), so a layer's masks do not
-depend on which pipeline stage or model chunk holds it. Every schedule runs a layer's forwards in
-microbatch order and a forward draws its masks in a fixed order, so for a given dp size and micro
-batch size the masks, and training, are the same at every tp (without sequence parallelism), pp,
-number of model chunks, schedule and recompute setting. The dp rank is in every seed: replicas use
-different masks, and results depend on dp.
-
-Recomputation (:mod:`ptdp.engine.model.recompute`) must replay the masks of the first forward:
-:meth:`DropoutRNG.checkpoint_contexts` is the ``context_fn`` of ``torch.utils.checkpoint`` that
-saves every stream's state when a recomputed region first runs and restores it around the
-recompute (``preserve_rng_state`` covers only torch's default generators).
+Keys are ``embedding`` and ``layer.<i>`` (global layer index), so masks are the same at every tp
+(without sequence parallelism), cp, pp, schedule and recompute setting; they depend on dp.
+:meth:`DropoutRNG.checkpoint_contexts` replays them in recomputation (``torch.utils.checkpoint``'s
+``preserve_rng_state`` covers only the default generators).
 """
 
 from __future__ import annotations
@@ -62,21 +36,11 @@ STREAMS = (REPLICATED, TP_DISTINCT, WHOLE_SEQUENCE)
 class DropoutRNG:
     """This rank's dropout streams (module docstring); no communication.
 
-    Args:
-        seed: the run's seed (``--seed``).
-        dp_rank: this rank's data-parallel coordinate (in every stream's seed).
-        tp_rank: its tensor-parallel coordinate (in the tp-distinct streams' seeds only).
-        device: where masks are drawn (the generators' device).
-        sequence_parallel: the hidden states outside the tp regions are split along the sequence
-            over tp, so hidden dropout (:class:`Dropout` without an explicit stream) draws from
-            the tp-distinct streams instead of the replicated ones (with cp = 1).
-        cp_rank, cp_size: this rank's context-parallel coordinate and the cp size; with
-            ``cp_size > 1`` hidden dropout is of the whole-sequence kind (module docstring).
-        tp_size: the tensor-parallel size (which block of its cp rows a rank holds with
-            sequence parallelism).
-
-    ``recording``: a list to append ``(stream name, boolean drop mask)`` to at every draw (per head
-    for the attention probabilities), or None; for tests.
+    ``seed``: ``--seed``; ``dp_rank``: in every stream's seed; ``tp_rank``: in the tp-distinct
+    seeds; ``device``: where masks are drawn. ``sequence_parallel`` (cp = 1): hidden dropout draws
+    from the tp-distinct streams; ``cp_size > 1``: from the whole-sequence kind, keeping the rows of
+    ``cp_rank`` (and, with sequence parallelism, of its block of ``tp_size``). ``recording``: a
+    list receiving ``(stream name, boolean drop mask)`` at every draw, or None.
     """
 
     def __init__(

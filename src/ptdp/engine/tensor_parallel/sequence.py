@@ -1,46 +1,17 @@
-"""Sequence parallelism: the g and ḡ operators of Korthikanti et al. 2022 [K22], §4.2.2.
+"""Sequence parallelism: the g and ḡ operators of Korthikanti et al. 2022 [K22], arXiv:2205.05198, §4.2.2.
 
-Outside the tensor-parallel regions (the norms, the residual adds, dropout, the embedding output)
-every tp rank would hold the same ``[s, b, h]`` activations. With sequence parallelism each of
-the ``t`` tp ranks keeps only its part of the sequence, ``[s/t, b, h]``: rank r holds positions
-``[r s/t, (r + 1) s/t)``. The entry and exit of each tensor-parallel region change accordingly:
+Outside the tensor-parallel regions (norms, residual adds, dropout, embedding output) each of the
+``t`` tp ranks keeps only ``[s/t, b, h]``: rank r holds positions ``[r s/t, (r + 1) s/t)``.
 
-- g, the entry (before QKV, fc1 and the output layer), replaces f: forward all-gather along the
-  sequence ``[s/t, b, h] -> [s, b, h]``, backward reduce-scatter of the gradient
-  ``[s, b, h] -> [s/t, b, h]`` (:func:`all_gather_sequence`, :func:`sequence_gathered_linear`).
-- ḡ, the exit (after the row-parallel attention projection and fc2, and after the vocab-parallel
-  embedding), replaces the all-reduce: forward reduce-scatter of the partial sums
-  ``[s, b, h] -> [s/t, b, h]``, backward all-gather of the gradient
-  (:func:`reduce_scatter_sequence`).
+- g, the region entry (before QKV, fc1, the output layer), replaces f: forward all-gather along
+  the sequence ``[s/t, b, h] -> [s, b, h]``, backward reduce-scatter of the gradient.
+- ḡ, the exit (after the attention projection, fc2, the vocab-parallel embedding), replaces the
+  all-reduce: forward reduce-scatter ``[s, b, h] -> [s/t, b, h]``, backward all-gather.
 
-A ring all-reduce of ``N`` elements moves as much data as a reduce-scatter of ``N`` plus an
-all-gather to ``N``, so each all-reduce of ``s b h`` elements of tensor parallelism becomes an
-all-gather and a reduce-scatter of the same total; what changes is that every activation outside
-the regions is stored ``1/t`` per rank.
-
-:func:`sequence_gathered_linear` fuses g with the column-parallel linear after it and keeps only
-the sequence shard of its input for backward, gathering it again there for the weight gradient
-([K22] §4.2.2): the input of QKV, fc1 and the output layer is then stored ``1/t`` per rank too, at
-the cost of one more all-gather of ``s b h`` per region in backward.
-
-Parameters applied to sequence-split activations (norm weights and biases, the biases of the
-row-parallel linears, the learned position table) get on each rank the gradient of its own
-positions only. They are marked :data:`SEQUENCE_PARALLEL_ATTR` (:func:`mark_sequence_parallel`),
-and their gradients are summed over tp after backward
-(:func:`ptdp.engine.data_parallel.grads.finalize_grads`).
-
-In the backward of :func:`sequence_gathered_linear` the communication overlaps the GEMMs: the
-all-gather of the input starts before the input-gradient GEMM, the reduce-scatter of the input
-gradient before the weight-gradient GEMM, each waited for only when its result is needed.
-
-Activations are sequence-first, ``[s, b, h]`` (as in Megatron-LM), so the sequence is tensor dim 0
-(:data:`SEQ_DIM`) and a rank's shard is one contiguous block of the whole tensor: the all-gather
-writes every rank's ``[s/t, b, h]`` straight into its place in one ``[s, b, h]`` buffer, and the
-reduce-scatter reads the ``t`` blocks of a contiguous ``[s, b, h]`` in place; neither copies its
-input or output (a non-contiguous input, such as a gradient some operator left strided, is made
-contiguous first: that is the only copy). Every operator
-here is the identity (no autograd node, no communication) on a tp axis of size 1; otherwise it
-runs outside ``torch.compile`` graphs (``torch.compiler.disable``), which are split around it.
+:func:`sequence_gathered_linear` fuses g with the next column-parallel linear, saving only the
+input shard. Gradients of parameters marked :data:`SEQUENCE_PARALLEL_ATTR` are summed over tp after
+backward (:func:`ptdp.engine.data_parallel.grads.finalize_grads`). The sequence is dim 0
+(:data:`SEQ_DIM`), so the collectives copy nothing. Identity on a tp axis of size 1.
 """
 
 from __future__ import annotations

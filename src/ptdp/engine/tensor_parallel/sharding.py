@@ -1,11 +1,8 @@
 """How a parameter is split over the tensor-parallel axis, and its layout-independent initialisation.
 
-Every ptdp parameter carries a :class:`GlobalParam` (attribute ``ptdp_global``) describing the *global*
-(unsharded, vocab-padded) tensor and how tp ranks split it. That makes initialisation independent of
-the layout: the global tensor is cut into fixed-size blocks along its split dim, each drawn from a
-generator seeded by (seed, parameter name, block index), and each rank draws only the blocks its
-shard overlaps (:func:`init_shard`), so tp=1 and tp=4 start from identical weights. :func:`unshard` rebuilds the global
-tensor from all shards (used by tests and, later, checkpoint export).
+Every ptdp parameter carries a :class:`GlobalParam` (attribute ``ptdp_global``) describing the
+*global* (unsharded, vocab-padded) tensor and how tp ranks split it, so initialisation is the same
+on every layout (:func:`init_shard`). :func:`unshard` rebuilds the global tensor from all shards.
 """
 
 from __future__ import annotations
@@ -24,15 +21,11 @@ INIT_KINDS = ("normal", "scaled_normal", "zeros", "ones")
 class GlobalParam:
     """Global shape and tensor-parallel split of one parameter.
 
-    Attributes:
-        global_shape: shape of the whole, unsharded tensor (vocab rows already padded).
-        tp_dim: tensor dim split over tp ranks; None means replicated on every tp rank.
-        tp_groups: the split dim is viewed as [tp_groups, n] and each group is split separately
-            (3 for a fused QKV projection laid out [q | k | v], so every rank gets its heads' q, k, v;
-            2 for a SwiGLU fc1 laid out [gate | up], so every rank gets matching gate and up rows).
-        init: "normal" (std), "scaled_normal" (std / sqrt(2 * num_layers), for the projections
-            into the residual stream, GPT-2 / Megatron), "zeros" or "ones".
-        real_rows: rows of dim 0 that are real (vocabulary); rows past it are padding, kept at zero.
+    ``global_shape``: the unsharded shape (vocab rows padded); ``tp_dim``: the dim split over tp
+    (None: replicated); ``tp_groups``: the split dim is viewed as ``[tp_groups, n]``, each group
+    split separately (3: fused ``[q | k | v]``, 2: SwiGLU ``[gate | up]``); ``init``: "normal",
+    "scaled_normal" (std / sqrt(2 * num_layers), GPT-2 / Megatron), "zeros" or "ones";
+    ``real_rows``: real rows of dim 0, the rest zero padding.
     """
 
     global_shape: tuple[int, ...]
@@ -145,12 +138,10 @@ def init_shard(
     """Rank ``tp_rank``'s shard (float32, ``spec.local_shape(tp_size)``) of parameter ``name``'s
     initial value, identical on every layout, drawing only the blocks the shard overlaps.
 
-    Weights are N(0, std^2) (N(0, (std / sqrt(2 * num_layers))^2) for ``scaled_normal``, GPT-2 /
-    Megatron). The global tensor is cut along its tp dim (dim 0 if replicated) into blocks of
-    :func:`init_block_size` indices; block ``k`` is drawn from a generator seeded by a hash of
-    ``(seed, name, k)``. A rank draws the blocks its index ranges (:func:`shard_ranges`) overlap:
-    about ``1 / tp`` of the tensor, plus at most one block at each end of a range. Padded
-    vocabulary rows (``>= real_rows``) are zero.
+    Weights are N(0, std^2) (std / sqrt(2 * num_layers) for ``scaled_normal``, GPT-2 / Megatron).
+    The global tensor is cut along its tp dim (dim 0 if replicated) into blocks of
+    :func:`init_block_size` indices, block ``k`` seeded by a hash of ``(seed, name, k)``; a rank
+    draws the blocks its ranges (:func:`shard_ranges`) overlap. Padded rows are zero.
     """
     local = spec.local_shape(tp_size)
     if spec.init == "zeros":

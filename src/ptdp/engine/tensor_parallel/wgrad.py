@@ -1,30 +1,15 @@
 """Weight gradients of the linear layers and of the embedding lookup accumulated straight into
 float32 main gradients.
 
-For bfloat16 (or float16) parameters the data-parallel buffer keeps a float32 gradient per
-parameter, ``param.main_grad`` (:class:`ptdp.engine.data_parallel.buffer.GradBuffer`). Letting
-autograd produce a 16-bit ``param.grad`` and adding it in a hook costs a gradient-sized allocation,
-a separate addition pass and a Python hook per parameter and microbatch. Here the linear layers'
-backward adds ``grad_outputᵀ · input`` into ``main_grad`` itself (Megatron-LM's "gradient
-accumulation fusion", Narayanan et al. SC21 §4): on CUDA in one GEMM that reads 16-bit inputs and
-accumulates in float32 into the buffer (``aten::addmm.dtype_out`` with ``out = main_grad``, beta = 1,
-no temporary), elsewhere as a 16-bit GEMM added into the buffer (the CPU has no mixed-dtype GEMM in
-torch 2.13). Where the fused kernel fails (a torch without ``addmm.dtype_out``, a GPU without the
-kernel) CUDA takes that path too, warned about once and counted in :data:`FUSED_GEMM`, so a
-benchmark can tell which one ran. The layer then returns no weight gradient to autograd; autograd
-still runs the parameter's accumulation step and with it the buffer's post-accumulate hook, which finds no
-``.grad`` to add and only marks the parameter's gradient complete, so bucketed reductions start as
-early as before. The output layer of the chunked loss does the same chunk by chunk
-(:mod:`~ptdp.engine.tensor_parallel.linear_cross_entropy`), and the word embedding's lookup adds
-the gradients of the rows it looked up (:class:`EmbeddingFunction`, ``index_add_`` of ``[n, h]``
-float32 rows): no 16-bit ``[V_pad/tp, h]`` gradient. A tied embedding (the lookup and the output
-layer on one weight) thus gets both parts in ``main_grad`` and nothing through autograd. The
-learned position embeddings (``[s, h]``, sliced, not looked up) keep autograd's path.
-
-Weights without ``main_grad`` (float32 and float64 models, whose buffer *is* ``param.grad``) get
-their gradient returned as usual, and so do all weights on a torch that skips a leaf's
-post-accumulate hooks when no gradient reaches it (:func:`hooks_run_without_grad`: torch 2.7). Inside a ``torch.compile`` region autograd's path is kept
-(:func:`fuse_here`): compiled graphs cannot write into a buffer that is not one of their inputs.
+For 16-bit parameters with a float32 ``param.main_grad``
+(:class:`ptdp.engine.data_parallel.buffer.GradBuffer`), the backward adds ``grad_outputᵀ · input``
+into ``main_grad`` itself (Megatron-LM's "gradient accumulation fusion", Narayanan et al. SC21 §4):
+on CUDA one ``aten::addmm.dtype_out`` accumulating in float32, elsewhere (or where that kernel
+fails, warned once and counted in :data:`FUSED_GEMM`) a 16-bit GEMM added into the buffer. No
+weight gradient goes to autograd; the buffer's post-accumulate hook still marks it complete. The
+embedding lookup does the same with ``index_add_`` (:class:`EmbeddingFunction`). Weights without
+``main_grad``, torches that skip the hook without a gradient (:func:`hooks_run_without_grad`:
+torch 2.7) and ``torch.compile`` regions (:func:`fuse_here`) keep autograd's path.
 """
 
 from __future__ import annotations
@@ -187,24 +172,12 @@ class EmbeddingFunction(torch.autograd.Function):
     """The lookup ``weight[ids]`` (``F.embedding``), rows whose id is ``outside`` this shard zeroed,
     whose backward adds the looked-up rows' gradients into ``weight.main_grad``.
 
-    Shapes per rank: ``ids`` any shape ``[...]`` (int64, every entry in ``[0, rows)``; the
-    vocab-parallel embedding passes ids local to its shard, 0 where ``outside``), ``weight [rows, h]``,
-    ``outside`` a bool tensor shaped like ``ids`` or None; output ``[..., h]``. No communication.
-
-    Backward: ``main_grad.index_add_(0, ids, rows)`` with ``rows`` the output gradient as ``[n, h]``
-    (``n = ids.numel()``), converted to ``main_grad``'s dtype (``index_add_`` takes no mixed dtypes in
-    torch 2.13; an activation-sized temporary, never a ``[rows, h]`` one) and zeroed where
-    ``outside`` (those rows add zeros to row 0, no selection and so no host synchronisation). A
-    16-bit model's rows are thus summed in float32, not rounded to 16 bits per duplicate token as
-    autograd's dense gradient is. No weight gradient goes back to autograd; the parameter's
-    accumulation step and the buffer's post-accumulate hook still run, once per backward after every
-    use of the weight (a tied embedding's output layer included). A weight without ``main_grad``
-    gets autograd's dense gradient (``embedding_dense_backward``).
-
-    Determinism: on CUDA ``index_add_`` accumulates with atomics, so the order in which the rows of a
-    repeated token are summed (in float32) varies from run to run unless
-    ``torch.use_deterministic_algorithms(True)``, under which torch runs it deterministically; on the
-    CPU it is sequential.
+    Per rank: ``ids [...]`` int64 in ``[0, rows)`` (local to the shard, 0 where ``outside``),
+    ``weight [rows, h]``, ``outside`` bool like ``ids`` or None; output ``[..., h]``. No
+    communication. Backward: ``main_grad.index_add_(0, ids, rows)`` of the output gradient as
+    float32 ``[n, h]`` rows (zeroed where ``outside``); nothing goes to autograd. Without
+    ``main_grad``: autograd's dense gradient. On CUDA ``index_add_`` uses atomics: the summation
+    order varies unless ``torch.use_deterministic_algorithms(True)``.
     """
 
     @staticmethod
