@@ -1,39 +1,18 @@
 """Causal attention computed block by block and merged by log-sum-exp (no communication).
 
-Attention of a query block against one key/value block gives a partial output ``o_i`` and the
-log-sum-exp ``l_i`` of each query row's scaled scores over that block's keys. Partial results of
-the same rows over disjoint key sets merge exactly:
-``l = log(exp(l_1) + exp(l_2))``, ``o = exp(l_1 - l) o_1 + exp(l_2 - l) o_2``
-(Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; the flash-attention
-recurrence, Dao et al. 2022; used across devices by Liu et al. 2023, "Ring Attention with Blockwise
-Transformers", arXiv:2310.01889).
+A query block against one key/value block gives a partial output ``o_i`` and log-sum-exp ``l_i``;
+partials of the same rows over disjoint keys merge exactly: ``l = log(exp(l_1) + exp(l_2))``,
+``o = exp(l_1 - l) o_1 + exp(l_2 - l) o_2`` (Milakov & Gimelshein 2018, "Online normalizer
+calculation for softmax"; Dao et al. 2022, flash-attention; Liu et al. 2023, "Ring Attention",
+arXiv:2310.01889). Backward needs only the final ``o`` and ``l``: with ``P = exp(S - l)`` and
+``D = rowsum(dO * o)``, ``dV = P^T dO``, ``dS = P * (dO V^T - D)``, ``dQ = scale * dS K``,
+``dK = scale * dS^T Q`` (Dao et al. 2022, Algorithm 4). Dropout (Srivastava et al. 2014) with mask
+``M``: ``P`` becomes ``P * ~M / (1 - p)`` in the output and ``dV``, and ``dO V^T`` is masked alike.
 
-The backward of a block needs only the final output ``o`` and log-sum-exp ``l`` of its rows:
-with ``P = exp(S - l)`` (``S`` the block's scaled scores) and ``D = rowsum(dO * o)``,
-``dV = P^T dO``, ``dS = P * (dO V^T - D)``, ``dQ = scale * dS K``, ``dK = scale * dS^T Q``
-(the flash-attention backward, Dao et al. 2022, Algorithm 4). Summing each block's ``dQ`` over the
-key blocks and each ``dK, dV`` over the query blocks gives the gradients of the whole attention.
-
-Shapes: queries ``[b, heads, n, d]``, keys and values ``[b, kv_heads, m, d]`` with ``heads`` a
-multiple of ``kv_heads`` (grouped-query attention: query head ``i`` uses key/value head
-``i // (heads / kv_heads)``, as ``scaled_dot_product_attention(enable_gqa=True)``); outputs
-``[b, heads, n, d]`` and log-sum-exp ``[b, heads, n]`` in the compute dtype: float64 for float64
-inputs, float32 otherwise (16-bit inputs are multiplied, exponentiated and accumulated in float32).
-Grouped heads are handled by a view ``[b, kv_heads, group, n, d]``: keys and values are never
-repeated.
-
-Attention dropout (Srivastava et al. 2014) on a block: given the block's boolean mask ``M``
-(True where a probability is dropped, the block's part of the mask of the whole attention) and
-probability ``p``, the block contributes ``(P * ~M / (1 - p)) V`` with the log-sum-exp of the
-undropped scores, so partial results still merge exactly; backward uses
-``dV = (P * ~M / (1 - p))^T dO``, ``dS = P * ((dO V^T) * ~M / (1 - p) - D)`` with the same
-``D = rowsum(dO * o)`` (``o`` the final, dropped output).
-
-Masks (positions contiguous within a block, ``q_start``/``k_start`` the global position of a
-block's first row): a key at position ``p_k`` is visible to a query at ``p_q`` when
-``p_k <= p_q``. A block entirely in the future is skipped, one entirely in the past is full, one
-whose last key is the last query's position is causal (bottom-right aligned, the diagonal block
-when ``n == m``), any other overlap is masked by its offset.
+Shapes: q ``[b, heads, n, d]``, k and v ``[b, kv_heads, m, d]`` (grouped-query: query head ``i``
+uses kv head ``i // (heads / kv_heads)``, as ``scaled_dot_product_attention(enable_gqa=True)``);
+outputs ``[b, heads, n, d]`` and log-sum-exp ``[b, heads, n]`` in float32 (float64 for float64).
+A key at ``p_k`` is visible to a query at ``p_q`` when ``p_k <= p_q``.
 """
 
 from __future__ import annotations
@@ -133,18 +112,11 @@ def attention_block(
 ) -> Partial:
     """Attention of ``q`` over one key/value block, with its log-sum-exp.
 
-    Args:
-        q: ``[b, heads, n, d]``; k, v: ``[b, kv_heads, m, d]`` (any float dtype).
-        causal: False (every key visible), True (bottom-right aligned causal: query ``i`` sees
-            keys ``j <= i + m - n``), or an int offset ``o`` (query ``i`` sees keys ``j <= i + o``;
-            a row that sees no key gets output 0 and log-sum-exp -inf).
-        scale: the softmax scale (usually ``1 / sqrt(d)``).
-        drop, dropout_p: attention dropout: the block's mask ``[b, heads, n, m]`` (True: dropped)
-            and its probability (module docstring); None: no dropout.
-
-    Returns:
-        :class:`Partial` in the compute dtype. Built of differentiable torch operations
-        (autograd can run through it); :func:`attention_block_backward` is its explicit backward.
+    ``q [b, heads, n, d]``, ``k``, ``v [b, kv_heads, m, d]``. ``causal``: False (all keys), True
+    (bottom-right aligned: query ``i`` sees keys ``j <= i + m - n``) or an int offset ``o`` (``j <=
+    i + o``; a row seeing no key gets output 0, log-sum-exp -inf). ``drop``: the block's mask
+    ``[b, heads, n, m]`` (True: dropped) with ``dropout_p``, or None. Returns a differentiable
+    :class:`Partial` in the compute dtype; :func:`attention_block_backward` is its explicit backward.
     """
     _check(q, k, v)
     scores = _scores(q, k, _offset(causal, q.shape[2], k.shape[2]), scale)
@@ -169,15 +141,10 @@ def attention_block_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of the gradients, given the rows' *final* (merged) output and log-sum-exp.
 
-    Args:
-        dout: gradient of the final output of these rows ``[b, heads, n, d]``.
-        q, k, v, causal, scale, drop, dropout_p: as given to :func:`attention_block`.
-        out, lse: the rows' final output ``[b, heads, n, d]`` and log-sum-exp ``[b, heads, n]``
-            over every key they attend to (not this block's partial ones).
-
-    Returns:
-        ``(dq [b, heads, n, d], dk [b, kv_heads, m, d], dv [b, kv_heads, m, d])`` in the compute
-        dtype: the terms of this block in the sums over blocks.
+    ``dout``: gradient of the rows' final output ``[b, heads, n, d]``; ``out``, ``lse``: their
+    final output and log-sum-exp ``[b, heads, n]`` over every key; the rest as given to
+    :func:`attention_block`. Returns this block's terms ``(dq [b, heads, n, d], dk, dv
+    [b, kv_heads, m, d])`` of the sums over blocks, in the compute dtype.
     """
     _check(q, k, v)
     hk, group = k.shape[1], q.shape[1] // k.shape[1]
@@ -289,13 +256,9 @@ def blockwise_causal_attention(
 ) -> torch.Tensor:
     """Causal self-attention of a whole sequence computed as blocks of queries against blocks of
     keys (sizes ``block_sizes``, summing to ``s``), merged by log-sum-exp, with the explicit
-    block-by-block backward: the single-process form of what the context-parallel attention
-    does across ranks (and its reference in the tests).
-
+    block-by-block backward: the single-process form of the context-parallel attention.
     q ``[b, heads, s, d]``, k and v ``[b, kv_heads, s, d]`` -> ``[b, heads, s, d]`` in q's dtype.
-
-    Raises:
-        ValueError: the block sizes do not sum to ``s`` or one is not positive.
+    Raises ValueError when the block sizes do not sum to ``s`` or one is not positive.
     """
     s = q.shape[2]
     if sum(block_sizes) != s or min(block_sizes) <= 0 or k.shape[2] != s:

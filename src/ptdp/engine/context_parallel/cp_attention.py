@@ -1,33 +1,16 @@
 """Causal self-attention across the ranks of the cp axis, each holding 2 chunks of the sequence.
 
-:func:`context_parallel_attention` is the entry; ``comm_type`` chooses how keys and values reach
-the queries (Megatron-Core's ``--cp-comm-type``):
+:func:`context_parallel_attention` is the entry; ``comm_type`` (Megatron-Core's ``--cp-comm-type``):
 
-* ``"all_gather"`` (:class:`AllGatherAttention`, the Llama 3 paper's §3.3.2 method): keys and
-  values are all-gathered over cp once, each query chunk attends to every key up to its own end
-  (its own chunk causal, the chunks before it full, merged by log-sum-exp); backward all-gathers
-  them again (only the rank's own keys and values are kept for backward, so activation memory
-  stays ``1/C`` of the sequence) and reduce-scatters the key/value gradients back to their owners.
-* ``"p2p"`` (:class:`~ptdp.engine.context_parallel.ring.RingAttention`, ring attention, Liu et al.
-  2023, arXiv:2310.01889): blocks passed around the ring ``C - 1`` times, each transfer posted
-  before the attention of the block in hand so that they overlap; backward passes the blocks
-  again with the gradient accumulators of the blocks one step behind them, ``C`` times, so the
-  last one lands on its owner.
+* ``"all_gather"`` (:class:`AllGatherAttention`; Dubey et al. 2024, "The Llama 3 Herd of Models",
+  arXiv:2407.21783, §3.3.2): keys and values all-gathered over cp in forward and again in backward
+  (only the rank's own are saved), key/value gradients reduce-scattered to their owners.
+* ``"p2p"`` (:class:`~ptdp.engine.context_parallel.ring.RingAttention`; Liu et al. 2023, "Ring
+  Attention with Blockwise Transformers", arXiv:2310.01889): blocks passed ``C - 1`` times around
+  the ring, overlapping the attention; backward passes them again with the gradient accumulators.
 
-Why the ring cannot deadlock under NCCL's rules (groups of a communicator run in posting order;
-a send completes only while its receive runs; messages between two ranks match in order): at
-every step every rank posts exactly one group on the cp communicator, holding its sends to the next
-rank and its receives from the previous one, in the same order (keys/values, then gradients) on
-every rank, and waits for it before posting the next. Every send of step ``i`` is thus matched by
-a receive in the neighbour's group of step ``i``; if all groups of the steps before ``i`` have
-completed, every rank reaches its group ``i`` (only local compute lies between), the groups of
-step ``i`` run together and complete: by induction every group does. The all-gather variant uses
-collectives, which every rank calls in the same order.
-
-Sources: Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context",
-arXiv:2310.01889; Dubey et al. 2024, "The Llama 3 Herd of Models", arXiv:2407.21783, §3.3.2
-(all-gather context parallelism, the 2C-chunk load balancing); Megatron-Core's context-parallel
-documentation (``--context-parallel-size``, ``--cp-comm-type``).
+The ring cannot deadlock under NCCL's rules: at every step each rank posts one group (sends to the
+next rank, receives from the previous, in the same order) and waits for it before the next.
 """
 
 from __future__ import annotations
@@ -152,43 +135,17 @@ def context_parallel_attention(
 ) -> torch.Tensor:
     """Causal self-attention of a sequence split over the cp ranks of ``axis`` (``C = axis.size``).
 
-    Each rank holds chunks ``r`` and ``2C - 1 - r`` of the sequence (:mod:`.chunks`); the result
-    equals the rows of plain causal attention of the whole sequence at those positions, and the
-    gradients of ``q, k, v`` those of the rank's rows.
-
-    Args:
-        q: ``[b, heads, s/C, d]``; k, v: ``[b, kv_heads, s/C, d]`` (``heads`` a multiple of
-            ``kv_heads``: grouped-query attention), the rank's two chunks concatenated.
-        axis: the cp group (every rank of it calls this with the same shapes).
-        comm_type: ``"p2p"`` (ring) or ``"all_gather"``.
-        scale: softmax scale, default ``1 / sqrt(d)``.
-        kernel: how each block is computed (:mod:`.kernels`): ``"auto"`` (fused flash attention
-            on CUDA for 16-bit inputs without dropout, else ``"math"``), ``"math"`` or ``"fused"``.
-        drop, dropout_p: attention dropout: the rank's rows of the whole attention's mask, bool
-            ``[b, heads, s/C, s]`` (True: dropped; columns in global key positions), and the
-            probability; each block takes its part, so the result is that of the unsplit
-            attention with that mask. None: no dropout. Kept for backward (1 byte per entry).
-
-    Returns:
-        ``[b, heads, s/C, d]`` in q's dtype. Scores, softmax and accumulations run in float32
-        (float64 for float64 inputs); gradients of keys and values travel in that dtype.
-
-    Communication per rank, one forward and its backward, counted on axis ``cp`` with tags
-    ``cp_attention_forward`` and ``cp_attention_backward`` (:func:`cp_attention_comm` gives them
-    exactly). With ``E = 2 b kv_heads (s/C) d`` (a rank's keys and values), ``e`` the input's
-    bytes per element and ``g`` the compute dtype's:
-
-    * all_gather: forward one all-gather of ``E`` elements (``E e`` bytes); backward one all-gather
-      of ``E`` elements and one reduce-scatter of ``C E`` elements (``C E g`` bytes put in).
-    * p2p: forward ``C - 1`` sends and ``C - 1`` receives of ``E`` elements; backward ``C - 1``
-      sends and receives of ``E`` elements (``e`` bytes each) plus ``C`` sends and receives of
-      ``E`` gradient elements (``g`` bytes each).
-    Nothing is communicated when ``C == 1``.
-
-    Raises:
-        ValueError: unknown ``comm_type`` or ``kernel``, mismatched shapes, an odd local sequence
-            length, a dropout mask of another shape, or a fused kernel asked for inputs it does
-            not take (or with dropout).
+    Rank ``r`` holds chunks ``r`` and ``2C - 1 - r`` (:mod:`.load_balance`): ``q [b, heads, s/C, d]``,
+    ``k``, ``v [b, kv_heads, s/C, d]`` -> ``[b, heads, s/C, d]`` in q's dtype, the rows of plain causal
+    attention at those positions (float32 math, float64 for float64). ``kernel``: ``"auto"``,
+    ``"math"`` or ``"fused"`` (:mod:`.kernels`); ``drop``: the rank's rows of the whole mask, bool
+    ``[b, heads, s/C, s]``, or None. Communication on ``cp`` (tags ``cp_attention_forward`` and
+    ``_backward``; :func:`cp_attention_comm`), with ``E = 2 b kv_heads (s/C) d``, ``e``/``g`` the
+    input's/compute dtype's bytes: all_gather: forward all-gather of ``E`` (``E e`` bytes),
+    backward all-gather of ``E`` and reduce-scatter of ``C E`` (``C E g``); p2p: forward ``C - 1``
+    sends and receives of ``E``, backward ``C - 1`` of ``E`` (``e``) plus ``C`` of ``E`` gradients
+    (``g``); none when ``C == 1``. Raises ValueError for an unknown ``comm_type``/``kernel``, bad
+    shapes, an odd local length, or a fused kernel on inputs it does not take.
     """
     if comm_type not in COMM_TYPES:
         raise ValueError(f"cp comm type {comm_type!r} is not one of {COMM_TYPES}")

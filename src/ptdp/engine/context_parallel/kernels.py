@@ -2,19 +2,11 @@
 :mod:`.blockwise` (``"math"``) or a fused flash-attention kernel (``"fused"``) that returns the
 log-sum-exp and takes the final output and log-sum-exp in its backward.
 
-The fused kernels are ATen's flash-attention operators, the ones
-``torch.nn.functional.scaled_dot_product_attention`` dispatches to, called directly because the
-public function returns no log-sum-exp: on CUDA ``aten._scaled_dot_product_flash_attention`` and
-its ``_backward`` (16-bit inputs, head dim a multiple of 8 up to 256), on CPU
-``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (any float dtype:
-what the CPU tests run in float64 to check this module's use of them). Their backward computes
-``D = rowsum(dO * O)`` from the ``out`` it is given, so given a block's rows' final output and
-log-sum-exp it returns that block's terms of the gradient sums, as
-:func:`~ptdp.engine.context_parallel.blockwise.attention_block_backward` does (Dao 2023,
-"FlashAttention-2", Algorithm 2). They take a causal flag only for square blocks here (top-left and
-bottom-right alignment agree), and grouped-query heads as repeated key/value heads (the key/value
-gradients summed back over each group). Attention dropout (a block's mask given) runs only on the
-math kernel.
+The fused kernels are ATen's ``_scaled_dot_product_flash_attention`` (CUDA: 16-bit, head dim a
+multiple of 8 up to 256) and ``_scaled_dot_product_flash_attention_for_cpu`` (any float dtype),
+called directly for their log-sum-exp; given the final output, their backward returns a block's
+gradient terms (Dao 2023, "FlashAttention-2", Algorithm 2). Causal only for square blocks;
+grouped-query heads as repeated key/value heads; dropout only on the math kernel.
 
 ``"auto"`` picks the fused kernel on CUDA for 16-bit inputs and the math one otherwise.
 """

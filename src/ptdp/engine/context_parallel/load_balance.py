@@ -1,18 +1,13 @@
 """The load-balanced sequence layout of context parallelism (pure index arithmetic on tensors).
 
-A sequence of ``s`` tokens is cut into ``2C`` equal chunks of ``c = s / (2C)`` tokens, ``C`` the
-context-parallel size; cp rank ``r`` holds chunk ``r`` followed by chunk ``2C - 1 - r`` (local
-length ``s / C``). Under a causal mask a query in chunk ``x`` attends to ``x + 1`` chunks of keys
-(counting its own), so rank ``r`` does ``(r + 1) + (2C - r) = 2C + 1`` chunk-pairs of work, the
-same on every rank; contiguous slices of ``s / C`` would give the last rank ``2C - 1`` times the
-first rank's work. Source: Llama 3 paper (Dubey et al. 2024, "The Llama 3 Herd of Models") §3.3.2;
-Megatron-Core's context-parallel documentation (the same 2C-chunk split).
+A sequence of ``s`` tokens is cut into ``2C`` chunks of ``c = s / (2C)`` (``C`` the cp size); cp
+rank ``r`` holds chunk ``r`` then chunk ``2C - 1 - r``, so under a causal mask every rank does
+``(r + 1) + (2C - r) = 2C + 1`` chunk-pairs of work. Source: Dubey et al. 2024, "The Llama 3 Herd
+of Models", §3.3.2; Megatron-Core's context-parallel documentation (the same split).
 
 Example, ``s = 8``, ``C = 2`` (chunks of 2 tokens): rank 0 holds positions 0 1 6 7, rank 1 holds
-2 3 4 5.
-
-Within a rank the positions increase along the local sequence, so a causal mask on local indices
-is the causal mask on global positions (what :mod:`.attention` uses for a rank's own block).
+2 3 4 5. Positions increase along the local sequence, so a causal mask on local indices is the
+causal mask on global positions (:mod:`.cp_attention`).
 """
 
 from __future__ import annotations
@@ -95,8 +90,7 @@ def shard_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, *, dim: int) -> 
 
 def unshard_sequence(parts: list[torch.Tensor] | tuple[torch.Tensor, ...], *, dim: int) -> torch.Tensor:
     """The whole sequence from every rank's part (``parts[r]`` from cp rank ``r``, each ``s / C``
-    long along ``dim``): the inverse of :func:`shard_sequence`, done locally (for tests and
-    gathered results)."""
+    long along ``dim``): the inverse of :func:`shard_sequence`, done locally."""
     cp_size = len(parts)
     if cp_size == 1:
         return parts[0]

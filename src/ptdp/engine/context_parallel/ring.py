@@ -1,21 +1,17 @@
 """Ring attention over the cp axis: key/value blocks passed around the ring of cp ranks
 (Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context",
-arXiv:2310.01889), with the 2C-chunk load balancing of :mod:`.chunks` (Megatron-Core's context
-parallelism, ``--cp-comm-type p2p``).
+arXiv:2310.01889), with the 2C-chunk load balancing of :mod:`.load_balance` (Megatron-Core's
+``--cp-comm-type p2p``).
 
-Rank ``r`` holds queries, keys and values of chunks ``r`` and ``2C - 1 - r`` (``2c`` rows,
-``c = s / (2C)``). At step ``i`` (0 to C - 1) it holds the key/value block of rank
-``src = (r - i) mod C`` and computes, with the 2-chunk structure of both sides:
+Rank ``r`` holds chunks ``r`` and ``2C - 1 - r`` (``2c`` rows, ``c = s / (2C)``). At step ``i``
+(0 to C - 1) it holds the key/value block of rank ``src = (r - i) mod C`` and computes:
 
-* ``src == r``: all its queries against all the block's keys, causal on local indices (local
-  positions increase, so this is the global causal mask);
-* ``src < r``: all its queries against the block's first chunk (``src < r``), full; its second
-  chunk ``2C - 1 - src`` is in the future of both query chunks, skipped;
-* ``src > r``: its second query chunk (``2C - 1 - r``) against the whole block, full; the first
-  query chunk ``r`` sees neither key chunk, skipped.
+* ``src == r``: all queries against all keys, causal on local indices;
+* ``src < r``: all queries against the block's first chunk, full (its second is in the future);
+* ``src > r``: the second query chunk (``2C - 1 - r``) against the whole block, full.
 
-Every step costs every rank ``2c x c`` scores after the first (``2c x 2c`` causal), so the ring
-stays balanced. Partial results are merged by log-sum-exp (:mod:`.blockwise`).
+Every step after the first costs every rank ``2c x c`` scores, so the ring stays balanced.
+Partial results are merged by log-sum-exp (:mod:`.blockwise`).
 """
 
 from __future__ import annotations
@@ -98,8 +94,8 @@ def ring_drop(drop: torch.Tensor | None, rows: slice, cols: slice, src: int, siz
 
 class RingAttention(torch.autograd.Function):
     """``forward(q, k, v, axis, scale, kernel, drop, dropout_p)``: this rank's attention output
-    (``kernel`` "math" or "fused", :mod:`.kernels`); see :mod:`.attention`'s
-    ``context_parallel_attention`` for shapes, dropout and communication."""
+    (``kernel`` "math" or "fused", :mod:`.kernels`); shapes, dropout and communication as
+    :func:`~ptdp.engine.context_parallel.cp_attention.context_parallel_attention`."""
 
     @staticmethod
     def forward(ctx, q, k, v, axis: AxisGroup, scale: float, kernel: str, drop=None, dropout_p: float = 0.0):
