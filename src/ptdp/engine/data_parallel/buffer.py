@@ -1,38 +1,15 @@
 """Gradient buckets of one model-parallel shard, reduced over the data-parallel group.
 
-The group is every rank holding the same parameters: the dp x cp ranks sharing this rank's tp
-and pp ranks (``ParallelGroups.dp_cp``; the dp group when cp = 1). Context-parallel ranks hold
-partial gradients of the same microbatches (each rank's share of its tokens), so the reduction
-sums over cp and averages over dp only (``average_over`` = dp).
+The group is the dp x cp ranks sharing this rank's tp and pp ranks (``ParallelGroups.dp_cp``):
+the reduction sums over cp (partial gradients of the same microbatches) and averages over dp.
+Gradients live in one flat buffer cut into buckets (at most ``bucket_size`` elements, never
+spanning two chunks, filled in reverse parameter order as in Megatron-LM and PyTorch DDP). A
+bucket's reduction starts when its last gradient is ready in the synchronising microbatch's
+backward (``overlap``; others run under :meth:`GradBuffer.no_sync`), else in :meth:`GradBuffer.finish`.
 
-Every gradient lives in one flat buffer cut into buckets (at most ``bucket_size`` elements each,
-never spanning two model chunks). Microbatch gradients accumulate in place. A bucket's
-data-parallel reduction starts as soon as the last of its gradients is ready in the backward of
-the *synchronising* microbatch (``overlap=True``; the other microbatches run under
-:meth:`GradBuffer.no_sync`, as with PyTorch DDP), or, without overlap or for buckets whose
-gradients did not all arrive (unused parameters reduce as zeros), in :meth:`GradBuffer.finish`.
-Buckets are filled in reverse parameter order, the order backward produces gradients, as in
-Megatron-LM and PyTorch DDP.
-
-With ``shard=True`` (the distributed optimizer, ZeRO-1; Rajbhandari et al., arXiv:1910.02054)
-each bucket is padded to a multiple of the group's size (dp x cp) and reduce-scattered: rank i of
-the group keeps the i-th share of every bucket's reduction in :attr:`GradBuffer.shard_grads`;
-parameters become views of one flat :attr:`GradBuffer.param_data` with the same layout, so the
-updated shards can be all-gathered in place. For bfloat16 parameters the buffer is float32
-(Megatron's ``main_grad``): the linear layers, the output layer and the word-embedding lookup add
-their weight gradients straight into ``param.main_grad`` (:mod:`ptdp.engine.tensor_parallel.wgrad`);
-for the other parameters the post-accumulate hook adds ``param.grad`` into it and frees it. The
-hook runs for every parameter in every backward, and marks its gradient complete.
-
-With ``shard_grads=True`` as well (``--data-parallel-sharding-strategy optim_grads``, ZeRO-2)
-the rank keeps only its shard of the gradients between microbatches, each bucket's full gradient
-only while a backward fills it: every backward reduce-scatters what it produced, or, with the
-interleaved schedule in one round, each chunk once per step, chunk by chunk
-(:mod:`ptdp.engine.data_parallel.sharded_grads`).
-
-``--data-parallel-sharding-strategy optim_grads_params`` (ZeRO-3) is ``shard_grads`` with buckets
-that never span two units (``unit_of``); :class:`~ptdp.engine.data_parallel.units.ParamUnits`
-then takes the parameters out of :attr:`GradBuffer.param_data` (left None) into its own shards.
+``shard=True`` (ZeRO-1; Rajbhandari et al., arXiv:1910.02054): buckets padded to a multiple of the
+group size, reduce-scattered into :attr:`GradBuffer.shard_grads`; ``shard_grads=True`` (ZeRO-2):
+:mod:`ptdp.engine.data_parallel.sharded_grads`. 16-bit parameters get a float32 ``main_grad``.
 """
 
 from __future__ import annotations
@@ -54,27 +31,12 @@ DEFAULT_BUCKET_SIZE = 40_000_000  # elements; Megatron-LM's default
 class GradBuffer(ShardedGradients):
     """Flat gradient buckets for the parameters of each model chunk (``chunk_params[c]``).
 
-    Args:
-        chunk_params: parameters of each chunk, in module order.
-        dp: the group the gradients are reduced over (and, with ``shard``, sharded over): the
-            dp x cp ranks holding the same parameters (``ParallelGroups.dp_cp``).
-        grad_dtype: buffer dtype (default: the parameters'); float32 for bfloat16 parameters.
-        bucket_size: most elements per bucket (a larger parameter gets a bucket of its own).
-        overlap: start a bucket's reduction during backward, when all its gradients are ready.
-        codec: ``none``, ``fp16``, ``bf16`` or ``1bit`` (:mod:`ptdp.engine.data_parallel.compression`).
-        shard: reduce-scatter into :attr:`shard_grads` for the distributed optimizer.
-        deferred: parameters whose bucket must not start early (the tied embedding, whose
-            gradient is first summed over the first and last pipeline stage).
-        prescaled: the gradients arrive already divided by dp (the step folds 1/dp into the
-            loss), so the reductions sum instead of averaging: no division pass.
-        average_over: what an averaging (not ``prescaled``) reduction divides the sum by, the
-            number of data-parallel replicas dp (default: ``dp.size``, right when cp = 1; with
-            cp > 1 the sum over cp is kept).
-        shard_grads: keep only the shard of the gradients between microbatches (ZeRO-2; needs
-            ``shard``): each backward's buckets are reduce-scattered and added into
-            :attr:`shard_grads`; the flat buffer lives only during a backward (module docstring).
-        unit_of: parameter id -> unit index (``optim_grads_params``): no bucket spans two units
-            (:func:`~ptdp.engine.data_parallel.bucket_layout.plan_buckets`).
+    ``dp``: the group reduced (and sharded) over, the dp x cp ranks (``ParallelGroups.dp_cp``);
+    ``grad_dtype``: buffer dtype; ``bucket_size``: most elements per bucket; ``codec``: ``none``,
+    ``fp16``, ``bf16`` or ``1bit`` (:mod:`ptdp.engine.data_parallel.compression`); ``deferred``:
+    parameters whose bucket starts late (the tied embedding); ``prescaled``: gradients arrive
+    divided by dp, so reductions sum; ``average_over``: the divisor otherwise (default
+    ``dp.size``); ``shard``/``shard_grads``/``unit_of``: ZeRO-1/2/3 (module docstring).
     """
 
     def __init__(

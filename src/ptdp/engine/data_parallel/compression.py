@@ -1,28 +1,17 @@
 """How a gradient bucket is reduced over the data-parallel group: exactly, in 16 bits, or in 1 bit.
 
-Every codec averages the bucket over the ``dp`` replicas (summing over the cp ranks of each,
-which hold partial gradients of the same parameters) and only ever communicates on the
-data-parallel gradient group (dp x cp ranks, counted on the ``dp`` axis). ``start`` issues the
-(asynchronous) collectives and returns a function that, once called, waits for them and leaves
-the average in place (or, for the distributed optimizer, this rank's shard of it in ``shard``).
-Payload per rank and step (counted by :mod:`ptdp.engine.comm`): ``none`` 4 bytes per element
-(fp32), ``fp16``/``bf16`` 2, ``1bit`` 1/8 + 4/64 = 0.1875 (21x less than fp32).
+Every codec averages over the ``dp`` replicas (summing over cp) on the dp x cp gradient group
+(counted on ``dp``). ``start`` issues the asynchronous collectives and returns a function that
+waits and leaves the average in place (or this rank's shard in ``shard``). Payload per element:
+``none`` 4 bytes, ``fp16``/``bf16`` 2, ``1bit`` 1/8 + 4/64 = 0.1875.
 
-- ``fp16`` / ``bf16``: divide by dp *before* casting, so the sum over dp overflows the 16-bit
-  range only where the mean itself does; cast back after the reduction. float16's largest value
-  is 65,504: a mean gradient beyond it becomes inf, and the step is then skipped as non-finite
-  (bf16 has float32's range).
-- ``1bit``: signs with one float32 scale (mean absolute value) per block of
-  :data:`ONE_BIT_BLOCK` elements of the bucket, with error feedback: the part of the gradient the
-  sign cannot express is kept in a per-rank residual and added to the next step's gradient (Seide
-  et al., "1-Bit Stochastic Gradient Descent", Interspeech 2014, which also uses a scale per
-  column rather than per tensor; Karimireddy et al., "Error Feedback Fixes SignSGD",
-  arXiv:1901.09847). The residual is training state. Why blocks: with AdamW, one scale per
-  bucket lets the bucket's large gradients set the step of its small ones; on ``ptdp train``'s
-  default model (dp = 2, 200 iterations) a per-bucket scale ended at validation loss 6.8 against
-  4.9 uncompressed, 64-element blocks at 5.4, and 64-element blocks after an exact warmup (see
-  ``grad_compression_warmup_iters``; Tang et al., "1-bit Adam", arXiv:2102.02888, also warm up
-  uncompressed) at 5.1.
+- ``fp16`` / ``bf16``: divide by dp *before* casting, so the sum overflows only where the mean
+  does (float16 max 65,504: the step is then skipped as non-finite); cast back after.
+- ``1bit``: signs with one float32 scale (mean absolute value) per block of :data:`ONE_BIT_BLOCK`
+  elements, with error feedback in a per-rank residual that is part of the training state (Seide
+  et al., "1-Bit Stochastic Gradient Descent", Interspeech 2014; Karimireddy et al., "Error
+  Feedback Fixes SignSGD", arXiv:1901.09847; exact warmup as Tang et al., "1-bit Adam",
+  arXiv:2102.02888).
 """
 
 from __future__ import annotations
@@ -79,20 +68,12 @@ def start_reduction(
 ) -> Callable[[], None]:
     """Start averaging ``grad`` (a flat fp32 bucket) over ``axis``; returns ``finish()``.
 
-    ``divisor``: what averaging divides the sum over ``axis`` by (default ``axis.size``); the
-    number of data-parallel replicas dp when ``axis`` is the dp x cp group (summed over cp).
-
-    ``average=False``: every rank's ``grad`` is already divided by dp (the training step folds
-    1/dp into the loss, :func:`ptdp.engine.step.train_step`), so the codec only sums: no division
-    pass over the bucket (for ``fp16``/``bf16`` not even before the cast).
-
-    ``shard`` (distributed optimizer): receive only this rank's ``grad.numel() / dp`` slice of the
-    average there (reduce-scatter) instead of the whole average in ``grad`` (all-reduce).
-    ``residual``: the 1-bit error-feedback buffer of this bucket (same shape as ``grad``), kept
-    in unscaled units: ``grad`` is ``grad_scale`` times the true gradient (a float, or with
-    float16 the loss scale as a 0-dim tensor on the device, used without reading it to the host).
-    ``blocks``: 1-bit scale block sizes (:func:`block_sizes` of the parameters laid out in
-    ``grad``); default: blocks of :data:`ONE_BIT_BLOCK` over the whole bucket.
+    ``divisor``: what averaging divides the sum by (default ``axis.size``; dp on the dp x cp
+    group). ``average=False``: ``grad`` is already divided by dp, so the codec only sums.
+    ``shard``: receive this rank's ``grad.numel() / dp`` slice (reduce-scatter) instead of the
+    whole average in ``grad`` (all-reduce). ``residual``: the bucket's 1-bit error feedback, in
+    unscaled units (``grad`` is ``grad_scale`` times the gradient; a 0-dim device tensor with
+    float16). ``blocks``: 1-bit block sizes (:func:`block_sizes`; default :data:`ONE_BIT_BLOCK`).
     """
     dp = axis.size if divisor is None else divisor
     divide = dp if average else 1

@@ -19,14 +19,10 @@ def finalize_grads(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups)
     is never reduced early), then finish the data-parallel reduction of every bucket, then sum the
     gradients of the sequence-parallel parameters over tp (:func:`sum_sequence_parallel_grads`).
 
-    With ``shard_grads`` (ZeRO-2) the order is reversed: the data-parallel reduction first, then
-    the embedding-group sum of the tied bucket's shard (its own bucket, padded alike on both
-    stages, so rank i of the dp x cp group holds the same rows on the first and the last stage).
-
-    Communication: embedding all-reduce of the ``[V_pad / tp, h]`` word-embedding gradient (only
-    with pp > 1 and tied embeddings; with ``shard_grads`` of its 1/(dp cp) shard, padded); dp x cp all-reduces (or reduce-scatters) of all buckets, together
-    the stage's gradient elements (Narayanan et al. SC21, §3.2); with sequence parallelism one tp
-    all-reduce of the marked parameters' gradients.
+    With ``shard_grads`` (ZeRO-2) the first two are swapped: the tied bucket's shard is summed.
+    Communication: embedding all-reduce of the ``[V_pad / tp, h]`` gradient (pp > 1, tied; its
+    shard with ``shard_grads``); dp x cp all-reduces or reduce-scatters of all buckets (Narayanan
+    et al. SC21, §3.2); with sequence parallelism one tp all-reduce.
     """
     tied_embedding = getattr(model, "tied_embedding", None)  # a GPTModel stage or ModelChunks has it
     tied = tied_embedding() if tied_embedding is not None else None
@@ -46,12 +42,9 @@ def sum_sequence_parallel_grads(buffer: GradBuffer, groups: ParallelGroups) -> N
     (:mod:`ptdp.engine.tensor_parallel.sequence`): applied to sequence-split activations, each tp rank's
     gradient covers its own positions only (Korthikanti et al. 2022, §4.2.2).
 
-    Runs after the data-parallel reduction, on the reduced gradients (with the distributed
-    optimizer, on this rank's shard of them): summing over tp and averaging over dp commute, and
-    the buckets may then be reduced during backward. The tp ranks of a replica hold equally shaped
-    parameters in the same buckets, so they hold the same segments. Communication: one tp
-    all-reduce (tag ``sequence_parallel``) of all the marked gradients together (flattened), when
-    there are any.
+    Runs after the data-parallel reduction (on this rank's shard when sharded): the sums over tp
+    and dp commute. Communication: one tp all-reduce (tag ``sequence_parallel``) of all the marked
+    gradients flattened together, when there are any.
     """
     if groups.tp.size == 1:
         return
@@ -112,11 +105,9 @@ def global_grad_norm(model: nn.Module, buffer: GradBuffer, groups: ParallelGroup
     """Global L2 norm of all gradients of the model, every parameter counted once, as a float64
     0-dim tensor on the buffer's device (nan or inf if a gradient is; the same on every rank).
 
-    Sums squares (float64) over this rank's counted parameters (with the distributed optimizer,
-    over its shard, then all-reduced over the dp x cp group the shards partition), then
-    all-reduces over tp and pp (1 element each). Parameters are replicated over cp and the
-    reduced gradients equal on every cp rank, so each counts once: no cp reduction.
-    No host synchronisation: the value stays on the device until someone reads it.
+    Sums squares in float64 (sharded: over this rank's shard, all-reduced over dp x cp), then
+    all-reduces 1 element over tp and pp; no cp reduction (gradients are equal over cp). No host
+    synchronisation.
     """
     sq = _sum_of_squares(model, buffer, groups)
     all_reduce(sq, groups.tp, tag="grad_norm")

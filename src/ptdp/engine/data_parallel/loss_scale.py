@@ -1,18 +1,12 @@
 """Dynamic loss scaling for float16 training (Micikevicius et al., "Mixed Precision Training",
 arXiv:1710.03740, §3.2), kept on the device.
 
-The loss is multiplied by ``scale`` before backward so small gradients survive float16; after the
-data-parallel reduction :meth:`DynamicLossScaler.unscale` divides the gradients by it and notes
-whether this rank holds an inf or nan, in one fused pass. The step adds that flag to the count of
-non-finite gradient norms in its world all-reduce of the metrics, so an overflow anywhere (every
-rank of every tp, pp and dp group) skips the step on every rank with no collective of its own;
-:meth:`DynamicLossScaler.update` then halves the scale (never below ``min_scale``), and after
-``growth_interval`` good steps in a row doubles it. Every rank sees the same skip decision, so all
-keep the same scale.
-
-``scale`` (float32) and ``good_steps`` (int64) are 0-dim tensors on the stage's device, updated in
-place by ``torch.where``: the host never reads them inside a step (it reads them only to save a
-checkpoint, :meth:`DynamicLossScaler.state_dict`).
+The loss is multiplied by ``scale`` before backward; after the data-parallel reduction
+:meth:`DynamicLossScaler.unscale` divides the gradients by it and flags an inf or nan. The flag
+rides the step's world all-reduce of the metrics (no collective of its own), so an overflow
+anywhere skips the step on every rank; :meth:`DynamicLossScaler.update` then halves the scale
+(never below ``min_scale``), and doubles it after ``growth_interval`` good steps in a row.
+``scale`` and ``good_steps`` are 0-dim device tensors the host never reads inside a step.
 """
 
 from __future__ import annotations
@@ -23,15 +17,9 @@ import torch
 class DynamicLossScaler:
     """The loss scale and the count of good steps since the last skipped one, on ``device``.
 
-    Args:
-        scale: initial loss scale (a power of two keeps scaling and unscaling exact).
-        growth_factor, backoff_factor: multiply the scale by these after ``growth_interval`` good
-            steps in a row / after a skipped step.
-        growth_interval: good steps in a row between two growths (counted since the last skip:
-            the scale grows when ``good_steps`` reaches a multiple of it).
-        min_scale: the scale is never halved below this.
-        good_steps: good steps since the last skipped one (0 for a new run).
-        device: where the two state tensors live (the stage's device).
+    ``scale``: initial scale (a power of two keeps unscaling exact); ``growth_factor`` /
+    ``backoff_factor``: applied when ``good_steps`` reaches a multiple of ``growth_interval`` /
+    after a skipped step; ``min_scale``: the floor; ``good_steps``: good steps since the last skip.
     """
 
     def __init__(
@@ -55,10 +43,8 @@ class DynamicLossScaler:
         """Divide this rank's reduced float32 ``grads`` (flat buffer or shard) by ``scale`` in
         place; returns a 0-dim float32 flag on the device, 1 where ``grads`` hold an inf or nan.
 
-        One fused kernel reads and writes each element once (torch's
-        ``_amp_foreach_non_finite_check_and_unscale_``, the one ``torch.amp.GradScaler`` uses);
-        multiplying by ``1 / scale`` is exact for a power-of-two scale. No communication and no
-        host synchronisation: the caller folds the flag into a collective it does anyway.
+        One fused kernel (torch's ``_amp_foreach_non_finite_check_and_unscale_``, as
+        ``torch.amp.GradScaler``). No communication, no host synchronisation.
         """
         found = torch.zeros((), dtype=torch.float32, device=grads.device)
         torch._amp_foreach_non_finite_check_and_unscale_([grads], found, scale.reciprocal())

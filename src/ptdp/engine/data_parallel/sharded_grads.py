@@ -1,34 +1,16 @@
 """The gradient side of ``--data-parallel-sharding-strategy optim_grads`` and
 ``optim_grads_params`` (ZeRO-2 and 3; Rajbhandari et al., arXiv:1910.02054): the memory of the
-full-size gradient buckets of a :class:`~ptdp.engine.data_parallel.buffer.GradBuffer` built with
+full-size buckets of a :class:`~ptdp.engine.data_parallel.buffer.GradBuffer` built with
 ``shard_grads=True``, and their reduce-scatters into the rank's shard.
 
-The rank keeps only its shard of the gradients between microbatches: *every* microbatch's
-backward reduce-scatters each bucket it touched (during backward with overlap, else when that
-backward ends) and adds the result into :attr:`GradBuffer.shard_grads`, which accumulates the
-step's gradient. Each bucket then has a tensor of its own whose memory exists only from the
-moment backward reaches the output of the module holding its first parameter (a transformer
-layer, the word embedding where only the lookup reads it, the embedding dropout for the learned
-position table added before it, or the model chunk for the rest: :meth:`GradBuffer.watch`) until
-its reduce-scatter finished; with ``overlap`` at most two buckets
-are in flight (launching a third first finishes the oldest), so a backward holds the buckets
-being filled and two being reduced, not the stage's whole gradient. :meth:`GradBuffer.no_sync`
-does not defer the reductions in this mode; leaving it ends one microbatch's backward. The tied
-embedding keeps its own bucket (never started early); its shard covers the same rows on the
-first and the last stage, so the embedding-group sum acts on the shards
-(:func:`~ptdp.engine.data_parallel.grads.finalize_grads`).
-
-Except chunk by chunk (:func:`ptdp.layout.buckets.chunk_by_chunk`: the interleaved schedule in
-one round, ``v > 1`` chunks and ``m == pp`` microbatches, over ``d > 1`` ranks; set per step by
-:meth:`GradBuffer.begin_backwards`): a rank then runs every backward of its last chunk, then
-every backward of the chunk before, and so on, so a chunk's buckets get their memory in the
-chunk's first backward, accumulate its microbatches under :meth:`GradBuffer.no_sync` (which then
-defers, as without ``shard_grads``), and are reduce-scattered straight into the shard once per
-step: during the chunk's last backward with ``overlap``, the rest when it ends
-(:meth:`GradBuffer.chunk_done`); at most two in flight, each freed when it lands. One chunk's
-whole gradient exists at a time, plus the two buckets of the chunk after it still in flight
-(Dubey et al. 2024, arXiv:2407.21783, §3.3.2: gradients accumulated in float32 across
-microbatches and reduce-scattered once).
+Every microbatch's backward reduce-scatters each bucket it touched and adds the result into
+:attr:`GradBuffer.shard_grads`. A bucket's memory exists from when backward reaches the module
+holding its first parameter (:meth:`GradBuffer.watch`) until its reduce-scatter finishes; at most
+two are in flight. The tied embedding keeps its own bucket, summed over the embedding group as a
+shard (:func:`~ptdp.engine.data_parallel.grads.finalize_grads`). Chunk by chunk
+(:func:`ptdp.layout.buckets.chunk_by_chunk`, set by :meth:`GradBuffer.begin_backwards`), a chunk's
+buckets accumulate its microbatches under :meth:`GradBuffer.no_sync` and are reduce-scattered once
+per step (:meth:`GradBuffer.chunk_done`; Dubey et al. 2024, arXiv:2407.21783, §3.3.2).
 """
 
 from __future__ import annotations

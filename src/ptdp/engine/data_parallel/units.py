@@ -2,47 +2,16 @@
 optim_grads_params``, ZeRO-3; Rajbhandari et al., "ZeRO", arXiv:1910.02054, §5.3): a rank keeps
 only its shard of every parameter and gathers a unit's full parameters just while it computes.
 
-Units (:func:`sharding_units`), in forward order per model chunk: its embeddings (gathered when
-the chunk's forward starts, used until the first layer starts), each transformer layer, and its
-head (final norm and output layer, from the final norm to the end of the loss); one unit of all
-but the layers where one tied word embedding is looked up first and projected last. The
-gradient buffer is planned so that no bucket spans two units
-(:func:`~ptdp.engine.data_parallel.bucket_layout.plan_buckets`), so a unit is a set of whole buckets and
-rank r's shard of a unit is the r-th ``1/d`` of each of its buckets, the same layout as the
-gradient shard (d = dp x cp, the ``ParallelGroups.dp_cp`` group). Every bucket has a full
-parameter tensor of its own (the parameters are views of it) whose memory exists only while the
-unit is gathered (``untyped_storage().resize_``: the parameters and the tensors autograd saved
-from them stay valid objects, FSDP's idiom); :attr:`ParamUnits.shard` (``[numel / d]``, padding
-included) is what the rank keeps and what the optimizer updates.
-
-Lifetime of a unit's gathered parameters, per microbatch:
-
-- forward: its forward pre-hook waits for its all-gather (issuing it if nobody did) and issues
-  the next unit's (prefetch, forward order); its forward hook (for the embeddings: the next unit's
-  pre-hook) frees it (``reshard_after_forward``, the default) and, if backward reads it, sets a
-  tensor hook on its output;
-- backward: that tensor hook fires when backward reaches the unit's output: it waits for the
-  unit's gather and issues the previous unit's (prefetch, reverse order); the unit is freed when
-  the gradients of all its parameters have been accumulated (post-accumulate hooks: nothing of
-  the unit's backward reads it after that), and at the end of every backward at the latest. The
-  embeddings' unit is not gathered for backward (:attr:`UnitUse.read_in_backward`): the
-  lookups' weight gradients are the output gradient added into the looked-up rows, which needs
-  the ids, not the tables;
-- recompute (full or selective) runs the forward again inside backward: the pre-hook then only
-  waits for the unit (gathering it if needed) and nothing is freed until the unit's backward;
-- ``reshard_after_forward=False`` (``--no-reshard-after-forward``): a unit gathered for a forward
-  stays gathered until the backward that leaves its model chunk with no microbatch in flight
-  (pipeline schedules run several forwards of a chunk before their backwards);
-- evaluation (no autograd): gathered before and freed after each forward.
-
-Communication (dp axis, tag ``params``): one all-gather per bucket of a unit each time the unit is
-gathered, ``numel / d`` elements from this rank: with resharding ``2 m`` gathers of every unit per
-step for ``m`` microbatches (one per forward, one per backward), ``m`` of the embeddings' unit
-(forward only), without it one per stretch of the chunk's microbatches in flight (``m`` at
-pp = 1); no all-gather after the optimizer step, which
-updates only :attr:`ParamUnits.shard` (:meth:`invalidate` drops the stale gathered copies). The
-gradients are reduce-scattered as with ``optim_grads``. No host synchronisation: the gathers are
-asynchronous handles waited for by the hooks.
+Units (:func:`sharding_units`) per chunk: its embeddings, each layer, its head. No bucket spans two
+units, so rank r's shard of a unit is the r-th ``1/d`` of each of its buckets (d = dp x cp), the
+gradient shard's layout. Each bucket's full tensor has memory only while gathered
+(``untyped_storage().resize_``, FSDP's idiom); :attr:`ParamUnits.shard` is what the optimizer updates.
+Forward: a unit's pre-hook waits for its all-gather and prefetches the next; its forward hook frees
+it (``reshard_after_forward``). Backward: a hook on its output gathers it again (prefetching the
+previous); it is freed once all its gradients are accumulated. The embeddings are not gathered for
+backward (:attr:`UnitUse.read_in_backward`). Communication (dp axis, tag ``params``): one
+all-gather of ``numel / d`` per bucket each time a unit is gathered (``2 m`` per step with
+resharding); none after the optimizer step (:meth:`invalidate`). No host synchronisation.
 """
 
 from __future__ import annotations
@@ -92,12 +61,9 @@ def param_gather_units(chunks: Sequence[GPTModel]) -> list[tuple[nn.Module, list
 
 def sharding_units(chunks: Sequence[GPTModel]) -> list[UnitUse]:
     """The units of ``chunks`` (``GPTModel`` stages), per chunk in forward order: the embeddings
-    (word embedding where the lookup alone reads it, learned positions; until the first layer
-    starts; only looked up, so not read in backward), each transformer layer, and the head (final
-    norm, output layer, or the tied word embedding the output layer reads; from the final norm to
-    the end of the chunk's forward, the loss included). A chunk that looks up and projects with one
-    tied word embedding (pp = 1) has one unit for both, from the start to the end of its forward,
-    read in backward by the output layer."""
+    (until the first layer starts; not read in backward), each transformer layer, and the head
+    (final norm, output layer; to the end of the loss). With one tied word embedding in the chunk
+    (pp = 1), one unit of all but the layers, for the whole forward, read in backward."""
     units: list[UnitUse] = []
     for c, chunk in enumerate(chunks):
         layers = list(chunk.layers.values())
@@ -312,8 +278,8 @@ class ParamUnits:
         self.live_bytes -= unit.nbytes
 
     def gather_all(self) -> None:
-        """Gather every unit and finish (to read the parameters outside a forward: checkpoints,
-        tests); the next forward of each unit frees it again, as does :meth:`invalidate`. Not
+        """Gather every unit and finish (to read the parameters outside a forward, e.g.
+        checkpoints); the next forward of each unit frees it again, as does :meth:`invalidate`. Not
         counted in :attr:`peak_live_bytes` (the training transient)."""
         peak = self.peak_live_bytes
         for unit in self.units:

@@ -1,13 +1,10 @@
 """Causal self-attention of the GPT layers, split over tp by heads and, with context
 parallelism, over cp by sequence chunks (:class:`Attention`; the model is :mod:`.gpt`).
 
-Communication: the QKV and output projections' tensor-parallel collectives
-(:mod:`ptdp.engine.tensor_parallel`); with cp > 1 the key/value exchange of
-:func:`~ptdp.engine.context_parallel.cp_attention.context_parallel_attention`.
-
-For generation, :class:`KVCache` holds the keys and values of the positions already read and
-:meth:`Attention.forward_cached` runs only the new positions against them; training never creates
-or reads one (nothing of it is a parameter, a buffer or module state).
+Communication: the projections' tensor-parallel collectives; with cp > 1 the key/value exchange
+of :func:`~ptdp.engine.context_parallel.cp_attention.context_parallel_attention`. For generation,
+:class:`KVCache` holds the keys and values already read and :meth:`Attention.forward_cached` runs
+only the new positions against them (not module state).
 """
 
 from __future__ import annotations
@@ -31,27 +28,15 @@ from ptdp.engine.tensor_parallel.random import DropoutRNG
 class Attention(nn.Module):
     """Causal self-attention split by heads: QKV column-parallel, output projection row-parallel.
 
-    Multi-head attention (``num_query_groups`` None): the fused projection is laid out
-    ``[q | k | v]`` (each ``h`` rows, heads contiguous), each block split over tp, so a rank holds
-    the q, k and v of its ``a / tp`` heads. Grouped-query attention with G groups: it is laid out
-    group by group, ``[q of the a/G heads of group 0, k_0, v_0, q of group 1, k_1, v_1, ...]``
-    (``d`` rows per head), and split contiguously over tp, so a rank holds ``G / tp`` whole groups:
-    its ``a / tp`` query heads and the key/value heads they share (query head i uses key/value
-    head ``i // (a/G)``). With ``rope`` the rotary embedding turns q and k before the scores.
-    With ``attention_dropout`` (in training) the core is computed explicitly, and the
-    probabilities of global head ``j`` are dropped with the masks of stream ``layer.<i>/head<j>``.
-    Input and output ``[s, b, h]`` (``[s/t, b, h]`` with ``sequence_parallel``: QKV gathers the
-    whole sequence, so attention and the rotary positions see all ``s`` positions).
-
-    Context parallelism (``cp`` of size C > 1): input and output are this cp rank's ``s/C`` rows
-    (its chunks ``r`` and ``2C - 1 - r``; ``s/(C t)`` with ``sequence_parallel``, QKV gathering the
-    rank's ``s/C``), rotary positions are the rows' global positions, and the core is
-    :func:`~ptdp.engine.context_parallel.cp_attention.context_parallel_attention` over ``cp`` with
-    ``cp_comm_type`` (keys and values exchanged over the cp ranks, their gradients sent back; its
-    docstring gives the bytes), on the same ``a/t`` query and ``kv/t`` key/value heads. With
-    attention dropout each rank draws every local head's mask of the whole ``s x s`` attention
-    from its stream, as the unsplit model does, and keeps its query rows ``[b, a/t, s/C, s]``; each
-    block of the cp attention takes its part (the same masks, hence the same training, at every cp).
+    Multi-head: the fused projection is ``[q | k | v]`` (``h`` rows each), each block split over
+    tp, so a rank holds its ``a / tp`` heads' q, k, v. Grouped-query with G groups: laid out
+    ``[q of the a/G heads of group 0, k_0, v_0, q of group 1, k_1, v_1, ...]`` (``d`` rows per head)
+    and split contiguously, so a rank holds ``G / tp`` whole groups (query head i uses key/value
+    head ``i // (a/G)``). Attention dropout uses stream ``layer.<i>/head<j>`` for global head ``j``.
+    Input and output ``[s, b, h]`` (``[s/t, b, h]`` with ``sequence_parallel``). With cp of size
+    C > 1: this rank's ``s/C`` rows (chunks ``r`` and ``2C - 1 - r``), the core being
+    :func:`~ptdp.engine.context_parallel.cp_attention.context_parallel_attention` over ``cp``
+    (its docstring gives the bytes); dropout masks are the whole attention's rows ``[b, a/t, s/C, s]``.
     """
 
     def __init__(
@@ -112,13 +97,10 @@ class Attention(nn.Module):
     def forward_cached(self, x: torch.Tensor, cache: KVCache, layer: str, start: int) -> torch.Tensor:
         """Inference over a key/value cache: ``x`` ``[n, b, h]`` the hidden states of positions
         ``start .. start + n - 1`` -> ``[n, b, h]``, equal to the rows of :meth:`forward` over the
-        whole sequence (no dropout; cp = 1 and no sequence parallelism, which
-        :meth:`~ptdp.engine.model.gpt.GPTModel.kv_cache` checks). Rotary positions are the absolute
-        ones; the ``n`` new keys and values (``kv/tp`` heads: grouped-query attention caches the
-        key/value heads only) are written in place into the layer's ``[b, kv/tp, max_len, d]``
-        buffers of ``cache`` at rows ``start ..``, and the queries attend to rows ``0 .. start + n - 1``
-        (:func:`cached_attention`). Communication: the QKV and output projections' tp collectives,
-        as in :meth:`forward`, on ``n`` positions."""
+        whole sequence (no dropout, cp = 1, no sequence parallelism). The new keys and values are
+        written into ``cache``'s ``[b, kv/tp, max_len, d]`` buffers at rows ``start ..`` and the
+        queries attend to rows ``0 .. start + n - 1`` (:func:`cached_attention`). Communication: the
+        projections' tp collectives, as in :meth:`forward`, on ``n`` positions."""
         q, k, v = self.split_heads(self.qkv(x))
         if self.rotary is not None:
             q, k = self.rotary.forward_at(q, start, cache.max_len), self.rotary.forward_at(k, start, cache.max_len)
@@ -173,15 +155,11 @@ class Attention(nn.Module):
 
 class KVCache:
     """Keys and values of the positions a model has read, for generation: per layer one
-    preallocated ``[b, kv/tp, max_len, d]`` buffer of keys and one of values (kv/tp: this tp rank's
-    key/value heads, ``G / tp`` with grouped-query attention), in the attention's compute dtype
-    and device, written in place (no concatenation per token). ``length`` counts the positions
-    held (a host integer: no device read).
-
-    Memory: ``2 * l * b * (kv/tp) * max_len * d`` elements per rank. Built by
-    :meth:`~ptdp.engine.model.gpt.GPTModel.kv_cache`; filled by
-    :meth:`~ptdp.engine.model.gpt.GPTModel.decode`; setting ``length = 0`` starts it again (the
-    buffers are overwritten).
+    preallocated ``[b, kv/tp, max_len, d]`` buffer of keys and one of values (this tp rank's
+    key/value heads), written in place. ``length``: positions held (a host integer). Memory:
+    ``2 * l * b * (kv/tp) * max_len * d`` elements per rank. Built by
+    :meth:`~ptdp.engine.model.gpt.GPTModel.kv_cache`, filled by
+    :meth:`~ptdp.engine.model.gpt.GPTModel.decode`; ``length = 0`` starts it again.
     """
 
     def __init__(self, attention: dict[str, Attention], batch: int, max_len: int) -> None:

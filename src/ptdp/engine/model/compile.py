@@ -1,22 +1,12 @@
 """``--compile``: the stage compiled by ``torch.compile`` (inductor).
 
-At tp = 1 (no collective inside the stage's forward) and without ``--overlap-param-gather`` (whose
-module hooks wait for all-gathers) the embedding, the layers and the final norm are one compiled
-graph (:func:`compile_stage`: ``GPTModel.hidden_states``), so inductor fuses across the layer
-boundaries. Otherwise the layers are compiled, each on its own (they share one compiled graph when their shapes
-agree: parameters are graph inputs), and, inside the chunked output layer + loss
-(:mod:`~ptdp.engine.tensor_parallel.linear_cross_entropy`, ``compiled=True``), each chunk's
-statistics and gradient; not the embedding or the pipeline runtime. Module hooks (the parameter all-gather waits of ``--overlap-param-gather``) stay
-outside: the layer's ``forward`` is compiled, not its ``__call__``. Full recompute runs the
-compiled layers inside its checkpoints; selective recompute's checkpoint of the attention core
-is traced by dynamo inside the compiled layer.
-
-Communication: the tensor-parallel functions that call :mod:`ptdp.engine.comm` (f, g, the
-sequence-parallel gathers and scatters, the column-parallel linear with its overlapped
-backward) are ``torch.compiler.disable``-d (:mod:`ptdp.engine.eager`, done here
-before compiling), so each compiled layer is split into regions between
-them and every collective still runs eagerly, counted per (axis, op, tag) exactly as without
-``--compile``. At tp = 1 they are not called and a layer is one graph.
+At tp = 1 without ``--overlap-param-gather`` the embedding, the layers and the final norm are one
+compiled graph (:func:`compile_stage`: ``GPTModel.hidden_states``). Otherwise each layer's
+``forward`` is compiled on its own (module hooks stay outside), and each chunk of the output layer
++ loss (:mod:`~ptdp.engine.tensor_parallel.linear_cross_entropy`, ``compiled=True``); not the
+embedding or the pipeline runtime. The functions that communicate are ``torch.compiler.disable``-d
+(:mod:`ptdp.engine.eager`), so compiled layers are split around them and every collective runs
+eagerly, counted per (axis, op, tag) as without ``--compile``.
 """
 
 from __future__ import annotations

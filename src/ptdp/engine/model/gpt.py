@@ -2,47 +2,13 @@
 input/output embedding; Llama-like options: RMSNorm, a SwiGLU MLP, rotary positions,
 grouped-query attention, no linear biases, an untied output layer (:class:`ptdp.config.ModelConfig`).
 
-:class:`GPTModel` is one pipeline stage: it holds the layers ``layer_ids`` and, on the first stage,
-the embeddings, and on the last stage the final LayerNorm, the output layer and the loss. With
-tp = pp = 1 it is an ordinary single-process GPT: the tensor-parallel layers then communicate
-nothing. Parameter names use global layer indices (``layers.5.mlp.fc1.weight``) so they do not
-depend on the layout.
-
-Per-rank shapes: tokens and labels ``[b, s]``; hidden states sequence-first, ``[s, b, h]``, as in
-Megatron-LM (replicated over tp): the embedding looks up the transposed token ids, so its output
-is already ``[s, b, h]``, and every layer (norms, attention, MLP, residual adds, dropout) and the
-pipeline transfers keep that layout; attention permutes its heads to the ``[b, heads, s, d]``
-that ``scaled_dot_product_attention`` takes and back; the loss gives per-token losses in the
-labels' ``[b, s]`` order. Attention runs on the ``a / tp`` local query heads (and ``G / tp``
-key/value heads with grouped-query attention), the MLP on ``ffn / tp`` local channels.
-Communication per layer and microbatch (Shoeybi et al. 2019, §3): forward 2 all-reduces of
-``s*b*h`` elements on tp (after attention and after the MLP), backward 2 (before QKV and fc1).
-
-Dropout (``hidden_dropout``, ``attention_dropout``; off by default) draws its masks from the
-:class:`~ptdp.engine.tensor_parallel.random.DropoutRNG` passed in: the hidden states after the
-embeddings, after the attention projection and after fc2 (before the residual adds) from the
-layer's hidden-state stream, the attention probabilities from per-head streams. It acts only in
-training mode; evaluation runs ``model.eval()``.
-
-Sequence parallelism (``sequence_parallel``; Korthikanti et al. 2022, §4.2.2,
-:mod:`ptdp.engine.tensor_parallel.sequence`): hidden states outside attention and MLP are
-``[s/t, b, h]``, this tp rank's positions (a contiguous block of dim 0: the gathers and scatters
-along the sequence copy nothing), and so are the stage's input and output. Per layer and
-microbatch: forward 2 all-gathers along the sequence (into QKV and fc1) and 2 reduce-scatters (out
-of the attention projection and fc2); backward 2 reduce-scatters, 2 all-gathers and 2 all-gathers
-again of the QKV and fc1 inputs (kept as shards). Norm weights and biases, the biases of the
-attention projection and fc2 and the learned positions are marked ``ptdp_sequence_parallel``: their
-gradients are summed over tp after backward.
-
-Context parallelism (``cp`` of size C > 1; :mod:`ptdp.engine.context_parallel`): the first stage
-takes the whole ``[b, s]`` tokens and the last stage the whole labels, each keeping this cp rank's
-chunks ``r`` and ``2C - 1 - r`` of the sequence; hidden states, the stage's input and output are
-``[s/C, b, h]`` (``[s/(C t), b, h]`` with sequence parallelism, which then gathers and scatters a
-cp rank's ``s/C`` rows over tp); learned and rotary positions are each row's global position;
-attention exchanges keys and values over cp (:mod:`.attention`); the loss is the rank's share of
-the microbatch's mean (:meth:`GPTModel.forward`). Dropout masks are those of the unsplit model
-(:mod:`ptdp.engine.tensor_parallel.random`). Parameters are replicated over cp; their gradients
-are summed over cp by the data-parallel reduction over dp x cp.
+:class:`GPTModel` is one pipeline stage; parameter names use global layer indices. Per rank:
+tokens and labels ``[b, s]``, hidden states ``[s, b, h]`` (sequence-first, as Megatron-LM). Per
+layer and microbatch on tp (Shoeybi et al. 2019, §3): forward 2 all-reduces of ``s*b*h``, backward
+2. Sequence parallelism (Korthikanti et al. 2022, §4.2.2): hidden states ``[s/t, b, h]``; forward 2
+all-gathers and 2 reduce-scatters, backward 2 reduce-scatters and 4 all-gathers. Context
+parallelism (size C): hidden states ``[s/C, b, h]``, keys and values exchanged over cp
+(:mod:`.attention`), gradients summed over cp by the dp x cp reduction.
 """
 
 from __future__ import annotations
@@ -82,28 +48,13 @@ CUDA); a model built from a config that never went through it is a CPU model: fl
 class GPTModel(nn.Module):
     """One pipeline stage of GPT (the whole model when ``pre_process`` and ``post_process``).
 
-    Args:
-        cfg: model shape; ``vocab_size`` here is the real (tokenizer) vocabulary.
-        tp: tensor-parallel axis.
-        layer_ids: global indices of the transformer layers on this stage.
-        pre_process: this is the first stage (token embeddings, and learned positions unless
-            they are rotary).
-        post_process: this is the last stage (final norm, output layer, loss).
-        rng: this rank's dropout streams, shared by its model chunks (None: streams of seed 0, for
-            a model used outside a training run).
-        sequence_parallel: split the hidden states outside attention and MLP along the sequence
-            over tp (needs ``s % tp == 0``); the stage's input and output are then ``[s/t, b, h]``.
-        cp: the context-parallel axis (None: size 1). With C > 1 this rank computes its two
-            chunks of every sequence (:mod:`ptdp.engine.context_parallel.load_balance`): the first stage
-            takes the whole ``[b, s]`` tokens and keeps its ``s/C``; hidden states, the stage's
-            input and output are ``[s/C, b, h]`` (``[s/(C t), b, h]`` with sequence parallelism,
-            needing ``s % (C t) == 0``); positions are global.
-        cp_comm_type: how attention exchanges keys and values over ``cp`` (``"p2p"`` or
-            ``"all_gather"``).
-
-    On the last stage of a pipeline with pp > 1 and tied embeddings, ``word_embeddings`` is a copy
-    of the first stage's; its gradient must be summed with the first stage's after backward
-    (``ptdp.engine.data_parallel.grads.finalize_grads``) so both copies stay bitwise equal.
+    ``cfg.vocab_size`` is the real vocabulary; ``layer_ids``: global indices of this stage's
+    layers; ``pre_process`` / ``post_process``: first stage (embeddings) / last stage (final norm,
+    output layer, loss); ``rng``: dropout streams (None: seed 0); ``sequence_parallel``: stage
+    input and output ``[s/t, b, h]`` (``s % tp == 0``); ``cp``: the context-parallel axis (None:
+    size 1; :mod:`ptdp.engine.context_parallel.load_balance`), with ``cp_comm_type`` ``"p2p"`` or
+    ``"all_gather"``. With pp > 1 and tied embeddings the last stage's ``word_embeddings`` is a copy
+    whose gradient ``ptdp.engine.data_parallel.grads.finalize_grads`` sums with the first stage's.
     """
 
     def __init__(
@@ -168,16 +119,11 @@ class GPTModel(nn.Module):
         """First stage: ``x`` is token ids ``[b, s]``; later stages: hidden states ``[s, b, h]``
         (``[s/t, b, h]`` with sequence parallelism).
 
-        Returns hidden states ``[s, b, h]`` (``[s/t, b, h]``), or on the last stage the mean loss
-        over the microbatch's ``b*s`` tokens (a scalar, nats) given ``labels [b, s]``; tokens
-        labelled -100 (``IGNORE_INDEX``) count neither in the sum nor in the number of tokens.
-        Raises ValueError for any other label outside the vocabulary.
-
-        With context parallelism (C > 1) the hidden states are ``[s/C, b, h]`` (``[s/(C t), b, h]``),
-        ``labels`` are still the whole ``[b, s]``, and the loss is this rank's share: the sum of
-        the losses of its ``s/C`` tokens divided by the valid tokens of the whole microbatch
-        (counted locally from ``labels``, no communication), so the C ranks' losses sum to the
-        microbatch's mean and their gradients, summed over cp, to its gradient.
+        Returns hidden states, or on the last stage the mean loss (nats) over the microbatch's
+        tokens given ``labels [b, s]`` (``IGNORE_INDEX`` tokens not counted; ValueError for any
+        other label outside the vocabulary). With cp (C > 1) hidden states are ``[s/C, b, h]``,
+        ``labels`` the whole ``[b, s]``, and the loss this rank's share: its tokens' losses over the
+        microbatch's valid token count, so the C ranks' losses sum to the mean (no communication).
         """
         if not self.post_process:
             return self.hidden_states(x)
@@ -206,14 +152,10 @@ class GPTModel(nn.Module):
 
     def embed(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """First stage: token ids ``[b, s]`` -> ``[s, b, h]``, the word embeddings of the
-        transposed ids (only the ``s b`` ids are copied, sequence-first; the lookup then writes
-        ``[s, b, h]`` rows directly, no transpose of its output) plus the learned positions
-        ``[s, 1, h]`` (none with rotary positions, which act inside attention). With sequence
-        parallelism ``[s/t, b, h]``: the embedding's sum over tp is a reduce-scatter along the
-        sequence (dim 0), and each rank adds the positions it holds. With context parallelism the
-        rank keeps the ids of its two chunks first (``[s/C, b, h]``, or ``[s/(C t), b, h]``) and
-        adds the learned rows of their global positions. ``start`` (generation with a key/value
-        cache; cp = 1, no sequence parallelism): the tokens are positions ``start .. start + s - 1``."""
+        transposed ids plus the learned positions ``[s, 1, h]`` (none with rotary). With sequence
+        parallelism ``[s/t, b, h]`` (the sum over tp a reduce-scatter along dim 0); with cp the
+        rank's two chunks, ``[s/C, b, h]``, with their global positions. ``start`` (generation,
+        cp = 1, no sequence parallelism): the tokens are positions ``start .. start + s - 1``."""
         s, cp = tokens.shape[1], self.cp
         x = self.word_embeddings(shard_sequence(tokens.t(), cp.rank, cp.size, dim=0).contiguous())
         if hasattr(self, "position_embeddings"):
@@ -247,12 +189,9 @@ class GPTModel(nn.Module):
     def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Inference with a key/value cache: token ids ``[b, n]`` at positions ``cache.length ..
         cache.length + n - 1`` -> final-normed hidden states ``[n, b, h]``, equal to the last ``n``
-        rows of :meth:`hidden_states` over the whole sequence read so far. Each layer writes the new
-        keys and values into ``cache`` in place; ``cache.length`` grows by ``n``. A prefill is
-        ``n`` = the prompt on an empty cache, a generation step ``n = 1``. Communication: the
-        layers' tp collectives on ``n`` positions. No host synchronisation (positions are host
-        integers). Raises ValueError past the cache's ``max_len``, or in training mode with dropout
-        (the cached path never drops)."""
+        rows of :meth:`hidden_states` over the whole sequence read so far; ``cache.length`` grows
+        by ``n``. Communication: the layers' tp collectives on ``n`` positions. Raises ValueError
+        past the cache's ``max_len``, or in training mode with dropout."""
         cfg = self.cfg
         if self.training and (cfg.hidden_dropout > 0 or cfg.attention_dropout > 0):
             raise ValueError("decode runs without dropout: call model.eval() first")
@@ -269,16 +208,11 @@ class GPTModel(nn.Module):
         """Per-token loss ``[b, s]`` (a transposed view of the ``[s, b]`` losses) from final hidden
         states ``[s, b, h]`` and ``labels [b, s]``; logits stay sharded.
 
-        The output layer and the cross entropy run as one chunked operation on this rank's padded
-        vocabulary shard, the padding columns masked to ``-inf``
-        (:func:`~ptdp.engine.tensor_parallel.linear_cross_entropy.linear_cross_entropy`): at most
-        ``loss_chunk_tokens`` tokens' logits are turned into float32 at a time; the logits in the
-        compute dtype are kept for backward when they take at most 256 MiB, else recomputed
-        chunk by chunk (``loss_keep_logits``). Communication: backward all-reduce of ``s*b*h`` (f before the output layer,
-        tag ``output``); forward 3 all-reduces of ``s*b`` (max, target logit, sum of
-        exponentials); all on tp. With sequence parallelism ``x`` is ``[s/t, b, h]``, gathered
-        along the sequence into the output layer (forward all-gather; backward all-gather again
-        and reduce-scatter, tag ``output``).
+        One chunked operation on this rank's padded vocabulary shard
+        (:func:`~ptdp.engine.tensor_parallel.linear_cross_entropy.linear_cross_entropy`, with
+        ``loss_chunk_tokens`` and ``loss_keep_logits``). Communication on tp: forward 3 all-reduces
+        of ``s*b``, backward an all-reduce of ``s*b*h`` (tag ``output``); with sequence parallelism
+        ``x`` is ``[s/t, b, h]``: forward all-gather, backward all-gather and reduce-scatter.
         """
         out = self.output_layer if hasattr(self, "output_layer") else self.word_embeddings
         losses = linear_cross_entropy(

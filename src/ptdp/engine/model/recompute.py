@@ -3,28 +3,15 @@
 Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" [K22],
 arXiv:2205.05198. ``ModelConfig.recompute_granularity``:
 
-- ``full``: a model chunk's layers run in groups; a recomputed group keeps only its input
-  ``[s, b, h]`` and runs again from it in backward. ``recompute_method="uniform"``: every layer, in
-  consecutive groups of ``recompute_num_layers`` (the last group may be shorter); ``"block"``: the
-  first ``recompute_num_layers`` layers of the chunk, one per group, and the other layers keep
-  all their activations (less recompute when memory allows it).
-- ``selective``: only the attention core, scores ``q k^T``, causal softmax and context ``p v``
-  ([K22] §5), recomputes; projections, norms and MLP keep theirs. What that saves depends on
-  the kernel: the unfused (math) kernel keeps the ``b a s^2`` probabilities (the ``5 a s / h``
-  term of [K22]), the fused kernels that ``scaled_dot_product_attention`` picks on CPU (and for
-  16-bit on CUDA) never store scores and keep only their output and a log-sum-exp per row.
+- ``full``: a chunk's layers run in groups; a recomputed group keeps only its input ``[s, b, h]``.
+  ``recompute_method="uniform"``: every layer, in groups of ``recompute_num_layers``; ``"block"``:
+  the first ``recompute_num_layers`` layers, one per group, the rest not recomputed.
+- ``selective``: only the attention core (``q k^T``, causal softmax, ``p v``; [K22] §5).
 
-A region is recomputed by ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` with the RNG
-state preserved, so the recompute computes exactly the values of the first forward (bitwise on
-CPU). Dropout draws from the model's :class:`~ptdp.engine.tensor_parallel.random.DropoutRNG` streams,
-which are not torch's default generators: their ``checkpoint_contexts`` (the checkpoint's
-``context_fn``) save them when a region first runs and restore them around the recompute, so the
-recompute draws the same masks. Communication: tensor-parallel all-reduces inside a recomputed
-region run again in backward, on every tp rank in the same order. The recompute stops once it has
-rebuilt the last tensor backward needs (PyTorch's "early stop"), which comes before a group's last
-all-reduce (after its last ``fc2``): a recomputed group of ``n`` layers repeats ``2 n - 1``
-forward all-reduces of ``s b h`` elements per microbatch. Selective recompute communicates
-nothing extra.
+Regions run under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` with the RNG state
+preserved, dropout streams replayed by ``DropoutRNG.checkpoint_contexts``. Communication: a
+recomputed group of ``n`` layers repeats ``2 n - 1`` forward all-reduces of ``s b h`` on tp per
+microbatch (PyTorch's early stop skips the last); selective recompute communicates nothing extra.
 """
 
 from __future__ import annotations

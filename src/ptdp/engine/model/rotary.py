@@ -6,12 +6,11 @@ half" pairing); at position ``p`` pair ``i`` is turned by the angle ``p * base^(
     out_i         = x_i * cos - x_{i + d/2} * sin
     out_{i + d/2} = x_{i + d/2} * cos + x_i * sin
 
-Applied to q and k (not v), the score ``q_m . k_n`` then depends on the positions only through
-``m - n``. Nothing is learned and nothing is communicated: every tp rank turns its own heads.
+Applied to q and k (not v), the score ``q_m . k_n`` depends on positions only through ``m - n``.
+Nothing is learned and nothing is communicated.
 
-Under context parallelism (``cp_size > 1``) a rank holds chunks ``r`` and ``2C - 1 - r`` of the
-sequence (:mod:`ptdp.engine.context_parallel.load_balance`): its ``s / C`` local rows are turned by their
-*global* positions, so every token gets the angle it gets in the unsplit model.
+Under context parallelism local rows are turned by their *global* positions
+(:mod:`ptdp.engine.context_parallel.load_balance`).
 """
 
 from __future__ import annotations
@@ -27,9 +26,8 @@ class RotaryEmbedding(nn.Module):
 
     ``n`` rows are positions ``0 .. n-1`` (``cp_size == 1``), or the global positions of cp rank
     ``cp_rank``'s two chunks of a sequence of ``s = n * cp_size`` tokens
-    (:func:`~ptdp.engine.context_parallel.load_balance.local_positions`). The angles are computed in
-    float64 and cached per (n, cp rank, cp size, dtype, device); the rotation runs in the input's
-    dtype (in float32 for 16-bit inputs, cast back).
+    (:func:`~ptdp.engine.context_parallel.load_balance.local_positions`). Angles in float64,
+    cached; the rotation runs in float32 for 16-bit inputs.
     """
 
     def __init__(self, head_dim: int, base: float) -> None:
