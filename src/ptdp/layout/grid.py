@@ -1,45 +1,25 @@
 """Pure rank math for the tp x cp x dp x pp grid. Imports nothing from torch.distributed.
 
-Ranks are ordered ``tp-cp-dp-pp``: the tensor-parallel rank varies fastest, then the
-context-parallel rank, then the data-parallel rank, the pipeline rank slowest::
+Ranks are ordered ``tp-cp-dp-pp``, tensor-parallel rank fastest, pipeline rank slowest::
 
     rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
-so a tensor-parallel group is a run of consecutive ranks (inside one node, on NVLink), the cp ranks
-exchanging keys and values sit next to it, and pipeline stages are far apart (across nodes). With
-cp = 1 this is the ``tp-dp-pp`` order ``rank = tp_rank + tp * dp_rank + tp * dp * pp_rank``.
-Worked example, world 8, tp=2, pp=2, dp=2 (cp=1)::
+so a tp group is consecutive ranks (one node, NVLink) and pipeline stages are far apart. Example,
+world 8, tp=2, dp=2, pp=2 (cp=1)::
 
     rank      0  1  2  3  4  5  6  7
     tp_rank   0  1  0  1  0  1  0  1
     dp_rank   0  0  1  1  0  0  1  1
     pp_rank   0  0  0  0  1  1  1  1
+    tp groups  [0,1] [2,3] [4,5] [6,7]      dp groups  [0,2] [1,3] [4,6] [5,7]
+    pp groups  [0,4] [1,5] [2,6] [3,7]      embedding  = the pp groups (first and last stage)
 
-    tp groups  [0,1] [2,3] [4,5] [6,7]
-    dp groups  [0,2] [1,3] [4,6] [5,7]
-    pp groups  [0,4] [1,5] [2,6] [3,7]
-    embedding  [0,4] [1,5] [2,6] [3,7]   (first and last stage of each pipeline)
+With cp=2 (world 16, tp=2, cp=2, dp=2, pp=2) the cp groups are [0,2] [1,3] ..., dp groups [0,4]
+[1,5] ..., pp groups [0,8] [1,9] .... Gradients are reduced over the ``dp_cp`` group (same tp_rank
+and pp_rank, e.g. [0,2,4,6]), where a rank's index is ``cp_rank + cp * dp_rank``.
 
-Worked example with context parallelism, world 16, tp=2, cp=2, dp=2, pp=2::
-
-    rank      0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15
-    tp_rank   0  1  0  1  0  1  0  1  0  1  0  1  0  1  0  1
-    cp_rank   0  0  1  1  0  0  1  1  0  0  1  1  0  0  1  1
-    dp_rank   0  0  0  0  1  1  1  1  0  0  0  0  1  1  1  1
-    pp_rank   0  0  0  0  0  0  0  0  1  1  1  1  1  1  1  1
-
-    tp groups     [0,1] [2,3] [4,5] [6,7] [8,9] [10,11] [12,13] [14,15]
-    cp groups     [0,2] [1,3] [4,6] [5,7] [8,10] [9,11] [12,14] [13,15]
-    dp groups     [0,4] [1,5] [2,6] [3,7] [8,12] [9,13] [10,14] [11,15]
-    pp groups     [0,8] [1,9] [2,10] [3,11] [4,12] [5,13] [6,14] [7,15]
-    dp_cp groups  [0,2,4,6] [1,3,5,7] [8,10,12,14] [9,11,13,15]
-    embedding     = the pp groups (first and last stage with the same tp, cp and dp ranks)
-
-The ``dp_cp`` group (the ranks sharing tp_rank and pp_rank) is where gradients are reduced: the
-parameters are replicated over both dp and cp. A rank's index in it is ``cp_rank + cp * dp_rank``.
-
-Source: the ordering of Narayanan et al., SC21 (arXiv:2104.04473), §3, with the context-parallel
-axis placed next to tensor parallelism as Megatron-Core orders its grid.
+Source: Narayanan et al., SC21 (arXiv:2104.04473), §3; the cp axis sits next to tp as in
+Megatron-Core's grid.
 """
 
 from __future__ import annotations

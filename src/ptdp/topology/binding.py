@@ -1,42 +1,20 @@
 """CPU binding of a node's worker processes (``--bind-cpus {none,numa,exclusive}``).
 
-Which CPUs local rank ``r`` of ``n`` workers may run on is decided by pure functions of what the
-node offers (:class:`CpuLayout`: the CPUs this process is allowed, ``os.sched_getaffinity``, which
-respects cgroups, Slurm and ``taskset``; the NUMA nodes' CPUs; the physical core of each CPU) and,
-on GPU machines, of the CPUs near each local GPU (:class:`GpuCpus`). Every choice stays inside
-the allowed CPUs.
+Pure functions of the CPUs this process may use (``os.sched_getaffinity``: cgroups, Slurm,
+``taskset``), the NUMA nodes' CPUs and physical cores (:class:`CpuLayout`) and, with GPUs, each
+GPU's nearby CPUs from ``/sys/bus/pci/devices/<PCI address>`` (:class:`GpuCpus`):
 
-GPU machines (worker ``r`` drives ``cuda:r``; the GPU's NUMA node and ``local_cpulist`` are read
-from ``/sys/bus/pci/devices/<PCI address>``, the address from ``torch.cuda.get_device_properties``):
+- GPU, ``numa``: the allowed CPUs of ``cuda:r``'s NUMA node (else its ``local_cpulist``);
+  ``exclusive``: workers sharing a NUMA node split its CPUs into even shares of whole cores.
+- CPU only, ``numa``: worker ``r`` on node ``r * nodes // n`` (contiguous blocks, so a tp group
+  stays on one node), bound to all its CPUs; ``exclusive``: CPUs ordered by node then core, split
+  into ``n`` contiguous shares (:func:`exclusive_shares`).
+- ``none`` (default): affinity left alone. Threads per worker: its CPUs / workers bound to the same set.
 
-- ``numa``: the allowed CPUs of the GPU's NUMA node (of its ``local_cpulist`` where the node is
-  unknown);
-- ``exclusive``: the workers whose GPUs share a NUMA node split that node's allowed CPUs into
-  even, non-overlapping shares of whole physical cores, in local-rank order.
-
-CPU-only machines (NUMA nodes from ``/sys/devices/system/node/node*/cpulist``; one node 0 holding
-every allowed CPU when sysfs lists none):
-
-- ``numa``: the workers are spread over the NUMA nodes that have allowed CPUs in contiguous blocks
-  of local ranks (worker ``r`` on node number ``r * nodes // n``, so node loads differ by at most
-  one worker and a tensor-parallel group of consecutive ranks stays on one node), each bound to
-  all of its node's allowed CPUs;
-- ``exclusive``: the allowed CPUs, ordered by NUMA node then physical core, are split into ``n``
-  contiguous, non-overlapping shares (see :func:`exclusive_shares` for fewer cores than workers).
-
-``none`` (the default) leaves the affinity alone. A worker's threads (``torch.set_num_threads``,
-``OMP_NUM_THREADS``) are its CPUs divided by the number of local workers bound to the same set
-(so ``exclusive``: all its CPUs; ``numa``: its share of the node), at least 1.
-
-Mechanism: each worker binds itself at start-up, before it creates process groups or sets its
-thread count, with ``os.sched_setaffinity`` (:func:`apply_binding`; threads already running with
-the old affinity are moved too), under ``ptdp train`` and under ``torchrun`` alike. It plans for
-one launcher per machine (the local world is ``LOCAL_WORLD_SIZE``). PyTorch 2.13 has its own launcher-side binding (``torchrun --numa-binding
-{node,socket,exclusive,core-complex}``, ``LaunchConfig(numa_options=...)``, ``torch.numa.binding``)
-but it is not used: it knows only GPU machines (it finds the NUMA node from the CUDA device), it
-refuses to bind unless the ``numactl`` program is installed, and it is applied by the launcher, so
-a ``python -m ptdp.train`` worker started by torchrun cannot ask for it. On GPU clusters it is a
-fine alternative: pass ``--numa-binding node`` to torchrun and leave ``--bind-cpus none``.
+Each worker binds itself at start-up (``os.sched_setaffinity``, :func:`apply_binding`), under
+``ptdp train`` and ``torchrun`` alike, one launcher per machine (``LOCAL_WORLD_SIZE``). torch 2.13's
+``torchrun --numa-binding`` is not used (GPU-only, needs ``numactl``, launcher-side); on GPU
+clusters ``--numa-binding node`` with ``--bind-cpus none`` is a fine alternative.
 """
 
 from __future__ import annotations
@@ -125,19 +103,13 @@ def allowed_numa_nodes(layout: CpuLayout) -> dict[int, tuple[int, ...]]:
 def exclusive_shares(
     cpus: Sequence[int], n: int, core_of: dict[int, int] | None = None
 ) -> tuple[list[tuple[int, ...]], str | None]:
-    """Split ``cpus`` (in the order given, which should keep cores and NUMA nodes together) into
-    ``n`` contiguous shares; return the shares (each ascending) and a note when they are not whole
-    cores of their own.
+    """Split ``cpus`` (ordered so cores and NUMA nodes stay together) into ``n`` contiguous shares;
+    return the shares (each ascending) and a note when they are not whole cores of their own.
 
-    - ``n <= cores``: whole physical cores (CPUs with the same ``core_of`` key), ``cores // n`` per
-      share and one more for the first ``cores % n`` shares; no two shares overlap.
-    - ``cores < n <= len(cpus)``: the same split over logical CPUs: shares still do not overlap,
-      but hyperthread siblings may go to different workers (said in the note).
-    - ``n > len(cpus)``: share ``i`` is the single CPU number ``i * len(cpus) // n`` of the list,
-      so each CPU is shared by ``n // len(cpus)`` or one more consecutive workers (said in the note).
-
-    Raises:
-        BindingError: ``cpus`` empty or ``n < 1``.
+    ``n <= cores``: whole physical cores (same ``core_of`` key), ``cores // n`` each, one more for the
+    first ``cores % n``; ``n <= len(cpus)``: the same over logical CPUs (siblings may be split);
+    otherwise share ``i`` is CPU ``i * len(cpus) // n``, shared by consecutive workers.
+    Raises BindingError: ``cpus`` empty or ``n < 1``.
     """
     cpus = list(dict.fromkeys(cpus))
     if not cpus:

@@ -1,14 +1,10 @@
 """What ptdp knows of one node's hardware: GPUs, their pairwise links, NUMA nodes, CPUs, NICs.
+Pure data (no torch.distributed, no I/O), built by :mod:`ptdp.topology.nvsmi` and
+:mod:`ptdp.topology.sysfs`.
 
-Pure data (no torch.distributed, no I/O). Built by the parsers in :mod:`ptdp.topology.nvsmi`
-(``nvidia-smi topo -m`` text) and :mod:`ptdp.topology.sysfs` (Linux sysfs, and the CPU-only
-description of this machine), read by :mod:`ptdp.topology.placement`.
-
-Link names are ``nvidia-smi topo -m``'s, from nearest to farthest:
-``X`` (self), ``NV#`` (a bonded set of # NVLinks), ``PIX`` (at most one PCIe bridge), ``PXB``
-(several PCIe bridges, no host bridge), ``PHB`` (a PCIe host bridge, typically the CPU), ``NODE``
-(PCIe plus the interconnect between host bridges inside a NUMA node), ``SYS`` (PCIe plus the SMP
-interconnect between NUMA nodes, e.g. QPI/UPI).
+Link names are ``nvidia-smi topo -m``'s, nearest first: ``X`` (self), ``NV#`` (# bonded NVLinks),
+``PIX`` (at most one PCIe bridge), ``PXB`` (several bridges, no host bridge), ``PHB`` (a PCIe host
+bridge), ``NODE`` (between host bridges inside a NUMA node), ``SYS`` (across NUMA nodes, QPI/UPI).
 """
 
 from __future__ import annotations

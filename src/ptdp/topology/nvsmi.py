@@ -1,30 +1,15 @@
-"""Parse the text of ``nvidia-smi topo -m`` into a :class:`~ptdp.topology.node.Topology`.
-
-The table looks like this (columns separated by tabs in nvidia-smi's own output, by runs of spaces
-once copied through a terminal or a web page)::
+"""Parse the text of ``nvidia-smi topo -m`` into a :class:`~ptdp.topology.node.Topology`::
 
             GPU0    GPU1    mlx5_0  CPU Affinity    NUMA Affinity   GPU NUMA ID
     GPU0     X      NV12    SYS     48-63           3               N/A
     GPU1    NV12     X      SYS     48-63           3               N/A
     mlx5_0  SYS     SYS      X
 
-    Legend:
-      X    = Self
-      ...
-    NIC Legend:
-      NIC0: mlx5_0
-
-What is accepted: comment lines (``#``), a shell prompt line (``$ nvidia-smi topo -m``) or any other
-text before the header line (the first line starting with ``GPU0`` that is not a matrix row); tabs,
-spaces or both between fields; empty fields between tabs (nvidia-smi prints ``0\\t\\tN/A``); the
-affinity columns ``CPU Affinity``, ``NUMA Affinity``, ``GPU NUMA ID`` in any subset; NIC columns
-named ``mlx5_N``, ``NICn`` or any other device name, NIC rows without affinity fields; ``N/A``
-for an unknown value; ANSI colour codes and trailing whitespace. The table ends at a blank line,
-``Legend:`` or the end of the text. A ``NIC Legend:`` block (``NIC0: mlx5_0``) fills ``NIC.device``.
-
-Everything else raises :class:`~ptdp.topology.node.TopologyError` naming the source, the line number,
-what was wrong and the line's text. ``GPU NUMA ID`` (the NUMA node of the GPU's own memory, on
-systems that expose it) is checked but not kept.
+Accepted: any text before the header (first ``GPU0`` line that is not a row); tabs and/or spaces,
+empty fields between tabs; any subset of the affinity columns; any NIC names; ``N/A``; ANSI
+colours. The table ends at a blank line, ``Legend:`` or the end; a ``NIC Legend:`` block
+(``NIC0: mlx5_0``) fills ``NIC.device``. Anything else raises
+:class:`~ptdp.topology.node.TopologyError` with the source, line number and text.
 """
 
 from __future__ import annotations
@@ -64,16 +49,12 @@ class _Row:
 
 
 def parse_nvidia_smi_topo(text: str, source: str = "<text>") -> Topology:
-    """Parse the output of ``nvidia-smi topo -m`` (or ``-mp``).
+    """Parse the output of ``nvidia-smi topo -m`` (or ``-mp``); ``source`` names it in messages.
 
-    ``text``: the whole output, possibly with comments, a prompt line and the legends around it;
-    ``source``: a name for messages (a file path, ``"nvidia-smi topo -m"``).
-    Returns a :class:`Topology` with one :class:`GPU` per GPU row (CPU and NUMA affinity, ``None``
-    or ``()`` where ``N/A`` or absent), the GPU-GPU link matrix, the NICs with their link to each
-    GPU, ``numa_cpus`` (NUMA node -> CPUs, from the GPU rows that give both) and ``cpus`` (every CPU
-    listed). Raises :class:`TopologyError` for a missing header, an unknown column or row, a row
-    with the wrong number of fields, an unknown link name, a missing row, a non-square or
-    asymmetric matrix, a bad CPU list or a non-integer NUMA node.
+    Returns a :class:`Topology`: one :class:`GPU` per GPU row (affinity ``None`` or ``()`` where
+    ``N/A``), the GPU-GPU link matrix, the NICs with their link to each GPU, ``numa_cpus`` and ``cpus``.
+    Raises :class:`TopologyError` for a missing header, unknown column, row or link name, a row with
+    the wrong field count, a missing row, a non-square or asymmetric matrix, or a bad CPU list or NUMA node.
     """
     lines = [_Line(i + 1, _ANSI.sub("", raw).rstrip()) for i, raw in enumerate(text.splitlines())]
     start = _find_header(lines, source)

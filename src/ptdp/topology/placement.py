@@ -1,32 +1,16 @@
 """Which GPU (or NUMA node) each local rank of a node uses, so tensor-parallel groups sit close.
 
-Pure: no torch.distributed, no I/O. ptdp orders ranks ``tp-dp-pp`` (:mod:`ptdp.layout.grid`)::
+Pure: no torch.distributed, no I/O. With ranks ordered ``tp-dp-pp`` (:mod:`ptdp.layout.grid`) and
+``local_rank = rank % nproc``, a tp group is a block of consecutive local ranks; its four
+all-reduces per layer and microbatch (Narayanan et al. SC21, arXiv:2104.04473, §3.2) are a step's
+most frequent, largest messages. Blocks of ``gcd(tp, nproc)`` local ranks are placed by, in order:
 
-    rank = tp_rank + tp * dp_rank + tp * dp * pp_rank
+1. every GPU pair in a block joined by NVLink;
+2. each block on one NUMA node where the GPUs allow;
+3. the nearest PCIe links (``PIX`` < ... < ``SYS``), more bonded NVLinks, a shared nearest NIC.
 
-and a launcher gives node ``n`` the consecutive ranks ``n*nproc .. (n+1)*nproc - 1`` with
-``local_rank = rank % nproc``. A tensor-parallel group is therefore a block of consecutive local ranks;
-its four all-reduces per layer and microbatch [N21 §3.2] are the most frequent, largest messages of
-a step, so its GPUs should be joined by the fastest links.
-
-Rules, in priority order, for the blocks of ``gcd(tp, nproc)`` consecutive local ranks that every
-node's tensor-parallel groups are made of (``tp`` itself when it divides ``nproc``):
-
-1. every pair of GPUs in a block joined by NVLink;
-2. each block on one NUMA node (socket) where the GPUs allow;
-3. the nearest PCIe links (``PIX`` < ``PXB`` < ``PHB`` < ``NODE`` < ``SYS``), more bonded NVLinks
-   before fewer, and GPUs sharing their nearest NIC.
-
-The choice is exact: a search over partitions of the node's GPUs into blocks (GPUs beyond
-``nproc`` left idle), minimising the summed costs lexicographically; blocks go to local ranks in
-order of their lowest GPU. Nodes above 16 GPUs keep the index order. The same map applies on every
-node (every node's topology is taken to be this one).
-
-Without GPUs (a CPU-only topology) local ranks are spread over NUMA nodes in proportion to their
-CPUs, whole blocks at a time, so a tensor-parallel group stays on one NUMA node when the shares
-allow; ``gpu_of_local_rank`` is then empty.
-
-Source of the traffic figures: [N21] Narayanan et al., SC21, arXiv:2104.04473.
+Exact search over partitions (nodes above 16 GPUs keep index order); the same map on every node.
+Without GPUs, local ranks spread over NUMA nodes by CPU count, whole blocks at a time.
 """
 
 from __future__ import annotations
@@ -65,13 +49,10 @@ class GroupPlacement:
 class Placement:
     """Where the local ranks of each node run, and what it costs tensor parallelism.
 
-    ``gpu_of_local_rank[r]``: the GPU index for local rank ``r`` (empty without GPUs);
-    ``numa_of_local_rank[r]``: its NUMA node (``None`` where unknown); ``tp_groups``: node 0's
-    tensor-parallel groups; ``worst_link``: the farthest link inside any group on a node;
-    ``tp_link_kind``: ``"none"`` (tp=1), ``"NVLink"``, ``"PCIe, same socket"``,
-    ``"PCIe, across sockets"``, ``"network"`` (groups cross nodes) or ``"host memory"`` (no GPUs);
-    ``cost``: one sentence saying so; ``warnings``: what slows tensor parallelism down;
-    ``notes``: facts worth knowing that need no action.
+    ``gpu_of_local_rank[r]`` / ``numa_of_local_rank[r]``: local rank ``r``'s GPU (empty without GPUs) /
+    NUMA node (None if unknown); ``tp_groups``: node 0's; ``worst_link``: the farthest inside a group;
+    ``tp_link_kind``: ``"none"``, ``"NVLink"``, ``"PCIe, same socket"``, ``"PCIe, across sockets"``,
+    ``"network"`` or ``"host memory"``; ``cost``: one sentence; ``warnings``, ``notes``.
     """
 
     tp: int

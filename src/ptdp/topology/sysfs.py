@@ -1,15 +1,10 @@
-"""This machine's topology from Linux sysfs, ``nvidia-smi topo -m``, or its CPUs alone.
+"""This machine's topology, best source first (:func:`local_topology`):
 
-Three sources, best first (:func:`local_topology` tries them in this order):
-
-1. ``nvidia-smi topo -m`` (parsed by :mod:`ptdp.topology.nvsmi`): the only one that sees NVLink,
-   PCIe switches and NICs.
-2. sysfs (:func:`from_sysfs`): NVIDIA GPUs (PCI vendor ``0x10de``, class ``0x03xxxx``) under
-   ``/sys/bus/pci/devices``, their NUMA node and local CPUs, and the NUMA nodes' CPU lists under
-   ``/sys/devices/system/node``. sysfs cannot see NVLink: GPU pairs get ``NODE`` on the same known
-   NUMA node and ``SYS`` otherwise, so placement treats them as PCIe-only.
-3. The CPUs alone (:func:`cpu_topology`): no GPUs, the NUMA nodes restricted to the CPUs this process
-   may run on (its affinity mask, which cgroups and Slurm set).
+1. ``nvidia-smi topo -m`` (:mod:`ptdp.topology.nvsmi`): the only one that sees NVLink, PCIe
+   switches and NICs.
+2. sysfs (:func:`from_sysfs`): NVIDIA GPUs under ``/sys/bus/pci/devices``, their NUMA node and
+   CPUs; no NVLink, so GPU pairs are ``NODE`` or ``SYS`` (PCIe-only to placement).
+3. The CPUs alone (:func:`cpu_topology`): NUMA nodes restricted to this process's affinity mask.
 
 No torch.distributed here; file reads and one subprocess only.
 """
@@ -90,15 +85,12 @@ def numa_nodes(root: str | os.PathLike = "/sys") -> dict[int, tuple[int, ...]]:
 
 
 def from_sysfs(root: str | os.PathLike = "/sys") -> Topology:
-    """NVIDIA GPUs and NUMA nodes as Linux sysfs under ``root`` describes them.
+    """NVIDIA GPUs (vendor 0x10de, base class 0x03) and NUMA nodes as Linux sysfs under ``root`` has them.
 
-    GPUs are the PCI devices of vendor 0x10de and base class 0x03, ordered by PCI bus id (CUDA's
-    ``PCI_BUS_ID`` order); ``numa_node`` -1 becomes ``None``; ``local_cpulist`` gives their CPUs.
-    Links: ``NODE`` between GPUs on the same known NUMA node, ``SYS`` otherwise (sysfs cannot see
-    NVLink; prefer ``nvidia-smi topo -m`` where it runs). No NICs. ``numa_cpus`` holds the nodes
-    with CPUs; ``cpus`` their union (or the GPUs' CPUs when there are no node folders).
-    Raises :class:`TopologyError` naming the file for malformed ``vendor``, ``class``,
-    ``numa_node`` or CPU list contents.
+    GPUs in PCI bus id order (CUDA's ``PCI_BUS_ID``); ``numa_node`` -1 becomes None. Links: ``NODE`` on
+    the same known NUMA node, else ``SYS`` (sysfs cannot see NVLink). No NICs. ``cpus``: the nodes'
+    CPUs (or the GPUs' without node folders). Raises :class:`TopologyError` naming the file for a
+    malformed ``vendor``, ``class``, ``numa_node`` or CPU list.
     """
     root = Path(root)
     devices = root / "bus" / "pci" / "devices"

@@ -1,28 +1,19 @@
-"""NCCL's point-to-point rules as a model, and a proof by simulation that a set of pipeline programs
-cannot deadlock under them (pure, no torch, no process).
+"""NCCL's point-to-point rules as a model, and a simulation proving that pipeline programs cannot
+deadlock under them (pure, no torch, no process).
 
-The model (what ``ProcessGroupNCCL`` and NCCL do with ``batch_isend_irecv`` groups of messages
-larger than NCCL's internal buffers, i.e. real activations):
+The model (``ProcessGroupNCCL`` and NCCL with ``batch_isend_irecv`` groups of messages larger than
+NCCL's internal buffers, i.e. real activations):
 
-- **Ordered groups per communicator**: each group runs on its communicator's stream; a rank's
-  groups of one communicator run one after another in posting order. A group *starts* when the
-  rank has reached it and the rank's previous group on that communicator has completed.
-- **Rendezvous, no buffering**: a send and its receive move data only while both of their groups
-  have started and not completed; a group completes when every operation in it has moved its data.
-  No send completes before its receive is running.
-- **Matching by order**: on one communicator, the n-th send from rank a to rank b pairs with the
-  n-th receive on b from a (NCCL has no tags). The tags of the model are there to check that this
-  order pairs each message with the buffer meant for it: a pair with different tags is an error
-  (silent corruption on a GPU), as is a send or receive with no partner.
-- **A rank runs its program in order**: a compute can only run after the groups before it
-  completed (the runtime makes the compute stream wait for each group it needs, and posts groups in
-  program order, so nothing a rank does can overtake a group that has not started). This is the
-  strictest host model: it waits for every group, so any program deadlock-free under it is
-  deadlock-free with fewer waits (the waits it adds only delay groups that the stream order
-  already serialises).
+- **Ordered groups per communicator**: a rank's groups on one communicator run in posting order; a
+  group starts when the rank has reached it and its previous group there has completed.
+- **Rendezvous, no buffering**: a send and its receive move data only while both groups run; a
+  group completes when all its operations have moved their data.
+- **Matching by order**: the n-th send from a to b pairs with the n-th receive on b from a (NCCL
+  has no tags); the model's tags check that this pairing is the intended one.
+- **In-order ranks**: a compute runs only after the groups before it completed (the strictest host
+  model, so a program deadlock-free under it is deadlock-free with fewer waits).
 
-:func:`simulate_nccl` runs every rank until all programs are done, or raises
-:class:`ScheduleError` naming each stuck rank and what it waits for.
+:func:`simulate_nccl` raises :class:`ScheduleError` naming each stuck rank and what it waits for.
 """
 
 from __future__ import annotations
@@ -50,11 +41,8 @@ def simulate_nccl(
     ops=lambda step: step.ops,
     is_group=lambda step: hasattr(step, "ops"),
 ) -> int:
-    """Run ``programs`` (per rank: steps, where a group has ``communicator`` and ``ops`` with ``op``,
-    ``peer`` and ``tag``, and anything else is a compute) under NCCL's rules.
-
-    Returns the number of rounds the simulation took (each round starts every group that can start
-    and completes every group whose operations all met their partners).
+    """Run ``programs`` (per rank: steps; a group has ``communicator`` and ``ops`` with ``op``, ``peer``
+    and ``tag``, anything else is a compute) under NCCL's rules; returns the number of rounds.
 
     Raises:
         ScheduleError: a deadlock (naming each stuck rank, its group and the partner it waits for),

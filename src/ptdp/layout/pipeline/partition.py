@@ -102,17 +102,13 @@ def stage_layer_counts(num_layers: int, pp: int, split: tuple[int, ...] | None) 
 
 def first_last_split(num_layers: int, pp: int, first: int | None, last: int | None) -> tuple[int, ...]:
     """Layers per stage from Megatron-LM's ``--decoder-first-pipeline-num-layers`` (``first``) and
-    ``--decoder-last-pipeline-num-layers`` (``last``): the first (last) stage holds that many
-    layers and the others split the remaining layers evenly. With pp = 2 and both given they must
-    add up to ``num_layers``.
-
-    Example: 126 layers, pp = 16, first = last = 7 -> ``(7, 8, 8, ..., 8, 7)`` (14 middle stages
-    of 8), the split of Llama 3 405B (Llama 3 paper, arXiv:2407.21783, §3.3.2: one layer fewer on
-    the first and the last stage, which also hold the embedding and the output layer + loss).
+    ``--decoder-last-pipeline-num-layers`` (``last``): those stages hold that many layers, the others
+    split the rest evenly. Example: 126 layers, pp = 16, first = last = 7 -> ``(7, 8, ..., 8, 7)``,
+    Llama 3 405B's split (arXiv:2407.21783, §3.3.2).
 
     Raises:
         ConfigError: pp < 2, a value < 1, or remaining layers that do not split evenly into at
-            least one layer per remaining stage (naming the numbers).
+            least one layer per remaining stage (with pp = 2 and both given, they must sum to num_layers).
     """
     given = {
         name: n

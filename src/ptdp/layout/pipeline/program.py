@@ -1,51 +1,27 @@
-"""A pipeline rank's program: its computes and its point-to-point groups, exactly as the runtime
-posts them (pure data, no torch).
+"""A pipeline rank's program: its computes and point-to-point groups, exactly as the runtime posts
+them (pure data, no torch). Each :class:`P2PGroup` is one ``batch_isend_irecv`` call (one
+``ncclGroupStart``/``ncclGroupEnd`` on one communicator's stream). Grouping the transfers as the
+schedule lists them deadlocks interleaved 1F1B on NCCL once m > p, so they are grouped by time
+(in the spirit of Megatron-LM's ``send_forward_backward_recv_forward_backward``, SC21 §2.2):
 
-A schedule (:mod:`ptdp.layout.pipeline.schedule`) fixes each rank's order of forwards and
-backwards and which activations and gradients cross a stage boundary. This module decides how the
-transfers are *grouped*: each :class:`P2PGroup` is one ``batch_isend_irecv`` call, which on NCCL is
-one ``ncclGroupStart``/``ncclGroupEnd`` launched on one communicator's stream. On NCCL, groups of a
-communicator run one after another, and a send of a message larger than NCCL's buffers completes
-only while the matching receive runs (a rendezvous). Grouping as the schedule's action list happens
-to place transfers deadlocks interleaved 1F1B under those rules as soon as m > p; gloo's
-non-blocking sends hide it.
+1. Time the computes: forward 1 unit, backward 2, transfers free; a compute starts when its rank
+   is free and its input has been produced.
+2. A transfer happens at the time its producer ends, on the sender and the receiver alike.
+3. On each rank, the transfers of one time form one group (send-next, recv-prev, send-prev,
+   recv-next), after every compute starting before that time and before the others.
 
-The grouping, for every schedule (in the spirit of Megatron-LM's per-step
-``send_forward_backward_recv_forward_backward``, Narayanan et al. SC21 §2.2):
+No deadlock: groups are in increasing time on every rank and a send and its receive share a time,
+so by induction on the earliest incomplete time every group completes;
+:func:`ptdp.layout.pipeline.nccl_model.simulate_nccl` checks it independently.
 
-1. Time the computes: a forward takes 1 unit and a backward 2, transfers are free, each compute
-   starts when its rank is free and its input (activation from the previous virtual stage, or
-   gradient from the next) has been produced. Integer times, so equal times are exact.
-2. A transfer happens at the time its producer ends: the activation of microbatch i leaving virtual
-   stage k when that forward ends, a gradient when that backward ends. Sender and receiver both
-   place it at that time.
-3. On each rank, the transfers of one time form one group (in the order send-next, recv-prev,
-   send-prev, recv-next: send_forward, recv_forward, send_backward, recv_backward), placed after
-   every compute that starts before that time and before every compute that starts at or after
-   it. So a send comes after its producer and a receive before its consumer.
+Communicator: in torch 2.13's ``ProcessGroupNCCL::pointToPoint`` an operation inside a coalescing
+group (as ``batch_isend_irecv`` posts) uses the process group's own communicator and stream; a lone
+``isend``/``irecv`` may get a separate two-rank one. ptdp posts no lone operation, so every group
+runs on :data:`COMMUNICATOR`, in program order.
 
-Why no schedule built this way can deadlock under NCCL's rules: on every rank the groups are in
-increasing time, and a send and its receive are in groups of the same time. Take the earliest time
-T whose groups have not all completed: every rank with a group at T reaches it (everything before
-it is computes, which need no peer, and groups of earlier times, which completed), so all groups
-of time T are running together, every send meets its receive, and they complete. By induction
-every group completes. :func:`ptdp.layout.pipeline.nccl_model.simulate_nccl` checks it independently
-for every shape the configuration accepts.
-
-Communicator: ptdp posts every pipeline transfer through ``batch_isend_irecv`` on the pipeline
-group. In torch 2.13's ``ProcessGroupNCCL::pointToPoint`` an operation posted inside a coalescing
-group (``ncclActiveGroupCounter_ > 0``, as ``batch_isend_irecv`` does) selects the process group's
-own communicator (the key of its device, the one its collectives use, with its one NCCL stream);
-a lone ``isend``/``irecv`` outside a group would take a separate two-rank communicator (key
-``"low:high"``, its own stream) when the process group was created lazily, and the group's own
-communicator when it was created eagerly with a ``device_id`` (as ``ptdp`` does on CUDA). ptdp posts
-no lone operation, so every group here runs on one communicator, named :data:`COMMUNICATOR`, in
-program order.
-
-Tags: ``"act:mb{i}:vs{k}"`` is the activation of microbatch i produced by virtual stage k (sent to
-k + 1), ``"grad:mb{i}:vs{k}"`` the gradient with respect to virtual stage k's input (sent to
-k - 1). A send and the receive it pairs with carry the same string (NCCL itself matches them by
-order only: the n-th send from a to b meets the n-th receive on b from a).
+Tags: ``"act:mb{i}:vs{k}"`` is microbatch i's activation from virtual stage k (to k + 1),
+``"grad:mb{i}:vs{k}"`` the gradient of stage k's input (to k - 1); a send and its receive carry
+the same string (NCCL itself matches by order only).
 """
 
 from __future__ import annotations
@@ -91,13 +67,12 @@ Step = Action | P2PGroup
 def build_programs(
     kind: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1
 ) -> tuple[tuple[Step, ...], ...]:
-    """Per pipeline rank, its program: compute :class:`Action` s and :class:`P2PGroup` s in the
-    order the runtime runs and posts them (cached: built once per shape, read-only). Before they are
-    returned they are run under the NCCL model (:func:`ptdp.layout.pipeline.nccl_model.simulate_nccl`),
-    so no run can start with a program that would deadlock on NCCL (ScheduleError if one did).
+    """Per pipeline rank, its program: compute :class:`Action` s and :class:`P2PGroup` s in the order
+    the runtime runs and posts them (cached per shape, read-only), checked under
+    :func:`ptdp.layout.pipeline.nccl_model.simulate_nccl` before being returned.
 
     Raises ValueError (:func:`ptdp.layout.pipeline.schedule.check_schedule_args`) for a kind that
-    cannot run with these sizes.
+    cannot run with these sizes, ScheduleError for a program that would deadlock on NCCL.
     """
     from ptdp.layout.pipeline.nccl_model import simulate_nccl
 

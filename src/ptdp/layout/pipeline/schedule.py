@@ -1,20 +1,17 @@
 """Pipeline schedules as pure data: for each pipeline rank, the ordered list of actions it runs.
 
-An :class:`Action` is a forward or backward of microbatch ``i`` on model chunk ``c`` (a rank holds
-``v`` chunks: chunk ``c`` of rank ``r`` is virtual stage ``c * p + r``), or a send/receive of an
-activation (``*_forward``: to the next rank, from the previous) or of a gradient (``*_backward``).
-How the transfers are grouped into ``batch_isend_irecv`` calls is decided by
-:mod:`ptdp.layout.pipeline.program` (each rank's program, safe under NCCL's rules);
-:mod:`ptdp.layout.pipeline.verify` proves a schedule and its programs correct and measures the bubble
-without any process.
+An :class:`Action` is a forward or backward of microbatch ``i`` on model chunk ``c`` (chunk ``c``
+of rank ``r`` is virtual stage ``c * p + r``), or a send/receive of an activation (``*_forward``)
+or a gradient (``*_backward``). Grouping into ``batch_isend_irecv`` calls is
+:mod:`ptdp.layout.pipeline.program`.
 
 Kinds (Narayanan et al. SC21, arXiv:2104.04473, §2.2):
 
 - ``gpipe``: all forwards, then all backwards; m microbatches in flight; bubble (p - 1) / m.
 - ``1f1b``: p - r - 1 warm-up forwards on rank r, then one forward / one backward; at most
   min(p - r, m) in flight; bubble (p - 1) / m.
-- ``interleaved-1f1b``: v chunks per rank, microbatches taken in groups of p through the chunks
-  in turn; warm-up 2 (p - r - 1) + (v - 1) p forwards; bubble (p - 1) / (v m); needs m % p == 0.
+- ``interleaved-1f1b``: v chunks per rank, microbatches in groups of p through the chunks in
+  turn; warm-up 2 (p - r - 1) + (v - 1) p forwards; bubble (p - 1) / (v m); needs m % p == 0.
 - ``forward-only``: evaluation.
 """
 

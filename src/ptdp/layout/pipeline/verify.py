@@ -1,19 +1,13 @@
-"""Prove a pipeline schedule correct and measure its bubble, with no process: pure simulation.
+"""Prove a pipeline schedule correct and compute its bubble by pure simulation, with no process.
 
-:func:`check_schedule` checks, for every rank: each (microbatch, chunk) forwarded once and (unless
-forward-only) backwarded once after its forward; inputs received before the compute that uses them
-and outputs sent after it; every send paired with the peer's receive of the same microbatch and
-stage boundary, in order, per direction; that every receive completes (sends are posted without
-blocking and waited for at the end of the step, so only receives can wait: no deadlock); and
-in-flight microbatches within the kind's bound. It then builds the programs the runtime runs
-(:mod:`ptdp.layout.pipeline.program`: the transfers grouped into ``batch_isend_irecv`` calls) and
-proves them deadlock-free twice: under gloo's rules (:func:`simulate`: sends never block) and under
-NCCL's (:func:`ptdp.layout.pipeline.nccl_model.simulate_nccl`: groups in order per communicator,
-a send completes only while its receive runs, matching by order with the tags checked).
+:func:`check_schedule` checks per rank: each (microbatch, chunk) forwarded once and backwarded once
+after it; inputs received before use and outputs sent after; sends paired in order with the peer's
+receives; every receive completes; in-flight microbatches within the kind's bound. It then proves
+the runtime's programs (:mod:`ptdp.layout.pipeline.program`) deadlock-free under gloo's rules
+(:func:`simulate`: sends never block) and NCCL's (:func:`ptdp.layout.pipeline.nccl_model.simulate_nccl`).
 
-:func:`simulate` runs the programs with fixed forward/backward times per chunk (transfers free) and
-returns each rank's busy and idle time; :func:`ideal_idle_time` is the formula it must meet:
-(p - 1) (t_f + t_b) / v per rank (Narayanan et al. SC21, §2.2).
+:func:`simulate` returns each rank's busy and idle time for fixed per-chunk forward/backward times;
+:func:`ideal_idle_time` is the formula it must meet, (p - 1) (t_f + t_b) / v per rank (SC21, §2.2).
 """
 
 from __future__ import annotations
