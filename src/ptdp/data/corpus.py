@@ -1,20 +1,14 @@
 """Corpus discovery: paths -> text documents, deterministically.
 
-A *corpus* is a list of paths (files or folders). Folders are walked recursively in sorted order,
-skipping hidden entries, ``__pycache__``, ``site-packages`` and ``dist-packages``. Every text file is
-one document, except ``.jsonl`` files, which give one document per non-blank line (its ``"text"``
-field, or the ``text_key`` given), and tables (:mod:`ptdp.data.tabular`: ``.parquet`` and ``.arrow``
-files, and folders written by ``datasets``' ``save_to_disk``, which are not walked into), which give
-one document per row with non-blank text in that column. Files with a known binary extension are ignored inside folders and skipped with a warning
-naming them when given directly; files that turn out to be binary (a NUL
-byte), not UTF-8 or unreadable are skipped with a warning naming them, and so are paths given
-directly that are empty or not a regular file (a FIFO would block the reader). Empty files inside a
-folder (an ``__init__.py``) are skipped silently. When nothing usable remains the error names every
-skipped file and why.
+A corpus is a list of files or folders; folders are walked recursively in sorted order, skipping
+hidden entries, ``__pycache__``, ``site-packages`` and ``dist-packages``. A text file is one
+document; a ``.jsonl`` file one per non-blank line (its ``text_key`` field); a table
+(:mod:`ptdp.data.tabular`) one per row with non-blank text. Binary, non-UTF-8, unreadable or
+irregular files are skipped with a warning (known binary extensions and empty files inside folders
+silently); when nothing usable remains the error names every skipped file and why.
 
-Document ids are *relative* (``<root folder name>/<path inside it>``, ``<file name>`` for a file
-given directly, ``...:<line>`` for jsonl lines, ``...:<row>`` for table rows, from 0), so the train/validation split, which hashes them,
-is the same on every machine wherever the corpus lives.
+Document ids are relative (``<root folder name>/<path>``, ``<file name>``, ``...:<line>`` or
+``...:<row>`` from 0), so the hashed train/validation split is the same wherever the corpus lives.
 """
 
 from __future__ import annotations
@@ -120,11 +114,10 @@ def list_corpus_files(
 ) -> list[CorpusFile]:
     """Every file that would be read, in reading order, with its size and mtime (stat only).
 
-    ``suffixes``: if given (lower case, with the dot, e.g. ``{".py"}``), read only those; otherwise
-    read every file whose extension is not a known binary one. Raises :class:`DataError` naming a
-    path that does not exist. A path that cannot be stat'ed, or one given directly that is neither
-    a folder nor a regular file, is skipped: appended to ``skipped`` with the reason, and warned
-    about, when ``skipped`` is given (the reading pass); silently otherwise.
+    ``suffixes`` (lower case, with the dot): read only those; else every file without a known binary
+    extension. Raises :class:`DataError` naming a path that does not exist. Paths that cannot be
+    stat'ed, or given directly and neither a folder nor a regular file, are skipped: appended to
+    ``skipped`` with the reason and warned about when ``skipped`` is given, silently otherwise.
     """
     files: list[CorpusFile] = []
     suffix_set = None if suffixes is None else {s.lower() for s in suffixes}

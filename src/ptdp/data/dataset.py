@@ -146,16 +146,13 @@ def microbatches(
 def device_microbatches(
     windows: TokenWindows, indices: np.ndarray, micro_batch_size: int, device: torch.device | str
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The rank's microbatches (:func:`microbatches`) on ``device``, with one host-to-device copy
-    per call (per step), not two per microbatch.
+    """The rank's microbatches (:func:`microbatches`) on ``device``, with one host-to-device copy per
+    call (per step).
 
-    The rank's windows ``[B/dp, s + 1]`` (int64) are gathered once; on a CUDA device they are
-    copied from pinned memory with ``non_blocking=True`` (the host does not wait; the caching
-    host allocator keeps the pinned block until the copy is done), then split on the device into
-    ``tokens = windows[:, :-1]`` and ``labels = windows[:, 1:]`` (two device copies) whose rows the
-    microbatches view. On the CPU nothing is copied beyond that split. Returns ``B / (dp * b)``
-    pairs of ``[b, s]`` ``torch.long`` tensors on ``device``. Raises DataError when ``b`` does not
-    divide the rank's samples.
+    The rank's windows ``[B/dp, s + 1]`` (int64) are gathered once, copied from pinned memory with
+    ``non_blocking=True`` on CUDA, and split on the device into ``tokens = windows[:, :-1]`` and
+    ``labels = windows[:, 1:]``. Returns ``B / (dp * b)`` pairs of ``[b, s]`` ``torch.long`` tensors
+    on ``device``. Raises DataError when ``b`` does not divide the rank's samples.
     """
     _check_int("micro_batch_size", micro_batch_size, 1)
     if len(indices) % micro_batch_size:

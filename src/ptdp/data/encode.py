@@ -1,12 +1,9 @@
 """Encoding the corpus in worker processes (``--tokenizer-workers``), in the corpus' order.
 
-Chunks of documents go to ``workers`` processes (``spawn``: no state inherited from the launcher,
-which may hold threads); each loads the tokenizer from its JSON file once and runs the same
-:func:`ptdp.data.tokenizer.encode_documents` as the serial path, with the tokenizers library's own
-threads off (``TOKENIZERS_PARALLELISM=false``) so that N workers use about N cores. Results come
-back in submission order, so the token files are byte-identical to the serial path's whatever the
-worker count (``tests/unit/test_data_sources.py``). At most ``2 * workers`` chunks are in flight,
-so memory stays bounded by the chunk size, not the corpus.
+Chunks of documents go to ``spawn`` processes; each loads the tokenizer JSON once and runs
+:func:`ptdp.data.tokenizer.encode_documents` with ``TOKENIZERS_PARALLELISM=false`` (N workers use
+about N cores). Results come back in submission order, so the token files are byte-identical to the
+serial path's whatever the worker count. At most ``2 * workers`` chunks are in flight.
 """
 
 from __future__ import annotations

@@ -1,25 +1,18 @@
 """Corpus -> tokenizer + train/valid token files, cached on disk by a content key.
 
-``prepare_data`` runs two streaming passes over the corpus, so only a bounded tokenizer-training
-sample is ever held in memory:
+Two streaming passes (only a bounded tokenizer sample is held in memory):
 
-1. scan: list documents, drop exact duplicates (so no text lands in both splits), split train /
-   validation by a hash of the document id (:mod:`ptdp.data.split`), keep a deterministic sample
-   of about ``TOKENIZER_SAMPLE_CHARS`` characters of *train* documents; train the tokenizer on it,
-   unless one is given (``--tokenizer-model``: used as is, copied byte for byte into the folder).
-2. tokenize: read the documents again, encode them in chunks (multi-threaded batch encoder, or
-   worker processes: :mod:`ptdp.data.encode`), append the end-of-document token to each, stream
-   them into ``train.bin/.idx`` and ``valid.bin/.idx``.
+1. scan: list documents, drop exact duplicates, split train/validation by a hash of the document
+   id (:mod:`ptdp.data.split`), sample about ``TOKENIZER_SAMPLE_CHARS`` of train text and train
+   the tokenizer on it, unless ``--tokenizer-model`` gives one (copied byte for byte).
+2. tokenize: encode the documents in chunks (threads, or processes: :mod:`ptdp.data.encode`),
+   each followed by the end-of-document token, into ``train.bin/.idx`` and ``valid.bin/.idx``.
 
-Both passes show a progress bar (documents) when the output is a terminal.
-
-The result lives in ``cache_dir/<key>``, where the key hashes the corpus fingerprint (paths, sizes,
-mtimes), valid fraction, text key (when not ``text``), tokenizers version, ``FORMAT_VERSION`` and
-either the vocab size and sample size of the trained tokenizer or the SHA-256 of the given
-tokenizer file and its end-of-document token (another file re-tokenizes). The
-folder is built under a temp name and renamed into place with ``meta.json`` already inside, so a
-folder with ``meta.json`` is always complete; when two processes race, the first rename wins and
-the other uses the winner's folder.
+The key of ``cache_dir/<key>`` hashes the corpus fingerprint (paths, sizes, mtimes), valid
+fraction, text key, tokenizers version, ``FORMAT_VERSION`` and the tokenizer (vocab and sample
+size, or the given file's SHA-256 and end-of-document token). The folder is built under a temp name
+and renamed into place with ``meta.json`` inside, so it is always complete; racing processes use
+the first rename's folder.
 """
 
 from __future__ import annotations
@@ -85,14 +78,10 @@ def prepare_data(
 ) -> PreparedData:
     """Prepare (or reuse) tokenizer and token files for a corpus; see the module docstring.
 
-    ``paths=None``: the ``.py`` files of the standard library. ``vocab_size``: tokenizer size to
-    train (>= 258; unused with ``tokenizer_model``). ``valid_fraction``: expected share of documents
-    held out, in (0, 1). ``tokenizer_model``: a ``tokenizer.json`` or a folder with one, used as is
-    (:func:`ptdp.data.tokenizer.load_tokenizer_model`); ``eod_token``: its end-of-document token,
-    added when absent (None: the one it names). ``text_key``: the text's field in ``.jsonl``
-    records and column in tables. ``workers``: encoding processes
-    (:func:`ptdp.data.encode.worker_count`; the files do not depend on it). ``progress``:
-    progress bars while scanning and encoding (on a terminal only).
+    ``paths=None``: the standard library's ``.py`` files. ``vocab_size``: tokenizer size to train
+    (>= 258). ``valid_fraction``: expected held-out share, in (0, 1). ``tokenizer_model`` /
+    ``eod_token``: a given tokenizer (:func:`ptdp.data.tokenizer.load_tokenizer_model`). ``text_key``:
+    the text field or column. ``workers``: encoding processes (the files do not depend on it).
 
     Raises:
         DataError: unusable settings, tokenizer or corpus (the message names the value or path).

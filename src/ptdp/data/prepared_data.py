@@ -21,7 +21,7 @@ from ptdp.errors import DataError
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
-#: Characters of train text the tokenizer is trained on (about 1.2 s on 2 cores for ~8 MB of code).
+#: Characters of train text the tokenizer is trained on.
 TOKENIZER_SAMPLE_CHARS = 10_000_000
 
 

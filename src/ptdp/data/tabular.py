@@ -1,19 +1,13 @@
-"""Documents from tables: Parquet files, Arrow files and Hugging Face ``datasets`` saved with
-``save_to_disk``, one document per row (its text column, ``text`` unless ``--data-text-key``).
-
-These need the optional ``[data]`` extra (``pyarrow``; ``datasets`` for ``save_to_disk`` folders);
-without it, asking for such a file is a :class:`DataError` that says ``pip install "ptdp[data]"``.
-Rows are read in batches, so a table is never held in memory whole; rows whose text is null or
-blank are skipped, as blank ``.jsonl`` lines are.
+"""Documents from tables, one per row (its text column, ``text`` unless ``--data-text-key``; null or
+blank rows skipped). Needs the ``[data]`` extra, else a :class:`DataError` says
+``pip install "ptdp[data]"``. Rows are read in batches, never a whole table.
 
 Kinds (:func:`table_kind`):
 
-* ``parquet``: a ``.parquet`` file, read row group by row group (``pyarrow.parquet``).
-* ``arrow``: a ``.arrow`` file in the Arrow IPC file format (Feather v2) or stream format (what
-  ``datasets`` writes), memory-mapped.
-* ``saved_dataset``: a folder with ``state.json`` and ``dataset_info.json`` (``Dataset.save_to_disk``),
-  or with ``dataset_dict.json`` (``DatasetDict.save_to_disk``: its ``train`` split is read; point
-  ``--data`` at ``folder/<split>`` for another), loaded with ``datasets.load_from_disk``.
+* ``parquet``: a ``.parquet`` file, row group by row group (``pyarrow.parquet``).
+* ``arrow``: a ``.arrow`` file, Arrow IPC file or stream format (what ``datasets`` writes), memory-mapped.
+* ``saved_dataset``: a ``Dataset.save_to_disk`` folder, or a ``DatasetDict`` one (its ``train``
+  split; point ``--data`` at ``folder/<split>`` for another), via ``datasets.load_from_disk``.
 """
 
 from __future__ import annotations

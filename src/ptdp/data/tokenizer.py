@@ -1,18 +1,12 @@
 """Byte-level BPE tokenizer (HF ``tokenizers``): train, save, load, encode documents.
 
-Token ids: ``<|endoftext|>`` is id 0, the 256 byte symbols are ids 1..256, merges follow. Any
-string round-trips exactly (``decode(encode(text)) == text``).
+Token ids: ``<|endoftext|>`` is 0, the 256 byte symbols 1..256, merges follow; any string
+round-trips exactly. Training gives byte-identical JSON for the same texts and vocab size, whatever
+the thread count: with the full byte alphabet as ``initial_alphabet`` every symbol id is fixed
+before training and the trainer breaks count ties by id. The tokenizers version is in the data
+cache key in case another version trains differently.
 
-Determinism (checked by ``tests/test_data_tokenizer.py``, also across processes): training gives
-byte-identical JSON for the same texts and vocab size, whatever the thread count. Why: with the full
-256-symbol byte alphabet given as ``initial_alphabet`` (and no continuing-subword prefix or
-end-of-word suffix) every symbol id is fixed before training, and the trainer breaks count ties by
-symbol ids, so the hash-map iteration order inside the trainer never shows. Setting
-``RAYON_NUM_THREADS=1`` gives the same JSON, only slower (measured with tokenizers 0.23). The
-tokenizers version is part of the data cache key in case another version trains differently.
-
-A tokenizer trained elsewhere (``--tokenizer-model``, :func:`load_tokenizer_model`) is used as
-given: any Hugging Face ``tokenizer.json``, whose end-of-document token is found as described there.
+A tokenizer trained elsewhere (``--tokenizer-model``, :func:`load_tokenizer_model`) is used as given.
 """
 
 from __future__ import annotations
@@ -154,17 +148,15 @@ class TokenizerModel:
 
 
 def load_tokenizer_model(path: str | os.PathLike[str], eod_token: str | None = None) -> TokenizerModel:
-    """Read a Hugging Face ``tokenizer.json``, or the one in the folder ``path`` (a downloaded model,
-    ``ptdp convert to-hf``'s output), as given: nothing is retrained or changed.
+    """Read a Hugging Face ``tokenizer.json`` (or the one in folder ``path``) as given, untouched.
 
-    The end-of-document token is ``eod_token`` when given (added as a special token, with the next
-    id, when the tokenizer lacks it), else ``eos_token`` of a ``tokenizer_config.json`` beside the
-    file when it names one the tokenizer knows, else the first of :data:`KNOWN_EOS_TOKENS` it
-    knows. Truncation and padding settings in the file are not applied (documents are encoded whole).
+    End-of-document token: ``eod_token`` (added as a special token if absent), else a
+    ``tokenizer_config.json``'s ``eos_token`` the tokenizer knows, else the first of
+    :data:`KNOWN_EOS_TOKENS` it knows. Truncation and padding settings are not applied.
 
     Raises:
-        DataError: naming ``path`` when it does not exist, is a folder without ``tokenizer.json``,
-            is not a tokenizers JSON file, or has no end-of-document token.
+        DataError: naming ``path`` when it does not exist, has no ``tokenizer.json``, is not a
+            tokenizers JSON file, or has no end-of-document token.
     """
     given = Path(path).expanduser()
     file = given / "tokenizer.json" if given.is_dir() else given
