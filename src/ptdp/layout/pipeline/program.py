@@ -6,22 +6,17 @@ schedule lists them deadlocks interleaved 1F1B on NCCL once m > p, so they are g
 
 1. Time the computes: forward 1 unit, backward 2, transfers free; a compute starts when its rank
    is free and its input has been produced.
-2. A transfer happens at the time its producer ends, on the sender and the receiver alike.
+2. A transfer happens when its producer ends, on the sender and the receiver alike.
 3. On each rank, the transfers of one time form one group (send-next, recv-prev, send-prev,
-   recv-next), after every compute starting before that time and before the others.
+   recv-next), after the computes starting before that time and before the others.
 
-No deadlock: groups are in increasing time on every rank and a send and its receive share a time,
-so by induction on the earliest incomplete time every group completes;
-:func:`ptdp.layout.pipeline.nccl_model.simulate_nccl` checks it independently.
-
-Communicator: in torch 2.13's ``ProcessGroupNCCL::pointToPoint`` an operation inside a coalescing
-group (as ``batch_isend_irecv`` posts) uses the process group's own communicator and stream; a lone
-``isend``/``irecv`` may get a separate two-rank one. ptdp posts no lone operation, so every group
-runs on :data:`COMMUNICATOR`, in program order.
-
-Tags: ``"act:mb{i}:vs{k}"`` is microbatch i's activation from virtual stage k (to k + 1),
-``"grad:mb{i}:vs{k}"`` the gradient of stage k's input (to k - 1); a send and its receive carry
-the same string (NCCL itself matches by order only).
+Groups are in increasing time on every rank and a send and its receive share a time, so by
+induction every group completes (checked by :func:`ptdp.layout.pipeline.nccl_model.simulate_nccl`).
+In torch 2.13's ``ProcessGroupNCCL::pointToPoint``, operations inside a coalescing group use the
+process group's own communicator (a lone ``isend`` may get a two-rank one); ptdp posts no lone
+operation, so every group runs on :data:`COMMUNICATOR`, in program order. Tags:
+``"act:mb{i}:vs{k}"`` is microbatch i's activation from virtual stage k (to k + 1),
+``"grad:mb{i}:vs{k}"`` the gradient of stage k's input (to k - 1).
 """
 
 from __future__ import annotations
