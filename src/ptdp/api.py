@@ -1,16 +1,10 @@
 """ptdp's Python API (``docs/api.md``): the planner (:func:`plan`), a validated
 :class:`~ptdp.config.Config` from a file and keywords (:func:`load_config`), and training in a
-launched worker (:func:`train`).
+launched worker (:func:`train`). :func:`plan` and :func:`load_config` import no torch.
 
-Each takes the command line's flags by name as Python values (:mod:`ptdp.config.keywords`:
-``global_batch_size``, ``recompute_granularity``, ``use_flash_attn``, or a short alias ``tp``,
-``cp``, ``mbs``...), checked against the flags' types and choices; then the planner
-(:mod:`ptdp.planner.request`) or ``ptdp train``'s rules (:func:`ptdp.config.resolve.resolve`) check
-the request before any search or process group. A bad request raises
-:class:`ptdp.errors.ConfigError` (a ``ValueError``) naming the numbers and the rule. :func:`plan` and
-:func:`load_config` import no torch.
-
-Example::
+Each takes the command line's flags by name (:mod:`ptdp.config.keywords`: ``global_batch_size``,
+or an alias such as ``tp``, ``mbs``), checked like the flags; a bad request raises
+:class:`ptdp.errors.ConfigError` (a ``ValueError``) naming the numbers and the rule. Example::
 
     import ptdp
     result = ptdp.plan("llama3-8b", gpus=64, gpu="h100-sxm", global_batch_size=512, seq_length=8192)
@@ -45,10 +39,7 @@ class PlanResult:
         plans: the fitting plans, fastest first (:class:`~ptdp.planner.candidate.Plan`: ``layout``,
             ``memory`` in bytes per GPU, ``time`` in seconds per step, ``tflops_per_gpu``, ``mfu``).
         rejected: every layout that breaks a rule or does not fit, with the rule.
-        notes: what the search left out and why, and what a Hugging Face config holds that the
-            planner does not model.
-        explanation: why the best plan beats the runner-up and, with fixed choices, how far it is
-            from the best plan found without them (the lines ``ptdp plan`` prints).
+        notes, explanation: what the search left out and why; why the best plan wins (as ``ptdp plan`` prints).
     """
 
     model: ModelConfig
@@ -85,17 +76,15 @@ def plan(model: str | ModelConfig | None = None, **options: Any) -> PlanResult:
     """Search the layouts of ``model`` on a cluster, as ``ptdp plan`` does.
 
     Args:
-        model: a preset name (``"llama3-405b"``, ``"gpt3-175b"``, ...), the path of a Hugging Face
-            ``config.json`` (or its folder), a :class:`~ptdp.config.model.ModelConfig`, or None to
-            give the shape by keywords (``num_layers``, ``hidden_size``, ``num_attention_heads``, ...).
-        **options: ``ptdp plan``'s flags by name (module docstring); ``gpus`` is required,
-            ``global_batch_size`` too except for a preset (which defaults as ``ptdp plan`` does).
+        model: a preset name (``"llama3-405b"``, ...), a Hugging Face ``config.json`` path (or its
+            folder), a :class:`~ptdp.config.model.ModelConfig`, or None with the shape as keywords.
+        **options: ``ptdp plan``'s flags by name; ``gpus`` is required, ``global_batch_size`` too
+            except for a preset.
 
-    Returns:
-        :class:`PlanResult`; ``result.plans`` is empty when no layout fits (``ptdp plan`` then exits 1).
+    Returns :class:`PlanResult`; ``result.plans`` is empty when no layout fits (``ptdp plan`` exits 1).
 
     Raises:
-        ConfigError: a bad request (the message ``ptdp plan`` prints before exiting with code 2).
+        ConfigError: a bad request (what ``ptdp plan`` prints before exiting with code 2).
         TypeError: an unknown keyword.
     """
     from ptdp.planner.inputs.plan_flags import add_plan_arguments
@@ -124,16 +113,13 @@ def load_config(
     """The resolved, checked configuration of a training run.
 
     Args:
-        path: a TOML, YAML or JSON file of settings (as ``--config FILE``; a run's own
-            ``config.json`` replays that run), or None.
-        world_size: number of processes of the run (tp x cp x pp x dp); default: ``WORLD_SIZE``
-            from the environment (set by torchrun), else 1.
+        path: a TOML, YAML or JSON settings file (as ``--config FILE``; a run's ``config.json``
+            replays it), or None.
+        world_size: processes of the run (tp x cp x pp x dp); default ``WORLD_SIZE``, else 1.
         cuda: whether the workers train on CUDA GPUs (``params_dtype auto`` is then bfloat16).
-        **flags: training flags by name, overriding the file (``tp=2``, ``micro_batch_size=4``,
-            ``sequence_parallel=True``, ``data=["corpus.txt"]``...).
+        **flags: training flags by name, overriding the file (``tp=2``, ``data=["corpus.txt"]``...).
 
-    Returns:
-        The :class:`~ptdp.config.Config` with ``dp`` filled in and ``params_dtype`` concrete.
+    Returns the :class:`~ptdp.config.Config` with ``dp`` filled in and ``params_dtype`` concrete.
 
     Raises:
         ConfigError (a ValueError): a bad file or setting, naming the values and the rule.
@@ -155,17 +141,12 @@ def load_config(
 
 
 def train(config: Config, *, progress: bool = False) -> dict:
-    """Train ``config`` in this process, one worker of a launched job: under ``torchrun`` (its
-    ``RANK``/``WORLD_SIZE``/... environment) or alone as a world of one process.
+    """Train ``config`` in this process, one worker of a launched job (under ``torchrun``, or alone as a
+    world of one), as ``python -m ptdp.train`` does: re-check the config for this world, initialise
+    torch.distributed (NCCL on CUDA, gloo on CPU), prepare data on local rank 0, create the run
+    directory on global rank 0, train, destroy the process group.
 
-    What ``python -m ptdp.train`` does after parsing its flags: the config is checked again for this
-    world (:func:`ptdp.config.resolve`; a config from :func:`load_config` passes), torch.distributed
-    is initialised (NCCL on CUDA, gloo on CPU), local rank 0 of each node prepares the data (cached)
-    while the others wait, global rank 0 creates the run directory, then every rank trains and the
-    process group is destroyed.
-
-    Returns:
-        The run's summary (the same on every rank): iterations, losses, throughput, ``run_dir``...
+    Returns the run's summary (the same on every rank): iterations, losses, throughput, ``run_dir``...
 
     Raises:
         ConfigError, DataError: a bad request or data, before training starts.

@@ -1,13 +1,10 @@
-"""Text generation from a checkpoint (saved at any layout), in one process.
+"""Text generation from a checkpoint (saved at any layout), in one process, at tp = pp = dp = 1.
 
-The checkpoint is loaded at tp = pp = dp = 1 (:func:`ptdp.run.checkpoint.io.load_checkpoint`
-reassembles any layout's shards). By default the prompt is read once into a key/value cache and
-each new token runs one position through the layers (:class:`CachedDecoder`); ``--no-kv-cache``
-recomputes the whole sequence for every new token (:class:`Recompute`). Both give the same
-logits up to rounding, so the same tokens (tests/unit/test_generate_kv_cache.py). Past the
-model's ``seq_length`` the context is a sliding window of the last ``seq_length`` tokens
-(:func:`context_note`): every position then shifts with each new token, so the cached path reads
-the whole window again each step, as the uncached one does.
+By default the prompt is read once into a key/value cache and each new token runs one position
+(:class:`CachedDecoder`); ``--no-kv-cache`` recomputes the whole sequence per token
+(:class:`Recompute`); both give the same logits up to rounding. Past ``seq_length`` the context is
+a sliding window of the last ``seq_length`` tokens (:func:`context_note`), which every position
+shifts with, so the cached path then reads the whole window each step too.
 """
 
 from __future__ import annotations
@@ -127,12 +124,10 @@ def generate(
     seed: int = 0,
     kv_cache: bool = True,
 ) -> list[int]:
-    """``prompt`` followed by ``max_new_tokens`` tokens: greedy when ``temperature`` is 0, else
-    sampled from softmax(logits / temperature) restricted to the ``top_k`` most likely, drawn
-    with a CPU generator seeded ``seed``. ``kv_cache``: through :class:`CachedDecoder` (a
-    key/value cache of ``min(len(prompt) + max_new_tokens, seq_length)`` positions), else
-    :class:`Recompute`; both give the same tokens. Each token is read on the host (one
-    synchronisation per token).
+    """``prompt`` followed by ``max_new_tokens`` tokens: greedy when ``temperature`` is 0, else sampled
+    from softmax(logits / temperature) over the ``top_k`` most likely, with a CPU generator seeded
+    ``seed``. ``kv_cache``: :class:`CachedDecoder` (``min(len(prompt) + max_new_tokens, seq_length)``
+    positions), else :class:`Recompute`; same tokens. One host synchronisation per token.
 
     Raises:
         ValueError: an empty prompt, a negative temperature, or top_k < 1.

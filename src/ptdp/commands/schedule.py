@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the simulated timeline of every rank")
 
 
-#: Largest pp x v x m ``ptdp schedule`` builds, proves and prints (pp 64, m 1024: about 20 s of CPU).
+#: Largest pp x v x m ``ptdp schedule`` builds, proves and prints (e.g. pp 64, m 1024); bounds its CPU time.
 MAX_COMPUTES = 65_536
 
 

@@ -1,30 +1,16 @@
-"""``ptdp plan --calibrate``: measure this machine and save a hardware profile for the planner.
+"""``ptdp plan --calibrate``: measure this machine and save a hardware profile for the planner
+(a :class:`~ptdp.planner.inputs.hardware.GPUType` "local" plus its
+:class:`~ptdp.planner.time.constants.PerfConstants`, in JSON; format :mod:`ptdp.planner.time.profile`).
 
-Outside :mod:`ptdp.planner` because it runs torch workers; the profile file's format is
-:mod:`ptdp.planner.time.profile`.
-
-Started with the run's own worker count and layout. Each primitive is measured by the workers that
-need it while the others wait (a waiting gloo worker leaves its core to the others), so the rates
-are those of one worker on a core of its own: GEMM FLOP/s at the exact shapes of the model's layers
-and output layer (fitted to the planner's GEMM-efficiency curve: peak and half-dim), the bandwidth
-of an elementwise kernel, and all-reduce times on one tensor-parallel group (fitted to the ring
-model's latency and bandwidth). One real ptdp transformer layer and one real output layer + loss
-(forward + backward, their TP communication included) are timed too; what they take beyond the
-planner's prediction from the primitives is the host overhead (operator dispatch, autograd,
-Python) the planner adds per layer and per output layer (``layer_overhead``, ``head_overhead``).
-The profile records how many cores the workers share: with more workers than cores the planner
-predicts the step as the machine's total busy time over its cores
-(:func:`ptdp.planner.time.step_time.core_shared_step`). The fits of the measurements are
-:mod:`ptdp.planner.time.profile_fit`.
-
-On GPUs every worker measures on its own device (the one :func:`ptdp.run.distributed.init_distributed`
-picks): tensors live there, times come from CUDA events around the repetitions (no host clock
-around asynchronous kernels), collectives run over NCCL, and the sizes grow to what a GPU needs
-to reach its rates (GEMM FLOPs, a bandwidth tensor larger than the L2 cache, all-reduces up to
-256 MiB); the barriers between phases and the gathering of the results use a gloo group on the
-CPU. The profile then holds the device's memory and shares no cores. The profile is a
-:class:`~ptdp.planner.inputs.hardware.GPUType` ("local") plus the
-:class:`~ptdp.planner.time.constants.PerfConstants` that go with it, in JSON.
+Runs with the run's own worker count and layout; each primitive is timed by the workers that need
+it while the others wait: GEMM FLOP/s at the model's exact shapes (fitted to peak and half-dim),
+elementwise bandwidth, and tp-group all-reduce times (fitted to the ring model's latency and
+bandwidth; fits in :mod:`ptdp.planner.time.profile_fit`). One real transformer layer and output
+layer + loss are timed too; their excess over the primitives' prediction is the per-layer host
+overhead (``layer_overhead``, ``head_overhead``). On CPU the profile records how many cores the
+workers share (:func:`ptdp.planner.time.step_time.core_shared_step`). On GPU each worker measures
+on its own device with CUDA events, NCCL collectives and GPU-sized tensors (all-reduces up to
+256 MiB), with a gloo group for barriers and results.
 """
 
 from __future__ import annotations

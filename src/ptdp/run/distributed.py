@@ -27,13 +27,10 @@ def init_distributed(
 ) -> torch.device:
     """Initialise the default process group from the launcher's environment; return the device.
 
-    NCCL on the GPU :func:`cuda_device_index` picks when CUDA is available (with the watchdog
-    settings of :func:`nccl_watchdog_env`), gloo on CPU otherwise. First, before any
-    process group or thread pool exists, the worker binds itself to CPUs as ``bind_cpus`` says
-    (:func:`ptdp.topology.binding.bind_this_worker`; ``none``: no binding) and then uses the
-    binding's thread count. Without binding, on CPU each worker uses ``threads_per_worker``
-    threads (default: the cores this process may use divided by the local world size, at least 1)
-    so the workers of one machine do not oversubscribe it.
+    NCCL on :func:`cuda_device_index`'s GPU when CUDA is available (watchdog settings of
+    :func:`nccl_watchdog_env`), gloo otherwise. First the worker binds itself to CPUs per ``bind_cpus``
+    (:func:`ptdp.topology.binding.bind_this_worker`) and uses its thread count; unbound on CPU it uses
+    ``threads_per_worker`` (default: allowed cores / local world size, at least 1).
 
     Raises:
         BindingError: the binding asked for cannot be done (a ``ConfigError``).
@@ -63,18 +60,13 @@ def init_distributed(
 
 
 def cuda_device_index(local_rank: int, local_world: int, device_count: int) -> int:
-    """The CUDA device (index among the visible ones) of local rank ``local_rank`` of
-    ``local_world`` processes on this node.
-
-    - one visible GPU: ``0`` whatever the local rank. This is one GPU per task (Slurm
-      ``--gpus-per-task=1``, or a launcher setting ``CUDA_VISIBLE_DEVICES`` per process): each
-      process sees only its own GPU, as device 0.
-    - every process sees at least ``local_world`` GPUs (torchrun, ``ptdp train``):
-      ``local_rank % device_count``, that is ``local_rank``.
+    """The CUDA device (index among the visible ones) of local rank ``local_rank`` of ``local_world``:
+    ``0`` when one GPU is visible (one GPU per task, e.g. Slurm ``--gpus-per-task=1``), else
+    ``local_rank`` (torchrun, ``ptdp train``).
 
     Raises:
-        ConfigError: more local processes than visible GPUs (and more than one GPU visible), naming
-            both numbers: two processes would share a GPU, which NCCL refuses.
+        ConfigError: more local processes than visible GPUs (and more than one visible), naming both
+            numbers: two processes would share a GPU, which NCCL refuses.
     """
     if device_count < 1:
         raise ConfigError("CUDA is available but shows no GPU (torch.cuda.device_count() = 0)")

@@ -1,21 +1,15 @@
 """A worker's own last words before NCCL's watchdog aborts it: where it was waiting.
 
-On NCCL a collective that passes the process-group timeout raises nothing in Python: the
-watchdog thread aborts the process (SIGABRT), so ptdp's
-:class:`~ptdp.engine.activity.CollectiveError` naming rank, phase and iteration never happens.
-Under ``ptdp train`` the launcher reads the memory-mapped activity record afterwards
-(:mod:`ptdp.run.postmortem`); under torchrun nobody does. So a worker on NCCL runs a
-:class:`Heartbeat`: a daemon thread that reads :data:`ptdp.engine.activity.CURRENT` every
-``poll_s`` seconds (attribute reads, nothing on the training path changes) and, when no phase change
-has come for :data:`WARN_FRACTION` of the timeout, prints one line to stderr before the watchdog's
-abort::
+On NCCL a collective past the process-group timeout raises nothing in Python: the watchdog thread
+aborts the process (SIGABRT). So a worker on NCCL runs a :class:`Heartbeat`, a daemon thread that
+reads :data:`ptdp.engine.activity.CURRENT` every ``poll_s`` seconds and, after no phase change for
+:data:`WARN_FRACTION` of the timeout, prints one line to stderr::
 
     ptdp: rank 3 has made no progress for 9.0 min in gradient sync at iteration 7 (90% of the
     process-group timeout, 10 min): if NCCL's watchdog aborts this process, this is where it waited
 
-Start-up is left out (waiting for another rank to prepare data uses a longer timeout). With it,
-:func:`enable_fatal_signal_stacks` has faulthandler print every thread's Python stack on SIGABRT
-when no postmortem folder records it.
+Start-up is left out. :func:`enable_fatal_signal_stacks` has faulthandler print every thread's
+stack on SIGABRT when no postmortem folder records it.
 """
 
 from __future__ import annotations

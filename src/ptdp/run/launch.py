@@ -61,15 +61,11 @@ def launch_workers(
 ) -> dict:
     """Run ``nproc`` workers of ``entrypoint(*args)`` on this machine; return rank 0's result.
 
-    Rendezvous binds to loopback on a free port. When a worker fails, the launcher stops the
-    others and starts all ``nproc`` again, up to ``max_restarts`` times (each attempt sees
-    ``TORCHELASTIC_RESTART_COUNT``; resuming is the workers' business, see :mod:`ptdp.run.restart`).
-    Each worker gets one CPU thread per core share (``OMP_NUM_THREADS``); workers print to this
-    process's terminal and the launcher's per-attempt files go to a temporary folder removed
-    afterwards. Raises :class:`WorkerFailedError` naming the first failed rank and how it ended
-    when a worker fails with no restart left, ``SignalException`` on Ctrl-C / SIGTERM.
-    ``collective_timeout_s``: the workers' process-group timeout, so that a worker aborted by
-    NCCL's watchdog is told from one that failed (:func:`ptdp.run.postmortem.diagnose`).
+    Rendezvous on loopback, a free port. A failed worker makes the launcher restart all, up to
+    ``max_restarts`` times (resuming: :mod:`ptdp.run.restart`). ``collective_timeout_s``: the workers'
+    process-group timeout, to tell NCCL watchdog aborts from failures (:func:`ptdp.run.postmortem.diagnose`).
+    Raises :class:`WorkerFailedError` naming the first failed rank and how it ended when no restart is
+    left, ``SignalException`` on Ctrl-C / SIGTERM.
     """
     cores = len(os.sched_getaffinity(0))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))

@@ -1,12 +1,10 @@
 """Before any worker starts: will the run fit in memory? (the planner's memory model)
 
-Each rank's bytes are estimated with the planner's model (:mod:`ptdp.planner.memory.breakdown`: exact
-parameter, gradient and optimizer bytes, [K22] activations for the run's schedule, recompute and
-sequence parallelism) plus a fixed overhead per process. On GPUs every rank has its own device,
-so the most loaded rank must fit in one device's memory; on CPU the local workers share the
-machine's available memory (``MemAvailable``), so their sum must fit. When it cannot, ``ptdp
-train`` refuses (exit 2) naming the estimate, the memory available and the flags that would
-help, each with its estimate; ``--force`` starts anyway.
+Each rank's bytes come from :mod:`ptdp.planner.memory.breakdown` (exact parameter, gradient and
+optimizer bytes; activations per Korthikanti et al., arXiv:2205.05198, for the schedule, recompute
+and sequence parallelism) plus a fixed per-process overhead. On GPUs the most loaded rank must fit
+one device; on CPU the local workers' sum must fit ``MemAvailable``. Otherwise ``ptdp train`` exits
+2 naming the estimate, the memory available and the flags that would help; ``--force`` starts anyway.
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ from dataclasses import dataclass
 from ptdp.config.schema import Config
 
 GiB = 2**30
-#: Resident memory of a CPU worker before the model: Python, torch, gloo (about 0.3 GiB measured),
-#: rounded up.
+#: Resident memory of a CPU worker before the model (Python, torch, gloo), with a margin.
 CPU_WORKER_OVERHEAD = 0.5 * GiB
 #: A GPU rank's fixed overhead: CUDA context, NCCL buffers, workspaces (the planner's default).
 GPU_WORKER_OVERHEAD = 2 * GiB

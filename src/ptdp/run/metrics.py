@@ -16,13 +16,11 @@ from tqdm import tqdm
 class RunLog:
     """Writes ``metrics.jsonl`` (one JSON object per line) and a progress bar, on rank 0 only.
 
-    Training lines: ``{"iteration", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s",
-    "tflops_per_gpu", "mfu", "peak_memory_bytes"}`` (``mfu`` only when the device's peak is known:
-    :mod:`ptdp.run.throughput`; float16 adds ``"loss_scale"``); evaluation lines: ``{"iteration", "val_loss"}``. Units: loss in
-    nats per token, seconds, tokens per second (all ranks together), model TFLOP/s per GPU, MFU as
-    a fraction, bytes (the largest rank's peak so far). In attempt ``restart`` > 0 of a restarted
-    job (:mod:`ptdp.run.restart`) every line also holds ``"restart": restart``; the file is
-    appended to. ``trackers`` (:class:`ptdp.run.tracking.Trackers`, rank 0) get every line too.
+    Training lines: ``iteration, loss, grad_norm, lr, step_time_s, tokens_per_s, tflops_per_gpu, mfu,
+    peak_memory_bytes`` (``mfu`` when the peak is known; ``loss_scale`` with float16); evaluation lines:
+    ``iteration, val_loss``. Units: nats per token, seconds, tokens/s (all ranks), TFLOP/s per GPU,
+    fraction, bytes (largest rank's peak). After a restart every line has ``"restart"`` and the file is
+    appended to; ``trackers`` get every line too.
     """
 
     def __init__(

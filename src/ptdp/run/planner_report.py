@@ -1,18 +1,12 @@
 """The planner's prediction for a finished ``ptdp train`` run, beside what the run measured.
 
-Parameter, gradient and optimizer bytes per rank must match exactly (same counting: parameters
-including padded vocabulary rows and the tied copy on the last stage, with ``optim_grads_params``
-the rank's shard of them; gradients = the flat gradient buffer, or the rank's shard of it;
-optimizer = Adam's two moments plus float32 main parameters for bfloat16, not the per-tensor
-step counters), up to the padding of the buckets to a multiple of dp x cp; so must the
-transients of ``optim_grads`` and ``optim_grads_params`` (the most full-size gradient bucket
-bytes and gathered parameter bytes a rank held at once, :mod:`ptdp.planner.memory.transients`). Peak memory and step time are predictions: the step time needs a
-hardware profile from ``ptdp plan --calibrate``; without one it is not predicted.
-
-The run side of the planner: the trainer measures each rank with :func:`measure_stage` and hands
-the measurements to :func:`check_run`; with :mod:`ptdp.run.throughput` (the FLOP count and device
-peak of the logged throughput) it is where the training code talks to :mod:`ptdp.planner` (which
-imports no torch and nothing of the training code).
+Parameter, gradient and optimizer bytes per rank must match exactly (padded vocabulary rows and the
+tied last-stage copy included; sharded strategies count the rank's shard; optimizer = Adam's two
+moments plus fp32 main parameters for bf16, not the step counters), up to bucket padding to a
+multiple of dp x cp; so must the ``optim_grads``/``optim_grads_params`` transients
+(:mod:`ptdp.planner.memory.transients`). Peak memory and step time are predictions; step time
+needs a ``ptdp plan --calibrate`` profile. The trainer measures each rank with
+:func:`measure_stage` and passes the results to :func:`check_run`.
 """
 
 from __future__ import annotations

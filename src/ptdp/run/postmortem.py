@@ -1,26 +1,16 @@
-"""Which worker failed first, how, and where: the reading of the records each worker leaves.
+"""Which worker failed first, how, and where: the reading of the records each worker leaves
+(:mod:`ptdp.run.rank_records`).
 
-When one worker of a job dies, its peers fail a moment later in a collective ("Connection closed
-by peer", or a timeout), and the launcher stops the rest. PyTorch's launcher then reports the
-first failed process it happens to poll, often a healthy peer, and a worker killed by a signal
-leaves no Python traceback at all. So each worker started by ``ptdp train`` leaves records of its
-phase and iteration, its error and its fatal signal (:mod:`ptdp.run.rank_records`).
+When one worker dies its peers fail a moment later in a collective, and PyTorch's launcher reports
+whichever failed process it polls first. :func:`diagnose` names the rank that failed first: the
+earliest that raised its own error or died of a fatal signal; else one with no record (SIGKILL,
+e.g. the OOM killer); else the first collective error. The others are said to follow from it.
 
-:func:`diagnose` reads them after the launcher gave up and names the rank that failed first: the
-earliest worker that raised an error of its own or died of a fatal signal; else one that left no
-record at all (killed by SIGKILL, e.g. by the out-of-memory killer); else the first collective
-error (a timeout names the rank that stopped responding). The other ranks' failures are said to
-follow from it. Without the folder (torchrun, tests) nothing is recorded.
-
-On NCCL a collective that times out raises nothing: the watchdog thread aborts the process
-(SIGABRT, recorded by faulthandler as "Aborted"). Given the process-group timeout, a rank that
-aborted after at least :data:`WATCHDOG_FRACTION` of it in one phase, or while another rank had
-made no progress for that long, is read as such a watchdog abort, not as a failure of its own
-(:func:`watchdog_aborts`): then the rank named first is the one, among those that were not
-aborted, that made no progress for the longest time (the one the others waited for), and the
-aborted ranks are said to follow from it with their phase and iteration. On a GPU that phase is
-where the host was when it blocked, which may come after the collective that timed out (the host
-enqueues collectives and runs ahead); NCCL's flight-recorder dump names the collective.
+On NCCL a timed-out collective makes the watchdog abort the process (SIGABRT). A rank aborted after
+at least :data:`WATCHDOG_FRACTION` of the timeout in one phase, or while another rank had stalled
+that long, is read as a watchdog abort (:func:`watchdog_aborts`); the rank named first is then the
+non-aborted one stalled longest. On a GPU the recorded phase may be past the timed-out collective
+(the host runs ahead); NCCL's flight-recorder dump names the collective.
 """
 
 from __future__ import annotations

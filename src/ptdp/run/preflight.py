@@ -1,18 +1,15 @@
-"""One preflight for both launch paths: ``ptdp train``'s local launcher and ``torchrun -m ptdp.train``.
+"""One preflight for ``ptdp train``'s local launcher and ``torchrun -m ptdp.train``.
 
-After :func:`ptdp.config.resolve`, every check that needs no worker runs here, in this order, and
-the first problem stops the run with a one-line error (exit 2) before anything is written:
+After :func:`ptdp.config.resolve`, the checks that need no worker run in order, and the first
+problem stops the run with a one-line error (exit 2) before anything is written:
 
-1. :func:`check_request`: the trackers asked for are installed (``--tensorboard-dir``,
-   ``--wandb-project``: :func:`ptdp.run.tracking.check_trackers`), and the planner's memory
-   estimate against the machine (unless ``--force``);
-2. :func:`prepare_run`: the run directory (a non-empty one needs ``--overwrite`` or a ``--load``
-   continuing it), the ``--load`` checkpoint and the ``--save`` folder, the data (tokenized once,
-   cached, checked to hold one global batch), then the run directory and its ``config.json``.
+1. :func:`check_request`: requested trackers installed (:func:`ptdp.run.tracking.check_trackers`)
+   and the planner's memory estimate (unless ``--force``);
+2. :func:`prepare_run`: run directory, ``--load`` and ``--save`` folders, the data (cached, holding
+   one global batch), then the run directory and its ``config.json``.
 
-Under torchrun the same steps are split over the ranks (:class:`Roles`: rank 0 checks and writes
-the run directory, local rank 0 of each node prepares the data while the others wait) and any
-rank's error is raised on every rank (``share``).
+Under torchrun the steps are split over ranks (:class:`Roles`) and any rank's error is raised on
+every rank (``share``).
 """
 
 from __future__ import annotations

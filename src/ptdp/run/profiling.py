@@ -1,20 +1,13 @@
 """``ptdp train --profile``: a ``torch.profiler`` trace of a few steps, and each rank's peak memory.
 
-With ``--profile`` the ranks of ``--profile-ranks`` profile the 0-based steps
-``[--profile-step-start, --profile-step-end)`` (Megatron-LM's flags and defaults: steps 10 and 11
-of rank 0), CPU activities always and CUDA kernels on a GPU, each step marked by a
-``ptdp iteration N`` range (N as in metrics.jsonl), and write ``profile/rank<r>.json`` in the run
-directory: a Chrome trace (open it in Perfetto or chrome://tracing). The profiler starts one step
-before the first profiled step (a warm-up step of ``torch.profiler.schedule``, whose events are
-discarded) and stops after the last; nothing runs at the other steps or on the
-other ranks.
+The ranks of ``--profile-ranks`` profile the 0-based steps ``[--profile-step-start,
+--profile-step-end)`` (Megatron-LM's flags and defaults: steps 10 and 11 of rank 0), CPU always and
+CUDA on a GPU, each step marked ``ptdp iteration N``, into ``profile/rank<r>.json`` (Chrome trace).
+One warm-up step of ``torch.profiler.schedule`` precedes them.
 
-:func:`peak_memory_bytes` is the number the summary gives per rank: on a GPU
-``torch.cuda.max_memory_allocated`` (bytes held by PyTorch's allocator at its peak), on a CPU the
-process's own peak resident set size, ``VmHWM`` of ``/proc/self/status`` (the whole process:
-interpreter, libraries, data, tensors; ``getrusage``'s ``ru_maxrss`` would carry over the peak of
-the launcher that forked the worker, e.g. after it prepared the data), ``getrusage`` where there
-is no ``/proc``.
+:func:`peak_memory_bytes`: on a GPU ``torch.cuda.max_memory_allocated``; on a CPU ``VmHWM`` of
+``/proc/self/status`` (``ru_maxrss`` would carry over the forking launcher's peak), ``getrusage``
+where there is no ``/proc``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """The records each worker leaves, so that the launcher can tell which failed first, how and where.
 
-When one worker of a job dies, its peers fail a moment later in a collective ("Connection closed
-by peer", or a timeout), and the launcher stops the rest. PyTorch's launcher then reports the
-first failed process it happens to poll, often a healthy peer, and a worker killed by a signal
-leaves no Python traceback at all. So each worker started by ``ptdp train`` leaves, in a folder
-the launcher names (:data:`DIR_ENV`, one sub-folder per attempt), three small records:
+Each worker started by ``ptdp train`` writes, in the folder :data:`DIR_ENV` names (one sub-folder
+per attempt):
 
-- ``rank<R>.activity``: a 64-byte memory-mapped file holding the rank's current phase and
-  iteration and when it entered that phase (:mod:`ptdp.engine.activity` writes it on every phase
-  change: a memory store and the vDSO clock, no system call), so the last phase survives even a
-  SIGKILL;
-- ``rank<R>.error.json``: written when the worker raises: the exception, its traceback, the time
-  (ns) and whether it is a consequence of a peer's failure (a
-  :class:`~ptdp.engine.activity.CollectiveError`);
-- ``rank<R>.signal``: Python's ``faulthandler`` output when the worker receives a fatal signal
-  (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) or SIGTERM, written from the signal handler itself,
-  so also while the worker is blocked inside a collective; its modification time is when.
+- ``rank<R>.activity``: a 64-byte memory-mapped file with the current phase, iteration and entry
+  time (:mod:`ptdp.engine.activity`; no system call), so it survives even SIGKILL;
+- ``rank<R>.error.json``: on an exception: the exception, traceback, time (ns) and whether it is a
+  peer's failure (:class:`~ptdp.engine.activity.CollectiveError`);
+- ``rank<R>.signal``: ``faulthandler`` output on a fatal signal or SIGTERM, written from the signal
+  handler, so also inside a blocked collective; its mtime is when.
 
-:func:`read_rank_end` reads one rank's records back; :mod:`ptdp.run.postmortem` names the rank
-that failed first from them.
+:func:`read_rank_end` reads one rank's records; :mod:`ptdp.run.postmortem` interprets them.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
-"""Restarts of a training job.
+"""Restarts of a training job (``ptdp train --max-restarts N`` or ``torchrun --max-restarts N``).
 
-``ptdp train --max-restarts N`` (or ``torchrun --max-restarts N -m ptdp.train ...``): when a worker
-dies, PyTorch's elastic launcher stops the other workers and starts all of them again with the same
-arguments, up to N times; each worker of attempt k sees ``TORCHELASTIC_RESTART_COUNT=k``. ptdp has
-no supervisor of its own: a restarted worker resumes by itself (:func:`resume_config`):
-
-- from the newest complete checkpoint in ``--save``, when there is one: it is this run's newest
-  progress, so it wins over ``--load`` (which the run may have started from), and the optimizer
-  state and random generators are always restored from it;
-- else from ``--load`` as the first attempt did;
-- else from scratch (no ``--save``, or nothing saved yet), which rank 0 says.
-
-The checkpoints in ``--save`` are this run's: a run does not start with a ``--save`` that holds
-checkpoints it does not resume from (:func:`ptdp.run.rundir.prepare`). The data continue from the
-checkpoint's sample position, so a resumed job trains exactly like an uninterrupted one; the
-iterations after the checkpoint are computed again. Rank 0 appends the resumed part to the same
-``metrics.jsonl``, every line with ``"restart": k``, after a line ``{"event": "restart", "restart":
-k, "resumed_from_iteration": i, "checkpoint": path}``.
+PyTorch's elastic launcher restarts all workers with ``TORCHELASTIC_RESTART_COUNT=k``; each resumes
+by itself (:func:`resume_config`) from the newest complete checkpoint in ``--save`` (it wins over
+``--load``; optimizer and RNG states restored), else from ``--load``, else from scratch (rank 0
+says so). Data continue from the checkpoint's sample position, so training matches an
+uninterrupted run. Rank 0 appends to the same ``metrics.jsonl`` with ``"restart": k`` on every
+line, after ``{"event": "restart", "restart": k, "resumed_from_iteration": i, "checkpoint": path}``.
 """
 
 from __future__ import annotations

@@ -32,12 +32,9 @@ def prepare(config: Config, log=print) -> PreparedData:
     """Tokenizer and token files for the run's corpus (cached; the default corpus when none given).
 
     Raises:
-        DataError: unusable data, or too little of it for one global batch of training samples or
-            one validation sequence (checked here, before any worker starts).
-        CheckpointError: ``--load`` names no usable checkpoint for this model (whether it is a
-            checkpoint at all, and for this model but its vocabulary, is checked before the data
-            are prepared); ``--save`` holds
-            checkpoints that ``--load`` does not resume from.
+        DataError: unusable data, or too little for one global batch or one validation sequence.
+        CheckpointError: ``--load`` names no usable checkpoint for this model (checked before the data
+            are prepared), or ``--save`` holds checkpoints that ``--load`` does not resume from.
     """
     ck = config.checkpoint
     if ck.load:

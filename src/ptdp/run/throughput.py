@@ -1,22 +1,14 @@
 """Throughput of a training run the way the field reports it: tokens/s, model TFLOP/s per GPU, MFU.
 
-FLOPs counted (:func:`step_model_flops`): the planner's model FLOPs of one optimizer step,
-:func:`ptdp.planner.time.flops.model_flops_per_step` for the run's model (the tokenizer's real
-vocabulary, unpadded) and global batch: 3 x the forward GEMMs (forward, input gradients, weight
-gradients) of every layer and of the output layer, the attention scores and context counted in
-full (s x s, no causal skipping); for GPT exactly [K22] §6, ``72 B s l h^2 (1 + s/(6h) +
-V/(12 h l))`` (Korthikanti et al., arXiv:2205.05198). Recompute is NOT counted (these are model
-FLOPs, as Megatron-LM's ``--log-throughput`` counts them), so a run with recompute reports the
-same FLOPs per step as without, and the same FLOPs the planner's MFU divides. Elementwise work
-(norms, softmax, dropout) and the optimizer are not counted either.
+``F`` (:func:`step_model_flops`): model FLOPs of one step
+(:func:`ptdp.planner.time.flops.model_flops_per_step`, unpadded vocabulary): 3 x the forward GEMMs,
+attention counted in full; for GPT ``72 B s l h^2 (1 + s/(6h) + V/(12 h l))`` (Korthikanti et al.,
+arXiv:2205.05198, §6). Recompute, elementwise work and the optimizer are not counted (as
+Megatron-LM's ``--log-throughput``).
 
-Per logged step (``step_time_s``: seconds per step, the log interval's mean):
-``tokens_per_s = B s / step_time_s`` (all ranks together); ``tflops_per_gpu = F / step_time_s /
-world / 1e12`` (world = tp x cp x pp x dp processes, one per GPU); ``mfu = tflops_per_gpu * 1e12 /
-peak`` where ``peak`` is the dense FLOP/s of one device at the run's precision (:func:`device_peak`):
-on CUDA the catalog GPU that ``torch.cuda.get_device_name`` names (:func:`catalog_gpu`), on the
-CPU the calibrated profile of ``ptdp plan --calibrate`` (``--hardware-profile``, else the default
-profile when one exists; its peak is that of one worker on one core); else unknown, and no ``mfu``.
+Per logged step: ``tokens_per_s = B s / step_time_s``; ``tflops_per_gpu = F / step_time_s / world /
+1e12``; ``mfu = tflops_per_gpu * 1e12 / peak``, ``peak`` the dense FLOP/s of one device
+(:func:`device_peak`: the catalog GPU on CUDA, the calibrated profile on CPU; else no ``mfu``).
 """
 
 from __future__ import annotations

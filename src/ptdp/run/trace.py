@@ -1,19 +1,13 @@
 """``ptdp train --trace``: what every rank did and when, as a Chrome trace and a PNG timeline.
 
-Each rank's :class:`Tracer` records the start and end of every forward, backward, group of
-transfers (sends and receives, posted together and waited for: category ``transfer``), gradient
-synchronisation and optimizer step of the traced iterations. Rank 0 gathers them into ``trace.json`` (Chrome trace
-format: open it in Perfetto or chrome://tracing) and draws ``timeline.png`` (one row per rank).
-On a CPU the times are wall-clock (``time.time``), so ranks on one machine line up exactly. On a
-GPU a span is a pair of CUDA events recorded on the current stream, so it measures when the
-device reached its start and end, not when the host queued the work (a step that does not
-synchronise the host runs ahead of the device). The events are read once, by :meth:`Tracer.collect`
-after one synchronisation; they are placed on the wall clock through an anchor event recorded,
-right after a synchronisation, when the first traced span starts (the only other synchronisation
-tracing adds).
+Each rank's :class:`Tracer` records every forward, backward, transfer group, gradient sync and
+optimizer step of the traced iterations; rank 0 gathers them into ``trace.json`` and
+``timeline.png``. CPU times are wall-clock (``time.time``); on a GPU a span is a pair of CUDA events
+(device time, not host queueing), read once by :meth:`Tracer.collect` and placed on the wall clock
+through an anchor event.
 
-The measured bubble of a rank is its idle time inside the pipeline schedule divided by its
-compute time there, the quantity whose ideal value is (p - 1) / (v m) (Narayanan et al. SC21, §2.2).
+A rank's measured bubble is its idle time inside the schedule over its compute time, ideally
+(p - 1) / (v m) (Narayanan et al. SC21, §2.2).
 """
 
 from __future__ import annotations
@@ -58,7 +52,7 @@ class Tracer:
 
     ``device``: a CUDA device times spans with CUDA events (module docstring), anything else with
     the wall clock. ``make_event`` and ``synchronize`` replace ``torch.cuda.Event(enable_timing=True)``
-    and ``torch.cuda.synchronize`` (tests run the event path on a CPU with stand-ins).
+    and ``torch.cuda.synchronize`` (stand-ins run the event path on a CPU).
     """
 
     def __init__(

@@ -1,23 +1,11 @@
 """Experiment trackers: TensorBoard (``--tensorboard-dir``) and Weights & Biases (``--wandb-project``).
 
-Both are optional extras (``pip install "ptdp[tensorboard]"``, ``"ptdp[wandb]"``); asking for one
-that is not installed or cannot be imported stops the run before any worker starts
-(:func:`check_trackers`, part of :func:`ptdp.run.preflight.check_request`). Global rank 0 writes
-them, from the same records as ``metrics.jsonl`` (:class:`ptdp.run.metrics.RunLog`), so every
-tracked scalar is a number of a metrics line: nothing is read from the device for the trackers;
-rank 0 hands each line to them (TensorBoard's writer and W&B queue it and write it in the
-background).
-
-Scalar names (:data:`SCALARS`): ``train/loss``, ``train/lr``, ``train/grad_norm``,
-``train/loss_scale`` (float16), ``train/step_time_s``, ``val/loss``, ``throughput/tokens_per_s``,
-``throughput/tflops_per_gpu``, ``throughput/mfu`` (when the device's peak is known) and
-``memory/peak_bytes`` (the largest rank's); the step is the metrics line's ``iteration``.
-
-W&B mode: ``$WANDB_MODE`` when set, else ``online`` if ``$WANDB_API_KEY`` is set, else ``offline``
-(files under ``--wandb-save-dir``, default ``<run directory>/wandb``; ``wandb sync`` uploads them
-later), so a machine without a network or an account trains as usual. A restarted run (and a
-``--load`` continuing it in its run directory) logs into the same W&B run: its id is kept in the
-run directory (:data:`WANDB_ID_FILE`).
+Optional extras (``ptdp[tensorboard]``, ``ptdp[wandb]``); a missing one stops the run before any
+worker starts (:func:`check_trackers`). Global rank 0 logs the same records as ``metrics.jsonl``
+(nothing extra is read from the device); scalar names are :data:`SCALARS`, the step is the line's
+``iteration``. W&B mode: ``$WANDB_MODE``, else ``online`` with ``$WANDB_API_KEY``, else ``offline``
+(under ``--wandb-save-dir``; ``wandb sync`` uploads later). A restarted run logs into the same W&B
+run (id in :data:`WANDB_ID_FILE`).
 """
 
 from __future__ import annotations

@@ -257,13 +257,11 @@ class _Loop:
             self.interval_start = None  # the next interval's time starts at its first step
 
     def flush(self) -> None:
-        """Read the steps since the last flush to the host (one synchronisation for all:
-        :func:`~ptdp.engine.step.read_results_with`) and record them in order. Called at every logged
-        step (``--log-interval``, the first and the last) and before an evaluation or a checkpoint,
-        so a step that is not logged never waits for the device. Each step of the interval is given
-        the interval's mean step time (its wall time from the first step's start to the read) and
-        the largest rank's peak memory so far (a max all-reduce over the world, read in the same
-        synchronisation)."""
+        """Read the steps since the last flush to the host in one synchronisation
+        (:func:`~ptdp.engine.step.read_results_with`) and record them in order. Called at logged steps and
+        before an evaluation or a checkpoint, so unlogged steps never wait for the device. Each step gets
+        the interval's mean step time and the largest rank's peak memory so far (a max all-reduce).
+        """
         if not self.pending:
             return
         if self.interval_start is None:  # step() sets it before a step joins pending

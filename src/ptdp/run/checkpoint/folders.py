@@ -129,7 +129,7 @@ def _first_line(err: BaseException) -> str:
 def check_files(folder: Path) -> None:
     """Every file DCP's metadata refers to exists and is long enough (a missing or truncated
     shard is named here, before anything is loaded)."""
-    from torch.distributed.checkpoint.api import CheckpointException  # here: DCP takes 0.7 s to import
+    from torch.distributed.checkpoint.api import CheckpointException  # here: DCP is slow to import
 
     from ptdp.run.checkpoint.safe_reader import SafeFileSystemReader
 

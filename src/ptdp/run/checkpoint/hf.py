@@ -1,13 +1,10 @@
 """Hugging Face interop: export a ptdp checkpoint to a ``GPT2LMHeadModel`` folder, or with the
-Llama-like options (RMSNorm, SwiGLU, rotary positions) to a ``LlamaForCausalLM`` folder
-(``config.json`` + ``model.safetensors``), and import such a folder as a ptdp checkpoint.
+Llama-like options to a ``LlamaForCausalLM`` one (``config.json`` + ``model.safetensors``), and
+import such a folder as a ptdp checkpoint (iteration 0, no optimizer state, loads at any layout).
 
-Both run in one process without a process group: export reads the global tensors from the
-checkpoint's index, import writes them in ptdp's layout-independent form (iteration 0, no
-optimizer state), which then loads at any layout. GPT-2 stores its projections as ``Conv1D``
-(``y = x W + b``, ``W`` is ``[in, out]``), ptdp as ``nn.Linear`` (``[out, in]``): weights are
-transposed; its fused ``c_attn`` is ``[q | k | v]`` with heads contiguous inside each, as ptdp's.
-The Llama mapping is in :mod:`ptdp.run.checkpoint.hf_llama`.
+One process, no process group. GPT-2's ``Conv1D`` weights are ``[in, out]`` (``y = x W + b``),
+ptdp's ``nn.Linear`` ``[out, in]``: they are transposed; its fused ``c_attn`` is ``[q | k | v]``
+with heads contiguous inside each, as ptdp's. Llama: :mod:`ptdp.run.checkpoint.hf_llama`.
 """
 
 from __future__ import annotations
@@ -114,14 +111,12 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
 
 
 def _special_tokens(tokenizer: Path) -> tuple[str | None, dict]:
-    """The checkpoint's end-of-document token and the ``bos_token_id`` / ``eos_token_id`` for its
-    ``config.json``, from its ``tokenizer.json`` (read once). The token that ended every document
-    in training: ``<|endoftext|>`` for ptdp's own tokenizer, else what the ``tokenizer_config.json``
-    kept beside the checkpoint's tokenizer names, else the first of
-    :data:`~ptdp.data.tokenizer.KNOWN_EOS_TOKENS` it knows (as ``--tokenizer-model`` picks it).
-    ``bos_token_id``: the same token for ptdp's own tokenizer (GPT-2's convention), else the kept
-    ``tokenizer_config.json``'s ``bos_token``, else None. No tokenizer (an imported model) or no
-    such token: (None, both ids None), never GPT-2's 50256, which may lie outside the vocabulary."""
+    """The end-of-document token and ``(bos_token_id, eos_token_id)`` for ``config.json``, from the
+    checkpoint's ``tokenizer.json``: ``<|endoftext|>`` (also BOS, GPT-2's convention) for ptdp's own
+    tokenizer, else the kept ``tokenizer_config.json``'s tokens, else the first known
+    :data:`~ptdp.data.tokenizer.KNOWN_EOS_TOKENS` (as ``--tokenizer-model`` picks it). No tokenizer or
+    no such token: (None, both ids None), never GPT-2's 50256, which may lie outside the vocabulary.
+    """
     none = {"bos_token_id": None, "eos_token_id": None}
     if not tokenizer.is_file():
         return None, none

@@ -1,22 +1,17 @@
 """Hugging Face Llama interop: the tensor and config mapping between ptdp's Llama-like GPT
-(RMSNorm, SwiGLU, rotary positions, any number of query groups) and ``LlamaForCausalLM``.
+(RMSNorm, SwiGLU, rotary positions, query groups) and ``LlamaForCausalLM``. Per layer i (ptdp's
+stored form on the left; all ``nn.Linear`` ``[out, in]`` on both sides, nothing transposed):
 
-:mod:`ptdp.run.checkpoint.hf` reads and writes the files and dispatches here. The mapping, per layer i
-(ptdp's stored, layout-independent form on the left):
-
-- ``layers.i.ln1`` / ``ln2`` = ``model.layers.i.input_layernorm`` / ``post_attention_layernorm``;
-  ``final_norm`` = ``model.norm``; ``word_embeddings`` = ``model.embed_tokens``;
-  ``output_layer`` = ``lm_head`` (absent when tied); only the real vocabulary rows on both sides.
-- ``layers.i.attention.qkv``: with G query groups the rows are ``[q of the a/G heads of group g,
-  k_g, v_g]`` for g = 0 .. G-1 (``d`` rows per head), so ``q_proj`` is the concatenation of the
-  groups' q blocks and ``k_proj`` / ``v_proj`` of their k / v heads; Llama's query head j uses
-  key/value head ``j // (a/G)``, as ptdp's. Without groups it is stored ``[3, h, h]`` = q, k, v.
-- ``layers.i.attention.proj`` = ``o_proj``; ``layers.i.mlp.fc1`` stored ``[2, ffn, h]`` =
-  ``[gate_proj, up_proj]``; ``layers.i.mlp.fc2`` = ``down_proj``. Both are ``nn.Linear``
-  (``[out, in]``): nothing is transposed. With linear biases (Llama's ``attention_bias`` and
-  ``mlp_bias`` both true) the biases follow their weights' rows.
-- rotary positions: both pair channel i of a head with channel ``i + d/2`` ("rotate half") at the
-  angle ``pos * theta^(-2i/d)``, so q and k rows are not permuted.
+- ``layers.i.ln1`` / ``ln2`` = ``input_layernorm`` / ``post_attention_layernorm``; ``final_norm``
+  = ``model.norm``; ``word_embeddings`` = ``embed_tokens``; ``output_layer`` = ``lm_head`` (absent
+  when tied); real vocabulary rows only.
+- ``layers.i.attention.qkv``: with G groups the rows are ``[q of the a/G heads of group g, k_g,
+  v_g]`` for g = 0 .. G-1 (``d`` rows per head); ``q_proj`` / ``k_proj`` / ``v_proj`` concatenate
+  the groups' blocks (query head j uses kv head ``j // (a/G)``, as in Llama). No groups: ``[3, h, h]``.
+- ``proj`` = ``o_proj``; ``mlp.fc1`` ``[2, ffn, h]`` = ``[gate_proj, up_proj]``; ``mlp.fc2`` =
+  ``down_proj``; biases (``attention_bias`` and ``mlp_bias``) follow their weights' rows.
+- rotary: both pair channel i with ``i + d/2`` ("rotate half") at angle ``pos * theta^(-2i/d)``,
+  so q and k rows are not permuted.
 """
 
 from __future__ import annotations

@@ -1,36 +1,18 @@
 """Save and load a training state with ``torch.distributed.checkpoint`` (DCP), at any layout.
 
-A checkpoint root holds one folder per saved iteration (``iter_0000100``) and a ``latest`` file
-naming the newest complete one. A folder is written as ``.iter_0000100.tmp`` by all ranks in
-parallel (DCP: one ``.distcp`` file per rank plus ``.metadata``), completed with ``ptdp.json``
-(rank 0) and ``rng/rank<r>.json`` (every rank), renamed once every rank has finished, and only
-then is ``latest`` replaced (atomically). A crash at any point leaves ``latest`` on the previous
-complete checkpoint. DCP's own collectives run over the process group handed in (a gloo group
-of the world, :mod:`ptdp.run.checkpoint.saver`), never over NCCL. Nothing of the training state is
-cloned on the device: tensors go to DCP as they are (a synchronous save writes them before
-training goes on; an asynchronous one, ``dcp.async_save``, first copies them into CPU memory) and
-the distributed optimizer's full local tensors are assembled one parameter at a time and moved to
-the CPU (:func:`ptdp.run.checkpoint.optim_state.gather_local_state`). :func:`start_save` returns
-a :class:`PendingSave` whose :meth:`~PendingSave.finish` (collective) waits for the files and
-completes the folder. Nothing is pickled: tensors go through DCP, everything else is JSON. A state
-holding a nan or inf (a parameter, an optimizer tensor, the 1-bit residual) on any rank is never
-saved: every rank refuses before anything is written.
+A root holds ``iter_0000100``-style folders and a ``latest`` file naming the newest complete one. A
+folder is written as ``.iter_0000100.tmp`` by all ranks (one ``.distcp`` per rank + ``.metadata``,
+then ``ptdp.json`` and ``rng/rank<r>.json``), renamed when every rank is done, and only then is
+``latest`` replaced atomically. DCP's collectives run over the given gloo group, never NCCL. Nothing
+is cloned on the device or pickled (tensors via DCP, the rest JSON). A nan/inf in the state on any
+rank stops every rank before anything is written.
 
-Context parallelism changes nothing that is stored: parameters and Adam's state are replicated over
-the cp ranks like over the dp ranks (DCP writes each replicated tensor once), and the distributed
-optimizer's shards over the dp x cp ranks are assembled into whole tensors before saving, so a
-checkpoint saved at one cp loads at any other (and any tp, pp, dp).
-
-Stored per parameter (layout-independent, see :mod:`ptdp.run.checkpoint.tensors`): ``model/<name>``,
-``optim/exp_avg/<name>``, ``optim/exp_avg_sq/<name>`` and, for 16-bit parameters,
-``optim/main/<name>``; ``optim/step``; the 1-bit error-feedback residual per rank
-(``residual/rank<r>``, restored only at the same layout and bucket size).
-
-``rng/rank<r>.json`` holds the rank's Python, NumPy and torch generator states and its dropout
-streams (:class:`ptdp.engine.tensor_parallel.random.DropoutRNG`), restored only at the same layout
-(without ``--no-load-rng``): a run resumed at another layout, or without them, reseeds the
-dropout streams from the checkpoint's iteration, so it draws new masks (not those of the first
-iterations again) but not the ones an uninterrupted run would have drawn.
+Stored per parameter, layout-independent (:mod:`ptdp.run.checkpoint.tensors`; cp and dp replicas
+written once, distributed-optimizer shards assembled): ``model/<name>``, ``optim/exp_avg/<name>``,
+``optim/exp_avg_sq/<name>``, ``optim/main/<name>`` for 16-bit parameters; ``optim/step``;
+``residual/rank<r>`` (1-bit error feedback). The residual and ``rng/rank<r>.json`` (Python, NumPy,
+torch and dropout streams) are restored only at the same layout (and without ``--no-load-rng``);
+otherwise the dropout streams are reseeded from the checkpoint's iteration.
 """
 
 from __future__ import annotations
@@ -141,12 +123,9 @@ def start_save(
     async_save: bool = False,
 ) -> PendingSave:
     """Begin saving the training state after ``iteration`` steps into ``root/iter_<iteration>``
-    (collective over the world). ``group``: the process group of DCP's collectives (a gloo group
-    of the whole world; None: the world group, or none for one process). ``async_save``: DCP
-    copies the tensors to CPU memory and writes them in a background thread; training may go on
-    at once. ``keep_last``: after completion delete all but the newest ``keep_last`` complete
-    checkpoints. ``files``: copied in by rank 0 under the given names (the tokenizer, so ``ptdp
-    generate`` needs nothing else).
+    (collective over the world). ``group``: DCP's process group (a gloo group of the world; None: the
+    world group). ``async_save``: DCP copies tensors to CPU memory and writes in a background thread.
+    ``keep_last``: keep only that many newest complete checkpoints. ``files``: copied in by rank 0.
 
     Raises:
         CheckpointError: a nan/inf in the state on some rank (on every rank, nothing written).
@@ -171,7 +150,7 @@ def start_save(
         sd[f"residual/rank{g.global_rank}"] = stage.grads.residual
     if group is None and g.world.size > 1:
         group = g.world.group
-    import torch.distributed.checkpoint as dcp  # here, not at import: 0.7 s a worker that never saves skips
+    import torch.distributed.checkpoint as dcp  # here, not at import: slow, and a worker that never saves skips it
 
     writer = dcp.FileSystemWriter(tmp)
     with _quiet():

@@ -1,14 +1,11 @@
 """Adam's state per parameter, in the parameter's local (tp-shard) shape, whatever optimizer holds it.
 
-Three optimizers keep Adam's moments differently: ``torch.optim.AdamW`` on the parameters
-themselves (float32/float64), :class:`~ptdp.engine.optim.adamw.MainParamsAdamW` on float32 main copies of
-16-bit parameters, and :class:`~ptdp.engine.optim.zero.ShardedAdamW` on this dp rank's flat
-segments of each parameter. Checkpoints see one form: for every parameter, ``exp_avg`` and
-``exp_avg_sq`` (and ``main`` for 16-bit parameters) shaped like the local shard, plus one step
-count. For the distributed optimizer the full local tensors are assembled with one sum
-all-reduce per tensor on save over the group it shards over (dp, or dp x cp with context
-parallelism: ``ParallelGroups.dp_cp``; each element is non-zero on exactly one of its ranks, so
-the sum is exact) and each rank takes its segments back on load.
+``torch.optim.AdamW`` keeps it on the parameters, :class:`~ptdp.engine.optim.adamw.MainParamsAdamW`
+on fp32 main copies of 16-bit parameters, :class:`~ptdp.engine.optim.zero.ShardedAdamW` on this dp
+rank's flat segments. Checkpoints see ``exp_avg``, ``exp_avg_sq`` (and ``main`` for 16-bit) shaped
+like the local shard, plus one step count. Sharded state is assembled on save with one sum
+all-reduce per tensor over ``ParallelGroups.dp_cp`` (each element non-zero on exactly one rank, so
+the sum is exact); each rank takes its segments back on load.
 """
 
 from __future__ import annotations
@@ -50,14 +47,11 @@ def step_count(optimizer) -> int:
 
 def gather_local_state(optimizer, params: list[nn.Parameter], dp) -> dict[int, dict[str, torch.Tensor]]:
     """``{id(param): {kind: tensor of param's local shape}}`` for every parameter (zeros before the
-    first step). Collective over ``dp`` for the distributed optimizer (all its ranks, same order):
-    the group the optimizer is sharded over, ``ParallelGroups.dp_cp``.
+    first step). Collective over ``ParallelGroups.dp_cp`` for the distributed optimizer.
 
-    Nothing is cloned on the device: the optimizer's own tensors are returned (detached), to be
-    written before they change (a synchronous save) or copied to CPU memory first (an
-    asynchronous one); the distributed optimizer's tensors, which exist nowhere whole, are
-    assembled one parameter at a time on the device and moved to the CPU, so at most one
-    parameter's worth of them is on the device at a time."""
+    Nothing is cloned on the device: the optimizer's own tensors are returned detached; the
+    distributed optimizer's are assembled one parameter at a time on the device and moved to the CPU.
+    """
     kinds = state_kinds(optimizer)
     if isinstance(optimizer, ShardedAdamW):
         return _gather_sharded(optimizer, params, kinds, dp)

@@ -1,15 +1,11 @@
 """The checkpoint saves (and the ``--load``) of one training run: DCP over a gloo group of its own,
 and ``--async-save``.
 
-A :class:`Checkpointer` is built by every rank of the run (collective: it creates the group). Its
-gloo group carries DCP's collectives (planning, the gather of write results), so that a save
-never talks over NCCL and, written in a background thread with ``--async-save``
-(``torch.distributed.checkpoint.async_save``: the tensors are copied into CPU memory, then
-written while training goes on), never shares a group with the training's collectives. The next
-save, and the end of training, wait for a save still being written (:meth:`Checkpointer.wait`)
-and complete it, and so does each logged step once every rank has written its files
-(:meth:`Checkpointer.poll`): only then is the folder renamed and ``latest`` moved to it, so a
-crash while writing leaves ``latest`` on the previous complete checkpoint.
+A :class:`Checkpointer` is built by every rank (collective: it creates the group), so DCP never
+talks over NCCL nor shares a group with training, even when ``--async-save``
+(``torch.distributed.checkpoint.async_save``) writes in the background. A pending save is completed
+at the next save, the end of training, or a logged step once every rank has written
+(:meth:`Checkpointer.poll`); only then is the folder renamed and ``latest`` moved to it.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
-"""Layout-independent form of ptdp's parameters (and of per-parameter optimizer state).
+"""Layout-independent form of ptdp's parameters (and per-parameter optimizer state): every parameter
+is stored as its global tensor, whatever layout wrote it:
 
-A checkpoint stores every parameter as its *global* tensor, whatever the layout that wrote it:
+- tp shards are pieces at their offsets (a ``ShardedTensor`` over the tp group);
+- a fused ``[q | k | v]`` (``GlobalParam.tp_groups = 3``) is stored ``[3, h, ...]``, a tp rank's
+  shard being ``[3, h / tp, ...]`` at offset ``(0, tp_rank * h / tp, 0)``; SwiGLU fc1 ``[gate |
+  up]`` likewise ``[2, ffn, ...]``;
+- grouped-query QKV is laid out group by group (:class:`ptdp.engine.model.attention.Attention`),
+  stored as its global ``[(a + 2 G) d, h]`` with each rank's whole groups at their offset;
+- vocabulary tensors keep only their ``real_rows``; replicated tensors are stored once.
 
-- tensor-parallel shards are pieces of that tensor at their offsets (a ``ShardedTensor`` over the
-  tp group; ``torch.distributed.checkpoint`` reassembles or re-splits them on load);
-- a fused ``[q | k | v]`` projection (``GlobalParam.tp_groups = 3``) is stored as ``[3, h, ...]``,
-  so q, k and v each stay grouped by head and a tp rank's shard is one block
-  ``[3, h / tp, ...]`` at offset ``(0, tp_rank * h / tp, 0)``; a SwiGLU fc1 ``[gate | up]``
-  (``tp_groups = 2``) likewise as ``[2, ffn, ...]``;
-- a grouped-query QKV projection is laid out group by group (``[q of group 0, k_0, v_0, q of
-  group 1, ...]``, see :class:`ptdp.engine.model.attention.Attention`) and split contiguously over tp, so it is
-  stored as its global ``[(a + 2 G) d, h]`` tensor with each rank's whole groups at their offset;
-- vocabulary tensors keep only their ``real_rows`` (padding depends on tp and is not stored);
-- replicated tensors (LayerNorm, row-parallel biases, positions) are plain tensors, stored once.
-
-Shapes per rank: the local view has this rank's shard shape in the stored form (for the
-vocabulary, only the real rows the rank holds, possibly none).
+Per rank, the local view has this rank's shard shape in the stored form.
 """
 
 from __future__ import annotations
