@@ -4,13 +4,9 @@ All results are bytes on ONE tensor-parallel (and context-parallel) rank of a pi
 Sources: [N21] Narayanan et al., SC21, arXiv:2104.04473; [K22] Korthikanti et al., "Reducing
 Activation Recomputation in Large Transformer Models", arXiv:2205.05198.
 
-Activations follow [K22] §4 (16-bit activations, 1-byte dropout masks), generalised
-term by term to grouped-query attention, SwiGLU, models without dropout and fused (flash)
-attention (see :func:`layer_activation_bytes`), times the microbatches (or model chunks) a
-pipeline rank holds at its peak (:func:`inflight_microbatches`). For ptdp's own GPT
-(:func:`ptdp.planner.inputs.models.spec_from_model_config`) ``tests/dist/test_planner_activations.py`` checks
-the peak against the bytes autograd really saves (:mod:`ptdp.engine.activation_meter`). The whole
-memory model is :mod:`ptdp.planner.memory.breakdown`.
+Per layer: [K22] §4 (16-bit activations, 1-byte dropout masks), generalised to grouped-query
+attention, SwiGLU, no dropout and fused attention (:func:`layer_activation_bytes`); times the
+microbatches (or model chunks) a pipeline rank holds at its peak (:func:`inflight_microbatches`).
 """
 
 from __future__ import annotations
@@ -29,10 +25,8 @@ SCHEDULES = ("1f1b", "gpipe")
 def activation_value_bytes(precision: str) -> tuple[int, int]:
     """(bytes of an activation value, bytes of a value kept in fp32) at ``precision``.
 
-    bf16/fp16 mixed precision: 2-byte activations; the log-sum-exp of a fused attention kernel and
-    the logits of the cross entropy are fp32 (4). fp32: 4 and 4 (nothing is doubled twice).
-    fp8 (bf16 training with FP8 GEMMs): 2 and 4, like bf16; the 1-byte inputs of the FP8 GEMMs are
-    counted by :func:`layer_activation_bytes`. Dropout masks are 1 byte at every precision.
+    bf16/fp16/fp8: 2 and 4 (fused-attention log-sum-exp and cross-entropy logits are fp32); fp32: 4 and 4.
+    Dropout masks are 1 byte at every precision. Raises ValueError for another precision.
     """
     if precision in ("bf16", "fp16", "fp8"):
         return 2, 4
@@ -53,29 +47,13 @@ def layer_activation_bytes(
 ) -> float:
     """Activation bytes one transformer layer keeps for backward, per microbatch, on one tp rank.
 
-    [K22] eq. (1)-(2) and §5 for GPT, per layer (s: sequence, b: micro batch, h, a, t = tp):
-      no parallelism ``s b h (34 + 5 a s / h)``; TP ``s b h (10 + 24/t + 5 a s / (h t))``;
-      TP + SP ``s b h / t (34 + 5 a s / h)``; selective recompute drops the ``5 a s / h`` term;
-      full recompute keeps only the layer input, ``2 s b h`` (``2 s b h / t`` with SP).
-    Generalisation used for GQA and SwiGLU (same accounting, per token, 2 bytes per value):
-      replicated over tp (divided by t with SP): 2 norm inputs (4h), QKV and fc1 inputs (4h),
-      2 dropout masks (2h, 1 byte each; 0 when ``model.has_dropout`` is False);
-      split over tp: q and k for the scores, v, attention context (``4 a d + 4 kv d``), MLP
-      ``4 ffn`` (GELU input and output) or ``6 ffn`` (SwiGLU: the fused ``2 ffn`` fc1 output and
-      the gated product); scores ``5 a s`` per token (softmax output 2, dropout mask 1, dropout
-      output 2; without dropout: 2), dropped by selective recompute.
-    With ``model.flash_attention`` (FlashAttention, Dao et al. 2022, arXiv:2205.14135) no score is
-    kept, only the kernel's fp32 log-sum-exp, ``4 a`` bytes per token (its dropout mask is
-    regenerated from the seed, not kept): GPT is ``s b h (34 + 16 a / h)`` without parallelism,
-    ``s b h (10 + 24/t) + 4 a s b / t`` with TP, ``s b h / t (34 + 16 a / h)`` with TP + SP. Selective
-    recompute then keeps the same bytes (Megatron checkpoints the attention core only with the
-    unfused kernel; a flash kernel keeps nothing worth recomputing).
-    With a = kv, d = h/a, ffn = 4h this is exactly [K22]'s ``10 h + 24 h / t + 5 a s / t``.
-    ``precision`` "fp32" makes every value 4 bytes (masks stay 1 byte; see
-    :func:`activation_value_bytes`). "fp8" (Transformer Engine's FP8 training,
-    :mod:`ptdp.planner.memory.fp8`): the inputs of the four FP8 GEMMs are kept in FP8, 1 byte each (the
-    QKV input h, the attention-projection input ``a d``, the fc1 input h, the fc2 input ``ffn``);
-    everything else stays 16-bit.
+    [K22] eq. (1)-(2) and §5 (s: sequence, b: micro batch, t = tp): no parallelism
+    ``s b h (34 + 5 a s / h)``; TP ``s b h (10 + 24/t + 5 a s / (h t))``; TP + SP ``s b h / t (34 + 5 a s / h)``;
+    selective recompute drops the ``5 a s / h`` term; full recompute keeps only the layer input ``2 s b h``
+    (/t with SP). Generalised per token for GQA (``4 a d + 4 kv d``) and SwiGLU (``6 ffn`` instead of ``4 ffn``).
+    With ``model.flash_attention`` (Dao et al. 2022, arXiv:2205.14135) no score is kept, only the fp32
+    log-sum-exp, ``4 a`` bytes per token. "fp8" (Transformer Engine FP8) keeps the four GEMM inputs in 1 byte.
+    Raises ValueError for an unknown ``recompute``.
     """
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r} must be none, selective or full")
@@ -101,10 +79,8 @@ def layer_activation_bytes(
 def inflight_microbatches(layout: Candidate, pp_rank: int, *, schedule: str = "1f1b") -> float:
     """Microbatches (in whole-stage equivalents) pipeline rank ``pp_rank`` holds at its peak.
 
-    1F1B [N21 §2.2]: rank r holds ``min(pp - r, m)``. GPipe: ``m``. Interleaved 1F1B (v > 1 model
-    chunks per rank): rank r runs ``2 (pp - r - 1) + (v - 1) pp`` warm-up chunk forwards and holds
-    one more chunk, capped at ``m v``; divided by v (a chunk is 1/v of the stage). On rank 0 that is
-    ``pp (1 + (pp - 1)/(pp v))``, the factor of [K22] §4.2.
+    1F1B [N21 §2.2]: ``min(pp - r, m)``. GPipe: ``m``. Interleaved (v > 1): ``2 (pp - r - 1) + (v - 1) pp + 1``
+    chunks, capped at ``m v``, divided by v; on rank 0 the factor ``pp (1 + (pp - 1)/(pp v))`` of [K22] §4.2.
     """
     pp, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
     if schedule == "gpipe":
@@ -122,12 +98,9 @@ def inflight_layer_microbatches(
     """(layer-microbatches, loss-side microbatches) rank ``pp_rank`` holds at its peak; one
     layer-microbatch is one layer's activations for one microbatch.
 
-    Usually :func:`inflight_microbatches` x ``layers_on_stage`` and None (the caller's rule for the
-    loss side). For an interleaved split whose chunks hold different numbers of layers (the
-    embedding and/or loss counted as layers, :func:`ptdp.planner.splits.chunk_layers`) the peak of
-    ``layers + loss_weight * losses`` along the interleaved 1F1B order
-    (:func:`ptdp.planner.splits.interleaved_peak`; ``loss_weight``: the loss side's bytes over one
-    layer-microbatch's). With equal chunks both give the same number.
+    Usually :func:`inflight_microbatches` x ``layers_on_stage`` and None. For an interleaved split with
+    unequal chunks, the peak of ``layers + loss_weight * losses`` along the interleaved 1F1B order
+    (:func:`ptdp.planner.splits.interleaved_peak`).
     """
     mbs = inflight_microbatches(layout, pp_rank, schedule=schedule)
     v, split = layout.virtual_stages, layout.layer_split
@@ -153,14 +126,10 @@ def _edge_activation_bytes(
 ) -> float:
     """Activations outside the transformer layers [K22] §4.3, on one tp rank.
 
-    First stage: the embedding-dropout mask, ``s b h`` per microbatch in flight (/t with SP; none
-    without dropout). Last stage, per microbatch whose loss is in flight (``last_inflight``: 1 for
-    1F1B, m for GPipe): final-norm input and output-layer input, ``2 s b h`` values (/t with SP),
-    and what the chunked output layer + cross entropy keeps besides its input
-    (:mod:`ptdp.engine.tensor_parallel.linear_cross_entropy`): one fp32 log-sum-exp and one int64
-    label per token, ``12 s b`` bytes, and the logits ``s b V_pad / t`` in the activation dtype
-    when they take at most 256 MiB (:func:`~ptdp.layout.vocab.keeps_logits`, the
-    rule the loss follows; larger, they are recomputed in backward and not kept).
+    First stage: the embedding-dropout mask, ``s b h`` per microbatch in flight (/t with SP). Last stage,
+    per microbatch whose loss is in flight: final-norm and output-layer inputs ``2 s b h`` values (/t with
+    SP), an fp32 log-sum-exp and int64 label per token (``12 s b`` bytes), and the logits ``s b V_pad / t``
+    when :func:`~ptdp.layout.vocab.keeps_logits` keeps them.
     """
     e, e32 = activation_value_bytes(layout.precision)
     t, tokens, h = layout.tp, layout.micro_batch_size * model.seq_length, model.hidden_size
@@ -186,15 +155,9 @@ def stage_activation_bytes(
 ) -> float:
     """Peak activation bytes of pipeline rank ``pp_rank`` (one tp rank).
 
-    Stored layer activations x layers on the stage x microbatches in flight
-    (:func:`inflight_microbatches`), plus [K22] §4.3's embedding/output/loss terms (the last
-    stage's for one microbatch under 1F1B, for all m under GPipe, which runs every forward first).
-    With full recompute, the working set of the layer being recomputed and back-propagated is
-    added: its activations without recompute minus its input (already among the kept inputs).
-    On the last stage that working set and the microbatch's loss-side tensors are not held at
-    the same time (the output layer's backward frees the latter before any layer is recomputed),
-    so the larger of the two counts. ``make_vocab_size_divisible_by`` sets the padded vocabulary
-    whose logits the last stage keeps when they are small enough.
+    Layer activations x layers x microbatches in flight, plus [K22] §4.3's embedding/output/loss terms
+    (one microbatch's under 1F1B, all m under GPipe). Full recompute adds the recomputed layer's working
+    set; on the last stage the larger of it and the loss-side tensors, which are never held together.
     """
     b, sp, precision = layout.micro_batch_size, layout.parallel.sequence_parallel, layout.precision
     per_layer = layer_activation_bytes(
@@ -243,11 +206,9 @@ def rank_activation_bytes(
 ) -> float:
     """Peak activation bytes of one cp rank of pipeline rank ``pp_rank`` (one tp rank).
 
-    :func:`stage_activation_bytes` of the ``s / cp``-token model
-    (:func:`ptdp.planner.memory.cp_local.local_model`: every per-token term divided by cp), plus, with
-    cp > 1, the kept attention scores' missing ``(cp - 1)`` parts of an unfused kernel (the rank's
-    queries see all ``s`` keys) and the key/value exchange buffers of the running layer
-    (:func:`ptdp.planner.memory.cp_local.kv_buffer_bytes`). cp = 1 is :func:`stage_activation_bytes`.
+    :func:`stage_activation_bytes` of the ``s / cp``-token model (:func:`ptdp.planner.memory.cp_local.local_model`),
+    plus, with cp > 1, an unfused kernel's missing ``(cp - 1)`` score parts and the running layer's
+    key/value exchange buffers (:func:`ptdp.planner.memory.cp_local.kv_buffer_bytes`).
     """
     cp = layout.cp
     if cp == 1:

@@ -1,13 +1,9 @@
 """Memory model of one GPU: parameters, gradients, optimizer state, activations, fixed overhead.
 
-All results are bytes on ONE tensor-parallel rank of a pipeline stage (the unit that the GPU of
-that stage holds). Sources: [N21] Narayanan et al., SC21, arXiv:2104.04473; [K22] Korthikanti et
-al., "Reducing Activation Recomputation in Large Transformer Models", arXiv:2205.05198.
-
-The parts: parameters per stage, bytes per parameter and the state of a rank under its sharding
-strategy are :mod:`ptdp.planner.memory.params`; the activations a pipeline rank keeps at its peak
-([K22] §4, microbatches in flight) are :mod:`ptdp.planner.memory.activations`. This module puts them
-together for the most loaded GPU (:func:`memory_breakdown`).
+All results are bytes on ONE tensor-parallel rank of a pipeline stage. Sources: [N21] Narayanan et
+al., SC21, arXiv:2104.04473; [K22] Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models", arXiv:2205.05198. Parameters and state: :mod:`ptdp.planner.memory.params`;
+activations: :mod:`ptdp.planner.memory.activations`; :func:`memory_breakdown` sums them.
 """
 
 from __future__ import annotations
@@ -26,11 +22,8 @@ from ptdp.planner.memory.strategies import strategy_bytes_per_param
 
 __all__ = ["DEFAULT_OVERHEAD_BYTES", "memory_breakdown"]
 
-#: Default fixed overhead per GPU (bytes): CUDA context and kernel images (~0.5 GiB on A100/H100),
-#: NCCL buffers of the 3-5 communicators a rank joins (tp, pp, dp, embedding, world; a few hundred
-#: MiB each at default NCCL_BUFFSIZE and channel counts), cuBLAS workspaces, and caching-allocator
-#: fragmentation at the activation peak. 2 GiB is deliberately round: large enough that a plan
-#: listed as fitting is not at the edge, small next to the 40-141 GiB of current GPUs.
+#: Default fixed overhead per GPU (bytes): CUDA context and kernel images, NCCL buffers of the
+#: communicators a rank joins, cuBLAS workspaces and allocator fragmentation; a round margin.
 DEFAULT_OVERHEAD_BYTES = 2 * GiB
 
 
@@ -71,20 +64,11 @@ def memory_breakdown(
 ) -> MemoryBreakdown:
     """Bytes on the most loaded GPU: the pipeline stage with the largest total (``stage``).
 
-    params/grads/optimizer: exact stage parameter count under the sharding strategy over
-    ``dp * cp`` ranks, transients included (:func:`rank_state_bytes`; params with
-    precision "fp8" also hold the FP8 weight copies, :func:`ptdp.planner.memory.fp8.fp8_weight_copy_bytes`); activations:
-    :func:`rank_activation_bytes` (one cp rank); overhead: ``overhead_bytes`` (default
-    :data:`DEFAULT_OVERHEAD_BYTES`). ``gpu`` does not change the bytes (it is part of the call for
-    symmetry with the time model); the capacity check ``total <= gpu.memory_bytes`` is the
-    caller's. ``schedule``: "1f1b" (interleaved when ``layout.virtual_stages > 1``) or "gpipe".
-
-    With an even split only the first and the last stage can be the maximum (the first holds the
-    most microbatches in flight and the embedding, the last the output layer and logits; middle
-    stages hold no more than the first), so the cost is O(1) in pp. With ``layer_split`` (default:
-    ``layout.layer_split``) the first, the last and, for each distinct layer count of the middle
-    stages, the lowest-ranked of them are evaluated (a middle stage holds no more microbatches in
-    flight than the ones before it, and its parameters depend only on its layers).
+    params/grads/optimizer: the stage's parameters under the sharding strategy over ``dp * cp`` ranks,
+    transients and FP8 weight copies included (:func:`rank_state_bytes`); activations:
+    :func:`rank_activation_bytes` (one cp rank); overhead: ``overhead_bytes``. ``gpu`` does not change
+    the bytes; the check ``total <= gpu.memory_bytes`` is the caller's. ``schedule``: "1f1b" or "gpipe".
+    Only the first, the last and one middle stage per distinct layer count can be the maximum.
     """
     layer_split = layer_split if layer_split is not None else layout.layer_split
     candidates = _candidate_stages(model, layout, layer_split, make_vocab_size_divisible_by)

@@ -1,25 +1,11 @@
-"""FP8 training as Transformer Engine runs it on H100/H200 (``ptdp plan --fp8``; planner only,
-``ptdp train`` has no FP8).
+"""FP8 training as Transformer Engine runs it on H100/H200 (``ptdp plan --fp8``; planner only).
 
-The planner's precision ``"fp8"`` is bf16 mixed-precision training whose weight GEMMs run in FP8
-(Micikevicius et al., "FP8 Formats for Deep Learning", arXiv:2209.05433; NVIDIA Transformer
-Engine with Megatron-Core, delayed scaling, "hybrid" E4M3 forward / E5M2 backward):
-
-- Compute (:func:`ptdp.planner.time.flops.layer_compute_times`): the QKV, attention-projection, fc1
-  and fc2 GEMMs, forward and both backward GEMMs, at the GPU's dense FP8 peak with 1-byte
-  operands, plus the memory traffic of the FP8 cast-transposes no other kernel does
-  (:func:`ptdp.planner.time.flops.fp8_cast_bytes`). The attention core (a bf16 flash kernel), the
-  output layer and the loss, norms and elementwise kernels stay bf16; MFU is reported against
-  the bf16 peak.
-- Activations (:func:`ptdp.planner.memory.activations.layer_activation_bytes`): the inputs of those four GEMMs
-  are kept in FP8 for the weight-gradient GEMMs (1 byte per value: the QKV and fc1 inputs, h per
-  token, the projection input ``a d`` and the fc2 input ``ffn``); every other kept tensor is bf16.
-- Weights: bf16 parameters with fp32 main parameters, gradients and Adam state, as without FP8,
-  plus :data:`FP8_WEIGHT_COPY_BYTES` per weight of those four GEMMs: Transformer Engine casts each
-  weight to FP8 and its transpose (Hopper's FP8 GEMMs take both operands K-major) at the first
-  microbatch of a step and keeps both in persistent buffers for the other microbatches
-  (Megatron-Core passes ``is_first_microbatch``), so the copies stay allocated for the whole run.
-- Communication: unchanged (bf16 activations and weights, fp32 gradients).
+Precision ``"fp8"`` is bf16 mixed-precision training whose weight GEMMs run in FP8 (Micikevicius et
+al., "FP8 Formats for Deep Learning", arXiv:2209.05433; Transformer Engine with Megatron-Core,
+delayed scaling, E4M3 forward / E5M2 backward). The QKV, projection, fc1 and fc2 GEMMs run at the
+FP8 peak and keep 1-byte inputs for backward; everything else stays bf16 (MFU against the bf16 peak).
+Each of those weights also has an FP8 copy and its transpose, kept for the whole step
+(:data:`FP8_WEIGHT_COPY_BYTES`). Communication is unchanged.
 """
 
 from __future__ import annotations

@@ -2,10 +2,9 @@
 params / grads / optimizer bytes of a rank under its sharding strategy.
 
 All results are for ONE tensor-parallel rank of a pipeline stage. Parameters are counted exactly
-from the shapes ptdp's :class:`ptdp.engine.model.gpt.GPTModel` creates
-(``tests/unit/test_planner_model_memory.py`` checks the count against the real ``numel``). Sources:
-[N21] Narayanan et al., SC21, arXiv:2104.04473; [K22] Korthikanti et al., arXiv:2205.05198;
-Micikevicius et al. 2018 (mixed precision). The whole memory model is :mod:`ptdp.planner.memory.breakdown`.
+from the shapes ptdp's :class:`ptdp.engine.model.gpt.GPTModel` creates. Sources: [N21] Narayanan et
+al., SC21, arXiv:2104.04473; [K22] Korthikanti et al., arXiv:2205.05198; Micikevicius et al. 2018
+(mixed precision).
 """
 
 from __future__ import annotations
@@ -26,13 +25,10 @@ from ptdp.planner.memory.transients import rank_transients
 def layer_param_count(model: ModelConfig, tp: int) -> int:
     """Parameters of one transformer layer on one tp rank.
 
-    GPT (ptdp's ``TransformerLayer``): 2 LayerNorms (weight + bias, replicated, 4h), QKV
-    ``[3h/tp, h]`` + bias ``[3h/tp]``, proj ``[h, h/tp]`` + bias ``[h]`` (replicated), fc1
-    ``[ffn/tp, h]`` + bias ``[ffn/tp]``, fc2 ``[h, ffn/tp]`` + bias ``[h]`` (replicated).
-    Llama-style: 2 RMSNorm weights (2h), QKV ``[(a + 2 kv) d / tp, h]``, proj ``[h, a d / tp]``,
-    SwiGLU (or a 2-matrix MLP if ``swiglu`` is False) ``n * [ffn/tp, h]``, no biases. Mixed
-    models (``ModelConfig.rmsnorm`` / ``linear_bias`` / ``biased_linears`` set one by one) add each
-    part on its own; a bias is as wide as its layer's output on this rank.
+    GPT: 2 LayerNorms (4h, replicated), QKV ``[3h/tp, h]`` + bias, proj ``[h, h/tp]`` + bias ``[h]``,
+    fc1 ``[ffn/tp, h]`` + bias, fc2 ``[h, ffn/tp]`` + bias ``[h]``. Llama-style: 2 RMSNorm weights (2h),
+    QKV ``[(a + 2 kv) d / tp, h]``, proj ``[h, a d / tp]``, SwiGLU ``3 * [ffn/tp, h]``, no biases. Mixed
+    models add each part on its own; a bias is as wide as its layer's output on this rank.
     """
     h, a, d = model.hidden_size, model.num_attention_heads, model.hidden_size // model.num_attention_heads
     q, kv, ffn = a * d, model.kv_heads * d, model.ffn
@@ -54,12 +50,10 @@ def stage_param_counts(
 ) -> list[int]:
     """Parameters held by one tp rank of each of the ``pp`` pipeline stages (exact).
 
-    First stage: word embedding ``[V_pad/tp, h]`` (V_pad: V rounded up to a multiple of
-    ``make_vocab_size_divisible_by * tp``) and, for GPT, learned positions ``[s, h]``. Last stage:
-    the final norm (weight + bias; RMSNorm: weight) and the output weight ``[V_pad/tp, h]`` when
-    untied, or, when tied and pp > 1, a copy of the word embedding. With pp = 1 one stage holds
-    everything. ``layer_split`` lists layers per stage (None: even, ``l % pp == 0`` required).
-    Raises ``ConfigError`` for an impossible split.
+    First stage: word embedding ``[V_pad/tp, h]`` (V rounded up to a multiple of
+    ``make_vocab_size_divisible_by * tp``) and, for GPT, positions ``[s, h]``. Last stage: the final norm
+    and the output weight ``[V_pad/tp, h]`` (untied, or tied with pp > 1). ``layer_split`` lists layers
+    per stage (None: even). Raises ``ConfigError`` for an impossible split.
     """
     counts = stage_layer_counts(model.num_layers, pp, layer_split)
     h = model.hidden_size
@@ -77,11 +71,9 @@ def stage_param_counts(
 def bytes_per_param(precision: str, dp: int = 1, distributed_optimizer: bool = False) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per parameter with Adam.
 
-    bf16/fp16 mixed precision [N21, K22; Micikevicius et al. 2018]: 2-byte weights, 4-byte fp32
-    main gradients, 12 bytes of optimizer state (fp32 main weights, Adam m and v): 2 + 4 + 12 = 18;
-    with the distributed optimizer (ZeRO-1) the 12 bytes are split over dp: 6 + 12/dp.
-    fp32: 4 + 4 + 8 (m, v) = 16; distributed: 8 + 8/dp. fp8 (bf16 training with FP8 GEMMs): as
-    bf16; the FP8 weight copies are :func:`ptdp.planner.memory.fp8.fp8_weight_copy_bytes`.
+    bf16/fp16/fp8 [N21, K22; Micikevicius et al. 2018]: 2 (weights) + 4 (fp32 main gradients) + 12 (fp32
+    main weights, Adam m and v) = 18; distributed optimizer (ZeRO-1): 6 + 12/dp. fp32: 4 + 4 + 8 = 16;
+    distributed: 8 + 8/dp. Raises ValueError for another precision.
     """
     if precision in ("bf16", "fp16", "fp8"):
         weights, grads, state = 2.0, 4.0, 12.0
@@ -102,14 +94,12 @@ def rank_state_bytes(
     stage: int,
     divisible_by: int = 128,
 ) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes of one rank of pipeline stage ``stage`` holding
-    ``n_params`` parameters and ``n_layers`` layers under ``layout``'s sharding strategy over
-    ``dp * cp`` ranks (:func:`ptdp.planner.memory.strategies.stage_state_bytes`), with the transients of
-    ``optim_grads`` / ``optim_grads_params`` at their peaks as ptdp's engine holds them
-    (:func:`ptdp.planner.memory.transients.rank_transients`: the gradient buckets alive during a
-    backward for the layout's bucket size and overlap, the gathered units for its resharding;
-    ``divisible_by``: the vocabulary padding). ``per_param``: the strategy's
-    :func:`~ptdp.planner.memory.strategies.strategy_bytes_per_param` when the caller has it."""
+    """(params, grads, optimizer) bytes of one rank of pipeline stage ``stage`` holding ``n_params``
+    parameters and ``n_layers`` layers under ``layout``'s sharding strategy over ``dp * cp`` ranks
+    (:func:`ptdp.planner.memory.strategies.stage_state_bytes`), with the peak transients of
+    ``optim_grads`` / ``optim_grads_params`` (:func:`ptdp.planner.memory.transients.rank_transients`).
+    ``divisible_by``: the vocabulary padding; ``per_param``: the strategy's bytes per parameter, if known.
+    """
     strategy, shard = layout.sharding_strategy, layout.shard_size
     if shard == 1 or strategy in ("no_shard", "optim"):  # no transients
         if per_param is not None:
@@ -125,10 +115,10 @@ def stage_transients(
     model: ModelConfig, layout: Candidate, stage: int, n_layers: int, divisible_by: int = 128
 ) -> tuple[int, int]:
     """(gathered parameter elements, gradient bucket elements) at their peaks on a rank of pipeline
-    stage ``stage`` (``n_layers`` layers) under ``layout``'s ``optim_grads`` /
-    ``optim_grads_params`` sharding, its bucket size, overlap and resharding
+    stage ``stage`` under ``layout``'s ``optim_grads`` / ``optim_grads_params`` sharding
     (:func:`ptdp.planner.memory.transients.rank_transients`); (0, 0) for the other strategies or
-    ``dp * cp`` = 1. ``divisible_by``: the vocabulary padding."""
+    ``dp * cp`` = 1. ``divisible_by``: the vocabulary padding.
+    """
     strategy, shard = layout.sharding_strategy, layout.shard_size
     if shard == 1 or strategy not in ("optim_grads", "optim_grads_params"):
         return 0, 0

@@ -1,20 +1,16 @@
 """Data-parallel sharding strategies: the bytes one rank keeps (Megatron-Core's
-``--data-parallel-sharding-strategy``; ZeRO stages 0-3, Rajbhandari et al., SC20,
-arXiv:1910.02054, §5 and Table 1).
+``--data-parallel-sharding-strategy``; ZeRO stages 0-3, Rajbhandari et al., SC20, arXiv:1910.02054,
+§5 and Table 1).
 
-The ``d = dp * cp`` ranks holding the same parameters shard them. Bytes per parameter with 16-bit
-weights ``w = 2``, float32 main gradients ``g = 4`` and optimizer state ``k = 12`` (float32 main
-weight, Adam m and v; fp32 training ``w = 4, g = 4, k = 8``; Megatron-Core's distributed-optimizer
-guide counts 18 unsharded and ``6 + 12/d`` sharded for bf16)::
+Over ``d = dp * cp`` ranks, with 16-bit weights ``w = 2``, fp32 main gradients ``g = 4`` and optimizer
+state ``k = 12`` (fp32 training: ``w = 4, g = 4, k = 8``), bytes per parameter::
 
     no_shard            w     + g     + k
     optim               w     + g     + k / d     (ZeRO-1, the distributed optimizer)
     optim_grads         w     + g / d + k / d     (ZeRO-2)
     optim_grads_params  w / d + g / d + k / d     (ZeRO-3)
 
-plus, with ``optim_grads`` / ``optim_grads_params``, the transients at their peaks
-(:mod:`ptdp.planner.memory.transients`): full-size float32 gradient buckets alive during a backward and
-gathered 16-bit parameter units.
+plus, for the last two, the peak transients (:mod:`ptdp.planner.memory.transients`).
 """
 
 from __future__ import annotations
@@ -53,12 +49,11 @@ def stage_state_bytes(
     params_transient: int = 0,
     grads_transient: int = 0,
 ) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes of one rank holding ``n_params`` parameters (one tp rank of
-    one stage): the strategy's shares (:func:`strategy_bytes_per_param`) plus, with
-    ``optim_grads`` / ``optim_grads_params`` over ``shard > 1`` ranks, the transients at their
-    peaks in elements (:func:`ptdp.planner.memory.transients.rank_transients`): ``grads_transient``
-    full-size gradient bucket elements (``g`` bytes each) and ``params_transient`` gathered
-    parameter elements (``w`` bytes each, ``optim_grads_params`` only)."""
+    """(params, grads, optimizer) bytes of one rank holding ``n_params`` parameters (one tp rank of one
+    stage): the strategy's shares (:func:`strategy_bytes_per_param`) plus, with ``optim_grads`` /
+    ``optim_grads_params`` over ``shard > 1`` ranks, ``grads_transient`` bucket elements (``g`` bytes
+    each) and ``params_transient`` gathered elements (``w`` bytes each, ``optim_grads_params`` only).
+    """
     pb, gb, ob = strategy_bytes_per_param(precision, strategy, shard)
     w, g, _ = _BYTES[precision]
     params, grads, optimizer = n_params * pb, n_params * gb, n_params * ob

@@ -1,56 +1,13 @@
-"""What a rank holds on top of its shards with ``optim_grads`` and ``optim_grads_params``: the
-peak of the full-size gradient buckets alive during a backward, and the peak of the gathered
-parameter units, in elements (per rank of one pipeline stage), exactly as ptdp's engine
-allocates them (:mod:`ptdp.engine.data_parallel.buffer`, :mod:`~ptdp.engine.data_parallel.units`).
+"""What a rank holds on top of its shards with ``optim_grads`` and ``optim_grads_params``: the peak
+of the full-size gradient buckets alive during a backward and of the gathered parameter units, in
+elements per rank of one pipeline stage, as ptdp's engine allocates them
+(:mod:`ptdp.engine.data_parallel.buffer`, :mod:`~ptdp.engine.data_parallel.units`).
 
-The parameters of a model chunk, in ptdp's order (``GPTModel.parameters()``): the learned
-position table (first chunk), the word embedding (first chunk; on the last chunk its tied copy
-when pp > 1), the layers (``ln1``, ``qkv``, ``proj``, ``ln2``, ``fc1``, ``fc2``, each weight
-then bias), the final norm and the untied output layer (last chunk). Buckets are cut as
-:func:`ptdp.layout.buckets.chunk_buckets` does for the engine: back to front, at most
-``bucket`` elements each (a larger parameter alone), never across two ZeRO-3 units, the tied
-embedding alone when pp > 1 (never started early), each padded to a multiple of ``d = dp * cp``.
-
-Gradient buckets (both strategies; ``GradBuffer.watch``): a chunk's backward meets its
-parameters back to front. The buckets of the chunk's non-layer parameters (output layer, final
-norm, and the word embedding where its output layer also reads it) are allocated when the
-backward starts, a layer's buckets when the backward reaches that layer, the learned position
-table's when it reaches the sum of the lookups (the embedding dropout's output), the word
-embedding's (where only the lookup reads it) when it reaches the lookup. A bucket whose
-gradients are all in starts its reduce-scatter with ``overlap`` (at most two in flight: a third
-first lands the oldest, which frees it); every bucket is freed at the end of a backward, except
-after the last backward of a chunk with the interleaved schedule, whose buckets in flight (all
-of them without overlap) stay until the end of the next backward, that of the chunk before; and
-chunk by chunk (the interleaved schedule in one round, ``GradBuffer.by_chunk``), where a chunk's
-buckets stay from its first backward until reduce-scattered once after its last. The
-peak is counted when buckets are allocated (where live memory grows), as the engine's counter
-``GradBuffer.peak_live_bytes`` does. The order in which a backward completes the gradients
-(what decides which buckets are in flight) is ptdp's as observed: the head, then each layer from
-the last (``fc2`` bias and weight, ``fc1``, ``ln2`` weight and bias, ``proj``, ``qkv``, ``ln1``;
-a column-parallel linear, ``qkv`` and ``fc1``, completes its weight before its bias at tp > 1,
-its bias first at tp = 1; with 16-bit weights every linear its weight first), then the position
-table, the looked-up word embedding last. Not
-checked against ptdp: sequence parallelism with linear biases (its column-parallel linears run
-another autograd function, whose order is assumed the same as at tp > 1).
-
-Gathered parameters (``optim_grads_params``; units as :func:`~ptdp.engine.data_parallel.units.
-sharding_units`: a chunk's embeddings, each layer, its head; one unit of all non-layer parameters
-where one tied table is looked up and projected, pp = 1): resharded after forward, a unit in use
-and the next one prefetched (forward order in forward, reverse in backward, which skips the
-embeddings' unit: the lookups' gradients need the ids, not the tables) exist in full, so the
-peak is the largest sum of two neighbours of the chunk's unit sequence (met in forward); the single tied unit
-stays gathered from its backward's start to its end (its lookup's gradient comes last), on top of
-two layers. Kept (``--no-reshard-after-forward``), every unit of the stage is gathered at once
-(each chunk has a microbatch in flight when the first backward starts: the warmup runs forwards
-of every chunk). A unit's size is that of its padded buckets.
-
-The all-gathers of one microbatch (:func:`unit_gathers`): every bucket of every unit in
-forward, again in backward except the embeddings' unit's.
-
-Pure arithmetic (no torch); ``tests/dist/test_sharded_grads.py`` and ``test_sharded_params.py``
-measure the engine's counters (and gathers) equal to these counts on every rank of every sharded run (tp 1 and
-2, pp 1 and 2, interleaved, cp 2, buckets from 901 elements to the whole stage, with and without
-overlap, resharded and kept, float64 and bf16).
+Buckets are cut as :func:`ptdp.layout.buckets.chunk_buckets` does (back to front, at most ``bucket``
+elements, never across two ZeRO-3 units, padded to a multiple of ``d = dp * cp``); a bucket is
+allocated when backward reaches its parameters and, with ``overlap``, reduce-scattered when complete
+(at most two in flight). Gathered units (resharded after forward) peak at two neighbours; kept
+(``--no-reshard-after-forward``) every unit of the stage is gathered at once. Pure arithmetic.
 """
 
 from __future__ import annotations
@@ -207,27 +164,14 @@ def rank_transients(
     main_grad: bool = False,
 ) -> tuple[int, int]:
     """(gathered parameter elements, gradient bucket elements) at their peaks on one rank holding
-    ``chunks`` (its model chunks in order), sharded over ``d`` ranks with ``bucket``-element
-    buckets (module docstring); the first is 0 unless ``params_sharded`` (``optim_grads_params``).
+    ``chunks`` (its model chunks in order), sharded over ``d`` ranks with ``bucket``-element buckets;
+    the first is 0 unless ``params_sharded`` (``optim_grads_params``).
 
-    Without ``overlap`` nothing is freed before a backward ends: a chunk's buckets all at once,
-    with the interleaved schedule on top of those of the chunk after it. With ``overlap`` the
-    backwards are replayed: each chunk alone, and (interleaved) each right after the last
-    backward of the chunk after it. Where every layer's buckets are cut alike (a bucket never
-    spans two units, or a layer parameter fills a bucket alone, which restarts the cutting in
-    every layer), a chunk of :data:`PERIODIC_LAYERS` layers (its top, two inner layers, its
-    bottom) has the same peaks and the totals grow by one inner layer's buckets per layer:
-    exact, at a cost independent of the layer count (the plan and its events are shared by
-    every ``d``).
-
-    ``main_grad``: 16-bit weights with float32 main gradients, whose linear layers complete their
-    weight's gradient before their bias's (:func:`_layer_params`).
-
-    ``by_chunk`` (:func:`ptdp.layout.buckets.chunk_by_chunk`: the interleaved schedule in one
-    round, the engine's ``GradBuffer.by_chunk``): a chunk's buckets stay allocated from its first
-    backward through its last, then are reduce-scattered (during it with ``overlap``, the rest in
-    bucket order when it ends), each freed when it lands; the peak is a chunk's whole gradient
-    beside the two buckets of the chunk after it still in flight."""
+    Without ``overlap`` a chunk's buckets are all alive at the end of its backward; with it the backwards
+    are replayed. Where every layer's buckets are cut alike, a chunk of :data:`PERIODIC_LAYERS` layers is
+    replayed and the totals extended per layer (exact). ``main_grad``: 16-bit weights with fp32 main
+    gradients; ``by_chunk``: the interleaved schedule in one round (``GradBuffer.by_chunk``).
+    """
     periodic = params_sharded or max(layer_param_sizes(model, tp)) >= bucket
     short = chunks
     if periodic and any(c.layers > PERIODIC_LAYERS + 1 for c in chunks):
@@ -343,13 +287,11 @@ def unit_gathers(
     *,
     divisible_by: int = 128,
 ) -> tuple[tuple[int, int], tuple[int, int]]:
-    """``optim_grads_params``: the parameter all-gathers of one microbatch on one rank holding
-    ``chunks``, as (calls, padded elements) for its forwards and for its backwards (resharded
-    after forward): one call per bucket of each unit gathered, this rank sending ``1/d`` of its
-    elements. Forward gathers every unit, so every bucket of the stage; backward every unit but
-    the embeddings' (:data:`EMBED_UNIT`: the lookups' gradients need the ids, not the tables).
-    Kept (``--no-reshard-after-forward``) a unit is gathered in forward only, once per stretch of
-    its chunk's microbatches in flight."""
+    """``optim_grads_params``: the parameter all-gathers of one microbatch on one rank holding ``chunks``,
+    as (calls, padded elements) for its forwards and for its backwards (resharded after forward): one
+    call per bucket of each unit gathered, this rank sending ``1/d`` of its elements. Backward skips the
+    embeddings' unit (:data:`EMBED_UNIT`: the lookups' gradients need the ids, not the tables).
+    """
     forward, backward = [0, 0], [0, 0]
     for chunk in chunks:
         plan = _chunk_plan(model, tp, pp > 1, chunk, bucket, True, divisible_by)

@@ -1,15 +1,12 @@
 """Communication model: time of the tensor-, pipeline- and data-parallel transfers of one step.
 
-Sources: [N21] Narayanan et al., SC21, arXiv:2104.04473, §3.2 (scatter/gather of pipeline
-messages) and §4; [S20] Shoeybi et al., arXiv:1909.08053 (2 all-reduces per layer forward and 2
-backward); [K22] Korthikanti et al., arXiv:2205.05198, §4.2.2 (sequence parallelism: all-gather +
-reduce-scatter of the same volume); Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms",
-JPDC 2009 (ring all-reduce ``2 (n-1)/n`` bytes per rank).
+Sources: [N21] Narayanan et al., SC21, arXiv:2104.04473, §3.2 and §4; [S20] Shoeybi et al.,
+arXiv:1909.08053 (2 all-reduces per layer forward, 2 backward); [K22] Korthikanti et al.,
+arXiv:2205.05198, §4.2.2 (sequence parallelism); Patarasuk & Yuan, "Bandwidth optimal all-reduce
+algorithms", JPDC 2009 (ring all-reduce ``2 (n-1)/n`` bytes per rank).
 
-Bandwidths are achieved bytes/s per GPU per direction (link bandwidth x an efficiency from
-:class:`ptdp.planner.time.constants.PerfConstants`); latencies are seconds per ring step. Ranks are laid out
-``tp-dp-pp`` (TP fastest, ``ptdp.layout.grid``): a TP group is ``tp`` consecutive GPUs, a DP group has
-``min(dp, gpus_per_node // tp)`` members in each node, a pipeline stage is ``tp * dp`` GPUs.
+Bandwidths are achieved bytes/s per GPU per direction; latencies are seconds per ring step. Ranks
+are laid out ``tp-dp-pp`` (TP fastest, ``ptdp.layout.grid``).
 """
 
 from __future__ import annotations
@@ -47,12 +44,9 @@ def ring_all_gather_time(nbytes: float, n: int, bandwidth: float, latency: float
 
 
 def hierarchical_all_reduce_time(nbytes: float, n: int, per_node: int, links: Links) -> float:
-    """All-reduce of ``nbytes`` over ``n`` ranks of which ``per_node`` share each node.
-
-    Reduce-scatter inside the node over NVLink, all-reduce of the ``1/per_node`` shard across the
-    ``n / per_node`` nodes (each GPU on its own NIC, in parallel), all-gather inside the node.
-    ``per_node >= n`` means the group is inside one node. This is also the bus bandwidth NCCL's
-    rings reach across DGX-style nodes (one NIC per GPU).
+    """All-reduce of ``nbytes`` over ``n`` ranks of which ``per_node`` share each node: reduce-scatter in
+    the node over NVLink, all-reduce of the ``1/per_node`` shard across nodes (one NIC per GPU), all-gather
+    in the node. ``per_node >= n``: the group is inside one node.
     """
     if n <= 1:
         return 0.0
@@ -68,16 +62,10 @@ def tp_layer_comm_times(
 ) -> tuple[float, float]:
     """Seconds of TP communication of one layer, one microbatch: ``(forward, backward)``.
 
-    Without sequence parallelism [S20]: 2 all-reduces of ``T h`` elements in forward (after
-    attention and after the MLP) and 2 in backward (before QKV and fc1): 2 + 2 all-reduce times.
-    With sequence parallelism [K22 §4.2.2]: forward 2 all-gathers + 2 reduce-scatters of the same
-    tensors (the bytes of 2 all-reduces); backward the same plus a second all-gather of the
-    inputs of QKV and fc1, which are kept sequence-sharded and re-gathered for the weight
-    gradients: 3 all-reduce times. Megatron overlaps that re-gather with the input-gradient GEMM,
-    but both share the SMs and HBM; the fit to the published runs (``ptdp.planner.validate.accuracy``) is
-    better counting it whole, so it is counted whole. No TP transfer is taken as hidden. A group
-    larger than a node uses :func:`hierarchical_all_reduce_time`. Full recompute repeats the
-    forward's communication (the caller adds it).
+    Without sequence parallelism [S20]: 2 all-reduces of ``T h`` elements forward and 2 backward. With
+    it [K22 §4.2.2]: forward 2 all-gathers + 2 reduce-scatters (2 all-reduces' bytes); backward adds
+    the re-gather of the QKV and fc1 inputs, 3 all-reduce times, none taken as hidden. A group larger
+    than a node uses :func:`hierarchical_all_reduce_time`; full recompute's repeat is the caller's.
     """
     if tp <= 1:
         return 0.0, 0.0
@@ -100,11 +88,9 @@ def pp_transfer_time(
 ) -> float:
     """Seconds of one stage-to-stage transfer (activation or its gradient) of one microbatch.
 
-    ``T h`` elements [N21 §3.2]. With the scatter/gather optimisation each of the ``tp`` ranks
-    sends ``T h / t`` over its own link and the receiver all-gathers over NVLink; with sequence
-    parallelism the activation is already split along the sequence (``T h / t`` per rank, no
-    all-gather). Consecutive stages are in different nodes when the ``tp * dp * pp`` GPUs span
-    more than one node (the slowest boundary paces the pipeline).
+    ``T h`` elements [N21 §3.2]. With scatter/gather each tp rank sends ``T h / t`` and the receiver
+    all-gathers over NVLink; with sequence parallelism the activation is already split (no all-gather).
+    Stages are in different nodes when the ``tp * dp * pp`` GPUs span more than one node.
     """
     if pp <= 1:
         return 0.0

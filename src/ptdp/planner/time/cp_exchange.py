@@ -1,18 +1,12 @@
-"""Context parallelism's time: one cp rank's attention over ``cp`` key/value blocks and the
-exchange of the blocks (Megatron-Core's ``--cp-comm-type``; ring attention, Liu et al. 2023,
-arXiv:2310.01889; Llama 3, Dubey et al. 2024, arXiv:2407.21783, §3.3.2).
+"""Context parallelism's time: one cp rank's attention over ``cp`` key/value blocks and the exchange
+of the blocks (Megatron-Core's ``--cp-comm-type``; ring attention, Liu et al. 2023, arXiv:2310.01889;
+Llama 3, Dubey et al. 2024, arXiv:2407.21783, §3.3.2).
 
-Per layer and microbatch on one tp rank, a block is ``B = (s / cp) b kv d / t`` elements of ``e``
-bytes (keys or values), gradients in float32 (``g = 4``, as ptdp sends them):
-
-* ``p2p`` (ring): forward ``cp - 1`` steps of K and V (``2 B e``), each behind the attention of the
-  block already there; backward ``cp - 1`` steps of K, V, dK, dV (``2 B e + 2 B g``) behind one
-  block's backward, then dK, dV home (``2 B g``, exposed).
-* ``all_gather``: forward one all-gather of K and V (``2 cp B e``); backward the gather again and a
-  reduce-scatter of dK, dV (``2 cp B g``); not overlapped.
-
-A cp group is ``cp`` ranks at stride tp (order tp-cp-dp-pp): inside a node while ``tp * cp <=
-gpus_per_node``, else its ring runs at network speed.
+A block is ``B = (s / cp) b kv d / t`` elements of ``e`` bytes, gradients fp32 (``g = 4``). ``p2p``:
+``cp - 1`` ring steps of K, V (``2 B e``) forward and K, V, dK, dV (``2 B e + 2 B g``) backward, each
+behind one block's attention, then dK, dV home (``2 B g``, exposed). ``all_gather``: ``2 cp B e``
+forward; again plus a reduce-scatter of ``2 cp B g`` backward, not overlapped. The group is in a
+node while ``tp * cp <= gpus_per_node``.
 """
 
 from __future__ import annotations
@@ -48,12 +42,11 @@ def block_attention_times(
 def layer_times(
     local_times: tuple[float, float, float], block: tuple[float, float], cp: int
 ) -> tuple[float, float, float]:
-    """(forward, backward, attention core) seconds of one layer on one cp rank from the local
-    model's (:func:`ptdp.planner.time.flops.layer_compute_times` of :func:`local_model`), which
-    attends one block: the rank attends ``cp`` blocks, forward ``+ (cp - 1)`` and backward
-    ``+ (cp - 1)`` times ``block`` (:func:`block_attention_times`); the core (what selective
-    recompute repeats; 0 with a flash kernel) ``cp x``. A causal kernel's skipped half is the
-    same share of every rank's blocks under the load-balanced split."""
+    """(forward, backward, attention core) seconds of one layer on one cp rank from the local model's
+    (:func:`ptdp.planner.time.flops.layer_compute_times`), which attends one block: forward and backward
+    add ``(cp - 1)`` times ``block`` (:func:`block_attention_times`); the core (0 with a flash kernel) is
+    ``cp x``. The load-balanced split gives every rank the same causal share.
+    """
     fwd, bwd, core = local_times
     return fwd + (cp - 1) * block[0], bwd + (cp - 1) * block[1], cp * core
 
@@ -77,14 +70,11 @@ def kv_exchange_times(
     block_attention_backward: float | None = None,
     grad_bytes_per_value: float = 4.0,
 ) -> tuple[float, float]:
-    """Exposed seconds of one layer's key/value exchange for one microbatch: ``(forward,
-    backward)`` (module docstring). p2p: ``cp - 1`` ring steps each way, a forward step (K, V:
-    ``2 B e`` bytes + one latency) hidden behind ``block_attention`` (one block's forward
-    attention), a backward step (K, V and the dK, dV accumulators: ``2 B e + 2 B g``) behind
-    ``block_attention_backward`` (default twice the forward), and the last hop of dK, dV to their
-    owner (``2 B g``) exposed. all_gather: the gather (``2 cp B e``) in forward, the gather again
-    and the reduce-scatter of dK, dV (``2 cp B g``) in backward. ``g`` =
-    ``grad_bytes_per_value`` (float32, as ptdp sends them)."""
+    """Exposed seconds of one layer's key/value exchange for one microbatch: ``(forward, backward)``
+    (module docstring). p2p steps hide behind ``block_attention`` forward and
+    ``block_attention_backward`` (default twice the forward) backward; ``g`` = ``grad_bytes_per_value``.
+    Raises ValueError for an unknown ``comm_type``.
+    """
     if cp <= 1:
         return 0.0, 0.0
     elements = kv_block_elements(model, tp, cp, micro_batch_size)

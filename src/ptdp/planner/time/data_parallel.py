@@ -1,20 +1,11 @@
 """Data-parallel and optimizer time of one step: the end-of-step terms of the step-time model.
 
-Communication per step of each sharding strategy over its ``d`` ranks (ring collectives, NVLink
-inside the node and the network across, :func:`ptdp.planner.time.collectives.hierarchical_all_reduce_time`):
-``no_shard`` one all-reduce of the float32 gradients; ``optim`` a reduce-scatter of them and an
-all-gather of the updated 16-bit weights [N21 §3.2]; ``optim_grads`` one reduce-scatter per
-microbatch, each behind the next microbatch's backward, the last exposed, then the weights'
-all-gather (with the interleaved schedule in one round, :func:`~ptdp.layout.buckets.chunk_by_chunk`,
-one reduce-scatter per model chunk, Dubey et al. 2024, §3.3.2); ``optim_grads_params`` the same
-reduce-scatters and per microbatch two all-gathers of each unit (forward and backward, each behind
-the previous unit's compute; kept gathered with ``--no-reshard-after-forward``: once per stretch of
-microbatches in flight).
-
-The data-parallel communication of a stage's parameters under its sharding strategy
-(:mod:`ptdp.planner.memory.strategies`), the part of it hidden behind backward, the tied embedding's
-gradient all-reduce between the first and the last stage, and the optimizer update, which is
-bound by memory bandwidth. How these add up to a step is :func:`ptdp.planner.time.step_time.evaluate_performance`.
+Per step over ``d`` ranks (:func:`ptdp.planner.time.collectives.hierarchical_all_reduce_time`):
+``no_shard`` one all-reduce of the fp32 gradients; ``optim`` a reduce-scatter of them and an
+all-gather of the 16-bit weights [N21 §3.2]; ``optim_grads`` one reduce-scatter per microbatch, each
+behind the next backward, the last exposed (per model chunk in one interleaved round, Dubey et al.
+2024, §3.3.2); ``optim_grads_params`` also two all-gathers of each unit per microbatch. Plus the tied
+embedding's all-reduce and the memory-bound optimizer update.
 """
 
 from __future__ import annotations
@@ -48,17 +39,12 @@ def dp_comm_time(
     *,
     first_stage: bool = False,
 ) -> float:
-    """Exposed seconds of the data-parallel communication of the stage's ``n_params`` parameters
-    over ``dp * cp`` ranks under the layout's sharding strategy
-    (:func:`sharded_dp_times`): float32 gradients, ``elem``-byte weights,
-    units of one layer (plus the embedding / output unit; ``first_stage``: the stage looks up,
-    and unless it also projects with the same tied table, pp = 1, backward does not gather its
-    embeddings' unit again), hidden behind one microbatch's
-    backward (the busiest stage's compute without its forward third) and one layer's compute;
-    chunk by chunk (:func:`~ptdp.layout.buckets.chunk_by_chunk`) each chunk's behind the next
-    chunk's backward round.
-    With ``c.overlap_window`` the end-of-step part left by ``c.dp_overlap`` is hidden up to one
-    microbatch's compute on the busiest stage (``busiest[0]``)."""
+    """Exposed seconds of the data-parallel communication of the stage's ``n_params`` parameters over
+    ``dp * cp`` ranks under the layout's sharding strategy (:func:`sharded_dp_times`): fp32 gradients,
+    ``elem``-byte weights, units of one layer, hidden behind one microbatch's backward and one layer's
+    compute. ``first_stage``: backward skips the embeddings' unit unless tied at pp = 1. With
+    ``c.overlap_window`` the end-of-step part is hidden up to one microbatch's compute (``busiest[0]``).
+    """
     per_layer = layer_param_count(model, layout.tp)
     unit = max(per_layer, n_params - stage_layers * per_layer)
     lookup_only = first_stage and not (layout.pp == 1 and model.tied)  # its embeddings' unit
@@ -125,10 +111,9 @@ def optimizer_bytes_per_param(
 ) -> float:
     """Memory traffic of the optimizer step per parameter of the stage.
 
-    ``full`` bytes touch every parameter and ``sharded`` only the rank's ``1/shard`` (see
-    :data:`ptdp.planner.time.data_parallel.OPT_BYTES_FULL`): unsharded everything is full; ``optim`` shards the
-    update; ``optim_grads`` also the gradient's norm read and zeroing (``grad_bytes`` of
-    ``full``); ``optim_grads_params`` also the 16-bit weight write (``weight_bytes``).
+    ``full`` bytes touch every parameter and ``sharded`` only the rank's ``1/shard``: ``optim`` shards the
+    update; ``optim_grads`` also the gradient's norm read and zeroing (``grad_bytes``);
+    ``optim_grads_params`` also the 16-bit weight write (``weight_bytes``).
     """
     check_strategy(strategy)
     if strategy == "no_shard" or shard <= 1:
@@ -157,22 +142,12 @@ def sharded_dp_times(
     kept_gathers: int | None = None,
     backward_units: int | None = None,
 ) -> float:
-    """Exposed seconds per step of the data-parallel communication of ``strategy`` over ``shard``
-    ranks (the module docstring's model).
-
-    ``grad_bytes`` / ``param_bytes``: the stage's float32 gradients and 16-bit weights on one
-    rank; ``unit_param_bytes``: one unit's 16-bit weights; ``units``: units per microbatch pass;
-    ``layer_forward`` / ``layer_backward``: seconds of one layer's compute that hides the next
-    gather; ``microbatch_backward``: one microbatch's backward on the stage, which hides its
-    reduce-scatter; ``end_overlap``: fraction of the end-of-step reduction hidden (the time
-    model's ``dp_overlap``); ``chunks`` > 1: the gradient is reduced chunk by chunk
-    (:func:`~ptdp.layout.buckets.chunk_by_chunk`), ``1/chunks`` of it after each round of ``num_microbatches`` chunk
-    backwards, each hidden behind the next round, the last exposed. ``kept_gathers``
-    (``optim_grads_params`` with ``--no-reshard-after-forward``): the units are gathered that
-    many times per step, once per stretch of microbatches in flight, in forward only (each gather
-    behind the previous unit's forward), instead of twice per microbatch. ``backward_units``:
-    the units gathered again in each backward (None: ``units``; one fewer on a stage whose
-    embeddings' unit only the lookups read). Group members per node: ``min(shard, gpus_per_node / tp)``.
+    """Exposed seconds per step of the data-parallel communication of ``strategy`` over ``shard`` ranks
+    (the module docstring's model). Bytes are one rank's: ``grad_bytes`` fp32 gradients, ``param_bytes``
+    16-bit weights, ``unit_param_bytes`` one unit's; ``layer_forward`` / ``layer_backward`` hide the
+    next gather, ``microbatch_backward`` the reduce-scatter; ``end_overlap``: the hidden fraction at the
+    end; ``chunks`` > 1: reduced chunk by chunk; ``kept_gathers``: forward-only gathers per step with
+    ``--no-reshard-after-forward``; ``backward_units``: units gathered again per backward (None: ``units``).
     """
     check_strategy(strategy)
     if shard <= 1:

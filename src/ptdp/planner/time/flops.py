@@ -1,29 +1,14 @@
 """Compute model: FLOPs and memory traffic of a transformer layer, and their achieved speed.
 
 Sources: [N21] Narayanan et al., SC21, arXiv:2104.04473 (eq. 3); [K22] Korthikanti et al.,
-arXiv:2205.05198 (§6, model FLOPs); Williams et al., "Roofline", CACM 2009.
+arXiv:2205.05198 (§5-6); [D23] Dao, "FlashAttention-2", arXiv:2307.08691; Williams et al.,
+"Roofline", CACM 2009. Per GPU (t = tp) and per microbatch of ``T = b s`` tokens unless "per step".
 
-Everything is per GPU (one tensor-parallel rank, t = tp) and per microbatch of b sequences of s
-tokens (T = b s tokens), unless a name says "per step". Notation: h hidden, a query heads,
-kv key/value heads, d = h / a head size, ffn MLP width, V vocabulary.
-
-Forward GEMMs of one layer, as (M, N, K, batch), FLOPs ``2 M N K batch``:
-  QKV ``(T, (a + 2 kv) d / t, h)``; scores ``(s, s, d)`` x ``b a / t``; context ``(s, d, s)`` x
-  ``b a / t``; projection ``(T, h, a d / t)``; fc1 ``(T, n ffn / t, h)`` (n = 2 for SwiGLU);
-  fc2 ``(T, h, ffn / t)``. For GPT this is ``24 T h^2 / t + 4 b s^2 h / t``, [N21] §5.1.
-  Backward = 2 x forward (input and weight gradients; each has the forward's three dims
-  permuted, so the same efficiency). Full recompute adds one layer forward; selective recompute
-  adds the attention core (scores, softmax, dropout, context) [K22] §5.
-Flash attention (``ModelConfig.flash_attention``; [D23] Dao, "FlashAttention-2", arXiv:2307.08691)
-  keeps the scores on chip: no score bytes in memory, causal blocks above the diagonal skipped
-  (about half of the score and context FLOPs executed), a backward of five GEMMs of that size for
-  the forward's two (2.5 x the forward, [D23] §4.1), and nothing for selective recompute to redo.
-FP8 (``fp8_peak``, :mod:`ptdp.planner.memory.fp8`): the QKV, projection, fc1 and fc2 GEMMs (forward and
-  backward) run at the GPU's FP8 peak with 1-byte operands, plus the memory traffic of the casts
-  no other kernel does (:func:`fp8_cast_bytes`); attention and the output layer stay 16-bit.
-Memory-bound (elementwise) kernels move bytes instead of doing FLOPs; their time is bytes /
-(achieved HBM bandwidth). A GEMM takes ``max(FLOP time, byte time)`` (roofline), which is what
-makes the thin ``K = d`` score GEMMs slow.
+Forward GEMMs of one layer, as (M, N, K, batch), FLOPs ``2 M N K batch``: QKV ``(T, (a + 2 kv) d / t, h)``;
+scores ``(s, s, d)`` and context ``(s, d, s)`` x ``b a / t``; projection ``(T, h, a d / t)``; fc1
+``(T, n ffn / t, h)`` (n = 2 for SwiGLU); fc2 ``(T, h, ffn / t)``; GPT: ``24 T h^2 / t + 4 b s^2 h / t``
+([N21] §5.1). Backward = 2 x forward. A GEMM takes ``max(FLOP time, byte time)`` (roofline);
+elementwise kernels take bytes / achieved HBM bandwidth.
 """
 
 from __future__ import annotations
@@ -35,8 +20,8 @@ from ptdp.config.model import ModelConfig
 #: Bytes moved in the forward pass per element of the h-wide residual stream, per layer, by
 #: the memory-bound kernels of a Megatron-style layer (16-bit values, 1-byte dropout masks):
 #: two LayerNorms (read 2 + write 2 each = 8) and two fused bias-dropout-residual adds (read the
-#: branch output 2 and the residual 2, write 2 and a mask 1 = 7 each = 14). Kernel accounting,
-#: not fitted. Llama-style (RMSNorm, no dropout): 8 + 2 * 6 = 20.
+#: branch output 2 and the residual 2, write 2 and a mask 1 = 7 each = 14). Llama-style (RMSNorm,
+#: no dropout): 8 + 2 * 6 = 20.
 HIDDEN_BYTES_GPT = 22.0
 HIDDEN_BYTES_LLAMA = 20.0
 #: Bytes per element of the ffn/t-wide MLP activation: fused bias + GELU reads 2, writes 2;
@@ -142,10 +127,8 @@ def hardware_flops_per_step(model: ModelConfig, global_batch_size: int, recomput
 def gemm_efficiency(m: int, n: int, k: int, *, peak_fraction: float, half_dim: float) -> float:
     """Achieved fraction of peak of a compute-bound ``[m, k] x [k, n]`` GEMM (dimensionless).
 
-    ``peak_fraction * prod(x / (x + half_dim) for x in (m, n, k))``: a large GEMM reaches
-    ``peak_fraction``; each dimension comparable to ``half_dim`` loses the part of its last
-    tensor-core tile / wave that is idle (a dimension of ``half_dim`` runs at half speed). The form
-    is symmetric in (m, n, k), so a layer's backward GEMMs (its forward dims permuted) run at the
+    ``peak_fraction * prod(x / (x + half_dim) for x in (m, n, k))``: a dimension of ``half_dim`` runs at
+    half speed (idle tensor-core tile / wave). Symmetric in (m, n, k), so backward GEMMs run at the
     forward's efficiency.
     """
     return peak_fraction * (m / (m + half_dim)) * (n / (n + half_dim)) * (k / (k + half_dim))
@@ -179,10 +162,8 @@ def layer_elementwise_bytes(
 ) -> tuple[float, float]:
     """Forward bytes of the memory-bound kernels of one layer: ``(total, attention-score part)``.
 
-    ``T h * HIDDEN_BYTES`` (divided by t with sequence parallelism, which splits the norms and
-    dropouts along the sequence [K22] §4.2.2) + ``T ffn / t * FFN_BYTES`` + ``b a s^2 / t *
-    SCORE_BYTES``. The score part is what selective recompute repeats; 0 with a flash kernel,
-    which keeps the scores on chip.
+    ``T h * HIDDEN_BYTES`` (/t with sequence parallelism, [K22] §4.2.2) + ``T ffn / t * FFN_BYTES`` +
+    ``b a s^2 / t * SCORE_BYTES``; the score part (0 with a flash kernel) is what selective recompute repeats.
     """
     b, s, h, t = micro_batch_size, model.seq_length, model.hidden_size, tp
     tokens = b * s
@@ -195,18 +176,12 @@ def layer_elementwise_bytes(
 
 
 def fp8_cast_bytes(model: ModelConfig, tp: int, micro_batch_size: int) -> tuple[float, float]:
-    """(forward, backward) bytes of the FP8 casts of one layer on one tp rank for one microbatch
-    that no other kernel does on the way.
+    """(forward, backward) bytes of the FP8 casts of one layer on one tp rank for one microbatch that no
+    other kernel does on the way (Transformer Engine fuses the others into the norms and activations).
 
-    An FP8 GEMM needs its activation operand in FP8 and, for the weight-gradient GEMM, its FP8
-    transpose (Hopper's FP8 GEMMs take K-major operands). Transformer Engine writes both from the
-    kernel that makes the value when it can: the norms before QKV and fc1 and the SwiGLU/GELU
-    before fc2 write FP8 + transpose (1 + 1 bytes) instead of 2 (no extra traffic), and so does
-    the activation's backward for fc1's output gradient. The rest are separate cast-transposes,
-    :data:`FP8_CAST_BYTES` per element: forward the attention output (the projection's input,
-    ``a d / t`` per token, from the 16-bit attention kernel); backward the output gradients of
-    fc2 and of the projection (h each) and of QKV (``(a + 2 kv) d / t``, from the attention
-    backward). Weights are cast once per step (not counted).
+    :data:`FP8_CAST_BYTES` per element: forward the attention output (``a d / t`` per token); backward
+    the output gradients of fc2 and the projection (h each) and of QKV (``(a + 2 kv) d / t``). Weights
+    are cast once per step (not counted).
     """
     h, a = model.hidden_size, model.num_attention_heads
     d, kv, t, tokens = h // a, model.kv_heads, tp, micro_batch_size * model.seq_length
@@ -242,13 +217,9 @@ def layer_compute_times(
     ``(forward, backward, attention-core forward)``.
 
     forward = Σ roofline GEMM times + elementwise bytes / bandwidth; backward = 2 x GEMM times +
-    ``BACKWARD_TRAFFIC_RATIO`` x elementwise; the third item (score and context GEMMs + score
-    elementwise) is what selective recompute adds. With ``model.flash_attention`` the score and
-    context GEMMs are one fused kernel, compute-bound (no s x s bytes), executing
-    ``FLASH_CAUSAL_FRACTION`` of their FLOPs forward and ``FLASH_BACKWARD_RATIO`` x that backward;
-    the third item is then 0. ``fp8_peak`` > 0: the weight GEMMs (:data:`LINEAR_GEMMS`) run at
-    that peak (FLOP/s) with 1-byte operands, and the casts of their activation operands
-    (:func:`fp8_cast_bytes`) move memory. ``bandwidth``: achieved HBM bytes/s. Cached.
+    ``BACKWARD_TRAFFIC_RATIO`` x elementwise; the third item is what selective recompute adds (0 with
+    ``model.flash_attention``, whose fused kernel is :func:`flash_attention_time`). ``fp8_peak`` > 0: the
+    weight GEMMs run at that peak (FLOP/s) with 1-byte operands, plus :func:`fp8_cast_bytes`.
     """
     timed = partial(
         gemm_time, peak_flops=peak_flops, bandwidth=bandwidth, peak_fraction=peak_fraction, half_dim=half_dim

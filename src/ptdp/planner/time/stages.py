@@ -3,11 +3,9 @@
 Sources: [N21] Narayanan et al., SC21, arXiv:2104.04473 (§2.2 bubble, §3.2 and §4.1
 communication); [K22] Korthikanti et al., arXiv:2205.05198 (§5 selective recompute).
 
-One microbatch on a stage is its layers' compute (:func:`ptdp.planner.time.flops.layer_compute_times`),
-the recompute forward, the exposed TP communication (:mod:`ptdp.planner.time.collectives`; Megatron-style TP
-does not overlap it), the context-parallel key/value exchange (:mod:`ptdp.planner.time.cp_exchange`) and the
-edge work of the first stage (embedding) and the last (output layer + loss). How these add up to a
-step is :func:`ptdp.planner.time.step_time.evaluate_performance`.
+One microbatch on a stage is its layers' compute, the recompute forward, the exposed TP
+communication (Megatron-style TP does not overlap it), the context-parallel key/value exchange and
+the edge work of the first stage (embedding) and the last (output layer + loss).
 """
 
 from __future__ import annotations
@@ -114,16 +112,11 @@ def stage_microbatch_times(
 def split_stage_times(
     split: tuple[int, ...], layer: tuple[float, ...], first: tuple[float, ...], last: tuple[float, ...]
 ) -> tuple[Parts, Parts, Parts, Parts, float]:
-    """Per-microbatch times of the stages of an uneven split, from ``layer`` (the times of one
-    layer) and ``first`` / ``last`` (one layer plus the first / last stage's edge work), each a
-    tuple of parts (compute, recompute, tp_comm).
-
-    Returns (first stage, mean of the middle stages, last stage, busiest stage, fill seconds): stage
-    i takes ``split[i]`` layers plus its edge; the busiest has the largest total (the later on a tie);
-    fill and drain take the layers-only time of all the other stages, ``(sum(split) -
-    split[busiest]) * sum(layer)`` (the 1F1B step of stages with times t_i is about
-    ``m max t_i + sum of the others``, [N21] §2.2 generalised; with an even split it is the
-    ``(pp - 1)`` layers-only slots of :func:`ptdp.planner.time.step_time.evaluate_performance`). Needs ``len(split) >= 2``.
+    """Per-microbatch times of the stages of an uneven split, from ``layer`` (one layer's parts) and
+    ``first`` / ``last`` (one layer plus that stage's edge work). Returns (first stage, mean of the
+    middle stages, last stage, busiest stage, fill seconds); fill and drain take the layers-only time
+    of the other stages, ``(sum(split) - split[busiest]) * sum(layer)`` ([N21] §2.2 generalised: a 1F1B
+    step is about ``m max t_i + sum of the others``). Needs ``len(split) >= 2``.
     """
     edge_first = [f - u for f, u in zip(first, layer)]
     edge_last = [x - u for x, u in zip(last, layer)]

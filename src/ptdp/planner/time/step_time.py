@@ -3,14 +3,9 @@
 Sources: [N21] Narayanan et al., SC21, arXiv:2104.04473 (§2.2 bubble, §3.2 communication, eq. 3
 FLOPs); [K22] Korthikanti et al., arXiv:2205.05198 (§5 selective recompute, §6 model FLOPs).
 
-The time of one microbatch on a pipeline stage is the sum of its layers' compute
-(:func:`ptdp.planner.time.flops.layer_compute_times`), the recompute forward, the exposed TP
-communication (:mod:`ptdp.planner.time.collectives`; Megatron-style TP does not overlap it) and, with
-pp > 1, two stage-to-stage transfers per model chunk. A 1F1B or GPipe step is
-``m`` slots of the busiest stage plus ``(pp - 1) / v`` slots of a layers-only stage of fill and
-drain ([N21] §2.2: bubble fraction ``(pp - 1) / (v m)``), then the data-parallel gradient
-reduction (minus the part hidden behind backward) and the optimizer update, which is bound by
-memory bandwidth.
+A 1F1B or GPipe step is ``m`` microbatch slots of the busiest stage plus ``(pp - 1) / v`` slots of a
+layers-only stage of fill and drain ([N21] §2.2: bubble fraction ``(pp - 1) / (v m)``), then the
+exposed data-parallel reduction and the memory-bound optimizer update.
 """
 
 from __future__ import annotations
@@ -38,9 +33,6 @@ from ptdp.planner.time.stages import (
     stage_microbatch_times,
 )
 
-#: The time model's parts live in :mod:`ptdp.planner.time.constants` (constants, links),
-#: :mod:`ptdp.planner.time.stages` (per-microbatch stage times) and :mod:`ptdp.planner.time.data_parallel`
-#: (data-parallel and optimizer time).
 __all__ = ["Performance", "core_shared_step", "evaluate_performance"]
 
 
@@ -50,11 +42,8 @@ class Performance:
 
     Attributes:
         time: seconds of one step by part; ``time.step`` is the step time.
-        tflops_per_gpu: executed FLOP/s per GPU, in FLOP/s like every rate of this module
-            (divide by 1e12 for the TFLOP/s the papers print; a :class:`~ptdp.planner.candidate.Plan`
-            holds it in TFLOP/s), counted like [N21]: eq. 3 with full
-            recompute (the recompute forward included); with selective recompute the model
-            FLOPs plus the attention core once more; without recompute the model FLOPs.
+        tflops_per_gpu: executed FLOP/s per GPU (not TFLOP/s, despite the name), counted like [N21]
+            eq. 3: recompute forward included, selective recompute adds the attention core.
         mfu: model FLOPs utilisation, ``model FLOPs / (step time * GPUs * peak)`` [K22] §6.
         model_flops: FLOPs of one step without recompute, all GPUs.
         hardware_flops: FLOPs executed in one step, all GPUs (recompute included).
@@ -141,17 +130,10 @@ def evaluate_performance(
     """Predicted step time, TFLOP/s per GPU and MFU of ``layout`` (1F1B, or interleaved 1F1B when
     ``layout.virtual_stages > 1``; GPipe has the same time) on ``cluster``.
 
-    Step = m x (busiest stage's microbatch: compute + recompute + TP + 2 v PP transfers, those
-    exposed: :func:`exposed_p2p`)
-    + (pp - 1)/v x (a layers-only stage's microbatch) + exposed DP + optimizer.
-    The DP reduction moves fp32 gradients (ptdp's main-grad buffer, 4 bytes per parameter; with
-    the distributed optimizer, reduce-scatter of those + all-gather of the 16-bit weights).
-    ``layer_split`` (layers per stage; default ``layout.layer_split``, None: even): each stage's
-    microbatch is its layers plus its edge work (the first stage's embedding, the last stage's output
-    layer + loss), the busiest stage sets the m slots, and fill and drain take the layers-only time
-    of every other stage, ``(l - l_busiest)`` layers plus ``pp - 1`` transfers (:func:`split_stage_times`;
-    with an even split this is the ``(pp - 1)`` slots above).
-    Cost: O(1) in pp; per-model and per-(tp, b, sp) quantities are cached.
+    Step = m x (busiest stage's microbatch: compute + recompute + TP + exposed PP transfers)
+    + (pp - 1)/v x (a layers-only stage's microbatch) + exposed DP (fp32 gradients) + optimizer.
+    ``layer_split`` (default ``layout.layer_split``, None: even): each stage runs its layers plus its edge
+    work and fill and drain take the other stages' layers (:func:`split_stage_times`).
     """
     c, gpu, prec = constants.for_gpu(cluster.gpu), cluster.gpu, layout.precision
     peak = gpu.peak("bf16" if prec == "fp8" else prec)  # fp8: attention, logits and MFU at the bf16 peak
