@@ -198,14 +198,11 @@ class MemoryBreakdown:
 class TimeBreakdown:
     """Seconds of one optimizer step; ``step`` is the predicted wall time, the others its parts.
 
-    compute: forward + backward GEMMs and attention on the busiest stage over all microbatches;
-    recompute: the extra forward of activation recomputation; tp_comm / pp_comm: exposed
-    tensor-/pipeline-parallel communication; bubble: pipeline fill and drain; dp_comm: the part of
-    the data-parallel gradient reduction not hidden behind backward; optimizer: the update;
-    core_sharing: time added because more workers than CPU cores share a machine (0 on GPUs);
-    cp_comm: exposed context-parallel key/value exchange (:mod:`ptdp.planner.time.cp_exchange`). With a
-    sharded strategy dp_comm also holds the exposed gradient reduce-scatters and parameter
-    all-gathers (:mod:`ptdp.planner.memory.strategies`).
+    compute: forward + backward on the busiest stage over all microbatches; recompute: the extra
+    forward of recomputation; tp_comm / pp_comm / cp_comm: exposed tensor-, pipeline-, context-parallel
+    communication; bubble: pipeline fill and drain; dp_comm: exposed data-parallel reduction (and, when
+    sharded, parameter all-gathers); optimizer: the update; core_sharing: the wait of more workers than
+    CPU cores on a machine (0 on GPUs).
     """
 
     compute: float

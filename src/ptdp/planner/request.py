@@ -58,13 +58,10 @@ def model_from_args(
     """The model ``--model`` names (a preset, or a Hugging Face config.json file or folder), or
     ``base``, with any shape flags applied, or a GPT from the flags alone
     (:func:`~ptdp.planner.inputs.models.gpt`); and notes on what a config holds that the planner
-    does not model.
-
-    Attention kernel: ``--use-flash-attn`` / ``--no-use-flash-attn`` when given; else the
-    model's (flash for the Llama presets and Hugging Face configs, unfused for the
-    Megatron-paper GPT presets and shape flags), made flash on H100/H200-class ``gpu``
-    (:func:`~ptdp.planner.inputs.hardware.runs_flash_attention`), where every current training stack
-    runs a fused kernel."""
+    does not model. Attention kernel: ``--use-flash-attn`` / ``--no-use-flash-attn`` when given, else
+    the model's, made flash on H100/H200-class ``gpu``
+    (:func:`~ptdp.planner.inputs.hardware.runs_flash_attention`).
+    """
     overrides = {name: getattr(args, name) for name in _SHAPE_FLAGS if getattr(args, name) is not None}
     notes: list[str] = []
     if base is not None:

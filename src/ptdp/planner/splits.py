@@ -1,22 +1,12 @@
 """Uneven pipeline splits: which layers-per-stage the search tries, and how a user asks for one.
 
-A pipeline stage's microbatch is its layers plus its edge work: the first stage also looks up the
-embedding, the last one runs the output layer and the loss. With ``l`` layers over ``pp`` stages,
-an even split (when ``pp`` divides ``l``) leaves the last stage the busiest; giving the first and
-last stages fewer layers balances them (Llama 3 405B: 126 layers at pp = 16 as 7, 8 x 14, 7,
-Llama 3 paper, arXiv:2407.21783, §3.3.2). The search expresses such splits with Megatron-LM's
-``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` (the middle
-stages split the rest evenly, :func:`ptdp.layout.pipeline.partition.first_last_split`) and, when
-interleaved, with ``--account-for-embedding-in-pipeline-split`` /
-``--account-for-loss-in-pipeline-split`` (the embedding and the loss count as one layer each of the
-split over pp x v model chunks, :func:`ptdp.layout.pipeline.partition.accounted_split`); ``ptdp
-train`` runs both.
-
-:func:`candidate_splits` proposes a handful of v = 1 splits from the edge work in layer
-equivalents (:func:`ptdp.planner.time.stages.edge_layer_equivalents`), :func:`interleaved_splits` the
-interleaved ones; the search predicts each (memory per stage, with :func:`interleaved_peak` for
-chunks of different sizes, and the busiest stage's time) and keeps the fastest that fits;
-:func:`split_options` / :func:`split_flags` say how to run it. Pure arithmetic, no torch.
+The first stage also looks up the embedding and the last runs the output layer and loss, so giving
+them fewer layers balances the pipeline (Llama 3 405B: 126 layers at pp = 16 as 7, 8 x 14, 7; Llama 3
+paper, arXiv:2407.21783, §3.3.2). Splits are expressed with Megatron-LM's
+``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` and, interleaved,
+``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``
+(:mod:`ptdp.layout.pipeline.partition`). :func:`candidate_splits` and :func:`interleaved_splits`
+propose them; :func:`split_options` / :func:`split_flags` say how to run one. Pure arithmetic.
 """
 
 from __future__ import annotations
@@ -31,15 +21,12 @@ from ptdp.layout.pipeline.partition import accounted_split, chunk_layer_ids, fir
 
 
 def candidate_splits(num_layers: int, pp: int, first_extra: float, last_extra: float) -> list[tuple[int, ...] | None]:
-    """Layers per stage worth predicting, None (the even split) first when ``pp`` divides ``l``.
+    """Layers per stage worth predicting, None (the even split) first when ``pp`` divides ``l``; at most 6.
 
-    ``first_extra`` / ``last_extra``: the first / last stage's edge work in layers (>= 0). With the
-    total ``W = l + first_extra + last_extra``, a balanced stage holds ``W / pp``; for the middle
-    count ``c = ceil(W / pp)`` and ``c - 1``, the ``R = l - (pp - 2) c`` remaining layers go to the
-    first and last stages so that ``f + first_extra`` is about ``(R - f) + last_extra``: ``f`` rounded
-    down and up (and one layer fewer on the first stage for ``c = ceil(W / pp)``, which holds the
-    most microbatches in flight: less memory), each stage >= 1 layer and no edge stage above
-    ``c + 1``. With pp = 2 the two counts split ``l`` the same way. At most 6 splits.
+    ``first_extra`` / ``last_extra``: the first / last stage's edge work in layers (>= 0). With
+    ``W = l + first_extra + last_extra``, middle stages take ``c = ceil(W / pp)`` or ``c - 1`` layers and
+    the rest goes to the first and last so that both are about equally busy (rounded both ways, and
+    one fewer on the first, which holds the most microbatches in flight); each stage >= 1 layer.
     """
     out: list[tuple[int, ...] | None] = [None] if num_layers % pp == 0 else []
     if pp < 2:

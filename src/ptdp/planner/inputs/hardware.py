@@ -68,16 +68,9 @@ class GPUType:
 # DGX A100 user guide: 8 GPUs, 8 x 200 Gb/s HDR InfiniBand compute ports (one per GPU).
 _A100_PEAK = {"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "tf32": 156 * TFLOPS, "fp32": 19.5 * TFLOPS}
 # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989.5 TFLOPS BF16/FP16 dense (1,979 with sparsity),
-# FP8 1,979 dense (3,958 with sparsity; "specifications 1/2 lower without sparsity"),
-# 494.7 TF32, 66.9 FP32; 80 GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s bidirectional.
-# DGX H100: 8 x 400 Gb/s NDR InfiniBand (ConnectX-7), one per GPU.
-# Checked 2026-12-01 against restatements of the datasheet (NVIDIA's page was not reachable from
-# here): glennklockwood.com/garden/processors/h100 (BF16/FP16 matrix 989.4 dense, 1,978.9 sparse;
-# FP8 1,978.9 dense; 80 GB HBM3; 3.35 TB/s; 900 GB/s NVLink; 132 SMs, 528 tensor cores);
-# the Llama 3 paper (arXiv:2407.21783, section 3.3.1: 80 GB HBM3 H100 at 700 W, 8 per server on
-# NVLink, 400 Gbps per GPU on RoCE or InfiniBand); Megatron-LM's H100 table divides its TFLOP/s
-# by about 989 to print MFU (benchmarks/data/published_runs_h100.csv). Measured NVLink 4:
-# NVIDIA/nccl issue 1264, p2pBandwidthLatencyTest 380 GB/s of the 450 GB/s per direction (84%).
+# FP8 1,979 dense, 494.7 TF32, 66.9 FP32; 80 GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s bidirectional.
+# DGX H100: 8 x 400 Gb/s NDR InfiniBand (ConnectX-7), one per GPU. Restated by
+# glennklockwood.com/garden/processors/h100 and the Llama 3 paper (arXiv:2407.21783, §3.3.1).
 _H100_PEAK = {
     "bf16": 989.5 * TFLOPS,
     "fp16": 989.5 * TFLOPS,
@@ -121,10 +114,8 @@ CATALOG: dict[str, GPUType] = {
         arch="hopper",
     ),
     # NVIDIA H200 datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; nvidia-smi
-    # reports 143,771 MiB of memory. Checked 2026-12-01: NVIDIA's MLPerf Inference v4.1 system
-    # description H200-SXM-141GBx8 (mlcommons/inference_results_v4.1, closed/NVIDIA/systems:
-    # "141 GB" HBM3e, "18x 4th Gen NVLink, 900GB/s", 700 W) and restatements of the datasheet
-    # (4.8 TB/s; same GH100 compute as H100 SXM).
+    # reports 143,771 MiB. Also NVIDIA's MLPerf Inference v4.1 system description H200-SXM-141GBx8
+    # (mlcommons/inference_results_v4.1, closed/NVIDIA/systems).
     "h200": GPUType(
         "h200",
         _H100_PEAK,
@@ -156,8 +147,8 @@ CATALOG["v100"] = CATALOG["v100-32gb"]
 
 def runs_flash_attention(gpu: GPUType) -> bool:
     """Plans on ``gpu`` default to a flash attention kernel: GPUs with FP8 tensor cores (H100,
-    H200 and later), on which every current training stack (Megatron-Core with Transformer
-    Engine, torchtitan, NeMo) runs fused attention. Older GPUs keep the model's own kernel."""
+    H200 and later), where Megatron-Core with Transformer Engine, torchtitan and NeMo run fused
+    attention. Older GPUs keep the model's own kernel."""
     return "fp8" in gpu.peak_flops
 
 

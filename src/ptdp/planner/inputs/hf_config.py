@@ -1,27 +1,17 @@
-"""Models from Hugging Face ``config.json`` files: ``ptdp plan --model PATH``.
+"""Models from Hugging Face ``config.json`` files: ``ptdp plan --model PATH`` (a file or a folder
+holding one; anything else is a preset name, :func:`ptdp.planner.inputs.models.get_model`).
 
-PATH is a ``config.json`` file or a folder holding one (anything else is a preset name,
-:func:`ptdp.planner.inputs.models.get_model`). Supported ``model_type`` values and their fields:
-
-- ``llama``, ``mistral``, ``qwen2`` (decoder-only, dense): ``num_hidden_layers`` -> l,
-  ``hidden_size`` -> h, ``num_attention_heads`` -> a, ``num_key_value_heads`` -> key/value heads,
-  ``intermediate_size`` -> ffn, ``vocab_size`` -> V, ``max_position_embeddings`` -> s (unless the
-  caller gives a sequence length), ``tie_word_embeddings``. RMSNorm, rotary positions, SwiGLU MLP.
-  Biases: Llama's ``attention_bias`` (q, k, v and o projections) and ``mlp_bias`` (gate, up and
-  down), Qwen2's fixed q, k, v biases, none for Mistral.
+- ``llama``, ``mistral``, ``qwen2``: ``num_hidden_layers`` -> l, ``hidden_size`` -> h,
+  ``num_attention_heads`` -> a, ``num_key_value_heads``, ``intermediate_size`` -> ffn,
+  ``vocab_size`` -> V, ``max_position_embeddings`` -> s (unless given), ``tie_word_embeddings``;
+  RMSNorm, rotary, SwiGLU; biases from ``attention_bias`` / ``mlp_bias`` (Llama), q, k, v (Qwen2).
 - ``gpt2``: ``n_layer``, ``n_embd``, ``n_head``, ``n_inner`` (None: 4h), ``vocab_size``,
-  ``n_positions`` -> s, ``tie_word_embeddings`` (default True); LayerNorm, learned positions
-  (a table of s rows), GELU MLP, biases everywhere; trained with dropout when ``resid_pdrop``
-  or ``embd_pdrop`` is non-zero.
+  ``n_positions`` -> s, ``tie_word_embeddings``; LayerNorm, learned positions, GELU, biases;
+  dropout when ``resid_pdrop`` or ``embd_pdrop`` is non-zero.
 
-A field missing from the file takes the default of transformers' config class for that type
-(:data:`DEFAULTS`). Every model from a config is planned with a flash attention kernel (no
-attention-dropout mask or scores kept). Fields that would change the shape or the count of
-parameters and that the planner does not model (experts of a mixture of experts, a ``head_dim``
-other than h / a, cross attention) raise :class:`~ptdp.config.ConfigError` naming them; fields
-that change the cost but not the shape (a sliding attention window shorter than the sequence,
-whose attention the planner counts as full causal) or neither (rotary scaling) are returned as
-notes. Pure: reads one JSON file, imports no torch.
+Missing fields take transformers' defaults (:data:`DEFAULTS`); planned with a flash kernel. Shape
+changes the planner does not model (experts, a ``head_dim`` other than h / a, cross attention) raise
+:class:`~ptdp.config.ConfigError`; cost-only ones (sliding window, rotary scaling) become notes.
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 ``ptdp train`` builds), and the global batch each was published with.
 
 The presets describe the published runs: the Megatron-paper GPT models (:func:`gpt`: LayerNorm with
-biases, learned positions, GELU MLP, tied embeddings, hidden and attention dropout 0.1, the unfused
-attention of 2021 that keeps its scores); Llama 2/3 (:func:`llama`: RMSNorm, rotary positions,
-SwiGLU, grouped-query attention, no biases, untied, no dropout, a flash kernel), as trained and
-released. ``ptdp plan --use-flash-attn / --no-use-flash-attn`` overrides the kernel
-(:mod:`ptdp.planner.request` also makes flash the default on H100/H200-class GPUs).
+biases, learned positions, GELU, tied embeddings, dropout 0.1, the unfused attention of 2021);
+Llama 2/3 (:func:`llama`: RMSNorm, rotary, SwiGLU, grouped-query attention, no biases, untied, no
+dropout, a flash kernel). ``ptdp plan --use-flash-attn / --no-use-flash-attn`` overrides the kernel.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Use a node's real link types (``nvidia-smi topo -m``) in the planner (``ptdp plan --topology``).
 
-The catalog describes a GPU as deployed in its usual node (one NVLink domain of 8). A saved
-topology says what a particular node has: how many GPUs, and whether and how richly they are
-joined by NVLink. :func:`gpu_for_topology` adapts the catalog entry:
-
-- GPUs per node = the topology's GPU count.
-- Every pair NVLinked: the NVLink bandwidth per GPU is the catalog's, or less when the links the
-  topology shows add up to fewer: ``min(catalog, NVLINK_PER_LINK x min over GPUs of the links
-  to its peers)`` (an NVSwitch node shows NV12 for every pair: far above the catalog, so the
-  catalog figure stays; four GPUs with NV4 to each other: 12 links, 300 GB/s).
-- Some pair not NVLinked (PCIe only, or NVLink bridges between pairs only): tensor-parallel
-  traffic inside the node is modelled at PCIe bandwidth (``PCIE_BANDWIDTH``), a conservative
-  choice for the bridged pairs, said in the notes.
+:func:`gpu_for_topology` adapts the catalog entry (one NVLink domain of 8) to a saved topology: GPUs
+per node = its GPU count; every pair NVLinked: NVLink bandwidth ``min(catalog, NVLINK_PER_LINK x
+min over GPUs of the links to its peers)``; some pair not NVLinked: intra-node tensor-parallel
+traffic at ``PCIE_BANDWIDTH`` (conservative for bridged pairs, said in the notes).
 """
 
 from __future__ import annotations

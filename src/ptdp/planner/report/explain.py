@@ -2,11 +2,9 @@
 and a fixed layout with the best one the search finds when nothing is fixed.
 
 The comparison is term by term over the :class:`~ptdp.planner.candidate.TimeBreakdown` of the two
-plans (compute, recompute, tp/pp/dp communication, bubble, optimizer, ...) and over the memory
-of the most loaded GPU. The terms that make up most of the difference in step time are named
-(largest first, until they explain at least 80% of what the winner gains), with the terms that
-work the other way; a difference below :data:`NEAR_TIE` of the step is called a near tie, since
-the model's error on published runs is of that order (``BENCHMARKS.md``).
+plans and over the memory of the most loaded GPU. The terms that make up most of the difference in
+step time are named (largest first, until they explain at least 80% of what the winner gains), with
+those that work the other way; a difference below :data:`NEAR_TIE` of the step is a near tie.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """Search every valid layout for a model on a cluster, predict each, rank by step time.
 
 The search enumerates tp x cp x pp x dp = number of GPUs, micro batch size, virtual pipeline
-stages, recompute granularity, sequence parallelism, the data-parallel sharding strategy and the
-pipeline split (even, uneven first/last stages, or interleaved with the embedding and/or loss
-counted as layers: :mod:`ptdp.planner.splits`, the fastest fitting split kept per layout); any of
-them can be fixed.
-
-Pruning (each keeps the search exact up to the stated approximation, and fast: the full Llama 3
-405B search on 16,384 GPUs stays well under 2 s):
-
-* context parallelism: cp > 1 only with ``seq_length >= CP_MIN_SEQ_LENGTH``
-  (:data:`CP_MIN_SEQ_LENGTH`) or when no layout fits with cp = 1 (a second
-  pass), and only sizes with ``seq_length % (2 cp) == 0`` and ``seq_length / cp >=
-  CP_MIN_LOCAL_TOKENS``, with micro batch 1 (cp cuts each sequence's tokens per rank; b > 1 would
-  multiply them back); a fixed ``--cp`` is searched as given.
-* sharding strategies (:func:`ptdp.planner.search.predict.predict_strategies`): ``no_shard`` and, when it fits, ``optim``;
-  when it does not, the sharded ones in order up to the first that fits, none when a lower bound
-  of the fully sharded memory already exceeds the GPU. A more sharded strategy keeps less memory but is never
-  faster in this model (its extra reduce-scatters per microbatch and parameter all-gathers come
-  on top), except for the optimizer step's 8 bytes per parameter of gradient-norm and zeroing
-  traffic it shards, which the pruning gives up, and for ``optim_grads`` reducing chunk by chunk
-  (interleaved, one round: :func:`ptdp.layout.buckets.chunk_by_chunk`), which exposes only the
-  last chunk's reduce-scatter and is always evaluated. ``dp * cp = 1`` has nothing to shard: no_shard. Layouts that break a rule (:mod:`ptdp.planner.search.rules`, the same rules ``ptdp train``
-checks) or do not fit in memory are kept as rejected plans with their reasons.
+stages, recompute, sequence parallelism, the sharding strategy and the pipeline split
+(:mod:`ptdp.planner.splits`); any of them can be fixed. Pruning: cp > 1 only from
+:data:`CP_MIN_SEQ_LENGTH` tokens (or when nothing fits with cp = 1), with ``seq_length % (2 cp) == 0``,
+at least :data:`CP_MIN_LOCAL_TOKENS` per rank and micro batch 1; sharding strategies as
+:func:`ptdp.planner.search.predict.predict_strategies` says. Layouts that break a rule
+(:mod:`ptdp.planner.search.rules`, the rules ``ptdp train`` checks) or do not fit in memory are
+kept as rejected plans with their reasons.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Prediction of the layouts the search enumerates: rules, memory, time; the sharding strategies
-and the pipeline split tried for each layout, with the pruning that keeps the search fast.
+and the pipeline split tried for each layout.
 
-:func:`evaluate` predicts one layout (:mod:`ptdp.planner.search.rules`, :func:`ptdp.planner.memory.breakdown.memory_breakdown`,
-:func:`ptdp.planner.time.step_time.evaluate_performance`). :func:`predict_strategies` predicts one layout
-under the data-parallel sharding strategies worth trying and, with a split to choose, under the
-candidate splits of :mod:`ptdp.planner.splits`; the pruning is explained in
-:mod:`ptdp.planner.search.layouts`'s docstring.
+:func:`evaluate` predicts one layout (:mod:`ptdp.planner.search.rules`,
+:func:`ptdp.planner.memory.breakdown.memory_breakdown`,
+:func:`ptdp.planner.time.step_time.evaluate_performance`); :func:`predict_strategies` predicts it
+under the sharding strategies worth trying and the candidate splits of :mod:`ptdp.planner.splits`.
 """
 
 from __future__ import annotations
@@ -116,13 +115,13 @@ def _sharding_cannot_fit(unsharded: Plan, layout: Candidate, cluster) -> bool:
 def predict_strategies(
     model, make, strategies: list[str], cluster, constants, overhead, search_split: bool
 ) -> tuple[list[Plan], list[tuple[Plan, Violation]]]:
-    """Predict the layout ``make(strategy)`` gives under ``strategies`` (least sharded first) and
-    record it: no_shard first; when it fits, optim too (never slower, less memory); when it does
-    not, the sharded ones in order up to the first that fits, unless even full sharding cannot
-    fit (:func:`_sharding_cannot_fit`); and optim_grads whenever it reduces chunk by chunk
-    (:func:`~ptdp.layout.buckets.chunk_by_chunk`: then it can be faster than optim). Kept: every
-    fitting no_shard, the first fitting sharded strategy, and a fitting chunk-by-chunk optim_grads.
-    Returns (the plans kept, the rejected plans with the rule each broke), least sharded first."""
+    """Predict the layout ``make(strategy)`` gives under ``strategies`` (least sharded first): no_shard;
+    when it fits, optim too; when not, the sharded ones up to the first that fits, unless full
+    sharding cannot fit (:func:`_sharding_cannot_fit`); and optim_grads whenever it reduces chunk by
+    chunk (:func:`~ptdp.layout.buckets.chunk_by_chunk`), when it can be faster than optim. A more
+    sharded strategy is otherwise never faster in this model. Returns (the plans kept, the rejected
+    plans with the rule each broke), least sharded first.
+    """
     first = make(strategies[0])
     bad = schedule_rejections(model, first)  # the same for every strategy
     if bad:

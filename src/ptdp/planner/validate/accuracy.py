@@ -1,20 +1,12 @@
 """Validation of the planner's models against published training runs.
 
-``published_runs.csv`` (read by :mod:`ptdp.planner.validate.published`) holds 18 runs on A100-80GB:
-Megatron SC21 (Narayanan et al., arXiv:2104.04473) Table 1, TFLOP/s per GPU counted with eq. 3
-(full recompute), and Korthikanti et al. 2022
-(arXiv:2205.05198) Table 5, iteration times with full recompute and with sequence parallelism +
-selective recompute, with the activation memory per GPU of their Figure 1 in the notes.
-
-Each run is evaluated at its exact layout; :func:`validate` returns one :class:`ValidationRow`
-per reported number, :func:`summarize` the mean and max absolute error per metric, and
-:func:`format_validation_table` a markdown table. Run ``python -m ptdp.planner.validate.accuracy [CSV]``.
-
-``published_runs_h100.csv`` (:mod:`ptdp.planner.validate.published`) holds H100 runs (Megatron-LM's README
-tables, the Llama 3 paper's Table 4), each reported figure turned into a step time under the FLOP
-convention of its source; :func:`validate_h100` compares those step times with the planner's,
-evaluated with the run's own overlap of communication (:func:`run_constants`), and
-:func:`fit_arch` refits the Hopper efficiencies of ``PerfConstants.arch_fits`` on them.
+``published_runs.csv`` (A100-80GB: Megatron SC21, Narayanan et al., arXiv:2104.04473, Table 1;
+Korthikanti et al. 2022, arXiv:2205.05198, Table 5 and Figure 1) and ``published_runs_h100.csv``
+(Megatron-LM's README tables, the Llama 3 paper's Table 4), read by
+:mod:`ptdp.planner.validate.published`. Each run is evaluated at its exact layout: :func:`validate`
+and :func:`validate_h100` give one :class:`ValidationRow` per reported number, :func:`summarize` the
+mean and max absolute error per metric, :func:`fit_arch` refits ``PerfConstants.arch_fits``.
+Run ``python -m ptdp.planner.validate.accuracy [CSV]``.
 """
 
 from __future__ import annotations
@@ -100,12 +92,9 @@ def layout_label(layout: Candidate) -> str:
 def validate(runs: list[PublishedRun], constants: PerfConstants = DEFAULT_CONSTANTS) -> list[ValidationRow]:
     """Evaluate every run at its exact layout; one row per reported number.
 
-    Memory (Korthikanti Figure 1, 16-bit mixed precision, first pipeline stage): the activation
-    bytes of :func:`ptdp.planner.memory.breakdown.memory_breakdown` for the run's layout without
-    recompute or SP ("none") and with SP + selective recompute ("seq+sel"), each compared once per
-    model. Params + optimizer state: Figure 1 shows ``18 * 12 l h^2 / (t p)`` bytes, the layer
-    weights spread evenly over the GPUs, so it is compared with the mean over stages of the exact
-    count x 18 (the first stage, which also holds the embeddings, is in :func:`fit_check`).
+    Memory (Korthikanti Figure 1, first pipeline stage): activation bytes without recompute or SP
+    ("none") and with SP + selective recompute ("seq+sel"), once per model. Params + optimizer state:
+    Figure 1's ``18 * 12 l h^2 / (t p)`` bytes, compared with the mean over stages of the exact count x 18.
     """
     out = []
     seen_memory: set[str] = set()
@@ -185,16 +174,10 @@ def fit_constants(
 
 def run_constants(run: H100Run, constants: PerfConstants = DEFAULT_CONSTANTS) -> PerfConstants:
     """The time model's constants for one published H100 run: its GPU generation's fit
-    (:meth:`PerfConstants.for_gpu`) and the overlap of communication the run used.
-
-    ``tp_comm_overlap``: the run pipelined its tensor-parallel collectives with the GEMMs
-    (Transformer Engine's ring exchange hides all but the first of tp chunks: ``(tp - 1) / tp``).
-    ``pp_overlap``: the run overlapped its pipeline transfers with the interleaved schedule's
-    compute (Megatron's ``overlap_p2p_comm``, the Llama 3 paper's asynchronous point-to-point).
-    ``overlap_window``: when the run overlapped its data-parallel reduction (Megatron's
-    ``--overlap-grad-reduce --overlap-param-gather``, the Llama 3 paper's asynchronous FSDP), the
-    end-of-step reduction hides behind up to one microbatch's compute on the busiest stage (the
-    gradients of a microbatch exist only once it is done; nothing earlier can be sent).
+    (:meth:`PerfConstants.for_gpu`) and the communication overlap the run used: ``tp_comm_overlap``
+    (Transformer Engine's ring exchange, ``(tp - 1) / tp`` hidden), ``pp_overlap`` (Megatron's
+    ``overlap_p2p_comm``, the Llama 3 paper's asynchronous point-to-point) and ``overlap_window``
+    (``--overlap-grad-reduce --overlap-param-gather``, the Llama 3 paper's asynchronous FSDP).
     """
     c = dataclasses.replace(constants.for_gpu(CATALOG[run.gpu]), tp_overlap=0.0, dp_overlap=0.0, overlap_window=False)
     return c.with_overlap(overlap_grad_reduce=run.dp_overlap, tp_comm_overlap=run.tp_overlap, pp_overlap=run.pp_overlap)

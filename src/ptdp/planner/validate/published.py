@@ -1,38 +1,25 @@
 """The published training runs the planner is checked against, and the FLOP conventions their
 sources count in.
 
-``published_runs.csv`` (:func:`load_published_runs`): 18 runs on A100-80GB, Megatron SC21
-(Narayanan et al., arXiv:2104.04473) Table 1, TFLOP/s per GPU counted with eq. 3 (full
-recompute), and Korthikanti et al. 2022 (arXiv:2205.05198) Table 5, iteration times with full
-recompute and with sequence parallelism + selective recompute, with the activation memory per GPU
-of their Figure 1 in the notes.
+``published_runs.csv`` (:func:`load_published_runs`): A100-80GB runs of Megatron SC21 (Narayanan et
+al., arXiv:2104.04473) Table 1, TFLOP/s per GPU by eq. 3 (full recompute), and Korthikanti et al.
+2022 (arXiv:2205.05198) Table 5, iteration times, with their Figure 1 activation memory in the notes.
 
-``published_runs_h100.csv`` (:func:`load_h100_runs`): H100-era runs. A source reports TFLOP/s per GPU or MFU, each under its own FLOP count, or tokens per second per
-GPU; the planner predicts a step time. So each row names its convention and the reported figure
-is turned into the step time it implies: ``step = FLOPs per step (source's convention) / (TFLOP/s
-per GPU x GPUs)``, with ``TFLOP/s per GPU = MFU x the GPU's dense 16-bit peak`` when only MFU is
-given, or ``step = B s / (tokens/s per GPU x GPUs)`` (convention ``tokens``: no FLOP count
-involved). The planner's prediction (its own count, :mod:`ptdp.planner.time.flops`) is then compared
-on seconds, which do not depend on any convention.
+``published_runs_h100.csv`` (:func:`load_h100_runs`): H100-era runs, each reporting TFLOP/s per GPU
+or MFU under a named FLOP convention, or tokens/s per GPU, turned into the step time it implies
+(``step = FLOPs per step / (TFLOP/s per GPU x GPUs)``, MFU x the dense bf16 peak, or
+``B s / (tokens/s per GPU x GPUs)``) and compared on seconds. Conventions (no recompute counted):
 
-Conventions (FLOPs of one step of ``B`` sequences of ``s`` tokens, no recompute counted):
+* ``megatron-2024``: Megatron-LM's ``num_floating_point_operations`` (``megatron/training/training.py``
+  at commit f2e5db4, 2024-07-15, the README's H100 tables):
+  ``12 B s l h^2 ((1 + g/a + s/h) q/h + f/h x (3/2 with SwiGLU) + V/(2 l h))``, ``q = a d``, ``g``
+  key/value groups, ``f`` the MLP width, ``V`` padded; full ``s x s`` attention.
+* ``palm``: PaLM (Chowdhery et al. 2022, arXiv:2204.02311, App. B), the Llama 3 paper's MFU:
+  ``(6 N + 12 l h s)`` per token, ``N`` every parameter.
 
-* ``megatron-2024``: Megatron-LM's ``num_floating_point_operations`` (``megatron/training/
-  training.py`` at commit f2e5db4, 2024-07-15, the commit of the README's H100 tables):
-  ``12 B s l h^2 ((1 + g/a + s/h) q/h + f/h x (3/2 with SwiGLU) + V/(2 l h))`` with ``q = a d``
-  the query width, ``g`` key/value groups, ``f`` the MLP width and ``V`` the padded vocabulary:
-  every GEMM, the full ``s x s`` attention (no causal halving). For these models it equals
-  :func:`ptdp.planner.time.flops.model_flops_per_step` (the same GEMMs, V padded).
-* ``palm``: PaLM (Chowdhery et al. 2022, arXiv:2204.02311, App. B), the MFU of the Llama 3 paper:
-  ``(6 N + 12 l h s)`` per token, ``N`` every parameter (embeddings included) and ``12 l h s``
-  the full ``s x s`` attention.
-
-Columns beyond the model shape and layout: ``cp_comm_type`` (``p2p`` or ``all_gather``, with
-``cp > 1``), ``sharding`` (Megatron's data-parallel sharding strategy), ``dp_overlap`` /
-``tp_overlap`` (y: the run overlapped that communication with compute, e.g. Megatron's
-``--overlap-grad-reduce`` and ``--tp-comm-overlap``), ``layer_split`` (layers per pipeline rank,
-space-separated; empty: even), ``assumed`` (settings the source does not state and the row
-assumes, named in ``notes`` with the reason).
+Columns beyond shape and layout: ``cp_comm_type``, ``sharding`` (Megatron's strategy),
+``dp_overlap`` / ``tp_overlap`` / ``pp_overlap`` (y: overlapped with compute), ``layer_split``
+(space-separated; empty: even), ``assumed`` (settings the source does not state, explained in ``notes``).
 """
 
 from __future__ import annotations
@@ -208,11 +195,8 @@ def reported_step_time(
     model: ModelConfig, layout: Candidate, gpu: str, reported: float, unit: str, convention: str
 ) -> float:
     """Seconds per step implied by a reported TFLOP/s per GPU or MFU (%) under ``convention``, or
-    by tokens/s per GPU.
-
-    MFU is turned into TFLOP/s with the GPU's dense bf16 peak of the catalog (989.5 TFLOP/s on
-    H100 SXM and H200, the figure the sources divide by). Raises ValueError for an unknown
-    unit or convention.
+    by tokens/s per GPU. MFU uses the catalog's dense bf16 peak (989.5 TFLOP/s on H100 SXM and H200,
+    the figure the sources divide by). Raises ValueError for an unknown unit or convention.
     """
     if unit not in UNITS or convention not in CONVENTIONS or (unit == UNITS[2]) != (convention == "tokens"):
         raise ValueError(
