@@ -1,12 +1,9 @@
 """The pieces of the configuration schema: the flag a field carries and the choices.
 
 The schema (:mod:`ptdp.config.model`, :mod:`ptdp.config.parallel`, :mod:`ptdp.config.schema`) is frozen
-dataclasses, a docstring per field, choices as ``Literal`` types, and on each field its
-command-line flag (:class:`Flag`: Megatron-LM's long name, a short alias, help, the group it is
-shown in, whether ``ptdp plan`` shares it). :mod:`ptdp.config.flags` builds the argparse flags of
-``ptdp train``, ``python -m ptdp.train`` and ``ptdp plan`` from these fields, and
-:mod:`ptdp.config.files` reads the same names from a config file, so a setting has one name,
-one type, one set of choices and one default everywhere. Sizes use "1 means disabled".
+dataclasses with a docstring per field, choices as ``Literal`` types, and on each field its
+command-line flag (:class:`Flag`); :mod:`ptdp.config.flags` and :mod:`ptdp.config.files` build the
+flags and read config files from them. Sizes use "1 means disabled".
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Config files: ``--config FILE`` (TOML, YAML or JSON) and ``--print-config``.
 
-A file's keys are the long flag names, with dashes or underscores (``tensor-model-parallel-size``
-or ``tensor_model_parallel_size``), or the schema's field names (``add_bias_linear = false`` is
-``--disable-bias-linear``); sections may nest them (``[model]``, ``parallel: {...}``), their names
-do not matter. Flags given on the command line override the file. A run's own ``config.json`` is
-accepted too and replays that run: its ``requested_vocab_size`` is the vocabulary the tokenizer is
-trained with (``vocab_size`` there is the real one it got), and the fields a run records about
-itself (``num_microbatches``, ``prepared_data``, ``output_dir``: a replay writes a new run
-directory) are skipped, and so are ``overwrite`` and ``force``, which are given each time. An unknown key is an error naming the key and the closest valid name.
+Keys are the long flag names, with dashes or underscores, or the schema's field names
+(``add_bias_linear = false`` is ``--disable-bias-linear``); sections may nest them and their names do
+not matter. Command-line flags override the file. A run's own ``config.json`` replays that run: its
+``requested_vocab_size`` is the tokenizer's vocabulary, and the fields a run records about itself
+(``num_microbatches``, ``prepared_data``, ``output_dir``) and ``overwrite`` / ``force`` are skipped.
+An unknown key is an error naming the key and the closest valid name.
 """
 
 from __future__ import annotations

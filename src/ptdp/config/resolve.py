@@ -3,9 +3,7 @@
 :func:`resolve` reports every broken rule at once in one :class:`~ptdp.errors.ConfigError`
 (its ``violations`` hold them as data) and returns the config with the data-parallel size, the
 schedule, the MLP width, the decay length and the recompute defaults filled in, and the pipeline
-split stored (:attr:`~ptdp.config.schema.Config.pipeline`). It never touches
-torch.distributed: the launcher, the torchrun entry point and the tests call it before any
-process group exists.
+split stored (:attr:`~ptdp.config.schema.Config.pipeline`). It never touches torch.distributed.
 """
 
 from __future__ import annotations
