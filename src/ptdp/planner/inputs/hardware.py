@@ -71,6 +71,7 @@ _A100_PEAK = {"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "tf32": 156 * TFLOPS, 
 # FP8 1,979 dense, 494.7 TF32, 66.9 FP32; 80 GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s bidirectional.
 # DGX H100: 8 x 400 Gb/s NDR InfiniBand (ConnectX-7), one per GPU. Restated by
 # glennklockwood.com/garden/processors/h100 and the Llama 3 paper (arXiv:2407.21783, §3.3.1).
+# NVLink 4 as reached: NVIDIA/nccl issue 1264, p2pBandwidthLatencyTest 380 of 450 GB/s per direction.
 _H100_PEAK = {
     "bf16": 989.5 * TFLOPS,
     "fp16": 989.5 * TFLOPS,
