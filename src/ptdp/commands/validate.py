@@ -1,4 +1,4 @@
-"""``ptdp plan --validate CSV [--update-benchmarks FILE]``: predicted vs published runs."""
+"""``ptdp plan --validate CSV [CSV ...] [--update-benchmarks FILE]``: predicted vs published runs."""
 
 from __future__ import annotations
 
@@ -14,12 +14,18 @@ from ptdp.planner.validate.accuracy import (
     format_validation_table,
     h100_fit_check,
     is_h100_table,
+    loso_a100,
+    loso_h100,
     validate,
     validate_h100,
 )
-from ptdp.planner.validate.published import load_h100_runs, load_published_runs
+from ptdp.planner.validate.published import H100Run, load_h100_runs, load_published_runs
 
 BEGIN, END = "<!-- begin: ptdp plan --validate -->", "<!-- end: ptdp plan --validate -->"
+POOLED = (
+    "<!-- begin: ptdp plan --validate, H100 tables together -->",
+    "<!-- end: ptdp plan --validate, H100 tables together -->",
+)
 
 
 def markers(csv: str | Path) -> tuple[str, str]:
@@ -31,23 +37,31 @@ def markers(csv: str | Path) -> tuple[str, str]:
     return f"<!-- begin: ptdp plan --validate {name} -->", f"<!-- end: ptdp plan --validate {name} -->"
 
 
-def validation_markdown(csv: str | Path) -> str:
-    """The validation table, per-metric errors and the memory check of every published layout."""
+def validation_markdown(csv: str | Path, pool: list[H100Run] | None = None) -> str:
+    """The validation table with the in-sample and leave-one-source-out errors (the fits over this
+    table's runs and ``pool``, the runs of the other H100-format tables given), and the memory check
+    of every published layout, those predicted over their GPU's memory flagged."""
     if is_h100_table(csv):
-        h100_runs = load_h100_runs(csv)
-        table, checks = format_validation_table(validate_h100(h100_runs)), h100_fit_check(h100_runs)
+        runs, others = load_h100_runs(csv), pool or []
+        held = loso_h100(others + runs)[len(others) :]
+        table, checks = format_validation_table(validate_h100(runs), held), h100_fit_check(runs)
     else:
         published = load_published_runs(csv)
-        table, checks = format_validation_table(validate(published)), fit_check(published)
+        table, checks = format_validation_table(validate(published), loso_a100(published)), fit_check(published)
+    over = [(name, label, total, cap) for name, label, total, cap in checks if total > cap]
     lines = [
         table,
         "",
         "Memory of each published layout under the planner's model (it must fit: the run happened):",
         "",
-        "| model | layout | predicted total GiB | capacity GiB |",
-        "|---|---|---|---|",
+        "| model | layout | predicted total GiB | capacity GiB | fits |",
+        "|---|---|---|---|---|",
     ]
-    lines += [f"| {name} | {label} | {total:.1f} | {cap:.0f} |" for name, label, total, cap in checks]
+    lines += [
+        f"| {name} | {label} | {total:.1f} | {cap:.0f} | {'yes' if total <= cap else f'**no**, {total - cap:.1f} GiB over'} |"
+        for name, label, total, cap in checks
+    ]
+    lines += ["", f"{len(over)} of {len(checks)} published layouts predicted over their GPU's memory."]
     return "\n".join(lines)
 
 
@@ -66,23 +80,39 @@ def update_markdown(path: Path, block: str, command: str, marks: tuple[str, str]
     path.write_text(text, encoding="utf-8")
 
 
+def pooled_markdown(runs: list[H100Run]) -> str:
+    """Per metric, the errors over the runs of every H100-format table given, in-sample and
+    leave-one-source-out."""
+    table = format_validation_table(validate_h100(runs), loso_h100(runs))
+    return "All H100-format tables together:\n\n" + table[table.index("| metric | rows") :]
+
+
 def run_validation(args: argparse.Namespace) -> int:
-    csv = Path(args.validate)
-    if not csv.is_file():
-        raise ConfigError(f"--validate {csv}: no such file")
+    paths = [Path(p) for p in args.validate]
+    for csv in paths:
+        if not csv.is_file():
+            raise ConfigError(f"--validate {csv}: no such file")
     if args.update_benchmarks:
         check_output_path(args.update_benchmarks, "--update-benchmarks", (".md",))
     try:
-        block = validation_markdown(csv)
+        h100 = {csv: load_h100_runs(csv) for csv in paths if is_h100_table(csv)}
+        blocks: list[tuple[Path | None, str]] = []
+        for csv in paths:
+            pool = [run for other, runs in h100.items() if other != csv for run in runs]
+            blocks.append((csv, validation_markdown(csv, pool)))
     except (KeyError, ValueError, TypeError) as e:
         raise ConfigError(
-            f"--validate {csv}: not a published-runs table like benchmarks/data/published_runs.csv "
-            f"or published_runs_h100.csv "
-            f"({type(e).__name__}: {e})"
+            f"--validate {' '.join(args.validate)}: not published-runs tables like "
+            f"benchmarks/data/published_runs.csv or published_runs_h100.csv ({type(e).__name__}: {e})"
         ) from None
-    print(block)
+    if len(h100) > 1:
+        blocks.append((None, pooled_markdown([run for runs in h100.values() for run in runs])))
+    command = f"ptdp plan --validate {' '.join(args.validate)} --update-benchmarks {args.update_benchmarks}"
+    for table, block in blocks:
+        print((f"## {table}\n\n" if len(blocks) > 1 and table else "") + block + "\n")
+        if args.update_benchmarks:
+            marks = markers(table) if table else POOLED
+            update_markdown(Path(args.update_benchmarks), block, command, marks)
     if args.update_benchmarks:
-        command = f"ptdp plan --validate {args.validate} --update-benchmarks {args.update_benchmarks}"
-        update_markdown(Path(args.update_benchmarks), block, command, markers(csv))
-        print(f"\nwritten into {args.update_benchmarks}")
+        print(f"written into {args.update_benchmarks}")
     return 0

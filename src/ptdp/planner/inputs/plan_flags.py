@@ -112,7 +112,14 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="fixed memory per GPU for framework and buffers (default: the planner's)",
     )
-    g.add_argument("--validate", metavar="CSV", help="evaluate the published runs in CSV instead of searching")
+    g.add_argument(
+        "--validate",
+        metavar="CSV",
+        nargs="+",
+        help="evaluate the published runs in these tables instead of searching: each run at its "
+        "layout, in-sample and with the fit leaving its source out (over all tables given), and "
+        "its memory against its GPU's",
+    )
     g.add_argument(
         "--hardware-profile",
         metavar="FILE",

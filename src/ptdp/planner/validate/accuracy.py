@@ -15,6 +15,7 @@ import csv
 import dataclasses
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,8 +45,11 @@ __all__ = [
     "format_validation_table",
     "h100_fit_check",
     "h100_log_error",
+    "hopper_runs",
     "is_h100_table",
     "layout_label",
+    "loso_a100",
+    "loso_h100",
     "main",
     "run_constants",
     "speed_log_error",
@@ -89,8 +93,13 @@ def layout_label(layout: Candidate) -> str:
     return label + (" sp" if layout.parallel.sequence_parallel else "")
 
 
-def validate(runs: list[PublishedRun], constants: PerfConstants = DEFAULT_CONSTANTS) -> list[ValidationRow]:
-    """Evaluate every run at its exact layout; one row per reported number.
+def validate(
+    runs: list[PublishedRun],
+    constants: PerfConstants = DEFAULT_CONSTANTS,
+    constants_of: Callable[[PublishedRun], PerfConstants] | None = None,
+) -> list[ValidationRow]:
+    """Evaluate every run at its exact layout (its time with ``constants_of(run)`` if given, else
+    ``constants``); one row per reported number.
 
     Memory (Korthikanti Figure 1, first pipeline stage): activation bytes without recompute or SP
     ("none") and with SP + selective recompute ("seq+sel"), once per model. Params + optimizer state:
@@ -102,7 +111,7 @@ def validate(runs: list[PublishedRun], constants: PerfConstants = DEFAULT_CONSTA
         gpu = CATALOG[run.gpu]
         cluster = Cluster(gpu, run.layout.num_gpus)
         label = layout_label(run.layout)
-        perf = evaluate_performance(run.model, run.layout, cluster, constants)
+        perf = evaluate_performance(run.model, run.layout, cluster, constants_of(run) if constants_of else constants)
         if run.reported_tflops is not None:
             out.append(ValidationRow(run.name, label, TFLOPS, run.reported_tflops, perf.tflops_per_gpu / 1e12))
         if run.reported_iteration_time is not None:
@@ -241,6 +250,40 @@ def fit_arch(
     return best[1], best[0]
 
 
+def hopper_runs(runs: list[H100Run]) -> list[H100Run]:
+    """The runs on a GPU of the architecture :func:`fit_arch` fits (``hopper``)."""
+    return [run for run in runs if CATALOG[run.gpu].arch == "hopper"]
+
+
+def loso_h100(runs: list[H100Run], constants: PerfConstants = DEFAULT_CONSTANTS) -> list[ValidationRow]:
+    """:func:`validate_h100` with each Hopper run predicted by the Hopper fit (:func:`fit_arch`) over
+    the :func:`fitted_runs` of the other sources (:attr:`H100Run.source_key`), leave-one-source-out;
+    other GPUs' runs with ``constants``, whose fit uses none of these sources. Rows in ``runs``' order."""
+    pool = fitted_runs(hopper_runs(runs))
+    fits: dict[str, PerfConstants] = {}
+    out = []
+    for run in runs:
+        c = constants
+        if CATALOG[run.gpu].arch == "hopper":
+            key = run.source_key
+            if key not in fits:
+                train = [r for r in pool if r.source_key != key]
+                fits[key] = fit_arch(train, constants)[0] if train else constants
+            c = fits[key]
+        out += validate_h100([run], c)
+    return out
+
+
+def loso_a100(runs: list[PublishedRun], constants: PerfConstants = DEFAULT_CONSTANTS) -> list[ValidationRow]:
+    """:func:`validate` with each source's runs timed by :func:`fit_constants` over the other
+    sources' runs, leave-one-source-out (the memory rows fit nothing); rows in :func:`validate`'s order."""
+    fits = {}
+    for key in dict.fromkeys(run.source for run in runs):
+        train = [r for r in runs if r.source != key]
+        fits[key] = fit_constants(train, constants)[0] if train else constants
+    return validate(runs, constants, lambda run: fits[run.source])
+
+
 def fit_check(runs: list[PublishedRun]) -> list[tuple[str, str, float, float]]:
     """(name, layout, predicted total GiB, capacity GiB) of every run under the memory model."""
     out = []
@@ -261,17 +304,33 @@ def summarize(rows: list[ValidationRow]) -> dict[str, tuple[int, float, float]]:
     return out
 
 
-def format_validation_table(rows: list[ValidationRow]) -> str:
-    """Markdown: model, layout, metric, reported, predicted, error % (grouped by metric); then the
-    mean and max absolute error per metric."""
-    lines = ["| model | layout | metric | reported | predicted | error |", "|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: METRICS.index(r.metric)):
-        lines.append(
-            f"| {r.name} | {r.layout} | {r.metric} | {r.reported:.2f} | {r.predicted:.2f} | {100 * r.error:+.1f}% |"
-        )
-    lines += ["", "| metric | rows | mean abs. error | max abs. error |", "|---|---|---|---|"]
+def format_validation_table(rows: list[ValidationRow], loso: list[ValidationRow] | None = None) -> str:
+    """Markdown: model, layout, metric, reported, predicted, error % (grouped by metric), with the
+    error of ``loso`` (the same rows, in the same order, predicted leave-one-source-out) beside;
+    then the mean and max absolute error per metric, in-sample and leave-one-source-out."""
+    if loso is not None and [r.reported for r in loso] != [r.reported for r in rows]:
+        raise ValueError("loso must hold the same rows as rows, in the same order")
+    extra = " error, its source left out |" if loso else ""
+    lines = [
+        f"| model | layout | metric | reported | predicted | error |{extra}",
+        "|---|---|---|---|---|---|" + ("---|" if loso else ""),
+    ]
+    for i in sorted(range(len(rows)), key=lambda i: METRICS.index(rows[i].metric)):
+        r = rows[i]
+        line = f"| {r.name} | {r.layout} | {r.metric} | {r.reported:.2f} | {r.predicted:.2f} | {100 * r.error:+.1f}% |"
+        lines.append(line + (f" {100 * loso[i].error:+.1f}% |" if loso else ""))
+    held = summarize(loso) if loso else {}
+    extra = " mean, its source left out | max, its source left out |" if loso else ""
+    lines += [
+        "",
+        f"| metric | rows | mean abs. error | max abs. error |{extra}",
+        "|---|---|---|---|" + ("---|---|" if loso else ""),
+    ]
     for metric, (n, mae, worst) in summarize(rows).items():
-        lines.append(f"| {metric} | {n} | {100 * mae:.2f}% | {100 * worst:.2f}% |")
+        line = f"| {metric} | {n} | {100 * mae:.2f}% | {100 * worst:.2f}% |"
+        lines.append(
+            line + (f" {100 * held[metric][1]:.2f}% | {100 * held[metric][2]:.2f}% |" if metric in held else "")
+        )
     return "\n".join(lines)
 
 

@@ -150,6 +150,7 @@ class H100Run:
         pp_overlap: the run overlapped its pipeline transfers with compute (column ``pp_overlap``;
             absent: no), :attr:`ptdp.planner.time.constants.PerfConstants.pp_overlap`.
         assumed: settings the source does not state.
+        url: where the source is published; :attr:`source_key` groups runs by it.
     """
 
     name: str
@@ -165,6 +166,19 @@ class H100Run:
     tp_overlap: bool
     assumed: str
     pp_overlap: bool = False
+    url: str = ""
+
+    @property
+    def source_key(self) -> str:
+        """The publisher a run comes from (:func:`source_key`)."""
+        return source_key(self.url, self.source)
+
+
+def source_key(url: str, source: str) -> str:
+    """One name per publisher, for leave-one-source-out: ``owner/repo`` of a GitHub URL, the arXiv
+    id of a paper, else the source text up to its first comma."""
+    found = re.search(r"github\.com/([^/]+/[^/#?]+)", url) or re.search(r"arxiv\.org/abs/([0-9.]+)", url)
+    return found.group(1) if found else source.split(",")[0].strip()
 
 
 def megatron_2024_flops(model: ModelConfig, global_batch_size: int, *, divisible_by: int = 128, tp: int = 1) -> float:
@@ -286,6 +300,7 @@ def load_h100_runs(path: str | Path) -> list[H100Run]:
                     tp_overlap=_yes(r["tp_overlap"]),
                     assumed=r["assumed"].strip(),
                     pp_overlap=_yes(r.get("pp_overlap") or ""),
+                    url=(r.get("url") or "").strip(),
                 )
             )
     return runs

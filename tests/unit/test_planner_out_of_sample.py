@@ -1,0 +1,86 @@
+"""Leave-one-source-out validation and the memory check of ``ptdp plan --validate``: each source's
+runs are predicted by the fit over the other sources only, and every published layout predicted
+over its GPU's memory is flagged and counted."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from ptdp.cli import main
+from ptdp.commands.validate import validation_markdown
+from ptdp.planner.validate.accuracy import (
+    fit_arch,
+    fit_constants,
+    fitted_runs,
+    h100_fit_check,
+    hopper_runs,
+    loso_a100,
+    loso_h100,
+    validate,
+    validate_h100,
+)
+from ptdp.planner.validate.published import load_h100_runs, load_published_runs, source_key
+
+DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
+H100, NEW, A100 = (
+    DATA / "published_runs_h100.csv",
+    DATA / "published_runs_out_of_sample.csv",
+    DATA / "published_runs.csv",
+)
+
+
+def test_source_key_names_the_publisher():
+    url = "https://github.com/NVIDIA/Megatron-LM/blob/f2e5db4/images/model_table.png"
+    assert source_key(url, "Megatron-LM README, model table") == "NVIDIA/Megatron-LM"
+    assert source_key("https://arxiv.org/abs/2407.21783", "Llama 3") == "2407.21783"
+    assert source_key("", "Some paper, Table 2") == "Some paper"
+
+
+def test_the_new_tables_come_from_three_sources_the_fit_does_not_use():
+    fitted = {run.source_key for run in load_h100_runs(H100)}
+    new = {run.source_key for run in load_h100_runs(NEW)}
+    assert len(new) >= 3 and not new & fitted
+
+
+def test_each_source_is_predicted_by_the_fit_over_the_others():
+    runs = load_h100_runs(H100) + load_h100_runs(NEW)
+    held = loso_h100(runs)
+    assert [r.reported for r in held] == [r.reported for r in validate_h100(runs)]
+    pool = fitted_runs(hopper_runs(runs))
+    for key in ("NVIDIA/Megatron-LM", "pytorch/torchtitan"):
+        constants = fit_arch([r for r in pool if r.source_key != key])[0]
+        own = [i for i, run in enumerate(runs) if run.source_key == key and run.gpu != "a100-80gb"]
+        expected = validate_h100([runs[i] for i in own], constants)
+        assert [held[i].predicted for i in own] == pytest.approx([r.predicted for r in expected], rel=1e-12)
+    in_sample = validate_h100(runs)
+    assert any(abs(a.predicted - b.predicted) > 1e-6 * b.predicted for a, b in zip(held, in_sample))
+
+
+def test_a100_sources_are_left_out_one_at_a_time():
+    runs = load_published_runs(A100)
+    held, in_sample = loso_a100(runs), validate(runs)
+    assert [(r.name, r.metric) for r in held] == [(r.name, r.metric) for r in in_sample]
+    key = runs[0].source
+    constants = fit_constants([r for r in runs if r.source != key])[0]
+    first = validate([runs[0]], constants)[0]
+    assert held[0].predicted == pytest.approx(first.predicted, rel=1e-12)
+
+
+def test_the_memory_check_flags_and_counts_every_layout_over_its_gpu():
+    checks = h100_fit_check(load_h100_runs(H100))
+    over = sum(total > cap for _, _, total, cap in checks)
+    text = validation_markdown(H100)
+    assert text.count("| **no**, ") == over
+    assert f"{over} of {len(checks)} published layouts predicted over their GPU's memory." in text
+
+
+def test_plan_validate_reports_in_sample_and_left_out_errors_per_table_and_together(capsys):
+    assert main(["plan", "--validate", str(H100), str(NEW)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("mean, its source left out") == 3  # each table, then all H100-format tables
+    assert "All H100-format tables together" in out
+    rows = re.findall(r"^\| step time, H100 runs \(s\) \| (\d+) \|", out, re.M)
+    assert len(rows) == 3 and int(rows[2]) == int(rows[0]) + int(rows[1])
