@@ -17,6 +17,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from ptdp.planner.candidate import Candidate
@@ -259,19 +260,20 @@ def loso_h100(runs: list[H100Run], constants: PerfConstants = DEFAULT_CONSTANTS)
     """:func:`validate_h100` with each Hopper run predicted by the Hopper fit (:func:`fit_arch`) over
     the :func:`fitted_runs` of the other sources (:attr:`H100Run.source_key`), leave-one-source-out;
     other GPUs' runs with ``constants``, whose fit uses none of these sources. Rows in ``runs``' order."""
-    pool = fitted_runs(hopper_runs(runs))
-    fits: dict[str, PerfConstants] = {}
+    pool = frozenset(fitted_runs(hopper_runs(runs)))
     out = []
     for run in runs:
-        c = constants
-        if CATALOG[run.gpu].arch == "hopper":
-            key = run.source_key
-            if key not in fits:
-                train = [r for r in pool if r.source_key != key]
-                fits[key] = fit_arch(train, constants)[0] if train else constants
-            c = fits[key]
-        out += validate_h100([run], c)
+        hopper = CATALOG[run.gpu].arch == "hopper"
+        out += validate_h100([run], _fit_without(pool, run.source_key, constants) if hopper else constants)
     return out
+
+
+@lru_cache(maxsize=64)
+def _fit_without(pool: frozenset[H100Run], key: str, constants: PerfConstants) -> PerfConstants:
+    """:func:`fit_arch` over the runs of ``pool`` not from source ``key`` (``constants`` if none),
+    in a fixed order."""
+    train = sorted((r for r in pool if r.source_key != key), key=lambda r: (r.source, r.name, r.step_time))
+    return fit_arch(train, constants)[0] if train else constants
 
 
 def loso_a100(runs: list[PublishedRun], constants: PerfConstants = DEFAULT_CONSTANTS) -> list[ValidationRow]:
