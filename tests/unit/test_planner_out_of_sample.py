@@ -11,6 +11,7 @@ import pytest
 
 from ptdp.cli import main
 from ptdp.commands.validate import validation_markdown
+from ptdp.planner.inputs.hardware import CATALOG
 from ptdp.planner.validate.accuracy import (
     fit_arch,
     fit_constants,
@@ -43,6 +44,9 @@ def test_the_new_tables_come_from_three_sources_the_fit_does_not_use():
     fitted = {run.source_key for run in load_h100_runs(H100)}
     new = {run.source_key for run in load_h100_runs(NEW)}
     assert len(new) >= 3 and not new & fitted
+    # torchtitan's H100s are 96 GB parts, planned with their own capacity
+    titan = {run.gpu for run in load_h100_runs(NEW) if run.source_key == "pytorch/torchtitan"}
+    assert titan == {"h100-96gb", "h200"} and CATALOG["h100-96gb"].memory_bytes > CATALOG["h100-sxm"].memory_bytes
 
 
 def test_each_source_is_predicted_by_the_fit_over_the_others():

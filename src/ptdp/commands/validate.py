@@ -58,7 +58,7 @@ def validation_markdown(csv: str | Path, pool: list[H100Run] | None = None) -> s
         "|---|---|---|---|---|",
     ]
     lines += [
-        f"| {name} | {label} | {total:.1f} | {cap:.0f} | {'yes' if total <= cap else f'**no**, {total - cap:.1f} GiB over'} |"
+        f"| {name} | {label} | {total:.1f} | {cap:.1f} | {'yes' if total <= cap else f'**no**, {total - cap:.1f} GiB over'} |"
         for name, label, total, cap in checks
     ]
     lines += ["", f"{len(over)} of {len(checks)} published layouts predicted over their GPU's memory."]

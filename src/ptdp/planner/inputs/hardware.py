@@ -114,6 +114,21 @@ CATALOG: dict[str, GPUType] = {
         "NVIDIA H100 datasheet (SXM5 80GB); DGX H100 NDR 400 Gb/s per GPU",
         arch="hopper",
     ),
+    # The H100 of Meta's Grand Teton hosts that torchtitan's benchmark files ran on
+    # (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md): 96 GB HBM2e at 2.4 TB/s,
+    # 500 W, 8 per host on NVLink, 400 Gb/s RDMA per GPU. The datasheet H100's tensor-core peaks
+    # (the 500 W limit's lower clocks are not modelled); 96 GB read as 96e9 bytes, the lower reading.
+    "h100-96gb": GPUType(
+        "h100-96gb",
+        _H100_PEAK,
+        96 * GB,
+        2400 * GB,
+        450 * GB,
+        50 * GB,
+        8,
+        "torchtitan benchmarks: Grand Teton H100 96 GB HBM2e, 500 W; 400 Gb/s per GPU",
+        arch="hopper",
+    ),
     # NVIDIA H200 datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; nvidia-smi
     # reports 143,771 MiB. Also NVIDIA's MLPerf Inference v4.1 system description H200-SXM-141GBx8
     # (mlcommons/inference_results_v4.1, closed/NVIDIA/systems).
