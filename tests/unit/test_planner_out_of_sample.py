@@ -4,6 +4,7 @@ over its GPU's memory is flagged and counted."""
 
 from __future__ import annotations
 
+import csv
 import re
 from pathlib import Path
 
@@ -88,3 +89,42 @@ def test_plan_validate_reports_in_sample_and_left_out_errors_per_table_and_toget
     assert "All H100-format tables together" in out
     rows = re.findall(r"^\| step time, H100 runs \(s\) \| (\d+) \|", out, re.M)
     assert len(rows) == 3 and int(rows[2]) == int(rows[0]) + int(rows[1])
+
+
+def test_bad_tables_are_refused_naming_the_file(tmp_path, capsys):
+    with open(H100, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        fields, first = reader.fieldnames or [], next(reader)
+    empty, zero = tmp_path / "empty.csv", tmp_path / "zero.csv"
+    for path, rows in ((empty, []), (zero, [{**first, "reported": "0"}])):
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(rows)
+    cases = {
+        (str(tmp_path),): "is a folder",
+        (str(empty),): "no runs in the table",
+        (str(zero),): "reported=0 must be a positive number",
+        (str(H100), str(DATA / ".." / "data" / H100.name)): "a table given more than once",
+    }
+    for tables, message in cases.items():
+        assert main(["plan", "--validate", *tables]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_a_single_source_has_no_left_out_error(tmp_path):
+    lines = H100.read_text(encoding="utf-8").splitlines()
+    one = tmp_path / "one.csv"
+    one.write_text("\n".join([lines[0], *[x for x in lines[1:] if "model_table.png" in x]]) + "\n", encoding="utf-8")
+    text = validation_markdown(one)
+    assert "| n/a |" in text and re.search(r"\| step time, H100 runs \(s\) \| 9 \| [0-9.]+% \| [0-9.]+% \|\n", text)
+
+
+def test_each_table_has_its_own_block_under_one_heading(tmp_path):
+    part = tmp_path / "part.csv"
+    part.write_text("\n".join(A100.read_text(encoding="utf-8").splitlines()[:4]) + "\n", encoding="utf-8")
+    doc = tmp_path / "B.md"
+    assert main(["plan", "--validate", str(A100), str(part), "--update-benchmarks", str(doc)]) == 0
+    text = doc.read_text(encoding="utf-8")
+    assert text.count("## Planner validation against published runs") == 1
+    assert "<!-- begin: ptdp plan --validate -->" in text and "<!-- begin: ptdp plan --validate part.csv -->" in text

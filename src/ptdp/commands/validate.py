@@ -29,9 +29,9 @@ POOLED = (
 
 
 def markers(csv: str | Path) -> tuple[str, str]:
-    """The markers of ``csv``'s block in the markdown file: the plain ones for the A100 table,
-    ones naming the file for an H100 table (both blocks live in BENCHMARKS.md)."""
-    if not is_h100_table(csv):
+    """The markers of ``csv``'s block in the markdown file: the plain ones for
+    ``published_runs.csv``, ones naming the file for any other table."""
+    if Path(csv).name == "published_runs.csv":
         return BEGIN, END
     name = Path(csv).name
     return f"<!-- begin: ptdp plan --validate {name} -->", f"<!-- end: ptdp plan --validate {name} -->"
@@ -76,7 +76,9 @@ def update_markdown(path: Path, block: str, command: str, marks: tuple[str, str]
         tail = rest.split(end, 1)[1]
         text = head + body + tail
     else:
-        text = text.rstrip() + "\n\n## Planner validation against published runs\n\n" + body + "\n"
+        heading = "## Planner validation against published runs"
+        text = (text.rstrip() + "\n\n" if text.strip() else "") + ("" if heading in text else heading + "\n\n")
+        text += body + "\n"
     path.write_text(text, encoding="utf-8")
 
 
@@ -90,21 +92,33 @@ def pooled_markdown(runs: list[H100Run]) -> str:
 def run_validation(args: argparse.Namespace) -> int:
     paths = [Path(p) for p in args.validate]
     for csv in paths:
+        if csv.is_dir():
+            raise ConfigError(f"--validate {csv}: is a folder, not a CSV file")
         if not csv.is_file():
             raise ConfigError(f"--validate {csv}: no such file")
+    resolved = [csv.resolve() for csv in paths]
+    twice = sorted({str(csv) for csv, real in zip(paths, resolved) if resolved.count(real) > 1})
+    if twice:
+        raise ConfigError(f"--validate: a table given more than once: {', '.join(twice)}")
     if args.update_benchmarks:
         check_output_path(args.update_benchmarks, "--update-benchmarks", (".md",))
-    try:
-        h100 = {csv: load_h100_runs(csv) for csv in paths if is_h100_table(csv)}
-        blocks: list[tuple[Path | None, str]] = []
-        for csv in paths:
-            pool = [run for other, runs in h100.items() if other != csv for run in runs]
-            blocks.append((csv, validation_markdown(csv, pool)))
-    except (KeyError, ValueError, TypeError) as e:
-        raise ConfigError(
-            f"--validate {' '.join(args.validate)}: not published-runs tables like "
-            f"benchmarks/data/published_runs.csv or published_runs_h100.csv ({type(e).__name__}: {e})"
-        ) from None
+    h100: dict[Path, list[H100Run]] = {}
+    for csv in paths:
+        try:
+            if is_h100_table(csv):
+                h100[csv] = load_h100_runs(csv)
+            count = len(h100[csv]) if csv in h100 else len(load_published_runs(csv))
+        except (KeyError, ValueError, TypeError) as e:
+            raise ConfigError(
+                f"--validate {csv}: not a published-runs table like benchmarks/data/published_runs.csv "
+                f"or published_runs_h100.csv ({type(e).__name__}: {e})"
+            ) from None
+        if not count:
+            raise ConfigError(f"--validate {csv}: no runs in the table")
+    blocks: list[tuple[Path | None, str]] = []
+    for csv in paths:
+        pool = [run for other, runs in h100.items() if other != csv for run in runs]
+        blocks.append((csv, validation_markdown(csv, pool)))
     if len(h100) > 1:
         blocks.append((None, pooled_markdown([run for runs in h100.values() for run in runs])))
     command = f"ptdp plan --validate {' '.join(args.validate)} --update-benchmarks {args.update_benchmarks}"

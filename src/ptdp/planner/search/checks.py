@@ -175,6 +175,8 @@ def ineffective_flag_notes(model: ModelConfig, fixed: Fixed) -> list[str]:
 def check_output_path(path: str, flag: str, suffixes: tuple[str, ...] = ()) -> None:
     """The file ``path`` can be written (its folder exists and is writable; a known suffix)."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {path}: is a folder; give a file name")
     folder = p.parent if str(p.parent) else Path(".")
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise ConfigError(f"{flag} {path}: folder {folder} does not exist or is not writable")

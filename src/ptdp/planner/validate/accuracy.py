@@ -258,32 +258,39 @@ def hopper_runs(runs: list[H100Run]) -> list[H100Run]:
 
 def loso_h100(runs: list[H100Run], constants: PerfConstants = DEFAULT_CONSTANTS) -> list[ValidationRow]:
     """:func:`validate_h100` with each Hopper run predicted by the Hopper fit (:func:`fit_arch`) over
-    the :func:`fitted_runs` of the other sources (:attr:`H100Run.source_key`), leave-one-source-out;
-    other GPUs' runs with ``constants``, whose fit uses none of these sources. Rows in ``runs``' order."""
+    the :func:`fitted_runs` of the other sources (:attr:`H100Run.source_key`), leave-one-source-out
+    (predicted NaN where no other source has such runs); other GPUs' runs with ``constants``, whose
+    fit uses none of these sources. Rows in ``runs``' order."""
     pool = frozenset(fitted_runs(hopper_runs(runs)))
     out = []
     for run in runs:
         hopper = CATALOG[run.gpu].arch == "hopper"
-        out += validate_h100([run], _fit_without(pool, run.source_key, constants) if hopper else constants)
+        fit = _fit_without(pool, run.source_key, constants) if hopper else constants
+        row = validate_h100([run], fit or constants)[0]
+        out.append(row if fit else dataclasses.replace(row, predicted=math.nan))
     return out
 
 
 @lru_cache(maxsize=64)
-def _fit_without(pool: frozenset[H100Run], key: str, constants: PerfConstants) -> PerfConstants:
-    """:func:`fit_arch` over the runs of ``pool`` not from source ``key`` (``constants`` if none),
-    in a fixed order."""
+def _fit_without(pool: frozenset[H100Run], key: str, constants: PerfConstants) -> PerfConstants | None:
+    """:func:`fit_arch` over the runs of ``pool`` not from source ``key``, in a fixed order; None
+    if there are none."""
     train = sorted((r for r in pool if r.source_key != key), key=lambda r: (r.source, r.name, r.step_time))
-    return fit_arch(train, constants)[0] if train else constants
+    return fit_arch(train, constants)[0] if train else None
 
 
 def loso_a100(runs: list[PublishedRun], constants: PerfConstants = DEFAULT_CONSTANTS) -> list[ValidationRow]:
     """:func:`validate` with each source's runs timed by :func:`fit_constants` over the other
-    sources' runs, leave-one-source-out (the memory rows fit nothing); rows in :func:`validate`'s order."""
+    sources' runs, leave-one-source-out (the memory rows fit nothing; NaN with a single source); rows in
+    :func:`validate`'s order."""
     fits = {}
     for key in dict.fromkeys(run.source for run in runs):
         train = [r for r in runs if r.source != key]
-        fits[key] = fit_constants(train, constants)[0] if train else constants
-    return validate(runs, constants, lambda run: fits[run.source])
+        fits[key] = fit_constants(train, constants)[0] if train else None
+    rows = validate(runs, constants, lambda run: fits[run.source] or constants)
+    if all(fits.values()):
+        return rows
+    return [dataclasses.replace(r, predicted=math.nan) if r.metric in (TFLOPS, ITER_TIME) else r for r in rows]
 
 
 def fit_check(runs: list[PublishedRun]) -> list[tuple[str, str, float, float]]:
@@ -300,7 +307,7 @@ def summarize(rows: list[ValidationRow]) -> dict[str, tuple[int, float, float]]:
     """Per metric: (rows, mean absolute error, max absolute error), errors as fractions."""
     out = {}
     for metric in METRICS:
-        errors = [abs(r.error) for r in rows if r.metric == metric]
+        errors = [abs(r.error) for r in rows if r.metric == metric and not math.isnan(r.error)]
         if errors:
             out[metric] = (len(errors), sum(errors) / len(errors), max(errors))
     return out
@@ -320,7 +327,8 @@ def format_validation_table(rows: list[ValidationRow], loso: list[ValidationRow]
     for i in sorted(range(len(rows)), key=lambda i: METRICS.index(rows[i].metric)):
         r = rows[i]
         line = f"| {r.name} | {r.layout} | {r.metric} | {r.reported:.2f} | {r.predicted:.2f} | {100 * r.error:+.1f}% |"
-        lines.append(line + (f" {100 * loso[i].error:+.1f}% |" if loso else ""))
+        held_out = "n/a" if loso and math.isnan(loso[i].error) else f"{100 * loso[i].error:+.1f}%" if loso else ""
+        lines.append(line + (f" {held_out} |" if loso else ""))
     held = summarize(loso) if loso else {}
     extra = " mean, its source left out | max, its source left out |" if loso else ""
     lines += [

@@ -108,14 +108,20 @@ def load_published_runs(path: str | Path) -> list[PublishedRun]:
                 precision=_precision(r["precision"]),
             )
             notes = r["notes"]
+            gpu = r["gpu_type"].lower()
+            if gpu not in CATALOG:
+                raise ValueError(f"{path}: unknown gpu_type {gpu!r}; known: {', '.join(sorted(CATALOG))}")
+            tflops = _float(r["reported_tflops_per_gpu"])
+            if tflops is not None and not tflops > 0:
+                raise ValueError(f"{path}: reported_tflops_per_gpu={tflops} must be a positive number")
             runs.append(
                 PublishedRun(
                     source=r["source"].split(" (")[0],
                     name=r["model"],
                     model=model,
                     layout=layout,
-                    gpu=r["gpu_type"].lower(),
-                    reported_tflops=_float(r["reported_tflops_per_gpu"]),
+                    gpu=gpu,
+                    reported_tflops=tflops,
                     reported_iteration_time=_search(r"iteration time ([0-9.]+) s", notes),
                     reported_params_opt_gib=_search(r"params\+opt ([0-9.]+)", notes),
                     reported_act_none_gib=_search(r"act ([0-9.]+) none", notes),
@@ -275,8 +281,8 @@ def _layout(r: dict) -> Candidate:
 def load_h100_runs(path: str | Path) -> list[H100Run]:
     """Parse ``published_runs_h100.csv``; checks that ``gpus`` equals the layout's GPU count.
 
-    Raises KeyError for a missing column, ValueError for a bad number, unit, convention or a
-    ``gpus`` column that disagrees with ``tp * cp * pp * dp``.
+    Raises KeyError for a missing column, ValueError for a bad or non-positive number, an unknown
+    GPU, unit or convention, or a ``gpus`` column that disagrees with ``tp * cp * pp * dp``.
     """
     runs = []
     with open(path, newline="", encoding="utf-8") as f:
@@ -284,7 +290,11 @@ def load_h100_runs(path: str | Path) -> list[H100Run]:
             model, layout, gpu = _model(r), _layout(r), r["gpu_type"].strip().lower()
             if layout.num_gpus != int(r["gpus"]):
                 raise ValueError(f"{path}:{line}: gpus={r['gpus']} but tp*cp*pp*dp = {layout.num_gpus}")
+            if gpu not in CATALOG:
+                raise ValueError(f"{path}:{line}: unknown gpu_type {gpu!r}; known: {', '.join(sorted(CATALOG))}")
             reported, unit, convention = float(r["reported"]), r["reported_unit"].strip(), r["flop_convention"].strip()
+            if not reported > 0:
+                raise ValueError(f"{path}:{line}: reported={r['reported']} must be a positive number")
             runs.append(
                 H100Run(
                     name=r["model"],
