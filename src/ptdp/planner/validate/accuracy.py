@@ -193,6 +193,21 @@ def run_constants(run: H100Run, constants: PerfConstants = DEFAULT_CONSTANTS) ->
     return c.with_overlap(overlap_grad_reduce=run.dp_overlap, tp_comm_overlap=run.tp_overlap, pp_overlap=run.pp_overlap)
 
 
+def h100_name(run: H100Run) -> str:
+    """``Llama 3 8B (8 GPUs)``, the GPU named where it is not the H100 SXM: ``(8 x a100-80gb)``."""
+    gpus = run.layout.num_gpus
+    return f"{run.name} ({gpus} GPUs)" if run.gpu in ("h100-sxm", "h100") else f"{run.name} ({gpus} x {run.gpu})"
+
+
+def h100_label(run: H100Run) -> str:
+    """:func:`layout_label` with ``c{cp}`` and, where the run overlapped its TP communication, ``tpo``."""
+    return (
+        layout_label(run.layout)
+        + (f" c{run.layout.cp}" if run.layout.cp > 1 else "")
+        + (" tpo" if run.tp_overlap else "")
+    )
+
+
 def validate_h100(runs: list[H100Run], constants: PerfConstants = DEFAULT_CONSTANTS) -> list[ValidationRow]:
     """One row per run: the step time its source implies (its FLOP convention,
     :func:`ptdp.planner.validate.published.reported_step_time`) next to the planner's, at the run's exact
@@ -203,11 +218,9 @@ def validate_h100(runs: list[H100Run], constants: PerfConstants = DEFAULT_CONSTA
     for run in runs:
         c = run_constants(run, constants)
         perf = evaluate_performance(run.model, run.layout, Cluster(CATALOG[run.gpu], run.layout.num_gpus), c)
-        label = layout_label(run.layout) + (f" c{run.layout.cp}" if run.layout.cp > 1 else "")
+        label = h100_label(run)
         metric = H100_STEP_FP8 if run.layout.precision == "fp8" else H100_STEP if run.layout.cp == 1 else H100_STEP_CP
-        out.append(
-            ValidationRow(f"{run.name} ({run.layout.num_gpus} GPUs)", label, metric, run.step_time, perf.step_time)
-        )
+        out.append(ValidationRow(h100_name(run), label, metric, run.step_time, perf.step_time))
     return out
 
 
@@ -356,8 +369,7 @@ def h100_fit_check(runs: list[H100Run]) -> list[tuple[str, str, float, float]]:
     for run in runs:
         gpu = CATALOG[run.gpu]
         mem = memory_breakdown(run.model, run.layout, gpu)
-        label = layout_label(run.layout) + (f" c{run.layout.cp}" if run.layout.cp > 1 else "")
-        out.append((f"{run.name} ({run.layout.num_gpus} GPUs)", label, mem.total / GiB, gpu.memory_bytes / GiB))
+        out.append((h100_name(run), h100_label(run), mem.total / GiB, gpu.memory_bytes / GiB))
     return out
 
 
