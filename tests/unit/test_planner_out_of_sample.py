@@ -5,6 +5,7 @@ over its GPU's memory is flagged and counted."""
 from __future__ import annotations
 
 import csv
+import json
 import re
 from pathlib import Path
 
@@ -128,3 +129,12 @@ def test_each_table_has_its_own_block_under_one_heading(tmp_path):
     text = doc.read_text(encoding="utf-8")
     assert text.count("## Planner validation against published runs") == 1
     assert "<!-- begin: ptdp plan --validate -->" in text and "<!-- begin: ptdp plan --validate part.csv -->" in text
+
+
+def test_one_virtual_stage_is_no_interleaving_and_takes_a_layer_split(capsys):
+    args = ["plan", "--model", "llama3-405b", "--gpus", "2048", "--gpu", "h100-sxm", "--tp", "8", "--pp", "16"]
+    split = ["--pipeline-layer-split", "7," + "8," * 14 + "7", "--global-batch-size", "2048", "--json"]
+    assert main([*args, "--virtual-pipeline-stages", "1", *split]) == 0
+    assert {plan["virtual_stages"] for plan in json.loads(capsys.readouterr().out)} == {1}
+    assert main([*args, "--virtual-pipeline-stages", "2", *split]) == 2
+    assert "cannot be combined with virtual pipeline stages" in capsys.readouterr().err
