@@ -11,6 +11,7 @@ import argparse
 from ptdp.config.flags import add_flags
 from ptdp.errors import ConfigError
 from ptdp.planner.candidate import PRECISION_OF_DTYPE
+from ptdp.planner.inputs.hardware import CATALOG
 
 #: ptdp train's --params-dtype as the planner's precision (float64 is not planned; auto is what
 #: ptdp train picks on GPUs, which the planner plans for)
@@ -90,7 +91,11 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("cluster")
     g.add_argument("--gpus", type=int, required=False, help="number of GPUs (required unless --validate)")
     g.add_argument("--gpus-per-node", type=int, help="default: the GPU's usual node size (8)")
-    g.add_argument("--gpu", default="a100-80gb", help="GPU name from the catalog (default: %(default)s)")
+    g.add_argument(
+        "--gpu",
+        default="a100-80gb",
+        help=f"GPU name from the catalog: {', '.join(sorted(CATALOG))} (default: %(default)s)",
+    )
     g.add_argument(
         "--gpu-catalog", metavar="FILE", help="TOML/JSON file with more GPUs (see planner/inputs/hardware.py)"
     )
