@@ -48,7 +48,7 @@ def validation_markdown(csv: str | Path, pool: list[H100Run] | None = None) -> s
     else:
         published = load_published_runs(csv)
         table, checks = format_validation_table(validate(published), loso_a100(published)), fit_check(published)
-    over = [(name, label, total, cap) for name, label, total, cap in checks if total > cap]
+    over = sum(total > cap for _, _, total, cap in checks)
     lines = [
         table,
         "",
@@ -61,7 +61,7 @@ def validation_markdown(csv: str | Path, pool: list[H100Run] | None = None) -> s
         f"| {name} | {label} | {total:.1f} | {cap:.1f} | {'yes' if total <= cap else f'**no**, {total - cap:.1f} GiB over'} |"
         for name, label, total, cap in checks
     ]
-    lines += ["", f"{len(over)} of {len(checks)} published layouts predicted over their GPU's memory."]
+    lines += ["", f"{over} of {len(checks)} published layouts predicted over their GPU's memory."]
     return "\n".join(lines)
 
 

@@ -70,9 +70,7 @@ def check_request(
     split = fixed.pipeline_layer_split
     if split is not None and fixed.pp is not None and fixed.pp != len(split):
         errors.append(f"--pipeline-layer-split {','.join(map(str, split))} has {len(split)} stages but --pp {fixed.pp}")
-    if split is not None and (
-        (fixed.virtual_pipeline_model_parallel_size or 1) > 1 or fixed.num_layers_per_virtual_pipeline_stage
-    ):
+    if split is not None and fixed.interleaved:
         errors.append(
             "--pipeline-layer-split cannot be combined with virtual pipeline stages (--virtual-pipeline-stages, "
             "--num-layers-per-virtual-pipeline-stage)"
@@ -113,7 +111,7 @@ def check_stage_layers(num_layers: int, fixed: Fixed) -> None:
     given = " / ".join(
         f"decoder_{k}_pipeline_num_layers={n}" for k, n in (("first", first), ("last", last)) if n is not None
     )
-    if (fixed.virtual_pipeline_model_parallel_size or 1) > 1 or fixed.num_layers_per_virtual_pipeline_stage:
+    if fixed.interleaved:
         raise ConfigError(
             f"invalid plan request:\n  {given} cannot be combined with virtual pipeline stages (ptdp's "
             f"interleaved schedule gives every model chunk num_layers / (pp * v) layers)"

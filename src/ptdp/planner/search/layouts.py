@@ -97,6 +97,12 @@ class Fixed:
         return "optim" if self.use_distributed_optimizer else "no_shard"
 
     @property
+    def interleaved(self) -> bool:
+        """Model chunks are asked for: layers per chunk, or v > 1 (as :attr:`ParallelConfig.interleaved
+        <ptdp.config.parallel.ParallelConfig.interleaved>`)."""
+        return bool(self.num_layers_per_virtual_pipeline_stage) or (self.virtual_pipeline_model_parallel_size or 1) > 1
+
+    @property
     def accounting(self) -> tuple[bool, bool] | None:
         """(embedding, loss) counted as layers of the split: with one True only such splits are
         planned (v = 1 and interleaved); both False: none of them; None (neither given): searched."""

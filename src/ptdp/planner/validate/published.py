@@ -33,7 +33,7 @@ from pathlib import Path
 from ptdp.config.model import ModelConfig
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate
-from ptdp.planner.inputs.hardware import CATALOG
+from ptdp.planner.inputs.hardware import CATALOG, UnknownGPUError, get_gpu
 from ptdp.planner.inputs.models import gpt, llama
 from ptdp.planner.memory.params import stage_param_counts
 
@@ -80,13 +80,24 @@ def _precision(text: str) -> str:
     return "bf16" if text.startswith("bf16") else "fp16" if "16" in text else "fp32"
 
 
+def _catalog_gpu(text: str, where: str) -> str:
+    """The catalog key of a row's ``gpu_type`` (:func:`~ptdp.planner.inputs.hardware.get_gpu`'s
+    check); ValueError naming ``where`` if unknown."""
+    key = text.strip().lower()
+    try:
+        get_gpu(key)
+    except UnknownGPUError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return key
+
+
 def load_published_runs(path: str | Path) -> list[PublishedRun]:
     """Parse the CSV: model shape, layout (tp, pp, dp, vpp, micro/global batch, sp, recompute),
     GPU, and reported TFLOP/s, iteration time (notes: "iteration time X s") and Figure 1 memory
     (notes: "params+opt X; act Y none / Z seq+sel")."""
     runs = []
     with open(path, newline="", encoding="utf-8") as f:
-        for r in csv.DictReader(f):
+        for line, r in enumerate(csv.DictReader(f), start=2):
             ffn = int(r["ffn_hidden"]) if r["ffn_hidden"].strip() else None
             model = gpt(
                 int(r["layers"]),
@@ -108,12 +119,10 @@ def load_published_runs(path: str | Path) -> list[PublishedRun]:
                 precision=_precision(r["precision"]),
             )
             notes = r["notes"]
-            gpu = r["gpu_type"].lower()
-            if gpu not in CATALOG:
-                raise ValueError(f"{path}: unknown gpu_type {gpu!r}; known: {', '.join(sorted(CATALOG))}")
+            gpu = _catalog_gpu(r["gpu_type"], f"{path}:{line}")
             tflops = _float(r["reported_tflops_per_gpu"])
             if tflops is not None and not tflops > 0:
-                raise ValueError(f"{path}: reported_tflops_per_gpu={tflops} must be a positive number")
+                raise ValueError(f"{path}:{line}: reported_tflops_per_gpu={tflops} must be a positive number")
             runs.append(
                 PublishedRun(
                     source=r["source"].split(" (")[0],
@@ -287,11 +296,9 @@ def load_h100_runs(path: str | Path) -> list[H100Run]:
     runs = []
     with open(path, newline="", encoding="utf-8") as f:
         for line, r in enumerate(csv.DictReader(f), start=2):
-            model, layout, gpu = _model(r), _layout(r), r["gpu_type"].strip().lower()
+            model, layout, gpu = _model(r), _layout(r), _catalog_gpu(r["gpu_type"], f"{path}:{line}")
             if layout.num_gpus != int(r["gpus"]):
                 raise ValueError(f"{path}:{line}: gpus={r['gpus']} but tp*cp*pp*dp = {layout.num_gpus}")
-            if gpu not in CATALOG:
-                raise ValueError(f"{path}:{line}: unknown gpu_type {gpu!r}; known: {', '.join(sorted(CATALOG))}")
             reported, unit, convention = float(r["reported"]), r["reported_unit"].strip(), r["flop_convention"].strip()
             if not reported > 0:
                 raise ValueError(f"{path}:{line}: reported={r['reported']} must be a positive number")
