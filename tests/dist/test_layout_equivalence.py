@@ -97,6 +97,19 @@ def test_distributed_optimizer_bf16_tracks_single_process(layout):
     full_parameters(results, "dp_distopt_bf16")  # replicas and tied copies bitwise equal
 
 
+@pytest.mark.parametrize("layout", sorted(DP_LAYOUTS), ids=lambda l: "tp{}pp{}dp{}".format(*l))
+def test_bf16_gradient_reduction_tracks_single_process(layout):
+    """--grad-reduce-in-bf16: gradients accumulated and reduced in bf16 round differently per
+    layout; losses agree to bf16 precision with the single process's, replicas stay bitwise equal."""
+    ref = reference("dp_bf16_grads")
+    results = parallel_run(*layout)
+    for res in results:
+        torch.testing.assert_close(
+            torch.tensor(res["dp_bf16_grads"]["losses"]), torch.tensor(ref["losses"]), rtol=1e-2, atol=0
+        )
+    full_parameters(results, "dp_bf16_grads")
+
+
 @pytest.mark.parametrize("layout", sorted(SP_LAYOUTS), ids=lambda l: "tp{}pp{}dp{}".format(*l))
 def test_sequence_parallel_matches_single_process(layout):
     """Sequence parallelism (Korthikanti et al. 2022, §4.2.2): the GPT, (tp = 2) the Llama-like

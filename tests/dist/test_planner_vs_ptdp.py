@@ -73,6 +73,20 @@ def test_distributed_optimizer_state_is_one_dp_th(layout):
         assert 0 <= pad < 4 * dp  # a few buckets, each padded to a multiple of dp
 
 
+@pytest.mark.parametrize("layout", [(1, 1, 4), (2, 2, 2)], ids=lambda l: "tp{}pp{}dp{}".format(*l))
+def test_bf16_gradient_buffer_is_half_the_float32_one_as_planned(layout):
+    """--grad-reduce-in-bf16: the gradient buffer holds 2 bytes per element (parameters and bucket
+    padding), equal to the planner's bytes on every rank."""
+    results = parallel_run(*layout)
+    check = compare(
+        variant_config("dp_bf16_grads", *layout), [r["dp_bf16_grads"]["measured"] for r in results], None, None
+    )
+    assert check["bytes_exact_on_every_rank"], check["ranks"]
+    for row in check["ranks"]:
+        n, pad = row["predicted"]["numel"], row["padding_elements"]
+        assert row["measured"]["grads"] == 2 * (n + pad) and row["measured"]["params"] == 2 * n
+
+
 def test_calibration_run_writes_a_usable_profile(tmp_path):
     """``ptdp plan --calibrate``'s workers (4: tp=2 pp=2) measure and write a profile that loads,
     records the shared cores and fits non-negative overheads and a pipeline link. Run as a process

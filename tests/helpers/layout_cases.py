@@ -193,6 +193,19 @@ VARIANTS = {
         {"overlap_grad_reduce": True, "ddp_bucket_size": 5000},
     ),
     "dp_distopt_bf16": ("bfloat16", {}, {}, {}, {"use_distributed_optimizer": True, "ddp_bucket_size": 901}),
+    # --grad-reduce-in-bf16: bf16 gradient buckets reduced during backward, the distributed optimizer
+    "dp_bf16_grads": (
+        "bfloat16",
+        {},
+        {},
+        {},
+        {
+            "grad_reduce_in_bf16": True,
+            "use_distributed_optimizer": True,
+            "overlap_grad_reduce": True,
+            "ddp_bucket_size": 901,
+        },
+    ),
     # Llama-like: RMSNorm, SwiGLU, rotary positions, 2 query groups of 2 heads, no linear biases,
     # untied output layer; at tp = 4 (2 groups cannot be split over 4 ranks) 8 heads in 4 groups
     "llama": ("float64", LLAMA_OPTIONS, {}, {}),
@@ -278,7 +291,7 @@ def parallel_run(tp: int, pp: int, dp: int) -> list[dict]:
     if (tp, pp, dp) in SCHEDULE_LAYOUTS:
         variants += SCHEDULE_VARIANTS
     if (tp, pp, dp) in DP_LAYOUTS:
-        variants += DP_VARIANTS + ["dp_distopt_bf16"]
+        variants += DP_VARIANTS + ["dp_distopt_bf16", "dp_bf16_grads"]
     if (tp, pp, dp) in SP_LAYOUTS:
         variants = (variants if (tp, pp, dp) in LAYOUTS else []) + sp_variants(tp, dp)
     variants += PAD_RANK_VARIANTS.get((tp, pp, dp), [])

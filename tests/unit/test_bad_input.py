@@ -445,6 +445,11 @@ def test_unknown_gpu_lists_the_known_ones(capsys):
     [
         (["--gpus", "0"], "ptdp plan: error: num_gpus=0 must be >= 1\n"),
         (["--gpus", "8", "--gpu", "v100-32gb", "--bf16"], "v100-32gb has no peak FLOP/s for bf16; known: fp16, fp32\n"),
+        (
+            ["--gpus", "8", "--fp32", "--grad-reduce-in-bf16"],
+            "--grad-reduce-in-bf16 needs bf16 parameters (--bf16, or --fp8 with bf16 weights), not fp32: a bf16 "
+            "gradient buffer holds the gradients of bf16 parameters\n",
+        ),
     ],
 )
 def test_a_bad_cluster_names_only_what_is_wrong(capsys, argv, message):

@@ -105,3 +105,15 @@ def test_data_parallel_config_rules():
         resolve(Config(parallel=ParallelConfig(2, 2, overlap_param_gather=True), **base), 8)
     with pytest.raises(ValueError, match="ddp_bucket_size=0 must be a positive integer"):
         resolve(Config(parallel=ParallelConfig(2, 2, ddp_bucket_size=0), **base), 8)
+    bf16 = dict(model=ModelConfig(params_dtype="bfloat16"), train=TrainConfig())
+    assert resolve(
+        Config(parallel=ParallelConfig(2, 2, grad_reduce_in_bf16=True), **bf16), 8
+    ).parallel.grad_reduce_in_bf16
+    with pytest.raises(
+        ValueError, match="grad_reduce_in_bf16 \\(--grad-reduce-in-bf16\\) needs params_dtype=bfloat16, not float32"
+    ):
+        resolve(Config(parallel=ParallelConfig(2, 2, grad_reduce_in_bf16=True), **base), 8)
+    with pytest.raises(
+        ValueError, match="grad_reduce_in_bf16 reduces in bf16 already: grad_compression=fp16 must be none"
+    ):
+        resolve(Config(parallel=ParallelConfig(2, 2, grad_reduce_in_bf16=True, grad_compression="fp16"), **bf16), 8)

@@ -172,3 +172,38 @@ def test_main_parameters_are_one_flat_float32_tensor_laid_out_like_the_gradient_
         assert main.untyped_storage().data_ptr() == opt.main_data.untyped_storage().data_ptr()
         assert main.storage_offset() == buf.grad(p).storage_offset() and main.grad is buf.grad(p)
         assert torch.equal(main.to(torch.bfloat16), p)
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["main_params", "distributed"])
+def test_bf16_gradient_buffer_steps_exactly_like_float32_with_the_same_values(shard):
+    """--grad-reduce-in-bf16: a bf16 ``main_grad`` buffer; the step converts it to float32. Given
+    gradients that bf16 holds exactly, the update, the norm and the clipped gradients equal those
+    of a float32 buffer holding the same values, bit for bit, and no float32 gradient outlives the step."""
+    from ptdp.engine.data_parallel.grads import global_grad_norm
+
+    single = ParallelGroups.single_process()
+    values = None
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_model().to(torch.bfloat16)
+        buf = GradBuffer([list(model.parameters())], dp=single.dp, grad_dtype=dtype, main_grad=True, shard=shard)
+        assert buf.uses_main_grad and buf.data.dtype == dtype
+        if values is None:
+            values = torch.randn(buf.data.numel(), generator=torch.Generator().manual_seed(3)).bfloat16()
+        buf.data.copy_(values)
+        buf.finish()
+        opt = build_optimizer(model, TrainConfig(weight_decay=0.1, clip_grad=0.5), buf)
+        norm = global_grad_norm(model, buf, single)
+        clip_grad_norm(model, buf, single, 0.5)
+        for _ in range(2):
+            opt.step()
+        mains = [m for _, m in opt.pairs]
+        assert all(m.grad is None for m in mains) if dtype == torch.bfloat16 else True
+        results[dtype] = (norm, [p.detach().clone() for p in model.parameters()], [m.detach().clone() for m in mains])
+    (n32, p32, m32), (n16, p16, m16) = results[torch.float32], results[torch.bfloat16]
+    torch.testing.assert_close(n16, n32, rtol=1e-6, atol=0)  # float32 norms of the same values, summed in float64
+    assert len(m16) == len(m32) > 0
+    for a, b in zip(m16, m32):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(p16, p32):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

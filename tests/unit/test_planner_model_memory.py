@@ -218,3 +218,28 @@ def test_gpipe_holds_more_than_1f1b():
         memory_breakdown(model, layout, A100, schedule="gpipe").activations
         > memory_breakdown(model, layout, A100).activations
     )
+
+
+@pytest.mark.parametrize("sharding", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_bf16_gradients_halve_gradient_bytes_and_count_the_steps_float32_copy(sharding):
+    """--grad-reduce-in-bf16: 2 bytes per gradient under every strategy; the optimizer step's
+    float32 copy of the gradients it applies (all, or the 1/(dp cp) shard) counts where it exceeds
+    the activations (freed by then)."""
+    model = gpt(8, 256, 8, vocab_size=50000, seq_length=512)
+    base = Candidate.of(tp=2, pp=4, dp=2, micro_batch_size=2, global_batch_size=16, sharding=sharding)
+    bf16 = base.replace(grad_reduce_in_bf16=True)
+    assert bf16.bf16_grads and bf16.grad_bytes == 2.0 and base.grad_bytes == 4.0
+    m32, m16 = memory_breakdown(model, base, A100), memory_breakdown(model, bf16, A100)
+    n = stage_param_counts(model, 2, 4)[m16.stage]
+    shard = 1 if sharding == "no_shard" else 2
+    copy = 4.0 * n / shard
+    assert m16.grads == pytest.approx(m32.grads / 2 + max(0.0, copy - m16.activations))
+    assert (m16.params, m16.optimizer, m16.activations) == (m32.params, m32.optimizer, m32.activations)
+    tiny_batch = Candidate.of(tp=2, pp=4, dp=2, micro_batch_size=1, global_batch_size=8, sharding=sharding)
+    tiny = dataclasses.replace(model, seq_length=8)
+    small = memory_breakdown(tiny, tiny_batch.replace(grad_reduce_in_bf16=True), A100)
+    n = stage_param_counts(tiny, 2, 4)[small.stage]
+    assert small.activations < 4.0 * n / shard  # the copy is the peak
+    without_copy = memory_breakdown(tiny, tiny_batch, A100).grads / 2
+    # (the bf16 plan's most loaded stage can be another one: a few kB apart)
+    assert small.grads - without_copy == pytest.approx(4.0 * n / shard - small.activations, rel=1e-3)

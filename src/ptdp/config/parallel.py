@@ -214,6 +214,20 @@ class ParallelConfig:
     as all its gradients are ready (on by default: the reductions then hide behind the rest of
     backward; the result is the same either way). The tied embedding's bucket always waits for
     the sum over the first and last stage; unused parameters' buckets start after backward."""
+    grad_reduce_in_bf16: bool = opt(
+        False,
+        "--grad-reduce-in-bf16",
+        "keep the gradient buffer in bf16 and reduce it over dp in bf16 (Megatron-LM's flag; needs "
+        "bf16 parameters): 2 bytes per gradient instead of 4, half the reduction traffic; the optimizer "
+        "still updates fp32 main parameters from an fp32 copy made at its step",
+        "dp",
+        plan=True,
+        plan_searched=False,
+    )
+    """bfloat16 gradient buffer (``main_grad``), accumulated over microbatches and reduced over
+    dp x cp in bfloat16; the optimizer step converts this rank's reduced gradients (its shard when
+    sharded) to float32 for the main parameters (a transient of 4 bytes per element). Megatron-LM's
+    ``--grad-reduce-in-bf16`` (``DistributedDataParallelConfig.grad_reduce_in_fp32=False``)."""
     grad_compression: Literal["none", "fp16", "bf16", "1bit"] = opt(
         "none",
         "--grad-compression",

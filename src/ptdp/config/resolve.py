@@ -17,7 +17,12 @@ from ptdp.config.rules.axes import (
     context_parallel_violations,
     sequence_parallel_violations,
 )
-from ptdp.config.rules.dp_sharding import data_parallel_violations, sharded_params_violations, sharding_violations
+from ptdp.config.rules.dp_sharding import (
+    data_parallel_violations,
+    grad_reduce_violations,
+    sharded_params_violations,
+    sharding_violations,
+)
 from ptdp.config.rules.layout import layout_violations, schedule_violations
 from ptdp.config.rules.run_options import checkpoint_violations, launch_violations, profile_violations, train_violations
 from ptdp.config.rules.shape import llama_option_violations, model_option_violations, recompute_violations
@@ -67,7 +72,7 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
     split = None if errors else p.pipeline_split(m.num_layers)
     errors += recompute_violations(m, None if split is None else split.chunk_layers)
     errors += sequence_parallel_violations(m, p.tp, p.sequence_parallel)
-    errors += data_parallel_violations(p)
+    errors += data_parallel_violations(p) + grad_reduce_violations(p, m.params_dtype)
     errors += context_parallel_violations(m.seq_length, p.context_parallel_size)
     errors += context_parallel_model_violations(m, p.context_parallel_size, p.tp, p.sequence_parallel)
     errors += sharding_violations(p) + sharded_params_violations(p)

@@ -149,7 +149,9 @@ def _data_parallel(
         [list(chunk.parameters()) for chunk in chunks],
         dp=groups.dp_cp,
         average_over=groups.dp.size,
-        grad_dtype=torch.float32 if low_precision else None,
+        # float32 main gradients for 16-bit parameters; bfloat16 ones with --grad-reduce-in-bf16
+        grad_dtype=torch.bfloat16 if p.grad_reduce_in_bf16 else torch.float32 if low_precision else None,
+        main_grad=low_precision,
         bucket_size=p.ddp_bucket_size,
         overlap=p.overlap_grad_reduce,
         codec=p.grad_compression,

@@ -64,6 +64,7 @@ class Candidate:
         overlap_grad_reduce: bool = True,
         reshard_after_forward: bool = True,
         schedule: str | None = None,
+        grad_reduce_in_bf16: bool = False,
     ) -> Candidate:
         """The candidate of these choices (``sharding``: the strategy, else ``optim`` with
         ``distributed_optimizer``, else ``no_shard``; ``layer_split`` at ``virtual_stages`` > 1: the
@@ -87,6 +88,7 @@ class Candidate:
             use_distributed_optimizer=strategy != "no_shard",
             data_parallel_sharding_strategy=strategy,  # type: ignore[arg-type]
             reshard_after_forward=reshard_after_forward,
+            grad_reduce_in_bf16=grad_reduce_in_bf16,
         )
         return cls(parallel, micro_batch_size, global_batch_size, recompute, precision, virtual_stages, layer_split)
 
@@ -111,6 +113,7 @@ class Candidate:
             "ddp_bucket_size": p.ddp_bucket_size,
             "overlap_grad_reduce": p.overlap_grad_reduce,
             "reshard_after_forward": p.reshard_after_forward,
+            "grad_reduce_in_bf16": p.grad_reduce_in_bf16,
         }
 
     def replace(self, **changes: Any) -> Candidate:
@@ -142,6 +145,16 @@ class Candidate:
     @property
     def sharding_strategy(self) -> str:
         return self.parallel.sharding_strategy
+
+    @property
+    def bf16_grads(self) -> bool:
+        """Gradients kept and reduced in bf16 (``--grad-reduce-in-bf16``)."""
+        return self.parallel.grad_reduce_in_bf16
+
+    @property
+    def grad_bytes(self) -> float:
+        """Bytes of one gradient element in the buffer and its data-parallel reduction."""
+        return 2.0 if self.parallel.grad_reduce_in_bf16 else 4.0
 
     @property
     def num_gpus(self) -> int:

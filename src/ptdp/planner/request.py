@@ -251,6 +251,11 @@ def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanR
         raise ConfigError(f"{gpu.name} has no peak FLOP/s for {precision}; known: {', '.join(sorted(gpu.peak_flops))}")
     if getattr(args, "fp8", False):
         precision = fp8_precision(gpu, precision)
+    if fixed.grad_reduce_in_bf16 and precision not in ("bf16", "fp8"):
+        raise ConfigError(
+            f"--grad-reduce-in-bf16 needs bf16 parameters (--bf16, or --fp8 with bf16 weights), "
+            f"not {precision}: a bf16 gradient buffer holds the gradients of bf16 parameters"
+        )
     constants, overlap_notes = overlap_constants(args, constants, fixed)
     notes += overlap_notes
     return PlanRequest(

@@ -69,7 +69,7 @@ def predicted_transients(config: Config, layout: Candidate, pp_rank: int) -> dic
     m = config.model
     layers = config.pipeline.stage_layers[pp_rank]
     params, grads = stage_transients(m, layout, pp_rank, layers, m.make_vocab_size_divisible_by)
-    weight, grad, _ = strategy_bytes_per_param(layout.precision, "no_shard", 1)
+    weight, grad, _ = strategy_bytes_per_param(layout.precision, "no_shard", 1, bf16_grads=layout.bf16_grads)
     return {"params_transient": int(weight * params), "grads_transient": int(grad * grads)}
 
 
@@ -154,7 +154,9 @@ def _rank_row(config: Config, layout, r: dict, n: int) -> dict:
     """One rank's predicted and measured state bytes and transients (``n``: its stage's parameters)."""
     p = config.parallel
     # the run's sharding strategy over the dp x cp ranks holding the same parameters
-    per_param = strategy_bytes_per_param(layout.precision, p.sharding_strategy, p.dp * p.cp)
+    per_param = strategy_bytes_per_param(
+        layout.precision, p.sharding_strategy, p.dp * p.cp, bf16_grads=p.grad_reduce_in_bf16
+    )
     predicted = {"numel": n, "params": n * per_param[0], "grads": n * per_param[1], "optimizer": n * per_param[2]}
     # the sharded strategies pad each bucket to a multiple of dp x cp: the padding elements are
     # the only allowed difference (grads: whole padding, optim_grads its 1/(dp cp) share;

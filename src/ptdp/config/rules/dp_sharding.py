@@ -92,6 +92,30 @@ def data_parallel_violations(p: ParallelConfig) -> list[Violation]:
     return out
 
 
+def grad_reduce_violations(p: ParallelConfig, params_dtype: str) -> list[Violation]:
+    """``grad_reduce_in_bf16`` needs bfloat16 parameters (float32 gradients of float32 or float16
+    parameters stay as they are) and no gradient codec (the reduction is already bf16)."""
+    if not p.grad_reduce_in_bf16:
+        return []
+    out = []
+    if params_dtype != "bfloat16":
+        out.append(
+            V(
+                "data parallel",
+                f"grad_reduce_in_bf16 (--grad-reduce-in-bf16) needs params_dtype=bfloat16, not {params_dtype} "
+                f"(a bf16 gradient buffer holds the gradients of bf16 parameters)",
+            )
+        )
+    if p.grad_compression != "none":
+        out.append(
+            V(
+                "data parallel",
+                f"grad_reduce_in_bf16 reduces in bf16 already: grad_compression={p.grad_compression} must be none",
+            )
+        )
+    return out
+
+
 def _sharding_named(p) -> str:
     """The flag(s) that asked for a sharded data-parallel state, as the user gave them."""
     named = []

@@ -9,7 +9,8 @@ backward (``overlap``; others run under :meth:`GradBuffer.no_sync`), else in :me
 
 ``shard=True`` (ZeRO-1; Rajbhandari et al., arXiv:1910.02054): buckets padded to a multiple of the
 group size, reduce-scattered into :attr:`GradBuffer.shard_grads`; ``shard_grads=True`` (ZeRO-2):
-:mod:`ptdp.engine.data_parallel.sharded_grads`. 16-bit parameters get a float32 ``main_grad``.
+:mod:`ptdp.engine.data_parallel.sharded_grads`. 16-bit parameters get a ``main_grad`` (float32, or
+bfloat16 with ``--grad-reduce-in-bf16``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class GradBuffer(ShardedGradients):
     """Flat gradient buckets for the parameters of each model chunk (``chunk_params[c]``).
 
     ``dp``: the group reduced (and sharded) over, the dp x cp ranks (``ParallelGroups.dp_cp``);
-    ``grad_dtype``: buffer dtype; ``bucket_size``: most elements per bucket; ``codec``: ``none``,
+    ``grad_dtype``: buffer dtype; ``main_grad``: gradients go to ``param.main_grad`` views
+    (default: when ``grad_dtype`` differs from the parameters'); ``bucket_size``: most elements per bucket; ``codec``: ``none``,
     ``fp16``, ``bf16`` or ``1bit`` (:mod:`ptdp.engine.data_parallel.compression`); ``deferred``:
     parameters whose bucket starts late (the tied embedding); ``prescaled``: gradients arrive
     divided by dp, so reductions sum; ``average_over``: the divisor otherwise (default
@@ -45,6 +47,7 @@ class GradBuffer(ShardedGradients):
         *,
         dp: AxisGroup,
         grad_dtype: torch.dtype | None = None,
+        main_grad: bool | None = None,
         bucket_size: int | None = None,
         overlap: bool = False,
         codec: str = "none",
@@ -73,10 +76,15 @@ class GradBuffer(ShardedGradients):
         self.average_over = dp.size if average_over is None else average_over
         self.exact = False
         """Reduce in the buffer's dtype whatever ``codec`` is (compression warmup); set per step."""
+        self.step_scale: torch.Tensor | None = None
+        """Clip coefficient for the float32 copy of a bf16 buffer's gradients at the optimizer step
+        (``--grad-reduce-in-bf16``); reset by :meth:`zero`."""
         self.grad_scale: float | torch.Tensor = 1.0
         """How much the gradients in the buffer are scaled (1/dp when ``prescaled``; with float16
         the loss scale, a 0-dim float32 tensor on the device); set per step."""
-        self.uses_main_grad = grad_dtype is not None and grad_dtype != params[0].dtype
+        self.uses_main_grad = (
+            grad_dtype is not None and grad_dtype != params[0].dtype if main_grad is None else main_grad
+        )
         self.buckets = plan_buckets(
             chunk_params,
             bucket_size or DEFAULT_BUCKET_SIZE,
@@ -270,6 +278,7 @@ class GradBuffer(ShardedGradients):
 
     def zero(self) -> None:
         """Zero the gradients and forget started reductions, before the next step."""
+        self.step_scale = None
         if self.grads_sharded:  # the flat buffer was released by the last flush
             self._shard().zero_()
             for bucket in self.buckets:

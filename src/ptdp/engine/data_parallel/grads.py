@@ -94,9 +94,12 @@ def _sum_of_squares(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups
 
 def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Sum of squares of ``grads`` as a float64 scalar: one norm per tensor (in its dtype, fused
-    over the list), squared and added in float64."""
+    over the list; 16-bit gradients in float32), squared and added in float64."""
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
+    if grads[0].dtype in (torch.bfloat16, torch.float16):
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).double()
+        return norms.pow(2).sum()
     norms = torch.stack(torch._foreach_norm(grads)).double()
     return norms.pow(2).sum()
 
@@ -127,10 +130,16 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 def clip_grads(buffer: GradBuffer, norm: torch.Tensor | float, max_norm: float) -> None:
     """Multiply every reduced gradient by :func:`clip_coefficient` (one kernel over the flat
     buffer or shard; the coefficient never leaves the device). Multiplying by exactly 1 where
-    the norm is within ``max_norm`` leaves the gradients bitwise unchanged."""
+    the norm is within ``max_norm`` leaves the gradients bitwise unchanged. A bf16 buffer
+    (``--grad-reduce-in-bf16``) keeps its values: the coefficient scales the float32 copy the
+    optimizer step makes (:attr:`GradBuffer.step_scale`), as it would scale float32 gradients."""
     if max_norm > 0:
         norm = torch.as_tensor(norm, dtype=torch.float64, device=buffer.data.device)
-        buffer.reduced.mul_(clip_coefficient(norm, max_norm))
+        coefficient = clip_coefficient(norm, max_norm)
+        if buffer.reduced.dtype == torch.bfloat16 and buffer.uses_main_grad:
+            buffer.step_scale = coefficient
+        else:
+            buffer.reduced.mul_(coefficient)
 
 
 def clip_grad_norm(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups, max_norm: float) -> float:

@@ -3,7 +3,9 @@ wrappers, an update skipped on the device, and AdamW on float32 main parameters 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -65,6 +67,8 @@ class MainParamsAdamW:
     the model's parameters, so small updates are not lost (Micikevicius et al., "Mixed Precision
     Training", arXiv:1710.03740, §3.1). The main parameters are views of one flat float32 tensor
     (:attr:`main_data`) laid out like the gradient buffer; 4 bytes per parameter more than AdamW.
+    A bfloat16 buffer (``--grad-reduce-in-bf16``) is copied to float32 for the step and freed after
+    it (a transient of 4 bytes per parameter).
     """
 
     def __init__(self, groups: list[dict], grads: GradBuffer, **adam_kwargs) -> None:
@@ -78,13 +82,14 @@ class MainParamsAdamW:
                 view = self.main_data[grad.storage_offset() : grad.storage_offset() + p.numel()].view_as(p)
                 view.copy_(p.detach())
                 main = nn.Parameter(view)
-                main.grad = grad
+                main.grad = grad if grad.dtype == torch.float32 else None  # else bound at each step
                 self.pairs.append((p, main))
                 mains.append(main)
             main_groups.append({**group, "params": mains})
         self.inner = adamw(main_groups, **adam_kwargs)
         self._model: list[torch.Tensor] = [p for p, _ in self.pairs]
         self._mains: list[torch.Tensor] = [m for _, m in self.pairs]
+        self._grads = grads if grads.data.dtype != torch.float32 else None
 
     @property
     def param_groups(self) -> list[dict]:
@@ -94,8 +99,33 @@ class MainParamsAdamW:
     def step(self, skip: torch.Tensor | None = None) -> None:
         """Update the main parameters (unless ``skip``: :func:`step_unless`), then round them into
         the model's parameters (after a skipped step this rewrites the same values)."""
-        step_unless(self.inner, skip)
+        if self._grads is None:
+            step_unless(self.inner, skip)
+        else:
+            views = [self._grads.grad(p) for p, _ in self.pairs]
+            with float32_grads(self._mains, self._grads.data, views, self._grads.step_scale):
+                step_unless(self.inner, skip)
         torch._foreach_copy_(self._model, self._mains)
+
+
+@contextlib.contextmanager
+def float32_grads(
+    mains: Sequence[torch.Tensor], flat: torch.Tensor, views: list[torch.Tensor], scale: torch.Tensor | None = None
+) -> Iterator[None]:
+    """Give each float32 main parameter, for the block, a float32 gradient: its view (one of
+    ``views``, into the 16-bit ``flat``) in one float32 copy of ``flat`` times ``scale`` (the clip
+    coefficient, if any), freed afterwards."""
+    copy = flat.float()
+    if scale is not None:
+        copy.mul_(scale)
+    for main, view in zip(mains, views):
+        offset = view.storage_offset() - flat.storage_offset()
+        main.grad = copy[offset : offset + main.numel()].view_as(main)
+    try:
+        yield
+    finally:
+        for main in mains:
+            main.grad = None
 
 
 def set_lr(optimizer, lr: float) -> None:

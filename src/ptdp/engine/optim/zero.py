@@ -23,7 +23,7 @@ from torch import nn
 from ptdp.engine.comm import Handle, all_gather_async
 from ptdp.engine.data_parallel.bucket_layout import Segment
 from ptdp.engine.data_parallel.buffer import GradBuffer
-from ptdp.engine.optim.adamw import adamw, step_unless
+from ptdp.engine.optim.adamw import adamw, float32_grads, step_unless
 
 if TYPE_CHECKING:
     from ptdp.engine.data_parallel.units import ParamUnits
@@ -64,7 +64,8 @@ class ShardedAdamW:
         for seg in grads.segments:
             model_view = seg.param.data.view(-1)[seg.lo : seg.hi] if units is None else units.shard_view(seg)
             main = nn.Parameter(model_view.detach().float().clone() if low_precision else model_view)
-            main.grad = shard_grads[seg.shard_offset : seg.shard_offset + (seg.hi - seg.lo)]
+            if shard_grads.dtype == main.dtype:  # else (bf16 gradients) bound at each step
+                main.grad = shard_grads[seg.shard_offset : seg.shard_offset + (seg.hi - seg.lo)]
             if low_precision:
                 self.pairs.append((model_view, main))
             self.segment_mains.append((seg, main))
@@ -78,6 +79,11 @@ class ShardedAdamW:
         self.inner = adamw(groups, **adam_kwargs) if groups else None
         self._model_views = [view for view, _ in self.pairs]
         self._mains: list[torch.Tensor] = [main for _, main in self.pairs]
+        # bf16 gradients (--grad-reduce-in-bf16): float32 copies of the shard at each step
+        self._bf16_grads = shard_grads.dtype != torch.float32 and low_precision
+        self._grad_views = [
+            shard_grads[seg.shard_offset : seg.shard_offset + (seg.hi - seg.lo)] for seg, _ in self.segment_mains
+        ]
         self._shard_ranges = [
             (b.start + rank * (b.numel // dp), b.numel // dp, b.start, b.numel) for b in grads.buckets
         ]
@@ -121,6 +127,19 @@ class ShardedAdamW:
     def state(self):
         return self.inner.state if self.inner is not None else {}
 
+    def _update(self, skip: torch.Tensor | None) -> None:
+        if not self._bf16_grads or not self.segment_mains:
+            step_unless(self.inner, skip)
+            return
+        mains = [main for _, main in self.segment_mains]
+        with float32_grads(mains, self._shard_grads(), self._grad_views, self.grads.step_scale):
+            step_unless(self.inner, skip)
+
+    def _shard_grads(self) -> torch.Tensor:
+        shard = self.grads.shard_grads
+        assert shard is not None  # checked in __init__
+        return shard
+
     @torch.no_grad()
     def step(self, skip: torch.Tensor | None = None) -> None:
         """Update this rank's shard (unless the 0-dim bool tensor ``skip`` is true, decided on the
@@ -128,13 +147,13 @@ class ShardedAdamW:
         from all dp ranks (finished here, or with ``overlap_with`` during the next forward). With
         ``units`` the shard is the parameters: no all-gather, the gathered copies are freed."""
         if self.units is not None:
-            step_unless(self.inner, skip)
+            self._update(skip)
             if self._mains:
                 torch._foreach_copy_(self._model_views, self._mains)
             self.units.invalidate()
             return
         self.wait_for_params()  # a bucket no forward used (no parameter ran) is still in flight
-        step_unless(self.inner, skip)
+        self._update(skip)
         if self._mains:
             torch._foreach_copy_(self._model_views, self._mains)
         data = self._param_data

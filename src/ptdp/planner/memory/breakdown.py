@@ -52,6 +52,16 @@ def _candidate_stages(
     return candidates
 
 
+def _step_copy_beyond_activations(layout: Candidate, n_params: int, activations: float) -> float:
+    """With bf16 gradients (``--grad-reduce-in-bf16``) the optimizer step makes a float32 copy of the
+    gradients it applies (all ``n_params``, or the ``1/(dp cp)`` shard when sharded; Megatron-LM's
+    optimizers do the same): bytes by which it exceeds the activations, freed before the step."""
+    if not layout.bf16_grads:
+        return 0.0
+    sharded = layout.sharding_strategy != "no_shard"
+    return max(0.0, 4.0 * n_params / (layout.shard_size if sharded else 1) - activations)
+
+
 def memory_breakdown(
     model: ModelConfig,
     layout: Candidate,
@@ -65,7 +75,8 @@ def memory_breakdown(
     """Bytes on the most loaded GPU: the pipeline stage with the largest total (``stage``).
 
     params/grads/optimizer: the stage's parameters under the sharding strategy over ``dp * cp`` ranks,
-    transients and FP8 weight copies included (:func:`rank_state_bytes`); activations:
+    transients and FP8 weight copies included (:func:`rank_state_bytes`; grads: with bf16 gradients
+    also the step's float32 copy beyond the activations); activations:
     :func:`rank_activation_bytes` (one cp rank); overhead: ``overhead_bytes``. ``gpu`` does not change
     the bytes; the check ``total <= gpu.memory_bytes`` is the caller's. ``schedule``: "1f1b" or "gpipe".
     Only the first, the last and one middle stage per distinct layer count can be the maximum.
@@ -73,7 +84,9 @@ def memory_breakdown(
     layer_split = layer_split if layer_split is not None else layout.layer_split
     candidates = _candidate_stages(model, layout, layer_split, make_vocab_size_divisible_by)
     rows = []
-    per_param = strategy_bytes_per_param(layout.precision, layout.sharding_strategy, layout.shard_size)
+    per_param = strategy_bytes_per_param(
+        layout.precision, layout.sharding_strategy, layout.shard_size, bf16_grads=layout.bf16_grads
+    )
     per_param_total = sum(per_param)
     transients = layout.shard_size > 1 and layout.sharding_strategy in ("optim_grads", "optim_grads_params")
     for rank, n_params, n_layers in candidates:
@@ -87,14 +100,15 @@ def memory_breakdown(
             else None
         )
         state = sum(parts) if parts is not None else n_params * per_param_total
-        rows.append((state + fp8_copies + act, rank, n_params, n_layers, act, fp8_copies, parts))
-    _, rank, n_params, n_layers, act, fp8_copies, parts = max(rows, key=lambda row: row[0])  # the first largest
+        copy = _step_copy_beyond_activations(layout, n_params, act)
+        rows.append((state + fp8_copies + act + copy, rank, n_params, n_layers, act, fp8_copies, parts, copy))
+    _, rank, n_params, n_layers, act, fp8_copies, parts, copy = max(rows, key=lambda row: row[0])  # the first largest
     params, grads, optimizer = parts or rank_state_bytes(
         model, layout, n_params, n_layers, per_param, stage=rank, divisible_by=make_vocab_size_divisible_by
     )
     return MemoryBreakdown(
         params=params + fp8_copies,
-        grads=grads,
+        grads=grads + copy,
         optimizer=optimizer,
         activations=act,
         overhead=float(overhead_bytes),

@@ -2,8 +2,9 @@
 ``--data-parallel-sharding-strategy``; ZeRO stages 0-3, Rajbhandari et al., SC20, arXiv:1910.02054,
 §5 and Table 1).
 
-Over ``d = dp * cp`` ranks, with 16-bit weights ``w = 2``, fp32 main gradients ``g = 4`` and optimizer
-state ``k = 12`` (fp32 training: ``w = 4, g = 4, k = 8``), bytes per parameter::
+Over ``d = dp * cp`` ranks, with 16-bit weights ``w = 2``, fp32 main gradients ``g = 4`` (``g = 2``
+with ``--grad-reduce-in-bf16``) and optimizer state ``k = 12`` (fp32 training: ``w = 4, g = 4,
+k = 8``), bytes per parameter::
 
     no_shard            w     + g     + k
     optim               w     + g     + k / d     (ZeRO-1, the distributed optimizer)
@@ -29,13 +30,22 @@ def check_strategy(strategy: str) -> None:
         raise ValueError(f"sharding={strategy!r} must be one of {SHARDING_STRATEGIES}")
 
 
-def strategy_bytes_per_param(precision: str, strategy: str, shard: int) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes per parameter kept by one rank under ``strategy`` with
-    ``shard = dp * cp`` ranks (the module docstring's table, transients excluded)."""
-    check_strategy(strategy)
+def state_bytes(precision: str, bf16_grads: bool = False) -> tuple[float, float, float]:
+    """(w, g, k) of the module docstring for ``precision`` (ValueError for another), ``g = 2`` with
+    ``bf16_grads`` (``--grad-reduce-in-bf16``)."""
     if precision not in _BYTES:
         raise ValueError(f"precision={precision!r} must be one of {tuple(_BYTES)}")
     w, g, k = _BYTES[precision]
+    return w, 2.0 if bf16_grads else g, k
+
+
+def strategy_bytes_per_param(
+    precision: str, strategy: str, shard: int, *, bf16_grads: bool = False
+) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per parameter kept by one rank under ``strategy`` with
+    ``shard = dp * cp`` ranks (the module docstring's table, transients excluded)."""
+    check_strategy(strategy)
+    w, g, k = state_bytes(precision, bf16_grads)
     level = SHARDING_STRATEGIES.index(strategy)
     return (w / shard if level >= 3 else w, g / shard if level >= 2 else g, k / shard if level >= 1 else k)
 
@@ -48,14 +58,15 @@ def stage_state_bytes(
     *,
     params_transient: int = 0,
     grads_transient: int = 0,
+    bf16_grads: bool = False,
 ) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes of one rank holding ``n_params`` parameters (one tp rank of one
     stage): the strategy's shares (:func:`strategy_bytes_per_param`) plus, with ``optim_grads`` /
     ``optim_grads_params`` over ``shard > 1`` ranks, ``grads_transient`` bucket elements (``g`` bytes
     each) and ``params_transient`` gathered elements (``w`` bytes each, ``optim_grads_params`` only).
     """
-    pb, gb, ob = strategy_bytes_per_param(precision, strategy, shard)
-    w, g, _ = _BYTES[precision]
+    pb, gb, ob = strategy_bytes_per_param(precision, strategy, shard, bf16_grads=bf16_grads)
+    w, g, _ = state_bytes(precision, bf16_grads)
     params, grads, optimizer = n_params * pb, n_params * gb, n_params * ob
     if shard > 1 and strategy in ("optim_grads", "optim_grads_params"):
         grads += g * grads_transient

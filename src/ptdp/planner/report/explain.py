@@ -74,6 +74,7 @@ def layout_flags(layout: Candidate) -> str:
         words.append(f"--ddp-bucket-size {layout.parallel.ddp_bucket_size}")
     words += [] if layout.parallel.overlap_grad_reduce else ["--no-overlap-grad-reduce"]
     words += [] if layout.parallel.reshard_after_forward else ["--no-reshard-after-forward"]
+    words += ["--grad-reduce-in-bf16"] if layout.bf16_grads else []
     return " ".join(words)
 
 

@@ -71,6 +71,7 @@ class Fixed:
     ddp_bucket_size: int | None = None
     overlap_grad_reduce: bool | None = None
     reshard_after_forward: bool | None = None
+    grad_reduce_in_bf16: bool | None = None
 
     @property
     def tp(self) -> int | None:
@@ -347,6 +348,7 @@ def _search_layout(
                         ddp_bucket_size=fixed.ddp_bucket_size,
                         overlap_grad_reduce=fixed.overlap_grad_reduce is not False,
                         reshard_after_forward=fixed.reshard_after_forward is not False,
+                        grad_reduce_in_bf16=bool(fixed.grad_reduce_in_bf16),
                     )
 
                 plans, rejected = predict_strategies(

@@ -94,7 +94,11 @@ def _no_split_fits(model, layout: Candidate, cluster, overhead) -> bool:
     """True when no split of the layers can fit: the mean stage's state bytes (a lower bound of the
     most loaded stage's, :func:`~ptdp.planner.memory.params.mean_stage_params`; transients, activations
     and FP8 copies left out) and the overhead already exceed the GPU."""
-    per_param = sum(strategy_bytes_per_param(layout.precision, layout.sharding_strategy, layout.shard_size))
+    per_param = sum(
+        strategy_bytes_per_param(
+            layout.precision, layout.sharding_strategy, layout.shard_size, bf16_grads=layout.bf16_grads
+        )
+    )
     floor = mean_stage_params(model, layout.tp, layout.pp) * per_param
     return floor + (DEFAULT_OVERHEAD_BYTES if overhead is None else overhead) > cluster.gpu.memory_bytes
 
@@ -103,12 +107,16 @@ def _sharding_cannot_fit(unsharded: Plan, layout: Candidate, cluster) -> bool:
     """True when ``unsharded`` (the no_shard plan that did not fit) would not fit even with every
     state byte sharded: its most loaded stage's ``n`` parameters (its float32 gradients / 4) keep
     at least ``n (w + g + k) / (dp cp)`` bytes of state under optim_grads_params, besides the
-    same activations and overhead (a lower bound: transients and FP8 copies left out)."""
+    same activations and overhead (a lower bound: transients and FP8 copies left out). With bf16
+    gradients its grads hold at most 6 bytes per parameter (2, and the step's float32 copy)."""
     mem = unsharded.memory
     if mem is None:
         return False
-    n = mem.grads / 4.0
-    floor = sum(strategy_bytes_per_param(layout.precision, "optim_grads_params", layout.shard_size)) * n
+    n = mem.grads / (6.0 if layout.bf16_grads else 4.0)
+    per_param = strategy_bytes_per_param(
+        layout.precision, "optim_grads_params", layout.shard_size, bf16_grads=layout.bf16_grads
+    )
+    floor = sum(per_param) * n
     return mem.activations + mem.overhead + floor > cluster.gpu.memory_bytes
 
 

@@ -40,7 +40,7 @@ def dp_comm_time(
     first_stage: bool = False,
 ) -> float:
     """Exposed seconds of the data-parallel communication of the stage's ``n_params`` parameters over
-    ``dp * cp`` ranks under the layout's sharding strategy (:func:`sharded_dp_times`): fp32 gradients,
+    ``dp * cp`` ranks under the layout's sharding strategy (:func:`sharded_dp_times`): fp32 (or bf16) gradients,
     ``elem``-byte weights, units of one layer, hidden behind one microbatch's backward and one layer's
     compute. ``first_stage``: backward skips the embeddings' unit unless tied at pp = 1. With
     ``c.overlap_window`` the end-of-step part is hidden up to one microbatch's compute (``busiest[0]``).
@@ -57,7 +57,7 @@ def dp_comm_time(
     def exposed(end_overlap: float) -> float:
         return sharded_dp_times(
             layout.sharding_strategy,
-            grad_bytes=4.0 * n_params,
+            grad_bytes=layout.grad_bytes * n_params,
             param_bytes=elem * n_params,
             unit_param_bytes=elem * unit,
             tp=layout.tp,
@@ -89,7 +89,7 @@ def embedding_sync_dp_time(model: ModelConfig, layout: Candidate, v_pad: int, li
     for an untied model or pp = 1 (one stage holds the only copy)."""
     if not (model.tied and layout.pp > 1):
         return 0.0
-    nbytes = 4.0 * v_pad // layout.tp * model.hidden_size
+    nbytes = layout.grad_bytes * v_pad // layout.tp * model.hidden_size
     return (1.0 - c.dp_overlap) * embedding_sync_time(nbytes, layout.pp, layout.tp, layout.shard_size, links)
 
 
