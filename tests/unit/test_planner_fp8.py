@@ -57,6 +57,35 @@ def test_fp8_weight_copies_in_memory():
     assert layer_fp8_weights(model, 2) == layer_param_count(model, 2) - 2 * model.hidden_size
 
 
+@pytest.mark.parametrize("sharding", ["optim", "optim_grads_params"])
+def test_fp8_param_gather_keeps_the_gemm_weights_in_one_byte(sharding):
+    """--fp8-param-gather: the FP8 GEMMs' weights are 1 byte (sharded with the parameters under
+    optim_grads_params) and have no FP8 copy; everything else as with --fp8."""
+    model = get_model("llama3-8b")
+    layout = Candidate.of(tp=2, pp=2, dp=2, micro_batch_size=1, global_batch_size=8, precision="fp8", sharding=sharding)
+    copies = memory_breakdown(model, layout, H100)
+    fp8_params = memory_breakdown(model, layout.replace(fp8_param_gather=True), H100)
+    bf16 = memory_breakdown(model, layout.replace(precision="bf16"), H100)
+    weights = (model.num_layers // 2) * layer_fp8_weights(model, 2) / (2 if sharding == "optim_grads_params" else 1)
+    assert fp8_params.stage == copies.stage == bf16.stage
+    assert bf16.params - fp8_params.params == pytest.approx(weights, rel=1e-12)
+    assert (fp8_params.grads, fp8_params.optimizer, fp8_params.activations) == (
+        copies.grads,
+        copies.optimizer,
+        copies.activations,
+    )
+
+
+def test_cli_fp8_param_gather_and_bf16_gradients(capsys):
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch-size", "16", "--tp", "2", "--pp", "1"]
+    assert main([*base, "--gpu", "h100-sxm", "--fp8-param-gather"]) == 2
+    assert "--fp8-param-gather keeps the FP8 GEMMs' weights in FP8: it needs --fp8" in capsys.readouterr().err
+    flags = ["--fp8", "--fp8-param-gather", "--grad-reduce-in-bf16", "--top", "1", "--json"]
+    assert main([*base, "--gpu", "h100-sxm", *flags]) == 0
+    out = capsys.readouterr().out
+    assert '"fp8_param_gather": true' in out and '"grad_reduce_in_bf16": true' in out
+
+
 def test_fp8_gemms_at_the_fp8_peak_plus_casts():
     model = dataclasses.replace(get_model("llama3-70b"), num_layers=1)
     kw = (H100.peak("bf16"), 3.35e12 * 0.8, 0.77, 64.0)

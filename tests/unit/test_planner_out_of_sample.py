@@ -96,8 +96,8 @@ def test_bad_tables_are_refused_naming_the_file(tmp_path, capsys):
     with open(H100, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         fields, first = reader.fieldnames or [], next(reader)
-    empty, zero = tmp_path / "empty.csv", tmp_path / "zero.csv"
-    for path, rows in ((empty, []), (zero, [{**first, "reported": "0"}])):
+    empty, zero, reduce = tmp_path / "empty.csv", tmp_path / "zero.csv", tmp_path / "reduce.csv"
+    for path, rows in ((empty, []), (zero, [{**first, "reported": "0"}]), (reduce, [{**first, "grad_reduce": "fp8"}])):
         with open(path, "w", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
@@ -106,11 +106,23 @@ def test_bad_tables_are_refused_naming_the_file(tmp_path, capsys):
         (str(tmp_path),): "is a folder",
         (str(empty),): "no runs in the table",
         (str(zero),): "reported=0 must be a positive number",
+        (str(reduce),): "grad_reduce='fp8' must be fp32 or bf16",
         (str(H100), str(DATA / ".." / "data" / H100.name)): "a table given more than once",
     }
     for tables, message in cases.items():
         assert main(["plan", "--validate", *tables]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_rows_carry_their_gradient_reduction_and_fp8_weights():
+    """NeMo's and Megatron-Bridge's performance runs reduce gradients in bf16 and keep FP8 weights
+    (columns grad_reduce and fp8_param_gather, each marked assumed); the others do not."""
+    runs = load_h100_runs(H100) + load_h100_runs(NEW)
+    nvidia = [r for r in runs if r.source.startswith(("NVIDIA NeMo", "NVIDIA-NeMo Megatron-Bridge"))]
+    assert len(nvidia) == 12 and all(r.layout.bf16_grads and "grad_reduce" in r.assumed for r in nvidia)
+    assert all(r.layout.fp8_param_gather == (r.layout.precision == "fp8") for r in nvidia)
+    others = [r for r in runs if r not in nvidia]
+    assert others and not any(r.layout.bf16_grads or r.layout.fp8_param_gather for r in others)
 
 
 def test_a_single_source_has_no_left_out_error(tmp_path):

@@ -33,6 +33,8 @@ class Candidate:
             mixed precision with FP8 weight GEMMs, :mod:`ptdp.planner.memory.fp8`).
         virtual_stages: v model chunks per pipeline rank (interleaved 1F1B when > 1).
         layer_split: layers per pipeline stage as ``parallel`` gives them (None: even).
+        fp8_param_gather: with "fp8", the FP8 GEMMs' weights kept in FP8 (Megatron-LM's
+            ``--fp8-param-gather``, :mod:`ptdp.planner.memory.fp8`).
     """
 
     parallel: ParallelConfig
@@ -42,6 +44,7 @@ class Candidate:
     precision: str = "bf16"
     virtual_stages: int = 1
     layer_split: tuple[int, ...] | None = None
+    fp8_param_gather: bool = False
 
     @classmethod
     def of(
@@ -65,6 +68,7 @@ class Candidate:
         reshard_after_forward: bool = True,
         schedule: str | None = None,
         grad_reduce_in_bf16: bool = False,
+        fp8_param_gather: bool = False,
     ) -> Candidate:
         """The candidate of these choices (``sharding``: the strategy, else ``optim`` with
         ``distributed_optimizer``, else ``no_shard``; ``layer_split`` at ``virtual_stages`` > 1: the
@@ -90,7 +94,16 @@ class Candidate:
             reshard_after_forward=reshard_after_forward,
             grad_reduce_in_bf16=grad_reduce_in_bf16,
         )
-        return cls(parallel, micro_batch_size, global_batch_size, recompute, precision, virtual_stages, layer_split)
+        return cls(
+            parallel,
+            micro_batch_size,
+            global_batch_size,
+            recompute,
+            precision,
+            virtual_stages,
+            layer_split,
+            fp8_param_gather,
+        )
 
     def fields(self) -> dict[str, Any]:
         """The candidate's choices by name, as ``ptdp plan --json`` lists them."""
@@ -114,6 +127,7 @@ class Candidate:
             "overlap_grad_reduce": p.overlap_grad_reduce,
             "reshard_after_forward": p.reshard_after_forward,
             "grad_reduce_in_bf16": p.grad_reduce_in_bf16,
+            "fp8_param_gather": self.fp8_param_gather,
         }
 
     def replace(self, **changes: Any) -> Candidate:

@@ -25,7 +25,7 @@ from ptdp.planner.inputs.models import (
     token_budget_batch,
 )
 from ptdp.planner.inputs.plan_flags import plan_precision
-from ptdp.planner.memory.fp8 import fp8_precision
+from ptdp.planner.memory.fp8 import check_fp8_param_gather, fp8_precision
 from ptdp.planner.report.explain import distance_from_best, explain_pick
 from ptdp.planner.search.checks import (
     check_fixed_choices,
@@ -251,6 +251,8 @@ def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanR
         raise ConfigError(f"{gpu.name} has no peak FLOP/s for {precision}; known: {', '.join(sorted(gpu.peak_flops))}")
     if getattr(args, "fp8", False):
         precision = fp8_precision(gpu, precision)
+    if fixed.fp8_param_gather:
+        check_fp8_param_gather(precision)
     if fixed.grad_reduce_in_bf16 and precision not in ("bf16", "fp8"):
         raise ConfigError(
             f"--grad-reduce-in-bf16 needs bf16 parameters (--bf16, or --fp8 with bf16 weights), "

@@ -62,6 +62,13 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "kept in FP8; attention, output layer, communication and weights stay bf16 with fp32 "
         "main parameters",
     )
+    g.add_argument(
+        "--fp8-param-gather",
+        action="store_true",
+        default=None,
+        help="with --fp8: keep the FP8 GEMMs' weights in FP8 (Megatron-LM's flag; Transformer "
+        "Engine's FP8 parameters): 1 byte each and no FP8 copy (planner only)",
+    )
 
 
 def _add_overlap_arguments(parser: argparse.ArgumentParser) -> None:

@@ -91,7 +91,14 @@ def memory_breakdown(
     transients = layout.shard_size > 1 and layout.sharding_strategy in ("optim_grads", "optim_grads_params")
     for rank, n_params, n_layers in candidates:
         act = cached_rank_activation_bytes(model, layout, rank, n_layers, schedule, make_vocab_size_divisible_by)
-        fp8_copies = fp8_weight_copy_bytes(model, layout.tp, n_layers, layout.precision)
+        fp8_copies = fp8_weight_copy_bytes(
+            model,
+            layout.tp,
+            n_layers,
+            layout.precision,
+            param_gather=layout.fp8_param_gather,
+            shard=layout.shard_size if layout.sharding_strategy == "optim_grads_params" else 1,
+        )
         parts = (
             rank_state_bytes(
                 model, layout, n_params, n_layers, per_param, stage=rank, divisible_by=make_vocab_size_divisible_by

@@ -5,7 +5,10 @@ al., "FP8 Formats for Deep Learning", arXiv:2209.05433; Transformer Engine with 
 delayed scaling, E4M3 forward / E5M2 backward). The QKV, projection, fc1 and fc2 GEMMs run at the
 FP8 peak and keep 1-byte inputs for backward; everything else stays bf16 (MFU against the bf16 peak).
 Each of those weights also has an FP8 copy and its transpose, kept for the whole step
-(:data:`FP8_WEIGHT_COPY_BYTES`). Communication is unchanged.
+(:data:`FP8_WEIGHT_COPY_BYTES`). With ``--fp8-param-gather`` (Megatron-LM's flag; Transformer Engine's
+``fp8_model_init``) those weights are FP8 tensors themselves: 1 byte each, no copy, the transpose
+made when backward needs it (``keep_fp8_transpose_cache`` off), the fp32 main parameters in the
+optimizer as before. Communication is unchanged.
 """
 
 from __future__ import annotations
@@ -16,6 +19,14 @@ from ptdp.errors import ConfigError
 #: Bytes per weight of an FP8 GEMM held besides the bf16 weight: the FP8 weight (1) and its
 #: transpose (1).
 FP8_WEIGHT_COPY_BYTES = 2.0
+
+
+def check_fp8_param_gather(precision: str) -> None:
+    """ConfigError for ``--fp8-param-gather`` without ``--fp8``."""
+    if precision != "fp8":
+        raise ConfigError(
+            f"--fp8-param-gather keeps the FP8 GEMMs' weights in FP8: it needs --fp8 (the precision is {precision})"
+        )
 
 
 def fp8_precision(gpu, precision: str) -> str:
@@ -44,9 +55,13 @@ def layer_fp8_weights(model: ModelConfig, tp: int) -> int:
     return ((a + 2 * kv) * d * h + a * d * h + (up + 1) * model.ffn * h) // tp
 
 
-def fp8_weight_copy_bytes(model: ModelConfig, tp: int, layers: int, precision: str) -> float:
-    """Bytes of the FP8 weight copies on one tp rank of a stage of ``layers`` layers (0 unless
-    ``precision`` is "fp8")."""
+def fp8_weight_copy_bytes(
+    model: ModelConfig, tp: int, layers: int, precision: str, *, param_gather: bool = False, shard: int = 1
+) -> float:
+    """Bytes the FP8 GEMMs' weights add on one tp rank of a stage of ``layers`` layers beyond 2 bytes
+    each (0 unless ``precision`` is "fp8"): the FP8 copies, or with ``param_gather`` (FP8 weights)
+    minus the byte each saves, over ``shard`` ranks when the weights are sharded."""
     if precision != "fp8":
         return 0.0
-    return FP8_WEIGHT_COPY_BYTES * layers * layer_fp8_weights(model, tp)
+    weights = layers * layer_fp8_weights(model, tp)
+    return -weights / shard if param_gather else FP8_WEIGHT_COPY_BYTES * weights

@@ -75,6 +75,7 @@ def layout_flags(layout: Candidate) -> str:
     words += [] if layout.parallel.overlap_grad_reduce else ["--no-overlap-grad-reduce"]
     words += [] if layout.parallel.reshard_after_forward else ["--no-reshard-after-forward"]
     words += ["--grad-reduce-in-bf16"] if layout.bf16_grads else []
+    words += ["--fp8-param-gather"] if layout.fp8_param_gather else []
     return " ".join(words)
 
 

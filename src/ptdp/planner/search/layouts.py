@@ -72,6 +72,8 @@ class Fixed:
     overlap_grad_reduce: bool | None = None
     reshard_after_forward: bool | None = None
     grad_reduce_in_bf16: bool | None = None
+    fp8_param_gather: bool | None = None
+    """FP8 weights (``--fp8-param-gather``, planner only)."""
 
     @property
     def tp(self) -> int | None:
@@ -349,6 +351,7 @@ def _search_layout(
                         overlap_grad_reduce=fixed.overlap_grad_reduce is not False,
                         reshard_after_forward=fixed.reshard_after_forward is not False,
                         grad_reduce_in_bf16=bool(fixed.grad_reduce_in_bf16),
+                        fp8_param_gather=bool(fixed.fp8_param_gather),
                     )
 
                 plans, rejected = predict_strategies(

@@ -19,7 +19,9 @@ or MFU under a named FLOP convention, or tokens/s per GPU, turned into the step 
 
 Columns beyond shape and layout: ``cp_comm_type``, ``sharding`` (Megatron's strategy),
 ``dp_overlap`` / ``tp_overlap`` / ``pp_overlap`` (y: overlapped with compute), ``layer_split``
-(space-separated; empty: even), ``assumed`` (settings the source does not state, explained in ``notes``).
+(space-separated; empty: even), ``assumed`` (settings the source does not state, explained in ``notes``);
+optional ``grad_reduce`` (fp32, the default, or bf16: ``--grad-reduce-in-bf16``) and
+``fp8_param_gather`` (y: FP8 weights, ``--fp8-param-gather``).
 """
 
 from __future__ import annotations
@@ -266,6 +268,14 @@ def _model(r: dict) -> ModelConfig:
     )
 
 
+def _grad_reduce_in_bf16(text: str) -> bool:
+    """Column ``grad_reduce`` (optional): fp32 (default) or bf16 (``--grad-reduce-in-bf16``)."""
+    value = text.strip() or "fp32"
+    if value not in ("fp32", "bf16"):
+        raise ValueError(f"grad_reduce={value!r} must be fp32 or bf16")
+    return value == "bf16"
+
+
 def _layout(r: dict) -> Candidate:
     split = tuple(int(x) for x in r["layer_split"].split()) or None
     cp = int(r["cp"])
@@ -284,6 +294,8 @@ def _layout(r: dict) -> Candidate:
         layer_split=split,
         cp=max(cp, 1),
         cp_comm_type=cp_comm_type,
+        grad_reduce_in_bf16=_grad_reduce_in_bf16(r.get("grad_reduce") or ""),
+        fp8_param_gather=_yes(r.get("fp8_param_gather") or ""),
     )
 
 
