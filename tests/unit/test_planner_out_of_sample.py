@@ -150,3 +150,19 @@ def test_one_virtual_stage_is_no_interleaving_and_takes_a_layer_split(capsys):
     assert {plan["virtual_stages"] for plan in json.loads(capsys.readouterr().out)} == {1}
     assert main([*args, "--virtual-pipeline-stages", "2", *split]) == 2
     assert "cannot be combined with virtual pipeline stages" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (["--tp", "2", "--json"], "--tensor-model-parallel-size, --json would be ignored (drop them)"),
+        (["--gpu", "h100-sxm"], "--gpu would be ignored (drop it)"),
+        (["--plot", "x.png"], "--plot would be ignored"),
+        (["--calibrate"], "--calibrate would be ignored"),
+        (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 would be ignored"),
+    ],
+)
+def test_validate_refuses_the_flags_it_would_ignore(capsys, extra, named):
+    assert main(["plan", "--validate", str(A100), *extra]) == 2
+    err = capsys.readouterr().err
+    assert "--validate evaluates each table's runs at their own model, layout and GPU: " + named in err

@@ -89,7 +89,34 @@ def pooled_markdown(runs: list[H100Run]) -> str:
     return "All H100-format tables together:\n\n" + table[table.index("| metric | rows") :]
 
 
+#: ``ptdp plan`` settings that apply with ``--validate`` (each table row brings its own model,
+#: layout and GPU)
+VALIDATE_SETTINGS = ("validate", "update_benchmarks", "debug")
+
+
+def check_validate_flags(args: argparse.Namespace) -> None:
+    """ConfigError naming every ``ptdp plan`` flag given with ``--validate`` that it would ignore."""
+    from ptdp.planner.inputs.plan_flags import add_plan_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_plan_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    given = [
+        action.option_strings[0]
+        for action in parser._actions
+        if action.dest not in VALIDATE_SETTINGS
+        and action.option_strings
+        and getattr(args, action.dest, defaults.get(action.dest)) != defaults.get(action.dest)
+    ]
+    if given:
+        raise ConfigError(
+            f"--validate evaluates each table's runs at their own model, layout and GPU: "
+            f"{', '.join(dict.fromkeys(given))} would be ignored (drop {'it' if len(given) == 1 else 'them'})"
+        )
+
+
 def run_validation(args: argparse.Namespace) -> int:
+    check_validate_flags(args)
     paths = [Path(p) for p in args.validate]
     for csv in paths:
         if csv.is_dir():
