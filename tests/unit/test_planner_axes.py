@@ -206,7 +206,8 @@ SPLIT = "7," + "8," * 14 + "7"
 def test_llama3_405b_128k_stage_fits_as_published(batch, capsys):
     """Llama 3 405B's long-context stage (Dubey et al. 2024, §3.3.2 and Table 4: tp 8, cp 16, pp 16,
     dp 8 on 16,384 H100, 16M tokens per batch = 128 sequences of 131,072 tokens, 16 per
-    data-parallel rank) is planned as fitting, with 128 sequences and with 16."""
+    data-parallel rank) is planned as fitting, with 128 sequences and with 16, at most with the
+    optimizer state and gradients sharded (§3.3.2: its FSDP shards both, not the parameters)."""
     assert (
         cli.main(
             [
@@ -230,7 +231,7 @@ def test_llama3_405b_128k_stage_fits_as_published(batch, capsys):
     best = plans[0]
     assert best["fits"] and (best["tp"], best["cp"], best["pp"], best["dp"]) == (8, 16, 16, 8)
     assert best["global_batch_size"] == int(batch)
-    assert best["sharding"] in ("no_shard", "optim") and "cp_comm" in best["time_s"]
+    assert best["sharding"] in ("no_shard", "optim", "optim_grads") and "cp_comm" in best["time_s"]
     assert best["memory_bytes"]["total"] <= get_gpu("h100-sxm").memory_bytes
 
 

@@ -103,10 +103,12 @@ CATALOG: dict[str, GPUType] = {
         "NVIDIA A100 datasheet (SXM4 80GB); DGX A100 HDR 200 Gb/s per GPU",
         arch="ampere",
     ),
+    # nvidia-smi reports 81,559 MiB for "NVIDIA H100 80GB HBM3" (e.g. NVIDIA/nccl and
+    # pytorch/pytorch issue logs); the A100 80GB reports 81,920 MiB, 80 GiB exactly.
     "h100-sxm": GPUType(
         "h100-sxm",
         _H100_PEAK,
-        80 * GiB,
+        81559 * 2**20,
         3350 * GB,
         450 * GB,
         50 * GB,
