@@ -126,16 +126,18 @@ def test_each_strategy_bytes_per_rank_hand_computed():
         "no_shard": (2 * n, 4 * n, 12 * n),
         "optim": (2 * n, 4 * n, 12 * n / d),
         "optim_grads": (2 * n, 4 * n / d + 4 * n, 12 * n / d),
-        "optim_grads_params": (2 * n / d + 2 * (layer + head), 4 * n / d + 4 * (2 * layer + head), 12 * n / d),
+        # the float32 shard is the main copy: 4 + 4 + 8 bytes per parameter over d, bf16 gathered units
+        "optim_grads_params": (4 * n / d + 2 * (layer + head), 4 * n / d + 4 * (2 * layer + head), 8 * n / d),
     }
     for strategy, (params, grads, optimizer) in expect.items():
         layout = Candidate.of(tp=1, pp=1, dp=2, micro_batch_size=1, global_batch_size=2, cp=4, sharding=strategy)
         assert layout.parallel.use_distributed_optimizer == (strategy != "no_shard")
         mem = memory_breakdown(model, layout, H100)
         assert (mem.params, mem.grads, mem.optimizer) == pytest.approx((params, grads, optimizer), rel=1e-12)
-    # one rank holds the state alone: nothing to shard, nothing gathered
+    # one rank holds the state alone: nothing to shard, no transient counted; its float32 copy of
+    # the parameters is still the main copy
     alone = memory_breakdown(model, Candidate.of(1, 1, 1, 1, 1, sharding="optim_grads_params"), H100)
-    assert (alone.params, alone.grads, alone.optimizer) == (2 * n, 4 * n, 12 * n)
+    assert (alone.params, alone.grads, alone.optimizer) == (4 * n, 4 * n, 8 * n)
 
 
 def test_sharded_communication_times():

@@ -48,13 +48,14 @@ def test_when_gradients_are_reduced_chunk_by_chunk(strategy, shard, v, m, pp, ex
 def test_transients_add_their_elements_to_the_shares():
     """stage_state_bytes adds the transients it is given (elements, from
     ptdp.planner.memory.transients) to the strategy's shares: float32 gradient elements for both
-    sharded-gradient strategies, 16-bit parameter elements for optim_grads_params only."""
+    sharded-gradient strategies, 16-bit parameter elements for optim_grads_params only (whose
+    shard is float32, the main copy)."""
     n, grads_transient, params_transient = 8_000_000, 1_000_000, 400_000
     kw = dict(params_transient=params_transient, grads_transient=grads_transient)
     params, grads, _ = stage_state_bytes(n, "bf16", "optim_grads", 16, **kw)
     assert (params, grads) == (2 * n, 4 * n / 16 + 4 * grads_transient)
     params, grads, _ = stage_state_bytes(n, "bf16", "optim_grads_params", 16, **kw)
-    assert (params, grads) == (2 * n / 16 + 2 * params_transient, 4 * n / 16 + 4 * grads_transient)
+    assert (params, grads) == (4 * n / 16 + 2 * params_transient, 4 * n / 16 + 4 * grads_transient)
     assert stage_state_bytes(n, "bf16", "optim", 16, **kw) == stage_state_bytes(n, "bf16", "optim", 16)
 
 

@@ -5,7 +5,10 @@ only its shard of every parameter and gathers a unit's full parameters just whil
 Units (:func:`sharding_units`) per chunk: its embeddings, each layer, its head. No bucket spans two
 units, so rank r's shard of a unit is the r-th ``1/d`` of each of its buckets (d = dp x cp), the
 gradient shard's layout. Each bucket's full tensor has memory only while gathered
-(``untyped_storage().resize_``, FSDP's idiom); :attr:`ParamUnits.shard` is what the optimizer updates.
+(``untyped_storage().resize_``, FSDP's idiom); :attr:`ParamUnits.shard` is what the optimizer updates:
+for 16-bit parameters a float32 shard, the optimizer's main parameters themselves (as FSDP2 keeps
+float32 shards under a bf16 ``MixedPrecisionPolicy``, torchtitan's default), cast to 16 bits for
+each all-gather (a transient of the unit's shard).
 Forward: a unit's pre-hook waits for its all-gather and prefetches the next; its forward hook frees
 it (``reshard_after_forward``). Backward: a hook on its output gathers it again (prefetching the
 previous); it is freed once all its gradients are accumulated. The embeddings are not gathered for
@@ -137,6 +140,8 @@ class Unit:
     gathered: bool = False
     """Memory allocated and the all-gathers issued (maybe not finished: ``pending``)."""
     pending: list[Handle] = field(default_factory=list)
+    casts: list[torch.Tensor] = field(default_factory=list)
+    """16-bit copies of float32 shards sent by the all-gathers in flight."""
     ready: set[int] = field(default_factory=set)
     """Parameters whose gradient this backward has accumulated."""
 
@@ -166,7 +171,11 @@ class ParamUnits:
             raise ValueError("ParamUnits needs a GradBuffer built with shard=True")
         self.grads, self.dp, self.reshard = grads, grads.dp, reshard_after_forward
         d, rank = self.dp.size, self.dp.rank
-        self.shard = torch.empty(param_data.numel() // d, dtype=param_data.dtype, device=param_data.device)
+        self.param_dtype = param_data.dtype
+        """The model's (gathered) parameter dtype; :attr:`shard` is float32 when it has 16 bits."""
+        low_precision = param_data.dtype in (torch.bfloat16, torch.float16)
+        shard_dtype = torch.float32 if low_precision else param_data.dtype
+        self.shard = torch.empty(param_data.numel() // d, dtype=shard_dtype, device=param_data.device)
         of = unit_index(specs)
         parts: dict[int, list[tuple[Bucket, torch.Tensor, torch.Tensor]]] = {}
         for bucket in grads.buckets:
@@ -255,6 +264,9 @@ class ParamUnits:
             return
         for full, shard in zip(unit.fulls, unit.shards):
             full.untyped_storage().resize_(full.numel() * full.element_size())
+            if shard.dtype != full.dtype:
+                shard = shard.to(full.dtype)
+                unit.casts.append(shard)
             unit.pending.append(all_gather_async(full, shard, self.dp, tag="params"))
         unit.gathered = True
         self.live_bytes += unit.nbytes
@@ -265,6 +277,7 @@ class ParamUnits:
         self._gather(unit)
         while unit.pending:
             unit.pending.pop(0).wait()
+        unit.casts.clear()
 
     def _free(self, unit: Unit) -> None:
         """Release ``unit``'s full tensors (after finishing a gather still in flight)."""
@@ -272,6 +285,7 @@ class ParamUnits:
             return
         while unit.pending:
             unit.pending.pop(0).wait()
+        unit.casts.clear()
         for full in unit.fulls:
             full.untyped_storage().resize_(0)
         unit.gathered = False

@@ -57,6 +57,8 @@ class ShardedAdamW:
         self.grads, self._param_data, self.units = grads, param_data, units
         dp, rank = grads.dp.size, grads.dp.rank
         low_precision = param_data.dtype in (torch.bfloat16, torch.float16)
+        # optim_grads_params with 16-bit parameters: the float32 shard is the main parameters
+        self.main_is_shard = units is not None and units.param_dtype in (torch.bfloat16, torch.float16)
         self.pairs: list[tuple[torch.Tensor, nn.Parameter]] = []  # (model shard view, main)
         self.segment_mains: list[tuple[Segment, nn.Parameter]] = []  # (Segment, its main), for checkpoints
         decay: list[nn.Parameter] = []
@@ -80,7 +82,7 @@ class ShardedAdamW:
         self._model_views = [view for view, _ in self.pairs]
         self._mains: list[torch.Tensor] = [main for _, main in self.pairs]
         # bf16 gradients (--grad-reduce-in-bf16): float32 copies of the shard at each step
-        self._bf16_grads = shard_grads.dtype != torch.float32 and low_precision
+        self._bf16_grads = shard_grads.dtype == torch.bfloat16 and (low_precision or self.main_is_shard)
         self._grad_views = [
             shard_grads[seg.shard_offset : seg.shard_offset + (seg.hi - seg.lo)] for seg, _ in self.segment_mains
         ]

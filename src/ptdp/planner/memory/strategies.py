@@ -9,9 +9,12 @@ k = 8``), bytes per parameter::
     no_shard            w     + g     + k
     optim               w     + g     + k / d     (ZeRO-1, the distributed optimizer)
     optim_grads         w     + g / d + k / d     (ZeRO-2)
-    optim_grads_params  w / d + g / d + k / d     (ZeRO-3)
+    optim_grads_params  4 / d + g / d + (k - 4) / d   (ZeRO-3)
 
-plus, for the last two, the peak transients (:mod:`ptdp.planner.memory.transients`).
+ZeRO-3's shard of 16-bit parameters is kept in float32 and is the optimizer's main copy (FSDP2 under
+a bf16 ``MixedPrecisionPolicy``, torchtitan's default; ``ptdp train`` the same): 16 bytes per
+parameter over ``d`` with fp32 gradients, not 18. Plus, for the last two, the peak transients
+(:mod:`ptdp.planner.memory.transients`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def strategy_bytes_per_param(
     check_strategy(strategy)
     w, g, k = state_bytes(precision, bf16_grads)
     level = SHARDING_STRATEGIES.index(strategy)
+    if level >= 3 and w < 4:  # the float32 shard is the main copy
+        return 4.0 / shard, g / shard, (k - 4.0) / shard
     return (w / shard if level >= 3 else w, g / shard if level >= 2 else g, k / shard if level >= 1 else k)
 
 

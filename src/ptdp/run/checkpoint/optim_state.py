@@ -23,7 +23,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 def state_kinds(optimizer) -> tuple[str, ...]:
     """Per-parameter tensors this optimizer checkpoints."""
     low_precision = isinstance(optimizer, MainParamsAdamW) or (
-        isinstance(optimizer, ShardedAdamW) and bool(optimizer.pairs)
+        isinstance(optimizer, ShardedAdamW) and (bool(optimizer.pairs) or optimizer.main_is_shard)
     )
     return MOMENTS + (("main",) if low_precision else ())
 
