@@ -243,3 +243,39 @@ def test_bf16_gradients_halve_gradient_bytes_and_count_the_steps_float32_copy(sh
     without_copy = memory_breakdown(tiny, tiny_batch, A100).grads / 2
     # (the bf16 plan's most loaded stage can be another one: a few kB apart)
     assert small.grads - without_copy == pytest.approx(4.0 * n / shard - small.activations, rel=1e-3)
+
+
+def test_op_level_checkpointing_keeps_the_input_attention_output_and_every_second_matmul():
+    """--selective-ac-option op (torchtitan's per-op SAC): per token the layer input, Q, V, fc1's
+    first output, the attention output (bf16) and its fp32 log-sum-exp, and with SwiGLU fc2's
+    h-wide output; between full recompute and none in memory, in recompute time and in FLOPs."""
+    from ptdp.planner.time import flops
+
+    llama = PRESETS["llama3-8b"]
+    h, a, kv, f = llama.hidden_size, llama.num_attention_heads, llama.kv_heads, llama.ffn
+    d = h // a
+    op = layer_activation_bytes(llama, 1, 1, sequence_parallel=False, recompute="op")
+    per_token = 2 * (h + a * d + kv * d + f + a * d + h) + 4 * a
+    assert op == llama.seq_length * per_token
+    none = layer_activation_bytes(llama, 1, 1, sequence_parallel=False, recompute="none")
+    full = layer_activation_bytes(llama, 1, 1, sequence_parallel=False, recompute="full")
+    assert full < op < none
+    args = (llama, 1, 1, False, 989e12, 3.35e12, 0.8, 128.0)
+    rec = flops.op_sac_recompute_time(*args)
+    fwd, _, _ = flops.layer_compute_times(*args)
+    assert 0 < rec < fwd
+    model_flops = flops.model_flops_per_step(llama, 8)
+    assert model_flops < flops.hardware_flops_per_step(llama, 8, "op") < flops.hardware_flops_per_step(llama, 8, "full")
+    # K (a fraction of the QKV GEMM), the projection and SwiGLU's up half of fc1 run again
+    assert flops.op_sac_shares(llama) == (kv / (a + 2 * kv), 0.0, 0.0, 1.0, 0.5, 0.0)
+
+
+def test_selective_ac_option_op_needs_selective_granularity(capsys):
+    from ptdp.cli import main
+
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch-size", "16"]
+    assert main([*base, "--recompute-granularity", "full", "--selective-ac-option", "op"]) == 2
+    assert "--selective-ac-option op is a kind of selective checkpointing" in capsys.readouterr().err
+    assert main([*base, "--selective-ac-option", "op", "--tp", "1", "--pp", "1", "--top", "1", "--json"]) == 0
+    plans = __import__("json").loads(capsys.readouterr().out)
+    assert plans and all(p["recompute"] == "op" for p in plans)

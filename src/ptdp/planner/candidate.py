@@ -13,6 +13,9 @@ from ptdp.config.schema import Config
 from ptdp.planner.splits import accounting_of, split_flags
 
 RECOMPUTE = ("none", "selective", "full")
+#: torchtitan's per-op selective activation checkpointing (``selective_ac_option = "op"``): planned
+#: when asked for (``--selective-ac-option op``), never searched; ``ptdp train`` does not run it
+OP_SAC = "op"
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 #: ``--params-dtype`` as the planner's precision (float64 is not planned)
 PRECISION_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -28,7 +31,8 @@ class Candidate:
             sharding strategy explicit (``use_distributed_optimizer`` following it), v in
             ``virtual_pipeline_model_parallel_size`` (None: 1), an uneven split in its flags.
         micro_batch_size: b; global_batch_size: B; m = B / (b * dp) microbatches per step.
-        recompute: "none", "selective" (attention scores) or "full" (each layer's input kept).
+        recompute: "none", "selective" (attention scores), "full" (each layer's input kept) or
+            "op" (torchtitan's per-op selective checkpointing, :data:`OP_SAC`).
         precision: "bf16", "fp16" (mixed precision with fp32 main weights), "fp32", or "fp8" (bf16
             mixed precision with FP8 weight GEMMs, :mod:`ptdp.planner.memory.fp8`).
         virtual_stages: v model chunks per pipeline rank (interleaved 1F1B when > 1).

@@ -13,6 +13,7 @@ from pathlib import Path
 from ptdp.config.model import ModelConfig
 from ptdp.errors import ConfigError
 from ptdp.layout.pipeline.partition import stage_layer_counts, virtual_stages
+from ptdp.planner.candidate import OP_SAC
 from ptdp.planner.inputs.hardware import CATALOG, Cluster, GiB, GPUType, get_gpu, load_catalog, runs_flash_attention
 from ptdp.planner.inputs.hf_config import hf_model_name, is_config_path, load_hf_config
 from ptdp.planner.inputs.models import (
@@ -151,6 +152,17 @@ def fixed_from_args(args: argparse.Namespace) -> Fixed:
     return Fixed(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Fixed)})
 
 
+def _op_sac(fixed: Fixed) -> Fixed:
+    """``--selective-ac-option op``: the recompute planned is torchtitan's per-op checkpointing
+    (:data:`~ptdp.planner.candidate.OP_SAC`); ConfigError unless the granularity is selective."""
+    if fixed.recompute_granularity not in (None, "selective"):
+        raise ConfigError(
+            f"--selective-ac-option op is a kind of selective checkpointing: it needs "
+            f"--recompute-granularity selective, not {fixed.recompute_granularity}"
+        )
+    return dataclasses.replace(fixed, recompute_granularity=OP_SAC)
+
+
 def _counted_chunks_as_v(fixed: Fixed, num_layers: int) -> Fixed:
     """With the embedding and/or loss counted as layers and pp fixed,
     ``--num-layers-per-virtual-pipeline-stage N`` means ``v = (layers + counted) / (pp N)``, as
@@ -241,6 +253,8 @@ def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanR
     if args.pipeline_layer_split is not None:
         stage_layer_counts(model.num_layers, len(args.pipeline_layer_split), args.pipeline_layer_split)
     fixed = _counted_chunks_as_v(fixed_from_args(args), model.num_layers)
+    if getattr(args, "selective_ac_option", None):
+        fixed = _op_sac(fixed)
     check_stage_layers(model.num_layers, fixed)
     overhead = None if args.memory_overhead_gib is None else args.memory_overhead_gib * GiB
     check_request(cluster, global_batch_size, fixed, top=args.top, overhead_bytes=overhead)

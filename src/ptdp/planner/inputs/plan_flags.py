@@ -63,6 +63,15 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "main parameters",
     )
     g.add_argument(
+        "--selective-ac-option",
+        choices=("op",),
+        default=None,
+        help="with --recompute-granularity selective: plan torchtitan's per-op selective activation "
+        'checkpointing (its selective_ac_option = "op"; planner only): each layer keeps its input, '
+        "the attention output and every second matmul output, and backward runs the other matmuls "
+        "and the memory-bound kernels again",
+    )
+    g.add_argument(
         "--fp8-param-gather",
         action="store_true",
         default=None,

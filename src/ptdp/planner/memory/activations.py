@@ -50,13 +50,15 @@ def layer_activation_bytes(
     [K22] eq. (1)-(2) and §5 (s: sequence, b: micro batch, t = tp): no parallelism
     ``s b h (34 + 5 a s / h)``; TP ``s b h (10 + 24/t + 5 a s / (h t))``; TP + SP ``s b h / t (34 + 5 a s / h)``;
     selective recompute drops the ``5 a s / h`` term; full recompute keeps only the layer input ``2 s b h``
-    (/t with SP). Generalised per token for GQA (``4 a d + 4 kv d``) and SwiGLU (``6 ffn`` instead of ``4 ffn``).
+    (/t with SP); "op" (torchtitan's per-op checkpointing) keeps the layer input, the attention output
+    and log-sum-exp and the odd-numbered matmul outputs of the layer (Q, V, fc1 and, with SwiGLU, fc2's
+    ``h`` before its reduction; torchtitan ``_op_sac_save_list``: every second mm recomputed). Generalised per token for GQA (``4 a d + 4 kv d``) and SwiGLU (``6 ffn`` instead of ``4 ffn``).
     With ``model.flash_attention`` (Dao et al. 2022, arXiv:2205.14135) no score is kept, only the fp32
     log-sum-exp, ``4 a`` bytes per token. "fp8" (Transformer Engine FP8) keeps the four GEMM inputs in 1 byte.
     Raises ValueError for an unknown ``recompute``.
     """
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute={recompute!r} must be none, selective or full")
+    if recompute not in ("none", "selective", "full", "op"):
+        raise ValueError(f"recompute={recompute!r} must be none, selective, full or op")
     e, e32 = activation_value_bytes(precision)
     g = 1 if precision == "fp8" else e  # bytes of a kept input of a QKV / projection / fc1 / fc2 GEMM
     h, a, s = model.hidden_size, model.num_attention_heads, model.seq_length
@@ -64,6 +66,10 @@ def layer_activation_bytes(
     if recompute == "full":
         return e * tokens * h / (t if sequence_parallel else 1)
     d, kv = h // a, model.kv_heads
+    if recompute == "op":
+        saved = a * d + kv * d + model.ffn + a * d  # Q, V, fc1 (SwiGLU: its gate half), attention output
+        per_token = e * h / (t if sequence_parallel else 1) + e * saved / t + e32 * a / t
+        return tokens * (per_token + (e * h if model.swiglu else 0.0))
     mask = 1 if model.has_dropout else 0
     replicated = (2 * e + 2 * g + 2 * mask) * h
     mlp = (2 if model.swiglu else 1) * model.ffn  # fc1 output: GELU input, or SwiGLU's gate and up halves

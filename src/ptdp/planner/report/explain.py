@@ -66,7 +66,9 @@ def layout_flags(layout: Candidate) -> str:
         words.append(f"--virtual-pipeline-stages {v}")
     words += [split] if split else []
     words += [
-        f"--recompute-granularity {layout.recompute}",
+        "--recompute-granularity selective --selective-ac-option op"
+        if layout.recompute == "op"
+        else f"--recompute-granularity {layout.recompute}",
         "--sequence-parallel" if layout.parallel.sequence_parallel else "--no-sequence-parallel",
         f"--data-parallel-sharding-strategy {layout.sharding_strategy}",
     ]

@@ -17,7 +17,7 @@ from ptdp.config.rules.axes import (
 )
 from ptdp.config.rules.layout import layout_violations, schedule_violations
 from ptdp.errors import Violation
-from ptdp.planner.candidate import PRECISIONS, RECOMPUTE, Candidate
+from ptdp.planner.candidate import OP_SAC, PRECISIONS, RECOMPUTE, Candidate
 from ptdp.planner.inputs.hardware import Cluster
 
 
@@ -89,8 +89,8 @@ def schedule_rejections(model: ModelConfig, layout: Candidate) -> list[Violation
     out += sequence_parallel_violations(model, layout.tp, layout.parallel.sequence_parallel)
     # sequence parallelism inside each cp rank's s / cp positions
     out += context_parallel_model_violations(model, layout.cp, layout.tp, layout.parallel.sequence_parallel)
-    if layout.recompute not in RECOMPUTE:
-        out.append(Violation("option", f"recompute={layout.recompute!r} not in {RECOMPUTE}"))
+    if layout.recompute not in (*RECOMPUTE, OP_SAC):
+        out.append(Violation("option", f"recompute={layout.recompute!r} not in {(*RECOMPUTE, OP_SAC)}"))
     if layout.sharding_strategy not in SHARDING_STRATEGIES:
         out.append(Violation("option", f"sharding={layout.sharding_strategy!r} not in {SHARDING_STRATEGIES}"))
     if layout.parallel.cp_comm_type not in CP_COMM_TYPES:

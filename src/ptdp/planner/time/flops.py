@@ -73,6 +73,36 @@ def layer_gemms(model: ModelConfig, tp: int, micro_batch_size: int) -> tuple[tup
     )
 
 
+def op_sac_shares(model: ModelConfig) -> tuple[float, ...]:
+    """Share of each of :func:`layer_gemms` that torchtitan's per-op checkpointing runs again in
+    backward (the even-numbered matmuls of Q, K, V, O, fc1 [, fc3], fc2: K, the projection, and
+    SwiGLU's up half of fc1 or, without it, fc2); the attention core (SDPA) is kept."""
+    kv, a = model.kv_heads, model.num_attention_heads
+    return (kv / (a + 2 * kv), 0.0, 0.0, 1.0, 0.5 if model.swiglu else 0.0, 0.0 if model.swiglu else 1.0)
+
+
+def op_sac_recompute_time(
+    model: ModelConfig,
+    tp: int,
+    micro_batch_size: int,
+    sequence_parallel: bool,
+    peak_flops: float,
+    bandwidth: float,
+    peak_fraction: float,
+    half_dim: float,
+) -> float:
+    """Seconds one layer's per-op checkpointing (``--selective-ac-option op``) adds to a
+    microbatch's backward on one tp rank: the recomputed matmuls (:func:`op_sac_shares`) and every
+    memory-bound kernel of the forward (norms, rotary, activation)."""
+    timed = partial(
+        gemm_time, peak_flops=peak_flops, bandwidth=bandwidth, peak_fraction=peak_fraction, half_dim=half_dim
+    )
+    gemms = layer_gemms(model, tp, micro_batch_size)
+    matmuls = sum(share * timed(*g) for share, g in zip(op_sac_shares(model), gemms) if share)
+    elementwise, scores = layer_elementwise_bytes(model, tp, micro_batch_size, sequence_parallel=sequence_parallel)
+    return matmuls + (elementwise - scores) / bandwidth
+
+
 def gemm_flops(m: int, n: int, k: int, batch: int = 1) -> float:
     """FLOPs of ``batch`` products of an ``[m, k]`` and a ``[k, n]`` matrix: ``2 m n k batch``."""
     return 2.0 * m * n * k * batch
@@ -114,11 +144,14 @@ def hardware_flops_per_step(model: ModelConfig, global_batch_size: int, recomput
 
     Full recompute: ``4 x`` layer forward + ``3 x`` logits, i.e. [N21] eq. 3 for GPT:
     ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``. Selective: model FLOPs + the attention core once
-    more (nothing with a flash kernel, which is not recomputed). None: model FLOPs.
+    more (nothing with a flash kernel, which is not recomputed). "op": the matmuls per-op
+    checkpointing runs again (:func:`op_sac_shares`). None: model FLOPs.
     """
     extra = 0.0
     if recompute == "full":
         extra = layer_forward_flops(model, 1, 1)
+    elif recompute == "op":
+        extra = sum(share * gemm_flops(*g) for share, g in zip(op_sac_shares(model), layer_gemms(model, 1, 1)))
     elif recompute == "selective" and not model.flash_attention:
         extra = attention_core_flops(model, 1, 1)
     return model_flops_per_step(model, global_batch_size) + global_batch_size * model.num_layers * extra

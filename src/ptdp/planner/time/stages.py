@@ -92,6 +92,17 @@ def stage_microbatch_times(
     tp_f, tp_b = (1.0 - hidden) * tp_f, (1.0 - hidden) * tp_b
     cp_f, cp_b = kv_exchange_times(model, tp, layout.cp, b, layout.parallel.cp_comm_type, block, links, elem, block_bwd)
     rec = {"full": fwd, "selective": core}.get(layout.recompute, 0.0)
+    if layout.recompute == "op":
+        rec = flops.op_sac_recompute_time(
+            local,
+            tp,
+            b,
+            layout.parallel.sequence_parallel,
+            peak,
+            bandwidth,
+            c.gemm_peak_fraction,
+            c.gemm_half_dim,
+        )
     full = layout.recompute == "full"
     rec_comm, rec_cp = (tp_f, cp_f) if full else (0.0, 0.0)
     mid = (
