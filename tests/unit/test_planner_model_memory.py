@@ -279,3 +279,61 @@ def test_selective_ac_option_op_needs_selective_granularity(capsys):
     assert main([*base, "--selective-ac-option", "op", "--tp", "1", "--pp", "1", "--top", "1", "--json"]) == 0
     plans = __import__("json").loads(capsys.readouterr().out)
     assert plans and all(p["recompute"] == "op" for p in plans)
+
+
+def test_recompute_modules_free_what_megatron_core_recomputes():
+    """--recompute-modules (Megatron-Core's, with selective recompute): layernorm drops the QKV and
+    fc1 inputs, mlp everything the MLP keeps but its input; core_attn alone is selective recompute;
+    each costs its forward again (the MLP's GEMMs counted in the executed FLOPs)."""
+    from ptdp.planner.time import flops
+
+    llama = PRESETS["llama3-8b"]
+    h, f = llama.hidden_size, llama.ffn
+    kw = dict(sequence_parallel=True, recompute="selective")
+    act = {m: layer_activation_bytes(llama, 4, 1, modules=m, **kw) for m in [("core_attn",), ("layernorm",), ("mlp",)]}
+    both = layer_activation_bytes(llama, 4, 1, modules=("layernorm", "mlp"), **kw)
+    s = llama.seq_length
+    assert act[("core_attn",)] - act[("layernorm",)] == s * 2 * 2 * h / 4
+    assert act[("core_attn",)] - act[("mlp",)] == s * (2 * h / 4 + (2 * 2 * f + 2 * f) / 4)
+    assert act[("core_attn",)] - both == s * (2 * 2 * h / 4 + (2 * 2 * f + 2 * f) / 4)
+    assert flops.module_recompute_time(llama, 4, 1, True, ("core_attn",), 989e12, 3.35e12, 0.8, 128.0) == 0.0
+    mlp = flops.module_recompute_time(llama, 4, 1, True, ("mlp",), 989e12, 3.35e12, 0.8, 128.0)
+    norms = flops.module_recompute_time(llama, 4, 1, True, ("layernorm",), 989e12, 3.35e12, 0.8, 128.0)
+    assert mlp > norms > 0
+    gemms = flops.layer_gemms(llama, 1, 1)
+    assert flops.hardware_flops_per_step(llama, 8, "selective", ("mlp",)) - flops.model_flops_per_step(
+        llama, 8
+    ) == pytest.approx(8 * llama.num_layers * (flops.gemm_flops(*gemms[4]) + flops.gemm_flops(*gemms[5])))
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--recompute-modules", "moe_act"], "--recompute-modules moe_act: modules of mixture-of-experts or MLA"),
+        (["--recompute-modules", "attn"], "--recompute-modules attn: unknown (known: core_attn, layernorm, mlp)"),
+        (
+            ["--recompute-modules", "mlp", "--recompute-granularity", "full"],
+            "it needs --recompute-granularity selective, not full",
+        ),
+        (["--recompute-modules", "mlp", "--selective-ac-option", "op"], "give one"),
+    ],
+)
+def test_recompute_modules_refusals(capsys, extra, message):
+    from ptdp.cli import main
+
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch-size", "16"]
+    assert main([*base, *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_recompute_modules_are_planned_and_reported(capsys):
+    from ptdp.cli import main
+
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch-size", "16"]
+    assert main([*base, "--tp", "2", "--recompute-modules", "layernorm", "mlp", "--top", "1", "--json"]) == 0
+    plans = __import__("json").loads(capsys.readouterr().out)
+    assert plans[0]["recompute"] == "selective" and plans[0]["recompute_modules"] == ["layernorm", "mlp"]
+    assert main([*base, "--tp", "2", "--recompute-modules", "mlp", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "recompute=selective" in out or " selective " in out
+    assert "changes nothing with flash attention" not in out

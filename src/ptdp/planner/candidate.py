@@ -16,6 +16,10 @@ RECOMPUTE = ("none", "selective", "full")
 #: torchtitan's per-op selective activation checkpointing (``selective_ac_option = "op"``): planned
 #: when asked for (``--selective-ac-option op``), never searched; ``ptdp train`` does not run it
 OP_SAC = "op"
+#: Megatron-Core's ``--recompute-modules`` of a dense model (with selective recompute; default
+#: core_attn); its MoE and MLA modules do not apply to the models ptdp plans
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+MOE_RECOMPUTE_MODULES = ("moe_act", "moe", "shared_experts", "mla_up_proj")
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 #: ``--params-dtype`` as the planner's precision (float64 is not planned)
 PRECISION_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -39,6 +43,8 @@ class Candidate:
         layer_split: layers per pipeline stage as ``parallel`` gives them (None: even).
         fp8_param_gather: with "fp8", the FP8 GEMMs' weights kept in FP8 (Megatron-LM's
             ``--fp8-param-gather``, :mod:`ptdp.planner.memory.fp8`).
+        recompute_modules: with "selective", the modules recomputed (:data:`RECOMPUTE_MODULES`;
+            empty: core_attn, Megatron-Core's default).
     """
 
     parallel: ParallelConfig
@@ -49,6 +55,7 @@ class Candidate:
     virtual_stages: int = 1
     layer_split: tuple[int, ...] | None = None
     fp8_param_gather: bool = False
+    recompute_modules: tuple[str, ...] = ()
 
     @classmethod
     def of(
@@ -73,6 +80,7 @@ class Candidate:
         schedule: str | None = None,
         grad_reduce_in_bf16: bool = False,
         fp8_param_gather: bool = False,
+        recompute_modules: tuple[str, ...] = (),
     ) -> Candidate:
         """The candidate of these choices (``sharding``: the strategy, else ``optim`` with
         ``distributed_optimizer``, else ``no_shard``; ``layer_split`` at ``virtual_stages`` > 1: the
@@ -107,6 +115,7 @@ class Candidate:
             virtual_stages,
             layer_split,
             fp8_param_gather,
+            tuple(recompute_modules) if recompute == "selective" else (),
         )
 
     def fields(self) -> dict[str, Any]:
@@ -132,6 +141,7 @@ class Candidate:
             "reshard_after_forward": p.reshard_after_forward,
             "grad_reduce_in_bf16": p.grad_reduce_in_bf16,
             "fp8_param_gather": self.fp8_param_gather,
+            "recompute_modules": self.recompute_modules,
         }
 
     def replace(self, **changes: Any) -> Candidate:
@@ -163,6 +173,13 @@ class Candidate:
     @property
     def sharding_strategy(self) -> str:
         return self.parallel.sharding_strategy
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The modules selective recompute runs again (core_attn by default); () otherwise."""
+        if self.recompute != "selective":
+            return ()
+        return self.recompute_modules or ("core_attn",)
 
     @property
     def bf16_grads(self) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 from ptdp.config.model import ModelConfig
 from ptdp.errors import ConfigError
 from ptdp.layout.pipeline.partition import stage_layer_counts, virtual_stages
-from ptdp.planner.candidate import OP_SAC
+from ptdp.planner.candidate import MOE_RECOMPUTE_MODULES, OP_SAC, RECOMPUTE_MODULES
 from ptdp.planner.inputs.hardware import CATALOG, Cluster, GiB, GPUType, get_gpu, load_catalog, runs_flash_attention
 from ptdp.planner.inputs.hf_config import hf_model_name, is_config_path, load_hf_config
 from ptdp.planner.inputs.models import (
@@ -152,9 +152,32 @@ def fixed_from_args(args: argparse.Namespace) -> Fixed:
     return Fixed(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Fixed)})
 
 
+def _recompute_modules(fixed: Fixed) -> Fixed:
+    """``--recompute-modules``: selective recompute of those modules (ConfigError for another
+    granularity, an unknown module, or a MoE / MLA one)."""
+    modules = tuple(dict.fromkeys(fixed.recompute_modules or ()))
+    moe = [m for m in modules if m in MOE_RECOMPUTE_MODULES]
+    if moe:
+        raise ConfigError(
+            f"--recompute-modules {' '.join(moe)}: modules of mixture-of-experts or MLA layers; the "
+            f"planned models are dense (known: {', '.join(RECOMPUTE_MODULES)})"
+        )
+    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+    if unknown:
+        raise ConfigError(f"--recompute-modules {' '.join(unknown)}: unknown (known: {', '.join(RECOMPUTE_MODULES)})")
+    if fixed.recompute_granularity not in (None, "selective"):
+        raise ConfigError(
+            f"--recompute-modules chooses what selective recompute runs again: it needs "
+            f"--recompute-granularity selective, not {fixed.recompute_granularity}"
+        )
+    return dataclasses.replace(fixed, recompute_granularity="selective", recompute_modules=modules)
+
+
 def _op_sac(fixed: Fixed) -> Fixed:
     """``--selective-ac-option op``: the recompute planned is torchtitan's per-op checkpointing
     (:data:`~ptdp.planner.candidate.OP_SAC`); ConfigError unless the granularity is selective."""
+    if fixed.recompute_modules is not None:
+        raise ConfigError("--selective-ac-option op (torchtitan's) and --recompute-modules (Megatron-Core's): give one")
     if fixed.recompute_granularity not in (None, "selective"):
         raise ConfigError(
             f"--selective-ac-option op is a kind of selective checkpointing: it needs "
@@ -253,6 +276,8 @@ def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanR
     if args.pipeline_layer_split is not None:
         stage_layer_counts(model.num_layers, len(args.pipeline_layer_split), args.pipeline_layer_split)
     fixed = _counted_chunks_as_v(fixed_from_args(args), model.num_layers)
+    if fixed.recompute_modules is not None:
+        fixed = _recompute_modules(fixed)
     if getattr(args, "selective_ac_option", None):
         fixed = _op_sac(fixed)
     check_stage_layers(model.num_layers, fixed)

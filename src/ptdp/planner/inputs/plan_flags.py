@@ -63,6 +63,15 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "main parameters",
     )
     g.add_argument(
+        "--recompute-modules",
+        nargs="+",
+        metavar="MODULE",
+        default=None,
+        help="with --recompute-granularity selective: what Megatron-Core recomputes (its flag; "
+        "planner only): core_attn (the default: the attention core), layernorm (the norms' outputs "
+        "feeding QKV and fc1), mlp (the whole MLP but its input); MoE and MLA modules do not apply",
+    )
+    g.add_argument(
         "--selective-ac-option",
         choices=("op",),
         default=None,

@@ -44,6 +44,7 @@ def layer_activation_bytes(
     sequence_parallel: bool,
     recompute: str,
     precision: str = "bf16",
+    modules: tuple[str, ...] = ("core_attn",),
 ) -> float:
     """Activation bytes one transformer layer keeps for backward, per microbatch, on one tp rank.
 
@@ -55,6 +56,9 @@ def layer_activation_bytes(
     ``h`` before its reduction; torchtitan ``_op_sac_save_list``: every second mm recomputed). Generalised per token for GQA (``4 a d + 4 kv d``) and SwiGLU (``6 ffn`` instead of ``4 ffn``).
     With ``model.flash_attention`` (Dao et al. 2022, arXiv:2205.14135) no score is kept, only the fp32
     log-sum-exp, ``4 a`` bytes per token. "fp8" (Transformer Engine FP8) keeps the four GEMM inputs in 1 byte.
+    With "selective", ``modules`` are Megatron-Core's ``--recompute-modules``: ``core_attn`` drops the
+    scores (above), ``layernorm`` the two norms' outputs (the QKV and fc1 inputs, recomputed from the
+    norms' inputs), ``mlp`` everything the MLP keeps but its input (fc1's input and output, fc2's input).
     Raises ValueError for an unknown ``recompute``.
     """
     if recompute not in ("none", "selective", "full", "op"):
@@ -71,13 +75,15 @@ def layer_activation_bytes(
         per_token = e * h / (t if sequence_parallel else 1) + e * saved / t + e32 * a / t
         return tokens * (per_token + (e * h if model.swiglu else 0.0))
     mask = 1 if model.has_dropout else 0
-    replicated = (2 * e + 2 * g + 2 * mask) * h
+    kept = set(modules) if recompute == "selective" else set()
+    gemm_inputs = 0 if "layernorm" in kept else (1 if "mlp" in kept else 2)  # of QKV and fc1
+    replicated = (2 * e + gemm_inputs * g + 2 * mask) * h
     mlp = (2 if model.swiglu else 1) * model.ffn  # fc1 output: GELU input, or SwiGLU's gate and up halves
-    split = e * (a * d + 2 * kv * d + mlp) + g * (a * d + model.ffn)
+    split = e * (a * d + 2 * kv * d) + g * a * d + (0 if "mlp" in kept else e * mlp + g * model.ffn)
     per_token = replicated / (t if sequence_parallel else 1) + split / t
     if model.flash_attention:
         per_token += e32 * a / t
-    elif recompute == "none":
+    elif recompute == "none" or (recompute == "selective" and "core_attn" not in kept):
         per_token += (e + (mask + e) * mask) * a * s / t
     return tokens * per_token
 
@@ -167,7 +173,13 @@ def stage_activation_bytes(
     """
     b, sp, precision = layout.micro_batch_size, layout.parallel.sequence_parallel, layout.precision
     per_layer = layer_activation_bytes(
-        model, layout.tp, b, sequence_parallel=sp, recompute=layout.recompute, precision=precision
+        model,
+        layout.tp,
+        b,
+        sequence_parallel=sp,
+        recompute=layout.recompute,
+        precision=precision,
+        modules=layout.modules,
     )
     mbs = inflight_microbatches(layout, pp_rank, schedule=schedule)
     last = pp_rank == layout.pp - 1
@@ -246,7 +258,7 @@ def rank_activation_bytes(
     )
     none, selective = activations(recompute="none"), activations(recompute="selective")
     missing = unfused_score_bytes_missing(none, selective, cp, model.flash_attention)
-    if layout.recompute == "none":
+    if layout.recompute == "none" or (layout.recompute == "selective" and "core_attn" not in layout.modules):
         out += missing * layers_on_stage * inflight_microbatches(layout, pp_rank, schedule=schedule)
     elif layout.recompute == "full":
         out += missing  # the one layer recomputed at a time
@@ -272,6 +284,7 @@ def cached_rank_activation_bytes(
         layout.global_batch_size,
         layout.virtual_stages,
         layout.recompute,
+        layout.recompute_modules,
         layout.parallel.sequence_parallel,
         layout.precision,
         layout.layer_split,

@@ -78,6 +78,7 @@ def layout_flags(layout: Candidate) -> str:
     words += [] if layout.parallel.reshard_after_forward else ["--no-reshard-after-forward"]
     words += ["--grad-reduce-in-bf16"] if layout.bf16_grads else []
     words += ["--fp8-param-gather"] if layout.fp8_param_gather else []
+    words += [f"--recompute-modules {' '.join(layout.recompute_modules)}"] if layout.recompute_modules else []
     return " ".join(words)
 
 

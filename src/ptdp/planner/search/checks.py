@@ -161,7 +161,8 @@ def ineffective_flag_notes(model: ModelConfig, fixed: Fixed) -> list[str]:
             f"note: --cp-comm-type {fixed.cp_comm_type} changes nothing with --cp 1: without context "
             "parallelism no keys and values are exchanged"
         )
-    if fixed.recompute_granularity == "selective" and model.flash_attention:
+    core_only = set(fixed.recompute_modules or ("core_attn",)) == {"core_attn"}
+    if fixed.recompute_granularity == "selective" and model.flash_attention and core_only:
         notes.append(
             "note: --recompute-granularity selective changes nothing with flash attention: the kernel "
             "keeps no s x s attention scores, so recomputing the attention core saves no memory (planned "

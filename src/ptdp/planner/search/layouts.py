@@ -74,6 +74,8 @@ class Fixed:
     grad_reduce_in_bf16: bool | None = None
     fp8_param_gather: bool | None = None
     """FP8 weights (``--fp8-param-gather``, planner only)."""
+    recompute_modules: tuple[str, ...] | None = None
+    """Megatron-Core's ``--recompute-modules`` with selective recompute (planner only)."""
 
     @property
     def tp(self) -> int | None:
@@ -352,6 +354,7 @@ def _search_layout(
                         reshard_after_forward=fixed.reshard_after_forward is not False,
                         grad_reduce_in_bf16=bool(fixed.grad_reduce_in_bf16),
                         fp8_param_gather=bool(fixed.fp8_param_gather),
+                        recompute_modules=tuple(fixed.recompute_modules or ()),
                     )
 
                 plans, rejected = predict_strategies(

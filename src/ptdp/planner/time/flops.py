@@ -73,6 +73,35 @@ def layer_gemms(model: ModelConfig, tp: int, micro_batch_size: int) -> tuple[tup
     )
 
 
+def module_recompute_time(
+    model: ModelConfig,
+    tp: int,
+    micro_batch_size: int,
+    sequence_parallel: bool,
+    modules: tuple[str, ...],
+    peak_flops: float,
+    bandwidth: float,
+    peak_fraction: float,
+    half_dim: float,
+) -> float:
+    """Seconds ``--recompute-modules`` ``layernorm`` and ``mlp`` add to one layer's backward on one
+    tp rank, one microbatch: the two norms (read the input, write the output: ``2 x 2 e h`` bytes
+    per token, /t with sequence parallelism) and the MLP's forward (fc1, fc2 and the activation's
+    ``FFN_BYTES`` per element). ``core_attn`` is :func:`layer_compute_times`' third item."""
+    tokens, h, t = micro_batch_size * model.seq_length, model.hidden_size, tp
+    out = 0.0
+    if "layernorm" in modules:
+        out += 2 * 4.0 * tokens * h / (t if sequence_parallel else 1) / bandwidth
+    if "mlp" in modules:
+        timed = partial(
+            gemm_time, peak_flops=peak_flops, bandwidth=bandwidth, peak_fraction=peak_fraction, half_dim=half_dim
+        )
+        gemms = layer_gemms(model, tp, micro_batch_size)
+        ffn = FFN_BYTES_SWIGLU if model.swiglu else FFN_BYTES_GELU
+        out += timed(*gemms[4]) + timed(*gemms[5]) + ffn * tokens * model.ffn / t / bandwidth
+    return out
+
+
 def op_sac_shares(model: ModelConfig) -> tuple[float, ...]:
     """Share of each of :func:`layer_gemms` that torchtitan's per-op checkpointing runs again in
     backward (the even-numbered matmuls of Q, K, V, O, fc1 [, fc3], fc2: K, the projection, and
@@ -139,17 +168,24 @@ def model_flops_per_step(model: ModelConfig, global_batch_size: int) -> float:
 
 
 @lru_cache(maxsize=65536)
-def hardware_flops_per_step(model: ModelConfig, global_batch_size: int, recompute: str) -> float:
+def hardware_flops_per_step(
+    model: ModelConfig, global_batch_size: int, recompute: str, modules: tuple[str, ...] = ()
+) -> float:
     """FLOPs executed in one step, all GPUs, counting the recompute forward.
 
     Full recompute: ``4 x`` layer forward + ``3 x`` logits, i.e. [N21] eq. 3 for GPT:
     ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``. Selective: model FLOPs + the attention core once
-    more (nothing with a flash kernel, which is not recomputed). "op": the matmuls per-op
+    more (nothing with a flash kernel, which is not recomputed), and with ``modules`` holding mlp
+    the MLP's GEMMs (``modules``: Megatron-Core's ``--recompute-modules``). "op": the matmuls per-op
     checkpointing runs again (:func:`op_sac_shares`). None: model FLOPs.
     """
     extra = 0.0
     if recompute == "full":
         extra = layer_forward_flops(model, 1, 1)
+    elif recompute == "selective" and "mlp" in modules:
+        gemms = layer_gemms(model, 1, 1)
+        extra = gemm_flops(*gemms[4]) + gemm_flops(*gemms[5])
+        extra += attention_core_flops(model, 1, 1) if "core_attn" in modules and not model.flash_attention else 0.0
     elif recompute == "op":
         extra = sum(share * gemm_flops(*g) for share, g in zip(op_sac_shares(model), layer_gemms(model, 1, 1)))
     elif recompute == "selective" and not model.flash_attention:

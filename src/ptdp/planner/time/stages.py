@@ -91,7 +91,19 @@ def stage_microbatch_times(
     hidden = tp_hidden_share(c, tp, layout.parallel.sequence_parallel)
     tp_f, tp_b = (1.0 - hidden) * tp_f, (1.0 - hidden) * tp_b
     cp_f, cp_b = kv_exchange_times(model, tp, layout.cp, b, layout.parallel.cp_comm_type, block, links, elem, block_bwd)
-    rec = {"full": fwd, "selective": core}.get(layout.recompute, 0.0)
+    rec = {"full": fwd, "selective": core if "core_attn" in layout.modules else 0.0}.get(layout.recompute, 0.0)
+    if layout.recompute == "selective":
+        rec += flops.module_recompute_time(
+            local,
+            tp,
+            b,
+            layout.parallel.sequence_parallel,
+            layout.modules,
+            peak,
+            bandwidth,
+            c.gemm_peak_fraction,
+            c.gemm_half_dim,
+        )
     if layout.recompute == "op":
         rec = flops.op_sac_recompute_time(
             local,
@@ -105,6 +117,8 @@ def stage_microbatch_times(
         )
     full = layout.recompute == "full"
     rec_comm, rec_cp = (tp_f, cp_f) if full else (0.0, 0.0)
+    if "mlp" in layout.modules:  # the MLP's all-gather / reduce-scatter (or all-reduce) again
+        rec_comm = tp_f / 2
     mid = (
         layers * (fwd + bwd + c.layer_overhead),
         layers * rec,

@@ -174,7 +174,7 @@ def evaluate_performance(
     time = _with_core_sharing(time, (first, mid, last), p2p, m, layout, cluster)
     step, gpus = time.step, layout.num_gpus
     model_flops = flops.model_flops_per_step(model, layout.global_batch_size)
-    hw_flops = flops.hardware_flops_per_step(model, layout.global_batch_size, layout.recompute)
+    hw_flops = flops.hardware_flops_per_step(model, layout.global_batch_size, layout.recompute, layout.modules)
     return Performance(
         time=time,
         tflops_per_gpu=hw_flops / (step * gpus),
