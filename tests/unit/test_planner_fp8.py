@@ -59,14 +59,15 @@ def test_fp8_weight_copies_in_memory():
 
 @pytest.mark.parametrize("sharding", ["optim", "optim_grads_params"])
 def test_fp8_param_gather_keeps_the_gemm_weights_in_one_byte(sharding):
-    """--fp8-param-gather: the FP8 GEMMs' weights are 1 byte (sharded with the parameters under
-    optim_grads_params) and have no FP8 copy; everything else as with --fp8."""
+    """--fp8-param-gather: the FP8 GEMMs' weights are 1 byte (under optim_grads_params, whose shards
+    are float32, the gathered layers) and have no FP8 copy; everything else as with --fp8."""
     model = get_model("llama3-8b")
     layout = Candidate.of(tp=2, pp=2, dp=2, micro_batch_size=1, global_batch_size=8, precision="fp8", sharding=sharding)
     copies = memory_breakdown(model, layout, H100)
     fp8_params = memory_breakdown(model, layout.replace(fp8_param_gather=True), H100)
     bf16 = memory_breakdown(model, layout.replace(precision="bf16"), H100)
-    weights = (model.num_layers // 2) * layer_fp8_weights(model, 2) / (2 if sharding == "optim_grads_params" else 1)
+    # ZeRO-3's shards are float32: only its two gathered layers are FP8 (1 byte instead of 2)
+    weights = (2 if sharding == "optim_grads_params" else model.num_layers // 2) * layer_fp8_weights(model, 2)
     assert fp8_params.stage == copies.stage == bf16.stage
     assert bf16.params - fp8_params.params == pytest.approx(weights, rel=1e-12)
     assert (fp8_params.grads, fp8_params.optimizer, fp8_params.activations) == (

@@ -97,7 +97,15 @@ def test_bad_tables_are_refused_naming_the_file(tmp_path, capsys):
         reader = csv.DictReader(f)
         fields, first = reader.fieldnames or [], next(reader)
     empty, zero, reduce = tmp_path / "empty.csv", tmp_path / "zero.csv", tmp_path / "reduce.csv"
-    for path, rows in ((empty, []), (zero, [{**first, "reported": "0"}]), (reduce, [{**first, "grad_reduce": "fp8"}])):
+    weights, fp16 = tmp_path / "weights.csv", tmp_path / "fp16.csv"
+    bf16_row = {**first, "precision": "bf16", "fp8_param_gather": ""}
+    for path, rows in (
+        (empty, []),
+        (zero, [{**first, "reported": "0"}]),
+        (reduce, [{**first, "grad_reduce": "fp8"}]),
+        (weights, [{**bf16_row, "fp8_param_gather": "maybe"}, {**bf16_row, "fp8_param_gather": "y"}]),
+        (fp16, [{**bf16_row, "precision": "fp16", "grad_reduce": "bf16"}]),
+    ):
         with open(path, "w", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
@@ -106,7 +114,9 @@ def test_bad_tables_are_refused_naming_the_file(tmp_path, capsys):
         (str(tmp_path),): "is a folder",
         (str(empty),): "no runs in the table",
         (str(zero),): "reported=0 must be a positive number",
-        (str(reduce),): "grad_reduce='fp8' must be fp32 or bf16",
+        (str(reduce),): f"--validate {reduce}:2: grad_reduce='fp8' must be fp32 or bf16",
+        (str(weights),): f"--validate {weights}:2: fp8_param_gather='maybe' must be y or n",
+        (str(fp16),): f"--validate {fp16}:2: grad_reduce=bf16 needs bf16 parameters (precision bf16 or fp8), not fp16",
         (str(H100), str(DATA / ".." / "data" / H100.name)): "a table given more than once",
     }
     for tables, message in cases.items():

@@ -91,13 +91,15 @@ def memory_breakdown(
     transients = layout.shard_size > 1 and layout.sharding_strategy in ("optim_grads", "optim_grads_params")
     for rank, n_params, n_layers in candidates:
         act = cached_rank_activation_bytes(model, layout, rank, n_layers, schedule, make_vocab_size_divisible_by)
+        zero3 = layout.sharding_strategy == "optim_grads_params" and layout.shard_size > 1
         fp8_copies = fp8_weight_copy_bytes(
             model,
             layout.tp,
-            n_layers,
+            # ZeRO-3 (float32 shards): the gathered layers' FP8 copies only (two at the peak, freed
+            # with them), or with FP8 weights those layers gathered in 1 byte instead of 2
+            min(n_layers, 2) if zero3 else n_layers,
             layout.precision,
             param_gather=layout.fp8_param_gather,
-            shard=layout.shard_size if layout.sharding_strategy == "optim_grads_params" else 1,
         )
         parts = (
             rank_state_bytes(

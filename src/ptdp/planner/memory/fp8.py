@@ -8,7 +8,8 @@ Each of those weights also has an FP8 copy and its transpose, kept for the whole
 (:data:`FP8_WEIGHT_COPY_BYTES`). With ``--fp8-param-gather`` (Megatron-LM's flag; Transformer Engine's
 ``fp8_model_init``) those weights are FP8 tensors themselves: 1 byte each, no copy, the transpose
 made when backward needs it (``keep_fp8_transpose_cache`` off), the fp32 main parameters in the
-optimizer as before. Communication is unchanged.
+optimizer as before; the parameter all-gathers (distributed optimizer, ZeRO-3) move those weights
+in 1 byte. Under ZeRO-3, whose shards are float32, both apply to the gathered layers only.
 """
 
 from __future__ import annotations

@@ -91,7 +91,8 @@ def text_report(
         f"{cluster.num_gpus} x {gpu.name} "
         f"({cluster.gpus_per_node} per node); {result.evaluated:,} layouts, {len(result.plans):,} fit",
         "memory in GiB on the most loaded GPU; time in seconds per step; TFLOP/s per GPU = FLOPs executed "
-        "(with full recompute Narayanan et al. eq. 3; with selective the recomputed attention added) / step time; "
+        "(with full recompute Narayanan et al. eq. 3; with selective the recomputed attention, and the MLP's GEMMs "
+        "with --recompute-modules mlp, added; with op the recomputed matmuls) / step time; "
         "MFU = model FLOPs / (step time x peak)",
         "",
     ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from ptdp.config.model import ModelConfig
 from ptdp.layout.buckets import chunk_by_chunk
 from ptdp.planner.candidate import Candidate
+from ptdp.planner.memory.fp8 import layer_fp8_weights
 from ptdp.planner.memory.params import layer_param_count
 from ptdp.planner.memory.strategies import check_strategy
 from ptdp.planner.time.collectives import Links, dp_group_per_node, embedding_sync_time, hierarchical_all_reduce_time
@@ -54,12 +55,16 @@ def dp_comm_time(
         v if chunk_by_chunk(layout.sharding_strategy, layout.shard_size, v, layout.num_microbatches, layout.pp) else 1
     )
 
+    # --fp8-param-gather: the FP8 GEMMs' weights are all-gathered in 1 byte
+    fp8_saved = (elem - 1.0) if layout.fp8_param_gather and layout.precision == "fp8" else 0.0
+    fp8_layer = fp8_saved * layer_fp8_weights(model, layout.tp)
+
     def exposed(end_overlap: float) -> float:
         return sharded_dp_times(
             layout.sharding_strategy,
             grad_bytes=layout.grad_bytes * n_params,
-            param_bytes=elem * n_params,
-            unit_param_bytes=elem * unit,
+            param_bytes=elem * n_params - stage_layers * fp8_layer,
+            unit_param_bytes=elem * unit - (fp8_layer if unit == per_layer else 0.0),
             tp=layout.tp,
             shard=layout.shard_size,
             num_microbatches=layout.num_microbatches,

@@ -200,11 +200,16 @@ def h100_name(run: H100Run) -> str:
 
 
 def h100_label(run: H100Run) -> str:
-    """:func:`layout_label` with ``c{cp}`` and, where the run overlapped its TP communication, ``tpo``."""
+    """:func:`layout_label` with ``c{cp}``, ``tpo`` where the run overlapped its TP communication,
+    ``fp8`` (``fp8w``: with FP8 weights) for FP8 runs and ``g16`` for bf16 gradients."""
+    lay = run.layout
+    precision = (" fp8w" if lay.fp8_param_gather else " fp8") if lay.precision == "fp8" else ""
     return (
-        layout_label(run.layout)
-        + (f" c{run.layout.cp}" if run.layout.cp > 1 else "")
+        layout_label(lay)
+        + (f" c{lay.cp}" if lay.cp > 1 else "")
         + (" tpo" if run.tp_overlap else "")
+        + precision
+        + (" g16" if lay.bf16_grads else "")
     )
 
 

@@ -276,8 +276,23 @@ def _grad_reduce_in_bf16(text: str) -> bool:
     return value == "bf16"
 
 
+def _flag(text: str, column: str) -> bool:
+    """An optional y/n column (empty: n); ValueError for another value."""
+    value = text.strip().lower()
+    if value not in ("", "y", "n", "yes", "no"):
+        raise ValueError(f"{column}={text!r} must be y or n")
+    return value in ("y", "yes")
+
+
 def _layout(r: dict) -> Candidate:
     split = tuple(int(x) for x in r["layer_split"].split()) or None
+    precision = r["precision"].strip()
+    bf16_grads = _grad_reduce_in_bf16(r.get("grad_reduce") or "")
+    fp8_params = _flag(r.get("fp8_param_gather") or "", "fp8_param_gather")
+    if bf16_grads and precision not in ("bf16", "fp8"):
+        raise ValueError(f"grad_reduce=bf16 needs bf16 parameters (precision bf16 or fp8), not {precision}")
+    if fp8_params and precision != "fp8":
+        raise ValueError(f"fp8_param_gather=y needs precision fp8, not {precision}")
     cp = int(r["cp"])
     cp_comm_type = (r["cp_comm_type"].strip() or "p2p") if cp > 1 else "p2p"
     return Candidate.of(
@@ -290,12 +305,12 @@ def _layout(r: dict) -> Candidate:
         recompute=r["recompute"].strip(),
         sequence_parallel=_yes(r["sequence_parallel"]),
         sharding=r["sharding"].strip(),
-        precision=r["precision"].strip(),
+        precision=precision,
         layer_split=split,
         cp=max(cp, 1),
         cp_comm_type=cp_comm_type,
-        grad_reduce_in_bf16=_grad_reduce_in_bf16(r.get("grad_reduce") or ""),
-        fp8_param_gather=_yes(r.get("fp8_param_gather") or ""),
+        grad_reduce_in_bf16=bf16_grads,
+        fp8_param_gather=fp8_params,
     )
 
 
@@ -308,7 +323,11 @@ def load_h100_runs(path: str | Path) -> list[H100Run]:
     runs = []
     with open(path, newline="", encoding="utf-8") as f:
         for line, r in enumerate(csv.DictReader(f), start=2):
-            model, layout, gpu = _model(r), _layout(r), _catalog_gpu(r["gpu_type"], f"{path}:{line}")
+            try:
+                layout = _layout(r)
+            except ValueError as e:
+                raise ValueError(f"{path}:{line}: {e}") from None
+            model, gpu = _model(r), _catalog_gpu(r["gpu_type"], f"{path}:{line}")
             if layout.num_gpus != int(r["gpus"]):
                 raise ValueError(f"{path}:{line}: gpus={r['gpus']} but tp*cp*pp*dp = {layout.num_gpus}")
             reported, unit, convention = float(r["reported"]), r["reported_unit"].strip(), r["flop_convention"].strip()
