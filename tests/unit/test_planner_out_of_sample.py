@@ -165,7 +165,7 @@ def test_one_virtual_stage_is_no_interleaving_and_takes_a_layer_split(capsys):
 @pytest.mark.parametrize(
     "extra, named",
     [
-        (["--tp", "2", "--json"], "--tensor-model-parallel-size, --json would be ignored (drop them)"),
+        (["--tp", "2", "--json"], "--tensor-model-parallel-size/--tp, --json would be ignored (drop them)"),
         (["--gpu", "h100-sxm"], "--gpu would be ignored (drop it)"),
         (["--plot", "x.png"], "--plot would be ignored"),
         (["--calibrate"], "--calibrate would be ignored"),

@@ -102,7 +102,8 @@ def check_validate_flags(args: argparse.Namespace) -> None:
     add_plan_arguments(parser)
     defaults = vars(parser.parse_args([]))
     given = [
-        action.option_strings[0]
+        # the flag and its short alias, e.g. --tensor-model-parallel-size/--tp (not its --no- form)
+        "/".join([o for o in action.option_strings if not o.startswith("--no-")][:2])
         for action in parser._actions
         if action.dest not in VALIDATE_SETTINGS
         and action.option_strings
