@@ -235,7 +235,7 @@ def test_update_benchmarks_keeps_one_block_per_table(tmp_path):
     update_markdown(doc, validation_markdown(CSV), "cmd", (begin, end))
     text = doc.read_text(encoding="utf-8")
     assert "A100 block" in text and "old" not in text and text.endswith("tail\n")
-    assert "| step time, H100 runs (s) | 13 |" in text
+    assert "| step time, bf16 runs (s) | 13 |" in text
 
 
 def test_catalog_file_may_name_the_architecture(tmp_path):

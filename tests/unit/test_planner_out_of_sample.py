@@ -88,7 +88,7 @@ def test_plan_validate_reports_in_sample_and_left_out_errors_per_table_and_toget
     out = capsys.readouterr().out
     assert out.count("mean, its source left out") == 3  # each table, then all H100-format tables
     assert "All H100-format tables together" in out
-    rows = re.findall(r"^\| step time, H100 runs \(s\) \| (\d+) \|", out, re.M)
+    rows = re.findall(r"^\| step time, bf16 runs \(s\) \| (\d+) \|", out, re.M)
     assert len(rows) == 3 and int(rows[2]) == int(rows[0]) + int(rows[1])
 
 
@@ -140,7 +140,7 @@ def test_a_single_source_has_no_left_out_error(tmp_path):
     one = tmp_path / "one.csv"
     one.write_text("\n".join([lines[0], *[x for x in lines[1:] if "model_table.png" in x]]) + "\n", encoding="utf-8")
     text = validation_markdown(one)
-    assert "| n/a |" in text and re.search(r"\| step time, H100 runs \(s\) \| 9 \| [0-9.]+% \| [0-9.]+% \|\n", text)
+    assert "| n/a |" in text and re.search(r"\| step time, bf16 runs \(s\) \| 9 \| [0-9.]+% \| [0-9.]+% \|\n", text)
 
 
 def test_each_table_has_its_own_block_under_one_heading(tmp_path):

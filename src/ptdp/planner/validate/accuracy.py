@@ -64,9 +64,10 @@ ITER_TIME = "iteration time (s)"
 ACT_NONE = "activations, TP only, no recompute (GiB)"
 ACT_SEQSEL = "activations, SP + selective (GiB)"
 PARAMS_OPT = "params + optimizer, mean over stages (GiB)"
-H100_STEP = "step time, H100 runs (s)"
-H100_STEP_CP = "step time, H100 runs with cp (s)"
-H100_STEP_FP8 = "step time, H100 FP8 runs (s)"
+#: the H100-format tables' metrics (their rows' GPUs: H100s, H200s, A100s; each row names its own)
+H100_STEP = "step time, bf16 runs (s)"
+H100_STEP_CP = "step time, bf16 runs with cp (s)"
+H100_STEP_FP8 = "step time, FP8 runs (s)"
 METRICS = (TFLOPS, ITER_TIME, ACT_NONE, ACT_SEQSEL, PARAMS_OPT, H100_STEP, H100_STEP_CP, H100_STEP_FP8)
 
 
