@@ -136,14 +136,9 @@ def run_validation(args: argparse.Namespace) -> int:
             if is_h100_table(csv):
                 h100[csv] = load_h100_runs(csv)
             count = len(h100[csv]) if csv in h100 else len(load_published_runs(csv))
-        except ValueError as e:
-            if str(e).startswith(f"{csv}:"):  # a row's error, located
+        except (KeyError, ValueError, TypeError) as e:
+            if isinstance(e, ValueError) and str(e).startswith(f"{csv}:"):  # a row's error, located
                 raise ConfigError(f"--validate {e}") from None
-            raise ConfigError(
-                f"--validate {csv}: not a published-runs table like benchmarks/data/published_runs.csv "
-                f"or published_runs_h100.csv ({type(e).__name__}: {e})"
-            ) from None
-        except (KeyError, TypeError) as e:
             raise ConfigError(
                 f"--validate {csv}: not a published-runs table like benchmarks/data/published_runs.csv "
                 f"or published_runs_h100.csv ({type(e).__name__}: {e})"

@@ -99,8 +99,8 @@ def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float64, device=device)
     if grads[0].dtype in (torch.bfloat16, torch.float16):
         norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).double()
-        return norms.pow(2).sum()
-    norms = torch.stack(torch._foreach_norm(grads)).double()
+    else:
+        norms = torch.stack(torch._foreach_norm(grads)).double()
     return norms.pow(2).sum()
 
 

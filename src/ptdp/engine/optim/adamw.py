@@ -72,6 +72,7 @@ class MainParamsAdamW:
     """
 
     def __init__(self, groups: list[dict], grads: GradBuffer, **adam_kwargs) -> None:
+        self._grads = grads if grads.data.dtype != torch.float32 else None  # bf16: copied at each step
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         self.main_data = torch.zeros_like(grads.data, dtype=torch.float32)
         main_groups = []
@@ -82,14 +83,13 @@ class MainParamsAdamW:
                 view = self.main_data[grad.storage_offset() : grad.storage_offset() + p.numel()].view_as(p)
                 view.copy_(p.detach())
                 main = nn.Parameter(view)
-                main.grad = grad if grad.dtype == torch.float32 else None  # else bound at each step
+                main.grad = grad if self._grads is None else None
                 self.pairs.append((p, main))
                 mains.append(main)
             main_groups.append({**group, "params": mains})
         self.inner = adamw(main_groups, **adam_kwargs)
         self._model: list[torch.Tensor] = [p for p, _ in self.pairs]
         self._mains: list[torch.Tensor] = [m for _, m in self.pairs]
-        self._grads = grads if grads.data.dtype != torch.float32 else None
 
     @property
     def param_groups(self) -> list[dict]:

@@ -59,6 +59,10 @@ class ShardedAdamW:
         low_precision = param_data.dtype in (torch.bfloat16, torch.float16)
         # optim_grads_params with 16-bit parameters: the float32 shard is the main parameters
         self.main_is_shard = units is not None and units.param_dtype in (torch.bfloat16, torch.float16)
+        # bf16 gradients (--grad-reduce-in-bf16) for float32 mains: a float32 copy at each step
+        self._bf16_grads = shard_grads.dtype == torch.bfloat16 and (low_precision or self.main_is_shard)
+        self._shard_grads = shard_grads
+        self._grad_views: list[torch.Tensor] = []  # with _bf16_grads: each segment's in shard_grads
         self.pairs: list[tuple[torch.Tensor, nn.Parameter]] = []  # (model shard view, main)
         self.segment_mains: list[tuple[Segment, nn.Parameter]] = []  # (Segment, its main), for checkpoints
         decay: list[nn.Parameter] = []
@@ -66,8 +70,11 @@ class ShardedAdamW:
         for seg in grads.segments:
             model_view = seg.param.data.view(-1)[seg.lo : seg.hi] if units is None else units.shard_view(seg)
             main = nn.Parameter(model_view.detach().float().clone() if low_precision else model_view)
-            if shard_grads.dtype == main.dtype:  # else (bf16 gradients) bound at each step
-                main.grad = shard_grads[seg.shard_offset : seg.shard_offset + (seg.hi - seg.lo)]
+            view = shard_grads[seg.shard_offset : seg.shard_offset + (seg.hi - seg.lo)]
+            if self._bf16_grads:
+                self._grad_views.append(view)
+            else:
+                main.grad = view
             if low_precision:
                 self.pairs.append((model_view, main))
             self.segment_mains.append((seg, main))
@@ -81,11 +88,6 @@ class ShardedAdamW:
         self.inner = adamw(groups, **adam_kwargs) if groups else None
         self._model_views = [view for view, _ in self.pairs]
         self._mains: list[torch.Tensor] = [main for _, main in self.pairs]
-        # bf16 gradients (--grad-reduce-in-bf16): float32 copies of the shard at each step
-        self._bf16_grads = shard_grads.dtype == torch.bfloat16 and (low_precision or self.main_is_shard)
-        self._grad_views = [
-            shard_grads[seg.shard_offset : seg.shard_offset + (seg.hi - seg.lo)] for seg, _ in self.segment_mains
-        ]
         self._shard_ranges = [
             (b.start + rank * (b.numel // dp), b.numel // dp, b.start, b.numel) for b in grads.buckets
         ]
@@ -134,13 +136,8 @@ class ShardedAdamW:
             step_unless(self.inner, skip)
             return
         mains = [main for _, main in self.segment_mains]
-        with float32_grads(mains, self._shard_grads(), self._grad_views, self.grads.step_scale):
+        with float32_grads(mains, self._shard_grads, self._grad_views, self.grads.step_scale):
             step_unless(self.inner, skip)
-
-    def _shard_grads(self) -> torch.Tensor:
-        shard = self.grads.shard_grads
-        assert shard is not None  # checked in __init__
-        return shard
 
     @torch.no_grad()
     def step(self, skip: torch.Tensor | None = None) -> None:

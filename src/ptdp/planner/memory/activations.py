@@ -53,7 +53,8 @@ def layer_activation_bytes(
     selective recompute drops the ``5 a s / h`` term; full recompute keeps only the layer input ``2 s b h``
     (/t with SP); "op" (torchtitan's per-op checkpointing) keeps the layer input, the attention output
     and log-sum-exp and the odd-numbered matmul outputs of the layer (Q, V, fc1 and, with SwiGLU, fc2's
-    ``h`` before its reduction; torchtitan ``_op_sac_save_list``: every second mm recomputed). Generalised per token for GQA (``4 a d + 4 kv d``) and SwiGLU (``6 ffn`` instead of ``4 ffn``).
+    ``h`` before its reduction; torchtitan ``_op_sac_save_list``: every second mm recomputed).
+    Generalised per token for GQA (``4 a d + 4 kv d``) and SwiGLU (``6 ffn`` instead of ``4 ffn``).
     With ``model.flash_attention`` (Dao et al. 2022, arXiv:2205.14135) no score is kept, only the fp32
     log-sum-exp, ``4 a`` bytes per token. "fp8" (Transformer Engine FP8) keeps the four GEMM inputs in 1 byte.
     With "selective", ``modules`` are Megatron-Core's ``--recompute-modules``: ``core_attn`` drops the

@@ -93,13 +93,36 @@ def module_recompute_time(
     if "layernorm" in modules:
         out += 2 * 4.0 * tokens * h / (t if sequence_parallel else 1) / bandwidth
     if "mlp" in modules:
-        timed = partial(
-            gemm_time, peak_flops=peak_flops, bandwidth=bandwidth, peak_fraction=peak_fraction, half_dim=half_dim
-        )
-        gemms = layer_gemms(model, tp, micro_batch_size)
+        gemms = _gemms_time(model, tp, micro_batch_size, MLP_SHARES, peak_flops, bandwidth, peak_fraction, half_dim)
         ffn = FFN_BYTES_SWIGLU if model.swiglu else FFN_BYTES_GELU
-        out += timed(*gemms[4]) + timed(*gemms[5]) + ffn * tokens * model.ffn / t / bandwidth
+        out += gemms + ffn * tokens * model.ffn / t / bandwidth
     return out
+
+
+#: Share of each of :func:`layer_gemms` that recomputing the MLP (``--recompute-modules mlp``) runs again
+MLP_SHARES = (0.0, 0.0, 0.0, 0.0, 1.0, 1.0)
+
+
+def _gemms_flops(model: ModelConfig, shares: tuple[float, ...]) -> float:
+    """FLOPs of ``shares`` (one per :func:`layer_gemms` GEMM) of one layer's forward, one token row."""
+    return sum(share * gemm_flops(*g) for share, g in zip(shares, layer_gemms(model, 1, 1)))
+
+
+def _gemms_time(
+    model: ModelConfig,
+    tp: int,
+    micro_batch_size: int,
+    shares: tuple[float, ...],
+    peak_flops: float,
+    bandwidth: float,
+    peak_fraction: float,
+    half_dim: float,
+) -> float:
+    """Seconds of ``shares`` (one per :func:`layer_gemms` GEMM) of one layer's forward GEMMs."""
+    timed = partial(
+        gemm_time, peak_flops=peak_flops, bandwidth=bandwidth, peak_fraction=peak_fraction, half_dim=half_dim
+    )
+    return sum(share * timed(*g) for share, g in zip(shares, layer_gemms(model, tp, micro_batch_size)) if share)
 
 
 def op_sac_shares(model: ModelConfig) -> tuple[float, ...]:
@@ -123,11 +146,8 @@ def op_sac_recompute_time(
     """Seconds one layer's per-op checkpointing (``--selective-ac-option op``) adds to a
     microbatch's backward on one tp rank: the recomputed matmuls (:func:`op_sac_shares`) and every
     memory-bound kernel of the forward (norms, rotary, activation)."""
-    timed = partial(
-        gemm_time, peak_flops=peak_flops, bandwidth=bandwidth, peak_fraction=peak_fraction, half_dim=half_dim
-    )
-    gemms = layer_gemms(model, tp, micro_batch_size)
-    matmuls = sum(share * timed(*g) for share, g in zip(op_sac_shares(model), gemms) if share)
+    shares = op_sac_shares(model)
+    matmuls = _gemms_time(model, tp, micro_batch_size, shares, peak_flops, bandwidth, peak_fraction, half_dim)
     elementwise, scores = layer_elementwise_bytes(model, tp, micro_batch_size, sequence_parallel=sequence_parallel)
     return matmuls + (elementwise - scores) / bandwidth
 
@@ -183,11 +203,10 @@ def hardware_flops_per_step(
     if recompute == "full":
         extra = layer_forward_flops(model, 1, 1)
     elif recompute == "selective" and "mlp" in modules:
-        gemms = layer_gemms(model, 1, 1)
-        extra = gemm_flops(*gemms[4]) + gemm_flops(*gemms[5])
+        extra = _gemms_flops(model, MLP_SHARES)
         extra += attention_core_flops(model, 1, 1) if "core_attn" in modules and not model.flash_attention else 0.0
     elif recompute == "op":
-        extra = sum(share * gemm_flops(*g) for share, g in zip(op_sac_shares(model), layer_gemms(model, 1, 1)))
+        extra = _gemms_flops(model, op_sac_shares(model))
     elif recompute == "selective" and not model.flash_attention:
         extra = attention_core_flops(model, 1, 1)
     return model_flops_per_step(model, global_batch_size) + global_batch_size * model.num_layers * extra
