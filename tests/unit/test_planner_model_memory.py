@@ -300,6 +300,12 @@ def test_recompute_modules_free_what_megatron_core_recomputes():
     mlp = flops.module_recompute_time(llama, 4, 1, True, ("mlp",), 989e12, 3.35e12, 0.8, 128.0)
     norms = flops.module_recompute_time(llama, 4, 1, True, ("layernorm",), 989e12, 3.35e12, 0.8, 128.0)
     assert mlp > norms > 0
+    # the attention core counts only where core_attn is recomputed (unfused kernel), as its time does
+    unfused = dataclasses.replace(PRESETS["gpt-1.7b"], use_flash_attn=False)
+    core = 8 * unfused.num_layers * flops.attention_core_flops(unfused, 1, 1)
+    base = flops.model_flops_per_step(unfused, 8)
+    assert flops.hardware_flops_per_step(unfused, 8, "selective") == pytest.approx(base + core)
+    assert flops.hardware_flops_per_step(unfused, 8, "selective", ("layernorm",)) == base
     gemms = flops.layer_gemms(llama, 1, 1)
     assert flops.hardware_flops_per_step(llama, 8, "selective", ("mlp",)) - flops.model_flops_per_step(
         llama, 8

@@ -202,13 +202,12 @@ def hardware_flops_per_step(
     extra = 0.0
     if recompute == "full":
         extra = layer_forward_flops(model, 1, 1)
-    elif recompute == "selective" and "mlp" in modules:
-        extra = _gemms_flops(model, MLP_SHARES)
-        extra += attention_core_flops(model, 1, 1) if "core_attn" in modules and not model.flash_attention else 0.0
+    elif recompute == "selective":
+        kept = modules or ("core_attn",)
+        extra = _gemms_flops(model, MLP_SHARES) if "mlp" in kept else 0.0
+        extra += attention_core_flops(model, 1, 1) if "core_attn" in kept and not model.flash_attention else 0.0
     elif recompute == "op":
         extra = _gemms_flops(model, op_sac_shares(model))
-    elif recompute == "selective" and not model.flash_attention:
-        extra = attention_core_flops(model, 1, 1)
     return model_flops_per_step(model, global_batch_size) + global_batch_size * model.num_layers * extra
 
 
