@@ -183,6 +183,31 @@ def test_chunk_by_chunk_reduces_each_bucket_once_per_step(world, layout):
             assert run["syncs"] == [], (name, run["syncs"])  # no call that would wait for a GPU
 
 
+#: the interleaved variants at (1, 2, 2): m = 4 microbatches on pp = 2 ranks, two rounds
+ROUNDS_VARIANTS = ("grads_interleaved", "params_interleaved", "grads_interleaved_sync")
+
+
+def test_chunk_by_chunk_reduces_each_bucket_once_per_round():
+    """Interleaved in two rounds (v = 2 chunks, m = 4 = 2 pp microbatches, dp 2), both strategies,
+    reduced during the backwards and after them: step 0 reduce-scatters every bucket once per
+    round, 2 N elements for a stage of N padded gradient elements (the planner's count, ``m / pp``
+    reductions per chunk; ``m N`` when every microbatch reduces), with no call that would
+    synchronise the host on a GPU. The exactness against one process and the transient equal to
+    the planner's are the other tests' (these variants are among theirs)."""
+    layout = (1, 2, 2)
+    for res in (rank_results[layout] for rank_results in world_results(4)):
+        for name in ROUNDS_VARIANTS:
+            assert name in variants(*layout), name
+            cfg = zero_config(name, *layout)
+            m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout[2])
+            assert is_chunk_by_chunk(cfg) and m == 2 * layout[1] == 4, (name, m)
+            run = res[name]
+            buckets, rs = run["buckets"], run["comm"]["dp/reduce_scatter/grads"]
+            assert {c for c, _ in buckets} == {0, 1} and sum(n for _, n in buckets) == run["grad_numel"]
+            assert (rs["calls"], rs["numel"]) == (2 * len(buckets), 2 * run["grad_numel"]), (name, rs)
+            assert run["syncs"] == [], (name, run["syncs"])
+
+
 def _peaks(buckets: list[tuple[int, int]]) -> tuple[int, int, int]:
     """Elements of the chunk-by-chunk bucket peaks of a stage of ``buckets`` ((chunk, elements) in
     bucket order): (the largest chunk, the exact peak when each chunk's buckets are started in

@@ -28,11 +28,13 @@ from helpers.zero_cases import (
     check_transients,
     cp_config,
     eval_reference,
+    is_chunk_by_chunk,
     planner_gathers,
     variants,
     world_results,
     zero_config,
 )
+from ptdp.layout.buckets import chunk_rounds
 from ptdp.layout.pipeline.program import build_programs
 from ptdp.layout.pipeline.schedule import Action
 from ptdp.run.planner_report import compare
@@ -123,7 +125,7 @@ def _stretches(cfg, pp_rank: int, m: int) -> int:
 @pytest.mark.parametrize("world, layout", CASES, ids=IDS)
 def test_one_step_communicates_as_the_formula_says(world, layout):
     """Step 0 on the dp axis: each backward reduce-scatters every bucket (m times the gradient
-    elements per step); each forward all-gathers every unit (every bucket of the stage), each
+    elements per step; interleaved, once per round: m / pp times); each forward all-gathers every unit (every bucket of the stage), each
     backward every unit but the embeddings' (only looked up: their gradients need the ids, not
     the tables; the tied unit of a pp = 1 stage, which projects too, is gathered again), or with
     --no-reshard-after-forward each unit once per stretch of microbatches in flight (m at pp = 1,
@@ -140,9 +142,10 @@ def test_one_step_communicates_as_the_formula_says(world, layout):
             comm = run["comm"]
             rs, gathers = comm["dp/reduce_scatter/grads"], comm["dp/all_gather/params"]
             assert "dp/all_reduce/grads" not in comm, comm
-            assert rs["numel"] == m * run["grad_numel"], (name, rs, m)
+            reductions = chunk_rounds(m, layout[1]) if is_chunk_by_chunk(cfg) else m
+            assert rs["numel"] == reductions * run["grad_numel"], (name, rs, m)
             forward, backward = planner_gathers(cfg, pp_rank)
-            assert forward == (rs["calls"] // m, run["grad_numel"]), (name, forward, rs)  # every bucket
+            assert forward == (rs["calls"] // reductions, run["grad_numel"]), (name, forward, rs)  # every bucket
             embeddings = pp_rank == 0 and (layout[1] > 1 or cfg.model.untie_embeddings_and_output_weights)
             assert (backward[1] < forward[1]) == embeddings, (name, pp_rank, forward, backward)
             if cfg.parallel.reshard_after_forward:

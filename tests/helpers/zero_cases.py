@@ -210,7 +210,7 @@ def zero_config(name: str, tp: int, pp: int, dp: int, strategy: str | None = Non
 def planner_transients(cfg: Config, pp_rank: int) -> tuple[int, int]:
     """The planner's (gathered parameter, gradient bucket) elements at their peaks on a rank of
     pipeline stage ``pp_rank`` of run ``cfg`` (:func:`ptdp.planner.memory.transients.rank_transients`)."""
-    from ptdp.layout.buckets import chunk_by_chunk
+    from ptdp.layout.buckets import chunk_by_chunk, chunk_rounds
     from ptdp.planner.memory.chunk_params import stage_chunks
     from ptdp.planner.memory.strategies import DEFAULT_BUCKET_ELEMENTS
     from ptdp.planner.memory.transients import rank_transients
@@ -231,6 +231,7 @@ def planner_transients(cfg: Config, pp_rank: int) -> tuple[int, int]:
         divisible_by=m.make_vocab_size_divisible_by,
         by_chunk=chunk_by_chunk(p.sharding_strategy, p.dp * p.cp, v, microbatches, p.pp),
         main_grad=m.params_dtype in ("bfloat16", "float16"),
+        rounds=chunk_rounds(microbatches, p.pp),
     )
 
 

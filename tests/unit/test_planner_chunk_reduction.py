@@ -1,14 +1,14 @@
 """Sharded gradients reduced chunk by chunk (``ptdp.layout.buckets.chunk_by_chunk``): with the
-interleaved schedule in one round (v > 1, m == pp) every microbatch's backward of a model chunk
-runs before the chunk before it, so optim_grads / optim_grads_params accumulate one chunk's float32
-gradient whole and reduce-scatter it once, behind the next chunk's round (the Llama 3 405B run,
-Dubey et al. 2024, §3.3.2)."""
+interleaved schedule (v > 1, m a multiple of pp) every backward of a round's pp microbatches of a
+model chunk runs before the chunk before it, so optim_grads / optim_grads_params accumulate one
+chunk's float32 gradient of the round whole and reduce-scatter it once per round, behind the next
+chunk's backwards (the Llama 3 405B run, Dubey et al. 2024, §3.3.2)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ptdp.layout.buckets import chunk_by_chunk
+from ptdp.layout.buckets import chunk_by_chunk, chunk_rounds
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import Cluster, get_gpu
 from ptdp.planner.inputs.models import get_model
@@ -34,7 +34,7 @@ LINKS = Links(
     [
         ("optim_grads", 128, 8, 16, 16, True),
         ("optim_grads_params", 4, 2, 4, 4, True),
-        ("optim_grads", 128, 8, 32, 16, False),  # two rounds: every chunk accumulates over both
+        ("optim_grads", 128, 8, 32, 16, True),  # two rounds: once per round
         ("optim_grads", 128, 1, 16, 16, False),  # one chunk: every microbatch touches the whole stage
         ("optim", 128, 8, 16, 16, False),
         ("no_shard", 128, 8, 16, 16, False),
@@ -43,6 +43,10 @@ LINKS = Links(
 )
 def test_when_gradients_are_reduced_chunk_by_chunk(strategy, shard, v, m, pp, expected):
     assert chunk_by_chunk(strategy, shard, v, m, pp) is expected
+
+
+def test_rounds_of_the_interleaved_schedule():
+    assert [chunk_rounds(m, 4) for m in (4, 8, 12)] == [1, 2, 3]
 
 
 def test_transients_add_their_elements_to_the_shares():
@@ -82,6 +86,16 @@ def test_chunk_reduce_scatters_hide_behind_the_next_round():
     assert sharded_dp_times("optim_grads", microbatch_backward=0.0, chunks=1, **kw) == pytest.approx(
         16 * ar(g) / 2 + ag
     )
+    # two rounds of 8 microbatches: every chunk reduced twice, hidden behind 8 backwards of the next
+    assert sharded_dp_times("optim_grads", microbatch_backward=0.0, chunks=8, rounds=2, **kw) == pytest.approx(
+        16 * chunk_rs + ag
+    )
+    assert sharded_dp_times("optim_grads", microbatch_backward=10.0, chunks=8, rounds=2, **kw) == pytest.approx(
+        chunk_rs + ag
+    )
+    per_chunk_round = 8 * 0.5 * chunk_rs / 8  # half of one chunk's reduce-scatter hidden per backward round
+    half = sharded_dp_times("optim_grads", microbatch_backward=per_chunk_round, chunks=8, rounds=2, **kw)
+    assert half == pytest.approx(15 * 0.5 * chunk_rs + chunk_rs + ag)
     with_params = sharded_dp_times("optim_grads_params", microbatch_backward=10.0, chunks=8, **kw)
     per_microbatch = 2 * ar(u) / 2 + 9 * max(0, ar(u) / 2 - 0.001) + 9 * max(0, ar(u) / 2 - 0.002)
     assert with_params == pytest.approx(16 * per_microbatch + chunk_rs)
@@ -96,17 +110,18 @@ def test_memory_and_time_of_a_one_round_interleaved_layout():
     mem = memory_breakdown(model, base, H100)
     n = stage_param_counts(model, 8, 16, layer_split=split)[mem.stage]
     layers = split[mem.stage]
-    # the memory is what ptdp holds: in one round a chunk's buckets whole (reduced once, chunk by
-    # chunk) beside two of the chunk after it in flight; in two rounds its buckets reduce-scattered
-    # in every backward
+    # the memory is what ptdp holds: a chunk's buckets whole (reduced once per round, chunk by
+    # chunk) beside two of the chunk after it in flight; in two rounds also the last chunk's beside
+    # two of the first's
     chunks = stage_chunks(model.num_layers, 16, 8, mem.stage, layers)
     kw = dict(overlap=True, params_sharded=False)
     _, by_chunk = rank_transients(model, 8, 16, chunks, 128, DEFAULT_BUCKET_ELEMENTS, **kw, by_chunk=True)
     assert by_chunk >= layer_param_count(model, 8)  # at least one chunk (a layer) whole
     assert mem.grads == pytest.approx(4 * n / 128 + 4 * by_chunk)
     two_rounds = base.replace(global_batch_size=4096)  # m = 32
-    _, every_backward = rank_transients(model, 8, 16, chunks, 128, DEFAULT_BUCKET_ELEMENTS, **kw)
-    assert memory_breakdown(model, two_rounds, H100).grads == pytest.approx(4 * n / 128 + 4 * every_backward)
+    _, rounds = rank_transients(model, 8, 16, chunks, 128, DEFAULT_BUCKET_ELEMENTS, **kw, by_chunk=True, rounds=2)
+    assert rounds >= by_chunk
+    assert memory_breakdown(model, two_rounds, H100).grads == pytest.approx(4 * n / 128 + 4 * rounds)
     cluster = Cluster(H100, 16384, 8)
     by_chunk = evaluate_performance(model, base, cluster).time.dp_comm
     optim = evaluate_performance(model, base.replace(sharding=None, distributed_optimizer=True), cluster).time.dp_comm

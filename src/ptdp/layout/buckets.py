@@ -1,5 +1,5 @@
 """How a stage's gradients are grouped for their data-parallel reduction: the buckets of one model
-chunk's parameters, and when a sharded-gradient strategy reduces a chunk's gradient once per step.
+chunk's parameters, and when a sharded-gradient strategy reduces a chunk's gradient once per round.
 One plan for the engine's gradient buffer and the planner's count of its transients."""
 
 from __future__ import annotations
@@ -37,13 +37,20 @@ def chunk_buckets(
 
 
 def chunk_by_chunk(strategy: str, shard: int, virtual_stages: int, num_microbatches: int, pp: int) -> bool:
-    """Whether a sharded-gradient strategy reduces each model chunk's gradient once per step:
-    ``optim_grads`` or ``optim_grads_params`` over ``shard > 1`` ranks with the interleaved
-    schedule (``virtual_stages > 1``) in one round (``num_microbatches == pp``), where every rank
-    runs all backwards of its last chunk, then of the chunk before, and so on."""
+    """Whether a sharded-gradient strategy reduces each model chunk's gradient once per round of
+    the interleaved schedule: ``optim_grads`` or ``optim_grads_params`` over ``shard > 1`` ranks
+    with ``virtual_stages > 1`` and ``num_microbatches`` a multiple of ``pp`` (``m / pp`` rounds).
+    In a round every rank runs the ``pp`` backwards of its last chunk, then of the chunk before,
+    and so on, so a chunk's gradient of the round is whole after its last backward there."""
     return (
         shard > 1
         and strategy in ("optim_grads", "optim_grads_params")
         and virtual_stages > 1
-        and num_microbatches == pp
+        and num_microbatches % pp == 0
     )
+
+
+def chunk_rounds(num_microbatches: int, pp: int) -> int:
+    """Rounds of the interleaved schedule (``num_microbatches / pp``): the reductions of each chunk's
+    gradient per step when :func:`chunk_by_chunk` holds."""
+    return max(1, num_microbatches // pp)

@@ -71,7 +71,7 @@ class GradBuffer(ShardedGradients):
         self.params, self.dp, self.codec, self.sharded, self.prescaled = params, dp, codec, shard, prescaled
         self.grads_sharded = shard_grads
         self.by_chunk = False
-        """Reduce each chunk's gradient once per step (module docstring); set by :meth:`begin_backwards`."""
+        """Reduce each chunk's gradient once per round (module docstring); set by :meth:`begin_backwards`."""
         self._strategy = "optim_grads_params" if unit_of is not None else "optim_grads"  # with shard_grads
         self.average_over = dp.size if average_over is None else average_over
         self.exact = False
@@ -103,6 +103,7 @@ class GradBuffer(ShardedGradients):
         self._bucket_of: dict[int, Bucket] = {}
         self._syncing = True
         self._launched: list[Bucket] = []
+        self._reduced: set[int] = set()  # chunk by chunk: buckets reduced once this step
         self.live_bytes = 0
         """``shard_grads``: bytes of bucket gradient memory allocated now (host-side bookkeeping)."""
         self.peak_live_bytes = 0

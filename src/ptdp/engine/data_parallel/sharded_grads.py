@@ -9,8 +9,10 @@ holding its first parameter (:meth:`GradBuffer.watch`) until its reduce-scatter 
 two are in flight. The tied embedding keeps its own bucket, summed over the embedding group as a
 shard (:func:`~ptdp.engine.data_parallel.grads.finalize_grads`). Chunk by chunk
 (:func:`ptdp.layout.buckets.chunk_by_chunk`, set by :meth:`GradBuffer.begin_backwards`), a chunk's
-buckets accumulate its microbatches under :meth:`GradBuffer.no_sync` and are reduce-scattered once
-per step (:meth:`GradBuffer.chunk_done`; Dubey et al. 2024, arXiv:2407.21783, §3.3.2).
+buckets accumulate its microbatches of one round of the interleaved schedule under
+:meth:`GradBuffer.no_sync` and are reduce-scattered once per round (:meth:`GradBuffer.chunk_done`;
+Dubey et al. 2024, arXiv:2407.21783, §3.3.2), the first round's straight into the shard, later
+rounds' added to it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class ShardedGradients:
     _strategy: str
     _bucket_of: dict[int, Bucket]
     _launched: list[Bucket]
+    _reduced: set[int]
 
     def _launch(self, bucket: Bucket) -> None:
         raise NotImplementedError  # GradBuffer's
@@ -56,9 +59,10 @@ class ShardedGradients:
         self.by_chunk = self.grads_sharded and chunk_by_chunk(
             self._strategy, self.dp.size, virtual_stages, num_microbatches, pp
         )
+        self._reduced = set()
 
     def chunk_done(self, chunk: int) -> None:
-        """After the last backward of ``chunk`` in a step: with :attr:`by_chunk`, start the
+        """After the last backward of ``chunk`` in a round: with :attr:`by_chunk`, start the
         reduce-scatter of each of its buckets holding gradients and not started (in bucket order,
         the same on every rank; at most two in flight); otherwise nothing."""
         if not self.by_chunk:
@@ -96,8 +100,12 @@ class ShardedGradients:
             out.register_hook(lambda _grad: self._allocate(buckets))
 
     def _allocate(self, buckets: list[Bucket]) -> None:
-        """Give ``buckets`` their memory back, zeroed (no-op for those that have it)."""
+        """Give ``buckets`` their memory back, zeroed (no-op for those that have it); chunk by chunk,
+        first land a bucket's reduction of the previous round still in flight."""
         for bucket in buckets:
+            pending = [i for i, b in enumerate(self._launched) if b is bucket]
+            if pending:
+                self._land(self._launched.pop(pending[0]))
             data = bucket.own_data()
             storage = data.untyped_storage()
             if storage.nbytes() == 0:
@@ -129,15 +137,19 @@ class ShardedGradients:
 
     def _land(self, bucket: Bucket) -> None:
         """``shard_grads``: wait for ``bucket``'s reduce-scatter (adding it into the shard) and
-        release its gradient memory."""
+        release its gradient memory; chunk by chunk, ready for the next round's reduction."""
         bucket.wait()
         self._release(bucket)
+        if self.by_chunk:
+            bucket.finish = None
+            bucket.ready.clear()
 
     def _launch_into_shard(self, bucket: Bucket, grad: torch.Tensor, shard: torch.Tensor) -> None:
         """``shard_grads``: reduce-scatter this backward's ``grad`` of ``bucket`` into a scratch
         shard (1/d of the bucket) whose finish adds it into the accumulated ``shard``; with
-        :attr:`by_chunk` (reduced once per step, into a zeroed shard) straight into ``shard``."""
-        if self.by_chunk:
+        :attr:`by_chunk` (reduced once per round) the first round's straight into ``shard`` (zeroed)."""
+        if self.by_chunk and bucket.index not in self._reduced:
+            self._reduced.add(bucket.index)
             bucket.finish = start_reduction(
                 "none" if self.exact else self.codec,
                 grad,

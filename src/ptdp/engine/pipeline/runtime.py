@@ -93,9 +93,14 @@ def run_schedule(
         forward_only,
         loss_factor=(1.0 if loss_scale is None else loss_scale) / len(microbatches),
     )
-    last_backward = {a.chunk: a for a in program if isinstance(a, Action) and a.kind == "backward"}
     if grad_sync is not None and not forward_only:
         grad_sync.begin_backwards(len(chunks), len(microbatches), pp.size)
+    by_round = grad_sync is not None and grad_sync.by_chunk
+
+    def group(a: Action) -> tuple[int, int]:  # reduced once per (chunk, round) or per chunk
+        return (a.chunk, a.microbatch // pp.size if by_round else 0)
+
+    last_backward = {group(a): a for a in program if isinstance(a, Action) and a.kind == "backward"}
     track = not forward_only  # evaluation keeps the caller's phase
     for step in program:
         if isinstance(step, P2PGroup):
@@ -106,7 +111,7 @@ def run_schedule(
         if track:
             set_phase(step.kind)
         span = tracer.span([step]) if tracer is not None else None
-        _compute(step, state, grad_sync is None or last_backward[step.chunk] == step, grad_sync)
+        _compute(step, state, grad_sync is None or last_backward.get(group(step)) == step, grad_sync)
         if span is not None:
             span.end()
     if track:
@@ -133,7 +138,8 @@ def _check_microbatches(microbatches: list[Microbatch], b: int, s: int) -> None:
 
 def _compute(a: Action, state: _State, reduce: bool, grad_sync) -> None:
     """A forward, or a backward (under ``grad_sync.no_sync()`` unless ``reduce``: the last
-    backward of its chunk starts the data-parallel reductions, then ``grad_sync.chunk_done``)."""
+    backward of its chunk, or with ``grad_sync.by_chunk`` of its chunk in its round, starts the
+    data-parallel reductions, then ``grad_sync.chunk_done``)."""
     if a.kind == "forward":
         _forward(a, state)
     elif reduce:

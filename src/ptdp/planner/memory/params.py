@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ptdp.config.model import ModelConfig
-from ptdp.layout.buckets import chunk_by_chunk
+from ptdp.layout.buckets import chunk_by_chunk, chunk_rounds
 from ptdp.layout.pipeline.partition import stage_layer_counts
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate
@@ -143,6 +143,7 @@ def stage_transients(
         divisible_by,
         chunk_by_chunk(strategy, shard, layout.virtual_stages, layout.num_microbatches, layout.pp),
         layout.precision != "fp32",  # 16-bit weights: float32 main gradients
+        chunk_rounds(layout.num_microbatches, layout.pp),
     )
 
 
@@ -162,6 +163,7 @@ def _stage_transients(
     divisible_by: int,
     by_chunk: bool,
     main_grad: bool,
+    rounds: int = 1,
 ) -> tuple[int, int]:
     """:func:`~ptdp.planner.memory.transients.rank_transients` of pipeline rank ``stage`` (its ``v``
     model chunks sharing its ``n_layers`` layers); cached on plain numbers for the search."""
@@ -179,6 +181,7 @@ def _stage_transients(
         divisible_by=divisible_by,
         by_chunk=by_chunk,
         main_grad=main_grad,
+        rounds=rounds,
     )
 
 

@@ -162,6 +162,7 @@ def rank_transients(
     divisible_by: int = 128,
     by_chunk: bool = False,
     main_grad: bool = False,
+    rounds: int = 1,
 ) -> tuple[int, int]:
     """(gathered parameter elements, gradient bucket elements) at their peaks on one rank holding
     ``chunks`` (its model chunks in order), sharded over ``d`` ranks with ``bucket``-element buckets;
@@ -170,7 +171,8 @@ def rank_transients(
     Without ``overlap`` a chunk's buckets are all alive at the end of its backward; with it the backwards
     are replayed. Where every layer's buckets are cut alike, a chunk of :data:`PERIODIC_LAYERS` layers is
     replayed and the totals extended per layer (exact). ``main_grad``: 16-bit weights with fp32 main
-    gradients; ``by_chunk``: the interleaved schedule in one round (``GradBuffer.by_chunk``).
+    gradients; ``by_chunk``: reduced chunk by chunk, once per round of the interleaved schedule (``GradBuffer.by_chunk``);
+    with ``rounds`` > 1 the last chunk's next round also follows the first chunk's reduction.
     """
     periodic = params_sharded or max(layer_param_sizes(model, tp)) >= bucket
     short = chunks
@@ -193,6 +195,8 @@ def rank_transients(
     if by_chunk and len(short) > 1:
         tail = {c: sum(n + (-n) % d for n in p.in_flight[overlap]) for c, p in plan.items()}
         after = [tail[short[c + 1]] if c + 1 < len(short) else 0 for c in range(len(short))]
+        if rounds > 1:
+            after[-1] = tail[short[0]]
         grads = max(t + a for t, a in zip(totals, after))
     elif overlap:  # each kind of chunk alone, and each after the chunk after it (its last backward)
         runs = {(c,) for c in short} | {(short[i + 1], short[i]) for i in range(len(short) - 1)}

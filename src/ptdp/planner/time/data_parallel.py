@@ -11,7 +11,7 @@ embedding's all-reduce and the memory-bound optimizer update.
 from __future__ import annotations
 
 from ptdp.config.model import ModelConfig
-from ptdp.layout.buckets import chunk_by_chunk
+from ptdp.layout.buckets import chunk_by_chunk, chunk_rounds
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.memory.fp8 import layer_fp8_weights
 from ptdp.planner.memory.params import layer_param_count
@@ -75,6 +75,7 @@ def dp_comm_time(
             links=links,
             end_overlap=end_overlap,
             chunks=chunks,
+            rounds=chunk_rounds(layout.num_microbatches, layout.pp) if chunks > 1 else 1,
             # kept gathered: once per stretch of microbatches in flight, m on the last stage (and
             # at pp = 1), the most any stage gathers
             kept_gathers=None if layout.parallel.reshard_after_forward else layout.num_microbatches,
@@ -144,6 +145,7 @@ def sharded_dp_times(
     links: Links,
     end_overlap: float = 0.0,
     chunks: int = 1,
+    rounds: int = 1,
     kept_gathers: int | None = None,
     backward_units: int | None = None,
 ) -> float:
@@ -151,7 +153,7 @@ def sharded_dp_times(
     (the module docstring's model). Bytes are one rank's: ``grad_bytes`` fp32 gradients, ``param_bytes``
     16-bit weights, ``unit_param_bytes`` one unit's; ``layer_forward`` / ``layer_backward`` hide the
     next gather, ``microbatch_backward`` the reduce-scatter; ``end_overlap``: the hidden fraction at the
-    end; ``chunks`` > 1: reduced chunk by chunk; ``kept_gathers``: forward-only gathers per step with
+    end; ``chunks`` > 1: reduced chunk by chunk, once in each of ``rounds``; ``kept_gathers``: forward-only gathers per step with
     ``--no-reshard-after-forward``; ``backward_units``: units gathered again per backward (None: ``units``).
     """
     check_strategy(strategy)
@@ -165,9 +167,9 @@ def sharded_dp_times(
     if strategy == "optim":
         return (1.0 - end_overlap) * (reduce_scatter + weights_gather)
     m = num_microbatches
-    if chunks > 1:  # one reduce-scatter per chunk, after its round of m chunk backwards
+    if chunks > 1:  # one reduce-scatter per chunk and round, after the chunk's m / rounds backwards there
         last_rs = 0.5 * hierarchical_all_reduce_time(grad_bytes / chunks, shard, per_node, links)
-        hidden_rs = (chunks - 1) * max(0.0, last_rs - m * microbatch_backward / chunks)
+        hidden_rs = (rounds * chunks - 1) * max(0.0, last_rs - m / rounds * microbatch_backward / chunks)
     else:
         last_rs = reduce_scatter
         hidden_rs = (m - 1) * max(0.0, reduce_scatter - microbatch_backward)
