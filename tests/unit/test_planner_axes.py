@@ -292,7 +292,11 @@ def test_search_stops_at_the_first_sharded_strategy_that_fits():
             level = order.index(plan.layout.sharding_strategy)
             for more in order[level + 1 :]:
                 by_chunk = chunk_by_chunk(
-                    more, plan.layout.shard_size, plan.layout.virtual_stages, plan.layout.num_microbatches, plan.layout.pp
+                    more,
+                    plan.layout.shard_size,
+                    plan.layout.virtual_stages,
+                    plan.layout.num_microbatches,
+                    plan.layout.pp,
                 )
                 if by_chunk:  # optim_grads then kept beside (it can be faster), params sharded too never faster
                     assert any(p.layout.sharding_strategy == "optim_grads" for p in plans), plans

@@ -297,3 +297,92 @@ def test_tp_comm_overlap_without_sequence_parallelism_is_a_bad_request(capsys):
     base = ["plan", "--model", "llama2-7b", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch-size", "8"]
     assert cli.main([*base, "--tp-comm-overlap", "--no-sequence-parallel"]) == 2
     assert "--tp-comm-overlap needs sequence parallelism" in capsys.readouterr().err
+
+
+def test_async_tp_hides_the_forward_pass_share_only():
+    """PyTorch's asynchronous TP hides (tp - 1) / tp of the forward pass's TP communication (the
+    micro-pipeline pass matches the forward graph), none of backward's or of a recomputed forward's;
+    Transformer Engine's overlap hides that share of all three; neither without sequence parallelism."""
+    from ptdp.planner.time.stages import tp_hidden_share
+
+    te = dataclasses.replace(DEFAULT_CONSTANTS, tp_comm_overlap=True)
+    torch_async = dataclasses.replace(DEFAULT_CONSTANTS, async_tp=True)
+    assert tp_hidden_share(te, 8, True) == (7 / 8, 7 / 8)
+    assert tp_hidden_share(torch_async, 8, True) == (7 / 8, 0.0)
+    assert tp_hidden_share(torch_async, 8, False) == (0.0, 0.0) == tp_hidden_share(torch_async, 1, True)
+    model = gpt(24, 4096, 32, vocab_size=51200, seq_length=2048)
+    cluster = Cluster(CATALOG["h100-sxm"], 8)
+    for recompute in ("none", "full"):
+        layout = Candidate.of(8, 1, 1, 1, 8, sequence_parallel=True, recompute=recompute)
+        plain, hidden = (evaluate_performance(model, layout, cluster, c).time for c in (DEFAULT_CONSTANTS, torch_async))
+        full = evaluate_performance(model, layout, cluster, te).time
+        assert full.tp_comm < hidden.tp_comm < plain.tp_comm and hidden.compute == plain.compute
+        passes = 3 if recompute == "full" else 2  # forward, backward (and the recomputed forward)
+        # the forward's share of the raw TP time: one of the passes, backward's as large
+        forward = plain.tp_comm / passes
+        assert hidden.tp_comm == pytest.approx(plain.tp_comm - 7 / 8 * forward, rel=0.2)
+
+
+def test_async_tp_flag_reaches_the_time_model_and_refuses_te_overlap_beside_it(capsys):
+    from ptdp import cli
+
+    plain = _cli_json(capsys)
+    torch_async = _cli_json(capsys, "--enable-async-tensor-parallel")
+    te = _cli_json(capsys, "--tp-comm-overlap")
+    assert te["tp_comm"] < torch_async["tp_comm"] < plain["tp_comm"]
+    assert _cli_json(capsys, "--async-tp") == torch_async
+    base = ["plan", "--model", "llama2-7b", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch-size", "8"]
+    assert cli.main([*base, "--async-tp", "--tp-comm-overlap"]) == 2
+    assert "two implementations of one overlap" in capsys.readouterr().err
+    assert cli.main([*base, "--async-tp", "--no-sequence-parallel"]) == 2
+    assert "--enable-async-tensor-parallel needs sequence parallelism" in capsys.readouterr().err
+
+
+def test_power_limit_interpolates_the_chips_ratings():
+    """An H100 limited to P watts sustains the datasheet peaks times the rating interpolated in watts
+    between the NVL's 835 TFLOP/s at 400 W and the SXM's 989.5 at 700 W; torchtitan's 500 W parts
+    (h100-96gb) are planned so by default; limits outside the ratings, or for a GPU without them,
+    are refused."""
+    sxm, meta = CATALOG["h100-sxm"], CATALOG["h100-96gb"]
+    assert sxm.power_fraction() == 1.0 and sxm.sustained_peak("bf16") == sxm.peak("bf16")
+    nvl = 835.0 / 989.5
+    assert meta.power_limit == 500 and meta.power_fraction() == pytest.approx(nvl + (1 - nvl) / 3)
+    assert dataclasses.replace(sxm, power_limit=400).sustained_peak("fp8") == pytest.approx(1979e12 * nvl)
+    assert dataclasses.replace(sxm, power_limit=700).power_fraction() == 1.0
+    with pytest.raises(ValueError, match=r"outside its ratings, 400-700 W"):
+        dataclasses.replace(sxm, power_limit=350)
+    with pytest.raises(ValueError, match="no power ratings"):
+        dataclasses.replace(CATALOG["a100-80gb"], power_limit=300)
+    model = gpt(24, 4096, 32, vocab_size=51200, seq_length=2048)
+    layout = Candidate.of(1, 1, 8, 1, 8)
+    full = evaluate_performance(model, layout, Cluster(sxm, 8))
+    limited = evaluate_performance(model, layout, Cluster(dataclasses.replace(sxm, power_limit=400), 8))
+    assert limited.time.compute > full.time.compute / nvl * 0.9 and limited.time.compute < full.time.compute / nvl
+    assert limited.mfu < full.mfu  # MFU stays against the datasheet peak
+
+
+def test_power_limit_flag_and_catalog_fields(tmp_path, capsys):
+    from ptdp import cli
+    from ptdp.planner.inputs.hardware import load_catalog
+
+    base = ["plan", "--model", "llama2-7b", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch-size", "8"]
+    fixed = ["--tp", "1", "--pp", "1", "--micro-batch-size", "1", "--recompute-granularity", "none", "--top", "1"]
+    assert cli.main([*base, *fixed, "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)[0]["time_s"]["compute"]
+    assert cli.main([*base, *fixed, "--json", "--gpu-power-limit", "500"]) == 0
+    limited = json.loads(capsys.readouterr().out)[0]["time_s"]["compute"]
+    assert limited > full
+    assert cli.main([*base, *fixed, "--gpu-power-limit", "800"]) == 2
+    assert "--gpu-power-limit 800: h100-sxm: a power limit of 800 W is outside its ratings" in capsys.readouterr().err
+    good = tmp_path / "g.toml"
+    good.write_text(
+        "[my-gpu]\npeak_flops = { bf16 = 400e12 }\nmemory_bytes = 48e9\nmemory_bandwidth = 1.0e12\n"
+        "nvlink_bandwidth = 0\nnetwork_bandwidth = 12.5e9\npower_peaks = [[300, 0.8], [400, 1.0]]\n"
+        "power_limit = 350\n",
+        encoding="utf-8",
+    )
+    assert load_catalog(good)["my-gpu"].power_fraction() == pytest.approx(0.9)
+    bad = tmp_path / "b.toml"
+    bad.write_text(good.read_text(encoding="utf-8").replace("[400, 1.0]", "[400, 0.9]"), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"b.toml: GPU 'my-gpu': .*the last 1.0"):
+        load_catalog(bad)

@@ -19,6 +19,7 @@ from ptdp.planner.validate.accuracy import (
     fit_constants,
     fitted_runs,
     h100_fit_check,
+    h100_label,
     hopper_runs,
     loso_a100,
     loso_h100,
@@ -97,7 +98,7 @@ def test_bad_tables_are_refused_naming_the_file(tmp_path, capsys):
         reader = csv.DictReader(f)
         fields, first = reader.fieldnames or [], next(reader)
     empty, zero, reduce = tmp_path / "empty.csv", tmp_path / "zero.csv", tmp_path / "reduce.csv"
-    weights, fp16 = tmp_path / "weights.csv", tmp_path / "fp16.csv"
+    weights, fp16, overlap = tmp_path / "weights.csv", tmp_path / "fp16.csv", tmp_path / "overlap.csv"
     bf16_row = {**first, "precision": "bf16", "fp8_param_gather": ""}
     for path, rows in (
         (empty, []),
@@ -105,6 +106,7 @@ def test_bad_tables_are_refused_naming_the_file(tmp_path, capsys):
         (reduce, [{**first, "grad_reduce": "fp8"}]),
         (weights, [{**bf16_row, "fp8_param_gather": "maybe"}, {**bf16_row, "fp8_param_gather": "y"}]),
         (fp16, [{**bf16_row, "precision": "fp16", "grad_reduce": "bf16"}]),
+        (overlap, [{**first, "tp_overlap": "te"}]),
     ):
         with open(path, "w", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, fieldnames=fields)
@@ -117,6 +119,7 @@ def test_bad_tables_are_refused_naming_the_file(tmp_path, capsys):
         (str(reduce),): f"--validate {reduce}:2: grad_reduce='fp8' must be fp32 or bf16",
         (str(weights),): f"--validate {weights}:2: fp8_param_gather='maybe' must be y or n",
         (str(fp16),): f"--validate {fp16}:2: grad_reduce=bf16 needs bf16 parameters (precision bf16 or fp8), not fp16",
+        (str(overlap),): f"--validate {overlap}:2: tp_overlap='te' must be y, n or async",
         (str(H100), str(DATA / ".." / "data" / H100.name)): "a table given more than once",
     }
     for tables, message in cases.items():
@@ -133,6 +136,17 @@ def test_rows_carry_their_gradient_reduction_and_fp8_weights():
     assert all(r.layout.fp8_param_gather == (r.layout.precision == "fp8") for r in nvidia)
     others = [r for r in runs if r not in nvidia]
     assert others and not any(r.layout.bf16_grads or r.layout.fp8_param_gather for r in others)
+
+
+def test_torchtitan_rows_overlap_tp_asynchronously_on_their_500_w_parts():
+    """torchtitan's async-TP rows are planned with PyTorch's asynchronous TP (column tp_overlap =
+    async), not Transformer Engine's overlap; its H100s at their 500 W limit (h100-96gb)."""
+    runs = load_h100_runs(NEW)
+    titan = [r for r in runs if r.source_key == "pytorch/torchtitan"]
+    assert len([r for r in titan if r.async_tp]) == 7 and not any(r.tp_overlap for r in titan)
+    assert all(r.layout.parallel.sequence_parallel for r in titan if r.async_tp)
+    assert {CATALOG[r.gpu].power_limit for r in titan if r.gpu.startswith("h100")} == {500.0}
+    assert "atp" in h100_label(next(r for r in titan if r.async_tp))
 
 
 def test_a_single_source_has_no_left_out_error(tmp_path):

@@ -106,6 +106,9 @@ def _hardware(args: argparse.Namespace):
     if args.hardware_profile:
         from ptdp.planner.time.profile import load_profile
 
+        if getattr(args, "gpu_power_limit", None) is not None:
+            raise ConfigError("--gpu-power-limit applies to a catalog GPU, not to a measured --hardware-profile")
+
         try:
             return load_profile(args.hardware_profile)
         except ValueError as e:
@@ -114,7 +117,14 @@ def _hardware(args: argparse.Namespace):
         catalog = load_catalog(args.gpu_catalog) if args.gpu_catalog else CATALOG
     except (OSError, ValueError) as e:
         raise ConfigError(f"--gpu-catalog {args.gpu_catalog}: {e}") from None
-    return get_gpu(args.gpu, catalog), DEFAULT_CONSTANTS
+    gpu = get_gpu(args.gpu, catalog)
+    watts = getattr(args, "gpu_power_limit", None)
+    if watts is not None:
+        try:
+            gpu = dataclasses.replace(gpu, power_limit=watts)
+        except ValueError as e:
+            raise ConfigError(f"--gpu-power-limit {watts:g}: {e}") from None
+    return gpu, DEFAULT_CONSTANTS
 
 
 def _apply_topology(gpu, args: argparse.Namespace):
@@ -332,14 +342,24 @@ def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
     ``--tp-comm-overlap`` with ``--no-sequence-parallel`` (the overlap splits sequence
     parallelism's collectives; Megatron refuses it too)."""
     tp_overlap = bool(getattr(args, "tp_comm_overlap", None))
+    async_tp = bool(getattr(args, "enable_async_tensor_parallel", None))
     pp_overlap = bool(getattr(args, "overlap_p2p_communication", None))
-    if tp_overlap and fixed.sequence_parallel is False:
+    if tp_overlap and async_tp:
         raise ConfigError(
-            "--tp-comm-overlap needs sequence parallelism (it overlaps the sequence-parallel all-gather "
-            "and reduce-scatter with the GEMMs): drop --no-sequence-parallel"
+            "--tp-comm-overlap (Transformer Engine's) and --enable-async-tensor-parallel (PyTorch's) are "
+            "two implementations of one overlap: give one"
         )
+    for flag, on in (("--tp-comm-overlap", tp_overlap), ("--enable-async-tensor-parallel", async_tp)):
+        if on and fixed.sequence_parallel is False:
+            raise ConfigError(
+                f"{flag} needs sequence parallelism (it overlaps the sequence-parallel all-gather "
+                "and reduce-scatter with the GEMMs): drop --no-sequence-parallel"
+            )
     constants = constants.with_overlap(
-        overlap_grad_reduce=fixed.overlap_grad_reduce is not False, tp_comm_overlap=tp_overlap, pp_overlap=pp_overlap
+        overlap_grad_reduce=fixed.overlap_grad_reduce is not False,
+        tp_comm_overlap=tp_overlap,
+        pp_overlap=pp_overlap,
+        async_tp=async_tp,
     )
     hidden = [
         name
@@ -347,6 +367,10 @@ def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
             (
                 "tensor-parallel communication behind the GEMMs with sequence parallelism (--tp-comm-overlap)",
                 tp_overlap,
+            ),
+            (
+                "the forward pass's tensor-parallel communication behind its GEMMs (--enable-async-tensor-parallel)",
+                async_tp,
             ),
             ("the interleaved schedule's pipeline transfers (--overlap-p2p-communication)", pp_overlap),
         )

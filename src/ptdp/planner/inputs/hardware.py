@@ -42,6 +42,12 @@ class GPUType:
         arch: GPU architecture ("ampere", "hopper", ...): selects the time model's fitted
             efficiencies for that generation (:meth:`ptdp.planner.time.constants.PerfConstants.for_gpu`);
             "" (and any architecture without its own fit) uses the constants as given.
+        power_limit: board power limit the GPU runs at (W; ``nvidia-smi -pl``); 0: the rating of its
+            datasheet peaks (the last of ``power_peaks``).
+        power_peaks: ``(watts, fraction of the datasheet tensor-core peaks)`` ratings of the same chip
+            at other power limits, ascending in watts, the last at 1.0; the peaks sustained at
+            ``power_limit`` are interpolated linearly in power between them (:meth:`power_fraction`).
+            Empty: no other rating known, and no other power limit can be planned.
     """
 
     name: str
@@ -54,6 +60,47 @@ class GPUType:
     source: str = ""
     shared_cores: int = 0
     arch: str = ""
+    power_limit: float = 0.0
+    power_peaks: tuple[tuple[float, float], ...] = ()
+
+    def __post_init__(self) -> None:  # a catalog file holds lists
+        points = tuple((float(w), float(f)) for w, f in self.power_peaks)
+        object.__setattr__(self, "power_peaks", points)
+        watts = [w for w, _ in points]
+        if points and (watts != sorted(set(watts)) or points[-1][1] != 1.0 or any(not 0 < f <= 1 for _, f in points)):
+            raise ValueError(
+                f"{self.name}: power_peaks={list(points)} must be (watts, fraction) pairs ascending in watts, "
+                "fractions in (0, 1], the last 1.0 (the datasheet's rating)"
+            )
+        if self.power_limit:
+            self.power_fraction()  # checks the limit against the ratings
+
+    def power_fraction(self) -> float:
+        """Fraction of the datasheet tensor-core peaks sustained at :attr:`power_limit`: 1 at the
+        datasheet's rating, else interpolated linearly in watts between the two :attr:`power_peaks`
+        around it. ValueError for a limit outside them or a GPU without them."""
+        if not self.power_limit:
+            return 1.0
+        points, watts = self.power_peaks, self.power_limit
+        if not points:
+            raise ValueError(
+                f"{self.name}: no power ratings in the catalog to plan a {watts:g} W limit from (add power_peaks "
+                "with --gpu-catalog FILE)"
+            )
+        low, high = points[0][0], points[-1][0]
+        if not low <= watts <= high:
+            raise ValueError(
+                f"{self.name}: a power limit of {watts:g} W is outside its ratings, {low:g}-{high:g} W "
+                f"(rule: {low:g} <= power limit <= {high:g})"
+            )
+        for (w0, f0), (w1, f1) in zip(points, points[1:]):
+            if w0 <= watts <= w1:
+                return f0 + (f1 - f0) * (watts - w0) / (w1 - w0)
+        return points[-1][1]  # one rating: the limit is it
+
+    def sustained_peak(self, precision: str) -> float:
+        """:meth:`peak` at :attr:`power_limit` (:meth:`power_fraction`): what the time model runs at."""
+        return self.peak(precision) * self.power_fraction()
 
     def peak(self, precision: str) -> float:
         if precision not in self.peak_flops:
@@ -79,6 +126,11 @@ _H100_PEAK = {
     "tf32": 494.7 * TFLOPS,
     "fp32": 66.9 * TFLOPS,
 }
+# The same GH100 chip rated at two power limits: H100 NVL, 835 TFLOPS BF16 dense at up to 400 W
+# (NVIDIA H100 datasheet, NVL column; torchtitan's get_peak_flops uses the same 835e12), and the
+# SXM5 part, 989.5 at 700 W. A part limited between them (Meta's 500 W H100s: "between SXM and
+# NVL", pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md) is interpolated in watts.
+_H100_POWER = ((400.0, 835.0 / 989.5), (700.0, 1.0))
 
 CATALOG: dict[str, GPUType] = {
     "a100-40gb": GPUType(
@@ -115,11 +167,12 @@ CATALOG: dict[str, GPUType] = {
         8,
         "NVIDIA H100 datasheet (SXM5 80GB); DGX H100 NDR 400 Gb/s per GPU",
         arch="hopper",
+        power_peaks=_H100_POWER,
     ),
     # The H100 of Meta's Grand Teton hosts that torchtitan's benchmark files ran on
     # (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md): 96 GB HBM2e at 2.4 TB/s,
-    # 500 W, 8 per host on NVLink, 400 Gb/s RDMA per GPU. The datasheet H100's tensor-core peaks
-    # (the 500 W limit's lower clocks are not modelled); 96 GB read as 96e9 bytes, the lower reading.
+    # 500 W ("the default 500W power limit"), 8 per host on NVLink, 400 Gb/s RDMA per GPU. The SXM
+    # H100's peaks at that limit (_H100_POWER); 96 GB read as 96e9 bytes, the lower reading.
     "h100-96gb": GPUType(
         "h100-96gb",
         _H100_PEAK,
@@ -130,6 +183,8 @@ CATALOG: dict[str, GPUType] = {
         8,
         "torchtitan benchmarks: Grand Teton H100 96 GB HBM2e, 500 W; 400 Gb/s per GPU",
         arch="hopper",
+        power_limit=500.0,
+        power_peaks=_H100_POWER,
     ),
     # NVIDIA H200 datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; nvidia-smi
     # reports 143,771 MiB. Also NVIDIA's MLPerf Inference v4.1 system description H200-SXM-141GBx8
@@ -198,6 +253,8 @@ def load_catalog(path: str | Path) -> dict[str, GPUType]:
         gpus_per_node = 4
         source = "vendor sheet"
         arch = "hopper"    # optional: plan with that generation's fitted efficiencies
+        power_peaks = [[300, 0.8], [400, 1.0]]   # optional: ratings at other power limits
+        power_limit = 350                        # optional: the limit it runs at
 
     Raises ValueError naming the file and the missing or unknown field.
     """
@@ -210,7 +267,7 @@ def load_catalog(path: str | Path) -> dict[str, GPUType]:
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a table of GPUs keyed by name")
     known = {f.name for f in fields(GPUType)}
-    required = known - {"name", "gpus_per_node", "source", "shared_cores", "arch"}
+    required = known - {"name", "gpus_per_node", "source", "shared_cores", "arch", "power_limit", "power_peaks"}
     out = dict(CATALOG)
     for name, table in raw.items():
         if not isinstance(table, dict):
@@ -224,7 +281,10 @@ def load_catalog(path: str | Path) -> dict[str, GPUType]:
         _check_numbers(path, name, table)
         if not isinstance(table.get("arch", ""), str):
             raise ValueError(f'{path}: GPU {name!r}: arch={table["arch"]!r} must be a string such as "hopper"')
-        out[name.lower()] = GPUType(name=name.lower(), **{k: v for k, v in table.items() if k != "name"})
+        try:
+            out[name.lower()] = GPUType(name=name.lower(), **{k: v for k, v in table.items() if k != "name"})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: GPU {name!r}: {e}") from None
     return out
 
 

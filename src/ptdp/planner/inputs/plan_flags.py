@@ -103,6 +103,16 @@ def _add_overlap_arguments(parser: argparse.ArgumentParser) -> None:
         "behind their GEMMs; default: off",
     )
     g.add_argument(
+        "--enable-async-tensor-parallel",
+        "--async-tp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan PyTorch's asynchronous tensor parallelism instead (torchtitan's "
+        "enable_async_tensor_parallel, with torch.compile): with sequence parallelism, (tp - 1) / tp "
+        "of the forward pass's tensor-parallel communication hidden, none of backward's or of a "
+        "recomputed forward's; default: off",
+    )
+    g.add_argument(
         "--overlap-p2p-communication",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -123,6 +133,15 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--gpu-catalog", metavar="FILE", help="TOML/JSON file with more GPUs (see planner/inputs/hardware.py)"
+    )
+    g.add_argument(
+        "--gpu-power-limit",
+        metavar="WATTS",
+        type=float,
+        help="the board power limit the GPUs run at (nvidia-smi -pl): their tensor-core peaks "
+        "interpolated in watts between the catalog's ratings of the chip (H100: 835 TFLOP/s BF16 "
+        "at 400 W, NVL; 989.5 at 700 W, SXM); default: the catalog's (h100-96gb: 500 W, the others "
+        "their datasheet rating)",
     )
     g.add_argument(
         "--topology",

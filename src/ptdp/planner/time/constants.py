@@ -37,6 +37,10 @@ class PerfConstants:
         optimizer_efficiency: optimizer step's fraction of memory-bound bandwidth (1 on GPUs; ``--calibrate``).
         tp_overlap: fraction of TP communication hidden behind GEMMs (TE comm-GEMM overlap: ``(tp - 1) / tp``).
         tp_comm_overlap: TE comm-GEMM overlap switch (Megatron ``--tp-comm-overlap``; sequence parallel only).
+        async_tp: PyTorch's asynchronous TP instead (torchtitan ``enable_async_tensor_parallel``: Inductor's
+            micro-pipeline TP pass decomposes the forward graph's all-gather -> matmul and matmul ->
+            reduce-scatter; sequence parallel only): ``(tp - 1) / tp`` of the forward pass's TP
+            communication hidden, none of backward's or of a recomputed forward's.
         pp_overlap: interleaved steady-state transfers overlap compute (Megatron ``overlap_p2p_comm``; NeMo
             docs, Communication Overlap; Llama 3 paper §3.3.2).
         arch_fits: ``(arch, gemm_peak_fraction, gemm_half_dim, hbm_efficiency)`` per GPU architecture;
@@ -58,6 +62,7 @@ class PerfConstants:
     tp_overlap: float = 0.0
     overlap_window: bool = False
     tp_comm_overlap: bool = False
+    async_tp: bool = False
     pp_overlap: bool = False
     arch_fits: tuple[tuple[str, float, float, float], ...] = (("hopper", 0.58, 128.0, 0.85),)
 
@@ -65,16 +70,22 @@ class PerfConstants:
         object.__setattr__(self, "arch_fits", tuple(tuple(fit) for fit in self.arch_fits))
 
     def with_overlap(
-        self, *, overlap_grad_reduce: bool, tp_comm_overlap: bool = False, pp_overlap: bool = False
+        self,
+        *,
+        overlap_grad_reduce: bool,
+        tp_comm_overlap: bool = False,
+        pp_overlap: bool = False,
+        async_tp: bool = False,
     ) -> PerfConstants:
         """These constants for a run with that communication overlap: ``overlap_window`` on with
-        ``overlap_grad_reduce`` (kept on if already), ``tp_comm_overlap`` and ``pp_overlap`` as
-        given."""
+        ``overlap_grad_reduce`` (kept on if already), ``tp_comm_overlap``, ``pp_overlap`` and
+        ``async_tp`` as given."""
         return dataclasses.replace(
             self,
             overlap_window=self.overlap_window or overlap_grad_reduce,
             tp_comm_overlap=tp_comm_overlap,
             pp_overlap=pp_overlap,
+            async_tp=async_tp,
         )
 
     def for_gpu(self, gpu) -> PerfConstants:

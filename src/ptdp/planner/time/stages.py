@@ -57,13 +57,20 @@ def rank_layer_times(
     return (*layer_times(times, block, layout.cp), *block)
 
 
-def tp_hidden_share(c: PerfConstants, tp: int, sequence_parallel: bool) -> float:
-    """Share of the layers' tensor-parallel communication hidden behind their GEMMs:
-    ``(tp - 1) / tp`` with ``c.tp_comm_overlap`` and sequence parallelism (Transformer Engine's
-    ring exchange hides all but the first of tp chunks), else ``c.tp_overlap``."""
-    if c.tp_comm_overlap and sequence_parallel and tp > 1:
-        return max(c.tp_overlap, (tp - 1) / tp)
-    return c.tp_overlap
+def tp_hidden_share(c: PerfConstants, tp: int, sequence_parallel: bool) -> tuple[float, float]:
+    """Shares of the layers' tensor-parallel communication hidden behind their GEMMs, (forward,
+    backward and recomputed forward): ``(tp - 1) / tp`` of both with ``c.tp_comm_overlap`` and
+    sequence parallelism (Transformer Engine's ring exchange hides all but the first of tp chunks);
+    with ``c.async_tp`` of the forward pass only (Inductor's micro-pipeline TP pass matches the
+    forward graph's patterns; the backward's reduce-scatters take sums of matmuls, pytorch/pytorch
+    PR 149946); else ``c.tp_overlap`` of both."""
+    if sequence_parallel and tp > 1:
+        if c.tp_comm_overlap:
+            share = max(c.tp_overlap, (tp - 1) / tp)
+            return share, share
+        if c.async_tp:
+            return max(c.tp_overlap, (tp - 1) / tp), c.tp_overlap
+    return c.tp_overlap, c.tp_overlap
 
 
 def stage_microbatch_times(
@@ -88,8 +95,9 @@ def stage_microbatch_times(
     tp_f, tp_b = tp_layer_comm_times(
         b * s, h, tp, sequence_parallel=layout.parallel.sequence_parallel, links=links, bytes_per_element=elem
     )
-    hidden = tp_hidden_share(c, tp, layout.parallel.sequence_parallel)
-    tp_f, tp_b = (1.0 - hidden) * tp_f, (1.0 - hidden) * tp_b
+    hidden_f, hidden_b = tp_hidden_share(c, tp, layout.parallel.sequence_parallel)
+    tp_again = (1.0 - hidden_b) * tp_f  # a recomputed forward's, hidden as backward's
+    tp_f, tp_b = (1.0 - hidden_f) * tp_f, (1.0 - hidden_b) * tp_b
     cp_f, cp_b = kv_exchange_times(model, tp, layout.cp, b, layout.parallel.cp_comm_type, block, links, elem, block_bwd)
     rec = {"full": fwd, "selective": core if "core_attn" in layout.modules else 0.0}.get(layout.recompute, 0.0)
     if layout.recompute == "selective":
@@ -116,9 +124,9 @@ def stage_microbatch_times(
             c.gemm_half_dim,
         )
     full = layout.recompute == "full"
-    rec_comm, rec_cp = (tp_f, cp_f) if full else (0.0, 0.0)
+    rec_comm, rec_cp = (tp_again, cp_f) if full else (0.0, 0.0)
     if "mlp" in layout.modules:  # the MLP's all-gather / reduce-scatter (or all-reduce) again
-        rec_comm = tp_f / 2
+        rec_comm = tp_again / 2
     mid = (
         layers * (fwd + bwd + c.layer_overhead),
         layers * rec,
@@ -169,8 +177,8 @@ def edge_layer_equivalents(
     layer about ``(24 h^2 + 4 h s) b s / t`` for GPT ([N21] eq. 3's terms), so the loss side is about
     ``V / (12 h + 2 s)`` layers; the time model adds the memory-bound and communication parts."""
     c, gpu, prec = constants.for_gpu(cluster.gpu), cluster.gpu, layout.precision
-    peak = gpu.peak("bf16" if prec == "fp8" else prec)
-    fp8_peak = gpu.peak("fp8") if prec == "fp8" else 0.0
+    peak = gpu.sustained_peak("bf16" if prec == "fp8" else prec)
+    fp8_peak = gpu.sustained_peak("fp8") if prec == "fp8" else 0.0
     v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, layout.tp)
     elem = 4.0 if prec == "fp32" else 2.0
     layer, first, last = stage_microbatch_times(

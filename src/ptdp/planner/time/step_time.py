@@ -136,8 +136,9 @@ def evaluate_performance(
     work and fill and drain take the other stages' layers (:func:`split_stage_times`).
     """
     c, gpu, prec = constants.for_gpu(cluster.gpu), cluster.gpu, layout.precision
-    peak = gpu.peak("bf16" if prec == "fp8" else prec)  # fp8: attention, logits and MFU at the bf16 peak
-    fp8_peak = gpu.peak("fp8") if prec == "fp8" else 0.0
+    # fp8: attention, logits and MFU at the bf16 peak; the kernels at the power limit's, MFU at the datasheet's
+    peak = gpu.sustained_peak("bf16" if prec == "fp8" else prec)
+    fp8_peak = gpu.sustained_peak("fp8") if prec == "fp8" else 0.0
     bandwidth = gpu.memory_bandwidth * c.hbm_efficiency
     links = links_for(cluster, c)
     elem = 4.0 if prec == "fp32" else 2.0
@@ -178,7 +179,7 @@ def evaluate_performance(
     return Performance(
         time=time,
         tflops_per_gpu=hw_flops / (step * gpus),
-        mfu=model_flops / (step * gpus * peak),
+        mfu=model_flops / (step * gpus * gpu.peak("bf16" if prec == "fp8" else prec)),
         model_flops=model_flops,
         hardware_flops=hw_flops,
         tokens_per_second=layout.global_batch_size * model.seq_length / step,

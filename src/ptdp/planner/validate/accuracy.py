@@ -186,12 +186,18 @@ def fit_constants(
 def run_constants(run: H100Run, constants: PerfConstants = DEFAULT_CONSTANTS) -> PerfConstants:
     """The time model's constants for one published H100 run: its GPU generation's fit
     (:meth:`PerfConstants.for_gpu`) and the communication overlap the run used: ``tp_comm_overlap``
-    (Transformer Engine's ring exchange, ``(tp - 1) / tp`` hidden), ``pp_overlap`` (Megatron's
+    (Transformer Engine's ring exchange, ``(tp - 1) / tp`` hidden), ``async_tp`` (PyTorch's, the forward
+    pass's), ``pp_overlap`` (Megatron's
     ``overlap_p2p_comm``, the Llama 3 paper's asynchronous point-to-point) and ``overlap_window``
     (``--overlap-grad-reduce --overlap-param-gather``, the Llama 3 paper's asynchronous FSDP).
     """
     c = dataclasses.replace(constants.for_gpu(CATALOG[run.gpu]), tp_overlap=0.0, dp_overlap=0.0, overlap_window=False)
-    return c.with_overlap(overlap_grad_reduce=run.dp_overlap, tp_comm_overlap=run.tp_overlap, pp_overlap=run.pp_overlap)
+    return c.with_overlap(
+        overlap_grad_reduce=run.dp_overlap,
+        tp_comm_overlap=run.tp_overlap,
+        pp_overlap=run.pp_overlap,
+        async_tp=run.async_tp,
+    )
 
 
 def h100_name(run: H100Run) -> str:
@@ -208,7 +214,7 @@ def h100_label(run: H100Run) -> str:
     return (
         layout_label(lay)
         + (f" c{lay.cp}" if lay.cp > 1 else "")
-        + (" tpo" if run.tp_overlap else "")
+        + (" tpo" if run.tp_overlap else " atp" if run.async_tp else "")
         + precision
         + (" g16" if lay.bf16_grads else "")
     )

@@ -18,7 +18,8 @@ or MFU under a named FLOP convention, or tokens/s per GPU, turned into the step 
   ``(6 N + 12 l h s)`` per token, ``N`` every parameter.
 
 Columns beyond shape and layout: ``cp_comm_type``, ``sharding`` (Megatron's strategy),
-``dp_overlap`` / ``tp_overlap`` / ``pp_overlap`` (y: overlapped with compute), ``layer_split``
+``dp_overlap`` / ``tp_overlap`` / ``pp_overlap`` (y: overlapped with compute; ``tp_overlap`` async:
+PyTorch's asynchronous TP, ``--enable-async-tensor-parallel``, y: Transformer Engine's), ``layer_split``
 (space-separated; empty: even), ``assumed`` (settings the source does not state, explained in ``notes``);
 optional ``grad_reduce`` (fp32, the default, or bf16: ``--grad-reduce-in-bf16``) and
 ``fp8_param_gather`` (y: FP8 weights, ``--fp8-param-gather``).
@@ -163,7 +164,9 @@ class H100Run:
         model, layout, gpu: what the planner evaluates (``gpu`` a catalog key).
         reported: the figure as published, in ``unit`` (:data:`UNITS`) under ``convention``.
         step_time: seconds per step that figure implies (:func:`reported_step_time`).
-        dp_overlap, tp_overlap: the run overlapped its data-/tensor-parallel communication.
+        dp_overlap, tp_overlap: the run overlapped its data-/tensor-parallel communication
+            (``tp_overlap``: Transformer Engine's, ``--tp-comm-overlap``).
+        async_tp: the run used PyTorch's asynchronous TP (column ``tp_overlap`` = async).
         pp_overlap: the run overlapped its pipeline transfers with compute (column ``pp_overlap``;
             absent: no), :attr:`ptdp.planner.time.constants.PerfConstants.pp_overlap`.
         assumed: settings the source does not state.
@@ -184,6 +187,7 @@ class H100Run:
     assumed: str
     pp_overlap: bool = False
     url: str = ""
+    async_tp: bool = False
 
     @property
     def source_key(self) -> str:
@@ -268,6 +272,14 @@ def _model(r: dict) -> ModelConfig:
     )
 
 
+def _tp_overlap(text: str) -> tuple[bool, bool]:
+    """Column ``tp_overlap``: (Transformer Engine's overlap, PyTorch's async TP) from y / n / async."""
+    value = text.strip().lower()
+    if value not in ("y", "yes", "n", "no", "", "async"):
+        raise ValueError(f"tp_overlap={text!r} must be y, n or async")
+    return value in ("y", "yes"), value == "async"
+
+
 def _grad_reduce_in_bf16(text: str) -> bool:
     """Column ``grad_reduce`` (optional): fp32 (default) or bf16 (``--grad-reduce-in-bf16``)."""
     value = text.strip() or "fp32"
@@ -325,6 +337,7 @@ def load_h100_runs(path: str | Path) -> list[H100Run]:
         for line, r in enumerate(csv.DictReader(f), start=2):
             try:
                 layout = _layout(r)
+                tp_overlap, async_tp = _tp_overlap(r["tp_overlap"])
             except ValueError as e:
                 raise ValueError(f"{path}:{line}: {e}") from None
             model, gpu = _model(r), _catalog_gpu(r["gpu_type"], f"{path}:{line}")
@@ -345,7 +358,8 @@ def load_h100_runs(path: str | Path) -> list[H100Run]:
                     convention=convention,
                     step_time=reported_step_time(model, layout, gpu, reported, unit, convention),
                     dp_overlap=_yes(r["dp_overlap"]),
-                    tp_overlap=_yes(r["tp_overlap"]),
+                    tp_overlap=tp_overlap,
+                    async_tp=async_tp,
                     assumed=r["assumed"].strip(),
                     pp_overlap=_yes(r.get("pp_overlap") or ""),
                     url=(r.get("url") or "").strip(),
