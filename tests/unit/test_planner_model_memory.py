@@ -16,7 +16,8 @@ from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, GiB
 from ptdp.planner.inputs.models import PRESETS, gpt
 from ptdp.planner.memory.activations import inflight_microbatches, layer_activation_bytes
-from ptdp.planner.memory.breakdown import DEFAULT_OVERHEAD_BYTES, memory_breakdown
+from ptdp.planner.memory.breakdown import memory_breakdown
+from ptdp.planner.memory.overhead import runtime_overhead_bytes
 from ptdp.planner.memory.params import bytes_per_param, stage_param_counts
 
 A100 = CATALOG["a100-80gb"]
@@ -195,7 +196,7 @@ def test_memory_breakdown_fields_and_stage():
     assert mem.params == 2 * counts[mem.stage]
     assert mem.grads == 4 * counts[mem.stage]
     assert mem.optimizer == 12 * counts[mem.stage]
-    assert mem.overhead == DEFAULT_OVERHEAD_BYTES
+    assert mem.overhead == runtime_overhead_bytes(layout, A100.gpus_per_node, model.tied)
     assert memory_breakdown(model, layout, A100, overhead_bytes=0).total == pytest.approx(mem.total - mem.overhead)
     # an explicit even split takes the all-stages path and agrees with the O(1) path
     assert memory_breakdown(model, layout, A100, layer_split=(2, 2, 2, 2)) == mem

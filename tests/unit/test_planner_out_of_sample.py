@@ -190,3 +190,14 @@ def test_validate_refuses_the_flags_it_would_ignore(capsys, extra, named):
     assert main(["plan", "--validate", str(A100), *extra]) == 2
     err = capsys.readouterr().err
     assert "--validate evaluates each table's runs at their own model, layout and GPU: " + named in err
+
+
+def test_every_published_layout_fits_under_the_planners_memory():
+    """The runs happened, so the planner must not predict any of them over its GPU's memory: every
+    layout of the three tables in benchmarks/data, at its own model, GPU and settings."""
+    from ptdp.planner.validate.accuracy import fit_check
+
+    checks = fit_check(load_published_runs(A100)) + h100_fit_check(load_h100_runs(H100) + load_h100_runs(NEW))
+    assert len(checks) == 18 + 21 + 39
+    over = [(name, layout, round(total, 2), round(cap, 2)) for name, layout, total, cap in checks if total > cap]
+    assert not over, over

@@ -2,7 +2,8 @@
 
 Each rank's bytes come from :mod:`ptdp.planner.memory.breakdown` (exact parameter, gradient and
 optimizer bytes; activations per Korthikanti et al., arXiv:2205.05198, for the schedule, recompute
-and sequence parallelism) plus a fixed per-process overhead. On GPUs the most loaded rank must fit
+and sequence parallelism) plus a per-process overhead (on GPUs the planner's,
+:func:`ptdp.planner.memory.overhead.runtime_overhead_bytes`). On GPUs the most loaded rank must fit
 one device; on CPU the local workers' sum must fit ``MemAvailable``. Otherwise ``ptdp train`` exits
 2 naming the estimate, the memory available and the flags that would help; ``--force`` starts anyway.
 """
@@ -17,8 +18,6 @@ from ptdp.config.schema import Config
 GiB = 2**30
 #: Resident memory of a CPU worker before the model (Python, torch, gloo), with a margin.
 CPU_WORKER_OVERHEAD = 0.5 * GiB
-#: A GPU rank's fixed overhead: CUDA context, NCCL buffers, workspaces (the planner's default).
-GPU_WORKER_OVERHEAD = 2 * GiB
 _PRECISION = {"float32": ("fp32", 1.0), "float64": ("fp32", 2.0), "bfloat16": ("bf16", 1.0), "float16": ("fp16", 1.0)}
 
 
@@ -68,10 +67,21 @@ def needed_bytes(config: Config, nproc: int, *, gpu: bool) -> float:
     when nproc is the world)."""
     ranks = rank_estimates(config)
     if gpu:
-        return max(r.total for r in ranks) + GPU_WORKER_OVERHEAD
+        return max(r.total for r in ranks) + gpu_worker_overhead(config, nproc)
     per_stage = config.parallel.tp * config.parallel.cp * config.parallel.dp
     totals = [ranks[min(i // per_stage, len(ranks) - 1)].total for i in range(nproc)]
     return sum(totals) + nproc * CPU_WORKER_OVERHEAD
+
+
+def gpu_worker_overhead(config: Config, nproc: int) -> float:
+    """A GPU rank's memory outside its tensors (CUDA context, cuBLAS workspaces, NCCL buffers): the
+    planner's :func:`~ptdp.planner.memory.overhead.runtime_overhead_bytes` with ``nproc`` GPUs per node."""
+    from ptdp.planner.candidate import run_candidate
+    from ptdp.planner.memory.overhead import runtime_overhead_bytes
+
+    layout = run_candidate(config, _PRECISION[config.model.params_dtype][0])
+    assert layout is not None
+    return runtime_overhead_bytes(layout, nproc, config.model.tied)
 
 
 def _alternatives(config: Config) -> list[tuple[str, Config]]:
@@ -150,7 +160,7 @@ def memory_problem(config: Config, nproc: int, available: float, *, gpu: bool, w
         f"  per rank of stage {worst.stage}: parameters {worst.params / GiB:,.2f} GiB, gradients "
         f"{worst.grads / GiB:,.2f}, optimizer state {worst.optimizer / GiB:,.2f}, activations "
         f"{worst.activations / GiB:,.2f} (planner estimate), plus "
-        f"{(GPU_WORKER_OVERHEAD if gpu else CPU_WORKER_OVERHEAD) / GiB:g} GiB per process",
+        f"{(gpu_worker_overhead(config, nproc) if gpu else CPU_WORKER_OVERHEAD) / GiB:.2f} GiB per process",
     ]
     helps = [
         f"{flag} ({alt_need / GiB:,.1f} GiB)"

@@ -159,7 +159,8 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--memory-overhead-gib",
         type=float,
-        help="fixed memory per GPU for framework and buffers (default: the planner's)",
+        help="memory per GPU outside the tensors (CUDA context, cuBLAS workspaces, NCCL buffers); "
+        "default: the planner's estimate for the layout (about 1 GiB; planner/memory/overhead.py)",
     )
     g.add_argument(
         "--validate",

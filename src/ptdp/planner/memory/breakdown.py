@@ -3,16 +3,18 @@
 All results are bytes on ONE tensor-parallel rank of a pipeline stage. Sources: [N21] Narayanan et
 al., SC21, arXiv:2104.04473; [K22] Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models", arXiv:2205.05198. Parameters and state: :mod:`ptdp.planner.memory.params`;
-activations: :mod:`ptdp.planner.memory.activations`; :func:`memory_breakdown` sums them.
+activations: :mod:`ptdp.planner.memory.activations`; the process's own: :mod:`ptdp.planner.memory.overhead`;
+:func:`memory_breakdown` sums them.
 """
 
 from __future__ import annotations
 
 from ptdp.config.model import ModelConfig
 from ptdp.planner.candidate import Candidate, MemoryBreakdown
-from ptdp.planner.inputs.hardware import GiB, GPUType
+from ptdp.planner.inputs.hardware import GPUType
 from ptdp.planner.memory.activations import cached_rank_activation_bytes
 from ptdp.planner.memory.fp8 import fp8_weight_copy_bytes
+from ptdp.planner.memory.overhead import runtime_overhead_bytes
 from ptdp.planner.memory.params import (
     even_stage_params,
     rank_state_bytes,
@@ -20,11 +22,7 @@ from ptdp.planner.memory.params import (
 )
 from ptdp.planner.memory.strategies import strategy_bytes_per_param
 
-__all__ = ["DEFAULT_OVERHEAD_BYTES", "memory_breakdown"]
-
-#: Default fixed overhead per GPU (bytes): CUDA context and kernel images, NCCL buffers of the
-#: communicators a rank joins, cuBLAS workspaces and allocator fragmentation; a round margin.
-DEFAULT_OVERHEAD_BYTES = 2 * GiB
+__all__ = ["memory_breakdown"]
 
 
 def _candidate_stages(
@@ -67,7 +65,8 @@ def memory_breakdown(
     layout: Candidate,
     gpu: GPUType,
     *,
-    overhead_bytes: float = DEFAULT_OVERHEAD_BYTES,
+    overhead_bytes: float | None = None,
+    gpus_per_node: int | None = None,
     schedule: str = "1f1b",
     make_vocab_size_divisible_by: int = 128,
     layer_split: tuple[int, ...] | None = None,
@@ -77,8 +76,10 @@ def memory_breakdown(
     params/grads/optimizer: the stage's parameters under the sharding strategy over ``dp * cp`` ranks,
     transients and FP8 weight copies included (:func:`rank_state_bytes`; grads: with bf16 gradients
     also the step's float32 copy beyond the activations); activations:
-    :func:`rank_activation_bytes` (one cp rank); overhead: ``overhead_bytes``. ``gpu`` does not change
-    the bytes; the check ``total <= gpu.memory_bytes`` is the caller's. ``schedule``: "1f1b" or "gpipe".
+    :func:`rank_activation_bytes` (one cp rank); overhead: ``overhead_bytes``, by default the process's
+    own (:func:`~ptdp.planner.memory.overhead.runtime_overhead_bytes` on nodes of ``gpus_per_node``,
+    default the GPU's). ``gpu`` does not change the other bytes; the check ``total <= gpu.memory_bytes``
+    is the caller's. ``schedule``: "1f1b" or "gpipe".
     Only the first, the last and one middle stage per distinct layer count can be the maximum.
     """
     layer_split = layer_split if layer_split is not None else layout.layer_split
@@ -120,6 +121,10 @@ def memory_breakdown(
         grads=grads + copy,
         optimizer=optimizer,
         activations=act,
-        overhead=float(overhead_bytes),
+        overhead=float(
+            runtime_overhead_bytes(layout, gpus_per_node or gpu.gpus_per_node, model.tied)
+            if overhead_bytes is None
+            else overhead_bytes
+        ),
         stage=rank,
     )

@@ -14,7 +14,8 @@ from ptdp.errors import Violation
 from ptdp.layout.buckets import chunk_by_chunk
 from ptdp.planner.candidate import Candidate, Plan
 from ptdp.planner.inputs.hardware import TFLOPS, Cluster, GiB
-from ptdp.planner.memory.breakdown import DEFAULT_OVERHEAD_BYTES, memory_breakdown
+from ptdp.planner.memory.breakdown import memory_breakdown
+from ptdp.planner.memory.overhead import CUDA_CONTEXT_BYTES
 from ptdp.planner.memory.params import mean_stage_params
 from ptdp.planner.memory.strategies import strategy_bytes_per_param
 from ptdp.planner.search.rules import all_rejections, schedule_rejections
@@ -42,7 +43,7 @@ def evaluate(
 
 def _predict(model, layout, cluster, constants, overhead_bytes) -> tuple[Plan, Violation | None]:
     kwargs = {} if overhead_bytes is None else {"overhead_bytes": overhead_bytes}
-    memory = memory_breakdown(model, layout, cluster.gpu, **kwargs)
+    memory = memory_breakdown(model, layout, cluster.gpu, gpus_per_node=cluster.gpus_per_node, **kwargs)
     capacity = cluster.gpu.memory_bytes
     if memory.total > capacity:
         largest = max(("params", "grads", "optimizer", "activations"), key=lambda k: getattr(memory, k))
@@ -100,7 +101,7 @@ def _no_split_fits(model, layout: Candidate, cluster, overhead) -> bool:
         )
     )
     floor = mean_stage_params(model, layout.tp, layout.pp) * per_param
-    return floor + (DEFAULT_OVERHEAD_BYTES if overhead is None else overhead) > cluster.gpu.memory_bytes
+    return floor + (CUDA_CONTEXT_BYTES if overhead is None else overhead) > cluster.gpu.memory_bytes
 
 
 def _sharding_cannot_fit(unsharded: Plan, layout: Candidate, cluster) -> bool:
