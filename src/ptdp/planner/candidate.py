@@ -21,6 +21,10 @@ OP_SAC = "op"
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 MOE_RECOMPUTE_MODULES = ("moe_act", "moe", "shared_experts", "mla_up_proj")
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
+#: the optimizer state's default dtypes: float32 main parameters and Adam moments
+OPTIMIZER_DTYPES = ("fp32", "fp32", "fp32")
+#: bytes per value of the optimizer state's dtypes (``--main-params-dtype``, ``--exp-avg-dtype``, ...)
+STATE_DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0}
 #: ``--params-dtype`` as the planner's precision (float64 is not planned)
 PRECISION_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -45,6 +49,9 @@ class Candidate:
             ``--fp8-param-gather``, :mod:`ptdp.planner.memory.fp8`).
         recompute_modules: with "selective", the modules recomputed (:data:`RECOMPUTE_MODULES`;
             empty: core_attn, Megatron-Core's default).
+        optimizer_dtypes: (main parameters, first moment, second moment) dtypes of the optimizer
+            state (Megatron-Core's precision-aware optimizer, ``--main-params-dtype``,
+            ``--exp-avg-dtype``, ``--exp-avg-sq-dtype``; :data:`OPTIMIZER_DTYPES`); all fp32 by default.
     """
 
     parallel: ParallelConfig
@@ -56,6 +63,7 @@ class Candidate:
     layer_split: tuple[int, ...] | None = None
     fp8_param_gather: bool = False
     recompute_modules: tuple[str, ...] = ()
+    optimizer_dtypes: tuple[str, str, str] = OPTIMIZER_DTYPES
 
     @classmethod
     def of(
@@ -81,6 +89,7 @@ class Candidate:
         grad_reduce_in_bf16: bool = False,
         fp8_param_gather: bool = False,
         recompute_modules: tuple[str, ...] = (),
+        optimizer_dtypes: tuple[str, str, str] = OPTIMIZER_DTYPES,
     ) -> Candidate:
         """The candidate of these choices (``sharding``: the strategy, else ``optim`` with
         ``distributed_optimizer``, else ``no_shard``; ``layer_split`` at ``virtual_stages`` > 1: the
@@ -116,6 +125,7 @@ class Candidate:
             layer_split,
             fp8_param_gather,
             tuple(recompute_modules) if recompute == "selective" else (),
+            tuple(optimizer_dtypes),  # type: ignore[arg-type]
         )
 
     def fields(self) -> dict[str, Any]:
@@ -142,6 +152,7 @@ class Candidate:
             "grad_reduce_in_bf16": p.grad_reduce_in_bf16,
             "fp8_param_gather": self.fp8_param_gather,
             "recompute_modules": self.recompute_modules,
+            "optimizer_dtypes": self.optimizer_dtypes,
         }
 
     def replace(self, **changes: Any) -> Candidate:
@@ -185,6 +196,16 @@ class Candidate:
     def bf16_grads(self) -> bool:
         """Gradients kept and reduced in bf16 (``--grad-reduce-in-bf16``)."""
         return self.parallel.grad_reduce_in_bf16
+
+    @property
+    def optimizer_state(self) -> tuple[float, float, float] | None:
+        """Bytes of (main parameter, first moment, second moment) per parameter with a
+        precision-aware optimizer (:attr:`optimizer_dtypes` not all fp32), else None (the default
+        float32 state)."""
+        if self.optimizer_dtypes == OPTIMIZER_DTYPES:
+            return None
+        main, first, second = (STATE_DTYPE_BYTES[d] for d in self.optimizer_dtypes)
+        return main, first, second
 
     @property
     def grad_bytes(self) -> float:

@@ -302,6 +302,7 @@ def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanR
         precision = fp8_precision(gpu, precision)
     if fixed.fp8_param_gather:
         check_fp8_param_gather(precision)
+    check_optimizer_dtypes(fixed, precision)
     if fixed.grad_reduce_in_bf16 and precision not in ("bf16", "fp8"):
         raise ConfigError(
             f"--grad-reduce-in-bf16 needs bf16 parameters (--bf16, or --fp8 with bf16 weights), "
@@ -312,6 +313,28 @@ def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanR
     return PlanRequest(
         name, model, cluster, global_batch_size, fixed, precision, constants, overhead, notes, batch_source
     )
+
+
+def check_optimizer_dtypes(fixed: Fixed, precision: str) -> None:
+    """ConfigError for ``--main-params-dtype`` / ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype`` without
+    ``--use-precision-aware-optimizer``, or the precision-aware optimizer with fp32 parameters (as
+    Megatron-Core refuses them)."""
+    given = [
+        f"--{name.replace('_', '-')} {value}"
+        for name, value in (
+            ("main_params_dtype", fixed.main_params_dtype),
+            ("exp_avg_dtype", fixed.exp_avg_dtype),
+            ("exp_avg_sq_dtype", fixed.exp_avg_sq_dtype),
+        )
+        if value is not None
+    ]
+    if given and not fixed.use_precision_aware_optimizer:
+        raise ConfigError(f"{', '.join(given)} needs --use-precision-aware-optimizer")
+    if fixed.use_precision_aware_optimizer and precision == "fp32":
+        raise ConfigError(
+            "--use-precision-aware-optimizer needs 16-bit parameters (--bf16, --fp16 or --fp8), not fp32: "
+            "the optimizer keeps main parameters beside them"
+        )
 
 
 def global_batch(given: int | None, name: str, model: ModelConfig) -> tuple[int, str]:

@@ -87,6 +87,24 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --fp8: keep the FP8 GEMMs' weights in FP8 (Megatron-LM's flag; Transformer "
         "Engine's FP8 parameters): 1 byte each and no FP8 copy (planner only)",
     )
+    g.add_argument(
+        "--use-precision-aware-optimizer",
+        action="store_true",
+        default=None,
+        help="plan Megatron-Core's precision-aware optimizer (its flag; planner only): the "
+        "optimizer state in the dtypes below, with 16-bit parameters",
+    )
+    for flag, choices, what in (
+        ("--main-params-dtype", ("fp32", "fp16"), "main parameters"),
+        ("--exp-avg-dtype", ("fp32", "fp16", "bf16", "fp8"), "Adam's first moment"),
+        ("--exp-avg-sq-dtype", ("fp32", "fp16", "bf16", "fp8"), "Adam's second moment"),
+    ):
+        g.add_argument(
+            flag,
+            choices=choices,
+            default=None,
+            help=f"with --use-precision-aware-optimizer: the dtype of the {what} (Megatron-Core's flag; default fp32)",
+        )
 
 
 def _add_overlap_arguments(parser: argparse.ArgumentParser) -> None:

@@ -86,7 +86,11 @@ def memory_breakdown(
     candidates = _candidate_stages(model, layout, layer_split, make_vocab_size_divisible_by)
     rows = []
     per_param = strategy_bytes_per_param(
-        layout.precision, layout.sharding_strategy, layout.shard_size, bf16_grads=layout.bf16_grads
+        layout.precision,
+        layout.sharding_strategy,
+        layout.shard_size,
+        bf16_grads=layout.bf16_grads,
+        optimizer=layout.optimizer_state,
     )
     per_param_total = sum(per_param)
     transients = layout.shard_size > 1 and layout.sharding_strategy in ("optim_grads", "optim_grads_params")

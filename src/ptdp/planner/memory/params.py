@@ -104,7 +104,9 @@ def rank_state_bytes(
     if shard == 1 or strategy in ("no_shard", "optim"):  # no transients
         if per_param is not None:
             return n_params * per_param[0], n_params * per_param[1], n_params * per_param[2]
-        return stage_state_bytes(n_params, layout.precision, strategy, shard, bf16_grads=layout.bf16_grads)
+        return stage_state_bytes(
+            n_params, layout.precision, strategy, shard, bf16_grads=layout.bf16_grads, optimizer=layout.optimizer_state
+        )
     params, grads = stage_transients(model, layout, stage, n_layers, divisible_by)
     return stage_state_bytes(
         n_params,
@@ -114,6 +116,7 @@ def rank_state_bytes(
         params_transient=params,
         grads_transient=grads,
         bf16_grads=layout.bf16_grads,
+        optimizer=layout.optimizer_state,
     )
 
 

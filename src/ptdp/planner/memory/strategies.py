@@ -15,6 +15,10 @@ ZeRO-3's shard of 16-bit parameters is kept in float32 and is the optimizer's ma
 a bf16 ``MixedPrecisionPolicy``, torchtitan's default; ``ptdp train`` the same): 16 bytes per
 parameter over ``d`` with fp32 gradients, not 18. Plus, for the last two, the peak transients
 (:mod:`ptdp.planner.memory.transients`).
+
+Megatron-Core's precision-aware optimizer (``--use-precision-aware-optimizer`` with
+``--main-params-dtype``, ``--exp-avg-dtype``, ``--exp-avg-sq-dtype``; Apex's DistributedFusedAdam
+``dtype`` likewise) keeps ``k`` = the main parameter's bytes plus each moment's (``optimizer``).
 """
 
 from __future__ import annotations
@@ -33,25 +37,35 @@ def check_strategy(strategy: str) -> None:
         raise ValueError(f"sharding={strategy!r} must be one of {SHARDING_STRATEGIES}")
 
 
-def state_bytes(precision: str, bf16_grads: bool = False) -> tuple[float, float, float]:
+def state_bytes(
+    precision: str, bf16_grads: bool = False, optimizer: tuple[float, float, float] | None = None
+) -> tuple[float, float, float]:
     """(w, g, k) of the module docstring for ``precision`` (ValueError for another), ``g = 2`` with
-    ``bf16_grads`` (``--grad-reduce-in-bf16``)."""
+    ``bf16_grads`` (``--grad-reduce-in-bf16``), ``k`` the sum of ``optimizer`` (main parameter,
+    first and second moment bytes) when given."""
     if precision not in _BYTES:
         raise ValueError(f"precision={precision!r} must be one of {tuple(_BYTES)}")
     w, g, k = _BYTES[precision]
-    return w, 2.0 if bf16_grads else g, k
+    return w, 2.0 if bf16_grads else g, k if optimizer is None else sum(optimizer)
 
 
 def strategy_bytes_per_param(
-    precision: str, strategy: str, shard: int, *, bf16_grads: bool = False
+    precision: str,
+    strategy: str,
+    shard: int,
+    *,
+    bf16_grads: bool = False,
+    optimizer: tuple[float, float, float] | None = None,
 ) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per parameter kept by one rank under ``strategy`` with
-    ``shard = dp * cp`` ranks (the module docstring's table, transients excluded)."""
+    ``shard = dp * cp`` ranks (the module docstring's table, transients excluded); ``optimizer``:
+    the precision-aware optimizer's (main parameter, moment, moment) bytes."""
     check_strategy(strategy)
-    w, g, k = state_bytes(precision, bf16_grads)
+    w, g, k = state_bytes(precision, bf16_grads, optimizer)
     level = SHARDING_STRATEGIES.index(strategy)
-    if level >= 3 and w < 4:  # the float32 shard is the main copy
-        return 4.0 / shard, g / shard, (k - 4.0) / shard
+    if level >= 3 and w < 4:  # the main parameters' shard is the copy kept
+        main = 4.0 if optimizer is None else optimizer[0]
+        return main / shard, g / shard, (k - main) / shard
     return (w / shard if level >= 3 else w, g / shard if level >= 2 else g, k / shard if level >= 1 else k)
 
 
@@ -64,16 +78,17 @@ def stage_state_bytes(
     params_transient: int = 0,
     grads_transient: int = 0,
     bf16_grads: bool = False,
+    optimizer: tuple[float, float, float] | None = None,
 ) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes of one rank holding ``n_params`` parameters (one tp rank of one
     stage): the strategy's shares (:func:`strategy_bytes_per_param`) plus, with ``optim_grads`` /
     ``optim_grads_params`` over ``shard > 1`` ranks, ``grads_transient`` bucket elements (``g`` bytes
     each) and ``params_transient`` gathered elements (``w`` bytes each, ``optim_grads_params`` only).
     """
-    pb, gb, ob = strategy_bytes_per_param(precision, strategy, shard, bf16_grads=bf16_grads)
+    pb, gb, ob = strategy_bytes_per_param(precision, strategy, shard, bf16_grads=bf16_grads, optimizer=optimizer)
     w, g, _ = state_bytes(precision, bf16_grads)
-    params, grads, optimizer = n_params * pb, n_params * gb, n_params * ob
+    params, grads, state = n_params * pb, n_params * gb, n_params * ob
     if shard > 1 and strategy in ("optim_grads", "optim_grads_params"):
         grads += g * grads_transient
         params += w * params_transient if strategy == "optim_grads_params" else 0.0
-    return params, grads, optimizer
+    return params, grads, state

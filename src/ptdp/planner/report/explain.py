@@ -79,6 +79,10 @@ def layout_flags(layout: Candidate) -> str:
     words += ["--grad-reduce-in-bf16"] if layout.bf16_grads else []
     words += ["--fp8-param-gather"] if layout.fp8_param_gather else []
     words += [f"--recompute-modules {' '.join(layout.recompute_modules)}"] if layout.recompute_modules else []
+    if layout.optimizer_state is not None:
+        words.append("--use-precision-aware-optimizer")
+        flags = ("--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype")
+        words += [f"{flag} {dtype}" for flag, dtype in zip(flags, layout.optimizer_dtypes) if dtype != "fp32"]
     return " ".join(words)
 
 

@@ -76,6 +76,16 @@ class Fixed:
     """FP8 weights (``--fp8-param-gather``, planner only)."""
     recompute_modules: tuple[str, ...] | None = None
     """Megatron-Core's ``--recompute-modules`` with selective recompute (planner only)."""
+    use_precision_aware_optimizer: bool | None = None
+    main_params_dtype: str | None = None
+    exp_avg_dtype: str | None = None
+    exp_avg_sq_dtype: str | None = None
+    """The optimizer state's dtypes with ``--use-precision-aware-optimizer`` (planner only)."""
+
+    @property
+    def optimizer_dtypes(self) -> tuple[str, str, str]:
+        """(main parameters, first moment, second moment) dtypes; fp32 where not given."""
+        return (self.main_params_dtype or "fp32", self.exp_avg_dtype or "fp32", self.exp_avg_sq_dtype or "fp32")
 
     @property
     def tp(self) -> int | None:
@@ -355,6 +365,7 @@ def _search_layout(
                         grad_reduce_in_bf16=bool(fixed.grad_reduce_in_bf16),
                         fp8_param_gather=bool(fixed.fp8_param_gather),
                         recompute_modules=tuple(fixed.recompute_modules or ()),
+                        optimizer_dtypes=fixed.optimizer_dtypes,
                     )
 
                 plans, rejected = predict_strategies(

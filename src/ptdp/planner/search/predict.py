@@ -97,7 +97,11 @@ def _no_split_fits(model, layout: Candidate, cluster, overhead) -> bool:
     and FP8 copies left out) and the overhead already exceed the GPU."""
     per_param = sum(
         strategy_bytes_per_param(
-            layout.precision, layout.sharding_strategy, layout.shard_size, bf16_grads=layout.bf16_grads
+            layout.precision,
+            layout.sharding_strategy,
+            layout.shard_size,
+            bf16_grads=layout.bf16_grads,
+            optimizer=layout.optimizer_state,
         )
     )
     floor = mean_stage_params(model, layout.tp, layout.pp) * per_param
@@ -115,7 +119,11 @@ def _sharding_cannot_fit(unsharded: Plan, layout: Candidate, cluster) -> bool:
         return False
     n = mem.grads / (6.0 if layout.bf16_grads else 4.0)
     per_param = strategy_bytes_per_param(
-        layout.precision, "optim_grads_params", layout.shard_size, bf16_grads=layout.bf16_grads
+        layout.precision,
+        "optim_grads_params",
+        layout.shard_size,
+        bf16_grads=layout.bf16_grads,
+        optimizer=layout.optimizer_state,
     )
     floor = sum(per_param) * n
     return mem.activations + mem.overhead + floor > cluster.gpu.memory_bytes
