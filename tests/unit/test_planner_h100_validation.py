@@ -374,6 +374,11 @@ def test_power_limit_flag_and_catalog_fields(tmp_path, capsys):
     assert limited > full
     assert cli.main([*base, *fixed, "--gpu-power-limit", "800"]) == 2
     assert "--gpu-power-limit 800: h100-sxm: a power limit of 800 W is outside its ratings" in capsys.readouterr().err
+    for zero in ("0", "-5", "nan"):  # 0 would silently mean the datasheet's rating
+        assert cli.main([*base, *fixed, "--gpu-power-limit", zero]) == 2
+        assert "must be a positive number of watts" in capsys.readouterr().err
+    assert cli.main([*base, *fixed, "--gpu-power-limit", "500"]) == 0
+    assert "planned at a 500 W power limit: 0.896 of its datasheet tensor-core peaks" in capsys.readouterr().out
     good = tmp_path / "g.toml"
     good.write_text(
         "[my-gpu]\npeak_flops = { bf16 = 400e12 }\nmemory_bytes = 48e9\nmemory_bandwidth = 1.0e12\n"
@@ -385,4 +390,13 @@ def test_power_limit_flag_and_catalog_fields(tmp_path, capsys):
     bad = tmp_path / "b.toml"
     bad.write_text(good.read_text(encoding="utf-8").replace("[400, 1.0]", "[400, 0.9]"), encoding="utf-8")
     with pytest.raises(ValueError, match=r"b.toml: GPU 'my-gpu': .*the last 1.0"):
+        load_catalog(bad)
+    for peaks in ("[300, 1.0]", "[[300], [400, 1.0]]", '[["300", "0.8"], [400, 1.0]]', "[[300, true], [400, 1.0]]"):
+        bad.write_text(good.read_text(encoding="utf-8").replace("[[300, 0.8], [400, 1.0]]", peaks), encoding="utf-8")
+        with pytest.raises(ValueError, match=r"power_peaks=.* must be \[watts, fraction\] pairs of numbers"):
+            load_catalog(bad)
+    bad.write_text(
+        good.read_text(encoding="utf-8").replace("power_limit = 350", 'power_limit = "350"'), encoding="utf-8"
+    )
+    with pytest.raises(ValueError, match="power_limit='350' must be a number of watts"):
         load_catalog(bad)

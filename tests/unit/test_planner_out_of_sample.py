@@ -99,6 +99,7 @@ def test_bad_tables_are_refused_naming_the_file(tmp_path, capsys):
         fields, first = reader.fieldnames or [], next(reader)
     empty, zero, reduce = tmp_path / "empty.csv", tmp_path / "zero.csv", tmp_path / "reduce.csv"
     weights, fp16, overlap = tmp_path / "weights.csv", tmp_path / "fp16.csv", tmp_path / "overlap.csv"
+    no_sp, cell, flag = tmp_path / "no_sp.csv", tmp_path / "cell.csv", tmp_path / "flag.csv"
     bf16_row = {**first, "precision": "bf16", "fp8_param_gather": ""}
     for path, rows in (
         (empty, []),
@@ -107,6 +108,12 @@ def test_bad_tables_are_refused_naming_the_file(tmp_path, capsys):
         (weights, [{**bf16_row, "fp8_param_gather": "maybe"}, {**bf16_row, "fp8_param_gather": "y"}]),
         (fp16, [{**bf16_row, "precision": "fp16", "grad_reduce": "bf16"}]),
         (overlap, [{**first, "tp_overlap": "te"}]),
+        (
+            no_sp,
+            [{**first, "tp": "2", "dp": str(int(first["dp"]) // 2), "tp_overlap": "async", "sequence_parallel": "n"}],
+        ),
+        (cell, [first, {**first, "reported": "abc"}]),
+        (flag, [{**first, "sequence_parallel": "maybe"}]),
     ):
         with open(path, "w", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, fieldnames=fields)
@@ -120,6 +127,9 @@ def test_bad_tables_are_refused_naming_the_file(tmp_path, capsys):
         (str(weights),): f"--validate {weights}:2: fp8_param_gather='maybe' must be y or n",
         (str(fp16),): f"--validate {fp16}:2: grad_reduce=bf16 needs bf16 parameters (precision bf16 or fp8), not fp16",
         (str(overlap),): f"--validate {overlap}:2: tp_overlap='te' must be y, n or async",
+        (str(no_sp),): f"--validate {no_sp}:2: tp_overlap=async needs sequence_parallel=y and tp > 1",
+        (str(cell),): f"--validate {cell}:3: could not convert string to float: 'abc'",
+        (str(flag),): f"--validate {flag}:2: 'maybe' must be y or n",
         (str(H100), str(DATA / ".." / "data" / H100.name)): "a table given more than once",
     }
     for tables, message in cases.items():

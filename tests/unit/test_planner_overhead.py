@@ -67,3 +67,14 @@ def test_the_breakdown_counts_it_unless_given_and_ptdp_plan_prints_it(capsys):
     assert plan["memory_bytes"]["overhead"] == runtime_overhead_bytes(layout, 8, False)
     assert main([*base, *fixed, "--memory-overhead-gib", "3"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["memory_bytes"]["overhead"] == 3 * GiB
+
+
+def test_groups_that_straddle_a_node_boundary_span_nodes():
+    """tp 1, dp 3, pp 3 on 8-GPU nodes: the dp groups (blocks of 3) straddle nodes, and so does the
+    embedding group of ranks 2 and 8; the pipeline's neighbours use send/recv buffers."""
+    layout = Candidate.of(1, 3, 3, 1, 3)
+    expected = BASE + ring_buffer_bytes(True) + ring_buffer_bytes(True) + 2 * NCCL_P2P_PEER_BYTES
+    assert runtime_overhead_bytes(layout, 8, True) == expected
+    assert runtime_overhead_bytes(Candidate.of(1, 2, 2, 1, 2), 8, True) == (
+        BASE + 2 * ring_buffer_bytes(False) + 2 * NCCL_P2P_PEER_BYTES
+    )

@@ -120,10 +120,12 @@ def _hardware(args: argparse.Namespace):
     gpu = get_gpu(args.gpu, catalog)
     watts = getattr(args, "gpu_power_limit", None)
     if watts is not None:
+        if not watts > 0:  # 0 would mean the datasheet's rating; NaN compares false
+            raise ConfigError(f"--gpu-power-limit {watts:.10g} must be a positive number of watts")
         try:
             gpu = dataclasses.replace(gpu, power_limit=watts)
         except ValueError as e:
-            raise ConfigError(f"--gpu-power-limit {watts:g}: {e}") from None
+            raise ConfigError(f"--gpu-power-limit {watts:.10g}: {e}") from None
     return gpu, DEFAULT_CONSTANTS
 
 
@@ -270,6 +272,11 @@ def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanR
         raise ConfigError(f"--gpus-per-node={args.gpus_per_node} must be a positive integer")
     gpu, constants = _hardware(args)
     gpu, notes = _apply_topology(gpu, args)
+    if gpu.power_fraction() < 1.0:
+        notes.append(
+            f"{gpu.name} planned at a {gpu.power_limit:g} W power limit: {gpu.power_fraction():.3f} of its "
+            "datasheet tensor-core peaks (--gpu-power-limit)"
+        )
     try:
         per_node = gpu.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
         cluster = Cluster(gpu, args.gpus, per_node)

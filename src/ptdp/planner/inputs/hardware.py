@@ -8,6 +8,7 @@ TOML or JSON file (:func:`load_catalog`) whose tables have the fields of :class:
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -64,14 +65,29 @@ class GPUType:
     power_peaks: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:  # a catalog file holds lists
-        points = tuple((float(w), float(f)) for w, f in self.power_peaks)
-        object.__setattr__(self, "power_peaks", points)
+        rule = (
+            f"power_peaks={self.power_peaks!r} must be [watts, fraction] pairs of numbers, ascending in "
+            "watts > 0, fractions in (0, 1], the last 1.0 (the datasheet's rating)"
+        )
+
+        def number(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        pairs = [p for p in self.power_peaks if isinstance(p, (list, tuple)) and len(p) == 2]
+        if len(pairs) != len(self.power_peaks) or not all(number(w) and number(f) for w, f in pairs):
+            raise ValueError(rule)
+        points = tuple((float(w), float(f)) for w, f in pairs)
         watts = [w for w, _ in points]
-        if points and (watts != sorted(set(watts)) or points[-1][1] != 1.0 or any(not 0 < f <= 1 for _, f in points)):
-            raise ValueError(
-                f"{self.name}: power_peaks={list(points)} must be (watts, fraction) pairs ascending in watts, "
-                "fractions in (0, 1], the last 1.0 (the datasheet's rating)"
-            )
+        if points and (
+            watts != sorted(set(watts))
+            or watts[0] <= 0
+            or points[-1][1] != 1.0
+            or any(not 0 < f <= 1 for _, f in points)
+        ):
+            raise ValueError(rule)
+        object.__setattr__(self, "power_peaks", points)
+        if not number(self.power_limit) or self.power_limit < 0:
+            raise ValueError(f"power_limit={self.power_limit!r} must be a number of watts (0: the datasheet's rating)")
         if self.power_limit:
             self.power_fraction()  # checks the limit against the ratings
 
@@ -90,7 +106,7 @@ class GPUType:
         low, high = points[0][0], points[-1][0]
         if not low <= watts <= high:
             raise ValueError(
-                f"{self.name}: a power limit of {watts:g} W is outside its ratings, {low:g}-{high:g} W "
+                f"{self.name}: a power limit of {watts:.10g} W is outside its ratings, {low:g}-{high:g} W "
                 f"(rule: {low:g} <= power limit <= {high:g})"
             )
         for (w0, f0), (w1, f1) in zip(points, points[1:]):

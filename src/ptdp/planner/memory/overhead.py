@@ -49,15 +49,17 @@ def runtime_overhead_bytes(layout: Candidate, gpus_per_node: int, tied: bool = F
     send/recv buffers for its two neighbours."""
     tp, cp, dp, pp = layout.tp, layout.cp, layout.dp, layout.pp
     total = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES
-    # (group size, stride in ranks) of each collective group
-    groups = [(tp, 1), (cp, tp)]
-    groups.append((dp * cp, tp))  # the dp x cp gradient group: cp ranks fastest, then dp
-    for size, stride in groups:
+    # (group size, stride in ranks) of each collective group; the dp x cp gradient group: cp ranks
+    # fastest, then dp. A group's ranks fill an aligned block of size x stride ranks: in one node
+    # only if the block fits a node and nodes hold whole blocks.
+    for size, stride in ((tp, 1), (cp, tp), (dp * cp, tp)):
+        block = size * stride
         if size > 1:
-            total += ring_buffer_bytes(size * stride > gpus_per_node)
+            total += ring_buffer_bytes(block > gpus_per_node or gpus_per_node % block != 0)
     if pp > 1:
-        stage = tp * cp * dp  # ranks per pipeline stage: neighbours are this far apart
         total += 2 * NCCL_P2P_PEER_BYTES
-        if tied:
-            total += ring_buffer_bytes(stage * (pp - 1) >= gpus_per_node)
+        if tied:  # rank r of the first stage with rank r + (pp - 1) x stage of the last
+            stage = tp * cp * dp
+            apart = stage * (pp - 1)
+            total += ring_buffer_bytes(min(stage, gpus_per_node) - 1 + apart >= gpus_per_node)
     return float(total)

@@ -250,7 +250,11 @@ def reported_step_time(
 
 
 def _yes(text: str) -> bool:
-    return text.strip().lower() in ("y", "yes", "true", "1")
+    """A y/n cell (empty: n); ValueError for another value."""
+    value = text.strip().lower()
+    if value not in ("y", "yes", "true", "1", "n", "no", "false", "0", ""):
+        raise ValueError(f"{text!r} must be y or n")
+    return value in ("y", "yes", "true", "1")
 
 
 def _model(r: dict) -> ModelConfig:
@@ -334,16 +338,31 @@ def load_h100_runs(path: str | Path) -> list[H100Run]:
     """
     runs = []
     with open(path, newline="", encoding="utf-8") as f:
-        for line, r in enumerate(csv.DictReader(f), start=2):
+        reader = csv.DictReader(f)
+        for r in reader:
+            line = reader.line_num  # the row's last physical line (a notes cell may span several)
             try:
                 layout = _layout(r)
                 tp_overlap, async_tp = _tp_overlap(r["tp_overlap"])
+                if (tp_overlap or async_tp) and not (layout.parallel.sequence_parallel and layout.tp > 1):
+                    raise ValueError(
+                        f"tp_overlap={r['tp_overlap'].strip()} needs sequence_parallel=y and tp > 1 (it "
+                        "overlaps the sequence-parallel all-gather and reduce-scatter)"
+                    )
+                if layout.num_microbatches < 1 or layout.global_batch_size % (layout.micro_batch_size * layout.dp):
+                    raise ValueError(
+                        f"global_batch={layout.global_batch_size} is not a multiple of micro_batch x dp = "
+                        f"{layout.micro_batch_size} x {layout.dp}"
+                    )
+                model = _model(r)
+                gpus, reported = int(r["gpus"]), float(r["reported"])
+                dp_overlap, pp_overlap = _yes(r["dp_overlap"]), _yes(r.get("pp_overlap") or "")
             except ValueError as e:
                 raise ValueError(f"{path}:{line}: {e}") from None
-            model, gpu = _model(r), _catalog_gpu(r["gpu_type"], f"{path}:{line}")
-            if layout.num_gpus != int(r["gpus"]):
+            gpu = _catalog_gpu(r["gpu_type"], f"{path}:{line}")
+            if layout.num_gpus != gpus:
                 raise ValueError(f"{path}:{line}: gpus={r['gpus']} but tp*cp*pp*dp = {layout.num_gpus}")
-            reported, unit, convention = float(r["reported"]), r["reported_unit"].strip(), r["flop_convention"].strip()
+            unit, convention = r["reported_unit"].strip(), r["flop_convention"].strip()
             if not reported > 0:
                 raise ValueError(f"{path}:{line}: reported={r['reported']} must be a positive number")
             runs.append(
@@ -357,11 +376,11 @@ def load_h100_runs(path: str | Path) -> list[H100Run]:
                     unit=unit,
                     convention=convention,
                     step_time=reported_step_time(model, layout, gpu, reported, unit, convention),
-                    dp_overlap=_yes(r["dp_overlap"]),
+                    dp_overlap=dp_overlap,
                     tp_overlap=tp_overlap,
                     async_tp=async_tp,
                     assumed=r["assumed"].strip(),
-                    pp_overlap=_yes(r.get("pp_overlap") or ""),
+                    pp_overlap=pp_overlap,
                     url=(r.get("url") or "").strip(),
                 )
             )
