@@ -318,3 +318,13 @@ def test_timeline_marks_iterations_and_microbatches_with_the_legend_below_the_ro
     assert " iteration 2" in texts and " iteration 3" in texts
     assert sorted(t for t in texts if t.isdigit()) == sorted([str(mb) for mb in range(4)] * 8)
     assert ax.get_legend().get_bbox_to_anchor().y1 <= ax.get_window_extent().y0 + 1  # below the rows
+
+
+def test_an_explicit_even_split_needs_no_split_flags():
+    from ptdp.planner.splits import split_report_lines
+
+    assert split_report_lines((20, 20, 20, 20)) == [] == split_report_lines(None)
+    assert split_report_lines((19, 21, 20, 20)) == [
+        "pipeline: layers per stage 19, 21, 20 x 2; ptdp train (and Megatron-LM) flags: "
+        "--pipeline-layer-split 19,21,20,20"
+    ]

@@ -192,13 +192,12 @@ def split_flags(split: tuple[int, ...] | None, v: int = 1) -> str | None:
 
 
 def split_report_lines(split: tuple[int, ...] | None, v: int = 1) -> list[str]:
-    """What ``ptdp plan``'s text report says of a plan's split (nothing for an even split)."""
-    if split is None:
+    """What ``ptdp plan``'s text report says of a plan's split (nothing for an even split, given
+    explicitly or not: no flag is needed)."""
+    if split is None or split_options(split, v) == {}:
         return []
-    return [
-        f"pipeline: layers per stage {describe_split(split)}; ptdp train (and Megatron-LM) flags: "
-        f"{split_flags(split, v)}"
-    ]
+    flags = split_flags(split, v) or f"none gives this split at v = {v}"
+    return [f"pipeline: layers per stage {describe_split(split)}; ptdp train (and Megatron-LM) flags: {flags}"]
 
 
 def describe_split(split: tuple[int, ...]) -> str:
