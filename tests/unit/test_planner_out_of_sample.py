@@ -129,7 +129,7 @@ def test_bad_tables_are_refused_naming_the_file(tmp_path, capsys):
         (str(overlap),): f"--validate {overlap}:2: tp_overlap='te' must be y, n or async",
         (str(no_sp),): f"--validate {no_sp}:2: tp_overlap=async needs sequence_parallel=y and tp > 1",
         (str(cell),): f"--validate {cell}:3: could not convert string to float: 'abc'",
-        (str(flag),): f"--validate {flag}:2: 'maybe' must be y or n",
+        (str(flag),): f"--validate {flag}:2: sequence_parallel='maybe' must be y or n",
         (str(H100), str(DATA / ".." / "data" / H100.name)): "a table given more than once",
     }
     for tables, message in cases.items():

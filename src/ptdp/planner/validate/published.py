@@ -249,17 +249,17 @@ def reported_step_time(
     return count / (tflops * layout.num_gpus)
 
 
-def _yes(text: str) -> bool:
-    """A y/n cell (empty: n); ValueError for another value."""
+def _yes(text: str, column: str) -> bool:
+    """A y/n cell of ``column`` (empty: n); ValueError naming the column for another value."""
     value = text.strip().lower()
     if value not in ("y", "yes", "true", "1", "n", "no", "false", "0", ""):
-        raise ValueError(f"{text!r} must be y or n")
+        raise ValueError(f"{column}={text!r} must be y or n")
     return value in ("y", "yes", "true", "1")
 
 
 def _model(r: dict) -> ModelConfig:
     shape = [int(r[k]) for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len")]
-    untied, flash = not _yes(r["tied"]), _yes(r["flash_attention"])
+    untied, flash = not _yes(r["tied"], "tied"), _yes(r["flash_attention"], "flash_attention")
     if r["mlp"].strip() == "swiglu":
         return llama(*shape, untie_embeddings_and_output_weights=untied, use_flash_attn=flash)
     layers, hidden, heads, kv, ffn, vocab, seq = shape
@@ -319,7 +319,7 @@ def _layout(r: dict) -> Candidate:
         global_batch_size=int(r["global_batch"]),
         virtual_stages=int(r["vpp"]),
         recompute=r["recompute"].strip(),
-        sequence_parallel=_yes(r["sequence_parallel"]),
+        sequence_parallel=_yes(r["sequence_parallel"], "sequence_parallel"),
         sharding=r["sharding"].strip(),
         precision=precision,
         layer_split=split,
@@ -356,7 +356,10 @@ def load_h100_runs(path: str | Path) -> list[H100Run]:
                     )
                 model = _model(r)
                 gpus, reported = int(r["gpus"]), float(r["reported"])
-                dp_overlap, pp_overlap = _yes(r["dp_overlap"]), _yes(r.get("pp_overlap") or "")
+                dp_overlap, pp_overlap = (
+                    _yes(r["dp_overlap"], "dp_overlap"),
+                    _yes(r.get("pp_overlap") or "", "pp_overlap"),
+                )
             except ValueError as e:
                 raise ValueError(f"{path}:{line}: {e}") from None
             gpu = _catalog_gpu(r["gpu_type"], f"{path}:{line}")
