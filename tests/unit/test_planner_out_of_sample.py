@@ -5,6 +5,7 @@ over its GPU's memory is flagged and counted."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -13,7 +14,8 @@ import pytest
 
 from ptdp.cli import main
 from ptdp.commands.validate import validation_markdown
-from ptdp.planner.inputs.hardware import CATALOG
+from ptdp.planner.inputs.hardware import CATALOG, Cluster
+from ptdp.planner.time.step_time import evaluate_performance
 from ptdp.planner.validate.accuracy import (
     fit_arch,
     fit_constants,
@@ -23,6 +25,7 @@ from ptdp.planner.validate.accuracy import (
     hopper_runs,
     loso_a100,
     loso_h100,
+    run_constants,
     validate,
     validate_h100,
 )
@@ -100,6 +103,8 @@ def test_bad_tables_are_refused_naming_the_file(tmp_path, capsys):
     empty, zero, reduce = tmp_path / "empty.csv", tmp_path / "zero.csv", tmp_path / "reduce.csv"
     weights, fp16, overlap = tmp_path / "weights.csv", tmp_path / "fp16.csv", tmp_path / "overlap.csv"
     no_sp, cell, flag = tmp_path / "no_sp.csv", tmp_path / "cell.csv", tmp_path / "flag.csv"
+    repeated = tmp_path / "repeated.csv"
+    fields = [*fields, "kv_repeated"] if "kv_repeated" not in fields else fields
     bf16_row = {**first, "precision": "bf16", "fp8_param_gather": ""}
     for path, rows in (
         (empty, []),
@@ -114,6 +119,7 @@ def test_bad_tables_are_refused_naming_the_file(tmp_path, capsys):
         ),
         (cell, [first, {**first, "reported": "abc"}]),
         (flag, [{**first, "sequence_parallel": "maybe"}]),
+        (repeated, [{**first, "kv_repeated": "all"}]),
     ):
         with open(path, "w", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, fieldnames=fields)
@@ -130,6 +136,7 @@ def test_bad_tables_are_refused_naming_the_file(tmp_path, capsys):
         (str(no_sp),): f"--validate {no_sp}:2: tp_overlap=async needs sequence_parallel=y and tp > 1",
         (str(cell),): f"--validate {cell}:3: could not convert string to float: 'abc'",
         (str(flag),): f"--validate {flag}:2: sequence_parallel='maybe' must be y or n",
+        (str(repeated),): f"--validate {repeated}:2: kv_repeated='all' must be y or n",
         (str(H100), str(DATA / ".." / "data" / H100.name)): "a table given more than once",
     }
     for tables, message in cases.items():
@@ -157,6 +164,25 @@ def test_torchtitan_rows_overlap_tp_asynchronously_on_their_500_w_parts():
     assert all(r.layout.parallel.sequence_parallel for r in titan if r.async_tp)
     assert {CATALOG[r.gpu].power_limit for r in titan if r.gpu.startswith("h100")} == {500.0}
     assert "atp" in h100_label(next(r for r in titan if r.async_tp))
+
+
+def test_torchtitan_rows_repeat_their_key_value_heads_before_attention():
+    """torchtitan's Llama repeats the key/value heads before SDPA (column kv_repeated), so its context
+    parallelism exchanges every query head's keys and values: a / kv times the grouped exchange."""
+    runs = load_h100_runs(NEW)
+    titan = [r for r in runs if r.source_key == "pytorch/torchtitan"]
+    assert titan and all(r.model.kv_repeated for r in titan)
+    assert not any(r.model.kv_repeated for r in runs if r not in titan)
+    cp4 = next(r for r in titan if r.layout.cp == 4 and r.name == "Llama 3 8B")
+    grouped = dataclasses.replace(cp4, model=dataclasses.replace(cp4.model, kv_repeated=None))
+    cp_comm = [
+        evaluate_performance(
+            r.model, r.layout, Cluster(CATALOG[r.gpu], r.layout.num_gpus), run_constants(r)
+        ).time.cp_comm
+        for r in (cp4, grouped)
+    ]
+    assert cp_comm[1] > 0
+    assert cp_comm[0] == pytest.approx(4 * cp_comm[1], rel=0.01)  # bytes 4 x, the latency terms not
 
 
 def test_a_single_source_has_no_left_out_error(tmp_path):

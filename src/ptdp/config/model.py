@@ -151,6 +151,21 @@ class ModelConfig:
     ``ptdp train``'s ``scaled_dot_product_attention``), only a log-sum-exp per head and token. A
     ``ptdp plan`` setting for runs on other stacks; None: what ``ptdp train`` does, fused unless
     ``attention_dropout`` (then the probabilities and their mask are kept, as unfused kernels do)."""
+    kv_repeated: bool | None = opt(
+        None,
+        "--kv-repeated-before-attention",
+        "plan a model that repeats each key/value head to its query heads before the attention "
+        "kernel (torchtitan's Llama: repeat_kv before scaled_dot_product_attention; planner only): "
+        "with grouped-query attention, the kernel keeps and context parallelism exchanges a / "
+        "num_query_groups times the key/value bytes",
+        "model",
+        plan=True,
+        train=False,
+    )
+    """Keys and values reach the attention kernel repeated to every query head, so what the kernel
+    keeps for backward and what context parallelism exchanges (the kernel's inputs) are ``a`` heads,
+    not ``kv_heads``. A ``ptdp plan`` setting for runs on other stacks; ptdp train passes the
+    grouped heads (``enable_gqa``). None: not repeated."""
     hidden_dropout: float = opt(
         0.0,
         "--hidden-dropout",
@@ -228,6 +243,12 @@ class ModelConfig:
     def kv_heads(self) -> int:
         """Key/value heads: ``num_query_groups``, or one per query head without it."""
         return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+    @property
+    def attended_kv_heads(self) -> int:
+        """Key/value heads the attention kernel receives: ``kv_heads``, or every query head's with
+        ``kv_repeated``."""
+        return self.num_attention_heads if self.kv_repeated else self.kv_heads
 
     @property
     def tied(self) -> bool:

@@ -396,7 +396,7 @@ class Config:
         )
 
 
-PLAN_ONLY_MODEL_FIELDS = ("use_flash_attn", "linear_biases")
+PLAN_ONLY_MODEL_FIELDS = ("use_flash_attn", "linear_biases", "kv_repeated")
 """Model fields ``ptdp plan`` reads and ``ptdp train`` refuses (a run on another stack)."""
 
 SECTIONS = {

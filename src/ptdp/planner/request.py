@@ -50,6 +50,7 @@ _SHAPE_FLAGS = (
     "num_query_groups",
     "swiglu",
     "untie_embeddings_and_output_weights",
+    "kv_repeated",
 )
 
 

@@ -195,6 +195,14 @@ def model_option_violations(m: ModelConfig) -> list[Violation]:
                 "kernel, or the explicit attention with attention_dropout > 0",
             )
         )
+    if m.kv_repeated is not None:
+        out.append(
+            V(
+                "option",
+                f"kv_repeated={m.kv_repeated} is a ptdp plan setting: ptdp train passes the grouped "
+                "key/value heads to the attention kernel",
+            )
+        )
     if m.linear_biases is not None:
         out.append(
             V(

@@ -54,7 +54,8 @@ def layer_activation_bytes(
     (/t with SP); "op" (torchtitan's per-op checkpointing) keeps the layer input, the attention output
     and log-sum-exp and the odd-numbered matmul outputs of the layer (Q, V, fc1 and, with SwiGLU, fc2's
     ``h`` before its reduction; torchtitan ``_op_sac_save_list``: every second mm recomputed).
-    Generalised per token for GQA (``4 a d + 4 kv d``) and SwiGLU (``6 ffn`` instead of ``4 ffn``).
+    Generalised per token for GQA (``4 a d + 4 kv d``; ``kv = a`` where the model repeats the heads
+    before the kernel, ``model.kv_repeated``) and SwiGLU (``6 ffn`` instead of ``4 ffn``).
     With ``model.flash_attention`` (Dao et al. 2022, arXiv:2205.14135) no score is kept, only the fp32
     log-sum-exp, ``4 a`` bytes per token. "fp8" (Transformer Engine FP8) keeps the four GEMM inputs in 1 byte.
     With "selective", ``modules`` are Megatron-Core's ``--recompute-modules``: ``core_attn`` drops the
@@ -80,7 +81,9 @@ def layer_activation_bytes(
     gemm_inputs = 0 if "layernorm" in kept else (1 if "mlp" in kept else 2)  # of QKV and fc1
     replicated = (2 * e + gemm_inputs * g + 2 * mask) * h
     mlp = (2 if model.swiglu else 1) * model.ffn  # fc1 output: GELU input, or SwiGLU's gate and up halves
-    split = e * (a * d + 2 * kv * d) + g * a * d + (0 if "mlp" in kept else e * mlp + g * model.ffn)
+    split = (
+        e * (a * d + 2 * model.attended_kv_heads * d) + g * a * d + (0 if "mlp" in kept else e * mlp + g * model.ffn)
+    )
     per_token = replicated / (t if sequence_parallel else 1) + split / t
     if model.flash_attention:
         per_token += e32 * a / t

@@ -87,6 +87,7 @@ def text_report(
         f"model {name}: l={model.num_layers} h={model.hidden_size} a={model.num_attention_heads} "
         f"kv={model.kv_heads} ffn={model.ffn} V={model.vocab_size} s={model.seq_length}, "
         f"{'flash' if model.flash_attention else 'unfused'} attention"
+        f"{' (keys and values repeated to every head)' if model.kv_repeated else ''}"
         f"{', FP8 GEMMs' if any(p.layout.precision == 'fp8' for p in _first_plans(result)) else ''}; "
         f"{cluster.num_gpus} x {gpu.name} "
         f"({cluster.gpus_per_node} per node); {result.evaluated:,} layouts, {len(result.plans):,} fit",

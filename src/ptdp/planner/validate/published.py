@@ -260,8 +260,9 @@ def _yes(text: str, column: str) -> bool:
 def _model(r: dict) -> ModelConfig:
     shape = [int(r[k]) for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len")]
     untied, flash = not _yes(r["tied"], "tied"), _yes(r["flash_attention"], "flash_attention")
+    repeated = _flag(r.get("kv_repeated") or "", "kv_repeated") or None
     if r["mlp"].strip() == "swiglu":
-        return llama(*shape, untie_embeddings_and_output_weights=untied, use_flash_attn=flash)
+        return llama(*shape, untie_embeddings_and_output_weights=untied, use_flash_attn=flash, kv_repeated=repeated)
     layers, hidden, heads, kv, ffn, vocab, seq = shape
     return gpt(
         layers,
@@ -273,6 +274,7 @@ def _model(r: dict) -> ModelConfig:
         seq_length=seq,
         untie_embeddings_and_output_weights=untied,
         use_flash_attn=flash,
+        kv_repeated=repeated,
     )
 
 
