@@ -160,7 +160,7 @@ def test_torchtitan_rows_overlap_tp_asynchronously_on_their_500_w_parts():
     async), not Transformer Engine's overlap; its H100s at their 500 W limit (h100-96gb)."""
     runs = load_h100_runs(NEW)
     titan = [r for r in runs if r.source_key == "pytorch/torchtitan"]
-    assert len([r for r in titan if r.async_tp]) == 7 and not any(r.tp_overlap for r in titan)
+    assert len([r for r in titan if r.async_tp]) == 9 and not any(r.tp_overlap for r in titan)
     assert all(r.layout.parallel.sequence_parallel for r in titan if r.async_tp)
     assert {CATALOG[r.gpu].power_limit for r in titan if r.gpu.startswith("h100")} == {500.0}
     assert "atp" in h100_label(next(r for r in titan if r.async_tp))
@@ -234,6 +234,6 @@ def test_every_published_layout_fits_under_the_planners_memory():
     from ptdp.planner.validate.accuracy import fit_check
 
     checks = fit_check(load_published_runs(A100)) + h100_fit_check(load_h100_runs(H100) + load_h100_runs(NEW))
-    assert len(checks) == 18 + 21 + 39
+    assert len(checks) == 18 + 21 + 42
     over = [(name, layout, round(total, 2), round(cap, 2)) for name, layout, total, cap in checks if total > cap]
     assert not over, over
