@@ -392,6 +392,9 @@ def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
         pp_overlap=pp_overlap,
         async_tp=async_tp,
     )
+    torch_cp = getattr(args, "cp_implementation", None) == "torch"
+    if torch_cp:
+        constants = dataclasses.replace(constants, cp_implementation="torch")
     hidden = [
         name
         for name, on in (
@@ -407,5 +410,10 @@ def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
         )
         if on
     ]
-    note = f"overlap planned that ptdp train does not run: {'; '.join(hidden)}"
-    return constants, ([note] if hidden else [])
+    notes = [f"overlap planned that ptdp train does not run: {'; '.join(hidden)}"] if hidden else []
+    if torch_cp:
+        notes.append(
+            "context parallelism planned as PyTorch's experimental context_parallel runs it "
+            "(--cp-implementation torch): its float32 merge and gradient traffic added"
+        )
+    return constants, notes

@@ -13,6 +13,8 @@ from ptdp.errors import ConfigError
 from ptdp.planner.candidate import PRECISION_OF_DTYPE
 from ptdp.planner.inputs.hardware import CATALOG
 
+#: --cp-implementation's choices (:attr:`ptdp.planner.time.constants.PerfConstants.cp_implementation`)
+CP_IMPLEMENTATIONS = ("te", "torch")
 #: ptdp train's --params-dtype as the planner's precision (float64 is not planned; auto is what
 #: ptdp train picks on GPUs, which the planner plans for)
 PRECISION = {"auto": "bf16", **PRECISION_OF_DTYPE}
@@ -137,6 +139,16 @@ def _add_overlap_arguments(parser: argparse.ArgumentParser) -> None:
         help="plan the interleaved schedule's pipeline transfers overlapped with the next model "
         "chunk's compute (Megatron's default, --no-overlap-p2p-communication there turns it off); "
         "the fill and drain transfers stay exposed; default: off, as ptdp's runtime waits for them",
+    )
+    g.add_argument(
+        "--cp-implementation",
+        choices=CP_IMPLEMENTATIONS,
+        default=None,
+        help="the context-parallel implementation the run uses (planner only): te, Transformer "
+        "Engine's (Megatron-Core's), merges each ring step's output and accumulates the gradients "
+        "in fused kernels, not counted; torch, PyTorch's experimental context_parallel "
+        "(torchtitan's), does it with out-of-place float32 tensor ops whose memory traffic is "
+        "added (planner/time/cp_exchange.py); default: te",
     )
 
 

@@ -43,6 +43,9 @@ class PerfConstants:
             communication hidden, none of backward's or of a recomputed forward's.
         pp_overlap: interleaved steady-state transfers overlap compute (Megatron ``overlap_p2p_comm``; NeMo
             docs, Communication Overlap; Llama 3 paper §3.3.2).
+        cp_implementation: the context-parallel implementation the run uses (``--cp-implementation``):
+            ``te`` (Transformer Engine's fused merge, not counted) or ``torch`` (PyTorch's experimental
+            ``context_parallel``: :func:`ptdp.planner.time.cp_exchange.torch_merge_times` added).
         arch_fits: ``(arch, gemm_peak_fraction, gemm_half_dim, hbm_efficiency)`` per GPU architecture;
             Hopper fitted on ``published_runs_h100.csv``, half_dim 128 (half a 256-wide tile).
     """
@@ -64,6 +67,7 @@ class PerfConstants:
     tp_comm_overlap: bool = False
     async_tp: bool = False
     pp_overlap: bool = False
+    cp_implementation: str = "te"
     arch_fits: tuple[tuple[str, float, float, float], ...] = (("hopper", 0.58, 128.0, 0.85),)
 
     def __post_init__(self) -> None:  # a profile read from JSON holds lists

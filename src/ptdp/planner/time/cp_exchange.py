@@ -7,6 +7,11 @@ A block is ``B = (s / cp) b kv d / t`` elements of ``e`` bytes, gradients fp32 (
 behind one block's attention, then dK, dV home (``2 B g``, exposed). ``all_gather``: ``2 cp B e``
 forward; again plus a reduce-scatter of ``2 cp B g`` backward, not overlapped. The group is in a
 node while ``tp * cp <= gpus_per_node``.
+
+Implementations (``--cp-implementation``): ``te`` (Transformer Engine's, Megatron-Core's) merges
+each step's block output and accumulates the gradients in fused kernels, not counted; ``torch``
+(PyTorch's experimental ``context_parallel``, torchtitan's) does it with out-of-place float32
+tensor ops whose memory traffic :func:`torch_merge_times` counts.
 """
 
 from __future__ import annotations
@@ -95,3 +100,41 @@ def kv_exchange_times(
         scatter = 0.5 * hierarchical_all_reduce_time(2.0 * cp * grad_block, cp, per_node, links)
         return gather, gather + scatter
     raise ValueError(f"cp_comm_type={comm_type!r} must be p2p or all_gather")
+
+
+#: Bytes moved per element of a block output (``O``) and of a key block as the kernel receives it
+#: (``K``) by PyTorch's experimental ring attention (torch/distributed/tensor/experimental/_attention.py,
+#: ``_templated_ring_attention`` and its backward, with its ``convert_to_f32`` and load balance on;
+#: bf16 inputs), as (per ``O``, per ``K``). Forward, each step after the first: the block output
+#: cast to float32 and merged by ``out - sigmoid(...) * (out - block)`` (38 per ``O``, or 27 when
+#: only the second half of the queries attends and ``_partial_update`` concatenates: 32.5 on
+#: average) and K, V concatenated for the exchange (8); once per call the first cast and the cast
+#: back (12). Backward, each step: K, V concatenated (8, but the last), the float32 dK, dV
+#: accumulated (20, or 26 with ``_partial_update``: 23), concatenated for the float32 ring (16), dQ
+#: accumulated (10, or 13: 11.5); once: the zeroed float32 gradients (4 and 8), dQ cast back (6)
+#: and dK, dV cast (12), less the last step's concatenation (-8).
+TORCH_MERGE_STEP_FORWARD = (32.5, 8.0)
+TORCH_MERGE_CALL_FORWARD = (12.0, 0.0)
+TORCH_MERGE_STEP_BACKWARD = (11.5, 47.0)
+TORCH_MERGE_CALL_BACKWARD = (10.0, 12.0)
+
+
+def torch_merge_times(
+    model: ModelConfig, tp: int, cp: int, micro_batch_size: int, bandwidth: float
+) -> tuple[float, float]:
+    """(forward, backward) seconds of PyTorch's ring-attention merge and gradient accumulation for
+    one layer and microbatch on one cp rank: the bytes of ``TORCH_MERGE_*`` (``O = (s / cp) b a d / t``
+    output elements, ``K`` of :func:`~ptdp.planner.memory.cp_local.kv_block_elements`) over the
+    achieved HBM ``bandwidth`` (bytes/s); 0 when cp = 1."""
+    if cp <= 1:
+        return 0.0, 0.0
+    d = model.hidden_size // model.num_attention_heads
+    out = model.seq_length / cp * micro_batch_size * model.num_attention_heads * d / tp
+    key = kv_block_elements(model, tp, cp, micro_batch_size)
+
+    def traffic(per_element: tuple[float, float]) -> float:
+        return per_element[0] * out + per_element[1] * key
+
+    forward = (cp - 1) * traffic(TORCH_MERGE_STEP_FORWARD) + traffic(TORCH_MERGE_CALL_FORWARD)
+    backward = cp * traffic(TORCH_MERGE_STEP_BACKWARD) + traffic(TORCH_MERGE_CALL_BACKWARD)
+    return forward / bandwidth, backward / bandwidth

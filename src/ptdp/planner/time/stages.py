@@ -18,7 +18,7 @@ from ptdp.planner.memory.cp_local import local_model
 from ptdp.planner.time import flops
 from ptdp.planner.time.collectives import Links, hierarchical_all_reduce_time, pp_transfer_time, tp_layer_comm_times
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants, links_for
-from ptdp.planner.time.cp_exchange import block_attention_times, kv_exchange_times, layer_times
+from ptdp.planner.time.cp_exchange import block_attention_times, kv_exchange_times, layer_times, torch_merge_times
 
 Parts = tuple[float, ...]
 """Per-microbatch seconds of a stage by part: (compute, recompute, tp_comm, cp_comm)."""
@@ -87,7 +87,9 @@ def stage_microbatch_times(
 ) -> tuple[Parts, Parts, Parts]:
     """(compute, recompute, tp_comm, cp_comm) seconds of one microbatch on (middle, first, last)
     stages of one cp rank (:func:`rank_layer_times`; tp transfers and logits of ``s / cp`` tokens,
-    key/value exchange :func:`ptdp.planner.time.cp_exchange.kv_exchange_times`, again in a full recompute);
+    key/value exchange :func:`ptdp.planner.time.cp_exchange.kv_exchange_times` and, with
+    ``c.cp_implementation`` torch, :func:`ptdp.planner.time.cp_exchange.torch_merge_times`, again in a
+    full recompute);
     ``fp8_peak`` > 0: the layers' weight GEMMs run at that FP8 peak (FLOP/s)."""
     local = local_model(model, layout.cp) if layout.cp > 1 else model
     tp, b, s, h = layout.tp, layout.micro_batch_size, local.seq_length, model.hidden_size
@@ -99,6 +101,9 @@ def stage_microbatch_times(
     tp_again = (1.0 - hidden_b) * tp_f  # a recomputed forward's, hidden as backward's
     tp_f, tp_b = (1.0 - hidden_f) * tp_f, (1.0 - hidden_b) * tp_b
     cp_f, cp_b = kv_exchange_times(model, tp, layout.cp, b, layout.parallel.cp_comm_type, block, links, elem, block_bwd)
+    if c.cp_implementation == "torch":
+        merge_f, merge_b = torch_merge_times(model, tp, layout.cp, b, bandwidth)
+        cp_f, cp_b = cp_f + merge_f, cp_b + merge_b
     rec = {"full": fwd, "selective": core if "core_attn" in layout.modules else 0.0}.get(layout.recompute, 0.0)
     if layout.recompute == "selective":
         rec += flops.module_recompute_time(

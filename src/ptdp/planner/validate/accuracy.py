@@ -191,7 +191,13 @@ def run_constants(run: H100Run, constants: PerfConstants = DEFAULT_CONSTANTS) ->
     ``overlap_p2p_comm``, the Llama 3 paper's asynchronous point-to-point) and ``overlap_window``
     (``--overlap-grad-reduce --overlap-param-gather``, the Llama 3 paper's asynchronous FSDP).
     """
-    c = dataclasses.replace(constants.for_gpu(CATALOG[run.gpu]), tp_overlap=0.0, dp_overlap=0.0, overlap_window=False)
+    c = dataclasses.replace(
+        constants.for_gpu(CATALOG[run.gpu]),
+        tp_overlap=0.0,
+        dp_overlap=0.0,
+        overlap_window=False,
+        cp_implementation=run.cp_implementation,
+    )
     return c.with_overlap(
         overlap_grad_reduce=run.dp_overlap,
         tp_comm_overlap=run.tp_overlap,

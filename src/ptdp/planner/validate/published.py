@@ -38,6 +38,7 @@ from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, UnknownGPUError, get_gpu
 from ptdp.planner.inputs.models import gpt, llama
+from ptdp.planner.inputs.plan_flags import CP_IMPLEMENTATIONS
 from ptdp.planner.memory.params import stage_param_counts
 
 #: Where :func:`default_csv` looks after $PTDP_PUBLISHED_RUNS: the repository's
@@ -171,6 +172,8 @@ class H100Run:
             absent: no), :attr:`ptdp.planner.time.constants.PerfConstants.pp_overlap`.
         assumed: settings the source does not state.
         url: where the source is published; :attr:`source_key` groups runs by it.
+        cp_implementation: the context-parallel implementation (column ``cp_implementation``: te,
+            the default, or torch), :attr:`ptdp.planner.time.constants.PerfConstants.cp_implementation`.
     """
 
     name: str
@@ -188,6 +191,7 @@ class H100Run:
     pp_overlap: bool = False
     url: str = ""
     async_tp: bool = False
+    cp_implementation: str = "te"
 
     @property
     def source_key(self) -> str:
@@ -358,6 +362,11 @@ def load_h100_runs(path: str | Path) -> list[H100Run]:
                     )
                 model = _model(r)
                 gpus, reported = int(r["gpus"]), float(r["reported"])
+                cp_implementation = (r.get("cp_implementation") or "").strip() or "te"
+                if cp_implementation not in CP_IMPLEMENTATIONS:
+                    raise ValueError(
+                        f"cp_implementation={cp_implementation!r} must be one of {', '.join(CP_IMPLEMENTATIONS)}"
+                    )
                 dp_overlap, pp_overlap = (
                     _yes(r["dp_overlap"], "dp_overlap"),
                     _yes(r.get("pp_overlap") or "", "pp_overlap"),
@@ -387,6 +396,7 @@ def load_h100_runs(path: str | Path) -> list[H100Run]:
                     assumed=r["assumed"].strip(),
                     pp_overlap=pp_overlap,
                     url=(r.get("url") or "").strip(),
+                    cp_implementation=cp_implementation,
                 )
             )
     return runs
