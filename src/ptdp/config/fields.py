@@ -79,6 +79,7 @@ GROUPS = {
     "dp": "data-parallel gradient reduction and optimizer",
     "checkpoint": "checkpoints",
     "model": "model",
+    "moe": "mixture of experts (Megatron-Core's flags; docs/training.md)",
     "recompute": "activation recomputation (same results, less activation memory, more compute)",
     "train": "training",
     "data": "data and output",

@@ -83,11 +83,24 @@ def settings() -> Iterator[Setting]:
 
 
 def int_list(text: str) -> tuple[int, ...]:
-    """``3,3,2`` -> ``(3, 3, 2)``."""
+    """``3,3,2`` -> ``(3, 3, 2)``; Megatron's list form too: ``[0]*2+[1]*3`` -> ``(0, 0, 1, 1, 1)``,
+    ``[1,0]`` -> ``(1, 0)``."""
+    compact = text.replace(" ", "")
     try:
-        return tuple(int(x) for x in text.split(","))
+        if "[" not in compact:
+            return tuple(int(x) for x in compact.split(","))
+        out: list[int] = []
+        for term in compact.split("+"):
+            body, star, times = term.partition("*")
+            if not (body.startswith("[") and body.endswith("]")):
+                raise ValueError(term)
+            items = [int(x) for x in body[1:-1].split(",")] if body != "[]" else []
+            out.extend(items * (int(times) if star else 1))
+        return tuple(out)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers or a list like [0]*3+[1]*5, got {text!r}"
+        ) from None
 
 
 def add_flags(parser: argparse.ArgumentParser, command: Command, defaults: dict[str, Any] | None = None) -> None:

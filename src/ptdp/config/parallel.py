@@ -67,6 +67,39 @@ class ParallelConfig:
     tp * cp * pp * dp, order tp-cp-dp-pp; gradients are summed over cp and averaged over dp. Needs
     ``seq_length % (2 c) == 0``. ``ptdp train`` trains it (:mod:`ptdp.engine.context_parallel`),
     ``ptdp plan`` models it (:mod:`ptdp.planner.time.cp_exchange`)."""
+    expert_model_parallel_size: int = opt(
+        1,
+        "--expert-model-parallel-size",
+        "expert-parallel size: each MoE layer's experts split over EP ranks, tokens exchanged "
+        "with them (experts use an etp x ep x edp x pp grid over the same ranks)",
+        "layout",
+        aliases=("--ep",),
+        metavar="EP",
+    )
+    """Expert-parallel size: the ``E`` routed experts of an MoE layer are split over ``ep`` ranks
+    (``E / ep`` each) and tokens travel to them and back. The experts' own grid is ``etp x ep x
+    edp x pp`` over the same ranks and stages as ``tp x cp x dp x pp`` (Megatron-Core's parallel
+    folding), ``edp = world / (etp ep pp)``; expert gradients are averaged over edp."""
+    expert_tensor_parallel_size: int = opt(
+        1,
+        "--expert-tensor-parallel-size",
+        "expert tensor-parallel size: each expert's MLP split over ETP ranks (default 1)",
+        "layout",
+        aliases=("--etp",),
+        metavar="ETP",
+    )
+    """Each expert's fc1 split by columns and fc2 by rows over ``etp`` ranks (the fastest axis of
+    the expert grid)."""
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = opt(
+        "alltoall",
+        "--moe-token-dispatcher-type",
+        "how tokens reach their experts' ranks: all-to-all of the routed tokens, or all-gather of "
+        "every token over the expert grid",
+        "layout",
+    )
+    """``alltoall``: split counts, then the routed tokens, by ``all_to_all_single`` with uneven
+    splits; ``allgather``: every rank gathers all tokens of its ep x etp group and keeps its
+    experts' share."""
     cp_comm_type: Literal["p2p", "all_gather"] = opt(
         "p2p",
         "--cp-comm-type",
@@ -314,6 +347,14 @@ class ParallelConfig:
     @property
     def cp(self) -> int:
         return self.context_parallel_size
+
+    @property
+    def ep(self) -> int:
+        return self.expert_model_parallel_size
+
+    @property
+    def etp(self) -> int:
+        return self.expert_tensor_parallel_size
 
     @property
     def sharding_strategy(self) -> str:

@@ -24,6 +24,7 @@ from ptdp.config.rules.dp_sharding import (
     sharding_violations,
 )
 from ptdp.config.rules.layout import layout_violations, schedule_violations
+from ptdp.config.rules.moe import moe_violations
 from ptdp.config.rules.run_options import checkpoint_violations, launch_violations, profile_violations, train_violations
 from ptdp.config.rules.shape import llama_option_violations, model_option_violations, recompute_violations
 from ptdp.config.rules.values import finite_violations, positive_violations
@@ -79,6 +80,25 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
     errors += checkpoint_violations(config.checkpoint)
     errors += launch_violations(config.launch)
     errors += model_option_violations(m)
+    errors += moe_violations(
+        config.moe,
+        num_layers=m.num_layers,
+        ffn=m.ffn,
+        tp=p.tp,
+        pp=p.pp,
+        ep=p.ep,
+        etp=p.etp,
+        world_size=world_size,
+        sequence_parallel=p.sequence_parallel,
+    )
+    if config.moe.enabled:
+        errors.append(
+            V(
+                "moe",
+                f"num_experts={config.moe.num_experts}: ptdp train does not train mixture-of-experts "
+                "models yet (the options are checked; the MoE layers are being built)",
+            )
+        )
     if not 0 < config.data.valid_fraction < 1:
         errors.append(V("option", f"valid_fraction={config.data.valid_fraction} must be in (0, 1)"))
     if config.data.eod_token is not None and (config.data.tokenizer_model is None or not config.data.eod_token):

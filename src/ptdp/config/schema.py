@@ -11,6 +11,7 @@ from typing import Any
 
 from ptdp.config.fields import opt
 from ptdp.config.model import ModelConfig
+from ptdp.config.moe import MoEConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.errors import ConfigError
 from ptdp.layout.pipeline.partition import PipelineSplit
@@ -315,6 +316,7 @@ class Config:
     the output folder."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -384,8 +386,12 @@ class Config:
         train = dict(d["train"])
         if "profile_ranks" in train:
             train["profile_ranks"] = tuple(train["profile_ranks"])
+        moe = dict(d.get("moe", {}))
+        if "moe_layer_freq" in moe:
+            moe["moe_layer_freq"] = tuple(moe["moe_layer_freq"])
         return cls(
             model=ModelConfig(**d["model"]),
+            moe=MoEConfig(**moe),
             parallel=ParallelConfig(**parallel),
             train=TrainConfig(**train),
             data=DataConfig(**data),
@@ -401,6 +407,7 @@ PLAN_ONLY_MODEL_FIELDS = ("use_flash_attn", "linear_biases", "kv_repeated")
 
 SECTIONS = {
     "model": ModelConfig,
+    "moe": MoEConfig,
     "parallel": ParallelConfig,
     "train": TrainConfig,
     "data": DataConfig,
