@@ -1,0 +1,170 @@
+"""A rank's routed experts: one stacked weight per linear layer, run as one grouped GEMM or a loop.
+
+Per-rank shapes: ``E_l = E / ep`` local experts, ``f = F / etp`` of each expert's width. fc1 is
+``[E_l, halves f, h]`` (SwiGLU: ``[gate | up]`` halves split like the dense MLP's), fc2 ``[E_l, h,
+f]``; biases ``[E_l, halves f]`` and ``[E_l, h]`` when the model has linear biases. Tokens arrive
+sorted by local expert, ``counts[e]`` of them for expert ``e``. With ``etp > 1`` fc2's output is a
+partial sum over the etp ranks (the dispatcher reduces it).
+
+Each expert's weights are initialised as a parameter of their own named ``<name>.<global expert>``
+(:class:`ExpertParam`), so every layout draws the same values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ptdp.engine.tensor_parallel.sharding import GlobalParam, init_shard
+
+#: dtypes ``torch._grouped_mm`` takes (CPU and CUDA); others run the loop
+GROUPED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class ExpertParam:
+    """A stacked expert parameter: ``num_experts`` global experts split over ep (dim 0 of the local
+    tensor), each expert's own tensor described by ``expert`` (its split over etp)."""
+
+    expert: GlobalParam
+    num_experts: int
+
+    def local_shape(self, ep: int, etp: int) -> tuple[int, ...]:
+        return (self.num_experts // ep, *self.expert.local_shape(etp))
+
+
+def make_expert_parameter(spec: ExpertParam, ep: int, etp: int, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialised stacked parameter of the rank's shape, tagged with ``spec`` (``ptdp_expert``)."""
+    param = nn.Parameter(torch.empty(spec.local_shape(ep, etp), dtype=dtype))
+    param.ptdp_expert = spec  # type: ignore[attr-defined]
+    return param
+
+
+def init_expert_shard(
+    spec: ExpertParam,
+    *,
+    name: str,
+    seed: int,
+    std: float,
+    num_layers: int,
+    ep_rank: int,
+    ep: int,
+    etp_rank: int,
+    etp: int,
+) -> torch.Tensor:
+    """The rank's stacked initial value (float32): expert ``g`` (global index) drawn as parameter
+    ``<name>.<g>`` by :func:`~ptdp.engine.tensor_parallel.sharding.init_shard`, etp rank ``etp_rank``'s
+    shard of it."""
+    local = spec.num_experts // ep
+    return torch.stack(
+        [
+            init_shard(
+                spec.expert,
+                name=f"{name}.{ep_rank * local + j}",
+                seed=seed,
+                std=std,
+                num_layers=num_layers,
+                tp_rank=etp_rank,
+                tp_size=etp,
+            )
+            for j in range(local)
+        ]
+    )
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous (``torch._grouped_mm``'s backward
+    refuses expanded gradients)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def grouped_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` exists and takes these operands: float32 or bfloat16, rows of a
+    multiple of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in GROUPED_DTYPES or weight.dtype != x.dtype:
+        return False
+    item = x.element_size()
+    return all((n * item) % 16 == 0 for n in weight.shape[1:])
+
+
+def expert_linear(
+    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, splits: list[int] | None, grouped: bool
+) -> torch.Tensor:
+    """``x`` ``[N, in]`` sorted by expert times each expert's ``weight[e]`` ``[out, in]`` transposed:
+    ``[N, out]``. ``counts`` ``[E_l]`` rows per expert on the device; ``splits`` the same on the host
+    (needed by the loop). ``grouped`` and :func:`grouped_supported`: one ``torch._grouped_mm``."""
+    if grouped and grouped_supported(x, weight):
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
+    if splits is None:
+        splits = counts.tolist()
+    pieces = x.split(splits)
+    return torch.cat([piece @ weight[e].t() for e, piece in enumerate(pieces)])
+
+
+class Experts(nn.Module):
+    """The routed experts of one MoE layer on one rank (module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        num_experts: int,
+        hidden: int,
+        ffn: int,
+        swiglu: bool,
+        bias: bool,
+        approximate: str,
+        dtype: torch.dtype,
+        ep: int = 1,
+        etp: int = 1,
+        grouped: bool = False,
+    ) -> None:
+        super().__init__()
+        halves = 2 if swiglu else 1
+        self.swiglu, self.approximate, self.grouped = swiglu, approximate, grouped
+        self.num_local = num_experts // ep
+        fc1 = ExpertParam(GlobalParam((halves * ffn, hidden), tp_dim=0, tp_groups=halves), num_experts)
+        fc2 = ExpertParam(GlobalParam((hidden, ffn), tp_dim=1, init="scaled_normal"), num_experts)
+        self.fc1_weight = make_expert_parameter(fc1, ep, etp, dtype)
+        self.fc2_weight = make_expert_parameter(fc2, ep, etp, dtype)
+        self.fc1_bias = self.fc2_bias = None
+        if bias:
+            self.fc1_bias = make_expert_parameter(
+                ExpertParam(GlobalParam((halves * ffn,), tp_dim=0, tp_groups=halves, init="zeros"), num_experts),
+                ep,
+                etp,
+                dtype,
+            )
+            self.fc2_bias = make_expert_parameter(
+                ExpertParam(GlobalParam((hidden,), init="zeros"), num_experts), ep, 1, dtype
+            )
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, splits: list[int] | None = None) -> torch.Tensor:
+        """``x`` ``[N, h]`` sorted by local expert, ``counts[e]`` rows each; returns ``[N, h]``."""
+        rows = None
+        if self.fc1_bias is not None:
+            rows = torch.repeat_interleave(
+                torch.arange(self.num_local, device=x.device), counts, output_size=x.shape[0]
+            )
+        y = expert_linear(x, self.fc1_weight, counts, splits, self.grouped)
+        if rows is not None and self.fc1_bias is not None:
+            y = y + self.fc1_bias[rows]
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y, approximate=self.approximate)
+        out = expert_linear(y, self.fc2_weight, counts, splits, self.grouped)
+        if rows is not None and self.fc2_bias is not None:
+            out = out + self.fc2_bias[rows]
+        return out

@@ -1,0 +1,168 @@
+"""The MoE layer in place of a transformer layer's MLP: route, keep within capacity, run the
+experts, combine the k outputs in slot order, add the shared expert; its balancing losses join
+the backward through :class:`AttachLoss`.
+
+Per-rank shapes: input ``[s, b, h]`` (the tokens this rank holds), ``T = s b`` tokens in that
+order; the router ``[E, h]`` replicated. This module runs every expert on the rank's own tokens
+(ep = etp = 1); the expert-parallel exchange wraps the same steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ptdp.config.model import ModelConfig
+from ptdp.config.moe import MoEConfig
+from ptdp.engine.moe.capacity import expert_capacity, keep_mask
+from ptdp.engine.moe.experts import Experts
+from ptdp.engine.moe.losses import expert_counts, switch_aux_share, z_loss_share
+from ptdp.engine.moe.router import ROUTER_DTYPES, balanced_assignment, route
+from ptdp.engine.tensor_parallel.sharding import GlobalParam, make_parameter
+
+
+class AttachLoss(torch.autograd.Function):
+    """``x`` unchanged; in backward the 0-dim ``loss`` receives gradient ``scale``, so a loss computed
+    inside a pipeline stage joins the backward that reaches ``x`` (Megatron-Core's
+    ``MoEAuxLossAutoScaler``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.scale), None
+
+
+@dataclass
+class MoEStats:
+    """What one forward of an MoE layer measured (device tensors, no host synchronisation).
+
+    ``counts``: ``[E]`` assignments per expert of the micro-batch (before drops); ``dropped``:
+    assignments dropped by the capacity; ``aux`` and ``z``: the losses (0 when off), this rank's
+    shares."""
+
+    counts: torch.Tensor
+    dropped: torch.Tensor
+    aux: torch.Tensor
+    z: torch.Tensor
+
+
+class MoELayer(nn.Module):
+    """Routed experts (and ``shared``, a dense MLP every token also passes through) of one layer;
+    ``forward(x)`` ``[s, b, h]`` -> ``[s, b, h]``. ``loss_scale``: the gradient its balancing losses
+    receive (the engine sets it per step); ``stats``: the last forward's :class:`MoEStats`."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        moe: MoEConfig,
+        dtype: torch.dtype,
+        *,
+        shared: nn.Module | None = None,
+        layer_id: int = 0,
+    ) -> None:
+        super().__init__()
+        if moe.num_experts is None:
+            raise ValueError("an MoE layer needs moe.num_experts")
+        self.moe, self.layer_id = moe, layer_id
+        self.num_experts = moe.num_experts
+        self.router_dtype = ROUTER_DTYPES[moe.router_dtype(str(cfg.params_dtype))]
+        h = cfg.hidden_size
+        self.router = make_parameter(GlobalParam((self.num_experts, h)), 1, dtype)
+        self.expert_bias: torch.Tensor | None
+        if moe.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=self.router_dtype))
+        else:
+            self.expert_bias = None
+        approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+        self.experts = Experts(
+            num_experts=self.num_experts,
+            hidden=h,
+            ffn=moe.expert_ffn(cfg.ffn),
+            swiglu=cfg.swiglu,
+            bias=cfg.add_bias_linear,
+            approximate=approximate,
+            dtype=dtype,
+            grouped=moe.moe_grouped_gemm,
+        )
+        self.shared = shared  # the shared expert (a dense MLP of width moe.shared_ffn), built by the caller
+        self.loss_scale = 1.0
+        self.stats: MoEStats | None = None
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        s, b, h = x.shape
+        tokens = x.reshape(s * b, h)
+        if token_ids is None:  # the whole micro-batch: id = sample x s + position
+            token_ids = (torch.arange(b, device=x.device) * s + torch.arange(s, device=x.device).unsqueeze(1)).reshape(
+                -1
+            )
+        moe, k = self.moe, self.moe.moe_router_topk
+        logits = F.linear(tokens.to(self.router_dtype), self.router.to(self.router_dtype))
+        forced = balanced_assignment(token_ids, k, self.num_experts) if moe.moe_router_force_load_balancing else None
+        routing = route(
+            logits,
+            topk=k,
+            score_function=moe.moe_router_score_function,
+            pre_softmax=moe.moe_router_pre_softmax,
+            scaling_factor=moe.moe_router_topk_scaling_factor,
+            num_groups=moe.moe_router_num_groups,
+            group_topk=moe.moe_router_group_topk,
+            expert_bias=self.expert_bias,
+            forced=forced,
+        )
+        n = s * b
+        keep = None
+        if moe.moe_expert_capacity_factor is not None:
+            cap = expert_capacity(n, k, self.num_experts, moe.moe_expert_capacity_factor)
+            keep = keep_mask(
+                routing.experts, routing.weights, token_ids, self.num_experts, cap, moe.moe_token_drop_policy
+            )
+        out = self._experts(tokens, routing.experts, routing.weights.to(x.dtype), keep)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        loss = self._losses(routing, n, b, s, keep, token_ids)
+        y = out.view(s, b, h)
+        return AttachLoss.apply(y, loss, self.loss_scale) if loss.requires_grad else y
+
+    def _experts(
+        self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Every kept assignment's expert output, weighted and summed per token in slot order."""
+        t, k = experts.shape
+        flat = experts.reshape(-1)
+        kept = torch.arange(t * k, device=tokens.device) if keep is None else keep.reshape(-1).nonzero().squeeze(1)
+        order = kept[torch.sort(flat[kept], stable=True).indices]
+        counts = torch.bincount(flat[kept], minlength=self.num_experts)
+        y = self.experts(tokens[order // k], counts)
+        full = torch.zeros(t * k, tokens.shape[1], dtype=y.dtype, device=y.device).index_copy(0, order, y)
+        return (full.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+    def _losses(
+        self, routing, n: int, b: int, s: int, keep: torch.Tensor | None, token_ids: torch.Tensor
+    ) -> torch.Tensor:
+        moe, k, e = self.moe, self.moe.moe_router_topk, self.num_experts
+        zero = routing.logits.new_zeros(())
+        aux, z = zero, zero
+        counts = expert_counts(routing.experts, torch.zeros_like(token_ids), 1, e)
+        if moe.moe_aux_loss_coeff > 0 and moe.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss"):
+            if moe.moe_router_load_balancing_type == "aux_loss":
+                aux = switch_aux_share(
+                    routing.scores, torch.zeros_like(token_ids), counts, n, k, moe.moe_aux_loss_coeff
+                )
+            else:
+                sample = token_ids // s
+                per_seq = expert_counts(routing.experts, sample, b, e)
+                aux = switch_aux_share(routing.scores, sample, per_seq, s, k, moe.moe_aux_loss_coeff)
+        if moe.moe_z_loss_coeff:
+            z = z_loss_share(routing.logits, n, moe.moe_z_loss_coeff)
+        dropped = zero if keep is None else (~keep).sum().to(zero.dtype)
+        self.stats = MoEStats(counts=counts[0], dropped=dropped, aux=aux.detach(), z=z.detach())
+        return aux + z
