@@ -3,7 +3,8 @@
 Each call is recorded in its :class:`AxisGroup`'s :class:`CommStats` as (axis, op, tag) -> calls,
 elements, bytes; the elements are what this rank puts in (an all-gather: this rank's part). A call
 on an axis of size 1 is a no-op, not counted. Axes: ``tp``, ``cp``, ``pp``, ``dp`` (also the dp x cp
-gradient group), ``embedding`` (first and last stage, tied embedding), ``world``.
+gradient group), ``ep`` (the expert-parallel token exchange), ``embedding`` (first and last stage,
+tied embedding), ``world``.
 
 A call or ``wait()`` that fails raises :class:`~ptdp.engine.activity.CollectiveError` naming this
 rank, its phase and iteration, the axis, the operation and the ranks waited for.
@@ -252,6 +253,32 @@ def reduce_scatter_along(tensor: torch.Tensor, axis: AxisGroup, *, dim: int, tag
     out = chunks.new_empty(chunks.shape[1:])
     axis.stats.record(axis.name, "reduce_scatter", tensor, tag)
     _call(axis, "reduce_scatter", _reduce_scatter_single(), out, chunks.flatten(0, 1), group=axis.group)
+    return out
+
+
+def all_to_all(
+    tensor: torch.Tensor, axis: AxisGroup, *, in_splits: list[int], out_splits: list[int], tag: str = ""
+) -> torch.Tensor:
+    """Rows of ``tensor`` (dim 0) exchanged over ``axis``: this rank sends its next ``in_splits[j]``
+    rows to rank j and receives ``out_splits[j]`` rows from rank j, in rank order (splits may be 0
+    and differ between ranks; ``out_splits`` must equal what the peers send). Per rank
+    ``[sum(in_splits), ...]`` in, ``[sum(out_splits), ...]`` out (a new tensor; ``tensor`` itself on an
+    axis of size 1). Counted as the ``tensor.numel()`` elements this rank sends, its own included."""
+    if axis.size == 1:
+        return tensor
+    part = tensor.contiguous()
+    out = part.new_empty((sum(out_splits), *part.shape[1:]))
+    axis.stats.record(axis.name, "all_to_all", part, tag)
+    _call(
+        axis,
+        "all_to_all",
+        dist.all_to_all_single,
+        out,
+        part,
+        output_split_sizes=list(out_splits),
+        input_split_sizes=list(in_splits),
+        group=axis.group,
+    )
     return out
 
 
