@@ -136,9 +136,12 @@ def test_valid_routing_options_pass():
     assert moe.expert_ffn(256) == 256 and moe.shared_ffn == 64
 
 
-def test_ptdp_train_refuses_moe_before_any_process(capsys):
+def test_ptdp_train_refuses_what_moe_does_not_run_yet(capsys):
     from ptdp import cli
 
-    assert cli.main(["train", "--num-experts", "4", "--tp", "1", "--pp", "1", "--dp", "1", "--train-iters", "1"]) == 2
-    assert "does not train mixture-of-experts models yet" in capsys.readouterr().err
+    argv = ["train", "--num-experts", "4", "--tp", "1", "--pp", "1", "--dp", "2", "--train-iters", "1"]
+    assert cli.main([*argv, "--ep", "2", "--moe-router-enable-expert-bias"]) == 2
+    err = capsys.readouterr().err
+    assert "expert_model_parallel_size=2 with --num-experts: ptdp train does not run it yet" in err
+    assert "--moe-router-enable-expert-bias with --num-experts" in err
     assert ModelConfig().num_layers == 4  # the dense defaults are untouched

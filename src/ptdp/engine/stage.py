@@ -108,6 +108,7 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
             rng=rng,
             cp=groups.cp,
             cp_comm_type=p.cp_comm_type,
+            moe=config.moe if config.moe.enabled else None,
         )
         for c in range(v)
     ]

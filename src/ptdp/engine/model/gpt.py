@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ptdp.config.model import ModelConfig
+from ptdp.config.moe import MoEConfig
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.context_parallel.load_balance import rank_positions, shard_sequence
 from ptdp.engine.model.attention import KVCache
@@ -53,7 +54,7 @@ class GPTModel(nn.Module):
     output layer, loss); ``rng``: dropout streams (None: seed 0); ``sequence_parallel``: stage
     input and output ``[s/t, b, h]`` (``s % tp == 0``); ``cp``: the context-parallel axis (None:
     size 1; :mod:`ptdp.engine.context_parallel.load_balance`), with ``cp_comm_type`` ``"p2p"`` or
-    ``"all_gather"``. With pp > 1 and tied embeddings the last stage's ``word_embeddings`` is a copy
+    ``"all_gather"``; ``moe``: the mixture-of-experts options (None: dense). With pp > 1 and tied embeddings the last stage's ``word_embeddings`` is a copy
     whose gradient ``ptdp.engine.data_parallel.grads.finalize_grads`` sums with the first stage's.
     """
 
@@ -69,6 +70,7 @@ class GPTModel(nn.Module):
         rng: DropoutRNG | None = None,
         cp: AxisGroup | None = None,
         cp_comm_type: str = "p2p",
+        moe: MoEConfig | None = None,
     ) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
@@ -95,7 +97,7 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleDict(
             {
                 str(i): TransformerLayer(
-                    cfg, tp, dtype, sp, layer_id=i, rng=self.rng, cp=self.cp, cp_comm_type=cp_comm_type
+                    cfg, tp, dtype, sp, layer_id=i, rng=self.rng, cp=self.cp, cp_comm_type=cp_comm_type, moe=moe
                 )
                 for i in layer_ids
             }

@@ -8,13 +8,17 @@ layer and microbatch in forward and 2 in backward, Shoeybi et al. 2019, §3). :c
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ptdp.config.model import ModelConfig
+from ptdp.config.moe import MoEConfig
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.model.attention import Attention, KVCache
+from ptdp.engine.moe.layer import MoELayer
 from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ptdp.engine.tensor_parallel.random import Dropout, DropoutRNG
 from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel
@@ -86,7 +90,8 @@ class MLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     """``x + dropout(attn(ln1(x)))`` then ``x + dropout(mlp(ln2(x)))``; ``layer_id``, the global
-    layer index, names the layer's dropout streams in ``rng``."""
+    layer index, names the layer's dropout streams in ``rng``; with ``moe`` and an MoE layer there
+    (``moe.moe_layers``) the MLP is an :class:`~ptdp.engine.moe.layer.MoELayer`."""
 
     def __init__(
         self,
@@ -99,6 +104,7 @@ class TransformerLayer(nn.Module):
         rng: DropoutRNG | None = None,
         cp: AxisGroup | None = None,
         cp_comm_type: str = "p2p",
+        moe: MoEConfig | None = None,
     ) -> None:
         super().__init__()
         rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
@@ -106,7 +112,17 @@ class TransformerLayer(nn.Module):
         self.ln1 = make_norm(cfg, dtype, sp)
         self.attention = Attention(cfg, tp, dtype, sp, layer_id=layer_id, rng=rng, cp=cp, cp_comm_type=cp_comm_type)
         self.ln2 = make_norm(cfg, dtype, sp)
-        self.mlp = MLP(cfg, tp, dtype, sp)
+        self.mlp: nn.Module
+        if moe is not None and moe.moe_layers(cfg.num_layers)[layer_id]:
+            shared = None
+            if moe.shared_ffn:
+                shared = MLP(dataclasses.replace(cfg, ffn_hidden_size=moe.shared_ffn), tp, dtype, sp)
+            self.mlp = MoELayer(cfg, moe, dtype, shared=shared, layer_id=layer_id, tp=tp, cp=cp, sequence_parallel=sp)
+            if sp:  # each tp rank routes its own tokens through replicated experts: their gradients sum over tp
+                routed = [p for name, p in self.mlp.named_parameters() if not name.startswith("shared.")]
+                mark_sequence_parallel(routed)
+        else:
+            self.mlp = MLP(cfg, tp, dtype, sp)
         self.hidden_dropout = Dropout(cfg.hidden_dropout, rng, f"layer.{layer_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

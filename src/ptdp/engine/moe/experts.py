@@ -13,6 +13,7 @@ Each expert's weights are initialised as a parameter of their own named ``<name>
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -36,10 +37,20 @@ class ExpertParam:
         return (self.num_experts // ep, *self.expert.local_shape(etp))
 
 
-def make_expert_parameter(spec: ExpertParam, ep: int, etp: int, dtype: torch.dtype) -> nn.Parameter:
-    """An uninitialised stacked parameter of the rank's shape, tagged with ``spec`` (``ptdp_expert``)."""
+def make_expert_parameter(
+    spec: ExpertParam, dtype: torch.dtype, *, ep: int = 1, ep_rank: int = 0, etp: int = 1, etp_rank: int = 0
+) -> nn.Parameter:
+    """An uninitialised stacked parameter of the rank's shape, tagged with ``spec``
+    (``ptdp_expert``) and its initialisation (``ptdp_init``, :func:`init_expert_shard`); at ep =
+    etp = 1 also with the :class:`~ptdp.engine.tensor_parallel.sharding.GlobalParam` of the whole
+    stack, replicated over tp (``ptdp_global``)."""
     param = nn.Parameter(torch.empty(spec.local_shape(ep, etp), dtype=dtype))
     param.ptdp_expert = spec  # type: ignore[attr-defined]
+    param.ptdp_init = partial(  # type: ignore[attr-defined]
+        init_expert_shard, spec, ep_rank=ep_rank, ep=ep, etp_rank=etp_rank, etp=etp
+    )
+    if ep == etp == 1:
+        param.ptdp_global = GlobalParam(spec.local_shape(1, 1), init=spec.expert.init)  # type: ignore[attr-defined]
     return param
 
 
@@ -135,18 +146,18 @@ class Experts(nn.Module):
         self.num_local = num_experts // ep
         fc1 = ExpertParam(GlobalParam((halves * ffn, hidden), tp_dim=0, tp_groups=halves), num_experts)
         fc2 = ExpertParam(GlobalParam((hidden, ffn), tp_dim=1, init="scaled_normal"), num_experts)
-        self.fc1_weight = make_expert_parameter(fc1, ep, etp, dtype)
-        self.fc2_weight = make_expert_parameter(fc2, ep, etp, dtype)
+        self.fc1_weight = make_expert_parameter(fc1, dtype, ep=ep, etp=etp)
+        self.fc2_weight = make_expert_parameter(fc2, dtype, ep=ep, etp=etp)
         self.fc1_bias = self.fc2_bias = None
         if bias:
             self.fc1_bias = make_expert_parameter(
                 ExpertParam(GlobalParam((halves * ffn,), tp_dim=0, tp_groups=halves, init="zeros"), num_experts),
-                ep,
-                etp,
                 dtype,
+                ep=ep,
+                etp=etp,
             )
             self.fc2_bias = make_expert_parameter(
-                ExpertParam(GlobalParam((hidden,), init="zeros"), num_experts), ep, 1, dtype
+                ExpertParam(GlobalParam((hidden,), init="zeros"), num_experts), dtype, ep=ep
             )
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, splits: list[int] | None = None) -> torch.Tensor:

@@ -2,9 +2,14 @@
 experts, combine the k outputs in slot order, add the shared expert; its balancing losses join
 the backward through :class:`AttachLoss`.
 
-Per-rank shapes: input ``[s, b, h]`` (the tokens this rank holds), ``T = s b`` tokens in that
-order; the router ``[E, h]`` replicated. This module runs every expert on the rank's own tokens
-(ep = etp = 1); the expert-parallel exchange wraps the same steps.
+Per-rank shapes: input ``[s', b, h]``, the tokens this rank holds (``s' = s / (cp t)`` with
+sequence parallelism over ``t`` tp ranks and cp,
+:func:`~ptdp.engine.context_parallel.load_balance.rank_positions`), ``T = s' b`` tokens in that
+order; the router ``[E, h]`` replicated. The ranks sharing a micro-batch (tp with sequence
+parallelism, cp) all-reduce the ``[E]`` counts (``[b, E]`` per sequence) and, with a capacity,
+all-gather the routing (``T k`` experts and weights, ``T`` ids) so that each takes the same drop
+decision over the whole micro-batch. This module runs every expert on the rank's own tokens (ep =
+etp = 1); the expert-parallel exchange wraps the same steps.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ from torch import nn
 
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
+from ptdp.engine.comm import AxisGroup, all_gather_along, all_reduce
+from ptdp.engine.context_parallel.load_balance import rank_positions
 from ptdp.engine.moe.capacity import expert_capacity, keep_mask
 from ptdp.engine.moe.experts import Experts
 from ptdp.engine.moe.losses import expert_counts, switch_aux_share, z_loss_share
-from ptdp.engine.moe.router import ROUTER_DTYPES, balanced_assignment, route
+from ptdp.engine.moe.router import ROUTER_DTYPES, Routing, balanced_assignment, route
 from ptdp.engine.tensor_parallel.sharding import GlobalParam, make_parameter
 
 
@@ -30,7 +37,7 @@ class AttachLoss(torch.autograd.Function):
     ``MoEAuxLossAutoScaler``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(loss)
         ctx.scale = scale
         return x.view_as(x)
@@ -38,7 +45,7 @@ class AttachLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (loss,) = ctx.saved_tensors
-        return grad, torch.full_like(loss, ctx.scale), None
+        return grad, torch.ones_like(loss) * ctx.scale, None
 
 
 @dataclass
@@ -68,11 +75,17 @@ class MoELayer(nn.Module):
         *,
         shared: nn.Module | None = None,
         layer_id: int = 0,
+        tp: AxisGroup | None = None,
+        cp: AxisGroup | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         if moe.num_experts is None:
             raise ValueError("an MoE layer needs moe.num_experts")
         self.moe, self.layer_id = moe, layer_id
+        self.seq_length = cfg.seq_length
+        self.tp = tp if tp is not None and sequence_parallel else AxisGroup.single("tp")
+        self.cp = cp if cp is not None else AxisGroup.single("cp")
         self.num_experts = moe.num_experts
         self.router_dtype = ROUTER_DTYPES[moe.router_dtype(str(cfg.params_dtype))]
         h = cfg.hidden_size
@@ -94,16 +107,18 @@ class MoELayer(nn.Module):
             grouped=moe.moe_grouped_gemm,
         )
         self.shared = shared  # the shared expert (a dense MLP of width moe.shared_ffn), built by the caller
-        self.loss_scale = 1.0
+        self.loss_scale: float | torch.Tensor = 1.0
         self.stats: MoEStats | None = None
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        s, b, h = x.shape
-        tokens = x.reshape(s * b, h)
-        if token_ids is None:  # the whole micro-batch: id = sample x s + position
-            token_ids = (torch.arange(b, device=x.device) * s + torch.arange(s, device=x.device).unsqueeze(1)).reshape(
-                -1
+        s_local, b, h = x.shape
+        s = self.seq_length if self.tp.size * self.cp.size > 1 else s_local
+        tokens = x.reshape(s_local * b, h)
+        if token_ids is None:  # id = sample x s + position, over the whole micro-batch
+            positions = rank_positions(
+                s, self.cp.rank, self.cp.size, tp_rank=self.tp.rank, tp_size=self.tp.size, device=x.device
             )
+            token_ids = (torch.arange(b, device=x.device) * s + positions.unsqueeze(1)).reshape(-1)
         moe, k = self.moe, self.moe.moe_router_topk
         logits = F.linear(tokens.to(self.router_dtype), self.router.to(self.router_dtype))
         forced = balanced_assignment(token_ids, k, self.num_experts) if moe.moe_router_force_load_balancing else None
@@ -121,16 +136,39 @@ class MoELayer(nn.Module):
         n = s * b
         keep = None
         if moe.moe_expert_capacity_factor is not None:
-            cap = expert_capacity(n, k, self.num_experts, moe.moe_expert_capacity_factor)
-            keep = keep_mask(
-                routing.experts, routing.weights, token_ids, self.num_experts, cap, moe.moe_token_drop_policy
+            keep = self._keep(
+                routing, token_ids, expert_capacity(n, k, self.num_experts, moe.moe_expert_capacity_factor)
             )
-        out = self._experts(tokens, routing.experts, routing.weights.to(x.dtype), keep)
+        out = self._experts(tokens, routing.experts, routing.weights.to(x.dtype), keep).view(s_local, b, h)
         if self.shared is not None:
-            out = out + self.shared(tokens)
+            out = out + self.shared(x)
         loss = self._losses(routing, n, b, s, keep, token_ids)
-        y = out.view(s, b, h)
-        return AttachLoss.apply(y, loss, self.loss_scale) if loss.requires_grad else y
+        return AttachLoss.apply(out, loss, self.loss_scale) if loss.requires_grad else out
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` of every rank sharing the micro-batch along dim 0 (tp blocks inside cp blocks)."""
+        return all_gather_along(all_gather_along(t, self.tp, dim=0, tag="moe_route"), self.cp, dim=0, tag="moe_route")
+
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks sharing the micro-batch (in place)."""
+        return all_reduce(all_reduce(t, self.tp, tag="moe_counts"), self.cp, tag="moe_counts")
+
+    def _keep(self, routing: Routing, token_ids: torch.Tensor, capacity: int) -> torch.Tensor:
+        """This rank's rows of the capacity decision, taken over the whole micro-batch."""
+        policy = self.moe.moe_token_drop_policy
+        if self.tp.size * self.cp.size == 1:
+            return keep_mask(routing.experts, routing.weights, token_ids, self.num_experts, capacity, policy)
+        keep = keep_mask(
+            self._gather(routing.experts),
+            self._gather(routing.weights.detach()),
+            self._gather(token_ids),
+            self.num_experts,
+            capacity,
+            policy,
+        )
+        t = token_ids.shape[0]
+        start = (self.cp.rank * self.tp.size + self.tp.rank) * t
+        return keep[start : start + t]
 
     def _experts(
         self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None
@@ -146,23 +184,23 @@ class MoELayer(nn.Module):
         return (full.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
     def _losses(
-        self, routing, n: int, b: int, s: int, keep: torch.Tensor | None, token_ids: torch.Tensor
+        self, routing: Routing, n: int, b: int, s: int, keep: torch.Tensor | None, token_ids: torch.Tensor
     ) -> torch.Tensor:
+        """This rank's share of the balancing losses (:mod:`ptdp.engine.moe.losses`); records :attr:`stats`."""
         moe, k, e = self.moe, self.moe.moe_router_topk, self.num_experts
         zero = routing.logits.new_zeros(())
         aux, z = zero, zero
-        counts = expert_counts(routing.experts, torch.zeros_like(token_ids), 1, e)
-        if moe.moe_aux_loss_coeff > 0 and moe.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss"):
-            if moe.moe_router_load_balancing_type == "aux_loss":
-                aux = switch_aux_share(
-                    routing.scores, torch.zeros_like(token_ids), counts, n, k, moe.moe_aux_loss_coeff
-                )
-            else:
-                sample = token_ids // s
-                per_seq = expert_counts(routing.experts, sample, b, e)
-                aux = switch_aux_share(routing.scores, sample, per_seq, s, k, moe.moe_aux_loss_coeff)
+        whole = torch.zeros_like(token_ids)
+        counts = self._sum(expert_counts(routing.experts, whole, 1, e))
+        coeff = moe.moe_aux_loss_coeff
+        if coeff > 0 and moe.moe_router_load_balancing_type == "aux_loss":
+            aux = switch_aux_share(routing.scores, whole, counts, n, k, coeff)
+        elif coeff > 0 and moe.moe_router_load_balancing_type == "seq_aux_loss":
+            sample = token_ids // s
+            per_seq = self._sum(expert_counts(routing.experts, sample, b, e))
+            aux = switch_aux_share(routing.scores, sample, per_seq, s, k, coeff)
         if moe.moe_z_loss_coeff:
             z = z_loss_share(routing.logits, n, moe.moe_z_loss_coeff)
-        dropped = zero if keep is None else (~keep).sum().to(zero.dtype)
+        dropped = zero if keep is None else self._sum((~keep).sum().to(zero.dtype))
         self.stats = MoEStats(counts=counts[0], dropped=dropped, aux=aux.detach(), z=z.detach())
         return aux + z

@@ -22,6 +22,7 @@ from torch.autograd.graph import _engine_run_backward
 
 from ptdp.engine.activity import PIPELINE, set_phase
 from ptdp.engine.comm import P2P, AxisGroup, post
+from ptdp.engine.moe.layer import MoELayer
 from ptdp.layout.pipeline.program import P2PGroup, Step
 from ptdp.layout.pipeline.schedule import COMPUTE, Action
 
@@ -78,7 +79,7 @@ def run_schedule(
     chunk's last backward (``no_sync`` before); ``loss_scale``: a float16 loss scale (0-dim, on
     the device); ``batch_shape``: ``(b, s)`` (default from ``hidden_shape`` and ``seq_length``).
     Returns the last virtual stage's ``m`` detached mean losses (elsewhere ``[]``); each is
-    backpropagated scaled by 1/m. Raises ValueError for a microbatch not ``[b, s]``, TypeError for
+    backpropagated scaled by 1/m, and so are the MoE layers' balancing losses (their ``loss_scale``). Raises ValueError for a microbatch not ``[b, s]``, TypeError for
     a schedule's transfer action instead of a program.
     """
     b, s = batch_shape or (hidden_shape[0], seq_length or hidden_shape[1])
@@ -93,6 +94,10 @@ def run_schedule(
         forward_only,
         loss_factor=(1.0 if loss_scale is None else loss_scale) / len(microbatches),
     )
+    for chunk in chunks:  # balancing losses inside the stage join backward as the loss does
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                module.loss_scale = state.loss_factor
     if grad_sync is not None and not forward_only:
         grad_sync.begin_backwards(len(chunks), len(microbatches), pp.size)
     by_round = grad_sync is not None and grad_sync.by_chunk

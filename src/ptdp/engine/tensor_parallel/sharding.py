@@ -170,8 +170,14 @@ def initialize_parameters(
     module: nn.Module, *, seed: int, std: float, num_layers: int, tp_rank: int, tp_size: int
 ) -> None:
     """Fill every parameter of ``module`` with its shard of the layout-independent initial value
-    (:func:`init_shard`: each rank draws only what its shard overlaps)."""
+    (:func:`init_shard`: each rank draws only what its shard overlaps). A parameter split otherwise
+    (the stacked experts of an MoE layer) carries its own ``ptdp_init(name=, seed=, std=,
+    num_layers=)``."""
     for name, param in module.named_parameters():
+        own = getattr(param, "ptdp_init", None)
+        if own is not None:
+            param.copy_(own(name=name, seed=seed, std=std, num_layers=num_layers))
+            continue
         spec = global_param(param)
         param.copy_(
             init_shard(spec, name=name, seed=seed, std=std, num_layers=num_layers, tp_rank=tp_rank, tp_size=tp_size)

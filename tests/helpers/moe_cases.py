@@ -1,0 +1,122 @@
+"""A tiny mixture-of-experts GPT trained a few steps at a given (tp, cp, pp, dp) layout, for the MoE
+equivalence tests: every layout of a world size in one job on the session's workers."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from helpers.layout_cases import LLAMA_OPTIONS, VOCAB, train_and_collect
+from ptdp.config.model import ModelConfig
+from ptdp.config.moe import MoEConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
+from ptdp.engine.groups import ParallelGroups
+from ptdp.layout.grid import ParallelLayout
+
+#: world size -> layouts (tp, cp, pp, dp); tp > 1 runs sequence parallelism (MoE's rule)
+LAYOUTS = {2: [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)], 4: [(2, 1, 2, 1), (1, 2, 1, 2)]}
+
+#: name -> (model overrides, MoE options). 4 layers, the first dense in two of them.
+VARIANTS = {
+    # softmax top-2 of 4 experts, the Switch loss per micro-batch and the z-loss, a dense first layer
+    "moe": (
+        {},
+        MoEConfig(
+            num_experts=4,
+            moe_router_topk=2,
+            moe_aux_loss_coeff=0.01,
+            moe_z_loss_coeff=1e-3,
+            moe_layer_freq=(0, 1, 1, 1),
+        ),
+    ),
+    # a capacity that drops (by probability), a shared expert, the loss per sequence
+    "moe_capacity_shared": (
+        {},
+        MoEConfig(
+            num_experts=4,
+            moe_router_topk=2,
+            moe_expert_capacity_factor=0.75,
+            moe_shared_expert_intermediate_size=32,
+            moe_router_load_balancing_type="seq_aux_loss",
+            moe_aux_loss_coeff=0.01,
+        ),
+    ),
+    # Llama-like with sigmoid scores, group-limited routing, scaling and drops by position
+    "moe_llama_sigmoid": (
+        LLAMA_OPTIONS,
+        MoEConfig(
+            num_experts=8,
+            moe_router_topk=2,
+            moe_router_score_function="sigmoid",
+            moe_router_num_groups=4,
+            moe_router_group_topk=2,
+            moe_router_topk_scaling_factor=2.0,
+            moe_expert_capacity_factor=1.0,
+            moe_token_drop_policy="position",
+            moe_layer_freq=(2,),
+        ),
+    ),
+    # the forced balanced assignment, softmax before the top-k
+    "moe_forced": (
+        {},
+        MoEConfig(num_experts=4, moe_router_topk=1, moe_router_force_load_balancing=True, moe_router_pre_softmax=True),
+    ),
+}
+
+
+def moe_config(name: str, tp: int, cp: int, pp: int, dp: int) -> Config:
+    """The tiny MoE model of ``name`` at this layout: 4 layers, h 32, 4 heads, s 16, b 2, B 8
+    (4 / dp micro-batches per pipeline), float64, clipping active."""
+    model_overrides, moe = VARIANTS[name]
+    model = dataclasses.replace(
+        ModelConfig(
+            num_layers=4,
+            hidden_size=32,
+            num_attention_heads=4,
+            ffn_hidden_size=48,
+            seq_length=16,
+            vocab_size=VOCAB,
+            make_vocab_size_divisible_by=8,
+            params_dtype="float64",
+        ),
+        **model_overrides,
+    )
+    train = TrainConfig(
+        micro_batch_size=2,
+        global_batch_size=8,
+        train_iters=3,
+        lr=3e-3,
+        min_lr=3e-4,
+        lr_warmup_iters=1,
+        clip_grad=0.05,
+        weight_decay=0.1,
+    )
+    par = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        data_parallel_size=dp,
+        context_parallel_size=cp,
+        sequence_parallel=tp > 1,
+    )
+    return resolve(Config(model=model, moe=moe, parallel=par, train=train), tp * cp * pp * dp)
+
+
+def moe_worker(rank: int, world: int) -> dict:
+    out = {}
+    for tp, cp, pp, dp in LAYOUTS[world]:
+        groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp), PG_TIMEOUT)
+        out[(tp, cp, pp, dp)] = {name: train_and_collect(moe_config(name, tp, cp, pp, dp), groups) for name in VARIANTS}
+    return out
+
+
+@functools.cache
+def world_results(world: int) -> list[dict]:
+    return run_in_pool(moe_worker, world)
+
+
+@functools.cache
+def reference(name: str) -> dict:
+    return train_and_collect(moe_config(name, 1, 1, 1, 1), ParallelGroups.single_process())
