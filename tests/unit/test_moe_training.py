@@ -1,4 +1,4 @@
-"""The balancing losses' gradient in a training step: the step's gradient norm equals that of
+"""An MoE model in a training step: the step's gradient norm equals that of ``mean over
 ``mean over micro-batches of (LM loss + aux + z)`` backpropagated in one plain process."""
 
 from __future__ import annotations
@@ -52,3 +52,10 @@ def test_the_step_gradient_is_that_of_the_mean_of_loss_plus_balancing_losses(mon
     plain.zero_grad(set_to_none=True)
     sum(plain(tokens, labels) for tokens, labels in microbatches).backward()  # without them: another norm
     assert abs(_grad_norm(plain) / len(microbatches) - result.grad_norm) > 1e-6 * result.grad_norm
+
+
+def test_the_end_of_run_report_says_the_planner_does_not_model_moe():
+    from ptdp.run.planner_report import compare, format_comparison
+
+    check = compare(moe_config("moe", 1, 1, 1, 1), [], None, None)
+    assert format_comparison(check) == ["  planner: the planner does not model mixture-of-experts layers yet"]
