@@ -1,5 +1,6 @@
 """An MoE model in a training step: the step's gradient norm equals that of ``mean over
-``mean over micro-batches of (LM loss + aux + z)`` backpropagated in one plain process."""
+micro-batches of (LM loss + aux + z)`` backpropagated in one plain process; the end-of-run report
+does not compare the planner's bytes, which do not count MoE layers yet."""
 
 from __future__ import annotations
 
