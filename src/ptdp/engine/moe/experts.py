@@ -137,6 +137,7 @@ class Experts(nn.Module):
         approximate: str,
         dtype: torch.dtype,
         ep: int = 1,
+        ep_rank: int = 0,
         etp: int = 1,
         grouped: bool = False,
     ) -> None:
@@ -146,18 +147,19 @@ class Experts(nn.Module):
         self.num_local = num_experts // ep
         fc1 = ExpertParam(GlobalParam((halves * ffn, hidden), tp_dim=0, tp_groups=halves), num_experts)
         fc2 = ExpertParam(GlobalParam((hidden, ffn), tp_dim=1, init="scaled_normal"), num_experts)
-        self.fc1_weight = make_expert_parameter(fc1, dtype, ep=ep, etp=etp)
-        self.fc2_weight = make_expert_parameter(fc2, dtype, ep=ep, etp=etp)
+        self.fc1_weight = make_expert_parameter(fc1, dtype, ep=ep, ep_rank=ep_rank, etp=etp)
+        self.fc2_weight = make_expert_parameter(fc2, dtype, ep=ep, ep_rank=ep_rank, etp=etp)
         self.fc1_bias = self.fc2_bias = None
         if bias:
             self.fc1_bias = make_expert_parameter(
                 ExpertParam(GlobalParam((halves * ffn,), tp_dim=0, tp_groups=halves, init="zeros"), num_experts),
                 dtype,
                 ep=ep,
+                ep_rank=ep_rank,
                 etp=etp,
             )
             self.fc2_bias = make_expert_parameter(
-                ExpertParam(GlobalParam((hidden,), init="zeros"), num_experts), dtype, ep=ep
+                ExpertParam(GlobalParam((hidden,), init="zeros"), num_experts), dtype, ep=ep, ep_rank=ep_rank
             )
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, splits: list[int] | None = None) -> torch.Tensor:

@@ -22,9 +22,10 @@ from torch import nn
 
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
-from ptdp.engine.comm import AxisGroup, all_gather_along, all_reduce
+from ptdp.engine.comm import AxisGroup, all_gather_along, all_reduce, all_to_all
 from ptdp.engine.context_parallel.load_balance import rank_positions
 from ptdp.engine.moe.capacity import expert_capacity, keep_mask
+from ptdp.engine.moe.dispatch import exchange
 from ptdp.engine.moe.experts import Experts
 from ptdp.engine.moe.losses import expert_counts, switch_aux_share, z_loss_share
 from ptdp.engine.moe.router import ROUTER_DTYPES, Routing, balanced_assignment, route
@@ -78,6 +79,7 @@ class MoELayer(nn.Module):
         tp: AxisGroup | None = None,
         cp: AxisGroup | None = None,
         sequence_parallel: bool = False,
+        ep: AxisGroup | None = None,
     ) -> None:
         super().__init__()
         if moe.num_experts is None:
@@ -86,6 +88,7 @@ class MoELayer(nn.Module):
         self.seq_length = cfg.seq_length
         self.tp = tp if tp is not None and sequence_parallel else AxisGroup.single("tp")
         self.cp = cp if cp is not None else AxisGroup.single("cp")
+        self.ep = ep if ep is not None else AxisGroup.single("ep")
         self.num_experts = moe.num_experts
         self.router_dtype = ROUTER_DTYPES[moe.router_dtype(str(cfg.params_dtype))]
         h = cfg.hidden_size
@@ -105,6 +108,8 @@ class MoELayer(nn.Module):
             approximate=approximate,
             dtype=dtype,
             grouped=moe.moe_grouped_gemm,
+            ep=self.ep.size,
+            ep_rank=self.ep.rank,
         )
         self.shared = shared  # the shared expert (a dense MLP of width moe.shared_ffn), built by the caller
         self.loss_scale: float | torch.Tensor = 1.0
@@ -179,9 +184,31 @@ class MoELayer(nn.Module):
         kept = torch.arange(t * k, device=tokens.device) if keep is None else keep.reshape(-1).nonzero().squeeze(1)
         order = kept[torch.sort(flat[kept], stable=True).indices]
         counts = torch.bincount(flat[kept], minlength=self.num_experts)
-        y = self.experts(tokens[order // k], counts)
+        rows = tokens[order // k]
+        y = self.experts(rows, counts) if self.ep.size == 1 else self._expert_parallel(rows, counts)
         full = torch.zeros(t * k, tokens.shape[1], dtype=y.dtype, device=y.device).index_copy(0, order, y)
         return (full.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+    def _expert_parallel(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs for ``rows`` (sorted by global expert, ``counts[e]`` for expert ``e``)
+        computed on the ep ranks holding them: counts, then rows, exchanged; each rank runs its
+        ``E / ep`` experts on what it received (grouped by local expert, sources in rank order);
+        the outputs come back by the reverse exchange. One host synchronisation (the splits)."""
+        ep, local = self.ep, self.num_experts // self.ep.size
+        received = all_to_all(counts, ep, in_splits=[local] * ep.size, out_splits=[local] * ep.size, tag="moe_counts")
+        splits = torch.cat([counts.view(ep.size, local).sum(1), received.view(ep.size, local).sum(1), received])
+        host = splits.tolist()
+        send, recv, per_source = host[: ep.size], host[ep.size : 2 * ep.size], host[2 * ep.size :]
+        got = exchange(rows, ep, send, recv, tag="moe_dispatch")
+        by_source = received.view(ep.size, local)
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(local, device=rows.device).repeat(ep.size), by_source.reshape(-1), output_size=sum(recv)
+        )
+        perm = torch.sort(expert_of_row, stable=True).indices
+        per_expert = [sum(per_source[j * local + e] for j in range(ep.size)) for e in range(local)]
+        out = self.experts(got[perm], by_source.sum(0), per_expert)
+        back = torch.empty_like(out).index_copy(0, perm, out)
+        return exchange(back, ep, recv, send, tag="moe_combine")
 
     def _losses(
         self, routing: Routing, n: int, b: int, s: int, keep: torch.Tensor | None, token_ids: torch.Tensor
