@@ -67,7 +67,7 @@ VARIANTS = {
 }
 
 
-def moe_config(name: str, tp: int, cp: int, pp: int, dp: int) -> Config:
+def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1) -> Config:
     """The tiny MoE model of ``name`` at this layout: 4 layers, h 32, 4 heads, s 16, b 2, B 8
     (4 / dp micro-batches per pipeline), float64, clipping active."""
     model_overrides, moe = VARIANTS[name]
@@ -100,6 +100,7 @@ def moe_config(name: str, tp: int, cp: int, pp: int, dp: int) -> Config:
         data_parallel_size=dp,
         context_parallel_size=cp,
         sequence_parallel=tp > 1,
+        expert_model_parallel_size=ep,
     )
     return resolve(Config(model=model, moe=moe, parallel=par, train=train), tp * cp * pp * dp)
 
@@ -120,3 +121,66 @@ def world_results(world: int) -> list[dict]:
 @functools.cache
 def reference(name: str) -> dict:
     return train_and_collect(moe_config(name, 1, 1, 1, 1), ParallelGroups.single_process())
+
+
+#: world size -> layouts (tp, cp, pp, dp, ep) with experts split over ep ranks (parallel folding:
+#: the ep group spans tp, then cp, then dp ranks)
+EP_LAYOUTS = {
+    2: [(1, 1, 1, 2, 2)],
+    4: [(1, 1, 1, 4, 4), (1, 1, 1, 4, 2), (2, 1, 1, 2, 2), (1, 2, 1, 2, 2), (1, 1, 2, 2, 2)],
+}
+
+
+def collect_ep(cfg: Config, groups: ParallelGroups) -> dict:
+    """Train 3 steps; losses, norms and every parameter: dense ones with their spec, experts with
+    this rank's ep rank (their slice of the global experts)."""
+    from helpers.layout_cases import rank_microbatches
+    from ptdp.engine.model.model_chunks import global_named_parameters
+    from ptdp.engine.stage import build_stage
+    from ptdp.engine.step import train_step
+
+    stage = build_stage(cfg, groups)
+    losses, norms = [], []
+    for step in range(3):
+        result = train_step(stage, rank_microbatches(step, cfg, groups.dp.rank, groups.dp.size), step)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+    params = {}
+    ep_rank = groups.ep.rank if groups.ep is not None else 0
+    for name, p in global_named_parameters(stage.model):
+        if hasattr(p, "ptdp_expert"):
+            params[name] = (p.detach().clone(), "expert", ep_rank)
+        else:
+            params[name] = (p.detach().clone(), p.ptdp_global, groups.tp.rank)
+    return {"losses": losses, "norms": norms, "params": params}
+
+
+def moe_ep_worker(rank: int, world: int) -> dict:
+    out = {}
+    for tp, cp, pp, dp, ep in EP_LAYOUTS[world]:
+        groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp), PG_TIMEOUT, ep=ep)
+        out[(tp, cp, pp, dp, ep)] = {
+            name: collect_ep(moe_config(name, tp, cp, pp, dp, ep), groups) for name in EP_VARIANTS
+        }
+    return out
+
+
+#: the variants the expert-parallel layouts run (8 experts divide over ep 2 and 4)
+EP_VARIANTS = ["moe_llama_sigmoid", "moe_ep"]
+VARIANTS["moe_ep"] = (
+    {},
+    MoEConfig(
+        num_experts=8,
+        moe_router_topk=2,
+        moe_aux_loss_coeff=0.01,
+        moe_z_loss_coeff=1e-3,
+        moe_shared_expert_intermediate_size=32,
+        moe_expert_capacity_factor=1.0,
+        moe_layer_freq=(0, 1, 1, 1),
+    ),
+)
+
+
+@functools.cache
+def ep_world_results(world: int) -> list[dict]:
+    return run_in_pool(moe_ep_worker, world)

@@ -140,8 +140,15 @@ def test_ptdp_train_refuses_what_moe_does_not_run_yet(capsys):
     from ptdp import cli
 
     argv = ["train", "--num-experts", "4", "--tp", "1", "--pp", "1", "--dp", "2", "--train-iters", "1"]
-    assert cli.main([*argv, "--ep", "2", "--moe-router-enable-expert-bias"]) == 2
+    extra = ["--ep", "2", "--etp", "2", "--moe-router-enable-expert-bias", "--use-distributed-optimizer", "--bf16"]
+    assert cli.main([*argv, *extra, "--save", "ck"]) == 2
     err = capsys.readouterr().err
-    assert "expert_model_parallel_size=2 with --num-experts: ptdp train does not run it yet" in err
-    assert "--moe-router-enable-expert-bias with --num-experts" in err
+    for what in (
+        "expert_tensor_parallel_size=2",
+        "--moe-router-enable-expert-bias",
+        "expert parallelism with sharding optim",
+        "expert parallelism with bfloat16 parameters",
+        "checkpoints (--save, --load) with expert parallelism",
+    ):
+        assert f"{what} with --num-experts: ptdp train does not run it yet" in err, what
     assert ModelConfig().num_layers == 4  # the dense defaults are untouched

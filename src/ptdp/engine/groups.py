@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ptdp.engine.comm import AxisGroup, CommStats
+from ptdp.layout.expert_grid import ExpertLayout
 from ptdp.layout.grid import Coords, ParallelLayout
 
 
@@ -23,7 +24,9 @@ class ParallelGroups:
     process's coordinate). ``dp_cp``: the gradient group, the dp x cp ranks sharing this rank's tp
     and pp ranks (index ``cp_rank + cp * dp_rank``); the ``dp`` object itself when cp == 1, else
     its own communicator counted on "dp". ``embedding``: first + last stage (size 1 when pp == 1).
-    ``stats``: the counters shared by all groups.
+    ``stats``: the counters shared by all groups. ``ep`` and ``edp``: the expert grid's
+    (:class:`~ptdp.layout.expert_grid.ExpertLayout`) expert-parallel group and the group averaging
+    the expert gradients, counted on "ep" and "dp"; None without expert parallelism.
     """
 
     layout: ParallelLayout
@@ -36,6 +39,8 @@ class ParallelGroups:
     stats: CommStats
     cp: AxisGroup
     dp_cp: AxisGroup
+    ep: AxisGroup | None = None
+    edp: AxisGroup | None = None
 
     @property
     def coords(self) -> Coords:
@@ -58,8 +63,9 @@ class ParallelGroups:
         return cls(ParallelLayout(1, 1, 1), 0, stats=stats, **one)
 
     @classmethod
-    def build(cls, layout: ParallelLayout, timeout: datetime.timedelta) -> ParallelGroups:
-        """Create every group of ``layout`` (collective: all ranks of the world must call it).
+    def build(cls, layout: ParallelLayout, timeout: datetime.timedelta, *, ep: int = 1, etp: int = 1) -> ParallelGroups:
+        """Create every group of ``layout``, and with ``ep`` or ``etp`` > 1 those of its expert grid
+        (collective: all ranks of the world must call it).
 
         Requires ``torch.distributed`` initialised with ``world_size == layout.world_size``. Every
         group gets ``timeout`` so a stalled collective fails instead of hanging.
@@ -81,6 +87,10 @@ class ParallelGroups:
             axes["embedding"] = _build_axis("embedding", emb, rank, timeout, stats)
         else:
             axes["embedding"] = AxisGroup.single("embedding", rank, stats)
+        if ep * etp > 1:
+            experts = ExpertLayout(layout, ep=ep, etp=etp)
+            axes["ep"] = _build_axis("ep", experts.group_ranks("ep"), rank, timeout, stats)
+            axes["edp"] = _build_axis("dp", experts.group_ranks("edp"), rank, timeout, stats, desc="edp")
         world_ranks = tuple(range(world))
         world_group = dist.group.WORLD if world > 1 else None
         # the default group's timeout is init_process_group's: ptdp passes the same value there

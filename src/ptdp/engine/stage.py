@@ -44,6 +44,9 @@ class Stage:
     """Dynamic loss scaling, for float16 parameters only."""
     dropout_rng: DropoutRNG | None = None
     """This rank's dropout streams (shared by its model chunks; saved in checkpoints)."""
+    expert_grads: GradBuffer | None = None
+    """With expert parallelism: the routed experts' gradients, summed over the expert
+    data-parallel group (``groups.edp``); :attr:`grads` holds the others."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -109,6 +112,7 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
             cp=groups.cp,
             cp_comm_type=p.cp_comm_type,
             moe=config.moe if config.moe.enabled else None,
+            ep=groups.ep,
         )
         for c in range(v)
     ]
@@ -129,13 +133,38 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
     if m.compile:  # one graph per stage at tp = 1, else each layer's forward (collectives stay eager)
         for chunk in chunks:
             compile_stage(chunk, whole=not (p.overlap_param_gather or zero3))
-    grads, optimizer = _data_parallel(config, groups, chunks, model)
+    expert_grads = _expert_grads(config, groups, chunks)
+    grads, optimizer = _data_parallel(config, groups, chunks, model, exclude=expert_grads)
     scaler = DynamicLossScaler(device=device) if m.params_dtype == "float16" else None
-    return Stage(config, groups, model, optimizer, grads, device, scaler, dropout_rng=rng)
+    return Stage(config, groups, model, optimizer, grads, device, scaler, dropout_rng=rng, expert_grads=expert_grads)
+
+
+def _expert_grads(config: Config, groups: ParallelGroups, chunks: list[GPTModel]) -> GradBuffer | None:
+    """With ep > 1, the routed experts' gradient buffer, reduced by a sum over ``groups.edp`` (the
+    ranks holding the same experts; 1/dp is in the loss, as for the dense buffer); None otherwise
+    or on a stage without MoE layers."""
+    if groups.ep is None or groups.ep.size == 1 or groups.edp is None:
+        return None
+    per_chunk = [[p for p in chunk.parameters() if hasattr(p, "ptdp_expert")] for chunk in chunks]
+    per_chunk = [ps for ps in per_chunk if ps]
+    if not per_chunk:
+        return None
+    return GradBuffer(
+        per_chunk,
+        dp=groups.edp,
+        average_over=groups.dp.size,
+        bucket_size=config.parallel.ddp_bucket_size,
+        prescaled=True,
+    )
 
 
 def _data_parallel(
-    config: Config, groups: ParallelGroups, chunks: list[GPTModel], model: GPTModel | ModelChunks
+    config: Config,
+    groups: ParallelGroups,
+    chunks: list[GPTModel],
+    model: GPTModel | ModelChunks,
+    *,
+    exclude: GradBuffer | None = None,
 ) -> tuple[GradBuffer, torch.optim.Optimizer | MainParamsAdamW]:
     """The stage's gradient buffer and optimizer for the run's data-parallel sharding strategy
     (with ``optim_grads_params`` the parameters become shards gathered unit by unit)."""
@@ -147,7 +176,7 @@ def _data_parallel(
     grads = GradBuffer(
         # reduced (and sharded) over the dp x cp ranks holding these parameters: summed over cp,
         # averaged over dp (1/dp in the loss, or average_over=dp for float16)
-        [list(chunk.parameters()) for chunk in chunks],
+        [[p for p in chunk.parameters() if not (exclude and hasattr(p, "ptdp_expert"))] for chunk in chunks],
         dp=groups.dp_cp,
         average_over=groups.dp.size,
         # float32 main gradients for 16-bit parameters; bfloat16 ones with --grad-reduce-in-bf16

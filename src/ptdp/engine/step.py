@@ -145,11 +145,16 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     activity.start_step(g.global_rank, iteration + 1)
     stage.grads.zero()
     stage.grads.exact = iteration < cfg.grad_compression_warmup
+    experts = stage.expert_grads
+    if experts is not None:
+        experts.zero()
     programs = build_programs(cfg.parallel.schedule, g.pp.size, len(microbatches), stage.virtual_stages)
     scale = stage.scaler.scale if stage.scaler is not None else None  # 0-dim, updated after its last use
     # 1/dp folded into the loss: the dp reduction of the buffer is then a plain sum (prescaled)
     loss_factor = (1.0 if scale is None else scale) / (g.dp.size if stage.grads.prescaled else 1)
     stage.grads.grad_scale = loss_factor
+    if experts is not None:
+        experts.grad_scale = loss_factor
     residual = stage.grads.residual
     kept = residual.clone() if residual is not None else None  # put back if the step is skipped
     first_chunk = stage.model[0] if isinstance(stage.model, ModelChunks) else stage.model
@@ -174,10 +179,12 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     activity.set_phase(activity.GRAD_SYNC)
     span = tracer.span("grad sync + clip", "grad_sync") if tracer is not None else None
     finalize_grads(stage.model, stage.grads, g)
+    if experts is not None:
+        experts.finish()
     overflow = None
     if stage.scaler is not None and scale is not None:  # scale: the scaler's
         overflow = stage.scaler.unscale(stage.grads.reduced, scale)
-    norm = global_grad_norm(stage.model, stage.grads, g)
+    norm = global_grad_norm(stage.model, stage.grads, g, experts)
     pending = PendingStep(
         _step_values(stage, losses, len(microbatches), norm, overflow, scale),
         lr_at(iteration, cfg.train),
@@ -189,6 +196,8 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     if kept is not None and residual is not None:  # kept: a copy of the residual
         residual.copy_(torch.where(skip, kept, residual))
     clip_grads(stage.grads, norm, cfg.train.clip_grad)
+    if experts is not None:
+        clip_grads(experts, norm, cfg.train.clip_grad)
     activity.set_phase(activity.OPTIMIZER)
     if span is not None:
         span.end()

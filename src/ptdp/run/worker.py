@@ -49,7 +49,7 @@ def _run(config: Config, run_dir: Path, data: PreparedData, device, progress: bo
     """Build the process groups and train."""
     p = config.parallel
     layout = ParallelLayout(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
-    groups = ParallelGroups.build(layout, datetime.timedelta(minutes=p.distributed_timeout_minutes))
+    groups = ParallelGroups.build(layout, datetime.timedelta(minutes=p.distributed_timeout_minutes), ep=p.ep, etp=p.etp)
     return train(config, groups, data, run_dir, device, progress=progress, restart=restart)
 
 

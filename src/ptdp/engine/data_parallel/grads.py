@@ -89,7 +89,8 @@ def _sum_of_squares(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups
         sq = _squares(grads, buffer.data.device)
         all_reduce(sq, groups.dp_cp, tag="grad_norm")
         return sq
-    return _squares([buffer.grad(p) for p in model.parameters() if counts_in_norm(p, groups)], buffer.data.device)
+    params = [p for p in buffer.params if counts_in_norm(p, groups)]
+    return _squares([buffer.grad(p) for p in params], buffer.data.device)
 
 
 def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -104,16 +105,23 @@ def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return norms.pow(2).sum()
 
 
-def global_grad_norm(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups) -> torch.Tensor:
+def global_grad_norm(
+    model: nn.Module, buffer: GradBuffer, groups: ParallelGroups, experts: GradBuffer | None = None
+) -> torch.Tensor:
     """Global L2 norm of all gradients of the model, every parameter counted once, as a float64
     0-dim tensor on the buffer's device (nan or inf if a gradient is; the same on every rank).
 
     Sums squares in float64 (sharded: over this rank's shard, all-reduced over dp x cp), then
-    all-reduces 1 element over tp and pp; no cp reduction (gradients are equal over cp). No host
-    synchronisation.
+    all-reduces 1 element over tp and pp; no cp reduction (gradients are equal over cp). With
+    ``experts`` (expert parallelism) the squares of this rank's experts, all-reduced over the ep
+    group (each rank's experts are its own; the edp replicas are equal), join before the pp sum.
+    No host synchronisation.
     """
     sq = _sum_of_squares(model, buffer, groups)
     all_reduce(sq, groups.tp, tag="grad_norm")
+    if experts is not None and groups.ep is not None:
+        expert_sq = _squares([experts.grad(p) for p in experts.params], experts.data.device)
+        sq = sq + all_reduce(expert_sq, groups.ep, tag="grad_norm")
     all_reduce(sq, groups.pp, tag="grad_norm")
     return sq.sqrt()
 

@@ -105,6 +105,7 @@ class TransformerLayer(nn.Module):
         cp: AxisGroup | None = None,
         cp_comm_type: str = "p2p",
         moe: MoEConfig | None = None,
+        ep: AxisGroup | None = None,
     ) -> None:
         super().__init__()
         rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
@@ -117,10 +118,19 @@ class TransformerLayer(nn.Module):
             shared = None
             if moe.shared_ffn:
                 shared = MLP(dataclasses.replace(cfg, ffn_hidden_size=moe.shared_ffn), tp, dtype, sp)
-            self.mlp = MoELayer(cfg, moe, dtype, shared=shared, layer_id=layer_id, tp=tp, cp=cp, sequence_parallel=sp)
-            if sp:  # each tp rank routes its own tokens through replicated experts: their gradients sum over tp
-                routed = [p for name, p in self.mlp.named_parameters() if not name.startswith("shared.")]
-                mark_sequence_parallel(routed)
+            self.mlp = MoELayer(
+                cfg, moe, dtype, shared=shared, layer_id=layer_id, tp=tp, cp=cp, sequence_parallel=sp, ep=ep
+            )
+            if sp:  # each tp rank routes its own tokens: the router's gradient, and at ep = 1 the
+                # replicated experts', sum over tp (with ep > 1 the experts' sum over edp)
+                distributed = ep is not None and ep.size > 1
+                mark_sequence_parallel(
+                    [
+                        p
+                        for name, p in self.mlp.named_parameters()
+                        if name == "router" or not (distributed or name.startswith("shared."))
+                    ]
+                )
         else:
             self.mlp = MLP(cfg, tp, dtype, sp)
         self.hidden_dropout = Dropout(cfg.hidden_dropout, rng, f"layer.{layer_id}")
