@@ -4,7 +4,8 @@ at (tp, cp, pp, dp) = (2,1,1,1) with sequence parallelism, (1,2,1,1), (1,1,2,1),
 (2,1,2,1), (1,2,1,2), experts on every rank (ep = 1): softmax and sigmoid routers, group-limited
 routing, the Switch loss per micro-batch and per sequence, the z-loss, capacity drops by
 probability and by position (the same assignments dropped as one process), a shared expert, dense
-first layers, the forced balanced routing."""
+first layers, the forced balanced routing, aux-loss-free balancing (the expert biases after each
+step equal too, counted once per micro-batch under full recompute)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ def test_moe_trains_like_one_process(world, layout):
         for res in results:
             torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), **TOL["float64"])
             torch.testing.assert_close(torch.tensor(res[name]["norms"]), torch.tensor(ref["norms"]), **TOL["float64"])
+        held = set()
+        for res in results:  # the expert biases (buffers): every copy equals one process's
+            for key, bias in res[name]["buffers"].items():
+                torch.testing.assert_close(bias, ref["buffers"][key], **TOL["float64"])
+                held.add(key)
+        assert held == set(ref["buffers"])
+        if name == "moe_bias":  # the biases moved
+            assert all(bias.abs().sum() > 0 for bias in ref["buffers"].values()) and ref["buffers"]
         got = full_parameters(results, name)
         want = {key: real_rows(t, spec) for key, (t, spec, _) in ref["params"].items()}
         assert sorted(got) == sorted(want)

@@ -95,6 +95,7 @@ def train_and_collect(cfg: Config, groups: ParallelGroups, record_comm_step: int
     }
     c = groups.coords
     return {
+        "buffers": {n: b.clone() for n, b in stage.model.named_buffers() if n.endswith("expert_bias")},
         "losses": losses,
         "norms": norms,
         "params": params,

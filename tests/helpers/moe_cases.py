@@ -59,6 +59,17 @@ VARIANTS = {
             moe_layer_freq=(2,),
         ),
     ),
+    # aux-loss-free balancing: the expert bias moved after every step, with full recompute (counted once)
+    "moe_bias": (
+        {"recompute_granularity": "full", "recompute_num_layers": 1},
+        MoEConfig(
+            num_experts=4,
+            moe_router_topk=2,
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_bias_update_rate=0.05,
+        ),
+    ),
     # the forced balanced assignment, softmax before the top-k
     "moe_forced": (
         {},

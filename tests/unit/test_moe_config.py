@@ -145,7 +145,7 @@ def test_ptdp_train_refuses_what_moe_does_not_run_yet(capsys):
     err = capsys.readouterr().err
     for what in (
         "expert_tensor_parallel_size=2",
-        "--moe-router-enable-expert-bias",
+        "checkpoints (--save, --load) with --moe-router-enable-expert-bias",
         "expert parallelism with sharding optim",
         "expert parallelism with bfloat16 parameters",
         "checkpoints (--save, --load) with expert parallelism",

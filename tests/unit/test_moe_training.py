@@ -60,3 +60,27 @@ def test_the_end_of_run_report_says_the_planner_does_not_model_moe():
 
     check = compare(moe_config("moe", 1, 1, 1, 1), [], None, None)
     assert format_comparison(check) == ["  planner: the planner does not model mixture-of-experts layers yet"]
+
+
+def test_expert_bias_moves_by_the_step_loads_counted_once_under_recompute():
+    """After one step each bias is ``rate x sign(mean load - load)`` of the step's loads, the same
+    with full recompute (which runs every layer's forward again in backward)."""
+    from ptdp.engine.moe.layer import MoELayer
+
+    biases = []
+    for recompute in ({}, {"recompute_granularity": "full", "recompute_num_layers": 1}):
+        cfg = moe_config("moe_bias", 1, 1, 1, 1)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **recompute))
+        stage = build_stage(cfg, ParallelGroups.single_process())
+        # without early stop the recompute runs each layer's whole forward again, counting included
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            read_results([train_step(stage, rank_microbatches(0, cfg, 0, 1), 0)])
+        layers = [m for m in stage.model.modules() if isinstance(m, MoELayer)]
+        for layer in layers:
+            loads = layer.step_counts.double()
+            assert int(loads.sum()) == 4 * 2 * 16 * 2  # 4 micro-batches of 2 x 16 tokens, top-2
+            want = cfg.moe.moe_router_bias_update_rate * torch.sign(loads.mean() - loads)
+            torch.testing.assert_close(layer.expert_bias, want, rtol=0, atol=0)
+        biases.append([layer.expert_bias.clone() for layer in layers])
+    for plain, again in zip(*biases):
+        torch.testing.assert_close(again, plain, rtol=0, atol=0)

@@ -134,7 +134,11 @@ def _moe_not_yet(config: Config) -> list[Violation]:
             ep and (config.checkpoint.save is not None or config.checkpoint.load is not None),
             "checkpoints (--save, --load) with expert parallelism",
         ),
-        (moe.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias"),
+        (
+            moe.moe_router_enable_expert_bias
+            and (config.checkpoint.save is not None or config.checkpoint.load is not None),
+            "checkpoints (--save, --load) with --moe-router-enable-expert-bias",
+        ),
         (moe.moe_router_load_balancing_type == "global_aux_loss", "--moe-router-load-balancing-type global_aux_loss"),
         (config.model.compile, "--compile"),
     ]

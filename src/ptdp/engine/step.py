@@ -25,6 +25,7 @@ from ptdp.engine.comm import all_reduce
 from ptdp.engine.data_parallel.grads import clip_grads, finalize_grads, global_grad_norm
 from ptdp.engine.hooks import STEP_HOOKS
 from ptdp.engine.model.model_chunks import ModelChunks
+from ptdp.engine.moe.layer import MoELayer
 from ptdp.engine.optim.adamw import set_lr, step_unless
 from ptdp.engine.pipeline.runtime import Microbatch, run_schedule
 from ptdp.engine.stage import Stage
@@ -207,6 +208,7 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
         step_unless(stage.optimizer, skip)
     else:
         stage.optimizer.step(skip)
+    update_expert_biases(stage.model, g, skip)
     if span is not None:
         span.end()
     return pending
@@ -278,3 +280,23 @@ def _step_values(
     all_reduce(value, g.world, tag="metrics")
     scale = torch.ones((), dtype=torch.float64, device=stage.device) if scale is None else scale.to(torch.float64)
     return torch.stack([value[0] / (m * g.dp.size), norm.to(torch.float64), value[1], value[2], scale])
+
+
+def update_expert_biases(model, groups, skip: torch.Tensor) -> None:
+    """After the optimizer step: each MoE layer with an expert bias moves it by the step's loads
+    over the global batch (its micro-batches' counts, summed over dp in one all-reduce of every
+    such layer's ``[E]``), unless ``skip``."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.expert_bias is not None]
+    if not layers:
+        return
+    counts = torch.cat(
+        [
+            m.step_counts.to(torch.float64)
+            if m.step_counts is not None
+            else torch.zeros(m.num_experts, dtype=torch.float64, device=skip.device)
+            for m in layers
+        ]
+    )
+    all_reduce(counts, groups.dp, tag="expert_bias")
+    for layer, part in zip(layers, counts.split([m.num_experts for m in layers])):
+        layer.update_expert_bias(part, skip)

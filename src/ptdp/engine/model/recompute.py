@@ -16,7 +16,9 @@ microbatch (PyTorch's early stop skips the last); selective recompute communicat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -34,9 +36,36 @@ def recomputed(fn: Callable[..., torch.Tensor], *args: torch.Tensor, rng: Dropou
     """
     if not torch.is_grad_enabled():
         return fn(*args)
-    if rng is None:
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=rng.checkpoint_contexts)
+
+    def contexts():
+        forward, again = rng.checkpoint_contexts() if rng is not None else (nullcontext(), nullcontext())
+        return forward, _both(again, _recomputing())
+
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)
+
+
+_RECOMPUTING: ContextVar[bool] = ContextVar("ptdp_recomputing", default=False)
+
+
+def is_recomputing() -> bool:
+    """Whether the code running is a recomputation in backward (:func:`recomputed`): what a layer
+    counts once per micro-batch (an MoE layer's expert loads) it must not count again."""
+    return _RECOMPUTING.get()
+
+
+@contextmanager
+def _recomputing() -> Iterator[None]:
+    token = _RECOMPUTING.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(token)
+
+
+@contextmanager
+def _both(first: AbstractContextManager, second: AbstractContextManager) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 def layer_groups(num_layers: int, method: str, per_group: int) -> list[tuple[int, int, bool]]:

@@ -24,6 +24,7 @@ from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
 from ptdp.engine.comm import AxisGroup, all_gather_along, all_reduce, all_to_all
 from ptdp.engine.context_parallel.load_balance import rank_positions
+from ptdp.engine.model.recompute import is_recomputing
 from ptdp.engine.moe.capacity import expert_capacity, keep_mask
 from ptdp.engine.moe.dispatch import exchange
 from ptdp.engine.moe.experts import Experts
@@ -114,6 +115,9 @@ class MoELayer(nn.Module):
         self.shared = shared  # the shared expert (a dense MLP of width moe.shared_ffn), built by the caller
         self.loss_scale: float | torch.Tensor = 1.0
         self.stats: MoEStats | None = None
+        self.step_counts: torch.Tensor | None = None
+        """``[E]`` assignments per expert over this step's micro-batches (summed over the ranks
+        sharing each), counted once per micro-batch (not again by a recompute); reset by the step."""
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         s_local, b, h = x.shape
@@ -230,4 +234,17 @@ class MoELayer(nn.Module):
             z = z_loss_share(routing.logits, n, moe.moe_z_loss_coeff)
         dropped = zero if keep is None else self._sum((~keep).sum().to(zero.dtype))
         self.stats = MoEStats(counts=counts[0], dropped=dropped, aux=aux.detach(), z=z.detach())
+        if self.training and torch.is_grad_enabled() and not is_recomputing():
+            self.step_counts = counts[0] if self.step_counts is None else self.step_counts + counts[0]
         return aux + z
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts: torch.Tensor, skip: torch.Tensor) -> None:
+        """Aux-loss-free balancing (arXiv:2408.15664, §2.2): move each expert's bias by ``rate x
+        sign(mean load - load)``, ``counts`` ``[E]`` the step's loads over the global batch; not
+        where ``skip`` (a 0-dim bool on the device: the step was skipped)."""
+        if self.expert_bias is None:
+            return
+        loads = counts.to(self.expert_bias.dtype)
+        step = self.moe.moe_router_bias_update_rate * torch.sign(loads.mean() - loads)
+        self.expert_bias.add_(torch.where(skip, torch.zeros_like(step), step))
