@@ -9,6 +9,9 @@ The record (:data:`CURRENT`) is updated with plain attribute writes (no I/O, no 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 from ptdp.engine.hooks import PHASE_HOOKS
 
@@ -144,3 +147,23 @@ def collective_error(
         phase=phase,
         iteration=iteration,
     )
+
+
+_RECOMPUTING: ContextVar[bool] = ContextVar("ptdp_recomputing", default=False)
+
+
+def is_recomputing() -> bool:
+    """Whether the code running is a recomputation in backward
+    (:func:`ptdp.engine.model.recompute.recomputed`): what a layer counts once per micro-batch (an
+    MoE layer's expert loads) it must not count again."""
+    return _RECOMPUTING.get()
+
+
+@contextmanager
+def recomputing() -> Iterator[None]:
+    """Mark the code inside as a recomputation (:func:`is_recomputing`)."""
+    token = _RECOMPUTING.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(token)

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from contextvars import ContextVar
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ptdp.config.fields import RECOMPUTE_METHODS
+from ptdp.engine.activity import recomputing
 from ptdp.engine.tensor_parallel.random import DropoutRNG
 
 
@@ -39,27 +39,9 @@ def recomputed(fn: Callable[..., torch.Tensor], *args: torch.Tensor, rng: Dropou
 
     def contexts():
         forward, again = rng.checkpoint_contexts() if rng is not None else (nullcontext(), nullcontext())
-        return forward, _both(again, _recomputing())
+        return forward, _both(again, recomputing())
 
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)
-
-
-_RECOMPUTING: ContextVar[bool] = ContextVar("ptdp_recomputing", default=False)
-
-
-def is_recomputing() -> bool:
-    """Whether the code running is a recomputation in backward (:func:`recomputed`): what a layer
-    counts once per micro-batch (an MoE layer's expert loads) it must not count again."""
-    return _RECOMPUTING.get()
-
-
-@contextmanager
-def _recomputing() -> Iterator[None]:
-    token = _RECOMPUTING.set(True)
-    try:
-        yield
-    finally:
-        _RECOMPUTING.reset(token)
 
 
 @contextmanager

@@ -22,9 +22,9 @@ from torch import nn
 
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
+from ptdp.engine.activity import is_recomputing
 from ptdp.engine.comm import AxisGroup, all_gather_along, all_reduce, all_to_all
 from ptdp.engine.context_parallel.load_balance import rank_positions
-from ptdp.engine.model.recompute import is_recomputing
 from ptdp.engine.moe.capacity import expert_capacity, keep_mask
 from ptdp.engine.moe.dispatch import exchange
 from ptdp.engine.moe.experts import Experts
