@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers.layout_cases import TOL, full_parameters, real_rows
-from helpers.moe_cases import LAYOUTS, VARIANTS, reference, world_results
+from helpers.moe_cases import LAYOUTS, VARIANTS, reference, variants, world_results
 
 CASES = [(world, layout) for world, layouts in LAYOUTS.items() for layout in layouts]
 
@@ -23,7 +23,7 @@ CASES = [(world, layout) for world, layouts in LAYOUTS.items() for layout in lay
 )
 def test_moe_trains_like_one_process(world, layout):
     results = [rank_results[layout] for rank_results in world_results(world)]
-    for name in VARIANTS:
+    for name in variants(layout):
         ref = reference(name)
         assert all(n > 0.05 for n in ref["norms"]), "clipping (clip_grad=0.05) must fire in this test"
         for res in results:
@@ -44,3 +44,10 @@ def test_moe_trains_like_one_process(world, layout):
             torch.testing.assert_close(
                 got[key], want[key], **TOL["float64"], msg=lambda m, key=key: f"{name} {key}: {m}"
             )
+
+
+def test_every_variant_runs_at_two_layouts_or_more():
+    layouts = [layout for ls in LAYOUTS.values() for layout in ls]
+    for name in VARIANTS:
+        if name != "moe_ep":
+            assert sum(name in variants(layout) for layout in layouts) >= 2, name

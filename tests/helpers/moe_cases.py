@@ -116,11 +116,28 @@ def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1) -> Co
     return resolve(Config(model=model, moe=moe, parallel=par, train=train), tp * cp * pp * dp)
 
 
+#: the variants each layout runs (besides "moe", run everywhere): every one at two layouts or more
+RUNS = {
+    (2, 1, 1, 1): ["moe_capacity_shared", "moe_forced"],
+    (1, 2, 1, 1): ["moe_capacity_shared", "moe_bias"],
+    (1, 1, 2, 1): ["moe_llama_sigmoid", "moe_bias"],
+    (1, 1, 1, 2): ["moe_llama_sigmoid", "moe_forced"],
+    (2, 1, 2, 1): ["moe_capacity_shared", "moe_bias"],
+    (1, 2, 1, 2): ["moe_llama_sigmoid"],
+}
+
+
+def variants(layout: tuple[int, int, int, int]) -> list[str]:
+    return ["moe", *RUNS[layout]]
+
+
 def moe_worker(rank: int, world: int) -> dict:
     out = {}
     for tp, cp, pp, dp in LAYOUTS[world]:
         groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp), PG_TIMEOUT)
-        out[(tp, cp, pp, dp)] = {name: train_and_collect(moe_config(name, tp, cp, pp, dp), groups) for name in VARIANTS}
+        out[(tp, cp, pp, dp)] = {
+            name: train_and_collect(moe_config(name, tp, cp, pp, dp), groups) for name in variants((tp, cp, pp, dp))
+        }
     return out
 
 
@@ -166,18 +183,21 @@ def collect_ep(cfg: Config, groups: ParallelGroups) -> dict:
     return {"losses": losses, "norms": norms, "params": params}
 
 
+def ep_variants(layout: tuple[int, int, int, int, int]) -> list[str]:
+    """ "moe_ep" everywhere; the Llama-like sigmoid router at ep over dp ranks and with two stages."""
+    return ["moe_ep"] + (["moe_llama_sigmoid"] if layout in ((1, 1, 1, 4, 2), (1, 1, 2, 2, 2)) else [])
+
+
 def moe_ep_worker(rank: int, world: int) -> dict:
     out = {}
     for tp, cp, pp, dp, ep in EP_LAYOUTS[world]:
         groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp), PG_TIMEOUT, ep=ep)
-        out[(tp, cp, pp, dp, ep)] = {
-            name: collect_ep(moe_config(name, tp, cp, pp, dp, ep), groups) for name in EP_VARIANTS
-        }
+        layout = (tp, cp, pp, dp, ep)
+        out[layout] = {name: collect_ep(moe_config(name, *layout), groups) for name in ep_variants(layout)}
     return out
 
 
-#: the variants the expert-parallel layouts run (8 experts divide over ep 2 and 4)
-EP_VARIANTS = ["moe_llama_sigmoid", "moe_ep"]
+#: the expert-parallel variant (8 experts divide over ep 2 and 4)
 VARIANTS["moe_ep"] = (
     {},
     MoEConfig(
