@@ -49,5 +49,5 @@ def test_moe_trains_like_one_process(world, layout):
 def test_every_variant_runs_at_two_layouts_or_more():
     layouts = [layout for ls in LAYOUTS.values() for layout in ls]
     for name in VARIANTS:
-        if name != "moe_ep":
+        if not name.startswith("moe_ep"):  # the expert-parallel variants: test_moe_expert_parallel_training.py
             assert sum(name in variants(layout) for layout in layouts) >= 2, name

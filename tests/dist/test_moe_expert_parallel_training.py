@@ -57,3 +57,28 @@ def test_expert_parallel_training_equals_one_process(world, layout):
             torch.testing.assert_close(
                 got[key], want[key], **TOL["float64"], msg=lambda m, key=key: f"{name} {key}: {m}"
             )
+
+
+def test_a_steps_expert_parallel_traffic_is_the_formulas():
+    """Dropless top-2 of 8 experts at (1,1,1,4,4): per MoE layer and micro-batch each rank sends
+    its T k rows (h each) to the experts and gets them back, its E counts, and backward the same
+    with the splits swapped (docs/architecture.md, Communication of one step)."""
+    from helpers.moe_cases import moe_config
+
+    results = [rank_results[(1, 1, 1, 4, 4)] for rank_results in ep_world_results(4)]
+    cfg = moe_config("moe_ep", 1, 1, 1, 4, 4)
+    m, layers = cfg.num_microbatches, sum(cfg.moe.moe_layers(cfg.model.num_layers))
+    tokens, h, k, e = cfg.train.micro_batch_size * cfg.model.seq_length, cfg.model.hidden_size, 2, 8
+    received = 0
+    for res in results:
+        comm = res["moe_ep_dropless"]["comm"]
+        for tag in ("moe_dispatch", "moe_combine_grad"):
+            assert comm[f"ep/all_to_all/{tag}"] == {
+                "calls": m * layers,
+                "numel": m * layers * tokens * k * h,
+                "bytes": 8 * m * layers * tokens * k * h,
+            }, tag
+        assert comm["ep/all_to_all/moe_counts"]["numel"] == m * layers * e
+        assert comm["ep/all_to_all/moe_combine"]["numel"] == comm["ep/all_to_all/moe_dispatch_grad"]["numel"]
+        received += comm["ep/all_to_all/moe_combine"]["numel"]
+    assert received == 4 * m * layers * tokens * k * h

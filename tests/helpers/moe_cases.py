@@ -168,11 +168,13 @@ def collect_ep(cfg: Config, groups: ParallelGroups) -> dict:
     from ptdp.engine.step import train_step
 
     stage = build_stage(cfg, groups)
-    losses, norms = [], []
+    losses, norms, comm = [], [], None
     for step in range(3):
+        groups.stats.reset()
         result = train_step(stage, rank_microbatches(step, cfg, groups.dp.rank, groups.dp.size), step)
         losses.append(result.loss)
         norms.append(result.grad_norm)
+        comm = comm or groups.stats.as_dict()
     params = {}
     ep_rank = groups.ep.rank if groups.ep is not None else 0
     for name, p in global_named_parameters(stage.model):
@@ -180,12 +182,14 @@ def collect_ep(cfg: Config, groups: ParallelGroups) -> dict:
             params[name] = (p.detach().clone(), "expert", ep_rank)
         else:
             params[name] = (p.detach().clone(), p.ptdp_global, groups.tp.rank)
-    return {"losses": losses, "norms": norms, "params": params}
+    return {"losses": losses, "norms": norms, "params": params, "comm": comm, "pp_rank": groups.pp.rank}
 
 
 def ep_variants(layout: tuple[int, int, int, int, int]) -> list[str]:
-    """ "moe_ep" everywhere; the Llama-like sigmoid router at ep over dp ranks and with two stages."""
-    return ["moe_ep"] + (["moe_llama_sigmoid"] if layout in ((1, 1, 1, 4, 2), (1, 1, 2, 2, 2)) else [])
+    """moe_ep everywhere; the Llama-like sigmoid router at ep over dp ranks and with two stages;
+    the dropless one (its traffic checked) at ep 4."""
+    extra = ["moe_llama_sigmoid"] if layout in ((1, 1, 1, 4, 2), (1, 1, 2, 2, 2)) else []
+    return ["moe_ep", *extra, *(["moe_ep_dropless"] if layout == (1, 1, 1, 4, 4) else [])]
 
 
 def moe_ep_worker(rank: int, world: int) -> dict:
@@ -215,3 +219,6 @@ VARIANTS["moe_ep"] = (
 @functools.cache
 def ep_world_results(world: int) -> list[dict]:
     return run_in_pool(moe_ep_worker, world)
+
+
+VARIANTS["moe_ep_dropless"] = ({}, dataclasses.replace(VARIANTS["moe_ep"][1], moe_expert_capacity_factor=None))
