@@ -29,6 +29,11 @@ def test_moe_trains_like_one_process(world, layout):
         for res in results:
             torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), **TOL["float64"])
             torch.testing.assert_close(torch.tensor(res[name]["norms"]), torch.tensor(ref["norms"]), **TOL["float64"])
+        for res in results:  # the step's MoE metrics: losses, drops, load
+            for got, want in zip(res[name]["moe"], ref["moe"]):
+                assert set(got) == set(want)
+                for key in want:
+                    assert abs(got[key] - want[key]) <= 1e-9 * abs(want[key]) + 1e-15, (name, key)
         held = set()
         for res in results:  # the expert biases (buffers): every copy equals one process's
             for key, bias in res[name]["buffers"].items():

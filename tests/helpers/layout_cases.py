@@ -79,7 +79,7 @@ def rank_microbatches(step: int, cfg: Config, dp_rank: int, dp_size: int):
 def train_and_collect(cfg: Config, groups: ParallelGroups, record_comm_step: int | None = None) -> dict:
     """Train STEPS steps; return losses, norms, local parameters with their specs, comm counts."""
     stage = build_stage(cfg, groups)
-    losses, norms, comm = [], [], None
+    losses, norms, comm, moe = [], [], None, []
     for step in range(STEPS):
         mbs = rank_microbatches(step, cfg, groups.dp.rank, groups.dp.size)
         groups.stats.reset()
@@ -88,6 +88,7 @@ def train_and_collect(cfg: Config, groups: ParallelGroups, record_comm_step: int
             comm = groups.stats.as_dict()
         losses.append(result.loss)
         norms.append(result.grad_norm)
+        moe.append(result.result().moe)
     stage.wait_for_params()
     params = {
         name: (p.detach().clone(), p.ptdp_global, getattr(p, "ptdp_tied_copy", False))
@@ -96,6 +97,7 @@ def train_and_collect(cfg: Config, groups: ParallelGroups, record_comm_step: int
     c = groups.coords
     return {
         "buffers": {n: b.clone() for n, b in stage.model.named_buffers() if n.endswith("expert_bias")},
+        "moe": moe,
         "losses": losses,
         "norms": norms,
         "params": params,

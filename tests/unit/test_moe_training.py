@@ -84,3 +84,29 @@ def test_expert_bias_moves_by_the_step_loads_counted_once_under_recompute():
         biases.append([layer.expert_bias.clone() for layer in layers])
     for plain, again in zip(*biases):
         torch.testing.assert_close(again, plain, rtol=0, atol=0)
+
+
+def test_a_step_reports_its_balancing_losses_drops_and_load():
+    """``StepResult.moe``: the losses as the mean over micro-batches of their sum over layers, the
+    dropped share of all assignments, the most loaded expert over the mean."""
+    from ptdp.engine.moe.layer import MoELayer
+
+    cfg = moe_config("moe_capacity_shared", 1, 1, 1, 1)
+    stage = build_stage(cfg, ParallelGroups.single_process())
+    plain = copy.deepcopy(stage.model)
+    microbatches = rank_microbatches(0, cfg, 0, 1)
+    (result,) = read_results([train_step(stage, microbatches, 0)])
+    layers = [mod for mod in plain.modules() if isinstance(mod, MoELayer)]
+    aux = dropped = 0.0
+    loads = [torch.zeros(4, dtype=torch.float64) for _ in layers]
+    for tokens, labels in microbatches:
+        plain(tokens, labels)
+        for i, layer in enumerate(layers):
+            aux += float(layer.stats.aux + layer.stats.z) / len(microbatches)
+            dropped += float(layer.stats.dropped)
+            loads[i] += layer.stats.counts.double()
+    assert set(result.moe) == {"moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_max_load"}
+    assert abs(result.moe["moe_aux_loss"] + result.moe["moe_z_loss"] - aux) <= 1e-12 * aux
+    assigned = len(layers) * len(microbatches) * 2 * 16 * 2
+    assert result.moe["moe_dropped_fraction"] == dropped / assigned > 0
+    assert result.moe["moe_max_load"] == max(float(load.max() / load.mean()) for load in loads)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import overload
 
 import torch
+import torch.nn.functional as F
 
 from ptdp.engine import activity
 from ptdp.engine.comm import all_reduce
@@ -33,6 +34,8 @@ from ptdp.layout.lr_schedule import lr_at
 from ptdp.layout.pipeline.program import build_programs
 
 NONFINITE_LOSS = "non-finite loss"
+#: the names of an MoE step's metrics (:attr:`StepResult.moe`), in their order after the five others
+MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_max_load")
 NONFINITE_GRAD_NORM = "non-finite gradient norm"
 FP16_OVERFLOW = "float16 overflow"
 
@@ -54,6 +57,11 @@ class StepResult:
     """:data:`NONFINITE_LOSS` or :data:`NONFINITE_GRAD_NORM` (on some rank), or
     :data:`FP16_OVERFLOW`: float16 gradients overflowed at a loss scale that can still be halved
     (the scaler's ordinary business, not a failure)."""
+    moe: dict[str, float] | None = None
+    """Mixture-of-experts models: ``moe_aux_loss`` and ``moe_z_loss`` (summed over the MoE layers,
+    each the mean over the step's micro-batches), ``moe_dropped_fraction`` (of all routed
+    assignments) and ``moe_max_load`` (the most loaded expert's load over the mean, the largest
+    over the layers, loads over the global batch)."""
 
     @property
     def nonfinite(self) -> bool:
@@ -82,7 +90,8 @@ class PendingStep:
         return self._result
 
     def _resolve(self, row: list[float]) -> None:
-        loss, norm, bad_losses, bad_norms, scale = row
+        loss, norm, bad_losses, bad_norms, scale = row[:5]
+        moe = dict(zip(MOE_METRICS, row[5:])) if len(row) > 5 else None
         scaled = self.min_scale is not None
         reason = None
         if bad_losses or not math.isfinite(loss):
@@ -96,6 +105,7 @@ class PendingStep:
             skipped=reason is not None,
             loss_scale=scale if scaled else None,
             skip_reason=reason,
+            moe=moe,
         )
 
     loss = property(lambda self: self.result().loss)
@@ -128,7 +138,8 @@ def read_results_with(
     host synchronisation. Returns the results and ``extra``'s values (None without it)."""
     unread = [step for step in steps if step._result is None]
     values = [step.values for step in unread] + ([extra] if extra is not None else [])
-    rows = torch.stack(values).tolist() if values else []
+    width = max((v.numel() for v in values), default=0)  # an MoE step's values are longer
+    rows = torch.stack([F.pad(v, (0, width - v.numel())) for v in values]).tolist() if values else []
     for step, row in zip(unread, rows):
         step._resolve(row)
     return [step.result() for step in steps], (rows[-1] if extra is not None else None)
@@ -186,8 +197,11 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     if stage.scaler is not None and scale is not None:  # scale: the scaler's
         overflow = stage.scaler.unscale(stage.grads.reduced, scale)
     norm = global_grad_norm(stage.model, stage.grads, g, experts)
+    values = _step_values(stage, losses, len(microbatches), norm, overflow, scale)
+    if cfg.moe.enabled:
+        values = torch.cat([values, _moe_values(stage, len(microbatches))])
     pending = PendingStep(
-        _step_values(stage, losses, len(microbatches), norm, overflow, scale),
+        values,
         lr_at(iteration, cfg.train),
         stage.scaler.min_scale if stage.scaler is not None else None,
     )
@@ -300,3 +314,30 @@ def update_expert_biases(model, groups, skip: torch.Tensor) -> None:
     all_reduce(counts, groups.dp, tag="expert_bias")
     for layer, part in zip(layers, counts.split([m.num_experts for m in layers])):
         layer.update_expert_bias(part, skip)
+
+
+def _moe_values(stage: Stage, m: int) -> torch.Tensor:
+    """:data:`MOE_METRICS` of the step as float64 ``[4]`` on the device, the same on every rank: the
+    losses' shares summed over the world over ``m dp`` micro-batches; the drops counted by tp and cp
+    rank 0 (the micro-batch's, already shared) over the assignments; each stage's largest
+    max/mean load (its layers' counts summed over dp) maxed over the world. Communication: a world
+    all-reduce of 4, a dp all-reduce of the stage's ``[E]`` counts per layer, a world max of 1."""
+    g, cfg = stage.groups, stage.config
+    layers = [mod for mod in stage.model.modules() if isinstance(mod, MoELayer) and mod.step_counts is not None]
+    sums = torch.zeros(4, dtype=torch.float64, device=stage.device)
+    max_load = torch.zeros(1, dtype=torch.float64, device=stage.device)
+    if layers:
+        sums[:2] = sum(layer.step_sums[:2] for layer in layers if layer.step_sums is not None)
+        if g.tp.rank == 0 and g.cp.rank == 0:
+            t = cfg.train.micro_batch_size * cfg.model.seq_length * cfg.moe.moe_router_topk
+            sums[2] = sum(layer.step_sums[2] for layer in layers if layer.step_sums is not None)
+            sums[3] = float(len(layers) * m * t)
+        counts = torch.cat([layer.step_counts.to(torch.float64) for layer in layers if layer.step_counts is not None])
+        all_reduce(counts, g.dp, tag="moe_load")
+        loads = counts.view(len(layers), -1)
+        max_load[0] = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-30)).max()
+    all_reduce(sums, g.world, tag="metrics")
+    all_reduce(max_load, g.world, op="max", tag="metrics")
+    return torch.stack(
+        [sums[0] / (m * g.dp.size), sums[1] / (m * g.dp.size), sums[2] / sums[3].clamp(min=1.0), max_load[0]]
+    )

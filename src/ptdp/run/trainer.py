@@ -299,6 +299,8 @@ class _Loop:
             "peak_memory_bytes": peak_memory,
         }
         self.history["train"].append(record)
+        if result.moe is not None:  # mixture of experts: balancing losses, drops, load
+            record.update(result.moe)
         if result.loss_scale is not None:  # float16: the scale the step used
             record["loss_scale"] = result.loss_scale
         if result.skipped:  # on every rank, without any update (ptdp.engine.step)

@@ -118,6 +118,9 @@ class MoELayer(nn.Module):
         self.step_counts: torch.Tensor | None = None
         """``[E]`` assignments per expert over this step's micro-batches (summed over the ranks
         sharing each), counted once per micro-batch (not again by a recompute); reset by the step."""
+        self.step_sums: torch.Tensor | None = None
+        """``[3]`` float64 over this step's micro-batches, counted as :attr:`step_counts`: this rank's
+        shares of the balancing and z losses, and the assignments dropped (of the whole micro-batch)."""
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         s_local, b, h = x.shape
@@ -236,6 +239,8 @@ class MoELayer(nn.Module):
         self.stats = MoEStats(counts=counts[0], dropped=dropped, aux=aux.detach(), z=z.detach())
         if self.training and torch.is_grad_enabled() and not is_recomputing():
             self.step_counts = counts[0] if self.step_counts is None else self.step_counts + counts[0]
+            sums = torch.stack([aux.detach(), z.detach(), dropped]).to(torch.float64)
+            self.step_sums = sums if self.step_sums is None else self.step_sums + sums
         return aux + z
 
     @torch.no_grad()

@@ -98,7 +98,7 @@ def run_schedule(
         for module in chunk.modules():
             if isinstance(module, MoELayer):
                 module.loss_scale = state.loss_factor
-                module.step_counts = None
+                module.step_counts = module.step_sums = None
     if grad_sync is not None and not forward_only:
         grad_sync.begin_backwards(len(chunks), len(microbatches), pp.size)
     by_round = grad_sync is not None and grad_sync.by_chunk
