@@ -31,3 +31,13 @@ def test_the_progress_bar_follows_the_terminal_width(monkeypatch):
 
     monkeypatch.setattr(os, "get_terminal_size", no_terminal)
     assert metrics.bar_width() == metrics.FALLBACK_COLUMNS
+
+
+def test_an_moe_step_shows_its_load_balance(monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "get_terminal_size", lambda fd=None: os.terminal_size((200, 40)))
+    err = io.StringIO()
+    monkeypatch.setattr(metrics.sys, "stderr", err)
+    log = metrics.RunLog(tmp_path, enabled=True, total_iters=10, progress=True)
+    log.step(1, 3.5, 0.2, 1000.0, 1e-3, max_load=1.375)
+    assert "load=1.38x" in log._bar.postfix
+    log.close()

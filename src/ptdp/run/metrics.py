@@ -63,17 +63,26 @@ class RunLog:
         )
         self.message(f"restart {self.restart} of the job: {where}")
 
-    def step(self, iteration: int, loss: float, step_time_s: float, tokens_per_s: float, lr: float) -> None:
+    def step(
+        self,
+        iteration: int,
+        loss: float,
+        step_time_s: float,
+        tokens_per_s: float,
+        lr: float,
+        max_load: float | None = None,
+    ) -> None:
+        """Advance the progress bar; ``max_load``: an MoE step's most loaded expert over the mean."""
         if self._bar is not None:
-            self._bar.set_postfix(
-                {
-                    "loss": f"{loss:.3f}",
-                    "tok/s": f"{tokens_per_s:,.0f}",
-                    "step": f"{step_time_s:.2f}s",
-                    "lr": f"{lr:.2e}",
-                },
-                refresh=False,
-            )
+            postfix = {
+                "loss": f"{loss:.3f}",
+                "tok/s": f"{tokens_per_s:,.0f}",
+                "step": f"{step_time_s:.2f}s",
+                "lr": f"{lr:.2e}",
+            }
+            if max_load is not None:
+                postfix["load"] = f"{max_load:.2f}x"  # the most loaded expert over the mean
+            self._bar.set_postfix(postfix, refresh=False)
             self._bar.update(1)
 
     def message(self, text: str) -> None:

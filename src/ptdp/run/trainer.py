@@ -307,7 +307,8 @@ class _Loop:
             record.update(skipped=True, reason=result.skip_reason)
         if result.skipped or iteration % t.log_interval == 0 or iteration in (1, t.train_iters):
             self.log.write(record)
-        self.log.step(iteration, result.loss, step_time, record["tokens_per_s"], result.lr)
+        max_load = result.moe["moe_max_load"] if result.moe is not None else None
+        self.log.step(iteration, result.loss, step_time, record["tokens_per_s"], result.lr, max_load)
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if result.nonfinite else 0
         if result.nonfinite:
             non_finite_step(
