@@ -1,7 +1,7 @@
 """Mixture-of-experts models train exactly like one process (float64, 3 AdamW steps, clipping
 active): per-step losses and gradient norms within 1e-9 relative and every parameter after them,
 at (tp, cp, pp, dp) = (2,1,1,1) with sequence parallelism, (1,2,1,1), (1,1,2,1), (1,1,1,2),
-(2,1,2,1), (1,2,1,2), experts on every rank (ep = 1): softmax and sigmoid routers, group-limited
+(2,1,2,1), experts on every rank (ep = 1): softmax and sigmoid routers, group-limited
 routing, the Switch loss per micro-batch and per sequence, the z-loss, capacity drops by
 probability and by position (the same assignments dropped as one process), a shared expert, dense
 first layers, the forced balanced routing, aux-loss-free balancing (the expert biases after each

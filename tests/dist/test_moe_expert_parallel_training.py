@@ -1,7 +1,7 @@
 """Expert parallelism trains exactly like one process (float64, 3 AdamW steps, clipping active):
 per-step losses and gradient norms within 1e-9 relative and every parameter after them, the
 experts rebuilt from their ep ranks' slices, at (tp, cp, pp, dp, ep) = (1,1,1,2,2), (1,1,1,4,4),
-(1,1,1,4,2), (2,1,1,2,2) with sequence parallelism (ep over the tp ranks), (1,2,1,2,2) (ep over
+(2,1,1,2,2) with sequence parallelism (ep over the tp ranks), (1,2,1,2,2) (ep over
 the cp ranks) and (1,1,2,2,2) (two stages): expert gradients summed over their edp group, the
 norm counting each expert once."""
 

@@ -17,7 +17,7 @@ from ptdp.engine.groups import ParallelGroups
 from ptdp.layout.grid import ParallelLayout
 
 #: world size -> layouts (tp, cp, pp, dp); tp > 1 runs sequence parallelism (MoE's rule)
-LAYOUTS = {2: [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)], 4: [(2, 1, 2, 1), (1, 2, 1, 2)]}
+LAYOUTS = {2: [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)], 4: [(2, 1, 2, 1)]}
 
 #: name -> (model overrides, MoE options). 4 layers, the first dense in two of them.
 VARIANTS = {
@@ -122,8 +122,7 @@ RUNS = {
     (1, 2, 1, 1): ["moe_capacity_shared", "moe_bias"],
     (1, 1, 2, 1): ["moe_llama_sigmoid", "moe_bias"],
     (1, 1, 1, 2): ["moe_llama_sigmoid", "moe_forced"],
-    (2, 1, 2, 1): ["moe_capacity_shared", "moe_bias"],
-    (1, 2, 1, 2): ["moe_llama_sigmoid"],
+    (2, 1, 2, 1): ["moe_capacity_shared", "moe_bias", "moe_llama_sigmoid"],
 }
 
 
@@ -155,7 +154,7 @@ def reference(name: str) -> dict:
 #: the ep group spans tp, then cp, then dp ranks)
 EP_LAYOUTS = {
     2: [(1, 1, 1, 2, 2)],
-    4: [(1, 1, 1, 4, 4), (1, 1, 1, 4, 2), (2, 1, 1, 2, 2), (1, 2, 1, 2, 2), (1, 1, 2, 2, 2)],
+    4: [(1, 1, 1, 4, 4), (2, 1, 1, 2, 2), (1, 2, 1, 2, 2), (1, 1, 2, 2, 2)],
 }
 
 
@@ -188,7 +187,7 @@ def collect_ep(cfg: Config, groups: ParallelGroups) -> dict:
 def ep_variants(layout: tuple[int, int, int, int, int]) -> list[str]:
     """moe_ep everywhere; the Llama-like sigmoid router at ep over dp ranks and with two stages;
     the dropless one (its traffic checked) at ep 4."""
-    extra = ["moe_llama_sigmoid"] if layout in ((1, 1, 1, 4, 2), (1, 1, 2, 2, 2)) else []
+    extra = ["moe_llama_sigmoid"] if layout in ((1, 1, 1, 2, 2), (1, 1, 2, 2, 2)) else []
     return ["moe_ep", *extra, *(["moe_ep_dropless"] if layout == (1, 1, 1, 4, 4) else [])]
 
 
