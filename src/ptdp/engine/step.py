@@ -198,8 +198,9 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
         overflow = stage.scaler.unscale(stage.grads.reduced, scale)
     norm = global_grad_norm(stage.model, stage.grads, g, experts)
     values = _step_values(stage, losses, len(microbatches), norm, overflow, scale)
+    loads = _moe_loads(stage) if cfg.moe.enabled else []  # for the metrics and the expert biases
     if cfg.moe.enabled:
-        values = torch.cat([values, _moe_values(stage, len(microbatches))])
+        values = torch.cat([values, _moe_values(stage, len(microbatches), loads)])
     pending = PendingStep(
         values,
         lr_at(iteration, cfg.train),
@@ -222,7 +223,8 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
         step_unless(stage.optimizer, skip)
     else:
         stage.optimizer.step(skip)
-    update_expert_biases(stage.model, g, skip)
+    for layer, load in loads:  # aux-loss-free balancing: no update on a skipped step
+        layer.update_expert_bias(load, skip)
     if span is not None:
         span.end()
     return pending
@@ -296,46 +298,37 @@ def _step_values(
     return torch.stack([value[0] / (m * g.dp.size), norm.to(torch.float64), value[1], value[2], scale])
 
 
-def update_expert_biases(model, groups, skip: torch.Tensor) -> None:
-    """After the optimizer step: each MoE layer with an expert bias moves it by the step's loads
-    over the global batch (its micro-batches' counts, summed over dp in one all-reduce of every
-    such layer's ``[E]``), unless ``skip``."""
-    layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.expert_bias is not None]
-    if not layers:
-        return
-    counts = torch.cat(
-        [
-            m.step_counts.to(torch.float64)
-            if m.step_counts is not None
-            else torch.zeros(m.num_experts, dtype=torch.float64, device=skip.device)
-            for m in layers
-        ]
-    )
-    all_reduce(counts, groups.dp, tag="expert_bias")
-    for layer, part in zip(layers, counts.split([m.num_experts for m in layers])):
-        layer.update_expert_bias(part, skip)
+def _moe_loads(stage: Stage) -> list[tuple[MoELayer, torch.Tensor]]:
+    """Each MoE layer of the stage that counted this step, with its loads over the global batch:
+    ``[E]`` float64, its micro-batches' counts summed over dp (one dp all-reduce of every such
+    layer's ``[E]``, tag ``moe_load``)."""
+    layers = [mod for mod in stage.model.modules() if isinstance(mod, MoELayer)]
+    counted = [(layer, layer.step_counts) for layer in layers if layer.step_counts is not None]
+    if not counted:
+        return []
+    loads = torch.cat([counts.to(torch.float64) for _, counts in counted])
+    all_reduce(loads, stage.groups.dp, tag="moe_load")
+    return list(zip([layer for layer, _ in counted], loads.view(len(counted), -1)))
 
 
-def _moe_values(stage: Stage, m: int) -> torch.Tensor:
+def _moe_values(stage: Stage, m: int, loads: list[tuple[MoELayer, torch.Tensor]]) -> torch.Tensor:
     """:data:`MOE_METRICS` of the step as float64 ``[4]`` on the device, the same on every rank: the
     losses' shares summed over the world over ``m dp`` micro-batches; the drops counted by tp and cp
     rank 0 (the micro-batch's, already shared) over the assignments; each stage's largest
-    max/mean load (its layers' counts summed over dp) maxed over the world. Communication: a world
-    all-reduce of 4, a dp all-reduce of the stage's ``[E]`` counts per layer, a world max of 1."""
+    max/mean of its layers' ``loads`` (:func:`_moe_loads`) maxed over the world. Communication: a
+    world all-reduce of 4 and a world max of 1."""
     g, cfg = stage.groups, stage.config
-    layers = [mod for mod in stage.model.modules() if isinstance(mod, MoELayer) and mod.step_counts is not None]
     sums = torch.zeros(4, dtype=torch.float64, device=stage.device)
     max_load = torch.zeros(1, dtype=torch.float64, device=stage.device)
-    if layers:
-        sums[:2] = sum(layer.step_sums[:2] for layer in layers if layer.step_sums is not None)
+    if loads:
+        step_sums = [layer.step_sums for layer, _ in loads if layer.step_sums is not None]
+        sums[:2] = sum(part[:2] for part in step_sums)
         if g.tp.rank == 0 and g.cp.rank == 0:
             t = cfg.train.micro_batch_size * cfg.model.seq_length * cfg.moe.moe_router_topk
-            sums[2] = sum(layer.step_sums[2] for layer in layers if layer.step_sums is not None)
-            sums[3] = float(len(layers) * m * t)
-        counts = torch.cat([layer.step_counts.to(torch.float64) for layer in layers if layer.step_counts is not None])
-        all_reduce(counts, g.dp, tag="moe_load")
-        loads = counts.view(len(layers), -1)
-        max_load[0] = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-30)).max()
+            sums[2] = sum(part[2] for part in step_sums)
+            sums[3] = float(len(loads) * m * t)
+        per_layer = torch.stack([load for _, load in loads])
+        max_load[0] = (per_layer.max(dim=1).values / per_layer.mean(dim=1).clamp(min=1e-30)).max()
     all_reduce(sums, g.world, tag="metrics")
     all_reduce(max_load, g.world, op="max", tag="metrics")
     return torch.stack(
