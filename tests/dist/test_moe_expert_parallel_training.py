@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.layout_cases import TOL, real_rows
-from helpers.moe_cases import EP_LAYOUTS, ep_variants, ep_world_results, reference
+from helpers.layout_cases import real_rows
+from helpers.moe_cases import EP_LAYOUTS, check_like_one_process, ep_variants, ep_world_results, reference
 from ptdp.engine.tensor_parallel.sharding import unshard
 
 CASES = [(world, layout) for world, layouts in EP_LAYOUTS.items() for layout in layouts]
@@ -45,18 +45,7 @@ def _full(results: list[dict], name: str) -> dict[str, torch.Tensor]:
 def test_expert_parallel_training_equals_one_process(world, layout):
     results = [rank_results[layout] for rank_results in ep_world_results(world)]
     for name in ep_variants(layout):
-        ref = reference(name)
-        assert all(n > 0.05 for n in ref["norms"]), "clipping (clip_grad=0.05) must fire in this test"
-        for res in results:
-            torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), **TOL["float64"])
-            torch.testing.assert_close(torch.tensor(res[name]["norms"]), torch.tensor(ref["norms"]), **TOL["float64"])
-        got = _full(results, name)
-        want = {key: real_rows(t, spec) for key, (t, spec, _) in ref["params"].items()}
-        assert sorted(got) == sorted(want)
-        for key in want:
-            torch.testing.assert_close(
-                got[key], want[key], **TOL["float64"], msg=lambda m, key=key: f"{name} {key}: {m}"
-            )
+        check_like_one_process(results, name, reference(name), _full(results, name))
 
 
 def test_a_steps_expert_parallel_traffic_is_the_formulas():

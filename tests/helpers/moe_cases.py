@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import torch
+
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
-from helpers.layout_cases import LLAMA_OPTIONS, VOCAB, train_and_collect
+from helpers.layout_cases import LLAMA_OPTIONS, TOL, VOCAB, real_rows, train_and_collect
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
 from ptdp.config.parallel import ParallelConfig
@@ -221,3 +223,16 @@ def ep_world_results(world: int) -> list[dict]:
 
 
 VARIANTS["moe_ep_dropless"] = ({}, dataclasses.replace(VARIANTS["moe_ep"][1], moe_expert_capacity_factor=None))
+
+
+def check_like_one_process(results: list[dict], name: str, ref: dict, got: dict[str, torch.Tensor]) -> None:
+    """Clipping fired in one process's run ``ref``; every rank's per-step losses and norms, and
+    ``got`` (the parameters rebuilt from the ranks), equal ``ref``'s within float64's tolerance."""
+    assert all(n > 0.05 for n in ref["norms"]), "clipping (clip_grad=0.05) must fire in this test"
+    for res in results:
+        torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), **TOL["float64"])
+        torch.testing.assert_close(torch.tensor(res[name]["norms"]), torch.tensor(ref["norms"]), **TOL["float64"])
+    want = {key: real_rows(t, spec) for key, (t, spec, _) in ref["params"].items()}
+    assert sorted(got) == sorted(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], **TOL["float64"], msg=lambda m, key=key: f"{name} {key}: {m}")
