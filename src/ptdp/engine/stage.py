@@ -154,7 +154,7 @@ def _expert_grads(config: Config, groups: ParallelGroups, chunks: list[GPTModel]
         dp=groups.edp,
         average_over=groups.dp.size,
         bucket_size=config.parallel.ddp_bucket_size,
-        prescaled=True,
+        prescaled=config.model.params_dtype != "float16",  # as the dense buffer
     )
 
 
@@ -167,8 +167,10 @@ def _data_parallel(
     exclude: GradBuffer | None = None,
 ) -> tuple[GradBuffer, torch.optim.Optimizer | MainParamsAdamW]:
     """The stage's gradient buffer and optimizer for the run's data-parallel sharding strategy
-    (with ``optim_grads_params`` the parameters become shards gathered unit by unit)."""
+    (with ``optim_grads_params`` the parameters become shards gathered unit by unit); the
+    parameters of ``exclude`` (the experts' own buffer) stay out of the buffer."""
     m, p = config.model, config.parallel
+    excluded = {id(param) for param in exclude.params} if exclude is not None else set()
     zero3 = p.sharding_strategy == "optim_grads_params"  # parameters sharded too, gathered unit by unit
     low_precision = DTYPES[m.params_dtype] in (torch.bfloat16, torch.float16)
     tied = model.tied_embedding()
@@ -176,7 +178,7 @@ def _data_parallel(
     grads = GradBuffer(
         # reduced (and sharded) over the dp x cp ranks holding these parameters: summed over cp,
         # averaged over dp (1/dp in the loss, or average_over=dp for float16)
-        [[p for p in chunk.parameters() if not (exclude and hasattr(p, "ptdp_expert"))] for chunk in chunks],
+        [[p for p in chunk.parameters() if id(p) not in excluded] for chunk in chunks],
         dp=groups.dp_cp,
         average_over=groups.dp.size,
         # float32 main gradients for 16-bit parameters; bfloat16 ones with --grad-reduce-in-bf16

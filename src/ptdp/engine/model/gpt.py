@@ -54,8 +54,9 @@ class GPTModel(nn.Module):
     output layer, loss); ``rng``: dropout streams (None: seed 0); ``sequence_parallel``: stage
     input and output ``[s/t, b, h]`` (``s % tp == 0``); ``cp``: the context-parallel axis (None:
     size 1; :mod:`ptdp.engine.context_parallel.load_balance`), with ``cp_comm_type`` ``"p2p"`` or
-    ``"all_gather"``; ``moe``: the mixture-of-experts options (None: dense), ``ep`` their expert-parallel group. With pp > 1 and tied embeddings the last stage's ``word_embeddings`` is a copy
-    whose gradient ``ptdp.engine.data_parallel.grads.finalize_grads`` sums with the first stage's.
+    ``"all_gather"``; ``moe``: the mixture-of-experts options (None: dense), ``ep`` their
+    expert-parallel group. With pp > 1 and tied embeddings the last stage's ``word_embeddings`` is a
+    copy whose gradient ``ptdp.engine.data_parallel.grads.finalize_grads`` sums with the first stage's.
     """
 
     def __init__(

@@ -79,8 +79,9 @@ def run_schedule(
     chunk's last backward (``no_sync`` before); ``loss_scale``: a float16 loss scale (0-dim, on
     the device); ``batch_shape``: ``(b, s)`` (default from ``hidden_shape`` and ``seq_length``).
     Returns the last virtual stage's ``m`` detached mean losses (elsewhere ``[]``); each is
-    backpropagated scaled by 1/m, and so are the MoE layers' balancing losses (their ``loss_scale``). Raises ValueError for a microbatch not ``[b, s]``, TypeError for
-    a schedule's transfer action instead of a program.
+    backpropagated scaled by 1/m, and so are the MoE layers' balancing losses (their
+    ``loss_scale``). Raises ValueError for a microbatch not ``[b, s]``, TypeError for a schedule's
+    transfer action instead of a program.
     """
     b, s = batch_shape or (hidden_shape[0], seq_length or hidden_shape[1])
     _check_microbatches(microbatches, b, s)
