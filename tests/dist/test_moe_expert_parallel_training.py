@@ -2,8 +2,9 @@
 per-step losses and gradient norms within 1e-9 relative and every parameter after them, the
 experts rebuilt from their ep ranks' slices, at (tp, cp, pp, dp, ep) = (1,1,1,2,2), (1,1,1,4,4),
 (2,1,1,2,2) with sequence parallelism (ep over the tp ranks), (1,2,1,2,2) (ep over
-the cp ranks) and (1,1,2,2,2) (two stages): expert gradients summed over their edp group, the
-norm counting each expert once."""
+the cp ranks), (1,1,2,2,2) (two stages) and (1,1,1,4,2) (dp > ep): expert gradients summed over
+their edp group, the norm counting each expert once, with every sharding strategy (experts'
+state sharded over edp); bf16 parameters to bf16 precision."""
 
 from __future__ import annotations
 
@@ -11,32 +12,16 @@ import pytest
 import torch
 
 from helpers.layout_cases import real_rows
-from helpers.moe_cases import EP_LAYOUTS, check_like_one_process, ep_variants, ep_world_results, reference
-from ptdp.engine.tensor_parallel.sharding import unshard
+from helpers.moe_cases import (
+    EP_LAYOUTS,
+    check_like_one_process,
+    ep_full_parameters,
+    ep_variants,
+    ep_world_results,
+    reference,
+)
 
 CASES = [(world, layout) for world, layouts in EP_LAYOUTS.items() for layout in layouts]
-
-
-def _full(results: list[dict], name: str) -> dict[str, torch.Tensor]:
-    """Dense parameters from their tp shards, experts from their ep slices; replicas bitwise equal."""
-    parts: dict[str, dict[int, torch.Tensor]] = {}
-    kinds = {}
-    for res in results:
-        for key, (tensor, spec, index) in res[name]["params"].items():
-            kinds[key] = spec
-            seen = parts.setdefault(key, {})
-            if index in seen:
-                torch.testing.assert_close(tensor, seen[index], rtol=0, atol=0, msg=f"{name} {key}: replicas differ")
-            else:
-                seen[index] = tensor
-    out = {}
-    for key, by_index in parts.items():
-        ordered = [by_index[i] for i in sorted(by_index)]
-        if kinds[key] == "expert":
-            out[key] = torch.cat(ordered)
-        else:
-            out[key] = real_rows(unshard(ordered, kinds[key]), kinds[key])
-    return out
 
 
 @pytest.mark.parametrize(
@@ -45,7 +30,22 @@ def _full(results: list[dict], name: str) -> dict[str, torch.Tensor]:
 def test_expert_parallel_training_equals_one_process(world, layout):
     results = [rank_results[layout] for rank_results in ep_world_results(world)]
     for name in ep_variants(layout):
-        check_like_one_process(results, name, reference(name), _full(results, name))
+        if "bf16" in name.split(":"):  # bf16 activations round differently per layout
+            _track_bf16(results, name, reference(name), ep_full_parameters(results, name))
+        else:
+            check_like_one_process(results, name, reference(name), ep_full_parameters(results, name))
+
+
+def _track_bf16(results: list[dict], name: str, ref: dict, got: dict[str, torch.Tensor]) -> None:
+    """bf16 parameters with float32 main parameters on both buffers: losses and norms to bf16
+    precision, parameters within a few bf16 steps of one process's."""
+    for res in results:
+        torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), rtol=1e-2, atol=0)
+        torch.testing.assert_close(torch.tensor(res[name]["norms"]), torch.tensor(ref["norms"]), rtol=5e-2, atol=0)
+    want = {key: real_rows(t, spec) for key, (t, spec, _) in ref["params"].items()}
+    assert sorted(got) == sorted(want)
+    for key in want:
+        torch.testing.assert_close(got[key].float(), want[key].float(), rtol=0, atol=2e-2, msg=f"{name} {key}")
 
 
 def test_a_steps_expert_parallel_traffic_is_the_formulas():

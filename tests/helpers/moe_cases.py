@@ -16,6 +16,7 @@ from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.tensor_parallel.sharding import unshard
 from ptdp.layout.grid import ParallelLayout
 
 #: world size -> layouts (tp, cp, pp, dp); tp > 1 runs sequence parallelism (MoE's rule)
@@ -80,10 +81,19 @@ VARIANTS = {
 }
 
 
+#: a variant's name may add ``:<sharding strategy>`` (over dp x cp, experts over edp) or ``:bf16``
+OPTIONS = {"optim", "optim_grads", "optim_grads_params", "bf16"}
+
+
 def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1) -> Config:
     """The tiny MoE model of ``name`` at this layout: 4 layers, h 32, 4 heads, s 16, b 2, B 8
     (4 / dp micro-batches per pipeline), float64, clipping active."""
-    model_overrides, moe = VARIANTS[name]
+    base, *options = name.split(":")
+    assert set(options) <= OPTIONS, options
+    model_overrides, moe = VARIANTS[base]
+    if "bf16" in options:
+        model_overrides = {**model_overrides, "params_dtype": "bfloat16"}
+    sharding = [o for o in options if o != "bf16"]
     model = dataclasses.replace(
         ModelConfig(
             num_layers=4,
@@ -114,6 +124,7 @@ def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1) -> Co
         context_parallel_size=cp,
         sequence_parallel=tp > 1,
         expert_model_parallel_size=ep,
+        **({"data_parallel_sharding_strategy": sharding[0], "ddp_bucket_size": 500} if sharding else {}),
     )
     return resolve(Config(model=model, moe=moe, parallel=par, train=train), tp * cp * pp * dp)
 
@@ -149,6 +160,10 @@ def world_results(world: int) -> list[dict]:
 
 @functools.cache
 def reference(name: str) -> dict:
+    """One process of ``name`` (without sharding: the same arithmetic)."""
+    kept = [o for o in name.split(":") if o not in OPTIONS - {"bf16"}]
+    if kept != name.split(":"):
+        return reference(":".join(kept))
     return train_and_collect(moe_config(name, 1, 1, 1, 1), ParallelGroups.single_process())
 
 
@@ -156,26 +171,28 @@ def reference(name: str) -> dict:
 #: the ep group spans tp, then cp, then dp ranks)
 EP_LAYOUTS = {
     2: [(1, 1, 1, 2, 2)],
-    4: [(1, 1, 1, 4, 4), (2, 1, 1, 2, 2), (1, 2, 1, 2, 2), (1, 1, 2, 2, 2)],
+    4: [(1, 1, 1, 4, 4), (2, 1, 1, 2, 2), (1, 2, 1, 2, 2), (1, 1, 2, 2, 2), (1, 1, 1, 4, 2)],
 }
 
 
-def collect_ep(cfg: Config, groups: ParallelGroups) -> dict:
-    """Train 3 steps; losses, norms and every parameter: dense ones with their spec, experts with
-    this rank's ep rank (their slice of the global experts)."""
+def collect_ep(cfg: Config, groups: ParallelGroups, stage=None, steps: range = range(3)) -> dict:
+    """Train ``steps`` (of ``stage``, default a new one); losses, norms, the expert biases and every
+    parameter: dense ones with their spec, experts with this rank's ep rank (their slice of the
+    global experts)."""
     from helpers.layout_cases import rank_microbatches
     from ptdp.engine.model.model_chunks import global_named_parameters
     from ptdp.engine.stage import build_stage
     from ptdp.engine.step import train_step
 
-    stage = build_stage(cfg, groups)
+    stage = build_stage(cfg, groups) if stage is None else stage
     losses, norms, comm = [], [], None
-    for step in range(3):
+    for step in steps:
         groups.stats.reset()
         result = train_step(stage, rank_microbatches(step, cfg, groups.dp.rank, groups.dp.size), step)
         losses.append(result.loss)
         norms.append(result.grad_norm)
         comm = comm or groups.stats.as_dict()
+    stage.wait_for_params()  # optim_grads_params: every parameter whole
     params = {}
     ep_rank = groups.ep.rank if groups.ep is not None else 0
     for name, p in global_named_parameters(stage.model):
@@ -183,14 +200,24 @@ def collect_ep(cfg: Config, groups: ParallelGroups) -> dict:
             params[name] = (p.detach().clone(), "expert", ep_rank)
         else:
             params[name] = (p.detach().clone(), p.ptdp_global, groups.tp.rank)
-    return {"losses": losses, "norms": norms, "params": params, "comm": comm, "pp_rank": groups.pp.rank}
+    buffers = {n: b.clone() for n, b in stage.model.named_buffers() if n.endswith("expert_bias")}
+    return {"losses": losses, "norms": norms, "params": params, "comm": comm, "buffers": buffers}
+
+
+#: the variants each expert-parallel layout runs; every sharding strategy where edp > 1, and 16-bit
+#: parameters (float32 main parameters over both buffers)
+EP_RUNS = {
+    (1, 1, 1, 2, 2): ["moe_ep", "moe_llama_sigmoid"],
+    (1, 1, 1, 4, 4): ["moe_ep", "moe_ep_dropless"],
+    (2, 1, 1, 2, 2): ["moe_ep", "moe_ep:optim_grads_params"],
+    (1, 2, 1, 2, 2): ["moe_ep", "moe_ep:optim"],
+    (1, 1, 2, 2, 2): ["moe_ep", "moe_llama_sigmoid", "moe_ep:bf16"],
+    (1, 1, 1, 4, 2): ["moe_ep:optim_grads", "moe_ep:bf16:optim"],
+}
 
 
 def ep_variants(layout: tuple[int, int, int, int, int]) -> list[str]:
-    """moe_ep everywhere; the Llama-like sigmoid router at ep over dp ranks and with two stages;
-    the dropless one (its traffic checked) at ep 4."""
-    extra = ["moe_llama_sigmoid"] if layout in ((1, 1, 1, 2, 2), (1, 1, 2, 2, 2)) else []
-    return ["moe_ep", *extra, *(["moe_ep_dropless"] if layout == (1, 1, 1, 4, 4) else [])]
+    return EP_RUNS[layout]
 
 
 def moe_ep_worker(rank: int, world: int) -> dict:
@@ -223,6 +250,32 @@ def ep_world_results(world: int) -> list[dict]:
 
 
 VARIANTS["moe_ep_dropless"] = ({}, dataclasses.replace(VARIANTS["moe_ep"][1], moe_expert_capacity_factor=None))
+VARIANTS["moe_ep_bias"] = (
+    {},
+    dataclasses.replace(VARIANTS["moe_ep"][1], moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05),
+)
+
+
+def ep_full_parameters(results: list[dict], name: str) -> dict[str, torch.Tensor]:
+    """Dense parameters from their tp shards, experts from their ep slices; replicas bitwise equal."""
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    kinds = {}
+    for res in results:
+        for key, (tensor, spec, index) in res[name]["params"].items():
+            kinds[key] = spec
+            seen = parts.setdefault(key, {})
+            if index in seen:
+                torch.testing.assert_close(tensor, seen[index], rtol=0, atol=0, msg=f"{name} {key}: replicas differ")
+            else:
+                seen[index] = tensor
+    out = {}
+    for key, by_index in parts.items():
+        ordered = [by_index[i] for i in sorted(by_index)]
+        if kinds[key] == "expert":
+            out[key] = torch.cat(ordered)
+        else:
+            out[key] = real_rows(unshard(ordered, kinds[key]), kinds[key])
+    return out
 
 
 def check_like_one_process(results: list[dict], name: str, ref: dict, got: dict[str, torch.Tensor]) -> None:

@@ -124,21 +124,7 @@ def _moe_not_yet(config: Config) -> list[Violation]:
     ep = p.ep > 1
     missing = [
         (p.etp > 1, f"expert_tensor_parallel_size={p.etp}"),
-        (ep and p.sharding_strategy != "no_shard", f"expert parallelism with sharding {p.sharding_strategy}"),
-        (
-            ep and config.model.params_dtype not in ("float32", "float64"),
-            f"expert parallelism with {config.model.params_dtype} parameters",
-        ),
         (ep and p.moe_token_dispatcher_type != "alltoall", "--moe-token-dispatcher-type allgather"),
-        (
-            ep and (config.checkpoint.save is not None or config.checkpoint.load is not None),
-            "checkpoints (--save, --load) with expert parallelism",
-        ),
-        (
-            moe.moe_router_enable_expert_bias
-            and (config.checkpoint.save is not None or config.checkpoint.load is not None),
-            "checkpoints (--save, --load) with --moe-router-enable-expert-bias",
-        ),
         (moe.moe_router_load_balancing_type == "global_aux_loss", "--moe-router-load-balancing-type global_aux_loss"),
         (config.model.compile, "--compile"),
     ]

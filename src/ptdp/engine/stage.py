@@ -14,6 +14,7 @@ from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.data_parallel.loss_scale import DynamicLossScaler
 from ptdp.engine.data_parallel.units import (
     ParamUnits,
+    UnitUse,
     gradient_units,
     param_gather_units,
     sharding_units,
@@ -25,6 +26,7 @@ from ptdp.engine.model.gpt import DTYPES, GPTModel
 from ptdp.engine.model.model_chunks import ModelChunks
 from ptdp.engine.optim.adamw import MainParamsAdamW
 from ptdp.engine.optim.factory import build_optimizer
+from ptdp.engine.optim.zero import ShardedAdamW
 from ptdp.engine.tensor_parallel.random import DropoutRNG
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
 
@@ -47,6 +49,14 @@ class Stage:
     expert_grads: GradBuffer | None = None
     """With expert parallelism: the routed experts' gradients, summed over the expert
     data-parallel group (``groups.edp``); :attr:`grads` holds the others."""
+    expert_optimizer: torch.optim.Optimizer | MainParamsAdamW | ShardedAdamW | None = None
+    """With :attr:`expert_grads`: AdamW over the routed experts (sharded over ``groups.edp`` with
+    any sharding strategy); :attr:`optimizer` holds the others."""
+
+    @property
+    def optimizers(self) -> list:
+        """The stage's optimizers: :attr:`optimizer`, then :attr:`expert_optimizer` if any."""
+        return [self.optimizer] + ([self.expert_optimizer] if self.expert_optimizer is not None else [])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -57,9 +67,10 @@ class Stage:
         parameters can be read outside a forward pass (the forward waits by itself); with
         ``optim_grads_params``: gather every unit (freed again by its next forward or the next
         optimizer step). Collective over the dp x cp group with sharded parameters."""
-        wait = getattr(self.optimizer, "wait_for_params", None)
-        if wait is not None:
-            wait()
+        for optimizer in self.optimizers:
+            wait = getattr(optimizer, "wait_for_params", None)
+            if wait is not None:
+                wait()
 
     def params_written(self) -> None:
         """After parameters were written in place (a checkpoint loaded into them, following
@@ -135,26 +146,50 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
             compile_stage(chunk, whole=not (p.overlap_param_gather or zero3))
     expert_grads = _expert_grads(config, groups, chunks)
     grads, optimizer = _data_parallel(config, groups, chunks, model, exclude=expert_grads)
+    expert_optimizer = None
+    if expert_grads is not None:
+        expert_optimizer = build_optimizer(model, config.train, expert_grads, params=expert_grads.params)
     scaler = DynamicLossScaler(device=device) if m.params_dtype == "float16" else None
-    return Stage(config, groups, model, optimizer, grads, device, scaler, dropout_rng=rng, expert_grads=expert_grads)
+    return Stage(
+        config,
+        groups,
+        model,
+        optimizer,
+        grads,
+        device,
+        scaler,
+        dropout_rng=rng,
+        expert_grads=expert_grads,
+        expert_optimizer=expert_optimizer,
+    )
 
 
 def _expert_grads(config: Config, groups: ParallelGroups, chunks: list[GPTModel]) -> GradBuffer | None:
     """With ep > 1, the routed experts' gradient buffer, reduced by a sum over ``groups.edp`` (the
     ranks holding the same experts; 1/dp is in the loss, as for the dense buffer); None otherwise
-    or on a stage without MoE layers."""
+    or on a stage without MoE layers.
+
+    Float32 main gradients for 16-bit parameters as the dense buffer. With any sharding strategy
+    the buffer is reduce-scattered over edp and the optimizer state sharded (ZeRO-1); the expert
+    gradients and parameters themselves stay whole on their ep rank (already split over ep).
+    Reduced at the end of the step, without overlap or compression."""
     if groups.ep is None or groups.ep.size == 1 or groups.edp is None:
         return None
     per_chunk = [[p for p in chunk.parameters() if hasattr(p, "ptdp_expert")] for chunk in chunks]
     per_chunk = [ps for ps in per_chunk if ps]
     if not per_chunk:
         return None
+    m, p = config.model, config.parallel
+    low_precision = DTYPES[m.params_dtype] in (torch.bfloat16, torch.float16)
     return GradBuffer(
         per_chunk,
         dp=groups.edp,
         average_over=groups.dp.size,
-        bucket_size=config.parallel.ddp_bucket_size,
-        prescaled=config.model.params_dtype != "float16",  # as the dense buffer
+        grad_dtype=torch.bfloat16 if p.grad_reduce_in_bf16 else torch.float32 if low_precision else None,
+        main_grad=low_precision,
+        bucket_size=p.ddp_bucket_size,
+        shard=p.sharding_strategy != "no_shard",
+        prescaled=m.params_dtype != "float16",  # as the dense buffer
     )
 
 
@@ -174,7 +209,8 @@ def _data_parallel(
     zero3 = p.sharding_strategy == "optim_grads_params"  # parameters sharded too, gathered unit by unit
     low_precision = DTYPES[m.params_dtype] in (torch.bfloat16, torch.float16)
     tied = model.tied_embedding()
-    specs = sharding_units(chunks) if zero3 else []
+    specs = [_without(u, excluded) for u in sharding_units(chunks)] if zero3 else []
+    specs = [u for u in specs if u.params]
     grads = GradBuffer(
         # reduced (and sharded) over the dp x cp ranks holding these parameters: summed over cp,
         # averaged over dp (1/dp in the loss, or average_over=dp for float16)
@@ -197,14 +233,22 @@ def _data_parallel(
         unit_of=unit_index(specs) if zero3 else None,  # ZeRO-3: a bucket never spans two units
     )
     if grads.grads_sharded:  # a bucket's memory is allocated when backward reaches its module's output
-        grads.watch(gradient_units(chunks))
+        grads.watch([(mod, [q for q in ps if id(q) not in excluded]) for mod, ps in gradient_units(chunks)])
     if zero3:
         units = ParamUnits(grads, specs, chunks, reshard_after_forward=p.reshard_after_forward)
         optimizer = build_optimizer(model, config.train, grads, units=units)
     else:
-        gather = param_gather_units(chunks) if p.overlap_param_gather else None
-        optimizer = build_optimizer(model, config.train, grads, param_gather_units=gather)
+        gather = None
+        if p.overlap_param_gather:
+            gather = [(mod, [q for q in ps if id(q) not in excluded]) for mod, ps in param_gather_units(chunks)]
+        params = [q for q in model.parameters() if id(q) not in excluded]
+        optimizer = build_optimizer(model, config.train, grads, param_gather_units=gather, params=params)
     return grads, optimizer
+
+
+def _without(unit: UnitUse, excluded: set[int]) -> UnitUse:
+    """``unit`` without the parameters in ``excluded`` (ids)."""
+    return dataclasses.replace(unit, params=[q for q in unit.params if id(q) not in excluded])
 
 
 def allow_tf32(device: torch.device) -> None:

@@ -196,6 +196,8 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     overflow = None
     if stage.scaler is not None and scale is not None:  # scale: the scaler's
         overflow = stage.scaler.unscale(stage.grads.reduced, scale)
+        if experts is not None:
+            overflow = torch.maximum(overflow, stage.scaler.unscale(experts.reduced, scale))
     norm = global_grad_norm(stage.model, stage.grads, g, experts)
     values = _step_values(stage, losses, len(microbatches), norm, overflow, scale)
     loads = _moe_loads(stage) if cfg.moe.enabled else []  # for the metrics and the expert biases
@@ -218,11 +220,12 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     if span is not None:
         span.end()
         span = tracer.span("optimizer", "optimizer")
-    set_lr(stage.optimizer, pending.lr)
-    if isinstance(stage.optimizer, torch.optim.Optimizer):
-        step_unless(stage.optimizer, skip)
-    else:
-        stage.optimizer.step(skip)
+    for optimizer in stage.optimizers:
+        set_lr(optimizer, pending.lr)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            step_unless(optimizer, skip)
+        else:
+            optimizer.step(skip)
     for layer, load in loads:  # aux-loss-free balancing: no update on a skipped step
         layer.update_expert_bias(load, skip)
     if span is not None:

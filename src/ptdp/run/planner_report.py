@@ -31,14 +31,16 @@ def measure_stage(stage) -> dict:
     """What this rank holds: parameter, gradient and optimizer bytes, and its peak memory."""
     params = list(stage.model.parameters())
     opt = stage.optimizer
-    inner = getattr(opt, "inner", opt)
-    state_bytes = sum(
-        t.numel() * t.element_size()
-        for s in inner.state.values()
-        for k, t in s.items()
-        if k != "step" and torch.is_tensor(t)
-    )
-    main_bytes = sum(m.numel() * m.element_size() for _, m in getattr(opt, "pairs", []))
+    state_bytes = main_bytes = 0
+    for each in stage.optimizers:  # with expert parallelism, the experts' own optimizer too
+        inner = getattr(each, "inner", each)
+        state_bytes += sum(
+            t.numel() * t.element_size()
+            for s in (inner.state.values() if inner is not None else ())
+            for k, t in s.items()
+            if k != "step" and torch.is_tensor(t)
+        )
+        main_bytes += sum(m.numel() * m.element_size() for _, m in getattr(each, "pairs", []))
     if stage.device.type == "cuda":
         peak, peak_kind = torch.cuda.max_memory_allocated(stage.device), "CUDA max allocated"
     else:

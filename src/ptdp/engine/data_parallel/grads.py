@@ -93,6 +93,16 @@ def _sum_of_squares(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups
     return _squares([buffer.grad(p) for p in params], buffer.data.device)
 
 
+def _expert_squares(experts: GradBuffer) -> torch.Tensor:
+    """Sum of squares of this ep rank's expert gradients: the whole buffer, or sharded, this
+    rank's shard all-reduced over the expert data-parallel group (``experts.dp``)."""
+    shard = experts.shard_grads
+    if shard is None:
+        return _squares([experts.grad(p) for p in experts.params], experts.data.device)
+    grads = [shard[seg.shard_offset : seg.shard_offset + seg.hi - seg.lo] for seg in experts.segments]
+    return all_reduce(_squares(grads, experts.data.device), experts.dp, tag="grad_norm")
+
+
 def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Sum of squares of ``grads`` as a float64 scalar: one norm per tensor (in its dtype, fused
     over the list; 16-bit gradients in float32), squared and added in float64."""
@@ -113,15 +123,15 @@ def global_grad_norm(
 
     Sums squares in float64 (sharded: over this rank's shard, all-reduced over dp x cp), then
     all-reduces 1 element over tp and pp; no cp reduction (gradients are equal over cp). With
-    ``experts`` (expert parallelism) the squares of this rank's experts, all-reduced over the ep
-    group (each rank's experts are its own; the edp replicas are equal), join before the pp sum.
+    ``experts`` (expert parallelism) the squares of this rank's experts (sharded: summed over
+    edp first), all-reduced over the ep group (each rank's experts are its own; the edp replicas
+    are equal), join before the pp sum.
     No host synchronisation.
     """
     sq = _sum_of_squares(model, buffer, groups)
     all_reduce(sq, groups.tp, tag="grad_norm")
     if experts is not None and groups.ep is not None:
-        expert_sq = _squares([experts.grad(p) for p in experts.params], experts.data.device)
-        sq = sq + all_reduce(expert_sq, groups.ep, tag="grad_norm")
+        sq = sq + all_reduce(_expert_squares(experts), groups.ep, tag="grad_norm")
     all_reduce(sq, groups.pp, tag="grad_norm")
     return sq.sqrt()
 

@@ -23,12 +23,14 @@ def build_optimizer(
     *,
     param_gather_units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
     units: ParamUnits | None = None,
+    params: list[nn.Parameter] | None = None,
 ):
     """AdamW over the stage's parameters; weight decay on every tensor with >= 2 dims (weight
     matrices, word and position embeddings), none on biases and LayerNorm parameters.
 
     Sharded ``grads``: :class:`~ptdp.engine.optim.zero.ShardedAdamW` (``param_gather_units``:
     overlap the parameter all-gather with the next forward; ``units``: ``optim_grads_params``).
+    ``params``: the parameters of ``grads`` (default: all of ``model``'s).
     Otherwise float32/float64 parameters are updated in place and 16-bit ones through
     :class:`~ptdp.engine.optim.adamw.MainParamsAdamW`. Skip an update on the device with
     :func:`~ptdp.engine.optim.adamw.step_unless` (the wrappers: ``step(skip)``).
@@ -38,7 +40,7 @@ def build_optimizer(
         return ShardedAdamW(units.grads, weight_decay=cfg.weight_decay, units=units, **kwargs)
     if grads.sharded:
         return ShardedAdamW(grads, weight_decay=cfg.weight_decay, overlap_with=param_gather_units, **kwargs)
-    params = list(model.parameters())
+    params = list(model.parameters()) if params is None else params
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},

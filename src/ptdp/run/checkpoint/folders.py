@@ -6,9 +6,12 @@ before any worker starts. Saving and loading are :mod:`ptdp.run.checkpoint.io`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
+from ptdp.config.moe import MoEConfig
 from ptdp.config.schema import Config
 from ptdp.errors import ConfigError
 from ptdp.run.paths import folder_problem
@@ -202,8 +205,25 @@ def _check_model(meta: dict, config: Config, folder: Path, skip: tuple[str, ...]
         for f in SHAPE_FIELDS
         if f not in skip and meta["model"].get(f, MODEL_DEFAULTS.get(f)) != getattr(m, f)
     ]
+    diffs += _moe_diffs(meta.get("moe", {}), config)
     if diffs:
         raise CheckpointError(f"checkpoint {folder} is for a different model: " + "; ".join(diffs))
+
+
+def _moe_diffs(saved: dict, config: Config) -> list[str]:
+    """How the checkpoint's MoE layers (``saved``: its ``MoEConfig`` fields; none in checkpoints
+    written before MoE) differ from ``config``'s in what shapes the parameters."""
+    fields = {f.name for f in dataclasses.fields(MoEConfig)}
+    kept: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields}
+    old = MoEConfig(**kept)
+    m, new = config.model, config.moe
+    checks = [
+        ("num_experts", old.num_experts, new.num_experts),
+        ("moe_layer_freq (MoE layers)", old.moe_layers(m.num_layers), new.moe_layers(m.num_layers)),
+        ("moe_ffn_hidden_size", old.expert_ffn(m.ffn), new.expert_ffn(m.ffn)),
+        ("moe_shared_expert_intermediate_size", old.shared_ffn, new.shared_ffn),
+    ]
+    return [f"{name}={a!r} in the checkpoint, {b!r} here" for name, a, b in checks if a != b]
 
 
 def residual_note(meta: dict, layout: dict, world_size: int, codec: str) -> str | None:

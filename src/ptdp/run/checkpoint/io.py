@@ -9,7 +9,8 @@ rank stops every rank before anything is written.
 
 Stored per parameter, layout-independent (:mod:`ptdp.run.checkpoint.tensors`; cp and dp replicas
 written once, distributed-optimizer shards assembled): ``model/<name>``, ``optim/exp_avg/<name>``,
-``optim/exp_avg_sq/<name>``, ``optim/main/<name>`` for 16-bit parameters; ``optim/step``;
+``optim/exp_avg_sq/<name>``, ``optim/main/<name>`` for 16-bit parameters (routed experts by
+global expert index, whatever ep); ``optim/step``; ``moe/<layer>.expert_bias``;
 ``residual/rank<r>`` (1-bit error feedback). The residual and ``rng/rank<r>.json`` (Python, NumPy,
 torch and dropout streams) are restored only at the same layout (and without ``--no-load-rng``);
 otherwise the dropout streams are reseeded from the checkpoint's iteration.
@@ -24,13 +25,14 @@ import os
 import shutil
 import warnings
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from ptdp.engine.comm import all_gather_object, barrier
+from ptdp.engine.comm import AxisGroup, all_gather_object, barrier
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.model.model_chunks import global_named_parameters
+from ptdp.engine.model.model_chunks import ModelChunks, global_named_parameters
 from ptdp.engine.tensor_parallel.sharding import global_param
 from ptdp.run.checkpoint.folders import (
     FORMAT,
@@ -43,7 +45,7 @@ from ptdp.run.checkpoint.folders import (
 )
 from ptdp.run.checkpoint.optim_state import MOMENTS, gather_local_state, load_local_state, state_kinds, step_count
 from ptdp.run.checkpoint.rng_state import host_rng_state, set_host_rng_state
-from ptdp.run.checkpoint.tensors import stored_form, to_checkpoint_value
+from ptdp.run.checkpoint.tensors import expert_stored_form, stored_form, to_checkpoint_value
 
 
 @contextlib.contextmanager
@@ -74,6 +76,8 @@ def _layout_key(stage) -> dict:
     }
     if p.cp > 1:  # absent at cp = 1, as in checkpoints written before context parallelism
         key["cp"] = p.cp
+    if p.ep > 1:  # likewise before expert parallelism
+        key["ep"] = p.ep
     return key
 
 
@@ -84,13 +88,45 @@ def _state_dict(
     g = stage.groups
     sd = {}
     for name, p in global_named_parameters(stage.model):
-        spec = global_param(p)
-        form = stored_form(model_values[id(p)], spec, g.tp.rank, g.tp.size)
-        sd[f"model/{name}"] = to_checkpoint_value(form, g.tp, g.global_rank)
+        spec = getattr(p, "ptdp_expert", None)
+        if spec is not None:  # by global expert index, split over ep (experts.ExpertParam)
+            ep = g.ep if g.ep is not None else AxisGroup.single("ep", g.global_rank, g.stats)
+            value = partial(_expert_value, spec=spec, ep=ep, global_rank=g.global_rank)
+        else:
+            value = partial(_value, spec=global_param(p), tp=g.tp, global_rank=g.global_rank)
+        sd[f"model/{name}"] = value(model_values[id(p)])
         for kind in kinds:
-            form = stored_form(tensors[id(p)][kind], spec, g.tp.rank, g.tp.size)
-            sd[f"optim/{kind}/{name}"] = to_checkpoint_value(form, g.tp, g.global_rank)
+            sd[f"optim/{kind}/{name}"] = value(tensors[id(p)][kind])
     return sd
+
+
+def _value(local: torch.Tensor, *, spec, tp, global_rank: int):
+    return to_checkpoint_value(stored_form(local, spec, tp.rank, tp.size), tp, global_rank)
+
+
+def _expert_value(local: torch.Tensor, *, spec, ep, global_rank: int):
+    return to_checkpoint_value(expert_stored_form(local, spec, ep_rank=ep.rank, ep=ep.size), ep, global_rank)
+
+
+def _expert_biases(stage) -> dict[str, torch.Tensor]:
+    """The MoE layers' expert biases (aux-loss-free balancing), ``moe/<layer>.expert_bias``: the
+    same on every rank of a stage."""
+    chunks = stage.model if isinstance(stage.model, ModelChunks) else [stage.model]
+    return {
+        f"moe/{name}": buf for chunk in chunks for name, buf in chunk.named_buffers() if name.endswith("expert_bias")
+    }
+
+
+def _split_by_optimizer(stage, params: list) -> list[tuple[object, list, object]]:
+    """``(optimizer, its parameters, the group its distributed state is sharded over)``: the dense
+    ones over dp x cp, and with expert parallelism the routed experts over edp."""
+    if stage.expert_optimizer is None:
+        return [(stage.optimizer, params, stage.groups.dp_cp)]
+    experts = {id(p) for p in stage.expert_grads.params}
+    return [
+        (stage.optimizer, [p for p in params if id(p) not in experts], stage.groups.dp_cp),
+        (stage.expert_optimizer, [p for p in params if id(p) in experts], stage.groups.edp),
+    ]
 
 
 def save_checkpoint(
@@ -137,7 +173,9 @@ def start_save(
     named = list(global_named_parameters(stage.model))
     params = [p for _, p in named]
     kinds = state_kinds(stage.optimizer)
-    tensors = gather_local_state(stage.optimizer, params, g.dp_cp)  # ZeRO-1 shards over dp x cp
+    tensors = {}
+    for optimizer, some, shards_over in _split_by_optimizer(stage, params):  # over dp x cp, or edp
+        tensors.update(gather_local_state(optimizer, some, shards_over, kinds))
     _refuse_non_finite(stage, iteration, named, tensors)
     if g.global_rank == 0:
         if tmp.exists():
@@ -146,6 +184,7 @@ def start_save(
     _barrier(stage)
     sd = _state_dict(stage, tensors, {id(p): p.detach() for p in params}, kinds)
     sd["optim/step"] = torch.tensor(step_count(stage.optimizer), dtype=torch.int64)
+    sd.update(_expert_biases(stage))
     if stage.grads.residual is not None:
         sd[f"residual/rank{g.global_rank}"] = stage.grads.residual
     if group is None and g.world.size > 1:
@@ -255,6 +294,7 @@ def _meta(stage, iteration: int, consumed_samples: int, kinds) -> dict:
         "iteration": iteration,
         "consumed_samples": consumed_samples,
         "model": dataclasses.asdict(m) | {"ffn": m.ffn},
+        "moe": dataclasses.asdict(stage.config.moe),
         "layout": _layout_key(stage),
         "world_size": stage.groups.world.size,
         "optimizer_state": list(kinds),
@@ -302,6 +342,8 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
     tensors = {id(p): {k: torch.zeros_like(wide[id(p)]) for k in saved_kinds} for p in params}
     sd = _state_dict(stage, tensors, wide, saved_kinds)
     sd["optim/step"] = torch.zeros((), dtype=torch.int64)
+    if meta.get("moe", {}).get("moe_router_enable_expert_bias"):
+        sd.update(_expert_biases(stage))  # loaded in place (else they start from zero)
     same_layout = meta["layout"] == _layout_key(stage) and meta["world_size"] == g.world.size
     residual = stage.grads.residual
     restore_residual = residual is not None and same_layout and meta.get("grad_compression") == "1bit"
@@ -332,7 +374,8 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
             entry.setdefault(kind, torch.zeros_like(wide[id(p)]))
         if "main" in kinds and "main" not in entry:
             entry["main"] = wide[id(p)]
-    load_local_state(stage.optimizer, params, tensors, step)
+    for optimizer, some, _ in _split_by_optimizer(stage, params):
+        load_local_state(optimizer, some, tensors, step)
     if stage.scaler is not None and meta.get("loss_scaler"):
         stage.scaler.load_state_dict(meta["loss_scaler"])
     rng_file = folder / "rng" / f"rank{g.global_rank}.json"

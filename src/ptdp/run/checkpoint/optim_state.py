@@ -45,14 +45,17 @@ def step_count(optimizer) -> int:
     return 0
 
 
-def gather_local_state(optimizer, params: list[nn.Parameter], dp) -> dict[int, dict[str, torch.Tensor]]:
+def gather_local_state(
+    optimizer, params: list[nn.Parameter], dp, kinds: tuple[str, ...] | None = None
+) -> dict[int, dict[str, torch.Tensor]]:
     """``{id(param): {kind: tensor of param's local shape}}`` for every parameter (zeros before the
-    first step). Collective over ``ParallelGroups.dp_cp`` for the distributed optimizer.
+    first step); ``kinds`` default :func:`state_kinds`. Collective over ``dp``, the group the
+    distributed optimizer shards over (``ParallelGroups.dp_cp``, or ``edp`` for experts).
 
     Nothing is cloned on the device: the optimizer's own tensors are returned detached; the
     distributed optimizer's are assembled one parameter at a time on the device and moved to the CPU.
     """
-    kinds = state_kinds(optimizer)
+    kinds = state_kinds(optimizer) if kinds is None else kinds
     if isinstance(optimizer, ShardedAdamW):
         return _gather_sharded(optimizer, params, kinds, dp)
     inner, to_key = _inner_and_map(optimizer)

@@ -7,7 +7,10 @@ is stored as its global tensor, whatever layout wrote it:
   up]`` likewise ``[2, ffn, ...]``;
 - grouped-query QKV is laid out group by group (:class:`ptdp.engine.model.attention.Attention`),
   stored as its global ``[(a + 2 G) d, h]`` with each rank's whole groups at their offset;
-- vocabulary tensors keep only their ``real_rows``; replicated tensors are stored once.
+- vocabulary tensors keep only their ``real_rows``; replicated tensors are stored once;
+- a stacked expert parameter (:class:`~ptdp.engine.moe.experts.ExpertParam`) is stored as ``[E,
+  *one expert's stored form]`` by global expert index (SwiGLU fc1 ``[E, 2, f, h]``), an ep rank's
+  experts at offset ``ep_rank * E / ep`` of dim 0, an etp rank's shard inside each expert.
 
 Per rank, the local view has this rank's shard shape in the stored form.
 """
@@ -22,6 +25,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 
 from ptdp.engine.comm import AxisGroup
+from ptdp.engine.moe.experts import ExpertParam
 from ptdp.engine.tensor_parallel.sharding import GlobalParam
 
 
@@ -65,10 +69,22 @@ def stored_form(local: torch.Tensor, spec: GlobalParam, tp_rank: int, tp_size: i
     return StoredForm(tuple(shape), tuple(offsets), view, tp_size > 1)
 
 
+def expert_stored_form(
+    local: torch.Tensor, spec: ExpertParam, *, ep_rank: int, ep: int, etp_rank: int = 0, etp: int = 1
+) -> StoredForm:
+    """The stored form of a rank's stacked experts ``local`` (``[E / ep, *expert shard]``)."""
+    one = stored_form(torch.empty(local.shape[1:], device="meta"), spec.expert, etp_rank, etp)
+    view = local.view(local.shape[0], *one.local.shape)
+    return StoredForm(
+        (spec.num_experts, *one.global_shape), (ep_rank * local.shape[0], *one.offsets), view, ep * etp > 1
+    )
+
+
 def to_checkpoint_value(form: StoredForm, tp: AxisGroup, global_rank: int):
     """What goes into the ``torch.distributed.checkpoint`` state dict for one tensor: a plain
-    tensor when nothing is split, else a ``ShardedTensor`` over the tp group (a collective over
-    tp: every tp rank must call this for the same tensors in the same order)."""
+    tensor when nothing is split, else a ``ShardedTensor`` over ``tp``, the group whose ranks hold
+    its pieces (tp, or for experts ep; a collective over it: every rank of it must call this for
+    the same tensors in the same order)."""
     if not form.sharded:
         return form.local
     shards = []
