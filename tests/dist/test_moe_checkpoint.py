@@ -1,9 +1,10 @@
 """MoE checkpoints store the experts by global index, so a run saved at one expert layout resumes at
-any other: two steps of one process (ep 1) and of (tp, cp, pp, dp, ep) = (1,1,1,4,4) with
-optim_grads are saved; the first is loaded at (1,1,1,4,4) with ZeRO-1 (ep 1 -> 4), the second at
-(2,1,1,2,2) with optim_grads_params (ep 4 -> 2, tp 1 -> 2, experts' state sharded over edp 2) and
-in one process (ep 4 -> 1). Each third step equals one uninterrupted process's (float64, 1e-9):
-loss, norm, every parameter and the expert biases, which the checkpoint carries."""
+any other: two steps of one process and of (tp, cp, pp, dp, ep, etp) = (1,1,1,4,2,2) with
+optim_grads are saved; the first is loaded at (1,1,1,4,4,1) with ZeRO-1 (ep 1 -> 4) and at
+(2,1,1,2,1,2) with optim_grads (etp 1 -> 2), the second at (2,1,1,2,2,1) with optim_grads_params
+(etp 2 -> 1, tp 1 -> 2, experts' state sharded over edp 2) and in one process (ep, etp -> 1).
+Each third step equals one uninterrupted process's (float64, 1e-9): loss, norm, every parameter
+and the expert biases, which the checkpoint carries."""
 
 from __future__ import annotations
 
@@ -19,15 +20,19 @@ from ptdp.layout.grid import ParallelLayout
 from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
 
 NAME = "moe_ep_bias"
-SAVED = (1, 1, 1, 4, 4)
-#: where each checkpoint is loaded: (saved by, layout, sharding)
-LOADS = [("one", (1, 1, 1, 4, 4), "optim"), ("ep", (2, 1, 1, 2, 2), "optim_grads_params")]
+SAVED = (1, 1, 1, 4, 2, 2)
+#: where each checkpoint is loaded: (saved by, (tp, cp, pp, dp, ep, etp), sharding)
+LOADS = [
+    ("one", (1, 1, 1, 4, 4, 1), "optim"),
+    ("one", (2, 1, 1, 2, 1, 2), "optim_grads"),
+    ("ep", (2, 1, 1, 2, 2, 1), "optim_grads_params"),
+]
 
 
-def _groups(tp: int, cp: int, pp: int, dp: int, ep: int) -> ParallelGroups:
+def _groups(tp: int, cp: int, pp: int, dp: int, ep: int, etp: int) -> ParallelGroups:
     if tp * cp * pp * dp == 1:
         return ParallelGroups.single_process()
-    return ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp), PG_TIMEOUT, ep=ep)
+    return ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp), PG_TIMEOUT, ep=ep, etp=etp)
 
 
 def _save_after_two_steps(name: str, layout: tuple, root: str) -> None:
@@ -48,18 +53,18 @@ def _resume(name: str, layout: tuple, root: str) -> dict:
 
 def resume_worker(rank: int, world: int, roots: dict[str, str]) -> dict:
     _save_after_two_steps(f"{NAME}:optim_grads", SAVED, roots["ep"])
-    return {saved_by: _resume(f"{NAME}:{sharding}", layout, roots[saved_by]) for saved_by, layout, sharding in LOADS}
+    return {layout: _resume(f"{NAME}:{sharding}", layout, roots[saved_by]) for saved_by, layout, sharding in LOADS}
 
 
 def test_moe_checkpoint_resumes_at_other_expert_layouts(tmp_path):
     roots = {"one": str(tmp_path / "one"), "ep": str(tmp_path / "ep")}
-    _save_after_two_steps(NAME, (1, 1, 1, 1, 1), roots["one"])
+    _save_after_two_steps(NAME, (1, 1, 1, 1, 1, 1), roots["one"])
     ref = reference(NAME)
     assert all(bias.abs().sum() > 0 for bias in ref["buffers"].values()) and ref["buffers"]
     third = {"losses": ref["losses"][2:], "norms": ref["norms"][2:], "params": ref["params"]}
     resumed = run_in_pool(resume_worker, 4, roots)
-    runs = {saved_by: [res[saved_by] for res in resumed] for saved_by, _, _ in LOADS}
-    runs["ep to one process"] = [_resume(NAME, (1, 1, 1, 1, 1), roots["ep"])]
+    runs = {f"{saved_by} -> {layout}": [res[layout] for res in resumed] for saved_by, layout, _ in LOADS}
+    runs["ep -> one process"] = [_resume(NAME, (1, 1, 1, 1, 1, 1), roots["ep"])]
     for what, results in runs.items():
         check_like_one_process(results, NAME, third, ep_full_parameters(results, NAME))
         for res in results:

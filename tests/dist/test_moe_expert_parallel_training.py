@@ -25,7 +25,13 @@ CASES = [(world, layout) for world, layouts in EP_LAYOUTS.items() for layout in 
 
 
 @pytest.mark.parametrize(
-    "world, layout", CASES, ids=lambda x: "tp{}cp{}pp{}dp{}ep{}".format(*x) if isinstance(x, tuple) else f"world{x}"
+    "world, layout",
+    CASES,
+    ids=lambda x: (
+        "tp{}cp{}pp{}dp{}ep{}".format(*x) + (f"etp{x[5]}" if len(x) > 5 else "")
+        if isinstance(x, tuple)
+        else f"world{x}"
+    ),
 )
 def test_expert_parallel_training_equals_one_process(world, layout):
     results = [rank_results[layout] for rank_results in ep_world_results(world)]

@@ -16,6 +16,7 @@ from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.moe.experts import ExpertParam
 from ptdp.engine.tensor_parallel.sharding import unshard
 from ptdp.layout.grid import ParallelLayout
 
@@ -85,7 +86,7 @@ VARIANTS = {
 OPTIONS = {"optim", "optim_grads", "optim_grads_params", "bf16"}
 
 
-def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1) -> Config:
+def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1, etp: int = 1) -> Config:
     """The tiny MoE model of ``name`` at this layout: 4 layers, h 32, 4 heads, s 16, b 2, B 8
     (4 / dp micro-batches per pipeline), float64, clipping active."""
     base, *options = name.split(":")
@@ -124,6 +125,7 @@ def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1) -> Co
         context_parallel_size=cp,
         sequence_parallel=tp > 1,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         **({"data_parallel_sharding_strategy": sharding[0], "ddp_bucket_size": 500} if sharding else {}),
     )
     return resolve(Config(model=model, moe=moe, parallel=par, train=train), tp * cp * pp * dp)
@@ -169,9 +171,17 @@ def reference(name: str) -> dict:
 
 #: world size -> layouts (tp, cp, pp, dp, ep) with experts split over ep ranks (parallel folding:
 #: the ep group spans tp, then cp, then dp ranks)
-EP_LAYOUTS = {
-    2: [(1, 1, 1, 2, 2)],
-    4: [(1, 1, 1, 4, 4), (2, 1, 1, 2, 2), (1, 2, 1, 2, 2), (1, 1, 2, 2, 2), (1, 1, 1, 4, 2)],
+EP_LAYOUTS: dict[int, list[tuple[int, ...]]] = {
+    2: [(1, 1, 1, 2, 2), (1, 1, 1, 2, 1, 2)],
+    4: [
+        (1, 1, 1, 4, 4),
+        (2, 1, 1, 2, 2),
+        (1, 2, 1, 2, 2),
+        (1, 1, 2, 2, 2),
+        (1, 1, 1, 4, 2),
+        (1, 1, 1, 4, 2, 2),
+        (2, 1, 1, 2, 1, 2),
+    ],
 }
 
 
@@ -195,9 +205,10 @@ def collect_ep(cfg: Config, groups: ParallelGroups, stage=None, steps: range = r
     stage.wait_for_params()  # optim_grads_params: every parameter whole
     params = {}
     ep_rank = groups.ep.rank if groups.ep is not None else 0
+    etp_rank = groups.etp.rank if groups.etp is not None else 0
     for name, p in global_named_parameters(stage.model):
         if hasattr(p, "ptdp_expert"):
-            params[name] = (p.detach().clone(), "expert", ep_rank)
+            params[name] = (p.detach().clone(), p.ptdp_expert, (ep_rank, etp_rank))
         else:
             params[name] = (p.detach().clone(), p.ptdp_global, groups.tp.rank)
     buffers = {n: b.clone() for n, b in stage.model.named_buffers() if n.endswith("expert_bias")}
@@ -213,18 +224,22 @@ EP_RUNS = {
     (1, 2, 1, 2, 2): ["moe_ep", "moe_ep:optim"],
     (1, 1, 2, 2, 2): ["moe_ep", "moe_llama_sigmoid", "moe_ep:bf16"],
     (1, 1, 1, 4, 2): ["moe_ep:optim_grads", "moe_ep:bf16:optim"],
+    (1, 1, 1, 2, 1, 2): ["moe_ep_swiglu"],
+    (1, 1, 1, 4, 2, 2): ["moe_ep_swiglu"],
+    (2, 1, 1, 2, 1, 2): ["moe_ep_swiglu:optim"],
 }
 
 
-def ep_variants(layout: tuple[int, int, int, int, int]) -> list[str]:
+def ep_variants(layout: tuple[int, ...]) -> list[str]:
     return EP_RUNS[layout]
 
 
 def moe_ep_worker(rank: int, world: int) -> dict:
     out = {}
-    for tp, cp, pp, dp, ep in EP_LAYOUTS[world]:
-        groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp), PG_TIMEOUT, ep=ep)
-        layout = (tp, cp, pp, dp, ep)
+    for layout in EP_LAYOUTS[world]:
+        tp, cp, pp, dp, ep, *etp = layout
+        layout_ = ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp)
+        groups = ParallelGroups.build(layout_, PG_TIMEOUT, ep=ep, etp=etp[0] if etp else 1)
         out[layout] = {name: collect_ep(moe_config(name, *layout), groups) for name in ep_variants(layout)}
     return out
 
@@ -250,15 +265,23 @@ def ep_world_results(world: int) -> list[dict]:
 
 
 VARIANTS["moe_ep_dropless"] = ({}, dataclasses.replace(VARIANTS["moe_ep"][1], moe_expert_capacity_factor=None))
+#: Llama-like (SwiGLU, no biases): what etp > 1 splits
+VARIANTS["moe_ep_swiglu"] = (LLAMA_OPTIONS, VARIANTS["moe_ep"][1])
 VARIANTS["moe_ep_bias"] = (
-    {},
+    LLAMA_OPTIONS,
     dataclasses.replace(VARIANTS["moe_ep"][1], moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05),
 )
 
 
+def _unshard_experts(shards: list[torch.Tensor], spec: ExpertParam) -> torch.Tensor:
+    """An ep rank's ``[E / ep, ...]`` experts whole from their etp shards."""
+    return torch.stack([unshard([s[e] for s in shards], spec.expert) for e in range(shards[0].shape[0])])
+
+
 def ep_full_parameters(results: list[dict], name: str) -> dict[str, torch.Tensor]:
-    """Dense parameters from their tp shards, experts from their ep slices; replicas bitwise equal."""
-    parts: dict[str, dict[int, torch.Tensor]] = {}
+    """Dense parameters from their tp shards, experts from their ep slices of etp shards; replicas
+    bitwise equal."""
+    parts: dict[str, dict] = {}
     kinds = {}
     for res in results:
         for key, (tensor, spec, index) in res[name]["params"].items():
@@ -271,8 +294,11 @@ def ep_full_parameters(results: list[dict], name: str) -> dict[str, torch.Tensor
     out = {}
     for key, by_index in parts.items():
         ordered = [by_index[i] for i in sorted(by_index)]
-        if kinds[key] == "expert":
-            out[key] = torch.cat(ordered)
+        spec = kinds[key]
+        if isinstance(spec, ExpertParam):  # ordered by (ep rank, etp rank)
+            etp = len({i[1] for i in by_index})
+            slices = [ordered[i : i + etp] for i in range(0, len(ordered), etp)]
+            out[key] = torch.cat([_unshard_experts(shards, spec) for shards in slices])
         else:
             out[key] = real_rows(unshard(ordered, kinds[key]), kinds[key])
     return out

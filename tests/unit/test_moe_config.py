@@ -143,6 +143,6 @@ def test_ptdp_train_refuses_what_moe_does_not_run_yet(capsys):
     extra = ["--ep", "2", "--etp", "2", "--moe-router-enable-expert-bias", "--use-distributed-optimizer", "--bf16"]
     assert cli.main([*argv, *extra, "--save", "ck"]) == 2
     err = capsys.readouterr().err
-    assert "expert_tensor_parallel_size=2 with --num-experts: ptdp train does not run it yet" in err
+    assert "expert_tensor_parallel_size=2 with linear biases with --num-experts: ptdp train does not run it yet" in err
     assert "sharding" not in err and "bfloat16" not in err and "checkpoints" not in err
     assert ModelConfig().num_layers == 4  # the dense defaults are untouched

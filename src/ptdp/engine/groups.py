@@ -24,9 +24,10 @@ class ParallelGroups:
     process's coordinate). ``dp_cp``: the gradient group, the dp x cp ranks sharing this rank's tp
     and pp ranks (index ``cp_rank + cp * dp_rank``); the ``dp`` object itself when cp == 1, else
     its own communicator counted on "dp". ``embedding``: first + last stage (size 1 when pp == 1).
-    ``stats``: the counters shared by all groups. ``ep`` and ``edp``: the expert grid's
-    (:class:`~ptdp.layout.expert_grid.ExpertLayout`) expert-parallel group and the group averaging
-    the expert gradients, counted on "ep" and "dp"; None without expert parallelism.
+    ``stats``: the counters shared by all groups. ``ep``, ``etp``, ``ep_etp`` and ``edp``: the expert
+    grid's (:class:`~ptdp.layout.expert_grid.ExpertLayout`) expert-parallel and expert
+    tensor-parallel groups, the ranks whose experts make a whole layer, and the group averaging the
+    expert gradients, counted on "ep", "etp", "ep" and "dp"; None without ep or etp > 1.
     """
 
     layout: ParallelLayout
@@ -41,6 +42,8 @@ class ParallelGroups:
     dp_cp: AxisGroup
     ep: AxisGroup | None = None
     edp: AxisGroup | None = None
+    etp: AxisGroup | None = None
+    ep_etp: AxisGroup | None = None
 
     @property
     def coords(self) -> Coords:
@@ -90,6 +93,8 @@ class ParallelGroups:
         if ep * etp > 1:
             experts = ExpertLayout(layout, ep=ep, etp=etp)
             axes["ep"] = _build_axis("ep", experts.group_ranks("ep"), rank, timeout, stats)
+            axes["etp"] = _build_axis("etp", experts.group_ranks("etp"), rank, timeout, stats)
+            axes["ep_etp"] = _build_axis("ep", experts.group_ranks("ep_etp"), rank, timeout, stats, desc="ep_etp")
             axes["edp"] = _build_axis("dp", experts.group_ranks("edp"), rank, timeout, stats, desc="edp")
         world_ranks = tuple(range(world))
         world_group = dist.group.WORLD if world > 1 else None

@@ -124,6 +124,7 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
             cp_comm_type=p.cp_comm_type,
             moe=config.moe if config.moe.enabled else None,
             ep=groups.ep,
+            etp=groups.etp,
         )
         for c in range(v)
     ]
@@ -165,15 +166,15 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
 
 
 def _expert_grads(config: Config, groups: ParallelGroups, chunks: list[GPTModel]) -> GradBuffer | None:
-    """With ep > 1, the routed experts' gradient buffer, reduced by a sum over ``groups.edp`` (the
+    """With ep or etp > 1, the routed experts' gradient buffer, reduced by a sum over ``groups.edp`` (the
     ranks holding the same experts; 1/dp is in the loss, as for the dense buffer); None otherwise
     or on a stage without MoE layers.
 
     Float32 main gradients for 16-bit parameters as the dense buffer. With any sharding strategy
     the buffer is reduce-scattered over edp and the optimizer state sharded (ZeRO-1); the expert
-    gradients and parameters themselves stay whole on their ep rank (already split over ep).
+    gradients and parameters themselves stay whole on their rank (already split over ep x etp).
     Reduced at the end of the step, without overlap or compression."""
-    if groups.ep is None or groups.ep.size == 1 or groups.edp is None:
+    if groups.ep_etp is None or groups.ep_etp.size == 1 or groups.edp is None:
         return None
     per_chunk = [[p for p in chunk.parameters() if hasattr(p, "ptdp_expert")] for chunk in chunks]
     per_chunk = [ps for ps in per_chunk if ps]

@@ -124,14 +124,14 @@ def global_grad_norm(
     Sums squares in float64 (sharded: over this rank's shard, all-reduced over dp x cp), then
     all-reduces 1 element over tp and pp; no cp reduction (gradients are equal over cp). With
     ``experts`` (expert parallelism) the squares of this rank's experts (sharded: summed over
-    edp first), all-reduced over the ep group (each rank's experts are its own; the edp replicas
-    are equal), join before the pp sum.
+    edp first), all-reduced over the ep x etp group (each rank's expert shards are its own; the
+    edp replicas are equal), join before the pp sum.
     No host synchronisation.
     """
     sq = _sum_of_squares(model, buffer, groups)
     all_reduce(sq, groups.tp, tag="grad_norm")
-    if experts is not None and groups.ep is not None:
-        sq = sq + all_reduce(_expert_squares(experts), groups.ep, tag="grad_norm")
+    if experts is not None and groups.ep_etp is not None:
+        sq = sq + all_reduce(_expert_squares(experts), groups.ep_etp, tag="grad_norm")
     all_reduce(sq, groups.pp, tag="grad_norm")
     return sq.sqrt()
 

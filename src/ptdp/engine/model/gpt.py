@@ -54,8 +54,8 @@ class GPTModel(nn.Module):
     output layer, loss); ``rng``: dropout streams (None: seed 0); ``sequence_parallel``: stage
     input and output ``[s/t, b, h]`` (``s % tp == 0``); ``cp``: the context-parallel axis (None:
     size 1; :mod:`ptdp.engine.context_parallel.load_balance`), with ``cp_comm_type`` ``"p2p"`` or
-    ``"all_gather"``; ``moe``: the mixture-of-experts options (None: dense), ``ep`` their
-    expert-parallel group. With pp > 1 and tied embeddings the last stage's ``word_embeddings`` is a
+    ``"all_gather"``; ``moe``: the mixture-of-experts options (None: dense), ``ep`` and
+    ``etp`` their expert-parallel and expert tensor-parallel groups. With pp > 1 and tied embeddings the last stage's ``word_embeddings`` is a
     copy whose gradient ``ptdp.engine.data_parallel.grads.finalize_grads`` sums with the first stage's.
     """
 
@@ -73,6 +73,7 @@ class GPTModel(nn.Module):
         cp_comm_type: str = "p2p",
         moe: MoEConfig | None = None,
         ep: AxisGroup | None = None,
+        etp: AxisGroup | None = None,
     ) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
@@ -99,7 +100,17 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleDict(
             {
                 str(i): TransformerLayer(
-                    cfg, tp, dtype, sp, layer_id=i, rng=self.rng, cp=self.cp, cp_comm_type=cp_comm_type, moe=moe, ep=ep
+                    cfg,
+                    tp,
+                    dtype,
+                    sp,
+                    layer_id=i,
+                    rng=self.rng,
+                    cp=self.cp,
+                    cp_comm_type=cp_comm_type,
+                    moe=moe,
+                    ep=ep,
+                    etp=etp,
                 )
                 for i in layer_ids
             }

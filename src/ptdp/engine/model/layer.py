@@ -106,6 +106,7 @@ class TransformerLayer(nn.Module):
         cp_comm_type: str = "p2p",
         moe: MoEConfig | None = None,
         ep: AxisGroup | None = None,
+        etp: AxisGroup | None = None,
     ) -> None:
         super().__init__()
         rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
@@ -119,11 +120,11 @@ class TransformerLayer(nn.Module):
             if moe.shared_ffn:
                 shared = MLP(dataclasses.replace(cfg, ffn_hidden_size=moe.shared_ffn), tp, dtype, sp)
             self.mlp = MoELayer(
-                cfg, moe, dtype, shared=shared, layer_id=layer_id, tp=tp, cp=cp, sequence_parallel=sp, ep=ep
+                cfg, moe, dtype, shared=shared, layer_id=layer_id, tp=tp, cp=cp, sequence_parallel=sp, ep=ep, etp=etp
             )
-            if sp:  # each tp rank routes its own tokens: the router's gradient, and at ep = 1 the
-                # replicated experts', sum over tp (with ep > 1 the experts' sum over edp)
-                distributed = ep is not None and ep.size > 1
+            if sp:  # each tp rank routes its own tokens: the router's gradient, and at ep = etp = 1
+                # the replicated experts', sum over tp (else the experts' sum over edp)
+                distributed = (ep.size if ep is not None else 1) * (etp.size if etp is not None else 1) > 1
                 mark_sequence_parallel(
                     [
                         p

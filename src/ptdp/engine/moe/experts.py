@@ -139,6 +139,7 @@ class Experts(nn.Module):
         ep: int = 1,
         ep_rank: int = 0,
         etp: int = 1,
+        etp_rank: int = 0,
         grouped: bool = False,
     ) -> None:
         super().__init__()
@@ -147,9 +148,12 @@ class Experts(nn.Module):
         self.num_local = num_experts // ep
         fc1 = ExpertParam(GlobalParam((halves * ffn, hidden), tp_dim=0, tp_groups=halves), num_experts)
         fc2 = ExpertParam(GlobalParam((hidden, ffn), tp_dim=1, init="scaled_normal"), num_experts)
-        self.fc1_weight = make_expert_parameter(fc1, dtype, ep=ep, ep_rank=ep_rank, etp=etp)
-        self.fc2_weight = make_expert_parameter(fc2, dtype, ep=ep, ep_rank=ep_rank, etp=etp)
+        shards = dict(ep=ep, ep_rank=ep_rank, etp=etp, etp_rank=etp_rank)
+        self.fc1_weight = make_expert_parameter(fc1, dtype, **shards)
+        self.fc2_weight = make_expert_parameter(fc2, dtype, **shards)
         self.fc1_bias = self.fc2_bias = None
+        if bias and etp > 1:
+            raise ValueError("experts with linear biases at etp > 1 are not supported")
         if bias:
             self.fc1_bias = make_expert_parameter(
                 ExpertParam(GlobalParam((halves * ffn,), tp_dim=0, tp_groups=halves, init="zeros"), num_experts),

@@ -8,8 +8,8 @@ sequence parallelism over ``t`` tp ranks and cp,
 order; the router ``[E, h]`` replicated. The ranks sharing a micro-batch (tp with sequence
 parallelism, cp) all-reduce the ``[E]`` counts (``[b, E]`` per sequence) and, with a capacity,
 all-gather the routing (``T k`` experts and weights, ``T`` ids) so that each takes the same drop
-decision over the whole micro-batch. This module runs every expert on the rank's own tokens (ep =
-etp = 1); the expert-parallel exchange wraps the same steps.
+decision over the whole micro-batch. At ep = etp = 1 the rank runs every expert on its own tokens;
+otherwise :meth:`MoELayer._expert_parallel` exchanges them.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ class MoELayer(nn.Module):
         cp: AxisGroup | None = None,
         sequence_parallel: bool = False,
         ep: AxisGroup | None = None,
+        etp: AxisGroup | None = None,
     ) -> None:
         super().__init__()
         if moe.num_experts is None:
@@ -90,6 +91,7 @@ class MoELayer(nn.Module):
         self.tp = tp if tp is not None and sequence_parallel else AxisGroup.single("tp")
         self.cp = cp if cp is not None else AxisGroup.single("cp")
         self.ep = ep if ep is not None else AxisGroup.single("ep")
+        self.etp = etp if etp is not None else AxisGroup.single("etp")
         self.num_experts = moe.num_experts
         self.router_dtype = ROUTER_DTYPES[moe.router_dtype(str(cfg.params_dtype))]
         h = cfg.hidden_size
@@ -111,6 +113,8 @@ class MoELayer(nn.Module):
             grouped=moe.moe_grouped_gemm,
             ep=self.ep.size,
             ep_rank=self.ep.rank,
+            etp=self.etp.size,
+            etp_rank=self.etp.rank,
         )
         self.shared = shared  # the shared expert (a dense MLP of width moe.shared_ffn), built by the caller
         self.loss_scale: float | torch.Tensor = 1.0
@@ -192,29 +196,46 @@ class MoELayer(nn.Module):
         order = kept[torch.sort(flat[kept], stable=True).indices]
         counts = torch.bincount(flat[kept], minlength=self.num_experts)
         rows = tokens[order // k]
-        y = self.experts(rows, counts) if self.ep.size == 1 else self._expert_parallel(rows, counts)
+        y = self.experts(rows, counts) if self.ep.size * self.etp.size == 1 else self._expert_parallel(rows, counts)
         full = torch.zeros(t * k, tokens.shape[1], dtype=y.dtype, device=y.device).index_copy(0, order, y)
         return (full.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
     def _expert_parallel(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts' outputs for ``rows`` (sorted by global expert, ``counts[e]`` for expert ``e``)
-        computed on the ep ranks holding them: counts, then rows, exchanged; each rank runs its
-        ``E / ep`` experts on what it received (grouped by local expert, sources in rank order);
-        the outputs come back by the reverse exchange. One host synchronisation (the splits)."""
-        ep, local = self.ep, self.num_experts // self.ep.size
+        computed on the ep x etp ranks holding them: counts, then rows, exchanged over ep; with
+        etp > 1 the etp ranks gather what each received (all rows to every shard of an expert),
+        each runs its ``E / ep`` expert shards on all of them (grouped by local expert, sources in
+        order), and the partial outputs are summed back to the rank that received each row (a
+        reduce-scatter); the outputs return by the reverse ep exchange. The etp gather and
+        reduce-scatter are ``all_to_all`` with uneven splits (a rank's rows sent to each etp peer).
+        One host synchronisation (the splits)."""
+        ep, etp, local = self.ep, self.etp, self.num_experts // self.ep.size
         received = all_to_all(counts, ep, in_splits=[local] * ep.size, out_splits=[local] * ep.size, tag="moe_counts")
-        splits = torch.cat([counts.view(ep.size, local).sum(1), received.view(ep.size, local).sum(1), received])
+        # [etp x ep, local]: rows per local expert that each source sent to each etp peer
+        by_source = all_gather_along(received, etp, dim=0, tag="moe_counts").view(etp.size * ep.size, local)
+        splits = torch.cat(
+            [counts.view(ep.size, local).sum(1), received.view(ep.size, local).sum(1), by_source.view(-1)]
+        )
         host = splits.tolist()
-        send, recv, per_source = host[: ep.size], host[ep.size : 2 * ep.size], host[2 * ep.size :]
+        send, recv, each = host[: ep.size], host[ep.size : 2 * ep.size], host[2 * ep.size :]
+        per_peer = ep.size * local  # entries of `each` per etp peer
+        peers = [sum(each[j * per_peer : (j + 1) * per_peer]) for j in range(etp.size)]
+        per_expert = [sum(each[j * local + e] for j in range(etp.size * ep.size)) for e in range(local)]
         got = exchange(rows, ep, send, recv, tag="moe_dispatch")
-        by_source = received.view(ep.size, local)
+        mine = sum(recv)
+        if etp.size > 1:  # every etp peer's rows, in peer order
+            got = exchange(got.repeat(etp.size, 1), etp, [mine] * etp.size, peers, tag="moe_etp_gather")
         expert_of_row = torch.repeat_interleave(
-            torch.arange(local, device=rows.device).repeat(ep.size), by_source.reshape(-1), output_size=sum(recv)
+            torch.arange(local, device=rows.device).repeat(etp.size * ep.size),
+            by_source.reshape(-1),
+            output_size=sum(peers),
         )
         perm = torch.sort(expert_of_row, stable=True).indices
-        per_expert = [sum(per_source[j * local + e] for j in range(ep.size)) for e in range(local)]
         out = self.experts(got[perm], by_source.sum(0), per_expert)
         back = torch.empty_like(out).index_copy(0, perm, out)
+        if etp.size > 1:  # each peer's rows back to it, the etp shards' partial outputs summed
+            back = exchange(back, etp, peers, [mine] * etp.size, tag="moe_etp_scatter")
+            back = back.view(etp.size, mine, -1).sum(0)
         return exchange(back, ep, recv, send, tag="moe_combine")
 
     def _losses(

@@ -89,9 +89,8 @@ def _state_dict(
     sd = {}
     for name, p in global_named_parameters(stage.model):
         spec = getattr(p, "ptdp_expert", None)
-        if spec is not None:  # by global expert index, split over ep (experts.ExpertParam)
-            ep = g.ep if g.ep is not None else AxisGroup.single("ep", g.global_rank, g.stats)
-            value = partial(_expert_value, spec=spec, ep=ep, global_rank=g.global_rank)
+        if spec is not None:  # by global expert index, split over ep x etp (experts.ExpertParam)
+            value = partial(_expert_value, spec=spec, groups=g)
         else:
             value = partial(_value, spec=global_param(p), tp=g.tp, global_rank=g.global_rank)
         sd[f"model/{name}"] = value(model_values[id(p)])
@@ -104,8 +103,11 @@ def _value(local: torch.Tensor, *, spec, tp, global_rank: int):
     return to_checkpoint_value(stored_form(local, spec, tp.rank, tp.size), tp, global_rank)
 
 
-def _expert_value(local: torch.Tensor, *, spec, ep, global_rank: int):
-    return to_checkpoint_value(expert_stored_form(local, spec, ep_rank=ep.rank, ep=ep.size), ep, global_rank)
+def _expert_value(local: torch.Tensor, *, spec, groups: ParallelGroups):
+    one = AxisGroup.single("ep", groups.global_rank, groups.stats)
+    ep, etp, ep_etp = groups.ep or one, groups.etp or one, groups.ep_etp or one
+    form = expert_stored_form(local, spec, ep_rank=ep.rank, ep=ep.size, etp_rank=etp.rank, etp=etp.size)
+    return to_checkpoint_value(form, ep_etp, groups.global_rank)
 
 
 def _expert_biases(stage) -> dict[str, torch.Tensor]:
