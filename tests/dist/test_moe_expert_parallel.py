@@ -13,7 +13,7 @@ from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
 from ptdp.engine.comm import AxisGroup
-from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.groups import ExpertGroups, ParallelGroups
 from ptdp.engine.moe.layer import MoELayer
 from ptdp.layout.grid import ParallelLayout
 
@@ -44,7 +44,7 @@ def ep_worker(rank: int, world: int, name: str) -> dict:
     moe, shape = CASES[name]
     groups = ParallelGroups.build(ParallelLayout(dp=world), PG_TIMEOUT)
     ep = AxisGroup("ep", groups.dp.ranks, groups.dp.rank, groups.dp.group, groups.stats)
-    layer = MoELayer(CFG, moe, D, ep=ep)
+    layer = MoELayer(CFG, moe, D, experts=ExpertGroups(ep, AxisGroup.single("etp"), ep))
     ref = _reference(moe)
     local = moe.num_experts // world
     mine = slice(rank * local, (rank + 1) * local)

@@ -82,8 +82,10 @@ VARIANTS = {
 }
 
 
-#: a variant's name may add ``:<sharding strategy>`` (over dp x cp, experts over edp) or ``:bf16``
-OPTIONS = {"optim", "optim_grads", "optim_grads_params", "bf16"}
+#: a variant's name may add ``:<sharding strategy>`` (over dp x cp, experts over edp), ``:bf16`` or
+#: ``:allgather`` (the dispatcher)
+SHARDING = {"optim", "optim_grads", "optim_grads_params"}
+OPTIONS = SHARDING | {"bf16", "allgather"}
 
 
 def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1, etp: int = 1) -> Config:
@@ -94,7 +96,7 @@ def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1, etp: 
     model_overrides, moe = VARIANTS[base]
     if "bf16" in options:
         model_overrides = {**model_overrides, "params_dtype": "bfloat16"}
-    sharding = [o for o in options if o != "bf16"]
+    sharding = [o for o in options if o in SHARDING]
     model = dataclasses.replace(
         ModelConfig(
             num_layers=4,
@@ -126,6 +128,7 @@ def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1, etp: 
         sequence_parallel=tp > 1,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        moe_token_dispatcher_type="allgather" if "allgather" in options else "alltoall",
         **({"data_parallel_sharding_strategy": sharding[0], "ddp_bucket_size": 500} if sharding else {}),
     )
     return resolve(Config(model=model, moe=moe, parallel=par, train=train), tp * cp * pp * dp)
@@ -163,7 +166,7 @@ def world_results(world: int) -> list[dict]:
 @functools.cache
 def reference(name: str) -> dict:
     """One process of ``name`` (without sharding: the same arithmetic)."""
-    kept = [o for o in name.split(":") if o not in OPTIONS - {"bf16"}]
+    kept = [o for o in name.split(":") if o not in OPTIONS - {"bf16"}]  # the same arithmetic
     if kept != name.split(":"):
         return reference(":".join(kept))
     return train_and_collect(moe_config(name, 1, 1, 1, 1), ParallelGroups.single_process())
@@ -219,14 +222,14 @@ def collect_ep(cfg: Config, groups: ParallelGroups, stage=None, steps: range = r
 #: parameters (float32 main parameters over both buffers)
 EP_RUNS = {
     (1, 1, 1, 2, 2): ["moe_ep", "moe_llama_sigmoid"],
-    (1, 1, 1, 4, 4): ["moe_ep", "moe_ep_dropless"],
+    (1, 1, 1, 4, 4): ["moe_ep", "moe_ep_dropless", "moe_ep:allgather"],
     (2, 1, 1, 2, 2): ["moe_ep", "moe_ep:optim_grads_params"],
     (1, 2, 1, 2, 2): ["moe_ep", "moe_ep:optim"],
     (1, 1, 2, 2, 2): ["moe_ep", "moe_llama_sigmoid", "moe_ep:bf16"],
     (1, 1, 1, 4, 2): ["moe_ep:optim_grads", "moe_ep:bf16:optim"],
     (1, 1, 1, 2, 1, 2): ["moe_ep_swiglu"],
     (1, 1, 1, 4, 2, 2): ["moe_ep_swiglu"],
-    (2, 1, 1, 2, 1, 2): ["moe_ep_swiglu:optim"],
+    (2, 1, 1, 2, 1, 2): ["moe_ep_swiglu:optim", "moe_ep_swiglu:allgather"],
 }
 
 

@@ -121,10 +121,8 @@ def _moe_not_yet(config: Config) -> list[Violation]:
     moe, p = config.moe, config.parallel
     if not moe.enabled:
         return []
-    ep = p.ep * p.etp > 1
     missing = [
         (p.etp > 1 and config.model.add_bias_linear, f"expert_tensor_parallel_size={p.etp} with linear biases"),
-        (ep and p.moe_token_dispatcher_type != "alltoall", "--moe-token-dispatcher-type allgather"),
         (moe.moe_router_load_balancing_type == "global_aux_loss", "--moe-router-load-balancing-type global_aux_loss"),
         (config.model.compile, "--compile"),
     ]

@@ -17,6 +17,23 @@ from ptdp.layout.grid import Coords, ParallelLayout
 
 
 @dataclass(frozen=True, eq=False)
+class ExpertGroups:
+    """The expert grid's groups an MoE layer uses: ``ep`` exchanges tokens, ``etp`` splits each
+    expert, ``ep_etp`` holds a whole layer's experts (the allgather dispatcher's group); and the
+    ``dispatcher`` (``--moe-token-dispatcher-type``) that moves tokens over them."""
+
+    ep: AxisGroup
+    etp: AxisGroup
+    ep_etp: AxisGroup
+    dispatcher: str = "alltoall"
+
+    @classmethod
+    def single(cls) -> ExpertGroups:
+        """Every expert on this rank (ep = etp = 1)."""
+        return cls(AxisGroup.single("ep"), AxisGroup.single("etp"), AxisGroup.single("ep"))
+
+
+@dataclass(frozen=True, eq=False)
 class ParallelGroups:
     """This process's groups along every axis.
 
@@ -44,6 +61,13 @@ class ParallelGroups:
     edp: AxisGroup | None = None
     etp: AxisGroup | None = None
     ep_etp: AxisGroup | None = None
+
+    @property
+    def experts(self) -> ExpertGroups | None:
+        """The MoE layers' groups; None without ep or etp > 1."""
+        if self.ep is None or self.etp is None or self.ep_etp is None:
+            return None
+        return ExpertGroups(self.ep, self.etp, self.ep_etp)
 
     @property
     def coords(self) -> Coords:

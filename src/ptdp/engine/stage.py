@@ -110,6 +110,9 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
         cp_size=groups.cp.size,
         tp_size=groups.tp.size,
     )
+    experts = groups.experts
+    if experts is not None:
+        experts = dataclasses.replace(experts, dispatcher=p.moe_token_dispatcher_type)
     # cp: each rank computes its chunks of the sequence
     chunks = [
         GPTModel(
@@ -123,8 +126,7 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
             cp=groups.cp,
             cp_comm_type=p.cp_comm_type,
             moe=config.moe if config.moe.enabled else None,
-            ep=groups.ep,
-            etp=groups.etp,
+            experts=experts,
         )
         for c in range(v)
     ]

@@ -22,6 +22,7 @@ from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.context_parallel.load_balance import rank_positions, shard_sequence
+from ptdp.engine.groups import ExpertGroups
 from ptdp.engine.model.attention import KVCache
 from ptdp.engine.model.layer import TransformerLayer, make_norm
 from ptdp.engine.model.recompute import run_layers
@@ -54,8 +55,8 @@ class GPTModel(nn.Module):
     output layer, loss); ``rng``: dropout streams (None: seed 0); ``sequence_parallel``: stage
     input and output ``[s/t, b, h]`` (``s % tp == 0``); ``cp``: the context-parallel axis (None:
     size 1; :mod:`ptdp.engine.context_parallel.load_balance`), with ``cp_comm_type`` ``"p2p"`` or
-    ``"all_gather"``; ``moe``: the mixture-of-experts options (None: dense), ``ep`` and
-    ``etp`` their expert-parallel and expert tensor-parallel groups. With pp > 1 and tied embeddings the last stage's ``word_embeddings`` is a
+    ``"all_gather"``; ``moe``: the mixture-of-experts options (None: dense), ``experts``
+    their groups (None: every expert on every rank). With pp > 1 and tied embeddings the last stage's ``word_embeddings`` is a
     copy whose gradient ``ptdp.engine.data_parallel.grads.finalize_grads`` sums with the first stage's.
     """
 
@@ -72,8 +73,7 @@ class GPTModel(nn.Module):
         cp: AxisGroup | None = None,
         cp_comm_type: str = "p2p",
         moe: MoEConfig | None = None,
-        ep: AxisGroup | None = None,
-        etp: AxisGroup | None = None,
+        experts: ExpertGroups | None = None,
     ) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
@@ -109,8 +109,7 @@ class GPTModel(nn.Module):
                     cp=self.cp,
                     cp_comm_type=cp_comm_type,
                     moe=moe,
-                    ep=ep,
-                    etp=etp,
+                    experts=experts,
                 )
                 for i in layer_ids
             }

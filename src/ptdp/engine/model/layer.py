@@ -17,6 +17,7 @@ from torch import nn
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
 from ptdp.engine.comm import AxisGroup
+from ptdp.engine.groups import ExpertGroups
 from ptdp.engine.model.attention import Attention, KVCache
 from ptdp.engine.moe.layer import MoELayer
 from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -105,8 +106,7 @@ class TransformerLayer(nn.Module):
         cp: AxisGroup | None = None,
         cp_comm_type: str = "p2p",
         moe: MoEConfig | None = None,
-        ep: AxisGroup | None = None,
-        etp: AxisGroup | None = None,
+        experts: ExpertGroups | None = None,
     ) -> None:
         super().__init__()
         rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
@@ -120,11 +120,11 @@ class TransformerLayer(nn.Module):
             if moe.shared_ffn:
                 shared = MLP(dataclasses.replace(cfg, ffn_hidden_size=moe.shared_ffn), tp, dtype, sp)
             self.mlp = MoELayer(
-                cfg, moe, dtype, shared=shared, layer_id=layer_id, tp=tp, cp=cp, sequence_parallel=sp, ep=ep, etp=etp
+                cfg, moe, dtype, shared=shared, layer_id=layer_id, tp=tp, cp=cp, sequence_parallel=sp, experts=experts
             )
             if sp:  # each tp rank routes its own tokens: the router's gradient, and at ep = etp = 1
                 # the replicated experts', sum over tp (else the experts' sum over edp)
-                distributed = (ep.size if ep is not None else 1) * (etp.size if etp is not None else 1) > 1
+                distributed = experts is not None and experts.ep_etp.size > 1
                 mark_sequence_parallel(
                     [
                         p

@@ -25,6 +25,7 @@ from ptdp.config.moe import MoEConfig
 from ptdp.engine.activity import is_recomputing
 from ptdp.engine.comm import AxisGroup, all_gather_along, all_reduce, all_to_all
 from ptdp.engine.context_parallel.load_balance import rank_positions
+from ptdp.engine.groups import ExpertGroups
 from ptdp.engine.moe.capacity import expert_capacity, keep_mask
 from ptdp.engine.moe.dispatch import exchange
 from ptdp.engine.moe.experts import Experts
@@ -80,8 +81,7 @@ class MoELayer(nn.Module):
         tp: AxisGroup | None = None,
         cp: AxisGroup | None = None,
         sequence_parallel: bool = False,
-        ep: AxisGroup | None = None,
-        etp: AxisGroup | None = None,
+        experts: ExpertGroups | None = None,
     ) -> None:
         super().__init__()
         if moe.num_experts is None:
@@ -90,8 +90,9 @@ class MoELayer(nn.Module):
         self.seq_length = cfg.seq_length
         self.tp = tp if tp is not None and sequence_parallel else AxisGroup.single("tp")
         self.cp = cp if cp is not None else AxisGroup.single("cp")
-        self.ep = ep if ep is not None else AxisGroup.single("ep")
-        self.etp = etp if etp is not None else AxisGroup.single("etp")
+        groups = experts if experts is not None else ExpertGroups.single()
+        self.ep, self.etp, self.ep_etp = groups.ep, groups.etp, groups.ep_etp
+        self.dispatcher = groups.dispatcher
         self.num_experts = moe.num_experts
         self.router_dtype = ROUTER_DTYPES[moe.router_dtype(str(cfg.params_dtype))]
         h = cfg.hidden_size
@@ -196,7 +197,12 @@ class MoELayer(nn.Module):
         order = kept[torch.sort(flat[kept], stable=True).indices]
         counts = torch.bincount(flat[kept], minlength=self.num_experts)
         rows = tokens[order // k]
-        y = self.experts(rows, counts) if self.ep.size * self.etp.size == 1 else self._expert_parallel(rows, counts)
+        if self.ep_etp.size == 1:
+            y = self.experts(rows, counts)
+        elif self.dispatcher == "allgather":
+            y = self._all_gathered(rows, counts)
+        else:
+            y = self._expert_parallel(rows, counts)
         full = torch.zeros(t * k, tokens.shape[1], dtype=y.dtype, device=y.device).index_copy(0, order, y)
         return (full.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
@@ -237,6 +243,41 @@ class MoELayer(nn.Module):
             back = exchange(back, etp, peers, [mine] * etp.size, tag="moe_etp_scatter")
             back = back.view(etp.size, mine, -1).sum(0)
         return exchange(back, ep, recv, send, tag="moe_combine")
+
+    def _all_gathered(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The allgather dispatcher: every rank of the ep x etp group gathers all of the group's
+        ``rows`` (and ``[E]`` counts), runs its shards of its ``E / ep`` experts on the rows routed to
+        them (grouped by local expert, sources in group order) and the group reduce-scatters the
+        outputs (zero where a rank holds no shard of the row's expert) back to each row's rank. The
+        gather and the reduce-scatter are ``all_to_all`` with uneven splits, tags
+        ``moe_allgather`` and ``moe_reduce_scatter``. One host synchronisation (the counts)."""
+        group, local = self.ep_etp, self.num_experts // self.ep.size
+        lo = self.ep.rank * local
+        every = all_gather_along(counts, group, dim=0, tag="moe_counts").view(group.size, self.num_experts)
+        host = every.tolist()
+        sizes = [sum(row) for row in host]
+        mine = sizes[group.rank]
+        gathered = exchange(rows.repeat(group.size, 1), group, [mine] * group.size, sizes, tag="moe_allgather")
+        # this rank's experts' rows: in each source's block (sorted by global expert) one run
+        starts = [sum(sizes[:j]) + sum(host[j][:lo]) for j in range(group.size)]
+        lengths = [sum(host[j][lo : lo + local]) for j in range(group.size)]
+        total = sum(lengths)
+        device = rows.device
+        first = torch.tensor(starts, device=device) - torch.tensor(
+            [sum(lengths[:j]) for j in range(group.size)], device=device
+        )
+        take = torch.repeat_interleave(first, torch.tensor(lengths, device=device), output_size=total)
+        take = take + torch.arange(total, device=device)
+        by_source = every[:, lo : lo + local]
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(local, device=device).repeat(group.size), by_source.reshape(-1), output_size=total
+        )
+        perm = torch.sort(expert_of_row, stable=True).indices
+        per_expert = [sum(host[j][lo + e] for j in range(group.size)) for e in range(local)]
+        out = self.experts(gathered[take][perm], by_source.sum(0), per_expert)
+        full = out.new_zeros(sum(sizes), out.shape[1]).index_copy(0, take[perm], out)
+        back = exchange(full, group, sizes, [mine] * group.size, tag="moe_reduce_scatter")
+        return back.view(group.size, mine, -1).sum(0)
 
     def _losses(
         self, routing: Routing, n: int, b: int, s: int, keep: torch.Tensor | None, token_ids: torch.Tensor
