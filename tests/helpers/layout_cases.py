@@ -96,7 +96,9 @@ def train_and_collect(cfg: Config, groups: ParallelGroups, record_comm_step: int
     }
     c = groups.coords
     return {
-        "buffers": {n: b.clone() for n, b in stage.model.named_buffers() if n.endswith("expert_bias")},
+        "buffers": {
+            n: b.clone() for n, b in stage.model.named_buffers() if n.endswith(("expert_bias", "global_counts"))
+        },
         "moe": moe,
         "losses": losses,
         "norms": norms,

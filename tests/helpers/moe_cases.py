@@ -74,6 +74,16 @@ VARIANTS = {
             moe_router_bias_update_rate=0.05,
         ),
     ),
+    # the Switch loss with the previous step's counts over the global batch
+    "moe_global": (
+        {},
+        MoEConfig(
+            num_experts=4,
+            moe_router_topk=2,
+            moe_router_load_balancing_type="global_aux_loss",
+            moe_aux_loss_coeff=0.05,
+        ),
+    ),
     # the forced balanced assignment, softmax before the top-k
     "moe_forced": (
         {},
@@ -139,8 +149,8 @@ RUNS = {
     (2, 1, 1, 1): ["moe_capacity_shared", "moe_forced"],
     (1, 2, 1, 1): ["moe_capacity_shared", "moe_bias"],
     (1, 1, 2, 1): ["moe_llama_sigmoid", "moe_bias"],
-    (1, 1, 1, 2): ["moe_llama_sigmoid", "moe_forced"],
-    (2, 1, 2, 1): ["moe_capacity_shared", "moe_bias", "moe_llama_sigmoid"],
+    (1, 1, 1, 2): ["moe_llama_sigmoid", "moe_forced", "moe_global"],
+    (2, 1, 2, 1): ["moe_capacity_shared", "moe_bias", "moe_llama_sigmoid", "moe_global"],
 }
 
 
@@ -214,7 +224,7 @@ def collect_ep(cfg: Config, groups: ParallelGroups, stage=None, steps: range = r
             params[name] = (p.detach().clone(), p.ptdp_expert, (ep_rank, etp_rank))
         else:
             params[name] = (p.detach().clone(), p.ptdp_global, groups.tp.rank)
-    buffers = {n: b.clone() for n, b in stage.model.named_buffers() if n.endswith("expert_bias")}
+    buffers = {n: b.clone() for n, b in stage.model.named_buffers() if n.endswith(("expert_bias", "global_counts"))}
     return {"losses": losses, "norms": norms, "params": params, "comm": comm, "buffers": buffers}
 
 
@@ -272,7 +282,12 @@ VARIANTS["moe_ep_dropless"] = ({}, dataclasses.replace(VARIANTS["moe_ep"][1], mo
 VARIANTS["moe_ep_swiglu"] = (LLAMA_OPTIONS, VARIANTS["moe_ep"][1])
 VARIANTS["moe_ep_bias"] = (
     LLAMA_OPTIONS,
-    dataclasses.replace(VARIANTS["moe_ep"][1], moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05),
+    dataclasses.replace(
+        VARIANTS["moe_ep"][1],
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.05,
+        moe_router_load_balancing_type="global_aux_loss",
+    ),
 )
 
 

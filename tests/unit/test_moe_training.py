@@ -110,3 +110,30 @@ def test_a_step_reports_its_balancing_losses_drops_and_load():
     assigned = len(layers) * len(microbatches) * 2 * 16 * 2
     assert result.moe["moe_dropped_fraction"] == dropped / assigned > 0
     assert result.moe["moe_max_load"] == max(float(load.max() / load.mean()) for load in loads)
+
+
+def test_global_aux_loss_weighs_the_scores_by_the_previous_steps_global_counts(monkeypatch):
+    """``global_aux_loss``: after a step each layer keeps its assignments over the global batch
+    ``C``; the next forward's loss is ``coeff E sum_i C_i / (k N) x mean_t p_ti`` (N tokens)."""
+    from ptdp.engine.moe.layer import MoELayer
+
+    cfg = moe_config("moe_global", 1, 1, 1, 1)
+    stage = build_stage(cfg, ParallelGroups.single_process())
+    read_results([train_step(stage, rank_microbatches(0, cfg, 0, 1), 0)])
+    layers = [m for m in stage.model.modules() if isinstance(m, MoELayer)]
+    k, e, coeff = cfg.moe.moe_router_topk, 4, cfg.moe.moe_aux_loss_coeff
+    for layer in layers:
+        torch.testing.assert_close(layer.global_counts, layer.step_counts.double(), rtol=0, atol=0)
+        assert int(layer.global_counts.sum()) == 4 * 2 * 16 * k
+    captured = []
+    route = moe_layer.route
+    monkeypatch.setattr(moe_layer, "route", lambda *a, **kw: captured.append(route(*a, **kw)) or captured[-1])
+    tokens, labels = rank_microbatches(1, cfg, 0, 1)[0]
+    with torch.no_grad():
+        stage.model(tokens, labels)
+    assert len(captured) == len(layers) == 4
+    for layer, routing in zip(layers, captured):
+        counts = layer.global_counts
+        share = counts / counts.sum()  # C_i / (k N)
+        want = coeff * e * float((share * routing.scores.double().mean(0)).sum())
+        assert abs(float(layer.stats.aux) - want) <= 1e-12 * want

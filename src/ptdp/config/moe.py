@@ -84,7 +84,7 @@ class MoEConfig:
         "aux_loss",
         "--moe-router-load-balancing-type",
         "auxiliary balancing loss (with --moe-aux-loss-coeff): per micro-batch, per sequence, "
-        "per global batch, or none",
+        "with the previous step's global-batch counts, or none",
         "moe",
     )
     """Which auxiliary load-balancing loss ``--moe-aux-loss-coeff`` weights (docs/training.md,

@@ -123,7 +123,6 @@ def _moe_not_yet(config: Config) -> list[Violation]:
         return []
     missing = [
         (p.etp > 1 and config.model.add_bias_linear, f"expert_tensor_parallel_size={p.etp} with linear biases"),
-        (moe.moe_router_load_balancing_type == "global_aux_loss", "--moe-router-load-balancing-type global_aux_loss"),
         (config.model.compile, "--compile"),
     ]
     return [V("moe", f"{what} with --num-experts: ptdp train does not run it yet") for on, what in missing if on]

@@ -226,8 +226,8 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
             step_unless(optimizer, skip)
         else:
             optimizer.step(skip)
-    for layer, load in loads:  # aux-loss-free balancing: no update on a skipped step
-        layer.update_expert_bias(load, skip)
+    for layer, load in loads:  # expert biases, global_aux_loss's counts: no update on a skipped step
+        layer.step_done(load, skip)
     if span is not None:
         span.end()
     return pending

@@ -102,6 +102,12 @@ class MoELayer(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=self.router_dtype))
         else:
             self.expert_bias = None
+        self.global_counts: torch.Tensor | None
+        if moe.moe_router_load_balancing_type == "global_aux_loss":
+            # the previous step's assignments per expert over the global batch (0: none yet)
+            self.register_buffer("global_counts", torch.zeros(self.num_experts, dtype=torch.float64))
+        else:
+            self.global_counts = None
         approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
         self.experts = Experts(
             num_experts=self.num_experts,
@@ -291,6 +297,8 @@ class MoELayer(nn.Module):
         coeff = moe.moe_aux_loss_coeff
         if coeff > 0 and moe.moe_router_load_balancing_type == "aux_loss":
             aux = switch_aux_share(routing.scores, whole, counts, n, k, coeff)
+        elif coeff > 0 and moe.moe_router_load_balancing_type == "global_aux_loss" and self.global_counts is not None:
+            aux = switch_aux_share(routing.scores, whole, self._global_counts(counts, n), n, k, coeff)
         elif coeff > 0 and moe.moe_router_load_balancing_type == "seq_aux_loss":
             sample = token_ids // s
             per_seq = self._sum(expert_counts(routing.experts, sample, b, e))
@@ -305,13 +313,25 @@ class MoELayer(nn.Module):
             self.step_sums = sums if self.step_sums is None else self.step_sums + sums
         return aux + z
 
+    def _global_counts(self, counts: torch.Tensor, n: int) -> torch.Tensor:
+        """``global_aux_loss``'s counts for a unit of ``n`` tokens: the previous step's global-batch
+        counts scaled to ``n`` tokens (``C n / N``, ``N = sum C / k``), or before any step the
+        micro-batch's own ``counts`` ``[1, E]``; ``[1, E]`` float64, chosen on the device."""
+        assert self.global_counts is not None
+        history = self.global_counts
+        total = history.sum()
+        scaled = history * (n * self.moe.moe_router_topk / total.clamp(min=1.0))
+        return torch.where(total > 0, scaled, counts[0].to(history.dtype)).unsqueeze(0)
+
     @torch.no_grad()
-    def update_expert_bias(self, counts: torch.Tensor, skip: torch.Tensor) -> None:
-        """Aux-loss-free balancing (arXiv:2408.15664, §2.2): move each expert's bias by ``rate x
-        sign(mean load - load)``, ``counts`` ``[E]`` the step's loads over the global batch; not
-        where ``skip`` (a 0-dim bool on the device: the step was skipped)."""
-        if self.expert_bias is None:
-            return
-        loads = counts.to(self.expert_bias.dtype)
-        step = self.moe.moe_router_bias_update_rate * torch.sign(loads.mean() - loads)
-        self.expert_bias.add_(torch.where(skip, torch.zeros_like(step), step))
+    def step_done(self, counts: torch.Tensor, skip: torch.Tensor) -> None:
+        """After an optimizer step, with ``counts`` ``[E]`` its assignments per expert over the
+        global batch; nothing where ``skip`` (a 0-dim bool on the device: the step was skipped).
+        Aux-loss-free balancing (arXiv:2408.15664, §2.2) moves each expert's bias by ``rate x
+        sign(mean load - load)``; ``global_aux_loss`` keeps the counts for the next step."""
+        if self.expert_bias is not None:
+            loads = counts.to(self.expert_bias.dtype)
+            step = self.moe.moe_router_bias_update_rate * torch.sign(loads.mean() - loads)
+            self.expert_bias.add_(torch.where(skip, torch.zeros_like(step), step))
+        if self.global_counts is not None:
+            self.global_counts.copy_(torch.where(skip, self.global_counts, counts.to(self.global_counts.dtype)))

@@ -1,7 +1,8 @@
 """The router's balancing losses, as each rank's share of a layout-independent value.
 
 A loss is defined over units of tokens: ``aux_loss`` one micro-batch (its ``b s`` tokens),
-``seq_aux_loss`` one sequence (``s`` tokens, averaged over the micro-batch's ``b``). For a unit of
+``seq_aux_loss`` one sequence (``s`` tokens, averaged over the micro-batch's ``b``),
+``global_aux_loss`` one micro-batch with the previous step's global-batch counts scaled to it. For a unit of
 ``n`` tokens with ``c_i`` assignments to expert ``i`` (the router's choices, before any capacity
 drop) and scores ``p_ti`` (:attr:`ptdp.engine.moe.router.Routing.scores`), the Switch loss (Fedus et
 al. 2021, arXiv:2101.03961, eq. 4; Megatron-Core's normalisation with top-k)::

@@ -10,7 +10,8 @@ rank stops every rank before anything is written.
 Stored per parameter, layout-independent (:mod:`ptdp.run.checkpoint.tensors`; cp and dp replicas
 written once, distributed-optimizer shards assembled): ``model/<name>``, ``optim/exp_avg/<name>``,
 ``optim/exp_avg_sq/<name>``, ``optim/main/<name>`` for 16-bit parameters (routed experts by
-global expert index, whatever ep); ``optim/step``; ``moe/<layer>.expert_bias``;
+global expert index, whatever ep); ``optim/step``; ``moe/<layer>.expert_bias`` and
+``moe/<layer>.global_counts``;
 ``residual/rank<r>`` (1-bit error feedback). The residual and ``rng/rank<r>.json`` (Python, NumPy,
 torch and dropout streams) are restored only at the same layout (and without ``--no-load-rng``);
 otherwise the dropout streams are reseeded from the checkpoint's iteration.
@@ -110,13 +111,26 @@ def _expert_value(local: torch.Tensor, *, spec, groups: ParallelGroups):
     return to_checkpoint_value(form, ep_etp, groups.global_rank)
 
 
-def _expert_biases(stage) -> dict[str, torch.Tensor]:
-    """The MoE layers' expert biases (aux-loss-free balancing), ``moe/<layer>.expert_bias``: the
-    same on every rank of a stage."""
+MOE_BUFFERS = {"expert_bias": "moe_router_enable_expert_bias", "global_counts": "moe_router_load_balancing_type"}
+"""The MoE layers' state outside the parameters, and the option that creates it: the expert biases
+(aux-loss-free balancing) and ``global_aux_loss``'s counts of the previous step."""
+
+
+def _moe_buffers(stage, saved: dict | None = None) -> dict[str, torch.Tensor]:
+    """``moe/<layer>.<buffer>`` of :data:`MOE_BUFFERS`, the same on every rank of a stage; with
+    ``saved`` (a checkpoint's MoE options) only those it holds."""
     chunks = stage.model if isinstance(stage.model, ModelChunks) else [stage.model]
-    return {
-        f"moe/{name}": buf for chunk in chunks for name, buf in chunk.named_buffers() if name.endswith("expert_bias")
-    }
+    out = {}
+    for chunk in chunks:
+        for name, buf in chunk.named_buffers():
+            kind = name.rsplit(".", 1)[-1]
+            option = MOE_BUFFERS.get(kind)
+            if option is None:
+                continue
+            if saved is not None and saved.get(option) not in (True, "global_aux_loss"):
+                continue
+            out[f"moe/{name}"] = buf
+    return out
 
 
 def _split_by_optimizer(stage, params: list) -> list[tuple[object, list, object]]:
@@ -186,7 +200,7 @@ def start_save(
     _barrier(stage)
     sd = _state_dict(stage, tensors, {id(p): p.detach() for p in params}, kinds)
     sd["optim/step"] = torch.tensor(step_count(stage.optimizer), dtype=torch.int64)
-    sd.update(_expert_biases(stage))
+    sd.update(_moe_buffers(stage))
     if stage.grads.residual is not None:
         sd[f"residual/rank{g.global_rank}"] = stage.grads.residual
     if group is None and g.world.size > 1:
@@ -344,8 +358,7 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
     tensors = {id(p): {k: torch.zeros_like(wide[id(p)]) for k in saved_kinds} for p in params}
     sd = _state_dict(stage, tensors, wide, saved_kinds)
     sd["optim/step"] = torch.zeros((), dtype=torch.int64)
-    if meta.get("moe", {}).get("moe_router_enable_expert_bias"):
-        sd.update(_expert_biases(stage))  # loaded in place (else they start from zero)
+    sd.update(_moe_buffers(stage, meta.get("moe", {})))  # in place; those not saved start from zero
     same_layout = meta["layout"] == _layout_key(stage) and meta["world_size"] == g.world.size
     residual = stage.grads.residual
     restore_residual = residual is not None and same_layout and meta.get("grad_compression") == "1bit"
