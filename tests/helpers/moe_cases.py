@@ -92,10 +92,10 @@ VARIANTS = {
 }
 
 
-#: a variant's name may add ``:<sharding strategy>`` (over dp x cp, experts over edp), ``:bf16`` or
-#: ``:allgather`` (the dispatcher)
+#: a variant's name may add ``:<sharding strategy>`` (over dp x cp, experts over edp), ``:bf16``,
+#: ``:allgather`` (the dispatcher) or ``:interleaved`` (1F1B over two chunks of one layer per stage)
 SHARDING = {"optim", "optim_grads", "optim_grads_params"}
-OPTIONS = SHARDING | {"bf16", "allgather"}
+OPTIONS = SHARDING | {"bf16", "allgather", "interleaved"}
 
 
 def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1, etp: int = 1) -> Config:
@@ -139,6 +139,11 @@ def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1, etp: 
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
         moe_token_dispatcher_type="allgather" if "allgather" in options else "alltoall",
+        **(
+            {"pipeline_schedule": "interleaved-1f1b", "num_layers_per_virtual_pipeline_stage": 2 // pp}
+            if "interleaved" in options
+            else {}
+        ),
         **({"data_parallel_sharding_strategy": sharding[0], "ddp_bucket_size": 500} if sharding else {}),
     )
     return resolve(Config(model=model, moe=moe, parallel=par, train=train), tp * cp * pp * dp)
@@ -235,7 +240,7 @@ EP_RUNS = {
     (1, 1, 1, 4, 4): ["moe_ep", "moe_ep_dropless", "moe_ep:allgather"],
     (2, 1, 1, 2, 2): ["moe_ep", "moe_ep:optim_grads_params"],
     (1, 2, 1, 2, 2): ["moe_ep", "moe_ep:optim"],
-    (1, 1, 2, 2, 2): ["moe_ep", "moe_llama_sigmoid", "moe_ep:bf16"],
+    (1, 1, 2, 2, 2): ["moe_ep", "moe_llama_sigmoid", "moe_ep:bf16", "moe_ep:interleaved"],
     (1, 1, 1, 4, 2): ["moe_ep:optim_grads", "moe_ep:bf16:optim"],
     (1, 1, 1, 2, 1, 2): ["moe_ep_swiglu"],
     (1, 1, 1, 4, 2, 2): ["moe_ep_swiglu"],
