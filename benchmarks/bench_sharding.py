@@ -98,16 +98,6 @@ def make_config(args, variant: str) -> Config:
     return resolve(Config(model=model, parallel=par, train=train), DP)
 
 
-def batches(args, step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's microbatches of global batch ``step`` (random tokens, seeded by the step)."""
-    gen = torch.Generator().manual_seed(step)
-    data = torch.randint(0, args.vocab_size, (args.global_batch_size, args.seq_length + 1), generator=gen)
-    per = args.global_batch_size // DP
-    mine = data[rank * per : (rank + 1) * per]
-    b = args.micro_batch_size
-    return [(mine[i : i + b, :-1], mine[i : i + b, 1:]) for i in range(0, per, b)]
-
-
 def build_fsdp(config: Config, stage):
     """PlainGPT with ``stage``'s initial weights, ``fully_shard`` per block and on the root."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -166,10 +156,10 @@ def _run(args, groups: ParallelGroups) -> dict:
     steps = {s: (lambda mbs, it, s=s: train_step(stages[s], mbs, it).loss) for s in STRATEGIES}
     steps["fsdp2"] = lambda mbs, _it: fsdp_step(fsdp, fsdp_opt, mbs, configs["no_shard"].train.clip_grad)
     names = list(steps)
-    first = {name: fn(batches(args, 0, rank), 0) for name, fn in steps.items()}
+    first = {name: fn(pc.rank_batches(args, 0, rank, DP), 0) for name, fn in steps.items()}
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(1, args.warmup + args.steps + 1):
-        mbs = batches(args, i, rank)
+        mbs = pc.rank_batches(args, i, rank, DP)
         k = i % len(names)
         for name in names[k:] + names[:k]:
             elapsed = pc.timed_step(functools.partial(steps[name], mbs, i), groups.world)

@@ -1,5 +1,5 @@
-"""Plumbing shared by the pipeline benchmarks (``bench_schedule_bubble.py``,
-``bench_vs_torch_pipelining.py``, ``bench_activation_memory.py``, ``bench_gloo_recv_posting.py``).
+"""Plumbing shared by the multi-process benchmarks (``bench_schedule_bubble.py``,
+``bench_vs_torch_pipelining.py``, ``bench_sharding.py`` and others).
 
 Workers are started by ptdp's own launcher (:func:`ptdp.run.launch.launch_workers`, PyTorch's elastic
 launcher underneath) on a gloo world of ``pp`` processes with one CPU thread each; rank 0's return
@@ -37,6 +37,18 @@ def add_gpt_shape_arguments(ap) -> None:
     ap.add_argument("--seq-length", type=int, default=256)
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--micro-batch-size", type=int, default=4)
+
+
+def rank_batches(args, step: int, rank: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Data-parallel rank ``rank``'s microbatches of global batch ``step``: ``args.global_batch_size``
+    sequences of random tokens (seeded by the step), the rank's contiguous ``1 / dp`` of them in
+    microbatches of ``args.micro_batch_size``."""
+    gen = torch.Generator().manual_seed(step)
+    data = torch.randint(0, args.vocab_size, (args.global_batch_size, args.seq_length + 1), generator=gen)
+    per = args.global_batch_size // dp
+    mine = data[rank * per : (rank + 1) * per]
+    b = args.micro_batch_size
+    return [(mine[i : i + b, :-1], mine[i : i + b, 1:]) for i in range(0, per, b)]
 
 
 def launch(entrypoint, nproc: int, *args):
