@@ -43,10 +43,8 @@ import torch
 import torch.distributed as dist
 from plain_gpt import PlainGPT, copy_weights, plain_optimizer, plain_step
 
-from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
-from ptdp.config.resolve import resolve
-from ptdp.config.schema import Config, TrainConfig
+from ptdp.config.schema import Config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.stage import build_stage
 from ptdp.engine.step import train_step
@@ -69,24 +67,6 @@ DP = 4
 
 def make_config(args, variant: str) -> Config:
     strategy, reshard = VARIANTS[variant]
-    model = ModelConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        seq_length=args.seq_length,
-        vocab_size=args.vocab_size,
-        make_vocab_size_divisible_by=1,
-        params_dtype="float32",
-    )
-    train = TrainConfig(
-        micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.global_batch_size,
-        train_iters=10_000,
-        lr=1e-4,
-        min_lr=1e-4,
-        lr_warmup_iters=0,
-        clip_grad=1.0,
-    )
     par = ParallelConfig(
         data_parallel_size=DP,
         ddp_bucket_size=args.bucket_size,
@@ -95,7 +75,7 @@ def make_config(args, variant: str) -> Config:
         reshard_after_forward=reshard,
         distributed_timeout_minutes=pc.TIMEOUT_MINUTES,
     )
-    return resolve(Config(model=model, parallel=par, train=train), DP)
+    return pc.dp_gpt_config(args, par, DP)
 
 
 def build_fsdp(config: Config, stage):

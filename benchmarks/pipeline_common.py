@@ -18,6 +18,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from ptdp.config.model import ModelConfig
+from ptdp.config.moe import MoEConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine import comm
 from ptdp.engine.comm import AxisGroup, all_reduce
 from ptdp.engine.groups import ParallelGroups
@@ -49,6 +54,31 @@ def rank_batches(args, step: int, rank: int, dp: int) -> list[tuple[torch.Tensor
     mine = data[rank * per : (rank + 1) * per]
     b = args.micro_batch_size
     return [(mine[i : i + b, :-1], mine[i : i + b, 1:]) for i in range(0, per, b)]
+
+
+def dp_gpt_config(args, parallel: ParallelConfig, world: int, moe: MoEConfig | None = None) -> Config:
+    """The resolved config of a step-time benchmark over ``world`` ranks: ``args``' GPT (the flags of
+    :func:`add_gpt_shape_arguments`, no vocabulary padding, float32; ``moe``: its MoE options, default
+    dense), ``args.global_batch_size`` sequences per step, a constant learning rate, clipping at 1."""
+    model = ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+        make_vocab_size_divisible_by=1,
+        params_dtype="float32",
+    )
+    train = TrainConfig(
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        train_iters=10_000,
+        lr=1e-4,
+        min_lr=1e-4,
+        lr_warmup_iters=0,
+        clip_grad=1.0,
+    )
+    return resolve(Config(model=model, moe=moe or MoEConfig(), parallel=parallel, train=train), world)
 
 
 def launch(entrypoint, nproc: int, *args):
