@@ -43,10 +43,8 @@ import torch
 import torch.distributed as dist
 from plain_gpt import PlainGPT, copy_weights, plain_optimizer, plain_step
 
-from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
-from ptdp.config.resolve import resolve
-from ptdp.config.schema import Config, TrainConfig
+from ptdp.config.schema import Config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.stage import build_stage
 from ptdp.engine.step import train_step
@@ -69,24 +67,6 @@ DP = 4
 
 def make_config(args, variant: str) -> Config:
     strategy, reshard = VARIANTS[variant]
-    model = ModelConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        seq_length=args.seq_length,
-        vocab_size=args.vocab_size,
-        make_vocab_size_divisible_by=1,
-        params_dtype="float32",
-    )
-    train = TrainConfig(
-        micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.global_batch_size,
-        train_iters=10_000,
-        lr=1e-4,
-        min_lr=1e-4,
-        lr_warmup_iters=0,
-        clip_grad=1.0,
-    )
     par = ParallelConfig(
         data_parallel_size=DP,
         ddp_bucket_size=args.bucket_size,
@@ -95,17 +75,7 @@ def make_config(args, variant: str) -> Config:
         reshard_after_forward=reshard,
         distributed_timeout_minutes=pc.TIMEOUT_MINUTES,
     )
-    return resolve(Config(model=model, parallel=par, train=train), DP)
-
-
-def batches(args, step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's microbatches of global batch ``step`` (random tokens, seeded by the step)."""
-    gen = torch.Generator().manual_seed(step)
-    data = torch.randint(0, args.vocab_size, (args.global_batch_size, args.seq_length + 1), generator=gen)
-    per = args.global_batch_size // DP
-    mine = data[rank * per : (rank + 1) * per]
-    b = args.micro_batch_size
-    return [(mine[i : i + b, :-1], mine[i : i + b, 1:]) for i in range(0, per, b)]
+    return pc.dp_gpt_config(args, par, DP)
 
 
 def build_fsdp(config: Config, stage):
@@ -166,10 +136,10 @@ def _run(args, groups: ParallelGroups) -> dict:
     steps = {s: (lambda mbs, it, s=s: train_step(stages[s], mbs, it).loss) for s in STRATEGIES}
     steps["fsdp2"] = lambda mbs, _it: fsdp_step(fsdp, fsdp_opt, mbs, configs["no_shard"].train.clip_grad)
     names = list(steps)
-    first = {name: fn(batches(args, 0, rank), 0) for name, fn in steps.items()}
+    first = {name: fn(pc.rank_batches(args, 0, rank, DP), 0) for name, fn in steps.items()}
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(1, args.warmup + args.steps + 1):
-        mbs = batches(args, i, rank)
+        mbs = pc.rank_batches(args, i, rank, DP)
         k = i % len(names)
         for name in names[k:] + names[:k]:
             elapsed = pc.timed_step(functools.partial(steps[name], mbs, i), groups.world)

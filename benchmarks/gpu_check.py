@@ -4,6 +4,7 @@ writing its JSON report as soon as it has a result.
     PYTHONPATH=src python3 benchmarks/gpu_check.py eager --output-dir DIR    # speed, eager; the loss check
     PYTHONPATH=src python3 benchmarks/gpu_check.py compile --output-dir DIR  # speed, compiled
     PYTHONPATH=src python3 benchmarks/gpu_check.py probes --output-dir DIR   # kernels, GEMMs, host syncs
+    PYTHONPATH=src python3 benchmarks/gpu_check.py moe --output-dir DIR      # a small MoE model, grouped GEMM
     python benchmarks/gpu_check.py STAGE --device cpu --quick --output-dir DIR  # a tiny model on the CPU
     benchmarks/gpu_run.sh first DIR; benchmarks/gpu_run.sh second DIR      # all, in two commands
 
@@ -17,14 +18,17 @@ Stages (:data:`STAGES`, default budgets :data:`BUDGET_S`):
   ``--compile``.
 - ``probes``: ``gpu_probes.py`` (the fused weight-gradient GEMM, the SDPA backends, GEMM TFLOP/s,
   a profiled step and its host synchronisations).
+- ``moe``: ``gpu_moe.py`` (a small mixture-of-experts GPT: torch's rules for the experts' grouped
+  GEMM, the grouped GEMM against the per-expert loop, a few training steps whose loss must fall,
+  step time and tokens/s).
 
 Each stage writes ``DIR/gpu_check_<stage>.json`` (``gpu_report.py``: rewritten after each result,
 ``"complete": false`` until the stage ends) and prints a summary. A stage's models are built and
 its first step run whatever the budget; timed steps and further probes stop when the budget would
 be exceeded (``budget_exhausted``, a note). Targets (reported, not enforced): MFU >= 50% compiled,
 ratio vs plain <= 1.05. Exit code 1 when an item fails, a loss differs from float64 by more than
-rounding explains, the fused weight-gradient GEMM fell back, or a steady-state step synchronises
-the host; else 0.
+rounding explains, the fused weight-gradient GEMM fell back, a steady-state step synchronises
+the host, or the MoE model's loss does not fall or its grouped GEMM fails; else 0.
 """
 
 from __future__ import annotations
@@ -37,13 +41,14 @@ import time
 import torch
 from gpu_loss import loss_check, loss_failures
 from gpu_models import FULL, QUICK, speed_config
+from gpu_moe import MOE_FULL, MOE_QUICK, run_moe_stage
 from gpu_probes import probe_gemms, probe_model, probe_sdpa, probe_step, probe_wgrad
 from gpu_report import Budget, StageReport, report_path, run_header
 from gpu_speed import TARGETS, flops_per_token, measure_mode, peak_flops
 from plain_gpt import with_compile
 
-STAGES = ("eager", "compile", "probes")
-BUDGET_S = {"eager": 150.0, "compile": 420.0, "probes": 150.0}
+STAGES = ("eager", "compile", "probes", "moe")
+BUDGET_S = {"eager": 150.0, "compile": 420.0, "probes": 150.0, "moe": 60.0}
 """Default seconds of wall time per stage (``gpu_run.sh`` passes the same)."""
 
 
@@ -53,13 +58,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--output-dir", required=True, metavar="DIR", help="the report goes to DIR/gpu_check_STAGE.json")
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
     ap.add_argument("--quick", action="store_true", help="a tiny model (2 layers, h=64, s=64)")
-    ap.add_argument("--budget", type=float, help="seconds for the stage (default: eager 150, compile 420, probes 150)")
+    ap.add_argument(
+        "--budget", type=float, help="seconds for the stage (default: eager 150, compile 420, probes 150, moe 60)"
+    )
     ap.add_argument(
         "--dtype",
         choices=("bfloat16", "float16", "float32", "float64"),
         help="precision of the timed models (default: bfloat16 on a GPU, float32 on a CPU)",
     )
-    ap.add_argument("--num-layers", type=int, help="layers of the timed model (default 24; --quick 2)")
+    ap.add_argument("--num-layers", type=int, help="layers of the timed model (default 24, moe 8; --quick 2)")
     ap.add_argument("--micro-batch-size", type=int, help="samples per microbatch (default 2)")
     ap.add_argument("--steps", type=int, help="timed steps of each model (default 10; --quick 3)")
     ap.add_argument("--warmup", type=int, help="untimed steps first (default 3; --quick 1)")
@@ -192,7 +199,12 @@ def run_probes(args, shape: dict, dtype: str, device: torch.device, budget: Budg
             report.fail(f"probe step: {syncs['per_step']:g} host synchronisations per steady-state step (expected 0)")
 
 
-RUNNERS = {"eager": run_eager, "compile": run_compile, "probes": run_probes}
+def run_moe(args, shape: dict, dtype: str, device: torch.device, budget: Budget, report) -> None:
+    """The MoE model's items into ``report["moe"]`` (``gpu_moe.py``)."""
+    run_moe_stage(shape, dtype, device, budget, report)
+
+
+RUNNERS = {"eager": run_eager, "compile": run_compile, "probes": run_probes, "moe": run_moe}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -204,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    shape = dict(QUICK if args.quick else FULL)
+    shapes = (MOE_QUICK, MOE_FULL) if args.stage == "moe" else (QUICK, FULL)
+    shape = dict(shapes[0] if args.quick else shapes[1])
     overrides = ("steps", "warmup", "num_layers", "micro_batch_size")
     shape.update({k: getattr(args, k) for k in overrides if getattr(args, k) is not None})
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -248,6 +261,7 @@ def format_report(r: dict) -> str:
             )
     lines += _format_rows(r.get("rows", []))
     lines += _format_probes(r.get("probes", {}))
+    lines += _format_moe(r.get("moe"))
     lines += [f"  {note}" for note in r["notes"]] + [f"  FAILED {failure}" for failure in r["failures"]]
     lines.append(f"the stage took {r['elapsed_s']:.0f} s of its {r['budget_s']:g} s budget")
     return "\n".join(lines)
@@ -303,6 +317,35 @@ def _format_probes(probes: dict) -> list[str]:
             lines.append(f"probe step: attention {p['attention']['backend']}; {sync_text}")
         else:
             lines.append(f"probe {name}: {status}" + (f" ({p['error']})" if p.get("error") else ""))
+    return lines
+
+
+def _format_moe(moe: dict | None) -> list[str]:
+    if not moe:
+        return []
+    m = moe["model"]
+    lines = [
+        f"MoE model: {m['num_layers']} layers, h {m['hidden_size']}, s {m['seq_length']}, V {m['vocab_size']}, "
+        f"{m['num_experts']} experts of width {m['expert_ffn']}, top-{m['topk']}, "
+        f"{m.get('parameters', 0):,} parameters; {moe['batch']['tokens_per_step']:,} tokens/step"
+    ]
+    rules = moe.get("grouped_gemm")
+    if rules:
+        lines.append(f"grouped GEMM: {rules.get('status', 'not tried')} (CUTLASS kernel: {rules['cutlass_kernel']})")
+    for r in moe["gemm"]:
+        ms = {k: None if r[k] is None else 1e3 * r[k] for k in ("grouped_s", "loop_s")}
+        lines.append(
+            f"  experts E {r['num_experts']}, h {r['hidden']}, F {r['ffn']}, {r['rows']:,} rows: grouped "
+            f"{_num(ms['grouped_s'], '.3f')} ms, loop {_num(ms['loop_s'], '.3f')} ms, "
+            f"grouped / loop {_num(r['grouped_over_loop'], '.3f')}"
+        )
+    run = moe.get("training")
+    if run:
+        losses = ", ".join(f"{x:.4f}" for x in run["losses"])
+        lines.append(
+            f"training ({run.get('timed_steps', 0)} timed steps after {run['warmup']}): step "
+            f"{_num(run.get('median_step_s'), '.4f')} s, {_num(run.get('tokens_per_s'), ',.0f')} tokens/s; losses {losses}"
+        )
     return lines
 
 

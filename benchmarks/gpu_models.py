@@ -17,6 +17,7 @@ import torch
 
 import ptdp.engine.stage as ptdp_stage
 from ptdp.config.model import ModelConfig
+from ptdp.config.moe import MoEConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
@@ -64,8 +65,9 @@ def flops_per_token(config: Config) -> int:
     return 6 * flop_params(config) + 12 * m.num_layers * m.hidden_size * m.seq_length
 
 
-def speed_config(shape: dict, dtype: str) -> Config:
-    """The resolved single-process config of the timed model (GPT defaults, no dropout)."""
+def speed_config(shape: dict, dtype: str, moe: MoEConfig | None = None) -> Config:
+    """The resolved single-process config of the timed model (GPT defaults, no dropout; ``moe``: its
+    mixture-of-experts options, default dense)."""
     model = ModelConfig(
         num_layers=shape["num_layers"],
         hidden_size=shape["hidden_size"],
@@ -84,7 +86,7 @@ def speed_config(shape: dict, dtype: str) -> Config:
         min_lr=1e-4,
         eval_iters=0,
     )
-    return resolve(Config(model=model, parallel=ParallelConfig(), train=train), 1)
+    return resolve(Config(model=model, moe=moe or MoEConfig(), parallel=ParallelConfig(), train=train), 1)
 
 
 def random_microbatches(config: Config, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

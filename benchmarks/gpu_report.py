@@ -139,29 +139,40 @@ def git_commit() -> str | None:
 
 def median_seconds(fn, device: torch.device, reps: int, budget: Budget, warmup: int = 1) -> tuple[float | None, int]:
     """The median seconds of ``fn()`` over up to ``reps`` calls after ``warmup`` untimed ones, and
-    how many were timed: CUDA events read after one synchronisation (GPU), wall clock (CPU).
-    Stops early (at least one timed call) when the next call would not fit in ``budget``."""
+    how many were timed (:func:`alternating_medians` of ``fn`` alone)."""
+    medians, timed = alternating_medians([fn], device, reps, budget, warmup)
+    return medians[0], timed
+
+
+def alternating_medians(fns: list, device: torch.device, reps: int, budget: Budget, warmup: int = 1):
+    """The median seconds of each of ``fns`` over up to ``reps`` rounds calling each once in turn
+    (noise hits all alike), after ``warmup`` untimed rounds, and how many rounds were timed: CUDA
+    events read after one synchronisation (GPU), wall clock (CPU). Stops early (at least one timed
+    round) when the next round would not fit in ``budget``. Returns ``(list of median or None,
+    rounds)``."""
     for _ in range(warmup):
-        fn()
+        for fn in fns:
+            fn()
     cuda = device.type == "cuda"
-    marks: list = []
+    marks: list[list] = [[] for _ in fns]
     t0 = time.perf_counter()
     for i in range(reps):
         if i and not budget.allows(2 * (time.perf_counter() - t0) / i):
             break
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            marks.append((start, end))
-        else:
-            t = time.perf_counter()
-            fn()
-            marks.append(time.perf_counter() - t)
+        for fn, mine in zip(fns, marks):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                mine.append((start, end))
+            else:
+                t = time.perf_counter()
+                fn()
+                mine.append(time.perf_counter() - t)
     if cuda:
         torch.cuda.synchronize(device)
-        times = [s.elapsed_time(e) / 1e3 for s, e in marks]
+        times = [[s.elapsed_time(e) / 1e3 for s, e in mine] for mine in marks]
     else:
         times = marks
-    return (statistics.median(times) if times else None), len(times)
+    return [statistics.median(t) if t else None for t in times], len(times[0])

@@ -1,5 +1,5 @@
-"""Plumbing shared by the pipeline benchmarks (``bench_schedule_bubble.py``,
-``bench_vs_torch_pipelining.py``, ``bench_activation_memory.py``, ``bench_gloo_recv_posting.py``).
+"""Plumbing shared by the multi-process benchmarks (``bench_schedule_bubble.py``,
+``bench_vs_torch_pipelining.py``, ``bench_sharding.py`` and others).
 
 Workers are started by ptdp's own launcher (:func:`ptdp.run.launch.launch_workers`, PyTorch's elastic
 launcher underneath) on a gloo world of ``pp`` processes with one CPU thread each; rank 0's return
@@ -18,6 +18,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from ptdp.config.model import ModelConfig
+from ptdp.config.moe import MoEConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine import comm
 from ptdp.engine.comm import AxisGroup, all_reduce
 from ptdp.engine.groups import ParallelGroups
@@ -37,6 +42,43 @@ def add_gpt_shape_arguments(ap) -> None:
     ap.add_argument("--seq-length", type=int, default=256)
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--micro-batch-size", type=int, default=4)
+
+
+def rank_batches(args, step: int, rank: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Data-parallel rank ``rank``'s microbatches of global batch ``step``: ``args.global_batch_size``
+    sequences of random tokens (seeded by the step), the rank's contiguous ``1 / dp`` of them in
+    microbatches of ``args.micro_batch_size``."""
+    gen = torch.Generator().manual_seed(step)
+    data = torch.randint(0, args.vocab_size, (args.global_batch_size, args.seq_length + 1), generator=gen)
+    per = args.global_batch_size // dp
+    mine = data[rank * per : (rank + 1) * per]
+    b = args.micro_batch_size
+    return [(mine[i : i + b, :-1], mine[i : i + b, 1:]) for i in range(0, per, b)]
+
+
+def dp_gpt_config(args, parallel: ParallelConfig, world: int, moe: MoEConfig | None = None) -> Config:
+    """The resolved config of a step-time benchmark over ``world`` ranks: ``args``' GPT (the flags of
+    :func:`add_gpt_shape_arguments`, no vocabulary padding, float32; ``moe``: its MoE options, default
+    dense), ``args.global_batch_size`` sequences per step, a constant learning rate, clipping at 1."""
+    model = ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+        make_vocab_size_divisible_by=1,
+        params_dtype="float32",
+    )
+    train = TrainConfig(
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        train_iters=10_000,
+        lr=1e-4,
+        min_lr=1e-4,
+        lr_warmup_iters=0,
+        clip_grad=1.0,
+    )
+    return resolve(Config(model=model, moe=moe or MoEConfig(), parallel=parallel, train=train), world)
 
 
 def launch(entrypoint, nproc: int, *args):

@@ -37,27 +37,31 @@ def test_gpu_run_sh_stops_at_arguments_its_stages_refuse(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_gpu_run_sh_first_runs_the_eager_and_probes_stages(tmp_path):
+def test_gpu_run_sh_first_runs_the_eager_probes_and_moe_stages(tmp_path):
     done = gpu_run("first", "out", cwd=tmp_path)  # a relative DIR is the caller's, not the checkout's
     assert done.returncode == 0, done.stderr
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == [
         "gpu_check_eager.json",
         "gpu_check_eager.log",
+        "gpu_check_moe.json",
+        "gpu_check_moe.log",
         "gpu_check_probes.json",
         "gpu_check_probes.log",
     ]
     eager = json.loads((out / "gpu_check_eager.json").read_text())
     probes = json.loads((out / "gpu_check_probes.json").read_text())
-    for r, stage in ((eager, "eager"), (probes, "probes")):
+    moe = json.loads((out / "gpu_check_moe.json").read_text())
+    for r, stage in ((eager, "eager"), (probes, "probes"), (moe, "moe")):
         assert (r["stage"], r["complete"], r["failures"], r["device"]) == (stage, True, [], "cpu")
-        assert r["budget_s"] == {"eager": 150, "probes": 150}[stage]  # gpu_run.sh's budget
+        assert r["budget_s"] == {"eager": 150, "probes": 150, "moe": 60}[stage]  # gpu_run.sh's budget
         assert f"--budget {r['budget_s']:g}" in r["command"] and r["git_commit"]
     (row,) = eager["rows"]
     assert (
         row["timed_steps"] == 3 and row["ratio_vs_plain"] > 0 and 0 < eager["max_loss_rel_diff_vs_float64_cpu"] < 1e-5
     )
     assert probes["probes"]["sdpa"]["default"]["backend"] == "FLASH_ATTENTION"
+    assert moe["moe"]["grouped_gemm"]["status"] == "used" and moe["moe"]["training"]["falling"]
     log = (out / "gpu_check_eager.log").read_text()
     assert "stage eager" in log and "ratio" in log and "stage eager" in done.stdout
 

@@ -17,7 +17,7 @@ PEAK_TFLOPS = 0.5
 
 @pytest.fixture
 def bench(monkeypatch):
-    names = ("gpu_check", "gpu_loss", "gpu_probes", "gpu_report", "gpu_speed")
+    names = ("gpu_check", "gpu_loss", "gpu_probes", "gpu_report", "gpu_speed", "gpu_moe")
     return dict(zip(names, import_scripts(monkeypatch, *names)))
 
 
@@ -114,6 +114,53 @@ def test_probes_stage_records_each_probe(bench, tmp_path):
         assert "weight_grad_into_float32" not in entry  # CUDA only
 
 
+def test_moe_stage_trains_the_moe_model_and_times_its_grouped_gemm(bench, tmp_path, capsys):
+    r = run_stage(bench, tmp_path, "moe")
+    assert (r["stage"], r["complete"], r["budget_exhausted"], r["failures"], r["notes"]) == ("moe", True, False, [], [])
+    assert (r["dtype"], r["budget_s"]) == ("float32", bench["gpu_check"].BUDGET_S["moe"])
+    moe = r["moe"]
+    m = moe["model"]
+    assert (m["num_experts"], m["topk"], m["expert_ffn"], m["dense_ffn"]) == (8, 2, 128, 256)  # k F = F_d
+    rules = moe["grouped_gemm"]
+    assert rules["usable"] and rules["status"] == "used" and rules["cutlass_kernel"] == bench["gpu_report"].NOT_ON_CPU
+    own, *more = moe["gemm"]
+    assert (own["num_experts"], own["hidden"], own["ffn"], own["tokens"]) == (8, 64, 128, 2 * 64)  # the model's
+    assert len(more) == len(bench["gpu_moe"].QUICK_GEMM_SIZES)
+    for row in moe["gemm"]:
+        assert row["grouped_gemm_used"] and row["grouped_s"] > 0 and row["loop_s"] > 0
+        assert row["max_rel_diff_grouped_vs_loop"] < 1e-5
+    run = moe["training"]
+    assert run["timed_steps"] == 3 and len(run["losses"]) == len(run["max_load"]) == 4
+    assert run["finite"] and run["falling"] and run["losses"][-1] < run["losses"][0]
+    assert all(load >= 1 for load in run["max_load"])
+    assert math.isclose(run["tokens_per_s"], moe["batch"]["tokens_per_step"] / run["median_step_s"], rel_tol=1e-12)
+    out = capsys.readouterr().out
+    assert "grouped GEMM: used" in out and "tokens/s" in out and "FAILED" not in out
+
+
+def test_moe_stage_falls_back_to_the_loop(bench, tmp_path, monkeypatch, capsys):
+    """A grouped GEMM that raises fails the stage, and the model trains with the loop; one whose
+    rules do not hold (float64) is a note."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("strides should be multiple of 16 bytes (simulated)")
+
+    monkeypatch.setattr(torch, "_grouped_mm", broken, raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        run_stage(bench, tmp_path, "moe")
+    assert exit_info.value.code == 1
+    r = json.loads((tmp_path / "gpu_check_moe.json").read_text())
+    assert r["complete"] and r["failures"] == [
+        "moe: the grouped GEMM fell back: RuntimeError: strides should be multiple of 16 bytes (simulated); "
+        "the experts ran as the loop"
+    ]
+    assert r["moe"]["gemm"] == [] and r["moe"]["training"]["falling"]
+    r = run_stage(bench, tmp_path, "moe", "--dtype", "float64")
+    assert r["failures"] == [] and not r["moe"]["grouped_gemm"]["dtype_taken"] and r["moe"]["gemm"] == []
+    assert r["notes"] == ["moe: the grouped GEMM not used: a rule above does not hold; the experts run as the loop"]
+    assert r["moe"]["training"]["falling"]
+
+
 @pytest.mark.parametrize(
     "ops, backend",
     [
@@ -150,6 +197,10 @@ def test_a_stage_out_of_budget_still_writes_what_it_has(bench, tmp_path, capsys)
     assert p["budget_exhausted"] and p["probes"]["wgrad"]["status"] == bench["gpu_report"].NOT_ON_CPU
     assert {p["probes"][k]["status"] for k in ("sdpa", "gemm", "step")} == {"not run: the stage's budget was spent"}
     assert "n/a" in capsys.readouterr().out
+    moe = run_stage(bench, tmp_path, "moe", "--budget", "1e-6")  # the trial and the first step only
+    assert moe["budget_exhausted"] and moe["failures"] == [] and len(moe["moe"]["gemm"]) == 1
+    run = moe["moe"]["training"]
+    assert len(run["losses"]) == 1 and run["stopped_by_budget"] and run["falling"] is None  # not judged
 
 
 class Killed(BaseException):
@@ -232,7 +283,7 @@ def _gpu_run_sh() -> tuple[dict[str, int], int, dict[str, list[str]]]:
     budgets = {k: int(v) for k, v in re.findall(r"\[(\w+)\]=(\d+)", re.search(r"declare -A BUDGET=\((.*)\)", text)[1])}
     grace = int(re.search(r"^GRACE_S=(\d+)$", text, re.M)[1])
     groups = {name: stages.split() for name, stages in re.findall(r'^\s*(\w+)\) stages="([\w ]+)" ;;$', text, re.M)}
-    assert re.search(r"^\s*eager \| compile \| probes\) stages=\$group ;;$", text, re.M)
+    assert re.search(r"^\s*eager \| compile \| probes \| moe\) stages=\$group ;;$", text, re.M)
     return budgets, grace, groups
 
 
