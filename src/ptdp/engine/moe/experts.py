@@ -101,10 +101,13 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def grouped_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """``torch._grouped_mm`` exists and takes these operands: float32 or bfloat16, rows of a
-    multiple of 16 bytes."""
+    multiple of 16 bytes, and on CUDA data 16-byte aligned (a sharded optimizer's parameters are
+    views at any offset of one flat buffer)."""
     if not hasattr(torch, "_grouped_mm") or x.dtype not in GROUPED_DTYPES or weight.dtype != x.dtype:
         return False
     item = x.element_size()
+    if x.is_cuda and (x.data_ptr() % 16 or weight.data_ptr() % 16):
+        return False
     return all((n * item) % 16 == 0 for n in weight.shape[1:])
 
 
