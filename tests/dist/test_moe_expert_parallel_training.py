@@ -41,6 +41,20 @@ def test_expert_parallel_training_equals_one_process(world, layout):
             _track_bf16(results, name, reference(name), ep_full_parameters(results, name))
         else:
             check_like_one_process(results, name, reference(name), ep_full_parameters(results, name))
+            _check_loads(results, name, reference(name), layout[4])
+
+
+def _check_loads(results: list[dict], name: str, ref: dict, ep: int) -> None:
+    """Every rank reports one process's tokens per expert of every MoE layer, and the most loaded
+    ep rank's load over the mean from them."""
+    for res in results:
+        for got, want in zip(res[name]["moe"], ref["moe"]):
+            assert got["moe_tokens_per_expert"] == want["moe_tokens_per_expert"], name
+            rank_loads = [
+                max(sum(t[j : j + len(t) // ep]) for j in range(0, len(t), len(t) // ep)) / (sum(t) / ep)
+                for t in want["moe_tokens_per_expert"].values()
+            ]
+            assert abs(got["moe_max_rank_load"] - max(rank_loads)) <= 1e-12, name
 
 
 def _track_bf16(results: list[dict], name: str, ref: dict, got: dict[str, torch.Tensor]) -> None:

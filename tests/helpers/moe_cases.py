@@ -213,12 +213,13 @@ def collect_ep(cfg: Config, groups: ParallelGroups, stage=None, steps: range = r
     from ptdp.engine.step import train_step
 
     stage = build_stage(cfg, groups) if stage is None else stage
-    losses, norms, comm = [], [], None
+    losses, norms, comm, moe = [], [], None, []
     for step in steps:
         groups.stats.reset()
         result = train_step(stage, rank_microbatches(step, cfg, groups.dp.rank, groups.dp.size), step)
         losses.append(result.loss)
         norms.append(result.grad_norm)
+        moe.append(result.result().moe)
         comm = comm or groups.stats.as_dict()
     stage.wait_for_params()  # optim_grads_params: every parameter whole
     params = {}
@@ -230,7 +231,7 @@ def collect_ep(cfg: Config, groups: ParallelGroups, stage=None, steps: range = r
         else:
             params[name] = (p.detach().clone(), p.ptdp_global, groups.tp.rank)
     buffers = {n: b.clone() for n, b in stage.model.named_buffers() if n.endswith(("expert_bias", "global_counts"))}
-    return {"losses": losses, "norms": norms, "params": params, "comm": comm, "buffers": buffers}
+    return {"losses": losses, "norms": norms, "params": params, "comm": comm, "buffers": buffers, "moe": moe}
 
 
 #: the variants each expert-parallel layout runs; every sharding strategy where edp > 1, and 16-bit

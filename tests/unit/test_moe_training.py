@@ -84,6 +84,11 @@ def test_expert_bias_moves_by_the_step_loads_counted_once_under_recompute():
         biases.append([layer.expert_bias.clone() for layer in layers])
     for plain, again in zip(*biases):
         torch.testing.assert_close(again, plain, rtol=0, atol=0)
+    # the next step reports the range of the biases it routed with
+    (result,) = read_results([train_step(stage, rank_microbatches(1, cfg, 0, 1), 1)])
+    every = torch.cat(biases[-1])
+    assert (result.moe["moe_expert_bias_min"], result.moe["moe_expert_bias_max"]) == (every.min(), every.max())
+    assert every.min() < every.max()
 
 
 def test_a_step_reports_its_balancing_losses_drops_and_load():
@@ -105,7 +110,17 @@ def test_a_step_reports_its_balancing_losses_drops_and_load():
             aux += float(layer.stats.aux + layer.stats.z) / len(microbatches)
             dropped += float(layer.stats.dropped)
             loads[i] += layer.stats.counts.double()
-    assert set(result.moe) == {"moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_max_load"}
+    assert set(result.moe) == {
+        "moe_aux_loss",
+        "moe_z_loss",
+        "moe_dropped_fraction",
+        "moe_max_load",
+        "moe_max_rank_load",
+        "moe_tokens_per_expert",
+    }
+    ids = [layer.layer_id for layer in layers]
+    assert result.moe["moe_tokens_per_expert"] == {str(i): load.long().tolist() for i, load in zip(ids, loads)}
+    assert result.moe["moe_max_rank_load"] == 1.0  # one ep rank holds every expert
     assert abs(result.moe["moe_aux_loss"] + result.moe["moe_z_loss"] - aux) <= 1e-12 * aux
     assigned = len(layers) * len(microbatches) * 2 * 16 * 2
     assert result.moe["moe_dropped_fraction"] == dropped / assigned > 0

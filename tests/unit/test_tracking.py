@@ -110,8 +110,18 @@ def test_tensorboard_gets_every_numeric_field_of_the_metrics_lines(tmp_path):
         }
     )
     log.write({"iteration": 2, "loss": float("nan"), "loss_scale": 512.0})
+    moe = {"moe_aux_loss": 0.125, "moe_z_loss": 0.5, "moe_dropped_fraction": 0.25, "moe_max_load": 1.5}
+    moe |= {"moe_max_rank_load": 1.25, "moe_expert_bias_min": -0.5, "moe_expert_bias_max": 0.25}
+    log.write({"iteration": 3, **moe, "moe_tokens_per_expert": {"1": [4, 2, 1, 1], "3": [2, 2, 2, 2]}})
     log.write({"event": "restart", "resumed_from_iteration": 1})
     log.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    histogram = events.Histograms("moe/tokens_per_expert/layer1")[0]
+    assert histogram.step == 3 and histogram.histogram_value.num == 4 and histogram.histogram_value.sum == 8
+    assert histogram.histogram_value.max == 4 and histogram.histogram_value.min == 1
     scalars = read_scalars(tmp_path / "tb")
     assert scalars == {
         "val/loss": [(0, 5.5)],
@@ -124,6 +134,9 @@ def test_tensorboard_gets_every_numeric_field_of_the_metrics_lines(tmp_path):
         "throughput/mfu": [(1, 0.375)],
         "memory/peak_bytes": [(1, 2.0**20)],
         "train/loss_scale": [(2, 512.0)],
+        **{f"moe/{k[4:]}": [(3, v)] for k, v in moe.items()},
+        "moe/max_load/layer1": [(3, 2.0)],
+        "moe/max_load/layer3": [(3, 1.0)],
     }
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import overload
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +34,10 @@ from ptdp.layout.lr_schedule import lr_at
 from ptdp.layout.pipeline.program import build_programs
 
 NONFINITE_LOSS = "non-finite loss"
-#: the names of an MoE step's metrics (:attr:`StepResult.moe`), in their order after the five others
-MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_max_load")
+#: the names of an MoE step's scalar metrics (:attr:`StepResult.moe`), in their order after the five
+#: others; then, with expert biases, :data:`MOE_BIAS_METRICS`
+MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_max_load", "moe_max_rank_load")
+MOE_BIAS_METRICS = ("moe_expert_bias_min", "moe_expert_bias_max")
 NONFINITE_GRAD_NORM = "non-finite gradient norm"
 FP16_OVERFLOW = "float16 overflow"
 
@@ -57,11 +59,13 @@ class StepResult:
     """:data:`NONFINITE_LOSS` or :data:`NONFINITE_GRAD_NORM` (on some rank), or
     :data:`FP16_OVERFLOW`: float16 gradients overflowed at a loss scale that can still be halved
     (the scaler's ordinary business, not a failure)."""
-    moe: dict[str, float] | None = None
+    moe: dict[str, Any] | None = None
     """Mixture-of-experts models: ``moe_aux_loss`` and ``moe_z_loss`` (summed over the MoE layers,
     each the mean over the step's micro-batches), ``moe_dropped_fraction`` (of all routed
-    assignments) and ``moe_max_load`` (the most loaded expert's load over the mean, the largest
-    over the layers, loads over the global batch)."""
+    assignments), ``moe_max_load`` and ``moe_max_rank_load`` (the most loaded expert's, and ep
+    rank's, load over the mean, the largest over the layers, loads over the global batch), with
+    expert biases ``moe_expert_bias_min``/``max`` (over every layer, as the step routed), and
+    ``moe_tokens_per_expert``: ``{layer: [E] assignments}`` over the global batch per MoE layer."""
 
     @property
     def nonfinite(self) -> bool:
@@ -69,18 +73,39 @@ class StepResult:
         return self.skip_reason in (NONFINITE_LOSS, NONFINITE_GRAD_NORM)
 
 
+@dataclass(frozen=True)
+class MoEValues:
+    """How an MoE step's values continue after the five others: the scalars ``names``, then the
+    ``[len(layers), experts]`` tokens per expert of the MoE layers ``layers`` (global indices)."""
+
+    names: tuple[str, ...]
+    layers: tuple[int, ...]
+    experts: int
+
+    def parse(self, row: list[float]) -> dict[str, Any]:
+        n, e = len(self.names), self.experts
+        out: dict[str, Any] = dict(zip(self.names, row[:n]))
+        table = row[n:]
+        out["moe_tokens_per_expert"] = {
+            str(layer): [int(v) for v in table[i * e : (i + 1) * e]] for i, layer in enumerate(self.layers)
+        }
+        return out
+
+
 class PendingStep:
     """What :func:`train_step` returns: the step's metrics while they are still on the device.
 
     ``values``: float64 ``[5]`` on the device, equal on every rank: mean loss, gradient norm before
     clipping, ranks with a non-finite loss, ranks with a non-finite norm (float16: or inf/nan
-    gradients), loss scale used (1 without a scaler). Read to the host only by :meth:`result` or
-    :func:`read_results`. ``min_scale``: the float16 scaler's smallest scale (None without one),
-    telling :data:`FP16_OVERFLOW` from :data:`NONFINITE_GRAD_NORM`.
+    gradients), loss scale used (1 without a scaler); an MoE step's continue as ``moe`` says. Read
+    to the host only by :meth:`result` or :func:`read_results`. ``min_scale``: the float16 scaler's
+    smallest scale (None without one), telling :data:`FP16_OVERFLOW` from :data:`NONFINITE_GRAD_NORM`.
     """
 
-    def __init__(self, values: torch.Tensor, lr: float, min_scale: float | None = None) -> None:
-        self.values, self.lr, self.min_scale = values, lr, min_scale
+    def __init__(
+        self, values: torch.Tensor, lr: float, min_scale: float | None = None, moe: MoEValues | None = None
+    ) -> None:
+        self.values, self.lr, self.min_scale, self.moe = values, lr, min_scale, moe
         self._result: StepResult | None = None
 
     def result(self) -> StepResult:
@@ -91,7 +116,7 @@ class PendingStep:
 
     def _resolve(self, row: list[float]) -> None:
         loss, norm, bad_losses, bad_norms, scale = row[:5]
-        moe = dict(zip(MOE_METRICS, row[5:])) if len(row) > 5 else None
+        moe = self.moe.parse(row[5:]) if self.moe is not None else None
         scaled = self.min_scale is not None
         reason = None
         if bad_losses or not math.isfinite(loss):
@@ -201,12 +226,15 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     norm = global_grad_norm(stage.model, stage.grads, g, experts)
     values = _step_values(stage, losses, len(microbatches), norm, overflow, scale)
     loads = _moe_loads(stage) if cfg.moe.enabled else []  # for the metrics and the expert biases
+    moe = None
     if cfg.moe.enabled:
-        values = torch.cat([values, _moe_values(stage, len(microbatches), loads)])
+        moe_values, moe = _moe_values(stage, len(microbatches), loads)
+        values = torch.cat([values, moe_values])
     pending = PendingStep(
         values,
         lr_at(iteration, cfg.train),
         stage.scaler.min_scale if stage.scaler is not None else None,
+        moe,
     )
     skip = (pending.values[2] + pending.values[3] > 0) | ~pending.values[0].isfinite()
     if stage.scaler is not None:
@@ -314,15 +342,19 @@ def _moe_loads(stage: Stage) -> list[tuple[MoELayer, torch.Tensor]]:
     return list(zip([layer for layer, _ in counted], loads.view(len(counted), -1)))
 
 
-def _moe_values(stage: Stage, m: int, loads: list[tuple[MoELayer, torch.Tensor]]) -> torch.Tensor:
-    """:data:`MOE_METRICS` of the step as float64 ``[4]`` on the device, the same on every rank: the
-    losses' shares summed over the world over ``m dp`` micro-batches; the drops counted by tp and cp
-    rank 0 (the micro-batch's, already shared) over the assignments; each stage's largest
-    max/mean of its layers' ``loads`` (:func:`_moe_loads`) maxed over the world. Communication: a
-    world all-reduce of 4 and a world max of 1."""
+def _moe_values(stage: Stage, m: int, loads: list[tuple[MoELayer, torch.Tensor]]) -> tuple[torch.Tensor, MoEValues]:
+    """The step's MoE values as float64 on the device, the same on every rank, and their
+    :class:`MoEValues`: :data:`MOE_METRICS` (the losses' shares summed over the world over ``m dp``
+    micro-batches; the drops counted by tp and cp rank 0, the micro-batch's, over the assignments;
+    the largest max/mean over experts and over ep ranks of every layer's ``loads``), with expert
+    biases :data:`MOE_BIAS_METRICS`, then every MoE layer's ``[E]`` loads (each stage's filled in,
+    summed over pp). Communication: a world all-reduce of 4, a pp all-reduce of the layers' loads
+    (tag ``moe_load``) and with expert biases a world max of 2."""
     g, cfg = stage.groups, stage.config
+    e = cfg.moe.num_experts or 0
+    layer_ids = tuple(i for i, on in enumerate(cfg.moe.moe_layers(cfg.model.num_layers)) if on)
     sums = torch.zeros(4, dtype=torch.float64, device=stage.device)
-    max_load = torch.zeros(1, dtype=torch.float64, device=stage.device)
+    table = torch.zeros(len(layer_ids), e, dtype=torch.float64, device=stage.device)
     if loads:
         step_sums = [layer.step_sums for layer, _ in loads if layer.step_sums is not None]
         sums[:2] = sum(part[:2] for part in step_sums)
@@ -330,10 +362,24 @@ def _moe_values(stage: Stage, m: int, loads: list[tuple[MoELayer, torch.Tensor]]
             t = cfg.train.micro_batch_size * cfg.model.seq_length * cfg.moe.moe_router_topk
             sums[2] = sum(part[2] for part in step_sums)
             sums[3] = float(len(loads) * m * t)
-        per_layer = torch.stack([load for _, load in loads])
-        max_load[0] = (per_layer.max(dim=1).values / per_layer.mean(dim=1).clamp(min=1e-30)).max()
+        for layer, load in loads:
+            table[layer_ids.index(layer.layer_id)] = load
     all_reduce(sums, g.world, tag="metrics")
-    all_reduce(max_load, g.world, op="max", tag="metrics")
-    return torch.stack(
-        [sums[0] / (m * g.dp.size), sums[1] / (m * g.dp.size), sums[2] / sums[3].clamp(min=1.0), max_load[0]]
-    )
+    all_reduce(table, g.pp, tag="moe_load")
+    ep = cfg.parallel.ep
+    mean = table.mean(dim=1).clamp(min=1e-30)
+    max_load = (table.max(dim=1).values / mean).max()
+    max_rank_load = (table.view(len(layer_ids), ep, e // ep).sum(2).max(dim=1).values / (mean * (e // ep))).max()
+    values = [sums[0] / (m * g.dp.size), sums[1] / (m * g.dp.size), sums[2] / sums[3].clamp(min=1.0)]
+    names: tuple[str, ...] = MOE_METRICS
+    out = torch.stack([*values, max_load, max_rank_load])
+    if cfg.moe.moe_router_enable_expert_bias:
+        names = MOE_METRICS + MOE_BIAS_METRICS
+        ends = torch.full((2,), -math.inf, dtype=torch.float64, device=stage.device)
+        biases = [layer.expert_bias for layer, _ in loads if layer.expert_bias is not None]
+        if biases:
+            every = torch.cat(biases).to(torch.float64)
+            ends = torch.stack([-every.min(), every.max()])
+        all_reduce(ends, g.world, op="max", tag="metrics")
+        out = torch.cat([out, torch.stack([-ends[0], ends[1]])])
+    return torch.cat([out, table.reshape(-1)]), MoEValues(names, layer_ids, e)

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ptdp.config.schema import Config
 from ptdp.errors import ConfigError
 
@@ -31,7 +33,19 @@ SCALARS = {
     "tflops_per_gpu": "throughput/tflops_per_gpu",
     "mfu": "throughput/mfu",
     "peak_memory_bytes": "memory/peak_bytes",
+    "moe_aux_loss": "moe/aux_loss",
+    "moe_z_loss": "moe/z_loss",
+    "moe_dropped_fraction": "moe/dropped_fraction",
+    "moe_max_load": "moe/max_load",
+    "moe_max_rank_load": "moe/max_rank_load",
+    "moe_expert_bias_min": "moe/expert_bias_min",
+    "moe_expert_bias_max": "moe/expert_bias_max",
 }
+
+TOKENS_PER_EXPERT = "moe_tokens_per_expert"
+"""The metrics line's ``{layer: [E] tokens}`` of an MoE step: per layer the scalar
+``moe/max_load/layer<L>`` (most loaded expert over the mean) and the histogram
+``moe/tokens_per_expert/layer<L>``."""
 
 #: tracker -> (the package it needs, the extra that installs it, the flag asking for it, the module
 #: rank 0 imports for it: :class:`Trackers`).
@@ -124,8 +138,9 @@ def _run_id(run_dir: Path | None) -> str | None:
 class Trackers:
     """The trackers of a run on global rank 0 (an instance with none on the other ranks).
 
-    ``log(record)`` sends a metrics line's numeric fields of :data:`SCALARS` at step
-    ``record["iteration"]``; other lines (restart events) and other fields are left out.
+    ``log(record)`` sends a metrics line's numeric fields of :data:`SCALARS` (and an MoE step's
+    :data:`TOKENS_PER_EXPERT`) at step ``record["iteration"]``; other lines (restart events) and
+    other fields are left out.
     ``close()`` flushes and closes them (W&B: ``finish``).
     """
 
@@ -167,14 +182,27 @@ class Trackers:
             for k, v in record.items()
             if k in SCALARS and isinstance(v, (int, float)) and not isinstance(v, bool)
         }
+        tokens = record.get(TOKENS_PER_EXPERT) or {}
+        for layer, counts in tokens.items():
+            mean = sum(counts) / len(counts) if counts else 0.0
+            scalars[f"moe/max_load/layer{layer}"] = max(counts) / mean if mean > 0 else 0.0
         if not scalars:
             return
         step = int(record["iteration"])
         if self._tensorboard is not None:
             for name, value in scalars.items():
                 self._tensorboard.add_scalar(name, value, global_step=step)
+            for layer, counts in tokens.items():
+                self._tensorboard.add_histogram(
+                    f"moe/tokens_per_expert/layer{layer}", np.asarray(counts, dtype=np.float64), global_step=step
+                )
         if self._wandb is not None:
-            self._wandb.log(scalars, step=step)
+            import wandb
+
+            histograms = {
+                f"moe/tokens_per_expert/layer{layer}": wandb.Histogram(counts) for layer, counts in tokens.items()
+            }
+            self._wandb.log({**scalars, **histograms}, step=step)
 
     def close(self) -> None:
         if self._tensorboard is not None:
