@@ -9,6 +9,7 @@ import torch
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
 from ptdp.config.model import ModelConfig
+from ptdp.config.moe import MoEConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
@@ -25,7 +26,15 @@ STEPS = 3
 
 
 def tiny_config(
-    tp: int, pp: int, dp: int, dtype: str, *, train_overrides=None, parallel_overrides=None, **model_overrides
+    tp: int,
+    pp: int,
+    dp: int,
+    dtype: str,
+    *,
+    train_overrides=None,
+    parallel_overrides=None,
+    moe: MoEConfig | None = None,
+    **model_overrides,
 ) -> Config:
     model = ModelConfig(
         num_layers=4,
@@ -60,7 +69,7 @@ def tiny_config(
         data_parallel_size=dp,
         **(parallel_overrides or {}),
     )
-    return resolve(Config(model=model, parallel=par, train=train), tp * pp * dp)
+    return resolve(Config(model=model, parallel=par, train=train, moe=moe or MoEConfig()), tp * pp * dp)
 
 
 def global_batch(step: int, cfg: Config) -> torch.Tensor:

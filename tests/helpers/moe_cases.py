@@ -93,9 +93,10 @@ VARIANTS = {
 
 
 #: a variant's name may add ``:<sharding strategy>`` (over dp x cp, experts over edp), ``:bf16``,
-#: ``:allgather`` (the dispatcher) or ``:interleaved`` (1F1B over two chunks of one layer per stage)
+#: ``:allgather`` (the dispatcher), ``:interleaved`` (1F1B over two chunks of one layer per stage)
+#: or ``:pad`` (expert inputs padded to the capacity)
 SHARDING = {"optim", "optim_grads", "optim_grads_params"}
-OPTIONS = SHARDING | {"bf16", "allgather", "interleaved"}
+OPTIONS = SHARDING | {"bf16", "allgather", "interleaved", "pad"}
 
 
 def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1, etp: int = 1) -> Config:
@@ -106,6 +107,8 @@ def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1, etp: 
     model_overrides, moe = VARIANTS[base]
     if "bf16" in options:
         model_overrides = {**model_overrides, "params_dtype": "bfloat16"}
+    if "pad" in options:
+        moe = dataclasses.replace(moe, moe_pad_expert_input_to_capacity=True)
     sharding = [o for o in options if o in SHARDING]
     model = dataclasses.replace(
         ModelConfig(
@@ -151,7 +154,7 @@ def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1, etp: 
 
 #: the variants each layout runs (besides "moe", run everywhere): every one at two layouts or more
 RUNS = {
-    (2, 1, 1, 1): ["moe_capacity_shared", "moe_forced"],
+    (2, 1, 1, 1): ["moe_capacity_shared", "moe_forced", "moe_capacity_shared:pad"],
     (1, 2, 1, 1): ["moe_capacity_shared", "moe_bias"],
     (1, 1, 2, 1): ["moe_llama_sigmoid", "moe_bias"],
     (1, 1, 1, 2): ["moe_llama_sigmoid", "moe_forced", "moe_global"],
@@ -240,11 +243,11 @@ EP_RUNS = {
     (1, 1, 1, 2, 2): ["moe_ep", "moe_llama_sigmoid"],
     (1, 1, 1, 4, 4): ["moe_ep", "moe_ep_dropless", "moe_ep:allgather"],
     (2, 1, 1, 2, 2): ["moe_ep", "moe_ep:optim_grads_params"],
-    (1, 2, 1, 2, 2): ["moe_ep", "moe_ep:optim"],
+    (1, 2, 1, 2, 2): ["moe_ep", "moe_ep:optim", "moe_ep:pad"],
     (1, 1, 2, 2, 2): ["moe_ep", "moe_llama_sigmoid", "moe_ep:bf16", "moe_ep:interleaved"],
     (1, 1, 1, 4, 2): ["moe_ep:optim_grads", "moe_ep:bf16:optim"],
     (1, 1, 1, 2, 1, 2): ["moe_ep_swiglu"],
-    (1, 1, 1, 4, 2, 2): ["moe_ep_swiglu"],
+    (1, 1, 1, 4, 2, 2): ["moe_ep_swiglu", "moe_ep_swiglu:pad:allgather"],
     (2, 1, 1, 2, 1, 2): ["moe_ep_swiglu:optim", "moe_ep_swiglu:allgather"],
 }
 

@@ -52,13 +52,14 @@ def counted_run(
     run_dir: Path,
     dtype: str = "float64",
     device: str = "cpu",
+    moe=None,
     **parallel,
 ) -> dict:
     """Train ITERS steps through the trainer on ``device``, counting each step's synchronisations
-    (the shim on the CPU, CUDA's sync debug mode on a GPU); returns ``{"per_step": {iteration:
+    (the shim on the CPU, CUDA's sync debug mode on a GPU); ``moe``: a ``MoEConfig``; returns ``{"per_step": {iteration:
     [calls]}, "final_loss", "iterations"}``."""
     counting = count_cuda_syncs if torch.device(device).type == "cuda" else count_host_syncs
-    cfg = tiny_config(tp, pp, dp, dtype, parallel_overrides=parallel)
+    cfg = tiny_config(tp, pp, dp, dtype, parallel_overrides=parallel, moe=moe)
     cfg = dataclasses.replace(
         cfg,
         train=dataclasses.replace(

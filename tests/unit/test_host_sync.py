@@ -52,3 +52,30 @@ def test_no_cuda_synchronisation_in_a_step_that_is_not_logged(tmp_path, dtype):
     for iteration, calls in run["per_step"].items():
         if iteration > 2:  # the first steps create state and warm up kernels
             assert len(calls) <= (1 if logged(iteration) else 0), (iteration, calls)
+
+
+def test_mixture_of_experts_steps_synchronise_only_for_the_loop_splits(tmp_path):
+    """On one rank the grouped GEMM runs from device offsets and capacity padding fixes every
+    split: no synchronisation in a step that is not logged. The per-expert loop reads its splits:
+    one per MoE layer and micro-batch."""
+    from ptdp.config.moe import MoEConfig
+
+    runs = {
+        "grouped": ("float32", MoEConfig(num_experts=4, moe_grouped_gemm=True, moe_aux_loss_coeff=0.01), 0),
+        "padded": (
+            "float64",
+            MoEConfig(num_experts=4, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
+            0,
+        ),
+        "loop": ("float64", MoEConfig(num_experts=4, moe_z_loss_coeff=1e-3), 4 * 4),  # 4 layers x 4 micro-batches
+    }
+    for name, (dtype, moe, per_step) in runs.items():
+        with label_check_on_device():
+            run = counted_run(ParallelGroups.single_process(), 1, 1, 1, tmp_path / name, dtype, moe=moe)
+        assert run["iterations"] == ITERS and run["final_loss"] is not None
+        for iteration, calls in run["per_step"].items():
+            if iteration == 1:
+                continue
+            moe_calls = [c for c in calls if "experts.py" in c]
+            assert len(moe_calls) == per_step, (name, iteration, calls)
+            assert len(calls) - len(moe_calls) == (1 if logged(iteration) else 0), (name, iteration, calls)

@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from ptdp.engine.moe.losses import counts_of
+
 POLICIES = ("probs", "position")
 
 
@@ -47,7 +49,7 @@ def keep_mask(
     for key in keys:
         order = order[torch.sort(key[order], stable=True).indices]
     sorted_expert = flat_expert[order]
-    counts = torch.bincount(flat_expert, minlength=num_experts)
+    counts = counts_of(flat_expert, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     rank_in_expert = torch.arange(n * k, device=experts.device) - starts[sorted_expert]
     keep = torch.empty(n * k, dtype=torch.bool, device=experts.device)

@@ -170,7 +170,10 @@ class Experts(nn.Module):
             )
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, splits: list[int] | None = None) -> torch.Tensor:
-        """``x`` ``[N, h]`` sorted by local expert, ``counts[e]`` rows each; returns ``[N, h]``."""
+        """``x`` ``[N, h]`` sorted by local expert, ``counts[e]`` rows each (``splits``: the same on
+        the host, else read once when the loop needs them); returns ``[N, h]``."""
+        if splits is None and not (self.grouped and grouped_supported(x, self.fc1_weight)):
+            splits = counts.tolist()
         rows = None
         if self.fc1_bias is not None:
             rows = torch.repeat_interleave(

@@ -29,7 +29,7 @@ from ptdp.engine.groups import ExpertGroups
 from ptdp.engine.moe.capacity import expert_capacity, keep_mask
 from ptdp.engine.moe.dispatch import exchange
 from ptdp.engine.moe.experts import Experts
-from ptdp.engine.moe.losses import expert_counts, switch_aux_share, z_loss_share
+from ptdp.engine.moe.losses import counts_of, expert_counts, switch_aux_share, z_loss_share
 from ptdp.engine.moe.router import ROUTER_DTYPES, Routing, balanced_assignment, route
 from ptdp.engine.tensor_parallel.sharding import GlobalParam, make_parameter
 
@@ -157,12 +157,16 @@ class MoELayer(nn.Module):
             forced=forced,
         )
         n = s * b
-        keep = None
+        keep = capacity = None
         if moe.moe_expert_capacity_factor is not None:
-            keep = self._keep(
-                routing, token_ids, expert_capacity(n, k, self.num_experts, moe.moe_expert_capacity_factor)
-            )
-        out = self._experts(tokens, routing.experts, routing.weights.to(x.dtype), keep).view(s_local, b, h)
+            capacity = expert_capacity(n, k, self.num_experts, moe.moe_expert_capacity_factor)
+            keep = self._keep(routing, token_ids, capacity)
+        weights = routing.weights.to(x.dtype)
+        if keep is not None and capacity is not None and moe.moe_pad_expert_input_to_capacity:
+            out = self._padded_experts(tokens, routing.experts, weights, keep, capacity)
+        else:
+            out = self._experts(tokens, routing.experts, weights, keep)
+        out = out.view(s_local, b, h)
         if self.shared is not None:
             out = out + self.shared(x)
         loss = self._losses(routing, n, b, s, keep, token_ids)
@@ -196,23 +200,50 @@ class MoELayer(nn.Module):
     def _experts(
         self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None
     ) -> torch.Tensor:
-        """Every kept assignment's expert output, weighted and summed per token in slot order."""
+        """Every kept assignment's expert output, weighted and summed per token in slot order. With
+        drops, selecting the kept assignments reads their number to the host (``nonzero``)."""
         t, k = experts.shape
         flat = experts.reshape(-1)
         kept = torch.arange(t * k, device=tokens.device) if keep is None else keep.reshape(-1).nonzero().squeeze(1)
         order = kept[torch.sort(flat[kept], stable=True).indices]
-        counts = torch.bincount(flat[kept], minlength=self.num_experts)
-        rows = tokens[order // k]
-        if self.ep_etp.size == 1:
-            y = self.experts(rows, counts)
-        elif self.dispatcher == "allgather":
-            y = self._all_gathered(rows, counts)
-        else:
-            y = self._expert_parallel(rows, counts)
+        counts = counts_of(flat[kept], self.num_experts)
+        y = self._run(tokens[order // k], counts)
         full = torch.zeros(t * k, tokens.shape[1], dtype=y.dtype, device=y.device).index_copy(0, order, y)
         return (full.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
-    def _expert_parallel(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _padded_experts(
+        self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor, capacity: int
+    ) -> torch.Tensor:
+        """:meth:`_experts` with every expert's input padded to ``capacity`` rows (zeros after the
+        rank's kept assignments, in token order): all shapes and splits fixed, no host
+        synchronisation. Dropped assignments go to a scratch row past the ``E C`` slots."""
+        t, k = experts.shape
+        e, c = self.num_experts, capacity
+        key = torch.where(keep.reshape(-1), experts.reshape(-1), e)  # e: dropped
+        order = torch.sort(key, stable=True).indices
+        counts = counts_of(key, e + 1)
+        sorted_key = key[order]
+        place = torch.arange(t * k, device=tokens.device) - (torch.cumsum(counts, 0) - counts)[sorted_key]
+        slot_sorted = torch.where(sorted_key < e, sorted_key * c + place, e * c)
+        slot = torch.empty_like(slot_sorted).index_copy(0, order, slot_sorted)
+        source = tokens.repeat_interleave(k, dim=0)
+        rows = tokens.new_zeros(e * c + 1, tokens.shape[1]).index_copy(0, slot, source)[: e * c]
+        y = self._run(rows, torch.full((e,), c, dtype=torch.int64, device=tokens.device), capacity=c)
+        full = torch.cat([y, y.new_zeros(1, y.shape[1])])[slot]
+        return (full.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+    def _run(self, rows: torch.Tensor, counts: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
+        """The experts' outputs for ``rows`` sorted by global expert, ``counts[e]`` of expert ``e``
+        (each ``capacity`` when padded: splits known without reading ``counts``), on this rank or
+        through the dispatcher."""
+        if self.ep_etp.size == 1:
+            splits = [capacity] * self.num_experts if capacity is not None else None
+            return self.experts(rows, counts, splits)
+        if self.dispatcher == "allgather":
+            return self._all_gathered(rows, counts, capacity)
+        return self._expert_parallel(rows, counts, capacity)
+
+    def _expert_parallel(self, rows: torch.Tensor, counts: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
         """The experts' outputs for ``rows`` (sorted by global expert, ``counts[e]`` for expert ``e``)
         computed on the ep x etp ranks holding them: counts, then rows, exchanged over ep; with
         etp > 1 the etp ranks gather what each received (all rows to every shard of an expert),
@@ -220,16 +251,23 @@ class MoELayer(nn.Module):
         order), and the partial outputs are summed back to the rank that received each row (a
         reduce-scatter); the outputs return by the reverse ep exchange. The etp gather and
         reduce-scatter are ``all_to_all`` with uneven splits (a rank's rows sent to each etp peer).
-        One host synchronisation (the splits)."""
+        One host synchronisation (the splits); none when padded to ``capacity`` rows per expert."""
         ep, etp, local = self.ep, self.etp, self.num_experts // self.ep.size
-        received = all_to_all(counts, ep, in_splits=[local] * ep.size, out_splits=[local] * ep.size, tag="moe_counts")
-        # [etp x ep, local]: rows per local expert that each source sent to each etp peer
-        by_source = all_gather_along(received, etp, dim=0, tag="moe_counts").view(etp.size * ep.size, local)
-        splits = torch.cat(
-            [counts.view(ep.size, local).sum(1), received.view(ep.size, local).sum(1), by_source.view(-1)]
-        )
-        host = splits.tolist()
-        send, recv, each = host[: ep.size], host[ep.size : 2 * ep.size], host[2 * ep.size :]
+        if capacity is not None:  # every source sends `capacity` rows per expert
+            by_source = torch.full((etp.size * ep.size, local), capacity, dtype=counts.dtype, device=counts.device)
+            send = recv = [local * capacity] * ep.size
+            each = [capacity] * (etp.size * ep.size * local)
+        else:
+            received = all_to_all(
+                counts, ep, in_splits=[local] * ep.size, out_splits=[local] * ep.size, tag="moe_counts"
+            )
+            # [etp x ep, local]: rows per local expert that each source sent to each etp peer
+            by_source = all_gather_along(received, etp, dim=0, tag="moe_counts").view(etp.size * ep.size, local)
+            splits = torch.cat(
+                [counts.view(ep.size, local).sum(1), received.view(ep.size, local).sum(1), by_source.view(-1)]
+            )
+            host = splits.tolist()
+            send, recv, each = host[: ep.size], host[ep.size : 2 * ep.size], host[2 * ep.size :]
         per_peer = ep.size * local  # entries of `each` per etp peer
         peers = [sum(each[j * per_peer : (j + 1) * per_peer]) for j in range(etp.size)]
         per_expert = [sum(each[j * local + e] for j in range(etp.size * ep.size)) for e in range(local)]
@@ -250,17 +288,22 @@ class MoELayer(nn.Module):
             back = back.view(etp.size, mine, -1).sum(0)
         return exchange(back, ep, recv, send, tag="moe_combine")
 
-    def _all_gathered(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _all_gathered(self, rows: torch.Tensor, counts: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
         """The allgather dispatcher: every rank of the ep x etp group gathers all of the group's
         ``rows`` (and ``[E]`` counts), runs its shards of its ``E / ep`` experts on the rows routed to
         them (grouped by local expert, sources in group order) and the group reduce-scatters the
         outputs (zero where a rank holds no shard of the row's expert) back to each row's rank. The
         gather and the reduce-scatter are ``all_to_all`` with uneven splits, tags
-        ``moe_allgather`` and ``moe_reduce_scatter``. One host synchronisation (the counts)."""
+        ``moe_allgather`` and ``moe_reduce_scatter``. One host synchronisation (the counts); none
+        when padded to ``capacity`` rows per expert."""
         group, local = self.ep_etp, self.num_experts // self.ep.size
         lo = self.ep.rank * local
-        every = all_gather_along(counts, group, dim=0, tag="moe_counts").view(group.size, self.num_experts)
-        host = every.tolist()
+        if capacity is not None:
+            every = torch.full((group.size, self.num_experts), capacity, dtype=counts.dtype, device=counts.device)
+            host = [[capacity] * self.num_experts for _ in range(group.size)]
+        else:
+            every = all_gather_along(counts, group, dim=0, tag="moe_counts").view(group.size, self.num_experts)
+            host = every.tolist()
         sizes = [sum(row) for row in host]
         mine = sizes[group.rank]
         gathered = exchange(rows.repeat(group.size, 1), group, [mine] * group.size, sizes, tag="moe_allgather")

@@ -20,11 +20,18 @@ from __future__ import annotations
 import torch
 
 
+def counts_of(index: torch.Tensor, size: int) -> torch.Tensor:
+    """``[size]`` int64: how often each value of ``index`` (int64, each in ``[0, size)``) occurs;
+    a scatter-add into a tensor of known size (``torch.bincount`` reads the maximum to the host on
+    CUDA)."""
+    return torch.zeros(size, dtype=torch.int64, device=index.device).scatter_add_(0, index, torch.ones_like(index))
+
+
 def expert_counts(experts: torch.Tensor, unit: torch.Tensor, num_units: int, num_experts: int) -> torch.Tensor:
     """``[units, E]`` assignments per unit and expert of this rank's ``experts`` ``[T, k]``, token
     ``t`` in unit ``unit[t]`` (float, the router dtype of the caller's choice: int64 here)."""
     index = unit.unsqueeze(1) * num_experts + experts
-    return torch.bincount(index.reshape(-1), minlength=num_units * num_experts).view(num_units, num_experts)
+    return counts_of(index.reshape(-1), num_units * num_experts).view(num_units, num_experts)
 
 
 def switch_aux_share(
