@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         f"ptdp train: {nproc} workers, tp={p.tp}{f' cp={p.cp}' if p.cp > 1 else ''} pp={p.pp} dp={p.dp}, "
         f"{config.num_microbatches} microbatches of {config.train.micro_batch_size} per step; "
         f"{m.family} {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
-        f"seq {m.seq_length}, vocab {data.vocab_size}\n"
+        f"seq {m.seq_length}, vocab {data.vocab_size}{_moe_summary(config)}\n"
         f"data: {data.num_train_tokens:,} train / {data.num_valid_tokens:,} validation tokens\n"
         f"run directory: {run_dir}" + binding,
         flush=True,
@@ -116,3 +116,13 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(format_summary(summary, run_dir), flush=True)
     return 0
+
+
+def _moe_summary(config) -> str:
+    """The start line's mixture-of-experts part: experts, top-k, MoE layers, the expert grid."""
+    moe, p = config.moe, config.parallel
+    if not moe.enabled:
+        return ""
+    layers = sum(moe.moe_layers(config.model.num_layers))
+    grid = "".join(f" {name}={size}" for name, size in (("ep", p.ep), ("etp", p.etp)) if size > 1)
+    return f"; MoE {moe.num_experts} experts, top-{moe.moe_router_topk}, {layers} MoE layers{grid}"
