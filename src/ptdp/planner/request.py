@@ -48,6 +48,7 @@ _SHAPE_FLAGS = (
     "vocab_size",
     "seq_length",
     "num_query_groups",
+    "kv_channels",
     "swiglu",
     "untie_embeddings_and_output_weights",
     "kv_repeated",

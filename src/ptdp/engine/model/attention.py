@@ -28,13 +28,14 @@ from ptdp.engine.tensor_parallel.random import DropoutRNG
 class Attention(nn.Module):
     """Causal self-attention split by heads: QKV column-parallel, output projection row-parallel.
 
-    Multi-head: the fused projection is ``[q | k | v]`` (``h`` rows each), each block split over
-    tp, so a rank holds its ``a / tp`` heads' q, k, v. Grouped-query with G groups: laid out
-    ``[q of the a/G heads of group 0, k_0, v_0, q of group 1, k_1, v_1, ...]`` (``d`` rows per head)
-    and split contiguously, so a rank holds ``G / tp`` whole groups (query head i uses key/value
-    head ``i // (a/G)``). Attention dropout uses stream ``layer.<i>/head<j>`` for global head ``j``.
-    Input and output ``[s, b, h]`` (``[s/t, b, h]`` with ``sequence_parallel``). With cp of size
-    C > 1: this rank's ``s/C`` rows (chunks ``r`` and ``2C - 1 - r``), the core being
+    Heads have ``d`` channels (``cfg.head_dim``: ``kv_channels``, else ``h / a``); the output
+    projection reads ``a d``. Multi-head: the fused projection is ``[q | k | v]`` (``a d`` rows
+    each), each block split over tp, so a rank holds its ``a / tp`` heads' q, k, v. Grouped-query
+    with G groups: laid out ``[q of the a/G heads of group 0, k_0, v_0, q of group 1, k_1, v_1,
+    ...]`` (``d`` rows per head) and split contiguously, so a rank holds ``G / tp`` whole groups
+    (query head i uses key/value head ``i // (a/G)``). Attention dropout uses stream
+    ``layer.<i>/head<j>`` for global head ``j``. Input and output ``[s, b, h]`` (``[s/t, b, h]`` with ``sequence_parallel``). With cp
+    of size C > 1: this rank's ``s/C`` rows (chunks ``r`` and ``2C - 1 - r``), the core being
     :func:`~ptdp.engine.context_parallel.cp_attention.context_parallel_attention` over ``cp``
     (its docstring gives the bytes); dropout masks are the whole attention's rows ``[b, a/t, s/C, s]``.
     """
@@ -53,17 +54,17 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.cp, self.cp_comm_type = cp if cp is not None else AxisGroup.single("cp"), cp_comm_type
-        h, a = cfg.hidden_size, cfg.num_attention_heads
-        self.local_heads, self.head_dim = a // tp.size, h // a
+        h, a, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.local_heads, self.head_dim = a // tp.size, d
         self.grouped = cfg.num_query_groups is not None
         self.local_groups = cfg.kv_heads // tp.size
-        rows, fused = ((a + 2 * cfg.kv_heads) * self.head_dim, 1) if self.grouped else (3 * h, 3)
+        rows, fused = ((a + 2 * cfg.kv_heads) * d, 1) if self.grouped else (3 * a * d, 3)
         bias = cfg.add_bias_linear
         sp = sequence_parallel
         self.qkv = ColumnParallelLinear(
             h, rows, tp=tp, dtype=dtype, bias=bias, fused=fused, tag="attn_qkv", sequence_parallel=sp
         )
-        self.proj = RowParallelLinear(h, h, tp=tp, dtype=dtype, bias=bias, tag="attn_proj", sequence_parallel=sp)
+        self.proj = RowParallelLinear(a * d, h, tp=tp, dtype=dtype, bias=bias, tag="attn_proj", sequence_parallel=sp)
         rope = cfg.position_embedding_type == "rope"
         self.rotary = RotaryEmbedding(self.head_dim, cfg.rotary_base) if rope else None
         self.recompute_core = cfg.recompute_granularity == "selective"

@@ -3,14 +3,14 @@ holding one; anything else is a preset name, :func:`ptdp.planner.inputs.models.g
 
 - ``llama``, ``mistral``, ``qwen2``: ``num_hidden_layers`` -> l, ``hidden_size`` -> h,
   ``num_attention_heads`` -> a, ``num_key_value_heads``, ``intermediate_size`` -> ffn,
-  ``vocab_size`` -> V, ``max_position_embeddings`` -> s (unless given), ``tie_word_embeddings``;
-  RMSNorm, rotary, SwiGLU; biases from ``attention_bias`` / ``mlp_bias`` (Llama), q, k, v (Qwen2).
+  ``vocab_size`` -> V, ``max_position_embeddings`` -> s (unless given), ``tie_word_embeddings``,
+  ``head_dim`` -> d (``kv_channels``, when not h / a); RMSNorm, rotary, SwiGLU; biases from ``attention_bias`` / ``mlp_bias`` (Llama), q, k, v (Qwen2).
 - ``gpt2``: ``n_layer``, ``n_embd``, ``n_head``, ``n_inner`` (None: 4h), ``vocab_size``,
   ``n_positions`` -> s, ``tie_word_embeddings``; LayerNorm, learned positions, GELU, biases;
   dropout when ``resid_pdrop`` or ``embd_pdrop`` is non-zero.
 
 Missing fields take transformers' defaults (:data:`DEFAULTS`); planned with a flash kernel. Shape
-changes the planner does not model (experts, a ``head_dim`` other than h / a, cross attention) raise
+changes the planner does not model (experts, cross attention) raise
 :class:`~ptdp.config.ConfigError`; cost-only ones (sliding window, rotary scaling) become notes.
 """
 
@@ -150,12 +150,7 @@ def _llama_like(kind: str, cfg: dict, path, seq_length: int | None) -> tuple[Mod
     """Llama, Mistral and Qwen2: RMSNorm, rotary positions, SwiGLU, grouped-query attention."""
     h, a = _int(cfg, "hidden_size", path), _int(cfg, "num_attention_heads", path)
     kv = a if cfg.get("num_key_value_heads") is None else _int(cfg, "num_key_value_heads", path)
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim * a != h:
-        raise ConfigError(
-            f"--model {path}: head_dim={head_dim} differs from hidden_size / num_attention_heads = "
-            f"{h} / {a}; the planner models heads of h / a channels"
-        )
+    head_dim = None if cfg.get("head_dim") is None else _int(cfg, "head_dim", path)
     s = seq_length if seq_length is not None else _int(cfg, "max_position_embeddings", path)
     biases: tuple[str, ...] = ()
     if kind == "qwen2":
@@ -180,6 +175,7 @@ def _llama_like(kind: str, cfg: dict, path, seq_length: int | None) -> tuple[Mod
         add_bias_linear=False,
         linear_biases=biases or None,
         use_flash_attn=True,
+        kv_channels=None if head_dim is None or head_dim * a == h else head_dim,
     )
     return model, notes
 

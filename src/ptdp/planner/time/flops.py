@@ -60,7 +60,7 @@ def layer_gemms(model: ModelConfig, tp: int, micro_batch_size: int) -> tuple[tup
     Order: QKV, scores, context, projection, fc1, fc2 (see the module docstring).
     """
     b, s, h, a = micro_batch_size, model.seq_length, model.hidden_size, model.num_attention_heads
-    d, kv, t = h // a, model.kv_heads, tp
+    d, kv, t = model.head_dim, model.kv_heads, tp
     tokens, heads = b * s, b * a // t
     up = (2 if model.swiglu else 1) * model.ffn // t
     return (
@@ -271,7 +271,7 @@ def fp8_cast_bytes(model: ModelConfig, tp: int, micro_batch_size: int) -> tuple[
     are cast once per step (not counted).
     """
     h, a = model.hidden_size, model.num_attention_heads
-    d, kv, t, tokens = h // a, model.kv_heads, tp, micro_batch_size * model.seq_length
+    d, kv, t, tokens = model.head_dim, model.kv_heads, tp, micro_batch_size * model.seq_length
     forward = tokens * a * d / t
     backward = tokens * (2 * h + (a + 2 * kv) * d / t)
     return FP8_CAST_BYTES * forward, FP8_CAST_BYTES * backward
@@ -283,7 +283,7 @@ def flash_attention_time(
     """Forward seconds of a causal flash attention kernel on one tp rank, one microbatch:
     ``FLASH_CAUSAL_FRACTION`` of the score and context FLOPs at the efficiency of an ``(s, s, d)``
     GEMM (compute-bound, no s x s bytes); its backward is ``FLASH_BACKWARD_RATIO`` x this."""
-    s, d = model.seq_length, model.hidden_size // model.num_attention_heads
+    s, d = model.seq_length, model.head_dim
     eff = gemm_efficiency(s, s, d, peak_fraction=peak_fraction, half_dim=half_dim)
     return FLASH_CAUSAL_FRACTION * attention_core_flops(model, tp, micro_batch_size) / (peak_flops * eff)
 

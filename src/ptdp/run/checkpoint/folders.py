@@ -20,6 +20,7 @@ SHAPE_FIELDS = (
     "num_layers",
     "hidden_size",
     "num_attention_heads",
+    "kv_channels",
     "ffn",
     "seq_length",
     "vocab_size",
@@ -46,6 +47,7 @@ _FLAGS = {
     "rotary_base": "--rotary-base",
     "num_query_groups": "--num-query-groups",
     "add_bias_linear": "--disable-bias-linear",
+    "kv_channels": "--kv-channels",
 }
 #: values of model fields that checkpoints written before the field existed had
 MODEL_DEFAULTS = {
@@ -57,6 +59,7 @@ MODEL_DEFAULTS = {
     "rotary_base": 10000.0,
     "num_query_groups": None,
     "add_bias_linear": True,
+    "kv_channels": None,
 }
 
 
@@ -194,13 +197,23 @@ def check_model_shape(path: str | Path, config: Config) -> dict:
     return meta
 
 
+def _stored_field(model: dict, name: str):
+    """Field ``name`` of a checkpoint's model: its default where an older checkpoint lacks it;
+    ``kv_channels`` made concrete (None: h / a)."""
+    value = model.get(name, MODEL_DEFAULTS.get(name))
+    if name == "kv_channels" and value is None:
+        return model["hidden_size"] // model["num_attention_heads"]
+    return value
+
+
 def _check_model(meta: dict, config: Config, folder: Path, skip: tuple[str, ...] = ()) -> None:
     m = config.model
+    here = {f: m.head_dim if f == "kv_channels" else getattr(m, f) for f in SHAPE_FIELDS}
     diffs = [
-        f"{f}={meta['model'].get(f, MODEL_DEFAULTS.get(f))!r} in the checkpoint, {getattr(m, f)!r} here"
+        f"{f}={_stored_field(meta['model'], f)!r} in the checkpoint, {here[f]!r} here"
         + (f" (set {_FLAGS[f]})" if f in _FLAGS else "")
         for f in SHAPE_FIELDS
-        if f not in skip and meta["model"].get(f, MODEL_DEFAULTS.get(f)) != getattr(m, f)
+        if f not in skip and _stored_field(meta["model"], f) != here[f]
     ]
     if diffs:
         raise CheckpointError(f"checkpoint {folder} is for a different model: " + "; ".join(diffs))

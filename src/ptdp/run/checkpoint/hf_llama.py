@@ -63,7 +63,7 @@ def llama_config(m: dict, dtype: torch.dtype) -> dict:
         "num_hidden_layers": m["num_layers"],
         "num_attention_heads": a,
         "num_key_value_heads": m.get("num_query_groups") or a,
-        "head_dim": h // a,
+        "head_dim": m.get("kv_channels") or h // a,
         "hidden_act": "silu",
         "max_position_embeddings": m["seq_length"],
         "rms_norm_eps": m["layernorm_epsilon"],
@@ -113,7 +113,7 @@ def _layer_names(i: int) -> dict[str, str]:
 def to_llama(m: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """ptdp's stored model tensors -> ``LlamaForCausalLM``'s state dict."""
     a, groups, bias = m["num_attention_heads"], m.get("num_query_groups"), m.get("add_bias_linear", True)
-    d = m["hidden_size"] // a
+    d = m.get("kv_channels") or m["hidden_size"] // a
     hf = {
         "model.embed_tokens.weight": tensors["word_embeddings.weight"],
         "model.norm.weight": tensors["final_norm.weight"],
@@ -148,10 +148,9 @@ def model_config_from_llama(config: dict) -> ModelConfig:
     problems = []
     if config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={config['hidden_act']!r} (ptdp's SwiGLU uses silu)")
-    if h % a:
-        problems.append(f"hidden_size={h} is not a multiple of num_attention_heads={a}")
-    elif config.get("head_dim") not in (None, h // a):
-        problems.append(f"head_dim={config['head_dim']} (ptdp's is hidden_size / num_attention_heads = {h // a})")
+    head_dim = config.get("head_dim")
+    if h % a and head_dim is None:
+        problems.append(f"hidden_size={h} is not a multiple of num_attention_heads={a} and head_dim is not given")
     if a % kv:
         problems.append(f"num_attention_heads={a} is not a multiple of num_key_value_heads={kv}")
     for field in ("rope_scaling", "rope_parameters"):  # transformers 4 / 5 spelling
@@ -183,6 +182,7 @@ def model_config_from_llama(config: dict) -> ModelConfig:
         rotary_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         num_query_groups=None if kv == a else kv,
         add_bias_linear=attention_bias,
+        kv_channels=None if head_dim in (None, h // a) else head_dim,
     )
 
 
@@ -195,7 +195,7 @@ def from_llama(m: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.T
     """``LlamaForCausalLM``'s state dict (float32) -> ptdp's stored model tensors; every tensor must be
     there with its shape and nothing else (but rotary buffers) may be."""
     h, a, ffn, v = m.hidden_size, m.num_attention_heads, m.ffn, m.vocab_size
-    groups, d = m.num_query_groups, m.hidden_size // m.num_attention_heads
+    groups, d = m.num_query_groups, m.head_dim
     kv_rows = m.kv_heads * d
     unused = {name for name in hf if not name.endswith("rotary_emb.inv_freq")}
 
@@ -220,10 +220,11 @@ def from_llama(m: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.T
         sd[f"layers.{i}.ln1.weight"] = take(names["ln1"] + ".weight", h)
         sd[f"layers.{i}.ln2.weight"] = take(names["ln2"] + ".weight", h)
         for kind in ("weight", "bias") if m.add_bias_linear else ("weight",):
-            q = take(f"{pre}self_attn.q_proj.{kind}", h, *_inputs(kind, h))
+            q = take(f"{pre}self_attn.q_proj.{kind}", a * d, *_inputs(kind, h))
             k, v_ = (take(f"{pre}self_attn.{x}_proj.{kind}", kv_rows, *_inputs(kind, h)) for x in "kv")
             sd[f"layers.{i}.attention.qkv.{kind}"] = _fuse_qkv(q, k, v_, a, groups, d).contiguous()
-            sd[f"layers.{i}.attention.proj.{kind}"] = take(f"{names['attention.proj']}.{kind}", h, *_inputs(kind, h))
+            proj = f"{names['attention.proj']}.{kind}"
+            sd[f"layers.{i}.attention.proj.{kind}"] = take(proj, h, *_inputs(kind, a * d))
             gate, up = (take(f"{pre}mlp.{x}_proj.{kind}", ffn, *_inputs(kind, h)) for x in ("gate", "up"))
             sd[f"layers.{i}.mlp.fc1.{kind}"] = torch.stack((gate, up))
             sd[f"layers.{i}.mlp.fc2.{kind}"] = take(f"{names['mlp.fc2']}.{kind}", h, *_inputs(kind, ffn))
