@@ -1,8 +1,9 @@
 """Generation with a key/value cache equals recomputing the whole sequence: logits within 1e-9 in
 float64 at every step (prompt, one position at a time, and past ``seq_length`` where the window
-slides), the same greedy and sampled tokens in float64 and float32, for GPT (learned positions) and
-the Llama-like model (rotary, grouped-query attention); the cache is preallocated and written in
-place; ``ptdp generate`` and ``--no-kv-cache`` print the same text."""
+slides), the same greedy and sampled tokens in float64 and float32, for GPT (learned positions),
+the Llama-like model (rotary, grouped-query attention) and Qwen3's heads (12 channels, query/key
+norms); the cache is preallocated and written in place; ``ptdp generate`` and ``--no-kv-cache``
+print the same text."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ LLAMA = {
     "add_bias_linear": False,
     "untie_embeddings_and_output_weights": True,
 }
-KINDS = {"gpt": {}, "llama-gqa": LLAMA}
+KINDS = {"gpt": {}, "llama-gqa": LLAMA, "qwen3-heads": LLAMA | {"kv_channels": 12, "qk_layernorm": True}}
 
 
 def _model(kind: str, dtype: str) -> GPTModel:

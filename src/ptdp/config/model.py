@@ -50,6 +50,18 @@ class ModelConfig:
     """Channels d of each attention head (query, key and value alike), decoupled from ``h / a``
     (Megatron-Core's ``kv_channels``; Qwen3: 128 with h = 2048, a = 32): the QKV projection is
     ``[(a + 2 G) d, h]`` and the attention projection ``[h, a d]``. None: ``h / a``."""
+    qk_layernorm: bool = opt(
+        False,
+        "--qk-layernorm",
+        "normalize each head's query and key (the model's --normalization over the head's channels, "
+        "one weight of d shared by the heads) after the QKV projection, before rotary positions",
+        "model",
+        plan=True,
+    )
+    """Normalize each head's query and key after the QKV projection and before rotary positions
+    (Qwen3's ``q_norm`` / ``k_norm``; Megatron-Core's ``qk_layernorm``) with the model's
+    normalization over the head's ``d`` channels: one weight of ``d`` (and a bias with LayerNorm)
+    for the queries and one for the keys, shared by every head and replicated over tp."""
     ffn_hidden_size: int | None = opt(
         None, "--ffn-hidden-size", "MLP inner width (default 4 x hidden size)", "model", plan=True
     )
@@ -315,5 +327,6 @@ class ModelConfig:
             or self.num_query_groups is not None
             or not self.add_bias_linear
             or self.kv_channels is not None
+            or self.qk_layernorm
         )
         return "Llama-like" if llama else "GPT"

@@ -21,6 +21,7 @@ SHAPE_FIELDS = (
     "hidden_size",
     "num_attention_heads",
     "kv_channels",
+    "qk_layernorm",
     "ffn",
     "seq_length",
     "vocab_size",
@@ -48,6 +49,7 @@ _FLAGS = {
     "num_query_groups": "--num-query-groups",
     "add_bias_linear": "--disable-bias-linear",
     "kv_channels": "--kv-channels",
+    "qk_layernorm": "--qk-layernorm",
 }
 #: values of model fields that checkpoints written before the field existed had
 MODEL_DEFAULTS = {
@@ -60,6 +62,7 @@ MODEL_DEFAULTS = {
     "num_query_groups": None,
     "add_bias_linear": True,
     "kv_channels": None,
+    "qk_layernorm": False,
 }
 
 

@@ -51,6 +51,8 @@ def llama_config(m: dict, dtype: torch.dtype) -> dict:
             f"the model has {', '.join(other)}: neither GPT-2 (LayerNorm, learned positions, GELU "
             f"MLP, biases, multi-head attention) nor Llama (RMSNorm, --swiglu, rope) can express it"
         )
+    if m.get("qk_layernorm"):
+        raise CheckpointError("the model has qk_layernorm=True: Llama has no query/key norms")
     a, h = m["num_attention_heads"], m["hidden_size"]
     bias = bool(m.get("add_bias_linear", True))
     theta = float(m.get("rotary_base", 10000.0))
