@@ -6,9 +6,11 @@ before any worker starts. Saving and loading are :mod:`ptdp.run.checkpoint.io`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+from ptdp.config.moe import MoEConfig
 from ptdp.config.schema import Config
 from ptdp.errors import ConfigError
 from ptdp.run.paths import folder_problem
@@ -63,6 +65,15 @@ MODEL_DEFAULTS = {
     "add_bias_linear": True,
     "kv_channels": None,
     "qk_layernorm": False,
+}
+
+
+#: flags of the MoE shape compared by :func:`_check_model`
+_MOE_FLAGS = {
+    "num_experts": "--num-experts",
+    "expert ffn": "--moe-ffn-hidden-size",
+    "shared expert ffn": "--moe-shared-expert-intermediate-size",
+    "MoE layers": "--moe-layer-freq",
 }
 
 
@@ -209,6 +220,29 @@ def _stored_field(model: dict, name: str):
     return value
 
 
+def stored_moe(meta: dict) -> MoEConfig:
+    """The MoE options of a checkpoint's model (``meta["moe"]``; a dense model where a checkpoint
+    written before they were recorded has none)."""
+    moe = dict(meta.get("moe") or {})
+    if "moe_layer_freq" in moe:
+        moe["moe_layer_freq"] = tuple(moe["moe_layer_freq"])
+    names = {f.name for f in dataclasses.fields(MoEConfig)}
+    return MoEConfig(**{k: v for k, v in moe.items() if k in names})
+
+
+def _moe_shape(moe: MoEConfig, num_layers: int, ffn: int) -> dict[str, object]:
+    """What the MoE options change in the tensors: experts, their widths, which layers are MoE."""
+    if not moe.enabled:
+        return dict.fromkeys(_MOE_FLAGS)
+    layers = [i for i, on in enumerate(moe.moe_layers(num_layers)) if on]
+    return {
+        "num_experts": moe.num_experts,
+        "expert ffn": moe.expert_ffn(ffn),
+        "shared expert ffn": moe.shared_ffn,
+        "MoE layers": layers,
+    }
+
+
 def _check_model(meta: dict, config: Config, folder: Path, skip: tuple[str, ...] = ()) -> None:
     m = config.model
     here = {f: m.head_dim if f == "kv_channels" else getattr(m, f) for f in SHAPE_FIELDS}
@@ -218,6 +252,17 @@ def _check_model(meta: dict, config: Config, folder: Path, skip: tuple[str, ...]
         for f in SHAPE_FIELDS
         if f not in skip and _stored_field(meta["model"], f) != here[f]
     ]
+    if not diffs:  # the MoE shape, once the dense one agrees
+        stored = _moe_shape(stored_moe(meta), m.num_layers, m.ffn)
+        now = _moe_shape(config.moe, m.num_layers, m.ffn)
+        diffs = [
+            f"{k} {stored[k]} in the checkpoint, {now[k]} here (set {flag})"
+            for k, flag in _MOE_FLAGS.items()
+            if stored[k] != now[k]
+        ]
+        if (stored["num_experts"] is None) != (now["num_experts"] is None):  # dense against MoE: say so once
+            kinds = [f"{n} experts" if n else "a dense model" for n in (stored["num_experts"], now["num_experts"])]
+            diffs = [f"{kinds[0]} in the checkpoint, {kinds[1]} here (set --num-experts and the MoE options)"]
     if diffs:
         raise CheckpointError(f"checkpoint {folder} is for a different model: " + "; ".join(diffs))
 

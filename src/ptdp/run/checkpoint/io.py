@@ -255,6 +255,7 @@ def _meta(stage, iteration: int, consumed_samples: int, kinds) -> dict:
         "iteration": iteration,
         "consumed_samples": consumed_samples,
         "model": dataclasses.asdict(m) | {"ffn": m.ffn},
+        "moe": dataclasses.asdict(stage.config.moe),
         "layout": _layout_key(stage),
         "world_size": stage.groups.world.size,
         "optimizer_state": list(kinds),
