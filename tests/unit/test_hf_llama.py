@@ -20,7 +20,7 @@ from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.stage import build_stage
 from ptdp.engine.step import train_step
 from ptdp.run.checkpoint.folders import CheckpointError
-from ptdp.run.checkpoint.hf import export_hf, import_hf, model_config_from_hf
+from ptdp.run.checkpoint.hf import configs_from_hf, export_hf, import_hf
 from ptdp.run.checkpoint.io import save_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -102,11 +102,11 @@ def test_what_cannot_be_mapped_is_refused(tmp_path):
         ({"attention_bias": True}, "attention_bias=True with mlp_bias=False"),
         ({"hidden_size": 66}, "hidden_size=66 is not a multiple of num_attention_heads=4 and head_dim is not"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ({"model_type": "mistral"}, "model_type 'mistral' is not gpt2 or llama"),
+        ({"model_type": "mistral"}, "model_type 'mistral' is not one of gpt2, llama, qwen3, mixtral, qwen3_moe"),
         ({"hidden_size": None}, "has no hidden_size"),
     ]:
         with pytest.raises(CheckpointError, match=re.escape(field)):
-            model_config_from_hf({k: v for k, v in (base | extra).items() if v is not None})
+            configs_from_hf({k: v for k, v in (base | extra).items() if v is not None})
     # tensors that do not fit the config
     random_llama(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
