@@ -41,9 +41,10 @@ def _layer_params(model: ModelConfig, tp: int, main_grad: bool = False) -> list[
     """(elements, place in the order a layer's backward completes the gradients) of each
     parameter of one layer, in ptdp's order: ``fc2`` bias and weight (row-parallel), ``fc1``,
     ``ln2`` weight and bias, ``proj``, the key and query norms (``qk_layernorm``), ``qkv``,
-    ``ln1``; a column-parallel linear (``qkv``, ``fc1``) completes its bias first at tp = 1 and its weight first at tp > 1 (its own autograd
-    function); with ``main_grad`` (16-bit weights) every linear completes its weight first (it adds
-    the weight's gradient into the float32 ``main_grad`` itself)."""
+    ``ln1``; a column-parallel linear (``qkv``, ``fc1``) completes its bias first at tp = 1 and
+    its weight first at tp > 1 (its own autograd function); with ``main_grad`` (16-bit weights)
+    every linear completes its weight first (it adds the weight's gradient into the float32
+    ``main_grad`` itself)."""
     h, a, d = model.hidden_size, model.num_attention_heads, model.head_dim
     q, kv, ffn = a * d, model.kv_heads * d, model.ffn
     mats = 3 if model.swiglu else 2
