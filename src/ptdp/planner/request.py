@@ -49,6 +49,7 @@ _SHAPE_FLAGS = (
     "seq_length",
     "num_query_groups",
     "kv_channels",
+    "qk_layernorm",
     "swiglu",
     "untie_embeddings_and_output_weights",
     "kv_repeated",
