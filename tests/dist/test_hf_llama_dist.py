@@ -11,7 +11,7 @@ import torch
 from helpers.dist_helpers import run_in_pool
 from helpers.hf_helpers import tp2_pp2_logits_worker
 from helpers.hf_llama import HIDDEN, SEQ, VOCAB, assert_same_state, random_llama, tokens
-from ptdp.run.checkpoint.hf import export_hf, import_hf, model_config_from_hf
+from ptdp.run.checkpoint.hf import configs_from_hf, export_hf, import_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,7 +21,7 @@ def test_llama_import_logits_at_tp2_pp2_and_export_round_trip(tmp_path):
     reference = random_llama(hf_dir)
     import_hf(hf_dir, ckpt)
     config = json.loads((hf_dir / "config.json").read_text())
-    m = model_config_from_hf(config)
+    m, _ = configs_from_hf(config)
     assert (m.num_query_groups, m.rotary_base, m.add_bias_linear, m.untie_embeddings_and_output_weights) == (
         2,
         5000.0,

@@ -18,6 +18,8 @@ from helpers.layout_cases import (
     EXTRA_VARIANTS,
     LAYOUTS,
     PAD_RANK_VARIANTS,
+    QK_NORM_LAYOUTS,
+    QK_NORM_VARIANTS,
     SCHEDULE_LAYOUTS,
     SCHEDULE_VARIANTS,
     SP_LAYOUTS,
@@ -128,6 +130,23 @@ def test_sequence_parallel_matches_single_process(layout):
                     first = copies.setdefault((name, dp_rank, pp_rank), tensor)
                     assert torch.equal(first, tensor), f"{variant} {name}: tp copies differ"
         assert any(name.endswith("ln1.weight") for name, _, _ in copies)
+
+
+@pytest.mark.parametrize("variant", QK_NORM_VARIANTS)
+@pytest.mark.parametrize("layout", sorted(QK_NORM_LAYOUTS), ids=lambda l: "tp{}pp{}dp{}".format(*l))
+def test_qwen3_heads_match_single_process(layout, variant):
+    """Heads of 12 channels (h / a = 8) with query/key norms: each tp rank normalizes its own heads,
+    so the norms' gradients are summed over tp (with and without sequence parallelism); float64
+    within 1e-9, every tp rank's copy of the norms bitwise equal."""
+    results = parallel_run(*layout)
+    assert_matches_reference(results, variant, TOL["float64"])
+    norms = {}
+    for res in results:
+        _, dp_rank, pp_rank = res[variant]["coords"]
+        for name, (tensor, _, _) in res[variant]["params"].items():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                assert torch.equal(norms.setdefault((name, dp_rank, pp_rank), tensor), tensor), name
+    assert len({name for name, _, _ in norms}) == 2 * 4  # 4 layers
 
 
 def test_interleaved_ranks_hold_their_chunks():

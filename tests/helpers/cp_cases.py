@@ -24,6 +24,7 @@ LAYOUTS = {2: [(1, 2, 1, 1)], 4: [(1, 4, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1), (1, 
 DROPOUT = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
 SELECTIVE = {"recompute_granularity": "selective"}
 FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+QWEN3_HEADS = {"kv_channels": 12, "qk_layernorm": True}
 
 #: name -> (model overrides, parallel overrides). Every layout runs the GPT with p2p and the
 #: Llama-like model (rotary, 2 query groups of 2 heads) with all_gather; the options below run where
@@ -49,6 +50,9 @@ VARIANTS = {
     # the other two pairings of model and comm type, where no dropout variant runs them (dp > 1)
     "gpt_all_gather": ({}, {"cp_comm_type": "all_gather"}),
     "llama_p2p": (LLAMA_OPTIONS, {"cp_comm_type": "p2p"}),
+    # Qwen3's heads (12 channels, h / a = 8, query/key norms; their gradients summed over tp at tp = 2)
+    "qwen3_p2p": (LLAMA_OPTIONS | QWEN3_HEADS, {"cp_comm_type": "p2p"}),
+    "qwen3_all_gather": (LLAMA_OPTIONS | QWEN3_HEADS, {"cp_comm_type": "all_gather"}),
     # bf16 weights (float32 main parameters and gradients; attention blocks accumulate in float32)
     "gpt_bf16_p2p": ({"params_dtype": "bfloat16"}, {"cp_comm_type": "p2p"}),
 }
@@ -62,7 +66,8 @@ def variants(tp: int, cp: int, pp: int, dp: int) -> list[str]:
     """The variants one layout runs: each model with each comm type everywhere (the GPT with p2p and
     the Llama-like model with all_gather plainly; the other two pairings with dropout and selective
     or full recompute at dp = 1, plainly at dp > 1); sequence parallelism at tp = 2; bf16 at
-    (1,2,1,1); the interleaved and GPipe schedules at (1,2,2,1)."""
+    (1,2,1,1); the interleaved and GPipe schedules at (1,2,2,1); Qwen3's heads at (1,2,1,1) and
+    (2,2,1,1)."""
     names = ["gpt_p2p", "llama_all_gather"]
     if dp == 1:
         names += ["gpt_dropout_selective_all_gather", "llama_dropout_full_p2p"]
@@ -71,7 +76,9 @@ def variants(tp: int, cp: int, pp: int, dp: int) -> list[str]:
     if tp > 1:
         names += ["gpt_sp_dropout_all_gather", "llama_sp_selective_p2p"]
     if (tp, cp, pp, dp) == (1, 2, 1, 1):
-        names += ["gpt_bf16_p2p"]
+        names += ["gpt_bf16_p2p", "qwen3_p2p"]
+    if (tp, cp, pp, dp) == (2, 2, 1, 1):
+        names += ["qwen3_all_gather"]
     if (tp, cp, pp, dp) == (1, 2, 2, 1):
         names += ["gpt_interleaved_all_gather", "llama_gpipe_p2p"]
     return names

@@ -13,7 +13,7 @@ from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.stage import build_stage
 from ptdp.layout.grid import ParallelLayout
-from ptdp.run.checkpoint.hf import model_config_from_hf
+from ptdp.run.checkpoint.hf import configs_from_hf
 from ptdp.run.checkpoint.io import load_checkpoint
 
 
@@ -25,9 +25,11 @@ def tp2_pp2_logits_worker(
     the vocab-parallel logits are all-gathered over tp and cut to the real rows."""
     groups = ParallelGroups.build(ParallelLayout(tp=2, pp=2, dp=1), PG_TIMEOUT)
     b, s = tokens.shape
+    model, moe = configs_from_hf(hf_config)
     cfg = resolve(
         Config(
-            model=model_config_from_hf(hf_config),
+            model=model,
+            moe=moe,
             parallel=ParallelConfig(2, 2),
             train=TrainConfig(micro_batch_size=b, global_batch_size=b),
         ),

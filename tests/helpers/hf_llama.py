@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 SEQ, HIDDEN, VOCAB = 16, 64, 300  # 300 real rows, padded to 512 at tp = 2
 
 
-def random_llama(path, *, kv_heads=2, tied=False, bias=False, shard=None) -> LlamaForCausalLM:
+def random_llama(path, *, kv_heads=2, tied=False, bias=False, shard=None, head_dim=None) -> LlamaForCausalLM:
     import transformers
 
     cfg = transformers.LlamaConfig(
@@ -29,6 +29,7 @@ def random_llama(path, *, kv_heads=2, tied=False, bias=False, shard=None) -> Lla
         tie_word_embeddings=tied,
         attention_bias=bias,
         mlp_bias=bias,
+        head_dim=head_dim,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()

@@ -247,6 +247,16 @@ VARIANTS = {
             "ddp_bucket_size": 901,
         },
     ),
+    # Qwen3's heads: 12 channels each (h / a = 8) and query/key norms whose gradients sum over tp;
+    # without and with sequence parallelism (tp = 2 only)
+    "qk_norm": ("float64", LLAMA_OPTIONS | {"kv_channels": 12, "qk_layernorm": True}, {}, {}),
+    "sp_qk_norm": (
+        "float64",
+        LLAMA_OPTIONS | {"kv_channels": 12, "qk_layernorm": True},
+        {},
+        {},
+        {"sequence_parallel": True},
+    ),
     # the vocabulary (303) padded to a multiple of 64 * tp: at tp = 4 (512 rows, 128 per rank) the
     # last tp rank holds padding only; untied, and (sp_pad_rank) tied with sequence parallelism and
     # the distributed optimizer: every rank still takes part in every collective with equal shapes
@@ -309,6 +319,8 @@ def parallel_run(tp: int, pp: int, dp: int) -> list[dict]:
     if (tp, pp, dp) in SP_LAYOUTS:
         variants = (variants if (tp, pp, dp) in LAYOUTS else []) + sp_variants(tp, dp)
     variants += PAD_RANK_VARIANTS.get((tp, pp, dp), [])
+    if (tp, pp, dp) in QK_NORM_LAYOUTS:
+        variants += QK_NORM_VARIANTS
     return run_in_pool(layout_worker, tp * pp * dp, tp, pp, dp, variants, (tp, pp, dp) == (2, 2, 2))
 
 
@@ -316,6 +328,9 @@ EXTRA_VARIANT_LAYOUTS = {(2, 2, 1), (1, 2, 2)}
 EXTRA_VARIANTS = ["untied", "uneven", "one_microbatch"]
 #: every (tp, pp, dp) of tests/dist/test_layout_equivalence.py (one job each)
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 4, 1), (4, 1, 1)]
+#: Qwen3's heads run in the spawns of (2,1,1) and (2,2,2)
+QK_NORM_LAYOUTS = {(2, 1, 1), (2, 2, 2)}
+QK_NORM_VARIANTS = ["qk_norm", "sp_qk_norm"]
 #: a tp rank holding vocabulary padding only (tp = 4): without and with sequence parallelism
 PAD_RANK_VARIANTS = {(4, 1, 1): ["pad_rank"], (4, 1, 2): ["sp_pad_rank"]}
 #: sequence parallelism runs in the spawns of (2,1,1) and (2,2,2), and in one of its own at (4,1,2)

@@ -364,9 +364,9 @@ def test_the_printed_model_flags_give_the_imported_model(hf_config):
     from ptdp.commands.convert import model_flags
     from ptdp.config.flags import config_from_args
     from ptdp.config.train_flags import add_train_arguments
-    from ptdp.run.checkpoint.hf import model_config_from_hf
+    from ptdp.run.checkpoint.hf import configs_from_hf
 
-    model = model_config_from_hf(hf_config)
+    model, _ = configs_from_hf(hf_config)
     parser = argparse.ArgumentParser()
     add_train_arguments(parser, local_launch=True)
     parsed = config_from_args(parser.parse_args(model_flags(model))).model

@@ -1,10 +1,13 @@
 """Generation with a key/value cache equals recomputing the whole sequence: logits within 1e-9 in
 float64 at every step (prompt, one position at a time, and past ``seq_length`` where the window
-slides), the same greedy and sampled tokens in float64 and float32, for GPT (learned positions) and
-the Llama-like model (rotary, grouped-query attention); the cache is preallocated and written in
-place; ``ptdp generate`` and ``--no-kv-cache`` print the same text."""
+slides), the same greedy and sampled tokens in float64 and float32, for GPT (learned positions),
+the Llama-like model (rotary, grouped-query attention) and Qwen3's heads (12 channels, query/key
+norms); the cache is preallocated and written in place; ``ptdp generate`` and ``--no-kv-cache``
+print the same text."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -15,13 +18,18 @@ from tokenizers.pre_tokenizers import Whitespace
 from helpers.host_sync import count_cuda_syncs, count_host_syncs
 from helpers.layout_cases import VOCAB, tiny_config
 from ptdp import cli
-from ptdp.commands.generate import CachedDecoder, Recompute, generate
+from ptdp.commands.generate import CachedDecoder, Recompute, generate, load_for_inference, next_token_logits
 from ptdp.config.model import ModelConfig
+from ptdp.config.moe import MoEConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.engine.stage import build_stage
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
+from ptdp.run.checkpoint.folders import CheckpointError, check_model_shape, stored_moe
 from ptdp.run.checkpoint.io import save_checkpoint
 
 SEQ = 16
@@ -33,7 +41,7 @@ LLAMA = {
     "add_bias_linear": False,
     "untie_embeddings_and_output_weights": True,
 }
-KINDS = {"gpt": {}, "llama-gqa": LLAMA}
+KINDS = {"gpt": {}, "llama-gqa": LLAMA, "qwen3-heads": LLAMA | {"kv_channels": 12, "qk_layernorm": True}}
 
 
 def _model(kind: str, dtype: str) -> GPTModel:
@@ -231,3 +239,47 @@ def test_ptdp_generate_refuses_a_tokenizer_of_another_size(tmp_path, capsys):
         assert f"has {size} tokens but the model has a vocabulary of {VOCAB}: they must be equal" in err
     assert cli.main(base + ["--tokenizer", str(tmp_path)]) == 2
     assert f"--tokenizer {tmp_path}: not a file" in capsys.readouterr().err
+
+
+def test_an_moe_checkpoint_generates_dropless_with_and_without_the_cache(tmp_path):
+    """An MoE checkpoint (4 experts, top-2, a dense first layer, Qwen3's heads, trained with a
+    capacity) records its MoE options: it loads for generation with them, dropless, its logits
+    those of the model saved, the cached ones equal to the recomputed ones; a dense model does not
+    load it."""
+    moe = MoEConfig(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_layer_freq=(0, 1, 1, 1))
+    model = dataclasses.replace(
+        tiny_config(1, 1, 1, "float64").model, **LLAMA, kv_channels=12, qk_layernorm=True, seq_length=SEQ
+    )
+    train = TrainConfig(micro_batch_size=1, global_batch_size=1)
+    cfg = resolve(
+        Config(
+            model=model,
+            moe=dataclasses.replace(moe, moe_expert_capacity_factor=0.5),
+            parallel=ParallelConfig(1, 1, 1),
+            train=train,
+        ),
+        1,
+    )
+    stage = build_stage(cfg, ParallelGroups.single_process())
+    initialize_parameters(stage.model, seed=4, std=0.2, num_layers=4, tp_rank=0, tp_size=1)
+    save_checkpoint(stage, tmp_path / "ckpt", 1, consumed_samples=0)
+    loaded, meta, _ = load_for_inference(tmp_path / "ckpt", "float64")
+    assert stored_moe(meta) == dataclasses.replace(moe, moe_expert_capacity_factor=0.5)
+    assert [type(layer.mlp).__name__ for layer in loaded.layers.values()] == ["MLP"] + ["MoELayer"] * 3
+    assert loaded.layers["1"].mlp.moe.moe_expert_capacity_factor is None
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+    dropless = dataclasses.replace(cfg, moe=moe)
+    reference = build_stage(dropless, ParallelGroups.single_process()).model.eval()
+    reference.load_state_dict(stage.model.state_dict())
+    x = torch.tensor([prompt])
+    torch.testing.assert_close(next_token_logits(loaded, x), next_token_logits(reference, x), rtol=0, atol=0)
+    tokens = generate(loaded, prompt, 12, kv_cache=False)
+    decoder, recompute = CachedDecoder(loaded, len(tokens)), Recompute(loaded)
+    for n in range(len(prompt), len(tokens)):
+        torch.testing.assert_close(decoder(tokens[:n]), recompute(tokens[:n]), rtol=1e-9, atol=1e-9, msg=f"step {n}")
+    assert generate(loaded, prompt, 12) == tokens
+    with pytest.raises(CheckpointError, match="different model: 4 experts in the checkpoint, a dense model here"):
+        check_model_shape(tmp_path / "ckpt", dataclasses.replace(cfg, moe=MoEConfig()))
+    other = dataclasses.replace(moe, moe_layer_freq=(1,), num_experts=8)
+    with pytest.raises(CheckpointError, match=r"num_experts 4 in the checkpoint, 8 here .*MoE layers \[1, 2, 3\] in"):
+        check_model_shape(tmp_path / "ckpt", dataclasses.replace(cfg, moe=other))

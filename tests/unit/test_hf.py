@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ptdp.run.checkpoint.folders import CheckpointError
-from ptdp.run.checkpoint.hf import export_hf, import_hf, model_config_from_hf
+from ptdp.run.checkpoint.hf import configs_from_hf, export_hf, import_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -16,7 +16,7 @@ def test_import_rejects_what_ptdp_cannot_express(tmp_path):
     with pytest.raises(CheckpointError, match="not a Hugging Face model folder"):
         import_hf(tmp_path, tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match="scale_attn_by_inverse_layer_idx"):
-        model_config_from_hf(
+        configs_from_hf(
             {"model_type": "gpt2", "activation_function": "gelu_new", "scale_attn_by_inverse_layer_idx": True}
         )
 

@@ -1,6 +1,6 @@
 """Hugging Face Llama interop in one process: a ptdp-trained Llama-like model exported and run by
-transformers; tied / multi-head / multi-query / biased variants; what cannot be mapped (the round
-trip through tp=2 pp=2: tests/dist/test_hf_llama_dist.py)."""
+transformers; tied / multi-head / multi-query / biased / wide-head variants; what cannot be mapped
+(the round trip through tp=2 pp=2: tests/dist/test_hf_llama_dist.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.stage import build_stage
 from ptdp.engine.step import train_step
 from ptdp.run.checkpoint.folders import CheckpointError
-from ptdp.run.checkpoint.hf import export_hf, import_hf, model_config_from_hf
+from ptdp.run.checkpoint.hf import configs_from_hf, export_hf, import_hf
 from ptdp.run.checkpoint.io import save_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -45,16 +45,17 @@ def full_logits(model, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "kv_heads,tied,bias,shard",
-    [(4, True, True, None), (1, False, False, "40KB")],
-    ids=["multi-head-tied-biases", "multi-query-sharded"],
+    "kv_heads,tied,bias,shard,head_dim",
+    [(4, True, True, None, None), (1, False, False, "40KB", None), (2, False, False, None, 24)],
+    ids=["multi-head-tied-biases", "multi-query-sharded", "wide-heads"],
 )
-def test_llama_variants_in_one_process(tmp_path, kv_heads, tied, bias, shard):
-    reference = random_llama(tmp_path / "hf", kv_heads=kv_heads, tied=tied, bias=bias, shard=shard)
+def test_llama_variants_in_one_process(tmp_path, kv_heads, tied, bias, shard, head_dim):
+    reference = random_llama(tmp_path / "hf", kv_heads=kv_heads, tied=tied, bias=bias, shard=shard, head_dim=head_dim)
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file() == bool(shard)
     import_hf(tmp_path / "hf", tmp_path / "ckpt")
     model, meta, _ = load_for_inference(tmp_path / "ckpt")
     assert meta["model"]["num_query_groups"] == (None if kv_heads == 4 else kv_heads)
+    assert meta["model"]["kv_channels"] == head_dim  # None: hidden / heads (16)
     with torch.no_grad():
         expected = reference(tokens()).logits
     torch.testing.assert_close(full_logits(model, tokens()), expected, rtol=1e-5, atol=1e-5)
@@ -99,13 +100,13 @@ def test_what_cannot_be_mapped_is_refused(tmp_path):
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters={'rope_type': 'yarn'"),
         ({"attention_bias": True}, "attention_bias=True with mlp_bias=False"),
-        ({"head_dim": 32}, "head_dim=32"),
+        ({"hidden_size": 66}, "hidden_size=66 is not a multiple of num_attention_heads=4 and head_dim is not"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ({"model_type": "mistral"}, "model_type 'mistral' is not gpt2 or llama"),
+        ({"model_type": "mistral"}, "model_type 'mistral' is not one of gpt2, llama, qwen3, mixtral, qwen3_moe"),
         ({"hidden_size": None}, "has no hidden_size"),
     ]:
         with pytest.raises(CheckpointError, match=re.escape(field)):
-            model_config_from_hf({k: v for k, v in (base | extra).items() if v is not None})
+            configs_from_hf({k: v for k, v in (base | extra).items() if v is not None})
     # tensors that do not fit the config
     random_llama(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())

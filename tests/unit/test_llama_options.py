@@ -23,7 +23,8 @@ from ptdp.config.train_flags import add_train_arguments
 from ptdp.engine.comm import AxisGroup, CommStats
 from ptdp.engine.model.attention import Attention
 from ptdp.engine.model.gpt import GPTModel
-from ptdp.engine.model.layer import MLP, RMSNorm
+from ptdp.engine.model.layer import MLP
+from ptdp.engine.model.norms import RMSNorm
 from ptdp.engine.model.rotary import RotaryEmbedding
 from ptdp.engine.tensor_parallel.sharding import global_param, initialize_parameters, shard
 from ptdp.errors import ConfigError

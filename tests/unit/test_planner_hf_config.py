@@ -33,8 +33,10 @@ CASES = {
         "LlamaForCausalLM",
         {**LLAMA_SHAPE, "num_key_value_heads": 4, "attention_bias": True},
     ),
+    "llama-head-dim": ("LlamaConfig", "LlamaForCausalLM", {**LLAMA_SHAPE, "head_dim": 24}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {**LLAMA_SHAPE, "sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", LLAMA_SHAPE),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**LLAMA_SHAPE, "head_dim": 24}),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=96)),
     "gpt2-n-inner": (
         "GPT2Config",
@@ -100,13 +102,13 @@ def _write(tmp_path, config: dict):
 @pytest.mark.parametrize(
     "config,words",
     [
-        ({"model_type": "mixtral", "num_local_experts": 8}, ['model_type="mixtral"', "llama, mistral, qwen2, gpt2"]),
+        (
+            {"model_type": "mixtral", "num_local_experts": 8},
+            ['model_type="mixtral"', "llama, mistral, qwen2, qwen3, gpt2"],
+        ),
         ({"model_type": "llama", "num_local_experts": 8}, ["num_local_experts=8", "dense"]),
         ({"model_type": "qwen2", "num_experts": 64}, ["num_experts=64"]),
-        (
-            {"model_type": "llama", "hidden_size": 5120, "num_attention_heads": 32, "head_dim": 128},
-            ["head_dim=128", "5120 / 32"],
-        ),
+        ({"model_type": "llama", "head_dim": 0}, ["head_dim=0 must be a positive integer"]),
         ({"model_type": "llama", "hidden_size": "big"}, ['hidden_size="big"', "positive integer"]),
         ({"model_type": "gpt2", "add_cross_attention": True}, ["add_cross_attention=true"]),
         ({"model_type": "gpt2", "n_layer": None}, ["n_layer=null must be a positive integer"]),

@@ -1,7 +1,7 @@
-"""``ptdp convert to-hf | from-hf``: a checkpoint to a Hugging Face GPT-2 or Llama folder, or back
-(:mod:`ptdp.run.checkpoint.hf`). After ``from-hf`` it prints the ``ptdp train`` flags that continue
-pre-training the imported model, with ``--tokenizer-model`` when the folder has a ``tokenizer.json``
-of the model's vocabulary size."""
+"""``ptdp convert to-hf | from-hf``: a checkpoint to a Hugging Face GPT-2, Llama, Qwen3, Mixtral or
+Qwen3-MoE folder, or back (:mod:`ptdp.run.checkpoint.hf`). After ``from-hf`` it prints the ``ptdp
+train`` flags that continue pre-training the imported model (its shape and MoE options), with
+``--tokenizer-model`` when the folder has a ``tokenizer.json`` of the model's vocabulary size."""
 
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ def add_arguments(conv: argparse.ArgumentParser) -> None:
     conv.add_argument(
         "direction",
         choices=("to-hf", "from-hf"),
-        help="to-hf: ptdp checkpoint -> GPT-2 folder (Llama with RMSNorm, --swiglu and rope); "
-        "from-hf: GPT-2 or Llama folder -> ptdp checkpoint",
+        help="to-hf: ptdp checkpoint -> GPT-2 folder (Llama with RMSNorm, --swiglu and rope; Qwen3 with "
+        "--qk-layernorm too; MoE models: Mixtral, or Qwen3-MoE with --qk-layernorm); "
+        "from-hf: GPT-2, Llama, Qwen3, Mixtral or Qwen3-MoE folder -> ptdp checkpoint",
     )
-    conv.add_argument("source", help="checkpoint root/iteration folder (to-hf) or GPT-2/Llama folder (from-hf)")
-    conv.add_argument("target", help="GPT-2/Llama folder to write (to-hf) or checkpoint root to write (from-hf)")
+    conv.add_argument("source", help="checkpoint root/iteration folder (to-hf) or Hugging Face folder (from-hf)")
+    conv.add_argument("target", help="Hugging Face folder to write (to-hf) or checkpoint root to write (from-hf)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,10 +44,10 @@ def continue_hint(source: Path, target: str) -> str:
     the model's vocabulary, ``--tokenizer-model source`` (else a note saying why not)."""
     from ptdp.data.tokenizer import load_tokenizer_model
     from ptdp.errors import DataError
-    from ptdp.run.checkpoint.hf import model_config_from_hf
+    from ptdp.run.checkpoint.hf import configs_from_hf
 
-    model = model_config_from_hf(json.loads((source / "config.json").read_text()))
-    command = f"ptdp train --load {target} " + " ".join(model_flags(model)) + " --data ..."
+    model, moe = configs_from_hf(json.loads((source / "config.json").read_text()))
+    command = f"ptdp train --load {target} " + " ".join(model_flags(model, moe)) + " --data ..."
     if not (source / "tokenizer.json").is_file():
         return (
             f"continue pre-training: {command} (with a tokenizer of {model.vocab_size} tokens: "
@@ -64,14 +65,17 @@ def continue_hint(source: Path, target: str) -> str:
     return f"continue pre-training with its tokenizer: {command} --tokenizer-model {source}"
 
 
-def model_flags(model) -> list[str]:
-    """``ptdp train`` flags giving ``model``'s fields that differ from the defaults (vocab_size
-    aside: the tokenizer sets it), spelled as the schema defines them."""
+def model_flags(model, moe=None) -> list[str]:
+    """``ptdp train`` flags giving the fields of ``model`` and of its MoE options ``moe`` (None: a
+    dense model) that differ from the defaults (vocab_size aside: the tokenizer sets it), spelled
+    as the schema defines them."""
     from ptdp.config.flags import settings
 
+    sections = {"model": model, "moe": moe}
     flags: list[str] = []
     for s in settings():
-        value = getattr(model, s.name) if s.section == "model" and s.name != "vocab_size" else s.default
+        given = sections.get(s.section or "")
+        value = getattr(given, s.name) if given is not None and s.name != "vocab_size" else s.default
         if value == s.default:
             continue
         if s.kind == "bool":

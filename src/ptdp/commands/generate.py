@@ -26,19 +26,23 @@ from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.gpt import GPTModel
 from ptdp.engine.stage import build_stage
 from ptdp.errors import ConfigError
-from ptdp.run.checkpoint.folders import CheckpointError, read_meta, resolve_checkpoint
+from ptdp.run.checkpoint.folders import CheckpointError, read_meta, resolve_checkpoint, stored_moe
 from ptdp.run.checkpoint.io import load_checkpoint
 
 
 def load_for_inference(path: str | Path, dtype: str = "float32") -> tuple[GPTModel, dict, Path]:
-    """The single-process model of the checkpoint at ``path``, its metadata and its folder."""
+    """The single-process model of the checkpoint at ``path``, its metadata and its folder. An MoE
+    model runs dropless (no expert capacity, as Hugging Face runs MoE models), its experts all in
+    this process (ep = 1)."""
     folder = resolve_checkpoint(path)
     meta = read_meta(folder)
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     model_cfg = ModelConfig(**{k: v for k, v in meta["model"].items() if k in fields} | {"params_dtype": dtype})
+    moe = dataclasses.replace(stored_moe(meta), moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False)
     config = resolve(
         Config(
             model=model_cfg,
+            moe=moe,
             parallel=ParallelConfig(1, 1, 1),
             train=TrainConfig(micro_batch_size=1, global_batch_size=1),
         ),

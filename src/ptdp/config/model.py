@@ -37,7 +37,31 @@ class ModelConfig:
     hidden_size: int = opt(128, "--hidden-size", "hidden size h", "model", plan=True)
     """Width h of the residual stream."""
     num_attention_heads: int = opt(4, "--num-attention-heads", "attention heads a", "model", plan=True)
-    """Attention heads a; each has h / a channels."""
+    """Attention heads a; each has ``kv_channels`` channels (h / a by default)."""
+    kv_channels: int | None = opt(
+        None,
+        "--kv-channels",
+        "channels d of each attention head (default: hidden size / heads); QKV makes (a + 2 G) d "
+        "outputs, the attention projection reads a d",
+        "model",
+        metavar="D",
+        plan=True,
+    )
+    """Channels d of each attention head (query, key and value alike), decoupled from ``h / a``
+    (Megatron-Core's ``kv_channels``; Qwen3: 128 with h = 2048, a = 32): the QKV projection is
+    ``[(a + 2 G) d, h]`` and the attention projection ``[h, a d]``. None: ``h / a``."""
+    qk_layernorm: bool = opt(
+        False,
+        "--qk-layernorm",
+        "normalize each head's query and key (the model's --normalization over the head's channels, "
+        "one weight of d shared by the heads) after the QKV projection, before rotary positions",
+        "model",
+        plan=True,
+    )
+    """Normalize each head's query and key after the QKV projection and before rotary positions
+    (Qwen3's ``q_norm`` / ``k_norm``; Megatron-Core's ``qk_layernorm``) with the model's
+    normalization over the head's ``d`` channels: one weight of ``d`` (and a bias with LayerNorm)
+    for the queries and one for the keys, shared by every head and replicated over tp."""
     ffn_hidden_size: int | None = opt(
         None, "--ffn-hidden-size", "MLP inner width (default 4 x hidden size)", "model", plan=True
     )
@@ -240,6 +264,11 @@ class ModelConfig:
         return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
 
     @property
+    def head_dim(self) -> int:
+        """Channels d of an attention head: ``kv_channels``, else ``h / a``."""
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
     def kv_heads(self) -> int:
         """Key/value heads: ``num_query_groups``, or one per query head without it."""
         return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
@@ -297,5 +326,7 @@ class ModelConfig:
             or self.position_embedding_type == "rope"
             or self.num_query_groups is not None
             or not self.add_bias_linear
+            or self.kv_channels is not None
+            or self.qk_layernorm
         )
         return "Llama-like" if llama else "GPT"

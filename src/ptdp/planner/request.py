@@ -48,6 +48,8 @@ _SHAPE_FLAGS = (
     "vocab_size",
     "seq_length",
     "num_query_groups",
+    "kv_channels",
+    "qk_layernorm",
     "swiglu",
     "untie_embeddings_and_output_weights",
     "kv_repeated",

@@ -35,11 +35,11 @@ def model_violations(
     split (:func:`~ptdp.layout.pipeline.partition.layer_split`)."""
     out = heads_violations(m.num_attention_heads, tp)
     a, h = m.num_attention_heads, m.hidden_size
-    if h % a != 0:
+    if h % a != 0 and m.kv_channels is None:
         out.append(
             V(
                 "hidden % heads",
-                f"hidden_size={h} is not divisible by num_attention_heads={a} (rule: h % a == 0)",
+                f"hidden_size={h} is not divisible by num_attention_heads={a} (rule: h % a == 0 without --kv-channels)",
                 hidden=h,
                 heads=a,
             )
@@ -90,7 +90,8 @@ def heads_violations(heads: int, tp: int) -> list[Violation]:
 
 
 def llama_option_violations(m: ModelConfig, tp: int) -> list[Violation]:
-    """Normalization, positions and grouped-query attention (the options of Llama-like models)."""
+    """Normalization, positions, the head size (``kv_channels > 0``, even with rotary positions) and
+    grouped-query attention (the options of Llama-like models)."""
     out = []
     a, g = m.num_attention_heads, m.num_query_groups
     if m.normalization not in NORMALIZATIONS:
@@ -99,15 +100,22 @@ def llama_option_violations(m: ModelConfig, tp: int) -> list[Violation]:
         out.append(
             V("option", f"position_embedding_type={m.position_embedding_type!r} must be one of {POSITION_EMBEDDINGS}")
         )
-    elif m.position_embedding_type == "rope" and a > 0 and m.hidden_size % a == 0 and (m.hidden_size // a) % 2:
-        out.append(
-            V(
-                "rope head dim",
-                f"head dim hidden_size / num_attention_heads = {m.hidden_size}/{a} = "
-                f"{m.hidden_size // a} is odd (rule: rotary embeddings turn pairs of channels, the head dim must "
-                f"be even)",
+    d = m.kv_channels
+    if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+        out.append(V("option", f"kv_channels={d!r} must be a positive integer (the channels of a head)"))
+    elif m.position_embedding_type == "rope" and (d is not None or (a > 0 and m.hidden_size % a == 0)):
+        if m.head_dim % 2:
+            where = (
+                f"kv_channels={d}"
+                if d is not None
+                else f"head dim hidden_size / num_attention_heads = {m.hidden_size}/{a} = {m.head_dim}"
             )
-        )
+            out.append(
+                V(
+                    "rope head dim",
+                    f"{where} is odd (rule: rotary embeddings turn pairs of channels, the head dim must be even)",
+                )
+            )
     if not m.rotary_base > 0:
         out.append(V("option", f"rotary_base={m.rotary_base} must be > 0"))
     if g is None:

@@ -22,7 +22,7 @@ def finalize_grads(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups)
     With ``shard_grads`` (ZeRO-2) the first two are swapped: the tied bucket's shard is summed.
     Communication: embedding all-reduce of the ``[V_pad / tp, h]`` gradient (pp > 1, tied; its
     shard with ``shard_grads``); dp x cp all-reduces or reduce-scatters of all buckets (Narayanan
-    et al. SC21, §3.2); with sequence parallelism one tp all-reduce.
+    et al. SC21, §3.2); with sequence parallelism (or ``--qk-layernorm``) one tp all-reduce.
     """
     tied_embedding = getattr(model, "tied_embedding", None)  # a GPTModel stage or ModelChunks has it
     tied = tied_embedding() if tied_embedding is not None else None
@@ -40,7 +40,8 @@ def finalize_grads(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups)
 def sum_sequence_parallel_grads(buffer: GradBuffer, groups: ParallelGroups) -> None:
     """Sum over tp the gradients of parameters marked ``ptdp_sequence_parallel``
     (:mod:`ptdp.engine.tensor_parallel.sequence`): applied to sequence-split activations, each tp rank's
-    gradient covers its own positions only (Korthikanti et al. 2022, §4.2.2).
+    gradient covers its own positions only (Korthikanti et al. 2022, §4.2.2); the query/key norms of
+    ``--qk-layernorm`` (any tp > 1), its own heads only.
 
     Runs after the data-parallel reduction (on this rank's shard when sharded): the sums over tp
     and dp commute. Communication: one tp all-reduce (tag ``sequence_parallel``) of all the marked

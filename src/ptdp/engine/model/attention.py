@@ -19,22 +19,28 @@ from ptdp.config.model import ModelConfig
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.context_parallel.cp_attention import context_parallel_attention
 from ptdp.engine.context_parallel.load_balance import local_positions
+from ptdp.engine.model.norms import make_norm
 from ptdp.engine.model.recompute import recomputed
 from ptdp.engine.model.rotary import RotaryEmbedding
 from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ptdp.engine.tensor_parallel.random import DropoutRNG
+from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel
 
 
 class Attention(nn.Module):
     """Causal self-attention split by heads: QKV column-parallel, output projection row-parallel.
 
-    Multi-head: the fused projection is ``[q | k | v]`` (``h`` rows each), each block split over
-    tp, so a rank holds its ``a / tp`` heads' q, k, v. Grouped-query with G groups: laid out
-    ``[q of the a/G heads of group 0, k_0, v_0, q of group 1, k_1, v_1, ...]`` (``d`` rows per head)
-    and split contiguously, so a rank holds ``G / tp`` whole groups (query head i uses key/value
-    head ``i // (a/G)``). Attention dropout uses stream ``layer.<i>/head<j>`` for global head ``j``.
-    Input and output ``[s, b, h]`` (``[s/t, b, h]`` with ``sequence_parallel``). With cp of size
-    C > 1: this rank's ``s/C`` rows (chunks ``r`` and ``2C - 1 - r``), the core being
+    Heads have ``d`` channels (``cfg.head_dim``: ``kv_channels``, else ``h / a``); the output
+    projection reads ``a d``. Multi-head: the fused projection is ``[q | k | v]`` (``a d`` rows
+    each), each block split over tp, so a rank holds its ``a / tp`` heads' q, k, v. Grouped-query
+    with G groups: laid out ``[q of the a/G heads of group 0, k_0, v_0, q of group 1, k_1, v_1,
+    ...]`` (``d`` rows per head) and split contiguously, so a rank holds ``G / tp`` whole groups
+    (query head i uses key/value head ``i // (a/G)``). With ``qk_layernorm`` each head's q and k are
+    normalized over their ``d`` channels before rotary positions (``q_norm``, ``k_norm``: replicated
+    weights; each rank's gradient covers its own heads, so it is summed over tp after backward, as
+    the sequence-parallel ones are). Attention dropout uses stream ``layer.<i>/head<j>`` for global
+    head ``j``. Input and output ``[s, b, h]`` (``[s/t, b, h]`` with ``sequence_parallel``). With cp
+    of size C > 1: this rank's ``s/C`` rows (chunks ``r`` and ``2C - 1 - r``), the core being
     :func:`~ptdp.engine.context_parallel.cp_attention.context_parallel_attention` over ``cp``
     (its docstring gives the bytes); dropout masks are the whole attention's rows ``[b, a/t, s/C, s]``.
     """
@@ -53,17 +59,23 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.cp, self.cp_comm_type = cp if cp is not None else AxisGroup.single("cp"), cp_comm_type
-        h, a = cfg.hidden_size, cfg.num_attention_heads
-        self.local_heads, self.head_dim = a // tp.size, h // a
+        h, a, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.local_heads, self.head_dim = a // tp.size, d
         self.grouped = cfg.num_query_groups is not None
         self.local_groups = cfg.kv_heads // tp.size
-        rows, fused = ((a + 2 * cfg.kv_heads) * self.head_dim, 1) if self.grouped else (3 * h, 3)
+        rows, fused = ((a + 2 * cfg.kv_heads) * d, 1) if self.grouped else (3 * a * d, 3)
         bias = cfg.add_bias_linear
         sp = sequence_parallel
         self.qkv = ColumnParallelLinear(
             h, rows, tp=tp, dtype=dtype, bias=bias, fused=fused, tag="attn_qkv", sequence_parallel=sp
         )
-        self.proj = RowParallelLinear(h, h, tp=tp, dtype=dtype, bias=bias, tag="attn_proj", sequence_parallel=sp)
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if cfg.qk_layernorm:
+            self.q_norm, self.k_norm = make_norm(cfg, dtype, width=d), make_norm(cfg, dtype, width=d)
+            if tp.size > 1:  # each tp rank normalizes its own heads: the gradients are partial sums
+                mark_sequence_parallel([*self.q_norm.parameters(), *self.k_norm.parameters()])
+        self.proj = RowParallelLinear(a * d, h, tp=tp, dtype=dtype, bias=bias, tag="attn_proj", sequence_parallel=sp)
         rope = cfg.position_embedding_type == "rope"
         self.rotary = RotaryEmbedding(self.head_dim, cfg.rotary_base) if rope else None
         self.recompute_core = cfg.recompute_granularity == "selective"
@@ -85,8 +97,16 @@ class Attention(nn.Module):
         k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
         return q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[b, a/tp, n, d]``, k and v ``[b, kv/tp, n, d]`` of ``x`` ``[n, b, h]`` (:meth:`split_heads`
+        of the QKV projection), q and k normalized per head with ``qk_layernorm``."""
         q, k, v = self.split_heads(self.qkv(x))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x)
         if self.rotary is not None:
             where = {"cp_rank": self.cp.rank, "cp_size": self.cp.size}
             q, k = self.rotary(q, **where), self.rotary(k, **where)
@@ -101,7 +121,7 @@ class Attention(nn.Module):
         written into ``cache``'s ``[b, kv/tp, max_len, d]`` buffers at rows ``start ..`` and the
         queries attend to rows ``0 .. start + n - 1`` (:func:`cached_attention`). Communication: the
         projections' tp collectives, as in :meth:`forward`, on ``n`` positions."""
-        q, k, v = self.split_heads(self.qkv(x))
+        q, k, v = self.project(x)
         if self.rotary is not None:
             q, k = self.rotary.forward_at(q, start, cache.max_len), self.rotary.forward_at(k, start, cache.max_len)
         keys, values = cache.write(layer, start, k, v)

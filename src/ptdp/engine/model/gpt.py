@@ -24,7 +24,8 @@ from ptdp.engine.comm import AxisGroup
 from ptdp.engine.context_parallel.load_balance import rank_positions, shard_sequence
 from ptdp.engine.groups import ExpertGroups
 from ptdp.engine.model.attention import KVCache
-from ptdp.engine.model.layer import TransformerLayer, make_norm
+from ptdp.engine.model.layer import TransformerLayer
+from ptdp.engine.model.norms import make_norm
 from ptdp.engine.model.recompute import run_layers
 from ptdp.engine.tensor_parallel.cross_entropy import IGNORE_INDEX
 from ptdp.engine.tensor_parallel.layers import VocabParallelEmbedding

@@ -1,9 +1,9 @@
-"""One pre-norm transformer layer and its parts: LayerNorm / RMSNorm, the MLP (GELU, or SwiGLU
-for Llama-like models) and :class:`TransformerLayer` (norm, attention, residual add, norm, MLP,
-residual add), split over the tensor-parallel group as :mod:`ptdp.engine.model.gpt` describes
-(per-rank shapes ``[s, b, h]``, or ``[s/t, b, h]`` with sequence parallelism; 2 all-reduces per
-layer and microbatch in forward and 2 in backward, Shoeybi et al. 2019, §3). :class:`GPTModel`
-(:mod:`ptdp.engine.model.gpt`) stacks them into a pipeline stage.
+"""One pre-norm transformer layer and its parts: the MLP (GELU, or SwiGLU for Llama-like models)
+and :class:`TransformerLayer` (norm, attention, residual add, norm, MLP, residual add; the norms
+are :mod:`ptdp.engine.model.norms`), split over the tensor-parallel group as
+:mod:`ptdp.engine.model.gpt` describes (per-rank shapes ``[s, b, h]``, or ``[s/t, b, h]`` with
+sequence parallelism; 2 all-reduces per layer and microbatch in forward and 2 in backward, Shoeybi
+et al. 2019, §3). :class:`GPTModel` (:mod:`ptdp.engine.model.gpt`) stacks them into a pipeline stage.
 """
 
 from __future__ import annotations
@@ -19,47 +19,11 @@ from ptdp.config.moe import MoEConfig
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.groups import ExpertGroups
 from ptdp.engine.model.attention import Attention, KVCache
+from ptdp.engine.model.norms import make_norm
 from ptdp.engine.moe.layer import MoELayer
 from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ptdp.engine.tensor_parallel.random import Dropout, DropoutRNG
 from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel
-from ptdp.engine.tensor_parallel.sharding import GlobalParam, make_parameter
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm with parameters replicated on every tp rank."""
-
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = make_parameter(GlobalParam((hidden_size,), init="ones"), 1, dtype)
-        self.bias = make_parameter(GlobalParam((hidden_size,), init="zeros"), 1, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm (Zhang and Sennrich 2019, arXiv:1910.07467), ``x / sqrt(mean(x^2) + eps) * weight``
-    over the hidden dim; the weight is replicated on every tp rank; no bias."""
-
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = make_parameter(GlobalParam((hidden_size,), init="ones"), 1, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-
-def make_norm(cfg: ModelConfig, dtype: torch.dtype, sequence_parallel: bool = False) -> nn.Module:
-    """The configured normalization (``cfg.normalization``) of width h; with ``sequence_parallel``
-    it normalizes sequence shards and its parameters are marked for the tp sum of their gradients."""
-    kind = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
-    norm = kind(cfg.hidden_size, cfg.layernorm_epsilon, dtype)
-    if sequence_parallel:
-        mark_sequence_parallel(norm.parameters())
-    return norm
 
 
 class MLP(nn.Module):

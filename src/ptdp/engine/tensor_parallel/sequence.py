@@ -9,9 +9,10 @@ Outside the tensor-parallel regions (norms, residual adds, dropout, embedding ou
   all-reduce: forward reduce-scatter ``[s, b, h] -> [s/t, b, h]``, backward all-gather.
 
 :func:`sequence_gathered_linear` fuses g with the next column-parallel linear, saving only the
-input shard. Gradients of parameters marked :data:`SEQUENCE_PARALLEL_ATTR` are summed over tp after
-backward (:func:`ptdp.engine.data_parallel.grads.finalize_grads`). The sequence is dim 0
-(:data:`SEQ_DIM`), so the collectives copy nothing. Identity on a tp axis of size 1.
+input shard. Gradients of parameters marked :data:`SEQUENCE_PARALLEL_ATTR` (also the per-head
+query/key norms, whose tp ranks hold different heads) are summed over tp after backward
+(:func:`ptdp.engine.data_parallel.grads.finalize_grads`). The sequence is dim 0 (:data:`SEQ_DIM`),
+so the collectives copy nothing. Identity on a tp axis of size 1.
 """
 
 from __future__ import annotations
@@ -164,8 +165,9 @@ def _outside_compile(apply, *args):
 
 
 def mark_sequence_parallel(params: Iterable[nn.Parameter]) -> None:
-    """Mark ``params`` as applied to sequence-split activations: their gradients are summed over
-    tp after backward."""
+    """Mark ``params`` as replicated parameters whose gradient on each tp rank is a partial sum
+    (applied to sequence-split activations; or, ``--qk-layernorm``, to the rank's own heads):
+    their gradients are summed over tp after backward."""
     for p in params:
         setattr(p, SEQUENCE_PARALLEL_ATTR, True)
 

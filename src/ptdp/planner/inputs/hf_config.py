@@ -1,16 +1,18 @@
 """Models from Hugging Face ``config.json`` files: ``ptdp plan --model PATH`` (a file or a folder
 holding one; anything else is a preset name, :func:`ptdp.planner.inputs.models.get_model`).
 
-- ``llama``, ``mistral``, ``qwen2``: ``num_hidden_layers`` -> l, ``hidden_size`` -> h,
+- ``llama``, ``mistral``, ``qwen2``, ``qwen3``: ``num_hidden_layers`` -> l, ``hidden_size`` -> h,
   ``num_attention_heads`` -> a, ``num_key_value_heads``, ``intermediate_size`` -> ffn,
-  ``vocab_size`` -> V, ``max_position_embeddings`` -> s (unless given), ``tie_word_embeddings``;
-  RMSNorm, rotary, SwiGLU; biases from ``attention_bias`` / ``mlp_bias`` (Llama), q, k, v (Qwen2).
+  ``vocab_size`` -> V, ``max_position_embeddings`` -> s (unless given), ``tie_word_embeddings``,
+  ``head_dim`` -> d (``kv_channels``, when not h / a); RMSNorm, rotary, SwiGLU; biases from
+  ``attention_bias`` / ``mlp_bias`` (Llama), q, k, v (Qwen2); Qwen3's per-head query/key norms
+  (``qk_layernorm``).
 - ``gpt2``: ``n_layer``, ``n_embd``, ``n_head``, ``n_inner`` (None: 4h), ``vocab_size``,
   ``n_positions`` -> s, ``tie_word_embeddings``; LayerNorm, learned positions, GELU, biases;
   dropout when ``resid_pdrop`` or ``embd_pdrop`` is non-zero.
 
 Missing fields take transformers' defaults (:data:`DEFAULTS`); planned with a flash kernel. Shape
-changes the planner does not model (experts, a ``head_dim`` other than h / a, cross attention) raise
+changes the planner does not model (experts, cross attention) raise
 :class:`~ptdp.config.ConfigError`; cost-only ones (sliding window, rotary scaling) become notes.
 """
 
@@ -22,9 +24,10 @@ from pathlib import Path
 from ptdp.config.model import ModelConfig
 from ptdp.errors import ConfigError
 
-SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 
-#: transformers' defaults (its ``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``GPT2Config``)
+#: transformers' defaults (its ``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``,
+#: ``GPT2Config``)
 #: for the fields read here, used when a config.json leaves one out.
 DEFAULTS: dict[str, dict] = {
     "llama": {
@@ -59,6 +62,20 @@ DEFAULTS: dict[str, dict] = {
         "num_hidden_layers": 32,
         "num_attention_heads": 32,
         "num_key_value_heads": 32,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+    "qwen3": {
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
         "max_position_embeddings": 32768,
         "tie_word_embeddings": False,
         "use_sliding_window": False,
@@ -147,15 +164,11 @@ def _int(cfg: dict, key: str, path) -> int:
 
 
 def _llama_like(kind: str, cfg: dict, path, seq_length: int | None) -> tuple[ModelConfig, list[str]]:
-    """Llama, Mistral and Qwen2: RMSNorm, rotary positions, SwiGLU, grouped-query attention."""
+    """Llama, Mistral, Qwen2 and Qwen3: RMSNorm, rotary positions, SwiGLU, grouped-query attention
+    (Qwen3: query/key norms)."""
     h, a = _int(cfg, "hidden_size", path), _int(cfg, "num_attention_heads", path)
     kv = a if cfg.get("num_key_value_heads") is None else _int(cfg, "num_key_value_heads", path)
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim * a != h:
-        raise ConfigError(
-            f"--model {path}: head_dim={head_dim} differs from hidden_size / num_attention_heads = "
-            f"{h} / {a}; the planner models heads of h / a channels"
-        )
+    head_dim = None if cfg.get("head_dim") is None else _int(cfg, "head_dim", path)
     s = seq_length if seq_length is not None else _int(cfg, "max_position_embeddings", path)
     biases: tuple[str, ...] = ()
     if kind == "qwen2":
@@ -180,6 +193,8 @@ def _llama_like(kind: str, cfg: dict, path, seq_length: int | None) -> tuple[Mod
         add_bias_linear=False,
         linear_biases=biases or None,
         use_flash_attn=True,
+        kv_channels=None if head_dim is None or head_dim * a == h else head_dim,
+        qk_layernorm=kind == "qwen3",
     )
     return model, notes
 
@@ -189,10 +204,10 @@ def _cost_notes(kind: str, cfg: dict, s: int, path) -> list[str]:
     rotary scaling (changes neither shape nor cost)."""
     notes = []
     window = cfg.get("sliding_window")
-    if kind == "qwen2" and not cfg.get("use_sliding_window"):
+    if kind in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
         window = None
     if isinstance(window, int) and window < s:
-        layers = "every layer" if kind != "qwen2" else f"layers from {cfg.get('max_window_layers')} on"
+        layers = "every layer" if kind == "mistral" else f"layers from {cfg.get('max_window_layers')} on"
         notes.append(
             f"note: {path}: sliding_window={window} < seq_length={s} on {layers}; planned as full causal "
             f"attention (attention time over-estimated, memory unchanged with a flash kernel)"

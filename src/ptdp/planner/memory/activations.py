@@ -55,7 +55,8 @@ def layer_activation_bytes(
     and log-sum-exp and the odd-numbered matmul outputs of the layer (Q, V, fc1 and, with SwiGLU, fc2's
     ``h`` before its reduction; torchtitan ``_op_sac_save_list``: every second mm recomputed).
     Generalised per token for GQA (``4 a d + 4 kv d``; ``kv = a`` where the model repeats the heads
-    before the kernel, ``model.kv_repeated``) and SwiGLU (``6 ffn`` instead of ``4 ffn``).
+    before the kernel, ``model.kv_repeated``) and SwiGLU (``6 ffn`` instead of ``4 ffn``); ``d`` is
+    ``model.head_dim``, and ``qk_layernorm`` keeps the norms' inputs, ``2 (a + kv) d``.
     With ``model.flash_attention`` (Dao et al. 2022, arXiv:2205.14135) no score is kept, only the fp32
     log-sum-exp, ``4 a`` bytes per token. "fp8" (Transformer Engine FP8) keeps the four GEMM inputs in 1 byte.
     With "selective", ``modules`` are Megatron-Core's ``--recompute-modules``: ``core_attn`` drops the
@@ -71,7 +72,7 @@ def layer_activation_bytes(
     t, tokens = tp, micro_batch_size * s
     if recompute == "full":
         return e * tokens * h / (t if sequence_parallel else 1)
-    d, kv = h // a, model.kv_heads
+    d, kv = model.head_dim, model.kv_heads
     if recompute == "op":
         saved = a * d + kv * d + model.ffn + a * d  # Q, V, fc1 (SwiGLU: its gate half), attention output
         per_token = e * h / (t if sequence_parallel else 1) + e * saved / t + e32 * a / t
@@ -84,6 +85,8 @@ def layer_activation_bytes(
     split = (
         e * (a * d + 2 * model.attended_kv_heads * d) + g * a * d + (0 if "mlp" in kept else e * mlp + g * model.ffn)
     )
+    if model.qk_layernorm:  # the query/key norms keep their inputs
+        split += e * (a + kv) * d
     per_token = replicated / (t if sequence_parallel else 1) + split / t
     if model.flash_attention:
         per_token += e32 * a / t

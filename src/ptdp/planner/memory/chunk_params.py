@@ -40,29 +40,35 @@ def layer_param_sizes(model: ModelConfig, tp: int) -> tuple[int, ...]:
 def _layer_params(model: ModelConfig, tp: int, main_grad: bool = False) -> list[tuple[int, int]]:
     """(elements, place in the order a layer's backward completes the gradients) of each
     parameter of one layer, in ptdp's order: ``fc2`` bias and weight (row-parallel), ``fc1``,
-    ``ln2`` weight and bias, ``proj``, ``qkv``, ``ln1``; a column-parallel linear (``qkv``,
-    ``fc1``) completes its bias first at tp = 1 and its weight first at tp > 1 (its own autograd
-    function); with ``main_grad`` (16-bit weights) every linear completes its weight first (it adds
-    the weight's gradient into the float32 ``main_grad`` itself)."""
-    h, a = model.hidden_size, model.num_attention_heads
-    d = h // a
+    ``ln2`` weight and bias, ``proj``, the key and query norms (``qk_layernorm``), ``qkv``,
+    ``ln1``; a column-parallel linear (``qkv``, ``fc1``) completes its bias first at tp = 1 and
+    its weight first at tp > 1 (its own autograd function); with ``main_grad`` (16-bit weights)
+    every linear completes its weight first (it adds the weight's gradient into the float32
+    ``main_grad`` itself)."""
+    h, a, d = model.hidden_size, model.num_attention_heads, model.head_dim
     q, kv, ffn = a * d, model.kv_heads * d, model.ffn
     mats = 3 if model.swiglu else 2
     biased = set(model.linears_with_bias)
+    qk_norms = (
+        [("q_norm", d, 0 if model.uses_rmsnorm else d), ("k_norm", d, 0 if model.uses_rmsnorm else d)]
+        if model.qk_layernorm
+        else []
+    )
     parts: list[tuple[str, str, int]] = []  # (module, weight or bias, elements), ptdp's order
     for name, weight, bias in (
         ("ln1", h, 0 if model.uses_rmsnorm else h),
         ("qkv", (q + 2 * kv) * h // tp, (q + 2 * kv) // tp if "qkv" in biased else 0),
+        *qk_norms,
         ("proj", q * h // tp, h if "proj" in biased else 0),
         ("ln2", h, 0 if model.uses_rmsnorm else h),
         ("fc1", (mats - 1) * ffn * h // tp, (mats - 1) * ffn // tp if "fc1" in biased else 0),
         ("fc2", ffn * h // tp, h if "fc2" in biased else 0),
     ):
         parts += [(name, "weight", weight)] + ([(name, "bias", bias)] if bias else [])
-    weight_first = {"ln1", "ln2"} | ({"qkv", "fc1"} if tp > 1 else set())
+    weight_first = {"ln1", "ln2", "q_norm", "k_norm"} | ({"qkv", "fc1"} if tp > 1 else set())
     if main_grad:  # 16-bit weights: each linear adds its weight's gradient into main_grad itself, first
         weight_first |= {"qkv", "proj", "fc1", "fc2"}
-    modules = ("fc2", "fc1", "ln2", "proj", "qkv", "ln1")
+    modules = ("fc2", "fc1", "ln2", "proj", "k_norm", "q_norm", "qkv", "ln1")
     ready = sorted(
         parts,
         key=lambda part: (modules.index(part[0]), (part[1] == "bias") == (part[0] in weight_first)),

@@ -26,7 +26,7 @@ def local_model(model: ModelConfig, cp: int) -> ModelConfig:
 def kv_block_elements(model: ModelConfig, tp: int, cp: int, micro_batch_size: int) -> float:
     """Elements of one key (or value) block on one tp rank: ``(s / cp) b kv d / t``, ``kv`` the heads
     the attention kernel receives (:attr:`~ptdp.config.model.ModelConfig.attended_kv_heads`)."""
-    d = model.hidden_size // model.num_attention_heads
+    d = model.head_dim
     return model.seq_length / cp * micro_batch_size * model.attended_kv_heads * d / tp
 
 

@@ -51,7 +51,7 @@ def layer_fp8_weights(model: ModelConfig, tp: int) -> int:
     """Weights of one layer's four FP8 GEMMs on one tp rank: QKV ``(a + 2 kv) d h / t``, projection
     ``a d h / t``, fc1 ``n ffn h / t`` (n = 2 for SwiGLU), fc2 ``ffn h / t``."""
     h, a = model.hidden_size, model.num_attention_heads
-    d, kv = h // a, model.kv_heads
+    d, kv = model.head_dim, model.kv_heads
     up = 2 if model.swiglu else 1
     return ((a + 2 * kv) * d * h + a * d * h + (up + 1) * model.ffn * h) // tp
 

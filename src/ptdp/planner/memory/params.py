@@ -27,14 +27,16 @@ def layer_param_count(model: ModelConfig, tp: int) -> int:
 
     GPT: 2 LayerNorms (4h, replicated), QKV ``[3h/tp, h]`` + bias, proj ``[h, h/tp]`` + bias ``[h]``,
     fc1 ``[ffn/tp, h]`` + bias, fc2 ``[h, ffn/tp]`` + bias ``[h]``. Llama-style: 2 RMSNorm weights (2h),
-    QKV ``[(a + 2 kv) d / tp, h]``, proj ``[h, a d / tp]``, SwiGLU ``3 * [ffn/tp, h]``, no biases. Mixed
-    models add each part on its own; a bias is as wide as its layer's output on this rank.
+    QKV ``[(a + 2 kv) d / tp, h]``, proj ``[h, a d / tp]``, SwiGLU ``3 * [ffn/tp, h]``, no biases
+    (``d``: ``kv_channels``, else h / a). ``qk_layernorm``: 2 norms of d (replicated). Mixed models
+    add each part on its own; a bias is as wide as its layer's output on this rank.
     """
-    h, a, d = model.hidden_size, model.num_attention_heads, model.hidden_size // model.num_attention_heads
+    h, a, d = model.hidden_size, model.num_attention_heads, model.head_dim
     q, kv, ffn = a * d, model.kv_heads * d, model.ffn
     mats = 3 if model.swiglu else 2
     weights = (q + 2 * kv) * h // tp + q * h // tp + mats * ffn * h // tp
-    norms = 2 * (h if model.uses_rmsnorm else 2 * h)
+    per_norm = 1 if model.uses_rmsnorm else 2  # weight, and LayerNorm's bias
+    norms = per_norm * (2 * h + (2 * d if model.qk_layernorm else 0))
     widths = {"qkv": (q + 2 * kv) // tp, "proj": h, "fc1": (mats - 1) * ffn // tp, "fc2": h}
     biases = sum(widths[name] for name in model.linears_with_bias)
     return weights + biases + norms

@@ -128,7 +128,7 @@ def torch_merge_times(
     achieved HBM ``bandwidth`` (bytes/s); 0 when cp = 1."""
     if cp <= 1:
         return 0.0, 0.0
-    d = model.hidden_size // model.num_attention_heads
+    d = model.head_dim
     out = model.seq_length / cp * micro_batch_size * model.num_attention_heads * d / tp
     key = kv_block_elements(model, tp, cp, micro_batch_size)
 

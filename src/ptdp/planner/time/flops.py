@@ -28,6 +28,9 @@ HIDDEN_BYTES_LLAMA = 20.0
 #: SwiGLU reads the 2 halves (4) and writes 2.
 FFN_BYTES_GELU = 4.0
 FFN_BYTES_SWIGLU = 6.0
+#: Bytes per query and key element (``(a + kv) d / t`` per token) of the query/key norms of
+#: ``--qk-layernorm``: read 2, write 2.
+QK_NORM_BYTES = 4.0
 #: Bytes per attention-score element (b a s^2 / t of them) in the forward: fused scale + mask +
 #: softmax reads 2 and writes 2; dropout reads 2, writes 2 and a 1-byte mask. Without dropout 4.
 SCORE_BYTES_DROPOUT = 9.0
@@ -60,7 +63,7 @@ def layer_gemms(model: ModelConfig, tp: int, micro_batch_size: int) -> tuple[tup
     Order: QKV, scores, context, projection, fc1, fc2 (see the module docstring).
     """
     b, s, h, a = micro_batch_size, model.seq_length, model.hidden_size, model.num_attention_heads
-    d, kv, t = h // a, model.kv_heads, tp
+    d, kv, t = model.head_dim, model.kv_heads, tp
     tokens, heads = b * s, b * a // t
     up = (2 if model.swiglu else 1) * model.ffn // t
     return (
@@ -250,7 +253,8 @@ def layer_elementwise_bytes(
     """Forward bytes of the memory-bound kernels of one layer: ``(total, attention-score part)``.
 
     ``T h * HIDDEN_BYTES`` (/t with sequence parallelism, [K22] §4.2.2) + ``T ffn / t * FFN_BYTES`` +
-    ``b a s^2 / t * SCORE_BYTES``; the score part (0 with a flash kernel) is what selective recompute repeats.
+    ``b a s^2 / t * SCORE_BYTES`` (+ ``T (a + kv) d / t * QK_NORM_BYTES`` with ``qk_layernorm``); the
+    score part (0 with a flash kernel) is what selective recompute repeats.
     """
     b, s, h, t = micro_batch_size, model.seq_length, model.hidden_size, tp
     tokens = b * s
@@ -259,6 +263,8 @@ def layer_elementwise_bytes(
     score = SCORE_BYTES_NO_DROPOUT if model.llama_style else SCORE_BYTES_DROPOUT
     scores = 0.0 if model.flash_attention else score * b * model.num_attention_heads / t * s * s
     total = hidden * tokens * h / (t if sequence_parallel else 1) + ffn * tokens * model.ffn / t + scores
+    if model.qk_layernorm:
+        total += QK_NORM_BYTES * tokens * (model.num_attention_heads + model.kv_heads) * model.head_dim / t
     return total, scores
 
 
@@ -271,7 +277,7 @@ def fp8_cast_bytes(model: ModelConfig, tp: int, micro_batch_size: int) -> tuple[
     are cast once per step (not counted).
     """
     h, a = model.hidden_size, model.num_attention_heads
-    d, kv, t, tokens = h // a, model.kv_heads, tp, micro_batch_size * model.seq_length
+    d, kv, t, tokens = model.head_dim, model.kv_heads, tp, micro_batch_size * model.seq_length
     forward = tokens * a * d / t
     backward = tokens * (2 * h + (a + 2 * kv) * d / t)
     return FP8_CAST_BYTES * forward, FP8_CAST_BYTES * backward
@@ -283,7 +289,7 @@ def flash_attention_time(
     """Forward seconds of a causal flash attention kernel on one tp rank, one microbatch:
     ``FLASH_CAUSAL_FRACTION`` of the score and context FLOPs at the efficiency of an ``(s, s, d)``
     GEMM (compute-bound, no s x s bytes); its backward is ``FLASH_BACKWARD_RATIO`` x this."""
-    s, d = model.seq_length, model.hidden_size // model.num_attention_heads
+    s, d = model.seq_length, model.head_dim
     eff = gemm_efficiency(s, s, d, peak_fraction=peak_fraction, half_dim=half_dim)
     return FLASH_CAUSAL_FRACTION * attention_core_flops(model, tp, micro_batch_size) / (peak_flops * eff)
 

@@ -209,7 +209,7 @@ def source_key(url: str, source: str) -> str:
 def megatron_2024_flops(model: ModelConfig, global_batch_size: int, *, divisible_by: int = 128, tp: int = 1) -> float:
     """FLOPs of one step by Megatron-LM's ``num_floating_point_operations`` (commit f2e5db4)."""
     b, s, l, h, a = global_batch_size, model.seq_length, model.num_layers, model.hidden_size, model.num_attention_heads
-    q = (h // a) * a
+    q = model.head_dim * a
     v_pad = padded_vocab_size(model.vocab_size, divisible_by, tp)
     gated = 1.5 if model.swiglu else 1.0
     return (

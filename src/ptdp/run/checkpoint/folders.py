@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
 from ptdp.config.moe import MoEConfig
 from ptdp.config.schema import Config
@@ -23,6 +22,8 @@ SHAPE_FIELDS = (
     "num_layers",
     "hidden_size",
     "num_attention_heads",
+    "kv_channels",
+    "qk_layernorm",
     "ffn",
     "seq_length",
     "vocab_size",
@@ -49,6 +50,8 @@ _FLAGS = {
     "rotary_base": "--rotary-base",
     "num_query_groups": "--num-query-groups",
     "add_bias_linear": "--disable-bias-linear",
+    "kv_channels": "--kv-channels",
+    "qk_layernorm": "--qk-layernorm",
 }
 #: values of model fields that checkpoints written before the field existed had
 MODEL_DEFAULTS = {
@@ -60,6 +63,17 @@ MODEL_DEFAULTS = {
     "rotary_base": 10000.0,
     "num_query_groups": None,
     "add_bias_linear": True,
+    "kv_channels": None,
+    "qk_layernorm": False,
+}
+
+
+#: flags of the MoE shape compared by :func:`_check_model`
+_MOE_FLAGS = {
+    "num_experts": "--num-experts",
+    "expert ffn": "--moe-ffn-hidden-size",
+    "shared expert ffn": "--moe-shared-expert-intermediate-size",
+    "MoE layers": "--moe-layer-freq",
 }
 
 
@@ -197,33 +211,60 @@ def check_model_shape(path: str | Path, config: Config) -> dict:
     return meta
 
 
+def _stored_field(model: dict, name: str):
+    """Field ``name`` of a checkpoint's model: its default where an older checkpoint lacks it;
+    ``kv_channels`` made concrete (None: h / a)."""
+    value = model.get(name, MODEL_DEFAULTS.get(name))
+    if name == "kv_channels" and value is None:
+        return model["hidden_size"] // model["num_attention_heads"]
+    return value
+
+
+def stored_moe(meta: dict) -> MoEConfig:
+    """The MoE options of a checkpoint's model (``meta["moe"]``; a dense model where a checkpoint
+    written before they were recorded has none)."""
+    moe = dict(meta.get("moe") or {})
+    if "moe_layer_freq" in moe:
+        moe["moe_layer_freq"] = tuple(moe["moe_layer_freq"])
+    names = {f.name for f in dataclasses.fields(MoEConfig)}
+    return MoEConfig(**{k: v for k, v in moe.items() if k in names})
+
+
+def _moe_shape(moe: MoEConfig, num_layers: int, ffn: int) -> dict[str, object]:
+    """What the MoE options change in the tensors: experts, their widths, which layers are MoE."""
+    if not moe.enabled:
+        return dict.fromkeys(_MOE_FLAGS)
+    layers = [i for i, on in enumerate(moe.moe_layers(num_layers)) if on]
+    return {
+        "num_experts": moe.num_experts,
+        "expert ffn": moe.expert_ffn(ffn),
+        "shared expert ffn": moe.shared_ffn,
+        "MoE layers": layers,
+    }
+
+
 def _check_model(meta: dict, config: Config, folder: Path, skip: tuple[str, ...] = ()) -> None:
     m = config.model
+    here = {f: m.head_dim if f == "kv_channels" else getattr(m, f) for f in SHAPE_FIELDS}
     diffs = [
-        f"{f}={meta['model'].get(f, MODEL_DEFAULTS.get(f))!r} in the checkpoint, {getattr(m, f)!r} here"
+        f"{f}={_stored_field(meta['model'], f)!r} in the checkpoint, {here[f]!r} here"
         + (f" (set {_FLAGS[f]})" if f in _FLAGS else "")
         for f in SHAPE_FIELDS
-        if f not in skip and meta["model"].get(f, MODEL_DEFAULTS.get(f)) != getattr(m, f)
+        if f not in skip and _stored_field(meta["model"], f) != here[f]
     ]
-    diffs += _moe_diffs(meta.get("moe", {}), config)
+    if not diffs:  # the MoE shape, once the dense one agrees
+        stored = _moe_shape(stored_moe(meta), m.num_layers, m.ffn)
+        now = _moe_shape(config.moe, m.num_layers, m.ffn)
+        diffs = [
+            f"{k} {stored[k]} in the checkpoint, {now[k]} here (set {flag})"
+            for k, flag in _MOE_FLAGS.items()
+            if stored[k] != now[k]
+        ]
+        if (stored["num_experts"] is None) != (now["num_experts"] is None):  # dense against MoE: say so once
+            kinds = [f"{n} experts" if n else "a dense model" for n in (stored["num_experts"], now["num_experts"])]
+            diffs = [f"{kinds[0]} in the checkpoint, {kinds[1]} here (set --num-experts and the MoE options)"]
     if diffs:
         raise CheckpointError(f"checkpoint {folder} is for a different model: " + "; ".join(diffs))
-
-
-def _moe_diffs(saved: dict, config: Config) -> list[str]:
-    """How the checkpoint's MoE layers (``saved``: its ``MoEConfig`` fields; none in checkpoints
-    written before MoE) differ from ``config``'s in what shapes the parameters."""
-    fields = {f.name for f in dataclasses.fields(MoEConfig)}
-    kept: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields}
-    old = MoEConfig(**kept)
-    m, new = config.model, config.moe
-    checks = [
-        ("num_experts", old.num_experts, new.num_experts),
-        ("moe_layer_freq (MoE layers)", old.moe_layers(m.num_layers), new.moe_layers(m.num_layers)),
-        ("moe_ffn_hidden_size", old.expert_ffn(m.ffn), new.expert_ffn(m.ffn)),
-        ("moe_shared_expert_intermediate_size", old.shared_ffn, new.shared_ffn),
-    ]
-    return [f"{name}={a!r} in the checkpoint, {b!r} here" for name, a, b in checks if a != b]
 
 
 def residual_note(meta: dict, layout: dict, world_size: int, codec: str) -> str | None:

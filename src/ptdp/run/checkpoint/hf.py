@@ -1,10 +1,16 @@
-"""Hugging Face interop: export a ptdp checkpoint to a ``GPT2LMHeadModel`` folder, or with the
-Llama-like options to a ``LlamaForCausalLM`` one (``config.json`` + ``model.safetensors``), and
-import such a folder as a ptdp checkpoint (iteration 0, no optimizer state, loads at any layout).
+"""Hugging Face interop: export a ptdp checkpoint to a Hugging Face folder (``config.json`` +
+``model.safetensors``), and import such a folder as a ptdp checkpoint (iteration 0, no optimizer
+state, loads at any layout). The architecture follows the model (:func:`export_hf`):
+``GPT2LMHeadModel``; with the Llama-like options ``LlamaForCausalLM``, with query/key norms
+``Qwen3ForCausalLM``; an MoE model ``MixtralForCausalLM``, with query/key norms
+``Qwen3MoeForCausalLM``. An import reads the config's ``architectures`` (:data:`ARCHITECTURES`;
+its ``model_type`` when it names none).
 
 One process, no process group. GPT-2's ``Conv1D`` weights are ``[in, out]`` (``y = x W + b``),
 ptdp's ``nn.Linear`` ``[out, in]``: they are transposed; its fused ``c_attn`` is ``[q | k | v]``
-with heads contiguous inside each, as ptdp's. Llama: :mod:`ptdp.run.checkpoint.hf_llama`.
+with heads contiguous inside each, as ptdp's. The Llama family's decoder:
+:mod:`ptdp.run.checkpoint.hf_llama`; its MoE layers: :mod:`ptdp.run.checkpoint.hf_moe`; Qwen3's and
+Mixtral's configs: :mod:`ptdp.run.checkpoint.hf_qwen3`, :mod:`ptdp.run.checkpoint.hf_mixtral`.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ptdp.config.model import Activation, ModelConfig
+from ptdp.config.moe import MoEConfig
 from ptdp.run.checkpoint.folders import (
     FORMAT,
     META,
@@ -32,8 +39,12 @@ from ptdp.run.checkpoint.folders import (
     check_files,
     read_meta,
     resolve_checkpoint,
+    stored_moe,
 )
 from ptdp.run.checkpoint.hf_llama import from_llama, is_gpt2_like, llama_config, model_config_from_llama, to_llama
+from ptdp.run.checkpoint.hf_mixtral import configs_from_mixtral, mixtral_config
+from ptdp.run.checkpoint.hf_moe import MIXTRAL, QWEN3_MOE, ExpertNames
+from ptdp.run.checkpoint.hf_qwen3 import configs_from_qwen3, qwen3_config
 from ptdp.run.checkpoint.io import _write_json, _write_text_atomic
 from ptdp.run.checkpoint.safe_reader import SafeFileSystemReader
 
@@ -46,6 +57,22 @@ _LAYER = {
     "mlp.c_proj": "mlp.fc2",
 }
 _CONV1D = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}
+
+#: the ``architectures`` ptdp reads and writes -> their ``model_type``
+ARCHITECTURES = {
+    "GPT2LMHeadModel": "gpt2",
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+#: the Llama family's names (in errors) and expert names, by ``model_type``
+_FAMILIES: dict[str, tuple[str, ExpertNames | None]] = {
+    "llama": ("Llama", None),
+    "qwen3": ("Qwen3", None),
+    "mixtral": ("Mixtral", MIXTRAL),
+    "qwen3_moe": ("Qwen3-MoE", QWEN3_MOE),
+}
 
 
 def _one_process(fn) -> dict:
@@ -76,18 +103,27 @@ def read_model_tensors(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write ``out_dir/config.json`` and ``out_dir/model.safetensors`` for ``GPT2LMHeadModel``, or
-    ``LlamaForCausalLM`` when the model uses a Llama-like option (``out_dir`` must be new or empty:
-    nothing is overwritten)."""
+    """Write ``out_dir/config.json`` and ``out_dir/model.safetensors`` for ``GPT2LMHeadModel``; with
+    a Llama-like option ``LlamaForCausalLM``, or ``Qwen3ForCausalLM`` with ``qk_layernorm``; for an
+    MoE model ``MixtralForCausalLM``, or ``Qwen3MoeForCausalLM`` with ``qk_layernorm`` (``out_dir``
+    must be new or empty: nothing is overwritten). Raises CheckpointError naming what the
+    architecture cannot express, before anything is written."""
     target = Path(out_dir)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise CheckpointError(f"{target} exists and is not an empty folder; export into a new one")
     meta, tensors = read_model_tensors(checkpoint)
-    m = meta["model"]
+    m, moe = meta["model"], stored_moe(meta)
     tokenizer = resolve_checkpoint(checkpoint) / "tokenizer.json"
     eos, tokens = _special_tokens(tokenizer)
+    dtype = tensors["word_embeddings.weight"].dtype
+    if m.get("qk_layernorm"):  # each raises for what its architecture lacks
+        config = qwen3_config(m, moe, dtype) | tokens
+        return _write_hf(target, to_llama(m, tensors, moe=moe, experts=QWEN3_MOE), config, tokenizer, eos)
+    if moe.enabled:
+        config = mixtral_config(m, moe, dtype) | tokens
+        return _write_hf(target, to_llama(m, tensors, moe=moe, experts=MIXTRAL), config, tokenizer, eos)
     if not is_gpt2_like(m):
-        config = llama_config(m, tensors["word_embeddings.weight"].dtype) | tokens  # raises for what Llama lacks
+        config = llama_config(m, dtype) | tokens
         return _write_hf(target, to_llama(m, tensors), config, tokenizer, eos)
     gpt2 = _gpt2_config(m)  # raises for what GPT-2 lacks, before any tensor is mapped
     h = m["hidden_size"]
@@ -106,8 +142,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
                 w, b = w.reshape(3 * h, -1), b.reshape(-1)
             hf[f"transformer.h.{i}.{theirs}.weight"] = w.t() if theirs in _CONV1D else w
             hf[f"transformer.h.{i}.{theirs}.bias"] = b
-    dtype = str(next(iter(hf.values())).dtype).removeprefix("torch.")
-    return _write_hf(target, hf, gpt2 | tokens | {"torch_dtype": dtype}, tokenizer, eos)
+    return _write_hf(target, hf, gpt2 | tokens | {"torch_dtype": str(dtype).removeprefix("torch.")}, tokenizer, eos)
 
 
 def _special_tokens(tokenizer: Path) -> tuple[str | None, dict]:
@@ -204,12 +239,39 @@ _GPT2_ACTIVATIONS: dict[str, Activation] = {"gelu_new": "gelu_tanh", "gelu_pytor
 """GPT-2's ``activation_function`` -> ptdp's ``activation``."""
 
 
-def model_config_from_hf(config: dict) -> ModelConfig:
-    """ptdp's model for a GPT-2 or Llama ``config.json`` (raises CheckpointError for what ptdp lacks)."""
-    if config.get("model_type") == "llama":
-        return model_config_from_llama(config)
-    if config.get("model_type") != "gpt2":
-        raise CheckpointError(f"model_type {config.get('model_type')!r} is not gpt2 or llama")
+def hf_model_type(config: dict) -> str:
+    """The ``model_type`` ptdp reads a ``config.json`` as: its one ``architectures`` entry's (of
+    :data:`ARCHITECTURES`), else its ``model_type`` if ptdp reads it. Raises CheckpointError
+    naming the ones it reads."""
+    architectures = config.get("architectures")
+    if architectures:
+        if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
+            raise CheckpointError(f"architectures={architectures!r}: ptdp reads one of {', '.join(ARCHITECTURES)}")
+        kind = ARCHITECTURES[architectures[0]]
+        if config.get("model_type", kind) != kind:
+            raise CheckpointError(f"architectures={architectures!r} with model_type {config['model_type']!r}")
+        return kind
+    named = config.get("model_type")
+    if named not in ARCHITECTURES.values():
+        raise CheckpointError(f"model_type {named!r} is not one of {', '.join(ARCHITECTURES.values())}")
+    return str(named)
+
+
+def configs_from_hf(config: dict) -> tuple[ModelConfig, MoEConfig]:
+    """ptdp's model and MoE options for a ``config.json`` (:func:`hf_model_type`; raises
+    CheckpointError for what ptdp lacks)."""
+    kind = hf_model_type(config)
+    if kind == "llama":
+        return model_config_from_llama(config), MoEConfig()
+    if kind in ("qwen3", "qwen3_moe"):
+        return configs_from_qwen3(config)
+    if kind == "mixtral":
+        return configs_from_mixtral(config)
+    return _model_config_from_gpt2(config), MoEConfig()
+
+
+def _model_config_from_gpt2(config: dict) -> ModelConfig:
+    """ptdp's model for a GPT-2 ``config.json``."""
     act = _GPT2_ACTIVATIONS.get(config.get("activation_function", ""))
     if act is None:
         raise CheckpointError(f"activation_function {config.get('activation_function')!r} is not supported")
@@ -234,8 +296,9 @@ def model_config_from_hf(config: dict) -> ModelConfig:
 
 
 def import_hf(hf_dir: str | Path, save_dir: str | Path) -> Path:
-    """Make ``save_dir/iter_0000000`` (and ``save_dir/latest``) from a GPT-2 or Llama folder
-    (``model.safetensors``, or shards listed in ``model.safetensors.index.json``)."""
+    """Make ``save_dir/iter_0000000`` (and ``save_dir/latest``) from a folder of one of the
+    :data:`ARCHITECTURES` (``model.safetensors``, or shards listed in
+    ``model.safetensors.index.json``); tensors as float32, float64 ones as float64."""
     hf_dir, root = Path(hf_dir), Path(save_dir)
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise CheckpointError(f"{root} exists and is not an empty folder; import into a new one")
@@ -245,16 +308,21 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path) -> Path:
             f"{hf_dir} is not a Hugging Face model folder (config.json + model.safetensors or its index)"
         )
     config = json.loads((hf_dir / "config.json").read_text())
-    m = model_config_from_hf(config)
+    m, moe = configs_from_hf(config)
     files = ["model.safetensors"]
     if index.is_file():  # a sharded folder
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    loaded = {k: v.float() for f in files for k, v in load_file(str(hf_dir / f)).items()}
-    if config["model_type"] == "llama":
-        sd = {f"model/{k}": v for k, v in from_llama(m, loaded).items()}
-    else:
+    loaded = {
+        k: v if v.dtype == torch.float64 else v.float() for f in files for k, v in load_file(str(hf_dir / f)).items()
+    }
+    kind = hf_model_type(config)
+    if kind == "gpt2":
         sd = _from_gpt2(m, {k.removeprefix("transformer."): v for k, v in loaded.items()})
-    return _write_imported(root, m, sd, hf_dir)
+    else:
+        family, experts = _FAMILIES[kind]
+        tensors = from_llama(m, loaded, family=family, moe=moe if moe.enabled else None, experts=experts)
+        sd = {f"model/{k}": v for k, v in tensors.items()}
+    return _write_imported(root, m, moe, sd, hf_dir)
 
 
 def _from_gpt2(m: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -276,7 +344,7 @@ def _from_gpt2(m: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.T
     return sd
 
 
-def _write_imported(root: Path, m: ModelConfig, sd: dict[str, torch.Tensor], hf_dir: Path) -> Path:
+def _write_imported(root: Path, m: ModelConfig, moe: MoEConfig, sd: dict[str, torch.Tensor], hf_dir: Path) -> Path:
     """ptdp's layout-independent checkpoint of the model tensors ``sd`` (iteration 0, no optimizer state)."""
     sd["optim/step"] = torch.tensor(0, dtype=torch.int64)
     name = "iter_0000000"
@@ -292,6 +360,7 @@ def _write_imported(root: Path, m: ModelConfig, sd: dict[str, torch.Tensor], hf_
             "iteration": 0,
             "consumed_samples": 0,
             "model": dataclasses.asdict(m) | {"ffn": m.ffn},
+            "moe": dataclasses.asdict(moe),
             "layout": {"imported_from": str(hf_dir)},
             "world_size": 1,
             "optimizer_state": [],
