@@ -74,14 +74,10 @@ class RunLog:
     ) -> None:
         """Advance the progress bar; ``max_load``: an MoE step's most loaded expert over the mean."""
         if self._bar is not None:
-            postfix = {
-                "loss": f"{loss:.3f}",
-                "tok/s": f"{tokens_per_s:,.0f}",
-                "step": f"{step_time_s:.2f}s",
-                "lr": f"{lr:.2e}",
-            }
-            if max_load is not None:
+            postfix = {"loss": f"{loss:.3f}"}
+            if max_load is not None:  # next to the loss: a narrow bar cuts the end of the line
                 postfix["load"] = f"{max_load:.2f}x"  # the most loaded expert over the mean
+            postfix |= {"tok/s": f"{tokens_per_s:,.0f}", "step": f"{step_time_s:.2f}s", "lr": f"{lr:.2e}"}
             self._bar.set_postfix(postfix, refresh=False)
             self._bar.update(1)
 
