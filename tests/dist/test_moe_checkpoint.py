@@ -4,7 +4,8 @@ optim_grads are saved; the first is loaded at (1,1,1,4,4,1) with ZeRO-1 (ep 1 ->
 (2,1,1,2,1,2) with optim_grads (etp 1 -> 2), the second at (2,1,1,2,2,1) with optim_grads_params
 (etp 2 -> 1, tp 1 -> 2, experts' state sharded over edp 2) and in one process (ep, etp -> 1).
 Each third step equals one uninterrupted process's (float64, 1e-9): loss, norm, every parameter
-and the expert biases, which the checkpoint carries."""
+and the expert biases and global_aux_loss's counts, which the checkpoint carries; resumed at the
+layout it was saved at, the step equals the uninterrupted run's bitwise."""
 
 from __future__ import annotations
 
@@ -35,12 +36,14 @@ def _groups(tp: int, cp: int, pp: int, dp: int, ep: int, etp: int) -> ParallelGr
     return ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp), PG_TIMEOUT, ep=ep, etp=etp)
 
 
-def _save_after_two_steps(name: str, layout: tuple, root: str) -> None:
+def _save_after_two_steps(name: str, layout: tuple, root: str) -> dict:
+    """Two steps saved, then the third of the same run (uninterrupted)."""
     cfg, groups = moe_config(name, *layout), _groups(*layout)
     stage = build_stage(cfg, groups)
     for step in range(2):
         train_step(stage, rank_microbatches(step, cfg, groups.dp.rank, groups.dp.size), step).result()
     save_checkpoint(stage, root, 2, consumed_samples=16)
+    return collect_ep(cfg, groups, stage, steps=range(2, 3))
 
 
 def _resume(name: str, layout: tuple, root: str) -> dict:
@@ -52,17 +55,26 @@ def _resume(name: str, layout: tuple, root: str) -> dict:
 
 
 def resume_worker(rank: int, world: int, roots: dict[str, str]) -> dict:
-    _save_after_two_steps(f"{NAME}:optim_grads", SAVED, roots["ep"])
-    return {layout: _resume(f"{NAME}:{sharding}", layout, roots[saved_by]) for saved_by, layout, sharding in LOADS}
+    out: dict = {"uninterrupted": _save_after_two_steps(f"{NAME}:optim_grads", SAVED, roots["ep"])}
+    out["same layout"] = _resume(f"{NAME}:optim_grads", SAVED, roots["ep"])[NAME]
+    return out | {
+        layout: _resume(f"{NAME}:{sharding}", layout, roots[saved_by]) for saved_by, layout, sharding in LOADS
+    }
 
 
 def test_moe_checkpoint_resumes_at_other_expert_layouts(tmp_path):
     roots = {"one": str(tmp_path / "one"), "ep": str(tmp_path / "ep")}
-    _save_after_two_steps(NAME, (1, 1, 1, 1, 1, 1), roots["one"])
+    _save_after_two_steps(NAME, (1, 1, 1, 1, 1, 1), roots["one"])  # its third step unused
     ref = reference(NAME)
     assert all(bias.abs().sum() > 0 for bias in ref["buffers"].values()) and ref["buffers"]
     third = {"losses": ref["losses"][2:], "norms": ref["norms"][2:], "params": ref["params"]}
     resumed = run_in_pool(resume_worker, 4, roots)
+    for res in resumed:  # at the layout it was saved at, the resumed step is the uninterrupted one, bitwise
+        same, whole = res["same layout"], res["uninterrupted"]
+        assert (same["losses"], same["norms"]) == (whole["losses"], whole["norms"])
+        for key, (tensor, _, _) in whole["params"].items():
+            assert torch.equal(same["params"][key][0], tensor), key
+        assert all(torch.equal(same["buffers"][key], b) for key, b in whole["buffers"].items())
     runs = {f"{saved_by} -> {layout}": [res[layout] for res in resumed] for saved_by, layout, _ in LOADS}
     runs["ep -> one process"] = [_resume(NAME, (1, 1, 1, 1, 1, 1), roots["ep"])]
     for what, results in runs.items():
