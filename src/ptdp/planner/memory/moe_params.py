@@ -1,0 +1,68 @@
+"""Parameters of mixture-of-experts layers, exactly as ``ptdp train`` creates them
+(:class:`ptdp.engine.moe.layer.MoELayer`): per rank of the expert grid, and total and active per
+token.
+
+An MoE layer is a transformer layer whose MLP is the router ``[E, h]`` (replicated), ``E`` routed
+experts each an MLP of width ``F`` (GELU: fc1 ``[F, h]``, fc2 ``[h, F]``; SwiGLU: fc1 ``[2F, h]``;
+biases ``[F]`` or ``[2F]`` and ``[h]`` when the model has linear biases), split ``E / ep`` per rank
+and each over ``etp`` ranks, and an optional shared expert, a dense MLP of width ``S`` split over
+tp as the dense MLP. A token passes through ``k`` routed experts and the shared one.
+"""
+
+from __future__ import annotations
+
+from ptdp.config.model import ModelConfig
+from ptdp.config.moe import MoEConfig
+from ptdp.layout.vocab import padded_vocab_size
+from ptdp.planner.memory.params import layer_param_count
+
+
+def mlp_param_count(model: ModelConfig, width: int, tp: int = 1, biases: tuple[str, ...] | None = None) -> int:
+    """One MLP of inner width ``width`` on one of ``tp`` ranks: its weights, and the biases of those
+    of ``fc1``/``fc2`` in ``biases`` (default: both when the model has linear biases, as
+    ``ptdp train``'s MLPs and experts)."""
+    biases = ("fc1", "fc2") if biases is None and model.add_bias_linear else biases or ()
+    halves = 2 if model.swiglu else 1
+    weights = (halves + 1) * width * model.hidden_size // tp
+    return weights + (halves * width // tp if "fc1" in biases else 0) + (model.hidden_size if "fc2" in biases else 0)
+
+
+def expert_param_count(model: ModelConfig, moe: MoEConfig, etp: int = 1) -> int:
+    """One routed expert on one of ``etp`` ranks (its biases: fc1's split, fc2's on every rank)."""
+    return mlp_param_count(model, moe.expert_ffn(model.ffn), etp)
+
+
+def moe_layer_param_counts(
+    model: ModelConfig, moe: MoEConfig, tp: int = 1, ep: int = 1, etp: int = 1
+) -> tuple[int, int]:
+    """``(dense, experts)`` parameters of one MoE layer on one rank: the attention, norms, router
+    and shared expert (over tp), and the rank's ``E / ep`` routed experts (each over etp)."""
+    dense_mlp = mlp_param_count(model, model.ffn, tp, model.linears_with_bias)  # as layer_param_count
+    attention_and_norms = layer_param_count(model, tp) - dense_mlp
+    shared = mlp_param_count(model, moe.shared_ffn, tp) if moe.shared_ffn else 0
+    router = (moe.num_experts or 0) * model.hidden_size
+    experts = (moe.num_experts or 0) // ep * expert_param_count(model, moe, etp)
+    return attention_and_norms + router + shared, experts
+
+
+def model_param_counts(model: ModelConfig, moe: MoEConfig) -> tuple[int, int]:
+    """``(total, active)`` parameters of the whole model (one process): every weight, and those a
+    token passes through (``k`` routed experts per MoE layer, the rest whole). The word embedding
+    (padded vocabulary, ``make_vocab_size_divisible_by``) counts in both, the untied output layer
+    too, as ``ptdp train`` holds them."""
+    h = model.hidden_size
+    v_pad = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, 1)
+    outside = v_pad * h + (model.seq_length * h if model.has_position_table else 0)
+    outside += (h if model.uses_rmsnorm else 2 * h) + (0 if model.tied else v_pad * h)
+    dense_layer = layer_param_count(model, 1)
+    total = active = outside
+    expert = expert_param_count(model, moe) if moe.enabled else 0
+    for is_moe in moe.moe_layers(model.num_layers):
+        if not is_moe:
+            total += dense_layer
+            active += dense_layer
+            continue
+        rest, experts = moe_layer_param_counts(model, moe)
+        total += rest + experts
+        active += rest + moe.moe_router_topk * expert
+    return total, active

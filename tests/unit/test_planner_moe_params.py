@@ -1,0 +1,76 @@
+"""The planner's MoE parameter counts: per rank of the expert grid equal to what ``ptdp train``'s
+layers hold at several tp / ep / etp (with SwiGLU or GELU, biases, a shared expert), and the whole
+model's total and active counts equal to ``transformers``' Mixtral and Qwen3-MoE."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ptdp.config.model import ModelConfig
+from ptdp.config.moe import MoEConfig
+from ptdp.engine.comm import AxisGroup
+from ptdp.engine.groups import ExpertGroups
+from ptdp.engine.model.layer import TransformerLayer
+from ptdp.planner.memory.moe_params import model_param_counts, moe_layer_param_counts
+
+GPT = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, seq_length=16)
+LLAMA = dataclasses.replace(
+    GPT, swiglu=True, normalization="RMSNorm", add_bias_linear=False, num_query_groups=2, kv_channels=24
+)
+MOE = MoEConfig(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=48)
+
+
+def _axis(name: str, size: int, rank: int) -> AxisGroup:
+    """A group of ``size`` that allocates shards and never communicates (none is built)."""
+    return AxisGroup(name, tuple(range(size)), rank, None, None)
+
+
+@pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("tp, ep, etp", [(1, 1, 1), (2, 1, 1), (2, 2, 1), (1, 4, 2), (4, 2, 2), (1, 1, 4)])
+def test_an_moe_layers_parameters_per_rank_are_what_ptdp_train_allocates(model, tp, ep, etp):
+    if etp > 1 and model.add_bias_linear:
+        pytest.skip("experts with biases are not split over etp")
+    experts = ExpertGroups(_axis("ep", ep, ep - 1), _axis("etp", etp, etp - 1), _axis("ep", ep * etp, 0))
+    layer = TransformerLayer(
+        model,
+        _axis("tp", tp, tp - 1),
+        torch.float32,
+        sequence_parallel=tp > 1,
+        layer_id=0,
+        moe=MOE,
+        experts=experts if ep * etp > 1 else None,
+    )
+    expert_params = sum(p.numel() for p in layer.parameters() if hasattr(p, "ptdp_expert"))
+    rest = sum(p.numel() for p in layer.parameters() if not hasattr(p, "ptdp_expert"))
+    assert moe_layer_param_counts(model, MOE, tp, ep, etp) == (rest, expert_params)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_total_and_active_parameters_equal_transformers(kind):
+    transformers = pytest.importorskip("transformers")
+    from helpers.hf_families import FAMILIES, SHAPE
+    from ptdp.run.checkpoint.hf import configs_from_hf
+
+    config_cls, model_cls, own = FAMILIES[kind]
+    config = getattr(transformers, config_cls)(**SHAPE | own | {"num_hidden_layers": 3, "tie_word_embeddings": False})
+    if kind == "qwen3_moe":
+        config.mlp_only_layers = [1]  # a dense layer between two MoE ones
+    hf = getattr(transformers, model_cls)(config)
+    model, moe = configs_from_hf(config.to_dict())
+    model = dataclasses.replace(model, make_vocab_size_divisible_by=1)  # no padding rows
+    total = sum(p.numel() for p in hf.parameters())
+    moe_layers = [
+        i for i, layer in enumerate(hf.model.layers) if any(n.endswith("experts") for n, _ in layer.named_modules())
+    ]
+    assert len(moe_layers) == (3 if kind == "mixtral" else 2) and moe.moe_layers(3) == tuple(
+        i in moe_layers for i in range(3)
+    )
+    per_expert = 3 * config.hidden_size * (config.moe_intermediate_size if kind == "qwen3_moe" else 48)
+    inactive = len(moe_layers) * (moe.num_experts - moe.moe_router_topk) * per_expert
+    assert model_param_counts(model, moe) == (total, total - inactive)
