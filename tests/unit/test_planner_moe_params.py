@@ -74,3 +74,20 @@ def test_total_and_active_parameters_equal_transformers(kind):
     per_expert = 3 * config.hidden_size * (config.moe_intermediate_size if kind == "qwen3_moe" else 48)
     inactive = len(moe_layers) * (moe.num_experts - moe.moe_router_topk) * per_expert
     assert model_param_counts(model, moe) == (total, total - inactive)
+
+
+def test_moe_model_flops_count_the_router_and_the_activated_experts():
+    """3 x forward: each MoE layer's MLP is ``2 T h (E + (n + 1)(k F + S))``; with ``k F`` the dense
+    width and no shared expert only the router's ``2 T h E`` is added to the dense model's."""
+    from ptdp.planner.time.flops import model_flops_per_step
+
+    for model in (GPT, LLAMA):
+        mats = 3 if model.swiglu else 2
+        same = MoEConfig(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=model.ffn // 2)
+        dense = model_flops_per_step(model, 4)
+        router = 3 * 4 * model.seq_length * 2 * model.hidden_size * 8 * model.num_layers
+        assert model_flops_per_step(model, 4, same) == pytest.approx(dense + router, rel=1e-12)
+        first_dense = dataclasses.replace(MOE, moe_layer_freq=(0, 1))
+        tokens, h = 4 * model.seq_length, model.hidden_size
+        extra = 3 * 2 * tokens * h * (8 + mats * (2 * 32 + 48) - mats * model.ffn)
+        assert model_flops_per_step(model, 4, first_dense) == pytest.approx(dense + extra, rel=1e-12)

@@ -3,7 +3,7 @@
 ``F`` (:func:`step_model_flops`): model FLOPs of one step
 (:func:`ptdp.planner.time.flops.model_flops_per_step`, unpadded vocabulary): 3 x the forward GEMMs,
 attention counted in full; for GPT ``72 B s l h^2 (1 + s/(6h) + V/(12 h l))`` (Korthikanti et al.,
-arXiv:2205.05198, §6). Recompute, elementwise work and the optimizer are not counted (as
+arXiv:2205.05198, §6); an MoE layer's router, ``k`` routed experts and shared expert per token. Recompute, elementwise work and the optimizer are not counted (as
 Megatron-LM's ``--log-throughput``).
 
 Per logged step: ``tokens_per_s = B s / step_time_s``; ``tflops_per_gpu = F / step_time_s / world /
@@ -41,7 +41,7 @@ DEVICE_NAMES = (
 def step_model_flops(config: Config) -> float:
     """Model FLOPs of one optimizer step, all GPUs together (see the module docstring);
     ``config.model.vocab_size`` should be the tokenizer's real size (as in the trainer)."""
-    return model_flops_per_step(config.model, config.train.global_batch_size)
+    return model_flops_per_step(config.model, config.train.global_batch_size, config.moe)
 
 
 def catalog_gpu(device_name: str) -> GPUType | None:

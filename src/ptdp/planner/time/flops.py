@@ -16,6 +16,7 @@ from __future__ import annotations
 from functools import lru_cache, partial
 
 from ptdp.config.model import ModelConfig
+from ptdp.config.moe import MoEConfig
 
 #: Bytes moved in the forward pass per element of the h-wide residual stream, per layer, by
 #: the memory-bound kernels of a Megatron-style layer (16-bit values, 1-byte dropout masks):
@@ -180,14 +181,29 @@ def logits_forward_flops(model: ModelConfig, tp: int, micro_batch_size: int, pad
 
 
 @lru_cache(maxsize=65536)
-def model_flops_per_step(model: ModelConfig, global_batch_size: int) -> float:
+def model_flops_per_step(model: ModelConfig, global_batch_size: int, moe: MoEConfig | None = None) -> float:
     """Model FLOPs of one step (no recompute), all GPUs: 3 x forward over ``B s`` tokens.
 
     For GPT this is exactly [K22] §6: ``72 B s l h^2 (1 + s/(6h) + V/(12 h l))``; for other
-    shapes the same count from :func:`layer_gemms` at tp = 1 (V unpadded, as in the papers).
+    shapes the same count from :func:`layer_gemms` at tp = 1 (V unpadded, as in the papers). With
+    ``moe`` an MoE layer's MLP counts what a token runs (:func:`moe_mlp_forward_flops`).
     """
     per_sequence = model.num_layers * layer_forward_flops(model, 1, 1) + logits_forward_flops(model, 1, 1)
+    if moe is not None and moe.enabled:
+        dense_mlp = sum(gemm_flops(*g) for g in layer_gemms(model, 1, 1)[4:])
+        per_sequence += sum(moe.moe_layers(model.num_layers)) * (moe_mlp_forward_flops(model, moe, 1) - dense_mlp)
     return 3.0 * global_batch_size * per_sequence
+
+
+def moe_mlp_forward_flops(model: ModelConfig, moe: MoEConfig, micro_batch_size: int) -> float:
+    """Forward FLOPs of an MoE layer's MLP over one microbatch's ``T = b s`` tokens, the activated
+    weights only: the router ``2 T h E``, each token's ``k`` routed experts and the shared expert,
+    each ``2 T (n + 1) h F`` (n = 2 for SwiGLU; F its width). Megatron-Core's count leaves the
+    router out."""
+    tokens, h = micro_batch_size * model.seq_length, model.hidden_size
+    mats = 3 if model.swiglu else 2
+    experts = moe.moe_router_topk * moe.expert_ffn(model.ffn) + moe.shared_ffn
+    return 2.0 * tokens * h * ((moe.num_experts or 0) + mats * experts)
 
 
 @lru_cache(maxsize=65536)
