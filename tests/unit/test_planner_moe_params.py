@@ -91,3 +91,25 @@ def test_moe_model_flops_count_the_router_and_the_activated_experts():
         tokens, h = 4 * model.seq_length, model.hidden_size
         extra = 3 * 2 * tokens * h * (8 + mats * (2 * 32 + 48) - mats * model.ffn)
         assert model_flops_per_step(model, 4, first_dense) == pytest.approx(dense + extra, rel=1e-12)
+
+
+def test_the_launch_memory_check_counts_the_experts():
+    """``ptdp train``'s memory check: one process holds every expert (the parameters it builds); with
+    the experts over ep 2 a rank holds half of them, their Adam state over edp with sharding."""
+    from helpers.moe_cases import moe_config
+    from ptdp.engine.groups import ParallelGroups
+    from ptdp.engine.stage import build_stage
+    from ptdp.run.memory_check import rank_estimates
+
+    cfg = moe_config("moe_ep", 1, 1, 1, 1)  # float64: twice float32's 4 bytes
+    held = sum(p.numel() for p in build_stage(cfg, ParallelGroups.single_process()).model.parameters())
+    (one,) = rank_estimates(cfg)
+    assert one.params == 2 * 4 * held and one.grads == 2 * 4 * held and one.optimizer == 2 * 8 * held
+    experts = sum(
+        p.numel()
+        for n, p in build_stage(cfg, ParallelGroups.single_process()).model.named_parameters()
+        if "experts." in n
+    )
+    (split,) = rank_estimates(moe_config("moe_ep:optim", 1, 1, 1, 4, 2))  # edp 2
+    assert split.params == 2 * 4 * (held - experts / 2)
+    assert split.optimizer == pytest.approx(2 * 8 * ((held - experts) / 4 + experts / 2 / 2), rel=1e-3)  # + padding

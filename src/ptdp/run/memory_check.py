@@ -1,8 +1,9 @@
 """Before any worker starts: will the run fit in memory? (the planner's memory model)
 
 Each rank's bytes come from :mod:`ptdp.planner.memory.breakdown` (exact parameter, gradient and
-optimizer bytes; activations per Korthikanti et al., arXiv:2205.05198, for the schedule, recompute
-and sequence parallelism) plus a per-process overhead (on GPUs the planner's,
+optimizer bytes, MoE layers' experts per rank of the expert grid; activations per Korthikanti et
+al., arXiv:2205.05198, for the schedule, recompute and sequence parallelism, an MoE layer's as the
+dense MLP's) plus a per-process overhead (on GPUs the planner's,
 :func:`ptdp.planner.memory.overhead.runtime_overhead_bytes`). On GPUs the most loaded rank must fit
 one device; on CPU the local workers' sum must fit ``MemAvailable``. Otherwise ``ptdp train`` exits
 2 naming the estimate, the memory available and the flags that would help; ``--force`` starts anyway.
@@ -55,10 +56,33 @@ def rank_estimates(config: Config) -> list[RankBytes]:
     out = []
     for stage, (n, n_layers) in enumerate(zip(counts, config.pipeline.stage_layers)):
         act = activation_bytes(m, layout, stage, n_layers, schedule=schedule, make_vocab_size_divisible_by=div)
+        experts = (0.0, 0.0, 0.0)
+        if config.moe.enabled:
+            n, experts = _with_experts(config, stage, n, precision)
         # the run's sharding strategy over dp x cp, with its transients (a gradient bucket, gathered units)
         params, grads, optimizer = rank_state_bytes(m, layout, n, n_layers, stage=stage, divisible_by=div)
+        params, grads, optimizer = params + experts[0], grads + experts[1], optimizer + experts[2]
         out.append(RankBytes(stage, scale * params, scale * grads, scale * optimizer, scale * act))
     return out
+
+
+def _with_experts(config: Config, stage: int, n: int, precision: str) -> tuple[int, tuple[float, float, float]]:
+    """A stage's dense parameter count with its MoE layers (:mod:`ptdp.planner.memory.moe_params`),
+    and the (params, grads, optimizer) bytes of its routed experts when they have their own buffer
+    (ep or etp > 1: whole on the rank, the optimizer state over edp with any sharding strategy);
+    at ep = etp = 1 the experts join the dense count. Activations stay the dense model's."""
+    from ptdp.planner.memory.moe_params import stage_moe_params
+    from ptdp.planner.memory.params import bytes_per_param
+
+    p, split = config.parallel, config.pipeline
+    ids = [i for c in range(split.virtual_stages) for i in split.chunk_layer_ids(stage, c)]
+    change, experts = stage_moe_params(config.model, config.moe, ids, p.tp, p.ep, p.etp)
+    if p.ep * p.etp == 1:
+        return n + change + experts, (0.0, 0.0, 0.0)
+    edp = p.tp * p.cp * p.dp // (p.ep * p.etp)
+    weights, grads, state = bytes_per_param(precision)
+    state = state / edp if p.sharding_strategy != "no_shard" else state
+    return n + change, (experts * weights, experts * grads, experts * state)
 
 
 def needed_bytes(config: Config, nproc: int, *, gpu: bool) -> float:

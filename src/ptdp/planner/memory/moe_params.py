@@ -66,3 +66,16 @@ def model_param_counts(model: ModelConfig, moe: MoEConfig) -> tuple[int, int]:
         total += rest + experts
         active += rest + moe.moe_router_topk * expert
     return total, active
+
+
+def stage_moe_params(
+    model: ModelConfig, moe: MoEConfig, layer_ids: list[int], tp: int = 1, ep: int = 1, etp: int = 1
+) -> tuple[int, int]:
+    """``(change, experts)`` for one rank of a stage holding the layers ``layer_ids``: what its
+    MoE layers' attention, router and shared expert add to the dense count of
+    :func:`~ptdp.planner.memory.params.stage_param_counts` (their dense MLPs replaced; may be
+    negative), and the routed experts it holds."""
+    moe_layers = moe.moe_layers(model.num_layers)
+    n = sum(moe_layers[i] for i in layer_ids)
+    rest, experts = moe_layer_param_counts(model, moe, tp, ep, etp)
+    return n * (rest - layer_param_count(model, tp)), n * experts
