@@ -94,9 +94,10 @@ VARIANTS = {
 
 #: a variant's name may add ``:<sharding strategy>`` (over dp x cp, experts over edp), ``:bf16``,
 #: ``:allgather`` (the dispatcher), ``:interleaved`` (1F1B over two chunks of one layer per stage)
-#: or ``:pad`` (expert inputs padded to the capacity)
+#: ``:pad`` (expert inputs padded to the capacity) or ``:starve`` (a capacity so small that some
+#: ranks receive no rows)
 SHARDING = {"optim", "optim_grads", "optim_grads_params"}
-OPTIONS = SHARDING | {"bf16", "allgather", "interleaved", "pad"}
+OPTIONS = SHARDING | {"bf16", "allgather", "interleaved", "pad", "starve"}
 
 
 def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1, etp: int = 1) -> Config:
@@ -109,6 +110,8 @@ def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1, etp: 
         model_overrides = {**model_overrides, "params_dtype": "bfloat16"}
     if "pad" in options:
         moe = dataclasses.replace(moe, moe_pad_expert_input_to_capacity=True)
+    if "starve" in options:
+        moe = dataclasses.replace(moe, moe_expert_capacity_factor=0.05, moe_token_drop_policy="position")
     sharding = [o for o in options if o in SHARDING]
     model = dataclasses.replace(
         ModelConfig(
@@ -184,7 +187,7 @@ def world_results(world: int) -> list[dict]:
 @functools.cache
 def reference(name: str) -> dict:
     """One process of ``name`` (without sharding: the same arithmetic)."""
-    kept = [o for o in name.split(":") if o not in OPTIONS - {"bf16"}]  # the same arithmetic
+    kept = [o for o in name.split(":") if o not in OPTIONS - {"bf16", "starve"}]  # the same arithmetic
     if kept != name.split(":"):
         return reference(":".join(kept))
     return train_and_collect(moe_config(name, 1, 1, 1, 1), ParallelGroups.single_process())
@@ -248,7 +251,12 @@ EP_RUNS = {
     (1, 1, 1, 4, 2): ["moe_ep:optim_grads", "moe_ep:bf16:optim"],
     (1, 1, 1, 2, 1, 2): ["moe_ep_swiglu"],
     (1, 1, 1, 4, 2, 2): ["moe_ep_swiglu", "moe_ep_swiglu:pad:allgather"],
-    (2, 1, 1, 2, 1, 2): ["moe_ep_swiglu:optim", "moe_ep_swiglu:allgather"],
+    (2, 1, 1, 2, 1, 2): [
+        "moe_ep_swiglu:optim",
+        "moe_ep_swiglu:allgather",
+        "moe_ep_swiglu:starve",  # the second tp rank's tokens all dropped: no rows on it
+        "moe_ep_swiglu:starve:allgather",
+    ],
 }
 
 

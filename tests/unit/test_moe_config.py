@@ -146,3 +146,38 @@ def test_ptdp_train_refuses_what_moe_does_not_run_yet(capsys):
     assert "expert_tensor_parallel_size=2 with linear biases with --num-experts: ptdp train does not run it yet" in err
     assert "sharding" not in err and "bfloat16" not in err and "checkpoints" not in err
     assert ModelConfig().num_layers == 4  # the dense defaults are untouched
+
+
+def test_options_that_would_do_nothing_are_refused():
+    """No MoE layer at all, a drop policy without a capacity, a bias rate without the bias, the
+    allgather dispatcher of a dense model: each named."""
+    assert _messages(MoEConfig(num_experts=4, moe_layer_freq=(0, 0, 0, 0))) == [
+        "moe_layer_freq=[0, 0, 0, 0] makes no layer an MoE layer (without --num-experts: dense)"
+    ]
+    assert _messages(MoEConfig(num_experts=4, moe_token_drop_policy="position")) == [
+        "--moe-token-drop-policy position needs --moe-expert-capacity-factor"
+    ]
+    assert _messages(MoEConfig(num_experts=4, moe_router_bias_update_rate=0.1)) == [
+        "moe_router_bias_update_rate=0.1 needs --moe-router-enable-expert-bias"
+    ]
+    assert _messages(MoEConfig(), dispatcher="allgather") == [
+        "moe_token_dispatcher_type='allgather' needs --num-experts (the model is dense without it)"
+    ]
+
+
+def test_a_checkpoint_with_expert_biases_is_not_loaded_without_them(tmp_path):
+    """Trained expert biases would be dropped silently: refused, naming the flag; the dense width
+    of a model whose every layer is MoE is not compared (only the experts')."""
+    from ptdp.config.schema import Config
+    from ptdp.run.checkpoint.folders import CheckpointError, _check_model
+
+    model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48)
+    moe = MoEConfig(num_experts=4, moe_ffn_hidden_size=24, moe_router_enable_expert_bias=True)
+    meta = {"model": dataclasses.asdict(model) | {"ffn": 48}, "moe": dataclasses.asdict(moe)}
+    plain = dataclasses.replace(moe, moe_router_enable_expert_bias=False)
+    with pytest.raises(CheckpointError, match="trained expert biases.*set --moe-router-enable-expert-bias"):
+        _check_model(meta, Config(model=model, moe=plain), tmp_path)
+    wider = dataclasses.replace(model, ffn_hidden_size=96)
+    _check_model(meta, Config(model=wider, moe=moe), tmp_path)  # the dense width is unused
+    with pytest.raises(CheckpointError, match=r"ffn=48 in the checkpoint, 96 here \(set --ffn-hidden-size\)"):
+        _check_model(meta, Config(model=wider, moe=dataclasses.replace(moe, moe_layer_freq=(0, 1))), tmp_path)

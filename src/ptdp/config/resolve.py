@@ -90,6 +90,7 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
         etp=p.etp,
         world_size=world_size,
         sequence_parallel=p.sequence_parallel,
+        dispatcher=p.moe_token_dispatcher_type,
     )
     errors += _moe_not_yet(config)
     if not 0 < config.data.valid_fraction < 1:
@@ -122,10 +123,16 @@ def _moe_not_yet(config: Config) -> list[Violation]:
     if not moe.enabled:
         return []
     missing = [
-        (p.etp > 1 and config.model.add_bias_linear, f"expert_tensor_parallel_size={p.etp} with linear biases"),
-        (config.model.compile, "--compile"),
+        (
+            p.etp > 1 and config.model.add_bias_linear,
+            f"expert_tensor_parallel_size={p.etp} with linear biases",
+            " (--disable-bias-linear removes them)",
+        ),
+        (config.model.compile, "--compile", ""),
     ]
-    return [V("moe", f"{what} with --num-experts: ptdp train does not run it yet") for on, what in missing if on]
+    return [
+        V("moe", f"{what} with --num-experts: ptdp train does not run it yet{hint}") for on, what, hint in missing if on
+    ]
 
 
 def _sizes(config: Config, world_size: int) -> dict[str, object]:

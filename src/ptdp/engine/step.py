@@ -368,8 +368,11 @@ def _moe_values(stage: Stage, m: int, loads: list[tuple[MoELayer, torch.Tensor]]
     all_reduce(table, g.pp, tag="moe_load")
     ep = cfg.parallel.ep
     mean = table.mean(dim=1).clamp(min=1e-30)
-    max_load = (table.max(dim=1).values / mean).max()
-    max_rank_load = (table.view(len(layer_ids), ep, e // ep).sum(2).max(dim=1).values / (mean * (e // ep))).max()
+    per_rank = table.view(len(layer_ids), ep, e // ep).sum(2)
+    max_load = max_rank_load = torch.zeros((), dtype=torch.float64, device=stage.device)
+    if layer_ids:  # resolve() refuses a model without MoE layers; built directly, it reports 0
+        max_load = (table.max(dim=1).values / mean).max()
+        max_rank_load = (per_rank.max(dim=1).values / (mean * (e // ep))).max()
     values = [sums[0] / (m * g.dp.size), sums[1] / (m * g.dp.size), sums[2] / sums[3].clamp(min=1.0)]
     names: tuple[str, ...] = MOE_METRICS
     out = torch.stack([*values, max_load, max_rank_load])

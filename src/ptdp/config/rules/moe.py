@@ -3,14 +3,15 @@
 
 - ``1 <= moe_router_topk <= num_experts``; ``num_experts % ep == 0``; ``world % (etp ep pp) == 0``;
   the expert width and the shared expert's width divisible by etp and tp respectively
-- ``moe_layer_freq``: one positive integer, or one 0/1 per layer
+- ``moe_layer_freq``: one positive integer, or one 0/1 per layer with at least one 1
 - group-limited routing: both sizes given, ``num_experts % num_groups == 0``,
   ``1 <= group_topk <= num_groups``, ``topk % group_topk == 0`` and ``topk / group_topk`` at most a
   group's experts
 - ``--moe-router-pre-softmax`` with the softmax score function; a capacity factor > 0, needed by
   padding; coefficients and the bias update rate >= 0
 - with tp > 1, sequence parallelism (each tp rank routes its own tokens; Megatron-Core's rule)
-- ep or etp > 1 and every other MoE option need ``--num-experts``
+- ep or etp > 1, the allgather dispatcher and every other MoE option need ``--num-experts``; the
+  drop policy needs a capacity factor, the bias update rate the expert bias
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def moe_violations(
     etp: int,
     world_size: int,
     sequence_parallel: bool,
+    dispatcher: str = "alltoall",
 ) -> list[Violation]:
     """Every broken MoE rule (module docstring), each naming its numbers."""
     out: list[Violation] = []
@@ -52,8 +54,11 @@ def moe_violations(
             given.insert(0, f"expert_model_parallel_size={ep}")
         if etp > 1:
             given.insert(0, f"expert_tensor_parallel_size={etp}")
+        if dispatcher != "alltoall":
+            given.append(f"moe_token_dispatcher_type={dispatcher!r}")
         if given:
-            out.append(V("moe", f"{', '.join(given)} need --num-experts (the model is dense without it)"))
+            verb = "need" if len(given) > 1 else "needs"
+            out.append(V("moe", f"{', '.join(given)} {verb} --num-experts (the model is dense without it)"))
         return out
     e, k = moe.num_experts, moe.moe_router_topk
     if not isinstance(e, int) or e < 1:
@@ -121,6 +126,8 @@ def _layer_freq_violations(freq: tuple[int, ...], num_layers: int) -> list[Viola
                 f"{len(freq)} given)",
             )
         ]
+    if not any(freq):
+        return [V("moe", f"moe_layer_freq={list(freq)} makes no layer an MoE layer (without --num-experts: dense)")]
     return []
 
 
@@ -150,6 +157,11 @@ def _routing_violations(moe: MoEConfig) -> list[Violation]:
         out.append(V("moe", f"moe_expert_capacity_factor={cf} must be > 0 (or unset: dropless)"))
     if moe.moe_pad_expert_input_to_capacity and cf is None:
         out.append(V("moe", "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"))
+    if moe.moe_token_drop_policy != _DEFAULTS.moe_token_drop_policy and cf is None:
+        out.append(V("moe", f"--moe-token-drop-policy {moe.moe_token_drop_policy} needs --moe-expert-capacity-factor"))
+    rate = moe.moe_router_bias_update_rate
+    if rate != _DEFAULTS.moe_router_bias_update_rate and not moe.moe_router_enable_expert_bias:
+        out.append(V("moe", f"moe_router_bias_update_rate={rate} needs --moe-router-enable-expert-bias"))
     for name in (
         "moe_aux_loss_coeff",
         "moe_z_loss_coeff",

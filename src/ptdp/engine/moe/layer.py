@@ -285,7 +285,7 @@ class MoELayer(nn.Module):
         back = torch.empty_like(out).index_copy(0, perm, out)
         if etp.size > 1:  # each peer's rows back to it, the etp shards' partial outputs summed
             back = exchange(back, etp, peers, [mine] * etp.size, tag="moe_etp_scatter")
-            back = back.view(etp.size, mine, -1).sum(0)
+            back = back.view(etp.size, mine, rows.shape[1]).sum(0)
         return exchange(back, ep, recv, send, tag="moe_combine")
 
     def _all_gathered(self, rows: torch.Tensor, counts: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
@@ -326,7 +326,7 @@ class MoELayer(nn.Module):
         out = self.experts(gathered[take][perm], by_source.sum(0), per_expert)
         full = out.new_zeros(sum(sizes), out.shape[1]).index_copy(0, take[perm], out)
         back = exchange(full, group, sizes, [mine] * group.size, tag="moe_reduce_scatter")
-        return back.view(group.size, mine, -1).sum(0)
+        return back.view(group.size, mine, rows.shape[1]).sum(0)
 
     def _losses(
         self, routing: Routing, n: int, b: int, s: int, keep: torch.Tensor | None, token_ids: torch.Tensor

@@ -50,6 +50,7 @@ _FLAGS = {
     "rotary_base": "--rotary-base",
     "num_query_groups": "--num-query-groups",
     "add_bias_linear": "--disable-bias-linear",
+    "ffn": "--ffn-hidden-size",
     "kv_channels": "--kv-channels",
     "qk_layernorm": "--qk-layernorm",
 }
@@ -244,7 +245,9 @@ def _moe_shape(moe: MoEConfig, num_layers: int, ffn: int) -> dict[str, object]:
 
 
 def _check_model(meta: dict, config: Config, folder: Path, skip: tuple[str, ...] = ()) -> None:
-    m = config.model
+    m, saved_moe = config.model, stored_moe(meta)
+    if all(moe.enabled and all(moe.moe_layers(m.num_layers)) for moe in (saved_moe, config.moe)):
+        skip = (*skip, "ffn")  # every layer an MoE layer: the dense width is unused (the experts' compared)
     here = {f: m.head_dim if f == "kv_channels" else getattr(m, f) for f in SHAPE_FIELDS}
     diffs = [
         f"{f}={_stored_field(meta['model'], f)!r} in the checkpoint, {here[f]!r} here"
@@ -253,7 +256,7 @@ def _check_model(meta: dict, config: Config, folder: Path, skip: tuple[str, ...]
         if f not in skip and _stored_field(meta["model"], f) != here[f]
     ]
     if not diffs:  # the MoE shape, once the dense one agrees
-        stored = _moe_shape(stored_moe(meta), m.num_layers, m.ffn)
+        stored = _moe_shape(saved_moe, m.num_layers, _stored_field(meta["model"], "ffn"))
         now = _moe_shape(config.moe, m.num_layers, m.ffn)
         diffs = [
             f"{k} {stored[k]} in the checkpoint, {now[k]} here (set {flag})"
@@ -263,6 +266,11 @@ def _check_model(meta: dict, config: Config, folder: Path, skip: tuple[str, ...]
         if (stored["num_experts"] is None) != (now["num_experts"] is None):  # dense against MoE: say so once
             kinds = [f"{n} experts" if n else "a dense model" for n in (stored["num_experts"], now["num_experts"])]
             diffs = [f"{kinds[0]} in the checkpoint, {kinds[1]} here (set --num-experts and the MoE options)"]
+        elif saved_moe.moe_router_enable_expert_bias and not config.moe.moe_router_enable_expert_bias:
+            diffs.append(
+                "the checkpoint's routers have trained expert biases, which this run would drop "
+                "(set --moe-router-enable-expert-bias)"
+            )
     if diffs:
         raise CheckpointError(f"checkpoint {folder} is for a different model: " + "; ".join(diffs))
 
