@@ -13,7 +13,16 @@ import pytest
 import torch
 
 from helpers.layout_cases import TOL, full_parameters
-from helpers.moe_cases import LAYOUTS, VARIANTS, check_like_one_process, reference, variants, world_results
+from helpers.moe_cases import (
+    LAYOUTS,
+    VARIANTS,
+    check_like_one_process,
+    moe_config,
+    reference,
+    variants,
+    world_results,
+)
+from ptdp.run.planner_report import compare
 
 CASES = [(world, layout) for world, layouts in LAYOUTS.items() for layout in layouts]
 
@@ -26,6 +35,8 @@ def test_moe_trains_like_one_process(world, layout):
     for name in variants(layout):
         ref = reference(name)
         check_like_one_process(results, name, ref, full_parameters(results, name))
+        check = compare(moe_config(name, *layout), [res[name]["measured"] for res in results], None, None)
+        assert check["bytes_exact_on_every_rank"] is True, (name, check["ranks"])  # the planner's state bytes
         for res in results:  # the step's MoE metrics: losses, drops, load
             for got, want in zip(res[name]["moe"], ref["moe"]):
                 assert set(got) == set(want)

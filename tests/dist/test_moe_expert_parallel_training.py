@@ -19,8 +19,10 @@ from helpers.moe_cases import (
     ep_full_parameters,
     ep_variants,
     ep_world_results,
+    moe_config,
     reference,
 )
+from ptdp.run.planner_report import compare
 
 CASES = [(world, layout) for world, layouts in EP_LAYOUTS.items() for layout in layouts]
 
@@ -37,11 +39,22 @@ CASES = [(world, layout) for world, layouts in EP_LAYOUTS.items() for layout in 
 def test_expert_parallel_training_equals_one_process(world, layout):
     results = [rank_results[layout] for rank_results in ep_world_results(world)]
     for name in ep_variants(layout):
+        _check_planner_bytes(results, name, layout)
         if "bf16" in name.split(":"):  # bf16 activations round differently per layout
             _track_bf16(results, name, reference(name), ep_full_parameters(results, name))
         else:
             check_like_one_process(results, name, reference(name), ep_full_parameters(results, name))
             _check_loads(results, name, reference(name), layout[4])
+
+
+def _check_planner_bytes(results: list[dict], name: str, layout: tuple[int, ...]) -> None:
+    """The planner's parameter, gradient and optimizer bytes of every rank equal what it holds
+    (up to bucket padding), experts over ep x etp and their state over edp; not modelled with the
+    sharded gradients of optim_grads / optim_grads_params."""
+    check = compare(moe_config(name, *layout), [res[name]["measured"] for res in results], None, None)
+    exact = {row["exact"] for row in check["ranks"]}
+    sharded = {"optim_grads", "optim_grads_params"} & set(name.split(":"))
+    assert exact == ({None} if sharded else {True}), (name, check["ranks"])
 
 
 def _check_loads(results: list[dict], name: str, ref: dict, ep: int) -> None:

@@ -236,8 +236,11 @@ def collect_ep(cfg: Config, groups: ParallelGroups, stage=None, steps: range = r
             params[name] = (p.detach().clone(), p.ptdp_expert, (ep_rank, etp_rank))
         else:
             params[name] = (p.detach().clone(), p.ptdp_global, groups.tp.rank)
+    from ptdp.run.planner_report import measure_stage
+
     buffers = {n: b.clone() for n, b in stage.model.named_buffers() if n.endswith(("expert_bias", "global_counts"))}
-    return {"losses": losses, "norms": norms, "params": params, "comm": comm, "buffers": buffers, "moe": moe}
+    out = {"losses": losses, "norms": norms, "params": params, "comm": comm, "buffers": buffers, "moe": moe}
+    return out | {"measured": measure_stage(stage)}
 
 
 #: the variants each expert-parallel layout runs; every sharding strategy where edp > 1, and 16-bit
