@@ -113,3 +113,30 @@ def test_the_launch_memory_check_counts_the_experts():
     (split,) = rank_estimates(moe_config("moe_ep:optim", 1, 1, 1, 4, 2))  # edp 2
     assert split.params == 2 * 4 * (held - experts / 2)
     assert split.optimizer == pytest.approx(2 * 8 * ((held - experts) / 4 + experts / 2 / 2), rel=1e-3)  # + padding
+
+
+@pytest.mark.parametrize(
+    "name, total, active",
+    [
+        ("mixtral-8x7b", 46.7, 12.9),
+        ("mixtral-8x22b", 141, 39),
+        ("qwen2-57b-a14b", 57.4, 14.2),
+        ("qwen3-30b-a3b", 30.5, 3.3),
+        ("qwen3-235b-a22b", 235, 22),
+    ],
+)
+def test_moe_presets_have_their_model_cards_parameters(name, total, active):
+    """Total and active parameters (billions, as the model cards round them) of each MoE preset."""
+    from ptdp.planner.inputs.models import MOE_PRESETS
+
+    counted = [n / 1e9 for n in model_param_counts(*MOE_PRESETS[name])]
+    assert counted == pytest.approx([total, active], rel=0.02), counted
+
+
+def test_ptdp_plan_says_it_does_not_plan_an_moe_preset_yet(capsys):
+    from ptdp import cli
+
+    assert cli.main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "qwen3-30b-a3b is a mixture of experts (30.5B parameters, 3.4B active per token)" in err
+    assert "does not plan mixture-of-experts models yet" in err

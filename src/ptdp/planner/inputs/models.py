@@ -13,6 +13,8 @@ from dataclasses import replace
 from typing import Any
 
 from ptdp.config.model import ModelConfig
+from ptdp.config.moe import MoEConfig
+from ptdp.planner.memory.moe_params import model_param_counts as moe_param_counts
 
 #: Megatron's GPT of 2021 (Narayanan et al. SC21): vocabulary 51,200, sequence 2,048, dropout 0.1
 #: on hidden states and attention, the unfused attention kernel
@@ -166,13 +168,46 @@ def published_batch(name: str, model: ModelConfig) -> tuple[int, str] | None:
     return PUBLISHED_BATCH[name]
 
 
+#: Mixture-of-experts models by name: their shape (the attention and norms of :func:`llama`, the
+#: dense width unused where every layer is MoE) and their experts, from the released Hugging Face
+#: configs (mistralai/Mixtral-8x7B-v0.1, Mixtral-8x22B-v0.1; Qwen/Qwen2-57B-A14B, Qwen3-30B-A3B,
+#: Qwen3-235B-A22B), with the totals their model cards give: 46.7B parameters of which 12.9B active
+#: per token, 141B / 39B, 57B / 14B, 30.5B / 3.3B, 235B / 22B. Qwen2-MoE's shared-expert gate (h
+#: weights per layer) is not modelled. ``ptdp plan`` does not plan them yet.
+MOE_PRESETS: dict[str, tuple[ModelConfig, MoEConfig]] = {
+    "mixtral-8x7b": (llama(32, 4096, 32, 8, 14336, 32000, 4096), MoEConfig(num_experts=8, moe_router_topk=2)),
+    "mixtral-8x22b": (llama(56, 6144, 48, 8, 16384, 32768, 4096), MoEConfig(num_experts=8, moe_router_topk=2)),
+    "qwen2-57b-a14b": (
+        llama(28, 3584, 28, 4, 18944, 151936, 4096, linear_biases=("qkv",)),
+        MoEConfig(
+            num_experts=64, moe_router_topk=8, moe_ffn_hidden_size=2560, moe_shared_expert_intermediate_size=20480
+        ),
+    ),
+    "qwen3-30b-a3b": (
+        llama(48, 2048, 32, 4, 6144, 151936, 4096, kv_channels=128, qk_layernorm=True),
+        MoEConfig(num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768),
+    ),
+    "qwen3-235b-a22b": (
+        llama(94, 4096, 64, 4, 12288, 151936, 4096, kv_channels=128, qk_layernorm=True),
+        MoEConfig(num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=1536),
+    ),
+}
+
+
 class UnknownModelError(ValueError):
-    """A model preset name that does not exist; the message lists the known names."""
+    """A model preset name that does not exist (or not yet planned); the message lists the known names."""
 
 
 def get_model(name: str) -> ModelConfig:
-    """The preset ``name`` (any case); :class:`UnknownModelError` naming the known ones."""
+    """The preset ``name`` (any case); :class:`UnknownModelError` naming the known ones, or saying
+    that a mixture of experts (:data:`MOE_PRESETS`) is not planned yet."""
     key = name.lower()
+    if key in MOE_PRESETS:
+        total, active = moe_param_counts(*MOE_PRESETS[key])
+        raise UnknownModelError(
+            f"{name} is a mixture of experts ({total / 1e9:.1f}B parameters, {active / 1e9:.1f}B active per "
+            "token): ptdp plan does not plan mixture-of-experts models yet"
+        )
     if key not in PRESETS:
         raise UnknownModelError(f"unknown model {name!r}; known: {', '.join(sorted(PRESETS))}")
     return PRESETS[key]
