@@ -34,6 +34,18 @@ from ptdp.engine.moe.router import ROUTER_DTYPES, Routing, balanced_assignment, 
 from ptdp.engine.tensor_parallel.sharding import GlobalParam, make_parameter
 
 
+def placed(rows: torch.Tensor, index: torch.Tensor, n: int, *, gather: bool = False) -> torch.Tensor:
+    """``[n, w]``: row ``i`` of ``rows`` ``[N, w]`` at ``index[i]`` (distinct), zeros elsewhere; with
+    ``gather``, row ``index[j]`` of ``rows`` at ``j``, zeros where ``index[j] == N``. One gather from
+    ``rows`` and a zero row (what backward keeps is ``index``, not ``rows``, unlike ``index_copy``)."""
+    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+    if gather:
+        return padded[index]
+    where = torch.full((n,), rows.shape[0], dtype=index.dtype, device=index.device)
+    where[index] = torch.arange(index.shape[0], device=index.device)
+    return padded[where]
+
+
 class AttachLoss(torch.autograd.Function):
     """``x`` unchanged; in backward the 0-dim ``loss`` receives gradient ``scale``, so a loss computed
     inside a pipeline stage joins the backward that reaches ``x`` (Megatron-Core's
@@ -208,7 +220,7 @@ class MoELayer(nn.Module):
         order = kept[torch.sort(flat[kept], stable=True).indices]
         counts = counts_of(flat[kept], self.num_experts)
         y = self._run(tokens[order // k], counts)
-        full = torch.zeros(t * k, tokens.shape[1], dtype=y.dtype, device=y.device).index_copy(0, order, y)
+        full = placed(y, order, t * k)
         return (full.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
     def _padded_experts(
@@ -226,8 +238,10 @@ class MoELayer(nn.Module):
         place = torch.arange(t * k, device=tokens.device) - (torch.cumsum(counts, 0) - counts)[sorted_key]
         slot_sorted = torch.where(sorted_key < e, sorted_key * c + place, e * c)
         slot = torch.empty_like(slot_sorted).index_copy(0, order, slot_sorted)
-        source = tokens.repeat_interleave(k, dim=0)
-        rows = tokens.new_zeros(e * c + 1, tokens.shape[1]).index_copy(0, slot, source)[: e * c]
+        # each slot's assignment (t k where none; the scratch slot's unused), then its token
+        filled = torch.full((e * c + 1,), t * k, dtype=slot.dtype, device=slot.device)
+        filled[slot] = torch.arange(t * k, device=slot.device)
+        rows = placed(tokens, (filled // k)[: e * c], t, gather=True)
         y = self._run(rows, torch.full((e,), c, dtype=torch.int64, device=tokens.device), capacity=c)
         full = torch.cat([y, y.new_zeros(1, y.shape[1])])[slot]
         return (full.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
@@ -282,7 +296,7 @@ class MoELayer(nn.Module):
         )
         perm = torch.sort(expert_of_row, stable=True).indices
         out = self.experts(got[perm], by_source.sum(0), per_expert)
-        back = torch.empty_like(out).index_copy(0, perm, out)
+        back = placed(out, perm, out.shape[0])
         if etp.size > 1:  # each peer's rows back to it, the etp shards' partial outputs summed
             back = exchange(back, etp, peers, [mine] * etp.size, tag="moe_etp_scatter")
             back = back.view(etp.size, mine, rows.shape[1]).sum(0)
@@ -324,7 +338,7 @@ class MoELayer(nn.Module):
         perm = torch.sort(expert_of_row, stable=True).indices
         per_expert = [sum(host[j][lo + e] for j in range(group.size)) for e in range(local)]
         out = self.experts(gathered[take][perm], by_source.sum(0), per_expert)
-        full = out.new_zeros(sum(sizes), out.shape[1]).index_copy(0, take[perm], out)
+        full = placed(out, take[perm], sum(sizes))
         back = exchange(full, group, sizes, [mine] * group.size, tag="moe_reduce_scatter")
         return back.view(group.size, mine, rows.shape[1]).sum(0)
 
