@@ -140,3 +140,36 @@ def test_ptdp_plan_says_it_does_not_plan_an_moe_preset_yet(capsys):
     err = capsys.readouterr().err
     assert "qwen3-30b-a3b is a mixture of experts (30.5B parameters, 3.4B active per token)" in err
     assert "does not plan mixture-of-experts models yet" in err
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize(
+    "routing",
+    [
+        dict(moe_router_topk=1),
+        dict(moe_router_topk=2, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3),
+        dict(moe_router_topk=4, moe_router_score_function="sigmoid", moe_z_loss_coeff=1e-3),
+    ],
+    ids=["top1", "top2_losses", "top4_sigmoid"],
+)
+def test_an_moe_mlps_activation_bytes_are_what_ptdp_keeps(dtype, swiglu, routing):
+    """The planner's bytes of one MoE layer's MLP (one rank with every expert) within 2% of the
+    storages autograd keeps for backward (the layer's input excluded: the norm's output)."""
+    from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
+    from ptdp.engine.moe.layer import MoELayer
+    from ptdp.planner.memory.moe_params import moe_mlp_activation_bytes
+
+    torch_dtype = getattr(torch, dtype)
+    model = dataclasses.replace(GPT, hidden_size=256, swiglu=swiglu, add_bias_linear=False, params_dtype=dtype)
+    moe = MoEConfig(num_experts=8, moe_ffn_hidden_size=64, **routing)
+    torch.manual_seed(0)
+    layer = MoELayer(model, moe, torch_dtype)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(16, 4, 256, dtype=torch_dtype, requires_grad=True)
+    meter = SavedActivationMeter(parameter_storages(layer) | {x.untyped_storage().data_ptr()})
+    with meter.hooks():
+        layer(x)
+    predicted = moe_mlp_activation_bytes(model, moe, 64, precision_bytes=torch_dtype.itemsize)
+    assert predicted == pytest.approx(meter.peak, rel=0.02)

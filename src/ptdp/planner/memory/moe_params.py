@@ -79,3 +79,38 @@ def stage_moe_params(
     n = sum(moe_layers[i] for i in layer_ids)
     rest, experts = moe_layer_param_counts(model, moe, tp, ep, etp)
     return n * (rest - layer_param_count(model, tp)), n * experts
+
+
+def moe_mlp_activation_bytes(
+    model: ModelConfig,
+    moe: MoEConfig,
+    tokens: int,
+    *,
+    precision_bytes: int,
+    router_bytes: int = 4,
+) -> float:
+    """Bytes an MoE layer's MLP keeps for backward (``ptdp train``'s MoE layer, one micro-batch), for
+    the ``tokens`` a rank holding every expert routes (ep = etp = 1), dropless, ``A = k tokens``
+    assignments. Its input is the norm's output, counted with the attention.
+
+    Per token, in the router's dtype (``router_bytes``): a copy of the input when the activations
+    are another dtype, the logits and scores (sigmoid: the scores and their two sums), the
+    balancing loss's counts, the z-loss's log-sum-exp (and with sigmoid scores the logits). Per assignment: its top-k index and weight
+    (and a copy in the activation dtype when another or renormalised), the expert's input ``h``,
+    what the activation keeps (GELU: fc1's output and its own, ``2 F``; SwiGLU: gate and up,
+    silu(gate) and the product, ``4 F``), the combined output ``h``, and the two int64 indices that
+    place the rows. Per micro-batch: the router weight's copy in the
+    router dtype when the parameters are another. The shared expert is a dense MLP (not here).
+    """
+    e, r, h = precision_bytes, router_bytes, model.hidden_size
+    k, experts = moe.moe_router_topk, moe.num_experts or 0
+    ffn, halves = moe.expert_ffn(model.ffn), 2 if model.swiglu else 1
+    other = e != r
+    sigmoid = moe.moe_router_score_function == "sigmoid"
+    per_token = (r * h if other else 0) + (r * experts + 2 * r if sigmoid else 2 * r * experts)
+    per_token += r * experts if moe.moe_aux_loss_coeff else 0
+    per_token += (r + (r * experts if sigmoid else 0)) if moe.moe_z_loss_coeff else 0  # sigmoid: the logits too
+    copied = other or sigmoid or moe.moe_router_topk_scaling_factor is not None
+    per_assignment = 8 + r + (e if copied else 0) + 2 * 8 + e * (h + 2 * halves * ffn + h)
+    router_copy = r * experts * h if other else 0
+    return tokens * per_token + k * tokens * per_assignment + router_copy
