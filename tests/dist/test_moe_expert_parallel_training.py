@@ -40,6 +40,8 @@ def test_expert_parallel_training_equals_one_process(world, layout):
     results = [rank_results[layout] for rank_results in ep_world_results(world)]
     for name in ep_variants(layout):
         _check_planner_bytes(results, name, layout)
+        if "pad" in name.split(":"):
+            _check_planner_exchange(results, name, layout)
         if "bf16" in name.split(":"):  # bf16 activations round differently per layout
             _track_bf16(results, name, reference(name), ep_full_parameters(results, name))
         else:
@@ -55,6 +57,30 @@ def _check_planner_bytes(results: list[dict], name: str, layout: tuple[int, ...]
     exact = {row["exact"] for row in check["ranks"]}
     sharded = {"optim_grads", "optim_grads_params"} & set(name.split(":"))
     assert exact == ({None} if sharded else {True}), (name, check["ranks"])
+
+
+def _check_planner_exchange(results: list[dict], name: str, layout: tuple[int, ...]) -> None:
+    """With expert inputs padded to the capacity every rank sends E C rows per MoE layer and
+    micro-batch: the planner's elements per tag equal what ``ptdp.comm`` counted in a step."""
+    from ptdp.engine.moe.capacity import expert_capacity
+    from ptdp.planner.time.moe_exchange import moe_exchange_elements
+
+    cfg = moe_config(name, *layout)
+    moe, m = cfg.moe, cfg.num_microbatches
+    e, calls = moe.num_experts, m * sum(moe.moe_layers(cfg.model.num_layers))
+    rows = e * expert_capacity(cfg.train.micro_batch_size * cfg.model.seq_length, moe.moe_router_topk, e, 1.0)
+    p = cfg.parallel
+    want = moe_exchange_elements(
+        rows, cfg.model.hidden_size, e, ep=p.ep, etp=p.etp, dispatcher=p.moe_token_dispatcher_type, padded=True
+    )
+    assert want
+    for res in results:
+        comm = res[name]["comm"]
+        got = {key: value for key, value in comm.items() if key.split("/")[0] in ("ep", "etp") and "/moe_" in key}
+        assert got == {key: {"calls": calls, "numel": calls * n, "bytes": 8 * calls * n} for key, n in want.items()}, (
+            name,
+            got,
+        )
 
 
 def _check_loads(results: list[dict], name: str, ref: dict, ep: int) -> None:

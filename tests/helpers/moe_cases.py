@@ -252,7 +252,7 @@ EP_RUNS = {
     (1, 2, 1, 2, 2): ["moe_ep", "moe_ep:optim", "moe_ep:pad"],
     (1, 1, 2, 2, 2): ["moe_ep", "moe_llama_sigmoid", "moe_ep:bf16", "moe_ep:interleaved"],
     (1, 1, 1, 4, 2): ["moe_ep:optim_grads", "moe_ep:bf16:optim"],
-    (1, 1, 1, 2, 1, 2): ["moe_ep_swiglu"],
+    (1, 1, 1, 2, 1, 2): ["moe_ep_swiglu", "moe_ep_swiglu:pad"],
     (1, 1, 1, 4, 2, 2): ["moe_ep_swiglu", "moe_ep_swiglu:pad:allgather"],
     (2, 1, 1, 2, 1, 2): [
         "moe_ep_swiglu:optim",
