@@ -198,3 +198,55 @@ def test_planner_counts_the_parameters_ptdp_builds(tp, pp, normalization):
     layer = GPTModel(cfg, _tp(0, tp), layer_ids=range(1), pre_process=False, post_process=False).layers["0"]
     assert layer_param_sizes(cfg, tp) == tuple(p.numel() for p in layer.parameters())
     assert sum(layer_param_sizes(cfg, tp)) == layer_param_count(cfg, tp)
+
+
+def test_ptdp_plan_refuses_the_head_sizes_ptdp_train_refuses(capsys):
+    from ptdp import cli
+
+    shape = "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --ffn-hidden-size 512 --vocab-size 1000"
+    for d in ("0", "-4"):
+        argv = ["plan", *shape.split(), "--seq-length", "128", "--gpus", "1", "--gpu", "h100-sxm", "--kv-channels", d]
+        assert cli.main(argv) == 2
+        assert f"kv_channels={d} must be a positive integer (the channels of a head)" in capsys.readouterr().err
+
+
+def test_hugging_face_head_shapes_import_as_transformers_reads_them(tmp_path):
+    """A head size of hidden // heads when heads do not divide hidden is kept; a Qwen3 config without
+    head_dim or key/value heads has transformers' 128 and 32; Qwen3's attention biases are planned."""
+    import json
+
+    from ptdp.planner.inputs.hf_config import load_hf_config
+    from ptdp.run.checkpoint.hf import configs_from_hf
+
+    qwen3 = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 66,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_hidden_layers": 2,
+        "intermediate_size": 96,
+        "vocab_size": 300,
+        "max_position_embeddings": 16,
+    }
+    model, _ = configs_from_hf(qwen3)
+    assert model.kv_channels == 16 and model.head_dim == 16
+    bare = {k: v for k, v in qwen3.items() if k not in ("head_dim", "num_key_value_heads")}
+    bare |= {"hidden_size": 64, "num_attention_heads": 32}
+    model, _ = configs_from_hf(bare)
+    assert (model.head_dim, model.kv_heads) == (128, 32)
+    (tmp_path / "config.json").write_text(json.dumps(bare | {"attention_bias": True}))
+    planned, _ = load_hf_config(tmp_path)
+    assert (planned.head_dim, planned.kv_heads, planned.linears_with_bias) == (128, 32, ("qkv", "proj"))
+
+
+def test_a_gpt2_export_names_the_options_gpt2_lacks():
+    from ptdp.run.checkpoint.folders import CheckpointError
+    from ptdp.run.checkpoint.hf_llama import check_options, is_gpt2_like
+
+    m = {"hidden_size": 64, "num_attention_heads": 4}
+    assert is_gpt2_like(m | {"kv_channels": 16})  # hidden / heads: GPT-2's own head size
+    assert not is_gpt2_like(m | {"kv_channels": 24})
+    with pytest.raises(CheckpointError, match="kv_channels=24, qk_layernorm=True, which GPT-2 cannot express"):
+        check_options(m | {"kv_channels": 24, "qk_layernorm": True}, "Llama", qk_layernorm=False)

@@ -171,6 +171,7 @@ def test_what_cannot_be_mapped_is_refused(tmp_path):
         "model_type": "mixtral",
         "hidden_size": 64,
         "num_attention_heads": 4,
+        "num_key_value_heads": 2,  # transformers' Mixtral default (8) does not divide 4 heads
         "num_hidden_layers": 2,
         "intermediate_size": 96,
         "vocab_size": 300,

@@ -173,7 +173,7 @@ def _llama_like(kind: str, cfg: dict, path, seq_length: int | None) -> tuple[Mod
     biases: tuple[str, ...] = ()
     if kind == "qwen2":
         biases = ("qkv",)
-    elif kind == "llama":
+    elif kind in ("llama", "qwen3"):  # Qwen3's attention_bias: q, k, v and o, as Llama's
         biases = (("qkv", "proj") if cfg.get("attention_bias") else ()) + (
             ("fc1", "fc2") if cfg.get("mlp_bias") else ()
         )

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from ptdp.config.model import ModelConfig
-from ptdp.config.rules.shape import heads_violations
+from ptdp.config.rules.shape import heads_violations, llama_option_violations
 from ptdp.errors import ConfigError
 from ptdp.layout.pipeline.partition import layer_split
 from ptdp.planner.inputs.hardware import Cluster
@@ -31,7 +31,8 @@ def check_model(model: ModelConfig) -> None:
         if not isinstance(value, int) or value < 1
     ]
     if not errors:
-        if model.hidden_size % model.num_attention_heads:
+        errors += [v.message for v in llama_option_violations(model, 1)]  # ptdp train's head-size rules
+        if model.hidden_size % model.num_attention_heads and model.kv_channels is None:
             errors.append(
                 f"hidden_size={model.hidden_size} is not divisible by num_attention_heads={model.num_attention_heads}"
             )

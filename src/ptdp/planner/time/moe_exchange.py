@@ -21,7 +21,14 @@ from __future__ import annotations
 
 
 def moe_exchange_elements(
-    rows: int, hidden: int, num_experts: int, *, ep: int, etp: int = 1, dispatcher: str = "alltoall", padded: bool = False
+    rows: int,
+    hidden: int,
+    num_experts: int,
+    *,
+    ep: int,
+    etp: int = 1,
+    dispatcher: str = "alltoall",
+    padded: bool = False,
 ) -> dict[str, int]:
     """``{"<axis>/<op>/<tag>": elements}`` one rank sends for one MoE layer and micro-batch, forward
     and backward (module docstring); empty at ep = etp = 1. Raises ValueError for an unknown

@@ -46,7 +46,23 @@ REQUIRED = (
 
 def is_gpt2_like(m: dict) -> bool:
     """No Llama-like option is set (the checkpoint metadata's ``model``): export as GPT-2."""
-    return all(m.get(f, d) == d for f, d in MODEL_DEFAULTS.items() if f not in ("activation", "layernorm_epsilon"))
+    return not _gpt2_lacks(m) and all(m.get(f, MODEL_DEFAULTS[f]) == MODEL_DEFAULTS[f] for f in LLAMA_OPTIONS)
+
+
+def _gpt2_lacks(m: dict) -> list[str]:
+    """The non-default options of the checkpoint metadata's ``model`` that GPT-2 cannot express
+    besides the Llama ones (a head size other than hidden / heads, query/key norms, grouped
+    query attention, no biases, another rotary base)."""
+    out = []
+    for f, d in MODEL_DEFAULTS.items():
+        if f in LLAMA_OPTIONS or f in ("activation", "layernorm_epsilon"):
+            continue
+        value = m.get(f, d)
+        if f == "kv_channels" and value is not None and value * m["num_attention_heads"] == m["hidden_size"]:
+            continue  # hidden / heads: GPT-2's own
+        if value != d:
+            out.append(f"{f}={value!r}")
+    return out
 
 
 def check_options(m: dict, family: str, *, qk_layernorm: bool) -> None:
@@ -58,8 +74,10 @@ def check_options(m: dict, family: str, *, qk_layernorm: bool) -> None:
         if m.get(f, MODEL_DEFAULTS[f]) != need
     ]
     if other:
+        lacks = _gpt2_lacks(m)
+        why = f"{', '.join(lacks)}, which GPT-2 cannot express, and " if lacks else ""
         raise CheckpointError(
-            f"the model has {', '.join(other)}: neither GPT-2 (LayerNorm, learned positions, GELU "
+            f"the model has {why}{', '.join(other)}: neither GPT-2 (LayerNorm, learned positions, GELU "
             f"MLP, biases, multi-head attention) nor {family} (RMSNorm, --swiglu, rope) can express it"
         )
     if bool(m.get("qk_layernorm")) != qk_layernorm:
@@ -178,16 +196,17 @@ def to_llama(
 def decoder_fields(config: dict, family: str, defaults: dict, problems: list[str]) -> dict:
     """:class:`ModelConfig` keyword arguments of the fields the Llama family shares (not the MLP
     width and biases); appends what ptdp cannot express to ``problems``. ``defaults``: the family's
-    ``rms_norm_eps``, ``rope_theta`` and ``tie_word_embeddings`` where the config leaves them out.
+    ``rms_norm_eps``, ``rope_theta`` and ``tie_word_embeddings`` (and its ``num_key_value_heads`` and
+    ``head_dim`` where transformers' has them) for a config that leaves them out.
     Raises CheckpointError for a missing :data:`REQUIRED` field."""
     missing = [f for f in REQUIRED if f not in config]
     if missing:
         raise CheckpointError(f"the {family} config.json has no {', '.join(missing)}")
     h, a = config["hidden_size"], config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or a
+    kv = config.get("num_key_value_heads", defaults.get("num_key_value_heads")) or a
     if config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={config['hidden_act']!r} (ptdp's SwiGLU uses silu)")
-    head_dim = config.get("head_dim")
+    head_dim = config.get("head_dim", defaults.get("head_dim"))
     if h % a and head_dim is None:
         problems.append(f"hidden_size={h} is not a multiple of num_attention_heads={a} and head_dim is not given")
     if a % kv:
@@ -212,7 +231,7 @@ def decoder_fields(config: dict, family: str, defaults: dict, problems: list[str
         position_embedding_type="rope",
         rotary_base=float(rope.get("rope_theta", config.get("rope_theta", defaults["rope_theta"]))),
         num_query_groups=None if kv == a else kv,
-        kv_channels=None if head_dim in (None, h // a) else head_dim,
+        kv_channels=None if head_dim is None or head_dim * a == h else head_dim,
     )
 
 

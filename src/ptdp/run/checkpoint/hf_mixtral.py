@@ -20,7 +20,7 @@ from ptdp.run.checkpoint.hf_llama import check_options, decoder_config, decoder_
 from ptdp.run.checkpoint.hf_moe import routing_problems
 
 #: MixtralConfig's defaults of the shared fields a config.json may leave out
-DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "tie_word_embeddings": False}
+DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "tie_word_embeddings": False, "num_key_value_heads": 8}
 
 
 def mixtral_config(m: dict, moe: MoEConfig, dtype: torch.dtype) -> dict:

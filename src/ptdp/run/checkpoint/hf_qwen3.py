@@ -27,6 +27,8 @@ from ptdp.run.checkpoint.hf_moe import moe_layer_freq, routing_problems
 
 #: Qwen3Config's and Qwen3MoeConfig's defaults of the shared fields a config.json may leave out
 DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
+#: transformers' ``Qwen3Config`` / ``Qwen3MoeConfig`` head shape where a config.json leaves it out
+HEADS = {"Qwen3": {"num_key_value_heads": 32, "head_dim": 128}, "Qwen3-MoE": {"num_key_value_heads": 4}}
 
 
 def qwen3_config(m: dict, moe: MoEConfig, dtype: torch.dtype) -> dict:
@@ -83,7 +85,7 @@ def configs_from_qwen3(config: dict) -> tuple[ModelConfig, MoEConfig]:
     CheckpointError naming what ptdp lacks)."""
     family = "Qwen3-MoE" if config.get("model_type") == "qwen3_moe" else "Qwen3"
     problems: list[str] = []
-    fields = decoder_fields(config, family, DEFAULTS, problems)
+    fields = decoder_fields(config, family, DEFAULTS | HEADS[family], problems)
     if config.get("attention_bias"):
         problems.append("attention_bias=True (biases on q, k, v and o but not the MLP)")
     problems += _sliding_problems(config)
