@@ -17,6 +17,7 @@ from ptdp.planner.candidate import MOE_RECOMPUTE_MODULES, OP_SAC, RECOMPUTE_MODU
 from ptdp.planner.inputs.hardware import CATALOG, Cluster, GiB, GPUType, get_gpu, load_catalog, runs_flash_attention
 from ptdp.planner.inputs.hf_config import hf_model_name, is_config_path, load_hf_config
 from ptdp.planner.inputs.models import (
+    MOE_PRESETS,
     PRESETS,
     PUBLISHED_BATCH,
     get_model,
@@ -27,6 +28,7 @@ from ptdp.planner.inputs.models import (
 )
 from ptdp.planner.inputs.plan_flags import plan_precision
 from ptdp.planner.memory.fp8 import check_fp8_param_gather, fp8_precision
+from ptdp.planner.memory.moe_params import model_param_counts
 from ptdp.planner.report.explain import distance_from_best, explain_pick
 from ptdp.planner.search.checks import (
     check_fixed_choices,
@@ -78,6 +80,7 @@ def model_from_args(
             "name such as llama3-8b)"
         )
     elif args.model:
+        _refuse_moe_preset(args.model)
         model = get_model(args.model)
     else:
         missing = [
@@ -92,6 +95,18 @@ def model_from_args(
     if flash is None:
         flash = model.flash_attention or (gpu is not None and runs_flash_attention(gpu))
     return dataclasses.replace(model, **overrides, use_flash_attn=flash), notes
+
+
+def _refuse_moe_preset(name: str) -> None:
+    """A mixture-of-experts preset (:data:`~ptdp.planner.inputs.models.MOE_PRESETS`) is not planned
+    yet: ConfigError with its total and active parameters."""
+    preset = MOE_PRESETS.get(name.lower())
+    if preset is not None:
+        total, active = model_param_counts(*preset)
+        raise ConfigError(
+            f"{name} is a mixture of experts ({total / 1e9:.1f}B parameters, {active / 1e9:.1f}B active per "
+            "token): ptdp plan does not plan mixture-of-experts models yet"
+        )
 
 
 def model_name(args: argparse.Namespace, base: ModelConfig | None = None) -> str:

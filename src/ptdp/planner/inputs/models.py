@@ -14,7 +14,6 @@ from typing import Any
 
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
-from ptdp.planner.memory.moe_params import model_param_counts as moe_param_counts
 
 #: Megatron's GPT of 2021 (Narayanan et al. SC21): vocabulary 51,200, sequence 2,048, dropout 0.1
 #: on hidden states and attention, the unfused attention kernel
@@ -203,10 +202,8 @@ def get_model(name: str) -> ModelConfig:
     that a mixture of experts (:data:`MOE_PRESETS`) is not planned yet."""
     key = name.lower()
     if key in MOE_PRESETS:
-        total, active = moe_param_counts(*MOE_PRESETS[key])
         raise UnknownModelError(
-            f"{name} is a mixture of experts ({total / 1e9:.1f}B parameters, {active / 1e9:.1f}B active per "
-            "token): ptdp plan does not plan mixture-of-experts models yet"
+            f"{name} is a mixture of experts: ptdp plan does not plan mixture-of-experts models yet"
         )
     if key not in PRESETS:
         raise UnknownModelError(f"unknown model {name!r}; known: {', '.join(sorted(PRESETS))}")
