@@ -71,18 +71,11 @@ def _with_experts(config: Config, stage: int, n: int, precision: str) -> tuple[i
     and the (params, grads, optimizer) bytes of its routed experts when they have their own buffer
     (ep or etp > 1: whole on the rank, the optimizer state over edp with any sharding strategy);
     at ep = etp = 1 the experts join the dense count. Activations stay the dense model's."""
-    from ptdp.planner.memory.moe_params import stage_moe_params
-    from ptdp.planner.memory.params import bytes_per_param
+    from ptdp.planner.memory.moe_params import expert_bytes_per_param, stage_moe_split
 
-    p, split = config.parallel, config.pipeline
-    ids = [i for c in range(split.virtual_stages) for i in split.chunk_layer_ids(stage, c)]
-    change, experts = stage_moe_params(config.model, config.moe, ids, p.tp, p.ep, p.etp)
-    if p.ep * p.etp == 1:
-        return n + change + experts, (0.0, 0.0, 0.0)
-    edp = p.tp * p.cp * p.dp // (p.ep * p.etp)
-    weights, grads, state = bytes_per_param(precision)
-    state = state / edp if p.sharding_strategy != "no_shard" else state
-    return n + change, (experts * weights, experts * grads, experts * state)
+    change, own = stage_moe_split(config, stage)
+    weights, grads, optimizer = expert_bytes_per_param(precision, config.parallel)
+    return n + change, (own * weights, own * grads, own * optimizer)
 
 
 def needed_bytes(config: Config, nproc: int, *, gpu: bool) -> float:

@@ -20,7 +20,7 @@ from ptdp.config.schema import Config
 from ptdp.planner.candidate import Candidate, run_candidate
 from ptdp.planner.inputs.hardware import Cluster
 from ptdp.planner.memory.breakdown import memory_breakdown
-from ptdp.planner.memory.moe_params import stage_moe_params
+from ptdp.planner.memory.moe_params import expert_bytes_per_param, stage_moe_split
 from ptdp.planner.memory.params import stage_param_counts, stage_transients
 from ptdp.planner.memory.strategies import strategy_bytes_per_param
 from ptdp.planner.time.profile import default_profile_path, load_profile
@@ -221,24 +221,17 @@ def _moe_rank_row(config: Config, layout, r: dict, scale: float = 1.0) -> dict:
         make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by,
         layer_split=split.layer_split,
     )
-    ids = [i for c in range(split.virtual_stages) for i in split.chunk_layer_ids(stage, c)]
-    change, experts = stage_moe_params(config.model, config.moe, ids, p.tp, p.ep, p.etp)
-    own = p.ep * p.etp > 1  # the experts' own buffer and optimizer
-    dense = counts[stage] + change + (0 if own else experts)
+    change, experts = stage_moe_split(config, stage)  # experts: those in their own buffer
+    dense = counts[stage] + change
     per_param = tuple(
         scale * b
         for b in strategy_bytes_per_param(
             layout.precision, p.sharding_strategy, p.dp * p.cp, bf16_grads=p.grad_reduce_in_bf16
         )
     )
-    edp = p.tp * p.cp * p.dp // (p.ep * p.etp)
-    expert_strategy = "optim" if p.sharding_strategy != "no_shard" else "no_shard"  # ZeRO-1 over edp
-    expert_param = tuple(
-        scale * b if own else 0.0
-        for b in strategy_bytes_per_param(layout.precision, expert_strategy, edp, bf16_grads=p.grad_reduce_in_bf16)
-    )
+    expert_param = tuple(scale * b for b in expert_bytes_per_param(layout.precision, p))
     predicted = {
-        "numel": dense + (experts if own else 0),
+        "numel": dense + experts,
         **{k: dense * per_param[i] + experts * expert_param[i] for i, k in enumerate(("params", "grads", "optimizer"))},
     }
     pad, expert_pad = r.get("padding", 0), r.get("expert_padding", 0)  # each buffer's, to a multiple of its group

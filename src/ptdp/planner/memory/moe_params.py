@@ -13,8 +13,11 @@ from __future__ import annotations
 
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.schema import Config
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.memory.params import layer_param_count
+from ptdp.planner.memory.strategies import strategy_bytes_per_param
 
 
 def mlp_param_count(model: ModelConfig, width: int, tp: int = 1, biases: tuple[str, ...] | None = None) -> int:
@@ -114,3 +117,24 @@ def moe_mlp_activation_bytes(
     per_assignment = 8 + r + (e if copied else 0) + 2 * 8 + e * (h + 2 * halves * ffn + h)
     router_copy = r * experts * h if other else 0
     return tokens * per_token + k * tokens * per_assignment + router_copy
+
+
+def stage_moe_split(config: Config, stage: int) -> tuple[int, int]:
+    """What one rank of pipeline stage ``stage`` of the resolved ``config`` holds beyond the dense
+    count of :func:`~ptdp.planner.memory.params.stage_param_counts`: ``(change, own)``, the change to
+    its dense gradient buffer's parameters (:func:`stage_moe_params`; at ep = etp = 1 the routed
+    experts too) and the routed experts in their own buffer (ep or etp > 1; else 0)."""
+    p, split = config.parallel, config.pipeline
+    ids = [i for c in range(split.virtual_stages) for i in split.chunk_layer_ids(stage, c)]
+    change, experts = stage_moe_params(config.model, config.moe, ids, p.tp, p.ep, p.etp)
+    return (change + experts, 0) if p.ep * p.etp == 1 else (change, experts)
+
+
+def expert_bytes_per_param(precision: str, parallel: ParallelConfig) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per parameter of the experts' own buffer (ep or etp > 1):
+    weights and gradients whole on the rank, Adam state over the edp ranks with any sharding
+    strategy (ZeRO-1)."""
+    p = parallel
+    edp = p.tp * p.cp * p.dp // (p.ep * p.etp)
+    strategy = "optim" if p.sharding_strategy != "no_shard" else "no_shard"
+    return strategy_bytes_per_param(precision, strategy, edp, bf16_grads=p.grad_reduce_in_bf16)
