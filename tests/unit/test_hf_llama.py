@@ -9,9 +9,9 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from helpers.hf_families import full_logits
 from helpers.hf_llama import assert_same_state, random_llama, tokens
 from helpers.layout_cases import VOCAB as TINY_VOCAB
 from helpers.layout_cases import rank_microbatches, tiny_config
@@ -32,16 +32,6 @@ LLAMA_FLAGS = dict(
     add_bias_linear=False,
     untie_embeddings_and_output_weights=True,
 )
-
-
-def full_logits(model, x: torch.Tensor) -> torch.Tensor:
-    """A single-process ptdp model's logits ``[b, s, V]`` (real vocabulary)."""
-    with torch.no_grad():
-        h = model.embed(x)
-        for layer in model.layers.values():
-            h = layer(h)
-        out = model.output_layer if hasattr(model, "output_layer") else model.word_embeddings
-        return F.linear(model.final_norm(h), out.real_weight()).transpose(0, 1)  # [s, b, V] -> [b, s, V]
 
 
 @pytest.mark.parametrize(
