@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from ptdp.config.moe import MoEConfig
 from ptdp.engine.comm import AxisGroup, all_gather_object, barrier
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.model_chunks import ModelChunks, global_named_parameters
@@ -43,6 +44,7 @@ from ptdp.run.checkpoint.folders import (
     _open,
     complete_checkpoints,
     residual_note,
+    stored_moe,
 )
 from ptdp.run.checkpoint.optim_state import MOMENTS, gather_local_state, load_local_state, state_kinds, step_count
 from ptdp.run.checkpoint.rng_state import host_rng_state, set_host_rng_state
@@ -111,26 +113,28 @@ def _expert_value(local: torch.Tensor, *, spec, groups: ParallelGroups):
     return to_checkpoint_value(form, ep_etp, groups.global_rank)
 
 
-MOE_BUFFERS = {"expert_bias": "moe_router_enable_expert_bias", "global_counts": "moe_router_load_balancing_type"}
-"""The MoE layers' state outside the parameters, and the option that creates it: the expert biases
-(aux-loss-free balancing) and ``global_aux_loss``'s counts of the previous step."""
+def moe_buffers(moe: MoEConfig) -> set[str]:
+    """The MoE layers' state outside the parameters that ``moe`` creates: the expert biases
+    (aux-loss-free balancing) and ``global_aux_loss``'s counts of the previous step."""
+    kinds = set()
+    if moe.moe_router_enable_expert_bias:
+        kinds.add("expert_bias")
+    if moe.moe_router_load_balancing_type == "global_aux_loss":
+        kinds.add("global_counts")
+    return kinds
 
 
-def _moe_buffers(stage, saved: dict | None = None) -> dict[str, torch.Tensor]:
-    """``moe/<layer>.<buffer>`` of :data:`MOE_BUFFERS`, the same on every rank of a stage; with
+def _moe_buffers(stage, saved: MoEConfig | None = None) -> dict[str, torch.Tensor]:
+    """``moe/<layer>.<buffer>`` of :func:`moe_buffers`, the same on every rank of a stage; with
     ``saved`` (a checkpoint's MoE options) only those it holds."""
     chunks = stage.model if isinstance(stage.model, ModelChunks) else [stage.model]
-    out = {}
-    for chunk in chunks:
-        for name, buf in chunk.named_buffers():
-            kind = name.rsplit(".", 1)[-1]
-            option = MOE_BUFFERS.get(kind)
-            if option is None:
-                continue
-            if saved is not None and saved.get(option) not in (True, "global_aux_loss"):
-                continue
-            out[f"moe/{name}"] = buf
-    return out
+    kinds = moe_buffers(stage.config.moe if saved is None else saved)
+    return {
+        f"moe/{name}": buf
+        for chunk in chunks
+        for name, buf in chunk.named_buffers()
+        if name.rsplit(".", 1)[-1] in kinds
+    }
 
 
 def _split_by_optimizer(stage, params: list) -> list[tuple[object, list, object]]:
@@ -358,7 +362,7 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
     tensors = {id(p): {k: torch.zeros_like(wide[id(p)]) for k in saved_kinds} for p in params}
     sd = _state_dict(stage, tensors, wide, saved_kinds)
     sd["optim/step"] = torch.zeros((), dtype=torch.int64)
-    sd.update(_moe_buffers(stage, meta.get("moe", {})))  # in place; those not saved start from zero
+    sd.update(_moe_buffers(stage, stored_moe(meta)))  # in place; those not saved start from zero
     same_layout = meta["layout"] == _layout_key(stage) and meta["world_size"] == g.world.size
     residual = stage.grads.residual
     restore_residual = residual is not None and same_layout and meta.get("grad_compression") == "1bit"
