@@ -5,7 +5,8 @@ optim_grads are saved; the first is loaded at (1,1,1,4,4,1) with ZeRO-1 (ep 1 ->
 (etp 2 -> 1, tp 1 -> 2, experts' state sharded over edp 2) and in one process (ep, etp -> 1).
 Each third step equals one uninterrupted process's (float64, 1e-9): loss, norm, every parameter
 and the expert biases and global_aux_loss's counts, which the checkpoint carries; resumed at the
-layout it was saved at, the step equals the uninterrupted run's bitwise."""
+layout it was saved at, the step equals the uninterrupted run's bitwise. The ep 4 run, saved after
+its third step, loads in one process (ep 4 -> 1) as one process's state after three steps."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ptdp.run.checkpoint.io import load_checkpoint, save_checkpoint
 NAME = "moe_ep_bias"
 SAVED = (1, 1, 1, 4, 2, 2)
 #: where each checkpoint is loaded: (saved by, (tp, cp, pp, dp, ep, etp), sharding)
+EP4 = (1, 1, 1, 4, 4, 1)
 LOADS = [
     ("one", (1, 1, 1, 4, 4, 1), "optim"),
     ("one", (2, 1, 1, 2, 1, 2), "optim_grads"),
@@ -46,24 +48,29 @@ def _save_after_two_steps(name: str, layout: tuple, root: str) -> dict:
     return collect_ep(cfg, groups, stage, steps=range(2, 3))
 
 
-def _resume(name: str, layout: tuple, root: str) -> dict:
+def _resume(name: str, layout: tuple, root: str, save_to: str | None = None) -> dict:
+    """The third step after loading ``root``; then saved to ``save_to`` if given."""
     cfg, groups = moe_config(name, *layout), _groups(*layout)
     stage = build_stage(cfg, groups)
     meta = load_checkpoint(stage, root)
     assert meta["iteration"] == 2
-    return {NAME: collect_ep(cfg, groups, stage, steps=range(2, 3))}
+    out = {NAME: collect_ep(cfg, groups, stage, steps=range(2, 3))}
+    if save_to is not None:
+        save_checkpoint(stage, save_to, 3, consumed_samples=24)
+    return out
 
 
 def resume_worker(rank: int, world: int, roots: dict[str, str]) -> dict:
     out: dict = {"uninterrupted": _save_after_two_steps(f"{NAME}:optim_grads", SAVED, roots["ep"])}
     out["same layout"] = _resume(f"{NAME}:optim_grads", SAVED, roots["ep"])[NAME]
     return out | {
-        layout: _resume(f"{NAME}:{sharding}", layout, roots[saved_by]) for saved_by, layout, sharding in LOADS
+        layout: _resume(f"{NAME}:{sharding}", layout, roots[saved_by], roots["ep4"] if layout == EP4 else None)
+        for saved_by, layout, sharding in LOADS
     }
 
 
 def test_moe_checkpoint_resumes_at_other_expert_layouts(tmp_path):
-    roots = {"one": str(tmp_path / "one"), "ep": str(tmp_path / "ep")}
+    roots = {"one": str(tmp_path / "one"), "ep": str(tmp_path / "ep"), "ep4": str(tmp_path / "ep4")}
     _save_after_two_steps(NAME, (1, 1, 1, 1, 1, 1), roots["one"])  # its third step unused
     ref = reference(NAME)
     assert all(bias.abs().sum() > 0 for bias in ref["buffers"].values()) and ref["buffers"]
@@ -83,3 +90,11 @@ def test_moe_checkpoint_resumes_at_other_expert_layouts(tmp_path):
             assert sorted(res[NAME]["buffers"]) == sorted(ref["buffers"]), what
             for key, bias in res[NAME]["buffers"].items():
                 torch.testing.assert_close(bias, ref["buffers"][key], **TOL["float64"], msg=f"{what} {key}")
+    # the ep 4 run saved after its third step: one process loads the state of three steps
+    stage = build_stage(moe_config(NAME, 1, 1, 1, 1), ParallelGroups.single_process())
+    assert load_checkpoint(stage, roots["ep4"])["layout"]["ep"] == 4
+    for name, p in stage.model.named_parameters():
+        torch.testing.assert_close(p.detach(), ref["params"][name][0], **TOL["float64"], msg=name)
+    for name, b in stage.model.named_buffers():
+        if name in ref["buffers"]:
+            torch.testing.assert_close(b, ref["buffers"][name], **TOL["float64"], msg=name)
