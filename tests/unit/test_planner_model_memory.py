@@ -316,8 +316,11 @@ def test_recompute_modules_free_what_megatron_core_recomputes():
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--recompute-modules", "moe_act"], "--recompute-modules moe_act: modules of mixture-of-experts or MLA"),
-        (["--recompute-modules", "attn"], "--recompute-modules attn: unknown (known: core_attn, layernorm, mlp)"),
+        (["--recompute-modules", "moe_act"], "--recompute-modules moe_act: the model has no MoE layers"),
+        (
+            ["--recompute-modules", "attn"],
+            "--recompute-modules attn: unknown (known: core_attn, layernorm, mlp, moe_act, moe, shared_experts, mla_up_proj)",
+        ),
         (
             ["--recompute-modules", "mlp", "--recompute-granularity", "full"],
             "it needs --recompute-granularity selective, not full",

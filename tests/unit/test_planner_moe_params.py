@@ -123,23 +123,27 @@ def test_the_launch_memory_check_counts_the_experts():
         ("qwen2-57b-a14b", 57.4, 14.2),
         ("qwen3-30b-a3b", 30.5, 3.3),
         ("qwen3-235b-a22b", 235, 22),
+        ("deepseek-v3", 671, 37),
     ],
 )
 def test_moe_presets_have_their_model_cards_parameters(name, total, active):
     """Total and active parameters (billions, as the model cards round them) of each MoE preset."""
     from ptdp.planner.inputs.models import MOE_PRESETS
 
-    counted = [n / 1e9 for n in model_param_counts(*MOE_PRESETS[name])]
+    preset = MOE_PRESETS[name]
+    counted = [n / 1e9 for n in model_param_counts(preset, preset.moe)]
     assert counted == pytest.approx([total, active], rel=0.02), counted
 
 
-def test_ptdp_plan_says_it_does_not_plan_an_moe_preset_yet(capsys):
-    from ptdp import cli
+def test_gpt_oss_counts_its_active_parameters_without_the_embedding_as_its_card():
+    """openai/gpt-oss-120b's card: 117B parameters, 5.1B active per token (the embedding lookup
+    left out of the active count)."""
+    from ptdp.planner.inputs.models import MOE_PRESETS
 
-    assert cli.main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "8"]) == 2
-    err = capsys.readouterr().err
-    assert "qwen3-30b-a3b is a mixture of experts (30.5B parameters, 3.4B active per token)" in err
-    assert "does not plan mixture-of-experts models yet" in err
+    preset = MOE_PRESETS["gpt-oss-120b"]
+    total, active = model_param_counts(preset, preset.moe)
+    embedding = 201088 * 2880
+    assert [total / 1e9, (active - embedding) / 1e9] == pytest.approx([116.8, 5.13], rel=0.005)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -158,7 +162,7 @@ def test_an_moe_mlps_activation_bytes_are_what_ptdp_keeps(dtype, swiglu, routing
     storages autograd keeps for backward (the layer's input excluded: the norm's output)."""
     from ptdp.engine.activation_meter import SavedActivationMeter, parameter_storages
     from ptdp.engine.moe.layer import MoELayer
-    from ptdp.planner.memory.moe_params import moe_mlp_activation_bytes
+    from ptdp.planner.memory.moe_activations import moe_mlp_activation_bytes
 
     torch_dtype = getattr(torch, dtype)
     model = dataclasses.replace(GPT, hidden_size=256, swiglu=swiglu, add_bias_linear=False, params_dtype=dtype)

@@ -19,13 +19,25 @@ class MoEConfig:
     """Which layers are mixtures of experts, how tokens are routed, balanced and dropped."""
 
     num_experts: int | None = opt(
-        None, "--num-experts", "routed experts E per MoE layer (default: none, a dense model)", "moe", metavar="E"
+        None,
+        "--num-experts",
+        "routed experts E per MoE layer (default: none, a dense model)",
+        "moe",
+        plan=True,
+        metavar="E",
     )
     """Routed experts per MoE layer; None: a dense model."""
-    moe_router_topk: int = opt(2, "--moe-router-topk", "experts each token is routed to (k)", "moe", metavar="K")
+    moe_router_topk: int = opt(
+        2, "--moe-router-topk", "experts each token is routed to (k)", "moe", plan=True, metavar="K"
+    )
     """Experts each token is routed to, ``1 <= k <= E``."""
     moe_ffn_hidden_size: int | None = opt(
-        None, "--moe-ffn-hidden-size", "inner width of each expert's MLP (default: the dense ffn)", "moe", metavar="F"
+        None,
+        "--moe-ffn-hidden-size",
+        "inner width of each expert's MLP (default: the dense ffn)",
+        "moe",
+        plan=True,
+        metavar="F",
     )
     """Inner width of an expert's MLP (GELU or SwiGLU as the dense MLP); None: ``ffn_hidden_size``."""
     moe_shared_expert_intermediate_size: int | None = opt(
@@ -33,6 +45,7 @@ class MoEConfig:
         "--moe-shared-expert-intermediate-size",
         "inner width of the shared experts' MLP that every token passes through (default or 0: none)",
         "moe",
+        plan=True,
         metavar="S",
     )
     """Inner width of the shared expert(s), one dense MLP every token of an MoE layer also passes
@@ -43,12 +56,13 @@ class MoEConfig:
         "which layers are MoE: N = every N-th layer (layer i when i % N == 0), or one 0/1 per layer "
         "as a comma list or Megatron's form [0]*3+[1]*5",
         "moe",
+        plan=True,
         metavar="N|LIST",
     )
     """One integer ``N``: layer ``i`` (0-based) is MoE when ``i % N == 0``; else one 0 (dense) or 1
     (MoE) per layer."""
     moe_router_score_function: ScoreFunction = opt(
-        "softmax", "--moe-router-score-function", "router scores: softmax or sigmoid of the logits", "moe"
+        "softmax", "--moe-router-score-function", "router scores: softmax or sigmoid of the logits", "moe", plan=True
     )
     """How the router turns logits into scores (module :mod:`ptdp.engine.moe.router`)."""
     moe_router_pre_softmax: bool = opt(
@@ -56,19 +70,20 @@ class MoEConfig:
         "--moe-router-pre-softmax",
         "softmax over all experts before the top-k (default: top-k logits, then softmax over them)",
         "moe",
+        plan=True,
     )
     """softmax only: the probabilities of the top-k are the softmax over all ``E`` experts; else
     the softmax over the ``k`` selected logits."""
     moe_router_topk_scaling_factor: float | None = opt(
-        None, "--moe-router-topk-scaling-factor", "multiply the top-k probabilities by this", "moe"
+        None, "--moe-router-topk-scaling-factor", "multiply the top-k probabilities by this", "moe", plan=True
     )
     """Factor applied to the routing probabilities (DeepSeek-V3: 2.5); None: 1."""
     moe_router_num_groups: int | None = opt(
-        None, "--moe-router-num-groups", "group-limited routing: experts split into this many groups", "moe"
+        None, "--moe-router-num-groups", "group-limited routing: experts split into this many groups", "moe", plan=True
     )
     """Group-limited routing (DeepSeek-V3): the experts form this many equal groups."""
     moe_router_group_topk: int | None = opt(
-        None, "--moe-router-group-topk", "group-limited routing: groups each token may use", "moe"
+        None, "--moe-router-group-topk", "group-limited routing: groups each token may use", "moe", plan=True
     )
     """Group-limited routing: each token picks its experts from this many groups, those whose
     best ``k / group_topk`` scores sum highest."""
@@ -77,6 +92,7 @@ class MoEConfig:
         "--moe-router-dtype",
         "dtype of the router's logits and scores (default: fp32, fp64 for float64 parameters)",
         "moe",
+        plan=True,
     )
     """The router GEMM, scores, top-k and losses run in this dtype whatever the compute dtype;
     None: fp32, or fp64 when the parameters are float64."""
@@ -86,13 +102,18 @@ class MoEConfig:
         "auxiliary balancing loss (with --moe-aux-loss-coeff): per micro-batch, per sequence, "
         "with the previous step's global-batch counts, or none",
         "moe",
+        plan=True,
     )
     """Which auxiliary load-balancing loss ``--moe-aux-loss-coeff`` weights (docs/training.md,
     Mixture of experts)."""
-    moe_aux_loss_coeff: float = opt(0.0, "--moe-aux-loss-coeff", "weight of the load-balancing loss", "moe")
+    moe_aux_loss_coeff: float = opt(0.0, "--moe-aux-loss-coeff", "weight of the load-balancing loss", "moe", plan=True)
     """Weight of the load-balancing loss; 0: none."""
     moe_z_loss_coeff: float | None = opt(
-        None, "--moe-z-loss-coeff", "weight of the router z-loss (mean squared logsumexp of the logits)", "moe"
+        None,
+        "--moe-z-loss-coeff",
+        "weight of the router z-loss (mean squared logsumexp of the logits)",
+        "moe",
+        plan=True,
     )
     """Weight of the router z-loss (Zoph et al. 2022, arXiv:2202.08906, eq. 5); None: none."""
     moe_router_enable_expert_bias: bool = opt(
@@ -101,12 +122,13 @@ class MoEConfig:
         "aux-loss-free balancing: a per-expert bias added to the scores for the top-k choice only, "
         "updated after each step toward the mean load",
         "moe",
+        plan=True,
     )
     """Aux-loss-free balancing (Wang et al. 2024, arXiv:2408.15664): a bias per expert added to the
     scores when choosing the top-k (not to the weights), moved by ``bias_update_rate x
     sign(mean load - load)`` after each step, the loads counted over the global batch."""
     moe_router_bias_update_rate: float = opt(
-        1e-3, "--moe-router-bias-update-rate", "step of the expert-bias update", "moe"
+        1e-3, "--moe-router-bias-update-rate", "step of the expert-bias update", "moe", plan=True
     )
     """The expert bias's step per optimizer step."""
     moe_expert_capacity_factor: float | None = opt(
@@ -114,6 +136,7 @@ class MoEConfig:
         "--moe-expert-capacity-factor",
         "capacity of each expert in tokens per micro-batch: factor x b s k / E (default: dropless)",
         "moe",
+        plan=True,
         metavar="CF",
     )
     """Each expert takes at most ``ceil(CF * b * s * k / E)`` tokens of a micro-batch (all its ``b
@@ -123,6 +146,7 @@ class MoEConfig:
         "--moe-token-drop-policy",
         "with a capacity: keep each expert's highest-probability tokens, or its earliest",
         "moe",
+        plan=True,
     )
     """Which assignments an over-full expert keeps: the highest probabilities (ties: the earlier
     token) or the earliest tokens (position in the micro-batch, sequence-major)."""
@@ -131,6 +155,7 @@ class MoEConfig:
         "--moe-pad-expert-input-to-capacity",
         "with a capacity: pad each expert's input to it (fixed shapes, no host synchronisation)",
         "moe",
+        plan=True,
     )
     """Pad every expert's input to its capacity (zeros), so the dispatch has fixed sizes."""
     moe_router_force_load_balancing: bool = opt(
@@ -138,6 +163,7 @@ class MoEConfig:
         "--moe-router-force-load-balancing",
         "route by a fixed balanced assignment instead of the scores (benchmark mode)",
         "moe",
+        plan=True,
     )
     """Benchmark mode: token ``t`` of a micro-batch goes to experts ``(t k + j) mod E`` for ``j <
     k``, weighted by the router's probabilities of those experts."""
@@ -147,6 +173,7 @@ class MoEConfig:
         "run a rank's experts as one grouped GEMM (torch._grouped_mm) where the dtype and device "
         "support it, else one GEMM per expert",
         "moe",
+        plan=True,
     )
     """The experts of a rank as one ``torch._grouped_mm`` where supported; else a loop."""
 

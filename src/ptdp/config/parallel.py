@@ -74,6 +74,7 @@ class ParallelConfig:
         "with them (experts use an etp x ep x edp x pp grid over the same ranks)",
         "layout",
         aliases=("--ep",),
+        plan=True,
         metavar="EP",
     )
     """Expert-parallel size: the ``E`` routed experts of an MoE layer are split over ``ep`` ranks
@@ -86,6 +87,7 @@ class ParallelConfig:
         "expert tensor-parallel size: each expert's MLP split over ETP ranks (default 1)",
         "layout",
         aliases=("--etp",),
+        plan=True,
         metavar="ETP",
     )
     """Each expert's fc1 split by columns and fc2 by rows over ``etp`` ranks (the fastest axis of
@@ -96,6 +98,8 @@ class ParallelConfig:
         "how tokens reach their experts' ranks: all-to-all of the routed tokens, or all-gather of "
         "every token over the expert grid",
         "layout",
+        plan=True,
+        plan_searched=False,
     )
     """``alltoall``: split counts, then the routed tokens, by ``all_to_all_single`` with uneven
     splits; ``allgather``: every rank gathers all tokens of its ep x etp group and keeps its

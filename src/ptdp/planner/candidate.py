@@ -90,6 +90,9 @@ class Candidate:
         fp8_param_gather: bool = False,
         recompute_modules: tuple[str, ...] = (),
         optimizer_dtypes: tuple[str, str, str] = OPTIMIZER_DTYPES,
+        ep: int = 1,
+        etp: int = 1,
+        dispatcher: str = "alltoall",
     ) -> Candidate:
         """The candidate of these choices (``sharding``: the strategy, else ``optim`` with
         ``distributed_optimizer``, else ``no_shard``; ``layer_split`` at ``virtual_stages`` > 1: the
@@ -114,6 +117,9 @@ class Candidate:
             data_parallel_sharding_strategy=strategy,  # type: ignore[arg-type]
             reshard_after_forward=reshard_after_forward,
             grad_reduce_in_bf16=grad_reduce_in_bf16,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+            moe_token_dispatcher_type=dispatcher,  # type: ignore[arg-type]
         )
         return cls(
             parallel,
@@ -153,6 +159,9 @@ class Candidate:
             "fp8_param_gather": self.fp8_param_gather,
             "recompute_modules": self.recompute_modules,
             "optimizer_dtypes": self.optimizer_dtypes,
+            "ep": p.ep,
+            "etp": p.etp,
+            "dispatcher": p.moe_token_dispatcher_type,
         }
 
     def replace(self, **changes: Any) -> Candidate:
@@ -180,6 +189,19 @@ class Candidate:
     @property
     def cp(self) -> int:
         return self.parallel.cp
+
+    @property
+    def ep(self) -> int:
+        return self.parallel.ep
+
+    @property
+    def etp(self) -> int:
+        return self.parallel.etp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: ``tp cp dp / (ep etp)`` ranks hold the same experts."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
 
     @property
     def sharding_strategy(self) -> str:
@@ -283,11 +305,15 @@ class TimeBreakdown:
     optimizer: float
     core_sharing: float = 0.0
     cp_comm: float = 0.0
+    ep_comm: float = 0.0
+    edp_comm: float = 0.0
 
     @property
     def step(self) -> float:
         return (
-            self.compute
+            self.ep_comm
+            + self.edp_comm
+            + self.compute
             + self.recompute
             + self.tp_comm
             + self.pp_comm
@@ -362,6 +388,8 @@ class Plan:
                         "optimizer",
                         "core_sharing",
                         "cp_comm",
+                        "ep_comm",
+                        "edp_comm",
                     )
                 },
                 "step": self.time.step,

@@ -11,6 +11,8 @@ import dataclasses
 from pathlib import Path
 
 from ptdp.config.model import ModelConfig
+from ptdp.config.moe import MoEConfig
+from ptdp.config.rules.moe import moe_violations
 from ptdp.errors import ConfigError
 from ptdp.layout.pipeline.partition import stage_layer_counts, virtual_stages
 from ptdp.planner.candidate import MOE_RECOMPUTE_MODULES, OP_SAC, RECOMPUTE_MODULES
@@ -26,9 +28,9 @@ from ptdp.planner.inputs.models import (
     published_batch,
     token_budget_batch,
 )
+from ptdp.planner.inputs.moe_model import MoEModel, moe_of, with_moe
 from ptdp.planner.inputs.plan_flags import plan_precision
 from ptdp.planner.memory.fp8 import check_fp8_param_gather, fp8_precision
-from ptdp.planner.memory.moe_params import model_param_counts
 from ptdp.planner.report.explain import distance_from_best, explain_pick
 from ptdp.planner.search.checks import (
     check_fixed_choices,
@@ -80,7 +82,6 @@ def model_from_args(
             "name such as llama3-8b)"
         )
     elif args.model:
-        _refuse_moe_preset(args.model)
         model = get_model(args.model)
     else:
         missing = [
@@ -94,26 +95,51 @@ def model_from_args(
     flash = getattr(args, "use_flash_attn", None)
     if flash is None:
         flash = model.flash_attention or (gpu is not None and runs_flash_attention(gpu))
-    return dataclasses.replace(model, **overrides, use_flash_attn=flash), notes
+    model, moe_notes = with_moe_flags(dataclasses.replace(model, **overrides, use_flash_attn=flash), args)
+    return model, [*notes, *moe_notes]
 
 
-def _refuse_moe_preset(name: str) -> None:
-    """A mixture-of-experts preset (:data:`~ptdp.planner.inputs.models.MOE_PRESETS`) is not planned
-    yet: ConfigError with its total and active parameters."""
-    preset = MOE_PRESETS.get(name.lower())
-    if preset is not None:
-        total, active = model_param_counts(*preset)
-        raise ConfigError(
-            f"{name} is a mixture of experts ({total / 1e9:.1f}B parameters, {active / 1e9:.1f}B active per "
-            "token): ptdp plan does not plan mixture-of-experts models yet"
+def with_moe_flags(model: ModelConfig, args: argparse.Namespace) -> tuple[ModelConfig, list[str]]:
+    """``model`` with the MoE flags given (``--num-experts`` makes a dense model an MoE one) and
+    ``--moe-load-imbalance``, checked by ``ptdp train``'s MoE rules (those of the model alone; the
+    layout's are the search's); and a note naming what ``ptdp train`` does not build of it.
+    ConfigError naming the rule."""
+    given = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(MoEConfig) if getattr(args, f.name, None) is not None
+    }
+    if isinstance(model, MoEModel):
+        model = dataclasses.replace(model, moe=dataclasses.replace(model.moe, **given))
+    elif given:
+        model = with_moe(model, MoEConfig(**given))
+    moe = model.moe if isinstance(model, MoEModel) else MoEConfig(**given)
+    broken = moe_violations(
+        moe, num_layers=model.num_layers, ffn=model.ffn, tp=1, pp=1, ep=1, etp=1, world_size=1, sequence_parallel=True
+    )
+    if broken:
+        raise ConfigError("; ".join(v.message for v in broken))
+    rho = getattr(args, "moe_load_imbalance", None)
+    if rho is not None:
+        if not isinstance(model, MoEModel) or not model.moe.enabled:
+            raise ConfigError(f"--moe-load-imbalance {rho:g} needs a mixture-of-experts model (--num-experts)")
+        if not rho >= 1.0:
+            raise ConfigError(
+                f"--moe-load-imbalance {rho:g} must be >= 1 (the busiest expert rank's tokens over the balanced share)"
+            )
+        model = dataclasses.replace(model, load_imbalance=rho)
+    notes = []
+    if isinstance(model, MoEModel) and model.plan_only:
+        notes.append(
+            f"{' and '.join(model.plan_only)} planned (FLOPs, parameters, activations, memory): ptdp train "
+            "does not build them yet"
         )
+    return model, notes
 
 
 def model_name(args: argparse.Namespace, base: ModelConfig | None = None) -> str:
     """The name :func:`model_from_args`'s model is reported under: a preset's (its first name),
     ``hf:FOLDER`` for a Hugging Face config, else ``custom`` (``base``: a preset's when it is one)."""
     if base is not None:
-        return next((name for name, preset in PRESETS.items() if preset == base), "custom")
+        return next((name for name, preset in {**PRESETS, **MOE_PRESETS}.items() if preset == base), "custom")
     if args.model and is_config_path(args.model):
         return hf_model_name(args.model)
     return preset_name(args.model) if args.model else "custom"
@@ -182,19 +208,34 @@ def fixed_from_args(args: argparse.Namespace) -> Fixed:
     return Fixed(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Fixed)})
 
 
-def _recompute_modules(fixed: Fixed) -> Fixed:
+def _recompute_modules(fixed: Fixed, model: ModelConfig) -> Fixed:
     """``--recompute-modules``: selective recompute of those modules (ConfigError for another
-    granularity, an unknown module, or a MoE / MLA one)."""
+    granularity, an unknown module, or an MoE / MLA one of a model without MoE layers / MLA)."""
     modules = tuple(dict.fromkeys(fixed.recompute_modules or ()))
-    moe = [m for m in modules if m in MOE_RECOMPUTE_MODULES]
-    if moe:
+    has = {
+        "moe_act": moe_of(model) is not None,
+        "moe": moe_of(model) is not None,
+        "shared_experts": moe_of(model) is not None and moe_of(model).shared_ffn > 0,  # type: ignore[union-attr]
+        "mla_up_proj": isinstance(model, MoEModel) and model.mla is not None,
+    }
+    missing = [m for m in modules if m in MOE_RECOMPUTE_MODULES and not has[m]]
+    if missing:
         raise ConfigError(
-            f"--recompute-modules {' '.join(moe)}: modules of mixture-of-experts or MLA layers; the "
-            f"planned models are dense (known: {', '.join(RECOMPUTE_MODULES)})"
+            f"--recompute-modules {' '.join(missing)}: the model has no "
+            + ", ".join(
+                {
+                    "moe_act": "MoE layers",
+                    "moe": "MoE layers",
+                    "shared_experts": "shared expert",
+                    "mla_up_proj": "multi-head latent attention",
+                }[m]
+                for m in missing
+            )
         )
-    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+    known = (*RECOMPUTE_MODULES, *MOE_RECOMPUTE_MODULES)
+    unknown = [m for m in modules if m not in known]
     if unknown:
-        raise ConfigError(f"--recompute-modules {' '.join(unknown)}: unknown (known: {', '.join(RECOMPUTE_MODULES)})")
+        raise ConfigError(f"--recompute-modules {' '.join(unknown)}: unknown (known: {', '.join(known)})")
     if fixed.recompute_granularity not in (None, "selective"):
         raise ConfigError(
             f"--recompute-modules chooses what selective recompute runs again: it needs "
@@ -312,7 +353,7 @@ def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanR
         stage_layer_counts(model.num_layers, len(args.pipeline_layer_split), args.pipeline_layer_split)
     fixed = _counted_chunks_as_v(fixed_from_args(args), model.num_layers)
     if fixed.recompute_modules is not None:
-        fixed = _recompute_modules(fixed)
+        fixed = _recompute_modules(fixed, model)
     if getattr(args, "selective_ac_option", None):
         fixed = _op_sac(fixed)
     check_stage_layers(model.num_layers, fixed)
@@ -377,7 +418,7 @@ def global_batch(given: int | None, name: str, model: ModelConfig) -> tuple[int,
             f"{need}: {name}'s published batch ({PUBLISHED_BATCH[name][0]}) is for its own "
             "shape, which the shape flags change"
         )
-    if name in PRESETS:
+    if name in PRESETS or name in MOE_PRESETS:
         return token_budget_batch(name, model)
     raise ConfigError(f"{need} (or --validate CSV, or --calibrate)")
 
@@ -409,6 +450,8 @@ def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
         pp_overlap=pp_overlap,
         async_tp=async_tp,
     )
+    if getattr(args, "overlap_moe_expert_parallel_comm", None):
+        constants = dataclasses.replace(constants, moe_overlap=True)
     torch_cp = getattr(args, "cp_implementation", None) == "torch"
     if torch_cp:
         constants = dataclasses.replace(constants, cp_implementation="torch")
@@ -424,6 +467,10 @@ def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
                 async_tp,
             ),
             ("the interleaved schedule's pipeline transfers (--overlap-p2p-communication)", pp_overlap),
+            (
+                "the MoE all-to-alls behind another micro-batch's compute (--overlap-moe-expert-parallel-comm)",
+                bool(getattr(args, "overlap_moe_expert_parallel_comm", None)),
+            ),
         )
         if on
     ]

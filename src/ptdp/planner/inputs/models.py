@@ -14,6 +14,7 @@ from typing import Any
 
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
+from ptdp.planner.inputs.moe_model import MLA, MoEModel
 
 #: Megatron's GPT of 2021 (Narayanan et al. SC21): vocabulary 51,200, sequence 2,048, dropout 0.1
 #: on hidden states and attention, the unfused attention kernel
@@ -167,29 +168,65 @@ def published_batch(name: str, model: ModelConfig) -> tuple[int, str] | None:
     return PUBLISHED_BATCH[name]
 
 
-#: Mixture-of-experts models by name: their shape (the attention and norms of :func:`llama`, the
-#: dense width unused where every layer is MoE) and their experts, from the released Hugging Face
-#: configs (mistralai/Mixtral-8x7B-v0.1, Mixtral-8x22B-v0.1; Qwen/Qwen2-57B-A14B, Qwen3-30B-A3B,
-#: Qwen3-235B-A22B), with the totals their model cards give: 46.7B parameters of which 12.9B active
-#: per token, 141B / 39B, 57B / 14B, 30.5B / 3.3B, 235B / 22B. Qwen2-MoE's shared-expert gate (h
-#: weights per layer) is not modelled. ``ptdp plan`` does not plan them yet.
-MOE_PRESETS: dict[str, tuple[ModelConfig, MoEConfig]] = {
-    "mixtral-8x7b": (llama(32, 4096, 32, 8, 14336, 32000, 4096), MoEConfig(num_experts=8, moe_router_topk=2)),
-    "mixtral-8x22b": (llama(56, 6144, 48, 8, 16384, 32768, 4096), MoEConfig(num_experts=8, moe_router_topk=2)),
-    "qwen2-57b-a14b": (
+def moe_model(dense: ModelConfig, moe: MoEConfig, **plan_only: Any) -> MoEModel:
+    """``dense`` (attention, norms, the dense layers' MLP) with its experts and plan-only parts."""
+    fields = {f: getattr(dense, f) for f in ModelConfig.__dataclass_fields__}
+    return MoEModel(**fields, moe=moe, **plan_only)
+
+
+#: DeepSeek-V3 (arXiv:2412.19437 §2 and §4.2; deepseek-ai/DeepSeek-V3 config.json): 61 layers, the
+#: first 3 dense (MLP 18,432), 58 MoE of 256 routed experts (2,048 wide, top 8, sigmoid scores, 8
+#: groups of which 4 per token, scale 2.5) and one shared expert; MLA of 128 heads (q rank 1,536,
+#: kv rank 512, 128 + 64 query/key channels, 128 value channels); one multi-token-prediction module;
+#: vocabulary 129,280, untied. ``kv_channels`` 192 and 128 key/value heads give the attention kernel's
+#: shape; the projections are MLA's.
+DEEPSEEK_V3 = moe_model(
+    llama(61, 7168, 128, 128, 18432, 129280, 4096, kv_channels=192),
+    MoEConfig(
+        num_experts=256,
+        moe_router_topk=8,
+        moe_ffn_hidden_size=2048,
+        moe_shared_expert_intermediate_size=2048,
+        moe_layer_freq=(0,) * 3 + (1,) * 58,
+        moe_router_score_function="sigmoid",
+        moe_router_topk_scaling_factor=2.5,
+        moe_router_num_groups=8,
+        moe_router_group_topk=4,
+        moe_router_enable_expert_bias=True,
+    ),
+    mla=MLA(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=1536),
+    mtp_layers=1,
+)
+
+#: Mixture-of-experts models by name, from the released Hugging Face configs (mistralai/Mixtral-8x7B-v0.1,
+#: Mixtral-8x22B-v0.1; Qwen/Qwen2-57B-A14B, Qwen3-30B-A3B, Qwen3-235B-A22B; openai/gpt-oss-120b;
+#: deepseek-ai/DeepSeek-V3), with the totals their model cards give: 46.7B parameters of which 12.9B
+#: active per token, 141B / 39B, 57B / 14B, 30.5B / 3.3B, 235B / 22B, 117B / 5.1B, 671B / 37B (and
+#: DeepSeek-V3's 14B MTP module). Not modelled: Qwen2-MoE's shared-expert gate (h weights per layer),
+#: gpt-oss's router bias, attention sinks and the sliding window of every other layer (planned as
+#: full attention).
+MOE_PRESETS: dict[str, MoEModel] = {
+    "mixtral-8x7b": moe_model(llama(32, 4096, 32, 8, 14336, 32000, 4096), MoEConfig(num_experts=8, moe_router_topk=2)),
+    "mixtral-8x22b": moe_model(llama(56, 6144, 48, 8, 16384, 32768, 4096), MoEConfig(num_experts=8, moe_router_topk=2)),
+    "qwen2-57b-a14b": moe_model(
         llama(28, 3584, 28, 4, 18944, 151936, 4096, linear_biases=("qkv",)),
         MoEConfig(
             num_experts=64, moe_router_topk=8, moe_ffn_hidden_size=2560, moe_shared_expert_intermediate_size=20480
         ),
     ),
-    "qwen3-30b-a3b": (
+    "qwen3-30b-a3b": moe_model(
         llama(48, 2048, 32, 4, 6144, 151936, 4096, kv_channels=128, qk_layernorm=True),
         MoEConfig(num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768),
     ),
-    "qwen3-235b-a22b": (
+    "qwen3-235b-a22b": moe_model(
         llama(94, 4096, 64, 4, 12288, 151936, 4096, kv_channels=128, qk_layernorm=True),
         MoEConfig(num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=1536),
     ),
+    "gpt-oss-120b": moe_model(
+        llama(36, 2880, 64, 8, 2880, 201088, 4096, kv_channels=64, linear_biases=("qkv", "proj", "fc1", "fc2")),
+        MoEConfig(num_experts=128, moe_router_topk=4),
+    ),
+    "deepseek-v3": DEEPSEEK_V3,
 }
 
 
@@ -202,11 +239,10 @@ def get_model(name: str) -> ModelConfig:
     that a mixture of experts (:data:`MOE_PRESETS`) is not planned yet."""
     key = name.lower()
     if key in MOE_PRESETS:
-        raise UnknownModelError(
-            f"{name} is a mixture of experts: ptdp plan does not plan mixture-of-experts models yet"
-        )
+        return MOE_PRESETS[key]
     if key not in PRESETS:
-        raise UnknownModelError(f"unknown model {name!r}; known: {', '.join(sorted(PRESETS))}")
+        known = sorted([*PRESETS, *MOE_PRESETS])
+        raise UnknownModelError(f"unknown model {name!r}; known: {', '.join(known)}")
     return PRESETS[key]
 
 
@@ -214,4 +250,4 @@ def preset_name(name: str) -> str:
     """The name a preset is reported under: its first name (``gpt-1t`` is ``gpt-1008b``,
     ``llama3.1-8b`` is ``llama3-8b``)."""
     model = get_model(name)
-    return next(key for key, preset in PRESETS.items() if preset is model)
+    return next(key for key, preset in {**PRESETS, **MOE_PRESETS}.items() if preset is model)

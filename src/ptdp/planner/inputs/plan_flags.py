@@ -52,9 +52,19 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         metavar="NAME|PATH",
         help="preset name, e.g. gpt3-175b, gpt-1.7b ... gpt-1008b, llama2-70b, llama3-8b/70b/405b, "
-        "nemotron4-340b; or a "
-        "Hugging Face config.json (the file, or a folder holding it) of a Llama, Mistral, Qwen2 or "
-        "GPT-2 model; --seq-length default: its max_position_embeddings",
+        "nemotron4-340b; mixture of experts: mixtral-8x7b/8x22b, qwen2-57b-a14b, qwen3-30b-a3b, "
+        "qwen3-235b-a22b, gpt-oss-120b, deepseek-v3; or a Hugging Face config.json (the file, or a "
+        "folder holding it) of a Llama, Mistral, Qwen2, Qwen3, GPT-2, Mixtral, Qwen2-MoE, Qwen3-MoE or "
+        "DeepSeek-V3 model; --seq-length default: its max_position_embeddings",
+    )
+    g.add_argument(
+        "--moe-load-imbalance",
+        type=float,
+        default=None,
+        metavar="RHO",
+        help="tokens the busiest expert rank receives over the balanced share (planner only; >= 1, "
+        "default 1.0: balanced, as NVIDIA's published runs force it): scales the experts' compute, "
+        "activations and all-to-all receive, at most the capacity factor when one is given",
     )
     g.add_argument(
         "--fp8",
@@ -71,7 +81,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with --recompute-granularity selective: what Megatron-Core recomputes (its flag; "
         "planner only): core_attn (the default: the attention core), layernorm (the norms' outputs "
-        "feeding QKV and fc1), mlp (the whole MLP but its input); MoE and MLA modules do not apply",
+        "feeding QKV and fc1), mlp (the whole MLP but its input); of MoE and MLA models moe_act (the "
+        "experts' activation), moe (the whole MoE MLP, its all-to-alls included), shared_experts, "
+        "mla_up_proj (MLA's up projections)",
     )
     g.add_argument(
         "--selective-ac-option",
@@ -139,6 +151,13 @@ def _add_overlap_arguments(parser: argparse.ArgumentParser) -> None:
         help="plan the interleaved schedule's pipeline transfers overlapped with the next model "
         "chunk's compute (Megatron's default, --no-overlap-p2p-communication there turns it off); "
         "the fill and drain transfers stay exposed; default: off, as ptdp's runtime waits for them",
+    )
+    g.add_argument(
+        "--overlap-moe-expert-parallel-comm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan the MoE layers' all-to-alls behind another micro-batch's compute (Megatron-Core's "
+        "flag, with --delay-wgrad-compute there); default: off, as ptdp train runs them in line",
     )
     g.add_argument(
         "--cp-implementation",

@@ -16,7 +16,14 @@ from functools import lru_cache, partial
 from ptdp.config.model import ModelConfig
 from ptdp.layout.vocab import keeps_logits, padded_vocab_size
 from ptdp.planner.candidate import Candidate
+from ptdp.planner.inputs.moe_model import MoEModel, moe_of
 from ptdp.planner.memory.cp_local import kv_buffer_bytes, local_model, unfused_score_bytes_missing
+from ptdp.planner.memory.moe_activations import (
+    dense_mlp_activation_bytes,
+    mla_activation_change,
+    moe_mlp_activation_bytes,
+    shared_expert_activation_bytes,
+)
 from ptdp.planner.splits import chunk_layers, interleaved_peak
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -45,6 +52,7 @@ def layer_activation_bytes(
     recompute: str,
     precision: str = "bf16",
     modules: tuple[str, ...] = ("core_attn",),
+    etp: int = 1,
 ) -> float:
     """Activation bytes one transformer layer keeps for backward, per microbatch, on one tp rank.
 
@@ -62,6 +70,9 @@ def layer_activation_bytes(
     With "selective", ``modules`` are Megatron-Core's ``--recompute-modules``: ``core_attn`` drops the
     scores (above), ``layernorm`` the two norms' outputs (the QKV and fc1 inputs, recomputed from the
     norms' inputs), ``mlp`` everything the MLP keeps but its input (fc1's input and output, fc2's input).
+    A planned MoE model (:class:`~ptdp.planner.inputs.moe_model.MoEModel`): the mean over its layers,
+    each MoE layer's MLP as :mod:`ptdp.planner.memory.moe_activations` counts it (experts over
+    ``etp``), and multi-head latent attention in place of the attention's terms.
     Raises ValueError for an unknown ``recompute``.
     """
     if recompute not in ("none", "selective", "full", "op"):
@@ -92,7 +103,31 @@ def layer_activation_bytes(
         per_token += e32 * a / t
     elif recompute == "none" or (recompute == "selective" and "core_attn" not in kept):
         per_token += (e + (mask + e) * mask) * a * s / t
+    if isinstance(model, MoEModel):
+        return tokens * per_token + _sublayer_change(model, tp, tokens, sequence_parallel, e, g, kept, etp)
     return tokens * per_token
+
+
+def _sublayer_change(
+    model: MoEModel, tp: int, tokens: int, sequence_parallel: bool, e: int, g: int, kept: set[str], etp: int
+) -> float:
+    """Bytes per layer (the mean over the model's layers) by which MoE layers and multi-head latent
+    attention change :func:`layer_activation_bytes`' dense count (no full or per-op recompute)."""
+    modules = tuple(sorted(kept))
+    out = 0.0
+    if model.mla is not None:
+        out += mla_activation_change(model, model.mla, tokens, tp, precision_bytes=e, gemm_bytes=g, modules=modules)
+    moe = moe_of(model)
+    if moe is not None:
+        routed = tokens // (tp if sequence_parallel else 1)
+        layer = moe_mlp_activation_bytes(
+            model, moe, routed, precision_bytes=e, etp=etp, load=model.expert_load, modules=modules
+        )
+        layer += shared_expert_activation_bytes(model, moe, tokens, tp, precision_bytes=e, modules=modules)
+        if "mlp" not in kept:
+            layer -= dense_mlp_activation_bytes(model, tokens, tp, precision_bytes=e, gemm_bytes=g)
+        out += layer * len(model.moe_layer_ids) / model.num_layers
+    return out
 
 
 def inflight_microbatches(layout: Candidate, pp_rank: int, *, schedule: str = "1f1b") -> float:
@@ -187,6 +222,7 @@ def stage_activation_bytes(
         recompute=layout.recompute,
         precision=precision,
         modules=layout.modules,
+        etp=layout.etp,
     )
     mbs = inflight_microbatches(layout, pp_rank, schedule=schedule)
     last = pp_rank == layout.pp - 1
@@ -213,7 +249,9 @@ def stage_activation_bytes(
     )
     if layout.recompute == "full":
         working = (
-            layer_activation_bytes(model, layout.tp, b, sequence_parallel=sp, recompute="none", precision=precision)
+            layer_activation_bytes(
+                model, layout.tp, b, sequence_parallel=sp, recompute="none", precision=precision, etp=layout.etp
+            )
             - per_layer
         )
         return out + max(working, loss_side) + (last_inflight - 1) * loss_side
@@ -296,6 +334,7 @@ def cached_rank_activation_bytes(
         layout.precision,
         layout.layer_split,
         layout.parallel.cp_comm_type,
+        layout.etp,
         rank,
         n_layers,
         schedule,

@@ -10,10 +10,13 @@ activations: :mod:`ptdp.planner.memory.activations`; the process's own: :mod:`pt
 from __future__ import annotations
 
 from ptdp.config.model import ModelConfig
+from ptdp.layout.pipeline.partition import stage_layer_counts
 from ptdp.planner.candidate import Candidate, MemoryBreakdown
 from ptdp.planner.inputs.hardware import GPUType
+from ptdp.planner.inputs.moe_model import MoEModel
 from ptdp.planner.memory.activations import cached_rank_activation_bytes
 from ptdp.planner.memory.fp8 import fp8_weight_copy_bytes
+from ptdp.planner.memory.moe_params import expert_bytes_per_param, stage_counts
 from ptdp.planner.memory.overhead import runtime_overhead_bytes
 from ptdp.planner.memory.params import (
     even_stage_params,
@@ -27,15 +30,27 @@ __all__ = ["memory_breakdown"]
 
 def _candidate_stages(
     model: ModelConfig, layout: Candidate, layer_split: tuple[int, ...] | None, divisible_by: int
-) -> list[tuple[int, int, int]]:
-    """(pipeline rank, parameters on one tp rank, layers) of every stage that can hold the most
-    bytes (:func:`memory_breakdown`): the first and the last of an even split; with ``layer_split``
-    the first, the last and the lowest-ranked middle stage of each distinct layer count."""
+) -> list[tuple[int, int, int, int]]:
+    """(pipeline rank, parameters on one tp rank, layers, routed experts in their own buffer) of every
+    stage that can hold the most bytes (:func:`memory_breakdown`): the first and the last of an even
+    split; with ``layer_split`` the first, the last and the lowest-ranked middle stage of each
+    distinct layer count; of a planned MoE model every stage
+    (:func:`~ptdp.planner.memory.moe_params.stage_counts`)."""
+    if isinstance(model, MoEModel):
+        dense, own = stage_counts(model, layout.tp, layout.pp, layout.ep, layout.etp, layer_split, divisible_by)
+        layers = stage_layer_counts(model.num_layers, layout.pp, layer_split)
+        seen, out = set(), []
+        for rank, row in enumerate(zip(dense, layers, own)):
+            edge = rank in (0, layout.pp - 1)
+            if edge or row not in seen:
+                out.append((rank, *row))
+            seen.add(row)
+        return out
     if layer_split is None:
         first_params, last_params, per_stage = even_stage_params(model, layout.tp, layout.pp, divisible_by)
-        candidates = [(0, first_params, per_stage)]
+        candidates = [(0, first_params, per_stage, 0)]
         if layout.pp > 1:
-            candidates.append((layout.pp - 1, last_params, per_stage))
+            candidates.append((layout.pp - 1, last_params, per_stage, 0))
         return candidates
     stage_params = stage_param_counts(
         model, layout.tp, layout.pp, make_vocab_size_divisible_by=divisible_by, layer_split=layer_split
@@ -44,7 +59,7 @@ def _candidate_stages(
     for rank, (n_params, n_layers) in enumerate(zip(stage_params, layer_split)):
         middle = 0 < rank < layout.pp - 1
         if not middle or n_layers not in counts_seen:
-            candidates.append((rank, n_params, n_layers))
+            candidates.append((rank, n_params, n_layers, 0))
         if middle:
             counts_seen.add(n_layers)
     return candidates
@@ -74,7 +89,8 @@ def memory_breakdown(
     """Bytes on the most loaded GPU: the pipeline stage with the largest total (``stage``).
 
     params/grads/optimizer: the stage's parameters under the sharding strategy over ``dp * cp`` ranks,
-    transients and FP8 weight copies included (:func:`rank_state_bytes`; grads: with bf16 gradients
+    and with ep or etp > 1 its routed experts in their own buffer
+    (:func:`~ptdp.planner.memory.moe_params.expert_bytes_per_param`), transients and FP8 weight copies included (:func:`rank_state_bytes`; grads: with bf16 gradients
     also the step's float32 copy beyond the activations); activations:
     :func:`rank_activation_bytes` (one cp rank); overhead: ``overhead_bytes``, by default the process's
     own (:func:`~ptdp.planner.memory.overhead.runtime_overhead_bytes` on nodes of ``gpus_per_node``,
@@ -94,7 +110,8 @@ def memory_breakdown(
     )
     per_param_total = sum(per_param)
     transients = layout.shard_size > 1 and layout.sharding_strategy in ("optim_grads", "optim_grads_params")
-    for rank, n_params, n_layers in candidates:
+    expert_per_param = expert_bytes_per_param(layout.precision, layout.parallel) if layout.ep * layout.etp > 1 else None
+    for rank, n_params, n_layers, n_experts in candidates:
         act = cached_rank_activation_bytes(model, layout, rank, n_layers, schedule, make_vocab_size_divisible_by)
         zero3 = layout.sharding_strategy == "optim_grads_params" and layout.shard_size > 1
         fp8_copies = fp8_weight_copy_bytes(
@@ -114,16 +131,18 @@ def memory_breakdown(
             else None
         )
         state = sum(parts) if parts is not None else n_params * per_param_total
+        experts = tuple(n_experts * x for x in expert_per_param) if expert_per_param else (0.0, 0.0, 0.0)
         copy = _step_copy_beyond_activations(layout, n_params, act)
-        rows.append((state + fp8_copies + act + copy, rank, n_params, n_layers, act, fp8_copies, parts, copy))
-    _, rank, n_params, n_layers, act, fp8_copies, parts, copy = max(rows, key=lambda row: row[0])  # the first largest
+        total = state + sum(experts) + fp8_copies + act + copy
+        rows.append((total, rank, n_params, n_layers, act, fp8_copies, parts, copy, experts))
+    _, rank, n_params, n_layers, act, fp8_copies, parts, copy, experts = max(rows, key=lambda row: row[0])
     params, grads, optimizer = parts or rank_state_bytes(
         model, layout, n_params, n_layers, per_param, stage=rank, divisible_by=make_vocab_size_divisible_by
     )
     return MemoryBreakdown(
-        params=params + fp8_copies,
-        grads=grads + copy,
-        optimizer=optimizer,
+        params=params + fp8_copies + experts[0],
+        grads=grads + copy + experts[1],
+        optimizer=optimizer + experts[2],
         activations=act,
         overhead=float(
             runtime_overhead_bytes(layout, gpus_per_node or gpu.gpus_per_node, model.tied)

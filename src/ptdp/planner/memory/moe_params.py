@@ -11,12 +11,16 @@ tp as the dense MLP. A token passes through ``k`` routed experts and the shared 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.schema import Config
+from ptdp.layout.pipeline.partition import stage_layer_ids
 from ptdp.layout.vocab import padded_vocab_size
-from ptdp.planner.memory.params import layer_param_count
+from ptdp.planner.inputs.moe_model import MoEModel, moe_of
+from ptdp.planner.memory.params import layer_param_count, stage_param_counts
 from ptdp.planner.memory.strategies import strategy_bytes_per_param
 
 
@@ -84,39 +88,53 @@ def stage_moe_params(
     return n * (rest - layer_param_count(model, tp)), n * experts
 
 
-def moe_mlp_activation_bytes(
-    model: ModelConfig,
-    moe: MoEConfig,
-    tokens: int,
-    *,
-    precision_bytes: int,
-    router_bytes: int = 4,
-) -> float:
-    """Bytes an MoE layer's MLP keeps for backward (``ptdp train``'s MoE layer, one micro-batch), for
-    the ``tokens`` a rank holding every expert routes (ep = etp = 1), dropless, ``A = k tokens``
-    assignments. Its input is the norm's output, counted with the attention.
+def mtp_param_counts(model: MoEModel, tp: int = 1, ep: int = 1, etp: int = 1) -> tuple[int, int]:
+    """``(dense, experts)`` parameters of the multi-token-prediction modules on one rank of the last
+    stage: each an MoE layer (or a dense one), the ``[h, 2h]`` projection split over tp, and two
+    RMSNorms of h (the output layer is the model's)."""
+    moe, h, n = model.moe, model.hidden_size, model.mtp_layers
+    if not n:
+        return 0, 0
+    if moe.enabled:
+        rest, experts = moe_layer_param_counts(model, moe, tp, ep, etp)
+    else:
+        rest, experts = layer_param_count(model, tp), 0
+    return n * (rest + 2 * h * h // tp + 2 * h), n * experts
 
-    Per token, in the router's dtype (``router_bytes``): a copy of the input when the activations
-    are another dtype, the logits and scores (sigmoid: the scores and their two sums), the
-    balancing loss's counts, the z-loss's log-sum-exp (and with sigmoid scores the logits). Per assignment: its top-k index and weight
-    (and a copy in the activation dtype when another or renormalised), the expert's input ``h``,
-    what the activation keeps (GELU: fc1's output and its own, ``2 F``; SwiGLU: gate and up,
-    silu(gate) and the product, ``4 F``), the combined output ``h``, and the two int64 indices that
-    place the rows. Per micro-batch: the router weight's copy in the
-    router dtype when the parameters are another. The shared expert is a dense MLP (not here).
-    """
-    e, r, h = precision_bytes, router_bytes, model.hidden_size
-    k, experts = moe.moe_router_topk, moe.num_experts or 0
-    ffn, halves = moe.expert_ffn(model.ffn), 2 if model.swiglu else 1
-    other = e != r
-    sigmoid = moe.moe_router_score_function == "sigmoid"
-    per_token = (r * h if other else 0) + (r * experts + 2 * r if sigmoid else 2 * r * experts)
-    per_token += r * experts if moe.moe_aux_loss_coeff else 0
-    per_token += (r + (r * experts if sigmoid else 0)) if moe.moe_z_loss_coeff else 0  # sigmoid: the logits too
-    copied = other or sigmoid or moe.moe_router_topk_scaling_factor is not None
-    per_assignment = 8 + r + (e if copied else 0) + 2 * 8 + e * (h + 2 * halves * ffn + h)
-    router_copy = r * experts * h if other else 0
-    return tokens * per_token + k * tokens * per_assignment + router_copy
+
+@lru_cache(maxsize=65536)
+def stage_counts(
+    model: ModelConfig,
+    tp: int,
+    pp: int,
+    ep: int = 1,
+    etp: int = 1,
+    layer_split: tuple[int, ...] | None = None,
+    divisible_by: int = 128,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per pipeline stage, one rank's ``(parameters in the dense gradient buffer, routed experts in
+    their own buffer)``: :func:`~ptdp.planner.memory.params.stage_param_counts` with each MoE layer's
+    MLP counted as :func:`moe_layer_param_counts` (the experts in the dense buffer at ep = etp = 1,
+    as ``ptdp train`` keeps them), and the multi-token-prediction modules on the last stage. The
+    layers of a stage are its contiguous share of ``layer_split`` (None: even); with interleaving a
+    stage's MoE layers may differ where dense layers sit beyond the first model chunk."""
+    dense = stage_param_counts(model, tp, pp, make_vocab_size_divisible_by=divisible_by, layer_split=layer_split)
+    moe = moe_of(model)
+    if moe is None and not (isinstance(model, MoEModel) and model.mtp_layers):
+        return tuple(dense), (0,) * pp
+    own = [0] * pp
+    folded = ep * etp == 1
+    for stage in range(pp):
+        if moe is not None:
+            ids = list(stage_layer_ids(model.num_layers, pp, stage, layer_split))
+            change, experts = stage_moe_params(model, moe, ids, tp, ep, etp)
+            dense[stage] += change + (experts if folded else 0)
+            own[stage] = 0 if folded else experts
+    if isinstance(model, MoEModel) and model.mtp_layers:
+        rest, experts = mtp_param_counts(model, tp, ep, etp)
+        dense[-1] += rest + (experts if folded else 0)
+        own[-1] += 0 if folded else experts
+    return tuple(dense), tuple(own)
 
 
 def stage_moe_split(config: Config, stage: int) -> tuple[int, int]:

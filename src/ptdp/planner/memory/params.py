@@ -16,6 +16,7 @@ from ptdp.layout.buckets import chunk_by_chunk, chunk_rounds
 from ptdp.layout.pipeline.partition import stage_layer_counts
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate
+from ptdp.planner.inputs.moe_model import MoEModel
 from ptdp.planner.memory.chunk_params import stage_chunks
 from ptdp.planner.memory.strategies import DEFAULT_BUCKET_ELEMENTS, stage_state_bytes
 from ptdp.planner.memory.transients import rank_transients
@@ -29,7 +30,9 @@ def layer_param_count(model: ModelConfig, tp: int) -> int:
     fc1 ``[ffn/tp, h]`` + bias, fc2 ``[h, ffn/tp]`` + bias ``[h]``. Llama-style: 2 RMSNorm weights (2h),
     QKV ``[(a + 2 kv) d / tp, h]``, proj ``[h, a d / tp]``, SwiGLU ``3 * [ffn/tp, h]``, no biases
     (``d``: ``kv_channels``, else h / a). ``qk_layernorm``: 2 norms of d (replicated). Mixed models
-    add each part on its own; a bias is as wide as its layer's output on this rank.
+    add each part on its own; a bias is as wide as its layer's output on this rank. A planned model
+    with multi-head latent attention counts it (:class:`~ptdp.planner.inputs.moe_model.MLA`) instead
+    of QKV and the projection. A dense layer: MoE layers are :mod:`ptdp.planner.memory.moe_params`'.
     """
     h, a, d = model.hidden_size, model.num_attention_heads, model.head_dim
     q, kv, ffn = a * d, model.kv_heads * d, model.ffn
@@ -39,6 +42,9 @@ def layer_param_count(model: ModelConfig, tp: int) -> int:
     norms = per_norm * (2 * h + (2 * d if model.qk_layernorm else 0))
     widths = {"qkv": (q + 2 * kv) // tp, "proj": h, "fc1": (mats - 1) * ffn // tp, "fc2": h}
     biases = sum(widths[name] for name in model.linears_with_bias)
+    mla = model.mla if isinstance(model, MoEModel) else None
+    if mla is not None:  # multi-head latent attention in place of QKV and the projection
+        weights += mla.param_count(h, a, tp) - ((q + 2 * kv) * h // tp + q * h // tp)
     return weights + biases + norms
 
 

@@ -11,16 +11,21 @@ from ptdp.config.model import ModelConfig
 from ptdp.errors import Violation
 from ptdp.planner.candidate import Plan
 from ptdp.planner.inputs.hardware import Cluster, GiB
+from ptdp.planner.inputs.moe_model import moe_of
 from ptdp.planner.search.layouts import SearchResult
 from ptdp.planner.splits import describe_split, split_report_lines
 
 _MEM = ("params", "grads", "optimizer", "activations", "overhead")
 _TIME = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
+#: the time parts of a mixture-of-experts model's plans: the exchanges and the expert-data-parallel reduction too
+_MOE_TIME = (*_TIME[:5], "ep_comm", *_TIME[5:7], "edp_comm", _TIME[7])
 
 
-def _layout_cells(plan: Plan) -> list[str]:
+def _layout_cells(plan: Plan, moe: bool = False) -> list[str]:
     lay = plan.layout
+    experts = [str(lay.ep), str(lay.etp)] if moe else []
     return [
+        *experts,
         str(lay.tp),
         str(lay.cp),
         str(lay.pp),
@@ -42,11 +47,11 @@ def _optional(value: float | None, show: Callable[[float], str]) -> str:
     return "-" if value is None else show(value)
 
 
-def _row(plan: Plan, rank: int, capacity: float) -> list[str]:
+def _row(plan: Plan, rank: int, capacity: float, moe: bool = False) -> list[str]:
     mem, t = plan.need_memory(), plan.need_time()
-    cells = [str(rank)] + _layout_cells(plan)
+    cells = [str(rank)] + _layout_cells(plan, moe)
     cells += [_num(getattr(mem, k) / GiB) for k in _MEM] + [f"{_num(mem.total / GiB)}/{_num(capacity / GiB)}"]
-    cells += [_num(getattr(t, k)) for k in _TIME] + [_num(t.step)]
+    cells += [_num(getattr(t, k)) for k in (_MOE_TIME if moe else _TIME)] + [_num(t.step)]
     cells += [_optional(plan.tflops_per_gpu, _num), _optional(plan.mfu, lambda mfu: f"{100 * mfu:.1f}%")]
     return cells
 
@@ -56,6 +61,11 @@ HEADER = (
     + ["params", "grads", "optim", "activ", "overh", "total/cap GiB"]
     + ["compute", "recomp", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_comm", "optim", "step s"]
     + ["TFLOP/s", "MFU"]
+)
+MOE_HEADER = (
+    ["#", "ep", "etp", *HEADER[1:16]]
+    + ["compute", "recomp", "tp_comm", "cp_comm", "pp_comm", "ep_comm", "bubble", "dp_comm", "edp_comm", "optim"]
+    + HEADER[-3:]
 )
 
 
@@ -83,9 +93,17 @@ def text_report(
     """Ranked table of the ``top`` fitting layouts, the ``explanation`` lines of the pick
     (:mod:`ptdp.planner.report.explain`) and a summary of why the others were rejected."""
     gpu = cluster.gpu
+    moe = moe_of(model)
+    experts = (
+        f" E={moe.num_experts} k={moe.moe_router_topk} F={moe.expert_ffn(model.ffn)}"
+        + (f" shared={moe.shared_ffn}" if moe.shared_ffn else "")
+        + f" ({len(model.moe_layer_ids)} MoE layers)"  # type: ignore[attr-defined]
+        if moe is not None
+        else ""
+    )
     lines = [
         f"model {name}: l={model.num_layers} h={model.hidden_size} a={model.num_attention_heads} "
-        f"kv={model.kv_heads} ffn={model.ffn} V={model.vocab_size} s={model.seq_length}, "
+        f"kv={model.kv_heads} ffn={model.ffn}{experts} V={model.vocab_size} s={model.seq_length}, "
         f"{'flash' if model.flash_attention else 'unfused'} attention"
         f"{' (keys and values repeated to every head)' if model.kv_repeated else ''}"
         f"{', FP8 GEMMs' if any(p.layout.precision == 'fp8' for p in _first_plans(result)) else ''}; "
@@ -98,8 +116,8 @@ def text_report(
         "",
     ]
     if result.plans:
-        rows = [_row(p, i + 1, gpu.memory_bytes) for i, p in enumerate(result.plans[:top])]
-        lines.append(_table(rows, HEADER))
+        rows = [_row(p, i + 1, gpu.memory_bytes, moe is not None) for i, p in enumerate(result.plans[:top])]
+        lines.append(_table(rows, HEADER if moe is None else MOE_HEADER))
         best = result.plans[0]
         lines += [
             "",
@@ -119,8 +137,9 @@ def text_report(
 
 def _describe(plan: Plan) -> str:
     lay = plan.layout
+    experts = f" ep={lay.ep}" + (f" etp={lay.etp}" if lay.etp > 1 else "") if lay.ep * lay.etp > 1 else ""
     return (
-        f"tp={lay.tp}{f' cp={lay.cp}' if lay.cp > 1 else ''} pp={lay.pp} dp={lay.dp} b={lay.micro_batch_size} "
+        f"tp={lay.tp}{f' cp={lay.cp}' if lay.cp > 1 else ''} pp={lay.pp} dp={lay.dp}{experts} b={lay.micro_batch_size} "
         f"v={lay.virtual_stages} recompute={lay.recompute} sp={'on' if lay.parallel.sequence_parallel else 'off'} "
         f"sharding={lay.sharding_strategy}"
         + (

@@ -12,6 +12,7 @@ kept as rejected plans with their reasons.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from ptdp.config.fields import SHARDING_STRATEGIES
@@ -22,6 +23,7 @@ from ptdp.errors import ConfigError, Violation
 from ptdp.layout.pipeline.partition import accounted_split, first_last_split
 from ptdp.planner.candidate import RECOMPUTE, Candidate, Plan
 from ptdp.planner.inputs.hardware import Cluster
+from ptdp.planner.inputs.moe_model import moe_of
 from ptdp.planner.search.predict import predict_strategies
 from ptdp.planner.search.rules import context_rejections, structural_rejections
 from ptdp.planner.splits import ACCOUNTING, candidate_splits, interleaved_splits
@@ -81,6 +83,9 @@ class Fixed:
     exp_avg_dtype: str | None = None
     exp_avg_sq_dtype: str | None = None
     """The optimizer state's dtypes with ``--use-precision-aware-optimizer`` (planner only)."""
+    expert_model_parallel_size: int | None = None
+    expert_tensor_parallel_size: int | None = None
+    moe_token_dispatcher_type: str | None = None
 
     @property
     def optimizer_dtypes(self) -> tuple[str, str, str]:
@@ -258,6 +263,23 @@ def _fixed_split(num_layers: int, pp: int, fixed: Fixed) -> tuple[tuple[int, ...
         return None, False, (Violation("layers % pp", str(e)),)
 
 
+def expert_grids(model: ModelConfig, tp: int, cp: int, dp: int, fixed: Fixed) -> list[tuple[int, int]]:
+    """The (ep, etp) pairs searched for a layout of ``tp x cp x dp`` ranks per stage: those fixed,
+    else for an MoE model every ep dividing the experts and etp 1 or tp, with ``ep etp`` dividing
+    ``tp cp dp`` (the expert grid folds over the same ranks); (1, 1) for a dense model unless fixed
+    (then refused by the rules)."""
+    moe = moe_of(model)
+    if moe is None:
+        return [(fixed.expert_model_parallel_size or 1, fixed.expert_tensor_parallel_size or 1)]
+    per_stage = tp * cp * dp
+    etps = _options(fixed.expert_tensor_parallel_size, sorted({1, tp}))
+    eps = _options(fixed.expert_model_parallel_size, divisors(moe.num_experts or 1))
+    pairs = [(ep, etp) for etp in etps for ep in eps if per_stage % (ep * etp) == 0]
+    if not pairs:  # nothing divides: the first fixed or searched pair, refused by the rules
+        return [(eps[0], etps[0])]
+    return pairs
+
+
 def _micro_batches(big_b: int, dp: int, fixed: int | None) -> list[int]:
     if fixed is not None:
         return [fixed]
@@ -339,12 +361,12 @@ def _search_layout(
         result.note_uneven(model.num_layers, pp)
     # with a flash kernel selective recompute keeps and costs what "none" does: not searched
     searched = [r for r in RECOMPUTE if not (r == "selective" and model.flash_attention)]
-    for v, v_split in pairs:
+    for (v, v_split), (ep, etp) in itertools.product(pairs, expert_grids(model, tp, cp, dp, fixed)):
         for recompute in _options(fixed.recompute_granularity, searched):
             # sequence parallelism needs tp > 1 and sharding dp * cp > 1: off otherwise
             for sp in _options(fixed.sequence_parallel, [False, True]) if tp > 1 else [False]:
 
-                def make(sharding, v=v, recompute=recompute, sp=sp, v_split=v_split):
+                def make(sharding, v=v, recompute=recompute, sp=sp, v_split=v_split, ep=ep, etp=etp):
                     return Candidate.of(
                         tp,
                         pp,
@@ -366,6 +388,9 @@ def _search_layout(
                         fp8_param_gather=bool(fixed.fp8_param_gather),
                         recompute_modules=tuple(fixed.recompute_modules or ()),
                         optimizer_dtypes=fixed.optimizer_dtypes,
+                        ep=ep,
+                        etp=etp,
+                        dispatcher=fixed.moe_token_dispatcher_type or "alltoall",
                     )
 
                 plans, rejected = predict_strategies(

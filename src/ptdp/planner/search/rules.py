@@ -10,15 +10,18 @@ import functools
 
 from ptdp.config.fields import CP_COMM_TYPES, SHARDING_STRATEGIES
 from ptdp.config.model import ModelConfig
+from ptdp.config.moe import MoEConfig
 from ptdp.config.rules.axes import (
     context_parallel_model_violations,
     context_parallel_violations,
     sequence_parallel_violations,
 )
 from ptdp.config.rules.layout import layout_violations, schedule_violations
+from ptdp.config.rules.moe import moe_violations
 from ptdp.errors import Violation
 from ptdp.planner.candidate import OP_SAC, PRECISIONS, RECOMPUTE, Candidate
 from ptdp.planner.inputs.hardware import Cluster
+from ptdp.planner.inputs.moe_model import MoEModel
 
 
 @functools.lru_cache(maxsize=65536)
@@ -100,6 +103,31 @@ def schedule_rejections(model: ModelConfig, layout: Candidate) -> list[Violation
     return out
 
 
+@functools.lru_cache(maxsize=65536)
+def expert_rejections(
+    model: ModelConfig, tp: int, pp: int, world: int, ep: int, etp: int, sequence_parallel: bool, dispatcher: str
+) -> tuple[Violation, ...]:
+    """The mixture-of-experts rules of ``ptdp train`` (:func:`ptdp.config.rules.moe.moe_violations`:
+    ``E % ep``, the expert grid ``etp x ep x pp`` dividing the world, ``F % etp``, sequence
+    parallelism with tp > 1, ...) on the layout's ep and etp; a dense model refuses ep or etp > 1."""
+    moe = model.moe if isinstance(model, MoEModel) else MoEConfig()
+    return tuple(
+        Violation("experts", v.message)
+        for v in moe_violations(
+            moe,
+            num_layers=model.num_layers,
+            ffn=model.ffn,
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            etp=etp,
+            world_size=world,
+            sequence_parallel=sequence_parallel,
+            dispatcher=dispatcher,
+        )
+    )
+
+
 def all_rejections(model: ModelConfig, layout: Candidate, cluster: Cluster) -> list[Violation]:
     """Every rule ``layout`` breaks on ``cluster`` (memory excluded)."""
     out = []
@@ -127,4 +155,8 @@ def all_rejections(model: ModelConfig, layout: Candidate, cluster: Cluster) -> l
     )
     out += context_rejections(model, layout.tp, layout.cp)
     out += schedule_rejections(model, layout)
+    p = layout.parallel
+    out += expert_rejections(
+        model, layout.tp, layout.pp, layout.num_gpus, p.ep, p.etp, p.sequence_parallel, p.moe_token_dispatcher_type
+    )
     return out

@@ -48,6 +48,12 @@ class PerfConstants:
             ``context_parallel``: :func:`ptdp.planner.time.cp_exchange.torch_merge_times` added).
         arch_fits: ``(arch, gemm_peak_fraction, gemm_half_dim, hbm_efficiency)`` per GPU architecture;
             Hopper fitted on ``published_runs_h100.csv``, half_dim 128 (half a 256-wide tile).
+        moe_grouped_gemm_efficiency: speed of the experts' grouped GEMM over one GEMM of each group's
+            shape (launch and scheduling of many groups); fitted on ``published_moe_runs.csv``.
+        moe_exchange_efficiency: achieved fraction of the links' bandwidth by the MoE all-to-alls
+            (uneven, many small messages; NCCL's or DeepEP's); fitted on ``published_moe_runs.csv``.
+        moe_overlap: the MoE exchanges run behind another micro-batch's compute (Megatron-Core
+            ``--overlap-moe-expert-parallel-comm``; planner only).
     """
 
     gemm_peak_fraction: float = 0.77
@@ -69,6 +75,9 @@ class PerfConstants:
     pp_overlap: bool = False
     cp_implementation: str = "te"
     arch_fits: tuple[tuple[str, float, float, float], ...] = (("hopper", 0.58, 128.0, 0.85),)
+    moe_grouped_gemm_efficiency: float = 0.8
+    moe_exchange_efficiency: float = 0.6
+    moe_overlap: bool = False
 
     def __post_init__(self) -> None:  # a profile read from JSON holds lists
         object.__setattr__(self, "arch_fits", tuple(tuple(fit) for fit in self.arch_fits))

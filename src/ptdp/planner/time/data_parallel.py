@@ -112,6 +112,41 @@ def optimizer_time(n_params: int, layout: Candidate, elem: float, bandwidth: flo
     return n_params * per_param / (bandwidth * c.optimizer_efficiency)
 
 
+def expert_optimizer_time(n_experts: int, layout: Candidate, elem: float, bandwidth: float, c: PerfConstants) -> float:
+    """Seconds of the optimizer step over a rank's ``n_experts`` routed-expert parameters in their own
+    buffer (ep or etp > 1): their state sharded over the edp ranks with any sharding strategy (ZeRO-1),
+    as :func:`optimizer_time`."""
+    if not n_experts:
+        return 0.0
+    prec = layout.precision
+    strategy = "optim" if layout.sharding_strategy != "no_shard" else "no_shard"
+    per_param = optimizer_bytes_per_param(
+        OPT_BYTES_FULL[prec], OPT_BYTES_SHARDED[prec], strategy, layout.edp, weight_bytes=elem
+    )
+    return n_experts * per_param / (bandwidth * c.optimizer_efficiency)
+
+
+def edp_comm_time(layout: Candidate, n_experts: int, links: Links, c: PerfConstants, microbatch: float) -> float:
+    """Exposed seconds of the expert-data-parallel reduction of a rank's ``n_experts`` routed-expert
+    gradients over the ``edp`` ranks holding the same experts (every ``ep etp``-th rank of the
+    stage, ``gpus_per_node / (ep etp)`` of them in a node): an all-reduce, or with any sharding
+    strategy a reduce-scatter and the all-gather of the updated weights (ZeRO-1); at the end of the
+    step, hidden up to one micro-batch's compute (``microbatch``) with ``c.overlap_window``."""
+    edp = layout.edp
+    if not n_experts or edp <= 1:
+        return 0.0
+    per_node = max(1, links.gpus_per_node // (layout.ep * layout.etp))
+    grads = layout.grad_bytes * n_experts
+    if layout.sharding_strategy == "no_shard":
+        full = hierarchical_all_reduce_time(grads, edp, per_node, links)
+    else:
+        weights = (1.0 if layout.precision == "fp8" and layout.fp8_param_gather else 2.0) * n_experts
+        full = 0.5 * hierarchical_all_reduce_time(grads, edp, per_node, links)
+        full += 0.5 * hierarchical_all_reduce_time(weights, edp, per_node, links)
+    exposed = (1.0 - c.dp_overlap) * full
+    return max(0.0, exposed - microbatch) if c.overlap_window else exposed
+
+
 def optimizer_bytes_per_param(
     full: float, sharded: float, strategy: str, shard: int, *, grad_bytes: float = 8.0, weight_bytes: float = 2.0
 ) -> float:

@@ -17,6 +17,7 @@ from functools import lru_cache, partial
 
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
+from ptdp.planner.inputs.moe_model import MoEModel
 
 #: Bytes moved in the forward pass per element of the h-wide residual stream, per layer, by
 #: the memory-bound kernels of a Megatron-style layer (16-bit values, 1-byte dropout masks):
@@ -186,12 +187,28 @@ def model_flops_per_step(model: ModelConfig, global_batch_size: int, moe: MoECon
 
     For GPT this is exactly [K22] §6: ``72 B s l h^2 (1 + s/(6h) + V/(12 h l))``; for other
     shapes the same count from :func:`layer_gemms` at tp = 1 (V unpadded, as in the papers). With
-    ``moe`` an MoE layer's MLP counts what a token runs (:func:`moe_mlp_forward_flops`).
+    ``moe`` an MoE layer's MLP counts what a token runs (:func:`moe_mlp_forward_flops`). A planned
+    model (:class:`~ptdp.planner.inputs.moe_model.MoEModel`) counts its multi-head latent attention
+    (full ``s x s`` scores) and its multi-token-prediction modules (each an MoE layer, the ``[h, 2h]``
+    projection and the output layer once more).
     """
     per_sequence = model.num_layers * layer_forward_flops(model, 1, 1) + logits_forward_flops(model, 1, 1)
+    dense_mlp = sum(gemm_flops(*g) for g in layer_gemms(model, 1, 1)[4:])
+    moe_change = 0.0
     if moe is not None and moe.enabled:
-        dense_mlp = sum(gemm_flops(*g) for g in layer_gemms(model, 1, 1)[4:])
-        per_sequence += sum(moe.moe_layers(model.num_layers)) * (moe_mlp_forward_flops(model, moe, 1) - dense_mlp)
+        moe_change = moe_mlp_forward_flops(model, moe, 1) - dense_mlp
+        per_sequence += sum(moe.moe_layers(model.num_layers)) * moe_change
+    if isinstance(model, MoEModel):
+        attention = 0.0
+        if model.mla is not None:
+            dense_attention = sum(gemm_flops(*g) for g in layer_gemms(model, 1, 1)[:4])
+            mla = model.mla.forward_gemms(model.hidden_size, model.num_attention_heads, model.seq_length, 1, 1)
+            attention = sum(gemm_flops(*g) for g in mla) - dense_attention
+            per_sequence += model.num_layers * attention
+        if model.mtp_layers:
+            s, h = model.seq_length, model.hidden_size
+            layer = layer_forward_flops(model, 1, 1) + attention + moe_change
+            per_sequence += model.mtp_layers * (layer + gemm_flops(s, h, 2 * h) + logits_forward_flops(model, 1, 1))
     return 3.0 * global_batch_size * per_sequence
 
 
@@ -227,7 +244,14 @@ def hardware_flops_per_step(
         extra += attention_core_flops(model, 1, 1) if "core_attn" in kept and not model.flash_attention else 0.0
     elif recompute == "op":
         extra = _gemms_flops(model, op_sac_shares(model))
-    return model_flops_per_step(model, global_batch_size) + global_batch_size * model.num_layers * extra
+    moe = model.moe if isinstance(model, MoEModel) and model.moe.enabled else None
+    total = model_flops_per_step(model, global_batch_size, moe)
+    if isinstance(model, MoEModel) and recompute == "full":  # each layer's forward, its sub-layers' included
+        logits = logits_forward_flops(model, 1, 1) * (1 + model.mtp_layers)
+        return total + global_batch_size * (total / (3.0 * global_batch_size) - logits)
+    if moe is not None and recompute == "selective" and "moe" in modules:
+        extra += sum(moe.moe_layers(model.num_layers)) / model.num_layers * moe_mlp_forward_flops(model, moe, 1)
+    return total + global_batch_size * model.num_layers * extra
 
 
 def gemm_efficiency(m: int, n: int, k: int, *, peak_fraction: float, half_dim: float) -> float:

@@ -19,9 +19,10 @@ from ptdp.planner.time import flops
 from ptdp.planner.time.collectives import Links, hierarchical_all_reduce_time, pp_transfer_time, tp_layer_comm_times
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants, links_for
 from ptdp.planner.time.cp_exchange import block_attention_times, kv_exchange_times, layer_times, torch_merge_times
+from ptdp.planner.time.moe_time import sublayer_times
 
 Parts = tuple[float, ...]
-"""Per-microbatch seconds of a stage by part: (compute, recompute, tp_comm, cp_comm)."""
+"""Per-microbatch seconds of a stage by part: (compute, recompute, tp_comm, cp_comm, ep_comm)."""
 
 
 def rank_layer_times(
@@ -85,8 +86,9 @@ def stage_microbatch_times(
     layers: int,
     fp8_peak: float = 0.0,
 ) -> tuple[Parts, Parts, Parts]:
-    """(compute, recompute, tp_comm, cp_comm) seconds of one microbatch on (middle, first, last)
-    stages of one cp rank (:func:`rank_layer_times`; tp transfers and logits of ``s / cp`` tokens,
+    """(compute, recompute, tp_comm, cp_comm, ep_comm) seconds of one microbatch on (middle, first, last)
+    stages of one cp rank (a planned MoE / MLA model's layers changed by
+    :func:`ptdp.planner.time.moe_time.sublayer_times`, ep_comm its exposed exchanges) (:func:`rank_layer_times`; tp transfers and logits of ``s / cp`` tokens,
     key/value exchange :func:`ptdp.planner.time.cp_exchange.kv_exchange_times` and, with
     ``c.cp_implementation`` torch, :func:`ptdp.planner.time.cp_exchange.torch_merge_times`, again in a
     full recompute);
@@ -94,6 +96,32 @@ def stage_microbatch_times(
     local = local_model(model, layout.cp) if layout.cp > 1 else model
     tp, b, s, h = layout.tp, layout.micro_batch_size, local.seq_length, model.hidden_size
     fwd, bwd, core, block, block_bwd = rank_layer_times(model, layout, peak, bandwidth, c, fp8_peak)
+    full = layout.recompute == "full"
+    sub = sublayer_times(
+        model,
+        tp,
+        layout.cp,
+        layout.ep,
+        layout.etp,
+        b,
+        layout.parallel.sequence_parallel,
+        layout.parallel.moe_token_dispatcher_type,
+        layout.modules,
+        full,
+        peak,
+        bandwidth,
+        c.gemm_peak_fraction,
+        c.gemm_half_dim,
+        c.moe_grouped_gemm_efficiency,
+        c.moe_exchange_efficiency,
+        links,
+        elem,
+        fp8_peak,
+    )
+    fwd, bwd = fwd + sub.forward, bwd + sub.backward
+    exchange = sub.exchange + sub.exchange_again
+    if c.moe_overlap:  # the exchanges behind another micro-batch's compute of the layer
+        exchange = max(0.0, exchange - (fwd + bwd))
     tp_f, tp_b = tp_layer_comm_times(
         b * s, h, tp, sequence_parallel=layout.parallel.sequence_parallel, links=links, bytes_per_element=elem
     )
@@ -106,6 +134,7 @@ def stage_microbatch_times(
         cp_f, cp_b = cp_f + merge_f, cp_b + merge_b
     rec = {"full": fwd, "selective": core if "core_attn" in layout.modules else 0.0}.get(layout.recompute, 0.0)
     if layout.recompute == "selective":
+        rec += sub.recompute
         rec += flops.module_recompute_time(
             local,
             tp,
@@ -128,7 +157,6 @@ def stage_microbatch_times(
             c.gemm_peak_fraction,
             c.gemm_half_dim,
         )
-    full = layout.recompute == "full"
     rec_comm, rec_cp = (tp_again, cp_f) if full else (0.0, 0.0)
     if "mlp" in layout.modules:  # the MLP's all-gather / reduce-scatter (or all-reduce) again
         rec_comm = tp_again / 2
@@ -137,13 +165,14 @@ def stage_microbatch_times(
         layers * rec,
         layers * (tp_f + tp_b + rec_comm),
         layers * (cp_f + cp_b + rec_cp),
+        layers * exchange,
     )
     one_ar = hierarchical_all_reduce_time(elem * b * s * h, tp, links.gpus_per_node, links)
     logits = flops.logits_compute_time(local, tp, b, v_pad, peak, bandwidth, c.gemm_peak_fraction, c.gemm_half_dim)
-    first = (mid[0], mid[1], mid[2] + one_ar, mid[3])
-    last = (mid[0] + logits + c.head_overhead, mid[1], mid[2] + one_ar, mid[3])
+    first = (mid[0], mid[1], mid[2] + one_ar, *mid[3:])
+    last = (mid[0] + logits + c.head_overhead, mid[1], mid[2] + one_ar, *mid[3:])
     if layout.pp == 1:
-        last = (last[0], last[1], last[2] + one_ar, last[3])
+        last = (last[0], last[1], last[2] + one_ar, *last[3:])
     return mid, first, last
 
 

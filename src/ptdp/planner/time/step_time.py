@@ -17,12 +17,16 @@ from ptdp.config.model import ModelConfig
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate, TimeBreakdown
 from ptdp.planner.inputs.hardware import Cluster
+from ptdp.planner.inputs.moe_model import MoEModel, moe_of
+from ptdp.planner.memory.moe_params import stage_counts
 from ptdp.planner.memory.params import even_stage_params, stage_param_counts
 from ptdp.planner.time import flops
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants, links_for
 from ptdp.planner.time.data_parallel import (
     dp_comm_time,
+    edp_comm_time,
     embedding_sync_dp_time,
+    expert_optimizer_time,
     optimizer_time,
 )
 from ptdp.planner.time.stages import (
@@ -88,19 +92,25 @@ def core_shared_step(busy: list[float], pp: int, workers: int, cores: int) -> fl
 
 def _stage_extent(
     model: ModelConfig, layout: Candidate, split: tuple[int, ...] | None, divisible_by: int
-) -> tuple[tuple[int, ...], int, int]:
+) -> tuple[tuple[int, ...], int, int, int]:
     """(parameters on one tp rank of the first stage and of the other stage holding the most,
-    layers the per-microbatch times are built from, layers of the stage with the most): an even
-    split's stages hold ``l / pp`` layers each; an uneven ``split``'s times are built from one
-    layer and the edges (:func:`ptdp.planner.time.stages.split_stage_times`)."""
+    layers the per-microbatch times are built from, layers of the stage with the most, routed
+    experts in their own buffer on the stage holding the most): an even split's stages hold
+    ``l / pp`` layers each; an uneven ``split``'s times are built from one layer and the edges
+    (:func:`ptdp.planner.time.stages.split_stage_times`)."""
+    if isinstance(model, MoEModel):
+        dense, own = stage_counts(model, layout.tp, layout.pp, layout.ep, layout.etp, split, divisible_by)
+        layers = model.num_layers // layout.pp if split is None else 1
+        most = model.num_layers // layout.pp if split is None else max(split)
+        return (dense[0], max(dense[1:], default=dense[0]))[: min(layout.pp, 2)], layers, most, max(own)
     if split is None:
         first_params, last_params, _ = even_stage_params(model, layout.tp, layout.pp, divisible_by)
         layers = model.num_layers // layout.pp
-        return (first_params, last_params)[: min(layout.pp, 2)], layers, layers
+        return (first_params, last_params)[: min(layout.pp, 2)], layers, layers, 0
     counts = stage_param_counts(
         model, layout.tp, layout.pp, make_vocab_size_divisible_by=divisible_by, layer_split=split
     )
-    return (counts[0], max(counts[1:])), 1, max(split)
+    return (counts[0], max(counts[1:])), 1, max(split), 0
 
 
 def _with_core_sharing(
@@ -146,7 +156,9 @@ def evaluate_performance(
     layer_split = layer_split if layer_split is not None else layout.layer_split
     v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, layout.tp)
     split = layer_split if layer_split is not None and len(layer_split) > 1 else None  # None: an even split
-    stage_params, layers, stage_layers = _stage_extent(model, layout, split, make_vocab_size_divisible_by)
+    stage_params, layers, stage_layers, expert_params = _stage_extent(
+        model, layout, split, make_vocab_size_divisible_by
+    )
     n_params = max(stage_params)
     mid, first, last = stage_microbatch_times(model, layout, peak, bandwidth, links, c, v_pad, elem, layers, fp8_peak)
     busiest = last if sum(last) >= sum(first) else first
@@ -169,12 +181,15 @@ def evaluate_performance(
         pp_comm=m * exposed_p2p(p2p, busiest, v, c),
         bubble=bubble,
         dp_comm=exposed_dp,
-        optimizer=optimizer_time(n_params, layout, elem, bandwidth, c),
+        optimizer=optimizer_time(n_params, layout, elem, bandwidth, c)
+        + expert_optimizer_time(expert_params, layout, elem, bandwidth, c),
         cp_comm=m * busiest[3],
+        ep_comm=m * busiest[4],
+        edp_comm=edp_comm_time(layout, expert_params, links, c, busiest[0]),
     )
     time = _with_core_sharing(time, (first, mid, last), p2p, m, layout, cluster)
     step, gpus = time.step, layout.num_gpus
-    model_flops = flops.model_flops_per_step(model, layout.global_batch_size)
+    model_flops = flops.model_flops_per_step(model, layout.global_batch_size, moe_of(model))
     hw_flops = flops.hardware_flops_per_step(model, layout.global_batch_size, layout.recompute, layout.modules)
     return Performance(
         time=time,

@@ -1,0 +1,138 @@
+"""The planner's mixture-of-experts model: a :class:`~ptdp.config.model.ModelConfig` (attention,
+norms, the dense layers' MLP, embeddings) with its :class:`~ptdp.config.moe.MoEConfig` (which layers
+are MoE, the experts, routing), and what ``ptdp plan`` plans that ``ptdp train`` does not build yet:
+multi-head latent attention (:class:`MLA`, DeepSeek-V2/V3) and multi-token-prediction layers.
+
+MLA (DeepSeek-V2, arXiv:2405.04434, §2.1; V3, arXiv:2412.19437, §2.1), per layer: queries through a
+rank-``q_lora`` down projection ``[q_lora, h]``, its RMSNorm and an up projection ``[a (dn + dr),
+q_lora]`` (or one ``[a (dn + dr), h]`` without ``q_lora``); keys and values through one down projection
+``[kv_lora + dr, h]`` (the latent and a rotary key shared by the heads), its RMSNorm and an up
+projection ``[a (dn + dv), kv_lora]``; the output ``[h, a dv]``. Attention scores use ``dn + dr``
+channels per head, the context ``dv``. Over tp (Megatron-Core's split): the down projections and
+their norms replicated, the up projections by heads, the output by rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ptdp.config.model import ModelConfig
+from ptdp.config.moe import MoEConfig
+
+
+@dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention's widths (module docstring); ``q_lora_rank`` None: queries
+    projected directly."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Channels of a query or key head: ``dn + dr``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def weight_shapes(self, hidden: int, heads: int, tp: int = 1) -> dict[str, tuple[int, int]]:
+        """The attention's weight matrices on one of ``tp`` ranks, ``[out, in]`` by name."""
+        a, q = heads // tp, self.qk_head_dim
+        shapes: dict[str, tuple[int, int]] = {}
+        if self.q_lora_rank:
+            shapes["q_down"] = (self.q_lora_rank, hidden)
+            shapes["q_up"] = (a * q, self.q_lora_rank)
+        else:
+            shapes["q"] = (a * q, hidden)
+        shapes["kv_down"] = (self.kv_lora_rank + self.qk_rope_head_dim, hidden)
+        shapes["kv_up"] = (a * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
+        shapes["out"] = (hidden, a * self.v_head_dim)
+        return shapes
+
+    def param_count(self, hidden: int, heads: int, tp: int = 1) -> int:
+        """The attention's parameters on one of ``tp`` ranks: its weights and the two latent
+        RMSNorms (replicated; the layer's own norms are not counted here)."""
+        weights = sum(o * i for o, i in self.weight_shapes(hidden, heads, tp).values())
+        return weights + (self.q_lora_rank or 0) + self.kv_lora_rank
+
+    def forward_gemms(self, hidden: int, heads: int, seq: int, tp: int, micro_batch_size: int):
+        """Forward GEMMs ``(M, N, K, batch)`` on one tp rank for one micro-batch: the weight GEMMs
+        of :meth:`weight_shapes` over ``T = b s`` tokens, then scores ``(s, s, dn + dr)`` and context
+        ``(s, dv, s)`` for each of the ``b a / tp`` heads."""
+        tokens, heads_here = micro_batch_size * seq, micro_batch_size * heads // tp
+        gemms = [(tokens, o, i, 1) for o, i in self.weight_shapes(hidden, heads, tp).values()]
+        gemms.append((seq, seq, self.qk_head_dim, heads_here))
+        gemms.append((seq, self.v_head_dim, seq, heads_here))
+        return tuple(gemms)
+
+    def saved_widths(self, hidden: int, heads: int, tp: int = 1) -> int:
+        """Elements per token MLA keeps for backward beyond the layer's input norm on one tp rank:
+        the inputs of the up projections and their norms (the latents, twice each), the query, key
+        and value heads given to the attention kernel, its output, and the rotary key."""
+        a = heads // tp
+        latents = 2 * ((self.q_lora_rank or 0) + self.kv_lora_rank) + self.qk_rope_head_dim
+        return latents + a * (2 * self.qk_head_dim + 2 * self.v_head_dim)
+
+
+@dataclass(frozen=True)
+class MoEModel(ModelConfig):
+    """A model with mixture-of-experts layers as the planner plans it: the dense fields of
+    :class:`~ptdp.config.model.ModelConfig` (``ffn_hidden_size``: the dense layers' MLP), ``moe``,
+    and the plan-only ``mla`` (None: the attention of ``ModelConfig``) and ``mtp_layers``
+    (multi-token prediction modules trained beside the model, DeepSeek-V3 §2.2: each an MoE layer,
+    a ``[h, 2h]`` projection, two norms and the output layer once more), and ``load_imbalance``
+    ``rho >= 1``: the tokens the busiest expert rank receives over the mean (``--moe-load-imbalance``;
+    1.0, balanced, as NVIDIA's published runs force it)."""
+
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    mla: MLA | None = None
+    mtp_layers: int = 0
+    load_imbalance: float = 1.0
+
+    @property
+    def expert_load(self) -> float:
+        """Rows the busiest expert rank receives over the balanced share: ``rho``, at most the
+        capacity factor when one is given, exactly it with inputs padded to the capacity."""
+        cf = self.moe.moe_expert_capacity_factor
+        if cf is None:
+            return self.load_imbalance
+        return cf if self.moe.moe_pad_expert_input_to_capacity else min(self.load_imbalance, cf)
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """The MoE layers' indices."""
+        return tuple(i for i, is_moe in enumerate(self.moe.moe_layers(self.num_layers)) if is_moe)
+
+    @property
+    def plan_only(self) -> tuple[str, ...]:
+        """What ``ptdp train`` does not build of this model."""
+        return tuple(
+            name
+            for name, used in (
+                ("multi-head latent attention", self.mla is not None),
+                ("multi-token prediction", self.mtp_layers > 0),
+            )
+            if used
+        )
+
+
+def moe_of(model: ModelConfig) -> MoEConfig | None:
+    """The model's MoE options, None for a dense model."""
+    return model.moe if isinstance(model, MoEModel) and model.moe.enabled else None
+
+
+def with_moe(model: ModelConfig, moe: MoEConfig | None, **plan_only) -> ModelConfig:
+    """``model`` with ``moe`` (a :class:`MoEModel`), or its dense fields alone when ``moe`` is None
+    or disabled and nothing plan-only is given."""
+    fields = {f: getattr(model, f) for f in ModelConfig.__dataclass_fields__}
+    if (moe is None or not moe.enabled) and not any(plan_only.values()):
+        return ModelConfig(**fields)
+    return MoEModel(**fields, moe=moe or MoEConfig(), **plan_only)
+
+
+def dense_of(model: ModelConfig) -> ModelConfig:
+    """The dense fields of ``model`` (itself when dense)."""
+    if not isinstance(model, MoEModel):
+        return model
+    return ModelConfig(**{f: getattr(model, f) for f in ModelConfig.__dataclass_fields__})
