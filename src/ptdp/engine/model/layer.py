@@ -20,6 +20,7 @@ from ptdp.engine.comm import AxisGroup
 from ptdp.engine.groups import ExpertGroups
 from ptdp.engine.model.attention import Attention, KVCache
 from ptdp.engine.model.norms import make_norm
+from ptdp.engine.model.swiglu import swiglu
 from ptdp.engine.moe.layer import MoELayer
 from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ptdp.engine.tensor_parallel.random import Dropout, DropoutRNG
@@ -48,8 +49,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc1(x)
         if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            return self.fc2(F.silu(gate) * up)
+            return self.fc2(swiglu(y))
         return self.fc2(F.gelu(y, approximate=self.approximate))
 
 

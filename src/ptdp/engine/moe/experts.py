@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ptdp.engine.model.swiglu import swiglu
 from ptdp.engine.tensor_parallel.sharding import GlobalParam, init_shard
 
 #: dtypes ``torch._grouped_mm`` takes (CPU and CUDA); others run the loop
@@ -183,8 +184,7 @@ class Experts(nn.Module):
         if rows is not None and self.fc1_bias is not None:
             y = y + self.fc1_bias[rows]
         if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
+            y = swiglu(y)
         else:
             y = F.gelu(y, approximate=self.approximate)
         out = expert_linear(y, self.fc2_weight, counts, splits, self.grouped)
