@@ -60,6 +60,9 @@ def keyword_namespace(
         option = next(o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-"))
         if action.nargs == 0:  # a switch
             _switch(parser, namespace, action, option, key, value)
+        elif action.nargs in ("+", "*"):  # one flag taking the values
+            items = list(value) if isinstance(value, (list, tuple)) else [value]
+            action(parser, namespace, [_checked(action, option, item) for item in items], option)
         elif isinstance(value, (list, tuple)) and action.type is None:  # a flag given once per value
             for item in value:
                 action(parser, namespace, _checked(action, option, item), option)
