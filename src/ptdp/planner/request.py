@@ -28,7 +28,7 @@ from ptdp.planner.inputs.models import (
     published_batch,
     token_budget_batch,
 )
-from ptdp.planner.inputs.moe_model import MoEModel, moe_of, with_moe
+from ptdp.planner.inputs.moe_model import MoEModel, moe_of, with_moe, with_mtp
 from ptdp.planner.inputs.plan_flags import plan_precision
 from ptdp.planner.memory.fp8 import check_fp8_param_gather, fp8_precision
 from ptdp.planner.report.explain import distance_from_best, explain_pick
@@ -41,7 +41,7 @@ from ptdp.planner.search.checks import (
     ineffective_flag_notes,
 )
 from ptdp.planner.search.layouts import Fixed, SearchResult, search
-from ptdp.planner.time.constants import DEFAULT_CONSTANTS
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants
 
 #: The model flags ``ptdp plan`` shares with ``ptdp train``: they change the preset's shape.
 _SHAPE_FLAGS = (
@@ -117,6 +117,12 @@ def with_moe_flags(model: ModelConfig, args: argparse.Namespace) -> tuple[ModelC
     )
     if broken:
         raise ConfigError("; ".join(v.message for v in broken))
+    mtp = getattr(args, "mtp_num_layers", None)
+    if mtp is not None:
+        if mtp < 0:
+            raise ConfigError(f"--mtp-num-layers {mtp} must be >= 0")
+        base = model if isinstance(model, MoEModel) else with_moe(model, MoEConfig(), mtp_layers=0)
+        model = with_mtp(base, mtp)  # type: ignore[arg-type]
     rho = getattr(args, "moe_load_imbalance", None)
     if rho is not None:
         if not isinstance(model, MoEModel) or not model.moe.enabled:
@@ -292,7 +298,7 @@ class PlanRequest:
     global_batch_size: int
     fixed: Fixed
     precision: str
-    constants: object
+    constants: PerfConstants
     overhead: float | None
     notes: list[str]
     global_batch_source: str = "--global-batch-size"
@@ -452,6 +458,13 @@ def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
     )
     if getattr(args, "overlap_moe_expert_parallel_comm", None):
         constants = dataclasses.replace(constants, moe_overlap=True)
+    flex = getattr(args, "moe_flex_dispatcher_backend", None)
+    if flex:
+        if getattr(args, "moe_token_dispatcher_type", None) == "allgather":
+            raise ConfigError(
+                f"--moe-flex-dispatcher-backend {flex} replaces the all-to-all, not --moe-token-dispatcher-type allgather"
+            )
+        constants = dataclasses.replace(constants, moe_flex_dispatcher=flex)
     torch_cp = getattr(args, "cp_implementation", None) == "torch"
     if torch_cp:
         constants = dataclasses.replace(constants, cp_implementation="torch")
@@ -470,6 +483,10 @@ def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
             (
                 "the MoE all-to-alls behind another micro-batch's compute (--overlap-moe-expert-parallel-comm)",
                 bool(getattr(args, "overlap_moe_expert_parallel_comm", None)),
+            ),
+            (
+                f"the {flex} token dispatcher (--moe-flex-dispatcher-backend)",
+                bool(flex),
             ),
         )
         if on

@@ -9,6 +9,7 @@ dropout, a flash kernel). ``ptdp plan --use-flash-attn / --no-use-flash-attn`` o
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 from typing import Any
 
@@ -177,17 +178,18 @@ def moe_model(dense: ModelConfig, moe: MoEConfig, **plan_only: Any) -> MoEModel:
 #: DeepSeek-V3 (arXiv:2412.19437 §2 and §4.2; deepseek-ai/DeepSeek-V3 config.json): 61 layers, the
 #: first 3 dense (MLP 18,432), 58 MoE of 256 routed experts (2,048 wide, top 8, sigmoid scores, 8
 #: groups of which 4 per token, scale 2.5) and one shared expert; MLA of 128 heads (q rank 1,536,
-#: kv rank 512, 128 + 64 query/key channels, 128 value channels); one multi-token-prediction module;
-#: vocabulary 129,280, untied. ``kv_channels`` 192 and 128 key/value heads give the attention kernel's
-#: shape; the projections are MLA's.
+#: kv rank 512, 128 + 64 query/key channels, 128 value channels); one multi-token-prediction module
+#: (the 62nd layer, :attr:`~ptdp.planner.inputs.moe_model.MoEModel.mtp_layers`); vocabulary 129,280,
+#: untied. ``kv_channels`` 192 and 128 key/value heads give the attention kernel's shape; the
+#: projections are MLA's.
 DEEPSEEK_V3 = moe_model(
-    llama(61, 7168, 128, 128, 18432, 129280, 4096, kv_channels=192),
+    llama(62, 7168, 128, 128, 18432, 129280, 4096, kv_channels=192),
     MoEConfig(
         num_experts=256,
         moe_router_topk=8,
         moe_ffn_hidden_size=2048,
         moe_shared_expert_intermediate_size=2048,
-        moe_layer_freq=(0,) * 3 + (1,) * 58,
+        moe_layer_freq=(0,) * 3 + (1,) * 59,
         moe_router_score_function="sigmoid",
         moe_router_topk_scaling_factor=2.5,
         moe_router_num_groups=8,
@@ -199,10 +201,12 @@ DEEPSEEK_V3 = moe_model(
 )
 
 #: Mixture-of-experts models by name, from the released Hugging Face configs (mistralai/Mixtral-8x7B-v0.1,
-#: Mixtral-8x22B-v0.1; Qwen/Qwen2-57B-A14B, Qwen3-30B-A3B, Qwen3-235B-A22B; openai/gpt-oss-120b;
-#: deepseek-ai/DeepSeek-V3), with the totals their model cards give: 46.7B parameters of which 12.9B
-#: active per token, 141B / 39B, 57B / 14B, 30.5B / 3.3B, 235B / 22B, 117B / 5.1B, 671B / 37B (and
-#: DeepSeek-V3's 14B MTP module). Not modelled: Qwen2-MoE's shared-expert gate (h weights per layer),
+#: Mixtral-8x22B-v0.1; Qwen/Qwen2-57B-A14B, Qwen3-30B-A3B, Qwen3-235B-A22B; openai/gpt-oss-120b,
+#: gpt-oss-20b; deepseek-ai/DeepSeek-V3; moonshotai/Kimi-K2-Base: DeepSeek-V3's shape with 64 heads,
+#: 384 experts and one dense layer), with the totals their model cards give: 46.7B parameters of
+#: which 12.9B active per token, 141B / 39B, 57B / 14B, 30.5B / 3.3B, 235B / 22B, 117B / 5.1B, 21B /
+#: 3.6B (gpt-oss's active counts leave the embedding out), 671B / 37B (and DeepSeek-V3's 14B MTP
+#: module), 1.04T / 32B. Not modelled: Qwen2-MoE's shared-expert gate (h weights per layer),
 #: gpt-oss's router bias, attention sinks and the sliding window of every other layer (planned as
 #: full attention).
 MOE_PRESETS: dict[str, MoEModel] = {
@@ -226,7 +230,23 @@ MOE_PRESETS: dict[str, MoEModel] = {
         llama(36, 2880, 64, 8, 2880, 201088, 4096, kv_channels=64, linear_biases=("qkv", "proj", "fc1", "fc2")),
         MoEConfig(num_experts=128, moe_router_topk=4),
     ),
+    "gpt-oss-20b": moe_model(
+        llama(24, 2880, 64, 8, 2880, 201088, 4096, kv_channels=64, linear_biases=("qkv", "proj", "fc1", "fc2")),
+        MoEConfig(num_experts=32, moe_router_topk=4),
+    ),
     "deepseek-v3": DEEPSEEK_V3,
+    "kimi-k2": moe_model(
+        llama(61, 7168, 64, 64, 18432, 163840, 4096, kv_channels=192),
+        dataclasses.replace(
+            DEEPSEEK_V3.moe,
+            num_experts=384,
+            moe_layer_freq=(0,) + (1,) * 60,
+            moe_router_num_groups=1,
+            moe_router_group_topk=1,
+            moe_router_topk_scaling_factor=2.827,
+        ),
+        mla=DEEPSEEK_V3.mla,
+    ),
 }
 
 

@@ -14,7 +14,7 @@ their norms replicated, the up projections by heads, the output by rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
@@ -79,9 +79,10 @@ class MLA:
 class MoEModel(ModelConfig):
     """A model with mixture-of-experts layers as the planner plans it: the dense fields of
     :class:`~ptdp.config.model.ModelConfig` (``ffn_hidden_size``: the dense layers' MLP), ``moe``,
-    and the plan-only ``mla`` (None: the attention of ``ModelConfig``) and ``mtp_layers``
-    (multi-token prediction modules trained beside the model, DeepSeek-V3 §2.2: each an MoE layer,
-    a ``[h, 2h]`` projection, two norms and the output layer once more), and ``load_imbalance``
+    and the plan-only ``mla`` (None: the attention of ``ModelConfig``) and ``mtp_layers``: the last
+    ``mtp_layers`` of the ``num_layers`` are multi-token-prediction modules (DeepSeek-V3 §2.2), each
+    planned as a layer (on the last pipeline stage, as Megatron-Core places it) plus a ``[h, 2h]``
+    projection, two norms and the output layer and loss once more; and ``load_imbalance``
     ``rho >= 1``: the tokens the busiest expert rank receives over the mean (``--moe-load-imbalance``;
     1.0, balanced, as NVIDIA's published runs force it)."""
 
@@ -98,6 +99,11 @@ class MoEModel(ModelConfig):
         if cf is None:
             return self.load_imbalance
         return cf if self.moe.moe_pad_expert_input_to_capacity else min(self.load_imbalance, cf)
+
+    @property
+    def main_layers(self) -> int:
+        """The model's own layers (``num_layers`` without the multi-token-prediction modules)."""
+        return self.num_layers - self.mtp_layers
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
@@ -117,6 +123,18 @@ class MoEModel(ModelConfig):
         )
 
 
+def with_mtp(model: MoEModel, n: int) -> MoEModel:
+    """``model`` with ``n`` multi-token-prediction modules after its main layers (each an MoE layer
+    when the model has MoE layers, else dense). Raises ValueError for ``n < 0``."""
+    if n < 0:
+        raise ValueError(f"mtp layers {n} must be >= 0")
+    main, moe = model.main_layers, model.moe
+    freq = moe.moe_layers(model.num_layers)[:main] if moe.enabled else ()
+    if moe.enabled:
+        moe = replace(moe, moe_layer_freq=tuple(int(x) for x in freq) + (1,) * n)
+    return replace(model, num_layers=main + n, mtp_layers=n, moe=moe)
+
+
 def moe_of(model: ModelConfig) -> MoEConfig | None:
     """The model's MoE options, None for a dense model."""
     return model.moe if isinstance(model, MoEModel) and model.moe.enabled else None
@@ -126,7 +144,7 @@ def with_moe(model: ModelConfig, moe: MoEConfig | None, **plan_only) -> ModelCon
     """``model`` with ``moe`` (a :class:`MoEModel`), or its dense fields alone when ``moe`` is None
     or disabled and nothing plan-only is given."""
     fields = {f: getattr(model, f) for f in ModelConfig.__dataclass_fields__}
-    if (moe is None or not moe.enabled) and not any(plan_only.values()):
+    if (moe is None or not moe.enabled) and not plan_only:
         return ModelConfig(**fields)
     return MoEModel(**fields, moe=moe or MoEConfig(), **plan_only)
 

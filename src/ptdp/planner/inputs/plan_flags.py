@@ -58,6 +58,15 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "DeepSeek-V3 model; --seq-length default: its max_position_embeddings",
     )
     g.add_argument(
+        "--mtp-num-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="multi-token-prediction modules trained beside the model (Megatron-Core's flag; planner "
+        "only; default: the preset's, deepseek-v3 1): each a layer on the last stage, a [h, 2h] "
+        "projection and the output layer and loss once more",
+    )
+    g.add_argument(
         "--moe-load-imbalance",
         type=float,
         default=None,
@@ -158,6 +167,14 @@ def _add_overlap_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="plan the MoE layers' all-to-alls behind another micro-batch's compute (Megatron-Core's "
         "flag, with --delay-wgrad-compute there); default: off, as ptdp train runs them in line",
+    )
+    g.add_argument(
+        "--moe-flex-dispatcher-backend",
+        choices=("deepep", "hybridep"),
+        default=None,
+        help="plan Megatron-Core's flex token dispatcher with this backend (planner only): each token "
+        "crosses the network once per other node holding one of its experts and fans out over NVLink "
+        "there; default: the plain all-to-all of --moe-token-dispatcher-type alltoall",
     )
     g.add_argument(
         "--cp-implementation",

@@ -121,7 +121,7 @@ def _sublayer_change(
     if moe is not None:
         routed = tokens // (tp if sequence_parallel else 1)
         layer = moe_mlp_activation_bytes(
-            model, moe, routed, precision_bytes=e, etp=etp, load=model.expert_load, modules=modules
+            model, moe, routed, precision_bytes=e, etp=etp, load=model.expert_load, modules=modules, gemm_bytes=g
         )
         layer += shared_expert_activation_bytes(model, moe, tokens, tp, precision_bytes=e, modules=modules)
         if "mlp" not in kept:

@@ -25,6 +25,7 @@ def moe_mlp_activation_bytes(
     etp: int = 1,
     load: float = 1.0,
     modules: tuple[str, ...] = (),
+    gemm_bytes: int | None = None,
 ) -> float:
     """Bytes an MoE layer's MLP keeps for backward (``ptdp train``'s MoE layer, one micro-batch) on a
     rank routing ``tokens``, dropless or within the capacity, ``A = k tokens`` assignments sent and
@@ -35,11 +36,12 @@ def moe_mlp_activation_bytes(
     balancing loss's counts, the z-loss's log-sum-exp (and with sigmoid scores the logits). Per
     assignment: its top-k index and weight (and a copy in the activation dtype when another or
     renormalised), the combined output ``h`` and the two int64 indices that place the rows. Per
-    received row: the expert's input (``etp h``: the etp peers' rows gathered), what its ``F``
-    columns keep (GELU: fc1's output and the activation's, ``2 F``; SwiGLU: gate and up, silu(gate)
-    and the product, ``4 F``). Per micro-batch: the router weight's copy in the router dtype when
-    the parameters are another. ``modules`` (Megatron-Core's ``--recompute-modules``): ``moe_act``
-    keeps fc1's output only, ``moe`` nothing (the layer runs again). The shared expert is
+    received row: the expert's input (``etp h``: the etp peers' rows gathered), fc1's output of its
+    ``F`` columns (the activation's input: ``F``, SwiGLU's gate and up ``2 F``) and fc2's input
+    (``F``). ``gemm_bytes`` (default ``precision_bytes``; 1 with FP8 GEMMs): bytes of a kept GEMM
+    input. Per micro-batch: the router weight's copy in the router dtype when the parameters are
+    another. ``modules`` (Megatron-Core's ``--recompute-modules``): ``moe_act`` drops fc2's input,
+    ``moe`` everything (the layer runs again). The shared expert is
     :func:`shared_expert_activation_bytes`.
     """
     if "moe" in modules:
@@ -54,8 +56,8 @@ def moe_mlp_activation_bytes(
     per_token += (r + (r * experts if sigmoid else 0)) if moe.moe_z_loss_coeff else 0  # sigmoid: the logits too
     copied = other or sigmoid or moe.moe_router_topk_scaling_factor is not None
     per_assignment = 8 + r + (e if copied else 0) + 2 * 8 + e * h
-    kept = halves * ffn if "moe_act" in modules else 2 * halves * ffn
-    per_row = e * (etp * h + kept)
+    g = precision_bytes if gemm_bytes is None else gemm_bytes
+    per_row = g * etp * h + e * halves * ffn + (0 if "moe_act" in modules else g * ffn)
     router_copy = r * experts * h if other else 0
     return tokens * per_token + k * tokens * (per_assignment + load * per_row) + router_copy
 

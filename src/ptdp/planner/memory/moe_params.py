@@ -62,7 +62,7 @@ def model_param_counts(model: ModelConfig, moe: MoEConfig) -> tuple[int, int]:
     outside = v_pad * h + (model.seq_length * h if model.has_position_table else 0)
     outside += (h if model.uses_rmsnorm else 2 * h) + (0 if model.tied else v_pad * h)
     dense_layer = layer_param_count(model, 1)
-    total = active = outside
+    total = active = outside + mtp_extra_params(model)
     expert = expert_param_count(model, moe) if moe.enabled else 0
     for is_moe in moe.moe_layers(model.num_layers):
         if not is_moe:
@@ -88,18 +88,13 @@ def stage_moe_params(
     return n * (rest - layer_param_count(model, tp)), n * experts
 
 
-def mtp_param_counts(model: MoEModel, tp: int = 1, ep: int = 1, etp: int = 1) -> tuple[int, int]:
-    """``(dense, experts)`` parameters of the multi-token-prediction modules on one rank of the last
-    stage: each an MoE layer (or a dense one), the ``[h, 2h]`` projection split over tp, and two
+def mtp_extra_params(model: ModelConfig, tp: int = 1) -> int:
+    """Parameters of a planned model's multi-token-prediction modules beyond their layers (counted as
+    layers), on one rank of the last stage: each a ``[h, 2h]`` projection split over tp and two
     RMSNorms of h (the output layer is the model's)."""
-    moe, h, n = model.moe, model.hidden_size, model.mtp_layers
-    if not n:
-        return 0, 0
-    if moe.enabled:
-        rest, experts = moe_layer_param_counts(model, moe, tp, ep, etp)
-    else:
-        rest, experts = layer_param_count(model, tp), 0
-    return n * (rest + 2 * h * h // tp + 2 * h), n * experts
+    n = model.mtp_layers if isinstance(model, MoEModel) else 0
+    h = model.hidden_size
+    return n * (2 * h * h // tp + 2 * h)
 
 
 @lru_cache(maxsize=65536)
@@ -115,12 +110,14 @@ def stage_counts(
     """Per pipeline stage, one rank's ``(parameters in the dense gradient buffer, routed experts in
     their own buffer)``: :func:`~ptdp.planner.memory.params.stage_param_counts` with each MoE layer's
     MLP counted as :func:`moe_layer_param_counts` (the experts in the dense buffer at ep = etp = 1,
-    as ``ptdp train`` keeps them), and the multi-token-prediction modules on the last stage. The
+    as ``ptdp train`` keeps them), and what the multi-token-prediction modules add on the last stage
+    (:func:`mtp_extra_params`). The
     layers of a stage are its contiguous share of ``layer_split`` (None: even); with interleaving a
     stage's MoE layers may differ where dense layers sit beyond the first model chunk."""
     dense = stage_param_counts(model, tp, pp, make_vocab_size_divisible_by=divisible_by, layer_split=layer_split)
     moe = moe_of(model)
-    if moe is None and not (isinstance(model, MoEModel) and model.mtp_layers):
+    dense[-1] += mtp_extra_params(model, tp)
+    if moe is None:
         return tuple(dense), (0,) * pp
     own = [0] * pp
     folded = ep * etp == 1
@@ -130,10 +127,6 @@ def stage_counts(
             change, experts = stage_moe_params(model, moe, ids, tp, ep, etp)
             dense[stage] += change + (experts if folded else 0)
             own[stage] = 0 if folded else experts
-    if isinstance(model, MoEModel) and model.mtp_layers:
-        rest, experts = mtp_param_counts(model, tp, ep, etp)
-        dense[-1] += rest + (experts if folded else 0)
-        own[-1] += 0 if folded else experts
     return tuple(dense), tuple(own)
 
 

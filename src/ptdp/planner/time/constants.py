@@ -52,8 +52,14 @@ class PerfConstants:
             shape (launch and scheduling of many groups); fitted on ``published_moe_runs.csv``.
         moe_exchange_efficiency: achieved fraction of the links' bandwidth by the MoE all-to-alls
             (uneven, many small messages; NCCL's or DeepEP's); fitted on ``published_moe_runs.csv``.
+        moe_layer_overhead: seconds per MoE layer and micro-batch (forward and backward) of the
+            layer's small kernels (router, top-k, permutation bookkeeping, launches) beyond their
+            bytes; fitted on ``published_moe_runs.csv``.
         moe_overlap: the MoE exchanges run behind another micro-batch's compute (Megatron-Core
             ``--overlap-moe-expert-parallel-comm``; planner only).
+        moe_flex_dispatcher: the deduplicating exchange the run uses (Megatron-Core's ``flex``
+            dispatcher, ``--moe-flex-dispatcher-backend`` deepep or hybridep; planner only), "" for
+            the plain all-to-all.
     """
 
     gemm_peak_fraction: float = 0.77
@@ -77,7 +83,9 @@ class PerfConstants:
     arch_fits: tuple[tuple[str, float, float, float], ...] = (("hopper", 0.58, 128.0, 0.85),)
     moe_grouped_gemm_efficiency: float = 0.8
     moe_exchange_efficiency: float = 0.6
+    moe_layer_overhead: float = 0.0
     moe_overlap: bool = False
+    moe_flex_dispatcher: str = ""
 
     def __post_init__(self) -> None:  # a profile read from JSON holds lists
         object.__setattr__(self, "arch_fits", tuple(tuple(fit) for fit in self.arch_fits))

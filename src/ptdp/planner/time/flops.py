@@ -190,7 +190,7 @@ def model_flops_per_step(model: ModelConfig, global_batch_size: int, moe: MoECon
     ``moe`` an MoE layer's MLP counts what a token runs (:func:`moe_mlp_forward_flops`). A planned
     model (:class:`~ptdp.planner.inputs.moe_model.MoEModel`) counts its multi-head latent attention
     (full ``s x s`` scores) and its multi-token-prediction modules (each an MoE layer, the ``[h, 2h]``
-    projection and the output layer once more).
+    projection and the output layer once more, beside their layers).
     """
     per_sequence = model.num_layers * layer_forward_flops(model, 1, 1) + logits_forward_flops(model, 1, 1)
     dense_mlp = sum(gemm_flops(*g) for g in layer_gemms(model, 1, 1)[4:])
@@ -205,10 +205,9 @@ def model_flops_per_step(model: ModelConfig, global_batch_size: int, moe: MoECon
             mla = model.mla.forward_gemms(model.hidden_size, model.num_attention_heads, model.seq_length, 1, 1)
             attention = sum(gemm_flops(*g) for g in mla) - dense_attention
             per_sequence += model.num_layers * attention
-        if model.mtp_layers:
+        if model.mtp_layers:  # their layers are counted above
             s, h = model.seq_length, model.hidden_size
-            layer = layer_forward_flops(model, 1, 1) + attention + moe_change
-            per_sequence += model.mtp_layers * (layer + gemm_flops(s, h, 2 * h) + logits_forward_flops(model, 1, 1))
+            per_sequence += model.mtp_layers * (gemm_flops(s, h, 2 * h) + logits_forward_flops(model, 1, 1))
     return 3.0 * global_batch_size * per_sequence
 
 

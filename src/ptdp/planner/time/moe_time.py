@@ -26,10 +26,12 @@ from functools import lru_cache, partial
 from ptdp.config.model import ModelConfig
 from ptdp.planner.inputs.moe_model import MoEModel, moe_of
 from ptdp.planner.time.collectives import Links
+from ptdp.planner.time.constants import PerfConstants
 from ptdp.planner.time.flops import (
     BACKWARD_TRAFFIC_RATIO,
     FFN_BYTES_GELU,
     FFN_BYTES_SWIGLU,
+    FP8_CAST_BYTES,
     gemm_time,
 )
 
@@ -71,12 +73,58 @@ def exchange_time(nbytes: float, group: int, links: Links, *, receive: float = 1
     return max(inside, outside) + latency
 
 
+def remote_nodes_per_token(
+    experts: int, k: int, group: int, per_node: int, limit_groups: tuple[int, int] | None
+) -> float:
+    """Expected number of other nodes holding at least one of a token's ``k`` experts when the
+    ``experts`` are spread evenly over ``group`` ranks, ``per_node`` per node, and a token picks
+    its experts uniformly (a balanced router); with ``limit_groups`` ``(groups, groups per token)``
+    (DeepSeek-V3's node-limited routing) and one group per node, at most that many nodes."""
+    nodes = -(-group // per_node)
+    if nodes <= 1:
+        return 0.0
+    if limit_groups is not None and limit_groups[0] == nodes:
+        return limit_groups[1] * (nodes - 1) / nodes
+    per = experts // nodes
+    missed = 1.0
+    for i in range(k):  # no expert of a given node among the k drawn without replacement
+        missed *= max(0.0, (experts - per - i) / (experts - i))
+    return (nodes - 1) * (1.0 - missed)
+
+
+def flex_exchange_time(
+    tokens: int, row_bytes: float, moe, group: int, links: Links, *, receive: float, efficiency: float
+) -> float:
+    """Seconds of one deduplicating exchange (DeepEP / HybridEP, Megatron-Core's ``flex`` dispatcher)
+    of ``tokens`` rows of ``row_bytes``: each token crosses the network once per other node holding
+    one of its experts (:func:`remote_nodes_per_token`) and is copied to its experts' ranks inside
+    a node over NVLink, both at once."""
+    per_node = min(group, links.gpus_per_node)
+    k, experts = moe.moe_router_topk, moe.num_experts or 1
+    limit = (moe.moe_router_num_groups, moe.moe_router_group_topk) if moe.moe_router_group_topk else None
+    remote = remote_nodes_per_token(experts, k, group, per_node, limit)
+    moved = tokens * row_bytes * max(1.0, receive)
+    inside = moved * k * (per_node - 1) / per_node / (links.nvlink_bandwidth * efficiency)
+    outside = moved * remote / (links.network_bandwidth * efficiency)
+    nodes = -(-group // per_node)
+    return max(inside, outside) + links.nvlink_latency + (nodes - 1) * links.network_latency
+
+
 def moe_exchange_times(
-    model: MoEModel, tokens: int, ep: int, etp: int, dispatcher: str, links: Links, elem: float, efficiency: float
+    model: MoEModel,
+    tokens: int,
+    ep: int,
+    etp: int,
+    dispatcher: str,
+    links: Links,
+    elem: float,
+    efficiency: float,
+    flex: bool = False,
 ) -> float:
     """Seconds of one MoE layer's exchanges (forward and backward) for one micro-batch of a rank
     routing ``tokens``: four over ep (or four gathers / reduce-scatters over ``ep etp`` with the
-    allgather dispatcher) and, with etp > 1, four over etp (module docstring)."""
+    allgather dispatcher; with ``flex`` four deduplicating ones, :func:`flex_exchange_time`) and,
+    with etp > 1, four over etp (module docstring)."""
     moe = model.moe
     rows = moe.moe_router_topk * tokens
     if moe.moe_pad_expert_input_to_capacity and moe.moe_expert_capacity_factor:
@@ -86,7 +134,11 @@ def moe_exchange_times(
     if dispatcher == "allgather":
         group = ep * etp
         return 4.0 * exchange_time((group - 1) * one, group, links, efficiency=efficiency) if group > 1 else 0.0
-    out = 4.0 * exchange_time(one, ep, links, receive=rho, efficiency=efficiency) if ep > 1 else 0.0
+    if flex and ep > 1:
+        row = elem * model.hidden_size
+        out = 4.0 * flex_exchange_time(tokens, row, moe, ep, links, receive=rho, efficiency=efficiency)
+    else:
+        out = 4.0 * exchange_time(one, ep, links, receive=rho, efficiency=efficiency) if ep > 1 else 0.0
     if etp > 1:
         out += 4.0 * exchange_time(etp * one * rho, etp, links, efficiency=efficiency)
     return out
@@ -106,10 +158,7 @@ def sublayer_times(
     full_recompute: bool,
     peak_flops: float,
     bandwidth: float,
-    peak_fraction: float,
-    half_dim: float,
-    grouped_efficiency: float,
-    exchange_efficiency: float,
+    c: PerfConstants,
     links: Links,
     elem: float,
     fp8_peak: float = 0.0,
@@ -121,7 +170,7 @@ def sublayer_times(
         return SublayerTimes()
     weight_peak = fp8_peak or peak_flops
     weight_bytes = 1.0 if fp8_peak else elem
-    timed = partial(gemm_time, bandwidth=bandwidth, peak_fraction=peak_fraction, half_dim=half_dim)
+    timed = partial(gemm_time, bandwidth=bandwidth, peak_fraction=c.gemm_peak_fraction, half_dim=c.gemm_half_dim)
     gemms = partial(timed, peak_flops=weight_peak, bytes_per_element=weight_bytes)
     s = model.seq_length // cp
     tokens, h = micro_batch_size * s, model.hidden_size
@@ -148,8 +197,13 @@ def sublayer_times(
             rows = moe.moe_expert_capacity_factor * k * routed * etp
         local = max(1, experts // ep)
         m = max(1, round(rows / local))
-        expert_gemms = local * (gemms(m, halves * ffn // etp, h, 1) + gemms(m, h, ffn // etp, 1)) / grouped_efficiency
+        expert_gemms = local * (gemms(m, halves * ffn // etp, h, 1) + gemms(m, h, ffn // etp, 1))
+        expert_gemms /= c.moe_grouped_gemm_efficiency
         act = ffn_bytes * rows * ffn / etp / bandwidth
+        casts_f = casts_b = 0.0
+        if fp8_peak:  # each expert GEMM's input quantised (and transposed) on the way
+            casts_f = FP8_CAST_BYTES * rows * (h + ffn / etp) / bandwidth
+            casts_b = FP8_CAST_BYTES * rows * (h + halves * ffn / etp) / bandwidth
         router = timed(routed, experts, h, 1, peak_flops=peak_flops) + ROUTER_BYTES * routed * experts / bandwidth
         permute = PERMUTE_BYTES * elem / 2.0 * k * routed * h / bandwidth
         shared = 0.0
@@ -158,12 +212,16 @@ def sublayer_times(
             shared += ffn_bytes * tokens * moe.shared_ffn / tp / bandwidth
         dense_gemms = gemms(tokens, halves * model.ffn // tp, h, 1) + gemms(tokens, h, model.ffn // tp, 1)
         dense_act = ffn_bytes * tokens * model.ffn / tp / bandwidth
-        moe_forward = expert_gemms + act + router + permute + shared
-        moe_backward = 2.0 * expert_gemms + BACKWARD_TRAFFIC_RATIO * (act + permute) + 2.0 * router
+        fixed = c.moe_layer_overhead  # the layer's many small kernels, forward and backward
+        moe_forward = expert_gemms + act + router + permute + shared + casts_f + fixed / 3.0
+        moe_backward = 2.0 * expert_gemms + BACKWARD_TRAFFIC_RATIO * (act + permute) + 2.0 * router + casts_b
+        moe_backward += 2.0 * fixed / 3.0
         moe_backward += 2.0 * shared
         forward += share * (moe_forward - dense_gemms - dense_act)
         backward += share * (moe_backward - 2.0 * dense_gemms - BACKWARD_TRAFFIC_RATIO * dense_act)
-        one = moe_exchange_times(model, routed, ep, etp, dispatcher, links, elem, exchange_efficiency)
+        one = moe_exchange_times(
+            model, routed, ep, etp, dispatcher, links, elem, c.moe_exchange_efficiency, bool(c.moe_flex_dispatcher)
+        )
         exchange += share * one
         if "moe" in modules or full_recompute:
             again += share * one / 2.0

@@ -14,6 +14,7 @@ from ptdp.config.model import ModelConfig
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import Cluster
+from ptdp.planner.inputs.moe_model import MoEModel
 from ptdp.planner.memory.cp_local import local_model
 from ptdp.planner.time import flops
 from ptdp.planner.time.collectives import Links, hierarchical_all_reduce_time, pp_transfer_time, tp_layer_comm_times
@@ -110,10 +111,7 @@ def stage_microbatch_times(
         full,
         peak,
         bandwidth,
-        c.gemm_peak_fraction,
-        c.gemm_half_dim,
-        c.moe_grouped_gemm_efficiency,
-        c.moe_exchange_efficiency,
+        c,
         links,
         elem,
         fp8_peak,
@@ -169,6 +167,20 @@ def stage_microbatch_times(
     )
     one_ar = hierarchical_all_reduce_time(elem * b * s * h, tp, links.gpus_per_node, links)
     logits = flops.logits_compute_time(local, tp, b, v_pad, peak, bandwidth, c.gemm_peak_fraction, c.gemm_half_dim)
+    if isinstance(model, MoEModel) and model.mtp_layers:  # each MTP module's projection and output layer again
+        tokens = b * local.seq_length
+        proj = flops.gemm_time(
+            tokens,
+            h // tp,
+            2 * h,
+            1,
+            peak_flops=peak,
+            bandwidth=bandwidth,
+            peak_fraction=c.gemm_peak_fraction,
+            half_dim=c.gemm_half_dim,
+        )
+        logits *= 1 + model.mtp_layers
+        logits += model.mtp_layers * 3.0 * proj
     first = (mid[0], mid[1], mid[2] + one_ar, *mid[3:])
     last = (mid[0] + logits + c.head_overhead, mid[1], mid[2] + one_ar, *mid[3:])
     if layout.pp == 1:

@@ -1,0 +1,207 @@
+"""The published mixture-of-experts training runs the planner is checked against
+(``benchmarks/data/published_moe_validation.csv``, chosen from ``published_moe_runs.csv``, whose notes
+name each source and its FLOP convention), and their predictions.
+
+Each row names a model preset (:data:`~ptdp.planner.inputs.models.MOE_PRESETS`), the GPU, the layout
+(tp, cp, pp, v, ep, etp, micro and global batch, sequence parallelism, the sharding strategy,
+recompute and ``--recompute-modules``), the multi-token-prediction layers trained, the overlap the
+run used (``moe_overlap``: the EP all-to-alls behind compute; ``dp_overlap``, ``tp_overlap``,
+``pp_overlap`` as in ``published_runs_h100.csv``), and the reported tokens/s per GPU (or seconds per
+step), compared as the step time it implies: ``B s / (tokens/s per GPU x GPUs)``.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ptdp.config.keywords import RaisingParser, keyword_namespace
+from ptdp.planner.candidate import Plan
+from ptdp.planner.inputs.hardware import CATALOG
+from ptdp.planner.inputs.models import MOE_PRESETS
+from ptdp.planner.inputs.plan_flags import add_plan_arguments
+from ptdp.planner.request import PlanRequest, prepare
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants
+
+#: Where :func:`default_moe_csv` looks: the repository's benchmarks/data folder.
+MOE_CSV = Path(__file__).resolve().parents[4] / "benchmarks" / "data" / "published_moe_validation.csv"
+UNITS = ("tokens/s per GPU", "s per step")
+
+
+def default_moe_csv() -> Path | None:
+    """``benchmarks/data/published_moe_validation.csv`` of this checkout, or None if absent."""
+    return MOE_CSV if MOE_CSV.is_file() else None
+
+
+def is_moe_table(path: str | Path) -> bool:
+    """The file's header has the MoE table's ``ep`` and ``preset`` columns."""
+    with open(path, newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), [])
+    return "ep" in header and "preset" in header
+
+
+@dataclass(frozen=True)
+class MoERun:
+    """One published MoE run: ``options`` the ``ptdp plan`` flags (by destination) that plan its
+    published layout, ``step_time`` the seconds per step it reports or implies, ``source`` and
+    ``url`` where it is published, ``assumed`` what the source leaves open."""
+
+    name: str
+    source: str
+    url: str
+    options: tuple[tuple[str, object], ...]
+    step_time: float
+    assumed: str
+
+    @property
+    def source_key(self) -> str:
+        """The publisher: ``owner/repo`` of the URL, else the source text to its first comma."""
+        parts = self.url.split("github.com/")
+        return "/".join(parts[1].split("/")[:2]) if len(parts) > 1 else self.source.split(",")[0]
+
+    def flags(self) -> str:
+        """The ``ptdp plan`` command line of the run."""
+        out = []
+        for dest, value in self.options:
+            flag = "--" + dest.replace("_", "-")
+            if value is True:
+                out.append(flag)
+            elif isinstance(value, list):
+                out.append(f"{flag} {' '.join(map(str, value))}")
+            else:
+                out.append(f"{flag} {value}")
+        return " ".join(out)
+
+
+def _yes(text: str, column: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("y", "n", ""):
+        raise ValueError(f"{column}={text!r} must be y or n")
+    return value == "y"
+
+
+def _options(r: dict) -> dict[str, object]:
+    """``ptdp plan``'s flags (by destination) for the row's model, cluster and published layout."""
+    preset = r["preset"].strip().lower()
+    if preset not in MOE_PRESETS:
+        raise ValueError(f"preset={preset!r} is not a mixture-of-experts preset ({', '.join(MOE_PRESETS)})")
+    gpu = r["gpu_type"].strip().lower()
+    if gpu not in CATALOG:
+        raise ValueError(f"gpu_type={gpu!r} is not in the GPU catalog")
+    o: dict[str, object] = {
+        "model": preset,
+        "gpu": gpu,
+        "gpus": int(r["gpus"]),
+        "seq_length": int(r["seq_len"]),
+        "global_batch_size": int(r["global_batch"]),
+        "micro_batch_size": int(r["micro_batch"]),
+        "tensor_model_parallel_size": int(r["tp"]),
+        "context_parallel_size": int(r["cp"]),
+        "pipeline_model_parallel_size": int(r["pp"]),
+        "expert_model_parallel_size": int(r["ep"]),
+        "expert_tensor_parallel_size": int(r["etp"]),
+        "sequence_parallel": _yes(r["sequence_parallel"], "sequence_parallel"),
+        "data_parallel_sharding_strategy": r["sharding"].strip(),
+        "recompute_granularity": r["recompute"].strip(),
+        "mtp_num_layers": int(r["mtp_layers"] or 0),
+    }
+    dispatcher = r["dispatcher"].strip()
+    if dispatcher in ("deepep", "hybridep"):
+        o["moe_flex_dispatcher_backend"] = dispatcher
+    else:
+        o["moe_token_dispatcher_type"] = dispatcher
+    if int(r["vpp"]) > 1:
+        o["virtual_pipeline_model_parallel_size"] = int(r["vpp"])
+    if r["recompute_modules"].strip():
+        o["recompute_modules"] = r["recompute_modules"].split()
+    if r["precision"].strip() == "fp8":
+        o["fp8"] = True
+    for column, dest in (
+        ("tp_overlap", "tp_comm_overlap"),
+        ("pp_overlap", "overlap_p2p_communication"),
+        ("moe_overlap", "overlap_moe_expert_parallel_comm"),
+    ):
+        if _yes(r[column], column):
+            o[dest] = True
+    if not _yes(r["dp_overlap"], "dp_overlap"):
+        o["overlap_grad_reduce"] = False
+    counted = r.get("split_accounting", "").split()
+    if "embedding" in counted:
+        o["account_for_embedding_in_pipeline_split"] = True
+    if "loss" in counted:
+        o["account_for_loss_in_pipeline_split"] = True
+    return o
+
+
+def _run(r: dict) -> MoERun:
+    options = _options(r)
+    unit, reported = r["reported_unit"].strip(), float(r["reported"])
+    if unit not in UNITS or not reported > 0:
+        raise ValueError(f"reported={r['reported']} {unit!r}: a positive number in one of {UNITS}")
+    tokens = int(r["global_batch"]) * int(r["seq_len"])
+    step = reported if unit == UNITS[1] else tokens / (reported * int(r["gpus"]))
+    return MoERun(r["model"], r["source"], r["url"].strip(), tuple(options.items()), step, r["assumed"].strip())
+
+
+def load_moe_runs(path: str | Path) -> list[MoERun]:
+    """Parse the MoE validation table. Raises ValueError naming the line for a bad row."""
+    runs = []
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        for r in reader:
+            try:
+                runs.append(_run(r))
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"{path}:{reader.line_num}: {e}") from None
+    return runs
+
+
+def run_request(run: MoERun, constants: PerfConstants | None = None) -> PlanRequest:
+    """The checked ``ptdp plan`` request of ``run`` (its flags, as the command line gives them);
+    ``constants``: its MoE constants replace the defaults."""
+    parser = RaisingParser(prog="ptdp plan", add_help=False)
+    add_plan_arguments(parser)
+    request = prepare(keyword_namespace(parser, dict(run.options), caller="ptdp plan --validate"))
+    if constants is not None:
+        request.constants = dataclasses.replace(
+            request.constants,
+            moe_grouped_gemm_efficiency=constants.moe_grouped_gemm_efficiency,
+            moe_exchange_efficiency=constants.moe_exchange_efficiency,
+        )
+    return request
+
+
+def predict_run(run: MoERun, constants: PerfConstants | None = None) -> Plan | None:
+    """The planner's best plan of ``run``'s published layout (what ``ptdp plan`` prints first with
+    its flags), or None when none fits."""
+    result = run_request(run, constants).search()
+    return result.plans[0] if result.plans else None
+
+
+def moe_errors(runs: list[MoERun], constants: PerfConstants | None = None) -> list[tuple[MoERun, Plan | None, float]]:
+    """(run, plan, relative step-time error) of each run; NaN where nothing fits."""
+    out = []
+    for run in runs:
+        plan = predict_run(run, constants)
+        error = plan.need_time().step / run.step_time - 1.0 if plan is not None else math.nan
+        out.append((run, plan, error))
+    return out
+
+
+def fit_moe_constants(runs: list[MoERun], constants: PerfConstants = DEFAULT_CONSTANTS) -> PerfConstants:
+    """``constants`` with ``moe_grouped_gemm_efficiency`` and ``moe_exchange_efficiency`` chosen on a
+    grid to minimise the mean squared log step-time error over ``runs`` (those that fit)."""
+
+    def loss(c: PerfConstants) -> float:
+        errors = [math.log1p(e) ** 2 for _, _, e in moe_errors(runs, c) if not math.isnan(e)]
+        return sum(errors) / max(len(errors), 1)
+
+    grid = [
+        dataclasses.replace(constants, moe_grouped_gemm_efficiency=g / 20, moe_exchange_efficiency=x / 20)
+        for g in range(6, 21)
+        for x in range(4, 21)
+    ]
+    return min(grid, key=loss)
