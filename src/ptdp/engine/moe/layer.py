@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ptdp.config.model import ModelConfig
@@ -30,7 +29,7 @@ from ptdp.engine.moe.capacity import expert_capacity, keep_mask
 from ptdp.engine.moe.dispatch import exchange
 from ptdp.engine.moe.experts import Experts
 from ptdp.engine.moe.losses import counts_of, expert_counts, switch_aux_share, z_loss_share
-from ptdp.engine.moe.router import ROUTER_DTYPES, Routing, balanced_assignment, route
+from ptdp.engine.moe.router import ROUTER_DTYPES, Routing, balanced_assignment, route, router_logits
 from ptdp.engine.tensor_parallel.sharding import GlobalParam, make_parameter
 
 
@@ -155,7 +154,7 @@ class MoELayer(nn.Module):
             )
             token_ids = (torch.arange(b, device=x.device) * s + positions.unsqueeze(1)).reshape(-1)
         moe, k = self.moe, self.moe.moe_router_topk
-        logits = F.linear(tokens.to(self.router_dtype), self.router.to(self.router_dtype))
+        logits = router_logits(tokens, self.router, self.router_dtype)
         forced = balanced_assignment(token_ids, k, self.num_experts) if moe.moe_router_force_load_balancing else None
         routing = route(
             logits,

@@ -25,6 +25,31 @@ import torch
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
+class _RouterLinear(torch.autograd.Function):
+    """``x @ weight.T`` in ``dtype`` (``[T, h] x [E, h] -> [T, E]``), keeping ``x`` and ``weight`` in
+    their own dtypes for backward (no ``dtype`` copy of the tokens); gradients computed in ``dtype``
+    and returned in the inputs' dtypes."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.dtype = dtype
+        return torch.nn.functional.linear(x.to(dtype), weight.to(dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = (grad @ weight.to(ctx.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = (grad.t() @ x.to(ctx.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The router's logits ``[T, E]`` in ``dtype`` of tokens ``x`` ``[T, h]`` and the router ``[E, h]``;
+    backward keeps them as they are (Megatron-Core's router GEMM does the same)."""
+    return _RouterLinear.apply(x, weight, dtype)
+
+
 @dataclass(frozen=True)
 class Routing:
     """One micro-batch's routing on one rank; per-rank ``T`` local tokens.

@@ -31,16 +31,14 @@ def moe_mlp_activation_bytes(
     rank routing ``tokens``, dropless or within the capacity, ``A = k tokens`` assignments sent and
     ``load A`` rows received. Its input is the norm's output, counted with the attention.
 
-    Per token, in the router's dtype (``router_bytes``): a copy of the input when the activations
-    are another dtype, the logits and scores (sigmoid: the scores and their two sums), the
+    Per token, in the router's dtype (``router_bytes``): the logits and scores (sigmoid: the scores and their two sums), the
     balancing loss's counts, the z-loss's log-sum-exp (and with sigmoid scores the logits). Per
     assignment: its top-k index and weight (and a copy in the activation dtype when another or
     renormalised), the combined output ``h`` and the two int64 indices that place the rows. Per
     received row: the expert's input (``etp h``: the etp peers' rows gathered), fc1's output of its
     ``F`` columns (the activation's input: ``F``, SwiGLU's gate and up ``2 F``) and fc2's input
     (``F``). ``gemm_bytes`` (default ``precision_bytes``; 1 with FP8 GEMMs): bytes of a kept GEMM
-    input. Per micro-batch: the router weight's copy in the router dtype when the parameters are
-    another. ``modules`` (Megatron-Core's ``--recompute-modules``): ``moe_act`` drops fc2's input,
+    input. ``modules`` (Megatron-Core's ``--recompute-modules``): ``moe_act`` drops fc2's input,
     ``moe`` everything (the layer runs again). The shared expert is
     :func:`shared_expert_activation_bytes`.
     """
@@ -51,15 +49,14 @@ def moe_mlp_activation_bytes(
     ffn, halves = moe.expert_ffn(model.ffn), 2 if model.swiglu else 1
     other = e != r
     sigmoid = moe.moe_router_score_function == "sigmoid"
-    per_token = (r * h if other else 0) + (r * experts + 2 * r if sigmoid else 2 * r * experts)
+    per_token = r * experts + 2 * r if sigmoid else 2 * r * experts
     per_token += r * experts if moe.moe_aux_loss_coeff else 0
     per_token += (r + (r * experts if sigmoid else 0)) if moe.moe_z_loss_coeff else 0  # sigmoid: the logits too
     copied = other or sigmoid or moe.moe_router_topk_scaling_factor is not None
     per_assignment = 8 + r + (e if copied else 0) + 2 * 8 + e * h
     g = precision_bytes if gemm_bytes is None else gemm_bytes
     per_row = g * etp * h + e * halves * ffn + (0 if "moe_act" in modules else g * ffn)
-    router_copy = r * experts * h if other else 0
-    return tokens * per_token + k * tokens * (per_assignment + load * per_row) + router_copy
+    return tokens * per_token + k * tokens * (per_assignment + load * per_row)
 
 
 def shared_expert_activation_bytes(
