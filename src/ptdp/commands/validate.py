@@ -20,6 +20,15 @@ from ptdp.planner.validate.accuracy import (
     validate_h100,
 )
 from ptdp.planner.validate.published import H100Run, load_h100_runs, load_published_runs
+from ptdp.planner.validate.published_moe import (
+    MOE_GRID,
+    MoERun,
+    fit_moe_constants,
+    is_moe_table,
+    load_moe_runs,
+    memory_checks,
+    moe_errors,
+)
 
 BEGIN, END = "<!-- begin: ptdp plan --validate -->", "<!-- end: ptdp plan --validate -->"
 POOLED = (
@@ -37,10 +46,56 @@ def markers(csv: str | Path) -> tuple[str, str]:
     return f"<!-- begin: ptdp plan --validate {name} -->", f"<!-- end: ptdp plan --validate {name} -->"
 
 
+def moe_validation_markdown(runs: list[MoERun]) -> str:
+    """The MoE table's runs: published and predicted step time of each (the planner's constants, and
+    with the MoE constants refitted without the run's source), the summary, the memory check."""
+    rows = moe_errors(runs)
+    held: dict[str, float] = {}
+    for source in dict.fromkeys(run.source_key for run in runs):
+        others = [run for run in runs if run.source_key != source]
+        refit = fit_moe_constants(others)
+        for run, _, error in moe_errors([run for run in runs if run.source_key == source], refit):
+            held[run.flags()] = error
+    lines = [
+        "| model | source | ptdp plan flags | published s/step | predicted s/step | error | error, source left out |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run, plan, error in rows:
+        predicted = f"{plan.need_time().step:.2f}" if plan is not None else "no plan fits"
+        lines.append(
+            f"| {run.name} | {run.source_key} | `{run.flags()}` | {run.step_time:.2f} | {predicted} | "
+            f"{100 * error:+.1f}% | {100 * held[run.flags()]:+.1f}% |"
+        )
+    errors = [abs(e) for _, _, e in rows]
+    loso = [abs(e) for e in held.values()]
+    sources = len({run.source_key for run in runs})
+    lines += [
+        "",
+        f"{len(rows)} runs from {sources} sources: step-time error mean {100 * sum(errors) / len(errors):.1f}%, "
+        f"max {100 * max(errors):.1f}%; each source's runs with the MoE constants ({', '.join(MOE_GRID)}) "
+        f"refitted without it: mean {100 * sum(loso) / len(loso):.1f}%, max {100 * max(loso):.1f}%.",
+        "",
+        "Memory of each published layout under the planner's model (it must fit: the run happened):",
+        "",
+        "| model | ptdp plan flags | predicted total GiB | capacity GiB | fits |",
+        "|---|---|---|---|---|",
+    ]
+    checks = memory_checks(runs)
+    lines += [
+        f"| {run.name} | `{run.flags()}` | {total:.1f} | {cap:.1f} | {'yes' if total <= cap else f'**no**, {total - cap:.1f} GiB over'} |"
+        for run, total, cap in checks
+    ]
+    over = sum(not total <= cap for _, total, cap in checks)
+    lines += ["", f"{over} of {len(checks)} published layouts predicted over their GPU's memory."]
+    return "\n".join(lines)
+
+
 def validation_markdown(csv: str | Path, pool: list[H100Run] | None = None) -> str:
     """The validation table with the in-sample and leave-one-source-out errors (the fits over this
     table's runs and ``pool``, the runs of the other H100-format tables given), and the memory check
     of every published layout, those predicted over their GPU's memory flagged."""
+    if is_moe_table(csv):
+        return moe_validation_markdown(load_moe_runs(csv))
     if is_h100_table(csv):
         runs, others = load_h100_runs(csv), pool or []
         held = loso_h100(others + runs)[len(others) :]
@@ -133,9 +188,11 @@ def run_validation(args: argparse.Namespace) -> int:
     h100: dict[Path, list[H100Run]] = {}
     for csv in paths:
         try:
-            if is_h100_table(csv):
+            if is_moe_table(csv):
+                count = len(load_moe_runs(csv))
+            elif is_h100_table(csv):
                 h100[csv] = load_h100_runs(csv)
-            count = len(h100[csv]) if csv in h100 else len(load_published_runs(csv))
+            count = len(h100[csv]) if csv in h100 else count if is_moe_table(csv) else len(load_published_runs(csv))
         except (KeyError, ValueError, TypeError) as e:
             if isinstance(e, ValueError) and str(e).startswith(f"{csv}:"):  # a row's error, located
                 raise ConfigError(f"--validate {e}") from None

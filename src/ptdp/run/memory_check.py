@@ -42,40 +42,29 @@ def rank_estimates(config: Config) -> list[RankBytes]:
     parameters, gradients and optimizer state as the run's sharding strategy keeps them over the
     dp x cp ranks, transients included; float64 counted as twice float32)."""
     from ptdp.planner.candidate import run_candidate
+    from ptdp.planner.inputs.moe_model import planned_model
     from ptdp.planner.memory.activations import rank_activation_bytes, stage_activation_bytes
-    from ptdp.planner.memory.params import rank_state_bytes, stage_param_counts
+    from ptdp.planner.memory.moe_params import expert_bytes_per_param, layout_stage_counts
+    from ptdp.planner.memory.params import rank_state_bytes
 
-    m, p = config.model, config.parallel
+    p, m = config.parallel, planned_model(config)
     precision, scale = _PRECISION[m.params_dtype]
     layout = run_candidate(config, precision)
     assert layout is not None
     div = m.make_vocab_size_divisible_by
-    counts = stage_param_counts(m, p.tp, p.pp, make_vocab_size_divisible_by=div, layer_split=layout.layer_split)
+    counts, own = layout_stage_counts(m, layout, layout.layer_split, div)
+    per_expert = expert_bytes_per_param(precision, p)
     activation_bytes = rank_activation_bytes if p.cp > 1 else stage_activation_bytes
     schedule = "gpipe" if p.schedule == "gpipe" else "1f1b"
     out = []
     for stage, (n, n_layers) in enumerate(zip(counts, config.pipeline.stage_layers)):
         act = activation_bytes(m, layout, stage, n_layers, schedule=schedule, make_vocab_size_divisible_by=div)
-        experts = (0.0, 0.0, 0.0)
-        if config.moe.enabled:
-            n, experts = _with_experts(config, stage, n, precision)
+        experts = tuple(own[stage] * x for x in per_expert)
         # the run's sharding strategy over dp x cp, with its transients (a gradient bucket, gathered units)
         params, grads, optimizer = rank_state_bytes(m, layout, n, n_layers, stage=stage, divisible_by=div)
         params, grads, optimizer = params + experts[0], grads + experts[1], optimizer + experts[2]
         out.append(RankBytes(stage, scale * params, scale * grads, scale * optimizer, scale * act))
     return out
-
-
-def _with_experts(config: Config, stage: int, n: int, precision: str) -> tuple[int, tuple[float, float, float]]:
-    """A stage's dense parameter count with its MoE layers (:mod:`ptdp.planner.memory.moe_params`),
-    and the (params, grads, optimizer) bytes of its routed experts when they have their own buffer
-    (ep or etp > 1: whole on the rank, the optimizer state over edp with any sharding strategy);
-    at ep = etp = 1 the experts join the dense count. Activations stay the dense model's."""
-    from ptdp.planner.memory.moe_params import expert_bytes_per_param, stage_moe_split
-
-    change, own = stage_moe_split(config, stage)
-    weights, grads, optimizer = expert_bytes_per_param(precision, config.parallel)
-    return n + change, (own * weights, own * grads, own * optimizer)
 
 
 def needed_bytes(config: Config, nproc: int, *, gpu: bool) -> float:

@@ -19,8 +19,9 @@ import torch
 from ptdp.config.schema import Config
 from ptdp.planner.candidate import Candidate, run_candidate
 from ptdp.planner.inputs.hardware import Cluster
+from ptdp.planner.inputs.moe_model import planned_model
 from ptdp.planner.memory.breakdown import memory_breakdown
-from ptdp.planner.memory.moe_params import expert_bytes_per_param, stage_moe_split
+from ptdp.planner.memory.moe_params import expert_bytes_per_param, layout_stage_counts
 from ptdp.planner.memory.params import stage_param_counts, stage_transients
 from ptdp.planner.memory.strategies import strategy_bytes_per_param
 from ptdp.planner.time.profile import default_profile_path, load_profile
@@ -212,17 +213,12 @@ def _moe_rank_row(config: Config, layout, r: dict, scale: float = 1.0) -> dict:
     measured ones. Exact up to bucket padding; with ``optim_grads`` / ``optim_grads_params`` over
     more than one rank the transients are not modelled for MoE layers (``exact`` None). ``scale``:
     bytes per value over the layout's precision's (2 for float64 counted as float32)."""
-    p, split = config.parallel, config.pipeline
+    p = config.parallel
     stage = r["coords"][2]
-    counts = stage_param_counts(
-        config.model,
-        p.tp,
-        p.pp,
-        make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by,
-        layer_split=split.layer_split,
+    counts, own = layout_stage_counts(
+        planned_model(config), layout, layout.layer_split, config.model.make_vocab_size_divisible_by
     )
-    change, experts = stage_moe_split(config, stage)  # experts: those in their own buffer
-    dense = counts[stage] + change
+    dense, experts = counts[stage], own[stage]  # experts: those in their own buffer
     per_param = tuple(
         scale * b
         for b in strategy_bytes_per_param(

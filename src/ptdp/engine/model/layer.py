@@ -20,8 +20,8 @@ from ptdp.engine.comm import AxisGroup
 from ptdp.engine.groups import ExpertGroups
 from ptdp.engine.model.attention import Attention, KVCache
 from ptdp.engine.model.norms import make_norm
-from ptdp.engine.model.swiglu import swiglu
 from ptdp.engine.moe.layer import MoELayer
+from ptdp.engine.swiglu import swiglu
 from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ptdp.engine.tensor_parallel.random import Dropout, DropoutRNG
 from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel

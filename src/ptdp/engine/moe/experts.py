@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptdp.engine.model.swiglu import swiglu
+from ptdp.engine.swiglu import swiglu
 from ptdp.engine.tensor_parallel.sharding import GlobalParam, init_shard
 
 #: dtypes ``torch._grouped_mm`` takes (CPU and CUDA); others run the loop

@@ -14,10 +14,11 @@ their norms replicated, the up projections by heads, the output by rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
+from ptdp.config.schema import Config
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,13 @@ class MoEModel(ModelConfig):
     mtp_layers: int = 0
     load_imbalance: float = 1.0
 
+    def __hash__(self) -> int:  # computed once: the planner's caches hash the model on every call
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @property
     def expert_load(self) -> float:
         """Rows the busiest expert rank receives over the balanced share: ``rho``, at most the
@@ -147,6 +155,12 @@ def with_moe(model: ModelConfig, moe: MoEConfig | None, **plan_only) -> ModelCon
     if (moe is None or not moe.enabled) and not plan_only:
         return ModelConfig(**fields)
     return MoEModel(**fields, moe=moe or MoEConfig(), **plan_only)
+
+
+def planned_model(config: Config) -> ModelConfig:
+    """The model of a ``ptdp train`` config as the planner plans it: its ``ModelConfig`` with its MoE
+    options (:func:`with_moe`)."""
+    return with_moe(config.model, config.moe)
 
 
 def dense_of(model: ModelConfig) -> ModelConfig:

@@ -9,6 +9,8 @@ activations: :mod:`ptdp.planner.memory.activations`; the process's own: :mod:`pt
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ptdp.config.model import ModelConfig
 from ptdp.layout.pipeline.partition import stage_layer_counts
 from ptdp.planner.candidate import Candidate, MemoryBreakdown
@@ -35,17 +37,11 @@ def _candidate_stages(
     stage that can hold the most bytes (:func:`memory_breakdown`): the first and the last of an even
     split; with ``layer_split`` the first, the last and the lowest-ranked middle stage of each
     distinct layer count; of a planned MoE model every stage
-    (:func:`~ptdp.planner.memory.moe_params.stage_counts`)."""
+    (:func:`_moe_stages`)."""
     if isinstance(model, MoEModel):
-        dense, own = stage_counts(model, layout.tp, layout.pp, layout.ep, layout.etp, layer_split, divisible_by)
-        layers = stage_layer_counts(model.num_layers, layout.pp, layer_split)
-        seen, out = set(), []
-        for rank, row in enumerate(zip(dense, layers, own)):
-            edge = rank in (0, layout.pp - 1)
-            if edge or row not in seen:
-                out.append((rank, *row))
-            seen.add(row)
-        return out
+        p = layout.parallel
+        counted = (p.account_for_embedding_in_pipeline_split, p.account_for_loss_in_pipeline_split)
+        return _moe_stages(model, p.tp, p.pp, p.ep, p.etp, layer_split, divisible_by, layout.virtual_stages, counted)
     if layer_split is None:
         first_params, last_params, per_stage = even_stage_params(model, layout.tp, layout.pp, divisible_by)
         candidates = [(0, first_params, per_stage, 0)]
@@ -73,6 +69,30 @@ def _step_copy_beyond_activations(layout: Candidate, n_params: int, activations:
         return 0.0
     sharded = layout.sharding_strategy != "no_shard"
     return max(0.0, 4.0 * n_params / (layout.shard_size if sharded else 1) - activations)
+
+
+@lru_cache(maxsize=65536)
+def _moe_stages(
+    model: ModelConfig,
+    tp: int,
+    pp: int,
+    ep: int,
+    etp: int,
+    layer_split: tuple[int, ...] | None,
+    divisible_by: int,
+    v: int,
+    counted: tuple[bool, bool],
+) -> list[tuple[int, int, int, int]]:
+    """:func:`_candidate_stages` of a planned MoE model: the first, the last and each other stage
+    unlike those before it (:func:`~ptdp.planner.memory.moe_params.stage_counts`)."""
+    dense, own = stage_counts(model, tp, pp, ep, etp, layer_split, divisible_by, v, counted)
+    layers = stage_layer_counts(model.num_layers, pp, layer_split)
+    seen, out = set(), []
+    for rank, row in enumerate(zip(dense, layers, own)):
+        if rank in (0, pp - 1) or row not in seen:
+            out.append((rank, *row))
+        seen.add(row)
+    return out
 
 
 def memory_breakdown(

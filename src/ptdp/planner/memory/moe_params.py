@@ -16,9 +16,9 @@ from functools import lru_cache
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
 from ptdp.config.parallel import ParallelConfig
-from ptdp.config.schema import Config
-from ptdp.layout.pipeline.partition import stage_layer_ids
+from ptdp.layout.pipeline.partition import PipelineSplit
 from ptdp.layout.vocab import padded_vocab_size
+from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.moe_model import MoEModel, moe_of
 from ptdp.planner.memory.params import layer_param_count, stage_param_counts
 from ptdp.planner.memory.strategies import strategy_bytes_per_param
@@ -106,39 +106,40 @@ def stage_counts(
     etp: int = 1,
     layer_split: tuple[int, ...] | None = None,
     divisible_by: int = 128,
+    v: int = 1,
+    counted: tuple[bool, bool] = (False, False),
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per pipeline stage, one rank's ``(parameters in the dense gradient buffer, routed experts in
     their own buffer)``: :func:`~ptdp.planner.memory.params.stage_param_counts` with each MoE layer's
     MLP counted as :func:`moe_layer_param_counts` (the experts in the dense buffer at ep = etp = 1,
-    as ``ptdp train`` keeps them), and what the multi-token-prediction modules add on the last stage
-    (:func:`mtp_extra_params`). The
-    layers of a stage are its contiguous share of ``layer_split`` (None: even); with interleaving a
-    stage's MoE layers may differ where dense layers sit beyond the first model chunk."""
+    as ``ptdp train`` keeps them) and what the multi-token-prediction modules add on the last stage
+    (:func:`mtp_extra_params`). A stage's layers are those of its ``v`` model chunks
+    (:class:`~ptdp.layout.pipeline.partition.PipelineSplit` of ``layer_split``, the embedding and
+    the loss ``counted`` as layers or not)."""
     dense = stage_param_counts(model, tp, pp, make_vocab_size_divisible_by=divisible_by, layer_split=layer_split)
-    moe = moe_of(model)
     dense[-1] += mtp_extra_params(model, tp)
+    moe = moe_of(model)
     if moe is None:
         return tuple(dense), (0,) * pp
+    split = PipelineSplit(model.num_layers, pp, v, layer_split, *counted)
     own = [0] * pp
     folded = ep * etp == 1
     for stage in range(pp):
-        if moe is not None:
-            ids = list(stage_layer_ids(model.num_layers, pp, stage, layer_split))
-            change, experts = stage_moe_params(model, moe, ids, tp, ep, etp)
-            dense[stage] += change + (experts if folded else 0)
-            own[stage] = 0 if folded else experts
+        ids = [i for c in range(v) for i in split.chunk_layer_ids(stage, c)]
+        change, experts = stage_moe_params(model, moe, ids, tp, ep, etp)
+        dense[stage] += change + (experts if folded else 0)
+        own[stage] = 0 if folded else experts
     return tuple(dense), tuple(own)
 
 
-def stage_moe_split(config: Config, stage: int) -> tuple[int, int]:
-    """What one rank of pipeline stage ``stage`` of the resolved ``config`` holds beyond the dense
-    count of :func:`~ptdp.planner.memory.params.stage_param_counts`: ``(change, own)``, the change to
-    its dense gradient buffer's parameters (:func:`stage_moe_params`; at ep = etp = 1 the routed
-    experts too) and the routed experts in their own buffer (ep or etp > 1; else 0)."""
-    p, split = config.parallel, config.pipeline
-    ids = [i for c in range(split.virtual_stages) for i in split.chunk_layer_ids(stage, c)]
-    change, experts = stage_moe_params(config.model, config.moe, ids, p.tp, p.ep, p.etp)
-    return (change + experts, 0) if p.ep * p.etp == 1 else (change, experts)
+def layout_stage_counts(
+    model: ModelConfig, layout: Candidate, layer_split: tuple[int, ...] | None, divisible_by: int = 128
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """:func:`stage_counts` of ``layout``'s pipeline (its v chunks, the embedding and the loss
+    counted as layers as it says) with ``layer_split`` as the split."""
+    p = layout.parallel
+    counted = (p.account_for_embedding_in_pipeline_split, p.account_for_loss_in_pipeline_split)
+    return stage_counts(model, p.tp, p.pp, p.ep, p.etp, layer_split, divisible_by, layout.virtual_stages, counted)
 
 
 def expert_bytes_per_param(precision: str, parallel: ParallelConfig) -> tuple[float, float, float]:

@@ -24,6 +24,8 @@ from ptdp.layout.pipeline.partition import accounted_split, first_last_split
 from ptdp.planner.candidate import RECOMPUTE, Candidate, Plan
 from ptdp.planner.inputs.hardware import Cluster
 from ptdp.planner.inputs.moe_model import moe_of
+from ptdp.planner.memory.moe_params import expert_param_count
+from ptdp.planner.memory.strategies import strategy_bytes_per_param
 from ptdp.planner.search.predict import predict_strategies
 from ptdp.planner.search.rules import context_rejections, structural_rejections
 from ptdp.planner.splits import ACCOUNTING, candidate_splits, interleaved_splits
@@ -263,11 +265,18 @@ def _fixed_split(num_layers: int, pp: int, fixed: Fixed) -> tuple[tuple[int, ...
         return None, False, (Violation("layers % pp", str(e)),)
 
 
-def expert_grids(model: ModelConfig, tp: int, cp: int, dp: int, fixed: Fixed) -> list[tuple[int, int]]:
-    """The (ep, etp) pairs searched for a layout of ``tp x cp x dp`` ranks per stage: those fixed,
-    else for an MoE model every ep dividing the experts and etp 1 or tp, with ``ep etp`` dividing
-    ``tp cp dp`` (the expert grid folds over the same ranks); (1, 1) for a dense model unless fixed
-    (then refused by the rules)."""
+def expert_grids(
+    model: ModelConfig, tp: int, cp: int, pp: int, dp: int, fixed: Fixed, cluster: Cluster, precision: str
+) -> list[tuple[int, int]]:
+    """The (ep, etp) pairs searched for a layout of ``tp x cp x dp`` ranks per stage: those fixed;
+    for a dense model (1, 1) unless fixed (then refused by the rules); else etp 1 or tp, and for each
+    the ep dividing the experts with ``ep etp`` dividing ``tp cp dp`` (the expert grid folds over
+    the same ranks) whose routed experts' own state fits the GPU (:func:`expert_state_floor`), of
+    which: 1; the largest whose group stays in a node (a smaller one holds more experts in smaller
+    groups over the same links); and the two smallest beyond a node (each doubling sends a larger
+    share of the tokens over the network). etp > 1 only with ep = E: otherwise ep x etp as the ep
+    holds as many expert weights per rank, each whole, in fuller GEMMs and without the etp exchange.
+    Always at least one pair (refused by the rules or memory when none fits)."""
     moe = moe_of(model)
     if moe is None:
         return [(fixed.expert_model_parallel_size or 1, fixed.expert_tensor_parallel_size or 1)]
@@ -277,7 +286,38 @@ def expert_grids(model: ModelConfig, tp: int, cp: int, dp: int, fixed: Fixed) ->
     pairs = [(ep, etp) for etp in etps for ep in eps if per_stage % (ep * etp) == 0]
     if not pairs:  # nothing divides: the first fixed or searched pair, refused by the rules
         return [(eps[0], etps[0])]
-    return pairs
+    if fixed.expert_model_parallel_size is not None:
+        return pairs
+    capacity, node, experts = cluster.gpu.memory_bytes, cluster.gpus_per_node, moe.num_experts or 1
+    kept = []
+    for etp in etps:
+        fit = [
+            ep
+            for ep, t in pairs
+            if t == etp and expert_state_floor(model, tp, cp, pp, dp, ep, etp, precision) <= capacity
+        ]
+        if etp > 1 and fixed.expert_tensor_parallel_size is None:
+            fit = [ep for ep in fit if ep == experts]  # else ep x etp as ep: the same experts per rank, whole
+        inside = [ep for ep in fit if ep * etp <= node]
+        beyond = [ep for ep in fit if ep * etp > node]
+        chosen = {ep for ep in inside if ep in (1, max(inside))} | set(beyond[:2])
+        kept += [(ep, etp) for ep in sorted(chosen)]
+    return kept or pairs[-1:]
+
+
+def expert_state_floor(
+    model: ModelConfig, tp: int, cp: int, pp: int, dp: int, ep: int, etp: int, precision: str
+) -> float:
+    """Bytes the routed experts of the busiest stage keep on a rank whatever else: weights and
+    gradients whole, the Adam state over edp (ZeRO-1), for ``ceil(MoE layers / pp)`` layers of
+    ``E / ep`` experts over etp; a lower bound of the rank's memory."""
+    moe = moe_of(model)
+    if moe is None:
+        return 0.0
+    layers = -(-len(model.moe_layer_ids) // pp)  # type: ignore[attr-defined]
+    n = layers * (moe.num_experts or 0) // ep * expert_param_count(model, moe, etp)
+    edp = max(1, tp * cp * dp // (ep * etp))
+    return n * sum(strategy_bytes_per_param(precision, "optim", edp))
 
 
 def _micro_batches(big_b: int, dp: int, fixed: int | None) -> list[int]:
@@ -361,7 +401,8 @@ def _search_layout(
         result.note_uneven(model.num_layers, pp)
     # with a flash kernel selective recompute keeps and costs what "none" does: not searched
     searched = [r for r in RECOMPUTE if not (r == "selective" and model.flash_attention)]
-    for (v, v_split), (ep, etp) in itertools.product(pairs, expert_grids(model, tp, cp, dp, fixed)):
+    grids = expert_grids(model, tp, cp, pp, dp, fixed, cluster, precision)
+    for (v, v_split), (ep, etp) in itertools.product(pairs, grids):
         for recompute in _options(fixed.recompute_granularity, searched):
             # sequence parallelism needs tp > 1 and sharding dp * cp > 1: off otherwise
             for sp in _options(fixed.sequence_parallel, [False, True]) if tp > 1 else [False]:

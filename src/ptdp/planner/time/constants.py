@@ -49,14 +49,19 @@ class PerfConstants:
         arch_fits: ``(arch, gemm_peak_fraction, gemm_half_dim, hbm_efficiency)`` per GPU architecture;
             Hopper fitted on ``published_runs_h100.csv``, half_dim 128 (half a 256-wide tile).
         moe_grouped_gemm_efficiency: speed of the experts' grouped GEMM over one GEMM of each group's
-            shape (launch and scheduling of many groups); fitted on ``published_moe_runs.csv``.
+            shape (launch and scheduling of many groups); fitted on ``published_moe_validation.csv``.
         moe_exchange_efficiency: achieved fraction of the links' bandwidth by the MoE all-to-alls
-            (uneven, many small messages; NCCL's or DeepEP's); fitted on ``published_moe_runs.csv``.
+            (NCCL's, uneven, many small messages); fitted on ``published_moe_validation.csv``.
+        moe_flex_efficiency: the same for the deduplicating flex dispatcher's kernels (DeepEP,
+            HybridEP); fitted there too.
         moe_layer_overhead: seconds per MoE layer and micro-batch (forward and backward) of the
             layer's small kernels (router, top-k, permutation bookkeeping, launches) beyond their
-            bytes; fitted on ``published_moe_runs.csv``.
+            bytes; fitted on ``published_moe_validation.csv``.
         moe_overlap: the MoE exchanges run behind another micro-batch's compute (Megatron-Core
             ``--overlap-moe-expert-parallel-comm``; planner only).
+        moe_overlap_slowdown: seconds of compute lost per second of exchange hidden behind it (the
+            streaming multiprocessors the communication kernels hold while they run); fitted on
+            ``published_moe_validation.csv``.
         moe_flex_dispatcher: the deduplicating exchange the run uses (Megatron-Core's ``flex``
             dispatcher, ``--moe-flex-dispatcher-backend`` deepep or hybridep; planner only), "" for
             the plain all-to-all.
@@ -81,10 +86,12 @@ class PerfConstants:
     pp_overlap: bool = False
     cp_implementation: str = "te"
     arch_fits: tuple[tuple[str, float, float, float], ...] = (("hopper", 0.58, 128.0, 0.85),)
-    moe_grouped_gemm_efficiency: float = 0.8
-    moe_exchange_efficiency: float = 0.6
-    moe_layer_overhead: float = 0.0
+    moe_grouped_gemm_efficiency: float = 1.3
+    moe_exchange_efficiency: float = 0.8
+    moe_flex_efficiency: float = 1.0
+    moe_layer_overhead: float = 3e-3
     moe_overlap: bool = False
+    moe_overlap_slowdown: float = 0.0
     moe_flex_dispatcher: str = ""
 
     def __post_init__(self) -> None:  # a profile read from JSON holds lists

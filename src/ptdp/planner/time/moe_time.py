@@ -32,6 +32,8 @@ from ptdp.planner.time.flops import (
     FFN_BYTES_GELU,
     FFN_BYTES_SWIGLU,
     FP8_CAST_BYTES,
+    gemm_efficiency,
+    gemm_flops,
     gemm_time,
 )
 
@@ -73,23 +75,16 @@ def exchange_time(nbytes: float, group: int, links: Links, *, receive: float = 1
     return max(inside, outside) + latency
 
 
-def remote_nodes_per_token(
-    experts: int, k: int, group: int, per_node: int, limit_groups: tuple[int, int] | None
-) -> float:
-    """Expected number of other nodes holding at least one of a token's ``k`` experts when the
-    ``experts`` are spread evenly over ``group`` ranks, ``per_node`` per node, and a token picks
-    its experts uniformly (a balanced router); with ``limit_groups`` ``(groups, groups per token)``
-    (DeepSeek-V3's node-limited routing) and one group per node, at most that many nodes."""
-    nodes = -(-group // per_node)
-    if nodes <= 1:
-        return 0.0
-    if limit_groups is not None and limit_groups[0] == nodes:
-        return limit_groups[1] * (nodes - 1) / nodes
-    per = experts // nodes
+def parts_hit(experts: int, k: int, parts: int) -> float:
+    """Expected number of ``parts`` equal shares of the ``experts`` holding at least one of a token's
+    ``k`` experts, drawn uniformly without replacement (a balanced router)."""
+    if parts <= 1:
+        return 1.0
+    per = experts // parts
     missed = 1.0
-    for i in range(k):  # no expert of a given node among the k drawn without replacement
+    for i in range(k):
         missed *= max(0.0, (experts - per - i) / (experts - i))
-    return (nodes - 1) * (1.0 - missed)
+    return parts * (1.0 - missed)
 
 
 def flex_exchange_time(
@@ -97,16 +92,19 @@ def flex_exchange_time(
 ) -> float:
     """Seconds of one deduplicating exchange (DeepEP / HybridEP, Megatron-Core's ``flex`` dispatcher)
     of ``tokens`` rows of ``row_bytes``: each token crosses the network once per other node holding
-    one of its experts (:func:`remote_nodes_per_token`) and is copied to its experts' ranks inside
-    a node over NVLink, both at once."""
+    one of its experts (at most the groups of node-limited routing, DeepSeek-V3 §2.1.2, when they
+    are the nodes) and reaches each other GPU holding one over NVLink once (:func:`parts_hit`), both
+    at once; the combine sums on the way back the same way."""
     per_node = min(group, links.gpus_per_node)
-    k, experts = moe.moe_router_topk, moe.num_experts or 1
-    limit = (moe.moe_router_num_groups, moe.moe_router_group_topk) if moe.moe_router_group_topk else None
-    remote = remote_nodes_per_token(experts, k, group, per_node, limit)
-    moved = tokens * row_bytes * max(1.0, receive)
-    inside = moved * k * (per_node - 1) / per_node / (links.nvlink_bandwidth * efficiency)
-    outside = moved * remote / (links.network_bandwidth * efficiency)
     nodes = -(-group // per_node)
+    k, experts = moe.moe_router_topk, moe.num_experts or 1
+    node_hits = parts_hit(experts, k, nodes)
+    if moe.moe_router_group_topk and moe.moe_router_num_groups == nodes:
+        node_hits = min(node_hits, float(moe.moe_router_group_topk))
+    gpu_hits = parts_hit(experts, k, group)
+    moved = tokens * row_bytes * max(1.0, receive)
+    inside = moved * gpu_hits * (group - 1) / group / (links.nvlink_bandwidth * efficiency)
+    outside = moved * node_hits * (nodes - 1) / nodes / (links.network_bandwidth * efficiency)
     return max(inside, outside) + links.nvlink_latency + (nodes - 1) * links.network_latency
 
 
@@ -142,6 +140,18 @@ def moe_exchange_times(
     if etp > 1:
         out += 4.0 * exchange_time(etp * one * rho, etp, links, efficiency=efficiency)
     return out
+
+
+def grouped_gemm_time(
+    groups: int, m: int, n: int, k: int, *, peak_flops: float, bandwidth: float, c: PerfConstants, element: float
+) -> float:
+    """Seconds of one grouped GEMM of ``groups`` products ``[m, k] x [k, n]`` (a rank's experts):
+    the FLOPs at the efficiency of one ``(groups m, n, k)`` GEMM (the groups fill the GPU together)
+    times ``c.moe_grouped_gemm_efficiency``, or reading every group's operands, whichever is longer."""
+    eff = gemm_efficiency(groups * m, n, k, peak_fraction=c.gemm_peak_fraction, half_dim=c.gemm_half_dim)
+    compute = gemm_flops(m, n, k, groups) / (peak_flops * eff * c.moe_grouped_gemm_efficiency)
+    memory = groups * (m * k + k * n + m * n) * element / bandwidth
+    return max(compute, memory)
 
 
 @lru_cache(maxsize=65536)
@@ -197,8 +207,8 @@ def sublayer_times(
             rows = moe.moe_expert_capacity_factor * k * routed * etp
         local = max(1, experts // ep)
         m = max(1, round(rows / local))
-        expert_gemms = local * (gemms(m, halves * ffn // etp, h, 1) + gemms(m, h, ffn // etp, 1))
-        expert_gemms /= c.moe_grouped_gemm_efficiency
+        grouped = partial(grouped_gemm_time, peak_flops=weight_peak, bandwidth=bandwidth, c=c, element=weight_bytes)
+        expert_gemms = grouped(local, m, halves * ffn // etp, h) + grouped(local, m, h, ffn // etp)
         act = ffn_bytes * rows * ffn / etp / bandwidth
         casts_f = casts_b = 0.0
         if fp8_peak:  # each expert GEMM's input quantised (and transposed) on the way
@@ -219,9 +229,9 @@ def sublayer_times(
         moe_backward += 2.0 * shared
         forward += share * (moe_forward - dense_gemms - dense_act)
         backward += share * (moe_backward - 2.0 * dense_gemms - BACKWARD_TRAFFIC_RATIO * dense_act)
-        one = moe_exchange_times(
-            model, routed, ep, etp, dispatcher, links, elem, c.moe_exchange_efficiency, bool(c.moe_flex_dispatcher)
-        )
+        flex = bool(c.moe_flex_dispatcher)
+        efficiency = c.moe_flex_efficiency if flex else c.moe_exchange_efficiency
+        one = moe_exchange_times(model, routed, ep, etp, dispatcher, links, elem, efficiency, flex)
         exchange += share * one
         if "moe" in modules or full_recompute:
             again += share * one / 2.0

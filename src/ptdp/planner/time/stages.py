@@ -118,8 +118,11 @@ def stage_microbatch_times(
     )
     fwd, bwd = fwd + sub.forward, bwd + sub.backward
     exchange = sub.exchange + sub.exchange_again
-    if c.moe_overlap:  # the exchanges behind another micro-batch's compute of the layer
-        exchange = max(0.0, exchange - (fwd + bwd))
+    if c.moe_overlap:  # the exchanges behind another micro-batch's compute, which their kernels slow
+        hidden = min(exchange, fwd + bwd)
+        fwd += c.moe_overlap_slowdown * hidden * fwd / (fwd + bwd)
+        bwd += c.moe_overlap_slowdown * hidden * bwd / (fwd + bwd)
+        exchange -= hidden
     tp_f, tp_b = tp_layer_comm_times(
         b * s, h, tp, sequence_parallel=layout.parallel.sequence_parallel, links=links, bytes_per_element=elem
     )

@@ -18,7 +18,7 @@ from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate, TimeBreakdown
 from ptdp.planner.inputs.hardware import Cluster
 from ptdp.planner.inputs.moe_model import MoEModel, moe_of
-from ptdp.planner.memory.moe_params import stage_counts
+from ptdp.planner.memory.moe_params import layout_stage_counts
 from ptdp.planner.memory.params import even_stage_params, stage_param_counts
 from ptdp.planner.time import flops
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants, links_for
@@ -99,7 +99,7 @@ def _stage_extent(
     ``l / pp`` layers each; an uneven ``split``'s times are built from one layer and the edges
     (:func:`ptdp.planner.time.stages.split_stage_times`)."""
     if isinstance(model, MoEModel):
-        dense, own = stage_counts(model, layout.tp, layout.pp, layout.ep, layout.etp, split, divisible_by)
+        dense, own = layout_stage_counts(model, layout, split, divisible_by)
         layers = model.num_layers // layout.pp if split is None else 1
         most = model.num_layers // layout.pp if split is None else max(split)
         return (dense[0], max(dense[1:], default=dense[0]))[: min(layout.pp, 2)], layers, most, max(own)

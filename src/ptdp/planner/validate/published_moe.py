@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from ptdp.config.keywords import RaisingParser, keyword_namespace
 from ptdp.planner.candidate import Plan
-from ptdp.planner.inputs.hardware import CATALOG
+from ptdp.planner.inputs.hardware import CATALOG, GiB
 from ptdp.planner.inputs.models import MOE_PRESETS
+from ptdp.planner.inputs.moe_model import with_mtp
 from ptdp.planner.inputs.plan_flags import add_plan_arguments
 from ptdp.planner.request import PlanRequest, prepare
+from ptdp.planner.search.predict import evaluate
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants
 
 #: Where :func:`default_moe_csv` looks: the repository's benchmarks/data folder.
@@ -69,6 +72,8 @@ class MoERun:
             flag = "--" + dest.replace("_", "-")
             if value is True:
                 out.append(flag)
+            elif value is False:
+                out.append("--no-" + flag[2:])
             elif isinstance(value, list):
                 out.append(f"{flag} {' '.join(map(str, value))}")
             else:
@@ -129,6 +134,10 @@ def _options(r: dict) -> dict[str, object]:
     if not _yes(r["dp_overlap"], "dp_overlap"):
         o["overlap_grad_reduce"] = False
     counted = r.get("split_accounting", "").split()
+    layers = with_mtp(MOE_PRESETS[preset], int(r["mtp_layers"] or 0)).num_layers
+    pp = int(r["pp"])
+    if not counted and int(r["vpp"]) == 1 and pp > 1 and layers % pp == 0:  # Megatron's even split
+        o["pipeline_layer_split"] = [layers // pp] * pp
     if "embedding" in counted:
         o["account_for_embedding_in_pipeline_split"] = True
     if "loss" in counted:
@@ -166,11 +175,8 @@ def run_request(run: MoERun, constants: PerfConstants | None = None) -> PlanRequ
     add_plan_arguments(parser)
     request = prepare(keyword_namespace(parser, dict(run.options), caller="ptdp plan --validate"))
     if constants is not None:
-        request.constants = dataclasses.replace(
-            request.constants,
-            moe_grouped_gemm_efficiency=constants.moe_grouped_gemm_efficiency,
-            moe_exchange_efficiency=constants.moe_exchange_efficiency,
-        )
+        fitted = {name: getattr(constants, name) for name in MOE_GRID}
+        request.constants = dataclasses.replace(request.constants, **fitted)
     return request
 
 
@@ -182,7 +188,8 @@ def predict_run(run: MoERun, constants: PerfConstants | None = None) -> Plan | N
 
 
 def moe_errors(runs: list[MoERun], constants: PerfConstants | None = None) -> list[tuple[MoERun, Plan | None, float]]:
-    """(run, plan, relative step-time error) of each run; NaN where nothing fits."""
+    """(run, plan, relative step-time error) of each run (``constants``: the MoE constants to use;
+    default the planner's); NaN where nothing fits."""
     out = []
     for run in runs:
         plan = predict_run(run, constants)
@@ -191,17 +198,48 @@ def moe_errors(runs: list[MoERun], constants: PerfConstants | None = None) -> li
     return out
 
 
+#: The fitted MoE constants of :class:`~ptdp.planner.time.constants.PerfConstants` and the grid
+#: :func:`fit_moe_constants` searches for each
+MOE_GRID: dict[str, tuple[float, ...]] = {
+    "moe_grouped_gemm_efficiency": (0.9, 1.1, 1.3, 1.5),
+    "moe_exchange_efficiency": (0.4, 0.6, 0.8, 1.0),
+    "moe_flex_efficiency": (0.6, 0.8, 1.0),
+    "moe_layer_overhead": (0.0, 1.5e-3, 3e-3, 4.5e-3),
+    "moe_overlap_slowdown": (0.0, 0.25),
+}
+
+
 def fit_moe_constants(runs: list[MoERun], constants: PerfConstants = DEFAULT_CONSTANTS) -> PerfConstants:
-    """``constants`` with ``moe_grouped_gemm_efficiency`` and ``moe_exchange_efficiency`` chosen on a
-    grid to minimise the mean squared log step-time error over ``runs`` (those that fit)."""
+    """``constants`` with the MoE constants of :data:`MOE_GRID` that minimise the mean squared log
+    step-time error over ``runs``, each planned at the layout ``ptdp plan`` picks for it with the
+    defaults (runs where nothing fits are left out)."""
+    cases = []
+    for run in runs:
+        request = run_request(run)
+        result = request.search()
+        if result.plans:
+            cases.append((run, request, result.plans[0].layout))
 
-    def loss(c: PerfConstants) -> float:
-        errors = [math.log1p(e) ** 2 for _, _, e in moe_errors(runs, c) if not math.isnan(e)]
-        return sum(errors) / max(len(errors), 1)
+    def loss(values: tuple[float, ...]) -> float:
+        total = 0.0
+        for run, request, layout in cases:
+            c = dataclasses.replace(request.constants, **dict(zip(MOE_GRID, values)))  # type: ignore[arg-type]
+            plan, _ = evaluate(request.model, layout, request.cluster, constants=c)
+            total += math.log(plan.need_time().step / run.step_time) ** 2 if plan.time else 0.0
+        return total / max(len(cases), 1)
 
-    grid = [
-        dataclasses.replace(constants, moe_grouped_gemm_efficiency=g / 20, moe_exchange_efficiency=x / 20)
-        for g in range(6, 21)
-        for x in range(4, 21)
-    ]
-    return min(grid, key=loss)
+    best = min(itertools.product(*MOE_GRID.values()), key=loss)
+    return dataclasses.replace(constants, **dict(zip(MOE_GRID, best)))  # type: ignore[arg-type]
+
+
+def memory_checks(runs: list[MoERun]) -> list[tuple[MoERun, float, float]]:
+    """(run, predicted GiB on the most loaded GPU, the GPU's GiB) of each run's published layout,
+    as ``ptdp plan`` plans it (the fitting plan, else the closest rejected for memory)."""
+    out = []
+    for run in runs:
+        request = run_request(run)
+        result = request.search()
+        plans = result.plans or [p for p, v in result.rejected if v.rule == "memory" and p.memory is not None]
+        total = min(p.need_memory().total for p in plans) if plans else math.nan
+        out.append((run, total / GiB, request.cluster.gpu.memory_bytes / GiB))
+    return out
