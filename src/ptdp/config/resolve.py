@@ -91,6 +91,7 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
         world_size=world_size,
         sequence_parallel=p.sequence_parallel,
         dispatcher=p.moe_token_dispatcher_type,
+        linear_biases=m.add_bias_linear,
     )
     errors += _moe_not_yet(config)
     if not 0 < config.data.valid_fraction < 1:
@@ -119,17 +120,9 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
 
 def _moe_not_yet(config: Config) -> list[Violation]:
     """The MoE settings ``ptdp train`` does not run yet, each named."""
-    moe, p = config.moe, config.parallel
-    if not moe.enabled:
+    if not config.moe.enabled:
         return []
-    missing = [
-        (
-            p.etp > 1 and config.model.add_bias_linear,
-            f"expert_tensor_parallel_size={p.etp} with linear biases",
-            " (--disable-bias-linear removes them)",
-        ),
-        (config.model.compile, "--compile", ""),
-    ]
+    missing = [(config.model.compile, "--compile", "")]
     return [
         V("moe", f"{what} with --num-experts: ptdp train does not run it yet{hint}") for on, what, hint in missing if on
     ]

@@ -31,7 +31,7 @@ from ptdp.planner.inputs.models import (
 from ptdp.planner.inputs.moe_model import MoEModel, moe_of, with_moe, with_mtp
 from ptdp.planner.inputs.plan_flags import plan_precision
 from ptdp.planner.memory.fp8 import check_fp8_param_gather, fp8_precision
-from ptdp.planner.report.explain import distance_from_best, explain_pick
+from ptdp.planner.report.explain import distance_from_best, explain_experts, explain_pick
 from ptdp.planner.search.checks import (
     check_fixed_choices,
     check_model,
@@ -278,10 +278,11 @@ def _counted_chunks_as_v(fixed: Fixed, num_layers: int) -> Fixed:
     return fixed
 
 
-def _explanation(result: SearchResult, free: SearchResult | None) -> list[str]:
-    """Why the best plan beats the runner-up and, when the user fixed choices (``free``: the
-    search with nothing fixed), how far the best plan under them is from the best found."""
-    lines = explain_pick(result.plans)
+def _explanation(result: SearchResult, free: SearchResult | None, gpus_per_node: int = 8) -> list[str]:
+    """Why the best plan beats the runner-up (with experts, where their exchanges run and why,
+    :func:`~ptdp.planner.report.explain.explain_experts`) and, when the user fixed choices (``free``:
+    the search with nothing fixed), how far the best plan under them is from the best found."""
+    lines = explain_pick(result.plans) + explain_experts(result.plans, result.rejected, gpus_per_node)
     if free is not None:
         lines += distance_from_best(result.plans[0] if result.plans else None, free.plans[0] if free.plans else None)
     return lines
@@ -318,7 +319,7 @@ class PlanRequest:
     def explanation(self, result: SearchResult) -> list[str]:
         """:func:`_explanation`, with the free search run when choices are fixed."""
         free = self.search(fixed=Fixed()) if self.fixed != Fixed() else None
-        return _explanation(result, free)
+        return _explanation(result, free, self.cluster.gpus_per_node)
 
 
 def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanRequest:

@@ -36,8 +36,11 @@ def moe_violations(
     world_size: int,
     sequence_parallel: bool,
     dispatcher: str = "alltoall",
+    linear_biases: bool = False,
 ) -> list[Violation]:
-    """Every broken MoE rule (module docstring), each naming its numbers."""
+    """Every broken MoE rule (module docstring), each naming its numbers; ``linear_biases``: the
+    model's linear layers have biases (the experts too), which ``ptdp train`` does not split over
+    etp yet."""
     out: list[Violation] = []
     for name, value in (("expert_model_parallel_size", ep), ("expert_tensor_parallel_size", etp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -98,6 +101,14 @@ def moe_violations(
                 "moe",
                 f"moe_shared_expert_intermediate_size={shared} must be 0 or a positive multiple of "
                 f"tensor_model_parallel_size={tp} (the shared expert is split as the dense MLP)",
+            )
+        )
+    if etp > 1 and linear_biases:
+        out.append(
+            V(
+                "moe",
+                f"expert_tensor_parallel_size={etp} with linear biases with --num-experts: ptdp train does "
+                "not run it yet (--disable-bias-linear removes them)",
             )
         )
     out += _layer_freq_violations(moe.moe_layer_freq, num_layers)

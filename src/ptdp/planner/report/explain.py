@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ptdp.errors import Violation
 from ptdp.planner.candidate import Candidate, Plan
 from ptdp.planner.inputs.hardware import GiB
 from ptdp.planner.splits import describe_split, split_flags
@@ -153,3 +154,47 @@ def distance_from_best(chosen: Plan | None, best: Plan | None) -> list[str]:
     if best.layout == chosen.layout or best.need_time().step >= chosen.need_time().step:
         return ["your fixed choices include the best layout the search finds with nothing fixed"]
     return ["the best layout with nothing fixed:", *compare(best, chosen, faster_name="best", slower_name="yours")]
+
+
+def explain_experts(plans: list[Plan], rejected: list[tuple[Plan, Violation]], gpus_per_node: int) -> list[str]:
+    """For a mixture-of-experts search: the share of the best plan's step its exchanges take and
+    where its ``ep x etp`` group runs (in a node or over the network), and why the best plan with
+    its group on the other side of the node boundary loses: slower, or over the GPU's memory (the
+    least memory of those rejected for it). Empty without plans or at ep = etp = 1 everywhere."""
+    if not plans:
+        return []
+    best = plans[0]
+    group = best.layout.ep * best.layout.etp
+    if group == 1 and all(p.layout.ep * p.layout.etp == 1 for p in plans):
+        return []
+    time = best.need_time()
+    where = "inside a node" if group <= gpus_per_node else f"over the network ({group} ranks, {gpus_per_node} per node)"
+    name = f"ep {best.layout.ep}" + (f" x etp {best.layout.etp}" if best.layout.etp > 1 else "")
+    lines = [
+        f"experts: {name} runs its all-to-alls {where}: {100 * time.ep_comm / time.step:.0f}% of the step "
+        f"exposed, the expert-data-parallel reduction {100 * time.edp_comm / time.step:.0f}%"
+    ]
+    inside = group <= gpus_per_node
+    other = [p for p in plans if (p.layout.ep * p.layout.etp <= gpus_per_node) != inside]
+    side = "beyond a node" if inside else "inside a node"
+    if other:
+        alt = other[0]
+        rel = (alt.need_time().step - time.step) / alt.need_time().step
+        gains, _ = deciding_terms(best, alt)
+        lines.append(
+            f"  the best with ep x etp {side} (ep {alt.layout.ep}, etp {alt.layout.etp}) is {100 * rel:.1f}% slower"
+            + (f": {', '.join(gains)}" if gains else "")
+        )
+        return lines
+    over = [
+        p
+        for p, _ in rejected
+        if p.memory is not None and (p.layout.ep * p.layout.etp <= gpus_per_node) != inside and p.layout.ep > 1
+    ]
+    if over:
+        least = min(over, key=lambda p: p.need_memory().total)
+        lines.append(
+            f"  ep x etp {side} does not fit: at best ep {least.layout.ep}, etp {least.layout.etp} needs "
+            f"{least.need_memory().total / GiB:.1f} GiB on its most loaded GPU ({least.reasons[0]})"
+        )
+    return lines

@@ -27,7 +27,7 @@ from ptdp.planner.inputs.moe_model import moe_of
 from ptdp.planner.memory.moe_params import expert_param_count
 from ptdp.planner.memory.strategies import strategy_bytes_per_param
 from ptdp.planner.search.predict import predict_strategies
-from ptdp.planner.search.rules import context_rejections, structural_rejections
+from ptdp.planner.search.rules import context_rejections, expert_rejections, structural_rejections
 from ptdp.planner.splits import ACCOUNTING, candidate_splits, interleaved_splits
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS
 
@@ -434,6 +434,12 @@ def _search_layout(
                         dispatcher=fixed.moe_token_dispatcher_type or "alltoall",
                     )
 
+                dispatcher = fixed.moe_token_dispatcher_type or "alltoall"
+                experts_broken = expert_rejections(model, tp, pp, tp * cp * pp * dp, ep, etp, sp, dispatcher)
+                if experts_broken:
+                    reasons = [r.message for r in experts_broken]
+                    result.rejected.append((Plan(make("no_shard"), False, reasons=reasons), experts_broken[0]))
+                    continue
                 plans, rejected = predict_strategies(
                     model,
                     make,

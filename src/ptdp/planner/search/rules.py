@@ -124,6 +124,7 @@ def expert_rejections(
             world_size=world,
             sequence_parallel=sequence_parallel,
             dispatcher=dispatcher,
+            linear_biases=model.add_bias_linear,
         )
     )
 
