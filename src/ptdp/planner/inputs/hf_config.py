@@ -11,7 +11,7 @@ holding one; anything else is a preset name, :func:`ptdp.planner.inputs.models.g
   ``n_positions`` -> s, ``tie_word_embeddings``; LayerNorm, learned positions, GELU, biases;
   dropout when ``resid_pdrop`` or ``embd_pdrop`` is non-zero.
 
-Missing fields take transformers' defaults (:data:`DEFAULTS`); planned with a flash kernel. Shape
+Missing fields take transformers' defaults (:mod:`ptdp.planner.inputs.hf_defaults`); planned with a flash kernel. Shape
 changes the planner does not model (experts, cross attention) raise
 :class:`~ptdp.config.ConfigError`; cost-only ones (sliding window, rotary scaling) become notes.
 """
@@ -23,78 +23,9 @@ from pathlib import Path
 
 from ptdp.config.model import ModelConfig
 from ptdp.errors import ConfigError
+from ptdp.planner.inputs.hf_defaults import DEFAULTS
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
-
-#: transformers' defaults (its ``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``,
-#: ``GPT2Config``)
-#: for the fields read here, used when a config.json leaves one out.
-DEFAULTS: dict[str, dict] = {
-    "llama": {
-        "vocab_size": 32000,
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": None,
-        "max_position_embeddings": 2048,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "head_dim": None,
-    },
-    "mistral": {
-        "vocab_size": 32000,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "max_position_embeddings": 4096 * 32,
-        "tie_word_embeddings": False,
-        "head_dim": None,
-        "sliding_window": 4096,
-    },
-    "qwen2": {
-        "vocab_size": 151936,
-        "hidden_size": 4096,
-        "intermediate_size": 22016,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-        "max_position_embeddings": 32768,
-        "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "sliding_window": 4096,
-        "max_window_layers": 28,
-    },
-    "qwen3": {
-        "vocab_size": 151936,
-        "hidden_size": 4096,
-        "intermediate_size": 22016,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-        "head_dim": 128,
-        "max_position_embeddings": 32768,
-        "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "sliding_window": 4096,
-        "max_window_layers": 28,
-    },
-    "gpt2": {
-        "vocab_size": 50257,
-        "n_positions": 1024,
-        "n_embd": 768,
-        "n_layer": 12,
-        "n_head": 12,
-        "n_inner": None,
-        "tie_word_embeddings": True,
-        "resid_pdrop": 0.1,
-        "embd_pdrop": 0.1,
-        "add_cross_attention": False,
-    },
-}
 
 #: Fields of mixture-of-experts configs (Mixtral, Qwen2-MoE, DeepSeek): the planner models dense MLPs.
 MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
