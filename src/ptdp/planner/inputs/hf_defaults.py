@@ -1,11 +1,12 @@
 """What transformers assumes for the fields :mod:`ptdp.planner.inputs.hf_config` reads when a
-``config.json`` leaves one out, by ``model_type``."""
+``config.json`` leaves one out, and the other spellings of a field it accepts, by ``model_type``."""
 
 from __future__ import annotations
 
 #: transformers' defaults (its ``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``,
-#: ``GPT2Config``)
-#: for the fields hf_config reads, used when a config.json leaves one out.
+#: ``GPT2Config``, ``MixtralConfig``, ``Qwen2MoeConfig``, ``Qwen3MoeConfig``, ``DeepseekV3Config``,
+#: ``GptOssConfig``; DeepSeek's ``scoring_func``, ``topk_method`` and ``moe_layer_freq`` as its
+#: released config.json) for the fields hf_config reads, used when a config.json leaves one out.
 DEFAULTS: dict[str, dict] = {
     "llama": {
         "vocab_size": 32000,
@@ -71,4 +72,111 @@ DEFAULTS: dict[str, dict] = {
         "embd_pdrop": 0.1,
         "add_cross_attention": False,
     },
+    "mixtral": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": None,
+        "max_position_embeddings": 4096 * 32,
+        "tie_word_embeddings": False,
+        "sliding_window": None,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "router_jitter_noise": 0.0,
+    },
+    "qwen2_moe": {
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+        "qkv_bias": True,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": False,
+    },
+    "qwen3_moe": {
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": False,
+    },
+    "deepseek_v3": {
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 2048,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 3,
+        "moe_layer_freq": 1,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "routed_scaling_factor": 2.5,
+        "n_group": 8,
+        "topk_group": 4,
+        "num_nextn_predict_layers": 1,
+    },
+    "gpt_oss": {
+        "vocab_size": 201088,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "attention_bias": True,
+        "sliding_window": 128,
+        "rope_parameters": {"rope_type": "yarn"},
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+    },
+}
+
+#: Other spellings of a field that transformers reads (its configs' ``attribute_map``; Qwen3-MoE's
+#: released configs say ``num_experts``, transformers 5 writes ``num_local_experts``), by model_type.
+ALIASES: dict[str, dict[str, str]] = {
+    "mixtral": {"num_experts": "num_local_experts"},
+    "qwen3_moe": {"num_local_experts": "num_experts"},
+    "deepseek_v3": {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"},
+    "gpt_oss": {"num_experts": "num_local_experts"},
 }
