@@ -1,6 +1,6 @@
 """``ptdp plan --model PATH`` with Hugging Face configs (:mod:`ptdp.planner.inputs.hf_config`): the
 planner's parameter count equals ``sum(p.numel())`` of the transformers model built from the
-same config (small shapes, on the CPU) for every supported model_type, tied and untied; the
+same config (small shapes, on the CPU) for every dense model_type, tied and untied; the
 fields it cannot model are named; the command runs on a config file and on a folder."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from ptdp.cli import main
 from ptdp.errors import ConfigError
-from ptdp.planner.inputs.hf_config import SUPPORTED, load_hf_config
+from ptdp.planner.inputs.hf_config import DENSE, load_hf_config
 from ptdp.planner.memory.params import stage_param_counts
 
 transformers = pytest.importorskip("transformers")
@@ -67,9 +67,10 @@ def test_parameter_count_equals_transformers(tmp_path, case, tied):
     assert _planner_count(tmp_path / "config.json") == expected  # the file
 
 
-def test_every_supported_type_is_covered():
+def test_every_dense_type_is_covered():
+    """The mixtures of experts: tests/unit/test_planner_hf_moe.py."""
     kinds = {getattr(transformers, c).model_type for c, _, _ in CASES.values()}
-    assert kinds == set(SUPPORTED)
+    assert kinds == set(DENSE)
 
 
 def test_fields_mapped(tmp_path):
@@ -102,10 +103,7 @@ def _write(tmp_path, config: dict):
 @pytest.mark.parametrize(
     "config,words",
     [
-        (
-            {"model_type": "mixtral", "num_local_experts": 8},
-            ['model_type="mixtral"', "llama, mistral, qwen2, qwen3, gpt2"],
-        ),
+        ({"model_type": "t5"}, ['model_type="t5"', "llama, mistral, qwen2, qwen3, gpt2, mixtral"]),
         ({"model_type": "llama", "num_local_experts": 8}, ["num_local_experts=8", "dense"]),
         ({"model_type": "qwen2", "num_experts": 64}, ["num_experts=64"]),
         ({"model_type": "llama", "head_dim": 0}, ["head_dim=0 must be a positive integer"]),
