@@ -16,7 +16,7 @@ from ptdp.config.model import ModelConfig
 from ptdp.errors import ConfigError
 from ptdp.planner.inputs.hf_config import MOE, load_hf_config
 from ptdp.planner.inputs.models import MOE_PRESETS
-from ptdp.planner.inputs.moe_model import MLA, MoEModel
+from ptdp.planner.inputs.moe_model import MLA, MoEModel, with_mtp
 from ptdp.planner.memory.moe_params import model_param_counts
 
 transformers = pytest.importorskip("transformers")
@@ -158,12 +158,12 @@ def test_total_and_active_parameters_equal_transformers(tmp_path, case, tied):
     model, notes = load_hf_config(tmp_path / "config.json")
     assert isinstance(model, MoEModel) and model.moe.enabled
     total, active, moe_layers = _counts(hf, hf.config.num_experts_per_tok)
-    assert list(model.moe_layer_ids) == moe_layers
+    main = with_mtp(model, 0)  # the multi-token-prediction modules, which transformers does not build, aside
+    assert list(main.moe_layer_ids) == moe_layers
     # less the weights the planner leaves out and names in a note (none for Mixtral and Qwen3-MoE)
     left_out = _left_out(hf)
     assert bool(left_out) == any("left out" in note for note in notes)
-    # transformers builds no multi-token-prediction module, nor does model_param_counts count it
-    assert model_param_counts(model, model.moe) == (total - left_out, active - left_out)
+    assert model_param_counts(main, main.moe) == (total - left_out, active - left_out)
 
 
 def test_every_moe_family_is_covered():
@@ -192,7 +192,7 @@ def test_deepseek_v3_fields_mapped(tmp_path):
     _save(tmp_path, "deepseek_v3", tied=False)
     model, notes = load_hf_config(tmp_path)
     moe, mla = model.moe, model.mla
-    assert notes == [] and model.mtp_layers == 1 and moe.moe_layers(3) == (False, True, True)
+    assert notes == [] and model.mtp_layers == 1 and moe.moe_layers(4) == (False, True, True, True)
     assert (moe.num_experts, moe.moe_router_topk, moe.expert_ffn(model.ffn), moe.shared_ffn) == (8, 4, 32, 64)
     assert (moe.moe_router_score_function, moe.moe_router_topk_scaling_factor) == ("sigmoid", 2.5)
     assert (moe.moe_router_num_groups, moe.moe_router_group_topk, moe.moe_router_enable_expert_bias) == (4, 2, True)

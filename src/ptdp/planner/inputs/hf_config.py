@@ -49,7 +49,7 @@ from ptdp.config.moe import MoEConfig
 from ptdp.config.rules.moe import moe_violations
 from ptdp.errors import ConfigError
 from ptdp.planner.inputs.hf_defaults import ALIASES, DEFAULTS
-from ptdp.planner.inputs.moe_model import MLA, with_moe
+from ptdp.planner.inputs.moe_model import MLA, with_moe, with_mtp
 
 DENSE = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
@@ -253,7 +253,8 @@ def _deepseek_v3(cfg: dict, path, seq_length: int | None) -> tuple[ModelConfig, 
     layers = [i >= first and i % every == 0 for i in range(model.num_layers)]
     e, mtp = _int(cfg, "n_routed_experts", path, minimum=0), _int(cfg, "num_nextn_predict_layers", path, minimum=0)
     if not e or not any(layers):
-        return with_moe(model, None, mla=mla, mtp_layers=mtp), [*notes, _dense_note(path, "n_routed_experts", e)]
+        planned = with_moe(model, None, mla=mla, mtp_layers=0)
+        return with_mtp(planned, mtp), [*notes, _dense_note(path, "n_routed_experts", e)]  # type: ignore[arg-type]
     score = cfg.get("scoring_func")
     if score not in ("softmax", "sigmoid"):
         raise ConfigError(f"--model {path}: scoring_func={json.dumps(score)} must be softmax or sigmoid")
@@ -282,7 +283,7 @@ def _deepseek_v3(cfg: dict, path, seq_length: int | None) -> tuple[ModelConfig, 
         "moe_router_topk_scaling_factor": "routed_scaling_factor",
     }
     _check_routing(moe, model, path, names)
-    return with_moe(model, moe, mla=mla, mtp_layers=mtp), notes
+    return with_mtp(with_moe(model, moe, mla=mla), mtp), notes  # type: ignore[arg-type]
 
 
 def _layer_ids(cfg: dict, key: str, path) -> set[int]:

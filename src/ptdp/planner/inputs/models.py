@@ -231,7 +231,7 @@ MOE_PRESETS: dict[str, MoEModel] = {
         MoEConfig(num_experts=128, moe_router_topk=4),
     ),
     "gpt-oss-20b": moe_model(
-        llama(24, 2880, 64, 8, 2880, 201088, 4096, kv_channels=64, linear_biases=("qkv", "proj", "fc1", "fc2")),
+        llama(24, 2880, 64, 8, 2880, 201088, 4096, kv_channels=64, add_bias_linear=True),  # experts' biases too
         MoEConfig(num_experts=32, moe_router_topk=4),
     ),
     "deepseek-v3": DEEPSEEK_V3,
