@@ -87,3 +87,42 @@ def test_shared_cores_bound_the_step_from_below():
     assert alone.time.compute - no_overhead.time.compute == pytest.approx(4 * (2 * 2e-3 + 5e-3))
     plenty = evaluate_performance(model, layout, Cluster(dataclasses.replace(cpu, shared_cores=8), 8, 8), constants)
     assert plenty.time.core_sharing == 0.0
+
+
+def test_moe_fits_recover_known_efficiencies():
+    """All-to-alls timed as ``exchange_time`` at efficiency 0.4 (groups of 2 and 4, inside a node
+    and across two) and experts' GEMMs at 0.7 of the roofline give back 0.4 and 0.7; times that
+    never exceed the latency fit nothing (1.0)."""
+    from functools import partial
+
+    from ptdp.planner.time.collectives import Links
+    from ptdp.planner.time.flops import gemm_time
+    from ptdp.planner.time.moe_time import exchange_time, experts_gemm_time
+    from ptdp.planner.time.profile_fit import fit_exchange_efficiency, fit_grouped_gemm_efficiency
+
+    links = Links(1.5e9, 4e8, 2e-4, 5e-4, 2)
+    samples = [(g, n, exchange_time(n, g, links, efficiency=0.4)) for g in (2, 4) for n in (1 << 12, 1 << 16, 1 << 22)]
+    assert fit_exchange_efficiency(samples, links) == pytest.approx(0.4, rel=1e-12)
+    assert fit_exchange_efficiency([(4, 1 << 12, 1e-5)], links) == 1.0  # below the latency
+
+    rates = {"peak_flops": 5e10, "bandwidth": 2e10, "half_dim": 16.0, "bytes_per_element": 4.0}
+    gemms = partial(gemm_time, peak_fraction=1.0, **rates)
+    shapes = [(2, 32, 32, 128), (8, 16, 64, 256), (32, 16, 32, 128), (4, 512, 256, 1024)]
+    grouped = [
+        {"experts": e, "rows": r, "hidden": h, "ffn": f, "seconds": experts_gemm_time(e, r, h, f, f, gemms) / 0.7}
+        for e, r, h, f in shapes
+    ]
+    assert fit_grouped_gemm_efficiency(grouped, **rates) == pytest.approx(0.7, rel=1e-12)
+
+
+def test_experts_gemm_time_is_one_roofline_gemm_per_expert_and_layer():
+    from ptdp.planner.time.moe_time import experts_gemm_time
+
+    calls = []
+
+    def gemms(m, n, k, batch):
+        calls.append((m, n, k, batch))
+        return float(m * n * k)
+
+    assert experts_gemm_time(3, 16, 32, 256, 128, gemms) == 3 * (16 * 256 * 32 + 16 * 32 * 128)
+    assert calls == [(16, 256, 32, 1), (16, 32, 128, 1)]

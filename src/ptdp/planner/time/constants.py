@@ -49,9 +49,11 @@ class PerfConstants:
         arch_fits: ``(arch, gemm_peak_fraction, gemm_half_dim, hbm_efficiency)`` per GPU architecture;
             Hopper fitted on ``published_runs_h100.csv``, half_dim 128 (half a 256-wide tile).
         moe_grouped_gemm_efficiency: speed of the experts' grouped GEMM over one GEMM of each group's
-            shape (launch and scheduling of many groups); fitted on ``published_moe_runs.csv``.
+            shape (launch and scheduling of many groups); fitted on ``published_moe_runs.csv``, or
+            measured by ``--calibrate``.
         moe_exchange_efficiency: achieved fraction of the links' bandwidth by the MoE all-to-alls
-            (uneven, many small messages; NCCL's or DeepEP's); fitted on ``published_moe_runs.csv``.
+            (uneven, many small messages; NCCL's or DeepEP's); fitted on ``published_moe_runs.csv``,
+            or measured by ``--calibrate``.
         moe_overlap: the MoE exchanges run behind another micro-batch's compute (Megatron-Core
             ``--overlap-moe-expert-parallel-comm``; planner only).
     """

@@ -71,6 +71,14 @@ def exchange_time(nbytes: float, group: int, links: Links, *, receive: float = 1
     return max(inside, outside) + latency
 
 
+def experts_gemm_time(experts: int, rows: int, hidden: int, fc1_width: int, ffn: int, gemms) -> float:
+    """Seconds of the forward GEMMs of a rank's ``experts`` experts, ``rows`` rows each, one GEMM per
+    expert at the roofline: fc1 ``(rows, fc1_width, hidden)`` and fc2 ``(rows, hidden, ffn)``;
+    ``gemms(m, n, k, batch)`` is :func:`~ptdp.planner.time.flops.gemm_time` with the device's
+    rates. The grouped GEMM runs at ``moe_grouped_gemm_efficiency`` of this."""
+    return experts * (gemms(rows, fc1_width, hidden, 1) + gemms(rows, hidden, ffn, 1))
+
+
 def moe_exchange_times(
     model: MoEModel, tokens: int, ep: int, etp: int, dispatcher: str, links: Links, elem: float, efficiency: float
 ) -> float:
@@ -148,7 +156,7 @@ def sublayer_times(
             rows = moe.moe_expert_capacity_factor * k * routed * etp
         local = max(1, experts // ep)
         m = max(1, round(rows / local))
-        expert_gemms = local * (gemms(m, halves * ffn // etp, h, 1) + gemms(m, h, ffn // etp, 1)) / grouped_efficiency
+        expert_gemms = experts_gemm_time(local, m, h, halves * ffn // etp, ffn // etp, gemms) / grouped_efficiency
         act = ffn_bytes * rows * ffn / etp / bandwidth
         router = timed(routed, experts, h, 1, peak_flops=peak_flops) + ROUTER_BYTES * routed * experts / bandwidth
         permute = PERMUTE_BYTES * elem / 2.0 * k * routed * h / bandwidth
