@@ -152,7 +152,7 @@ def test_the_profile_holds_the_moe_efficiencies_fitted_from_its_measurements():
                 "ffn": 4096,
                 "seconds": experts_gemm_time(e, r, 1024, 4096, 4096, gemms) / 0.5,
             }
-            for e, r in ((2, 2048), (8, 512), (32, 128))
+            for e, r in ((2, 2048), (8, 512), (32, 128), (64, 4))  # the last memory-bound
         ],
     )
     _, fitted, measured = calibration.build_profile(mine, config, "bf16", 0, device)
