@@ -154,8 +154,9 @@ def measure_grouped_gemm(
     """Per ``(E, rows, h, F)`` shape, seconds of a rank's experts' forward GEMMs as
     :class:`ptdp.engine.moe.experts.Experts` runs them: ``[E rows, h]`` sorted by expert times fc1
     ``[E, F, h]``, then ``[E rows, F]`` times fc2 ``[E, h, F]`` (:func:`expert_linear`: one
-    ``torch._grouped_mm`` each where supported, ``grouped``; else the loop), and ``one_gemm_s``:
-    the same work as one ``[E rows, h] x [h, F]`` and one ``[E rows, F] x [F, h]`` GEMM."""
+    ``torch._grouped_mm`` each where it takes the operands and runs on this device, ``grouped``;
+    else the loop), and ``one_gemm_s``: the same work as one ``[E rows, h] x [h, F]`` and one
+    ``[E rows, F] x [F, h]`` GEMM."""
     budget = _GEMM_FLOP_BUDGET["cuda" if _on_gpu(device) else "cpu"]
     out = []
     for e, rows, h, f in shapes:
@@ -165,13 +166,19 @@ def measure_grouped_gemm(
         w1, w2 = fc1[0].contiguous(), fc2[0].contiguous()
         counts, splits = torch.full((e,), rows, dtype=torch.int64, device=device), [rows] * e
 
-        def experts() -> torch.Tensor:
-            y = expert_linear(x, fc1, counts, splits, True)
-            return expert_linear(y, fc2, counts, splits, True)
+        def experts(grouped: bool) -> torch.Tensor:
+            y = expert_linear(x, fc1, counts, splits, grouped)
+            return expert_linear(y, fc2, counts, splits, grouped)
 
+        grouped = grouped_supported(x, fc1) and grouped_supported(x.new_empty(1, f), fc2)
         reps = max(3, min(200, int(budget / (4.0 * e * rows * h * f))))
         with torch.no_grad():
-            grouped_s = _timed(experts, reps, device)
+            if grouped:
+                try:  # a GPU without the kernel (its architecture or dtype) runs the loop
+                    experts(True)
+                except RuntimeError:
+                    grouped = False
+            grouped_s = _timed(lambda: experts(grouped), reps, device)
             one_s = _timed(lambda: (x @ w1.t()) @ w2.t(), reps, device)
         out.append(
             {
@@ -181,7 +188,7 @@ def measure_grouped_gemm(
                 "ffn": f,
                 "seconds": grouped_s,
                 "one_gemm_s": one_s,
-                "grouped": grouped_supported(x, fc1) and grouped_supported(x.new_empty(1, f), fc2),
+                "grouped": grouped,
             }
         )
     return out
