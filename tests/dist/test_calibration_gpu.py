@@ -36,3 +36,4 @@ def test_calibration_on_one_gpu_writes_a_gpu_profile(tmp_path):
     assert gpu.shared_cores == 0 and gpu.memory_bytes == torch.cuda.get_device_properties(0).total_memory
     assert gpu.peak("bf16") > 1e13  # tens of TFLOP/s at least on any data-centre GPU
     assert gpu.memory_bandwidth > 1e11 and constants.layer_overhead >= 0.0
+    assert 0.02 < constants.moe_grouped_gemm_efficiency < 5.0  # one worker: no all-to-all, the default

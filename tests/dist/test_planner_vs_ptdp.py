@@ -11,7 +11,10 @@ import pytest
 
 from helpers.cli import run
 from helpers.layout_cases import EXTRA_VARIANT_LAYOUTS, LAYOUTS, llama_variant, parallel_run, variant_config
+from ptdp.planner.inputs.hardware import Cluster
+from ptdp.planner.time.constants import links_for
 from ptdp.planner.time.profile import load_profile
+from ptdp.planner.time.profile_fit import fit_exchange_efficiency, fit_grouped_gemm_efficiency
 from ptdp.run.planner_report import compare, format_comparison
 
 
@@ -89,8 +92,9 @@ def test_bf16_gradient_buffer_is_half_the_float32_one_as_planned(layout):
 
 def test_calibration_run_writes_a_usable_profile(tmp_path):
     """``ptdp plan --calibrate``'s workers (4: tp=2 pp=2) measure and write a profile that loads,
-    records the shared cores and fits non-negative overheads and a pipeline link. Run as a process
-    within the test's budget (the launcher in it has no timeout of its own)."""
+    records the shared cores and fits non-negative overheads, a pipeline link and the MoE
+    efficiencies (from its all-to-alls and grouped GEMMs). Run as a process within the test's
+    budget (the launcher in it has no timeout of its own)."""
     out = tmp_path / "profile.json"
     flags = {"num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "vocab-size": 512, "seq-length": 16}
     flags.update({"micro-batch-size": 2, "global-batch-size": 4, "tp": 2, "pp": 2, "nproc-per-node": 4})
@@ -104,3 +108,12 @@ def test_calibration_run_writes_a_usable_profile(tmp_path):
     assert gpu.peak("fp32") > 1e8 and gpu.nvlink_bandwidth > 0
     assert constants.layer_overhead >= 0.0 and constants.head_overhead >= 0.0
     assert measured["layer_s"] > 0 and measured["head_s"] > 0 and len(measured["p2p"]) == 5
+    # the MoE efficiencies: fitted from the 4 workers' all-to-alls and rank 0's grouped GEMMs
+    assert [g for g, _, _ in measured["all_to_all"]] == [4] * 5
+    assert [(r["experts"], r["grouped"]) for r in measured["grouped_gemm"]] == [(2, True), (8, True), (32, True)]
+    links = links_for(Cluster(gpu, 4, 4), constants)
+    assert constants.moe_exchange_efficiency == pytest.approx(fit_exchange_efficiency(measured["all_to_all"], links))
+    rates = {"peak_flops": gpu.peak("fp32"), "bandwidth": gpu.memory_bandwidth, "half_dim": constants.gemm_half_dim}
+    grouped = fit_grouped_gemm_efficiency(measured["grouped_gemm"], bytes_per_element=4.0, **rates)
+    assert constants.moe_grouped_gemm_efficiency == pytest.approx(grouped)
+    assert 0.02 < constants.moe_exchange_efficiency < 5.0 and 0.02 < constants.moe_grouped_gemm_efficiency < 5.0

@@ -2,12 +2,15 @@
 2 steps with 4 experts over ep 2 x etp 2 saved, then resumed for a third step with the experts
 over ep 4 and the distributed optimizer. The start line names the experts and the grid, each
 logged step's metrics line carries the balancing losses and every MoE layer's tokens per expert
-over the global batch, and the resumed run starts from the saved iteration."""
+over the global batch, the planner report holds the exchanges' timed seconds and the expert load,
+and the resumed run starts from the saved iteration."""
 
 from __future__ import annotations
 
 import json
 import sys
+
+import pytest
 
 from helpers.cli import run, tiny_flags
 
@@ -59,6 +62,13 @@ def test_ptdp_train_a_mixture_of_experts_and_resume_it_at_another_expert_grid(co
         assert line["moe_aux_loss"] > 0 and line["moe_max_load"] >= 1 and line["moe_dropped_fraction"] == 0
         (tokens,) = line["moe_tokens_per_expert"].values()  # layer 1 only; 2 x 2 tokens per sample
         assert list(line["moe_tokens_per_expert"]) == ["1"] and len(tokens) == 4 and sum(tokens) > 0
+    # the planner report: the exchanges timed on every rank (no profile in the test's cache: not
+    # predicted), the expert load as the steps' mean
+    check = json.loads((tmp_path / "run1" / "summary.json").read_text())["planner_check"]
+    assert 0 < check["moe_exchange"]["measured_s"] < 10 and "no hardware profile" in check["moe_exchange"]["note"]
+    loads = [line["moe_max_rank_load"] for line in steps]
+    assert check["expert_load"] == {"predicted": 1.0, "measured": pytest.approx(sum(loads) / 2)}
+    assert "    MoE all-to-all per step: " in first.stdout and " ms measured (slowest rank)" in first.stdout
     second = _train(
         corpus,
         tmp_path,

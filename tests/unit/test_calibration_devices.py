@@ -90,7 +90,7 @@ def _mine() -> dict:
     }
 
 
-def test_a_gpu_profile_holds_the_device_memory_and_shares_no_cores():
+def _config():
     from ptdp.commands.calibrate import calibration_config
 
     args = argparse.Namespace(
@@ -107,7 +107,11 @@ def test_a_gpu_profile_holds_the_device_memory_and_shares_no_cores():
         nproc_per_node=2,
         precision="bf16",
     )
-    config = calibration_config(args, 2)
+    return calibration_config(args, 2)
+
+
+def test_a_gpu_profile_holds_the_device_memory_and_shares_no_cores():
+    config = _config()
     per_rank = [_mine(), _mine()]
     combined = calibration._combine(per_rank, config, 0)
     assert combined["layer_s"] == 1e-3  # not scaled by a core share
@@ -118,6 +122,48 @@ def test_a_gpu_profile_holds_the_device_memory_and_shares_no_cores():
     assert cpu.shared_cores == 1 and cpu.memory_bytes < 80e9 * 100
 
 
+def test_the_profile_holds_the_moe_efficiencies_fitted_from_its_measurements():
+    """All-to-alls timed at 0.25 of the profile's own links and experts' GEMMs at 0.5 of its own
+    roofline give a profile with those efficiencies; without them the defaults stay. The world's
+    all-to-all is the ranks' median, scaled to one core per worker like the all-reduces."""
+    from functools import partial
+
+    from ptdp.planner.inputs.hardware import Cluster
+    from ptdp.planner.time.constants import DEFAULT_CONSTANTS, links_for
+    from ptdp.planner.time.moe_time import exchange_time, experts_gemm_time
+
+    config, device = _config(), {"name": "NVIDIA H100", "memory_bytes": 80e9}
+    base = calibration._combine([_mine(), _mine()], config, 0)
+    gpu, constants, _ = calibration.build_profile(base, config, "bf16", 0, device)
+    assert constants.moe_exchange_efficiency == DEFAULT_CONSTANTS.moe_exchange_efficiency
+    assert constants.moe_grouped_gemm_efficiency == DEFAULT_CONSTANTS.moe_grouped_gemm_efficiency
+    links = links_for(Cluster(gpu, 2, 2), constants)
+    rates = {"peak_flops": gpu.peak("bf16"), "bandwidth": gpu.memory_bandwidth, "half_dim": constants.gemm_half_dim}
+    gemms = partial(experts_gemm_time, peak_fraction=1.0, element=2.0, **rates)
+    mine = dict(
+        base,
+        all_to_all=[(2, n, exchange_time(n, 2, links, efficiency=0.25)) for n in (1 << 16, 1 << 20, 1 << 24)],
+        grouped_gemm=[
+            {
+                "experts": e,
+                "rows": r,
+                "hidden": 1024,
+                "ffn": 4096,
+                "seconds": gemms(e, r, 1024, 4096, 4096) / 0.5,
+            }
+            for e, r in ((2, 2048), (8, 512), (32, 128), (64, 4))  # the last memory-bound
+        ],
+    )
+    _, fitted, measured = calibration.build_profile(mine, config, "bf16", 0, device)
+    assert fitted.moe_exchange_efficiency == pytest.approx(0.25, rel=1e-9)
+    assert fitted.moe_grouped_gemm_efficiency == pytest.approx(0.5, rel=1e-9)
+    assert measured["fitted"]["moe_exchange_efficiency"] == fitted.moe_exchange_efficiency
+    assert measured["all_to_all"] == mine["all_to_all"] and measured["grouped_gemm"] == mine["grouped_gemm"]
+    ranks = [dict(_mine(), all_to_all=[(4096, 2e-3)]), dict(_mine(), all_to_all=[(4096, 4e-3)])]
+    assert calibration._combine(ranks, config, 1)["all_to_all"] == [(2, 4096, pytest.approx(0.5 * 3e-3))]
+    assert calibration._combine(ranks, config, 0)["all_to_all"] == [(2, 4096, pytest.approx(3e-3))]
+
+
 def test_cpu_measurements_run_on_the_given_device():
     from ptdp.planner.inputs.models import gpt
 
@@ -125,6 +171,12 @@ def test_cpu_measurements_run_on_the_given_device():
     rows = calibration.measure_gemms(model, 1, 1, 128, torch.float32, torch.device("cpu"))
     assert rows and all(r["flops_per_s"] > 0 for r in rows)
     assert calibration.measure_bandwidth(1 << 12, torch.device("cpu")) > 0
+    shapes = calibration.expert_gemm_shapes(model, 1)
+    assert shapes == [(2, 16, 32, 128), (8, 16, 32, 128), (32, 16, 32, 128)]  # 2 x 16 routed rows, 16 at least
+    for dtype, grouped in ((torch.float32, True), (torch.float64, False)):  # float64: the loop
+        rows = calibration.measure_grouped_gemm(shapes[:2], dtype, torch.device("cpu"))
+        assert [(r["experts"], r["grouped"]) for r in rows] == [(2, grouped), (8, grouped)]
+        assert all(r["seconds"] > 0 and r["one_gemm_s"] > 0 for r in rows)
 
 
 def test_calibration_refuses_context_parallelism(capsys):

@@ -87,3 +87,45 @@ def test_shared_cores_bound_the_step_from_below():
     assert alone.time.compute - no_overhead.time.compute == pytest.approx(4 * (2 * 2e-3 + 5e-3))
     plenty = evaluate_performance(model, layout, Cluster(dataclasses.replace(cpu, shared_cores=8), 8, 8), constants)
     assert plenty.time.core_sharing == 0.0
+
+
+def test_moe_fits_recover_known_efficiencies():
+    """All-to-alls timed as ``exchange_time`` at efficiency 0.4 (groups of 2 and 4, inside a node
+    and across two) and experts' GEMMs at 0.7 of the roofline give back 0.4 and 0.7; times that
+    never exceed the latency fit nothing (1.0)."""
+    from functools import partial
+
+    from ptdp.planner.time.collectives import Links
+    from ptdp.planner.time.moe_time import exchange_time, experts_gemm_time
+    from ptdp.planner.time.profile_fit import fit_exchange_efficiency, fit_grouped_gemm_efficiency
+
+    links = Links(1.5e9, 4e8, 2e-4, 5e-4, 2)
+    samples = [(g, n, exchange_time(n, g, links, efficiency=0.4)) for g in (2, 4) for n in (1 << 12, 1 << 16, 1 << 22)]
+    assert fit_exchange_efficiency(samples, links) == pytest.approx(0.4, rel=1e-12)
+    assert fit_exchange_efficiency([(4, 1 << 12, 1e-5)], links) == 1.0  # below the latency
+
+    rates = {"peak_flops": 5e10, "bandwidth": 2e10, "half_dim": 16.0, "bytes_per_element": 4.0}
+    gemms = partial(experts_gemm_time, peak_fraction=1.0, peak_flops=5e10, bandwidth=2e10, half_dim=16.0, element=4.0)
+    shapes = [(2, 32, 32, 128), (8, 16, 64, 256), (32, 16, 32, 128), (4, 512, 256, 1024)]
+    grouped = [
+        {"experts": e, "rows": r, "hidden": h, "ffn": f, "seconds": gemms(e, r, h, f, f) / 0.7} for e, r, h, f in shapes
+    ]
+    assert fit_grouped_gemm_efficiency(grouped, **rates) == pytest.approx(0.7, rel=1e-12)
+
+
+def test_experts_gemm_time_is_two_grouped_gemms_filling_the_gpu_together():
+    """Compute-bound: each grouped GEMM's FLOPs at the efficiency of one (experts x rows, n, k)
+    GEMM times the grouped efficiency; memory-bound: every expert's operands read once."""
+    from ptdp.planner.time.flops import gemm_efficiency
+    from ptdp.planner.time.moe_time import experts_gemm_time
+
+    rates = dict(peak_flops=1e12, bandwidth=1e15, peak_fraction=0.5, half_dim=64.0, element=2.0)
+    e, r, h, f1, f = 3, 16, 256, 512, 128
+    want = sum(
+        2 * e * r * n * k / (1e12 * gemm_efficiency(e * r, n, k, peak_fraction=0.5, half_dim=64.0) * 0.8)
+        for n, k in ((f1, h), (h, f))
+    )
+    assert experts_gemm_time(e, r, h, f1, f, efficiency=0.8, **rates) == pytest.approx(want, rel=1e-12)
+    slow_memory = dict(rates, bandwidth=1e3)
+    bytes_read = sum(e * (r * k + k * n + r * n) * 2.0 for n, k in ((f1, h), (h, f)))
+    assert experts_gemm_time(e, r, h, f1, f, **slow_memory) == pytest.approx(bytes_read / 1e3, rel=1e-12)

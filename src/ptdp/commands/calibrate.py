@@ -92,6 +92,10 @@ def run_calibration(args: argparse.Namespace) -> int:
         f"latency {1e6 * constants['nvlink_latency']:.0f} us per ring step"
     )
     print(
+        f"MoE: all-to-all at {constants['moe_exchange_efficiency']:.2f} of that bandwidth, experts' "
+        f"grouped GEMM at {constants['moe_grouped_gemm_efficiency']:.2f} of the GEMM roofline"
+    )
+    print(
         f"profile written to {out}; `ptdp train` uses it to predict its step time, "
         f"`ptdp plan --hardware-profile {out}` plans with it"
     )

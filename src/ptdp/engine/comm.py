@@ -29,6 +29,8 @@ class CommCount:
     calls: int = 0
     numel: int = 0
     bytes: int = 0
+    seconds: float = 0.0
+    """Host seconds inside the calls, when their :class:`CommStats` ``clock`` is on."""
 
 
 class CommStats:
@@ -36,17 +38,23 @@ class CommStats:
 
     ``p2p_log``: None, or a list to which :func:`post` appends each batch of point-to-point
     operations as ``(axis, [(kind, peer, label), ...])`` in posting order (what the pipeline
-    runtime really posts, comparable with ``ptdp schedule --json``)."""
+    runtime really posts, comparable with ``ptdp schedule --json``). ``clock``: when True, the host
+    seconds of each :func:`all_to_all` are added to its count; gloo's calls on CPU tensors return
+    once the exchange is done (on NCCL they would time the launch alone)."""
 
     def __init__(self) -> None:
         self._counts: dict[tuple[str, str, str], CommCount] = defaultdict(CommCount)
         self.p2p_log: list | None = None
+        self.clock = False
 
     def record(self, axis: str, op: str, tensor: torch.Tensor, tag: str) -> None:
         c = self._counts[(axis, op, tag)]
         c.calls += 1
         c.numel += tensor.numel()
         c.bytes += tensor.numel() * tensor.element_size()
+
+    def add_seconds(self, axis: str, op: str, tag: str, seconds: float) -> None:
+        self._counts[(axis, op, tag)].seconds += seconds
 
     def reset(self) -> None:
         self._counts.clear()
@@ -59,6 +67,7 @@ class CommStats:
                 out.calls += c.calls
                 out.numel += c.numel
                 out.bytes += c.bytes
+                out.seconds += c.seconds
         return out
 
     def as_dict(self) -> dict[str, dict[str, int]]:
@@ -263,12 +272,14 @@ def all_to_all(
     rows to rank j and receives ``out_splits[j]`` rows from rank j, in rank order (splits may be 0
     and differ between ranks; ``out_splits`` must equal what the peers send). Per rank
     ``[sum(in_splits), ...]`` in, ``[sum(out_splits), ...]`` out (a new tensor; ``tensor`` itself on an
-    axis of size 1). Counted as the ``tensor.numel()`` elements this rank sends, its own included."""
+    axis of size 1). Counted as the ``tensor.numel()`` elements this rank sends, its own included;
+    timed with the host clock when ``axis.stats.clock``."""
     if axis.size == 1:
         return tensor
     part = tensor.contiguous()
     out = part.new_empty((sum(out_splits), *part.shape[1:]))
     axis.stats.record(axis.name, "all_to_all", part, tag)
+    start = time.perf_counter() if axis.stats.clock else None
     _call(
         axis,
         "all_to_all",
@@ -279,6 +290,8 @@ def all_to_all(
         input_split_sizes=list(in_splits),
         group=axis.group,
     )
+    if start is not None:
+        axis.stats.add_seconds(axis.name, "all_to_all", tag, time.perf_counter() - start)
     return out
 
 

@@ -7,7 +7,12 @@ it while the others wait: GEMM FLOP/s at the model's exact shapes (fitted to pea
 elementwise bandwidth, and tp-group all-reduce times (fitted to the ring model's latency and
 bandwidth; fits in :mod:`ptdp.planner.time.profile_fit`). One real transformer layer and output
 layer + loss are timed too; their excess over the primitives' prediction is the per-layer host
-overhead (``layer_overhead``, ``head_overhead``). On CPU the profile records how many cores the
+overhead (``layer_overhead``, ``head_overhead``). For mixture-of-experts layers: all-to-alls over
+every worker as the dispatcher sends its rows (``moe_exchange_efficiency``: the fitted links'
+share they reach) and a rank's experts' forward GEMMs as :mod:`ptdp.engine.moe.experts` runs them,
+one ``torch._grouped_mm`` per linear layer where supported, else the loop
+(``moe_grouped_gemm_efficiency``: the fitted GEMM roofline's share; one GEMM of the same work is
+recorded beside it). On CPU the profile records how many cores the
 workers share (:func:`ptdp.planner.time.step_time.core_shared_step`). On GPU each worker measures
 on its own device with CUDA events, NCCL collectives and GPU-sized tensors (all-reduces up to
 256 MiB), with a gloo group for barriers and results.
@@ -28,6 +33,7 @@ import torch
 
 from ptdp.config.model import ModelConfig
 from ptdp.engine import comm
+from ptdp.engine.moe.experts import expert_linear, grouped_supported
 from ptdp.planner.time.flops import layer_gemms
 from ptdp.planner.time.profile import save_profile
 from ptdp.planner.time.profile_fit import build_profile
@@ -35,9 +41,12 @@ from ptdp.planner.time.profile_fit import build_profile
 __all__ = [
     "PRECISION_DTYPES",
     "calibrate_worker",
+    "expert_gemm_shapes",
     "measure_all_reduce",
+    "measure_all_to_all",
     "measure_bandwidth",
     "measure_gemms",
+    "measure_grouped_gemm",
     "measure_head",
     "measure_layer",
     "measure_optimizer",
@@ -110,6 +119,78 @@ def measure_all_reduce(axis, sizes=None, device: torch.device | None = None) -> 
     for nbytes in sizes or (_GPU_SIZES if _on_gpu(device) else _CPU_SIZES):
         t = torch.ones(nbytes // 4, device=device)
         out.append((nbytes, _timed(lambda: comm.all_reduce(t, axis, tag="calibrate"), 10, device)))
+    return out
+
+
+def measure_all_to_all(axis, sizes=None, device: torch.device | None = None) -> list[tuple[int, float]]:
+    """(bytes, seconds) of float32 all-to-alls over ``axis`` by :func:`ptdp.engine.comm.all_to_all`,
+    the MoE dispatcher's exchange: each rank sends ``bytes``, an equal share to every rank of
+    ``axis`` (its own included). Sizes as :func:`measure_all_reduce`."""
+    out, g = [], axis.size
+    for nbytes in sizes or (_GPU_SIZES if _on_gpu(device) else _CPU_SIZES):
+        rows = max(1, nbytes // 4 // g)
+        t, splits = torch.ones(g * rows, device=device), [rows] * g
+        seconds = _timed(
+            lambda: comm.all_to_all(t, axis, in_splits=splits, out_splits=splits, tag="calibrate"), 10, device
+        )
+        out.append((4 * g * rows, seconds))
+    return out
+
+
+#: experts per rank at which the grouped GEMM is measured (:func:`expert_gemm_shapes`)
+_EXPERTS = (2, 8, 32)
+
+
+def expert_gemm_shapes(model: ModelConfig, micro_batch_size: int) -> list[tuple[int, int, int, int]]:
+    """``(experts, rows per expert, h, F)`` of the grouped-GEMM measurements: :data:`_EXPERTS`
+    experts of the model's widths sharing the ``2 b s`` rows of top-2 routing (16 at least each)."""
+    rows = 2 * micro_batch_size * model.seq_length
+    return [(e, max(16, rows // e), model.hidden_size, model.ffn) for e in _EXPERTS]
+
+
+def measure_grouped_gemm(
+    shapes: list[tuple[int, int, int, int]], dtype, device: torch.device | None = None
+) -> list[dict]:
+    """Per ``(E, rows, h, F)`` shape, seconds of a rank's experts' forward GEMMs as
+    :class:`ptdp.engine.moe.experts.Experts` runs them: ``[E rows, h]`` sorted by expert times fc1
+    ``[E, F, h]``, then ``[E rows, F]`` times fc2 ``[E, h, F]`` (:func:`expert_linear`: one
+    ``torch._grouped_mm`` each where it takes the operands and runs on this device, ``grouped``;
+    else the loop), and ``one_gemm_s``: the same work as one ``[E rows, h] x [h, F]`` and one
+    ``[E rows, F] x [F, h]`` GEMM."""
+    budget = _GEMM_FLOP_BUDGET["cuda" if _on_gpu(device) else "cpu"]
+    out = []
+    for e, rows, h, f in shapes:
+        x = torch.randn(e * rows, h, dtype=dtype, device=device)
+        fc1 = torch.randn(e, f, h, dtype=dtype, device=device)
+        fc2 = torch.randn(e, h, f, dtype=dtype, device=device)
+        w1, w2 = fc1[0].contiguous(), fc2[0].contiguous()
+        counts, splits = torch.full((e,), rows, dtype=torch.int64, device=device), [rows] * e
+
+        def experts(grouped: bool) -> torch.Tensor:
+            y = expert_linear(x, fc1, counts, splits, grouped)
+            return expert_linear(y, fc2, counts, splits, grouped)
+
+        grouped = grouped_supported(x, fc1) and grouped_supported(x.new_empty(1, f), fc2)
+        reps = max(3, min(200, int(budget / (4.0 * e * rows * h * f))))
+        with torch.no_grad():
+            if grouped:
+                try:  # a GPU without the kernel (its architecture or dtype) runs the loop
+                    experts(True)
+                except RuntimeError:
+                    grouped = False
+            grouped_s = _timed(lambda: experts(grouped), reps, device)
+            one_s = _timed(lambda: (x @ w1.t()) @ w2.t(), reps, device)
+        out.append(
+            {
+                "experts": e,
+                "rows": rows,
+                "hidden": h,
+                "ffn": f,
+                "seconds": grouped_s,
+                "one_gemm_s": one_s,
+                "grouped": grouped,
+            }
+        )
     return out
 
 
@@ -189,8 +270,9 @@ def measure_head(config, tp_axis, dtype, device: torch.device | None = None) -> 
 def _measure(groups, host, config, precision: str, device: torch.device | None = None) -> dict:
     """This rank's measurements on ``device``; each phase is taken by the ranks that need it while
     the others wait on a barrier of the gloo group ``host``: rank 0 alone (GEMMs, bandwidth,
-    optimizer), tensor-parallel group 0 (all-reduce, layer, head), data-parallel group 0
-    (all-reduce), pipeline ranks 0 and 1 of pipeline group 0 (ping-pong)."""
+    optimizer, experts' GEMMs), tensor-parallel group 0 (all-reduce, layer, head), data-parallel
+    group 0 (all-reduce), pipeline ranks 0 and 1 of pipeline group 0 (ping-pong), every rank
+    (all-to-all over the world)."""
     from ptdp.layout.vocab import padded_vocab_size
 
     p, m, dtype = config.parallel, config.model, PRECISION_DTYPES[precision]
@@ -205,6 +287,7 @@ def _measure(groups, host, config, precision: str, device: torch.device | None =
         mine["gemms"] = measure_gemms(m, p.tp, config.train.micro_batch_size, vocab_local, dtype, device)
         mine["bandwidth"] = measure_bandwidth(device=device)
         mine["optimizer"] = measure_optimizer(config, groups.tp, dtype, device)
+        mine["grouped_gemm"] = measure_grouped_gemm(expert_gemm_shapes(m, config.train.micro_batch_size), dtype, device)
     barrier()
     if rank < p.tp:  # tensor-parallel group 0
         mine.update(
@@ -218,6 +301,9 @@ def _measure(groups, host, config, precision: str, device: torch.device | None =
     barrier()
     if p.pp > 1 and rank in (0, p.tp * p.dp):  # pipeline ranks 0 and 1 of pipeline group 0
         mine["p2p"] = measure_p2p(groups.pp, device=device)
+    barrier()
+    if groups.world.size > 1:
+        mine["all_to_all"] = measure_all_to_all(groups.world, device=device)
     barrier()
     return mine
 
@@ -242,6 +328,13 @@ def _combine(per_rank: list[dict], config, cores: int) -> dict:
         out[key] = share * statistics.median(per_rank[r][key] for r in range(p.tp))
     if p.pp > 1:
         out["p2p"] = per_rank[p.tp * p.dp]["p2p"]
+    if per_rank[0].get("all_to_all"):  # the world's: (group, bytes, seconds)
+        world = len(per_rank)
+        share = min(1.0, cores / world) if cores else 1.0
+        out["all_to_all"] = [
+            (world, n, share * statistics.median(r["all_to_all"][i][1] for r in per_rank))
+            for i, (n, _) in enumerate(per_rank[0]["all_to_all"])
+        ]
     return out
 
 

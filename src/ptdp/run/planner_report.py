@@ -7,6 +7,12 @@ multiple of dp x cp; so must the ``optim_grads``/``optim_grads_params`` transien
 (:mod:`ptdp.planner.memory.transients`). Peak memory and step time are predictions; step time
 needs a ``ptdp plan --calibrate`` profile. The trainer measures each rank with
 :func:`measure_stage` and passes the results to :func:`check_run`.
+
+MoE runs with ep or etp > 1 also compare the MoE layers' all-to-all seconds per step (the
+planner's :func:`~ptdp.planner.time.moe_time.moe_exchange_times`, with a profile) with those the
+trainer timed (:func:`moe_exchange_seconds`; CPU runs only: on CUDA the exchanges are not timed,
+which would make the host wait inside the step), and the planner's expert load with the run's
+``moe_max_rank_load``.
 """
 
 from __future__ import annotations
@@ -17,13 +23,17 @@ from typing import Any
 import torch
 
 from ptdp.config.schema import Config
+from ptdp.engine.comm import CommStats
 from ptdp.planner.candidate import Candidate, run_candidate
-from ptdp.planner.inputs.hardware import Cluster
-from ptdp.planner.inputs.moe_model import planned_model
+from ptdp.planner.inputs.hardware import Cluster, GPUType
+from ptdp.planner.inputs.moe_model import MoEModel, planned_model
 from ptdp.planner.memory.breakdown import memory_breakdown
 from ptdp.planner.memory.moe_params import expert_bytes_per_param, layout_stage_counts
 from ptdp.planner.memory.params import stage_param_counts, stage_transients
 from ptdp.planner.memory.strategies import strategy_bytes_per_param
+from ptdp.planner.time.constants import PerfConstants, links_for
+from ptdp.planner.time.moe_exchange import moe_exchange_elements
+from ptdp.planner.time.moe_time import moe_exchange_times
 from ptdp.planner.time.profile import default_profile_path, load_profile
 from ptdp.planner.time.step_time import evaluate_performance
 from ptdp.run.profiling import process_peak_rss
@@ -69,6 +79,19 @@ def measure_stage(stage) -> dict:
     }
 
 
+#: bytes of an activation element of each ``params_dtype`` (what the MoE exchanges send)
+_ACTIVATION_BYTES = {"float64": 8.0, "float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
+
+
+def moe_exchange_seconds(config: Config, stats: CommStats) -> float:
+    """Host seconds counted in ``stats`` (its ``clock`` on) in the MoE layers' row exchanges, the
+    ones the planner models (:func:`~ptdp.planner.time.moe_exchange.moe_exchange_elements`'s keys
+    without the counts); 0 at ep = etp = 1."""
+    p = config.parallel
+    keys = moe_exchange_elements(1, 1, 1, ep=p.ep, etp=p.etp, dispatcher=p.moe_token_dispatcher_type, padded=True)
+    return sum(stats.total(*key.split("/")).seconds for key in keys)
+
+
 def _padding(buffer) -> int:
     """Elements of ``buffer`` (a GradBuffer or None) beyond its parameters: bucket padding."""
     return 0 if buffer is None else buffer.data.numel() - sum(p.numel() for p in buffer.params)
@@ -100,20 +123,32 @@ def recompute_note(config: Config) -> str | None:
     )
 
 
-def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, profile: Path | None) -> dict:
+def compare(
+    config: Config,
+    per_rank: list[dict],
+    mean_step_s: float | None,
+    profile: Path | None,
+    *,
+    moe_max_rank_load: float | None = None,
+) -> dict:
     """The planner's numbers for the run's layout next to the measured ones (JSON-able). MoE runs:
-    the state bytes of every rank only (:func:`_moe_rank_row`)."""
+    the state bytes of every rank (:func:`_moe_rank_row`) and, with ep or etp > 1, the exchanges
+    and the expert load (:func:`_moe_checks`: each rank's ``moe_exchange_s``, the mean of the
+    steps' ``moe_max_rank_load``)."""
     if config.moe.enabled:  # float64 as twice float32
         wide = config.model.params_dtype == "float64"
         layout = run_candidate(config, "fp32" if wide else None)
         assert layout is not None
         rows = [_moe_rank_row(config, layout, r, 2.0 if wide else 1.0) for r in per_rank]
         exact = [row["exact"] for row in rows]
-        return {
+        moe: dict[str, Any] = {
             "bytes_exact_on_every_rank": None if None in exact else all(exact),
             "ranks": rows,
             "limits": "the planner does not model mixture-of-experts activations or step time yet",
         }
+        if config.parallel.ep * config.parallel.etp > 1:
+            moe.update(_moe_checks(config, layout, per_rank, profile, moe_max_rank_load))
+        return moe
     layout = run_candidate(config)
     if layout is None:
         return {"note": f"the planner does not model params_dtype={config.model.params_dtype}"}
@@ -131,14 +166,11 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
             "measured_kind": per_rank[0]["peak_kind"],
         },
     }
-    if profile is None or not profile.is_file():
-        out["step_time"] = {"note": "no hardware profile: run `ptdp plan --calibrate` to predict step time"}
+    loaded = _profile(profile, "step time")
+    if isinstance(loaded, str):
+        out["step_time"] = {"note": loaded}
         return out
-    try:
-        gpu, constants = load_profile(profile)
-    except ValueError as e:
-        out["step_time"] = {"note": str(e)}
-        return out
+    gpu, constants = loaded
     cluster = Cluster(gpu, config.world_size, config.world_size)  # ptdp train's workers share one machine
     # the run's --overlap-grad-reduce, as ptdp plan credits it (PerfConstants.overlap_window)
     constants = constants.with_overlap(overlap_grad_reduce=layout.parallel.overlap_grad_reduce)
@@ -173,6 +205,66 @@ def compare(config: Config, per_rank: list[dict], mean_step_s: float | None, pro
             "profile": str(profile),
         }
     return out
+
+
+def _profile(profile: Path | None, what: str) -> tuple[GPUType, PerfConstants] | str:
+    """The GPU and constants of ``profile``, or a note saying why ``what`` is not predicted."""
+    if profile is None or not profile.is_file():
+        return f"no hardware profile: run `ptdp plan --calibrate` to predict {what}"
+    try:
+        return load_profile(profile)
+    except ValueError as e:
+        return str(e)
+
+
+def predicted_exchange_s(config: Config, layout: Candidate, gpu: GPUType, constants: PerfConstants) -> list[float]:
+    """Seconds per step of the MoE layers' row exchanges on a rank of each pipeline stage, as the
+    planner models them: the stage's MoE layers x m micro-batches x
+    :func:`~ptdp.planner.time.moe_time.moe_exchange_times` (the rank's routed tokens, the run's
+    activation bytes, the profile's links for one machine's workers at its
+    ``moe_exchange_efficiency``), 1.5 x with full recompute (the forward's again); on a CPU whose
+    workers outnumber its cores, x workers / cores (the calibration's times are per core)."""
+    m, p, split = config.model, config.parallel, config.pipeline
+    model = planned_model(config)
+    assert isinstance(model, MoEModel)
+    links = links_for(Cluster(gpu, config.world_size, config.world_size), constants)
+    routed = config.train.micro_batch_size * m.seq_length // p.cp // (p.tp if p.sequence_parallel else 1)
+    elem = _ACTIVATION_BYTES[str(m.params_dtype)]
+    one = moe_exchange_times(
+        model, routed, p.ep, p.etp, p.moe_token_dispatcher_type, links, elem, constants.moe_exchange_efficiency
+    )
+    if layout.recompute == "full" or "moe" in layout.modules:
+        one *= 1.5
+    if gpu.shared_cores and config.world_size > gpu.shared_cores:
+        one *= config.world_size / gpu.shared_cores
+    is_moe = config.moe.moe_layers(m.num_layers)
+    chunks = range(split.virtual_stages)
+    layers = [sum(is_moe[i] for c in chunks for i in split.chunk_layer_ids(r, c)) for r in range(p.pp)]
+    return [config.num_microbatches * n * one for n in layers]
+
+
+def _moe_checks(
+    config: Config, layout: Candidate, per_rank: list[dict], profile: Path | None, max_rank_load: float | None
+) -> dict:
+    """``moe_exchange``: the busiest stage's :func:`predicted_exchange_s` (with a profile) against
+    the largest of the ranks' ``moe_exchange_s`` (None where a rank has none: not timed on CUDA);
+    ``expert_load``: the planner's ``load_imbalance`` against the run's mean ``moe_max_rank_load``."""
+    timed = [r.get("moe_exchange_s") for r in per_rank]
+    measured = max(t for t in timed if t is not None) if timed and None not in timed else None
+    exchange: dict[str, Any] = {"measured_s": measured}
+    if measured is None:
+        exchange["measured_note"] = "not timed on CUDA (timing them would make the host wait inside the step)"
+    loaded = _profile(profile, "it")
+    if isinstance(loaded, str):
+        exchange["note"] = loaded
+    else:
+        predicted = max(predicted_exchange_s(config, layout, *loaded))
+        exchange.update(predicted_s=predicted, profile=str(profile))
+        if measured:
+            exchange["error"] = predicted / measured - 1.0
+    model = planned_model(config)
+    assert isinstance(model, MoEModel)
+    return {"moe_exchange": exchange, "expert_load": {"predicted": model.load_imbalance, "measured": max_rank_load}}
 
 
 def _rank_row(config: Config, layout, r: dict, n: int) -> dict:
@@ -251,9 +343,11 @@ def profile_path(config: Config) -> Path | None:
     return path if path.is_file() else None
 
 
-def check_run(config: Config, per_rank: list[dict], mean_step_s: float | None) -> dict:
+def check_run(
+    config: Config, per_rank: list[dict], mean_step_s: float | None, *, moe_max_rank_load: float | None = None
+) -> dict:
     """The end-of-run hook: :func:`compare` with the run's hardware profile (see :func:`profile_path`)."""
-    return compare(config, per_rank, mean_step_s, profile_path(config))
+    return compare(config, per_rank, mean_step_s, profile_path(config), moe_max_rank_load=moe_max_rank_load)
 
 
 def format_comparison(check: dict) -> list[str]:
@@ -281,8 +375,8 @@ def format_comparison(check: dict) -> list[str]:
     exact = check["bytes_exact_on_every_rank"]
     verdict = "not modelled (sharded gradients of MoE layers)" if exact is None else "yes" if exact else "NO"
     lines.append(f"    bytes equal on every rank{' (up to bucket padding)' if padded else ''}: {verdict}")
-    if "limits" in check:  # an MoE run: its state bytes only
-        return [*lines, f"    ({check['limits']})"]
+    if "limits" in check:  # an MoE run: its state bytes, with ep or etp > 1 its exchanges and load
+        return [*lines, *_moe_lines(check), f"    ({check['limits']})"]
     pm = check["peak_memory"]
     predicted = (
         f"{pm['predicted_bytes'] / 2**20:,.0f} MiB predicted (model state + activations), "
@@ -303,4 +397,25 @@ def format_comparison(check: dict) -> list[str]:
         )
     elif "note" in st:
         lines.append(f"    step time: {st['note']}")
+    return lines
+
+
+def _moe_lines(check: dict) -> list[str]:
+    """The MoE exchanges' and expert load's lines of :func:`format_comparison` (none at ep = etp = 1)."""
+    if "moe_exchange" not in check:
+        return []
+    ex, load = check["moe_exchange"], check["expert_load"]
+    parts = []
+    if "predicted_s" in ex:
+        parts.append(f"{1e3 * ex['predicted_s']:.3g} ms predicted (busiest stage)")
+    if ex["measured_s"] is not None:
+        parts.append(f"{1e3 * ex['measured_s']:.3g} ms measured (slowest rank)")
+    error = f" ({100 * ex['error']:+.0f}%)" if "error" in ex else ""
+    lines = [f"    MoE all-to-all per step: {', '.join(parts) or 'neither predicted nor measured'}{error}"]
+    if "note" in ex:
+        lines.append(f"      (not predicted: {ex['note']})")
+    if "measured_note" in ex:
+        lines.append(f"      (not measured: {ex['measured_note']})")
+    measured = "not measured" if load["measured"] is None else f"{load['measured']:.2f} measured (mean over steps)"
+    lines.append(f"    expert load (busiest ep rank over the mean): {load['predicted']:.2f} predicted, {measured}")
     return lines

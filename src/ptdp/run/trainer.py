@@ -27,7 +27,7 @@ from ptdp.run.checkpoint.folders import CheckpointError
 from ptdp.run.checkpoint.io import load_checkpoint
 from ptdp.run.checkpoint.saver import Checkpointer
 from ptdp.run.metrics import RunLog, write_json
-from ptdp.run.planner_report import check_run, measure_stage
+from ptdp.run.planner_report import check_run, measure_stage, moe_exchange_seconds
 from ptdp.run.profiling import StepProfiler, peak_memory_bytes
 from ptdp.run.throughput import Throughput
 from ptdp.run.trace import Tracer, bubble_by_rank, write_trace
@@ -214,6 +214,14 @@ class _Loop:
         self.pending: list[tuple[int, PendingStep]] = []
         """Steps not read to the host yet (1-based iteration, its pending metrics)."""
         self.interval_start: float | None = None
+        p = config.parallel
+        self.moe_exchange_s: list[float] | None = None
+        """Host seconds of each step's MoE row exchanges, for the planner report: CPU runs with ep or
+        etp > 1 (gloo's exchanges are synchronous); None otherwise (on CUDA timing them would make
+        the host wait inside the step)."""
+        if config.moe.enabled and p.ep * p.etp > 1 and stage.device.type == "cpu":
+            groups.stats.clock = True
+            self.moe_exchange_s = []
 
     def samples_before(self, iteration: int) -> int:
         """Global samples consumed before 0-based step ``iteration`` (the data position)."""
@@ -242,6 +250,8 @@ class _Loop:
         with self.profiler.around(it):
             self.pending.append((iteration, train_step(self.stage, mbs, it, self.tracer)))
         self.history["comm"] = g.stats.as_dict()
+        if self.moe_exchange_s is not None:
+            self.moe_exchange_s.append(moe_exchange_seconds(self.config, g.stats))
         evaluate = iteration % t.eval_interval == 0 and iteration != t.train_iters
         save = bool(ck.save and ck.save_interval and iteration % ck.save_interval == 0 and iteration != t.train_iters)
         if evaluate or save or iteration % t.log_interval == 0 or iteration in (1, t.train_iters):
@@ -329,7 +339,11 @@ class _Loop:
             summary.update(
                 {k: v for k, v in self.throughput.of(summary["mean_step_time_s"]).items() if k != "tokens_per_s"}
             )
-        per_rank = all_gather_object(measure_stage(self.stage), g.world)
+        mine = measure_stage(self.stage)
+        if self.moe_exchange_s:  # the steady steps' mean, as the step time's
+            steady = self.moe_exchange_s[1:] or self.moe_exchange_s
+            mine["moe_exchange_s"] = sum(steady) / len(steady)
+        per_rank = all_gather_object(mine, g.world)
         if self.tracer is not None:
             events = [e for rank_events in all_gather_object(self.tracer.collect(), g.world) for e in rank_events]
             if is_logger:
@@ -340,7 +354,13 @@ class _Loop:
         if self.profiler.summary():
             summary["profile"] = self.profiler.summary()
         if is_logger:
-            summary["planner_check"] = check_run(self.config, per_rank, summary["mean_step_time_s"])
+            loads = [r["moe_max_rank_load"] for r in self.history["train"] if "moe_max_rank_load" in r]
+            summary["planner_check"] = check_run(
+                self.config,
+                per_rank,
+                summary["mean_step_time_s"],
+                moe_max_rank_load=sum(loads) / len(loads) if loads else None,
+            )
             write_json(run_dir / "summary.json", summary)
         return summary
 

@@ -49,9 +49,10 @@ class PerfConstants:
         arch_fits: ``(arch, gemm_peak_fraction, gemm_half_dim, hbm_efficiency)`` per GPU architecture;
             Hopper fitted on ``published_runs_h100.csv``, half_dim 128 (half a 256-wide tile).
         moe_grouped_gemm_efficiency: speed of the experts' grouped GEMM over one GEMM of each group's
-            shape (launch and scheduling of many groups); fitted on ``published_moe_validation.csv``.
+            shape (launch and scheduling of many groups); fitted on ``published_moe_validation.csv``, or measured by ``--calibrate``.
         moe_exchange_efficiency: achieved fraction of the links' bandwidth by the MoE all-to-alls
-            (NCCL's, uneven, many small messages); fitted on ``published_moe_validation.csv``.
+            (NCCL's, uneven, many small messages); fitted on ``published_moe_validation.csv``, or measured by
+            ``--calibrate``.
         moe_flex_efficiency: the same for the deduplicating flex dispatcher's kernels (DeepEP,
             HybridEP); fitted there too.
         moe_layer_overhead: seconds per MoE layer and micro-batch (forward and backward) of the

@@ -142,16 +142,34 @@ def moe_exchange_times(
     return out
 
 
-def grouped_gemm_time(
-    groups: int, m: int, n: int, k: int, *, peak_flops: float, bandwidth: float, c: PerfConstants, element: float
+def experts_gemm_time(
+    experts: int,
+    rows: int,
+    hidden: int,
+    fc1_width: int,
+    ffn: int,
+    *,
+    peak_flops: float,
+    bandwidth: float,
+    peak_fraction: float,
+    half_dim: float,
+    element: float,
+    efficiency: float = 1.0,
 ) -> float:
-    """Seconds of one grouped GEMM of ``groups`` products ``[m, k] x [k, n]`` (a rank's experts):
-    the FLOPs at the efficiency of one ``(groups m, n, k)`` GEMM (the groups fill the GPU together)
-    times ``c.moe_grouped_gemm_efficiency``, or reading every group's operands, whichever is longer."""
-    eff = gemm_efficiency(groups * m, n, k, peak_fraction=c.gemm_peak_fraction, half_dim=c.gemm_half_dim)
-    compute = gemm_flops(m, n, k, groups) / (peak_flops * eff * c.moe_grouped_gemm_efficiency)
-    memory = groups * (m * k + k * n + m * n) * element / bandwidth
-    return max(compute, memory)
+    """Seconds of the forward GEMMs of a rank's ``experts`` experts, ``rows`` rows each, as two
+    grouped GEMMs, fc1 ``(rows, fc1_width, hidden)`` and fc2 ``(rows, hidden, ffn)`` per expert: each
+    grouped GEMM's FLOPs at the efficiency (:func:`~ptdp.planner.time.flops.gemm_efficiency`) of one
+    ``(experts rows, n, k)`` GEMM (the groups fill the GPU together) times ``efficiency``
+    (``moe_grouped_gemm_efficiency``), or reading every expert's operands of ``element`` bytes,
+    whichever is longer."""
+
+    def grouped(n: int, k: int) -> float:
+        eff = gemm_efficiency(experts * rows, n, k, peak_fraction=peak_fraction, half_dim=half_dim)
+        compute = gemm_flops(rows, n, k, experts) / (peak_flops * eff * efficiency)
+        memory = experts * (rows * k + k * n + rows * n) * element / bandwidth
+        return max(compute, memory)
+
+    return grouped(fc1_width, hidden) + grouped(hidden, ffn)
 
 
 @lru_cache(maxsize=65536)
@@ -207,8 +225,19 @@ def sublayer_times(
             rows = moe.moe_expert_capacity_factor * k * routed * etp
         local = max(1, experts // ep)
         m = max(1, round(rows / local))
-        grouped = partial(grouped_gemm_time, peak_flops=weight_peak, bandwidth=bandwidth, c=c, element=weight_bytes)
-        expert_gemms = grouped(local, m, halves * ffn // etp, h) + grouped(local, m, h, ffn // etp)
+        expert_gemms = experts_gemm_time(
+            local,
+            m,
+            h,
+            halves * ffn // etp,
+            ffn // etp,
+            peak_flops=weight_peak,
+            bandwidth=bandwidth,
+            peak_fraction=c.gemm_peak_fraction,
+            half_dim=c.gemm_half_dim,
+            element=weight_bytes,
+            efficiency=c.moe_grouped_gemm_efficiency,
+        )
         act = ffn_bytes * rows * ffn / etp / bandwidth
         casts_f = casts_b = 0.0
         if fp8_peak:  # each expert GEMM's input quantised (and transposed) on the way

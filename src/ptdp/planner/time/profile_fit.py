@@ -3,8 +3,10 @@
 Pure arithmetic on the measurements of :mod:`ptdp.run.calibration` (no torch): the GEMM-efficiency
 curve (peak FLOP/s and half-dim of :func:`ptdp.planner.time.flops.gemm_efficiency`), the ring model's
 link bandwidth and latency (:mod:`ptdp.planner.time.collectives`), the host overhead per layer and per output
-layer beyond the planner's prediction, and the optimizer's share of the memory bandwidth; together
-a :class:`~ptdp.planner.inputs.hardware.GPUType` ("local") and its
+layer beyond the planner's prediction, the optimizer's share of the memory bandwidth, and the two
+MoE efficiencies (the all-to-all's share of the fitted links, the experts' grouped GEMM's of the
+fitted roofline; :mod:`ptdp.planner.time.moe_time`); together a
+:class:`~ptdp.planner.inputs.hardware.GPUType` ("local") and its
 :class:`~ptdp.planner.time.constants.PerfConstants` (:func:`build_profile`).
 """
 
@@ -15,14 +17,16 @@ import datetime
 import math
 import os
 import platform
+from functools import partial
 
 from ptdp.config.model import ModelConfig
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.inputs.hardware import Cluster, GPUType
-from ptdp.planner.time.collectives import hierarchical_all_reduce_time, tp_layer_comm_times
+from ptdp.planner.time.collectives import Links, hierarchical_all_reduce_time, tp_layer_comm_times
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants, links_for
 from ptdp.planner.time.data_parallel import OPT_BYTES_FULL, OPT_BYTES_SHARDED
 from ptdp.planner.time.flops import gemm_efficiency, layer_compute_times, logits_compute_time
+from ptdp.planner.time.moe_time import exchange_time, experts_gemm_time
 
 
 def fit_linear(samples: list[tuple[int, float]]) -> tuple[float, float]:
@@ -66,6 +70,42 @@ def fit_ring(samples: list[tuple[int, float]], group_size: int | list[int]) -> t
     if latency < 0.0:  # refit through the origin
         latency, inv_bw = 0.0, s2t / s22
     return 1.0 / max(inv_bw, 1e-30), latency
+
+
+def fit_exchange_efficiency(samples: list[tuple[int, int, float]], links: Links) -> float:
+    """``moe_exchange_efficiency`` from all-to-alls measured as (group size, bytes each rank sends,
+    seconds): :func:`~ptdp.planner.time.moe_time.exchange_time` at efficiency ``e`` is its latency
+    plus ``x / e`` (``x``: its transfer time at efficiency 1 on ``links``); ``1 / e`` by least
+    squares through the origin of ``seconds - latency = x / e``. 1.0 when no time exceeds the
+    latency (nothing to fit)."""
+    rows = []
+    for group, nbytes, seconds in samples:
+        latency = exchange_time(0.0, group, links)
+        rows.append((exchange_time(nbytes, group, links) - latency, seconds - latency))
+    sxx = sum(x * x for x, _ in rows)
+    sxy = sum(x * y for x, y in rows)
+    return sxx / sxy if sxx > 0.0 and sxy > 0.0 else 1.0
+
+
+def fit_grouped_gemm_efficiency(
+    samples: list[dict], *, peak_flops: float, bandwidth: float, half_dim: float, bytes_per_element: float
+) -> float:
+    """``moe_grouped_gemm_efficiency`` from the experts' forward GEMMs measured at ``{"experts",
+    "rows", "hidden", "ffn", "seconds"}``: the geometric mean over the samples of the planner's
+    time at efficiency 1 (:func:`~ptdp.planner.time.moe_time.experts_gemm_time` with the fitted peak
+    and half-dim) over the measured seconds."""
+    predicted = partial(
+        experts_gemm_time,
+        peak_flops=peak_flops,
+        bandwidth=bandwidth,
+        peak_fraction=1.0,
+        half_dim=half_dim,
+        element=bytes_per_element,
+    )
+    logs = [
+        math.log(predicted(s["experts"], s["rows"], s["hidden"], s["ffn"], s["ffn"]) / s["seconds"]) for s in samples
+    ]
+    return math.exp(sum(logs) / len(logs))
 
 
 def fit_overheads(
@@ -127,8 +167,10 @@ def build_profile(
 ) -> tuple[GPUType, PerfConstants, dict]:
     """The profile from the measurements in ``mine``: rank 0's GEMMs and bandwidth; tensor-parallel
     group 0's medians of all-reduce, layer and head times (already scaled to one core per worker);
-    the pipeline ping-pong (``p2p``, when pp > 1). ``cores``: the CPU cores the workers share (0:
-    none, each worker has a GPU). ``device``: ``{"name", "memory_bytes"}`` of rank 0's GPU, None
+    the pipeline ping-pong (``p2p``, when pp > 1); the world's all-to-alls (``all_to_all``: (group,
+    bytes, seconds), scaled the same way) and rank 0's experts' GEMMs (``grouped_gemm``), each
+    optional (the default MoE efficiencies stay without them). ``cores``: the CPU cores the
+    workers share (0: none, each worker has a GPU). ``device``: ``{"name", "memory_bytes"}`` of rank 0's GPU, None
     on CPUs (the machine's memory is then shared by the workers)."""
     nproc = config.world_size
     peak, half_dim = fit_gemm_curve(mine["gemms"])
@@ -153,8 +195,24 @@ def build_profile(
     opt_efficiency = min(
         1.0, opt_params * (OPT_BYTES_FULL[precision] + OPT_BYTES_SHARDED[precision]) / bandwidth / opt_s
     )
+    exchange_eff, grouped_eff = constants.moe_exchange_efficiency, constants.moe_grouped_gemm_efficiency
+    if mine.get("all_to_all"):
+        exchange_eff = fit_exchange_efficiency(mine["all_to_all"], links_for(Cluster(gpu, nproc, nproc), constants))
+    if mine.get("grouped_gemm"):
+        grouped_eff = fit_grouped_gemm_efficiency(
+            mine["grouped_gemm"],
+            peak_flops=peak,
+            bandwidth=bandwidth,
+            half_dim=half_dim,
+            bytes_per_element=4.0 if precision == "fp32" else 2.0,
+        )
     constants = dataclasses.replace(
-        constants, layer_overhead=layer_overhead, head_overhead=head_overhead, optimizer_efficiency=opt_efficiency
+        constants,
+        layer_overhead=layer_overhead,
+        head_overhead=head_overhead,
+        optimizer_efficiency=opt_efficiency,
+        moe_exchange_efficiency=exchange_eff,
+        moe_grouped_gemm_efficiency=grouped_eff,
     )
     measured = {
         "gemms": mine["gemms"],
@@ -163,6 +221,8 @@ def build_profile(
         "layer_s": mine["layer_s"],
         "head_s": mine["head_s"],
         "p2p": mine.get("p2p"),
+        "all_to_all": mine.get("all_to_all"),
+        "grouped_gemm": mine.get("grouped_gemm"),
         "cores": cores,
         "workers": nproc,
         "fitted": {
@@ -173,6 +233,8 @@ def build_profile(
             "layer_overhead": layer_overhead,
             "head_overhead": head_overhead,
             "optimizer_efficiency": opt_efficiency,
+            "moe_exchange_efficiency": exchange_eff,
+            "moe_grouped_gemm_efficiency": grouped_eff,
         },
         "optimizer_s": opt_s,
     }
