@@ -1,12 +1,13 @@
 """``ptdp plan`` as the process a user starts: the search for the 1T-parameter GPT of Narayanan et
-al. SC21 Table 1 on 3,072 A100s, against a bare interpreter start beside it.
+al. SC21 Table 1 on 3,072 A100s (``--case gpt-1t``) or for DeepSeek-V3 on 2,048 H100s with ep and
+etp searched (``--case deepseek-v3``), against a bare interpreter start beside it.
 
 Each repeat runs, alternating, ``python -c pass`` and ``python -m ptdp.cli plan`` (interpreter,
 imports, search over every layout, report) and reads their user + system CPU seconds from
 ``RUSAGE_CHILDREN``; reported: the median and minimum of each, their ratio, and the layouts the
 search evaluated (counted in a separate, untimed run).
 
-    python benchmarks/bench_plan_process.py [--repeats 5] [--json]
+    python benchmarks/bench_plan_process.py [--case gpt-1t|deepseek-v3] [--repeats 5] [--json]
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ ONE_T = [
     "--seq-length",
     "2048",
 ]
+
+#: DeepSeek-V3 (62 layers with its MTP module, 256 experts, MLA) on 2,048 H100s, 8,192 sequences
+DEEPSEEK_V3 = ["--model", "deepseek-v3", "--gpus", "2048", "--gpu", "h100", "--global-batch-size", "8192"]
+CASES = {"gpt-1t": ONE_T, "deepseek-v3": DEEPSEEK_V3}
 
 COUNT = """
 import contextlib, io, sys
@@ -59,20 +64,22 @@ def cpu_seconds(cmd: list[str]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", choices=sorted(CASES), default="gpt-1t")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    flags = CASES[args.case]
     bare, plan = [], []
     for _ in range(args.repeats):
         bare.append(cpu_seconds([sys.executable, "-c", "pass"]))
-        plan.append(cpu_seconds([sys.executable, "-m", "ptdp.cli", "plan", *ONE_T]))
+        plan.append(cpu_seconds([sys.executable, "-m", "ptdp.cli", "plan", *flags]))
     layouts = int(
         subprocess.run(
-            [sys.executable, "-c", COUNT, "plan", *ONE_T], check=True, capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", COUNT, "plan", *flags], check=True, capture_output=True, text=True, timeout=300
         ).stdout.split()[-1]
     )
     result = {
-        "command": "ptdp plan " + " ".join(ONE_T),
+        "command": "ptdp plan " + " ".join(flags),
         "repeats": args.repeats,
         "load_average": os.getloadavg(),
         "layouts_evaluated": layouts,

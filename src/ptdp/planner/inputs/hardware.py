@@ -216,6 +216,20 @@ CATALOG: dict[str, GPUType] = {
         "NVIDIA H200 datasheet (SXM 141GB); NDR 400 Gb/s per GPU",
         arch="hopper",
     ),
+    # H800 SXM5, the export H100 that trained DeepSeek-V3: H100's compute and 80 GB HBM3 with NVLink
+    # at 400 GB/s bidirectional (NVIDIA H800 product brief); DeepSeek-V3 report (arXiv:2412.19437,
+    # §3.1-3.2.2): 8 GPUs per node, 400 Gb/s InfiniBand per GPU ("IB (50 GB/s)").
+    "h800": GPUType(
+        "h800",
+        _H100_PEAK,
+        81559 * 2**20,
+        3350 * GB,
+        200 * GB,
+        50 * GB,
+        8,
+        "NVIDIA H800 SXM5 (H100 compute, NVLink 400 GB/s); DeepSeek-V3 report: IB 50 GB/s per GPU",
+        arch="hopper",
+    ),
     # NVIDIA V100 datasheet (SXM2 32GB): 125 TFLOPS FP16 tensor, 15.7 FP32; HBM2 900 GB/s;
     # NVLink 2 300 GB/s bidirectional. DGX-1V: 4 x 100 Gb/s EDR InfiniBand for 8 GPUs.
     "v100-32gb": GPUType(
