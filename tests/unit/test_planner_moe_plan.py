@@ -5,6 +5,7 @@ the experts' state per rank, the explanation, and the validation against publish
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from itertools import combinations
 
@@ -186,3 +187,21 @@ def test_published_moe_runs_are_planned_at_their_layouts_within_the_targets(moe_
     assert sum(errors) / len(errors) <= 0.08, errors
     assert max(errors) <= 0.25, errors
     assert all(total <= cap for _, total, cap in memory_checks(moe_runs))
+
+
+def test_the_flex_dispatcher_is_planned_and_refused_by_ptdp_train(capsys):
+    base = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "16", "--gpu", "h100", "--global-batch-size", "1024"]
+    base += ["--tp", "1", "--pp", "1", "--cp", "1", "--ep", "16", "--micro-batch-size", "1", "--top", "1", "--json"]
+    steps = {}
+    for name, extra in {
+        "alltoall": [],
+        "flex": ["--moe-token-dispatcher-type", "flex"],
+        "deepep": ["--moe-flex-dispatcher-backend", "deepep"],
+    }.items():
+        assert cli.main([*base, *extra]) == 0
+        steps[name] = json.loads(capsys.readouterr().out)[0]["time_s"]["ep_comm"]
+    assert steps["flex"] == steps["deepep"] < steps["alltoall"]  # a token crosses to the other node once
+    assert cli.main([*base, "--moe-token-dispatcher-type", "allgather", "--moe-flex-dispatcher-backend", "deepep"]) == 2
+    assert "is the backend of --moe-token-dispatcher-type flex" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--moe-token-dispatcher-type flex with --num-experts: ptdp train does not"):
+        load_config(world_size=2, num_experts=4, expert_model_parallel_size=2, moe_token_dispatcher_type="flex")

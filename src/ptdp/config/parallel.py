@@ -92,18 +92,20 @@ class ParallelConfig:
     )
     """Each expert's fc1 split by columns and fc2 by rows over ``etp`` ranks (the fastest axis of
     the expert grid)."""
-    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = opt(
+    moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = opt(
         "alltoall",
         "--moe-token-dispatcher-type",
         "how tokens reach their experts' ranks: all-to-all of the routed tokens, or all-gather of "
-        "every token over the expert grid",
+        "every token over the expert grid; flex: Megatron-Core's deduplicating DeepEP / HybridEP "
+        "exchange (ptdp plan only)",
         "layout",
         plan=True,
         plan_searched=False,
     )
     """``alltoall``: split counts, then the routed tokens, by ``all_to_all_single`` with uneven
     splits; ``allgather``: every rank gathers all tokens of its ep x etp group and keeps its
-    experts' share."""
+    experts' share; ``flex``: Megatron-Core's flex dispatcher (DeepEP or HybridEP, each token sent
+    once per node and GPU holding its experts), planned by ``ptdp plan`` only."""
     cp_comm_type: Literal["p2p", "all_gather"] = opt(
         "p2p",
         "--cp-comm-type",

@@ -122,7 +122,14 @@ def _moe_not_yet(config: Config) -> list[Violation]:
     """The MoE settings ``ptdp train`` does not run yet, each named."""
     if not config.moe.enabled:
         return []
-    missing = [(config.model.compile, "--compile", "")]
+    missing = [
+        (config.model.compile, "--compile", ""),
+        (
+            config.parallel.moe_token_dispatcher_type == "flex",
+            "--moe-token-dispatcher-type flex",
+            " (alltoall or allgather; ptdp plan plans flex)",
+        ),
+    ]
     return [
         V("moe", f"{what} with --num-experts: ptdp train does not run it yet{hint}") for on, what, hint in missing if on
     ]

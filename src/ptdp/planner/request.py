@@ -460,11 +460,14 @@ def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
     if getattr(args, "overlap_moe_expert_parallel_comm", None):
         constants = dataclasses.replace(constants, moe_overlap=True)
     flex = getattr(args, "moe_flex_dispatcher_backend", None)
+    dispatcher = getattr(args, "moe_token_dispatcher_type", None)
+    if flex and dispatcher not in (None, "flex"):
+        raise ConfigError(
+            f"--moe-flex-dispatcher-backend {flex} is the backend of --moe-token-dispatcher-type flex, not {dispatcher}"
+        )
+    if dispatcher == "flex":
+        flex = flex or "deepep"
     if flex:
-        if getattr(args, "moe_token_dispatcher_type", None) == "allgather":
-            raise ConfigError(
-                f"--moe-flex-dispatcher-backend {flex} replaces the all-to-all, not --moe-token-dispatcher-type allgather"
-            )
         constants = dataclasses.replace(constants, moe_flex_dispatcher=flex)
     torch_cp = getattr(args, "cp_implementation", None) == "torch"
     if torch_cp:
@@ -486,7 +489,7 @@ def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
                 bool(getattr(args, "overlap_moe_expert_parallel_comm", None)),
             ),
             (
-                f"the {flex} token dispatcher (--moe-flex-dispatcher-backend)",
+                f"the flex token dispatcher with {flex} (--moe-token-dispatcher-type flex)",
                 bool(flex),
             ),
         )

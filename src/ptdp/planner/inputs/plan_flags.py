@@ -172,9 +172,10 @@ def _add_overlap_arguments(parser: argparse.ArgumentParser) -> None:
         "--moe-flex-dispatcher-backend",
         choices=("deepep", "hybridep"),
         default=None,
-        help="plan Megatron-Core's flex token dispatcher with this backend (planner only): each token "
-        "crosses the network once per other node holding one of its experts and fans out over NVLink "
-        "there; default: the plain all-to-all of --moe-token-dispatcher-type alltoall",
+        help="plan Megatron-Core's flex token dispatcher (--moe-token-dispatcher-type flex) with this "
+        "backend (planner only; flex alone: deepep): each token crosses the network once per other "
+        "node holding one of its experts and reaches each GPU holding one once; default: the plain "
+        "all-to-all of --moe-token-dispatcher-type alltoall",
     )
     g.add_argument(
         "--cp-implementation",
