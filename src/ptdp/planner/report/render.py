@@ -199,11 +199,12 @@ def json_report(result: SearchResult, *, top: int = 10, fields: Mapping[str, obj
 
 
 ABBREVIATIONS = (
-    "tp/cp/pp/dp: tensor/context/pipeline/data-parallel sizes; b: micro batch size; v: model chunks per "
+    "tp/cp/pp/dp/ep/etp: tensor/context/pipeline/data/expert/expert-tensor-parallel sizes; b: micro batch "
+    "size; v: model chunks per "
     "pipeline rank; rec none/sel/full: activation recomputation; sp: sequence parallel; do: distributed "
     "optimizer (sharding optim); og/ogp: sharding optim_grads/optim_grads_params; "
-    "tp_comm/cp_comm/pp_comm/dp_comm: exposed "
-    "communication of each axis"
+    "tp_comm/cp_comm/pp_comm/dp_comm/ep_comm/edp_comm: exposed "
+    "communication of each axis (ep_comm: the MoE all-to-alls; edp_comm: the experts' gradient reduction)"
 )
 
 
@@ -212,7 +213,8 @@ def plot_label(rank: int, plan: Plan) -> str:
     lay = plan.layout
     shard = {"no_shard": "", "optim": " do", "optim_grads": " og", "optim_grads_params": " ogp"}[lay.sharding_strategy]
     return (
-        f"#{rank} tp{lay.tp}{f' cp{lay.cp}' if lay.cp > 1 else ''} pp{lay.pp} dp{lay.dp} b{lay.micro_batch_size} "
+        f"#{rank} tp{lay.tp}{f' cp{lay.cp}' if lay.cp > 1 else ''} pp{lay.pp} dp{lay.dp}"
+        f"{f' ep{lay.ep}' if lay.ep > 1 else ''}{f' etp{lay.etp}' if lay.etp > 1 else ''} b{lay.micro_batch_size} "
         f"v{lay.virtual_stages} rec {lay.recompute[:4]}{' sp' if lay.parallel.sequence_parallel else ''}{shard}"
     )
 
@@ -242,12 +244,13 @@ def plot(result: SearchResult, path: str, *, capacity_bytes: float, top: int = 1
         raise ValueError("no layout fits: nothing to plot")
     labels = [plot_label(i + 1, p) for i, p in enumerate(plans)]
     xs = range(len(plans))
+    moe = any(p.need_time().ep_comm or p.need_time().edp_comm for p in plans)
     fig, (ax_m, ax_t, ax_s) = plt.subplots(
         1, 3, figsize=(max(15, 1.9 * len(plans) + 6), 6), gridspec_kw={"width_ratios": [1, 1, 0.7]}
     )
     for ax, keys, get, unit in (
         (ax_m, _MEM, lambda p, k: getattr(p.need_memory(), k) / GiB, "GiB"),
-        (ax_t, _TIME, lambda p, k: getattr(p.need_time(), k), "s per step"),
+        (ax_t, _MOE_TIME if moe else _TIME, lambda p, k: getattr(p.need_time(), k), "s per step"),
     ):
         bottom = [0.0] * len(plans)
         for key in keys:
