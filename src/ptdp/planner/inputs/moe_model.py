@@ -109,6 +109,26 @@ class MoEModel(ModelConfig):
         return cf if self.moe.moe_pad_expert_input_to_capacity else min(self.load_imbalance, cf)
 
     @property
+    def kept_share(self) -> float:
+        """The expert inputs' rows over the ``k T`` assignments routed: 1 dropless; with a capacity
+        factor below 1 at most it (dropped assignments are not sent), with padding exactly it
+        (never more than every token, ``E / k``)."""
+        cf = self.moe.moe_expert_capacity_factor
+        if cf is None:
+            return 1.0
+        cf = min(cf, (self.moe.num_experts or 1) / self.moe.moe_router_topk)
+        return cf if self.moe.moe_pad_expert_input_to_capacity else min(1.0, cf)
+
+    def busiest_load(self, ep: int) -> float:
+        """Rows the busiest expert rank of ``ep`` computes over the balanced share of the ``k T``
+        routed: :attr:`expert_load` (the imbalance within the capacity), at most every row of the ep
+        group (``ep`` times its share of what is kept); at ep 1 (one rank holds every expert) or
+        with forced balancing, what is kept (:attr:`kept_share`)."""
+        if ep == 1 or self.moe.moe_router_force_load_balancing:
+            return self.kept_share
+        return min(self.expert_load, ep * self.kept_share)
+
+    @property
     def main_layers(self) -> int:
         """The model's own layers (``num_layers`` without the multi-token-prediction modules)."""
         return self.num_layers - self.mtp_layers

@@ -53,6 +53,7 @@ def layer_activation_bytes(
     precision: str = "bf16",
     modules: tuple[str, ...] = ("core_attn",),
     etp: int = 1,
+    ep: int = 1,
 ) -> float:
     """Activation bytes one transformer layer keeps for backward, per microbatch, on one tp rank.
 
@@ -104,12 +105,12 @@ def layer_activation_bytes(
     elif recompute == "none" or (recompute == "selective" and "core_attn" not in kept):
         per_token += (e + (mask + e) * mask) * a * s / t
     if isinstance(model, MoEModel):
-        return tokens * per_token + _sublayer_change(model, tp, tokens, sequence_parallel, e, g, kept, etp)
+        return tokens * per_token + _sublayer_change(model, tp, tokens, sequence_parallel, e, g, kept, etp, ep)
     return tokens * per_token
 
 
 def _sublayer_change(
-    model: MoEModel, tp: int, tokens: int, sequence_parallel: bool, e: int, g: int, kept: set[str], etp: int
+    model: MoEModel, tp: int, tokens: int, sequence_parallel: bool, e: int, g: int, kept: set[str], etp: int, ep: int
 ) -> float:
     """Bytes per layer (the mean over the model's layers) by which MoE layers and multi-head latent
     attention change :func:`layer_activation_bytes`' dense count (no full or per-op recompute)."""
@@ -121,7 +122,7 @@ def _sublayer_change(
     if moe is not None:
         routed = tokens // (tp if sequence_parallel else 1)
         layer = moe_mlp_activation_bytes(
-            model, moe, routed, precision_bytes=e, etp=etp, load=model.expert_load, modules=modules, gemm_bytes=g
+            model, moe, routed, precision_bytes=e, etp=etp, load=model.busiest_load(ep), modules=modules, gemm_bytes=g
         )
         layer += shared_expert_activation_bytes(model, moe, tokens, tp, precision_bytes=e, modules=modules)
         if "mlp" not in kept:
@@ -223,6 +224,7 @@ def stage_activation_bytes(
         precision=precision,
         modules=layout.modules,
         etp=layout.etp,
+        ep=layout.ep,
     )
     mbs = inflight_microbatches(layout, pp_rank, schedule=schedule)
     last = pp_rank == layout.pp - 1
@@ -250,7 +252,14 @@ def stage_activation_bytes(
     if layout.recompute == "full":
         working = (
             layer_activation_bytes(
-                model, layout.tp, b, sequence_parallel=sp, recompute="none", precision=precision, etp=layout.etp
+                model,
+                layout.tp,
+                b,
+                sequence_parallel=sp,
+                recompute="none",
+                precision=precision,
+                etp=layout.etp,
+                ep=layout.ep,
             )
             - per_layer
         )
@@ -335,6 +344,7 @@ def cached_rank_activation_bytes(
         layout.layer_split,
         layout.parallel.cp_comm_type,
         layout.etp,
+        layout.ep,
         rank,
         n_layers,
         schedule,

@@ -59,20 +59,27 @@ class SublayerTimes:
     exchange_again: float = 0.0
 
 
-def exchange_time(nbytes: float, group: int, links: Links, *, receive: float = 1.0, efficiency: float = 1.0) -> float:
-    """Seconds of an all-to-all in which each of ``group`` consecutive ranks sends ``nbytes`` (spread
-    evenly over the group) and receives ``receive`` times as much: the share for peers in its node
-    over NVLink and the share for other nodes over its NIC at once (the slower decides), at
+def exchange_time(
+    nbytes: float, group: int, links: Links, *, receive: float = 1.0, efficiency: float = 1.0, stride: int = 1
+) -> float:
+    """Seconds of an all-to-all in which each of ``group`` ranks, ``stride`` apart, sends ``nbytes``
+    (spread evenly over the group) and receives ``receive`` times as much: the share for peers in
+    its node over NVLink and the share for other nodes over its NIC at once (the slower decides), at
     ``efficiency`` of the links' bandwidth, one latency per peer node plus one."""
     if group <= 1:
         return 0.0
-    per_node = min(group, links.gpus_per_node)
+    per_node = group_per_node(group, stride, links.gpus_per_node)
     moved = nbytes * max(1.0, receive)
     inside = moved * (per_node - 1) / group / (links.nvlink_bandwidth * efficiency)
     outside = moved * (group - per_node) / group / (links.network_bandwidth * efficiency)
     nodes = -(-group // per_node)
     latency = links.nvlink_latency + (nodes - 1) * links.network_latency
     return max(inside, outside) + latency
+
+
+def group_per_node(group: int, stride: int, gpus_per_node: int) -> int:
+    """Ranks of a group of ``group`` ranks ``stride`` apart that share a node of ``gpus_per_node``."""
+    return max(1, min(group, gpus_per_node // stride))
 
 
 def parts_hit(experts: int, k: int, parts: int) -> float:
@@ -88,14 +95,14 @@ def parts_hit(experts: int, k: int, parts: int) -> float:
 
 
 def flex_exchange_time(
-    tokens: int, row_bytes: float, moe, group: int, links: Links, *, receive: float, efficiency: float
+    tokens: int, row_bytes: float, moe, group: int, links: Links, *, receive: float, efficiency: float, stride: int = 1
 ) -> float:
     """Seconds of one deduplicating exchange (DeepEP / HybridEP, Megatron-Core's ``flex`` dispatcher)
     of ``tokens`` rows of ``row_bytes``: each token crosses the network once per other node holding
     one of its experts (at most the groups of node-limited routing, DeepSeek-V3 §2.1.2, when they
     are the nodes) and reaches each other GPU holding one over NVLink once (:func:`parts_hit`), both
-    at once; the combine sums on the way back the same way."""
-    per_node = min(group, links.gpus_per_node)
+    at once; the combine sums on the way back the same way (the group's ranks ``stride`` apart)."""
+    per_node = group_per_node(group, stride, links.gpus_per_node)
     nodes = -(-group // per_node)
     k, experts = moe.moe_router_topk, moe.num_experts or 1
     node_hits = parts_hit(experts, k, nodes)
@@ -122,21 +129,21 @@ def moe_exchange_times(
     """Seconds of one MoE layer's exchanges (forward and backward) for one micro-batch of a rank
     routing ``tokens``: four over ep (or four gathers / reduce-scatters over ``ep etp`` with the
     allgather dispatcher; with ``flex`` four deduplicating ones, :func:`flex_exchange_time`) and,
-    with etp > 1, four over etp (module docstring)."""
+    with etp > 1, four over etp (module docstring). The ep ranks are etp apart (etp is the expert
+    grid's fastest axis). With a capacity the rows kept (dropped ones are not sent), with padding
+    the capacity's."""
     moe = model.moe
-    rows = moe.moe_router_topk * tokens
-    if moe.moe_pad_expert_input_to_capacity and moe.moe_expert_capacity_factor:
-        rows = int(moe.moe_expert_capacity_factor * rows)
+    rows = moe.moe_router_topk * tokens * model.kept_share
     one = elem * rows * model.hidden_size
-    rho = model.expert_load
+    rho = model.busiest_load(ep) / model.kept_share  # what the busiest rank receives over what each sends
     if dispatcher == "allgather":
         group = ep * etp
         return 4.0 * exchange_time((group - 1) * one, group, links, efficiency=efficiency) if group > 1 else 0.0
     if flex and ep > 1:
-        row = elem * model.hidden_size
-        out = 4.0 * flex_exchange_time(tokens, row, moe, ep, links, receive=rho, efficiency=efficiency)
+        row = elem * model.hidden_size * model.kept_share
+        out = 4.0 * flex_exchange_time(tokens, row, moe, ep, links, receive=rho, efficiency=efficiency, stride=etp)
     else:
-        out = 4.0 * exchange_time(one, ep, links, receive=rho, efficiency=efficiency) if ep > 1 else 0.0
+        out = 4.0 * exchange_time(one, ep, links, receive=rho, efficiency=efficiency, stride=etp) if ep > 1 else 0.0
     if etp > 1:
         out += 4.0 * exchange_time(etp * one * rho, etp, links, efficiency=efficiency)
     return out
@@ -220,9 +227,7 @@ def sublayer_times(
         routed = tokens // (tp if sequence_parallel else 1)
         experts, k = moe.num_experts or 1, moe.moe_router_topk
         ffn = moe.expert_ffn(model.ffn)
-        rows = model.expert_load * k * routed * etp
-        if moe.moe_pad_expert_input_to_capacity and moe.moe_expert_capacity_factor:
-            rows = moe.moe_expert_capacity_factor * k * routed * etp
+        rows = model.busiest_load(ep) * k * routed * etp
         local = max(1, experts // ep)
         m = max(1, round(rows / local))
         expert_gemms = experts_gemm_time(
