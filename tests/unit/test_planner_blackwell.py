@@ -1,5 +1,5 @@
 """Blackwell GPUs in the planner: the catalog's datasheet figures and NVL72 racks (a 72-GPU NVLink
-domain of 4-GPU hosts)."""
+domain of 4-GPU hosts), and the per-architecture MoE constants."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 from ptdp import cli
 from ptdp.api import plan
 from ptdp.planner.inputs.hardware import CATALOG, GB, TFLOPS, Cluster, load_catalog
+from ptdp.planner.time.constants import PerfConstants
 
 MiB = 2**20
 
@@ -63,3 +64,15 @@ def test_deepseek_v3_on_256_gb200_plans_in_the_72_gpu_domain(capsys):
     # ep 64 runs its all-to-alls on the rack's NVLink, not over the network as with 8-GPU nodes
     assert rack.plans[0].need_time().ep_comm < 0.2 * hgx.plans[0].need_time().ep_comm
     assert any("ep 64 runs its all-to-alls inside a node" in line for line in rack.explanation)
+
+
+def test_with_moe_fit_writes_the_architecture_entry_or_the_plain_fields():
+    c = PerfConstants(moe_arch_fits=(("blackwell", 1.0, 1.0, 1.0, 0.0, 0.0),))
+    b = c.with_moe_fit("blackwell", {"moe_layer_overhead": 1e-3})
+    assert b.moe_fit("blackwell")["moe_layer_overhead"] == 1e-3 and b.moe_layer_overhead == c.moe_layer_overhead
+    assert b.for_gpu(CATALOG["gb300"]).moe_layer_overhead == 1e-3
+    assert b.for_gpu(CATALOG["h100"]).moe_layer_overhead == c.moe_layer_overhead
+    h = c.with_moe_fit("hopper", {"moe_layer_overhead": 2e-3})
+    assert h.moe_layer_overhead == 2e-3 and h.moe_arch_fits == c.moe_arch_fits
+    as_json = PerfConstants(moe_arch_fits=[["blackwell", 1.0, 1.0, 1.0, 0.0, 0.0]])  # a profile read back
+    assert as_json.for_gpu(CATALOG["b200"]).moe_grouped_gemm_efficiency == 1.0

@@ -20,14 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ptdp.config.keywords import RaisingParser, keyword_namespace
-from ptdp.planner.candidate import Plan
-from ptdp.planner.inputs.hardware import CATALOG, GiB
+from ptdp.planner.candidate import Candidate, Plan
+from ptdp.planner.inputs.hardware import CATALOG, TFLOPS, GiB
 from ptdp.planner.inputs.models import MOE_PRESETS
 from ptdp.planner.inputs.moe_model import with_mtp
 from ptdp.planner.inputs.plan_flags import add_plan_arguments
 from ptdp.planner.request import PlanRequest, prepare
-from ptdp.planner.search.predict import evaluate
-from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS, MOE_FIT_FIELDS, PerfConstants
+from ptdp.planner.time.step_time import evaluate_performance
 
 #: Where :func:`default_moe_csv` looks: the repository's benchmarks/data folder.
 MOE_CSV = Path(__file__).resolve().parents[4] / "benchmarks" / "data" / "published_moe_validation.csv"
@@ -170,21 +170,46 @@ def load_moe_runs(path: str | Path) -> list[MoERun]:
 
 def run_request(run: MoERun, constants: PerfConstants | None = None) -> PlanRequest:
     """The checked ``ptdp plan`` request of ``run`` (its flags, as the command line gives them);
-    ``constants``: its MoE constants replace the defaults."""
+    ``constants``: its fitted constants (:func:`with_fitted`) replace the defaults."""
     parser = RaisingParser(prog="ptdp plan", add_help=False)
     add_plan_arguments(parser)
     request = prepare(keyword_namespace(parser, dict(run.options), caller="ptdp plan --validate"))
     if constants is not None:
-        fitted = {name: getattr(constants, name) for name in MOE_GRID}
-        request.constants = dataclasses.replace(request.constants, **fitted)
+        request.constants = with_fitted(request.constants, constants)
     return request
+
+
+def with_fitted(target: PerfConstants, fitted: PerfConstants) -> PerfConstants:
+    """``target`` (a request's constants, with its run's overlap) with the fitted constants of
+    ``fitted``: the plain MoE ones, ``moe_arch_fits`` and ``arch_fits``."""
+    names = (*MOE_FIT_FIELDS, "moe_arch_fits", "arch_fits")
+    return dataclasses.replace(target, **{name: getattr(fitted, name) for name in names})
+
+
+def run_arch(run: MoERun) -> str:
+    """The architecture of ``run``'s GPU (whose fitted constants plan it)."""
+    return CATALOG[str(dict(run.options)["gpu"])].arch
 
 
 def predict_run(run: MoERun, constants: PerfConstants | None = None) -> Plan | None:
     """The planner's best plan of ``run``'s published layout (what ``ptdp plan`` prints first with
-    its flags), or None when none fits."""
-    result = run_request(run, constants).search()
-    return result.plans[0] if result.plans else None
+    its flags); when none fits, the one closest to fitting that only memory rejected, timed all the
+    same (``fits`` False: the run happened, :func:`memory_checks` reports the miss); None when the
+    rules reject them all."""
+    return published_plan(run_request(run, constants))
+
+
+def published_plan(request: PlanRequest) -> Plan | None:
+    """:func:`predict_run` of a prepared request."""
+    result = request.search()
+    if result.plans:
+        return result.plans[0]
+    over = [plan for plan, v in result.rejected if v.rule == "memory" and plan.memory is not None]
+    if not over:
+        return None
+    closest = min(over, key=lambda plan: plan.need_memory().total)
+    perf = evaluate_performance(request.model, closest.layout, request.cluster, request.constants)
+    return Plan(closest.layout, False, closest.memory, perf.time, perf.tflops_per_gpu / TFLOPS, perf.mfu)
 
 
 def moe_errors(runs: list[MoERun], constants: PerfConstants | None = None) -> list[tuple[MoERun, Plan | None, float]]:
@@ -198,7 +223,7 @@ def moe_errors(runs: list[MoERun], constants: PerfConstants | None = None) -> li
     return out
 
 
-#: The fitted MoE constants of :class:`~ptdp.planner.time.constants.PerfConstants` and the grid
+#: The fitted MoE constants (:data:`~ptdp.planner.time.constants.MOE_FIT_FIELDS`) and the grid
 #: :func:`fit_moe_constants` searches for each
 MOE_GRID: dict[str, tuple[float, ...]] = {
     "moe_grouped_gemm_efficiency": (0.9, 1.1, 1.3, 1.5),
@@ -207,29 +232,44 @@ MOE_GRID: dict[str, tuple[float, ...]] = {
     "moe_layer_overhead": (0.0, 1.5e-3, 3e-3, 4.5e-3),
     "moe_overlap_slowdown": (0.0, 0.25),
 }
+assert tuple(MOE_GRID) == MOE_FIT_FIELDS
 
 
 def fit_moe_constants(runs: list[MoERun], constants: PerfConstants = DEFAULT_CONSTANTS) -> PerfConstants:
-    """``constants`` with the MoE constants of :data:`MOE_GRID` that minimise the mean squared log
-    step-time error over ``runs``, each planned at the layout ``ptdp plan`` picks for it with the
-    defaults (runs where nothing fits are left out)."""
-    cases = []
+    """``constants`` with, for each architecture of ``runs``' GPUs, the MoE constants of
+    :data:`MOE_GRID` that minimise the mean squared log step-time error over its runs
+    (:meth:`~ptdp.planner.time.constants.PerfConstants.with_moe_fit`), each at the layout
+    :func:`published_plan` picks for it with ``constants`` (runs the rules reject are left out)."""
+    out = constants
+    for arch in dict.fromkeys(run_arch(run) for run in runs):
+        cases = _cases([run for run in runs if run_arch(run) == arch], constants)
+        grid = MOE_GRID
+        best = min(
+            itertools.product(*grid.values()),
+            key=lambda values: _loss(cases, constants.with_moe_fit(arch, dict(zip(grid, values)))),
+        )
+        out = out.with_moe_fit(arch, dict(zip(grid, best)))
+    return out
+
+
+def _cases(runs: list[MoERun], constants: PerfConstants) -> list[tuple[MoERun, PlanRequest, Candidate]]:
+    """(run, request, the layout :func:`published_plan` picks) of the runs the rules accept."""
+    out = []
     for run in runs:
-        request = run_request(run)
-        result = request.search()
-        if result.plans:
-            cases.append((run, request, result.plans[0].layout))
+        request = run_request(run, constants)
+        plan = published_plan(request)
+        if plan is not None:
+            out.append((run, request, plan.layout))
+    return out
 
-    def loss(values: tuple[float, ...]) -> float:
-        total = 0.0
-        for run, request, layout in cases:
-            c = dataclasses.replace(request.constants, **dict(zip(MOE_GRID, values)))  # type: ignore[arg-type]
-            plan, _ = evaluate(request.model, layout, request.cluster, constants=c)
-            total += math.log(plan.need_time().step / run.step_time) ** 2 if plan.time else 0.0
-        return total / max(len(cases), 1)
 
-    best = min(itertools.product(*MOE_GRID.values()), key=loss)
-    return dataclasses.replace(constants, **dict(zip(MOE_GRID, best)))  # type: ignore[arg-type]
+def _loss(cases: list[tuple[MoERun, PlanRequest, Candidate]], fitted: PerfConstants) -> float:
+    """Mean squared log step-time error of ``cases`` at their layouts with ``fitted``'s constants."""
+    total = 0.0
+    for run, request, layout in cases:
+        perf = evaluate_performance(request.model, layout, request.cluster, with_fitted(request.constants, fitted))
+        total += math.log(perf.time.step / run.step_time) ** 2
+    return total / max(len(cases), 1)
 
 
 def memory_checks(runs: list[MoERun]) -> list[tuple[MoERun, float, float]]:
