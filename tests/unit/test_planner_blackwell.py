@@ -1,16 +1,31 @@
-"""Blackwell GPUs in the planner: the catalog's datasheet figures and NVL72 racks (a 72-GPU NVLink
-domain of 4-GPU hosts), and the per-architecture MoE constants."""
+"""Blackwell GPUs in the planner: the catalog's datasheet figures, NVL72 racks (a 72-GPU NVLink
+domain of 4-GPU hosts), the per-architecture constants, and the validation against the published
+Blackwell MoE runs (``benchmarks/data/published_moe_validation_blackwell.csv``) as a regression
+guard of what the fit reaches (targets: mean <= 8%, max <= 15%; reached: mean 8.1%, max 27.0%,
+three layouts over memory, BENCHMARKS.md)."""
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import pytest
 
 from ptdp import cli
 from ptdp.api import plan
 from ptdp.planner.inputs.hardware import CATALOG, GB, TFLOPS, Cluster, load_catalog
-from ptdp.planner.time.constants import PerfConstants
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS, MOE_FIT_FIELDS, PerfConstants
+from ptdp.planner.validate.published_moe import (
+    MOE_CSV,
+    fit_moe_constants,
+    load_moe_runs,
+    memory_checks,
+    moe_errors,
+    run_arch,
+)
 
 MiB = 2**20
+BLACKWELL_CSV = MOE_CSV.with_name("published_moe_validation_blackwell.csv")
 
 
 @pytest.mark.parametrize(
@@ -66,6 +81,20 @@ def test_deepseek_v3_on_256_gb200_plans_in_the_72_gpu_domain(capsys):
     assert any("ep 64 runs its all-to-alls inside a node" in line for line in rack.explanation)
 
 
+def test_blackwell_gets_its_own_constants_and_hopper_keeps_the_plain_fields():
+    c = DEFAULT_CONSTANTS
+    arch = {fit[0]: fit[1:] for fit in c.arch_fits}["blackwell"]
+    moe = {fit[0]: fit[1:] for fit in c.moe_arch_fits}["blackwell"]
+    for name in ("b200", "gb200", "b300", "gb300"):
+        b = c.for_gpu(CATALOG[name])
+        assert (b.gemm_peak_fraction, b.gemm_half_dim, b.hbm_efficiency) == arch
+        assert tuple(getattr(b, f) for f in MOE_FIT_FIELDS) == moe
+    for name in ("h100-sxm", "h200", "a100-80gb"):  # Hopper's MoE fit is the plain fields
+        assert all(getattr(c.for_gpu(CATALOG[name]), f) == getattr(c, f) for f in MOE_FIT_FIELDS)
+    assert c.moe_fit("hopper") == {f: getattr(c, f) for f in MOE_FIT_FIELDS}
+    assert c.moe_fit("blackwell") == dict(zip(MOE_FIT_FIELDS, moe))
+
+
 def test_with_moe_fit_writes_the_architecture_entry_or_the_plain_fields():
     c = PerfConstants(moe_arch_fits=(("blackwell", 1.0, 1.0, 1.0, 0.0, 0.0),))
     b = c.with_moe_fit("blackwell", {"moe_layer_overhead": 1e-3})
@@ -76,3 +105,33 @@ def test_with_moe_fit_writes_the_architecture_entry_or_the_plain_fields():
     assert h.moe_layer_overhead == 2e-3 and h.moe_arch_fits == c.moe_arch_fits
     as_json = PerfConstants(moe_arch_fits=[["blackwell", 1.0, 1.0, 1.0, 0.0, 0.0]])  # a profile read back
     assert as_json.for_gpu(CATALOG["b200"]).moe_grouped_gemm_efficiency == 1.0
+
+
+@pytest.fixture(scope="module")
+def blackwell_runs():
+    if not BLACKWELL_CSV.is_file():
+        pytest.skip("benchmarks/data/published_moe_validation_blackwell.csv not in this checkout")
+    return load_moe_runs(BLACKWELL_CSV)
+
+
+def test_published_blackwell_moe_runs_within_what_the_fit_reached(blackwell_runs):
+    """19 runs from 2 sources on all four GPUs; mean step-time error 8.1% (guarded at 8.5%), max
+    27.0% (GPT-OSS-120B on B300, guarded at 28%); the three layouts predicted over memory are the
+    ones BENCHMARKS.md names (bf16 gradients, paged stash and FP8 weights not in the columns)."""
+    runs = blackwell_runs
+    assert len(runs) == 19 and len({run.source_key for run in runs}) == 2
+    assert {dict(run.options)["gpu"] for run in runs} == {"b200", "gb200", "b300", "gb300"}
+    assert {run_arch(run) for run in runs} == {"blackwell"}
+    errors = [abs(e) for _, _, e in moe_errors(runs)]
+    assert not any(math.isnan(e) for e in errors)
+    assert sum(errors) / len(errors) <= 0.085 and max(errors) <= 0.28, errors
+    over = [(run.name, dict(run.options)["gpu"]) for run, total, cap in memory_checks(runs) if total > cap]
+    assert sorted(over) == [("DeepSeek-V3", "gb300"), ("GPT-OSS-120B", "b200"), ("Qwen3-235B-A22B", "gb200")]
+
+
+def test_blackwell_moe_constants_are_the_grid_least_squares_fit(blackwell_runs):
+    """A change to the time model must come with a refit (``python -m
+    ptdp.planner.validate.published_moe benchmarks/data/published_moe_validation_blackwell.csv --fit
+    blackwell``); given the GEMM/HBM fit, the MoE constants are the grid's argmin."""
+    moe_only = dataclasses.replace(DEFAULT_CONSTANTS, moe_arch_fits=(("blackwell", 1.0, 1.0, 1.0, 0.0, 0.0),))
+    assert fit_moe_constants(blackwell_runs, moe_only).moe_arch_fits == DEFAULT_CONSTANTS.moe_arch_fits

@@ -47,10 +47,11 @@ class PerfConstants:
             ``te`` (Transformer Engine's fused merge, not counted) or ``torch`` (PyTorch's experimental
             ``context_parallel``: :func:`ptdp.planner.time.cp_exchange.torch_merge_times` added).
         arch_fits: ``(arch, gemm_peak_fraction, gemm_half_dim, hbm_efficiency)`` per GPU architecture;
-            Hopper fitted on ``published_runs_h100.csv``, half_dim 128 (half a 256-wide tile).
+            Hopper fitted on ``published_runs_h100.csv``, half_dim 128 (half a 256-wide tile); Blackwell
+            on ``published_moe_validation_blackwell.csv`` (:func:`~ptdp.planner.validate.published_moe.fit_moe_arch`).
         moe_arch_fits: ``(arch, *MOE_FIT_FIELDS)``: the MoE constants below of an architecture with its
-            own fit; the others (Hopper, whose fit the plain fields hold, Ampere, a calibrated
-            device) use the plain fields.
+            own fit (Blackwell, on ``published_moe_validation_blackwell.csv``); the others (Hopper,
+            whose fit the plain fields hold, Ampere, a calibrated device) use the plain fields.
         moe_grouped_gemm_efficiency: speed of the experts' grouped GEMM over one GEMM of each group's
             shape (launch and scheduling of many groups); fitted on ``published_moe_validation.csv``, or measured by ``--calibrate``.
         moe_exchange_efficiency: achieved fraction of the links' bandwidth by the MoE all-to-alls
@@ -89,7 +90,10 @@ class PerfConstants:
     async_tp: bool = False
     pp_overlap: bool = False
     cp_implementation: str = "te"
-    arch_fits: tuple[tuple[str, float, float, float], ...] = (("hopper", 0.58, 128.0, 0.85),)
+    arch_fits: tuple[tuple[str, float, float, float], ...] = (
+        ("hopper", 0.58, 128.0, 0.85),
+        ("blackwell", 0.80, 64.0, 0.70),
+    )
     moe_grouped_gemm_efficiency: float = 1.3
     moe_exchange_efficiency: float = 0.8
     moe_flex_efficiency: float = 1.0
@@ -97,7 +101,9 @@ class PerfConstants:
     moe_overlap: bool = False
     moe_overlap_slowdown: float = 0.0
     moe_flex_dispatcher: str = ""
-    moe_arch_fits: tuple[tuple[str, float, float, float, float, float], ...] = ()
+    moe_arch_fits: tuple[tuple[str, float, float, float, float, float], ...] = (
+        ("blackwell", 0.5, 0.3, 1.0, 0.75e-3, 0.0),
+    )
 
     def __post_init__(self) -> None:  # a profile read from JSON holds lists
         object.__setattr__(self, "arch_fits", tuple(tuple(fit) for fit in self.arch_fits))

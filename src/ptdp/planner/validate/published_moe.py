@@ -16,6 +16,7 @@ import csv
 import dataclasses
 import itertools
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -224,7 +225,7 @@ def moe_errors(runs: list[MoERun], constants: PerfConstants | None = None) -> li
 
 
 #: The fitted MoE constants (:data:`~ptdp.planner.time.constants.MOE_FIT_FIELDS`) and the grid
-#: :func:`fit_moe_constants` searches for each
+#: :func:`fit_moe_constants` searches for each (Hopper, and any architecture without its own grid)
 MOE_GRID: dict[str, tuple[float, ...]] = {
     "moe_grouped_gemm_efficiency": (0.9, 1.1, 1.3, 1.5),
     "moe_exchange_efficiency": (0.4, 0.6, 0.8, 1.0),
@@ -233,17 +234,28 @@ MOE_GRID: dict[str, tuple[float, ...]] = {
     "moe_overlap_slowdown": (0.0, 0.25),
 }
 assert tuple(MOE_GRID) == MOE_FIT_FIELDS
+#: Grids of the architectures whose fit left :data:`MOE_GRID`: Blackwell's grouped GEMMs and
+#: all-to-alls run at lower efficiencies than Hopper's grid holds
+MOE_GRIDS: dict[str, dict[str, tuple[float, ...]]] = {
+    "blackwell": {
+        "moe_grouped_gemm_efficiency": (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.1, 1.3),
+        "moe_exchange_efficiency": (0.1, 0.2, 0.3, 0.4, 0.6, 0.8),
+        "moe_flex_efficiency": (0.4, 0.6, 0.8, 1.0, 1.2),
+        "moe_layer_overhead": (0.0, 0.75e-3, 1.5e-3, 3e-3, 4.5e-3),
+        "moe_overlap_slowdown": (0.0, 0.25, 0.5),
+    },
+}
 
 
 def fit_moe_constants(runs: list[MoERun], constants: PerfConstants = DEFAULT_CONSTANTS) -> PerfConstants:
-    """``constants`` with, for each architecture of ``runs``' GPUs, the MoE constants of
-    :data:`MOE_GRID` that minimise the mean squared log step-time error over its runs
-    (:meth:`~ptdp.planner.time.constants.PerfConstants.with_moe_fit`), each at the layout
+    """``constants`` with, for each architecture of ``runs``' GPUs, the MoE constants of its grid
+    (:data:`MOE_GRIDS`, else :data:`MOE_GRID`) that minimise the mean squared log step-time error
+    over its runs (:meth:`~ptdp.planner.time.constants.PerfConstants.with_moe_fit`), each at the layout
     :func:`published_plan` picks for it with ``constants`` (runs the rules reject are left out)."""
     out = constants
     for arch in dict.fromkeys(run_arch(run) for run in runs):
         cases = _cases([run for run in runs if run_arch(run) == arch], constants)
-        grid = MOE_GRID
+        grid = MOE_GRIDS.get(arch, MOE_GRID)
         best = min(
             itertools.product(*grid.values()),
             key=lambda values: _loss(cases, constants.with_moe_fit(arch, dict(zip(grid, values)))),
@@ -272,6 +284,44 @@ def _loss(cases: list[tuple[MoERun, PlanRequest, Candidate]], fitted: PerfConsta
     return total / max(len(cases), 1)
 
 
+def moe_log_error(runs: list[MoERun], constants: PerfConstants = DEFAULT_CONSTANTS) -> float:
+    """Mean squared log step-time error of ``runs`` planned with ``constants`` (what
+    :func:`fit_moe_arch` minimises; runs the rules reject are left out)."""
+    return _loss(_cases(runs, constants), constants)
+
+
+#: The grids of :func:`fit_moe_arch`: ``gemm_peak_fraction`` 0.40-0.80 by 0.02 (the Hopper fit's
+#: top), ``hbm_efficiency`` 0.60-1.00 by 0.05, ``gemm_half_dim`` 64, 128 or 256 (half a 128-, 256-
+#: or 512-wide tile)
+GEMM_GRID = tuple(round(0.40 + 0.02 * i, 2) for i in range(21))
+HBM_GRID = tuple(round(0.60 + 0.05 * i, 2) for i in range(9))
+HALF_DIM_GRID = (64.0, 128.0, 256.0)
+
+
+def fit_moe_arch(
+    runs: list[MoERun], arch: str, base: PerfConstants = DEFAULT_CONSTANTS, *, rounds: int = 3
+) -> tuple[PerfConstants, float]:
+    """``arch``'s ``arch_fits`` entry (``gemm_peak_fraction``, ``gemm_half_dim``,
+    ``hbm_efficiency`` on :data:`GEMM_GRID`, :data:`HALF_DIM_GRID`, :data:`HBM_GRID`) and its MoE
+    constants (:func:`fit_moe_constants`), fitted in turn, ``rounds`` times, on ``runs`` (those on
+    its GPUs) by least squares of the log step-time error; the first at the layouts planned with
+    ``base``, the second at those planned with the constants reached. Returns the constants and
+    :func:`moe_log_error` of them."""
+    mine = [run for run in runs if run_arch(run) == arch]
+    cases = _cases(mine, base)
+
+    def with_fit(c: PerfConstants, g: float, half_dim: float, e: float) -> PerfConstants:
+        others = tuple(fit for fit in c.arch_fits if fit[0] != arch)
+        return dataclasses.replace(c, arch_fits=(*others, (arch, g, half_dim, e)))
+
+    best = base
+    for _ in range(rounds):
+        grid = itertools.product(GEMM_GRID, HALF_DIM_GRID, HBM_GRID)
+        best = min((with_fit(best, *point) for point in grid), key=lambda c: _loss(cases, c))
+        best = fit_moe_constants(mine, best)
+    return best, moe_log_error(mine, best)
+
+
 def memory_checks(runs: list[MoERun]) -> list[tuple[MoERun, float, float]]:
     """(run, predicted GiB on the most loaded GPU, the GPU's GiB) of each run's published layout,
     as ``ptdp plan`` plans it (the fitting plan, else the closest rejected for memory)."""
@@ -283,3 +333,20 @@ def memory_checks(runs: list[MoERun]) -> list[tuple[MoERun, float, float]]:
         total = min(p.need_memory().total for p in plans) if plans else math.nan
         out.append((run, total / GiB, request.cluster.gpu.memory_bytes / GiB))
     return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m ptdp.planner.validate.published_moe CSV --fit ARCH``: refit ``ARCH``'s constants
+    (:func:`fit_moe_arch`) on the table's runs and print them with the defaults' objective."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 3 or argv[1] != "--fit":
+        raise SystemExit("usage: python -m ptdp.planner.validate.published_moe CSV --fit ARCH")
+    runs = load_moe_runs(argv[0])
+    best, score = fit_moe_arch(runs, argv[2])
+    mine = [run for run in runs if run_arch(run) == argv[2]]
+    fits = [fit for fit in (*best.arch_fits, *best.moe_arch_fits) if fit[0] == argv[2]]
+    print(f"least squares: {fits} mean ln-error^2={score:.6f} (defaults: {moe_log_error(mine):.6f})")
+
+
+if __name__ == "__main__":
+    main()
