@@ -73,7 +73,7 @@ def test_cli_table_json_and_plot(tmp_path):
 
 
 def test_cli_errors_are_clear(tmp_path):
-    bad_gpu = run_cli("--model", "gpt3-175b", "--gpus", "8", "--global-batch-size", "8", "--gpu", "b300", cwd=tmp_path)
-    assert bad_gpu.returncode == 2 and "unknown GPU 'b300'" in bad_gpu.stderr and "Traceback" not in bad_gpu.stderr
+    bad_gpu = run_cli("--model", "gpt3-175b", "--gpus", "8", "--global-batch-size", "8", "--gpu", "r200", cwd=tmp_path)
+    assert bad_gpu.returncode == 2 and "unknown GPU 'r200'" in bad_gpu.stderr and "Traceback" not in bad_gpu.stderr
     no_model = run_cli("--gpus", "8", "--global-batch-size", "8", cwd=tmp_path)
     assert no_model.returncode == 2 and "give --model NAME or the model shape" in no_model.stderr

@@ -437,7 +437,8 @@ def test_unknown_gpu_lists_the_known_ones(capsys):
     code = cli.main(["plan", "--model", "gpt-1.7b", "--gpus", "8", "--global-batch-size", "8", "--gpu", "a100"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert "unknown GPU 'a100'; known: a100-40gb, a100-80gb, h100" in err and "h200" in err and "--gpu-catalog" in err
+    assert "unknown GPU 'a100'; known: a100-40gb, a100-80gb, b200, b300, gb200, gb300, h100" in err
+    assert "h200" in err and "--gpu-catalog" in err
 
 
 @pytest.mark.parametrize(

@@ -79,8 +79,8 @@ def test_grouped_query_heads_rule():
 
 def test_catalog_lookup_and_user_file(tmp_path):
     assert get_gpu("A100-80GB").memory_bytes == 80 * 1024**3
-    with pytest.raises(UnknownGPUError, match="unknown GPU 'b300'.*a100-80gb"):
-        get_gpu("b300")
+    with pytest.raises(UnknownGPUError, match="unknown GPU 'r200'.*a100-80gb"):
+        get_gpu("r200")
     with pytest.raises(UnknownModelError, match="unknown model 'gpt5'"):
         get_model("gpt5")
     f = tmp_path / "gpus.toml"

@@ -61,7 +61,8 @@ def moe_validation_markdown(runs: list[MoERun]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for run, plan, error in rows:
-        predicted = f"{plan.need_time().step:.2f}" if plan is not None else "no plan fits"
+        predicted = "rules refuse it" if plan is None else f"{plan.need_time().step:.2f}"
+        predicted += " (over memory)" if plan is not None and not plan.fits else ""
         lines.append(
             f"| {run.name} | {run.source_key} | `{run.flags()}` | {run.step_time:.2f} | {predicted} | "
             f"{100 * error:+.1f}% | {100 * held[run.flags()]:+.1f}% |"

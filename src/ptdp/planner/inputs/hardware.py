@@ -29,13 +29,17 @@ class GPUType:
 
     Attributes:
         name: catalog key, e.g. ``a100-80gb``.
-        peak_flops: dense peak FLOP/s per precision ("bf16", "fp16", "tf32", "fp32").
+        peak_flops: dense peak FLOP/s per precision ("bf16", "fp16", "fp8", "tf32", "fp32").
         memory_bytes: HBM capacity usable by a process (bytes).
         memory_bandwidth: HBM bandwidth (bytes/s).
         nvlink_bandwidth: NVLink bandwidth per GPU per direction (bytes/s); 0 for PCIe-only.
         network_bandwidth: inter-node bandwidth per GPU per direction (bytes/s), e.g. one HDR
             200 Gb/s InfiniBand port per GPU = 25e9.
         gpus_per_node: GPUs in one node (one NVLink domain).
+        gpus_per_host: GPUs of one host (its board, CPUs and NICs) where a host is less than the
+            NVLink domain: 4 in a GB200 / GB300 NVL72 compute tray, whose NVLink spans the rack's 72
+            GPUs; 0: a host is the whole domain (HGX and DGX nodes). A cluster is whole hosts, so its
+            last NVLink domain may be part of one (256 GPUs: 3 racks and 40 GPUs of a fourth).
         source: where the figures come from.
         shared_cores: 0 for real accelerators (one device per worker). For a CPU "device"
             (``ptdp plan --calibrate``): the number of CPU cores the node's workers share; the
@@ -59,6 +63,7 @@ class GPUType:
     network_bandwidth: float
     gpus_per_node: int = 8
     source: str = ""
+    gpus_per_host: int = 0
     shared_cores: int = 0
     arch: str = ""
     power_limit: float = 0.0
@@ -147,6 +152,34 @@ _H100_PEAK = {
 # SXM5 part, 989.5 at 700 W. A part limited between them (Meta's 500 W H100s: "between SXM and
 # NVL", pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md) is interpolated in watts.
 _H100_POWER = ((400.0, 835.0 / 989.5), (700.0, 1.0))
+
+# Blackwell. Tensor-core peaks are dense: NVIDIA's datasheets give them with 2:4 sparsity, "one-half
+# lower without sparsity". FP4 is left out (the planner plans no FP4 GEMMs), and TF32/FP32 too (the
+# sources differ on them). Memory: what nvidia-smi reports (memory.total), collected from public
+# nvidia-smi logs. NVLink 5: 1.8 TB/s per GPU, 900 GB/s per direction.
+# HGX / DGX B200 datasheet (8 GPUs, 1,000 W each): FP16/BF16 36 PFLOPS and FP8 72 PFLOPS with
+# sparsity, 1.4 TB HBM3e (180 GB per GPU) at 64 TB/s; DGX B200: 8 x 400 Gb/s ConnectX-7, one per GPU
+# (also mlcommons/inference_results_v6.0 Nebius B200-SXM-180GB: "8x ConnectX-7 IB NDR 400Gb/s").
+# Per GPU restated by glennklockwood.com/garden/processors/B200 (HGX B200 at 1,000 W: 2,250 BF16,
+# 4,500 FP8 dense). nvidia-smi: "NVIDIA B200, 183359 MiB". The bus width CUDA reports gives 7.68 TB/s
+# (pytorch/ao PR 4002); the datasheet's 8 TB/s is kept, hbm_efficiency being fitted.
+_B200_PEAK = {"bf16": 2250 * TFLOPS, "fp16": 2250 * TFLOPS, "fp8": 4500 * TFLOPS}
+# GB200 NVL72 datasheet (72 GPUs, 1,200 W each): FP16/BF16 360 PFLOPS and FP8 720 PFLOPS with
+# sparsity, 576 TB/s HBM3e, one 130 TB/s NVLink domain over the rack; 18 compute trays of 4 GPUs.
+# glennklockwood.com (GB200's B200 at 1,200 W: 2,500 BF16, 5,000 FP8 dense). Network: one
+# ConnectX-7 400 Gb/s per GPU (mlcommons/inference_results_v6.1 Crusoe GB200-NVL72: "4x ... ConnectX-7"
+# per 4-GPU node). nvidia-smi: "NVIDIA GB200 ... 189471MiB ... 1200W".
+_GB200_PEAK = {"bf16": 2500 * TFLOPS, "fp16": 2500 * TFLOPS, "fp8": 5000 * TFLOPS}
+# HGX / DGX B300 datasheet (Blackwell Ultra, 8 GPUs): FP16/BF16 36 PFLOPS and FP8 72 PFLOPS with
+# sparsity (B200's), 2.3 TB HBM3e (288 GB per GPU), 8 TB/s per GPU, NVLink 1.8 TB/s per GPU,
+# networking 1.6 TB/s (8 x 800 Gb/s ConnectX-8). Per GPU: glennklockwood.com/garden/processors/B300
+# (2,250 BF16, 4,500 FP8 dense; only FP4 grew). nvidia-smi: "NVIDIA B300 SXM6 AC ... 275040MiB ... 1100W".
+_B300_PEAK = _B200_PEAK
+# GB300 NVL72 datasheet (72 Blackwell Ultra GPUs, 1,400 W each): FP16/BF16 360 PFLOPS and FP8 720
+# PFLOPS with sparsity (GB200's), up to 20 TB HBM3e (288 GB per GPU) at 576 TB/s, 130 TB/s NVLink over
+# the rack, 72 ConnectX-8 SuperNICs at 800 Gb/s; compute trays of 4 GPUs (glennklockwood.com B300
+# page). nvidia-smi: "NVIDIA GB300 ... 284208MiB ... 1400W".
+_GB300_PEAK = _GB200_PEAK
 
 CATALOG: dict[str, GPUType] = {
     "a100-40gb": GPUType(
@@ -243,6 +276,52 @@ CATALOG: dict[str, GPUType] = {
         "NVIDIA V100 datasheet (SXM2 32GB); DGX-1V 4 x EDR 100 Gb/s",
         arch="volta",
     ),
+    "b200": GPUType(
+        "b200",
+        _B200_PEAK,
+        183359 * 2**20,
+        8000 * GB,
+        900 * GB,
+        50 * GB,
+        8,
+        "NVIDIA HGX/DGX B200 datasheet (1,000 W); 400 Gb/s ConnectX-7 per GPU",
+        arch="blackwell",
+    ),
+    "gb200": GPUType(
+        "gb200",
+        _GB200_PEAK,
+        189471 * 2**20,
+        8000 * GB,
+        900 * GB,
+        50 * GB,
+        72,
+        "NVIDIA GB200 NVL72 datasheet (1,200 W); 400 Gb/s ConnectX-7 per GPU",
+        gpus_per_host=4,
+        arch="blackwell",
+    ),
+    "b300": GPUType(
+        "b300",
+        _B300_PEAK,
+        275040 * 2**20,
+        8000 * GB,
+        900 * GB,
+        100 * GB,
+        8,
+        "NVIDIA HGX/DGX B300 datasheet (Blackwell Ultra); 800 Gb/s ConnectX-8 per GPU",
+        arch="blackwell",
+    ),
+    "gb300": GPUType(
+        "gb300",
+        _GB300_PEAK,
+        284208 * 2**20,
+        8000 * GB,
+        900 * GB,
+        100 * GB,
+        72,
+        "NVIDIA GB300 NVL72 datasheet (1,400 W); 800 Gb/s ConnectX-8 per GPU",
+        gpus_per_host=4,
+        arch="blackwell",
+    ),
 }
 CATALOG["h100"] = CATALOG["h100-sxm"]
 CATALOG["v100"] = CATALOG["v100-32gb"]
@@ -281,6 +360,7 @@ def load_catalog(path: str | Path) -> dict[str, GPUType]:
         nvlink_bandwidth = 0
         network_bandwidth = 12.5e9
         gpus_per_node = 4
+        gpus_per_host = 0  # optional: GPUs of a host where the NVLink domain spans hosts (NVL72: 4)
         source = "vendor sheet"
         arch = "hopper"    # optional: plan with that generation's fitted efficiencies
         power_peaks = [[300, 0.8], [400, 1.0]]   # optional: ratings at other power limits
@@ -297,7 +377,17 @@ def load_catalog(path: str | Path) -> dict[str, GPUType]:
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a table of GPUs keyed by name")
     known = {f.name for f in fields(GPUType)}
-    required = known - {"name", "gpus_per_node", "source", "shared_cores", "arch", "power_limit", "power_peaks"}
+    optional = {
+        "name",
+        "gpus_per_node",
+        "gpus_per_host",
+        "source",
+        "shared_cores",
+        "arch",
+        "power_limit",
+        "power_peaks",
+    }
+    required = known - optional
     out = dict(CATALOG)
     for name, table in raw.items():
         if not isinstance(table, dict):
@@ -323,11 +413,14 @@ def _check_numbers(path: Path, name: str, table: dict) -> None:
     numbers = {f"peak_flops.{k}": v for k, v in peaks.items()} if isinstance(peaks, dict) else {"peak_flops": peaks}
     numbers.update({k: table[k] for k in ("memory_bytes", "memory_bandwidth", "nvlink_bandwidth", "network_bandwidth")})
     numbers["gpus_per_node"] = table.get("gpus_per_node", 8)
+    numbers["gpus_per_host"] = table.get("gpus_per_host", 0)
     for key, value in numbers.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"{path}: GPU {name!r}: {key}={value!r} must be a non-negative number")
     if not numbers["gpus_per_node"] >= 1 or not isinstance(peaks, dict) or not peaks:
         raise ValueError(f"{path}: GPU {name!r}: needs gpus_per_node >= 1 and a peak_flops table")
+    if numbers["gpus_per_host"] != int(numbers["gpus_per_host"]):
+        raise ValueError(f"{path}: GPU {name!r}: gpus_per_host={numbers['gpus_per_host']!r} must be a whole number")
 
 
 @dataclass(frozen=True)
@@ -344,5 +437,12 @@ class Cluster:
         small = [f"{k}={v}" for k, v in (("num_gpus", self.num_gpus), ("gpus_per_node", self.gpus_per_node)) if v < 1]
         if small:
             raise ValueError(f"{' and '.join(small)} must be >= 1")
-        if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
+        host = self.gpu.gpus_per_host
+        if host and host < self.gpus_per_node:  # hosts fill the NVLink domains; the last may be partial
+            if self.num_gpus % host:
+                raise ValueError(
+                    f"num_gpus={self.num_gpus} is not a multiple of the {host} GPUs of a {self.gpu.name} host "
+                    f"(gpus_per_host={host})"
+                )
+        elif self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
             raise ValueError(f"num_gpus={self.num_gpus} is not a multiple of gpus_per_node={self.gpus_per_node}")

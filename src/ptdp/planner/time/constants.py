@@ -47,7 +47,11 @@ class PerfConstants:
             ``te`` (Transformer Engine's fused merge, not counted) or ``torch`` (PyTorch's experimental
             ``context_parallel``: :func:`ptdp.planner.time.cp_exchange.torch_merge_times` added).
         arch_fits: ``(arch, gemm_peak_fraction, gemm_half_dim, hbm_efficiency)`` per GPU architecture;
-            Hopper fitted on ``published_runs_h100.csv``, half_dim 128 (half a 256-wide tile).
+            Hopper fitted on ``published_runs_h100.csv``, half_dim 128 (half a 256-wide tile); Blackwell
+            on ``published_moe_validation_blackwell.csv`` (:func:`~ptdp.planner.validate.published_moe.fit_moe_arch`).
+        moe_arch_fits: ``(arch, *MOE_FIT_FIELDS)``: the MoE constants below of an architecture with its
+            own fit (Blackwell, on ``published_moe_validation_blackwell.csv``); the others (Hopper,
+            whose fit the plain fields hold, Ampere, a calibrated device) use the plain fields.
         moe_grouped_gemm_efficiency: speed of the experts' grouped GEMM over one GEMM of each group's
             shape (launch and scheduling of many groups); fitted on ``published_moe_validation.csv``, or measured by ``--calibrate``.
         moe_exchange_efficiency: achieved fraction of the links' bandwidth by the MoE all-to-alls
@@ -86,7 +90,10 @@ class PerfConstants:
     async_tp: bool = False
     pp_overlap: bool = False
     cp_implementation: str = "te"
-    arch_fits: tuple[tuple[str, float, float, float], ...] = (("hopper", 0.58, 128.0, 0.85),)
+    arch_fits: tuple[tuple[str, float, float, float], ...] = (
+        ("hopper", 0.58, 128.0, 0.85),
+        ("blackwell", 0.80, 64.0, 0.70),
+    )
     moe_grouped_gemm_efficiency: float = 1.3
     moe_exchange_efficiency: float = 0.8
     moe_flex_efficiency: float = 1.0
@@ -94,9 +101,13 @@ class PerfConstants:
     moe_overlap: bool = False
     moe_overlap_slowdown: float = 0.0
     moe_flex_dispatcher: str = ""
+    moe_arch_fits: tuple[tuple[str, float, float, float, float, float], ...] = (
+        ("blackwell", 0.5, 0.3, 1.0, 0.75e-3, 0.0),
+    )
 
     def __post_init__(self) -> None:  # a profile read from JSON holds lists
         object.__setattr__(self, "arch_fits", tuple(tuple(fit) for fit in self.arch_fits))
+        object.__setattr__(self, "moe_arch_fits", tuple(tuple(fit) for fit in self.moe_arch_fits))
 
     def with_overlap(
         self,
@@ -118,20 +129,48 @@ class PerfConstants:
         )
 
     def for_gpu(self, gpu) -> PerfConstants:
-        """These constants with ``gpu.arch``'s fitted efficiencies (``arch_fits``), or unchanged
-        for an architecture without its own fit (Ampere, whose fit the plain fields hold; a
-        calibrated CPU)."""
+        """These constants with ``gpu.arch``'s fitted efficiencies (``arch_fits``, ``moe_arch_fits``),
+        or unchanged for an architecture without its own fit (Ampere, whose fit the plain fields
+        hold; a calibrated CPU)."""
         return _for_arch(self, getattr(gpu, "arch", ""))
+
+    def moe_fit(self, arch: str) -> dict[str, float]:
+        """The MoE constants (:data:`MOE_FIT_FIELDS`) that :meth:`for_gpu` gives ``arch``."""
+        fits = {fit[0]: fit[1:] for fit in self.moe_arch_fits}
+        return dict(zip(MOE_FIT_FIELDS, fits.get(arch) or [getattr(self, name) for name in MOE_FIT_FIELDS]))
+
+    def with_moe_fit(self, arch: str, values: dict[str, float]) -> PerfConstants:
+        """These constants with ``values`` (some of :data:`MOE_FIT_FIELDS`) as ``arch``'s MoE
+        constants: in its ``moe_arch_fits`` entry, or the plain fields for an architecture without one."""
+        if all(fit[0] != arch for fit in self.moe_arch_fits):
+            return dataclasses.replace(self, **values)  # type: ignore[arg-type]
+        merged = {**self.moe_fit(arch), **values}
+        grouped, exchange, flex, overhead, slowdown = (float(merged[name]) for name in MOE_FIT_FIELDS)
+        entry = (arch, grouped, exchange, flex, overhead, slowdown)
+        fits = tuple(entry if fit[0] == arch else fit for fit in self.moe_arch_fits)
+        return dataclasses.replace(self, moe_arch_fits=fits)
+
+
+#: The MoE constants an architecture's fit holds (:attr:`PerfConstants.moe_arch_fits`), in its order
+MOE_FIT_FIELDS = (
+    "moe_grouped_gemm_efficiency",
+    "moe_exchange_efficiency",
+    "moe_flex_efficiency",
+    "moe_layer_overhead",
+    "moe_overlap_slowdown",
+)
 
 
 @lru_cache(maxsize=256)
 def _for_arch(constants: PerfConstants, arch: str) -> PerfConstants:
+    out = constants
     for name, gemm, half_dim, hbm in constants.arch_fits:
         if name == arch:
-            return dataclasses.replace(
-                constants, gemm_peak_fraction=gemm, gemm_half_dim=half_dim, hbm_efficiency=hbm, arch_fits=()
-            )
-    return constants
+            out = dataclasses.replace(out, gemm_peak_fraction=gemm, gemm_half_dim=half_dim, hbm_efficiency=hbm)
+    for name, *moe in constants.moe_arch_fits:
+        if name == arch:
+            out = dataclasses.replace(out, **dict(zip(MOE_FIT_FIELDS, moe)))  # type: ignore[arg-type]
+    return dataclasses.replace(out, arch_fits=(), moe_arch_fits=()) if out is not constants else constants
 
 
 DEFAULT_CONSTANTS = PerfConstants()

@@ -16,18 +16,19 @@ import csv
 import dataclasses
 import itertools
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from ptdp.config.keywords import RaisingParser, keyword_namespace
-from ptdp.planner.candidate import Plan
-from ptdp.planner.inputs.hardware import CATALOG, GiB
+from ptdp.planner.candidate import Candidate, Plan
+from ptdp.planner.inputs.hardware import CATALOG, TFLOPS, GiB
 from ptdp.planner.inputs.models import MOE_PRESETS
 from ptdp.planner.inputs.moe_model import with_mtp
 from ptdp.planner.inputs.plan_flags import add_plan_arguments
 from ptdp.planner.request import PlanRequest, prepare
-from ptdp.planner.search.predict import evaluate
-from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS, MOE_FIT_FIELDS, PerfConstants
+from ptdp.planner.time.step_time import evaluate_performance
 
 #: Where :func:`default_moe_csv` looks: the repository's benchmarks/data folder.
 MOE_CSV = Path(__file__).resolve().parents[4] / "benchmarks" / "data" / "published_moe_validation.csv"
@@ -170,21 +171,46 @@ def load_moe_runs(path: str | Path) -> list[MoERun]:
 
 def run_request(run: MoERun, constants: PerfConstants | None = None) -> PlanRequest:
     """The checked ``ptdp plan`` request of ``run`` (its flags, as the command line gives them);
-    ``constants``: its MoE constants replace the defaults."""
+    ``constants``: its fitted constants (:func:`with_fitted`) replace the defaults."""
     parser = RaisingParser(prog="ptdp plan", add_help=False)
     add_plan_arguments(parser)
     request = prepare(keyword_namespace(parser, dict(run.options), caller="ptdp plan --validate"))
     if constants is not None:
-        fitted = {name: getattr(constants, name) for name in MOE_GRID}
-        request.constants = dataclasses.replace(request.constants, **fitted)
+        request.constants = with_fitted(request.constants, constants)
     return request
+
+
+def with_fitted(target: PerfConstants, fitted: PerfConstants) -> PerfConstants:
+    """``target`` (a request's constants, with its run's overlap) with the fitted constants of
+    ``fitted``: the plain MoE ones, ``moe_arch_fits`` and ``arch_fits``."""
+    names = (*MOE_FIT_FIELDS, "moe_arch_fits", "arch_fits")
+    return dataclasses.replace(target, **{name: getattr(fitted, name) for name in names})
+
+
+def run_arch(run: MoERun) -> str:
+    """The architecture of ``run``'s GPU (whose fitted constants plan it)."""
+    return CATALOG[str(dict(run.options)["gpu"])].arch
 
 
 def predict_run(run: MoERun, constants: PerfConstants | None = None) -> Plan | None:
     """The planner's best plan of ``run``'s published layout (what ``ptdp plan`` prints first with
-    its flags), or None when none fits."""
-    result = run_request(run, constants).search()
-    return result.plans[0] if result.plans else None
+    its flags); when none fits, the one closest to fitting that only memory rejected, timed all the
+    same (``fits`` False: the run happened, :func:`memory_checks` reports the miss); None when the
+    rules reject them all."""
+    return published_plan(run_request(run, constants))
+
+
+def published_plan(request: PlanRequest) -> Plan | None:
+    """:func:`predict_run` of a prepared request."""
+    result = request.search()
+    if result.plans:
+        return result.plans[0]
+    over = [plan for plan, v in result.rejected if v.rule == "memory" and plan.memory is not None]
+    if not over:
+        return None
+    closest = min(over, key=lambda plan: plan.need_memory().total)
+    perf = evaluate_performance(request.model, closest.layout, request.cluster, request.constants)
+    return Plan(closest.layout, False, closest.memory, perf.time, perf.tflops_per_gpu / TFLOPS, perf.mfu)
 
 
 def moe_errors(runs: list[MoERun], constants: PerfConstants | None = None) -> list[tuple[MoERun, Plan | None, float]]:
@@ -198,8 +224,8 @@ def moe_errors(runs: list[MoERun], constants: PerfConstants | None = None) -> li
     return out
 
 
-#: The fitted MoE constants of :class:`~ptdp.planner.time.constants.PerfConstants` and the grid
-#: :func:`fit_moe_constants` searches for each
+#: The fitted MoE constants (:data:`~ptdp.planner.time.constants.MOE_FIT_FIELDS`) and the grid
+#: :func:`fit_moe_constants` searches for each (Hopper, and any architecture without its own grid)
 MOE_GRID: dict[str, tuple[float, ...]] = {
     "moe_grouped_gemm_efficiency": (0.9, 1.1, 1.3, 1.5),
     "moe_exchange_efficiency": (0.4, 0.6, 0.8, 1.0),
@@ -207,29 +233,93 @@ MOE_GRID: dict[str, tuple[float, ...]] = {
     "moe_layer_overhead": (0.0, 1.5e-3, 3e-3, 4.5e-3),
     "moe_overlap_slowdown": (0.0, 0.25),
 }
+assert tuple(MOE_GRID) == MOE_FIT_FIELDS
+#: Grids of the architectures whose fit left :data:`MOE_GRID`: Blackwell's grouped GEMMs and
+#: all-to-alls run at lower efficiencies than Hopper's grid holds
+MOE_GRIDS: dict[str, dict[str, tuple[float, ...]]] = {
+    "blackwell": {
+        "moe_grouped_gemm_efficiency": (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.1, 1.3),
+        "moe_exchange_efficiency": (0.1, 0.2, 0.3, 0.4, 0.6, 0.8),
+        "moe_flex_efficiency": (0.4, 0.6, 0.8, 1.0, 1.2),
+        "moe_layer_overhead": (0.0, 0.75e-3, 1.5e-3, 3e-3, 4.5e-3),
+        "moe_overlap_slowdown": (0.0, 0.25, 0.5),
+    },
+}
 
 
 def fit_moe_constants(runs: list[MoERun], constants: PerfConstants = DEFAULT_CONSTANTS) -> PerfConstants:
-    """``constants`` with the MoE constants of :data:`MOE_GRID` that minimise the mean squared log
-    step-time error over ``runs``, each planned at the layout ``ptdp plan`` picks for it with the
-    defaults (runs where nothing fits are left out)."""
-    cases = []
+    """``constants`` with, for each architecture of ``runs``' GPUs, the MoE constants of its grid
+    (:data:`MOE_GRIDS`, else :data:`MOE_GRID`) that minimise the mean squared log step-time error
+    over its runs (:meth:`~ptdp.planner.time.constants.PerfConstants.with_moe_fit`), each at the layout
+    :func:`published_plan` picks for it with ``constants`` (runs the rules reject are left out)."""
+    out = constants
+    for arch in dict.fromkeys(run_arch(run) for run in runs):
+        cases = _cases([run for run in runs if run_arch(run) == arch], constants)
+        grid = MOE_GRIDS.get(arch, MOE_GRID)
+        best = min(
+            itertools.product(*grid.values()),
+            key=lambda values: _loss(cases, constants.with_moe_fit(arch, dict(zip(grid, values)))),
+        )
+        out = out.with_moe_fit(arch, dict(zip(grid, best)))
+    return out
+
+
+def _cases(runs: list[MoERun], constants: PerfConstants) -> list[tuple[MoERun, PlanRequest, Candidate]]:
+    """(run, request, the layout :func:`published_plan` picks) of the runs the rules accept."""
+    out = []
     for run in runs:
-        request = run_request(run)
-        result = request.search()
-        if result.plans:
-            cases.append((run, request, result.plans[0].layout))
+        request = run_request(run, constants)
+        plan = published_plan(request)
+        if plan is not None:
+            out.append((run, request, plan.layout))
+    return out
 
-    def loss(values: tuple[float, ...]) -> float:
-        total = 0.0
-        for run, request, layout in cases:
-            c = dataclasses.replace(request.constants, **dict(zip(MOE_GRID, values)))  # type: ignore[arg-type]
-            plan, _ = evaluate(request.model, layout, request.cluster, constants=c)
-            total += math.log(plan.need_time().step / run.step_time) ** 2 if plan.time else 0.0
-        return total / max(len(cases), 1)
 
-    best = min(itertools.product(*MOE_GRID.values()), key=loss)
-    return dataclasses.replace(constants, **dict(zip(MOE_GRID, best)))  # type: ignore[arg-type]
+def _loss(cases: list[tuple[MoERun, PlanRequest, Candidate]], fitted: PerfConstants) -> float:
+    """Mean squared log step-time error of ``cases`` at their layouts with ``fitted``'s constants."""
+    total = 0.0
+    for run, request, layout in cases:
+        perf = evaluate_performance(request.model, layout, request.cluster, with_fitted(request.constants, fitted))
+        total += math.log(perf.time.step / run.step_time) ** 2
+    return total / max(len(cases), 1)
+
+
+def moe_log_error(runs: list[MoERun], constants: PerfConstants = DEFAULT_CONSTANTS) -> float:
+    """Mean squared log step-time error of ``runs`` planned with ``constants`` (what
+    :func:`fit_moe_arch` minimises; runs the rules reject are left out)."""
+    return _loss(_cases(runs, constants), constants)
+
+
+#: The grids of :func:`fit_moe_arch`: ``gemm_peak_fraction`` 0.40-0.80 by 0.02 (the Hopper fit's
+#: top), ``hbm_efficiency`` 0.60-1.00 by 0.05, ``gemm_half_dim`` 64, 128 or 256 (half a 128-, 256-
+#: or 512-wide tile)
+GEMM_GRID = tuple(round(0.40 + 0.02 * i, 2) for i in range(21))
+HBM_GRID = tuple(round(0.60 + 0.05 * i, 2) for i in range(9))
+HALF_DIM_GRID = (64.0, 128.0, 256.0)
+
+
+def fit_moe_arch(
+    runs: list[MoERun], arch: str, base: PerfConstants = DEFAULT_CONSTANTS, *, rounds: int = 3
+) -> tuple[PerfConstants, float]:
+    """``arch``'s ``arch_fits`` entry (``gemm_peak_fraction``, ``gemm_half_dim``,
+    ``hbm_efficiency`` on :data:`GEMM_GRID`, :data:`HALF_DIM_GRID`, :data:`HBM_GRID`) and its MoE
+    constants (:func:`fit_moe_constants`), fitted in turn, ``rounds`` times, on ``runs`` (those on
+    its GPUs) by least squares of the log step-time error; the first at the layouts planned with
+    ``base``, the second at those planned with the constants reached. Returns the constants and
+    :func:`moe_log_error` of them."""
+    mine = [run for run in runs if run_arch(run) == arch]
+    cases = _cases(mine, base)
+
+    def with_fit(c: PerfConstants, g: float, half_dim: float, e: float) -> PerfConstants:
+        others = tuple(fit for fit in c.arch_fits if fit[0] != arch)
+        return dataclasses.replace(c, arch_fits=(*others, (arch, g, half_dim, e)))
+
+    best = base
+    for _ in range(rounds):
+        grid = itertools.product(GEMM_GRID, HALF_DIM_GRID, HBM_GRID)
+        best = min((with_fit(best, *point) for point in grid), key=lambda c: _loss(cases, c))
+        best = fit_moe_constants(mine, best)
+    return best, moe_log_error(mine, best)
 
 
 def memory_checks(runs: list[MoERun]) -> list[tuple[MoERun, float, float]]:
@@ -243,3 +333,20 @@ def memory_checks(runs: list[MoERun]) -> list[tuple[MoERun, float, float]]:
         total = min(p.need_memory().total for p in plans) if plans else math.nan
         out.append((run, total / GiB, request.cluster.gpu.memory_bytes / GiB))
     return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m ptdp.planner.validate.published_moe CSV --fit ARCH``: refit ``ARCH``'s constants
+    (:func:`fit_moe_arch`) on the table's runs and print them with the defaults' objective."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 3 or argv[1] != "--fit":
+        raise SystemExit("usage: python -m ptdp.planner.validate.published_moe CSV --fit ARCH")
+    runs = load_moe_runs(argv[0])
+    best, score = fit_moe_arch(runs, argv[2])
+    mine = [run for run in runs if run_arch(run) == argv[2]]
+    fits = [fit for fit in (*best.arch_fits, *best.moe_arch_fits) if fit[0] == argv[2]]
+    print(f"least squares: {fits} mean ln-error^2={score:.6f} (defaults: {moe_log_error(mine):.6f})")
+
+
+if __name__ == "__main__":
+    main()
