@@ -68,7 +68,7 @@ def test_the_end_of_run_report_compares_the_state_bytes_of_an_moe_run():
     lines = format_comparison(check)
     assert lines[-2:] == [
         "    bytes equal on every rank: yes",
-        "    (the planner does not model mixture-of-experts activations or step time yet)",
+        "    (compared: the state bytes of every rank and, with ep or etp > 1, the all-to-all time and the expert load; not yet: an MoE run's step time and peak memory)",
     ]
 
 

@@ -90,11 +90,18 @@ def test_moe_flags_make_and_change_the_planned_model(capsys):
     out = capsys.readouterr().out
     assert "E=8 k=2" in out and "experts: ep" in out
     assert cli.main([*base, "--model", "mixtral-8x7b", "--moe-load-imbalance", "0.5"]) == 2
-    assert "--moe-load-imbalance 0.5 must be >= 1" in capsys.readouterr().err
+    assert "--moe-load-imbalance 0.5 must be in [1, 8]" in capsys.readouterr().err
     assert cli.main([*base, "--model", "llama3-8b", "--moe-load-imbalance", "1.5"]) == 2
     assert "needs a mixture-of-experts model" in capsys.readouterr().err
-    assert cli.main([*base, "--model", "llama3-8b", "--ep", "8"]) == 1  # refused by the rules: nothing fits
-    assert "needs --num-experts" in capsys.readouterr().out
+    assert cli.main([*base, "--model", "llama3-8b", "--ep", "8"]) == 2  # no layout of a dense model has experts
+    assert "expert_model_parallel_size=8 needs --num-experts" in capsys.readouterr().err
+    for value in ("inf", "nan", "9"):
+        assert cli.main([*base, "--model", "mixtral-8x7b", "--moe-load-imbalance", value]) == 2
+        assert "must be in [1, 8]" in capsys.readouterr().err
+    assert cli.main([*base, "--model", "mixtral-8x7b", "--ep", "3"]) == 2
+    assert "num_experts=8 is not divisible by expert_model_parallel_size=3" in capsys.readouterr().err
+    assert cli.main([*base, "--model", "mixtral-8x7b", "--etp", "0"]) == 2
+    assert "expert_tensor_parallel_size=0 must be a positive integer" in capsys.readouterr().err
 
 
 def test_mtp_layers_are_layers_of_the_last_stage_and_flags_change_them():

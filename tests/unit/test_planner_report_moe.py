@@ -79,7 +79,7 @@ def test_the_busiest_stages_predicted_exchanges_against_the_slowest_rank(
         f"    MoE all-to-all per step: {1e3 * want:.3g} ms predicted (busiest stage), 30 ms measured (slowest rank) "
         f"({100 * (want / 0.03 - 1):+.0f}%)",
         "    expert load (busiest ep rank over the mean): 1.00 predicted, 1.25 measured (mean over steps)",
-        "    (the planner does not model mixture-of-experts activations or step time yet)",
+        "    (compared: the state bytes of every rank and, with ep or etp > 1, the all-to-all time and the expert load; not yet: an MoE run's step time and peak memory)",
     ]
 
 

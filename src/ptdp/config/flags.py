@@ -144,9 +144,10 @@ def _default(s: Setting, command: Command) -> Any:
 def _add(group, s: Setting, command: Command, default: Any) -> None:
     f = dataclasses.replace(s.flag, help=s.flag.help.replace("%", "%%"))  # argparse formats help with %
     names = [f.name, *f.aliases]
-    if s.kind == "bool" and f.negate:
+    if s.kind == "bool" and f.negate:  # ptdp plan: None unless given (a preset's value stands)
+        unset = None if command == "plan" else True
         group.add_argument(
-            *names, dest=s.dest, action="store_false", default=default if default is not None else True, help=f.help
+            *names, dest=s.dest, action="store_false", default=default if default is not None else unset, help=f.help
         )
         return
     if s.kind == "bool" and f.name.startswith("--no-"):  # a switch that is itself a negation

@@ -153,6 +153,7 @@ class ModelConfig:
         "no biases in the linear layers (QKV, attention output, fc1, fc2)",
         "model",
         negate=True,
+        plan=True,
     )
     """Biases in the linear layers (QKV, attention output, fc1, fc2); norms keep theirs."""
     linear_biases: tuple[str, ...] | None = None

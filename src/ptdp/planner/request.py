@@ -57,6 +57,7 @@ _SHAPE_FLAGS = (
     "swiglu",
     "untie_embeddings_and_output_weights",
     "kv_repeated",
+    "add_bias_linear",
 )
 
 
@@ -127,9 +128,11 @@ def with_moe_flags(model: ModelConfig, args: argparse.Namespace) -> tuple[ModelC
     if rho is not None:
         if not isinstance(model, MoEModel) or not model.moe.enabled:
             raise ConfigError(f"--moe-load-imbalance {rho:g} needs a mixture-of-experts model (--num-experts)")
-        if not rho >= 1.0:
+        experts = model.moe.num_experts or 1
+        if not 1.0 <= rho <= experts:
             raise ConfigError(
-                f"--moe-load-imbalance {rho:g} must be >= 1 (the busiest expert rank's tokens over the balanced share)"
+                f"--moe-load-imbalance {rho:g} must be in [1, {experts}] (the busiest expert rank's tokens over "
+                f"the balanced share; no rank receives more than every token, E = {experts} shares)"
             )
         model = dataclasses.replace(model, load_imbalance=rho)
     notes = []
@@ -364,6 +367,9 @@ def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanR
     if getattr(args, "selective_ac_option", None):
         fixed = _op_sac(fixed)
     check_stage_layers(model.num_layers, fixed)
+    check_expert_choices(model, fixed, args)
+    if getattr(args, "moe_flex_dispatcher_backend", None) and fixed.moe_token_dispatcher_type is None:
+        fixed = dataclasses.replace(fixed, moe_token_dispatcher_type="flex")
     overhead = None if args.memory_overhead_gib is None else args.memory_overhead_gib * GiB
     check_request(cluster, global_batch_size, fixed, top=args.top, overhead_bytes=overhead)
     check_fixed_choices(model, global_batch_size, fixed)
@@ -386,6 +392,44 @@ def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanR
     return PlanRequest(
         name, model, cluster, global_batch_size, fixed, precision, constants, overhead, notes, batch_source
     )
+
+
+def check_expert_choices(model: ModelConfig, fixed: Fixed, args: argparse.Namespace) -> None:
+    """ConfigError for fixed expert choices that no layout of ``model`` can run, by ``ptdp train``'s
+    MoE rules that do not depend on the layout (``E % ep``, ``F % etp``, linear biases at etp > 1,
+    ep, etp or a dispatcher without experts), and for the MoE options only ``ptdp plan`` has given
+    for a dense model."""
+    ep, etp = fixed.expert_model_parallel_size or 1, fixed.expert_tensor_parallel_size or 1
+    moe = model.moe if isinstance(model, MoEModel) else MoEConfig()
+    broken = [
+        v.message
+        for v in moe_violations(
+            moe,
+            num_layers=model.num_layers,
+            ffn=model.ffn,
+            tp=1,
+            pp=1,
+            ep=ep,
+            etp=etp,
+            world_size=ep * etp,
+            sequence_parallel=True,
+            dispatcher=fixed.moe_token_dispatcher_type or "alltoall",
+            linear_biases=model.add_bias_linear,
+        )
+    ]
+    if not moe.enabled:
+        planner_only = [
+            flag
+            for flag, dest in (
+                ("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm"),
+                ("--moe-flex-dispatcher-backend", "moe_flex_dispatcher_backend"),
+            )
+            if getattr(args, dest, None)
+        ]
+        if planner_only:
+            broken.append(f"{', '.join(planner_only)} needs a mixture-of-experts model (--num-experts)")
+    if broken:
+        raise ConfigError("; ".join(broken))
 
 
 def check_optimizer_dtypes(fixed: Fixed, precision: str) -> None:
@@ -495,7 +539,7 @@ def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
         )
         if on
     ]
-    notes = [f"overlap planned that ptdp train does not run: {'; '.join(hidden)}"] if hidden else []
+    notes = [f"planned as the run does, which ptdp train does not: {'; '.join(hidden)}"] if hidden else []
     if torch_cp:
         notes.append(
             "context parallelism planned as PyTorch's experimental context_parallel runs it "

@@ -17,7 +17,7 @@ from itertools import accumulate, islice, repeat
 from operator import add, mul, sub
 
 from ptdp.errors import ConfigError
-from ptdp.layout.pipeline.partition import accounted_split, chunk_layer_ids, first_last_of
+from ptdp.layout.pipeline.partition import PipelineSplit, accounted_split, chunk_layer_ids, first_last_of
 
 
 def candidate_splits(num_layers: int, pp: int, first_extra: float, last_extra: float) -> list[tuple[int, ...] | None]:
@@ -198,6 +198,26 @@ def split_report_lines(split: tuple[int, ...] | None, v: int = 1) -> list[str]:
         return []
     flags = split_flags(split, v) or f"none gives this split at v = {v}"
     return [f"pipeline: layers per stage {describe_split(split)}; ptdp train (and Megatron-LM) flags: {flags}"]
+
+
+def megatron_layout(
+    num_layers: int, mtp_layers: int, pp: int, v: int, split: tuple[int, ...] | None, counted: tuple[bool, bool]
+) -> str:
+    """Megatron-Core's ``--pipeline-model-parallel-layout`` of a split whose last ``mtp_layers``
+    layers are multi-token-prediction modules: one segment per virtual pipeline stage, in order
+    (model chunk by chunk, pipeline rank by rank), ``E`` the embedding, ``t`` a transformer layer,
+    ``m`` an MTP module, ``L`` the loss, ``|`` between segments."""
+    layout = PipelineSplit(num_layers, pp, v, split, *counted)
+    main = num_layers - mtp_layers
+    segments = []
+    for chunk in range(v):
+        for rank in range(pp):
+            ids = layout.chunk_layer_ids(rank, chunk)
+            text = "E" if (rank, chunk) == (0, 0) else ""
+            text += "".join("t" if i < main else "m" for i in ids)
+            text += "L" if (rank, chunk) == (pp - 1, v - 1) else ""
+            segments.append(text)
+    return "|".join(segments)
 
 
 def describe_split(split: tuple[int, ...]) -> str:

@@ -53,7 +53,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME|PATH",
         help="preset name, e.g. gpt3-175b, gpt-1.7b ... gpt-1008b, llama2-70b, llama3-8b/70b/405b, "
         "nemotron4-340b; mixture of experts: mixtral-8x7b/8x22b, qwen2-57b-a14b, qwen3-30b-a3b, "
-        "qwen3-235b-a22b, gpt-oss-120b, deepseek-v3; or a Hugging Face config.json (the file, or a "
+        "qwen3-235b-a22b, gpt-oss-20b/120b, deepseek-v3, kimi-k2; or a Hugging Face config.json (the file, or a "
         "folder holding it) of a Llama, Mistral, Qwen2, Qwen3, GPT-2, Mixtral, Qwen2-MoE, Qwen3-MoE, "
         "DeepSeek-V3 or gpt-oss model; --seq-length default: its max_position_embeddings",
     )

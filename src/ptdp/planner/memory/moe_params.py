@@ -88,13 +88,17 @@ def stage_moe_params(
     return n * (rest - layer_param_count(model, tp)), n * experts
 
 
-def mtp_extra_params(model: ModelConfig, tp: int = 1) -> int:
+def mtp_extra_params(model: ModelConfig, tp: int = 1, pp: int = 1, divisible_by: int = 128) -> int:
     """Parameters of a planned model's multi-token-prediction modules beyond their layers (counted as
     layers), on one rank of the last stage: each a ``[h, 2h]`` projection split over tp and two
-    RMSNorms of h (the output layer is the model's)."""
+    RMSNorms of h, and with pp > 1 a copy of the word embedding the modules look their tokens up in
+    (Megatron-Core builds one on the MTP stage; the output layer is the model's)."""
     n = model.mtp_layers if isinstance(model, MoEModel) else 0
+    if not n:
+        return 0
     h = model.hidden_size
-    return n * (2 * h * h // tp + 2 * h)
+    embedding = padded_vocab_size(model.vocab_size, divisible_by, tp) // tp * h if pp > 1 else 0
+    return n * (2 * h * h // tp + 2 * h) + embedding
 
 
 @lru_cache(maxsize=65536)
@@ -117,7 +121,7 @@ def stage_counts(
     (:class:`~ptdp.layout.pipeline.partition.PipelineSplit` of ``layer_split``, the embedding and
     the loss ``counted`` as layers or not)."""
     dense = stage_param_counts(model, tp, pp, make_vocab_size_divisible_by=divisible_by, layer_split=layer_split)
-    dense[-1] += mtp_extra_params(model, tp)
+    dense[-1] += mtp_extra_params(model, tp, pp, divisible_by)
     moe = moe_of(model)
     if moe is None:
         return tuple(dense), (0,) * pp

@@ -46,7 +46,8 @@ def runtime_overhead_bytes(layout: Candidate, gpus_per_node: int, tied: bool = F
     context, cuBLAS workspaces, a ring of NCCL buffers for each collective group of more than one rank
     (tp, cp, the dp x cp gradient group and, ``tied`` with pp > 1, the embedding group of the first and
     last stage), spanning nodes when its ranks do (ranks ordered tp-cp-dp-pp), and the pipeline's
-    send/recv buffers for its two neighbours."""
+    send/recv buffers for its two neighbours; with experts over ep or etp > 1 a ring for the etp and
+    the expert-data-parallel groups and the all-to-all's send/recv buffers for each other ep rank."""
     tp, cp, dp, pp = layout.tp, layout.cp, layout.dp, layout.pp
     total = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES
     # (group size, stride in ranks) of each collective group; the dp x cp gradient group: cp ranks
@@ -56,6 +57,13 @@ def runtime_overhead_bytes(layout: Candidate, gpus_per_node: int, tied: bool = F
         block = size * stride
         if size > 1:
             total += ring_buffer_bytes(block > gpus_per_node or gpus_per_node % block != 0)
+    ep, etp = layout.ep, layout.etp
+    if ep * etp > 1:  # the expert grid: etp fastest, then ep, then edp
+        for size, stride in ((etp, 1), (layout.edp, ep * etp)):
+            block = size * stride
+            if size > 1:
+                total += ring_buffer_bytes(block > gpus_per_node or gpus_per_node % block != 0)
+        total += (ep - 1) * NCCL_P2P_PEER_BYTES
     if pp > 1:
         total += 2 * NCCL_P2P_PEER_BYTES
         if tied:  # rank r of the first stage with rank r + (pp - 1) x stage of the last

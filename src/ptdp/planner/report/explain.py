@@ -34,6 +34,8 @@ def _value(value, field: str = "") -> str:
     ``even``), other None as ``not set``."""
     if value is None:
         return "even" if field == "layer_split" else "not set"
+    if value == ():
+        return "none"
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, tuple):  # a layer split: 3,4x30,3
@@ -63,6 +65,10 @@ def layout_flags(layout: Candidate) -> str:
     if layout.cp > 1:
         words += [f"--cp {layout.cp}", f"--cp-comm-type {layout.parallel.cp_comm_type}"]
     words += [f"--pp {layout.pp}", f"--dp {layout.dp}", f"--micro-batch-size {layout.micro_batch_size}"]
+    if layout.ep * layout.etp > 1:
+        words += [f"--ep {layout.ep}", f"--etp {layout.etp}"]
+    if layout.parallel.moe_token_dispatcher_type != "alltoall":
+        words.append(f"--moe-token-dispatcher-type {layout.parallel.moe_token_dispatcher_type}")
     if v > 1 and "--num-layers-per-virtual-pipeline-stage" not in (split or ""):
         words.append(f"--virtual-pipeline-stages {v}")
     words += [split] if split else []
@@ -165,8 +171,16 @@ def explain_experts(plans: list[Plan], rejected: list[tuple[Plan, Violation]], g
         return []
     best = plans[0]
     group = best.layout.ep * best.layout.etp
-    if group == 1 and all(p.layout.ep * p.layout.etp == 1 for p in plans):
-        return []
+    if group == 1:  # one rank holds every expert: no exchange
+        others = [p for p in plans if p.layout.ep * p.layout.etp > 1]
+        if not others:
+            return []
+        alt = others[0]
+        rel = (alt.need_time().step - best.need_time().step) / alt.need_time().step
+        return [
+            f"experts: every rank holds all of them (ep 1, no exchange); the best with ep {alt.layout.ep}, etp "
+            f"{alt.layout.etp} is {100 * rel:.1f}% slower"
+        ]
     time = best.need_time()
     where = "inside a node" if group <= gpus_per_node else f"over the network ({group} ranks, {gpus_per_node} per node)"
     name = f"ep {best.layout.ep}" + (f" x etp {best.layout.etp}" if best.layout.etp > 1 else "")

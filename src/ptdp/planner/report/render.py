@@ -11,9 +11,9 @@ from ptdp.config.model import ModelConfig
 from ptdp.errors import Violation
 from ptdp.planner.candidate import Plan
 from ptdp.planner.inputs.hardware import Cluster, GiB
-from ptdp.planner.inputs.moe_model import moe_of
+from ptdp.planner.inputs.moe_model import MoEModel, moe_of
 from ptdp.planner.search.layouts import SearchResult
-from ptdp.planner.splits import describe_split, split_report_lines
+from ptdp.planner.splits import describe_split, megatron_layout, split_report_lines
 
 _MEM = ("params", "grads", "optimizer", "activations", "overhead")
 _TIME = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
@@ -125,7 +125,19 @@ def text_report(
             f"{_optional(best.tflops_per_gpu, _num)} TFLOP/s per GPU, "
             f"MFU {_optional(best.mfu, lambda mfu: f'{100 * mfu:.1f}%')}",
         ]
-        lines += split_report_lines(best.layout.layer_split, best.layout.virtual_stages)
+        mtp = model.mtp_layers if isinstance(model, MoEModel) else 0
+        if mtp and best.layout.pp > 1:  # Megatron counts its MTP modules apart: only a layout string places them
+            p = best.layout.parallel
+            counted = (p.account_for_embedding_in_pipeline_split, p.account_for_loss_in_pipeline_split)
+            layout = megatron_layout(
+                model.num_layers, mtp, best.layout.pp, best.layout.virtual_stages, best.layout.layer_split, counted
+            )
+            lines.append(
+                f'pipeline: Megatron-LM\'s --pipeline-model-parallel-layout "{layout}" with --num-layers '
+                f"{model.num_layers - mtp} --mtp-num-layers {mtp} (ptdp train does not build MTP modules)"
+            )
+        else:
+            lines += split_report_lines(best.layout.layer_split, best.layout.virtual_stages)
     else:
         lines.append("no layout fits.")
     if explanation:

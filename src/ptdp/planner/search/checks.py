@@ -45,6 +45,12 @@ def check_model(model: ModelConfig) -> None:
         raise ConfigError("invalid model:\n  " + "\n  ".join(errors))
 
 
+#: the largest cluster and global batch a search takes (beyond them the layouts to enumerate grow
+#: with the divisors of numbers no run has)
+MAX_GPUS = 1 << 20
+MAX_GLOBAL_BATCH = 1 << 24
+
+
 def check_request(
     cluster: Cluster, global_batch_size: int, fixed: Fixed, *, top: int, overhead_bytes: float | None
 ) -> None:
@@ -63,9 +69,17 @@ def check_request(
         "num_layers_per_virtual_pipeline_stage": fixed.num_layers_per_virtual_pipeline_stage,
         "ddp_bucket_size": fixed.ddp_bucket_size,
     }
+    given["expert_model_parallel_size"] = fixed.expert_model_parallel_size
+    given["expert_tensor_parallel_size"] = fixed.expert_tensor_parallel_size
     errors = [
         f"{name}={value} must be a positive integer" for name, value in given.items() if value is not None and value < 1
     ]
+    if n > MAX_GPUS:
+        errors.append(f"--gpus {n:,} is more than ptdp plan searches (at most {MAX_GPUS:,} GPUs)")
+    if global_batch_size > MAX_GLOBAL_BATCH:
+        errors.append(
+            f"--global-batch-size {global_batch_size:,} is more than ptdp plan searches (at most {MAX_GLOBAL_BATCH:,})"
+        )
     if overhead_bytes is not None and not (math.isfinite(overhead_bytes) and overhead_bytes >= 0):
         errors.append(f"memory overhead {overhead_bytes / 2**30:g} GiB must be a finite number >= 0")
     split = fixed.pipeline_layer_split

@@ -13,7 +13,9 @@ kept as rejected plans with their reasons.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from ptdp.config.fields import SHARDING_STRATEGIES
 from ptdp.config.model import ModelConfig
@@ -171,8 +173,15 @@ class SearchResult:
         )
 
 
+@lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(sorted({*small, *(n // d for d in small)}))
+
+
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n >= 1``, ascending (trial division up to its square root)."""
+    return list(_divisors(n))
 
 
 def _options(fixed_value, choices):
@@ -273,7 +282,7 @@ def expert_grids(
     the ep dividing the experts with ``ep etp`` dividing ``tp cp dp`` (the expert grid folds over
     the same ranks) whose routed experts' own state fits the GPU (:func:`expert_state_floor`), of
     which: 1; the largest whose group stays in a node (a smaller one holds more experts in smaller
-    groups over the same links); and the two smallest beyond a node (each doubling sends a larger
+    groups over the same links); and the three smallest beyond a node (each doubling sends a larger
     share of the tokens over the network). etp > 1 only with ep = E: otherwise ep x etp as the ep
     holds as many expert weights per rank, each whole, in fuller GEMMs and without the etp exchange.
     Always at least one pair (refused by the rules or memory when none fits)."""
@@ -300,7 +309,7 @@ def expert_grids(
             fit = [ep for ep in fit if ep == experts]  # else ep x etp as ep: the same experts per rank, whole
         inside = [ep for ep in fit if ep * etp <= node]
         beyond = [ep for ep in fit if ep * etp > node]
-        chosen = {ep for ep in inside if ep in (1, max(inside))} | set(beyond[:2])
+        chosen = {ep for ep in inside if ep in (1, max(inside))} | set(beyond[:3])
         kept += [(ep, etp) for ep in sorted(chosen)]
     return kept or pairs[-1:]
 

@@ -102,7 +102,7 @@ class PerfConstants:
     moe_overlap_slowdown: float = 0.0
     moe_flex_dispatcher: str = ""
     moe_arch_fits: tuple[tuple[str, float, float, float, float, float], ...] = (
-        ("blackwell", 0.5, 0.3, 1.0, 0.75e-3, 0.0),
+        ("blackwell", 0.5, 0.3, 0.8, 0.75e-3, 0.0),
     )
 
     def __post_init__(self) -> None:  # a profile read from JSON holds lists

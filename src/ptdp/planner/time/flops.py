@@ -239,7 +239,8 @@ def hardware_flops_per_step(
         extra = layer_forward_flops(model, 1, 1)
     elif recompute == "selective":
         kept = modules or ("core_attn",)
-        extra = _gemms_flops(model, MLP_SHARES) if "mlp" in kept else 0.0
+        dense = 1.0 - len(model.moe_layer_ids) / model.num_layers if isinstance(model, MoEModel) else 1.0
+        extra = dense * _gemms_flops(model, MLP_SHARES) if "mlp" in kept else 0.0
         extra += attention_core_flops(model, 1, 1) if "core_attn" in kept and not model.flash_attention else 0.0
     elif recompute == "op":
         extra = _gemms_flops(model, op_sac_shares(model))

@@ -59,6 +59,19 @@ def rank_layer_times(
     return (*layer_times(times, block, layout.cp), *block)
 
 
+def moe_overlap_applies(layout: Candidate) -> bool:
+    """Megatron-Core overlaps the MoE exchanges with another micro-batch's compute only with ep > 1,
+    the all-to-all (or flex) dispatcher, no full recompute nor recomputed MoE layers, and, with a
+    pipeline, interleaved chunks (its configuration refuses the rest)."""
+    return (
+        layout.ep > 1
+        and layout.parallel.moe_token_dispatcher_type != "allgather"
+        and layout.recompute != "full"
+        and "moe" not in layout.modules
+        and (layout.pp == 1 or layout.virtual_stages > 1)
+    )
+
+
 def tp_hidden_share(c: PerfConstants, tp: int, sequence_parallel: bool) -> tuple[float, float]:
     """Shares of the layers' tensor-parallel communication hidden behind their GEMMs, (forward,
     backward and recomputed forward): ``(tp - 1) / tp`` of both with ``c.tp_comm_overlap`` and
@@ -118,7 +131,7 @@ def stage_microbatch_times(
     )
     fwd, bwd = fwd + sub.forward, bwd + sub.backward
     exchange = sub.exchange + sub.exchange_again
-    if c.moe_overlap:  # the exchanges behind another micro-batch's compute, which their kernels slow
+    if c.moe_overlap and moe_overlap_applies(layout):  # behind another micro-batch's compute, slowed by them
         hidden = min(exchange, fwd + bwd)
         fwd += c.moe_overlap_slowdown * hidden * fwd / (fwd + bwd)
         bwd += c.moe_overlap_slowdown * hidden * bwd / (fwd + bwd)
@@ -136,17 +149,12 @@ def stage_microbatch_times(
     rec = {"full": fwd, "selective": core if "core_attn" in layout.modules else 0.0}.get(layout.recompute, 0.0)
     if layout.recompute == "selective":
         rec += sub.recompute
-        rec += flops.module_recompute_time(
-            local,
-            tp,
-            b,
-            layout.parallel.sequence_parallel,
-            layout.modules,
-            peak,
-            bandwidth,
-            c.gemm_peak_fraction,
-            c.gemm_half_dim,
-        )
+        args = (local, tp, b, layout.parallel.sequence_parallel)
+        consts = (peak, bandwidth, c.gemm_peak_fraction, c.gemm_half_dim)
+        rec += flops.module_recompute_time(*args, tuple(m for m in layout.modules if m != "mlp"), *consts)
+        if "mlp" in layout.modules:  # the dense layers' MLPs: Megatron-Core recomputes no MoE layer so
+            dense = 1.0 - len(model.moe_layer_ids) / model.num_layers if isinstance(model, MoEModel) else 1.0
+            rec += dense * flops.module_recompute_time(*args, ("mlp",), *consts)
     if layout.recompute == "op":
         rec = flops.op_sac_recompute_time(
             local,
@@ -159,8 +167,10 @@ def stage_microbatch_times(
             c.gemm_half_dim,
         )
     rec_comm, rec_cp = (tp_again, cp_f) if full else (0.0, 0.0)
-    if "mlp" in layout.modules:  # the MLP's all-gather / reduce-scatter (or all-reduce) again
-        rec_comm = tp_again / 2
+    if "mlp" in layout.modules:  # the (dense) MLP's all-gather / reduce-scatter (or all-reduce) again
+        rec_comm = (
+            tp_again / 2 * (1.0 - len(model.moe_layer_ids) / model.num_layers if isinstance(model, MoEModel) else 1.0)
+        )
     mid = (
         layers * (fwd + bwd + c.layer_overhead),
         layers * rec,
