@@ -212,3 +212,69 @@ def test_the_flex_dispatcher_is_planned_and_refused_by_ptdp_train(capsys):
     assert "is the backend of --moe-token-dispatcher-type flex" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--moe-token-dispatcher-type flex with --num-experts: ptdp train does not"):
         load_config(world_size=2, num_experts=4, expert_model_parallel_size=2, moe_token_dispatcher_type="flex")
+
+
+def test_an_ep_group_whose_ranks_sit_etp_apart_leaves_the_node_sooner():
+    """ep 2 x etp 4 on 4-GPU nodes: the two ep ranks are 4 apart, in two nodes."""
+    from ptdp.planner.time.collectives import Links
+    from ptdp.planner.time.moe_time import exchange_time
+
+    links = Links(400e9, 50e9, 5e-6, 1e-5, 4)
+    inside = exchange_time(1e9, 2, links, stride=1)
+    apart = exchange_time(1e9, 2, links, stride=4)
+    assert apart == pytest.approx(0.5e9 / 50e9 + 5e-6 + 1e-5) and inside == pytest.approx(0.5e9 / 400e9 + 5e-6)
+
+
+def test_mtp_models_print_megatrons_pipeline_layout(capsys):
+    flags = ["--model", "deepseek-v3", "--gpus", "1024", "--gpu", "h100", "--tp", "2", "--pp", "8", "--cp", "1"]
+    flags += ["--virtual-pipeline-model-parallel-size", "4", "--ep", "64", "--global-batch-size", "8192"]
+    assert cli.main(["plan", *flags, "--recompute-granularity", "full", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    layout = "Et|" + "tt|" * 30 + "mL"  # Megatron-Bridge's DeepSeek-V3 layout, 'Et|(tt|)*30mL'
+    assert f'--pipeline-model-parallel-layout "{layout}" with --num-layers 61 --mtp-num-layers 1' in out
+
+
+def test_mlp_recompute_runs_the_dense_layers_mlps_only_and_the_overlap_where_megatron_allows_it():
+    model = dataclasses.replace(MOE_PRESETS["mixtral-8x7b"], use_flash_attn=True)  # every layer MoE
+    cluster = Cluster(H100, 64)
+    layout = Candidate.of(1, 4, 16, 1, 256, 8, "selective", sharding="optim", ep=8, recompute_modules=("layernorm",))
+    with_mlp = layout.replace(recompute_modules=("layernorm", "mlp"))
+    a, b = evaluate(model, layout, cluster)[0], evaluate(model, with_mlp, cluster)[0]
+    assert a.need_time().recompute == pytest.approx(b.need_time().recompute)
+    from ptdp.planner.time.stages import moe_overlap_applies
+
+    assert moe_overlap_applies(layout)
+    assert not moe_overlap_applies(layout.replace(recompute="full"))
+    assert not moe_overlap_applies(layout.replace(virtual_stages=1, layer_split=None))  # pp 4 without chunks
+    assert not moe_overlap_applies(layout.replace(ep=1))
+    assert not moe_overlap_applies(layout.replace(dispatcher="allgather"))
+
+
+def test_validation_rows_that_cannot_be_planned_are_errors(tmp_path, capsys):
+    import csv as csv_module
+
+    path = default_moe_csv()
+    if path is None:
+        pytest.skip("no validation table in this checkout")
+    rows = list(csv_module.reader(open(path, encoding="utf-8")))
+    header = rows[0]
+    for column, value, message in (
+        ("ep", "3", "num_experts=128 is not divisible by expert_model_parallel_size=3"),
+        ("gpus", "0", "gpus=0 must be a positive integer"),
+        ("precision", "fp4", "precision='fp4' must be bf16 or fp8"),
+        ("reported", "inf", "reported=inf"),
+    ):
+        bad = [header, list(rows[1])]
+        bad[1][header.index(column)] = value
+        table = tmp_path / f"{column}.csv"
+        with open(table, "w", newline="", encoding="utf-8") as f:
+            csv_module.writer(f).writerows(bad)
+        assert cli.main(["plan", "--validate", str(table)]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_the_python_api_takes_one_number_for_moe_layer_freq():
+    import ptdp
+
+    result = ptdp.plan("llama3-8b", gpus=8, gpu="h100", global_batch_size=64, num_experts=8, moe_layer_freq=2, top=1)
+    assert result.model.moe.moe_layers(4) == (True, False, True, False) and result.plans

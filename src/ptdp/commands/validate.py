@@ -206,7 +206,10 @@ def run_validation(args: argparse.Namespace) -> int:
     blocks: list[tuple[Path | None, str]] = []
     for csv in paths:
         pool = [run for other, runs in h100.items() if other != csv for run in runs]
-        blocks.append((csv, validation_markdown(csv, pool)))
+        try:
+            blocks.append((csv, validation_markdown(csv, pool)))
+        except ValueError as e:  # a MoE row whose flags ptdp plan refuses (ConfigError) or rules reject
+            raise ConfigError(f"--validate {csv}: {e}") from None
     if len(h100) > 1:
         blocks.append((None, pooled_markdown([run for runs in h100.values() for run in runs])))
     command = f"ptdp plan --validate {' '.join(args.validate)} --update-benchmarks {args.update_benchmarks}"

@@ -93,6 +93,8 @@ def _checked(action: argparse.Action, option: str, value: Any) -> Any:
         except (ValueError, argparse.ArgumentTypeError):
             raise ConfigError(f"argument {option}: invalid value {value!r} ({_expected(kind)})") from None
     if kind is int_list:
+        if isinstance(value, int) and not isinstance(value, bool):  # one number, as the flag's N form
+            value = (value,)
         ok = isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
         value = tuple(value) if ok else value
     elif kind is int:

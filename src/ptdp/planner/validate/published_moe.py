@@ -42,7 +42,7 @@ def default_moe_csv() -> Path | None:
 
 def is_moe_table(path: str | Path) -> bool:
     """The file's header has the MoE table's ``ep`` and ``preset`` columns."""
-    with open(path, newline="", encoding="utf-8") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:
         header = next(csv.reader(f), [])
     return "ep" in header and "preset" in header
 
@@ -75,6 +75,8 @@ class MoERun:
                 out.append(flag)
             elif value is False:
                 out.append("--no-" + flag[2:])
+            elif isinstance(value, list) and dest == "pipeline_layer_split":  # one comma list
+                out.append(f"{flag} {','.join(map(str, value))}")
             elif isinstance(value, list):
                 out.append(f"{flag} {' '.join(map(str, value))}")
             else:
@@ -89,8 +91,29 @@ def _yes(text: str, column: str) -> bool:
     return value == "y"
 
 
+def _positive(r: dict, column: str) -> int:
+    """A column's positive integer; ValueError naming the column otherwise."""
+    try:
+        value = int(r[column])
+    except (TypeError, ValueError):
+        raise ValueError(f"{column}={r[column]!r} must be a positive integer") from None
+    if value < 1:
+        raise ValueError(f"{column}={value} must be a positive integer")
+    return value
+
+
 def _options(r: dict) -> dict[str, object]:
     """``ptdp plan``'s flags (by destination) for the row's model, cluster and published layout."""
+    missing = [column for column, value in r.items() if value is None]
+    if missing or None in r:
+        raise ValueError(f"the row has {'too few' if missing else 'too many'} columns for the header")
+    for column in ("gpus", "seq_len", "global_batch", "micro_batch", "tp", "cp", "pp", "vpp", "ep", "etp"):
+        _positive(r, column)
+    if r["precision"].strip() not in ("bf16", "fp8"):
+        raise ValueError(f"precision={r['precision']!r} must be bf16 or fp8")
+    unknown = set(r.get("split_accounting", "").split()) - {"embedding", "loss"}
+    if unknown:
+        raise ValueError(f"split_accounting={r['split_accounting']!r}: embedding and/or loss, not {sorted(unknown)}")
     preset = r["preset"].strip().lower()
     if preset not in MOE_PRESETS:
         raise ValueError(f"preset={preset!r} is not a mixture-of-experts preset ({', '.join(MOE_PRESETS)})")
@@ -149,7 +172,7 @@ def _options(r: dict) -> dict[str, object]:
 def _run(r: dict) -> MoERun:
     options = _options(r)
     unit, reported = r["reported_unit"].strip(), float(r["reported"])
-    if unit not in UNITS or not reported > 0:
+    if unit not in UNITS or not (reported > 0 and math.isfinite(reported)):
         raise ValueError(f"reported={r['reported']} {unit!r}: a positive number in one of {UNITS}")
     tokens = int(r["global_batch"]) * int(r["seq_len"])
     step = reported if unit == UNITS[1] else tokens / (reported * int(r["gpus"]))
@@ -159,7 +182,7 @@ def _run(r: dict) -> MoERun:
 def load_moe_runs(path: str | Path) -> list[MoERun]:
     """Parse the MoE validation table. Raises ValueError naming the line for a bad row."""
     runs = []
-    with open(path, newline="", encoding="utf-8") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
         for r in reader:
             try:
@@ -213,14 +236,15 @@ def published_plan(request: PlanRequest) -> Plan | None:
     return Plan(closest.layout, False, closest.memory, perf.time, perf.tflops_per_gpu / TFLOPS, perf.mfu)
 
 
-def moe_errors(runs: list[MoERun], constants: PerfConstants | None = None) -> list[tuple[MoERun, Plan | None, float]]:
+def moe_errors(runs: list[MoERun], constants: PerfConstants | None = None) -> list[tuple[MoERun, Plan, float]]:
     """(run, plan, relative step-time error) of each run (``constants``: the MoE constants to use;
-    default the planner's); NaN where nothing fits."""
+    default the planner's). Raises ValueError naming a run whose layout breaks a rule."""
     out = []
     for run in runs:
         plan = predict_run(run, constants)
-        error = plan.need_time().step / run.step_time - 1.0 if plan is not None else math.nan
-        out.append((run, plan, error))
+        if plan is None:
+            raise ValueError(f"{run.name} ({run.flags()}): the published layout breaks a rule of ptdp plan")
+        out.append((run, plan, plan.need_time().step / run.step_time - 1.0))
     return out
 
 
