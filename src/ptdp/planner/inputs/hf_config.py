@@ -250,6 +250,11 @@ def _deepseek_v3(cfg: dict, path, seq_length: int | None) -> tuple[ModelConfig, 
             "left out"
         )
     first, every = _int(cfg, "first_k_dense_replace", path, minimum=0), _int(cfg, "moe_layer_freq", path)
+    if every != 1:
+        notes.append(
+            f"note: {path}: moe_layer_freq={every}: MoE layers placed as DeepSeek's own code places them (every "
+            f"{every}-th from layer {first}); transformers' DeepseekV3 ignores the field (every layer from {first})"
+        )
     layers = [i >= first and i % every == 0 for i in range(model.num_layers)]
     e, mtp = _int(cfg, "n_routed_experts", path, minimum=0), _int(cfg, "num_nextn_predict_layers", path, minimum=0)
     if not e or not any(layers):

@@ -98,6 +98,9 @@ def text_report(
         f" E={moe.num_experts} k={moe.moe_router_topk} F={moe.expert_ffn(model.ffn)}"
         + (f" shared={moe.shared_ffn}" if moe.shared_ffn else "")
         + f" ({len(model.moe_layer_ids)} MoE layers)"  # type: ignore[attr-defined]
+        + (f" rho={model.load_imbalance:g}" if isinstance(model, MoEModel) and model.load_imbalance != 1.0 else "")
+        + (f" capacity={moe.moe_expert_capacity_factor:g}" if moe.moe_expert_capacity_factor else "")
+        + (f" mtp={model.mtp_layers}" if isinstance(model, MoEModel) and model.mtp_layers else "")
         if moe is not None
         else ""
     )
