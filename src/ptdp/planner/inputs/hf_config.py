@@ -148,25 +148,38 @@ def _llama_like(kind: str, cfg: dict, path, seq_length: int | None) -> tuple[Mod
     elif kind == "gpt_oss":  # add_bias_linear (below): every linear and expert biased, q, k, v, o if attention_bias
         biases = () if cfg.get("attention_bias") else ("fc1", "fc2")
     notes = _cost_notes(kind, cfg, s, path)
-    model = ModelConfig(
+    model = _decoder(
+        cfg,
+        path,
+        h,
+        a,
+        s,
+        num_query_groups=kv,
+        add_bias_linear=kind == "gpt_oss",
+        linear_biases=biases or None,
+        kv_channels=None if head_dim is None or head_dim * a == h else head_dim,
+        qk_layernorm=kind in ("qwen3", "qwen3_moe"),
+    )
+    return model, notes
+
+
+def _decoder(cfg: dict, path, h: int, a: int, s: int, **fields) -> ModelConfig:
+    """The Llama-style decoder every family but GPT-2 shares (RMSNorm, rotary positions, SwiGLU, a
+    flash kernel; layers, MLP width, vocabulary and tied embeddings from ``cfg``), ``fields`` added."""
+    return ModelConfig(
         num_layers=_int(cfg, "num_hidden_layers", path),
         hidden_size=h,
         num_attention_heads=a,
         ffn_hidden_size=_int(cfg, "intermediate_size", path),
         vocab_size=_int(cfg, "vocab_size", path),
         seq_length=s,
-        num_query_groups=kv,
         swiglu=True,
         untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings"),
         normalization="RMSNorm",
         position_embedding_type="rope",
-        add_bias_linear=kind == "gpt_oss",
-        linear_biases=biases or None,
         use_flash_attn=True,
-        kv_channels=None if head_dim is None or head_dim * a == h else head_dim,
-        qk_layernorm=kind in ("qwen3", "qwen3_moe"),
+        **fields,
     )
-    return model, notes
 
 
 def _experts(kind: str, cfg: dict, model: ModelConfig, path) -> tuple[MoEConfig | None, list[str]]:
@@ -226,21 +239,8 @@ def _deepseek_v3(cfg: dict, path, seq_length: int | None) -> tuple[ModelConfig, 
         q_lora_rank=q_lora,
     )
     d, s = mla.qk_head_dim, seq_length if seq_length is not None else _int(cfg, "max_position_embeddings", path)
-    model = ModelConfig(
-        num_layers=_int(cfg, "num_hidden_layers", path),
-        hidden_size=h,
-        num_attention_heads=a,
-        ffn_hidden_size=_int(cfg, "intermediate_size", path),
-        vocab_size=_int(cfg, "vocab_size", path),
-        seq_length=s,
-        num_query_groups=a,
-        swiglu=True,
-        untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings"),
-        normalization="RMSNorm",
-        position_embedding_type="rope",
-        add_bias_linear=False,
-        use_flash_attn=True,
-        kv_channels=None if d * a == h else d,
+    model = _decoder(
+        cfg, path, h, a, s, num_query_groups=a, add_bias_linear=False, kv_channels=None if d * a == h else d
     )
     notes = _cost_notes("deepseek_v3", cfg, s, path)
     if cfg.get("attention_bias"):

@@ -15,7 +15,7 @@ from typing import Any
 
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
-from ptdp.planner.inputs.moe_model import MLA, MoEModel
+from ptdp.planner.inputs.moe_model import MLA, MoEModel, moe_model
 
 #: Megatron's GPT of 2021 (Narayanan et al. SC21): vocabulary 51,200, sequence 2,048, dropout 0.1
 #: on hidden states and attention, the unfused attention kernel
@@ -167,12 +167,6 @@ def published_batch(name: str, model: ModelConfig) -> tuple[int, str] | None:
     if replace(model, use_flash_attn=preset.use_flash_attn) != preset:
         return None
     return PUBLISHED_BATCH[name]
-
-
-def moe_model(dense: ModelConfig, moe: MoEConfig, **plan_only: Any) -> MoEModel:
-    """``dense`` (attention, norms, the dense layers' MLP) with its experts and plan-only parts."""
-    fields = {f: getattr(dense, f) for f in ModelConfig.__dataclass_fields__}
-    return MoEModel(**fields, moe=moe, **plan_only)
 
 
 #: DeepSeek-V3 (arXiv:2412.19437 §2 and §4.2; deepseek-ai/DeepSeek-V3 config.json): 61 layers, the

@@ -168,23 +168,22 @@ def moe_of(model: ModelConfig) -> MoEConfig | None:
     return model.moe if isinstance(model, MoEModel) and model.moe.enabled else None
 
 
+def moe_model(dense: ModelConfig, moe: MoEConfig, **plan_only) -> MoEModel:
+    """``dense``'s fields (attention, norms, the dense layers' MLP) with ``moe`` and the plan-only
+    fields of :class:`MoEModel`."""
+    fields = {f: getattr(dense, f) for f in ModelConfig.__dataclass_fields__}
+    return MoEModel(**fields, moe=moe, **plan_only)
+
+
 def with_moe(model: ModelConfig, moe: MoEConfig | None, **plan_only) -> ModelConfig:
-    """``model`` with ``moe`` (a :class:`MoEModel`), or its dense fields alone when ``moe`` is None
-    or disabled and nothing plan-only is given."""
-    fields = {f: getattr(model, f) for f in ModelConfig.__dataclass_fields__}
+    """``model`` with ``moe`` (a :class:`MoEModel`, :func:`moe_model`), or its dense fields alone when
+    ``moe`` is None or disabled and nothing plan-only is given."""
     if (moe is None or not moe.enabled) and not plan_only:
-        return ModelConfig(**fields)
-    return MoEModel(**fields, moe=moe or MoEConfig(), **plan_only)
+        return ModelConfig(**{f: getattr(model, f) for f in ModelConfig.__dataclass_fields__})
+    return moe_model(model, moe or MoEConfig(), **plan_only)
 
 
 def planned_model(config: Config) -> ModelConfig:
     """The model of a ``ptdp train`` config as the planner plans it: its ``ModelConfig`` with its MoE
     options (:func:`with_moe`)."""
     return with_moe(config.model, config.moe)
-
-
-def dense_of(model: ModelConfig) -> ModelConfig:
-    """The dense fields of ``model`` (itself when dense)."""
-    if not isinstance(model, MoEModel):
-        return model
-    return ModelConfig(**{f: getattr(model, f) for f in ModelConfig.__dataclass_fields__})
