@@ -163,6 +163,11 @@ def with_mtp(model: MoEModel, n: int) -> MoEModel:
     return replace(model, num_layers=main + n, mtp_layers=n, moe=moe)
 
 
+def moe_layer_share(model: ModelConfig) -> float:
+    """The share of ``model``'s layers that are MoE layers (0 for a dense model)."""
+    return len(model.moe_layer_ids) / model.num_layers if isinstance(model, MoEModel) else 0.0
+
+
 def moe_of(model: ModelConfig) -> MoEConfig | None:
     """The model's MoE options, None for a dense model."""
     return model.moe if isinstance(model, MoEModel) and model.moe.enabled else None

@@ -16,7 +16,7 @@ from functools import lru_cache, partial
 from ptdp.config.model import ModelConfig
 from ptdp.layout.vocab import keeps_logits, padded_vocab_size
 from ptdp.planner.candidate import Candidate
-from ptdp.planner.inputs.moe_model import MoEModel, moe_of
+from ptdp.planner.inputs.moe_model import MoEModel, moe_layer_share, moe_of
 from ptdp.planner.memory.cp_local import kv_buffer_bytes, local_model, unfused_score_bytes_missing
 from ptdp.planner.memory.moe_activations import (
     dense_mlp_activation_bytes,
@@ -127,7 +127,7 @@ def _sublayer_change(
         layer += shared_expert_activation_bytes(model, moe, tokens, tp, precision_bytes=e, modules=modules)
         if "mlp" not in kept:
             layer -= dense_mlp_activation_bytes(model, tokens, tp, precision_bytes=e, gemm_bytes=g)
-        out += layer * len(model.moe_layer_ids) / model.num_layers
+        out += layer * moe_layer_share(model)
     return out
 
 

@@ -17,7 +17,7 @@ from functools import lru_cache, partial
 
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
-from ptdp.planner.inputs.moe_model import MoEModel
+from ptdp.planner.inputs.moe_model import MoEModel, moe_layer_share
 
 #: Bytes moved in the forward pass per element of the h-wide residual stream, per layer, by
 #: the memory-bound kernels of a Megatron-style layer (16-bit values, 1-byte dropout masks):
@@ -239,7 +239,7 @@ def hardware_flops_per_step(
         extra = layer_forward_flops(model, 1, 1)
     elif recompute == "selective":
         kept = modules or ("core_attn",)
-        dense = 1.0 - len(model.moe_layer_ids) / model.num_layers if isinstance(model, MoEModel) else 1.0
+        dense = 1.0 - moe_layer_share(model)
         extra = dense * _gemms_flops(model, MLP_SHARES) if "mlp" in kept else 0.0
         extra += attention_core_flops(model, 1, 1) if "core_attn" in kept and not model.flash_attention else 0.0
     elif recompute == "op":

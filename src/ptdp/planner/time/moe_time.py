@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache, partial
 
 from ptdp.config.model import ModelConfig
-from ptdp.planner.inputs.moe_model import MoEModel, moe_of
+from ptdp.planner.inputs.moe_model import MoEModel, moe_layer_share, moe_of
 from ptdp.planner.time.collectives import Links
 from ptdp.planner.time.constants import PerfConstants
 from ptdp.planner.time.flops import (
@@ -223,7 +223,7 @@ def sublayer_times(
             recompute += up
     moe = moe_of(model)
     if moe is not None:
-        share = len(model.moe_layer_ids) / model.num_layers
+        share = moe_layer_share(model)
         routed = tokens // (tp if sequence_parallel else 1)
         experts, k = moe.num_experts or 1, moe.moe_router_topk
         ffn = moe.expert_ffn(model.ffn)

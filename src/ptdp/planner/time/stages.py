@@ -14,7 +14,7 @@ from ptdp.config.model import ModelConfig
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import Cluster
-from ptdp.planner.inputs.moe_model import MoEModel
+from ptdp.planner.inputs.moe_model import MoEModel, moe_layer_share
 from ptdp.planner.memory.cp_local import local_model
 from ptdp.planner.time import flops
 from ptdp.planner.time.collectives import Links, hierarchical_all_reduce_time, pp_transfer_time, tp_layer_comm_times
@@ -153,7 +153,7 @@ def stage_microbatch_times(
         consts = (peak, bandwidth, c.gemm_peak_fraction, c.gemm_half_dim)
         rec += flops.module_recompute_time(*args, tuple(m for m in layout.modules if m != "mlp"), *consts)
         if "mlp" in layout.modules:  # the dense layers' MLPs: Megatron-Core recomputes no MoE layer so
-            dense = 1.0 - len(model.moe_layer_ids) / model.num_layers if isinstance(model, MoEModel) else 1.0
+            dense = 1.0 - moe_layer_share(model)
             rec += dense * flops.module_recompute_time(*args, ("mlp",), *consts)
     if layout.recompute == "op":
         rec = flops.op_sac_recompute_time(
@@ -168,9 +168,7 @@ def stage_microbatch_times(
         )
     rec_comm, rec_cp = (tp_again, cp_f) if full else (0.0, 0.0)
     if "mlp" in layout.modules:  # the (dense) MLP's all-gather / reduce-scatter (or all-reduce) again
-        rec_comm = (
-            tp_again / 2 * (1.0 - len(model.moe_layer_ids) / model.num_layers if isinstance(model, MoEModel) else 1.0)
-        )
+        rec_comm = tp_again / 2 * (1.0 - moe_layer_share(model))
     mid = (
         layers * (fwd + bwd + c.layer_overhead),
         layers * rec,
