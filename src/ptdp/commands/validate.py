@@ -193,7 +193,9 @@ def run_validation(args: argparse.Namespace) -> int:
                 count = len(load_moe_runs(csv))
             elif is_h100_table(csv):
                 h100[csv] = load_h100_runs(csv)
-            count = len(h100[csv]) if csv in h100 else count if is_moe_table(csv) else len(load_published_runs(csv))
+                count = len(h100[csv])
+            else:
+                count = len(load_published_runs(csv))
         except (KeyError, ValueError, TypeError) as e:
             if isinstance(e, ValueError) and str(e).startswith(f"{csv}:"):  # a row's error, located
                 raise ConfigError(f"--validate {e}") from None

@@ -29,6 +29,7 @@ from ptdp.planner.inputs.plan_flags import add_plan_arguments
 from ptdp.planner.request import PlanRequest, prepare
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, MOE_FIT_FIELDS, PerfConstants
 from ptdp.planner.time.step_time import evaluate_performance
+from ptdp.planner.validate.published import source_key
 
 #: Where :func:`default_moe_csv` looks: the repository's benchmarks/data folder.
 MOE_CSV = Path(__file__).resolve().parents[4] / "benchmarks" / "data" / "published_moe_validation.csv"
@@ -62,9 +63,8 @@ class MoERun:
 
     @property
     def source_key(self) -> str:
-        """The publisher: ``owner/repo`` of the URL, else the source text to its first comma."""
-        parts = self.url.split("github.com/")
-        return "/".join(parts[1].split("/")[:2]) if len(parts) > 1 else self.source.split(",")[0]
+        """The publisher (:func:`~ptdp.planner.validate.published.source_key`)."""
+        return source_key(self.url, self.source)
 
     def flags(self) -> str:
         """The ``ptdp plan`` command line of the run."""
