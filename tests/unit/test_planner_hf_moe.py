@@ -52,6 +52,14 @@ DEEPSEEK = dict(
     num_nextn_predict_layers=1,
 )
 #: case -> (config class, model class, its fields)
+GPT_OSS = dict(
+    num_hidden_layers=2,
+    num_key_value_heads=2,
+    head_dim=24,
+    intermediate_size=48,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+)
 CASES = {
     "mixtral": (
         "MixtralConfig",
@@ -78,31 +86,8 @@ CASES = {
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK),
     "deepseek_v3-no-q-lora": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(DEEPSEEK, q_lora_rank=None)),
     "deepseek_v3-attention-bias": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(DEEPSEEK, attention_bias=True)),
-    "gpt_oss": (
-        "GptOssConfig",
-        "GptOssForCausalLM",
-        dict(
-            num_hidden_layers=2,
-            num_key_value_heads=2,
-            head_dim=24,
-            intermediate_size=48,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-        ),
-    ),
-    "gpt_oss-no-attention-bias": (
-        "GptOssConfig",
-        "GptOssForCausalLM",
-        dict(
-            num_hidden_layers=2,
-            num_key_value_heads=2,
-            head_dim=24,
-            intermediate_size=48,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            attention_bias=False,
-        ),
-    ),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", GPT_OSS),
+    "gpt_oss-no-attention-bias": ("GptOssConfig", "GptOssForCausalLM", dict(GPT_OSS, attention_bias=False)),
 }
 
 
