@@ -80,6 +80,7 @@ GROUPS = {
     "checkpoint": "checkpoints",
     "model": "model",
     "moe": "mixture of experts (Megatron-Core's flags; docs/training.md)",
+    "fp8": "FP8 training of the layers' GEMMs (Megatron-Core's flags; docs/training.md)",
     "recompute": "activation recomputation (same results, less activation memory, more compute)",
     "train": "training",
     "data": "data and output",

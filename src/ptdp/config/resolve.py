@@ -23,6 +23,7 @@ from ptdp.config.rules.dp_sharding import (
     sharded_params_violations,
     sharding_violations,
 )
+from ptdp.config.rules.fp8 import fp8_violations
 from ptdp.config.rules.layout import layout_violations, schedule_violations
 from ptdp.config.rules.moe import moe_violations
 from ptdp.config.rules.run_options import checkpoint_violations, launch_violations, profile_violations, train_violations
@@ -93,7 +94,7 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
         dispatcher=p.moe_token_dispatcher_type,
         linear_biases=m.add_bias_linear,
     )
-    errors += _moe_not_yet(config)
+    errors += _moe_not_yet(config) + fp8_violations(config.fp8)
     if not 0 < config.data.valid_fraction < 1:
         errors.append(V("option", f"valid_fraction={config.data.valid_fraction} must be in (0, 1)"))
     if config.data.eod_token is not None and (config.data.tokenizer_model is None or not config.data.eod_token):
@@ -129,6 +130,7 @@ def _moe_not_yet(config: Config) -> list[Violation]:
             "--moe-token-dispatcher-type flex",
             " (alltoall or allgather; ptdp plan plans flex)",
         ),
+        (config.fp8.enabled, "--fp8-format", " (FP8 runs the dense layers' GEMMs; ptdp plan plans FP8 experts)"),
     ]
     return [
         V("moe", f"{what} with --num-experts: ptdp train does not run it yet{hint}") for on, what, hint in missing if on

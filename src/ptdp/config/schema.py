@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ptdp.config.fields import opt
+from ptdp.config.fp8 import FP8Config
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
 from ptdp.config.parallel import ParallelConfig
@@ -317,6 +318,7 @@ class Config:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -392,6 +394,7 @@ class Config:
         return cls(
             model=ModelConfig(**d["model"]),
             moe=MoEConfig(**moe),
+            fp8=FP8Config(**d.get("fp8", {})),
             parallel=ParallelConfig(**parallel),
             train=TrainConfig(**train),
             data=DataConfig(**data),
@@ -408,6 +411,7 @@ PLAN_ONLY_MODEL_FIELDS = ("use_flash_attn", "linear_biases", "kv_repeated")
 SECTIONS = {
     "model": ModelConfig,
     "moe": MoEConfig,
+    "fp8": FP8Config,
     "parallel": ParallelConfig,
     "train": TrainConfig,
     "data": DataConfig,

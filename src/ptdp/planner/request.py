@@ -377,7 +377,7 @@ def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanR
     precision = plan_precision(args) or ("bf16" if "bf16" in gpu.peak_flops else sorted(gpu.peak_flops)[0])
     if precision not in gpu.peak_flops:
         raise ConfigError(f"{gpu.name} has no peak FLOP/s for {precision}; known: {', '.join(sorted(gpu.peak_flops))}")
-    if getattr(args, "fp8", False):
+    if getattr(args, "fp8_format", None) is not None:
         precision = fp8_precision(gpu, precision)
     if fixed.fp8_param_gather:
         check_fp8_param_gather(precision)

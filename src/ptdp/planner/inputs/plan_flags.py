@@ -76,14 +76,6 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "activations and all-to-all receive, at most the capacity factor when one is given",
     )
     g.add_argument(
-        "--fp8",
-        action="store_true",
-        help="plan FP8 training as Transformer Engine runs it on H100/H200 (planner only: ptdp train "
-        "has no FP8): QKV, projection, fc1 and fc2 GEMMs at the GPU's FP8 peak with their inputs "
-        "kept in FP8; attention, output layer, communication and weights stay bf16 with fp32 "
-        "main parameters",
-    )
-    g.add_argument(
         "--recompute-modules",
         nargs="+",
         metavar="MODULE",
@@ -107,7 +99,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--fp8-param-gather",
         action="store_true",
         default=None,
-        help="with --fp8: keep the FP8 GEMMs' weights in FP8 (Megatron-LM's flag; Transformer "
+        help="with --fp8-format: keep the FP8 GEMMs' weights in FP8 (Megatron-LM's flag; Transformer "
         "Engine's FP8 parameters): 1 byte each and no FP8 copy (planner only)",
     )
     g.add_argument(
