@@ -30,11 +30,11 @@ from ptdp.engine.comm import all_gather_along, reduce_scatter_along
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ptdp.engine.tensor_parallel.linear import LinearPlan, linear
 from ptdp.engine.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from ptdp.engine.tensor_parallel.sequence import (
     all_gather_sequence,
     is_sequence_parallel,
-    sequence_gathered_linear,
     sequence_shard,
 )
 from ptdp.engine.tensor_parallel.sharding import GlobalParam, shard, unshard
@@ -127,7 +127,7 @@ def sequence_parallel_output_layer(tp, d: dict, real_rows: torch.Tensor) -> dict
     mine = sequence_shard(S_SP, tp)
     x = rank_part(d["xs"], mine)
     w = real_rows.clone().requires_grad_()
-    logits = sequence_gathered_linear(x, w, None, tp, "output")
+    logits = linear(x, w, None, LinearPlan("sequence", tp, "output"))
     start = tp.rank * (32 // tp.size)
     loss = vocab_parallel_cross_entropy(logits, d["ids_sp"].t(), vocab_start=start, vocab_size=VOCAB, axis=tp)
     loss.backward(torch.ones_like(loss))

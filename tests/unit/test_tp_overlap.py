@@ -14,8 +14,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ptdp.engine.comm import AxisGroup, CommStats
-from ptdp.engine.tensor_parallel import mappings, sequence, wgrad
+from ptdp.engine.tensor_parallel import linear as linear_module
+from ptdp.engine.tensor_parallel import mappings, sequence
 from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ptdp.engine.tensor_parallel.linear import LinearPlan, linear
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 
@@ -60,7 +62,7 @@ def test_column_parallel_backward_overlaps_the_input_gradient_all_reduce(monkeyp
         events.append(f"start all_reduce {tag}")
         return _Handle(events, "all_reduce", done=lambda: tensor.mul_(2))
 
-    monkeypatch.setattr(wgrad, "all_reduce_async", fake_all_reduce_async)  # the column-parallel linear's f
+    monkeypatch.setattr(linear_module, "all_reduce_async", fake_all_reduce_async)  # the column-parallel linear's f
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 4, dtype=torch.float64, generator=g, requires_grad=True)
     col = ColumnParallelLinear(4, 6, tp=_pair(), dtype=torch.float64, tag="mlp_fc1")
@@ -97,7 +99,7 @@ def test_sequence_parallel_backward_overlaps_gather_and_reduce_scatter(monkeypat
     bias = torch.randn(6, dtype=torch.float64, generator=g, requires_grad=True)
     monkeypatch.setattr(sequence, "all_gather_async", fake_gather)
     monkeypatch.setattr(sequence, "reduce_scatter_async", fake_reduce_scatter)
-    y = sequence.sequence_gathered_linear(x, weight, bias, _pair(), "attn_qkv")  # [s, b, 6]
+    y = linear(x, weight, bias, LinearPlan("sequence", _pair(), "attn_qkv"))  # [s, b, 6]
     events.clear()
     grad = torch.randn(y.shape, dtype=torch.float64, generator=g)
     with _Events(events):

@@ -13,7 +13,8 @@ from helpers.torch_features import NEEDS_FUSED_WGRAD
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from ptdp.engine.tensor_parallel.wgrad import linear, weight_grad
+from ptdp.engine.tensor_parallel.linear import linear
+from ptdp.engine.tensor_parallel.wgrad import weight_grad
 
 
 def _bf16_layers():

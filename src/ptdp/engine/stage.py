@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
+from ptdp.config.fp8 import FP8Config
 from ptdp.config.schema import Config
 from ptdp.engine.data_parallel.buffer import GradBuffer
 from ptdp.engine.data_parallel.loss_scale import DynamicLossScaler
@@ -20,6 +22,7 @@ from ptdp.engine.data_parallel.units import (
     sharding_units,
     unit_index,
 )
+from ptdp.engine.fp8 import FP8Recipe
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.model.compile import compile_stage
 from ptdp.engine.model.gpt import DTYPES, GPTModel
@@ -27,6 +30,7 @@ from ptdp.engine.model.model_chunks import ModelChunks
 from ptdp.engine.optim.adamw import MainParamsAdamW
 from ptdp.engine.optim.factory import build_optimizer
 from ptdp.engine.optim.zero import ShardedAdamW
+from ptdp.engine.tensor_parallel.linear import FP8GEMMs, FP8Settings
 from ptdp.engine.tensor_parallel.random import DropoutRNG
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
 
@@ -61,6 +65,12 @@ class Stage:
     @property
     def dtype(self) -> torch.dtype:
         return DTYPES[self.config.model.params_dtype]
+
+    @property
+    def fp8_gemms(self) -> list[FP8GEMMs]:
+        """The FP8 state of every linear layer of this rank, chunk by chunk (empty without FP8)."""
+        chunks = [cast(GPTModel, c) for c in self.model] if isinstance(self.model, ModelChunks) else [self.model]
+        return [gemms for chunk in chunks for gemms in chunk.fp8_gemms()]
 
     def wait_for_params(self) -> None:
         """With ``overlap_param_gather``: finish every parameter all-gather still in flight, so the
@@ -127,6 +137,7 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
             cp_comm_type=p.cp_comm_type,
             moe=config.moe if config.moe.enabled else None,
             experts=experts,
+            fp8=fp8_settings(config.fp8),
         )
         for c in range(v)
     ]
@@ -165,6 +176,20 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
         expert_grads=expert_grads,
         expert_optimizer=expert_optimizer,
     )
+
+
+def fp8_settings(fp8: FP8Config) -> FP8Settings | None:
+    """The linear layers' FP8 choices of a run (None without ``--fp8-format``)."""
+    if fp8.fp8_format is None:
+        return None
+    recipe = FP8Recipe(
+        format=fp8.fp8_format,
+        recipe=fp8.fp8_recipe,
+        margin=fp8.fp8_margin,
+        amax_history_len=fp8.fp8_amax_history_len,
+        amax_compute_algo=fp8.fp8_amax_compute_algo,
+    )
+    return FP8Settings(recipe, emulate=fp8.fp8_emulate)
 
 
 def _expert_grads(config: Config, groups: ParallelGroups, chunks: list[GPTModel]) -> GradBuffer | None:

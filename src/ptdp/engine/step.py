@@ -30,6 +30,7 @@ from ptdp.engine.moe.layer import MoELayer
 from ptdp.engine.optim.adamw import set_lr, step_unless
 from ptdp.engine.pipeline.runtime import Microbatch, run_schedule
 from ptdp.engine.stage import Stage
+from ptdp.engine.tensor_parallel.linear import end_fp8_step
 from ptdp.layout.lr_schedule import lr_at
 from ptdp.layout.pipeline.program import build_programs
 
@@ -216,6 +217,7 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     activity.set_phase(activity.GRAD_SYNC)
     span = tracer.span("grad sync + clip", "grad_sync") if tracer is not None else None
     finalize_grads(stage.model, stage.grads, g)
+    end_fp8_step(stage.fp8_gemms, [g.tp, g.dp_cp])  # delayed scaling's history, on skipped steps too
     if experts is not None:
         experts.finish()
     overflow = None

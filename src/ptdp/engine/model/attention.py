@@ -23,6 +23,7 @@ from ptdp.engine.model.norms import make_norm
 from ptdp.engine.model.recompute import recomputed
 from ptdp.engine.model.rotary import RotaryEmbedding
 from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ptdp.engine.tensor_parallel.linear import FP8Settings, WgradQueue
 from ptdp.engine.tensor_parallel.random import DropoutRNG
 from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel
 
@@ -56,6 +57,8 @@ class Attention(nn.Module):
         rng: DropoutRNG | None = None,
         cp: AxisGroup | None = None,
         cp_comm_type: str = "p2p",
+        fp8: FP8Settings | None = None,
+        wgrad_queue: WgradQueue | None = None,
     ) -> None:
         super().__init__()
         self.cp, self.cp_comm_type = cp if cp is not None else AxisGroup.single("cp"), cp_comm_type
@@ -67,7 +70,16 @@ class Attention(nn.Module):
         bias = cfg.add_bias_linear
         sp = sequence_parallel
         self.qkv = ColumnParallelLinear(
-            h, rows, tp=tp, dtype=dtype, bias=bias, fused=fused, tag="attn_qkv", sequence_parallel=sp
+            h,
+            rows,
+            tp=tp,
+            dtype=dtype,
+            bias=bias,
+            fused=fused,
+            tag="attn_qkv",
+            sequence_parallel=sp,
+            fp8=fp8,
+            wgrad_queue=wgrad_queue,
         )
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
@@ -75,7 +87,17 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = make_norm(cfg, dtype, width=d), make_norm(cfg, dtype, width=d)
             if tp.size > 1:  # each tp rank normalizes its own heads: the gradients are partial sums
                 mark_sequence_parallel([*self.q_norm.parameters(), *self.k_norm.parameters()])
-        self.proj = RowParallelLinear(a * d, h, tp=tp, dtype=dtype, bias=bias, tag="attn_proj", sequence_parallel=sp)
+        self.proj = RowParallelLinear(
+            a * d,
+            h,
+            tp=tp,
+            dtype=dtype,
+            bias=bias,
+            tag="attn_proj",
+            sequence_parallel=sp,
+            fp8=fp8,
+            wgrad_queue=wgrad_queue,
+        )
         rope = cfg.position_embedding_type == "rope"
         self.rotary = RotaryEmbedding(self.head_dim, cfg.rotary_base) if rope else None
         self.recompute_core = cfg.recompute_granularity == "selective"

@@ -13,6 +13,7 @@ parallelism (size C): hidden states ``[s/C, b, h]``, keys and values exchanged o
 
 from __future__ import annotations
 
+import dataclasses
 from typing import cast
 
 import torch
@@ -29,6 +30,7 @@ from ptdp.engine.model.norms import make_norm
 from ptdp.engine.model.recompute import run_layers
 from ptdp.engine.tensor_parallel.cross_entropy import IGNORE_INDEX
 from ptdp.engine.tensor_parallel.layers import VocabParallelEmbedding
+from ptdp.engine.tensor_parallel.linear import FP8GEMMs, FP8Settings, WgradQueue
 from ptdp.engine.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from ptdp.engine.tensor_parallel.random import Dropout, DropoutRNG
 from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel, sequence_shard
@@ -57,7 +59,8 @@ class GPTModel(nn.Module):
     input and output ``[s/t, b, h]`` (``s % tp == 0``); ``cp``: the context-parallel axis (None:
     size 1; :mod:`ptdp.engine.context_parallel.load_balance`), with ``cp_comm_type`` ``"p2p"`` or
     ``"all_gather"``; ``moe``: the mixture-of-experts options (None: dense), ``experts``
-    their groups (None: every expert on every rank). With pp > 1 and tied embeddings the last stage's ``word_embeddings`` is a
+    their groups (None: every expert on every rank); ``fp8``: the layers' linear GEMMs in FP8
+    (:mod:`ptdp.engine.tensor_parallel.linear`; None: in ``cfg.params_dtype``). With pp > 1 and tied embeddings the last stage's ``word_embeddings`` is a
     copy whose gradient ``ptdp.engine.data_parallel.grads.finalize_grads`` sums with the first stage's.
     """
 
@@ -75,10 +78,14 @@ class GPTModel(nn.Module):
         cp_comm_type: str = "p2p",
         moe: MoEConfig | None = None,
         experts: ExpertGroups | None = None,
+        fp8: FP8Settings | None = None,
     ) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.cp = cp if cp is not None else AxisGroup.single("cp")
+        self.wgrad_queue = WgradQueue()
+        """Where this chunk's linear layers defer their weight gradients while it defers."""
+        fp8 = dataclasses.replace(fp8, cp=self.cp) if fp8 is not None else None
         self.sequence_parallel = sp = sequence_parallel and tp.size > 1
         self.pre_process, self.post_process = pre_process, post_process
         dtype = DTYPES[cfg.params_dtype]
@@ -111,6 +118,8 @@ class GPTModel(nn.Module):
                     cp_comm_type=cp_comm_type,
                     moe=moe,
                     experts=experts,
+                    fp8=fp8,
+                    wgrad_queue=self.wgrad_queue,
                 )
                 for i in layer_ids
             }
@@ -123,6 +132,10 @@ class GPTModel(nn.Module):
             self.final_norm = make_norm(cfg, dtype, sp)
             if not tied:
                 self.output_layer = VocabParallelEmbedding(cfg.vocab_size, v_pad, cfg.hidden_size, tp=tp, dtype=dtype)
+
+    def fp8_gemms(self) -> list[FP8GEMMs]:
+        """The FP8 state of this chunk's linear layers, in module order (empty without FP8)."""
+        return [m.fp8 for m in self.modules() if isinstance(getattr(m, "fp8", None), FP8GEMMs)]  # type: ignore[misc]
 
     def tied_embedding(self) -> nn.Parameter | None:
         """The word-embedding weight whose gradient is summed over the embedding group, if any."""

@@ -23,6 +23,7 @@ from ptdp.engine.model.norms import make_norm
 from ptdp.engine.moe.layer import MoELayer
 from ptdp.engine.swiglu import swiglu
 from ptdp.engine.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ptdp.engine.tensor_parallel.linear import FP8Settings, WgradQueue
 from ptdp.engine.tensor_parallel.random import Dropout, DropoutRNG
 from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel
 
@@ -35,15 +36,35 @@ class MLP(nn.Module):
     gate and up rows of the same ``ffn / tp`` channels and ``silu(gate) * up`` is local.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: AxisGroup, dtype: torch.dtype, sequence_parallel: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: AxisGroup,
+        dtype: torch.dtype,
+        sequence_parallel: bool = False,
+        *,
+        fp8: FP8Settings | None = None,
+        wgrad_queue: WgradQueue | None = None,
+    ) -> None:
         super().__init__()
         h, ffn, bias, sp = cfg.hidden_size, cfg.ffn, cfg.add_bias_linear, sequence_parallel
         self.swiglu = cfg.swiglu
         halves = 2 if cfg.swiglu else 1
         self.fc1 = ColumnParallelLinear(
-            h, halves * ffn, tp=tp, dtype=dtype, bias=bias, fused=halves, tag="mlp_fc1", sequence_parallel=sp
+            h,
+            halves * ffn,
+            tp=tp,
+            dtype=dtype,
+            bias=bias,
+            fused=halves,
+            tag="mlp_fc1",
+            sequence_parallel=sp,
+            fp8=fp8,
+            wgrad_queue=wgrad_queue,
         )
-        self.fc2 = RowParallelLinear(ffn, h, tp=tp, dtype=dtype, bias=bias, tag="mlp_fc2", sequence_parallel=sp)
+        self.fc2 = RowParallelLinear(
+            ffn, h, tp=tp, dtype=dtype, bias=bias, tag="mlp_fc2", sequence_parallel=sp, fp8=fp8, wgrad_queue=wgrad_queue
+        )
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,12 +92,25 @@ class TransformerLayer(nn.Module):
         cp_comm_type: str = "p2p",
         moe: MoEConfig | None = None,
         experts: ExpertGroups | None = None,
+        fp8: FP8Settings | None = None,
+        wgrad_queue: WgradQueue | None = None,
     ) -> None:
         super().__init__()
         rng = rng if rng is not None else DropoutRNG(0, tp_rank=tp.rank)
         sp = sequence_parallel
         self.ln1 = make_norm(cfg, dtype, sp)
-        self.attention = Attention(cfg, tp, dtype, sp, layer_id=layer_id, rng=rng, cp=cp, cp_comm_type=cp_comm_type)
+        self.attention = Attention(
+            cfg,
+            tp,
+            dtype,
+            sp,
+            layer_id=layer_id,
+            rng=rng,
+            cp=cp,
+            cp_comm_type=cp_comm_type,
+            fp8=fp8,
+            wgrad_queue=wgrad_queue,
+        )
         self.ln2 = make_norm(cfg, dtype, sp)
         self.mlp: nn.Module
         if moe is not None and moe.moe_layers(cfg.num_layers)[layer_id]:
@@ -97,7 +131,7 @@ class TransformerLayer(nn.Module):
                     ]
                 )
         else:
-            self.mlp = MLP(cfg, tp, dtype, sp)
+            self.mlp = MLP(cfg, tp, dtype, sp, fp8=fp8, wgrad_queue=wgrad_queue)
         self.hidden_dropout = Dropout(cfg.hidden_dropout, rng, f"layer.{layer_id}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

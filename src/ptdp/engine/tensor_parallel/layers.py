@@ -13,22 +13,12 @@ import torch
 from torch import nn
 
 from ptdp.engine.comm import AxisGroup
-from ptdp.engine.eager import outside_compile
+from ptdp.engine.fp8_layout import split_dim, whole
+from ptdp.engine.tensor_parallel.linear import Comm, FP8Settings, LinearPlan, WgradQueue, linear
 from ptdp.engine.tensor_parallel.mappings import reduce_from_tp
-from ptdp.engine.tensor_parallel.sequence import (
-    mark_sequence_parallel,
-    reduce_scatter_sequence,
-    sequence_gathered_linear,
-)
-from ptdp.engine.tensor_parallel.sharding import GlobalParam, make_parameter
-from ptdp.engine.tensor_parallel.wgrad import LinearFunction, embedding, linear
-
-
-@outside_compile
-def _column_parallel_linear(x, weight, bias, axis: AxisGroup, tag: str) -> torch.Tensor:
-    """The column-parallel linear with f (its input gradient summed over tp, overlapped with the
-    weight-gradient GEMM), run eagerly (never traced: a compiled layer is split around it)."""
-    return LinearFunction.apply(x, weight, bias, axis, tag)
+from ptdp.engine.tensor_parallel.sequence import mark_sequence_parallel, reduce_scatter_sequence
+from ptdp.engine.tensor_parallel.sharding import GlobalParam, make_parameter, shard_ranges
+from ptdp.engine.tensor_parallel.wgrad import embedding
 
 
 class ColumnParallelLinear(nn.Module):
@@ -39,7 +29,8 @@ class ColumnParallelLinear(nn.Module):
     weight-gradient GEMM. ``fused=3``: q | k | v split separately, so each rank keeps the same
     heads' q, k, v (``fused=2``: SwiGLU's gate | up). ``sequence_parallel``: input
     ``[s/t, b, in_features]``; forward all-gathers it along the sequence, backward all-gathers again
-    and reduce-scatters the input gradient (:func:`~ptdp.engine.tensor_parallel.sequence.sequence_gathered_linear`).
+    and reduce-scatters the input gradient. The GEMMs: :mod:`ptdp.engine.tensor_parallel.linear`
+    (``fp8``: in FP8; ``wgrad_queue``: where backward may defer the weight gradient).
     """
 
     def __init__(
@@ -54,6 +45,8 @@ class ColumnParallelLinear(nn.Module):
         init: str = "normal",
         tag: str = "column",
         sequence_parallel: bool = False,
+        fp8: FP8Settings | None = None,
+        wgrad_queue: WgradQueue | None = None,
     ) -> None:
         super().__init__()
         self.tp, self.tag, self.sequence_parallel = tp, tag, sequence_parallel
@@ -64,13 +57,13 @@ class ColumnParallelLinear(nn.Module):
             if bias
             else None
         )
+        out_dim = split_dim(out_features, shard_ranges(spec, tp.rank, tp.size), tp)
+        self.fp8 = fp8.gemms(out_dim, whole(in_features), tag) if fp8 is not None else None
+        comm: Comm = "sequence" if sequence_parallel and tp.size > 1 else "all_reduce" if tp.size > 1 else "local"
+        self.plan = LinearPlan(comm, tp, tag, fp8=self.fp8, queue=wgrad_queue)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            return sequence_gathered_linear(x, self.weight, self.bias, self.tp, self.tag)
-        if self.tp.size == 1:
-            return linear(x, self.weight, self.bias)
-        return _column_parallel_linear(x, self.weight, self.bias, self.tp, self.tag)
+        return linear(x, self.weight, self.bias, self.plan)
 
 
 class RowParallelLinear(nn.Module):
@@ -94,18 +87,24 @@ class RowParallelLinear(nn.Module):
         init: str = "scaled_normal",
         tag: str = "row",
         sequence_parallel: bool = False,
+        fp8: FP8Settings | None = None,
+        wgrad_queue: WgradQueue | None = None,
     ) -> None:
         super().__init__()
         self.tp, self.tag, self.sequence_parallel = tp, tag, sequence_parallel
-        self.weight = make_parameter(GlobalParam((out_features, in_features), tp_dim=1, init=init), tp.size, dtype)
+        spec = GlobalParam((out_features, in_features), tp_dim=1, init=init)
+        self.weight = make_parameter(spec, tp.size, dtype)
         self.bias = make_parameter(GlobalParam((out_features,), init="zeros"), tp.size, dtype) if bias else None
         if sequence_parallel and self.bias is not None:
             mark_sequence_parallel([self.bias])
+        in_dim = split_dim(in_features, shard_ranges(spec, tp.rank, tp.size), tp)
+        self.fp8 = fp8.gemms(whole(out_features), in_dim, tag) if fp8 is not None else None
+        self.plan = LinearPlan("local", tp, tag, fp8=self.fp8, queue=wgrad_queue)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:  # nothing to sum: one fused matmul + bias, as nn.Linear
-            return linear(x, self.weight, self.bias)
-        y = linear(x, self.weight)
+            return linear(x, self.weight, self.bias, self.plan)
+        y = linear(x, self.weight, None, self.plan)
         if self.sequence_parallel:
             y = reduce_scatter_sequence(y, self.tp, self.tag)
         else:

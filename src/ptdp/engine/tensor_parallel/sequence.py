@@ -8,8 +8,8 @@ Outside the tensor-parallel regions (norms, residual adds, dropout, embedding ou
 - ḡ, the exit (after the attention projection, fc2, the vocab-parallel embedding), replaces the
   all-reduce: forward reduce-scatter ``[s, b, h] -> [s/t, b, h]``, backward all-gather.
 
-:func:`sequence_gathered_linear` fuses g with the next column-parallel linear, saving only the
-input shard. Gradients of parameters marked :data:`SEQUENCE_PARALLEL_ATTR` (also the per-head
+The column-parallel linear fuses g with its GEMM, saving only the input shard
+(:mod:`ptdp.engine.tensor_parallel.linear`). Gradients of parameters marked :data:`SEQUENCE_PARALLEL_ATTR` (also the per-head
 query/key norms, whose tp ranks hold different heads) are summed over tp after backward
 (:func:`ptdp.engine.data_parallel.grads.finalize_grads`). The sequence is dim 0 (:data:`SEQ_DIM`),
 so the collectives copy nothing. Identity on a tp axis of size 1.
@@ -20,12 +20,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ptdp.engine.comm import AxisGroup, all_gather_async, reduce_scatter_async
 from ptdp.engine.eager import outside_compile
-from ptdp.engine.tensor_parallel.wgrad import weight_grad
 
 SEQ_DIM = 0
 """The sequence dim of ``[s, b, h]`` activations."""
@@ -53,31 +51,6 @@ class _ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return start_sequence_gather(grad, ctx.axis, ctx.tag)(), None, None
-
-
-class _SequenceGatheredLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, axis: AxisGroup, tag: str):
-        ctx.axis, ctx.tag, ctx.has_bias = axis, tag, bias is not None
-        ctx.save_for_backward(x, weight)  # the shard: gathered again in backward
-        return F.linear(start_sequence_gather(x, axis, tag)(), weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad_x = grad_weight = grad_bias = None
-        rows = grad.flatten(0, -2)  # [s b, out_local]; out_local may be 0 (a shard of vocabulary padding)
-        gather = start_sequence_gather(x, ctx.axis, ctx.tag + "_regather") if ctx.needs_input_grad[1] else None
-        scatter = None
-        if ctx.needs_input_grad[0]:  # computed while the input is gathered again
-            scatter = start_sequence_reduce_scatter(grad @ weight, ctx.axis, ctx.tag)
-        if gather is not None:  # computed while the input gradient is reduce-scattered
-            grad_weight = weight_grad(weight, rows, gather().flatten(0, -2))  # or into weight.main_grad
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = rows.sum(0)
-        if scatter is not None:
-            grad_x = scatter()
-        return grad_x, grad_weight, grad_bias, None, None
 
 
 def start_sequence_gather(x: torch.Tensor, axis: AxisGroup, tag: str):
@@ -139,22 +112,6 @@ def reduce_scatter_sequence(x: torch.Tensor, axis: AxisGroup, tag: str = "") -> 
     if axis.size == 1:
         return x
     return _outside_compile(_ReduceScatterSequence.apply, x, axis, tag)
-
-
-def sequence_gathered_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, axis: AxisGroup, tag: str = ""
-) -> torch.Tensor:
-    """``F.linear(all_gather_sequence(x), weight, bias)`` keeping only ``x``'s shard for backward.
-
-    Per rank: ``x [s/t, b, in]``, ``weight [out_local, in]`` (this rank's column-parallel shard)
-    -> ``[s, b, out_local]``. Counted on tp: forward one all-gather (tag ``tag``) of
-    ``s b in / t`` elements; backward one all-gather again for the weight gradient
-    (``<tag>_regather``, ``s b in / t``) and one reduce-scatter of the input gradient (``tag``,
-    ``s b in``) [K22] §4.2.2.
-    """
-    if axis.size == 1:
-        return F.linear(x, weight, bias)
-    return _outside_compile(_SequenceGatheredLinear.apply, x, weight, bias, axis, tag)
 
 
 @outside_compile

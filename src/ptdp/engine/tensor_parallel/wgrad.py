@@ -21,8 +21,6 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from ptdp.engine.comm import AxisGroup, all_reduce_async
-
 
 def fuse_here(weight: torch.Tensor) -> bool:
     """Whether ``weight``'s gradient goes straight into its float32 ``main_grad`` in this call: it
@@ -127,45 +125,6 @@ def _fused_gemm(main: torch.Tensor, grad_rows: torch.Tensor, input_rows: torch.T
     if counted:
         record.fallback += 1
     return False
-
-
-class LinearFunction(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` whose weight gradient goes through :func:`weight_grad` (into
-    ``weight.main_grad`` when it has one). With an ``axis`` (the column-parallel linear's f) the
-    input gradient is summed over it: the all-reduce starts as soon as ``grad @ weight`` is known
-    and is waited for after the weight-gradient GEMM (on NCCL it runs on the communicator's
-    stream, beside the GEMM); ``axis`` None: no communication."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, axis: AxisGroup | None = None, tag: str = ""):
-        ctx.axis, ctx.tag, ctx.has_bias = axis, tag, bias is not None
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad_x = grad_weight = grad_bias = pending = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad.matmul(weight)
-            if ctx.axis is not None:
-                pending = all_reduce_async(grad_x, ctx.axis, tag=ctx.tag)
-        rows = grad.flatten(0, -2)
-        if ctx.needs_input_grad[1]:
-            grad_weight = weight_grad(weight, rows, x.flatten(0, -2))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = rows.sum(0)
-        if pending is not None:
-            pending.wait()
-        return grad_x, grad_weight, grad_bias, None, None
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, with the weight gradient accumulated into ``weight.main_grad`` when it has one
-    (and this is not traced by ``torch.compile``). No communication."""
-    if fuse_here(weight):
-        return LinearFunction.apply(x, weight, bias)
-    return F.linear(x, weight, bias)
 
 
 class EmbeddingFunction(torch.autograd.Function):
