@@ -1,0 +1,111 @@
+"""FP8 runs of a tiny float64 GPT (emulated FP8 GEMMs, float64 compute) at a (tp, cp, pp, dp)
+layout, for each recipe, against one process: every layout of one world size in one job."""
+
+from __future__ import annotations
+
+import functools
+
+from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from helpers.layout_cases import VOCAB, train_and_collect
+from ptdp.config.fp8 import FP8Config
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import resolve
+from ptdp.config.schema import Config, TrainConfig
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.stage import build_stage
+from ptdp.layout.grid import ParallelLayout
+
+#: (tp, cp, pp, dp, sequence parallel) by world size
+LAYOUTS = {2: [(2, 1, 1, 1, True), (1, 2, 1, 1, False)], 4: [(1, 1, 2, 2, False)], 8: [(2, 1, 2, 2, False)]}
+#: each recipe with a format and options that differ from the defaults somewhere
+RECIPES = {
+    "tensorwise": FP8Config(fp8_format="hybrid", fp8_recipe="tensorwise"),
+    "delayed": FP8Config(
+        fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=2, fp8_amax_compute_algo="max"
+    ),
+    "rowwise": FP8Config(fp8_format="e4m3", fp8_recipe="rowwise", fp8_margin=1),
+    "blockwise": FP8Config(fp8_format="e4m3", fp8_recipe="blockwise"),
+}
+
+
+def fp8_config(recipe: str | None, tp: int, cp: int, pp: int, dp: int, sp: bool = False) -> Config:
+    """2 layers (4 at pp = 2: every stage holds layers), h 32 (blockwise tiles of 128 cut by every
+    shard), s 16, b 2, B 8, float64, clipping active; ``recipe`` None: no FP8."""
+    model = ModelConfig(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        seq_length=16,
+        vocab_size=VOCAB,
+        make_vocab_size_divisible_by=8,
+        params_dtype="float64",
+    )
+    train = TrainConfig(
+        micro_batch_size=2,
+        global_batch_size=8,
+        train_iters=3,
+        lr=3e-3,
+        min_lr=3e-4,
+        lr_warmup_iters=1,
+        clip_grad=0.05,
+        weight_decay=0.1,
+    )
+    par = ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        data_parallel_size=dp,
+        context_parallel_size=cp,
+        sequence_parallel=sp,
+    )
+    fp8 = RECIPES[recipe] if recipe is not None else FP8Config()
+    return resolve(Config(model=model, parallel=par, train=train, fp8=fp8), tp * cp * pp * dp)
+
+
+def histories(cfg: Config, groups: ParallelGroups) -> dict[str, list[float]]:
+    """Delayed scaling's amax history of every linear layer of this rank, by global module name,
+    after the run's 3 steps (trained again: :func:`train_and_collect` does not keep its stage)."""
+    from helpers.layout_cases import rank_microbatches
+    from ptdp.engine.step import train_step
+
+    stage = build_stage(cfg, groups)
+    for step in range(3):
+        train_step(stage, rank_microbatches(step, cfg, groups.dp.rank, groups.dp.size), step)
+    return {
+        name: module.fp8.delayed.history.flatten().tolist()
+        for name, module in stage.model.named_modules()
+        if getattr(module, "fp8", None) is not None and module.fp8.delayed is not None
+    }
+
+
+def fp8_worker(rank: int, world: int) -> dict:
+    """``{layout: {recipe: result}}`` of every layout of this world size."""
+    out = {}
+    for tp, cp, pp, dp, sp in LAYOUTS[world]:
+        groups = ParallelGroups.build(ParallelLayout(tp=tp, pp=pp, dp=dp, cp=cp), PG_TIMEOUT)
+        runs = {}
+        for recipe in RECIPES:
+            cfg = fp8_config(recipe, tp, cp, pp, dp, sp)
+            res = train_and_collect(cfg, groups, record_comm_step=0)
+            if recipe == "delayed":
+                res["history"] = histories(cfg, groups)
+            runs[recipe] = res
+        out[(tp, cp, pp, dp, sp)] = runs
+    return out
+
+
+@functools.cache
+def world_results(world: int) -> list[dict]:
+    """Every rank's results of the layouts of ``world`` (one job on the session's workers; cached)."""
+    return run_in_pool(fp8_worker, world)
+
+
+@functools.cache
+def reference(recipe: str | None) -> dict:
+    """The single-process run of ``recipe`` (None: without FP8)."""
+    cfg, groups = fp8_config(recipe, 1, 1, 1, 1), ParallelGroups.single_process()
+    res = train_and_collect(cfg, groups)
+    if recipe == "delayed":
+        res["history"] = histories(cfg, groups)
+    return res
