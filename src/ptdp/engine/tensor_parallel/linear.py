@@ -101,7 +101,9 @@ class FP8GEMMs:
     (:class:`~ptdp.engine.fp8_layout.GemmDim`: N and K) and the cp axis splitting the tokens.
     Under ``delayed`` a :class:`~ptdp.engine.fp8.DelayedScaling` history (:attr:`delayed`):
     this step's amaxes observed locally, reduced over every rank running the layer by
-    :func:`end_fp8_step`."""
+    :func:`end_fp8_step`. The weight's two FP8 operands (forward ``W``, dgrad ``Wᵀ``, contiguous)
+    are kept from their first use until the weight changes or the step ends (2 bytes per weight,
+    as Transformer Engine keeps them), so each is quantised once per step."""
 
     def __init__(
         self,
@@ -118,6 +120,28 @@ class FP8GEMMs:
         self.delayed = DelayedScaling(recipe) if recipe.recipe == "delayed" else None
         self.recording = True
         """Whether delayed scaling records this call's amaxes (not in evaluation, without grad)."""
+        self._weights: dict[bool, tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def weight(self, weight: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The quantised ``W [N, K]`` (forward) or ``Wᵀ [K, N]`` (dgrad, ``transposed``), from
+        this step's copy while ``weight`` is unchanged (same storage and version)."""
+        key = (weight.data_ptr(), weight._version)
+        kept = self._weights.get(transposed)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        if not transposed:
+            quantized = self.quantize(weight, self.out_dim, self.in_dim, "weight")
+        elif self.reuses_transpose("weight"):
+            q, scale_inv = self.transposed(self.weight(weight, False))
+            quantized = (q.contiguous(), scale_inv.contiguous())
+        else:
+            quantized = self.quantize(weight.t(), self.in_dim, self.out_dim, "weight")
+        self._weights[transposed] = (key, quantized)
+        return quantized
+
+    def end_step(self) -> None:
+        """Drop the step's FP8 weights (the next step quantises the updated weights)."""
+        self._weights.clear()
 
     def tokens(self, shape: torch.Size) -> GemmDim:
         """The token dim of an activation ``[s, b, ·]`` (or ``[T, ·]``) on this rank."""
@@ -226,7 +250,7 @@ class LinearFunction(torch.autograd.Function):
         fp8.recording = record
         tokens = fp8.tokens(full.shape)
         x_q = fp8.quantize(rows, tokens, fp8.in_dim, "input")
-        w_q = fp8.quantize(weight, fp8.out_dim, fp8.in_dim, "weight")
+        w_q = fp8.weight(weight, transposed=False)
         y = _unflatten(fp8.matmul(x_q, w_q, full.dtype), full.shape)
         if bias is not None:
             y = y + bias
@@ -265,11 +289,7 @@ class LinearFunction(torch.autograd.Function):
                 grad_x = _gemm(gy, weight.t(), plan.dtypes.dgrad, grad.dtype)
             else:
                 assert gy_q is not None
-                if fp8.reuses_transpose("weight"):
-                    wt = fp8.transposed(fp8.quantize(weight, fp8.out_dim, fp8.in_dim, "weight"))
-                else:
-                    wt = fp8.quantize(weight.t(), fp8.in_dim, fp8.out_dim, "weight")
-                grad_x = fp8.matmul(gy_q, wt, grad.dtype)
+                grad_x = fp8.matmul(gy_q, fp8.weight(weight, transposed=True), grad.dtype)
             grad_x = grad_x.view(*grad.shape[:-1], k)
             if plan.comm == "all_reduce":
                 finish = _waiting(all_reduce_async(grad_x, plan.axis, tag=plan.tag), grad_x)
@@ -392,7 +412,9 @@ def end_fp8_step(layers: list[FP8GEMMs], axes: list[AxisGroup]) -> None:
     """End of a training step for delayed scaling: every layer's pending amaxes, stacked, all-reduced
     (MAX) over ``axes`` (every rank running those layers: tp, and dp x cp), then moved into each
     history (:meth:`ptdp.engine.fp8.DelayedScaling.step`). Every rank of ``axes`` calls it with the
-    same layers; current-scaling layers are skipped."""
+    same layers. Every layer's FP8 weights are dropped (:meth:`FP8GEMMs.end_step`)."""
+    for layer in layers:
+        layer.end_step()
     delayed = [layer.delayed for layer in layers if layer.delayed is not None]
     if not delayed:
         return
