@@ -11,7 +11,8 @@ Stored per parameter, layout-independent (:mod:`ptdp.run.checkpoint.tensors`; cp
 written once, distributed-optimizer shards assembled): ``model/<name>``, ``optim/exp_avg/<name>``,
 ``optim/exp_avg_sq/<name>``, ``optim/main/<name>`` for 16-bit parameters (routed experts by
 global expert index, whatever ep); ``optim/step``; ``moe/<layer>.expert_bias`` and
-``moe/<layer>.global_counts``;
+``moe/<layer>.global_counts``; ``fp8/<linear>.amax_history`` (delayed FP8 scaling, restored when the
+run's history has the same length);
 ``residual/rank<r>`` (1-bit error feedback). The residual and ``rng/rank<r>.json`` (Python, NumPy,
 torch and dropout streams) are restored only at the same layout (and without ``--no-load-rng``);
 otherwise the dropout streams are reseeded from the checkpoint's iteration.
@@ -137,6 +138,30 @@ def _moe_buffers(stage, saved: MoEConfig | None = None) -> dict[str, torch.Tenso
     }
 
 
+def _fp8_histories(stage) -> dict[str, torch.Tensor]:
+    """``fp8/<linear>.amax_history``: each linear layer's delayed-scaling history (float32
+    ``[amax_history_len, 3]``), the same on every rank of a stage; empty without delayed scaling."""
+    chunks = stage.model if isinstance(stage.model, ModelChunks) else [stage.model]
+    return {
+        f"fp8/{name}.amax_history": module.fp8.delayed.history
+        for chunk in chunks
+        for name, module in chunk.named_modules()
+        if getattr(module, "fp8", None) is not None and module.fp8.delayed is not None
+    }
+
+
+def _loads_fp8_history(stage, meta: dict) -> bool:
+    """Whether the checkpoint holds delayed-scaling histories this run can take (same length)."""
+    saved, fp8 = meta.get("fp8") or {}, stage.config.fp8
+    return (
+        fp8.enabled
+        and fp8.fp8_recipe == "delayed"
+        and saved.get("fp8_format") is not None
+        and saved.get("fp8_recipe") == "delayed"
+        and saved.get("fp8_amax_history_len") == fp8.fp8_amax_history_len
+    )
+
+
 def _split_by_optimizer(stage, params: list) -> list[tuple[object, list, object]]:
     """``(optimizer, its parameters, the group its distributed state is sharded over)``: the dense
     ones over dp x cp, and with expert parallelism the routed experts over edp."""
@@ -205,6 +230,7 @@ def start_save(
     sd = _state_dict(stage, tensors, {id(p): p.detach() for p in params}, kinds)
     sd["optim/step"] = torch.tensor(step_count(stage.optimizer), dtype=torch.int64)
     sd.update(_moe_buffers(stage))
+    sd.update(_fp8_histories(stage))
     if stage.grads.residual is not None:
         sd[f"residual/rank{g.global_rank}"] = stage.grads.residual
     if group is None and g.world.size > 1:
@@ -315,6 +341,7 @@ def _meta(stage, iteration: int, consumed_samples: int, kinds) -> dict:
         "consumed_samples": consumed_samples,
         "model": dataclasses.asdict(m) | {"ffn": m.ffn},
         "moe": dataclasses.asdict(stage.config.moe),
+        "fp8": dataclasses.asdict(stage.config.fp8),
         "layout": _layout_key(stage),
         "world_size": stage.groups.world.size,
         "optimizer_state": list(kinds),
@@ -363,6 +390,8 @@ def load_checkpoint(stage, path: str | Path, *, load_optimizer: bool = True, loa
     sd = _state_dict(stage, tensors, wide, saved_kinds)
     sd["optim/step"] = torch.zeros((), dtype=torch.int64)
     sd.update(_moe_buffers(stage, stored_moe(meta)))  # in place; those not saved start from zero
+    if _loads_fp8_history(stage, meta):  # in place; otherwise the history starts empty (scale 1)
+        sd.update(_fp8_histories(stage))
     same_layout = meta["layout"] == _layout_key(stage) and meta["world_size"] == g.world.size
     residual = stage.grads.residual
     restore_residual = residual is not None and same_layout and meta.get("grad_compression") == "1bit"
