@@ -276,7 +276,8 @@ def fp8_matmul(
     any granularity (:func:`compute_amax`'s shapes).
 
     Through ``torch._scaled_mm`` where :func:`has_scaled_mm_kernel`, unless ``emulate``; otherwise
-    emulated: dequantised to float32 (float64 for a float64 ``out_dtype``), multiplied, cast. On
+    emulated: dequantised to float32 (float64 for a float64 ``out_dtype``), multiplied (on CUDA
+    without TensorFloat-32), cast. On
     the CPU, torch's kernel is this emulation (bitwise equal with a float32 output), except where
     it hands same-dtype tensorwise operands to oneDNN (CPUs with AMX, mkldnn enabled): scales
     applied inside its kernel, equal to float32 rounding, not bitwise. ValueError for shapes that
@@ -293,7 +294,15 @@ def fp8_matmul(
             a_q.contiguous(), b_q.contiguous().t(), scale_a.float(), scale_b.float(), out_dtype=out_dtype
         )
     work = torch.float64 if out_dtype == torch.float64 else torch.float32
-    return (dequantize(a_q, a_scale_inv, work) @ dequantize(b_q, b_scale_inv, work).t()).to(out_dtype)
+    a, b = dequantize(a_q, a_scale_inv, work), dequantize(b_q, b_scale_inv, work)
+    if a.device.type != "cuda" or work != torch.float32:
+        return (a @ b.t()).to(out_dtype)
+    precision = torch.get_float32_matmul_precision()  # no TensorFloat-32 rounding of the operands
+    torch.set_float32_matmul_precision("highest")
+    try:
+        return (a @ b.t()).to(out_dtype)
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
 class DelayedScaling:
