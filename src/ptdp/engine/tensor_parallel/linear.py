@@ -15,9 +15,9 @@ along the sequence (only the shard is kept), backward gathers it again for wgrad
 runs and reduce-scatters the input gradient while wgrad runs.
 
 FP8 memory kept for backward: the input as wgrad's FP8 operand (1 byte per element; with
-``sequence`` the input's shard in its own dtype, gathered again); the weight is quantised again in
-backward (same scales). Inputs of the GEMMs, ``[T, ·]`` rows are the microbatch's tokens
-flattened sequence-major (:func:`ptdp.engine.fp8_layout.token_dim`).
+``sequence`` the input's shard in its own dtype, gathered again); the weight's FP8 forward and
+dgrad operands for the step (:meth:`FP8GEMMs.weight`). The GEMMs' ``[T, ·]`` rows are the
+microbatch's tokens flattened sequence-major (:func:`ptdp.engine.fp8_layout.token_dim`).
 """
 
 from __future__ import annotations
