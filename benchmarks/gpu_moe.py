@@ -32,14 +32,12 @@ runs last.
 from __future__ import annotations
 
 import dataclasses
-import math
-import statistics
 import time
 
 import torch
 from gpu_loss import loss_bound
 from gpu_models import FULL, QUICK, device_stage, random_microbatches, speed_config
-from gpu_report import NOT_ON_CPU, Budget, StageReport
+from gpu_report import NOT_ON_CPU, Budget, StageReport, train_steps
 from moe_common import active_weights, moe_options, time_expert_gemms
 
 from ptdp.config.schema import Config
@@ -178,32 +176,22 @@ def _check_gemm_rows(rows: list[dict], dtype: str, device: torch.device, report:
 def train_moe(stage: Stage, shape: dict, tokens: int, budget: Budget, data: dict, report: StageReport) -> None:
     """``warmup + steps`` steps on one fixed batch into ``data["training"]`` (module docstring)."""
     mbs = [(x.to(stage.device), y.to(stage.device)) for x, y in random_microbatches(stage.config, seed=0)]
-    run: dict = {"requested_steps": shape["steps"], "warmup": shape["warmup"], "losses": [], "max_load": []}
-    run["step_s"], run["stopped_by_budget"] = [], False
+    run: dict = {"max_load": []}
     data["training"] = run
-    total, last = shape["warmup"] + shape["steps"], 0.0
-    for i in range(total):
-        if i and not budget.allows(1.5 * last + RESERVE_S):  # the first steps run whatever the budget
-            run["stopped_by_budget"] = True
-            report.out_of_budget(f"moe: training after {i} of {total} steps")
-            break
-        t = time.perf_counter()
-        result = train_step(stage, mbs, i).result()  # reads the step's metrics: it has ended on the device
-        last = time.perf_counter() - t
-        run["losses"].append(result.loss)
+
+    def step(i: int):
+        result = train_step(stage, mbs, i).result()
         run["max_load"].append(result.moe["moe_max_load"] if result.moe else None)
-        if i >= shape["warmup"]:
-            run["step_s"].append(last)
-        timed = run["step_s"]
-        run["timed_steps"] = len(timed)
-        run["median_step_s"] = statistics.median(timed) if timed else None
-        run["tokens_per_s"] = tokens / run["median_step_s"] if timed else None
-        report.write()
-    losses = run["losses"]
-    run["finite"] = all(math.isfinite(x) for x in losses)
-    run["falling"] = losses[-1] < losses[0] if len(losses) > 1 else None  # None: one step, cut by the budget
-    report.write()
-    if not run["finite"]:
-        report.fail(f"moe: a loss is not finite: {losses}")
-    elif run["falling"] is False:
-        report.fail(f"moe: the loss did not fall over {len(losses)} steps on one batch: {losses}")
+        return result
+
+    train_steps(
+        step,
+        run,
+        warmup=shape["warmup"],
+        steps=shape["steps"],
+        tokens=tokens,
+        budget=budget,
+        report=report,
+        what="moe",
+        reserve_s=RESERVE_S,
+    )

@@ -12,12 +12,15 @@ before each item and each timed step and stops when the next one would not fit.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -176,3 +179,50 @@ def alternating_medians(fns: list, device: torch.device, reps: int, budget: Budg
     else:
         times = marks
     return [statistics.median(t) if t else None for t in times], len(times[0])
+
+
+def train_steps(
+    step: Callable[[int], Any],
+    run: dict,
+    *,
+    warmup: int,
+    steps: int,
+    tokens: int,
+    budget: Budget,
+    report: StageReport,
+    what: str,
+    reserve_s: float,
+) -> None:
+    """``step(i)`` for ``i`` in ``range(warmup + steps)`` into ``run``, the report rewritten after
+    each: ``losses`` (of each step's result, read to the host: the step has ended on the device),
+    ``step_s`` (wall clock, after the warm-up), ``timed_steps``, ``median_step_s`` and
+    ``tokens_per_s`` (``tokens`` per step). The first step runs whatever the budget; a later one
+    only when 1.5 times the last step and ``reserve_s`` fit (else ``stopped_by_budget`` and a note).
+    Then ``finite`` and ``falling`` (last loss below the first; None after one step), and a
+    failure of the stage when a loss is not finite or does not fall."""
+    run.update(requested_steps=steps, warmup=warmup, losses=[], step_s=[], stopped_by_budget=False)
+    total, last = warmup + steps, 0.0
+    for i in range(total):
+        if i and not budget.allows(1.5 * last + reserve_s):
+            run["stopped_by_budget"] = True
+            report.out_of_budget(f"{what}: training after {i} of {total} steps")
+            break
+        t = time.perf_counter()
+        result = step(i)
+        last = time.perf_counter() - t
+        run["losses"].append(result.loss)
+        if i >= warmup:
+            run["step_s"].append(last)
+        timed = run["step_s"]
+        run["timed_steps"] = len(timed)
+        run["median_step_s"] = statistics.median(timed) if timed else None
+        run["tokens_per_s"] = tokens / run["median_step_s"] if timed else None
+        report.write()
+    losses = run["losses"]
+    run["finite"] = all(math.isfinite(x) for x in losses)
+    run["falling"] = losses[-1] < losses[0] if len(losses) > 1 else None  # None: one step, cut by the budget
+    report.write()
+    if not run["finite"]:
+        report.fail(f"{what}: a loss is not finite: {losses}")
+    elif run["falling"] is False:
+        report.fail(f"{what}: the loss did not fall over {len(losses)} steps on one batch: {losses}")
