@@ -5,8 +5,9 @@ writing its JSON report as soon as it has a result.
     PYTHONPATH=src python3 benchmarks/gpu_check.py compile --output-dir DIR  # speed, compiled
     PYTHONPATH=src python3 benchmarks/gpu_check.py probes --output-dir DIR   # kernels, GEMMs, host syncs
     PYTHONPATH=src python3 benchmarks/gpu_check.py moe --output-dir DIR      # a small MoE model, grouped GEMM
+    PYTHONPATH=src python3 benchmarks/gpu_check.py fp8 --output-dir DIR      # bf16, FP8 tensorwise, FP8 rowwise
     python benchmarks/gpu_check.py STAGE --device cpu --quick --output-dir DIR  # a tiny model on the CPU
-    benchmarks/gpu_run.sh first DIR; benchmarks/gpu_run.sh second DIR      # all, in two commands
+    benchmarks/gpu_run.sh first DIR; benchmarks/gpu_run.sh second DIR; benchmarks/gpu_run.sh third DIR
 
 Stages (:data:`STAGES`, default budgets :data:`BUDGET_S`):
 
@@ -21,6 +22,9 @@ Stages (:data:`STAGES`, default budgets :data:`BUDGET_S`):
 - ``moe``: ``gpu_moe.py`` (a small mixture-of-experts GPT: torch's rules for the experts' grouped
   GEMM, the grouped GEMM against the per-expert loop, a few training steps whose loss must fall,
   step time and tokens/s).
+- ``fp8``: ``gpu_fp8.py`` (the 1.3B GPT trained the same steps on the same batch in bfloat16, then
+  with FP8 GEMMs under the tensorwise and the rowwise recipe: tokens/s, MFU, peak memory and the
+  loss difference against bfloat16 per run, each run a JSON line when it ends).
 
 Each stage writes ``DIR/gpu_check_<stage>.json`` (``gpu_report.py``: rewritten after each result,
 ``"complete": false`` until the stage ends) and prints a summary. A stage's models are built and
@@ -28,7 +32,8 @@ its first step run whatever the budget; timed steps and further probes stop when
 be exceeded (``budget_exhausted``, a note). Targets (reported, not enforced): MFU >= 50% compiled,
 ratio vs plain <= 1.05. Exit code 1 when an item fails, a loss differs from float64 by more than
 rounding explains, the fused weight-gradient GEMM fell back, a steady-state step synchronises
-the host, or the MoE model's loss does not fall or its grouped GEMM fails; else 0.
+the host, the MoE model's loss does not fall or its grouped GEMM fails, or an FP8 stage run's loss
+is not finite or does not fall; else 0.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import sys
 import time
 
 import torch
+from gpu_fp8 import run_fp8_stage
 from gpu_loss import loss_check, loss_failures
 from gpu_models import FULL, QUICK, speed_config
 from gpu_moe import MOE_FULL, MOE_QUICK, run_moe_stage
@@ -47,8 +53,8 @@ from gpu_report import Budget, StageReport, report_path, run_header
 from gpu_speed import TARGETS, flops_per_token, measure_mode, peak_flops
 from plain_gpt import with_compile
 
-STAGES = ("eager", "compile", "probes", "moe")
-BUDGET_S = {"eager": 150.0, "compile": 420.0, "probes": 150.0, "moe": 60.0}
+STAGES = ("eager", "compile", "probes", "moe", "fp8")
+BUDGET_S = {"eager": 150.0, "compile": 420.0, "probes": 150.0, "moe": 60.0, "fp8": 180.0}
 """Default seconds of wall time per stage (``gpu_run.sh`` passes the same)."""
 
 
@@ -59,12 +65,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
     ap.add_argument("--quick", action="store_true", help="a tiny model (2 layers, h=64, s=64)")
     ap.add_argument(
-        "--budget", type=float, help="seconds for the stage (default: eager 150, compile 420, probes 150, moe 60)"
+        "--budget",
+        type=float,
+        help="seconds for the stage (default: eager 150, compile 420, probes 150, moe 60, fp8 180)",
     )
     ap.add_argument(
         "--dtype",
         choices=("bfloat16", "float16", "float32", "float64"),
-        help="precision of the timed models (default: bfloat16 on a GPU, float32 on a CPU)",
+        help="precision of the timed models (default: bfloat16 on a GPU and for fp8, else float32 on a CPU)",
     )
     ap.add_argument("--num-layers", type=int, help="layers of the timed model (default 24, moe 8; --quick 2)")
     ap.add_argument("--micro-batch-size", type=int, help="samples per microbatch (default 2)")
@@ -204,7 +212,15 @@ def run_moe(args, shape: dict, dtype: str, device: torch.device, budget: Budget,
     run_moe_stage(shape, dtype, device, budget, report)
 
 
-RUNNERS = {"eager": run_eager, "compile": run_compile, "probes": run_probes, "moe": run_moe}
+def run_fp8(args, shape: dict, dtype: str, device: torch.device, budget: Budget, report) -> None:
+    """The runs without and with FP8 into ``report["fp8"]`` (``gpu_fp8.py``)."""
+    peak, peak_source = peak_flops(device, dtype, args.peak_tflops)
+    _describe(report, speed_config(shape, dtype), shape, peak, peak_source)
+    report.update(steps=shape["steps"], warmup=shape["warmup"])
+    run_fp8_stage(shape, dtype, device, budget, report, peak)
+
+
+RUNNERS = {"eager": run_eager, "compile": run_compile, "probes": run_probes, "moe": run_moe, "fp8": run_fp8}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -220,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     shape = dict(shapes[0] if args.quick else shapes[1])
     overrides = ("steps", "warmup", "num_layers", "micro_batch_size")
     shape.update({k: getattr(args, k) for k in overrides if getattr(args, k) is not None})
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" or args.stage == "fp8" else "float32")
     command = ["python3", "benchmarks/gpu_check.py", *(sys.argv[1:] if argv is None else argv)]
     report = StageReport(
         report_path(args.output_dir, args.stage), args.stage, budget, run_header(device, dtype, command)
@@ -262,6 +278,7 @@ def format_report(r: dict) -> str:
     lines += _format_rows(r.get("rows", []))
     lines += _format_probes(r.get("probes", {}))
     lines += _format_moe(r.get("moe"))
+    lines += _format_fp8(r.get("fp8"))
     lines += [f"  {note}" for note in r["notes"]] + [f"  FAILED {failure}" for failure in r["failures"]]
     lines.append(f"the stage took {r['elapsed_s']:.0f} s of its {r['budget_s']:g} s budget")
     return "\n".join(lines)
@@ -346,6 +363,28 @@ def _format_moe(moe: dict | None) -> list[str]:
             f"training ({run.get('timed_steps', 0)} timed steps after {run['warmup']}): step "
             f"{_num(run.get('median_step_s'), '.4f')} s, {_num(run.get('tokens_per_s'), ',.0f')} tokens/s; losses {losses}"
         )
+    return lines
+
+
+def _format_fp8(fp8: dict | None) -> list[str]:
+    if not fp8:
+        return []
+    lines = [
+        f"{'run':<15} {'steps':>5} {'s/step':>8} {'tokens/s':>10} {'vs base':>7} {'MFU':>6} {'peak mem':>9} "
+        f"{'last loss':>9} {'rel diff':>9} {'max rel diff':>12}"
+    ]
+    for run in fp8["runs"]:
+        mem = f"{run['peak_memory_bytes'] / 2**30:.1f} GiB" if "peak_memory_bytes" in run else "n/a"
+        last = run["losses"][-1] if run.get("losses") else None
+        lines.append(
+            f"{run['name']:<15} {run.get('timed_steps', 0):>5} {_num(run.get('median_step_s'), '.4f'):>8} "
+            f"{_num(run.get('tokens_per_s'), ',.0f'):>10} {_num(run.get('tokens_per_s_vs_baseline'), '.3f'):>7} "
+            f"{_num(run.get('mfu'), '.1%'):>6} {mem:>9} {_num(last, '.4f'):>9} "
+            f"{_num(run.get('last_loss_rel_diff'), '+.2e'):>9} {_num(run.get('max_loss_rel_diff'), '.2e'):>12}"
+        )
+        paths = run.get("gemm_path", {})
+        if "forward" in paths:
+            lines.append("  " + ", ".join(f"{g}: {p}" for g, p in paths.items()))
     return lines
 
 

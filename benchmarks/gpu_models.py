@@ -16,6 +16,7 @@ from unittest import mock
 import torch
 
 import ptdp.engine.stage as ptdp_stage
+from ptdp.config.fp8 import FP8Config
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
 from ptdp.config.parallel import ParallelConfig
@@ -65,9 +66,9 @@ def flops_per_token(config: Config) -> int:
     return 6 * flop_params(config) + 12 * m.num_layers * m.hidden_size * m.seq_length
 
 
-def speed_config(shape: dict, dtype: str, moe: MoEConfig | None = None) -> Config:
+def speed_config(shape: dict, dtype: str, moe: MoEConfig | None = None, fp8: FP8Config | None = None) -> Config:
     """The resolved single-process config of the timed model (GPT defaults, no dropout; ``moe``: its
-    mixture-of-experts options, default dense)."""
+    mixture-of-experts options, default dense; ``fp8``: its FP8 options, default none)."""
     model = ModelConfig(
         num_layers=shape["num_layers"],
         hidden_size=shape["hidden_size"],
@@ -86,7 +87,8 @@ def speed_config(shape: dict, dtype: str, moe: MoEConfig | None = None) -> Confi
         min_lr=1e-4,
         eval_iters=0,
     )
-    return resolve(Config(model=model, moe=moe or MoEConfig(), parallel=ParallelConfig(), train=train), 1)
+    config = Config(model=model, moe=moe or MoEConfig(), fp8=fp8 or FP8Config(), parallel=ParallelConfig(), train=train)
+    return resolve(config, 1)
 
 
 def random_microbatches(config: Config, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

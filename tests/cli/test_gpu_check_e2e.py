@@ -1,4 +1,4 @@
-"""``benchmarks/gpu_run.sh`` on the CPU (``--device cpu --quick``): its two commands run every stage
+"""``benchmarks/gpu_run.sh`` on the CPU (``--device cpu --quick``): its three commands run every stage
 of the GPU check with ``PYTHONPATH=src``, each writing its report and its log."""
 
 from __future__ import annotations
@@ -76,6 +76,19 @@ def test_gpu_run_sh_second_runs_the_compiled_stage(tmp_path):
     assert row["mode"] == "compile" and row["timed_steps"] == 3 and row["ratio_vs_plain"] > 0
     first = row["first_step_loss"]
     assert abs(first["ptdp"] - first["plain"]) <= 1e-4 * first["plain"]
+
+
+@pytest.mark.timeout(240)
+def test_gpu_run_sh_third_runs_the_fp8_stage(tmp_path):
+    done = gpu_run("third", str(tmp_path / "out"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    r = json.loads((tmp_path / "out" / "gpu_check_fp8.json").read_text())
+    assert (r["stage"], r["complete"], r["failures"], r["budget_s"], r["dtype"]) == ("fp8", True, [], 180, "bfloat16")
+    runs = r["fp8"]["runs"]
+    assert [run["name"] for run in runs] == ["bfloat16", "fp8 tensorwise", "fp8 rowwise"]
+    assert all(run["falling"] for run in runs) and all(run["compared_steps"] == 4 for run in runs[1:])
+    log = (tmp_path / "out" / "gpu_check_fp8.log").read_text()
+    assert sum(line.startswith('{"stage": "fp8"') for line in log.splitlines()) == 3
 
 
 def test_gpu_run_sh_refuses_an_unknown_stage(tmp_path):

@@ -17,7 +17,7 @@ PEAK_TFLOPS = 0.5
 
 @pytest.fixture
 def bench(monkeypatch):
-    names = ("gpu_check", "gpu_loss", "gpu_probes", "gpu_report", "gpu_speed", "gpu_moe")
+    names = ("gpu_check", "gpu_loss", "gpu_probes", "gpu_report", "gpu_speed", "gpu_moe", "gpu_fp8")
     return dict(zip(names, import_scripts(monkeypatch, *names)))
 
 
@@ -161,6 +161,82 @@ def test_moe_stage_falls_back_to_the_loop(bench, tmp_path, monkeypatch, capsys):
     assert r["moe"]["training"]["falling"]
 
 
+def test_fp8_stage_trains_bf16_then_fp8_tensorwise_and_rowwise(bench, tmp_path, capsys):
+    """The same steps on the same batch: the FP8 runs' first loss differs from bfloat16's by FP8's
+    rounding of the forward only, every loss falls; each run one JSON line when it ends."""
+    r = run_stage(bench, tmp_path, "fp8")
+    assert (r["stage"], r["complete"], r["budget_exhausted"], r["failures"], r["notes"]) == ("fp8", True, False, [], [])
+    assert (r["dtype"], r["budget_s"]) == ("bfloat16", bench["gpu_check"].BUDGET_S["fp8"])
+    fp8 = r["fp8"]
+    assert (fp8["baseline"], fp8["format"]) == ("bfloat16", "hybrid")
+    runs = fp8["runs"]
+    assert [(x["name"], x["recipe"]) for x in runs] == [
+        ("bfloat16", None),
+        ("fp8 tensorwise", "tensorwise"),
+        ("fp8 rowwise", "rowwise"),
+    ]
+    base = runs[0]
+    for run in runs:
+        assert run["timed_steps"] == 3 and len(run["losses"]) == 4 and run["finite"] and run["falling"]
+        assert math.isclose(run["tokens_per_s"], r["batch"]["tokens_per_step"] / run["median_step_s"], rel_tol=1e-12)
+        assert math.isclose(run["mfu"], r["flops_per_token"] * run["tokens_per_s"] / (PEAK_TFLOPS * 1e12))
+        assert run["build_s"] > 0 and run["first_step_s"] > 0
+    assert "loss_diff" not in base and "gemm_path" not in base
+    for run in runs[1:]:
+        assert run["gemm_path"] == {"status": bench["gpu_report"].NOT_ON_CPU}
+        assert run["compared_steps"] == 4
+        diff = [a - b for a, b in zip(run["losses"], base["losses"])]
+        assert run["loss_diff"] == diff and run["last_loss_diff"] == diff[-1] != 0
+        assert run["last_loss_rel_diff"] == diff[-1] / base["losses"][-1]
+        assert 0 < abs(diff[0]) / base["losses"][0] <= run["max_loss_rel_diff"] < 0.05
+        assert run["tokens_per_s_vs_baseline"] == run["tokens_per_s"] / base["tokens_per_s"]
+    assert runs[1]["losses"] != runs[2]["losses"]  # tensorwise and rowwise scales differ
+    out = capsys.readouterr().out
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith('{"stage": "fp8"')]
+    assert [line["name"] for line in lines] == [run["name"] for run in runs]
+    assert lines[2]["losses"] == runs[2]["losses"] and "fp8 rowwise" in out and "FAILED" not in out
+
+
+def test_a_killed_fp8_stage_leaves_the_runs_that_ended(bench, tmp_path, monkeypatch, capsys):
+    """Killed in the rowwise run's second step: the report and the JSON lines keep the two runs before it."""
+    kill_at_step(monkeypatch, bench["gpu_fp8"], 2 * 4 + 2)
+    with pytest.raises(Killed):
+        run_stage(bench, tmp_path, "fp8")
+    r = json.loads((tmp_path / "gpu_check_fp8.json").read_text())
+    runs = r["fp8"]["runs"]
+    assert r["complete"] is False and [len(run["losses"]) for run in runs] == [4, 4, 1]
+    assert "last_loss_diff" in runs[1] and "mfu" not in runs[2]
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [line["name"] for line in lines] == ["bfloat16", "fp8 tensorwise"]
+
+
+def test_an_fp8_stage_out_of_budget_or_failing_a_run(bench, tmp_path, monkeypatch):
+    """A budget spent at once: the baseline's first step, no FP8 run. A run that raises fails the
+    stage and the next one runs."""
+    r = run_stage(bench, tmp_path, "fp8", "--budget", "1e-6")
+    (run,) = r["fp8"]["runs"]
+    assert r["budget_exhausted"] and r["failures"] == [] and len(run["losses"]) == 1 and run["falling"] is None
+    assert r["notes"][-2:] == [
+        "fp8: fp8 tensorwise not run: stopped, the stage's budget of 1e-06 s was spent",
+        "fp8: fp8 rowwise not run: stopped, the stage's budget of 1e-06 s was spent",
+    ]
+    fp8 = bench["gpu_fp8"]
+    real = fp8.fp8_config
+
+    def config(shape, dtype, recipe):
+        if recipe == "tensorwise":
+            raise RuntimeError("no kernel (simulated)")
+        return real(shape, dtype, recipe)
+
+    monkeypatch.setattr(fp8, "fp8_config", config)
+    with pytest.raises(SystemExit):
+        run_stage(bench, tmp_path, "fp8")
+    r = json.loads((tmp_path / "gpu_check_fp8.json").read_text())
+    assert r["failures"] == ["fp8: fp8 tensorwise: RuntimeError: no kernel (simulated)"]
+    assert [len(run.get("losses", [])) for run in r["fp8"]["runs"]] == [4, 0, 4]
+    assert r["fp8"]["runs"][2]["compared_steps"] == 4
+
+
 @pytest.mark.parametrize(
     "ops, backend",
     [
@@ -207,20 +283,24 @@ class Killed(BaseException):
     """A stage killed from outside (its command's time limit), as far as this process sees it."""
 
 
-def test_a_killed_stage_leaves_its_results_so_far_marked_incomplete(bench, tmp_path, monkeypatch):
-    """The report is rewritten after each result: killed in its second timed round, the eager stage
-    leaves the loss check, the first-step losses and the first timed round, ``complete`` false."""
-    speed = bench["gpu_speed"]
+def kill_at_step(monkeypatch, module, n: int) -> None:
+    """``module.train_step`` raising :class:`Killed` at its ``n``-th call."""
     calls = []
-    real_step = speed.train_step
+    real_step = module.train_step
 
     def step(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 4:  # first step, warm-up, first timed, (killed) second timed
+        if len(calls) == n:
             raise Killed
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(speed, "train_step", step)
+    monkeypatch.setattr(module, "train_step", step)
+
+
+def test_a_killed_stage_leaves_its_results_so_far_marked_incomplete(bench, tmp_path, monkeypatch):
+    """The report is rewritten after each result: killed in its second timed round, the eager stage
+    leaves the loss check, the first-step losses and the first timed round, ``complete`` false."""
+    kill_at_step(monkeypatch, bench["gpu_speed"], 4)  # first step, warm-up, first timed, (killed) second timed
     with pytest.raises(Killed):
         run_stage(bench, tmp_path, "eager")
     r = json.loads((tmp_path / "gpu_check_eager.json").read_text())
@@ -283,15 +363,15 @@ def _gpu_run_sh() -> tuple[dict[str, int], int, dict[str, list[str]]]:
     budgets = {k: int(v) for k, v in re.findall(r"\[(\w+)\]=(\d+)", re.search(r"declare -A BUDGET=\((.*)\)", text)[1])}
     grace = int(re.search(r"^GRACE_S=(\d+)$", text, re.M)[1])
     groups = {name: stages.split() for name, stages in re.findall(r'^\s*(\w+)\) stages="([\w ]+)" ;;$', text, re.M)}
-    assert re.search(r"^\s*eager \| compile \| probes \| moe\) stages=\$group ;;$", text, re.M)
+    assert re.search(r"^\s*eager \| compile \| probes \| moe \| fp8\) stages=\$group ;;$", text, re.M)
     return budgets, grace, groups
 
 
-def test_gpu_run_sh_runs_gpu_checks_stages_in_two_commands_of_at_most_9_minutes(bench):
+def test_gpu_run_sh_runs_gpu_checks_stages_in_three_commands_of_at_most_9_minutes(bench):
     gpu_check = bench["gpu_check"]
     budgets, grace, groups = _gpu_run_sh()
     assert set(budgets) == set(gpu_check.STAGES) and budgets == gpu_check.BUDGET_S
-    assert sorted(groups) == ["first", "second"]
+    assert sorted(groups) == ["first", "second", "third"]
     assert sorted(s for stages in groups.values() for s in stages) == sorted(gpu_check.STAGES)  # each once
     kill_after = 10  # timeout -k
     for stages in groups.values():
