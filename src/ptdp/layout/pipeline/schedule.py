@@ -1,9 +1,12 @@
 """Pipeline schedules as pure data: for each pipeline rank, the ordered list of actions it runs.
 
-An :class:`Action` is a forward or backward of microbatch ``i`` on model chunk ``c`` (chunk ``c``
-of rank ``r`` is virtual stage ``c * p + r``), or a send/receive of an activation (``*_forward``)
-or a gradient (``*_backward``). Grouping into ``batch_isend_irecv`` calls is
-:mod:`ptdp.layout.pipeline.program`.
+An :class:`Action` is a compute on microbatch ``i`` of model chunk ``c``, a send/receive of an
+activation (``*_forward``) or a gradient (``*_backward``), or a hand-over between two chunks of the
+same rank. Computes: ``forward`` (F), ``backward`` (the whole backward, B + W), ``backward_input``
+(B: the gradient of the chunk's input, sent on at once) and ``backward_weight`` (W: the weight
+gradients of the same microbatch and chunk, run later from the closures B queued). Which virtual
+stage chunk ``c`` of rank ``r`` is: :mod:`ptdp.layout.pipeline.placement`. Grouping the transfers
+into ``batch_isend_irecv`` calls is :mod:`ptdp.layout.pipeline.program`.
 
 Kinds (Narayanan et al. SC21, arXiv:2104.04473, §2.2):
 
@@ -19,8 +22,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-COMPUTE = ("forward", "backward")
+from ptdp.layout.pipeline.placement import placement_of, stage_owner, virtual_stage
+
+COMPUTE = ("forward", "backward", "backward_input", "backward_weight")
+#: the computes that produce the gradient of the chunk's input (what ``send_backward`` sends)
+INPUT_GRADIENT = ("backward", "backward_input")
 TRANSFER = ("recv_forward", "send_forward", "recv_backward", "send_backward")
+#: a receive satisfied on the same rank, where two consecutive virtual stages share it (the V
+#: placement's turn at rank p - 1): ``handover_forward`` of (i, c) makes the output of chunk c - 1's
+#: forward chunk c's input, ``handover_backward`` of (i, c) makes the gradient of chunk c + 1's
+#: input chunk c's output gradient. The runtime moves the tensor (detached, as a received one
+#: would be) and posts no operation.
+HANDOVER = ("handover_forward", "handover_backward")
 KINDS = ("1f1b", "gpipe", "interleaved-1f1b", "forward-only")
 
 
@@ -33,7 +46,7 @@ class Action:
     chunk: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in COMPUTE + TRANSFER:
+        if self.kind not in COMPUTE + TRANSFER + HANDOVER:
             raise ValueError(f"unknown action kind {self.kind!r}")
 
 
@@ -63,7 +76,8 @@ def build_schedule(kind: str, pp_size: int, num_microbatches: int, virtual_stage
     """
     check_schedule_args(kind, pp_size, num_microbatches, virtual_stages)
     p, m, v = pp_size, num_microbatches, virtual_stages
-    return [_with_transfers(_compute_order(kind, p, m, v, r), r, p, v) for r in range(p)]
+    placement = placement_of(kind)
+    return [with_transfers(_compute_order(kind, p, m, v, r), r, p, v, placement) for r in range(p)]
 
 
 def forward_item(k: int, p: int, v: int) -> tuple[int, int]:
@@ -102,36 +116,41 @@ def _compute_order(kind: str, p: int, m: int, v: int, r: int) -> list[tuple[str,
     return order + bwd[total - warmup :]
 
 
-def _with_transfers(order: list[tuple[str, int, int]], r: int, p: int, v: int) -> list[Action]:
-    """Insert the receive before and the send after each compute that needs one."""
-    first_stage = lambda c: r == 0 and c == 0  # noqa: E731  (virtual stage 0: has the tokens)
-    last_stage = lambda c: r == p - 1 and c == v - 1  # noqa: E731  (last virtual stage: the loss)
+def with_transfers(
+    order: list[tuple[str, int, int]], r: int, p: int, v: int, placement: str = "looped"
+) -> list[Action]:
+    """Rank r's actions from its computes ``(kind, microbatch, chunk)`` in order: the receive (or
+    the hand-over, from a chunk of the same rank) before each compute that needs one, the send
+    after each compute whose consumer is on another rank."""
+    last = p * v - 1
     acts: list[Action] = []
     for kind, mb, c in order:
+        stage = virtual_stage(r, c, p, placement)
         if kind == "forward":
-            if not first_stage(c):
-                acts.append(Action("recv_forward", mb, c))
-            acts.append(Action("forward", mb, c))
-            if not last_stage(c):
-                acts.append(Action("send_forward", mb, c))
-        else:
-            if not last_stage(c):
-                acts.append(Action("recv_backward", mb, c))
-            acts.append(Action("backward", mb, c))
-            if not first_stage(c):
-                acts.append(Action("send_backward", mb, c))
+            before, after = stage - 1 if stage > 0 else None, stage + 1 if stage < last else None
+        elif kind in INPUT_GRADIENT:
+            before, after = stage + 1 if stage < last else None, stage - 1 if stage > 0 else None
+        else:  # backward_weight: its inputs are the rank's own
+            before = after = None
+        direction = "forward" if kind == "forward" else "backward"
+        if before is not None:
+            local = stage_owner(before, p, placement)[0] == r
+            acts.append(Action(f"{'handover' if local else 'recv'}_{direction}", mb, c))
+        acts.append(Action(kind, mb, c))
+        if after is not None and stage_owner(after, p, placement)[0] != r:
+            acts.append(Action(f"send_{direction}", mb, c))
     return acts
 
 
-def peer(action: Action, rank: int, pp_size: int) -> int:
-    """The pipeline rank a transfer goes to or comes from (wrapping between chunks)."""
-    if action.kind in ("send_forward", "recv_backward"):
-        return (rank + 1) % pp_size
-    return (rank - 1) % pp_size
+def peer(action: Action, rank: int, pp_size: int, placement: str = "looped") -> int:
+    """The pipeline rank a transfer goes to or comes from: the owner of the next virtual stage for
+    ``send_forward`` and ``recv_backward``, of the previous one otherwise."""
+    after = action.kind in ("send_forward", "recv_backward")
+    return stage_owner(boundary(action, rank, pp_size, placement) + after, pp_size, placement)[0]
 
 
-def boundary(action: Action, rank: int, pp_size: int) -> int:
+def boundary(action: Action, rank: int, pp_size: int, placement: str = "looped") -> int:
     """Which virtual-stage boundary a transfer crosses: boundary k is between virtual stages k and
     k + 1. A send and the receive that pairs with it name the same boundary and microbatch."""
-    stage = action.chunk * pp_size + rank
+    stage = virtual_stage(rank, action.chunk, pp_size, placement)
     return stage if action.kind in ("send_forward", "recv_backward") else stage - 1
