@@ -7,11 +7,17 @@ another rank (a hand-over on the same rank is free). A W (``backward_weight``) n
 own B, earlier in its list. Transfers and hand-overs take no time of their own. Schedules here are
 anything with per-rank lists of items with ``kind``, ``microbatch`` and ``chunk``
 (:class:`ptdp.layout.pipeline.schedule.Action`).
+
+:func:`simulate_times` runs a schedule with measured :class:`StageTimes` and gives the bubble rate
+as Qi et al. define it for their Table 5 ("Zero Bubble Pipeline Parallelism", arXiv:2401.10241):
+(span - m (F + B + W)) / span, span the longest time of a rank from its first operation's start to
+its last one's end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ptdp.layout.pipeline.placement import virtual_stage
@@ -99,3 +105,59 @@ def compute_times(
             + "; ".join(f"rank {r} at {a.kind} of microbatch {a.microbatch} chunk {a.chunk}" for r, a in stuck)
         )
     return start, end
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Times of one pipeline rank's layers for one microbatch, all its chunks together (a chunk
+    takes 1/v of each): the forward F, the input gradient B, the weight gradient W, and one
+    point-to-point transfer between ranks. A whole backward takes B + W."""
+
+    forward: float = 1.0
+    backward_input: float = 1.0
+    backward_weight: float = 1.0
+    p2p: float = 0.0
+
+    def durations(self, virtual_stages: int = 1) -> dict[str, float]:
+        """Each compute's time on one chunk."""
+        f, b, w = (t / virtual_stages for t in (self.forward, self.backward_input, self.backward_weight))
+        return {"forward": f, "backward": b + w, "backward_input": b, "backward_weight": w}
+
+
+@dataclass(frozen=True)
+class TimedRun:
+    """A simulated step: per rank, ``(item, start, end)`` of each compute, in its order."""
+
+    events: list[list[tuple[Any, float, float]]]
+
+    @property
+    def spans(self) -> list[float]:
+        """Each rank's time from its first compute's start to its last one's end."""
+        return [e[-1][2] - e[0][1] if e else 0.0 for e in self.events]
+
+    @property
+    def busy(self) -> list[float]:
+        return [sum(end - start for _, start, end in e) for e in self.events]
+
+    @property
+    def makespan(self) -> float:
+        return max((e[-1][2] for e in self.events if e), default=0.0)
+
+    @property
+    def bubble_rate(self) -> float:
+        """(span - busy) / span of the rank with the longest span: with m microbatches each rank is
+        busy m (F + B + W), which gives Qi et al.'s rate."""
+        spans = self.spans
+        r = max(range(len(spans)), key=spans.__getitem__)
+        return (spans[r] - self.busy[r]) / spans[r] if spans[r] else 0.0
+
+
+def simulate_times(
+    schedule: Sequence[Sequence[Item]], times: StageTimes, *, virtual_stages: int = 1, placement: str = "looped"
+) -> TimedRun:
+    """Run ``schedule`` with ``times`` (see the module docstring); ValueError on a cycle."""
+    start, end = compute_times(
+        schedule, times.durations(virtual_stages), virtual_stages=virtual_stages, placement=placement, p2p=times.p2p
+    )
+    events = [[(a, start[(r, a)], end[(r, a)]) for a in acts if (r, a) in start] for r, acts in enumerate(schedule)]
+    return TimedRun(events)

@@ -1,0 +1,41 @@
+"""Schedules simulated with measured F, B, W and p2p times, and the bubble rate of Qi et al.,
+"Zero Bubble Pipeline Parallelism" (arXiv:2401.10241): (span - m (F + B + W)) / span."""
+
+from __future__ import annotations
+
+import pytest
+
+from ptdp.layout.pipeline.schedule import build_schedule
+from ptdp.layout.pipeline.timing import StageTimes, simulate_times
+
+#: the paper's Table 9, 1.5B model, p = 8 (ms)
+TABLE_9 = StageTimes(forward=18.522, backward_input=18.086, backward_weight=9.337, p2p=0.601)
+
+
+def test_1f1b_reproduces_table_5():
+    """Table 5, 1.5B, p = 8, m = 24: 1F1B 0.2431. The p2p time is added on each dependency between
+    ranks, so 1F1B's steady state waits 2 p2p per microbatch on the last rank."""
+    run = simulate_times(build_schedule("1f1b", 8, 24), TABLE_9)
+    assert round(run.bubble_rate, 4) == 0.2431
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 24)])
+def test_equal_times_give_the_formula_bubbles(p, m):
+    """F = B = W = t (p2p free): 1F1B's longest rank idles 3 (p - 1) t, interleaved's 3 (p - 1) t / v."""
+    t = StageTimes(forward=1, backward_input=1, backward_weight=1)
+    run = simulate_times(build_schedule("1f1b", p, m), t)
+    assert max(run.spans) - 3 * m == pytest.approx(3 * (p - 1))
+    assert run.bubble_rate == pytest.approx(3 * (p - 1) / (3 * m + 3 * (p - 1)))
+    run = simulate_times(build_schedule("interleaved-1f1b", p, m, 2), t, virtual_stages=2)
+    assert max(run.spans) - 3 * m == pytest.approx(3 * (p - 1) / 2)
+
+
+def test_events_follow_each_ranks_order_and_dependencies():
+    run = simulate_times(build_schedule("gpipe", 2, 2), StageTimes(2, 1, 1, 0.5))
+    assert [(a.kind, a.microbatch, s, e) for a, s, e in run.events[1]] == [
+        ("forward", 0, 2.5, 4.5),
+        ("forward", 1, 4.5, 6.5),
+        ("backward", 0, 6.5, 8.5),
+        ("backward", 1, 8.5, 10.5),
+    ]
+    assert run.makespan == 13.0 and run.busy == [8.0, 8.0]
