@@ -87,9 +87,9 @@ def test_checker_rejects_w_before_b_and_a_b_without_w():
         check_schedule([[Action("forward", 0)], [Action("handover_forward", 0), Action("forward", 0)]], 1)
 
 
-def test_in_flight_counts_an_activation_until_its_w():
-    acts = [Action("forward", 0), Action("backward_input", 0), Action("forward", 1)]
-    acts += [Action("backward_weight", 0), Action("backward_input", 1), Action("backward_weight", 1)]
+def test_in_flight_counts_an_activation_until_its_b():
+    acts = [Action("forward", 0), Action("forward", 1), Action("backward_input", 0), Action("backward_input", 1)]
+    acts += [Action("backward_weight", 0), Action("backward_weight", 1)]
     check_schedule([acts], 2, max_in_flight=[2])
     with pytest.raises(ScheduleError, match="2 microbatches in flight > bound 1"):
         check_schedule([acts], 2, max_in_flight=[1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from ptdp.layout.pipeline.placement import placement_of
 from ptdp.layout.pipeline.schedule import build_schedule
 from ptdp.layout.pipeline.timing import StageTimes, simulate_times
 
@@ -12,11 +13,30 @@ from ptdp.layout.pipeline.timing import StageTimes, simulate_times
 TABLE_9 = StageTimes(forward=18.522, backward_input=18.086, backward_weight=9.337, p2p=0.601)
 
 
-def test_1f1b_reproduces_table_5():
-    """Table 5, 1.5B, p = 8, m = 24: 1F1B 0.2431. The p2p time is added on each dependency between
-    ranks, so 1F1B's steady state waits 2 p2p per microbatch on the last rank."""
-    run = simulate_times(build_schedule("1f1b", 8, 24), TABLE_9)
-    assert round(run.bubble_rate, 4) == 0.2431
+@pytest.mark.parametrize("kind,rate", [("1f1b", 0.2431), ("zb-h1", 0.1585)])
+def test_reproduces_table_5(kind, rate):
+    """Table 5, 1.5B, p = 8, m = 24: 1F1B 0.2431, ZB-H1 0.1585. The p2p time is added on each
+    dependency between ranks, so 1F1B's steady state waits 2 p2p per microbatch on the last rank."""
+    run = simulate_times(build_schedule(kind, 8, 24), TABLE_9)
+    assert round(run.bubble_rate, 4) == rate
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6, 8])
+@pytest.mark.parametrize("extra", [0, 1, 5])
+def test_zero_bubble_kinds_meet_their_bubbles_under_equal_times(p, extra):
+    """F = B = W = t, free transfers, the longest rank's idle time: ZB-H1 (p - 1) t (1F1B's is
+    3 (p - 1) t), ZB-H2 0 from m = 2p, ZB-V 0 from m = 2p - 1 (Qi et al. §2, §6)."""
+    t = StageTimes(forward=1, backward_input=1, backward_weight=1)
+
+    def idle(kind, m, v=1):
+        return (
+            max(simulate_times(build_schedule(kind, p, m, v), t, virtual_stages=v, placement=placement_of(kind)).spans)
+            - 3 * m
+        )
+
+    assert idle("zb-h1", p + extra) == pytest.approx(p - 1)
+    assert idle("zb-h2", 2 * p + extra) == pytest.approx(0)
+    assert idle("zb-v", 2 * p - 1 + extra, 2) == pytest.approx(0)
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 24)])

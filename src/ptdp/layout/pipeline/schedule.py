@@ -16,6 +16,9 @@ Kinds (Narayanan et al. SC21, arXiv:2104.04473, §2.2):
 - ``interleaved-1f1b``: v chunks per rank, microbatches in groups of p through the chunks in
   turn; warm-up 2 (p - r - 1) + (v - 1) p forwards; bubble (p - 1) / (v m); needs m % p == 0.
 - ``forward-only``: evaluation.
+
+Zero-bubble kinds (B and W apart; :mod:`ptdp.layout.pipeline.zero_bubble`): ``zb-h1`` and
+``zb-h2`` (one chunk per rank), ``zb-v`` (two chunks per rank on the V placement).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.layout.pipeline.placement import placement_of, stage_owner, virtual_stage
+from ptdp.layout.pipeline.zero_bubble import zb_h1_order, zb_h2_order, zb_v_order
 
 COMPUTE = ("forward", "backward", "backward_input", "backward_weight")
 #: the computes that produce the gradient of the chunk's input (what ``send_backward`` sends)
@@ -34,7 +38,9 @@ TRANSFER = ("recv_forward", "send_forward", "recv_backward", "send_backward")
 #: input chunk c's output gradient. The runtime moves the tensor (detached, as a received one
 #: would be) and posts no operation.
 HANDOVER = ("handover_forward", "handover_backward")
-KINDS = ("1f1b", "gpipe", "interleaved-1f1b", "forward-only")
+KINDS = ("1f1b", "gpipe", "interleaved-1f1b", "forward-only", "zb-h1", "zb-h2", "zb-v")
+#: the kinds whose order each rank's function gives: (p, m, r) -> [(kind, microbatch, chunk)]
+SPLIT_ORDERS = {"zb-h1": zb_h1_order, "zb-h2": zb_h2_order, "zb-v": zb_v_order}
 
 
 @dataclass(frozen=True)
@@ -57,10 +63,12 @@ def check_schedule_args(kind: str, pp_size: int, num_microbatches: int, virtual_
     p, m, v = pp_size, num_microbatches, virtual_stages
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"pp_size={p}, num_microbatches={m} and virtual_stages={v} must be >= 1")
-    if kind in ("gpipe", "1f1b") and v != 1:
+    if kind in ("gpipe", "1f1b", "zb-h1", "zb-h2") and v != 1:
         raise ValueError(
             f"the {kind} schedule runs one model chunk per rank; virtual_stages={v} needs interleaved-1f1b"
         )
+    if placement_of(kind) == "v" and v != 2:
+        raise ValueError(f"the {kind} schedule runs two model chunks per rank in a V; virtual_stages={v} must be 2")
     if kind == "interleaved-1f1b" and (p < 2 or m % p):
         raise ValueError(f"interleaved-1f1b needs pp >= 2 and num_microbatches % pp == 0: pp={p}, num_microbatches={m}")
     if kind == "forward-only" and v > 1 and (p < 2 or m % p):
@@ -104,6 +112,8 @@ def warmup_forwards(kind: str, p: int, m: int, v: int, r: int) -> int:
 
 
 def _compute_order(kind: str, p: int, m: int, v: int, r: int) -> list[tuple[str, int, int]]:
+    if kind in SPLIT_ORDERS:
+        return SPLIT_ORDERS[kind](p, m, r)
     total = m * v
     fwd = [("forward", *forward_item(k, p, v)) for k in range(total)]
     if kind == "forward-only":

@@ -24,10 +24,14 @@ __all__ = ["check_programs", "check_schedule", "ideal_idle_time", "in_flight_bou
 
 
 def in_flight_bound(kind: str, p: int, m: int, v: int, r: int) -> int:
-    """Most (microbatch, chunk) activations rank r may hold: GPipe m v; 1F1B min(p - r, m);
-    interleaved its warm-up + 1 (at most m v)."""
+    """Most (microbatch, chunk) activations rank r may hold, each from its forward to its backward
+    or B: GPipe m v; 1F1B min(p - r, m); interleaved its warm-up + 1 (at most m v); ZB-H1 p, ZB-H2
+    2p - 1 (at most m); ZB-V 2p chunks, p microbatches (at most 2m)."""
     if kind in ("gpipe", "forward-only"):
         return m * v
+    bound = {"zb-h1": p, "zb-h2": 2 * p - 1, "zb-v": 2 * p}.get(kind)
+    if bound is not None:
+        return min(bound, m * v)
     return min(warmup_forwards(kind, p, m, v, r) + 1, m * v)
 
 
@@ -41,7 +45,8 @@ def check_schedule(
 ) -> None:
     """Raise :class:`ScheduleError` unless ``schedule`` is correct (see the module docstring);
     ``max_in_flight``: per rank, the most (microbatch, chunk) activations held, each from its
-    forward to the end of its backward (its W when split)."""
+    forward to its backward or B (after B only what its W needs stays, the smaller M_W of Qi et
+    al., arXiv:2401.10241, Table 1)."""
     p = len(schedule)
     for r, acts in enumerate(schedule):
         bound = max_in_flight[r] if max_in_flight else None
@@ -81,7 +86,7 @@ def _check_rank(r: int, acts: list[Action], m: int, v: int, p: int, bound: int |
                     + " or ".join(need)
                     + ("" if chunk == a.chunk else f" of chunk {chunk}")
                 )
-        in_flight += {"forward": 1, "backward": -1, "backward_weight": -1}.get(a.kind, 0)
+        in_flight += {"forward": 1, "backward": -1, "backward_input": -1}.get(a.kind, 0)
         if bound is not None and in_flight > bound:
             raise ScheduleError(f"rank {r}: {in_flight} microbatches in flight > bound {bound}")
     trains = any(a.kind in COMPUTE and a.kind != "forward" for a in acts)
