@@ -23,9 +23,10 @@ CASES = [
     and (kind != "forward-only" or v == 1 or (p >= 2 and m % p == 0))
 ] + [
     (kind, p, m, 2 if placement_of(kind) == "v" else 1)
-    for kind in ("zb-h1", "zb-h2", "zb-v")
+    for kind in ("zb-h1", "zb-h2", "zb-v", "dualpipev")
     for p in (1, 2, 3, 4, 8)
     for m in range(1, 17)
+    if kind != "dualpipev" or m >= 2 * p
 ]
 
 
@@ -58,6 +59,7 @@ def test_in_flight_bounds():
     assert [peak(a) for a in build_schedule("zb-h1", p, m)] == [4, 3, 2, 1]
     assert [peak(a) for a in build_schedule("zb-h2", p, m)] == [7, 5, 3, 1]
     assert [peak(a) for a in build_schedule("zb-v", p, m, 2)] == [8, 8, 8, 8]
+    assert [peak(a) for a in build_schedule("dualpipev", p, m, 2)] == [9, 9, 9, 9]  # 2p + 1, DualPipe's PP + 1
     # counted until W (what a B leaves for its W stays until then): every rank at the bound, ZB-H2 one more
     until_w = ("backward", "backward_weight")
     assert [peak(a, until_w) for a in build_schedule("zb-h1", p, m)] == [4, 4, 4, 4]
@@ -135,6 +137,8 @@ def test_build_schedule_rejects_bad_input():
         build_schedule("zb-h2", 2, 4, 2)
     with pytest.raises(ValueError, match="the zb-v schedule runs two model chunks per rank in a V; virtual_stages=1"):
         build_schedule("zb-v", 2, 4, 1)
+    with pytest.raises(ValueError, match="dualpipev needs num_microbatches >= 2 \\* pp: pp=4, num_microbatches=7"):
+        build_schedule("dualpipev", 4, 7, 2)
 
 
 def test_layer_assignment_covers_every_layer_once():
@@ -185,9 +189,10 @@ NCCL_CASES = [
     and (kind != "forward-only" or v == 1 or m % p == 0)
 ] + [
     (kind, p, m, 2 if placement_of(kind) == "v" else 1)
-    for kind in ("zb-h1", "zb-h2", "zb-v")
+    for kind in ("zb-h1", "zb-h2", "zb-v", "dualpipev")
     for p in (2, 3, 4, 8)
     for m in (1, 2, 3, 4, 5, 8, 12, 16, 24, 32)
+    if kind != "dualpipev" or m >= 2 * p
 ]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ptdp.layout.pipeline.placement import placement_of
-from ptdp.layout.pipeline.schedule import build_schedule
+from ptdp.layout.pipeline.schedule import COMPUTE, build_schedule
 from ptdp.layout.pipeline.timing import StageTimes, simulate_times
 
 #: the paper's Table 9, 1.5B model, p = 8 (ms)
@@ -37,6 +37,23 @@ def test_zero_bubble_kinds_meet_their_bubbles_under_equal_times(p, extra):
     assert idle("zb-h1", p + extra) == pytest.approx(p - 1)
     assert idle("zb-h2", 2 * p + extra) == pytest.approx(0)
     assert idle("zb-v", 2 * p - 1 + extra, 2) == pytest.approx(0)
+    # its pairs timed one after the other (no overlap): half a stage's F + B + W per rank but one
+    assert idle("dualpipev", 2 * p + extra, 2) == pytest.approx((p - 1) / 2)
+
+
+def test_dualpipev_phases_on_the_last_rank():
+    """p = 2, m = 4, rank 1: F0 F1 twice (no phase 1, 3, 5 or 7 on the last rank), the overlapped
+    pairs (F0, whole backward 1) and (F1, whole backward 0) twice, the last two backwards of each
+    chunk (r odd: split from the second pair's chunk-1 one), the two Ws in the Bs' order."""
+    order = [(a.kind, a.microbatch, a.chunk) for a in build_schedule("dualpipev", 2, 4, 2)[1] if a.kind in COMPUTE]
+    f, b, w, bw = "forward", "backward_input", "backward_weight", "backward"
+    assert order == [
+        (f, 0, 0), (f, 0, 1), (f, 1, 0), (f, 1, 1),
+        (f, 2, 0), (bw, 0, 1), (f, 2, 1), (bw, 0, 0),
+        (f, 3, 0), (bw, 1, 1), (f, 3, 1), (bw, 1, 0),
+        (bw, 2, 1), (bw, 2, 0), (b, 3, 1), (b, 3, 0),
+        (w, 3, 1), (w, 3, 0),
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 24)])

@@ -18,13 +18,16 @@ Kinds (Narayanan et al. SC21, arXiv:2104.04473, §2.2):
 - ``forward-only``: evaluation.
 
 Zero-bubble kinds (B and W apart; :mod:`ptdp.layout.pipeline.zero_bubble`): ``zb-h1`` and
-``zb-h2`` (one chunk per rank), ``zb-v`` (two chunks per rank on the V placement).
+``zb-h2`` (one chunk per rank), ``zb-v`` (two chunks per rank on the V placement); ``dualpipev``
+(:mod:`ptdp.layout.pipeline.dualpipe`: the V placement, overlapped forward and backward pairs,
+needs m >= 2p).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ptdp.layout.pipeline.dualpipe import dualpipev_order
 from ptdp.layout.pipeline.placement import placement_of, stage_owner, virtual_stage
 from ptdp.layout.pipeline.zero_bubble import zb_h1_order, zb_h2_order, zb_v_order
 
@@ -38,9 +41,9 @@ TRANSFER = ("recv_forward", "send_forward", "recv_backward", "send_backward")
 #: input chunk c's output gradient. The runtime moves the tensor (detached, as a received one
 #: would be) and posts no operation.
 HANDOVER = ("handover_forward", "handover_backward")
-KINDS = ("1f1b", "gpipe", "interleaved-1f1b", "forward-only", "zb-h1", "zb-h2", "zb-v")
+KINDS = ("1f1b", "gpipe", "interleaved-1f1b", "forward-only", "zb-h1", "zb-h2", "zb-v", "dualpipev")
 #: the kinds whose order each rank's function gives: (p, m, r) -> [(kind, microbatch, chunk)]
-SPLIT_ORDERS = {"zb-h1": zb_h1_order, "zb-h2": zb_h2_order, "zb-v": zb_v_order}
+SPLIT_ORDERS = {"zb-h1": zb_h1_order, "zb-h2": zb_h2_order, "zb-v": zb_v_order, "dualpipev": dualpipev_order}
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ def check_schedule_args(kind: str, pp_size: int, num_microbatches: int, virtual_
         )
     if placement_of(kind) == "v" and v != 2:
         raise ValueError(f"the {kind} schedule runs two model chunks per rank in a V; virtual_stages={v} must be 2")
+    if kind == "dualpipev" and m < 2 * p:
+        raise ValueError(f"dualpipev needs num_microbatches >= 2 * pp: pp={p}, num_microbatches={m}")
     if kind == "interleaved-1f1b" and (p < 2 or m % p):
         raise ValueError(f"interleaved-1f1b needs pp >= 2 and num_microbatches % pp == 0: pp={p}, num_microbatches={m}")
     if kind == "forward-only" and v > 1 and (p < 2 or m % p):

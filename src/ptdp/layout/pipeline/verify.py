@@ -26,10 +26,10 @@ __all__ = ["check_programs", "check_schedule", "ideal_idle_time", "in_flight_bou
 def in_flight_bound(kind: str, p: int, m: int, v: int, r: int) -> int:
     """Most (microbatch, chunk) activations rank r may hold, each from its forward to its backward
     or B: GPipe m v; 1F1B min(p - r, m); interleaved its warm-up + 1 (at most m v); ZB-H1 p, ZB-H2
-    2p - 1 (at most m); ZB-V 2p chunks, p microbatches (at most 2m)."""
+    2p - 1 (at most m); ZB-V 2p chunks, p microbatches (at most 2m); DualPipeV 2p + 1 chunks."""
     if kind in ("gpipe", "forward-only"):
         return m * v
-    bound = {"zb-h1": p, "zb-h2": 2 * p - 1, "zb-v": 2 * p}.get(kind)
+    bound = {"zb-h1": p, "zb-h2": 2 * p - 1, "zb-v": 2 * p, "dualpipev": 2 * p + 1}.get(kind)
     if bound is not None:
         return min(bound, m * v)
     return min(warmup_forwards(kind, p, m, v, r) + 1, m * v)
