@@ -23,7 +23,7 @@ CASES = [
     and (kind != "forward-only" or v == 1 or (p >= 2 and m % p == 0))
 ] + [
     (kind, p, m, 2 if placement_of(kind) == "v" else 1)
-    for kind in ("zb-h1", "zb-h2", "zb-v", "dualpipev")
+    for kind in ("zb-h1", "zb-h2", "zb-v", "dualpipev", "auto")
     for p in (1, 2, 3, 4, 8)
     for m in range(1, 17)
     if kind != "dualpipev" or m >= 2 * p
@@ -189,7 +189,7 @@ NCCL_CASES = [
     and (kind != "forward-only" or v == 1 or m % p == 0)
 ] + [
     (kind, p, m, 2 if placement_of(kind) == "v" else 1)
-    for kind in ("zb-h1", "zb-h2", "zb-v", "dualpipev")
+    for kind in ("zb-h1", "zb-h2", "zb-v", "dualpipev", "auto")
     for p in (2, 3, 4, 8)
     for m in (1, 2, 3, 4, 5, 8, 12, 16, 24, 32)
     if kind != "dualpipev" or m >= 2 * p

@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from ptdp.layout.pipeline.placement import placement_of
+from ptdp.layout.pipeline.program import build_programs
 from ptdp.layout.pipeline.schedule import COMPUTE, build_schedule
 from ptdp.layout.pipeline.timing import StageTimes, simulate_times
+from ptdp.layout.pipeline.verify import check_schedule
 
 #: the paper's Table 9, 1.5B model, p = 8 (ms)
 TABLE_9 = StageTimes(forward=18.522, backward_input=18.086, backward_weight=9.337, p2p=0.601)
@@ -76,3 +80,49 @@ def test_events_follow_each_ranks_order_and_dependencies():
         ("backward", 1, 8.5, 10.5),
     ]
     assert run.makespan == 13.0 and run.busy == [8.0, 8.0]
+
+
+def _held_until_w(schedule) -> int:
+    """Most microbatches a rank holds, each from its forward to its W (what the auto schedule's limit counts)."""
+    return max(
+        max(itertools.accumulate(1 if a.kind == "forward" else -(a.kind == "backward_weight") for a in acts))
+        for acts in schedule
+    )
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_auto_matches_the_handcrafted_schedules_under_equal_times(p):
+    """The heuristic within 1F1B's memory (p) finds ZB-H1's bubble, within 2p - 1 microbatches none."""
+    t = StageTimes(forward=1, backward_input=1, backward_weight=1)
+    for m in (p, 2 * p, 3 * p):
+        one = build_schedule("auto", p, m, times=t, memory_limit=p)
+        assert max(simulate_times(one, t).spans) - 3 * m == pytest.approx(p - 1)
+        assert _held_until_w(one) <= p
+    two = build_schedule("auto", p, 2 * p, times=t, memory_limit=2 * p - 1)
+    assert max(simulate_times(two, t).spans) == pytest.approx(3 * 2 * p)
+    assert _held_until_w(two) <= 2 * p - 1
+
+
+def test_auto_with_table_9_times():
+    """p = 8, m = 24 with the 1.5B model's times: within p microbatches ZB-H1's 0.1585, within 2p - 1 0.1083."""
+    for limit, rate in ((8, 0.1585), (15, 0.1083)):
+        schedule = build_schedule("auto", 8, 24, times=TABLE_9, memory_limit=limit)
+        assert round(simulate_times(schedule, TABLE_9).bubble_rate, 4) == rate
+
+
+@pytest.mark.parametrize("times", [TABLE_9, StageTimes(1, 2, 0.5, 0.3), StageTimes(3, 1, 1, 2)])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+def test_auto_is_correct_within_its_memory_limit(times, p):
+    """Every limit from 1 microbatch up, uneven times and slow links: correct, deadlock-free under
+    NCCL's rules, never holding more than the limit."""
+    for m in (1, 2, 5, 13):
+        for limit in sorted({1, 2, p, 2 * p - 1, 3 * p}):
+            schedule = build_schedule("auto", p, m, times=times, memory_limit=limit)
+            check_schedule(schedule, m, max_in_flight=[limit] * p)
+            build_programs("auto", p, m, times=times, memory_limit=limit)
+            assert _held_until_w(schedule) <= limit
+
+
+def test_auto_refuses_a_memory_limit_below_one_microbatch():
+    with pytest.raises(ValueError, match="memory limit is 0 microbatches; it must be >= 1"):
+        build_schedule("auto", 2, 4, memory_limit=0)

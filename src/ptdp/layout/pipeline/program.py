@@ -31,7 +31,7 @@ from functools import lru_cache
 
 from ptdp.layout.pipeline.placement import placement_of
 from ptdp.layout.pipeline.schedule import COMPUTE, INPUT_GRADIENT, TRANSFER, Action, boundary, build_schedule, peer
-from ptdp.layout.pipeline.timing import Producers, compute_times, producers
+from ptdp.layout.pipeline.timing import Producers, StageTimes, compute_times, producers
 
 #: the NCCL communicator (and stream) every pipeline group runs on: the pipeline group's own
 COMMUNICATOR = "pp"
@@ -67,18 +67,25 @@ Step = Action | P2PGroup
 
 @lru_cache(maxsize=64)
 def build_programs(
-    kind: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1
+    kind: str,
+    pp_size: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+    *,
+    times: StageTimes | None = None,
+    memory_limit: int | None = None,
 ) -> tuple[tuple[Step, ...], ...]:
     """Per pipeline rank, its program: compute :class:`Action` s and :class:`P2PGroup` s in the order
     the runtime runs and posts them (cached per shape, read-only), checked under
-    :func:`ptdp.layout.pipeline.nccl_model.simulate_nccl` before being returned.
+    :func:`ptdp.layout.pipeline.nccl_model.simulate_nccl` before being returned. ``times`` and
+    ``memory_limit``: the ``auto`` schedule's (:func:`ptdp.layout.pipeline.schedule.build_schedule`).
 
     Raises ValueError (:func:`ptdp.layout.pipeline.schedule.check_schedule_args`) for a kind that
     cannot run with these sizes, ScheduleError for a program that would deadlock on NCCL.
     """
     from ptdp.layout.pipeline.nccl_model import simulate_nccl
 
-    schedule = build_schedule(kind, pp_size, num_microbatches, virtual_stages)
+    schedule = build_schedule(kind, pp_size, num_microbatches, virtual_stages, times=times, memory_limit=memory_limit)
     programs = programs_from_schedule(schedule, virtual_stages, placement_of(kind))
     simulate_nccl(programs)
     return tuple(tuple(program) for program in programs)

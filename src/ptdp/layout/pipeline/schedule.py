@@ -20,15 +20,18 @@ Kinds (Narayanan et al. SC21, arXiv:2104.04473, §2.2):
 Zero-bubble kinds (B and W apart; :mod:`ptdp.layout.pipeline.zero_bubble`): ``zb-h1`` and
 ``zb-h2`` (one chunk per rank), ``zb-v`` (two chunks per rank on the V placement); ``dualpipev``
 (:mod:`ptdp.layout.pipeline.dualpipe`: the V placement, overlapped forward and backward pairs,
-needs m >= 2p).
+needs m >= 2p); ``auto`` (:mod:`ptdp.layout.pipeline.auto`: built from F, B, W and p2p times
+within a memory limit, one chunk per rank).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ptdp.layout.pipeline.auto import auto_orders
 from ptdp.layout.pipeline.dualpipe import dualpipev_order
 from ptdp.layout.pipeline.placement import placement_of, stage_owner, virtual_stage
+from ptdp.layout.pipeline.timing import StageTimes
 from ptdp.layout.pipeline.zero_bubble import zb_h1_order, zb_h2_order, zb_v_order
 
 COMPUTE = ("forward", "backward", "backward_input", "backward_weight")
@@ -41,7 +44,7 @@ TRANSFER = ("recv_forward", "send_forward", "recv_backward", "send_backward")
 #: input chunk c's output gradient. The runtime moves the tensor (detached, as a received one
 #: would be) and posts no operation.
 HANDOVER = ("handover_forward", "handover_backward")
-KINDS = ("1f1b", "gpipe", "interleaved-1f1b", "forward-only", "zb-h1", "zb-h2", "zb-v", "dualpipev")
+KINDS = ("1f1b", "gpipe", "interleaved-1f1b", "forward-only", "zb-h1", "zb-h2", "zb-v", "dualpipev", "auto")
 #: the kinds whose order each rank's function gives: (p, m, r) -> [(kind, microbatch, chunk)]
 SPLIT_ORDERS = {"zb-h1": zb_h1_order, "zb-h2": zb_h2_order, "zb-v": zb_v_order, "dualpipev": dualpipev_order}
 
@@ -66,7 +69,7 @@ def check_schedule_args(kind: str, pp_size: int, num_microbatches: int, virtual_
     p, m, v = pp_size, num_microbatches, virtual_stages
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"pp_size={p}, num_microbatches={m} and virtual_stages={v} must be >= 1")
-    if kind in ("gpipe", "1f1b", "zb-h1", "zb-h2") and v != 1:
+    if kind in ("gpipe", "1f1b", "zb-h1", "zb-h2", "auto") and v != 1:
         raise ValueError(
             f"the {kind} schedule runs one model chunk per rank; virtual_stages={v} needs interleaved-1f1b"
         )
@@ -82,15 +85,29 @@ def check_schedule_args(kind: str, pp_size: int, num_microbatches: int, virtual_
         )
 
 
-def build_schedule(kind: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
-    """Per pipeline rank, the ordered actions of one step.
+def build_schedule(
+    kind: str,
+    pp_size: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+    *,
+    times: StageTimes | None = None,
+    memory_limit: int | None = None,
+) -> list[list[Action]]:
+    """Per pipeline rank, the ordered actions of one step. ``auto`` only: the F, B, W and p2p
+    ``times`` (default all equal, p2p free) and the ``memory_limit`` in microbatches of
+    activations per rank (default pp_size, the 1F1B peak).
 
     Raises ValueError (see :func:`check_schedule_args`) for a kind that cannot run with these sizes.
     """
     check_schedule_args(kind, pp_size, num_microbatches, virtual_stages)
     p, m, v = pp_size, num_microbatches, virtual_stages
     placement = placement_of(kind)
-    return [with_transfers(_compute_order(kind, p, m, v, r), r, p, v, placement) for r in range(p)]
+    if kind == "auto":
+        orders = auto_orders(p, m, times or StageTimes(), p if memory_limit is None else memory_limit)
+    else:
+        orders = [_compute_order(kind, p, m, v, r) for r in range(p)]
+    return [with_transfers(order, r, p, v, placement) for r, order in enumerate(orders)]
 
 
 def forward_item(k: int, p: int, v: int) -> tuple[int, int]:

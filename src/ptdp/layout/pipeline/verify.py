@@ -23,13 +23,15 @@ from ptdp.layout.pipeline.schedule import COMPUTE, HANDOVER, Action, warmup_forw
 __all__ = ["check_programs", "check_schedule", "ideal_idle_time", "in_flight_bound", "programs_of", "simulate"]
 
 
-def in_flight_bound(kind: str, p: int, m: int, v: int, r: int) -> int:
+def in_flight_bound(kind: str, p: int, m: int, v: int, r: int, memory_limit: int | None = None) -> int:
     """Most (microbatch, chunk) activations rank r may hold, each from its forward to its backward
     or B: GPipe m v; 1F1B min(p - r, m); interleaved its warm-up + 1 (at most m v); ZB-H1 p, ZB-H2
-    2p - 1 (at most m); ZB-V 2p chunks, p microbatches (at most 2m); DualPipeV 2p + 1 chunks."""
+    2p - 1 (at most m); ZB-V 2p chunks, p microbatches (at most 2m); DualPipeV 2p + 1 chunks; auto
+    its memory limit (default p)."""
     if kind in ("gpipe", "forward-only"):
         return m * v
-    bound = {"zb-h1": p, "zb-h2": 2 * p - 1, "zb-v": 2 * p, "dualpipev": 2 * p + 1}.get(kind)
+    limit = p if memory_limit is None else memory_limit
+    bound = {"zb-h1": p, "zb-h2": 2 * p - 1, "zb-v": 2 * p, "dualpipev": 2 * p + 1, "auto": limit}.get(kind)
     if bound is not None:
         return min(bound, m * v)
     return min(warmup_forwards(kind, p, m, v, r) + 1, m * v)
