@@ -161,3 +161,21 @@ def simulate_times(
     )
     events = [[(a, start[(r, a)], end[(r, a)]) for a in acts if (r, a) in start] for r, acts in enumerate(schedule)]
     return TimedRun(events)
+
+
+def bubble_formula(kind: str, p: int, m: int, v: int = 1) -> tuple[str, float | None]:
+    """A schedule's bubble with F = B = W and free transfers, as a fraction of the ideal time
+    m (F + B + W): its formula and value (None where it has none). GPipe and 1F1B (p - 1) / m,
+    interleaved (p - 1) / (v m) (SC21, §2.2); ZB-H1 (p - 1) / (3 m), ZB-H2 0 from m = 2p, ZB-V 0
+    from m = 2p - 1 (Qi et al.); DualPipeV (p - 1) / (6 m), its pairs timed one after the other."""
+    if kind in ("gpipe", "1f1b", "interleaved-1f1b", "forward-only"):
+        return "(p - 1) / (v m)", (p - 1) / (v * m)
+    if kind == "zb-h1":
+        return "(p - 1) / (3 m)", (p - 1) / (3 * m)
+    if kind == "zb-h2":
+        return "0 from m = 2p", 0.0 if m >= 2 * p else None
+    if kind == "zb-v":
+        return "0 from m = 2p - 1", 0.0 if m >= 2 * p - 1 else None
+    if kind == "dualpipev":
+        return "(p - 1) / (6 m)", (p - 1) / (6 * m)
+    return "none (built from the times)", None
