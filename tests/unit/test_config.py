@@ -97,6 +97,22 @@ BAD = [
         r"num_layers_per_virtual_pipeline_stage needs the interleaved-1f1b schedule, not gpipe",
     ),
     (dict(schedule="zero-bubble"), r"pipeline_schedule='zero-bubble' must be one of"),
+    (dict(schedule="zb-h1"), r"--pipeline-schedule zb-h1: ptdp train does not run it yet"),
+    (dict(schedule="auto"), r"--pipeline-schedule auto: ptdp train does not run it yet"),
+    (dict(schedule="zb-h2", per_chunk=1), r"num_layers_per_virtual_pipeline_stage needs the interleaved-1f1b"),
+    (
+        dict(schedule="zb-v", per_chunk=2),
+        r"the zb-v schedule runs two model chunks per rank in a V: virtual_pipeline_model_parallel_size must be 2, "
+        r"got 1",
+    ),
+    (
+        dict(schedule="zb-v", num_layers=6),
+        r"num_layers=6 is not divisible by 2 \* pp = 4 \(the zb-v schedule's two model chunks per rank\)",
+    ),
+    (
+        dict(schedule="dualpipev", global_batch_size=12, micro_batch_size=2),
+        r"the dualpipev schedule needs num_microbatches >= 2 \* pp: num_microbatches=3 .* pp=2",
+    ),
     (dict(sp=True, tp=1, world=4), r"sequence_parallel needs tensor_model_parallel_size > 1, got 1"),
     (
         dict(sp=True, tp=4, pp=1, seq_length=130),
@@ -193,6 +209,19 @@ def test_virtual_pipeline_size_is_the_same_run_as_layers_per_chunk():
         resolve(dataclasses.replace(cfg, parallel=three), world)
 
 
+def test_v_schedules_split_the_layers_in_a_v():
+    """zb-v and dualpipev take two chunks per rank (given or implied); rank 0 holds the first and the last."""
+    for v in (None, 2):
+        par = dataclasses.replace(make(schedule="zb-v")[0].parallel, virtual_pipeline_model_parallel_size=v)
+        split = par.pipeline_split(8)
+        assert (split.virtual_stages, split.placement) == (2, "v")
+        assert [list(split.chunk_layer_ids(0, c)) for c in range(2)] == [[0, 1], [6, 7]]
+    cfg, world = make(schedule="dualpipev", global_batch_size=16, micro_batch_size=2)
+    with pytest.raises(ConfigError, match="dualpipev: ptdp train does not run it yet") as info:
+        resolve(cfg, world)
+    assert "num_microbatches" not in str(info.value)  # the shape itself passes
+
+
 CLI_BAD = [
     (["--tp", "3"], "num_attention_heads=4 is not divisible by tensor_model_parallel_size=3"),
     (["--dp", "3"], "global_batch_size=32 is not divisible by micro_batch_size*dp = 4*3 = 12"),
@@ -208,6 +237,8 @@ CLI_BAD = [
         "num_layers=4 is not divisible by pp * num_layers_per_virtual_pipeline_stage",
     ),
     (["--sequence-parallel", "--tp", "1"], "sequence_parallel needs tensor_model_parallel_size > 1, got 1"),
+    (["--pipeline-schedule", "zb-h1"], "--pipeline-schedule zb-h1: ptdp train does not run it yet"),
+    (["--pipeline-schedule", "zb-v"], "--pipeline-schedule zb-v: ptdp train does not run it yet"),
 ]
 
 

@@ -7,6 +7,7 @@ import pytest
 from ptdp.errors import ConfigError
 from ptdp.layout.pipeline.nccl_model import ScheduleError
 from ptdp.layout.pipeline.partition import chunk_layer_ids, stage_layer_ids
+from ptdp.layout.pipeline.placement import placement_of
 from ptdp.layout.pipeline.program import P2PGroup, build_programs
 from ptdp.layout.pipeline.schedule import Action, build_schedule
 from ptdp.layout.pipeline.verify import check_schedule, ideal_idle_time, in_flight_bound, simulate
@@ -20,25 +21,33 @@ CASES = [
     if (v == 1 or kind in ("interleaved-1f1b", "forward-only"))
     and (kind != "interleaved-1f1b" or (p >= 2 and m % p == 0))
     and (kind != "forward-only" or v == 1 or (p >= 2 and m % p == 0))
+] + [
+    (kind, p, m, 2 if placement_of(kind) == "v" else 1)
+    for kind in ("zb-h1", "zb-h2", "zb-v", "dualpipev", "auto")
+    for p in (1, 2, 3, 4, 8)
+    for m in range(1, 17)
+    if kind != "dualpipev" or m >= 2 * p
 ]
 
 
 @pytest.mark.parametrize("kind,p,m,v", CASES)
 def test_every_schedule_is_correct_and_meets_its_bubble(kind, p, m, v):
+    """Every shape the checks accept (the zero-bubble kinds' bubbles: tests/unit/test_schedule_timing.py)."""
     schedule = build_schedule(kind, p, m, v)
     assert len(schedule) == p
-    check_schedule(schedule, m, virtual_stages=v, max_in_flight=[in_flight_bound(kind, p, m, v, r) for r in range(p)])
-    if kind != "forward-only":
+    bounds = [in_flight_bound(kind, p, m, v, r) for r in range(p)]
+    check_schedule(schedule, m, virtual_stages=v, max_in_flight=bounds, placement=placement_of(kind))
+    if kind in ("gpipe", "1f1b", "interleaved-1f1b"):
         timeline = simulate(schedule, virtual_stages=v, forward_time=1.0, backward_time=2.0)
         assert timeline.idle == pytest.approx([ideal_idle_time(p, v, 1.0, 2.0)] * p)
         assert timeline.makespan == pytest.approx(m * 3.0 + (p - 1) * 3.0 / v)
 
 
 def test_in_flight_bounds():
-    def peak(acts):
+    def peak(acts, until=("backward", "backward_input")):
         live = top = 0
         for a in acts:
-            live += {"forward": 1, "backward": -1}.get(a.kind, 0)
+            live += 1 if a.kind == "forward" else -(a.kind in until)
             top = max(top, live)
         return top
 
@@ -46,6 +55,16 @@ def test_in_flight_bounds():
     assert [peak(a) for a in build_schedule("1f1b", p, m)] == [4, 3, 2, 1]
     assert [peak(a) for a in build_schedule("gpipe", p, m)] == [8, 8, 8, 8]
     assert [peak(a) for a in build_schedule("interleaved-1f1b", p, m, 2)] == [11, 9, 7, 5]
+    # activations held until B (Qi et al.'s M_B): ZB-H1 p, ZB-H2 2p - 1, ZB-V 2p chunks = p microbatches
+    assert [peak(a) for a in build_schedule("zb-h1", p, m)] == [4, 3, 2, 1]
+    assert [peak(a) for a in build_schedule("zb-h2", p, m)] == [7, 5, 3, 1]
+    assert [peak(a) for a in build_schedule("zb-v", p, m, 2)] == [8, 8, 8, 8]
+    assert [peak(a) for a in build_schedule("dualpipev", p, m, 2)] == [9, 9, 9, 9]  # 2p + 1, DualPipe's PP + 1
+    # counted until W (what a B leaves for its W stays until then): every rank at the bound, ZB-H2 one more
+    until_w = ("backward", "backward_weight")
+    assert [peak(a, until_w) for a in build_schedule("zb-h1", p, m)] == [4, 4, 4, 4]
+    assert [peak(a, until_w) for a in build_schedule("zb-h2", p, m)] == [8, 8, 8, 8]
+    assert [peak(a, until_w) for a in build_schedule("zb-v", p, m, 2)] == [8, 8, 8, 8]
     with pytest.raises(ScheduleError, match="in flight"):
         check_schedule(
             build_schedule("gpipe", p, m), m, max_in_flight=[in_flight_bound("1f1b", p, m, 1, r) for r in range(p)]
@@ -114,6 +133,12 @@ def test_build_schedule_rejects_bad_input():
         build_schedule("interleaved-1f1b", 4, 6, 2)
     with pytest.raises(ValueError, match="virtual_stages=2 needs interleaved-1f1b"):
         build_schedule("1f1b", 2, 4, 2)
+    with pytest.raises(ValueError, match="the zb-h2 schedule runs one model chunk per rank"):
+        build_schedule("zb-h2", 2, 4, 2)
+    with pytest.raises(ValueError, match="the zb-v schedule runs two model chunks per rank in a V; virtual_stages=1"):
+        build_schedule("zb-v", 2, 4, 1)
+    with pytest.raises(ValueError, match="dualpipev needs num_microbatches >= 2 \\* pp: pp=4, num_microbatches=7"):
+        build_schedule("dualpipev", 4, 7, 2)
 
 
 def test_layer_assignment_covers_every_layer_once():
@@ -162,13 +187,20 @@ NCCL_CASES = [
     if (v == 1 or kind in ("interleaved-1f1b", "forward-only"))
     and (kind != "interleaved-1f1b" or m % p == 0)
     and (kind != "forward-only" or v == 1 or m % p == 0)
+] + [
+    (kind, p, m, 2 if placement_of(kind) == "v" else 1)
+    for kind in ("zb-h1", "zb-h2", "zb-v", "dualpipev", "auto")
+    for p in range(2, 9)
+    for m in (1, 2, 3, 4, 5, 8, 12, 15, 16, 24, 32)
+    if kind != "dualpipev" or m >= 2 * p
 ]
 
 
 def test_every_program_is_deadlock_free_under_nccl_rules():
-    """Every kind, p in 2-8, m up to 32, v up to 4: the runtime's groups complete under the NCCL model,
-    and groups of one rank are in increasing schedule time with each send and its receive at the same
-    time (the property the proof in program.py rests on)."""
+    """Every kind, p in 2-8 (every p for the zero-bubble kinds), m up to 32, v up to 4 (the V kinds:
+    traffic both ways between the same neighbours, and the hand-over at the turn): the runtime's
+    groups complete under the NCCL model, and groups of one rank are in increasing schedule time with
+    each send and its receive at the same time (the property the proof in program.py rests on)."""
     from ptdp.layout.pipeline.nccl_model import simulate_nccl
 
     for kind, p, m, v in NCCL_CASES:

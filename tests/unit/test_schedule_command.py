@@ -73,6 +73,13 @@ def replay_under_nccl(doc: dict) -> None:
             "--virtual-pipeline-stages",
             "4",
         ],
+        ["--pipeline-schedule", "zb-h1", "--pp", "4", "--num-microbatches", "8"],
+        ["--pipeline-schedule", "zb-h2", "--pp", "4", "--num-microbatches", "9"],
+        ["--pipeline-schedule", "zb-v", "--pp", "4", "--num-microbatches", "8"],
+        ["--pipeline-schedule", "zb-v", "--pp", "3", "--num-microbatches", "2"],
+        ["--pipeline-schedule", "dualpipev", "--pp", "4", "--num-microbatches", "10"],
+        ["--pipeline-schedule", "auto", "--pp", "4", "-m", "12", "--memory-limit", "7", "--time-forward", "2"]
+        + ["--time-backward-input", "2", "--time-backward-weight", "1", "--time-p2p", "0.5"],
     ],
 )
 def test_json_replays_deadlock_free_under_an_independent_nccl_model(capsys, argv):
@@ -84,10 +91,44 @@ def test_json_replays_deadlock_free_under_an_independent_nccl_model(capsys, argv
     replay_under_nccl(doc)
     p, m = doc["pp"], doc["num_microbatches"]
     v = doc["virtual_pipeline_stages"]
-    assert doc["bubble"]["ideal"] == pytest.approx((p - 1) / (v * m))
-    assert doc["bubble"]["simulated"] == pytest.approx([(p - 1) / (v * m)] * p)
-    computes = [s for s in doc["ranks"][0]["program"] if not s.startswith("p2p")]
-    assert len(computes) == 2 * m * v
+    computes = [s for s in doc["ranks"][0]["program"] if not s.startswith(("p2p", "handover"))]
+    if doc["pipeline_schedule"] in ("gpipe", "1f1b", "interleaved-1f1b"):
+        assert doc["bubble"]["ideal"] == pytest.approx((p - 1) / (v * m))
+        assert doc["bubble"]["per_rank"] == pytest.approx([(p - 1) / (v * m)] * p)
+        # the longest span is the ideal time plus (p - 1) (F + B + W) / v
+        assert doc["bubble"]["simulated"] == pytest.approx((p - 1) / (v * m + p - 1))
+        assert len(computes) == 2 * m * v
+    else:  # a whole backward, or a B and its W
+        whole = sum(s.startswith("backward mb") for s in computes)
+        assert len(computes) == 2 * m * v + (m * v - whole)
+    assert doc["placement"] == ("v" if doc["pipeline_schedule"] in ("zb-v", "dualpipev") else "looped")
+
+
+@pytest.mark.parametrize("kind,rate", [("1f1b", 0.2431), ("zb-h1", 0.1585)])
+def test_measured_times_give_table_5(capsys, kind, rate):
+    """Qi et al. (arXiv:2401.10241), Table 5 from Table 9's times: 1.5B model, p = 8, m = 24."""
+    times = ["--time-forward", "18.522", "--time-backward-input", "18.086", "--time-backward-weight", "9.337"]
+    code, out, _ = run(capsys, "--pipeline-schedule", kind, "--pp", "8", "-m", "24", *times, "--time-p2p", "0.601")
+    assert code == 0 and f"simulated: (span - m (F + B + W)) / span = {rate:.4f} with F 18.522" in out
+    code, out, _ = run(
+        capsys, "--pipeline-schedule", kind, "--pp", "8", "-m", "24", *times, "--time-p2p", "0.601", "--json"
+    )
+    doc = json.loads(out)
+    assert round(doc["bubble"]["simulated"], 4) == rate
+    assert doc["bubble"]["times"] == {
+        "forward": 18.522,
+        "backward_input": 18.086,
+        "backward_weight": 9.337,
+        "p2p": 0.601,
+    }
+
+
+def test_the_v_turn_is_a_handover_in_the_program(capsys):
+    code, out, _ = run(capsys, "--pipeline-schedule", "zb-v", "--pp", "2", "-m", "3")
+    assert code == 0 and "placement v" in out and "bubble: 0 from m = 2p - 1 = 0.0000" in out
+    last = out[out.index("rank 1:") :]
+    assert "handover_forward mb0 chunk1" in last and "handover_backward mb0 chunk0" in last
+    assert "backward_input mb0 chunk1" in last and "backward_weight mb0 chunk1" in last
 
 
 def test_text_names_every_rank_and_the_bubble(capsys):
@@ -98,9 +139,10 @@ def test_text_names_every_rank_and_the_bubble(capsys):
     assert "p2p [send act:mb0:vs0 -> 1]" in out and "p2p [recv act:mb0:vs0 <- 0]" in out
 
 
-def test_plot_writes_a_png(capsys, tmp_path):
+@pytest.mark.parametrize("kind", ["interleaved-1f1b", "zb-h1", "dualpipev"])
+def test_plot_writes_a_png(capsys, tmp_path, kind):
     path = tmp_path / "s.png"
-    code, out, _ = run(capsys, "--pipeline-schedule", "interleaved-1f1b", "--pp", "2", "-m", "4", "--plot", str(path))
+    code, out, _ = run(capsys, "--pipeline-schedule", kind, "--pp", "2", "-m", "4", "--plot", str(path))
     assert code == 0 and path.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -116,6 +158,16 @@ def test_plot_writes_a_png(capsys, tmp_path):
             "needs interleaved-1f1b",
         ),
         (["--pp", "0", "-m", "4"], "must be >= 1"),
+        (["--pipeline-schedule", "dualpipev", "--pp", "4", "-m", "6"], "dualpipev needs num_microbatches >= 2 * pp"),
+        (["--pipeline-schedule", "zb-v", "--pp", "2", "--virtual-pipeline-stages", "3"], "virtual_stages=3 must be 2"),
+        (["--memory-limit", "3"], "--memory-limit 3 is the auto schedule's; --pipeline-schedule is 1f1b"),
+        (["--pipeline-schedule", "auto", "--memory-limit", "0"], "memory limit is 0 microbatches; it must be >= 1"),
+        (["--time-forward", "2"], "--time-forward given without --time-backward-input, --time-backward-weight"),
+        (["--time-p2p", "-1"], "--time-p2p -1.0: a time must be a finite number >= 0"),
+        (
+            ["--time-forward", "0", "--time-backward-input", "1", "--time-backward-weight", "1"],
+            "--time-forward 0.0: a time must be a finite number > 0",
+        ),
         (["--pp", "100000", "-m", "8"], "= 100000 x 1 x 8 = 800,000: ptdp schedule proves"),
     ],
 )

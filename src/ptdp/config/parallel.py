@@ -9,8 +9,9 @@ from typing import Literal
 from ptdp.config.fields import opt
 from ptdp.layout.codecs import CodecChoice
 from ptdp.layout.pipeline.partition import PipelineSplit, pipeline_split
+from ptdp.layout.pipeline.placement import V_SCHEDULES, placement_of
 
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "auto"]
 """The values of ``--pipeline-schedule``."""
 
 
@@ -177,12 +178,15 @@ class ParallelConfig:
         None,
         "--pipeline-schedule",
         "pipeline schedule (default: 1f1b, or interleaved-1f1b with model chunks: "
-        "--num-layers-per-virtual-pipeline-stage, --virtual-pipeline-model-parallel-size > 1)",
+        "--num-layers-per-virtual-pipeline-stage, --virtual-pipeline-model-parallel-size > 1); "
+        "zb-h1, zb-h2, zb-v, dualpipev and auto: ptdp schedule only for now",
         "layout",
     )
     """gpipe, 1f1b or interleaved-1f1b; None: interleaved-1f1b when model chunks are asked for
     (``num_layers_per_virtual_pipeline_stage``, or ``virtual_pipeline_model_parallel_size`` > 1),
-    else 1f1b."""
+    else 1f1b. The zero-bubble kinds (zb-h1, zb-h2, zb-v, dualpipev, auto: B and W apart;
+    zb-v and dualpipev with two chunks per rank in a V) pass the rules, but ``ptdp train`` does not
+    run them yet."""
     num_layers_per_virtual_pipeline_stage: int | None = opt(
         None,
         "--num-layers-per-virtual-pipeline-stage",
@@ -395,7 +399,8 @@ class ParallelConfig:
             embedding=self.account_for_embedding_in_pipeline_split,
             loss=self.account_for_loss_in_pipeline_split,
             layers_per_chunk=self.num_layers_per_virtual_pipeline_stage,
-            v=self.virtual_pipeline_model_parallel_size,
+            v=self.virtual_pipeline_model_parallel_size or (2 if self.schedule in V_SCHEDULES else None),
+            placement=placement_of(self.schedule),
         )
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ptdp.config.fields import SCHEDULES_NOT_TRAINED
 from ptdp.config.model import ModelConfig, concrete_params_dtype
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.rules.axes import (
@@ -94,7 +95,7 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
         dispatcher=p.moe_token_dispatcher_type,
         linear_biases=m.add_bias_linear,
     )
-    errors += _moe_not_yet(config) + fp8_violations(config.fp8)
+    errors += _moe_not_yet(config) + _schedule_not_yet(p) + fp8_violations(config.fp8)
     if not 0 < config.data.valid_fraction < 1:
         errors.append(V("option", f"valid_fraction={config.data.valid_fraction} must be in (0, 1)"))
     if config.data.eod_token is not None and (config.data.tokenizer_model is None or not config.data.eod_token):
@@ -117,6 +118,20 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
         model=dataclasses.replace(m, ffn_hidden_size=m.ffn, **_recompute_defaults(m)),
         pipeline_split=split,
     )
+
+
+def _schedule_not_yet(p: ParallelConfig) -> list[Violation]:
+    """The pipeline schedules ``ptdp train`` does not run yet: its runtime runs no separate B and
+    W passes (``ptdp schedule`` shows them)."""
+    if p.schedule not in SCHEDULES_NOT_TRAINED:
+        return []
+    return [
+        V(
+            "option",
+            f"--pipeline-schedule {p.schedule}: ptdp train does not run it yet (ptdp schedule shows its "
+            f"program and bubble; train with 1f1b, gpipe or interleaved-1f1b)",
+        )
+    ]
 
 
 def _moe_not_yet(config: Config) -> list[Violation]:

@@ -8,6 +8,7 @@ from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.rules.shape import model_violations
 from ptdp.errors import V, Violation
+from ptdp.layout.pipeline.placement import V_SCHEDULES
 
 
 def layout_violations(
@@ -42,7 +43,9 @@ def layout_violations(
 
 
 def schedule_violations(p: ParallelConfig, num_layers: int, num_microbatches: int) -> list[Violation]:
-    """Rules of the pipeline schedule and its model chunks (Narayanan et al. SC21, §2.2)."""
+    """Rules of the pipeline schedule and its model chunks (Narayanan et al. SC21, §2.2); zb-v and
+    dualpipev run two chunks per rank in a V (Qi et al., arXiv:2405.15362), dualpipev with
+    num_microbatches >= 2 pp (:func:`ptdp.layout.pipeline.schedule.check_schedule_args`)."""
     kind, per_chunk, v, pp, m = (
         p.schedule,
         p.num_layers_per_virtual_pipeline_stage,
@@ -84,14 +87,16 @@ def schedule_violations(p: ParallelConfig, num_layers: int, num_microbatches: in
         out.append(
             V("interleaving", f"num_layers={num_layers}{counted} is not divisible by pp*v = {pp}*{v} = {pp * v}")
         )
-    chunked = p.interleaved
+    if kind in V_SCHEDULES:
+        out += _v_shape_violations(kind, per_chunk, v, pp, m, units, f"num_layers={num_layers}{counted}")
+    chunked = p.interleaved or kind in V_SCHEDULES
     if chunked:
         name = (
             "num_layers_per_virtual_pipeline_stage"
             if per_chunk is not None
             else f"virtual_pipeline_model_parallel_size={v}"
         )
-        if kind != "interleaved-1f1b":
+        if kind not in ("interleaved-1f1b", *V_SCHEDULES):
             out.append(V("interleaving", f"{name} needs the interleaved-1f1b schedule, not {kind}"))
         if p.pipeline_layer_split is not None:
             out.append(V("interleaving", "pipeline_layer_split cannot be combined with virtual pipeline stages"))
@@ -128,4 +133,39 @@ def schedule_violations(p: ParallelConfig, num_layers: int, num_microbatches: in
                     pp=pp,
                 )
             )
+    return out
+
+
+def _v_shape_violations(
+    kind: str, per_chunk: int | None, v: int | None, pp: int, m: int, units: int, layers: str
+) -> list[Violation]:
+    """A V schedule's rules: two chunks per rank, the layers split over 2 pp chunks; dualpipev
+    also m >= 2 pp."""
+    out = []
+    chunks = v if v is not None else units // (pp * per_chunk) if per_chunk is not None else 2
+    if chunks != 2:
+        out.append(
+            V(
+                "interleaving",
+                f"the {kind} schedule runs two model chunks per rank in a V: virtual_pipeline_model_parallel_size "
+                f"must be 2, got {chunks}",
+            )
+        )
+    elif v is None and per_chunk is None and units % (2 * pp):
+        out.append(
+            V(
+                "interleaving",
+                f"{layers} is not divisible by 2 * pp = {2 * pp} (the {kind} schedule's two model chunks per rank)",
+            )
+        )
+    if kind == "dualpipev" and m < 2 * pp:
+        out.append(
+            V(
+                "interleaving",
+                f"the dualpipev schedule needs num_microbatches >= 2 * pp: num_microbatches={m} "
+                f"(= global_batch_size / (micro_batch_size * dp)), pp={pp}",
+                num_microbatches=m,
+                pp=pp,
+            )
+        )
     return out

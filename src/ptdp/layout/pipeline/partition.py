@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.errors import ConfigError
+from ptdp.layout.pipeline.placement import stage_owner, virtual_stage
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class PipelineSplit:
             counts, or the embedding / loss counted as layers); None: even.
         embedding, loss: the embedding / the output layer + loss count as one layer each of the
             split over ``pp * v`` chunks (:func:`accounted_split`).
+        placement: which virtual stage each chunk is (:mod:`ptdp.layout.pipeline.placement`).
     """
 
     num_layers: int
@@ -27,6 +29,7 @@ class PipelineSplit:
     layer_split: tuple[int, ...] | None = None
     embedding: bool = False
     loss: bool = False
+    placement: str = "looped"
 
     @property
     def stage_layers(self) -> list[int]:
@@ -38,14 +41,21 @@ class PipelineSplit:
         if self.virtual_stages == 1:
             return stage_layer_ids(self.num_layers, self.pp, pp_rank, self.layer_split)
         return chunk_layer_ids(
-            self.num_layers, self.pp, self.virtual_stages, pp_rank, chunk, embedding=self.embedding, loss=self.loss
+            self.num_layers,
+            self.pp,
+            self.virtual_stages,
+            pp_rank,
+            chunk,
+            embedding=self.embedding,
+            loss=self.loss,
+            placement=self.placement,
         )
 
     @property
     def chunk_layers(self) -> list[int]:
         """Layers of every model chunk, virtual stage by virtual stage (the unit of recomputation)."""
-        v, pp = self.virtual_stages, self.pp
-        return [len(self.chunk_layer_ids(r, c)) for c in range(v) for r in range(pp)]
+        owners = (stage_owner(k, self.pp, self.placement) for k in range(self.pp * self.virtual_stages))
+        return [len(self.chunk_layer_ids(r, c)) for r, c in owners]
 
 
 def pipeline_split(
@@ -59,6 +69,7 @@ def pipeline_split(
     loss: bool = False,
     layers_per_chunk: int | None = None,
     v: int | None = None,
+    placement: str = "looped",
 ) -> PipelineSplit:
     """The :class:`PipelineSplit` the options ask for: ``v`` chunks per rank (else ``(num_layers +
     counted) / (pp * layers_per_chunk)``, else 1) and :func:`layer_split`'s layers per stage.
@@ -68,8 +79,8 @@ def pipeline_split(
     """
     if v is None:
         v = virtual_stages(num_layers, pp, layers_per_chunk, embedding + loss)
-    stages = layer_split(num_layers, pp, split, first, last, embedding=embedding, loss=loss, v=v)
-    return PipelineSplit(num_layers, pp, v, stages, embedding, loss)
+    stages = layer_split(num_layers, pp, split, first, last, embedding=embedding, loss=loss, v=v, placement=placement)
+    return PipelineSplit(num_layers, pp, v, stages, embedding, loss, placement)
 
 
 def stage_layer_counts(num_layers: int, pp: int, split: tuple[int, ...] | None) -> list[int]:
@@ -149,6 +160,7 @@ def layer_split(
     embedding: bool = False,
     loss: bool = False,
     v: int = 1,
+    placement: str = "looped",
 ) -> tuple[int, ...] | None:
     """The explicit layers per stage the options ask for: ``split`` (``--pipeline-layer-split``)
     as given, the first/last stage counts expanded (:func:`first_last_split`), the split with the
@@ -174,7 +186,7 @@ def layer_split(
                 f"account_for_embedding/loss_in_pipeline_split already decide every stage's layers; "
                 f"they cannot be combined with {', '.join(others)} (give one way of splitting)"
             )
-        return accounted_split(num_layers, pp, v, embedding=embedding, loss=loss)
+        return accounted_split(num_layers, pp, v, embedding=embedding, loss=loss, placement=placement)
     if first is None and last is None:
         return split
     if split is not None:
@@ -201,7 +213,9 @@ def first_last_of(split: tuple[int, ...]) -> tuple[int | None, int | None] | Non
     return (split[0] if split[0] != per else None, split[-1] if split[-1] != per else None)
 
 
-def accounted_split(num_layers: int, pp: int, v: int = 1, *, embedding: bool, loss: bool) -> tuple[int, ...]:
+def accounted_split(
+    num_layers: int, pp: int, v: int = 1, *, embedding: bool, loss: bool, placement: str = "looped"
+) -> tuple[int, ...]:
     """Layers per pipeline rank when the input embedding (``embedding``) and the output layer + loss
     (``loss``) each count as one layer of the split (Megatron-LM's
     ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``): the
@@ -224,7 +238,10 @@ def accounted_split(num_layers: int, pp: int, v: int = 1, *, embedding: bool, lo
             f"account_for_{'_'.join(what.split(' and '))}_in_pipeline_split)"
         )
     counts = tuple(
-        sum(len(chunk_layer_ids(num_layers, pp, v, r, c, embedding=embedding, loss=loss)) for c in range(v))
+        sum(
+            len(chunk_layer_ids(num_layers, pp, v, r, c, embedding=embedding, loss=loss, placement=placement))
+            for c in range(v)
+        )
         for r in range(pp)
     )
     if min(counts) < 1:
@@ -261,10 +278,11 @@ def chunk_layer_ids(
     *,
     embedding: bool = False,
     loss: bool = False,
+    placement: str = "looped",
 ) -> range:
-    """Layers of model chunk ``chunk`` on rank ``pp_rank``: virtual stage k = chunk * pp + pp_rank
-    holds layers [k L / (pp v), (k + 1) L / (pp v)) (Narayanan et al. SC21, §2.2: rank r holds
-    chunks r, r + p, r + 2p, ...). With ``embedding`` / ``loss`` the embedding and the output
+    """Layers of model chunk ``chunk`` on rank ``pp_rank``: virtual stage k (looped: chunk * pp +
+    pp_rank; :mod:`ptdp.layout.pipeline.placement`) holds layers [k L / (pp v), (k + 1) L / (pp v))
+    (Narayanan et al. SC21, §2.2: rank r holds chunks r, r + p, r + 2p, ...). With ``embedding`` / ``loss`` the embedding and the output
     layer + loss are one unit each of ``U = L + embedding + loss``, the first and the last: virtual
     stage k holds units [k U / (pp v), (k + 1) U / (pp v)), i.e. the layers among them (possibly
     none). Raises ValueError unless U % (pp v) == 0."""
@@ -275,6 +293,6 @@ def chunk_layer_ids(
             f"num_layers={num_layers} (+{embedding + loss} counted as layers) is not divisible by "
             f"pp*v = {pp_size}*{virtual_stages}"
         )
-    stage = chunk * pp_size + pp_rank
+    stage = virtual_stage(pp_rank, chunk, pp_size, placement)
     start, end = (min(max(k * per - embedding, 0), num_layers) for k in (stage, stage + 1))
     return range(start, end)

@@ -4,8 +4,8 @@ them (pure data, no torch). Each :class:`P2PGroup` is one ``batch_isend_irecv`` 
 schedule lists them deadlocks interleaved 1F1B on NCCL once m > p, so they are grouped by time
 (in the spirit of Megatron-LM's ``send_forward_backward_recv_forward_backward``, SC21 §2.2):
 
-1. Time the computes: forward 1 unit, backward 2, transfers free; a compute starts when its rank
-   is free and its input has been produced.
+1. Time the computes: a forward, B and W 1 unit each, a whole backward 2, transfers free; a
+   compute starts when its rank is free and its input has been produced.
 2. A transfer happens when its producer ends, on the sender and the receiver alike.
 3. On each rank, the transfers of one time form one group (send-next, recv-prev, send-prev,
    recv-next), after the computes starting before that time and before the others.
@@ -16,7 +16,11 @@ In torch 2.13's ``ProcessGroupNCCL::pointToPoint``, operations inside a coalesci
 process group's own communicator (a lone ``isend`` may get a two-rank one); ptdp posts no lone
 operation, so every group runs on :data:`COMMUNICATOR`, in program order. Tags:
 ``"act:mb{i}:vs{k}"`` is microbatch i's activation from virtual stage k (to k + 1),
-``"grad:mb{i}:vs{k}"`` the gradient of stage k's input (to k - 1).
+``"grad:mb{i}:vs{k}"`` the gradient of stage k's input (to k - 1). Between two neighbours both
+directions may be in one group (the V placement: chunk 0's activations go one way, chunk 1's the
+other); NCCL pairs the n-th send from a to b with the n-th receive on b from a, and both ends order
+a group's operations alike (:data:`GROUP_ORDER`, then microbatch and stage boundary). A hand-over
+(:data:`~ptdp.layout.pipeline.schedule.HANDOVER`) stays in the program, just before its compute.
 """
 
 from __future__ import annotations
@@ -25,13 +29,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ptdp.layout.pipeline.schedule import COMPUTE, Action, build_schedule, peer
+from ptdp.layout.pipeline.placement import placement_of
+from ptdp.layout.pipeline.schedule import COMPUTE, INPUT_GRADIENT, TRANSFER, Action, boundary, build_schedule, peer
+from ptdp.layout.pipeline.timing import Producers, StageTimes, compute_times, producers
 
 #: the NCCL communicator (and stream) every pipeline group runs on: the pipeline group's own
 COMMUNICATOR = "pp"
 #: a group's operations in this order: send-next, recv-prev, send-prev, recv-next
 GROUP_ORDER = ("send_forward", "recv_forward", "send_backward", "recv_backward")
-FORWARD_TIME, BACKWARD_TIME = 1, 2
+#: schedule time of each compute, in units of a chunk's forward
+DURATION = {"forward": 1, "backward": 2, "backward_input": 1, "backward_weight": 1}
 
 
 @dataclass(frozen=True)
@@ -60,120 +67,85 @@ Step = Action | P2PGroup
 
 @lru_cache(maxsize=64)
 def build_programs(
-    kind: str, pp_size: int, num_microbatches: int, virtual_stages: int = 1
+    kind: str,
+    pp_size: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+    *,
+    times: StageTimes | None = None,
+    memory_limit: int | None = None,
 ) -> tuple[tuple[Step, ...], ...]:
     """Per pipeline rank, its program: compute :class:`Action` s and :class:`P2PGroup` s in the order
     the runtime runs and posts them (cached per shape, read-only), checked under
-    :func:`ptdp.layout.pipeline.nccl_model.simulate_nccl` before being returned.
+    :func:`ptdp.layout.pipeline.nccl_model.simulate_nccl` before being returned. ``times`` and
+    ``memory_limit``: the ``auto`` schedule's (:func:`ptdp.layout.pipeline.schedule.build_schedule`).
 
     Raises ValueError (:func:`ptdp.layout.pipeline.schedule.check_schedule_args`) for a kind that
     cannot run with these sizes, ScheduleError for a program that would deadlock on NCCL.
     """
     from ptdp.layout.pipeline.nccl_model import simulate_nccl
 
-    programs = programs_from_schedule(build_schedule(kind, pp_size, num_microbatches, virtual_stages), virtual_stages)
+    schedule = build_schedule(kind, pp_size, num_microbatches, virtual_stages, times=times, memory_limit=memory_limit)
+    programs = programs_from_schedule(schedule, virtual_stages, placement_of(kind))
     simulate_nccl(programs)
     return tuple(tuple(program) for program in programs)
 
 
-def programs_from_schedule(schedule: list[list[Action]], virtual_stages: int = 1) -> list[list[Step]]:
-    """Group the transfers of ``schedule`` (per rank: computes and the transfers around them) by the
-    time their producer ends (see the module docstring)."""
-    p, v = len(schedule), virtual_stages
-    start, end = compute_times(schedule, v)
+def programs_from_schedule(
+    schedule: list[list[Action]], virtual_stages: int = 1, placement: str = "looped"
+) -> list[list[Step]]:
+    """Group the transfers of ``schedule`` (per rank: computes, hand-overs and the transfers around
+    them) by the time their producer ends (see the module docstring). Raises ValueError when the
+    schedule's computes wait on each other in a cycle."""
+    p = len(schedule)
+    start, end = compute_times(schedule, DURATION, virtual_stages=virtual_stages, placement=placement)
+    made = producers(schedule, placement)
     programs = []
     for r, acts in enumerate(schedule):
-        computes = [a for a in acts if a.kind in COMPUTE]
         groups: dict[int, list[Action]] = {}
         for a in acts:
-            if a.kind not in COMPUTE:
-                groups.setdefault(end[_producer(a, r, p, v)], []).append(a)
+            if a.kind in TRANSFER:
+                groups.setdefault(end[_producer(a, r, p, made, placement)], []).append(a)
+        # a hand-over goes with the compute it feeds: the forward, or the backward (or B)
+        feeds = {
+            (a.kind == "forward", a.microbatch, a.chunk): a for a in acts if a.kind in ("forward", *INPUT_GRADIENT)
+        }
         program: list[Step] = []
         times, i = sorted(groups), 0
-        for a in computes:
-            while i < len(times) and times[i] <= start[(r, a)]:
-                program.append(_group(groups[times[i]], times[i], r, p))
+        for a in acts:
+            if a.kind in TRANSFER:
+                continue
+            at = start[(r, a if a.kind in COMPUTE else feeds[(a.kind == "handover_forward", a.microbatch, a.chunk)])]
+            while i < len(times) and times[i] <= at:
+                program.append(_group(groups[times[i]], times[i], r, p, placement))
                 i += 1
             program.append(a)
-        program += [_group(groups[t], t, r, p) for t in times[i:]]
+        program += [_group(groups[t], t, r, p, placement) for t in times[i:]]
         programs.append(program)
     return programs
 
 
-def compute_times(schedule: list[list[Action]], virtual_stages: int) -> tuple[dict, dict]:
-    """Start and end of every compute, keyed ``(rank, action)``: forward 1 unit, backward 2,
-    transfers free. Raises ValueError when the schedule's data dependencies form a cycle."""
-    p = len(schedule)
-    computes = [[a for a in acts if a.kind in COMPUTE] for acts in schedule]
-    start: dict[tuple[int, Action], int] = {}
-    end: dict[tuple[int, Action], int] = {}
-    pc, clock = [0] * p, [0] * p
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pc[r] < len(computes[r]):
-                a = computes[r][pc[r]]
-                dep = _input_producer(a, r, p, virtual_stages)
-                if dep is not None and dep not in end:
-                    break
-                begin = max(clock[r], end[dep] if dep is not None else 0)
-                start[(r, a)] = begin
-                clock[r] = end[(r, a)] = begin + (FORWARD_TIME if a.kind == "forward" else BACKWARD_TIME)
-                pc[r] += 1
-                progress = True
-    stuck = [(r, computes[r][pc[r]]) for r in range(p) if pc[r] < len(computes[r])]
-    if stuck:
-        raise ValueError(
-            "the schedule's computes wait on each other: "
-            + "; ".join(f"rank {r} at {a.kind} of microbatch {a.microbatch} chunk {a.chunk}" for r, a in stuck)
-        )
-    return start, end
-
-
-def virtual_stage(rank: int, chunk: int, pp_size: int) -> int:
-    """Virtual stage of model chunk ``chunk`` on pipeline rank ``rank``."""
-    return chunk * pp_size + rank
-
-
-def tag(action: Action, rank: int, pp_size: int) -> str:
+def tag(action: Action, rank: int, pp_size: int, placement: str = "looped") -> str:
     """The tag of a transfer: the same string on the send and on the receive it pairs with."""
-    stage = virtual_stage(rank, action.chunk, pp_size)
-    if action.kind == "recv_forward":
-        return f"act:mb{action.microbatch}:vs{stage - 1}"
-    if action.kind == "recv_backward":
-        return f"grad:mb{action.microbatch}:vs{stage + 1}"
-    return f"{'act' if action.kind == 'send_forward' else 'grad'}:mb{action.microbatch}:vs{stage}"
+    edge = boundary(action, rank, pp_size, placement)
+    if action.kind.endswith("forward"):
+        return f"act:mb{action.microbatch}:vs{edge}"
+    return f"grad:mb{action.microbatch}:vs{edge + 1}"
 
 
-def _input_producer(a: Action, r: int, p: int, v: int) -> tuple[int, Action] | None:
-    """The compute on another virtual stage whose output ``a`` needs (None for the first stage's
-    forward and the last stage's backward)."""
-    stage = virtual_stage(r, a.chunk, p)
-    if a.kind == "forward":
-        if stage == 0:
-            return None
-        return ((r - 1) % p, Action("forward", a.microbatch, (stage - 1) // p))
-    if stage == p * v - 1:
-        return None
-    return ((r + 1) % p, Action("backward", a.microbatch, (stage + 1) // p))
+def _producer(a: Action, r: int, p: int, made: Producers, placement: str) -> tuple[int, Action]:
+    """The compute whose end a transfer waits for, on the sender and the receiver alike: the
+    forward of the stage before the boundary, or the backward (or B) of the stage after it."""
+    edge = boundary(a, r, p, placement)
+    key = ("forward", a.microbatch, edge) if a.kind.endswith("forward") else ("backward", a.microbatch, edge + 1)
+    if key not in made:
+        raise ValueError(f"rank {r}'s {a.kind} of microbatch {a.microbatch}, chunk {a.chunk} has no producer")
+    return made[key]
 
 
-def _producer(a: Action, r: int, p: int, v: int) -> tuple[int, Action]:
-    """The compute whose end a transfer waits for: the sender's own compute for a send; for a
-    receive, the peer's compute whose output the receiving compute needs."""
-    compute = Action(a.kind[5:], a.microbatch, a.chunk)
-    if a.kind.startswith("send"):
-        return (r, compute)
-    producer = _input_producer(compute, r, p, v)
-    if producer is None:  # no schedule receives into the first stage's forward or the last's backward
-        raise ValueError(f"rank {r}'s {a.kind} of microbatch {a.microbatch}, chunk {a.chunk} has no sender")
-    return producer
-
-
-def _group(actions: list[Action], time: int, r: int, p: int) -> P2PGroup:
-    ordered = sorted(actions, key=lambda a: (GROUP_ORDER.index(a.kind), a.microbatch, a.chunk))
-    ops = tuple(P2POp(a.kind[:4], peer(a, r, p), tag(a, r, p), a) for a in ordered)
+def _group(actions: list[Action], time: int, r: int, p: int, placement: str) -> P2PGroup:
+    ordered = sorted(actions, key=lambda a: (GROUP_ORDER.index(a.kind), a.microbatch, boundary(a, r, p, placement)))
+    ops = tuple(P2POp(a.kind[:4], peer(a, r, p, placement), tag(a, r, p, placement), a) for a in ordered)
     return P2PGroup(COMMUNICATOR, ops, time)
 
 

@@ -1,0 +1,181 @@
+"""When each compute of a pipeline schedule runs, for given durations (pure, no torch).
+
+A compute starts when its rank has finished the computes before it and its input exists: a
+forward needs the previous virtual stage's forward of the microbatch, a whole backward or a B
+(``backward_input``) the next stage's whole backward or B, each plus ``p2p`` when that stage is on
+another rank (a hand-over on the same rank is free). A W (``backward_weight``) needs only its rank's
+own B, earlier in its list. Transfers and hand-overs take no time of their own. Schedules here are
+anything with per-rank lists of items with ``kind``, ``microbatch`` and ``chunk``
+(:class:`ptdp.layout.pipeline.schedule.Action`).
+
+:func:`simulate_times` runs a schedule with measured :class:`StageTimes` and gives the bubble rate
+as Qi et al. define it for their Table 5 ("Zero Bubble Pipeline Parallelism", arXiv:2401.10241):
+(span - m (F + B + W)) / span, span the longest time of a rank from its first operation's start to
+its last one's end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ptdp.layout.pipeline.placement import virtual_stage
+
+
+class Item(Protocol):
+    @property
+    def kind(self) -> str: ...
+    @property
+    def microbatch(self) -> int: ...
+    @property
+    def chunk(self) -> int: ...
+
+
+#: (direction, microbatch, virtual stage) -> (rank, compute) making that stage's output
+#: ("forward") or the gradient of its input ("backward": a whole backward or a B)
+Producers = dict[tuple[str, int, int], tuple[int, Any]]
+
+
+def producers(schedule: Sequence[Sequence[Item]], placement: str = "looped") -> Producers:
+    """Which compute of which rank makes each stage's output and each stage's input gradient."""
+    p = len(schedule)
+    out: Producers = {}
+    for r, acts in enumerate(schedule):
+        for a in acts:
+            if a.kind in ("forward", "backward", "backward_input"):
+                direction = "forward" if a.kind == "forward" else "backward"
+                out[(direction, a.microbatch, virtual_stage(r, a.chunk, p, placement))] = (r, a)
+    return out
+
+
+def input_producer(
+    a: Item, r: int, p: int, stages: int, made: Producers, placement: str = "looped"
+) -> tuple[int, Any] | None:
+    """The compute on a neighbouring virtual stage whose output ``a`` (on rank r) needs: None for
+    the first stage's forward, the last stage's backward and every W. Raises ValueError when no
+    rank computes it."""
+    if a.kind not in ("forward", "backward", "backward_input"):
+        return None
+    stage = virtual_stage(r, a.chunk, p, placement)
+    source = stage - 1 if a.kind == "forward" else stage + 1
+    if not 0 <= source < stages:
+        return None
+    key = ("forward" if a.kind == "forward" else "backward", a.microbatch, source)
+    if key not in made:
+        raise ValueError(f"rank {r}'s {a.kind} of microbatch {a.microbatch}, chunk {a.chunk} has no input")
+    return made[key]
+
+
+def compute_times(
+    schedule: Sequence[Sequence[Item]],
+    durations: Mapping[str, Any],
+    *,
+    virtual_stages: int = 1,
+    placement: str = "looped",
+    p2p: Any = 0,
+) -> tuple[dict, dict]:
+    """Start and end of every compute, keyed ``(rank, item)``, each taking ``durations[kind]``
+    (items of other kinds are skipped). Raises ValueError when the computes wait on each other in a
+    cycle (the schedule deadlocks whatever its transfers)."""
+    p = len(schedule)
+    made = producers(schedule, placement)
+    computes = [[a for a in acts if a.kind in durations] for acts in schedule]
+    start: dict[tuple[int, Any], Any] = {}
+    end: dict[tuple[int, Any], Any] = {}
+    pc, clock = [0] * p, [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pc[r] < len(computes[r]):
+                a = computes[r][pc[r]]
+                dep = input_producer(a, r, p, p * virtual_stages, made, placement)
+                if dep is not None and dep not in end:
+                    break
+                ready = 0 if dep is None else end[dep] + (p2p if dep[0] != r else 0)
+                start[(r, a)] = begin = max(clock[r], ready)
+                clock[r] = end[(r, a)] = begin + durations[a.kind]
+                pc[r] += 1
+                progress = True
+    stuck = [(r, computes[r][pc[r]]) for r in range(p) if pc[r] < len(computes[r])]
+    if stuck:
+        raise ValueError(
+            "the schedule's computes wait on each other: "
+            + "; ".join(f"rank {r} at {a.kind} of microbatch {a.microbatch} chunk {a.chunk}" for r, a in stuck)
+        )
+    return start, end
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Times of one pipeline rank's layers for one microbatch, all its chunks together (a chunk
+    takes 1/v of each): the forward F, the input gradient B, the weight gradient W, and one
+    point-to-point transfer between ranks. A whole backward takes B + W."""
+
+    forward: float = 1.0
+    backward_input: float = 1.0
+    backward_weight: float = 1.0
+    p2p: float = 0.0
+
+    def durations(self, virtual_stages: int = 1) -> dict[str, float]:
+        """Each compute's time on one chunk."""
+        f, b, w = (t / virtual_stages for t in (self.forward, self.backward_input, self.backward_weight))
+        return {"forward": f, "backward": b + w, "backward_input": b, "backward_weight": w}
+
+
+@dataclass(frozen=True)
+class TimedRun:
+    """A simulated step: per rank, ``(item, start, end)`` of each compute, in its order."""
+
+    events: list[list[tuple[Any, float, float]]]
+
+    @property
+    def spans(self) -> list[float]:
+        """Each rank's time from its first compute's start to its last one's end."""
+        return [e[-1][2] - e[0][1] if e else 0.0 for e in self.events]
+
+    @property
+    def busy(self) -> list[float]:
+        return [sum(end - start for _, start, end in e) for e in self.events]
+
+    @property
+    def makespan(self) -> float:
+        return max((e[-1][2] for e in self.events if e), default=0.0)
+
+    @property
+    def bubble_rate(self) -> float:
+        """(span - busy) / span of the rank with the longest span: with m microbatches each rank is
+        busy m (F + B + W), which gives Qi et al.'s rate."""
+        spans = self.spans
+        r = max(range(len(spans)), key=spans.__getitem__)
+        return (spans[r] - self.busy[r]) / spans[r] if spans[r] else 0.0
+
+
+def simulate_times(
+    schedule: Sequence[Sequence[Item]], times: StageTimes, *, virtual_stages: int = 1, placement: str = "looped"
+) -> TimedRun:
+    """Run ``schedule`` with ``times`` (see the module docstring); ValueError on a cycle."""
+    start, end = compute_times(
+        schedule, times.durations(virtual_stages), virtual_stages=virtual_stages, placement=placement, p2p=times.p2p
+    )
+    events = [[(a, start[(r, a)], end[(r, a)]) for a in acts if (r, a) in start] for r, acts in enumerate(schedule)]
+    return TimedRun(events)
+
+
+def bubble_formula(kind: str, p: int, m: int, v: int = 1) -> tuple[str, float | None]:
+    """A schedule's bubble with F = B = W and free transfers, as a fraction of the ideal time
+    m (F + B + W): its formula and value (None where it has none). GPipe and 1F1B (p - 1) / m,
+    interleaved (p - 1) / (v m) (SC21, §2.2); ZB-H1 (p - 1) / (3 m), ZB-H2 0 from m = 2p, ZB-V 0
+    from m = 2p - 1 (Qi et al.); DualPipeV (p - 1) / (6 m), its pairs timed one after the other."""
+    if kind in ("gpipe", "1f1b", "interleaved-1f1b", "forward-only"):
+        return "(p - 1) / (v m)", (p - 1) / (v * m)
+    if kind == "zb-h1":
+        return "(p - 1) / (3 m)", (p - 1) / (3 * m)
+    if kind == "zb-h2":
+        return "0 from m = 2p", 0.0 if m >= 2 * p else None
+    if kind == "zb-v":
+        return "0 from m = 2p - 1", 0.0 if m >= 2 * p - 1 else None
+    if kind == "dualpipev":
+        return "(p - 1) / (6 m)", (p - 1) / (6 * m)
+    return "none (built from the times)", None
