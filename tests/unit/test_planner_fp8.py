@@ -1,5 +1,6 @@
-"""``ptdp plan --fp8`` (:mod:`ptdp.planner.memory.fp8`): FP8 activation bytes, FP8 weight copies, the FP8
-GEMM peak and casts, the errors before any search, and a published FP8 run on H100."""
+"""Precision "fp8" without a recipe, Transformer Engine's FP8 (:mod:`ptdp.planner.memory.fp8`): FP8
+activation bytes, FP8 weight copies, the FP8 GEMM peak and casts; ``ptdp plan --fp8``'s errors before
+any search; a published FP8 run on H100. ``ptdp train``'s recipes: tests/unit/test_planner_fp8_recipes.py."""
 
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def test_fp8_gemms_at_the_fp8_peak_plus_casts():
     model = dataclasses.replace(get_model("llama3-70b"), num_layers=1)
     kw = (H100.peak("bf16"), 3.35e12 * 0.8, 0.77, 64.0)
     fwd, bwd, _ = flops.layer_compute_times(model, 4, 1, True, *kw)
-    fwd8, bwd8, _ = flops.layer_compute_times(model, 4, 1, True, *kw, H100.peak("fp8"))
+    fwd8, bwd8, _ = flops.layer_compute_times(model, 4, 1, True, *kw, flops.FP8Gemms(None, H100.peak("fp8")))
     shapes = flops.layer_gemms(model, 4, 1)
 
     def linear(peak, nbytes):
