@@ -1,16 +1,18 @@
 """FP8 as ``ptdp train`` runs it (``--fp8-format``, ``--fp8-recipe``): what its layers keep for
-backward, its GEMMs' time by recipe (native, per-row scales, emulated), its casts and the
-candidate of a run. Transformer Engine's FP8 (precision "fp8" without a recipe):
-tests/unit/test_planner_fp8.py."""
+backward, its GEMMs' time by recipe (native, per-row scales, emulated), its casts, the recipe a
+plan models and the candidate of a run. Transformer Engine's FP8 (precision "fp8" without a
+recipe): tests/unit/test_planner_fp8.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
 
 import ptdp
+from ptdp.cli import main
 from ptdp.planner.candidate import Candidate, run_candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
 from ptdp.planner.inputs.models import get_model, gpt
@@ -189,3 +191,38 @@ def test_fp8_emulated_on_a_cpu_profile_costs_more_than_float32():
     fp8 = evaluate_performance(model, layout.replace(fp8_recipe="tensorwise"), Cluster(cpu, 2, 2)).time.compute
     assert fp8 > plain
     assert math.isfinite(fp8)
+
+
+def _plan(capsys, *flags: str) -> tuple[int, str, str]:
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--global-batch-size", "16"]
+    code = main([*base, "--tp", "2", "--pp", "1", "--top", "1", *flags])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_recipe_a_plan_models(capsys):
+    def recipe(*flags: str):
+        code, out, _ = _plan(capsys, "--json", *flags)
+        assert code == 0
+        return {p["fp8_recipe"] for p in json.loads(out)}
+
+    assert recipe("--fp8") == {"delayed"}  # ptdp train's default
+    assert recipe("--fp8-format", "e4m3", "--fp8-recipe", "rowwise") == {"rowwise"}
+    assert recipe("--fp8", "--fp8-param-gather") == {None}  # Megatron-LM's FP8 weights: Transformer Engine's
+    assert recipe() == {None}
+    code, out, _ = _plan(capsys, "--fp8-format", "hybrid", "--fp8-recipe", "blockwise")
+    assert code == 0 and "blockwise FP8 runs emulated in ptdp train" in out
+    assert "FP8 GEMMs (blockwise)" in out
+    code, _, err = _plan(capsys, "--fp8-recipe", "tensorwise", "--fp8-margin", "1")
+    assert code == 2
+    assert "--fp8-recipe tensorwise, --fp8-margin 1 without --fp8-format: no GEMM runs in FP8" in err
+
+
+def test_a_mixture_of_experts_plans_transformer_engines_fp8(capsys):
+    code = main(
+        ["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--gpu", "h100-sxm", "--global-batch-size", "256"]
+        + ["--fp8", "--fp8-recipe", "tensorwise", "--top", "1", "--tp", "2", "--pp", "4", "--ep", "8"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "for a mixture of experts (ptdp train runs FP8 in dense layers only); --fp8-recipe tensorwise" in out

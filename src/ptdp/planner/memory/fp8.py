@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from ptdp.config.model import ModelConfig
 from ptdp.errors import ConfigError
+from ptdp.planner.inputs.moe_model import moe_of
 
 #: Bytes per weight of an FP8 GEMM held besides the bf16 weight: the FP8 weight (1) and its
 #: transpose (1).
@@ -51,6 +52,39 @@ def fp8_precision(gpu, precision: str) -> str:
             f"(drop --fp16/--fp32 or give --bf16)"
         )
     return "fp8"
+
+
+def fp8_recipe_planned(
+    model: ModelConfig, precision: str, recipe: str | None, *, param_gather: bool = False
+) -> tuple[str | None, list[str]]:
+    """The recipe a plan models at ``precision`` for ``--fp8-recipe`` ``recipe`` (None: not given)
+    and its notes: ``ptdp train``'s (default delayed, as it runs) for a dense model; None,
+    Transformer Engine's FP8 as Megatron-Core runs it, for a mixture of experts (``ptdp train`` runs
+    FP8 in dense layers only) or FP8 weights (``--fp8-param-gather``); None without FP8."""
+    if precision != "fp8":
+        return None, []
+    if moe_of(model) is None and not param_gather:
+        notes = []
+        if recipe == "blockwise":
+            notes.append(
+                "blockwise FP8 runs emulated in ptdp train: no kernel for its 1x128 and 128x128 "
+                "tile scales, so its GEMMs are planned as the float32 (TF32) GEMMs of the dequantised "
+                "operands, with their dequantisation passes"
+            )
+        return recipe or "delayed", notes
+    why = "--fp8-param-gather" if param_gather else "a mixture of experts (ptdp train runs FP8 in dense layers only)"
+    note = f"FP8 planned as Transformer Engine runs it under Megatron-Core (delayed scaling) for {why}"
+    return None, [f"{note}; --fp8-recipe {recipe} not modelled" if recipe else note]
+
+
+def check_fp8_flags(given: dict[str, object], precision: str) -> None:
+    """ConfigError for FP8 options (``given``: flag name to value, None when not given) without
+    ``--fp8-format``, as ``ptdp train`` refuses them."""
+    named = [f"--{name.replace('_', '-')} {value}" for name, value in given.items() if value is not None]
+    if named and precision != "fp8":
+        raise ConfigError(
+            f"{', '.join(named)} without --fp8-format: no GEMM runs in FP8 (give --fp8-format e4m3 or hybrid)"
+        )
 
 
 def layer_fp8_weights(model: ModelConfig, tp: int) -> int:
