@@ -30,13 +30,21 @@ and targets (last stage) and, with tp > 1, their 1-byte masks and the loss. With
 every replicated value above, the final-norm and output-layer inputs and the LayerNorm statistics
 are kept for this rank's s/t positions only (the QKV, fc1 and output-layer inputs as shards,
 gathered again in backward).
+
+FP8 (``--fp8-format hybrid --fp8-recipe tensorwise``, float32 and bfloat16 parameters, at (2,1,1)
+with and without sequence parallelism): the four linears keep their input as wgrad's 1-byte
+operand instead (with sequence parallelism QKV and fc1 keep their input shard in the parameters'
+dtype, gathered again in backward), and the fused attention kernel its output beside the
+projection's FP8 copy; compared with the planner's figure of the run's candidate
+(``run_candidate``: precision "fp8" with bfloat16 parameters, else "fp32", with the recipe), within
+the same tolerance.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from helpers.activations import CASES, DTYPES, TOLERANCE, _table, compared
+from helpers.activations import TOLERANCE, _table, compared, jobs
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -50,13 +58,14 @@ def test_sequence_parallel_divides_replicated_activations_by_tp(world):
     for (case, coords), plain in pairs:
         sp = rows[(case, coords)]
         saved, predicted = plain["measured"] - sp["measured"], plain["predicted"] - sp["predicted"]
-        assert predicted > 5 * TOLERANCE * plain["predicted"], (case, coords)  # a saving the test can see
+        if not case[4].endswith("+fp8"):  # with FP8, QKV's and fc1's 1-byte inputs become 2-byte shards
+            assert predicted > 5 * TOLERANCE * plain["predicted"], (case, coords)  # a saving the test can see
         assert abs(saved - predicted) <= TOLERANCE * plain["predicted"], (case, coords, saved, predicted)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_activation_peak_per_rank_within_tolerance(world):
     rows = compared(world)
-    assert len(rows) == world * len(CASES[world]) * len(DTYPES)
+    assert len(rows) == world * sum(len(dtypes) for _, dtypes in jobs(world))
     worst = max(abs(r["error"]) for r in rows)
     assert worst <= TOLERANCE, _table(rows)

@@ -8,6 +8,7 @@ import functools
 import torch
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from ptdp.config.fp8 import FP8Config
 from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
@@ -18,13 +19,17 @@ from ptdp.engine.stage import build_stage
 from ptdp.engine.step import train_step
 from ptdp.layout.grid import ParallelLayout
 from ptdp.layout.pipeline.partition import stage_layer_counts
-from ptdp.planner.candidate import Candidate
+from ptdp.planner.candidate import Candidate, run_candidate
 from ptdp.planner.memory.activations import rank_activation_bytes
 from ptdp.planner.memory.cp_local import kv_buffer_bytes
 
 MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=500)
 MICRO_BATCH, MICROBATCHES = 2, 4
 DTYPES = ("float32", "float64")
+#: the FP8 cases' dtypes: float32 or bfloat16 parameters with the layers' GEMMs in FP8
+#: (``--fp8-format hybrid --fp8-recipe tensorwise``)
+FP8_DTYPES = ("float32+fp8", "bfloat16+fp8")
+FP8 = FP8Config(fp8_format="hybrid", fp8_recipe="tensorwise")
 TOLERANCE = 0.02
 #: (tp, pp, dp, schedule) per world size; one job per world size runs all of its cases
 CASES = {
@@ -52,6 +57,13 @@ CASES = {
 layers (4 + 2 units over 2 ranks x 3 chunks of one: rank 0 holds the embedding, layers 1 and 3;
 rank 1 layers 0 and 2 and the loss); a seventh: the context-parallel size (its ranks hold s/cp
 tokens of every activation), an eighth the key/value exchange (default p2p)."""
+#: the cases run under :data:`FP8_DTYPES` (as :data:`CASES`, in the same job)
+FP8_CASES = {2: [(2, 1, 1, "1f1b"), (2, 1, 1, "1f1b", True)]}
+
+
+def jobs(world: int) -> list[tuple[tuple, tuple[str, ...]]]:
+    """Each case of this world size with the dtypes it runs under."""
+    return [(case, DTYPES) for case in CASES[world]] + [(case, FP8_DTYPES) for case in FP8_CASES.get(world, [])]
 
 
 def case_config(
@@ -80,7 +92,9 @@ def case_config(
     train = TrainConfig(
         micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICROBATCHES * dp, lr_warmup_iters=0
     )
-    config = Config(model=ModelConfig(**MODEL, params_dtype=dtype), parallel=parallel, train=train)
+    params_dtype, fp8 = dtype.removesuffix("+fp8"), dtype.endswith("+fp8")
+    model = ModelConfig(**MODEL, params_dtype=params_dtype)
+    config = Config(model=model, parallel=parallel, train=train, fp8=FP8 if fp8 else FP8Config())
     return resolve(config, tp * pp * dp * cp)
 
 
@@ -98,11 +112,19 @@ def measured_peak(cfg: Config, groups: ParallelGroups) -> int:
 
 
 def predicted_peak(cfg: Config, pp_rank: int) -> float:
-    """The planner's activation peak of ``pp_rank`` (fp32 figure, doubled for float64): with
+    """The planner's activation peak of ``pp_rank`` (fp32 figure, doubled for float64; with FP8
+    the figure of the run's candidate, :func:`~ptdp.planner.candidate.run_candidate`): with
     cp > 1 that of one cp rank (:func:`~ptdp.planner.memory.activations.rank_activation_bytes`) without its
     key/value exchange buffers, which autograd does not save."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     split = cfg.pipeline.layer_split
+    if cfg.fp8.enabled:
+        fp8 = run_candidate(cfg)
+        assert fp8 is not None
+        layers = stage_layer_counts(m.num_layers, p.pp, split)[pp_rank]
+        return rank_activation_bytes(
+            m, fp8, pp_rank, layers, schedule="1f1b", make_vocab_size_divisible_by=m.make_vocab_size_divisible_by
+        )
     layout = Candidate.of(
         p.tp,
         p.pp,
@@ -132,10 +154,10 @@ def predicted_peak(cfg: Config, pp_rank: int) -> float:
 
 def _run_cases(groups_for, cases) -> list[dict]:
     out = []
-    for tp, pp, dp, schedule, *sp in cases:
+    for (tp, pp, dp, schedule, *sp), dtypes in cases:
         groups = groups_for(tp, pp, dp, sp[2] if len(sp) > 2 else 1)
         c = groups.coords
-        for dtype in DTYPES:
+        for dtype in dtypes:
             case = (tp, pp, dp, schedule, dtype, *sp)
             out.append(
                 {
@@ -157,8 +179,8 @@ def _worker(rank: int, world: int, cases) -> list[dict]:
 def measurements(world: int) -> list[dict]:
     """Every rank's records for the cases of this world size (world 1 runs in this process)."""
     if world == 1:
-        return _run_cases(lambda tp, pp, dp, cp: ParallelGroups.single_process(), CASES[1])
-    return [row for rows in run_in_pool(_worker, world, CASES[world]) for row in rows]
+        return _run_cases(lambda tp, pp, dp, cp: ParallelGroups.single_process(), jobs(1))
+    return [row for rows in run_in_pool(_worker, world, jobs(world)) for row in rows]
 
 
 def compared(world: int) -> list[dict]:

@@ -1,5 +1,6 @@
-"""``ptdp plan --fp8`` (:mod:`ptdp.planner.memory.fp8`): FP8 activation bytes, FP8 weight copies, the FP8
-GEMM peak and casts, the errors before any search, and a published FP8 run on H100."""
+"""Precision "fp8" without a recipe, Transformer Engine's FP8 (:mod:`ptdp.planner.memory.fp8`): FP8
+activation bytes, FP8 weight copies, the FP8 GEMM peak and casts; ``ptdp plan --fp8``'s errors before
+any search; a published FP8 run on H100. ``ptdp train``'s recipes: tests/unit/test_planner_fp8_recipes.py."""
 
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def test_fp8_gemms_at_the_fp8_peak_plus_casts():
     model = dataclasses.replace(get_model("llama3-70b"), num_layers=1)
     kw = (H100.peak("bf16"), 3.35e12 * 0.8, 0.77, 64.0)
     fwd, bwd, _ = flops.layer_compute_times(model, 4, 1, True, *kw)
-    fwd8, bwd8, _ = flops.layer_compute_times(model, 4, 1, True, *kw, H100.peak("fp8"))
+    fwd8, bwd8, _ = flops.layer_compute_times(model, 4, 1, True, *kw, flops.FP8Gemms(None, H100.peak("fp8")))
     shapes = flops.layer_gemms(model, 4, 1)
 
     def linear(peak, nbytes):
@@ -131,7 +132,7 @@ def test_cli_fp8(capsys):
     assert main([*base, "--gpu", "h100-sxm", "--fp8", "--json"]) == 0
     assert '"precision": "fp8"' in capsys.readouterr().out
     assert main([*base, "--gpu", "h100-sxm", "--fp8", "--top", "1"]) == 0
-    assert "kv=8 ffn=14336 V=128256 s=8192, flash attention, FP8 GEMMs;" in capsys.readouterr().out.splitlines()[0]
+    assert "s=8192, flash attention, FP8 GEMMs (delayed);" in capsys.readouterr().out.splitlines()[0]
     assert main([*base, "--gpu", "h100-sxm", "--no-use-flash-attn", "--top", "1"]) == 0
     assert "s=8192, unfused attention;" in capsys.readouterr().out.splitlines()[0]
 

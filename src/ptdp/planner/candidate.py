@@ -21,6 +21,8 @@ OP_SAC = "op"
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 MOE_RECOMPUTE_MODULES = ("moe_act", "moe", "shared_experts", "mla_up_proj")
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
+#: ``--fp8-recipe``'s values: how ``ptdp train`` scales its FP8 GEMMs' operands
+FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
 #: the optimizer state's default dtypes: float32 main parameters and Adam moments
 OPTIMIZER_DTYPES = ("fp32", "fp32", "fp32")
 #: bytes per value of the optimizer state's dtypes (``--main-params-dtype``, ``--exp-avg-dtype``, ...)
@@ -43,6 +45,10 @@ class Candidate:
             "op" (torchtitan's per-op selective checkpointing, :data:`OP_SAC`).
         precision: "bf16", "fp16" (mixed precision with fp32 main weights), "fp32", or "fp8" (bf16
             mixed precision with FP8 weight GEMMs, :mod:`ptdp.planner.memory.fp8`).
+        fp8_recipe: the FP8 GEMMs as ``ptdp train`` runs them under this ``--fp8-recipe``
+            (:data:`FP8_RECIPES`; with any precision: the parameters' dtype is the precision's, bf16
+            for "fp8"); None: no FP8 GEMMs, or with "fp8" Transformer Engine's as Megatron-Core runs
+            them (delayed scaling; the published runs).
         virtual_stages: v model chunks per pipeline rank (interleaved 1F1B when > 1).
         layer_split: layers per pipeline stage as ``parallel`` gives them (None: even).
         fp8_param_gather: with "fp8", the FP8 GEMMs' weights kept in FP8 (Megatron-LM's
@@ -64,6 +70,7 @@ class Candidate:
     fp8_param_gather: bool = False
     recompute_modules: tuple[str, ...] = ()
     optimizer_dtypes: tuple[str, str, str] = OPTIMIZER_DTYPES
+    fp8_recipe: str | None = None
 
     @classmethod
     def of(
@@ -93,6 +100,7 @@ class Candidate:
         ep: int = 1,
         etp: int = 1,
         dispatcher: str = "alltoall",
+        fp8_recipe: str | None = None,
     ) -> Candidate:
         """The candidate of these choices (``sharding``: the strategy, else ``optim`` with
         ``distributed_optimizer``, else ``no_shard``; ``layer_split`` at ``virtual_stages`` > 1: the
@@ -132,6 +140,7 @@ class Candidate:
             fp8_param_gather,
             tuple(recompute_modules) if recompute == "selective" else (),
             tuple(optimizer_dtypes),  # type: ignore[arg-type]
+            fp8_recipe,
         )
 
     def fields(self) -> dict[str, Any]:
@@ -162,6 +171,7 @@ class Candidate:
             "ep": p.ep,
             "etp": p.etp,
             "dispatcher": p.moe_token_dispatcher_type,
+            "fp8_recipe": self.fp8_recipe,
         }
 
     def replace(self, **changes: Any) -> Candidate:
@@ -215,6 +225,11 @@ class Candidate:
         return self.recompute_modules or ("core_attn",)
 
     @property
+    def fp8(self) -> bool:
+        """The layers' weight GEMMs run in FP8 (precision "fp8", or an :attr:`fp8_recipe`)."""
+        return self.precision == "fp8" or self.fp8_recipe is not None
+
+    @property
     def bf16_grads(self) -> bool:
         """Gradients kept and reduced in bf16 (``--grad-reduce-in-bf16``)."""
         return self.parallel.grad_reduce_in_bf16
@@ -251,12 +266,16 @@ class Candidate:
 
 def run_candidate(config: Config, precision: str | None = None) -> Candidate | None:
     """The candidate a resolved ``ptdp train`` config runs: its parallel config and pipeline as they
-    are, its batch, its recompute granularity (the planner's ``full`` keeps every layer's input) and
-    ``precision`` (default: its ``params_dtype``'s, :data:`PRECISION_OF_DTYPE`; None for a dtype the
-    planner does not model)."""
+    are, its batch, its recompute granularity (the planner's ``full`` keeps every layer's input),
+    ``precision`` (default: its ``params_dtype``'s, :data:`PRECISION_OF_DTYPE`, "fp8" for bfloat16
+    with ``--fp8-format``; None for a dtype the planner does not model) and its ``--fp8-recipe``
+    with ``--fp8-format``."""
     precision = precision or PRECISION_OF_DTYPE.get(config.model.params_dtype)
     if precision is None:
         return None
+    recipe = config.fp8.fp8_recipe if config.fp8.enabled else None
+    if recipe is not None and precision == "bf16":
+        precision = "fp8"
     t, split = config.train, config.pipeline
     return Candidate(
         config.parallel,
@@ -266,6 +285,7 @@ def run_candidate(config: Config, precision: str | None = None) -> Candidate | N
         precision,
         split.virtual_stages,
         split.layer_split,
+        fp8_recipe=recipe,
     )
 
 

@@ -30,7 +30,7 @@ from ptdp.planner.inputs.models import (
 )
 from ptdp.planner.inputs.moe_model import MoEModel, moe_of, with_moe, with_mtp
 from ptdp.planner.inputs.plan_flags import plan_precision
-from ptdp.planner.memory.fp8 import check_fp8_param_gather, fp8_precision
+from ptdp.planner.memory.fp8 import check_fp8_flags, check_fp8_param_gather, fp8_precision, fp8_recipe_planned
 from ptdp.planner.report.explain import distance_from_best, explain_experts, explain_pick
 from ptdp.planner.search.checks import (
     check_fixed_choices,
@@ -321,7 +321,8 @@ class PlanRequest:
 
     def explanation(self, result: SearchResult) -> list[str]:
         """:func:`_explanation`, with the free search run when choices are fixed."""
-        free = self.search(fixed=Fixed()) if self.fixed != Fixed() else None
+        unfixed = Fixed(fp8_recipe=self.fixed.fp8_recipe)  # the recipe is the request's, as its precision
+        free = self.search(fixed=unfixed) if self.fixed != unfixed else None
         return _explanation(result, free, self.cluster.gpus_per_node)
 
 
@@ -381,6 +382,13 @@ def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanR
         precision = fp8_precision(gpu, precision)
     if fixed.fp8_param_gather:
         check_fp8_param_gather(precision)
+    fp8_options = ("fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")
+    check_fp8_flags({name: getattr(args, name, None) for name in fp8_options}, precision)
+    recipe, fp8_notes = fp8_recipe_planned(
+        model, precision, getattr(args, "fp8_recipe", None), param_gather=bool(fixed.fp8_param_gather)
+    )
+    fixed = dataclasses.replace(fixed, fp8_recipe=recipe)
+    notes += fp8_notes
     check_optimizer_dtypes(fixed, precision)
     if fixed.grad_reduce_in_bf16 and precision not in ("bf16", "fp8"):
         raise ConfigError(

@@ -8,6 +8,11 @@ multiple of dp x cp; so must the ``optim_grads``/``optim_grads_params`` transien
 needs a ``ptdp plan --calibrate`` profile. The trainer measures each rank with
 :func:`measure_stage` and passes the results to :func:`check_run`.
 
+FP8 runs (``--fp8-format``) are predicted with the planner's FP8 model of the run's recipe: the
+report names the recipe and the FP8 bytes it predicts on the busiest stage (:func:`fp8_bytes`: the
+weights' FP8 copies and the activations, beside the activations without FP8), which the predicted
+peak memory includes.
+
 MoE runs with ep or etp > 1 also compare the MoE layers' all-to-all seconds per step (the
 planner's :func:`~ptdp.planner.time.moe_time.moe_exchange_times`, with a profile) with those the
 trainer timed (:func:`moe_exchange_seconds`; CPU runs only: on CUDA the exchanges are not timed,
@@ -17,6 +22,8 @@ which would make the host wait inside the step), and the planner's expert load w
 
 from __future__ import annotations
 
+import dataclasses
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +34,9 @@ from ptdp.engine.comm import CommStats
 from ptdp.planner.candidate import Candidate, run_candidate
 from ptdp.planner.inputs.hardware import Cluster, GPUType
 from ptdp.planner.inputs.moe_model import MoEModel, planned_model
+from ptdp.planner.memory.activations import rank_activation_bytes
 from ptdp.planner.memory.breakdown import memory_breakdown
+from ptdp.planner.memory.fp8 import fp8_weight_copy_bytes
 from ptdp.planner.memory.moe_params import expert_bytes_per_param, layout_stage_counts
 from ptdp.planner.memory.params import stage_param_counts, stage_transients
 from ptdp.planner.memory.strategies import strategy_bytes_per_param
@@ -109,6 +118,35 @@ def predicted_transients(config: Config, layout: Candidate, pp_rank: int) -> dic
     return {"params_transient": int(weight * params), "grads_transient": int(grad * grads)}
 
 
+def fp8_bytes(config: Config, layout: Candidate) -> dict[str, Any]:
+    """The FP8 bytes the planner predicts for a run with ``--fp8-format`` on one tp rank of the
+    pipeline stage where they are largest: the weights' FP8 copies
+    (:func:`~ptdp.planner.memory.fp8.fp8_weight_copy_bytes`) and the activations at their peak
+    (:func:`~ptdp.planner.memory.activations.rank_activation_bytes`), with those activations
+    without FP8 (the same run's parameters' dtype)."""
+    m, p, fp8 = config.model, config.parallel, config.fp8
+    plain = dataclasses.replace(
+        layout, precision="bf16" if layout.precision == "fp8" else layout.precision, fp8_recipe=None
+    )
+    schedule = "gpipe" if p.schedule == "gpipe" else "1f1b"
+    activations = partial(
+        rank_activation_bytes, m, schedule=schedule, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by
+    )
+    rows = []
+    for rank, layers in enumerate(config.pipeline.stage_layers):
+        copies, act = fp8_weight_copy_bytes(m, p.tp, layers, True), activations(layout, rank, layers)
+        rows.append((copies + act, rank, copies, act, activations(plain, rank, layers)))
+    _, rank, copies, act, without = max(rows)
+    return {
+        "format": fp8.fp8_format,
+        "recipe": fp8.fp8_recipe,
+        "stage": rank,
+        "predicted_weight_copy_bytes": copies,
+        "predicted_activation_bytes": act,
+        "predicted_activation_bytes_without_fp8": without,
+    }
+
+
 def recompute_note(config: Config) -> str | None:
     """Why the planner's activation memory is approximate for this run's full recompute, if it is."""
     m = config.model
@@ -167,6 +205,8 @@ def compare(
             "measured_kind": per_rank[0]["peak_kind"],
         },
     }
+    if layout.fp8:
+        out["fp8"] = fp8_bytes(config, layout)
     loaded = _profile(profile, "step time")
     if isinstance(loaded, str):
         out["step_time"] = {"note": loaded}
@@ -188,7 +228,7 @@ def compare(
     note = recompute_note(config)
     if note:
         out["peak_memory"]["note"] = note
-    if layout.precision in gpu.peak_flops and mean_step_s:
+    if ("bf16" if layout.precision == "fp8" else layout.precision) in gpu.peak_flops and mean_step_s:
         perf = evaluate_performance(
             model,
             layout,
@@ -390,6 +430,14 @@ def format_comparison(check: dict) -> list[str]:
     )
     if "note" in pm:
         lines.append(f"      ({pm['note']})")
+    if "fp8" in check:
+        f = check["fp8"]
+        lines.append(
+            f"    FP8 ({f['format']}, {f['recipe']} recipe), stage {f['stage']}: "
+            f"{f['predicted_weight_copy_bytes'] / 2**20:,.1f} MiB FP8 weight copies + "
+            f"{f['predicted_activation_bytes'] / 2**20:,.1f} MiB activations predicted "
+            f"({f['predicted_activation_bytes_without_fp8'] / 2**20:,.1f} MiB without FP8; part of the peak memory)"
+        )
     st = check.get("step_time", {})
     if "predicted_s" in st:
         verdict = "within" if st["within_25_percent"] else "NOT within"

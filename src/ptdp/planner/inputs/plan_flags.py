@@ -100,7 +100,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="with --fp8-format: keep the FP8 GEMMs' weights in FP8 (Megatron-LM's flag; Transformer "
-        "Engine's FP8 parameters): 1 byte each and no FP8 copy (planner only)",
+        "Engine's FP8 parameters): 1 byte each and no FP8 copy (planner only; planned as Transformer "
+        "Engine's FP8, delayed scaling)",
     )
     g.add_argument(
         "--use-precision-aware-optimizer",

@@ -54,6 +54,7 @@ def layer_activation_bytes(
     modules: tuple[str, ...] = ("core_attn",),
     etp: int = 1,
     ep: int = 1,
+    fp8_recipe: str | None = None,
 ) -> float:
     """Activation bytes one transformer layer keeps for backward, per microbatch, on one tp rank.
 
@@ -67,7 +68,11 @@ def layer_activation_bytes(
     before the kernel, ``model.kv_repeated``) and SwiGLU (``6 ffn`` instead of ``4 ffn``); ``d`` is
     ``model.head_dim``, and ``qk_layernorm`` keeps the norms' inputs, ``2 (a + kv) d``.
     With ``model.flash_attention`` (Dao et al. 2022, arXiv:2205.14135) no score is kept, only the fp32
-    log-sum-exp, ``4 a`` bytes per token. "fp8" (Transformer Engine FP8) keeps the four GEMM inputs in 1 byte.
+    log-sum-exp, ``4 a`` bytes per token. FP8 GEMMs keep their four inputs in 1 byte
+    (:func:`fp8_kept_bytes`): precision "fp8" alone as Transformer Engine does, with ``fp8_recipe``
+    as ``ptdp train`` does (values of ``precision``'s dtype otherwise): under sequence parallelism
+    QKV and fc1 keep their 16-bit input shard (gathered again in backward), and a flash kernel
+    keeps the attention output besides the projection's FP8 copy.
     With "selective", ``modules`` are Megatron-Core's ``--recompute-modules``: ``core_attn`` drops the
     scores (above), ``layernorm`` the two norms' outputs (the QKV and fc1 inputs, recomputed from the
     norms' inputs), ``mlp`` everything the MLP keeps but its input (fc1's input and output, fc2's input).
@@ -79,9 +84,10 @@ def layer_activation_bytes(
     if recompute not in ("none", "selective", "full", "op"):
         raise ValueError(f"recompute={recompute!r} must be none, selective, full or op")
     e, e32 = activation_value_bytes(precision)
-    g = 1 if precision == "fp8" else e  # bytes of a kept input of a QKV / projection / fc1 / fc2 GEMM
     h, a, s = model.hidden_size, model.num_attention_heads, model.seq_length
     t, tokens = tp, micro_batch_size * s
+    # bytes of a kept input of a QKV / projection / fc1 / fc2 GEMM
+    g = fp8_kept_bytes(fp8_recipe, tokens) if precision == "fp8" or fp8_recipe else e
     if recompute == "full":
         return e * tokens * h / (t if sequence_parallel else 1)
     d, kv = model.head_dim, model.kv_heads
@@ -92,10 +98,18 @@ def layer_activation_bytes(
     mask = 1 if model.has_dropout else 0
     kept = set(modules) if recompute == "selective" else set()
     gemm_inputs = 0 if "layernorm" in kept else (1 if "mlp" in kept else 2)  # of QKV and fc1
-    replicated = (2 * e + gemm_inputs * g + 2 * mask) * h
+    # ptdp's FP8 column-parallel linears keep their 16-bit input shard under sequence parallelism
+    column = e if fp8_recipe and sequence_parallel else g
+    replicated = (2 * e + gemm_inputs * column + 2 * mask) * h
     mlp = (2 if model.swiglu else 1) * model.ffn  # fc1 output: GELU input, or SwiGLU's gate and up halves
+    # the attention output, the projection's input: with ptdp's FP8 its copy is kept beside the
+    # flash kernel's output (unless the kernel is recomputed)
+    core_kept = recompute == "none" or "core_attn" not in kept
+    attention_out = g + e if fp8_recipe and model.flash_attention and core_kept else g
     split = (
-        e * (a * d + 2 * model.attended_kv_heads * d) + g * a * d + (0 if "mlp" in kept else e * mlp + g * model.ffn)
+        e * (a * d + 2 * model.attended_kv_heads * d)
+        + attention_out * a * d
+        + (0 if "mlp" in kept else e * mlp + g * model.ffn)
     )
     if model.qk_layernorm:  # the query/key norms keep their inputs
         split += e * (a + kv) * d
@@ -109,8 +123,28 @@ def layer_activation_bytes(
     return tokens * per_token
 
 
+def fp8_kept_bytes(recipe: str | None, tokens: int) -> float:
+    """Bytes per element of an FP8 GEMM input kept for backward (the transpose ``x^T [K, T]`` of a
+    microbatch's ``T`` tokens): 1, plus its float32 scales: rowwise one per row (``4 / T``),
+    blockwise one per 1x128 tile (``4 ceil(T / 128) / T``); tensorwise and delayed one per tensor
+    and None (Transformer Engine's) nothing counted."""
+    if recipe == "rowwise":
+        return 1.0 + 4.0 / tokens
+    if recipe == "blockwise":
+        return 1.0 + 4.0 * -(-tokens // 128) / tokens
+    return 1.0
+
+
 def _sublayer_change(
-    model: MoEModel, tp: int, tokens: int, sequence_parallel: bool, e: int, g: int, kept: set[str], etp: int, ep: int
+    model: MoEModel,
+    tp: int,
+    tokens: int,
+    sequence_parallel: bool,
+    e: int,
+    g: float,
+    kept: set[str],
+    etp: int,
+    ep: int,
 ) -> float:
     """Bytes per layer (the mean over the model's layers) by which MoE layers and multi-head latent
     attention change :func:`layer_activation_bytes`' dense count (no full or per-op recompute)."""
@@ -225,6 +259,7 @@ def stage_activation_bytes(
         modules=layout.modules,
         etp=layout.etp,
         ep=layout.ep,
+        fp8_recipe=layout.fp8_recipe,
     )
     mbs = inflight_microbatches(layout, pp_rank, schedule=schedule)
     last = pp_rank == layout.pp - 1
@@ -260,6 +295,7 @@ def stage_activation_bytes(
                 precision=precision,
                 etp=layout.etp,
                 ep=layout.ep,
+                fp8_recipe=layout.fp8_recipe,
             )
             - per_layer
         )
@@ -309,6 +345,7 @@ def rank_activation_bytes(
         b,
         sequence_parallel=layout.parallel.sequence_parallel,
         precision=layout.precision,
+        fp8_recipe=layout.fp8_recipe,
     )
     none, selective = activations(recompute="none"), activations(recompute="selective")
     missing = unfused_score_bytes_missing(none, selective, cp, model.flash_attention)
@@ -341,6 +378,7 @@ def cached_rank_activation_bytes(
         layout.recompute_modules,
         layout.parallel.sequence_parallel,
         layout.precision,
+        layout.fp8_recipe,
         layout.layer_split,
         layout.parallel.cp_comm_type,
         layout.etp,

@@ -137,10 +137,11 @@ def memory_breakdown(
         fp8_copies = fp8_weight_copy_bytes(
             model,
             layout.tp,
-            # ZeRO-3 (float32 shards): the gathered layers' FP8 copies only (two at the peak, freed
-            # with them), or with FP8 weights those layers gathered in 1 byte instead of 2
-            min(n_layers, 2) if zero3 else n_layers,
-            layout.precision,
+            # ZeRO-3 (float32 shards) under Transformer Engine: the gathered layers' FP8 copies only
+            # (two at the peak, freed with them), or with FP8 weights those layers gathered in 1
+            # byte instead of 2; ptdp train keeps every layer's copies until the step ends
+            min(n_layers, 2) if zero3 and layout.fp8_recipe is None else n_layers,
+            layout.fp8,
             param_gather=layout.fp8_param_gather,
         )
         parts = (

@@ -1,21 +1,28 @@
-"""FP8 training as Transformer Engine runs it on H100/H200 (``ptdp plan --fp8``; planner only).
+"""FP8 weight GEMMs: the weights' FP8 copies, and the checks of ``ptdp plan --fp8-format``.
 
-Precision ``"fp8"`` is bf16 mixed-precision training whose weight GEMMs run in FP8 (Micikevicius et
-al., "FP8 Formats for Deep Learning", arXiv:2209.05433; Transformer Engine with Megatron-Core,
-delayed scaling, E4M3 forward / E5M2 backward). The QKV, projection, fc1 and fc2 GEMMs run at the
-FP8 peak and keep 1-byte inputs for backward; everything else stays bf16 (MFU against the bf16 peak).
-Each of those weights also has an FP8 copy and its transpose, kept for the whole step
-(:data:`FP8_WEIGHT_COPY_BYTES`). With ``--fp8-param-gather`` (Megatron-LM's flag; Transformer Engine's
-``fp8_model_init``) those weights are FP8 tensors themselves: 1 byte each, no copy, the transpose
-made when backward needs it (``keep_fp8_transpose_cache`` off), the fp32 main parameters in the
-optimizer as before; the parameter all-gathers (distributed optimizer, ZeRO-3) move those weights
-in 1 byte. Under ZeRO-3, whose shards are float32, both apply to the gathered layers only.
+``ptdp train --fp8-format`` runs the forward, input-gradient and weight-gradient GEMMs of each
+layer's QKV, projection, fc1 and fc2 in FP8 (Micikevicius et al., "FP8 Formats for Deep
+Learning", arXiv:2209.05433; e4m3, or hybrid: e5m2 output gradients) under ``--fp8-recipe``
+(:data:`~ptdp.planner.candidate.FP8_RECIPES`); the embedding, output layer, norms, attention,
+main weights, gradients and optimizer state keep their dtypes. Each of those weights has an FP8
+copy and its transpose, kept from their first use until the step ends (:data:`FP8_WEIGHT_COPY_BYTES`,
+every layer of the stage). What the layers keep for backward: :mod:`ptdp.planner.memory.activations`;
+the GEMMs' time: :mod:`ptdp.planner.time.flops`.
+
+Precision "fp8" without a recipe plans Transformer Engine's FP8 as Megatron-Core runs it (delayed
+scaling; the published runs). With ``--fp8-param-gather`` (Megatron-LM's flag; Transformer
+Engine's ``fp8_model_init``; planner only) those weights are FP8 tensors themselves: 1 byte each,
+no copy, the transpose made when backward needs it (``keep_fp8_transpose_cache`` off), the fp32
+main parameters in the optimizer as before; the parameter all-gathers (distributed optimizer,
+ZeRO-3) move those weights in 1 byte. Under ZeRO-3, whose shards are float32, both apply to the
+gathered layers only.
 """
 
 from __future__ import annotations
 
 from ptdp.config.model import ModelConfig
 from ptdp.errors import ConfigError
+from ptdp.planner.inputs.moe_model import moe_of
 
 #: Bytes per weight of an FP8 GEMM held besides the bf16 weight: the FP8 weight (1) and its
 #: transpose (1).
@@ -47,6 +54,39 @@ def fp8_precision(gpu, precision: str) -> str:
     return "fp8"
 
 
+def fp8_recipe_planned(
+    model: ModelConfig, precision: str, recipe: str | None, *, param_gather: bool = False
+) -> tuple[str | None, list[str]]:
+    """The recipe a plan models at ``precision`` for ``--fp8-recipe`` ``recipe`` (None: not given)
+    and its notes: ``ptdp train``'s (default delayed, as it runs) for a dense model; None,
+    Transformer Engine's FP8 as Megatron-Core runs it, for a mixture of experts (``ptdp train`` runs
+    FP8 in dense layers only) or FP8 weights (``--fp8-param-gather``); None without FP8."""
+    if precision != "fp8":
+        return None, []
+    if moe_of(model) is None and not param_gather:
+        notes = []
+        if recipe == "blockwise":
+            notes.append(
+                "blockwise FP8 runs emulated in ptdp train: no kernel for its 1x128 and 128x128 "
+                "tile scales, so its GEMMs are planned as the float32 (TF32) GEMMs of the dequantised "
+                "operands, with their dequantisation passes"
+            )
+        return recipe or "delayed", notes
+    why = "--fp8-param-gather" if param_gather else "a mixture of experts (ptdp train runs FP8 in dense layers only)"
+    note = f"FP8 planned as Transformer Engine runs it under Megatron-Core (delayed scaling) for {why}"
+    return None, [f"{note}; --fp8-recipe {recipe} not modelled" if recipe else note]
+
+
+def check_fp8_flags(given: dict[str, object], precision: str) -> None:
+    """ConfigError for FP8 options (``given``: flag name to value, None when not given) without
+    ``--fp8-format``, as ``ptdp train`` refuses them."""
+    named = [f"--{name.replace('_', '-')} {value}" for name, value in given.items() if value is not None]
+    if named and precision != "fp8":
+        raise ConfigError(
+            f"{', '.join(named)} without --fp8-format: no GEMM runs in FP8 (give --fp8-format e4m3 or hybrid)"
+        )
+
+
 def layer_fp8_weights(model: ModelConfig, tp: int) -> int:
     """Weights of one layer's four FP8 GEMMs on one tp rank: QKV ``(a + 2 kv) d h / t``, projection
     ``a d h / t``, fc1 ``n ffn h / t`` (n = 2 for SwiGLU), fc2 ``ffn h / t``."""
@@ -57,12 +97,12 @@ def layer_fp8_weights(model: ModelConfig, tp: int) -> int:
 
 
 def fp8_weight_copy_bytes(
-    model: ModelConfig, tp: int, layers: int, precision: str, *, param_gather: bool = False, shard: int = 1
+    model: ModelConfig, tp: int, layers: int, fp8: bool, *, param_gather: bool = False, shard: int = 1
 ) -> float:
-    """Bytes the FP8 GEMMs' weights add on one tp rank of a stage of ``layers`` layers beyond 2 bytes
-    each (0 unless ``precision`` is "fp8"): the FP8 copies, or with ``param_gather`` (FP8 weights)
-    minus the byte each saves, over ``shard`` ranks when the weights are sharded."""
-    if precision != "fp8":
+    """Bytes the FP8 GEMMs' weights add on one tp rank of a stage of ``layers`` layers beyond their
+    own (0 without ``fp8``): the FP8 copies, or with ``param_gather`` (FP8 weights) minus the byte
+    each saves, over ``shard`` ranks when the weights are sharded."""
+    if not fp8:
         return 0.0
     weights = layers * layer_fp8_weights(model, tp)
     return -weights / shard if param_gather else FP8_WEIGHT_COPY_BYTES * weights

@@ -25,7 +25,7 @@ def moe_mlp_activation_bytes(
     etp: int = 1,
     load: float = 1.0,
     modules: tuple[str, ...] = (),
-    gemm_bytes: int | None = None,
+    gemm_bytes: float | None = None,
 ) -> float:
     """Bytes an MoE layer's MLP keeps for backward (``ptdp train``'s MoE layer, one micro-batch) on a
     rank routing ``tokens``, dropless or within the capacity, ``A = k tokens`` assignments sent and
@@ -72,7 +72,7 @@ def shared_expert_activation_bytes(
 
 
 def dense_mlp_activation_bytes(
-    model: ModelConfig, tokens: int, tp: int, *, precision_bytes: int, gemm_bytes: int
+    model: ModelConfig, tokens: int, tp: int, *, precision_bytes: int, gemm_bytes: float
 ) -> float:
     """The dense MLP's share of :func:`~ptdp.planner.memory.activations.layer_activation_bytes` without
     recompute (fc1's output, fc2's input), what an MoE layer does not keep."""
@@ -87,7 +87,7 @@ def mla_activation_change(
     tp: int,
     *,
     precision_bytes: int,
-    gemm_bytes: int,
+    gemm_bytes: float,
     modules: tuple[str, ...] = (),
 ) -> float:
     """Bytes by which multi-head latent attention keeps more (or less) than the grouped-query

@@ -75,6 +75,16 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)])
 
 
+def _fp8_words(result: SearchResult) -> str:
+    """``, FP8 GEMMs`` with its recipe as ``ptdp train`` runs it (none: Transformer Engine's) when
+    the plans run FP8 GEMMs, else nothing."""
+    layouts = [p.layout for p in _first_plans(result) if p.layout.fp8]
+    if not layouts:
+        return ""
+    recipe = layouts[0].fp8_recipe
+    return f", FP8 GEMMs ({recipe})" if recipe else ", FP8 GEMMs"
+
+
 def _first_plans(result: SearchResult) -> list[Plan]:
     """The first fitting and the first rejected plan (those that exist): what every layout of the
     search shares, such as its precision."""
@@ -109,7 +119,7 @@ def text_report(
         f"kv={model.kv_heads} ffn={model.ffn}{experts} V={model.vocab_size} s={model.seq_length}, "
         f"{'flash' if model.flash_attention else 'unfused'} attention"
         f"{' (keys and values repeated to every head)' if model.kv_repeated else ''}"
-        f"{', FP8 GEMMs' if any(p.layout.precision == 'fp8' for p in _first_plans(result)) else ''}; "
+        f"{_fp8_words(result)}; "
         f"{cluster.num_gpus} x {gpu.name} "
         f"({cluster.gpus_per_node} per node); {result.evaluated:,} layouts, {len(result.plans):,} fit",
         "memory in GiB on the most loaded GPU; time in seconds per step; TFLOP/s per GPU = FLOPs executed "

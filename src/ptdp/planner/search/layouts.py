@@ -90,6 +90,8 @@ class Fixed:
     expert_model_parallel_size: int | None = None
     expert_tensor_parallel_size: int | None = None
     moe_token_dispatcher_type: str | None = None
+    fp8_recipe: str | None = None
+    """``ptdp train``'s FP8 recipe planned with precision fp8 (None: Transformer Engine's, or no FP8)."""
 
     @property
     def optimizer_dtypes(self) -> tuple[str, str, str]:
@@ -398,7 +400,9 @@ def _search_layout(
     broken = broken or structural_rejections(
         model, tp, pp, dp, b, big_b, cluster.gpus_per_node, probe
     ) + context_rejections(model, tp, cp)
-    base = Candidate.of(tp, pp, dp, b, big_b, precision=precision, layer_split=split, cp=cp)
+    base = Candidate.of(
+        tp, pp, dp, b, big_b, precision=precision, layer_split=split, cp=cp, fp8_recipe=fixed.fp8_recipe
+    )
     if broken:
         result.rejected.append((Plan(base, False, reasons=[r.message for r in broken]), broken[0]))
         return
@@ -441,6 +445,7 @@ def _search_layout(
                         ep=ep,
                         etp=etp,
                         dispatcher=fixed.moe_token_dispatcher_type or "alltoall",
+                        fp8_recipe=fixed.fp8_recipe,
                     )
 
                 dispatcher = fixed.moe_token_dispatcher_type or "alltoall"

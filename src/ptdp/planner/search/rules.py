@@ -19,7 +19,7 @@ from ptdp.config.rules.axes import (
 from ptdp.config.rules.layout import layout_violations, schedule_violations
 from ptdp.config.rules.moe import moe_violations
 from ptdp.errors import Violation
-from ptdp.planner.candidate import OP_SAC, PRECISIONS, RECOMPUTE, Candidate
+from ptdp.planner.candidate import FP8_RECIPES, OP_SAC, PRECISIONS, RECOMPUTE, Candidate
 from ptdp.planner.inputs.hardware import Cluster
 from ptdp.planner.inputs.moe_model import MoEModel
 
@@ -100,6 +100,8 @@ def schedule_rejections(model: ModelConfig, layout: Candidate) -> list[Violation
         out.append(Violation("option", f"cp_comm_type={layout.parallel.cp_comm_type!r} not in {CP_COMM_TYPES}"))
     if layout.precision not in PRECISIONS:
         out.append(Violation("option", f"precision={layout.precision!r} not in {PRECISIONS}"))
+    if layout.fp8_recipe not in (None, *FP8_RECIPES):
+        out.append(Violation("option", f"fp8_recipe={layout.fp8_recipe!r} not in {FP8_RECIPES}"))
     return out
 
 

@@ -13,6 +13,7 @@ elementwise kernels take bytes / achieved HBM bandwidth.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache, partial
 
 from ptdp.config.model import ModelConfig
@@ -53,6 +54,21 @@ LINEAR_GEMMS = (0, 3, 4, 5)
 #: Bytes per element of an FP8 cast of an activation: read 2 (bf16), write 1 (FP8) and 1 (its
 #: FP8 transpose), Transformer Engine's fused cast-transpose.
 FP8_CAST_BYTES = 4.0
+#: Bytes per element of the dequantisation of an FP8 operand in an emulated GEMM
+#: (:func:`ptdp.engine.fp8.fp8_matmul`): the cast to float32 reads 1 and writes 4, the product
+#: with the scales reads 4 and writes 4.
+FP8_DEQUANTIZE_BYTES = 13.0
+#: Bytes per element of ``ptdp train``'s quantisation (:func:`ptdp.engine.fp8.quantize`, eager
+#: kernels) beyond reading its input and casting it to float32: the product with the scales
+#: (read 4, write 4), the clamp (read 4, write 4), the infinity mask (write 1) and the NaN fill
+#: (write 4), the select (read 9, write 4), the cast to FP8 (read 4, write 1).
+FP8_QUANTIZE_BYTES = 39.0
+#: Bytes per element a blockwise scale tile expansion adds (``repeat_interleave`` to the
+#: operand's shape: write 4, read 4 by the product) to a quantisation or dequantisation.
+FP8_TILE_SCALE_BYTES = 8.0
+#: Dimensions ``torch._scaled_mm`` needs ``K`` and ``N`` to be multiples of (CUDA); other FP8
+#: GEMMs are emulated.
+FP8_KERNEL_MULTIPLE = 16
 #: Backward memory traffic of an elementwise kernel relative to its forward: it reads the saved
 #: input(s) and the output gradient and writes the input gradient, about twice the forward's
 #: one read and one write.
@@ -308,19 +324,121 @@ def layer_elementwise_bytes(
     return total, scores
 
 
-def fp8_cast_bytes(model: ModelConfig, tp: int, micro_batch_size: int) -> tuple[float, float]:
-    """(forward, backward) bytes of the FP8 casts of one layer on one tp rank for one microbatch that no
-    other kernel does on the way (Transformer Engine fuses the others into the norms and activations).
+@dataclass(frozen=True)
+class FP8Gemms:
+    """How a layer's four weight GEMMs (:data:`LINEAR_GEMMS`) run in FP8
+    (:func:`ptdp.planner.time.stages.fp8_gemms` builds it for a candidate and a GPU).
 
-    :data:`FP8_CAST_BYTES` per element: forward the attention output (``a d / t`` per token); backward
-    the output gradients of fc2 and the projection (h each) and of QKV (``(a + 2 kv) d / t``). Weights
-    are cast once per step (not counted).
+    Attributes:
+        recipe: ``ptdp train``'s ``--fp8-recipe``; None: Transformer Engine's delayed scaling as
+            Megatron-Core runs it (the published runs).
+        native_peak: FLOP/s of the GPU's FP8 tensor cores (``torch._scaled_mm``); 0: every GEMM
+            emulated (no FP8 peak, a CPU, or blockwise, which has no kernel in ``ptdp train``).
+        efficiency: share of the GEMM efficiency an FP8 kernel reaches (below 1 for rowwise).
+        emulated_peak: FLOP/s of the float32 GEMM an emulated one runs (TF32 where the GPU has it).
+        value_bytes: bytes of the activation values the operands are cast from (4: float32 parameters).
+    """
+
+    recipe: str | None
+    native_peak: float
+    efficiency: float = 1.0
+    emulated_peak: float = 0.0
+    value_bytes: float = 2.0
+
+
+def fp8_gemm_time(
+    m: int, n: int, k: int, batch: int, fp8: FP8Gemms, *, bandwidth: float, peak_fraction: float, half_dim: float
+) -> float:
+    """Seconds of a forward ``[m, k] x [k, n]`` GEMM of FP8 operands (its backward: twice).
+
+    On the FP8 tensor cores (``fp8.native_peak``, ``k`` and ``n`` multiples of
+    :data:`FP8_KERNEL_MULTIPLE`): :func:`gemm_time` with 1-byte operands at ``fp8.efficiency`` x
+    ``peak_fraction``. Else emulated as ``ptdp train`` does: both operands dequantised
+    (:data:`FP8_DEQUANTIZE_BYTES` per element), a float32 GEMM at ``fp8.emulated_peak``, the result
+    cast to the activations' dtype (read 4, write ``value_bytes`` per element).
+    """
+    if fp8.native_peak and not (k % FP8_KERNEL_MULTIPLE or n % FP8_KERNEL_MULTIPLE):
+        return gemm_time(
+            m,
+            n,
+            k,
+            batch,
+            peak_flops=fp8.native_peak,
+            bandwidth=bandwidth,
+            peak_fraction=peak_fraction * fp8.efficiency,
+            half_dim=half_dim,
+            bytes_per_element=1.0,
+        )
+    gemm = gemm_time(
+        m,
+        n,
+        k,
+        batch,
+        peak_flops=fp8.emulated_peak,
+        bandwidth=bandwidth,
+        peak_fraction=peak_fraction,
+        half_dim=half_dim,
+        bytes_per_element=4.0,
+    )
+    dequantize = FP8_DEQUANTIZE_BYTES + (FP8_TILE_SCALE_BYTES if fp8.recipe == "blockwise" else 0.0)
+    passes = dequantize * (m * k + n * k) + (4.0 + fp8.value_bytes if fp8.value_bytes != 4.0 else 0.0) * m * n
+    return gemm + passes * batch / bandwidth
+
+
+def fp8_quantize_bytes(recipe: str, value_bytes: float) -> float:
+    """Bytes per element of one quantisation of an activation operand in ``ptdp train`` under
+    ``recipe``, its amax included: the amax (``|x|`` written and read: ``3 e``; per row or tile the
+    padded copy too: ``5 e``; delayed scaling computes it to record its history), the cast to
+    float32 (``e + 4``, none for float32 values), the infinity mask's read (``e``),
+    :data:`FP8_QUANTIZE_BYTES`, and blockwise :data:`FP8_TILE_SCALE_BYTES` (``e = value_bytes``)."""
+    e = value_bytes
+    amax = (5.0 if recipe in ("rowwise", "blockwise") else 3.0) * e
+    cast = 0.0 if e == 4.0 else e + 4.0
+    tiles = FP8_TILE_SCALE_BYTES if recipe == "blockwise" else 0.0
+    return amax + cast + e + FP8_QUANTIZE_BYTES + tiles
+
+
+def fp8_cast_bytes(
+    model: ModelConfig,
+    tp: int,
+    micro_batch_size: int,
+    recipe: str | None = None,
+    *,
+    sequence_parallel: bool = False,
+    value_bytes: float = 2.0,
+) -> tuple[float, float]:
+    """(forward, backward) bytes of one layer's FP8 casts of activations on one tp rank for one
+    microbatch. Weights are cast once per step (not counted).
+
+    ``recipe`` None (Transformer Engine, which fuses the other casts into the norms and activations):
+    :data:`FP8_CAST_BYTES` per element of the attention output (``a d / t`` per token) forward, and
+    backward of the output gradients of fc2 and the projection (h each) and of QKV (``(a + 2 kv) d / t``).
+
+    A ``ptdp train`` recipe quantises every operand on its own (:func:`fp8_quantize_bytes` per
+    element, ``q``): forward the projection and fc2 inputs (``(a d + ffn) / t`` per token) and the
+    QKV and fc1 inputs (h each, all T tokens: gathered first with sequence parallelism); backward
+    the four output gradients (``2 h + ((a + 2 kv) d + n ffn) / t``). Tensorwise and delayed
+    quantise an operand once and copy its FP8 transpose for wgrad (read 1, write 1): ``q + 2``;
+    rowwise and blockwise quantise it and its transpose apart: ``2 q``. With sequence parallelism
+    QKV and fc1 quantise their input once forward and once again in backward, after gathering it
+    again (its transpose: ``q``, tensorwise ``q + 2``).
     """
     h, a = model.hidden_size, model.num_attention_heads
     d, kv, t, tokens = model.head_dim, model.kv_heads, tp, micro_batch_size * model.seq_length
-    forward = tokens * a * d / t
-    backward = tokens * (2 * h + (a + 2 * kv) * d / t)
-    return FP8_CAST_BYTES * forward, FP8_CAST_BYTES * backward
+    if recipe is None:
+        forward = tokens * a * d / t
+        backward = tokens * (2 * h + (a + 2 * kv) * d / t)
+        return FP8_CAST_BYTES * forward, FP8_CAST_BYTES * backward
+    up = 2 if model.swiglu else 1
+    column = tokens * 2 * h  # QKV and fc1 inputs
+    row = tokens * (a * d + model.ffn) / t  # projection and fc2 inputs
+    grads = tokens * (2 * h + ((a + 2 * kv) * d + up * model.ffn) / t)
+    q = fp8_quantize_bytes(recipe, value_bytes)
+    copy = 2.0 if recipe in ("tensorwise", "delayed") else 0.0
+    per_operand = q + copy if copy else 2 * q
+    forward = row * per_operand + column * (q if sequence_parallel else per_operand)
+    backward = grads * per_operand + (column * (q + copy) if sequence_parallel else 0.0)
+    return forward, backward
 
 
 def flash_attention_time(
@@ -344,15 +462,15 @@ def layer_compute_times(
     bandwidth: float,
     peak_fraction: float,
     half_dim: float,
-    fp8_peak: float = 0.0,
+    fp8: FP8Gemms | None = None,
 ) -> tuple[float, float, float]:
     """Seconds of one layer on one tp rank for one microbatch, communication excluded:
     ``(forward, backward, attention-core forward)``.
 
     forward = Σ roofline GEMM times + elementwise bytes / bandwidth; backward = 2 x GEMM times +
     ``BACKWARD_TRAFFIC_RATIO`` x elementwise; the third item is what selective recompute adds (0 with
-    ``model.flash_attention``, whose fused kernel is :func:`flash_attention_time`). ``fp8_peak`` > 0: the
-    weight GEMMs run at that peak (FLOP/s) with 1-byte operands, plus :func:`fp8_cast_bytes`.
+    ``model.flash_attention``, whose fused kernel is :func:`flash_attention_time`). With ``fp8`` the
+    weight GEMMs run in FP8 (:func:`fp8_gemm_time`), plus :func:`fp8_cast_bytes`.
     """
     timed = partial(
         gemm_time, peak_flops=peak_flops, bandwidth=bandwidth, peak_fraction=peak_fraction, half_dim=half_dim
@@ -361,10 +479,19 @@ def layer_compute_times(
     gemms = [timed(*g) for g in shapes]
     elementwise, scores = layer_elementwise_bytes(model, tp, micro_batch_size, sequence_parallel=sequence_parallel)
     cast_forward = cast_backward = 0.0
-    if fp8_peak:
+    if fp8 is not None:
         for i in LINEAR_GEMMS:
-            gemms[i] = timed(*shapes[i], peak_flops=fp8_peak, bytes_per_element=1.0)
-        cast_forward, cast_backward = fp8_cast_bytes(model, tp, micro_batch_size)
+            gemms[i] = fp8_gemm_time(
+                *shapes[i], fp8, bandwidth=bandwidth, peak_fraction=peak_fraction, half_dim=half_dim
+            )
+        cast_forward, cast_backward = fp8_cast_bytes(
+            model,
+            tp,
+            micro_batch_size,
+            fp8.recipe,
+            sequence_parallel=sequence_parallel,
+            value_bytes=fp8.value_bytes,
+        )
     linear = sum(gemms[i] for i in LINEAR_GEMMS)
     if model.flash_attention:
         attention = flash_attention_time(

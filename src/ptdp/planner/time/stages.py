@@ -13,7 +13,7 @@ from __future__ import annotations
 from ptdp.config.model import ModelConfig
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate
-from ptdp.planner.inputs.hardware import Cluster
+from ptdp.planner.inputs.hardware import Cluster, GPUType
 from ptdp.planner.inputs.moe_model import MoEModel, moe_layer_share
 from ptdp.planner.memory.cp_local import local_model
 from ptdp.planner.time import flops
@@ -26,8 +26,32 @@ Parts = tuple[float, ...]
 """Per-microbatch seconds of a stage by part: (compute, recompute, tp_comm, cp_comm, ep_comm)."""
 
 
+def fp8_gemms(layout: Candidate, gpu: GPUType, c: PerfConstants) -> flops.FP8Gemms | None:
+    """How ``layout``'s FP8 GEMMs run on ``gpu`` (None: no FP8): on its FP8 tensor cores (its
+    sustained FP8 peak) unless it has none or the recipe is blockwise (emulated in ``ptdp
+    train``), rowwise at ``c.fp8_rowwise_gemm_efficiency``; emulated at its TF32 peak, else its
+    float32 one, else that of the parameters' dtype (a calibrated CPU)."""
+    if not layout.fp8:
+        return None
+    recipe, precision = layout.fp8_recipe, layout.precision
+    native = "fp8" in gpu.peak_flops and recipe != "blockwise"
+    fallback = next(p for p in ("tf32", "fp32", "bf16" if precision == "fp8" else precision) if p in gpu.peak_flops)
+    return flops.FP8Gemms(
+        recipe,
+        gpu.sustained_peak("fp8") if native else 0.0,
+        c.fp8_rowwise_gemm_efficiency if recipe == "rowwise" else 1.0,
+        gpu.sustained_peak(fallback),
+        4.0 if precision == "fp32" else 2.0,
+    )
+
+
 def rank_layer_times(
-    model: ModelConfig, layout: Candidate, peak: float, bandwidth: float, c: PerfConstants, fp8_peak: float = 0.0
+    model: ModelConfig,
+    layout: Candidate,
+    peak: float,
+    bandwidth: float,
+    c: PerfConstants,
+    fp8: flops.FP8Gemms | None = None,
 ) -> tuple[float, float, float, float, float]:
     """(forward, backward, attention core, one block's forward attention, its backward) seconds
     of one layer on one tp and cp rank for one microbatch (:mod:`ptdp.planner.time.cp_exchange`: the
@@ -43,7 +67,7 @@ def rank_layer_times(
         bandwidth,
         c.gemm_peak_fraction,
         c.gemm_half_dim,
-        fp8_peak,
+        fp8,
     )
     if layout.cp == 1:
         return (*times, times[2], 2.0 * times[2])
@@ -98,7 +122,7 @@ def stage_microbatch_times(
     v_pad: int,
     elem: float,
     layers: int,
-    fp8_peak: float = 0.0,
+    fp8: flops.FP8Gemms | None = None,
 ) -> tuple[Parts, Parts, Parts]:
     """(compute, recompute, tp_comm, cp_comm, ep_comm) seconds of one microbatch on (middle, first, last)
     stages of one cp rank (a planned MoE / MLA model's layers changed by
@@ -106,10 +130,10 @@ def stage_microbatch_times(
     key/value exchange :func:`ptdp.planner.time.cp_exchange.kv_exchange_times` and, with
     ``c.cp_implementation`` torch, :func:`ptdp.planner.time.cp_exchange.torch_merge_times`, again in a
     full recompute);
-    ``fp8_peak`` > 0: the layers' weight GEMMs run at that FP8 peak (FLOP/s)."""
+    ``fp8``: the layers' weight GEMMs in FP8 (:func:`fp8_gemms`)."""
     local = local_model(model, layout.cp) if layout.cp > 1 else model
     tp, b, s, h = layout.tp, layout.micro_batch_size, local.seq_length, model.hidden_size
-    fwd, bwd, core, block, block_bwd = rank_layer_times(model, layout, peak, bandwidth, c, fp8_peak)
+    fwd, bwd, core, block, block_bwd = rank_layer_times(model, layout, peak, bandwidth, c, fp8)
     full = layout.recompute == "full"
     sub = sublayer_times(
         model,
@@ -127,7 +151,7 @@ def stage_microbatch_times(
         c,
         links,
         elem,
-        fp8_peak,
+        fp8.native_peak if fp8 is not None else 0.0,
     )
     fwd, bwd = fwd + sub.forward, bwd + sub.backward
     exchange = sub.exchange + sub.exchange_again
@@ -235,11 +259,12 @@ def edge_layer_equivalents(
     ``V / (12 h + 2 s)`` layers; the time model adds the memory-bound and communication parts."""
     c, gpu, prec = constants.for_gpu(cluster.gpu), cluster.gpu, layout.precision
     peak = gpu.sustained_peak("bf16" if prec == "fp8" else prec)
-    fp8_peak = gpu.sustained_peak("fp8") if prec == "fp8" else 0.0
     v_pad = padded_vocab_size(model.vocab_size, make_vocab_size_divisible_by, layout.tp)
     elem = 4.0 if prec == "fp32" else 2.0
+    bandwidth = gpu.memory_bandwidth * c.hbm_efficiency
+    fp8 = fp8_gemms(layout, gpu, c)
     layer, first, last = stage_microbatch_times(
-        model, layout, peak, gpu.memory_bandwidth * c.hbm_efficiency, links_for(cluster, c), c, v_pad, elem, 1, fp8_peak
+        model, layout, peak, bandwidth, links_for(cluster, c), c, v_pad, elem, 1, fp8
     )
     unit = sum(layer)
     return (sum(first) - unit) / unit, (sum(last) - unit) / unit

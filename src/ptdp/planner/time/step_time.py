@@ -31,6 +31,7 @@ from ptdp.planner.time.data_parallel import (
 )
 from ptdp.planner.time.stages import (
     Parts,
+    fp8_gemms,
     pipeline_transfer_time,
     rank_layer_times,
     split_stage_times,
@@ -148,7 +149,7 @@ def evaluate_performance(
     c, gpu, prec = constants.for_gpu(cluster.gpu), cluster.gpu, layout.precision
     # fp8: attention, logits and MFU at the bf16 peak; the kernels at the power limit's, MFU at the datasheet's
     peak = gpu.sustained_peak("bf16" if prec == "fp8" else prec)
-    fp8_peak = gpu.sustained_peak("fp8") if prec == "fp8" else 0.0
+    fp8 = fp8_gemms(layout, gpu, c)
     bandwidth = gpu.memory_bandwidth * c.hbm_efficiency
     links = links_for(cluster, c)
     elem = 4.0 if prec == "fp32" else 2.0
@@ -160,14 +161,14 @@ def evaluate_performance(
         model, layout, split, make_vocab_size_divisible_by
     )
     n_params = max(stage_params)
-    mid, first, last = stage_microbatch_times(model, layout, peak, bandwidth, links, c, v_pad, elem, layers, fp8_peak)
+    mid, first, last = stage_microbatch_times(model, layout, peak, bandwidth, links, c, v_pad, elem, layers, fp8)
     busiest = last if sum(last) >= sum(first) else first
     p2p = pipeline_transfer_time(model, layout, links, elem, c)
     bubble = (pp - 1) / v * (sum(mid) + p2p)
     if split is not None:
         first, mid, last, busiest, fill = split_stage_times(split, mid, first, last)
         bubble = (fill + (pp - 1) * p2p) / v  # interleaving spreads fill and drain over v chunks ([N21] §2.2)
-    layer = rank_layer_times(model, layout, peak, bandwidth, c, fp8_peak)
+    layer = rank_layer_times(model, layout, peak, bandwidth, c, fp8)
     # the first stage's, which gathers its embeddings for forward only, or another's
     exposed_dp = max(
         dp_comm_time(model, layout, n, busiest, stage_layers, elem, links, c, layer, first_stage=rank == 0)
