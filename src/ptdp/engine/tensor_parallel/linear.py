@@ -68,13 +68,18 @@ class WgradQueue:
     over the tensors it needs, run in order by :meth:`run`. The caller runs them before the
     gradients are read or reduced."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        """Whether :meth:`defer` may be used: the linears then run their own autograd function in
+        every forward, so a recomputed forward saves what the first one did."""
         self.deferring = False
         self._pending: list[Callable[[], None]] = []
 
     @contextlib.contextmanager
     def defer(self) -> Iterator[WgradQueue]:
         """Within this block, the linears using this queue defer their weight gradients to it."""
+        if not self.enabled:
+            raise RuntimeError("this WgradQueue was built with enabled=False: its linears cannot defer")
         before, self.deferring = self.deferring, True
         try:
             yield self
@@ -84,11 +89,18 @@ class WgradQueue:
     def put(self, job: Callable[[], None]) -> None:
         self._pending.append(job)
 
+    def take(self) -> list[Callable[[], None]]:
+        """Remove and return the deferred closures (oldest first), to run later through :meth:`put`
+        and :meth:`run`."""
+        jobs, self._pending = self._pending, []
+        return jobs
+
     def run(self) -> int:
         """Run every deferred weight-gradient GEMM (oldest first); returns how many ran."""
         jobs, self._pending = self._pending, []
-        for job in jobs:
-            job()
+        with torch.no_grad():  # the closures' operands are autograd's saved tensors
+            for job in jobs:
+                job()
         return len(jobs)
 
     def __len__(self) -> int:
@@ -209,9 +221,9 @@ class LinearPlan:
 
     @property
     def plain(self) -> bool:
-        """Nothing beyond ``F.linear`` and autograd's weight gradient would differ (no weight
-        gradient is being deferred)."""
-        deferring = self.queue is not None and self.queue.deferring
+        """Nothing beyond ``F.linear`` and autograd's weight gradient would differ (and no weight
+        gradient can be deferred)."""
+        deferring = self.queue is not None and self.queue.enabled
         return self.comm == "local" and self.dtypes.native and self.fp8 is None and not deferring
 
 
@@ -236,6 +248,9 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: LinearPlan, record: bool):
         ctx.plan, ctx.has_bias = plan, bias is not None
+        # the parameter itself, where its gradient goes (a recomputed forward's saved weight is a
+        # detached alias without main_grad); its values are read from the saved tensors
+        ctx.param = weight
         full = start_sequence_gather(x, plan.axis, plan.tag)() if plan.comm == "sequence" else x
         rows = full.flatten(0, -2)
         fp8 = plan.fp8
@@ -299,9 +314,9 @@ class LinearFunction(torch.autograd.Function):
         if want_w:
             job = _wgrad_job(plan, ctx, weight, gy, gy_q, saved, regather)
             if plan.queue is not None and plan.queue.deferring:
-                plan.queue.put(lambda: _accumulate(weight, job))
+                plan.queue.put(lambda: _accumulate(ctx.param, job))
             else:
-                grad_weight = _to_autograd(weight, job)
+                grad_weight = _to_autograd(ctx.param, job)
         grad_bias = gy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if finish is not None:
             grad_x = finish()
