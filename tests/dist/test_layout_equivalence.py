@@ -74,8 +74,10 @@ def test_variants_match_single_process(layout, variant):
 @pytest.mark.parametrize("schedule", SCHEDULE_VARIANTS)
 @pytest.mark.parametrize("layout", sorted(SCHEDULE_LAYOUTS), ids=lambda l: "tp{}pp{}dp{}".format(*l))
 def test_pipeline_schedules_match_single_process(layout, schedule):
-    """GPipe and interleaved 1F1B (v = 2, also at pp = 2 where the next and previous rank are the
-    same process) train exactly like the single-process model (1F1B is the default variant)."""
+    """GPipe, interleaved 1F1B (v = 2, also at pp = 2 where the next and previous rank are the
+    same process), ZB-H1 and ZB-H2 (weight gradients deferred from B to W; ZB-H2 with full
+    recompute and the distributed optimizer) train exactly like the single-process model (1F1B
+    is the default variant)."""
     assert_matches_reference(parallel_run(*layout), schedule, TOL["float64"])
 
 

@@ -16,7 +16,14 @@ from ptdp.engine.stage import build_stage
 from ptdp.engine.step import train_step
 from ptdp.layout.grid import ParallelLayout
 
-CASES = [("1f1b", 4, 1), ("gpipe", 4, 1), ("interleaved-1f1b", 4, 2), ("interleaved-1f1b", 2, 2)]
+CASES = [
+    ("1f1b", 4, 1),
+    ("gpipe", 4, 1),
+    ("interleaved-1f1b", 4, 2),
+    ("interleaved-1f1b", 2, 2),
+    ("zb-h1", 4, 1),
+    ("zb-h2", 4, 1),
+]
 
 
 def posted_groups(rank: int, world: int, kind: str, v: int) -> list:

@@ -174,6 +174,16 @@ VARIANTS = {
         {"pipeline_schedule": "interleaved-1f1b"},
         {"micro_batch_size": 1},
     ),
+    # zero-bubble schedules: B and W apart, the linear layers' weight gradients deferred to W; ZB-H2
+    # with full recompute (B recomputes, W reuses what B kept) and the distributed optimizer
+    "zb_h1": ("float64", {}, {"pipeline_schedule": "zb-h1"}, {}),
+    "zb_h2": (
+        "float64",
+        {"recompute_granularity": "full", "recompute_num_layers": 1},
+        {"pipeline_schedule": "zb-h2"},
+        {},
+        {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "ddp_bucket_size": 901},
+    ),
     # data-parallel engine (applied at every layout, dp = 1 included): small buckets reduced during
     # backward; the distributed optimizer with buckets that need padding; accumulation of 4-8
     # microbatches (16 for the dp = 1 reference)
@@ -272,7 +282,7 @@ VARIANTS = {
 DP_LAYOUTS = {(1, 1, 4), (2, 2, 2), (1, 2, 2)}
 DP_VARIANTS = ["dp_overlap", "dp_distopt", "dp_distopt_overlap", "dp_distopt_overlap_gather", "dp_accumulate"]
 SCHEDULE_LAYOUTS = {(1, 2, 1), (1, 4, 1), (2, 2, 2), (1, 2, 2)}
-SCHEDULE_VARIANTS = ["gpipe", "interleaved", "interleaved_m8"]
+SCHEDULE_VARIANTS = ["gpipe", "interleaved", "interleaved_m8", "zb_h1", "zb_h2"]
 
 
 def llama_variant(tp: int) -> str:

@@ -97,7 +97,7 @@ BAD = [
         r"num_layers_per_virtual_pipeline_stage needs the interleaved-1f1b schedule, not gpipe",
     ),
     (dict(schedule="zero-bubble"), r"pipeline_schedule='zero-bubble' must be one of"),
-    (dict(schedule="zb-h1"), r"--pipeline-schedule zb-h1: ptdp train does not run it yet"),
+    (dict(schedule="zb-v"), r"--pipeline-schedule zb-v: ptdp train does not run it yet"),
     (dict(schedule="auto"), r"--pipeline-schedule auto: ptdp train does not run it yet"),
     (dict(schedule="zb-h2", per_chunk=1), r"num_layers_per_virtual_pipeline_stage needs the interleaved-1f1b"),
     (
@@ -237,7 +237,7 @@ CLI_BAD = [
         "num_layers=4 is not divisible by pp * num_layers_per_virtual_pipeline_stage",
     ),
     (["--sequence-parallel", "--tp", "1"], "sequence_parallel needs tensor_model_parallel_size > 1, got 1"),
-    (["--pipeline-schedule", "zb-h1"], "--pipeline-schedule zb-h1: ptdp train does not run it yet"),
+    (["--pipeline-schedule", "zb-v"], "--pipeline-schedule zb-v: ptdp train does not run it yet"),
     (["--pipeline-schedule", "zb-v"], "--pipeline-schedule zb-v: ptdp train does not run it yet"),
 ]
 

@@ -10,6 +10,7 @@ from typing import cast
 
 import torch
 
+from ptdp.config.fields import SPLIT_BACKWARD_SCHEDULES
 from ptdp.config.fp8 import FP8Config
 from ptdp.config.schema import Config
 from ptdp.engine.data_parallel.buffer import GradBuffer
@@ -138,6 +139,7 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
             moe=config.moe if config.moe.enabled else None,
             experts=experts,
             fp8=fp8_settings(config.fp8),
+            defer_wgrad=p.schedule in SPLIT_BACKWARD_SCHEDULES,
         )
         for c in range(v)
     ]

@@ -79,12 +79,14 @@ class GPTModel(nn.Module):
         moe: MoEConfig | None = None,
         experts: ExpertGroups | None = None,
         fp8: FP8Settings | None = None,
+        defer_wgrad: bool = False,
     ) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.cp = cp if cp is not None else AxisGroup.single("cp")
-        self.wgrad_queue = WgradQueue()
-        """Where this chunk's linear layers defer their weight gradients while it defers."""
+        self.wgrad_queue = WgradQueue(enabled=defer_wgrad)
+        """Where this chunk's linear layers defer their weight gradients while it defers (only
+        with ``defer_wgrad``: the zero-bubble schedules' B and W)."""
         fp8 = dataclasses.replace(fp8, cp=self.cp) if fp8 is not None else None
         self.sequence_parallel = sp = sequence_parallel and tp.size > 1
         self.pre_process, self.post_process = pre_process, post_process

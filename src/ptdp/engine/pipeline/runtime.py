@@ -14,6 +14,7 @@ al. SC21, §3.2): one send of the activation forward and one of its gradient bac
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from torch.autograd.graph import _engine_run_backward
 from ptdp.engine.activity import PIPELINE, set_phase
 from ptdp.engine.comm import P2P, AxisGroup, post
 from ptdp.engine.moe.layer import MoELayer
+from ptdp.engine.tensor_parallel.linear import WgradQueue
 from ptdp.layout.pipeline.program import P2PGroup, Step
 from ptdp.layout.pipeline.schedule import COMPUTE, Action
 
@@ -45,6 +47,8 @@ class _State:
     grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     loss_factor: float | torch.Tensor = 1.0
+    wgrads: dict[tuple[int, int], list] = field(default_factory=dict)
+    """The weight-gradient closures a B left for its W, by (microbatch, chunk)."""
 
     def is_first(self, chunk: int) -> bool:
         return self.pp.rank == 0 and chunk == 0
@@ -108,6 +112,7 @@ def run_schedule(
         return (a.chunk, a.microbatch // pp.size if by_round else 0)
 
     last_backward = {group(a): a for a in program if isinstance(a, Action) and a.kind == "backward"}
+    split = any(isinstance(a, Action) and a.kind == "backward_weight" for a in program)
     track = not forward_only  # evaluation keeps the caller's phase
     for step in program:
         if isinstance(step, P2PGroup):
@@ -118,7 +123,10 @@ def run_schedule(
         if track:
             set_phase(step.kind)
         span = tracer.span([step]) if tracer is not None else None
-        _compute(step, state, grad_sync is None or last_backward.get(group(step)) == step, grad_sync)
+        if split:  # B and W: the data-parallel reductions wait for the step's end (grad_sync.finish)
+            _compute_split(step, state, grad_sync)
+        else:
+            _compute(step, state, grad_sync is None or last_backward.get(group(step)) == step, grad_sync)
         if span is not None:
             span.end()
     if track:
@@ -156,6 +164,38 @@ def _compute(a: Action, state: _State, reduce: bool, grad_sync) -> None:
     else:
         with grad_sync.no_sync():
             _backward(a, state)
+
+
+def _compute_split(a: Action, state: _State, grad_sync) -> None:
+    """A forward, an input-gradient backward (B: the chunk's linear layers defer their weight
+    gradients to its :class:`~ptdp.engine.tensor_parallel.linear.WgradQueue`; the other
+    parameters' gradients and the stage input's come now) or a weight-gradient step (W: the
+    closures B left for that microbatch and chunk). Every backward accumulates under
+    ``grad_sync.no_sync()``."""
+    if a.kind == "forward":
+        _forward(a, state)
+        return
+    sync = grad_sync.no_sync() if grad_sync is not None else contextlib.nullcontext()
+    with sync:
+        queue = _queue(state.chunks[a.chunk])
+        if a.kind == "backward_weight":
+            for job in state.wgrads.pop((a.microbatch, a.chunk)):
+                queue.put(job)
+            queue.run()
+            return
+        if a.kind != "backward_input":
+            raise ValueError(f"a schedule with weight-gradient steps has a whole {a.kind} ({a})")
+        with queue.defer():
+            _backward(a, state)
+        state.wgrads[(a.microbatch, a.chunk)] = queue.take()
+
+
+def _queue(chunk: torch.nn.Module) -> WgradQueue:
+    """The chunk's weight-gradient queue (a :class:`~ptdp.engine.model.gpt.GPTModel`'s)."""
+    queue = getattr(chunk, "wgrad_queue", None)
+    if not isinstance(queue, WgradQueue):
+        raise TypeError(f"{type(chunk).__name__} has no wgrad_queue: it cannot run a weight-gradient step")
+    return queue
 
 
 def _forward(a: Action, state: _State) -> None:
