@@ -15,7 +15,7 @@ SHORT = [
     "--tp", "1", "--pp", "1", "--dp", "1", "--bf16",
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
     "--vocab-size", "1024", "--micro-batch-size", "8", "--global-batch-size", "8",
-    "--train-iters", "150", "--eval-interval", "150", "--eval-iters", "4", "--no-progress",
+    "--train-iters", "100", "--eval-interval", "100", "--eval-iters", "8", "--no-progress",
 ]  # fmt: skip
 
 

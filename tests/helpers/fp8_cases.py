@@ -13,7 +13,6 @@ from ptdp.config.parallel import ParallelConfig
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.stage import build_stage
 from ptdp.layout.grid import ParallelLayout
 
 #: (tp, cp, pp, dp, sequence parallel) by world size
@@ -63,19 +62,15 @@ def fp8_config(recipe: str | None, tp: int, cp: int, pp: int, dp: int, sp: bool 
     return resolve(Config(model=model, parallel=par, train=train, fp8=fp8), tp * cp * pp * dp)
 
 
-def histories(cfg: Config, groups: ParallelGroups) -> dict[str, list[float]]:
-    """Delayed scaling's amax history of every linear layer of this rank, by global module name,
-    after the run's 3 steps (trained again: :func:`train_and_collect` does not keep its stage)."""
-    from helpers.layout_cases import rank_microbatches
-    from ptdp.engine.step import train_step
-
-    stage = build_stage(cfg, groups)
-    for step in range(3):
-        train_step(stage, rank_microbatches(step, cfg, groups.dp.rank, groups.dp.size), step)
+def histories(stage) -> dict[str, dict[str, list[float]]]:
+    """``{"history": ...}``: delayed scaling's amax history of every linear layer of this rank, by
+    global module name."""
     return {
-        name: module.fp8.delayed.history.flatten().tolist()
-        for name, module in stage.model.named_modules()
-        if getattr(module, "fp8", None) is not None and module.fp8.delayed is not None
+        "history": {
+            name: module.fp8.delayed.history.flatten().tolist()
+            for name, module in stage.model.named_modules()
+            if getattr(module, "fp8", None) is not None and module.fp8.delayed is not None
+        }
     }
 
 
@@ -87,10 +82,9 @@ def fp8_worker(rank: int, world: int) -> dict:
         runs = {}
         for recipe in RECIPES:
             cfg = fp8_config(recipe, tp, cp, pp, dp, sp)
-            res = train_and_collect(cfg, groups, record_comm_step=0)
-            if recipe == "delayed":
-                res["history"] = histories(cfg, groups)
-            runs[recipe] = res
+            runs[recipe] = train_and_collect(
+                cfg, groups, record_comm_step=0, collect=histories if recipe == "delayed" else None
+            )
         out[(tp, cp, pp, dp, sp)] = runs
     return out
 
@@ -105,7 +99,4 @@ def world_results(world: int) -> list[dict]:
 def reference(recipe: str | None) -> dict:
     """The single-process run of ``recipe`` (None: without FP8)."""
     cfg, groups = fp8_config(recipe, 1, 1, 1, 1), ParallelGroups.single_process()
-    res = train_and_collect(cfg, groups)
-    if recipe == "delayed":
-        res["history"] = histories(cfg, groups)
-    return res
+    return train_and_collect(cfg, groups, collect=histories if recipe == "delayed" else None)

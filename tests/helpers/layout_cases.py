@@ -85,8 +85,9 @@ def rank_microbatches(step: int, cfg: Config, dp_rank: int, dp_size: int):
     return [(mine[i : i + b, :-1], mine[i : i + b, 1:]) for i in range(0, per_rank, b)]
 
 
-def train_and_collect(cfg: Config, groups: ParallelGroups, record_comm_step: int | None = None) -> dict:
-    """Train STEPS steps; return losses, norms, local parameters with their specs, comm counts."""
+def train_and_collect(cfg: Config, groups: ParallelGroups, record_comm_step: int | None = None, collect=None) -> dict:
+    """Train STEPS steps; return losses, norms, local parameters with their specs, comm counts (and
+    what ``collect(stage)`` returns, under its keys)."""
     stage = build_stage(cfg, groups)
     losses, norms, comm, moe = [], [], None, []
     for step in range(STEPS):
@@ -104,7 +105,8 @@ def train_and_collect(cfg: Config, groups: ParallelGroups, record_comm_step: int
         for name, p in global_named_parameters(stage.model)
     }
     c = groups.coords
-    return {
+    extra = collect(stage) if collect is not None else {}
+    return extra | {
         "buffers": {
             n: b.clone() for n, b in stage.model.named_buffers() if n.endswith(("expert_bias", "global_counts"))
         },
