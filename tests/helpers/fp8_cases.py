@@ -6,12 +6,9 @@ from __future__ import annotations
 import functools
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
-from helpers.layout_cases import VOCAB, train_and_collect
+from helpers.layout_cases import tiny_config, train_and_collect
 from ptdp.config.fp8 import FP8Config
-from ptdp.config.model import ModelConfig
-from ptdp.config.parallel import ParallelConfig
-from ptdp.config.resolve import resolve
-from ptdp.config.schema import Config, TrainConfig
+from ptdp.config.schema import Config
 from ptdp.engine.groups import ParallelGroups
 from ptdp.layout.grid import ParallelLayout
 
@@ -29,37 +26,12 @@ RECIPES = {
 
 
 def fp8_config(recipe: str | None, tp: int, cp: int, pp: int, dp: int, sp: bool = False) -> Config:
-    """2 layers (4 at pp = 2: every stage holds layers), h 32 (blockwise tiles of 128 cut by every
-    shard), s 16, b 2, B 8, float64, clipping active; ``recipe`` None: no FP8."""
-    model = ModelConfig(
-        num_layers=4,
-        hidden_size=32,
-        num_attention_heads=4,
-        ffn_hidden_size=64,
-        seq_length=16,
-        vocab_size=VOCAB,
-        make_vocab_size_divisible_by=8,
-        params_dtype="float64",
-    )
-    train = TrainConfig(
-        micro_batch_size=2,
-        global_batch_size=8,
-        train_iters=3,
-        lr=3e-3,
-        min_lr=3e-4,
-        lr_warmup_iters=1,
-        clip_grad=0.05,
-        weight_decay=0.1,
-    )
-    par = ParallelConfig(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        data_parallel_size=dp,
-        context_parallel_size=cp,
-        sequence_parallel=sp,
-    )
-    fp8 = RECIPES[recipe] if recipe is not None else FP8Config()
-    return resolve(Config(model=model, parallel=par, train=train, fp8=fp8), tp * cp * pp * dp)
+    """The tiny float64 GPT (:func:`helpers.layout_cases.tiny_config`: 4 layers, h 32, so blockwise
+    tiles of 128 are cut by every shard; b 2, B 8, clipping active) with s 16 at this layout;
+    ``recipe`` None: no FP8."""
+    parallel = {"context_parallel_size": cp, "sequence_parallel": sp}
+    fp8 = RECIPES[recipe] if recipe is not None else None
+    return tiny_config(tp, pp, dp, "float64", parallel_overrides=parallel, fp8=fp8, seq_length=16)
 
 
 def histories(stage) -> dict[str, dict[str, list[float]]]:

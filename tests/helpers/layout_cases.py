@@ -8,6 +8,7 @@ import functools
 import torch
 
 from helpers.dist_helpers import PG_TIMEOUT, run_in_pool
+from ptdp.config.fp8 import FP8Config
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
 from ptdp.config.parallel import ParallelConfig
@@ -34,6 +35,7 @@ def tiny_config(
     train_overrides=None,
     parallel_overrides=None,
     moe: MoEConfig | None = None,
+    fp8: FP8Config | None = None,
     **model_overrides,
 ) -> Config:
     model = ModelConfig(
@@ -69,7 +71,8 @@ def tiny_config(
         data_parallel_size=dp,
         **(parallel_overrides or {}),
     )
-    return resolve(Config(model=model, parallel=par, train=train, moe=moe or MoEConfig()), tp * pp * dp)
+    config = Config(model=model, parallel=par, train=train, moe=moe or MoEConfig(), fp8=fp8 or FP8Config())
+    return resolve(config, tp * par.context_parallel_size * pp * dp)
 
 
 def global_batch(step: int, cfg: Config) -> torch.Tensor:

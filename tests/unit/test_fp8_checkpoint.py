@@ -21,7 +21,7 @@ def _histories(stage) -> dict[str, torch.Tensor]:
 
 def test_delayed_scaling_history_resumes_bitwise(tmp_path):
     fp8 = FP8Config(fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=3, fp8_amax_compute_algo="max")
-    cfg = dataclasses.replace(tiny_config(1, 1, 1, "float64"), fp8=fp8)
+    cfg = tiny_config(1, 1, 1, "float64", fp8=fp8)
     stage = build_stage(cfg, ParallelGroups.single_process())
     for step in range(2):
         train_step(stage, rank_microbatches(step, cfg, 0, 1), step)
