@@ -5,6 +5,7 @@ pipeline programs (:class:`Stage`, :func:`build_stage`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import cast
 
@@ -67,9 +68,10 @@ class Stage:
     def dtype(self) -> torch.dtype:
         return DTYPES[self.config.model.params_dtype]
 
-    @property
+    @functools.cached_property
     def fp8_gemms(self) -> list[FP8GEMMs]:
-        """The FP8 state of every linear layer of this rank, chunk by chunk (empty without FP8)."""
+        """The FP8 state of every linear layer of this rank, chunk by chunk (empty without FP8;
+        found once, not at every step)."""
         chunks = [cast(GPTModel, c) for c in self.model] if isinstance(self.model, ModelChunks) else [self.model]
         return [gemms for chunk in chunks for gemms in chunk.fp8_gemms()]
 

@@ -179,9 +179,7 @@ def _compute_split(a: Action, state: _State, grad_sync) -> None:
     with sync:
         queue = _queue(state.chunks[a.chunk])
         if a.kind == "backward_weight":
-            for job in state.wgrads.pop((a.microbatch, a.chunk)):
-                queue.put(job)
-            queue.run()
+            queue.run(state.wgrads.pop((a.microbatch, a.chunk)))
             return
         if a.kind != "backward_input":
             raise ValueError(f"a schedule with weight-gradient steps has a whole {a.kind} ({a})")

@@ -90,14 +90,15 @@ class WgradQueue:
         self._pending.append(job)
 
     def take(self) -> list[Callable[[], None]]:
-        """Remove and return the deferred closures (oldest first), to run later through :meth:`put`
-        and :meth:`run`."""
+        """Remove and return the deferred closures (oldest first), for :meth:`run` later."""
         jobs, self._pending = self._pending, []
         return jobs
 
-    def run(self) -> int:
-        """Run every deferred weight-gradient GEMM (oldest first); returns how many ran."""
-        jobs, self._pending = self._pending, []
+    def run(self, jobs: list[Callable[[], None]] | None = None) -> int:
+        """Run ``jobs`` (by default every deferred weight-gradient GEMM, which leave the queue),
+        oldest first; returns how many ran."""
+        if jobs is None:
+            jobs = self.take()
         with torch.no_grad():  # the closures' operands are autograd's saved tensors
             for job in jobs:
                 job()
