@@ -23,6 +23,9 @@ CASES = [
     ("interleaved-1f1b", 2, 2),
     ("zb-h1", 4, 1),
     ("zb-h2", 4, 1),
+    ("zb-v", 4, 2),
+    ("dualpipev", 4, 2),
+    ("zb-v", 2, 2),
 ]
 
 

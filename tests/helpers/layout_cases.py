@@ -189,6 +189,27 @@ VARIANTS = {
         {},
         {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "ddp_bucket_size": 901},
     ),
+    # the V placement: two chunks per rank, rank 0 running the first and the last stage (one tied
+    # embedding); ZB-V with the distributed optimizer's overlapped buckets, DualPipeV (whole and
+    # split backwards, 8 microbatches at dp = 1) with full recompute and an untied output layer
+    "zb_v": (
+        "float64",
+        {"num_layers": 8},
+        {"pipeline_schedule": "zb-v"},
+        {},
+        {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "ddp_bucket_size": 901},
+    ),
+    "dualpipev": (
+        "float64",
+        {
+            "num_layers": 8,
+            "recompute_granularity": "full",
+            "recompute_num_layers": 1,
+            "untie_embeddings_and_output_weights": True,
+        },
+        {"pipeline_schedule": "dualpipev"},
+        {"micro_batch_size": 1},
+    ),
     # data-parallel engine (applied at every layout, dp = 1 included): small buckets reduced during
     # backward; the distributed optimizer with buckets that need padding; accumulation of 4-8
     # microbatches (16 for the dp = 1 reference)
@@ -287,7 +308,7 @@ VARIANTS = {
 DP_LAYOUTS = {(1, 1, 4), (2, 2, 2), (1, 2, 2)}
 DP_VARIANTS = ["dp_overlap", "dp_distopt", "dp_distopt_overlap", "dp_distopt_overlap_gather", "dp_accumulate"]
 SCHEDULE_LAYOUTS = {(1, 2, 1), (1, 4, 1), (2, 2, 2), (1, 2, 2)}
-SCHEDULE_VARIANTS = ["gpipe", "interleaved", "interleaved_m8", "zb_h1", "zb_h2"]
+SCHEDULE_VARIANTS = ["gpipe", "interleaved", "interleaved_m8", "zb_h1", "zb_h2", "zb_v", "dualpipev"]
 
 
 def llama_variant(tp: int) -> str:

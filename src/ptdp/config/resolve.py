@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ptdp.config.fields import SCHEDULES_NOT_TRAINED, SPLIT_BACKWARD_SCHEDULES
+from ptdp.config.fields import SCHEDULES, SCHEDULES_NOT_TRAINED, SPLIT_BACKWARD_SCHEDULES
 from ptdp.config.model import ModelConfig, concrete_params_dtype
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.rules.axes import (
@@ -121,7 +121,7 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
 
 
 def _schedule_not_yet(p: ParallelConfig) -> list[Violation]:
-    """The pipeline schedules ``ptdp train`` does not run yet (the V placement, ``auto``), and the
+    """The pipeline schedules ``ptdp train`` does not run yet (``auto``), and the
     zero-bubble schedules' combinations it does not run yet: gradients sharded per microbatch,
     whose reduce-scatter would come before the deferred weight gradients."""
     if p.schedule in SPLIT_BACKWARD_SCHEDULES and p.sharding_strategy in ("optim_grads", "optim_grads_params"):
@@ -138,7 +138,8 @@ def _schedule_not_yet(p: ParallelConfig) -> list[Violation]:
         V(
             "option",
             f"--pipeline-schedule {p.schedule}: ptdp train does not run it yet (ptdp schedule shows its "
-            f"program and bubble; train with 1f1b, gpipe, interleaved-1f1b, zb-h1 or zb-h2)",
+            f"program and bubble; train with one of "
+            f"{', '.join(k for k in SCHEDULES if k not in SCHEDULES_NOT_TRAINED)})",
         )
     ]
 

@@ -35,6 +35,7 @@ from ptdp.engine.optim.zero import ShardedAdamW
 from ptdp.engine.tensor_parallel.linear import FP8GEMMs, FP8Settings
 from ptdp.engine.tensor_parallel.random import DropoutRNG
 from ptdp.engine.tensor_parallel.sharding import initialize_parameters
+from ptdp.layout.pipeline.placement import virtual_stage
 
 
 @dataclass
@@ -132,8 +133,8 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
             m,
             groups.tp,
             layer_ids=split.chunk_layer_ids(rank, c),
-            pre_process=rank == 0 and c == 0,
-            post_process=rank == pp - 1 and c == v - 1,
+            pre_process=virtual_stage(rank, c, pp, split.placement) == 0,
+            post_process=virtual_stage(rank, c, pp, split.placement) == pp * v - 1,
             sequence_parallel=p.sequence_parallel,
             rng=rng,
             cp=groups.cp,
@@ -154,6 +155,7 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
             tp_rank=groups.tp.rank,
             tp_size=groups.tp.size,
         )
+    _tie_on_rank(chunks)
     model = chunks[0] if v == 1 else ModelChunks(chunks)
     device = torch.device(device)
     allow_tf32(device)
@@ -180,6 +182,16 @@ def build_stage(config: Config, groups: ParallelGroups, device: torch.device | s
         expert_grads=expert_grads,
         expert_optimizer=expert_optimizer,
     )
+
+
+def _tie_on_rank(chunks: list[GPTModel]) -> None:
+    """Where one rank runs both the first and the last stage (the V placement's rank 0) with tied
+    embeddings, its last chunk uses the first chunk's embedding module: one parameter, whose
+    gradient sums both uses locally (no embedding-group all-reduce)."""
+    first = [c for c in chunks if c.pre_process]
+    last = [c for c in chunks if c.post_process and c.tied_embedding() is not None]
+    if first and last and first[0] is not last[0]:
+        last[0].word_embeddings = first[0].word_embeddings
 
 
 def fp8_settings(fp8: FP8Config) -> FP8Settings | None:
@@ -246,7 +258,7 @@ def _data_parallel(
     grads = GradBuffer(
         # reduced (and sharded) over the dp x cp ranks holding these parameters: summed over cp,
         # averaged over dp (1/dp in the loss, or average_over=dp for float16)
-        [[p for p in chunk.parameters() if id(p) not in excluded] for chunk in chunks],
+        _chunk_params(chunks, excluded),
         dp=groups.dp_cp,
         average_over=groups.dp.size,
         # float32 main gradients for 16-bit parameters; bfloat16 ones with --grad-reduce-in-bf16
@@ -276,6 +288,17 @@ def _data_parallel(
         params = [q for q in model.parameters() if id(q) not in excluded]
         optimizer = build_optimizer(model, config.train, grads, param_gather_units=gather, params=params)
     return grads, optimizer
+
+
+def _chunk_params(chunks: list[GPTModel], excluded: set[int]) -> list[list[torch.nn.Parameter]]:
+    """Each chunk's parameters not in ``excluded`` (ids); one shared by two chunks (a tied
+    embedding on one rank) only in the first."""
+    seen = set(excluded)
+    out = []
+    for chunk in chunks:
+        out.append([p for p in chunk.parameters() if id(p) not in seen])
+        seen.update(id(p) for p in out[-1])
+    return out
 
 
 def _without(unit: UnitUse, excluded: set[int]) -> UnitUse:

@@ -32,6 +32,7 @@ from ptdp.engine.pipeline.runtime import Microbatch, run_schedule
 from ptdp.engine.stage import Stage
 from ptdp.engine.tensor_parallel.linear import end_fp8_step
 from ptdp.layout.lr_schedule import lr_at
+from ptdp.layout.pipeline.placement import placement_of
 from ptdp.layout.pipeline.program import build_programs
 
 NONFINITE_LOSS = "non-finite loss"
@@ -210,6 +211,7 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
             grad_sync=stage.grads,
             loss_scale=loss_factor,
             batch_shape=(cfg.train.micro_batch_size, cfg.model.seq_length),
+            placement=placement_of(cfg.parallel.schedule),
         )
     finally:
         for u in undo:
@@ -285,7 +287,10 @@ def _eval_loss(stage: Stage, batches: list[list[Microbatch]]) -> float:
         return 0.0
     total = torch.zeros(1, dtype=torch.float64, device=stage.device)
     for microbatches in batches:
-        programs = build_programs("forward-only", g.pp.size, len(microbatches), stage.virtual_stages)
+        placement = placement_of(stage.config.parallel.schedule)  # a V model evaluates on its V
+        programs = build_programs(
+            "forward-only", g.pp.size, len(microbatches), stage.virtual_stages, placement=placement
+        )
         losses = run_schedule(
             programs[g.pp.rank],
             stage.model,
@@ -296,8 +301,9 @@ def _eval_loss(stage: Stage, batches: list[list[Microbatch]]) -> float:
             device=stage.device,
             forward_only=True,
             batch_shape=(stage.config.train.micro_batch_size, stage.config.model.seq_length),
+            placement=placement,
         )
-        if g.is_last_stage and g.tp.rank == 0 and losses:
+        if g.tp.rank == 0 and losses:  # losses: this rank runs the last virtual stage
             total += torch.stack(losses).to(torch.float64).sum() / len(microbatches)
     all_reduce(total, g.world, tag="metrics")
     return total.item() / (g.dp.size * len(batches))
@@ -322,7 +328,7 @@ def _step_values(
     if losses:
         stacked = torch.stack(losses)
         value[1] = (~stacked.isfinite().all()).double()
-        if g.is_last_stage and g.tp.rank == 0:
+        if g.tp.rank == 0:  # losses: this rank runs the last virtual stage
             value[0] = stacked.to(torch.float64).sum()
     bad_norm = ~norm.isfinite()
     value[2] = (bad_norm if overflow is None else bad_norm | (overflow > 0)).double()

@@ -6,7 +6,9 @@ pp axis and waited for before the next step: NCCL's strictest reading (a send co
 its receive runs), under which :mod:`ptdp.layout.pipeline.nccl_model` proves every program
 deadlock-free; gloo runs the same program. A sent activation's storage is released once delivered
 (its backward then runs through the autograd engine directly). Activations and gradients use
-different gloo tags (with pp = 2 both neighbours are one process). Each step sets the phase of
+different gloo tags (with pp = 2 both neighbours are one process). A hand-over (the V placement's
+turn on rank p - 1) moves a tensor between two chunks of the rank, detached as a received one
+would be, and posts nothing. Each step sets the phase of
 :mod:`ptdp.engine.activity`. Communication per microbatch, chunk and stage boundary (Narayanan et
 al. SC21, §3.2): one send of the activation forward and one of its gradient backward, each of
 ``hidden_shape`` (``[s, b, h]``).
@@ -25,8 +27,9 @@ from ptdp.engine.activity import PIPELINE, set_phase
 from ptdp.engine.comm import P2P, AxisGroup, post
 from ptdp.engine.moe.layer import MoELayer
 from ptdp.engine.tensor_parallel.linear import WgradQueue
+from ptdp.layout.pipeline.placement import virtual_stage
 from ptdp.layout.pipeline.program import P2PGroup, Step
-from ptdp.layout.pipeline.schedule import COMPUTE, Action
+from ptdp.layout.pipeline.schedule import COMPUTE, HANDOVER, Action
 
 Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [b, s], labels [b, s])
 TAGS = {"forward": 0, "backward": 1}
@@ -42,6 +45,7 @@ class _State:
     pp: AxisGroup
     device: torch.device
     forward_only: bool
+    placement: str = "looped"
     inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
@@ -51,10 +55,10 @@ class _State:
     """The weight-gradient closures a B left for its W, by (microbatch, chunk)."""
 
     def is_first(self, chunk: int) -> bool:
-        return self.pp.rank == 0 and chunk == 0
+        return virtual_stage(self.pp.rank, chunk, self.pp.size, self.placement) == 0
 
     def is_last(self, chunk: int) -> bool:
-        return self.pp.rank == self.pp.size - 1 and chunk == len(self.chunks) - 1
+        return virtual_stage(self.pp.rank, chunk, self.pp.size, self.placement) == self.pp.size * len(self.chunks) - 1
 
 
 def run_schedule(
@@ -72,6 +76,7 @@ def run_schedule(
     loss_scale: float | torch.Tensor | None = None,
     seq_length: int | None = None,
     batch_shape: tuple[int, int] | None = None,
+    placement: str = "looped",
 ) -> list[torch.Tensor]:
     """Run this rank's ``program`` over ``microbatches``; returns the last stage's losses.
 
@@ -81,7 +86,8 @@ def run_schedule(
     ``(s/t, b, h)`` with sequence parallelism); ``grad_sync``: a
     :class:`~ptdp.engine.data_parallel.buffer.GradBuffer` whose reductions start only in each
     chunk's last backward (``no_sync`` before); ``loss_scale``: a float16 loss scale (0-dim, on
-    the device); ``batch_shape``: ``(b, s)`` (default from ``hidden_shape`` and ``seq_length``).
+    the device); ``batch_shape``: ``(b, s)`` (default from ``hidden_shape`` and ``seq_length``);
+    ``placement``: the program's (:mod:`ptdp.layout.pipeline.placement`).
     Returns the last virtual stage's ``m`` detached mean losses (elsewhere ``[]``); each is
     backpropagated scaled by 1/m, and so are the MoE layers' balancing losses (their
     ``loss_scale``). Raises ValueError for a microbatch not ``[b, s]``, TypeError for a schedule's
@@ -97,6 +103,7 @@ def run_schedule(
         pp,
         device,
         forward_only,
+        placement,
         loss_factor=(1.0 if loss_scale is None else loss_scale) / len(microbatches),
     )
     for chunk in chunks:  # balancing losses inside the stage join backward as the loss does
@@ -120,6 +127,9 @@ def run_schedule(
                 set_phase(PIPELINE)
             _exchange(step, state, hidden_shape, dtype, tracer)
             continue
+        if step.kind in HANDOVER:
+            _handover(step, state)
+            continue
         if track:
             set_phase(step.kind)
         span = tracer.span([step]) if tracer is not None else None
@@ -135,7 +145,7 @@ def run_schedule(
 
 
 def _check_program(program: Sequence[Step]) -> None:
-    if any(isinstance(step, Action) and step.kind not in COMPUTE for step in program):
+    if any(isinstance(step, Action) and step.kind not in COMPUTE + HANDOVER for step in program):
         raise TypeError(
             "run_schedule takes a program (ptdp.layout.pipeline.program.build_programs), whose "
             "transfers are grouped; got a schedule's transfer action"
@@ -169,20 +179,21 @@ def _compute(a: Action, state: _State, reduce: bool, grad_sync) -> None:
 def _compute_split(a: Action, state: _State, grad_sync) -> None:
     """A forward, an input-gradient backward (B: the chunk's linear layers defer their weight
     gradients to its :class:`~ptdp.engine.tensor_parallel.linear.WgradQueue`; the other
-    parameters' gradients and the stage input's come now) or a weight-gradient step (W: the
-    closures B left for that microbatch and chunk). Every backward accumulates under
-    ``grad_sync.no_sync()``."""
+    parameters' gradients and the stage input's come now), a weight-gradient step (W: the
+    closures B left for that microbatch and chunk) or a whole backward. Every backward
+    accumulates under ``grad_sync.no_sync()``."""
     if a.kind == "forward":
         _forward(a, state)
         return
     sync = grad_sync.no_sync() if grad_sync is not None else contextlib.nullcontext()
     with sync:
+        if a.kind == "backward":
+            _backward(a, state)
+            return
         queue = _queue(state.chunks[a.chunk])
         if a.kind == "backward_weight":
             queue.run(state.wgrads.pop((a.microbatch, a.chunk)))
             return
-        if a.kind != "backward_input":
-            raise ValueError(f"a schedule with weight-gradient steps has a whole {a.kind} ({a})")
         with queue.defer():
             _backward(a, state)
         state.wgrads[(a.microbatch, a.chunk)] = queue.take()
@@ -228,6 +239,18 @@ def _backward(a: Action, state: _State) -> None:
         if grad is None:  # a received input requires grad, so backward always fills it
             raise RuntimeError(f"microbatch {a.microbatch}, chunk {a.chunk}: the stage input got no gradient")
         state.grads[key] = grad
+
+
+def _handover(a: Action, state: _State) -> None:
+    """Chunk ``a.chunk``'s input is chunk ``a.chunk - 1``'s output (``handover_forward``, detached
+    as a received activation), or its output gradient is chunk ``a.chunk + 1``'s input gradient
+    (``handover_backward``)."""
+    mb, c = a.microbatch, a.chunk
+    if a.kind == "handover_forward":
+        out = state.outputs.pop((mb, c - 1)) if state.forward_only else state.outputs[(mb, c - 1)]
+        state.inputs[(mb, c)] = out.detach()
+    else:
+        state.grads[(mb, c)] = state.grads.pop((mb, c + 1))
 
 
 def _exchange(group: P2PGroup, state: _State, shape, dtype, tracer=None) -> None:

@@ -74,19 +74,24 @@ def build_programs(
     *,
     times: StageTimes | None = None,
     memory_limit: int | None = None,
+    placement: str | None = None,
 ) -> tuple[tuple[Step, ...], ...]:
     """Per pipeline rank, its program: compute :class:`Action` s and :class:`P2PGroup` s in the order
     the runtime runs and posts them (cached per shape, read-only), checked under
     :func:`ptdp.layout.pipeline.nccl_model.simulate_nccl` before being returned. ``times`` and
-    ``memory_limit``: the ``auto`` schedule's (:func:`ptdp.layout.pipeline.schedule.build_schedule`).
+    ``memory_limit``: the ``auto`` schedule's, ``placement`` ``forward-only``'s
+    (:func:`ptdp.layout.pipeline.schedule.build_schedule`).
 
     Raises ValueError (:func:`ptdp.layout.pipeline.schedule.check_schedule_args`) for a kind that
     cannot run with these sizes, ScheduleError for a program that would deadlock on NCCL.
     """
     from ptdp.layout.pipeline.nccl_model import simulate_nccl
 
-    schedule = build_schedule(kind, pp_size, num_microbatches, virtual_stages, times=times, memory_limit=memory_limit)
-    programs = programs_from_schedule(schedule, virtual_stages, placement_of(kind))
+    schedule = build_schedule(
+        kind, pp_size, num_microbatches, virtual_stages, times=times, memory_limit=memory_limit, placement=placement
+    )
+    where = placement if kind == "forward-only" and placement is not None else placement_of(kind)
+    programs = programs_from_schedule(schedule, virtual_stages, where)
     simulate_nccl(programs)
     return tuple(tuple(program) for program in programs)
 

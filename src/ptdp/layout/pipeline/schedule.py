@@ -15,7 +15,8 @@ Kinds (Narayanan et al. SC21, arXiv:2104.04473, §2.2):
   min(p - r, m) in flight; bubble (p - 1) / m.
 - ``interleaved-1f1b``: v chunks per rank, microbatches in groups of p through the chunks in
   turn; warm-up 2 (p - r - 1) + (v - 1) p forwards; bubble (p - 1) / (v m); needs m % p == 0.
-- ``forward-only``: evaluation.
+- ``forward-only``: evaluation; on the V placement (a model trained with ``zb-v`` or
+  ``dualpipev``) every chunk-0 forward, then every chunk-1 forward.
 
 Zero-bubble kinds (B and W apart; :mod:`ptdp.layout.pipeline.zero_bubble`): ``zb-h1`` and
 ``zb-h2`` (one chunk per rank), ``zb-v`` (two chunks per rank on the V placement); ``dualpipev``
@@ -62,8 +63,11 @@ class Action:
             raise ValueError(f"unknown action kind {self.kind!r}")
 
 
-def check_schedule_args(kind: str, pp_size: int, num_microbatches: int, virtual_stages: int) -> None:
-    """ValueError naming the numbers unless the kind can run with them."""
+def check_schedule_args(
+    kind: str, pp_size: int, num_microbatches: int, virtual_stages: int, placement: str | None = None
+) -> None:
+    """ValueError naming the numbers unless the kind can run with them (``placement``: forward-only's,
+    default looped)."""
     if kind not in KINDS:
         raise ValueError(f"unknown pipeline schedule {kind!r}; expected one of {KINDS}")
     p, m, v = pp_size, num_microbatches, virtual_stages
@@ -79,7 +83,10 @@ def check_schedule_args(kind: str, pp_size: int, num_microbatches: int, virtual_
         raise ValueError(f"dualpipev needs num_microbatches >= 2 * pp: pp={p}, num_microbatches={m}")
     if kind == "interleaved-1f1b" and (p < 2 or m % p):
         raise ValueError(f"interleaved-1f1b needs pp >= 2 and num_microbatches % pp == 0: pp={p}, num_microbatches={m}")
-    if kind == "forward-only" and v > 1 and (p < 2 or m % p):
+    if kind == "forward-only" and placement == "v":
+        if v != 2:
+            raise ValueError(f"forward-only on the V placement runs two model chunks per rank; virtual_stages={v}")
+    elif kind == "forward-only" and v > 1 and (p < 2 or m % p):
         raise ValueError(
             f"forward-only over {v} chunks needs pp >= 2 and num_microbatches % pp == 0: pp={p}, num_microbatches={m}"
         )
@@ -93,17 +100,22 @@ def build_schedule(
     *,
     times: StageTimes | None = None,
     memory_limit: int | None = None,
+    placement: str | None = None,
 ) -> list[list[Action]]:
     """Per pipeline rank, the ordered actions of one step. ``auto`` only: the F, B, W and p2p
     ``times`` (default all equal, p2p free) and the ``memory_limit`` in microbatches of
-    activations per rank (default pp_size, the 1F1B peak).
+    activations per rank (default pp_size, the 1F1B peak). ``forward-only`` only: the
+    ``placement`` of the training schedule (default looped).
 
     Raises ValueError (see :func:`check_schedule_args`) for a kind that cannot run with these sizes.
     """
-    check_schedule_args(kind, pp_size, num_microbatches, virtual_stages)
+    forward_v = kind == "forward-only" and placement == "v"
+    check_schedule_args(kind, pp_size, num_microbatches, virtual_stages, "v" if forward_v else None)
     p, m, v = pp_size, num_microbatches, virtual_stages
-    placement = placement_of(kind)
-    if kind == "auto":
+    placement = "v" if forward_v else placement_of(kind)
+    if forward_v:
+        orders = [[("forward", i, c) for c in range(2) for i in range(m)] for _ in range(p)]
+    elif kind == "auto":
         orders = auto_orders(p, m, times or StageTimes(), p if memory_limit is None else memory_limit)
     else:
         orders = [_compute_order(kind, p, m, v, r) for r in range(p)]
