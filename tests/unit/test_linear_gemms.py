@@ -86,7 +86,9 @@ def test_deferred_weight_gradient_equals_immediate(main_grad):
     grad_w = ws.main_grad if main_grad else ws.grad  # type: ignore[attr-defined]
     assert len(queue) == 1 and (grad_w is None or not grad_w.any())  # nothing yet: the closure waits
     torch.testing.assert_close(xs.grad, want[1], **EXACT)  # the input gradient came at once
-    assert queue.run() == 1 and len(queue) == 0
+    done: list[torch.Tensor] = []
+    assert queue.run(done=done.append) == 1 and len(queue) == 0
+    assert len(done) == 1 and done[0] is ws  # the parameter whose gradient the closure completed
     grad_w = ws.main_grad if main_grad else ws.grad  # type: ignore[attr-defined]
     torch.testing.assert_close(grad_w, want[2], **EXACT)
     # outside defer() the same plan runs wgrad at once

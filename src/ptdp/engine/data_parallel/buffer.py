@@ -192,6 +192,17 @@ class GradBuffer(ShardedGradients):
         if self.uses_main_grad and param.grad is not None:  # None: its layer added it to main_grad
             param.main_grad.add_(param.grad)  # type: ignore[attr-defined]  # set in _place_params (wgrad.py)
             param.grad = None
+        self.param_ready(param)
+
+    def chunk_params(self, chunk: int) -> list[nn.Parameter]:
+        """The parameters of model chunk ``chunk`` in this buffer, bucket by bucket."""
+        return [p for bucket in self.buckets if bucket.chunk == chunk for p in bucket.params]
+
+    def param_ready(self, param: torch.Tensor) -> None:
+        """``param``'s gradient is complete for the step (outside :meth:`no_sync`): its bucket's
+        reduction starts once all its parameters are (with overlap). Called by each gradient's
+        post-accumulate hook, and for a weight gradient computed outside autograd (a zero-bubble
+        schedule's W) by its caller."""
         if self.grads_sharded:  # every backward reduces; ready also marks the bucket touched
             if not self._syncing:  # by_chunk, under no_sync: accumulating the chunk's microbatches
                 return

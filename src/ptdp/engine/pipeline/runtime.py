@@ -53,6 +53,8 @@ class _State:
     loss_factor: float | torch.Tensor = 1.0
     wgrads: dict[tuple[int, int], list] = field(default_factory=dict)
     """The weight-gradient closures a B left for its W, by (microbatch, chunk)."""
+    final: dict[Action, list[int]] = field(default_factory=dict)
+    """Split backward: the action after which the chunks ``final[action]``'s gradients are complete."""
 
     def is_first(self, chunk: int) -> bool:
         return virtual_stage(self.pp.rank, chunk, self.pp.size, self.placement) == 0
@@ -120,6 +122,8 @@ def run_schedule(
 
     last_backward = {group(a): a for a in program if isinstance(a, Action) and a.kind == "backward"}
     split = any(isinstance(a, Action) and a.kind == "backward_weight" for a in program)
+    if split and grad_sync is not None and not forward_only:
+        state.final = _final_gradients(program, chunks, grad_sync)
     track = not forward_only  # evaluation keeps the caller's phase
     for step in program:
         if isinstance(step, P2PGroup):
@@ -185,6 +189,9 @@ def _compute_split(a: Action, state: _State, grad_sync) -> None:
     if a.kind == "forward":
         _forward(a, state)
         return
+    if a in state.final:  # the chunk's gradients complete here: its buckets start reducing
+        _last_gradients(a, state, grad_sync, state.final[a])
+        return
     sync = grad_sync.no_sync() if grad_sync is not None else contextlib.nullcontext()
     with sync:
         if a.kind == "backward":
@@ -197,6 +204,42 @@ def _compute_split(a: Action, state: _State, grad_sync) -> None:
         with queue.defer():
             _backward(a, state)
         state.wgrads[(a.microbatch, a.chunk)] = queue.take()
+
+
+def _final_gradients(program: Sequence[Step], chunks: list[torch.nn.Module], grad_sync) -> dict[Action, list[int]]:
+    """For each chunk ``c`` of ``grad_sync``, the last backward, B or W of the chunks using its
+    parameters (a tied embedding shared by two chunks counts in both): ``{action: [c, ...]}``."""
+    backwards = [a for a in program if isinstance(a, Action) and a.kind in COMPUTE and a.kind != "forward"]
+    final: dict[Action, list[int]] = {}
+    for c in range(len(chunks)):
+        mine = {id(p) for p in grad_sync.chunk_params(c)}
+        users = {u for u, chunk in enumerate(chunks) if any(id(p) in mine for p in chunk.parameters())}
+        last = [a for a in backwards if a.chunk in users]
+        if last:
+            final.setdefault(last[-1], []).append(c)
+    return final
+
+
+def _last_gradients(a: Action, state: _State, grad_sync, complete: list[int]) -> None:
+    """The action completing the gradients of the chunks ``complete``, run with the reductions on:
+    a W first marks their gradients it does not touch complete, then each of its weights as its
+    closure ends (with overlap a bucket's reduction starts once its gradients are complete, while
+    the other closures run); a whole backward marks them through the gradient hooks."""
+    if a.kind == "backward":
+        _backward(a, state)
+        return
+    if a.kind != "backward_weight":
+        raise ValueError(f"{a} completes chunks {complete}' gradients, but its weight gradients run later")
+    jobs = state.wgrads.pop((a.microbatch, a.chunk))
+    pending = {id(param) for _, param in jobs}
+    mine = [param for c in complete for param in grad_sync.chunk_params(c)]
+    for param in mine:
+        if id(param) not in pending:
+            grad_sync.param_ready(param)
+    ids = {id(param) for param in mine}
+    _queue(state.chunks[a.chunk]).run(
+        jobs, done=lambda param: grad_sync.param_ready(param) if id(param) in ids else None
+    )
 
 
 def _queue(chunk: torch.nn.Module) -> WgradQueue:

@@ -73,7 +73,7 @@ class WgradQueue:
         """Whether :meth:`defer` may be used: the linears then run their own autograd function in
         every forward, so a recomputed forward saves what the first one did."""
         self.deferring = False
-        self._pending: list[Callable[[], None]] = []
+        self._pending: list[tuple[Callable[[], None], torch.Tensor]] = []
 
     @contextlib.contextmanager
     def defer(self) -> Iterator[WgradQueue]:
@@ -86,22 +86,30 @@ class WgradQueue:
         finally:
             self.deferring = before
 
-    def put(self, job: Callable[[], None]) -> None:
-        self._pending.append(job)
+    def put(self, job: Callable[[], None], param: torch.Tensor) -> None:
+        """Defer ``job``, which completes ``param``'s gradient for this microbatch."""
+        self._pending.append((job, param))
 
-    def take(self) -> list[Callable[[], None]]:
-        """Remove and return the deferred closures (oldest first), for :meth:`run` later."""
+    def take(self) -> list[tuple[Callable[[], None], torch.Tensor]]:
+        """Remove and return the deferred ``(closure, parameter)`` pairs (oldest first), for
+        :meth:`run` later."""
         jobs, self._pending = self._pending, []
         return jobs
 
-    def run(self, jobs: list[Callable[[], None]] | None = None) -> int:
+    def run(
+        self,
+        jobs: list[tuple[Callable[[], None], torch.Tensor]] | None = None,
+        done: Callable[[torch.Tensor], None] | None = None,
+    ) -> int:
         """Run ``jobs`` (by default every deferred weight-gradient GEMM, which leave the queue),
-        oldest first; returns how many ran."""
+        oldest first, calling ``done(parameter)`` after each; returns how many ran."""
         if jobs is None:
             jobs = self.take()
         with torch.no_grad():  # the closures' operands are autograd's saved tensors
-            for job in jobs:
+            for job, param in jobs:
                 job()
+                if done is not None:
+                    done(param)
         return len(jobs)
 
     def __len__(self) -> int:
@@ -315,7 +323,7 @@ class LinearFunction(torch.autograd.Function):
         if want_w:
             job = _wgrad_job(plan, ctx, weight, gy, gy_q, saved, regather)
             if plan.queue is not None and plan.queue.deferring:
-                plan.queue.put(lambda: _accumulate(ctx.param, job))
+                plan.queue.put(lambda: _accumulate(ctx.param, job), ctx.param)
             else:
                 grad_weight = _to_autograd(ctx.param, job)
         grad_bias = gy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
