@@ -210,6 +210,22 @@ VARIANTS = {
         {"pipeline_schedule": "dualpipev"},
         {"micro_batch_size": 1},
     ),
+    # zero-bubble schedules with gradients sharded (ZeRO-2) and parameters too (ZeRO-3): each
+    # chunk's buckets reduce-scattered once, from the W completing its gradients
+    "zb_h1_zero2": (
+        "float64",
+        {},
+        {"pipeline_schedule": "zb-h1"},
+        {},
+        {"data_parallel_sharding_strategy": "optim_grads", "overlap_grad_reduce": True, "ddp_bucket_size": 901},
+    ),
+    "zb_v_zero3": (
+        "float64",
+        {"num_layers": 8, "untie_embeddings_and_output_weights": True},
+        {"pipeline_schedule": "zb-v"},
+        {},
+        {"data_parallel_sharding_strategy": "optim_grads_params", "ddp_bucket_size": 901},
+    ),
     # data-parallel engine (applied at every layout, dp = 1 included): small buckets reduced during
     # backward; the distributed optimizer with buckets that need padding; accumulation of 4-8
     # microbatches (16 for the dp = 1 reference)
@@ -308,7 +324,17 @@ VARIANTS = {
 DP_LAYOUTS = {(1, 1, 4), (2, 2, 2), (1, 2, 2)}
 DP_VARIANTS = ["dp_overlap", "dp_distopt", "dp_distopt_overlap", "dp_distopt_overlap_gather", "dp_accumulate"]
 SCHEDULE_LAYOUTS = {(1, 2, 1), (1, 4, 1), (2, 2, 2), (1, 2, 2)}
-SCHEDULE_VARIANTS = ["gpipe", "interleaved", "interleaved_m8", "zb_h1", "zb_h2", "zb_v", "dualpipev"]
+SCHEDULE_VARIANTS = [
+    "gpipe",
+    "interleaved",
+    "interleaved_m8",
+    "zb_h1",
+    "zb_h2",
+    "zb_v",
+    "dualpipev",
+    "zb_h1_zero2",
+    "zb_v_zero3",
+]
 
 
 def llama_variant(tp: int) -> str:

@@ -236,6 +236,10 @@ CLI_BAD = [
     ),
     (["--sequence-parallel", "--tp", "1"], "sequence_parallel needs tensor_model_parallel_size > 1, got 1"),
     (["--pipeline-schedule", "auto"], "--pipeline-schedule auto: ptdp train does not run it yet"),
+    (
+        ["--pipeline-schedule", "zb-v", "--data-parallel-sharding-strategy", "optim_grads_params"],
+        "--pipeline-schedule zb-v with --data-parallel-sharding-strategy optim_grads_params and tied embeddings",
+    ),
 ]
 
 

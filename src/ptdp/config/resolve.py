@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ptdp.config.fields import SCHEDULES, SCHEDULES_NOT_TRAINED, SPLIT_BACKWARD_SCHEDULES
+from ptdp.config.fields import SCHEDULES, SCHEDULES_NOT_TRAINED
 from ptdp.config.model import ModelConfig, concrete_params_dtype
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.rules.axes import (
@@ -32,6 +32,7 @@ from ptdp.config.rules.shape import llama_option_violations, model_option_violat
 from ptdp.config.rules.values import finite_violations, positive_violations
 from ptdp.config.schema import Config
 from ptdp.errors import V, Violation, raise_violations
+from ptdp.layout.pipeline.placement import placement_of
 
 DEFAULT_LOCAL_WORKERS = 8
 """Workers ``ptdp train`` starts on a machine without GPUs when neither ``--nproc-per-node`` nor
@@ -95,7 +96,7 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
         dispatcher=p.moe_token_dispatcher_type,
         linear_biases=m.add_bias_linear,
     )
-    errors += _moe_not_yet(config) + _schedule_not_yet(p) + fp8_violations(config.fp8)
+    errors += _moe_not_yet(config) + _schedule_not_yet(p, m) + fp8_violations(config.fp8)
     if not 0 < config.data.valid_fraction < 1:
         errors.append(V("option", f"valid_fraction={config.data.valid_fraction} must be in (0, 1)"))
     if config.data.eod_token is not None and (config.data.tokenizer_model is None or not config.data.eod_token):
@@ -120,16 +121,20 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
     )
 
 
-def _schedule_not_yet(p: ParallelConfig) -> list[Violation]:
-    """The pipeline schedules ``ptdp train`` does not run yet (``auto``), and the
-    zero-bubble schedules' combinations it does not run yet: gradients sharded per microbatch,
-    whose reduce-scatter would come before the deferred weight gradients."""
-    if p.schedule in SPLIT_BACKWARD_SCHEDULES and p.sharding_strategy in ("optim_grads", "optim_grads_params"):
+def _schedule_not_yet(p: ParallelConfig, m: ModelConfig) -> list[Violation]:
+    """The pipeline schedules ``ptdp train`` does not run yet (``auto``), and the V placement's
+    tied embedding (one parameter used by two chunks of rank 0) with parameters sharded."""
+    if (
+        placement_of(p.schedule) == "v"
+        and p.sharding_strategy == "optim_grads_params"
+        and not m.untie_embeddings_and_output_weights
+    ):
         return [
             V(
                 "option",
-                f"--pipeline-schedule {p.schedule} with --data-parallel-sharding-strategy {p.sharding_strategy}: "
-                f"ptdp train does not run it yet (no_shard or optim)",
+                f"--pipeline-schedule {p.schedule} with --data-parallel-sharding-strategy optim_grads_params "
+                f"and tied embeddings: ptdp train does not run it yet (add --untie-embeddings-and-output-weights, "
+                f"or shard with optim_grads)",
             )
         ]
     if p.schedule not in SCHEDULES_NOT_TRAINED:

@@ -52,12 +52,14 @@ class ShardedGradients:
     def _launch(self, bucket: Bucket) -> None:
         raise NotImplementedError  # GradBuffer's
 
-    def begin_backwards(self, virtual_stages: int, num_microbatches: int, pp: int) -> None:
+    def begin_backwards(self, virtual_stages: int, num_microbatches: int, pp: int, split: bool = False) -> None:
         """Before a step's backwards: whether they reduce chunk by chunk (:attr:`by_chunk`, with
         ``shard_grads`` over d > 1 ranks: :func:`~ptdp.layout.buckets.chunk_by_chunk` of the
-        schedule's ``virtual_stages`` chunks, ``num_microbatches`` and ``pp``)."""
-        self.by_chunk = self.grads_sharded and chunk_by_chunk(
-            self._strategy, self.dp.size, virtual_stages, num_microbatches, pp
+        schedule's ``virtual_stages`` chunks, ``num_microbatches`` and ``pp``; with ``split``, a
+        zero-bubble schedule's weight gradients coming after their B, always, once per step: the
+        buckets stay allocated until the W completing the chunk's gradients)."""
+        self.by_chunk = self.grads_sharded and (
+            split or chunk_by_chunk(self._strategy, self.dp.size, virtual_stages, num_microbatches, pp)
         )
         self._reduced = set()
 

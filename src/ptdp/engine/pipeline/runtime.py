@@ -113,15 +113,15 @@ def run_schedule(
             if isinstance(module, MoELayer):
                 module.loss_scale = state.loss_factor
                 module.step_counts = module.step_sums = None
+    split = any(isinstance(a, Action) and a.kind == "backward_weight" for a in program)
     if grad_sync is not None and not forward_only:
-        grad_sync.begin_backwards(len(chunks), len(microbatches), pp.size)
-    by_round = grad_sync is not None and grad_sync.by_chunk
+        grad_sync.begin_backwards(len(chunks), len(microbatches), pp.size, split=split)
+    by_round = grad_sync is not None and grad_sync.by_chunk and not split
 
     def group(a: Action) -> tuple[int, int]:  # reduced once per (chunk, round) or per chunk
         return (a.chunk, a.microbatch // pp.size if by_round else 0)
 
     last_backward = {group(a): a for a in program if isinstance(a, Action) and a.kind == "backward"}
-    split = any(isinstance(a, Action) and a.kind == "backward_weight" for a in program)
     if split and grad_sync is not None and not forward_only:
         state.final = _final_gradients(program, chunks, grad_sync)
     track = not forward_only  # evaluation keeps the caller's phase
