@@ -24,6 +24,7 @@ from helpers.layout_cases import (
     SCHEDULE_VARIANTS,
     SP_LAYOUTS,
     TOL,
+    ZB_SHARDED_VARIANTS,
     full_parameters,
     llama_variant,
     parallel_run,
@@ -75,10 +76,20 @@ def test_variants_match_single_process(layout, variant):
 @pytest.mark.parametrize("layout", sorted(SCHEDULE_LAYOUTS), ids=lambda l: "tp{}pp{}dp{}".format(*l))
 def test_pipeline_schedules_match_single_process(layout, schedule):
     """GPipe, interleaved 1F1B (v = 2, also at pp = 2 where the next and previous rank are the
-    same process), ZB-H1 and ZB-H2 (weight gradients deferred from B to W; ZB-H2 with full
-    recompute and the distributed optimizer) train exactly like the single-process model (1F1B
-    is the default variant)."""
+    same process), ZB-H1, ZB-H2, ZB-V and DualPipeV (weight gradients deferred from B to W; ZB-H2
+    and DualPipeV with full recompute, ZB-H2 and ZB-V with the distributed optimizer) train exactly
+    like the single-process model (1F1B is the default variant)."""
     assert_matches_reference(parallel_run(*layout), schedule, TOL["float64"])
+
+
+@pytest.mark.parametrize("variant", ZB_SHARDED_VARIANTS)
+@pytest.mark.parametrize(
+    "layout", sorted(lay for lay in SCHEDULE_LAYOUTS if lay[2] > 1), ids=lambda l: "tp{}pp{}dp{}".format(*l)
+)
+def test_zero_bubble_with_sharded_gradients_matches_single_process(layout, variant):
+    """ZB-H1 with ZeRO-2 and ZB-V with ZeRO-3: each chunk's gradients reduce-scattered once, from
+    the W completing them."""
+    assert_matches_reference(parallel_run(*layout), variant, TOL["float64"])
 
 
 @pytest.mark.parametrize("variant", DP_VARIANTS)

@@ -324,17 +324,9 @@ VARIANTS = {
 DP_LAYOUTS = {(1, 1, 4), (2, 2, 2), (1, 2, 2)}
 DP_VARIANTS = ["dp_overlap", "dp_distopt", "dp_distopt_overlap", "dp_distopt_overlap_gather", "dp_accumulate"]
 SCHEDULE_LAYOUTS = {(1, 2, 1), (1, 4, 1), (2, 2, 2), (1, 2, 2)}
-SCHEDULE_VARIANTS = [
-    "gpipe",
-    "interleaved",
-    "interleaved_m8",
-    "zb_h1",
-    "zb_h2",
-    "zb_v",
-    "dualpipev",
-    "zb_h1_zero2",
-    "zb_v_zero3",
-]
+SCHEDULE_VARIANTS = ["gpipe", "interleaved", "interleaved_m8", "zb_h1", "zb_h2", "zb_v", "dualpipev"]
+#: zero-bubble schedules with sharded gradients, where dp > 1
+ZB_SHARDED_VARIANTS = ["zb_h1_zero2", "zb_v_zero3"]
 
 
 def llama_variant(tp: int) -> str:
@@ -375,7 +367,7 @@ def parallel_run(tp: int, pp: int, dp: int) -> list[dict]:
     if (tp, pp, dp) in EXTRA_VARIANT_LAYOUTS:
         variants += EXTRA_VARIANTS + ["bfloat16"]
     if (tp, pp, dp) in SCHEDULE_LAYOUTS:
-        variants += SCHEDULE_VARIANTS
+        variants += SCHEDULE_VARIANTS + (ZB_SHARDED_VARIANTS if dp > 1 else [])
     if (tp, pp, dp) in DP_LAYOUTS:
         variants += DP_VARIANTS + ["dp_distopt_bf16", "dp_bf16_grads"]
     if (tp, pp, dp) in SP_LAYOUTS:
