@@ -53,6 +53,8 @@ def test_ptdp_train_default_layout(corpus, tmp_path):
     assert (out / "timeline.png").stat().st_size > 5000
     bubble = json.loads((out / "summary.json").read_text())["bubble"]
     assert len(bubble["measured_idle_over_compute_by_rank"]) == 8 and bubble["formula_(p-1)/(v*m)"] == 0.5
+    assert (bubble["schedule_formula"], bubble["schedule_formula_value"]) == ("(p - 1) / (v m)", 0.5)
+    assert "formula (p - 1) / (v m) = 0.50" in proc.stdout
     again = run(
         [sys.executable, "-m", "ptdp.cli", "train", *TINY, "--data", str(corpus / "docs"), "--output-dir", str(out)],
         tmp_path,

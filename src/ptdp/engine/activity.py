@@ -23,7 +23,21 @@ GRAD_SYNC = "gradient sync"
 OPTIMIZER = "optimizer"
 EVALUATION = "evaluation"
 CHECKPOINT = "checkpoint"
-PHASES = (START_UP, FORWARD, BACKWARD, PIPELINE, GRAD_SYNC, OPTIMIZER, EVALUATION, CHECKPOINT)
+#: a zero-bubble schedule's input-gradient (B) and weight-gradient (W) passes
+BACKWARD_INPUT = "backward_input"
+BACKWARD_WEIGHT = "backward_weight"
+PHASES = (
+    START_UP,
+    FORWARD,
+    BACKWARD,
+    PIPELINE,
+    GRAD_SYNC,
+    OPTIMIZER,
+    EVALUATION,
+    CHECKPOINT,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+)
 _PHASE_INDEX = {phase: i for i, phase in enumerate(PHASES)}
 
 

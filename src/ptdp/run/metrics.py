@@ -164,7 +164,7 @@ def format_summary(s: dict, run_dir) -> str:
         lines.append(
             f"  pipeline bubble ({b['schedule']}): idle/compute per rank "
             + ", ".join(f"{r}: {v:.2f}" for r, v in sorted(by_rank.items(), key=lambda kv: int(kv[0])))
-            + f"; formula (p-1)/(v m) = {b['formula_(p-1)/(v*m)']:.2f}; trace.json, timeline.png written"
+            + f"; formula {_formula(b)}; trace.json, timeline.png written"
         )
     if s.get("peak_memory_bytes_by_rank"):
         lines.append(format_peak_memory(s["peak_memory_bytes_by_rank"], s["peak_memory_measure"]))
@@ -194,3 +194,12 @@ def format_peak_memory(by_rank: dict, measure: str) -> str:
         hi, lo = max(mib, key=lambda r: mib[r]), min(mib, key=lambda r: mib[r])
         values = f"largest {mib[hi]:,.0f} (rank {hi}), smallest {mib[lo]:,.0f} (rank {lo}) over {len(mib)} ranks"
     return f"  peak memory per rank, MiB ({measure}): {values}"
+
+
+def _formula(bubble: dict) -> str:
+    """The schedule's bubble formula with its value (1F1B's in a summary written without it)."""
+    formula = bubble.get("schedule_formula")
+    if formula is None:
+        return f"(p-1)/(v m) = {bubble['formula_(p-1)/(v*m)']:.2f}"
+    value = bubble.get("schedule_formula_value")
+    return formula if value is None else f"{formula} = {value:.2f}"

@@ -26,12 +26,21 @@ from ptdp.layout.pipeline.schedule import Action
 COLORS = {
     "forward": "#1f77b4",
     "backward": "#ff7f0e",
+    "backward_input": "#ffbb78",
+    "backward_weight": "#d62728",
     "transfer": "#7f7f7f",
     "wait": "#e0e0e0",
     "grad_sync": "#2ca02c",
     "optimizer": "#9467bd",
 }
-LABELS = {"transfer": "send/recv group (posted and waited)", "wait": "wait for recv"}
+LABELS = {
+    "transfer": "send/recv group (posted and waited)",
+    "wait": "wait for recv",
+    "backward_input": "B (input gradient)",
+    "backward_weight": "W (weight gradient)",
+}
+#: the schedule's computes, each timed as its own span; short names F, B (whole), Bi and W
+COMPUTES = {"forward": "F", "backward": "B", "backward_input": "Bi", "backward_weight": "W"}
 
 
 class _Span:
@@ -141,10 +150,10 @@ class Tracer:
         if isinstance(step, str):
             return _Span(self, step, cat or step, {})
         first = step[0]
-        if first.kind in ("forward", "backward"):
+        if first.kind in COMPUTES:
             return _Span(
                 self,
-                f"{first.kind[0].upper()}{first.microbatch}.{first.chunk}",
+                f"{COMPUTES[first.kind]}{first.microbatch}.{first.chunk}",
                 first.kind,
                 {"microbatch": first.microbatch, "chunk": first.chunk},
             )
@@ -159,15 +168,11 @@ def bubble_by_rank(events: list[dict]) -> dict[int, float]:
         mine = [e for e in events if e["pid"] == rank]
         busy = idle = 0.0
         for it in sorted({e["args"]["iteration"] for e in mine}):
-            sched = [
-                e
-                for e in mine
-                if e["args"]["iteration"] == it and e["cat"] in ("forward", "backward", "transfer", "wait")
-            ]
+            sched = [e for e in mine if e["args"]["iteration"] == it and e["cat"] in (*COMPUTES, "transfer", "wait")]
             if not sched:
                 continue
             span = max(e["ts"] + e["dur"] for e in sched) - min(e["ts"] for e in sched)
-            compute = sum(e["dur"] for e in sched if e["cat"] in ("forward", "backward"))
+            compute = sum(e["dur"] for e in sched if e["cat"] in COMPUTES)
             busy += compute
             idle += span - compute
         out[rank] = idle / busy if busy else 0.0
@@ -206,7 +211,7 @@ def _draw(events: list[dict], path: Path, labels: dict[int, str]) -> None:
                     bars, (row - 0.4, 0.8), facecolors=color, label=LABELS.get(cat, cat) if row == 0 else None
                 )
         for e in mine:  # microbatch numbers where the bar is wide enough to hold them
-            if e["cat"] in ("forward", "backward") and e["dur"] / 1e3 > width_ms / 300:
+            if e["cat"] in COMPUTES and e["dur"] / 1e3 > width_ms / 300:
                 text = f"{e['args']['microbatch']}" + (f".{e['args']['chunk']}" if chunks else "")
                 ax.text(
                     (e["ts"] - origin + e["dur"] / 2) / 1e3,

@@ -23,6 +23,7 @@ from ptdp.engine.comm import all_gather_object, all_reduce
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.stage import build_stage, with_vocab
 from ptdp.engine.step import NONFINITE_GRAD_NORM, PendingStep, eval_loss, read_results_with, train_step
+from ptdp.layout.pipeline.timing import bubble_formula
 from ptdp.run.checkpoint.folders import CheckpointError
 from ptdp.run.checkpoint.io import load_checkpoint
 from ptdp.run.checkpoint.saver import Checkpointer
@@ -366,7 +367,8 @@ class _Loop:
 
 
 def _write_trace(config: Config, groups: ParallelGroups, events: list[dict], run_dir: Path) -> dict:
-    """trace.json + timeline.png; returns the measured bubble per rank and the formula's value."""
+    """trace.json + timeline.png; returns the measured bubble per rank, 1F1B's formula and the
+    schedule's own (with F = B = W, :func:`~ptdp.layout.pipeline.timing.bubble_formula`)."""
     layout = groups.layout
     labels = {}
     for r in range(layout.world_size):
@@ -376,10 +378,13 @@ def _write_trace(config: Config, groups: ParallelGroups, events: list[dict], run
     write_trace(events, run_dir, labels)
     p = config.parallel
     v, m = config.pipeline.virtual_stages, config.num_microbatches
+    formula, value = bubble_formula(p.schedule, p.pp, m, v)
     return {
         "measured_idle_over_compute_by_rank": bubble_by_rank(events),
         "formula_(p-1)/(v*m)": (p.pp - 1) / (v * m),
         "schedule": p.schedule,
+        "schedule_formula": formula,
+        "schedule_formula_value": value,
         "files": ["trace.json", "timeline.png"],
     }
 
