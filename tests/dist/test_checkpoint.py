@@ -93,7 +93,10 @@ def checkpoint_root(tmp_path_factory) -> str:
 
 RESHARD = {  # by world size: one spawn loads at several layouts
     1: [((1, 1, 1), {}), ((1, 1, 1), {"use_distributed_optimizer": True})],
-    2: [((1, 2, 1), {"pipeline_schedule": "interleaved-1f1b", "num_layers_per_virtual_pipeline_stage": 1})],
+    2: [
+        ((1, 2, 1), {"pipeline_schedule": "interleaved-1f1b", "num_layers_per_virtual_pipeline_stage": 1}),
+        ((1, 2, 1), {"pipeline_schedule": "zb-v"}),  # rank 0: the first and the last stage, one embedding
+    ],
     4: [((1, 4, 1), {}), ((1, 1, 4), {"use_distributed_optimizer": True, "ddp_bucket_size": 1001})],
     8: [((4, 1, 2), {}), ((2, 1, 4), {"use_distributed_optimizer": True})],
 }
@@ -102,7 +105,7 @@ RESHARD = {  # by world size: one spawn loads at several layouts
 @pytest.mark.parametrize("world", sorted(RESHARD))
 def test_checkpoint_loads_at_any_layout(checkpoint_root, world):
     """Saved at (2,2,2) with the distributed optimizer after 2 steps; loaded at (1,1,1), (1,2,1)
-    with v = 2, (1,4,1), (1,1,4) with the distributed optimizer and another bucket size, (4,1,2)
+    with v = 2 (interleaved, and ZB-V's V placement), (1,4,1), (1,1,4) with the distributed optimizer and another bucket size, (4,1,2)
     and (2,1,4): parameters and Adam moments bitwise, evaluation loss within 1e-9."""
     ref = saved(checkpoint_root)
     cases = RESHARD[world]
@@ -191,6 +194,7 @@ RESUME = [
             "num_layers_per_virtual_pipeline_stage": 1,
         },
     ),
+    ((1, 2, 1), {"pipeline_schedule": "zb-v"}),
 ]
 
 
