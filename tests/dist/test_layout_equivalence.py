@@ -95,9 +95,9 @@ def test_data_parallel_engine_matches_single_process(layout, variant):
 @pytest.mark.parametrize("layout", sorted(DP_LAYOUTS), ids=lambda l: "tp{}pp{}dp{}".format(*l))
 def test_optimizer_post_validation_matches_single_process(layout, variant):
     """--enable-optimizer-post-validation: the norm's square and the skip flags in one world
-    all-reduce, updates rolled back and redone clipped (or kept, unclipped), with and without the
-    distributed optimizer, 1F1B and ZB-H1: float64 within 1e-9 of one process, replicas bitwise
-    equal."""
+    all-reduce, updates rolled back and redone clipped (or kept, unclipped), without sharding,
+    with the distributed optimizer and with sharded parameters, 1F1B and ZB-H1: float64 within
+    1e-9 of one synchronous process, replicas bitwise equal."""
     assert_matches_reference(parallel_run(*layout), variant, TOL["float64"])
 
 

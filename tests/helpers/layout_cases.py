@@ -223,7 +223,8 @@ VARIANTS = {
     ),
     # optimizer post-validation (Qi et al. 2024, §4): every rank updates before the global norm is
     # known, then rolls back and redoes the update clipped (clipping fires at every step); with the
-    # distributed optimizer and overlapped gathers; ZB-H1 without clipping (updates kept)
+    # distributed optimizer and overlapped gathers, with sharded parameters; ZB-H1 without clipping
+    # (updates kept)
     "postval": ("float64", {}, {}, {"enable_optimizer_post_validation": True}),
     "postval_distopt": (
         "float64",
@@ -236,6 +237,13 @@ VARIANTS = {
             "overlap_grad_reduce": True,
             "ddp_bucket_size": 1500,
         },
+    ),
+    "postval_zero3": (
+        "float64",
+        {},
+        {},
+        {"enable_optimizer_post_validation": True},
+        {"data_parallel_sharding_strategy": "optim_grads_params", "ddp_bucket_size": 901},
     ),
     "postval_zb_unclipped": (
         "float64",
@@ -309,7 +317,7 @@ VARIANTS = {
 }
 DP_LAYOUTS = {(1, 1, 4), (2, 2, 2), (1, 2, 2)}
 DP_VARIANTS = ["dp_overlap", "dp_distopt", "dp_distopt_overlap", "dp_distopt_overlap_gather", "dp_accumulate"]
-POSTVAL_VARIANTS = ["postval", "postval_distopt", "postval_zb_unclipped"]
+POSTVAL_VARIANTS = ["postval", "postval_distopt", "postval_zero3", "postval_zb_unclipped"]
 SCHEDULE_LAYOUTS = {(1, 2, 1), (1, 4, 1), (2, 2, 2), (1, 2, 2)}
 SCHEDULE_VARIANTS = ["gpipe", "interleaved", "interleaved_m8", "zb_h1", "zb_h2"]
 
