@@ -1,24 +1,21 @@
 """Optimizer post-validation (Qi et al., "Zero Bubble Pipeline Parallelism", arXiv:2401.10241,
 §4): update before the step's global state is known, then roll back where it says otherwise.
 
-The synchronous step waits for the global gradient norm (clipping) and for every rank's
-non-finite and float16 overflow flags before it updates. Post-validated, each optimizer saves
-what its update writes (:class:`Snapshot`) and updates with the unclipped gradients, as if
-nothing were wrong (:func:`step_optimistically`), while the world all-reduce of that state is in
-flight. Once it is known, ``redo`` (the step is skipped, or its clip coefficient is not 1) puts
-the saved tensors back (:meth:`Snapshot.restore`) and the optimizer's ordinary step runs again
-with the clipped gradients, skipped on the device unless ``redo`` and not skipped. AdamW being
-deterministic, the result equals the synchronous step bit for bit.
+Each optimizer saves what its update writes (:class:`Snapshot`) and updates with the unclipped
+gradients, unskipped (:func:`step_optimistically`), while the world all-reduce of the gradient
+norm and the non-finite / float16 overflow flags is in flight. Once they are known, ``redo`` (the
+step is skipped, or its clip coefficient is not 1) puts the saved tensors back
+(:meth:`Snapshot.restore`) and the optimizer's ordinary step runs with the clipped gradients,
+skipped on the device unless ``redo`` and not skipped: bit for bit the synchronous step on the
+same global state.
 
-Costs: a copy of every tensor the update writes (the parameters AdamW updates, float32 main
-parameters for 16-bit models, both moments, the step counts: 12 bytes per parameter the rank
-updates in float32, 24 in float64, 1/d of that when sharded over d ranks), held during the step;
-one ``torch.where`` per saved tensor; a second update, which the fused AdamW skips on the device
-(its ``found_inf``) when the first was right. All decisions stay on the device: no host read.
-What it buys: no update waits for the all-reduce. It overlaps only where the all-reduce is
-asynchronous to the update: on NCCL it runs on its own stream while the update's kernels run;
-gloo runs an ``async_op`` collective on its own threads, which compete with the update for the
-same CPU cores.
+Costs: the copy (the parameters AdamW updates, float32 main parameters for 16-bit models, both
+moments: 12 bytes per updated float32 parameter, 24 in float64), held during the step; one
+``torch.where`` per saved tensor; a second update, a no-op on the device (fused AdamW's
+``found_inf``) when the first was right. No host read (but for a non-fused AdamW, as
+:func:`~ptdp.engine.optim.adamw.step_unless`). Buys: no update waits for the all-reduce; they
+overlap where the all-reduce is asynchronous to the update (NCCL: its own stream; gloo: its own
+threads, sharing the CPU cores with the update).
 """
 
 from __future__ import annotations
