@@ -115,3 +115,16 @@ def test_sequence_parallel_step_at_tp2_pp2_dp2_matches_formulas():
         assert _count(sp, "pp", "send") == (m, m * bsh // t) and _count(sp, "pp", "recv") == (m, m * bsh // t)
         for axis in ("dp", "embedding", "world"):
             assert _count(sp, axis, "all_reduce") == _count(plain, axis, "all_reduce"), axis
+
+
+def test_post_validation_reduces_the_global_state_in_one_world_all_reduce():
+    """--enable-optimizer-post-validation: the gradient norm's square rides the world all-reduce of
+    the loss and the skip flags (4 elements instead of 3); the norm's tp and pp all-reduces go;
+    every other collective is the synchronous step's."""
+    for res in parallel_run(2, 2, 2):
+        post, plain = res["postval"]["comm"], res["float64"]["comm"]
+        assert _count(post, "world", "all_reduce", "metrics") == (1, 4)
+        assert _count(plain, "tp", "all_reduce", "grad_norm") == (1, 1)
+        assert _count(post, "tp", "all_reduce", "grad_norm") == _count(post, "pp", "all_reduce", "grad_norm") == (0, 0)
+        others = {k: c for k, c in plain.items() if not k.endswith(("/grad_norm", "/metrics"))}
+        assert {k: c for k, c in post.items() if not k.endswith("/metrics")} == others

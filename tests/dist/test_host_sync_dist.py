@@ -1,6 +1,7 @@
 """At (tp, pp, dp) = (2, 2, 2) too, a steady-state step synchronises the host once if it is logged
 and never otherwise, on every rank: with the gradient buffer's overlapped reduction, the
-distributed optimizer and the 1-bit codec, and in float16 with its loss scaler."""
+distributed optimizer and the 1-bit codec, in float16 with its loss scaler, and with optimizer
+post-validation."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ VARIANTS = {
         "float16",
         {"grad_compression": "1bit", "grad_compression_warmup_iters": 0, "overlap_grad_reduce": True},
     ),
+    "float16_post_validation": (
+        "float16",
+        {"use_distributed_optimizer": True, "overlap_param_gather": True},
+        {"enable_optimizer_post_validation": True},
+    ),
 }
 
 
@@ -34,8 +40,10 @@ def sync_worker(rank: int, world: int) -> dict:
     groups = ParallelGroups.build(ParallelLayout(tp=2, pp=2, dp=2), PG_TIMEOUT)
     out = {}
     with tempfile.TemporaryDirectory() as tmp, label_check_on_device():
-        for name, (dtype, parallel) in VARIANTS.items():
-            out[name] = counted_run(groups, 2, 2, 2, Path(tmp) / name, dtype, **parallel)
+        for name, (dtype, parallel, *train) in VARIANTS.items():
+            out[name] = counted_run(
+                groups, 2, 2, 2, Path(tmp) / name, dtype, train=train[0] if train else None, **parallel
+            )
     return out
 
 

@@ -18,6 +18,7 @@ from helpers.layout_cases import (
     EXTRA_VARIANTS,
     LAYOUTS,
     PAD_RANK_VARIANTS,
+    POSTVAL_VARIANTS,
     QK_NORM_LAYOUTS,
     QK_NORM_VARIANTS,
     SCHEDULE_LAYOUTS,
@@ -98,6 +99,16 @@ def test_data_parallel_engine_matches_single_process(layout, variant):
     """Overlapped bucketed reduction, the distributed optimizer (with bucket padding), and long
     gradient accumulation train exactly like dp = 1; replicas and tied-embedding copies stay
     bitwise equal (checked by full_parameters)."""
+    assert_matches_reference(parallel_run(*layout), variant, TOL["float64"])
+
+
+@pytest.mark.parametrize("variant", POSTVAL_VARIANTS)
+@pytest.mark.parametrize("layout", sorted(DP_LAYOUTS), ids=lambda l: "tp{}pp{}dp{}".format(*l))
+def test_optimizer_post_validation_matches_single_process(layout, variant):
+    """--enable-optimizer-post-validation: the norm's square and the skip flags in one world
+    all-reduce, updates rolled back and redone clipped (or kept, unclipped), without sharding,
+    with the distributed optimizer and with sharded parameters, 1F1B and ZB-H1: float64 within
+    1e-9 of one synchronous process, replicas bitwise equal."""
     assert_matches_reference(parallel_run(*layout), variant, TOL["float64"])
 
 

@@ -5,7 +5,8 @@ experts rebuilt from their ep ranks' slices, at (tp, cp, pp, dp, ep) = (1,1,1,2,
 the cp ranks), (1,1,2,2,2) (two stages) and (1,1,1,4,2) (dp > ep): expert gradients summed over
 their edp group, the norm counting each expert once, with every sharding strategy (experts'
 state sharded over edp), each expert split over etp ranks ((1,1,1,2,1,2), (1,1,1,4,2,2),
-(2,1,1,2,1,2)), both dispatchers, the interleaved schedule; bf16 parameters to bf16 precision."""
+(2,1,1,2,1,2)), both dispatchers, the interleaved schedule, optimizer post-validation (the expert
+gradients' squares in its world all-reduce); bf16 parameters to bf16 precision."""
 
 from __future__ import annotations
 

@@ -15,13 +15,18 @@ from ptdp.engine.stage import build_stage
 from ptdp.engine.step import NONFINITE_LOSS, train_step
 from ptdp.layout.grid import ParallelLayout
 
-#: variant -> (dtype, parallel overrides, the global rank whose forward is poisoned at iteration 2)
+POST_VALIDATION = {"enable_optimizer_post_validation": True}
+#: variant -> (dtype, parallel overrides, the global rank whose forward is poisoned at iteration 2,
+#: train overrides)
 VARIANTS = {
-    "float64": ("float64", {}, 6),  # a last stage's tp rank 0: its loss is the one summed
-    "distributed_optimizer": ("float64", {"use_distributed_optimizer": True, "ddp_bucket_size": 901}, 1),
-    "bf16": ("bfloat16", {}, 5),  # a last stage's tp rank 1: only the flag carries its nan loss
-    "bf16_distributed_optimizer": ("bfloat16", {"use_distributed_optimizer": True}, 2),
-    "1bit": ("float64", {"grad_compression": "1bit", "grad_compression_warmup_iters": 0}, 3),
+    "float64": ("float64", {}, 6, {}),  # a last stage's tp rank 0: its loss is the one summed
+    "distributed_optimizer": ("float64", {"use_distributed_optimizer": True, "ddp_bucket_size": 901}, 1, {}),
+    "bf16": ("bfloat16", {}, 5, {}),  # a last stage's tp rank 1: only the flag carries its nan loss
+    "bf16_distributed_optimizer": ("bfloat16", {"use_distributed_optimizer": True}, 2, {}),
+    "1bit": ("float64", {"grad_compression": "1bit", "grad_compression_warmup_iters": 0}, 3, {}),
+    # every rank updates before it knows, then rolls back
+    "post_validation": ("float64", {}, 0, POST_VALIDATION),
+    "post_validation_bf16_distributed_optimizer": ("bfloat16", {"use_distributed_optimizer": True}, 6, POST_VALIDATION),
 }
 
 
@@ -47,8 +52,8 @@ def differing(a: dict, b: dict) -> list[str]:
 def skip_worker(rank: int, world: int) -> dict:
     groups = ParallelGroups.build(ParallelLayout(tp=2, pp=2, dp=2), PG_TIMEOUT)
     out = {}
-    for name, (dtype, parallel, poisoned) in VARIANTS.items():
-        cfg = tiny_config(2, 2, 2, dtype, parallel_overrides=parallel)
+    for name, (dtype, parallel, poisoned, train) in VARIANTS.items():
+        cfg = tiny_config(2, 2, 2, dtype, parallel_overrides=parallel, train_overrides=train)
 
         def step(stage, it, faults=None):
             remove = install(faults)

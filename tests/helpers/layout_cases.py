@@ -258,6 +258,37 @@ VARIANTS = {
         {"micro_batch_size": 1, "global_batch_size": 16},
         {"overlap_grad_reduce": True, "ddp_bucket_size": 5000},
     ),
+    # optimizer post-validation (Qi et al. 2024, §4): every rank updates before the global norm is
+    # known, then rolls back and redoes the update clipped (clipping fires at every step); with the
+    # distributed optimizer and overlapped gathers, with sharded parameters; ZB-H1 without clipping
+    # (updates kept)
+    "postval": ("float64", {}, {}, {"enable_optimizer_post_validation": True}),
+    "postval_distopt": (
+        "float64",
+        {},
+        {},
+        {"enable_optimizer_post_validation": True},
+        {
+            "use_distributed_optimizer": True,
+            "overlap_param_gather": True,
+            "overlap_grad_reduce": True,
+            "ddp_bucket_size": 1500,
+        },
+    ),
+    "postval_zero3": (
+        "float64",
+        {},
+        {},
+        {"enable_optimizer_post_validation": True},
+        {"data_parallel_sharding_strategy": "optim_grads_params", "ddp_bucket_size": 901},
+    ),
+    "postval_zb_unclipped": (
+        "float64",
+        {},
+        {"pipeline_schedule": "zb-h1"},
+        {"enable_optimizer_post_validation": True, "clip_grad": 100.0},
+        {"use_distributed_optimizer": True, "ddp_bucket_size": 901},
+    ),
     "dp_distopt_bf16": ("bfloat16", {}, {}, {}, {"use_distributed_optimizer": True, "ddp_bucket_size": 901}),
     # --grad-reduce-in-bf16: bf16 gradient buckets reduced during backward, the distributed optimizer
     "dp_bf16_grads": (
@@ -323,6 +354,7 @@ VARIANTS = {
 }
 DP_LAYOUTS = {(1, 1, 4), (2, 2, 2), (1, 2, 2)}
 DP_VARIANTS = ["dp_overlap", "dp_distopt", "dp_distopt_overlap", "dp_distopt_overlap_gather", "dp_accumulate"]
+POSTVAL_VARIANTS = ["postval", "postval_distopt", "postval_zero3", "postval_zb_unclipped"]
 SCHEDULE_LAYOUTS = {(1, 2, 1), (1, 4, 1), (2, 2, 2), (1, 2, 2)}
 SCHEDULE_VARIANTS = ["gpipe", "interleaved", "interleaved_m8", "zb_h1", "zb_h2", "zb_v", "dualpipev"]
 #: zero-bubble schedules with sharded gradients, where dp > 1
@@ -355,8 +387,11 @@ def layout_worker(rank: int, world: int, tp: int, pp: int, dp: int, variants: li
 
 @functools.cache
 def reference(variant: str) -> dict:
-    """The single-process run of ``variant``."""
-    return train_and_collect(variant_config(variant, 1, 1, 1), ParallelGroups.single_process())
+    """The single-process run of ``variant``, with synchronous optimizer steps (a post-validated
+    variant is compared with the step it must equal)."""
+    cfg = variant_config(variant, 1, 1, 1)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, enable_optimizer_post_validation=False))
+    return train_and_collect(cfg, ParallelGroups.single_process())
 
 
 @functools.cache
@@ -369,7 +404,7 @@ def parallel_run(tp: int, pp: int, dp: int) -> list[dict]:
     if (tp, pp, dp) in SCHEDULE_LAYOUTS:
         variants += SCHEDULE_VARIANTS + (ZB_SHARDED_VARIANTS if dp > 1 else [])
     if (tp, pp, dp) in DP_LAYOUTS:
-        variants += DP_VARIANTS + ["dp_distopt_bf16", "dp_bf16_grads"]
+        variants += DP_VARIANTS + POSTVAL_VARIANTS + ["dp_distopt_bf16", "dp_bf16_grads"]
     if (tp, pp, dp) in SP_LAYOUTS:
         variants = (variants if (tp, pp, dp) in LAYOUTS else []) + sp_variants(tp, dp)
     variants += PAD_RANK_VARIANTS.get((tp, pp, dp), [])

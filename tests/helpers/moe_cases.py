@@ -94,10 +94,10 @@ VARIANTS = {
 
 #: a variant's name may add ``:<sharding strategy>`` (over dp x cp, experts over edp), ``:bf16``,
 #: ``:allgather`` (the dispatcher), ``:interleaved`` (1F1B over two chunks of one layer per stage)
-#: ``:pad`` (expert inputs padded to the capacity) or ``:starve`` (a capacity so small that some
-#: ranks receive no rows)
+#: ``:pad`` (expert inputs padded to the capacity), ``:starve`` (a capacity so small that some
+#: ranks receive no rows) or ``:postval`` (--enable-optimizer-post-validation)
 SHARDING = {"optim", "optim_grads", "optim_grads_params"}
-OPTIONS = SHARDING | {"bf16", "allgather", "interleaved", "pad", "starve"}
+OPTIONS = SHARDING | {"bf16", "allgather", "interleaved", "pad", "starve", "postval"}
 
 
 def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1, etp: int = 1) -> Config:
@@ -135,6 +135,7 @@ def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1, etp: 
         lr_warmup_iters=1,
         clip_grad=0.05,
         weight_decay=0.1,
+        enable_optimizer_post_validation="postval" in options,
     )
     par = ParallelConfig(
         tensor_model_parallel_size=tp,
@@ -186,7 +187,7 @@ def world_results(world: int) -> list[dict]:
 
 @functools.cache
 def reference(name: str) -> dict:
-    """One process of ``name`` (without sharding: the same arithmetic)."""
+    """One process of ``name`` (without sharding, synchronous optimizer steps: the same arithmetic)."""
     kept = [o for o in name.split(":") if o not in OPTIONS - {"bf16", "starve"}]  # the same arithmetic
     if kept != name.split(":"):
         return reference(":".join(kept))
@@ -249,9 +250,9 @@ EP_RUNS = {
     (1, 1, 1, 2, 2): ["moe_ep", "moe_llama_sigmoid"],
     (1, 1, 1, 4, 4): ["moe_ep", "moe_ep_dropless", "moe_ep:allgather"],
     (2, 1, 1, 2, 2): ["moe_ep", "moe_ep:optim_grads_params"],
-    (1, 2, 1, 2, 2): ["moe_ep", "moe_ep:optim", "moe_ep:pad"],
-    (1, 1, 2, 2, 2): ["moe_ep", "moe_llama_sigmoid", "moe_ep:bf16", "moe_ep:interleaved"],
-    (1, 1, 1, 4, 2): ["moe_ep:optim_grads", "moe_ep:bf16:optim"],
+    (1, 2, 1, 2, 2): ["moe_ep", "moe_ep:optim", "moe_ep:pad", "moe_ep:postval"],
+    (1, 1, 2, 2, 2): ["moe_ep", "moe_llama_sigmoid", "moe_ep:bf16", "moe_ep:interleaved", "moe_ep:postval:optim_grads"],
+    (1, 1, 1, 4, 2): ["moe_ep:optim_grads", "moe_ep:bf16:optim", "moe_ep:postval"],
     (1, 1, 1, 2, 1, 2): ["moe_ep_swiglu", "moe_ep_swiglu:pad"],
     (1, 1, 1, 4, 2, 2): ["moe_ep_swiglu", "moe_ep_swiglu:pad:allgather"],
     (2, 1, 1, 2, 1, 2): [

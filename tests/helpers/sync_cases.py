@@ -53,13 +53,14 @@ def counted_run(
     dtype: str = "float64",
     device: str = "cpu",
     moe=None,
+    train: dict | None = None,
     **parallel,
 ) -> dict:
     """Train ITERS steps through the trainer on ``device``, counting each step's synchronisations
-    (the shim on the CPU, CUDA's sync debug mode on a GPU); ``moe``: a ``MoEConfig``; returns ``{"per_step": {iteration:
-    [calls]}, "final_loss", "iterations"}``."""
+    (the shim on the CPU, CUDA's sync debug mode on a GPU); ``moe``: a ``MoEConfig``; ``train``:
+    train overrides; returns ``{"per_step": {iteration: [calls]}, "final_loss", "iterations"}``."""
     counting = count_cuda_syncs if torch.device(device).type == "cuda" else count_host_syncs
-    cfg = tiny_config(tp, pp, dp, dtype, parallel_overrides=parallel, moe=moe)
+    cfg = tiny_config(tp, pp, dp, dtype, parallel_overrides=parallel, train_overrides=train, moe=moe)
     cfg = dataclasses.replace(
         cfg,
         train=dataclasses.replace(

@@ -67,6 +67,18 @@ class TrainConfig:
     """AdamW's epsilon, added to the square root of the second moment."""
     clip_grad: float = opt(1.0, "--clip-grad", "global gradient-norm clip; 0 disables", "train")
     """Clip the global gradient norm to this; 0 disables clipping."""
+    enable_optimizer_post_validation: bool = opt(
+        False,
+        "--enable-optimizer-post-validation",
+        "update before the global gradient norm and the non-finite flags are known, then roll back "
+        "and redo the update where they clip or skip the step (Qi et al., arXiv:2401.10241, §4)",
+        "train",
+    )
+    """Optimizer post-validation: each rank updates unclipped and unskipped while the world
+    all-reduce of the step's global state (gradient norm, non-finite and float16 overflow flags) is
+    in flight, then restores what the update wrote and updates again where the state clips or
+    skips the step; the result equals the synchronous step. Costs a copy of the optimizer's
+    parameters and moments during the step (:mod:`ptdp.engine.optim.post_validation`)."""
     max_skipped_steps: int = opt(
         10,
         "--max-skipped-steps",

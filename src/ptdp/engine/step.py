@@ -10,6 +10,10 @@ overflow (flags carried by the world all-reduce of the loss), is skipped on ever
 nothing (the 1-bit residual is restored). The host never waits for the device inside a step:
 the norm, clip coefficient, skip decision and float16 loss scale stay on the device;
 :class:`PendingStep` is read when logged.
+
+With ``enable_optimizer_post_validation`` the gradient norm's square and the flags travel in one
+world all-reduce, started before the optimizers update optimistically and awaited after; a wrong
+update is then rolled back and redone (:mod:`ptdp.engine.optim.post_validation`).
 """
 
 from __future__ import annotations
@@ -22,12 +26,19 @@ import torch
 import torch.nn.functional as F
 
 from ptdp.engine import activity
-from ptdp.engine.comm import all_reduce
-from ptdp.engine.data_parallel.grads import clip_grads, finalize_grads, global_grad_norm
+from ptdp.engine.comm import Handle, all_reduce, all_reduce_async
+from ptdp.engine.data_parallel.grads import (
+    clip_coefficient,
+    clip_grads,
+    finalize_grads,
+    global_grad_norm,
+    grad_norm_share,
+)
 from ptdp.engine.hooks import STEP_HOOKS
 from ptdp.engine.model.model_chunks import ModelChunks
 from ptdp.engine.moe.layer import MoELayer
 from ptdp.engine.optim.adamw import set_lr, step_unless
+from ptdp.engine.optim.post_validation import Snapshot, step_optimistically
 from ptdp.engine.pipeline.runtime import Microbatch, run_schedule
 from ptdp.engine.stage import Stage
 from ptdp.engine.tensor_parallel.linear import end_fp8_step
@@ -178,7 +189,8 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     gradient norm is not finite on some rank, or float16 gradients overflowed (module docstring).
     ``tracer`` (a :class:`ptdp.run.trace.Tracer`) times every action and phase; the
     :data:`ptdp.engine.hooks.STEP_HOOKS` run before the schedule. No host synchronisation: the
-    optimizer skips through :func:`~ptdp.engine.optim.adamw.step_unless`.
+    optimizer skips through :func:`~ptdp.engine.optim.adamw.step_unless` (post-validated: rolls
+    back through :class:`~ptdp.engine.optim.post_validation.Snapshot`).
     """
     cfg, g = stage.config, stage.groups
     activity.start_step(g.global_rank, iteration + 1)
@@ -227,8 +239,18 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
         overflow = stage.scaler.unscale(stage.grads.reduced, scale)
         if experts is not None:
             overflow = torch.maximum(overflow, stage.scaler.unscale(experts.reduced, scale))
-    norm = global_grad_norm(stage.model, stage.grads, g, experts)
-    values = _step_values(stage, losses, len(microbatches), norm, overflow, scale)
+    snapshots: list[Snapshot] = []
+    if cfg.train.enable_optimizer_post_validation:  # update while the global state is all-reduced
+        state, work = _start_global_state(stage, losses, overflow)
+        if span is not None:
+            span.end()
+        snapshots = _step_optimistically(stage, lr_at(iteration, cfg.train), tracer)
+        span = tracer.span("grad sync + clip", "grad_sync") if tracer is not None else None
+        work.wait()
+        values, norm = _global_state(stage, state, len(microbatches), scale)
+    else:
+        norm = global_grad_norm(stage.model, stage.grads, g, experts)
+        values = _step_values(stage, losses, len(microbatches), norm, overflow, scale)
     loads = _moe_loads(stage) if cfg.moe.enabled else []  # for the metrics and the expert biases
     moe = None
     if cfg.moe.enabled:
@@ -245,6 +267,12 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
         stage.scaler.update(skip)
     if kept is not None and residual is not None:  # kept: a copy of the residual
         residual.copy_(torch.where(skip, kept, residual))
+    step_skip = skip
+    if snapshots:  # roll back a wrong optimistic update; the step below redoes it (clipped) or not
+        redo = skip | (clip_coefficient(norm, cfg.train.clip_grad) != 1)
+        for snapshot in snapshots:
+            snapshot.restore(redo)
+        step_skip = skip | ~redo
     clip_grads(stage.grads, norm, cfg.train.clip_grad)
     if experts is not None:
         clip_grads(experts, norm, cfg.train.clip_grad)
@@ -255,9 +283,9 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
     for optimizer in stage.optimizers:
         set_lr(optimizer, pending.lr)
         if isinstance(optimizer, torch.optim.Optimizer):
-            step_unless(optimizer, skip)
+            step_unless(optimizer, step_skip)
         else:
-            optimizer.step(skip)
+            optimizer.step(step_skip)
     for layer, load in loads:  # expert biases, global_aux_loss's counts: no update on a skipped step
         layer.step_done(load, skip)
     if span is not None:
@@ -323,18 +351,73 @@ def _step_values(
     loss sum, since its tp peers hold the same value; each cp rank adds its share of every
     microbatch's loss, so the sum over dp x cp divided by ``m * dp`` is the step's mean); the scale
     (1 without one) is appended after it. No host synchronisation."""
+    value = _loss_sums(stage, losses, 3)
+    bad_norm = ~norm.isfinite()
+    value[2] = (bad_norm if overflow is None else bad_norm | (overflow > 0)).double()
+    all_reduce(value, stage.groups.world, tag="metrics")
+    return _values(stage, value, m, norm, scale)
+
+
+def _loss_sums(stage: Stage, losses: list[torch.Tensor], n: int) -> torch.Tensor:
+    """float64 ``[n]`` zeros on the device but ``[0]``, this rank's loss sum (tp rank 0 of a last
+    stage only), and ``[1]``, 1 where one of ``losses`` is not finite."""
     g = stage.groups
-    value = torch.zeros(3, dtype=torch.float64, device=stage.device)
+    value = torch.zeros(n, dtype=torch.float64, device=stage.device)
     if losses:
         stacked = torch.stack(losses)
         value[1] = (~stacked.isfinite().all()).double()
         if g.tp.rank == 0:  # losses: this rank runs the last virtual stage
             value[0] = stacked.to(torch.float64).sum()
-    bad_norm = ~norm.isfinite()
-    value[2] = (bad_norm if overflow is None else bad_norm | (overflow > 0)).double()
-    all_reduce(value, g.world, tag="metrics")
+    return value
+
+
+def _values(stage: Stage, value: torch.Tensor, m: int, norm: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """:class:`PendingStep`'s five values from the world-reduced ``value`` (loss sum and the two
+    counts), ``norm`` and ``scale`` (1 without one)."""
     scale = torch.ones((), dtype=torch.float64, device=stage.device) if scale is None else scale.to(torch.float64)
-    return torch.stack([value[0] / (m * g.dp.size), norm.to(torch.float64), value[1], value[2], scale])
+    return torch.stack([value[0] / (m * stage.groups.dp.size), norm.to(torch.float64), value[1], value[2], scale])
+
+
+def _step_optimistically(stage: Stage, lr: float, tracer) -> list[Snapshot]:
+    """Post-validation: every optimizer's optimistic update at ``lr``
+    (:func:`~ptdp.engine.optim.post_validation.step_optimistically`), traced as ``optimizer``;
+    returns their snapshots."""
+    activity.set_phase(activity.OPTIMIZER)
+    span = tracer.span("optimizer", "optimizer") if tracer is not None else None
+    snapshots = []
+    for optimizer in stage.optimizers:
+        set_lr(optimizer, lr)
+        snapshots.append(step_optimistically(optimizer))
+    if span is not None:
+        span.end()
+    activity.set_phase(activity.GRAD_SYNC)
+    return snapshots
+
+
+def _start_global_state(
+    stage: Stage, losses: list[torch.Tensor], overflow: torch.Tensor | None
+) -> tuple[torch.Tensor, Handle]:
+    """Post-validation: ``[loss sum, ranks with a non-finite loss, ranks with a float16 overflow,
+    sum of squares of the gradients]`` as float64 on the device, and the handle of its world
+    all-reduce, started (tag ``metrics``; each rank adds its loss sum as in :func:`_step_values`
+    and its :func:`~ptdp.engine.data_parallel.grads.grad_norm_share`)."""
+    g = stage.groups
+    value = _loss_sums(stage, losses, 4)
+    if overflow is not None:
+        value[2] = (overflow > 0).double()
+    value[3] = grad_norm_share(stage.grads, g, stage.expert_grads)
+    return value, all_reduce_async(value, g.world, tag="metrics")
+
+
+def _global_state(
+    stage: Stage, state: torch.Tensor, m: int, scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values of :func:`_step_values` from the all-reduced ``state`` of
+    :func:`_start_global_state` (a non-finite norm counted on every rank, as there), and the
+    gradient norm (float64 0-dim)."""
+    norm = state[3].sqrt()
+    bad = torch.where(norm.isfinite(), state[2], float(stage.groups.world.size))
+    return _values(stage, torch.stack([state[0], state[1], bad]), m, norm, scale), norm
 
 
 def _moe_loads(stage: Stage) -> list[tuple[MoELayer, torch.Tensor]]:

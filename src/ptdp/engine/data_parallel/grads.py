@@ -80,28 +80,32 @@ def counts_in_norm(param: nn.Parameter, groups: ParallelGroups) -> bool:
 
 
 def _sum_of_squares(model: nn.Module, buffer: GradBuffer, groups: ParallelGroups) -> torch.Tensor:
+    sq = _local_squares(buffer, groups)
+    if buffer.shard_grads is not None:  # the dp x cp ranks' shards add up
+        all_reduce(sq, groups.dp_cp, tag="grad_norm")
+    return sq
+
+
+def _local_squares(buffer: GradBuffer, groups: ParallelGroups | None) -> torch.Tensor:
+    """Sum of squares of this rank's reduced gradients counted in the norm (:func:`counts_in_norm`;
+    every one without ``groups``, the experts'): the shard of a sharded buffer, else the whole."""
     shard = buffer.shard_grads  # not None: sharded
-    if shard is not None:  # this rank's shard of the reduced gradients; the dp x cp ranks' shards add up
+    if shard is not None:
         grads = [
             shard[seg.shard_offset : seg.shard_offset + seg.hi - seg.lo]
             for seg in buffer.segments
-            if counts_in_norm(seg.param, groups)
+            if groups is None or counts_in_norm(seg.param, groups)
         ]
-        sq = _squares(grads, buffer.data.device)
-        all_reduce(sq, groups.dp_cp, tag="grad_norm")
-        return sq
-    params = [p for p in buffer.params if counts_in_norm(p, groups)]
-    return _squares([buffer.grad(p) for p in params], buffer.data.device)
+    else:
+        grads = [buffer.grad(p) for p in buffer.params if groups is None or counts_in_norm(p, groups)]
+    return _squares(grads, buffer.data.device)
 
 
 def _expert_squares(experts: GradBuffer) -> torch.Tensor:
     """Sum of squares of this ep rank's expert gradients: the whole buffer, or sharded, this
     rank's shard all-reduced over the expert data-parallel group (``experts.dp``)."""
-    shard = experts.shard_grads
-    if shard is None:
-        return _squares([experts.grad(p) for p in experts.params], experts.data.device)
-    grads = [shard[seg.shard_offset : seg.shard_offset + seg.hi - seg.lo] for seg in experts.segments]
-    return all_reduce(_squares(grads, experts.data.device), experts.dp, tag="grad_norm")
+    sq = _local_squares(experts, None)
+    return sq if experts.shard_grads is None else all_reduce(sq, experts.dp, tag="grad_norm")
 
 
 def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -135,6 +139,20 @@ def global_grad_norm(
         sq = sq + all_reduce(_expert_squares(experts), groups.ep_etp, tag="grad_norm")
     all_reduce(sq, groups.pp, tag="grad_norm")
     return sq.sqrt()
+
+
+def grad_norm_share(buffer: GradBuffer, groups: ParallelGroups, experts: GradBuffer | None = None) -> torch.Tensor:
+    """This rank's share of the square of :func:`global_grad_norm`, a float64 0-dim tensor:
+    summed over the world it gives the square (one world all-reduce in place of the norm's tp,
+    dp x cp, edp, ep x etp and pp ones; summed in another order, so equal within rounding). A
+    sharded buffer's shard counts on every rank; an unsharded buffer's gradients, which its dp
+    replicas hold equally after the reduction, only on rank 0 of its dp group; each parameter as
+    :func:`counts_in_norm` says (experts: every one). No communication."""
+    zero = torch.zeros((), dtype=torch.float64, device=buffer.data.device)
+    sq = _local_squares(buffer, groups) if buffer.shard_grads is not None or buffer.dp.rank == 0 else zero
+    if experts is not None and groups.ep_etp is not None and (experts.shard_grads is not None or experts.dp.rank == 0):
+        sq = sq + _local_squares(experts, None)
+    return sq
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:

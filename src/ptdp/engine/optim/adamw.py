@@ -96,15 +96,20 @@ class MainParamsAdamW:
         return self.inner.param_groups
 
     @torch.no_grad()
-    def step(self, skip: torch.Tensor | None = None) -> None:
-        """Update the main parameters (unless ``skip``: :func:`step_unless`), then round them into
-        the model's parameters (after a skipped step this rewrites the same values)."""
+    def update(self, skip: torch.Tensor | None = None) -> None:
+        """Update the main parameters (unless ``skip``: :func:`step_unless`), not the model's."""
         if self._grads is None:
             step_unless(self.inner, skip)
         else:
             views = [self._grads.grad(p) for p, _ in self.pairs]
             with float32_grads(self._mains, self._grads.data, views, self._grads.step_scale):
                 step_unless(self.inner, skip)
+
+    @torch.no_grad()
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        """:meth:`update`, then round the main parameters into the model's parameters (after a
+        skipped step this rewrites the same values)."""
+        self.update(skip)
         torch._foreach_copy_(self._model, self._mains)
 
 

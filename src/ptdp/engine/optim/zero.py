@@ -121,6 +121,11 @@ class ShardedAdamW:
         if self.units is not None:
             self.units.gather_all()
             return
+        self.finish_gathers()
+
+    def finish_gathers(self) -> None:
+        """Finish the all-gathers the last step started and no forward waited for (they write
+        this rank's shard of the parameters); none with ``units``."""
         self._wait(list(self._pending))
 
     @property
@@ -131,7 +136,11 @@ class ShardedAdamW:
     def state(self):
         return self.inner.state if self.inner is not None else {}
 
-    def _update(self, skip: torch.Tensor | None) -> None:
+    @torch.no_grad()
+    def update(self, skip: torch.Tensor | None = None) -> None:
+        """Update this rank's shard of the main parameters (unless ``skip``:
+        :func:`~ptdp.engine.optim.adamw.step_unless`), after :meth:`finish_gathers`: no copy into
+        16-bit parameters, no all-gather."""
         if not self._bf16_grads or not self.segment_mains:
             step_unless(self.inner, skip)
             return
@@ -146,13 +155,13 @@ class ShardedAdamW:
         from all dp ranks (finished here, or with ``overlap_with`` during the next forward). With
         ``units`` the shard is the parameters: no all-gather, the gathered copies are freed."""
         if self.units is not None:
-            self._update(skip)
+            self.update(skip)
             if self._mains:
                 torch._foreach_copy_(self._model_views, self._mains)
             self.units.invalidate()
             return
-        self.wait_for_params()  # a bucket no forward used (no parameter ran) is still in flight
-        self._update(skip)
+        self.finish_gathers()  # a bucket no forward used (no parameter ran) is still in flight
+        self.update(skip)
         if self._mains:
             torch._foreach_copy_(self._model_views, self._mains)
         data = self._param_data
