@@ -21,9 +21,7 @@ late), the step with zero-length stages (runtime and gloo costs alone), and the 
 again with every compute lengthened by what one chunk's forward, whole backward, B and W cost
 outside their sleeps when run alone in the launching process (no pipeline, no communication).
 
-Each kind runs in its own launch. A V-placement kind (zb-v, dualpipev) that the runtime does not
-run ends its launch and is reported as skipped, with the error of the rank that raised it (not a
-peer's failed transfer that followed); any other kind's failure ends the benchmark.
+Each kind runs in its own launch.
 
     python benchmarks/bench_schedule_bubble.py
     python benchmarks/bench_schedule_bubble.py --kinds 1f1b zb-h1 --microbatches 8 16 --json
@@ -33,16 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 
 import pipeline_common as pc
 import torch
 from torch import nn
 
-from ptdp.engine.activity import CollectiveError
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.pipeline.runtime import run_schedule
 from ptdp.engine.tensor_parallel.linear import WgradQueue
@@ -50,7 +45,6 @@ from ptdp.layout.pipeline.placement import placement_of, virtual_stage
 from ptdp.layout.pipeline.program import P2PGroup, build_programs
 from ptdp.layout.pipeline.schedule import COMPUTE, KINDS, build_schedule, check_schedule_args
 from ptdp.layout.pipeline.timing import StageTimes, compute_times, simulate_times
-from ptdp.run.launch import WorkerFailedError
 
 HIDDEN = 8
 HIDDEN_SHAPE = (1, 1, HIDDEN)
@@ -107,7 +101,7 @@ class _SleepMul(torch.autograd.Function):
             w.grad = g if w.grad is None else w.grad + g
 
         chunk.count("wgrad_queued")
-        chunk.wgrad_queue.put(job)
+        chunk.wgrad_queue.put(job, chunk.weight)
         return grad_x, None, None
 
 
@@ -198,7 +192,7 @@ def expected_calls(program, v: int) -> list[dict[str, int]]:
     return out
 
 
-def run_step(program, chunks: list[SleepChunk], mbs, pp: AxisGroup) -> None:
+def run_step(program, chunks: list[SleepChunk], mbs, pp: AxisGroup, placement: str = "looped") -> None:
     """One step of ``program``; RuntimeError unless every chunk ran exactly the program's computes."""
     for chunk in chunks:
         chunk.reset()
@@ -210,6 +204,7 @@ def run_step(program, chunks: list[SleepChunk], mbs, pp: AxisGroup) -> None:
         hidden_shape=HIDDEN_SHAPE,
         dtype=chunks[0].weight.dtype,
         device=torch.device("cpu"),
+        placement=placement,
     )
     got, want = [c.calls for c in chunks], expected_calls(program, len(chunks))
     if got != want:
@@ -224,40 +219,24 @@ def time_kind(groups, kind: str, m: int, v: int, times: StageTimes, steps: int, 
     mbs = microbatches(m)
     step_s, slept_s = [], []
     for i in range(warmup + steps):
-        elapsed = pc.timed_step(lambda: run_step(program, chunks, mbs, groups.pp), groups.world)
+        elapsed = pc.timed_step(lambda: run_step(program, chunks, mbs, groups.pp, placement_of(kind)), groups.world)
         if i >= warmup:
             step_s.append(elapsed)
             slept_s.append(sum(c.slept for c in chunks))
     return {"step_s": step_s, "slept_s": slept_s, "calls": [c.calls for c in chunks]}
 
 
-def worker(kind: str, pp_size: int, m: int, v: int, times: StageTimes, steps: int, warmup: int, errors: str) -> dict:
-    """One launch: ``kind`` timed with ``times``, then with zero-length stages. A rank that raises
-    writes its error to ``errors/<r>.txt``, for :func:`root_error`."""
+def worker(kind: str, pp_size: int, m: int, v: int, times: StageTimes, steps: int, warmup: int) -> dict:
+    """One launch: ``kind`` timed with ``times``, then with zero-length stages."""
     groups = pc.init_pipeline(pp_size)
     try:
         timed = time_kind(groups, kind, m, v, times, steps, warmup)
         empty = time_kind(groups, kind, m, v, StageTimes(0.0, 0.0, 0.0), steps, warmup)
         slept = pc.gather_floats(pc.median(timed["slept_s"]), groups.world)
         calls = pc.all_gather_object(timed["calls"], groups.world)
-    except Exception as err:
-        with open(os.path.join(errors, f"{groups.pp.rank}.txt"), "w") as f:
-            f.write(f"{type(err).__name__}: {err}")
-        raise
     finally:
         torch.distributed.destroy_process_group()
     return {"step_s": timed["step_s"], "empty_step_s": empty["step_s"], "slept_s_per_rank": slept, "calls": calls}
-
-
-def root_error(errors: str, failure: WorkerFailedError) -> str:
-    """The error that ended a launch: a rank's own error rather than a peer's failed transfer
-    (``CollectiveError``) that followed it; else the launcher's message."""
-    texts = []
-    for name in sorted(os.listdir(errors), key=lambda n: int(n.removesuffix(".txt"))):
-        with open(os.path.join(errors, name)) as f:
-            texts.append(f"pipeline rank {name.removesuffix('.txt')}: {f.read().strip()}")
-    own = [t for t in texts if not t.split(": ", 1)[1].startswith(CollectiveError.__name__)]
-    return (own or texts or [str(failure).strip()])[0]
 
 
 def simulated_s(kind: str, p: int, m: int, v: int, times: StageTimes, durations: dict | None = None) -> float:
@@ -358,18 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     vs = sorted({virtual_stages_of(kind, args.virtual_stages) for kind in args.kinds})
     solo = {v: solo_overhead(times.durations(v)) for v in vs}
-    results, skipped = [], []
+    results = []
     for kind in args.kinds:
         v = virtual_stages_of(kind, args.virtual_stages)
         for m in args.microbatches:
-            with tempfile.TemporaryDirectory(prefix="ptdp-bubble-") as errors:
-                try:
-                    out = pc.launch(worker, args.pp, kind, args.pp, m, v, times, args.steps, args.warmup, errors)
-                except WorkerFailedError as err:
-                    if placement_of(kind) != "v":
-                        raise
-                    skipped.append({"kind": kind, "m": m, "reason": root_error(errors, err)})
-                    continue
+            out = pc.launch(worker, args.pp, kind, args.pp, m, v, times, args.steps, args.warmup)
             results.append(row(kind, args.pp, m, v, times, out, solo[v], args.target))
     report = {
         "benchmark": "schedule_bubble",
@@ -385,7 +357,6 @@ def main(argv: list[str] | None = None) -> int:
         "target": args.target,
         "solo_overhead_s_by_v": solo,
         "results": results,
-        "skipped": skipped,
         "all_within_target": all(r["within_target"] for r in results),
         "wall_s": time.perf_counter() - start,
     }
@@ -393,8 +364,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report, indent=2))
         return 0
     print(table(results))
-    for s in skipped:
-        print(f"\nskipped {s['kind']} (m = {s['m']}): the runtime did not run it: {s['reason']}")
     for v, cost in solo.items():
         print(
             f"\none chunk alone (v = {v}; no pipeline): outside its sleep {cost['forward'] * 1e3:.2f} ms per forward, "

@@ -19,7 +19,7 @@ from ptdp.layout.pipeline.timing import StageTimes
 
 P, M = 2, 4
 TIMES = StageTimes(0.001, 0.001, 0.001)
-SPLIT = ("zb-h1", "zb-h2")
+SPLIT = ("zb-h1", "zb-h2", "zb-v")
 
 
 def bench_module():
@@ -38,7 +38,7 @@ def one_step(rank: int, world: int, kind: str) -> dict:
     v = bench.virtual_stages_of(kind, 2)
     chunks = bench.sleep_chunks(kind, rank, world, v, TIMES, torch.float64)
     program = bench.programs(kind, world, M, v, TIMES)[rank]
-    bench.run_step(program, chunks, bench.microbatches(M, torch.float64), groups.pp)
+    bench.run_step(program, chunks, bench.microbatches(M, torch.float64), groups.pp, placement_of(kind))
     return {
         "calls": [c.calls for c in chunks],
         "grads": [c.weight.grad for c in chunks],
@@ -63,7 +63,7 @@ def reference_grads(bench, stages: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["1f1b", "interleaved-1f1b", "zb-h1", "zb-h2"])
+@pytest.mark.parametrize("kind", ["1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev"])
 def test_harness_runs_every_compute_and_matches_one_process(monkeypatch, kind):
     (bench,) = import_scripts(monkeypatch, "bench_schedule_bubble")
     v = bench.virtual_stages_of(kind, 2)
@@ -72,13 +72,18 @@ def test_harness_runs_every_compute_and_matches_one_process(monkeypatch, kind):
     split = kind in SPLIT
     for r, got in enumerate(ranks):
         for c in range(v):
-            assert got["calls"][c] == {
-                "forward": M,
-                "backward": M,
-                "wgrad_inline": 0 if split else M,
-                "wgrad_queued": M if split else 0,
-                "wgrad_run": M if split else 0,
-            }, (r, c)
+            calls = got["calls"][c]
+            if kind == "dualpipev":  # whole backwards in its middle, B and W apart at the ends
+                assert calls["wgrad_queued"] == calls["wgrad_run"] > 0, (r, c, calls)
+                assert calls["wgrad_inline"] + calls["wgrad_run"] == M and calls["forward"] == calls["backward"] == M
+            else:
+                assert calls == {
+                    "forward": M,
+                    "backward": M,
+                    "wgrad_inline": 0 if split else M,
+                    "wgrad_queued": M if split else 0,
+                    "wgrad_run": M if split else 0,
+                }, (r, c)
             stage = virtual_stage(r, c, P, placement_of(kind))
             torch.testing.assert_close(got["grads"][c], reference[stage], rtol=1e-9, atol=0)
         # every compute slept: M forwards, M Bs and M Ws of 1 ms per chunk, over v chunks

@@ -68,12 +68,3 @@ def test_bad_arguments_exit_2_naming_the_rule(bench, capsys):
         40.0,
         40.0,
     )
-
-
-def test_root_error_is_a_ranks_own_error_not_its_peers_failed_transfer(bench, tmp_path):
-    failure = bench.WorkerFailedError("worker rank 0 exited with code 1")
-    assert bench.root_error(str(tmp_path), failure) == "worker rank 0 exited with code 1"
-    (tmp_path / "0.txt").write_text("CollectiveError: rank 0 failed in pipeline send/recv: Connection reset by peer")
-    assert bench.root_error(str(tmp_path), failure).startswith("pipeline rank 0: CollectiveError")
-    (tmp_path / "3.txt").write_text("TypeError: run_schedule takes a program")
-    assert bench.root_error(str(tmp_path), failure) == "pipeline rank 3: TypeError: run_schedule takes a program"
