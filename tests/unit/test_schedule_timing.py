@@ -7,10 +7,11 @@ import itertools
 
 import pytest
 
+from ptdp.layout.pipeline.nccl_model import program_makespan
 from ptdp.layout.pipeline.placement import placement_of
-from ptdp.layout.pipeline.program import build_programs
-from ptdp.layout.pipeline.schedule import COMPUTE, build_schedule
-from ptdp.layout.pipeline.timing import StageTimes, simulate_times
+from ptdp.layout.pipeline.program import DURATION, build_programs
+from ptdp.layout.pipeline.schedule import COMPUTE, HANDOVER, build_schedule
+from ptdp.layout.pipeline.timing import StageTimes, compute_times, simulate_times
 from ptdp.layout.pipeline.verify import check_schedule
 
 #: the paper's Table 9, 1.5B model, p = 8 (ms)
@@ -48,16 +49,30 @@ def test_zero_bubble_kinds_meet_their_bubbles_under_equal_times(p, extra):
 def test_dualpipev_phases_on_the_last_rank():
     """p = 2, m = 4, rank 1: F0 F1 twice (no phase 1, 3, 5 or 7 on the last rank), the overlapped
     pairs (F0, whole backward 1) and (F1, whole backward 0) twice, the last two backwards of each
-    chunk (r odd: split from the second pair's chunk-1 one), the two Ws in the Bs' order."""
+    chunk (r odd: split from the second pair's chunk-1 one), the two Ws in the Bs' order. A whole
+    backward is its B then its W at once."""
     order = [(a.kind, a.microbatch, a.chunk) for a in build_schedule("dualpipev", 2, 4, 2)[1] if a.kind in COMPUTE]
-    f, b, w, bw = "forward", "backward_input", "backward_weight", "backward"
+    f, b, w = "forward", "backward_input", "backward_weight"
     assert order == [
         (f, 0, 0), (f, 0, 1), (f, 1, 0), (f, 1, 1),
-        (f, 2, 0), (bw, 0, 1), (f, 2, 1), (bw, 0, 0),
-        (f, 3, 0), (bw, 1, 1), (f, 3, 1), (bw, 1, 0),
-        (bw, 2, 1), (bw, 2, 0), (b, 3, 1), (b, 3, 0),
+        (f, 2, 0), (b, 0, 1), (w, 0, 1), (f, 2, 1), (b, 0, 0), (w, 0, 0),
+        (f, 3, 0), (b, 1, 1), (w, 1, 1), (f, 3, 1), (b, 1, 0), (w, 1, 0),
+        (b, 2, 1), (w, 2, 1), (b, 2, 0), (w, 2, 0), (b, 3, 1), (b, 3, 0),
         (w, 3, 1), (w, 3, 0),
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "auto"])
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_programs_run_in_their_simulated_time(kind, p):
+    """The runtime's programs, each point-to-point group waited for before the next step, take the
+    free-transfer simulation's time with F, B, W of one unit: grouping holds no rank back."""
+    v = 2 if placement_of(kind) == "v" else 1
+    for m in (2 * p, 3 * p + 1, 1 if kind != "dualpipev" else 4 * p):
+        programs = [list(x) for x in build_programs(kind, p, m, v)]
+        grouped = program_makespan(programs, lambda s: 0 if s.kind in HANDOVER else DURATION[s.kind])
+        _, end = compute_times(build_schedule(kind, p, m, v), DURATION, virtual_stages=v, placement=placement_of(kind))
+        assert grouped == max(end.values()), (kind, p, m)
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 24)])

@@ -120,3 +120,43 @@ def _stuck(programs, r, i, partner, running, ops) -> str:
             where = f"at step {at[q]}" if q in at else "finished"
             waits.append(f"{o.op} {o.tag} waits for rank {q}'s step {qi} (rank {q} is {where})")
     return f"rank {r} step {i}: " + ", ".join(waits or ["(its partners are running)"])
+
+
+def program_makespan(
+    programs: list[list],
+    duration,
+    *,
+    ops=lambda step: step.ops,
+    is_group=lambda step: hasattr(step, "ops"),
+) -> float:
+    """The time ``programs`` take under the model's rules with instant transfers: each compute
+    takes ``duration(step)``, a group starts when its rank reaches it and ends once every partner
+    group has started (its sends and receives can then move), and a rank waits for each group
+    before its next step. The free-transfer simulation of the same computes
+    (:func:`ptdp.layout.pipeline.timing.compute_times`) is the bound; any excess is a rank held
+    back in a group. ScheduleError as :func:`simulate_nccl` (on one communicator)."""
+    partner = _pair(programs, lambda step: "pp", ops, is_group)
+    p = len(programs)
+    pc, clock = [0] * p, [0.0] * p
+    started: dict[tuple[int, int], float] = {}  # each group reached: when (it runs until it ends)
+    while True:
+        for r in range(p):  # computes need no peer
+            while pc[r] < len(programs[r]) and not is_group(programs[r][pc[r]]):
+                clock[r] += duration(programs[r][pc[r]])
+                pc[r] += 1
+            if pc[r] < len(programs[r]):
+                started.setdefault((r, pc[r]), clock[r])
+        waiting = [(r, pc[r]) for r in range(p) if pc[r] < len(programs[r])]
+        if not waiting:
+            return max(clock, default=0.0)
+        done = []
+        for r, i in waiting:
+            peers = [partner[(r, i, j)][:2] for j in range(len(ops(programs[r][i])))]
+            if all(q in started for q in peers):  # every operation has met its partner
+                done.append((r, max([started[(r, i)]] + [started[q] for q in peers])))
+        if not done:
+            simulate_nccl(programs, communicator=lambda step: "pp", ops=ops, is_group=is_group)  # names it
+            raise ScheduleError("deadlock under NCCL's rules")
+        for r, end in done:
+            clock[r] = end
+            pc[r] += 1
