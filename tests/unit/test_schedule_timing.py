@@ -7,9 +7,8 @@ import itertools
 
 import pytest
 
-from ptdp.layout.pipeline.nccl_model import program_makespan
 from ptdp.layout.pipeline.placement import placement_of
-from ptdp.layout.pipeline.program import DURATION, build_programs
+from ptdp.layout.pipeline.program import DURATION, build_programs, program_makespan
 from ptdp.layout.pipeline.schedule import COMPUTE, HANDOVER, build_schedule
 from ptdp.layout.pipeline.timing import StageTimes, compute_times, simulate_times
 from ptdp.layout.pipeline.verify import check_schedule
@@ -62,13 +61,17 @@ def test_dualpipev_phases_on_the_last_rank():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "auto"])
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "auto"])
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
 def test_programs_run_in_their_simulated_time(kind, p):
-    """The runtime's programs, each point-to-point group waited for before the next step, take the
-    free-transfer simulation's time with F, B, W of one unit: grouping holds no rank back."""
-    v = 2 if placement_of(kind) == "v" else 1
-    for m in (2 * p, 3 * p + 1, 1 if kind != "dualpipev" else 4 * p):
+    """The runtime's programs, run as the runtime runs them (groups posted in order, each waited
+    for when a compute needs what it received), take the free-transfer simulation's time with F,
+    B, W of one unit: grouping holds no rank back."""
+    v = 1 if kind in ("gpipe", "1f1b", "zb-h1", "zb-h2", "auto") else 2
+    ms = (
+        (2 * p, 3 * p, 4 * p) if kind == "interleaved-1f1b" else (2 * p, 3 * p + 1, 1 if kind != "dualpipev" else 4 * p)
+    )
+    for m in ms:
         programs = [list(x) for x in build_programs(kind, p, m, v)]
         grouped = program_makespan(programs, lambda s: 0 if s.kind in HANDOVER else DURATION[s.kind])
         _, end = compute_times(build_schedule(kind, p, m, v), DURATION, virtual_stages=v, placement=placement_of(kind))

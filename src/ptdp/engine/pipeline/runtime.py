@@ -2,10 +2,13 @@
 computes, and its point-to-point groups exactly as the program lists them.
 
 Each :class:`~ptdp.layout.pipeline.program.P2PGroup` is posted as one ``batch_isend_irecv`` on the
-pp axis and waited for before the next step: NCCL's strictest reading (a send completes only while
-its receive runs), under which :mod:`ptdp.layout.pipeline.nccl_model` proves every program
-deadlock-free; gloo runs the same program. A sent activation's storage is released once delivered
-(its backward then runs through the autograd engine directly). Activations and gradients use
+pp axis, in program order, and waited for only when a compute needs what it received (then with
+every group posted before it, as NCCL completes them in order), or at the end: the groups keep
+NCCL's posting order, under which :mod:`ptdp.layout.pipeline.nccl_model` proves every program
+deadlock-free even when each is waited for at once, and no rank is held in a group by a peer still
+computing (:func:`~ptdp.layout.pipeline.nccl_model.program_makespan` is the time of waiting at
+once). gloo runs the same program. A sent activation's storage is released once its group is
+waited for (its backward then runs through the autograd engine directly). Activations and gradients use
 different gloo tags (with pp = 2 both neighbours are one process). A hand-over (the V placement's
 turn on rank p - 1) moves a tensor between two chunks of the rank, detached as a received one
 would be, and posts nothing. Each step sets the phase of
@@ -39,6 +42,18 @@ _FREEABLE = ("AddBackward0",)
 
 
 @dataclass
+class _Pending:
+    """A posted group: its work handles, what it sent (kept alive until it completes) and the keys
+    of the activations it sent, to release once waited for."""
+
+    works: list
+    sent: list[torch.Tensor]
+    released: list[tuple[int, int]]
+    received: list[tuple[str, int, int]]
+    span: object = None
+
+
+@dataclass
 class _State:
     chunks: list[torch.nn.Module]
     microbatches: list[Microbatch]
@@ -53,6 +68,10 @@ class _State:
     loss_factor: float | torch.Tensor = 1.0
     wgrads: dict[tuple[int, int], list] = field(default_factory=dict)
     """The weight-gradient closures a B left for its W, by (microbatch, chunk)."""
+    pending: list[_Pending] = field(default_factory=list)
+    """Groups posted and not waited for yet, in posting order."""
+    arriving: dict[tuple[str, int, int], _Pending] = field(default_factory=dict)
+    """What a pending group receives: ("forward" | "backward", microbatch, chunk) -> its group."""
     final: dict[Action, list[int]] = field(default_factory=dict)
     """Split backward: the action after which the chunks ``final[action]``'s gradients are complete."""
 
@@ -134,6 +153,7 @@ def run_schedule(
         if step.kind in HANDOVER:
             _handover(step, state)
             continue
+        _wait_for_inputs(step, state, tracer)
         if track:
             set_phase(step.kind)
         span = tracer.span([step]) if tracer is not None else None
@@ -145,6 +165,7 @@ def run_schedule(
             span.end()
     if track:
         set_phase(PIPELINE)
+    _wait_until(state, len(state.pending), tracer)
     return [state.losses[i] for i in sorted(state.losses)]
 
 
@@ -297,37 +318,65 @@ def _handover(a: Action, state: _State) -> None:
 
 
 def _exchange(group: P2PGroup, state: _State, shape, dtype, tracer=None) -> None:
-    """Post ``group`` as one batch, wait for it, keep what it received, release what it sent."""
+    """Post ``group`` as one batch (not waited for: :func:`_wait_for_inputs`); its receive buffers
+    are the received tensors from then on."""
     span = tracer.span([o.action for o in group.ops]) if tracer is not None else None
-    transfers, sent = [], []
+    transfers, released = [], []
+    received = []
     for o in group.ops:
         a, key = o.action, (o.action.microbatch, o.action.chunk)
         if a.kind == "send_forward":
             out = state.outputs[key]
             transfers.append(P2P("send", out.detach(), o.peer, TAGS["forward"], o.tag))
-            sent.append(key)
+            released.append(key)
         elif a.kind == "send_backward":
             transfers.append(P2P("send", state.grads.pop(key), o.peer, TAGS["backward"], o.tag))
         else:
             direction = "forward" if a.kind == "recv_forward" else "backward"
             buf = torch.empty(shape, dtype=dtype, device=state.device)
             transfers.append(P2P("recv", buf, o.peer, TAGS[direction], o.tag))
-    works = post(transfers, state.pp, tag="pipeline")
-    for work in works or ():  # None: a coalescing backend (NCCL) has waited for the whole group
-        work.wait()
-    for o, t in zip(group.ops, transfers):
-        if t.kind == "recv":
-            key = (o.action.microbatch, o.action.chunk)
-            (state.inputs if o.action.kind == "recv_forward" else state.grads)[key] = t.tensor
-    for key in sent:
-        _release(state, key)
+            (state.inputs if direction == "forward" else state.grads)[key] = buf
+            received.append((direction, *key))
+    works = post(transfers, state.pp, tag="pipeline", defer=True)
+    pending = _Pending(works or [], [t.tensor for t in transfers if t.kind == "send"], released, received)
+    state.pending.append(pending)
+    for what in received:
+        state.arriving[what] = pending
+    if span is not None:
+        span.end()
+
+
+def _wait_for_inputs(a: Action, state: _State, tracer=None) -> None:
+    """Before compute ``a``: wait for the group receiving its input (a forward's activation, a
+    backward's output gradient), and every group posted before it."""
+    key = ("forward" if a.kind == "forward" else "backward", a.microbatch, a.chunk)
+    pending = state.arriving.get(key) if a.kind != "backward_weight" else None
+    if pending is not None:
+        _wait_until(state, state.pending.index(pending) + 1, tracer)
+
+
+def _wait_until(state: _State, count: int, tracer=None) -> None:
+    """Wait for the first ``count`` pending groups, in posting order; release what they sent."""
+    if count == 0:
+        return
+    span = tracer.span("wait for recv", "wait") if tracer is not None else None
+    done, state.pending = state.pending[:count], state.pending[count:]
+    for pending in done:
+        for work in pending.works:
+            work.wait()
+        for what in pending.received:
+            del state.arriving[what]
+        for key in pending.released:
+            _release(state, key)
     if span is not None:
         span.end()
 
 
 def _release(state: _State, key: tuple[int, int]) -> None:
     """Free a sent activation's storage when only its autograd graph is needed (or drop it in
-    evaluation)."""
+    evaluation); nothing once its backward has run."""
+    if key not in state.outputs:
+        return
     out = state.outputs[key]
     if state.forward_only:
         del state.outputs[key]

@@ -130,6 +130,67 @@ def programs_from_schedule(
     return programs
 
 
+def program_makespan(programs: Sequence[Sequence[Step]], duration) -> float:
+    """The time ``programs`` take as the runtime runs them, each compute ``duration(step)`` long
+    and transfers instant: a rank posts its groups in program order without waiting; a group runs
+    once its rank's previous group ended and ends once every partner group runs (NCCL's ordered
+    groups and rendezvous, :mod:`ptdp.layout.pipeline.nccl_model`); a compute first waits for the
+    group receiving its input. The free-transfer simulation of the same computes
+    (:func:`ptdp.layout.pipeline.timing.compute_times`) is the bound. Raises ScheduleError for a
+    program that deadlocks (:func:`ptdp.layout.pipeline.nccl_model.simulate_nccl`)."""
+    from ptdp.layout.pipeline.nccl_model import ScheduleError, _pair, simulate_nccl
+
+    steps = [list(program) for program in programs]
+    partner = _pair(
+        steps, lambda step: step.communicator, lambda step: step.ops, lambda step: isinstance(step, P2PGroup)
+    )
+    p = len(steps)
+    receives: list[dict[tuple[str, int, int], int]] = [{} for _ in range(p)]
+    for r, program in enumerate(steps):
+        for i, step in enumerate(program):
+            if isinstance(step, P2PGroup):
+                for o in step.ops:
+                    if o.op == "recv":
+                        receives[r][(o.action.kind, o.action.microbatch, o.action.chunk)] = i
+    pc, clock, last = [0] * p, [0.0] * p, [-1] * p
+    start: dict[tuple[int, int], float] = {}
+    end: dict[tuple[int, int], float] = {}
+    while True:
+        moved = False
+        for r in range(p):
+            while pc[r] < len(steps[r]):
+                step, i = steps[r][pc[r]], pc[r]
+                if isinstance(step, P2PGroup):
+                    if last[r] >= 0 and (r, last[r]) not in end:
+                        break
+                    start[(r, i)] = max(clock[r], end.get((r, last[r]), 0.0))
+                    last[r] = i
+                elif step.kind in COMPUTE:
+                    need = receives[r].get(
+                        ("recv_forward" if step.kind == "forward" else "recv_backward", step.microbatch, step.chunk)
+                    )
+                    if step.kind != "backward_weight" and need is not None:
+                        if (r, need) not in end:
+                            break
+                        clock[r] = max(clock[r], end[(r, need)])
+                    clock[r] += duration(step)
+                pc[r] += 1
+                moved = True
+        for (r, i), began in start.items():
+            if (r, i) not in end:
+                group = steps[r][i]
+                assert isinstance(group, P2PGroup)
+                peers = [partner[(r, i, j)][:2] for j in range(len(group.ops))]
+                if all(q in start for q in peers):
+                    end[(r, i)] = max([began] + [start[q] for q in peers])
+                    moved = True
+        if all(pc[r] == len(steps[r]) for r in range(p)) and len(end) == len(start):
+            return max(clock + list(end.values()))
+        if not moved:
+            simulate_nccl(steps)  # names the deadlock
+            raise ScheduleError("the programs do not finish")
+
+
 def tag(action: Action, rank: int, pp_size: int, placement: str = "looped") -> str:
     """The tag of a transfer: the same string on the send and on the receive it pairs with."""
     edge = boundary(action, rank, pp_size, placement)
