@@ -181,6 +181,7 @@ class ParallelConfig:
         "--num-layers-per-virtual-pipeline-stage, --virtual-pipeline-model-parallel-size > 1); "
         "zb-h1, zb-h2, zb-v, dualpipev and auto: ptdp schedule only for now",
         "layout",
+        plan=True,
     )
     """gpipe, 1f1b or interleaved-1f1b; None: interleaved-1f1b when model chunks are asked for
     (``num_layers_per_virtual_pipeline_stage``, or ``virtual_pipeline_model_parallel_size`` > 1),

@@ -11,6 +11,8 @@ import functools
 from ptdp.config.fields import CP_COMM_TYPES, SHARDING_STRATEGIES
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.resolve import _schedule_not_yet
 from ptdp.config.rules.axes import (
     context_parallel_model_violations,
     context_parallel_violations,
@@ -84,11 +86,21 @@ def context_rejections(model: ModelConfig, tp: int, cp: int) -> tuple[Violation,
     return tuple(context_parallel_violations(model.seq_length, cp))
 
 
+def untrained_schedule_rejections(parallel: ParallelConfig) -> list[Violation]:
+    """What ``ptdp train`` refuses of a parallel config's pipeline schedule before it starts: a
+    schedule it does not run yet (:data:`ptdp.config.fields.SCHEDULES_NOT_TRAINED`) or a
+    combination it does not run yet with it (the zero-bubble schedules' with sharded gradients),
+    as its own check (:mod:`ptdp.config.resolve`) says it."""
+    return [Violation("schedule", v.message) for v in _schedule_not_yet(parallel)]
+
+
 def schedule_rejections(model: ModelConfig, layout: Candidate) -> list[Violation]:
-    """Rules of the pipeline schedule (the config's, on the candidate's parallel config), of
-    sequence parallelism and of the option values."""
+    """Rules of the pipeline schedule (the config's, on the candidate's parallel config, and what
+    ``ptdp train`` does not run yet: :func:`untrained_schedule_rejections`), of sequence
+    parallelism and of the option values."""
     m = layout.num_microbatches
     out = [Violation("interleaving", v.message) for v in schedule_violations(layout.parallel, model.num_layers, m)]
+    out += untrained_schedule_rejections(layout.parallel)
     out += sequence_parallel_violations(model, layout.tp, layout.parallel.sequence_parallel)
     # sequence parallelism inside each cp rank's s / cp positions
     out += context_parallel_model_violations(model, layout.cp, layout.tp, layout.parallel.sequence_parallel)
