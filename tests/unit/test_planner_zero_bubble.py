@@ -28,6 +28,7 @@ from ptdp.planner.memory.breakdown import memory_breakdown
 from ptdp.planner.memory.in_flight import held_points, peak_held
 from ptdp.planner.memory.params import stage_param_counts
 from ptdp.planner.report.explain import layout_flags
+from ptdp.planner.search import layouts
 from ptdp.planner.search.layouts import Fixed, search
 from ptdp.planner.time import flops
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants
@@ -286,3 +287,28 @@ def test_train_report_shows_the_bubble_of_the_runs_schedule():
     check = compare(config, per_rank, None, None)
     assert check["pipeline"] == {"schedule": "zb-h1", "bubble_fraction": pytest.approx(3 / 24)}
     assert "    pipeline bubble (zb-h1): 12.5% of the work with F = B = W (simulated)" in format_comparison(check)
+
+
+def test_v_placement_runs_both_edges_on_rank_0():
+    """tp 2: rank 0 of zb-v gathers the embedding's output and reduces the output layer's input
+    gradient (one tp all-reduce each), where interleaved-1f1b's busiest rank runs one of them."""
+    cluster = Cluster(A100, 8)
+    zbv = evaluate_performance(MODEL, Candidate.of(2, 4, 1, 1, 32, 2, schedule="zb-v"), cluster).time
+    inter = evaluate_performance(MODEL, Candidate.of(2, 4, 1, 1, 32, 2), cluster).time
+    assert zbv.compute == pytest.approx(inter.compute) and zbv.tp_comm > inter.tp_comm
+
+
+def test_searched_zero_bubble_schedules_run_under_the_strategies_ptdp_train_runs_them_with():
+    """The search keeps a zero-bubble alternative only under the sharding ptdp train runs it with
+    (no_shard and optim), and drops it where none; the schedule it must plan keeps the first
+    strategy, to be rejected with ptdp train's reason."""
+    strategies = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+
+    def make(sharding, kind="zb-h1"):
+        return Candidate.of(1, 4, 2, 1, 32, schedule=kind, sharding=sharding)
+
+    assert layouts._runnable(MODEL, make, strategies, planned=False) == ["no_shard", "optim"]
+    assert layouts._runnable(MODEL, make, ["optim_grads"], planned=False) == []
+    assert layouts._runnable(MODEL, make, ["optim_grads"], planned=True) == ["optim_grads"]
+    one = lambda sharding: make(sharding, "1f1b")  # noqa: E731
+    assert layouts._runnable(MODEL, one, strategies, planned=True) == strategies
