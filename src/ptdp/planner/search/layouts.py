@@ -1,8 +1,9 @@
 """Search every valid layout for a model on a cluster, predict each, rank by step time.
 
 The search enumerates tp x cp x pp x dp = number of GPUs, micro batch size, virtual pipeline
-stages, recompute, sequence parallelism, the sharding strategy and the pipeline split
-(:mod:`ptdp.planner.splits`); any of them can be fixed. Pruning: cp > 1 only from
+stages, the pipeline schedule (:func:`_schedules`: the zero-bubble ones ``ptdp train`` runs beside
+1f1b and interleaved-1f1b), recompute, sequence parallelism, the sharding strategy and the pipeline
+split (:mod:`ptdp.planner.splits`); any of them can be fixed. Pruning: cp > 1 only from
 :data:`CP_MIN_SEQ_LENGTH` tokens (or when nothing fits with cp = 1), with ``seq_length % (2 cp) == 0``,
 at least :data:`CP_MIN_LOCAL_TOKENS` per rank and micro batch 1; sharding strategies as
 :func:`ptdp.planner.search.predict.predict_strategies` says. Layouts that break a rule
@@ -101,7 +102,7 @@ class Fixed:
     fp8_recipe: str | None = None
     """``ptdp train``'s FP8 recipe planned with precision fp8 (None: Transformer Engine's, or no FP8)."""
     pipeline_schedule: str | None = None
-    """The pipeline schedule (None: the one v implies and the zero-bubble ones, :func:`schedules`)."""
+    """The pipeline schedule (None: the one v implies and the zero-bubble ones, :func:`_schedules`)."""
 
     @property
     def optimizer_dtypes(self) -> tuple[str, str, str]:
@@ -416,7 +417,7 @@ def _schedule_chunks(kind: str, num_layers: int, pp: int) -> list[int]:
     return [1]
 
 
-def schedules(fixed: Fixed, pp: int, v: int, even: bool) -> list[str]:
+def _schedules(fixed: Fixed, pp: int, v: int, even: bool) -> list[str]:
     """The pipeline schedules planned for a layout of ``pp`` ranks with ``v`` model chunks each:
     the one fixed; else the one v implies (1f1b, interleaved-1f1b) and, with pp > 1, every
     schedule running B and W apart (:data:`~ptdp.layout.pipeline.schedule.SPLIT_ORDERS`) that
@@ -478,7 +479,7 @@ def _search_layout(
     searched = [r for r in RECOMPUTE if not (r == "selective" and model.flash_attention)]
     grids = expert_grids(model, tp, cp, pp, dp, fixed, cluster, precision)
     for (v, v_split), (ep, etp) in itertools.product(pairs, grids):
-        kinds = schedules(fixed, pp, v, v_split is None and split is None)
+        kinds = _schedules(fixed, pp, v, v_split is None and split is None)
         for recompute, kind in itertools.product(_options(fixed.recompute_granularity, searched), kinds):
             # sequence parallelism needs tp > 1 and sharding dp * cp > 1: off otherwise
             for sp in _options(fixed.sequence_parallel, [False, True]) if tp > 1 else [False]:
