@@ -363,10 +363,10 @@ def _virtual_stage_pairs(
     model: ModelConfig, tp: int, pp: int, dp: int, b: int, big_b: int, fixed: Fixed, split, search_split: bool
 ) -> tuple[list[tuple[int, tuple[int, ...] | None]], list[str]]:
     """((v, the split of an interleaved layout or None) pairs to plan, the flag errors that reject
-    them all): the v the user fixed (directly or by layers per virtual stage), else every v whose
-    chunks split the stage's layers evenly, plus the interleaved splits with the embedding and/or
-    loss counted as layers (:func:`ptdp.planner.splits.interleaved_splits`) where that is searched
-    or fixed."""
+    them all): the v the user fixed (directly or by layers per virtual stage), else the v a fixed
+    schedule runs with (:func:`_schedule_chunks`), else every v whose chunks split the stage's
+    layers evenly, plus the interleaved splits with the embedding and/or loss counted as layers
+    (:func:`ptdp.planner.splits.interleaved_splits`) where that is searched or fixed."""
     if split is not None:
         vs = [1]
     elif fixed.pipeline_schedule is not None and fixed.virtual_pipeline_model_parallel_size is None:
@@ -456,8 +456,10 @@ def _search_layout(
     model, cluster, tp, pp, dp, b, big_b, fixed, precision, constants, overhead, result, *, cp: int = 1
 ) -> None:
     """Predict the layouts of one (tp, cp, pp, dp, b): every (v, split) pair
-    (:func:`_virtual_stage_pairs`), recompute granularity and sequence parallelism, each under its
-    sharding strategies (:func:`ptdp.planner.search.predict.predict_strategies`), into ``result``."""
+    (:func:`_virtual_stage_pairs`), pipeline schedule (:func:`_schedules`), recompute granularity
+    and sequence parallelism, each under its sharding strategies (those ``ptdp train`` runs the
+    schedule with, :func:`_runnable`; :func:`ptdp.planner.search.predict.predict_strategies`), into
+    ``result``."""
     split, search_split, broken = _fixed_split(model.num_layers, pp, fixed)
     probe = next(iter(candidate_splits(model.num_layers, pp, 0.0, 0.0)), None) if search_split else split
     broken = broken or structural_rejections(
