@@ -5,7 +5,9 @@ FLOPs); [K22] Korthikanti et al., arXiv:2205.05198 (§5 selective recompute, §6
 
 A 1F1B or GPipe step is ``m`` microbatch slots of the busiest stage plus ``(pp - 1) / v`` slots of a
 layers-only stage of fill and drain ([N21] §2.2: bubble fraction ``(pp - 1) / (v m)``), then the
-exposed data-parallel reduction and the memory-bound optimizer update.
+exposed data-parallel reduction and the memory-bound optimizer update. A schedule running B and W
+apart (zb-h1, zb-h2, zb-v, dualpipev) has the bubble of its own program timed with the stage's F,
+B and W (:mod:`ptdp.planner.time.pipeline_bubble`).
 """
 
 from __future__ import annotations
@@ -165,10 +167,14 @@ def evaluate_performance(
     layer_split: tuple[int, ...] | None = None,
 ) -> Performance:
     """Predicted step time, TFLOP/s per GPU and MFU of ``layout`` (1F1B, or interleaved 1F1B when
-    ``layout.virtual_stages > 1``; GPipe has the same time) on ``cluster``.
+    ``layout.virtual_stages > 1``; GPipe has the same time; the schedule its parallel config names
+    when it runs B and W apart) on ``cluster``.
 
     Step = m x (busiest stage's microbatch: compute + recompute + TP + exposed PP transfers)
     + (pp - 1)/v x (a layers-only stage's microbatch) + exposed DP (fp32 gradients) + optimizer.
+    B and W apart: the bubble of :func:`_split_backward_bubble`, a slower W's extra in the compute,
+    the DP reduction not hidden (``ptdp train`` starts it after the last W); on the V placement
+    rank 0 runs the first and the last stage's edge work.
     ``layer_split`` (default ``layout.layer_split``, None: even): each stage runs its layers plus its edge
     work and fill and drain take the other stages' layers (:func:`split_stage_times`).
     """
