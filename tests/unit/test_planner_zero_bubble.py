@@ -20,7 +20,7 @@ from ptdp.config.resolve import resolve
 from ptdp.layout.pipeline.placement import placement_of
 from ptdp.layout.pipeline.schedule import SPLIT_ORDERS, build_schedule
 from ptdp.layout.pipeline.timing import StageTimes, dependencies
-from ptdp.planner.candidate import Candidate
+from ptdp.planner.candidate import Candidate, run_candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
 from ptdp.planner.inputs.models import gpt
 from ptdp.planner.memory.activations import layer_activation_bytes, stage_activation_bytes, wgrad_kept_bytes
@@ -33,6 +33,7 @@ from ptdp.planner.search.layouts import Fixed, search
 from ptdp.planner.time import flops
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants
 from ptdp.planner.time.pipeline_bubble import ideal_bubble, schedule_dependencies, step_bubble
+from ptdp.planner.time.profile import save_profile
 from ptdp.planner.time.step_time import evaluate_performance
 from ptdp.run.planner_report import compare, format_comparison
 
@@ -275,8 +276,9 @@ def test_a_fixed_schedule_is_planned_alone_and_one_ptdp_train_refuses_is_a_bad_r
     assert refused and all("optim_grads: ptdp train does not run it yet" in text for text in refused)
 
 
-def test_train_report_shows_the_bubble_of_the_runs_schedule():
-    """A zb-h1 run at pp 4, m 8: the step idles (p - 1) / (3 m) of its work with F = B = W."""
+def test_train_report_shows_the_bubble_of_the_runs_schedule(tmp_path):
+    """A zb-h1 run at pp 4, m 8: the step idles (p - 1) / (3 m) of its work with F = B = W; with a
+    hardware profile, the seconds of the step predicted for the run's layout."""
     config = ptdp.load_config(
         world_size=4, tp=1, pp=4, pipeline_schedule="zb-h1", micro_batch_size=1, global_batch_size=8
     )
@@ -286,7 +288,14 @@ def test_train_report_shows_the_bubble_of_the_runs_schedule():
     ]
     check = compare(config, per_rank, None, None)
     assert check["pipeline"] == {"schedule": "zb-h1", "bubble_fraction": pytest.approx(3 / 24)}
-    assert "    pipeline bubble (zb-h1): 12.5% of the work with F = B = W (simulated)" in format_comparison(check)
+    assert "    zb-h1 schedule: the step idles 12.5% of its work with F = B = W (simulated)" in format_comparison(check)
+    gpu, profile = CATALOG["h100-sxm"], tmp_path / "profile.json"
+    save_profile(profile, gpu, DEFAULT_CONSTANTS, {})
+    timed = compare(config, per_rank, 1.0, profile)["pipeline"]
+    constants = DEFAULT_CONSTANTS.with_overlap(overlap_grad_reduce=config.parallel.overlap_grad_reduce)
+    want = evaluate_performance(config.model, run_candidate(config), Cluster(gpu, 4, 4), constants).time
+    assert timed["predicted_bubble_s"] == pytest.approx(want.bubble) and want.bubble > 0
+    assert timed["predicted_step_share"] == pytest.approx(want.bubble / want.step)
 
 
 def test_v_placement_runs_both_edges_on_rank_0():

@@ -470,8 +470,8 @@ def format_comparison(check: dict) -> list[str]:
             else ""
         )
         lines.append(
-            f"    pipeline bubble ({pl['schedule']}): {100 * pl['bubble_fraction']:.1f}% of the work with "
-            f"F = B = W (simulated){seconds}"
+            f"    {pl['schedule']} schedule: the step idles {100 * pl['bubble_fraction']:.1f}% of its work "
+            f"with F = B = W (simulated){seconds}"
         )
     st = check.get("step_time", {})
     if "predicted_s" in st:
