@@ -169,13 +169,19 @@ def test_search_picks_llama3_405b_split_and_notes_interleaving():
 def test_even_split_kept_unless_an_uneven_one_is_needed_to_fit():
     """GPT-3 175B's 96 layers over pp = 8: the even split's busiest stage (12 layers + 0.3 of the
     loss side) is lighter than any 13-layer middle stage, so a layout keeps the even split unless
-    that does not fit (then 9, 13 x 6, 9 takes memory off the first stage)."""
+    that does not fit (then 9, 13 x 6, 9 takes memory off the first stage). Under 1F1B: the
+    zero-bubble schedules load the last stage more."""
     model, cluster = get_model("gpt3-175b"), Cluster(A100, 1024)
     result = search(
         model,
         cluster,
         1536,
-        fixed=Fixed(tensor_model_parallel_size=8, pipeline_model_parallel_size=8, data_parallel_size=16),
+        fixed=Fixed(
+            tensor_model_parallel_size=8,
+            pipeline_model_parallel_size=8,
+            data_parallel_size=16,
+            pipeline_schedule="1f1b",
+        ),
     )
     assert result.plans[0].layout.layer_split is None
     uneven = [p for p in result.plans if p.layout.layer_split is not None]

@@ -9,8 +9,8 @@ import pytest
 
 from ptdp.layout.pipeline.placement import placement_of
 from ptdp.layout.pipeline.program import DURATION, build_programs, program_makespan
-from ptdp.layout.pipeline.schedule import COMPUTE, HANDOVER, build_schedule
-from ptdp.layout.pipeline.timing import StageTimes, compute_times, simulate_times
+from ptdp.layout.pipeline.schedule import COMPUTE, HANDOVER, Action, build_schedule
+from ptdp.layout.pipeline.timing import StageTimes, compute_times, dependencies, simulate_times
 from ptdp.layout.pipeline.verify import check_schedule
 
 #: the paper's Table 9, 1.5B model, p = 8 (ms)
@@ -144,3 +144,38 @@ def test_auto_is_correct_within_its_memory_limit(times, p):
 def test_auto_refuses_a_memory_limit_below_one_microbatch():
     with pytest.raises(ValueError, match="memory limit is 0 microbatches; it must be >= 1"):
         build_schedule("auto", 2, 4, memory_limit=0)
+
+
+@pytest.mark.parametrize(
+    "kind,p,m,v",
+    [
+        ("gpipe", 3, 5, 1),
+        ("1f1b", 4, 8, 1),
+        ("interleaved-1f1b", 4, 8, 2),
+        ("zb-h1", 4, 9, 1),
+        ("zb-h2", 3, 7, 1),
+        ("zb-v", 4, 6, 2),
+        ("dualpipev", 3, 7, 2),
+    ],
+)
+def test_compiled_dependencies_time_a_schedule_as_compute_times(kind, p, m, v):
+    """One pass over the compiled computes gives every compute's end, the step's idle time (the
+    last end less the busiest rank's work) and the longest rank's own idle time, as the
+    simulation does, under uneven times and a slow link."""
+    schedule = build_schedule(kind, p, m, v)
+    placement = placement_of(kind)
+    graph = dependencies(schedule, virtual_stages=v, placement=placement)
+    for times in (StageTimes(1.3, 0.7, 0.4, 0.0), StageTimes(0.5, 1.9, 1.1, 0.35)):
+        run = simulate_times(schedule, times, virtual_stages=v, placement=placement)
+        _, end = compute_times(schedule, times.durations(v), virtual_stages=v, placement=placement, p2p=times.p2p)
+        assert sorted(graph.ends(times.durations(v), times.p2p)) == pytest.approx(sorted(end.values()))
+        assert graph.idle(times, v) == pytest.approx(run.makespan - max(run.busy))
+        longest = max(range(p), key=run.spans.__getitem__)
+        assert graph.idle(times, v, synchronous=False) == pytest.approx(run.spans[longest] - run.busy[longest])
+
+
+def test_compiled_dependencies_refuse_a_cycle():
+    """Rank 0's backward waiting for rank 1's, which waits for rank 0's forward after it."""
+    cycle = [[Action("backward", 0), Action("forward", 0)], [Action("forward", 0), Action("backward", 0)]]
+    with pytest.raises(ValueError, match="wait on each other: rank 0 at backward .*; rank 1 at forward"):
+        dependencies(cycle)

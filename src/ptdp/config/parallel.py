@@ -179,14 +179,16 @@ class ParallelConfig:
         "--pipeline-schedule",
         "pipeline schedule (default: 1f1b, or interleaved-1f1b with model chunks: "
         "--num-layers-per-virtual-pipeline-stage, --virtual-pipeline-model-parallel-size > 1); "
-        "zb-h1, zb-h2, zb-v, dualpipev and auto: ptdp schedule only for now",
+        "zb-h1, zb-h2, zb-v, dualpipev: backward input and weight gradients apart (zb-v, dualpipev: "
+        "two chunks per rank in a V); auto: ptdp schedule only for now",
         "layout",
+        plan=True,
     )
     """gpipe, 1f1b or interleaved-1f1b; None: interleaved-1f1b when model chunks are asked for
     (``num_layers_per_virtual_pipeline_stage``, or ``virtual_pipeline_model_parallel_size`` > 1),
     else 1f1b. The zero-bubble kinds (zb-h1, zb-h2, zb-v, dualpipev, auto: B and W apart;
-    zb-v and dualpipev with two chunks per rank in a V) pass the rules, but ``ptdp train`` does not
-    run them yet."""
+    zb-v and dualpipev with two chunks per rank in a V) pass the rules; ``ptdp train`` runs all
+    but ``auto``."""
     num_layers_per_virtual_pipeline_stage: int | None = opt(
         None,
         "--num-layers-per-virtual-pipeline-stage",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from ptdp.config.fields import SCHEDULES, SCHEDULES_NOT_TRAINED
 from ptdp.config.model import ModelConfig, concrete_params_dtype
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.rules.axes import (
@@ -25,14 +24,13 @@ from ptdp.config.rules.dp_sharding import (
     sharding_violations,
 )
 from ptdp.config.rules.fp8 import fp8_violations
-from ptdp.config.rules.layout import layout_violations, schedule_violations
+from ptdp.config.rules.layout import layout_violations, schedule_violations, untrained_schedule_violations
 from ptdp.config.rules.moe import moe_violations
 from ptdp.config.rules.run_options import checkpoint_violations, launch_violations, profile_violations, train_violations
 from ptdp.config.rules.shape import llama_option_violations, model_option_violations, recompute_violations
 from ptdp.config.rules.values import finite_violations, positive_violations
 from ptdp.config.schema import Config
 from ptdp.errors import V, Violation, raise_violations
-from ptdp.layout.pipeline.placement import placement_of
 
 DEFAULT_LOCAL_WORKERS = 8
 """Workers ``ptdp train`` starts on a machine without GPUs when neither ``--nproc-per-node`` nor
@@ -96,7 +94,7 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
         dispatcher=p.moe_token_dispatcher_type,
         linear_biases=m.add_bias_linear,
     )
-    errors += _moe_not_yet(config) + _schedule_not_yet(p, m) + fp8_violations(config.fp8)
+    errors += _moe_not_yet(config) + untrained_schedule_violations(p, m.tied) + fp8_violations(config.fp8)
     if not 0 < config.data.valid_fraction < 1:
         errors.append(V("option", f"valid_fraction={config.data.valid_fraction} must be in (0, 1)"))
     if config.data.eod_token is not None and (config.data.tokenizer_model is None or not config.data.eod_token):
@@ -119,34 +117,6 @@ def resolve(config: Config, world_size: int, *, cuda: bool = False) -> Config:
         model=dataclasses.replace(m, ffn_hidden_size=m.ffn, **_recompute_defaults(m)),
         pipeline_split=split,
     )
-
-
-def _schedule_not_yet(p: ParallelConfig, m: ModelConfig) -> list[Violation]:
-    """The pipeline schedules ``ptdp train`` does not run yet (``auto``), and the V placement's
-    tied embedding (one parameter used by two chunks of rank 0) with parameters sharded."""
-    if (
-        placement_of(p.schedule) == "v"
-        and p.sharding_strategy == "optim_grads_params"
-        and not m.untie_embeddings_and_output_weights
-    ):
-        return [
-            V(
-                "option",
-                f"--pipeline-schedule {p.schedule} with --data-parallel-sharding-strategy optim_grads_params "
-                f"and tied embeddings: ptdp train does not run it yet (add --untie-embeddings-and-output-weights, "
-                f"or shard with optim_grads)",
-            )
-        ]
-    if p.schedule not in SCHEDULES_NOT_TRAINED:
-        return []
-    return [
-        V(
-            "option",
-            f"--pipeline-schedule {p.schedule}: ptdp train does not run it yet (ptdp schedule shows its "
-            f"program and bubble; train with one of "
-            f"{', '.join(k for k in SCHEDULES if k not in SCHEDULES_NOT_TRAINED)})",
-        )
-    ]
 
 
 def _moe_not_yet(config: Config) -> list[Violation]:

@@ -49,7 +49,8 @@ class Candidate:
             (:data:`FP8_RECIPES`; with any precision: the parameters' dtype is the precision's, bf16
             for "fp8"); None: no FP8 GEMMs, or with "fp8" Transformer Engine's as Megatron-Core runs
             them (delayed scaling; the published runs).
-        virtual_stages: v model chunks per pipeline rank (interleaved 1F1B when > 1).
+        virtual_stages: v model chunks per pipeline rank (interleaved 1F1B when > 1, unless the
+            parallel config names another schedule: zb-v and dualpipev run 2 on the V placement).
         layer_split: layers per pipeline stage as ``parallel`` gives them (None: even).
         fp8_param_gather: with "fp8", the FP8 GEMMs' weights kept in FP8 (Megatron-LM's
             ``--fp8-param-gather``, :mod:`ptdp.planner.memory.fp8`).
@@ -144,7 +145,8 @@ class Candidate:
         )
 
     def fields(self) -> dict[str, Any]:
-        """The candidate's choices by name, as ``ptdp plan --json`` lists them."""
+        """The candidate's choices by name, as ``ptdp plan --json`` lists them (``schedule``: the
+        pipeline schedule it runs)."""
         p = self.parallel
         return {
             "tp": p.tp,
@@ -172,16 +174,18 @@ class Candidate:
             "etp": p.etp,
             "dispatcher": p.moe_token_dispatcher_type,
             "fp8_recipe": self.fp8_recipe,
+            "schedule": p.schedule,
         }
 
     def replace(self, **changes: Any) -> Candidate:
-        """This candidate with some of :meth:`fields` (or the ``schedule``) changed."""
+        """This candidate with some of :meth:`fields` changed (1f1b and interleaved-1f1b, the
+        schedules v implies, follow a new v)."""
         given = self.fields()
         if "distributed_optimizer" in changes and "sharding" not in changes:
             given["sharding"] = None
+        if given["schedule"] in ("1f1b", "interleaved-1f1b"):
+            given["schedule"] = None
         given.update(changes)
-        if self.parallel.pipeline_schedule == "gpipe":
-            given.setdefault("schedule", "gpipe")
         return Candidate.of(**given)
 
     @property

@@ -13,6 +13,9 @@ report names the recipe and the FP8 bytes it predicts on the busiest stage (:fun
 weights' FP8 copies and the activations, beside the activations without FP8), which the predicted
 peak memory includes.
 
+A run with pp > 1 also reports its pipeline schedule's bubble as the planner times it (with F =
+B = W, and with a profile in seconds of the predicted step; :func:`pipeline_bubble`).
+
 MoE runs with ep or etp > 1 also compare the MoE layers' all-to-all seconds per step (the
 planner's :func:`~ptdp.planner.time.moe_time.moe_exchange_times`, with a profile) with those the
 trainer timed (:func:`moe_exchange_seconds`; CPU runs only: on CUDA the exchanges are not timed,
@@ -31,6 +34,7 @@ import torch
 
 from ptdp.config.schema import Config
 from ptdp.engine.comm import CommStats
+from ptdp.layout.pipeline.placement import placement_of
 from ptdp.planner.candidate import Candidate, run_candidate
 from ptdp.planner.inputs.hardware import Cluster, GPUType
 from ptdp.planner.inputs.moe_model import MoEModel, planned_model
@@ -43,6 +47,7 @@ from ptdp.planner.memory.strategies import strategy_bytes_per_param
 from ptdp.planner.time.constants import PerfConstants, links_for
 from ptdp.planner.time.moe_exchange import moe_exchange_elements
 from ptdp.planner.time.moe_time import moe_exchange_times
+from ptdp.planner.time.pipeline_bubble import ideal_bubble
 from ptdp.planner.time.profile import default_profile_path, load_profile
 from ptdp.planner.time.step_time import evaluate_performance
 from ptdp.run.profiling import process_peak_rss
@@ -147,6 +152,15 @@ def fp8_bytes(config: Config, layout: Candidate) -> dict[str, Any]:
     }
 
 
+def pipeline_bubble(config: Config) -> dict[str, Any]:
+    """The run's pipeline schedule and its bubble as the planner times it
+    (:func:`~ptdp.planner.time.pipeline_bubble.ideal_bubble`): the step's idle time with F = B = W
+    and free transfers over its work; with a profile :func:`compare` adds the predicted seconds."""
+    p = config.parallel
+    kind, m, v = p.schedule, config.num_microbatches, config.pipeline.virtual_stages
+    return {"schedule": kind, "bubble_fraction": ideal_bubble(kind, p.pp, m, v)}
+
+
 def recompute_note(config: Config) -> str | None:
     """Why the planner's activation memory is approximate for this run's full recompute, if it is."""
     m = config.model
@@ -194,7 +208,12 @@ def compare(
     model, p = config.model, config.parallel
     split = config.pipeline.layer_split
     counts = stage_param_counts(
-        model, p.tp, p.pp, make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by, layer_split=split
+        model,
+        p.tp,
+        p.pp,
+        make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by,
+        layer_split=split,
+        placement=placement_of(p.schedule),
     )
     rows = [_rank_row(config, layout, r, counts[r["coords"][2]]) for r in per_rank]
     out: dict[str, Any] = {
@@ -207,6 +226,8 @@ def compare(
     }
     if layout.fp8:
         out["fp8"] = fp8_bytes(config, layout)
+    if p.pp > 1:
+        out["pipeline"] = pipeline_bubble(config)
     loaded = _profile(profile, "step time")
     if isinstance(loaded, str):
         out["step_time"] = {"note": loaded}
@@ -238,6 +259,9 @@ def compare(
             make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by,
         )
         error = perf.time.step / mean_step_s - 1.0
+        if "pipeline" in out:
+            out["pipeline"]["predicted_bubble_s"] = perf.time.bubble
+            out["pipeline"]["predicted_step_share"] = perf.time.bubble / perf.time.step
         out["step_time"] = {
             "predicted_s": perf.time.step,
             "measured_s": mean_step_s,
@@ -437,6 +461,17 @@ def format_comparison(check: dict) -> list[str]:
             f"{f['predicted_weight_copy_bytes'] / 2**20:,.1f} MiB FP8 weight copies + "
             f"{f['predicted_activation_bytes'] / 2**20:,.1f} MiB activations predicted "
             f"({f['predicted_activation_bytes_without_fp8'] / 2**20:,.1f} MiB without FP8; part of the peak memory)"
+        )
+    if "pipeline" in check:
+        pl = check["pipeline"]
+        seconds = (
+            f"; {pl['predicted_bubble_s']:.3f} s predicted, {100 * pl['predicted_step_share']:.1f}% of the step"
+            if "predicted_bubble_s" in pl
+            else ""
+        )
+        lines.append(
+            f"    {pl['schedule']} schedule: the step idles {100 * pl['bubble_fraction']:.1f}% of its work "
+            f"with F = B = W (simulated){seconds}"
         )
     st = check.get("step_time", {})
     if "predicted_s" in st:

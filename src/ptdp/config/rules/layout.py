@@ -3,12 +3,12 @@ arXiv:2104.04473, §2.2)."""
 
 from __future__ import annotations
 
-from ptdp.config.fields import SCHEDULES
+from ptdp.config.fields import SCHEDULES, SCHEDULES_NOT_TRAINED
 from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.rules.shape import model_violations
 from ptdp.errors import V, Violation
-from ptdp.layout.pipeline.placement import V_SCHEDULES
+from ptdp.layout.pipeline.placement import V_SCHEDULES, placement_of
 
 
 def layout_violations(
@@ -169,3 +169,28 @@ def _v_shape_violations(
             )
         )
     return out
+
+
+def untrained_schedule_violations(p: ParallelConfig, tied: bool) -> list[Violation]:
+    """The pipeline schedules ``ptdp train`` does not run yet (``auto``), and the V placement's
+    tied embedding (one parameter used by two chunks of rank 0) with parameters sharded (``tied``:
+    the model ties its embedding and output weights)."""
+    if placement_of(p.schedule) == "v" and p.sharding_strategy == "optim_grads_params" and tied:
+        return [
+            V(
+                "option",
+                f"--pipeline-schedule {p.schedule} with --data-parallel-sharding-strategy optim_grads_params "
+                f"and tied embeddings: ptdp train does not run it yet (add --untie-embeddings-and-output-weights, "
+                f"or shard with optim_grads)",
+            )
+        ]
+    if p.schedule not in SCHEDULES_NOT_TRAINED:
+        return []
+    return [
+        V(
+            "option",
+            f"--pipeline-schedule {p.schedule}: ptdp train does not run it yet (ptdp schedule shows its "
+            f"program and bubble; train with one of "
+            f"{', '.join(k for k in SCHEDULES if k not in SCHEDULES_NOT_TRAINED)})",
+        )
+    ]

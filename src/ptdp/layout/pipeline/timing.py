@@ -100,11 +100,139 @@ def compute_times(
                 progress = True
     stuck = [(r, computes[r][pc[r]]) for r in range(p) if pc[r] < len(computes[r])]
     if stuck:
-        raise ValueError(
-            "the schedule's computes wait on each other: "
-            + "; ".join(f"rank {r} at {a.kind} of microbatch {a.microbatch} chunk {a.chunk}" for r, a in stuck)
-        )
+        raise _cycle(stuck)
     return start, end
+
+
+def _cycle(stuck: list[tuple[int, Any]]) -> ValueError:
+    """The error naming where each rank waits when the computes wait on each other in a cycle."""
+    return ValueError(
+        "the schedule's computes wait on each other: "
+        + "; ".join(f"rank {r} at {a.kind} of microbatch {a.microbatch} chunk {a.chunk}" for r, a in stuck)
+    )
+
+
+@dataclass(frozen=True)
+class Dependencies:
+    """A schedule's computes compiled once, to be timed under many durations: each compute after
+    the ones it waits for (its rank's previous compute and the compute making its input), so one
+    pass over them gives the times :func:`compute_times` gives. Build with :func:`dependencies`.
+
+    Attributes:
+        kinds: each compute's kind.
+        before: index of the rank's previous compute (-1 for its first).
+        source: index of the compute making its input (-1: none).
+        remote: the source is on another rank (``p2p`` added).
+        firsts, lasts: each rank's first and last compute.
+        counts: per rank, its computes of each kind.
+    """
+
+    kinds: tuple[str, ...]
+    before: tuple[int, ...]
+    source: tuple[int, ...]
+    remote: tuple[bool, ...]
+    firsts: tuple[int, ...]
+    lasts: tuple[int, ...]
+    counts: tuple[tuple[tuple[str, int], ...], ...]
+
+    def ends(self, durations: Mapping[str, float], p2p: float = 0.0) -> list[float]:
+        """When each compute ends (each rank starting at 0)."""
+        end = [0.0] * len(self.kinds)
+        took = [durations[kind] for kind in self.kinds]
+        for i, (prev, src, far) in enumerate(zip(self.before, self.source, self.remote)):
+            begin = end[prev] if prev >= 0 else 0.0
+            if src >= 0:
+                ready = end[src] + p2p if far else end[src]
+                if ready > begin:
+                    begin = ready
+            end[i] = begin + took[i]
+        return end
+
+    def idle(self, times: StageTimes, virtual_stages: int = 1, *, synchronous: bool = True) -> float:
+        """Idle seconds of the step under ``times``: with ``synchronous`` the whole step's (the
+        last compute's end over all ranks, each rank's first starting at 0 at the earliest, less
+        the busiest rank's work: every rank waits for the last before the next step, as a global
+        gradient norm makes it), else Qi et al.'s, the longest rank's own span less its work."""
+        durations = times.durations(virtual_stages)
+        end = self.ends(durations, times.p2p)
+        busy = [sum(n * durations[kind] for kind, n in counts) for counts in self.counts]
+        last = [end[i] for i in self.lasts]
+        if synchronous:
+            return max(last) - max(busy)
+        spans = [end[j] - end[i] + durations[self.kinds[i]] for i, j in zip(self.firsts, self.lasts)]
+        r = max(range(len(spans)), key=spans.__getitem__)
+        return spans[r] - busy[r]
+
+
+def dependencies(
+    schedule: Sequence[Sequence[Item]], *, virtual_stages: int = 1, placement: str = "looped"
+) -> Dependencies:
+    """``schedule``'s computes (forwards, whole backwards, Bs and Ws) as :class:`Dependencies`;
+    every rank must run at least one. Raises ValueError when they wait on each other in a cycle."""
+    p = len(schedule)
+    computes = [[a for a in acts if a.kind in COMPUTES] for acts in schedule]
+    stages = p * virtual_stages
+    # the inputs :func:`input_producer` names, by (rank, index) of the compute making them
+    made: dict[tuple[bool, int, int], tuple[int, int]] = {}  # (forward?, microbatch, stage) -> (rank, index)
+    for r, acts in enumerate(computes):
+        for i, a in enumerate(acts):
+            if a.kind != "backward_weight":
+                made[(a.kind == "forward", a.microbatch, virtual_stage(r, a.chunk, p, placement))] = (r, i)
+    needs: list[list[tuple[int, int] | None]] = []
+    for r, acts in enumerate(computes):
+        row: list[tuple[int, int] | None] = []
+        for a in acts:
+            forward = a.kind == "forward"
+            near = virtual_stage(r, a.chunk, p, placement) + (-1 if forward else 1)
+            if a.kind == "backward_weight" or not 0 <= near < stages:
+                row.append(None)
+            elif (forward, a.microbatch, near) in made:
+                row.append(made[(forward, a.microbatch, near)])
+            else:
+                raise ValueError(f"rank {r}'s {a.kind} of microbatch {a.microbatch}, chunk {a.chunk} has no input")
+        needs.append(row)
+    placed = [[-1] * len(acts) for acts in computes]
+    kinds: list[str] = []
+    before: list[int] = []
+    source: list[int] = []
+    remote: list[bool] = []
+    pc = [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            row, done, i = needs[r], placed[r], pc[r]
+            while i < len(row):
+                dep = row[i]
+                if dep is not None and placed[dep[0]][dep[1]] < 0:
+                    break
+                done[i] = len(kinds)
+                kinds.append(computes[r][i].kind)
+                before.append(done[i - 1] if i else -1)
+                source.append(-1 if dep is None else placed[dep[0]][dep[1]])
+                remote.append(dep is not None and dep[0] != r)
+                i += 1
+                progress = True
+            pc[r] = i
+    stuck = [(r, computes[r][pc[r]]) for r in range(p) if pc[r] < len(computes[r])]
+    if stuck:
+        raise _cycle(stuck)
+    counts = tuple(
+        tuple((kind, n) for kind in COMPUTES if (n := sum(a.kind == kind for a in acts))) for acts in computes
+    )
+    return Dependencies(
+        tuple(kinds),
+        tuple(before),
+        tuple(source),
+        tuple(remote),
+        tuple(done[0] for done in placed),
+        tuple(done[-1] for done in placed),
+        counts,
+    )
+
+
+#: the computes a schedule's ranks run (transfers and hand-overs take no time)
+COMPUTES = ("forward", "backward", "backward_input", "backward_weight")
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,13 @@ from __future__ import annotations
 from functools import lru_cache, partial
 
 from ptdp.config.model import ModelConfig
+from ptdp.layout.pipeline.placement import placement_of, stage_owner
+from ptdp.layout.pipeline.schedule import SPLIT_ORDERS
 from ptdp.layout.vocab import keeps_logits, padded_vocab_size
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.moe_model import MoEModel, moe_layer_share, moe_of
 from ptdp.planner.memory.cp_local import kv_buffer_bytes, local_model, unfused_score_bytes_missing
+from ptdp.planner.memory.in_flight import held_points, peak_held
 from ptdp.planner.memory.moe_activations import (
     dense_mlp_activation_bytes,
     mla_activation_change,
@@ -170,8 +173,14 @@ def inflight_microbatches(layout: Candidate, pp_rank: int, *, schedule: str = "1
 
     1F1B [N21 §2.2]: ``min(pp - r, m)``. GPipe: ``m``. Interleaved (v > 1): ``2 (pp - r - 1) + (v - 1) pp + 1``
     chunks, capped at ``m v``, divided by v; on rank 0 the factor ``pp (1 + (pp - 1)/(pp v))`` of [K22] §4.2.
+    A layout whose schedule runs B and W apart (:func:`split_backward_kind`, whatever ``schedule``
+    says): the most chunks between a forward and its B in its own order
+    (:mod:`ptdp.planner.memory.in_flight`), divided by v.
     """
     pp, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
+    kind = split_backward_kind(layout)
+    if kind is not None:
+        return peak_held(held_points(kind, pp, m, v, pp_rank), [1.0 / v] * v, [0.0] * v)
     if schedule == "gpipe":
         return float(m)
     if schedule != "1f1b":
@@ -247,6 +256,7 @@ def stage_activation_bytes(
     Layer activations x layers x microbatches in flight, plus [K22] §4.3's embedding/output/loss terms
     (one microbatch's under 1F1B, all m under GPipe). Full recompute adds the recomputed layer's working
     set; on the last stage the larger of it and the loss-side tensors, which are never held together.
+    A schedule running B and W apart: :func:`_split_backward_bytes` (``schedule`` not read).
     """
     b, sp, precision = layout.micro_batch_size, layout.parallel.sequence_parallel, layout.precision
     per_layer = layer_activation_bytes(
@@ -261,6 +271,8 @@ def stage_activation_bytes(
         ep=layout.ep,
         fp8_recipe=layout.fp8_recipe,
     )
+    if split_backward_kind(layout) is not None:
+        return _split_backward_bytes(model, layout, pp_rank, layers_on_stage, per_layer, make_vocab_size_divisible_by)
     mbs = inflight_microbatches(layout, pp_rank, schedule=schedule)
     last = pp_rank == layout.pp - 1
     last_inflight = layout.num_microbatches if schedule == "gpipe" else 1
@@ -301,6 +313,84 @@ def stage_activation_bytes(
         )
         return out + max(working, loss_side) + (last_inflight - 1) * loss_side
     return out + (last_inflight if loss_mbs is None else loss_mbs) * loss_side
+
+
+def split_backward_kind(layout: Candidate) -> str | None:
+    """The layout's pipeline schedule when it runs B and W apart (zb-h1, zb-h2, zb-v, dualpipev:
+    :data:`ptdp.layout.pipeline.schedule.SPLIT_ORDERS`), else None."""
+    kind = layout.parallel.schedule
+    return kind if kind in SPLIT_ORDERS else None
+
+
+@lru_cache(maxsize=65536)
+def wgrad_kept_bytes(
+    model: ModelConfig, tp: int, micro_batch_size: int, *, precision: str = "bf16", fp8_recipe: str | None = None
+) -> float:
+    """Bytes one layer keeps on one tp rank from a microbatch's B to its W (a zero-bubble
+    schedule's), as ``ptdp train``'s linear layers hand their weight gradients ``dW = dyᵀ x`` to W:
+    per linear its input ``x`` and output gradient ``dy``, all ``T = b s`` tokens, QKV ``h`` and
+    ``(a + 2 kv) d / t``, the projection ``a d / t`` and ``h``, fc1 ``h`` and ``n ffn / t`` (n = 2 for
+    SwiGLU), fc2 ``ffn / t`` and ``h`` (with sequence parallelism the inputs of QKV and fc1 and the
+    output gradients of the projection and fc2 as gathered for the GEMM, not their shards). Each
+    value in the activations' dtype, or with FP8 GEMMs as the GEMM's FP8 operand
+    (:func:`fp8_kept_bytes`). What else B used is freed by then; the inputs were part of the
+    forward's activations until B. A planned MoE model: the MLP's in its dense layers only (the
+    experts compute their weight gradients in B)."""
+    e, _ = activation_value_bytes(precision)
+    h, a, t = model.hidden_size, model.num_attention_heads, tp
+    d, kv, ffn, tokens = model.head_dim, model.kv_heads, model.ffn, micro_batch_size * model.seq_length
+    g = fp8_kept_bytes(fp8_recipe, tokens) if precision == "fp8" or fp8_recipe else e
+    up = (2 if model.swiglu else 1) * ffn
+    attention = h + (a + 2 * kv) * d / t + a * d / t + h
+    mlp = h + up / t + ffn / t + h
+    return g * tokens * (attention + (1.0 - moe_layer_share(model)) * mlp)
+
+
+def _split_backward_bytes(
+    model: ModelConfig, layout: Candidate, pp_rank: int, layers_on_stage: int, per_layer: float, divisible_by: int
+) -> float:
+    """Peak activation bytes of rank ``pp_rank`` under a schedule running B and W apart, from its
+    own order (:mod:`ptdp.planner.memory.in_flight`): each chunk's microbatches from forward to B
+    keep ``per_layer`` per layer (the first stage's chunk also its embedding-dropout mask, the last
+    stage's its loss side), those from B to W :func:`wgrad_kept_bytes` per layer; the chunks hold
+    ``layers_on_stage / v`` layers each. Full recompute adds the recomputed layer's working set,
+    never held with the loss side."""
+    kind = split_backward_kind(layout)
+    assert kind is not None
+    pp, v, m = layout.pp, layout.virtual_stages, layout.num_microbatches
+    placement = placement_of(kind)
+    points = held_points(kind, pp, m, v, pp_rank)
+    layers = layers_on_stage / v
+    full = [per_layer * layers] * v
+    if stage_owner(0, pp, placement)[0] == pp_rank:
+        full[0] += _edge_activation_bytes(model, layout, first=True, last=False, inflight=1, last_inflight=0)
+    loss = [0.0] * v
+    loss_owner, loss_chunk = stage_owner(pp * v - 1, pp, placement)
+    if loss_owner == pp_rank:
+        loss[loss_chunk] = _edge_activation_bytes(
+            model, layout, first=False, last=True, inflight=0, last_inflight=1, divisible_by=divisible_by
+        )
+    kept = layers * wgrad_kept_bytes(
+        model, layout.tp, layout.micro_batch_size, precision=layout.precision, fp8_recipe=layout.fp8_recipe
+    )
+    peak = peak_held(points, [f + x for f, x in zip(full, loss)], [kept] * v)
+    if layout.recompute != "full":
+        return peak
+    working = (
+        layer_activation_bytes(
+            model,
+            layout.tp,
+            layout.micro_batch_size,
+            sequence_parallel=layout.parallel.sequence_parallel,
+            recompute="none",
+            precision=layout.precision,
+            etp=layout.etp,
+            ep=layout.ep,
+            fp8_recipe=layout.fp8_recipe,
+        )
+        - per_layer
+    )
+    return max(peak, peak_held(points, full, [kept] * v) + working)
 
 
 def rank_activation_bytes(
@@ -383,6 +473,7 @@ def cached_rank_activation_bytes(
         layout.parallel.cp_comm_type,
         layout.etp,
         layout.ep,
+        layout.parallel.schedule,
         rank,
         n_layers,
         schedule,

@@ -13,6 +13,7 @@ from functools import lru_cache
 
 from ptdp.config.model import ModelConfig
 from ptdp.layout.pipeline.partition import stage_layer_counts
+from ptdp.layout.pipeline.placement import placement_of
 from ptdp.planner.candidate import Candidate, MemoryBreakdown
 from ptdp.planner.inputs.hardware import GPUType
 from ptdp.planner.inputs.moe_model import MoEModel
@@ -38,18 +39,26 @@ def _candidate_stages(
     split; with ``layer_split`` the first, the last and the lowest-ranked middle stage of each
     distinct layer count; of a planned MoE model every stage
     (:func:`_moe_stages`)."""
+    placement = placement_of(layout.parallel.schedule)
     if isinstance(model, MoEModel):
         p = layout.parallel
         counted = (p.account_for_embedding_in_pipeline_split, p.account_for_loss_in_pipeline_split)
-        return _moe_stages(model, p.tp, p.pp, p.ep, p.etp, layer_split, divisible_by, layout.virtual_stages, counted)
+        return _moe_stages(
+            model, p.tp, p.pp, p.ep, p.etp, layer_split, divisible_by, layout.virtual_stages, counted, placement
+        )
     if layer_split is None:
-        first_params, last_params, per_stage = even_stage_params(model, layout.tp, layout.pp, divisible_by)
+        first_params, last_params, per_stage = even_stage_params(model, layout.tp, layout.pp, divisible_by, placement)
         candidates = [(0, first_params, per_stage, 0)]
         if layout.pp > 1:
             candidates.append((layout.pp - 1, last_params, per_stage, 0))
         return candidates
     stage_params = stage_param_counts(
-        model, layout.tp, layout.pp, make_vocab_size_divisible_by=divisible_by, layer_split=layer_split
+        model,
+        layout.tp,
+        layout.pp,
+        make_vocab_size_divisible_by=divisible_by,
+        layer_split=layer_split,
+        placement=placement,
     )
     candidates, counts_seen = [], set()
     for rank, (n_params, n_layers) in enumerate(zip(stage_params, layer_split)):
@@ -82,10 +91,11 @@ def _moe_stages(
     divisible_by: int,
     v: int,
     counted: tuple[bool, bool],
+    placement: str = "looped",
 ) -> list[tuple[int, int, int, int]]:
     """:func:`_candidate_stages` of a planned MoE model: the first, the last and each other stage
     unlike those before it (:func:`~ptdp.planner.memory.moe_params.stage_counts`)."""
-    dense, own = stage_counts(model, tp, pp, ep, etp, layer_split, divisible_by, v, counted)
+    dense, own = stage_counts(model, tp, pp, ep, etp, layer_split, divisible_by, v, counted, placement)
     layers = stage_layer_counts(model.num_layers, pp, layer_split)
     seen, out = set(), []
     for rank, row in enumerate(zip(dense, layers, own)):
@@ -102,7 +112,7 @@ def memory_breakdown(
     *,
     overhead_bytes: float | None = None,
     gpus_per_node: int | None = None,
-    schedule: str = "1f1b",
+    schedule: str | None = None,
     make_vocab_size_divisible_by: int = 128,
     layer_split: tuple[int, ...] | None = None,
 ) -> MemoryBreakdown:
@@ -115,10 +125,12 @@ def memory_breakdown(
     :func:`rank_activation_bytes` (one cp rank); overhead: ``overhead_bytes``, by default the process's
     own (:func:`~ptdp.planner.memory.overhead.runtime_overhead_bytes` on nodes of ``gpus_per_node``,
     default the GPU's). ``gpu`` does not change the other bytes; the check ``total <= gpu.memory_bytes``
-    is the caller's. ``schedule``: "1f1b" or "gpipe".
+    is the caller's. ``schedule``: "1f1b" or "gpipe" (None: gpipe for a layout running it, else
+    1f1b; a schedule running B and W apart is always counted from its own order).
     Only the first, the last and one middle stage per distinct layer count can be the maximum.
     """
     layer_split = layer_split if layer_split is not None else layout.layer_split
+    schedule = schedule or ("gpipe" if layout.parallel.schedule == "gpipe" else "1f1b")
     candidates = _candidate_stages(model, layout, layer_split, make_vocab_size_divisible_by)
     rows = []
     per_param = strategy_bytes_per_param(

@@ -17,10 +17,11 @@ from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.layout.pipeline.partition import PipelineSplit
+from ptdp.layout.pipeline.placement import placement_of
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.moe_model import MoEModel, moe_of
-from ptdp.planner.memory.params import layer_param_count, stage_param_counts
+from ptdp.planner.memory.params import layer_param_count, loss_rank, stage_param_counts
 from ptdp.planner.memory.strategies import strategy_bytes_per_param
 
 
@@ -112,6 +113,7 @@ def stage_counts(
     divisible_by: int = 128,
     v: int = 1,
     counted: tuple[bool, bool] = (False, False),
+    placement: str = "looped",
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per pipeline stage, one rank's ``(parameters in the dense gradient buffer, routed experts in
     their own buffer)``: :func:`~ptdp.planner.memory.params.stage_param_counts` with each MoE layer's
@@ -119,13 +121,15 @@ def stage_counts(
     as ``ptdp train`` keeps them) and what the multi-token-prediction modules add on the last stage
     (:func:`mtp_extra_params`). A stage's layers are those of its ``v`` model chunks
     (:class:`~ptdp.layout.pipeline.partition.PipelineSplit` of ``layer_split``, the embedding and
-    the loss ``counted`` as layers or not)."""
-    dense = stage_param_counts(model, tp, pp, make_vocab_size_divisible_by=divisible_by, layer_split=layer_split)
-    dense[-1] += mtp_extra_params(model, tp, pp, divisible_by)
+    the loss ``counted`` as layers or not, on the chunks' ``placement``)."""
+    dense = stage_param_counts(
+        model, tp, pp, make_vocab_size_divisible_by=divisible_by, layer_split=layer_split, placement=placement
+    )
+    dense[loss_rank(pp, placement)] += mtp_extra_params(model, tp, pp, divisible_by)
     moe = moe_of(model)
     if moe is None:
         return tuple(dense), (0,) * pp
-    split = PipelineSplit(model.num_layers, pp, v, layer_split, *counted)
+    split = PipelineSplit(model.num_layers, pp, v, layer_split, *counted, placement=placement)
     own = [0] * pp
     folded = ep * etp == 1
     for stage in range(pp):
@@ -143,7 +147,18 @@ def layout_stage_counts(
     counted as layers as it says) with ``layer_split`` as the split."""
     p = layout.parallel
     counted = (p.account_for_embedding_in_pipeline_split, p.account_for_loss_in_pipeline_split)
-    return stage_counts(model, p.tp, p.pp, p.ep, p.etp, layer_split, divisible_by, layout.virtual_stages, counted)
+    return stage_counts(
+        model,
+        p.tp,
+        p.pp,
+        p.ep,
+        p.etp,
+        layer_split,
+        divisible_by,
+        layout.virtual_stages,
+        counted,
+        placement_of(p.schedule),
+    )
 
 
 def expert_bytes_per_param(precision: str, parallel: ParallelConfig) -> tuple[float, float, float]:

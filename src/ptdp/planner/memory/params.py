@@ -14,6 +14,7 @@ from functools import lru_cache
 from ptdp.config.model import ModelConfig
 from ptdp.layout.buckets import chunk_by_chunk, chunk_rounds
 from ptdp.layout.pipeline.partition import stage_layer_counts
+from ptdp.layout.pipeline.placement import stage_owner
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.moe_model import MoEModel
@@ -55,13 +56,16 @@ def stage_param_counts(
     *,
     make_vocab_size_divisible_by: int = 128,
     layer_split: tuple[int, ...] | None = None,
+    placement: str = "looped",
 ) -> list[int]:
-    """Parameters held by one tp rank of each of the ``pp`` pipeline stages (exact).
+    """Parameters held by one tp rank of each of the ``pp`` pipeline ranks (exact).
 
     First stage: word embedding ``[V_pad/tp, h]`` (V rounded up to a multiple of
     ``make_vocab_size_divisible_by * tp``) and, for GPT, positions ``[s, h]``. Last stage: the final norm
     and the output weight ``[V_pad/tp, h]`` (untied, or tied with pp > 1). ``layer_split`` lists layers
-    per stage (None: even). Raises ``ConfigError`` for an impossible split.
+    per stage (None: even). The last stage is on rank pp - 1, or with the V ``placement`` on rank 0
+    beside the first (:mod:`ptdp.layout.pipeline.placement`; a tied output weight is then still
+    counted apart, in the chunk of its own). Raises ``ConfigError`` for an impossible split.
     """
     counts = stage_layer_counts(model.num_layers, pp, layer_split)
     h = model.hidden_size
@@ -72,8 +76,14 @@ def stage_param_counts(
     last = (h if model.uses_rmsnorm else 2 * h) + (embedding if (not model.tied or pp > 1) else 0)
     out = [n * per_layer for n in counts]
     out[0] += first
-    out[-1] += last
+    out[loss_rank(pp, placement)] += last
     return out
+
+
+def loss_rank(pp: int, placement: str = "looped") -> int:
+    """The pipeline rank holding the last stage (the output layer and the loss): pp - 1, or 0 on
+    the V placement."""
+    return stage_owner(2 * pp - 1, pp, placement)[0]
 
 
 def bytes_per_param(precision: str, dp: int = 1, distributed_optimizer: bool = False) -> tuple[float, float, float]:
@@ -210,7 +220,9 @@ def mean_stage_params(model: ModelConfig, tp: int, pp: int, divisible_by: int = 
 
 
 @lru_cache(maxsize=65536)
-def even_stage_params(model: ModelConfig, tp: int, pp: int, divisible_by: int) -> tuple[int, int, int]:
-    """(first, last, layers-per-stage) params for an even split; cached per (model, tp, pp)."""
-    counts = stage_param_counts(model, tp, pp, make_vocab_size_divisible_by=divisible_by)
+def even_stage_params(
+    model: ModelConfig, tp: int, pp: int, divisible_by: int, placement: str = "looped"
+) -> tuple[int, int, int]:
+    """(rank 0's, rank pp - 1's, layers-per-stage) params for an even split; cached per (model, tp, pp)."""
+    counts = stage_param_counts(model, tp, pp, make_vocab_size_divisible_by=divisible_by, placement=placement)
     return counts[0], counts[-1], model.num_layers // pp

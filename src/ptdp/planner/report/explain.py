@@ -44,10 +44,14 @@ def _value(value, field: str = "") -> str:
 
 
 def layout_differences(a: Plan, b: Plan) -> list[str]:
-    """``"name a vs b"`` for every layout field where the two plans differ (Megatron's short names)."""
+    """``"name a vs b"`` for every layout field where the two plans differ (Megatron's short names;
+    the schedule unless both are the one their v implies, 1f1b or interleaved-1f1b)."""
     left, right = a.layout.fields(), b.layout.fields()
+    implied = {left["schedule"], right["schedule"]} <= {"1f1b", "interleaved-1f1b"}
     for side in (left, right):
         side.pop("distributed_optimizer")  # sharding says it
+        if implied:  # v says it
+            side.pop("schedule")
     return [
         f"{_LAYOUT_NAMES.get(k, k)} {_value(left[k], k)} vs {_value(right[k], k)}"
         for k in left
@@ -59,7 +63,8 @@ def layout_flags(layout: Candidate) -> str:
     """The ``ptdp plan`` flags that fix ``layout`` (the request's batch and precision aside), e.g.
     ``--tp 8 --pp 16 --dp 8 --micro-batch-size 1 --virtual-pipeline-stages 2 --recompute-granularity
     none --sequence-parallel --data-parallel-sharding-strategy optim``; flags at ptdp's defaults
-    (bucket size, overlap, resharding) only when the layout differs from them."""
+    (bucket size, overlap, resharding, the schedule v implies) only when the layout differs from them,
+    e.g. ``--pipeline-schedule zb-h1``."""
     v, split = layout.virtual_stages, split_flags(layout.layer_split, layout.virtual_stages)
     words = [f"--tp {layout.tp}"]
     if layout.cp > 1:
@@ -69,6 +74,8 @@ def layout_flags(layout: Candidate) -> str:
         words += [f"--ep {layout.ep}", f"--etp {layout.etp}"]
     if layout.parallel.moe_token_dispatcher_type != "alltoall":
         words.append(f"--moe-token-dispatcher-type {layout.parallel.moe_token_dispatcher_type}")
+    if layout.parallel.schedule not in ("1f1b", "interleaved-1f1b"):  # the one v implies
+        words.append(f"--pipeline-schedule {layout.parallel.schedule}")
     if v > 1 and "--num-layers-per-virtual-pipeline-stage" not in (split or ""):
         words.append(f"--virtual-pipeline-stages {v}")
     words += [split] if split else []

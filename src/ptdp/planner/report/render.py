@@ -32,6 +32,7 @@ def _layout_cells(plan: Plan, moe: bool = False) -> list[str]:
         str(lay.dp),
         str(lay.micro_batch_size),
         str(lay.virtual_stages),
+        lay.parallel.schedule,
         lay.recompute,
         "y" if lay.parallel.sequence_parallel else "n",
         lay.sharding_strategy,
@@ -57,13 +58,13 @@ def _row(plan: Plan, rank: int, capacity: float, moe: bool = False) -> list[str]
 
 
 HEADER = (
-    ["#", "tp", "cp", "pp", "dp", "b", "v", "recomp", "sp", "shard"]
+    ["#", "tp", "cp", "pp", "dp", "b", "v", "schedule", "recomp", "sp", "shard"]
     + ["params", "grads", "optim", "activ", "overh", "total/cap GiB"]
     + ["compute", "recomp", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_comm", "optim", "step s"]
     + ["TFLOP/s", "MFU"]
 )
 MOE_HEADER = (
-    ["#", "ep", "etp", *HEADER[1:16]]
+    ["#", "ep", "etp", *HEADER[1:17]]
     + ["compute", "recomp", "tp_comm", "cp_comm", "pp_comm", "ep_comm", "bubble", "dp_comm", "edp_comm", "optim"]
     + HEADER[-3:]
 )
@@ -165,7 +166,8 @@ def _describe(plan: Plan) -> str:
     experts = f" ep={lay.ep}" + (f" etp={lay.etp}" if lay.etp > 1 else "") if lay.ep * lay.etp > 1 else ""
     return (
         f"tp={lay.tp}{f' cp={lay.cp}' if lay.cp > 1 else ''} pp={lay.pp} dp={lay.dp}{experts} b={lay.micro_batch_size} "
-        f"v={lay.virtual_stages} recompute={lay.recompute} sp={'on' if lay.parallel.sequence_parallel else 'off'} "
+        f"v={lay.virtual_stages}{_schedule_words(lay)} recompute={lay.recompute} "
+        f"sp={'on' if lay.parallel.sequence_parallel else 'off'} "
         f"sharding={lay.sharding_strategy}"
         + (
             f" layers={describe_split(lay.layer_split).replace(' x ', 'x').replace(', ', ',')}"
@@ -173,6 +175,12 @@ def _describe(plan: Plan) -> str:
             else ""
         )
     )
+
+
+def _schedule_words(layout) -> str:
+    """`` schedule=KIND`` unless the layout runs the schedule its v implies (1f1b, interleaved-1f1b)."""
+    kind = layout.parallel.schedule
+    return "" if kind in ("1f1b", "interleaved-1f1b") else f" schedule={kind}"
 
 
 def grouped_rejections(result: SearchResult) -> dict[str, list[tuple[Plan, Violation]]]:
@@ -240,7 +248,8 @@ def plot_label(rank: int, plan: Plan) -> str:
     return (
         f"#{rank} tp{lay.tp}{f' cp{lay.cp}' if lay.cp > 1 else ''} pp{lay.pp} dp{lay.dp}"
         f"{f' ep{lay.ep}' if lay.ep > 1 else ''}{f' etp{lay.etp}' if lay.etp > 1 else ''} b{lay.micro_batch_size} "
-        f"v{lay.virtual_stages} rec {lay.recompute[:4]}{' sp' if lay.parallel.sequence_parallel else ''}{shard}"
+        f"v{lay.virtual_stages}{_schedule_words(lay).replace(' schedule=', ' ')} rec {lay.recompute[:4]}"
+        f"{' sp' if lay.parallel.sequence_parallel else ''}{shard}"
     )
 
 

@@ -7,10 +7,12 @@ import math
 import os
 from pathlib import Path
 
+from ptdp.config import fields
 from ptdp.config.model import ModelConfig
 from ptdp.config.rules.shape import heads_violations, llama_option_violations
 from ptdp.errors import ConfigError
 from ptdp.layout.pipeline.partition import layer_split
+from ptdp.layout.pipeline.schedule import SPLIT_ORDERS
 from ptdp.planner.inputs.hardware import Cluster
 from ptdp.planner.search.layouts import Fixed
 from ptdp.planner.search.rules import context_rejections, kv_head_rejections
@@ -202,8 +204,10 @@ def check_fixed_choices(model: ModelConfig, global_batch_size: int, fixed: Fixed
     """Fixed choices that no layout can satisfy, whatever the search tries, are a bad request
     (exit 2) rather than "no layout fits": a fixed tp that does not divide the attention heads or
     the key/value heads, a fixed cp whose ``2 cp`` chunks do not divide the sequence (the rules
-    every layout is checked by), a fixed micro batch that does not divide the global batch. Raises
-    ``ConfigError`` naming the numbers."""
+    every layout is checked by), a fixed micro batch that does not divide the global batch, a fixed
+    pipeline schedule ``ptdp train`` does not run yet (:data:`ptdp.config.fields.SCHEDULES_NOT_TRAINED`,
+    read at each call) or the planner does not model (``auto``). Raises ``ConfigError`` naming the
+    numbers."""
     errors = []
     tp, cp, b = fixed.tp, fixed.cp, fixed.micro_batch_size
     if tp is not None:
@@ -211,6 +215,13 @@ def check_fixed_choices(model: ModelConfig, global_batch_size: int, fixed: Fixed
         errors += [v.message for v in heads] or [r.message for r in kv_head_rejections(model, tp)]
     if cp is not None:
         errors += [r.message for r in context_rejections(model, tp or 1, cp)]
+    kind = fixed.pipeline_schedule
+    trained = [k for k in fields.SCHEDULES if k not in fields.SCHEDULES_NOT_TRAINED]
+    modelled = ("gpipe", "1f1b", "interleaved-1f1b", *SPLIT_ORDERS)
+    if kind is not None and (kind not in trained or kind not in modelled):
+        why = "ptdp train does not run it yet" if kind not in trained else "ptdp plan does not model it"
+        planned = ", ".join(k for k in trained if k in modelled)
+        errors.append(f"--pipeline-schedule {kind}: {why} (ptdp plan plans {planned})")
     if b is not None and global_batch_size % b:
         errors.append(
             f"global_batch_size={global_batch_size} is not divisible by micro_batch_size={b} (rule: B % (b * dp) == 0)"

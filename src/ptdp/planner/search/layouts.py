@@ -1,8 +1,9 @@
 """Search every valid layout for a model on a cluster, predict each, rank by step time.
 
 The search enumerates tp x cp x pp x dp = number of GPUs, micro batch size, virtual pipeline
-stages, recompute, sequence parallelism, the sharding strategy and the pipeline split
-(:mod:`ptdp.planner.splits`); any of them can be fixed. Pruning: cp > 1 only from
+stages, the pipeline schedule (:func:`_schedules`: the zero-bubble ones ``ptdp train`` runs beside
+1f1b and interleaved-1f1b), recompute, sequence parallelism, the sharding strategy and the pipeline
+split (:mod:`ptdp.planner.splits`); any of them can be fixed. Pruning: cp > 1 only from
 :data:`CP_MIN_SEQ_LENGTH` tokens (or when nothing fits with cp = 1), with ``seq_length % (2 cp) == 0``,
 at least :data:`CP_MIN_LOCAL_TOKENS` per rank and micro batch 1; sharding strategies as
 :func:`ptdp.planner.search.predict.predict_strategies` says. Layouts that break a rule
@@ -17,19 +18,27 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from ptdp.config import fields
 from ptdp.config.fields import SHARDING_STRATEGIES
 from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.rules.layout import schedule_violations
 from ptdp.errors import ConfigError, Violation
 from ptdp.layout.pipeline.partition import accounted_split, first_last_split
+from ptdp.layout.pipeline.placement import placement_of
+from ptdp.layout.pipeline.schedule import SPLIT_ORDERS
 from ptdp.planner.candidate import RECOMPUTE, Candidate, Plan
 from ptdp.planner.inputs.hardware import Cluster
 from ptdp.planner.inputs.moe_model import moe_of
 from ptdp.planner.memory.moe_params import expert_param_count
 from ptdp.planner.memory.strategies import strategy_bytes_per_param
 from ptdp.planner.search.predict import predict_strategies
-from ptdp.planner.search.rules import context_rejections, expert_rejections, structural_rejections
+from ptdp.planner.search.rules import (
+    context_rejections,
+    expert_rejections,
+    structural_rejections,
+    untrained_schedule_rejections,
+)
 from ptdp.planner.splits import ACCOUNTING, candidate_splits, interleaved_splits
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS
 
@@ -92,6 +101,8 @@ class Fixed:
     moe_token_dispatcher_type: str | None = None
     fp8_recipe: str | None = None
     """``ptdp train``'s FP8 recipe planned with precision fp8 (None: Transformer Engine's, or no FP8)."""
+    pipeline_schedule: str | None = None
+    """The pipeline schedule (None: the one v implies and the zero-bubble ones, :func:`_schedules`)."""
 
     @property
     def optimizer_dtypes(self) -> tuple[str, str, str]:
@@ -352,12 +363,14 @@ def _virtual_stage_pairs(
     model: ModelConfig, tp: int, pp: int, dp: int, b: int, big_b: int, fixed: Fixed, split, search_split: bool
 ) -> tuple[list[tuple[int, tuple[int, ...] | None]], list[str]]:
     """((v, the split of an interleaved layout or None) pairs to plan, the flag errors that reject
-    them all): the v the user fixed (directly or by layers per virtual stage), else every v whose
-    chunks split the stage's layers evenly, plus the interleaved splits with the embedding and/or
-    loss counted as layers (:func:`ptdp.planner.splits.interleaved_splits`) where that is searched
-    or fixed."""
+    them all): the v the user fixed (directly or by layers per virtual stage), else the v a fixed
+    schedule runs with (:func:`_schedule_chunks`), else every v whose chunks split the stage's
+    layers evenly, plus the interleaved splits with the embedding and/or loss counted as layers
+    (:func:`ptdp.planner.splits.interleaved_splits`) where that is searched or fixed."""
     if split is not None:
         vs = [1]
+    elif fixed.pipeline_schedule is not None and fixed.virtual_pipeline_model_parallel_size is None:
+        vs = _schedule_chunks(fixed.pipeline_schedule, model.num_layers, pp)
     elif fixed.virtual_pipeline_model_parallel_size is not None:
         vs = [fixed.virtual_pipeline_model_parallel_size]
     elif fixed.num_layers_per_virtual_pipeline_stage is not None:
@@ -380,7 +393,11 @@ def _virtual_stage_pairs(
             for v, s in interleaved_splits(model.num_layers, pp, (counted,), uneven_only=False)
             if fixed.virtual_pipeline_model_parallel_size in (None, v)
         ]
-    elif search_split and fixed.num_layers_per_virtual_pipeline_stage is None:
+    elif (
+        search_split
+        and fixed.num_layers_per_virtual_pipeline_stage is None
+        and fixed.pipeline_schedule in (None, "interleaved-1f1b")
+    ):
         pairs += [
             (v, s)
             for v, s in interleaved_splits(model.num_layers, pp, ACCOUNTING if counted is None else ())
@@ -389,12 +406,60 @@ def _virtual_stage_pairs(
     return pairs, []
 
 
+def _schedule_chunks(kind: str, num_layers: int, pp: int) -> list[int]:
+    """The v a fixed schedule runs with, v not fixed: 2 on the V placement, v > 1 interleaved
+    (each whose chunks split a stage's layers evenly; 2 when none does, rejected by the rules), else 1."""
+    if placement_of(kind) == "v":
+        return [2]
+    if kind == "interleaved-1f1b":
+        chunks = divisors(num_layers // pp)[1:] if pp > 1 and num_layers % pp == 0 else []
+        return chunks or [2]
+    return [1]
+
+
+def _schedules(fixed: Fixed, pp: int, v: int, even: bool) -> list[str]:
+    """The pipeline schedules planned for a layout of ``pp`` ranks with ``v`` model chunks each:
+    the one fixed; else the one v implies (1f1b, interleaved-1f1b) and, with pp > 1, every
+    schedule running B and W apart (:data:`~ptdp.layout.pipeline.schedule.SPLIT_ORDERS`) that
+    ``ptdp train`` runs (:data:`ptdp.config.fields.SCHEDULES` less ``SCHEDULES_NOT_TRAINED``, read
+    at each call) and whose chunks v is: zb-h1 and zb-h2 at v = 1, zb-v and dualpipev at v = 2
+    (on the V placement) when the chunks split the layers evenly (``even``: no split of their own)."""
+    if fixed.pipeline_schedule is not None:
+        return [fixed.pipeline_schedule]
+    out = ["1f1b" if v == 1 else "interleaved-1f1b"]
+    if pp == 1:
+        return out
+    trained = [k for k in fields.SCHEDULES if k not in fields.SCHEDULES_NOT_TRAINED and k in SPLIT_ORDERS]
+    for kind in trained:
+        v_placement = placement_of(kind) == "v"
+        if (v == 2 and v_placement and even) or (v == 1 and not v_placement):
+            out.append(kind)
+    return out
+
+
+def _runnable(model: ModelConfig, make, strategies: list[str], *, planned: bool) -> list[str]:
+    """The sharding ``strategies`` under which ``ptdp train`` runs ``make(strategy)``'s schedule
+    (:func:`~ptdp.planner.search.rules.untrained_schedule_rejections`). A ``planned`` schedule (the
+    one fixed, or the one v implies) keeps the first when it runs under none, to be rejected with
+    the reason; another (a zero-bubble alternative) is left out when none runs it or the config's
+    schedule rules refuse it."""
+    runnable = [s for s in strategies if not untrained_schedule_rejections(make(s).parallel, model)]
+    if planned:
+        return runnable or strategies[:1]
+    first = make(runnable[0]) if runnable else None
+    if first is None or schedule_violations(first.parallel, model.num_layers, first.num_microbatches):
+        return []
+    return runnable
+
+
 def _search_layout(
     model, cluster, tp, pp, dp, b, big_b, fixed, precision, constants, overhead, result, *, cp: int = 1
 ) -> None:
     """Predict the layouts of one (tp, cp, pp, dp, b): every (v, split) pair
-    (:func:`_virtual_stage_pairs`), recompute granularity and sequence parallelism, each under its
-    sharding strategies (:func:`ptdp.planner.search.predict.predict_strategies`), into ``result``."""
+    (:func:`_virtual_stage_pairs`), pipeline schedule (:func:`_schedules`), recompute granularity
+    and sequence parallelism, each under its sharding strategies (those ``ptdp train`` runs the
+    schedule with, :func:`_runnable`; :func:`ptdp.planner.search.predict.predict_strategies`), into
+    ``result``."""
     split, search_split, broken = _fixed_split(model.num_layers, pp, fixed)
     probe = next(iter(candidate_splits(model.num_layers, pp, 0.0, 0.0)), None) if search_split else split
     broken = broken or structural_rejections(
@@ -416,11 +481,12 @@ def _search_layout(
     searched = [r for r in RECOMPUTE if not (r == "selective" and model.flash_attention)]
     grids = expert_grids(model, tp, cp, pp, dp, fixed, cluster, precision)
     for (v, v_split), (ep, etp) in itertools.product(pairs, grids):
-        for recompute in _options(fixed.recompute_granularity, searched):
+        kinds = _schedules(fixed, pp, v, v_split is None and split is None)
+        for recompute, kind in itertools.product(_options(fixed.recompute_granularity, searched), kinds):
             # sequence parallelism needs tp > 1 and sharding dp * cp > 1: off otherwise
             for sp in _options(fixed.sequence_parallel, [False, True]) if tp > 1 else [False]:
 
-                def make(sharding, v=v, recompute=recompute, sp=sp, v_split=v_split, ep=ep, etp=etp):
+                def make(sharding, v=v, recompute=recompute, sp=sp, v_split=v_split, ep=ep, etp=etp, kind=kind):
                     return Candidate.of(
                         tp,
                         pp,
@@ -446,8 +512,12 @@ def _search_layout(
                         etp=etp,
                         dispatcher=fixed.moe_token_dispatcher_type or "alltoall",
                         fp8_recipe=fixed.fp8_recipe,
+                        schedule=kind,
                     )
 
+                strategies = _runnable(model, make, _strategies(fixed, dp * cp), planned=kind == kinds[0])
+                if not strategies:
+                    continue
                 dispatcher = fixed.moe_token_dispatcher_type or "alltoall"
                 experts_broken = expert_rejections(model, tp, pp, tp * cp * pp * dp, ep, etp, sp, dispatcher)
                 if experts_broken:
@@ -457,7 +527,7 @@ def _search_layout(
                 plans, rejected = predict_strategies(
                     model,
                     make,
-                    _strategies(fixed, dp * cp),
+                    strategies,
                     cluster,
                     constants,
                     overhead,

@@ -11,12 +11,13 @@ import functools
 from ptdp.config.fields import CP_COMM_TYPES, SHARDING_STRATEGIES
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEConfig
+from ptdp.config.parallel import ParallelConfig
 from ptdp.config.rules.axes import (
     context_parallel_model_violations,
     context_parallel_violations,
     sequence_parallel_violations,
 )
-from ptdp.config.rules.layout import layout_violations, schedule_violations
+from ptdp.config.rules.layout import layout_violations, schedule_violations, untrained_schedule_violations
 from ptdp.config.rules.moe import moe_violations
 from ptdp.errors import Violation
 from ptdp.planner.candidate import FP8_RECIPES, OP_SAC, PRECISIONS, RECOMPUTE, Candidate
@@ -84,11 +85,19 @@ def context_rejections(model: ModelConfig, tp: int, cp: int) -> tuple[Violation,
     return tuple(context_parallel_violations(model.seq_length, cp))
 
 
+def untrained_schedule_rejections(parallel: ParallelConfig, model: ModelConfig) -> list[Violation]:
+    """What ``ptdp train`` refuses of a parallel config's pipeline schedule before it starts
+    (:func:`ptdp.config.rules.layout.untrained_schedule_violations`, its own check)."""
+    return [Violation("schedule", v.message) for v in untrained_schedule_violations(parallel, model.tied)]
+
+
 def schedule_rejections(model: ModelConfig, layout: Candidate) -> list[Violation]:
-    """Rules of the pipeline schedule (the config's, on the candidate's parallel config), of
-    sequence parallelism and of the option values."""
+    """Rules of the pipeline schedule (the config's, on the candidate's parallel config, and what
+    ``ptdp train`` does not run yet: :func:`untrained_schedule_rejections`), of sequence
+    parallelism and of the option values."""
     m = layout.num_microbatches
     out = [Violation("interleaving", v.message) for v in schedule_violations(layout.parallel, model.num_layers, m)]
+    out += untrained_schedule_rejections(layout.parallel, model)
     out += sequence_parallel_violations(model, layout.tp, layout.parallel.sequence_parallel)
     # sequence parallelism inside each cp rank's s / cp positions
     out += context_parallel_model_violations(model, layout.cp, layout.tp, layout.parallel.sequence_parallel)

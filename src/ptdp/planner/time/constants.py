@@ -76,6 +76,13 @@ class PerfConstants:
             bf16's throughput. If tensorwise's GEMMs run twice bf16's (the peaks' ratio), GEMMs are
             40% of the bf16 step, rowwise's run 1.30x bf16's, 0.65 of tensorwise's (rowwise's
             costlier casts lumped in).
+        wgrad_efficiency: speed of the weight-gradient GEMMs a zero-bubble schedule's W runs apart
+            from their B (:func:`ptdp.planner.time.flops.layer_wgrad_time`) over the same GEMMs in a
+            whole backward, on a GPU generation without its own entry in ``wgrad_arch_efficiency``.
+        wgrad_arch_efficiency: ``(arch, wgrad_efficiency)`` per GPU generation. An assumption, not
+            measured or fitted: 1.0 on Ampere, Hopper and Blackwell (a W GEMM has the shape and
+            operands it has inside the whole backward; the planner's GEMM efficiency is symmetric
+            in its dimensions); a calibrated profile may set its own.
     """
 
     gemm_peak_fraction: float = 0.77
@@ -111,10 +118,13 @@ class PerfConstants:
     moe_arch_fits: tuple[tuple[str, float, float, float, float, float], ...] = (
         ("blackwell", 0.5, 0.3, 0.8, 0.75e-3, 0.0),
     )
+    wgrad_efficiency: float = 1.0
+    wgrad_arch_efficiency: tuple[tuple[str, float], ...] = (("ampere", 1.0), ("hopper", 1.0), ("blackwell", 1.0))
 
     def __post_init__(self) -> None:  # a profile read from JSON holds lists
         object.__setattr__(self, "arch_fits", tuple(tuple(fit) for fit in self.arch_fits))
         object.__setattr__(self, "moe_arch_fits", tuple(tuple(fit) for fit in self.moe_arch_fits))
+        object.__setattr__(self, "wgrad_arch_efficiency", tuple(tuple(e) for e in self.wgrad_arch_efficiency))
 
     def with_overlap(
         self,
@@ -136,9 +146,9 @@ class PerfConstants:
         )
 
     def for_gpu(self, gpu) -> PerfConstants:
-        """These constants with ``gpu.arch``'s fitted efficiencies (``arch_fits``, ``moe_arch_fits``),
-        or unchanged for an architecture without its own fit (Ampere, whose fit the plain fields
-        hold; a calibrated CPU)."""
+        """These constants with ``gpu.arch``'s fitted efficiencies (``arch_fits``, ``moe_arch_fits``)
+        and W efficiency (``wgrad_arch_efficiency``), or unchanged for an architecture without its
+        own (Ampere, whose fit the plain fields hold; a calibrated CPU)."""
         return _for_arch(self, getattr(gpu, "arch", ""))
 
     def moe_fit(self, arch: str) -> dict[str, float]:
@@ -177,7 +187,12 @@ def _for_arch(constants: PerfConstants, arch: str) -> PerfConstants:
     for name, *moe in constants.moe_arch_fits:
         if name == arch:
             out = dataclasses.replace(out, **dict(zip(MOE_FIT_FIELDS, moe)))  # type: ignore[arg-type]
-    return dataclasses.replace(out, arch_fits=(), moe_arch_fits=()) if out is not constants else constants
+    for name, efficiency in constants.wgrad_arch_efficiency:
+        if name == arch and efficiency != out.wgrad_efficiency:
+            out = dataclasses.replace(out, wgrad_efficiency=efficiency)
+    if out is constants:
+        return constants
+    return dataclasses.replace(out, arch_fits=(), moe_arch_fits=(), wgrad_arch_efficiency=())
 
 
 DEFAULT_CONSTANTS = PerfConstants()

@@ -511,6 +511,39 @@ def layer_compute_times(
 
 
 @lru_cache(maxsize=65536)
+def layer_wgrad_time(
+    model: ModelConfig,
+    tp: int,
+    micro_batch_size: int,
+    peak_flops: float,
+    bandwidth: float,
+    peak_fraction: float,
+    half_dim: float,
+    fp8: FP8Gemms | None = None,
+) -> float:
+    """Seconds of one layer's weight-gradient GEMMs ``dW = dyᵀ x`` on one tp rank for one
+    microbatch: those of QKV, the projection, fc1 and fc2 (:data:`LINEAR_GEMMS`), each as long as
+    its forward GEMM (the same ``M N K``, :func:`gemm_time` or :func:`fp8_gemm_time`), the part of
+    :func:`layer_compute_times`' backward a zero-bubble schedule's W runs. A planned MoE model: the
+    MLP's only in its dense layers (``ptdp train``'s experts compute theirs in B), the dense
+    attention's shapes standing for multi-head latent attention's projections."""
+    shapes = layer_gemms(model, tp, micro_batch_size)
+
+    def timed(m: int, n: int, k: int, batch: int) -> float:
+        if fp8 is not None:
+            return fp8_gemm_time(
+                m, n, k, batch, fp8, bandwidth=bandwidth, peak_fraction=peak_fraction, half_dim=half_dim
+            )
+        return gemm_time(
+            m, n, k, batch, peak_flops=peak_flops, bandwidth=bandwidth, peak_fraction=peak_fraction, half_dim=half_dim
+        )
+
+    attention = timed(*shapes[0]) + timed(*shapes[3])
+    mlp = timed(*shapes[4]) + timed(*shapes[5])
+    return attention + (1.0 - moe_layer_share(model)) * mlp
+
+
+@lru_cache(maxsize=65536)
 def logits_compute_time(
     model: ModelConfig,
     tp: int,

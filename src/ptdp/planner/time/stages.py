@@ -10,6 +10,8 @@ the edge work of the first stage (embedding) and the last (output layer + loss).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ptdp.config.model import ModelConfig
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate
@@ -112,25 +114,33 @@ def tp_hidden_share(c: PerfConstants, tp: int, sequence_parallel: bool) -> tuple
     return c.tp_overlap, c.tp_overlap
 
 
-def stage_microbatch_times(
+@dataclass(frozen=True)
+class LayerTerms:
+    """Seconds of one layer on one tp and cp rank for one microbatch, as
+    :func:`stage_microbatch_times` adds them up: ``compute`` forward + backward (+ the host overhead),
+    ``recompute``, ``tp_comm``, ``cp_comm`` and ``ep_comm`` (exposed), and the forward pass's share
+    of each (``forward``: its compute, half the overhead, its tp and cp communication and its
+    all-to-alls)."""
+
+    compute: float
+    recompute: float
+    tp_comm: float
+    cp_comm: float
+    ep_comm: float
+    forward: float
+
+
+def layer_terms(
     model: ModelConfig,
     layout: Candidate,
     peak: float,
     bandwidth: float,
     links: Links,
     c: PerfConstants,
-    v_pad: int,
     elem: float,
-    layers: int,
     fp8: flops.FP8Gemms | None = None,
-) -> tuple[Parts, Parts, Parts]:
-    """(compute, recompute, tp_comm, cp_comm, ep_comm) seconds of one microbatch on (middle, first, last)
-    stages of one cp rank (a planned MoE / MLA model's layers changed by
-    :func:`ptdp.planner.time.moe_time.sublayer_times`, ep_comm its exposed exchanges) (:func:`rank_layer_times`; tp transfers and logits of ``s / cp`` tokens,
-    key/value exchange :func:`ptdp.planner.time.cp_exchange.kv_exchange_times` and, with
-    ``c.cp_implementation`` torch, :func:`ptdp.planner.time.cp_exchange.torch_merge_times`, again in a
-    full recompute);
-    ``fp8``: the layers' weight GEMMs in FP8 (:func:`fp8_gemms`)."""
+) -> LayerTerms:
+    """One layer's :class:`LayerTerms` (see :func:`stage_microbatch_times`)."""
     local = local_model(model, layout.cp) if layout.cp > 1 else model
     tp, b, s, h = layout.tp, layout.micro_batch_size, local.seq_length, model.hidden_size
     fwd, bwd, core, block, block_bwd = rank_layer_times(model, layout, peak, bandwidth, c, fp8)
@@ -155,8 +165,10 @@ def stage_microbatch_times(
     )
     fwd, bwd = fwd + sub.forward, bwd + sub.backward
     exchange = sub.exchange + sub.exchange_again
+    exchange_forward = sub.exchange / 2  # two of the four all-to-alls
     if c.moe_overlap and moe_overlap_applies(layout):  # behind another micro-batch's compute, slowed by them
         hidden = min(exchange, fwd + bwd)
+        exchange_forward *= 1.0 - hidden / exchange if exchange else 0.0
         fwd += c.moe_overlap_slowdown * hidden * fwd / (fwd + bwd)
         bwd += c.moe_overlap_slowdown * hidden * bwd / (fwd + bwd)
         exchange -= hidden
@@ -193,13 +205,40 @@ def stage_microbatch_times(
     rec_comm, rec_cp = (tp_again, cp_f) if full else (0.0, 0.0)
     if "mlp" in layout.modules:  # the (dense) MLP's all-gather / reduce-scatter (or all-reduce) again
         rec_comm = tp_again / 2 * (1.0 - moe_layer_share(model))
-    mid = (
-        layers * (fwd + bwd + c.layer_overhead),
-        layers * rec,
-        layers * (tp_f + tp_b + rec_comm),
-        layers * (cp_f + cp_b + rec_cp),
-        layers * exchange,
+    return LayerTerms(
+        fwd + bwd + c.layer_overhead,
+        rec,
+        tp_f + tp_b + rec_comm,
+        cp_f + cp_b + rec_cp,
+        exchange,
+        fwd + c.layer_overhead / 2 + tp_f + cp_f + exchange_forward,
     )
+
+
+def stage_microbatch_times(
+    model: ModelConfig,
+    layout: Candidate,
+    peak: float,
+    bandwidth: float,
+    links: Links,
+    c: PerfConstants,
+    v_pad: int,
+    elem: float,
+    layers: int,
+    fp8: flops.FP8Gemms | None = None,
+) -> tuple[Parts, Parts, Parts]:
+    """(compute, recompute, tp_comm, cp_comm, ep_comm) seconds of one microbatch on (middle, first, last)
+    stages of one cp rank (a planned MoE / MLA model's layers changed by
+    :func:`ptdp.planner.time.moe_time.sublayer_times`, ep_comm its exposed exchanges) (:func:`rank_layer_times`; tp transfers and logits of ``s / cp`` tokens,
+    key/value exchange :func:`ptdp.planner.time.cp_exchange.kv_exchange_times` and, with
+    ``c.cp_implementation`` torch, :func:`ptdp.planner.time.cp_exchange.torch_merge_times`, again in a
+    full recompute);
+    ``fp8``: the layers' weight GEMMs in FP8 (:func:`fp8_gemms`)."""
+    local = local_model(model, layout.cp) if layout.cp > 1 else model
+    tp, b, h = layout.tp, layout.micro_batch_size, model.hidden_size
+    s = local.seq_length
+    t = layer_terms(model, layout, peak, bandwidth, links, c, elem, fp8)
+    mid = (layers * t.compute, layers * t.recompute, layers * t.tp_comm, layers * t.cp_comm, layers * t.ep_comm)
     one_ar = hierarchical_all_reduce_time(elem * b * s * h, tp, links.gpus_per_node, links)
     logits = flops.logits_compute_time(local, tp, b, v_pad, peak, bandwidth, c.gemm_peak_fraction, c.gemm_half_dim)
     if isinstance(model, MoEModel) and model.mtp_layers:  # each MTP module's projection and output layer again
@@ -221,6 +260,30 @@ def stage_microbatch_times(
     if layout.pp == 1:
         last = (last[0], last[1], last[2] + one_ar, *last[3:])
     return mid, first, last
+
+
+def layer_passes(
+    model: ModelConfig,
+    layout: Candidate,
+    peak: float,
+    bandwidth: float,
+    links: Links,
+    c: PerfConstants,
+    elem: float,
+    fp8: flops.FP8Gemms | None = None,
+) -> tuple[float, float, float]:
+    """(F, B, W) seconds of one layer on one tp and cp rank for one microbatch when the backward is
+    split (the zero-bubble schedules): F the forward's share of :func:`layer_terms`, W its
+    weight-gradient GEMMs (:func:`ptdp.planner.time.flops.layer_wgrad_time` of the ``s / cp``-token
+    layer, at the GEMM efficiency of the whole backward), B the rest of the layer's microbatch
+    (backward, recompute and their communication)."""
+    local = local_model(model, layout.cp) if layout.cp > 1 else model
+    t = layer_terms(model, layout, peak, bandwidth, links, c, elem, fp8)
+    wgrad = flops.layer_wgrad_time(
+        local, layout.tp, layout.micro_batch_size, peak, bandwidth, c.gemm_peak_fraction, c.gemm_half_dim, fp8
+    )
+    total = t.compute + t.recompute + t.tp_comm + t.cp_comm + t.ep_comm
+    return t.forward, total - t.forward - wgrad, wgrad
 
 
 def split_stage_times(

@@ -5,7 +5,9 @@ FLOPs); [K22] Korthikanti et al., arXiv:2205.05198 (§5 selective recompute, §6
 
 A 1F1B or GPipe step is ``m`` microbatch slots of the busiest stage plus ``(pp - 1) / v`` slots of a
 layers-only stage of fill and drain ([N21] §2.2: bubble fraction ``(pp - 1) / (v m)``), then the
-exposed data-parallel reduction and the memory-bound optimizer update.
+exposed data-parallel reduction and the memory-bound optimizer update. A schedule running B and W
+apart (zb-h1, zb-h2, zb-v, dualpipev) has the bubble of its own program timed with the stage's F,
+B and W (:mod:`ptdp.planner.time.pipeline_bubble`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from ptdp.config.model import ModelConfig
+from ptdp.layout.pipeline.placement import placement_of
+from ptdp.layout.pipeline.timing import StageTimes
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate, TimeBreakdown
 from ptdp.planner.inputs.hardware import Cluster
@@ -29,9 +33,11 @@ from ptdp.planner.time.data_parallel import (
     expert_optimizer_time,
     optimizer_time,
 )
+from ptdp.planner.time.pipeline_bubble import splits_backward, step_bubble
 from ptdp.planner.time.stages import (
     Parts,
     fp8_gemms,
+    layer_passes,
     pipeline_transfer_time,
     rank_layer_times,
     split_stage_times,
@@ -104,12 +110,13 @@ def _stage_extent(
         layers = model.num_layers // layout.pp if split is None else 1
         most = model.num_layers // layout.pp if split is None else max(split)
         return (dense[0], max(dense[1:], default=dense[0]))[: min(layout.pp, 2)], layers, most, max(own)
+    placement = placement_of(layout.parallel.schedule)
     if split is None:
-        first_params, last_params, _ = even_stage_params(model, layout.tp, layout.pp, divisible_by)
+        first_params, last_params, _ = even_stage_params(model, layout.tp, layout.pp, divisible_by, placement)
         layers = model.num_layers // layout.pp
         return (first_params, last_params)[: min(layout.pp, 2)], layers, layers, 0
     counts = stage_param_counts(
-        model, layout.tp, layout.pp, make_vocab_size_divisible_by=divisible_by, layer_split=split
+        model, layout.tp, layout.pp, make_vocab_size_divisible_by=divisible_by, layer_split=split, placement=placement
     )
     return (counts[0], max(counts[1:])), 1, max(split), 0
 
@@ -129,6 +136,27 @@ def _with_core_sharing(
     return dataclasses.replace(time, core_sharing=max(0.0, shared - time.step))
 
 
+def _split_backward_bubble(
+    model: ModelConfig, layout: Candidate, rates: tuple, layers: float, p2p: float
+) -> tuple[float, float]:
+    """(bubble seconds, extra W seconds per layer and microbatch) of a schedule that runs B and W
+    apart (:func:`~ptdp.planner.time.pipeline_bubble.step_bubble`) on ranks of ``layers`` layers:
+    their F, B and W from :func:`~ptdp.planner.time.stages.layer_passes`, W at
+    ``c.wgrad_efficiency`` of the GEMM efficiency (the extra is what that adds), one transfer
+    ``p2p / (2 v)`` on each dependency between ranks."""
+    peak, bandwidth, links, c, elem, fp8 = rates
+    forward, backward_input, wgrad = layer_passes(model, layout, peak, bandwidth, links, c, elem, fp8)
+    extra = wgrad / c.wgrad_efficiency - wgrad
+    times = StageTimes(
+        forward=layers * forward,
+        backward_input=layers * backward_input,
+        backward_weight=layers * (wgrad + extra),
+        p2p=p2p / (2 * layout.virtual_stages),
+    )
+    bubble = step_bubble(layout.parallel.schedule, layout.pp, layout.num_microbatches, layout.virtual_stages, times)
+    return bubble, extra
+
+
 def evaluate_performance(
     model: ModelConfig,
     layout: Candidate,
@@ -139,10 +167,14 @@ def evaluate_performance(
     layer_split: tuple[int, ...] | None = None,
 ) -> Performance:
     """Predicted step time, TFLOP/s per GPU and MFU of ``layout`` (1F1B, or interleaved 1F1B when
-    ``layout.virtual_stages > 1``; GPipe has the same time) on ``cluster``.
+    ``layout.virtual_stages > 1``; GPipe has the same time; the schedule its parallel config names
+    when it runs B and W apart) on ``cluster``.
 
     Step = m x (busiest stage's microbatch: compute + recompute + TP + exposed PP transfers)
     + (pp - 1)/v x (a layers-only stage's microbatch) + exposed DP (fp32 gradients) + optimizer.
+    B and W apart: the bubble of :func:`_split_backward_bubble`, a slower W's extra in the compute,
+    the DP reduction not hidden (``ptdp train`` starts it after the last W); on the V placement
+    rank 0 runs the first and the last stage's edge work.
     ``layer_split`` (default ``layout.layer_split``, None: even): each stage runs its layers plus its edge
     work and fill and drain take the other stages' layers (:func:`split_stage_times`).
     """
@@ -162,12 +194,23 @@ def evaluate_performance(
     )
     n_params = max(stage_params)
     mid, first, last = stage_microbatch_times(model, layout, peak, bandwidth, links, c, v_pad, elem, layers, fp8)
+    kind = layout.parallel.schedule
+    if placement_of(kind) == "v":  # rank 0 runs the first and the last stage
+        first, last = tuple(f + x - u for f, x, u in zip(first, last, mid)), mid
     busiest = last if sum(last) >= sum(first) else first
     p2p = pipeline_transfer_time(model, layout, links, elem, c)
     bubble = (pp - 1) / v * (sum(mid) + p2p)
+    fill, unit = None, sum(mid) / layers  # a layer's microbatch
     if split is not None:
         first, mid, last, busiest, fill = split_stage_times(split, mid, first, last)
         bubble = (fill + (pp - 1) * p2p) / v  # interleaving spreads fill and drain over v chunks ([N21] §2.2)
+    if splits_backward(kind) and pp > 1:
+        # ranks of the middle stage's layers, or with an uneven split the other stages' mean
+        rank_layers = layers if fill is None else fill / ((pp - 1) * unit)
+        rates = (peak, bandwidth, links, c, elem, fp8)
+        bubble, wgrad_extra = _split_backward_bubble(model, layout, rates, rank_layers, p2p)
+        busiest = (busiest[0] + stage_layers * wgrad_extra, *busiest[1:])
+        c = dataclasses.replace(c, overlap_window=False)  # ptdp train reduces after the last W
     layer = rank_layer_times(model, layout, peak, bandwidth, c, fp8)
     # the first stage's, which gathers its embeddings for forward only, or another's
     exposed_dp = max(
@@ -179,7 +222,7 @@ def evaluate_performance(
         compute=m * busiest[0],
         recompute=m * busiest[1],
         tp_comm=m * busiest[2],
-        pp_comm=m * exposed_p2p(p2p, busiest, v, c),
+        pp_comm=m * exposed_p2p(p2p, busiest, v if kind == "interleaved-1f1b" else 1, c),
         bubble=bubble,
         dp_comm=exposed_dp,
         optimizer=optimizer_time(n_params, layout, elem, bandwidth, c)

@@ -1,0 +1,70 @@
+"""What a zero-bubble schedule keeps from a microbatch's B to its W, measured on ptdp's own model:
+the planner's :func:`~ptdp.planner.memory.activations.wgrad_kept_bytes` against the bytes the
+deferred weight-gradient closures of a 2-layer float32 stage hold after B (every storage they reach,
+once, parameters excluded)."""
+
+from __future__ import annotations
+
+import gc
+import types
+
+import pytest
+import torch
+
+from ptdp.config.model import ModelConfig
+from ptdp.engine.groups import ParallelGroups
+from ptdp.engine.model.gpt import GPTModel
+from ptdp.engine.tensor_parallel.sharding import initialize_parameters
+from ptdp.planner.memory.activations import wgrad_kept_bytes
+
+
+def _held_bytes(roots: list, exclude: set[int], depth: int = 6) -> int:
+    """Bytes of the distinct tensor storages reachable from ``roots`` (closures, their cells and
+    the objects they hold; modules not followed), less those in ``exclude``."""
+    seen: set[int] = set()
+    storages: dict[int, int] = {}
+    stack = [(root, 0) for root in roots]
+    while stack:
+        obj, level = stack.pop()
+        if id(obj) in seen or level > depth:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            key = obj.untyped_storage().data_ptr()
+            if key not in exclude:
+                storages[key] = obj.untyped_storage().nbytes()
+            continue
+        if isinstance(obj, (torch.nn.Module, type, types.ModuleType, str, int, float)):
+            continue
+        stack += [(ref, level + 1) for ref in gc.get_referents(obj)]
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("recompute", [{}, {"recompute_granularity": "full", "recompute_num_layers": 1}])
+def test_w_holds_what_the_planner_counts(swiglu, recompute):
+    """Each linear's input and output gradient, all tokens: b = 2, s = 16, h = 32, ffn = 64, 4 bytes
+    a value; with full recompute the tensors B recomputed, the same bytes."""
+    layers, b, s, h = 2, 2, 16, 32
+    cfg = ModelConfig(
+        num_layers=layers,
+        hidden_size=h,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        seq_length=s,
+        vocab_size=303,
+        make_vocab_size_divisible_by=8,
+        params_dtype="float32",
+        swiglu=swiglu,
+        **recompute,
+    )
+    tp = ParallelGroups.single_process().tp
+    model = GPTModel(cfg, tp, layer_ids=range(layers), pre_process=False, post_process=False, defer_wgrad=True)
+    initialize_parameters(model, seed=1, std=0.02, num_layers=layers, tp_rank=0, tp_size=1)
+    y = model(torch.randn(s, b, h, requires_grad=True))
+    with model.wgrad_queue.defer():
+        y.backward(torch.randn_like(y))
+    jobs = model.wgrad_queue.take()
+    assert len(jobs) == 4 * layers
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert _held_bytes(jobs, params) == layers * wgrad_kept_bytes(cfg, 1, b, precision="fp32")

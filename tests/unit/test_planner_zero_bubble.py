@@ -1,0 +1,323 @@
+"""The planner's zero-bubble schedules (zb-h1, zb-h2, zb-v, dualpipev): their bubble from the timed
+simulation of their own programs against the papers' closed forms, the step time with B and W
+apart, the activations each holds from its own order (W's tensors included), the search that
+plans them with runnable flags, and ``ptdp train``'s report of the run's bubble."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+
+import pytest
+
+import ptdp
+from ptdp.cli import main
+from ptdp.config import fields
+from ptdp.config import resolve as resolve_module
+from ptdp.config.flags import add_flags, config_from_args
+from ptdp.config.resolve import resolve
+from ptdp.layout.pipeline.placement import placement_of
+from ptdp.layout.pipeline.schedule import SPLIT_ORDERS, build_schedule
+from ptdp.layout.pipeline.timing import StageTimes, dependencies
+from ptdp.planner.candidate import Candidate, run_candidate
+from ptdp.planner.inputs.hardware import CATALOG, Cluster
+from ptdp.planner.inputs.models import gpt
+from ptdp.planner.memory.activations import layer_activation_bytes, stage_activation_bytes, wgrad_kept_bytes
+from ptdp.planner.memory.breakdown import memory_breakdown
+from ptdp.planner.memory.in_flight import held_points, peak_held
+from ptdp.planner.memory.params import stage_param_counts
+from ptdp.planner.report.explain import layout_flags
+from ptdp.planner.search import layouts
+from ptdp.planner.search.layouts import Fixed, search
+from ptdp.planner.time import flops
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants
+from ptdp.planner.time.pipeline_bubble import ideal_bubble, schedule_dependencies, step_bubble
+from ptdp.planner.time.profile import save_profile
+from ptdp.planner.time.step_time import evaluate_performance
+from ptdp.run.planner_report import compare, format_comparison
+
+A100 = CATALOG["a100-80gb"]
+#: 16 layers of h = 2048: small enough to search in a second, pp = 4 fits any schedule
+MODEL = gpt(num_layers=16, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=51200)
+UNIT = StageTimes(forward=1.0, backward_input=1.0, backward_weight=1.0)
+
+
+def _idle(kind: str, p: int, m: int, times: StageTimes, *, synchronous: bool) -> float:
+    v = 2 if placement_of(kind) == "v" else 1
+    if kind == "1f1b":
+        graph = dependencies(build_schedule(kind, p, m), virtual_stages=1)
+        return graph.idle(times, 1, synchronous=synchronous)
+    return step_bubble(kind, p, m, v, times, synchronous=synchronous)
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+@pytest.mark.parametrize("extra", [0, 3, 5])
+def test_simulated_bubbles_meet_the_closed_forms_under_equal_times(p, extra):
+    """F = B = W = t for a rank's layers (t / 2 a chunk of the V), free transfers, m = 2p + extra
+    (from 5p the timing is extended from shorter runs): the longest rank's idle time is Qi et al.'s
+    bubble, 1F1B 3 (p - 1) t, ZB-H1 (p - 1) t, ZB-H2 and ZB-V 0, DualPipeV (p - 1)(F&B + B - 3W) in
+    chunk times with its pairs one pass after the other (F&B = F + B + W): (p - 1) t / 2. The step,
+    every rank waiting for the last, adds the last rank's late start where the papers have none:
+    ZB-H2 (p - 1) F, ZB-V (p - 1) F / 2."""
+    m, chunk = 2 * p + extra, 0.5
+    per_rank = {
+        "1f1b": 3 * (p - 1),
+        "zb-h1": p - 1,
+        "zb-h2": 0.0,
+        "zb-v": 0.0,
+        "dualpipev": (p - 1) * ((3 * chunk) + chunk - 3 * chunk),
+    }
+    step = {**per_rank, "zb-h2": p - 1, "zb-v": (p - 1) * chunk}
+    for kind in per_rank:
+        assert _idle(kind, p, m, UNIT, synchronous=False) == pytest.approx(per_rank[kind], abs=1e-9), kind
+        assert _idle(kind, p, m, UNIT, synchronous=True) == pytest.approx(step[kind], abs=1e-9), kind
+        assert ideal_bubble(kind, p, m, 2 if placement_of(kind) == "v" else 1) == pytest.approx(step[kind] / (3 * m))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("f,b,w", [(1.0, 1.3, 0.7), (1.2, 1.0, 0.5), (0.8, 1.5, 0.8)])
+def test_zb_h1_idles_p_minus_1_times_f_plus_b_minus_w(p, f, b, w):
+    """ZB-H1 with W no longer than F or B: (p - 1)(F + B - W) (Qi et al. §2.1), 1F1B's (p - 1)(F + B + W)."""
+    times = StageTimes(forward=f, backward_input=b, backward_weight=w)
+    for m in (p, 3 * p, 6 * p + 1):
+        assert _idle("zb-h1", p, m, times, synchronous=True) == pytest.approx((p - 1) * (f + b - w))
+        assert _idle("1f1b", p, m, times, synchronous=True) == pytest.approx((p - 1) * (f + b + w))
+
+
+@pytest.mark.parametrize("kind", ["zb-h1", "zb-h2", "zb-v", "dualpipev"])
+def test_extended_timing_equals_the_whole_run(kind):
+    """From 5p microbatches the step's idle time is extended from runs of under 5p: it equals the
+    whole run's, under uneven times and slow links."""
+    rng = random.Random(3)
+    v = 2 if placement_of(kind) == "v" else 1
+    for p in (2, 3, 5, 8):
+        for _ in range(4):
+            times = StageTimes(*(rng.uniform(0.2, 2.0) for _ in range(3)), p2p=rng.choice([0.0, rng.uniform(0, 1)]))
+            m = rng.randint(5 * p, 12 * p)
+            whole = schedule_dependencies(kind, p, m, v).idle(times, v)
+            assert step_bubble(kind, p, m, v, times) == pytest.approx(whole, rel=1e-9, abs=1e-9)
+
+
+def _layout(schedule: str, *, recompute: str = "none", pp: int = 4, v: int = 1, **kw) -> Candidate:
+    return Candidate.of(1, pp, 2, 1, 32, v, recompute, False, schedule=schedule, sharding="optim", **kw)
+
+
+def test_zb_h1_predicts_a_shorter_step_than_1f1b_with_the_same_everything_else():
+    """pp = 4, m = 16: the same compute, communication and memory state; ZB-H1's bubble is the
+    simulation of its program with the stage's F, B and W, shorter than 1F1B's (p - 1) slots."""
+    cluster = Cluster(A100, 8)
+    one = evaluate_performance(MODEL, _layout("1f1b"), cluster).time
+    zb = evaluate_performance(MODEL, _layout("zb-h1"), cluster).time
+    assert zb.step < one.step and zb.bubble < one.bubble
+    assert (zb.compute, zb.recompute, zb.tp_comm, zb.pp_comm) == (one.compute, one.recompute, one.tp_comm, one.pp_comm)
+    h2 = evaluate_performance(MODEL, _layout("zb-h2"), cluster).time
+    assert h2.bubble < zb.bubble  # B is longer than W here: (p - 1) F < (p - 1)(F + B - W)
+
+
+def test_w_efficiency_is_a_constant_per_gpu_generation():
+    """A W GEMM at half the speed adds its weight-gradient time once more per layer and microbatch
+    on the busiest stage (flops.layer_wgrad_time); the constant is looked up by the GPU's generation
+    (a profile's lists too)."""
+    cluster = Cluster(A100, 8)
+    slow = dataclasses.replace(DEFAULT_CONSTANTS, wgrad_arch_efficiency=(("ampere", 0.5),))
+    assert slow.for_gpu(A100).wgrad_efficiency == 0.5
+    assert slow.for_gpu(CATALOG["h100-sxm"]).wgrad_efficiency == 1.0
+    assert PerfConstants(wgrad_arch_efficiency=[["hopper", 0.8]]).for_gpu(CATALOG["h100-sxm"]).wgrad_efficiency == 0.8
+    base = evaluate_performance(MODEL, _layout("zb-h1"), cluster).time
+    halved = evaluate_performance(MODEL, _layout("zb-h1"), cluster, slow).time
+    c = DEFAULT_CONSTANTS.for_gpu(A100)
+    wgrad = flops.layer_wgrad_time(
+        MODEL, 1, 1, A100.sustained_peak("bf16"), A100.memory_bandwidth * c.hbm_efficiency, c.gemm_peak_fraction, 64.0
+    )
+    assert halved.compute - base.compute == pytest.approx(16 * 4 * wgrad)  # m = 16, 4 layers a stage
+    assert halved.step > base.step and halved.bubble < base.bubble  # ZB-H1's (p - 1)(F + B - W): W fills more
+    one = evaluate_performance(MODEL, _layout("1f1b"), cluster, slow).time
+    assert one == evaluate_performance(MODEL, _layout("1f1b"), cluster).time  # no W of its own
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_in_flight_peaks_come_from_each_schedules_own_order(p):
+    """Rank 0 holds, from a forward to its B: ZB-H1 p microbatches (1F1B's), ZB-H2 2p - 1, ZB-V 2p
+    chunks of half the layers (p microbatches), DualPipeV 2p + 1 chunks."""
+    m = 4 * p
+    for kind, v, chunks in (("zb-h1", 1, p), ("zb-h2", 1, 2 * p - 1), ("zb-v", 2, 2 * p), ("dualpipev", 2, 2 * p + 1)):
+        assert peak_held(held_points(kind, p, m, v, 0), [1.0] * v, [0.0] * v) == chunks, kind
+    # ZB-H1's rank r runs W r microbatches late: it holds what p - r forwards and r Ws keep
+    points = held_points("zb-h1", p, m, 1, p - 1)
+    assert peak_held(points, [0.0], [1.0]) == p  # after a B, before its W runs
+    assert peak_held(points, [1.0], [0.0]) == 1
+
+
+def test_w_keeps_the_linears_inputs_and_output_gradients():
+    """Per layer and microbatch, T = b s tokens, t = 1: QKV keeps h and 3h, the projection h and h,
+    fc1 h and 4h, fc2 4h and h (input and output gradient), 2 bytes each; a tp rank its share of
+    the split ones, the replicated ones whole (sequence parallelism gathers them again for W)."""
+    tokens, h = 2048, 2048
+    assert wgrad_kept_bytes(MODEL, 1, 1) == 2 * tokens * (4 * h + 3 * h + 4 * h + 4 * h + h)
+    assert wgrad_kept_bytes(MODEL, 4, 1) == 2 * tokens * (4 * h + (3 * h + h + 4 * h + 4 * h) / 4)
+    assert wgrad_kept_bytes(MODEL, 1, 1, precision="fp8", fp8_recipe="tensorwise") == tokens * 16 * h
+
+
+def test_activations_zb_h2_above_zb_h1_equal_to_1f1b():
+    """No recompute, no sequence parallelism: W keeps less than a microbatch's activations, so
+    ZB-H1's rank 0 holds 1F1B's p microbatches and its other ranks less; ZB-H2's rank 0 2p - 1
+    and one W's tensors."""
+    gpu = A100
+    one, h1, h2 = (memory_breakdown(MODEL, _layout(kind), gpu) for kind in ("1f1b", "zb-h1", "zb-h2"))
+    assert h1.activations == pytest.approx(one.activations) and h1.total == pytest.approx(one.total)
+    assert h2.activations > h1.activations and h2.stage == 0
+    per_layer = layer_activation_bytes(MODEL, 1, 1, sequence_parallel=False, recompute="none")
+    assert wgrad_kept_bytes(MODEL, 1, 1) < per_layer
+    extra = stage_activation_bytes(MODEL, _layout("zb-h2"), 0, 4) - stage_activation_bytes(
+        MODEL, _layout("zb-h1"), 0, 4
+    )
+    mask = 2048 * 2048  # the embedding's dropout mask, 1 byte per value, with each microbatch's activations
+    # ZB-H2's rank 0 runs its next forward before the W of its oldest B: 7 microbatches and one W's tensors
+    assert extra == pytest.approx((2 * 4 - 1 - 4) * (4 * per_layer + mask) + 4 * wgrad_kept_bytes(MODEL, 1, 1))
+
+
+def test_full_recompute_zb_holds_ws_tensors_that_1f1b_does_not():
+    """With full recompute a microbatch keeps only each layer's input until B, but W keeps what its
+    linears need (recomputed in B): ZB-H1's last rank, r = p - 1 Ws late, holds p of them after a B."""
+    layers, p = 4, 4
+    one = stage_activation_bytes(MODEL, _layout("1f1b", recompute="full"), p - 1, layers)
+    zb = stage_activation_bytes(MODEL, _layout("zb-h1", recompute="full"), p - 1, layers)
+    assert zb - one >= (p - 1) * layers * wgrad_kept_bytes(MODEL, 1, 1)
+
+
+def test_v_placement_puts_the_last_stage_on_rank_0():
+    """zb-v and dualpipev: rank 0 runs chunk 0 (the first stage) and chunk 1 (the last stage)."""
+    looped = stage_param_counts(MODEL, 1, 4)
+    v = stage_param_counts(MODEL, 1, 4, placement="v")
+    assert v[0] == looped[0] + looped[-1] - looped[1] and v[1:] == [looped[1]] * 3
+    zbv = memory_breakdown(MODEL, _layout("zb-v", v=2), A100)
+    assert zbv.stage == 0
+
+
+def _flags_config(plan_flags: str, model_flags: list[str], big_b: int):
+    parser = argparse.ArgumentParser()
+    add_flags(parser, "train")
+    args = parser.parse_args([*plan_flags.split(), *model_flags, "--global-batch-size", str(big_b)])
+    return config_from_args(args)
+
+
+MODEL_FLAGS = [
+    "--num-layers",
+    "16",
+    "--hidden-size",
+    "2048",
+    "--num-attention-heads",
+    "16",
+    "--seq-length",
+    "2048",
+    "--vocab-size",
+    "51200",
+]
+
+
+def test_search_picks_a_zero_bubble_plan_whose_flags_ptdp_train_resolves():
+    """pp fixed at 4 on 8 GPUs: the best plan runs a zero-bubble schedule ptdp train runs, printed
+    as --pipeline-schedule; every plan's flags resolve, and no zero-bubble plan shards gradients
+    (ptdp train does not run that yet)."""
+    result = search(MODEL, Cluster(A100, 8), 32, fixed=Fixed(pipeline_model_parallel_size=4))
+    best = result.plans[0].layout
+    trained = set(fields.SCHEDULES) - set(fields.SCHEDULES_NOT_TRAINED)
+    assert best.parallel.schedule in set(SPLIT_ORDERS) & trained
+    assert f"--pipeline-schedule {best.parallel.schedule}" in layout_flags(best)
+    kinds = {p.layout.parallel.schedule for p in result.plans}
+    assert {"1f1b", "zb-h1", "zb-h2"} <= kinds and kinds <= trained
+    for plan in result.plans[:20]:
+        lay = plan.layout
+        resolved = resolve(_flags_config(layout_flags(lay), MODEL_FLAGS, 32), 8)
+        assert resolved.parallel.schedule == lay.parallel.schedule
+        assert resolved.pipeline.virtual_stages == lay.virtual_stages
+        if lay.parallel.schedule.startswith("zb"):
+            assert lay.sharding_strategy in ("no_shard", "optim")
+
+
+def test_search_plans_the_v_schedules_once_ptdp_train_runs_them(monkeypatch):
+    """With zb-v and dualpipev trained (SCHEDULES_NOT_TRAINED read at each search), the search
+    plans them at v = 2 on the V placement, flags that resolve included; never one ptdp train
+    does not run."""
+    before = search(MODEL, Cluster(A100, 8), 32, fixed=Fixed(pipeline_model_parallel_size=4))
+    assert not set(fields.SCHEDULES_NOT_TRAINED) & {p.layout.parallel.schedule for p in before.plans}
+    monkeypatch.setattr(fields, "SCHEDULES_NOT_TRAINED", ("auto",))
+    monkeypatch.setattr(resolve_module, "SCHEDULES_NOT_TRAINED", ("auto",))
+    result = search(MODEL, Cluster(A100, 8), 32, fixed=Fixed(pipeline_model_parallel_size=4))
+    v_plans = [p for p in result.plans if p.layout.parallel.schedule in ("zb-v", "dualpipev")]
+    assert {p.layout.parallel.schedule for p in v_plans} == {"zb-v", "dualpipev"}
+    for plan in v_plans[:6]:
+        lay = plan.layout
+        assert lay.virtual_stages == 2 and lay.num_microbatches >= (
+            2 * lay.pp if "dual" in lay.parallel.schedule else 1
+        )
+        resolved = resolve(_flags_config(layout_flags(lay), MODEL_FLAGS, 32), 8)
+        assert resolved.parallel.schedule == lay.parallel.schedule and resolved.pipeline.virtual_stages == 2
+
+
+def test_a_fixed_schedule_is_planned_alone_and_one_ptdp_train_refuses_is_a_bad_request(capsys):
+    """--pipeline-schedule fixes the schedule; one ptdp train does not run yet or the planner does
+    not model (auto) is refused before any search (exit 2)."""
+    result = search(MODEL, Cluster(A100, 8), 32, fixed=Fixed(pipeline_model_parallel_size=4, pipeline_schedule="zb-h2"))
+    assert {p.layout.parallel.schedule for p in result.plans} == {"zb-h2"}
+    base = ["plan", *MODEL_FLAGS, "--gpus", "8", "--global-batch-size", "32", "--pp", "4"]
+    for kind in sorted({*fields.SCHEDULES_NOT_TRAINED, "auto"}):
+        code = main([*base, "--pipeline-schedule", kind])
+        err = capsys.readouterr().err
+        assert code == 2 and f"--pipeline-schedule {kind}:" in err
+    # sharded gradients: ptdp train runs zb-h1 with them only where nothing is sharded (dp = 1)
+    fixed = Fixed(
+        pipeline_model_parallel_size=4, pipeline_schedule="zb-h1", data_parallel_sharding_strategy="optim_grads"
+    )
+    result = search(MODEL, Cluster(A100, 8), 32, fixed=fixed)
+    assert result.plans and all(p.layout.dp == 1 for p in result.plans)
+    refused = [v.message for _, v in result.rejected if v.rule == "schedule"]
+    assert refused and all("optim_grads: ptdp train does not run it yet" in text for text in refused)
+
+
+def test_train_report_shows_the_bubble_of_the_runs_schedule(tmp_path):
+    """A zb-h1 run at pp 4, m 8: the step idles (p - 1) / (3 m) of its work with F = B = W; with a
+    hardware profile, the seconds of the step predicted for the run's layout."""
+    config = ptdp.load_config(
+        world_size=4, tp=1, pp=4, pipeline_schedule="zb-h1", micro_batch_size=1, global_batch_size=8
+    )
+    per_rank = [
+        {"coords": (0, 0, s), "numel": 0, "params": 0, "grads": 0, "optimizer": 0, "peak": 1, "peak_kind": "rss"}
+        for s in range(4)
+    ]
+    check = compare(config, per_rank, None, None)
+    assert check["pipeline"] == {"schedule": "zb-h1", "bubble_fraction": pytest.approx(3 / 24)}
+    assert "    zb-h1 schedule: the step idles 12.5% of its work with F = B = W (simulated)" in format_comparison(check)
+    gpu, profile = CATALOG["h100-sxm"], tmp_path / "profile.json"
+    save_profile(profile, gpu, DEFAULT_CONSTANTS, {})
+    timed = compare(config, per_rank, 1.0, profile)["pipeline"]
+    constants = DEFAULT_CONSTANTS.with_overlap(overlap_grad_reduce=config.parallel.overlap_grad_reduce)
+    want = evaluate_performance(config.model, run_candidate(config), Cluster(gpu, 4, 4), constants).time
+    assert timed["predicted_bubble_s"] == pytest.approx(want.bubble) and want.bubble > 0
+    assert timed["predicted_step_share"] == pytest.approx(want.bubble / want.step)
+
+
+def test_v_placement_runs_both_edges_on_rank_0():
+    """tp 2: rank 0 of zb-v gathers the embedding's output and reduces the output layer's input
+    gradient (one tp all-reduce each), where interleaved-1f1b's busiest rank runs one of them."""
+    cluster = Cluster(A100, 8)
+    zbv = evaluate_performance(MODEL, Candidate.of(2, 4, 1, 1, 32, 2, schedule="zb-v"), cluster).time
+    inter = evaluate_performance(MODEL, Candidate.of(2, 4, 1, 1, 32, 2), cluster).time
+    assert zbv.compute == pytest.approx(inter.compute) and zbv.tp_comm > inter.tp_comm
+
+
+def test_searched_zero_bubble_schedules_run_under_the_strategies_ptdp_train_runs_them_with():
+    """The search keeps a zero-bubble alternative only under the sharding ptdp train runs it with
+    (no_shard and optim), and drops it where none; the schedule it must plan keeps the first
+    strategy, to be rejected with ptdp train's reason."""
+    strategies = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+
+    def make(sharding, kind="zb-h1"):
+        return Candidate.of(1, 4, 2, 1, 32, schedule=kind, sharding=sharding)
+
+    assert layouts._runnable(MODEL, make, strategies, planned=False) == ["no_shard", "optim"]
+    assert layouts._runnable(MODEL, make, ["optim_grads"], planned=False) == []
+    assert layouts._runnable(MODEL, make, ["optim_grads"], planned=True) == ["optim_grads"]
+    one = lambda sharding: make(sharding, "1f1b")  # noqa: E731
+    assert layouts._runnable(MODEL, one, strategies, planned=True) == strategies
