@@ -220,6 +220,7 @@ def config_of(model: ModelConfig, layout: Candidate, fixed: Fixed) -> Config:
             pipeline_model_parallel_size=layout.pp,
             data_parallel_size=layout.dp,
             use_distributed_optimizer=layout.parallel.use_distributed_optimizer,
+            pipeline_schedule=layout.parallel.schedule,
             **options,
         ),
         train=TrainConfig(

@@ -72,20 +72,25 @@ def test_every_proposed_layout_passes_ptdp_train_validation():
     for plan in result.plans:
         lay = plan.layout
         # a searched split is given to ptdp train by the options the report prints
-        options = split_options(lay.layer_split, lay.virtual_stages)
+        options = dict(split_options(lay.layer_split, lay.virtual_stages))
+        if lay.virtual_stages > 1:
+            options.setdefault(
+                "num_layers_per_virtual_pipeline_stage", model.num_layers // (lay.pp * lay.virtual_stages)
+            )
         cfg = Config(
             model=mc,
             parallel=ParallelConfig(
                 tensor_model_parallel_size=lay.tp,
                 pipeline_model_parallel_size=lay.pp,
                 data_parallel_size=lay.dp,
+                pipeline_schedule=lay.parallel.schedule,
                 **options,
             ),
             train=TrainConfig(micro_batch_size=lay.micro_batch_size, global_batch_size=256, lr_warmup_iters=1),
         )
         resolve(cfg, 64)  # raises ConfigError for an invalid layout
         assert lay.tp <= 8 and plan.memory.total <= A100.memory_bytes
-        if lay.virtual_stages > 1:
+        if lay.parallel.schedule == "interleaved-1f1b":
             assert lay.num_microbatches % lay.pp == 0 and model.num_layers % (lay.pp * lay.virtual_stages) == 0
     ranked = [p.time.step for p in result.plans]
     assert ranked == sorted(ranked)

@@ -67,4 +67,4 @@ def test_w_holds_what_the_planner_counts(swiglu, recompute):
     jobs = model.wgrad_queue.take()
     assert len(jobs) == 4 * layers
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    assert _held_bytes(jobs, params) == layers * wgrad_kept_bytes(cfg, 1, b, precision="fp32")
+    assert _held_bytes([job for job, _ in jobs], params) == layers * wgrad_kept_bytes(cfg, 1, b, precision="fp32")

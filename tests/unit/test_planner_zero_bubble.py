@@ -14,7 +14,6 @@ import pytest
 import ptdp
 from ptdp.cli import main
 from ptdp.config import fields
-from ptdp.config import resolve as resolve_module
 from ptdp.config.flags import add_flags, config_from_args
 from ptdp.config.resolve import resolve
 from ptdp.layout.pipeline.placement import placement_of
@@ -218,8 +217,7 @@ MODEL_FLAGS = [
 
 def test_search_picks_a_zero_bubble_plan_whose_flags_ptdp_train_resolves():
     """pp fixed at 4 on 8 GPUs: the best plan runs a zero-bubble schedule ptdp train runs, printed
-    as --pipeline-schedule; every plan's flags resolve, and no zero-bubble plan shards gradients
-    (ptdp train does not run that yet)."""
+    as --pipeline-schedule; every plan's flags resolve."""
     result = search(MODEL, Cluster(A100, 8), 32, fixed=Fixed(pipeline_model_parallel_size=4))
     best = result.plans[0].layout
     trained = set(fields.SCHEDULES) - set(fields.SCHEDULES_NOT_TRAINED)
@@ -232,18 +230,10 @@ def test_search_picks_a_zero_bubble_plan_whose_flags_ptdp_train_resolves():
         resolved = resolve(_flags_config(layout_flags(lay), MODEL_FLAGS, 32), 8)
         assert resolved.parallel.schedule == lay.parallel.schedule
         assert resolved.pipeline.virtual_stages == lay.virtual_stages
-        if lay.parallel.schedule.startswith("zb"):
-            assert lay.sharding_strategy in ("no_shard", "optim")
 
 
-def test_search_plans_the_v_schedules_once_ptdp_train_runs_them(monkeypatch):
-    """With zb-v and dualpipev trained (SCHEDULES_NOT_TRAINED read at each search), the search
-    plans them at v = 2 on the V placement, flags that resolve included; never one ptdp train
-    does not run."""
-    before = search(MODEL, Cluster(A100, 8), 32, fixed=Fixed(pipeline_model_parallel_size=4))
-    assert not set(fields.SCHEDULES_NOT_TRAINED) & {p.layout.parallel.schedule for p in before.plans}
-    monkeypatch.setattr(fields, "SCHEDULES_NOT_TRAINED", ("auto",))
-    monkeypatch.setattr(resolve_module, "SCHEDULES_NOT_TRAINED", ("auto",))
+def test_search_plans_the_v_schedules():
+    """zb-v and dualpipev are planned at v = 2 on the V placement, flags that resolve included."""
     result = search(MODEL, Cluster(A100, 8), 32, fixed=Fixed(pipeline_model_parallel_size=4))
     v_plans = [p for p in result.plans if p.layout.parallel.schedule in ("zb-v", "dualpipev")]
     assert {p.layout.parallel.schedule for p in v_plans} == {"zb-v", "dualpipev"}
@@ -266,14 +256,14 @@ def test_a_fixed_schedule_is_planned_alone_and_one_ptdp_train_refuses_is_a_bad_r
         code = main([*base, "--pipeline-schedule", kind])
         err = capsys.readouterr().err
         assert code == 2 and f"--pipeline-schedule {kind}:" in err
-    # sharded gradients: ptdp train runs zb-h1 with them only where nothing is sharded (dp = 1)
+    # sharded parameters with the V placement's shared tied embedding: ptdp train refuses it
     fixed = Fixed(
-        pipeline_model_parallel_size=4, pipeline_schedule="zb-h1", data_parallel_sharding_strategy="optim_grads"
+        pipeline_model_parallel_size=4, pipeline_schedule="zb-v", data_parallel_sharding_strategy="optim_grads_params"
     )
     result = search(MODEL, Cluster(A100, 8), 32, fixed=fixed)
-    assert result.plans and all(p.layout.dp == 1 for p in result.plans)
+    assert all(p.layout.dp == 1 for p in result.plans)  # nothing sharded at dp = 1
     refused = [v.message for _, v in result.rejected if v.rule == "schedule"]
-    assert refused and all("optim_grads: ptdp train does not run it yet" in text for text in refused)
+    assert refused and all("optim_grads_params and tied embeddings" in text for text in refused)
 
 
 def test_train_report_shows_the_bubble_of_the_runs_schedule(tmp_path):
@@ -309,15 +299,18 @@ def test_v_placement_runs_both_edges_on_rank_0():
 
 def test_searched_zero_bubble_schedules_run_under_the_strategies_ptdp_train_runs_them_with():
     """The search keeps a zero-bubble alternative only under the sharding ptdp train runs it with
-    (no_shard and optim), and drops it where none; the schedule it must plan keeps the first
-    strategy, to be rejected with ptdp train's reason."""
+    (ZB-V with a tied embedding: not optim_grads_params), and drops it where none; the schedule it
+    must plan keeps the first strategy, to be rejected with ptdp train's reason."""
     strategies = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
-    def make(sharding, kind="zb-h1"):
-        return Candidate.of(1, 4, 2, 1, 32, schedule=kind, sharding=sharding)
+    def make(sharding, kind="zb-v"):
+        return Candidate.of(1, 4, 2, 2, 32, 2 if kind == "zb-v" else 1, schedule=kind, sharding=sharding)
 
-    assert layouts._runnable(MODEL, make, strategies, planned=False) == ["no_shard", "optim"]
-    assert layouts._runnable(MODEL, make, ["optim_grads"], planned=False) == []
-    assert layouts._runnable(MODEL, make, ["optim_grads"], planned=True) == ["optim_grads"]
+    assert MODEL.tied
+    assert layouts._runnable(MODEL, make, strategies, planned=False) == strategies[:3]
+    assert layouts._runnable(MODEL, make, ["optim_grads_params"], planned=False) == []
+    assert layouts._runnable(MODEL, make, ["optim_grads_params"], planned=True) == ["optim_grads_params"]
+    h1 = lambda sharding: make(sharding, "zb-h1")  # noqa: E731
+    assert layouts._runnable(MODEL, h1, strategies, planned=False) == strategies
     one = lambda sharding: make(sharding, "1f1b")  # noqa: E731
     assert layouts._runnable(MODEL, one, strategies, planned=True) == strategies
