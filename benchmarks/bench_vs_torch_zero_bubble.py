@@ -21,8 +21,8 @@ is compared: per-microbatch losses and every gradient of ptdp, of torch, and of 
 the whole model (``run_schedule`` at pp = 1) with ``torch.testing.assert_close`` (float64: rtol
 1e-9, atol 1e-12; float32 1e-5); the script exits non-zero if they differ. Then the steps
 alternate (ptdp, torch), (torch, ptdp), ... (all ranks released by a barrier, step time = the
-slowest rank's); the report gives per schedule the medians, their ratio ptdp / torch and the median
-of the ratios of the two steps of each iteration.
+slowest rank's); the report gives per schedule the medians, their ratio ptdp / torch, the median
+of the ratios of the two steps of each iteration and the ratio of the fastest steps.
 
     python benchmarks/bench_vs_torch_zero_bubble.py            # pp = 2
     python benchmarks/bench_vs_torch_zero_bubble.py --pp 4
@@ -316,6 +316,7 @@ def _run(args, groups: ParallelGroups, kind: str, torch_name: str) -> dict:
             if i >= args.warmup:
                 times[name].append(elapsed)
     row["median_step_s"] = {name: pc.median(t) for name, t in times.items()}
+    row["min_step_s"] = {name: min(t) for name, t in times.items()}
     row["steps_s"] = times
     row["ratio_ptdp_over_torch"] = row["median_step_s"]["ptdp"] / row["median_step_s"]["torch"]
     # each iteration's two steps ran back to back: their ratio is the least disturbed by load changes
@@ -403,6 +404,7 @@ def main() -> None:
                 f"{med['torch']:.3f}" if med else "-",
                 f"**{r['ratio_ptdp_over_torch']:.3f}**" if "ratio_ptdp_over_torch" in r else "-",
                 f"{r['median_paired_ratio']:.3f}" if "median_paired_ratio" in r else "-",
+                f"{r['min_step_s']['ptdp'] / r['min_step_s']['torch']:.3f}" if "min_step_s" in r else "-",
                 f"{pt['same']} ({pt['max_rel_grad_diff']:.1e})" if pt else "-",
                 f"{ref['same']} ({ref['max_rel_grad_diff']:.1e})",
                 r.get("torch_error", "").splitlines()[0] if r.get("torch_error") else "",
@@ -410,6 +412,7 @@ def main() -> None:
         )
     print()
     headers = ["pp", "ptdp", "torch", "ptdp s/step", "torch s/step", "ptdp / torch", "median of paired ratios"]
+    headers += ["ratio of minima"]
     headers += ["grads ptdp = torch (max rel diff)", "grads ptdp = one process (max rel diff)", "torch error"]
     print(pc.table(headers, rows))
     checks = [r.get(key, {}).get("same") for r in results for key in ("ptdp_vs_torch", "ptdp_vs_one_process")]
