@@ -56,6 +56,7 @@ from ptdp.engine.stage import Stage, build_stage
 from ptdp.engine.tensor_parallel.cross_entropy import IGNORE_INDEX
 from ptdp.layout.pipeline.placement import placement_of, virtual_stage
 from ptdp.layout.pipeline.program import build_programs
+from ptdp.layout.pipeline.schedule import build_schedule
 
 #: (ptdp schedule, torch.distributed.pipelining schedule class)
 SCHEDULES = (("zb-v", "ScheduleZBVZeroBubble"), ("dualpipev", "ScheduleDualPipeV"))
@@ -235,6 +236,28 @@ def _loss_fn(chunk: GPTModel, m: int):
     return loss_fn
 
 
+_KINDS = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
+_TORCH_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+
+
+def same_compute_order(schedule: pipelining.schedules.PipelineScheduleMulti, kind: str, p: int, m: int) -> bool:
+    """Whether every rank runs the same forwards, whole backwards (B), input-gradient (I) and
+    weight-gradient (W) backwards, by V stage and microbatch, in the same order in ptdp's
+    ``kind`` and in torch's ``schedule`` (its ``pipeline_order``, overlapped F+B pairs unfolded)."""
+    ours = build_schedule(kind, p, m, 2)
+    for r in range(p):
+        mine = [(virtual_stage(r, a.chunk, p, "v"), _KINDS[a.kind], a.microbatch) for a in ours[r] if a.kind in _KINDS]
+        theirs = [
+            (x.stage_index, _TORCH_KINDS[x.computation_type.name], x.microbatch_index)
+            for a in schedule.pipeline_order[r]
+            if a is not None
+            for x in (a.sub_actions or (a,))
+        ]
+        if mine != theirs:
+            return False
+    return True
+
+
 def named_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's gradient by its global name (a shared one once); zeros where none."""
     return {
@@ -297,6 +320,9 @@ def _run(args, groups: ParallelGroups, kind: str, torch_name: str) -> dict:
             torch_grads = named_grads(side.chunks)
         except Exception as e:
             row["torch_error"] = f"step: {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
+    if side is not None:
+        m = len(microbatches)
+        row["same_compute_order"] = same_compute_order(side.schedule, kind, groups.pp.size, m)
     errors = [e for e in pc.all_gather_object(row.get("torch_error"), groups.world) if e]
     if errors:  # every rank learns before any further collective whether torch ran everywhere
         row["torch_error"], side = errors[0], None
@@ -407,13 +433,15 @@ def main() -> None:
                 f"{r['min_step_s']['ptdp'] / r['min_step_s']['torch']:.3f}" if "min_step_s" in r else "-",
                 f"{pt['same']} ({pt['max_rel_grad_diff']:.1e})" if pt else "-",
                 f"{ref['same']} ({ref['max_rel_grad_diff']:.1e})",
+                r.get("same_compute_order", "-"),
                 r.get("torch_error", "").splitlines()[0] if r.get("torch_error") else "",
             ]
         )
     print()
     headers = ["pp", "ptdp", "torch", "ptdp s/step", "torch s/step", "ptdp / torch", "median of paired ratios"]
     headers += ["ratio of minima"]
-    headers += ["grads ptdp = torch (max rel diff)", "grads ptdp = one process (max rel diff)", "torch error"]
+    headers += ["grads ptdp = torch (max rel diff)", "grads ptdp = one process (max rel diff)"]
+    headers += ["same compute order", "torch error"]
     print(pc.table(headers, rows))
     checks = [r.get(key, {}).get("same") for r in results for key in ("ptdp_vs_torch", "ptdp_vs_one_process")]
     checks += [r.get("torch_vs_one_process", {}).get("same") for r in results]
