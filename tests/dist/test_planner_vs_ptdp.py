@@ -10,7 +10,14 @@ import sys
 import pytest
 
 from helpers.cli import run
-from helpers.layout_cases import EXTRA_VARIANT_LAYOUTS, LAYOUTS, llama_variant, parallel_run, variant_config
+from helpers.layout_cases import (
+    EXTRA_VARIANT_LAYOUTS,
+    LAYOUTS,
+    SCHEDULE_LAYOUTS,
+    llama_variant,
+    parallel_run,
+    variant_config,
+)
 from ptdp.planner.inputs.hardware import Cluster
 from ptdp.planner.time.constants import links_for
 from ptdp.planner.time.profile import load_profile
@@ -117,3 +124,25 @@ def test_calibration_run_writes_a_usable_profile(tmp_path):
     grouped = fit_grouped_gemm_efficiency(measured["grouped_gemm"], bytes_per_element=4.0, **rates)
     assert constants.moe_grouped_gemm_efficiency == pytest.approx(grouped)
     assert 0.02 < constants.moe_exchange_efficiency < 5.0 and 0.02 < constants.moe_grouped_gemm_efficiency < 5.0
+
+
+@pytest.mark.parametrize("variant", ["zb_v", "dualpipev", "zb_h1_zero2"])
+@pytest.mark.parametrize("layout", sorted(SCHEDULE_LAYOUTS), ids=lambda l: "tp{}pp{}dp{}".format(*l))
+def test_bytes_per_rank_match_zero_bubble(layout, variant):
+    """The V placement (rank 0: the first and the last stage, one tied embedding) and ZB-H1 with
+    sharded gradients (every bucket kept from its first B to the W completing its chunk): bytes and
+    transients per rank exactly the planner's, float64 as twice float32."""
+    import dataclasses
+
+    if variant == "zb_h1_zero2" and layout[2] == 1:
+        pytest.skip("sharded variants run where dp > 1")
+    config = variant_config(variant, *layout)
+    as_float32 = dataclasses.replace(config, model=dataclasses.replace(config.model, params_dtype="float32"))
+    halved = ("params", "grads", "optimizer", "grads_transient", "params_transient")
+    measured = [
+        {k: v // 2 if k in halved else v for k, v in r[variant]["measured"].items()} for r in parallel_run(*layout)
+    ]
+    check = compare(as_float32, measured, None, None)
+    assert check["bytes_exact_on_every_rank"], check["ranks"]
+    if variant == "zb_h1_zero2":
+        assert all(row["transients"]["measured"]["grads_transient"] > 0 for row in check["ranks"])

@@ -197,23 +197,24 @@ def dependencies(
     source: list[int] = []
     remote: list[bool] = []
     pc = [0] * p
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            row, done, i = needs[r], placed[r], pc[r]
-            while i < len(row):
-                dep = row[i]
-                if dep is not None and placed[dep[0]][dep[1]] < 0:
-                    break
-                done[i] = len(kinds)
-                kinds.append(computes[r][i].kind)
-                before.append(done[i - 1] if i else -1)
-                source.append(-1 if dep is None else placed[dep[0]][dep[1]])
-                remote.append(dep is not None and dep[0] != r)
-                i += 1
-                progress = True
-            pc[r] = i
+    waiting: dict[tuple[int, int], list[int]] = {}  # an unplaced compute -> the ranks stopped at it
+    ready = list(range(p - 1, -1, -1))  # ranks to advance, a stack (each rank once per unblocking)
+    while ready:
+        r = ready.pop()
+        row, done, i = needs[r], placed[r], pc[r]
+        while i < len(row):
+            dep = row[i]
+            if dep is not None and placed[dep[0]][dep[1]] < 0:
+                waiting.setdefault(dep, []).append(r)
+                break
+            done[i] = len(kinds)
+            kinds.append(computes[r][i].kind)
+            before.append(done[i - 1] if i else -1)
+            source.append(-1 if dep is None else placed[dep[0]][dep[1]])
+            remote.append(dep is not None and dep[0] != r)
+            ready.extend(waiting.pop((r, i), ()))
+            i += 1
+        pc[r] = i
     stuck = [(r, computes[r][pc[r]]) for r in range(p) if pc[r] < len(computes[r])]
     if stuck:
         raise _cycle(stuck)

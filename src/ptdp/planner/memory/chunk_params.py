@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ptdp.config.model import ModelConfig
+from ptdp.layout.pipeline.placement import virtual_stage
 from ptdp.layout.vocab import padded_vocab_size
 
 #: watch groups: the chunk's non-layer parameters (allocated when its backward starts), the word
@@ -23,11 +24,14 @@ EMBED_UNIT, HEAD_UNIT, TIED_UNIT = -1, -2, -3
 
 @dataclass(frozen=True)
 class Chunk:
-    """Where a model chunk sits: whether it is the model's first (looks up) and last (projects)."""
+    """Where a model chunk sits: whether it is the model's first (looks up) and last (projects);
+    ``shared_table``: the rank runs both (the V placement's rank 0), so a tied table is one
+    parameter, held by the first chunk and read by the last."""
 
     layers: int
     first: bool
     last: bool
+    shared_table: bool = False
 
 
 def layer_param_sizes(model: ModelConfig, tp: int) -> tuple[int, ...]:
@@ -87,7 +91,7 @@ def chunk_params(model: ModelConfig, tp: int, chunk: Chunk, divisible_by: int) -
     if chunk.first:
         alone = not model.tied or not chunk.last  # only the lookup reads it
         out.append((table, LOOKUP if alone else REST, TIED_UNIT if tied_one else EMBED_UNIT))
-    elif chunk.last and model.tied:
+    elif chunk.last and model.tied and not chunk.shared_table:  # a copy of its own
         out.append((table, REST, HEAD_UNIT))
     sizes = layer_param_sizes(model, tp)
     for k in range(chunk.layers):
@@ -100,11 +104,17 @@ def chunk_params(model: ModelConfig, tp: int, chunk: Chunk, divisible_by: int) -
     return tuple(out)
 
 
-def stage_chunks(num_layers: int, pp: int, v: int, pp_rank: int, stage_layers: int) -> tuple[Chunk, ...]:
+def stage_chunks(
+    num_layers: int, pp: int, v: int, pp_rank: int, stage_layers: int, placement: str = "looped"
+) -> tuple[Chunk, ...]:
     """The model chunks of pipeline rank ``pp_rank`` holding ``stage_layers`` layers: ``v`` chunks
-    of an even share each (the last chunks one layer fewer where they do not divide), the first
-    chunk of rank 0 looking up, the last of rank pp - 1 projecting."""
+    of an even share each (the last chunks one layer fewer where they do not divide), the chunk of
+    virtual stage 0 looking up, that of the last projecting (:mod:`ptdp.layout.pipeline.placement`;
+    on the V placement both are rank 0's, the last projecting with the first's tied table)."""
     per, extra = divmod(stage_layers, v)
+    stages = [virtual_stage(pp_rank, c, pp, placement) for c in range(v)]
+    last = pp * v - 1
     return tuple(
-        Chunk(per + (c < extra), first=pp_rank == 0 and c == 0, last=pp_rank == pp - 1 and c == v - 1) for c in range(v)
+        Chunk(per + (c < extra), first=k == 0, last=k == last, shared_table=0 in stages and last in stages and v > 1)
+        for c, k in enumerate(stages)
     )

@@ -14,7 +14,8 @@ from functools import lru_cache
 from ptdp.config.model import ModelConfig
 from ptdp.layout.buckets import chunk_by_chunk, chunk_rounds
 from ptdp.layout.pipeline.partition import stage_layer_counts
-from ptdp.layout.pipeline.placement import stage_owner
+from ptdp.layout.pipeline.placement import placement_of, stage_owner
+from ptdp.layout.pipeline.schedule import SPLIT_ORDERS
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.moe_model import MoEModel
@@ -62,10 +63,11 @@ def stage_param_counts(
 
     First stage: word embedding ``[V_pad/tp, h]`` (V rounded up to a multiple of
     ``make_vocab_size_divisible_by * tp``) and, for GPT, positions ``[s, h]``. Last stage: the final norm
-    and the output weight ``[V_pad/tp, h]`` (untied, or tied with pp > 1). ``layer_split`` lists layers
-    per stage (None: even). The last stage is on rank pp - 1, or with the V ``placement`` on rank 0
-    beside the first (:mod:`ptdp.layout.pipeline.placement`; a tied output weight is then still
-    counted apart, in the chunk of its own). Raises ``ConfigError`` for an impossible split.
+    and the output weight ``[V_pad/tp, h]`` (untied, or tied on another rank than the first stage's).
+    ``layer_split`` lists layers per stage (None: even). The last stage is on rank pp - 1, or with
+    the V ``placement`` on rank 0 beside the first (:mod:`ptdp.layout.pipeline.placement`), where a
+    tied output weight is the embedding itself (one parameter of both chunks). Raises
+    ``ConfigError`` for an impossible split.
     """
     counts = stage_layer_counts(model.num_layers, pp, layer_split)
     h = model.hidden_size
@@ -73,10 +75,11 @@ def stage_param_counts(
     embedding = v_pad // tp * h
     per_layer = layer_param_count(model, tp)
     first = embedding + (model.seq_length * h if model.has_position_table else 0)
-    last = (h if model.uses_rmsnorm else 2 * h) + (embedding if (not model.tied or pp > 1) else 0)
+    at = loss_rank(pp, placement)
+    last = (h if model.uses_rmsnorm else 2 * h) + (embedding if (not model.tied or at != 0) else 0)
     out = [n * per_layer for n in counts]
     out[0] += first
-    out[loss_rank(pp, placement)] += last
+    out[at] += last
     return out
 
 
@@ -165,6 +168,8 @@ def stage_transients(
         chunk_by_chunk(strategy, shard, layout.virtual_stages, layout.num_microbatches, layout.pp),
         layout.precision != "fp32",  # 16-bit weights: float32 main gradients
         chunk_rounds(layout.num_microbatches, layout.pp),
+        layout.parallel.schedule in SPLIT_ORDERS,
+        placement_of(layout.parallel.schedule),
     )
 
 
@@ -185,10 +190,14 @@ def _stage_transients(
     by_chunk: bool,
     main_grad: bool,
     rounds: int = 1,
+    whole_step: bool = False,
+    placement: str = "looped",
 ) -> tuple[int, int]:
     """:func:`~ptdp.planner.memory.transients.rank_transients` of pipeline rank ``stage`` (its ``v``
-    model chunks sharing its ``n_layers`` layers); cached on plain numbers for the search."""
-    chunks = stage_chunks(model.num_layers, pp, v, stage, n_layers)
+    model chunks sharing its ``n_layers`` layers, placed by ``placement``); cached on plain numbers
+    for the search. ``whole_step``: B and W apart, every bucket kept from its first B to the W
+    completing its chunk (``GradBuffer.begin_backwards`` with ``split``)."""
+    chunks = stage_chunks(model.num_layers, pp, v, stage, n_layers, placement)
     return rank_transients(
         model,
         tp,
@@ -203,6 +212,7 @@ def _stage_transients(
         by_chunk=by_chunk,
         main_grad=main_grad,
         rounds=rounds,
+        whole_step=whole_step,
     )
 
 

@@ -163,6 +163,7 @@ def rank_transients(
     by_chunk: bool = False,
     main_grad: bool = False,
     rounds: int = 1,
+    whole_step: bool = False,
 ) -> tuple[int, int]:
     """(gathered parameter elements, gradient bucket elements) at their peaks on one rank holding
     ``chunks`` (its model chunks in order), sharded over ``d`` ranks with ``bucket``-element buckets;
@@ -172,7 +173,8 @@ def rank_transients(
     are replayed. Where every layer's buckets are cut alike, a chunk of :data:`PERIODIC_LAYERS` layers is
     replayed and the totals extended per layer (exact). ``main_grad``: 16-bit weights with fp32 main
     gradients; ``by_chunk``: reduced chunk by chunk, once per round of the interleaved schedule (``GradBuffer.by_chunk``);
-    with ``rounds`` > 1 the last chunk's next round also follows the first chunk's reduction.
+    with ``rounds`` > 1 the last chunk's next round also follows the first chunk's reduction;
+    ``whole_step`` (B and W apart): every chunk's buckets alive at once.
     """
     periodic = params_sharded or max(layer_param_sizes(model, tp)) >= bucket
     short = chunks
@@ -192,7 +194,9 @@ def rank_transients(
             for c in set(longer)
         }
         totals = [t + (c.layers - s.layers) * (more[m] - t) for c, s, t, m in zip(chunks, short, totals, longer)]
-    if by_chunk and len(short) > 1:
+    if whole_step:
+        grads = sum(totals)
+    elif by_chunk and len(short) > 1:
         tail = {c: sum(n + (-n) % d for n in p.in_flight[overlap]) for c, p in plan.items()}
         after = [tail[short[c + 1]] if c + 1 < len(short) else 0 for c in range(len(short))]
         if rounds > 1:
@@ -250,8 +254,8 @@ def _chunk_plan(
 def _tied_copy_index(model: ModelConfig, split: bool, chunk: Chunk) -> int | None:
     """Index in :func:`chunk_params` of the tied word embedding whose bucket is kept alone and
     never started early (``split``, pp > 1: its gradient is summed over the first and last
-    stage first)."""
-    if not model.tied or not split or not (chunk.first or chunk.last):
+    stage first; not where one rank holds both, :attr:`Chunk.shared_table`)."""
+    if not model.tied or not split or not (chunk.first or chunk.last) or chunk.shared_table:
         return None
     return 1 if chunk.first and model.has_position_table else 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ptdp.config.model import ModelConfig
 from ptdp.layout.buckets import chunk_by_chunk, chunk_rounds
+from ptdp.layout.pipeline.placement import placement_of
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.memory.fp8 import layer_fp8_weights
 from ptdp.planner.memory.params import layer_param_count
@@ -92,8 +93,8 @@ def embedding_sync_dp_time(model: ModelConfig, layout: Candidate, v_pad: int, li
     """Exposed seconds of the all-reduce of the tied word embedding's float32 gradient
     (``V_pad / tp x h`` on one tp rank) between the first and the last pipeline stage
     (:func:`ptdp.planner.time.collectives.embedding_sync_time`), the part ``c.dp_overlap`` does not hide; 0
-    for an untied model or pp = 1 (one stage holds the only copy)."""
-    if not (model.tied and layout.pp > 1):
+    for an untied model, pp = 1 or the V placement (one rank holds the only copy)."""
+    if not (model.tied and layout.pp > 1) or placement_of(layout.parallel.schedule) == "v":
         return 0.0
     nbytes = layout.grad_bytes * v_pad // layout.tp * model.hidden_size
     return (1.0 - c.dp_overlap) * embedding_sync_time(nbytes, layout.pp, layout.tp, layout.shard_size, links)

@@ -173,7 +173,8 @@ def evaluate_performance(
     Step = m x (busiest stage's microbatch: compute + recompute + TP + exposed PP transfers)
     + (pp - 1)/v x (a layers-only stage's microbatch) + exposed DP (fp32 gradients) + optimizer.
     B and W apart: the bubble of :func:`_split_backward_bubble`, a slower W's extra in the compute,
-    the DP reduction not hidden (``ptdp train`` starts it after the last W); on the V placement
+    the DP reduction hidden only up to ``c.dp_overlap`` (``ptdp train`` overlaps it with the W
+    completing each chunk's gradients, shorter than the backward the window assumes); on the V placement
     rank 0 runs the first and the last stage's edge work.
     ``layer_split`` (default ``layout.layer_split``, None: even): each stage runs its layers plus its edge
     work and fill and drain take the other stages' layers (:func:`split_stage_times`).
@@ -210,7 +211,7 @@ def evaluate_performance(
         rates = (peak, bandwidth, links, c, elem, fp8)
         bubble, wgrad_extra = _split_backward_bubble(model, layout, rates, rank_layers, p2p)
         busiest = (busiest[0] + stage_layers * wgrad_extra, *busiest[1:])
-        c = dataclasses.replace(c, overlap_window=False)  # ptdp train reduces after the last W
+        c = dataclasses.replace(c, overlap_window=False)  # ptdp train's reductions overlap the last W only
     layer = rank_layer_times(model, layout, peak, bandwidth, c, fp8)
     # the first stage's, which gathers its embeddings for forward only, or another's
     exposed_dp = max(
