@@ -6,6 +6,7 @@ writing its JSON report as soon as it has a result.
     PYTHONPATH=src python3 benchmarks/gpu_check.py probes --output-dir DIR   # kernels, GEMMs, host syncs
     PYTHONPATH=src python3 benchmarks/gpu_check.py moe --output-dir DIR      # a small MoE model, grouped GEMM
     PYTHONPATH=src python3 benchmarks/gpu_check.py fp8 --output-dir DIR      # bf16, FP8 tensorwise, FP8 rowwise
+    PYTHONPATH=src python3 benchmarks/gpu_check.py zb --output-dir DIR       # 1f1b, zb-h1, zb-v at pp = 1
     python benchmarks/gpu_check.py STAGE --device cpu --quick --output-dir DIR  # a tiny model on the CPU
     benchmarks/gpu_run.sh first DIR; benchmarks/gpu_run.sh second DIR; benchmarks/gpu_run.sh third DIR
 
@@ -25,6 +26,9 @@ Stages (:data:`STAGES`, default budgets :data:`BUDGET_S`):
 - ``fp8``: ``gpu_fp8.py`` (the 1.3B GPT trained the same steps on the same batch in bfloat16, then
   with FP8 GEMMs under the tensorwise and the rowwise recipe: tokens/s, MFU, peak memory and the
   loss difference against bfloat16 per run, each run a JSON line when it ends).
+- ``zb``: ``gpu_zb.py`` (the 1.3B GPT trained the same steps on the same batch, 4 microbatches, from
+  the same weights under the 1f1b, zb-h1 and zb-v pipeline schedules at pp = 1: per-step losses,
+  which must agree with 1f1b's within rounding, and each step time against 1f1b's).
 
 Each stage writes ``DIR/gpu_check_<stage>.json`` (``gpu_report.py``: rewritten after each result,
 ``"complete": false`` until the stage ends) and prints a summary. A stage's models are built and
@@ -33,7 +37,8 @@ be exceeded (``budget_exhausted``, a note). Targets (reported, not enforced): MF
 ratio vs plain <= 1.05. Exit code 1 when an item fails, a loss differs from float64 by more than
 rounding explains, the fused weight-gradient GEMM fell back, a steady-state step synchronises
 the host, the MoE model's loss does not fall or its grouped GEMM fails, or an FP8 stage run's loss
-is not finite or does not fall; else 0.
+is not finite or does not fall, or a zero-bubble run's loss differs from 1f1b's by more than
+rounding explains; else 0.
 """
 
 from __future__ import annotations
@@ -51,10 +56,11 @@ from gpu_moe import MOE_FULL, MOE_QUICK, run_moe_stage
 from gpu_probes import probe_gemms, probe_model, probe_sdpa, probe_step, probe_wgrad
 from gpu_report import Budget, StageReport, report_path, run_header
 from gpu_speed import TARGETS, flops_per_token, measure_mode, peak_flops
+from gpu_zb import run_zb_stage, zb_shape
 from plain_gpt import with_compile
 
-STAGES = ("eager", "compile", "probes", "moe", "fp8")
-BUDGET_S = {"eager": 150.0, "compile": 420.0, "probes": 150.0, "moe": 60.0, "fp8": 180.0}
+STAGES = ("eager", "compile", "probes", "moe", "fp8", "zb")
+BUDGET_S = {"eager": 150.0, "compile": 420.0, "probes": 150.0, "moe": 60.0, "fp8": 180.0, "zb": 120.0}
 """Default seconds of wall time per stage (``gpu_run.sh`` passes the same)."""
 
 
@@ -67,7 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--budget",
         type=float,
-        help="seconds for the stage (default: eager 150, compile 420, probes 150, moe 60, fp8 180)",
+        help="seconds for the stage (default: eager 150, compile 420, probes 150, moe 60, fp8 180, zb 120)",
     )
     ap.add_argument(
         "--dtype",
@@ -220,7 +226,23 @@ def run_fp8(args, shape: dict, dtype: str, device: torch.device, budget: Budget,
     run_fp8_stage(shape, dtype, device, budget, report, peak)
 
 
-RUNNERS = {"eager": run_eager, "compile": run_compile, "probes": run_probes, "moe": run_moe, "fp8": run_fp8}
+def run_zb(args, shape: dict, dtype: str, device: torch.device, budget: Budget, report) -> None:
+    """The 1f1b, zb-h1 and zb-v runs into ``report["zb"]`` (``gpu_zb.py``)."""
+    shape = zb_shape(shape)
+    peak, peak_source = peak_flops(device, dtype, args.peak_tflops)
+    _describe(report, speed_config(shape, dtype), shape, peak, peak_source)
+    report.update(steps=shape["steps"], warmup=shape["warmup"])
+    run_zb_stage(shape, dtype, device, budget, report)
+
+
+RUNNERS = {
+    "eager": run_eager,
+    "compile": run_compile,
+    "probes": run_probes,
+    "moe": run_moe,
+    "fp8": run_fp8,
+    "zb": run_zb,
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -279,6 +301,7 @@ def format_report(r: dict) -> str:
     lines += _format_probes(r.get("probes", {}))
     lines += _format_moe(r.get("moe"))
     lines += _format_fp8(r.get("fp8"))
+    lines += _format_zb(r.get("zb"))
     lines += [f"  {note}" for note in r["notes"]] + [f"  FAILED {failure}" for failure in r["failures"]]
     lines.append(f"the stage took {r['elapsed_s']:.0f} s of its {r['budget_s']:g} s budget")
     return "\n".join(lines)
@@ -385,6 +408,24 @@ def _format_fp8(fp8: dict | None) -> list[str]:
         paths = run.get("gemm_path", {})
         if "forward" in paths:
             lines.append("  " + ", ".join(f"{g}: {p}" for g, p in paths.items()))
+    return lines
+
+
+def _format_zb(zb: dict | None) -> list[str]:
+    if not zb:
+        return []
+    lines = [
+        f"{'schedule':<8} {'steps':>5} {'s/step':>8} {'tokens/s':>10} {'vs 1f1b':>7} {'peak mem':>9} "
+        f"{'last loss':>9} {'max rel diff':>12} {'(bound)':>7}"
+    ]
+    for run in zb["runs"]:
+        mem = f"{run['peak_memory_bytes'] / 2**30:.1f} GiB" if "peak_memory_bytes" in run else "n/a"
+        last = run["losses"][-1] if run.get("losses") else None
+        lines.append(
+            f"{run['name']:<8} {run.get('timed_steps', 0):>5} {_num(run.get('median_step_s'), '.4f'):>8} "
+            f"{_num(run.get('tokens_per_s'), ',.0f'):>10} {_num(run.get('step_s_vs_1f1b'), '.3f'):>7} {mem:>9} "
+            f"{_num(last, '.4f'):>9} {_num(run.get('max_loss_rel_diff'), '.2e'):>12} {zb['loss_bound']:>7.0e}"
+        )
     return lines
 
 

@@ -25,12 +25,12 @@ A run that raises fails the stage and the next one runs (without the baseline's 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import time
 
 import torch
-from gpu_models import device_stage, flops_per_token, random_microbatches, speed_config
+from gpu_loss import compare_losses
+from gpu_models import device_stage, flops_per_token, free_memory, random_microbatches, speed_config
 from gpu_report import NOT_ON_CPU, Budget, StageReport, train_steps
 
 from ptdp.config.fp8 import FP8Config
@@ -69,27 +69,6 @@ def gemm_paths(recipe: str, dtype: str, device: torch.device) -> dict:
         out_dtype = torch.float32 if gemm == "wgrad" else getattr(torch, dtype)
         out[gemm] = "torch._scaled_mm" if has_scaled_mm_kernel(a, scale, b, scale, out_dtype) else "emulated"
     return out
-
-
-def compare_losses(losses: list[float], baseline: list[float]) -> dict:
-    """FP8 losses against the baseline's at every step both ran (module docstring)."""
-    n = min(len(losses), len(baseline))
-    diff = [losses[i] - baseline[i] for i in range(n)]
-    rel = [abs(d) / abs(b) for d, b in zip(diff, baseline)]
-    return {
-        "compared_steps": n,
-        "loss_diff": diff,
-        "last_loss_diff": diff[-1] if n else None,
-        "last_loss_rel_diff": diff[-1] / abs(baseline[n - 1]) if n else None,
-        "max_loss_rel_diff": max(rel) if n else None,
-    }
-
-
-def _free(device: torch.device) -> None:
-    """Return the last run's memory to the device before the next run builds its stage."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def train_run(
@@ -144,7 +123,7 @@ def run_fp8_stage(
             train_run(name, fp8_config(shape, dtype, recipe), shape, device, budget, report, run)
         except Exception as e:  # the next run may still work (e.g. another recipe's kernels)
             error = f"{type(e).__name__}: {e}"
-        _free(device)  # this run's stage is gone with train_run's frame
+        free_memory(device)  # this run's stage is gone with train_run's frame
         if error is not None:
             report.fail(f"fp8: {name}: {error}")
             continue

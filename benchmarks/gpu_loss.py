@@ -4,6 +4,7 @@ A 2-layer GPT (h = 64, s = 32, V = 300) trained :data:`LOSS_CHECK_STEPS` steps w
 ``train_step`` in the checked precision on the device, and in float64 on the CPU from the same
 initial weights (ptdp draws them on the CPU for every device) and data; on a GPU float64 on the
 device too. A difference beyond what rounding explains (:func:`loss_bound`) is a failure.
+:func:`compare_losses` compares two runs of a stage step by step.
 """
 
 from __future__ import annotations
@@ -89,3 +90,19 @@ def loss_failures(check: dict, dtype: str) -> list[str]:
     if on_device is not None and not on_device <= LOSS_BOUND["float64"]:
         out.append(f"loss check: float64 on the device differs from the CPU by {on_device:.2e} (bound 1e-09)")
     return out
+
+
+def compare_losses(losses: list[float], baseline: list[float]) -> dict:
+    """``losses`` against ``baseline``'s at every step both ran: ``compared_steps``, ``loss_diff``
+    (each minus the baseline), ``last_loss_diff``, its ``last_loss_rel_diff`` and the largest
+    relative difference ``max_loss_rel_diff`` (None without a common step)."""
+    n = min(len(losses), len(baseline))
+    diff = [losses[i] - baseline[i] for i in range(n)]
+    rel = [abs(d) / abs(b) for d, b in zip(diff, baseline)]
+    return {
+        "compared_steps": n,
+        "loss_diff": diff,
+        "last_loss_diff": diff[-1] if n else None,
+        "last_loss_rel_diff": diff[-1] / abs(baseline[n - 1]) if n else None,
+        "max_loss_rel_diff": max(rel) if n else None,
+    }

@@ -10,6 +10,7 @@ check keeps ptdp's own initialisation (it compares devices).
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 from unittest import mock
 
@@ -130,3 +131,10 @@ def device_stage(config: Config, device: torch.device) -> Stage:
     """ptdp's single-process stage of ``config`` with its weights drawn on ``device``."""
     with _initial_values_on(device):
         return build_stage(config, ParallelGroups.single_process(), device)
+
+
+def free_memory(device: torch.device) -> None:
+    """Return a finished run's memory to ``device`` before the next run builds its stage."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

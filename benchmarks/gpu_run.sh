@@ -3,8 +3,8 @@
 #
 #   benchmarks/gpu_run.sh first DIR     # stages eager, probes, then moe (at most 525 s)
 #   benchmarks/gpu_run.sh second DIR    # stage compile (at most 475 s)
-#   benchmarks/gpu_run.sh third DIR     # stage fp8 (at most 235 s)
-#   benchmarks/gpu_run.sh eager|compile|probes|moe|fp8 DIR    # one stage
+#   benchmarks/gpu_run.sh third DIR     # stages fp8, then zb (at most 410 s)
+#   benchmarks/gpu_run.sh eager|compile|probes|moe|fp8|zb DIR    # one stage
 #
 # Options after DIR go to every stage's gpu_check.py (e.g. --device cpu --quick: a dry run on a
 # CPU). Each stage runs with its budget (BUDGET, seconds) and is killed GRACE_S seconds after it
@@ -14,8 +14,8 @@
 # stage exited 0, 2 on bad arguments, else 1.
 set -u
 
-usage="usage: $0 {first|second|third|eager|compile|probes|moe|fp8} DIR [gpu_check.py options]"
-declare -A BUDGET=([eager]=150 [compile]=420 [probes]=150 [moe]=60 [fp8]=180)
+usage="usage: $0 {first|second|third|eager|compile|probes|moe|fp8|zb} DIR [gpu_check.py options]"
+declare -A BUDGET=([eager]=150 [compile]=420 [probes]=150 [moe]=60 [fp8]=180 [zb]=120)
 GRACE_S=45
 
 [ $# -ge 2 ] || { echo "$usage" >&2; exit 2; }
@@ -23,8 +23,8 @@ group=$1
 case $group in
   first) stages="eager probes moe" ;;
   second) stages="compile" ;;
-  third) stages="fp8" ;;
-  eager | compile | probes | moe | fp8) stages=$group ;;
+  third) stages="fp8 zb" ;;
+  eager | compile | probes | moe | fp8 | zb) stages=$group ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
 mkdir -p "$2" && out=$(cd "$2" && pwd) || { echo "$0: cannot use $2 as the output folder" >&2; exit 2; }

@@ -79,7 +79,7 @@ def test_gpu_run_sh_second_runs_the_compiled_stage(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_gpu_run_sh_third_runs_the_fp8_stage(tmp_path):
+def test_gpu_run_sh_third_runs_the_fp8_and_zb_stages(tmp_path):
     done = gpu_run("third", str(tmp_path / "out"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     r = json.loads((tmp_path / "out" / "gpu_check_fp8.json").read_text())
@@ -89,6 +89,16 @@ def test_gpu_run_sh_third_runs_the_fp8_stage(tmp_path):
     assert all(run["falling"] for run in runs) and all(run["compared_steps"] == 4 for run in runs[1:])
     log = (tmp_path / "out" / "gpu_check_fp8.log").read_text()
     assert sum(line.startswith('{"stage": "fp8"') for line in log.splitlines()) == 3
+    zb = json.loads((tmp_path / "out" / "gpu_check_zb.json").read_text())
+    assert (zb["stage"], zb["complete"], zb["failures"], zb["budget_s"], zb["dtype"]) == (
+        "zb",
+        True,
+        [],
+        120,
+        "float32",
+    )
+    assert [run["name"] for run in zb["zb"]["runs"]] == ["1f1b", "zb-h1", "zb-v"]
+    assert all(run["max_loss_rel_diff"] <= zb["zb"]["loss_bound"] for run in zb["zb"]["runs"][1:])
 
 
 def test_gpu_run_sh_refuses_an_unknown_stage(tmp_path):

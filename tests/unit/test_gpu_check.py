@@ -3,6 +3,7 @@ its budget, a stage stopped part way, the loss bounds, and ``gpu_run.sh``'s stag
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -17,7 +18,7 @@ PEAK_TFLOPS = 0.5
 
 @pytest.fixture
 def bench(monkeypatch):
-    names = ("gpu_check", "gpu_loss", "gpu_probes", "gpu_report", "gpu_speed", "gpu_moe", "gpu_fp8")
+    names = ("gpu_check", "gpu_loss", "gpu_probes", "gpu_report", "gpu_speed", "gpu_moe", "gpu_fp8", "gpu_zb")
     return dict(zip(names, import_scripts(monkeypatch, *names)))
 
 
@@ -237,6 +238,72 @@ def test_an_fp8_stage_out_of_budget_or_failing_a_run(bench, tmp_path, monkeypatc
     assert r["fp8"]["runs"][2]["compared_steps"] == 4
 
 
+def test_zb_stage_trains_1f1b_zb_h1_and_zb_v_to_the_same_losses(bench, tmp_path, capsys):
+    """The same weights and batch under 1f1b, zb-h1 and zb-v at pp = 1: the same first loss, every
+    later one within float32 rounding of 1f1b's; each program's actions, zb-v's two chunks sharing
+    the tied embedding, the step times against 1f1b's; each run one JSON line when it ends."""
+    r = run_stage(bench, tmp_path, "zb")
+    assert (r["stage"], r["complete"], r["budget_exhausted"], r["failures"], r["notes"]) == ("zb", True, False, [], [])
+    assert (r["dtype"], r["budget_s"], r["batch"]["num_microbatches"]) == (
+        "float32",
+        bench["gpu_check"].BUDGET_S["zb"],
+        4,
+    )
+    zb = r["zb"]
+    assert (zb["baseline"], zb["loss_bound"]) == ("1f1b", 1e-5)
+    runs = zb["runs"]
+    assert [(x["name"], x["virtual_stages"]) for x in runs] == [("1f1b", 1), ("zb-h1", 1), ("zb-v", 2)]
+    assert [x["program"] for x in runs] == [
+        {"forward": 4, "backward": 4},
+        {"forward": 4, "backward_input": 4, "backward_weight": 4},
+        {"forward": 8, "handover_forward": 4, "backward_input": 8, "backward_weight": 8, "handover_backward": 4},
+    ]
+    assert runs[2]["tied_embedding_shared"] is True and "tied_embedding_shared" not in runs[0]
+    base = runs[0]
+    for run in runs:
+        assert run["timed_steps"] == 3 and len(run["losses"]) == 4 and run["finite"] and run["falling"]
+        assert math.isclose(run["tokens_per_s"], r["batch"]["tokens_per_step"] / run["median_step_s"], rel_tol=1e-12)
+        assert run["build_s"] > 0 and run["first_step_s"] > 0
+    assert "loss_diff" not in base and "step_s_vs_1f1b" not in base
+    for run in runs[1:]:
+        assert run["losses"][0] == base["losses"][0]  # the same initial weights
+        rel = [abs(a - b) / b for a, b in zip(run["losses"], base["losses"])]
+        assert run["compared_steps"] == 4 and run["max_loss_rel_diff"] == max(rel) <= 1e-5
+        assert run["step_s_vs_1f1b"] == run["median_step_s"] / base["median_step_s"]
+    out = capsys.readouterr().out
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith('{"stage": "zb"')]
+    assert [line["name"] for line in lines] == ["1f1b", "zb-h1", "zb-v"] and lines[2]["losses"] == runs[2]["losses"]
+    assert re.search(r"^zb-v +3 .* 1e-05$", out, re.M) and "FAILED" not in out
+
+
+def test_a_zb_stage_out_of_budget_or_with_losses_apart(bench, tmp_path, monkeypatch):
+    """A budget spent at once: 1f1b's first step, no zero-bubble run. A zero-bubble run whose losses
+    leave 1f1b's (here zb-v at another learning rate) fails the stage."""
+    r = run_stage(bench, tmp_path, "zb", "--budget", "1e-6")
+    (run,) = r["zb"]["runs"]
+    assert r["budget_exhausted"] and r["failures"] == [] and len(run["losses"]) == 1 and run["falling"] is None
+    assert r["notes"][-2:] == [
+        "zb: zb-h1 not run: stopped, the stage's budget of 1e-06 s was spent",
+        "zb: zb-v not run: stopped, the stage's budget of 1e-06 s was spent",
+    ]
+    zb = bench["gpu_zb"]
+    real = zb.zb_config
+
+    def config(shape, dtype, schedule):
+        c = real(shape, dtype, schedule)
+        if schedule != "zb-v":
+            return c
+        return dataclasses.replace(c, train=dataclasses.replace(c.train, lr=2 * zb.LR, min_lr=2 * zb.LR))
+
+    monkeypatch.setattr(zb, "zb_config", config)
+    with pytest.raises(SystemExit):
+        run_stage(bench, tmp_path, "zb")
+    r = json.loads((tmp_path / "gpu_check_zb.json").read_text())
+    (failure,) = r["failures"]
+    assert failure.startswith("zb: zb-v: losses differ from 1f1b's by ") and failure.endswith("(1e-05)")
+    assert r["zb"]["runs"][2]["max_loss_rel_diff"] > 1e-5 >= r["zb"]["runs"][1]["max_loss_rel_diff"]
+
+
 @pytest.mark.parametrize(
     "ops, backend",
     [
@@ -363,7 +430,7 @@ def _gpu_run_sh() -> tuple[dict[str, int], int, dict[str, list[str]]]:
     budgets = {k: int(v) for k, v in re.findall(r"\[(\w+)\]=(\d+)", re.search(r"declare -A BUDGET=\((.*)\)", text)[1])}
     grace = int(re.search(r"^GRACE_S=(\d+)$", text, re.M)[1])
     groups = {name: stages.split() for name, stages in re.findall(r'^\s*(\w+)\) stages="([\w ]+)" ;;$', text, re.M)}
-    assert re.search(r"^\s*eager \| compile \| probes \| moe \| fp8\) stages=\$group ;;$", text, re.M)
+    assert re.search(r"^\s*eager \| compile \| probes \| moe \| fp8 \| zb\) stages=\$group ;;$", text, re.M)
     return budgets, grace, groups
 
 
