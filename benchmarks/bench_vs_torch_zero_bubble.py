@@ -95,11 +95,6 @@ def split(tokens: torch.Tensor, labels: torch.Tensor, b: int) -> list[Microbatch
     return list(zip(tokens.split(b), labels.split(b)))
 
 
-def chunk_list(model: nn.Module) -> list[nn.Module]:
-    """The chunks of a stage's model (one ``GPTModel`` or its ``ModelChunks``)."""
-    return list(model) if isinstance(model, ModelChunks) else [model]
-
-
 def ptdp_step(stage: Stage, microbatches: list[Microbatch]) -> list[torch.Tensor]:
     """One step of the stage's schedule over ``microbatches`` (gradient buffer zeroed first, its
     reductions finished after); returns the last stage's per-microbatch mean losses."""
@@ -165,7 +160,7 @@ def torch_side(stage: Stage, torch_name: str) -> TorchSide:
     cfg, g = stage.config, stage.groups
     kind, p, r = cfg.parallel.schedule, g.pp.size, g.pp.rank
     placement = placement_of(kind)
-    mine = chunk_list(stage.model)
+    mine = stage.chunks
     if placement != "v" or len(mine) != 2 or g.world.size != p:
         raise ValueError(
             f"torch's V schedules here need two chunks on the V placement and pp = world size; "

@@ -9,7 +9,6 @@ import pytest
 from helpers.dist_helpers import run_in_pool
 from helpers.layout_cases import PG_TIMEOUT, rank_microbatches, tiny_config
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.model.model_chunks import ModelChunks
 from ptdp.engine.pipeline.runtime import run_schedule
 from ptdp.engine.stage import build_stage
 from ptdp.layout.grid import ParallelLayout
@@ -29,8 +28,7 @@ def events(rank: int, world: int, kind: str, overlap: bool) -> dict:
     log: list[str] = []
     buffer, launch = stage.grads, stage.grads._launch
     buffer._launch = lambda bucket: (log.append("launch"), launch(bucket))[1]  # type: ignore[method-assign]
-    chunks = list(stage.model) if isinstance(stage.model, ModelChunks) else [stage.model]
-    for chunk in chunks:
+    for chunk in stage.chunks:
         queue, put = chunk.wgrad_queue, chunk.wgrad_queue.put
         queue.put = lambda job, param, put=put: put(lambda: (job(), log.append("w")), param)  # type: ignore[method-assign]
     microbatches = rank_microbatches(0, cfg, groups.dp.rank, 2)

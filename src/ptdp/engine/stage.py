@@ -69,12 +69,16 @@ class Stage:
     def dtype(self) -> torch.dtype:
         return DTYPES[self.config.model.params_dtype]
 
+    @property
+    def chunks(self) -> list[GPTModel]:
+        """This rank's model chunks in chunk order: the one stage, or the ``v`` chunks."""
+        return [cast(GPTModel, c) for c in self.model] if isinstance(self.model, ModelChunks) else [self.model]
+
     @functools.cached_property
     def fp8_gemms(self) -> list[FP8GEMMs]:
         """The FP8 state of every linear layer of this rank, chunk by chunk (empty without FP8;
         found once, not at every step)."""
-        chunks = [cast(GPTModel, c) for c in self.model] if isinstance(self.model, ModelChunks) else [self.model]
-        return [gemms for chunk in chunks for gemms in chunk.fp8_gemms()]
+        return [gemms for chunk in self.chunks for gemms in chunk.fp8_gemms()]
 
     def wait_for_params(self) -> None:
         """With ``overlap_param_gather``: finish every parameter all-gather still in flight, so the

@@ -35,7 +35,6 @@ from ptdp.engine.data_parallel.grads import (
     grad_norm_share,
 )
 from ptdp.engine.hooks import STEP_HOOKS
-from ptdp.engine.model.model_chunks import ModelChunks
 from ptdp.engine.moe.layer import MoELayer
 from ptdp.engine.optim.adamw import set_lr, step_unless
 from ptdp.engine.optim.post_validation import Snapshot, step_optimistically
@@ -208,8 +207,7 @@ def train_step(stage: Stage, microbatches: list[Microbatch], iteration: int, tra
         experts.grad_scale = loss_factor
     residual = stage.grads.residual
     kept = residual.clone() if residual is not None else None  # put back if the step is skipped
-    first_chunk = stage.model[0] if isinstance(stage.model, ModelChunks) else stage.model
-    undo = [u for hook in STEP_HOOKS if (u := hook(g.global_rank, iteration + 1, first_chunk)) is not None]
+    undo = [u for hook in STEP_HOOKS if (u := hook(g.global_rank, iteration + 1, stage.chunks[0])) is not None]
     try:
         losses = run_schedule(
             programs[g.pp.rank],

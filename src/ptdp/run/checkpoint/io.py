@@ -35,7 +35,7 @@ import torch
 from ptdp.config.moe import MoEConfig
 from ptdp.engine.comm import AxisGroup, all_gather_object, barrier
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.model.model_chunks import ModelChunks, global_named_parameters
+from ptdp.engine.model.model_chunks import global_named_parameters
 from ptdp.engine.tensor_parallel.sharding import global_param
 from ptdp.run.checkpoint.folders import (
     FORMAT,
@@ -128,11 +128,10 @@ def moe_buffers(moe: MoEConfig) -> set[str]:
 def _moe_buffers(stage, saved: MoEConfig | None = None) -> dict[str, torch.Tensor]:
     """``moe/<layer>.<buffer>`` of :func:`moe_buffers`, the same on every rank of a stage; with
     ``saved`` (a checkpoint's MoE options) only those it holds."""
-    chunks = stage.model if isinstance(stage.model, ModelChunks) else [stage.model]
     kinds = moe_buffers(stage.config.moe if saved is None else saved)
     return {
         f"moe/{name}": buf
-        for chunk in chunks
+        for chunk in stage.chunks
         for name, buf in chunk.named_buffers()
         if name.rsplit(".", 1)[-1] in kinds
     }
@@ -141,10 +140,9 @@ def _moe_buffers(stage, saved: MoEConfig | None = None) -> dict[str, torch.Tenso
 def _fp8_histories(stage) -> dict[str, torch.Tensor]:
     """``fp8/<linear>.amax_history``: each linear layer's delayed-scaling history (float32
     ``[amax_history_len, 3]``), the same on every rank of a stage; empty without delayed scaling."""
-    chunks = stage.model if isinstance(stage.model, ModelChunks) else [stage.model]
     return {
         f"fp8/{name}.amax_history": module.fp8.delayed.history
-        for chunk in chunks
+        for chunk in stage.chunks
         for name, module in chunk.named_modules()
         if getattr(module, "fp8", None) is not None and module.fp8.delayed is not None
     }
