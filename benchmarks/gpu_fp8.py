@@ -30,13 +30,12 @@ import time
 
 import torch
 from gpu_loss import compare_losses
-from gpu_models import device_stage, flops_per_token, free_memory, random_microbatches, speed_config
-from gpu_report import NOT_ON_CPU, Budget, StageReport, train_steps
+from gpu_models import device_stage, flops_per_token, free_memory, speed_config, train_one_batch
+from gpu_report import NOT_ON_CPU, Budget, StageReport
 
 from ptdp.config.fp8 import FP8Config
 from ptdp.config.schema import Config
 from ptdp.engine.fp8 import FP8Recipe, has_scaled_mm_kernel
-from ptdp.engine.step import train_step
 
 RECIPES = ("tensorwise", "rowwise")
 """The FP8 runs after the baseline, in order."""
@@ -81,20 +80,7 @@ def train_run(
     stage = device_stage(config, device)
     run["build_s"] = time.perf_counter() - t0
     report.write()
-    mbs = [(x.to(device), y.to(device)) for x, y in random_microbatches(config, seed=0)]
-
-    def step(i: int):
-        t = time.perf_counter()
-        result = train_step(stage, mbs, i).result()
-        if i == 0:
-            run["first_step_s"] = time.perf_counter() - t
-        return result
-
-    tokens = config.train.global_batch_size * config.model.seq_length
-    kw = {"warmup": shape["warmup"], "steps": shape["steps"], "tokens": tokens}
-    train_steps(step, run, **kw, budget=budget, report=report, what=f"fp8: {name}", reserve_s=RESERVE_S)
-    if device.type == "cuda":
-        run["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+    train_one_batch(stage, shape, run, budget=budget, report=report, what=f"fp8: {name}", reserve_s=RESERVE_S)
 
 
 def run_fp8_stage(

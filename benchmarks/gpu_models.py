@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import time
 from unittest import mock
 
 import torch
+from gpu_report import Budget, StageReport, train_steps
 
 import ptdp.engine.stage as ptdp_stage
 from ptdp.config.fp8 import FP8Config
@@ -25,6 +27,7 @@ from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config, TrainConfig
 from ptdp.engine.groups import ParallelGroups
 from ptdp.engine.stage import Stage, build_stage
+from ptdp.engine.step import train_step
 from ptdp.engine.tensor_parallel.sharding import global_param
 
 FULL = {
@@ -138,3 +141,26 @@ def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def train_one_batch(
+    stage: Stage, shape: dict, run: dict, *, budget: Budget, report: StageReport, what: str, reserve_s: float
+) -> None:
+    """``shape["warmup"] + shape["steps"]`` steps of ``stage`` on one fixed batch into ``run``
+    (:func:`gpu_report.train_steps`), with ``first_step_s`` (the first step's seconds) and on CUDA
+    ``peak_memory_bytes`` (since the caller's last reset of the peak)."""
+    config, device = stage.config, stage.device
+    mbs = [(x.to(device), y.to(device)) for x, y in random_microbatches(config, seed=0)]
+
+    def step(i: int):
+        t = time.perf_counter()
+        result = train_step(stage, mbs, i).result()
+        if i == 0:
+            run["first_step_s"] = time.perf_counter() - t
+        return result
+
+    tokens = config.train.global_batch_size * config.model.seq_length
+    kw = {"warmup": shape["warmup"], "steps": shape["steps"], "tokens": tokens}
+    train_steps(step, run, **kw, budget=budget, report=report, what=what, reserve_s=reserve_s)
+    if device.type == "cuda":
+        run["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)

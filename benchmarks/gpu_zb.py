@@ -32,16 +32,14 @@ from unittest import mock
 
 import torch
 from gpu_loss import compare_losses, loss_bound
-from gpu_models import device_stage, free_memory, random_microbatches, speed_config
-from gpu_report import Budget, StageReport, train_steps
+from gpu_models import device_stage, free_memory, speed_config, train_one_batch
+from gpu_report import Budget, StageReport
 
 import ptdp.engine.stage as ptdp_stage
 from ptdp.config.resolve import resolve
 from ptdp.config.schema import Config
 from ptdp.engine.groups import ParallelGroups
-from ptdp.engine.model.model_chunks import ModelChunks
 from ptdp.engine.stage import Stage, build_stage
-from ptdp.engine.step import train_step
 from ptdp.layout.pipeline.program import build_programs
 
 SCHEDULES = ("1f1b", "zb-h1", "zb-v")
@@ -68,13 +66,9 @@ def zb_config(shape: dict, dtype: str, schedule: str) -> Config:
     return resolve(config, 1)
 
 
-def _chunks(stage: Stage) -> list[torch.nn.Module]:
-    return list(stage.model) if isinstance(stage.model, ModelChunks) else [stage.model]
-
-
 def initial_values(stage: Stage) -> dict[str, torch.Tensor]:
     """A copy of each parameter of ``stage`` by its global name (a parameter shared by two chunks once)."""
-    return {name: p.detach().clone() for chunk in _chunks(stage) for name, p in chunk.named_parameters()}
+    return {name: p.detach().clone() for chunk in stage.chunks for name, p in chunk.named_parameters()}
 
 
 @contextlib.contextmanager
@@ -122,28 +116,15 @@ def train_run(
     t0 = time.perf_counter()
     stage = build(config, device, values)
     run["build_s"] = time.perf_counter() - t0
-    chunks = _chunks(stage)
+    chunks = stage.chunks
     run["virtual_stages"] = len(chunks)
     if len(chunks) == 2:
         first, last = chunks
         run["tied_embedding_shared"] = first.word_embeddings is last.word_embeddings
     start = initial_values(stage) if values is None else values
     report.write()
-    mbs = [(x.to(device), y.to(device)) for x, y in random_microbatches(config, seed=0)]
-
-    def step(i: int):
-        t = time.perf_counter()
-        result = train_step(stage, mbs, i).result()
-        if i == 0:
-            run["first_step_s"] = time.perf_counter() - t
-        return result
-
-    tokens = config.train.global_batch_size * config.model.seq_length
-    kw = {"warmup": shape["warmup"], "steps": shape["steps"], "tokens": tokens}
     what = f"zb: {config.parallel.schedule}"
-    train_steps(step, run, **kw, budget=budget, report=report, what=what, reserve_s=RESERVE_S)
-    if device.type == "cuda":
-        run["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+    train_one_batch(stage, shape, run, budget=budget, report=report, what=what, reserve_s=RESERVE_S)
     return start
 
 

@@ -18,7 +18,17 @@ PEAK_TFLOPS = 0.5
 
 @pytest.fixture
 def bench(monkeypatch):
-    names = ("gpu_check", "gpu_loss", "gpu_probes", "gpu_report", "gpu_speed", "gpu_moe", "gpu_fp8", "gpu_zb")
+    names = (
+        "gpu_check",
+        "gpu_loss",
+        "gpu_models",
+        "gpu_probes",
+        "gpu_report",
+        "gpu_speed",
+        "gpu_moe",
+        "gpu_fp8",
+        "gpu_zb",
+    )
     return dict(zip(names, import_scripts(monkeypatch, *names)))
 
 
@@ -200,7 +210,7 @@ def test_fp8_stage_trains_bf16_then_fp8_tensorwise_and_rowwise(bench, tmp_path, 
 
 def test_a_killed_fp8_stage_leaves_the_runs_that_ended(bench, tmp_path, monkeypatch, capsys):
     """Killed in the rowwise run's second step: the report and the JSON lines keep the two runs before it."""
-    kill_at_step(monkeypatch, bench["gpu_fp8"], 2 * 4 + 2)
+    kill_at_step(monkeypatch, bench["gpu_models"], 2 * 4 + 2)  # the fp8 stage's runs train there
     with pytest.raises(Killed):
         run_stage(bench, tmp_path, "fp8")
     r = json.loads((tmp_path / "gpu_check_fp8.json").read_text())
