@@ -50,7 +50,6 @@ class _Pending:
     sent: list[torch.Tensor]
     released: list[tuple[int, int]]
     received: list[tuple[str, int, int]]
-    span: object = None
 
 
 @dataclass
@@ -321,8 +320,7 @@ def _exchange(group: P2PGroup, state: _State, shape, dtype, tracer=None) -> None
     """Post ``group`` as one batch (not waited for: :func:`_wait_for_inputs`); its receive buffers
     are the received tensors from then on."""
     span = tracer.span([o.action for o in group.ops]) if tracer is not None else None
-    transfers, released = [], []
-    received = []
+    transfers, released, received = [], [], []
     for o in group.ops:
         a, key = o.action, (o.action.microbatch, o.action.chunk)
         if a.kind == "send_forward":

@@ -29,8 +29,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ptdp.layout.pipeline.placement import placement_of
-from ptdp.layout.pipeline.schedule import COMPUTE, INPUT_GRADIENT, TRANSFER, Action, boundary, build_schedule, peer
+from ptdp.layout.pipeline.schedule import (
+    COMPUTE,
+    INPUT_GRADIENT,
+    TRANSFER,
+    Action,
+    boundary,
+    build_schedule,
+    peer,
+    schedule_placement,
+)
 from ptdp.layout.pipeline.timing import Producers, StageTimes, compute_times, producers
 
 #: the NCCL communicator (and stream) every pipeline group runs on: the pipeline group's own
@@ -90,8 +98,7 @@ def build_programs(
     schedule = build_schedule(
         kind, pp_size, num_microbatches, virtual_stages, times=times, memory_limit=memory_limit, placement=placement
     )
-    where = placement if kind == "forward-only" and placement is not None else placement_of(kind)
-    programs = programs_from_schedule(schedule, virtual_stages, where)
+    programs = programs_from_schedule(schedule, virtual_stages, schedule_placement(kind, placement))
     simulate_nccl(programs)
     return tuple(tuple(program) for program in programs)
 

@@ -92,6 +92,12 @@ def check_schedule_args(
         )
 
 
+def schedule_placement(kind: str, placement: str | None = None) -> str:
+    """The placement ``kind`` runs on: its own (:func:`~ptdp.layout.pipeline.placement.placement_of`),
+    or for ``forward-only`` the training schedule's ``placement`` (default looped)."""
+    return "v" if kind == "forward-only" and placement == "v" else placement_of(kind)
+
+
 def build_schedule(
     kind: str,
     pp_size: int,
@@ -109,10 +115,10 @@ def build_schedule(
 
     Raises ValueError (see :func:`check_schedule_args`) for a kind that cannot run with these sizes.
     """
+    placement = schedule_placement(kind, placement)
     forward_v = kind == "forward-only" and placement == "v"
     check_schedule_args(kind, pp_size, num_microbatches, virtual_stages, "v" if forward_v else None)
     p, m, v = pp_size, num_microbatches, virtual_stages
-    placement = "v" if forward_v else placement_of(kind)
     if forward_v:
         orders = [[("forward", i, c) for c in range(2) for i in range(m)] for _ in range(p)]
     elif kind == "auto":
