@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import random
+import shlex
 
 import pytest
 
@@ -316,3 +318,81 @@ def test_searched_zero_bubble_schedules_run_under_the_strategies_ptdp_train_runs
     assert layouts._runnable(MODEL, h1, strategies, planned=False) == strategies
     one = lambda sharding: make(sharding, "1f1b")  # noqa: E731
     assert layouts._runnable(MODEL, one, strategies, planned=True) == strategies
+
+
+def test_a_plans_passes_are_the_times_its_bubble_is_simulated_with():
+    """A plan's F, B, W and p2p (``Plan.passes``): a middle rank's layers (4 of 16 at pp 4) times one
+    layer's passes, W slower by the generation's constant; zb-h1's bubble is its program timed
+    with them, and 1F1B's plan has the same passes. No pipeline, no passes."""
+    cluster = Cluster(A100, 8)
+    zb = evaluate_performance(MODEL, _layout("zb-h1"), cluster)
+    assert zb.passes is not None and zb.time.bubble == step_bubble("zb-h1", 4, 16, 1, zb.passes)
+    one = evaluate_performance(MODEL, _layout("1f1b"), cluster)
+    assert one.passes == zb.passes
+    eight = evaluate_performance(MODEL, _layout("1f1b", pp=8), cluster).passes
+    assert eight is not None
+    for k in ("forward", "backward_input", "backward_weight"):
+        assert getattr(zb.passes, k) == pytest.approx(2 * getattr(eight, k))  # 4 layers a rank vs 2
+    assert eight.p2p > 0 and zb.passes.p2p > 0  # pp 8 x dp 2 crosses the network: its transfer is slower
+    slow = dataclasses.replace(DEFAULT_CONSTANTS, wgrad_arch_efficiency=(("ampere", 0.5),))
+    halved = evaluate_performance(MODEL, _layout("zb-h1"), cluster, slow).passes
+    assert halved is not None and halved.backward_weight == pytest.approx(2 * zb.passes.backward_weight)
+    assert halved.forward == zb.passes.forward
+    assert evaluate_performance(MODEL, _layout("1f1b", pp=1), cluster).passes is None
+
+
+def test_auto_schedule_is_built_from_the_planners_times(tmp_path, capsys):
+    """``ptdp plan --json`` records each plan's passes; ``ptdp schedule --pipeline-schedule auto
+    --times-from`` builds auto from the best one's, at its pp and m: the same programs and bubble as
+    those times given as flags, and the command the text report prints runs."""
+    plan_json = tmp_path / "plan.json"
+    args = ["plan", *MODEL_FLAGS, "--gpus", "8", "--global-batch-size", "32", "--pp", "4"]
+    assert main([*args, "--json"]) == 0
+    plan_json.write_text(capsys.readouterr().out)
+    best = next(r for r in json.loads(plan_json.read_text()) if r["fits"])
+    passes = {k: 1e3 * best["pass_times_s"][k] for k in ("forward", "backward_input", "backward_weight", "p2p")}
+    m = best["global_batch_size"] // (best["micro_batch_size"] * best["dp"])
+    assert main(["schedule", "--pipeline-schedule", "auto", "--times-from", str(plan_json), "--json"]) == 0
+    built = json.loads(capsys.readouterr().out)
+    assert (built["pp"], built["num_microbatches"]) == (4, m)
+    assert built["bubble"]["times"] == passes
+    flags = [f"--time-{k.replace('_', '-')}={t!r}" for k, t in passes.items()]
+    assert main(["schedule", "--pipeline-schedule", "auto", "--pp", "4", "-m", str(m), *flags, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == built
+    assert main(["schedule", "--pipeline-schedule", "auto", "--pp", "4", "-m", str(m), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ranks"] != built["ranks"]  # the times shape the schedule
+    assert main(["schedule", "--pipeline-schedule", "zb-h1", "--times-from", str(plan_json), "--json"]) == 0
+    h1 = json.loads(capsys.readouterr().out)["bubble"]["simulated"]
+    assert built["bubble"]["simulated"] <= h1 + 1e-12  # auto at ZB-H1's memory limit p
+    assert main(args) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("passes of one microbatch"))
+    command = shlex.split(line.split(": ptdp ", 1)[1])
+    assert command[:3] == ["schedule", "--pipeline-schedule", "auto"]
+    assert main(command) == 0 and "auto: pp=4, num_microbatches=" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--pp", "2"], "its times are one rank's layers at pp 4"),
+        (["--time-forward", "1"], "give the times one way"),
+    ],
+)
+def test_times_from_a_plan_refuses_what_contradicts_it(tmp_path, capsys, extra, message):
+    plan_json = tmp_path / "plan.json"
+    assert main(["plan", *MODEL_FLAGS, "--gpus", "8", "--global-batch-size", "32", "--pp", "4", "--json"]) == 0
+    plan_json.write_text(capsys.readouterr().out)
+    assert main(["schedule", "--pipeline-schedule", "auto", "--times-from", str(plan_json), *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_times_from_needs_a_plan_with_a_pipeline(tmp_path, capsys):
+    plan_json = tmp_path / "plan.json"
+    assert main(["plan", *MODEL_FLAGS, "--gpus", "8", "--global-batch-size", "32", "--pp", "1", "--json"]) == 0
+    plan_json.write_text(capsys.readouterr().out)
+    assert all(r["pass_times_s"] is None for r in json.loads(plan_json.read_text()))
+    assert main(["schedule", "--pipeline-schedule", "auto", "--times-from", str(plan_json)]) == 2
+    assert "no fitting plan with pipeline pass times" in capsys.readouterr().err
+    plan_json.write_text("not json")
+    assert main(["schedule", "--times-from", str(plan_json)]) == 2
+    assert "not JSON" in capsys.readouterr().err

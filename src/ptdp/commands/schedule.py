@@ -43,10 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description, parser.formatter_class = DESCRIPTION, argparse.RawDescriptionHelpFormatter
     add_named_flags(
         parser,
-        {"pipeline_schedule": "1f1b", "pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": None},
+        {
+            "pipeline_schedule": "1f1b",
+            "pipeline_model_parallel_size": None,
+            "virtual_pipeline_model_parallel_size": None,
+        },
         {
             "pipeline_schedule": "pipeline schedule (default: 1f1b)",
-            "pipeline_model_parallel_size": "pipeline ranks p (default: 2)",
+            "pipeline_model_parallel_size": "pipeline ranks p (default: the --times-from plan's, else 2)",
             "virtual_pipeline_model_parallel_size": "model chunks per rank (default: 2 for interleaved-1f1b, "
             "zb-v and dualpipev, else 1)",
         },
@@ -55,9 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-microbatches",
         "-m",
         type=int,
-        default=8,
         metavar="M",
-        help="microbatches per step and data-parallel rank (default: %(default)s)",
+        help="microbatches per step and data-parallel rank (default: the --times-from plan's, else 8)",
     )
     parser.add_argument(
         "--json", action="store_true", help='print {"ranks": [{"rank", "program", "p2p_groups"}], ...} instead of text'
@@ -72,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         times.add_argument(flag, type=float, metavar="MS", help=f"{what} of one microbatch (default: all three 1)")
     times.add_argument(
         "--time-p2p", type=float, metavar="MS", help="one point-to-point transfer between ranks (default: 0)"
+    )
+    times.add_argument(
+        "--times-from",
+        metavar="PLAN.json",
+        help="the four times, pp and m of the best plan of a `ptdp plan --json` output (its pass_times_s: the "
+        "planner's, or a calibration's with ptdp plan --calibration), instead of the --time-* flags",
     )
     times.add_argument(
         "--memory-limit",
@@ -97,7 +106,12 @@ def run(args: argparse.Namespace) -> int:
     v = args.virtual_pipeline_model_parallel_size
     if v is None:
         v = 2 if kind == "interleaved-1f1b" or kind in V_SCHEDULES else 1
-    times, measured = _times(args)
+    if args.times_from is not None:
+        times, p, m = _plan_times(args)
+        measured = True
+    else:
+        times, measured = _times(args)
+        p, m = 2 if p is None else p, 8 if m is None else m
     if args.memory_limit is not None and kind != "auto":
         raise ConfigError(f"--memory-limit {args.memory_limit} is the auto schedule's; --pipeline-schedule is {kind}")
     if args.plot is not None:
@@ -199,6 +213,70 @@ def _times(args: argparse.Namespace):
     if not given:
         return StageTimes(p2p=p2p), False
     return StageTimes(args.time_forward, args.time_backward_input, args.time_backward_weight, p2p), True
+
+
+def _plan_times(args: argparse.Namespace):
+    """(times in ms, pp, m) of the first fitting plan with a pipeline in the ``ptdp plan --json``
+    output ``args.times_from`` (:attr:`ptdp.planner.candidate.Plan.passes`); ``--pp`` must be the
+    plan's (its times are one rank's layers at that pp), ``-m`` may differ. ConfigError otherwise."""
+    import math
+    from pathlib import Path
+
+    from ptdp.layout.pipeline.timing import StageTimes
+
+    path = args.times_from
+    given = [
+        f
+        for f, t in (
+            ("--time-forward", args.time_forward),
+            ("--time-backward-input", args.time_backward_input),
+            ("--time-backward-weight", args.time_backward_weight),
+            ("--time-p2p", args.time_p2p),
+        )
+        if t is not None
+    ]
+    if given:
+        raise ConfigError(f"--times-from {path} and {', '.join(given)}: give the times one way")
+    try:
+        records = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise ConfigError(f"--times-from {path}: cannot read it ({err.strerror})") from None
+    except ValueError:
+        raise ConfigError(f"--times-from {path}: not JSON; give what `ptdp plan --json` prints") from None
+    records = records if isinstance(records, list) else [records]
+    plans = [r for r in records if isinstance(r, dict) and r.get("fits") and r.get("pass_times_s")]
+    if not plans:
+        raise ConfigError(
+            f"--times-from {path}: no fitting plan with pipeline pass times (pass_times_s); a plan has them "
+            "when its pp > 1 (e.g. ptdp plan ... --pp 8 --json)"
+        )
+    best = plans[0]
+    try:
+        passes = {
+            k: 1e3 * float(best["pass_times_s"][k]) for k in ("forward", "backward_input", "backward_weight", "p2p")
+        }
+        pp = int(best["pp"])
+        m = int(best["global_batch_size"]) // (int(best["micro_batch_size"]) * int(best["dp"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ConfigError(
+            f"--times-from {path}: the best plan lacks {err}; give what `ptdp plan --json` prints"
+        ) from None
+    if (
+        not all(math.isfinite(t) and t >= 0 for t in passes.values())
+        or min(passes["forward"], passes["backward_input"]) <= 0
+    ):
+        raise ConfigError(f"--times-from {path}: pass times {passes} must be finite, F and B > 0")
+    if args.pipeline_model_parallel_size not in (None, pp):
+        raise ConfigError(
+            f"--pp {args.pipeline_model_parallel_size} with --times-from {path}: its times are one rank's layers at "
+            f"pp {pp}; leave --pp out or plan at pp {args.pipeline_model_parallel_size}"
+        )
+    m = m if args.num_microbatches is None else args.num_microbatches
+    return (
+        StageTimes(passes["forward"], passes["backward_input"], max(passes["backward_weight"], 1e-12), passes["p2p"]),
+        pp,
+        m,
+    )
 
 
 def _check_plot_path(path: str) -> None:

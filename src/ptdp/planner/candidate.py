@@ -10,6 +10,7 @@ from typing import Any
 
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.schema import Config
+from ptdp.layout.pipeline.timing import StageTimes
 from ptdp.planner.splits import accounting_of, split_flags
 
 RECOMPUTE = ("none", "selective", "full")
@@ -354,7 +355,9 @@ class Plan:
     """The prediction for one layout; ``reasons`` say why it does not fit or cannot run.
 
     ``tflops_per_gpu`` is in TFLOP/s (1e12 FLOP/s), as the papers and ``--json`` report it; the
-    :class:`~ptdp.planner.time.step_time.Performance` it comes from keeps FLOP/s.
+    :class:`~ptdp.planner.time.step_time.Performance` it comes from keeps FLOP/s. ``passes``: its
+    F, B, W and p2p seconds of one microbatch on a middle pipeline rank, what ``ptdp schedule
+    --times-from`` builds ``auto`` from (None without a pipeline or a time).
     """
 
     layout: Candidate
@@ -364,6 +367,7 @@ class Plan:
     tflops_per_gpu: float | None = None
     mfu: float | None = None
     reasons: list[str] = field(default_factory=list)
+    passes: StageTimes | None = None
 
     def need_memory(self) -> MemoryBreakdown:
         """``memory`` (every fitting plan and every plan rejected for memory has it).
@@ -386,7 +390,8 @@ class Plan:
         return self.time
 
     def to_json(self) -> dict:
-        """The ``--json`` record: layout fields (with ``cp`` and ``sharding``), fits, memory_bytes, time_s, tflops_per_gpu, mfu, reasons."""
+        """The ``--json`` record: layout fields (with ``cp`` and ``sharding``), fits, memory_bytes, time_s,
+        tflops_per_gpu, mfu, pass_times_s (``passes``, null without a pipeline), reasons."""
         out = self.layout.fields()
         out["layer_split_flags"] = split_flags(self.layout.layer_split, self.layout.virtual_stages)  # null: even
         out["fits"] = self.fits
@@ -423,5 +428,10 @@ class Plan:
         )
         out["tflops_per_gpu"] = self.tflops_per_gpu
         out["mfu"] = self.mfu
+        out["pass_times_s"] = (
+            {k: getattr(self.passes, k) for k in ("forward", "backward_input", "backward_weight", "p2p")}
+            if self.passes
+            else None
+        )
         out["reasons"] = list(self.reasons)
         return out

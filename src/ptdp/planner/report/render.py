@@ -152,6 +152,7 @@ def text_report(
             )
         else:
             lines += split_report_lines(best.layout.layer_split, best.layout.virtual_stages)
+        lines += pass_lines(best)
     else:
         lines.append("no layout fits.")
     if explanation:
@@ -159,6 +160,22 @@ def text_report(
     notes = [f"note: {note}" for note in result.notes]
     lines += ["", *notes, *([""] if notes else []), *rejection_summary(result)]
     return "\n".join(lines)
+
+
+def pass_lines(plan: Plan) -> list[str]:
+    """The pipeline passes of ``plan`` (:attr:`Plan.passes`) in ms, and the ``ptdp schedule`` command
+    that builds the ``auto`` schedule from them; nothing without a pipeline."""
+    t, lay = plan.passes, plan.layout
+    if t is None:
+        return []
+    ms = {k: f"{1e3 * getattr(t, k):.4g}" for k in ("forward", "backward_input", "backward_weight", "p2p")}
+    return [
+        f"passes of one microbatch on a middle pipeline rank: F {ms['forward']} ms, B {ms['backward_input']} ms, "
+        f"W {ms['backward_weight']} ms, p2p {ms['p2p']} ms; the auto schedule from them (or --times-from the "
+        f"--json output): ptdp schedule --pipeline-schedule auto --pp {lay.pp} -m {lay.num_microbatches} "
+        f"--time-forward {ms['forward']} --time-backward-input {ms['backward_input']} "
+        f"--time-backward-weight {ms['backward_weight']} --time-p2p {ms['p2p']}"
+    ]
 
 
 def _describe(plan: Plan) -> str:

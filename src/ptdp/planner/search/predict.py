@@ -54,7 +54,7 @@ def _predict(model, layout, cluster, constants, overhead_bytes) -> tuple[Plan, V
         )
         return Plan(layout, False, memory=memory, reasons=[message]), Violation("memory", message)
     perf = evaluate_performance(model, layout, cluster, constants)
-    return Plan(layout, True, memory, perf.time, perf.tflops_per_gpu / TFLOPS, perf.mfu), None
+    return Plan(layout, True, memory, perf.time, perf.tflops_per_gpu / TFLOPS, perf.mfu, passes=perf.passes), None
 
 
 def _predict_split(model, layout, cluster, constants, overhead, search_split: bool) -> tuple[Plan, Violation | None]:

@@ -59,6 +59,8 @@ class Performance:
         model_flops: FLOPs of one step without recompute, all GPUs.
         hardware_flops: FLOPs executed in one step, all GPUs (recompute included).
         tokens_per_second: ``B s / step``.
+        passes: F, B, W and p2p seconds of one microbatch on a middle pipeline rank
+            (:func:`pass_times`); None without a pipeline.
     """
 
     time: TimeBreakdown
@@ -67,6 +69,7 @@ class Performance:
     model_flops: float
     hardware_flops: float
     tokens_per_second: float
+    passes: StageTimes | None = None
 
     @property
     def step_time(self) -> float:
@@ -136,25 +139,19 @@ def _with_core_sharing(
     return dataclasses.replace(time, core_sharing=max(0.0, shared - time.step))
 
 
-def _split_backward_bubble(
-    model: ModelConfig, layout: Candidate, rates: tuple, layers: float, p2p: float
-) -> tuple[float, float]:
-    """(bubble seconds, extra W seconds per layer and microbatch) of a schedule that runs B and W
-    apart (:func:`~ptdp.planner.time.pipeline_bubble.step_bubble`) on ranks of ``layers`` layers:
-    their F, B and W from :func:`~ptdp.planner.time.stages.layer_passes`, W at
-    ``c.wgrad_efficiency`` of the GEMM efficiency (the extra is what that adds), one transfer
-    ``p2p / (2 v)`` on each dependency between ranks."""
+def pass_times(model: ModelConfig, layout: Candidate, rates: tuple, layers: float, p2p: float) -> StageTimes:
+    """F, B and W seconds of one microbatch on a pipeline rank of ``layers`` layers, all its chunks
+    together, when the backward is split (:func:`~ptdp.planner.time.stages.layer_passes`; W at
+    ``c.wgrad_efficiency`` of the GEMM efficiency), and one transfer ``p2p / (2 v)`` between ranks:
+    what ``ptdp schedule`` times a schedule with, ``auto`` included."""
     peak, bandwidth, links, c, elem, fp8 = rates
     forward, backward_input, wgrad = layer_passes(model, layout, peak, bandwidth, links, c, elem, fp8)
-    extra = wgrad / c.wgrad_efficiency - wgrad
-    times = StageTimes(
+    return StageTimes(
         forward=layers * forward,
         backward_input=layers * backward_input,
-        backward_weight=layers * (wgrad + extra),
+        backward_weight=layers * wgrad / c.wgrad_efficiency,
         p2p=p2p / (2 * layout.virtual_stages),
     )
-    bubble = step_bubble(layout.parallel.schedule, layout.pp, layout.num_microbatches, layout.virtual_stages, times)
-    return bubble, extra
 
 
 def evaluate_performance(
@@ -172,7 +169,7 @@ def evaluate_performance(
 
     Step = m x (busiest stage's microbatch: compute + recompute + TP + exposed PP transfers)
     + (pp - 1)/v x (a layers-only stage's microbatch) + exposed DP (fp32 gradients) + optimizer.
-    B and W apart: the bubble of :func:`_split_backward_bubble`, a slower W's extra in the compute,
+    B and W apart: the bubble of its program timed with :func:`pass_times`, a slower W's extra in the compute,
     the DP reduction hidden only up to ``c.dp_overlap`` (``ptdp train`` overlaps it with the W
     completing each chunk's gradients, shorter than the backward the window assumes); on the V placement
     rank 0 runs the first and the last stage's edge work.
@@ -205,11 +202,17 @@ def evaluate_performance(
     if split is not None:
         first, mid, last, busiest, fill = split_stage_times(split, mid, first, last)
         bubble = (fill + (pp - 1) * p2p) / v  # interleaving spreads fill and drain over v chunks ([N21] §2.2)
-    if splits_backward(kind) and pp > 1:
+    passes = None
+    if pp > 1:
         # ranks of the middle stage's layers, or with an uneven split the other stages' mean
         rank_layers = layers if fill is None else fill / ((pp - 1) * unit)
-        rates = (peak, bandwidth, links, c, elem, fp8)
-        bubble, wgrad_extra = _split_backward_bubble(model, layout, rates, rank_layers, p2p)
+        one = pass_times(model, layout, (peak, bandwidth, links, c, elem, fp8), 1, p2p)
+        passes = dataclasses.replace(
+            one, **{k: rank_layers * getattr(one, k) for k in ("forward", "backward_input", "backward_weight")}
+        )
+    if splits_backward(kind) and passes is not None:
+        bubble = step_bubble(kind, pp, m, v, passes)
+        wgrad_extra = one.backward_weight * (1 - c.wgrad_efficiency)  # a slower W's, per layer
         busiest = (busiest[0] + stage_layers * wgrad_extra, *busiest[1:])
         c = dataclasses.replace(c, overlap_window=False)  # ptdp train's reductions overlap the last W only
     layer = rank_layer_times(model, layout, peak, bandwidth, c, fp8)
@@ -243,4 +246,5 @@ def evaluate_performance(
         model_flops=model_flops,
         hardware_flops=hw_flops,
         tokens_per_second=layout.global_batch_size * model.seq_length / step,
+        passes=passes,
     )
