@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--times-from",
         metavar="PLAN.json",
         help="the four times, pp and m of the best plan of a `ptdp plan --json` output (its pass_times_s: the "
-        "planner's, or a calibration's with ptdp plan --calibration), instead of the --time-* flags",
+        "planner's, or a calibration's with ptdp plan --hardware-profile), instead of the --time-* flags",
     )
     times.add_argument(
         "--memory-limit",
