@@ -97,7 +97,9 @@ VARIANTS = {
 #: ``:pad`` (expert inputs padded to the capacity), ``:starve`` (a capacity so small that some
 #: ranks receive no rows) or ``:postval`` (--enable-optimizer-post-validation)
 SHARDING = {"optim", "optim_grads", "optim_grads_params"}
-OPTIONS = SHARDING | {"bf16", "allgather", "interleaved", "pad", "starve", "postval"}
+#: ``:<recipe>``: FP8 GEMMs (emulated, float64 compute) in every linear and expert, fp8_cases' options
+FP8 = {"tensorwise", "delayed", "rowwise", "blockwise"}
+OPTIONS = SHARDING | FP8 | {"bf16", "allgather", "interleaved", "pad", "starve", "postval"}
 
 
 def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1, etp: int = 1) -> Config:
@@ -153,13 +155,17 @@ def moe_config(name: str, tp: int, cp: int, pp: int, dp: int, ep: int = 1, etp: 
         ),
         **({"data_parallel_sharding_strategy": sharding[0], "ddp_bucket_size": 500} if sharding else {}),
     )
-    return resolve(Config(model=model, moe=moe, parallel=par, train=train), tp * cp * pp * dp)
+    from helpers.fp8_cases import RECIPES
+
+    fp8 = [RECIPES[o] for o in options if o in FP8]
+    config = Config(model=model, moe=moe, parallel=par, train=train, **({"fp8": fp8[0]} if fp8 else {}))
+    return resolve(config, tp * cp * pp * dp)
 
 
 #: the variants each layout runs (besides "moe", run everywhere): every one at two layouts or more
 RUNS = {
-    (2, 1, 1, 1): ["moe_capacity_shared", "moe_forced", "moe_capacity_shared:pad"],
-    (1, 2, 1, 1): ["moe_capacity_shared", "moe_bias"],
+    (2, 1, 1, 1): ["moe_capacity_shared", "moe_forced", "moe_capacity_shared:pad", "moe:blockwise"],
+    (1, 2, 1, 1): ["moe_capacity_shared", "moe_bias", "moe:rowwise"],
     (1, 1, 2, 1): ["moe_llama_sigmoid", "moe_bias"],
     (1, 1, 1, 2): ["moe_llama_sigmoid", "moe_forced", "moe_global"],
     (2, 1, 2, 1): ["moe_capacity_shared", "moe_bias", "moe_llama_sigmoid", "moe_global"],
@@ -188,7 +194,7 @@ def world_results(world: int) -> list[dict]:
 @functools.cache
 def reference(name: str) -> dict:
     """One process of ``name`` (without sharding, synchronous optimizer steps: the same arithmetic)."""
-    kept = [o for o in name.split(":") if o not in OPTIONS - {"bf16", "starve"}]  # the same arithmetic
+    kept = [o for o in name.split(":") if o not in OPTIONS - FP8 - {"bf16", "starve"}]  # the same arithmetic
     if kept != name.split(":"):
         return reference(":".join(kept))
     return train_and_collect(moe_config(name, 1, 1, 1, 1), ParallelGroups.single_process())
@@ -247,19 +253,20 @@ def collect_ep(cfg: Config, groups: ParallelGroups, stage=None, steps: range = r
 #: the variants each expert-parallel layout runs; every sharding strategy where edp > 1, and 16-bit
 #: parameters (float32 main parameters over both buffers)
 EP_RUNS = {
-    (1, 1, 1, 2, 2): ["moe_ep", "moe_llama_sigmoid"],
+    (1, 1, 1, 2, 2): ["moe_ep", "moe_llama_sigmoid", "moe_ep:tensorwise", "moe_ep:rowwise"],
     (1, 1, 1, 4, 4): ["moe_ep", "moe_ep_dropless", "moe_ep:allgather"],
-    (2, 1, 1, 2, 2): ["moe_ep", "moe_ep:optim_grads_params"],
+    (2, 1, 1, 2, 2): ["moe_ep", "moe_ep:optim_grads_params", "moe_ep:tensorwise"],
     (1, 2, 1, 2, 2): ["moe_ep", "moe_ep:optim", "moe_ep:pad", "moe_ep:postval"],
     (1, 1, 2, 2, 2): ["moe_ep", "moe_llama_sigmoid", "moe_ep:bf16", "moe_ep:interleaved", "moe_ep:postval:optim_grads"],
     (1, 1, 1, 4, 2): ["moe_ep:optim_grads", "moe_ep:bf16:optim", "moe_ep:postval"],
-    (1, 1, 1, 2, 1, 2): ["moe_ep_swiglu", "moe_ep_swiglu:pad"],
+    (1, 1, 1, 2, 1, 2): ["moe_ep_swiglu", "moe_ep_swiglu:pad", "moe_ep_swiglu:blockwise", "moe_ep_swiglu:delayed"],
     (1, 1, 1, 4, 2, 2): ["moe_ep_swiglu", "moe_ep_swiglu:pad:allgather"],
     (2, 1, 1, 2, 1, 2): [
         "moe_ep_swiglu:optim",
         "moe_ep_swiglu:allgather",
         "moe_ep_swiglu:starve",  # the second tp rank's tokens all dropped: no rows on it
         "moe_ep_swiglu:starve:allgather",
+        "moe_ep_swiglu:rowwise:allgather",
     ],
 }
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -57,13 +58,21 @@ def test_valid_choices_pass():
     [
         (["--fp8-recipe", "tensorwise"], "without --fp8-format"),
         (["--fp8", "--fp8-margin", "-1"], "fp8_margin=-1"),
-        (["--fp8", "--num-experts", "4"], "--fp8-format with --num-experts: ptdp train does not run it yet"),
         (["--fp8-format", "e5m2"], "invalid choice"),
     ],
 )
 def test_ptdp_train_exits_2_before_any_worker(capsys, extra, words):
     assert _exit_code(["train", "--tp", "1", "--pp", "1", "--dp", "1", "--train-iters", "1", *extra]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_ptdp_train_runs_fp8_experts(tmp_path):
+    """FP8 with a mixture of experts trains (the experts' FP8 GEMMs, ptdp.engine.moe.expert_fp8)."""
+    argv = ["train", "--tp", "1", "--pp", "1", "--dp", "1", "--train-iters", "1", "--fp8", "--num-experts", "4"]
+    assert _exit_code([*argv, "--moe-router-topk", "2", "--output-dir", str(tmp_path / "run")]) == 0
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["fp8"]["fp8_format"] == "hybrid" and config["moe"]["num_experts"] == 4
+    assert (tmp_path / "run" / "summary.json").is_file()
 
 
 def _exit_code(argv: list[str]) -> int:

@@ -225,4 +225,7 @@ def test_a_mixture_of_experts_plans_transformer_engines_fp8(capsys):
     )
     out = capsys.readouterr().out
     assert code == 0
-    assert "for a mixture of experts (ptdp train runs FP8 in dense layers only); --fp8-recipe tensorwise" in out
+    assert (
+        "for a mixture of experts (ptdp train's experts: per-token activation scales, bf16 weight gradients); "
+        "--fp8-recipe tensorwise" in out
+    )

@@ -130,7 +130,6 @@ def _moe_not_yet(config: Config) -> list[Violation]:
             "--moe-token-dispatcher-type flex",
             " (alltoall or allgather; ptdp plan plans flex)",
         ),
-        (config.fp8.enabled, "--fp8-format", " (FP8 runs the dense layers' GEMMs; ptdp plan plans FP8 experts)"),
     ]
     return [
         V("moe", f"{what} with --num-experts: ptdp train does not run it yet{hint}") for on, what, hint in missing if on

@@ -70,7 +70,9 @@ def token_dim(local_seq: int, batch: int, cp: AxisGroup | None) -> GemmDim:
     return GemmDim(local_seq * cp.size * batch, ranges, (cp,))
 
 
-def _all_max(amax: torch.Tensor, axes: Sequence[AxisGroup], tag: str) -> torch.Tensor:
+def all_max(amax: torch.Tensor, axes: Sequence[AxisGroup], tag: str) -> torch.Tensor:
+    """``amax`` all-reduced (MAX) over ``axes`` (those of size > 1), NaN made inf first; counted
+    under ``tag``."""
     axes = [axis for axis in axes if axis.size > 1]
     if not axes:
         return amax
@@ -87,9 +89,9 @@ def shared_amax(x: torch.Tensor, rows: GemmDim, cols: GemmDim, granularity: Gran
     element ``[R, K]``. All-reduce MAX on the axes of the module docstring, counted under ``tag``;
     every rank of an axis calls it with the same shapes."""
     if granularity == "tensor":
-        return _all_max(compute_amax(x, "tensor"), rows.axes + cols.axes, tag)
+        return all_max(compute_amax(x, "tensor"), rows.axes + cols.axes, tag)
     if granularity == "row":
-        return _all_max(compute_amax(x, "row"), cols.axes, tag)
+        return all_max(compute_amax(x, "row"), cols.axes, tag)
     row_tile = TILE if granularity == "128x128" else 1
     cut = [(dim, tile) for dim, tile in ((rows, row_tile), (cols, TILE)) if tile > 1 and dim.cuts(tile)]
     if not cut:
@@ -105,5 +107,5 @@ def shared_amax(x: torch.Tensor, rows: GemmDim, cols: GemmDim, granularity: Gran
     values = torch.nan_to_num(x.detach().abs().float(), nan=float("inf")).reshape(-1)
     grid = torch.zeros(n_row * n_col, dtype=torch.float32, device=x.device)
     grid.scatter_reduce_(0, group, values, "amax")
-    grid = _all_max(grid, [axis for dim, _ in cut for axis in dim.axes], tag)
+    grid = all_max(grid, [axis for dim, _ in cut for axis in dim.axes], tag)
     return grid[group].reshape(x.shape)

@@ -136,8 +136,9 @@ class GPTModel(nn.Module):
                 self.output_layer = VocabParallelEmbedding(cfg.vocab_size, v_pad, cfg.hidden_size, tp=tp, dtype=dtype)
 
     def fp8_gemms(self) -> list[FP8GEMMs]:
-        """The FP8 state of this chunk's linear layers, in module order (empty without FP8)."""
-        return [m.fp8 for m in self.modules() if isinstance(getattr(m, "fp8", None), FP8GEMMs)]  # type: ignore[misc]
+        """The FP8 state of this chunk's linear layers and experts, in module order (empty without FP8)."""
+        found = (getattr(m, name, None) for m in self.modules() for name in ("fp8", "fp8_fc1", "fp8_fc2"))
+        return [gemms for gemms in found if isinstance(gemms, FP8GEMMs)]
 
     def tied_embedding(self) -> nn.Parameter | None:
         """The word-embedding weight whose gradient is summed over the embedding group, if any."""

@@ -116,9 +116,18 @@ class TransformerLayer(nn.Module):
         if moe is not None and moe.moe_layers(cfg.num_layers)[layer_id]:
             shared = None
             if moe.shared_ffn:
-                shared = MLP(dataclasses.replace(cfg, ffn_hidden_size=moe.shared_ffn), tp, dtype, sp)
+                shared = MLP(dataclasses.replace(cfg, ffn_hidden_size=moe.shared_ffn), tp, dtype, sp, fp8=fp8)
             self.mlp = MoELayer(
-                cfg, moe, dtype, shared=shared, layer_id=layer_id, tp=tp, cp=cp, sequence_parallel=sp, experts=experts
+                cfg,
+                moe,
+                dtype,
+                shared=shared,
+                layer_id=layer_id,
+                tp=tp,
+                cp=cp,
+                sequence_parallel=sp,
+                experts=experts,
+                fp8=fp8,
             )
             if sp:  # each tp rank routes its own tokens: the router's gradient, and at ep = etp = 1
                 # the replicated experts', sum over tp (else the experts' sum over edp)

@@ -7,7 +7,8 @@ sorted by local expert, ``counts[e]`` of them for expert ``e``. With ``etp > 1``
 partial sum over the etp ranks (the dispatcher reduces it).
 
 Each expert's weights are initialised as a parameter of their own named ``<name>.<global expert>``
-(:class:`ExpertParam`), so every layout draws the same values.
+(:class:`ExpertParam`), so every layout draws the same values. With FP8 the GEMMs are
+:mod:`ptdp.engine.moe.expert_fp8`'s (their splits read on the host).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ptdp.engine.comm import AxisGroup
+from ptdp.engine.moe.expert_fp8 import ExpertFP8, ExpertLinearFP8, expert_dims
 from ptdp.engine.swiglu import swiglu
+from ptdp.engine.tensor_parallel.linear import FP8Settings
 from ptdp.engine.tensor_parallel.sharding import GlobalParam, init_shard
 
 #: dtypes ``torch._grouped_mm`` takes (CPU and CUDA); others run the loop
@@ -145,10 +149,20 @@ class Experts(nn.Module):
         etp: int = 1,
         etp_rank: int = 0,
         grouped: bool = False,
+        fp8: FP8Settings | None = None,
+        etp_group: AxisGroup | None = None,
     ) -> None:
         super().__init__()
         halves = 2 if swiglu else 1
         self.swiglu, self.approximate, self.grouped = swiglu, approximate, grouped
+        self.fp8_fc1 = self.fp8_fc2 = None
+        if fp8 is not None:  # fc1's and fc2's FP8 state (ptdp.engine.moe.expert_fp8)
+            group = etp_group if etp_group is not None else AxisGroup.single("etp")
+            if group.size != etp or group.rank != etp_rank:
+                raise ValueError(f"etp_group (size {group.size}, rank {group.rank}) is not etp {etp} rank {etp_rank}")
+            (n1, k1), (n2, k2) = expert_dims(hidden, ffn, halves, group)
+            self.fp8_fc1 = ExpertFP8(fp8.recipe, out_dim=n1, in_dim=k1, emulate=fp8.emulate, tag="moe_fc1")
+            self.fp8_fc2 = ExpertFP8(fp8.recipe, out_dim=n2, in_dim=k2, emulate=fp8.emulate, tag="moe_fc2")
         self.num_local = num_experts // ep
         fc1 = ExpertParam(GlobalParam((halves * ffn, hidden), tp_dim=0, tp_groups=halves), num_experts)
         fc2 = ExpertParam(GlobalParam((hidden, ffn), tp_dim=1, init="scaled_normal"), num_experts)
@@ -173,21 +187,31 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor, splits: list[int] | None = None) -> torch.Tensor:
         """``x`` ``[N, h]`` sorted by local expert, ``counts[e]`` rows each (``splits``: the same on
         the host, else read once when the loop needs them); returns ``[N, h]``."""
-        if splits is None and not (self.grouped and grouped_supported(x, self.fc1_weight)):
+        fp8 = self.fp8_fc1 is not None
+        if splits is None and (fp8 or not (self.grouped and grouped_supported(x, self.fc1_weight))):
             splits = counts.tolist()
         rows = None
         if self.fc1_bias is not None:
             rows = torch.repeat_interleave(
                 torch.arange(self.num_local, device=x.device), counts, output_size=x.shape[0]
             )
-        y = expert_linear(x, self.fc1_weight, counts, splits, self.grouped)
+        y = self._linear(x, self.fc1_weight, counts, splits, self.fp8_fc1)
         if rows is not None and self.fc1_bias is not None:
             y = y + self.fc1_bias[rows]
         if self.swiglu:
             y = swiglu(y)
         else:
             y = F.gelu(y, approximate=self.approximate)
-        out = expert_linear(y, self.fc2_weight, counts, splits, self.grouped)
+        out = self._linear(y, self.fc2_weight, counts, splits, self.fp8_fc2)
         if rows is not None and self.fc2_bias is not None:
             out = out + self.fc2_bias[rows]
         return out
+
+    def _linear(
+        self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, splits: list[int] | None, fp8
+    ) -> torch.Tensor:
+        """:func:`expert_linear`, or with FP8 :class:`~ptdp.engine.moe.expert_fp8.ExpertLinearFP8`."""
+        if fp8 is None:
+            return expert_linear(x, weight, counts, splits, self.grouped)
+        assert splits is not None
+        return ExpertLinearFP8.apply(x, weight, splits, fp8)

@@ -30,6 +30,7 @@ from ptdp.engine.moe.dispatch import exchange
 from ptdp.engine.moe.experts import Experts
 from ptdp.engine.moe.losses import counts_of, expert_counts, switch_aux_share, z_loss_share
 from ptdp.engine.moe.router import ROUTER_DTYPES, Routing, balanced_assignment, route, router_logits
+from ptdp.engine.tensor_parallel.linear import FP8Settings
 from ptdp.engine.tensor_parallel.sharding import GlobalParam, make_parameter
 
 
@@ -93,6 +94,7 @@ class MoELayer(nn.Module):
         cp: AxisGroup | None = None,
         sequence_parallel: bool = False,
         experts: ExpertGroups | None = None,
+        fp8: FP8Settings | None = None,
     ) -> None:
         super().__init__()
         if moe.num_experts is None:
@@ -133,6 +135,8 @@ class MoELayer(nn.Module):
             ep_rank=self.ep.rank,
             etp=self.etp.size,
             etp_rank=self.etp.rank,
+            fp8=fp8,
+            etp_group=self.etp,
         )
         self.shared = shared  # the shared expert (a dense MLP of width moe.shared_ffn), built by the caller
         self.loss_scale: float | torch.Tensor = 1.0

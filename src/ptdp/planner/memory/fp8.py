@@ -60,7 +60,7 @@ def fp8_recipe_planned(
     """The recipe a plan models at ``precision`` for ``--fp8-recipe`` ``recipe`` (None: not given)
     and its notes: ``ptdp train``'s (default delayed, as it runs) for a dense model; None,
     Transformer Engine's FP8 as Megatron-Core runs it, for a mixture of experts (``ptdp train`` runs
-    FP8 in dense layers only) or FP8 weights (``--fp8-param-gather``); None without FP8."""
+    its experts' FP8 differently) or FP8 weights (``--fp8-param-gather``); None without FP8."""
     if precision != "fp8":
         return None, []
     if moe_of(model) is None and not param_gather:
@@ -72,7 +72,11 @@ def fp8_recipe_planned(
                 "operands, with their dequantisation passes"
             )
         return recipe or "delayed", notes
-    why = "--fp8-param-gather" if param_gather else "a mixture of experts (ptdp train runs FP8 in dense layers only)"
+    why = (
+        "--fp8-param-gather"
+        if param_gather
+        else "a mixture of experts (ptdp train's experts: per-token activation scales, bf16 weight gradients)"
+    )
     note = f"FP8 planned as Transformer Engine runs it under Megatron-Core (delayed scaling) for {why}"
     return None, [f"{note}; --fp8-recipe {recipe} not modelled" if recipe else note]
 

@@ -1,0 +1,142 @@
+"""FP8 GEMMs of a rank's stacked experts (:mod:`ptdp.engine.moe.experts`): forward ``y = x W_eᵀ``
+and input gradient ``dx = dy W_e`` per local expert in FP8, weight gradient ``dW_e = dy_eᵀ x_e``
+in the activations' dtype (torchao's ``rowwise_with_gw_hp``).
+
+Scales, computed over the same elements on every layout: an expert's rows arrive from several
+micro-batches (ep spans data-parallel ranks) or from part of one (sequence or context
+parallelism), so a scale over an expert's tokens would depend on the layout. Activations and their
+gradients are therefore scaled per token: one scale per row (``tensorwise``, ``delayed``,
+``rowwise``) or per 1x128 tile (``blockwise``), all-reduced over etp where etp splits the inner
+dim (fc2's input, fc1's output gradient). Each expert's weight has the recipe's weight scales:
+one per expert (``tensorwise``; ``delayed`` runs as current scaling), per row, or 128x128 tiles,
+all-reduced over etp as :func:`ptdp.engine.fp8_layout.shared_amax` says. With no wgrad in FP8,
+backward keeps the input in its own dtype (as without FP8) and the weights' FP8 copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ptdp.engine.comm import AxisGroup
+from ptdp.engine.fp8 import FP8Recipe, Granularity, Role, compute_amax, fp8_matmul, quantize, scale_from_amax
+from ptdp.engine.fp8_layout import GemmDim, all_max, shared_amax, whole
+from ptdp.engine.tensor_parallel.linear import FP8GEMMs
+
+Quantized = tuple[torch.Tensor, torch.Tensor]
+
+
+class ExpertFP8(FP8GEMMs):
+    """One stacked expert linear's FP8 state on this rank: ``out_dim`` and ``in_dim`` are one
+    expert's N and K as this rank holds them (split over etp). The weights' FP8 operands are kept
+    per expert from their first use until the weights change or :meth:`end_step`."""
+
+    def __init__(self, recipe: FP8Recipe, *, out_dim: GemmDim, in_dim: GemmDim, emulate: bool, tag: str) -> None:
+        current = dataclasses.replace(recipe, recipe="tensorwise") if recipe.recipe == "delayed" else recipe
+        super().__init__(current, out_dim=out_dim, in_dim=in_dim, emulate=emulate, tag=tag)
+        self._stacked: dict[bool, tuple[tuple[int, int], list[Quantized]]] = {}
+
+    def expert_granularity(self, role: Role) -> Granularity:
+        """The recipe's, except a tensor scale of an activation or gradient becomes one per row."""
+        g = self.recipe.granularity(role)
+        return "row" if g == "tensor" and role != "weight" else g
+
+    def quantize(self, x: torch.Tensor, rows: GemmDim, cols: GemmDim, role: Role) -> Quantized:
+        """``(x_q, scale_inv)`` of ``x [R, K]`` (current scaling, :meth:`expert_granularity`)."""
+        dtype = self.recipe.dtype(role)
+        amax = shared_amax(x.detach(), rows, cols, self.expert_granularity(role), f"fp8_amax_{self.tag}")
+        scale = scale_from_amax(amax, dtype, self.recipe.margin)
+        return quantize(x.detach(), scale, dtype), scale.reciprocal()
+
+    def weights(self, weight: torch.Tensor, transposed: bool) -> list[Quantized]:
+        """Each local expert's quantised ``W_e [N, K]`` (forward) or ``W_eᵀ [K, N]`` (``transposed``,
+        dgrad) of the stacked ``weight [E_l, N, K]``, from this step's copies while it is unchanged."""
+        key = (weight.data_ptr(), weight._version)
+        kept = self._stacked.get(transposed)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        w = weight.detach()
+        if transposed and self.reuses_transpose("weight"):
+            quantized = [
+                (q.t().contiguous(), s.t().contiguous() if s.dim() == 2 else s) for q, s in self.weights(w, False)
+            ]
+        elif self.recipe.granularity("weight") == "tensor":  # one all-reduce for every expert
+            dims = (self.out_dim, self.in_dim)
+            amax = all_max(
+                torch.stack([compute_amax(e, "tensor") for e in w]) if len(w) else w.new_zeros(0, dtype=torch.float32),
+                dims[0].axes + dims[1].axes,
+                f"fp8_amax_{self.tag}",
+            )
+            dtype = self.recipe.dtype("weight")
+            scales = scale_from_amax(amax, dtype, self.recipe.margin)
+            quantized = [(quantize(e.t() if transposed else e, s, dtype), s.reciprocal()) for e, s in zip(w, scales)]
+        else:
+            rows, cols = (self.in_dim, self.out_dim) if transposed else (self.out_dim, self.in_dim)
+            quantized = [self.quantize(e.t() if transposed else e, rows, cols, "weight") for e in w]
+        self._stacked[transposed] = (key, quantized)
+        return quantized
+
+    def end_step(self) -> None:
+        super().end_step()
+        self._stacked.clear()
+
+    def grouped_matmul(
+        self, a: Quantized, b: list[Quantized], splits: list[int], out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Rows ``splits[e]`` of the quantised ``a [R, K]`` times expert ``e``'s ``b[e]`` (``[N, K]``)
+        transposed: ``[R, N]``. A per-expert tensor scale meets per-row activation scales as a
+        column of equal values (``torch._scaled_mm``'s rowwise kernel)."""
+        (q, s), out, start = a, [], 0
+        for (bq, bs), n in zip(b, splits):
+            rows = slice(start, start + n)
+            a_s = s[rows] if s.dim() == 2 else s
+            b_s = (
+                bs.reshape(1, 1).expand(bq.shape[0], 1)
+                if bs.numel() == 1 and a_s.dim() == 2 and a_s.shape[1] == 1
+                else bs
+            )
+            out.append(fp8_matmul(q[rows], a_s, bq, b_s, out_dtype, emulate=self.emulate or q.device.type == "cpu"))
+            start += n
+        return torch.cat(out) if out else q.new_zeros(0, b[0][0].shape[0] if b else 0, dtype=out_dtype)
+
+
+class ExpertLinearFP8(torch.autograd.Function):
+    """``x [R, K]`` sorted by local expert, ``splits[e]`` rows of expert ``e``, times each expert's
+    ``weight[e] [N, K]`` transposed: ``[R, N]`` (module docstring). No communication beyond the
+    amax all-reduces over etp."""
+
+    @staticmethod
+    def forward(ctx, x, weight, splits: list[int], fp8: ExpertFP8):
+        ctx.splits, ctx.fp8 = splits, fp8
+        ctx.save_for_backward(x, weight)
+        x_q = fp8.quantize(x, whole(x.shape[0]), fp8.in_dim, "input")
+        return fp8.grouped_matmul(x_q, fp8.weights(weight, transposed=False), splits, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        fp8: ExpertFP8 = ctx.fp8
+        grad = grad.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            g_q = fp8.quantize(grad, whole(grad.shape[0]), fp8.out_dim, "grad_output")
+            grad_x = fp8.grouped_matmul(g_q, fp8.weights(weight, transposed=True), ctx.splits, grad.dtype)
+        if ctx.needs_input_grad[1]:
+            pieces = zip(grad.split(ctx.splits), x.split(ctx.splits))
+            grad_w = torch.stack([(g.t() @ a).to(weight.dtype) for g, a in pieces])
+        return grad_x, grad_w, None, None
+
+
+def expert_dims(
+    hidden: int, ffn: int, halves: int, etp: AxisGroup
+) -> tuple[tuple[GemmDim, GemmDim], tuple[GemmDim, GemmDim]]:
+    """((N, K) of fc1, (N, K) of fc2) of one expert on this etp rank: fc1 ``[halves f, h]`` holds
+    the rank's ``f / etp`` of each half, fc2 ``[h, f]`` its ``f / etp`` columns."""
+    share, r = ffn // etp.size, etp.rank
+    mine = [(j * ffn + r * share, j * ffn + (r + 1) * share) for j in range(halves)]
+    axes = (etp,) if etp.size > 1 else ()
+    return (
+        (GemmDim(halves * ffn, tuple(mine), axes), whole(hidden)),
+        (whole(hidden), GemmDim(ffn, tuple(mine[:1]), axes)),
+    )
