@@ -41,7 +41,8 @@ from gpu_report import NOT_ON_CPU, Budget, StageReport, train_steps
 from moe_common import active_weights, moe_options, time_expert_gemms
 
 from ptdp.config.schema import Config
-from ptdp.engine.moe.experts import GROUPED_DTYPES, Experts
+from ptdp.engine.moe.expert_linear import GROUPED_DTYPES
+from ptdp.engine.moe.experts import Experts
 from ptdp.engine.stage import Stage
 from ptdp.engine.step import train_step
 

@@ -10,7 +10,7 @@ plus the router's ``E h``.
 The experts timed: :class:`ptdp.engine.moe.experts.Experts` (GELU, no biases), forward and
 backward on ``T k`` rows sorted by expert, ``T k / E`` rows each (a balanced routing), as the MoE
 layer calls it at ep = 1: ``grouped=True`` (one ``torch._grouped_mm`` per linear layer where
-:func:`~ptdp.engine.moe.experts.grouped_supported`, else the loop) against ``grouped=False`` (one
+:func:`~ptdp.engine.moe.expert_linear.grouped_supported`, else the loop) against ``grouped=False`` (one
 GEMM per expert, the split sizes read on the host), alternating. FLOPs: two GEMMs of ``2 T k h F``
 forward, twice that backward, ``12 T k h F`` in all.
 """
@@ -21,7 +21,8 @@ import torch
 from gpu_report import Budget, alternating_medians
 
 from ptdp.config.moe import MoEConfig
-from ptdp.engine.moe.experts import Experts, grouped_supported
+from ptdp.engine.moe.expert_linear import grouped_supported
+from ptdp.engine.moe.experts import Experts
 
 
 def moe_options(

@@ -68,3 +68,38 @@ def test_w_holds_what_the_planner_counts(swiglu, recompute):
     assert len(jobs) == 4 * layers
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     assert _held_bytes([job for job, _ in jobs], params) == layers * wgrad_kept_bytes(cfg, 1, b, precision="fp32")
+
+
+def test_moe_layers_w_holds_the_experts_and_shared_experts_tensors():
+    """MoE layers (4 experts, top-2, dropless, a shared expert): each layer's W closures hold the
+    attention's, the shared expert's and the routed experts' inputs and output gradients, ``k T``
+    rows for the experts at ep 1; the planner counts exactly those."""
+    from ptdp.config.moe import MoEConfig
+    from ptdp.planner.inputs.moe_model import moe_model
+
+    layers, b, s, h = 2, 2, 16, 32
+    cfg = ModelConfig(
+        num_layers=layers,
+        hidden_size=h,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        seq_length=s,
+        vocab_size=303,
+        make_vocab_size_divisible_by=8,
+        params_dtype="float32",
+        swiglu=True,
+    )
+    moe = MoEConfig(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=40)
+    tp = ParallelGroups.single_process().tp
+    model = GPTModel(cfg, tp, layer_ids=range(layers), pre_process=False, post_process=False, defer_wgrad=True, moe=moe)
+    initialize_parameters(model, seed=1, std=0.02, num_layers=layers, tp_rank=0, tp_size=1)
+    y = model(torch.randn(s, b, h, requires_grad=True))
+    with model.wgrad_queue.defer():
+        y.backward(torch.randn_like(y))
+    jobs = model.wgrad_queue.take()
+    assert len(jobs) == 6 * layers  # QKV, projection, shared fc1 and fc2, experts' fc1 and fc2
+    assert sum(hasattr(p, "ptdp_expert") for _, p in jobs) == 2 * layers
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    planned = moe_model(cfg, moe)
+    want = layers * wgrad_kept_bytes(planned, 1, b, precision="fp32")
+    assert _held_bytes([job for job, _ in jobs], params) == want

@@ -396,3 +396,33 @@ def test_times_from_needs_a_plan_with_a_pipeline(tmp_path, capsys):
     plan_json.write_text("not json")
     assert main(["schedule", "--times-from", str(plan_json)]) == 2
     assert "not JSON" in capsys.readouterr().err
+
+
+def test_an_moe_layers_w_runs_the_experts_weight_gradients():
+    """ptdp train's experts (routed and shared) hand their weight gradients to W: a planned MoE
+    model's W is the attention's (flops.layer_wgrad_time, no MLP in an MoE layer) plus the
+    experts' (SublayerTimes.wgrad), and B is that much shorter than a whole backward."""
+    from ptdp.config.moe import MoEConfig
+    from ptdp.planner.inputs.moe_model import moe_model
+    from ptdp.planner.time.constants import links_for
+    from ptdp.planner.time.moe_time import sublayer_times
+    from ptdp.planner.time.stages import layer_passes, layer_terms
+
+    moe = MoEConfig(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=1024, moe_shared_expert_intermediate_size=512)
+    model = moe_model(MODEL, moe)
+    cluster = Cluster(A100, 8)
+    layout = Candidate.of(1, 4, 2, 1, 32, 1, "none", False, schedule="zb-h1", sharding="optim", ep=2)
+    c = DEFAULT_CONSTANTS.for_gpu(A100)
+    peak, bandwidth, links = (
+        A100.sustained_peak("bf16"),
+        A100.memory_bandwidth * c.hbm_efficiency,
+        links_for(cluster, c),
+    )
+    f, b, w = layer_passes(model, layout, peak, bandwidth, links, c, 2.0)
+    sub = sublayer_times(model, 1, 1, 2, 1, 1, False, "alltoall", layout.modules, False, peak, bandwidth, c, links, 2.0)
+    dense_w = flops.layer_wgrad_time(model, 1, 1, peak, bandwidth, c.gemm_peak_fraction, c.gemm_half_dim)
+    assert sub.wgrad > 0 and w == pytest.approx(dense_w + sub.wgrad)
+    t = layer_terms(model, layout, peak, bandwidth, links, c, 2.0)
+    assert f + b + w == pytest.approx(t.compute + t.recompute + t.tp_comm + t.cp_comm + t.ep_comm)
+    plan = evaluate_performance(model, layout, cluster)
+    assert plan.passes is not None and plan.passes.backward_weight == pytest.approx(4 * w)

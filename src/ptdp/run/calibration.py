@@ -33,7 +33,7 @@ import torch
 
 from ptdp.config.model import ModelConfig
 from ptdp.engine import comm
-from ptdp.engine.moe.experts import expert_linear, grouped_supported
+from ptdp.engine.moe.expert_linear import expert_linear, grouped_supported
 from ptdp.planner.time.flops import layer_gemms
 from ptdp.planner.time.profile import save_profile
 from ptdp.planner.time.profile_fit import build_profile

@@ -116,7 +116,8 @@ class TransformerLayer(nn.Module):
         if moe is not None and moe.moe_layers(cfg.num_layers)[layer_id]:
             shared = None
             if moe.shared_ffn:
-                shared = MLP(dataclasses.replace(cfg, ffn_hidden_size=moe.shared_ffn), tp, dtype, sp, fp8=fp8)
+                shared_cfg = dataclasses.replace(cfg, ffn_hidden_size=moe.shared_ffn)
+                shared = MLP(shared_cfg, tp, dtype, sp, fp8=fp8, wgrad_queue=wgrad_queue)
             self.mlp = MoELayer(
                 cfg,
                 moe,
@@ -128,6 +129,7 @@ class TransformerLayer(nn.Module):
                 sequence_parallel=sp,
                 experts=experts,
                 fp8=fp8,
+                wgrad_queue=wgrad_queue,
             )
             if sp:  # each tp rank routes its own tokens: the router's gradient, and at ep = etp = 1
                 # the replicated experts', sum over tp (else the experts' sum over edp)

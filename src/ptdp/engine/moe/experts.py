@@ -8,7 +8,8 @@ partial sum over the etp ranks (the dispatcher reduces it).
 
 Each expert's weights are initialised as a parameter of their own named ``<name>.<global expert>``
 (:class:`ExpertParam`), so every layout draws the same values. With FP8 the GEMMs are
-:mod:`ptdp.engine.moe.expert_fp8`'s (their splits read on the host).
+:mod:`ptdp.engine.moe.expert_linear`'s (their splits read on the host), as under a zero-bubble
+schedule, whose weight gradients wait in the chunk's queue.
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptdp.engine.comm import AxisGroup
-from ptdp.engine.moe.expert_fp8 import ExpertFP8, ExpertLinearFP8, expert_dims
+from ptdp.engine.moe.expert_linear import (
+    ExpertFP8,
+    ExpertLinearFunction,
+    ExpertPlan,
+    expert_dims,
+    expert_linear,
+    grouped_supported,
+)
 from ptdp.engine.swiglu import swiglu
-from ptdp.engine.tensor_parallel.linear import FP8Settings
+from ptdp.engine.tensor_parallel.linear import FP8Settings, WgradQueue
 from ptdp.engine.tensor_parallel.sharding import GlobalParam, init_shard
-
-#: dtypes ``torch._grouped_mm`` takes (CPU and CUDA); others run the loop
-GROUPED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -91,46 +96,6 @@ def init_expert_shard(
     )
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous (``torch._grouped_mm``'s backward
-    refuses expanded gradients)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
-
-
-def grouped_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """``torch._grouped_mm`` exists and takes these operands: float32 or bfloat16, rows of a
-    multiple of 16 bytes, and on CUDA data 16-byte aligned (a sharded optimizer's parameters are
-    views at any offset of one flat buffer)."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype not in GROUPED_DTYPES or weight.dtype != x.dtype:
-        return False
-    item = x.element_size()
-    if x.is_cuda and (x.data_ptr() % 16 or weight.data_ptr() % 16):
-        return False
-    return all((n * item) % 16 == 0 for n in weight.shape[1:])
-
-
-def expert_linear(
-    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, splits: list[int] | None, grouped: bool
-) -> torch.Tensor:
-    """``x`` ``[N, in]`` sorted by expert times each expert's ``weight[e]`` ``[out, in]`` transposed:
-    ``[N, out]``. ``counts`` ``[E_l]`` rows per expert on the device; ``splits`` the same on the host
-    (needed by the loop). ``grouped`` and :func:`grouped_supported`: one ``torch._grouped_mm``."""
-    if grouped and grouped_supported(x, weight):
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
-    if splits is None:
-        splits = counts.tolist()
-    pieces = x.split(splits)
-    return torch.cat([piece @ weight[e].t() for e, piece in enumerate(pieces)])
-
-
 class Experts(nn.Module):
     """The routed experts of one MoE layer on one rank (module docstring)."""
 
@@ -151,8 +116,10 @@ class Experts(nn.Module):
         grouped: bool = False,
         fp8: FP8Settings | None = None,
         etp_group: AxisGroup | None = None,
+        wgrad_queue: WgradQueue | None = None,
     ) -> None:
         super().__init__()
+        self.wgrad_queue = wgrad_queue
         halves = 2 if swiglu else 1
         self.swiglu, self.approximate, self.grouped = swiglu, approximate, grouped
         self.fp8_fc1 = self.fp8_fc2 = None
@@ -187,8 +154,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor, splits: list[int] | None = None) -> torch.Tensor:
         """``x`` ``[N, h]`` sorted by local expert, ``counts[e]`` rows each (``splits``: the same on
         the host, else read once when the loop needs them); returns ``[N, h]``."""
-        fp8 = self.fp8_fc1 is not None
-        if splits is None and (fp8 or not (self.grouped and grouped_supported(x, self.fc1_weight))):
+        explicit = self.fp8_fc1 is not None or (self.wgrad_queue is not None and self.wgrad_queue.enabled)
+        if splits is None and (explicit or not (self.grouped and grouped_supported(x, self.fc1_weight))):
             splits = counts.tolist()
         rows = None
         if self.fc1_bias is not None:
@@ -210,8 +177,9 @@ class Experts(nn.Module):
     def _linear(
         self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, splits: list[int] | None, fp8
     ) -> torch.Tensor:
-        """:func:`expert_linear`, or with FP8 :class:`~ptdp.engine.moe.expert_fp8.ExpertLinearFP8`."""
-        if fp8 is None:
+        """:func:`~ptdp.engine.moe.expert_linear.expert_linear` (autograd's weight gradient), or with
+        FP8 or a queue that may defer, :class:`~ptdp.engine.moe.expert_linear.ExpertLinearFunction`."""
+        if fp8 is None and (self.wgrad_queue is None or not self.wgrad_queue.enabled):
             return expert_linear(x, weight, counts, splits, self.grouped)
         assert splits is not None
-        return ExpertLinearFP8.apply(x, weight, splits, fp8)
+        return ExpertLinearFunction.apply(x, weight, counts, splits, ExpertPlan(fp8, self.grouped, self.wgrad_queue))

@@ -30,7 +30,7 @@ from ptdp.engine.moe.dispatch import exchange
 from ptdp.engine.moe.experts import Experts
 from ptdp.engine.moe.losses import counts_of, expert_counts, switch_aux_share, z_loss_share
 from ptdp.engine.moe.router import ROUTER_DTYPES, Routing, balanced_assignment, route, router_logits
-from ptdp.engine.tensor_parallel.linear import FP8Settings
+from ptdp.engine.tensor_parallel.linear import FP8Settings, WgradQueue
 from ptdp.engine.tensor_parallel.sharding import GlobalParam, make_parameter
 
 
@@ -95,6 +95,7 @@ class MoELayer(nn.Module):
         sequence_parallel: bool = False,
         experts: ExpertGroups | None = None,
         fp8: FP8Settings | None = None,
+        wgrad_queue: WgradQueue | None = None,
     ) -> None:
         super().__init__()
         if moe.num_experts is None:
@@ -137,6 +138,7 @@ class MoELayer(nn.Module):
             etp_rank=self.etp.rank,
             fp8=fp8,
             etp_group=self.etp,
+            wgrad_queue=wgrad_queue,
         )
         self.shared = shared  # the shared expert (a dense MLP of width moe.shared_ffn), built by the caller
         self.loss_scale: float | torch.Tensor = 1.0

@@ -323,7 +323,7 @@ class LinearFunction(torch.autograd.Function):
         if want_w:
             job = _wgrad_job(plan, ctx, weight, gy, gy_q, saved, regather)
             if plan.queue is not None and plan.queue.deferring:
-                plan.queue.put(lambda: _accumulate(ctx.param, job), ctx.param)
+                plan.queue.put(lambda: accumulate_wgrad(ctx.param, job), ctx.param)
             else:
                 grad_weight = _to_autograd(ctx.param, job)
         grad_bias = gy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
@@ -391,7 +391,7 @@ def _into(into: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def _accumulate(weight: torch.Tensor, job: WgradJob) -> None:
+def accumulate_wgrad(weight: torch.Tensor, job: WgradJob) -> None:
     """Run a deferred weight gradient into ``main_grad``, else add it into ``weight.grad``."""
     main = getattr(weight, "main_grad", None)
     if main is not None:

@@ -324,7 +324,15 @@ def split_backward_kind(layout: Candidate) -> str | None:
 
 @lru_cache(maxsize=65536)
 def wgrad_kept_bytes(
-    model: ModelConfig, tp: int, micro_batch_size: int, *, precision: str = "bf16", fp8_recipe: str | None = None
+    model: ModelConfig,
+    tp: int,
+    micro_batch_size: int,
+    *,
+    precision: str = "bf16",
+    fp8_recipe: str | None = None,
+    ep: int = 1,
+    etp: int = 1,
+    sequence_parallel: bool = False,
 ) -> float:
     """Bytes one layer keeps on one tp rank from a microbatch's B to its W (a zero-bubble
     schedule's), as ``ptdp train``'s linear layers hand their weight gradients ``dW = dyᵀ x`` to W:
@@ -334,16 +342,28 @@ def wgrad_kept_bytes(
     output gradients of the projection and fc2 as gathered for the GEMM, not their shards). Each
     value in the activations' dtype, or with FP8 GEMMs as the GEMM's FP8 operand
     (:func:`fp8_kept_bytes`). What else B used is freed by then; the inputs were part of the
-    forward's activations until B. A planned MoE model: the MLP's in its dense layers only (the
-    experts compute their weight gradients in B)."""
+    forward's activations until B. A planned MoE model: the dense MLP's in its dense layers; in its
+    MoE layers the shared expert's (a dense MLP of width ``S``) and the routed experts' fc1 and fc2
+    on each of the ``R = etp load k T / t`` rows the rank's experts receive (``load``:
+    :meth:`~ptdp.planner.inputs.moe_model.MoEModel.busiest_load` at ep; ``/ t`` with sequence
+    parallelism): ``h``, ``n F / etp``, ``F / etp`` and ``h`` (fc2's output gradient a view of
+    ``R + 1`` rows: the zero row the combine's gather appends)."""
     e, _ = activation_value_bytes(precision)
     h, a, t = model.hidden_size, model.num_attention_heads, tp
     d, kv, ffn, tokens = model.head_dim, model.kv_heads, model.ffn, micro_batch_size * model.seq_length
     g = fp8_kept_bytes(fp8_recipe, tokens) if precision == "fp8" or fp8_recipe else e
-    up = (2 if model.swiglu else 1) * ffn
+    halves = 2 if model.swiglu else 1
     attention = h + (a + 2 * kv) * d / t + a * d / t + h
-    mlp = h + up / t + ffn / t + h
-    return g * tokens * (attention + (1.0 - moe_layer_share(model)) * mlp)
+    mlp = h + halves * ffn / t + ffn / t + h
+    share, moe = moe_layer_share(model), moe_of(model)
+    out = g * tokens * (attention + (1.0 - share) * mlp)
+    if moe is not None and isinstance(model, MoEModel):
+        f, shared = moe.expert_ffn(ffn), moe.shared_ffn or 0
+        rows = etp * model.busiest_load(ep) * moe.moe_router_topk * tokens / (t if sequence_parallel else 1)
+        experts = rows * (h + halves * f / etp + f / etp + h) + h  # + the combine's zero row in fc2's dy
+        dense = tokens * (h + halves * shared / t + shared / t + h) if shared else 0.0
+        out += g * share * (experts + dense)
+    return out
 
 
 def _split_backward_bytes(
@@ -371,7 +391,14 @@ def _split_backward_bytes(
             model, layout, first=False, last=True, inflight=0, last_inflight=1, divisible_by=divisible_by
         )
     kept = layers * wgrad_kept_bytes(
-        model, layout.tp, layout.micro_batch_size, precision=layout.precision, fp8_recipe=layout.fp8_recipe
+        model,
+        layout.tp,
+        layout.micro_batch_size,
+        precision=layout.precision,
+        fp8_recipe=layout.fp8_recipe,
+        ep=layout.ep,
+        etp=layout.etp,
+        sequence_parallel=layout.parallel.sequence_parallel,
     )
     peak = peak_held(points, [f + x for f, x in zip(full, loss)], [kept] * v)
     if layout.recompute != "full":

@@ -525,7 +525,8 @@ def layer_wgrad_time(
     microbatch: those of QKV, the projection, fc1 and fc2 (:data:`LINEAR_GEMMS`), each as long as
     its forward GEMM (the same ``M N K``, :func:`gemm_time` or :func:`fp8_gemm_time`), the part of
     :func:`layer_compute_times`' backward a zero-bubble schedule's W runs. A planned MoE model: the
-    MLP's only in its dense layers (``ptdp train``'s experts compute theirs in B), the dense
+    MLP's only in its dense layers (the experts' are
+    :attr:`ptdp.planner.time.moe_time.SublayerTimes.wgrad`), the dense
     attention's shapes standing for multi-head latent attention's projections."""
     shapes = layer_gemms(model, tp, micro_batch_size)
 

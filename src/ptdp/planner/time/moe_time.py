@@ -50,13 +50,15 @@ class SublayerTimes:
     """Seconds one layer's sub-layers add to the dense layer's, per micro-batch on one rank (a mean
     over the model's layers): ``forward`` / ``backward`` compute, ``recompute`` the compute the
     selective ``--recompute-modules`` of MoE and MLA run again, ``exchange`` the all-to-alls of the
-    forward and backward and ``exchange_again`` those a recompute runs again."""
+    forward and backward, ``exchange_again`` those a recompute runs again and ``wgrad`` the routed and
+    shared experts' weight-gradient GEMMs within ``backward`` (a zero-bubble schedule's W runs them)."""
 
     forward: float = 0.0
     backward: float = 0.0
     recompute: float = 0.0
     exchange: float = 0.0
     exchange_again: float = 0.0
+    wgrad: float = 0.0
 
 
 def exchange_time(
@@ -211,7 +213,7 @@ def sublayer_times(
     tokens, h = micro_batch_size * s, model.hidden_size
     halves = 2 if model.swiglu else 1
     ffn_bytes = FFN_BYTES_SWIGLU if model.swiglu else FFN_BYTES_GELU
-    forward = backward = recompute = exchange = again = 0.0
+    forward = backward = recompute = exchange = again = wgrad = 0.0
     if model.mla is not None:
         d, a, kv = model.head_dim, model.num_attention_heads, model.kv_heads
         dense = gemms(tokens, (a + 2 * kv) * d // tp, h, 1) + gemms(tokens, h, a * d // tp, 1)
@@ -250,10 +252,13 @@ def sublayer_times(
             casts_b = FP8_CAST_BYTES * rows * (h + halves * ffn / etp) / bandwidth
         router = timed(routed, experts, h, 1, peak_flops=peak_flops) + ROUTER_BYTES * routed * experts / bandwidth
         permute = PERMUTE_BYTES * elem / 2.0 * k * routed * h / bandwidth
-        shared = 0.0
+        shared = shared_gemms = 0.0
         if moe.shared_ffn:
-            shared = gemms(tokens, halves * moe.shared_ffn // tp, h, 1) + gemms(tokens, h, moe.shared_ffn // tp, 1)
-            shared += ffn_bytes * tokens * moe.shared_ffn / tp / bandwidth
+            shared_gemms = gemms(tokens, halves * moe.shared_ffn // tp, h, 1) + gemms(
+                tokens, h, moe.shared_ffn // tp, 1
+            )
+            shared = shared_gemms + ffn_bytes * tokens * moe.shared_ffn / tp / bandwidth
+        wgrad += share * (expert_gemms + shared_gemms)  # each as long as its forward GEMM
         dense_gemms = gemms(tokens, halves * model.ffn // tp, h, 1) + gemms(tokens, h, model.ffn // tp, 1)
         dense_act = ffn_bytes * tokens * model.ffn / tp / bandwidth
         fixed = c.moe_layer_overhead  # the layer's many small kernels, forward and backward
@@ -275,7 +280,7 @@ def sublayer_times(
             recompute += share * (
                 (act if "moe_act" in modules else 0.0) + (shared if "shared_experts" in modules else 0.0)
             )
-    return SublayerTimes(forward, backward, recompute, exchange, again)
+    return SublayerTimes(forward, backward, recompute, exchange, again, wgrad)
 
 
 def _mla_weight_gemms(model: MoEModel, tokens: int, tp: int, *, up_only: bool = False) -> list[tuple[int, int, int]]:

@@ -128,6 +128,7 @@ class LayerTerms:
     cp_comm: float
     ep_comm: float
     forward: float
+    moe_wgrad: float = 0.0
 
 
 def layer_terms(
@@ -212,6 +213,7 @@ def layer_terms(
         cp_f + cp_b + rec_cp,
         exchange,
         fwd + c.layer_overhead / 2 + tp_f + cp_f + exchange_forward,
+        sub.wgrad,
     )
 
 
@@ -275,13 +277,14 @@ def layer_passes(
     """(F, B, W) seconds of one layer on one tp and cp rank for one microbatch when the backward is
     split (the zero-bubble schedules): F the forward's share of :func:`layer_terms`, W its
     weight-gradient GEMMs (:func:`ptdp.planner.time.flops.layer_wgrad_time` of the ``s / cp``-token
-    layer, at the GEMM efficiency of the whole backward), B the rest of the layer's microbatch
+    layer, at the GEMM efficiency of the whole backward, and an MoE layer's experts'), B the rest of the layer's microbatch
     (backward, recompute and their communication)."""
     local = local_model(model, layout.cp) if layout.cp > 1 else model
     t = layer_terms(model, layout, peak, bandwidth, links, c, elem, fp8)
     wgrad = flops.layer_wgrad_time(
         local, layout.tp, layout.micro_batch_size, peak, bandwidth, c.gemm_peak_fraction, c.gemm_half_dim, fp8
     )
+    wgrad += t.moe_wgrad
     total = t.compute + t.recompute + t.tp_comm + t.cp_comm + t.ep_comm
     return t.forward, total - t.forward - wgrad, wgrad
 

@@ -1,30 +1,79 @@
-"""FP8 GEMMs of a rank's stacked experts (:mod:`ptdp.engine.moe.experts`): forward ``y = x W_eᵀ``
-and input gradient ``dx = dy W_e`` per local expert in FP8, weight gradient ``dW_e = dy_eᵀ x_e``
-in the activations' dtype (torchao's ``rowwise_with_gw_hp``).
+"""The linear layer of a rank's stacked experts (:mod:`ptdp.engine.moe.experts`) as one autograd
+function with explicit GEMMs per local expert: forward ``y_e = x_e W_eᵀ``, input gradient
+``dx_e = dy_e W_e`` and weight gradient ``dW_e = dy_eᵀ x_e``. Forward and input gradient run in
+FP8 under a recipe (:class:`ExpertFP8`) or in the operands' dtype (one ``torch._grouped_mm``
+where it takes them); the weight gradient runs in the activations' dtype (with FP8 as torchao's
+``rowwise_with_gw_hp``), at once or, while a :class:`~ptdp.engine.tensor_parallel.linear.WgradQueue`
+defers, as a closure over ``dy`` and ``x`` (no autograd graph kept), added into ``main_grad``.
 
-Scales, computed over the same elements on every layout: an expert's rows arrive from several
+FP8 scales, computed over the same elements on every layout: an expert's rows arrive from several
 micro-batches (ep spans data-parallel ranks) or from part of one (sequence or context
 parallelism), so a scale over an expert's tokens would depend on the layout. Activations and their
 gradients are therefore scaled per token: one scale per row (``tensorwise``, ``delayed``,
 ``rowwise``) or per 1x128 tile (``blockwise``), all-reduced over etp where etp splits the inner
 dim (fc2's input, fc1's output gradient). Each expert's weight has the recipe's weight scales:
 one per expert (``tensorwise``; ``delayed`` runs as current scaling), per row, or 128x128 tiles,
-all-reduced over etp as :func:`ptdp.engine.fp8_layout.shared_amax` says. With no wgrad in FP8,
-backward keeps the input in its own dtype (as without FP8) and the weights' FP8 copies.
+all-reduced over etp as :func:`ptdp.engine.fp8_layout.shared_amax` says. Backward keeps the input
+in its own dtype (for the weight gradient, as without FP8) and the weights' FP8 copies.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.fp8 import FP8Recipe, Granularity, Role, compute_amax, fp8_matmul, quantize, scale_from_amax
 from ptdp.engine.fp8_layout import GemmDim, all_max, shared_amax, whole
-from ptdp.engine.tensor_parallel.linear import FP8GEMMs
+from ptdp.engine.tensor_parallel.linear import FP8GEMMs, WgradQueue, accumulate_wgrad
 
 Quantized = tuple[torch.Tensor, torch.Tensor]
+
+
+#: dtypes ``torch._grouped_mm`` takes (CPU and CUDA); others run the loop
+GROUPED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous (``torch._grouped_mm``'s backward
+    refuses expanded gradients)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def grouped_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` exists and takes these operands: float32 or bfloat16, rows of a
+    multiple of 16 bytes, and on CUDA data 16-byte aligned (a sharded optimizer's parameters are
+    views at any offset of one flat buffer)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in GROUPED_DTYPES or weight.dtype != x.dtype:
+        return False
+    item = x.element_size()
+    if x.is_cuda and (x.data_ptr() % 16 or weight.data_ptr() % 16):
+        return False
+    return all((n * item) % 16 == 0 for n in weight.shape[1:])
+
+
+def expert_linear(
+    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, splits: list[int] | None, grouped: bool
+) -> torch.Tensor:
+    """``x`` ``[N, in]`` sorted by expert times each expert's ``weight[e]`` ``[out, in]`` transposed:
+    ``[N, out]``. ``counts`` ``[E_l]`` rows per expert on the device; ``splits`` the same on the host
+    (needed by the loop). ``grouped`` and :func:`grouped_supported`: one ``torch._grouped_mm``."""
+    if grouped and grouped_supported(x, weight):
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
+    if splits is None:
+        splits = counts.tolist()
+    pieces = x.split(splits)
+    return torch.cat([piece @ weight[e].t() for e, piece in enumerate(pieces)])
 
 
 class ExpertFP8(FP8GEMMs):
@@ -101,31 +150,67 @@ class ExpertFP8(FP8GEMMs):
         return torch.cat(out) if out else q.new_zeros(0, b[0][0].shape[0] if b else 0, dtype=out_dtype)
 
 
-class ExpertLinearFP8(torch.autograd.Function):
-    """``x [R, K]`` sorted by local expert, ``splits[e]`` rows of expert ``e``, times each expert's
-    ``weight[e] [N, K]`` transposed: ``[R, N]`` (module docstring). No communication beyond the
-    amax all-reduces over etp."""
+@dataclass(frozen=True)
+class ExpertPlan:
+    """How :class:`ExpertLinearFunction` runs: ``fp8`` (None: the operands' dtype), ``grouped``
+    (one ``torch._grouped_mm`` where it takes the operands, else a loop), ``queue`` (where the
+    weight gradient goes while it defers; None: never)."""
+
+    fp8: ExpertFP8 | None = None
+    grouped: bool = False
+    queue: WgradQueue | None = None
+
+
+def _native(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, splits: list[int], grouped: bool):
+    """Rows ``splits[e]`` of ``x [R, K]`` times ``weight[e] [N, K]`` transposed, ``[R, N]``."""
+    if grouped and grouped_supported(x, weight):
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    return torch.cat([piece @ weight[e].t() for e, piece in enumerate(x.split(splits))])
+
+
+class ExpertLinearFunction(torch.autograd.Function):
+    """``x [R, K]`` sorted by local expert (``counts`` on the device, ``splits`` the same on the
+    host) times each expert's ``weight[e] [N, K]`` transposed: ``[R, N]`` (module docstring). No
+    communication beyond FP8's amax all-reduces over etp."""
 
     @staticmethod
-    def forward(ctx, x, weight, splits: list[int], fp8: ExpertFP8):
-        ctx.splits, ctx.fp8 = splits, fp8
-        ctx.save_for_backward(x, weight)
-        x_q = fp8.quantize(x, whole(x.shape[0]), fp8.in_dim, "input")
-        return fp8.grouped_matmul(x_q, fp8.weights(weight, transposed=False), splits, x.dtype)
+    def forward(ctx, x, weight, counts, splits: list[int], plan: ExpertPlan):
+        ctx.splits, ctx.plan, ctx.param = splits, plan, weight
+        ctx.save_for_backward(x, weight, counts)
+        if plan.fp8 is None:
+            return _native(x, weight, counts, splits, plan.grouped)
+        x_q = plan.fp8.quantize(x, whole(x.shape[0]), plan.fp8.in_dim, "input")
+        return plan.fp8.grouped_matmul(x_q, plan.fp8.weights(weight, transposed=False), splits, x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        fp8: ExpertFP8 = ctx.fp8
+        x, weight, counts = ctx.saved_tensors
+        plan: ExpertPlan = ctx.plan
+        splits: list[int] = ctx.splits
         grad = grad.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            g_q = fp8.quantize(grad, whole(grad.shape[0]), fp8.out_dim, "grad_output")
-            grad_x = fp8.grouped_matmul(g_q, fp8.weights(weight, transposed=True), ctx.splits, grad.dtype)
+            if plan.fp8 is None:
+                grad_x = _native(grad, weight.transpose(-2, -1), counts, splits, plan.grouped)
+            else:
+                g_q = plan.fp8.quantize(grad, whole(grad.shape[0]), plan.fp8.out_dim, "grad_output")
+                grad_x = plan.fp8.grouped_matmul(g_q, plan.fp8.weights(weight, transposed=True), splits, grad.dtype)
         if ctx.needs_input_grad[1]:
-            pieces = zip(grad.split(ctx.splits), x.split(ctx.splits))
-            grad_w = torch.stack([(g.t() @ a).to(weight.dtype) for g, a in pieces])
-        return grad_x, grad_w, None, None
+
+            def job(into: torch.Tensor | None) -> torch.Tensor | None:
+                pieces = zip(grad.split(splits), x.split(splits))
+                dw = torch.stack([g.t() @ a for g, a in pieces]) if splits else torch.zeros_like(weight)
+                if into is None:
+                    return dw.to(weight.dtype)
+                into.add_(dw)
+                return None
+
+            if plan.queue is not None and plan.queue.deferring:
+                plan.queue.put(lambda: accumulate_wgrad(ctx.param, job), ctx.param)
+            else:
+                grad_w = job(None)
+        return grad_x, grad_w, None, None, None
 
 
 def expert_dims(
