@@ -379,13 +379,21 @@ def _format_moe(moe: dict | None) -> list[str]:
             f"{_num(ms['grouped_s'], '.3f')} ms, loop {_num(ms['loop_s'], '.3f')} ms, "
             f"grouped / loop {_num(r['grouped_over_loop'], '.3f')}"
         )
-    run = moe.get("training")
-    if run:
-        losses = ", ".join(f"{x:.4f}" for x in run["losses"])
-        lines.append(
-            f"training ({run.get('timed_steps', 0)} timed steps after {run['warmup']}): step "
-            f"{_num(run.get('median_step_s'), '.4f')} s, {_num(run.get('tokens_per_s'), ',.0f')} tokens/s; losses {losses}"
-        )
+    for key, name in (("training", "training"), ("training_fp8_rowwise", "FP8 rowwise")):
+        run = moe.get(key)
+        if run:
+            losses = ", ".join(f"{x:.4f}" for x in run["losses"])
+            lines.append(
+                f"{name} ({run.get('timed_steps', 0)} timed steps after {run['warmup']}): step "
+                f"{_num(run.get('median_step_s'), '.4f')} s, {_num(run.get('tokens_per_s'), ',.0f')} tokens/s; "
+                f"losses {losses}"
+                + (
+                    f"; last loss - bf16's {run['last_loss_diff_vs_bf16']:+.4f}, tokens/s / bf16's "
+                    f"{_num(run.get('tokens_per_s_ratio_vs_bf16'), '.3f')}"
+                    if "last_loss_diff_vs_bf16" in run
+                    else ""
+                )
+            )
     return lines
 
 

@@ -10,7 +10,9 @@ on the device (``gpu_models.device_stage``), the experts as one grouped GEMM
 learning rate of 5e-4, so the loss must fall: a loss that is not finite, or a last loss not below
 the first, fails the stage. Step time (wall clock; each step's metrics are read, so it has ended
 on the device) and tokens/s: medians over the steps after the warm-up; each step's
-``moe_max_load`` (the most loaded expert's load over the mean).
+``moe_max_load`` (the most loaded expert's load over the mean). Then, budget permitting, the same
+run with FP8 GEMMs (rowwise, the experts' too): its losses, and beside bf16's its last loss and
+tokens/s.
 
 The grouped GEMM is ``torch._grouped_mm(x, W^T, offs)`` with ``x`` ``[T k, in]`` sorted by expert,
 the stacked weight ``[E, out, in]`` and the cumulative counts (``ptdp.engine.moe.experts``). Its
@@ -40,6 +42,7 @@ from gpu_models import FULL, QUICK, device_stage, random_microbatches, speed_con
 from gpu_report import NOT_ON_CPU, Budget, StageReport, train_steps
 from moe_common import active_weights, moe_options, time_expert_gemms
 
+from ptdp.config.fp8 import FP8Config
 from ptdp.config.schema import Config
 from ptdp.engine.moe.expert_linear import GROUPED_DTYPES
 from ptdp.engine.moe.experts import Experts
@@ -162,6 +165,8 @@ def run_moe_stage(shape: dict, dtype: str, device: torch.device, budget: Budget,
         report.write()
     _check_gemm_rows(data["gemm"], dtype, device, report)
     train_moe(stage, shape, tokens, budget, data, report)
+    del stage
+    train_moe_fp8(shape, dtype, device, tokens, budget, data, report)
 
 
 def _check_gemm_rows(rows: list[dict], dtype: str, device: torch.device, report: StageReport) -> None:
@@ -174,11 +179,13 @@ def _check_gemm_rows(rows: list[dict], dtype: str, device: torch.device, report:
             )
 
 
-def train_moe(stage: Stage, shape: dict, tokens: int, budget: Budget, data: dict, report: StageReport) -> None:
-    """``warmup + steps`` steps on one fixed batch into ``data["training"]`` (module docstring)."""
+def train_moe(
+    stage: Stage, shape: dict, tokens: int, budget: Budget, data: dict, report: StageReport, key: str = "training"
+) -> None:
+    """``warmup + steps`` steps on one fixed batch into ``data[key]`` (module docstring)."""
     mbs = [(x.to(stage.device), y.to(stage.device)) for x, y in random_microbatches(stage.config, seed=0)]
     run: dict = {"max_load": []}
-    data["training"] = run
+    data[key] = run
 
     def step(i: int):
         result = train_step(stage, mbs, i).result()
@@ -193,6 +200,28 @@ def train_moe(stage: Stage, shape: dict, tokens: int, budget: Budget, data: dict
         tokens=tokens,
         budget=budget,
         report=report,
-        what="moe",
+        what=f"moe {key}",
         reserve_s=RESERVE_S,
     )
+
+
+def train_moe_fp8(
+    shape: dict, dtype: str, device: torch.device, tokens: int, budget: Budget, data: dict, report: StageReport
+) -> None:
+    """The same model and steps with every linear's and expert's GEMMs in FP8 (rowwise, hybrid;
+    ``ptdp.engine.moe.expert_linear``) into ``data["training_fp8_rowwise"]``, when the budget
+    allows: its losses (the stage fails when they are not finite or do not fall), the last loss's
+    difference from bf16's and the tokens/s ratio (reported, not judged)."""
+    if not budget.allows(4 * RESERVE_S):
+        report.out_of_budget("moe: the FP8 run")
+        return
+    config = moe_config(shape, dtype)
+    config = dataclasses.replace(config, fp8=FP8Config(fp8_format="hybrid", fp8_recipe="rowwise"))
+    stage = device_stage(config, device)
+    train_moe(stage, shape, tokens, budget, data, report, key="training_fp8_rowwise")
+    base, fp8 = data.get("training", {}), data["training_fp8_rowwise"]
+    if base.get("losses") and fp8.get("losses") and len(base["losses"]) == len(fp8["losses"]):
+        fp8["last_loss_diff_vs_bf16"] = fp8["losses"][-1] - base["losses"][-1]
+    if base.get("tokens_per_s") and fp8.get("tokens_per_s"):
+        fp8["tokens_per_s_ratio_vs_bf16"] = fp8["tokens_per_s"] / base["tokens_per_s"]
+    report.write()

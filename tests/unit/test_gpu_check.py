@@ -145,8 +145,12 @@ def test_moe_stage_trains_the_moe_model_and_times_its_grouped_gemm(bench, tmp_pa
     assert run["finite"] and run["falling"] and run["losses"][-1] < run["losses"][0]
     assert all(load >= 1 for load in run["max_load"])
     assert math.isclose(run["tokens_per_s"], moe["batch"]["tokens_per_step"] / run["median_step_s"], rel_tol=1e-12)
+    fp8 = moe["training_fp8_rowwise"]  # the same model and batch with FP8 GEMMs, experts included
+    assert fp8["finite"] and fp8["falling"] and len(fp8["losses"]) == 4
+    assert fp8["last_loss_diff_vs_bf16"] == fp8["losses"][-1] - run["losses"][-1] != 0
+    assert fp8["tokens_per_s_ratio_vs_bf16"] == fp8["tokens_per_s"] / run["tokens_per_s"]
     out = capsys.readouterr().out
-    assert "grouped GEMM: used" in out and "tokens/s" in out and "FAILED" not in out
+    assert "grouped GEMM: used" in out and "tokens/s" in out and "FP8 rowwise" in out and "FAILED" not in out
 
 
 def test_moe_stage_falls_back_to_the_loop(bench, tmp_path, monkeypatch, capsys):
