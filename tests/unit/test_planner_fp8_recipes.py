@@ -218,14 +218,14 @@ def test_the_recipe_a_plan_models(capsys):
     assert "--fp8-recipe tensorwise, --fp8-margin 1 without --fp8-format: no GEMM runs in FP8" in err
 
 
-def test_a_mixture_of_experts_plans_transformer_engines_fp8(capsys):
-    code = main(
-        ["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--gpu", "h100-sxm", "--global-batch-size", "256"]
-        + ["--fp8", "--fp8-recipe", "tensorwise", "--top", "1", "--tp", "2", "--pp", "4", "--ep", "8"]
-    )
+def test_a_mixture_of_experts_plans_transformer_engines_fp8_without_a_recipe(capsys):
+    """--fp8 alone plans a mixture of experts as the published runs ran (Transformer Engine); with
+    --fp8-recipe, as ptdp train runs its experts."""
+    base = ["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--gpu", "h100-sxm", "--global-batch-size", "256"]
+    base += ["--fp8", "--top", "1", "--tp", "2", "--pp", "4", "--ep", "8"]
+    assert main(base) == 0
     out = capsys.readouterr().out
-    assert code == 0
-    assert (
-        "for a mixture of experts (ptdp train's experts: per-token activation scales, bf16 weight gradients); "
-        "--fp8-recipe tensorwise" in out
-    )
+    assert "FP8 planned as Transformer Engine runs it under Megatron-Core (delayed scaling) for a mixture" in out
+    assert main([*base, "--fp8-recipe", "tensorwise"]) == 0
+    out = capsys.readouterr().out
+    assert "FP8 experts planned as ptdp train runs them (tensorwise)" in out and "Transformer Engine" not in out

@@ -129,7 +129,7 @@ def fp8_bytes(config: Config, layout: Candidate) -> dict[str, Any]:
     (:func:`~ptdp.planner.memory.fp8.fp8_weight_copy_bytes`) and the activations at their peak
     (:func:`~ptdp.planner.memory.activations.rank_activation_bytes`), with those activations
     without FP8 (the same run's parameters' dtype)."""
-    m, p, fp8 = config.model, config.parallel, config.fp8
+    m, p, fp8 = planned_model(config), config.parallel, config.fp8
     plain = dataclasses.replace(
         layout, precision="bf16" if layout.precision == "fp8" else layout.precision, fp8_recipe=None
     )
@@ -139,7 +139,8 @@ def fp8_bytes(config: Config, layout: Candidate) -> dict[str, Any]:
     )
     rows = []
     for rank, layers in enumerate(config.pipeline.stage_layers):
-        copies, act = fp8_weight_copy_bytes(m, p.tp, layers, True), activations(layout, rank, layers)
+        copies = fp8_weight_copy_bytes(m, p.tp, layers, True, ep=p.ep, etp=p.etp, experts=True)
+        act = activations(layout, rank, layers)
         rows.append((copies + act, rank, copies, act, activations(plain, rank, layers)))
     _, rank, copies, act, without = max(rows)
     return {

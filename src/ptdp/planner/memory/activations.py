@@ -122,7 +122,9 @@ def layer_activation_bytes(
     elif recompute == "none" or (recompute == "selective" and "core_attn" not in kept):
         per_token += (e + (mask + e) * mask) * a * s / t
     if isinstance(model, MoEModel):
-        return tokens * per_token + _sublayer_change(model, tp, tokens, sequence_parallel, e, g, kept, etp, ep)
+        ptdp_fp8 = bool(fp8_recipe) and "layernorm" not in kept and "mlp" not in kept
+        change = _sublayer_change(model, tp, tokens, sequence_parallel, e, g, kept, etp, ep, ptdp_fp8=ptdp_fp8)
+        return tokens * per_token + change
     return tokens * per_token
 
 
@@ -148,9 +150,15 @@ def _sublayer_change(
     kept: set[str],
     etp: int,
     ep: int,
+    *,
+    ptdp_fp8: bool = False,
 ) -> float:
     """Bytes per layer (the mean over the model's layers) by which MoE layers and multi-head latent
-    attention change :func:`layer_activation_bytes`' dense count (no full or per-op recompute)."""
+    attention change :func:`layer_activation_bytes`' dense count (no full or per-op recompute).
+    ``ptdp_fp8``: ``ptdp train``'s FP8 (:mod:`ptdp.engine.moe.expert_linear`): the experts keep
+    their inputs in the activations' dtype, the router its input (counted as fc1's, ``g``), and
+    without sequence parallelism the shared expert's fc1 its FP8 copy; the shared expert's fc2
+    input is FP8 (``g``)."""
     modules = tuple(sorted(kept))
     out = 0.0
     if model.mla is not None:
@@ -158,10 +166,22 @@ def _sublayer_change(
     moe = moe_of(model)
     if moe is not None:
         routed = tokens // (tp if sequence_parallel else 1)
+        experts_g = e if ptdp_fp8 else g
         layer = moe_mlp_activation_bytes(
-            model, moe, routed, precision_bytes=e, etp=etp, load=model.busiest_load(ep), modules=modules, gemm_bytes=g
+            model,
+            moe,
+            routed,
+            precision_bytes=e,
+            etp=etp,
+            load=model.busiest_load(ep),
+            modules=modules,
+            gemm_bytes=experts_g,
         )
         layer += shared_expert_activation_bytes(model, moe, tokens, tp, precision_bytes=e, modules=modules)
+        if ptdp_fp8 and not sequence_parallel:  # the router's input in its dtype, the shared fc1's FP8 copy
+            layer += tokens * model.hidden_size * (e - g + (g if moe.shared_ffn else 0.0))
+        if ptdp_fp8 and moe.shared_ffn and not {"shared_experts", "moe"} & kept:  # shared fc2's FP8 input
+            layer -= tokens * (e - g) * moe.shared_ffn / tp
         if "mlp" not in kept:
             layer -= dense_mlp_activation_bytes(model, tokens, tp, precision_bytes=e, gemm_bytes=g)
         out += layer * moe_layer_share(model)

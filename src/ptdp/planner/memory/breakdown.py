@@ -155,6 +155,9 @@ def memory_breakdown(
             min(n_layers, 2) if zero3 and layout.fp8_recipe is None else n_layers,
             layout.fp8,
             param_gather=layout.fp8_param_gather,
+            ep=layout.ep,
+            etp=layout.etp,
+            experts=layout.fp8_recipe is not None,
         )
         parts = (
             rank_state_bytes(

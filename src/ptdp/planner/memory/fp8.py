@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from ptdp.config.model import ModelConfig
 from ptdp.errors import ConfigError
-from ptdp.planner.inputs.moe_model import moe_of
+from ptdp.planner.inputs.moe_model import moe_layer_share, moe_of
 
 #: Bytes per weight of an FP8 GEMM held besides the bf16 weight: the FP8 weight (1) and its
 #: transpose (1).
@@ -58,13 +58,19 @@ def fp8_recipe_planned(
     model: ModelConfig, precision: str, recipe: str | None, *, param_gather: bool = False
 ) -> tuple[str | None, list[str]]:
     """The recipe a plan models at ``precision`` for ``--fp8-recipe`` ``recipe`` (None: not given)
-    and its notes: ``ptdp train``'s (default delayed, as it runs) for a dense model; None,
-    Transformer Engine's FP8 as Megatron-Core runs it, for a mixture of experts (``ptdp train`` runs
-    its experts' FP8 differently) or FP8 weights (``--fp8-param-gather``); None without FP8."""
+    and its notes: ``ptdp train``'s (default delayed, as it runs) for a dense model, and for a
+    mixture of experts when ``recipe`` is given; None, Transformer Engine's FP8 as Megatron-Core runs
+    it, for a mixture of experts without one (the published runs) or FP8 weights
+    (``--fp8-param-gather``); None without FP8."""
     if precision != "fp8":
         return None, []
-    if moe_of(model) is None and not param_gather:
+    if not param_gather and (moe_of(model) is None or recipe is not None):
         notes = []
+        if moe_of(model) is not None:
+            notes.append(
+                f"FP8 experts planned as ptdp train runs them ({recipe}): forward and input-gradient GEMMs in "
+                "FP8 with per-token activation scales, weight gradients and kept inputs in bf16"
+            )
         if recipe == "blockwise":
             notes.append(
                 "blockwise FP8 runs emulated in ptdp train: no kernel for its 1x128 and 128x128 "
@@ -75,7 +81,7 @@ def fp8_recipe_planned(
     why = (
         "--fp8-param-gather"
         if param_gather
-        else "a mixture of experts (ptdp train's experts: per-token activation scales, bf16 weight gradients)"
+        else "a mixture of experts (as the published runs; --fp8-recipe plans ptdp train's FP8 experts)"
     )
     note = f"FP8 planned as Transformer Engine runs it under Megatron-Core (delayed scaling) for {why}"
     return None, [f"{note}; --fp8-recipe {recipe} not modelled" if recipe else note]
@@ -91,22 +97,42 @@ def check_fp8_flags(given: dict[str, object], precision: str) -> None:
         )
 
 
-def layer_fp8_weights(model: ModelConfig, tp: int) -> int:
-    """Weights of one layer's four FP8 GEMMs on one tp rank: QKV ``(a + 2 kv) d h / t``, projection
-    ``a d h / t``, fc1 ``n ffn h / t`` (n = 2 for SwiGLU), fc2 ``ffn h / t``."""
+def layer_fp8_weights(model: ModelConfig, tp: int, *, ep: int = 1, etp: int = 1, experts: bool = False) -> float:
+    """Weights of one layer's FP8 GEMMs on one tp rank: QKV ``(a + 2 kv) d h / t``, projection
+    ``a d h / t``, fc1 ``n ffn h / t`` (n = 2 for SwiGLU), fc2 ``ffn h / t``. With ``experts`` (``ptdp
+    train``'s FP8 of a planned MoE model, the mean over its layers) an MoE layer's MLP is the shared
+    expert's (width ``S`` over tp) and the rank's ``E / ep`` experts' ``(n + 1) F h / etp``."""
     h, a = model.hidden_size, model.num_attention_heads
     d, kv = model.head_dim, model.kv_heads
     up = 2 if model.swiglu else 1
-    return ((a + 2 * kv) * d * h + a * d * h + (up + 1) * model.ffn * h) // tp
+    attention = ((a + 2 * kv) * d * h + a * d * h) // tp
+    dense = (up + 1) * model.ffn * h // tp
+    moe = moe_of(model)
+    if not experts or moe is None:
+        return attention + dense
+    share, experts_each = moe_layer_share(model), (up + 1) * moe.expert_ffn(model.ffn) * h // etp
+    routed = (moe.num_experts or 0) // ep * experts_each
+    shared = (up + 1) * (moe.shared_ffn or 0) * h // tp
+    return attention + (1.0 - share) * dense + share * (routed + shared)
 
 
 def fp8_weight_copy_bytes(
-    model: ModelConfig, tp: int, layers: int, fp8: bool, *, param_gather: bool = False, shard: int = 1
+    model: ModelConfig,
+    tp: int,
+    layers: int,
+    fp8: bool,
+    *,
+    param_gather: bool = False,
+    shard: int = 1,
+    ep: int = 1,
+    etp: int = 1,
+    experts: bool = False,
 ) -> float:
     """Bytes the FP8 GEMMs' weights add on one tp rank of a stage of ``layers`` layers beyond their
     own (0 without ``fp8``): the FP8 copies, or with ``param_gather`` (FP8 weights) minus the byte
-    each saves, over ``shard`` ranks when the weights are sharded."""
+    each saves, over ``shard`` ranks when the weights are sharded; ``experts``: an MoE model's
+    experts' copies as ``ptdp train`` keeps them (:func:`layer_fp8_weights`)."""
     if not fp8:
         return 0.0
-    weights = layers * layer_fp8_weights(model, tp)
+    weights = layers * layer_fp8_weights(model, tp, ep=ep, etp=etp, experts=experts)
     return -weights / shard if param_gather else FP8_WEIGHT_COPY_BYTES * weights

@@ -199,10 +199,13 @@ def sublayer_times(
     links: Links,
     elem: float,
     fp8_peak: float = 0.0,
+    experts_wgrad_fp8: bool = True,
 ) -> SublayerTimes:
     """:class:`SublayerTimes` of a planned MoE / MLA model on one rank (a mean over its layers);
     zeros for a dense model. ``modules``: the selective ``--recompute-modules``; ``full_recompute``:
-    every layer's forward runs again (its exchanges too)."""
+    every layer's forward runs again (its exchanges too). ``fp8_peak``: the weight GEMMs' FP8 rate
+    (0: none); ``experts_wgrad_fp8`` False: the experts' weight gradients at ``peak_flops`` instead
+    (``ptdp train``'s FP8 experts, :mod:`ptdp.engine.moe.expert_linear`)."""
     if not isinstance(model, MoEModel):
         return SublayerTimes()
     weight_peak = fp8_peak or peak_flops
@@ -245,6 +248,21 @@ def sublayer_times(
             element=weight_bytes,
             efficiency=c.moe_grouped_gemm_efficiency,
         )
+        expert_wgrad = expert_gemms
+        if fp8_peak and not experts_wgrad_fp8:
+            expert_wgrad = experts_gemm_time(
+                local,
+                m,
+                h,
+                halves * ffn // etp,
+                ffn // etp,
+                peak_flops=peak_flops,
+                bandwidth=bandwidth,
+                peak_fraction=c.gemm_peak_fraction,
+                half_dim=c.gemm_half_dim,
+                element=elem,
+                efficiency=c.moe_grouped_gemm_efficiency,
+            )
         act = ffn_bytes * rows * ffn / etp / bandwidth
         casts_f = casts_b = 0.0
         if fp8_peak:  # each expert GEMM's input quantised (and transposed) on the way
@@ -258,12 +276,12 @@ def sublayer_times(
                 tokens, h, moe.shared_ffn // tp, 1
             )
             shared = shared_gemms + ffn_bytes * tokens * moe.shared_ffn / tp / bandwidth
-        wgrad += share * (expert_gemms + shared_gemms)  # each as long as its forward GEMM
+        wgrad += share * (expert_wgrad + shared_gemms)  # each as long as its forward GEMM
         dense_gemms = gemms(tokens, halves * model.ffn // tp, h, 1) + gemms(tokens, h, model.ffn // tp, 1)
         dense_act = ffn_bytes * tokens * model.ffn / tp / bandwidth
         fixed = c.moe_layer_overhead  # the layer's many small kernels, forward and backward
         moe_forward = expert_gemms + act + router + permute + shared + casts_f + fixed / 3.0
-        moe_backward = 2.0 * expert_gemms + BACKWARD_TRAFFIC_RATIO * (act + permute) + 2.0 * router + casts_b
+        moe_backward = expert_gemms + expert_wgrad + BACKWARD_TRAFFIC_RATIO * (act + permute) + 2.0 * router + casts_b
         moe_backward += 2.0 * fixed / 3.0
         moe_backward += 2.0 * shared
         forward += share * (moe_forward - dense_gemms - dense_act)

@@ -163,6 +163,7 @@ def layer_terms(
         links,
         elem,
         fp8.native_peak if fp8 is not None else 0.0,
+        experts_wgrad_fp8=fp8 is None or fp8.recipe is None,  # ptdp train's experts: wgrad in bf16
     )
     fwd, bwd = fwd + sub.forward, bwd + sub.backward
     exchange = sub.exchange + sub.exchange_again

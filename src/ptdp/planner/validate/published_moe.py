@@ -144,6 +144,8 @@ def _options(r: dict) -> dict[str, object]:
         o["moe_token_dispatcher_type"] = dispatcher
     if int(r["vpp"]) > 1:
         o["virtual_pipeline_model_parallel_size"] = int(r["vpp"])
+    if int(r["pp"]) > 1:  # Megatron-Core's schedule, not a zero-bubble one the search would prefer
+        o["pipeline_schedule"] = "interleaved-1f1b" if int(r["vpp"]) > 1 else "1f1b"
     if r["recompute_modules"].strip():
         o["recompute_modules"] = r["recompute_modules"].split()
     if r["precision"].strip() == "fp8":
