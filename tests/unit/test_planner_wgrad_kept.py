@@ -40,34 +40,46 @@ def _held_bytes(roots: list, exclude: set[int], depth: int = 6) -> int:
     return sum(storages.values())
 
 
+LAYERS, B, S, H = 2, 2, 16, 32
+
+
+def _config(**kw) -> ModelConfig:
+    """The stage's model: 2 layers, h = 32, ffn = 64, s = 16, float32."""
+    return ModelConfig(
+        num_layers=LAYERS,
+        hidden_size=H,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        seq_length=S,
+        vocab_size=303,
+        make_vocab_size_divisible_by=8,
+        params_dtype="float32",
+        **kw,
+    )
+
+
+def _deferred(cfg: ModelConfig, moe=None):
+    """A layers-only stage of ``cfg`` after a forward and a backward of b = 2 that deferred its
+    weight gradients: the model and the (closure, parameter) pairs."""
+    tp = ParallelGroups.single_process().tp
+    model = GPTModel(cfg, tp, layer_ids=range(LAYERS), pre_process=False, post_process=False, defer_wgrad=True, moe=moe)
+    initialize_parameters(model, seed=1, std=0.02, num_layers=LAYERS, tp_rank=0, tp_size=1)
+    y = model(torch.randn(S, B, H, requires_grad=True))
+    with model.wgrad_queue.defer():
+        y.backward(torch.randn_like(y))
+    return model, model.wgrad_queue.take()
+
+
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("recompute", [{}, {"recompute_granularity": "full", "recompute_num_layers": 1}])
 def test_w_holds_what_the_planner_counts(swiglu, recompute):
     """Each linear's input and output gradient, all tokens: b = 2, s = 16, h = 32, ffn = 64, 4 bytes
     a value; with full recompute the tensors B recomputed, the same bytes."""
-    layers, b, s, h = 2, 2, 16, 32
-    cfg = ModelConfig(
-        num_layers=layers,
-        hidden_size=h,
-        num_attention_heads=4,
-        ffn_hidden_size=64,
-        seq_length=s,
-        vocab_size=303,
-        make_vocab_size_divisible_by=8,
-        params_dtype="float32",
-        swiglu=swiglu,
-        **recompute,
-    )
-    tp = ParallelGroups.single_process().tp
-    model = GPTModel(cfg, tp, layer_ids=range(layers), pre_process=False, post_process=False, defer_wgrad=True)
-    initialize_parameters(model, seed=1, std=0.02, num_layers=layers, tp_rank=0, tp_size=1)
-    y = model(torch.randn(s, b, h, requires_grad=True))
-    with model.wgrad_queue.defer():
-        y.backward(torch.randn_like(y))
-    jobs = model.wgrad_queue.take()
-    assert len(jobs) == 4 * layers
+    cfg = _config(swiglu=swiglu, **recompute)
+    model, jobs = _deferred(cfg)
+    assert len(jobs) == 4 * LAYERS
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    assert _held_bytes([job for job, _ in jobs], params) == layers * wgrad_kept_bytes(cfg, 1, b, precision="fp32")
+    assert _held_bytes([job for job, _ in jobs], params) == LAYERS * wgrad_kept_bytes(cfg, 1, B, precision="fp32")
 
 
 def test_moe_layers_w_holds_the_experts_and_shared_experts_tensors():
@@ -77,29 +89,12 @@ def test_moe_layers_w_holds_the_experts_and_shared_experts_tensors():
     from ptdp.config.moe import MoEConfig
     from ptdp.planner.inputs.moe_model import moe_model
 
-    layers, b, s, h = 2, 2, 16, 32
-    cfg = ModelConfig(
-        num_layers=layers,
-        hidden_size=h,
-        num_attention_heads=4,
-        ffn_hidden_size=64,
-        seq_length=s,
-        vocab_size=303,
-        make_vocab_size_divisible_by=8,
-        params_dtype="float32",
-        swiglu=True,
-    )
+    cfg = _config(swiglu=True)
     moe = MoEConfig(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=40)
-    tp = ParallelGroups.single_process().tp
-    model = GPTModel(cfg, tp, layer_ids=range(layers), pre_process=False, post_process=False, defer_wgrad=True, moe=moe)
-    initialize_parameters(model, seed=1, std=0.02, num_layers=layers, tp_rank=0, tp_size=1)
-    y = model(torch.randn(s, b, h, requires_grad=True))
-    with model.wgrad_queue.defer():
-        y.backward(torch.randn_like(y))
-    jobs = model.wgrad_queue.take()
-    assert len(jobs) == 6 * layers  # QKV, projection, shared fc1 and fc2, experts' fc1 and fc2
-    assert sum(hasattr(p, "ptdp_expert") for _, p in jobs) == 2 * layers
+    model, jobs = _deferred(cfg, moe)
+    assert len(jobs) == 6 * LAYERS  # QKV, projection, shared fc1 and fc2, experts' fc1 and fc2
+    assert sum(hasattr(p, "ptdp_expert") for _, p in jobs) == 2 * LAYERS
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     planned = moe_model(cfg, moe)
-    want = layers * wgrad_kept_bytes(planned, 1, b, precision="fp32")
+    want = LAYERS * wgrad_kept_bytes(planned, 1, B, precision="fp32")
     assert _held_bytes([job for job, _ in jobs], params) == want

@@ -235,34 +235,22 @@ def sublayer_times(
         rows = model.busiest_load(ep) * k * routed * etp
         local = max(1, experts // ep)
         m = max(1, round(rows / local))
-        expert_gemms = experts_gemm_time(
+        grouped = partial(
+            experts_gemm_time,
             local,
             m,
             h,
             halves * ffn // etp,
             ffn // etp,
-            peak_flops=weight_peak,
             bandwidth=bandwidth,
             peak_fraction=c.gemm_peak_fraction,
             half_dim=c.gemm_half_dim,
-            element=weight_bytes,
             efficiency=c.moe_grouped_gemm_efficiency,
         )
+        expert_gemms = grouped(peak_flops=weight_peak, element=weight_bytes)
         expert_wgrad = expert_gemms
         if fp8_peak and not experts_wgrad_fp8:
-            expert_wgrad = experts_gemm_time(
-                local,
-                m,
-                h,
-                halves * ffn // etp,
-                ffn // etp,
-                peak_flops=peak_flops,
-                bandwidth=bandwidth,
-                peak_fraction=c.gemm_peak_fraction,
-                half_dim=c.gemm_half_dim,
-                element=elem,
-                efficiency=c.moe_grouped_gemm_efficiency,
-            )
+            expert_wgrad = grouped(peak_flops=peak_flops, element=elem)
         act = ffn_bytes * rows * ffn / etp / bandwidth
         casts_f = casts_b = 0.0
         if fp8_peak:  # each expert GEMM's input quantised (and transposed) on the way
