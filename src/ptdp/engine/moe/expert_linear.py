@@ -28,6 +28,7 @@ from ptdp.engine.comm import AxisGroup
 from ptdp.engine.fp8 import FP8Recipe, Granularity, Role, compute_amax, fp8_matmul, quantize, scale_from_amax
 from ptdp.engine.fp8_layout import GemmDim, all_max, shared_amax, whole
 from ptdp.engine.tensor_parallel.linear import FP8GEMMs, WgradQueue, accumulate_wgrad
+from ptdp.engine.tensor_parallel.wgrad import add_weight_grad
 
 Quantized = tuple[torch.Tensor, torch.Tensor]
 
@@ -200,10 +201,10 @@ class ExpertLinearFunction(torch.autograd.Function):
 
             def job(into: torch.Tensor | None) -> torch.Tensor | None:
                 pieces = zip(grad.split(splits), x.split(splits))
-                dw = torch.stack([g.t() @ a for g, a in pieces]) if splits else torch.zeros_like(weight)
                 if into is None:
-                    return dw.to(weight.dtype)
-                into.add_(dw)
+                    return torch.stack([g.t() @ a for g, a in pieces]).to(weight.dtype)
+                for e, (g, a) in enumerate(pieces):  # float32 accumulation in the GEMM on CUDA
+                    add_weight_grad(into[e], g, a)
                 return None
 
             if plan.queue is not None and plan.queue.deferring:
