@@ -159,6 +159,31 @@ def test_delayed_scaling_uses_the_history_and_records_only_with_grad():
     torch.testing.assert_close(gemms.delayed.pending, want, **EXACT)
 
 
+def test_delayed_scaling_records_the_weight_after_an_evaluation_of_the_same_weight():
+    """An evaluation before the step quantises the weight without recording and keeps the copy;
+    the step's first forward still records the weight's amax, once (a lost amax would give the
+    next step scale 1)."""
+    recipe = FP8Recipe(format="hybrid", recipe="delayed", amax_history_len=2)
+    x, w, b, dy = _operands()
+    plan = _fp8_plan(recipe, x, w)
+    gemms = plan.fp8
+    assert gemms is not None and gemms.delayed is not None
+    weight = torch.nn.Parameter(w.clone())
+    with torch.no_grad():
+        linear(x, weight, b, plan)
+    assert not gemms.delayed.pending.any()
+    for _ in range(2):  # two microbatches of the step: the kept copy, the amax recorded once
+        linear(x.clone().requires_grad_(), weight, b, plan).backward(dy)
+    want = torch.tensor([x.abs().max(), w.abs().max(), dy.abs().max()], dtype=torch.float32)
+    torch.testing.assert_close(gemms.delayed.pending, want, **EXACT)
+    gemms.end_step()
+    with torch.no_grad():
+        linear(x, weight, b, plan)
+    gemms.delayed.step()  # pending reset to zeros
+    linear(x.clone().requires_grad_(), weight, b, plan).backward(dy)
+    assert gemms.delayed.pending[1] == w.abs().max().float()
+
+
 def test_token_dim_holds_the_cp_rank_s_two_chunks():
     class Axis:  # a stand-in with the attributes token_dim reads
         def __init__(self, rank, size):

@@ -142,15 +142,23 @@ class FP8GEMMs:
         self.recording = True
         """Whether delayed scaling records this call's amaxes (not in evaluation, without grad)."""
         self._weights: dict[bool, tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._weight_recorded = False
+        """Whether delayed scaling recorded the kept weight's amax (a copy made in evaluation did not)."""
 
     def weight(self, weight: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The quantised ``W [N, K]`` (forward) or ``Wᵀ [K, N]`` (dgrad, ``transposed``), from
-        this step's copy while ``weight`` is unchanged (same storage and version)."""
+        this step's copy while ``weight`` is unchanged (same storage and version). Under delayed
+        scaling a recording call records the weight's amax once per copy, also when the copy was
+        made while not recording (evaluation before the step)."""
         key = (weight.data_ptr(), weight._version)
         kept = self._weights.get(transposed)
         if kept is not None and kept[0] == key:
+            if self.delayed is not None and self.recording and not self._weight_recorded:
+                self.delayed.observe("weight", compute_amax(weight.detach(), "tensor"))
+                self._weight_recorded = True
             return kept[1]
         if not transposed:
+            self._weight_recorded = self.recording
             quantized = self.quantize(weight, self.out_dim, self.in_dim, "weight")
         elif self.reuses_transpose("weight"):
             q, scale_inv = self.transposed(self.weight(weight, False))
@@ -163,6 +171,7 @@ class FP8GEMMs:
     def end_step(self) -> None:
         """Drop the step's FP8 weights (the next step quantises the updated weights)."""
         self._weights.clear()
+        self._weight_recorded = False
 
     def tokens(self, shape: torch.Size) -> GemmDim:
         """The token dim of an activation ``[s, b, ·]`` (or ``[T, ·]``) on this rank."""
