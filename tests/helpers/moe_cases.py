@@ -167,7 +167,7 @@ RUNS = {
     (2, 1, 1, 1): ["moe_capacity_shared", "moe_forced", "moe_capacity_shared:pad", "moe:blockwise"],
     (1, 2, 1, 1): ["moe_capacity_shared", "moe_bias", "moe:rowwise"],
     (1, 1, 2, 1): ["moe_llama_sigmoid", "moe_bias"],
-    (1, 1, 1, 2): ["moe_llama_sigmoid", "moe_forced", "moe_global"],
+    (1, 1, 1, 2): ["moe_llama_sigmoid", "moe_forced", "moe_global", "moe_forced:optim_grads_params"],
     (2, 1, 2, 1): ["moe_capacity_shared", "moe_bias", "moe_llama_sigmoid", "moe_global"],
 }
 
@@ -253,7 +253,7 @@ def collect_ep(cfg: Config, groups: ParallelGroups, stage=None, steps: range = r
 #: the variants each expert-parallel layout runs; every sharding strategy where edp > 1, and 16-bit
 #: parameters (float32 main parameters over both buffers)
 EP_RUNS = {
-    (1, 1, 1, 2, 2): ["moe_ep", "moe_llama_sigmoid", "moe_ep:tensorwise", "moe_ep:rowwise"],
+    (1, 1, 1, 2, 2): ["moe_ep", "moe_llama_sigmoid", "moe_ep:tensorwise", "moe_ep:rowwise", "moe_forced:optim_grads"],
     (1, 1, 1, 4, 4): ["moe_ep", "moe_ep_dropless", "moe_ep:allgather"],
     (2, 1, 1, 2, 2): ["moe_ep", "moe_ep:optim_grads_params", "moe_ep:tensorwise"],
     (1, 2, 1, 2, 2): ["moe_ep", "moe_ep:optim", "moe_ep:pad", "moe_ep:postval"],

@@ -116,7 +116,7 @@ def predicted_transients(config: Config, layout: Candidate, pp_rank: int) -> dic
     strategy is ``optim_grads`` / ``optim_grads_params`` over dp x cp > 1): ``params_transient``
     gathered 16-bit (or float32) weights, ``grads_transient`` float32 gradient buckets
     (:func:`ptdp.planner.memory.params.stage_transients`, as the planner's memory counts them)."""
-    m = config.model
+    m = planned_model(config)
     layers = config.pipeline.stage_layers[pp_rank]
     params, grads = stage_transients(m, layout, pp_rank, layers, m.make_vocab_size_divisible_by)
     weight, grad, _ = strategy_bytes_per_param(layout.precision, "no_shard", 1, bf16_grads=layout.bf16_grads)
@@ -370,8 +370,9 @@ def _moe_rank_row(config: Config, layout, r: dict, scale: float = 1.0) -> dict:
     the stage's dense parameters under the run's strategy over dp x cp, with ep = etp = 1 the experts
     among them; else the rank's experts whole, their Adam state over edp when sharded) against the
     measured ones. Exact up to bucket padding; with ``optim_grads`` / ``optim_grads_params`` over
-    more than one rank the transients are not modelled for MoE layers (``exact`` None). ``scale``:
-    bytes per value over the layout's precision's (2 for float64 counted as float32)."""
+    more than one rank also the transients when every layer is an MoE layer (the planner replays
+    each layer as the model's most common kind: with dense layers among them ``exact`` None).
+    ``scale``: bytes per value over the layout's precision's (2 for float64 counted as float32)."""
     p = config.parallel
     stage = r["coords"][2]
     counts, own = layout_stage_counts(
@@ -396,10 +397,16 @@ def _moe_rank_row(config: Config, layout, r: dict, scale: float = 1.0) -> dict:
         "grads": pad * per_param[1] + expert_pad * expert_param[1],
         "optimizer": pad * per_param[2] + expert_pad * expert_param[2],
     }
-    if p.sharding_strategy in ("optim_grads", "optim_grads_params") and p.dp * p.cp > 1:
-        return {"coords": r["coords"], "predicted": predicted, "measured": {k: r[k] for k in predicted}, "exact": None}
+    row = {"coords": r["coords"], "predicted": predicted, "measured": {k: r[k] for k in predicted}}
     same = all(0 <= r[k] - predicted[k] <= slack[k] for k in predicted)
-    return {"coords": r["coords"], "predicted": predicted, "measured": {k: r[k] for k in predicted}, "exact": same}
+    if p.sharding_strategy in ("optim_grads", "optim_grads_params") and p.dp * p.cp > 1:
+        if not all(config.moe.moe_layers(config.model.num_layers)):  # dense layers among them: not modelled
+            return {**row, "exact": None}
+        transients = {k: int(scale * n) for k, n in predicted_transients(config, layout, stage).items()}
+        measured = {k: r.get(k, 0) for k in transients}
+        row["transients"] = {"predicted": transients, "measured": measured}
+        same = same and measured == transients
+    return {**row, "exact": same}
 
 
 def profile_path(config: Config) -> Path | None:

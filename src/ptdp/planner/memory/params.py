@@ -170,6 +170,7 @@ def stage_transients(
         chunk_rounds(layout.num_microbatches, layout.pp),
         layout.parallel.schedule in SPLIT_ORDERS,
         placement_of(layout.parallel.schedule),
+        layout.ep * layout.etp == 1,  # the routed experts in this buffer (else their own)
     )
 
 
@@ -192,11 +193,13 @@ def _stage_transients(
     rounds: int = 1,
     whole_step: bool = False,
     placement: str = "looped",
+    experts: bool = False,
 ) -> tuple[int, int]:
     """:func:`~ptdp.planner.memory.transients.rank_transients` of pipeline rank ``stage`` (its ``v``
     model chunks sharing its ``n_layers`` layers, placed by ``placement``); cached on plain numbers
     for the search. ``whole_step``: B and W apart, every bucket kept from its first B to the W
-    completing its chunk (``GradBuffer.begin_backwards`` with ``split``)."""
+    completing its chunk (``GradBuffer.begin_backwards`` with ``split``); ``experts``: an MoE
+    layer's routed experts in the dense buffer (ep = etp = 1)."""
     chunks = stage_chunks(model.num_layers, pp, v, stage, n_layers, placement)
     return rank_transients(
         model,
@@ -213,6 +216,7 @@ def _stage_transients(
         main_grad=main_grad,
         rounds=rounds,
         whole_step=whole_step,
+        experts=experts,
     )
 
 

@@ -75,12 +75,13 @@ def _allocation_states(
     divisible_by: int,
     main_grad: bool,
     run: tuple[Chunk, ...],
+    experts: bool = False,
 ) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """Replay the backwards of the chunks of ``run`` in order, no flush between them: after each
     allocation (where ``GradBuffer.peak_live_bytes`` is counted) the unpadded elements alive and
     those of each alive bucket, largest first; a launch with two in flight first lands (frees)
     the oldest. Which buckets are alive does not depend on the shard size, only their padding."""
-    plans = [_chunk_plan(model, tp, split, c, bucket, by_unit, divisible_by, main_grad) for c in run]
+    plans = [_chunk_plan(model, tp, split, c, bucket, by_unit, divisible_by, main_grad, experts) for c in run]
     alive: list[dict[int, int]] = [{} for _ in plans]  # slot -> bucket -> unpadded elements
     launched: list[tuple[int, int]] = []
     live = 0
@@ -123,13 +124,15 @@ def _padded_peak(states: tuple[tuple[int, tuple[int, ...]], ...], d: int) -> int
     return best
 
 
-def _ready_order(model: ModelConfig, tp: int, params, word: int | None, main_grad: bool = False) -> list[int]:
+def _ready_order(
+    model: ModelConfig, tp: int, params, word: int | None, main_grad: bool = False, experts: bool = False
+) -> list[int]:
     """Parameter indices of a chunk (:func:`chunk_params`) in the order a backward completes
     their gradients: the head's back to front, each layer's as :func:`_layer_params` says from
     the last layer to the first, then the others back to front, the looked-up word embedding
     (index ``word``) last, after the position table (the two sum into the chunk's input: the
     table's gradient is accumulated before backward enters the lookup)."""
-    places = [place for _, place in _layer_params(model, tp, main_grad)]
+    places = [place for _, place in _layer_params(model, tp, main_grad, experts)]
     by_place = sorted(range(len(places)), key=places.__getitem__)  # a layer's positions, in completion order
     layer_index: dict[int, list[int]] = {}
     for i, (_, group, _) in enumerate(params):
@@ -164,6 +167,7 @@ def rank_transients(
     main_grad: bool = False,
     rounds: int = 1,
     whole_step: bool = False,
+    experts: bool = False,
 ) -> tuple[int, int]:
     """(gathered parameter elements, gradient bucket elements) at their peaks on one rank holding
     ``chunks`` (its model chunks in order), sharded over ``d`` ranks with ``bucket``-element buckets;
@@ -176,23 +180,18 @@ def rank_transients(
     with ``rounds`` > 1 the last chunk's next round also follows the first chunk's reduction;
     ``whole_step`` (B and W apart): every chunk's buckets alive at once.
     """
-    periodic = params_sharded or max(layer_param_sizes(model, tp)) >= bucket
+    periodic = params_sharded or max(layer_param_sizes(model, tp, experts)) >= bucket
     short = chunks
     if periodic and any(c.layers > PERIODIC_LAYERS + 1 for c in chunks):
         short = tuple(Chunk(min(c.layers, PERIODIC_LAYERS), c.first, c.last) for c in chunks)
     split = pp > 1  # all a chunk's plan needs of pp (the tied copy)
-    plan = {c: _chunk_plan(model, tp, split, c, bucket, params_sharded, divisible_by, main_grad) for c in set(short)}
+    args = (bucket, params_sharded, divisible_by, main_grad, experts)
+    plan = {c: _chunk_plan(model, tp, split, c, *args) for c in set(short)}
     padded = {c: sum(n + (-n) % d for n in p.raw) for c, p in plan.items()}  # each kind of chunk once
     totals = [padded[c] for c in short]
     if short != chunks:
         longer = [Chunk(min(c.layers, PERIODIC_LAYERS + 1), c.first, c.last) for c in chunks]
-        more = {
-            c: sum(
-                n + (-n) % d
-                for n in _chunk_plan(model, tp, split, c, bucket, params_sharded, divisible_by, main_grad).raw
-            )
-            for c in set(longer)
-        }
+        more = {c: sum(n + (-n) % d for n in _chunk_plan(model, tp, split, c, *args).raw) for c in set(longer)}
         totals = [t + (c.layers - s.layers) * (more[m] - t) for c, s, t, m in zip(chunks, short, totals, longer)]
     if whole_step:
         grads = sum(totals)
@@ -205,7 +204,7 @@ def rank_transients(
     elif overlap:  # each kind of chunk alone, and each after the chunk after it (its last backward)
         runs = {(c,) for c in short} | {(short[i + 1], short[i]) for i in range(len(short) - 1)}
         key = (model, tp, split, bucket, params_sharded, divisible_by, main_grad)
-        grads = max(_padded_peak(_allocation_states(*key, run), d) for run in runs)
+        grads = max(_padded_peak(_allocation_states(*key, run, experts), d) for run in runs)
     else:
         grads = max(t + (totals[c + 1] if c + 1 < len(totals) else 0) for c, t in enumerate(totals))
     if not params_sharded:
@@ -239,11 +238,14 @@ def _chunk_plan(
     by_unit: bool,
     divisible_by: int,
     main_grad: bool = False,
+    experts: bool = False,
 ) -> _Plan:
-    """The :class:`_Plan` of ``chunk`` (``split``: pp > 1; ``main_grad``: 16-bit weights)."""
-    params = chunk_params(model, tp, chunk, divisible_by)
+    """The :class:`_Plan` of ``chunk`` (``split``: pp > 1; ``main_grad``: 16-bit weights; ``experts``:
+    an MoE layer's routed experts in this buffer)."""
+    params = chunk_params(model, tp, chunk, divisible_by, experts)
     deferred = _tied_copy_index(model, split, chunk)
-    order = _ready_order(model, tp, params, int(model.has_position_table) if chunk.first else None, main_grad)
+    word = int(model.has_position_table) if chunk.first else None
+    order = _ready_order(model, tp, params, word, main_grad, experts)
     buckets = plan_buckets(params, bucket, by_unit=by_unit, deferred=deferred)
     raw = tuple(sum(params[i][0] for i in members) for members in buckets)
     plan = _Plan(params, buckets, raw, tuple(_backward_events(params, buckets, deferred, order)))
@@ -294,6 +296,7 @@ def unit_gathers(
     bucket: int,
     *,
     divisible_by: int = 128,
+    experts: bool = False,
 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """``optim_grads_params``: the parameter all-gathers of one microbatch on one rank holding ``chunks``,
     as (calls, padded elements) for its forwards and for its backwards (resharded after forward): one
@@ -302,7 +305,7 @@ def unit_gathers(
     """
     forward, backward = [0, 0], [0, 0]
     for chunk in chunks:
-        plan = _chunk_plan(model, tp, pp > 1, chunk, bucket, True, divisible_by)
+        plan = _chunk_plan(model, tp, pp > 1, chunk, bucket, True, divisible_by, experts=experts)
         for members, n in zip(plan.buckets, plan.raw):
             passes = (forward,) if plan.params[members[0]][2] == EMBED_UNIT else (forward, backward)
             for counts in passes:
