@@ -426,3 +426,25 @@ def test_an_moe_layers_w_runs_the_experts_weight_gradients():
     assert f + b + w == pytest.approx(t.compute + t.recompute + t.tp_comm + t.cp_comm + t.ep_comm)
     plan = evaluate_performance(model, layout, cluster)
     assert plan.passes is not None and plan.passes.backward_weight == pytest.approx(4 * w)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"dp": 0}, "dp 0"),
+        ({"pass_times_s": {"forward": "a", "backward_input": 1, "backward_weight": 1, "p2p": 0}}, "forward 'a'"),
+        (
+            {"pass_times_s": {"forward": 1, "backward_input": 1, "backward_weight": 0, "p2p": 0}},
+            "F, B and W must be > 0",
+        ),
+        ({"pass_times_s": {"forward": 1, "backward_input": 1, "backward_weight": 1, "p2p": -1}}, ">= 0"),
+    ],
+)
+def test_times_from_a_hand_edited_plan_names_what_is_wrong(tmp_path, capsys, edit, message):
+    plan_json = tmp_path / "plan.json"
+    assert main(["plan", *MODEL_FLAGS, "--gpus", "8", "--global-batch-size", "32", "--pp", "4", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    records[0].update(edit)
+    plan_json.write_text(json.dumps(records))
+    assert main(["schedule", "--pipeline-schedule", "auto", "--times-from", str(plan_json)]) == 2
+    assert message in capsys.readouterr().err

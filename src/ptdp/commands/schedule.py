@@ -164,12 +164,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1))
         return 0
     print(f"{kind}: pp={p}, num_microbatches={m}, virtual stages per rank={v}, placement {placement}")
-    value = "none" if ideal is None else f"{ideal:.4f}"
-    print(f"bubble: {formula} = {value} of the ideal time with F = B = W")
+    if ideal is None:
+        print(f"bubble with F = B = W: {formula}, none at m = {m}; the simulated rate below")
+    else:
+        print(f"bubble: {formula} = {ideal:.4f} of the ideal time with F = B = W")
     t = times
     print(
         f"simulated: (span - m (F + B + W)) / span = {run_.bubble_rate:.4f} with F {t.forward:g}, B "
-        f"{t.backward_input:g}, W {t.backward_weight:g}, p2p {t.p2p:g} (span {run_.spans[longest]:.4g} on rank {longest})"
+        f"{t.backward_input:g}, W {t.backward_weight:g}, p2p {t.p2p:g} (span {run_.spans[longest]:.4g} "
+        f"{'ms' if measured else 'x F'} on rank {longest})"
     )
     print(
         "per rank, idle / busy with F = B = W (a whole backward 2): "
@@ -251,32 +254,34 @@ def _plan_times(args: argparse.Namespace):
             "when its pp > 1 (e.g. ptdp plan ... --pp 8 --json)"
         )
     best = plans[0]
-    try:
-        passes = {
-            k: 1e3 * float(best["pass_times_s"][k]) for k in ("forward", "backward_input", "backward_weight", "p2p")
-        }
-        pp = int(best["pp"])
-        m = int(best["global_batch_size"]) // (int(best["micro_batch_size"]) * int(best["dp"]))
-    except (KeyError, TypeError, ValueError) as err:
+    fields = {"pp": best.get("pp"), "micro_batch_size": best.get("micro_batch_size"), "dp": best.get("dp")}
+    fields |= {"global_batch_size": best.get("global_batch_size")}
+    bad = [f"{k} {v!r}" for k, v in fields.items() if type(v) is not int or v < 1]
+    times = best["pass_times_s"] if isinstance(best["pass_times_s"], dict) else {}
+    names = ("forward", "backward_input", "backward_weight", "p2p")
+    bad += [f"pass_times_s.{k} {times.get(k)!r}" for k in names if not _is_number(times.get(k))]
+    if bad:
         raise ConfigError(
-            f"--times-from {path}: the best plan lacks {err}; give what `ptdp plan --json` prints"
-        ) from None
-    if (
-        not all(math.isfinite(t) and t >= 0 for t in passes.values())
-        or min(passes["forward"], passes["backward_input"]) <= 0
-    ):
-        raise ConfigError(f"--times-from {path}: pass times {passes} must be finite, F and B > 0")
+            f"--times-from {path}: the best plan has {', '.join(bad)}: give what `ptdp plan --json` prints "
+            "(pp, micro_batch_size, dp, global_batch_size positive integers; pass times numbers)"
+        )
+    passes = {k: 1e3 * float(times[k]) for k in names}
+    pp, m = int(best["pp"]), int(best["global_batch_size"]) // (int(best["micro_batch_size"]) * int(best["dp"]))
+    if not all(math.isfinite(t) for t in passes.values()) or min(passes.values()) < 0 or m < 1:
+        raise ConfigError(f"--times-from {path}: pass times {passes} ms and m {m}: times finite and >= 0, m >= 1")
+    if min(passes["forward"], passes["backward_input"], passes["backward_weight"]) <= 0:
+        raise ConfigError(f"--times-from {path}: pass times {passes} ms: F, B and W must be > 0")
     if args.pipeline_model_parallel_size not in (None, pp):
         raise ConfigError(
             f"--pp {args.pipeline_model_parallel_size} with --times-from {path}: its times are one rank's layers at "
             f"pp {pp}; leave --pp out or plan at pp {args.pipeline_model_parallel_size}"
         )
     m = m if args.num_microbatches is None else args.num_microbatches
-    return (
-        StageTimes(passes["forward"], passes["backward_input"], max(passes["backward_weight"], 1e-12), passes["p2p"]),
-        pp,
-        m,
-    )
+    return StageTimes(passes["forward"], passes["backward_input"], passes["backward_weight"], passes["p2p"]), pp, m
+
+
+def _is_number(value) -> bool:
+    return type(value) in (int, float)
 
 
 def _check_plot_path(path: str) -> None:

@@ -307,4 +307,4 @@ def bubble_formula(kind: str, p: int, m: int, v: int = 1) -> tuple[str, float | 
         return "0 from m = 2p - 1", 0.0 if m >= 2 * p - 1 else None
     if kind == "dualpipev":
         return "(p - 1) / (6 m)", (p - 1) / (6 * m)
-    return "none (built from the times)", None
+    return "no closed form (built from the measured times)", None
