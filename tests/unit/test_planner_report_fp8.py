@@ -62,3 +62,18 @@ def test_an_fp8_runs_report_names_its_recipe_and_fp8_bytes(tmp_path, dtype):
     assert line.startswith("    FP8 (hybrid, tensorwise recipe), stage 0: ")
     assert f"{copies / 2**20:,.1f} MiB FP8 weight copies + {activations / 2**20:,.1f} MiB activations" in line
     assert "fp8" not in reference
+
+
+def test_an_moe_fp8_pipeline_runs_report_has_its_fp8_and_bubble_lines():
+    """An MoE run reports its FP8 bytes (the planned MoE model's) and its schedule's bubble too."""
+    config = ptdp.load_config(
+        world_size=2, tp=1, pp=2, pipeline_schedule="zb-h1", micro_batch_size=1, global_batch_size=4,
+        params_dtype="bfloat16", num_experts=4, moe_router_topk=2, fp8_format="hybrid", fp8_recipe="rowwise",
+    )  # fmt: skip
+    ranks = [dict(PER_RANK[0], coords=(0, 0, r)) for r in range(2)]
+    check = compare(config, ranks, None, None)
+    assert check["fp8"]["recipe"] == "rowwise" and check["fp8"]["predicted_weight_copy_bytes"] > 0
+    assert check["pipeline"]["schedule"] == "zb-h1"
+    lines = format_comparison(check)
+    assert any(line.startswith("    FP8 (hybrid, rowwise recipe), stage ") for line in lines)
+    assert any("zb-h1 schedule: the step idles" in line for line in lines)

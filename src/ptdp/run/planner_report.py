@@ -202,6 +202,10 @@ def compare(
         }
         if config.parallel.ep * config.parallel.etp > 1:
             moe.update(_moe_checks(config, layout, per_rank, profile, moe_max_rank_load))
+        if layout.fp8:
+            moe["fp8"] = fp8_bytes(config, layout)
+        if config.parallel.pp > 1:
+            moe["pipeline"] = pipeline_bubble(config)
         return moe
     layout = run_candidate(config)
     if layout is None:
@@ -447,10 +451,16 @@ def format_comparison(check: dict) -> list[str]:
             )
     padded = any(r.get("padding_elements") for r in check["ranks"])
     exact = check["bytes_exact_on_every_rank"]
-    verdict = "not modelled (sharded gradients of MoE layers)" if exact is None else "yes" if exact else "NO"
+    verdict = (
+        "not modelled (sharded gradients with dense layers among MoE layers)"
+        if exact is None
+        else "yes"
+        if exact
+        else "NO"
+    )
     lines.append(f"    bytes equal on every rank{' (up to bucket padding)' if padded else ''}: {verdict}")
     if "limits" in check:  # an MoE run: its state bytes, with ep or etp > 1 its exchanges and load
-        return [*lines, *_moe_lines(check), f"    ({check['limits']})"]
+        return [*lines, *_moe_lines(check), *_fp8_and_pipeline_lines(check), f"    ({check['limits']})"]
     pm = check["peak_memory"]
     predicted = (
         f"{pm['predicted_bytes'] / 2**20:,.0f} MiB predicted (model state + activations), "
@@ -462,6 +472,22 @@ def format_comparison(check: dict) -> list[str]:
     )
     if "note" in pm:
         lines.append(f"      ({pm['note']})")
+    lines += _fp8_and_pipeline_lines(check)
+    st = check.get("step_time", {})
+    if "predicted_s" in st:
+        verdict = "within" if st["within_25_percent"] else "NOT within"
+        lines.append(
+            f"    step time: {st['predicted_s']:.3f} s predicted, {st['measured_s']:.3f} s measured "
+            f"({100 * st['error']:+.0f}%, {verdict} 25%; profile {st['profile']})"
+        )
+    elif "note" in st:
+        lines.append(f"    step time: {st['note']}")
+    return lines
+
+
+def _fp8_and_pipeline_lines(check: dict) -> list[str]:
+    """The FP8 bytes' and the pipeline bubble's lines of :func:`format_comparison`, where the run has them."""
+    lines: list[str] = []
     if "fp8" in check:
         f = check["fp8"]
         lines.append(
@@ -481,15 +507,6 @@ def format_comparison(check: dict) -> list[str]:
             f"    {pl['schedule']} schedule: the step idles {100 * pl['bubble_fraction']:.1f}% of its work "
             f"with F = B = W (simulated){seconds}"
         )
-    st = check.get("step_time", {})
-    if "predicted_s" in st:
-        verdict = "within" if st["within_25_percent"] else "NOT within"
-        lines.append(
-            f"    step time: {st['predicted_s']:.3f} s predicted, {st['measured_s']:.3f} s measured "
-            f"({100 * st['error']:+.0f}%, {verdict} 25%; profile {st['profile']})"
-        )
-    elif "note" in st:
-        lines.append(f"    step time: {st['note']}")
     return lines
 
 
