@@ -74,7 +74,7 @@ def test_the_busiest_stages_predicted_exchanges_against_the_slowest_rank(
     assert ex["predicted_s"] == pytest.approx(want, rel=1e-12) and ex["measured_s"] == 0.03
     assert ex["error"] == pytest.approx(want / 0.03 - 1.0, rel=1e-12)
     assert check["expert_load"] == {"predicted": 1.0, "measured": 1.25}
-    lines = format_comparison(check)
+    lines = [line for line in format_comparison(check) if "schedule: the step idles" not in line]  # pp 2's bubble
     assert lines[-3:] == [
         f"    MoE all-to-all per step: {1e3 * want:.3g} ms predicted (busiest stage), 30 ms measured (slowest rank) "
         f"({100 * (want / 0.03 - 1):+.0f}%)",
@@ -90,7 +90,8 @@ def test_without_a_profile_or_a_timing_the_report_says_why(tmp_path):
         "measured_s": 0.03,
         "note": "no hardware profile: run `ptdp plan --calibrate` to predict it",
     }
-    assert format_comparison(check)[-4:-1] == [
+    lines = [line for line in format_comparison(check) if "schedule: the step idles" not in line]  # pp 2's bubble
+    assert lines[-4:-1] == [
         "    MoE all-to-all per step: 30 ms measured (slowest rank)",
         "      (not predicted: no hardware profile: run `ptdp plan --calibrate` to predict it)",
         "    expert load (busiest ep rank over the mean): 1.00 predicted, not measured",
