@@ -5,7 +5,7 @@ writing its JSON report as soon as it has a result.
     PYTHONPATH=src python3 benchmarks/gpu_check.py compile --output-dir DIR  # speed, compiled
     PYTHONPATH=src python3 benchmarks/gpu_check.py probes --output-dir DIR   # kernels, GEMMs, host syncs
     PYTHONPATH=src python3 benchmarks/gpu_check.py moe --output-dir DIR      # a small MoE model, grouped GEMM
-    PYTHONPATH=src python3 benchmarks/gpu_check.py fp8 --output-dir DIR      # bf16, FP8 tensorwise, FP8 rowwise
+    PYTHONPATH=src python3 benchmarks/gpu_check.py fp8 --output-dir DIR      # bf16, FP8 tensorwise, rowwise, blockwise
     PYTHONPATH=src python3 benchmarks/gpu_check.py zb --output-dir DIR       # 1f1b, zb-h1, zb-v at pp = 1
     python benchmarks/gpu_check.py STAGE --device cpu --quick --output-dir DIR  # a tiny model on the CPU
     benchmarks/gpu_run.sh first DIR; benchmarks/gpu_run.sh second DIR; benchmarks/gpu_run.sh third DIR
@@ -24,7 +24,7 @@ Stages (:data:`STAGES`, default budgets :data:`BUDGET_S`):
   GEMM, the grouped GEMM against the per-expert loop, a few training steps whose loss must fall,
   step time and tokens/s).
 - ``fp8``: ``gpu_fp8.py`` (the 1.3B GPT trained the same steps on the same batch in bfloat16, then
-  with FP8 GEMMs under the tensorwise and the rowwise recipe: tokens/s, MFU, peak memory and the
+  with FP8 GEMMs under the tensorwise, rowwise and blockwise recipes: tokens/s, MFU, peak memory and the
   loss difference against bfloat16 per run, each run a JSON line when it ends).
 - ``zb``: ``gpu_zb.py`` (the 1.3B GPT trained the same steps on the same batch, 4 microbatches, from
   the same weights under the 1f1b, zb-h1 and zb-v pipeline schedules at pp = 1: per-step losses,

@@ -1,5 +1,5 @@
 """The GPU check's ``fp8`` stage: the timed GPT trained without FP8, then with its layers' GEMMs in
-FP8 under the tensorwise recipe, then the rowwise one, the same steps on the same data.
+FP8 under the tensorwise recipe, then the rowwise one, then blockwise, the same steps on the same data.
 
 The model is the eager row's (``gpu_models.FULL``: the 1.3B GPT; ``--quick`` the tiny one) with
 bfloat16 parameters (the stage's default dtype on the CPU too), tp = pp = dp = 1. Each run builds
@@ -35,9 +35,9 @@ from gpu_report import NOT_ON_CPU, Budget, StageReport
 
 from ptdp.config.fp8 import FP8Config
 from ptdp.config.schema import Config
-from ptdp.engine.fp8 import FP8Recipe, has_scaled_mm_kernel
+from ptdp.engine.fp8 import FP8Recipe, has_scaled_mm_kernel, quantize_current
 
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = ("tensorwise", "rowwise", "blockwise")
 """The FP8 runs after the baseline, in order."""
 FORMAT = "hybrid"
 LR = 5e-4
@@ -60,13 +60,13 @@ def gemm_paths(recipe: str, dtype: str, device: torch.device) -> dict:
     if device.type != "cuda":
         return {"status": NOT_ON_CPU}
     r = FP8Recipe(format=FORMAT, recipe=recipe)
-    scale_shape = () if r.granularity("input") == "tensor" else (16, 1)
     out: dict = {}
-    for gemm, roles in GEMMS.items():
-        a, b = (torch.zeros(16, 16, device=device).to(r.dtype(role)) for role in roles)
-        scale = torch.ones(scale_shape, device=device)
+    for gemm, roles in GEMMS.items():  # 256 x 256 operands quantised with each role's scales
+        (a, a_inv), (b, b_inv) = (
+            quantize_current(torch.randn(256, 256, device=device), r.dtype(role), r.granularity(role)) for role in roles
+        )
         out_dtype = torch.float32 if gemm == "wgrad" else getattr(torch, dtype)
-        out[gemm] = "torch._scaled_mm" if has_scaled_mm_kernel(a, scale, b, scale, out_dtype) else "emulated"
+        out[gemm] = "torch._scaled_mm" if has_scaled_mm_kernel(a, a_inv, b, b_inv, out_dtype) else "emulated"
     return out
 
 

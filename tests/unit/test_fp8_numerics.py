@@ -663,3 +663,49 @@ def test_cuda_fp8_matmul_against_emulation(grain, pair):
     assert ((got.double() - emulated.double()).abs() <= 2.0**-20 * magnitude).all()
     if not kernel:
         assert torch.equal(got, emulated)
+
+
+def _fake_scaled_mm(shuffle: bool):
+    """A stand-in ``torch._scaled_mm`` reading the scales as cuBLAS does (blockwise: 1x128 scales
+    ``[M, K/128]``, the weight's ``[K/128, N/128]`` or ``[K/128, N]`` with ``b`` ``[K, N]``), or with
+    ``shuffle`` the row scales reversed (a kernel reading another layout)."""
+
+    def expand(scale, rows, cols):
+        scale = scale.float()
+        if scale.numel() == 1:
+            return scale.reshape(()).expand(rows, cols)
+        if scale.size(0) not in (rows, 1):
+            scale = scale.repeat_interleave(fp8.TILE, dim=0)[:rows]
+        if scale.size(1) not in (cols, 1):
+            scale = scale.repeat_interleave(fp8.TILE, dim=1)[:, :cols]
+        return scale.expand(rows, cols)
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        (m, k), n = a.shape, b.shape[1]
+        sa = expand(scale_a, m, k)
+        if shuffle:
+            sa = sa.flip(0)
+        return ((a.float() * sa) @ (b.float() * expand(scale_b, k, n))).to(out_dtype)
+
+    return scaled_mm
+
+
+@pytest.mark.parametrize("kind", ["block", "block_1x128", "row", "tensor"])
+def test_a_kernel_is_used_only_where_it_equals_the_emulation(monkeypatch, kind):
+    """The once-per-combination trial of ``torch._scaled_mm`` compares it with the emulation on
+    random operands and scales: a kernel reading the scales otherwise is never used."""
+    for shuffle, want in ((False, True), (True, kind == "tensor")):  # a tensor scale has no layout
+        fp8._kernel_runs.cache_clear()
+        monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm(shuffle))
+        assert fp8._kernel_runs(torch.device("cpu"), kind, E4M3, E4M3, torch.float32) is want, shuffle
+    fp8._kernel_runs.cache_clear()
+
+
+def test_blockwise_kinds_by_scale_shapes():
+    """1x128 by 128x128 (forward, input gradient) and 1x128 by 1x128 (weight gradient) scales; no
+    blockwise kernel off CUDA."""
+    aq, a_inv, wq, w_inv = operands(16, 256, 256, E4M3, E4M3, "1x128")  # the weight 128x128
+    assert fp8._scaled_mm_kind(aq, a_inv, wq, w_inv) == "block"
+    bq, b_inv = fp8.quantize_current(torch.randn(256, 256), E4M3, "1x128")
+    assert fp8._scaled_mm_kind(aq, a_inv, bq, b_inv) == "block_1x128"
+    assert not fp8.has_scaled_mm_kernel(aq, a_inv, wq, w_inv, torch.float32)  # CUDA only

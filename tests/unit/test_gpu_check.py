@@ -176,7 +176,7 @@ def test_moe_stage_falls_back_to_the_loop(bench, tmp_path, monkeypatch, capsys):
     assert r["moe"]["training"]["falling"]
 
 
-def test_fp8_stage_trains_bf16_then_fp8_tensorwise_and_rowwise(bench, tmp_path, capsys):
+def test_fp8_stage_trains_bf16_then_fp8_tensorwise_rowwise_and_blockwise(bench, tmp_path, capsys):
     """The same steps on the same batch: the FP8 runs' first loss differs from bfloat16's by FP8's
     rounding of the forward only, every loss falls; each run one JSON line when it ends."""
     r = run_stage(bench, tmp_path, "fp8")
@@ -189,6 +189,7 @@ def test_fp8_stage_trains_bf16_then_fp8_tensorwise_and_rowwise(bench, tmp_path, 
         ("bfloat16", None),
         ("fp8 tensorwise", "tensorwise"),
         ("fp8 rowwise", "rowwise"),
+        ("fp8 blockwise", "blockwise"),
     ]
     base = runs[0]
     for run in runs:
@@ -231,9 +232,10 @@ def test_an_fp8_stage_out_of_budget_or_failing_a_run(bench, tmp_path, monkeypatc
     r = run_stage(bench, tmp_path, "fp8", "--budget", "1e-6")
     (run,) = r["fp8"]["runs"]
     assert r["budget_exhausted"] and r["failures"] == [] and len(run["losses"]) == 1 and run["falling"] is None
-    assert r["notes"][-2:] == [
+    assert r["notes"][-3:] == [
         "fp8: fp8 tensorwise not run: stopped, the stage's budget of 1e-06 s was spent",
         "fp8: fp8 rowwise not run: stopped, the stage's budget of 1e-06 s was spent",
+        "fp8: fp8 blockwise not run: stopped, the stage's budget of 1e-06 s was spent",
     ]
     fp8 = bench["gpu_fp8"]
     real = fp8.fp8_config
@@ -248,7 +250,7 @@ def test_an_fp8_stage_out_of_budget_or_failing_a_run(bench, tmp_path, monkeypatc
         run_stage(bench, tmp_path, "fp8")
     r = json.loads((tmp_path / "gpu_check_fp8.json").read_text())
     assert r["failures"] == ["fp8: fp8 tensorwise: RuntimeError: no kernel (simulated)"]
-    assert [len(run.get("losses", [])) for run in r["fp8"]["runs"]] == [4, 0, 4]
+    assert [len(run.get("losses", [])) for run in r["fp8"]["runs"]] == [4, 0, 4, 4]
     assert r["fp8"]["runs"][2]["compared_steps"] == 4
 
 

@@ -211,7 +211,7 @@ def test_the_recipe_a_plan_models(capsys):
     assert recipe("--fp8", "--fp8-param-gather") == {None}  # Megatron-LM's FP8 weights: Transformer Engine's
     assert recipe() == {None}
     code, out, _ = _plan(capsys, "--fp8-format", "hybrid", "--fp8-recipe", "blockwise")
-    assert code == 0 and "blockwise FP8 runs emulated in ptdp train" in out
+    assert code == 0 and "blockwise FP8 is planned emulated" in out
     assert "FP8 GEMMs (blockwise)" in out
     code, _, err = _plan(capsys, "--fp8-recipe", "tensorwise", "--fp8-margin", "1")
     assert code == 2

@@ -225,31 +225,69 @@ def _scaled_mm_kind(
         return "tensor"
     if a_scale_inv.shape == (a_q.size(0), 1) and b_scale_inv.shape == (b_q.size(0), 1):
         return "row"
+    k_tiles = -(-a_q.size(1) // TILE)
+    if a_scale_inv.shape == (a_q.size(0), k_tiles) and b_scale_inv.shape == (-(-b_q.size(0) // TILE), k_tiles):
+        return "block"  # DeepSeek-V3's 1x128 activations times 128x128 weights
+    if a_scale_inv.shape == (a_q.size(0), k_tiles) and b_scale_inv.shape == (b_q.size(0), k_tiles):
+        return "block_1x128"  # two 1x128 operands: the weight gradient
     return None
+
+
+def _kernel_call(
+    a_q: torch.Tensor, a_scale_inv: torch.Tensor, b_q: torch.Tensor, b_scale_inv: torch.Tensor, out_dtype, kind: str
+) -> torch.Tensor:
+    """``torch._scaled_mm`` of ``a_q @ b_qᵀ`` with the scales as it takes them for ``kind``: one each,
+    a column and a row (rowwise), or 1x128 scales outer-dim-major and 128x128 ones transposed with
+    ``b``, or two 1x128 operands' scales outer-dim-major (blockwise, cuBLAS's layout)."""
+    if kind == "tensor":
+        scale_a, scale_b = a_scale_inv.reshape(()), b_scale_inv.reshape(())
+    elif kind == "row":
+        scale_a, scale_b = a_scale_inv.contiguous(), b_scale_inv.reshape(1, -1).contiguous()
+    elif kind == "block":
+        scale_a, scale_b = a_scale_inv.t().contiguous().t(), b_scale_inv.contiguous().t()
+    else:
+        scale_a, scale_b = a_scale_inv.t().contiguous().t(), b_scale_inv.t().contiguous()
+    return torch._scaled_mm(
+        a_q.contiguous(), b_q.contiguous().t(), scale_a.float(), scale_b.float(), out_dtype=out_dtype
+    )
 
 
 @functools.cache
 def _kernel_runs(
     device: torch.device, kind: str, a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype
 ) -> bool:
-    """Whether ``torch._scaled_mm`` runs this combination here (tried once on 16x16 operands)."""
-    a = torch.ones(16, 16, device=device).to(a_dtype)
-    b = torch.ones(16, 16, device=device).to(b_dtype)
-    shape = () if kind == "tensor" else (16, 1)
-    scale = torch.ones(shape, dtype=torch.float32, device=device)
+    """Whether ``torch._scaled_mm`` runs this combination here and equals the emulation (tried once
+    on random 128 x 256 and 256 x 256 operands with random scales, within the output's rounding):
+    a kernel that raises or reads the scales in another layout is not used."""
+    gen = torch.Generator().manual_seed(0)
+    m, k, n = 128, 256, 256
+    groups = {
+        "tensor": ((1,), (1,)),
+        "row": ((m, 1), (n, 1)),
+        "block": ((m, k // TILE), (n // TILE, k // TILE)),
+        "block_1x128": ((m, k // TILE), (n, k // TILE)),
+    }
+    a = (torch.randn(m, k, generator=gen) * 4).to(a_dtype).to(device)
+    b = (torch.randn(n, k, generator=gen) * 4).to(b_dtype).to(device)
+    a_inv, b_inv = (torch.rand(shape, generator=gen).add(0.5).to(device) for shape in groups[kind])
+    a_inv, b_inv = (a_inv.reshape(()), b_inv.reshape(())) if kind == "tensor" else (a_inv, b_inv)
     try:
-        torch._scaled_mm(a, b.t(), scale, scale.reshape(1, -1) if kind == "row" else scale, out_dtype=out_dtype)
-    except (RuntimeError, ValueError, NotImplementedError):
+        got = _kernel_call(a, a_inv, b, b_inv, out_dtype, kind)
+    except (RuntimeError, ValueError, NotImplementedError, TypeError):
         return False
-    return True
+    want = dequantize(a, a_inv, torch.float64) @ dequantize(b, b_inv, torch.float64).t()
+    rounding = {torch.float32: 2.0**-18, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[out_dtype]
+    scale = dequantize(a.abs(), a_inv, torch.float64) @ dequantize(b.abs(), b_inv, torch.float64).t()
+    return bool(((got.double() - want).abs() <= rounding * scale + 1e-30).all())
 
 
 def has_scaled_mm_kernel(
     a_q: torch.Tensor, a_scale_inv: torch.Tensor, b_q: torch.Tensor, b_scale_inv: torch.Tensor, out_dtype: torch.dtype
 ) -> bool:
-    """Whether :func:`fp8_matmul` of these operands runs ``torch._scaled_mm``: tensorwise or
-    rowwise scales, an output dtype it produces, CUDA shapes with ``K`` and ``N`` multiples of 16,
-    and a kernel this torch runs on this device (tried once per combination, then cached)."""
+    """Whether :func:`fp8_matmul` of these operands runs ``torch._scaled_mm``: tensorwise, rowwise
+    or blockwise (1x128 by 128x128 or by 1x128, on CUDA with ``K`` and ``N`` multiples of 128) scales, an output
+    dtype it produces, CUDA shapes with ``K`` and ``N`` multiples of 16, and a kernel this torch runs
+    on this device equal to the emulation (tried once per combination, then cached)."""
     kind = _scaled_mm_kind(a_q, a_scale_inv, b_q, b_scale_inv)
     if (
         kind is None
@@ -258,6 +296,8 @@ def has_scaled_mm_kernel(
     ):
         return False
     if a_q.device.type == "cuda" and (a_q.size(1) % 16 or b_q.size(0) % 16):
+        return False
+    if kind.startswith("block") and (a_q.device.type != "cuda" or a_q.size(1) % TILE or b_q.size(0) % TILE):
         return False
     return _kernel_runs(a_q.device, kind, a_q.dtype, b_q.dtype, out_dtype)
 
@@ -287,12 +327,9 @@ def fp8_matmul(
     if a_q.dim() != 2 or b_q.dim() != 2 or a_q.size(1) != b_q.size(1):
         raise ValueError(f"fp8_matmul needs a [M, K] and b [N, K], got {tuple(a_q.shape)} and {tuple(b_q.shape)}")
     if not emulate and has_scaled_mm_kernel(a_q, a_scale_inv, b_q, b_scale_inv, out_dtype):
-        tensorwise = a_scale_inv.numel() == 1 and b_scale_inv.numel() == 1
-        scale_a = a_scale_inv.reshape(()) if tensorwise else a_scale_inv.contiguous()
-        scale_b = b_scale_inv.reshape(()) if tensorwise else b_scale_inv.reshape(1, -1).contiguous()
-        return torch._scaled_mm(
-            a_q.contiguous(), b_q.contiguous().t(), scale_a.float(), scale_b.float(), out_dtype=out_dtype
-        )
+        kind = _scaled_mm_kind(a_q, a_scale_inv, b_q, b_scale_inv)
+        assert kind is not None
+        return _kernel_call(a_q, a_scale_inv, b_q, b_scale_inv, out_dtype, kind)
     work = torch.float64 if out_dtype == torch.float64 else torch.float32
     a, b = dequantize(a_q, a_scale_inv, work), dequantize(b_q, b_scale_inv, work)
     if a.device.type != "cuda" or work != torch.float32:

@@ -73,9 +73,9 @@ def fp8_recipe_planned(
             )
         if recipe == "blockwise":
             notes.append(
-                "blockwise FP8 runs emulated in ptdp train: no kernel for its 1x128 and 128x128 "
-                "tile scales, so its GEMMs are planned as the float32 (TF32) GEMMs of the dequantised "
-                "operands, with their dequantisation passes"
+                "blockwise FP8 is planned emulated, as the float32 (TF32) GEMMs of the dequantised "
+                "operands with their dequantisation passes: ptdp train uses a kernel for its 1x128 and "
+                "128x128 tile scales only where its torch has one (cuBLAS 12.9 on Hopper)"
             )
         return recipe or "delayed", notes
     why = (

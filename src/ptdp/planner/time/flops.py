@@ -333,7 +333,7 @@ class FP8Gemms:
         recipe: ``ptdp train``'s ``--fp8-recipe``; None: Transformer Engine's delayed scaling as
             Megatron-Core runs it (the published runs).
         native_peak: FLOP/s of the GPU's FP8 tensor cores (``torch._scaled_mm``); 0: every GEMM
-            emulated (no FP8 peak, a CPU, or blockwise, which has no kernel in ``ptdp train``).
+            emulated (no FP8 peak, a CPU, or blockwise, planned emulated).
         efficiency: share of the GEMM efficiency an FP8 kernel reaches (below 1 for rowwise).
         emulated_peak: FLOP/s of the float32 GEMM an emulated one runs (TF32 where the GPU has it).
         value_bytes: bytes of the activation values the operands are cast from (4: float32 parameters).

@@ -30,8 +30,8 @@ Parts = tuple[float, ...]
 
 def fp8_gemms(layout: Candidate, gpu: GPUType, c: PerfConstants) -> flops.FP8Gemms | None:
     """How ``layout``'s FP8 GEMMs run on ``gpu`` (None: no FP8): on its FP8 tensor cores (its
-    sustained FP8 peak) unless it has none or the recipe is blockwise (emulated in ``ptdp
-    train``), rowwise at ``c.fp8_rowwise_gemm_efficiency``; emulated at its TF32 peak, else its
+    sustained FP8 peak) unless it has none or the recipe is blockwise (planned emulated: ``ptdp
+    train``'s kernel depends on its torch), rowwise at ``c.fp8_rowwise_gemm_efficiency``; emulated at its TF32 peak, else its
     float32 one, else that of the parameters' dtype (a calibrated CPU)."""
     if not layout.fp8:
         return None
