@@ -257,8 +257,8 @@ def _kernel_runs(
     device: torch.device, kind: str, a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype
 ) -> bool:
     """Whether ``torch._scaled_mm`` runs this combination here and equals the emulation (tried once
-    on random 128 x 256 and 256 x 256 operands with random scales, within the output's rounding):
-    a kernel that raises or reads the scales in another layout is not used."""
+    on random 128 x 256 and 256 x 256 operands with random scales, within the output's rounding and
+    a float32 accumulation's): a kernel that raises or reads the scales in another layout is not used."""
     gen = torch.Generator().manual_seed(0)
     m, k, n = 128, 256, 256
     groups = {
@@ -276,8 +276,12 @@ def _kernel_runs(
     except (RuntimeError, ValueError, NotImplementedError, TypeError):
         return False
     want = dequantize(a, a_inv, torch.float64) @ dequantize(b, b_inv, torch.float64).t()
-    rounding = {torch.float32: 2.0**-18, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[out_dtype]
-    scale = dequantize(a.abs(), a_inv, torch.float64) @ dequantize(b.abs(), b_inv, torch.float64).t()
+    # the output's rounding and a float32 accumulation over k (a wrong scale layout is off by tens of %)
+    rounding = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[out_dtype] + k * 2.0**-23
+    scale = (
+        dequantize(a.float().abs().to(a.dtype), a_inv, torch.float64)
+        @ dequantize(b.float().abs().to(b.dtype), b_inv, torch.float64).t()
+    )
     return bool(((got.double() - want).abs() <= rounding * scale + 1e-30).all())
 
 
