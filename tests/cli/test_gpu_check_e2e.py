@@ -85,10 +85,10 @@ def test_gpu_run_sh_third_runs_the_fp8_and_zb_stages(tmp_path):
     r = json.loads((tmp_path / "out" / "gpu_check_fp8.json").read_text())
     assert (r["stage"], r["complete"], r["failures"], r["budget_s"], r["dtype"]) == ("fp8", True, [], 180, "bfloat16")
     runs = r["fp8"]["runs"]
-    assert [run["name"] for run in runs] == ["bfloat16", "fp8 tensorwise", "fp8 rowwise"]
+    assert [run["name"] for run in runs] == ["bfloat16", "fp8 tensorwise", "fp8 rowwise", "fp8 blockwise"]
     assert all(run["falling"] for run in runs) and all(run["compared_steps"] == 4 for run in runs[1:])
     log = (tmp_path / "out" / "gpu_check_fp8.log").read_text()
-    assert sum(line.startswith('{"stage": "fp8"') for line in log.splitlines()) == 3
+    assert sum(line.startswith('{"stage": "fp8"') for line in log.splitlines()) == 4
     zb = json.loads((tmp_path / "out" / "gpu_check_zb.json").read_text())
     assert (zb["stage"], zb["complete"], zb["failures"], zb["budget_s"], zb["dtype"]) == (
         "zb",
