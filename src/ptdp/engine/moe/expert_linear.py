@@ -26,7 +26,7 @@ import torch
 
 from ptdp.engine.comm import AxisGroup
 from ptdp.engine.fp8 import FP8Recipe, Granularity, Role, compute_amax, fp8_matmul, quantize, scale_from_amax
-from ptdp.engine.fp8_layout import GemmDim, all_max, shared_amax, whole
+from ptdp.engine.fp8_layout import GemmDim, all_max, whole
 from ptdp.engine.tensor_parallel.linear import FP8GEMMs, WgradQueue, accumulate_wgrad
 from ptdp.engine.tensor_parallel.wgrad import add_weight_grad
 
@@ -87,17 +87,10 @@ class ExpertFP8(FP8GEMMs):
         super().__init__(current, out_dim=out_dim, in_dim=in_dim, emulate=emulate, tag=tag)
         self._stacked: dict[bool, tuple[tuple[int, int], list[Quantized]]] = {}
 
-    def expert_granularity(self, role: Role) -> Granularity:
+    def granularity(self, role: Role) -> Granularity:
         """The recipe's, except a tensor scale of an activation or gradient becomes one per row."""
         g = self.recipe.granularity(role)
         return "row" if g == "tensor" and role != "weight" else g
-
-    def quantize(self, x: torch.Tensor, rows: GemmDim, cols: GemmDim, role: Role) -> Quantized:
-        """``(x_q, scale_inv)`` of ``x [R, K]`` (current scaling, :meth:`expert_granularity`)."""
-        dtype = self.recipe.dtype(role)
-        amax = shared_amax(x.detach(), rows, cols, self.expert_granularity(role), f"fp8_amax_{self.tag}")
-        scale = scale_from_amax(amax, dtype, self.recipe.margin)
-        return quantize(x.detach(), scale, dtype), scale.reciprocal()
 
     def weights(self, weight: torch.Tensor, transposed: bool) -> list[Quantized]:
         """Each local expert's quantised ``W_e [N, K]`` (forward) or ``W_eᵀ [K, N]`` (``transposed``,
@@ -111,13 +104,9 @@ class ExpertFP8(FP8GEMMs):
             quantized = [
                 (q.t().contiguous(), s.t().contiguous() if s.dim() == 2 else s) for q, s in self.weights(w, False)
             ]
-        elif self.recipe.granularity("weight") == "tensor":  # one all-reduce for every expert
-            dims = (self.out_dim, self.in_dim)
-            amax = all_max(
-                torch.stack([compute_amax(e, "tensor") for e in w]) if len(w) else w.new_zeros(0, dtype=torch.float32),
-                dims[0].axes + dims[1].axes,
-                f"fp8_amax_{self.tag}",
-            )
+        elif self.granularity("weight") == "tensor":  # one all-reduce for every expert
+            amax = torch.stack([compute_amax(e, "tensor") for e in w])
+            amax = all_max(amax, self.out_dim.axes + self.in_dim.axes, f"fp8_amax_{self.tag}")
             dtype = self.recipe.dtype("weight")
             scales = scale_from_amax(amax, dtype, self.recipe.margin)
             quantized = [(quantize(e.t() if transposed else e, s, dtype), s.reciprocal()) for e, s in zip(w, scales)]
@@ -148,7 +137,7 @@ class ExpertFP8(FP8GEMMs):
             )
             out.append(fp8_matmul(q[rows], a_s, bq, b_s, out_dtype, emulate=self.emulate or q.device.type == "cpu"))
             start += n
-        return torch.cat(out) if out else q.new_zeros(0, b[0][0].shape[0] if b else 0, dtype=out_dtype)
+        return torch.cat(out)
 
 
 @dataclass(frozen=True)
@@ -162,14 +151,6 @@ class ExpertPlan:
     queue: WgradQueue | None = None
 
 
-def _native(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, splits: list[int], grouped: bool):
-    """Rows ``splits[e]`` of ``x [R, K]`` times ``weight[e] [N, K]`` transposed, ``[R, N]``."""
-    if grouped and grouped_supported(x, weight):
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
-    return torch.cat([piece @ weight[e].t() for e, piece in enumerate(x.split(splits))])
-
-
 class ExpertLinearFunction(torch.autograd.Function):
     """``x [R, K]`` sorted by local expert (``counts`` on the device, ``splits`` the same on the
     host) times each expert's ``weight[e] [N, K]`` transposed: ``[R, N]`` (module docstring). No
@@ -180,7 +161,7 @@ class ExpertLinearFunction(torch.autograd.Function):
         ctx.splits, ctx.plan, ctx.param = splits, plan, weight
         ctx.save_for_backward(x, weight, counts)
         if plan.fp8 is None:
-            return _native(x, weight, counts, splits, plan.grouped)
+            return expert_linear(x, weight, counts, splits, plan.grouped)
         x_q = plan.fp8.quantize(x, whole(x.shape[0]), plan.fp8.in_dim, "input")
         return plan.fp8.grouped_matmul(x_q, plan.fp8.weights(weight, transposed=False), splits, x.dtype)
 
@@ -193,7 +174,7 @@ class ExpertLinearFunction(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             if plan.fp8 is None:
-                grad_x = _native(grad, weight.transpose(-2, -1), counts, splits, plan.grouped)
+                grad_x = expert_linear(grad, weight.transpose(-2, -1), counts, splits, plan.grouped)
             else:
                 g_q = plan.fp8.quantize(grad, whole(grad.shape[0]), plan.fp8.out_dim, "grad_output")
                 grad_x = plan.fp8.grouped_matmul(g_q, plan.fp8.weights(weight, transposed=True), splits, grad.dtype)

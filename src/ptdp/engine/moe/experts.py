@@ -120,10 +120,13 @@ class Experts(nn.Module):
     ) -> None:
         super().__init__()
         self.wgrad_queue = wgrad_queue
+        self.explicit = fp8 is not None or (wgrad_queue is not None and wgrad_queue.enabled)
+        """Whether the GEMMs are :class:`~ptdp.engine.moe.expert_linear.ExpertLinearFunction`'s (FP8,
+        or weight gradients a zero-bubble schedule defers), else autograd's."""
         halves = 2 if swiglu else 1
         self.swiglu, self.approximate, self.grouped = swiglu, approximate, grouped
         self.fp8_fc1 = self.fp8_fc2 = None
-        if fp8 is not None:  # fc1's and fc2's FP8 state (ptdp.engine.moe.expert_fp8)
+        if fp8 is not None:  # fc1's and fc2's FP8 state (ptdp.engine.moe.expert_linear)
             group = etp_group if etp_group is not None else AxisGroup.single("etp")
             if group.size != etp or group.rank != etp_rank:
                 raise ValueError(f"etp_group (size {group.size}, rank {group.rank}) is not etp {etp} rank {etp_rank}")
@@ -154,8 +157,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor, splits: list[int] | None = None) -> torch.Tensor:
         """``x`` ``[N, h]`` sorted by local expert, ``counts[e]`` rows each (``splits``: the same on
         the host, else read once when the loop needs them); returns ``[N, h]``."""
-        explicit = self.fp8_fc1 is not None or (self.wgrad_queue is not None and self.wgrad_queue.enabled)
-        if splits is None and (explicit or not (self.grouped and grouped_supported(x, self.fc1_weight))):
+        if splits is None and (self.explicit or not (self.grouped and grouped_supported(x, self.fc1_weight))):
             splits = counts.tolist()
         rows = None
         if self.fc1_bias is not None:
@@ -179,7 +181,7 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """:func:`~ptdp.engine.moe.expert_linear.expert_linear` (autograd's weight gradient), or with
         FP8 or a queue that may defer, :class:`~ptdp.engine.moe.expert_linear.ExpertLinearFunction`."""
-        if fp8 is None and (self.wgrad_queue is None or not self.wgrad_queue.enabled):
+        if not self.explicit:
             return expert_linear(x, weight, counts, splits, self.grouped)
         assert splits is not None
         return ExpertLinearFunction.apply(x, weight, counts, splits, ExpertPlan(fp8, self.grouped, self.wgrad_queue))

@@ -36,6 +36,7 @@ from ptdp.engine.eager import outside_compile
 from ptdp.engine.fp8 import (
     DelayedScaling,
     FP8Recipe,
+    Granularity,
     Role,
     compute_amax,
     fp8_matmul,
@@ -190,7 +191,7 @@ class FP8GEMMs:
                 self.delayed.observe(role, compute_amax(x.detach(), "tensor"))
             scale = self.delayed.scale(role)
         else:
-            amax = shared_amax(x.detach(), rows, cols, self.recipe.granularity(role), f"fp8_amax_{self.tag}")
+            amax = shared_amax(x.detach(), rows, cols, self.granularity(role), f"fp8_amax_{self.tag}")
             scale = scale_from_amax(amax, dtype, self.recipe.margin)
         return quantize(x.detach(), scale, dtype), scale.reciprocal()
 
@@ -205,9 +206,13 @@ class FP8GEMMs:
         q, scale_inv = quantized
         return q.t(), scale_inv if scale_inv.dim() < 2 else scale_inv.t()
 
+    def granularity(self, role: Role) -> Granularity:
+        """The scales' granularity of a ``role`` operand of these GEMMs: the recipe's."""
+        return self.recipe.granularity(role)
+
     def reuses_transpose(self, role: Role) -> bool:
         """Whether the transpose of a ``role`` operand has the same scales (tensor, 128x128 tiles)."""
-        return self.recipe.granularity(role) in ("tensor", "128x128")
+        return self.granularity(role) in ("tensor", "128x128")
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ptdp.config.model import ModelConfig
-from ptdp.config.moe import MoEConfig
 from ptdp.layout.pipeline.placement import virtual_stage
 from ptdp.layout.vocab import padded_vocab_size
+from ptdp.planner.inputs.moe_model import moe_of
 
 #: watch groups: the chunk's non-layer parameters (allocated when its backward starts), the word
 #: embedding read by the lookup alone, the learned position table (when backward reaches the sum of
@@ -50,9 +50,8 @@ def _mlp_parts(model: ModelConfig, tp: int, experts: bool) -> list[tuple[str, in
     over tp)."""
     h, ffn, halves = model.hidden_size, model.ffn, 2 if model.swiglu else 1
     biased = set(model.linears_with_bias)
-    moe = getattr(model, "moe", None)
-    moe = moe if isinstance(moe, MoEConfig) else None
-    layers = moe.moe_layers(model.num_layers) if moe is not None and moe.enabled else ()
+    moe = moe_of(model)
+    layers = moe.moe_layers(model.num_layers) if moe is not None else ()
     if 2 * sum(layers) < len(layers) or not layers:
         return [
             ("fc1", halves * ffn * h // tp, halves * ffn // tp if "fc1" in biased else 0),
