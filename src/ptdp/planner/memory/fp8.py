@@ -23,6 +23,7 @@ from __future__ import annotations
 from ptdp.config.model import ModelConfig
 from ptdp.errors import ConfigError
 from ptdp.planner.inputs.moe_model import moe_layer_share, moe_of
+from ptdp.planner.memory.moe_params import mlp_param_count
 
 #: Bytes per weight of an FP8 GEMM held besides the bf16 weight: the FP8 weight (1) and its
 #: transpose (1).
@@ -104,15 +105,14 @@ def layer_fp8_weights(model: ModelConfig, tp: int, *, ep: int = 1, etp: int = 1,
     expert's (width ``S`` over tp) and the rank's ``E / ep`` experts' ``(n + 1) F h / etp``."""
     h, a = model.hidden_size, model.num_attention_heads
     d, kv = model.head_dim, model.kv_heads
-    up = 2 if model.swiglu else 1
     attention = ((a + 2 * kv) * d * h + a * d * h) // tp
-    dense = (up + 1) * model.ffn * h // tp
+    dense = mlp_param_count(model, model.ffn, tp, ())
     moe = moe_of(model)
     if not experts or moe is None:
         return attention + dense
-    share, experts_each = moe_layer_share(model), (up + 1) * moe.expert_ffn(model.ffn) * h // etp
-    routed = (moe.num_experts or 0) // ep * experts_each
-    shared = (up + 1) * (moe.shared_ffn or 0) * h // tp
+    routed = (moe.num_experts or 0) // ep * mlp_param_count(model, moe.expert_ffn(model.ffn), etp, ())
+    shared = mlp_param_count(model, moe.shared_ffn or 0, tp, ())
+    share = moe_layer_share(model)
     return attention + (1.0 - share) * dense + share * (routed + shared)
 
 
