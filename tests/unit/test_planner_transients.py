@@ -18,17 +18,18 @@ from ptdp.planner.memory.chunk_params import layer_param_sizes, stage_chunks
 from ptdp.planner.memory.params import layer_param_count, stage_param_counts
 from ptdp.planner.memory.transients import rank_transients, unit_gathers
 
-#: (model, tp, pp, v, bucket elements, shard size d)
+#: (model, tp, pp, v, bucket elements, shard size d, placement)
 CASES = [
-    ("gpt3-175b", 8, 8, 1, 40_000_000, 16),
-    ("llama3-8b", 8, 4, 2, 40_000_000, 8),
-    ("llama3-8b", 4, 1, 1, 1_000_000, 4),
-    ("llama2-70b", 2, 2, 1, 10**9, 3),  # buckets larger than a layer: cut unevenly, no shortcut
+    ("gpt3-175b", 8, 8, 1, 40_000_000, 16, "looped"),
+    ("llama3-8b", 8, 4, 2, 40_000_000, 8, "looped"),
+    ("llama3-8b", 4, 1, 1, 1_000_000, 4, "looped"),
+    ("llama2-70b", 2, 2, 1, 10**9, 3, "looped"),  # buckets larger than a layer: cut unevenly, no shortcut
+    ("gpt3-175b", 8, 8, 2, 40_000_000, 16, "v"),  # rank 0 holds the tied table once for both chunks
 ]
 
 
-@pytest.mark.parametrize("name, tp, pp, v, bucket, d", CASES)
-def test_the_short_replay_equals_the_full_one(name, tp, pp, v, bucket, d, monkeypatch):
+@pytest.mark.parametrize("name, tp, pp, v, bucket, d, placement", CASES)
+def test_the_short_replay_equals_the_full_one(name, tp, pp, v, bucket, d, placement, monkeypatch):
     """Where every layer's buckets are cut alike the planner replays 4 layers per chunk and
     extrapolates the totals: the same numbers as replaying every layer, for both strategies,
     with and without overlap, resharded and kept, chunk by chunk, on the first and the last stage."""
@@ -36,7 +37,7 @@ def test_the_short_replay_equals_the_full_one(name, tp, pp, v, bucket, d, monkey
     layers = model.num_layers // pp
     fast = {}
     for rank in (0, pp - 1):
-        chunks = stage_chunks(model.num_layers, pp, v, rank, layers)
+        chunks = stage_chunks(model.num_layers, pp, v, rank, layers, placement)
         for overlap in (True, False):
             for params_sharded in (False, True):
                 for reshard, by_chunk in ((True, False), (False, False), (True, True)):
@@ -46,7 +47,7 @@ def test_the_short_replay_equals_the_full_one(name, tp, pp, v, bucket, d, monkey
     rank_transients.cache_clear()
     monkeypatch.setattr(transients, "PERIODIC_LAYERS", 10**6)
     for (rank, overlap, params_sharded, reshard, by_chunk), want in fast.items():
-        chunks = stage_chunks(model.num_layers, pp, v, rank, layers)
+        chunks = stage_chunks(model.num_layers, pp, v, rank, layers, placement)
         kw = dict(overlap=overlap, params_sharded=params_sharded, reshard=reshard, by_chunk=by_chunk)
         assert rank_transients(model, tp, pp, chunks, d, bucket, **kw) == want
     rank_transients.cache_clear()

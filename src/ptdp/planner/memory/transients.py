@@ -12,6 +12,7 @@ allocated when backward reaches its parameters and, with ``overlap``, reduce-sca
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -183,14 +184,14 @@ def rank_transients(
     periodic = params_sharded or max(layer_param_sizes(model, tp, experts)) >= bucket
     short = chunks
     if periodic and any(c.layers > PERIODIC_LAYERS + 1 for c in chunks):
-        short = tuple(Chunk(min(c.layers, PERIODIC_LAYERS), c.first, c.last) for c in chunks)
+        short = tuple(dataclasses.replace(c, layers=min(c.layers, PERIODIC_LAYERS)) for c in chunks)
     split = pp > 1  # all a chunk's plan needs of pp (the tied copy)
     args = (bucket, params_sharded, divisible_by, main_grad, experts)
     plan = {c: _chunk_plan(model, tp, split, c, *args) for c in set(short)}
     padded = {c: sum(n + (-n) % d for n in p.raw) for c, p in plan.items()}  # each kind of chunk once
     totals = [padded[c] for c in short]
     if short != chunks:
-        longer = [Chunk(min(c.layers, PERIODIC_LAYERS + 1), c.first, c.last) for c in chunks]
+        longer = [dataclasses.replace(c, layers=min(c.layers, PERIODIC_LAYERS + 1)) for c in chunks]
         more = {c: sum(n + (-n) % d for n in _chunk_plan(model, tp, split, c, *args).raw) for c in set(longer)}
         totals = [t + (c.layers - s.layers) * (more[m] - t) for c, s, t, m in zip(chunks, short, totals, longer)]
     if whole_step:
