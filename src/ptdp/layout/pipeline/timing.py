@@ -125,6 +125,8 @@ class Dependencies:
         remote: the source is on another rank (``p2p`` added).
         firsts, lasts: each rank's first and last compute.
         counts: per rank, its computes of each kind.
+        folded: the same computes without those that wait for no other rank and that no compute
+            waits for (a W): :class:`Folded`, what :meth:`idle` times.
     """
 
     kinds: tuple[str, ...]
@@ -134,6 +136,7 @@ class Dependencies:
     firsts: tuple[int, ...]
     lasts: tuple[int, ...]
     counts: tuple[tuple[tuple[str, int], ...], ...]
+    folded: Folded
 
     def ends(self, durations: Mapping[str, float], p2p: float = 0.0) -> list[float]:
         """When each compute ends (each rank starting at 0)."""
@@ -154,14 +157,56 @@ class Dependencies:
         the busiest rank's work: every rank waits for the last before the next step, as a global
         gradient norm makes it), else Qi et al.'s, the longest rank's own span less its work."""
         durations = times.durations(virtual_stages)
-        end = self.ends(durations, times.p2p)
+        f = self.folded
+        runs = [sum(n * durations[kind] for kind, n in sig) for sig in f.signatures]
+        end = f.ends(durations, times.p2p, runs)
         busy = [sum(n * durations[kind] for kind, n in counts) for counts in self.counts]
-        last = [end[i] for i in self.lasts]
+        last = [end[i] + runs[sig] for i, sig in f.tails]
         if synchronous:
             return max(last) - max(busy)
-        spans = [end[j] - end[i] + durations[self.kinds[i]] for i, j in zip(self.firsts, self.lasts)]
+        starts = [0.0 if i < 0 else end[i] - durations[f.kinds[i]] for i in f.heads]
+        spans = [b - a for a, b in zip(starts, last)]
         r = max(range(len(spans)), key=spans.__getitem__)
         return spans[r] - busy[r]
+
+
+@dataclass(frozen=True)
+class Folded:
+    """A :class:`Dependencies`' computes less the folded ones (no input from another compute, no
+    compute waiting for their output: each starts when its rank's previous one ends), whose time
+    is added to the next kept compute of their rank as a run. Indices are into the kept computes.
+
+    Attributes:
+        kinds, before, source, remote: as :class:`Dependencies`' for the kept computes.
+        run: per kept compute, the index in ``signatures`` of the folded run just before it.
+        signatures: the distinct runs, each as ``((kind, count), ...)`` (the first: empty).
+        tails: per rank, (its last kept compute or -1, the run after it).
+        heads: per rank, its first compute when kept, else -1 (it starts at 0).
+    """
+
+    kinds: tuple[str, ...]
+    before: tuple[int, ...]
+    source: tuple[int, ...]
+    remote: tuple[bool, ...]
+    run: tuple[int, ...]
+    signatures: tuple[tuple[tuple[str, int], ...], ...]
+    tails: tuple[tuple[int, int], ...]
+    heads: tuple[int, ...]
+
+    def ends(self, durations: Mapping[str, float], p2p: float, runs: Sequence[float]) -> list[float]:
+        """When each kept compute ends, its rank's folded run before it (``runs``, seconds per
+        signature) added to its previous kept compute's end; the last entry, a 0, is what index
+        -1 reads."""
+        n = len(self.kinds)
+        end = [0.0] * (n + 1)
+        took = list(map(durations.__getitem__, self.kinds))
+        wait = [p2p if far else 0.0 for far in self.remote]
+        pre = list(map(runs.__getitem__, self.run))
+        for i, prev, src, extra, lag, t in zip(range(n), self.before, self.source, pre, wait, took):
+            begin = end[prev] + extra
+            ready = end[src] + lag
+            end[i] = (begin if begin >= ready else ready) + t
+        return end
 
 
 def dependencies(
@@ -229,6 +274,47 @@ def dependencies(
         tuple(done[0] for done in placed),
         tuple(done[-1] for done in placed),
         counts,
+        _fold(kinds, before, source, remote, placed),
+    )
+
+
+def _fold(
+    kinds: list[str], before: list[int], source: list[int], remote: list[bool], placed: list[list[int]]
+) -> Folded:
+    """:class:`Folded` of the compiled computes (``placed``: each rank's computes in its order)."""
+    waited = set(source)
+    fold = [src < 0 and i not in waited for i, src in enumerate(source)]
+    index = [-1] * len(kinds)
+    keep = [i for i in range(len(kinds)) if not fold[i]]
+    for k, i in enumerate(keep):
+        index[i] = k
+    signatures: dict[tuple[tuple[str, int], ...], int] = {(): 0}
+
+    def signature(pending: list[str]) -> int:
+        sig = tuple((kind, n) for kind in COMPUTES if (n := pending.count(kind)))
+        return signatures.setdefault(sig, len(signatures))
+
+    k_before, run = [-1] * len(keep), [0] * len(keep)
+    tails, heads = [], []
+    for done in placed:
+        prev, pending = -1, []
+        for i in done:
+            if fold[i]:
+                pending.append(kinds[i])
+                continue
+            k_before[index[i]], run[index[i]] = prev, signature(pending)
+            prev, pending = index[i], []
+        tails.append((prev, signature(pending)))
+        heads.append(index[done[0]])
+    return Folded(
+        tuple(kinds[i] for i in keep),
+        tuple(k_before),
+        tuple(index[source[i]] if source[i] >= 0 else -1 for i in keep),
+        tuple(remote[i] for i in keep),
+        tuple(run),
+        tuple(signatures),
+        tuple(tails),
+        tuple(heads),
     )
 
 
