@@ -23,7 +23,7 @@ from ptdp.layout.pipeline.schedule import SPLIT_ORDERS, build_schedule
 from ptdp.layout.pipeline.timing import StageTimes, dependencies
 from ptdp.planner.candidate import Candidate, run_candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
-from ptdp.planner.inputs.models import gpt
+from ptdp.planner.inputs.models import get_model, gpt
 from ptdp.planner.memory.activations import layer_activation_bytes, stage_activation_bytes, wgrad_kept_bytes
 from ptdp.planner.memory.breakdown import memory_breakdown
 from ptdp.planner.memory.in_flight import held_points, peak_held
@@ -39,6 +39,8 @@ from ptdp.planner.time.step_time import evaluate_performance
 from ptdp.run.planner_report import compare, format_comparison
 
 A100 = CATALOG["a100-80gb"]
+#: schedules at v = 1 in the order of the activations they keep
+HOLDS_ORDER = ("1f1b", "zb-h1", "zb-h2")
 #: 16 layers of h = 2048: small enough to search in a second, pp = 4 fits any schedule
 MODEL = gpt(num_layers=16, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=51200)
 UNIT = StageTimes(forward=1.0, backward_input=1.0, backward_weight=1.0)
@@ -185,6 +187,64 @@ def test_full_recompute_zb_holds_ws_tensors_that_1f1b_does_not():
     one = stage_activation_bytes(MODEL, _layout("1f1b", recompute="full"), p - 1, layers)
     zb = stage_activation_bytes(MODEL, _layout("zb-h1", recompute="full"), p - 1, layers)
     assert zb - one >= (p - 1) * layers * wgrad_kept_bytes(MODEL, 1, 1)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("sharding", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_zb_h2_needs_no_less_memory_than_zb_h1_nor_zb_h1_than_1f1b(recompute, sharding):
+    """What lets the search pass over a zero-bubble layout whose schedule of no more activations
+    does not fit (:data:`~ptdp.planner.search.layouts.HOLDS_NO_MORE`): at the same layout, split
+    and strategy the totals never decrease along 1f1b, zb-h1, zb-h2, dense or MoE."""
+    moe = get_model("qwen3-30b-a3b")
+    checked = 0
+    for model, ep in ((MODEL, 1), (moe, 1), (moe, 2)):
+        for tp, pp, dp, b, split in (
+            (1, 4, 2, 1, None),
+            (2, 4, 1, 2, None),
+            (1, 2, 4, 1, None),
+            (1, 3, 2, 1, (4, 6, 6)),
+        ):
+            if model is moe:
+                split = None if split is None else (14, 17, 17)
+            for big_b in (8, 64):
+                totals = []
+                for kind in HOLDS_ORDER:
+                    layout = Candidate.of(
+                        tp,
+                        pp,
+                        dp,
+                        b,
+                        big_b,
+                        1,
+                        recompute,
+                        tp > 1,
+                        sharding=sharding,
+                        schedule=kind,
+                        layer_split=split,
+                        ep=ep,
+                    )
+                    totals.append(memory_breakdown(model, layout, A100).total)
+                assert totals == sorted(totals), (model.num_layers, tp, pp, dp, b, big_b, ep)
+                checked += 1
+    assert checked == 24
+
+
+def test_search_passes_over_only_zero_bubble_layouts_that_cannot_fit():
+    """The search with the pass-over finds the same fitting plans, with the same times, as the
+    search predicting every zero-bubble layout, on a cluster where memory rejects many."""
+    tight = dataclasses.replace(A100, memory_bytes=8 * 2**30)
+    fixed = Fixed(pipeline_model_parallel_size=4)
+    kept = search(MODEL, Cluster(tight, 32), 64, fixed=fixed)
+    saved = dict(layouts.HOLDS_NO_MORE)
+    try:
+        layouts.HOLDS_NO_MORE.clear()
+        every = search(MODEL, Cluster(tight, 32), 64, fixed=fixed)
+    finally:
+        layouts.HOLDS_NO_MORE.update(saved)
+    assert [(p.layout, p.time) for p in kept.plans] == [(p.layout, p.time) for p in every.plans]
+    zero_bubble = [p for p, _ in every.rejected if p.layout.parallel.schedule in ("zb-h1", "zb-h2")]
+    assert len(kept.rejected) < len(every.rejected) and zero_bubble
+    assert {p.layout.parallel.schedule for p in kept.plans} >= {"1f1b", "zb-h1"}
 
 
 def test_v_placement_puts_the_last_stage_on_rank_0():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -212,7 +213,7 @@ def representatives(result: SearchResult, per_rule: int = 3) -> list[Plan]:
     out = []
     for rule, items in sorted(grouped_rejections(result).items()):
         if rule == "memory":
-            items = sorted(items, key=lambda it: it[0].need_memory().total)
+            items = sorted(items, key=lambda it: it[0].memory.total if it[0].memory else math.inf)
         seen = set()
         for plan, rejection in items:
             if rejection.message not in seen:

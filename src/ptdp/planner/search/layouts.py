@@ -437,6 +437,11 @@ def _schedules(fixed: Fixed, pp: int, v: int, even: bool) -> list[str]:
     return out
 
 
+#: a schedule -> one keeping no more activations at the same layout (v = 1): a layout that does
+#: not fit in memory under the second does not under the first either
+HOLDS_NO_MORE = {"zb-h1": "1f1b", "zb-h2": "zb-h1"}
+
+
 def _runnable(model: ModelConfig, make, strategies: list[str], *, planned: bool) -> list[str]:
     """The sharding ``strategies`` under which ``ptdp train`` runs ``make(strategy)``'s schedule
     (:func:`~ptdp.planner.search.rules.untrained_schedule_rejections`). A ``planned`` schedule (the
@@ -482,12 +487,18 @@ def _search_layout(
     grids = expert_grids(model, tp, cp, pp, dp, fixed, cluster, precision)
     for (v, v_split), (ep, etp) in itertools.product(pairs, grids):
         kinds = _schedules(fixed, pp, v, v_split is None and split is None)
+        over: dict[tuple[str, bool, str], dict[str, Plan]] = {}  # memory rejections by (recompute, sp, kind)
         for recompute, kind in itertools.product(_options(fixed.recompute_granularity, searched), kinds):
             # sequence parallelism needs tp > 1 and sharding dp * cp > 1: off otherwise
             for sp in _options(fixed.sequence_parallel, [False, True]) if tp > 1 else [False]:
+                made: dict[str, Candidate] = {}
 
-                def make(sharding, v=v, recompute=recompute, sp=sp, v_split=v_split, ep=ep, etp=etp, kind=kind):
-                    return Candidate.of(
+                def make(
+                    sharding, v=v, recompute=recompute, sp=sp, v_split=v_split, ep=ep, etp=etp, kind=kind, made=made
+                ):
+                    if sharding in made:
+                        return made[sharding]
+                    made[sharding] = Candidate.of(
                         tp,
                         pp,
                         dp,
@@ -514,15 +525,17 @@ def _search_layout(
                         fp8_recipe=fixed.fp8_recipe,
                         schedule=kind,
                     )
+                    return made[sharding]
 
-                strategies = _runnable(model, make, _strategies(fixed, dp * cp), planned=kind == kinds[0])
-                if not strategies:
-                    continue
                 dispatcher = fixed.moe_token_dispatcher_type or "alltoall"
                 experts_broken = expert_rejections(model, tp, pp, tp * cp * pp * dp, ep, etp, sp, dispatcher)
-                if experts_broken:
-                    reasons = [r.message for r in experts_broken]
-                    result.rejected.append((Plan(make("no_shard"), False, reasons=reasons), experts_broken[0]))
+                if experts_broken:  # the same under every schedule: reported with the planned one
+                    if kind == kinds[0]:
+                        reasons = [r.message for r in experts_broken]
+                        result.rejected.append((Plan(make("no_shard"), False, reasons=reasons), experts_broken[0]))
+                    continue
+                strategies = _runnable(model, make, _strategies(fixed, dp * cp), planned=kind == kinds[0])
+                if not strategies:
                     continue
                 plans, rejected = predict_strategies(
                     model,
@@ -532,6 +545,11 @@ def _search_layout(
                     constants,
                     overhead,
                     search_split and v == 1 and v_split is None,
+                    over.get((recompute, sp, HOLDS_NO_MORE.get(kind, ""))),
                 )
+                over[(recompute, sp, kind)] = {
+                    **over.get((recompute, sp, HOLDS_NO_MORE.get(kind, "")), {}),
+                    **{p.layout.sharding_strategy: p for p, r in rejected if r.rule == "memory" and p.memory},
+                }
                 result.plans += plans
                 result.rejected += rejected

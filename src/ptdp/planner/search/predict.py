@@ -130,30 +130,45 @@ def _sharding_cannot_fit(unsharded: Plan, layout: Candidate, cluster) -> bool:
 
 
 def predict_strategies(
-    model, make, strategies: list[str], cluster, constants, overhead, search_split: bool
+    model,
+    make,
+    strategies: list[str],
+    cluster,
+    constants,
+    overhead,
+    search_split: bool,
+    over: dict[str, Plan] | None = None,
 ) -> tuple[list[Plan], list[tuple[Plan, Violation]]]:
     """Predict the layout ``make(strategy)`` gives under ``strategies`` (least sharded first): no_shard;
     when it fits, optim too; when not, the sharded ones up to the first that fits, unless full
     sharding cannot fit (:func:`_sharding_cannot_fit`); and optim_grads whenever it reduces chunk by
     chunk (:func:`~ptdp.layout.buckets.chunk_by_chunk`), when it can be faster than optim. A more
-    sharded strategy is otherwise never faster in this model. Returns (the plans kept, the rejected
-    plans with the rule each broke), least sharded first.
+    sharded strategy is otherwise never faster in this model. ``over``: per strategy, the plan of
+    the same layout under a schedule keeping no more activations that did not fit in memory: that
+    strategy is passed over, neither predicted nor returned (the same splits would be tried, each
+    needing at least as much; the other plan says why). Returns (the plans kept, the rejected plans
+    with the rule each broke), least sharded first.
     """
     first = make(strategies[0])
     bad = schedule_rejections(model, first)  # the same for every strategy
     if bad:
         return [], [(Plan(first, False, reasons=[r.message for r in bad]), bad[0])]
     outcomes = {}
+    over = over or {}
 
     def fits(strategy: str) -> bool:
         layout = first if strategy == strategies[0] else make(strategy)
+        if strategy in over:
+            return False
         outcomes[strategy] = _predict_split(model, layout, cluster, constants, overhead, search_split)
         return outcomes[strategy][1] is None
 
     if fits(strategies[0]):
         if len(strategies) > 1:
             fits(strategies[1])
-    elif len(strategies) > 1 and not _sharding_cannot_fit(outcomes[strategies[0]][0], first, cluster):
+    elif len(strategies) > 1 and not _sharding_cannot_fit(
+        over[strategies[0]] if strategies[0] in over else outcomes[strategies[0]][0], first, cluster
+    ):
         next((s for s in strategies[1:] if fits(s)), None)
     by_chunk = "optim_grads" in strategies and chunk_by_chunk(
         "optim_grads", first.shard_size, first.virtual_stages, first.num_microbatches, first.pp
