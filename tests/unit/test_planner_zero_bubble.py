@@ -31,6 +31,7 @@ from ptdp.planner.memory.params import stage_param_counts
 from ptdp.planner.report.explain import layout_flags
 from ptdp.planner.search import layouts
 from ptdp.planner.search.layouts import Fixed, search
+from ptdp.planner.search.rules import trains_schedule, untrained_schedule_rejections
 from ptdp.planner.time import flops
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants
 from ptdp.planner.time.pipeline_bubble import ideal_bubble, schedule_dependencies, step_bubble
@@ -371,13 +372,26 @@ def test_searched_zero_bubble_schedules_run_under_the_strategies_ptdp_train_runs
         return Candidate.of(1, 4, 2, 2, 32, 2 if kind == "zb-v" else 1, schedule=kind, sharding=sharding)
 
     assert MODEL.tied
-    assert layouts._runnable(MODEL, make, strategies, planned=False) == strategies[:3]
-    assert layouts._runnable(MODEL, make, ["optim_grads_params"], planned=False) == []
-    assert layouts._runnable(MODEL, make, ["optim_grads_params"], planned=True) == ["optim_grads_params"]
+    assert layouts._runnable(MODEL, make, strategies, "zb-v", planned=False) == strategies[:3]
+    assert layouts._runnable(MODEL, make, ["optim_grads_params"], "zb-v", planned=False) == []
+    assert layouts._runnable(MODEL, make, ["optim_grads_params"], "zb-v", planned=True) == ["optim_grads_params"]
     h1 = lambda sharding: make(sharding, "zb-h1")  # noqa: E731
-    assert layouts._runnable(MODEL, h1, strategies, planned=False) == strategies
+    assert layouts._runnable(MODEL, h1, strategies, "zb-h1", planned=False) == strategies
     one = lambda sharding: make(sharding, "1f1b")  # noqa: E731
-    assert layouts._runnable(MODEL, one, strategies, planned=True) == strategies
+    assert layouts._runnable(MODEL, one, strategies, "1f1b", planned=True) == strategies
+
+
+@pytest.mark.parametrize("kind", fields.SCHEDULES)
+def test_the_searchs_schedule_rule_is_ptdp_trains_on_whole_candidates(kind):
+    """What the search asks of a schedule and a strategy (cached on them and the tie) is what
+    ptdp train's rule says of a whole candidate, at v = 2 and 1, tied or not."""
+    untied = dataclasses.replace(MODEL, untie_embeddings_and_output_weights=True)
+    for model in (MODEL, untied):
+        for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
+            for v in (1, 2):
+                layout = Candidate.of(1, 4, 2, 1, 32, v, schedule=kind, sharding=strategy)
+                whole = not untrained_schedule_rejections(layout.parallel, model)
+                assert trains_schedule(kind, strategy, model.tied) == whole, (model.tied, strategy, v)
 
 
 def test_a_plans_passes_are_the_times_its_bubble_is_simulated_with():

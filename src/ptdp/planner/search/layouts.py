@@ -37,7 +37,7 @@ from ptdp.planner.search.rules import (
     context_rejections,
     expert_rejections,
     structural_rejections,
-    untrained_schedule_rejections,
+    trains_schedule,
 )
 from ptdp.planner.splits import ACCOUNTING, candidate_splits, interleaved_splits
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS
@@ -442,13 +442,13 @@ def _schedules(fixed: Fixed, pp: int, v: int, even: bool) -> list[str]:
 HOLDS_NO_MORE = {"zb-h1": "1f1b", "zb-h2": "zb-h1"}
 
 
-def _runnable(model: ModelConfig, make, strategies: list[str], *, planned: bool) -> list[str]:
-    """The sharding ``strategies`` under which ``ptdp train`` runs ``make(strategy)``'s schedule
-    (:func:`~ptdp.planner.search.rules.untrained_schedule_rejections`). A ``planned`` schedule (the
-    one fixed, or the one v implies) keeps the first when it runs under none, to be rejected with
-    the reason; another (a zero-bubble alternative) is left out when none runs it or the config's
-    schedule rules refuse it."""
-    runnable = [s for s in strategies if not untrained_schedule_rejections(make(s).parallel, model)]
+def _runnable(model: ModelConfig, make, strategies: list[str], kind: str, *, planned: bool) -> list[str]:
+    """The sharding ``strategies`` under which ``ptdp train`` runs schedule ``kind``, the schedule of
+    ``make(strategy)`` (:func:`~ptdp.planner.search.rules.trains_schedule`). A ``planned`` schedule
+    (the one fixed, or the one v implies) keeps the first when it runs under none, to be rejected
+    with the reason; another (a zero-bubble alternative) is left out when none runs it or the
+    config's schedule rules refuse it."""
+    runnable = [s for s in strategies if trains_schedule(kind, s, model.tied)]
     if planned:
         return runnable or strategies[:1]
     first = make(runnable[0]) if runnable else None
@@ -534,7 +534,7 @@ def _search_layout(
                         reasons = [r.message for r in experts_broken]
                         result.rejected.append((Plan(make("no_shard"), False, reasons=reasons), experts_broken[0]))
                     continue
-                strategies = _runnable(model, make, _strategies(fixed, dp * cp), planned=kind == kinds[0])
+                strategies = _runnable(model, make, _strategies(fixed, dp * cp), kind, planned=kind == kinds[0])
                 if not strategies:
                     continue
                 plans, rejected = predict_strategies(

@@ -91,6 +91,19 @@ def untrained_schedule_rejections(parallel: ParallelConfig, model: ModelConfig) 
     return [Violation("schedule", v.message) for v in untrained_schedule_violations(parallel, model.tied)]
 
 
+@functools.lru_cache(maxsize=256)
+def trains_schedule(kind: str, strategy: str, tied: bool) -> bool:
+    """Whether ``ptdp train`` runs schedule ``kind`` under sharding ``strategy``: no
+    :func:`untrained_schedule_rejections` of a config setting only these (the rule reads the
+    schedule, the strategy and whether the model ties its embedding); cached for the search."""
+    parallel = ParallelConfig(
+        pipeline_schedule=kind,  # type: ignore[arg-type]
+        data_parallel_sharding_strategy=strategy,  # type: ignore[arg-type]
+        use_distributed_optimizer=strategy != "no_shard",
+    )
+    return not untrained_schedule_violations(parallel, tied)
+
+
 def schedule_rejections(model: ModelConfig, layout: Candidate) -> list[Violation]:
     """Rules of the pipeline schedule (the config's, on the candidate's parallel config, and what
     ``ptdp train`` does not run yet: :func:`untrained_schedule_rejections`), of sequence
