@@ -15,6 +15,7 @@ or an alias such as ``tp``, ``mbs``), checked like the flags; a bad request rais
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ class PlanResult:
 
     model: ModelConfig
     cluster: Cluster
-    plans: list[Plan]
+    plans: Sequence[Plan]
     rejected: list[tuple[Plan, Violation]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     explanation: list[str] = field(default_factory=list)

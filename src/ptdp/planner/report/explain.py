@@ -10,6 +10,7 @@ those that work the other way; a difference below :data:`NEAR_TIE` of the step i
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from ptdp.errors import Violation
 from ptdp.planner.candidate import Candidate, Plan
@@ -150,7 +151,7 @@ def compare(faster: Plan, slower: Plan, *, faster_name: str, slower_name: str) -
     return lines
 
 
-def explain_pick(plans: list[Plan]) -> list[str]:
+def explain_pick(plans: Sequence[Plan]) -> list[str]:
     """Why the first of the ranked fitting ``plans`` beats the second (empty with fewer than two)."""
     if len(plans) < 2:
         return []
@@ -169,7 +170,7 @@ def distance_from_best(chosen: Plan | None, best: Plan | None) -> list[str]:
     return ["the best layout with nothing fixed:", *compare(best, chosen, faster_name="best", slower_name="yours")]
 
 
-def explain_experts(plans: list[Plan], rejected: list[tuple[Plan, Violation]], gpus_per_node: int) -> list[str]:
+def explain_experts(plans: Sequence[Plan], rejected: list[tuple[Plan, Violation]], gpus_per_node: int) -> list[str]:
     """For a mixture-of-experts search: the share of the best plan's step its exchanges take and
     where its ``ep x etp`` group runs (in a node or over the network), and why the best plan with
     its group on the other side of the node boundary loses: slower, or over the GPU's memory (the
@@ -179,10 +180,10 @@ def explain_experts(plans: list[Plan], rejected: list[tuple[Plan, Violation]], g
     best = plans[0]
     group = best.layout.ep * best.layout.etp
     if group == 1:  # one rank holds every expert: no exchange
-        others = [p for p in plans if p.layout.ep * p.layout.etp > 1]
-        if not others:
+        first = next((p for p in plans if p.layout.ep * p.layout.etp > 1), None)
+        if first is None:
             return []
-        alt = others[0]
+        alt = first
         rel = (alt.need_time().step - best.need_time().step) / alt.need_time().step
         return [
             f"experts: every rank holds all of them (ep 1, no exchange); the best with ep {alt.layout.ep}, etp "
@@ -196,10 +197,10 @@ def explain_experts(plans: list[Plan], rejected: list[tuple[Plan, Violation]], g
         f"exposed, the expert-data-parallel reduction {100 * time.edp_comm / time.step:.0f}%"
     ]
     inside = group <= gpus_per_node
-    other = [p for p in plans if (p.layout.ep * p.layout.etp <= gpus_per_node) != inside]
+    other = next((p for p in plans if (p.layout.ep * p.layout.etp <= gpus_per_node) != inside), None)
     side = "beyond a node" if inside else "inside a node"
-    if other:
-        alt = other[0]
+    if other is not None:
+        alt = other
         rel = (alt.need_time().step - time.step) / alt.need_time().step
         gains, _ = deciding_terms(best, alt)
         lines.append(

@@ -90,7 +90,7 @@ def _fp8_words(result: SearchResult) -> str:
 def _first_plans(result: SearchResult) -> list[Plan]:
     """The first fitting and the first rejected plan (those that exist): what every layout of the
     search shares, such as its precision."""
-    return result.plans[:1] + [plan for plan, _ in result.rejected[:1]]
+    return [*result.plans[:1], *(plan for plan, _ in result.rejected[:1])]
 
 
 def text_report(
@@ -240,7 +240,7 @@ def rejection_summary(result: SearchResult, per_rule: int = 3) -> list[str]:
 def json_records(result: SearchResult, *, top: int = 10) -> list[dict]:
     """The plans of :func:`text_report` as records: the top fitting plans, then a few rejected
     ones per rule (``fits`` false, ``reasons`` saying why)."""
-    return [p.to_json() for p in result.plans[:top] + representatives(result)]
+    return [p.to_json() for p in [*result.plans[:top], *representatives(result)]]
 
 
 def json_report(result: SearchResult, *, top: int = 10, fields: Mapping[str, object] | None = None) -> str:

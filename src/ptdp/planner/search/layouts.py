@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -33,6 +34,7 @@ from ptdp.planner.inputs.moe_model import moe_of
 from ptdp.planner.memory.moe_params import expert_param_count
 from ptdp.planner.memory.strategies import strategy_bytes_per_param
 from ptdp.planner.search.predict import predict_strategies
+from ptdp.planner.search.ranking import Pending, RankedPlans
 from ptdp.planner.search.rules import (
     context_rejections,
     expert_rejections,
@@ -149,14 +151,17 @@ class Fixed:
 
 @dataclass
 class SearchResult:
-    """Fitting plans ranked fastest first, and every rejected plan with the rule it broke."""
+    """Fitting plans ranked fastest first (:class:`~ptdp.planner.search.ranking.RankedPlans` from a
+    search), and every rejected plan with the rule it broke."""
 
-    plans: list[Plan]
+    plans: Sequence[Plan]
     rejected: list[tuple[Plan, Violation]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     """What the search left out and why (each once), e.g. interleaving where the layers do not split evenly."""
     uneven_pp: list[int] = field(default_factory=list, repr=False)
     """The pipeline sizes whose stages the layers do not split evenly (one note names them all)."""
+    found: list[Plan | Pending] = field(default_factory=list, repr=False)
+    """The fitting plans while the search runs, in the order found (ranked into ``plans`` at its end)."""
 
     @property
     def evaluated(self) -> int:
@@ -218,7 +223,7 @@ def search(
         _search_cp(*args, cps=(fixed.cp,))
     else:
         _search_cp(*args, cps=(1,))
-        if model.seq_length >= CP_MIN_SEQ_LENGTH or not result.plans:
+        if model.seq_length >= CP_MIN_SEQ_LENGTH or not result.found:
             _search_cp(
                 *args,
                 cps=tuple(
@@ -227,7 +232,8 @@ def search(
                     if model.seq_length % (2 * c) == 0 and model.seq_length // c >= CP_MIN_LOCAL_TOKENS
                 ),
             )
-    result.plans.sort(key=lambda p: p.need_time().step)
+    result.plans = RankedPlans(result.found)
+    result.found = []
     return result
 
 
@@ -551,5 +557,5 @@ def _search_layout(
                     **over.get((recompute, sp, HOLDS_NO_MORE.get(kind, "")), {}),
                     **{p.layout.sharding_strategy: p for p, r in rejected if r.rule == "memory" and p.memory},
                 }
-                result.plans += plans
+                result.found += plans
                 result.rejected += rejected

@@ -9,6 +9,8 @@ under the sharding strategies worth trying and the candidate splits of :mod:`ptd
 
 from __future__ import annotations
 
+from functools import partial
+
 from ptdp.config.model import ModelConfig
 from ptdp.errors import Violation
 from ptdp.layout.buckets import chunk_by_chunk
@@ -18,9 +20,11 @@ from ptdp.planner.memory.breakdown import memory_breakdown
 from ptdp.planner.memory.overhead import CUDA_CONTEXT_BYTES
 from ptdp.planner.memory.params import mean_stage_params
 from ptdp.planner.memory.strategies import strategy_bytes_per_param
+from ptdp.planner.search.ranking import Pending, fastest
 from ptdp.planner.search.rules import all_rejections, schedule_rejections
 from ptdp.planner.splits import candidate_splits
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS
+from ptdp.planner.time.pipeline_bubble import splits_backward
 from ptdp.planner.time.stages import edge_layer_equivalents
 from ptdp.planner.time.step_time import evaluate_performance
 
@@ -38,10 +42,13 @@ def evaluate(
     broken = all_rejections(model, layout, cluster)
     if broken:
         return Plan(layout, False, reasons=[r.message for r in broken]), broken[0]
-    return _predict(model, layout, cluster, constants, overhead_bytes)
+    plan, rejection = _predict(model, layout, cluster, constants, overhead_bytes)
+    return (plan.timed() if isinstance(plan, Pending) else plan), rejection
 
 
-def _predict(model, layout, cluster, constants, overhead_bytes) -> tuple[Plan, Violation | None]:
+def _predict(model, layout, cluster, constants, overhead_bytes) -> tuple[Plan | Pending, Violation | None]:
+    """Memory, then, if it fits, time; a schedule running B and W apart is :class:`Pending`, its
+    bubble simulated when the ranking needs it."""
     kwargs = {} if overhead_bytes is None else {"overhead_bytes": overhead_bytes}
     memory = memory_breakdown(model, layout, cluster.gpu, gpus_per_node=cluster.gpus_per_node, **kwargs)
     capacity = cluster.gpu.memory_bytes
@@ -53,16 +60,27 @@ def _predict(model, layout, cluster, constants, overhead_bytes) -> tuple[Plan, V
             f"{memory.stage} ({largest} {getattr(memory, largest) / GiB:.1f} GiB)"
         )
         return Plan(layout, False, memory=memory, reasons=[message]), Violation("memory", message)
+    timed = partial(_timed, model, layout, cluster, constants, memory)
+    if layout.pp > 1 and splits_backward(layout.parallel.schedule):
+        bound = evaluate_performance(model, layout, cluster, constants, simulate_bubble=False).time.step
+        return Pending(bound, timed), None
+    return timed(), None
+
+
+def _timed(model, layout, cluster, constants, memory) -> Plan:
     perf = evaluate_performance(model, layout, cluster, constants)
-    return Plan(layout, True, memory, perf.time, perf.tflops_per_gpu / TFLOPS, perf.mfu, passes=perf.passes), None
+    return Plan(layout, True, memory, perf.time, perf.tflops_per_gpu / TFLOPS, perf.mfu, passes=perf.passes)
 
 
-def _predict_split(model, layout, cluster, constants, overhead, search_split: bool) -> tuple[Plan, Violation | None]:
+def _predict_split(
+    model, layout, cluster, constants, overhead, search_split: bool
+) -> tuple[Plan | Pending, Violation | None]:
     """Predict ``layout``; with ``search_split`` try the splits of :func:`candidate_splits` (from the
     edge work of :func:`edge_layer_equivalents`) and return the fastest that fits, else the one
     closest to fitting (the even split first: it wins ties). When the even split fits, an uneven
     one whose busiest stage is no lighter (layers + edge work) is not predicted: its m slots are
-    no shorter."""
+    no shorter. Splits whose plans are :class:`Pending` give one, timing them when needed
+    (:func:`~ptdp.planner.search.ranking.fastest`)."""
     if not search_split:
         return _predict(model, layout, cluster, constants, overhead)
     if _no_split_fits(model, layout, cluster, overhead):  # the even (or first) split stands for all
@@ -71,15 +89,23 @@ def _predict_split(model, layout, cluster, constants, overhead, search_split: bo
     first, last = edge_layer_equivalents(model, layout, cluster, constants)
     load = lambda s: max(s[0] + first, s[-1] + last, *s[1:-1])  # noqa: E731 - busiest stage, in layers
     best, even_load = None, None
+    pending: list[Pending] = []
     for split in candidate_splits(model.num_layers, layout.pp, first, last):
         if split is not None and even_load is not None and load(split) >= even_load:
             continue
         plan, rejection = _predict(model, layout.replace(layer_split=split), cluster, constants, overhead)
         if split is None and rejection is None:
             even_load = load((model.num_layers // layout.pp,) * layout.pp)
+        if isinstance(plan, Pending):
+            pending.append(plan)
+            continue
         key = (0, plan.need_time().step) if rejection is None else (1, plan.memory.total if plan.memory else 0.0)
         if best is None or key < best[0]:
             best = (key, plan, rejection)
+    if len(pending) == 1:
+        return pending[0], None
+    if pending:
+        return Pending(min(p.bound for p in pending), partial(fastest, tuple(pending))), None
     if best is None:  # no split balances the edge work within one layer of the middle stages
         message = (
             f"num_layers={model.num_layers} has no balanced split over pp={layout.pp} stages (the first "
@@ -108,13 +134,13 @@ def _no_split_fits(model, layout: Candidate, cluster, overhead) -> bool:
     return floor + (CUDA_CONTEXT_BYTES if overhead is None else overhead) > cluster.gpu.memory_bytes
 
 
-def _sharding_cannot_fit(unsharded: Plan, layout: Candidate, cluster) -> bool:
+def _sharding_cannot_fit(unsharded: Plan | Pending, layout: Candidate, cluster) -> bool:
     """True when ``unsharded`` (the no_shard plan that did not fit) would not fit even with every
     state byte sharded: its most loaded stage's ``n`` parameters (its float32 gradients / 4) keep
     at least ``n (w + g + k) / (dp cp)`` bytes of state under optim_grads_params, besides the
     same activations and overhead (a lower bound: transients and FP8 copies left out). With bf16
     gradients its grads hold at most 6 bytes per parameter (2, and the step's float32 copy)."""
-    mem = unsharded.memory
+    mem = unsharded.memory if isinstance(unsharded, Plan) else None
     if mem is None:
         return False
     n = mem.grads / (6.0 if layout.bf16_grads else 4.0)
@@ -138,7 +164,7 @@ def predict_strategies(
     overhead,
     search_split: bool,
     over: dict[str, Plan] | None = None,
-) -> tuple[list[Plan], list[tuple[Plan, Violation]]]:
+) -> tuple[list[Plan | Pending], list[tuple[Plan, Violation]]]:
     """Predict the layout ``make(strategy)`` gives under ``strategies`` (least sharded first): no_shard;
     when it fits, optim too; when not, the sharded ones up to the first that fits, unless full
     sharding cannot fit (:func:`_sharding_cannot_fit`); and optim_grads whenever it reduces chunk by
@@ -153,7 +179,7 @@ def predict_strategies(
     bad = schedule_rejections(model, first)  # the same for every strategy
     if bad:
         return [], [(Plan(first, False, reasons=[r.message for r in bad]), bad[0])]
-    outcomes = {}
+    outcomes: dict[str, tuple[Plan | Pending, Violation | None]] = {}
     over = over or {}
 
     def fits(strategy: str) -> bool:
@@ -175,7 +201,7 @@ def predict_strategies(
     )
     if by_chunk and "optim_grads" not in outcomes:  # may be faster than optim: one chunk's reduction exposed
         fits("optim_grads")
-    plans: list[Plan] = []
+    plans: list[Plan | Pending] = []
     rejected: list[tuple[Plan, Violation]] = []
     kept_sharded = False
     for strategy in strategies:
@@ -183,7 +209,8 @@ def predict_strategies(
             continue
         plan, rejection = outcomes[strategy]
         if rejection is not None:
-            rejected.append((plan, rejection))
+            if isinstance(plan, Plan):  # a rejected plan is never pending
+                rejected.append((plan, rejection))
         elif strategy == "no_shard" or not kept_sharded or (by_chunk and strategy == "optim_grads"):
             plans.append(plan)
             kept_sharded = strategy != "no_shard"
