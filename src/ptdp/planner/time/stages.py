@@ -299,16 +299,17 @@ def split_stage_times(
     of the other stages, ``(sum(split) - split[busiest]) * sum(layer)`` ([N21] §2.2 generalised: a 1F1B
     step is about ``m max t_i + sum of the others``). Needs ``len(split) >= 2``.
     """
-    edge_first = [f - u for f, u in zip(first, layer)]
-    edge_last = [x - u for x, u in zip(last, layer)]
-    stages = [tuple(n * u for u in layer) for n in split]
-    stages[0] = tuple(t + e for t, e in zip(stages[0], edge_first))
-    stages[-1] = tuple(t + e for t, e in zip(stages[-1], edge_last))
-    busiest = max(range(len(split)), key=lambda i: (sum(stages[i]), i))
-    middle = stages[1:-1] or [tuple(0.0 for _ in layer)]
-    mean = tuple(sum(col) / len(middle) for col in zip(*middle))
-    fill = (sum(split) - split[busiest]) * sum(layer)
-    return stages[0], mean, stages[-1], stages[busiest], fill
+    head = tuple(split[0] * u + (f - u) for f, u in zip(first, layer))
+    tail = tuple(split[-1] * u + (x - u) for x, u in zip(last, layer))
+    one = sum(layer)
+    loads = [n * one for n in split]
+    loads[0], loads[-1] = sum(head), sum(tail)
+    busiest = max(range(len(split)), key=lambda i: (loads[i], i))
+    middle = split[1:-1]
+    mean = tuple(sum(middle) * u / len(middle) for u in layer) if middle else tuple(0.0 for _ in layer)
+    stage = head if busiest == 0 else tail if busiest == len(split) - 1 else tuple(split[busiest] * u for u in layer)
+    fill = (sum(split) - split[busiest]) * one
+    return head, mean, tail, stage, fill
 
 
 def edge_layer_equivalents(
