@@ -281,11 +281,15 @@ def _counted_chunks_as_v(fixed: Fixed, num_layers: int) -> Fixed:
     return fixed
 
 
-def _explanation(result: SearchResult, free: SearchResult | None, gpus_per_node: int = 8) -> list[str]:
-    """Why the best plan beats the runner-up (with experts, where their exchanges run and why,
+def _explanation(
+    result: SearchResult, free: SearchResult | None, gpus_per_node: int = 8, *, experts: bool = True
+) -> list[str]:
+    """Why the best plan beats the runner-up (with ``experts``, where their exchanges run and why,
     :func:`~ptdp.planner.report.explain.explain_experts`) and, when the user fixed choices (``free``:
     the search with nothing fixed), how far the best plan under them is from the best found."""
-    lines = explain_pick(result.plans) + explain_experts(result.plans, result.rejected, gpus_per_node)
+    lines = explain_pick(result.plans)
+    if experts:
+        lines += explain_experts(result.plans, result.rejected, gpus_per_node)
     if free is not None:
         lines += distance_from_best(result.plans[0] if result.plans else None, free.plans[0] if free.plans else None)
     return lines
@@ -323,7 +327,7 @@ class PlanRequest:
         """:func:`_explanation`, with the free search run when choices are fixed."""
         unfixed = Fixed(fp8_recipe=self.fixed.fp8_recipe)  # the recipe is the request's, as its precision
         free = self.search(fixed=unfixed) if self.fixed != unfixed else None
-        return _explanation(result, free, self.cluster.gpus_per_node)
+        return _explanation(result, free, self.cluster.gpus_per_node, experts=moe_of(self.model) is not None)
 
 
 def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanRequest:

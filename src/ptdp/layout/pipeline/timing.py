@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from ptdp.layout.pipeline.placement import virtual_stage
 
@@ -214,68 +214,98 @@ def dependencies(
 ) -> Dependencies:
     """``schedule``'s computes (forwards, whole backwards, Bs and Ws) as :class:`Dependencies`;
     every rank must run at least one. Raises ValueError when they wait on each other in a cycle."""
+    steps = [[(a.kind, a.microbatch, a.chunk) for a in acts] for acts in schedule]
+    return compile_steps(steps, virtual_stages=virtual_stages, placement=placement)
+
+
+def compile_steps(
+    schedule: Sequence[Sequence[tuple[str, int, int]]], *, virtual_stages: int = 1, placement: str = "looped"
+) -> Dependencies:
+    """:func:`dependencies` of a schedule given as ``(kind, microbatch, chunk)`` per step."""
     p = len(schedule)
-    computes = [[a for a in acts if a.kind in COMPUTES] for acts in schedule]
     stages = p * virtual_stages
-    # the inputs :func:`input_producer` names, by (rank, index) of the compute making them
-    made: dict[tuple[bool, int, int], tuple[int, int]] = {}  # (forward?, microbatch, stage) -> (rank, index)
-    for r, acts in enumerate(computes):
-        for i, a in enumerate(acts):
-            if a.kind != "backward_weight":
-                made[(a.kind == "forward", a.microbatch, virtual_stage(r, a.chunk, p, placement))] = (r, i)
-    needs: list[list[tuple[int, int] | None]] = []
-    for r, acts in enumerate(computes):
-        row: list[tuple[int, int] | None] = []
-        for a in acts:
-            forward = a.kind == "forward"
-            near = virtual_stage(r, a.chunk, p, placement) + (-1 if forward else 1)
-            if a.kind == "backward_weight" or not 0 <= near < stages:
-                row.append(None)
-            elif (forward, a.microbatch, near) in made:
-                row.append(made[(forward, a.microbatch, near)])
+    steps_at: list[tuple[str, int, int]] = []  # each compute, rank after rank
+    kinds_at: list[str] = []
+    needs: list[int] = []  # the key of the output each needs (-1: none)
+    made: dict[int, int] = {}  # (microbatch, stage, forward?) as one key -> the compute making it
+    starts = [0]
+    for r, acts in enumerate(schedule):
+        for step in acts:
+            kind, mb, chunk = step
+            if kind not in COMPUTES:
+                continue
+            stage = virtual_stage(r, chunk, p, placement)
+            if kind == "forward":
+                made[(mb * stages + stage) * 2 + 1] = len(kinds_at)
+                needs.append((mb * stages + stage - 1) * 2 + 1 if stage > 0 else -1)
+            elif kind == "backward_weight":
+                needs.append(-1)
             else:
-                raise ValueError(f"rank {r}'s {a.kind} of microbatch {a.microbatch}, chunk {a.chunk} has no input")
-        needs.append(row)
-    placed = [[-1] * len(acts) for acts in computes]
-    kinds: list[str] = []
-    before: list[int] = []
-    source: list[int] = []
-    remote: list[bool] = []
-    pc = [0] * p
-    waiting: dict[tuple[int, int], list[int]] = {}  # an unplaced compute -> the ranks stopped at it
+                made[(mb * stages + stage) * 2] = len(kinds_at)
+                needs.append((mb * stages + stage + 1) * 2 if stage + 1 < stages else -1)
+            kinds_at.append(kind)
+            steps_at.append(step)
+        starts.append(len(kinds_at))
+    source_at = []
+    for c, key in enumerate(needs):
+        if key < 0:
+            source_at.append(-1)
+        elif key in made:
+            source_at.append(made[key])
+        else:
+            r = next(x for x in range(p) if starts[x] <= c < starts[x + 1])
+            kind, mb, chunk = steps_at[c]
+            raise ValueError(f"rank {r}'s {kind} of microbatch {mb}, chunk {chunk} has no input")
+    rank_at = [r for r in range(p) for _ in range(starts[r + 1] - starts[r])]
+    placed = [-1] * len(kinds_at)  # each compute's position in the order below
+    order: list[int] = []
+    pc = starts[:-1]
+    waiting: dict[int, list[int]] = {}  # an unplaced compute -> the ranks stopped at it
     ready = list(range(p - 1, -1, -1))  # ranks to advance, a stack (each rank once per unblocking)
     while ready:
         r = ready.pop()
-        row, done, i = needs[r], placed[r], pc[r]
-        while i < len(row):
-            dep = row[i]
-            if dep is not None and placed[dep[0]][dep[1]] < 0:
+        c, stop = pc[r], starts[r + 1]
+        while c < stop:
+            dep = source_at[c]
+            if dep >= 0 and placed[dep] < 0:
                 waiting.setdefault(dep, []).append(r)
                 break
-            done[i] = len(kinds)
-            kinds.append(computes[r][i].kind)
-            before.append(done[i - 1] if i else -1)
-            source.append(-1 if dep is None else placed[dep[0]][dep[1]])
-            remote.append(dep is not None and dep[0] != r)
-            ready.extend(waiting.pop((r, i), ()))
-            i += 1
-        pc[r] = i
-    stuck = [(r, computes[r][pc[r]]) for r in range(p) if pc[r] < len(computes[r])]
+            placed[c] = len(order)
+            order.append(c)
+            if c in waiting:
+                ready.extend(waiting.pop(c))
+            c += 1
+        pc[r] = c
+    stuck = [(r, Step(*steps_at[pc[r]])) for r in range(p) if pc[r] < starts[r + 1]]
     if stuck:
         raise _cycle(stuck)
+    kinds = [kinds_at[c] for c in order]
+    before = [placed[c - 1] if c > starts[rank_at[c]] else -1 for c in order]
+    source = [placed[source_at[c]] if source_at[c] >= 0 else -1 for c in order]
+    remote = [source_at[c] >= 0 and rank_at[source_at[c]] != rank_at[c] for c in order]
+    ranks = [placed[starts[r] : starts[r + 1]] for r in range(p)]
     counts = tuple(
-        tuple((kind, n) for kind in COMPUTES if (n := sum(a.kind == kind for a in acts))) for acts in computes
+        tuple((kind, n) for kind in COMPUTES if (n := kinds_at[starts[r] : starts[r + 1]].count(kind)))
+        for r in range(p)
     )
     return Dependencies(
         tuple(kinds),
         tuple(before),
         tuple(source),
         tuple(remote),
-        tuple(done[0] for done in placed),
-        tuple(done[-1] for done in placed),
+        tuple(done[0] for done in ranks),
+        tuple(done[-1] for done in ranks),
         counts,
-        _fold(kinds, before, source, remote, placed),
+        _fold(kinds, before, source, remote, ranks),
     )
+
+
+class Step(NamedTuple):
+    """A compute as :func:`compile_steps` names it in its errors."""
+
+    kind: str
+    microbatch: int
+    chunk: int
 
 
 def _fold(
@@ -289,10 +319,14 @@ def _fold(
     for k, i in enumerate(keep):
         index[i] = k
     signatures: dict[tuple[tuple[str, int], ...], int] = {(): 0}
+    runs: dict[tuple[str, ...], int] = {(): 0}  # a run of folded kinds -> its signature's index
 
     def signature(pending: list[str]) -> int:
-        sig = tuple((kind, n) for kind in COMPUTES if (n := pending.count(kind)))
-        return signatures.setdefault(sig, len(signatures))
+        run = tuple(pending)
+        if run not in runs:
+            sig = tuple((kind, n) for kind in COMPUTES if (n := pending.count(kind)))
+            runs[run] = signatures.setdefault(sig, len(signatures))
+        return runs[run]
 
     k_before, run = [-1] * len(keep), [0] * len(keep)
     tails, heads = [], []

@@ -18,8 +18,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ptdp.layout.pipeline.placement import placement_of
-from ptdp.layout.pipeline.schedule import SPLIT_ORDERS, Action, build_schedule, check_schedule_args
-from ptdp.layout.pipeline.timing import Dependencies, StageTimes, dependencies
+from ptdp.layout.pipeline.schedule import SPLIT_ORDERS, build_schedule, check_schedule_args
+from ptdp.layout.pipeline.timing import Dependencies, StageTimes, compile_steps, dependencies
 
 
 def splits_backward(kind: str) -> bool:
@@ -34,8 +34,8 @@ def schedule_dependencies(kind: str, pp: int, num_microbatches: int, virtual_sta
     compiled for timing; cached, a search times the same schedule under many layouts' times.
     Raises ValueError for sizes the kind cannot run with."""
     check_schedule_args(kind, pp, num_microbatches, virtual_stages)
-    computes = [[Action(*step) for step in SPLIT_ORDERS[kind](pp, num_microbatches, r)] for r in range(pp)]
-    return dependencies(computes, virtual_stages=virtual_stages, placement=placement_of(kind))
+    steps = [SPLIT_ORDERS[kind](pp, num_microbatches, r) for r in range(pp)]
+    return compile_steps(steps, virtual_stages=virtual_stages, placement=placement_of(kind))
 
 
 @lru_cache(maxsize=4096)
