@@ -34,7 +34,7 @@ from ptdp.planner.search.layouts import Fixed, search
 from ptdp.planner.search.rules import trains_schedule, untrained_schedule_rejections
 from ptdp.planner.time import flops
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants
-from ptdp.planner.time.pipeline_bubble import ideal_bubble, schedule_dependencies, step_bubble
+from ptdp.planner.time.pipeline_bubble import bubble_floor, ideal_bubble, schedule_dependencies, step_bubble
 from ptdp.planner.time.profile import save_profile
 from ptdp.planner.time.step_time import evaluate_performance
 from ptdp.run.planner_report import compare, format_comparison
@@ -246,6 +246,25 @@ def test_search_passes_over_only_zero_bubble_layouts_that_cannot_fit():
     zero_bubble = [p for p, _ in every.rejected if p.layout.parallel.schedule in ("zb-h1", "zb-h2")]
     assert len(kept.rejected) < len(every.rejected) and zero_bubble
     assert {p.layout.parallel.schedule for p in kept.plans} >= {"1f1b", "zb-h1"}
+
+
+@pytest.mark.parametrize("kind", sorted(SPLIT_ORDERS))
+def test_the_bubble_floor_is_below_every_simulated_bubble(kind):
+    """The search ranks a zero-bubble plan by its step with :func:`bubble_floor` for its bubble:
+    never above the simulated one, under random times, transfers and sizes (m >= 2 pp on the
+    DualPipeV schedule); equal when nothing but the last rank's late start idles."""
+    rng = random.Random(7)
+    v = 2 if placement_of(kind) == "v" else 1
+    for _ in range(12):
+        p = rng.choice([2, 3, 4, 6, 8])
+        m = rng.randint(2 * p if kind == "dualpipev" else 1, 6 * p)
+        times = StageTimes(rng.uniform(0.1, 2), rng.uniform(0.1, 2), rng.uniform(0.05, 1.5), rng.choice([0, 0.01, 0.4]))
+        assert bubble_floor(p, v, times) <= step_bubble(kind, p, m, v, times) + 1e-12, (p, m, times)
+    assert (
+        bubble_floor(4, 1, StageTimes(1.0, 0.0, 0.0, 0.0))
+        == step_bubble("zb-h1", 4, 8, 1, StageTimes(1.0, 0.0, 0.0, 0.0))
+        == 3.0
+    )
 
 
 def test_v_placement_puts_the_last_stage_on_rank_0():

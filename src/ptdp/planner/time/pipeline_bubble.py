@@ -66,6 +66,14 @@ def step_bubble(
     return third + (m - base - 2 * pp) // pp * step
 
 
+def bubble_floor(pp: int, virtual_stages: int, times: StageTimes) -> float:
+    """At most :func:`step_bubble` (synchronous) of any schedule on ``pp`` ranks, ``times`` on every
+    rank: each rank does the same work, and the last starts no earlier than ``pp - 1`` forwards of
+    a chunk and as many transfers (every compute of it waits, through its stage's forward, for the
+    first stage's), so the last compute ends that much after the work of a rank."""
+    return (pp - 1) * (times.forward / virtual_stages + times.p2p)
+
+
 @lru_cache(maxsize=256)
 def ideal_bubble(kind: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
     """The step's idle time of any training schedule (``build_schedule``'s kinds but forward-only)

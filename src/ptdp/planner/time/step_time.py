@@ -33,7 +33,7 @@ from ptdp.planner.time.data_parallel import (
     expert_optimizer_time,
     optimizer_time,
 )
-from ptdp.planner.time.pipeline_bubble import splits_backward, step_bubble
+from ptdp.planner.time.pipeline_bubble import bubble_floor, splits_backward, step_bubble
 from ptdp.planner.time.stages import (
     Parts,
     fp8_gemms,
@@ -176,8 +176,8 @@ def evaluate_performance(
     rank 0 runs the first and the last stage's edge work.
     ``layer_split`` (default ``layout.layer_split``, None: even): each stage runs its layers plus its edge
     work and fill and drain take the other stages' layers (:func:`split_stage_times`).
-    ``simulate_bubble`` False: a schedule running B and W apart gets no bubble (its program not
-    simulated), a lower bound of its step time.
+    ``simulate_bubble`` False: a schedule running B and W apart gets :func:`~ptdp.planner.time.pipeline_bubble.bubble_floor`
+    for its bubble (its program not simulated), a lower bound of its step time.
     """
     c, gpu, prec = constants.for_gpu(cluster.gpu), cluster.gpu, layout.precision
     # fp8: attention, logits and MFU at the bf16 peak; the kernels at the power limit's, MFU at the datasheet's
@@ -214,7 +214,7 @@ def evaluate_performance(
             one, **{k: rank_layers * getattr(one, k) for k in ("forward", "backward_input", "backward_weight")}
         )
     if splits_backward(kind) and passes is not None:
-        bubble = step_bubble(kind, pp, m, v, passes) if simulate_bubble else 0.0
+        bubble = step_bubble(kind, pp, m, v, passes) if simulate_bubble else bubble_floor(pp, v, passes)
         wgrad_extra = one.backward_weight * (1 - c.wgrad_efficiency)  # a slower W's, per layer
         busiest = (busiest[0] + stage_layers * wgrad_extra, *busiest[1:])
         c = dataclasses.replace(c, overlap_window=False)  # ptdp train's reductions overlap the last W only
