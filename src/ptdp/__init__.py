@@ -11,12 +11,18 @@ The Python API (``docs/api.md``), importing no torch until a run starts:
   the worker module of ``torchrun -m ptdp.train``; imported, that module is callable the same way.
 """
 
-from importlib.metadata import version
-
 from ptdp.api import PlanResult, load_config, plan, train
 from ptdp.config.schema import Config
 from ptdp.errors import ConfigError
 
-__version__ = version("ptdp")  # pyproject.toml's
+
+def __getattr__(name: str) -> str:
+    """``__version__``, pyproject.toml's, read from the installed metadata when first asked for."""
+    if name == "__version__":
+        from importlib.metadata import version
+
+        return version("ptdp")
+    raise AttributeError(f"module 'ptdp' has no attribute {name!r}")
+
 
 __all__ = ["Config", "ConfigError", "PlanResult", "load_config", "plan", "train", "__version__"]

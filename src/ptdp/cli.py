@@ -13,7 +13,6 @@ import importlib
 import os
 import sys
 import traceback
-from importlib.metadata import version
 
 from ptdp.config.flags import Parser, reject_unknown
 from ptdp.errors import ConfigError
@@ -36,11 +35,21 @@ COMMANDS = {
 }
 
 
+class _Version(argparse.Action):
+    """``--version``: the installed version, read only when asked for."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import version
+
+        print(f"ptdp {version('ptdp')}")
+        parser.exit()
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``ptdp`` parser. ``command``: add only that command's flags (the others are listed by name
     and help, without importing their modules); None: every command's flags."""
     parser = Parser(prog="ptdp", description="PTD-P GPT training on torch.distributed.")
-    parser.add_argument("--version", action="version", version=f"ptdp {version('ptdp')}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="show ptdp's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, module) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text)
