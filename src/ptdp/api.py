@@ -38,7 +38,8 @@ class PlanResult:
     Attributes:
         model, cluster: the model and cluster planned for (presets resolved, flags applied).
         plans: the fitting plans, fastest first (:class:`~ptdp.planner.candidate.Plan`: ``layout``,
-            ``memory`` in bytes per GPU, ``time`` in seconds per step, ``tflops_per_gpu``, ``mfu``).
+            ``memory`` in bytes per GPU, ``time`` in seconds per step, ``tflops_per_gpu``, ``mfu``),
+            a :class:`~ptdp.planner.search.ranking.RankedPlans` sequence.
         rejected: every layout that breaks a rule or does not fit, with the rule.
         notes, explanation: what the search left out and why; why the best plan wins (as ``ptdp plan`` prints).
     """
