@@ -14,9 +14,11 @@ from ptdp.config.schema import Config, TrainConfig
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import CATALOG, Cluster
 from ptdp.planner.inputs.models import PRESETS, gpt
+from ptdp.planner.search import predict
 from ptdp.planner.search.layouts import Fixed, search
 from ptdp.planner.search.predict import evaluate
 from ptdp.planner.splits import split_options
+from ptdp.planner.time.constants import DEFAULT_CONSTANTS
 
 CSV = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "published_runs.csv"
 A100 = CATALOG["a100-80gb"]
@@ -333,3 +335,19 @@ def test_an_explicit_even_split_needs_no_split_flags():
         "pipeline: layers per stage 19, 21, 20 x 2; ptdp train (and Megatron-LM) flags: "
         "--pipeline-layer-split 19,21,20,20"
     ]
+
+
+def test_sharding_is_tried_when_another_split_can_fit_than_the_closest_unsharded_one():
+    """The 1T GPT at tp 8, pp 16, dp 24 under zb-h2: unsharded, the even split comes closest to
+    fitting and could not fit even fully sharded, but the split (1, 9 x 14, 1) fits under optim;
+    the search must not pass over the sharded strategies on the even split's account."""
+    model, cluster = PRESETS["gpt-1008b"], Cluster(A100, 3072)
+    unsharded = Candidate.of(8, 16, 24, 1, 3072, 1, "full", True, sharding="no_shard", schedule="zb-h2")
+    plan, rejection, hopeless = predict._predict_split(model, unsharded, cluster, DEFAULT_CONSTANTS, None, True)
+    assert rejection is not None and plan.layout.layer_split is None
+    assert predict._sharding_cannot_fit(plan, unsharded, cluster) and not hopeless
+    sharded = unsharded.replace(sharding="optim")
+    fitting, rejection, _ = predict._predict_split(model, sharded, cluster, DEFAULT_CONSTANTS, None, True)
+    assert rejection is None and fitting.timed().layout.layer_split == (1,) + (9,) * 14 + (1,)
+    found = search(model, cluster, 3072, fixed=Fixed(tensor_model_parallel_size=8, pipeline_model_parallel_size=16))
+    assert any(p.layout.parallel.schedule == "zb-h2" and p.layout.sharding_strategy == "optim" for p in found.plans)

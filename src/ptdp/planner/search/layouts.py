@@ -494,6 +494,7 @@ def _search_layout(
     for (v, v_split), (ep, etp) in itertools.product(pairs, grids):
         kinds = _schedules(fixed, pp, v, v_split is None and split is None)
         over: dict[tuple[str, bool, str], dict[str, Plan]] = {}  # memory rejections by (recompute, sp, kind)
+        hopeless: dict[tuple[str, bool, str], bool] = {}  # ... and whether no strategy could fit
         for recompute, kind in itertools.product(_options(fixed.recompute_granularity, searched), kinds):
             # sequence parallelism needs tp > 1 and sharding dp * cp > 1: off otherwise
             for sp in _options(fixed.sequence_parallel, [False, True]) if tp > 1 else [False]:
@@ -543,7 +544,8 @@ def _search_layout(
                 strategies = _runnable(model, make, _strategies(fixed, dp * cp), kind, planned=kind == kinds[0])
                 if not strategies:
                     continue
-                plans, rejected = predict_strategies(
+                lesser = (recompute, sp, HOLDS_NO_MORE.get(kind, ""))
+                plans, rejected, none_fits = predict_strategies(
                     model,
                     make,
                     strategies,
@@ -551,11 +553,13 @@ def _search_layout(
                     constants,
                     overhead,
                     search_split and v == 1 and v_split is None,
-                    over.get((recompute, sp, HOLDS_NO_MORE.get(kind, ""))),
+                    over.get(lesser),
+                    hopeless.get(lesser, False),
                 )
                 over[(recompute, sp, kind)] = {
-                    **over.get((recompute, sp, HOLDS_NO_MORE.get(kind, "")), {}),
+                    **over.get(lesser, {}),
                     **{p.layout.sharding_strategy: p for p, r in rejected if r.rule == "memory" and p.memory},
                 }
+                hopeless[(recompute, sp, kind)] = none_fits
                 result.found += plans
                 result.rejected += rejected
