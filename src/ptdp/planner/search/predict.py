@@ -130,16 +130,9 @@ def _no_split_fits(model, layout: Candidate, cluster, overhead, strategy: str | 
     stage's state bytes (a lower bound of the most loaded stage's,
     :func:`~ptdp.planner.memory.params.mean_stage_params`; transients, activations and FP8 copies
     left out) and the overhead already exceed the GPU."""
-    per_param = sum(
-        strategy_bytes_per_param(
-            layout.precision,
-            strategy or layout.sharding_strategy,
-            layout.shard_size,
-            bf16_grads=layout.bf16_grads,
-            optimizer=layout.optimizer_state,
-        )
+    floor = mean_stage_params(model, layout.tp, layout.pp) * _state_per_param(
+        layout, strategy or layout.sharding_strategy
     )
-    floor = mean_stage_params(model, layout.tp, layout.pp) * per_param
     return floor + (CUDA_CONTEXT_BYTES if overhead is None else overhead) > cluster.gpu.memory_bytes
 
 
@@ -165,14 +158,7 @@ def _no_split_fits_sharded(model, layout: Candidate, cluster, constants, overhea
     schedule = "gpipe" if layout.parallel.schedule == "gpipe" else "1f1b"
     floor = cached_rank_activation_bytes(model, shaped, 1, thinnest[1], schedule, 128)
     if not isinstance(model, MoEModel):  # the same parameters in every layer
-        per_param = strategy_bytes_per_param(
-            layout.precision,
-            "optim_grads_params",
-            layout.shard_size,
-            bf16_grads=layout.bf16_grads,
-            optimizer=layout.optimizer_state,
-        )
-        floor += thinnest[1] * layer_param_count(model, layout.tp) * sum(per_param)
+        floor += thinnest[1] * layer_param_count(model, layout.tp) * _state_per_param(layout, "optim_grads_params")
     floor += runtime_overhead_bytes(layout, cluster.gpus_per_node, model.tied) if overhead is None else overhead
     return floor > cluster.gpu.memory_bytes
 
@@ -187,15 +173,21 @@ def _sharding_cannot_fit(unsharded: Plan | Pending, layout: Candidate, cluster) 
     if mem is None:
         return False
     n = mem.grads / (6.0 if layout.bf16_grads else 4.0)
-    per_param = strategy_bytes_per_param(
-        layout.precision,
-        "optim_grads_params",
-        layout.shard_size,
-        bf16_grads=layout.bf16_grads,
-        optimizer=layout.optimizer_state,
-    )
-    floor = sum(per_param) * n
+    floor = _state_per_param(layout, "optim_grads_params") * n
     return mem.activations + mem.overhead + floor > cluster.gpu.memory_bytes
+
+
+def _state_per_param(layout: Candidate, strategy: str) -> float:
+    """Bytes of state per parameter of ``layout`` under sharding ``strategy`` over its ``dp cp`` ranks."""
+    return sum(
+        strategy_bytes_per_param(
+            layout.precision,
+            strategy,
+            layout.shard_size,
+            bf16_grads=layout.bf16_grads,
+            optimizer=layout.optimizer_state,
+        )
+    )
 
 
 def predict_strategies(
