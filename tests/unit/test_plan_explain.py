@@ -185,3 +185,16 @@ def test_layout_flags_give_the_split_cp_and_non_default_options():
         "--data-parallel-sharding-strategy optim_grads_params --ddp-bucket-size 1000 --no-overlap-grad-reduce "
         "--no-reshard-after-forward"
     )
+
+
+def test_the_experts_explanation_says_how_much_longer_the_other_plan_takes():
+    """ "X% slower" is the step of the best plan it names over the best's, less one."""
+    import re
+
+    import ptdp
+
+    result = ptdp.plan("qwen3-30b-a3b", gpus=64, gpu="h100", global_batch_size=512, seq_length=4096)
+    line = next(x for x in result.explanation if "% slower" in x)
+    ep, etp, shown = re.search(r"ep (\d+), etp (\d+)\)? is ([\d.]+)% slower", line).groups()
+    alt = next(p for p in result.plans if (p.layout.ep, p.layout.etp) == (int(ep), int(etp)))
+    assert float(shown) == round(100 * (alt.need_time().step / result.best.need_time().step - 1), 1)

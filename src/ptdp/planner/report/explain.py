@@ -184,7 +184,7 @@ def explain_experts(plans: Sequence[Plan], rejected: list[tuple[Plan, Violation]
         if first is None:
             return []
         alt = first
-        rel = (alt.need_time().step - best.need_time().step) / alt.need_time().step
+        rel = alt.need_time().step / best.need_time().step - 1.0  # its step over the best's
         return [
             f"experts: every rank holds all of them (ep 1, no exchange); the best with ep {alt.layout.ep}, etp "
             f"{alt.layout.etp} is {100 * rel:.1f}% slower"
@@ -201,7 +201,7 @@ def explain_experts(plans: Sequence[Plan], rejected: list[tuple[Plan, Violation]
     side = "beyond a node" if inside else "inside a node"
     if other is not None:
         alt = other
-        rel = (alt.need_time().step - time.step) / alt.need_time().step
+        rel = alt.need_time().step / time.step - 1.0  # its step over the best's
         gains, _ = deciding_terms(best, alt)
         lines.append(
             f"  the best with ep x etp {side} (ep {alt.layout.ep}, etp {alt.layout.etp}) is {100 * rel:.1f}% slower"
