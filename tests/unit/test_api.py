@@ -77,6 +77,7 @@ def test_plan_takes_a_model_spec_and_shape_keywords():
         (dict(recompute_granularity="bogus"), ptdp.ConfigError, ["--recompute-granularity", "bogus"]),
         (dict(tensor_parallel=2), TypeError, ["tensor_parallel", "tensor_model_parallel_size"]),
         (dict(gpus=None), ptdp.ConfigError, ["--gpus"]),
+        (dict(tp=2, tensor_model_parallel_size=4), TypeError, ["'tp'", "'tensor_model_parallel_size'", "one option"]),
     ],
 )
 def test_plan_refuses_a_bad_request_naming_it(options, error, words):
@@ -84,6 +85,11 @@ def test_plan_refuses_a_bad_request_naming_it(options, error, words):
         ptdp.plan("llama3-8b", **{**REQUEST, **options})
     for word in words:
         assert word in str(caught.value)
+
+
+def test_load_config_refuses_two_names_of_one_option():
+    with pytest.raises(TypeError, match="'mbs' and 'micro_batch_size', two names of one option"):
+        ptdp.load_config(mbs=1, micro_batch_size=2, world_size=1)
 
 
 def test_load_config_file_then_keywords(tmp_path):

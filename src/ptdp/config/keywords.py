@@ -45,18 +45,22 @@ def keyword_namespace(
     against its flag's type and choices and stored by the flag's own action.
 
     Raises:
-        TypeError: an unknown keyword (naming the known ones).
+        TypeError: an unknown keyword (naming the known ones), or two naming the same flag.
         ConfigError: a value of the wrong type or not among the choices, or False for a switch
             with no negative form (naming the flag).
     """
     names = keyword_actions(parser, skip)
     namespace = parser.parse_args([])
+    given: dict[str, str] = {}  # a flag's destination -> the keyword that set it
     for key, value in options.items():
         if key not in names:
             raise TypeError(f"{caller}() got an unexpected keyword argument {key!r}; known: {', '.join(sorted(names))}")
         if value is None:
             continue
         action = names[key]
+        if action.dest in given:
+            raise TypeError(f"{caller}() got {given[action.dest]!r} and {key!r}, two names of one option: give one")
+        given[action.dest] = key
         option = next(o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-"))
         if action.nargs == 0:  # a switch
             _switch(parser, namespace, action, option, key, value)
