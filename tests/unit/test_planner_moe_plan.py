@@ -102,6 +102,9 @@ def test_moe_flags_make_and_change_the_planned_model(capsys):
     assert "num_experts=8 is not divisible by expert_model_parallel_size=3" in capsys.readouterr().err
     assert cli.main([*base, "--model", "mixtral-8x7b", "--etp", "0"]) == 2
     assert "expert_tensor_parallel_size=0 must be a positive integer" in capsys.readouterr().err
+    assert cli.main([*base, "--model", "mixtral-8x7b", "--tp", "2", "--no-sequence-parallel"]) == 2
+    assert "MoE with tensor_model_parallel_size=2 needs --sequence-parallel" in capsys.readouterr().err
+    assert cli.main([*base, "--model", "mixtral-8x7b", "--no-sequence-parallel"]) == 0  # tp 1 runs without
 
 
 def test_mtp_layers_are_layers_of_the_last_stage_and_flags_change_them():

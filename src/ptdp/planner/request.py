@@ -408,9 +408,9 @@ def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanR
 
 def check_expert_choices(model: ModelConfig, fixed: Fixed, args: argparse.Namespace) -> None:
     """ConfigError for fixed expert choices that no layout of ``model`` can run, by ``ptdp train``'s
-    MoE rules that do not depend on the layout (``E % ep``, ``F % etp``, linear biases at etp > 1,
-    ep, etp or a dispatcher without experts), and for the MoE options only ``ptdp plan`` has given
-    for a dense model."""
+    MoE rules that do not depend on the rest of the layout (``E % ep``, ``F % etp``, linear biases
+    at etp > 1, sequence parallelism at a fixed tp > 1, ep, etp or a dispatcher without experts),
+    and for the MoE options only ``ptdp plan`` has given for a dense model."""
     ep, etp = fixed.expert_model_parallel_size or 1, fixed.expert_tensor_parallel_size or 1
     moe = model.moe if isinstance(model, MoEModel) else MoEConfig()
     broken = [
@@ -419,12 +419,12 @@ def check_expert_choices(model: ModelConfig, fixed: Fixed, args: argparse.Namesp
             moe,
             num_layers=model.num_layers,
             ffn=model.ffn,
-            tp=1,
+            tp=fixed.tp or 1,
             pp=1,
             ep=ep,
             etp=etp,
             world_size=ep * etp,
-            sequence_parallel=True,
+            sequence_parallel=fixed.sequence_parallel is not False,
             dispatcher=fixed.moe_token_dispatcher_type or "alltoall",
             linear_biases=model.add_bias_linear,
         )
