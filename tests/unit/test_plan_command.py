@@ -119,7 +119,7 @@ def test_the_layout_found_with_nothing_fixed_is_printed_as_flags_that_plan_it(ca
     """With no layout fitting the fixed choices, the best free one is given as flags (no Python
     spellings such as ``layer_split=None``), and those flags plan it."""
     base = ["plan", "--model", "gpt-1.7b", "--gpus", "8", "--global-batch-size", "64", "--top", "1"]
-    assert main([*base, "--pp", "2", "--num-layers-per-virtual-pipeline-stage", "5"]) == 1  # 24 % (2 * 5)
+    assert main([*base, "--tp", "1", "--pp", "1", "--micro-batch-size", "64", "--recompute-granularity", "none"]) == 1
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("with nothing fixed"))
     flags = line.split(": ", 1)[1]
@@ -131,6 +131,15 @@ def test_the_layout_found_with_nothing_fixed_is_printed_as_flags_that_plan_it(ca
 
 def test_request_errors_use_the_flags_words(capsys):
     base = ["plan", "--model", "gpt-1.7b", "--gpus", "8", "--global-batch-size", "64"]
+    assert main([*base, "--pp", "2", "--num-layers-per-virtual-pipeline-stage", "5"]) == 2
+    assert (
+        "num_layers=24 is not divisible by pp * num_layers_per_virtual_pipeline_stage = 2*5" in capsys.readouterr().err
+    )
+    assert (
+        main([*base, "--pp", "2", "--pipeline-schedule", "zb-h1", "--virtual-pipeline-model-parallel-size", "2"]) == 2
+    )
+    assert "needs the interleaved-1f1b schedule, not zb-h1" in capsys.readouterr().err
+    assert main([*base, "--pp", "2", "--virtual-pipeline-model-parallel-size", "2", "--top", "1"]) == 0
     assert main([*base, "--pp", "4", "--pipeline-layer-split", "12,12"]) == 2
     assert "--pipeline-layer-split 12,12 has 2 stages but --pp 4" in capsys.readouterr().err
     assert main([*base, "--params-dtype", "float64"]) == 2

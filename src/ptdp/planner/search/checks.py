@@ -9,6 +9,8 @@ from pathlib import Path
 
 from ptdp.config import fields
 from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.rules.layout import schedule_violations
 from ptdp.config.rules.shape import heads_violations, llama_option_violations
 from ptdp.errors import ConfigError
 from ptdp.layout.pipeline.partition import layer_split
@@ -16,6 +18,7 @@ from ptdp.layout.pipeline.schedule import SPLIT_ORDERS
 from ptdp.planner.inputs.hardware import Cluster
 from ptdp.planner.search.layouts import Fixed
 from ptdp.planner.search.rules import context_rejections, kv_head_rejections
+from ptdp.planner.splits import ACCOUNTING
 
 
 def check_model(model: ModelConfig) -> None:
@@ -206,8 +209,9 @@ def check_fixed_choices(model: ModelConfig, global_batch_size: int, fixed: Fixed
     the key/value heads, a fixed cp whose ``2 cp`` chunks do not divide the sequence (the rules
     every layout is checked by), a fixed micro batch that does not divide the global batch, a fixed
     pipeline schedule ``ptdp train`` does not run yet (:data:`ptdp.config.fields.SCHEDULES_NOT_TRAINED`,
-    read at each call) or the planner does not model (``auto``). Raises ``ConfigError`` naming the
-    numbers."""
+    read at each call) or the planner does not model (``auto``), fixed model chunks at a fixed pp
+    that ``ptdp train``'s schedule rules refuse whatever the number of microbatches. Raises
+    ``ConfigError`` naming the numbers."""
     errors = []
     tp, cp, b = fixed.tp, fixed.cp, fixed.micro_batch_size
     if tp is not None:
@@ -222,6 +226,31 @@ def check_fixed_choices(model: ModelConfig, global_batch_size: int, fixed: Fixed
         why = "ptdp train does not run it yet" if kind not in trained else "ptdp plan does not model it"
         planned = ", ".join(k for k in trained if k in modelled)
         errors.append(f"--pipeline-schedule {kind}: {why} (ptdp plan plans {planned})")
+    chunks = (fixed.virtual_pipeline_model_parallel_size, fixed.num_layers_per_virtual_pipeline_stage)
+    if fixed.pp is not None and chunks != (None, None):  # ptdp train's rules of the chunks, whatever m
+        # the embedding and the loss counted as layers as given, else each way the search tries
+        counted = [fixed.accounting] if fixed.accounting is not None else [(False, False), *ACCOUNTING]
+        broken = [
+            [
+                v.message
+                for v in schedule_violations(
+                    ParallelConfig(
+                        pipeline_model_parallel_size=fixed.pp,
+                        pipeline_schedule=kind,  # type: ignore[arg-type]
+                        virtual_pipeline_model_parallel_size=chunks[0],
+                        num_layers_per_virtual_pipeline_stage=chunks[1],
+                        account_for_embedding_in_pipeline_split=embedding,
+                        account_for_loss_in_pipeline_split=loss,
+                    ),
+                    model.num_layers,
+                    1,
+                )
+                if "num_microbatches" not in v.values
+            ]
+            for embedding, loss in counted
+        ]
+        if all(broken):
+            errors += broken[0]
     if b is not None and global_batch_size % b:
         errors.append(
             f"global_batch_size={global_batch_size} is not divisible by micro_batch_size={b} (rule: B % (b * dp) == 0)"
