@@ -541,3 +541,17 @@ def test_times_from_a_hand_edited_plan_names_what_is_wrong(tmp_path, capsys, edi
     plan_json.write_text(json.dumps(records))
     assert main(["schedule", "--pipeline-schedule", "auto", "--times-from", str(plan_json)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_fixed_v_schedule_counts_the_embedding_and_loss_when_the_layers_do_not_split():
+    """14 layers over 2 x 4 chunks: zb-v fixed plans the splits with the embedding and the loss
+    counted as layers, as the flags that count them do."""
+    model = gpt(num_layers=14, hidden_size=1024, num_attention_heads=16, seq_length=1024, vocab_size=51200)
+    fixed = Fixed(pipeline_model_parallel_size=4, pipeline_schedule="zb-v")
+    found = search(model, Cluster(A100, 8), 32, fixed=fixed)
+    counted = dataclasses.replace(
+        fixed, account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True
+    )
+    given = search(model, Cluster(A100, 8), 32, fixed=counted)
+    assert found.plans and {p.layout.parallel.schedule for p in found.plans} == {"zb-v"}
+    assert found.plans[0].layout == given.plans[0].layout and found.plans[0].time == given.plans[0].time

@@ -26,7 +26,7 @@ from ptdp.config.parallel import ParallelConfig
 from ptdp.config.rules.layout import schedule_violations
 from ptdp.errors import ConfigError, Violation
 from ptdp.layout.pipeline.partition import accounted_split, first_last_split
-from ptdp.layout.pipeline.placement import placement_of
+from ptdp.layout.pipeline.placement import V_SCHEDULES, placement_of
 from ptdp.layout.pipeline.schedule import SPLIT_ORDERS
 from ptdp.planner.candidate import RECOMPUTE, Candidate, Plan
 from ptdp.planner.inputs.hardware import Cluster
@@ -409,6 +409,10 @@ def _virtual_stage_pairs(
             for v, s in interleaved_splits(model.num_layers, pp, ACCOUNTING if counted is None else ())
             if fixed.virtual_pipeline_model_parallel_size in (None, v) and (v not in vs or model.num_layers % (pp * v))
         ]
+    elif search_split and fixed.pipeline_schedule in V_SCHEDULES and model.num_layers % (2 * pp):
+        # a fixed V schedule whose two chunks per rank do not split the layers: the embedding and/or
+        # the loss counted as layers, as for interleaving
+        pairs = [(v, s) for v, s in interleaved_splits(model.num_layers, pp, ACCOUNTING) if v == 2] or pairs
     return pairs, []
 
 
