@@ -74,7 +74,7 @@ class PlanResult:
         return json_records(SearchResult(self.plans, self.rejected, self.notes), top=top)
 
 
-def plan(model: str | ModelConfig | None = None, **options: Any) -> PlanResult:
+def plan(model: str | os.PathLike[str] | ModelConfig | None = None, **options: Any) -> PlanResult:
     """Search the layouts of ``model`` on a cluster, as ``ptdp plan`` does.
 
     Args:
@@ -87,10 +87,12 @@ def plan(model: str | ModelConfig | None = None, **options: Any) -> PlanResult:
 
     Raises:
         ConfigError: a bad request (what ``ptdp plan`` prints before exiting with code 2).
-        TypeError: an unknown keyword.
+        TypeError: an unknown keyword, two names of one option, or a ``model`` of another type.
     """
     from ptdp.planner.inputs.plan_flags import add_plan_arguments
     from ptdp.planner.request import prepare
+
+    model = _model_argument(model)
 
     parser = RaisingParser(prog="ptdp.plan", add_help=False)
     add_plan_arguments(parser)
@@ -107,6 +109,15 @@ def plan(model: str | ModelConfig | None = None, **options: Any) -> PlanResult:
         request.explanation(result),
         request.name,
     )
+
+
+def _model_argument(model: object) -> str | ModelConfig | None:
+    """:func:`plan`'s ``model``, a path as text. TypeError for any other type."""
+    if isinstance(model, os.PathLike):
+        return os.fspath(model)
+    if model is None or isinstance(model, (str, ModelConfig)):
+        return model
+    raise TypeError(f"ptdp.plan() model: a preset name, a config.json path or a ModelConfig, not {model!r}")
 
 
 def load_config(

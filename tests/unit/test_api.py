@@ -87,6 +87,11 @@ def test_plan_refuses_a_bad_request_naming_it(options, error, words):
         assert word in str(caught.value)
 
 
+def test_plan_refuses_a_model_of_another_type():
+    with pytest.raises(TypeError, match="a preset name, a config.json path or a ModelConfig, not 123"):
+        ptdp.plan(123, **REQUEST)  # type: ignore[arg-type]
+
+
 def test_load_config_refuses_two_names_of_one_option():
     with pytest.raises(TypeError, match="'mbs' and 'micro_batch_size', two names of one option"):
         ptdp.load_config(mbs=1, micro_batch_size=2, world_size=1)
