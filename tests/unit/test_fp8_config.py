@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from helpers.cli import tiny_flags
 from ptdp.config.flags import config_from_args
 from ptdp.config.fp8 import FP8Config
 from ptdp.config.rules.fp8 import fp8_violations
@@ -68,7 +69,8 @@ def test_ptdp_train_exits_2_before_any_worker(capsys, extra, words):
 
 def test_ptdp_train_runs_fp8_experts(tmp_path):
     """FP8 with a mixture of experts trains (the experts' FP8 GEMMs, ptdp.engine.moe.expert_fp8)."""
-    argv = ["train", "--tp", "1", "--pp", "1", "--dp", "1", "--train-iters", "1", "--fp8", "--num-experts", "4"]
+    tiny = tiny_flags(train_iters=1, eval_interval=None, log_interval=None, no_progress=True)
+    argv = ["train", *tiny, "--tp", "1", "--pp", "1", "--dp", "1", "--fp8", "--num-experts", "4"]
     assert _exit_code([*argv, "--moe-router-topk", "2", "--output-dir", str(tmp_path / "run")]) == 0
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["fp8"]["fp8_format"] == "hybrid" and config["moe"]["num_experts"] == 4
