@@ -15,6 +15,8 @@ aws-samples/aws-do-eks ``nccl-test/README.md``); send/recv over the network thro
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ptdp.planner.candidate import Candidate
 
 MiB = 2**20
@@ -48,7 +50,12 @@ def runtime_overhead_bytes(layout: Candidate, gpus_per_node: int, tied: bool = F
     last stage), spanning nodes when its ranks do (ranks ordered tp-cp-dp-pp), and the pipeline's
     send/recv buffers for its two neighbours; with experts over ep or etp > 1 a ring for the etp and
     the expert-data-parallel groups and the all-to-all's send/recv buffers for each other ep rank."""
-    tp, cp, dp, pp = layout.tp, layout.cp, layout.dp, layout.pp
+    return _overhead_bytes(layout.tp, layout.cp, layout.dp, layout.pp, layout.ep, layout.etp, gpus_per_node, tied)
+
+
+@lru_cache(maxsize=4096)
+def _overhead_bytes(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, gpus_per_node: int, tied: bool) -> float:
+    """:func:`runtime_overhead_bytes` of these sizes (cached: a search asks for each many times)."""
     total = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES
     # (group size, stride in ranks) of each collective group; the dp x cp gradient group: cp ranks
     # fastest, then dp. A group's ranks fill an aligned block of size x stride ranks: in one node
@@ -57,9 +64,8 @@ def runtime_overhead_bytes(layout: Candidate, gpus_per_node: int, tied: bool = F
         block = size * stride
         if size > 1:
             total += ring_buffer_bytes(block > gpus_per_node or gpus_per_node % block != 0)
-    ep, etp = layout.ep, layout.etp
     if ep * etp > 1:  # the expert grid: etp fastest, then ep, then edp
-        for size, stride in ((etp, 1), (layout.edp, ep * etp)):
+        for size, stride in ((etp, 1), (tp * cp * dp // (ep * etp), ep * etp)):
             block = size * stride
             if size > 1:
                 total += ring_buffer_bytes(block > gpus_per_node or gpus_per_node % block != 0)
