@@ -351,3 +351,21 @@ def test_sharding_is_tried_when_another_split_can_fit_than_the_closest_unsharded
     assert rejection is None and fitting.timed().layout.layer_split == (1,) + (9,) * 14 + (1,)
     found = search(model, cluster, 3072, fixed=Fixed(tensor_model_parallel_size=8, pipeline_model_parallel_size=16))
     assert any(p.layout.parallel.schedule == "zb-h2" and p.layout.sharding_strategy == "optim" for p in found.plans)
+
+
+@pytest.mark.parametrize("tp, pp", [(8, 16), (8, 8), (4, 32), (8, 4)])
+def test_skipping_sharded_strategies_loses_no_fitting_plan(tp, pp, monkeypatch):
+    """The 1T GPT on 3,072 A100s at a fixed tp and pp: the search that skips the sharded strategies
+    it shows cannot fit (every split out of reach, or rank 1's floor) finds the plans, with their
+    times, of the search that predicts every strategy."""
+    model, cluster = PRESETS["gpt-1008b"], Cluster(A100, 3072)
+    fixed = Fixed(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    skipped = []
+    floor = predict._no_split_fits_sharded
+    monkeypatch.setattr(predict, "_no_split_fits_sharded", lambda *a: skipped.append(floor(*a)) or skipped[-1])
+    pruned = {(p.layout, p.time) for p in search(model, cluster, 3072, fixed=fixed).plans}
+    assert any(skipped)
+    monkeypatch.setattr(predict, "_no_split_fits_sharded", lambda *a: False)
+    monkeypatch.setattr(predict, "_sharding_cannot_fit", lambda *a: False)
+    every = {(p.layout, p.time) for p in search(model, cluster, 3072, fixed=fixed).plans}
+    assert pruned == every and pruned
