@@ -246,6 +246,7 @@ def compile_steps(
             kinds_at.append(kind)
             steps_at.append(step)
         starts.append(len(kinds_at))
+    rank_at = [r for r in range(p) for _ in range(starts[r + 1] - starts[r])]
     source_at = []
     for c, key in enumerate(needs):
         if key < 0:
@@ -253,10 +254,8 @@ def compile_steps(
         elif key in made:
             source_at.append(made[key])
         else:
-            r = next(x for x in range(p) if starts[x] <= c < starts[x + 1])
             kind, mb, chunk = steps_at[c]
-            raise ValueError(f"rank {r}'s {kind} of microbatch {mb}, chunk {chunk} has no input")
-    rank_at = [r for r in range(p) for _ in range(starts[r + 1] - starts[r])]
+            raise ValueError(f"rank {rank_at[c]}'s {kind} of microbatch {mb}, chunk {chunk} has no input")
     placed = [-1] * len(kinds_at)  # each compute's position in the order below
     order: list[int] = []
     pc = starts[:-1]

@@ -28,7 +28,7 @@ from ptdp.planner.memory.params import (
 )
 from ptdp.planner.memory.strategies import strategy_bytes_per_param
 
-__all__ = ["memory_breakdown"]
+__all__ = ["activation_schedule", "memory_breakdown"]
 
 
 def _candidate_stages(
@@ -105,6 +105,12 @@ def _moe_stages(
     return out
 
 
+def activation_schedule(layout: Candidate) -> str:
+    """The schedule :func:`memory_breakdown` counts a layout's activations under by default: gpipe
+    for a layout running it, else 1f1b (a schedule running B and W apart is counted from its own order)."""
+    return "gpipe" if layout.parallel.schedule == "gpipe" else "1f1b"
+
+
 def memory_breakdown(
     model: ModelConfig,
     layout: Candidate,
@@ -130,7 +136,7 @@ def memory_breakdown(
     Only the first, the last and one middle stage per distinct layer count can be the maximum.
     """
     layer_split = layer_split if layer_split is not None else layout.layer_split
-    schedule = schedule or ("gpipe" if layout.parallel.schedule == "gpipe" else "1f1b")
+    schedule = schedule or activation_schedule(layout)
     candidates = _candidate_stages(model, layout, layer_split, make_vocab_size_divisible_by)
     rows = []
     per_param = strategy_bytes_per_param(

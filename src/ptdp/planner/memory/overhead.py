@@ -50,11 +50,14 @@ def runtime_overhead_bytes(layout: Candidate, gpus_per_node: int, tied: bool = F
     last stage), spanning nodes when its ranks do (ranks ordered tp-cp-dp-pp), and the pipeline's
     send/recv buffers for its two neighbours; with experts over ep or etp > 1 a ring for the etp and
     the expert-data-parallel groups and the all-to-all's send/recv buffers for each other ep rank."""
-    return _overhead_bytes(layout.tp, layout.cp, layout.dp, layout.pp, layout.ep, layout.etp, gpus_per_node, tied)
+    sizes = (layout.tp, layout.cp, layout.dp, layout.pp, layout.ep, layout.etp, layout.edp)
+    return _overhead_bytes(*sizes, gpus_per_node, tied)
 
 
 @lru_cache(maxsize=4096)
-def _overhead_bytes(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, gpus_per_node: int, tied: bool) -> float:
+def _overhead_bytes(
+    tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, edp: int, gpus_per_node: int, tied: bool
+) -> float:
     """:func:`runtime_overhead_bytes` of these sizes (cached: a search asks for each many times)."""
     total = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES
     # (group size, stride in ranks) of each collective group; the dp x cp gradient group: cp ranks
@@ -65,7 +68,7 @@ def _overhead_bytes(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, gpus_
         if size > 1:
             total += ring_buffer_bytes(block > gpus_per_node or gpus_per_node % block != 0)
     if ep * etp > 1:  # the expert grid: etp fastest, then ep, then edp
-        for size, stride in ((etp, 1), (tp * cp * dp // (ep * etp), ep * etp)):
+        for size, stride in ((etp, 1), (edp, ep * etp)):
             block = size * stride
             if size > 1:
                 total += ring_buffer_bytes(block > gpus_per_node or gpus_per_node % block != 0)

@@ -180,10 +180,9 @@ def explain_experts(plans: Sequence[Plan], rejected: list[tuple[Plan, Violation]
     best = plans[0]
     group = best.layout.ep * best.layout.etp
     if group == 1:  # one rank holds every expert: no exchange
-        first = next((p for p in plans if p.layout.ep * p.layout.etp > 1), None)
-        if first is None:
+        alt = next((p for p in plans if p.layout.ep * p.layout.etp > 1), None)
+        if alt is None:
             return []
-        alt = first
         rel = alt.need_time().step / best.need_time().step - 1.0  # its step over the best's
         return [
             f"experts: every rank holds all of them (ep 1, no exchange); the best with ep {alt.layout.ep}, etp "
@@ -197,10 +196,9 @@ def explain_experts(plans: Sequence[Plan], rejected: list[tuple[Plan, Violation]
         f"exposed, the expert-data-parallel reduction {100 * time.edp_comm / time.step:.0f}%"
     ]
     inside = group <= gpus_per_node
-    other = next((p for p in plans if (p.layout.ep * p.layout.etp <= gpus_per_node) != inside), None)
+    alt = next((p for p in plans if (p.layout.ep * p.layout.etp <= gpus_per_node) != inside), None)
     side = "beyond a node" if inside else "inside a node"
-    if other is not None:
-        alt = other
+    if alt is not None:
         rel = alt.need_time().step / time.step - 1.0  # its step over the best's
         gains, _ = deciding_terms(best, alt)
         lines.append(

@@ -18,7 +18,7 @@ from ptdp.planner.candidate import Candidate, Plan
 from ptdp.planner.inputs.hardware import TFLOPS, Cluster, GiB
 from ptdp.planner.inputs.moe_model import MoEModel
 from ptdp.planner.memory.activations import cached_rank_activation_bytes
-from ptdp.planner.memory.breakdown import memory_breakdown
+from ptdp.planner.memory.breakdown import activation_schedule, memory_breakdown
 from ptdp.planner.memory.overhead import CUDA_CONTEXT_BYTES, runtime_overhead_bytes
 from ptdp.planner.memory.params import layer_param_count, mean_stage_params
 from ptdp.planner.memory.strategies import strategy_bytes_per_param
@@ -155,8 +155,7 @@ def _no_split_fits_sharded(model, layout: Candidate, cluster, constants, overhea
         return False
     thinnest = min(splits, key=lambda s: s[1])
     shaped = layout.replace(layer_split=thinnest)
-    schedule = "gpipe" if layout.parallel.schedule == "gpipe" else "1f1b"
-    floor = cached_rank_activation_bytes(model, shaped, 1, thinnest[1], schedule, 128)
+    floor = cached_rank_activation_bytes(model, shaped, 1, thinnest[1], activation_schedule(layout), 128)
     if not isinstance(model, MoEModel):  # the same parameters in every layer
         floor += thinnest[1] * layer_param_count(model, layout.tp) * _state_per_param(layout, "optim_grads_params")
     floor += runtime_overhead_bytes(layout, cluster.gpus_per_node, model.tied) if overhead is None else overhead
