@@ -137,3 +137,22 @@ def test_a_steps_expert_parallel_traffic_is_the_formulas():
         assert comm["ep/all_to_all/moe_combine"]["numel"] == comm["ep/all_to_all/moe_dispatch_grad"]["numel"]
         received += comm["ep/all_to_all/moe_combine"]["numel"]
     assert received == 4 * m * layers * tokens * k * h
+
+
+def test_moe_layers_without_a_shared_expert_gather_over_tp_for_attention_only():
+    """At tp 2 with sequence parallelism an MoE layer's routed experts take the rank's sequence
+    shard: its attention all-gathers and reduce-scatters over tp, its MLP does not (a dense
+    layer's does), as the planner times it (planner/time/stages.py, layer_terms)."""
+    results = [rank_results[(2, 1, 1, 2, 2)] for rank_results in ep_world_results(4)]
+    cfg = moe_config("moe_llama_sigmoid", 2, 1, 1, 2, 2)
+    layers = cfg.model.num_layers
+    dense = layers - sum(cfg.moe.moe_layers(layers))
+    m = cfg.num_microbatches
+    assert 0 < dense < layers and not cfg.moe.shared_ffn
+    for res in results:
+        comm = res["moe_llama_sigmoid"]["comm"]
+        for kind in ("all_gather", "reduce_scatter"):
+            for tag in ("attn_qkv", "attn_proj"):
+                assert comm[f"tp/{kind}/{tag}"]["calls"] == m * layers, (kind, tag)
+            for tag in ("mlp_fc1", "mlp_fc2"):
+                assert comm[f"tp/{kind}/{tag}"]["calls"] == m * dense, (kind, tag)

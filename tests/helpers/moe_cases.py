@@ -255,7 +255,7 @@ def collect_ep(cfg: Config, groups: ParallelGroups, stage=None, steps: range = r
 EP_RUNS = {
     (1, 1, 1, 2, 2): ["moe_ep", "moe_llama_sigmoid", "moe_ep:tensorwise", "moe_ep:rowwise", "moe_forced:optim_grads"],
     (1, 1, 1, 4, 4): ["moe_ep", "moe_ep_dropless", "moe_ep:allgather"],
-    (2, 1, 1, 2, 2): ["moe_ep", "moe_ep:optim_grads_params", "moe_ep:tensorwise"],
+    (2, 1, 1, 2, 2): ["moe_ep", "moe_ep:optim_grads_params", "moe_ep:tensorwise", "moe_llama_sigmoid"],
     (1, 2, 1, 2, 2): ["moe_ep", "moe_ep:optim", "moe_ep:pad", "moe_ep:postval"],
     (1, 1, 2, 2, 2): ["moe_ep", "moe_llama_sigmoid", "moe_ep:bf16", "moe_ep:interleaved", "moe_ep:postval:optim_grads"],
     (1, 1, 1, 4, 2): ["moe_ep:optim_grads", "moe_ep:bf16:optim", "moe_ep:postval"],

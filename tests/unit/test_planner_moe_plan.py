@@ -151,6 +151,33 @@ def test_a_load_imbalance_slows_the_exchanges_and_the_experts_and_grows_activati
     assert capped.expert_load == 1.0
 
 
+@pytest.mark.parametrize("shared", [0, 64])
+def test_an_moe_layer_pays_the_tp_collectives_ptdp_train_runs(shared):
+    """At tp 2 with sequence parallelism an MoE layer's routed experts take the sequence shard: its
+    tensor-parallel time is the attention's half of a dense layer's, all of it with a shared expert
+    (whose MLP gathers and scatters as a dense one does); full recompute repeats the same."""
+    from ptdp.planner.time.constants import DEFAULT_CONSTANTS, links_for
+    from ptdp.planner.time.stages import layer_terms
+
+    moe = MoEConfig(
+        num_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        moe_layer_freq=(0, 1, 1, 1),
+        moe_shared_expert_intermediate_size=shared or None,
+    )
+    model = with_moe(SMALL, moe)
+    cluster = Cluster(H100, 8)
+    c = DEFAULT_CONSTANTS.for_gpu(H100)
+    args = (H100.sustained_peak("bf16"), H100.memory_bandwidth * c.hbm_efficiency, links_for(cluster, c), c, 2.0)
+    share = 1.0 if shared else 1.0 - 0.75 / 2
+    for recompute in ("none", "full"):
+        layout = Candidate.of(2, 1, 4, 1, 8, recompute=recompute, sequence_parallel=True, ep=2)
+        dense, moe_terms = layer_terms(SMALL, layout, *args), layer_terms(model, layout, *args)
+        assert dense.tp_comm > 0
+        assert moe_terms.tp_comm == pytest.approx(share * dense.tp_comm, rel=1e-12)
+
+
 @pytest.mark.parametrize("strategy", ["no_shard", "optim"])
 @pytest.mark.parametrize("ep,etp", [(1, 1), (2, 1), (2, 2), (4, 1)])
 def test_memory_breakdown_holds_the_experts_as_ptdp_train_does(strategy, ep, etp):

@@ -16,7 +16,7 @@ from ptdp.config.model import ModelConfig
 from ptdp.layout.vocab import padded_vocab_size
 from ptdp.planner.candidate import Candidate
 from ptdp.planner.inputs.hardware import Cluster, GPUType
-from ptdp.planner.inputs.moe_model import MoEModel, moe_layer_share
+from ptdp.planner.inputs.moe_model import MoEModel, moe_layer_share, moe_of
 from ptdp.planner.memory.cp_local import local_model
 from ptdp.planner.time import flops
 from ptdp.planner.time.collectives import Links, hierarchical_all_reduce_time, pp_transfer_time, tp_layer_comm_times
@@ -179,7 +179,11 @@ def layer_terms(
     )
     hidden_f, hidden_b = tp_hidden_share(c, tp, layout.parallel.sequence_parallel)
     tp_again = (1.0 - hidden_b) * tp_f  # a recomputed forward's, hidden as backward's
-    tp_f, tp_b = (1.0 - hidden_f) * tp_f, (1.0 - hidden_b) * tp_b
+    # an MoE layer's routed experts take its sequence shard: without a shared expert (whose MLP
+    # gathers and scatters as a dense one does) only its attention's collectives run over tp
+    moe = moe_of(model)
+    attention_only = 1.0 - moe_layer_share(model) / 2.0 if moe is not None and not moe.shared_ffn else 1.0
+    tp_f, tp_b = (1.0 - hidden_f) * tp_f * attention_only, (1.0 - hidden_b) * tp_b * attention_only
     cp_f, cp_b = kv_exchange_times(model, tp, layout.cp, b, layout.parallel.cp_comm_type, block, links, elem, block_bwd)
     if c.cp_implementation == "torch":
         merge_f, merge_b = torch_merge_times(model, tp, layout.cp, b, bandwidth)
@@ -204,7 +208,7 @@ def layer_terms(
             c.gemm_peak_fraction,
             c.gemm_half_dim,
         )
-    rec_comm, rec_cp = (tp_again, cp_f) if full else (0.0, 0.0)
+    rec_comm, rec_cp = (tp_again * attention_only, cp_f) if full else (0.0, 0.0)
     if "mlp" in layout.modules:  # the (dense) MLP's all-gather / reduce-scatter (or all-reduce) again
         rec_comm = tp_again / 2 * (1.0 - moe_layer_share(model))
     return LayerTerms(
