@@ -401,9 +401,42 @@ def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanR
         )
     constants, overlap_notes = overlap_constants(args, constants, fixed)
     notes += overlap_notes
+    constants, graph_notes = graph_constants(args, constants, model)
+    notes += graph_notes
     return PlanRequest(
         name, model, cluster, global_batch_size, fixed, precision, constants, overhead, notes, batch_source
     )
+
+
+#: The ``--cuda-graph-scope`` values whose graphs hold the MoE layers' router and preprocessing
+MOE_GRAPH_SCOPES = ("full_iteration", "moe", "moe_router", "moe_preprocess")
+
+
+def graph_constants(args: argparse.Namespace, constants: PerfConstants, model: ModelConfig):
+    """``constants`` with ``moe_cuda_graphs`` when the run's CUDA graphs (``--cuda-graph-impl``
+    local or transformer_engine, ``--cuda-graph-scope`` holding the MoE layers' router and
+    preprocessing, or none: whole layers) replay an MoE model's router and preprocessing, and a
+    note saying what they change. ConfigError for a scope without an implementation."""
+    impl = getattr(args, "cuda_graph_impl", None) or "none"
+    scope = list(getattr(args, "cuda_graph_scope", None) or [])
+    if scope and impl == "none":
+        raise ConfigError(
+            f"--cuda-graph-scope {' '.join(scope)} needs --cuda-graph-impl local or transformer_engine "
+            "(the implementation that captures the graphs)"
+        )
+    if impl == "none":
+        return constants, []
+    captured = f"--cuda-graph-impl {impl}" + (f" --cuda-graph-scope {' '.join(scope)}" if scope else "")
+    if moe_of(model) is None or (scope and not set(scope) & set(MOE_GRAPH_SCOPES)):
+        return constants, [
+            f"CUDA graphs ({captured}) change no term of this plan: the planner times graphs of the "
+            f"MoE layers' router and preprocessing ({', '.join(MOE_GRAPH_SCOPES)})"
+        ]
+    note = (
+        "planned as the run does, which ptdp train does not: CUDA graphs replay the MoE layers' router "
+        f"and preprocessing ({captured}), so their fixed per-layer cost is not paid"
+    )
+    return dataclasses.replace(constants, moe_cuda_graphs=True), [note]
 
 
 def check_expert_choices(model: ModelConfig, fixed: Fixed, args: argparse.Namespace) -> None:

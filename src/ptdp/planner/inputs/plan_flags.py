@@ -41,6 +41,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
     add_flags(parser, "plan")  # shared with ptdp train: the model shape, layout, batch and options
     _add_overlap_arguments(parser)
+    _add_graph_arguments(parser)
     _add_cluster_arguments(parser)
     _add_output_arguments(parser)
     _add_calibration_arguments(parser)
@@ -179,6 +180,47 @@ def _add_overlap_arguments(parser: argparse.ArgumentParser) -> None:
         "in fused kernels, not counted; torch, PyTorch's experimental context_parallel "
         "(torchtitan's), does it with out-of-place float32 tensor ops whose memory traffic is "
         "added (planner/time/cp_exchange.py); default: te",
+    )
+
+
+#: Megatron-Core's ``--cuda-graph-impl`` and ``--cuda-graph-scope`` values
+CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
+CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
+
+
+def _add_graph_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("CUDA graphs the run uses (planner only: ptdp train launches its kernels eagerly)")
+    g.add_argument(
+        "--cuda-graph-impl",
+        choices=CUDA_GRAPH_IMPLS,
+        default=None,
+        help="plan the run's CUDA graphs (Megatron-Core's flag): with a scope that holds the MoE layers' "
+        "router and preprocessing (--cuda-graph-scope moe_router, moe_preprocess, moe or "
+        "full_iteration; no scope: whole layers) their fixed per-layer cost, the launches of many "
+        "small kernels, is not paid; default: none",
+    )
+    g.add_argument(
+        "--enable-cuda-graph",
+        dest="cuda_graph_impl",
+        action="store_const",
+        const="local",
+        help="Megatron-Core's older spelling of --cuda-graph-impl local",
+    )
+    g.add_argument(
+        "--external-cuda-graph",
+        dest="cuda_graph_impl",
+        action="store_const",
+        const="transformer_engine",
+        help="Megatron-Core's older spelling of --cuda-graph-impl transformer_engine",
+    )
+    g.add_argument(
+        "--cuda-graph-scope",
+        nargs="+",
+        choices=CUDA_GRAPH_SCOPES,
+        default=None,
+        metavar="SCOPE",
+        help=f"what the graphs capture (Megatron-Core's flag; {', '.join(CUDA_GRAPH_SCOPES)}); needs "
+        "--cuda-graph-impl local or transformer_engine; default: whole layers",
     )
 
 

@@ -64,6 +64,9 @@ class PerfConstants:
             bytes; fitted on ``published_moe_validation.csv``.
         moe_overlap: the MoE exchanges run behind another micro-batch's compute (Megatron-Core
             ``--overlap-moe-expert-parallel-comm``; planner only).
+        moe_cuda_graphs: CUDA graphs replay the MoE layers' router and preprocessing (Megatron-Core
+            ``--cuda-graph-impl`` with a scope that holds them; planner only): the layers'
+            ``moe_layer_overhead`` is not paid.
         moe_overlap_slowdown: seconds of compute lost per second of exchange hidden behind it (the
             streaming multiprocessors the communication kernels hold while they run); fitted on
             ``published_moe_validation.csv``.
@@ -105,14 +108,15 @@ class PerfConstants:
     cp_implementation: str = "te"
     arch_fits: tuple[tuple[str, float, float, float], ...] = (
         ("hopper", 0.58, 128.0, 0.85),
-        ("blackwell", 0.80, 64.0, 0.70),
+        ("blackwell", 0.80, 64.0, 0.60),
     )
-    moe_grouped_gemm_efficiency: float = 1.3
-    moe_exchange_efficiency: float = 0.8
+    moe_grouped_gemm_efficiency: float = 1.1
+    moe_exchange_efficiency: float = 1.0
     moe_flex_efficiency: float = 1.0
     moe_layer_overhead: float = 3e-3
     moe_overlap: bool = False
-    moe_overlap_slowdown: float = 0.0
+    moe_overlap_slowdown: float = 0.5
+    moe_cuda_graphs: bool = False
     moe_flex_dispatcher: str = ""
     fp8_rowwise_gemm_efficiency: float = 0.65
     moe_arch_fits: tuple[tuple[str, float, float, float, float, float], ...] = (

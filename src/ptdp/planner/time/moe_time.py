@@ -267,7 +267,7 @@ def sublayer_times(
         wgrad += share * (expert_wgrad + shared_gemms)  # each as long as its forward GEMM
         dense_gemms = gemms(tokens, halves * model.ffn // tp, h, 1) + gemms(tokens, h, model.ffn // tp, 1)
         dense_act = ffn_bytes * tokens * model.ffn / tp / bandwidth
-        fixed = c.moe_layer_overhead  # the layer's many small kernels, forward and backward
+        fixed = 0.0 if c.moe_cuda_graphs else c.moe_layer_overhead  # its many small kernels' launches
         moe_forward = expert_gemms + act + router + permute + shared + casts_f + fixed / 3.0
         moe_backward = expert_gemms + expert_wgrad + BACKWARD_TRAFFIC_RATIO * (act + permute) + 2.0 * router + casts_b
         moe_backward += 2.0 * fixed / 3.0

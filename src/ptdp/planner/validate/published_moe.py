@@ -6,7 +6,8 @@ Each row names a model preset (:data:`~ptdp.planner.inputs.models.MOE_PRESETS`),
 (tp, cp, pp, v, ep, etp, micro and global batch, sequence parallelism, the sharding strategy,
 recompute and ``--recompute-modules``), the multi-token-prediction layers trained, the overlap the
 run used (``moe_overlap``: the EP all-to-alls behind compute; ``dp_overlap``, ``tp_overlap``,
-``pp_overlap`` as in ``published_runs_h100.csv``), and the reported tokens/s per GPU (or seconds per
+``pp_overlap`` as in ``published_runs_h100.csv``), its CUDA graphs (``cuda_graph_impl``,
+``cuda_graph_scope``: Megatron-Core's values, empty for none; columns a table may leave out), and the reported tokens/s per GPU (or seconds per
 step), compared as the step time it implies: ``B s / (tokens/s per GPU x GPUs)``.
 """
 
@@ -25,7 +26,7 @@ from ptdp.planner.candidate import Candidate, Plan
 from ptdp.planner.inputs.hardware import CATALOG, TFLOPS, GiB
 from ptdp.planner.inputs.models import MOE_PRESETS
 from ptdp.planner.inputs.moe_model import with_mtp
-from ptdp.planner.inputs.plan_flags import add_plan_arguments
+from ptdp.planner.inputs.plan_flags import CUDA_GRAPH_IMPLS, CUDA_GRAPH_SCOPES, add_plan_arguments
 from ptdp.planner.request import PlanRequest, prepare
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, MOE_FIT_FIELDS, PerfConstants
 from ptdp.planner.time.step_time import evaluate_performance
@@ -159,6 +160,18 @@ def _options(r: dict) -> dict[str, object]:
             o[dest] = True
     if not _yes(r["dp_overlap"], "dp_overlap"):
         o["overlap_grad_reduce"] = False
+    impl, scope = (r.get("cuda_graph_impl") or "").strip(), (r.get("cuda_graph_scope") or "").split()
+    if impl not in ("", *CUDA_GRAPH_IMPLS):
+        raise ValueError(f"cuda_graph_impl={impl!r} must be empty or one of {', '.join(CUDA_GRAPH_IMPLS)}")
+    unknown_scopes = sorted(set(scope) - set(CUDA_GRAPH_SCOPES))
+    if unknown_scopes:
+        raise ValueError(
+            f"cuda_graph_scope={r['cuda_graph_scope']!r}: {unknown_scopes} not in {', '.join(CUDA_GRAPH_SCOPES)}"
+        )
+    if impl:
+        o["cuda_graph_impl"] = impl
+    if scope:
+        o["cuda_graph_scope"] = scope
     counted = r.get("split_accounting", "").split()
     layers = with_mtp(MOE_PRESETS[preset], int(r["mtp_layers"] or 0)).num_layers
     pp = int(r["pp"])
@@ -257,7 +270,7 @@ MOE_GRID: dict[str, tuple[float, ...]] = {
     "moe_exchange_efficiency": (0.4, 0.6, 0.8, 1.0),
     "moe_flex_efficiency": (0.6, 0.8, 1.0),
     "moe_layer_overhead": (0.0, 1.5e-3, 3e-3, 4.5e-3),
-    "moe_overlap_slowdown": (0.0, 0.25),
+    "moe_overlap_slowdown": (0.0, 0.25, 0.5),
 }
 assert tuple(MOE_GRID) == MOE_FIT_FIELDS
 #: Grids of the architectures whose fit left :data:`MOE_GRID`: Blackwell's grouped GEMMs and
