@@ -233,6 +233,27 @@ def test_published_moe_runs_are_planned_at_their_layouts_within_the_targets(moe_
     assert all(total <= cap for _, total, cap in memory_checks(moe_runs))
 
 
+def test_the_validation_report_refits_without_each_row_even_where_two_share_a_layout(moe_runs):
+    """Two published runs at one layout (one prediction, two step times) each get their own
+    error with their source left out, and the summary's mean counts every row."""
+    import re
+
+    from ptdp.commands.validate import moe_validation_markdown
+
+    mixtral = [run for run in moe_runs if run.name == "Mixtral-8x7B"]
+    qwen = [run for run in moe_runs if run.name == "Qwen3-30B-A3B" and run.source_key != mixtral[0].source_key][:2]
+    assert len(mixtral) == 2 and mixtral[0].flags() == mixtral[1].flags()
+    assert mixtral[0].step_time != mixtral[1].step_time
+    out = moe_validation_markdown(mixtral + qwen)
+    table = out.split("\n\n")[0].splitlines()[2:]  # the step times, one row per run in order
+    held = [float(line.split("|")[-2].strip().rstrip("%")) / 100 for line in table]
+    assert len(held) == 4
+    one, two = ((1 + e) * run.step_time for e, run in zip(held, mixtral))
+    assert held[0] != held[1] and one == pytest.approx(two, rel=2e-3)
+    mean = float(re.search(r"refitted without it: mean ([0-9.]+)%", out).group(1))
+    assert mean == pytest.approx(100 * sum(abs(e) for e in held) / 4, abs=0.06)
+
+
 def test_hopper_moe_constants_are_the_grid_least_squares_fit(moe_runs):
     """A change to the time model must come with a refit: the MoE constants (Hopper's are the
     plain fields) are the grid's argmin over the published H100 runs at the layouts they plan."""

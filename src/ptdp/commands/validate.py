@@ -50,22 +50,22 @@ def moe_validation_markdown(runs: list[MoERun]) -> str:
     """The MoE table's runs: published and predicted step time of each (the planner's constants, and
     with the MoE constants refitted without the run's source), the summary, the memory check."""
     rows = moe_errors(runs)
-    held: dict[str, float] = {}
+    held: dict[int, float] = {}  # by row: two runs may share a layout and differ in their time
     for source in dict.fromkeys(run.source_key for run in runs):
-        others = [run for run in runs if run.source_key != source]
-        refit = fit_moe_constants(others)
-        for run, _, error in moe_errors([run for run in runs if run.source_key == source], refit):
-            held[run.flags()] = error
+        mine = [i for i, run in enumerate(runs) if run.source_key == source]
+        refit = fit_moe_constants([run for run in runs if run.source_key != source])
+        for i, (_, _, error) in zip(mine, moe_errors([runs[i] for i in mine], refit)):
+            held[i] = error
     lines = [
         "| model | source | ptdp plan flags | published s/step | predicted s/step | error | error, source left out |",
         "|---|---|---|---|---|---|---|",
     ]
-    for run, plan, error in rows:
+    for i, (run, plan, error) in enumerate(rows):
         predicted = "rules refuse it" if plan is None else f"{plan.need_time().step:.2f}"
         predicted += " (over memory)" if plan is not None and not plan.fits else ""
         lines.append(
             f"| {run.name} | {run.source_key} | `{run.flags()}` | {run.step_time:.2f} | {predicted} | "
-            f"{100 * error:+.1f}% | {100 * held[run.flags()]:+.1f}% |"
+            f"{100 * error:+.1f}% | {100 * held[i]:+.1f}% |"
         )
     errors = [abs(e) for _, _, e in rows]
     loso = [abs(e) for e in held.values()]
