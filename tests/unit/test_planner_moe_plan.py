@@ -320,14 +320,20 @@ def test_cuda_graphs_of_the_moe_router_drop_the_moe_layers_fixed_cost(capsys):
     only, Megatron-Core's flags): each MoE layer of each micro-batch sheds moe_layer_overhead; a
     scope without them, or a dense model, changes nothing and says so; a scope without an
     implementation is refused (exit 2)."""
+    from ptdp.config.keywords import RaisingParser
+    from ptdp.planner.inputs.plan_flags import add_plan_arguments
+    from ptdp.planner.request import prepare
+
     base = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "16", "--gpu", "h100", "--global-batch-size", "1024"]
     base += ["--tp", "1", "--pp", "1", "--cp", "1", "--ep", "16", "--micro-batch-size", "1", "--top", "1"]
+    base += ["--recompute-granularity", "none", "--data-parallel-sharding-strategy", "optim"]
+    parser = RaisingParser(prog="ptdp plan", add_help=False)
+    add_plan_arguments(parser)
 
     def planned(*extra: str) -> tuple[dict, str]:
         assert cli.main([*base, *extra, "--json"]) == 0
         times = json.loads(capsys.readouterr().out)[0]["time_s"]
-        assert cli.main([*base, *extra]) == 0
-        return times, capsys.readouterr().out
+        return times, " ".join(prepare(parser.parse_args([*base[1:], *extra])).notes)
 
     eager, _ = planned()
     model = MOE_PRESETS["qwen3-30b-a3b"]
@@ -338,14 +344,13 @@ def test_cuda_graphs_of_the_moe_router_drop_the_moe_layers_fixed_cost(capsys):
         ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"],
         ["--enable-cuda-graph"],  # whole layers
     ):
-        times, out = planned(*graphs)
+        times, notes = planned(*graphs)
         assert times["compute"] == pytest.approx(eager["compute"] - saved, rel=1e-12), graphs
-        assert "CUDA graphs replay the MoE layers' router and preprocessing" in out
-    times, out = planned("--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn")
-    assert times == eager and "change no term of this plan" in out
-    dense = ["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch-size", "64", "--top", "1"]
-    assert cli.main([*dense, "--cuda-graph-impl", "local"]) == 0
-    assert "change no term of this plan" in capsys.readouterr().out
+        assert "CUDA graphs replay the MoE layers' router and preprocessing" in notes
+    times, notes = planned("--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn")
+    assert times == eager and "change no term of this plan" in notes
+    dense = ["--model", "llama3-8b", "--gpus", "8", "--global-batch-size", "64", "--cuda-graph-impl", "local"]
+    assert "change no term of this plan" in " ".join(prepare(parser.parse_args(dense)).notes)
     assert cli.main([*base, "--cuda-graph-scope", "moe_router"]) == 2
     assert (
         "--cuda-graph-scope moe_router needs --cuda-graph-impl local or transformer_engine" in capsys.readouterr().err

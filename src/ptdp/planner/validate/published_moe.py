@@ -7,8 +7,9 @@ Each row names a model preset (:data:`~ptdp.planner.inputs.models.MOE_PRESETS`),
 recompute and ``--recompute-modules``), the multi-token-prediction layers trained, the overlap the
 run used (``moe_overlap``: the EP all-to-alls behind compute; ``dp_overlap``, ``tp_overlap``,
 ``pp_overlap`` as in ``published_runs_h100.csv``), its CUDA graphs (``cuda_graph_impl``,
-``cuda_graph_scope``: Megatron-Core's values, empty for none; columns a table may leave out), and the reported tokens/s per GPU (or seconds per
-step), compared as the step time it implies: ``B s / (tokens/s per GPU x GPUs)``.
+``cuda_graph_scope``: Megatron-Core's values, empty for none; columns a table may leave out), and
+the reported tokens/s per GPU (or seconds per step), compared as the step time it implies:
+``B s / (tokens/s per GPU x GPUs)``.
 """
 
 from __future__ import annotations
