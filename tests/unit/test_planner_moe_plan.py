@@ -361,6 +361,30 @@ def test_cuda_graphs_of_the_moe_router_drop_the_moe_layers_fixed_cost(capsys):
         ptdp.plan("qwen3-30b-a3b", gpus=16, global_batch_size=1024, gpu="h100", cuda_graph_scope=["moe"])
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_mlp_recompute_saves_only_the_dense_layers_activations(sp):
+    """--recompute-modules mlp recomputes dense MLPs (Megatron-Core's module): an all-MoE model keeps
+    what it keeps without it; with one dense layer of four, a quarter of the dense saving."""
+    from ptdp.planner.memory.activations import layer_activation_bytes
+
+    moe = MoEConfig(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32)
+    tp = 2 if sp else 1
+    for freq, share in (((1,), 0.0), ((0, 1, 1, 1), 0.25)):
+        model = with_moe(SMALL, dataclasses.replace(moe, moe_layer_freq=freq))
+
+        def kept(modules, m=model):
+            return layer_activation_bytes(m, tp, 1, sequence_parallel=sp, recompute="selective", modules=modules)
+
+        def dense_kept(modules):
+            return layer_activation_bytes(SMALL, tp, 1, sequence_parallel=sp, recompute="selective", modules=modules)
+
+        saved = dense_kept(("layernorm",)) - dense_kept(("layernorm", "mlp"))
+        for base in ((), ("layernorm",), ("core_attn",)):
+            dense_saving = dense_kept(base) - dense_kept((*base, "mlp"))
+            assert kept(base) - kept((*base, "mlp")) == pytest.approx(share * dense_saving, rel=1e-12), (freq, base)
+        assert saved > 0
+
+
 def test_validation_rows_that_cannot_be_planned_are_errors(tmp_path, capsys):
     import csv as csv_module
 

@@ -124,6 +124,8 @@ def layer_activation_bytes(
     if isinstance(model, MoEModel):
         ptdp_fp8 = bool(fp8_recipe) and "layernorm" not in kept and "mlp" not in kept
         change = _sublayer_change(model, tp, tokens, sequence_parallel, e, g, kept, etp, ep, ptdp_fp8=ptdp_fp8)
+        if "mlp" in kept and "layernorm" not in kept:  # mlp recomputes dense MLPs: an MoE layer keeps its input
+            change += moe_layer_share(model) * tokens * column * h / (t if sequence_parallel else 1)
         return tokens * per_token + change
     return tokens * per_token
 
