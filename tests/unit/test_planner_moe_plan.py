@@ -252,6 +252,9 @@ def test_the_validation_report_refits_without_each_row_even_where_two_share_a_la
     assert held[0] != held[1] and one == pytest.approx(two, rel=2e-3)
     mean = float(re.search(r"refitted without it: mean ([0-9.]+)%", out).group(1))
     assert mean == pytest.approx(100 * sum(abs(e) for e in held) / 4, abs=0.06)
+    alone = moe_validation_markdown(mixtral)  # one source: nothing left to refit on
+    assert "2 runs from 1 source: " in alone and "one source: no refit without it." in alone
+    assert all(line.endswith("| n/a |") for line in alone.split("\n\n")[0].splitlines()[2:])
 
 
 def test_hopper_moe_constants_are_the_grid_least_squares_fit(moe_runs):
@@ -340,21 +343,25 @@ def test_cuda_graphs_of_the_moe_router_drop_the_moe_layers_fixed_cost(capsys):
     saved = model.num_layers * (1024 // 16) * DEFAULT_CONSTANTS.moe_layer_overhead  # 48 MoE layers, m 64
     for graphs in (
         ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn", "moe_router", "moe_preprocess"],
-        ["--external-cuda-graph", "--cuda-graph-scope", "moe"],
+        ["--external-cuda-graph", "--cuda-graph-scope", "moe_router"],
         ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"],
         ["--enable-cuda-graph"],  # whole layers
     ):
         times, notes = planned(*graphs)
         assert times["compute"] == pytest.approx(eager["compute"] - saved, rel=1e-12), graphs
-        assert "CUDA graphs replay the MoE layers' router and preprocessing" in notes
+        assert "CUDA graphs replay the MoE layers' router" in notes
     times, notes = planned("--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn")
-    assert times == eager and "change no term of this plan" in notes
+    assert times == eager and "change no time of this plan" in notes
     dense = ["--model", "llama3-8b", "--gpus", "8", "--global-batch-size", "64", "--cuda-graph-impl", "local"]
-    assert "change no term of this plan" in " ".join(prepare(parser.parse_args(dense)).notes)
+    assert "change no time of this plan" in " ".join(prepare(parser.parse_args(dense)).notes)
     assert cli.main([*base, "--cuda-graph-scope", "moe_router"]) == 2
     assert (
         "--cuda-graph-scope moe_router needs --cuda-graph-impl local or transformer_engine" in capsys.readouterr().err
     )
+    searched = base[: base.index("--recompute-granularity")] + ["--enable-cuda-graph", "--top", "50", "--json"]
+    assert cli.main(searched) == 0
+    recomputes = {plan["recompute"] for plan in json.loads(capsys.readouterr().out)}
+    assert recomputes and "full" not in recomputes  # Megatron-Core captures no graphs with full recompute
     import ptdp
 
     with pytest.raises(ConfigError, match="needs --cuda-graph-impl"):
@@ -385,6 +392,47 @@ def test_mlp_recompute_saves_only_the_dense_layers_activations(sp):
         assert saved > 0
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--enable-cuda-graph", "--external-cuda-graph"], "both name the CUDA graph implementation: give one"),
+        (["--enable-cuda-graph", "--cuda-graph-impl", "none"], "both name the CUDA graph implementation"),
+        (["--cuda-graph-impl", "none", "--cuda-graph-scope", "attn"], "needs --cuda-graph-impl local or"),
+        (["--enable-cuda-graph", "--recompute-granularity", "full"], "no graphs with full recompute"),
+        (["--cuda-graph-impl", "local", "--cuda-graph-scope", "moe_router"], "not moe_router"),
+        (["--external-cuda-graph", "--cuda-graph-scope", "full_iteration"], "full_iteration needs --cuda-graph-impl"),
+        (["--external-cuda-graph", "--cuda-graph-scope", "moe", "moe_router"], "two captures of one router"),
+        (["--external-cuda-graph", "--cuda-graph-scope", "moe_preprocess"], "with moe_router only"),
+        (["--external-cuda-graph", "--cuda-graph-scope", "attn", "mlp"], "every layer is an MoE layer"),
+        (["--external-cuda-graph"], "(capturing attn moe, Megatron-Core's default): moe is captured only when"),
+        (
+            ["--external-cuda-graph", "--cuda-graph-scope", "moe", "--moe-token-dispatcher-type", "allgather"],
+            "allgather",
+        ),
+        (
+            ["--external-cuda-graph", "--cuda-graph-scope", "moe_router", "moe_preprocess"]
+            + ["--moe-expert-capacity-factor", "1.0"],
+            "moe_preprocess is not captured with a capacity",
+        ),
+    ],
+)
+def test_cuda_graph_flags_follow_megatrons_rules(flags, message, capsys):
+    base = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "16", "--gpu", "h100", "--global-batch-size", "1024"]
+    assert cli.main([*base, "--ep", "16", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cuda_graphs_that_capture_the_moe_layers_whole_need_drop_and_pad(capsys):
+    base = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "16", "--gpu", "h100", "--global-batch-size", "1024"]
+    base += ["--tp", "1", "--pp", "1", "--cp", "1", "--ep", "16", "--micro-batch-size", "1", "--top", "1"]
+    padded = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
+    assert cli.main([*base, *padded, "--external-cuda-graph"]) == 0  # attn moe
+    assert "CUDA graphs replay the MoE layers' router" in capsys.readouterr().out
+    dense = ["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch-size", "64", "--top", "1"]
+    assert cli.main([*dense, "--external-cuda-graph", "--cuda-graph-scope", "moe_router"]) == 2
+    assert "need a mixture-of-experts model" in capsys.readouterr().err
+
+
 def test_validation_rows_that_cannot_be_planned_are_errors(tmp_path, capsys):
     import csv as csv_module
 
@@ -408,6 +456,17 @@ def test_validation_rows_that_cannot_be_planned_are_errors(tmp_path, capsys):
             csv_module.writer(f).writerows(bad)
         assert cli.main(["plan", "--validate", str(table)]) == 2
         assert message in capsys.readouterr().err
+    bad = [header, list(rows[1])]
+    bad[1][header.index("cuda_graph_impl")], bad[1][header.index("cuda_graph_scope")] = "", "moe_router"
+    table = tmp_path / "scope_alone.csv"
+    with open(table, "w", newline="", encoding="utf-8") as f:
+        csv_module.writer(f).writerows(bad)
+    assert cli.main(["plan", "--validate", str(table)]) == 2
+    assert f"{table}:2: --cuda-graph-scope moe_router needs --cuda-graph-impl" in capsys.readouterr().err
+    with open(table, "w", newline="", encoding="utf-8") as f:
+        csv_module.writer(f).writerows([[*header, "tp"], [*rows[1], "2"]])
+    assert cli.main(["plan", "--validate", str(table)]) == 2
+    assert "column 'tp' named twice in the header" in capsys.readouterr().err
     graphs = [i for i, name in enumerate(header) if name.startswith("cuda_graph")]
     assert len(graphs) == 2  # a table may leave them out: no graphs
     at = next(i for i, row in enumerate(rows[1:]) if row[graphs[0]])

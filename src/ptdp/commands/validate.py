@@ -51,7 +51,8 @@ def moe_validation_markdown(runs: list[MoERun]) -> str:
     with the MoE constants refitted without the run's source), the summary, the memory check."""
     rows = moe_errors(runs)
     held: dict[int, float] = {}  # by row: two runs may share a layout and differ in their time
-    for source in dict.fromkeys(run.source_key for run in runs):
+    sources = list(dict.fromkeys(run.source_key for run in runs))
+    for source in sources if len(sources) > 1 else []:  # one source: nothing to refit on
         mine = [i for i, run in enumerate(runs) if run.source_key == source]
         refit = fit_moe_constants([run for run in runs if run.source_key != source])
         for i, (_, _, error) in zip(mine, moe_errors([runs[i] for i in mine], refit)):
@@ -65,16 +66,20 @@ def moe_validation_markdown(runs: list[MoERun]) -> str:
         predicted += " (over memory)" if plan is not None and not plan.fits else ""
         lines.append(
             f"| {run.name} | {run.source_key} | `{run.flags()}` | {run.step_time:.2f} | {predicted} | "
-            f"{100 * error:+.1f}% | {100 * held[i]:+.1f}% |"
+            f"{100 * error:+.1f}% | {f'{100 * held[i]:+.1f}%' if held else 'n/a'} |"
         )
     errors = [abs(e) for _, _, e in rows]
     loso = [abs(e) for e in held.values()]
-    sources = len({run.source_key for run in runs})
+    held_out = (
+        f"each source's runs with the MoE constants ({', '.join(MOE_GRID)}) refitted without it: "
+        f"mean {100 * sum(loso) / len(loso):.1f}%, max {100 * max(loso):.1f}%."
+        if loso
+        else "one source: no refit without it."
+    )
     lines += [
         "",
-        f"{len(rows)} runs from {sources} sources: step-time error mean {100 * sum(errors) / len(errors):.1f}%, "
-        f"max {100 * max(errors):.1f}%; each source's runs with the MoE constants ({', '.join(MOE_GRID)}) "
-        f"refitted without it: mean {100 * sum(loso) / len(loso):.1f}%, max {100 * max(loso):.1f}%.",
+        f"{len(rows)} runs from {len(sources)} source{'s' if len(sources) > 1 else ''}: step-time error mean "
+        f"{100 * sum(errors) / len(errors):.1f}%, max {100 * max(errors):.1f}%; {held_out}",
         "",
         "Memory of each published layout under the planner's model (it must fit: the run happened):",
         "",

@@ -401,40 +401,117 @@ def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanR
         )
     constants, overlap_notes = overlap_constants(args, constants, fixed)
     notes += overlap_notes
-    constants, graph_notes = graph_constants(args, constants, model)
+    constants, graph_notes = graph_constants(args, constants, model, fixed, gpu)
     notes += graph_notes
     return PlanRequest(
         name, model, cluster, global_batch_size, fixed, precision, constants, overhead, notes, batch_source
     )
 
 
-#: The ``--cuda-graph-scope`` values whose graphs hold the MoE layers' router and preprocessing
+#: The ``--cuda-graph-scope`` values whose graphs hold the MoE layers' router
 MOE_GRAPH_SCOPES = ("full_iteration", "moe", "moe_router", "moe_preprocess")
 
 
-def graph_constants(args: argparse.Namespace, constants: PerfConstants, model: ModelConfig):
-    """``constants`` with ``moe_cuda_graphs`` when the run's CUDA graphs (``--cuda-graph-impl``
-    local or transformer_engine, ``--cuda-graph-scope`` holding the MoE layers' router and
-    preprocessing, or none: whole layers) replay an MoE model's router and preprocessing, and a
-    note saying what they change. ConfigError for a scope without an implementation."""
-    impl = getattr(args, "cuda_graph_impl", None) or "none"
-    scope = list(getattr(args, "cuda_graph_scope", None) or [])
-    if scope and impl == "none":
-        raise ConfigError(
-            f"--cuda-graph-scope {' '.join(scope)} needs --cuda-graph-impl local or transformer_engine "
-            "(the implementation that captures the graphs)"
+def cuda_graph_choice(args: argparse.Namespace) -> tuple[str, str]:
+    """(the flag, the CUDA graph implementation it names): ``--cuda-graph-impl``, or Megatron-Core's
+    older ``--enable-cuda-graph`` / ``--external-cuda-graph``; ("", "none") without them.
+    ConfigError when two are given."""
+    given = [
+        (flag, impl)
+        for flag, impl in (
+            (f"--cuda-graph-impl {getattr(args, 'cuda_graph_impl', None)}", getattr(args, "cuda_graph_impl", None)),
+            ("--enable-cuda-graph", "local" if getattr(args, "enable_cuda_graph", None) else None),
+            ("--external-cuda-graph", "transformer_engine" if getattr(args, "external_cuda_graph", None) else None),
         )
+        if impl is not None
+    ]
+    if len(given) > 1:
+        raise ConfigError(
+            f"{' and '.join(flag for flag, _ in given)} both name the CUDA graph implementation: give one"
+        )
+    return given[0] if given else ("", "none")
+
+
+def cuda_graph_scope(
+    named: str, impl: str, scope: list[str], model: ModelConfig, fixed: Fixed, flex: bool
+) -> list[str]:
+    """The scope the run captures (``transformer_engine`` without one: the attention with the MLP
+    and/or MoE layers the model has, as Megatron-Core defaults it), checked by Megatron-Core's
+    rules (``named``: the flag that names ``impl``): ConfigError for a scope without an implementation, full recompute, ``local`` with a
+    scope other than ``full_iteration``, ``full_iteration`` with ``transformer_engine``, ``moe``
+    with ``moe_router``, ``moe_preprocess`` without ``moe_router``, an MoE scope on a dense model,
+    ``mlp`` without a dense layer, ``moe`` but with the alltoall dispatcher dropping and padding to
+    a capacity, ``moe_preprocess`` with a capacity (its host synchronisation)."""
+    if impl == "none":
+        if scope:
+            raise ConfigError(
+                f"--cuda-graph-scope {' '.join(scope)} needs --cuda-graph-impl local or transformer_engine "
+                "(the implementation that captures the graphs)"
+            )
+        return []
+    if fixed.recompute_granularity == "full":
+        raise ConfigError(f"{named} needs --recompute-granularity selective or none: no graphs with full recompute")
+    if impl == "local":
+        if scope and scope != ["full_iteration"]:
+            raise ConfigError(
+                f"{named} captures whole layers, or with --cuda-graph-scope full_iteration the iteration, "
+                f"not {' '.join(scope)} (the other scopes are transformer_engine's)"
+            )
+        return scope
+    if "full_iteration" in scope:
+        raise ConfigError(f"--cuda-graph-scope full_iteration needs --cuda-graph-impl local, not {impl}")
+    moe = moe_of(model)
+    layers = moe.moe_layers(model.num_layers) if moe is not None else (False,) * model.num_layers
+    captured = f"{named} --cuda-graph-scope {' '.join(scope)}"
+    if not scope:
+        scope = ["attn"] + (["mlp"] if not all(layers) else []) + (["moe"] if any(layers) else [])
+        captured = f"{named} without --cuda-graph-scope (capturing {' '.join(scope)}, Megatron-Core's default)"
+    broken = []
+    if "moe" in scope and "moe_router" in scope:
+        broken.append("moe and moe_router are two captures of one router: give one")
+    if "moe_preprocess" in scope and "moe_router" not in scope:
+        broken.append("moe_preprocess is captured with moe_router only")
+    if moe is None and {"moe", "moe_router", "moe_preprocess"} & set(scope):
+        broken.append("moe, moe_router and moe_preprocess need a mixture-of-experts model")
+    if moe is not None and all(layers) and "mlp" in scope:
+        broken.append("mlp captures dense layers' MLPs and every layer is an MoE layer")
+    if moe is not None and "moe" in scope:
+        dispatcher = "flex" if flex else fixed.moe_token_dispatcher_type or "alltoall"
+        if dispatcher != "alltoall":
+            broken.append(f"moe is not captured with the {dispatcher} dispatcher")
+        elif moe.moe_expert_capacity_factor is None or not moe.moe_pad_expert_input_to_capacity:
+            broken.append(
+                "moe is captured only when the MoE layers drop and pad to a capacity "
+                "(--moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity)"
+            )
+    if moe is not None and "moe_preprocess" in scope and moe.moe_expert_capacity_factor is not None:
+        broken.append("moe_preprocess is not captured with a capacity (its preprocessing waits on the host)")
+    if broken:
+        raise ConfigError(f"{captured}: {'; '.join(broken)}")
+    return scope
+
+
+def graph_constants(args: argparse.Namespace, constants: PerfConstants, model: ModelConfig, fixed: Fixed, gpu):
+    """``constants`` with the run's CUDA graphs (:func:`cuda_graph_choice`, :func:`cuda_graph_scope`):
+    ``cuda_graphs``, and ``moe_cuda_graphs`` where they hold the MoE layers' router (``local``'s
+    whole layers or iteration, or a scope in :data:`MOE_GRAPH_SCOPES`); and a note saying what
+    they change."""
+    named, impl = cuda_graph_choice(args)
+    given = list(getattr(args, "cuda_graph_scope", None) or [])
+    scope = cuda_graph_scope(named, impl, given, model, fixed, bool(constants.moe_flex_dispatcher))
     if impl == "none":
         return constants, []
-    captured = f"--cuda-graph-impl {impl}" + (f" --cuda-graph-scope {' '.join(scope)}" if scope else "")
-    if moe_of(model) is None or (scope and not set(scope) & set(MOE_GRAPH_SCOPES)):
+    constants = dataclasses.replace(constants, cuda_graphs=True)
+    captured = named + (f" --cuda-graph-scope {' '.join(scope)}" if scope else "")
+    if moe_of(model) is None or (impl == "transformer_engine" and not set(scope) & set(MOE_GRAPH_SCOPES)):
         return constants, [
-            f"CUDA graphs ({captured}) change no term of this plan: the planner times graphs of the "
-            f"MoE layers' router and preprocessing ({', '.join(MOE_GRAPH_SCOPES)})"
+            f"CUDA graphs ({captured}) change no time of this plan, and full recompute is not searched "
+            "with them: the planner times graphs of the MoE layers' router"
         ]
     note = (
         "planned as the run does, which ptdp train does not: CUDA graphs replay the MoE layers' router "
-        f"and preprocessing ({captured}), so their fixed per-layer cost is not paid"
+        f"({captured}), so the layers' fixed cost ({1e3 * constants.for_gpu(gpu).moe_layer_overhead:.3g} ms per "
+        "layer and micro-batch) is not paid; full recompute is not searched with them"
     )
     return dataclasses.replace(constants, moe_cuda_graphs=True), [note]
 

@@ -194,23 +194,22 @@ def _add_graph_arguments(parser: argparse.ArgumentParser) -> None:
         "--cuda-graph-impl",
         choices=CUDA_GRAPH_IMPLS,
         default=None,
-        help="plan the run's CUDA graphs (Megatron-Core's flag): with a scope that holds the MoE layers' "
-        "router and preprocessing (--cuda-graph-scope moe_router, moe_preprocess, moe or "
-        "full_iteration; no scope: whole layers) their fixed per-layer cost, the launches of many "
-        "small kernels, is not paid; default: none",
+        help="plan the run's CUDA graphs (Megatron-Core's flag and rules: no full recompute; local "
+        "captures whole layers or, with --cuda-graph-scope full_iteration, the iteration): where they "
+        "hold the MoE layers' router (scopes moe_router, moe, full_iteration, or local's whole "
+        "layers) the layers' fixed per-layer cost, the launches of many small kernels, is not paid; "
+        "default: none",
     )
     g.add_argument(
         "--enable-cuda-graph",
-        dest="cuda_graph_impl",
-        action="store_const",
-        const="local",
+        action="store_true",
+        default=None,
         help="Megatron-Core's older spelling of --cuda-graph-impl local",
     )
     g.add_argument(
         "--external-cuda-graph",
-        dest="cuda_graph_impl",
-        action="store_const",
-        const="transformer_engine",
+        action="store_true",
+        default=None,
         help="Megatron-Core's older spelling of --cuda-graph-impl transformer_engine",
     )
     g.add_argument(
@@ -220,7 +219,8 @@ def _add_graph_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SCOPE",
         help=f"what the graphs capture (Megatron-Core's flag; {', '.join(CUDA_GRAPH_SCOPES)}); needs "
-        "--cuda-graph-impl local or transformer_engine; default: whole layers",
+        "--cuda-graph-impl; default: local's whole layers, transformer_engine's attn with mlp and/or "
+        "moe (the layers the model has)",
     )
 
 

@@ -494,6 +494,8 @@ def _search_layout(
         result.note_uneven(model.num_layers, pp)
     # with a flash kernel selective recompute keeps and costs what "none" does: not searched
     searched = [r for r in RECOMPUTE if not (r == "selective" and model.flash_attention)]
+    if constants.cuda_graphs:  # Megatron-Core captures no graphs with full recompute
+        searched = [r for r in searched if r != "full"]
     grids = expert_grids(model, tp, cp, pp, dp, fixed, cluster, precision)
     for (v, v_split), (ep, etp) in itertools.product(pairs, grids):
         kinds = _schedules(fixed, pp, v, v_split is None and split is None)

@@ -64,9 +64,10 @@ class PerfConstants:
             bytes; fitted on ``published_moe_validation.csv``.
         moe_overlap: the MoE exchanges run behind another micro-batch's compute (Megatron-Core
             ``--overlap-moe-expert-parallel-comm``; planner only).
-        moe_cuda_graphs: CUDA graphs replay the MoE layers' router and preprocessing (Megatron-Core
-            ``--cuda-graph-impl`` with a scope that holds them; planner only): the layers'
-            ``moe_layer_overhead`` is not paid.
+        cuda_graphs: the run captures CUDA graphs (Megatron-Core ``--cuda-graph-impl``; planner
+            only), which Megatron-Core runs without full recompute: the search leaves it out.
+        moe_cuda_graphs: the graphs replay the MoE layers' router (a scope that holds it): the
+            layers' ``moe_layer_overhead`` is not paid.
         moe_overlap_slowdown: seconds of compute lost per second of exchange hidden behind it (the
             streaming multiprocessors the communication kernels hold while they run); fitted on
             ``published_moe_validation.csv``.
@@ -116,6 +117,7 @@ class PerfConstants:
     moe_layer_overhead: float = 3e-3
     moe_overlap: bool = False
     moe_overlap_slowdown: float = 0.5
+    cuda_graphs: bool = False
     moe_cuda_graphs: bool = False
     moe_flex_dispatcher: str = ""
     fp8_rowwise_gemm_efficiency: float = 0.65

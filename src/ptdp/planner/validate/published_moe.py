@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ptdp.config.keywords import RaisingParser, keyword_namespace
+from ptdp.errors import ConfigError
 from ptdp.planner.candidate import Candidate, Plan
 from ptdp.planner.inputs.hardware import CATALOG, TFLOPS, GiB
 from ptdp.planner.inputs.models import MOE_PRESETS
@@ -196,15 +197,22 @@ def _run(r: dict) -> MoERun:
 
 
 def load_moe_runs(path: str | Path) -> list[MoERun]:
-    """Parse the MoE validation table. Raises ValueError naming the line for a bad row."""
+    """Parse the MoE validation table, each row's flags checked as ``ptdp plan`` checks them.
+    Raises ValueError naming the line for a bad row, and for a column named twice."""
     runs = []
     with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
+        header = reader.fieldnames or []
+        twice = sorted({name for name in header if header.count(name) > 1})
+        if twice:
+            raise ValueError(f"{path}: column {', '.join(map(repr, twice))} named twice in the header")
         for r in reader:
             try:
-                runs.append(_run(r))
-            except (KeyError, ValueError) as e:
+                run = _run(r)
+                run_request(run)
+            except (KeyError, ValueError, ConfigError) as e:
                 raise ValueError(f"{path}:{reader.line_num}: {e}") from None
+            runs.append(run)
     return runs
 
 
