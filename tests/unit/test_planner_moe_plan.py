@@ -422,6 +422,23 @@ def test_cuda_graph_flags_follow_megatrons_rules(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_delay_wgrad_compute_comes_with_the_moe_overlap(capsys):
+    """Megatron-Core's --delay-wgrad-compute needs --overlap-moe-expert-parallel-comm; with it, the
+    same plan as the overlap alone, and the note names both."""
+    base = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "16", "--gpu", "h100", "--global-batch-size", "1024"]
+    base += ["--tp", "1", "--pp", "2", "--cp", "1", "--ep", "8", "--micro-batch-size", "1", "--top", "1"]
+    base += ["--virtual-pipeline-model-parallel-size", "12", "--recompute-granularity", "none"]
+    assert cli.main([*base, "--delay-wgrad-compute"]) == 2
+    assert "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm" in capsys.readouterr().err
+    overlap = [*base, "--overlap-moe-expert-parallel-comm", "--data-parallel-sharding-strategy", "optim"]
+    assert cli.main([*overlap, "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)[0]["time_s"]
+    assert cli.main([*overlap, "--delay-wgrad-compute", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["time_s"] == alone
+    assert cli.main([*overlap, "--delay-wgrad-compute"]) == 0
+    assert "(--overlap-moe-expert-parallel-comm, with --delay-wgrad-compute)" in capsys.readouterr().out
+
+
 def test_cuda_graphs_that_capture_the_moe_layers_whole_need_drop_and_pad(capsys):
     base = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "16", "--gpu", "h100", "--global-batch-size", "1024"]
     base += ["--tp", "1", "--pp", "1", "--cp", "1", "--ep", "16", "--micro-batch-size", "1", "--top", "1"]

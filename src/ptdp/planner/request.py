@@ -623,6 +623,11 @@ def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
         pp_overlap=pp_overlap,
         async_tp=async_tp,
     )
+    if getattr(args, "delay_wgrad_compute", None) and not getattr(args, "overlap_moe_expert_parallel_comm", None):
+        raise ConfigError(
+            "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (its weight gradients run "
+            "after that overlap's exchanges)"
+        )
     if getattr(args, "overlap_moe_expert_parallel_comm", None):
         constants = dataclasses.replace(constants, moe_overlap=True)
     flex = getattr(args, "moe_flex_dispatcher_backend", None)
@@ -651,7 +656,9 @@ def overlap_constants(args: argparse.Namespace, constants, fixed: Fixed):
             ),
             ("the interleaved schedule's pipeline transfers (--overlap-p2p-communication)", pp_overlap),
             (
-                "the MoE all-to-alls behind another micro-batch's compute (--overlap-moe-expert-parallel-comm)",
+                "the MoE all-to-alls behind another micro-batch's compute (--overlap-moe-expert-parallel-comm"
+                + (", with --delay-wgrad-compute" if getattr(args, "delay_wgrad_compute", None) else "")
+                + ")",
                 bool(getattr(args, "overlap_moe_expert_parallel_comm", None)),
             ),
             (

@@ -163,6 +163,13 @@ def _add_overlap_arguments(parser: argparse.ArgumentParser) -> None:
         "flag, with --delay-wgrad-compute there); default: off, as ptdp train runs them in line",
     )
     g.add_argument(
+        "--delay-wgrad-compute",
+        action="store_true",
+        default=None,
+        help="Megatron-Core's companion of --overlap-moe-expert-parallel-comm (the weight gradients "
+        "computed after the overlapped exchanges), which needs it: planned as part of that overlap",
+    )
+    g.add_argument(
         "--moe-flex-dispatcher-backend",
         choices=("deepep", "hybridep"),
         default=None,
