@@ -493,6 +493,11 @@ def test_validation_rows_that_cannot_be_planned_are_errors(tmp_path, capsys):
         csv_module.writer(f).writerows([[v for i, v in enumerate(r) if i not in graphs] for r in (header, graphed)])
     with_graphs, (without,) = load_moe_runs(path)[at], load_moe_runs(table)
     assert dict(with_graphs.options)["cuda_graph_impl"] == "transformer_engine"
+    misspelt = [name.replace("cuda_graph_impl", "cuda_graph_imp") for name in header]
+    with open(table, "w", newline="", encoding="utf-8") as f:  # the implementation unread: no graphs
+        csv_module.writer(f).writerows([[v for i, v in enumerate(r) if i != graphs[1]] for r in (misspelt, graphed)])
+    assert cli.main(["plan", "--validate", str(table)]) == 0
+    assert "note: columns not read (not among the table's): cuda_graph_imp" in capsys.readouterr().out
     assert dict(without.options) == {k: v for k, v in with_graphs.options if not k.startswith("cuda_graph")}
 
 

@@ -28,6 +28,7 @@ from ptdp.planner.validate.published_moe import (
     load_moe_runs,
     memory_checks,
     moe_errors,
+    unread_columns,
 )
 
 BEGIN, END = "<!-- begin: ptdp plan --validate -->", "<!-- end: ptdp plan --validate -->"
@@ -101,7 +102,9 @@ def validation_markdown(csv: str | Path, pool: list[H100Run] | None = None) -> s
     table's runs and ``pool``, the runs of the other H100-format tables given), and the memory check
     of every published layout, those predicted over their GPU's memory flagged."""
     if is_moe_table(csv):
-        return moe_validation_markdown(load_moe_runs(csv))
+        unread = unread_columns(csv)
+        note = f"\n\nnote: columns not read (not among the table's): {', '.join(unread)}" if unread else ""
+        return moe_validation_markdown(load_moe_runs(csv)) + note
     if is_h100_table(csv):
         runs, others = load_h100_runs(csv), pool or []
         held = loso_h100(others + runs)[len(others) :]

@@ -44,6 +44,23 @@ def default_moe_csv() -> Path | None:
     return MOE_CSV if MOE_CSV.is_file() else None
 
 
+#: The MoE table's columns: the run's flags and result, and what describes its source
+MOE_COLUMNS = (
+    *("source", "url", "model", "preset", "gpu_type", "gpus", "precision", "seq_len", "global_batch"),
+    *("micro_batch", "tp", "cp", "pp", "vpp", "ep", "etp", "sequence_parallel", "sharding", "recompute"),
+    *("recompute_modules", "dispatcher", "mtp_layers", "moe_overlap", "dp_overlap", "tp_overlap"),
+    *("pp_overlap", "cuda_graph_impl", "cuda_graph_scope", "split_accounting", "reported", "reported_unit"),
+    *("flop_convention", "assumed", "notes"),
+)
+
+
+def unread_columns(path: str | Path) -> list[str]:
+    """The header's names that are not :data:`MOE_COLUMNS` (a misspelt column is not read)."""
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        header = next(csv.reader(f), [])
+    return [name for name in header if name.strip() not in MOE_COLUMNS]
+
+
 def is_moe_table(path: str | Path) -> bool:
     """The file's header has the MoE table's ``ep`` and ``preset`` columns."""
     with open(path, newline="", encoding="utf-8-sig") as f:
