@@ -4,6 +4,7 @@ hand-computed bytes, the time of the busiest stage, and the split the search pic
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -407,3 +408,69 @@ def test_fixed_virtual_stages_still_count_the_embedding_and_loss_as_layers(capsy
     plans = [p for p in json.loads(capsys.readouterr().out) if p["fits"]]
     assert code == 0 and plans
     assert all(p["virtual_stages"] == 8 and tuple(p["layer_split"]) == (7,) + (8,) * 14 + (7,) for p in plans)
+
+
+@pytest.mark.parametrize(
+    ("layers", "mtp", "pp", "v", "split", "counted"),
+    [
+        (62, 1, 8, 4, None, (True, True)),  # DeepSeek-V3 in Megatron-Bridge's layout, Et|(tt|)*30mL
+        (62, 1, 16, 1, (4,) * 15 + (2,), (False, False)),
+        (32, 0, 4, 2, None, (False, False)),
+        (31, 0, 4, 2, None, (True, False)),
+        (94, 0, 32, 3, None, (True, True)),  # Qwen3-235B, pp 32 v 3
+        (30, 2, 4, 1, (8, 8, 8, 6), (False, False)),
+    ],
+)
+def test_a_megatron_layout_reads_back_as_the_split_that_writes_it(layers, mtp, pp, v, split, counted):
+    from ptdp.planner.splits import layout_split, megatron_layout
+
+    text = megatron_layout(layers, mtp, pp, v, split, counted)
+    assert layout_split(text, layers, mtp, pp, None) == (v, split, counted, None)
+    assert layout_split(text, layers, mtp, pp, v)[0] == v
+
+
+def test_megatron_layout_strings_repeat_and_break_rules_by_name():
+    from ptdp.planner.splits import expand_megatron_layout, layout_split
+
+    assert expand_megatron_layout("Et|(tt|)*2t m L") == ["Et", "tt", "tt", "tmL"]
+    assert expand_megatron_layout("Et*4|((t*2)*2|)*2tmL") == ["Etttt", "tttt", "tttt", "tmL"]
+    # Megatron-Bridge's DeepSeek-V3 on pp 2: uneven chunks, planned as the nearest even ones
+    v, split, counted, nearest = layout_split("Et*4|(t*4|)*14tmL", 62, 1, 2, None)
+    assert (v, split, counted) == (8, None, (True, True)) and nearest == "Ettt|" + "tttt|" * 14 + "ttmL"
+    for text, pp, message in (
+        ("Et|(tt|)*29mL", 8, "31 segments do not split over pp = 8"),
+        ("tE|(tt|)*30mL", 8, "E (the embedding) begins the first segment"),
+        ("Et|(tt|)*30Lm", 8, "L (the loss) ends the last segment"),
+        ("Em|(tt|)*30tL", 8, "the MTP modules (m) come after every transformer layer"),
+        ("Et|(tt|)*30tL", 8, "62 t and 0 m, the model has 61 transformer layers and 1 MTP modules"),
+        ("Et|(tt|*30mL", 8, "an unmatched '('"),
+        ("Et|x", 1, "'x' at character 4"),
+        ("Et*|mL", 2, "'*' at character 3 needs a count"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            layout_split(text, 62, 1, pp, None)
+    with pytest.raises(ValueError, match="are v = 4 chunks, not 2"):
+        layout_split("Et|(tt|)*30mL", 62, 1, 8, 2)
+
+
+def test_ptdp_plan_takes_back_the_layout_it_prints(capsys):
+    """An MTP model's report prints Megatron-Core's layout; given back with
+    --pipeline-model-parallel-layout it plans the same layout (v, the embedding and the loss
+    counted as layers); the other split flags with it, or no pp, exit 2."""
+    base = ["plan", "--model", "deepseek-v3", "--gpus", "1024", "--gpu", "h100", "--global-batch-size", "8192"]
+    base += ["--tp", "2", "--pp", "8", "--ep", "64", "--recompute-granularity", "selective", "--top", "1"]
+    base += ["--micro-batch-size", "1", "--cp", "1", "--recompute-modules", "mla_up_proj", "mlp", "--fp8"]
+    counted = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    assert cli.main([*base, *counted, "--virtual-pipeline-model-parallel-size", "4"]) == 0
+    printed = capsys.readouterr().out
+    layout = printed.split('--pipeline-model-parallel-layout "')[1].split('"')[0]
+    assert layout == "Et|" + "tt|" * 30 + "mL"
+    assert cli.main([*base, "--pipeline-model-parallel-layout", "Et|(tt|)*30mL"]) == 0
+    again = capsys.readouterr().out
+    best = next(line for line in printed.splitlines() if line.startswith("best:"))
+    assert best in again and f'--pipeline-model-parallel-layout "{layout}"' in again
+    assert cli.main([*base, *counted, "--pipeline-model-parallel-layout", layout]) == 2
+    assert "places the layers itself: drop --account-for-embedding" in capsys.readouterr().err
+    no_pp = [a for a in base if a not in ("--pp", "8")]
+    assert cli.main([*no_pp, "--pipeline-model-parallel-layout", layout]) == 2
+    assert "needs --pipeline-model-parallel-size" in capsys.readouterr().err

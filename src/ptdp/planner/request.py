@@ -41,6 +41,7 @@ from ptdp.planner.search.checks import (
     ineffective_flag_notes,
 )
 from ptdp.planner.search.layouts import Fixed, SearchResult, search
+from ptdp.planner.splits import layout_split
 from ptdp.planner.time.constants import DEFAULT_CONSTANTS, PerfConstants
 
 #: The model flags ``ptdp plan`` shares with ``ptdp train``: they change the preset's shape.
@@ -204,6 +205,55 @@ def _apply_topology(gpu, args: argparse.Namespace):
     return gpu, notes
 
 
+#: The flags that place layers on stages, which a Megatron-Core layout replaces
+SPLIT_FLAGS = (
+    ("--pipeline-layer-split", "pipeline_layer_split"),
+    ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers"),
+    ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers"),
+    ("--account-for-embedding-in-pipeline-split", "account_for_embedding_in_pipeline_split"),
+    ("--account-for-loss-in-pipeline-split", "account_for_loss_in_pipeline_split"),
+    ("--num-layers-per-virtual-pipeline-stage", "num_layers_per_virtual_pipeline_stage"),
+)
+
+
+def layout_as_split(args: argparse.Namespace, model: ModelConfig) -> tuple[argparse.Namespace, list[str]]:
+    """``args`` with Megatron-Core's ``--pipeline-model-parallel-layout`` (planner only) replaced by
+    the flags that plan it (:func:`~ptdp.planner.splits.layout_split`: v, the embedding and the loss
+    counted as layers, or at v = 1 the split), and a note where an uneven interleaved layout is
+    planned as the nearest even one. ConfigError for a layout without
+    ``--pipeline-model-parallel-size``, with the other flags that place layers, or breaking a rule."""
+    text = getattr(args, "pipeline_model_parallel_layout", None)
+    if text is None:
+        return args, []
+    given = [flag for flag, dest in SPLIT_FLAGS if getattr(args, dest, None) is not None]
+    if given:
+        raise ConfigError(f"--pipeline-model-parallel-layout places the layers itself: drop {', '.join(given)}")
+    pp = args.pipeline_model_parallel_size
+    if pp is None:
+        raise ConfigError(
+            "--pipeline-model-parallel-layout needs --pipeline-model-parallel-size (its segments are the "
+            "pp x v model chunks)"
+        )
+    mtp = model.mtp_layers if isinstance(model, MoEModel) else 0
+    try:
+        v, split, (embedding, loss), nearest = layout_split(
+            text, model.num_layers, mtp, pp, args.virtual_pipeline_model_parallel_size
+        )
+    except ValueError as e:
+        raise ConfigError(f"--pipeline-model-parallel-layout {text}: {e}") from None
+    out = argparse.Namespace(**vars(args))
+    out.virtual_pipeline_model_parallel_size = v
+    out.pipeline_layer_split = split
+    out.account_for_embedding_in_pipeline_split = True if embedding else None
+    out.account_for_loss_in_pipeline_split = True if loss else None
+    if nearest is None:
+        return out, []
+    return out, [
+        f"--pipeline-model-parallel-layout {text} planned as {nearest}: the planner splits interleaved model "
+        "chunks evenly (the nearest such layout, fewest layers moved)"
+    ]
+
+
 def fixed_from_args(args: argparse.Namespace) -> Fixed:
     """The settings the flags fix (each :class:`Fixed` field is a flag's destination). ConfigError
     when --data-parallel-sharding-strategy contradicts --use-distributed-optimizer."""
@@ -364,6 +414,8 @@ def prepare(args: argparse.Namespace, model: ModelConfig | None = None) -> PlanR
     global_batch_size, batch_source = global_batch(args.global_batch_size, name, model)
     if args.global_batch_size is None:
         notes.insert(0, f"global batch size {global_batch_size}: {batch_source} (--global-batch-size to change)")
+    args, layout_notes = layout_as_split(args, model)
+    notes += layout_notes
     if args.pipeline_layer_split is not None:
         stage_layer_counts(model.num_layers, len(args.pipeline_layer_split), args.pipeline_layer_split)
     fixed = _counted_chunks_as_v(fixed_from_args(args), model.num_layers)

@@ -220,6 +220,96 @@ def megatron_layout(
     return "|".join(segments)
 
 
+def expand_megatron_layout(text: str) -> list[str]:
+    """The segments of a Megatron-Core ``--pipeline-model-parallel-layout`` (``E``, ``t``, ``m``,
+    ``L``, ``|`` between segments, ``X*N`` and ``(...)*N`` repeating). ValueError naming what is
+    wrong."""
+    chars = [c for c in text if not c.isspace()]
+    pos = 0
+
+    def group(depth: int) -> str:
+        nonlocal pos
+        out = ""
+        while pos < len(chars):
+            c = chars[pos]
+            if c == ")":
+                if depth == 0:
+                    raise ValueError(f"an unmatched ')' at character {pos + 1}")
+                pos += 1
+                return out
+            pos += 1
+            if c == "(":
+                item = group(depth + 1)
+            elif c in "EtmL|":
+                item = c
+            else:
+                raise ValueError(f"{c!r} at character {pos}: a layout has E, t, m, L, |, (...) and *N")
+            if pos < len(chars) and chars[pos] == "*":
+                digits = ""
+                pos += 1
+                while pos < len(chars) and chars[pos].isdigit():
+                    digits += chars[pos]
+                    pos += 1
+                if not digits:
+                    raise ValueError(f"'*' at character {pos} needs a count")
+                item *= int(digits)
+            out += item
+        if depth:
+            raise ValueError("an unmatched '('")
+        return out
+
+    return group(0).split("|")
+
+
+def layout_split(
+    text: str, num_layers: int, mtp_layers: int, pp: int, v: int | None
+) -> tuple[int, tuple[int, ...] | None, tuple[bool, bool], str | None]:
+    """(v, the layer split at v = 1 or None, (embedding, loss) counted as layers, the layout
+    planned where it differs) that plan the Megatron-Core layout ``text`` of ``num_layers`` layers
+    (the last ``mtp_layers`` MTP modules) over ``pp`` stages, as :func:`megatron_layout` writes it.
+    Interleaved chunks (v > 1) are planned even, counting the embedding and the loss as layers or
+    not: an uneven layout gets the nearest of those (fewest layers moved). ValueError naming the
+    rule the layout breaks."""
+    segments = expand_megatron_layout(text)
+    if len(segments) % pp:
+        raise ValueError(f"{len(segments)} segments do not split over pp = {pp} stages")
+    chunks = len(segments) // pp
+    if v is not None and v != chunks:
+        raise ValueError(f"{len(segments)} segments over pp = {pp} are v = {chunks} chunks, not {v}")
+    order = "".join(segments)
+    if order.count("E") != 1 or not segments[0].startswith("E"):
+        raise ValueError("E (the embedding) begins the first segment, once")
+    if order.count("L") != 1 or not segments[-1].endswith("L"):
+        raise ValueError("L (the loss) ends the last segment, once")
+    layers = order.replace("E", "").replace("L", "")
+    main = num_layers - mtp_layers
+    if layers != "t" * layers.count("t") + "m" * layers.count("m"):
+        raise ValueError("the MTP modules (m) come after every transformer layer (t)")
+    if (layers.count("t"), layers.count("m")) != (main, mtp_layers):
+        raise ValueError(
+            f"{layers.count('t')} t and {layers.count('m')} m, the model has {main} transformer layers "
+            f"and {mtp_layers} MTP modules"
+        )
+    counts = [len(seg.replace("E", "").replace("L", "")) for seg in segments]
+    if chunks == 1:
+        return 1, (None if len(set(counts)) == 1 else tuple(counts)), (False, False), None
+    options = []
+    for counted in ((False, False), (True, False), (False, True), (True, True)):
+        try:
+            written = megatron_layout(num_layers, mtp_layers, pp, chunks, None, counted)
+        except ValueError:  # these layers do not split evenly so
+            continue
+        moved = sum(abs(len(w.replace("E", "").replace("L", "")) - n) for w, n in zip(written.split("|"), counts))
+        options.append((moved, counted, written))
+    if not options:
+        raise ValueError(
+            f"{num_layers} layers split evenly over pp * v = {pp * chunks} chunks neither as they are nor "
+            "with the embedding and/or the loss counted as layers: the planner plans interleaved chunks even"
+        )
+    moved, counted, written = min(options, key=lambda o: o[0])
+    return chunks, None, counted, (None if moved == 0 else written)
+
+
 def describe_split(split: tuple[int, ...]) -> str:
     """``(7, 8, ..., 8, 7)`` -> ``"7, 8 x 14, 7"``: runs of equal counts shortened."""
     parts, i = [], 0

@@ -41,6 +41,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
     add_flags(parser, "plan")  # shared with ptdp train: the model shape, layout, batch and options
     _add_overlap_arguments(parser)
+    _add_layout_argument(parser)
     _add_graph_arguments(parser)
     _add_cluster_arguments(parser)
     _add_output_arguments(parser)
@@ -193,6 +194,19 @@ def _add_overlap_arguments(parser: argparse.ArgumentParser) -> None:
 #: Megatron-Core's ``--cuda-graph-impl`` and ``--cuda-graph-scope`` values
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
 CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
+
+
+def _add_layout_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pipeline-model-parallel-layout",
+        metavar="LAYOUT",
+        default=None,
+        help="Megatron-Core's layout string (planner only; E the embedding, t a layer, m an MTP module, "
+        "L the loss, | between the pp x v model chunks, X*N and (...)*N repeat; needs "
+        "--pipeline-model-parallel-size): planned as v, the embedding and loss counted as layers, or at "
+        "v = 1 the split, as `ptdp plan` prints it for MTP models; uneven interleaved chunks as the "
+        "nearest even layout, with a note",
+    )
 
 
 def _add_graph_arguments(parser: argparse.ArgumentParser) -> None:
