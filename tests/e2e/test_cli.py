@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import sys
-import sysconfig
-from pathlib import Path
 
 import pytest
 
-from helpers.cli import TINY, run
+from helpers.cli import TINY, run, stdlib_corpus_flags
 from helpers.run_dirs import check_run_dir
 from helpers.tracked_runs import TRACKER_FLAGS, check_tracked_run, offline_wandb
 
@@ -131,24 +129,6 @@ def test_non_finite_loss_stops_with_a_clear_error(corpus, tmp_path):
     assert json.loads(lines[-1])["loss"] is None
 
 
-#: The 1-bit test's corpus: 11 packages of the standard library, 3.2M characters, 815k training and
-#: 12k validation tokens, prepared in about 2 s (the default corpus, the whole standard library, has
-#: 9.4M tokens and took 20 s, more than the 330k tokens the 80 iterations read).
-ONE_BIT_CORPUS = (
-    "asyncio",
-    "email",
-    "unittest",
-    "multiprocessing",
-    "logging",
-    "importlib",
-    "http",
-    "xml",
-    "json",
-    "concurrent",
-    "urllib",
-)
-
-
 @pytest.mark.slow
 def test_one_bit_compression_trains_like_uncompressed(tmp_path):
     """The default model with 2 layers instead of 4 (h 128, s 128, vocabulary 4096), 80 iterations
@@ -157,8 +137,7 @@ def test_one_bit_compression_trains_like_uncompressed(tmp_path):
     gradients' (3.3% measured: 5.069 against 4.909, from 8.324; at 100 iterations 1.8%), the fp32
     run learns (0.59 of its start), and 1-bit sends over 20x fewer data-parallel bytes (21.3x
     measured)."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    data = [arg for package in ONE_BIT_CORPUS for arg in ("--data", str(stdlib / package))]
+    data = stdlib_corpus_flags()
     results = {}
     for codec in ("none", "1bit"):
         out = tmp_path / codec

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +75,30 @@ def make_corpus(root: Path) -> Path:
         for text in texts[-4:]:
             f.write(json.dumps({"text": text}) + "\n")
     return root
+
+
+#: A corpus of 11 packages of the standard library: 3.2M characters, 815k training and 12k
+#: validation tokens, prepared in about 2 s (the default corpus, the whole standard library, has
+#: 9.4M tokens and took 20 s)
+STDLIB_PACKAGES = (
+    "asyncio",
+    "email",
+    "unittest",
+    "multiprocessing",
+    "logging",
+    "importlib",
+    "http",
+    "xml",
+    "json",
+    "concurrent",
+    "urllib",
+)
+
+
+def stdlib_corpus_flags() -> list[str]:
+    """``--data`` flags of :data:`STDLIB_PACKAGES`."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return [arg for package in STDLIB_PACKAGES for arg in ("--data", str(stdlib / package))]
 
 
 def run(
