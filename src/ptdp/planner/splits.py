@@ -281,7 +281,7 @@ def layout_split(
         raise ValueError("E (the embedding) begins the first segment, once")
     if order.count("L") != 1 or not segments[-1].endswith("L"):
         raise ValueError("L (the loss) ends the last segment, once")
-    layers = order.replace("E", "").replace("L", "")
+    layers = _layers_of(order)
     main = num_layers - mtp_layers
     if layers != "t" * layers.count("t") + "m" * layers.count("m"):
         raise ValueError("the MTP modules (m) come after every transformer layer (t)")
@@ -290,7 +290,7 @@ def layout_split(
             f"{layers.count('t')} t and {layers.count('m')} m, the model has {main} transformer layers "
             f"and {mtp_layers} MTP modules"
         )
-    counts = [len(seg.replace("E", "").replace("L", "")) for seg in segments]
+    counts = [len(_layers_of(seg)) for seg in segments]
     if chunks == 1:
         return 1, (None if len(set(counts)) == 1 else tuple(counts)), (False, False), None
     options = []
@@ -299,7 +299,7 @@ def layout_split(
             written = megatron_layout(num_layers, mtp_layers, pp, chunks, None, counted)
         except ValueError:  # these layers do not split evenly so
             continue
-        moved = sum(abs(len(w.replace("E", "").replace("L", "")) - n) for w, n in zip(written.split("|"), counts))
+        moved = sum(abs(len(_layers_of(w)) - n) for w, n in zip(written.split("|"), counts))
         options.append((moved, counted, written))
     if not options:
         raise ValueError(
@@ -308,6 +308,11 @@ def layout_split(
         )
     moved, counted, written = min(options, key=lambda o: o[0])
     return chunks, None, counted, (None if moved == 0 else written)
+
+
+def _layers_of(segment: str) -> str:
+    """A layout segment's layers (``t`` and ``m``), its embedding and loss left out."""
+    return segment.replace("E", "").replace("L", "")
 
 
 def describe_split(split: tuple[int, ...]) -> str:
