@@ -3,9 +3,10 @@
 A layout whose pipeline schedule runs B and W apart is timed by simulating its program
 (:func:`~ptdp.planner.time.pipeline_bubble.step_bubble`), the costliest part of a search. The
 search keeps it as :class:`Pending`: a lower bound of its step time (the same time with
-:func:`~ptdp.planner.time.pipeline_bubble.bubble_floor` for its bubble) and the call that times it. :class:`RankedPlans` times a pending plan only when no plan ranked
-before it is left unknown, so it lists the same plans in the same order as timing every one
-first: by step time, ties in the order the search found them.
+:func:`~ptdp.planner.time.pipeline_bubble.bubble_floor` for its bubble) and the call that times
+it. :class:`RankedPlans` times a pending plan only when no plan ranked before it is left unknown,
+so it lists the same plans in the same order as timing every one first: by step time, ties in the
+order the search found them.
 """
 
 from __future__ import annotations
